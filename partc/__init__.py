@@ -1,0 +1,22 @@
+"""partc: a declarative model-partitioning compiler for PyTorch.
+
+Declare a model, example inputs, a device budget and a training setup; partc traces the
+model, measures it, and plans pipeline stages, recompute, microbatches and schedule under
+each device's memory limit, with a report that says why.
+"""
+
+from .budget import PRESETS, DeviceBudget
+from .compiler import build_problem, compile, plan_problem
+from .errors import (PartcError, PlanInfeasibleError, PlanMismatchError, PlanValidationError,
+                     TraceError)
+from .plan import Plan
+from .planner import PlannerOptions
+from .program import Program
+from .spec import Constraints, TrainSpec
+from .validate import validate_plan
+
+__all__ = [
+    "PRESETS", "Constraints", "DeviceBudget", "PartcError", "Plan", "PlanInfeasibleError",
+    "PlanMismatchError", "PlanValidationError", "PlannerOptions", "Program", "TraceError",
+    "TrainSpec", "build_problem", "compile", "plan_problem", "validate_plan",
+]

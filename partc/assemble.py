@@ -1,0 +1,100 @@
+"""From an evaluated assignment to a Plan: stage summaries and predicted figures."""
+
+from __future__ import annotations
+
+from .costs import PS_PER_S, Evaluation, PipelineConfig
+from .plan import Plan, SolverStats, StagePlan
+from .problem import PlanningProblem
+
+
+def model_flops_per_step(problem: PlanningProblem) -> float:
+    """Forward + backward FLOPs of one step without recompute (what MFU counts)."""
+    per_sample = sum(layer.fwd_flops + layer.bwd_flops for layer in problem.layers)
+    return per_sample * problem.train.global_batch_size
+
+
+def predicted(problem: PlanningProblem, config: PipelineConfig,
+              evaluation: Evaluation) -> dict[str, float]:
+    step = evaluation.step_ps / PS_PER_S
+    batch = problem.train.global_batch_size
+    devices = problem.devices
+    busy = sum(s.busy_ps for s in evaluation.stages) * config.num_microbatches
+    bubble = 1 - busy / (config.pp * evaluation.pipeline_ps) if evaluation.pipeline_ps else 0.0
+    figures = {
+        "step_time_s": step,
+        "samples_per_s": batch / step if step else 0.0,
+        "mfu": model_flops_per_step(problem) / (step * devices.num_devices * devices.peak_flops)
+        if step else 0.0,
+        "bubble_fraction": bubble,
+        "peak_memory_bytes": max(s.memory["peak"] for s in evaluation.stages),
+        "pipeline_time_s": evaluation.pipeline_ps / PS_PER_S,
+        "bottleneck_s": max(s.busy_ps for s in evaluation.stages) / PS_PER_S,
+        "tail_time_s": (evaluation.tail_ps + evaluation.tie_ps) / PS_PER_S,
+    }
+    tokens = problem.model.summary.tokens_per_sample
+    if tokens:
+        figures["tokens_per_s"] = figures["samples_per_s"] * tokens
+    return figures
+
+
+def stage_plans(problem: PlanningProblem, config: PipelineConfig, evaluation: Evaluation,
+                modes: tuple[str, ...]) -> tuple[StagePlan, ...]:
+    m = config.num_microbatches
+    names = [layer.name for layer in problem.layers]
+    return tuple(
+        StagePlan(
+            index=index,
+            layers=tuple(names[l] for l in stage.layers),
+            recompute={names[l]: modes[l] for l in stage.layers},
+            param_count=stage.param_count,
+            memory_bytes=dict(stage.memory),
+            limit_bytes=stage.limit,
+            time_s={"forward": m * stage.forward_ps / PS_PER_S,
+                    "backward": m * stage.backward_ps / PS_PER_S,
+                    "recompute": m * stage.recompute_ps / PS_PER_S,
+                    "comm": m * stage.comm_ps / PS_PER_S,
+                    "tail": stage.tail_ps / PS_PER_S},
+        )
+        for index, stage in enumerate(evaluation.stages)
+    )
+
+
+def make_plan(problem: PlanningProblem, config: PipelineConfig, evaluation: Evaluation,
+              modes: tuple[str, ...], solver: SolverStats, *, budget: dict | None = None,
+              train: dict | None = None, alternatives: tuple[dict, ...] = ()) -> Plan:
+    summary = problem.model.summary
+    return Plan(
+        mesh={"pp": config.pp, "dp": config.dp, "tp": 1},
+        schedule=config.schedule,
+        num_microbatches=config.num_microbatches,
+        micro_batch_size=config.micro_batch_size,
+        zero_stage=0,
+        stages=stage_plans(problem, config, evaluation, modes),
+        predicted=predicted(problem, config, evaluation),
+        solver=solver,
+        budget=budget or {},
+        train=train or {},
+        model={"name": summary.name, "num_params": summary.num_params, "hash": summary.hash,
+               "tracer": summary.tracer, "num_layers": problem.num_layers},
+        alternatives=alternatives,
+    )
+
+
+def alternative(problem: PlanningProblem, name: str, description: str, recompute: str,
+                stage_of: tuple[int, ...], evaluation: Evaluation) -> dict:
+    """An alternative plan's summary, as the report shows it."""
+    names = [layer.name for layer in problem.layers]
+    worst = evaluation.worst_stage
+    return {
+        "name": name,
+        "description": description,
+        "recompute": recompute,
+        "stages": [[names[l] for l in s.layers] for s in evaluation.stages],
+        "step_time_s": evaluation.step_ps / PS_PER_S,
+        "fits": evaluation.fits,
+        "peak_memory_bytes": max(s.memory["peak"] for s in evaluation.stages),
+        "worst_stage": evaluation.stages.index(worst),
+        "worst_need_bytes": worst.memory["peak"],
+        "worst_limit_bytes": worst.limit,
+        "bottleneck_s": max(s.busy_ps for s in evaluation.stages) / PS_PER_S,
+    }

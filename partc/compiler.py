@@ -1,0 +1,135 @@
+"""partc.compile: model + example inputs + budget + training setup → Program.
+
+The steps, in order:
+
+1. analyse the model (``partc.passes.pipeline.analyze``: trace, shapes, costs, layers);
+2. build the PlanningProblem: plain numbers from the analysis, budget, spec and pins;
+3. solve it (``partc.planner``) — or raise PlanInfeasibleError with a way out;
+4. turn the best assignment into a Plan, with the baselines beside it;
+5. check the Plan with ``validate_plan``, which does not use the solver.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any, Callable
+
+import torch
+
+from .assemble import alternative, make_plan
+from .baselines import baselines
+from .budget import DeviceBudget
+from .planner import PlannerOptions, PlannerResult, solve
+from .plan import Plan, SolverStats
+from .problem import DeviceNumbers, ModelAnalysis, Pins, PlanningProblem, TrainNumbers
+from .program import Program
+from .spec import Constraints, TrainSpec, dtype_bytes
+from .units import format_bytes
+from .validate import validate_plan
+
+log = logging.getLogger("partc")
+
+
+def _divisors(n: int) -> tuple[int, ...]:
+    return tuple(d for d in range(1, n + 1) if n % d == 0)
+
+
+def device_numbers(budget: DeviceBudget, dtype: torch.dtype) -> DeviceNumbers:
+    return DeviceNumbers(
+        num_devices=budget.num_devices,
+        memory_bytes=budget.memory_bytes,
+        peak_flops=budget.peak_flops_for(dtype),
+        flops_efficiency=budget.efficiency,
+        hbm_bandwidth=budget.hbm_bytes_per_s,
+        devices_per_node=budget.node_size,
+        intra_node_bandwidth=budget.intra_node_bytes_per_s,
+        inter_node_bandwidth=budget.inter_node_bytes_per_s,
+        link_latency_s=budget.latency_s,
+    )
+
+
+def build_problem(analysis: ModelAnalysis, budget: DeviceBudget, train: TrainSpec,
+                  constraints: Constraints) -> PlanningProblem:
+    pinned_b = constraints.micro_batch_size or (
+        train.micro_batch_size if isinstance(train.micro_batch_size, int) else None)
+    sizes = (pinned_b,) if pinned_b else _divisors(train.global_batch_size)
+    names = tuple(layer.name for layer in analysis.layers)
+    schedule = constraints.schedule or (None if train.schedule == "auto" else train.schedule)
+    pins = Pins(pp=constraints.effective_pp, dp=constraints.dp, stages=constraints.stages,
+                recompute=constraints.recompute_for(names),
+                num_microbatches=constraints.num_microbatches,
+                micro_batch_size=pinned_b, schedule=schedule)
+    return PlanningProblem(
+        model=analysis,
+        devices=device_numbers(budget, train.dtype),
+        train=TrainNumbers(
+            global_batch_size=train.global_batch_size,
+            micro_batch_sizes=sizes,
+            activation_scale=dtype_bytes(train.dtype) / analysis.summary.traced_dtype_bytes,
+            weight_bytes_per_param=train.weight_bytes,
+            grad_bytes_per_param=train.grad_bytes,
+            optimizer_bytes_per_param=train.optimizer_bytes),
+        pins=pins,
+    )
+
+
+def plan_problem(problem: PlanningProblem, *, budget: dict[str, Any] | None = None,
+                 train: dict[str, Any] | None = None,
+                 options: PlannerOptions = PlannerOptions()) -> Plan:
+    """Solve, assemble the Plan with its baselines, validate it."""
+    result: PlannerResult = solve(problem, options)
+    best = result.best
+    stats = SolverStats(
+        status=result.status, objective=best.evaluation.step_ps / 1e12,
+        bound=result.bound / 1e12, gap=result.gap, solve_time_s=result.solve_time_s,
+        configs_total=result.configs_total, configs_solved=result.configs_solved,
+        configs_pruned=result.configs_pruned)
+    alternatives = tuple(
+        alternative(problem, b.name, b.description, b.recompute, b.stage_of, b.evaluation)
+        for b in baselines(problem, best.table))
+    plan = make_plan(problem, best.table.config, best.evaluation, best.assignment.modes,
+                     stats, budget=budget or _budget_dict(problem.devices),
+                     train=train or _train_dict(problem.train), alternatives=alternatives)
+    validate_plan(problem, plan)
+    return plan
+
+
+def _budget_dict(devices: DeviceNumbers) -> dict[str, Any]:
+    """The budget as the plan records it, when only the numbers are known."""
+    return {"device": "custom", "num_devices": devices.num_devices,
+            "memory": format_bytes(min(devices.memory_bytes)),
+            "memory_bytes": list(devices.memory_bytes), "peak_flops": devices.peak_flops,
+            "devices_per_node": devices.devices_per_node}
+
+
+def _train_dict(train: TrainNumbers) -> dict[str, Any]:
+    return {"global_batch_size": train.global_batch_size,
+            "dtype": f"{train.weight_bytes_per_param:g}-byte weights",
+            "optimizer": f"{train.optimizer_bytes_per_param:g} bytes of state per parameter"}
+
+
+def compile(model: torch.nn.Module, example_inputs: tuple | torch.Tensor, *,
+            budget: DeviceBudget, train: TrainSpec | None = None,
+            loss_fn: Callable | None = None, example_target: Any = None,
+            constraints: Constraints | None = None,
+            options: PlannerOptions | None = None, name: str | None = None) -> Program:
+    """Plan how to train ``model`` on ``budget``; see DESIGN.md §2 for the contract."""
+    from .passes.pipeline import analyze
+
+    if isinstance(example_inputs, torch.Tensor):
+        example_inputs = (example_inputs,)
+    if train is None:
+        train = TrainSpec(global_batch_size=int(example_inputs[0].shape[0]))
+    constraints = constraints or Constraints()
+    start = time.perf_counter()
+    graph, analysis = analyze(model, example_inputs, loss_fn=loss_fn,
+                              example_target=example_target, name=name)
+    log.info("analysed %s: %d layers in %.2f s", analysis.summary.name,
+             len(analysis.layers), time.perf_counter() - start)
+    problem = build_problem(analysis, budget, train, constraints)
+    start = time.perf_counter()
+    plan = plan_problem(problem, budget=budget.to_dict(train.dtype), train=train.to_dict(),
+                        options=options or PlannerOptions())
+    log.info("planned in %.2f s: %s", time.perf_counter() - start, plan.solver.status)
+    return Program(plan=plan, problem=problem, graph=graph)

@@ -1,0 +1,309 @@
+"""The cost model: integer time and memory tables for one pipeline configuration.
+
+The planner (CP-SAT), the brute-force oracle in the tests, the validator and the report all
+read the same :class:`CostTable`, built deterministically from a :class:`PlanningProblem`
+and a :class:`PipelineConfig`. Times are integers in picoseconds and memory in bytes, so
+the solver's objective and an independent evaluation of a plan agree exactly.
+
+Model (per pipeline stage ``s`` of ``p``, ``m`` microbatches of ``b`` samples):
+
+- compute per microbatch, per layer and recompute mode: forward, backward (2 x forward)
+  and the recomputed forward; each term is a roofline sum ``flops / (peak * efficiency) +
+  bytes / HBM bandwidth`` over compute-heavy and memory-bound work;
+- ``t_s`` = compute of the stage's layers + send/recv of the activation crossing its
+  outgoing cut (forward) and of its gradient (backward) over the link to the next stage;
+- pipeline time ``(m - 1) * max_s t_s + sum_s t_s``: every microbatch passes the
+  bottleneck stage, and the first one passes every stage once (GPipe and 1F1B alike);
+- after the pipeline drains, ``max_s e_s`` where ``e_s`` is the data-parallel gradient
+  all-reduce (ring) plus the optimizer step of the stage's parameters, and the all-reduce
+  of tied parameters' gradients among the stages that hold them;
+- memory of stage ``s``: parameters + gradients + optimizer state of every parameter the
+  stage uses (a tied parameter on every stage that uses it) + saved activations times the
+  microbatches in flight (1F1B: ``min(m, p - s)``; GPipe: ``m``) + the largest transient
+  working set of one layer (for a recomputed layer: what recompute rematerialises).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+from .problem import PlanningProblem
+
+PS_PER_S = 10**12
+
+
+def to_ps(seconds: float) -> int:
+    return int(round(seconds * PS_PER_S))
+
+
+@dataclass(frozen=True, kw_only=True)
+class PipelineConfig:
+    """The outer decisions, enumerated by the planner around each CP-SAT solve."""
+
+    pp: int
+    dp: int
+    micro_batch_size: int
+    num_microbatches: int
+    schedule: str
+
+    def inflight(self, stage: int) -> int:
+        """Microbatches whose activations stage ``stage`` holds at its peak."""
+        if self.schedule == "gpipe":
+            return self.num_microbatches
+        return min(self.num_microbatches, self.pp - stage)
+
+
+@dataclass(frozen=True, kw_only=True)
+class LayerTable:
+    """One layer's integer costs per microbatch, per recompute mode."""
+
+    forward_ps: int
+    backward_ps: int
+    recompute_ps: dict[str, int]
+    saved_bytes: dict[str, int]
+    transient_bytes: dict[str, int]
+    param_count: int
+    state_bytes: dict[str, int]   # params / grads / optimizer of the layer's own parameters
+    tail_ps: int                  # dp gradient all-reduce + optimizer step, once per step
+
+    def compute_ps(self, mode: str) -> int:
+        return self.forward_ps + self.backward_ps + self.recompute_ps[mode]
+
+    @property
+    def state_total(self) -> int:
+        return sum(self.state_bytes.values())
+
+
+@dataclass(frozen=True, kw_only=True)
+class SharedTable:
+    layers: tuple[int, ...]
+    param_count: int
+    state_bytes: dict[str, int]
+    tail_ps: int
+    tie_sync_ps: int              # per extra stage holding it
+
+    @property
+    def state_total(self) -> int:
+        return sum(self.state_bytes.values())
+
+
+@dataclass(frozen=True, kw_only=True)
+class CostTable:
+    config: PipelineConfig
+    layers: tuple[LayerTable, ...]
+    shared: tuple[SharedTable, ...]
+    cut_ps: tuple[tuple[int, ...], ...]   # [cut l][stage s]: cut l as the boundary s -> s+1
+    limits: tuple[int, ...]               # per stage
+    tail_latency_ps: int
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layers)
+
+
+def _state_bytes(problem: PlanningProblem, params: int) -> dict[str, int]:
+    train = problem.train
+    return {
+        "params": int(round(params * train.weight_bytes_per_param)),
+        "grads": int(round(params * train.grad_bytes_per_param)),
+        "optimizer": int(round(params * train.optimizer_bytes_per_param)),
+    }
+
+
+def _dp_group_bandwidth(problem: PlanningProblem, config: PipelineConfig) -> float:
+    devices = problem.devices
+    # Ranks are ordered (pp, dp, tp) with tp innermost: a dp group spans dp * tp ranks.
+    if config.dp <= devices.devices_per_node:
+        return devices.intra_node_bandwidth
+    return devices.inter_node_bandwidth
+
+
+def _tail_ps(problem: PlanningProblem, config: PipelineConfig, params: int) -> int:
+    """Gradient all-reduce over dp (ring: 2 (d-1)/d of the bytes) and the optimizer step."""
+    train, devices = problem.train, problem.devices
+    seconds = 0.0
+    if config.dp > 1:
+        grad = params * train.grad_bytes_per_param
+        seconds += 2 * (config.dp - 1) / config.dp * grad / _dp_group_bandwidth(problem, config)
+    touched = params * (2 * train.weight_bytes_per_param + train.grad_bytes_per_param
+                        + 2 * train.optimizer_bytes_per_param)
+    seconds += touched / devices.hbm_bandwidth
+    return to_ps(seconds)
+
+
+def _layer_table(problem: PlanningProblem, config: PipelineConfig, index: int) -> LayerTable:
+    layer = problem.layers[index]
+    devices, train = problem.devices, problem.train
+    b, scale = config.micro_batch_size, train.activation_scale
+    flop_rate = devices.peak_flops * devices.flops_efficiency
+
+    def seconds(flops: float, mem_bytes: float) -> float:
+        return b * (flops / flop_rate + mem_bytes * scale / devices.hbm_bandwidth)
+
+    saved = {m: int(round(b * scale * v)) for m, v in layer.saved_bytes.items()}
+    workspace = int(round(2 * b * scale * layer.workspace_bytes))
+    return LayerTable(
+        forward_ps=to_ps(seconds(layer.fwd_flops, layer.fwd_mem_bytes)),
+        backward_ps=to_ps(seconds(layer.bwd_flops, layer.bwd_mem_bytes)),
+        recompute_ps={m: to_ps(seconds(layer.recompute_flops[m], layer.recompute_mem_bytes[m]))
+                      for m in layer.modes},
+        saved_bytes=saved,
+        transient_bytes={m: saved["none"] - saved[m] + workspace for m in layer.modes},
+        param_count=layer.param_count,
+        state_bytes=_state_bytes(problem, layer.param_count),
+        tail_ps=_tail_ps(problem, config, layer.param_count),
+    )
+
+
+def stage_ranks(problem: PlanningProblem, config: PipelineConfig, stage: int) -> range:
+    width = problem.devices.num_devices // config.pp
+    return range(stage * width, (stage + 1) * width)
+
+
+def _link_bandwidth(problem: PlanningProblem, config: PipelineConfig, stage: int) -> float:
+    """Bandwidth between stage and stage + 1: inter-node if any rank pair crosses a node."""
+    node = problem.devices.devices_per_node
+    width = problem.devices.num_devices // config.pp
+    crosses = any(r // node != (r + width) // node for r in stage_ranks(problem, config, stage))
+    devices = problem.devices
+    return devices.inter_node_bandwidth if crosses else devices.intra_node_bandwidth
+
+
+def _cut_table(problem: PlanningProblem, config: PipelineConfig) -> tuple[tuple[int, ...], ...]:
+    latency = problem.devices.link_latency_s
+    scale = problem.train.activation_scale * config.micro_batch_size
+    bandwidths = [_link_bandwidth(problem, config, s) for s in range(config.pp - 1)]
+    # Forward sends the activation, backward returns its gradient: twice the bytes.
+    return tuple(
+        tuple(to_ps(2 * (latency + scale * crossing / bw)) for bw in bandwidths)
+        for crossing in problem.model.cut_bytes
+    )
+
+
+def build_cost_table(problem: PlanningProblem, config: PipelineConfig) -> CostTable:
+    devices = problem.devices
+    if devices.num_devices != config.pp * config.dp:
+        raise ValueError(f"pp={config.pp} x dp={config.dp} does not use "
+                         f"{devices.num_devices} devices")
+    shared = tuple(
+        SharedTable(
+            layers=group.layers,
+            param_count=group.param_count,
+            state_bytes=_state_bytes(problem, group.param_count),
+            tail_ps=_tail_ps(problem, config, group.param_count),
+            tie_sync_ps=to_ps(devices.link_latency_s + group.param_count
+                              * problem.train.grad_bytes_per_param
+                              / devices.inter_node_bandwidth),
+        )
+        for group in problem.model.shared
+    )
+    limits = tuple(min(devices.memory_bytes[r] for r in stage_ranks(problem, config, s))
+                   for s in range(config.pp))
+    latency = 2 * (config.dp - 1) * devices.link_latency_s if config.dp > 1 else 0.0
+    return CostTable(
+        config=config,
+        layers=tuple(_layer_table(problem, config, i) for i in range(problem.num_layers)),
+        shared=shared,
+        cut_ps=_cut_table(problem, config),
+        limits=limits,
+        tail_latency_ps=to_ps(latency),
+    )
+
+
+@dataclass(frozen=True, kw_only=True)
+class StageCost:
+    layers: tuple[int, ...]
+    compute_ps: int
+    forward_ps: int
+    backward_ps: int
+    recompute_ps: int
+    comm_ps: int
+    tail_ps: int
+    param_count: int
+    memory: dict[str, int]        # params, grads, optimizer, activations, transient, peak
+    limit: int
+
+    @property
+    def busy_ps(self) -> int:
+        return self.compute_ps + self.comm_ps
+
+
+@dataclass(frozen=True, kw_only=True)
+class Evaluation:
+    stages: tuple[StageCost, ...]
+    pipeline_ps: int
+    tail_ps: int
+    tie_ps: int
+    step_ps: int
+
+    @property
+    def fits(self) -> bool:
+        return all(s.memory["peak"] <= s.limit for s in self.stages)
+
+    @property
+    def worst_stage(self) -> StageCost:
+        return max(self.stages, key=lambda s: s.memory["peak"] / max(s.limit, 1))
+
+
+def stage_of_layers(boundaries: Sequence[int], num_layers: int) -> list[int]:
+    """Stage index per layer from the first layer index of every stage after the first."""
+    stages, stage = [], 0
+    starts = set(boundaries)
+    for layer in range(num_layers):
+        if layer in starts:
+            stage += 1
+        stages.append(stage)
+    return stages
+
+
+def _holders(table: CostTable, stage_of: Sequence[int]) -> list[set[int]]:
+    return [{stage_of[l] for l in group.layers} for group in table.shared]
+
+
+def _stage_cost(table: CostTable, stage: int, members: list[int], modes: Sequence[str],
+                held: list[int], outgoing_cut: int | None) -> StageCost:
+    rows = [table.layers[l] for l in members]
+    state = {k: sum(r.state_bytes[k] for r in rows)
+             + sum(table.shared[g].state_bytes[k] for g in held)
+             for k in ("params", "grads", "optimizer")}
+    saved = sum(table.layers[l].saved_bytes[modes[l]] for l in members)
+    activations = table.config.inflight(stage) * saved
+    transient = max(table.layers[l].transient_bytes[modes[l]] for l in members)
+    forward = sum(r.forward_ps for r in rows)
+    backward = sum(r.backward_ps for r in rows)
+    recompute = sum(table.layers[l].recompute_ps[modes[l]] for l in members)
+    comm = table.cut_ps[outgoing_cut][stage] if outgoing_cut is not None else 0
+    return StageCost(
+        layers=tuple(members),
+        compute_ps=forward + backward + recompute,
+        forward_ps=forward, backward_ps=backward, recompute_ps=recompute, comm_ps=comm,
+        tail_ps=sum(r.tail_ps for r in rows) + sum(table.shared[g].tail_ps for g in held),
+        param_count=sum(r.param_count for r in rows)
+        + sum(table.shared[g].param_count for g in held),
+        memory={**state, "activations": activations, "transient": transient,
+                "peak": sum(state.values()) + activations + transient},
+        limit=table.limits[stage],
+    )
+
+
+def evaluate(table: CostTable, stage_of: Sequence[int], modes: Sequence[str]) -> Evaluation:
+    """Step time and memory of one assignment; independent of any solver."""
+    pp, m = table.config.pp, table.config.num_microbatches
+    members: list[list[int]] = [[] for _ in range(pp)]
+    for layer, stage in enumerate(stage_of):
+        members[stage].append(layer)
+    holders = _holders(table, stage_of)
+    stages = tuple(
+        _stage_cost(table, s, members[s], modes,
+                    [g for g, held in enumerate(holders) if s in held],
+                    members[s][-1] if s < pp - 1 else None)
+        for s in range(pp)
+    )
+    busy = [s.busy_ps for s in stages]
+    pipeline = (m - 1) * max(busy) + sum(busy)
+    tail = max(s.tail_ps for s in stages) + table.tail_latency_ps
+    tie = sum(group.tie_sync_ps * (len(held) - 1)
+              for group, held in zip(table.shared, holders))
+    return Evaluation(stages=stages, pipeline_ps=pipeline, tail_ps=tail, tie_ps=tie,
+                      step_ps=pipeline + tail + tie)

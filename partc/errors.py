@@ -1,0 +1,33 @@
+"""Exceptions a user can act on: each message says what failed, where, and what to do."""
+
+from __future__ import annotations
+
+
+class PartcError(Exception):
+    """Base class of every error partc raises on purpose."""
+
+
+class TraceError(PartcError):
+    """Neither torch.fx.symbolic_trace nor torch.export could capture the model."""
+
+
+class PlanInfeasibleError(PartcError):
+    """No plan fits the budget; the message names stage, resource, need, limit and a fix."""
+
+    def __init__(self, message: str, *, stage: int | None = None, resource: str = "memory",
+                 need_bytes: int | None = None, limit_bytes: int | None = None,
+                 suggestion: str = "") -> None:
+        super().__init__(message)
+        self.stage = stage
+        self.resource = resource
+        self.need_bytes = need_bytes
+        self.limit_bytes = limit_bytes
+        self.suggestion = suggestion
+
+
+class PlanMismatchError(PartcError):
+    """The running job does not match the plan (world size, plan hash, model hash, shapes)."""
+
+
+class PlanValidationError(PartcError):
+    """A plan broke one of the invariants that validate_plan checks."""

@@ -1,0 +1,372 @@
+"""The planner: stages, recompute, microbatches and schedule, by CP-SAT.
+
+Outer enumeration (cheap, exact): every pipeline configuration ``c = (pp, dp, b, m,
+schedule)`` with ``pp * dp = N`` devices and ``dp * b * m = B`` global batch, respecting
+pins. Configurations are visited in order of a lower bound on their step time; one whose
+bound is no better than the best plan found so far is pruned.
+
+Inner model, for one configuration (all costs from :mod:`partc.costs`, integers):
+
+Sets
+    layers ``l = 0..L-1`` in topological order; stages ``s = 0..p-1``; recompute modes
+    ``r`` allowed for layer ``l``; shared (tied) parameter groups ``g`` with user layers
+    ``U_g``.
+Parameters
+    ``C[l,r]`` compute per microbatch (forward + backward + recompute); ``K[l,s]`` send/recv
+    time if cut ``l`` is the boundary between stage ``s`` and ``s+1``; ``T_l``, ``T_g`` tail
+    time (dp all-reduce + optimizer step); ``W_l``, ``W_g`` parameter + gradient + optimizer
+    bytes; ``A[l,r]`` saved bytes per microbatch; ``X[l,r]`` transient bytes; ``f_s``
+    microbatches in flight on stage ``s``; ``M_s`` memory limit; ``S_g`` tied-gradient sync.
+Variables
+    ``x[l,s,r]`` layer ``l`` on stage ``s`` with mode ``r``; ``z[l,s]`` cut ``l`` is the
+    boundary ``s -> s+1``; ``h[g,s]`` stage ``s`` holds group ``g``; ``peak_busy``;
+    ``tail``; ``transient[s]``.
+Objective
+    minimise ``(m - 1) * peak_busy + sum_s busy_s + tail + sum_g S_g (sum_s h[g,s] - 1)``
+    where ``busy_s = sum_{l,r} C[l,r] x[l,s,r] + sum_l K[l,s] z[l,s]``.
+Constraints
+    (1) every layer on exactly one stage with one mode;
+    (2) contiguity: ``stage(l) = sum_{s,r} s x[l,s,r]``, ``stage(0) = 0``,
+        ``stage(L-1) = p - 1``, ``0 <= stage(l+1) - stage(l) <= 1`` (so no stage is empty);
+    (3) ``z[l,s] >= y[l,s] + y[l+1,s+1] - 1`` with ``y[l,s] = sum_r x[l,s,r]``;
+    (4) ``peak_busy >= busy_s``;
+    (5) ``h[g,s] >= y[l,s]`` for ``l`` in ``U_g``;
+    (6) ``tail >= sum_l T_l y[l,s] + sum_g T_g h[g,s]``;
+    (7) ``transient[s] >= X[l,r] x[l,s,r]``;
+    (8) memory: ``sum_l W_l y[l,s] + sum_g W_g h[g,s] + f_s sum_{l,r} A[l,r] x[l,s,r]
+        + transient[s] <= M_s``;
+    (9) pins: pinned stages fix ``y``, pinned recompute fixes ``r``.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Sequence
+
+from ortools.sat.python import cp_model
+
+from .costs import CostTable, Evaluation, PipelineConfig, build_cost_table, evaluate
+from .errors import PlanInfeasibleError
+from .problem import PlanningProblem
+from .spec import SCHEDULES
+
+
+@dataclass(frozen=True, kw_only=True)
+class PlannerOptions:
+    time_limit_s: float = 30.0
+    num_workers: int = 1          # one worker keeps CP-SAT deterministic
+    seed: int = 0
+
+
+@dataclass(frozen=True, kw_only=True)
+class Assignment:
+    stage_of: tuple[int, ...]
+    modes: tuple[str, ...]
+
+
+@dataclass(frozen=True, kw_only=True)
+class ConfigResult:
+    table: CostTable
+    assignment: Assignment
+    evaluation: Evaluation
+    status: str
+    bound: int
+    solve_time_s: float
+
+
+@dataclass(frozen=True, kw_only=True)
+class PlannerResult:
+    best: ConfigResult
+    status: str
+    bound: int
+    solve_time_s: float
+    configs_total: int
+    configs_solved: int
+    configs_pruned: int
+
+    @property
+    def gap(self) -> float:
+        step = self.best.evaluation.step_ps
+        return max(0.0, (step - self.bound) / step) if step else 0.0
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def candidate_configs(problem: PlanningProblem) -> list[PipelineConfig]:
+    """Every (pp, dp, b, m, schedule) the pins and the batch allow."""
+    pins, devices = problem.pins, problem.devices.num_devices
+    pp_options = [pins.pp] if pins.pp else [
+        p for p in _divisors(devices) if p <= problem.num_layers]
+    schedules = [pins.schedule] if pins.schedule else list(reversed(SCHEDULES))
+    configs = []
+    for pp in pp_options:
+        dp = devices // pp
+        if pins.dp is not None and pins.dp != dp:
+            continue
+        if problem.train.global_batch_size % dp:
+            continue
+        per_replica = problem.train.global_batch_size // dp
+        for b in problem.train.micro_batch_sizes:
+            if per_replica % b:
+                continue
+            m = per_replica // b
+            if pins.num_microbatches is not None and m != pins.num_microbatches:
+                continue
+            if pins.micro_batch_size is not None and b != pins.micro_batch_size:
+                continue
+            configs.extend(PipelineConfig(pp=pp, dp=dp, micro_batch_size=b,
+                                          num_microbatches=m, schedule=schedule)
+                           for schedule in schedules)
+    return configs
+
+
+def lower_bound(table: CostTable) -> int:
+    """A step time no assignment of this configuration can beat."""
+    pp, m = table.config.pp, table.config.num_microbatches
+    best_compute = [min(row.compute_ps(r) for r in row.recompute_ps) for row in table.layers]
+    total = sum(best_compute)
+    peak_busy = max(-(-total // pp), max(best_compute))
+    tails = [row.tail_ps for row in table.layers] + [g.tail_ps for g in table.shared]
+    tail = max(-(-sum(tails) // pp), max(tails))
+    return (m - 1) * peak_busy + total + tail + table.tail_latency_ps
+
+
+def _pinned_stages(problem: PlanningProblem) -> list[int] | None:
+    stages = problem.pins.stages
+    if stages is None:
+        return None
+    names = [layer.name for layer in problem.layers]
+    flat = [name for stage in stages for name in stage]
+    if flat != names:
+        raise ValueError(
+            "Constraints.stages must list every layer once, in order; "
+            f"layers are {names}, pinned {flat}")
+    return [s for s, stage in enumerate(stages) for _ in stage]
+
+
+def _allowed_modes(problem: PlanningProblem, layer: int) -> list[str]:
+    cost = problem.layers[layer]
+    pinned = problem.pins.recompute.get(cost.name)
+    if pinned is None:
+        return list(cost.modes)
+    # A pinned "selective" on a layer with nothing cheap to drop behaves as "none".
+    return [pinned if pinned in cost.modes else "none"]
+
+
+class _ConfigModel:
+    """The CP-SAT model of one configuration; one method per constraint group."""
+
+    def __init__(self, problem: PlanningProblem, table: CostTable,
+                 pinned: list[int] | None) -> None:
+        self.problem, self.table = problem, table
+        self.model = cp_model.CpModel()
+        self.layers = range(table.num_layers)
+        self.stages = range(table.config.pp)
+        self.x: dict[tuple[int, int, str], cp_model.IntVar] = {}
+        self._add_assignment(pinned)                 # (1), (9)
+        self._add_contiguity()                       # (2)
+        busy = self._add_busy()                      # (3), (4)
+        held = self._add_holders()                   # (5)
+        tail = self._add_tail(held)                  # (6)
+        self._add_memory(held)                       # (7), (8)
+        tie = sum(g.tie_sync_ps * (sum(held[gi]) - 1) for gi, g in enumerate(table.shared))
+        m = table.config.num_microbatches
+        self.model.minimize((m - 1) * self.peak_busy + sum(busy) + tail + tie
+                            + table.tail_latency_ps)
+
+    def _feasible_stages(self, layer: int, pinned: list[int] | None) -> list[int]:
+        if pinned is not None:
+            return [pinned[layer]]
+        last, p = self.table.num_layers - 1, self.table.config.pp
+        return [s for s in self.stages if s <= layer and p - 1 - s <= last - layer]
+
+    def _add_assignment(self, pinned: list[int] | None) -> None:
+        self._y, self._stage = {}, {}
+        for layer in self.layers:
+            choices = []
+            for stage in self._feasible_stages(layer, pinned):
+                here = []
+                for mode in _allowed_modes(self.problem, layer):
+                    var = self.model.new_bool_var(f"layer{layer}_stage{stage}_{mode}")
+                    self.x[layer, stage, mode] = var
+                    here.append(var)
+                self._y[layer, stage] = sum(here)
+                choices.extend((stage, var) for var in here)
+            self.model.add_exactly_one(var for _, var in choices)
+            self._stage[layer] = sum(stage * var for stage, var in choices)
+
+    def stage_expr(self, layer: int):
+        return self._stage[layer]
+
+    def _add_contiguity(self) -> None:
+        last, p = self.table.num_layers - 1, self.table.config.pp
+        self.model.add(self.stage_expr(0) == 0)
+        self.model.add(self.stage_expr(last) == p - 1)
+        for layer in range(last):
+            step = self.stage_expr(layer + 1) - self.stage_expr(layer)
+            self.model.add(step >= 0)
+            self.model.add(step <= 1)
+
+    def _add_busy(self) -> list:
+        table, busy = self.table, []
+        horizon = sum(max(row.compute_ps(r) for r in row.recompute_ps) for row in table.layers)
+        horizon += sum(max(row, default=0) for row in table.cut_ps)
+        self.peak_busy = self.model.new_int_var(0, horizon, "peak_busy")
+        for stage in self.stages:
+            compute = sum(table.layers[l].compute_ps(r) * v
+                          for (l, s, r), v in self.x.items() if s == stage)
+            comm = 0
+            for cut in range(table.num_layers - 1):
+                if stage + 1 >= table.config.pp or table.cut_ps[cut][stage] == 0:
+                    continue
+                if (cut, stage) not in self._y or (cut + 1, stage + 1) not in self._y:
+                    continue
+                z = self.model.new_bool_var(f"cut{cut}_after_stage{stage}")
+                self.model.add(z >= self._y[cut, stage] + self._y[cut + 1, stage + 1] - 1)
+                comm += table.cut_ps[cut][stage] * z
+            busy.append(compute + comm)
+            self.model.add(self.peak_busy >= compute + comm)
+        return busy
+
+    def _add_holders(self) -> list[list]:
+        held = []
+        for gi, group in enumerate(self.table.shared):
+            row = []
+            for stage in self.stages:
+                h = self.model.new_bool_var(f"shared{gi}_on_stage{stage}")
+                for layer in group.layers:
+                    if (layer, stage) in self._y:
+                        self.model.add(h >= self._y[layer, stage])
+                row.append(h)
+            held.append(row)
+        return held
+
+    def _add_tail(self, held: list[list]):
+        table = self.table
+        top = sum(r.tail_ps for r in table.layers) + sum(g.tail_ps for g in table.shared)
+        tail = self.model.new_int_var(0, top, "tail")
+        for stage in self.stages:
+            own = sum(table.layers[l].tail_ps * y
+                      for (l, s), y in self._y.items() if s == stage)
+            tied = sum(g.tail_ps * held[gi][stage] for gi, g in enumerate(table.shared))
+            self.model.add(tail >= own + tied)
+        return tail
+
+    def _add_memory(self, held: list[list]) -> None:
+        table = self.table
+        for stage in self.stages:
+            top = max(max(row.transient_bytes.values()) for row in table.layers)
+            transient = self.model.new_int_var(0, top, f"transient_stage{stage}")
+            saved = 0
+            for (l, s, r), v in self.x.items():
+                if s != stage:
+                    continue
+                saved += table.layers[l].saved_bytes[r] * v
+                self.model.add(transient >= table.layers[l].transient_bytes[r] * v)
+            state = sum(table.layers[l].state_total * y
+                        for (l, s), y in self._y.items() if s == stage)
+            state += sum(g.state_total * held[gi][stage] for gi, g in enumerate(table.shared))
+            inflight = table.config.inflight(stage)
+            self.model.add(state + inflight * saved + transient <= table.limits[stage])
+
+    def assignment(self, solver: cp_model.CpSolver) -> Assignment:
+        stage_of, modes = [0] * self.table.num_layers, ["none"] * self.table.num_layers
+        for (layer, stage, mode), v in self.x.items():
+            if solver.boolean_value(v):
+                stage_of[layer], modes[layer] = stage, mode
+        return Assignment(stage_of=tuple(stage_of), modes=tuple(modes))
+
+
+_STATUS = {cp_model.OPTIMAL: "OPTIMAL", cp_model.FEASIBLE: "FEASIBLE",
+           cp_model.INFEASIBLE: "INFEASIBLE", cp_model.MODEL_INVALID: "MODEL_INVALID",
+           cp_model.UNKNOWN: "UNKNOWN"}
+
+
+def solve_config(problem: PlanningProblem, table: CostTable, options: PlannerOptions,
+                 time_limit_s: float, pinned: list[int] | None) -> ConfigResult | None:
+    """Solve one configuration; None when CP-SAT proves it infeasible or finds nothing."""
+    start = time.perf_counter()
+    built = _ConfigModel(problem, table, pinned)
+    solver = cp_model.CpSolver()
+    solver.parameters.max_time_in_seconds = max(time_limit_s, 0.01)
+    solver.parameters.num_workers = options.num_workers
+    solver.parameters.random_seed = options.seed
+    code = solver.solve(built.model)
+    status = _STATUS.get(code, "UNKNOWN")
+    if status == "MODEL_INVALID":
+        raise RuntimeError(f"internal error: invalid CP-SAT model for {table.config}: "
+                           f"{built.model.validate()}")
+    if status not in ("OPTIMAL", "FEASIBLE"):
+        return None
+    assignment = built.assignment(solver)
+    evaluation = evaluate(table, assignment.stage_of, assignment.modes)
+    # The model over-approximates nothing at an optimum; a feasible incumbent may carry
+    # slack in its auxiliary variables, so the independent evaluation can only be lower.
+    if evaluation.step_ps > round(solver.objective_value) or not evaluation.fits:
+        raise RuntimeError(f"internal error: CP-SAT objective {solver.objective_value} "
+                           f"disagrees with the cost model ({evaluation.step_ps}) "
+                           f"for {table.config}")
+    bound = int(solver.best_objective_bound) if status == "FEASIBLE" else evaluation.step_ps
+    return ConfigResult(table=table, assignment=assignment, evaluation=evaluation,
+                        status=status, bound=bound,
+                        solve_time_s=time.perf_counter() - start)
+
+
+def solve(problem: PlanningProblem, options: PlannerOptions = PlannerOptions()) -> PlannerResult:
+    """The best plan over all configurations, or PlanInfeasibleError with a way out."""
+    start = time.perf_counter()
+    pinned = _pinned_stages(problem)
+    configs = candidate_configs(problem)
+    if not configs:
+        raise PlanInfeasibleError(_no_config_message(problem), resource="configuration")
+    tables = [build_cost_table(problem, c) for c in configs]
+    order = sorted(range(len(tables)), key=lambda i: (lower_bound(tables[i]), i))
+    best: ConfigResult | None = None
+    bound, solved, pruned, all_optimal = None, 0, 0, True
+    for i in order:
+        table = tables[i]
+        floor = lower_bound(table)
+        if best is not None and floor >= best.evaluation.step_ps:
+            pruned += 1
+            bound = floor if bound is None else min(bound, floor)
+            continue
+        remaining = options.time_limit_s - (time.perf_counter() - start)
+        if remaining <= 0 and best is not None:
+            all_optimal = False
+            bound = floor if bound is None else min(bound, floor)
+            continue
+        result = solve_config(problem, table, options, remaining, pinned)
+        solved += 1
+        if result is None:
+            continue
+        all_optimal &= result.status == "OPTIMAL"
+        bound = result.bound if bound is None else min(bound, result.bound)
+        if best is None or result.evaluation.step_ps < best.evaluation.step_ps:
+            best = result
+    if best is None:
+        from .explain import explain_infeasible
+        raise explain_infeasible(problem, tables)
+    return PlannerResult(
+        best=best, status="OPTIMAL" if all_optimal else "FEASIBLE",
+        bound=min(bound, best.evaluation.step_ps),
+        solve_time_s=time.perf_counter() - start,
+        configs_total=len(configs), configs_solved=solved, configs_pruned=pruned)
+
+
+def _no_config_message(problem: PlanningProblem) -> str:
+    pins, train = problem.pins, problem.train
+    return (f"no pipeline configuration matches the pins and the batch: "
+            f"{problem.devices.num_devices} devices, global batch {train.global_batch_size}, "
+            f"micro-batch sizes {list(train.micro_batch_sizes)}, pins pp={pins.pp} "
+            f"dp={pins.dp} microbatches={pins.num_microbatches} "
+            f"micro_batch_size={pins.micro_batch_size}, {problem.num_layers} layers. "
+            f"pp must divide the device count and be at most the number of layers, and "
+            f"dp x micro-batch size x microbatches must equal the global batch.")
+
+
+def evaluate_assignment(problem: PlanningProblem, config: PipelineConfig,
+                        stage_of: Sequence[int], modes: Sequence[str]) -> Evaluation:
+    return evaluate(build_cost_table(problem, config), stage_of, modes)

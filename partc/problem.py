@@ -1,0 +1,172 @@
+"""The data the planner sees: per-layer costs of a traced model, and the budget as numbers.
+
+Glossary (used across partc):
+
+- *layer*: a contiguous group of graph nodes (an embedding, one transformer block, the
+  final norm, the head, the loss). Stage boundaries fall only between layers.
+- *stage*: a contiguous run of layers placed on one pipeline rank group.
+- *cut*: the boundary after layer ``l``; ``cut_bytes[l]`` is what crosses it per sample.
+- *microbatch*: ``micro_batch_size`` samples pushed through the pipeline together.
+- *recompute mode*: ``"none"`` keeps every tensor saved for backward; ``"selective"``
+  keeps only the outputs of compute-heavy ops (matmuls, attention) and recomputes the
+  cheap memory-heavy rest; ``"full"`` keeps only the layer's inputs and reruns its
+  forward in backward.
+
+Everything here is a frozen dataclass of plain numbers: no fx objects, no tensors. The
+front half of the compiler (``partc.passes``) produces a :class:`ModelAnalysis`;
+:func:`partc.compiler.build_problem` combines it with a budget and a training spec.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+RECOMPUTE_MODES: tuple[str, ...] = ("none", "selective", "full")
+
+
+@dataclass(frozen=True, kw_only=True)
+class LayerCost:
+    """What one layer costs, per sample of the batch, in the dtype it was traced in.
+
+    ``saved_bytes``, ``recompute_flops`` and ``recompute_mem_bytes`` are keyed by recompute
+    mode and hold an entry for each mode in :data:`RECOMPUTE_MODES` that the layer allows
+    (``"none"`` and ``"full"`` always; ``"selective"`` only when it saves memory).
+    """
+
+    name: str
+    signature: str
+    fwd_flops: float
+    fwd_mem_bytes: float
+    param_count: int
+    param_bytes: int
+    saved_bytes: dict[str, float]
+    recompute_flops: dict[str, float]
+    recompute_mem_bytes: dict[str, float]
+    workspace_bytes: float
+    num_nodes: int = 0
+
+    def __post_init__(self) -> None:
+        for mode in ("none", "full"):
+            if mode not in self.saved_bytes:
+                raise ValueError(f"layer {self.name}: saved_bytes lacks mode {mode!r}")
+        for mode in self.saved_bytes:
+            if mode not in RECOMPUTE_MODES:
+                raise ValueError(f"layer {self.name}: unknown recompute mode {mode!r}")
+            if mode not in self.recompute_flops or mode not in self.recompute_mem_bytes:
+                raise ValueError(f"layer {self.name}: recompute cost lacks mode {mode!r}")
+
+    @property
+    def modes(self) -> tuple[str, ...]:
+        return tuple(m for m in RECOMPUTE_MODES if m in self.saved_bytes)
+
+    @property
+    def bwd_flops(self) -> float:
+        # Gradient w.r.t. inputs and w.r.t. weights: two matmuls per forward matmul.
+        return 2.0 * self.fwd_flops
+
+    @property
+    def bwd_mem_bytes(self) -> float:
+        return 2.0 * self.fwd_mem_bytes
+
+
+@dataclass(frozen=True, kw_only=True)
+class SharedParam:
+    """A parameter used by several layers (tied embeddings); every stage using it holds it."""
+
+    name: str
+    fqns: tuple[str, ...]
+    param_count: int
+    param_bytes: int
+    layers: tuple[int, ...]
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelSummary:
+    name: str
+    num_params: int
+    hash: str
+    tokens_per_sample: int
+    traced_batch_size: int
+    traced_dtype_bytes: int
+    tracer: str
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelAnalysis:
+    """The front half's result: layers in order, the cuts between them, shared parameters."""
+
+    summary: ModelSummary
+    layers: tuple[LayerCost, ...]
+    cut_bytes: tuple[float, ...]
+    shared: tuple[SharedParam, ...] = ()
+
+    def __post_init__(self) -> None:
+        if not self.layers:
+            raise ValueError("a model needs at least one layer")
+        if len(self.cut_bytes) != len(self.layers) - 1:
+            raise ValueError(
+                f"{len(self.layers)} layers need {len(self.layers) - 1} cuts, "
+                f"got {len(self.cut_bytes)}"
+            )
+        for group in self.shared:
+            for layer in group.layers:
+                if not 0 <= layer < len(self.layers):
+                    raise ValueError(f"shared parameter {group.name}: no layer {layer}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class DeviceNumbers:
+    """The budget as the cost model uses it (SI units: bytes, FLOP/s, bytes/s, seconds)."""
+
+    num_devices: int
+    memory_bytes: tuple[int, ...]
+    peak_flops: float
+    flops_efficiency: float
+    hbm_bandwidth: float
+    devices_per_node: int
+    intra_node_bandwidth: float
+    inter_node_bandwidth: float
+    link_latency_s: float
+
+    def __post_init__(self) -> None:
+        if len(self.memory_bytes) != self.num_devices:
+            raise ValueError("one memory limit per device is needed")
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainNumbers:
+    global_batch_size: int
+    micro_batch_sizes: tuple[int, ...]
+    activation_scale: float
+    weight_bytes_per_param: float
+    grad_bytes_per_param: float
+    optimizer_bytes_per_param: float
+
+
+@dataclass(frozen=True, kw_only=True)
+class Pins:
+    """Decisions the user fixed; ``None`` leaves a decision to the planner."""
+
+    pp: int | None = None
+    dp: int | None = None
+    stages: tuple[tuple[str, ...], ...] | None = None
+    recompute: dict[str, str] = field(default_factory=dict)
+    num_microbatches: int | None = None
+    micro_batch_size: int | None = None
+    schedule: str | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
+class PlanningProblem:
+    model: ModelAnalysis
+    devices: DeviceNumbers
+    train: TrainNumbers
+    pins: Pins = field(default_factory=Pins)
+
+    @property
+    def layers(self) -> tuple[LayerCost, ...]:
+        return self.model.layers
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.model.layers)

@@ -1,0 +1,138 @@
+"""The plan report: what a person checks before spending a GPU-hour.
+
+Rendered from the Plan alone (so a saved plan.json renders the same report): the chosen
+mesh and schedule, predicted step time, throughput, MFU and bubble, per-stage memory
+against its limit and time by kind, the solver's statistics, and the obvious alternatives
+under the same cost model with why the plan beats them.
+"""
+
+from __future__ import annotations
+
+import json
+
+from .plan import Plan
+from .units import format_bytes, format_count, format_seconds
+
+FORMATS = ("text", "markdown", "json")
+
+
+def _table(header: list[str], rows: list[list[str]], markdown: bool) -> list[str]:
+    if markdown:
+        lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+        return lines + ["| " + " | ".join(row) + " |" for row in rows]
+    widths = [max(len(str(c)) for c in col) for col in zip(header, *rows)]
+    fmt = "  ".join(f"{{:<{w}}}" for w in widths)
+    return [fmt.format(*header), fmt.format(*("-" * w for w in widths))] + [
+        fmt.format(*row) for row in rows]
+
+
+def _span(layers: tuple[str, ...] | list[str]) -> str:
+    return layers[0] if len(layers) == 1 else f"{layers[0]} .. {layers[-1]} ({len(layers)})"
+
+
+def _recompute_summary(recompute: dict[str, str]) -> str:
+    counts = {}
+    for mode in recompute.values():
+        counts[mode] = counts.get(mode, 0) + 1
+    return ", ".join(f"{mode} x{n}" for mode, n in sorted(counts.items()))
+
+
+def _headline(plan: Plan) -> list[str]:
+    p, model, budget, train = plan.predicted, plan.model, plan.budget, plan.train
+    lines = [
+        f"model: {model.get('name')}, {format_count(model.get('num_params', 0))} parameters, "
+        f"{model.get('num_layers')} layers (traced with {model.get('tracer')})",
+        f"budget: {budget.get('num_devices')} x {budget.get('device')} "
+        f"({budget.get('memory')} each, {budget.get('devices_per_node')} per node)",
+        f"training: global batch {train.get('global_batch_size')}, {train.get('dtype')}, "
+        f"{train.get('optimizer')}",
+        f"plan: pp={plan.mesh['pp']} dp={plan.mesh['dp']} tp={plan.mesh['tp']}, "
+        f"{plan.schedule}, {plan.num_microbatches} microbatches of {plan.micro_batch_size}",
+        f"predicted: step {format_seconds(p['step_time_s'])}, "
+        f"{p['samples_per_s']:.2f} samples/s"
+        + (f", {p['tokens_per_s']:.0f} tokens/s" if "tokens_per_s" in p else "")
+        + f", MFU {100 * p['mfu']:.1f}%, bubble {100 * p['bubble_fraction']:.1f}%, "
+        f"peak memory {format_bytes(p['peak_memory_bytes'])}",
+    ]
+    return lines
+
+
+def _stage_rows(plan: Plan) -> list[list[str]]:
+    rows = []
+    for s in plan.stages:
+        mem, t = s.memory_bytes, s.time_s
+        rows.append([
+            str(s.index), _span(s.layers), format_count(s.param_count),
+            format_bytes(mem["params"] + mem["grads"] + mem["optimizer"]),
+            format_bytes(mem["activations"]), format_bytes(mem["transient"]),
+            f"{format_bytes(mem['peak'])} / {format_bytes(s.limit_bytes)} "
+            f"({100 * mem['peak'] / s.limit_bytes:.0f}%)",
+            format_seconds(t["forward"]), format_seconds(t["backward"]),
+            format_seconds(t["recompute"]), format_seconds(t["comm"]),
+            _recompute_summary(s.recompute),
+        ])
+    return rows
+
+
+def _alternative_rows(plan: Plan) -> list[list[str]]:
+    step = plan.predicted["step_time_s"]
+    rows = [["partc plan", format_seconds(step), "1.00x", "yes",
+             format_bytes(plan.predicted["peak_memory_bytes"]),
+             " / ".join(str(len(s.layers)) for s in plan.stages)]]
+    for alt in plan.alternatives:
+        rows.append([
+            alt["name"], format_seconds(alt["step_time_s"]),
+            f"{alt['step_time_s'] / step:.2f}x",
+            "yes" if alt["fits"] else f"no (stage {alt['worst_stage']})",
+            format_bytes(alt["peak_memory_bytes"]),
+            " / ".join(str(len(s)) for s in alt["stages"]) + f", recompute {alt['recompute']}",
+        ])
+    return rows
+
+
+def _why(plan: Plan) -> list[str]:
+    step = plan.predicted["step_time_s"]
+    lines = []
+    for alt in plan.alternatives:
+        if not alt["fits"]:
+            lines.append(f"- {alt['name']} ({alt['description']}) does not fit: stage "
+                         f"{alt['worst_stage']} needs {format_bytes(alt['worst_need_bytes'])} "
+                         f"against {format_bytes(alt['worst_limit_bytes'])}.")
+            continue
+        saving = 100 * (1 - step / alt["step_time_s"])
+        verdict = (f"the plan is {saving:.1f}% faster" if saving >= 0.05
+                   else "the plan ties with it")
+        lines.append(
+            f"- {alt['name']} ({alt['description']}, recompute {alt['recompute']}): "
+            f"{format_seconds(alt['step_time_s'])} per step; {verdict} "
+            f"(slowest stage {format_seconds(alt['bottleneck_s'])} per microbatch vs "
+            f"{format_seconds(plan.predicted['bottleneck_s'])}).")
+    return lines
+
+
+def _solver(plan: Plan) -> str:
+    s = plan.solver
+    return (f"solver: {s.status}, objective {format_seconds(s.objective)}, bound "
+            f"{format_seconds(s.bound)}, gap {100 * s.gap:.2f}%, {s.solve_time_s:.2f} s; "
+            f"{s.configs_total} configurations, {s.configs_solved} solved, "
+            f"{s.configs_pruned} pruned by bound")
+
+
+def render(plan: Plan, format: str = "text") -> str:
+    if format not in FORMATS:
+        raise ValueError(f"report format must be one of {FORMATS}, got {format!r}")
+    if format == "json":
+        return json.dumps(plan.to_dict(), indent=2)
+    md = format == "markdown"
+    out = ["# partc plan", ""] if md else ["partc plan", "=========="]
+    out += [("- " if md else "") + line for line in _headline(plan)]
+    out += ["", "## Stages" if md else "Stages:", ""]
+    out += _table(["stage", "layers", "params", "weights+grads+optim", "activations",
+                   "transient", "peak / limit", "forward", "backward", "recompute", "comm",
+                   "recompute modes"], _stage_rows(plan), md)
+    out += ["", "## Against the obvious alternatives" if md else "Alternatives:", ""]
+    out += _table(["plan", "step time", "vs plan", "fits", "peak memory", "layers per stage"],
+                  _alternative_rows(plan), md)
+    out += [""] + _why(plan)
+    out += ["", ("- " if md else "") + _solver(plan), ""]
+    return "\n".join(out)

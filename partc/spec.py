@@ -1,0 +1,160 @@
+"""What the user declares about training (TrainSpec) and what they pin (Constraints).
+
+Every decision is ``"auto"``/``None`` (the planner decides) or a pinned value.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Mapping
+
+import torch
+
+from .problem import RECOMPUTE_MODES
+
+SCHEDULES: tuple[str, ...] = ("gpipe", "1f1b")
+
+# Bytes of optimizer state per parameter, kept in fp32 whatever the compute dtype.
+OPTIMIZER_STATE_BYTES: dict[str, float] = {
+    "sgd": 0.0,
+    "sgd-momentum": 4.0,
+    "adam": 8.0,
+    "adamw": 8.0,
+}
+_FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def dtype_bytes(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainSpec:
+    """The training setup: batch, precision, optimizer, schedule.
+
+    ``global_batch_size`` is in samples (sequences) per optimizer step, over all
+    data-parallel replicas and microbatches. With a compute dtype other than fp32 the
+    optimizer keeps fp32 master weights (4 bytes/parameter more), as in mixed precision.
+    """
+
+    global_batch_size: int
+    micro_batch_size: int | str = "auto"
+    dtype: torch.dtype = torch.float32
+    optimizer: str | float = "adamw"
+    schedule: str = "auto"
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.global_batch_size, int) or self.global_batch_size < 1:
+            raise ValueError(f"global_batch_size must be a positive int, "
+                             f"got {self.global_batch_size!r}")
+        if self.micro_batch_size != "auto" and (
+                not isinstance(self.micro_batch_size, int) or self.micro_batch_size < 1):
+            raise ValueError(f"micro_batch_size must be 'auto' or a positive int, "
+                             f"got {self.micro_batch_size!r}")
+        if isinstance(self.micro_batch_size, int) and \
+                self.global_batch_size % self.micro_batch_size:
+            raise ValueError(f"micro_batch_size {self.micro_batch_size} does not divide "
+                             f"global_batch_size {self.global_batch_size}")
+        if self.dtype not in _FLOAT_DTYPES:
+            raise ValueError(f"dtype must be one of {_FLOAT_DTYPES}, got {self.dtype}")
+        if isinstance(self.optimizer, str) and self.optimizer not in OPTIMIZER_STATE_BYTES:
+            raise ValueError(f"unknown optimizer {self.optimizer!r}; use one of "
+                             f"{sorted(OPTIMIZER_STATE_BYTES)} or bytes of state per parameter")
+        if not isinstance(self.optimizer, str) and self.optimizer < 0:
+            raise ValueError("optimizer state bytes cannot be negative")
+        if self.schedule not in ("auto", *SCHEDULES):
+            raise ValueError(f"schedule must be 'auto' or one of {SCHEDULES}, "
+                             f"got {self.schedule!r}")
+
+    @property
+    def weight_bytes(self) -> int:
+        return dtype_bytes(self.dtype)
+
+    @property
+    def grad_bytes(self) -> int:
+        return dtype_bytes(self.dtype)
+
+    @property
+    def optimizer_bytes(self) -> float:
+        state = (OPTIMIZER_STATE_BYTES[self.optimizer]
+                 if isinstance(self.optimizer, str) else float(self.optimizer))
+        master = 0.0 if self.dtype == torch.float32 else 4.0
+        return state + master
+
+    def to_dict(self) -> dict:
+        return {
+            "global_batch_size": self.global_batch_size,
+            "micro_batch_size": self.micro_batch_size,
+            "dtype": str(self.dtype).removeprefix("torch."),
+            "optimizer": self.optimizer,
+            "schedule": self.schedule,
+            "bytes_per_param": {"weights": self.weight_bytes, "grads": self.grad_bytes,
+                                "optimizer": self.optimizer_bytes},
+        }
+
+
+@dataclass(frozen=True, kw_only=True)
+class Constraints:
+    """Pins for any decision the planner would otherwise make. All optional.
+
+    ``stages`` lists, per pipeline stage, the names of its layers (the names in the
+    report); ``recompute`` is one mode for every layer or a mapping layer → mode.
+    """
+
+    pp: int | None = None
+    dp: int | None = None
+    tp: int | None = None
+    stages: tuple[tuple[str, ...], ...] | list[list[str]] | None = None
+    recompute: str | Mapping[str, str] | None = None
+    num_microbatches: int | None = None
+    micro_batch_size: int | None = None
+    schedule: str | None = None
+    zero_stage: int | None = None
+    _recompute_map: dict[str, str] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        for name in ("pp", "dp", "tp", "num_microbatches", "micro_batch_size"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or value < 1):
+                raise ValueError(f"Constraints.{name} must be a positive int, got {value!r}")
+        if self.tp not in (None, 1):
+            raise ValueError("tensor parallelism is not planned yet: leave tp unset or 1")
+        if self.zero_stage not in (None, 0):
+            raise ValueError("ZeRO is not planned yet: leave zero_stage unset or 0")
+        if self.schedule is not None and self.schedule not in SCHEDULES:
+            raise ValueError(f"schedule must be one of {SCHEDULES}, got {self.schedule!r}")
+        if self.stages is not None:
+            stages = tuple(tuple(s) for s in self.stages)
+            if not stages or any(not s for s in stages):
+                raise ValueError("Constraints.stages needs at least one non-empty stage")
+            if self.pp is not None and self.pp != len(stages):
+                raise ValueError(f"pp={self.pp} but {len(stages)} stages were pinned")
+            object.__setattr__(self, "stages", stages)
+        object.__setattr__(self, "_recompute_map", self._read_recompute())
+
+    def _read_recompute(self) -> dict[str, str]:
+        if self.recompute is None or isinstance(self.recompute, str):
+            if self.recompute is not None and self.recompute not in RECOMPUTE_MODES:
+                raise ValueError(f"recompute must be one of {RECOMPUTE_MODES}, "
+                                 f"got {self.recompute!r}")
+            return {}
+        modes = dict(self.recompute)
+        for layer, mode in modes.items():
+            if mode not in RECOMPUTE_MODES:
+                raise ValueError(f"recompute for {layer!r} must be one of {RECOMPUTE_MODES}, "
+                                 f"got {mode!r}")
+        return modes
+
+    def recompute_for(self, layer_names: tuple[str, ...]) -> dict[str, str]:
+        """The pinned mode of each named layer; unknown names are an error."""
+        if isinstance(self.recompute, str):
+            return {name: self.recompute for name in layer_names}
+        unknown = sorted(set(self._recompute_map) - set(layer_names))
+        if unknown:
+            raise ValueError(f"recompute pins name unknown layers {unknown}; "
+                             f"layers are {list(layer_names)}")
+        return dict(self._recompute_map)
+
+    @property
+    def effective_pp(self) -> int | None:
+        return len(self.stages) if self.stages is not None else self.pp

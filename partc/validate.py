@@ -1,0 +1,102 @@
+"""validate_plan: check a plan against its problem without the solver.
+
+Recomputes the cost tables from the problem and re-evaluates the plan's assignment, then
+checks structure (every layer once, in order, contiguous non-empty stages), batch
+arithmetic, recompute modes, pins, memory against every stage's limit, and that the
+plan's recorded memory and predicted step time are what the cost model says.
+"""
+
+from __future__ import annotations
+
+import math
+
+from .costs import PS_PER_S, Evaluation, PipelineConfig, build_cost_table, evaluate
+from .errors import PlanValidationError
+from .plan import Plan
+from .problem import PlanningProblem
+
+
+def _structure(problem: PlanningProblem, plan: Plan, errors: list[str]) -> None:
+    mesh = plan.mesh
+    if mesh.get("tp", 1) != 1:
+        errors.append(f"tp={mesh.get('tp')} but tensor parallelism is not planned")
+    if mesh["pp"] * mesh["dp"] * mesh.get("tp", 1) != problem.devices.num_devices:
+        errors.append(f"mesh {mesh} does not use {problem.devices.num_devices} devices")
+    if len(plan.stages) != mesh["pp"]:
+        errors.append(f"{len(plan.stages)} stages for pp={mesh['pp']}")
+    if [s.index for s in plan.stages] != list(range(len(plan.stages))):
+        errors.append("stage indices are not 0..pp-1 in order")
+    if any(not s.layers for s in plan.stages):
+        errors.append("a stage has no layers")
+    names = [layer.name for layer in problem.layers]
+    if list(plan.layer_names) != names:
+        errors.append(f"stages do not cover the layers once in order: {list(plan.layer_names)}")
+    batch = mesh["dp"] * plan.micro_batch_size * plan.num_microbatches
+    if batch != problem.train.global_batch_size:
+        errors.append(f"dp x micro-batch size x microbatches = {batch}, "
+                      f"global batch is {problem.train.global_batch_size}")
+    if plan.schedule not in ("gpipe", "1f1b"):
+        errors.append(f"unknown schedule {plan.schedule!r}")
+
+
+def _modes(problem: PlanningProblem, plan: Plan, errors: list[str]) -> None:
+    recompute = plan.recompute
+    for layer in problem.layers:
+        mode = recompute.get(layer.name)
+        if mode not in layer.modes:
+            errors.append(f"layer {layer.name}: recompute {mode!r} not among {layer.modes}")
+        pinned = problem.pins.recompute.get(layer.name)
+        if pinned is not None and mode != pinned and not (
+                pinned == "selective" and "selective" not in layer.modes and mode == "none"):
+            errors.append(f"layer {layer.name}: recompute pinned to {pinned}, plan has {mode}")
+
+
+def _pins(problem: PlanningProblem, plan: Plan, errors: list[str]) -> None:
+    pins = problem.pins
+    checks = {"pp": (pins.pp, plan.mesh["pp"]), "dp": (pins.dp, plan.mesh["dp"]),
+              "num_microbatches": (pins.num_microbatches, plan.num_microbatches),
+              "micro_batch_size": (pins.micro_batch_size, plan.micro_batch_size),
+              "schedule": (pins.schedule, plan.schedule)}
+    for name, (pinned, actual) in checks.items():
+        if pinned is not None and pinned != actual:
+            errors.append(f"{name} pinned to {pinned}, plan has {actual}")
+    if pins.stages is not None and [tuple(s.layers) for s in plan.stages] != list(pins.stages):
+        errors.append("stage boundaries differ from the pinned stages")
+
+
+def _costs(problem: PlanningProblem, plan: Plan, errors: list[str]) -> Evaluation | None:
+    config = PipelineConfig(pp=plan.mesh["pp"], dp=plan.mesh["dp"],
+                            micro_batch_size=plan.micro_batch_size,
+                            num_microbatches=plan.num_microbatches, schedule=plan.schedule)
+    stage_of = [s.index for s in plan.stages for _ in s.layers]
+    modes = [plan.recompute[layer.name] for layer in problem.layers]
+    evaluation = evaluate(build_cost_table(problem, config), stage_of, modes)
+    for stage, cost in zip(plan.stages, evaluation.stages):
+        if cost.memory["peak"] > cost.limit:
+            errors.append(f"stage {stage.index} needs {cost.memory['peak']} bytes, "
+                          f"limit {cost.limit}")
+        if stage.memory_bytes != cost.memory:
+            errors.append(f"stage {stage.index} records memory {stage.memory_bytes}, "
+                          f"the cost model gives {cost.memory}")
+        if stage.limit_bytes != cost.limit:
+            errors.append(f"stage {stage.index} records limit {stage.limit_bytes}, "
+                          f"devices give {cost.limit}")
+    step = evaluation.step_ps / PS_PER_S
+    recorded = plan.predicted.get("step_time_s", math.nan)
+    if not math.isclose(recorded, step, rel_tol=1e-9, abs_tol=1e-15):
+        errors.append(f"predicted step time {recorded} s, the cost model gives {step} s")
+    return evaluation
+
+
+def validate_plan(problem: PlanningProblem, plan: Plan) -> Evaluation:
+    """Raise PlanValidationError listing every violation; return the re-evaluation."""
+    errors: list[str] = []
+    _structure(problem, plan, errors)
+    _modes(problem, plan, errors)
+    _pins(problem, plan, errors)
+    evaluation = None
+    if not errors:
+        evaluation = _costs(problem, plan, errors)
+    if errors:
+        raise PlanValidationError("invalid plan:\n  " + "\n  ".join(errors))
+    return evaluation

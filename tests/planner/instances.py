@@ -1,0 +1,108 @@
+"""Hand-built and random planning problems, and a brute-force oracle for small ones."""
+
+from __future__ import annotations
+
+import itertools
+import random
+
+from partc.costs import PipelineConfig, build_cost_table, evaluate
+from partc.problem import (DeviceNumbers, LayerCost, ModelAnalysis, ModelSummary, Pins,
+                           PlanningProblem, SharedParam, TrainNumbers)
+
+
+def layer(name: str, *, flops: float = 1e9, params: int = 1000, saved: float = 1000.0,
+          selective: float | None = None, full: float = 100.0, workspace: float = 100.0,
+          mem_bytes: float = 0.0, signature: str = "") -> LayerCost:
+    saved_bytes = {"none": saved, "full": full}
+    recompute_flops = {"none": 0.0, "full": flops}
+    recompute_mem = {"none": 0.0, "full": mem_bytes}
+    if selective is not None:
+        saved_bytes["selective"] = selective
+        recompute_flops["selective"] = 0.0
+        recompute_mem["selective"] = mem_bytes / 2
+    return LayerCost(name=name, signature=signature or name, fwd_flops=flops,
+                     fwd_mem_bytes=mem_bytes, param_count=params, param_bytes=4 * params,
+                     saved_bytes=saved_bytes, recompute_flops=recompute_flops,
+                     recompute_mem_bytes=recompute_mem, workspace_bytes=workspace)
+
+
+def devices(num: int, memory: int | list[int], *, peak: float = 1e12, bandwidth: float = 1e9,
+            node: int = 8, latency: float = 0.0) -> DeviceNumbers:
+    memories = tuple(memory) if isinstance(memory, list) else (memory,) * num
+    return DeviceNumbers(num_devices=num, memory_bytes=memories, peak_flops=peak,
+                         flops_efficiency=1.0, hbm_bandwidth=1e12, devices_per_node=node,
+                         intra_node_bandwidth=bandwidth, inter_node_bandwidth=bandwidth,
+                         link_latency_s=latency)
+
+
+def problem(layers: list[LayerCost], cuts: list[float], device_numbers: DeviceNumbers, *,
+            batch: int = 1, micro_batch_sizes: tuple[int, ...] | None = None,
+            shared: tuple[SharedParam, ...] = (), pins: Pins = Pins(),
+            optimizer_bytes: float = 8.0) -> PlanningProblem:
+    summary = ModelSummary(name="hand-built", num_params=sum(l.param_count for l in layers),
+                           hash="0", tokens_per_sample=0, traced_batch_size=1,
+                           traced_dtype_bytes=4, tracer="none")
+    sizes = micro_batch_sizes or tuple(b for b in range(1, batch + 1) if batch % b == 0)
+    return PlanningProblem(
+        model=ModelAnalysis(summary=summary, layers=tuple(layers), cut_bytes=tuple(cuts),
+                            shared=shared),
+        devices=device_numbers,
+        train=TrainNumbers(global_batch_size=batch, micro_batch_sizes=sizes,
+                           activation_scale=1.0, weight_bytes_per_param=4,
+                           grad_bytes_per_param=4, optimizer_bytes_per_param=optimizer_bytes),
+        pins=pins,
+    )
+
+
+def random_problem(rng: random.Random) -> PlanningProblem:
+    num_layers = rng.randint(1, 6)
+    num_devices = rng.choice([1, 2, 3])
+    layers = []
+    for index in range(num_layers):
+        saved = rng.choice([2e3, 8e3, 3e4, 1e5])
+        layers.append(layer(
+            f"layer{index}", flops=rng.choice([1e8, 5e8, 1e9, 3e9]),
+            params=rng.choice([0, 1000, 5000, 20000]),
+            saved=saved, full=rng.choice([100.0, 500.0, 1000.0]),
+            selective=saved / rng.choice([2, 4]) if rng.random() < 0.5 else None,
+            workspace=rng.choice([100.0, 2000.0, 1e4]),
+            mem_bytes=rng.choice([0.0, 1e5, 1e6])))
+    shared: tuple[SharedParam, ...] = ()
+    if num_layers >= 2 and rng.random() < 0.3:
+        shared = (SharedParam(name="tied", fqns=("a.weight", "b.weight"), param_count=4000,
+                              param_bytes=16000, layers=(0, num_layers - 1)),)
+    total = sum(16 * l.param_count + 4 * l.saved_bytes["none"] for l in layers)
+    memory = int(total * rng.choice([0.3, 0.6, 1.0, 2.0, 4.0]) / num_devices) + 20000
+    memories: int | list[int] = memory
+    if num_devices > 1 and rng.random() < 0.2:
+        memories = [memory * rng.choice([1, 2]) for _ in range(num_devices)]
+    cuts = [rng.choice([0.0, 1e3, 1e5, 1e6]) for _ in range(num_layers - 1)]
+    return problem(layers, cuts,
+                   devices(num_devices, memories, bandwidth=rng.choice([1e8, 1e10]),
+                           node=rng.choice([1, 8]), latency=rng.choice([0.0, 1e-6])),
+                   batch=rng.choice([1, 2, 4]), shared=shared)
+
+
+def brute_force(prob: PlanningProblem) -> tuple[int, PipelineConfig, list[int], list[str]] | None:
+    """The best (step_ps, config, stage_of, modes) by enumerating everything, or None."""
+    best = None
+    n, num_layers = prob.devices.num_devices, prob.num_layers
+    for pp in range(1, min(n, num_layers) + 1):
+        if n % pp or prob.train.global_batch_size % (n // pp):
+            continue
+        dp = n // pp
+        for b in prob.train.micro_batch_sizes:
+            per_replica = prob.train.global_batch_size // dp
+            if per_replica % b:
+                continue
+            for schedule in ("1f1b", "gpipe"):
+                config = PipelineConfig(pp=pp, dp=dp, micro_batch_size=b,
+                                        num_microbatches=per_replica // b, schedule=schedule)
+                table = build_cost_table(prob, config)
+                for starts in itertools.combinations(range(1, num_layers), pp - 1):
+                    stage_of = [sum(1 for s in starts if s <= l) for l in range(num_layers)]
+                    for modes in itertools.product(*(l.modes for l in prob.layers)):
+                        ev = evaluate(table, stage_of, modes)
+                        if ev.fits and (best is None or ev.step_ps < best[0]):
+                            best = (ev.step_ps, config, stage_of, list(modes))
+    return best

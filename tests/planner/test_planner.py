@@ -1,0 +1,164 @@
+"""The planner on hand-solved instances, against brute force, and its errors."""
+
+from __future__ import annotations
+
+import random
+import time
+
+import pytest
+
+from partc.compiler import plan_problem
+from partc.errors import PlanInfeasibleError, PlanValidationError
+from partc.planner import solve
+from partc.problem import Pins, SharedParam
+from partc.validate import validate_plan
+
+from .instances import brute_force, devices, layer, problem, random_problem
+
+# peak 1e12 FLOP/s, efficiency 1: a layer of 1e9 forward FLOPs takes 1 ms forward and
+# 2 ms backward; the optimizer touches 2*4 + 4 + 2*8 = 28 bytes per parameter at 1 TB/s.
+MS = 1e-3
+
+
+def test_one_device_sums_every_layer():
+    prob = problem([layer("a"), layer("b", flops=2e9)], [0.0], devices(1, 10**9),
+                   optimizer_bytes=0.0)
+    plan = plan_problem(prob)
+    validate_plan(prob, plan)
+    # 3 ms + 6 ms of compute, optimizer step over 2000 params x 12 bytes = 24 ns.
+    assert plan.pp == 1 and plan.predicted["step_time_s"] == pytest.approx(9 * MS + 24e-9)
+
+
+def test_two_balanced_stages_halve_the_steady_state():
+    layers = [layer(f"l{i}", params=0) for i in range(4)]
+    prob = problem(layers, [0.0] * 3, devices(2, 10**9), batch=4, micro_batch_sizes=(1,),
+                   pins=Pins(pp=2))
+    plan = plan_problem(prob)
+    # Two layers per stage: 6 ms per microbatch; (m - 1) * 6 + 2 * 6 = 30 ms for m = 4.
+    assert [len(s.layers) for s in plan.stages] == [2, 2]
+    assert plan.predicted["step_time_s"] == pytest.approx(30 * MS)
+    assert plan.predicted["bubble_fraction"] == pytest.approx(1 / 5)
+
+
+def test_heavy_layer_gets_a_stage_of_its_own():
+    layers = [layer("a", params=0), layer("b", params=0), layer("c", flops=4e9, params=0)]
+    prob = problem(layers, [0.0, 0.0], devices(2, 10**9), batch=2, micro_batch_sizes=(1,),
+                   pins=Pins(pp=2))
+    plan = plan_problem(prob)
+    assert [list(s.layers) for s in plan.stages] == [["a", "b"], ["c"]]
+
+
+def test_memory_forces_recompute_on_the_cheapest_layers():
+    # Each layer saves 1 MB; recomputing one rematerialises its 1 MB during backward.
+    # Keeping all three needs 3 MB; recomputing one needs 2 + 1 = 3 MB; recomputing two
+    # needs 1 + 1 = 2 MB, which fits 2.5 MB: the two cheapest forwards are redone.
+    layers = [layer("a", params=0, saved=1e6, full=0.0, workspace=0.0),
+              layer("b", flops=3e9, params=0, saved=1e6, full=0.0, workspace=0.0),
+              layer("c", flops=4e9, params=0, saved=1e6, full=0.0, workspace=0.0)]
+    prob = problem(layers, [0.0, 0.0], devices(1, 2_500_000))
+    plan = plan_problem(prob)
+    assert plan.recompute == {"a": "full", "b": "full", "c": "none"}
+    # Recompute redoes the forwards of a and b: 1 ms + 3 ms.
+    assert plan.stages[0].time_s["recompute"] == pytest.approx(4 * MS)
+
+
+def test_selective_chosen_when_it_is_enough():
+    layers = [layer("attn", params=0, saved=1e6, selective=2e5, full=1e5, workspace=0.0)]
+    prob = problem(layers, [], devices(1, 1_000_000))
+    plan = plan_problem(prob)
+    assert plan.recompute == {"attn": "selective"}
+
+
+def test_tied_parameter_is_held_by_every_stage_using_it():
+    layers = [layer("emb", params=0), layer("mid", params=0), layer("head", params=0)]
+    tied = SharedParam(name="wte", fqns=("emb.weight", "head.weight"), param_count=1000,
+                       param_bytes=4000, layers=(0, 2))
+    prob = problem(layers, [0.0, 0.0], devices(2, 10**9), shared=(tied,), pins=Pins(pp=2))
+    plan = plan_problem(prob)
+    for stage in plan.stages:
+        assert stage.memory_bytes["params"] == 4000   # weights of the tied matrix, each
+        assert stage.param_count == 1000
+
+
+def test_pins_are_kept():
+    layers = [layer(f"l{i}") for i in range(4)]
+    pins = Pins(stages=(("l0",), ("l1", "l2", "l3")), recompute={"l1": "full"},
+                schedule="gpipe")
+    prob = problem(layers, [0.0] * 3, devices(2, 10**9), pins=pins)
+    plan = plan_problem(prob)
+    assert [list(s.layers) for s in plan.stages] == [["l0"], ["l1", "l2", "l3"]]
+    assert plan.recompute["l1"] == "full" and plan.schedule == "gpipe"
+
+
+def test_bad_stage_pin_is_an_error():
+    layers = [layer("a"), layer("b")]
+    prob = problem(layers, [0.0], devices(2, 10**9), pins=Pins(stages=(("b",), ("a",))))
+    with pytest.raises(ValueError, match="every layer once, in order"):
+        solve(prob)
+
+
+def test_infeasible_names_stage_need_limit_and_fix_quickly():
+    layers = [layer(f"l{i}", params=10**6) for i in range(8)]   # 24 MB of state each
+    prob = problem(layers, [0.0] * 7, devices(2, 50 * 10**6))
+    start = time.perf_counter()
+    with pytest.raises(PlanInfeasibleError) as info:
+        solve(prob)
+    elapsed = time.perf_counter() - start
+    message = str(info.value)
+    assert "stage" in message and "limit" in message and "would fit with" in message
+    assert info.value.need_bytes > info.value.limit_bytes
+    # 8 layers of 16 MB of state (4 + 4 + 8 bytes per parameter): 3 fit in 50 MB.
+    assert "3 devices (pp=3" in message
+    assert elapsed < 0.5
+
+
+def test_validator_rejects_broken_plans():
+    layers = [layer(f"l{i}") for i in range(3)]
+    prob = problem(layers, [0.0, 0.0], devices(1, 10**9))
+    plan = plan_problem(prob)
+    from dataclasses import replace
+    wrong_time = replace(plan, predicted={**plan.predicted, "step_time_s": 1.0})
+    with pytest.raises(PlanValidationError, match="predicted step time"):
+        validate_plan(prob, wrong_time)
+    wrong_order = replace(plan, stages=(replace(plan.stages[0],
+                                                layers=("l1", "l0", "l2")),))
+    with pytest.raises(PlanValidationError, match="once in order"):
+        validate_plan(prob, wrong_order)
+    tight = replace(prob, devices=devices(1, 1000))
+    with pytest.raises(PlanValidationError, match="needs"):
+        validate_plan(tight, plan)
+
+
+def test_planner_is_deterministic():
+    rng = random.Random(7)
+    prob = random_problem(rng)
+    first = [solve(prob).best.assignment for _ in range(2)] if _feasible(prob) else []
+    assert len(set(first)) <= 1
+
+
+def _feasible(prob) -> bool:
+    try:
+        solve(prob)
+        return True
+    except PlanInfeasibleError:
+        return False
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_plan_equals_brute_force(seed):
+    """250 random instances of <= 6 layers x <= 3 stages, recompute and memory limits."""
+    rng = random.Random(seed)
+    feasible = 0
+    for _ in range(63):
+        prob = random_problem(rng)
+        oracle = brute_force(prob)
+        if oracle is None:
+            with pytest.raises(PlanInfeasibleError):
+                plan_problem(prob)
+            continue
+        feasible += 1
+        plan = plan_problem(prob)
+        evaluation = validate_plan(prob, plan)
+        assert evaluation.step_ps == oracle[0]
+        assert plan.solver.status == "OPTIMAL" and plan.solver.gap == 0.0
+    assert feasible > 30
