@@ -42,7 +42,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Any, Sequence
 
 from ortools.sat.python import cp_model
 
@@ -157,7 +157,15 @@ def _allowed_modes(problem: PlanningProblem, layer: int) -> list[str]:
 
 
 class _ConfigModel:
-    """The CP-SAT model of one configuration; one method per constraint group."""
+    """The CP-SAT model of one configuration; one method per constraint group.
+
+    Stage membership is encoded by prefix variables ``before[l][s]`` = "layer ``l`` sits
+    on a stage ``<= s``", monotone in ``l`` and ``s``; then ``y[l,s] = before[l][s] -
+    before[l][s-1]`` and, with every stage non-empty, cut ``l`` is the boundary
+    ``s -> s+1`` exactly when ``z[l,s] = before[l][s] - before[l+1][s]`` is 1. This
+    interval encoding keeps the LP relaxation tight, which is what lets CP-SAT prove
+    optimality on long chains of identical blocks.
+    """
 
     def __init__(self, problem: PlanningProblem, table: CostTable,
                  pinned: list[int] | None) -> None:
@@ -165,9 +173,8 @@ class _ConfigModel:
         self.model = cp_model.CpModel()
         self.layers = range(table.num_layers)
         self.stages = range(table.config.pp)
-        self.x: dict[tuple[int, int, str], cp_model.IntVar] = {}
-        self._add_assignment(pinned)                 # (1), (9)
-        self._add_contiguity()                       # (2)
+        self._add_stages(pinned)                     # (2), (9)
+        self._add_modes()                            # (1), (9)
         busy = self._add_busy()                      # (3), (4)
         held = self._add_holders()                   # (5)
         tail = self._add_tail(held)                  # (6)
@@ -177,38 +184,63 @@ class _ConfigModel:
         self.model.minimize((m - 1) * self.peak_busy + sum(busy) + tail + tie
                             + table.tail_latency_ps)
 
-    def _feasible_stages(self, layer: int, pinned: list[int] | None) -> list[int]:
-        if pinned is not None:
-            return [pinned[layer]]
+    def _add_stages(self, pinned: list[int] | None) -> None:
         last, p = self.table.num_layers - 1, self.table.config.pp
-        return [s for s in self.stages if s <= layer and p - 1 - s <= last - layer]
-
-    def _add_assignment(self, pinned: list[int] | None) -> None:
-        self._y, self._stage = {}, {}
+        self.before = [[None] * p for _ in self.layers]
         for layer in self.layers:
-            choices = []
-            for stage in self._feasible_stages(layer, pinned):
-                here = []
-                for mode in _allowed_modes(self.problem, layer):
-                    var = self.model.new_bool_var(f"layer{layer}_stage{stage}_{mode}")
-                    self.x[layer, stage, mode] = var
-                    here.append(var)
-                self._y[layer, stage] = sum(here)
-                choices.extend((stage, var) for var in here)
-            self.model.add_exactly_one(var for _, var in choices)
-            self._stage[layer] = sum(stage * var for stage, var in choices)
+            for stage in self.stages:
+                lowest, highest = max(0, p - 1 - (last - layer)), min(layer, p - 1)
+                if pinned is not None:
+                    lowest = highest = pinned[layer]
+                if stage >= highest:
+                    self.before[layer][stage] = 1
+                elif stage < lowest:
+                    self.before[layer][stage] = 0
+                else:
+                    self.before[layer][stage] = self.model.new_bool_var(
+                        f"layer{layer}_before_stage{stage + 1}")
+        for layer in self.layers:
+            for stage in self.stages:
+                if layer < last:
+                    self.model.add(self.before[layer][stage] >= self.before[layer + 1][stage])
+                if stage < p - 1:
+                    self.model.add(self.before[layer][stage] <= self.before[layer][stage + 1])
+        self._y = {}
+        for layer in self.layers:
+            for stage in self.stages:
+                prior = self.before[layer][stage - 1] if stage else 0
+                self._y[layer, stage] = self.before[layer][stage] - prior
+        for stage in self.stages:                   # every stage holds a layer
+            self.model.add(sum(self._y[l, stage] for l in self.layers) >= 1)
 
-    def stage_expr(self, layer: int):
-        return self._stage[layer]
+    def _add_modes(self) -> None:
+        self.x: dict[tuple[int, int, str], Any] = {}
+        self.mode_vars: dict[tuple[int, str], Any] = {}
+        for layer in self.layers:
+            modes = _allowed_modes(self.problem, layer)
+            if len(modes) == 1:
+                for stage in self.stages:
+                    self.x[layer, stage, modes[0]] = self._y[layer, stage]
+                self.mode_vars[layer, modes[0]] = 1
+                continue
+            chosen = {r: self.model.new_bool_var(f"layer{layer}_{r}") for r in modes}
+            self.model.add_exactly_one(chosen.values())
+            self.mode_vars.update({(layer, r): v for r, v in chosen.items()})
+            for stage in self.stages:
+                y = self._y[layer, stage]
+                if isinstance(y, int):
+                    for r, v in chosen.items():
+                        self.x[layer, stage, r] = v if y == 1 else 0
+                    continue
+                for r, v in chosen.items():
+                    on = self.model.new_bool_var(f"layer{layer}_stage{stage}_{r}")
+                    self.model.add(on >= y + v - 1)
+                    self.model.add(on <= v)
+                    self.x[layer, stage, r] = on
+                self.model.add(sum(self.x[layer, stage, r] for r in chosen) == y)
 
-    def _add_contiguity(self) -> None:
-        last, p = self.table.num_layers - 1, self.table.config.pp
-        self.model.add(self.stage_expr(0) == 0)
-        self.model.add(self.stage_expr(last) == p - 1)
-        for layer in range(last):
-            step = self.stage_expr(layer + 1) - self.stage_expr(layer)
-            self.model.add(step >= 0)
-            self.model.add(step <= 1)
+    def cut_expr(self, cut: int, stage: int):
+        return self.before[cut][stage] - self.before[cut + 1][stage]
 
     def _add_busy(self) -> list:
         table, busy = self.table, []
@@ -218,15 +250,8 @@ class _ConfigModel:
         for stage in self.stages:
             compute = sum(table.layers[l].compute_ps(r) * v
                           for (l, s, r), v in self.x.items() if s == stage)
-            comm = 0
-            for cut in range(table.num_layers - 1):
-                if stage + 1 >= table.config.pp or table.cut_ps[cut][stage] == 0:
-                    continue
-                if (cut, stage) not in self._y or (cut + 1, stage + 1) not in self._y:
-                    continue
-                z = self.model.new_bool_var(f"cut{cut}_after_stage{stage}")
-                self.model.add(z >= self._y[cut, stage] + self._y[cut + 1, stage + 1] - 1)
-                comm += table.cut_ps[cut][stage] * z
+            comm = sum(table.cut_ps[cut][stage] * self.cut_expr(cut, stage)
+                       for cut in range(table.num_layers - 1) if stage + 1 < table.config.pp)
             busy.append(compute + comm)
             self.model.add(self.peak_busy >= compute + comm)
         return busy
@@ -238,8 +263,7 @@ class _ConfigModel:
             for stage in self.stages:
                 h = self.model.new_bool_var(f"shared{gi}_on_stage{stage}")
                 for layer in group.layers:
-                    if (layer, stage) in self._y:
-                        self.model.add(h >= self._y[layer, stage])
+                    self.model.add(h >= self._y[layer, stage])
                 row.append(h)
             held.append(row)
         return held
@@ -249,34 +273,36 @@ class _ConfigModel:
         top = sum(r.tail_ps for r in table.layers) + sum(g.tail_ps for g in table.shared)
         tail = self.model.new_int_var(0, top, "tail")
         for stage in self.stages:
-            own = sum(table.layers[l].tail_ps * y
-                      for (l, s), y in self._y.items() if s == stage)
+            own = sum(table.layers[l].tail_ps * self._y[l, stage] for l in self.layers)
             tied = sum(g.tail_ps * held[gi][stage] for gi, g in enumerate(table.shared))
             self.model.add(tail >= own + tied)
         return tail
 
     def _add_memory(self, held: list[list]) -> None:
         table = self.table
+        top = max(max(row.transient_bytes.values()) for row in table.layers)
         for stage in self.stages:
-            top = max(max(row.transient_bytes.values()) for row in table.layers)
             transient = self.model.new_int_var(0, top, f"transient_stage{stage}")
             saved = 0
             for (l, s, r), v in self.x.items():
                 if s != stage:
                     continue
                 saved += table.layers[l].saved_bytes[r] * v
-                self.model.add(transient >= table.layers[l].transient_bytes[r] * v)
-            state = sum(table.layers[l].state_total * y
-                        for (l, s), y in self._y.items() if s == stage)
+                if table.layers[l].transient_bytes[r]:
+                    self.model.add(transient >= table.layers[l].transient_bytes[r] * v)
+            state = sum(table.layers[l].state_total * self._y[l, stage] for l in self.layers)
             state += sum(g.state_total * held[gi][stage] for gi, g in enumerate(table.shared))
             inflight = table.config.inflight(stage)
             self.model.add(state + inflight * saved + transient <= table.limits[stage])
 
     def assignment(self, solver: cp_model.CpSolver) -> Assignment:
-        stage_of, modes = [0] * self.table.num_layers, ["none"] * self.table.num_layers
-        for (layer, stage, mode), v in self.x.items():
-            if solver.boolean_value(v):
-                stage_of[layer], modes[layer] = stage, mode
+        def value(v) -> int:
+            return v if isinstance(v, int) else int(solver.value(v))
+
+        stage_of = [sum(1 - value(self.before[l][s]) for s in self.stages)
+                    for l in self.layers]
+        modes = [next(r for (l2, r), v in self.mode_vars.items() if l2 == l and value(v))
+                 for l in self.layers]
         return Assignment(stage_of=tuple(stage_of), modes=tuple(modes))
 
 
