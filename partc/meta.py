@@ -1,0 +1,209 @@
+"""The ``node.meta`` and ``gm.meta`` keys that partc's passes read and write.
+
+Every key is defined once here, with a typed getter and setter; values are frozen
+dataclasses (or plain immutable values), never free-form dicts. A pass's docstring names
+the keys it reads and writes by the constants below.
+
+Node keys:
+
+- :data:`PARAMS` (``partc.params``): original parameter/buffer FQNs a node uses.
+- :data:`MODULE_PATH` (``partc.module_path``): FQN of the innermost module that ran the
+  node (``""`` at the root).
+- :data:`TENSORS` (``partc.tensors``): shape/dtype/bytes of each tensor the node produces.
+- :data:`ROLE` (``partc.role``): what a node is beyond its op (the loss, the target).
+- :data:`LAYER` (``partc.layer``): the layer a node belongs to.
+- :data:`COST` (``partc.cost``): the node's measured forward costs.
+
+Graph keys (on ``gm.meta``): :data:`TRACE` (how the model was captured) and
+:data:`LAYERS` (the layers in order, with their nodes and signatures) and :data:`CUTS`
+(bytes crossing each boundary between consecutive layers, for the whole traced batch),
+:data:`LAYER_COSTS` (one ``partc.problem.LayerCost`` per layer, per sample) and
+:data:`TIMINGS` (seconds each pass took).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import fx
+
+PARAMS = "partc.params"
+MODULE_PATH = "partc.module_path"
+TENSORS = "partc.tensors"
+ROLE = "partc.role"
+LAYER = "partc.layer"
+COST = "partc.cost"
+TRACE = "partc.trace"
+LAYERS = "partc.layers"
+CUTS = "partc.cut_bytes"
+LAYER_COSTS = "partc.layer_costs"
+TIMINGS = "partc.pass_seconds"
+
+# Roles: a plain model node has no role.
+ROLE_LOSS = "loss"
+ROLE_TARGET = "target"
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    """One tensor a node produces: enough to size it and to rebuild a fake copy."""
+
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+    dtype: torch.dtype
+    device: str
+    nbytes: int
+
+    @classmethod
+    def of(cls, tensor: torch.Tensor) -> TensorInfo:
+        shape = tuple(int(d) for d in tensor.shape)
+        stride = tuple(int(s) for s in tensor.stride())
+        nbytes = tensor.numel() * tensor.element_size()
+        return cls(shape, stride, tensor.dtype, str(tensor.device), int(nbytes))
+
+
+@dataclass(frozen=True)
+class LayerRef:
+    index: int
+    name: str
+
+
+@dataclass(frozen=True)
+class NodeCost:
+    """Forward costs of one node, for the whole traced batch.
+
+    ``compute_heavy`` marks ops that FlopCounterMode counts (matmul, conv, attention);
+    ``is_view`` marks ops whose output aliases an input (no bytes moved). ``saved_bytes``
+    is the size of the storages saved for backward that this node *produced*, counted
+    once per layer that saves them.
+    """
+
+    flops: float
+    bytes_moved: float
+    compute_heavy: bool
+    is_view: bool
+    output_bytes: float
+    saved_bytes: float
+
+
+@dataclass(frozen=True)
+class TraceInfo:
+    """How the model was captured, kept on ``gm.meta``."""
+
+    tracer: str
+    num_inputs: int
+    input_names: tuple[str, ...]
+    out_spec: Any  # torch.utils._pytree.TreeSpec of the model's output, or None
+    has_loss: bool
+    batch_size: int
+
+
+@dataclass(frozen=True)
+class LayerInfo:
+    """One layer: a contiguous run of graph nodes, in graph order."""
+
+    index: int
+    name: str
+    key: str
+    signature: str
+    nodes: tuple[str, ...]
+    is_loss: bool = False
+
+
+def _set(node: fx.Node, key: str, value: Any) -> None:
+    node.meta[key] = value
+
+
+def set_params(node: fx.Node, fqns: tuple[str, ...]) -> None:
+    _set(node, PARAMS, tuple(fqns))
+
+
+def params(node: fx.Node) -> tuple[str, ...]:
+    return node.meta.get(PARAMS, ())
+
+
+def set_module_path(node: fx.Node, path: str) -> None:
+    _set(node, MODULE_PATH, path)
+
+
+def module_path(node: fx.Node) -> str:
+    return node.meta.get(MODULE_PATH, "")
+
+
+def set_tensors(node: fx.Node, infos: tuple[TensorInfo, ...]) -> None:
+    _set(node, TENSORS, tuple(infos))
+
+
+def tensors(node: fx.Node) -> tuple[TensorInfo, ...]:
+    return node.meta.get(TENSORS, ())
+
+
+def output_bytes(node: fx.Node) -> int:
+    return sum(info.nbytes for info in tensors(node))
+
+
+def set_role(node: fx.Node, role: str) -> None:
+    _set(node, ROLE, role)
+
+
+def role(node: fx.Node) -> str | None:
+    return node.meta.get(ROLE)
+
+
+def set_layer(node: fx.Node, ref: LayerRef) -> None:
+    _set(node, LAYER, ref)
+
+
+def layer(node: fx.Node) -> LayerRef:
+    return node.meta[LAYER]
+
+
+def set_cost(node: fx.Node, cost: NodeCost) -> None:
+    _set(node, COST, cost)
+
+
+def cost(node: fx.Node) -> NodeCost | None:
+    return node.meta.get(COST)
+
+
+def set_trace_info(gm: fx.GraphModule, info: TraceInfo) -> None:
+    gm.meta[TRACE] = info
+
+
+def trace_info(gm: fx.GraphModule) -> TraceInfo:
+    return gm.meta[TRACE]
+
+
+def set_layers(gm: fx.GraphModule, layers: tuple[LayerInfo, ...]) -> None:
+    gm.meta[LAYERS] = tuple(layers)
+
+
+def layers(gm: fx.GraphModule) -> tuple[LayerInfo, ...]:
+    return gm.meta.get(LAYERS, ())
+
+
+def set_cut_bytes(gm: fx.GraphModule, cuts: tuple[float, ...]) -> None:
+    gm.meta[CUTS] = tuple(cuts)
+
+
+def cut_bytes(gm: fx.GraphModule) -> tuple[float, ...]:
+    return gm.meta[CUTS]
+
+
+def set_layer_costs(gm: fx.GraphModule, costs: tuple) -> None:
+    gm.meta[LAYER_COSTS] = tuple(costs)
+
+
+def layer_costs(gm: fx.GraphModule) -> tuple:
+    """The ``partc.problem.LayerCost`` of each layer, in layer order."""
+    return gm.meta[LAYER_COSTS]
+
+
+def add_pass_time(gm: fx.GraphModule, name: str, seconds: float) -> None:
+    gm.meta[TIMINGS] = gm.meta.get(TIMINGS, ()) + ((name, seconds),)
+
+
+def pass_times(gm: fx.GraphModule) -> tuple[tuple[str, float], ...]:
+    return gm.meta.get(TIMINGS, ())

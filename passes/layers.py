@@ -1,0 +1,327 @@
+"""Group graph nodes into layers: module boundaries first, single-tensor graph cuts after.
+
+A *repeated container* is a module whose children are named ``0 .. k-1`` (ModuleList,
+Sequential). A node's layer key comes from its module path: walk it from the root while
+the module is an ancestor of a repeated container; the key is the first module that is
+not, or ``container.<index>`` inside a container. GPT-2 gives ``transformer.wte``,
+``transformer.wpe``, ``transformer.drop``, ``transformer.h.0`` … ``transformer.ln_f``,
+``lm_head``. Nodes without a key (root-level functions) join the layer in progress.
+
+Layers are runs of consecutive nodes in graph order, so their sequence is a topological
+order of the layer DAG by construction; the pass still checks it with networkx.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Any
+
+import networkx as nx
+import torch
+from torch import fx, nn
+
+from partc import meta
+
+from .trace import Context
+
+ROOT_LAYER = "root"
+OUTPUT_LAYER = "output"
+
+# Ops that only reshape, alias or inspect: a tail made of them is no layer of its own.
+_TRIVIAL_OPS = {
+    "view", "reshape", "transpose", "permute", "unsqueeze", "squeeze", "expand", "getitem",
+    "slice", "select", "t", "contiguous", "flatten", "unflatten", "size", "getattr", "alias",
+    "detach", "split", "chunk", "_assert_tensor_metadata", "to", "float", "clone", "dim",
+}
+# Ops whose presence marks a segment worth a layer when the graph has to be cut.
+_HEAVY_OPS = {
+    "linear", "matmul", "mm", "bmm", "addmm", "baddbmm", "einsum", "conv1d", "conv2d",
+    "conv3d", "convolution", "scaled_dot_product_attention", "embedding",
+    "_scaled_dot_product_efficient_attention", "_scaled_dot_product_flash_attention",
+}
+
+
+def layers(gm: fx.GraphModule, ctx: Context) -> fx.GraphModule:
+    """Assign every node to a layer and measure what crosses each layer boundary.
+
+    Reads: ``meta.MODULE_PATH``, ``meta.ROLE``, ``meta.TENSORS``, ``meta.PARAMS``.
+    Writes: ``meta.LAYER`` on every node; ``meta.LAYERS`` and ``meta.CUTS`` on ``gm``.
+    Requires: ``propagate``; placeholders first, get_attr nodes next to their first user.
+    Ensures: layers are contiguous runs of graph order; every data edge goes from a layer
+    to itself or a later one; ``len(CUTS) == len(LAYERS) - 1``.
+    """
+    keyer = _LayerKeyer(ctx.model)
+    runs = _module_runs(gm, keyer)
+    runs = _split_tail(runs)
+    if sum(1 for run in runs if not run.is_loss) <= 1:
+        runs = _split_at_cuts(gm, runs)
+    infos = _name_layers(runs)
+    _assign(gm, infos)
+    _check_dag(gm, infos)
+    meta.set_layers(gm, tuple(infos))
+    meta.set_cut_bytes(gm, crossing_bytes(gm, len(infos)))
+    return gm
+
+
+class _LayerKeyer:
+    """Maps a module path to its layer key (``None``: above every layer)."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.containers = {name for name, module in model.named_modules()
+                           if _is_repeated(module)}
+        self.ancestors = {".".join(name.split(".")[:i]) if name else ""
+                          for name in self.containers
+                          for i in range(len(name.split(".")) + 1)}
+        self.ancestors.add("")
+
+    def key(self, path: str) -> str | None:
+        current = ""
+        for part in path.split(".") if path else []:
+            child = f"{current}.{part}" if current else part
+            if current in self.containers or child not in self.ancestors:
+                return child
+            current = child
+        return None
+
+
+def _is_repeated(module: nn.Module) -> bool:
+    names = [name for name, _ in module.named_children()]
+    return bool(names) and names == [str(i) for i in range(len(names))]
+
+
+class _Run:
+    """A run of consecutive nodes with one layer key, before layers get names."""
+
+    def __init__(self, key: str | None, is_loss: bool = False) -> None:
+        self.key = key
+        self.is_loss = is_loss
+        self.nodes: list[fx.Node] = []
+        self.keyed_until = 0  # nodes[:keyed_until] end with the last keyed node
+
+
+def _module_runs(gm: fx.GraphModule, keyer: _LayerKeyer) -> list[_Run]:
+    runs: list[_Run] = []
+    pending: list[fx.Node] = []  # keyless nodes before the first keyed one
+    for node in gm.graph.nodes:
+        if node.op in ("placeholder", "output", "get_attr"):
+            continue  # placed after grouping: inputs first, parameters with their user
+        is_loss = meta.role(node) == meta.ROLE_LOSS
+        key = "loss" if is_loss else keyer.key(meta.module_path(node))
+        if key is None:
+            (runs[-1].nodes if runs else pending).append(node)
+            continue
+        if not runs or runs[-1].key != key:
+            runs.append(_Run(key, is_loss))
+        runs[-1].nodes.append(node)
+        runs[-1].keyed_until = len(runs[-1].nodes)
+    if not runs or runs[0].is_loss:
+        runs.insert(0, _Run(None))
+    runs[0].nodes[:0] = pending
+    runs[0].keyed_until += len(pending)
+    return runs
+
+
+def _split_tail(runs: list[_Run]) -> list[_Run]:
+    """Keyless nodes after the model's last module form an "output" layer if they compute."""
+    model_runs = [r for r in runs if not r.is_loss]
+    last = model_runs[-1]
+    tail = last.nodes[last.keyed_until:]
+    if not tail or all(op_name(n) in _TRIVIAL_OPS for n in tail) or last.key is None:
+        return runs
+    del last.nodes[last.keyed_until:]
+    output = _Run(OUTPUT_LAYER)
+    output.nodes = tail
+    return runs[:runs.index(last) + 1] + [output] + runs[runs.index(last) + 1:]
+
+
+def _split_at_cuts(gm: fx.GraphModule, runs: list[_Run]) -> list[_Run]:
+    """Models without module structure: cut where a single tensor crosses."""
+    live = _live_tensor_counts(gm)
+    result: list[_Run] = []
+    for run in runs:
+        if run.is_loss:
+            result.append(run)
+            continue
+        result.extend(_cut_run(run, live))
+    return result
+
+
+def _cut_run(run: _Run, live: dict[fx.Node, int]) -> list[_Run]:
+    """Cut before each heavy op at the last single-tensor point since the previous one.
+
+    Taking the last such point keeps an op's cheap epilogue (an activation, a norm)
+    with it, and no piece is made of reshapes alone.
+    """
+    pieces, start, seen_heavy, candidate = [], 0, False, None
+    for position, node in enumerate(run.nodes):
+        if op_name(node) in _HEAVY_OPS:
+            if seen_heavy and candidate is not None:
+                pieces.append(run.nodes[start:candidate + 1])
+                start = candidate + 1
+            seen_heavy, candidate = True, None
+        if seen_heavy and live[node] == 1:
+            candidate = position
+    pieces.append(run.nodes[start:])
+    if len(pieces) == 1:
+        return [run]
+    out = []
+    for index, nodes in enumerate(pieces):
+        piece = _Run(f"{run.key or ROOT_LAYER}.{index}")
+        piece.nodes = nodes
+        out.append(piece)
+    return out
+
+
+def _live_tensor_counts(gm: fx.GraphModule) -> dict[fx.Node, int]:
+    """For each node, how many tensor values made at or before it are used after it."""
+    nodes = list(gm.graph.nodes)
+    position = {node: i for i, node in enumerate(nodes)}
+    delta = [0] * (len(nodes) + 1)
+    for node in nodes:
+        if not _is_activation(node) or not node.users:
+            continue
+        last_use = max(position[user] for user in node.users)
+        delta[position[node]] += 1
+        delta[last_use] -= 1
+    counts, running = {}, 0
+    for node, change in zip(nodes, delta):
+        running += change
+        counts[node] = running
+    return counts
+
+
+def _is_activation(node: fx.Node) -> bool:
+    """A value that carries tensors between nodes and is not a parameter or the target."""
+    if node.op in ("get_attr", "output") or meta.role(node) == meta.ROLE_TARGET:
+        return False
+    return bool(meta.tensors(node))
+
+
+def _name_layers(runs: list[_Run]) -> list[meta.LayerInfo]:
+    seen: dict[str, int] = {}
+    infos = []
+    for index, run in enumerate(runs):
+        key = run.key or ROOT_LAYER
+        seen[key] = seen.get(key, 0) + 1
+        # A module called again after another layer started is a new layer.
+        name = key if seen[key] == 1 else f"{key}#{seen[key]}"
+        infos.append(meta.LayerInfo(index=index, name=name, key=key, signature="",
+                                    nodes=tuple(n.name for n in run.nodes),
+                                    is_loss=run.is_loss))
+    return infos
+
+
+def _assign(gm: fx.GraphModule, infos: list[meta.LayerInfo]) -> None:
+    """Write LAYER on every node, placing inputs, parameters and the output, and sign."""
+    by_name = {node.name: node for node in gm.graph.nodes}
+    for info in infos:
+        for name in info.nodes:
+            meta.set_layer(by_name[name], meta.LayerRef(info.index, info.name))
+    first, last = infos[0], infos[-1]
+    for node in gm.graph.nodes:
+        if node.op == "placeholder":
+            home = last if meta.role(node) == meta.ROLE_TARGET else first
+            meta.set_layer(node, meta.LayerRef(home.index, home.name))
+        elif node.op == "output":
+            meta.set_layer(node, meta.LayerRef(last.index, last.name))
+    for node in gm.graph.nodes:
+        if node.op == "get_attr":
+            user = min(node.users, key=lambda u: meta.layer(u).index)
+            meta.set_layer(node, meta.layer(user))
+    for i, info in enumerate(infos):
+        nodes = [n for n in gm.graph.nodes if meta.layer(n).index == info.index
+                 and n.op not in ("placeholder", "output")]
+        infos[i] = meta.LayerInfo(index=info.index, name=info.name, key=info.key,
+                                  signature=_signature(nodes, info.key),
+                                  nodes=tuple(n.name for n in nodes), is_loss=info.is_loss)
+
+
+def _check_dag(gm: fx.GraphModule, infos: list[meta.LayerInfo]) -> None:
+    dag = nx.DiGraph()
+    dag.add_nodes_from(range(len(infos)))
+    for node in gm.graph.nodes:
+        if node.op == "get_attr":
+            continue  # parameters are held by every layer using them, not passed along
+        for user in node.users:
+            dag.add_edge(meta.layer(node).index, meta.layer(user).index)
+    dag.remove_edges_from(nx.selfloop_edges(dag))
+    if not nx.is_directed_acyclic_graph(dag):
+        raise AssertionError(f"layer graph has a cycle: {nx.find_cycle(dag)}")
+    backward = [(a, b) for a, b in dag.edges if a > b]
+    if backward:
+        a, b = backward[0]
+        raise AssertionError(f"layer {infos[a].name} feeds earlier layer {infos[b].name}")
+
+
+def crossing_bytes(gm: fx.GraphModule, num_layers: int) -> tuple[float, ...]:
+    """Bytes of every activation made at or before layer l and used after it, per cut l.
+
+    Placeholders count as made before layer 0; the target goes straight to the loss and
+    parameters are never passed, so neither crosses.
+    """
+    delta = [0.0] * (num_layers + 1)
+    for node in gm.graph.nodes:
+        if not _is_activation(node) or not node.users:
+            continue
+        # Boundary l lies after layer l: a value crosses boundaries made .. used - 1.
+        made = 0 if node.op == "placeholder" else meta.layer(node).index
+        used = max(meta.layer(user).index for user in node.users)
+        if used > made:
+            delta[made] += meta.output_bytes(node)
+            delta[used] -= meta.output_bytes(node)
+    cuts, running = [], 0.0
+    for boundary in range(num_layers - 1):
+        running += delta[boundary]
+        cuts.append(running)
+    return tuple(cuts)
+
+
+def op_name(node: fx.Node) -> str:
+    """A short op name: ``aten.view.default`` → ``view``, ``F.linear`` → ``linear``."""
+    target = node.target
+    if node.op == "call_module":
+        return type(node.graph.owning_module.get_submodule(target)).__name__.lower()
+    if node.op == "call_method":
+        return str(target)
+    if isinstance(target, torch._ops.OpOverload):
+        return target.overloadpacket.__name__
+    return getattr(target, "__name__", str(target))
+
+
+def _signature(nodes: list[fx.Node], prefix: str) -> str:
+    """Hash of a layer's ops, wiring, shapes and relative parameter names."""
+    local = {node: i for i, node in enumerate(nodes)}
+    external: dict[fx.Node, int] = {}
+
+    def arg_repr(value: Any) -> Any:
+        if isinstance(value, fx.Node):
+            if value in local:
+                return ("n", local[value])
+            if value.op == "get_attr":
+                return ("p", _relative(str(value.target), prefix))
+            return ("in", external.setdefault(value, len(external)))
+        if isinstance(value, (list, tuple)):
+            return tuple(arg_repr(v) for v in value)
+        if isinstance(value, dict):
+            return tuple(sorted((k, arg_repr(v)) for k, v in value.items()))
+        return repr(value)
+
+    items = []
+    for node in nodes:
+        target = _relative(str(node.target), prefix) if node.op in (
+            "get_attr", "call_module") else op_name(node)
+        shapes = tuple((t.shape, str(t.dtype)) for t in meta.tensors(node))
+        items.append((node.op, target, arg_repr(node.args), arg_repr(node.kwargs), shapes))
+    return hashlib.sha1(repr(items).encode()).hexdigest()[:16]
+
+
+def _relative(fqn: str, prefix: str) -> str:
+    if fqn == prefix:
+        return ""
+    return fqn[len(prefix) + 1:] if prefix and fqn.startswith(prefix + ".") else fqn
+
+
+def layer_nodes(gm: fx.GraphModule, info: meta.LayerInfo) -> list[fx.Node]:
+    by_name = {node.name: node for node in gm.graph.nodes}
+    return [by_name[name] for name in info.nodes]
+

@@ -1,0 +1,175 @@
+"""The front half of partc as a checklist of passes: model in, ``ModelAnalysis`` out.
+
+Each pass is timed (``partc.meta.pass_times(gm)``); an exception raised inside one
+carries a note naming the pass (and the node, where a pass ran one). With
+``PARTC_VERIFY=1`` (always on in tests) the invariants each pass ensures are checked
+before the next one runs.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import time
+from typing import Any, Callable
+
+import torch
+from torch import fx, nn
+
+from partc import meta
+from partc.problem import ModelAnalysis, ModelSummary, SharedParam
+
+from .estimate import estimate, param_usage
+from .layers import layers
+from .propagate import propagate
+from .trace import Context, trace
+
+Pass = Callable[[fx.GraphModule, Context], fx.GraphModule]
+
+
+def analyze(model: nn.Module, example_inputs: Any, *, loss_fn: Callable | None = None,
+            example_target: Any = None, name: str | None = None,
+            kwargs: dict | None = None) -> tuple[fx.GraphModule, ModelAnalysis]:
+    """Trace ``model`` and measure it, layer by layer, per sample.
+
+    ``example_inputs`` is a tensor or a tuple of positional inputs (real, meta or fake;
+    dim 0 of the first is the batch); ``kwargs`` optional keyword inputs. With
+    ``loss_fn(output, target)`` the loss becomes the last layer, ``"loss"``; its target
+    is ``example_target`` or, for a (batch, seq, vocab) output, int64 class indices.
+    Returns the GraphModule (placeholders: the forward's inputs in order, then
+    ``target``) and the :class:`partc.problem.ModelAnalysis` the planner reads.
+    """
+    started = time.perf_counter()
+    gm, ctx = _named("trace", lambda: trace(model, example_inputs, kwargs=kwargs,
+                                            loss_fn=loss_fn, example_target=example_target,
+                                            name=name))
+    meta.add_pass_time(gm, "trace", time.perf_counter() - started)
+    _verify("trace", gm)
+    # Order matters: layers reads the shapes propagate writes, and estimate measures one
+    # layer at a time (once per repeated-block signature), so it runs after layers.
+    passes: list[tuple[str, Pass]] = [
+        ("propagate", propagate),
+        ("layers", layers),
+        ("estimate", estimate),
+    ]
+    for pass_name, run_pass in passes:
+        started = time.perf_counter()
+        gm = _named(pass_name, lambda: run_pass(gm, ctx))
+        meta.add_pass_time(gm, pass_name, time.perf_counter() - started)
+        _verify(pass_name, gm)
+    return gm, summarize(gm, ctx)
+
+
+def _named(pass_name: str, thunk: Callable[[], Any]) -> Any:
+    try:
+        return thunk()
+    except Exception as error:
+        error.add_note(f"partc: raised in pass {pass_name!r}")
+        raise
+
+
+def summarize(gm: fx.GraphModule, ctx: Context) -> ModelAnalysis:
+    """Collect the per-layer costs, cuts and shared parameters into a ModelAnalysis."""
+    info = meta.trace_info(gm)
+    per_sample = 1.0 / ctx.batch_size
+    return ModelAnalysis(
+        summary=ModelSummary(
+            name=ctx.name, num_params=_num_params(ctx.model), hash=model_hash(ctx.model),
+            tokens_per_sample=_tokens_per_sample(ctx), traced_batch_size=ctx.batch_size,
+            traced_dtype_bytes=_dtype_bytes(ctx.model), tracer=info.tracer),
+        layers=meta.layer_costs(gm),
+        cut_bytes=tuple(c * per_sample for c in meta.cut_bytes(gm)),
+        shared=_shared(gm, ctx),
+    )
+
+
+def _unique_params(model: nn.Module) -> list[nn.Parameter]:
+    return list({id(p): p for p in model.parameters()}.values())
+
+
+def _num_params(model: nn.Module) -> int:
+    return sum(p.numel() for p in _unique_params(model))
+
+
+def _dtype_bytes(model: nn.Module) -> int:
+    floats = [p for p in _unique_params(model) if p.is_floating_point()]
+    return floats[0].element_size() if floats else 4
+
+
+def _tokens_per_sample(ctx: Context) -> int:
+    first = ctx.fake_inputs[0] if ctx.fake_inputs else None
+    if isinstance(first, torch.Tensor) and first.dim() == 2 and not first.is_floating_point():
+        return int(first.shape[1])
+    return 0
+
+
+def model_hash(model: nn.Module) -> str:
+    """A stable hash of the module tree and parameter shapes/dtypes (never values)."""
+    digest = hashlib.sha256()
+    for fqn, module in model.named_modules(remove_duplicate=False):
+        digest.update(f"m {fqn} {type(module).__module__}.{type(module).__qualname__}\n".encode())
+    for fqn, tensor in model.named_parameters(remove_duplicate=False):
+        digest.update(f"p {fqn} {tuple(tensor.shape)} {tensor.dtype}\n".encode())
+    for fqn, tensor in model.named_buffers(remove_duplicate=False):
+        digest.update(f"b {fqn} {tuple(tensor.shape)} {tensor.dtype}\n".encode())
+    return digest.hexdigest()[:16]
+
+
+def _shared(gm: fx.GraphModule, ctx: Context) -> tuple[SharedParam, ...]:
+    usage = param_usage(gm, ctx)
+    shared = []
+    for key, indices in usage["layers"].items():
+        if len(indices) < 2:
+            continue
+        tensor = usage["tensors"][key]
+        fqns = ctx.param_fqns[key]
+        shared.append(SharedParam(name=fqns[0], fqns=fqns, param_count=tensor.numel(),
+                                  param_bytes=tensor.numel() * tensor.element_size(),
+                                  layers=tuple(sorted(indices))))
+    return tuple(sorted(shared, key=lambda s: s.name))
+
+
+def _verify(pass_name: str, gm: fx.GraphModule) -> None:
+    if os.environ.get("PARTC_VERIFY") != "1":
+        return
+    checks = {"trace": _verify_trace, "propagate": _verify_propagate,
+              "layers": _verify_layers, "estimate": _verify_estimate}
+    gm.graph.lint()
+    for node in gm.graph.nodes:
+        problem = checks[pass_name](node)
+        if problem:
+            raise AssertionError(f"after pass {pass_name!r}, node {node.name!r} "
+                                 f"({node.format_node()}): {problem}")
+    if pass_name == "layers" and len(meta.cut_bytes(gm)) != len(meta.layers(gm)) - 1:
+        raise AssertionError("after pass 'layers': one cut per pair of adjacent layers")
+
+
+def _verify_trace(node: fx.Node) -> str:
+    if node.op == "placeholder" and node.prev.op not in ("placeholder", "root"):
+        return "placeholders must come first"
+    if node.op == "get_attr" and not meta.params(node):
+        return "get_attr without its parameter FQN"
+    if node.op == "get_attr" and node.next not in node.users and node.next.op != "get_attr":
+        return "get_attr is not next to its first user"
+    return ""
+
+
+def _verify_propagate(node: fx.Node) -> str:
+    if node.op != "output" and "val" not in node.meta:
+        return "no fake value"
+    return ""
+
+
+def _verify_layers(node: fx.Node) -> str:
+    if meta.LAYER not in node.meta:
+        return "no layer"
+    if node.op in ("placeholder", "get_attr", "output"):
+        return ""
+    later = [u for u in node.users if meta.layer(u).index < meta.layer(node).index]
+    return f"used by an earlier layer: {later[0].name}" if later else ""
+
+
+def _verify_estimate(node: fx.Node) -> str:
+    if node.op.startswith("call_") and meta.cost(node) is None:
+        return "no cost"
+    return ""

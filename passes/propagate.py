@@ -1,0 +1,98 @@
+"""Shapes and dtypes of every node, computed on fake tensors (no memory, meta models ok)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.utils._pytree as pytree
+from torch import fx
+
+from partc import meta
+from partc.errors import TraceError
+
+from .trace import Context
+
+
+def propagate(gm: fx.GraphModule, ctx: Context) -> fx.GraphModule:
+    """Give every node a fake value (``node.meta["val"]``) and its tensors' metadata.
+
+    Reads: ``meta.ROLE``; ``node.meta["val"]`` where torch.export left one (reused: the
+    exporter already ran the graph on fake tensors).
+    Writes: ``node.meta["val"]``, ``meta.TENSORS``.
+    Requires: ``trace``. Ensures: every node but the output has ``val`` and ``TENSORS``.
+    """
+    env: dict[fx.Node, Any] = {}
+    inputs = iter(ctx.fake_inputs)
+    for node in gm.graph.nodes:
+        if node.op == "output":
+            continue
+        if "val" in node.meta:
+            value = node.meta["val"]
+        elif node.op == "placeholder":
+            value = _placeholder(node, inputs, ctx)
+        else:
+            value = _run(gm, node, env, ctx)
+        env[node] = value
+        node.meta["val"] = value
+        meta.set_tensors(node, _tensor_infos(value))
+    return gm
+
+
+def _placeholder(node: fx.Node, inputs: Any, ctx: Context) -> Any:
+    if meta.role(node) == meta.ROLE_TARGET:
+        return ctx.fake_target  # None until the loss node derives it from the output
+    try:
+        return next(inputs)
+    except StopIteration:
+        # symbolic_trace keeps optional forward arguments as placeholders with defaults.
+        return node.args[0] if node.args else None
+
+
+def _run(gm: fx.GraphModule, node: fx.Node, env: dict, ctx: Context) -> Any:
+    if meta.role(node) == meta.ROLE_LOSS:
+        _derive_target(node, env, ctx)
+    args = fx.node.map_arg(node.args, env.__getitem__)
+    kwargs = fx.node.map_arg(node.kwargs, env.__getitem__)
+    with ctx.fake_mode:
+        if node.op == "get_attr":
+            value = _fetch(gm, str(node.target))
+            # export's higher-order ops read subgraphs through get_attr too.
+            if not isinstance(value, torch.Tensor):
+                return value
+            return ctx.fake_mode.from_tensor(value)
+        if node.op == "call_function":
+            return node.target(*args, **kwargs)
+        if node.op == "call_method":
+            self_arg, *rest = args
+            return getattr(self_arg, node.target)(*rest, **kwargs)
+        return gm.get_submodule(str(node.target))(*args, **kwargs)
+
+
+def _fetch(gm: fx.GraphModule, target: str) -> torch.Tensor:
+    owner, _, attr = target.rpartition(".")
+    return getattr(gm.get_submodule(owner) if owner else gm, attr)
+
+
+def _derive_target(loss: fx.Node, env: dict, ctx: Context) -> None:
+    """Without an example target, a (batch, seq, vocab) output gets int64 class indices."""
+    target_node = loss.args[-1]
+    if env[target_node] is not None:
+        return
+    output = env[loss.args[0]]
+    if not (isinstance(output, torch.Tensor) and output.dim() == 3
+            and output.is_floating_point()):
+        raise TraceError(
+            "loss_fn was given without example_target, and partc can only guess the "
+            "target of a (batch, seq, vocab) output: pass example_target")
+    with ctx.fake_mode:
+        target = torch.zeros(tuple(output.shape[:-1]), dtype=torch.int64,
+                             device=output.device)
+    env[target_node] = target
+    target_node.meta["val"] = target
+    meta.set_tensors(target_node, _tensor_infos(target))
+
+
+def _tensor_infos(value: Any) -> tuple[meta.TensorInfo, ...]:
+    leaves = pytree.tree_leaves(value)
+    return tuple(meta.TensorInfo.of(t) for t in leaves if isinstance(t, torch.Tensor))

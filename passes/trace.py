@@ -1,0 +1,263 @@
+"""Capture a model as an fx graph, on fake inputs, keeping its parameter FQNs.
+
+``torch.fx.symbolic_trace`` is tried first (it keeps ``call_module`` nodes and reads
+well); models it cannot capture (Hugging Face transformers 5.x among them) go through
+``torch.export.export(strict=False)``. Inputs are turned into fake tensors before either
+tracer sees them, so no real activation is computed and a model on the meta device works.
+
+The loss, when given, is appended as one ``call_module`` node whose module calls the
+user's ``loss_fn`` on the model's output rebuilt in its original structure; it is never
+traced into, so any Python loss works as long as it runs on fake tensors.
+"""
+
+from __future__ import annotations
+
+import os
+import traceback
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+import torch.utils._pytree as pytree
+from torch import fx, nn
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+from partc import meta
+from partc.errors import TraceError
+
+LOSS_MODULE = "loss"
+
+
+@dataclass(frozen=True, kw_only=True)
+class Context:
+    """What the passes after ``trace`` need besides the graph."""
+
+    model: nn.Module
+    name: str
+    fake_mode: FakeTensorMode
+    fake_inputs: tuple[Any, ...]  # one per model placeholder, in order
+    fake_target: Any  # None: propagate derives it from the model's output
+    batch_size: int
+    param_fqns: dict[int, tuple[str, ...]] = field(default_factory=dict)  # id → all FQNs
+
+
+class LossCall(nn.Module):
+    """Calls ``loss_fn(output, target)`` with the model's output in its own structure."""
+
+    def __init__(self, loss_fn: Callable, out_spec: pytree.TreeSpec) -> None:
+        super().__init__()
+        self.loss_fn = loss_fn
+        self.out_spec = out_spec
+
+    def forward(self, *leaves_and_target: Any) -> torch.Tensor:
+        *leaves, target = leaves_and_target
+        return self.loss_fn(pytree.tree_unflatten(leaves, self.out_spec), target)
+
+
+def trace(model: nn.Module, example_inputs: Any, *, kwargs: dict | None = None,
+          loss_fn: Callable | None = None, example_target: Any = None,
+          name: str | None = None) -> tuple[fx.GraphModule, Context]:
+    """Trace ``model`` into a GraphModule whose placeholders are its forward inputs.
+
+    Reads: nothing. Writes: ``meta.PARAMS``, ``meta.MODULE_PATH``, ``meta.ROLE`` on nodes,
+    ``meta.TRACE`` on the graph module.
+    Requires: ``example_inputs`` a tensor or tuple (dim 0 of the first is the batch).
+    Ensures: placeholders first (model inputs in order, then ``target`` when there is a
+    loss), each get_attr right before its first user, get_attr targets are the model's
+    own parameter FQNs, the output is the loss or the model's flattened output.
+    """
+    args = example_inputs if isinstance(example_inputs, tuple) else (example_inputs,)
+    kwargs = dict(kwargs or {})
+    fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
+    device = _model_device(model)
+    fake_args, fake_kwargs = pytree.tree_map_only(
+        torch.Tensor, lambda t: _fake_like(fake_mode, t, device), (args, kwargs))
+    gm, tracer = _capture(model, fake_args, fake_kwargs, name or type(model).__name__)
+    if tracer == "export":
+        out_spec = _normalize_export(gm)
+    else:
+        out_spec = _flatten_output(gm)
+    _order_nodes(gm)
+    _record_modules(gm, tracer)
+    _record_params(gm, model)
+    inputs = [a for a in pytree.tree_leaves((fake_args, fake_kwargs))
+              if isinstance(a, torch.Tensor)]
+    target = pytree.tree_map_only(
+        torch.Tensor, lambda t: _fake_like(fake_mode, t, device), example_target)
+    if loss_fn is not None:
+        _append_loss(gm, loss_fn, out_spec)
+    gm.recompile()
+    batch = int(inputs[0].shape[0]) if inputs and inputs[0].dim() else 1
+    names = tuple(n.name for n in gm.graph.nodes if n.op == "placeholder")
+    meta.set_trace_info(gm, meta.TraceInfo(
+        tracer=tracer, num_inputs=len(names) - (loss_fn is not None), input_names=names,
+        out_spec=out_spec, has_loss=loss_fn is not None, batch_size=batch))
+    ctx = Context(model=model, name=name or type(model).__name__, fake_mode=fake_mode,
+                  fake_inputs=tuple(inputs), fake_target=target, batch_size=batch,
+                  param_fqns=_param_fqns(model))
+    return gm, ctx
+
+
+def _model_device(model: nn.Module) -> torch.device:
+    for tensor in list(model.parameters()) + list(model.buffers()):
+        return tensor.device
+    return torch.device("cpu")
+
+
+def _fake_like(mode: FakeTensorMode, tensor: torch.Tensor, device: torch.device) -> Any:
+    # Inputs follow the parameters' device, so meta example inputs work with a CPU model
+    # and the other way round.
+    with mode:
+        return torch.empty_strided(tuple(tensor.shape), tuple(tensor.stride()),
+                                   dtype=tensor.dtype, device=device)
+
+
+def _capture(model: nn.Module, args: tuple, kwargs: dict,
+             name: str) -> tuple[fx.GraphModule, str]:
+    fx_error: BaseException = TypeError("symbolic_trace takes no keyword inputs")
+    if not kwargs:
+        try:
+            return fx.symbolic_trace(model), "symbolic_trace"
+        except Exception as error:  # any failure sends the model to the second tracer
+            fx_error = error
+    try:
+        exported = torch.export.export(model, args, kwargs, strict=False)
+        return exported.module(), "export"
+    except Exception as export_error:
+        raise TraceError(_trace_error_message(name, fx_error, export_error)) from export_error
+
+
+def _trace_error_message(name: str, fx_error: BaseException,
+                         export_error: BaseException) -> str:
+    return (
+        f"partc could not trace {name}: both tracers failed.\n"
+        f"  torch.fx.symbolic_trace: {_describe(fx_error)}\n"
+        f"  torch.export.export(strict=False): {_describe(export_error)}\n"
+        "What you can do: make Python control flow independent of tensor values "
+        "(static shapes and branches), turn off caches and optional outputs "
+        "(e.g. use_cache=False for Hugging Face models), pass concrete example inputs "
+        "of the shape you train with, or move the data-dependent part out of forward."
+    )
+
+
+def _describe(error: BaseException) -> str:
+    text = str(error).strip().splitlines()
+    first_line = text[0] if text else ""
+    where = _user_frame(error)
+    return f"{type(error).__name__}: {first_line}" + (f" (at {where})" if where else "")
+
+
+def _user_frame(error: BaseException) -> str:
+    """The innermost traceback frame outside torch and partc: the user's construct."""
+    library_dirs = (os.path.dirname(torch.__file__), os.path.dirname(__file__),
+                    os.path.dirname(meta.__file__))
+    frames = traceback.extract_tb(error.__traceback__)
+    cause = error.__cause__ or error.__context__
+    while cause is not None:
+        frames.extend(traceback.extract_tb(cause.__traceback__))
+        cause = cause.__cause__
+    user = [f for f in frames if not f.filename.startswith(library_dirs)
+            and "importlib" not in f.filename and "<" not in f.filename]
+    if not user:
+        return ""
+    frame = user[-1]
+    return f"{frame.filename}:{frame.lineno} in {frame.name}: {(frame.line or '').strip()}"
+
+
+def _normalize_export(gm: fx.GraphModule) -> pytree.TreeSpec:
+    """Make ``ep.module()`` a plain GraphModule: flat inputs, flat outputs, no guards."""
+    out_spec = gm.graph._codegen.pytree_info.out_spec
+    for node in list(gm.graph.nodes):
+        if node.op == "call_module" and node.target == "_guards_fn":
+            gm.graph.erase_node(node)
+            gm.delete_submodule("_guards_fn")
+    gm.graph._codegen = fx.graph.CodeGen()
+    output = _output(gm)
+    leaves = list(output.args[0])
+    output.args = (leaves[0] if out_spec.is_leaf() else tuple(leaves),)
+    return out_spec
+
+
+def _flatten_output(gm: fx.GraphModule) -> pytree.TreeSpec:
+    output = _output(gm)
+    leaves, spec = pytree.tree_flatten(output.args[0])
+    output.args = (leaves[0] if spec.is_leaf() else tuple(leaves),)
+    return spec
+
+
+def _output(gm: fx.GraphModule) -> fx.Node:
+    return next(n for n in reversed(gm.graph.nodes) if n.op == "output")
+
+
+def _order_nodes(gm: fx.GraphModule) -> None:
+    # Placeholders first (export puts parameters before them), and each get_attr next to
+    # its first user, so that every later pass can treat graph order as layer order.
+    graph = gm.graph
+    first = next(iter(graph.nodes))
+    for node in [n for n in graph.nodes if n.op == "placeholder"]:
+        first.prepend(node)
+    for node in [n for n in graph.nodes if n.op == "get_attr"]:
+        if node.users:
+            min(node.users, key=_position(graph)).prepend(node)
+        else:
+            graph.erase_node(node)
+    graph.lint()
+
+
+def _position(graph: fx.Graph) -> Callable[[fx.Node], int]:
+    order = {node: i for i, node in enumerate(graph.nodes)}
+    return order.__getitem__
+
+
+def _record_modules(gm: fx.GraphModule, tracer: str) -> None:
+    for node in gm.graph.nodes:
+        stack = node.meta.get("nn_module_stack") or {}
+        path = _normalize_fqn(list(stack.values())[-1][0]) if stack else ""
+        if node.op == "call_module" and tracer == "symbolic_trace":
+            path = str(node.target)
+        meta.set_module_path(node, path)
+
+
+def _normalize_fqn(fqn: str) -> str:
+    # Older exporters wrote "L['self'].layers[0]"; keep only the attribute path.
+    for prefix in ("L['self'].", "L__self__."):
+        fqn = fqn.removeprefix(prefix)
+    return fqn.replace("[", ".").replace("]", "").replace("'", "")
+
+
+def _record_params(gm: fx.GraphModule, model: nn.Module) -> None:
+    for node in gm.graph.nodes:
+        if node.op == "get_attr":
+            meta.set_params(node, (str(node.target),))
+        elif node.op == "call_module":
+            module = gm.get_submodule(str(node.target))
+            names = [f"{node.target}.{n}" for n, _ in module.named_parameters()]
+            names += [f"{node.target}.{n}" for n, _ in module.named_buffers()]
+            meta.set_params(node, tuple(names))
+
+
+def _param_fqns(model: nn.Module) -> dict[int, tuple[str, ...]]:
+    """Every FQN of every parameter and buffer, grouped by tensor identity (ties)."""
+    groups: dict[int, list[str]] = {}
+    named = list(model.named_parameters(remove_duplicate=False))
+    named += list(model.named_buffers(remove_duplicate=False))
+    for fqn, tensor in named:
+        groups.setdefault(id(tensor), []).append(fqn)
+    return {key: tuple(fqns) for key, fqns in groups.items()}
+
+
+def _append_loss(gm: fx.GraphModule, loss_fn: Callable, out_spec: pytree.TreeSpec) -> None:
+    name = LOSS_MODULE if not hasattr(gm, LOSS_MODULE) else "partc_loss"
+    gm.add_submodule(name, LossCall(loss_fn, out_spec))
+    output = _output(gm)
+    leaves = list(output.args[0]) if isinstance(output.args[0], tuple) else [output.args[0]]
+    last_input = [n for n in gm.graph.nodes if n.op == "placeholder"][-1]
+    with gm.graph.inserting_after(last_input):
+        target = gm.graph.placeholder("target")
+    meta.set_role(target, meta.ROLE_TARGET)
+    with gm.graph.inserting_before(output):
+        loss = gm.graph.call_module(name, tuple(leaves) + (target,))
+    meta.set_role(loss, meta.ROLE_LOSS)
+    meta.set_module_path(loss, name)
+    meta.set_params(loss, tuple(f"{name}.{n}" for n, _ in gm.get_submodule(name).named_parameters()))
+    output.args = (loss,)

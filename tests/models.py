@@ -1,0 +1,124 @@
+"""Small models for the tests: Hugging Face models from tiny configs, and hand-built ones.
+
+The Hugging Face builders use ``use_cache=False`` (a KV cache makes forward return
+state that torch.export cannot trace) and eager attention (plain matmul + softmax).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+def gpt2(n_layer: int = 2, n_embd: int = 64, vocab: int = 128, positions: int = 32):
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    config = GPT2Config(n_layer=n_layer, n_embd=n_embd, n_head=4, vocab_size=vocab,
+                        n_positions=positions, bos_token_id=0, eos_token_id=0,
+                        use_cache=False, attn_implementation="eager")
+    return GPT2LMHeadModel(config)
+
+
+def llama(n_layer: int = 2, hidden: int = 64, heads: int = 4, kv_heads: int = 2,
+          intermediate: int = 128, vocab: int = 128, positions: int = 64):
+    """Llama with grouped-query attention (fewer key/value heads than query heads)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(hidden_size=hidden, num_attention_heads=heads,
+                         num_key_value_heads=kv_heads, intermediate_size=intermediate,
+                         vocab_size=vocab, num_hidden_layers=n_layer,
+                         max_position_embeddings=positions, bos_token_id=0,
+                         eos_token_id=0, pad_token_id=0, use_cache=False,
+                         attn_implementation="eager")
+    return LlamaForCausalLM(config)
+
+
+def llama3_8b_config():
+    """Llama-3-8B's shapes: 32 layers, 4096 wide, 32 heads / 8 KV heads, vocab 128256."""
+    from transformers import LlamaConfig
+
+    return LlamaConfig(hidden_size=4096, num_attention_heads=32, num_key_value_heads=8,
+                       intermediate_size=14336, vocab_size=128256, num_hidden_layers=32,
+                       max_position_embeddings=8192, rope_theta=500000.0,
+                       bos_token_id=0, eos_token_id=0, use_cache=False,
+                       attn_implementation="eager")
+
+
+def bert(n_layer: int = 2, hidden: int = 64, vocab: int = 128, positions: int = 64):
+    from transformers import BertConfig, BertModel
+
+    config = BertConfig(hidden_size=hidden, num_attention_heads=4, num_hidden_layers=n_layer,
+                        intermediate_size=4 * hidden, vocab_size=vocab,
+                        max_position_embeddings=positions, pad_token_id=0,
+                        use_cache=False, attn_implementation="eager")
+    return BertModel(config)
+
+
+class MLP(nn.Module):
+    """Two linears and a ReLU: every cost can be worked out by hand."""
+
+    def __init__(self, d_in: int = 8, d_hidden: int = 16, d_out: int = 4) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(d_in, d_hidden)
+        self.fc2 = nn.Linear(d_hidden, d_out)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(torch.relu(self.fc1(x)))
+
+
+class LongSkip(nn.Module):
+    """A stack of blocks whose input is added back after the last one (skips 3 blocks)."""
+
+    def __init__(self, width: int = 8, depth: int = 3) -> None:
+        super().__init__()
+        self.stem = nn.Linear(width, width)
+        self.blocks = nn.ModuleList(nn.Linear(width, width) for _ in range(depth))
+        self.head = nn.Linear(width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        skip = self.stem(x)
+        h = skip
+        for block in self.blocks:
+            h = torch.relu(block(h))
+        return self.head(h + skip)
+
+
+class CalledTwice(nn.Module):
+    """One module applied twice with another in between: three layers, shared weights."""
+
+    def __init__(self, width: int = 8) -> None:
+        super().__init__()
+        self.shared = nn.Linear(width, width)
+        self.middle = nn.Linear(width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.shared(self.middle(self.shared(x)))
+
+
+class Flat(nn.Module):
+    """No submodules: every op at the root, so only graph cuts can split it."""
+
+    def __init__(self, width: int = 8) -> None:
+        super().__init__()
+        self.w1 = nn.Parameter(torch.randn(width, width))
+        self.w2 = nn.Parameter(torch.randn(width, width))
+        self.w3 = nn.Parameter(torch.randn(width, width))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        a = torch.tanh(x @ self.w1)
+        b = torch.relu(a @ self.w2) + a  # a crosses the second matmul: no cut inside
+        return (b @ self.w3).sum(-1)
+
+
+class DataDependent(nn.Module):
+    """Python control flow on a tensor's value: neither tracer can capture it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.sum() > 0:
+            return self.fc(x)
+        return F.relu(x)

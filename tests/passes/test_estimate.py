@@ -1,0 +1,74 @@
+import torch
+
+from partc import meta
+from partc.passes import analyze
+from samples.gpt import gpt_tiny, loss_fn
+from tests import models
+
+B = 2
+
+
+def test_mlp_costs_by_hand():
+    """fc1: 8 → 16, relu, fc2: 16 → 4, batch 2; every number per sample, fp32."""
+    gm, analysis = analyze(models.MLP(), (torch.randn(B, 8),))
+    fc1, fc2 = analysis.layers
+    assert fc1.fwd_flops == 2 * 8 * 16 and fc2.fwd_flops == 2 * 16 * 4
+    # Saved for backward: fc1 keeps x (for the weight grad), relu keeps its output,
+    # fc2 keeps its input; weights are parameters and never counted.
+    # Selective would drop relu's output but must keep fc1's output to rerun relu: the
+    # same bytes, so the layer offers no selective mode.
+    assert fc1.saved_bytes == {"none": 8 * 4 + 16 * 4, "full": 8 * 4}
+    assert fc2.saved_bytes == {"none": 16 * 4, "full": 16 * 4}
+    assert fc1.recompute_mem_bytes == {"none": 0, "full": 2 * 16 * 4}
+    assert fc1.recompute_flops == {"none": 0, "full": fc1.fwd_flops}
+    assert fc1.fwd_mem_bytes == 2 * 16 * 4  # only relu is not compute-heavy
+    assert fc1.workspace_bytes == 16 * 4
+    assert (fc1.param_count, fc1.param_bytes) == (8 * 16 + 16, (8 * 16 + 16) * 4)
+    assert fc1.num_nodes == 2 and fc2.num_nodes == 1
+    costs = {n.name: meta.cost(n) for n in gm.graph.nodes if n.op.startswith("call_")}
+    assert costs["fc1"].compute_heavy and not costs["relu"].compute_heavy
+    assert costs["fc1"].flops == 2 * B * 8 * 16
+    assert costs["relu"].saved_bytes == B * 16 * 4
+    assert costs["relu"].bytes_moved == 2 * B * 16 * 4
+
+
+def test_view_ops_move_no_bytes():
+    gm, _ = analyze(models.gpt2(), (torch.zeros(B, 16, dtype=torch.long),))
+    views = [n for n in gm.graph.nodes if n.op == "call_function" and "view" in n.name]
+    assert views and all(meta.cost(n).is_view and meta.cost(n).bytes_moved == 0 for n in views)
+
+
+def test_tied_parameter_counted_once_and_shared():
+    model = gpt_tiny()
+    _, analysis = analyze(model, (torch.zeros(B, 16, dtype=torch.long),), loss_fn=loss_fn)
+    unique = {id(p): p for p in model.parameters()}.values()
+    assert analysis.summary.num_params == sum(p.numel() for p in unique)
+    (tied,) = analysis.shared
+    assert set(tied.fqns) == {"tok_emb.weight", "lm_head.weight"}
+    names = [layer.name for layer in analysis.layers]
+    assert tied.layers == (names.index("tok_emb"), names.index("lm_head"))
+    assert tied.param_count == 128 * 64
+    owned = sum(layer.param_count for layer in analysis.layers)
+    assert owned + tied.param_count == analysis.summary.num_params
+
+
+def test_loss_layer_saves_the_log_softmax():
+    _, analysis = analyze(gpt_tiny(), (torch.zeros(B, 16, dtype=torch.long),), loss_fn=loss_fn)
+    loss = analysis.layers[-1]
+    assert loss.name == "loss"
+    log_softmax = 16 * 128 * 4  # per sample: (seq, vocab) fp32
+    assert loss.saved_bytes["none"] >= log_softmax
+    assert loss.saved_bytes["full"] == 16 * 128 * 4 + 16 * 8  # logits and int64 targets
+    # Rerunning log-softmax needs the logits, so selective recompute saves nothing here.
+    assert loss.saved_bytes.get("selective", loss.saved_bytes["none"]) >= log_softmax
+    assert analysis.cut_bytes[-1] == 16 * 128 * 4  # the target does not cross
+
+
+def test_identical_layers_are_measured_once_and_copied():
+    gm, analysis = analyze(gpt_tiny(n_layer=3), (torch.zeros(B, 8, dtype=torch.long),))
+    blocks = [l for l in analysis.layers if l.name.startswith("blocks.")]
+    assert len({l.signature for l in blocks}) == 1
+    assert len({(l.fwd_flops, tuple(l.saved_bytes.items())) for l in blocks}) == 1
+    for node in gm.graph.nodes:
+        if node.op.startswith("call_"):
+            assert meta.cost(node) is not None

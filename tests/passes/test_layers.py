@@ -1,0 +1,68 @@
+import torch
+
+from partc import meta
+from partc.passes import analyze
+from partc.passes.layers import _LayerKeyer
+from tests import models
+
+
+def names(analysis):
+    return [layer.name for layer in analysis.layers]
+
+
+def test_layer_keys_descend_only_towards_repeated_containers():
+    keyer = _LayerKeyer(models.gpt2())
+    assert keyer.key("transformer.h.3.attn.c_attn") == "transformer.h.3"
+    assert keyer.key("transformer.wte") == "transformer.wte"
+    assert keyer.key("transformer") is None
+    assert keyer.key("lm_head") == "lm_head"
+    assert keyer.key("") is None
+
+
+def test_mlp_layers_and_crossing_bytes():
+    gm, analysis = analyze(models.MLP(), (torch.randn(2, 8),))
+    assert names(analysis) == ["fc1", "fc2"]
+    # relu is a root-level function: it joins the layer in progress.
+    relu = next(n for n in gm.graph.nodes if n.name == "relu")
+    assert meta.layer(relu) == meta.LayerRef(0, "fc1")
+    assert analysis.cut_bytes == (16 * 4.0,)  # relu output, per sample
+
+
+def test_skip_connection_crosses_every_boundary_it_jumps():
+    _, analysis = analyze(models.LongSkip(), (torch.randn(2, 8),))
+    assert names(analysis) == ["stem", "blocks.0", "blocks.1", "blocks.2", "head"]
+    row = 8 * 4.0
+    # stem's output feeds blocks.0 and the add at the end of blocks.2.
+    assert analysis.cut_bytes == (row, 2 * row, 2 * row, row)
+
+
+def test_module_called_twice_is_two_layers_sharing_parameters():
+    _, analysis = analyze(models.CalledTwice(), (torch.randn(2, 8),))
+    assert names(analysis) == ["shared", "middle", "shared#2"]
+    assert analysis.layers[0].signature == analysis.layers[2].signature
+    shared = {s.name: s for s in analysis.shared}
+    assert shared["shared.weight"].layers == (0, 2)
+    assert analysis.layers[0].param_count == 0  # held as shared, not by one layer
+
+
+def test_root_level_model_is_split_at_single_tensor_cuts():
+    gm, analysis = analyze(models.Flat(), (torch.randn(2, 8),))
+    assert names(analysis) == ["root.0", "root.1", "root.2"]
+    by_layer = {}
+    for node in gm.graph.nodes:
+        if node.op.startswith("call_"):
+            by_layer.setdefault(meta.layer(node).name, []).append(node.name)
+    assert by_layer == {"root.0": ["matmul", "tanh"],
+                        "root.1": ["matmul_1", "relu", "add"],
+                        "root.2": ["matmul_2", "sum_1"]}
+    assert analysis.cut_bytes == (32.0, 32.0)
+
+
+def test_repeated_blocks_share_a_signature_and_layers_are_in_order():
+    gm, analysis = analyze(models.LongSkip(depth=4), (torch.randn(2, 8),))
+    sigs = [l.signature for l in analysis.layers]
+    assert sigs[1] == sigs[2]  # blocks.0 and blocks.1: same ops, shapes, relative params
+    layers = meta.layers(gm)
+    assert [info.index for info in layers] == list(range(len(layers)))
+    indices = [meta.layer(n).index for n in gm.graph.nodes if n.op.startswith("call_")]
+    assert indices == sorted(indices)

@@ -1,0 +1,119 @@
+"""analyze() on real models: layer names, signatures, parameter counts and FLOPs."""
+
+import os
+
+import pytest
+import torch
+
+from partc import meta
+from partc.passes import analyze
+from partc.passes.pipeline import model_hash
+from samples.gpt import gpt_small, gpt_tiny, loss_fn
+from tests import models
+
+B, T = 2, 16
+
+
+def ids(batch=B, seq=T, device="cpu"):
+    return torch.zeros(batch, seq, dtype=torch.long, device=device)
+
+
+def unique_params(model):
+    return sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
+
+
+def test_verify_is_on_in_tests():
+    assert os.environ["PARTC_VERIFY"] == "1"
+
+
+def test_gpt_tiny_flops_match_the_formula():
+    model = gpt_tiny()
+    gm, analysis = analyze(model, (ids(),), loss_fn=loss_fn)
+    names = [l.name for l in analysis.layers]
+    assert names == ["tok_emb", "pos_emb", "drop", "blocks.0", "blocks.1", "ln_f",
+                     "lm_head", "loss"]
+    d, L, V = 64, 2, 128
+    # Matmuls: 12 d² weights per block and the d × V head, 2 FLOPs per weight per token;
+    # attention: q·k and p·v, 2 · T² · d each per block.
+    expected = 2 * T * (L * 12 * d * d + d * V) + L * 4 * T * T * d
+    assert sum(l.fwd_flops for l in analysis.layers) == expected
+    s = analysis.summary
+    assert (s.tracer, s.traced_batch_size, s.tokens_per_sample, s.traced_dtype_bytes) == (
+        "symbolic_trace", B, T, 4)
+    assert s.num_params == unique_params(model)
+    assert [p for p, _ in meta.pass_times(gm)] == ["trace", "propagate", "layers", "estimate"]
+
+
+def test_gpt_small_on_meta():
+    with torch.device("meta"):
+        model = gpt_small()
+    _, analysis = analyze(model, (ids(1, 1024, "meta"),), loss_fn=loss_fn)
+    assert analysis.summary.num_params == unique_params(model)  # ~124M, tied head
+    blocks = [l for l in analysis.layers if l.name.startswith("blocks.")]
+    assert len(blocks) == 12 and len({l.signature for l in blocks}) == 1
+    d, T1, V = 768, 1024, 50304
+    expected = 2 * T1 * (12 * 12 * d * d + d * V) + 12 * 4 * T1 * T1 * d
+    assert sum(l.fwd_flops for l in analysis.layers) == pytest.approx(expected, rel=1e-9)
+
+
+def test_model_hash_ignores_values_and_follows_shapes():
+    a, b = gpt_tiny(), gpt_tiny()
+    with torch.device("meta"):
+        c = gpt_tiny()
+    assert model_hash(a) == model_hash(b) == model_hash(c)
+    assert model_hash(gpt_tiny(n_embd=32)) != model_hash(a)
+
+
+def test_hugging_face_gpt2():
+    model = models.gpt2()
+    _, analysis = analyze(model, (ids(),))
+    assert [l.name for l in analysis.layers] == [
+        "transformer.wte", "transformer.wpe", "transformer.drop", "transformer.h.0",
+        "transformer.h.1", "transformer.ln_f", "lm_head"]
+    assert analysis.layers[3].signature == analysis.layers[4].signature
+    assert analysis.summary.num_params == unique_params(model)
+    assert analysis.summary.tracer == "export"
+    (tied,) = analysis.shared
+    assert set(tied.fqns) == {"transformer.wte.weight", "lm_head.weight"}
+
+
+def test_hugging_face_llama_with_grouped_query_attention():
+    model = models.llama()
+    _, analysis = analyze(model, (ids(),))
+    assert [l.name for l in analysis.layers] == [
+        "model.embed_tokens", "model.rotary_emb", "model.layers.0", "model.layers.1",
+        "model.norm", "lm_head"]
+    assert analysis.layers[2].signature == analysis.layers[3].signature
+    assert analysis.summary.num_params == unique_params(model)
+    d, kv, ff, V, L = 64, 32, 128, 128, 2  # kv: 2 KV heads of 16
+    expected = 2 * T * (L * (2 * d * d + 2 * d * kv + 3 * d * ff) + d * V) + L * 4 * T * T * d
+    assert sum(l.fwd_flops for l in analysis.layers) == expected
+    block = analysis.layers[2]
+    assert "selective" in block.saved_bytes
+    assert block.saved_bytes["full"] < block.saved_bytes["selective"] < block.saved_bytes["none"]
+
+
+def test_hugging_face_bert():
+    model = models.bert()
+    _, analysis = analyze(model, (ids(),))
+    assert [l.name for l in analysis.layers] == [
+        "embeddings", "encoder.layer.0", "encoder.layer.1", "pooler"]
+    assert analysis.layers[1].signature == analysis.layers[2].signature
+    assert analysis.summary.num_params == unique_params(model)
+
+
+def test_keyword_inputs_go_through_export():
+    model = models.llama()
+    _, analysis = analyze(model, (), kwargs={"input_ids": ids()})
+    assert analysis.summary.tracer == "export"
+    assert analysis.summary.traced_batch_size == B
+
+
+def test_errors_name_the_pass():
+    def bad_loss(output, target):
+        raise ValueError("boom")
+
+    with pytest.raises(ValueError) as info:
+        analyze(models.MLP(), (torch.randn(B, 8),), loss_fn=bad_loss,
+                example_target=torch.randn(B, 4))
+    assert any("propagate" in note for note in info.value.__notes__)

@@ -1,0 +1,82 @@
+import pytest
+import torch
+
+from partc import meta
+from partc.errors import TraceError
+from partc.passes.trace import trace
+from samples.gpt import gpt_tiny
+from tests import models
+
+
+def test_symbolic_trace_keeps_modules_params_and_paths():
+    gm, ctx = trace(models.MLP(), (torch.randn(2, 8),))
+    assert meta.trace_info(gm).tracer == "symbolic_trace"
+    assert "fc1 = self.fc1(x)" in gm.code
+    assert "fc2 = self.fc2(relu)" in gm.code
+    nodes = {n.name: n for n in gm.graph.nodes}
+    assert meta.params(nodes["fc1"]) == ("fc1.weight", "fc1.bias")
+    assert meta.module_path(nodes["fc1"]) == "fc1"
+    assert meta.module_path(nodes["relu"]) == ""
+    assert ctx.batch_size == 2
+
+
+def test_real_inputs_become_fake():
+    _, ctx = trace(models.MLP(), (torch.randn(2, 8),))
+    assert all(isinstance(t, torch._subclasses.FakeTensor) for t in ctx.fake_inputs)
+
+
+def test_export_fallback_on_hugging_face_keeps_fqns():
+    model = models.gpt2()
+    gm, _ = trace(model, (torch.zeros(2, 16, dtype=torch.long),))
+    assert meta.trace_info(gm).tracer == "export"
+    nodes = list(gm.graph.nodes)
+    assert nodes[0].op == "placeholder" and nodes[0].name == "input_ids"
+    targets = {n.target for n in nodes if n.op == "get_attr"}
+    assert "transformer.h.1.attn.c_attn.weight" in targets
+    assert not any(n.op == "call_module" for n in nodes)  # the export guard is gone
+    fqns = dict(model.named_parameters())
+    for node in nodes:
+        if node.op == "get_attr" and node.target in fqns:
+            assert gm.get_parameter(node.target) is fqns[node.target]
+            assert node.next in node.users or node.next.op == "get_attr"
+    paths = {meta.module_path(n) for n in nodes}
+    assert "transformer.h.0.mlp.c_fc" in paths
+
+
+def test_meta_model_traces_without_weights():
+    with torch.device("meta"):
+        model = gpt_tiny()
+    gm, _ = trace(model, (torch.zeros(2, 16, dtype=torch.long),))
+    assert all(p.is_meta for p in gm.parameters())
+
+
+def test_loss_is_one_node_after_the_model_with_a_target_placeholder():
+    gm, _ = trace(models.MLP(), (torch.randn(2, 8),), loss_fn=torch.nn.functional.mse_loss,
+                  example_target=torch.randn(2, 4))
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    assert [n.name for n in placeholders] == ["x", "target"]
+    assert meta.role(placeholders[1]) == meta.ROLE_TARGET
+    loss = [n for n in gm.graph.nodes if meta.role(n) == meta.ROLE_LOSS]
+    assert len(loss) == 1 and "loss = self.loss(fc2, target)" in gm.code
+    assert meta.trace_info(gm).has_loss and meta.trace_info(gm).num_inputs == 1
+    # The model's own FQNs are unchanged: no wrapper prefix.
+    assert {n for n, _ in gm.named_parameters()} == {"fc1.weight", "fc1.bias",
+                                                     "fc2.weight", "fc2.bias"}
+
+
+def test_loss_gets_the_output_in_its_structure():
+    def hf_loss(output, target):
+        return torch.nn.functional.cross_entropy(output.logits.flatten(0, 1), target.flatten())
+
+    gm, _ = trace(models.gpt2(), (torch.zeros(2, 16, dtype=torch.long),), loss_fn=hf_loss)
+    assert meta.trace_info(gm).out_spec is not None
+    assert any(meta.role(n) == meta.ROLE_LOSS for n in gm.graph.nodes)
+
+
+def test_trace_error_names_both_tracers_the_construct_and_a_fix():
+    with pytest.raises(TraceError) as info:
+        trace(models.DataDependent(), (torch.randn(2, 4),))
+    message = str(info.value)
+    assert "symbolic_trace" in message and "torch.export" in message
+    assert "models.py" in message and "if x.sum() > 0" in message
+    assert "What you can do" in message and "use_cache=False" in message
