@@ -39,6 +39,8 @@ def load_factory(target: str) -> dict[str, Any]:
         raise SystemExit(f"no such file: {file}")
     spec = importlib.util.spec_from_file_location(file.stem, file)
     module = importlib.util.module_from_spec(spec)
+    # Registered before running, as an import would: dataclasses and pickling look it up.
+    sys.modules[spec.name] = module
     sys.path.insert(0, str(file.parent.resolve()))
     spec.loader.exec_module(module)
     if not hasattr(module, name):

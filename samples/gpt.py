@@ -150,3 +150,15 @@ def example_inputs(model: GPT, batch: int, seq: int) -> tuple[torch.Tensor, torc
 def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """Mean next-token cross entropy over every position of the batch."""
     return F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1))
+
+
+def workload(global_batch: int = 32, seq: int = 1024) -> dict:
+    """What ``partc plan samples/gpt.py:workload`` plans: GPT-2 124M on the meta device."""
+    import partc
+
+    with torch.device("meta"):
+        model = gpt_small()
+    ids, targets = example_inputs(model, batch=1, seq=seq)
+    return {"model": model, "example_inputs": (ids,), "loss_fn": loss_fn,
+            "example_target": targets, "name": "gpt-124m",
+            "train": partc.TrainSpec(global_batch_size=global_batch)}

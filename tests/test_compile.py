@@ -1,0 +1,147 @@
+"""partc.compile end to end: real models traced, measured, planned, validated, reported."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import partc
+from partc.plan import Plan
+from partc.planner import solve
+from partc.report import render
+from samples.gpt import gpt_small, gpt_tiny, loss_fn
+from tests import models
+
+
+def lm_loss(output, target):
+    logits = output.logits if hasattr(output, "logits") else output[0]
+    return F.cross_entropy(logits.flatten(0, 1), target.flatten())
+
+
+def check(program: partc.Program) -> Plan:
+    """Every plan a test sees goes through the solver-free validator."""
+    partc.validate_plan(program.problem, program.plan)
+    assert program.plan.solver.status == "OPTIMAL"
+    return program.plan
+
+
+@pytest.mark.parametrize("name", ["gpt2", "llama", "bert"])
+def test_hugging_face_models_plan(name):
+    model = getattr(models, name)(n_layer=4)
+    ids = torch.zeros(2, 16, dtype=torch.long)
+    loss = None if name == "bert" else lm_loss
+    program = partc.compile(model, (ids,), loss_fn=loss, example_target=ids if loss else None,
+                            budget=partc.DeviceBudget(num_devices=2, device="CPU"),
+                            train=partc.TrainSpec(global_batch_size=4),
+                            constraints=partc.Constraints(pp=2))
+    plan = check(program)
+    assert plan.pp == 2 and len(plan.layer_names) >= 6
+    assert plan.model["tracer"] == "export"
+    assert "stage" in program.report() and "uniform" in program.report()
+
+
+def test_sample_gpt_plans_with_tied_embeddings():
+    program = partc.compile(gpt_tiny(n_layer=4), (torch.zeros(2, 16, dtype=torch.long),),
+                            loss_fn=loss_fn, budget=partc.DeviceBudget(num_devices=2,
+                                                                       device="CPU"),
+                            constraints=partc.Constraints(pp=2))
+    plan = check(program)
+    assert plan.model["tracer"] == "symbolic_trace"
+    first, last = plan.stages
+    # The tied embedding/head matrix is held by both stages.
+    assert first.param_count + last.param_count > plan.model["num_params"]
+
+
+def _gpt_124m_on(memory: str) -> partc.Program:
+    with torch.device("meta"):
+        model = gpt_small()
+    ids = torch.zeros(1, 1024, dtype=torch.long, device="meta")
+    return partc.compile(model, (ids,), loss_fn=loss_fn, example_target=ids,
+                         budget=partc.DeviceBudget(num_devices=4, device="A100-40GB",
+                                                   memory=memory),
+                         train=partc.TrainSpec(global_batch_size=32), name="gpt-124m")
+
+
+def test_50k_vocab_tight_budget_beats_both_baselines():
+    program = _gpt_124m_on("1.5GiB")
+    plan = check(program)
+    assert plan.pp > 1
+    step = plan.predicted["step_time_s"]
+    alternatives = {a["name"]: a for a in plan.alternatives}
+    assert set(alternatives) == {"uniform", "parameters"}
+    for alt in alternatives.values():
+        assert alt["fits"] and step < alt["step_time_s"]
+    text = program.report()
+    assert "partc plan" in text and "uniform" in text and "parameters" in text
+    for stage in plan.stages:
+        assert stage.memory_bytes["peak"] <= stage.limit_bytes
+
+
+def test_infeasible_budget_names_stage_need_limit_and_fix_fast():
+    with pytest.raises(partc.PlanInfeasibleError) as info:
+        _gpt_124m_on("1GiB")
+    error = info.value
+    assert error.need_bytes > error.limit_bytes == 2**30
+    assert "stage 0" in str(error) and "It would fit with" in str(error)
+    # Planning alone (the model is already measured) answers well under a second.
+    program = _gpt_124m_on("1.5GiB")
+    from dataclasses import replace
+    tight = replace(program.problem, devices=replace(program.problem.devices,
+                                                     memory_bytes=(2**30,) * 4))
+    start = time.perf_counter()
+    with pytest.raises(partc.PlanInfeasibleError):
+        solve(tight)
+    assert time.perf_counter() - start < 1.0
+
+
+def test_pins_reach_the_plan():
+    model = gpt_tiny(n_layer=4)
+    program = partc.compile(model, (torch.zeros(2, 16, dtype=torch.long),), loss_fn=loss_fn,
+                            budget=partc.DeviceBudget(num_devices=2, device="CPU"),
+                            train=partc.TrainSpec(global_batch_size=4),
+                            constraints=partc.Constraints(recompute="full", schedule="gpipe",
+                                                          num_microbatches=4))
+    plan = check(program)
+    assert plan.schedule == "gpipe" and plan.num_microbatches == 4
+    assert set(plan.recompute.values()) == {"full"}
+
+
+def test_save_round_trips_plan_and_report(tmp_path):
+    program = partc.compile(gpt_tiny(), (torch.zeros(2, 16, dtype=torch.long),),
+                            loss_fn=loss_fn,
+                            budget=partc.DeviceBudget(num_devices=2, device="CPU"))
+    program.save(tmp_path)
+    data = json.loads((tmp_path / "plan.json").read_text())
+    for key in ("mesh", "schedule", "num_microbatches", "micro_batch_size", "zero_stage",
+                "stages", "tensor_parallel", "predicted", "solver", "budget", "train", "model"):
+        assert key in data
+    for key in ("step_time_s", "samples_per_s", "tokens_per_s", "mfu", "bubble_fraction",
+                "peak_memory_bytes"):
+        assert key in data["predicted"]
+    loaded = Plan.from_dict(data)
+    assert loaded == program.plan and loaded.hash == program.plan.hash
+    assert render(loaded, "markdown") == (tmp_path / "report.md").read_text()
+    assert json.loads(program.report("json"))["mesh"] == data["mesh"]
+
+
+def test_cli_plans_and_writes(tmp_path, capsys):
+    from partc.cli import main
+
+    factory = tmp_path / "work.py"
+    factory.write_text(
+        "import torch\n"
+        "from samples.gpt import gpt_tiny, loss_fn\n"
+        "def make():\n"
+        "    return gpt_tiny(), (torch.zeros(2, 16, dtype=torch.long),), loss_fn\n")
+    code = main(["plan", f"{factory}:make", "--devices", "2", "--device", "CPU",
+                 "--pp", "2", "--out", str(tmp_path / "out"), "-q"])
+    assert code == 0
+    assert "partc plan" in capsys.readouterr().out
+    assert (tmp_path / "out" / "plan.json").exists()
+    code = main(["plan", f"{factory}:make", "--devices", "2", "--device", "CPU",
+                 "--memory", "1KiB", "-q"])
+    assert code == 2 and "PlanInfeasibleError" in capsys.readouterr().err
