@@ -162,3 +162,29 @@ def test_plan_equals_brute_force(seed):
         assert evaluation.step_ps == oracle[0]
         assert plan.solver.status == "OPTIMAL" and plan.solver.gap == 0.0
     assert feasible > 30
+
+
+def test_lower_bound_never_exceeds_a_configurations_optimum():
+    import itertools
+
+    from partc.costs import build_cost_table, evaluate
+    from partc.planner import candidate_configs, lower_bound
+
+    rng = random.Random(11)
+    checked = 0
+    for _ in range(60):
+        prob = random_problem(rng)
+        for config in candidate_configs(prob):
+            table = build_cost_table(prob, config)
+            best = None
+            n = prob.num_layers
+            for starts in itertools.combinations(range(1, n), config.pp - 1):
+                stage_of = [sum(1 for s in starts if s <= l) for l in range(n)]
+                for modes in itertools.product(*(l.modes for l in prob.layers)):
+                    ev = evaluate(table, stage_of, modes)
+                    if ev.fits and (best is None or ev.step_ps < best):
+                        best = ev.step_ps
+            if best is not None:
+                assert lower_bound(table) <= best
+                checked += 1
+    assert checked > 50
