@@ -9,7 +9,7 @@ in practice; ``partc calibrate`` (later) measures it, until then it is the prese
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 import torch
 
@@ -115,9 +115,6 @@ class DeviceBudget:
             raise ValueError(f"flops_efficiency must be in (0, 1], got {self.flops_efficiency}")
         if self.devices_per_node is not None and self.devices_per_node < 1:
             raise ValueError("devices_per_node must be positive")
-
-    def with_overrides(self, **fields) -> "DeviceBudget":
-        return replace(self, **fields)
 
     @property
     def memory_bytes(self) -> tuple[int, ...]:

@@ -246,17 +246,6 @@ class Evaluation:
         return max(self.stages, key=lambda s: s.memory["peak"] / max(s.limit, 1))
 
 
-def stage_of_layers(boundaries: Sequence[int], num_layers: int) -> list[int]:
-    """Stage index per layer from the first layer index of every stage after the first."""
-    stages, stage = [], 0
-    starts = set(boundaries)
-    for layer in range(num_layers):
-        if layer in starts:
-            stage += 1
-        stages.append(stage)
-    return stages
-
-
 def _holders(table: CostTable, stage_of: Sequence[int]) -> list[set[int]]:
     return [{stage_of[l] for l in group.layers} for group in table.shared]
 

@@ -18,24 +18,28 @@ Parameters
     bytes; ``A[l,r]`` saved bytes per microbatch; ``X[l,r]`` transient bytes; ``f_s``
     microbatches in flight on stage ``s``; ``M_s`` memory limit; ``S_g`` tied-gradient sync.
 Variables
-    ``x[l,s,r]`` layer ``l`` on stage ``s`` with mode ``r``; ``z[l,s]`` cut ``l`` is the
-    boundary ``s -> s+1``; ``h[g,s]`` stage ``s`` holds group ``g``; ``peak_busy``;
-    ``tail``; ``transient[s]``.
+    ``before[l][s]`` layer ``l`` sits on a stage ``<= s`` (so ``y[l,s] = before[l][s] -
+    before[l][s-1]`` says it sits on ``s``); ``w[l,r]`` layer ``l`` uses mode ``r``;
+    ``x[l,s,r] = y[l,s] and w[l,r]``; ``h[g,s]`` stage ``s`` holds group ``g``;
+    ``peak_busy``; ``tail``; ``transient[s]``.
 Objective
     minimise ``(m - 1) * peak_busy + sum_s busy_s + tail + sum_g S_g (sum_s h[g,s] - 1)``
-    where ``busy_s = sum_{l,r} C[l,r] x[l,s,r] + sum_l K[l,s] z[l,s]``.
+    where ``busy_s = sum_{l,r} C[l,r] x[l,s,r] + sum_l K[l,s] z[l,s]`` and
+    ``z[l,s] = before[l][s] - before[l+1][s]`` (cut ``l`` is the boundary ``s -> s+1``).
 Constraints
-    (1) every layer on exactly one stage with one mode;
-    (2) contiguity: ``stage(l) = sum_{s,r} s x[l,s,r]``, ``stage(0) = 0``,
-        ``stage(L-1) = p - 1``, ``0 <= stage(l+1) - stage(l) <= 1`` (so no stage is empty);
-    (3) ``z[l,s] >= y[l,s] + y[l+1,s+1] - 1`` with ``y[l,s] = sum_r x[l,s,r]``;
+    (1) every layer has exactly one mode: ``sum_r w[l,r] = 1``, ``sum_r x[l,s,r] =
+        y[l,s]``, ``x[l,s,r] <= w[l,r]``;
+    (2) contiguity: ``before`` is monotone (``before[l][s] >= before[l+1][s]``,
+        ``before[l][s] <= before[l][s+1]``), layer 0 on stage 0, the last layer on stage
+        ``p - 1``, and every stage holds a layer: ``sum_l y[l,s] >= 1``;
+    (3) with (2), ``z[l,s]`` is exactly "layer ``l`` ends stage ``s``";
     (4) ``peak_busy >= busy_s``;
     (5) ``h[g,s] >= y[l,s]`` for ``l`` in ``U_g``;
     (6) ``tail >= sum_l T_l y[l,s] + sum_g T_g h[g,s]``;
     (7) ``transient[s] >= X[l,r] x[l,s,r]``;
     (8) memory: ``sum_l W_l y[l,s] + sum_g W_g h[g,s] + f_s sum_{l,r} A[l,r] x[l,s,r]
         + transient[s] <= M_s``;
-    (9) pins: pinned stages fix ``y``, pinned recompute fixes ``r``.
+    (9) pins: pinned stages fix ``before``, pinned recompute leaves one mode.
 """
 
 from __future__ import annotations
@@ -43,7 +47,7 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any
 
 from ortools.sat.python import cp_model
 
@@ -440,8 +444,3 @@ def _no_config_message(problem: PlanningProblem) -> str:
             f"micro_batch_size={pins.micro_batch_size}, {problem.num_layers} layers. "
             f"pp must divide the device count and be at most the number of layers, and "
             f"dp x micro-batch size x microbatches must equal the global batch.")
-
-
-def evaluate_assignment(problem: PlanningProblem, config: PipelineConfig,
-                        stage_of: Sequence[int], modes: Sequence[str]) -> Evaluation:
-    return evaluate(build_cost_table(problem, config), stage_of, modes)
