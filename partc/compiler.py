@@ -20,7 +20,7 @@ import torch
 from .assemble import alternative, make_plan
 from .baselines import baselines
 from .budget import DeviceBudget
-from .planner import PlannerOptions, PlannerResult, solve
+from .planner import PlannerOptions, PlannerResult, divisors, solve
 from .plan import Plan, SolverStats
 from .problem import DeviceNumbers, ModelAnalysis, Pins, PlanningProblem, TrainNumbers
 from .program import Program
@@ -29,10 +29,6 @@ from .units import format_bytes
 from .validate import validate_plan
 
 log = logging.getLogger("partc")
-
-
-def _divisors(n: int) -> tuple[int, ...]:
-    return tuple(d for d in range(1, n + 1) if n % d == 0)
 
 
 def device_numbers(budget: DeviceBudget, dtype: torch.dtype) -> DeviceNumbers:
@@ -53,7 +49,7 @@ def build_problem(analysis: ModelAnalysis, budget: DeviceBudget, train: TrainSpe
                   constraints: Constraints) -> PlanningProblem:
     pinned_b = constraints.micro_batch_size or (
         train.micro_batch_size if isinstance(train.micro_batch_size, int) else None)
-    sizes = (pinned_b,) if pinned_b else _divisors(train.global_batch_size)
+    sizes = (pinned_b,) if pinned_b else tuple(divisors(train.global_batch_size))
     names = tuple(layer.name for layer in analysis.layers)
     schedule = constraints.schedule or (None if train.schedule == "auto" else train.schedule)
     pins = Pins(pp=constraints.effective_pp, dp=constraints.dp, stages=constraints.stages,

@@ -96,7 +96,7 @@ class PlannerResult:
         return max(0.0, (step - self.bound) / step) if step else 0.0
 
 
-def _divisors(n: int) -> list[int]:
+def divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
@@ -104,7 +104,7 @@ def candidate_configs(problem: PlanningProblem) -> list[PipelineConfig]:
     """Every (pp, dp, b, m, schedule) the pins and the batch allow."""
     pins, devices = problem.pins, problem.devices.num_devices
     pp_options = [pins.pp] if pins.pp else [
-        p for p in _divisors(devices) if p <= problem.num_layers]
+        p for p in divisors(devices) if p <= problem.num_layers]
     schedules = [pins.schedule] if pins.schedule else list(reversed(SCHEDULES))
     configs = []
     for pp in pp_options:
