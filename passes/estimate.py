@@ -192,13 +192,25 @@ def _attribute_saved(run: _LayerRun) -> None:
                 output_bytes=cost.output_bytes, saved_bytes=cost.saved_bytes + size)
 
 
+# Fetching a parameter moves no bytes and saves nothing: it is a view of the weight.
+_FETCH_COST = meta.NodeCost(flops=0.0, bytes_moved=0.0, compute_heavy=False, is_view=True,
+                            output_bytes=0.0, saved_bytes=0.0)
+
+
 def _copy_run(run: _LayerRun, source: list[fx.Node], target: list[fx.Node]) -> _LayerRun:
     """Reuse a measured layer for one with the same signature, node by node."""
+    # Parameters are matched by where they are used, not where they are fetched: a layer
+    # that reuses another's weight has no get_attr of its own.
+    fetches = [node for node in target if node.op == "get_attr"]
+    source = [node for node in source if node.op != "get_attr"]
+    target = [node for node in target if node.op != "get_attr"]
     mapping = dict(zip(source, target))
     # Values from outside the layer map by order of first use (same signature, same order).
     mapping.update(zip(_external_inputs(source), _external_inputs(target)))
     copied = _LayerRun(input_bytes=run.input_bytes)
-    copied.costs = {mapping[node]: cost for node, cost in run.costs.items()}
+    copied.costs = {mapping[node]: cost for node, cost in run.costs.items()
+                    if node.op != "get_attr"}
+    copied.costs.update({node: _FETCH_COST for node in fetches})
     copied.saved = {key: (size, mapping.get(node, node)) for key, (size, node) in run.saved.items()}
     return copied
 

@@ -290,15 +290,18 @@ def op_name(node: fx.Node) -> str:
 
 def _signature(nodes: list[fx.Node], prefix: str) -> str:
     """Hash of a layer's ops, wiring, shapes and relative parameter names."""
+    # Parameters are named where they are used: a layer reusing another layer's weight
+    # signs like the layer that fetched it first.
+    nodes = [node for node in nodes if node.op != "get_attr"]
     local = {node: i for i, node in enumerate(nodes)}
     external: dict[fx.Node, int] = {}
 
     def arg_repr(value: Any) -> Any:
         if isinstance(value, fx.Node):
-            if value in local:
-                return ("n", local[value])
             if value.op == "get_attr":
                 return ("p", _relative(str(value.target), prefix))
+            if value in local:
+                return ("n", local[value])
             return ("in", external.setdefault(value, len(external)))
         if isinstance(value, (list, tuple)):
             return tuple(arg_repr(v) for v in value)
@@ -308,8 +311,8 @@ def _signature(nodes: list[fx.Node], prefix: str) -> str:
 
     items = []
     for node in nodes:
-        target = _relative(str(node.target), prefix) if node.op in (
-            "get_attr", "call_module") else op_name(node)
+        target = _relative(str(node.target), prefix) if node.op == "call_module" \
+            else op_name(node)
         shapes = tuple((t.shape, str(t.dtype)) for t in meta.tensors(node))
         items.append((node.op, target, arg_repr(node.args), arg_repr(node.kwargs), shapes))
     return hashlib.sha1(repr(items).encode()).hexdigest()[:16]

@@ -112,12 +112,23 @@ def _fake_like(mode: FakeTensorMode, tensor: torch.Tensor, device: torch.device)
                                    dtype=tensor.dtype, device=device)
 
 
+class _FunctionalTracer(fx.Tracer):
+    """Traces through every module, torch.nn's included: parameters become get_attr
+    nodes and every computation a function call, so later passes can cut a graph
+    anywhere and pass parameters as plain values."""
+
+    def is_leaf_module(self, module: nn.Module, qualified_name: str) -> bool:
+        return False
+
+
 def _capture(model: nn.Module, args: tuple, kwargs: dict,
              name: str) -> tuple[fx.GraphModule, str]:
     fx_error: BaseException = TypeError("symbolic_trace takes no keyword inputs")
     if not kwargs:
         try:
-            return fx.symbolic_trace(model), "symbolic_trace"
+            graph = _FunctionalTracer().trace(model)
+            return fx.GraphModule(model, graph, class_name=type(model).__name__), \
+                "symbolic_trace"
         except Exception as error:  # any failure sends the model to the second tracer
             fx_error = error
     try:

@@ -26,8 +26,8 @@ def test_mlp_costs_by_hand():
     assert (fc1.param_count, fc1.param_bytes) == (8 * 16 + 16, (8 * 16 + 16) * 4)
     assert fc1.num_nodes == 2 and fc2.num_nodes == 1
     costs = {n.name: meta.cost(n) for n in gm.graph.nodes if n.op.startswith("call_")}
-    assert costs["fc1"].compute_heavy and not costs["relu"].compute_heavy
-    assert costs["fc1"].flops == 2 * B * 8 * 16
+    assert costs["linear"].compute_heavy and not costs["relu"].compute_heavy
+    assert costs["linear"].flops == 2 * B * 8 * 16
     assert costs["relu"].saved_bytes == B * 16 * 4
     assert costs["relu"].bytes_moved == 2 * B * 16 * 4
 

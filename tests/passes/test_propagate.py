@@ -12,8 +12,8 @@ def test_shapes_and_dtypes_of_every_node():
     propagate(gm, ctx)
     infos = {n.name: meta.tensors(n) for n in gm.graph.nodes if n.op != "output"}
     assert infos["x"][0].shape == (2, 8)
-    assert infos["fc1"][0].shape == (2, 16) and infos["fc1"][0].dtype == torch.float32
-    assert infos["fc2"][0].shape == (2, 4) and infos["fc2"][0].nbytes == 32
+    assert infos["linear"][0].shape == (2, 16) and infos["linear"][0].dtype == torch.float32
+    assert infos["linear_1"][0].shape == (2, 4) and infos["linear_1"][0].nbytes == 32
 
 
 def test_meta_model_and_derived_target():
@@ -24,5 +24,5 @@ def test_meta_model_and_derived_target():
     nodes = {n.name: n for n in gm.graph.nodes}
     assert meta.tensors(nodes["target"])[0].shape == (3, 16)
     assert meta.tensors(nodes["target"])[0].dtype == torch.int64
-    assert meta.tensors(nodes["lm_head"])[0].shape == (3, 16, 128)
+    assert meta.tensors(nodes["linear_8"])[0].shape == (3, 16, 128)
     assert meta.tensors(nodes["loss"])[0].shape == ()

@@ -8,14 +8,17 @@ from samples.gpt import gpt_tiny
 from tests import models
 
 
-def test_symbolic_trace_keeps_modules_params_and_paths():
+def test_symbolic_trace_is_functional_and_keeps_params_and_paths():
     gm, ctx = trace(models.MLP(), (torch.randn(2, 8),))
     assert meta.trace_info(gm).tracer == "symbolic_trace"
-    assert "fc1 = self.fc1(x)" in gm.code
-    assert "fc2 = self.fc2(relu)" in gm.code
+    # Traced through torch.nn modules too: parameters are get_attr nodes under their FQNs.
+    assert "fc1_weight = self.fc1.weight" in gm.code
+    assert "linear = torch._C._nn.linear(x, fc1_weight, fc1_bias)" in gm.code
+    assert not [n for n in gm.graph.nodes if n.op == "call_module"]
     nodes = {n.name: n for n in gm.graph.nodes}
-    assert meta.params(nodes["fc1"]) == ("fc1.weight", "fc1.bias")
-    assert meta.module_path(nodes["fc1"]) == "fc1"
+    assert meta.params(nodes["fc1_weight"]) == ("fc1.weight",)
+    assert meta.module_path(nodes["linear"]) == "fc1"
+    assert meta.module_path(nodes["linear_1"]) == "fc2"
     assert meta.module_path(nodes["relu"]) == ""
     assert ctx.batch_size == 2
 
@@ -57,7 +60,7 @@ def test_loss_is_one_node_after_the_model_with_a_target_placeholder():
     assert [n.name for n in placeholders] == ["x", "target"]
     assert meta.role(placeholders[1]) == meta.ROLE_TARGET
     loss = [n for n in gm.graph.nodes if meta.role(n) == meta.ROLE_LOSS]
-    assert len(loss) == 1 and "loss = self.loss(fc2, target)" in gm.code
+    assert len(loss) == 1 and "loss = self.loss(linear_1, target)" in gm.code
     assert meta.trace_info(gm).has_loss and meta.trace_info(gm).num_inputs == 1
     # The model's own FQNs are unchanged: no wrapper prefix.
     assert {n for n, _ in gm.named_parameters()} == {"fc1.weight", "fc1.bias",
