@@ -11,12 +11,12 @@ from .errors import (PartcError, PlanInfeasibleError, PlanMismatchError, PlanVal
                      TraceError)
 from .plan import Plan
 from .planner import PlannerOptions
-from .program import Program
+from .program import Program, load
 from .spec import Constraints, TrainSpec
 from .validate import validate_plan
 
 __all__ = [
     "PRESETS", "Constraints", "DeviceBudget", "PartcError", "Plan", "PlanInfeasibleError",
     "PlanMismatchError", "PlanValidationError", "PlannerOptions", "Program", "TraceError",
-    "TrainSpec", "build_problem", "compile", "plan_problem", "validate_plan",
+    "TrainSpec", "build_problem", "compile", "load", "plan_problem", "validate_plan",
 ]

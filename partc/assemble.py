@@ -54,9 +54,29 @@ def stage_plans(problem: PlanningProblem, config: PipelineConfig, evaluation: Ev
                     "recompute": m * stage.recompute_ps / PS_PER_S,
                     "comm": m * stage.comm_ps / PS_PER_S,
                     "tail": stage.tail_ps / PS_PER_S},
+            p2p=p2p_messages(problem, evaluation, index, m),
         )
         for index, stage in enumerate(evaluation.stages)
     )
+
+
+def p2p_messages(problem: PlanningProblem, evaluation: Evaluation, index: int,
+                 num_microbatches: int) -> dict[str, int]:
+    """Sends and receives per step on stage ``index``: each tensor crossing a boundary is
+    one message forward and, when it is a float, one gradient message back."""
+    counts = problem.model.cut_tensors
+    if not counts:
+        return {}
+    stages = evaluation.stages
+
+    def boundary(after_stage: int) -> tuple[int, int]:
+        if after_stage < 0 or after_stage >= len(stages) - 1:
+            return (0, 0)
+        return counts[stages[after_stage].layers[-1]]
+
+    incoming, outgoing = boundary(index - 1), boundary(index)
+    return {"sends": num_microbatches * (outgoing[0] + incoming[1]),
+            "recvs": num_microbatches * (incoming[0] + outgoing[1])}
 
 
 def make_plan(problem: PlanningProblem, config: PipelineConfig, evaluation: Evaluation,
@@ -75,7 +95,9 @@ def make_plan(problem: PlanningProblem, config: PipelineConfig, evaluation: Eval
         budget=budget or {},
         train=train or {},
         model={"name": summary.name, "num_params": summary.num_params, "hash": summary.hash,
-               "tracer": summary.tracer, "num_layers": problem.num_layers},
+               "tracer": summary.tracer, "num_layers": problem.num_layers,
+               "inputs": [{"name": name, "shape": list(shape), "dtype": dtype}
+                          for name, shape, dtype in summary.inputs]},
         alternatives=alternatives,
     )
 

@@ -128,4 +128,4 @@ def compile(model: torch.nn.Module, example_inputs: tuple | torch.Tensor, *,
     plan = plan_problem(problem, budget=budget.to_dict(train.dtype), train=train.to_dict(),
                         options=options or PlannerOptions())
     log.info("planned in %.2f s: %s", time.perf_counter() - start, plan.solver.status)
-    return Program(plan=plan, problem=problem, graph=graph)
+    return Program(plan=plan, problem=problem, graph=graph, model=model, loss_fn=loss_fn)

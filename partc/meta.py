@@ -17,6 +17,7 @@ Node keys:
 Graph keys (on ``gm.meta``): :data:`TRACE` (how the model was captured) and
 :data:`LAYERS` (the layers in order, with their nodes and signatures) and :data:`CUTS`
 (bytes crossing each boundary between consecutive layers, for the whole traced batch),
+:data:`CUT_TENSORS` (how many tensors cross each boundary, and how many are floats),
 :data:`LAYER_COSTS` (one ``partc.problem.LayerCost`` per layer, per sample) and
 :data:`TIMINGS` (seconds each pass took).
 """
@@ -38,6 +39,7 @@ COST = "partc.cost"
 TRACE = "partc.trace"
 LAYERS = "partc.layers"
 CUTS = "partc.cut_bytes"
+CUT_TENSORS = "partc.cut_tensors"
 LAYER_COSTS = "partc.layer_costs"
 TIMINGS = "partc.pass_seconds"
 
@@ -190,6 +192,15 @@ def set_cut_bytes(gm: fx.GraphModule, cuts: tuple[float, ...]) -> None:
 
 def cut_bytes(gm: fx.GraphModule) -> tuple[float, ...]:
     return gm.meta[CUTS]
+
+
+def set_cut_tensors(gm: fx.GraphModule, counts: tuple[tuple[int, int], ...]) -> None:
+    gm.meta[CUT_TENSORS] = tuple(counts)
+
+
+def cut_tensors(gm: fx.GraphModule) -> tuple[tuple[int, int], ...]:
+    """Per cut: (tensors crossing it, floating-point ones among them)."""
+    return gm.meta[CUT_TENSORS]
 
 
 def set_layer_costs(gm: fx.GraphModule, costs: tuple) -> None:

@@ -23,6 +23,9 @@ class StagePlan:
     memory_bytes: dict[str, int]
     limit_bytes: int
     time_s: dict[str, float]
+    # Point-to-point messages per step on each rank of this stage (activations forward,
+    # their gradients backward): {"sends": n, "recvs": n}.
+    p2p: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, kw_only=True)

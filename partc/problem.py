@@ -89,6 +89,8 @@ class ModelSummary:
     traced_batch_size: int
     traced_dtype_bytes: int
     tracer: str
+    # (name, shape without the batch dimension, dtype name) of each input, target last
+    inputs: tuple[tuple[str, tuple[int, ...], str], ...] = ()
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -99,6 +101,9 @@ class ModelAnalysis:
     layers: tuple[LayerCost, ...]
     cut_bytes: tuple[float, ...]
     shared: tuple[SharedParam, ...] = ()
+    # Per cut: tensors that cross it, and how many of them are floating point (their
+    # gradients cross back). One send and one receive each, per microbatch.
+    cut_tensors: tuple[tuple[int, int], ...] = ()
 
     def __post_init__(self) -> None:
         if not self.layers:

@@ -45,7 +45,8 @@ def layers(gm: fx.GraphModule, ctx: Context) -> fx.GraphModule:
     """Assign every node to a layer and measure what crosses each layer boundary.
 
     Reads: ``meta.MODULE_PATH``, ``meta.ROLE``, ``meta.TENSORS``, ``meta.PARAMS``.
-    Writes: ``meta.LAYER`` on every node; ``meta.LAYERS`` and ``meta.CUTS`` on ``gm``.
+    Writes: ``meta.LAYER`` on every node; ``meta.LAYERS``, ``meta.CUTS`` and
+    ``meta.CUT_TENSORS`` on ``gm``.
     Requires: ``propagate``; placeholders first, get_attr nodes next to their first user.
     Ensures: layers are contiguous runs of graph order; every data edge goes from a layer
     to itself or a later one; ``len(CUTS) == len(LAYERS) - 1``.
@@ -60,6 +61,7 @@ def layers(gm: fx.GraphModule, ctx: Context) -> fx.GraphModule:
     _check_dag(gm, infos)
     meta.set_layers(gm, tuple(infos))
     meta.set_cut_bytes(gm, crossing_bytes(gm, len(infos)))
+    meta.set_cut_tensors(gm, crossing_tensors(gm, len(infos)))
     return gm
 
 
@@ -274,6 +276,25 @@ def crossing_bytes(gm: fx.GraphModule, num_layers: int) -> tuple[float, ...]:
         running += delta[boundary]
         cuts.append(running)
     return tuple(cuts)
+
+
+def crossing_tensors(gm: fx.GraphModule, num_layers: int) -> tuple[tuple[int, int], ...]:
+    """Per cut l: how many tensor values cross it, and how many of those are floats.
+
+    The same values as :func:`crossing_bytes`, counted the way a pipeline sends them:
+    one message per tensor; a value that is not a single tensor (a size) is not sent.
+    """
+    counts = [[0, 0] for _ in range(max(num_layers - 1, 0))]
+    for node in gm.graph.nodes:
+        value = node.meta.get("val")
+        if not _is_activation(node) or not node.users or not isinstance(value, torch.Tensor):
+            continue
+        made = 0 if node.op == "placeholder" else meta.layer(node).index
+        used = max(meta.layer(user).index for user in node.users)
+        for boundary in range(made, used):
+            counts[boundary][0] += 1
+            counts[boundary][1] += int(value.is_floating_point())
+    return tuple((tensors, floats) for tensors, floats in counts)
 
 
 def op_name(node: fx.Node) -> str:

@@ -60,6 +60,32 @@ def analyze(model: nn.Module, example_inputs: Any, *, loss_fn: Callable | None =
     return gm, summarize(gm, ctx)
 
 
+def lower(model: nn.Module, example_inputs: tuple, stages: list[list[str]],
+          recompute: dict[str, str], *, loss_fn: Callable | None = None,
+          example_target: Any = None) -> tuple[fx.GraphModule, list]:
+    """The back half: the model traced at the micro-batch size, cut into the plan's stages,
+    with the plan's layers recomputed. Returns the traced graph and one
+    :class:`partc.passes.split.StageGraph` per stage.
+
+    ``example_inputs`` (and ``example_target``) must have the micro-batch size in dim 0:
+    the graph's view shapes are those of one microbatch.
+    """
+    from .recompute import recompute as recompute_pass
+    from .split import split
+
+    gm, ctx = _named("trace", lambda: trace(model, example_inputs, loss_fn=loss_fn,
+                                            example_target=example_target))
+    _verify("trace", gm)
+    for pass_name, run_pass in (("propagate", propagate), ("layers", layers)):
+        gm = _named(pass_name, lambda: run_pass(gm, ctx))
+        _verify(pass_name, gm)
+    stage_graphs = _named("split", lambda: split(gm, stages))
+    for stage in stage_graphs:
+        modes = {name: recompute.get(name, "none") for name in stage.layers}
+        _named("recompute", lambda: recompute_pass(stage.module, modes))
+    return gm, stage_graphs
+
+
 def _named(pass_name: str, thunk: Callable[[], Any]) -> Any:
     try:
         return thunk()
@@ -76,11 +102,25 @@ def summarize(gm: fx.GraphModule, ctx: Context) -> ModelAnalysis:
         summary=ModelSummary(
             name=ctx.name, num_params=_num_params(ctx.model), hash=model_hash(ctx.model),
             tokens_per_sample=_tokens_per_sample(ctx), traced_batch_size=ctx.batch_size,
-            traced_dtype_bytes=_dtype_bytes(ctx.model), tracer=info.tracer),
+            traced_dtype_bytes=_dtype_bytes(ctx.model), tracer=info.tracer,
+            inputs=input_specs(gm)),
         layers=meta.layer_costs(gm),
         cut_bytes=tuple(c * per_sample for c in meta.cut_bytes(gm)),
         shared=_shared(gm, ctx),
+        cut_tensors=meta.cut_tensors(gm),
     )
+
+
+def input_specs(gm: fx.GraphModule) -> tuple[tuple[str, tuple[int, ...], str], ...]:
+    """Name, per-sample shape and dtype of each placeholder (the target last)."""
+    specs = []
+    for node in gm.graph.nodes:
+        if node.op != "placeholder" or not isinstance(node.meta.get("val"), torch.Tensor):
+            continue
+        value = node.meta["val"]
+        specs.append((node.name, tuple(int(d) for d in value.shape[1:]),
+                      str(value.dtype).removeprefix("torch.")))
+    return tuple(specs)
 
 
 def _unique_params(model: nn.Module) -> list[nn.Parameter]:

@@ -1,0 +1,359 @@
+"""The program one rank runs: its stage, the planned schedule, and gradient sync.
+
+``build`` (called as ``program.build()`` under torchrun) checks the launch against the
+plan, keeps this rank's parameters only, wraps the stage for
+``torch.distributed.pipelining`` and returns a :class:`DistributedModule`. Its
+``forward_backward`` runs one optimizer step's worth of forward and backward over all
+microbatches of the global batch, then:
+
+1. sums the gradients of parameters that several stages hold (tied weights);
+2. averages gradients over data-parallel replicas;
+3. returns the mean loss of the global batch, the same on every rank.
+
+Gradients are those of the mean loss over the whole global batch, as on one device, so
+any ``torch.optim`` optimizer over ``module.parameters()`` trains the same model.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from typing import Any, Callable, Iterator, Mapping
+
+import torch
+import torch.distributed as dist
+import torch.utils._pytree as pytree
+from torch import fx, nn
+from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+
+from partc import meta
+from partc.errors import PartcError, PlanMismatchError
+from partc.plan import Plan
+
+from .recompute import checkpoint_layer
+from .topology import Topology, init
+
+log = logging.getLogger("partc.runtime")
+
+
+class _CountingStage(PipelineStage):
+    """A pipeline stage that counts the point-to-point messages it posts."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.messages: Counter[str] = Counter()
+
+    def get_fwd_recv_ops(self, fwd_chunk_id: int) -> list:
+        ops = super().get_fwd_recv_ops(fwd_chunk_id)
+        self.messages["recvs"] += len(ops)
+        return ops
+
+    def get_bwd_recv_ops(self, bwd_chunk_id: int) -> list:
+        ops = super().get_bwd_recv_ops(bwd_chunk_id)
+        self.messages["recvs"] += len(ops)
+        return ops
+
+    def get_fwd_send_ops(self, fwd_chunk_id: int) -> list:
+        ops = super().get_fwd_send_ops(fwd_chunk_id)
+        self.messages["sends"] += len(ops)
+        return ops
+
+    def get_bwd_send_ops(self, bwd_chunk_id: int) -> list:
+        ops = super().get_bwd_send_ops(bwd_chunk_id)
+        self.messages["sends"] += len(ops)
+        return ops
+
+
+class _Loss:
+    """The user's loss on the last stage's outputs, recomputed if the plan says so."""
+
+    def __init__(self, loss_call: nn.Module, mode: str) -> None:
+        self.loss_call = loss_call
+        self.mode = mode
+
+    def __call__(self, output: Any, target: Any) -> torch.Tensor:
+        leaves = tuple(output) if isinstance(output, (tuple, list)) else (output,)
+        if self.mode == "none":
+            return self.loss_call(*leaves, target)
+        return checkpoint_layer(self.loss_call, self.mode, *leaves, target)
+
+
+class DistributedModule:
+    """This rank's part of the program: parameters, and one training step's fwd + bwd."""
+
+    def __init__(self, *, plan: Plan, topology: Topology, stage: Any, module: fx.GraphModule,
+                 schedule: Any, tied: list[tuple[list[nn.Parameter], dist.ProcessGroup]],
+                 inputs: list[dict], global_batch_size: int) -> None:
+        self.plan = plan
+        self.topology = topology
+        self.stage_index = stage.stage_index
+        self.module = module
+        self._stage = stage
+        self._schedule = schedule
+        self._tied = tied
+        self._inputs = [spec for spec in inputs if spec["name"] != "target"]
+        self._target = next((spec for spec in inputs if spec["name"] == "target"), None)
+        self.global_batch_size = global_batch_size
+        self.last_messages: dict[str, int] = {"sends": 0, "recvs": 0}
+
+    # -- parameters, as torch.optim and checkpointing expect them -----------------------
+
+    def parameters(self) -> Iterator[nn.Parameter]:
+        return self.module.parameters()
+
+    def named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
+        return self.module.named_parameters()
+
+    def named_buffers(self) -> Iterator[tuple[str, torch.Tensor]]:
+        return self.module.named_buffers()
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """This rank's parameters and buffers under the model's own FQNs."""
+        return {**dict(self.named_parameters()), **dict(self.named_buffers())}
+
+    def load_state_dict(self, state_dict: Mapping[str, torch.Tensor]) -> None:
+        own = self.state_dict()
+        missing = [name for name in own if name not in state_dict]
+        if missing:
+            raise KeyError(f"state dict lacks {len(missing)} of this rank's tensors, "
+                           f"e.g. {missing[:3]}")
+        with torch.no_grad():
+            for name, tensor in own.items():
+                tensor.copy_(state_dict[name])
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.module.zero_grad(set_to_none=set_to_none)
+
+    # -- one step ------------------------------------------------------------------------
+
+    def forward_backward(self, *inputs: torch.Tensor, target: Any = None) -> torch.Tensor:
+        """Forward and backward over the whole global batch; returns its mean loss.
+
+        Every rank passes the same global batch (``inputs`` with dim 0 the global batch
+        size, and ``target``); each data-parallel replica takes its own slice, stage 0
+        reads the inputs and the last stage the target. Gradients accumulate into
+        ``.grad`` like ``loss.backward()``: zero them between steps.
+        """
+        self._check_batch(inputs, target)
+        topo = self.topology
+        share = self.global_batch_size // topo.dp
+        rows = slice(topo.dp_rank * share, (topo.dp_rank + 1) * share)
+        self._stage.messages.clear()
+        losses: list[torch.Tensor] = []
+        args = tuple(t[rows].to(topo.device) for t in inputs) if self._stage.is_first else ()
+        kwargs: dict[str, Any] = {}
+        if self._stage.is_last:
+            kwargs = {"target": pytree.tree_map_only(
+                torch.Tensor, lambda t: t[rows].to(topo.device), target), "losses": losses}
+        self._schedule.step(*args, **kwargs)
+        self.last_messages = dict(self._stage.messages)
+        self._sync_gradients()
+        total = torch.stack(losses).sum().detach() if losses else torch.zeros((), device=topo.device)
+        total = total.to(torch.float32)
+        dist.all_reduce(total)  # only the last stage's ranks contribute
+        return total / (self.plan.num_microbatches * topo.dp)
+
+    def _sync_gradients(self) -> None:
+        for params, group in self._tied:
+            for param in params:
+                grad = param.grad if param.grad is not None else torch.zeros_like(param)
+                dist.all_reduce(grad, group=group)
+                param.grad = grad
+        if self.topology.dp == 1:
+            return
+        grads = [p.grad for p in self.module.parameters() if p.grad is not None]
+        if not grads:
+            return
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        dist.all_reduce(flat, group=self.topology.dp_group)
+        flat /= self.topology.dp
+        offset = 0
+        for grad in grads:
+            grad.copy_(flat[offset:offset + grad.numel()].view_as(grad))
+            offset += grad.numel()
+
+    def _check_batch(self, inputs: tuple, target: Any) -> None:
+        """Shapes and dtypes against the plan, on every rank, before any message."""
+        problems = []
+        if len(inputs) != len(self._inputs):
+            problems.append(f"{len(inputs)} inputs given, the plan has {len(self._inputs)} "
+                            f"({', '.join(s['name'] for s in self._inputs)})")
+        for given, spec in zip(inputs, self._inputs):
+            problems += _mismatch(spec, given, self.global_batch_size)
+        if self._target is not None:
+            if target is None:
+                problems.append("no target given; the plan's loss needs one")
+            else:
+                problems += _mismatch(self._target, target, self.global_batch_size)
+        if problems:
+            raise PlanMismatchError(
+                "this batch does not match the plan: " + "; ".join(problems) +
+                ". The plan fixes the global batch, micro-batch size and every other "
+                "dimension; compile again for new shapes")
+
+
+def _mismatch(spec: dict, given: Any, batch: int) -> list[str]:
+    expected = (batch, *spec["shape"])
+    if not isinstance(given, torch.Tensor):
+        return [f"{spec['name']} is a {type(given).__name__}, not a tensor"]
+    problems = []
+    if tuple(given.shape) != expected:
+        problems.append(f"{spec['name']} has shape {tuple(given.shape)}, "
+                        f"the plan's is {expected}")
+    if str(given.dtype).removeprefix("torch.") != spec["dtype"]:
+        problems.append(f"{spec['name']} is {given.dtype}, the plan's is {spec['dtype']}")
+    return problems
+
+
+def build(plan: Plan, model: nn.Module, loss_fn: Callable | None, *,
+          state_dict: Mapping[str, torch.Tensor] | None = None,
+          device: torch.device | str | None = None) -> DistributedModule:
+    """This rank's :class:`DistributedModule` for ``plan`` (see ``Program.build``)."""
+    from partc.passes.pipeline import lower, model_hash
+
+    inputs = plan.model.get("inputs")
+    if not inputs:
+        raise PartcError("the plan records no input shapes; compile it again with this "
+                         "version of partc")
+    if loss_fn is None:
+        raise PartcError("training needs a loss: pass loss_fn to partc.compile/partc.load")
+    own_hash = model_hash(model)
+    if own_hash != plan.model.get("hash"):
+        raise PlanMismatchError(f"the model (hash {own_hash}) is not the one the plan was "
+                                f"made for (hash {plan.model.get('hash')})")
+    topology = init(plan, device)
+    _check_same_plan(plan, own_hash)
+    example = _micro_batch(inputs, plan.micro_batch_size)
+    target = example.pop("target", None)
+    stage_names = [list(stage.layers) for stage in plan.stages]
+    gm, stages = lower(model, tuple(example.values()), stage_names, plan.recompute,
+                       loss_fn=loss_fn, example_target=target)
+    mine = stages[topology.pp_rank]
+    module = mine.module
+    _own_parameters(module, model, state_dict, topology.device)
+    tied = _tied_groups(stages, model, module, topology)
+    loss_node = next(n for n in gm.graph.nodes if meta.role(n) == meta.ROLE_LOSS)
+    loss = _Loss(gm.get_submodule(str(loss_node.target)),
+                 plan.recompute.get(meta.layer(loss_node).name, "none"))
+    stage = _CountingStage(module, topology.pp_rank, plan.pp, topology.device,
+                           group=topology.pp_group)
+    schedule_type = ScheduleGPipe
+    if plan.schedule == "1f1b" and plan.num_microbatches >= plan.pp:
+        schedule_type = Schedule1F1B  # with fewer microbatches than stages, 1F1B is GPipe
+    schedule = schedule_type(stage, plan.num_microbatches, loss_fn=loss, scale_grads=True)
+    log.info("rank %d: stage %d of %d (%s), %d parameters", topology.rank, mine.index,
+             plan.pp, ", ".join(mine.layers), sum(p.numel() for p in module.parameters()))
+    return DistributedModule(
+        plan=plan, topology=topology, stage=stage, module=module, schedule=schedule,
+        tied=tied, inputs=inputs,
+        global_batch_size=plan.num_microbatches * plan.micro_batch_size * plan.dp)
+
+
+def _check_same_plan(plan: Plan, own_hash: str) -> None:
+    """Every rank must run the same plan on the same model: compare before anything else."""
+    mine = (plan.hash, own_hash)
+    everyone: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    differing = [rank for rank, theirs in enumerate(everyone) if tuple(theirs) != mine]
+    if differing:
+        raise PlanMismatchError(
+            f"ranks disagree on the plan or the model: rank {dist.get_rank()} has plan "
+            f"{mine[0]} and model {mine[1]}, ranks {differing} have "
+            f"{sorted({tuple(everyone[r]) for r in differing})}; give every rank the same "
+            "plan.json (partc.load) or the same model and compile arguments")
+
+
+def _micro_batch(inputs: list[dict], batch: int) -> dict[str, torch.Tensor]:
+    """Meta tensors of one microbatch's shapes: what the stages are traced with."""
+    return {spec["name"]: torch.empty((batch, *spec["shape"]),
+                                      dtype=getattr(torch, spec["dtype"]), device="meta")
+            for spec in inputs}
+
+
+def _own_parameters(module: fx.GraphModule, model: nn.Module,
+                    state_dict: Mapping[str, torch.Tensor] | None,
+                    device: torch.device) -> None:
+    """Give the stage its own copies of its tensors, from the state dict or the model."""
+    aliases = _aliases(model)
+    copies: dict[int, torch.Tensor] = {}
+    entries = [(name, t, True) for name, t in module.named_parameters(remove_duplicate=False)]
+    entries += [(name, t, False) for name, t in module.named_buffers(remove_duplicate=False)]
+    for name, tensor, is_param in entries:
+        if id(tensor) not in copies:
+            source = _source_tensor(name, aliases, model, state_dict)
+            value = source.detach().to(device=device, dtype=tensor.dtype, copy=True)
+            copies[id(tensor)] = nn.Parameter(value, tensor.requires_grad) if is_param \
+                else value
+        owner_name, _, attr = name.rpartition(".")
+        owner = module.get_submodule(owner_name)
+        if is_param:
+            owner._parameters[attr] = copies[id(tensor)]
+        else:
+            owner._buffers[attr] = copies[id(tensor)]
+
+
+def _aliases(model: nn.Module) -> dict[str, tuple[str, ...]]:
+    groups: dict[int, list[str]] = {}
+    for name, tensor in [*model.named_parameters(remove_duplicate=False),
+                         *model.named_buffers(remove_duplicate=False)]:
+        groups.setdefault(id(tensor), []).append(name)
+    return {name: tuple(names) for names in groups.values() for name in names}
+
+
+def _source_tensor(name: str, aliases: dict[str, tuple[str, ...]], model: nn.Module,
+                   state_dict: Mapping[str, torch.Tensor] | None) -> torch.Tensor:
+    names = aliases.get(name, (name,))
+    if state_dict is not None:
+        for alias in names:
+            if alias in state_dict:
+                return state_dict[alias]
+        raise KeyError(f"the state dict has no entry for {name} (nor its aliases {names})")
+    tensor = _get_tensor(model, names[0])
+    if tensor.is_meta:
+        raise PartcError(f"{name} is on the meta device: pass state_dict= to build() so "
+                         "each rank loads its own parameters")
+    return tensor
+
+
+def _get_tensor(model: nn.Module, name: str) -> torch.Tensor:
+    owner_name, _, attr = name.rpartition(".")
+    return getattr(model.get_submodule(owner_name), attr)
+
+
+def _holders(stages: list, model: nn.Module) -> dict[tuple[str, ...], list[int]]:
+    """For each parameter (all its FQNs), the stages that hold it, in stage order."""
+    aliases = _aliases(model)
+    holders: dict[tuple[str, ...], list[int]] = {}
+    for stage in stages:
+        for name, _ in stage.module.named_parameters():
+            key = aliases.get(name, (name,))
+            if stage.index not in holders.setdefault(key, []):
+                holders[key].append(stage.index)
+    return dict(sorted(holders.items()))
+
+
+def shared_parameters(stages: list, model: nn.Module) -> dict[str, list[int]]:
+    """Parameters held by more than one stage (tied weights) → the stages holding them."""
+    return {" = ".join(key): indices for key, indices in _holders(stages, model).items()
+            if len(indices) > 1}
+
+
+def _tied_groups(stages: list, model: nn.Module, module: fx.GraphModule,
+                 topology: Topology) -> list[tuple[list[nn.Parameter], dist.ProcessGroup]]:
+    """Process groups over the stages that hold the same (tied) parameter.
+
+    Every rank creates every group, in the same order, as ``new_group`` requires; a rank
+    keeps the groups it is in.
+    """
+    own = dict(module.named_parameters())
+    result = []
+    for key, stage_indices in _holders(stages, model).items():
+        if len(stage_indices) < 2:
+            continue
+        for dp_rank in range(topology.dp):
+            ranks = [topology.rank_of(s, dp_rank) for s in stage_indices]
+            group = dist.new_group(ranks)
+            if topology.rank in ranks:
+                params = [own[name] for name in key if name in own]
+                result.append((params[:1], group))
+    return result

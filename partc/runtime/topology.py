@@ -1,0 +1,86 @@
+"""Where this process sits: the process group, the device, and the (pp, dp) mesh.
+
+Ranks are laid out with pp outermost and dp inside it (tp, when it comes, innermost, so
+that a tensor-parallel group stays inside a node): rank = pp_index * dp + dp_index.
+Everything here that can fail without talking to other ranks does so before the first
+collective, so a wrong launch is an error on every rank, never a hang.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from partc.errors import PlanMismatchError
+from partc.plan import Plan
+
+
+@dataclass(frozen=True)
+class Topology:
+    rank: int
+    world_size: int
+    pp: int
+    dp: int
+    pp_rank: int
+    dp_rank: int
+    device: torch.device
+    mesh: DeviceMesh
+
+    @property
+    def pp_group(self) -> dist.ProcessGroup:
+        return self.mesh.get_group("pp")
+
+    @property
+    def dp_group(self) -> dist.ProcessGroup:
+        return self.mesh.get_group("dp")
+
+    def rank_of(self, pp_rank: int, dp_rank: int) -> int:
+        return pp_rank * self.dp + dp_rank
+
+
+def world_size_from_env() -> int:
+    if dist.is_initialized():
+        return dist.get_world_size()
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def check_world_size(plan: Plan) -> None:
+    expected = plan.pp * plan.dp * plan.mesh.get("tp", 1)
+    actual = world_size_from_env()
+    if actual != expected:
+        raise PlanMismatchError(
+            f"the plan needs {expected} processes (pp={plan.pp} × dp={plan.dp} × "
+            f"tp={plan.mesh.get('tp', 1)}) but {actual} were started: launch with "
+            f"`torchrun --nproc-per-node={expected} ...`, or compile for {actual} devices")
+
+
+def init(plan: Plan, device: torch.device | str | None = None) -> Topology:
+    """Join (or start) the process group and build the (pp, dp) mesh for ``plan``."""
+    check_world_size(plan)
+    device = torch.device(device) if device is not None else _default_device()
+    if not dist.is_initialized():
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        timeout = datetime.timedelta(seconds=float(os.environ.get("PARTC_TIMEOUT_S", "600")))
+        if "MASTER_ADDR" not in os.environ and world_size_from_env() == 1:
+            # One process and no launcher: a private store, no network.
+            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1,
+                                    timeout=timeout)
+        else:
+            dist.init_process_group(backend, timeout=timeout)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    rank = dist.get_rank()
+    mesh = init_device_mesh(device.type, (plan.pp, plan.dp), mesh_dim_names=("pp", "dp"))
+    return Topology(rank=rank, world_size=dist.get_world_size(), pp=plan.pp, dp=plan.dp,
+                    pp_rank=rank // plan.dp, dp_rank=rank % plan.dp, device=device, mesh=mesh)
+
+
+def _default_device() -> torch.device:
+    if torch.cuda.is_available():
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    return torch.device("cpu")

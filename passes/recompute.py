@@ -1,0 +1,78 @@
+"""Wrap each layer the plan recomputes in a checkpointed call.
+
+A recomputed layer's nodes move into a small GraphModule of their own, registered on the
+stage as ``recompute_<layer>``; its inputs are everything the layer reads from outside —
+activations, sizes and the parameters themselves — so it holds no parameters and the
+stage's parameter FQNs do not change. In the stage's code the layer reads::
+
+    recompute_blocks_3 = self.recompute_blocks_3
+    checkpoint_layer = partc.runtime.recompute.checkpoint_layer(recompute_blocks_3, 'full', ...)
+    getitem_7 = checkpoint_layer[0]
+"""
+
+from __future__ import annotations
+
+import operator
+import re
+from typing import Mapping
+
+from torch import fx
+
+from partc import meta
+from partc.runtime.recompute import RECOMPUTED_MODES, checkpoint_layer
+
+
+def recompute(module: fx.GraphModule, modes: Mapping[str, str]) -> fx.GraphModule:
+    """Rewrite ``module`` (a stage) so that each layer with a mode in ``modes`` is rerun.
+
+    Reads: ``meta.LAYER`` on nodes. Writes: a ``recompute_<layer>`` submodule per
+    recomputed layer; ``meta.LAYER`` on the nodes that call it.
+    Requires: ``split`` (one stage's graph; a layer's nodes are consecutive).
+    Ensures: the stage computes the same values; its parameters are unchanged.
+    """
+    graph = module.graph
+    for layer_name, mode in modes.items():
+        if mode == "none":
+            continue
+        if mode not in RECOMPUTED_MODES:
+            raise ValueError(f"layer {layer_name}: unknown recompute mode {mode!r}")
+        region = [n for n in graph.nodes if n.op not in ("placeholder", "get_attr", "output")
+                  and meta.LAYER in n.meta and meta.layer(n).name == layer_name]
+        if region:
+            _wrap(module, region, layer_name, mode)
+    graph.lint()
+    module.recompile()
+    return module
+
+
+def _wrap(module: fx.GraphModule, region: list[fx.Node], layer_name: str, mode: str) -> None:
+    members = set(region)
+    inputs: list[fx.Node] = []
+    for node in region:
+        for arg in node.all_input_nodes:
+            if arg not in members and arg not in inputs:
+                inputs.append(arg)
+    outputs = [n for n in region if any(user not in members for user in n.users)]
+
+    sub = fx.Graph()
+    env = {arg: sub.placeholder(arg.name) for arg in inputs}
+    for node in region:
+        env[node] = sub.node_copy(node, env.__getitem__)
+    sub.output(tuple(env[n] for n in outputs))
+    name = "recompute_" + re.sub(r"\W", "_", layer_name)
+    module.add_submodule(name, fx.GraphModule(module, sub, class_name=name))
+
+    graph = module.graph
+    ref = meta.layer(region[0])
+    # After the region's last node: every input (parameters are fetched inside the
+    # region's span) is defined by then, and every outside user comes later.
+    with graph.inserting_before(region[-1].next):
+        fetch = graph.get_attr(name)
+        call = graph.call_function(checkpoint_layer, (fetch, mode, *inputs))
+        results = [graph.call_function(operator.getitem, (call, i)) for i in range(len(outputs))]
+    for node in (fetch, call, *results):
+        meta.set_layer(node, ref)
+    for node, result in zip(outputs, results):
+        node.replace_all_uses_with(result, delete_user_cb=lambda user: user not in members)
+    for node in reversed(region):
+        graph.erase_node(node)
