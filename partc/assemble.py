@@ -63,7 +63,7 @@ def stage_plans(problem: PlanningProblem, config: PipelineConfig, evaluation: Ev
 def p2p_messages(problem: PlanningProblem, evaluation: Evaluation, index: int,
                  num_microbatches: int) -> dict[str, int]:
     """Sends and receives per step on stage ``index``: each tensor crossing a boundary is
-    one message forward and, when it is a float, one gradient message back."""
+    one message forward and, when it depends on a parameter, one gradient message back."""
     counts = problem.model.cut_tensors
     if not counts:
         return {}

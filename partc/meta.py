@@ -17,7 +17,7 @@ Node keys:
 Graph keys (on ``gm.meta``): :data:`TRACE` (how the model was captured) and
 :data:`LAYERS` (the layers in order, with their nodes and signatures) and :data:`CUTS`
 (bytes crossing each boundary between consecutive layers, for the whole traced batch),
-:data:`CUT_TENSORS` (how many tensors cross each boundary, and how many are floats),
+:data:`CUT_TENSORS` (how many tensors cross each boundary, and how many carry gradients),
 :data:`LAYER_COSTS` (one ``partc.problem.LayerCost`` per layer, per sample) and
 :data:`TIMINGS` (seconds each pass took).
 """
@@ -199,7 +199,7 @@ def set_cut_tensors(gm: fx.GraphModule, counts: tuple[tuple[int, int], ...]) -> 
 
 
 def cut_tensors(gm: fx.GraphModule) -> tuple[tuple[int, int], ...]:
-    """Per cut: (tensors crossing it, floating-point ones among them)."""
+    """Per cut: (tensors crossing it, those among them whose gradients cross back)."""
     return gm.meta[CUT_TENSORS]
 
 

@@ -101,8 +101,8 @@ class ModelAnalysis:
     layers: tuple[LayerCost, ...]
     cut_bytes: tuple[float, ...]
     shared: tuple[SharedParam, ...] = ()
-    # Per cut: tensors that cross it, and how many of them are floating point (their
-    # gradients cross back). One send and one receive each, per microbatch.
+    # Per cut: tensors that cross it, and how many of them carry a gradient back (float
+    # tensors that depend on a parameter). One message each, per microbatch.
     cut_tensors: tuple[tuple[int, int], ...] = ()
 
     def __post_init__(self) -> None:

@@ -77,12 +77,12 @@ def _header(stage: StageGraph, plan: Plan, shared: Mapping[str, Sequence[int]]) 
         lines.append(f"# Inputs: {_describe(stage.receives, values)}.")
     else:
         lines.append(f"# Receives from stage {k - 1}, per microbatch: "
-                     f"{_describe(stage.receives, values)}; sends {stage.float_receives} "
+                     f"{_describe(stage.receives, values)}; sends {stage.grad_receives} "
                      "gradient(s) back.")
     if k < last:
         lines.append(f"# Sends to stage {k + 1}, per microbatch: "
                      f"{_describe(stage.sends, _outputs(stage.module))}; receives "
-                     f"{stage.float_sends} gradient(s) back.")
+                     f"{stage.grad_sends} gradient(s) back.")
     else:
         lines.append(f"# Returns the model's output for the loss: "
                      f"{_describe(stage.sends, _outputs(stage.module))}.")

@@ -278,12 +278,35 @@ def crossing_bytes(gm: fx.GraphModule, num_layers: int) -> tuple[float, ...]:
     return tuple(cuts)
 
 
+_NO_GRAD_OPS = {"detach", "alias", "_assert_tensor_metadata", "zeros_like", "ones_like",
+                "empty_like", "full_like", "new_zeros", "new_ones", "new_empty", "new_full"}
+
+
+def carries_grad(gm: fx.GraphModule) -> set[fx.Node]:
+    """Nodes whose value is a float tensor that depends on a trainable parameter: the
+    values whose gradients flow back when they cross a stage boundary."""
+    result: set[fx.Node] = set()
+    for node in gm.graph.nodes:
+        value = node.meta.get("val")
+        if not isinstance(value, torch.Tensor) or not value.is_floating_point():
+            continue
+        if node.op == "get_attr":
+            owner, _, attr = str(node.target).rpartition(".")
+            tensor = getattr(gm.get_submodule(owner) if owner else gm, attr, None)
+            if isinstance(tensor, torch.Tensor) and tensor.requires_grad:
+                result.add(node)
+        elif op_name(node) not in _NO_GRAD_OPS and any(a in result for a in node.all_input_nodes):
+            result.add(node)
+    return result
+
+
 def crossing_tensors(gm: fx.GraphModule, num_layers: int) -> tuple[tuple[int, int], ...]:
-    """Per cut l: how many tensor values cross it, and how many of those are floats.
+    """Per cut l: how many tensor values cross it, and how many of those carry gradients.
 
     The same values as :func:`crossing_bytes`, counted the way a pipeline sends them:
     one message per tensor; a value that is not a single tensor (a size) is not sent.
     """
+    grads = carries_grad(gm)
     counts = [[0, 0] for _ in range(max(num_layers - 1, 0))]
     for node in gm.graph.nodes:
         value = node.meta.get("val")
@@ -293,7 +316,7 @@ def crossing_tensors(gm: fx.GraphModule, num_layers: int) -> tuple[tuple[int, in
         used = max(meta.layer(user).index for user in node.users)
         for boundary in range(made, used):
             counts[boundary][0] += 1
-            counts[boundary][1] += int(value.is_floating_point())
+            counts[boundary][1] += int(node in grads)
     return tuple((tensors, floats) for tensors, floats in counts)
 
 

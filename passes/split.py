@@ -24,6 +24,8 @@ from torch import fx
 from partc import meta
 from partc.errors import PlanMismatchError
 
+from .layers import carries_grad
+
 
 @dataclass(frozen=True)
 class StageGraph:
@@ -39,8 +41,8 @@ class StageGraph:
     layers: tuple[str, ...]
     receives: tuple[str, ...]
     sends: tuple[str, ...]
-    float_receives: int  # received tensors that carry a gradient back
-    float_sends: int
+    grad_receives: int  # received tensors whose gradients go back
+    grad_sends: int  # sent tensors whose gradients come back
 
     @property
     def is_first(self) -> bool:
@@ -90,6 +92,7 @@ def split(gm: fx.GraphModule, stages: Sequence[Sequence[str]]) -> list[StageGrap
                 crossing[boundary].append(node)
         elif used > made:
             _check_constant(node)
+    grads = carries_grad(gm)
     result = []
     for index in range(len(stages)):
         receives = _model_inputs(nodes) if index == 0 else crossing[index - 1]
@@ -99,8 +102,8 @@ def split(gm: fx.GraphModule, stages: Sequence[Sequence[str]]) -> list[StageGrap
             index=index, num_stages=len(stages), module=module,
             layers=tuple(stages[index]), receives=tuple(n.name for n in receives),
             sends=tuple(n.name for n in sends),
-            float_receives=0 if index == 0 else sum(map(_is_float, receives)),
-            float_sends=0 if index == last else sum(map(_is_float, sends))))
+            grad_receives=0 if index == 0 else sum(n in grads for n in receives),
+            grad_sends=0 if index == last else sum(n in grads for n in sends)))
     return result
 
 
@@ -133,11 +136,6 @@ def _model_inputs(nodes: list[fx.Node]) -> list[fx.Node]:
 
 def _is_tensor(node: fx.Node) -> bool:
     return isinstance(node.meta.get("val"), torch.Tensor)
-
-
-def _is_float(node: fx.Node) -> bool:
-    value = node.meta.get("val")
-    return isinstance(value, torch.Tensor) and value.is_floating_point()
 
 
 def _check_constant(node: fx.Node) -> None:

@@ -11,11 +11,13 @@ import torch.nn.functional as F
 from torch import nn
 
 
-def gpt2(n_layer: int = 2, n_embd: int = 64, vocab: int = 128, positions: int = 32):
+def gpt2(n_layer: int = 2, n_embd: int = 64, vocab: int = 128, positions: int = 32,
+         dropout: float = 0.1):
     from transformers import GPT2Config, GPT2LMHeadModel
 
     config = GPT2Config(n_layer=n_layer, n_embd=n_embd, n_head=4, vocab_size=vocab,
                         n_positions=positions, bos_token_id=0, eos_token_id=0,
+                        resid_pdrop=dropout, embd_pdrop=dropout, attn_pdrop=dropout,
                         use_cache=False, attn_implementation="eager")
     return GPT2LMHeadModel(config)
 
@@ -122,3 +124,27 @@ class DataDependent(nn.Module):
         if x.sum() > 0:
             return self.fc(x)
         return F.relu(x)
+
+
+def causal_lm_loss(output, target: torch.Tensor) -> torch.Tensor:
+    """Next-token cross entropy on a Hugging Face causal LM's output (a ModelOutput)."""
+    logits = output.logits
+    return F.cross_entropy(logits.reshape(-1, logits.size(-1)), target.reshape(-1))
+
+
+class DeepSkip(nn.Module):
+    """Four blocks with the stem's output added back after the last: in a 4-stage
+    pipeline the skip crosses three boundaries and is passed along by every stage."""
+
+    def __init__(self, width: int = 16, depth: int = 4) -> None:
+        super().__init__()
+        self.stem = nn.Linear(width, width)
+        self.blocks = nn.ModuleList(nn.Linear(width, width) for _ in range(depth))
+        self.head = nn.Linear(width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        skip = torch.tanh(self.stem(x))
+        h = skip
+        for block in self.blocks:
+            h = h + torch.relu(block(h))
+        return self.head(h * skip)
