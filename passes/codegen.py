@@ -81,11 +81,11 @@ def _header(stage: StageGraph, plan: Plan, shared: Mapping[str, Sequence[int]]) 
                      "gradient(s) back.")
     if k < last:
         lines.append(f"# Sends to stage {k + 1}, per microbatch: "
-                     f"{_describe(stage.sends, _outputs(stage.module))}; receives "
+                     f"{_describe(stage.sends, _outputs(stage.module, stage.sends))}; receives "
                      f"{stage.grad_sends} gradient(s) back.")
     else:
         lines.append(f"# Returns the model's output for the loss: "
-                     f"{_describe(stage.sends, _outputs(stage.module))}.")
+                     f"{_describe(stage.sends, _outputs(stage.module, stage.sends))}.")
     tied = [f"{fqn} with stage{'s' * (len(others) > 2)} "
             f"{', '.join(str(s) for s in others if s != k)}"
             for fqn, others in sorted(shared.items()) if k in others]
@@ -98,9 +98,11 @@ def _header(stage: StageGraph, plan: Plan, shared: Mapping[str, Sequence[int]]) 
     return lines
 
 
-def _outputs(module: fx.GraphModule) -> dict[str, fx.Node]:
+def _outputs(module: fx.GraphModule, names: Sequence[str]) -> dict[str, fx.Node]:
+    """The stage's returned nodes under the names of the values they send (a recomputed
+    layer's output is read back through a ``getitem`` of another name)."""
     output = next(n for n in reversed(module.graph.nodes) if n.op == "output")
-    return {n.name: n for n in output.all_input_nodes}
+    return dict(zip(names, output.args[0]))
 
 
 def _describe(names: Sequence[str], nodes: Mapping[str, fx.Node]) -> str:

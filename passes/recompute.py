@@ -26,7 +26,8 @@ def recompute(module: fx.GraphModule, modes: Mapping[str, str]) -> fx.GraphModul
     """Rewrite ``module`` (a stage) so that each layer with a mode in ``modes`` is rerun.
 
     Reads: ``meta.LAYER`` on nodes. Writes: a ``recompute_<layer>`` submodule per
-    recomputed layer; ``meta.LAYER`` on the nodes that call it.
+    recomputed layer; ``meta.LAYER`` on the nodes that call it, and the values (``val``,
+    ``meta.TENSORS``) of the layer's outputs on the nodes that now stand for them.
     Requires: ``split`` (one stage's graph; a layer's nodes are consecutive).
     Ensures: the stage computes the same values; its parameters are unchanged.
     """
@@ -72,6 +73,9 @@ def _wrap(module: fx.GraphModule, region: list[fx.Node], layer_name: str, mode: 
         results = [graph.call_function(operator.getitem, (call, i)) for i in range(len(outputs))]
     for node in (fetch, call, *results):
         meta.set_layer(node, ref)
+    for node, result in zip(outputs, results):
+        result.meta["val"] = node.meta.get("val")
+        meta.set_tensors(result, meta.tensors(node))
     for node, result in zip(outputs, results):
         node.replace_all_uses_with(result, delete_user_cb=lambda user: user not in members)
     for node in reversed(region):

@@ -1,0 +1,161 @@
+"""The back half on one process: load without the solver, the launch checks, recompute,
+and one-device training through the runtime."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import partc
+from partc.passes.split import split
+from partc.passes.pipeline import analyze
+from partc import meta
+from samples.gpt import gpt_tiny, loss_fn
+from tests import models
+
+B, T = 8, 16
+
+
+def tokens(step: int = 0, vocab: int = 128) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(step)
+    data = torch.randint(0, vocab, (B, T + 1), generator=g)
+    return data[:, :-1].contiguous(), data[:, 1:].contiguous()
+
+
+def compile_gpt(model: torch.nn.Module, devices: int, **constraints) -> partc.Program:
+    x, y = tokens()
+    return partc.compile(model, (x,), loss_fn=loss_fn, example_target=y,
+                         budget=partc.DeviceBudget(num_devices=devices, device="CPU"),
+                         train=partc.TrainSpec(global_batch_size=B),
+                         constraints=partc.Constraints(**constraints))
+
+
+@pytest.fixture
+def process_group():
+    yield
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def test_wrong_world_size_is_refused_before_any_collective():
+    program = compile_gpt(gpt_tiny(), 2, pp=2)
+    with pytest.raises(partc.PlanMismatchError, match=r"needs 2 processes .* but 1 were started"):
+        program.build()
+    assert not dist.is_initialized()
+
+
+def test_load_rebuilds_from_plan_json_without_the_solver(tmp_path, monkeypatch):
+    model = gpt_tiny()
+    program = compile_gpt(model, 2, pp=2, recompute={"blocks.1": "full"})
+    program.save(tmp_path)
+    assert sorted(p.name for p in (tmp_path / "code").iterdir()) == ["stage_0.py", "stage_1.py"]
+
+    def no_solver(*args, **kwargs):
+        raise AssertionError("load must not plan again")
+
+    monkeypatch.setattr("partc.compiler.solve", no_solver)
+    loaded = partc.load(tmp_path, model, loss_fn=loss_fn)
+    assert loaded.plan.hash == program.plan.hash
+    assert loaded.code() == program.code()
+    for name, source in loaded.code().items():
+        assert (tmp_path / "code" / name).read_text() == source
+
+
+def test_load_for_another_model_is_refused(tmp_path):
+    compile_gpt(gpt_tiny(), 1).save(tmp_path)
+    other = partc.load(tmp_path, gpt_tiny(n_layer=3), loss_fn=loss_fn)
+    with pytest.raises(partc.PlanMismatchError, match="not the one the plan was made for"):
+        other.build()
+    with pytest.raises(FileNotFoundError, match="no plan.json"):
+        partc.load(tmp_path / "missing", gpt_tiny())
+
+
+def test_one_process_trains_like_the_model(process_group):
+    """pp=1 through the same runtime (microbatches, schedule, grad scaling)."""
+    torch.manual_seed(0)
+    model = gpt_tiny()
+    reference = copy.deepcopy(model)
+    module = compile_gpt(model, 1, num_microbatches=4, recompute="selective").build()
+    opt = torch.optim.SGD(module.parameters(), lr=0.1, momentum=0.9)
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9)
+    for step in range(3):
+        x, y = tokens(step)
+        loss = module.forward_backward(x, target=y)
+        opt.step(); opt.zero_grad()
+        ref_loss = loss_fn(reference(x), y)
+        ref_loss.backward(); ref_opt.step(); ref_opt.zero_grad()
+        assert loss.item() == pytest.approx(ref_loss.item(), rel=1e-5)
+    ref_params = dict(reference.named_parameters())
+    for fqn, param in module.named_parameters():
+        torch.testing.assert_close(param, ref_params[fqn], rtol=1e-5, atol=1e-6)
+    # The program owns its parameters: the user's model was not trained.
+    assert not torch.equal(dict(model.named_parameters())["blocks.0.mlp.c_fc.weight"],
+                           dict(module.named_parameters())["blocks.0.mlp.c_fc.weight"])
+    assert set(module.state_dict()) == set(dict(model.named_parameters()))
+
+
+def test_meta_model_loads_its_parameters_from_a_state_dict(process_group):
+    torch.manual_seed(0)
+    real = gpt_tiny()
+    with torch.device("meta"):
+        model = gpt_tiny()
+    program = compile_gpt(model, 1)
+    with pytest.raises(partc.PartcError, match="meta device: pass state_dict="):
+        program.build()
+    module = program.build(state_dict=real.state_dict())
+    for fqn, param in module.named_parameters():
+        assert torch.equal(param, real.state_dict()[fqn])
+
+
+def _stage_of_gpt2(dropout: float, modes: dict) -> tuple[torch.nn.Module, list]:
+    model = models.gpt2(dropout=dropout)
+    x, y = tokens()
+    gm, _ = analyze(model, (x,), loss_fn=models.causal_lm_loss, example_target=y)
+    names = [layer.name for layer in meta.layers(gm)]
+    [stage] = split(gm, [names])
+    from partc.passes.recompute import recompute
+    recompute(stage.module, {n: modes.get(n, "none") for n in names})
+    return model, stage, gm
+
+
+@pytest.mark.parametrize("mode", ["full", "selective"])
+def test_recompute_replays_dropout_masks(mode):
+    """With dropout on, a recomputed layer's gradients equal the stored layer's: the rerun
+    draws the forward's masks (RNG state preserved)."""
+    grads = {}
+    for label, modes in (("stored", {}), ("recomputed", {"transformer.h.0": mode,
+                                                          "transformer.h.1": mode})):
+        torch.manual_seed(0)
+        model, stage, gm = _stage_of_gpt2(0.1, modes)
+        x, y = tokens()
+        torch.manual_seed(1)
+        (logits,) = stage.module(x)
+        loss = gm.get_submodule("loss")(logits, y)
+        loss.backward()
+        grads[label] = {n: p.grad.clone() for n, p in stage.module.named_parameters()}
+    assert grads["stored"].keys() == grads["recomputed"].keys()
+    for name, grad in grads["stored"].items():
+        torch.testing.assert_close(grads["recomputed"][name], grad, rtol=1e-6, atol=1e-7)
+
+
+def test_recompute_keeps_less_for_backward():
+    """Activation bytes alive after the forward (what backward will read, kept by autograd
+    or by selective recompute's cache), as MemTracker counts them: full < selective < none."""
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    kept = {}
+    for mode in ("none", "selective", "full"):
+        torch.manual_seed(0)
+        model, stage, gm = _stage_of_gpt2(0.0, {"transformer.h.0": mode, "transformer.h.1": mode})
+        x, _ = tokens()
+        tracker = MemTracker()
+        tracker.track_external(stage.module)
+        with tracker:
+            (logits,) = stage.module(x)
+            snapshot = tracker.get_tracker_snapshot("current")
+        kept[mode] = sum(by_type[t] for by_type in snapshot.values()
+                         for t in by_type if "ACT" in str(t))
+    assert kept["full"] < kept["selective"] < kept["none"], kept
