@@ -69,6 +69,7 @@ def _stage_rows(plan: Plan) -> list[list[str]]:
             f"({100 * mem['peak'] / s.limit_bytes:.0f}%)",
             format_seconds(t["forward"]), format_seconds(t["backward"]),
             format_seconds(t["recompute"]), format_seconds(t["comm"]),
+            f"{s.p2p['sends']}/{s.p2p['recvs']}" if s.p2p else "-",
             _recompute_summary(s.recompute),
         ])
     return rows
@@ -129,7 +130,7 @@ def render(plan: Plan, format: str = "text") -> str:
     out += ["", "## Stages" if md else "Stages:", ""]
     out += _table(["stage", "layers", "params", "weights+grads+optim", "activations",
                    "transient", "peak / limit", "forward", "backward", "recompute", "comm",
-                   "recompute modes"], _stage_rows(plan), md)
+                   "p2p send/recv", "recompute modes"], _stage_rows(plan), md)
     out += ["", "## Against the obvious alternatives" if md else "Alternatives:", ""]
     out += _table(["plan", "step time", "vs plan", "fits", "peak memory", "layers per stage"],
                   _alternative_rows(plan), md)
