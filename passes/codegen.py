@@ -90,7 +90,8 @@ def _header(stage: StageGraph, plan: Plan, shared: Mapping[str, Sequence[int]]) 
             f"{', '.join(str(s) for s in others if s != k)}"
             for fqn, others in sorted(shared.items()) if k in others]
     if tied:
-        lines.append(f"# After backward, gradients summed (all-reduce) for tied: {'; '.join(tied)}.")
+        lines.append("# After backward, gradients summed (all-reduce) for tied: "
+                     f"{'; '.join(tied)}.")
     if plan.dp > 1:
         lines.append(f"# After backward, gradients averaged (all-reduce) over {plan.dp} "
                      "data-parallel replicas.")

@@ -58,6 +58,7 @@ def test_header_summarises_the_plan(code):
 def test_emitted_code_compiles_and_calls_recompute(code):
     for name, source in code.items():
         compile(source, name, "exec")  # valid Python
-    assert "partc_runtime_recompute_checkpoint_layer(recompute_blocks_0, 'full'" in code["stage_0.py"]
+    call = "partc_runtime_recompute_checkpoint_layer(recompute_blocks_0, 'full'"
+    assert call in code["stage_0.py"]
     assert "from partc.runtime.recompute import checkpoint_layer as " \
            "partc_runtime_recompute_checkpoint_layer" in code["stage_0.py"]

@@ -148,8 +148,9 @@ class DistributedModule:
         self._schedule.step(*args, **kwargs)
         self.last_messages = dict(self._stage.messages)
         self._sync_gradients()
-        total = torch.stack(losses).sum().detach() if losses else torch.zeros((), device=topo.device)
-        total = total.to(torch.float32)
+        total = torch.zeros((), device=topo.device)
+        if losses:
+            total = torch.stack(losses).sum().detach().to(torch.float32)
         dist.all_reduce(total)  # only the last stage's ranks contribute
         return total / (self.plan.num_microbatches * topo.dp)
 

@@ -74,6 +74,8 @@ CASES: dict[str, Case] = {
     "llama-pp2-1f1b": Case(models.llama, "tokens", models.causal_lm_loss,
                            dict(pp=2, schedule="1f1b", recompute="none")),
     "skip-pp2-1f1b": Case(models.DeepSkip, "floats", _mse, dict(pp=2, schedule="1f1b")),
+    "llama-pp2-1f1b-loaded": Case(models.llama, "tokens", models.causal_lm_loss,
+                                  dict(pp=2, schedule="1f1b", recompute=HF_MODES)),
     "gpt-dp2": Case(gpt.gpt_tiny, "tokens", gpt.loss_fn, dict(pp=1, dp=2)),
     # 4 processes
     "gpt-pp4-1f1b-recompute": Case(lambda: gpt.gpt_tiny(n_layer=4), "tokens", gpt.loss_fn,
@@ -125,6 +127,13 @@ def run_case(name: str) -> dict[str, Any]:
     model = case.build()
     reference = copy.deepcopy(model)
     program = compile_case(case, model, dist.get_world_size())
+    if name.endswith("-loaded"):
+        # Rank 0 saves the program; every rank loads plan.json and builds from it.
+        directory = Path(os.environ["PARTC_WORKER_OUT"]) / name
+        if dist.get_rank() == 0:
+            program.save(directory)
+        dist.barrier()
+        program = partc.load(directory, model, loss_fn=case.loss_fn)
     module = program.build()
     opt = optimizer(module.parameters())
     ref_opt = optimizer(reference.parameters())
@@ -186,6 +195,7 @@ def run_mismatch_cases() -> dict[str, Any]:
 
 def main() -> None:
     out, names = Path(sys.argv[1]), sys.argv[2:]
+    os.environ["PARTC_WORKER_OUT"] = str(out)
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     results: dict[str, Any] = {}
