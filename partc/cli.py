@@ -121,7 +121,8 @@ def plan_command(args: argparse.Namespace) -> int:
     print(program.report(args.format))
     if args.out is not None:
         program.save(args.out)
-        print(f"wrote {args.out / 'plan.json'} and {args.out / 'report.md'}", file=sys.stderr)
+        print(f"wrote {args.out / 'plan.json'}, {args.out / 'report.md'} and the stages' "
+              f"code in {args.out / 'code'}", file=sys.stderr)
     logging.getLogger("partc").info("done in %.2f s", time.perf_counter() - start)
     return 0
 
