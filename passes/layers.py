@@ -255,22 +255,28 @@ def _check_dag(gm: fx.GraphModule, infos: list[meta.LayerInfo]) -> None:
         raise AssertionError(f"layer {infos[a].name} feeds earlier layer {infos[b].name}")
 
 
-def crossing_bytes(gm: fx.GraphModule, num_layers: int) -> tuple[float, ...]:
-    """Bytes of every activation made at or before layer l and used after it, per cut l.
-
-    Placeholders count as made before layer 0; the target goes straight to the loss and
-    parameters are never passed, so neither crosses.
-    """
-    delta = [0.0] * (num_layers + 1)
+def _crossings(gm: fx.GraphModule) -> list[tuple[fx.Node, int, int]]:
+    """Each activation used in a later layer, with the layer that makes it and the last
+    layer that uses it: it crosses the boundaries ``made .. used - 1`` (boundary l lies
+    after layer l). Placeholders count as made in layer 0; the target goes straight to
+    the loss and parameters are never passed, so neither crosses."""
+    result = []
     for node in gm.graph.nodes:
         if not _is_activation(node) or not node.users:
             continue
-        # Boundary l lies after layer l: a value crosses boundaries made .. used - 1.
         made = 0 if node.op == "placeholder" else meta.layer(node).index
         used = max(meta.layer(user).index for user in node.users)
         if used > made:
-            delta[made] += meta.output_bytes(node)
-            delta[used] -= meta.output_bytes(node)
+            result.append((node, made, used))
+    return result
+
+
+def crossing_bytes(gm: fx.GraphModule, num_layers: int) -> tuple[float, ...]:
+    """Bytes of every activation made at or before layer l and used after it, per cut l."""
+    delta = [0.0] * (num_layers + 1)
+    for node, made, used in _crossings(gm):
+        delta[made] += meta.output_bytes(node)
+        delta[used] -= meta.output_bytes(node)
     cuts, running = [], 0.0
     for boundary in range(num_layers - 1):
         running += delta[boundary]
@@ -308,16 +314,13 @@ def crossing_tensors(gm: fx.GraphModule, num_layers: int) -> tuple[tuple[int, in
     """
     grads = carries_grad(gm)
     counts = [[0, 0] for _ in range(max(num_layers - 1, 0))]
-    for node in gm.graph.nodes:
-        value = node.meta.get("val")
-        if not _is_activation(node) or not node.users or not isinstance(value, torch.Tensor):
+    for node, made, used in _crossings(gm):
+        if not isinstance(node.meta.get("val"), torch.Tensor):
             continue
-        made = 0 if node.op == "placeholder" else meta.layer(node).index
-        used = max(meta.layer(user).index for user in node.users)
         for boundary in range(made, used):
             counts[boundary][0] += 1
             counts[boundary][1] += int(node in grads)
-    return tuple((tensors, floats) for tensors, floats in counts)
+    return tuple((tensors, with_grad) for tensors, with_grad in counts)
 
 
 def op_name(node: fx.Node) -> str:
