@@ -29,16 +29,10 @@ class Program:
     def stages(self) -> list:
         """The plan applied: one ``partc.passes.split.StageGraph`` per stage, traced at
         the micro-batch size, with recompute in place (what ``build`` runs)."""
-        from .passes.pipeline import lower
-        from .runtime.module import _micro_batch
+        from .runtime.module import lower_plan
 
         self._need_model("emit the stages")
-        example = _micro_batch(self.plan.model["inputs"], self.plan.micro_batch_size)
-        target = example.pop("target", None)
-        _, stages = lower(self.model, tuple(example.values()),
-                          [list(s.layers) for s in self.plan.stages], self.plan.recompute,
-                          loss_fn=self.loss_fn, example_target=target)
-        return stages
+        return lower_plan(self.plan, self.model, self.loss_fn)[1]
 
     def code(self) -> dict[str, str]:
         """Readable Python source of each stage, keyed by file name (``stage_<k>.py``)."""

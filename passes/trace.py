@@ -94,7 +94,7 @@ def trace(model: nn.Module, example_inputs: Any, *, kwargs: dict | None = None,
         out_spec=out_spec, has_loss=loss_fn is not None, batch_size=batch))
     ctx = Context(model=model, name=name or type(model).__name__, fake_mode=fake_mode,
                   fake_inputs=tuple(inputs), fake_target=target, batch_size=batch,
-                  param_fqns=_param_fqns(model))
+                  param_fqns=param_fqns(model))
     return gm, ctx
 
 
@@ -247,7 +247,7 @@ def _record_params(gm: fx.GraphModule, model: nn.Module) -> None:
             meta.set_params(node, tuple(names))
 
 
-def _param_fqns(model: nn.Module) -> dict[int, tuple[str, ...]]:
+def param_fqns(model: nn.Module) -> dict[int, tuple[str, ...]]:
     """Every FQN of every parameter and buffer, grouped by tensor identity (ties)."""
     groups: dict[int, list[str]] = {}
     named = list(model.named_parameters(remove_duplicate=False))

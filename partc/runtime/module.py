@@ -28,6 +28,7 @@ from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGP
 
 from partc import meta
 from partc.errors import PartcError, PlanMismatchError
+from partc.passes.trace import param_fqns
 from partc.plan import Plan
 
 from .recompute import checkpoint_layer
@@ -43,25 +44,21 @@ class _CountingStage(PipelineStage):
         super().__init__(*args, **kwargs)
         self.messages: Counter[str] = Counter()
 
-    def get_fwd_recv_ops(self, fwd_chunk_id: int) -> list:
-        ops = super().get_fwd_recv_ops(fwd_chunk_id)
-        self.messages["recvs"] += len(ops)
+    def _count(self, kind: str, ops: list) -> list:
+        self.messages[kind] += len(ops)
         return ops
+
+    def get_fwd_recv_ops(self, fwd_chunk_id: int) -> list:
+        return self._count("recvs", super().get_fwd_recv_ops(fwd_chunk_id))
 
     def get_bwd_recv_ops(self, bwd_chunk_id: int) -> list:
-        ops = super().get_bwd_recv_ops(bwd_chunk_id)
-        self.messages["recvs"] += len(ops)
-        return ops
+        return self._count("recvs", super().get_bwd_recv_ops(bwd_chunk_id))
 
     def get_fwd_send_ops(self, fwd_chunk_id: int) -> list:
-        ops = super().get_fwd_send_ops(fwd_chunk_id)
-        self.messages["sends"] += len(ops)
-        return ops
+        return self._count("sends", super().get_fwd_send_ops(fwd_chunk_id))
 
     def get_bwd_send_ops(self, bwd_chunk_id: int) -> list:
-        ops = super().get_bwd_send_ops(bwd_chunk_id)
-        self.messages["sends"] += len(ops)
-        return ops
+        return self._count("sends", super().get_bwd_send_ops(bwd_chunk_id))
 
 
 class _Loss:
@@ -210,7 +207,7 @@ def build(plan: Plan, model: nn.Module, loss_fn: Callable | None, *,
           state_dict: Mapping[str, torch.Tensor] | None = None,
           device: torch.device | str | None = None) -> DistributedModule:
     """This rank's :class:`DistributedModule` for ``plan`` (see ``Program.build``)."""
-    from partc.passes.pipeline import lower, model_hash
+    from partc.passes.pipeline import model_hash
 
     inputs = plan.model.get("inputs")
     if not inputs:
@@ -224,11 +221,7 @@ def build(plan: Plan, model: nn.Module, loss_fn: Callable | None, *,
                                 f"made for (hash {plan.model.get('hash')})")
     topology = init(plan, device)
     _check_same_plan(plan, own_hash)
-    example = _micro_batch(inputs, plan.micro_batch_size)
-    target = example.pop("target", None)
-    stage_names = [list(stage.layers) for stage in plan.stages]
-    gm, stages = lower(model, tuple(example.values()), stage_names, plan.recompute,
-                       loss_fn=loss_fn, example_target=target)
+    gm, stages = lower_plan(plan, model, loss_fn)
     mine = stages[topology.pp_rank]
     module = mine.module
     _own_parameters(module, model, state_dict, topology.device)
@@ -264,11 +257,18 @@ def _check_same_plan(plan: Plan, own_hash: str) -> None:
             "plan.json (partc.load) or the same model and compile arguments")
 
 
-def _micro_batch(inputs: list[dict], batch: int) -> dict[str, torch.Tensor]:
-    """Meta tensors of one microbatch's shapes: what the stages are traced with."""
-    return {spec["name"]: torch.empty((batch, *spec["shape"]),
-                                      dtype=getattr(torch, spec["dtype"]), device="meta")
-            for spec in inputs}
+def lower_plan(plan: Plan, model: nn.Module,
+               loss_fn: Callable | None) -> tuple[fx.GraphModule, list]:
+    """The plan applied to ``model``: traced on meta tensors of one microbatch's shapes
+    (exported graphs fix their view shapes), cut into stages, recompute in place."""
+    from partc.passes.pipeline import lower
+
+    example = {spec["name"]: torch.empty((plan.micro_batch_size, *spec["shape"]),
+                                         dtype=getattr(torch, spec["dtype"]), device="meta")
+               for spec in plan.model["inputs"]}
+    target = example.pop("target", None)
+    return lower(model, tuple(example.values()), [list(s.layers) for s in plan.stages],
+                 plan.recompute, loss_fn=loss_fn, example_target=target)
 
 
 def _own_parameters(module: fx.GraphModule, model: nn.Module,
@@ -294,11 +294,8 @@ def _own_parameters(module: fx.GraphModule, model: nn.Module,
 
 
 def _aliases(model: nn.Module) -> dict[str, tuple[str, ...]]:
-    groups: dict[int, list[str]] = {}
-    for name, tensor in [*model.named_parameters(remove_duplicate=False),
-                         *model.named_buffers(remove_duplicate=False)]:
-        groups.setdefault(id(tensor), []).append(name)
-    return {name: tuple(names) for names in groups.values() for name in names}
+    """Every FQN of a tensor → all FQNs of that tensor (tied weights have several)."""
+    return {name: names for names in param_fqns(model).values() for name in names}
 
 
 def _source_tensor(name: str, aliases: dict[str, tuple[str, ...]], model: nn.Module,
