@@ -131,20 +131,3 @@ def causal_lm_loss(output, target: torch.Tensor) -> torch.Tensor:
     logits = output.logits
     return F.cross_entropy(logits.reshape(-1, logits.size(-1)), target.reshape(-1))
 
-
-class DeepSkip(nn.Module):
-    """Four blocks with the stem's output added back after the last: in a 4-stage
-    pipeline the skip crosses three boundaries and is passed along by every stage."""
-
-    def __init__(self, width: int = 16, depth: int = 4) -> None:
-        super().__init__()
-        self.stem = nn.Linear(width, width)
-        self.blocks = nn.ModuleList(nn.Linear(width, width) for _ in range(depth))
-        self.head = nn.Linear(width, width)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        skip = torch.tanh(self.stem(x))
-        h = skip
-        for block in self.blocks:
-            h = h + torch.relu(block(h))
-        return self.head(h * skip)
