@@ -294,6 +294,9 @@ def carries_grad(gm: fx.GraphModule) -> set[fx.Node]:
     result: set[fx.Node] = set()
     for node in gm.graph.nodes:
         value = node.meta.get("val")
+        if isinstance(value, (tuple, list)) and value and all(
+                isinstance(v, torch.Tensor) for v in value):
+            value = value[0]  # a split's pieces: one value for this purpose
         if not isinstance(value, torch.Tensor) or not value.is_floating_point():
             continue
         if node.op == "get_attr":

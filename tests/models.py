@@ -47,12 +47,14 @@ def llama3_8b_config():
                        attn_implementation="eager")
 
 
-def bert(n_layer: int = 2, hidden: int = 64, vocab: int = 128, positions: int = 64):
+def bert(n_layer: int = 2, hidden: int = 64, vocab: int = 128, positions: int = 64,
+         dropout: float = 0.1):
     from transformers import BertConfig, BertModel
 
     config = BertConfig(hidden_size=hidden, num_attention_heads=4, num_hidden_layers=n_layer,
                         intermediate_size=4 * hidden, vocab_size=vocab,
                         max_position_embeddings=positions, pad_token_id=0,
+                        hidden_dropout_prob=dropout, attention_probs_dropout_prob=dropout,
                         use_cache=False, attn_implementation="eager")
     return BertModel(config)
 

@@ -1,0 +1,292 @@
+"""Rewrite a traced model into the program one tensor-parallel rank runs.
+
+Given a :class:`partc.passes.sharding.Sharding` (a strategy for every node), this pass
+turns the whole-model graph into a per-rank graph that works on local shards:
+
+- a sharded parameter's attribute becomes this rank's shard (``local_param`` decides how);
+- where a value's placement differs from what its consumer needs, a call from
+  :mod:`partc.runtime.tp` moves it (``reduce_from_tp``, ``gather_from_tp``, …), once per
+  value and target placement, shared by the consumers that need the same;
+- values that leave their layer are brought to the layer boundary's placement;
+- ops whose arguments hold sizes (``view``, ``reshape``, ``expand``, ``split``) get the
+  local size of the dim they shard; ``x.size()`` of a sharded ``x`` asks for the global
+  size, so size arithmetic in the model's code keeps its meaning;
+- a row-parallel linear adds ``bias / tp`` on each rank (the sum over ranks adds it once);
+- a vocabulary-parallel embedding looks up only the rows this rank holds.
+
+The graph is the same on every rank of the group (ranks differ only in which shard they
+hold, and ``partc.runtime.tp`` reads the rank at run time), so one emitted file serves
+the whole group.
+
+Reads ``meta.LAYERS``, ``meta.LAYER``, ``meta.PARAMS``, ``node.meta["val"]``. Writes new
+nodes with ``meta.LAYER`` and a new ``meta.LAYERS``. Requires ``layers``. Ensures every
+node's inputs have the placements its strategy needs; ``propagate`` must run again (under
+``partc.runtime.tp.simulate``) to refresh the fake values to local shapes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import operator
+from typing import Any, Callable
+
+import torch
+from torch import fx
+
+from partc import meta
+from partc.runtime import tp as tp_ops
+
+from .layers import op_name
+from .sharding import Placement, Sharding, redistribute, tensor_inputs
+
+LocalParam = Callable[[str, torch.Tensor, Placement], torch.Tensor]
+
+
+def narrow_param(fqn: str, tensor: torch.Tensor, placement: Placement, tp: int) -> torch.Tensor:
+    """Shape-only stand-in for a shard (a view of rank 0's rows): enough for measuring."""
+    return tensor.narrow(placement.dim, 0, tensor.shape[placement.dim] // tp)
+
+
+def copy_module(gm: fx.GraphModule, sharding: Sharding) -> tuple[fx.GraphModule, Sharding]:
+    """A copy of ``gm`` (sharing its tensors) and ``sharding`` moved onto its nodes."""
+    graph = fx.Graph()
+    mapping: dict[fx.Node, fx.Node] = {}
+    out = graph.graph_copy(gm.graph, mapping)
+    graph.output(out)
+    copied = fx.GraphModule(gm, graph)
+    copied.meta.update(gm.meta)
+    moved = dataclasses.replace(
+        sharding, strategy={mapping[n]: s for n, s in sharding.strategy.items()},
+        boundary={mapping[n]: p for n, p in sharding.boundary.items()})
+    return copied, moved
+
+
+def shard(gm: fx.GraphModule, sharding: Sharding,
+          local_param: LocalParam | None = None) -> fx.GraphModule:
+    """Rewrite ``gm`` in place for one rank of a group of ``sharding.tp``."""
+    tp = sharding.tp
+    local_param = local_param or (lambda fqn, t, p: narrow_param(fqn, t, p, tp))
+    _shard_params(gm, sharding, local_param)
+    rewriter = _Rewriter(gm, sharding)
+    for node in list(gm.graph.nodes):
+        if node.op != "placeholder":
+            rewriter.visit(node)
+    gm.graph.lint()
+    gm.recompile()
+    _relayer(gm)
+    return gm
+
+
+def _shard_params(gm: fx.GraphModule, sharding: Sharding, local_param: LocalParam) -> None:
+    done: set[str] = set()
+    for node, chosen in sharding.strategy.items():
+        if node.op != "get_attr" or chosen.out.kind != "S" or node.target in done:
+            continue
+        done.add(str(node.target))
+        owner_name, _, attr = str(node.target).rpartition(".")
+        owner = gm.get_submodule(owner_name) if owner_name else gm
+        tensor = getattr(owner, attr)
+        fqn = meta.params(node)[0] if meta.params(node) else str(node.target)
+        local = local_param(fqn, tensor, chosen.out)
+        if isinstance(tensor, torch.nn.Parameter):
+            local = torch.nn.Parameter(local, requires_grad=tensor.requires_grad)
+            owner._parameters[attr] = local
+        else:
+            owner._buffers[attr] = local
+
+
+class _Rewriter:
+    def __init__(self, gm: fx.GraphModule, sharding: Sharding) -> None:
+        self.gm, self.s, self.tp = gm, sharding, sharding.tp
+        self.moved: dict[tuple, fx.Node] = {}
+        self.at_boundary: dict[fx.Node, fx.Node] = {}
+
+    # ------------------------------------------------------------------ placements
+    def seen_as(self, producer: fx.Node, consumer: fx.Node) -> tuple[fx.Node, Placement]:
+        """The node ``consumer`` should read for ``producer``, and its placement."""
+        if producer.op == "get_attr":
+            return producer, self.s.placement(producer)
+        crosses = producer.op == "placeholder" or (
+            consumer.op == "output" or meta.layer(consumer).index != meta.layer(producer).index)
+        if crosses and producer in self.s.boundary:
+            return self.at_boundary.get(producer, producer), self.s.boundary[producer]
+        return producer, self.s.placement(producer)
+
+    def visit(self, node: fx.Node) -> None:
+        chosen = self.s.strategy.get(node)
+        if chosen is None and op_name(node) not in ("size", "sym_size"):
+            # No placement of its own (the output, an assertion): read crossing values
+            # as the layer boundary has them.
+            for producer in node.all_input_nodes:
+                source, _ = self.seen_as(producer, node)
+                if source is not producer:
+                    node.replace_input_with(producer, source)
+        if chosen is not None and node.op != "get_attr":
+            for position, producer in enumerate(tensor_inputs(node)):
+                self._feed(node, producer, chosen.ins[position], chosen.out)
+            self._local_sizes(node, chosen)
+        elif node.op in ("call_function", "call_method"):
+            self._global_sizes(node)
+        if chosen is not None and node in self.s.boundary and node.op != "get_attr":
+            self._to_boundary(node, chosen.out, self.s.boundary[node])
+
+    def _feed(self, node: fx.Node, producer: fx.Node, need: Placement, out: Placement) -> None:
+        source, have = self.seen_as(producer, node)
+        if producer.op == "get_attr":
+            grad_partial = (need.kind == "R" and out.kind != "R" and producer.meta.get("val") is not None
+                            and meta.params(producer)
+                            and meta.params(producer)[0] not in self.s.partial_grad_params
+                            and getattr(producer.meta["val"], "requires_grad", False))
+            if have != need:
+                raise AssertionError(f"{node.name}: parameter {producer.name} is {have}, needs {need}")
+            if grad_partial:
+                moved = self._move(source, have, need, True, node)
+                node.replace_input_with(source, moved)
+            return
+        value = producer.meta.get("val")
+        grad_partial = (need.kind == "R" and out.kind != "R" and isinstance(value, torch.Tensor)
+                        and value.is_floating_point())
+        if have == need and not grad_partial:
+            if source is not producer:
+                node.replace_input_with(producer, source)
+            return
+        moved = self._move(source, have, need, grad_partial, node)
+        node.replace_input_with(producer, moved)
+
+    def _move(self, source: fx.Node, have: Placement, need: Placement, grad_partial: bool,
+              before: fx.Node) -> fx.Node:
+        key = (source, have, need, grad_partial)
+        if key in self.moved:
+            return self.moved[key]
+        if redistribute(have, need, grad_partial) is None:
+            raise AssertionError(f"{before.name}: cannot move {source.name} from {have} to {need}")
+        call = _collective(have, need, grad_partial)
+        if call is None:
+            self.moved[key] = source
+            return source
+        function, args = call
+        # Before the first consumer (nodes are visited in order), in its layer: the
+        # consumers that share the move all come later.
+        with self.gm.graph.inserting_before(before):
+            moved = self.gm.graph.call_function(function, (source, *args))
+        _set_layer(moved, before)
+        self.moved[key] = moved
+        return moved
+
+    def _to_boundary(self, node: fx.Node, have: Placement, need: Placement) -> None:
+        if have == need:
+            return
+        function, args = _collective(have, need, False)
+        with self.gm.graph.inserting_after(node):
+            moved = self.gm.graph.call_function(function, (node, *args))
+        _set_layer(moved, node)
+        self.at_boundary[node] = moved
+
+    # ------------------------------------------------------------------ sizes
+    def _local_sizes(self, node: fx.Node, chosen) -> None:
+        name = op_name(node)
+        out = chosen.out
+        if name in ("view", "reshape", "_unsafe_view", "expand") and out.kind == "S":
+            self._divide_size_arg(node, out.dim)
+        elif name == "split" and chosen.ins and chosen.ins[0].kind == "S" and chosen.ins[0].chunks > 1:
+            size = node.args[1] if len(node.args) > 1 else node.kwargs["split_size"]
+            new = [self._divided(s, node) for s in size] if isinstance(size, (list, tuple)) \
+                else self._divided(size, node)
+            if len(node.args) > 1:
+                node.update_arg(1, new)
+            else:
+                node.update_kwarg("split_size", new)
+        elif name in ("linear", "addmm", "matmul") and chosen.name == "row-parallel":
+            bias = (node.args[0] if name == "addmm" else
+                    (node.args[2] if len(node.args) > 2 else node.kwargs.get("bias")))
+            if isinstance(bias, fx.Node):
+                with self.gm.graph.inserting_before(node):
+                    share = self.gm.graph.call_function(operator.truediv, (bias, self.tp))
+                _set_layer(share, node)
+                node.replace_input_with(bias, share)
+        elif name == "embedding" and chosen.name == "vocab-parallel":
+            if isinstance(node.target, torch._ops.OpOverload):
+                weight, ids = node.args[:2]
+                padding = node.args[2] if len(node.args) > 2 else -1
+            else:
+                ids, weight = node.args[:2]
+                padding = node.args[2] if len(node.args) > 2 else node.kwargs.get("padding_idx")
+            node.op = "call_function"
+            node.target = tp_ops.vocab_parallel_embedding
+            node.args = (ids, weight, -1 if padding is None else int(padding))
+            node.kwargs = {}
+
+    def _divide_size_arg(self, node: fx.Node, dim: int) -> None:
+        if node.op == "call_method":
+            sizes = list(node.args[1:])
+            if len(sizes) == 1 and isinstance(sizes[0], (list, tuple)):
+                new = list(sizes[0])
+                new[dim] = self._divided(new[dim], node)
+                node.update_arg(1, type(sizes[0])(new) if isinstance(sizes[0], tuple) else new)
+            else:
+                node.update_arg(1 + dim, self._divided(sizes[dim], node))
+        else:
+            new = list(node.args[1])
+            new[dim] = self._divided(new[dim], node)
+            node.update_arg(1, new)
+
+    def _divided(self, size: Any, node: fx.Node) -> Any:
+        if isinstance(size, int):
+            return size if size == -1 else size // self.tp
+        if isinstance(size, fx.Node):
+            with self.gm.graph.inserting_before(node):
+                local = self.gm.graph.call_function(operator.floordiv, (size, self.tp))
+            _set_layer(local, node)
+            return local
+        raise ValueError(f"{node.name}: size {size!r} of a sharded dim cannot be made local")
+
+    def _global_sizes(self, node: fx.Node) -> None:
+        """``x.size()`` / ``x.size(i)`` of a sharded ``x`` → its global size."""
+        name = op_name(node)
+        if name not in ("size", "sym_size") or not node.args:
+            return
+        source = node.args[0]
+        if not isinstance(source, fx.Node):
+            return
+        seen, have = self.seen_as(source, node)
+        if seen is not source:
+            node.replace_input_with(source, seen)
+        if have.kind != "S":
+            return
+        index = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim")
+        node.op = "call_function"
+        node.target = tp_ops.global_size
+        node.args = (seen, have.dim) + ((index,) if index is not None else ())
+        node.kwargs = {}
+
+
+def _collective(have: Placement, need: Placement, grad_partial: bool) -> tuple | None:
+    if have == need:
+        return (tp_ops.copy_to_tp, ()) if grad_partial else None
+    if have.kind == "P" and need.kind == "R":
+        return tp_ops.reduce_from_tp, (grad_partial,) if grad_partial else ()
+    if have.kind == "P" and need.kind == "S":
+        return tp_ops.reduce_scatter_to_tp, (need.dim,)
+    if have.kind == "S" and need.kind == "R":
+        args = (have.dim,) + ((have.chunks,) if have.chunks != 1 or grad_partial else ())
+        return tp_ops.gather_from_tp, args + ((True,) if grad_partial else ())
+    if have.kind == "R" and need.kind == "S":
+        return tp_ops.scatter_to_tp, (need.dim,)
+    raise AssertionError(f"no collective moves {have} to {need}")
+
+
+def _set_layer(node: fx.Node, like: fx.Node) -> None:
+    meta.set_layer(node, meta.layer(like))
+    if meta.MODULE_PATH in like.meta:
+        meta.set_module_path(node, meta.module_path(like))
+
+
+def _relayer(gm: fx.GraphModule) -> None:
+    """Rebuild each layer's node list (in graph order) after nodes were added."""
+    infos = meta.layers(gm)
+    members: dict[int, list[str]] = {info.index: [] for info in infos}
+    for node in gm.graph.nodes:
+        if meta.LAYER in node.meta and node.op not in ("placeholder", "output"):
+            members.setdefault(meta.layer(node).index, []).append(node.name)
+    meta.set_layers(gm, tuple(dataclasses.replace(info, nodes=tuple(members[info.index]))
+                              for info in infos))
