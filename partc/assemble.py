@@ -83,13 +83,14 @@ def make_plan(problem: PlanningProblem, config: PipelineConfig, evaluation: Eval
               modes: tuple[str, ...], solver: SolverStats, *, budget: dict | None = None,
               train: dict | None = None, alternatives: tuple[dict, ...] = ()) -> Plan:
     summary = problem.model.summary
+    local = problem.variant(config.tp, config.sequence_parallel)
     return Plan(
-        mesh={"pp": config.pp, "dp": config.dp, "tp": 1},
+        mesh={"pp": config.pp, "dp": config.dp, "tp": config.tp},
         schedule=config.schedule,
         num_microbatches=config.num_microbatches,
         micro_batch_size=config.micro_batch_size,
         zero_stage=0,
-        stages=stage_plans(problem, config, evaluation, modes),
+        stages=stage_plans(local, config, evaluation, modes),
         predicted=predicted(problem, config, evaluation),
         solver=solver,
         budget=budget or {},
@@ -98,8 +99,29 @@ def make_plan(problem: PlanningProblem, config: PipelineConfig, evaluation: Eval
                "tracer": summary.tracer, "num_layers": problem.num_layers,
                "inputs": [{"name": name, "shape": list(shape), "dtype": dtype}
                           for name, shape, dtype in summary.inputs]},
+        tensor_parallel=tensor_parallel_section(problem, config),
         alternatives=alternatives,
     )
+
+
+def tensor_parallel_section(problem: PlanningProblem, config: PipelineConfig) -> dict:
+    """The plan's ``tensor_parallel``: what the runtime rebuilds the sharding from, and
+    per layer the collectives of one microbatch (kind, phase, bytes of the whole tensor)."""
+    option = problem.tp_option(config.tp, config.sequence_parallel)
+    if config.tp == 1 or option is None:
+        return {}
+    scale = config.micro_batch_size * problem.train.activation_scale
+    return {
+        "degree": config.tp,
+        "sequence_parallel": config.sequence_parallel,
+        "params": dict(option.placements),
+        "partial_grad_params": list(option.partial_grad_params),
+        "choices": {name: list(c) for name, c in option.choices},
+        "collectives": {layer.name: [[kind, phase, int(round(nbytes * scale))]
+                                     for kind, phase, nbytes in layer.tp_comm]
+                        for layer in option.model.layers if layer.tp_comm},
+        "notes": dict(option.notes),
+    }
 
 
 def alternative(problem: PlanningProblem, name: str, description: str, recompute: str,

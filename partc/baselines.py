@@ -70,6 +70,7 @@ def _with_policy(table: CostTable, problem: PlanningProblem,
 
 
 def baselines(problem: PlanningProblem, table: CostTable) -> list[Baseline]:
+    problem = problem.variant(table.config.tp, table.config.sequence_parallel)
     pp, n = table.config.pp, problem.num_layers
     splits = [
         ("uniform", "same number of layers per stage", uniform_split(n, pp)),

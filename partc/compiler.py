@@ -11,6 +11,7 @@ The steps, in order:
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from typing import Any, Callable
@@ -45,20 +46,56 @@ def device_numbers(budget: DeviceBudget, dtype: torch.dtype) -> DeviceNumbers:
     )
 
 
+def tp_degrees(devices: DeviceNumbers, constraints: Constraints) -> list[int]:
+    """Tensor-parallel degrees worth measuring: inside one node, dividing the devices."""
+    if constraints.tp is not None:
+        return [constraints.tp] if constraints.tp > 1 else []
+    return [t for t in divisors(devices.devices_per_node)
+            if 1 < t <= devices.num_devices and devices.num_devices % t == 0]
+
+
+def tensor_parallel_links(devices: DeviceNumbers, degrees: list[int]) -> list:
+    from .passes.sharding import Link
+
+    return [Link(tp=t, bandwidth=devices.intra_node_bandwidth,
+                 latency_s=devices.link_latency_s,
+                 flops=devices.peak_flops * devices.flops_efficiency,
+                 hbm_bandwidth=devices.hbm_bandwidth) for t in degrees]
+
+
 def build_problem(analysis: ModelAnalysis, budget: DeviceBudget, train: TrainSpec,
-                  constraints: Constraints) -> PlanningProblem:
+                  constraints: Constraints, graph: Any = None) -> PlanningProblem:
+    """The planning problem; with ``graph`` (``analyze``'s), tensor-parallel variants are
+    measured for each degree a node allows (or the pinned one)."""
     pinned_b = constraints.micro_batch_size or (
         train.micro_batch_size if isinstance(train.micro_batch_size, int) else None)
     sizes = (pinned_b,) if pinned_b else tuple(divisors(train.global_batch_size))
     names = tuple(layer.name for layer in analysis.layers)
     schedule = constraints.schedule or (None if train.schedule == "auto" else train.schedule)
-    pins = Pins(pp=constraints.effective_pp, dp=constraints.dp, stages=constraints.stages,
+    devices = device_numbers(budget, train.dtype)
+    degrees = tp_degrees(devices, constraints)
+    if constraints.tp is not None and constraints.tp > 1 and constraints.tp not in [
+            t for t in divisors(devices.devices_per_node) if devices.num_devices % t == 0]:
+        raise ValueError(f"tp={constraints.tp} must divide the {devices.devices_per_node} "
+                         f"devices of a node and the {devices.num_devices} devices")
+    if graph is not None and degrees:
+        from .passes.pipeline import tensor_parallel_options
+
+        sp = (constraints.sequence_parallel,) if constraints.sequence_parallel is not None \
+            else (False, True)
+        start = time.perf_counter()
+        options = tensor_parallel_options(graph, tensor_parallel_links(devices, degrees), sp)
+        log.info("tensor parallelism measured for tp in %s in %.2f s", degrees,
+                 time.perf_counter() - start)
+        analysis = dataclasses.replace(analysis, tensor_parallel=options)
+    pins = Pins(pp=constraints.effective_pp, dp=constraints.dp, tp=constraints.tp,
+                sequence_parallel=constraints.sequence_parallel, stages=constraints.stages,
                 recompute=constraints.recompute_for(names),
                 num_microbatches=constraints.num_microbatches,
                 micro_batch_size=pinned_b, schedule=schedule)
     return PlanningProblem(
         model=analysis,
-        devices=device_numbers(budget, train.dtype),
+        devices=devices,
         train=TrainNumbers(
             global_batch_size=train.global_batch_size,
             micro_batch_sizes=sizes,
@@ -123,7 +160,7 @@ def compile(model: torch.nn.Module, example_inputs: tuple | torch.Tensor, *,
                               example_target=example_target, name=name)
     log.info("analysed %s: %d layers in %.2f s", analysis.summary.name,
              len(analysis.layers), time.perf_counter() - start)
-    problem = build_problem(analysis, budget, train, constraints)
+    problem = build_problem(analysis, budget, train, constraints, graph)
     start = time.perf_counter()
     plan = plan_problem(problem, budget=budget.to_dict(train.dtype), train=train.to_dict(),
                         options=options or PlannerOptions())

@@ -46,6 +46,8 @@ class PipelineConfig:
     micro_batch_size: int
     num_microbatches: int
     schedule: str
+    tp: int = 1
+    sequence_parallel: bool = False
 
     def inflight(self, stage: int) -> int:
         """Microbatches whose activations stage ``stage`` holds at its peak."""
@@ -114,7 +116,7 @@ def _state_bytes(problem: PlanningProblem, params: int) -> dict[str, int]:
 def _dp_group_bandwidth(problem: PlanningProblem, config: PipelineConfig) -> float:
     devices = problem.devices
     # Ranks are ordered (pp, dp, tp) with tp innermost: a dp group spans dp * tp ranks.
-    if config.dp <= devices.devices_per_node:
+    if config.dp * config.tp <= devices.devices_per_node:
         return devices.intra_node_bandwidth
     return devices.inter_node_bandwidth
 
@@ -143,17 +145,35 @@ def _layer_table(problem: PlanningProblem, config: PipelineConfig, index: int) -
 
     saved = {m: int(round(b * scale * v)) for m, v in layer.saved_bytes.items()}
     workspace = int(round(2 * b * scale * layer.workspace_bytes))
+    comm = tp_comm_seconds(problem, config, layer)
+    # Full recompute reruns the forward, collectives included.
+    rerun = {m: comm["forward"] if m == "full" else 0.0 for m in layer.modes}
     return LayerTable(
-        forward_ps=to_ps(seconds(layer.fwd_flops, layer.fwd_mem_bytes)),
-        backward_ps=to_ps(seconds(layer.bwd_flops, layer.bwd_mem_bytes)),
-        recompute_ps={m: to_ps(seconds(layer.recompute_flops[m], layer.recompute_mem_bytes[m]))
-                      for m in layer.modes},
+        forward_ps=to_ps(seconds(layer.fwd_flops, layer.fwd_mem_bytes) + comm["forward"]),
+        backward_ps=to_ps(seconds(layer.bwd_flops, layer.bwd_mem_bytes) + comm["backward"]),
+        recompute_ps={m: to_ps(seconds(layer.recompute_flops[m], layer.recompute_mem_bytes[m])
+                               + rerun[m]) for m in layer.modes},
         saved_bytes=saved,
         transient_bytes={m: saved["none"] - saved[m] + workspace for m in layer.modes},
         param_count=layer.param_count,
         state_bytes=_state_bytes(problem, layer.param_count),
         tail_ps=_tail_ps(problem, config, layer.param_count),
     )
+
+
+def tp_comm_seconds(problem: PlanningProblem, config: PipelineConfig,
+                    layer) -> dict[str, float]:
+    """A layer's tensor-parallel collectives per microbatch, by phase (ring, in a node)."""
+    from .passes.sharding import Link, collective_seconds
+
+    devices = problem.devices
+    link = Link(tp=config.tp, bandwidth=devices.intra_node_bandwidth,
+                latency_s=devices.link_latency_s, flops=1.0, hbm_bandwidth=1.0)
+    scale = config.micro_batch_size * problem.train.activation_scale
+    result = {"forward": 0.0, "backward": 0.0}
+    for kind, phase, nbytes in layer.tp_comm:
+        result[phase] += collective_seconds(kind, nbytes * scale, link)
+    return result
 
 
 def stage_ranks(problem: PlanningProblem, config: PipelineConfig, stage: int) -> range:
@@ -182,9 +202,10 @@ def _cut_table(problem: PlanningProblem, config: PipelineConfig) -> tuple[tuple[
 
 
 def build_cost_table(problem: PlanningProblem, config: PipelineConfig) -> CostTable:
+    problem = problem.variant(config.tp, config.sequence_parallel)
     devices = problem.devices
-    if devices.num_devices != config.pp * config.dp:
-        raise ValueError(f"pp={config.pp} x dp={config.dp} does not use "
+    if devices.num_devices != config.pp * config.dp * config.tp:
+        raise ValueError(f"pp={config.pp} x dp={config.dp} x tp={config.tp} does not use "
                          f"{devices.num_devices} devices")
     shared = tuple(
         SharedTable(

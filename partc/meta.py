@@ -42,6 +42,7 @@ CUTS = "partc.cut_bytes"
 CUT_TENSORS = "partc.cut_tensors"
 LAYER_COSTS = "partc.layer_costs"
 TIMINGS = "partc.pass_seconds"
+CONTEXT = "partc.context"  # on gm.meta: the trace Context the passes share
 
 # Roles: a plain model node has no role.
 ROLE_LOSS = "loss"

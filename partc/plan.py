@@ -53,7 +53,7 @@ class Plan:
     budget: dict[str, Any] = field(default_factory=dict)
     train: dict[str, Any] = field(default_factory=dict)
     model: dict[str, Any] = field(default_factory=dict)
-    tensor_parallel: dict[str, str] = field(default_factory=dict)
+    tensor_parallel: dict[str, Any] = field(default_factory=dict)
     alternatives: tuple[dict[str, Any], ...] = ()
 
     @property

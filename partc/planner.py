@@ -100,31 +100,46 @@ def divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
+def tp_choices(problem: PlanningProblem) -> list[tuple[int, bool]]:
+    """(tp, sequence parallel) pairs the pins allow: tp = 1 and every measured variant."""
+    pins = problem.pins
+    choices = [(1, False)] + [(o.tp, o.sequence_parallel) for o in problem.model.tensor_parallel]
+    return [(tp, sp) for tp, sp in choices
+            if (pins.tp is None or pins.tp == tp)
+            and (pins.sequence_parallel is None or tp == 1 and not pins.sequence_parallel
+                 or tp > 1 and pins.sequence_parallel == sp)]
+
+
 def candidate_configs(problem: PlanningProblem) -> list[PipelineConfig]:
-    """Every (pp, dp, b, m, schedule) the pins and the batch allow."""
-    pins, devices = problem.pins, problem.devices.num_devices
-    pp_options = [pins.pp] if pins.pp else [
-        p for p in divisors(devices) if p <= problem.num_layers]
+    """Every (tp, pp, dp, b, m, schedule) the pins and the batch allow."""
+    pins = problem.pins
     schedules = [pins.schedule] if pins.schedule else list(reversed(SCHEDULES))
     configs = []
-    for pp in pp_options:
-        dp = devices // pp
-        if pins.dp is not None and pins.dp != dp:
-            continue
-        if problem.train.global_batch_size % dp:
-            continue
-        per_replica = problem.train.global_batch_size // dp
-        for b in problem.train.micro_batch_sizes:
-            if per_replica % b:
+    for tp, sp in tp_choices(problem):
+        devices = problem.devices.num_devices // tp
+        pp_options = [pins.pp] if pins.pp else [
+            p for p in divisors(devices) if p <= problem.num_layers]
+        for pp in pp_options:
+            if devices % pp:
                 continue
-            m = per_replica // b
-            if pins.num_microbatches is not None and m != pins.num_microbatches:
+            dp = devices // pp
+            if pins.dp is not None and pins.dp != dp:
                 continue
-            if pins.micro_batch_size is not None and b != pins.micro_batch_size:
+            if problem.train.global_batch_size % dp:
                 continue
-            configs.extend(PipelineConfig(pp=pp, dp=dp, micro_batch_size=b,
-                                          num_microbatches=m, schedule=schedule)
-                           for schedule in schedules)
+            per_replica = problem.train.global_batch_size // dp
+            for b in problem.train.micro_batch_sizes:
+                if per_replica % b:
+                    continue
+                m = per_replica // b
+                if pins.num_microbatches is not None and m != pins.num_microbatches:
+                    continue
+                if pins.micro_batch_size is not None and b != pins.micro_batch_size:
+                    continue
+                configs.extend(PipelineConfig(pp=pp, dp=dp, micro_batch_size=b,
+                                              num_microbatches=m, schedule=schedule, tp=tp,
+                                              sequence_parallel=sp)
+                               for schedule in schedules)
     return configs
 
 
@@ -362,6 +377,7 @@ def solve_config(problem: PlanningProblem, table: CostTable, options: PlannerOpt
     was seen to take CP-SAT far longer than solving the configuration outright.
     """
     start = time.perf_counter()
+    problem = problem.variant(table.config.tp, table.config.sequence_parallel)
     built = _ConfigModel(problem, table, pinned)
     solver = cp_model.CpSolver()
     solver.parameters.max_time_in_seconds = max(time_limit_s, 0.01)

@@ -19,7 +19,7 @@ front half of the compiler (``partc.passes``) produces a :class:`ModelAnalysis`;
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 RECOMPUTE_MODES: tuple[str, ...] = ("none", "selective", "full")
 
@@ -44,6 +44,9 @@ class LayerCost:
     recompute_mem_bytes: dict[str, float]
     workspace_bytes: float
     num_nodes: int = 0
+    # Tensor-parallel collectives per sample: (kind, "forward"/"backward", bytes of the
+    # whole tensor). Empty without tensor parallelism.
+    tp_comm: tuple[tuple[str, str, float], ...] = ()
 
     def __post_init__(self) -> None:
         for mode in ("none", "full"):
@@ -104,6 +107,8 @@ class ModelAnalysis:
     # Per cut: tensors that cross it, and how many of them carry a gradient back (float
     # tensors that depend on a parameter). One message each, per microbatch.
     cut_tensors: tuple[tuple[int, int], ...] = ()
+    # Tensor-parallel variants the planner may choose from (none: tp = 1 only).
+    tensor_parallel: tuple["TPOption", ...] = ()
 
     def __post_init__(self) -> None:
         if not self.layers:
@@ -117,6 +122,25 @@ class ModelAnalysis:
             for layer in group.layers:
                 if not 0 <= layer < len(self.layers):
                     raise ValueError(f"shared parameter {group.name}: no layer {layer}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class TPOption:
+    """The model as one rank of a tensor-parallel group of ``tp`` sees it.
+
+    ``model`` holds per-rank costs (local FLOPs, saved bytes and parameters, with each
+    layer's collectives in ``LayerCost.tp_comm``); the rest is what the runtime needs to
+    rebuild the same sharding: per layer, a strategy index per node; per parameter, its
+    placement; and the replicated parameters whose gradients are summed over the group.
+    """
+
+    tp: int
+    sequence_parallel: bool
+    model: ModelAnalysis
+    choices: tuple[tuple[str, tuple[int, ...]], ...]
+    placements: tuple[tuple[str, str], ...]
+    partial_grad_params: tuple[str, ...] = ()
+    notes: tuple[tuple[str, str], ...] = ()   # (layer, why it stays replicated)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -154,6 +178,8 @@ class Pins:
 
     pp: int | None = None
     dp: int | None = None
+    tp: int | None = None
+    sequence_parallel: bool | None = None
     stages: tuple[tuple[str, ...], ...] | None = None
     recompute: dict[str, str] = field(default_factory=dict)
     num_microbatches: int | None = None
@@ -175,3 +201,17 @@ class PlanningProblem:
     @property
     def num_layers(self) -> int:
         return len(self.model.layers)
+
+    def variant(self, tp: int, sequence_parallel: bool = False) -> "PlanningProblem":
+        """The problem as one rank of a tensor-parallel group of ``tp`` sees it."""
+        if tp == 1:
+            return self
+        for option in self.model.tensor_parallel:
+            if option.tp == tp and option.sequence_parallel == sequence_parallel:
+                return replace(self, model=option.model)
+        raise ValueError(f"no tensor-parallel variant tp={tp} "
+                         f"sequence_parallel={sequence_parallel} was measured")
+
+    def tp_option(self, tp: int, sequence_parallel: bool) -> "TPOption | None":
+        return next((o for o in self.model.tensor_parallel if o.tp == tp
+                     and o.sequence_parallel == sequence_parallel), None)

@@ -99,11 +99,14 @@ class Constraints:
 
     ``stages`` lists, per pipeline stage, the names of its layers (the names in the
     report); ``recompute`` is one mode for every layer or a mapping layer → mode.
+    ``tp`` pins the tensor-parallel degree (it must divide the devices of a node);
+    ``sequence_parallel`` pins Megatron-style sequence parallelism on or off.
     """
 
     pp: int | None = None
     dp: int | None = None
     tp: int | None = None
+    sequence_parallel: bool | None = None
     stages: tuple[tuple[str, ...], ...] | list[list[str]] | None = None
     recompute: str | Mapping[str, str] | None = None
     num_microbatches: int | None = None
@@ -117,8 +120,8 @@ class Constraints:
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value < 1):
                 raise ValueError(f"Constraints.{name} must be a positive int, got {value!r}")
-        if self.tp not in (None, 1):
-            raise ValueError("tensor parallelism is not planned yet: leave tp unset or 1")
+        if self.sequence_parallel and self.tp == 1:
+            raise ValueError("sequence parallelism needs tensor parallelism: tp=1 was pinned")
         if self.zero_stage not in (None, 0):
             raise ValueError("ZeRO is not planned yet: leave zero_stage unset or 0")
         if self.schedule is not None and self.schedule not in SCHEDULES:

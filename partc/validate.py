@@ -18,8 +18,21 @@ from .problem import PlanningProblem
 
 def _structure(problem: PlanningProblem, plan: Plan, errors: list[str]) -> None:
     mesh = plan.mesh
-    if mesh.get("tp", 1) != 1:
-        errors.append(f"tp={mesh.get('tp')} but tensor parallelism is not planned")
+    tp = mesh.get("tp", 1)
+    if tp != 1:
+        section = plan.tensor_parallel
+        if section.get("degree") != tp:
+            errors.append(f"tp={tp} but the plan's tensor_parallel has degree "
+                          f"{section.get('degree')}")
+        elif problem.tp_option(tp, bool(section.get("sequence_parallel"))) is None:
+            errors.append(f"tp={tp} was not measured for this problem")
+        elif problem.devices.devices_per_node % tp:
+            errors.append(f"tp={tp} does not divide the {problem.devices.devices_per_node} "
+                          "devices of a node")
+        else:
+            option = problem.tp_option(tp, bool(section.get("sequence_parallel")))
+            if dict(option.placements) != section.get("params"):
+                errors.append("parameter placements differ from the measured sharding")
     if mesh["pp"] * mesh["dp"] * mesh.get("tp", 1) != problem.devices.num_devices:
         errors.append(f"mesh {mesh} does not use {problem.devices.num_devices} devices")
     if len(plan.stages) != mesh["pp"]:
@@ -54,6 +67,7 @@ def _modes(problem: PlanningProblem, plan: Plan, errors: list[str]) -> None:
 def _pins(problem: PlanningProblem, plan: Plan, errors: list[str]) -> None:
     pins = problem.pins
     checks = {"pp": (pins.pp, plan.mesh["pp"]), "dp": (pins.dp, plan.mesh["dp"]),
+              "tp": (pins.tp, plan.mesh.get("tp", 1)),
               "num_microbatches": (pins.num_microbatches, plan.num_microbatches),
               "micro_batch_size": (pins.micro_batch_size, plan.micro_batch_size),
               "schedule": (pins.schedule, plan.schedule)}
@@ -67,7 +81,9 @@ def _pins(problem: PlanningProblem, plan: Plan, errors: list[str]) -> None:
 def _costs(problem: PlanningProblem, plan: Plan, errors: list[str]) -> Evaluation | None:
     config = PipelineConfig(pp=plan.mesh["pp"], dp=plan.mesh["dp"],
                             micro_batch_size=plan.micro_batch_size,
-                            num_microbatches=plan.num_microbatches, schedule=plan.schedule)
+                            num_microbatches=plan.num_microbatches, schedule=plan.schedule,
+                            tp=plan.mesh.get("tp", 1),
+                            sequence_parallel=bool(plan.tensor_parallel.get("sequence_parallel")))
     stage_of = [s.index for s in plan.stages for _ in s.layers]
     modes = [plan.recompute[layer.name] for layer in problem.layers]
     evaluation = evaluate(build_cost_table(problem, config), stage_of, modes)

@@ -8,20 +8,25 @@ before the next one runs.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import os
 import time
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import torch
 from torch import fx, nn
 
 from partc import meta
-from partc.problem import ModelAnalysis, ModelSummary, SharedParam
+from partc.problem import ModelAnalysis, ModelSummary, SharedParam, TPOption
+from partc.runtime import tp as tp_ops
 
+from . import shard as shard_pass
+from . import sharding as sharding_pass
 from .estimate import estimate, param_usage
-from .layers import layers
+from .layers import crossing_bytes, crossing_tensors, layers
 from .propagate import propagate
+from .sharding import Link
 from .trace import Context, trace
 
 Pass = Callable[[fx.GraphModule, Context], fx.GraphModule]
@@ -57,12 +62,86 @@ def analyze(model: nn.Module, example_inputs: Any, *, loss_fn: Callable | None =
         gm = _named(pass_name, lambda: run_pass(gm, ctx))
         meta.add_pass_time(gm, pass_name, time.perf_counter() - started)
         _verify(pass_name, gm)
+    gm.meta[meta.CONTEXT] = ctx
     return gm, summarize(gm, ctx)
+
+
+def tensor_parallel_options(gm: fx.GraphModule, links: Sequence[Link],
+                            sequence_parallel: Sequence[bool] = (False, True)
+                            ) -> tuple[TPOption, ...]:
+    """For each group (``links``: one per tp degree), with and without sequence
+    parallelism: choose the sharding, rewrite a copy of the graph for one rank, and
+    measure it as ``analyze`` measures the whole model. ``gm`` is ``analyze``'s graph.
+    """
+    ctx = gm.meta[meta.CONTEXT]
+    options = []
+    for link in links:
+        for sp in sequence_parallel:
+            if sp and not sharding_pass.sequence_length(gm):
+                continue
+            started = time.perf_counter()
+            chosen = _named("sharding", lambda: sharding_pass.choose(
+                gm, link.tp, link, sequence_parallel=sp))
+            local, moved = shard_pass.copy_module(gm, chosen)
+            _named("shard", lambda: shard_pass.shard(local, moved))
+            with tp_ops.simulate(link.tp):
+                _named("propagate", lambda: propagate(local, ctx))
+                _named("estimate", lambda: estimate(local, ctx))
+            options.append(_tp_option(gm, ctx, local, chosen))
+            meta.add_pass_time(gm, f"sharding tp={link.tp}{' sp' if sp else ''}",
+                               time.perf_counter() - started)
+    return tuple(options)
+
+
+def _tp_option(gm: fx.GraphModule, ctx: Context, local: fx.GraphModule,
+               chosen: sharding_pass.Sharding) -> TPOption:
+    """Per-rank costs: measured FLOPs and bytes, local parameter counts, collectives."""
+    tp, per_sample = chosen.tp, 1.0 / ctx.batch_size
+    placements = chosen.param_placements()
+    usage = param_usage(gm, ctx)
+
+    def local_count(key: int) -> tuple[int, int]:
+        tensor = usage["tensors"][key]
+        fqn = ctx.param_fqns[key][0]
+        divisor = tp if placements.get(fqn, sharding_pass.REPLICATE).kind == "S" else 1
+        return tensor.numel() // divisor, tensor.numel() * tensor.element_size() // divisor
+
+    own: dict[int, list[int]] = {}
+    for key, indices in usage["layers"].items():
+        if len(indices) == 1:
+            count, nbytes = local_count(key)
+            totals = own.setdefault(next(iter(indices)), [0, 0])
+            totals[0] += count
+            totals[1] += nbytes
+    layers = []
+    for cost, sharded in zip(meta.layer_costs(local), chosen.layers):
+        count, nbytes = own.get(len(layers), (0, 0))
+        comm = tuple((c.kind, c.phase, c.bytes * per_sample) for c in sharded.collectives)
+        layers.append(dataclasses.replace(cost, param_count=count, param_bytes=nbytes,
+                                          tp_comm=comm))
+    shared = []
+    for group in summarize_shared(gm, ctx):
+        key = next(k for k, fqns in ctx.param_fqns.items() if fqns[0] == group.fqns[0])
+        count, nbytes = local_count(key)
+        shared.append(dataclasses.replace(group, param_count=count, param_bytes=nbytes))
+    num_layers = len(layers)
+    base = summarize(gm, ctx)
+    model = dataclasses.replace(
+        base, layers=tuple(layers), shared=tuple(shared),
+        cut_bytes=tuple(c * per_sample for c in crossing_bytes(local, num_layers)),
+        cut_tensors=crossing_tensors(local, num_layers))
+    return TPOption(
+        tp=tp, sequence_parallel=chosen.sequence_parallel, model=model,
+        choices=tuple((layer.name, layer.choices) for layer in chosen.layers),
+        placements=tuple(sorted((fqn, str(p)) for fqn, p in placements.items())),
+        partial_grad_params=tuple(sorted(chosen.partial_grad_params)),
+        notes=tuple((layer.name, layer.note) for layer in chosen.layers if layer.note))
 
 
 def lower(model: nn.Module, example_inputs: tuple, stages: list[list[str]],
           recompute: dict[str, str], *, loss_fn: Callable | None = None,
-          example_target: Any = None) -> tuple[fx.GraphModule, list]:
+          example_target: Any = None, tensor_parallel: dict | None = None,
+          local_param: Callable | None = None) -> tuple[fx.GraphModule, list]:
     """The back half: the model traced at the micro-batch size, cut into the plan's stages,
     with the plan's layers recomputed. Returns the traced graph and one
     :class:`partc.passes.split.StageGraph` per stage.
@@ -79,6 +158,15 @@ def lower(model: nn.Module, example_inputs: tuple, stages: list[list[str]],
     for pass_name, run_pass in (("propagate", propagate), ("layers", layers)):
         gm = _named(pass_name, lambda: run_pass(gm, ctx))
         _verify(pass_name, gm)
+    tp = int((tensor_parallel or {}).get("degree", 1))
+    if tp > 1:
+        # The plan's sharding, rebuilt from its per-node choices, then this rank's graph.
+        chosen = _named("sharding", lambda: sharding_pass.apply(
+            gm, tp, bool(tensor_parallel.get("sequence_parallel")),
+            {name: tuple(c) for name, c in tensor_parallel["choices"].items()}))
+        _named("shard", lambda: shard_pass.shard(gm, chosen, local_param))
+        with tp_ops.simulate(tp):
+            gm = _named("propagate", lambda: propagate(gm, ctx))
     stage_graphs = _named("split", lambda: split(gm, stages))
     for stage in stage_graphs:
         modes = {name: recompute.get(name, "none") for name in stage.layers}
@@ -106,7 +194,7 @@ def summarize(gm: fx.GraphModule, ctx: Context) -> ModelAnalysis:
             inputs=input_specs(gm)),
         layers=meta.layer_costs(gm),
         cut_bytes=tuple(c * per_sample for c in meta.cut_bytes(gm)),
-        shared=_shared(gm, ctx),
+        shared=summarize_shared(gm, ctx),
         cut_tensors=meta.cut_tensors(gm),
     )
 
@@ -155,7 +243,7 @@ def model_hash(model: nn.Module) -> str:
     return digest.hexdigest()[:16]
 
 
-def _shared(gm: fx.GraphModule, ctx: Context) -> tuple[SharedParam, ...]:
+def summarize_shared(gm: fx.GraphModule, ctx: Context) -> tuple[SharedParam, ...]:
     usage = param_usage(gm, ctx)
     shared = []
     for key, indices in usage["layers"].items():

@@ -27,6 +27,7 @@ node's inputs have the placements its strategy needs; ``propagate`` must run aga
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import operator
 from typing import Any, Callable
 
@@ -52,7 +53,8 @@ def copy_module(gm: fx.GraphModule, sharding: Sharding) -> tuple[fx.GraphModule,
     graph = fx.Graph()
     mapping: dict[fx.Node, fx.Node] = {}
     out = graph.graph_copy(gm.graph, mapping)
-    graph.output(out)
+    old_output = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
+    graph.output(out).meta.update(old_output.meta)
     copied = fx.GraphModule(gm, graph)
     copied.meta.update(gm.meta)
     moved = dataclasses.replace(
@@ -74,6 +76,10 @@ def shard(gm: fx.GraphModule, sharding: Sharding,
     gm.graph.lint()
     gm.recompile()
     _relayer(gm)
+    # Shapes changed: drop the fake values so that propagate recomputes them all.
+    for node in gm.graph.nodes:
+        if node.op != "placeholder":
+            node.meta.pop("val", None)
     return gm
 
 
@@ -288,5 +294,16 @@ def _relayer(gm: fx.GraphModule) -> None:
     for node in gm.graph.nodes:
         if meta.LAYER in node.meta and node.op not in ("placeholder", "output"):
             members.setdefault(meta.layer(node).index, []).append(node.name)
-    meta.set_layers(gm, tuple(dataclasses.replace(info, nodes=tuple(members[info.index]))
+    by_name = {node.name: node for node in gm.graph.nodes}
+
+    def signature(info: meta.LayerInfo) -> str:
+        # Layers that shared a signature may now differ (a different boundary placement
+        # brought different collectives): the ops and their constant arguments decide.
+        ops = [f"{op_name(by_name[name])}{[a for a in by_name[name].args if not isinstance(a, fx.Node)]}"
+               for name in members[info.index]]
+        digest = hashlib.sha256("|".join(ops).encode()).hexdigest()[:8]
+        return f"{info.signature}:{digest}"
+
+    meta.set_layers(gm, tuple(dataclasses.replace(info, nodes=tuple(members[info.index]),
+                                                  signature=signature(info))
                               for info in infos))

@@ -56,14 +56,16 @@ def test_sample_gpt_plans_with_tied_embeddings():
     assert first.param_count + last.param_count > plan.model["num_params"]
 
 
-def _gpt_124m_on(memory: str) -> partc.Program:
+def _gpt_124m_on(memory: str, tp: int | None = 1) -> partc.Program:
+    # tp=1: these tests are about pipeline stages and recompute under a tight budget.
     with torch.device("meta"):
         model = gpt_small()
     ids = torch.zeros(1, 1024, dtype=torch.long, device="meta")
     return partc.compile(model, (ids,), loss_fn=loss_fn, example_target=ids,
                          budget=partc.DeviceBudget(num_devices=4, device="A100-40GB",
                                                    memory=memory),
-                         train=partc.TrainSpec(global_batch_size=32), name="gpt-124m")
+                         train=partc.TrainSpec(global_batch_size=32), name="gpt-124m",
+                         constraints=partc.Constraints(tp=tp))
 
 
 def test_50k_vocab_tight_budget_beats_both_baselines():
