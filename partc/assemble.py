@@ -83,7 +83,7 @@ def make_plan(problem: PlanningProblem, config: PipelineConfig, evaluation: Eval
               modes: tuple[str, ...], solver: SolverStats, *, budget: dict | None = None,
               train: dict | None = None, alternatives: tuple[dict, ...] = ()) -> Plan:
     summary = problem.model.summary
-    local = problem.variant(config.tp, config.sequence_parallel)
+    local = problem.variant(config.tp, config.sequence_parallel, config.tp_objective)
     return Plan(
         mesh={"pp": config.pp, "dp": config.dp, "tp": config.tp},
         schedule=config.schedule,
@@ -107,13 +107,14 @@ def make_plan(problem: PlanningProblem, config: PipelineConfig, evaluation: Eval
 def tensor_parallel_section(problem: PlanningProblem, config: PipelineConfig) -> dict:
     """The plan's ``tensor_parallel``: what the runtime rebuilds the sharding from, and
     per layer the collectives of one microbatch (kind, phase, bytes of the whole tensor)."""
-    option = problem.tp_option(config.tp, config.sequence_parallel)
+    option = problem.tp_option(config.tp, config.sequence_parallel, config.tp_objective)
     if config.tp == 1 or option is None:
         return {}
     scale = config.micro_batch_size * problem.train.activation_scale
     return {
         "degree": config.tp,
         "sequence_parallel": config.sequence_parallel,
+        "objective": config.tp_objective,
         "params": dict(option.placements),
         "partial_grad_params": list(option.partial_grad_params),
         "choices": {name: list(c) for name, c in option.choices},

@@ -70,7 +70,8 @@ def _with_policy(table: CostTable, problem: PlanningProblem,
 
 
 def baselines(problem: PlanningProblem, table: CostTable) -> list[Baseline]:
-    problem = problem.variant(table.config.tp, table.config.sequence_parallel)
+    problem = problem.variant(table.config.tp, table.config.sequence_parallel,
+                              table.config.tp_objective)
     pp, n = table.config.pp, problem.num_layers
     splits = [
         ("uniform", "same number of layers per stage", uniform_split(n, pp)),

@@ -84,12 +84,15 @@ def build_problem(analysis: ModelAnalysis, budget: DeviceBudget, train: TrainSpe
         sp = (constraints.sequence_parallel,) if constraints.sequence_parallel is not None \
             else (False, True)
         start = time.perf_counter()
-        options = tensor_parallel_options(graph, tensor_parallel_links(devices, degrees), sp)
+        objectives = (constraints.tp_objective,) if constraints.tp_objective else ("time", "memory")
+        options = tensor_parallel_options(graph, tensor_parallel_links(devices, degrees), sp,
+                                          objectives)
         log.info("tensor parallelism measured for tp in %s in %.2f s", degrees,
                  time.perf_counter() - start)
         analysis = dataclasses.replace(analysis, tensor_parallel=options)
     pins = Pins(pp=constraints.effective_pp, dp=constraints.dp, tp=constraints.tp,
-                sequence_parallel=constraints.sequence_parallel, stages=constraints.stages,
+                sequence_parallel=constraints.sequence_parallel,
+                tp_objective=constraints.tp_objective, stages=constraints.stages,
                 recompute=constraints.recompute_for(names),
                 num_microbatches=constraints.num_microbatches,
                 micro_batch_size=pinned_b, schedule=schedule)

@@ -48,6 +48,7 @@ class PipelineConfig:
     schedule: str
     tp: int = 1
     sequence_parallel: bool = False
+    tp_objective: str = "time"
 
     def inflight(self, stage: int) -> int:
         """Microbatches whose activations stage ``stage`` holds at its peak."""
@@ -202,7 +203,7 @@ def _cut_table(problem: PlanningProblem, config: PipelineConfig) -> tuple[tuple[
 
 
 def build_cost_table(problem: PlanningProblem, config: PipelineConfig) -> CostTable:
-    problem = problem.variant(config.tp, config.sequence_parallel)
+    problem = problem.variant(config.tp, config.sequence_parallel, config.tp_objective)
     devices = problem.devices
     if devices.num_devices != config.pp * config.dp * config.tp:
         raise ValueError(f"pp={config.pp} x dp={config.dp} x tp={config.tp} does not use "

@@ -100,14 +100,16 @@ def divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def tp_choices(problem: PlanningProblem) -> list[tuple[int, bool]]:
-    """(tp, sequence parallel) pairs the pins allow: tp = 1 and every measured variant."""
+def tp_choices(problem: PlanningProblem) -> list[tuple[int, bool, str]]:
+    """(tp, sequence parallel, objective) the pins allow: tp = 1 and every measured variant."""
     pins = problem.pins
-    choices = [(1, False)] + [(o.tp, o.sequence_parallel) for o in problem.model.tensor_parallel]
-    return [(tp, sp) for tp, sp in choices
+    choices = [(1, False, "time")] + [(o.tp, o.sequence_parallel, o.objective)
+                                      for o in problem.model.tensor_parallel]
+    return [(tp, sp, objective) for tp, sp, objective in choices
             if (pins.tp is None or pins.tp == tp)
             and (pins.sequence_parallel is None or tp == 1 and not pins.sequence_parallel
-                 or tp > 1 and pins.sequence_parallel == sp)]
+                 or tp > 1 and pins.sequence_parallel == sp)
+            and (pins.tp_objective is None or tp == 1 or pins.tp_objective == objective)]
 
 
 def candidate_configs(problem: PlanningProblem) -> list[PipelineConfig]:
@@ -115,7 +117,7 @@ def candidate_configs(problem: PlanningProblem) -> list[PipelineConfig]:
     pins = problem.pins
     schedules = [pins.schedule] if pins.schedule else list(reversed(SCHEDULES))
     configs = []
-    for tp, sp in tp_choices(problem):
+    for tp, sp, objective in tp_choices(problem):
         devices = problem.devices.num_devices // tp
         pp_options = [pins.pp] if pins.pp else [
             p for p in divisors(devices) if p <= problem.num_layers]
@@ -138,7 +140,7 @@ def candidate_configs(problem: PlanningProblem) -> list[PipelineConfig]:
                     continue
                 configs.extend(PipelineConfig(pp=pp, dp=dp, micro_batch_size=b,
                                               num_microbatches=m, schedule=schedule, tp=tp,
-                                              sequence_parallel=sp)
+                                              sequence_parallel=sp, tp_objective=objective)
                                for schedule in schedules)
     return configs
 
@@ -377,7 +379,8 @@ def solve_config(problem: PlanningProblem, table: CostTable, options: PlannerOpt
     was seen to take CP-SAT far longer than solving the configuration outright.
     """
     start = time.perf_counter()
-    problem = problem.variant(table.config.tp, table.config.sequence_parallel)
+    problem = problem.variant(table.config.tp, table.config.sequence_parallel,
+                              table.config.tp_objective)
     built = _ConfigModel(problem, table, pinned)
     solver = cp_model.CpSolver()
     solver.parameters.max_time_in_seconds = max(time_limit_s, 0.01)

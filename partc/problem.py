@@ -137,6 +137,7 @@ class TPOption:
     tp: int
     sequence_parallel: bool
     model: ModelAnalysis
+    objective: str = "time"   # what the per-layer choice minimised first: time or memory
     choices: tuple[tuple[str, tuple[int, ...]], ...]
     placements: tuple[tuple[str, str], ...]
     partial_grad_params: tuple[str, ...] = ()
@@ -180,6 +181,7 @@ class Pins:
     dp: int | None = None
     tp: int | None = None
     sequence_parallel: bool | None = None
+    tp_objective: str | None = None
     stages: tuple[tuple[str, ...], ...] | None = None
     recompute: dict[str, str] = field(default_factory=dict)
     num_microbatches: int | None = None
@@ -202,16 +204,19 @@ class PlanningProblem:
     def num_layers(self) -> int:
         return len(self.model.layers)
 
-    def variant(self, tp: int, sequence_parallel: bool = False) -> "PlanningProblem":
+    def variant(self, tp: int, sequence_parallel: bool = False,
+                objective: str = "time") -> "PlanningProblem":
         """The problem as one rank of a tensor-parallel group of ``tp`` sees it."""
         if tp == 1:
             return self
-        for option in self.model.tensor_parallel:
-            if option.tp == tp and option.sequence_parallel == sequence_parallel:
-                return replace(self, model=option.model)
-        raise ValueError(f"no tensor-parallel variant tp={tp} "
-                         f"sequence_parallel={sequence_parallel} was measured")
+        option = self.tp_option(tp, sequence_parallel, objective)
+        if option is None:
+            raise ValueError(f"no tensor-parallel variant tp={tp} sequence_parallel="
+                             f"{sequence_parallel} objective={objective} was measured")
+        return replace(self, model=option.model)
 
-    def tp_option(self, tp: int, sequence_parallel: bool) -> "TPOption | None":
+    def tp_option(self, tp: int, sequence_parallel: bool,
+                  objective: str = "time") -> "TPOption | None":
         return next((o for o in self.model.tensor_parallel if o.tp == tp
-                     and o.sequence_parallel == sequence_parallel), None)
+                     and o.sequence_parallel == sequence_parallel
+                     and o.objective == objective), None)

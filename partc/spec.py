@@ -100,13 +100,16 @@ class Constraints:
     ``stages`` lists, per pipeline stage, the names of its layers (the names in the
     report); ``recompute`` is one mode for every layer or a mapping layer → mode.
     ``tp`` pins the tensor-parallel degree (it must divide the devices of a node);
-    ``sequence_parallel`` pins Megatron-style sequence parallelism on or off.
+    ``sequence_parallel`` pins Megatron-style sequence parallelism on or off;
+    ``tp_objective`` keeps only the per-layer shardings chosen for ``"time"`` (fastest)
+    or ``"memory"`` (fewest parameter bytes, then fastest).
     """
 
     pp: int | None = None
     dp: int | None = None
     tp: int | None = None
     sequence_parallel: bool | None = None
+    tp_objective: str | None = None
     stages: tuple[tuple[str, ...], ...] | list[list[str]] | None = None
     recompute: str | Mapping[str, str] | None = None
     num_microbatches: int | None = None
@@ -120,6 +123,8 @@ class Constraints:
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value < 1):
                 raise ValueError(f"Constraints.{name} must be a positive int, got {value!r}")
+        if self.tp_objective not in (None, "time", "memory"):
+            raise ValueError(f"tp_objective must be 'time' or 'memory', got {self.tp_objective!r}")
         if self.sequence_parallel and self.tp == 1:
             raise ValueError("sequence parallelism needs tensor parallelism: tp=1 was pinned")
         if self.zero_stage not in (None, 0):

@@ -24,13 +24,15 @@ def _structure(problem: PlanningProblem, plan: Plan, errors: list[str]) -> None:
         if section.get("degree") != tp:
             errors.append(f"tp={tp} but the plan's tensor_parallel has degree "
                           f"{section.get('degree')}")
-        elif problem.tp_option(tp, bool(section.get("sequence_parallel"))) is None:
+        elif problem.tp_option(tp, bool(section.get("sequence_parallel")),
+                               section.get("objective", "time")) is None:
             errors.append(f"tp={tp} was not measured for this problem")
         elif problem.devices.devices_per_node % tp:
             errors.append(f"tp={tp} does not divide the {problem.devices.devices_per_node} "
                           "devices of a node")
         else:
-            option = problem.tp_option(tp, bool(section.get("sequence_parallel")))
+            option = problem.tp_option(tp, bool(section.get("sequence_parallel")),
+                                       section.get("objective", "time"))
             if dict(option.placements) != section.get("params"):
                 errors.append("parameter placements differ from the measured sharding")
     if mesh["pp"] * mesh["dp"] * mesh.get("tp", 1) != problem.devices.num_devices:
@@ -83,7 +85,8 @@ def _costs(problem: PlanningProblem, plan: Plan, errors: list[str]) -> Evaluatio
                             micro_batch_size=plan.micro_batch_size,
                             num_microbatches=plan.num_microbatches, schedule=plan.schedule,
                             tp=plan.mesh.get("tp", 1),
-                            sequence_parallel=bool(plan.tensor_parallel.get("sequence_parallel")))
+                            sequence_parallel=bool(plan.tensor_parallel.get("sequence_parallel")),
+                            tp_objective=plan.tensor_parallel.get("objective", "time"))
     stage_of = [s.index for s in plan.stages for _ in s.layers]
     modes = [plan.recompute[layer.name] for layer in problem.layers]
     evaluation = evaluate(build_cost_table(problem, config), stage_of, modes)

@@ -67,29 +67,38 @@ def analyze(model: nn.Module, example_inputs: Any, *, loss_fn: Callable | None =
 
 
 def tensor_parallel_options(gm: fx.GraphModule, links: Sequence[Link],
-                            sequence_parallel: Sequence[bool] = (False, True)
+                            sequence_parallel: Sequence[bool] = (False, True),
+                            objectives: Sequence[str] = ("time", "memory")
                             ) -> tuple[TPOption, ...]:
     """For each group (``links``: one per tp degree), with and without sequence
-    parallelism: choose the sharding, rewrite a copy of the graph for one rank, and
-    measure it as ``analyze`` measures the whole model. ``gm`` is ``analyze``'s graph.
+    parallelism, fastest first and fewest parameter bytes first: choose the sharding,
+    rewrite a copy of the graph for one rank, and measure it as ``analyze`` measures the
+    whole model. A memory-first sharding equal to the time-first one is not repeated.
+    ``gm`` is ``analyze``'s graph.
     """
     ctx = gm.meta[meta.CONTEXT]
     options = []
-    for link in links:
-        for sp in sequence_parallel:
-            if sp and not sharding_pass.sequence_length(gm):
-                continue
-            started = time.perf_counter()
-            chosen = _named("sharding", lambda: sharding_pass.choose(
-                gm, link.tp, link, sequence_parallel=sp))
-            local, moved = shard_pass.copy_module(gm, chosen)
-            _named("shard", lambda: shard_pass.shard(local, moved))
-            with tp_ops.simulate(link.tp):
-                _named("propagate", lambda: propagate(local, ctx))
-                _named("estimate", lambda: estimate(local, ctx))
-            options.append(_tp_option(gm, ctx, local, chosen))
-            meta.add_pass_time(gm, f"sharding tp={link.tp}{' sp' if sp else ''}",
-                               time.perf_counter() - started)
+    for link, sp, objective in [(link, sp, objective) for link in links
+                                for sp in sequence_parallel for objective in objectives]:
+        if sp and not sharding_pass.sequence_length(gm):
+            continue
+        started = time.perf_counter()
+        chosen = _named("sharding", lambda: sharding_pass.choose(
+            gm, link.tp, link, sequence_parallel=sp, prefer=objective))
+        same = [o for o in options if o.tp == link.tp and o.sequence_parallel == sp
+                and o.choices == tuple((layer.name, layer.choices) for layer in chosen.layers)]
+        if same:  # measured already: the same sharding under the other objective
+            options.append(dataclasses.replace(same[0], objective=objective))
+            continue
+        local, moved = shard_pass.copy_module(gm, chosen)
+        _named("shard", lambda: shard_pass.shard(local, moved))
+        with tp_ops.simulate(link.tp):
+            _named("propagate", lambda: propagate(local, ctx))
+            _named("estimate", lambda: estimate(local, ctx))
+        options.append(dataclasses.replace(_tp_option(gm, ctx, local, chosen),
+                                           objective=objective))
+        meta.add_pass_time(gm, f"sharding tp={link.tp}{' sp' if sp else ''}",
+                           time.perf_counter() - started)
     return tuple(options)
 
 
@@ -102,8 +111,9 @@ def _tp_option(gm: fx.GraphModule, ctx: Context, local: fx.GraphModule,
 
     def local_count(key: int) -> tuple[int, int]:
         tensor = usage["tensors"][key]
-        fqn = ctx.param_fqns[key][0]
-        divisor = tp if placements.get(fqn, sharding_pass.REPLICATE).kind == "S" else 1
+        placement = next((placements[f] for f in ctx.param_fqns[key] if f in placements),
+                         sharding_pass.REPLICATE)
+        divisor = tp if placement.kind == "S" else 1
         return tensor.numel() // divisor, tensor.numel() * tensor.element_size() // divisor
 
     own: dict[int, list[int]] = {}

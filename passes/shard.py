@@ -139,10 +139,12 @@ class _Rewriter:
     def _feed(self, node: fx.Node, producer: fx.Node, need: Placement, out: Placement) -> None:
         source, have = self.seen_as(producer, node)
         if producer.op == "get_attr":
-            grad_partial = (need.kind == "R" and out.kind != "R" and producer.meta.get("val") is not None
-                            and meta.params(producer)
+            owner, _, attr = str(producer.target).rpartition(".")
+            tensor = getattr(self.gm.get_submodule(owner) if owner else self.gm, attr, None)
+            grad_partial = (need.kind == "R" and out.kind != "R" and bool(meta.params(producer))
                             and meta.params(producer)[0] not in self.s.partial_grad_params
-                            and getattr(producer.meta["val"], "requires_grad", False))
+                            and getattr(tensor, "requires_grad", False)
+                            and getattr(tensor, "is_floating_point", lambda: False)())
             if have != need:
                 raise AssertionError(f"{node.name}: parameter {producer.name} is {have}, needs {need}")
             if grad_partial:

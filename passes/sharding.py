@@ -24,6 +24,7 @@ the embedding vocabulary-parallel, the LM head column-parallel followed by a gat
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Iterable
 
@@ -859,6 +860,10 @@ def _solve_layer(problem: _LayerProblem, pins: dict[str, Placement], prefer: str
     # prefer="memory", the first goal (a replicated bias is below its resolution).
     for n in problem.items:
         if n.op == "get_attr":
+            # Vectors (biases, norm weights) are too small to matter for memory; counting
+            # them would trade a row-parallel layer for a column-parallel one.
+            if prefer == "memory" and len(_shape(n)) < 2:
+                continue
             for i, s in enumerate(problem.options[n]):
                 weight = int(round(1000 * _param_fraction(n, s.out, problem.tp) / total_param))
                 param_terms.append((weight, x[n][i]))
@@ -882,6 +887,7 @@ def _apply_choices(gm: fx.GraphModule, result: Sharding, problems: list[_LayerPr
                    picked: list[dict[fx.Node, int]], grads: set[fx.Node]) -> Sharding:
     layers = []
     partial_uses: dict[fx.Node, list[bool]] = {}
+    param_edges: dict[int, list[fx.Node]] = {}
     for problem, choice in zip(problems, picked):
         for node, index in choice.items():
             result.strategy[node] = problem.options[node][index]
@@ -894,8 +900,10 @@ def _apply_choices(gm: fx.GraphModule, result: Sharding, problems: list[_LayerPr
                     else result.boundary.get(u, REPLICATE)
                 dst = chosen.ins[position]
                 if u.op == "get_attr":
-                    partial_uses.setdefault(u, []).append(
-                        dst.kind == "R" and chosen.out.kind != "R" and u in grads)
+                    partial = dst.kind == "R" and chosen.out.kind != "R" and u in grads
+                    partial_uses.setdefault(u, []).append(partial)
+                    if partial:
+                        param_edges.setdefault(len(layers), []).append(u)
                     continue
                 moves = _edge_moves(problem, u, src, dst, chosen.out) or ()
                 if moves and (u, dst, moves) not in seen:
@@ -909,10 +917,18 @@ def _apply_choices(gm: fx.GraphModule, result: Sharding, problems: list[_LayerPr
         layers.append(LayerSharding(
             name=problem.info.name, choices=tuple(choice[n] for n in problem.items),
             params=own, collectives=tuple(collectives), note=_why_replicated(problem, result)))
-    result.layers = tuple(layers)
     result.partial_grad_params = frozenset(
         meta.params(node)[0] for node, uses in partial_uses.items()
         if meta.params(node) and all(uses) and result.strategy[node].out.kind == "R")
+    # A parameter used both ways sums its partial gradient where it is used sharded.
+    for index, nodes in param_edges.items():
+        extra = tuple(Collective("all_reduce", "backward", meta.output_bytes(u)) for u in
+                      dict.fromkeys(nodes) if meta.params(u)
+                      and meta.params(u)[0] not in result.partial_grad_params)
+        if extra:
+            layers[index] = dataclasses.replace(layers[index],
+                                                collectives=layers[index].collectives + extra)
+    result.layers = tuple(layers)
     return result
 
 

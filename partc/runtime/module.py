@@ -31,6 +31,9 @@ from partc.errors import PartcError, PlanMismatchError
 from partc.passes.trace import param_fqns
 from partc.plan import Plan
 
+from partc.passes.sharding import Placement
+
+from . import tp as tp_ops
 from .recompute import checkpoint_layer
 from .topology import Topology, init
 
@@ -80,7 +83,8 @@ class DistributedModule:
 
     def __init__(self, *, plan: Plan, topology: Topology, stage: Any, module: fx.GraphModule,
                  schedule: Any, tied: list[tuple[list[nn.Parameter], dist.ProcessGroup]],
-                 inputs: list[dict], global_batch_size: int) -> None:
+                 inputs: list[dict], global_batch_size: int,
+                 partial_grads: list[nn.Parameter] | None = None) -> None:
         self.plan = plan
         self.topology = topology
         self.stage_index = stage.stage_index
@@ -88,6 +92,7 @@ class DistributedModule:
         self._stage = stage
         self._schedule = schedule
         self._tied = tied
+        self._partial_grads = partial_grads or []
         self._inputs = [spec for spec in inputs if spec["name"] != "target"]
         self._target = next((spec for spec in inputs if spec["name"] == "target"), None)
         self.global_batch_size = global_batch_size
@@ -148,10 +153,21 @@ class DistributedModule:
         total = torch.zeros((), device=topo.device)
         if losses:
             total = torch.stack(losses).sum().detach().to(torch.float32)
-        dist.all_reduce(total)  # only the last stage's ranks contribute
-        return total / (self.plan.num_microbatches * topo.dp)
+        dist.all_reduce(total)  # only the last stage's ranks contribute, tp copies alike
+        return total / (self.plan.num_microbatches * topo.dp * topo.tp)
 
     def _sync_gradients(self) -> None:
+        # Replicated parameters that feed only sharded ops hold a partial gradient on
+        # each tensor-parallel rank: sum them (one flat all-reduce per step).
+        partial = [p for p in self._partial_grads if p.grad is not None]
+        if partial:
+            flat = torch.cat([p.grad.reshape(-1) for p in partial])
+            tp_ops.count("all_reduce")
+            dist.all_reduce(flat, group=self.topology.tp_group)
+            offset = 0
+            for p in partial:
+                p.grad.copy_(flat[offset:offset + p.numel()].view_as(p.grad))
+                offset += p.numel()
         for params, group in self._tied:
             for param in params:
                 grad = param.grad if param.grad is not None else torch.zeros_like(param)
@@ -221,11 +237,17 @@ def build(plan: Plan, model: nn.Module, loss_fn: Callable | None, *,
                                 f"made for (hash {plan.model.get('hash')})")
     topology = init(plan, device)
     _check_same_plan(plan, own_hash)
+    tp_ops.use_group(topology.tp_group if topology.tp > 1 else None)
     gm, stages = lower_plan(plan, model, loss_fn)
     mine = stages[topology.pp_rank]
     module = mine.module
-    _own_parameters(module, model, state_dict, topology.device)
+    _own_parameters(module, model, state_dict, topology.device,
+                    _shard_plan(plan, topology))
     tied = _tied_groups(stages, model, module, topology)
+    partial_names = set(plan.tensor_parallel.get("partial_grad_params", ()))
+    aliases = _aliases(model)
+    partial = [p for name, p in module.named_parameters()
+               if partial_names & set(aliases.get(name, (name,)))]
     loss_node = next(n for n in gm.graph.nodes if meta.role(n) == meta.ROLE_LOSS)
     loss = _Loss(gm.get_submodule(str(loss_node.target)),
                  plan.recompute.get(meta.layer(loss_node).name, "none"))
@@ -239,8 +261,22 @@ def build(plan: Plan, model: nn.Module, loss_fn: Callable | None, *,
              plan.pp, ", ".join(mine.layers), sum(p.numel() for p in module.parameters()))
     return DistributedModule(
         plan=plan, topology=topology, stage=stage, module=module, schedule=schedule,
-        tied=tied, inputs=inputs,
+        tied=tied, inputs=inputs, partial_grads=partial,
         global_batch_size=plan.num_microbatches * plan.micro_batch_size * plan.dp)
+
+
+def _shard_plan(plan: Plan, topology: Topology) -> Callable[[str, torch.Tensor], torch.Tensor]:
+    """This rank's shard of a whole tensor named ``fqn``, as the plan places it."""
+    placements = plan.tensor_parallel.get("params", {})
+
+    def local(names: tuple[str, ...], tensor: torch.Tensor) -> torch.Tensor:
+        text = next((placements[n] for n in names if n in placements), "Replicate()")
+        placement = Placement.parse(text)
+        if placement.kind != "S":
+            return tensor
+        return tp_ops.shard_of(tensor, placement.dim, placement.chunks, topology.tp_rank,
+                               topology.tp)
+    return local
 
 
 def _check_same_plan(plan: Plan, own_hash: str) -> None:
@@ -268,13 +304,15 @@ def lower_plan(plan: Plan, model: nn.Module,
                for spec in plan.model["inputs"]}
     target = example.pop("target", None)
     return lower(model, tuple(example.values()), [list(s.layers) for s in plan.stages],
-                 plan.recompute, loss_fn=loss_fn, example_target=target)
+                 plan.recompute, loss_fn=loss_fn, example_target=target,
+                 tensor_parallel=plan.tensor_parallel or None)
 
 
 def _own_parameters(module: fx.GraphModule, model: nn.Module,
                     state_dict: Mapping[str, torch.Tensor] | None,
-                    device: torch.device) -> None:
-    """Give the stage its own copies of its tensors, from the state dict or the model."""
+                    device: torch.device, local: Callable | None = None) -> None:
+    """Give the stage its own copies of its tensors (this rank's shards of them), from
+    the state dict or the model."""
     aliases = _aliases(model)
     copies: dict[int, torch.Tensor] = {}
     entries = [(name, t, True) for name, t in module.named_parameters(remove_duplicate=False)]
@@ -282,6 +320,8 @@ def _own_parameters(module: fx.GraphModule, model: nn.Module,
     for name, tensor, is_param in entries:
         if id(tensor) not in copies:
             source = _source_tensor(name, aliases, model, state_dict)
+            if local is not None:
+                source = local(aliases.get(name, (name,)), source)
             value = source.detach().to(device=device, dtype=tensor.dtype, copy=True)
             copies[id(tensor)] = nn.Parameter(value, tensor.requires_grad) if is_param \
                 else value
@@ -349,9 +389,10 @@ def _tied_groups(stages: list, model: nn.Module, module: fx.GraphModule,
         if len(stage_indices) < 2:
             continue
         for dp_rank in range(topology.dp):
-            ranks = [topology.rank_of(s, dp_rank) for s in stage_indices]
-            group = dist.new_group(ranks)
-            if topology.rank in ranks:
-                params = [own[name] for name in key if name in own]
-                result.append((params[:1], group))
+            for tp_rank in range(topology.tp):
+                ranks = [topology.rank_of(s, dp_rank, tp_rank) for s in stage_indices]
+                group = dist.new_group(ranks)
+                if topology.rank in ranks:
+                    params = [own[name] for name in key if name in own]
+                    result.append((params[:1], group))
     return result

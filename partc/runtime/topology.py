@@ -30,6 +30,8 @@ class Topology:
     dp_rank: int
     device: torch.device
     mesh: DeviceMesh
+    tp: int = 1
+    tp_rank: int = 0
 
     @property
     def pp_group(self) -> dist.ProcessGroup:
@@ -39,8 +41,13 @@ class Topology:
     def dp_group(self) -> dist.ProcessGroup:
         return self.mesh.get_group("dp")
 
-    def rank_of(self, pp_rank: int, dp_rank: int) -> int:
-        return pp_rank * self.dp + dp_rank
+    @property
+    def tp_group(self) -> dist.ProcessGroup:
+        return self.mesh.get_group("tp")
+
+    def rank_of(self, pp_rank: int, dp_rank: int, tp_rank: int = 0) -> int:
+        """Ranks are ordered (pp, dp, tp), tp innermost: a tp group sits inside a node."""
+        return (pp_rank * self.dp + dp_rank) * self.tp + tp_rank
 
 
 def world_size_from_env() -> int:
@@ -60,7 +67,7 @@ def check_world_size(plan: Plan) -> None:
 
 
 def init(plan: Plan, device: torch.device | str | None = None) -> Topology:
-    """Join (or start) the process group and build the (pp, dp) mesh for ``plan``."""
+    """Join (or start) the process group and build the (pp, dp, tp) mesh for ``plan``."""
     check_world_size(plan)
     device = torch.device(device) if device is not None else _default_device()
     if not dist.is_initialized():
@@ -75,9 +82,12 @@ def init(plan: Plan, device: torch.device | str | None = None) -> Topology:
     if device.type == "cuda":
         torch.cuda.set_device(device)
     rank = dist.get_rank()
-    mesh = init_device_mesh(device.type, (plan.pp, plan.dp), mesh_dim_names=("pp", "dp"))
+    tp = plan.mesh.get("tp", 1)
+    mesh = init_device_mesh(device.type, (plan.pp, plan.dp, tp),
+                            mesh_dim_names=("pp", "dp", "tp"))
     return Topology(rank=rank, world_size=dist.get_world_size(), pp=plan.pp, dp=plan.dp,
-                    pp_rank=rank // plan.dp, dp_rank=rank % plan.dp, device=device, mesh=mesh)
+                    pp_rank=rank // (plan.dp * tp), dp_rank=rank // tp % plan.dp,
+                    device=device, mesh=mesh, tp=tp, tp_rank=rank % tp)
 
 
 def _default_device() -> torch.device:

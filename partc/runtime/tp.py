@@ -75,6 +75,11 @@ def counts() -> Counter:
     return Counter(_counts)
 
 
+def count(kind: str) -> None:
+    """Record a collective run outside these functions (the runtime's gradient sums)."""
+    _counts[kind] += 1
+
+
 def reset_counts() -> None:
     _counts.clear()
 

@@ -27,6 +27,8 @@ import torch.distributed as dist  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 import partc  # noqa: E402
+from partc.passes.sharding import Placement  # noqa: E402
+from partc.runtime import tp as tp_ops  # noqa: E402
 from samples import gpt  # noqa: E402
 from tests import models  # noqa: E402
 
@@ -59,6 +61,11 @@ def _skip() -> torch.nn.Module:
 
 def _mse(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     return F.mse_loss(output, target)
+
+
+def _hidden_mse(output: Any, target: torch.Tensor) -> torch.Tensor:
+    """An encoder's loss: its last hidden state against a float target."""
+    return F.mse_loss(output.last_hidden_state, target)
 
 
 ALL_MODES = {"blocks.0": "full", "blocks.1": "selective"}
@@ -97,13 +104,33 @@ CASES: dict[str, Case] = {
                         dict(pp=2, dp=2, schedule="1f1b", recompute=ALL_MODES)),
 }
 
+# Tensor parallelism: the sharding that holds the fewest parameter bytes (the tiny models
+# here would otherwise stay replicated on a CPU budget), with and without sequence
+# parallelism; 2 processes are tp=2, 4 are pp=2 x tp=2.
+_TP_MODELS = {
+    "gpt": (gpt.gpt_tiny, "tokens", gpt.loss_fn),
+    "gpt2": (_gpt2, "tokens", models.causal_lm_loss),
+    "llama": (models.llama, "tokens", models.causal_lm_loss),
+    "bert": (lambda: models.bert(dropout=0.0), "hidden", _hidden_mse),
+}
+for _name, (_build, _data, _loss) in _TP_MODELS.items():
+    for _sp in (False, True):
+        _tp = dict(tp=2, sequence_parallel=_sp, tp_objective="memory", recompute="none")
+        _suffix = "-sp" if _sp else ""
+        CASES[f"{_name}-tp2{_suffix}"] = Case(_build, _data, _loss, dict(pp=1, **_tp))
+        CASES[f"{_name}-pp2-tp2{_suffix}"] = Case(_build, _data, _loss,
+                                                 dict(pp=2, schedule="1f1b", **_tp))
+
 
 def batch(case: Case, model: torch.nn.Module, step: int,
           seq: int = SEQ) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(1000 + step)
-    if case.data == "tokens":
+    if case.data in ("tokens", "hidden"):
         vocab = _tokens(model)
         tokens = torch.randint(0, vocab, (BATCH, seq + 1), generator=g)
+        if case.data == "hidden":
+            width = model.config.hidden_size
+            return tokens[:, :-1].contiguous(), torch.randn(BATCH, seq, width, generator=g)
         return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
     return torch.randn(BATCH, 16, generator=g), torch.randn(BATCH, 16, generator=g)
 
@@ -118,7 +145,7 @@ def optimizer(params: Any) -> torch.optim.Optimizer:
 def compile_case(case: Case, model: torch.nn.Module, world: int) -> partc.Program:
     x, y = batch(case, model, 0)
     constraints = dict(case.constraints)
-    constraints.setdefault("dp", world // constraints["pp"])
+    constraints.setdefault("dp", world // (constraints["pp"] * constraints.get("tp", 1)))
     constraints.setdefault("num_microbatches", 4 // constraints["dp"])
     return partc.compile(model, (x,), loss_fn=case.loss_fn, example_target=y,
                          budget=partc.DeviceBudget(num_devices=world, device="CPU"),
@@ -140,11 +167,14 @@ def run_case(name: str) -> dict[str, Any]:
         dist.barrier()
         program = partc.load(directory, model, loss_fn=case.loss_fn)
     module = program.build()
+    tp_ops.reset_counts()
     opt = optimizer(module.parameters())
     ref_opt = optimizer(reference.parameters())
     losses, ref_losses, messages = [], [], []
     for step in range(STEPS):
         x, y = batch(case, model, step)
+        if step == 1:
+            tp_ops.reset_counts()  # the first step also runs the schedule's shape inference
         losses.append(module.forward_backward(x, target=y).item())
         messages.append(dict(module.last_messages))
         opt.step()
@@ -155,14 +185,56 @@ def run_case(name: str) -> dict[str, Any]:
         ref_opt.zero_grad()
         ref_losses.append(ref_loss.item())
     ref_params = dict(reference.named_parameters(remove_duplicate=False))
-    errors = {fqn: ((p.detach() - ref_params[fqn]).norm() / ref_params[fqn].norm()).item()
-              for fqn, p in module.named_parameters()}
     plan = program.plan
+    placements = plan.tensor_parallel.get("params", {})
+    topo = module.topology
+
+    def reference_shard(fqn: str) -> torch.Tensor:
+        # A sharded parameter is compared with the same shard of the reference.
+        tensor = ref_params[fqn].detach()
+        aliases = [a for a, t in ref_params.items() if t is ref_params[fqn]]
+        text = next((placements[a] for a in aliases if a in placements), "Replicate()")
+        placement = Placement.parse(text)
+        if placement.kind == "S":
+            tensor = tp_ops.shard_of(tensor, placement.dim, placement.chunks, topo.tp_rank,
+                                     topo.tp)
+        return tensor
+
+    # Relative error; against 1e-3 where the reference is ~0 (a key projection's bias never
+    # moves: its gradient is mathematically zero, so only rounding noise is compared).
+    errors = {fqn: ((p.detach() - reference_shard(fqn)).norm()
+                    / max(reference_shard(fqn).norm().item(), 1e-3)).item()
+              for fqn, p in module.named_parameters()}
+    own_params = sum(p.numel() for p in {id(p): p for p in module.parameters()}.values())
     return {"losses": losses, "ref_losses": ref_losses, "param_errors": errors,
             "messages": messages, "predicted": plan.stages[module.stage_index].p2p,
             "stage": module.stage_index, "mesh": plan.mesh, "schedule": plan.schedule,
             "recompute": plan.stages[module.stage_index].recompute,
-            "num_params": len(errors)}
+            "num_params": len(errors), "own_params": own_params,
+            "planned_params": plan.stages[module.stage_index].param_count,
+            "collectives": dict(tp_ops.counts()),
+            "planned_collectives": _planned_collectives(plan, module.stage_index)}
+
+
+def _planned_collectives(plan: partc.Plan, stage: int) -> dict[str, int]:
+    """Per step: the plan's per-microbatch collectives of this stage's layers, times the
+    microbatches, plus one all-reduce of partial gradients when the stage has any."""
+    counts: dict[str, int] = {}
+    section = plan.tensor_parallel
+    steps = STEPS - 1
+    for layer in plan.stages[stage].layers:
+        for kind, _, _ in section.get("collectives", {}).get(layer, []):
+            counts[kind] = counts.get(kind, 0) + plan.num_microbatches * steps
+    layers = set(plan.stages[stage].layers)
+    if any(_layer_of(plan, fqn) in layers for fqn in section.get("partial_grad_params", [])):
+        counts["all_reduce"] = counts.get("all_reduce", 0) + steps
+    return counts
+
+
+def _layer_of(plan: partc.Plan, fqn: str) -> str:
+    """The layer a parameter belongs to, by the longest layer name that prefixes it."""
+    names = [n for n in plan.layer_names if fqn.startswith(n + ".")]
+    return max(names, key=len) if names else ""
 
 
 def run_mismatch_cases() -> dict[str, Any]:
