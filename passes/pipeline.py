@@ -77,6 +77,7 @@ def tensor_parallel_options(gm: fx.GraphModule, links: Sequence[Link],
     ``gm`` is ``analyze``'s graph.
     """
     ctx = gm.meta[meta.CONTEXT]
+    base, usage = summarize(gm, ctx), param_usage(gm, ctx)
     options = []
     for link, sp, objective in [(link, sp, objective) for link in links
                                 for sp in sequence_parallel for objective in objectives]:
@@ -95,19 +96,19 @@ def tensor_parallel_options(gm: fx.GraphModule, links: Sequence[Link],
         with tp_ops.simulate(link.tp):
             _named("propagate", lambda: propagate(local, ctx))
             _named("estimate", lambda: estimate(local, ctx))
-        options.append(dataclasses.replace(_tp_option(gm, ctx, local, chosen),
+        options.append(dataclasses.replace(_tp_option(ctx, base, usage, local, chosen),
                                            objective=objective))
         meta.add_pass_time(gm, f"sharding tp={link.tp}{' sp' if sp else ''}",
                            time.perf_counter() - started)
     return tuple(options)
 
 
-def _tp_option(gm: fx.GraphModule, ctx: Context, local: fx.GraphModule,
+def _tp_option(ctx: Context, base: ModelAnalysis, usage: dict, local: fx.GraphModule,
                chosen: sharding_pass.Sharding) -> TPOption:
-    """Per-rank costs: measured FLOPs and bytes, local parameter counts, collectives."""
+    """Per-rank costs: measured FLOPs and bytes, local parameter counts, collectives.
+    ``base`` and ``usage`` are the whole model's analysis and parameter usage."""
     tp, per_sample = chosen.tp, 1.0 / ctx.batch_size
     placements = chosen.param_placements()
-    usage = param_usage(gm, ctx)
 
     def local_count(key: int) -> tuple[int, int]:
         tensor = usage["tensors"][key]
@@ -130,12 +131,11 @@ def _tp_option(gm: fx.GraphModule, ctx: Context, local: fx.GraphModule,
         layers.append(dataclasses.replace(cost, param_count=count, param_bytes=nbytes,
                                           tp_comm=comm))
     shared = []
-    for group in summarize_shared(gm, ctx):
+    for group in base.shared:
         key = next(k for k, fqns in ctx.param_fqns.items() if fqns[0] == group.fqns[0])
         count, nbytes = local_count(key)
         shared.append(dataclasses.replace(group, param_count=count, param_bytes=nbytes))
     num_layers = len(layers)
-    base = summarize(gm, ctx)
     model = dataclasses.replace(
         base, layers=tuple(layers), shared=tuple(shared),
         cut_bytes=tuple(c * per_sample for c in crossing_bytes(local, num_layers)),
@@ -204,7 +204,7 @@ def summarize(gm: fx.GraphModule, ctx: Context) -> ModelAnalysis:
             inputs=input_specs(gm)),
         layers=meta.layer_costs(gm),
         cut_bytes=tuple(c * per_sample for c in meta.cut_bytes(gm)),
-        shared=summarize_shared(gm, ctx),
+        shared=_shared(gm, ctx),
         cut_tensors=meta.cut_tensors(gm),
     )
 
@@ -253,7 +253,7 @@ def model_hash(model: nn.Module) -> str:
     return digest.hexdigest()[:16]
 
 
-def summarize_shared(gm: fx.GraphModule, ctx: Context) -> tuple[SharedParam, ...]:
+def _shared(gm: fx.GraphModule, ctx: Context) -> tuple[SharedParam, ...]:
     usage = param_usage(gm, ctx)
     shared = []
     for key, indices in usage["layers"].items():

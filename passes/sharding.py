@@ -24,9 +24,10 @@ the embedding vocabulary-parallel, the LM head column-parallel followed by a gat
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Any, Iterable
+from typing import Any, Iterable, Iterator
 
 import torch
 from ortools.sat.python import cp_model
@@ -665,48 +666,28 @@ def choose(gm: fx.GraphModule, tp: int, link: Link, *, sequence_parallel: bool =
     ``estimate``. ``prefer="memory"`` puts parameter bytes first and time second.
     Returns a :class:`Sharding`; ``gm`` is not changed.
     """
-    global _CHUNK_HINTS
-    _CHUNK_HINTS = _chunk_hints(gm)
-    try:
-        return _choose(gm, tp, link, sequence_parallel, prefer)
-    finally:
-        _CHUNK_HINTS = {}
-
-
-def _choose(gm: fx.GraphModule, tp: int, link: Link, sequence_parallel: bool,
-            prefer: str) -> Sharding:
-    result = Sharding(tp=tp, sequence_parallel=sequence_parallel)
-    result.boundary = boundaries(gm, tp, sequence_parallel)
-    grads = carries_grad(gm)
-    infos = meta.layers(gm)
-    problems = [_LayerProblem(gm, info, tp, link, result.boundary, grads) for info in infos]
-    pins: dict[str, Placement] = {}
-    solved = _solve_all(problems, pins, prefer)
-    # A parameter several layers use must have one placement: try each the layers chose.
-    for fqn, options in _disagreements(problems, solved).items():
-        best = None
-        for option in sorted(options):
-            trial = _solve_all(problems, {**pins, fqn: option}, prefer)
-            total = sum(cost for _, cost in trial)
-            if best is None or total < best[0]:
-                best = (total, option)
-        pins[fqn] = best[1]
+    with _layer_problems(gm, tp, link, sequence_parallel) as (result, problems, grads):
+        pins: dict[str, Placement] = {}
         solved = _solve_all(problems, pins, prefer)
-    return _apply_choices(gm, result, problems, [c for c, _ in solved], grads)
+        # A parameter several layers use has one placement: try each the layers chose.
+        for fqn, options in _disagreements(problems, solved).items():
+            best = None
+            for option in sorted(options):
+                trial = _solve_all(problems, {**pins, fqn: option}, prefer)
+                total = sum(cost for _, cost in trial)
+                if best is None or total < best[0]:
+                    best = (total, option)
+            pins[fqn] = best[1]
+            solved = _solve_all(problems, pins, prefer)
+        return _apply_choices(gm, result, problems, [c for c, _ in solved], grads)
 
 
 def apply(gm: fx.GraphModule, tp: int, sequence_parallel: bool,
           choices: dict[str, tuple[int, ...]]) -> Sharding:
     """Rebuild a :class:`Sharding` from a plan's per-layer strategy indices."""
-    global _CHUNK_HINTS
-    _CHUNK_HINTS = _chunk_hints(gm)
-    try:
-        result = Sharding(tp=tp, sequence_parallel=sequence_parallel)
-        result.boundary = boundaries(gm, tp, sequence_parallel)
-        grads = carries_grad(gm)
-        link = Link(tp=tp, bandwidth=1.0, latency_s=0.0, flops=1.0, hbm_bandwidth=1.0)
-        problems = [_LayerProblem(gm, info, tp, link, result.boundary, grads)
-                    for info in meta.layers(gm)]
+    # Costs play no part in rebuilding: any link will do.
+    link = Link(tp=tp, bandwidth=1.0, latency_s=0.0, flops=1.0, hbm_bandwidth=1.0)
+    with _layer_problems(gm, tp, link, sequence_parallel) as (result, problems, grads):
         picked = []
         for problem in problems:
             indices = choices.get(problem.info.name)
@@ -716,6 +697,22 @@ def apply(gm: fx.GraphModule, tp: int, sequence_parallel: bool,
                                  f"{len(problem.items)}")
             picked.append(dict(zip(problem.items, indices)))
         return _apply_choices(gm, result, problems, picked, grads)
+
+
+@contextlib.contextmanager
+def _layer_problems(gm: fx.GraphModule, tp: int, link: Link, sequence_parallel: bool
+                    ) -> Iterator[tuple[Sharding, list, set]]:
+    """An empty Sharding with its boundaries, one problem per layer, and the nodes that
+    carry gradients; the split hints the strategy rules read hold within the block."""
+    global _CHUNK_HINTS
+    _CHUNK_HINTS = _chunk_hints(gm)
+    try:
+        result = Sharding(tp=tp, sequence_parallel=sequence_parallel)
+        result.boundary = boundaries(gm, tp, sequence_parallel)
+        grads = carries_grad(gm)
+        problems = [_LayerProblem(gm, info, tp, link, result.boundary, grads)
+                    for info in meta.layers(gm)]
+        yield result, problems, grads
     finally:
         _CHUNK_HINTS = {}
 
