@@ -43,6 +43,7 @@ CUT_TENSORS = "partc.cut_tensors"
 LAYER_COSTS = "partc.layer_costs"
 TIMINGS = "partc.pass_seconds"
 CONTEXT = "partc.context"  # on gm.meta: the trace Context the passes share
+LOSS_USES = "partc.loss_uses"  # on the loss node: which of its inputs the loss reads
 
 # Roles: a plain model node has no role.
 ROLE_LOSS = "loss"
@@ -153,6 +154,16 @@ def set_role(node: fx.Node, role: str) -> None:
 
 def role(node: fx.Node) -> str | None:
     return node.meta.get(ROLE)
+
+
+def set_loss_uses(node: fx.Node, uses: tuple[bool, ...]) -> None:
+    _set(node, LOSS_USES, uses)
+
+
+def loss_uses(node: fx.Node) -> tuple[bool, ...] | None:
+    """Per input of the loss node, whether the loss's value depends on it (``None``:
+    not measured, assume all)."""
+    return node.meta.get(LOSS_USES)
 
 
 def set_layer(node: fx.Node, ref: LayerRef) -> None:

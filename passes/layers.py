@@ -284,13 +284,16 @@ def crossing_bytes(gm: fx.GraphModule, num_layers: int) -> tuple[float, ...]:
     return tuple(cuts)
 
 
-_NO_GRAD_OPS = {"detach", "alias", "_assert_tensor_metadata", "zeros_like", "ones_like",
+_NO_GRAD_OPS = {"detach", "_assert_tensor_metadata", "zeros_like", "ones_like",
                 "empty_like", "full_like", "new_zeros", "new_ones", "new_empty", "new_full"}
 
 
 def carries_grad(gm: fx.GraphModule) -> set[fx.Node]:
-    """Nodes whose value is a float tensor that depends on a trainable parameter: the
-    values whose gradients flow back when they cross a stage boundary."""
+    """Nodes whose value is a float tensor that depends on a trainable parameter and that
+    the graph's output depends on: the values a gradient reaches in backward (and that
+    carry one when they cross a stage boundary). An output the loss ignores (BERT's pooler
+    under a loss on the last hidden state) gets none."""
+    wanted = _ancestors_of_output(gm)
     result: set[fx.Node] = set()
     for node in gm.graph.nodes:
         value = node.meta.get("val")
@@ -306,7 +309,26 @@ def carries_grad(gm: fx.GraphModule) -> set[fx.Node]:
                 result.add(node)
         elif op_name(node) not in _NO_GRAD_OPS and any(a in result for a in node.all_input_nodes):
             result.add(node)
-    return result
+    return result & wanted
+
+
+def _ancestors_of_output(gm: fx.GraphModule) -> set[fx.Node]:
+    output = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
+    seen: set[fx.Node] = set()
+    stack: list[fx.Node] = []
+    for node in output.all_input_nodes:
+        uses = meta.loss_uses(node) if meta.role(node) == meta.ROLE_LOSS else None
+        if uses is None:
+            stack.append(node)
+        else:  # the loss's inputs it does not read get no gradient
+            seen.add(node)
+            stack += [a for a, used in zip(node.args, uses) if used and isinstance(a, fx.Node)]
+    while stack:
+        node = stack.pop()
+        if node not in seen:
+            seen.add(node)
+            stack.extend(node.all_input_nodes)
+    return seen
 
 
 def crossing_tensors(gm: fx.GraphModule, num_layers: int) -> tuple[tuple[int, int], ...]:

@@ -19,7 +19,7 @@ def propagate(gm: fx.GraphModule, ctx: Context) -> fx.GraphModule:
 
     Reads: ``meta.ROLE``; ``node.meta["val"]`` where torch.export left one (reused: the
     exporter already ran the graph on fake tensors).
-    Writes: ``node.meta["val"]``, ``meta.TENSORS``.
+    Writes: ``node.meta["val"]``, ``meta.TENSORS``; ``meta.LOSS_USES`` on the loss.
     Requires: ``trace``. Ensures: every node but the output has ``val`` and ``TENSORS``.
     """
     env: dict[fx.Node, Any] = {}
@@ -33,6 +33,8 @@ def propagate(gm: fx.GraphModule, ctx: Context) -> fx.GraphModule:
             value = _placeholder(node, inputs, ctx)
         else:
             value = _run(gm, node, env, ctx)
+            if meta.role(node) == meta.ROLE_LOSS:
+                meta.set_loss_uses(node, _loss_uses(gm, node, env, ctx))
         env[node] = value
         node.meta["val"] = value
         meta.set_tensors(node, _tensor_infos(value))
@@ -67,6 +69,23 @@ def _run(gm: fx.GraphModule, node: fx.Node, env: dict, ctx: Context) -> Any:
             self_arg, *rest = args
             return getattr(self_arg, node.target)(*rest, **kwargs)
         return gm.get_submodule(str(node.target))(*args, **kwargs)
+
+
+def _loss_uses(gm: fx.GraphModule, loss: fx.Node, env: dict, ctx: Context) -> tuple[bool, ...]:
+    """Which of the model's outputs the loss reads, found by differentiating it on fake
+    tensors: an output it ignores (an encoder's pooler) gets no gradient in backward."""
+    args = [env[a] if isinstance(a, fx.Node) else a for a in loss.args]
+    probes = [a.detach().requires_grad_() if isinstance(a, torch.Tensor)
+              and a.is_floating_point() else a for a in args[:-1]]
+    wanted = [p for p in probes if isinstance(p, torch.Tensor) and p.requires_grad]
+    try:
+        with ctx.fake_mode, torch.enable_grad():
+            value = gm.get_submodule(str(loss.target))(*probes, args[-1])
+            grads = torch.autograd.grad(value, wanted, allow_unused=True) if wanted else ()
+    except Exception:  # a loss that cannot be differentiated here: assume it reads all
+        return tuple(True for _ in args)
+    got = {id(p): g is not None for p, g in zip(wanted, grads)}
+    return tuple(got.get(id(p), False) for p in probes) + (False,)
 
 
 def _fetch(gm: fx.GraphModule, target: str) -> torch.Tensor:

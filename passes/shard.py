@@ -37,7 +37,7 @@ from torch import fx
 from partc import meta
 from partc.runtime import tp as tp_ops
 
-from .layers import op_name
+from .layers import carries_grad, op_name
 from .sharding import Placement, Sharding, redistribute, tensor_inputs
 
 LocalParam = Callable[[str, torch.Tensor, Placement], torch.Tensor]
@@ -106,6 +106,7 @@ class _Rewriter:
         self.gm, self.s, self.tp = gm, sharding, sharding.tp
         self.moved: dict[tuple, fx.Node] = {}
         self.at_boundary: dict[fx.Node, fx.Node] = {}
+        self.grads = carries_grad(gm)  # the values a gradient reaches in backward
 
     # ------------------------------------------------------------------ placements
     def seen_as(self, producer: fx.Node, consumer: fx.Node) -> tuple[fx.Node, Placement]:
@@ -139,21 +140,16 @@ class _Rewriter:
     def _feed(self, node: fx.Node, producer: fx.Node, need: Placement, out: Placement) -> None:
         source, have = self.seen_as(producer, node)
         if producer.op == "get_attr":
-            owner, _, attr = str(producer.target).rpartition(".")
-            tensor = getattr(self.gm.get_submodule(owner) if owner else self.gm, attr, None)
             grad_partial = (need.kind == "R" and out.kind != "R" and bool(meta.params(producer))
                             and meta.params(producer)[0] not in self.s.partial_grad_params
-                            and getattr(tensor, "requires_grad", False)
-                            and getattr(tensor, "is_floating_point", lambda: False)())
+                            and producer in self.grads)
             if have != need:
                 raise AssertionError(f"{node.name}: parameter {producer.name} is {have}, needs {need}")
             if grad_partial:
                 moved = self._move(source, have, need, True, node)
                 node.replace_input_with(source, moved)
             return
-        value = producer.meta.get("val")
-        grad_partial = (need.kind == "R" and out.kind != "R" and isinstance(value, torch.Tensor)
-                        and value.is_floating_point())
+        grad_partial = need.kind == "R" and out.kind != "R" and producer in self.grads
         if have == need and not grad_partial:
             if source is not producer:
                 node.replace_input_with(producer, source)
