@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from .costs import PS_PER_S, Evaluation, PipelineConfig
+from .costs import PS_PER_S, Evaluation, PipelineConfig, tp_comm_seconds
 from .plan import Plan, SolverStats, StagePlan
 from .problem import PlanningProblem
 
@@ -121,6 +121,8 @@ def tensor_parallel_section(problem: PlanningProblem, config: PipelineConfig) ->
         "collectives": {layer.name: [[kind, phase, int(round(nbytes * scale))]
                                      for kind, phase, nbytes in layer.tp_comm]
                         for layer in option.model.layers if layer.tp_comm},
+        "collective_seconds": {layer.name: sum(tp_comm_seconds(problem, config, layer).values())
+                               for layer in option.model.layers if layer.tp_comm},
         "notes": dict(option.notes),
     }
 

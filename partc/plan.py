@@ -65,6 +65,10 @@ class Plan:
         return self.mesh["dp"]
 
     @property
+    def tp(self) -> int:
+        return self.mesh.get("tp", 1)
+
+    @property
     def layer_names(self) -> tuple[str, ...]:
         return tuple(name for stage in self.stages for name in stage.layers)
 

@@ -91,6 +91,59 @@ def _alternative_rows(plan: Plan) -> list[list[str]]:
     return rows
 
 
+_SHORT = {"all_reduce": "AR", "all_gather": "AG", "reduce_scatter": "RS"}
+
+
+def _tp_layer_rows(plan: Plan) -> list[list[str]]:
+    """Per layer (consecutive layers alike in one row): its sharded parameters, its
+    collectives per microbatch, their bytes per step, and why it stays replicated."""
+    section, tp = plan.tensor_parallel, plan.mesh["tp"]
+    steps = plan.num_microbatches
+    rows, keys = [], []
+    for layer in plan.layer_names:
+        prefix = layer + "."
+        sharded = sorted(f"{fqn[len(prefix):]} {placement}"
+                         for fqn, placement in section.get("params", {}).items()
+                         if fqn.startswith(prefix) and not placement.startswith("Replicate"))
+        moves = section.get("collectives", {}).get(layer, [])
+        counts: dict[str, int] = {}
+        for kind, phase, _ in moves:
+            label = f"{_SHORT.get(kind, kind)} {'fwd' if phase == 'forward' else 'bwd'}"
+            counts[label] = counts.get(label, 0) + 1
+        tensor_bytes = sum(nbytes for _, _, nbytes in moves) * steps
+        seconds = section.get("collective_seconds", {}).get(layer, 0.0) * steps
+        sent = sum(nbytes * (2 if kind == "all_reduce" else 1) * (tp - 1) / tp
+                   for kind, _, nbytes in moves) * steps
+        key = (tuple(s.split(".", 1)[-1] for s in sharded),
+               tuple(sorted(counts.items())), tensor_bytes, section.get("notes", {}).get(layer, ""))
+        if key == (keys[-1] if keys else None) and len(rows[-1][0]) > 0:
+            rows[-1][0].append(layer)
+            continue
+        keys.append(key)
+        rows.append([[layer], ", ".join(sharded) or "-",
+                     ", ".join(f"{n} {label}" for label, n in sorted(counts.items())) or "-",
+                     format_bytes(tensor_bytes) if moves else "-",
+                     format_bytes(sent) if moves else "-",
+                     format_seconds(seconds) if moves else "-", key[3] or ""])
+    return [[_span(row[0])] + row[1:] for row in rows]
+
+
+def _tp_lines(plan: Plan) -> list[str]:
+    section = plan.tensor_parallel
+    sp = "on" if section.get("sequence_parallel") else "off"
+    objective = {"time": "fastest", "memory": "fewest parameter bytes"}.get(
+        section.get("objective"), section.get("objective"))
+    partial = section.get("partial_grad_params", [])
+    summed = (f"; {len(partial)} replicated parameters (biases after a row-parallel split, "
+              f"norms on sequence shards) get partial gradients, summed across the group "
+              f"once per step" if partial else "")
+    return [f"tp={section['degree']} within a node, sequence parallelism {sp}, sharding chosen "
+            f"for {objective} first{summed}. Collectives are per "
+            f"microbatch; bytes and time are per step ({plan.num_microbatches} "
+            f"microbatches): the tensors' size, what each rank sends in a ring, and the "
+            f"time the collectives take (counted in the stages' forward and backward)."]
+
+
 def _why(plan: Plan) -> list[str]:
     step = plan.predicted["step_time_s"]
     lines = []
@@ -131,6 +184,12 @@ def render(plan: Plan, format: str = "text") -> str:
     out += _table(["stage", "layers", "params", "weights+grads+optim", "activations",
                    "transient", "peak / limit", "forward", "backward", "recompute", "comm",
                    "p2p send/recv", "recompute modes"], _stage_rows(plan), md)
+    if plan.mesh.get("tp", 1) > 1 and plan.tensor_parallel:
+        out += ["", "## Tensor parallelism" if md else "Tensor parallelism:", ""]
+        out += _tp_lines(plan) + [""]
+        out += _table(["layers", "sharded parameters", "collectives per microbatch",
+                       "bytes per step", "sent per rank", "time per step", "why replicated"],
+                      _tp_layer_rows(plan), md)
     out += ["", "## Against the obvious alternatives" if md else "Alternatives:", ""]
     out += _table(["plan", "step time", "vs plan", "fits", "peak memory", "layers per stage"],
                   _alternative_rows(plan), md)

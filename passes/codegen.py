@@ -55,7 +55,7 @@ def _all_nodes(module: fx.GraphModule) -> list[fx.Node]:
 
 def _header(stage: StageGraph, plan: Plan, shared: Mapping[str, Sequence[int]]) -> list[str]:
     k, last = stage.index, stage.num_stages - 1
-    ranks = [k * plan.dp + d for d in range(plan.dp)]
+    ranks = [(k * plan.dp + d) * plan.tp + t for d in range(plan.dp) for t in range(plan.tp)]
     b, m = plan.micro_batch_size, plan.num_microbatches
     recomputed = [f"{name} ({mode})" for name, mode in plan.recompute.items()
                   if name in stage.layers and mode != "none"]
@@ -92,6 +92,24 @@ def _header(stage: StageGraph, plan: Plan, shared: Mapping[str, Sequence[int]]) 
     if tied:
         lines.append("# After backward, gradients summed (all-reduce) for tied: "
                      f"{'; '.join(tied)}.")
+    if plan.tp > 1:
+        section = plan.tensor_parallel
+        mine = [f for f, p in section.get("params", {}).items()
+                if not p.startswith("Replicate") and any(f.startswith(layer + ".")
+                                                         for layer in stage.layers)]
+        moves = [m for layer in stage.layers for m in section.get("collectives", {}).get(layer, [])]
+        lines.append(f"# Tensor parallel: tp={plan.tp}"
+                     f"{', sequence parallel' if section.get('sequence_parallel') else ''}; "
+                     f"each rank runs this code on its shards ({len(mine)} sharded parameters) "
+                     f"and meets the other ranks in partc.runtime.tp: "
+                     f"{sum(m[1] == 'forward' for m in moves)} collectives forward and "
+                     f"{sum(m[1] == 'backward' for m in moves)} backward per microbatch "
+                     f"(the backward ones are the autograd conjugates of the calls below).")
+        partial = [f for f in section.get("partial_grad_params", [])
+                   if any(f.startswith(layer + ".") for layer in stage.layers)]
+        if partial:
+            lines.append(f"# After backward, partial gradients of {len(partial)} replicated "
+                         f"parameters summed (all-reduce) over the tp group.")
     if plan.dp > 1:
         lines.append(f"# After backward, gradients averaged (all-reduce) over {plan.dp} "
                      "data-parallel replicas.")
