@@ -84,8 +84,12 @@ class DistributedModule:
     def __init__(self, *, plan: Plan, topology: Topology, stage: Any, module: fx.GraphModule,
                  schedule: Any, tied: list[tuple[list[nn.Parameter], dist.ProcessGroup]],
                  inputs: list[dict], global_batch_size: int,
-                 partial_grads: list[nn.Parameter] | None = None) -> None:
+                 partial_grads: list[nn.Parameter] | None = None,
+                 aliases: dict[str, tuple[str, ...]] | None = None,
+                 state_keys: set[str] | None = None) -> None:
         self.plan = plan
+        self._aliases = aliases or {}
+        self._state_keys = state_keys  # model.state_dict()'s: no non-persistent buffers
         self.topology = topology
         self.stage_index = stage.stage_index
         self.module = module
@@ -110,18 +114,65 @@ class DistributedModule:
         return self.module.named_buffers()
 
     def state_dict(self) -> dict[str, torch.Tensor]:
-        """This rank's parameters and buffers under the model's own FQNs."""
+        """This rank's parameters and buffers under the model's own FQNs: its stage's
+        tensors, and of a tensor-parallel parameter only this rank's shard."""
         return {**dict(self.named_parameters()), **dict(self.named_buffers())}
 
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """The whole model's parameters and buffers, whole, on every rank (CPU copies),
+        under every FQN ``model.state_dict()`` uses (tied weights under each name).
+
+        Collective: every rank must call it. Shards are gathered over the tensor-parallel
+        group and stages over the pipeline (as Python objects: meant for exporting and
+        checking models that fit one host's memory).
+        """
+        whole: dict[str, torch.Tensor] = {}
+        group = self.topology.tp_group if self.topology.tp > 1 else None
+        for name, tensor in self.state_dict().items():
+            placement = self._placement(name)
+            value = tensor.detach()
+            if group is not None and placement.kind == "S":
+                parts = [torch.empty_like(value) for _ in range(self.topology.tp)]
+                dist.all_gather(parts, value.contiguous(), group=group)
+                value = tp_ops.whole_of(parts, placement.dim, placement.chunks)
+            whole[name] = value.cpu().clone()
+        if self.topology.pp > 1:
+            stages: list[Any] = [None] * self.topology.pp
+            dist.all_gather_object(stages, whole, group=self.topology.pp_group)
+            whole = {name: t for stage in stages for name, t in stage.items()}
+        return {alias: tensor for name, tensor in whole.items()
+                for alias in self._aliases.get(name, (name,))
+                if self._state_keys is None or alias in self._state_keys}
+
     def load_state_dict(self, state_dict: Mapping[str, torch.Tensor]) -> None:
-        own = self.state_dict()
-        missing = [name for name in own if name not in state_dict]
+        """Load this rank's tensors from ``state_dict``: its own (``state_dict()``) or the
+        whole model's (``full_state_dict()``, ``model.state_dict()``), sliced to shards."""
+        own = {name: tensor for name, tensor in self.state_dict().items()
+               if any(a in state_dict for a in self._aliases.get(name, (name,)))
+               or self._state_keys is None or name in self._state_keys}
+        missing = [name for name in own
+                   if not any(a in state_dict for a in self._aliases.get(name, (name,)))]
         if missing:
             raise KeyError(f"state dict lacks {len(missing)} of this rank's tensors, "
                            f"e.g. {missing[:3]}")
         with torch.no_grad():
             for name, tensor in own.items():
-                tensor.copy_(state_dict[name])
+                source = next(state_dict[a] for a in self._aliases.get(name, (name,))
+                              if a in state_dict)
+                placement = self._placement(name)
+                if source.shape != tensor.shape and placement.kind == "S":
+                    source = tp_ops.shard_of(source, placement.dim, placement.chunks,
+                                             self.topology.tp_rank, self.topology.tp)
+                if source.shape != tensor.shape:
+                    raise ValueError(f"{name}: state dict has shape {list(source.shape)}, "
+                                     f"this rank holds {list(tensor.shape)} ({placement})")
+                tensor.copy_(source)
+
+    def _placement(self, name: str) -> Placement:
+        placements = self.plan.tensor_parallel.get("params", {})
+        text = next((placements[a] for a in self._aliases.get(name, (name,))
+                     if a in placements), "Replicate()")
+        return Placement.parse(text)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.module.zero_grad(set_to_none=set_to_none)
@@ -261,7 +312,8 @@ def build(plan: Plan, model: nn.Module, loss_fn: Callable | None, *,
              plan.pp, ", ".join(mine.layers), sum(p.numel() for p in module.parameters()))
     return DistributedModule(
         plan=plan, topology=topology, stage=stage, module=module, schedule=schedule,
-        tied=tied, inputs=inputs, partial_grads=partial,
+        tied=tied, inputs=inputs, partial_grads=partial, aliases=aliases,
+        state_keys=set(model.state_dict(keep_vars=True)),
         global_batch_size=plan.num_microbatches * plan.micro_batch_size * plan.dp)
 
 

@@ -1,7 +1,7 @@
-"""Where this process sits: the process group, the device, and the (pp, dp) mesh.
+"""Where this process sits: the process group, the device, and the (pp, dp, tp) mesh.
 
-Ranks are laid out with pp outermost and dp inside it (tp, when it comes, innermost, so
-that a tensor-parallel group stays inside a node): rank = pp_index * dp + dp_index.
+Ranks are laid out with pp outermost, dp inside it and tp innermost, so that a
+tensor-parallel group stays inside a node: rank = (pp_index * dp + dp_index) * tp + tp_index.
 Everything here that can fail without talking to other ranks does so before the first
 collective, so a wrong launch is an error on every rank, never a hang.
 """

@@ -102,11 +102,7 @@ def _all_gather(x: torch.Tensor, dim: int, chunks: int) -> torch.Tensor:
     else:
         parts = [torch.empty_like(x, memory_format=torch.contiguous_format) for _ in range(n)]
         dist.all_gather(parts, x.contiguous(), group=_group)
-    if chunks == 1:
-        return torch.cat(parts, dim)
-    # Each rank holds its slice of every piece: piece j is the ranks' j-th slices in order.
-    pieces = [p.chunk(chunks, dim) for p in parts]
-    return torch.cat([pieces[r][j] for j in range(chunks) for r in range(n)], dim)
+    return whole_of(parts, dim, chunks)
 
 
 def _slice(x: torch.Tensor, dim: int, chunks: int) -> torch.Tensor:
@@ -248,3 +244,13 @@ def shard_of(tensor: torch.Tensor, dim: int, chunks: int, tp_rank: int, tp: int)
     if chunks == 1:
         return tensor.chunk(tp, dim)[tp_rank]
     return torch.cat([piece.chunk(tp, dim)[tp_rank] for piece in tensor.chunk(chunks, dim)], dim)
+
+
+def whole_of(parts: list[torch.Tensor], dim: int, chunks: int) -> torch.Tensor:
+    """The whole tensor from every rank's shard (in rank order), laid out as
+    ``Shard(dim, chunks)``: the inverse of :func:`shard_of`."""
+    if chunks == 1:
+        return torch.cat(parts, dim)
+    # Each rank holds its slice of every piece: piece j is the ranks' j-th slices in order.
+    pieces = [p.chunk(chunks, dim) for p in parts]
+    return torch.cat([pieces[r][j] for j in range(chunks) for r in range(len(parts))], dim)
