@@ -147,8 +147,9 @@ def _layer_table(problem: PlanningProblem, config: PipelineConfig, index: int) -
     saved = {m: int(round(b * scale * v)) for m, v in layer.saved_bytes.items()}
     workspace = int(round(2 * b * scale * layer.workspace_bytes))
     comm = tp_comm_seconds(problem, config, layer)
-    # Full recompute reruns the forward, collectives included.
-    rerun = {m: comm["forward"] if m == "full" else 0.0 for m in layer.modes}
+    # Recompute replays the layer's forward, collectives included (selective too: the
+    # cheap ops it replays include the collectives, which save nothing).
+    rerun = {m: comm["forward"] if m != "none" else 0.0 for m in layer.modes}
     return LayerTable(
         forward_ps=to_ps(seconds(layer.fwd_flops, layer.fwd_mem_bytes) + comm["forward"]),
         backward_ps=to_ps(seconds(layer.bwd_flops, layer.bwd_mem_bytes) + comm["backward"]),

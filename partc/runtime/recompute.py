@@ -6,7 +6,9 @@ attention kernels: the ops FlopCounterMode counts, as the cost model does) and r
 the cheap ones between them — softmax, dropout, norms, activations — whose outputs are
 the large part of a transformer's activations. Both are non-reentrant
 ``torch.utils.checkpoint`` with the RNG state preserved, so dropout masks in the rerun
-equal the forward's.
+equal the forward's, and without early stop: the rerun replays the whole layer, so a
+tensor-parallel layer's forward collectives run again, all of them, as the cost model
+charges (with early stop, which trailing ones replay depends on what backward needs).
 """
 
 from __future__ import annotations
@@ -15,7 +17,8 @@ import functools
 from typing import Any, Callable
 
 from torch.utils.checkpoint import (CheckpointPolicy, checkpoint,
-                                    create_selective_checkpoint_contexts)
+                                    create_selective_checkpoint_contexts,
+                                    set_checkpoint_early_stop)
 from torch.utils.flop_counter import flop_registry
 
 RECOMPUTED_MODES = ("selective", "full")
@@ -38,8 +41,10 @@ _selective_context = functools.partial(create_selective_checkpoint_contexts, _ke
 def checkpoint_layer(layer: Callable[..., Any], mode: str, *args: Any) -> Any:
     """Run ``layer(*args)``, keeping for backward what ``mode`` says, and return its result."""
     if mode == "full":
-        return checkpoint(layer, *args, use_reentrant=False, preserve_rng_state=True)
+        with set_checkpoint_early_stop(False):
+            return checkpoint(layer, *args, use_reentrant=False, preserve_rng_state=True)
     if mode == "selective":
-        return checkpoint(layer, *args, use_reentrant=False, preserve_rng_state=True,
-                          context_fn=_selective_context)
+        with set_checkpoint_early_stop(False):
+            return checkpoint(layer, *args, use_reentrant=False, preserve_rng_state=True,
+                              context_fn=_selective_context)
     raise ValueError(f"recompute mode must be one of {RECOMPUTED_MODES}, got {mode!r}")
