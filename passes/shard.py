@@ -208,6 +208,8 @@ class _Rewriter:
                     share = self.gm.graph.call_function(operator.truediv, (bias, self.tp))
                 _set_layer(share, node)
                 node.replace_input_with(bias, share)
+        elif name in ("dropout", "native_dropout") and out.kind == "S":
+            self._sharded_dropout(node, out)
         elif name == "embedding" and chosen.name == "vocab-parallel":
             if isinstance(node.target, torch._ops.OpOverload):
                 weight, ids = node.args[:2]
@@ -219,6 +221,30 @@ class _Rewriter:
             node.target = tp_ops.vocab_parallel_embedding
             node.args = (ids, weight, -1 if padding is None else int(padding))
             node.kwargs = {}
+
+    def _sharded_dropout(self, node: fx.Node, out: Placement) -> None:
+        """Dropout on a shard draws the whole tensor's mask and keeps its own part: the
+        ranks' masks are independent where the values differ and equal where they are
+        copies, and are those of the unsharded program (recompute replays them too)."""
+        if node.op == "call_module":
+            original = self.gm.get_submodule(str(node.target))
+            name = f"{node.target}_shard{out.dim}x{out.chunks}"
+            if name not in dict(self.gm.named_modules()):
+                sharded = tp_ops.ShardedDropout(original.p, out.dim, out.chunks)
+                sharded.train(original.training)
+                self.gm.add_submodule(name, sharded)
+            node.target = name
+            return
+        # aten.dropout(input, p, train) or F.dropout(input, p=0.5, training=True, ...)
+        functional = not isinstance(node.target, torch._ops.OpOverload)
+        names = ("input", "p", "training" if functional else "train")
+        defaults = (None, 0.5, True)
+        x, p, train = [node.args[i] if len(node.args) > i else node.kwargs.get(k, d)
+                       for i, (k, d) in enumerate(zip(names, defaults))]
+        native = op_name(node) == "native_dropout"
+        node.op = "call_function"
+        node.target = tp_ops.native_dropout if native else tp_ops.dropout
+        node.args, node.kwargs = (x, p, train, out.dim, out.chunks), {}
 
     def _divide_size_arg(self, node: fx.Node, dim: int) -> None:
         if node.op == "call_method":

@@ -254,3 +254,48 @@ def whole_of(parts: list[torch.Tensor], dim: int, chunks: int) -> torch.Tensor:
     # Each rank holds its slice of every piece: piece j is the ranks' j-th slices in order.
     pieces = [p.chunk(chunks, dim) for p in parts]
     return torch.cat([pieces[r][j] for j in range(chunks) for r in range(len(parts))], dim)
+
+
+def _global_mask(x: torch.Tensor, keep: float, dim: int, chunks: int) -> torch.Tensor:
+    """This rank's part of a keep-mask drawn for the whole tensor, as one device draws
+    it (``bernoulli_`` over the global shape), so that every rank consumes the same
+    random numbers and sharded and unsharded programs drop the same elements."""
+    shape = list(x.shape)
+    shape[dim] *= size()
+    noise = torch.empty(shape, dtype=x.dtype, device=x.device).bernoulli_(keep)
+    return shard_of(noise, dim, chunks, rank(), size())
+
+
+def dropout(x: torch.Tensor, p: float, train: bool | None, dim: int, chunks: int = 1
+            ) -> torch.Tensor:
+    """Dropout of a tensor sharded as ``Shard(dim, chunks)``."""
+    if not train or p == 0:
+        return x
+    if p == 1:
+        return x * 0
+    keep = 1.0 - p
+    return x * _global_mask(x, keep, dim, chunks).div_(keep)
+
+
+def native_dropout(x: torch.Tensor, p: float, train: bool | None, dim: int, chunks: int = 1
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``aten.native_dropout`` of a sharded tensor: (output, keep-mask)."""
+    if not train or p == 0:
+        return x.clone(), torch.ones_like(x, dtype=torch.bool)
+    keep = 1.0 - p
+    mask = _global_mask(x, keep, dim, chunks)
+    return x * mask * (1.0 / keep if keep else 0.0), mask.bool()
+
+
+class ShardedDropout(torch.nn.Module):
+    """``nn.Dropout`` for a tensor sharded as ``Shard(dim, chunks)`` (see :func:`dropout`)."""
+
+    def __init__(self, p: float, dim: int, chunks: int = 1) -> None:
+        super().__init__()
+        self.p, self.dim, self.chunks = p, dim, chunks
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return dropout(x, self.p, self.training, self.dim, self.chunks)
+
+    def extra_repr(self) -> str:
+        return f"p={self.p}, dim={self.dim}, chunks={self.chunks}"
