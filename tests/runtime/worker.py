@@ -41,6 +41,10 @@ class Case:
     data: str  # "tokens" or "floats"
     loss_fn: Callable
     constraints: dict[str, Any] = field(default_factory=dict)
+    # "batch": the reference trains on the whole batch at once. "microbatches": one
+    # microbatch after another from the same random state as the program, so that
+    # dropout draws the same masks (tp only: a pipeline draws per stage).
+    reference: str = "batch"
 
 
 def _tokens(model: torch.nn.Module) -> int:
@@ -120,6 +124,32 @@ for _name, (_build, _data, _loss) in _TP_MODELS.items():
         CASES[f"{_name}-tp2{_suffix}"] = Case(_build, _data, _loss, dict(pp=1, **_tp))
         CASES[f"{_name}-pp2-tp2{_suffix}"] = Case(_build, _data, _loss,
                                                  dict(pp=2, schedule="1f1b", **_tp))
+# Recompute inside tensor-parallel layers: full recompute replays the layer's forward
+# collectives, selective recompute keeps them out of the replay.
+_TP_RECOMPUTE = dict(tp=2, tp_objective="memory")
+CASES["gpt-tp2-recompute"] = Case(gpt.gpt_tiny, "tokens", gpt.loss_fn,
+                                  dict(pp=1, recompute=ALL_MODES, **_TP_RECOMPUTE))
+# Dropout 0.1 in sharded regions: each rank keeps its part of the whole tensor's mask.
+for _name, _build in (("gpt", lambda: gpt.gpt_tiny(dropout=0.1)),
+                      ("gpt2", lambda: models.gpt2(dropout=0.1))):
+    _data, _loss = _TP_MODELS[_name][1:]
+    for _sp in (False, True):
+        CASES[f"{_name}-tp2{'-sp' if _sp else ''}-dropout"] = Case(
+            _build, _data, _loss,
+            dict(pp=1, tp=2, sequence_parallel=_sp, tp_objective="memory", recompute="none"),
+            reference="microbatches")
+CASES["gpt2-tp2-dropout-recompute"] = Case(
+    lambda: models.gpt2(dropout=0.1), "tokens", models.causal_lm_loss,
+    dict(pp=1, tp=2, tp_objective="memory", recompute=GPT2_MODES), reference="microbatches")
+CASES["gpt-tp2-sp-recompute"] = Case(gpt.gpt_tiny, "tokens", gpt.loss_fn,
+                                     dict(pp=1, recompute=ALL_MODES, sequence_parallel=True,
+                                          **_TP_RECOMPUTE))
+CASES["llama-tp2-sp-recompute"] = Case(models.llama, "tokens", models.causal_lm_loss,
+                                       dict(pp=1, recompute=HF_MODES, sequence_parallel=True,
+                                            **_TP_RECOMPUTE))
+CASES["gpt2-pp2-tp2-recompute"] = Case(_gpt2, "tokens", models.causal_lm_loss,
+                                       dict(pp=2, schedule="1f1b", recompute=GPT2_MODES,
+                                            **_TP_RECOMPUTE))
 
 
 def batch(case: Case, model: torch.nn.Module, step: int,
@@ -175,12 +205,18 @@ def run_case(name: str) -> dict[str, Any]:
         x, y = batch(case, model, step)
         if step == 1:
             tp_ops.reset_counts()  # the first step also runs the schedule's shape inference
+        state = torch.get_rng_state()
         losses.append(module.forward_backward(x, target=y).item())
         messages.append(dict(module.last_messages))
         opt.step()
         opt.zero_grad()
-        ref_loss = case.loss_fn(reference(x), y)
-        ref_loss.backward()
+        if case.reference == "microbatches":
+            torch.set_rng_state(state)
+            m = program.plan.num_microbatches
+            ref_loss = sum(_backward(case.loss_fn(reference(xi), yi) / m)
+                           for xi, yi in zip(x.chunk(m), y.chunk(m)))
+        else:
+            ref_loss = _backward(case.loss_fn(reference(x), y))
         ref_opt.step()
         ref_opt.zero_grad()
         ref_losses.append(ref_loss.item())
@@ -206,25 +242,47 @@ def run_case(name: str) -> dict[str, Any]:
                     / max(reference_shard(fqn).norm().item(), 1e-3)).item()
               for fqn, p in module.named_parameters()}
     own_params = sum(p.numel() for p in {id(p): p for p in module.parameters()}.values())
+    # The whole model back from every stage and shard, as one process holds it; loading
+    # it again slices each rank's shards out unchanged.
+    full, ref_state = module.full_state_dict(), reference.state_dict()
+    before = {name: t.detach().clone() for name, t in module.state_dict().items()}
+    module.load_state_dict(full)
+    reloaded = all(torch.equal(before[name], t) for name, t in module.state_dict().items())
+    full_error = max(((full[k] - v).norm() / max(v.norm().item(), 1e-3)).item()
+                     for k, v in ref_state.items() if k in full)
     return {"losses": losses, "ref_losses": ref_losses, "param_errors": errors,
             "messages": messages, "predicted": plan.stages[module.stage_index].p2p,
             "stage": module.stage_index, "mesh": plan.mesh, "schedule": plan.schedule,
             "recompute": plan.stages[module.stage_index].recompute,
             "num_params": len(errors), "own_params": own_params,
+            "full_state_keys": sorted(set(full) ^ set(ref_state)),
+            "full_state_error": full_error, "reloaded_unchanged": reloaded,
             "planned_params": plan.stages[module.stage_index].param_count,
             "collectives": dict(tp_ops.counts()),
-            "planned_collectives": _planned_collectives(plan, module.stage_index)}
+            "planned_collectives": _planned_collectives(plan, module.stage_index),
+            "layer_collectives": {layer: [(kind, phase) for kind, phase, _ in moves]
+                                  for layer, moves in
+                                  plan.tensor_parallel.get("collectives", {}).items()}}
+
+
+def _backward(loss: torch.Tensor) -> torch.Tensor:
+    loss.backward()
+    return loss.detach()
 
 
 def _planned_collectives(plan: partc.Plan, stage: int) -> dict[str, int]:
-    """Per step: the plan's per-microbatch collectives of this stage's layers, times the
-    microbatches, plus one all-reduce of partial gradients when the stage has any."""
+    """Per step: the plan's per-microbatch collectives of this stage's layers (forward
+    ones twice in a recomputed layer), times the microbatches, plus one all-reduce of
+    partial gradients when the stage has any."""
     counts: dict[str, int] = {}
     section = plan.tensor_parallel
     steps = STEPS - 1
+    recomputed = plan.stages[stage].recompute
     for layer in plan.stages[stage].layers:
-        for kind, _, _ in section.get("collectives", {}).get(layer, []):
-            counts[kind] = counts.get(kind, 0) + plan.num_microbatches * steps
+        for kind, phase, _ in section.get("collectives", {}).get(layer, []):
+            # A recomputed layer replays its forward (collectives too) in backward.
+            runs = 2 if phase == "forward" and recomputed.get(layer, "none") != "none" else 1
+            counts[kind] = counts.get(kind, 0) + runs * plan.num_microbatches * steps
     layers = set(plan.stages[stage].layers)
     if any(_layer_of(plan, fqn) in layers for fqn in section.get("partial_grad_params", [])):
         counts["all_reduce"] = counts.get("all_reduce", 0) + steps
