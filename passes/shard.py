@@ -139,6 +139,10 @@ class _Rewriter:
 
     def _feed(self, node: fx.Node, producer: fx.Node, need: Placement, out: Placement) -> None:
         source, have = self.seen_as(producer, node)
+        if need.kind == "*":  # read for its dtype and device only: as it is
+            if source is not producer:
+                node.replace_input_with(producer, source)
+            return
         if producer.op == "get_attr":
             grad_partial = (need.kind == "R" and out.kind != "R" and bool(meta.params(producer))
                             and meta.params(producer)[0] not in self.s.partial_grad_params

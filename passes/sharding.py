@@ -44,7 +44,7 @@ from .layers import carries_grad, layer_nodes, op_name
 class Placement:
     """``Replicate()``, ``Shard(dim)`` / ``Shard(dim, chunks=k)`` or ``Partial()`` (sum)."""
 
-    kind: str  # "R", "S" or "P"
+    kind: str  # "R", "S", "P", or "*" (an input read only for its dtype and device)
     dim: int = -1
     chunks: int = 1
 
@@ -53,6 +53,8 @@ class Placement:
             return "Replicate()"
         if self.kind == "P":
             return "Partial()"
+        if self.kind == "*":
+            return "Any()"
         return f"Shard({self.dim})" if self.chunks == 1 else f"Shard({self.dim}, chunks={self.chunks})"
 
     @property
@@ -75,6 +77,7 @@ class Placement:
 
 REPLICATE = Placement("R")
 PARTIAL = Placement("P")
+ANY = Placement("*")  # x.new_ones(...) reads x's dtype and device: any placement will do
 
 
 def Shard(dim: int, chunks: int = 1) -> Placement:  # noqa: N802 (DTensor's spelling)
@@ -137,6 +140,8 @@ def redistribute(src: Placement, dst: Placement, grad_partial: bool
     when the move is not supported. A free local slice is the empty tuple (but for its
     backward all-gather).
     """
+    if dst.kind == "*":
+        return ()
     if dst.kind == "P":
         return () if src == dst else None
     if src == dst:
@@ -185,6 +190,7 @@ _ELEMENTWISE = {
 _LINEAR_UNARY = {"neg", "to", "type", "float", "half", "bfloat16", "clone", "contiguous",
                  "alias", "_to_copy", "detach"}
 _VIEWS = {"view", "reshape", "_unsafe_view"}
+_METADATA_ONLY = {"new_ones", "new_zeros", "new_empty", "new_full"}
 _NO_STRATEGY_OPS = {"_assert_tensor_metadata", "size", "sym_size", "dim", "getattr"}
 
 
@@ -195,6 +201,8 @@ def strategies(node: fx.Node, tp: int) -> list[Strategy]:
     if node.op != "call_function" and node.op != "call_method":
         return [replicated]
     name = op_name(node)
+    if name in _METADATA_ONLY:
+        return [Strategy("reads dtype and device", REPLICATE, tuple(ANY for _ in inputs))]
     rule = _RULES.get(name)
     if rule is None and name in _ELEMENTWISE:
         rule = _elementwise
@@ -792,7 +800,7 @@ def _moves_seconds(moves: tuple, nbytes: float, link: Link) -> float:
 def _edge_moves(problem: _LayerProblem, producer: fx.Node, src: Placement, dst: Placement,
                 consumer_out: Placement) -> tuple | None:
     if producer.op == "get_attr" or not isinstance(producer.meta.get("val"), torch.Tensor):
-        return () if src == dst else None
+        return () if src == dst or dst.kind == "*" else None
     grad_partial = dst.kind == "R" and consumer_out.kind != "R" and producer in problem.grads
     return redistribute(src, dst, grad_partial)
 

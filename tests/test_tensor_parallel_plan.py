@@ -48,7 +48,7 @@ def test_tp_is_picked_when_a_layer_does_not_fit_one_device():
     assert placements["blocks.0.mlp.c_proj.weight"] == "Shard(1)"
     report = program.report()
     assert "Tensor parallelism" in report and "blocks.0 .. blocks.1 (2)" in report
-    assert "2 AR fwd" in report
+    assert "2 AR fwd" in report or "2 RS fwd" in report
     assert "Tensor parallel: tp=2" in program.code()["stage_0.py"]
 
 
