@@ -36,6 +36,9 @@ def arguments() -> argparse.Namespace:
     parser.add_argument("--memory", default=None,
                         help="memory per device, e.g. 3MiB (default: the preset's)")
     parser.add_argument("--pp", type=int, default=None, help="pin the pipeline degree")
+    parser.add_argument("--tp", type=int, default=None, help="pin the tensor-parallel degree")
+    parser.add_argument("--sequence-parallel", action="store_true",
+                        help="with --tp: shard norms and dropouts on the sequence too")
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--out", default="out/gpt", help="program directory to write")
     return parser.parse_args()
@@ -67,9 +70,11 @@ def main() -> None:
     budget = partc.DeviceBudget(num_devices=world, device=args.device,
                                 **({"memory": args.memory} if args.memory else {}))
     started = time.perf_counter()
+    constraints = partc.Constraints(pp=args.pp, tp=args.tp,
+                                    sequence_parallel=True if args.sequence_parallel else None)
     program = partc.compile(model, (ids,), loss_fn=loss_fn, example_target=targets,
                             budget=budget, train=partc.TrainSpec(global_batch_size=args.batch),
-                            constraints=partc.Constraints(pp=args.pp), name="gpt-sample")
+                            constraints=constraints, name="gpt-sample")
     if rank == 0:
         print(program.report())
         print(f"compiled in {time.perf_counter() - started:.2f} s; program saved to "
