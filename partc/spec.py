@@ -35,6 +35,9 @@ class TrainSpec:
     ``global_batch_size`` is in samples (sequences) per optimizer step, over all
     data-parallel replicas and microbatches. With a compute dtype other than fp32 the
     optimizer keeps fp32 master weights (4 bytes/parameter more), as in mixed precision.
+    ``max_grad_norm``: after each step's backward the runtime scales all gradients so
+    that their global 2-norm (every parameter counted once, whatever holds it) is at
+    most this, as ``torch.nn.utils.clip_grad_norm_`` does on one device.
     """
 
     global_batch_size: int
@@ -42,6 +45,7 @@ class TrainSpec:
     dtype: torch.dtype = torch.float32
     optimizer: str | float = "adamw"
     schedule: str = "auto"
+    max_grad_norm: float | None = None  # clip the global gradient norm (2-norm) to this
 
     def __post_init__(self) -> None:
         if not isinstance(self.global_batch_size, int) or self.global_batch_size < 1:
@@ -62,6 +66,8 @@ class TrainSpec:
                              f"{sorted(OPTIMIZER_STATE_BYTES)} or bytes of state per parameter")
         if not isinstance(self.optimizer, str) and self.optimizer < 0:
             raise ValueError("optimizer state bytes cannot be negative")
+        if self.max_grad_norm is not None and not self.max_grad_norm > 0:
+            raise ValueError(f"max_grad_norm must be positive, got {self.max_grad_norm!r}")
         if self.schedule not in ("auto", *SCHEDULES):
             raise ValueError(f"schedule must be 'auto' or one of {SCHEDULES}, "
                              f"got {self.schedule!r}")
@@ -88,6 +94,7 @@ class TrainSpec:
             "dtype": str(self.dtype).removeprefix("torch."),
             "optimizer": self.optimizer,
             "schedule": self.schedule,
+            "max_grad_norm": self.max_grad_norm,
             "bytes_per_param": {"weights": self.weight_bytes, "grads": self.grad_bytes,
                                 "optimizer": self.optimizer_bytes},
         }

@@ -45,6 +45,9 @@ def test_train_spec_bytes_per_parameter():
         partc.TrainSpec(global_batch_size=8, micro_batch_size=3)
     with pytest.raises(ValueError, match="unknown optimizer"):
         partc.TrainSpec(global_batch_size=8, optimizer="lion")
+    with pytest.raises(ValueError, match="max_grad_norm must be positive"):
+        partc.TrainSpec(global_batch_size=8, max_grad_norm=0.0)
+    assert partc.TrainSpec(global_batch_size=8, max_grad_norm=1.0).to_dict()["max_grad_norm"] == 1.0
 
 
 def test_constraints_validate_pins():

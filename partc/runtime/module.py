@@ -86,9 +86,13 @@ class DistributedModule:
                  inputs: list[dict], global_batch_size: int,
                  partial_grads: list[nn.Parameter] | None = None,
                  aliases: dict[str, tuple[str, ...]] | None = None,
-                 state_keys: set[str] | None = None) -> None:
+                 state_keys: set[str] | None = None,
+                 tied_elsewhere: set[str] | None = None) -> None:
         self.plan = plan
         self._aliases = aliases or {}
+        # Tied weights whose first holder is an earlier stage: counted there in norms.
+        self._tied_elsewhere = tied_elsewhere or set()
+        self.last_grad_norm: torch.Tensor | None = None
         self._state_keys = state_keys  # model.state_dict()'s: no non-persistent buffers
         self.topology = topology
         self.stage_index = stage.stage_index
@@ -201,11 +205,48 @@ class DistributedModule:
         self._schedule.step(*args, **kwargs)
         self.last_messages = dict(self._stage.messages)
         self._sync_gradients()
+        max_norm = self.plan.train.get("max_grad_norm")
+        if max_norm is not None:
+            self.last_grad_norm = self.clip_grad_norm_(max_norm)
         total = torch.zeros((), device=topo.device)
         if losses:
             total = torch.stack(losses).sum().detach().to(torch.float32)
         dist.all_reduce(total)  # only the last stage's ranks contribute, tp copies alike
         return total / (self.plan.num_microbatches * topo.dp * topo.tp)
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Scale every rank's gradients so that the whole model's gradient norm is at
+        most ``max_norm``; returns that norm (the same on every rank). Collective.
+
+        As ``torch.nn.utils.clip_grad_norm_`` on one device: each parameter is counted
+        once, i.e. a tensor-parallel shard on every rank of its group, a replicated
+        tensor on one of them, a tied weight on the first stage holding it, and one
+        data-parallel replica.
+        """
+        topo = self.topology
+        grads = [p.grad for name, p in self.module.named_parameters()
+                 if p.grad is not None and self._counts_norm(name)]
+        device = topo.device
+        if norm_type == float("inf"):
+            local = max((g.detach().abs().max() for g in grads),
+                        default=torch.zeros((), device=device)).to(torch.float32)
+            dist.all_reduce(local, op=dist.ReduceOp.MAX)
+            total = local
+        else:
+            local = sum((g.detach().to(torch.float32).norm(norm_type) ** norm_type
+                         for g in grads), torch.zeros((), device=device))
+            dist.all_reduce(local)  # every dp replica adds the same sum
+            total = (local / topo.dp) ** (1.0 / norm_type)
+        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        for p in self.module.parameters():
+            if p.grad is not None:
+                p.grad.mul_(coef.to(p.grad.dtype))
+        return total
+
+    def _counts_norm(self, name: str) -> bool:
+        if name in self._tied_elsewhere:
+            return False
+        return self.topology.tp_rank == 0 or self._placement(name).kind == "S"
 
     def _sync_gradients(self) -> None:
         # Replicated parameters that feed only sharded ops hold a partial gradient on
@@ -314,6 +355,7 @@ def build(plan: Plan, model: nn.Module, loss_fn: Callable | None, *,
         plan=plan, topology=topology, stage=stage, module=module, schedule=schedule,
         tied=tied, inputs=inputs, partial_grads=partial, aliases=aliases,
         state_keys=set(model.state_dict(keep_vars=True)),
+        tied_elsewhere=_tied_elsewhere(stages, model, module, topology.pp_rank),
         global_batch_size=plan.num_microbatches * plan.micro_batch_size * plan.dp)
 
 
@@ -420,6 +462,14 @@ def _holders(stages: list, model: nn.Module) -> dict[tuple[str, ...], list[int]]
             if stage.index not in holders.setdefault(key, []):
                 holders[key].append(stage.index)
     return dict(sorted(holders.items()))
+
+
+def _tied_elsewhere(stages: list, model: nn.Module, module: fx.GraphModule,
+                    stage: int) -> set[str]:
+    """This stage's parameter names that an earlier stage also holds (tied weights)."""
+    first = {name: indices[0] for key, indices in _holders(stages, model).items()
+             for name in key}
+    return {name for name, _ in module.named_parameters() if first.get(name, stage) < stage}
 
 
 def shared_parameters(stages: list, model: nn.Module) -> dict[str, list[int]]:

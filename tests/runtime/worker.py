@@ -45,6 +45,7 @@ class Case:
     # microbatch after another from the same random state as the program, so that
     # dropout draws the same masks (tp only: a pipeline draws per stage).
     reference: str = "batch"
+    clip: float | None = None  # TrainSpec.max_grad_norm; the reference clips likewise
 
 
 def _tokens(model: torch.nn.Module) -> int:
@@ -141,6 +142,19 @@ for _name, _build in (("gpt", lambda: gpt.gpt_tiny(dropout=0.1)),
 CASES["gpt2-tp2-dropout-recompute"] = Case(
     lambda: models.gpt2(dropout=0.1), "tokens", models.causal_lm_loss,
     dict(pp=1, tp=2, tp_objective="memory", recompute=GPT2_MODES), reference="microbatches")
+# Global gradient-norm clipping: below the gradients' norm, so that it scales them.
+_CLIP = 0.5
+CASES["gpt-dp2-clip"] = Case(gpt.gpt_tiny, "tokens", gpt.loss_fn, dict(pp=1, dp=2), clip=_CLIP)
+CASES["gpt2-pp2-clip"] = Case(_gpt2, "tokens", models.causal_lm_loss,
+                              dict(pp=2, schedule="1f1b", recompute="none"), clip=_CLIP)
+CASES["gpt-tp2-sp-clip"] = Case(gpt.gpt_tiny, "tokens", gpt.loss_fn,
+                                dict(pp=1, tp=2, sequence_parallel=True, tp_objective="memory",
+                                     recompute="none"), clip=_CLIP)
+CASES["llama-pp2-tp2-clip"] = Case(models.llama, "tokens", models.causal_lm_loss,
+                                   dict(pp=2, tp=2, schedule="1f1b", tp_objective="memory",
+                                        recompute="none"), clip=_CLIP)
+CASES["gpt-pp2-dp2-clip"] = Case(gpt.gpt_tiny, "tokens", gpt.loss_fn,
+                                 dict(pp=2, dp=2, schedule="1f1b"), clip=_CLIP)
 CASES["gpt-tp2-sp-recompute"] = Case(gpt.gpt_tiny, "tokens", gpt.loss_fn,
                                      dict(pp=1, recompute=ALL_MODES, sequence_parallel=True,
                                           **_TP_RECOMPUTE))
@@ -179,7 +193,8 @@ def compile_case(case: Case, model: torch.nn.Module, world: int) -> partc.Progra
     constraints.setdefault("num_microbatches", 4 // constraints["dp"])
     return partc.compile(model, (x,), loss_fn=case.loss_fn, example_target=y,
                          budget=partc.DeviceBudget(num_devices=world, device="CPU"),
-                         train=partc.TrainSpec(global_batch_size=BATCH, optimizer="sgd"),
+                         train=partc.TrainSpec(global_batch_size=BATCH, optimizer="sgd",
+                                               max_grad_norm=case.clip),
                          constraints=partc.Constraints(**constraints))
 
 
@@ -200,7 +215,7 @@ def run_case(name: str) -> dict[str, Any]:
     tp_ops.reset_counts()
     opt = optimizer(module.parameters())
     ref_opt = optimizer(reference.parameters())
-    losses, ref_losses, messages = [], [], []
+    losses, ref_losses, messages, norms, ref_norms = [], [], [], [], []
     for step in range(STEPS):
         x, y = batch(case, model, step)
         if step == 1:
@@ -217,6 +232,10 @@ def run_case(name: str) -> dict[str, Any]:
                            for xi, yi in zip(x.chunk(m), y.chunk(m)))
         else:
             ref_loss = _backward(case.loss_fn(reference(x), y))
+        if case.clip is not None:
+            ref_norms.append(torch.nn.utils.clip_grad_norm_(reference.parameters(),
+                                                            case.clip).item())
+            norms.append(module.last_grad_norm.item())
         ref_opt.step()
         ref_opt.zero_grad()
         ref_losses.append(ref_loss.item())
@@ -257,6 +276,7 @@ def run_case(name: str) -> dict[str, Any]:
             "num_params": len(errors), "own_params": own_params,
             "full_state_keys": sorted(set(full) ^ set(ref_state)),
             "full_state_error": full_error, "reloaded_unchanged": reloaded,
+            "grad_norms": norms, "ref_grad_norms": ref_norms,
             "planned_params": plan.stages[module.stage_index].param_count,
             "collectives": dict(tp_ops.counts()),
             "planned_collectives": _planned_collectives(plan, module.stage_index),
