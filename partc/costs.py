@@ -105,13 +105,31 @@ class CostTable:
         return len(self.layers)
 
 
+ZERO_STAGES = (0, 1, 2, 3)
+
+
+def zero_state_bytes(params: float, weight_bytes: float, grad_bytes: float,
+                     optimizer_bytes: float, dp: int, stage: int) -> dict[str, float]:
+    """Per-device bytes of weights, gradients and optimizer state for ``params``
+    parameters over ``dp`` data-parallel ranks under ZeRO ``stage``: 0 replicates all
+    three, 1 shards the optimizer state, 2 the gradients too, 3 the weights too (ZeRO's
+    (2 + 2 + K)·Ψ, 2Ψ + 2Ψ + KΨ/N, 2Ψ + (2 + K)Ψ/N and (2 + 2 + K)Ψ/N for fp16 Adam)."""
+    if stage not in ZERO_STAGES:
+        raise ValueError(f"ZeRO stage must be one of {ZERO_STAGES}, got {stage!r}")
+    if dp < 1:
+        raise ValueError(f"dp must be positive, got {dp}")
+    return {
+        "params": params * weight_bytes / (dp if stage >= 3 else 1),
+        "grads": params * grad_bytes / (dp if stage >= 2 else 1),
+        "optimizer": params * optimizer_bytes / (dp if stage >= 1 else 1),
+    }
+
+
 def _state_bytes(problem: PlanningProblem, params: int) -> dict[str, int]:
     train = problem.train
-    return {
-        "params": int(round(params * train.weight_bytes_per_param)),
-        "grads": int(round(params * train.grad_bytes_per_param)),
-        "optimizer": int(round(params * train.optimizer_bytes_per_param)),
-    }
+    state = zero_state_bytes(params, train.weight_bytes_per_param, train.grad_bytes_per_param,
+                             train.optimizer_bytes_per_param, dp=1, stage=0)
+    return {kind: int(round(nbytes)) for kind, nbytes in state.items()}
 
 
 def _dp_group_bandwidth(problem: PlanningProblem, config: PipelineConfig) -> float:

@@ -1,0 +1,44 @@
+"""The memory model's ZeRO accounting against the ZeRO paper's worked example.
+
+Rajbhandari et al., "ZeRO: Memory Optimizations Toward Training Trillion Parameter
+Models" (SC'20), section 3.1 and Figure 1: a 7.5B-parameter model trained with mixed
+precision Adam (2 bytes of fp16 weights, 2 of fp16 gradients and K = 12 of fp32 master
+weights, momentum and variance per parameter) over N_d = 64 data-parallel devices needs
+120, 31.4, 16.6 and 1.88 GB per device for plain data parallelism and ZeRO stages 1-3.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import partc
+from partc.costs import zero_state_bytes
+
+PSI, ND = 7.5e9, 64
+PUBLISHED_GB = {0: 120, 1: 31.4, 2: 16.6, 3: 1.88}  # rounded as printed in the paper
+
+
+@pytest.mark.parametrize("stage", sorted(PUBLISHED_GB))
+def test_worked_example_per_device_memory(stage):
+    train = partc.TrainSpec(global_batch_size=64, dtype=torch.float16, optimizer="adam")
+    assert (train.weight_bytes, train.grad_bytes, train.optimizer_bytes) == (2, 2, 12.0)
+    state = zero_state_bytes(PSI, train.weight_bytes, train.grad_bytes,
+                             train.optimizer_bytes, dp=ND, stage=stage)
+    gb = sum(state.values()) / 1e9
+    # Exactly the paper's formula, and equal to its figure at the precision printed.
+    exact = {0: 16 * PSI, 1: 4 * PSI + 12 * PSI / ND, 2: 2 * PSI + 14 * PSI / ND,
+             3: 16 * PSI / ND}[stage] / 1e9
+    assert gb == pytest.approx(exact, rel=1e-12)
+    digits = 2 if stage == 3 else (1 if stage else 0)
+    assert round(gb, digits) == PUBLISHED_GB[stage]
+
+
+def test_zero_stage_checks_its_input():
+    with pytest.raises(ValueError, match="ZeRO stage"):
+        zero_state_bytes(1, 2, 2, 12, dp=2, stage=4)
+    with pytest.raises(ValueError, match="dp must be positive"):
+        zero_state_bytes(1, 2, 2, 12, dp=0, stage=1)
+    # One device: every stage holds everything.
+    assert len({tuple(zero_state_bytes(10, 2, 2, 12, dp=1, stage=s).values())
+                for s in range(4)}) == 1
