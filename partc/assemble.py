@@ -89,7 +89,7 @@ def make_plan(problem: PlanningProblem, config: PipelineConfig, evaluation: Eval
         schedule=config.schedule,
         num_microbatches=config.num_microbatches,
         micro_batch_size=config.micro_batch_size,
-        zero_stage=0,
+        zero_stage=config.zero_stage,
         stages=stage_plans(local, config, evaluation, modes),
         predicted=predicted(problem, config, evaluation),
         solver=solver,

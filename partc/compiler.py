@@ -95,7 +95,8 @@ def build_problem(analysis: ModelAnalysis, budget: DeviceBudget, train: TrainSpe
                 tp_objective=constraints.tp_objective, stages=constraints.stages,
                 recompute=constraints.recompute_for(names),
                 num_microbatches=constraints.num_microbatches,
-                micro_batch_size=pinned_b, schedule=schedule)
+                micro_batch_size=pinned_b, schedule=schedule,
+                zero_stage=constraints.zero_stage)
     return PlanningProblem(
         model=analysis,
         devices=devices,

@@ -49,6 +49,7 @@ class PipelineConfig:
     tp: int = 1
     sequence_parallel: bool = False
     tp_objective: str = "time"
+    zero_stage: int = 0  # 1: optimizer state sharded over the dp group
 
     def inflight(self, stage: int) -> int:
         """Microbatches whose activations stage ``stage`` holds at its peak."""
@@ -125,10 +126,12 @@ def zero_state_bytes(params: float, weight_bytes: float, grad_bytes: float,
     }
 
 
-def _state_bytes(problem: PlanningProblem, params: int) -> dict[str, int]:
+def _state_bytes(problem: PlanningProblem, config: PipelineConfig,
+                 params: int) -> dict[str, int]:
     train = problem.train
     state = zero_state_bytes(params, train.weight_bytes_per_param, train.grad_bytes_per_param,
-                             train.optimizer_bytes_per_param, dp=1, stage=0)
+                             train.optimizer_bytes_per_param, dp=config.dp,
+                             stage=config.zero_stage)
     return {kind: int(round(nbytes)) for kind, nbytes in state.items()}
 
 
@@ -141,14 +144,22 @@ def _dp_group_bandwidth(problem: PlanningProblem, config: PipelineConfig) -> flo
 
 
 def _tail_ps(problem: PlanningProblem, config: PipelineConfig, params: int) -> int:
-    """Gradient all-reduce over dp (ring: 2 (d-1)/d of the bytes) and the optimizer step."""
+    """Gradient all-reduce over dp (ring: 2 (d-1)/d of the bytes) and the optimizer step;
+    under ZeRO-1 each rank steps 1/dp of the parameters, then the updated weights are
+    gathered from their owners ((d-1)/d of the weight bytes)."""
     train, devices = problem.train, problem.devices
     seconds = 0.0
+    stepped = params
     if config.dp > 1:
         grad = params * train.grad_bytes_per_param
-        seconds += 2 * (config.dp - 1) / config.dp * grad / _dp_group_bandwidth(problem, config)
-    touched = params * (2 * train.weight_bytes_per_param + train.grad_bytes_per_param
-                        + 2 * train.optimizer_bytes_per_param)
+        bandwidth = _dp_group_bandwidth(problem, config)
+        seconds += 2 * (config.dp - 1) / config.dp * grad / bandwidth
+        if config.zero_stage >= 1:
+            stepped = params / config.dp
+            seconds += (config.dp - 1) / config.dp * params * train.weight_bytes_per_param \
+                / bandwidth
+    touched = stepped * (2 * train.weight_bytes_per_param + train.grad_bytes_per_param
+                         + 2 * train.optimizer_bytes_per_param)
     seconds += touched / devices.hbm_bandwidth
     return to_ps(seconds)
 
@@ -176,7 +187,7 @@ def _layer_table(problem: PlanningProblem, config: PipelineConfig, index: int) -
         saved_bytes=saved,
         transient_bytes={m: saved["none"] - saved[m] + workspace for m in layer.modes},
         param_count=layer.param_count,
-        state_bytes=_state_bytes(problem, layer.param_count),
+        state_bytes=_state_bytes(problem, config, layer.param_count),
         tail_ps=_tail_ps(problem, config, layer.param_count),
     )
 
@@ -231,7 +242,7 @@ def build_cost_table(problem: PlanningProblem, config: PipelineConfig) -> CostTa
         SharedTable(
             layers=group.layers,
             param_count=group.param_count,
-            state_bytes=_state_bytes(problem, group.param_count),
+            state_bytes=_state_bytes(problem, config, group.param_count),
             tail_ps=_tail_ps(problem, config, group.param_count),
             tie_sync_ps=to_ps(devices.link_latency_s + group.param_count
                               * problem.train.grad_bytes_per_param

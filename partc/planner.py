@@ -113,7 +113,8 @@ def tp_choices(problem: PlanningProblem) -> list[tuple[int, bool, str]]:
 
 
 def candidate_configs(problem: PlanningProblem) -> list[PipelineConfig]:
-    """Every (tp, pp, dp, b, m, schedule) the pins and the batch allow."""
+    """Every (tp, pp, dp, b, m, schedule, ZeRO stage) the pins and the batch allow
+    (ZeRO-1 only where there is more than one replica)."""
     pins = problem.pins
     schedules = [pins.schedule] if pins.schedule else list(reversed(SCHEDULES))
     configs = []
@@ -138,10 +139,13 @@ def candidate_configs(problem: PlanningProblem) -> list[PipelineConfig]:
                     continue
                 if pins.micro_batch_size is not None and b != pins.micro_batch_size:
                     continue
+                zero_stages = [pins.zero_stage] if pins.zero_stage is not None else (
+                    [0, 1] if dp > 1 else [0])
                 configs.extend(PipelineConfig(pp=pp, dp=dp, micro_batch_size=b,
                                               num_microbatches=m, schedule=schedule, tp=tp,
-                                              sequence_parallel=sp, tp_objective=objective)
-                               for schedule in schedules)
+                                              sequence_parallel=sp, tp_objective=objective,
+                                              zero_stage=zero)
+                               for schedule in schedules for zero in zero_stages)
     return configs
 
 

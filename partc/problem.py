@@ -187,6 +187,7 @@ class Pins:
     num_microbatches: int | None = None
     micro_batch_size: int | None = None
     schedule: str | None = None
+    zero_stage: int | None = None
 
 
 @dataclass(frozen=True, kw_only=True)

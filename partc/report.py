@@ -46,7 +46,9 @@ def _headline(plan: Plan) -> list[str]:
         f"({budget.get('memory')} each, {budget.get('devices_per_node')} per node)",
         f"training: global batch {train.get('global_batch_size')}, {train.get('dtype')}, "
         f"{train.get('optimizer')}",
-        f"plan: pp={plan.mesh['pp']} dp={plan.mesh['dp']} tp={plan.mesh['tp']}, "
+        f"plan: pp={plan.mesh['pp']} dp={plan.mesh['dp']} tp={plan.mesh['tp']}"
+        + (f" (ZeRO-{plan.zero_stage}: optimizer state sharded over dp)"
+           if plan.zero_stage else "") + ", "
         f"{plan.schedule}, {plan.num_microbatches} microbatches of {plan.micro_batch_size}",
         f"predicted: step {format_seconds(p['step_time_s'])}, "
         f"{p['samples_per_s']:.2f} samples/s"

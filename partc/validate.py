@@ -72,7 +72,8 @@ def _pins(problem: PlanningProblem, plan: Plan, errors: list[str]) -> None:
               "tp": (pins.tp, plan.mesh.get("tp", 1)),
               "num_microbatches": (pins.num_microbatches, plan.num_microbatches),
               "micro_batch_size": (pins.micro_batch_size, plan.micro_batch_size),
-              "schedule": (pins.schedule, plan.schedule)}
+              "schedule": (pins.schedule, plan.schedule),
+              "zero_stage": (pins.zero_stage, plan.zero_stage)}
     for name, (pinned, actual) in checks.items():
         if pinned is not None and pinned != actual:
             errors.append(f"{name} pinned to {pinned}, plan has {actual}")
@@ -86,7 +87,8 @@ def _costs(problem: PlanningProblem, plan: Plan, errors: list[str]) -> Evaluatio
                             num_microbatches=plan.num_microbatches, schedule=plan.schedule,
                             tp=plan.mesh.get("tp", 1),
                             sequence_parallel=bool(plan.tensor_parallel.get("sequence_parallel")),
-                            tp_objective=plan.tensor_parallel.get("objective", "time"))
+                            tp_objective=plan.tensor_parallel.get("objective", "time"),
+                            zero_stage=plan.zero_stage)
     stage_of = [s.index for s in plan.stages for _ in s.layers]
     modes = [plan.recompute[layer.name] for layer in problem.layers]
     evaluation = evaluate(build_cost_table(problem, config), stage_of, modes)

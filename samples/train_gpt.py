@@ -80,7 +80,7 @@ def main() -> None:
         print(f"compiled in {time.perf_counter() - started:.2f} s; program saved to "
               f"{program.save(args.out)}", flush=True)
     module = program.build()
-    optimizer = torch.optim.AdamW(module.parameters(), lr=args.lr, weight_decay=0.1)
+    optimizer = module.optimizer(torch.optim.AdamW, lr=args.lr, weight_decay=0.1)
     tokens_per_step = args.batch * args.seq
     for step in range(1, args.steps + 1):
         ids, targets = batch(data, step, args.batch, args.seq)

@@ -42,3 +42,32 @@ def test_zero_stage_checks_its_input():
     # One device: every stage holds everything.
     assert len({tuple(zero_state_bytes(10, 2, 2, 12, dp=1, stage=s).values())
                 for s in range(4)}) == 1
+
+
+def _dp_program(memory: str, **pins) -> partc.Program:
+    from samples.gpt import gpt_tiny, loss_fn
+
+    model = gpt_tiny(n_layer=2, n_embd=128, vocab_size=512)
+    ids = torch.zeros(2, 32, dtype=torch.long)
+    return partc.compile(model, (ids,), loss_fn=loss_fn, example_target=ids,
+                         budget=partc.DeviceBudget(num_devices=2, device="A100-40GB",
+                                                   memory=memory),
+                         train=partc.TrainSpec(global_batch_size=8, optimizer="adamw"),
+                         constraints=partc.Constraints(pp=1, tp=1, **pins))
+
+
+def test_zero1_lets_two_replicas_fit_where_plain_data_parallelism_does_not():
+    from tests.test_compile import check
+
+    # fp32 AdamW: 4 + 4 + 8 bytes per parameter; ZeRO-1 halves the 8 over dp=2.
+    with pytest.raises(partc.PlanInfeasibleError):
+        _dp_program("7MiB", zero_stage=0)
+    program = _dp_program("7MiB")
+    plan = check(program)
+    assert plan.mesh["dp"] == 2 and plan.zero_stage == 1
+    assert plan.predicted["peak_memory_bytes"] <= 7 * 2**20
+    assert "ZeRO-1" in program.report()
+    plain = check(_dp_program("1GiB", zero_stage=0))
+    assert plain.stages[0].memory_bytes["optimizer"] == \
+        pytest.approx(2 * plan.stages[0].memory_bytes["optimizer"], abs=2)
+    assert plain.stages[0].memory_bytes["params"] == plan.stages[0].memory_bytes["params"]

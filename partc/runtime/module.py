@@ -178,6 +178,21 @@ class DistributedModule:
                      if a in placements), "Replicate()")
         return Placement.parse(text)
 
+    def optimizer(self, optimizer_class: type[torch.optim.Optimizer], **defaults: Any
+                  ) -> torch.optim.Optimizer:
+        """``optimizer_class(self.parameters(), **defaults)`` as the plan holds its state:
+        with ZeRO-1 (``plan.zero_stage == 1``) each data-parallel rank keeps the state of
+        1/dp of the parameters, steps those and sends them to the other replicas
+        (``torch.distributed.optim.ZeroRedundancyOptimizer`` over the dp group)."""
+        if self.plan.zero_stage == 1 and self.topology.dp > 1:
+            # Imported here: torch.distributed.optim scripts its functional optimizers
+            # on import, with deprecation warnings, which plain runs need not pay for.
+            from torch.distributed.optim import ZeroRedundancyOptimizer
+
+            return ZeroRedundancyOptimizer(self.parameters(), optimizer_class=optimizer_class,
+                                           process_group=self.topology.dp_group, **defaults)
+        return optimizer_class(self.parameters(), **defaults)
+
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.module.zero_grad(set_to_none=set_to_none)
 

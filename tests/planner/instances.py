@@ -95,8 +95,10 @@ def brute_force(prob: PlanningProblem) -> tuple[int, PipelineConfig, list[int], 
             per_replica = prob.train.global_batch_size // dp
             if per_replica % b:
                 continue
-            for schedule in ("1f1b", "gpipe"):
-                config = PipelineConfig(pp=pp, dp=dp, micro_batch_size=b,
+            for schedule, zero in itertools.product(("1f1b", "gpipe"), (0, 1)):
+                if zero and dp == 1:
+                    continue  # ZeRO shards over replicas: with one there is nothing to shard
+                config = PipelineConfig(pp=pp, dp=dp, micro_batch_size=b, zero_stage=zero,
                                         num_microbatches=per_replica // b, schedule=schedule)
                 table = build_cost_table(prob, config)
                 for starts in itertools.combinations(range(1, num_layers), pp - 1):

@@ -155,6 +155,16 @@ CASES["llama-pp2-tp2-clip"] = Case(models.llama, "tokens", models.causal_lm_loss
                                         recompute="none"), clip=_CLIP)
 CASES["gpt-pp2-dp2-clip"] = Case(gpt.gpt_tiny, "tokens", gpt.loss_fn,
                                  dict(pp=2, dp=2, schedule="1f1b"), clip=_CLIP)
+# ZeRO-1: each dp rank holds and steps the optimizer state of half the parameters.
+CASES["gpt-dp2-zero1"] = Case(gpt.gpt_tiny, "tokens", gpt.loss_fn,
+                              dict(pp=1, dp=2, zero_stage=1))
+CASES["gpt2-dp2-zero1-clip"] = Case(_gpt2, "tokens", models.causal_lm_loss,
+                                    dict(pp=1, dp=2, zero_stage=1), clip=_CLIP)
+CASES["gpt-pp2-dp2-zero1"] = Case(gpt.gpt_tiny, "tokens", gpt.loss_fn,
+                                  dict(pp=2, dp=2, schedule="1f1b", zero_stage=1))
+CASES["llama-dp2-tp2-zero1"] = Case(models.llama, "tokens", models.causal_lm_loss,
+                                    dict(pp=1, dp=2, tp=2, tp_objective="memory",
+                                         recompute="none", zero_stage=1))
 CASES["gpt-tp2-sp-recompute"] = Case(gpt.gpt_tiny, "tokens", gpt.loss_fn,
                                      dict(pp=1, recompute=ALL_MODES, sequence_parallel=True,
                                           **_TP_RECOMPUTE))
@@ -179,11 +189,14 @@ def batch(case: Case, model: torch.nn.Module, step: int,
     return torch.randn(BATCH, 16, generator=g), torch.randn(BATCH, 16, generator=g)
 
 
+# SGD with momentum: Adam divides each gradient by its own size, which turns the
+# rounding noise of gradients that are mathematically zero (a key projection's bias
+# under softmax) into full-size steps, in one process as in many.
+OPTIMIZER = dict(lr=0.1, momentum=0.9)
+
+
 def optimizer(params: Any) -> torch.optim.Optimizer:
-    # SGD with momentum: Adam divides each gradient by its own size, which turns the
-    # rounding noise of gradients that are mathematically zero (a key projection's
-    # bias under softmax) into full-size steps, in one process as in many.
-    return torch.optim.SGD(params, lr=0.1, momentum=0.9)
+    return torch.optim.SGD(params, **OPTIMIZER)
 
 
 def compile_case(case: Case, model: torch.nn.Module, world: int) -> partc.Program:
@@ -213,7 +226,7 @@ def run_case(name: str) -> dict[str, Any]:
         program = partc.load(directory, model, loss_fn=case.loss_fn)
     module = program.build()
     tp_ops.reset_counts()
-    opt = optimizer(module.parameters())
+    opt = module.optimizer(torch.optim.SGD, **OPTIMIZER)  # ZeRO-1 where the plan says
     ref_opt = optimizer(reference.parameters())
     losses, ref_losses, messages, norms, ref_norms = [], [], [], [], []
     for step in range(STEPS):
@@ -277,6 +290,10 @@ def run_case(name: str) -> dict[str, Any]:
             "full_state_keys": sorted(set(full) ^ set(ref_state)),
             "full_state_error": full_error, "reloaded_unchanged": reloaded,
             "grad_norms": norms, "ref_grad_norms": ref_norms,
+            "zero_stage": plan.zero_stage, "dp_rank": topo.dp_rank,
+            "optimizer_state_numel": sum(t.numel() for state in getattr(opt, "optim", opt)
+                                         .state.values() for t in state.values()
+                                         if isinstance(t, torch.Tensor) and t.dim() > 0),
             "planned_params": plan.stages[module.stage_index].param_count,
             "collectives": dict(tp_ops.counts()),
             "planned_collectives": _planned_collectives(plan, module.stage_index),
