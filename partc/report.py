@@ -101,7 +101,7 @@ def _tp_layer_rows(plan: Plan) -> list[list[str]]:
     collectives per microbatch, their bytes per step, and why it stays replicated."""
     section, tp = plan.tensor_parallel, plan.mesh["tp"]
     steps = plan.num_microbatches
-    rows, keys = [], []
+    rows, last_key = [], None
     for layer in plan.layer_names:
         prefix = layer + "."
         sharded = sorted(f"{fqn[len(prefix):]} {placement}"
@@ -118,10 +118,10 @@ def _tp_layer_rows(plan: Plan) -> list[list[str]]:
                    for kind, _, nbytes in moves) * steps
         key = (tuple(s.split(".", 1)[-1] for s in sharded),
                tuple(sorted(counts.items())), tensor_bytes, section.get("notes", {}).get(layer, ""))
-        if key == (keys[-1] if keys else None) and len(rows[-1][0]) > 0:
+        if key == last_key:
             rows[-1][0].append(layer)
             continue
-        keys.append(key)
+        last_key = key
         rows.append([[layer], ", ".join(sharded) or "-",
                      ", ".join(f"{n} {label}" for label, n in sorted(counts.items())) or "-",
                      format_bytes(tensor_bytes) if moves else "-",

@@ -151,18 +151,19 @@ class DistributedModule:
     def load_state_dict(self, state_dict: Mapping[str, torch.Tensor]) -> None:
         """Load this rank's tensors from ``state_dict``: its own (``state_dict()``) or the
         whole model's (``full_state_dict()``, ``model.state_dict()``), sliced to shards."""
-        own = {name: tensor for name, tensor in self.state_dict().items()
-               if any(a in state_dict for a in self._aliases.get(name, (name,)))
-               or self._state_keys is None or name in self._state_keys}
-        missing = [name for name in own
-                   if not any(a in state_dict for a in self._aliases.get(name, (name,)))]
+        # A non-persistent buffer (not in model.state_dict()) may be absent: it is kept.
+        own = self.state_dict()
+        sources = {name: self._entry(state_dict, name) for name in own}
+        missing = [name for name, source in sources.items() if source is None and (
+            self._state_keys is None or name in self._state_keys)]
         if missing:
             raise KeyError(f"state dict lacks {len(missing)} of this rank's tensors, "
                            f"e.g. {missing[:3]}")
         with torch.no_grad():
-            for name, tensor in own.items():
-                source = next(state_dict[a] for a in self._aliases.get(name, (name,))
-                              if a in state_dict)
+            for name, source in sources.items():
+                if source is None:
+                    continue
+                tensor = own[name]
                 placement = self._placement(name)
                 if source.shape != tensor.shape and placement.kind == "S":
                     source = tp_ops.shard_of(source, placement.dim, placement.chunks,
@@ -173,10 +174,12 @@ class DistributedModule:
                 tensor.copy_(source)
 
     def _placement(self, name: str) -> Placement:
-        placements = self.plan.tensor_parallel.get("params", {})
-        text = next((placements[a] for a in self._aliases.get(name, (name,))
-                     if a in placements), "Replicate()")
-        return Placement.parse(text)
+        return _placement_of(self.plan, self._aliases.get(name, (name,)))
+
+    def _entry(self, state_dict: Mapping[str, torch.Tensor], name: str) -> torch.Tensor | None:
+        """``state_dict``'s tensor for ``name`` under any of its FQNs, or None."""
+        return next((state_dict[a] for a in self._aliases.get(name, (name,))
+                     if a in state_dict), None)
 
     def optimizer(self, optimizer_class: type[torch.optim.Optimizer], **defaults: Any
                   ) -> torch.optim.Optimizer:
@@ -376,16 +379,20 @@ def build(plan: Plan, model: nn.Module, loss_fn: Callable | None, *,
 
 def _shard_plan(plan: Plan, topology: Topology) -> Callable[[str, torch.Tensor], torch.Tensor]:
     """This rank's shard of a whole tensor named ``fqn``, as the plan places it."""
-    placements = plan.tensor_parallel.get("params", {})
-
     def local(names: tuple[str, ...], tensor: torch.Tensor) -> torch.Tensor:
-        text = next((placements[n] for n in names if n in placements), "Replicate()")
-        placement = Placement.parse(text)
+        placement = _placement_of(plan, names)
         if placement.kind != "S":
             return tensor
         return tp_ops.shard_of(tensor, placement.dim, placement.chunks, topology.tp_rank,
                                topology.tp)
     return local
+
+
+def _placement_of(plan: Plan, names: tuple[str, ...]) -> Placement:
+    """How the plan places a parameter known under ``names`` (all its FQNs)."""
+    placements = plan.tensor_parallel.get("params", {})
+    return Placement.parse(next((placements[n] for n in names if n in placements),
+                                "Replicate()"))
 
 
 def _check_same_plan(plan: Plan, own_hash: str) -> None:
