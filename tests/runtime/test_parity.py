@@ -40,14 +40,25 @@ def launch(nproc: int, cases: list[str], out: Path) -> list[dict]:
     return [json.loads(f.read_text()) for f in files]
 
 
-@pytest.fixture(scope="module")
-def two(tmp_path_factory) -> list[dict]:
-    return launch(2, TWO, tmp_path_factory.mktemp("two"))
+def launched(name: str, nproc: int, cases: list[str]):
+    """A module-scoped fixture ``name``: the per-rank results of one torchrun of ``cases``."""
+    @pytest.fixture(scope="module", name=name)
+    def fixture(tmp_path_factory) -> list[dict]:
+        return launch(nproc, cases, tmp_path_factory.mktemp(name))
+    return fixture
 
 
-@pytest.fixture(scope="module")
-def four(tmp_path_factory) -> list[dict]:
-    return launch(4, FOUR, tmp_path_factory.mktemp("four"))
+def assert_trains_like_one_process(rank: int, result: dict) -> None:
+    """The case ran, and its losses and parameters match one process within RTOL."""
+    assert "error" not in result, f"rank {rank}: {result.get('traceback', result.get('error'))}"
+    for ours, ref in zip(result["losses"], result["ref_losses"]):
+        assert ours == pytest.approx(ref, rel=RTOL)
+    worst = max(result["param_errors"].values())
+    assert worst < RTOL, f"rank {rank}: parameter error {worst}"
+
+
+two = launched("two", 2, TWO)
+four = launched("four", 4, FOUR)
 
 
 def check_parity(ranks: list[dict], name: str) -> None:

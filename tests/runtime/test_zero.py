@@ -12,33 +12,24 @@ from __future__ import annotations
 
 import pytest
 
-from .test_parity import launch
+from .test_parity import assert_trains_like_one_process, launched
 
 TWO = ["gpt-dp2-zero1", "gpt2-dp2-zero1-clip"]
 FOUR = ["gpt-pp2-dp2-zero1", "llama-dp2-tp2-zero1"]
 
 
-@pytest.fixture(scope="module")
-def two(tmp_path_factory) -> list[dict]:
-    return launch(2, TWO, tmp_path_factory.mktemp("zero2"))
-
-
-@pytest.fixture(scope="module")
-def four(tmp_path_factory) -> list[dict]:
-    return launch(4, FOUR, tmp_path_factory.mktemp("zero4"))
+zero2 = launched("zero2", 2, TWO)
+zero4 = launched("zero4", 4, FOUR)
 
 
 def _check(ranks: list[dict], name: str) -> None:
     by_replica_group: dict[tuple, list[dict]] = {}
     for rank, results in enumerate(ranks):
         result = results[name]
-        assert "error" not in result, f"rank {rank}: {result.get('error')}"
+        assert_trains_like_one_process(rank, result)
         assert result["zero_stage"] == 1 and result["mesh"]["dp"] == 2
-        for ours, ref in zip(result["losses"], result["ref_losses"]):
-            assert ours == pytest.approx(ref, rel=1e-5)
         for ours, ref in zip(result["grad_norms"], result["ref_grad_norms"]):
             assert ours == pytest.approx(ref, rel=1e-5)
-        assert max(result["param_errors"].values()) < 1e-5
         assert 0 < result["optimizer_state_numel"] < result["own_params"]
         # Ranks holding the same parameters (same stage and tp shard) form a dp group.
         key = (result["stage"], rank % result["mesh"]["tp"])
@@ -49,10 +40,10 @@ def _check(ranks: list[dict], name: str) -> None:
 
 
 @pytest.mark.parametrize("name", TWO)
-def test_zero1_matches_one_process_on_two(two, name):
-    _check(two, name)
+def test_zero1_matches_one_process_on_two(zero2, name):
+    _check(zero2, name)
 
 
 @pytest.mark.parametrize("name", FOUR)
-def test_zero1_matches_one_process_on_four(four, name):
-    _check(four, name)
+def test_zero1_matches_one_process_on_four(zero4, name):
+    _check(zero4, name)
