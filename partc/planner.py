@@ -1,9 +1,11 @@
 """The planner: stages, recompute, microbatches and schedule, by CP-SAT.
 
-Outer enumeration (cheap, exact): every pipeline configuration ``c = (pp, dp, b, m,
-schedule)`` with ``pp * dp = N`` devices and ``dp * b * m = B`` global batch, respecting
-pins. Configurations are visited in order of a lower bound on their step time; one whose
-bound is no better than the best plan found so far is pruned.
+Outer enumeration (cheap, exact): every pipeline configuration ``c = (tp, pp, dp, b, m,
+schedule, ZeRO stage)`` with ``tp * pp * dp = N`` devices and ``dp * b * m = B`` global
+batch, respecting pins. Configurations are visited in order of a lower bound on their step
+time; one whose bound is no better than the best plan found so far is pruned. What the
+search learnt about each mesh factorisation ``(pp, dp, tp)`` is kept for the report
+(:class:`MeshResult`).
 
 Inner model, for one configuration (all costs from :mod:`partc.costs`, integers):
 
@@ -80,6 +82,35 @@ class ConfigResult:
     solve_time_s: float
 
 
+MESH_OUTCOMES = ("solved", "time limit", "pruned", "infeasible")
+# The report lists meshes in this order; unsettled ones together, by their bound.
+_MESH_ORDER = {"solved": 0, "time limit": 1, "pruned": 1, "infeasible": 2}
+
+
+@dataclass(frozen=True, kw_only=True)
+class MeshResult:
+    """What the search learnt about one ``(pp, dp, tp)`` factorisation of the devices.
+
+    ``outcome`` is one of :data:`MESH_OUTCOMES`: "solved" (``config`` is its fastest plan
+    found, ``step_ps`` its step time), "time limit" (the search stopped before solving any
+    of its configurations), "pruned" (each configuration's lower bound was no better than
+    the chosen plan) or "infeasible" (no configuration fits memory; ``need_bytes`` against
+    ``limit_bytes`` on the stage of the tightest split, when known). ``bound_ps`` is a step
+    time no configuration of this factorisation can beat (None when infeasible).
+    """
+
+    pp: int
+    dp: int
+    tp: int
+    outcome: str
+    bound_ps: int | None = None
+    config: PipelineConfig | None = None
+    step_ps: int | None = None
+    status: str | None = None            # CP-SAT's status for ``config``
+    need_bytes: int | None = None
+    limit_bytes: int | None = None
+
+
 @dataclass(frozen=True, kw_only=True)
 class PlannerResult:
     best: ConfigResult
@@ -89,6 +120,7 @@ class PlannerResult:
     configs_total: int
     configs_solved: int
     configs_pruned: int
+    meshes: tuple[MeshResult, ...] = ()     # best first; the chosen mesh leads
 
     @property
     def gap(self) -> float:
@@ -423,6 +455,8 @@ def solve(problem: PlanningProblem, options: PlannerOptions = PlannerOptions()) 
     order = sorted(range(len(tables)), key=lambda i: (floors[i], i))
     best: ConfigResult | None = None
     bound, solved, pruned, all_optimal = None, 0, 0, True
+    # Per configuration: its ConfigResult, or why it has none (a MESH_OUTCOMES word).
+    outcomes: list[ConfigResult | str] = ["infeasible"] * len(tables)
     for i in order:
         table, floor = tables[i], floors[i]
         if floor == math.inf:
@@ -430,11 +464,13 @@ def solve(problem: PlanningProblem, options: PlannerOptions = PlannerOptions()) 
             continue
         if best is not None and floor >= best.evaluation.step_ps:
             pruned += 1
+            outcomes[i] = "pruned"
             bound = floor if bound is None else min(bound, floor)
             continue
         remaining = options.time_limit_s - (time.perf_counter() - start)
         if remaining <= 0 and best is not None:
             all_optimal = False
+            outcomes[i] = "time limit"
             bound = floor if bound is None else min(bound, floor)
             continue
         result, status = solve_config(problem, table, options, remaining, pinned)
@@ -442,8 +478,10 @@ def solve(problem: PlanningProblem, options: PlannerOptions = PlannerOptions()) 
         if result is None:
             if status == "UNKNOWN":
                 all_optimal = False
+                outcomes[i] = "time limit"
                 bound = floor if bound is None else min(bound, floor)
             continue
+        outcomes[i] = result
         all_optimal &= result.status == "OPTIMAL"
         bound = result.bound if bound is None else min(bound, result.bound)
         if best is None or result.evaluation.step_ps < best.evaluation.step_ps:
@@ -455,7 +493,67 @@ def solve(problem: PlanningProblem, options: PlannerOptions = PlannerOptions()) 
         best=best, status="OPTIMAL" if all_optimal else "FEASIBLE",
         bound=min(bound, best.evaluation.step_ps),
         solve_time_s=time.perf_counter() - start,
-        configs_total=len(configs), configs_solved=solved, configs_pruned=pruned)
+        configs_total=len(configs), configs_solved=solved, configs_pruned=pruned,
+        meshes=mesh_results(tables, floors, outcomes, best))
+
+
+def mesh_results(tables: list[CostTable], floors: list[float],
+                 outcomes: list[ConfigResult | str],
+                 best: ConfigResult) -> tuple[MeshResult, ...]:
+    """One MeshResult per (pp, dp, tp) among the configurations, best first: solved by
+    step time (the chosen mesh first), then unsettled by bound, then infeasible."""
+    groups: dict[tuple[int, int, int], list[int]] = {}
+    for i, table in enumerate(tables):
+        config = table.config
+        groups.setdefault((config.pp, config.dp, config.tp), []).append(i)
+    meshes = [_mesh_result(mesh, [tables[i] for i in members], [floors[i] for i in members],
+                           [outcomes[i] for i in members], best)
+              for mesh, members in groups.items()]
+    chosen = best.table.config
+
+    def rank(mesh: MeshResult) -> tuple:
+        is_chosen = (mesh.pp, mesh.dp, mesh.tp) == (chosen.pp, chosen.dp, chosen.tp)
+        value = mesh.step_ps if mesh.outcome == "solved" else mesh.bound_ps
+        if mesh.outcome == "infeasible":
+            value = mesh.need_bytes / mesh.limit_bytes if mesh.need_bytes else math.inf
+        return (_MESH_ORDER[mesh.outcome], value, not is_chosen, mesh.pp, mesh.dp, mesh.tp)
+
+    return tuple(sorted(meshes, key=rank))
+
+
+def _mesh_result(mesh: tuple[int, int, int], tables: list[CostTable], floors: list[float],
+                 outcomes: list[ConfigResult | str], best: ConfigResult) -> MeshResult:
+    pp, dp, tp = mesh
+    results = [o for o in outcomes if isinstance(o, ConfigResult)]
+    # A solved configuration can do no better than CP-SAT's bound, an unsolved one than
+    # its lower bound; infeasible ones do not count.
+    bounds = [r.bound for r in results] + [
+        floor for floor, o in zip(floors, outcomes) if o in ("pruned", "time limit")]
+    bound = int(min(bounds)) if bounds else None
+    if results:
+        top = best if any(r is best for r in results) else min(
+            results, key=lambda r: r.evaluation.step_ps)
+        return MeshResult(pp=pp, dp=dp, tp=tp, outcome="solved", bound_ps=bound,
+                          config=top.table.config, step_ps=top.evaluation.step_ps,
+                          status=top.status)
+    if bound is not None:
+        outcome = "time limit" if "time limit" in outcomes else "pruned"
+        return MeshResult(pp=pp, dp=dp, tp=tp, outcome=outcome, bound_ps=bound)
+    need, limit = _memory_need(tables)
+    return MeshResult(pp=pp, dp=dp, tp=tp, outcome="infeasible", need_bytes=need,
+                      limit_bytes=limit)
+
+
+def _memory_need(tables: list[CostTable]) -> tuple[int | None, int | None]:
+    """The memory the tightest split of any of ``tables`` needs on its worst stage, and
+    that stage's limit; (None, None) when that split fits (then only the pins keep these
+    configurations out)."""
+    from .explain import tightest_split
+
+    tight = min((tightest_split(t) for t in tables), key=lambda split: split.ratio)
+    if tight.ratio <= 1:
+        return None, None
+    return tight.stage_need[tight.worst], tight.limits[tight.worst]
 
 
 def _no_config_message(problem: PlanningProblem) -> str:
