@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from .costs import PS_PER_S, Evaluation, PipelineConfig, tp_comm_seconds
 from .plan import Plan, SolverStats, StagePlan
 from .problem import PlanningProblem
+
+if TYPE_CHECKING:     # the planner needs OR-Tools; assembling a plan does not
+    from .planner import MeshResult
 
 
 def model_flops_per_step(problem: PlanningProblem) -> float:
@@ -81,7 +86,8 @@ def p2p_messages(problem: PlanningProblem, evaluation: Evaluation, index: int,
 
 def make_plan(problem: PlanningProblem, config: PipelineConfig, evaluation: Evaluation,
               modes: tuple[str, ...], solver: SolverStats, *, budget: dict | None = None,
-              train: dict | None = None, alternatives: tuple[dict, ...] = ()) -> Plan:
+              train: dict | None = None, alternatives: tuple[dict, ...] = (),
+              meshes: tuple[MeshResult, ...] = ()) -> Plan:
     summary = problem.model.summary
     local = problem.variant(config.tp, config.sequence_parallel, config.tp_objective)
     return Plan(
@@ -101,7 +107,26 @@ def make_plan(problem: PlanningProblem, config: PipelineConfig, evaluation: Eval
                           for name, shape, dtype in summary.inputs]},
         tensor_parallel=tensor_parallel_section(problem, config),
         alternatives=alternatives,
+        meshes=tuple(mesh_summary(mesh) for mesh in meshes),
     )
+
+
+def mesh_summary(mesh: MeshResult) -> dict:
+    """One factorisation as the plan records it: JSON scalars only, so a saved plan
+    loads back equal; keys for what the outcome knows, times in seconds."""
+    summary = {"pp": mesh.pp, "dp": mesh.dp, "tp": mesh.tp, "outcome": mesh.outcome}
+    if mesh.config is not None:
+        config = mesh.config
+        summary.update(step_time_s=mesh.step_ps / PS_PER_S, solver_status=mesh.status,
+                       micro_batch_size=config.micro_batch_size,
+                       num_microbatches=config.num_microbatches, schedule=config.schedule,
+                       zero_stage=config.zero_stage,
+                       sequence_parallel=config.sequence_parallel)
+    if mesh.bound_ps is not None:
+        summary["bound_s"] = mesh.bound_ps / PS_PER_S
+    if mesh.need_bytes is not None:
+        summary.update(need_bytes=mesh.need_bytes, limit_bytes=mesh.limit_bytes)
+    return summary
 
 
 def tensor_parallel_section(problem: PlanningProblem, config: PipelineConfig) -> dict:

@@ -127,7 +127,8 @@ def plan_problem(problem: PlanningProblem, *, budget: dict[str, Any] | None = No
         for b in baselines(problem, best.table))
     plan = make_plan(problem, best.table.config, best.evaluation, best.assignment.modes,
                      stats, budget=budget or _budget_dict(problem.devices),
-                     train=train or _train_dict(problem.train), alternatives=alternatives)
+                     train=train or _train_dict(problem.train), alternatives=alternatives,
+                     meshes=result.meshes)
     validate_plan(problem, plan)
     return plan
 

@@ -55,6 +55,9 @@ class Plan:
     model: dict[str, Any] = field(default_factory=dict)
     tensor_parallel: dict[str, Any] = field(default_factory=dict)
     alternatives: tuple[dict[str, Any], ...] = ()
+    # Every (pp, dp, tp) factorisation the planner considered, best first: its fastest
+    # configuration and step time, or why it has none (``assemble.mesh_summary``).
+    meshes: tuple[dict[str, Any], ...] = ()
 
     @property
     def pp(self) -> int:
@@ -107,6 +110,7 @@ class Plan:
             StagePlan(**{**s, "layers": tuple(s["layers"])}) for s in data["stages"])
         fields["solver"] = SolverStats(**data["solver"])
         fields["alternatives"] = tuple(data.get("alternatives", ()))
+        fields["meshes"] = tuple(data.get("meshes", ()))
         return cls(**fields)
 
     @classmethod
