@@ -1,9 +1,10 @@
 """The plan report: what a person checks before spending a GPU-hour.
 
 Rendered from the Plan alone (so a saved plan.json renders the same report): the chosen
-mesh and schedule, predicted step time, throughput, MFU and bubble, per-stage memory
-against its limit and time by kind, the solver's statistics, and the obvious alternatives
-under the same cost model with why the plan beats them.
+mesh and schedule, predicted step time, throughput, MFU and bubble; the chosen mesh against
+every other (pp, dp, tp) factorisation of the devices; per-stage time by kind and memory
+per rank by category against its limit; the solver's statistics; and the obvious
+alternatives under the same cost model with why the plan beats them.
 """
 
 from __future__ import annotations
@@ -62,19 +63,125 @@ def _headline(plan: Plan) -> list[str]:
 def _stage_rows(plan: Plan) -> list[list[str]]:
     rows = []
     for s in plan.stages:
-        mem, t = s.memory_bytes, s.time_s
+        t = s.time_s
         rows.append([
             str(s.index), _span(s.layers), format_count(s.param_count),
-            format_bytes(mem["params"] + mem["grads"] + mem["optimizer"]),
-            format_bytes(mem["activations"]), format_bytes(mem["transient"]),
-            f"{format_bytes(mem['peak'])} / {format_bytes(s.limit_bytes)} "
-            f"({100 * mem['peak'] / s.limit_bytes:.0f}%)",
             format_seconds(t["forward"]), format_seconds(t["backward"]),
             format_seconds(t["recompute"]), format_seconds(t["comm"]),
             f"{s.p2p['sends']}/{s.p2p['recvs']}" if s.p2p else "-",
             _recompute_summary(s.recompute),
         ])
     return rows
+
+
+_MEMORY_KINDS = ("params", "grads", "optimizer", "activations", "transient")
+
+
+def _memory_rows(plan: Plan) -> list[list[str]]:
+    rows = []
+    for s in plan.stages:
+        mem = s.memory_bytes
+        rows.append([str(s.index)] + [format_bytes(mem[kind]) for kind in _MEMORY_KINDS] + [
+            f"{format_bytes(mem['peak'])} / {format_bytes(s.limit_bytes)} "
+            f"({100 * mem['peak'] / s.limit_bytes:.0f}%)"])
+    return rows
+
+
+def _memory_lines(plan: Plan) -> list[str]:
+    sharded = {1: "optimizer state", 2: "gradients and optimizer state",
+               3: "weights, gradients and optimizer state"}.get(plan.zero_stage)
+    zero = f"; ZeRO-{plan.zero_stage} keeps 1/{plan.dp} of the {sharded}" if sharded else ""
+    return [f"Every rank of a stage holds the same: its layers' weights, gradients and "
+            f"optimizer state{zero}; the activations saved for the microbatches in flight; "
+            f"the largest working set of one layer (transient)."]
+
+
+def _mesh_name(mesh: dict) -> str:
+    return f"pp={mesh['pp']} dp={mesh['dp']} tp={mesh['tp']}"
+
+
+def _is_chosen(plan: Plan, mesh: dict) -> bool:
+    return all(mesh[axis] == plan.mesh.get(axis, 1) for axis in ("pp", "dp", "tp"))
+
+
+def _mesh_config(mesh: dict) -> str:
+    return (f"{mesh['micro_batch_size']} x {mesh['num_microbatches']}, {mesh['schedule']}, "
+            f"ZeRO-{mesh['zero_stage']}"
+            + (", sequence parallel" if mesh.get("sequence_parallel") else ""))
+
+
+def _mesh_chosen(plan: Plan) -> str:
+    sp = ", sequence parallel" if plan.tensor_parallel.get("sequence_parallel") else ""
+    return (f"chosen: {_mesh_name({'tp': 1, **plan.mesh})}, ZeRO-{plan.zero_stage}, "
+            f"{plan.schedule}, b x m = {plan.micro_batch_size} x {plan.num_microbatches}{sp}")
+
+
+def _mesh_why(plan: Plan) -> str:
+    """One line: what the chosen mesh beats, by how much, or why it is the only one."""
+    step = plan.predicted["step_time_s"]
+    others = [m for m in plan.meshes if not _is_chosen(plan, m)]
+    solved = [m for m in others if m["outcome"] == "solved"]
+    unsettled = [m for m in others if m["outcome"] in ("pruned", "time limit")]
+    unfit = len(others) - len(solved) - len(unsettled)
+    timed_out = sum(m["outcome"] == "time limit" for m in others)
+    low = min(unsettled, key=lambda m: m["bound_s"], default=None)
+    if solved:
+        runner = solved[0]
+        why = (f"fastest predicted step; the runner-up, {_mesh_name(runner)}, takes "
+               f"{format_seconds(runner['step_time_s'])} ({runner['step_time_s'] / step:.2f}x)")
+    elif low is not None and low["bound_s"] >= step:
+        why = (f"no other factorisation can beat it: the lowest bound among the rest is "
+               f"{_mesh_name(low)}'s, {format_seconds(low['bound_s'])} "
+               f"({low['bound_s'] / step:.2f}x)" + (f"; {unfit} do not fit" if unfit else ""))
+    elif low is not None:
+        why = (f"the best found; {_mesh_name(low)} was not settled within the solver's "
+               f"time limit and might be faster (bound {format_seconds(low['bound_s'])})")
+        timed_out = 0
+    elif others:
+        why = f"the only factorisation that fits ({unfit} others do not)"
+    else:
+        why = "the only factorisation the device count, the pins and the batch allow"
+    if timed_out:
+        why += f"; {timed_out} not settled within the solver's time limit"
+    return "why: " + why
+
+
+def _mesh_rows(plan: Plan) -> list[list[str]]:
+    step = plan.predicted["step_time_s"]
+    rows = []
+    for mesh in plan.meshes:
+        axes = [str(mesh["pp"]), str(mesh["dp"]), str(mesh["tp"])]
+        if mesh["outcome"] == "solved":
+            notes = ["chosen"] if _is_chosen(plan, mesh) else []
+            # Its other configurations were pruned against the chosen plan, or cut short.
+            if mesh["bound_s"] < 0.995 * mesh["step_time_s"]:
+                notes.append(f"best found (bound {format_seconds(mesh['bound_s'])})")
+            rows.append(axes + [_mesh_config(mesh), format_seconds(mesh["step_time_s"]),
+                                f"{mesh['step_time_s'] / step:.2f}x", "; ".join(notes)])
+            continue
+        rows.append(axes + ["-", "-", "-", _no_plan_reason(mesh, step)])
+    return rows
+
+
+def _no_plan_reason(mesh: dict, step: float) -> str:
+    if mesh["outcome"] == "infeasible":
+        if "need_bytes" not in mesh:
+            return "does not fit under the pins"
+        return (f"does not fit: needs {format_bytes(mesh['need_bytes'])} of "
+                f"{format_bytes(mesh['limit_bytes'])} per device")
+    bound = (f"bound >= {format_seconds(mesh['bound_s'])} "
+             f"({mesh['bound_s'] / step:.2f}x)")
+    return f"pruned: {bound}" if mesh["outcome"] == "pruned" else f"time limit: {bound}"
+
+
+def _mesh_section(plan: Plan, md: bool) -> list[str]:
+    out = ["", "## Mesh" if md else "Mesh:", ""]
+    out += [("- " if md else "") + _mesh_chosen(plan)]
+    if not plan.meshes:       # a plan saved before partc recorded the factorisations
+        return out
+    out += [("- " if md else "") + _mesh_why(plan), ""]
+    return out + _table(["pp", "dp", "tp", "best config (b x m, schedule, ZeRO)",
+                         "step time", "vs chosen", "note"], _mesh_rows(plan), md)
 
 
 def _alternative_rows(plan: Plan) -> list[list[str]]:
@@ -182,10 +289,13 @@ def render(plan: Plan, format: str = "text") -> str:
     md = format == "markdown"
     out = ["# partc plan", ""] if md else ["partc plan", "=========="]
     out += [("- " if md else "") + line for line in _headline(plan)]
+    out += _mesh_section(plan, md)
     out += ["", "## Stages" if md else "Stages:", ""]
-    out += _table(["stage", "layers", "params", "weights+grads+optim", "activations",
-                   "transient", "peak / limit", "forward", "backward", "recompute", "comm",
+    out += _table(["stage", "layers", "params", "forward", "backward", "recompute", "comm",
                    "p2p send/recv", "recompute modes"], _stage_rows(plan), md)
+    out += ["", "## Memory per rank" if md else "Memory per rank:", ""]
+    out += _memory_lines(plan) + [""]
+    out += _table(["stage", *_MEMORY_KINDS, "peak / limit"], _memory_rows(plan), md)
     if plan.mesh.get("tp", 1) > 1 and plan.tensor_parallel:
         out += ["", "## Tensor parallelism" if md else "Tensor parallelism:", ""]
         out += _tp_lines(plan) + [""]
