@@ -7,8 +7,18 @@ plan, keeps this rank's parameters only, wraps the stage for
 microbatches of the global batch, then:
 
 1. sums the gradients of parameters that several stages hold (tied weights);
-2. averages gradients over data-parallel replicas;
+2. averages gradients over data-parallel replicas (under ZeRO-2/3, FSDP2 has already
+   reduce-scattered them: each replica keeps the mean gradient of its shard);
 3. returns the mean loss of the global batch, the same on every rank.
+
+ZeRO-2/3 (``plan.zero_stage >= 2`` with dp > 1): each layer that owns its parameters
+becomes an FSDP2 unit (``partc.passes.units``) and the stage the root unit, sharded over
+the dp group. In a pipeline, torch's schedules defer FSDP's gradient reduce-scatter to
+the last microbatch, accumulating whole gradients in between, which would hold as much
+as no ZeRO at all; here every microbatch's backward reduce-scatters into the sharded
+gradients instead (ZeRO-2 and 3 alike, as ZeRO does under gradient accumulation), ZeRO-2
+keeps the gathered parameters for the whole step and ZeRO-3 frees each unit after its
+forward and after its backward, gathering it again for the next microbatch.
 
 Gradients are those of the mean loss over the whole global batch, as on one device, so
 any ``torch.optim`` optimizer over ``module.parameters()`` trains the same model.
@@ -24,11 +34,15 @@ import torch
 import torch.distributed as dist
 import torch.utils._pytree as pytree
 from torch import fx, nn
+from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+from torch.distributed.pipelining._backward import stage_backward
+from torch.distributed.tensor import DTensor
 
 from partc import meta
 from partc.errors import PartcError, PlanMismatchError
 from partc.passes.trace import param_fqns
+from partc.passes.units import units
 from partc.plan import Plan
 
 from partc.passes.sharding import Placement
@@ -41,11 +55,28 @@ log = logging.getLogger("partc.runtime")
 
 
 class _CountingStage(PipelineStage):
-    """A pipeline stage that counts the point-to-point messages it posts."""
+    """A pipeline stage that counts the point-to-point messages it posts, and under
+    ZeRO-2/3 reduce-scatters gradients after every microbatch (see the module's doc)."""
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, zero_stage: int = 0, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.messages: Counter[str] = Counter()
+        self.zero_stage = zero_stage
+
+    def backward_maybe_with_nosync(self, backward_type: str, bwd_kwargs: dict,
+                                   last_backward: bool = False) -> tuple:
+        if self.zero_stage < 2 or not isinstance(self.submod, FSDPModule):
+            return super().backward_maybe_with_nosync(backward_type, bwd_kwargs,
+                                                      last_backward)
+        if backward_type != "full":
+            raise PartcError(f"ZeRO-{self.zero_stage} supports full backward only, "
+                             f"not {backward_type!r}")
+        self.submod.set_requires_gradient_sync(True)
+        self.submod.set_reshard_after_backward(self.zero_stage >= 3)
+        self.submod.set_is_last_backward(True)
+        grads = stage_backward(bwd_kwargs["stage_output"], bwd_kwargs["output_grads"],
+                               bwd_kwargs["input_values"])
+        return grads, None
 
     def _count(self, kind: str, ops: list) -> list:
         self.messages[kind] += len(ops)
@@ -95,6 +126,8 @@ class DistributedModule:
         self.last_grad_norm: torch.Tensor | None = None
         self._state_keys = state_keys  # model.state_dict()'s: no non-persistent buffers
         self.topology = topology
+        # ZeRO-2/3: FSDP keeps each rank's dp shard of every parameter and gradient.
+        self._sharded_grads = isinstance(module, FSDPModule)
         self.stage_index = stage.stage_index
         self.module = module
         self._stage = stage
@@ -135,6 +168,8 @@ class DistributedModule:
         for name, tensor in self.state_dict().items():
             placement = self._placement(name)
             value = tensor.detach()
+            if isinstance(value, DTensor):
+                value = value.full_tensor()
             if group is not None and placement.kind == "S":
                 parts = [torch.empty_like(value) for _ in range(self.topology.tp)]
                 dist.all_gather(parts, value.contiguous(), group=group)
@@ -165,13 +200,18 @@ class DistributedModule:
                     continue
                 tensor = own[name]
                 placement = self._placement(name)
+                if isinstance(source, DTensor):  # this rank's own state_dict(), ZeRO-2/3
+                    _local(tensor).copy_(source.to_local())
+                    continue
                 if source.shape != tensor.shape and placement.kind == "S":
                     source = tp_ops.shard_of(source, placement.dim, placement.chunks,
                                              self.topology.tp_rank, self.topology.tp)
                 if source.shape != tensor.shape:
                     raise ValueError(f"{name}: state dict has shape {list(source.shape)}, "
                                      f"this rank holds {list(tensor.shape)} ({placement})")
-                tensor.copy_(source)
+                if isinstance(tensor, DTensor):  # whole over dp: keep this rank's shard
+                    source = _dp_shard(source, self.topology.dp, self.topology.dp_rank)
+                _local(tensor).copy_(source)
 
     def _placement(self, name: str) -> Placement:
         return _placement_of(self.plan, self._aliases.get(name, (name,)))
@@ -242,7 +282,7 @@ class DistributedModule:
         data-parallel replica.
         """
         topo = self.topology
-        grads = [p.grad for name, p in self.module.named_parameters()
+        grads = [_local(p.grad) for name, p in self.module.named_parameters()
                  if p.grad is not None and self._counts_norm(name)]
         device = topo.device
         if norm_type == float("inf"):
@@ -253,12 +293,12 @@ class DistributedModule:
         else:
             local = sum((g.detach().to(torch.float32).norm(norm_type) ** norm_type
                          for g in grads), torch.zeros((), device=device))
-            dist.all_reduce(local)  # every dp replica adds the same sum
-            total = (local / topo.dp) ** (1.0 / norm_type)
+            dist.all_reduce(local)  # dp replicas add the same sum; dp shards, parts of it
+            total = (local / (1 if self._sharded_grads else topo.dp)) ** (1.0 / norm_type)
         coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
         for p in self.module.parameters():
             if p.grad is not None:
-                p.grad.mul_(coef.to(p.grad.dtype))
+                _local(p.grad).mul_(coef.to(p.grad.dtype))
         return total
 
     def _counts_norm(self, name: str) -> bool:
@@ -269,21 +309,23 @@ class DistributedModule:
     def _sync_gradients(self) -> None:
         # Replicated parameters that feed only sharded ops hold a partial gradient on
         # each tensor-parallel rank: sum them (one flat all-reduce per step).
-        partial = [p for p in self._partial_grads if p.grad is not None]
+        # Under ZeRO-2/3 each rank holds its dp shard of every gradient: the sums below
+        # run on those shards, which the ranks they span cut alike.
+        partial = [_local(p.grad) for p in self._partial_grads if p.grad is not None]
         if partial:
-            flat = torch.cat([p.grad.reshape(-1) for p in partial])
+            flat = torch.cat([g.reshape(-1) for g in partial])
             tp_ops.count("all_reduce")
             dist.all_reduce(flat, group=self.topology.tp_group)
             offset = 0
-            for p in partial:
-                p.grad.copy_(flat[offset:offset + p.numel()].view_as(p.grad))
-                offset += p.numel()
+            for grad in partial:
+                grad.copy_(flat[offset:offset + grad.numel()].view_as(grad))
+                offset += grad.numel()
         for params, group in self._tied:
             for param in params:
                 grad = param.grad if param.grad is not None else torch.zeros_like(param)
-                dist.all_reduce(grad, group=group)
+                dist.all_reduce(_local(grad), group=group)
                 param.grad = grad
-        if self.topology.dp == 1:
+        if self.topology.dp == 1 or self._sharded_grads:
             return
         grads = [p.grad for p in self.module.parameters() if p.grad is not None]
         if not grads:
@@ -351,8 +393,12 @@ def build(plan: Plan, model: nn.Module, loss_fn: Callable | None, *,
     gm, stages = lower_plan(plan, model, loss_fn)
     mine = stages[topology.pp_rank]
     module = mine.module
+    zero_stage = plan.zero_stage if topology.dp > 1 else 0
+    unit_paths = units(module) if zero_stage >= 2 else []
     _own_parameters(module, model, state_dict, topology.device,
                     _shard_plan(plan, topology))
+    if zero_stage >= 2:
+        _shard_over_dp(module, unit_paths, topology, zero_stage)
     tied = _tied_groups(stages, model, module, topology)
     partial_names = set(plan.tensor_parallel.get("partial_grad_params", ()))
     aliases = _aliases(model)
@@ -362,7 +408,7 @@ def build(plan: Plan, model: nn.Module, loss_fn: Callable | None, *,
     loss = _Loss(gm.get_submodule(str(loss_node.target)),
                  plan.recompute.get(meta.layer(loss_node).name, "none"))
     stage = _CountingStage(module, topology.pp_rank, plan.pp, topology.device,
-                           group=topology.pp_group)
+                           group=topology.pp_group, zero_stage=zero_stage)
     schedule_type = ScheduleGPipe
     if plan.schedule == "1f1b" and plan.num_microbatches >= plan.pp:
         schedule_type = Schedule1F1B  # with fewer microbatches than stages, 1F1B is GPipe
@@ -375,6 +421,32 @@ def build(plan: Plan, model: nn.Module, loss_fn: Callable | None, *,
         state_keys=set(model.state_dict(keep_vars=True)),
         tied_elsewhere=_tied_elsewhere(stages, model, module, topology.pp_rank),
         global_batch_size=plan.num_microbatches * plan.micro_batch_size * plan.dp)
+
+
+def _shard_over_dp(module: fx.GraphModule, unit_paths: list[str], topology: Topology,
+                   zero_stage: int) -> None:
+    """ZeRO-2/3 by FSDP2 over the dp group: one unit per layer that owns its parameters
+    (``unit_paths``), the stage itself the root unit for the rest (tied weights, layers
+    without a module of their own). ZeRO-3 frees a unit's gathered parameters after its
+    forward; the root keeps its own gathered until backward, as FSDP does."""
+    mesh = topology.mesh["dp"]
+    for path in unit_paths:
+        unit = module.get_submodule(path)
+        if next(unit.parameters(), None) is not None:
+            fully_shard(unit, mesh=mesh, reshard_after_forward=zero_stage >= 3)
+    fully_shard(module, mesh=mesh, reshard_after_forward=zero_stage >= 3)
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a tensor FSDP shards over dp (the tensor itself otherwise)."""
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+def _dp_shard(tensor: torch.Tensor, dp: int, dp_rank: int) -> torch.Tensor:
+    """FSDP2's shard of ``tensor`` on ``dp_rank``: its ``torch.chunk`` of dim 0 (empty
+    when dim 0 has fewer rows than ranks)."""
+    pieces = tensor.chunk(dp)
+    return pieces[dp_rank] if dp_rank < len(pieces) else tensor[:0]
 
 
 def _shard_plan(plan: Plan, topology: Topology) -> Callable[[str, torch.Tensor], torch.Tensor]:

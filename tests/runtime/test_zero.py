@@ -1,11 +1,16 @@
-"""ZeRO-1 (``Constraints(zero_stage=1)``, ``module.optimizer(...)``) against one process.
+"""ZeRO 1, 2 and 3 (``Constraints(zero_stage=...)``, ``module.optimizer(...)``) against
+one process.
 
-Each data-parallel rank keeps the optimizer state (SGD momentum) of its share of the
-parameters only, steps them and sends them to the other replica
-(``ZeroRedundancyOptimizer`` over the dp group). Cases: dp=2 on the sample GPT and on
-GPT-2 with gradient clipping, pp=2 x dp=2, and dp=2 x tp=2 on Llama. Checks: losses and
-parameters within 1e-5 of one process; the momentum buffers on a rank cover only part of
-its parameters, and the dp replicas' buffers together cover all of them exactly once.
+ZeRO-1 keeps on each data-parallel rank the optimizer state (SGD momentum) of its share
+of the parameters (``ZeroRedundancyOptimizer`` over the dp group). ZeRO-2/3 are FSDP2
+units, one per layer, sharded over dp: every rank stores its shard of each parameter,
+gradient and momentum buffer, reduce-scatters gradients after every microbatch, and
+under ZeRO-3 gathers each layer's parameters just before it runs. Cases, for each stage:
+dp=2 on the sample GPT and on GPT-2 with gradient clipping, pp=2 x dp=2 (GPT's tied
+embedding on both stages; under ZeRO-2/3 with full and selective recompute), and
+dp=2 x tp=2 on Llama. Checks: losses, parameters and gradient norms within 1e-5 of one
+process; the dp replicas' optimizer state (and under ZeRO-2/3 their parameters) covers
+every element exactly once, each rank holding only part of it.
 """
 
 from __future__ import annotations
@@ -14,8 +19,10 @@ import pytest
 
 from .test_parity import assert_trains_like_one_process, launched
 
-TWO = ["gpt-dp2-zero1", "gpt2-dp2-zero1-clip"]
-FOUR = ["gpt-pp2-dp2-zero1", "llama-dp2-tp2-zero1"]
+STAGES = (1, 2, 3)
+TWO = [f"{case}-zero{z}{suffix}" for z in STAGES
+       for case, suffix in (("gpt-dp2", ""), ("gpt2-dp2", "-clip"))]
+FOUR = [f"{case}-zero{z}" for z in STAGES for case in ("gpt-pp2-dp2", "llama-dp2-tp2")]
 
 
 zero2 = launched("zero2", 2, TWO)
@@ -27,23 +34,30 @@ def _check(ranks: list[dict], name: str) -> None:
     for rank, results in enumerate(ranks):
         result = results[name]
         assert_trains_like_one_process(rank, result)
-        assert result["zero_stage"] == 1 and result["mesh"]["dp"] == 2
+        assert result["zero_stage"] == int(name.split("zero")[1][0])
+        assert result["mesh"]["dp"] == 2
+        assert result["reloaded_unchanged"], result["changed_by_reload"]
         for ours, ref in zip(result["grad_norms"], result["ref_grad_norms"]):
             assert ours == pytest.approx(ref, rel=1e-5)
         assert 0 < result["optimizer_state_numel"] < result["own_params"]
+        sharded_params = result["zero_stage"] >= 2
+        assert (result["param_numel_here"] < result["own_params"]) == sharded_params
         # Ranks holding the same parameters (same stage and tp shard) form a dp group.
         key = (result["stage"], rank % result["mesh"]["tp"])
         by_replica_group.setdefault(key, []).append(result)
     for group in by_replica_group.values():
         assert len(group) == 2
-        assert sum(r["optimizer_state_numel"] for r in group) == group[0]["own_params"]
+        whole = group[0]["own_params"]
+        assert sum(r["optimizer_state_numel"] for r in group) == whole
+        if group[0]["zero_stage"] >= 2:
+            assert sum(r["param_numel_here"] for r in group) == whole
 
 
 @pytest.mark.parametrize("name", TWO)
-def test_zero1_matches_one_process_on_two(zero2, name):
+def test_zero_matches_one_process_on_two(zero2, name):
     _check(zero2, name)
 
 
 @pytest.mark.parametrize("name", FOUR)
-def test_zero1_matches_one_process_on_four(zero4, name):
+def test_zero_matches_one_process_on_four(zero4, name):
     _check(zero4, name)

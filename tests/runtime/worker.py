@@ -25,6 +25,7 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
+from torch.distributed.tensor import DTensor  # noqa: E402
 
 import partc  # noqa: E402
 from partc.passes.sharding import Placement  # noqa: E402
@@ -165,6 +166,18 @@ CASES["gpt-pp2-dp2-zero1"] = Case(gpt.gpt_tiny, "tokens", gpt.loss_fn,
 CASES["llama-dp2-tp2-zero1"] = Case(models.llama, "tokens", models.causal_lm_loss,
                                     dict(pp=1, dp=2, tp=2, tp_objective="memory",
                                          recompute="none", zero_stage=1))
+# ZeRO-2/3: FSDP2 shards gradients (and parameters) over dp, one unit per layer.
+for _zero in (2, 3):
+    CASES[f"gpt-dp2-zero{_zero}"] = Case(gpt.gpt_tiny, "tokens", gpt.loss_fn,
+                                         dict(pp=1, dp=2, zero_stage=_zero))
+    CASES[f"gpt2-dp2-zero{_zero}-clip"] = Case(_gpt2, "tokens", models.causal_lm_loss,
+                                               dict(pp=1, dp=2, zero_stage=_zero), clip=_CLIP)
+    CASES[f"gpt-pp2-dp2-zero{_zero}"] = Case(gpt.gpt_tiny, "tokens", gpt.loss_fn,
+                                             dict(pp=2, dp=2, schedule="1f1b", zero_stage=_zero,
+                                                  recompute=ALL_MODES))
+    CASES[f"llama-dp2-tp2-zero{_zero}"] = Case(models.llama, "tokens", models.causal_lm_loss,
+                                               dict(pp=1, dp=2, tp=2, tp_objective="memory",
+                                                    recompute="none", zero_stage=_zero))
 CASES["gpt-tp2-sp-recompute"] = Case(gpt.gpt_tiny, "tokens", gpt.loss_fn,
                                      dict(pp=1, recompute=ALL_MODES, sequence_parallel=True,
                                           **_TP_RECOMPUTE))
@@ -270,16 +283,18 @@ def run_case(name: str) -> dict[str, Any]:
 
     # Relative error; against 1e-3 where the reference is ~0 (a key projection's bias never
     # moves: its gradient is mathematically zero, so only rounding noise is compared).
-    errors = {fqn: ((p.detach() - reference_shard(fqn)).norm()
+    errors = {fqn: ((_whole_over_dp(p) - reference_shard(fqn)).norm()
                     / max(reference_shard(fqn).norm().item(), 1e-3)).item()
               for fqn, p in module.named_parameters()}
     own_params = sum(p.numel() for p in {id(p): p for p in module.parameters()}.values())
     # The whole model back from every stage and shard, as one process holds it; loading
     # it again slices each rank's shards out unchanged.
     full, ref_state = module.full_state_dict(), reference.state_dict()
-    before = {name: t.detach().clone() for name, t in module.state_dict().items()}
+    before = {name: _here(t).clone() for name, t in module.state_dict().items()}
     module.load_state_dict(full)
-    reloaded = all(torch.equal(before[name], t) for name, t in module.state_dict().items())
+    changed = [name for name, t in module.state_dict().items()
+               if not torch.equal(before[name], _here(t))]
+    reloaded = not changed
     full_error = max(((full[k] - v).norm() / max(v.norm().item(), 1e-3)).item()
                      for k, v in ref_state.items() if k in full)
     return {"losses": losses, "ref_losses": ref_losses, "param_errors": errors,
@@ -289,17 +304,34 @@ def run_case(name: str) -> dict[str, Any]:
             "num_params": len(errors), "own_params": own_params,
             "full_state_keys": sorted(set(full) ^ set(ref_state)),
             "full_state_error": full_error, "reloaded_unchanged": reloaded,
+            "changed_by_reload": changed,
             "grad_norms": norms, "ref_grad_norms": ref_norms,
             "zero_stage": plan.zero_stage, "dp_rank": topo.dp_rank,
-            "optimizer_state_numel": sum(t.numel() for state in getattr(opt, "optim", opt)
+            "optimizer_state_numel": sum(_numel_here(t) for state in getattr(opt, "optim", opt)
                                          .state.values() for t in state.values()
                                          if isinstance(t, torch.Tensor) and t.dim() > 0),
+            "param_numel_here": sum(_numel_here(p) for p in module.parameters()),
             "planned_params": plan.stages[module.stage_index].param_count,
             "collectives": dict(tp_ops.counts()),
             "planned_collectives": _planned_collectives(plan, module.stage_index),
             "layer_collectives": {layer: [(kind, phase) for kind, phase, _ in moves]
                                   for layer, moves in
                                   plan.tensor_parallel.get("collectives", {}).items()}}
+
+
+def _whole_over_dp(tensor: torch.Tensor) -> torch.Tensor:
+    """A parameter as its tp rank holds it: gathered over dp where ZeRO-2/3 shards it."""
+    tensor = tensor.detach()
+    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+
+
+def _here(tensor: torch.Tensor) -> torch.Tensor:
+    """What this rank stores of a tensor (its dp shard, under ZeRO-2/3)."""
+    return (tensor.to_local() if isinstance(tensor, DTensor) else tensor).detach()
+
+
+def _numel_here(tensor: torch.Tensor) -> int:
+    return _here(tensor).numel()
 
 
 def _backward(loss: torch.Tensor) -> torch.Tensor:
