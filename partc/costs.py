@@ -17,6 +17,11 @@ Model (per pipeline stage ``s`` of ``p``, ``m`` microbatches of ``b`` samples):
 - after the pipeline drains, ``max_s e_s`` where ``e_s`` is the data-parallel gradient
   all-reduce (ring) plus the optimizer step of the stage's parameters, and the all-reduce
   of tied parameters' gradients among the stages that hold them;
+- ZeRO-2/3 (FSDP2, one unit per layer): every microbatch's backward reduce-scatters the
+  layer's gradients, and ZeRO-3 gathers its parameters in forward and again in backward;
+  each collective overlaps the layer's own compute (a layer costs ``max(compute, comm)``
+  per phase, as FSDP prefetches the next unit while one computes); ZeRO-2 gathers all
+  parameters once per step, in the tail;
 - memory of stage ``s``: parameters + gradients + optimizer state of every parameter the
   stage uses (a tied parameter on every stage that uses it) + saved activations times the
   microbatches in flight (1F1B: ``min(m, p - s)``; GPipe: ``m``) + the largest transient
@@ -49,7 +54,7 @@ class PipelineConfig:
     tp: int = 1
     sequence_parallel: bool = False
     tp_objective: str = "time"
-    zero_stage: int = 0  # 1: optimizer state sharded over the dp group
+    zero_stage: int = 0  # 1: optimizer state sharded over dp, 2: gradients too, 3: weights too
 
     def inflight(self, stage: int) -> int:
         """Microbatches whose activations stage ``stage`` holds at its peak."""
@@ -126,13 +131,38 @@ def zero_state_bytes(params: float, weight_bytes: float, grad_bytes: float,
     }
 
 
-def _state_bytes(problem: PlanningProblem, config: PipelineConfig,
-                 params: int) -> dict[str, int]:
+def _state_bytes(problem: PlanningProblem, config: PipelineConfig, params: int,
+                 gathered: bool = False) -> dict[str, int]:
+    """What the runtime holds: ZeRO's formula, except that under ZeRO-2 FSDP keeps each
+    rank's parameter shard beside the gathered parameters (``gathered``: parameters the
+    root unit keeps gathered through the step, such as tied weights, likewise)."""
     train = problem.train
+    zero = config.zero_stage if config.dp > 1 else 0
     state = zero_state_bytes(params, train.weight_bytes_per_param, train.grad_bytes_per_param,
-                             train.optimizer_bytes_per_param, dp=config.dp,
-                             stage=config.zero_stage)
+                             train.optimizer_bytes_per_param, dp=config.dp, stage=zero)
+    if zero == 2 or zero == 3 and gathered:
+        state["params"] = params * train.weight_bytes_per_param * (1 + 1 / config.dp)
     return {kind: int(round(nbytes)) for kind, nbytes in state.items()}
+
+
+def _zero_comm_seconds(problem: PlanningProblem, config: PipelineConfig,
+                       params: int) -> dict[str, float]:
+    """ZeRO-2/3 collectives of ``params`` parameters over dp (ring), by when they run:
+    per microbatch in forward or backward, or once per step."""
+    zero = config.zero_stage if config.dp > 1 else 0
+    result = {"forward": 0.0, "backward": 0.0, "step": 0.0}
+    if zero < 2:
+        return result
+    d, train = config.dp, problem.train
+    bandwidth = _dp_group_bandwidth(problem, config)
+    latency = (d - 1) * problem.devices.link_latency_s
+    gather = latency + (d - 1) / d * params * train.weight_bytes_per_param / bandwidth
+    scatter = latency + (d - 1) / d * params * train.grad_bytes_per_param / bandwidth
+    if zero == 2:
+        result.update(backward=scatter, step=gather)
+    else:
+        result.update(forward=gather, backward=gather + scatter)
+    return result
 
 
 def _dp_group_bandwidth(problem: PlanningProblem, config: PipelineConfig) -> float:
@@ -146,11 +176,16 @@ def _dp_group_bandwidth(problem: PlanningProblem, config: PipelineConfig) -> flo
 def _tail_ps(problem: PlanningProblem, config: PipelineConfig, params: int) -> int:
     """Gradient all-reduce over dp (ring: 2 (d-1)/d of the bytes) and the optimizer step;
     under ZeRO-1 each rank steps 1/dp of the parameters, then the updated weights are
-    gathered from their owners ((d-1)/d of the weight bytes)."""
+    gathered from their owners ((d-1)/d of the weight bytes). Under ZeRO-2/3 gradients
+    were reduce-scattered during backward: each rank steps its shard, and ZeRO-2 gathers
+    the parameters once per step."""
     train, devices = problem.train, problem.devices
     seconds = 0.0
     stepped = params
-    if config.dp > 1:
+    if config.dp > 1 and config.zero_stage >= 2:
+        stepped = params / config.dp
+        seconds += _zero_comm_seconds(problem, config, params)["step"]
+    elif config.dp > 1:
         grad = params * train.grad_bytes_per_param
         bandwidth = _dp_group_bandwidth(problem, config)
         seconds += 2 * (config.dp - 1) / config.dp * grad / bandwidth
@@ -164,6 +199,14 @@ def _tail_ps(problem: PlanningProblem, config: PipelineConfig, params: int) -> i
     return to_ps(seconds)
 
 
+def _shared_tail_ps(problem: PlanningProblem, config: PipelineConfig, params: int) -> int:
+    """A tied weight's tail; under ZeRO-2/3 the stage's root unit holds it, whose
+    collectives (every microbatch's) are not overlapped: charged here."""
+    zero = _zero_comm_seconds(problem, config, params)
+    per_microbatch = zero["forward"] + zero["backward"]
+    return _tail_ps(problem, config, params) + to_ps(config.num_microbatches * per_microbatch)
+
+
 def _layer_table(problem: PlanningProblem, config: PipelineConfig, index: int) -> LayerTable:
     layer = problem.layers[index]
     devices, train = problem.devices, problem.train
@@ -174,14 +217,19 @@ def _layer_table(problem: PlanningProblem, config: PipelineConfig, index: int) -
         return b * (flops / flop_rate + mem_bytes * scale / devices.hbm_bandwidth)
 
     saved = {m: int(round(b * scale * v)) for m, v in layer.saved_bytes.items()}
-    workspace = int(round(2 * b * scale * layer.workspace_bytes))
+    workspace = int(round(2 * b * scale * layer.workspace_bytes)) + _zero_transient(
+        problem, config, layer.param_count)
     comm = tp_comm_seconds(problem, config, layer)
+    zero = _zero_comm_seconds(problem, config, layer.param_count)
     # Recompute replays the layer's forward, collectives included (selective too: the
-    # cheap ops it replays include the collectives, which save nothing).
+    # cheap ops it replays include the collectives, which save nothing). ZeRO-3 gathers
+    # the layer once for its backward, recompute included.
     rerun = {m: comm["forward"] if m != "none" else 0.0 for m in layer.modes}
+    forward = seconds(layer.fwd_flops, layer.fwd_mem_bytes) + comm["forward"]
+    backward = seconds(layer.bwd_flops, layer.bwd_mem_bytes) + comm["backward"]
     return LayerTable(
-        forward_ps=to_ps(seconds(layer.fwd_flops, layer.fwd_mem_bytes) + comm["forward"]),
-        backward_ps=to_ps(seconds(layer.bwd_flops, layer.bwd_mem_bytes) + comm["backward"]),
+        forward_ps=to_ps(max(forward, zero["forward"])),
+        backward_ps=to_ps(max(backward, zero["backward"])),
         recompute_ps={m: to_ps(seconds(layer.recompute_flops[m], layer.recompute_mem_bytes[m])
                                + rerun[m]) for m in layer.modes},
         saved_bytes=saved,
@@ -190,6 +238,18 @@ def _layer_table(problem: PlanningProblem, config: PipelineConfig, index: int) -
         state_bytes=_state_bytes(problem, config, layer.param_count),
         tail_ps=_tail_ps(problem, config, layer.param_count),
     )
+
+
+def _zero_transient(problem: PlanningProblem, config: PipelineConfig, params: int) -> int:
+    """Bytes a ZeRO-2/3 unit holds beyond its shards while it runs: its whole gradient
+    before the reduce-scatter, and under ZeRO-3 its gathered parameters and the next
+    unit's, prefetched (taken as the same size)."""
+    zero = config.zero_stage if config.dp > 1 else 0
+    train = problem.train
+    if zero < 2:
+        return 0
+    gathered = 2 * params * train.weight_bytes_per_param if zero == 3 else 0
+    return int(round(gathered + params * train.grad_bytes_per_param))
 
 
 def tp_comm_seconds(problem: PlanningProblem, config: PipelineConfig,
@@ -242,8 +302,8 @@ def build_cost_table(problem: PlanningProblem, config: PipelineConfig) -> CostTa
         SharedTable(
             layers=group.layers,
             param_count=group.param_count,
-            state_bytes=_state_bytes(problem, config, group.param_count),
-            tail_ps=_tail_ps(problem, config, group.param_count),
+            state_bytes=_state_bytes(problem, config, group.param_count, gathered=True),
+            tail_ps=_shared_tail_ps(problem, config, group.param_count),
             tie_sync_ps=to_ps(devices.link_latency_s + group.param_count
                               * problem.train.grad_bytes_per_param
                               / devices.inter_node_bandwidth),
@@ -252,7 +312,8 @@ def build_cost_table(problem: PlanningProblem, config: PipelineConfig) -> CostTa
     )
     limits = tuple(min(devices.memory_bytes[r] for r in stage_ranks(problem, config, s))
                    for s in range(config.pp))
-    latency = 2 * (config.dp - 1) * devices.link_latency_s if config.dp > 1 else 0.0
+    all_reduce = config.dp > 1 and config.zero_stage < 2
+    latency = 2 * (config.dp - 1) * devices.link_latency_s if all_reduce else 0.0
     return CostTable(
         config=config,
         layers=tuple(_layer_table(problem, config, i) for i in range(problem.num_layers)),

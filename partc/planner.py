@@ -146,7 +146,7 @@ def tp_choices(problem: PlanningProblem) -> list[tuple[int, bool, str]]:
 
 def candidate_configs(problem: PlanningProblem) -> list[PipelineConfig]:
     """Every (tp, pp, dp, b, m, schedule, ZeRO stage) the pins and the batch allow
-    (ZeRO-1 only where there is more than one replica)."""
+    (ZeRO stages 1-3 only where there is more than one replica)."""
     pins = problem.pins
     schedules = [pins.schedule] if pins.schedule else list(reversed(SCHEDULES))
     configs = []
@@ -172,7 +172,7 @@ def candidate_configs(problem: PlanningProblem) -> list[PipelineConfig]:
                 if pins.micro_batch_size is not None and b != pins.micro_batch_size:
                     continue
                 zero_stages = [pins.zero_stage] if pins.zero_stage is not None else (
-                    [0, 1] if dp > 1 else [0])
+                    [0, 1, 2, 3] if dp > 1 else [0])
                 configs.extend(PipelineConfig(pp=pp, dp=dp, micro_batch_size=b,
                                               num_microbatches=m, schedule=schedule, tp=tp,
                                               sequence_parallel=sp, tp_objective=objective,

@@ -134,10 +134,10 @@ class Constraints:
             raise ValueError(f"tp_objective must be 'time' or 'memory', got {self.tp_objective!r}")
         if self.sequence_parallel and self.tp == 1:
             raise ValueError("sequence parallelism needs tensor parallelism: tp=1 was pinned")
-        if self.zero_stage not in (None, 0, 1):
-            raise ValueError(f"zero_stage must be 0 (plain data parallelism) or 1 (optimizer "
-                             f"state sharded over dp); stages 2 and 3 are not built yet, "
-                             f"got {self.zero_stage!r}")
+        if self.zero_stage not in (None, 0, 1, 2, 3):
+            raise ValueError(f"zero_stage must be 0 (plain data parallelism), 1 (optimizer "
+                             f"state sharded over dp), 2 (gradients too) or 3 (parameters "
+                             f"too), got {self.zero_stage!r}")
         if self.schedule is not None and self.schedule not in SCHEDULES:
             raise ValueError(f"schedule must be one of {SCHEDULES}, got {self.schedule!r}")
         if self.stages is not None:

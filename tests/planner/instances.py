@@ -95,7 +95,7 @@ def brute_force(prob: PlanningProblem) -> tuple[int, PipelineConfig, list[int], 
             per_replica = prob.train.global_batch_size // dp
             if per_replica % b:
                 continue
-            for schedule, zero in itertools.product(("1f1b", "gpipe"), (0, 1)):
+            for schedule, zero in itertools.product(("1f1b", "gpipe"), (0, 1, 2, 3)):
                 if zero and dp == 1:
                     continue  # ZeRO shards over replicas: with one there is nothing to shard
                 config = PipelineConfig(pp=pp, dp=dp, micro_batch_size=b, zero_stage=zero,
