@@ -48,7 +48,7 @@ def _headline(plan: Plan) -> list[str]:
         f"training: global batch {train.get('global_batch_size')}, {train.get('dtype')}, "
         f"{train.get('optimizer')}",
         f"plan: pp={plan.mesh['pp']} dp={plan.mesh['dp']} tp={plan.mesh['tp']}"
-        + (f" (ZeRO-{plan.zero_stage}: optimizer state sharded over dp)"
+        + (f" (ZeRO-{plan.zero_stage}: {_ZERO_SHARDS[plan.zero_stage]} sharded over dp)"
            if plan.zero_stage else "") + ", "
         f"{plan.schedule}, {plan.num_microbatches} microbatches of {plan.micro_batch_size}",
         f"predicted: step {format_seconds(p['step_time_s'])}, "
@@ -88,12 +88,18 @@ def _memory_rows(plan: Plan) -> list[list[str]]:
 
 
 def _memory_lines(plan: Plan) -> list[str]:
-    sharded = {1: "optimizer state", 2: "gradients and optimizer state",
-               3: "weights, gradients and optimizer state"}.get(plan.zero_stage)
+    sharded = _ZERO_SHARDS.get(plan.zero_stage)
     zero = f"; ZeRO-{plan.zero_stage} keeps 1/{plan.dp} of the {sharded}" if sharded else ""
+    gathered = {2: " (and the weights gathered for the step beside their shards)",
+                3: " (and, as transient, one layer's gathered weights and the next's, with "
+                   "its whole gradient)"}.get(plan.zero_stage, "")
     return [f"Every rank of a stage holds the same: its layers' weights, gradients and "
-            f"optimizer state{zero}; the activations saved for the microbatches in flight; "
-            f"the largest working set of one layer (transient)."]
+            f"optimizer state{zero}{gathered}; the activations saved for the microbatches "
+            f"in flight; the largest working set of one layer (transient)."]
+
+
+_ZERO_SHARDS = {1: "optimizer state", 2: "gradients and optimizer state",
+                3: "weights, gradients and optimizer state"}
 
 
 def _mesh_name(mesh: dict) -> str:
