@@ -131,17 +131,33 @@ def zero_state_bytes(params: float, weight_bytes: float, grad_bytes: float,
     }
 
 
+def precision_bytes(train) -> tuple[float, float, float]:
+    """Bytes per parameter as the runtime keeps them: (compute weights, fp32 master
+    weights and gradients, optimizer state without the master).
+
+    In fp32 the weights are their own master. In mixed precision (bf16) the runtime's
+    parameters stay fp32 and are the master: under ZeRO 0/1 autocast computes in bf16
+    and gradients are fp32; under ZeRO-2/3 FSDP gathers bf16 copies of the fp32 shards
+    and reduce-scatters gradients in fp32. So, per parameter, fp32 Adam holds 4 + 4 + 8
+    and bf16 Adam 4 + 4 + 8 too under ZeRO-0 (TrainSpec's 2 + 2 + 12 counts the same
+    16 bytes the ZeRO paper's way), 4 + 4 + 8/d under ZeRO-1, 2 + 12/d + 4/d under
+    ZeRO-2 (the gathered bf16 weights, the fp32 shards), and 16/d under ZeRO-3."""
+    compute = train.weight_bytes_per_param
+    master = max(compute, 4.0)
+    return compute, master, train.optimizer_bytes_per_param - (master - compute)
+
+
 def _state_bytes(problem: PlanningProblem, config: PipelineConfig, params: int,
                  gathered: bool = False) -> dict[str, int]:
-    """What the runtime holds: ZeRO's formula, except that under ZeRO-2 FSDP keeps each
-    rank's parameter shard beside the gathered parameters (``gathered``: parameters the
-    root unit keeps gathered through the step, such as tied weights, likewise)."""
-    train = problem.train
+    """What the runtime holds (see :func:`precision_bytes`): ZeRO's sharding, except that
+    under ZeRO-2 FSDP keeps each rank's fp32 shard beside the gathered weights
+    (``gathered``: weights the root unit keeps gathered through the step, such as tied
+    ones, likewise under ZeRO-3)."""
+    compute, master, optimizer = precision_bytes(problem.train)
     zero = config.zero_stage if config.dp > 1 else 0
-    state = zero_state_bytes(params, train.weight_bytes_per_param, train.grad_bytes_per_param,
-                             train.optimizer_bytes_per_param, dp=config.dp, stage=zero)
+    state = zero_state_bytes(params, master, master, optimizer, dp=config.dp, stage=zero)
     if zero == 2 or zero == 3 and gathered:
-        state["params"] = params * train.weight_bytes_per_param * (1 + 1 / config.dp)
+        state["params"] = params * (compute + master / config.dp)
     return {kind: int(round(nbytes)) for kind, nbytes in state.items()}
 
 
@@ -153,11 +169,12 @@ def _zero_comm_seconds(problem: PlanningProblem, config: PipelineConfig,
     result = {"forward": 0.0, "backward": 0.0, "step": 0.0}
     if zero < 2:
         return result
-    d, train = config.dp, problem.train
+    d = config.dp
+    compute, master, _ = precision_bytes(problem.train)
     bandwidth = _dp_group_bandwidth(problem, config)
     latency = (d - 1) * problem.devices.link_latency_s
-    gather = latency + (d - 1) / d * params * train.weight_bytes_per_param / bandwidth
-    scatter = latency + (d - 1) / d * params * train.grad_bytes_per_param / bandwidth
+    gather = latency + (d - 1) / d * params * compute / bandwidth   # compute-dtype copies
+    scatter = latency + (d - 1) / d * params * master / bandwidth   # fp32 reduction
     if zero == 2:
         result.update(backward=scatter, step=gather)
     else:
@@ -179,22 +196,21 @@ def _tail_ps(problem: PlanningProblem, config: PipelineConfig, params: int) -> i
     gathered from their owners ((d-1)/d of the weight bytes). Under ZeRO-2/3 gradients
     were reduce-scattered during backward: each rank steps its shard, and ZeRO-2 gathers
     the parameters once per step."""
-    train, devices = problem.train, problem.devices
+    devices = problem.devices
+    compute, master, optimizer = precision_bytes(problem.train)
     seconds = 0.0
     stepped = params
     if config.dp > 1 and config.zero_stage >= 2:
         stepped = params / config.dp
         seconds += _zero_comm_seconds(problem, config, params)["step"]
     elif config.dp > 1:
-        grad = params * train.grad_bytes_per_param
         bandwidth = _dp_group_bandwidth(problem, config)
-        seconds += 2 * (config.dp - 1) / config.dp * grad / bandwidth
+        seconds += 2 * (config.dp - 1) / config.dp * params * master / bandwidth
         if config.zero_stage >= 1:
             stepped = params / config.dp
-            seconds += (config.dp - 1) / config.dp * params * train.weight_bytes_per_param \
-                / bandwidth
-    touched = stepped * (2 * train.weight_bytes_per_param + train.grad_bytes_per_param
-                         + 2 * train.optimizer_bytes_per_param)
+            seconds += (config.dp - 1) / config.dp * params * master / bandwidth
+    # The step reads gradients and state and writes weights and state (fp32 all).
+    touched = stepped * (2 * master + master + 2 * optimizer)
     seconds += touched / devices.hbm_bandwidth
     return to_ps(seconds)
 
@@ -217,6 +233,12 @@ def _layer_table(problem: PlanningProblem, config: PipelineConfig, index: int) -
         return b * (flops / flop_rate + mem_bytes * scale / devices.hbm_bandwidth)
 
     saved = {m: int(round(b * scale * v)) for m, v in layer.saved_bytes.items()}
+    compute_bytes, master, _ = precision_bytes(train)
+    if compute_bytes < master and (config.zero_stage < 2 or config.dp == 1):
+        # Autocast's compute-dtype copies of the weights, saved for backward by every
+        # microbatch in flight (full recompute casts them again in backward).
+        saved = {m: v + (int(round(layer.param_count * compute_bytes)) if m != "full" else 0)
+                 for m, v in saved.items()}
     workspace = int(round(2 * b * scale * layer.workspace_bytes)) + _zero_transient(
         problem, config, layer.param_count)
     comm = tp_comm_seconds(problem, config, layer)
@@ -245,11 +267,11 @@ def _zero_transient(problem: PlanningProblem, config: PipelineConfig, params: in
     before the reduce-scatter, and under ZeRO-3 its gathered parameters and the next
     unit's, prefetched (taken as the same size)."""
     zero = config.zero_stage if config.dp > 1 else 0
-    train = problem.train
+    compute, _, _ = precision_bytes(problem.train)
     if zero < 2:
         return 0
-    gathered = 2 * params * train.weight_bytes_per_param if zero == 3 else 0
-    return int(round(gathered + params * train.grad_bytes_per_param))
+    gathered = 2 * params * compute if zero == 3 else 0
+    return int(round(gathered + params * compute))
 
 
 def tp_comm_seconds(problem: PlanningProblem, config: PipelineConfig,
@@ -305,7 +327,7 @@ def build_cost_table(problem: PlanningProblem, config: PipelineConfig) -> CostTa
             state_bytes=_state_bytes(problem, config, group.param_count, gathered=True),
             tail_ps=_shared_tail_ps(problem, config, group.param_count),
             tie_sync_ps=to_ps(devices.link_latency_s + group.param_count
-                              * problem.train.grad_bytes_per_param
+                              * precision_bytes(problem.train)[1]  # fp32 gradients
                               / devices.inter_node_bandwidth),
         )
         for group in problem.model.shared

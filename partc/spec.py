@@ -33,8 +33,11 @@ class TrainSpec:
     """The training setup: batch, precision, optimizer, schedule.
 
     ``global_batch_size`` is in samples (sequences) per optimizer step, over all
-    data-parallel replicas and microbatches. With a compute dtype other than fp32 the
-    optimizer keeps fp32 master weights (4 bytes/parameter more), as in mixed precision.
+    data-parallel replicas and microbatches. ``dtype=torch.bfloat16`` trains in mixed
+    precision: bf16 compute, fp32 master weights (the parameters stay fp32), fp32
+    gradients and gradient reduction (autocast under ZeRO 0/1, FSDP's mixed precision
+    under ZeRO-2/3; see ``partc.costs.precision_bytes`` for the bytes each holds).
+    ``float16`` can be planned but not trained: it would need loss scaling.
     ``max_grad_norm``: after each step's backward the runtime scales all gradients so
     that their global 2-norm (every parameter counted once, whatever holds it) is at
     most this, as ``torch.nn.utils.clip_grad_norm_`` does on one device.
