@@ -65,3 +65,18 @@ def test_constraints_validate_pins():
 def test_units_round_trip():
     assert parse_bytes("1.5GiB") == 3 * 2**29 and parse_bytes("40GB") == 40 * 10**9
     assert format_bytes(3 * 2**29) == "1.50 GiB"
+
+
+def test_float16_plans_but_the_runtime_asks_for_bfloat16():
+    from partc.runtime.module import _compute_dtype
+
+    train = partc.TrainSpec(global_batch_size=8, dtype=torch.float16)
+    assert train.weight_bytes == 2  # planning in fp16 is fine
+
+    class _Plan:
+        train = {"dtype": "float16"}
+
+    with pytest.raises(partc.PartcError, match="bfloat16"):
+        _compute_dtype(_Plan())
+    _Plan.train = {"dtype": "bfloat16"}
+    assert _compute_dtype(_Plan()) == torch.bfloat16

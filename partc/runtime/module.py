@@ -34,7 +34,7 @@ import torch
 import torch.distributed as dist
 import torch.utils._pytree as pytree
 from torch import fx, nn
-from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 from torch.distributed.pipelining._backward import stage_backward
 from torch.distributed.tensor import DTensor
@@ -96,14 +96,19 @@ class _CountingStage(PipelineStage):
 
 
 class _Loss:
-    """The user's loss on the last stage's outputs, recomputed if the plan says so."""
+    """The user's loss on the last stage's outputs, recomputed if the plan says so; in
+    fp32 under mixed precision (the outputs come in the compute dtype)."""
 
-    def __init__(self, loss_call: nn.Module, mode: str) -> None:
+    def __init__(self, loss_call: nn.Module, mode: str, mixed: bool = False) -> None:
         self.loss_call = loss_call
         self.mode = mode
+        self.mixed = mixed
 
     def __call__(self, output: Any, target: Any) -> torch.Tensor:
         leaves = tuple(output) if isinstance(output, (tuple, list)) else (output,)
+        if self.mixed:
+            leaves = tuple(t.float() if isinstance(t, torch.Tensor) and t.is_floating_point()
+                           else t for t in leaves)
         if self.mode == "none":
             return self.loss_call(*leaves, target)
         return checkpoint_layer(self.loss_call, self.mode, *leaves, target)
@@ -394,11 +399,19 @@ def build(plan: Plan, model: nn.Module, loss_fn: Callable | None, *,
     mine = stages[topology.pp_rank]
     module = mine.module
     zero_stage = plan.zero_stage if topology.dp > 1 else 0
+    compute_dtype = _compute_dtype(plan)
     unit_paths = units(module) if zero_stage >= 2 else []
     _own_parameters(module, model, state_dict, topology.device,
                     _shard_plan(plan, topology))
     if zero_stage >= 2:
-        _shard_over_dp(module, unit_paths, topology, zero_stage)
+        _shard_over_dp(module, unit_paths, topology, zero_stage, compute_dtype)
+    if compute_dtype != torch.float32:
+        # Mixed precision: the fp32 parameters are the master weights; autocast runs
+        # the stage in the compute dtype, and gradients come out (and are summed) fp32.
+        # Under ZeRO-2/3 FSDP already gathers compute-dtype weights; autocast still
+        # casts activations a traced graph pins to fp32 (exported graphs fix dtypes).
+        module.forward = torch.autocast(topology.device.type, dtype=compute_dtype)(
+            module.forward)
     tied = _tied_groups(stages, model, module, topology)
     partial_names = set(plan.tensor_parallel.get("partial_grad_params", ()))
     aliases = _aliases(model)
@@ -406,7 +419,8 @@ def build(plan: Plan, model: nn.Module, loss_fn: Callable | None, *,
                if partial_names & set(aliases.get(name, (name,)))]
     loss_node = next(n for n in gm.graph.nodes if meta.role(n) == meta.ROLE_LOSS)
     loss = _Loss(gm.get_submodule(str(loss_node.target)),
-                 plan.recompute.get(meta.layer(loss_node).name, "none"))
+                 plan.recompute.get(meta.layer(loss_node).name, "none"),
+                 mixed=compute_dtype != torch.float32)
     stage = _CountingStage(module, topology.pp_rank, plan.pp, topology.device,
                            group=topology.pp_group, zero_stage=zero_stage)
     schedule_type = ScheduleGPipe
@@ -423,18 +437,32 @@ def build(plan: Plan, model: nn.Module, loss_fn: Callable | None, *,
         global_batch_size=plan.num_microbatches * plan.micro_batch_size * plan.dp)
 
 
+def _compute_dtype(plan: Plan) -> torch.dtype:
+    dtype = getattr(torch, plan.train.get("dtype", "float32"))
+    if dtype == torch.float16:
+        raise PartcError("training in float16 needs loss scaling, which partc's runtime "
+                         "does not do: train in bfloat16 (plans for float16 are fine)")
+    return dtype
+
+
 def _shard_over_dp(module: fx.GraphModule, unit_paths: list[str], topology: Topology,
-                   zero_stage: int) -> None:
+                   zero_stage: int, compute_dtype: torch.dtype) -> None:
     """ZeRO-2/3 by FSDP2 over the dp group: one unit per layer that owns its parameters
     (``unit_paths``), the stage itself the root unit for the rest (tied weights, layers
     without a module of their own). ZeRO-3 frees a unit's gathered parameters after its
-    forward; the root keeps its own gathered until backward, as FSDP does."""
+    forward; the root keeps its own gathered until backward, as FSDP does. In mixed
+    precision the fp32 shards are the master weights, gathered as compute-dtype copies,
+    and gradients are reduce-scattered in fp32."""
     mesh = topology.mesh["dp"]
+    policy = MixedPrecisionPolicy(
+        param_dtype=None if compute_dtype == torch.float32 else compute_dtype,
+        reduce_dtype=torch.float32)
     for path in unit_paths:
         unit = module.get_submodule(path)
         if next(unit.parameters(), None) is not None:
-            fully_shard(unit, mesh=mesh, reshard_after_forward=zero_stage >= 3)
-    fully_shard(module, mesh=mesh, reshard_after_forward=zero_stage >= 3)
+            fully_shard(unit, mesh=mesh, reshard_after_forward=zero_stage >= 3,
+                        mp_policy=policy)
+    fully_shard(module, mesh=mesh, reshard_after_forward=zero_stage >= 3, mp_policy=policy)
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:

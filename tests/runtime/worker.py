@@ -47,6 +47,7 @@ class Case:
     # dropout draws the same masks (tp only: a pipeline draws per stage).
     reference: str = "batch"
     clip: float | None = None  # TrainSpec.max_grad_norm; the reference clips likewise
+    dtype: torch.dtype = torch.float32  # TrainSpec.dtype; the reference trains in fp32
 
 
 def _tokens(model: torch.nn.Module) -> int:
@@ -178,6 +179,20 @@ for _zero in (2, 3):
     CASES[f"llama-dp2-tp2-zero{_zero}"] = Case(models.llama, "tokens", models.causal_lm_loss,
                                                dict(pp=1, dp=2, tp=2, tp_objective="memory",
                                                     recompute="none", zero_stage=_zero))
+# Mixed precision (bf16 compute, fp32 master weights and gradient reduction): autocast
+# under ZeRO 0/1, FSDP's mixed precision under ZeRO-2/3; against fp32 in one process.
+_BF16 = dict(dtype=torch.bfloat16)
+CASES["gpt-dp2-bf16"] = Case(gpt.gpt_tiny, "tokens", gpt.loss_fn, dict(pp=1, dp=2), **_BF16)
+CASES["gpt2-dp2-zero1-bf16"] = Case(_gpt2, "tokens", models.causal_lm_loss,
+                                    dict(pp=1, dp=2, zero_stage=1), **_BF16)
+CASES["gpt-dp2-zero3-bf16"] = Case(gpt.gpt_tiny, "tokens", gpt.loss_fn,
+                                   dict(pp=1, dp=2, zero_stage=3), clip=_CLIP, **_BF16)
+CASES["llama-pp2-bf16"] = Case(models.llama, "tokens", models.causal_lm_loss,
+                               dict(pp=2, schedule="1f1b", recompute=HF_MODES), **_BF16)
+CASES["llama-pp2-dp2-zero2-bf16"] = Case(models.llama, "tokens", models.causal_lm_loss,
+                                         dict(pp=2, dp=2, tp=1, schedule="1f1b",
+                                              zero_stage=2),
+                                         **_BF16)
 CASES["gpt-tp2-sp-recompute"] = Case(gpt.gpt_tiny, "tokens", gpt.loss_fn,
                                      dict(pp=1, recompute=ALL_MODES, sequence_parallel=True,
                                           **_TP_RECOMPUTE))
@@ -220,7 +235,7 @@ def compile_case(case: Case, model: torch.nn.Module, world: int) -> partc.Progra
     return partc.compile(model, (x,), loss_fn=case.loss_fn, example_target=y,
                          budget=partc.DeviceBudget(num_devices=world, device="CPU"),
                          train=partc.TrainSpec(global_batch_size=BATCH, optimizer="sgd",
-                                               max_grad_norm=case.clip),
+                                               max_grad_norm=case.clip, dtype=case.dtype),
                          constraints=partc.Constraints(**constraints))
 
 
@@ -311,6 +326,7 @@ def run_case(name: str) -> dict[str, Any]:
                                          .state.values() for t in state.values()
                                          if isinstance(t, torch.Tensor) and t.dim() > 0),
             "param_numel_here": sum(_numel_here(p) for p in module.parameters()),
+            "param_dtypes": sorted({str(p.dtype) for p in module.parameters()}),
             "planned_params": plan.stages[module.stage_index].param_count,
             "collectives": dict(tp_ops.counts()),
             "planned_collectives": _planned_collectives(plan, module.stage_index),

@@ -1,0 +1,60 @@
+"""The units pass (ZeRO-2/3): each layer that owns its parameters becomes one module call
+at its own path, with the same parameter FQNs and the same values out."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from partc import meta
+from partc.passes.pipeline import analyze, lower
+from partc.passes.units import units
+from samples import gpt
+from tests import models
+
+MODELS = {
+    "gpt": (gpt.gpt_tiny, gpt.loss_fn),
+    "gpt2": (lambda: models.gpt2(dropout=0.0), models.causal_lm_loss),
+    "llama": (models.llama, models.causal_lm_loss),
+}
+
+
+@pytest.mark.parametrize("name", sorted(MODELS))
+@pytest.mark.parametrize("pp", [1, 2])
+def test_units_keep_names_and_values(name, pp):
+    build, loss_fn = MODELS[name]
+    torch.manual_seed(0)
+    model = build()
+    x = torch.randint(0, 128, (2, 16))
+    gm, _ = analyze(model, (x,), loss_fn=loss_fn)
+    names = [layer.name for layer in meta.layers(gm)]
+    cut = len(names) // 2
+    stages = [names] if pp == 1 else [names[:cut], names[cut:]]
+    recompute = {n: "full" for n in names if n.endswith(".0")}
+    _, plain = lower(model, (x,), stages, recompute, loss_fn=loss_fn)
+    _, wrapped = lower(model, (x,), stages, recompute, loss_fn=loss_fn)
+    inputs: tuple = (x,)
+    for before, after in zip(plain, wrapped):
+        made = units(after.module)
+        blocks = [n for n in before.layers if n.split(".")[-1].isdigit()]
+        assert set(blocks) <= set(made)  # every transformer block is a unit
+        assert all(isinstance(after.module.get_submodule(path), torch.fx.GraphModule)
+                   for path in made)
+        assert dict(before.module.named_parameters()).keys() == \
+            dict(after.module.named_parameters()).keys()
+        expected, got = before.module(*inputs), after.module(*inputs)
+        for e, g in zip(expected, got):
+            torch.testing.assert_close(g, e, rtol=0, atol=0)
+        inputs = tuple(expected)
+
+
+def test_a_tied_weight_read_by_two_layers_stays_with_the_stage():
+    model = gpt.gpt_tiny()
+    x = torch.randint(0, 128, (2, 16))
+    gm, _ = analyze(model, (x,), loss_fn=gpt.loss_fn)
+    names = [layer.name for layer in meta.layers(gm)]
+    _, (stage,) = lower(model, (x,), [names], {}, loss_fn=gpt.loss_fn)
+    made = units(stage.module)
+    # tok_emb.weight is also the LM head's: neither layer can own it.
+    assert "tok_emb" not in made and "lm_head" not in made
+    assert "blocks.0" in made and "ln_f" in made
