@@ -135,13 +135,18 @@ def divisors(n: int) -> list[int]:
 def tp_choices(problem: PlanningProblem) -> list[tuple[int, bool, str]]:
     """(tp, sequence parallel, objective) the pins allow: tp = 1 and every measured variant."""
     pins = problem.pins
-    choices = [(1, False, "time")] + [(o.tp, o.sequence_parallel, o.objective)
-                                      for o in problem.model.tensor_parallel]
-    return [(tp, sp, objective) for tp, sp, objective in choices
-            if (pins.tp is None or pins.tp == tp)
-            and (pins.sequence_parallel is None or tp == 1 and not pins.sequence_parallel
-                 or tp > 1 and pins.sequence_parallel == sp)
-            and (pins.tp_objective is None or tp == 1 or pins.tp_objective == objective)]
+    options = [(1, False, "time", None)] + [(o.tp, o.sequence_parallel, o.objective,
+                                             o.choices) for o in problem.model.tensor_parallel]
+    allowed, seen = [], set()
+    for tp, sp, objective, layer_choices in options:
+        if (pins.tp is None or pins.tp == tp) \
+                and (pins.sequence_parallel is None or tp == 1 and not pins.sequence_parallel
+                     or tp > 1 and pins.sequence_parallel == sp) \
+                and (pins.tp_objective is None or tp == 1 or pins.tp_objective == objective) \
+                and (tp, sp, layer_choices) not in seen:  # both objectives chose alike
+            seen.add((tp, sp, layer_choices))
+            allowed.append((tp, sp, objective))
+    return allowed
 
 
 def candidate_configs(problem: PlanningProblem) -> list[PipelineConfig]:
@@ -196,10 +201,34 @@ def lower_bound(table: CostTable) -> float:
     if recompute == math.inf:
         return math.inf
     total = sum(best_compute) + recompute
-    peak_busy = max(-(-total // pp), max(best_compute))
+    # Whole layers cannot split evenly: the best contiguous split of their fastest
+    # compute into pp stages bounds the bottleneck stage from below too.
+    peak_busy = max(-(-total // pp), _min_max_split(best_compute, pp))
     tails = [row.tail_ps for row in table.layers] + [g.tail_ps for g in table.shared]
     tail = max(-(-sum(tails) // pp), max(tails))
     return (m - 1) * peak_busy + total + tail + table.tail_latency_ps
+
+
+def _min_max_split(costs: list[int], parts: int) -> int:
+    """The least possible largest sum when ``costs`` are cut into at most ``parts``
+    contiguous runs (binary search on the answer, a greedy check per guess)."""
+    def fits(limit: int) -> bool:
+        runs, current = 1, 0
+        for cost in costs:
+            if current + cost > limit:
+                runs, current = runs + 1, cost
+            else:
+                current += cost
+        return runs <= parts
+
+    low, high = max(costs), sum(costs)
+    while low < high:
+        middle = (low + high) // 2
+        if fits(middle):
+            high = middle
+        else:
+            low = middle + 1
+    return low
 
 
 def _recompute_floor(table: CostTable) -> float:
@@ -407,12 +436,15 @@ _STATUS = {cp_model.OPTIMAL: "OPTIMAL", cp_model.FEASIBLE: "FEASIBLE",
 
 
 def solve_config(problem: PlanningProblem, table: CostTable, options: PlannerOptions,
-                 time_limit_s: float,
-                 pinned: list[int] | None) -> tuple[ConfigResult | None, str]:
-    """Solve one configuration: its result (None when there is none) and CP-SAT's status.
+                 time_limit_s: float, pinned: list[int] | None,
+                 cutoff: int | None = None) -> tuple[ConfigResult | None, str, float]:
+    """Solve one configuration: its result (None when there is none), CP-SAT's status
+    ("BEATEN" when stopped by ``cutoff``) and the bound CP-SAT proved.
 
-    No cutoff from other configurations is imposed: proving "nothing below the cutoff"
-    was seen to take CP-SAT far longer than solving the configuration outright.
+    ``cutoff`` (the best step time found elsewhere) is not a constraint: proving
+    "nothing below the cutoff" was seen to take CP-SAT far longer than solving outright.
+    Instead the search stops as soon as its proven bound reaches it, which is often long
+    before the optimum of a losing configuration is proven.
     """
     start = time.perf_counter()
     problem = problem.variant(table.config.tp, table.config.sequence_parallel,
@@ -422,13 +454,20 @@ def solve_config(problem: PlanningProblem, table: CostTable, options: PlannerOpt
     solver.parameters.max_time_in_seconds = max(time_limit_s, 0.01)
     solver.parameters.num_workers = options.num_workers
     solver.parameters.random_seed = options.seed
+    if cutoff is not None:
+        def stop_when_beaten(bound: float) -> None:
+            if bound >= cutoff:
+                solver.stop_search()
+        solver.best_bound_callback = stop_when_beaten
     code = solver.solve(built.model)
     status = _STATUS.get(code, "UNKNOWN")
+    proven = solver.best_objective_bound
     if status == "MODEL_INVALID":
         raise RuntimeError(f"internal error: invalid CP-SAT model for {table.config}: "
                            f"{built.model.validate()}")
     if status not in ("OPTIMAL", "FEASIBLE"):
-        return None, status
+        beaten = status == "UNKNOWN" and cutoff is not None and proven >= cutoff
+        return None, "BEATEN" if beaten else status, proven
     assignment = built.assignment(solver)
     evaluation = evaluate(table, assignment.stage_of, assignment.modes)
     # The model over-approximates nothing at an optimum; a feasible incumbent may carry
@@ -440,7 +479,7 @@ def solve_config(problem: PlanningProblem, table: CostTable, options: PlannerOpt
     bound = int(solver.best_objective_bound) if status == "FEASIBLE" else evaluation.step_ps
     return ConfigResult(table=table, assignment=assignment, evaluation=evaluation,
                         status=status, bound=bound,
-                        solve_time_s=time.perf_counter() - start), status
+                        solve_time_s=time.perf_counter() - start), status, proven
 
 
 def solve(problem: PlanningProblem, options: PlannerOptions = PlannerOptions()) -> PlannerResult:
@@ -473,16 +512,23 @@ def solve(problem: PlanningProblem, options: PlannerOptions = PlannerOptions()) 
             outcomes[i] = "time limit"
             bound = floor if bound is None else min(bound, floor)
             continue
-        result, status = solve_config(problem, table, options, remaining, pinned)
+        cutoff = best.evaluation.step_ps if best is not None else None
+        result, status, proven = solve_config(problem, table, options, remaining, pinned,
+                                              cutoff)
         solved += 1
         if result is None:
-            if status == "UNKNOWN":
+            if status == "BEATEN":  # proven no better than the best plan
+                outcomes[i] = "pruned"
+                floors[i] = max(floor, math.ceil(proven))
+                bound = floors[i] if bound is None else min(bound, floors[i])
+            elif status == "UNKNOWN":
                 all_optimal = False
                 outcomes[i] = "time limit"
                 bound = floor if bound is None else min(bound, floor)
             continue
         outcomes[i] = result
-        all_optimal &= result.status == "OPTIMAL"
+        all_optimal &= result.status == "OPTIMAL" or (
+            cutoff is not None and result.bound >= cutoff)
         bound = result.bound if bound is None else min(bound, result.bound)
         if best is None or result.evaluation.step_ps < best.evaluation.step_ps:
             best = result
