@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import time
 
 import pytest
 import torch
@@ -90,15 +89,14 @@ def test_infeasible_budget_names_stage_need_limit_and_fix_fast():
     error = info.value
     assert error.need_bytes > error.limit_bytes == 2**30
     assert "stage 0" in str(error) and "It would fit with" in str(error)
-    # Planning alone (the model is already measured) answers well under a second.
+    # Planning alone (the model is already measured) says so too. How fast is measured
+    # in benchmarks/plan_time.py, not asserted here.
     program = _gpt_124m_on("1.5GiB")
     from dataclasses import replace
     tight = replace(program.problem, devices=replace(program.problem.devices,
                                                      memory_bytes=(2**30,) * 4))
-    start = time.perf_counter()
     with pytest.raises(partc.PlanInfeasibleError):
         solve(tight)
-    assert time.perf_counter() - start < 1.0
 
 
 def test_pins_reach_the_plan():
