@@ -14,9 +14,11 @@ Model (per pipeline stage ``s`` of ``p``, ``m`` microbatches of ``b`` samples):
   outgoing cut (forward) and of its gradient (backward) over the link to the next stage;
 - pipeline time ``(m - 1) * max_s t_s + sum_s t_s``: every microbatch passes the
   bottleneck stage, and the first one passes every stage once (GPipe and 1F1B alike);
-- after the pipeline drains, ``max_s e_s`` where ``e_s`` is the data-parallel gradient
-  all-reduce (ring) plus the optimizer step of the stage's parameters, and the all-reduce
-  of tied parameters' gradients among the stages that hold them;
+- after the pipeline drains, ``max_s e_s`` where ``e_s`` is the exposed part of the
+  data-parallel gradient all-reduce (ring; each gradient's all-reduce starts as soon as
+  the last microbatch's backward has accumulated it, so ``max(0, all-reduce - that
+  backward)`` is left) plus the optimizer step of the stage's parameters, and the
+  all-reduce of tied parameters' gradients among the stages that hold them;
 - ZeRO-2/3 (FSDP2, one unit per layer): every microbatch's backward reduce-scatters the
   layer's gradients, and ZeRO-3 gathers its parameters in forward and again in backward;
   each collective overlaps the layer's own compute (a layer costs ``max(compute, comm)``
@@ -74,7 +76,8 @@ class LayerTable:
     transient_bytes: dict[str, int]
     param_count: int
     state_bytes: dict[str, int]   # params / grads / optimizer of the layer's own parameters
-    tail_ps: int                  # dp gradient all-reduce + optimizer step, once per step
+    tail_ps: int                  # optimizer step (ZeRO-1: and the weight gather), per step
+    sync_ps: int = 0              # dp gradient all-reduce (ZeRO 0/1), overlapping backward
 
     def compute_ps(self, mode: str) -> int:
         return self.forward_ps + self.backward_ps + self.recompute_ps[mode]
@@ -91,6 +94,7 @@ class SharedTable:
     state_bytes: dict[str, int]
     tail_ps: int
     tie_sync_ps: int              # per extra stage holding it
+    sync_ps: int = 0
 
     @property
     def state_total(self) -> int:
@@ -191,11 +195,11 @@ def _dp_group_bandwidth(problem: PlanningProblem, config: PipelineConfig) -> flo
 
 
 def _tail_ps(problem: PlanningProblem, config: PipelineConfig, params: int) -> int:
-    """Gradient all-reduce over dp (ring: 2 (d-1)/d of the bytes) and the optimizer step;
-    under ZeRO-1 each rank steps 1/dp of the parameters, then the updated weights are
-    gathered from their owners ((d-1)/d of the weight bytes). Under ZeRO-2/3 gradients
-    were reduce-scattered during backward: each rank steps its shard, and ZeRO-2 gathers
-    the parameters once per step."""
+    """The optimizer step; under ZeRO-1 each rank steps 1/dp of the parameters, then the
+    updated weights are gathered from their owners ((d-1)/d of the weight bytes). Under
+    ZeRO-2/3 gradients were reduce-scattered during backward: each rank steps its shard,
+    and ZeRO-2 gathers the parameters once per step. (ZeRO 0/1's gradient all-reduce is
+    :func:`_sync_ps`.)"""
     devices = problem.devices
     compute, master, optimizer = precision_bytes(problem.train)
     seconds = 0.0
@@ -203,16 +207,23 @@ def _tail_ps(problem: PlanningProblem, config: PipelineConfig, params: int) -> i
     if config.dp > 1 and config.zero_stage >= 2:
         stepped = params / config.dp
         seconds += _zero_comm_seconds(problem, config, params)["step"]
-    elif config.dp > 1:
+    elif config.dp > 1 and config.zero_stage == 1:
+        stepped = params / config.dp
         bandwidth = _dp_group_bandwidth(problem, config)
-        seconds += 2 * (config.dp - 1) / config.dp * params * master / bandwidth
-        if config.zero_stage >= 1:
-            stepped = params / config.dp
-            seconds += (config.dp - 1) / config.dp * params * master / bandwidth
+        seconds += (config.dp - 1) / config.dp * params * master / bandwidth
     # The step reads gradients and state and writes weights and state (fp32 all).
     touched = stepped * (2 * master + master + 2 * optimizer)
     seconds += touched / devices.hbm_bandwidth
     return to_ps(seconds)
+
+
+def _sync_ps(problem: PlanningProblem, config: PipelineConfig, params: int) -> int:
+    """ZeRO 0/1: the fp32 gradient all-reduce over dp (ring: 2 (d-1)/d of the bytes)."""
+    if config.dp == 1 or config.zero_stage >= 2:
+        return 0
+    _, master, _ = precision_bytes(problem.train)
+    bandwidth = _dp_group_bandwidth(problem, config)
+    return to_ps(2 * (config.dp - 1) / config.dp * params * master / bandwidth)
 
 
 def _shared_tail_ps(problem: PlanningProblem, config: PipelineConfig, params: int) -> int:
@@ -259,6 +270,7 @@ def _layer_table(problem: PlanningProblem, config: PipelineConfig, index: int) -
         param_count=layer.param_count,
         state_bytes=_state_bytes(problem, config, layer.param_count),
         tail_ps=_tail_ps(problem, config, layer.param_count),
+        sync_ps=_sync_ps(problem, config, layer.param_count),
     )
 
 
@@ -326,6 +338,7 @@ def build_cost_table(problem: PlanningProblem, config: PipelineConfig) -> CostTa
             param_count=group.param_count,
             state_bytes=_state_bytes(problem, config, group.param_count, gathered=True),
             tail_ps=_shared_tail_ps(problem, config, group.param_count),
+            sync_ps=_sync_ps(problem, config, group.param_count),
             tie_sync_ps=to_ps(devices.link_latency_s + group.param_count
                               * precision_bytes(problem.train)[1]  # fp32 gradients
                               / devices.inter_node_bandwidth),
@@ -381,6 +394,12 @@ class Evaluation:
         return max(self.stages, key=lambda s: s.memory["peak"] / max(s.limit, 1))
 
 
+def exposed_sync_ps(sync_ps: int, backward_ps: int) -> int:
+    """What is left of a stage's dp gradient all-reduce once the last microbatch's
+    backward (``backward_ps``, which it overlaps bucket by bucket) is done."""
+    return max(0, sync_ps - backward_ps)
+
+
 def _holders(table: CostTable, stage_of: Sequence[int]) -> list[set[int]]:
     return [{stage_of[l] for l in group.layers} for group in table.shared]
 
@@ -402,7 +421,10 @@ def _stage_cost(table: CostTable, stage: int, members: list[int], modes: Sequenc
         layers=tuple(members),
         compute_ps=forward + backward + recompute,
         forward_ps=forward, backward_ps=backward, recompute_ps=recompute, comm_ps=comm,
-        tail_ps=sum(r.tail_ps for r in rows) + sum(table.shared[g].tail_ps for g in held),
+        tail_ps=exposed_sync_ps(
+            sum(r.sync_ps for r in rows) + sum(table.shared[g].sync_ps for g in held),
+            backward) + sum(r.tail_ps for r in rows)
+        + sum(table.shared[g].tail_ps for g in held),
         param_count=sum(r.param_count for r in rows)
         + sum(table.shared[g].param_count for g in held),
         memory={**state, "activations": activations, "transient": transient,

@@ -16,7 +16,8 @@ Sets
 Parameters
     ``C[l,r]`` compute per microbatch (forward + backward + recompute); ``K[l,s]`` send/recv
     time if cut ``l`` is the boundary between stage ``s`` and ``s+1``; ``T_l``, ``T_g`` tail
-    time (dp all-reduce + optimizer step); ``W_l``, ``W_g`` parameter + gradient + optimizer
+    time (optimizer step, ZeRO-1's gather); ``D_l``, ``D_g`` dp gradient all-reduce;
+    ``B_l`` backward per microbatch; ``W_l``, ``W_g`` parameter + gradient + optimizer
     bytes; ``A[l,r]`` saved bytes per microbatch; ``X[l,r]`` transient bytes; ``f_s``
     microbatches in flight on stage ``s``; ``M_s`` memory limit; ``S_g`` tied-gradient sync.
 Variables
@@ -37,7 +38,10 @@ Constraints
     (3) with (2), ``z[l,s]`` is exactly "layer ``l`` ends stage ``s``";
     (4) ``peak_busy >= busy_s``;
     (5) ``h[g,s] >= y[l,s]`` for ``l`` in ``U_g``;
-    (6) ``tail >= sum_l T_l y[l,s] + sum_g T_g h[g,s]``;
+    (6) ``tail >= sum_l T_l y[l,s] + sum_g T_g h[g,s] + exposed[s]`` with
+        ``exposed[s] >= sum_l D_l y[l,s] + sum_g D_g h[g,s] - sum_l B_l y[l,s]``,
+        ``exposed[s] >= 0``: the dp all-reduce ``D`` (ZeRO 0/1) overlaps the last
+        microbatch's backward ``B`` of the stage;
     (7) ``transient[s] >= X[l,r] x[l,s,r]``;
     (8) memory: ``sum_l W_l y[l,s] + sum_g W_g h[g,s] + f_s sum_{l,r} A[l,r] x[l,s,r]
         + transient[s] <= M_s``;
@@ -394,30 +398,51 @@ class _ConfigModel:
 
     def _add_tail(self, held: list[list]):
         table = self.table
-        top = sum(r.tail_ps for r in table.layers) + sum(g.tail_ps for g in table.shared)
-        tail = self.model.new_int_var(0, top, "tail")
+        rows = [*table.layers, *table.shared]
+        sync_top = sum(r.sync_ps for r in rows)
+        tail = self.model.new_int_var(0, sum(r.tail_ps for r in rows) + sync_top, "tail")
         for stage in self.stages:
             own = sum(table.layers[l].tail_ps * self._y[l, stage] for l in self.layers)
             tied = sum(g.tail_ps * held[gi][stage] for gi, g in enumerate(table.shared))
-            self.model.add(tail >= own + tied)
+            if not sync_top:
+                self.model.add(tail >= own + tied)
+                continue
+            # (6') the dp all-reduce left after the last microbatch's backward
+            exposed = self.model.new_int_var(0, sync_top, f"exposed_sync_stage{stage}")
+            sync = sum(table.layers[l].sync_ps * self._y[l, stage] for l in self.layers)
+            sync += sum(g.sync_ps * held[gi][stage] for gi, g in enumerate(table.shared))
+            overlap = sum(table.layers[l].backward_ps * self._y[l, stage] for l in self.layers)
+            self.model.add(exposed >= sync - overlap)
+            self.model.add(tail >= own + tied + exposed)
         return tail
 
     def _add_memory(self, held: list[list]) -> None:
+        """(7), (8) in units of ``_memory_unit`` bytes: sizes rounded up, limits down, so
+        whatever fits here fits in bytes. (Byte-sized coefficients on GiB limits were
+        seen to make CP-SAT 9.15's presolve return a wrong OPTIMAL.)"""
         table = self.table
-        top = max(max(row.transient_bytes.values()) for row in table.layers)
+        unit = _memory_unit(table)
+
+        def units(nbytes: int) -> int:
+            return -(-nbytes // unit)
+
+        top = max(units(max(row.transient_bytes.values())) for row in table.layers)
         for stage in self.stages:
             transient = self.model.new_int_var(0, top, f"transient_stage{stage}")
             saved = 0
             for (l, s, r), v in self.x.items():
                 if s != stage:
                     continue
-                saved += table.layers[l].saved_bytes[r] * v
+                saved += units(table.layers[l].saved_bytes[r]) * v
                 if table.layers[l].transient_bytes[r]:
-                    self.model.add(transient >= table.layers[l].transient_bytes[r] * v)
-            state = sum(table.layers[l].state_total * self._y[l, stage] for l in self.layers)
-            state += sum(g.state_total * held[gi][stage] for gi, g in enumerate(table.shared))
+                    self.model.add(transient >= units(table.layers[l].transient_bytes[r]) * v)
+            state = sum(units(table.layers[l].state_total) * self._y[l, stage]
+                        for l in self.layers)
+            state += sum(units(g.state_total) * held[gi][stage]
+                         for gi, g in enumerate(table.shared))
             inflight = table.config.inflight(stage)
-            self.model.add(state + inflight * saved + transient <= table.limits[stage])
+            self.model.add(state + inflight * saved + transient
+                           <= table.limits[stage] // unit)
 
     def assignment(self, solver: cp_model.CpSolver) -> Assignment:
         def value(v) -> int:
@@ -428,6 +453,13 @@ class _ConfigModel:
         modes = [next(r for (l2, r), v in self.mode_vars.items() if l2 == l and value(v))
                  for l in self.layers]
         return Assignment(stage_of=tuple(stage_of), modes=tuple(modes))
+
+
+def _memory_unit(table: CostTable) -> int:
+    """Bytes per unit of the memory constraints: about 2^20 units in the largest limit
+    (one byte below 1 MiB, 4 KiB at 4 GiB), so the rounding costs under a millionth of
+    the limit per term."""
+    return max(1, max(table.limits) >> 20)
 
 
 _STATUS = {cp_model.OPTIMAL: "OPTIMAL", cp_model.FEASIBLE: "FEASIBLE",

@@ -90,3 +90,26 @@ def test_zero2_and_zero3_state_as_fsdp_holds_it():
     assert plain["params"] / 2 < zero3["params"] < plain["params"]
     assert zero3["transient"] > zero2["transient"] > plain["transient"]
     assert zero3["peak"] < zero2["peak"]
+
+
+@pytest.mark.parametrize("bandwidth", [300e9, 1e8])
+def test_dp_all_reduce_is_charged_only_past_the_last_backward(bandwidth):
+    from dataclasses import replace
+
+    from partc.costs import PipelineConfig, build_cost_table, evaluate
+
+    problem = _dp_program("1GiB", zero_stage=0).problem
+    problem = replace(problem, devices=replace(problem.devices,
+                                               intra_node_bandwidth=bandwidth))
+    config = PipelineConfig(pp=1, dp=2, micro_batch_size=1, num_microbatches=4,
+                            schedule="1f1b")
+    table = build_cost_table(problem, config)
+    rows = [*table.layers, *table.shared]
+    sync = sum(r.sync_ps for r in rows)
+    backward = sum(r.backward_ps for r in table.layers)
+    step = sum(r.tail_ps for r in rows)
+    stage = evaluate(table, [0] * table.num_layers, ["none"] * table.num_layers).stages[0]
+    assert sync > 0 and stage.tail_ps == max(0, sync - backward) + step
+    # A fast link hides the whole all-reduce; a slow one leaves part of it exposed.
+    assert (stage.tail_ps == step) == (sync <= backward)
+    assert (sync <= backward) == (bandwidth > 1e9)

@@ -62,9 +62,22 @@ class _CountingStage(PipelineStage):
         super().__init__(*args, **kwargs)
         self.messages: Counter[str] = Counter()
         self.zero_stage = zero_stage
+        self.grad_sync: _OverlappedAllReduce | None = None  # ZeRO 0/1 with dp > 1
+
+    def perform_reduce_grad(self, grad_scale_factor: int) -> None:
+        if self.grad_sync is not None:
+            self.grad_sync.wait()  # before the schedule scales the gradients in place
+        super().perform_reduce_grad(grad_scale_factor)
 
     def backward_maybe_with_nosync(self, backward_type: str, bwd_kwargs: dict,
                                    last_backward: bool = False) -> tuple:
+        if self.grad_sync is not None:
+            self.grad_sync.armed = last_backward
+            try:
+                return super().backward_maybe_with_nosync(backward_type, bwd_kwargs,
+                                                          last_backward)
+            finally:
+                self.grad_sync.armed = False
         if self.zero_stage < 2 or not isinstance(self.submod, FSDPModule):
             return super().backward_maybe_with_nosync(backward_type, bwd_kwargs,
                                                       last_backward)
@@ -133,6 +146,8 @@ class DistributedModule:
         self.topology = topology
         # ZeRO-2/3: FSDP keeps each rank's dp shard of every parameter and gradient.
         self._sharded_grads = isinstance(module, FSDPModule)
+        # ZeRO 0/1: DistributedDataParallel averages gradients over dp in backward.
+        self._dp_synced = self._sharded_grads or stage.grad_sync is not None
         self.stage_index = stage.stage_index
         self.module = module
         self._stage = stage
@@ -330,7 +345,7 @@ class DistributedModule:
                 grad = param.grad if param.grad is not None else torch.zeros_like(param)
                 dist.all_reduce(_local(grad), group=group)
                 param.grad = grad
-        if self.topology.dp == 1 or self._sharded_grads:
+        if self.topology.dp == 1 or self._dp_synced:
             return
         grads = [p.grad for p in self.module.parameters() if p.grad is not None]
         if not grads:
@@ -423,6 +438,8 @@ def build(plan: Plan, model: nn.Module, loss_fn: Callable | None, *,
                  mixed=compute_dtype != torch.float32)
     stage = _CountingStage(module, topology.pp_rank, plan.pp, topology.device,
                            group=topology.pp_group, zero_stage=zero_stage)
+    if topology.dp > 1 and zero_stage < 2:
+        stage.grad_sync = _OverlappedAllReduce(module, topology.dp_group, topology.dp)
     schedule_type = ScheduleGPipe
     if plan.schedule == "1f1b" and plan.num_microbatches >= plan.pp:
         schedule_type = Schedule1F1B  # with fewer microbatches than stages, 1F1B is GPipe
@@ -435,6 +452,35 @@ def build(plan: Plan, model: nn.Module, loss_fn: Callable | None, *,
         state_keys=set(model.state_dict(keep_vars=True)),
         tied_elsewhere=_tied_elsewhere(stages, model, module, topology.pp_rank),
         global_batch_size=plan.num_microbatches * plan.micro_batch_size * plan.dp)
+
+
+class _OverlappedAllReduce:
+    """ZeRO 0/1 gradient sync over dp, overlapping the last microbatch's backward: while
+    armed, each parameter's gradient is all-reduced (asynchronously) as soon as that
+    backward has accumulated it, and :meth:`wait` finishes them and averages. What the
+    rest of that backward cannot hide is what the cost model charges as exposed.
+
+    (``DistributedDataParallel`` would bucket these, but its reducer breaks on the real
+    forward and backward the pipeline schedule runs first to learn shapes.)"""
+
+    def __init__(self, module: nn.Module, group: dist.ProcessGroup, dp: int) -> None:
+        self.group, self.dp = group, dp
+        self.armed = False
+        self._pending: list[tuple[torch.Tensor, Any]] = []
+        for param in {id(p): p for p in module.parameters()}.values():
+            if param.requires_grad:
+                param.register_post_accumulate_grad_hook(self._launch)
+
+    def _launch(self, param: torch.Tensor) -> None:
+        if self.armed:
+            work = dist.all_reduce(param.grad, group=self.group, async_op=True)
+            self._pending.append((param.grad, work))
+
+    def wait(self) -> None:
+        for grad, work in self._pending:
+            work.wait()
+            grad.div_(self.dp)
+        self._pending.clear()
 
 
 def _compute_dtype(plan: Plan) -> torch.dtype:

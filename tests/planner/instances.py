@@ -54,25 +54,28 @@ def problem(layers: list[LayerCost], cuts: list[float], device_numbers: DeviceNu
     )
 
 
-def random_problem(rng: random.Random) -> PlanningProblem:
+def random_problem(rng: random.Random, scale: int = 1) -> PlanningProblem:
+    """A small random instance; ``scale`` multiplies every size (parameters, activations,
+    memory) to reach the byte magnitudes of real models."""
     num_layers = rng.randint(1, 6)
     num_devices = rng.choice([1, 2, 3])
     layers = []
     for index in range(num_layers):
-        saved = rng.choice([2e3, 8e3, 3e4, 1e5])
+        saved = rng.choice([2e3, 8e3, 3e4, 1e5]) * scale
         layers.append(layer(
             f"layer{index}", flops=rng.choice([1e8, 5e8, 1e9, 3e9]),
-            params=rng.choice([0, 1000, 5000, 20000]),
-            saved=saved, full=rng.choice([100.0, 500.0, 1000.0]),
+            params=rng.choice([0, 1000, 5000, 20000]) * scale,
+            saved=saved, full=rng.choice([100.0, 500.0, 1000.0]) * scale,
             selective=saved / rng.choice([2, 4]) if rng.random() < 0.5 else None,
-            workspace=rng.choice([100.0, 2000.0, 1e4]),
+            workspace=rng.choice([100.0, 2000.0, 1e4]) * scale,
             mem_bytes=rng.choice([0.0, 1e5, 1e6])))
     shared: tuple[SharedParam, ...] = ()
     if num_layers >= 2 and rng.random() < 0.3:
-        shared = (SharedParam(name="tied", fqns=("a.weight", "b.weight"), param_count=4000,
-                              param_bytes=16000, layers=(0, num_layers - 1)),)
+        shared = (SharedParam(name="tied", fqns=("a.weight", "b.weight"),
+                              param_count=4000 * scale, param_bytes=16000 * scale,
+                              layers=(0, num_layers - 1)),)
     total = sum(16 * l.param_count + 4 * l.saved_bytes["none"] for l in layers)
-    memory = int(total * rng.choice([0.3, 0.6, 1.0, 2.0, 4.0]) / num_devices) + 20000
+    memory = int(total * rng.choice([0.3, 0.6, 1.0, 2.0, 4.0]) / num_devices) + 20000 * scale
     memories: int | list[int] = memory
     if num_devices > 1 and rng.random() < 0.2:
         memories = [memory * rng.choice([1, 2]) for _ in range(num_devices)]

@@ -193,6 +193,8 @@ CASES["llama-pp2-dp2-zero2-bf16"] = Case(models.llama, "tokens", models.causal_l
                                          dict(pp=2, dp=2, tp=1, schedule="1f1b",
                                               zero_stage=2),
                                          **_BF16)
+CASES["bert-dp2"] = Case(lambda: models.bert(dropout=0.0), "hidden", _hidden_mse,
+                        dict(pp=1, dp=2, tp=1))  # the pooler gets no gradient
 CASES["gpt-tp2-sp-recompute"] = Case(gpt.gpt_tiny, "tokens", gpt.loss_fn,
                                      dict(pp=1, recompute=ALL_MODES, sequence_parallel=True,
                                           **_TP_RECOMPUTE))
