@@ -7,8 +7,9 @@ plan, keeps this rank's parameters only, wraps the stage for
 microbatches of the global batch, then:
 
 1. sums the gradients of parameters that several stages hold (tied weights);
-2. averages gradients over data-parallel replicas (under ZeRO-2/3, FSDP2 has already
-   reduce-scattered them: each replica keeps the mean gradient of its shard);
+2. has averaged gradients over data-parallel replicas: under ZeRO 0/1 each gradient's
+   all-reduce starts as the last microbatch's backward accumulates it; under ZeRO-2/3
+   FSDP2 reduce-scatters them, each replica keeping the mean gradient of its shard;
 3. returns the mean loss of the global batch, the same on every rank.
 
 ZeRO-2/3 (``plan.zero_stage >= 2`` with dp > 1): each layer that owns its parameters
@@ -146,7 +147,7 @@ class DistributedModule:
         self.topology = topology
         # ZeRO-2/3: FSDP keeps each rank's dp shard of every parameter and gradient.
         self._sharded_grads = isinstance(module, FSDPModule)
-        # ZeRO 0/1: DistributedDataParallel averages gradients over dp in backward.
+        # ZeRO 0/1 with dp > 1: the last backward all-reduces and averages gradients.
         self._dp_synced = self._sharded_grads or stage.grad_sync is not None
         self.stage_index = stage.stage_index
         self.module = module
