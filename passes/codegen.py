@@ -53,6 +53,27 @@ def _all_nodes(module: fx.GraphModule) -> list[fx.Node]:
     return nodes
 
 
+def _data_parallel_lines(plan: Plan) -> list[str]:
+    """How gradients (and, under ZeRO, the state) are shared among the dp replicas."""
+    dp = plan.dp
+    if dp == 1:
+        return []
+    if plan.zero_stage < 2:
+        lines = [f"# Gradients averaged over {dp} data-parallel replicas: each one's all-reduce",
+                 "# starts as the last microbatch's backward accumulates it."]
+        if plan.zero_stage == 1:
+            lines += [f"# ZeRO-1: each replica keeps and steps the optimizer state of 1/{dp} of",
+                      "# the parameters (ZeroRedundancyOptimizer), then sends them to the others."]
+        return lines
+    kept = "the gathered weights for the step" if plan.zero_stage == 2 else (
+        "each layer gathered only while it runs (forward, then again for backward)")
+    return [f"# ZeRO-{plan.zero_stage}: FSDP2 over {dp} replicas, one unit per layer that owns "
+            "its parameters;",
+            f"# weights, gradients and optimizer state sharded 1/{dp}; every microbatch's "
+            "backward",
+            f"# reduce-scatters gradients; {kept}."]
+
+
 def _header(stage: StageGraph, plan: Plan, shared: Mapping[str, Sequence[int]]) -> list[str]:
     k, last = stage.index, stage.num_stages - 1
     ranks = [(k * plan.dp + d) * plan.tp + t for d in range(plan.dp) for t in range(plan.tp)]
@@ -110,9 +131,7 @@ def _header(stage: StageGraph, plan: Plan, shared: Mapping[str, Sequence[int]]) 
         if partial:
             lines.append(f"# After backward, partial gradients of {len(partial)} replicated "
                          f"parameters summed (all-reduce) over the tp group.")
-    if plan.dp > 1:
-        lines.append(f"# After backward, gradients averaged (all-reduce) over {plan.dp} "
-                     "data-parallel replicas.")
+    lines += _data_parallel_lines(plan)
     lines.append(f"# Parameters: {sum(p.numel() for p in params):,} ({format_bytes(param_bytes)}).")
     return lines
 
