@@ -201,7 +201,7 @@ def _tail_ps(problem: PlanningProblem, config: PipelineConfig, params: int) -> i
     and ZeRO-2 gathers the parameters once per step. (ZeRO 0/1's gradient all-reduce is
     :func:`_sync_ps`.)"""
     devices = problem.devices
-    compute, master, optimizer = precision_bytes(problem.train)
+    _, master, optimizer = precision_bytes(problem.train)
     seconds = 0.0
     stepped = params
     if config.dp > 1 and config.zero_stage >= 2:

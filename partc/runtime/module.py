@@ -147,8 +147,6 @@ class DistributedModule:
         self.topology = topology
         # ZeRO-2/3: FSDP keeps each rank's dp shard of every parameter and gradient.
         self._sharded_grads = isinstance(module, FSDPModule)
-        # ZeRO 0/1 with dp > 1: the last backward all-reduces and averages gradients.
-        self._dp_synced = self._sharded_grads or stage.grad_sync is not None
         self.stage_index = stage.stage_index
         self.module = module
         self._stage = stage
@@ -346,18 +344,8 @@ class DistributedModule:
                 grad = param.grad if param.grad is not None else torch.zeros_like(param)
                 dist.all_reduce(_local(grad), group=group)
                 param.grad = grad
-        if self.topology.dp == 1 or self._dp_synced:
-            return
-        grads = [p.grad for p in self.module.parameters() if p.grad is not None]
-        if not grads:
-            return
-        flat = torch.cat([g.reshape(-1) for g in grads])
-        dist.all_reduce(flat, group=self.topology.dp_group)
-        flat /= self.topology.dp
-        offset = 0
-        for grad in grads:
-            grad.copy_(flat[offset:offset + grad.numel()].view_as(grad))
-            offset += grad.numel()
+        # Over dp the gradients are averaged already, during the last backward: by
+        # _OverlappedAllReduce (ZeRO 0/1) or FSDP's reduce-scatter (ZeRO-2/3).
 
     def _check_batch(self, inputs: tuple, target: Any) -> None:
         """Shapes and dtypes against the plan, on every rank, before any message."""
