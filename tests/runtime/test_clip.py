@@ -32,11 +32,7 @@ def _check(ranks: list[dict], name: str) -> None:
             assert ours == pytest.approx(ref, rel=1e-5)
 
 
-@pytest.mark.parametrize("name", TWO)
-def test_clipping_matches_one_process_on_two(clip2, name):
-    _check(clip2, name)
-
-
-@pytest.mark.parametrize("name", FOUR)
-def test_clipping_matches_one_process_on_four(clip4, name):
-    _check(clip4, name)
+@pytest.mark.parametrize("launch, name", [("clip2", n) for n in TWO]
+                         + [("clip4", n) for n in FOUR])
+def test_clipping_matches_one_process(request, launch, name):
+    _check(request.getfixturevalue(launch), name)

@@ -37,11 +37,7 @@ def _check(ranks: list[dict], name: str) -> None:
         assert result["param_dtypes"] == ["torch.float32"]
 
 
-@pytest.mark.parametrize("name", TWO)
-def test_bf16_trains_like_fp32_on_two(bf16_two, name):
-    _check(bf16_two, name)
-
-
-@pytest.mark.parametrize("name", FOUR)
-def test_bf16_trains_like_fp32_on_four(bf16_four, name):
-    _check(bf16_four, name)
+@pytest.mark.parametrize("launch, name", [("bf16_two", n) for n in TWO]
+                         + [("bf16_four", n) for n in FOUR])
+def test_bf16_trains_like_fp32(request, launch, name):
+    _check(request.getfixturevalue(launch), name)

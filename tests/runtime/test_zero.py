@@ -53,11 +53,7 @@ def _check(ranks: list[dict], name: str) -> None:
             assert sum(r["param_numel_here"] for r in group) == whole
 
 
-@pytest.mark.parametrize("name", TWO)
-def test_zero_matches_one_process_on_two(zero2, name):
-    _check(zero2, name)
-
-
-@pytest.mark.parametrize("name", FOUR)
-def test_zero_matches_one_process_on_four(zero4, name):
-    _check(zero4, name)
+@pytest.mark.parametrize("launch, name", [("zero2", n) for n in TWO]
+                         + [("zero4", n) for n in FOUR])
+def test_zero_matches_one_process(request, launch, name):
+    _check(request.getfixturevalue(launch), name)
