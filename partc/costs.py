@@ -33,7 +33,7 @@ Model (per pipeline stage ``s`` of ``p``, ``m`` microbatches of ``b`` samples):
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Any, Sequence
 
 from .problem import PlanningProblem
 
@@ -319,20 +319,17 @@ def _cut_table(problem: PlanningProblem, config: PipelineConfig) -> tuple[tuple[
     latency = problem.devices.link_latency_s
     scale = problem.train.activation_scale * config.micro_batch_size
     bandwidths = [_link_bandwidth(problem, config, s) for s in range(config.pp - 1)]
-    # Forward sends the activation, backward returns its gradient: twice the bytes.
-    return tuple(
-        tuple(to_ps(2 * (latency + scale * crossing / bw)) for bw in bandwidths)
-        for crossing in problem.model.cut_bytes
-    )
+    rows: dict[float, tuple[int, ...]] = {}   # equal cuts (between blocks) share a row
+    for crossing in set(problem.model.cut_bytes):
+        # Forward sends the activation, backward returns its gradient: twice the bytes.
+        rows[crossing] = tuple(to_ps(2 * (latency + scale * crossing / bw))
+                               for bw in bandwidths)
+    return tuple(rows[crossing] for crossing in problem.model.cut_bytes)
 
 
-def build_cost_table(problem: PlanningProblem, config: PipelineConfig) -> CostTable:
-    problem = problem.variant(config.tp, config.sequence_parallel, config.tp_objective)
+def _shared_tables(problem: PlanningProblem, config: PipelineConfig) -> tuple[SharedTable, ...]:
     devices = problem.devices
-    if devices.num_devices != config.pp * config.dp * config.tp:
-        raise ValueError(f"pp={config.pp} x dp={config.dp} x tp={config.tp} does not use "
-                         f"{devices.num_devices} devices")
-    shared = tuple(
+    return tuple(
         SharedTable(
             layers=group.layers,
             param_count=group.param_count,
@@ -345,15 +342,106 @@ def build_cost_table(problem: PlanningProblem, config: PipelineConfig) -> CostTa
         )
         for group in problem.model.shared
     )
-    limits = tuple(min(devices.memory_bytes[r] for r in stage_ranks(problem, config, s))
-                   for s in range(config.pp))
+
+
+class TableCache:
+    """Rows of cost tables shared between the configurations of one problem.
+
+    A layer's row depends on the layer's numbers and on the configuration's micro-batch
+    size, dp, tensor-parallel variant and ZeRO stage, never on its name, pp or schedule;
+    the 80 identical blocks of a 70B model thus share one row per configuration family,
+    and the many configurations of a search share rows and cut tables.
+    """
+
+    def __init__(self) -> None:
+        self._rows: dict[tuple, LayerTable] = {}
+        self._cuts: dict[tuple, tuple] = {}   # cut tables, shared tables, limits
+        self._groups: dict[int, tuple[Any, list[int], list[int]]] = {}
+
+    def rows(self, problem: PlanningProblem, config: PipelineConfig) -> tuple[LayerTable, ...]:
+        """One row per layer; layers with equal numbers share one row object."""
+        family = (config.micro_batch_size, config.dp, config.tp, config.sequence_parallel,
+                  config.tp_objective, config.zero_stage)
+        group_of, representatives = self._layer_groups(problem)
+        built = []
+        for group, index in enumerate(representatives):
+            row = self._rows.get((family, group, id(problem.model)))
+            if row is None:
+                row = self._rows[family, group, id(problem.model)] = _layer_table(
+                    problem, config, index)
+            built.append(row)
+        return tuple(built[group] for group in group_of)
+
+    def _layer_groups(self, problem: PlanningProblem) -> tuple[list[int], list[int]]:
+        """Per layer, the index of its group of equal layers; each group's first layer."""
+        model = problem.model
+        known = self._groups.get(id(model))
+        if known is None or known[0] is not model:
+            keys: dict[tuple, int] = {}
+            group_of, representatives = [], []
+            for index, layer in enumerate(model.layers):
+                group = keys.setdefault(_layer_key(layer), len(keys))
+                if group == len(representatives):
+                    representatives.append(index)
+                group_of.append(group)
+            known = self._groups[id(model)] = (model, group_of, representatives)
+        return known[1], known[2]
+
+    def shared(self, problem: PlanningProblem,
+               config: PipelineConfig) -> tuple[SharedTable, ...]:
+        key = ("shared", config.micro_batch_size, config.num_microbatches, config.dp,
+               config.tp, config.sequence_parallel, config.tp_objective, config.zero_stage)
+        if key not in self._cuts:
+            self._cuts[key] = _shared_tables(problem, config)
+        return self._cuts[key]
+
+    def limits(self, problem: PlanningProblem, config: PipelineConfig) -> tuple[int, ...]:
+        key = ("limits", config.pp)
+        if key not in self._cuts:
+            self._cuts[key] = tuple(
+                min(problem.devices.memory_bytes[r] for r in stage_ranks(problem, config, s))
+                for s in range(config.pp))
+        return self._cuts[key]
+
+    def cuts(self, problem: PlanningProblem,
+             config: PipelineConfig) -> tuple[tuple[int, ...], ...]:
+        key = (config.micro_batch_size, config.pp, config.tp, config.sequence_parallel,
+               config.tp_objective)
+        cuts = self._cuts.get(key)
+        if cuts is None:
+            cuts = self._cuts[key] = _cut_table(problem, config)
+        return cuts
+
+
+def _layer_key(layer) -> tuple:
+    """Every number of a LayerCost a row depends on (not its name or signature)."""
+    return (layer.fwd_flops, layer.fwd_mem_bytes, layer.param_count,
+            layer.param_bytes, tuple(sorted(layer.saved_bytes.items())),
+            tuple(sorted(layer.recompute_flops.items())),
+            tuple(sorted(layer.recompute_mem_bytes.items())), layer.workspace_bytes,
+            layer.tp_comm)
+
+
+def build_cost_table(problem: PlanningProblem, config: PipelineConfig,
+                     cache: TableCache | None = None) -> CostTable:
+    """The integer tables of ``config``; ``cache`` shares rows with other configurations
+    of the same problem (a cache must not outlive its problem: rows are keyed by layer
+    numbers, not by the devices and training numbers they were computed with)."""
+    cache = cache or TableCache()
+    problem = problem.variant(config.tp, config.sequence_parallel, config.tp_objective)
+    devices = problem.devices
+    if devices.num_devices != config.pp * config.dp * config.tp:
+        raise ValueError(f"pp={config.pp} x dp={config.dp} x tp={config.tp} does not use "
+                         f"{devices.num_devices} devices")
+    shared = cache.shared(problem, config)
+    limits = cache.limits(problem, config)
     all_reduce = config.dp > 1 and config.zero_stage < 2
     latency = 2 * (config.dp - 1) * devices.link_latency_s if all_reduce else 0.0
     return CostTable(
         config=config,
-        layers=tuple(_layer_table(problem, config, i) for i in range(problem.num_layers)),
+        layers=cache.rows(problem, config),
         shared=shared,
-        cut_ps=_cut_table(problem, config),
+        cut_ps=cache.cuts(problem, config),
         limits=limits,
         tail_latency_ps=to_ps(latency),
     )

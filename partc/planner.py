@@ -50,6 +50,7 @@ Constraints
 
 from __future__ import annotations
 
+import functools
 import math
 import time
 from dataclasses import dataclass
@@ -57,7 +58,8 @@ from typing import Any
 
 from ortools.sat.python import cp_model
 
-from .costs import CostTable, Evaluation, PipelineConfig, build_cost_table, evaluate
+from .costs import (CostTable, Evaluation, PipelineConfig, TableCache, build_cost_table,
+                    evaluate)
 from .errors import PlanInfeasibleError
 from .problem import PlanningProblem
 from .spec import SCHEDULES
@@ -200,20 +202,36 @@ def lower_bound(table: CostTable) -> float:
     LP relaxation of the recompute knapsack).
     """
     pp, m = table.config.pp, table.config.num_microbatches
-    best_compute = [min(row.compute_ps(r) for r in row.recompute_ps) for row in table.layers]
-    recompute = _recompute_floor(table)
+    distinct = _distinct_rows(table)
+    fastest = {key: min(row.compute_ps(r) for r in row.recompute_ps)
+               for key, (row, _) in distinct.items()}
+    recompute = _recompute_floor(table, distinct)
     if recompute == math.inf:
         return math.inf
-    total = sum(best_compute) + recompute
+    total = sum(fastest[key] * count for key, (_, count) in distinct.items()) + recompute
     # Whole layers cannot split evenly: the best contiguous split of their fastest
     # compute into pp stages bounds the bottleneck stage from below too.
+    best_compute = tuple(fastest[id(row)] for row in table.layers)
     peak_busy = max(-(-total // pp), _min_max_split(best_compute, pp))
-    tails = [row.tail_ps for row in table.layers] + [g.tail_ps for g in table.shared]
-    tail = max(-(-sum(tails) // pp), max(tails))
+    tails = [row.tail_ps * count for row, count in distinct.values()]
+    tails += [g.tail_ps for g in table.shared]
+    tail = max(-(-sum(tails) // pp), *(row.tail_ps for row, _ in distinct.values()),
+               *(g.tail_ps for g in table.shared))
     return (m - 1) * peak_busy + total + tail + table.tail_latency_ps
 
 
-def _min_max_split(costs: list[int], parts: int) -> int:
+def _distinct_rows(table: CostTable) -> dict[int, tuple[Any, int]]:
+    """The table's rows, each once, with how many layers share it (tables built with a
+    ``TableCache`` give equal layers one row object)."""
+    distinct: dict[int, tuple[Any, int]] = {}
+    for row in table.layers:
+        known = distinct.get(id(row))
+        distinct[id(row)] = (row, known[1] + 1 if known else 1)
+    return distinct
+
+
+@functools.lru_cache(maxsize=4096)
+def _min_max_split(costs: tuple[int, ...], parts: int) -> int:
     """The least possible largest sum when ``costs`` are cut into at most ``parts``
     contiguous runs (binary search on the answer, a greedy check per guess)."""
     def fits(limit: int) -> bool:
@@ -235,22 +253,24 @@ def _min_max_split(costs: list[int], parts: int) -> int:
     return low
 
 
-def _recompute_floor(table: CostTable) -> float:
+def _recompute_floor(table: CostTable, distinct: dict[int, tuple[Any, int]]) -> float:
     config = table.config
     inflight = config.num_microbatches if config.schedule == "gpipe" else 1
-    state = sum(r.state_total for r in table.layers) + sum(g.state_total for g in table.shared)
+    state = sum(row.state_total * count for row, count in distinct.values())
+    state += sum(g.state_total for g in table.shared)
     budget = (sum(table.limits) - state) / inflight
     if budget < 0:
         return math.inf
     excess, ratios = 0, []
-    for row in table.layers:
+    for row, count in distinct.values():
         fastest = min(row.recompute_ps, key=lambda r: (row.compute_ps(r), r))
-        excess += row.saved_bytes[fastest]
+        excess += row.saved_bytes[fastest] * count
         options = [(row.compute_ps(r) - row.compute_ps(fastest),
                     row.saved_bytes[fastest] - row.saved_bytes[r])
                    for r in row.recompute_ps if row.saved_bytes[r] < row.saved_bytes[fastest]]
         if options:
-            ratios.append((min(t / b for t, b in options), max(b for _, b in options)))
+            ratios.append((min(t / b for t, b in options),
+                           max(b for _, b in options) * count))
     excess -= budget
     floor = 0.0
     for ratio, room in sorted(ratios):
@@ -521,7 +541,8 @@ def solve(problem: PlanningProblem, options: PlannerOptions = PlannerOptions()) 
     configs = candidate_configs(problem)
     if not configs:
         raise PlanInfeasibleError(_no_config_message(problem), resource="configuration")
-    tables = [build_cost_table(problem, c) for c in configs]
+    cache = TableCache()
+    tables = [build_cost_table(problem, c, cache) for c in configs]
     floors = [lower_bound(t) for t in tables]
     order = sorted(range(len(tables)), key=lambda i: (floors[i], i))
     best: ConfigResult | None = None
