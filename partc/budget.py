@@ -4,12 +4,20 @@ Presets carry the vendor's dense peak FLOP/s per dtype, memory, HBM bandwidth an
 usual node shape; every field can be overridden. Bandwidths are per device and per
 direction (NVLink 4 on H100: 900 GB/s bidirectional = 450 GB/s each way; one 400 Gb/s NIC
 per GPU = 50 GB/s). ``flops_efficiency`` is the fraction of peak that large matmuls reach
-in practice; ``partc calibrate`` (later) measures it, until then it is the preset's guess.
+in practice; the presets guess it.
+
+A device profile written by ``partc calibrate`` replaces the guesses with what was
+measured on the machine (``DeviceBudget(num_devices=8, profile="profile.json")``). Each
+number is taken from the first of: the field given to DeviceBudget, the profile, the
+preset the profile names (or ``device``). ``docs/calibrate.md`` describes the file.
 """
 
 from __future__ import annotations
 
+import json
+import os
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
@@ -88,12 +96,119 @@ def dtype_key(dtype: torch.dtype) -> str:
             torch.float16: "float16"}.get(dtype, str(dtype).removeprefix("torch."))
 
 
+# ------------------------------------------------------------------------ device profiles
+
+PROFILE_SCHEMA = "partc-device-profile"
+PROFILE_VERSION = 1
+# Numbers one machine may be unable to measure (a single GPU has no link; no machine sees
+# the network between nodes): the profile holds null and the preset or the user fills in.
+_OPTIONAL_NUMBERS = ("intra_node_bandwidth", "inter_node_bandwidth", "link_latency_s",
+                     "memory")
+_REQUIRED_NUMBERS = ("flops_efficiency", "hbm_bandwidth", "devices_per_node")
+
+
+class ProfileError(ValueError):
+    """A device profile that cannot be used; the message says which file and what to do."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class DeviceProfile:
+    """The ``budget`` section of a profile file: the numbers DeviceBudget needs."""
+
+    path: str
+    name: str
+    preset: str | None
+    peak_flops: dict[str, float]
+    flops_efficiency: float
+    flops_efficiency_by_dtype: dict[str, float]
+    memory: int | None
+    hbm_bandwidth: float
+    devices_per_node: int
+    intra_node_bandwidth: float | None
+    inter_node_bandwidth: float | None
+    link_latency_s: float | None
+
+
+def load_profile(path) -> DeviceProfile:
+    """Read and check a profile written by ``partc calibrate``."""
+    file = Path(path)
+    redo = f"write one with `partc calibrate --out {file}`"
+    if not file.is_file():
+        raise ProfileError(f"no device profile at {file}; {redo}")
+    try:
+        data = json.loads(file.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise ProfileError(f"cannot read device profile {file}: {error}") from None
+    if not isinstance(data, dict) or data.get("schema") != PROFILE_SCHEMA:
+        raise ProfileError(f"{file} is not a partc device profile (no \"schema\": "
+                           f"\"{PROFILE_SCHEMA}\"); {redo}")
+    if data.get("schema_version") != PROFILE_VERSION:
+        raise ProfileError(f"{file} has profile schema version {data.get('schema_version')!r}; "
+                           f"this partc reads version {PROFILE_VERSION}: {redo}")
+    return _profile_from_dict(data, str(file))
+
+
+def _profile_from_dict(data: dict, where: str) -> DeviceProfile:
+    budget, device = data.get("budget"), data.get("device")
+    if not isinstance(budget, dict) or not isinstance(device, dict):
+        raise ProfileError(f"{where} has no 'budget' or 'device' section")
+
+    def number(key: str, optional: bool = False) -> float | None:
+        if key not in budget:
+            raise ProfileError(f"{where} has no budget.{key}; re-run partc calibrate, "
+                               f"or edit the file")
+        value = budget[key]
+        if value is None and optional:
+            return None
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+            raise ProfileError(f"{where}: budget.{key} must be a positive number, got {value!r}")
+        return float(value)
+
+    def table(key: str) -> dict[str, float]:
+        value = budget.get(key)
+        if not isinstance(value, dict) or not value:
+            raise ProfileError(f"{where} has no budget.{key} table (dtype -> number)")
+        for dtype, entry in value.items():
+            if isinstance(entry, bool) or not isinstance(entry, (int, float)) or entry <= 0:
+                raise ProfileError(f"{where}: budget.{key}.{dtype} must be a positive number")
+        return {dtype: float(entry) for dtype, entry in value.items()}
+
+    required = {key: number(key) for key in _REQUIRED_NUMBERS}
+    optional = {key: number(key, optional=True) for key in _OPTIONAL_NUMBERS}
+    if required["flops_efficiency"] > 1:
+        raise ProfileError(f"{where}: budget.flops_efficiency must be in (0, 1]")
+    known = device.get("preset")
+    if known is not None and known not in PRESETS:
+        raise ProfileError(f"{where}: device.preset {known!r} is not one of {', '.join(PRESETS)}")
+    return DeviceProfile(
+        path=where, name=str(device.get("name") or "unnamed device"), preset=known,
+        peak_flops=table("peak_flops"),
+        flops_efficiency_by_dtype=table("flops_efficiency_by_dtype"),
+        flops_efficiency=required["flops_efficiency"],
+        hbm_bandwidth=required["hbm_bandwidth"],
+        devices_per_node=int(required["devices_per_node"]),
+        memory=None if optional["memory"] is None else int(optional["memory"]),
+        intra_node_bandwidth=optional["intra_node_bandwidth"],
+        inter_node_bandwidth=optional["inter_node_bandwidth"],
+        link_latency_s=optional["link_latency_s"])
+
+
+# ---------------------------------------------------------------------------- the budget
+
+DEFAULT_DEVICE = "H100-80GB"
+
+
 @dataclass(frozen=True, kw_only=True)
 class DeviceBudget:
-    """The devices a job may use. ``memory`` may be one size or one per device."""
+    """The devices a job may use. ``memory`` may be one size or one per device.
+
+    ``device`` names a preset (default H100-80GB, or the preset a ``profile`` names);
+    ``profile`` is a file written by ``partc calibrate`` (or a loaded DeviceProfile).
+    """
 
     num_devices: int
-    device: str = "H100-80GB"
+    device: str | None = None
+    profile: str | os.PathLike | DeviceProfile | None = None
     memory: int | str | tuple[int | str, ...] | list[int | str] | None = None
     peak_flops: dict[str, float] | float | None = None
     flops_efficiency: float | None = None
@@ -102,12 +217,13 @@ class DeviceBudget:
     intra_node_bandwidth: float | str | None = None
     inter_node_bandwidth: float | str | None = None
     link_latency_s: float | None = None
-    _preset: DevicePreset = field(init=False, repr=False, compare=False)
+    _preset: DevicePreset | None = field(init=False, repr=False, compare=False)
+    _profile: DeviceProfile | None = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if not isinstance(self.num_devices, int) or self.num_devices < 1:
             raise ValueError(f"num_devices must be a positive int, got {self.num_devices!r}")
-        object.__setattr__(self, "_preset", preset(self.device))
+        self._resolve_device()
         per_device = self.memory_bytes  # parses and checks the memory field
         if min(per_device) <= 0:
             raise ValueError("every device needs a positive memory size")
@@ -115,11 +231,31 @@ class DeviceBudget:
             raise ValueError(f"flops_efficiency must be in (0, 1], got {self.flops_efficiency}")
         if self.devices_per_node is not None and self.devices_per_node < 1:
             raise ValueError("devices_per_node must be positive")
+        # Every number resolves now, so a gap in a profile fails here and not in the planner.
+        for name in ("flops_efficiency", "hbm_bandwidth", "devices_per_node",
+                     "intra_node_bandwidth", "inter_node_bandwidth", "link_latency_s"):
+            self._pick(name)
+
+    def _resolve_device(self) -> None:
+        profile = self.profile
+        if profile is not None and not isinstance(profile, DeviceProfile):
+            profile = load_profile(profile)
+        device = self.device
+        if profile is not None and profile.preset is not None:
+            if device is not None and preset(device).name != profile.preset:
+                raise ValueError(f"device={device!r} but profile {profile.path} was measured "
+                                 f"on {profile.name} (preset {profile.preset}); drop device=")
+            device = profile.preset
+        if device is None and profile is None:
+            device = DEFAULT_DEVICE
+        object.__setattr__(self, "device", device)
+        object.__setattr__(self, "_profile", profile)
+        object.__setattr__(self, "_preset", None if device is None else preset(device))
 
     @property
     def memory_bytes(self) -> tuple[int, ...]:
         if self.memory is None:
-            return (self._preset.memory,) * self.num_devices
+            return (self._pick("memory"),) * self.num_devices
         if isinstance(self.memory, (list, tuple)):
             if len(self.memory) != self.num_devices:
                 raise ValueError(
@@ -131,16 +267,39 @@ class DeviceBudget:
     def peak_flops_for(self, dtype: torch.dtype) -> float:
         if isinstance(self.peak_flops, (int, float)):
             return float(self.peak_flops)
-        table = {**self._preset.peak_flops, **(self.peak_flops or {})}
+        # A profile's table replaces the preset's: a measured device has no vendor figures
+        # for the dtypes it was not measured in.
+        base = self._profile.peak_flops if self._profile else self._preset.peak_flops
+        table = {**base, **(self.peak_flops or {})}
         key = dtype_key(dtype)
         if key not in table:
-            raise ValueError(f"device {self.device} has no peak FLOP/s for {key}; "
+            raise ValueError(f"device {self.name} has no peak FLOP/s for {key}; "
                              f"pass peak_flops={{'{key}': ...}}")
         return table[key]
 
+    def efficiency_for(self, dtype: torch.dtype) -> float:
+        """The fraction of ``peak_flops_for(dtype)`` that matmuls reach in this dtype."""
+        if self.flops_efficiency is None and self._profile is not None:
+            by_dtype = self._profile.flops_efficiency_by_dtype
+            if dtype_key(dtype) in by_dtype:
+                return by_dtype[dtype_key(dtype)]
+        return self.efficiency
+
     def _pick(self, name: str):
         value = getattr(self, name)
-        return getattr(self._preset, name) if value is None else value
+        if value is not None:
+            return value
+        if self._profile is not None and getattr(self._profile, name) is not None:
+            return getattr(self._profile, name)
+        if self._preset is not None:
+            return getattr(self._preset, name)
+        raise ValueError(f"profile {self._profile.path} has no {name} (not measured) and "
+                         f"names no preset; pass {name}=... to DeviceBudget")
+
+    @property
+    def name(self) -> str:
+        """The device: the profile's (as the driver names it) or the preset's."""
+        return self._profile.name if self._profile is not None else self._preset.name
 
     @property
     def efficiency(self) -> float:
@@ -168,16 +327,21 @@ class DeviceBudget:
 
     def to_dict(self, dtype: torch.dtype = torch.float32) -> dict:
         memory = self.memory_bytes
-        return {
-            "device": self._preset.name,
+        data = {
+            "device": self.name,
             "num_devices": self.num_devices,
             "memory_bytes": memory[0] if len(set(memory)) == 1 else list(memory),
             "memory": format_bytes(min(memory)),
             "peak_flops": self.peak_flops_for(dtype),
-            "flops_efficiency": self.efficiency,
+            "flops_efficiency": self.efficiency_for(dtype),
             "hbm_bandwidth": self.hbm_bytes_per_s,
             "devices_per_node": self.node_size,
             "intra_node_bandwidth": self.intra_node_bytes_per_s,
             "inter_node_bandwidth": self.inter_node_bytes_per_s,
             "link_latency_s": self.latency_s,
         }
+        if self._profile is not None:
+            # Fields given to DeviceBudget still win over the profile's numbers.
+            data.update(source="profile", profile=self._profile.path,
+                        preset=self._preset.name if self._preset else None)
+        return data
