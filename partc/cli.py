@@ -1,5 +1,8 @@
 """Command line: ``partc plan path/to/file.py:factory --devices N --device H100-80GB``.
 
+``partc calibrate --out profile.json`` measures this machine's devices and writes a
+profile; ``partc plan ... --profile profile.json`` plans with its numbers.
+
 The factory is a function of no arguments in that file. It returns either a dict with
 keys ``model`` and ``example_inputs`` (optional: ``loss_fn``, ``example_target``,
 ``train`` — a TrainSpec — and ``name``), or a tuple ``(model, example_inputs[, loss_fn])``.
@@ -19,7 +22,7 @@ from typing import Any
 
 import torch
 
-from .budget import PRESETS, DeviceBudget
+from .budget import DEFAULT_DEVICE, PRESETS, DeviceBudget
 from .errors import PartcError
 from .planner import PlannerOptions
 from .report import FORMATS
@@ -85,7 +88,9 @@ def _parser() -> argparse.ArgumentParser:
     plan = commands.add_parser("plan", help="trace, measure and plan a model; write the plan")
     plan.add_argument("target", help="path/to/file.py:factory")
     plan.add_argument("--devices", type=int, required=True, help="number of devices")
-    plan.add_argument("--device", default="H100-80GB", help=f"one of {', '.join(PRESETS)}")
+    plan.add_argument("--device", help=f"one of {', '.join(PRESETS)} (default "
+                      f"{DEFAULT_DEVICE}, or the profile's)")
+    plan.add_argument("--profile", type=Path, help="device profile from partc calibrate")
     plan.add_argument("--memory", help="memory per device, e.g. 40GiB, or a comma list")
     plan.add_argument("--devices-per-node", type=int)
     plan.add_argument("--pp", type=int, help="pin the number of pipeline stages")
@@ -101,6 +106,18 @@ def _parser() -> argparse.ArgumentParser:
     plan.add_argument("--format", choices=FORMATS, default="text", help="printed report")
     plan.add_argument("--out", type=Path, help="directory for plan.json and report.md")
     plan.add_argument("-q", "--quiet", action="store_true", help="no progress lines")
+    calibrate = commands.add_parser("calibrate", help="measure this machine's devices; write "
+                                    "a profile that --profile and DeviceBudget load")
+    calibrate.add_argument("--out", type=Path, default=Path("profile.json"),
+                           help="where to write the profile (default: profile.json)")
+    calibrate.add_argument("--device", choices=("cpu", "cuda"),
+                           help="default: cuda when torch sees a GPU, else cpu")
+    calibrate.add_argument("--processes", type=int,
+                           help="ranks for the collectives (default: one per GPU; 2 on CPU, "
+                                "where a device is one process)")
+    calibrate.add_argument("--quick", action="store_true",
+                           help="small sizes, few repeats: seconds, rough figures")
+    calibrate.add_argument("-q", "--quiet", action="store_true", help="no progress lines")
     return parser
 
 
@@ -109,7 +126,7 @@ def plan_command(args: argparse.Namespace) -> int:
 
     start = time.perf_counter()
     workload = load_factory(args.target)
-    budget = DeviceBudget(num_devices=args.devices, device=args.device,
+    budget = DeviceBudget(num_devices=args.devices, device=args.device, profile=args.profile,
                           memory=_memory(args.memory), devices_per_node=args.devices_per_node)
     constraints = Constraints(pp=args.pp, num_microbatches=args.microbatches,
                               schedule=args.schedule, recompute=args.recompute)
@@ -127,12 +144,29 @@ def plan_command(args: argparse.Namespace) -> int:
     return 0
 
 
+def calibrate_command(args: argparse.Namespace) -> int:
+    from .calibrate import CalibrationOptions, calibrate, summary, write_profile
+
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    processes = args.processes or (torch.cuda.device_count() if device == "cuda" else 2)
+    options = CalibrationOptions(device=device, processes=processes, quick=args.quick)
+    profile = calibrate(options)
+    write_profile(profile, args.out)
+    print(summary(profile))
+    print(f"wrote {args.out}; plan with it: partc plan ... --profile {args.out}",
+          file=sys.stderr)
+    return 0
+
+
+COMMANDS = {"plan": plan_command, "calibrate": calibrate_command}
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     logging.basicConfig(level=logging.WARNING if args.quiet else logging.INFO,
                         format="partc: %(message)s", stream=sys.stderr)
     try:
-        return plan_command(args)
+        return COMMANDS[args.command](args)
     except PartcError as error:
         print(f"partc: {type(error).__name__}: {error}", file=sys.stderr)
         return 2

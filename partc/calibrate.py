@@ -1,0 +1,612 @@
+"""Measure this machine's devices and write a device profile that DeviceBudget loads.
+
+    partc calibrate --out profile.json                 # CUDA when torch sees a GPU, else CPU
+    partc calibrate --device cpu --processes 2 --quick --out cpu.json
+
+Every figure is the median of repeats after warm-up runs, each repeat long enough for the
+clock (CUDA events on a GPU, ``time.perf_counter`` on CPU):
+
+- matmul: achieved FLOP/s, 2·m·k·n per product, over a few square-ish sizes, per dtype
+  (float32 and bfloat16 on CPU; float32, tf32, bfloat16 and float16 on CUDA). The best
+  size's figure is the dtype's achieved throughput.
+- attention: ``scaled_dot_product_attention`` forward on one (batch, heads, seq, head_dim)
+  shape, counted as 4·b·h·s²·d FLOPs (its two matmuls), and half that when causal.
+- memory bandwidth: a large copy (bytes read + written: 2 per element byte) and add (3).
+- collectives: N local processes (gloo on CPU, NCCL on CUDA) time all-reduce, all-gather,
+  reduce-scatter and a send/recv ping-pong over message sizes m (bytes of the whole
+  tensor; send/recv: of the message). Times are fitted, by least squares on relative
+  error, to the ring form the cost model uses (``passes/sharding.collective_seconds``)::
+
+      t(m) = steps · latency + (steps / n) · m / bandwidth
+
+  with steps = 2(n-1) for all-reduce, n-1 for all-gather and reduce-scatter (1 and a
+  factor of 1 for send/recv). So ``bandwidth`` is what one link carries, comparable with
+  a preset's ``intra_node_bandwidth``, and ``latency`` is one ring step's, the preset's
+  ``link_latency_s``. One joint fit over the four collectives gives the budget's numbers;
+  each collective's own fit (alpha = steps · latency) is kept beside it.
+
+On CPU a device is one of the N processes: compute and memory bandwidth are measured with
+cores / N threads, and a device's memory is the machine's RAM / N. Nominal peak FLOP/s are
+the preset's where the device is a known preset (the GPUs in ``partc.budget.PRESETS``),
+otherwise the measured best, and ``flops_efficiency`` is achieved / nominal. A single
+machine cannot measure the network between nodes: ``inter_node_bandwidth`` is the
+preset's, or null for the user to give (``DeviceBudget(..., inter_node_bandwidth=...)``).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import platform
+import statistics
+import tempfile
+import time
+from dataclasses import dataclass
+from datetime import datetime, timedelta, timezone
+from pathlib import Path
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+
+from .budget import PRESETS, PROFILE_SCHEMA, PROFILE_VERSION
+from .errors import PartcError
+from .units import format_seconds
+
+log = logging.getLogger("partc.calibrate")
+
+COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "send_recv")
+_TORCH_DTYPES = {"float32": torch.float32, "tf32": torch.float32,
+                 "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class CalibrationError(PartcError):
+    """A measurement could not be taken or made no sense; the message says which."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Sizes:
+    """What to run: shapes, bytes and how often."""
+
+    matmul: tuple[tuple[int, int, int], ...]   # (m, k, n)
+    attention: tuple[int, int, int, int]       # (batch, heads, seq, head_dim)
+    memory_bytes: int                          # of each tensor in the copy and add
+    message_bytes: tuple[int, ...]             # collective sizes
+    repeats: int
+    warmup: int
+    min_sample_s: float                        # calls per sample are batched up to this
+
+
+def _powers_of_4(low: int, high: int) -> tuple[int, ...]:
+    return tuple(2**e for e in range(low, high + 1, 2))
+
+
+SIZES = {
+    ("cpu", True): Sizes(matmul=((128, 128, 128), (256, 256, 256)), attention=(1, 4, 128, 32),
+                         memory_bytes=16 * 2**20, message_bytes=_powers_of_4(10, 20),
+                         repeats=5, warmup=1, min_sample_s=2e-3),
+    ("cpu", False): Sizes(matmul=((512, 512, 512), (1024, 1024, 1024), (2048, 2048, 2048),
+                                  (2048, 4096, 2048)), attention=(2, 8, 1024, 64),
+                          memory_bytes=256 * 2**20, message_bytes=_powers_of_4(10, 26),
+                          repeats=7, warmup=3, min_sample_s=0.02),
+    ("cuda", True): Sizes(matmul=((1024, 1024, 1024), (2048, 2048, 2048)),
+                          attention=(2, 8, 1024, 64), memory_bytes=64 * 2**20,
+                          message_bytes=_powers_of_4(10, 24), repeats=3, warmup=2,
+                          min_sample_s=1e-3),
+    ("cuda", False): Sizes(matmul=((2048, 2048, 2048), (4096, 4096, 4096), (8192, 8192, 8192),
+                                   (8192, 4096, 8192)), attention=(4, 32, 4096, 128),
+                           memory_bytes=2**30, message_bytes=_powers_of_4(10, 30),
+                           repeats=10, warmup=5, min_sample_s=0.02),
+}
+
+
+@dataclass(frozen=True, kw_only=True)
+class CalibrationOptions:
+    device: str = "cpu"          # "cpu" or "cuda"
+    processes: int = 2           # ranks for the collectives; on CPU, devices per node
+    quick: bool = False          # small sizes, few repeats: seconds, for tests
+
+    def __post_init__(self) -> None:
+        if self.device not in ("cpu", "cuda"):
+            raise ValueError(f"device must be 'cpu' or 'cuda', got {self.device!r}")
+        if self.processes < 1:
+            raise ValueError(f"processes must be at least 1, got {self.processes}")
+        if self.device == "cuda" and not torch.cuda.is_available():
+            raise CalibrationError("--device cuda, but torch sees no GPU here")
+        if self.device == "cuda" and self.processes > torch.cuda.device_count():
+            raise ValueError(f"{self.processes} processes asked for, but only "
+                             f"{torch.cuda.device_count()} GPUs: one process per GPU")
+
+    @property
+    def sizes(self) -> Sizes:
+        return SIZES[self.device, self.quick]
+
+    @property
+    def dtypes(self) -> tuple[str, ...]:
+        if self.device == "cuda":
+            return ("float32", "tf32", "bfloat16", "float16")
+        return ("float32", "bfloat16")
+
+
+# ---------------------------------------------------------------------------- timing
+
+def _elapsed(fn: Callable[[], object], device: torch.device, calls: int) -> float:
+    """Seconds for ``calls`` back-to-back calls, all finished."""
+    if device.type == "cuda":
+        start = torch.cuda.Event(enable_timing=True)
+        end = torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(calls):
+            fn()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end) / 1e3
+    start_s = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    return time.perf_counter() - start_s
+
+
+def _calls_per_sample(one_call_s: float, sizes: Sizes) -> int:
+    return max(1, math.ceil(sizes.min_sample_s / max(one_call_s, 1e-9)))
+
+
+def median_seconds(fn: Callable[[], object], device: torch.device, sizes: Sizes) -> float:
+    """Median seconds per call of ``fn`` after warm-up."""
+    for _ in range(sizes.warmup):
+        fn()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    calls = _calls_per_sample(_elapsed(fn, device, 1), sizes)
+    return statistics.median(_elapsed(fn, device, calls) / calls for _ in range(sizes.repeats))
+
+
+class _Fp32Precision:
+    """fp32 matmuls as ``key`` asks: full fp32 ("highest") or TF32 tensor cores ("high")."""
+
+    def __init__(self, key: str) -> None:
+        self.wanted = "high" if key == "tf32" else "highest"
+
+    def __enter__(self) -> None:
+        self.before = torch.get_float32_matmul_precision()
+        torch.set_float32_matmul_precision(self.wanted)
+
+    def __exit__(self, *exc) -> None:
+        torch.set_float32_matmul_precision(self.before)
+
+
+# ---------------------------------------------------------------------------- compute
+
+def measure_matmul(device: torch.device, dtypes: tuple[str, ...], sizes: Sizes) -> dict:
+    result = {}
+    for key in dtypes:
+        samples = []
+        for m, k, n in sizes.matmul:
+            a = torch.randn(m, k, device=device, dtype=_TORCH_DTYPES[key])
+            b = torch.randn(k, n, device=device, dtype=_TORCH_DTYPES[key])
+            out = torch.empty(m, n, device=device, dtype=_TORCH_DTYPES[key])
+            with _Fp32Precision(key):
+                seconds = median_seconds(lambda: torch.mm(a, b, out=out), device, sizes)
+            samples.append({"m": m, "k": k, "n": n, "seconds": seconds,
+                            "flops_per_s": 2 * m * k * n / seconds})
+            log.info("matmul %s %dx%dx%d: %s", key, m, k, n, _flops(samples[-1]["flops_per_s"]))
+        best = max(samples, key=lambda s: s["flops_per_s"])
+        result[key] = {"samples": samples, "best_flops_per_s": best["flops_per_s"]}
+    return result
+
+
+def measure_attention(device: torch.device, dtypes: tuple[str, ...], sizes: Sizes) -> dict:
+    b, h, s, d = sizes.attention
+    result = {"shape": {"batch": b, "heads": h, "seq": s, "head_dim": d},
+              "flops_counted": "forward only: 4*b*h*s^2*d, half that when causal"}
+    for key in (k for k in dtypes if k != "tf32"):
+        q, k, v = (torch.randn(b, h, s, d, device=device, dtype=_TORCH_DTYPES[key])
+                   for _ in range(3))
+        for causal in (False, True):
+            with torch.no_grad():
+                seconds = median_seconds(
+                    lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal),
+                    device, sizes)
+            flops = 4 * b * h * s * s * d / (2 if causal else 1)
+            name = f"{key}{'_causal' if causal else ''}"
+            result[name] = {"dtype": key, "causal": causal, "seconds": seconds,
+                            "flops": flops, "flops_per_s": flops / seconds}
+            log.info("attention %s: %s", name, _flops(flops / seconds))
+    return result
+
+
+def measure_memory(device: torch.device, sizes: Sizes) -> dict:
+    numel = sizes.memory_bytes // 4
+    a, b, out = (torch.ones(numel, device=device) for _ in range(3))
+    copy_s = median_seconds(lambda: out.copy_(a), device, sizes)
+    add_s = median_seconds(lambda: torch.add(a, b, out=out), device, sizes)
+    result = {"tensor_bytes": numel * 4,
+              "copy": {"seconds": copy_s, "bytes_moved": 2 * numel * 4,
+                       "bytes_per_s": 2 * numel * 4 / copy_s},
+              "add": {"seconds": add_s, "bytes_moved": 3 * numel * 4,
+                      "bytes_per_s": 3 * numel * 4 / add_s}}
+    result["best_bytes_per_s"] = max(result["copy"]["bytes_per_s"], result["add"]["bytes_per_s"])
+    log.info("memory: copy %s, add %s", _rate(result["copy"]["bytes_per_s"]),
+             _rate(result["add"]["bytes_per_s"]))
+    return result
+
+
+# ------------------------------------------------------------------------ collectives
+
+def ring_steps(kind: str, ranks: int) -> int:
+    """Latency terms of one collective in a ring of ``ranks``."""
+    if kind == "send_recv":
+        return 1
+    return 2 * (ranks - 1) if kind == "all_reduce" else ranks - 1
+
+
+def ring_factor(kind: str, ranks: int) -> float:
+    """Bytes each rank sends, per byte of the whole tensor (send/recv: of the message)."""
+    return 1.0 if kind == "send_recv" else ring_steps(kind, ranks) / ranks
+
+
+@dataclass(frozen=True)
+class LinkFit:
+    """``t = steps · latency_s + factor · bytes / bandwidth`` (ring_steps, ring_factor)."""
+
+    latency_s: float
+    bandwidth: float
+
+    def predict(self, kind: str, nbytes: float, ranks: int) -> float:
+        return (ring_steps(kind, ranks) * self.latency_s
+                + ring_factor(kind, ranks) * nbytes / self.bandwidth)
+
+
+def fit_link(samples: list[tuple[str, float, float]], ranks: int) -> LinkFit:
+    """Least squares of relative error over (kind, bytes, seconds) samples, both
+    coefficients kept non-negative. Relative, so small messages (which fix the latency)
+    count as much as large ones (which fix the bandwidth)."""
+    rows = [(ring_steps(kind, ranks) / t, ring_factor(kind, ranks) * nbytes / t)
+            for kind, nbytes, t in samples]
+    latency, seconds_per_byte = _nonnegative_least_squares(rows)
+    if seconds_per_byte <= 0:
+        raise CalibrationError("collective times do not grow with message size; measure "
+                               "larger messages (drop --quick)")
+    return LinkFit(latency_s=latency, bandwidth=1 / seconds_per_byte)
+
+
+def _nonnegative_least_squares(rows: list[tuple[float, float]]) -> tuple[float, float]:
+    """argmin over x, y >= 0 of sum (a·x + b·y - 1)^2 for rows (a, b)."""
+    aa = sum(a * a for a, _ in rows)
+    bb = sum(b * b for _, b in rows)
+    ab = sum(a * b for a, b in rows)
+    a1 = sum(a for a, _ in rows)
+    b1 = sum(b for _, b in rows)
+    candidates = [(a1 / aa, 0.0), (0.0, b1 / bb)]
+    det = aa * bb - ab * ab
+    if det > 0:
+        x, y = (a1 * bb - b1 * ab) / det, (b1 * aa - a1 * ab) / det
+        if x >= 0 and y >= 0:
+            candidates.append((x, y))
+    return min(candidates, key=lambda xy: sum((a * xy[0] + b * xy[1] - 1) ** 2 for a, b in rows))
+
+
+def _fit_record(fit: LinkFit, samples: list[tuple[str, float, float]], ranks: int) -> dict:
+    errors = [abs(fit.predict(kind, nbytes, ranks) - t) / t for kind, nbytes, t in samples]
+    return {"latency_s": fit.latency_s, "bandwidth": fit.bandwidth,
+            "median_rel_error": statistics.median(errors), "max_rel_error": max(errors)}
+
+
+def measure_collectives(options: CalibrationOptions) -> dict:
+    """Spawn the ranks, time the collectives, fit each one and all of them together."""
+    ranks = options.processes
+    backend = "nccl" if options.device == "cuda" else "gloo"
+    with tempfile.TemporaryDirectory(prefix="partc-calibrate-") as folder:
+        out = Path(folder) / "collectives.json"
+        log.info("collectives: %d %s processes, %d sizes", ranks, backend,
+                 len(options.sizes.message_bytes))
+        try:
+            mp.spawn(_collective_worker, nprocs=ranks, join=True,
+                     args=(ranks, str(Path(folder) / "store"), backend, options.sizes,
+                           str(out)))
+        except (mp.ProcessRaisedException, mp.ProcessExitedException) as error:
+            raise CalibrationError(f"the {backend} collective measurement failed: "
+                                   f"{error}") from None
+        timed = json.loads(out.read_text())
+    result = {"processes": ranks, "backend": backend, "model": "t = steps*latency_s + "
+              "factor*bytes/bandwidth (ring: all_reduce steps 2(n-1), factor 2(n-1)/n; "
+              "all_gather/reduce_scatter n-1, (n-1)/n; send_recv 1, 1)"}
+    everything = []
+    for kind in COLLECTIVES:
+        samples = [(kind, s["bytes"], s["seconds"]) for s in timed[kind]]
+        everything += samples
+        fit = _fit_record(fit_link(samples, ranks), samples, ranks)
+        fit["alpha_s"] = ring_steps(kind, ranks) * fit["latency_s"]
+        result[kind] = {"steps": ring_steps(kind, ranks), "factor": ring_factor(kind, ranks),
+                        "samples": timed[kind], "fit": fit}
+        log.info("%s: latency %s per step, %s per link", kind,
+                 format_seconds(fit["latency_s"]), _rate(fit["bandwidth"]))
+    result["joint_fit"] = _fit_record(fit_link(everything, ranks), everything, ranks)
+    return result
+
+
+def _collective_worker(rank: int, ranks: int, store: str, backend: str, sizes: Sizes,
+                       out: str) -> None:
+    torch.set_num_threads(1)
+    device = torch.device("cuda", rank) if backend == "nccl" else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dist.init_process_group(backend, store=dist.FileStore(store, ranks), rank=rank,
+                            world_size=ranks, timeout=timedelta(minutes=5))
+    try:
+        timed = {kind: [] for kind in COLLECTIVES}
+        for nbytes in sizes.message_bytes:
+            numel = max(ranks, nbytes // 4 // ranks * ranks)
+            for kind in COLLECTIVES:
+                op = _collective(kind, numel, rank, ranks, device)
+                # A ping-pong call is a round trip: two messages.
+                seconds = _collective_seconds(op, device, sizes) / (
+                    2 if kind == "send_recv" else 1)
+                timed[kind].append({"bytes": numel * 4, "seconds": seconds})
+        if rank == 0:
+            Path(out).write_text(json.dumps(timed))
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def _collective(kind: str, numel: int, rank: int, ranks: int, device: torch.device):
+    """A closure running one ``kind`` collective on ``numel`` float32 elements."""
+    whole = torch.zeros(numel, device=device)
+    part = torch.zeros(numel // ranks, device=device)
+    if kind == "all_reduce":
+        return lambda: dist.all_reduce(whole)
+    if kind == "all_gather":
+        gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+        return lambda: gather(whole, part)
+    if kind == "reduce_scatter":
+        scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+        return lambda: scatter(part, whole)
+    # send/recv: ranks 0 and 1 play ping-pong, the others wait.
+    if rank > 1:
+        return lambda: None
+    peer = 1 - rank
+
+    def ping_pong():
+        if rank == 0:
+            dist.send(whole, peer)
+            dist.recv(whole, peer)
+        else:
+            dist.recv(whole, peer)
+            dist.send(whole, peer)
+    return ping_pong
+
+
+def _collective_seconds(op: Callable[[], object], device: torch.device, sizes: Sizes) -> float:
+    """Median seconds per call; every rank runs the same number of calls per sample and a
+    sample is the slowest rank's time."""
+    for _ in range(sizes.warmup):
+        op()
+    one = _slowest(_elapsed(op, device, 1), device)
+    calls = _calls_per_sample(one, sizes)
+    samples = []
+    for _ in range(sizes.repeats):
+        dist.barrier()
+        samples.append(_slowest(_elapsed(op, device, calls) / calls, device))
+    return statistics.median(samples)
+
+
+def _slowest(seconds: float, device: torch.device) -> float:
+    value = torch.tensor([seconds], dtype=torch.float64, device=device)
+    dist.all_reduce(value, op=dist.ReduceOp.MAX)
+    return float(value.item())
+
+
+# ---------------------------------------------------------------------------- profile
+
+def calibrate(options: CalibrationOptions) -> dict:
+    """Measure everything ``options`` asks for; return the profile (JSON-ready)."""
+    device = torch.device("cuda", 0) if options.device == "cuda" else torch.device("cpu")
+    threads = _threads_per_process(options)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        measured = {"matmul": measure_matmul(device, options.dtypes, options.sizes),
+                    "attention": measure_attention(device, options.dtypes, options.sizes),
+                    "memory": measure_memory(device, options.sizes)}
+    finally:
+        torch.set_num_threads(before)
+    if options.processes > 1:
+        measured["collectives"] = measure_collectives(options)
+    else:
+        log.info("collectives: skipped, one process")
+    return build_profile(options, measured, name=device_name(options.device), threads=threads)
+
+
+def write_profile(profile: dict, path: str | os.PathLike) -> None:
+    Path(path).write_text(json.dumps(profile, indent=1) + "\n")
+
+
+def device_name(device: str) -> str:
+    if device == "cuda":
+        return torch.cuda.get_device_name(0)
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine() or "CPU"
+
+
+def known_preset(device: str, name: str) -> str | None:
+    """The preset for this device: the GPU's own (vendor figures), or the generic "CPU"."""
+    if device == "cpu":
+        return "CPU"
+    upper = name.upper()
+    if "H200" in upper:
+        return "H200"
+    if "H100" in upper:
+        return "H100-80GB"
+    if "A100" in upper:
+        return "A100-40GB" if "40GB" in upper else "A100-80GB"
+    return None
+
+
+def _cores() -> int:
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
+
+
+def _threads_per_process(options: CalibrationOptions) -> int:
+    if options.device == "cuda":
+        return torch.get_num_threads()
+    return max(1, _cores() // options.processes)
+
+
+def _device_memory(options: CalibrationOptions) -> int | None:
+    if options.device == "cuda":
+        return torch.cuda.get_device_properties(0).total_memory
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // options.processes
+    except (AttributeError, ValueError, OSError):
+        return None
+
+
+def build_profile(options: CalibrationOptions, measured: dict, *, name: str,
+                  threads: int) -> dict:
+    """The profile file's content: what was measured and the numbers DeviceBudget needs."""
+    preset_name = known_preset(options.device, name)
+    vendor = PRESETS[preset_name] if preset_name and options.device == "cuda" else None
+    achieved = {key: m["best_flops_per_s"] for key, m in measured["matmul"].items()}
+    peak = {key: vendor.peak_flops.get(key, flops) if vendor else flops
+            for key, flops in achieved.items()}
+    efficiency = {key: min(1.0, achieved[key] / peak[key]) for key in achieved}
+    training = "bfloat16" if options.device == "cuda" else "float32"
+    link = measured.get("collectives", {}).get("joint_fit")
+    budget = {
+        "peak_flops": peak,
+        "achieved_flops": achieved,
+        "flops_efficiency_by_dtype": efficiency,
+        "training_dtype": training,
+        "flops_efficiency": efficiency[training],
+        "memory": _device_memory(options),
+        "hbm_bandwidth": measured["memory"]["best_bytes_per_s"],
+        "devices_per_node": (torch.cuda.device_count() if options.device == "cuda"
+                             else options.processes),
+        "intra_node_bandwidth": link["bandwidth"] if link else None,
+        "link_latency_s": link["latency_s"] if link else None,
+        "inter_node_bandwidth": None,
+    }
+    return {
+        "schema": PROFILE_SCHEMA,
+        "schema_version": PROFILE_VERSION,
+        "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "mode": "quick" if options.quick else "full",
+        "device": {"kind": options.device, "name": name, "preset": preset_name,
+                   "processes": options.processes, "threads_per_process": threads},
+        "software": {"torch": torch.__version__, "python": platform.python_version(),
+                     "cuda": torch.version.cuda},
+        "budget": budget,
+        "sources": _sources(options, preset_name, vendor is not None, training, link),
+        "measurements": measured,
+        "notes": _notes(options, threads, achieved, peak),
+    }
+
+
+def _sources(options: CalibrationOptions, preset_name: str | None, vendor: bool,
+             training: str, link: dict | None) -> dict[str, str]:
+    """Where each budget number came from; null numbers fall back as said here."""
+    fallback = (f"not measured: DeviceBudget uses preset {preset_name}'s" if preset_name
+                else "not measured: give it to DeviceBudget")
+    ranks = f"{options.processes} {'NCCL' if options.device == 'cuda' else 'gloo'} processes"
+    return {
+        "peak_flops": (f"vendor figures of preset {preset_name}" if vendor else
+                       "measured: best matmul throughput per dtype (no vendor figures)"),
+        "flops_efficiency": f"measured {training} matmul / peak_flops.{training}",
+        "memory": ("total memory of GPU 0" if options.device == "cuda" else
+                   f"physical memory / {options.processes} processes"),
+        "hbm_bandwidth": "measured: best of copy and add, bytes read + written per second",
+        "devices_per_node": ("GPUs torch sees" if options.device == "cuda" else
+                             "processes calibrated: a CPU device is one process"),
+        "intra_node_bandwidth": (f"measured: joint ring fit of the collectives over {ranks}"
+                                 if link else f"{fallback} (one process: no link to time)"),
+        "link_latency_s": (f"measured: joint ring fit, latency per ring step over {ranks}"
+                           if link else f"{fallback} (one process: no link to time)"),
+        "inter_node_bandwidth": f"{fallback} (one machine cannot measure the network "
+                                f"between nodes)",
+    }
+
+
+def _notes(options: CalibrationOptions, threads: int, achieved: dict, peak: dict) -> list[str]:
+    notes = []
+    if options.device == "cpu":
+        notes.append(f"compute and memory were measured in one process with {threads} "
+                     f"thread(s), the others idle; {options.processes} ranks running at "
+                     f"once share memory bandwidth")
+        if options.processes > _cores():
+            notes.append("more processes than cores: collective times include waiting "
+                         "for a core")
+    for key in achieved:
+        if achieved[key] > peak[key]:
+            notes.append(f"{key} matmul measured above the vendor peak; efficiency set to 1")
+    if options.quick:
+        notes.append("quick run: small sizes and few repeats; figures are rough")
+    return notes
+
+
+# ---------------------------------------------------------------------------- summary
+
+def _flops(value: float) -> str:
+    return f"{value / 1e12:.1f} TFLOP/s" if value >= 1e12 else f"{value / 1e9:.1f} GFLOP/s"
+
+
+def _rate(value: float) -> str:
+    return f"{value / 1e9:.2f} GB/s" if value >= 1e9 else f"{value / 1e6:.1f} MB/s"
+
+
+def summary(profile: dict) -> str:
+    """A short table: what was measured, and the budget's numbers beside the preset's."""
+    device, budget, measured = profile["device"], profile["budget"], profile["measurements"]
+    lines = [f"partc calibrate: {device['name']} ({device['kind']}, {device['processes']} "
+             f"processes x {device['threads_per_process']} thread(s)), torch "
+             f"{profile['software']['torch']}, {profile['mode']} run", "",
+             f"{'measured':<30}{'figure'}"]
+    for key, matmul in measured["matmul"].items():
+        best = max(matmul["samples"], key=lambda s: s["flops_per_s"])
+        lines.append(f"{'matmul ' + key:<30}{_flops(best['flops_per_s']):<16}"
+                     f"best of {len(matmul['samples'])} sizes: {best['m']}x{best['k']}x{best['n']}")
+    attention = measured["attention"]
+    shape = "x".join(str(v) for v in attention["shape"].values())
+    for name, entry in attention.items():
+        if isinstance(entry, dict) and "flops_per_s" in entry:
+            lines.append(f"{'attention ' + name:<30}{_flops(entry['flops_per_s']):<16}"
+                         f"b x h x s x d = {shape}, fwd")
+    memory = measured["memory"]
+    lines.append(f"{'memory copy / add':<30}{_rate(memory['copy']['bytes_per_s'])} / "
+                 f"{_rate(memory['add']['bytes_per_s'])}")
+    collectives = measured.get("collectives", {})
+    for kind in (*COLLECTIVES, "joint_fit"):
+        if kind in collectives:
+            fit = collectives[kind].get("fit", collectives[kind])
+            lines.append(f"{kind:<30}{format_seconds(fit['latency_s']) + '/step':<16}"
+                         f"{_rate(fit['bandwidth'])} per link, fit error median "
+                         f"{fit['median_rel_error']:.0%} max {fit['max_rel_error']:.0%}")
+    return "\n".join(lines + [""] + _budget_rows(profile))
+
+
+def _budget_rows(profile: dict) -> list[str]:
+    budget, preset_name = profile["budget"], profile["device"]["preset"]
+    preset = PRESETS.get(preset_name) if preset_name else None
+    rows = [("peak_flops " + key, _flops(value),
+             _flops(preset.peak_flops[key]) if preset and key in preset.peak_flops else "-")
+            for key, value in budget["peak_flops"].items()]
+    formats = {"flops_efficiency": "{:.2f}".format, "memory": lambda b: f"{b / 2**30:.1f} GiB",
+               "hbm_bandwidth": _rate, "devices_per_node": str,
+               "intra_node_bandwidth": _rate, "link_latency_s": format_seconds,
+               "inter_node_bandwidth": _rate}
+    for key, show in formats.items():
+        mine = "(preset)" if budget[key] is None else show(budget[key])
+        rows.append((key, mine, show(getattr(preset, key)) if preset else "-"))
+    head = ("budget number", "profile", f"preset {preset_name}" if preset else "no preset")
+    return [f"{a:<30}{b:<16}{c}" for a, b, c in (head, *rows)]

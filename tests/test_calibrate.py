@@ -1,0 +1,279 @@
+"""partc calibrate: a quick run on CPU with two gloo processes, the profile it writes,
+DeviceBudget and partc.compile reading it, and the errors a bad profile gives.
+
+Timings on a shared machine are noisy, so nothing here asserts a measured speed: the
+tests check that the profile's numbers follow from its own raw samples (the budget from
+the measurements, each fit the least-squares optimum of its samples) and that the
+planner uses whatever numbers the profile holds.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import math
+import statistics
+from datetime import datetime
+
+import pytest
+import torch
+
+import partc
+from partc.budget import PROFILE_SCHEMA, PROFILE_VERSION, ProfileError, load_profile
+from partc.calibrate import (COLLECTIVES, CalibrationError, CalibrationOptions, LinkFit,
+                             fit_link, ring_factor, ring_steps)
+from partc.cli import main
+from tests import models
+
+BUDGET_NUMBERS = ("peak_flops", "flops_efficiency", "hbm_bandwidth", "devices_per_node",
+                  "intra_node_bandwidth", "link_latency_s", "inter_node_bandwidth")
+
+
+@pytest.fixture(scope="module")
+def calibrated(tmp_path_factory):
+    """``partc calibrate --quick`` once for the module: (profile path, printed summary)."""
+    path = tmp_path_factory.mktemp("calibrate") / "profile.json"
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        code = main(["calibrate", "--device", "cpu", "--processes", "2", "--quick",
+                     "--out", str(path), "-q"])
+    assert code == 0
+    return path, printed.getvalue()
+
+
+def _read(path) -> dict:
+    return json.loads(path.read_text())
+
+
+def test_profile_schema_and_summary(calibrated):
+    path, printed = calibrated
+    profile = _read(path)
+    assert profile["schema"] == PROFILE_SCHEMA and profile["schema_version"] == PROFILE_VERSION
+    assert profile["mode"] == "quick"
+    assert datetime.fromisoformat(profile["created"]).tzinfo is not None
+    assert profile["software"]["torch"] == torch.__version__
+    device = profile["device"]
+    assert device["kind"] == "cpu" and device["name"] and device["preset"] == "CPU"
+    assert device["processes"] == 2 and device["threads_per_process"] >= 1
+    assert set(profile["measurements"]) == {"matmul", "attention", "memory", "collectives"}
+    assert set(profile["measurements"]["matmul"]) == {"float32", "bfloat16"}
+    for key in BUDGET_NUMBERS:
+        assert key in profile["budget"] and key in profile["sources"]
+    assert "one machine cannot measure" in profile["sources"]["inter_node_bandwidth"]
+    for line in ("matmul float32", "attention float32_causal", "memory copy / add",
+                 "all_reduce", "joint_fit", "budget number", "preset CPU", "hbm_bandwidth"):
+        assert line in printed
+
+
+def test_budget_numbers_follow_from_the_samples(calibrated):
+    profile = _read(calibrated[0])
+    budget, measured = profile["budget"], profile["measurements"]
+    for key, matmul in measured["matmul"].items():
+        rates = [s["flops_per_s"] for s in matmul["samples"]]
+        for s in matmul["samples"]:
+            assert s["seconds"] > 0
+            assert s["flops_per_s"] == pytest.approx(2 * s["m"] * s["k"] * s["n"] / s["seconds"])
+        assert matmul["best_flops_per_s"] == max(rates) == budget["achieved_flops"][key]
+        # No vendor figures for a CPU: the measured best is the peak, reached fully.
+        assert budget["peak_flops"][key] == max(rates)
+        assert budget["flops_efficiency_by_dtype"][key] == 1.0
+    assert budget["training_dtype"] == "float32" and budget["flops_efficiency"] == 1.0
+    attention = measured["attention"]
+    b, h, s, d = attention["shape"].values()
+    for name in ("float32", "float32_causal", "bfloat16", "bfloat16_causal"):
+        entry = attention[name]
+        assert entry["flops"] == 4 * b * h * s * s * d / (2 if entry["causal"] else 1)
+        assert entry["flops_per_s"] == pytest.approx(entry["flops"] / entry["seconds"])
+    memory = measured["memory"]
+    assert memory["copy"]["bytes_moved"] == 2 * memory["tensor_bytes"]
+    assert memory["add"]["bytes_moved"] == 3 * memory["tensor_bytes"]
+    assert budget["hbm_bandwidth"] == max(memory["copy"]["bytes_per_s"],
+                                          memory["add"]["bytes_per_s"]) > 0
+    joint = measured["collectives"]["joint_fit"]
+    assert budget["intra_node_bandwidth"] == joint["bandwidth"] > 0
+    assert budget["link_latency_s"] == joint["latency_s"] >= 0
+    assert budget["devices_per_node"] == 2 and budget["memory"] > 0
+    assert budget["inter_node_bandwidth"] is None
+
+
+def _squared_relative_error(fit: LinkFit, samples, ranks: int) -> float:
+    return sum((fit.predict(kind, nbytes, ranks) - t) ** 2 / t**2 for kind, nbytes, t in samples)
+
+
+def test_each_fit_is_the_least_squares_optimum_of_its_samples(calibrated):
+    """The fitted (latency, bandwidth) predicts the samples with the errors the profile
+    states, and no nearby pair predicts them better (relative squared error)."""
+    collectives = _read(calibrated[0])["measurements"]["collectives"]
+    ranks = collectives["processes"]
+    everything = []
+    for kind in COLLECTIVES:
+        entry = collectives[kind]
+        assert entry["steps"] == ring_steps(kind, ranks)
+        assert [s["bytes"] for s in entry["samples"]] == sorted(s["bytes"] for s in entry["samples"])
+        samples = [(kind, s["bytes"], s["seconds"]) for s in entry["samples"]]
+        everything += samples
+        _check_optimal(entry["fit"], samples, ranks)
+        assert entry["fit"]["alpha_s"] == pytest.approx(entry["steps"] * entry["fit"]["latency_s"])
+    _check_optimal(collectives["joint_fit"], everything, ranks)
+
+
+def _check_optimal(record: dict, samples, ranks: int) -> None:
+    fit = LinkFit(record["latency_s"], record["bandwidth"])
+    errors = [abs(fit.predict(kind, nbytes, ranks) - t) / t for kind, nbytes, t in samples]
+    assert max(errors) == pytest.approx(record["max_rel_error"])
+    assert statistics.median(errors) == pytest.approx(record["median_rel_error"])
+    best = _squared_relative_error(fit, samples, ranks)
+    for scale_latency, scale_bandwidth in ((1.01, 1), (0.99, 1), (1, 1.01), (1, 0.99)):
+        nearby = LinkFit(fit.latency_s * scale_latency, fit.bandwidth * scale_bandwidth)
+        assert _squared_relative_error(nearby, samples, ranks) >= best * (1 - 1e-9)
+
+
+@pytest.mark.parametrize("ranks", [2, 4, 8])
+def test_fit_link_recovers_the_ring_model(ranks):
+    truth = LinkFit(latency_s=20e-6, bandwidth=3e9)
+    sizes = [2**e for e in range(10, 27, 2)]
+    samples = [(kind, m, truth.predict(kind, m, ranks)) for kind in COLLECTIVES for m in sizes]
+    fit = fit_link(samples, ranks)
+    assert fit.latency_s == pytest.approx(20e-6, rel=1e-9)
+    assert fit.bandwidth == pytest.approx(3e9, rel=1e-9)
+    # All-reduce moves 2(n-1)/n of the tensor per rank: the per-link figure is the same.
+    assert ring_factor("all_reduce", ranks) == 2 * ring_factor("all_gather", ranks)
+    # +-10% alternating noise: the fit still predicts every sample within 10%.
+    noisy = [(k, m, t * (1.1 if i % 2 else 0.9)) for i, (k, m, t) in enumerate(samples)]
+    fit = fit_link(noisy, ranks)
+    assert all(abs(fit.predict(k, m, ranks) - t) / t < 0.25 for k, m, t in noisy)
+
+
+def test_fit_link_keeps_latency_non_negative_and_refuses_flat_times():
+    # Times proportional to bytes: an unconstrained fit would give a latency below zero.
+    samples = [("send_recv", m, m / 1e9 * (0.8 if m == 1024 else 1.0)) for m in (1024, 2**20, 2**24)]
+    fit = fit_link(samples, 2)
+    assert fit.latency_s == 0.0 and fit.bandwidth == pytest.approx(1e9, rel=0.1)
+    with pytest.raises(CalibrationError, match="do not grow with message size"):
+        fit_link([("all_reduce", m, 1e-3) for m in (1024, 4096)] +
+                 [("all_reduce", 2**20, 0.5e-3)], 2)
+
+
+def test_profile_drives_the_budget(calibrated):
+    path = calibrated[0]
+    budget_numbers = _read(path)["budget"]
+    budget = partc.DeviceBudget(num_devices=2, profile=path)
+    assert budget.device == "CPU" and budget.name == _read(path)["device"]["name"]
+    assert budget.peak_flops_for(torch.float32) == budget_numbers["peak_flops"]["float32"]
+    # Rates are whole bytes per second (partc.units.parse_rate).
+    assert budget.hbm_bytes_per_s == int(budget_numbers["hbm_bandwidth"])
+    assert budget.intra_node_bytes_per_s == int(budget_numbers["intra_node_bandwidth"])
+    assert budget.latency_s == budget_numbers["link_latency_s"]
+    assert budget.node_size == 2 and budget.memory_bytes == (budget_numbers["memory"],) * 2
+    # Not measurable on one machine: the preset's.
+    assert budget.inter_node_bytes_per_s == partc.PRESETS["CPU"].inter_node_bandwidth
+    with pytest.raises(ValueError, match="no peak FLOP/s for float16"):
+        budget.peak_flops_for(torch.float16)
+    data = budget.to_dict()
+    assert data["source"] == "profile" and data["profile"] == str(path)
+    assert data["hbm_bandwidth"] == int(budget_numbers["hbm_bandwidth"])
+    # Fields given to DeviceBudget win over the profile.
+    pinned = partc.DeviceBudget(num_devices=2, profile=path, hbm_bandwidth="1GB/s",
+                                flops_efficiency=0.5, memory="1GiB", device="cpu")
+    assert pinned.hbm_bytes_per_s == 1e9 and pinned.efficiency_for(torch.bfloat16) == 0.5
+    assert pinned.memory_bytes == (2**30,) * 2
+    # The preset path is unchanged.
+    assert "source" not in partc.DeviceBudget(num_devices=2, device="CPU").to_dict()
+
+
+def _mlp_plan(budget: partc.DeviceBudget) -> partc.Plan:
+    program = partc.compile(models.MLP(d_in=256, d_hidden=1024, d_out=256),
+                            (torch.randn(64, 256),), budget=budget,
+                            train=partc.TrainSpec(global_batch_size=64),
+                            constraints=partc.Constraints(pp=1, num_microbatches=1))
+    partc.validate_plan(program.problem, program.plan)
+    return program.plan
+
+
+def test_compile_uses_the_profile_numbers(calibrated, tmp_path):
+    path = calibrated[0]
+    profile = _read(path)
+    plan = _mlp_plan(partc.DeviceBudget(num_devices=1, profile=path))
+    assert plan.budget["source"] == "profile"
+    assert plan.budget["peak_flops"] == profile["budget"]["peak_flops"]["float32"]
+    assert plan.budget["hbm_bandwidth"] == int(profile["budget"]["hbm_bandwidth"])
+    # Twice the FLOP/s and memory bandwidth: every layer's time halves.
+    faster = profile | {"budget": profile["budget"] | {
+        "peak_flops": {k: 2 * v for k, v in profile["budget"]["peak_flops"].items()},
+        "hbm_bandwidth": 2 * profile["budget"]["hbm_bandwidth"]}}
+    (tmp_path / "faster.json").write_text(json.dumps(faster))
+    fast = _mlp_plan(partc.DeviceBudget(num_devices=1, profile=tmp_path / "faster.json"))
+    for phase in ("forward", "backward"):
+        assert fast.stages[0].time_s[phase] == pytest.approx(plan.stages[0].time_s[phase] / 2,
+                                                             rel=1e-6)
+    preset = _mlp_plan(partc.DeviceBudget(num_devices=1, device="CPU"))
+    assert "source" not in preset.budget
+    assert not math.isclose(preset.stages[0].time_s["forward"], plan.stages[0].time_s["forward"])
+
+
+def test_plan_command_takes_a_profile(calibrated, tmp_path, capsys):
+    factory = tmp_path / "work.py"
+    factory.write_text("import torch\nfrom tests.models import MLP\n"
+                       "def make():\n    return MLP(), (torch.zeros(4, 8),)\n")
+    code = main(["plan", f"{factory}:make", "--devices", "2", "--profile",
+                 str(calibrated[0]), "--out", str(tmp_path / "out"), "-q"])
+    assert code == 0
+    capsys.readouterr()
+    plan = json.loads((tmp_path / "out" / "plan.json").read_text())
+    assert plan["budget"]["source"] == "profile"
+    assert plan["budget"]["profile"] == str(calibrated[0])
+    code = main(["plan", f"{factory}:make", "--devices", "2", "--profile",
+                 str(tmp_path / "missing.json"), "-q"])
+    assert code == 2 and "no device profile" in capsys.readouterr().err
+
+
+def _edited(calibrated, tmp_path, edit) -> str:
+    profile = _read(calibrated[0])
+    edit(profile)
+    path = tmp_path / "edited.json"
+    path.write_text(json.dumps(profile))
+    return str(path)
+
+
+def test_bad_profiles_say_what_is_wrong(calibrated, tmp_path):
+    with pytest.raises(ProfileError, match="no device profile at .*missing.json.*partc calibrate"):
+        partc.DeviceBudget(num_devices=2, profile=tmp_path / "missing.json")
+    (tmp_path / "text.json").write_text("{not json")
+    with pytest.raises(ProfileError, match="cannot read device profile"):
+        load_profile(tmp_path / "text.json")
+    (tmp_path / "other.json").write_text(json.dumps({"mesh": {}}))
+    with pytest.raises(ProfileError, match="not a partc device profile"):
+        load_profile(tmp_path / "other.json")
+    cases = {
+        "schema version 99": lambda p: p.update(schema_version=99),
+        "has no budget.hbm_bandwidth": lambda p: p["budget"].pop("hbm_bandwidth"),
+        "has no budget.peak_flops table": lambda p: p["budget"].pop("peak_flops"),
+        "budget.devices_per_node must be a positive number":
+            lambda p: p["budget"].update(devices_per_node=0),
+        "budget.peak_flops.float32 must be a positive number":
+            lambda p: p["budget"]["peak_flops"].update(float32="fast"),
+        "device.preset 'TPU' is not one of": lambda p: p["device"].update(preset="TPU"),
+    }
+    for message, edit in cases.items():
+        with pytest.raises(ProfileError, match=message):
+            load_profile(_edited(calibrated, tmp_path, edit))
+    with pytest.raises(ValueError, match="drop device="):
+        partc.DeviceBudget(num_devices=2, profile=calibrated[0], device="H100-80GB")
+    # A device with no preset and no link measured: the user must give the number.
+    no_link = _edited(calibrated, tmp_path, lambda p: (
+        p["device"].update(preset=None), p["budget"].update(intra_node_bandwidth=None)))
+    with pytest.raises(ValueError, match="no intra_node_bandwidth .* pass intra_node_bandwidth="):
+        partc.DeviceBudget(num_devices=2, profile=no_link, inter_node_bandwidth="1GB/s")
+    assert partc.DeviceBudget(num_devices=2, profile=no_link, inter_node_bandwidth="1GB/s",
+                              intra_node_bandwidth="2GB/s").intra_node_bytes_per_s == 2e9
+
+
+def test_options_are_checked():
+    with pytest.raises(ValueError, match="'cpu' or 'cuda'"):
+        CalibrationOptions(device="tpu")
+    with pytest.raises(ValueError, match="at least 1"):
+        CalibrationOptions(processes=0)
+    if not torch.cuda.is_available():
+        with pytest.raises(CalibrationError, match="sees no GPU"):
+            CalibrationOptions(device="cuda")
