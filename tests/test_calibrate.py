@@ -110,7 +110,8 @@ def test_each_fit_is_the_least_squares_optimum_of_its_samples(calibrated):
     for kind in COLLECTIVES:
         entry = collectives[kind]
         assert entry["steps"] == ring_steps(kind, ranks)
-        assert [s["bytes"] for s in entry["samples"]] == sorted(s["bytes"] for s in entry["samples"])
+        sizes = [s["bytes"] for s in entry["samples"]]
+        assert sizes == sorted(sizes) and len(set(sizes)) == len(sizes) >= 3
         samples = [(kind, s["bytes"], s["seconds"]) for s in entry["samples"]]
         everything += samples
         _check_optimal(entry["fit"], samples, ranks)
@@ -147,7 +148,8 @@ def test_fit_link_recovers_the_ring_model(ranks):
 
 def test_fit_link_keeps_latency_non_negative_and_refuses_flat_times():
     # Times proportional to bytes: an unconstrained fit would give a latency below zero.
-    samples = [("send_recv", m, m / 1e9 * (0.8 if m == 1024 else 1.0)) for m in (1024, 2**20, 2**24)]
+    samples = [("send_recv", m, m / 1e9 * (0.8 if m == 1024 else 1.0))
+               for m in (1024, 2**20, 2**24)]
     fit = fit_link(samples, 2)
     assert fit.latency_s == 0.0 and fit.bandwidth == pytest.approx(1e9, rel=0.1)
     with pytest.raises(CalibrationError, match="do not grow with message size"):
