@@ -87,7 +87,7 @@ def _powers_of_4(low: int, high: int) -> tuple[int, ...]:
 
 SIZES = {
     ("cpu", True): Sizes(matmul=((128, 128, 128), (256, 256, 256)), attention=(1, 4, 128, 32),
-                         memory_bytes=16 * 2**20, message_bytes=_powers_of_4(10, 20),
+                         memory_bytes=16 * 2**20, message_bytes=_powers_of_4(10, 22),
                          repeats=5, warmup=1, min_sample_s=2e-3),
     ("cpu", False): Sizes(matmul=((512, 512, 512), (1024, 1024, 1024), (2048, 2048, 2048),
                                   (2048, 4096, 2048)), attention=(2, 8, 1024, 64),
@@ -319,14 +319,23 @@ def measure_collectives(options: CalibrationOptions) -> dict:
     for kind in COLLECTIVES:
         samples = [(kind, s["bytes"], s["seconds"]) for s in timed[kind]]
         everything += samples
-        fit = _fit_record(fit_link(samples, ranks), samples, ranks)
-        fit["alpha_s"] = ring_steps(kind, ranks) * fit["latency_s"]
         result[kind] = {"steps": ring_steps(kind, ranks), "factor": ring_factor(kind, ranks),
-                        "samples": timed[kind], "fit": fit}
-        log.info("%s: latency %s per step, %s per link", kind,
-                 format_seconds(fit["latency_s"]), _rate(fit["bandwidth"]))
+                        "samples": timed[kind], "fit": _own_fit(kind, samples, ranks)}
     result["joint_fit"] = _fit_record(fit_link(everything, ranks), everything, ranks)
     return result
+
+
+def _own_fit(kind: str, samples: list[tuple[str, float, float]], ranks: int) -> dict | None:
+    """One collective's fit, or None when noise hides its growth with size (the joint
+    fit, over all four, decides the budget's numbers)."""
+    try:
+        fit = fit_link(samples, ranks)
+    except CalibrationError as error:
+        log.warning("%s: no fit: %s", kind, error)
+        return None
+    log.info("%s: latency %s per step, %s per link", kind, format_seconds(fit.latency_s),
+             _rate(fit.bandwidth))
+    return _fit_record(fit, samples, ranks) | {"alpha_s": ring_steps(kind, ranks) * fit.latency_s}
 
 
 def _collective_worker(rank: int, ranks: int, store: str, backend: str, sizes: Sizes,
@@ -586,9 +595,13 @@ def summary(profile: dict) -> str:
     lines.append(f"{'memory copy / add':<30}{_rate(memory['copy']['bytes_per_s'])} / "
                  f"{_rate(memory['add']['bytes_per_s'])}")
     collectives = measured.get("collectives", {})
-    for kind in (*COLLECTIVES, "joint_fit"):
-        if kind in collectives:
-            fit = collectives[kind].get("fit", collectives[kind])
+    fits = {kind: collectives[kind]["fit"] for kind in COLLECTIVES if kind in collectives}
+    if collectives:
+        fits["joint_fit"] = collectives["joint_fit"]
+    for kind, fit in fits.items():
+        if fit is None:
+            lines.append(f"{kind:<30}no fit: times do not grow with message size")
+        else:
             lines.append(f"{kind:<30}{format_seconds(fit['latency_s']) + '/step':<16}"
                          f"{_rate(fit['bandwidth'])} per link, fit error median "
                          f"{fit['median_rel_error']:.0%} max {fit['max_rel_error']:.0%}")

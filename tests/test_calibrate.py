@@ -22,7 +22,7 @@ import torch
 import partc
 from partc.budget import PROFILE_SCHEMA, PROFILE_VERSION, ProfileError, load_profile
 from partc.calibrate import (COLLECTIVES, CalibrationError, CalibrationOptions, LinkFit,
-                             fit_link, ring_factor, ring_steps)
+                             fit_link, ring_factor, ring_steps, summary)
 from partc.cli import main
 from tests import models
 
@@ -64,6 +64,13 @@ def test_profile_schema_and_summary(calibrated):
     for line in ("matmul float32", "attention float32_causal", "memory copy / add",
                  "all_reduce", "joint_fit", "budget number", "preset CPU", "hbm_bandwidth"):
         assert line in printed
+
+
+def test_summary_says_when_a_collective_has_no_fit(calibrated):
+    profile = _read(calibrated[0])
+    profile["measurements"]["collectives"]["all_gather"]["fit"] = None
+    text = summary(profile)
+    assert "all_gather                    no fit" in text and "joint_fit" in text
 
 
 def test_budget_numbers_follow_from_the_samples(calibrated):
@@ -114,8 +121,10 @@ def test_each_fit_is_the_least_squares_optimum_of_its_samples(calibrated):
         assert sizes == sorted(sizes) and len(set(sizes)) == len(sizes) >= 3
         samples = [(kind, s["bytes"], s["seconds"]) for s in entry["samples"]]
         everything += samples
-        _check_optimal(entry["fit"], samples, ranks)
-        assert entry["fit"]["alpha_s"] == pytest.approx(entry["steps"] * entry["fit"]["latency_s"])
+        if entry["fit"] is not None:  # None: noise hid the growth with size
+            _check_optimal(entry["fit"], samples, ranks)
+            assert entry["fit"]["alpha_s"] == pytest.approx(entry["steps"]
+                                                            * entry["fit"]["latency_s"])
     _check_optimal(collectives["joint_fit"], everything, ranks)
 
 
