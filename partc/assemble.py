@@ -60,6 +60,7 @@ def stage_plans(problem: PlanningProblem, config: PipelineConfig, evaluation: Ev
                     "comm": m * stage.comm_ps / PS_PER_S,
                     "tail": stage.tail_ps / PS_PER_S},
             p2p=p2p_messages(problem, evaluation, index, m),
+            runs=tuple(tuple(names[l] for l in run) for run in stage.runs),
         )
         for index, stage in enumerate(evaluation.stages)
     )
@@ -72,16 +73,22 @@ def p2p_messages(problem: PlanningProblem, evaluation: Evaluation, index: int,
     counts = problem.model.cut_tensors
     if not counts:
         return {}
-    stages = evaluation.stages
+    stages, pp = evaluation.stages, len(evaluation.stages)
+    chunks = len(stages[0].runs) or 1
+    runs = [stages[j % pp].runs[j // pp] if chunks > 1 else stages[j].layers
+            for j in range(pp * chunks)]
 
-    def boundary(after_stage: int) -> tuple[int, int]:
-        if after_stage < 0 or after_stage >= len(stages) - 1:
+    def boundary(after_run: int) -> tuple[int, int]:
+        if after_run < 0 or after_run >= len(runs) - 1:
             return (0, 0)
-        return counts[stages[after_stage].layers[-1]]
+        return counts[runs[after_run][-1]]
 
-    incoming, outgoing = boundary(index - 1), boundary(index)
-    return {"sends": num_microbatches * (outgoing[0] + incoming[1]),
-            "recvs": num_microbatches * (incoming[0] + outgoing[1])}
+    sends = recvs = 0
+    for run in range(index, len(runs), pp):   # each of the stage's runs
+        incoming, outgoing = boundary(run - 1), boundary(run)
+        sends += outgoing[0] + incoming[1]
+        recvs += incoming[0] + outgoing[1]
+    return {"sends": num_microbatches * sends, "recvs": num_microbatches * recvs}
 
 
 def make_plan(problem: PlanningProblem, config: PipelineConfig, evaluation: Evaluation,

@@ -72,7 +72,7 @@ def _with_policy(table: CostTable, problem: PlanningProblem,
 def baselines(problem: PlanningProblem, table: CostTable) -> list[Baseline]:
     problem = problem.variant(table.config.tp, table.config.sequence_parallel,
                               table.config.tp_objective)
-    pp, n = table.config.pp, problem.num_layers
+    pp, n = table.config.virtual_stages, problem.num_layers   # runs of layers
     splits = [
         ("uniform", "same number of layers per stage", uniform_split(n, pp)),
         ("parameters", "stages balanced by parameter count (DeepSpeed's default)",

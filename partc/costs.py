@@ -14,6 +14,9 @@ Model (per pipeline stage ``s`` of ``p``, ``m`` microbatches of ``b`` samples):
   outgoing cut (forward) and of its gradient (backward) over the link to the next stage;
 - pipeline time ``(m - 1) * max_s t_s + sum_s t_s``: every microbatch passes the
   bottleneck stage, and the first one passes every stage once (GPipe and 1F1B alike);
+  interleaved 1F1B with ``v`` chunks per rank (rank ``s`` holds runs ``s, s + p, ...``;
+  ``t_s`` sums them) divides the fill-and-drain term by ``v``: ``m * max_s t_s +
+  (sum_s t_s - max_s t_s) / v``;
 - after the pipeline drains, ``max_s e_s`` where ``e_s`` is the exposed part of the
   data-parallel gradient all-reduce (ring; each gradient's all-reduce starts as soon as
   the last microbatch's backward has accumulated it, so ``max(0, all-reduce - that
@@ -57,12 +60,29 @@ class PipelineConfig:
     sequence_parallel: bool = False
     tp_objective: str = "time"
     zero_stage: int = 0  # 1: optimizer state sharded over dp, 2: gradients too, 3: weights too
+    chunks: int = 1      # interleaved-1f1b: model chunks (virtual stages) per pipeline rank
+
+    @property
+    def virtual_stages(self) -> int:
+        """Contiguous runs of layers: ``pp`` ranks of ``chunks`` each; run ``j`` is on rank
+        ``j % pp`` (Megatron's interleaving: rank 0 holds runs 0, pp, 2 pp, ...)."""
+        return self.pp * self.chunks
 
     def inflight(self, stage: int) -> int:
-        """Microbatches whose activations stage ``stage`` holds at its peak."""
+        """Microbatches whose activations rank ``stage`` holds at its peak; interleaved,
+        counted in chunks of one microbatch through one of its runs (Megatron's warm-up
+        of ``2 (p - r - 1) + (v - 1) p`` chunks, plus the one in its steady state)."""
         if self.schedule == "gpipe":
             return self.num_microbatches
+        if self.chunks > 1:
+            return min(self.num_microbatches * self.chunks,
+                       2 * (self.pp - stage - 1) + (self.chunks - 1) * self.pp + 1)
         return min(self.num_microbatches, self.pp - stage)
+
+    def activations(self, stage: int, saved: int) -> int:
+        """Bytes of saved activations on rank ``stage`` whose layers save ``saved`` bytes
+        per microbatch (interleaved: its chunks average ``saved / chunks``)."""
+        return -(-self.inflight(stage) * saved // self.chunks)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -106,7 +126,7 @@ class CostTable:
     config: PipelineConfig
     layers: tuple[LayerTable, ...]
     shared: tuple[SharedTable, ...]
-    cut_ps: tuple[tuple[int, ...], ...]   # [cut l][stage s]: cut l as the boundary s -> s+1
+    cut_ps: tuple[tuple[int, ...], ...]   # [cut l][run j]: cut l as the boundary j -> j+1
     limits: tuple[int, ...]               # per stage
     tail_latency_ps: int
 
@@ -306,11 +326,14 @@ def stage_ranks(problem: PlanningProblem, config: PipelineConfig, stage: int) ->
     return range(stage * width, (stage + 1) * width)
 
 
-def _link_bandwidth(problem: PlanningProblem, config: PipelineConfig, stage: int) -> float:
-    """Bandwidth between stage and stage + 1: inter-node if any rank pair crosses a node."""
+def _link_bandwidth(problem: PlanningProblem, config: PipelineConfig, boundary: int) -> float:
+    """Bandwidth across ``boundary`` (run ``boundary`` to run ``boundary + 1``, on ranks
+    ``boundary % pp`` and the next, wrapping to rank 0 when interleaved): inter-node if
+    any pair of ranks crosses a node."""
     node = problem.devices.devices_per_node
-    width = problem.devices.num_devices // config.pp
-    crosses = any(r // node != (r + width) // node for r in stage_ranks(problem, config, stage))
+    here = stage_ranks(problem, config, boundary % config.pp)
+    there = stage_ranks(problem, config, (boundary + 1) % config.pp)
+    crosses = any(a // node != b // node for a, b in zip(here, there))
     devices = problem.devices
     return devices.inter_node_bandwidth if crosses else devices.intra_node_bandwidth
 
@@ -318,7 +341,7 @@ def _link_bandwidth(problem: PlanningProblem, config: PipelineConfig, stage: int
 def _cut_table(problem: PlanningProblem, config: PipelineConfig) -> tuple[tuple[int, ...], ...]:
     latency = problem.devices.link_latency_s
     scale = problem.train.activation_scale * config.micro_batch_size
-    bandwidths = [_link_bandwidth(problem, config, s) for s in range(config.pp - 1)]
+    bandwidths = [_link_bandwidth(problem, config, j) for j in range(config.virtual_stages - 1)]
     rows: dict[float, tuple[int, ...]] = {}   # equal cuts (between blocks) share a row
     for crossing in set(problem.model.cut_bytes):
         # Forward sends the activation, backward returns its gradient: twice the bytes.
@@ -405,8 +428,8 @@ class TableCache:
 
     def cuts(self, problem: PlanningProblem,
              config: PipelineConfig) -> tuple[tuple[int, ...], ...]:
-        key = (config.micro_batch_size, config.pp, config.tp, config.sequence_parallel,
-               config.tp_objective)
+        key = (config.micro_batch_size, config.pp, config.chunks, config.tp,
+               config.sequence_parallel, config.tp_objective)
         cuts = self._cuts.get(key)
         if cuts is None:
             cuts = self._cuts[key] = _cut_table(problem, config)
@@ -459,6 +482,7 @@ class StageCost:
     param_count: int
     memory: dict[str, int]        # params, grads, optimizer, activations, transient, peak
     limit: int
+    runs: tuple[tuple[int, ...], ...] = ()   # interleaved: the rank's runs of layers
 
     @property
     def busy_ps(self) -> int:
@@ -489,22 +513,31 @@ def exposed_sync_ps(sync_ps: int, backward_ps: int) -> int:
 
 
 def _holders(table: CostTable, stage_of: Sequence[int]) -> list[set[int]]:
-    return [{stage_of[l] for l in group.layers} for group in table.shared]
+    """Per shared group, the ranks holding it (``stage_of`` gives runs, see
+    :attr:`PipelineConfig.virtual_stages`)."""
+    pp = table.config.pp
+    return [{stage_of[l] % pp for l in group.layers} for group in table.shared]
 
 
-def _stage_cost(table: CostTable, stage: int, members: list[int], modes: Sequence[str],
-                held: list[int], outgoing_cut: int | None) -> StageCost:
+def _stage_cost(table: CostTable, stage: int, runs: list[list[int]], modes: Sequence[str],
+                held: list[int]) -> StageCost:
+    """Rank ``stage``'s costs; ``runs`` are its runs of layers (one unless interleaved),
+    each sending to the next run's rank unless it is the model's last."""
+    config = table.config
+    members = sorted(l for run in runs for l in run)
     rows = [table.layers[l] for l in members]
     state = {k: sum(r.state_bytes[k] for r in rows)
              + sum(table.shared[g].state_bytes[k] for g in held)
              for k in ("params", "grads", "optimizer")}
     saved = sum(table.layers[l].saved_bytes[modes[l]] for l in members)
-    activations = table.config.inflight(stage) * saved
+    activations = config.activations(stage, saved)
     transient = max(table.layers[l].transient_bytes[modes[l]] for l in members)
     forward = sum(r.forward_ps for r in rows)
     backward = sum(r.backward_ps for r in rows)
     recompute = sum(table.layers[l].recompute_ps[modes[l]] for l in members)
-    comm = table.cut_ps[outgoing_cut][stage] if outgoing_cut is not None else 0
+    comm = sum(table.cut_ps[run[-1]][stage + chunk * config.pp]
+               for chunk, run in enumerate(runs)
+               if stage + chunk * config.pp < config.virtual_stages - 1)
     return StageCost(
         layers=tuple(members),
         compute_ps=forward + backward + recompute,
@@ -518,24 +551,34 @@ def _stage_cost(table: CostTable, stage: int, members: list[int], modes: Sequenc
         memory={**state, "activations": activations, "transient": transient,
                 "peak": sum(state.values()) + activations + transient},
         limit=table.limits[stage],
+        runs=tuple(tuple(run) for run in runs) if config.chunks > 1 else (),
     )
+
+
+def pipeline_ps(config: PipelineConfig, busy: Sequence[int]) -> int:
+    """Forward and backward of all microbatches, ``busy`` per rank and microbatch: every
+    microbatch passes the bottleneck rank, and the first one passes every rank once;
+    interleaving divides that fill-and-drain by the chunks (Megatron: ``(m + (p - 1) / v)
+    t`` for equal ranks)."""
+    peak = max(busy)
+    return config.num_microbatches * peak + (sum(busy) - peak) // config.chunks
 
 
 def evaluate(table: CostTable, stage_of: Sequence[int], modes: Sequence[str]) -> Evaluation:
-    """Step time and memory of one assignment; independent of any solver."""
-    pp, m = table.config.pp, table.config.num_microbatches
-    members: list[list[int]] = [[] for _ in range(pp)]
-    for layer, stage in enumerate(stage_of):
-        members[stage].append(layer)
+    """Step time and memory of one assignment; independent of any solver. ``stage_of``
+    gives each layer's run (its rank unless interleaved: run ``j`` is on rank ``j % pp``)."""
+    config = table.config
+    pp = config.pp
+    runs: list[list[int]] = [[] for _ in range(config.virtual_stages)]
+    for layer, run in enumerate(stage_of):
+        runs[run].append(layer)
     holders = _holders(table, stage_of)
     stages = tuple(
-        _stage_cost(table, s, members[s], modes,
-                    [g for g, held in enumerate(holders) if s in held],
-                    members[s][-1] if s < pp - 1 else None)
+        _stage_cost(table, s, runs[s::pp], modes,
+                    [g for g, held in enumerate(holders) if s in held])
         for s in range(pp)
     )
-    busy = [s.busy_ps for s in stages]
-    pipeline = (m - 1) * max(busy) + sum(busy)
+    pipeline = pipeline_ps(config, [s.busy_ps for s in stages])
     tail = max(s.tail_ps for s in stages) + table.tail_latency_ps
     tie = sum(group.tie_sync_ps * (len(held) - 1)
               for group, held in zip(table.shared, holders))

@@ -97,7 +97,8 @@ def _fewest_stages_that_fit(problem: PlanningProblem, micro_batch_size: int,
 
 
 def explain_infeasible(problem: PlanningProblem, tables: list[CostTable]) -> PlanInfeasibleError:
-    splits = [tightest_split(t) for t in tables]
+    # Contiguous splits of one run per stage; interleaved tables only when pinned.
+    splits = [tightest_split(t) for t in [t for t in tables if t.config.chunks == 1] or tables]
     tight = min(splits, key=lambda s: (s.ratio, -s.config.pp))
     names = [layer.name for layer in problem.layers]
     stage = tight.worst

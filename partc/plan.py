@@ -26,6 +26,9 @@ class StagePlan:
     # Point-to-point messages per step on each rank of this stage (activations forward,
     # their gradients backward): {"sends": n, "recvs": n}.
     p2p: dict[str, int] = field(default_factory=dict)
+    # Interleaved 1F1B: the stage's runs of layers (it holds runs index, index + pp, ...);
+    # empty otherwise (``layers`` is then one run).
+    runs: tuple[tuple[str, ...], ...] = ()
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -73,7 +76,21 @@ class Plan:
 
     @property
     def layer_names(self) -> tuple[str, ...]:
-        return tuple(name for stage in self.stages for name in stage.layers)
+        """Every layer once, in model order when the plan is sound."""
+        return tuple(name for run in self.runs for name in run)
+
+    @property
+    def chunks(self) -> int:
+        """Runs of layers per stage: more than one under interleaved 1F1B."""
+        return len(self.stages[0].runs) if self.stages and self.stages[0].runs else 1
+
+    @property
+    def runs(self) -> tuple[tuple[str, ...], ...]:
+        """The contiguous runs of layers in model order (run ``j`` on stage ``j % pp``)."""
+        if self.chunks == 1:
+            return tuple(stage.layers for stage in self.stages)
+        return tuple(self.stages[j % len(self.stages)].runs[j // len(self.stages)]
+                     for j in range(len(self.stages) * self.chunks))
 
     @property
     def recompute(self) -> dict[str, str]:
@@ -95,6 +112,7 @@ class Plan:
             "num_microbatches": self.num_microbatches,
             "micro_batch_size": self.micro_batch_size, "zero_stage": self.zero_stage,
             "stages": [[list(s.layers), s.recompute] for s in self.stages],
+            **({"runs": [list(r) for r in self.runs]} if self.chunks > 1 else {}),
             "tensor_parallel": self.tensor_parallel, "model": self.model.get("hash"),
         }
         return hashlib.sha256(json.dumps(decisions, sort_keys=True).encode()).hexdigest()[:16]
@@ -107,7 +125,9 @@ class Plan:
                              f"(this partc reads version {SCHEMA_VERSION})")
         fields = {k: v for k, v in data.items() if k != "schema_version"}
         fields["stages"] = tuple(
-            StagePlan(**{**s, "layers": tuple(s["layers"])}) for s in data["stages"])
+            StagePlan(**{**s, "layers": tuple(s["layers"]),
+                         "runs": tuple(tuple(r) for r in s.get("runs", ()))})
+            for s in data["stages"])
         fields["solver"] = SolverStats(**data["solver"])
         fields["alternatives"] = tuple(data.get("alternatives", ()))
         fields["meshes"] = tuple(data.get("meshes", ()))

@@ -1,8 +1,8 @@
 """The planner: stages, recompute, microbatches and schedule, by CP-SAT.
 
 Outer enumeration (cheap, exact): every pipeline configuration ``c = (tp, pp, dp, b, m,
-schedule, ZeRO stage)`` with ``tp * pp * dp = N`` devices and ``dp * b * m = B`` global
-batch, respecting pins. Configurations are visited in order of a lower bound on their step
+schedule, ZeRO stage, chunks v)`` with ``tp * pp * dp = N`` devices and ``dp * b * m = B``
+global batch, respecting pins (``v > 1`` only for a pinned interleaved 1F1B). Configurations are visited in order of a lower bound on their step
 time; one whose bound is no better than the best plan found so far is pruned. What the
 search learnt about each mesh factorisation ``(pp, dp, tp)`` is kept for the report
 (:class:`MeshResult`).
@@ -10,42 +10,50 @@ search learnt about each mesh factorisation ``(pp, dp, tp)`` is kept for the rep
 Inner model, for one configuration (all costs from :mod:`partc.costs`, integers):
 
 Sets
-    layers ``l = 0..L-1`` in topological order; stages ``s = 0..p-1``; recompute modes
-    ``r`` allowed for layer ``l``; shared (tied) parameter groups ``g`` with user layers
-    ``U_g``.
+    layers ``l = 0..L-1`` in topological order; runs ``j = 0..pv-1`` (contiguous groups
+    of layers; run ``j`` is on stage ``j mod p``, so with ``v = 1`` runs are stages);
+    stages ``s = 0..p-1``; recompute modes ``r`` allowed for layer ``l``; shared (tied)
+    parameter groups ``g`` with user layers ``U_g``. Below, ``j ~ s`` reads "run ``j`` is
+    on stage ``s``" and ``Y[l,s] = sum_{j ~ s} y[l,j]``.
 Parameters
-    ``C[l,r]`` compute per microbatch (forward + backward + recompute); ``K[l,s]`` send/recv
-    time if cut ``l`` is the boundary between stage ``s`` and ``s+1``; ``T_l``, ``T_g`` tail
+    ``C[l,r]`` compute per microbatch (forward + backward + recompute); ``K[l,j]`` send/recv
+    time if cut ``l`` is the boundary between run ``j`` and ``j+1``; ``T_l``, ``T_g`` tail
     time (optimizer step, ZeRO-1's gather); ``D_l``, ``D_g`` dp gradient all-reduce;
     ``B_l`` backward per microbatch; ``W_l``, ``W_g`` parameter + gradient + optimizer
     bytes; ``A[l,r]`` saved bytes per microbatch; ``X[l,r]`` transient bytes; ``f_s``
-    microbatches in flight on stage ``s``; ``M_s`` memory limit; ``S_g`` tied-gradient sync.
+    microbatches in flight on stage ``s`` (interleaved: runs of one microbatch, each
+    holding ``1/v`` of the stage's activations); ``M_s`` memory limit; ``S_g`` tied-gradient sync.
 Variables
-    ``before[l][s]`` layer ``l`` sits on a stage ``<= s`` (so ``y[l,s] = before[l][s] -
-    before[l][s-1]`` says it sits on ``s``); ``w[l,r]`` layer ``l`` uses mode ``r``;
-    ``x[l,s,r] = y[l,s] and w[l,r]``; ``h[g,s]`` stage ``s`` holds group ``g``;
+    ``before[l][j]`` layer ``l`` sits in a run ``<= j`` (so ``y[l,j] = before[l][j] -
+    before[l][j-1]`` says it sits in ``j``); ``w[l,r]`` layer ``l`` uses mode ``r``;
+    ``x[l,j,r] = y[l,j] and w[l,r]``; ``h[g,s]`` stage ``s`` holds group ``g``;
     ``peak_busy``; ``tail``; ``transient[s]``.
 Objective
-    minimise ``(m - 1) * peak_busy + sum_s busy_s + tail + sum_g S_g (sum_s h[g,s] - 1)``
-    where ``busy_s = sum_{l,r} C[l,r] x[l,s,r] + sum_l K[l,s] z[l,s]`` and
-    ``z[l,s] = before[l][s] - before[l+1][s]`` (cut ``l`` is the boundary ``s -> s+1``).
+    minimise ``v m peak_busy + (sum_s busy_s - peak_busy) + v (tail + sum_g S_g (sum_s
+    h[g,s] - 1))``, ``v`` times the step time (``v = 1``: ``(m - 1) peak_busy + sum_s
+    busy_s + ...``), where ``busy_s = sum_{j ~ s} (sum_{l,r} C[l,r] x[l,j,r] + sum_l
+    K[l,j] z[l,j])`` and ``z[l,j] = before[l][j] - before[l+1][j]`` (cut ``l`` is the
+    boundary ``j -> j+1``).
 Constraints
-    (1) every layer has exactly one mode: ``sum_r w[l,r] = 1``, ``sum_r x[l,s,r] =
-        y[l,s]``, ``x[l,s,r] <= w[l,r]``;
-    (2) contiguity: ``before`` is monotone (``before[l][s] >= before[l+1][s]``,
-        ``before[l][s] <= before[l][s+1]``), layer 0 on stage 0, the last layer on stage
-        ``p - 1``, and every stage holds a layer: ``sum_l y[l,s] >= 1``;
-    (3) with (2), ``z[l,s]`` is exactly "layer ``l`` ends stage ``s``";
+    (1) every layer has exactly one mode: ``sum_r w[l,r] = 1``, ``sum_r x[l,j,r] =
+        y[l,j]``, ``x[l,j,r] <= w[l,r]``;
+    (2) contiguity: ``before`` is monotone (``before[l][j] >= before[l+1][j]``,
+        ``before[l][j] <= before[l][j+1]``), layer 0 in run 0, the last layer in run
+        ``pv - 1``, and every run holds a layer: ``sum_l y[l,j] >= 1``;
+    (3) with (2), ``z[l,j]`` is exactly "layer ``l`` ends run ``j``";
     (4) ``peak_busy >= busy_s``;
-    (5) ``h[g,s] >= y[l,s]`` for ``l`` in ``U_g``;
-    (6) ``tail >= sum_l T_l y[l,s] + sum_g T_g h[g,s] + exposed[s]`` with
-        ``exposed[s] >= sum_l D_l y[l,s] + sum_g D_g h[g,s] - sum_l B_l y[l,s]``,
+    (5) ``h[g,s] >= y[l,j]`` for ``l`` in ``U_g``, ``j ~ s``;
+    (6) ``tail >= sum_l T_l Y[l,s] + sum_g T_g h[g,s] + exposed[s]`` with
+        ``exposed[s] >= sum_l D_l Y[l,s] + sum_g D_g h[g,s] - sum_l B_l Y[l,s]``,
         ``exposed[s] >= 0``: the dp all-reduce ``D`` (ZeRO 0/1) overlaps the last
         microbatch's backward ``B`` of the stage;
-    (7) ``transient[s] >= X[l,r] x[l,s,r]``;
-    (8) memory: ``sum_l W_l y[l,s] + sum_g W_g h[g,s] + f_s sum_{l,r} A[l,r] x[l,s,r]
-        + transient[s] <= M_s``;
+    (7) ``transient[s] >= X[l,r] x[l,j,r]`` for ``j ~ s``;
+    (8) memory: ``v (sum_l W_l Y[l,s] + sum_g W_g h[g,s] + transient[s]) + f_s sum_{j ~
+        s} sum_{l,r} A[l,r] x[l,j,r] <= v M_s``;
     (9) pins: pinned stages fix ``before``, pinned recompute leaves one mode.
+
+CP-SAT starts from a hint (:func:`incumbent`): the fastest modes split evenly into runs
+with the first uniform recompute policy that fits, so it holds a plan at once.
 """
 
 from __future__ import annotations
@@ -54,7 +62,7 @@ import functools
 import math
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Sequence
 
 from ortools.sat.python import cp_model
 
@@ -62,7 +70,7 @@ from .costs import (CostTable, Evaluation, PipelineConfig, TableCache, build_cos
                     evaluate)
 from .errors import PlanInfeasibleError
 from .problem import PlanningProblem
-from .spec import SCHEDULES
+from .spec import AUTO_SCHEDULES, INTERLEAVED
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -159,7 +167,7 @@ def candidate_configs(problem: PlanningProblem) -> list[PipelineConfig]:
     """Every (tp, pp, dp, b, m, schedule, ZeRO stage) the pins and the batch allow
     (ZeRO stages 1-3 only where there is more than one replica)."""
     pins = problem.pins
-    schedules = [pins.schedule] if pins.schedule else list(reversed(SCHEDULES))
+    schedules = [pins.schedule] if pins.schedule else list(AUTO_SCHEDULES)
     configs = []
     for tp, sp, objective in tp_choices(problem):
         devices = problem.devices.num_devices // tp
@@ -187,9 +195,24 @@ def candidate_configs(problem: PlanningProblem) -> list[PipelineConfig]:
                 configs.extend(PipelineConfig(pp=pp, dp=dp, micro_batch_size=b,
                                               num_microbatches=m, schedule=schedule, tp=tp,
                                               sequence_parallel=sp, tp_objective=objective,
-                                              zero_stage=zero)
-                               for schedule in schedules for zero in zero_stages)
+                                              zero_stage=zero, chunks=chunks)
+                               for schedule in schedules for zero in zero_stages
+                               for chunks in _chunk_counts(problem, schedule, pp, m))
     return configs
+
+
+MAX_CHUNKS = 8
+
+
+def _chunk_counts(problem: PlanningProblem, schedule: str, pp: int, m: int) -> list[int]:
+    """Chunks per rank: 1, or for interleaved 1F1B every ``v`` from 2 to ``MAX_CHUNKS``
+    with a layer for each of the ``pp * v`` runs, when the microbatches are a multiple
+    of ``pp`` (Megatron's condition) and the stages are not pinned."""
+    if schedule != INTERLEAVED:
+        return [1]
+    if pp == 1 or m % pp or problem.pins.stages is not None:
+        return []
+    return [v for v in range(2, MAX_CHUNKS + 1) if pp * v <= problem.num_layers]
 
 
 def lower_bound(table: CostTable) -> float:
@@ -212,12 +235,16 @@ def lower_bound(table: CostTable) -> float:
     # Whole layers cannot split evenly: the best contiguous split of their fastest
     # compute into pp stages bounds the bottleneck stage from below too.
     best_compute = tuple(fastest[id(row)] for row in table.layers)
-    peak_busy = max(-(-total // pp), _min_max_split(best_compute, pp))
+    if table.config.chunks == 1:
+        peak_busy = max(-(-total // pp), _min_max_split(best_compute, pp))
+    else:  # a rank's layers are not contiguous: only the even spread and one layer bound
+        peak_busy = max(-(-total // pp), max(best_compute))
     tails = [row.tail_ps * count for row, count in distinct.values()]
     tails += [g.tail_ps for g in table.shared]
     tail = max(-(-sum(tails) // pp), *(row.tail_ps for row, _ in distinct.values()),
                *(g.tail_ps for g in table.shared))
-    return (m - 1) * peak_busy + total + tail + table.tail_latency_ps
+    pipeline = m * peak_busy + (total - peak_busy) // table.config.chunks  # pipeline_ps
+    return pipeline + tail + table.tail_latency_ps
 
 
 def _distinct_rows(table: CostTable) -> dict[int, tuple[Any, int]]:
@@ -320,7 +347,8 @@ class _ConfigModel:
         self.problem, self.table = problem, table
         self.model = cp_model.CpModel()
         self.layers = range(table.num_layers)
-        self.stages = range(table.config.pp)
+        self.stages = range(table.config.virtual_stages)   # runs of layers
+        self.ranks = range(table.config.pp)
         self._add_stages(pinned)                     # (2), (9)
         self._add_modes()                            # (1), (9)
         busy = self._add_busy()                      # (3), (4)
@@ -328,12 +356,14 @@ class _ConfigModel:
         tail = self._add_tail(held)                  # (6)
         self._add_memory(held)                       # (7), (8)
         tie = sum(g.tie_sync_ps * (sum(held[gi]) - 1) for gi, g in enumerate(table.shared))
-        m = table.config.num_microbatches
-        self.model.minimize((m - 1) * self.peak_busy + sum(busy) + tail + tie
-                            + table.tail_latency_ps)
+        m, v = table.config.num_microbatches, table.config.chunks
+        # v times the step time (see costs.pipeline_ps): the fill-and-drain term is
+        # divided by v, the rest multiplied, so that the objective stays integral.
+        self.model.minimize(v * m * self.peak_busy + sum(busy) - self.peak_busy
+                            + v * (tail + tie + table.tail_latency_ps))
 
     def _add_stages(self, pinned: list[int] | None) -> None:
-        last, p = self.table.num_layers - 1, self.table.config.pp
+        last, p = self.table.num_layers - 1, self.table.config.virtual_stages
         self.before = [[None] * p for _ in self.layers]
         for layer in self.layers:
             for stage in self.stages:
@@ -361,6 +391,15 @@ class _ConfigModel:
         for stage in self.stages:                   # every stage holds a layer
             self.model.add(sum(self._y[l, stage] for l in self.layers) >= 1)
 
+    def _on_rank(self, layer: int, rank: int):
+        """1 if ``layer`` sits on ``rank`` (in any of its runs)."""
+        return sum(self._y[layer, run] for run in self.stages[rank::len(self.ranks)])
+
+    def _rank_x(self, rank: int) -> list[tuple[int, str, Any]]:
+        """(layer, mode, x) of every run on ``rank``, constants 0 left out."""
+        return [(l, r, v) for run in self.stages[rank::len(self.ranks)]
+                for (l, r), v in self.x_by_run[run].items() if not isinstance(v, int) or v]
+
     def _add_modes(self) -> None:
         self.x: dict[tuple[int, int, str], Any] = {}
         self.mode_vars: dict[tuple[int, str], Any] = {}
@@ -386,6 +425,9 @@ class _ConfigModel:
                     self.model.add(on <= v)
                     self.x[layer, stage, r] = on
                 self.model.add(sum(self.x[layer, stage, r] for r in chosen) == y)
+        self.x_by_run: list[dict[tuple[int, str], Any]] = [{} for _ in self.stages]
+        for (layer, run, r), v in self.x.items():
+            self.x_by_run[run][layer, r] = v
 
     def cut_expr(self, cut: int, stage: int):
         return self.before[cut][stage] - self.before[cut + 1][stage]
@@ -395,11 +437,12 @@ class _ConfigModel:
         horizon = sum(max(row.compute_ps(r) for r in row.recompute_ps) for row in table.layers)
         horizon += sum(max(row, default=0) for row in table.cut_ps)
         self.peak_busy = self.model.new_int_var(0, horizon, "peak_busy")
-        for stage in self.stages:
-            compute = sum(table.layers[l].compute_ps(r) * v
-                          for (l, s, r), v in self.x.items() if s == stage)
-            comm = sum(table.cut_ps[cut][stage] * self.cut_expr(cut, stage)
-                       for cut in range(table.num_layers - 1) if stage + 1 < table.config.pp)
+        last_run = table.config.virtual_stages - 1
+        for rank in self.ranks:
+            compute = sum(table.layers[l].compute_ps(r) * v for l, r, v in self._rank_x(rank))
+            comm = sum(table.cut_ps[cut][run] * self.cut_expr(cut, run)
+                       for run in self.stages[rank::len(self.ranks)] if run < last_run
+                       for cut in range(table.num_layers - 1))
             busy.append(compute + comm)
             self.model.add(self.peak_busy >= compute + comm)
         return busy
@@ -408,10 +451,11 @@ class _ConfigModel:
         held = []
         for gi, group in enumerate(self.table.shared):
             row = []
-            for stage in self.stages:
-                h = self.model.new_bool_var(f"shared{gi}_on_stage{stage}")
+            for rank in self.ranks:
+                h = self.model.new_bool_var(f"shared{gi}_on_stage{rank}")
                 for layer in group.layers:
-                    self.model.add(h >= self._y[layer, stage])
+                    for run in self.stages[rank::len(self.ranks)]:
+                        self.model.add(h >= self._y[layer, run])
                 row.append(h)
             held.append(row)
         return held
@@ -421,17 +465,18 @@ class _ConfigModel:
         rows = [*table.layers, *table.shared]
         sync_top = sum(r.sync_ps for r in rows)
         tail = self.model.new_int_var(0, sum(r.tail_ps for r in rows) + sync_top, "tail")
-        for stage in self.stages:
-            own = sum(table.layers[l].tail_ps * self._y[l, stage] for l in self.layers)
+        for stage in self.ranks:
+            own = sum(table.layers[l].tail_ps * self._on_rank(l, stage) for l in self.layers)
             tied = sum(g.tail_ps * held[gi][stage] for gi, g in enumerate(table.shared))
             if not sync_top:
                 self.model.add(tail >= own + tied)
                 continue
             # (6') the dp all-reduce left after the last microbatch's backward
             exposed = self.model.new_int_var(0, sync_top, f"exposed_sync_stage{stage}")
-            sync = sum(table.layers[l].sync_ps * self._y[l, stage] for l in self.layers)
+            sync = sum(table.layers[l].sync_ps * self._on_rank(l, stage) for l in self.layers)
             sync += sum(g.sync_ps * held[gi][stage] for gi, g in enumerate(table.shared))
-            overlap = sum(table.layers[l].backward_ps * self._y[l, stage] for l in self.layers)
+            overlap = sum(table.layers[l].backward_ps * self._on_rank(l, stage)
+                          for l in self.layers)
             self.model.add(exposed >= sync - overlap)
             self.model.add(tail >= own + tied + exposed)
         return tail
@@ -447,22 +492,32 @@ class _ConfigModel:
             return -(-nbytes // unit)
 
         top = max(units(max(row.transient_bytes.values())) for row in table.layers)
-        for stage in self.stages:
+        chunks = table.config.chunks   # activations are inflight * saved / chunks
+        for stage in self.ranks:
             transient = self.model.new_int_var(0, top, f"transient_stage{stage}")
             saved = 0
-            for (l, s, r), v in self.x.items():
-                if s != stage:
-                    continue
+            for l, r, v in self._rank_x(stage):
                 saved += units(table.layers[l].saved_bytes[r]) * v
                 if table.layers[l].transient_bytes[r]:
                     self.model.add(transient >= units(table.layers[l].transient_bytes[r]) * v)
-            state = sum(units(table.layers[l].state_total) * self._y[l, stage]
+            state = sum(units(table.layers[l].state_total) * self._on_rank(l, stage)
                         for l in self.layers)
             state += sum(units(g.state_total) * held[gi][stage]
                          for gi, g in enumerate(table.shared))
             inflight = table.config.inflight(stage)
-            self.model.add(state + inflight * saved + transient
-                           <= table.limits[stage] // unit)
+            self.model.add(chunks * (state + transient) + inflight * saved
+                           <= chunks * (table.limits[stage] // unit))
+
+    def add_hint(self, hint: Assignment) -> None:
+        """Start the search from ``hint`` (CP-SAT completes the auxiliary variables)."""
+        for layer in self.layers:
+            for run in self.stages:
+                variable = self.before[layer][run]
+                if not isinstance(variable, int):
+                    self.model.add_hint(variable, hint.stage_of[layer] <= run)
+            for (l, r), variable in self.mode_vars.items():
+                if l == layer and not isinstance(variable, int):
+                    self.model.add_hint(variable, hint.modes[layer] == r)
 
     def assignment(self, solver: cp_model.CpSolver) -> Assignment:
         def value(v) -> int:
@@ -473,6 +528,40 @@ class _ConfigModel:
         modes = [next(r for (l2, r), v in self.mode_vars.items() if l2 == l and value(v))
                  for l in self.layers]
         return Assignment(stage_of=tuple(stage_of), modes=tuple(modes))
+
+
+def balanced_split(costs: Sequence[int], parts: int) -> list[int]:
+    """Each layer's run when ``costs`` are cut into exactly ``parts`` non-empty
+    contiguous runs whose largest sum is the least possible (:func:`_min_max_split`)."""
+    limit = _min_max_split(tuple(costs), parts)
+    run_of, run, current = [], 0, 0
+    for index, cost in enumerate(costs):
+        layers_left, runs_left = len(costs) - index, parts - run
+        # Close the run when this layer would overflow it, or when every later run
+        # needs one of the layers left.
+        if run_of and run < parts - 1 and (current + cost > limit or layers_left < runs_left):
+            run, current = run + 1, 0
+        run_of.append(run)
+        current += cost
+    return run_of
+
+
+def incumbent(problem: PlanningProblem, table: CostTable) -> Assignment | None:
+    """A plan to start CP-SAT from: the fastest-mode compute split evenly into runs,
+    with the first uniform recompute policy that fits (none, selective, full); None
+    when none fits."""
+    if table.num_layers < table.config.virtual_stages:
+        return None
+    fastest = [min(row.compute_ps(r) for r in row.recompute_ps) for row in table.layers]
+    stage_of = balanced_split(fastest, table.config.virtual_stages)
+    for policy in ("none", "selective", "full"):
+        modes = []
+        for layer in range(table.num_layers):
+            allowed = _allowed_modes(problem, layer)
+            modes.append(policy if policy in allowed else allowed[0])
+        if evaluate(table, stage_of, modes).fits:
+            return Assignment(stage_of=tuple(stage_of), modes=tuple(modes))
+    return None
 
 
 def _memory_unit(table: CostTable) -> int:
@@ -502,18 +591,28 @@ def solve_config(problem: PlanningProblem, table: CostTable, options: PlannerOpt
     problem = problem.variant(table.config.tp, table.config.sequence_parallel,
                               table.config.tp_objective)
     built = _ConfigModel(problem, table, pinned)
+    hint = incumbent(problem, table) if pinned is None else None
+    if hint is not None:
+        built.add_hint(hint)
     solver = cp_model.CpSolver()
     solver.parameters.max_time_in_seconds = max(time_limit_s, 0.01)
     solver.parameters.num_workers = options.num_workers
     solver.parameters.random_seed = options.seed
+    chunks = table.config.chunks   # the objective is chunks x the step time
+
+    def step_floor(objective_bound: float) -> int:
+        """The least step time an objective bound allows (pipeline_ps floors its
+        fill-and-drain term divided by the chunks)."""
+        return -(-(math.ceil(objective_bound - 1e-6) - chunks + 1) // chunks)
+
     if cutoff is not None:
         def stop_when_beaten(bound: float) -> None:
-            if bound >= cutoff:
+            if step_floor(bound) >= cutoff:
                 solver.stop_search()
         solver.best_bound_callback = stop_when_beaten
     code = solver.solve(built.model)
     status = _STATUS.get(code, "UNKNOWN")
-    proven = solver.best_objective_bound
+    proven = step_floor(solver.best_objective_bound)
     if status == "MODEL_INVALID":
         raise RuntimeError(f"internal error: invalid CP-SAT model for {table.config}: "
                            f"{built.model.validate()}")
@@ -524,11 +623,11 @@ def solve_config(problem: PlanningProblem, table: CostTable, options: PlannerOpt
     evaluation = evaluate(table, assignment.stage_of, assignment.modes)
     # The model over-approximates nothing at an optimum; a feasible incumbent may carry
     # slack in its auxiliary variables, so the independent evaluation can only be lower.
-    if evaluation.step_ps > round(solver.objective_value) or not evaluation.fits:
+    if chunks * evaluation.step_ps > round(solver.objective_value) or not evaluation.fits:
         raise RuntimeError(f"internal error: CP-SAT objective {solver.objective_value} "
-                           f"disagrees with the cost model ({evaluation.step_ps}) "
-                           f"for {table.config}")
-    bound = int(solver.best_objective_bound) if status == "FEASIBLE" else evaluation.step_ps
+                           f"(x{chunks}) disagrees with the cost model "
+                           f"({evaluation.step_ps}) for {table.config}")
+    bound = min(proven, evaluation.step_ps) if status == "FEASIBLE" else evaluation.step_ps
     return ConfigResult(table=table, assignment=assignment, evaluation=evaluation,
                         status=status, bound=bound,
                         solve_time_s=time.perf_counter() - start), status, proven
@@ -649,6 +748,7 @@ def _memory_need(tables: list[CostTable]) -> tuple[int | None, int | None]:
     configurations out)."""
     from .explain import tightest_split
 
+    tables = [t for t in tables if t.config.chunks == 1] or tables
     tight = min((tightest_split(t) for t in tables), key=lambda split: split.ratio)
     if tight.ratio <= 1:
         return None, None

@@ -65,7 +65,8 @@ def _stage_rows(plan: Plan) -> list[list[str]]:
     for s in plan.stages:
         t = s.time_s
         rows.append([
-            str(s.index), _span(s.layers), format_count(s.param_count),
+            str(s.index), " + ".join(_span(run) for run in s.runs) if s.runs else _span(s.layers),
+            format_count(s.param_count),
             format_seconds(t["forward"]), format_seconds(t["backward"]),
             format_seconds(t["recompute"]), format_seconds(t["comm"]),
             f"{s.p2p['sends']}/{s.p2p['recvs']}" if s.p2p else "-",
@@ -194,7 +195,7 @@ def _alternative_rows(plan: Plan) -> list[list[str]]:
     step = plan.predicted["step_time_s"]
     rows = [["partc plan", format_seconds(step), "1.00x", "yes",
              format_bytes(plan.predicted["peak_memory_bytes"]),
-             " / ".join(str(len(s.layers)) for s in plan.stages)]]
+             " / ".join(str(len(run)) for run in plan.runs)]]
     for alt in plan.alternatives:
         rows.append([
             alt["name"], format_seconds(alt["step_time_s"]),

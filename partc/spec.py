@@ -12,7 +12,12 @@ import torch
 
 from .problem import RECOMPUTE_MODES
 
-SCHEDULES: tuple[str, ...] = ("gpipe", "1f1b")
+SCHEDULES: tuple[str, ...] = ("gpipe", "1f1b", "interleaved-1f1b")
+# What the planner tries when the schedule is "auto": the schedules the runtime builds.
+# Interleaved 1F1B (Megatron's virtual stages) is planned and costed when pinned, but
+# the runtime runs one stage per rank.
+AUTO_SCHEDULES: tuple[str, ...] = ("1f1b", "gpipe")
+INTERLEAVED = "interleaved-1f1b"
 
 # Bytes of optimizer state per parameter, kept in fp32 whatever the compute dtype.
 OPTIMIZER_STATE_BYTES: dict[str, float] = {

@@ -13,6 +13,7 @@ import math
 from .costs import PS_PER_S, Evaluation, PipelineConfig, build_cost_table, evaluate
 from .errors import PlanValidationError
 from .plan import Plan
+from .spec import INTERLEAVED, SCHEDULES
 from .problem import PlanningProblem
 
 
@@ -41,7 +42,7 @@ def _structure(problem: PlanningProblem, plan: Plan, errors: list[str]) -> None:
         errors.append(f"{len(plan.stages)} stages for pp={mesh['pp']}")
     if [s.index for s in plan.stages] != list(range(len(plan.stages))):
         errors.append("stage indices are not 0..pp-1 in order")
-    if any(not s.layers for s in plan.stages):
+    if any(not run for run in plan.runs):
         errors.append("a stage has no layers")
     names = [layer.name for layer in problem.layers]
     if list(plan.layer_names) != names:
@@ -50,8 +51,12 @@ def _structure(problem: PlanningProblem, plan: Plan, errors: list[str]) -> None:
     if batch != problem.train.global_batch_size:
         errors.append(f"dp x micro-batch size x microbatches = {batch}, "
                       f"global batch is {problem.train.global_batch_size}")
-    if plan.schedule not in ("gpipe", "1f1b"):
+    if plan.schedule not in SCHEDULES:
         errors.append(f"unknown schedule {plan.schedule!r}")
+    if plan.chunks > 1 and (plan.schedule != INTERLEAVED
+                            or any(len(s.runs) != plan.chunks for s in plan.stages)):
+        errors.append(f"runs of layers per stage are uneven or not interleaved: "
+                      f"{[len(s.runs) for s in plan.stages]}, schedule {plan.schedule}")
 
 
 def _modes(problem: PlanningProblem, plan: Plan, errors: list[str]) -> None:
@@ -88,8 +93,8 @@ def _costs(problem: PlanningProblem, plan: Plan, errors: list[str]) -> Evaluatio
                             tp=plan.mesh.get("tp", 1),
                             sequence_parallel=bool(plan.tensor_parallel.get("sequence_parallel")),
                             tp_objective=plan.tensor_parallel.get("objective", "time"),
-                            zero_stage=plan.zero_stage)
-    stage_of = [s.index for s in plan.stages for _ in s.layers]
+                            zero_stage=plan.zero_stage, chunks=plan.chunks)
+    stage_of = [j for j, run in enumerate(plan.runs) for _ in run]
     modes = [plan.recompute[layer.name] for layer in problem.layers]
     evaluation = evaluate(build_cost_table(problem, config), stage_of, modes)
     for stage, cost in zip(plan.stages, evaluation.stages):

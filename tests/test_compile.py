@@ -146,3 +146,28 @@ def test_cli_plans_and_writes(tmp_path, capsys):
     code = main(["plan", f"{factory}:make", "--devices", "2", "--device", "CPU",
                  "--memory", "1KiB", "-q"])
     assert code == 2 and "PlanInfeasibleError" in capsys.readouterr().err
+
+
+def test_interleaved_schedule_is_planned_saved_and_refused_at_build(tmp_path):
+    model = gpt_tiny(n_layer=4)
+    ids = torch.zeros(8, 16, dtype=torch.long)
+    program = partc.compile(model, (ids,), budget=partc.DeviceBudget(num_devices=2,
+                                                                     device="CPU"),
+                            train=partc.TrainSpec(global_batch_size=8), loss_fn=loss_fn,
+                            example_target=ids,
+                            constraints=partc.Constraints(pp=2, tp=1,
+                                                          schedule="interleaved-1f1b"))
+    plan = check(program)
+    assert plan.chunks >= 2 and all(len(s.runs) == plan.chunks for s in plan.stages)
+    names = [layer.name for layer in program.problem.layers]
+    assert [name for run in plan.runs for name in run] == names
+    # Rank 0 holds runs 0, 2, ...: its layers interleave with rank 1's.
+    assert plan.stages[0].runs[1][0] in plan.stages[0].layers
+    assert " + " in program.report()
+    program.save(tmp_path)
+    loaded = Plan.from_json((tmp_path / "plan.json").read_text())
+    assert loaded == plan and loaded.hash == plan.hash
+    assert not (tmp_path / "code").exists()
+    partc.validate_plan(program.problem, loaded)
+    with pytest.raises(partc.PartcError, match="does not run"):
+        program.build()

@@ -392,6 +392,10 @@ def build(plan: Plan, model: nn.Module, loss_fn: Callable | None, *,
                          "version of partc")
     if loss_fn is None:
         raise PartcError("training needs a loss: pass loss_fn to partc.compile/partc.load")
+    if plan.chunks > 1:
+        raise PartcError(f"the plan interleaves {plan.chunks} runs of layers per stage "
+                         f"({plan.schedule}), which partc plans and costs but does not run "
+                         f"yet; compile with schedule='1f1b' (or leave it 'auto') to train")
     own_hash = model_hash(model)
     if own_hash != plan.model.get("hash"):
         raise PlanMismatchError(f"the model (hash {own_hash}) is not the one the plan was "

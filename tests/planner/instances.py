@@ -98,16 +98,31 @@ def brute_force(prob: PlanningProblem) -> tuple[int, PipelineConfig, list[int], 
             per_replica = prob.train.global_batch_size // dp
             if per_replica % b:
                 continue
-            for schedule, zero in itertools.product(("1f1b", "gpipe"), (0, 1, 2, 3)):
+            m = per_replica // b
+            schedules = (prob.pins.schedule,) if prob.pins.schedule else ("1f1b", "gpipe")
+            for schedule, zero in itertools.product(schedules, (0, 1, 2, 3)):
                 if zero and dp == 1:
                     continue  # ZeRO shards over replicas: with one there is nothing to shard
-                config = PipelineConfig(pp=pp, dp=dp, micro_batch_size=b, zero_stage=zero,
-                                        num_microbatches=per_replica // b, schedule=schedule)
-                table = build_cost_table(prob, config)
-                for starts in itertools.combinations(range(1, num_layers), pp - 1):
-                    stage_of = [sum(1 for s in starts if s <= l) for l in range(num_layers)]
-                    for modes in itertools.product(*(l.modes for l in prob.layers)):
-                        ev = evaluate(table, stage_of, modes)
-                        if ev.fits and (best is None or ev.step_ps < best[0]):
-                            best = (ev.step_ps, config, stage_of, list(modes))
+                # Interleaved: v runs per rank, v >= 2, m a multiple of pp (Megatron's rule).
+                chunk_counts = [1] if schedule != "interleaved-1f1b" else [
+                    v for v in range(2, num_layers + 1)
+                    if pp > 1 and m % pp == 0 and pp * v <= num_layers]
+                for chunks in chunk_counts:
+                    config = PipelineConfig(pp=pp, dp=dp, micro_batch_size=b,
+                                            zero_stage=zero, num_microbatches=m,
+                                            schedule=schedule, chunks=chunks)
+                    best = _best_split(prob, config, best)
+    return best
+
+
+def _best_split(prob: PlanningProblem, config: PipelineConfig, best):
+    """``best`` improved by any split of the layers into the config's runs."""
+    table = build_cost_table(prob, config)
+    num_layers = prob.num_layers
+    for starts in itertools.combinations(range(1, num_layers), config.virtual_stages - 1):
+        stage_of = [sum(1 for s in starts if s <= l) for l in range(num_layers)]
+        for modes in itertools.product(*(l.modes for l in prob.layers)):
+            ev = evaluate(table, stage_of, modes)
+            if ev.fits and (best is None or ev.step_ps < best[0]):
+                best = (ev.step_ps, config, stage_of, list(modes))
     return best

@@ -63,10 +63,15 @@ def test_memory_forces_recompute_on_the_cheapest_layers():
 
 
 def test_selective_chosen_when_it_is_enough():
+    # GPipe with 2 microbatches in flight: none needs 2 x 1 MB; selective 2 x 0.2 MB +
+    # 0.8 MB rematerialised = 1.2 MB, free of extra FLOPs; full 2 x 0.1 + 0.9 = 1.1 MB but
+    # redoes the forward. 1.5 MB fits selective and full, and selective is faster.
     layers = [layer("attn", params=0, saved=1e6, selective=2e5, full=1e5, workspace=0.0)]
-    prob = problem(layers, [], devices(1, 1_000_000))
+    prob = problem(layers, [], devices(1, 1_500_000), batch=2, micro_batch_sizes=(1,),
+                   pins=Pins(schedule="gpipe"))
     plan = plan_problem(prob)
     assert plan.recompute == {"attn": "selective"}
+    assert plan.stages[0].memory_bytes["peak"] == 1_200_000
 
 
 def test_tied_parameter_is_held_by_every_stage_using_it():
@@ -168,6 +173,58 @@ def test_plan_equals_brute_force(seed, scale):
             assert _memory_slack_in_units(prob, oracle) < 4 * (prob.num_layers + 2)
         assert plan.solver.status == "OPTIMAL" and plan.solver.gap == 0.0
     assert feasible > 30
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_interleaved_plan_equals_brute_force(seed):
+    """Interleaved 1F1B pinned: 5-7 layers on 2 ranks of 2-3 runs each, against every
+    split into runs and every recompute mode."""
+    rng = random.Random(100 + seed)
+    feasible = 0
+    for _ in range(12):
+        layers = [layer(f"layer{i}", flops=rng.choice([1e8, 1e9, 3e9]), params=1000,
+                        saved=rng.choice([1e3, 1e5]), full=100.0,
+                        selective=5e2 if rng.random() < 0.3 else None)
+                  for i in range(rng.randint(5, 7))]
+        tied = SharedParam(name="tied", fqns=("a.weight", "b.weight"), param_count=4000,
+                           param_bytes=16000, layers=(0, len(layers) - 1))
+        prob = problem(layers, [rng.choice([0.0, 1e5]) for _ in layers[1:]],
+                       devices(2, rng.choice([10**6, 10**7]),
+                               bandwidth=rng.choice([1e8, 1e10])),
+                       batch=rng.choice([2, 4]), micro_batch_sizes=(1,),
+                       shared=(tied,) if rng.random() < 0.4 else (),
+                       pins=Pins(pp=2, schedule="interleaved-1f1b"))
+        oracle = brute_force(prob)
+        if oracle is None:
+            with pytest.raises(PlanInfeasibleError):
+                plan_problem(prob)
+            continue
+        feasible += 1
+        plan = plan_problem(prob)
+        evaluation = validate_plan(prob, plan)
+        assert plan.chunks > 1 and evaluation.step_ps == oracle[0]
+        assert plan.solver.status == "OPTIMAL"
+    assert feasible >= 8
+
+
+def test_interleaving_divides_the_bubble():
+    # 4 equal layers (1 ms forward, 2 ms backward), pp=2, 2 microbatches. 1F1B: 2 layers
+    # per rank, (m - 1) * 6 + 12 = 18 ms. Interleaved, one layer per run, rank 0 runs
+    # layers 0 and 2: m * 6 + (12 - 6) / 2 = 15 ms.
+    layers = [layer(f"l{i}", params=0) for i in range(4)]
+    plans = {}
+    for schedule in ("1f1b", "interleaved-1f1b"):
+        prob = problem(layers, [0.0] * 3, devices(2, 10**9), batch=2, micro_batch_sizes=(1,),
+                       pins=Pins(pp=2, schedule=schedule))
+        plans[schedule] = plan_problem(prob)
+        validate_plan(prob, plans[schedule])
+    assert plans["1f1b"].predicted["step_time_s"] == pytest.approx(18 * MS)
+    interleaved = plans["interleaved-1f1b"]
+    assert interleaved.predicted["step_time_s"] == pytest.approx(15 * MS)
+    assert interleaved.chunks == 2
+    assert [list(s.runs) for s in interleaved.stages] == [[("l0",), ("l2",)],
+                                                         [("l1",), ("l3",)]]
+    assert interleaved.runs == (("l0",), ("l1",), ("l2",), ("l3",))
 
 
 def _memory_slack_in_units(prob, oracle) -> float:
