@@ -418,6 +418,10 @@ def calibrate(options: CalibrationOptions) -> dict:
     """Measure everything ``options`` asks for; return the profile (JSON-ready)."""
     device = torch.device("cuda", 0) if options.device == "cuda" else torch.device("cpu")
     threads = _threads_per_process(options)
+    host = {"cores": _cores(), "load_average_before": _load_average()}
+    if _busy(host):
+        log.warning("the machine is busy (load average %.1f on %d cores): figures will be "
+                    "low and noisy", host["load_average_before"], host["cores"])
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
@@ -430,7 +434,9 @@ def calibrate(options: CalibrationOptions) -> dict:
         measured["collectives"] = measure_collectives(options)
     else:
         log.info("collectives: skipped, one process")
-    return build_profile(options, measured, name=device_name(options.device), threads=threads)
+    host["load_average_after"] = _load_average()
+    return build_profile(options, measured, name=device_name(options.device), threads=threads,
+                         host=host)
 
 
 def write_profile(profile: dict, path: str | os.PathLike) -> None:
@@ -469,6 +475,17 @@ def _cores() -> int:
     return os.cpu_count() or 1
 
 
+def _load_average() -> float | None:
+    """Runnable processes over the last minute (Unix); the calibration's own count too."""
+    return os.getloadavg()[0] if hasattr(os, "getloadavg") else None
+
+
+def _busy(host: dict) -> bool:
+    """Other work holds half the cores or more: timings will be low and noisy."""
+    load = host["load_average_before"]
+    return load is not None and load >= host["cores"] / 2
+
+
 def _threads_per_process(options: CalibrationOptions) -> int:
     if options.device == "cuda":
         return torch.get_num_threads()
@@ -485,7 +502,7 @@ def _device_memory(options: CalibrationOptions) -> int | None:
 
 
 def build_profile(options: CalibrationOptions, measured: dict, *, name: str,
-                  threads: int) -> dict:
+                  threads: int, host: dict) -> dict:
     """The profile file's content: what was measured and the numbers DeviceBudget needs."""
     preset_name = known_preset(options.device, name)
     vendor = PRESETS[preset_name] if preset_name and options.device == "cuda" else None
@@ -518,10 +535,11 @@ def build_profile(options: CalibrationOptions, measured: dict, *, name: str,
                    "processes": options.processes, "threads_per_process": threads},
         "software": {"torch": torch.__version__, "python": platform.python_version(),
                      "cuda": torch.version.cuda},
+        "host": host,
         "budget": budget,
         "sources": _sources(options, preset_name, vendor is not None, training, link),
         "measurements": measured,
-        "notes": _notes(options, threads, achieved, peak),
+        "notes": _notes(options, threads, achieved, peak, host),
     }
 
 
@@ -549,8 +567,13 @@ def _sources(options: CalibrationOptions, preset_name: str | None, vendor: bool,
     }
 
 
-def _notes(options: CalibrationOptions, threads: int, achieved: dict, peak: dict) -> list[str]:
+def _notes(options: CalibrationOptions, threads: int, achieved: dict, peak: dict,
+           host: dict) -> list[str]:
     notes = []
+    if _busy(host):
+        notes.append(f"the machine was busy when the run started (load average "
+                     f"{host['load_average_before']:.1f} on {host['cores']} cores): figures "
+                     f"are likely low and noisy; calibrate on an idle machine")
     if options.device == "cpu":
         notes.append(f"compute and memory were measured in one process with {threads} "
                      f"thread(s), the others idle; {options.processes} ranks running at "
@@ -607,7 +630,8 @@ def summary(profile: dict) -> str:
             lines.append(f"{kind:<30}{format_seconds(fit['latency_s']) + '/step':<16}"
                          f"{_rate(fit['bandwidth'])} per link, fit error median "
                          f"{fit['median_rel_error']:.0%} max {fit['max_rel_error']:.0%}")
-    return "\n".join(lines + [""] + _budget_rows(profile))
+    notes = [f"note: {note}" for note in profile["notes"]]
+    return "\n".join(lines + [""] + _budget_rows(profile) + ([""] + notes if notes else []))
 
 
 def _budget_rows(profile: dict) -> list[str]:

@@ -53,6 +53,7 @@ def test_profile_schema_and_summary(calibrated):
     assert profile["mode"] == "quick"
     assert datetime.fromisoformat(profile["created"]).tzinfo is not None
     assert profile["software"]["torch"] == torch.__version__
+    assert profile["host"]["cores"] >= 1
     device = profile["device"]
     assert device["kind"] == "cpu" and device["name"] and device["preset"] == "CPU"
     assert device["processes"] == 2 and device["threads_per_process"] >= 1
@@ -62,7 +63,8 @@ def test_profile_schema_and_summary(calibrated):
         assert key in profile["budget"] and key in profile["sources"]
     assert "one machine cannot measure" in profile["sources"]["inter_node_bandwidth"]
     for line in ("matmul float32", "attention float32_causal", "memory copy / add",
-                 "all_reduce", "joint_fit", "budget number", "preset CPU", "hbm_bandwidth"):
+                 "all_reduce", "joint_fit", "budget number", "preset CPU", "hbm_bandwidth",
+                 "note: quick run"):
         assert line in printed
 
 
