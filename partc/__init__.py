@@ -6,6 +6,7 @@ each device's memory limit, with a report that says why.
 """
 
 from .budget import PRESETS, DeviceBudget
+from .cache import PlanCache
 from .compiler import build_problem, compile, plan_problem
 from .errors import (PartcError, PlanInfeasibleError, PlanMismatchError, PlanValidationError,
                      TraceError)
@@ -17,6 +18,6 @@ from .validate import validate_plan
 
 __all__ = [
     "PRESETS", "Constraints", "DeviceBudget", "PartcError", "Plan", "PlanInfeasibleError",
-    "PlanMismatchError", "PlanValidationError", "PlannerOptions", "Program", "TraceError",
+    "PlanCache", "PlanMismatchError", "PlanValidationError", "PlannerOptions", "Program", "TraceError",
     "TrainSpec", "build_problem", "compile", "load", "plan_problem", "validate_plan",
 ]

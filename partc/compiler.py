@@ -21,6 +21,8 @@ import torch
 from .assemble import alternative, make_plan
 from .baselines import baselines
 from .budget import DeviceBudget
+from .cache import DEFAULT as DEFAULT_CACHE
+from .cache import PlanCache, model_key
 from .planner import PlannerOptions, PlannerResult, divisors, solve
 from .plan import Plan, SolverStats
 from .problem import DeviceNumbers, ModelAnalysis, Pins, PlanningProblem, TrainNumbers
@@ -151,23 +153,50 @@ def compile(model: torch.nn.Module, example_inputs: tuple | torch.Tensor, *,
             budget: DeviceBudget, train: TrainSpec | None = None,
             loss_fn: Callable | None = None, example_target: Any = None,
             constraints: Constraints | None = None,
-            options: PlannerOptions | None = None, name: str | None = None) -> Program:
-    """Plan how to train ``model`` on ``budget``; see DESIGN.md §2 for the contract."""
-    from .passes.pipeline import analyze
+            options: PlannerOptions | None = None, name: str | None = None,
+            cache: PlanCache | None = DEFAULT_CACHE) -> Program:
+    """Plan how to train ``model`` on ``budget``; see DESIGN.md §2 for the contract.
+
+    ``cache`` (by default one in memory, persisted under ``PARTC_CACHE_DIR`` when set;
+    ``None``: none) keeps measured models and plans: compiling the same model again
+    with another budget or batch skips tracing and measuring, and an unchanged problem
+    returns its plan at once (validated again)."""
+    from .passes.pipeline import analyze, model_hash
 
     if isinstance(example_inputs, torch.Tensor):
         example_inputs = (example_inputs,)
     if train is None:
         train = TrainSpec(global_batch_size=int(example_inputs[0].shape[0]))
     constraints = constraints or Constraints()
-    start = time.perf_counter()
-    graph, analysis = analyze(model, example_inputs, loss_fn=loss_fn,
-                              example_target=example_target, name=name)
-    log.info("analysed %s: %d layers in %.2f s", analysis.summary.name,
-             len(analysis.layers), time.perf_counter() - start)
+    devices = device_numbers(budget, train.dtype)
+    key = model_key(model_hash(model), example_inputs, example_target, loss_fn, name,
+                    _measured_for(devices, constraints)) if cache is not None else None
+    analysis = cache.analysis(key) if cache is not None else None
+    graph = None
+    if analysis is None:
+        start = time.perf_counter()
+        graph, analysis = analyze(model, example_inputs, loss_fn=loss_fn,
+                                  example_target=example_target, name=name)
+        log.info("analysed %s: %d layers in %.2f s", analysis.summary.name,
+                 len(analysis.layers), time.perf_counter() - start)
     problem = build_problem(analysis, budget, train, constraints, graph)
+    if cache is not None and graph is not None:
+        cache.put_analysis(key, problem.model)
     start = time.perf_counter()
-    plan = plan_problem(problem, budget=budget.to_dict(train.dtype), train=train.to_dict(),
-                        options=options or PlannerOptions())
+    plan = cache.plan(problem) if cache is not None else None
+    if plan is not None:
+        validate_plan(problem, plan)
+    else:
+        plan = plan_problem(problem, budget=budget.to_dict(train.dtype),
+                            train=train.to_dict(), options=options or PlannerOptions())
+        if cache is not None:
+            cache.put_plan(problem, plan)
     log.info("planned in %.2f s: %s", time.perf_counter() - start, plan.solver.status)
     return Program(plan=plan, problem=problem, graph=graph, model=model, loss_fn=loss_fn)
+
+
+def _measured_for(devices: DeviceNumbers, constraints: Constraints) -> tuple:
+    """What a model's tensor-parallel variants depend on besides the model."""
+    degrees = tp_degrees(devices, constraints)
+    return (tuple(tensor_parallel_links(devices, degrees)), constraints.sequence_parallel,
+            constraints.tp_objective)

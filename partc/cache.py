@@ -1,0 +1,149 @@
+"""Re-planning without redoing the work: measured models and plans, by what they depend on.
+
+Two levels, both keyed by content, never by object identity:
+
+- *measured models*: the ``ModelAnalysis`` of a model with its tensor-parallel variants,
+  keyed by the graph signature (module tree, parameter shapes and dtypes, input shapes and
+  dtypes, loss function, name) and by the links the variants were measured for. A change
+  of memory, device count or batch reuses it: tracing and measuring are skipped.
+- *plans*: keyed by a digest of the whole ``PlanningProblem`` (the measured model, the
+  budget's numbers, the training numbers and the pins). A hit returns the stored plan,
+  which the caller validates again.
+
+A cache lives in memory; with a directory it also persists across processes, as
+pickled analyses and plan JSON files. Entries on disk carry a digest of partc's own source,
+so a new version of partc never reads what an old one wrote.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import pickle
+from collections import OrderedDict
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from .plan import Plan
+from .problem import ModelAnalysis, PlanningProblem
+
+log = logging.getLogger("partc")
+
+
+class PlanCache:
+    """Measured models and plans, in memory (the ``capacity`` latest of each) and, with
+    ``directory``, on disk."""
+
+    def __init__(self, directory: str | Path | None = None, capacity: int = 8) -> None:
+        self.directory = Path(directory) if directory is not None else None
+        self.capacity = capacity
+        self._analyses: OrderedDict[str, ModelAnalysis] = OrderedDict()
+        self._plans: OrderedDict[str, str] = OrderedDict()
+        self.hits = {"analysis": 0, "plan": 0}
+
+    def analysis(self, key: str) -> ModelAnalysis | None:
+        return self._get(self._analyses, key, "analysis", "pkl",
+                         lambda path: pickle.loads(path.read_bytes()))
+
+    def put_analysis(self, key: str, analysis: ModelAnalysis) -> None:
+        self._put(self._analyses, key, analysis, "pkl", pickle.dumps(analysis))
+
+    def plan(self, problem: PlanningProblem) -> Plan | None:
+        def read(path: Path) -> str:
+            text = path.read_text()
+            Plan.from_json(text)   # raises on a damaged entry
+            return text
+
+        text = self._get(self._plans, problem_key(problem), "plan", "json", read)
+        return Plan.from_json(text) if text is not None else None
+
+    def put_plan(self, problem: PlanningProblem, plan: Plan) -> None:
+        text = plan.to_json()
+        self._put(self._plans, problem_key(problem), text, "json", text.encode())
+
+    def _get(self, memory: OrderedDict, key: str, kind: str, suffix: str,
+             read: Callable[[Path], Any]) -> Any:
+        if key in memory:
+            memory.move_to_end(key)
+            self.hits[kind] += 1
+            return memory[key]
+        path = self._path(kind, key, suffix)
+        if path is None or not path.exists():
+            return None
+        try:
+            value = read(path)
+        except (OSError, pickle.UnpicklingError, EOFError, ValueError, KeyError,
+                TypeError) as error:
+            log.warning("ignoring unreadable cache entry %s: %s", path, error)
+            return None
+        self._remember(memory, key, value)
+        self.hits[kind] += 1
+        return value
+
+    def _put(self, memory: OrderedDict, key: str, value: Any, suffix: str,
+             data: bytes) -> None:
+        self._remember(memory, key, value)
+        kind = "analysis" if memory is self._analyses else "plan"
+        path = self._path(kind, key, suffix)
+        if path is not None:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            partial = path.with_suffix(path.suffix + ".partial")
+            partial.write_bytes(data)
+            os.replace(partial, path)   # readers never see half a file
+
+    def _remember(self, memory: OrderedDict, key: str, value: Any) -> None:
+        memory[key] = value
+        memory.move_to_end(key)
+        while len(memory) > self.capacity:
+            memory.popitem(last=False)
+
+    def _path(self, kind: str, key: str, suffix: str) -> Path | None:
+        if self.directory is None:
+            return None
+        return self.directory / source_digest() / kind / f"{key}.{suffix}"
+
+
+def model_key(model_hash: str, example_inputs: tuple, example_target: Any,
+              loss_fn: Callable | None, name: str | None, measured_for: Any) -> str:
+    """The graph signature: the model's structure (``model_hash``: module tree, parameter
+    shapes and dtypes), the inputs' and target's shapes and dtypes, the loss function and
+    the name; with ``measured_for``, what the tensor-parallel variants were measured for."""
+    def spec(value: Any) -> Any:
+        if isinstance(value, torch.Tensor):
+            return ("tensor", tuple(value.shape), str(value.dtype))
+        if isinstance(value, (tuple, list)):
+            return tuple(spec(v) for v in value)
+        return repr(value)
+
+    loss = None if loss_fn is None else (getattr(loss_fn, "__module__", ""),
+                                         getattr(loss_fn, "__qualname__", repr(loss_fn)))
+    text = repr((model_hash, spec(example_inputs), spec(example_target), loss, name,
+                 measured_for))
+    return hashlib.sha256(text.encode()).hexdigest()[:32]
+
+
+def problem_key(problem: PlanningProblem) -> str:
+    """A digest of everything the planner reads (frozen dataclasses of plain numbers)."""
+    return hashlib.sha256(repr(problem).encode()).hexdigest()[:32]
+
+
+_SOURCE_DIGEST: str | None = None
+
+
+def source_digest() -> str:
+    """A digest of partc's own Python source (the package and its passes)."""
+    global _SOURCE_DIGEST
+    if _SOURCE_DIGEST is None:
+        digest = hashlib.sha256()
+        root = Path(__file__).resolve().parent
+        files = sorted(root.rglob("*.py")) + sorted((root.parent / "passes").rglob("*.py"))
+        for path in files:
+            digest.update(path.name.encode() + path.read_bytes())
+        _SOURCE_DIGEST = digest.hexdigest()[:16]
+    return _SOURCE_DIGEST
+
+
+DEFAULT = PlanCache(os.environ.get("PARTC_CACHE_DIR") or None)

@@ -1,0 +1,54 @@
+"""The plan cache: measured models and plans reused by content, in memory and on disk."""
+
+from __future__ import annotations
+
+import torch
+
+import partc
+from partc.cache import problem_key
+from samples.gpt import gpt_tiny, loss_fn
+
+
+def _compile(model, cache, memory="64MiB", batch=8):
+    ids = torch.zeros(batch, 16, dtype=torch.long)
+    return partc.compile(model, (ids,), budget=partc.DeviceBudget(
+        num_devices=2, device="CPU", memory=memory), train=partc.TrainSpec(
+        global_batch_size=batch), loss_fn=loss_fn, example_target=ids, cache=cache)
+
+
+def test_same_problem_returns_the_stored_plan_and_a_new_budget_skips_tracing():
+    cache = partc.PlanCache()
+    first = _compile(gpt_tiny(n_layer=3), cache)
+    assert first.graph is not None and cache.hits == {"analysis": 0, "plan": 0}
+    # Another instance of the same architecture: same graph signature, same problem.
+    again = _compile(gpt_tiny(n_layer=3), cache)
+    assert cache.hits == {"analysis": 1, "plan": 1}
+    assert again.graph is None and again.plan == first.plan
+    assert problem_key(again.problem) == problem_key(first.problem)
+    # Less memory: the measured model is reused, the plan is made again.
+    tighter = _compile(gpt_tiny(n_layer=3), cache, memory="3MiB")
+    assert cache.hits == {"analysis": 2, "plan": 1}
+    partc.validate_plan(tighter.problem, tighter.plan)
+    assert tighter.plan.stages[0].limit_bytes == 3 * 2**20
+    # A different architecture or batch shape is a different graph signature.
+    _compile(gpt_tiny(n_layer=4), cache)
+    _compile(gpt_tiny(n_layer=3), cache, batch=4)
+    assert cache.hits["analysis"] == 2
+
+
+def test_a_cache_directory_serves_a_new_process(tmp_path):
+    first = _compile(gpt_tiny(n_layer=2), partc.PlanCache(tmp_path))
+    fresh = partc.PlanCache(tmp_path)     # nothing in memory: as a new process sees it
+    again = _compile(gpt_tiny(n_layer=2), fresh)
+    assert fresh.hits == {"analysis": 1, "plan": 1} and again.plan == first.plan
+    # A damaged entry is ignored, and the plan is made (and stored) again.
+    for path in tmp_path.rglob("*.json"):
+        path.write_text("{not json")
+    damaged = partc.PlanCache(tmp_path)
+    remade = _compile(gpt_tiny(n_layer=2), damaged)
+    assert damaged.hits == {"analysis": 1, "plan": 0} and remade.plan.hash == first.plan.hash
+
+
+def test_no_cache_traces_every_time():
+    program = _compile(gpt_tiny(n_layer=2), None)
+    assert program.graph is not None
