@@ -60,7 +60,7 @@ def tensor_parallel_links(devices: DeviceNumbers, degrees: list[int]) -> list:
     from .passes.sharding import Link
 
     return [Link(tp=t, bandwidth=devices.intra_node_bandwidth,
-                 latency_s=devices.link_latency_s,
+                 latency_s=devices.intra_latency_s,
                  flops=devices.peak_flops * devices.flops_efficiency,
                  hbm_bandwidth=devices.hbm_bandwidth) for t in degrees]
 

@@ -17,6 +17,8 @@ Model (per pipeline stage ``s`` of ``p``, ``m`` microbatches of ``b`` samples):
   interleaved 1F1B with ``v`` chunks per rank (rank ``s`` holds runs ``s, s + p, ...``;
   ``t_s`` sums them) divides the fill-and-drain term by ``v``: ``m * max_s t_s +
   (sum_s t_s - max_s t_s) / v``;
+- collectives and sends by :mod:`partc.collectives` (alpha-beta, ring or tree as NCCL
+  picks, over NVLink inside a node and the network across);
 - after the pipeline drains, ``max_s e_s`` where ``e_s`` is the exposed part of the
   data-parallel gradient all-reduce (ring; each gradient's all-reduce starts as soon as
   the last microbatch's backward has accumulated it, so ``max(0, all-reduce - that
@@ -38,6 +40,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Sequence
 
+from .collectives import Group, collective_seconds
 from .problem import PlanningProblem
 
 PS_PER_S = 10**12
@@ -193,12 +196,10 @@ def _zero_comm_seconds(problem: PlanningProblem, config: PipelineConfig,
     result = {"forward": 0.0, "backward": 0.0, "step": 0.0}
     if zero < 2:
         return result
-    d = config.dp
     compute, master, _ = precision_bytes(problem.train)
-    bandwidth = _dp_group_bandwidth(problem, config)
-    latency = (d - 1) * problem.devices.link_latency_s
-    gather = latency + (d - 1) / d * params * compute / bandwidth   # compute-dtype copies
-    scatter = latency + (d - 1) / d * params * master / bandwidth   # fp32 reduction
+    group = dp_group(problem, config)
+    gather = collective_seconds("all_gather", params * compute, group)   # compute dtype
+    scatter = collective_seconds("reduce_scatter", params * master, group)   # fp32
     if zero == 2:
         result.update(backward=scatter, step=gather)
     else:
@@ -206,12 +207,9 @@ def _zero_comm_seconds(problem: PlanningProblem, config: PipelineConfig,
     return result
 
 
-def _dp_group_bandwidth(problem: PlanningProblem, config: PipelineConfig) -> float:
-    devices = problem.devices
+def dp_group(problem: PlanningProblem, config: PipelineConfig) -> Group:
     # Ranks are ordered (pp, dp, tp) with tp innermost: a dp group spans dp * tp ranks.
-    if config.dp * config.tp <= devices.devices_per_node:
-        return devices.intra_node_bandwidth
-    return devices.inter_node_bandwidth
+    return Group.over(problem.devices, config.dp, config.dp * config.tp)
 
 
 def _tail_ps(problem: PlanningProblem, config: PipelineConfig, params: int) -> int:
@@ -229,7 +227,7 @@ def _tail_ps(problem: PlanningProblem, config: PipelineConfig, params: int) -> i
         seconds += _zero_comm_seconds(problem, config, params)["step"]
     elif config.dp > 1 and config.zero_stage == 1:
         stepped = params / config.dp
-        bandwidth = _dp_group_bandwidth(problem, config)
+        bandwidth = dp_group(problem, config).bandwidth
         seconds += (config.dp - 1) / config.dp * params * master / bandwidth
     # The step reads gradients and state and writes weights and state (fp32 all).
     touched = stepped * (2 * master + master + 2 * optimizer)
@@ -238,11 +236,12 @@ def _tail_ps(problem: PlanningProblem, config: PipelineConfig, params: int) -> i
 
 
 def _sync_ps(problem: PlanningProblem, config: PipelineConfig, params: int) -> int:
-    """ZeRO 0/1: the fp32 gradient all-reduce over dp (ring: 2 (d-1)/d of the bytes)."""
+    """ZeRO 0/1: the bandwidth term of the fp32 gradient all-reduce over dp (ring: 2
+    (d-1)/d of the bytes; its latency is charged once per step, as for one bucket)."""
     if config.dp == 1 or config.zero_stage >= 2:
         return 0
     _, master, _ = precision_bytes(problem.train)
-    bandwidth = _dp_group_bandwidth(problem, config)
+    bandwidth = dp_group(problem, config).bandwidth
     return to_ps(2 * (config.dp - 1) / config.dp * params * master / bandwidth)
 
 
@@ -309,15 +308,11 @@ def _zero_transient(problem: PlanningProblem, config: PipelineConfig, params: in
 def tp_comm_seconds(problem: PlanningProblem, config: PipelineConfig,
                     layer) -> dict[str, float]:
     """A layer's tensor-parallel collectives per microbatch, by phase (ring, in a node)."""
-    from .passes.sharding import Link, collective_seconds
-
-    devices = problem.devices
-    link = Link(tp=config.tp, bandwidth=devices.intra_node_bandwidth,
-                latency_s=devices.link_latency_s, flops=1.0, hbm_bandwidth=1.0)
+    group = Group.over(problem.devices, config.tp, config.tp)
     scale = config.micro_batch_size * problem.train.activation_scale
     result = {"forward": 0.0, "backward": 0.0}
     for kind, phase, nbytes in layer.tp_comm:
-        result[phase] += collective_seconds(kind, nbytes * scale, link)
+        result[phase] += collective_seconds(kind, nbytes * scale, group)
     return result
 
 
@@ -326,27 +321,25 @@ def stage_ranks(problem: PlanningProblem, config: PipelineConfig, stage: int) ->
     return range(stage * width, (stage + 1) * width)
 
 
-def _link_bandwidth(problem: PlanningProblem, config: PipelineConfig, boundary: int) -> float:
-    """Bandwidth across ``boundary`` (run ``boundary`` to run ``boundary + 1``, on ranks
-    ``boundary % pp`` and the next, wrapping to rank 0 when interleaved): inter-node if
+def _p2p_link(problem: PlanningProblem, config: PipelineConfig, boundary: int) -> Group:
+    """The link across ``boundary`` (run ``boundary`` to run ``boundary + 1``, on ranks
+    ``boundary % pp`` and the next, wrapping to rank 0 when interleaved): the network if
     any pair of ranks crosses a node."""
     node = problem.devices.devices_per_node
     here = stage_ranks(problem, config, boundary % config.pp)
     there = stage_ranks(problem, config, (boundary + 1) % config.pp)
     crosses = any(a // node != b // node for a, b in zip(here, there))
-    devices = problem.devices
-    return devices.inter_node_bandwidth if crosses else devices.intra_node_bandwidth
+    return Group.over(problem.devices, 2, 2 * node if crosses else 2)
 
 
 def _cut_table(problem: PlanningProblem, config: PipelineConfig) -> tuple[tuple[int, ...], ...]:
-    latency = problem.devices.link_latency_s
     scale = problem.train.activation_scale * config.micro_batch_size
-    bandwidths = [_link_bandwidth(problem, config, j) for j in range(config.virtual_stages - 1)]
+    links = [_p2p_link(problem, config, j) for j in range(config.virtual_stages - 1)]
     rows: dict[float, tuple[int, ...]] = {}   # equal cuts (between blocks) share a row
     for crossing in set(problem.model.cut_bytes):
         # Forward sends the activation, backward returns its gradient: twice the bytes.
-        rows[crossing] = tuple(to_ps(2 * (latency + scale * crossing / bw))
-                               for bw in bandwidths)
+        rows[crossing] = tuple(to_ps(2 * collective_seconds("send", scale * crossing, link))
+                               for link in links)
     return tuple(rows[crossing] for crossing in problem.model.cut_bytes)
 
 
@@ -459,7 +452,9 @@ def build_cost_table(problem: PlanningProblem, config: PipelineConfig,
     shared = cache.shared(problem, config)
     limits = cache.limits(problem, config)
     all_reduce = config.dp > 1 and config.zero_stage < 2
-    latency = 2 * (config.dp - 1) * devices.link_latency_s if all_reduce else 0.0
+    # The dp all-reduce's steps, once per step: ring or tree, whichever has fewer.
+    group = dp_group(problem, config)
+    latency = (collective_seconds("all_reduce", 0.0, group) if all_reduce else 0.0)
     return CostTable(
         config=config,
         layers=cache.rows(problem, config),

@@ -156,11 +156,17 @@ class DeviceNumbers:
     devices_per_node: int
     intra_node_bandwidth: float
     inter_node_bandwidth: float
-    link_latency_s: float
+    link_latency_s: float                       # per step of a collective between nodes
+    intra_node_latency_s: float | None = None   # inside a node; None: link_latency_s
 
     def __post_init__(self) -> None:
         if len(self.memory_bytes) != self.num_devices:
             raise ValueError("one memory limit per device is needed")
+
+    @property
+    def intra_latency_s(self) -> float:
+        return self.link_latency_s if self.intra_node_latency_s is None \
+            else self.intra_node_latency_s
 
 
 @dataclass(frozen=True, kw_only=True)
