@@ -36,7 +36,8 @@ class DevicePreset:
     devices_per_node: int
     intra_node_bandwidth: float
     inter_node_bandwidth: float
-    link_latency_s: float
+    link_latency_s: float          # per collective step between nodes
+    intra_node_latency_s: float    # per collective step inside a node
     flops_efficiency: float
 
 
@@ -49,35 +50,36 @@ PRESETS: dict[str, DevicePreset] = {
                         "bfloat16": 312 * TFLOPS, "float16": 312 * TFLOPS},
             memory=40 * 2**30, hbm_bandwidth=1555 * GB, devices_per_node=8,
             intra_node_bandwidth=300 * GB, inter_node_bandwidth=25 * GB,
-            link_latency_s=10e-6, flops_efficiency=0.6),
+            link_latency_s=10e-6, intra_node_latency_s=2e-6, flops_efficiency=0.6),
         DevicePreset(
             name="A100-80GB",
             peak_flops={"float32": 19.5 * TFLOPS, "tf32": 156 * TFLOPS,
                         "bfloat16": 312 * TFLOPS, "float16": 312 * TFLOPS},
             memory=80 * 2**30, hbm_bandwidth=2039 * GB, devices_per_node=8,
             intra_node_bandwidth=300 * GB, inter_node_bandwidth=25 * GB,
-            link_latency_s=10e-6, flops_efficiency=0.6),
+            link_latency_s=10e-6, intra_node_latency_s=2e-6, flops_efficiency=0.6),
         DevicePreset(
             name="H100-80GB",
             peak_flops={"float32": 67 * TFLOPS, "tf32": 494.7 * TFLOPS,
                         "bfloat16": 989.4 * TFLOPS, "float16": 989.4 * TFLOPS},
             memory=80 * 2**30, hbm_bandwidth=3350 * GB, devices_per_node=8,
             intra_node_bandwidth=450 * GB, inter_node_bandwidth=50 * GB,
-            link_latency_s=8e-6, flops_efficiency=0.55),
+            link_latency_s=8e-6, intra_node_latency_s=2e-6, flops_efficiency=0.55),
         DevicePreset(
             name="H200",
             peak_flops={"float32": 67 * TFLOPS, "tf32": 494.7 * TFLOPS,
                         "bfloat16": 989.4 * TFLOPS, "float16": 989.4 * TFLOPS},
             memory=141 * 10**9, hbm_bandwidth=4800 * GB, devices_per_node=8,
             intra_node_bandwidth=450 * GB, inter_node_bandwidth=50 * GB,
-            link_latency_s=8e-6, flops_efficiency=0.55),
+            link_latency_s=8e-6, intra_node_latency_s=2e-6, flops_efficiency=0.55),
         DevicePreset(
             name="CPU",
             peak_flops={"float32": 0.2 * TFLOPS, "bfloat16": 0.2 * TFLOPS,
                         "float16": 0.1 * TFLOPS},
             memory=16 * 2**30, hbm_bandwidth=20 * GB, devices_per_node=64,
             intra_node_bandwidth=5 * GB, inter_node_bandwidth=1.25 * GB,
-            link_latency_s=50e-6, flops_efficiency=0.5),
+            link_latency_s=50e-6, intra_node_latency_s=50e-6,
+            flops_efficiency=0.5),
     )
 }
 _ALIASES = {"A100": "A100-80GB", "H100": "H100-80GB", "H200-141GB": "H200", "cpu": "CPU"}
@@ -103,7 +105,7 @@ PROFILE_VERSION = 1
 # Numbers one machine may be unable to measure (a single GPU has no link; no machine sees
 # the network between nodes): the profile holds null and the preset or the user fills in.
 _OPTIONAL_NUMBERS = ("intra_node_bandwidth", "inter_node_bandwidth", "link_latency_s",
-                     "memory")
+                     "intra_node_latency_s", "memory")
 _REQUIRED_NUMBERS = ("flops_efficiency", "hbm_bandwidth", "devices_per_node")
 
 
@@ -127,6 +129,7 @@ class DeviceProfile:
     intra_node_bandwidth: float | None
     inter_node_bandwidth: float | None
     link_latency_s: float | None
+    intra_node_latency_s: float | None = None
 
 
 def load_profile(path) -> DeviceProfile:
@@ -190,7 +193,8 @@ def _profile_from_dict(data: dict, where: str) -> DeviceProfile:
         memory=None if optional["memory"] is None else int(optional["memory"]),
         intra_node_bandwidth=optional["intra_node_bandwidth"],
         inter_node_bandwidth=optional["inter_node_bandwidth"],
-        link_latency_s=optional["link_latency_s"])
+        link_latency_s=optional["link_latency_s"],
+        intra_node_latency_s=optional["intra_node_latency_s"])
 
 
 # ---------------------------------------------------------------------------- the budget
@@ -217,6 +221,7 @@ class DeviceBudget:
     intra_node_bandwidth: float | str | None = None
     inter_node_bandwidth: float | str | None = None
     link_latency_s: float | None = None
+    intra_node_latency_s: float | None = None
     _preset: DevicePreset | None = field(init=False, repr=False, compare=False)
     _profile: DeviceProfile | None = field(init=False, repr=False, compare=False)
 
@@ -323,7 +328,17 @@ class DeviceBudget:
 
     @property
     def latency_s(self) -> float:
+        """Per collective step between nodes."""
         return self._pick("link_latency_s")
+
+    @property
+    def intra_latency_s(self) -> float:
+        """Per collective step inside a node (NVLink); where neither the profile nor a
+        preset knows it, the one latency there is."""
+        try:
+            return self._pick("intra_node_latency_s")
+        except ValueError:
+            return self.latency_s
 
     def to_dict(self, dtype: torch.dtype = torch.float32) -> dict:
         memory = self.memory_bytes
@@ -339,6 +354,7 @@ class DeviceBudget:
             "intra_node_bandwidth": self.intra_node_bytes_per_s,
             "inter_node_bandwidth": self.inter_node_bytes_per_s,
             "link_latency_s": self.latency_s,
+            "intra_node_latency_s": self.intra_latency_s,
         }
         if self._profile is not None:
             # Fields given to DeviceBudget still win over the profile's numbers.

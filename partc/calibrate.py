@@ -22,7 +22,7 @@ clock (CUDA events on a GPU, ``time.perf_counter`` on CPU):
   with steps = 2(n-1) for all-reduce, n-1 for all-gather and reduce-scatter (1 and a
   factor of 1 for send/recv). So ``bandwidth`` is what one link carries, comparable with
   a preset's ``intra_node_bandwidth``, and ``latency`` is one ring step's, the preset's
-  ``link_latency_s``. One joint fit over the four collectives gives the budget's numbers;
+  ``intra_node_latency_s``. One joint fit over the four collectives gives the budget's numbers;
   each collective's own fit (alpha = steps · latency) is kept beside it.
 
 On CPU a device is one of the N processes: compute and memory bandwidth are measured with
@@ -523,7 +523,8 @@ def build_profile(options: CalibrationOptions, measured: dict, *, name: str,
         "devices_per_node": (torch.cuda.device_count() if options.device == "cuda"
                              else options.processes),
         "intra_node_bandwidth": link["bandwidth"] if link else None,
-        "link_latency_s": link["latency_s"] if link else None,
+        "intra_node_latency_s": link["latency_s"] if link else None,
+        "link_latency_s": None,      # between nodes: not measurable from one machine
         "inter_node_bandwidth": None,
     }
     return {
@@ -560,8 +561,11 @@ def _sources(options: CalibrationOptions, preset_name: str | None, vendor: bool,
                              "processes calibrated: a CPU device is one process"),
         "intra_node_bandwidth": (f"measured: joint ring fit of the collectives over {ranks}"
                                  if link else f"{fallback} (one process: no link to time)"),
-        "link_latency_s": (f"measured: joint ring fit, latency per ring step over {ranks}"
-                           if link else f"{fallback} (one process: no link to time)"),
+        "intra_node_latency_s": (f"measured: joint ring fit, latency per ring step over "
+                                 f"{ranks}" if link else
+                                 f"{fallback} (one process: no link to time)"),
+        "link_latency_s": f"{fallback} (one machine cannot measure the network between "
+                          f"nodes)",
         "inter_node_bandwidth": f"{fallback} (one machine cannot measure the network "
                                 f"between nodes)",
     }

@@ -39,12 +39,13 @@ def device_numbers(budget: DeviceBudget, dtype: torch.dtype) -> DeviceNumbers:
         num_devices=budget.num_devices,
         memory_bytes=budget.memory_bytes,
         peak_flops=budget.peak_flops_for(dtype),
-        flops_efficiency=budget.efficiency,
+        flops_efficiency=budget.efficiency_for(dtype),
         hbm_bandwidth=budget.hbm_bytes_per_s,
         devices_per_node=budget.node_size,
         intra_node_bandwidth=budget.intra_node_bytes_per_s,
         inter_node_bandwidth=budget.inter_node_bytes_per_s,
         link_latency_s=budget.latency_s,
+        intra_node_latency_s=budget.intra_latency_s,
     )
 
 

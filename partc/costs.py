@@ -352,9 +352,11 @@ def _shared_tables(problem: PlanningProblem, config: PipelineConfig) -> tuple[Sh
             state_bytes=_state_bytes(problem, config, group.param_count, gathered=True),
             tail_ps=_shared_tail_ps(problem, config, group.param_count),
             sync_ps=_sync_ps(problem, config, group.param_count),
-            tie_sync_ps=to_ps(devices.link_latency_s + group.param_count
-                              * precision_bytes(problem.train)[1]  # fp32 gradients
-                              / devices.inter_node_bandwidth),
+            # fp32 gradients between the stages holding it (first and last, usually):
+            # over the network unless the whole pipeline fits in one node.
+            tie_sync_ps=to_ps(collective_seconds(
+                "send", group.param_count * precision_bytes(problem.train)[1],
+                Group.over(devices, 2, devices.num_devices))),
         )
         for group in problem.model.shared
     )

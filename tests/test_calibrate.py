@@ -27,7 +27,8 @@ from partc.cli import main
 from tests import models
 
 BUDGET_NUMBERS = ("peak_flops", "flops_efficiency", "hbm_bandwidth", "devices_per_node",
-                  "intra_node_bandwidth", "link_latency_s", "inter_node_bandwidth")
+                  "intra_node_bandwidth", "intra_node_latency_s", "link_latency_s",
+                  "inter_node_bandwidth")
 
 
 @pytest.fixture(scope="module")
@@ -101,7 +102,8 @@ def test_budget_numbers_follow_from_the_samples(calibrated):
                                           memory["add"]["bytes_per_s"]) > 0
     joint = measured["collectives"]["joint_fit"]
     assert budget["intra_node_bandwidth"] == joint["bandwidth"] > 0
-    assert budget["link_latency_s"] == joint["latency_s"] >= 0
+    assert budget["intra_node_latency_s"] == joint["latency_s"] >= 0
+    assert budget["link_latency_s"] is None   # between nodes: the preset's
     assert budget["devices_per_node"] == 2 and budget["memory"] > 0
     assert budget["inter_node_bandwidth"] is None
 
@@ -177,7 +179,7 @@ def test_profile_drives_the_budget(calibrated):
     # Rates are whole bytes per second (partc.units.parse_rate).
     assert budget.hbm_bytes_per_s == int(budget_numbers["hbm_bandwidth"])
     assert budget.intra_node_bytes_per_s == int(budget_numbers["intra_node_bandwidth"])
-    assert budget.latency_s == budget_numbers["link_latency_s"]
+    assert budget.intra_latency_s == budget_numbers["intra_node_latency_s"]
     assert budget.node_size == 2 and budget.memory_bytes == (budget_numbers["memory"],) * 2
     # Not measurable on one machine: the preset's.
     assert budget.inter_node_bytes_per_s == partc.PRESETS["CPU"].inter_node_bandwidth
@@ -277,9 +279,14 @@ def test_bad_profiles_say_what_is_wrong(calibrated, tmp_path):
     no_link = _edited(calibrated, tmp_path, lambda p: (
         p["device"].update(preset=None), p["budget"].update(intra_node_bandwidth=None)))
     with pytest.raises(ValueError, match="no intra_node_bandwidth .* pass intra_node_bandwidth="):
-        partc.DeviceBudget(num_devices=2, profile=no_link, inter_node_bandwidth="1GB/s")
+        partc.DeviceBudget(num_devices=2, profile=no_link, inter_node_bandwidth="1GB/s",
+                           link_latency_s=1e-5)
+    with pytest.raises(ValueError, match="no link_latency_s .* pass link_latency_s="):
+        partc.DeviceBudget(num_devices=2, profile=no_link, inter_node_bandwidth="1GB/s",
+                           intra_node_bandwidth="2GB/s")
     assert partc.DeviceBudget(num_devices=2, profile=no_link, inter_node_bandwidth="1GB/s",
-                              intra_node_bandwidth="2GB/s").intra_node_bytes_per_s == 2e9
+                              intra_node_bandwidth="2GB/s",
+                              link_latency_s=1e-5).intra_node_bytes_per_s == 2e9
 
 
 def test_options_are_checked():

@@ -3,7 +3,8 @@
 GPT-2's 50k-word embedding (tied with the LM head) in a 2-layer GPT on two A100s of one
 node: the embedding layer's weights, gradients and Adam state alone outgrow a device
 whatever the pipeline split (the tied matrix sits on both ends), so tp=2 is the only way
-in; with ample memory and a slow link inside the node, tp stays 1.
+in; with ample memory, a slow link inside the node and a batch whose activations
+outweigh the weights, tp stays 1.
 """
 
 from __future__ import annotations
@@ -16,15 +17,15 @@ from samples.gpt import gpt_small, loss_fn
 from tests.test_compile import check
 
 
-def _program(memory: str, *, tp: int | None = None, bandwidth: str | None = None
-             ) -> partc.Program:
+def _program(memory: str, *, tp: int | None = None, bandwidth: str | None = None,
+             batch: int = 8) -> partc.Program:
     with torch.device("meta"):
         model = gpt_small(n_layer=2, block_size=256)
     ids = torch.zeros(1, 256, dtype=torch.long, device="meta")
     budget = partc.DeviceBudget(num_devices=2, device="A100-40GB", memory=memory,
                                 devices_per_node=2, intra_node_bandwidth=bandwidth)
     return partc.compile(model, (ids,), loss_fn=loss_fn, example_target=ids, budget=budget,
-                         train=partc.TrainSpec(global_batch_size=8),
+                         train=partc.TrainSpec(global_batch_size=batch),
                          constraints=partc.Constraints(tp=tp), name="gpt-50k-2l")
 
 
@@ -59,11 +60,15 @@ def test_infeasible_even_with_tp_says_so():
 
 
 def test_tp_stays_1_when_everything_fits_and_the_link_is_slow():
-    slow = _program("4GiB", bandwidth="1GB/s")
+    # Every mesh of two devices talks over the one 1 GB/s link. At 64 x 256 tokens per
+    # step tp=2's per-layer all-reduces of activations outweigh dp=2's one gradient
+    # all-reduce (and pp=2's tied-embedding gradient sync) per step. (At 8 x 256 tp=2
+    # wins: 61.7 ms against pp=2's 200.9 ms, of which the tied gradient is 154 ms.)
+    slow = _program("4GiB", bandwidth="1GB/s", batch=64)
     plan = check(slow)
     assert plan.mesh["tp"] == 1
     assert "Tensor parallelism" not in slow.report()
     # Not for want of measuring tp=2: pinned, it is feasible and predicted slower.
-    forced = check(_program("4GiB", tp=2, bandwidth="1GB/s"))
+    forced = check(_program("4GiB", tp=2, bandwidth="1GB/s", batch=64))
     assert forced.mesh["tp"] == 2
     assert forced.predicted["step_time_s"] > plan.predicted["step_time_s"]
