@@ -12,8 +12,12 @@ configuration are built in ``tests/validation/megatron.py``):
 3. plans each row with nothing pinned (partc's own plan on the same budget) and counts
    its throughput with the same eq. 3 FLOPs, so the two compare;
 4. breaks each published configuration's predicted step down by cause (compute at the
-   fitted efficiency, memory-bound ops, tensor-parallel collectives, pipeline sends,
-   bubble, dp all-reduce, optimizer step, tied-embedding sync), in % of the step.
+   fitted efficiency, memory-bound ops, tensor-parallel collectives' bytes and latency,
+   pipeline sends, bubble, dp all-reduce, optimizer step, tied-embedding sync), in % of
+   the step;
+5. for the interleaved runs, plans with the published pins (partc cannot pin the
+   chunks per rank nor the runs of layers of an interleaved schedule, so the planner
+   chooses them) and compares with Megatron's own split, priced directly.
 
 Each row prints as soon as it is done, with the seconds it took to trace, measure
 tensor parallelism and plan. The big rows trace 100+ layer GPTs on the meta device and
@@ -79,7 +83,8 @@ def describe(plan: partc.Plan) -> str:
 HEADER = ("| model | tp | pp | dp | GPUs | batch | b | published | predicted | ratio "
           "| peak GiB | partc's plan | its TFLOP/s | its peak GiB | seconds: trace, measure, "
           "plan |\n|" + "---|" * 15)
-TERMS = ("compute", "memory", "tp", "p2p", "bubble", "dp_sync", "optimizer", "tied")
+TERMS = ("compute", "memory", "tp", "tp_latency", "p2p", "bubble", "dp_sync", "optimizer",
+         "tied")
 
 
 def row_line(run: Run, predicted: float, peak: int, own: partc.Plan | None,
@@ -110,7 +115,7 @@ def main() -> None:
     efficiency = fit(fit_run)
     print(f"schedule of the interleaved runs: {megatron.SCHEDULE}\n")
     print(HEADER, flush=True)
-    breakdowns = []
+    breakdowns, interleaved = [], []
     for run in (megatron.run_named(name) for name in args.rows.split(",")):
         pinned, own_problem, trace_s, measure_s = measured(run, efficiency,
                                                             not args.no_own_plan)
@@ -125,11 +130,36 @@ def main() -> None:
         print(row_line(run, predicted, megatron.peak_bytes(evaluation), own,
                        (trace_s, measure_s, plan_s), run is fit_run), flush=True)
         breakdowns.append((run, megatron.breakdown(pinned, assignment)))
+        if megatron.schedule(run) == megatron.INTERLEAVED:
+            interleaved.append((run, pinned, evaluation))
     print("\nPredicted step of each published configuration, % of the step by cause:\n")
     print("| model | step s | " + " | ".join(TERMS) + " |\n|" + "---|" * (len(TERMS) + 2))
     for run, parts in breakdowns:
         cells = " | ".join(f"{100 * parts.terms[t] / parts.step:.1f}" for t in TERMS)
         print(f"| {run.name} | {parts.step:.2f} | {cells} |")
+    if interleaved:
+        print("\nInterleaved runs planned with the published pins (chunks and runs of "
+              "layers left to the planner):\n")
+        print(pinned_header())
+        for run, pinned, evaluation in interleaved:
+            print(pinned_line(run, pinned, evaluation, args.time_limit), flush=True)
+
+
+def pinned_header() -> str:
+    return ("| model | Megatron's split: chunks, step s | planner: chunks, layers per run "
+            "on rank 0, step s | planner / Megatron | solver | seconds |\n|" + "---|" * 6)
+
+
+def pinned_line(run: Run, pinned, evaluation, time_limit: float) -> str:
+    start = time.perf_counter()
+    plan = megatron.plan(pinned, partc.PlannerOptions(time_limit_s=time_limit))
+    seconds = time.perf_counter() - start
+    runs = plan.stages[0].runs or (plan.stages[0].layers,)
+    step = megatron.step_seconds(evaluation)
+    return (f"| {run.name} | {run.virtual_stages}, {step:.2f} | {len(runs)}, "
+            f"{[len(r) for r in runs]}, {plan.predicted['step_time_s']:.2f} "
+            f"| {plan.predicted['step_time_s'] / step:.3f} | {plan.solver.status} "
+            f"| {seconds:.1f} |")
 
 
 if __name__ == "__main__":

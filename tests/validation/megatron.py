@@ -43,7 +43,7 @@ from partc.compiler import build_problem, plan_problem
 from partc.costs import (PS_PER_S, Evaluation, PipelineConfig, build_cost_table, evaluate,
                          exposed_sync_ps, tp_comm_seconds)
 from partc.problem import PlanningProblem
-from partc.spec import SCHEDULES
+from partc.spec import INTERLEAVED
 
 _SAMPLES = Path(__file__).resolve().parents[2] / "samples"
 if str(_SAMPLES) not in sys.path:
@@ -54,15 +54,15 @@ from gpt import GPT, GPTConfig, loss_fn  # noqa: E402
 VOCAB = 51200
 SEQ_LEN = 2048
 DROPOUT = 0.1          # Megatron's default attention and hidden dropout
-INTERLEAVED = "interleaved-1f1b"
-# The schedule of the runs that interleaved (76B to 530B had virtual stages): partc's
-# cost model prices interleaved 1F1B, so they are predicted as they ran.
-SCHEDULE = INTERLEAVED if INTERLEAVED in SCHEDULES else "1f1b"
+# The schedule the runs with virtual stages (76B to 530B) are predicted with: as they
+# ran, now that partc's cost model prices interleaved 1F1B ("1f1b" to compare).
+SCHEDULE = INTERLEAVED
 
 # DGX A100: NVLink 3 through NVSwitch gives each GPU 600 GB/s, 300 GB/s each way; each
-# GPU has one 200 Gb/s HDR InfiniBand port, 25 GB/s each way; HBM2e at 2039 GB/s.
+# GPU has one 200 Gb/s HDR InfiniBand port, 25 GB/s each way; HBM2e at 2039 GB/s. The
+# latency per collective step across nodes is the preset's guess (10 us).
 DGX_A100 = dict(device="A100-80GB", devices_per_node=8, intra_node_bandwidth=300e9,
-                inter_node_bandwidth=25e9, hbm_bandwidth=2039e9)
+                inter_node_bandwidth=25e9, hbm_bandwidth=2039e9, link_latency_s=10e-6)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -314,10 +314,11 @@ def fit_efficiency(run: Run, problem: PlanningProblem, assignment: Assignment,
 class Breakdown:
     """A step's predicted time on its bottleneck rank, by cause, in seconds.
 
-    ``step = compute + memory + tp + p2p + bubble + dp_sync + optimizer + tied``: the
-    first four are the bottleneck rank's work over all microbatches (matmul FLOPs at
-    the devices' efficiency, memory-bound bytes at HBM bandwidth, tensor-parallel
-    collectives, pipeline sends and receives); ``bubble`` is the pipeline's fill and
+    ``step = compute + memory + tp + tp_latency + p2p + bubble + dp_sync + optimizer +
+    tied``: the first five are the bottleneck rank's work over all microbatches (matmul
+    FLOPs at the devices' efficiency, memory-bound bytes at HBM bandwidth,
+    tensor-parallel collectives' bytes and their per-step latency, pipeline sends);
+    ``bubble`` is the pipeline's fill and
     drain (the other ranks' time for one microbatch, divided by the chunks when
     interleaved); then what follows the pipeline: the exposed dp gradient all-reduce
     (with its latency), the optimizer step and the tied embedding's gradient sync.
@@ -326,6 +327,7 @@ class Breakdown:
     compute: float
     memory: float
     tp: float
+    tp_latency: float
     p2p: float
     bubble: float
     dp_sync: float
@@ -336,7 +338,8 @@ class Breakdown:
     @property
     def terms(self) -> dict[str, float]:
         return {name: getattr(self, name) for name in
-                ("compute", "memory", "tp", "p2p", "bubble", "dp_sync", "optimizer", "tied")}
+                ("compute", "memory", "tp", "tp_latency", "p2p", "bubble", "dp_sync",
+                 "optimizer", "tied")}
 
 
 def breakdown(problem: PlanningProblem, assignment: Assignment) -> Breakdown:
@@ -348,7 +351,11 @@ def breakdown(problem: PlanningProblem, assignment: Assignment) -> Breakdown:
     local = problem.variant(config.tp, config.sequence_parallel, config.tp_objective)
     m, stages = config.num_microbatches, evaluation.stages
     worst = max(stages, key=lambda s: s.busy_ps)
-    work = _work_seconds(local, config, [(l, assignment.modes[l]) for l in worst.layers])
+    layers = [(l, assignment.modes[l]) for l in worst.layers]
+    work = _work_seconds(local, config, layers)
+    no_latency = dataclasses.replace(local.devices, intra_node_latency_s=0.0)
+    bandwidth = _work_seconds(dataclasses.replace(local, devices=no_latency), config,
+                              layers)["tp"]
     last = max(stages, key=lambda s: s.tail_ps)
     rows = [table.layers[l] for l in last.layers]
     held = [g for g in table.shared if any(l in last.layers for l in g.layers)]
@@ -357,7 +364,8 @@ def breakdown(problem: PlanningProblem, assignment: Assignment) -> Breakdown:
     optimizer = sum(r.tail_ps for r in rows) + sum(g.tail_ps for g in held)
     fill_drain = evaluation.pipeline_ps - m * worst.busy_ps
     return Breakdown(
-        compute=m * work["compute"], memory=m * work["memory"], tp=m * work["tp"],
+        compute=m * work["compute"], memory=m * work["memory"], tp=m * bandwidth,
+        tp_latency=m * (work["tp"] - bandwidth),
         p2p=m * worst.comm_ps / PS_PER_S, bubble=fill_drain / PS_PER_S,
         dp_sync=exposed / PS_PER_S, optimizer=optimizer / PS_PER_S,
         tied=evaluation.tie_ps / PS_PER_S, step=evaluation.step_ps / PS_PER_S)
