@@ -70,7 +70,7 @@ class _LayerKeyer:
 
     def __init__(self, model: nn.Module) -> None:
         self.containers = {name for name, module in model.named_modules()
-                           if _is_repeated(module)}
+                           if is_repeated(module)}
         self.ancestors = {".".join(name.split(".")[:i]) if name else ""
                           for name in self.containers
                           for i in range(len(name.split(".")) + 1)}
@@ -86,7 +86,8 @@ class _LayerKeyer:
         return None
 
 
-def _is_repeated(module: nn.Module) -> bool:
+def is_repeated(module: nn.Module) -> bool:
+    """A container whose children are named ``0 .. k-1``: each child is a layer."""
     names = [name for name, _ in module.named_children()]
     return bool(names) and names == [str(i) for i in range(len(names))]
 
@@ -255,28 +256,39 @@ def _check_dag(gm: fx.GraphModule, infos: list[meta.LayerInfo]) -> None:
         raise AssertionError(f"layer {infos[a].name} feeds earlier layer {infos[b].name}")
 
 
-def _crossings(gm: fx.GraphModule) -> list[tuple[fx.Node, int, int]]:
-    """Each activation used in a later layer, with the layer that makes it and the last
-    layer that uses it: it crosses the boundaries ``made .. used - 1`` (boundary l lies
-    after layer l). Placeholders count as made in layer 0; the target goes straight to
-    the loss and parameters are never passed, so neither crosses."""
+def crossing_users(gm: fx.GraphModule) -> list[tuple[fx.Node, int, set[int]]]:
+    """Each activation used in a later layer, with the layer that makes it and the
+    layers that use it. Placeholders count as made in layer 0; the target goes straight
+    to the loss and parameters are never passed, so neither crosses."""
     result = []
     for node in gm.graph.nodes:
         if not _is_activation(node) or not node.users:
             continue
         made = 0 if node.op == "placeholder" else meta.layer(node).index
-        used = max(meta.layer(user).index for user in node.users)
-        if used > made:
-            result.append((node, made, used))
+        users = {meta.layer(user).index for user in node.users}
+        if max(users) > made:
+            result.append((node, made, users))
     return result
+
+
+def _crossings(gm: fx.GraphModule) -> list[tuple[fx.Node, int, int]]:
+    """Each crossing value with the layer that makes it and the last layer that uses it:
+    it crosses the boundaries ``made .. used - 1`` (boundary l lies after layer l)."""
+    return [(node, made, max(users)) for node, made, users in crossing_users(gm)]
 
 
 def crossing_bytes(gm: fx.GraphModule, num_layers: int) -> tuple[float, ...]:
     """Bytes of every activation made at or before layer l and used after it, per cut l."""
+    return cut_sums([(meta.output_bytes(node), made, used)
+                     for node, made, used in _crossings(gm)], num_layers)
+
+
+def cut_sums(spans: list[tuple[float, int, int]], num_layers: int) -> tuple[float, ...]:
+    """Per cut l, the sum of the amounts whose span (made, last used) crosses it."""
     delta = [0.0] * (num_layers + 1)
-    for node, made, used in _crossings(gm):
-        delta[made] += meta.output_bytes(node)
-        delta[used] -= meta.output_bytes(node)
+    for amount, made, used in spans:
+        delta[made] += amount
+        delta[used] -= amount
     cuts, running = [], 0.0
     for boundary in range(num_layers - 1):
         running += delta[boundary]
@@ -338,14 +350,16 @@ def crossing_tensors(gm: fx.GraphModule, num_layers: int) -> tuple[tuple[int, in
     one message per tensor; a value that is not a single tensor (a size) is not sent.
     """
     grads = carries_grad(gm)
-    counts = [[0, 0] for _ in range(max(num_layers - 1, 0))]
-    for node, made, used in _crossings(gm):
-        if not isinstance(node.meta.get("val"), torch.Tensor):
-            continue
-        for boundary in range(made, used):
-            counts[boundary][0] += 1
-            counts[boundary][1] += int(node in grads)
-    return tuple((tensors, with_grad) for tensors, with_grad in counts)
+    return cut_counts([(node in grads, made, used) for node, made, used in _crossings(gm)
+                       if isinstance(node.meta.get("val"), torch.Tensor)], num_layers)
+
+
+def cut_counts(spans: list[tuple[bool, int, int]], num_layers: int
+               ) -> tuple[tuple[int, int], ...]:
+    """Per cut l: how many spans (with_grad, made, last used) cross it, and with grad."""
+    tensors = cut_sums([(1, made, used) for _, made, used in spans], num_layers)
+    with_grad = cut_sums([(1, made, used) for grad, made, used in spans if grad], num_layers)
+    return tuple((int(t), int(g)) for t, g in zip(tensors, with_grad))
 
 
 def op_name(node: fx.Node) -> str:

@@ -75,7 +75,7 @@ def shard(gm: fx.GraphModule, sharding: Sharding,
             rewriter.visit(node)
     gm.graph.lint()
     gm.recompile()
-    _relayer(gm)
+    _relayer(gm, sharding)
     # Shapes changed: drop the fake values so that propagate recomputes them all.
     for node in gm.graph.nodes:
         if node.op != "placeholder":
@@ -315,7 +315,7 @@ def _set_layer(node: fx.Node, like: fx.Node) -> None:
         meta.set_module_path(node, meta.module_path(like))
 
 
-def _relayer(gm: fx.GraphModule) -> None:
+def _relayer(gm: fx.GraphModule, sharding: Sharding) -> None:
     """Rebuild each layer's node list (in graph order) after nodes were added."""
     infos = meta.layers(gm)
     members: dict[int, list[str]] = {info.index: [] for info in infos}
@@ -326,12 +326,26 @@ def _relayer(gm: fx.GraphModule) -> None:
 
     def signature(info: meta.LayerInfo) -> str:
         # Layers that shared a signature may now differ (a different boundary placement
-        # brought different collectives): the ops and their constant arguments decide.
-        ops = [f"{op_name(by_name[name])}{[a for a in by_name[name].args if not isinstance(a, fx.Node)]}"
-               for name in members[info.index]]
+        # brought different collectives): the ops, their constant arguments and the
+        # placements chosen decide. Values inside an argument (a size in a view's shape)
+        # count by place, not by name, and parameters by their name inside the layer, so
+        # that like blocks sign alike wherever they sit in the graph.
+        ops = [f"{_op(by_name[name], info.key)}{_constants(by_name[name])}"
+               f"{sharding.placement(by_name[name])}" for name in members[info.index]]
         digest = hashlib.sha256("|".join(ops).encode()).hexdigest()[:8]
         return f"{info.signature}:{digest}"
 
     meta.set_layers(gm, tuple(dataclasses.replace(info, nodes=tuple(members[info.index]),
                                                   signature=signature(info))
                               for info in infos))
+
+
+def _op(node: fx.Node, key: str) -> str:
+    if node.op == "get_attr":
+        target = str(node.target)
+        return "get_attr " + (target[len(key) + 1:] if target.startswith(key + ".") else target)
+    return op_name(node)
+
+
+def _constants(node: fx.Node) -> list:
+    return [fx.node.map_arg(a, lambda _: "%") for a in node.args if not isinstance(a, fx.Node)]

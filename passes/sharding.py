@@ -676,17 +676,20 @@ def choose(gm: fx.GraphModule, tp: int, link: Link, *, sequence_parallel: bool =
     """
     with _layer_problems(gm, tp, link, sequence_parallel) as (result, problems, grads):
         pins: dict[str, Placement] = {}
-        solved = _solve_all(problems, pins, prefer)
+        # Solutions by layer key, shared by the trials: a pin changes only the keys of
+        # the layers that use the pinned parameter.
+        cache: dict[tuple, tuple[list[int], int]] = {}
+        solved = _solve_all(problems, pins, prefer, cache)
         # A parameter several layers use has one placement: try each the layers chose.
         for fqn, options in _disagreements(problems, solved).items():
             best = None
             for option in sorted(options):
-                trial = _solve_all(problems, {**pins, fqn: option}, prefer)
+                trial = _solve_all(problems, {**pins, fqn: option}, prefer, cache)
                 total = sum(cost for _, cost in trial)
                 if best is None or total < best[0]:
                     best = (total, option)
             pins[fqn] = best[1]
-            solved = _solve_all(problems, pins, prefer)
+            solved = _solve_all(problems, pins, prefer, cache)
         return _apply_choices(gm, result, problems, [c for c, _ in solved], grads)
 
 
@@ -761,9 +764,9 @@ class _LayerProblem:
         return (self.info.signature, pinned, ends, outs)
 
 
-def _solve_all(problems: list[_LayerProblem], pins: dict[str, Placement], prefer: str
+def _solve_all(problems: list[_LayerProblem], pins: dict[str, Placement], prefer: str,
+               cache: dict[tuple, tuple[list[int], int]]
                ) -> list[tuple[dict[fx.Node, int], int]]:
-    cache: dict[tuple, tuple[list[int], int]] = {}
     solved = []
     for problem in problems:
         key = problem.signature_key(pins)
