@@ -93,7 +93,8 @@ def row_line(run: Run, predicted: float, peak: int, own: partc.Plan | None,
     mark = " (fit)" if fitted else ("" if abs(ratio - 1) <= TARGET else " MISS")
     own_cells = "| (not planned) | | "
     if own is not None:
-        own_cells = (f"| {describe(own)} | {megatron.tflops_per_gpu(run, own.predicted['step_time_s']):.1f} "
+        own_tflops = megatron.tflops_per_gpu(run, own.predicted["step_time_s"])
+        own_cells = (f"| {describe(own)} | {own_tflops:.1f} "
                      f"| {own.predicted['peak_memory_bytes'] / GIB:.1f} ")
     times = ", ".join(f"{s:.1f}" for s in seconds)
     return (f"| {run.name} | {run.tp} | {run.pp} | {run.dp} | {run.gpus} | {run.batch} "
