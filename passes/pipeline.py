@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import logging
 import os
 import time
 from typing import Any, Callable, Sequence
@@ -18,9 +19,11 @@ import torch
 from torch import fx, nn
 
 from partc import meta
+from partc.errors import TraceError
 from partc.problem import ModelAnalysis, ModelSummary, SharedParam, TPOption
 from partc.runtime import tp as tp_ops
 
+from . import dedupe
 from . import shard as shard_pass
 from . import sharding as sharding_pass
 from .estimate import estimate, param_usage
@@ -31,10 +34,13 @@ from .trace import Context, trace
 
 Pass = Callable[[fx.GraphModule, Context], fx.GraphModule]
 
+log = logging.getLogger("partc")
+
 
 def analyze(model: nn.Module, example_inputs: Any, *, loss_fn: Callable | None = None,
             example_target: Any = None, name: str | None = None,
-            kwargs: dict | None = None) -> tuple[fx.GraphModule, ModelAnalysis]:
+            kwargs: dict | None = None, full_trace: bool | None = None
+            ) -> tuple[fx.GraphModule, ModelAnalysis]:
     """Trace ``model`` and measure it, layer by layer, per sample.
 
     ``example_inputs`` is a tensor or a tuple of positional inputs (real, meta or fake;
@@ -43,11 +49,40 @@ def analyze(model: nn.Module, example_inputs: Any, *, loss_fn: Callable | None =
     is ``example_target`` or, for a (batch, seq, vocab) output, int64 class indices.
     Returns the GraphModule (placeholders: the forward's inputs in order, then
     ``target``) and the :class:`partc.problem.ModelAnalysis` the planner reads.
+
+    Repeated blocks (a ``ModuleList`` or ``Sequential`` of like children) are traced once
+    per structure and the analysis expanded to every block (:mod:`partc.passes.dedupe`);
+    the GraphModule is then that of the shorter model, for ``tensor_parallel_options``
+    (which expands its options the same way). Where the traced blocks cannot stand for
+    the rest, the whole model is traced, and the log says why. ``full_trace=True`` (or
+    ``PARTC_FULL_TRACE=1`` in the environment) traces every block from the start.
     """
+    def front() -> tuple[fx.GraphModule, Context]:
+        return _front(model, example_inputs, kwargs=kwargs, loss_fn=loss_fn,
+                      example_target=example_target, name=name)
+
+    if full_trace is None:
+        full_trace = os.environ.get("PARTC_FULL_TRACE") == "1"
+    repeats = () if full_trace else dedupe.find_repeats(model)
+    if repeats:
+        try:
+            return _analyze_blocks(model, repeats, front)
+        except Exception as error:  # any failure: the whole model, as without repeats
+            # Under PARTC_VERIFY (tests) an error other than a refused expansion or a
+            # failed trace is a bug to see, not to step around.
+            if os.environ.get("PARTC_VERIFY") == "1" and not isinstance(
+                    error, (dedupe.Mismatch, TraceError)):
+                raise
+            log.warning("tracing the whole model, every block (%s: %s)",
+                        type(error).__name__, error)
+    gm, ctx = front()
+    return gm, summarize(gm, ctx)
+
+
+def _front(model: nn.Module, example_inputs: Any, **trace_args: Any
+           ) -> tuple[fx.GraphModule, Context]:
     started = time.perf_counter()
-    gm, ctx = _named("trace", lambda: trace(model, example_inputs, kwargs=kwargs,
-                                            loss_fn=loss_fn, example_target=example_target,
-                                            name=name))
+    gm, ctx = _named("trace", lambda: trace(model, example_inputs, **trace_args))
     meta.add_pass_time(gm, "trace", time.perf_counter() - started)
     _verify("trace", gm)
     # Order matters: layers reads the shapes propagate writes, and estimate measures one
@@ -63,7 +98,27 @@ def analyze(model: nn.Module, example_inputs: Any, *, loss_fn: Callable | None =
         meta.add_pass_time(gm, pass_name, time.perf_counter() - started)
         _verify(pass_name, gm)
     gm.meta[meta.CONTEXT] = ctx
-    return gm, summarize(gm, ctx)
+    return gm, ctx
+
+
+def _analyze_blocks(model: nn.Module, repeats: tuple[dedupe.Repeat, ...],
+                    front: Callable[[], tuple[fx.GraphModule, Context]]
+                    ) -> tuple[fx.GraphModule, ModelAnalysis]:
+    """Trace the representatives of each repeat, then expand to the whole model."""
+    with dedupe.shrunk(model, repeats):
+        gm, ctx = front()
+    # The containers hold every block again: the summary counts and hashes all of them.
+    started = time.perf_counter()
+    expansion = dataclasses.replace(dedupe.plan_expansion(gm, ctx, repeats), retrace=front)
+    ctx = dataclasses.replace(ctx, expansion=expansion)
+    gm.meta[meta.CONTEXT] = ctx
+    analysis = dedupe.expand_analysis(summarize(gm, ctx), gm, expansion, 1.0 / ctx.batch_size)
+    dedupe.check_param_count(analysis, gm, ctx, expansion)
+    meta.add_pass_time(gm, "expand", time.perf_counter() - started)
+    log.info("traced %s: %s", ctx.name, ", ".join(
+        f"{len(r.kept)} of the {r.size} blocks of {r.container or 'the model'}"
+        for r in repeats))
+    return gm, analysis
 
 
 def tensor_parallel_options(gm: fx.GraphModule, links: Sequence[Link],
@@ -74,11 +129,24 @@ def tensor_parallel_options(gm: fx.GraphModule, links: Sequence[Link],
     parallelism, fastest first and fewest parameter bytes first: choose the sharding,
     rewrite a copy of the graph for one rank, and measure it as ``analyze`` measures the
     whole model. A memory-first sharding equal to the time-first one is not repeated.
-    ``gm`` is ``analyze``'s graph.
+    ``gm`` is ``analyze``'s graph; where it holds representatives of repeated blocks,
+    each option is measured on it and expanded to the whole model.
     """
     ctx = gm.meta[meta.CONTEXT]
+    try:
+        return _options(gm, ctx, links, sequence_parallel, objectives)
+    except dedupe.Mismatch as why:
+        log.warning("measuring tensor parallelism on the whole model (%s)", why)
+        full, full_ctx = ctx.expansion.retrace()
+        return _options(full, full_ctx, links, sequence_parallel, objectives)
+
+
+def _options(gm: fx.GraphModule, ctx: Context, links: Sequence[Link],
+             sequence_parallel: Sequence[bool], objectives: Sequence[str]
+             ) -> tuple[TPOption, ...]:
     base, usage = summarize(gm, ctx), param_usage(gm, ctx)
     options = []
+    measured: list[tuple[tuple, TPOption]] = []  # (tp, sp, per-layer choices), option
     for link, sp, objective in [(link, sp, objective) for link in links
                                 for sp in sequence_parallel for objective in objectives]:
         if sp and not sharding_pass.sequence_length(gm):
@@ -86,8 +154,8 @@ def tensor_parallel_options(gm: fx.GraphModule, links: Sequence[Link],
         started = time.perf_counter()
         chosen = _named("sharding", lambda: sharding_pass.choose(
             gm, link.tp, link, sequence_parallel=sp, prefer=objective))
-        same = [o for o in options if o.tp == link.tp and o.sequence_parallel == sp
-                and o.choices == tuple((layer.name, layer.choices) for layer in chosen.layers)]
+        key = (link.tp, sp, tuple((layer.name, layer.choices) for layer in chosen.layers))
+        same = [option for seen, option in measured if seen == key]
         if same:  # measured already: the same sharding under the other objective
             options.append(dataclasses.replace(same[0], objective=objective))
             continue
@@ -96,8 +164,12 @@ def tensor_parallel_options(gm: fx.GraphModule, links: Sequence[Link],
         with tp_ops.simulate(link.tp):
             _named("propagate", lambda: propagate(local, ctx))
             _named("estimate", lambda: estimate(local, ctx))
-        options.append(dataclasses.replace(_tp_option(ctx, base, usage, local, chosen),
-                                           objective=objective))
+        option = dataclasses.replace(_tp_option(ctx, base, usage, local, chosen),
+                                     objective=objective)
+        if ctx.expansion is not None:
+            option = dedupe.expand_option(option, local, ctx.expansion, 1.0 / ctx.batch_size)
+        measured.append((key, option))
+        options.append(option)
         meta.add_pass_time(gm, f"sharding tp={link.tp}{' sp' if sp else ''}",
                            time.perf_counter() - started)
     return tuple(options)

@@ -39,6 +39,9 @@ class Context:
     fake_target: Any  # None: propagate derives it from the model's output
     batch_size: int
     param_fqns: dict[int, tuple[str, ...]] = field(default_factory=dict)  # id → all FQNs
+    # How the traced layers stand for the whole model's, when ``analyze`` traced one
+    # block per repeated structure (``partc.passes.dedupe.Expansion``); None otherwise.
+    expansion: Any = None
 
 
 class LossCall(nn.Module):

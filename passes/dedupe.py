@@ -1,0 +1,515 @@
+"""Trace each distinct repeated block once, and expand the analysis to every block.
+
+An 80-block model is 80 copies of one block: tracing and measuring all of them costs 80
+times what one does (about 10 s of ``torch.export`` for a 70B Llama) for numbers that
+are copies. This module finds the repeated blocks before tracing, lets ``analyze`` trace
+a model that holds only a few *representatives* of each container, and expands what it
+measured back to the whole model: layers, cuts, shared parameters and tensor-parallel
+options come out equal to those of a full trace.
+
+Steps (``partc.passes.pipeline.analyze`` runs them):
+
+1. :func:`find_repeats`: every outermost ``nn.ModuleList`` / ``nn.Sequential`` (children
+   named ``0 .. n-1``, the containers ``layers`` makes one layer per child of) whose
+   children fall into structural *kinds*: class, module tree, each module's plain
+   attributes and training flag, parameter and buffer names, shapes, dtypes and devices,
+   hooks. An int attribute equal to the block's position plus a constant (``layer_idx``)
+   is a label and ignored. Blocks that share a tensor or a module with anything else are
+   never dropped.
+2. Representatives: when the kinds repeat with a period ``p`` (uniform stacks: 1;
+   alternating attention: 2), the first two periods and the last period, so every kept
+   block stays in the phase it had; otherwise the first two blocks of each kind and the
+   last block. Every other block stands with the second kept block of its kind. The last
+   block is always kept as itself, so the last representative is the last block.
+3. :func:`shrunk` swaps each container's children for the representatives (renumbered
+   ``0 .. k-1``, as a shorter list would be) and always puts them back.
+4. :func:`plan_expansion` checks the traced model against what the copies assume, and
+   raises :class:`Mismatch` (``analyze`` then traces the whole model) unless: each kept
+   block is one layer, in order, consecutive; a block uses only its own parameters,
+   which no other layer uses; kept blocks of one kind measure alike (the last block: the
+   nodes it runs itself); a value a block makes is used only by the next layer (the last
+   block's by anything after it); a value made before a container that a block standing
+   for others reads reaches every later block of its kind (the first block may read its
+   input besides, the last the model's code after the stack); and the parameter count
+   comes out as the model's.
+5. :func:`expand_analysis` and :func:`expand_option` copy each representative's layer to
+   the blocks it stands for (renamed ``container.<block>``, FQNs renamed too) and rebuild
+   the cuts from the traced graph's crossings mapped to the whole model's layers.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import enum
+import re
+from collections import Counter
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator
+
+import torch
+from torch import fx, nn
+
+from partc import meta
+from partc.problem import ModelAnalysis, TPOption
+
+from .estimate import param_usage
+from .layers import (carries_grad, crossing_users, cut_counts, cut_sums, is_repeated,
+                     op_name)
+
+
+class Mismatch(Exception):
+    """The traced representatives do not stand for the whole model; trace all of it."""
+
+
+@dataclass(frozen=True)
+class Repeat:
+    """One container and the blocks traced for it."""
+
+    container: str               # FQN of the ModuleList / Sequential ("" at the root)
+    size: int                    # blocks in the whole container
+    kept: tuple[int, ...]        # the representatives' block indices, in order
+    stands_for: tuple[int, ...]  # per block: the position in ``kept`` of its representative
+    kinds: tuple[int, ...]       # per kept position: its kind (equal numbers, equal blocks)
+
+    def prefix(self, index: int) -> str:
+        """FQN of block (or traced position) ``index``."""
+        return f"{self.container}.{index}" if self.container else str(index)
+
+
+# ------------------------------------------------------------------------ finding blocks
+
+def find_repeats(model: nn.Module) -> tuple[Repeat, ...]:
+    """The containers worth shrinking, with their representatives (none: trace it all)."""
+    modules = list(model.named_modules(remove_duplicate=False))
+    containers = {name for name, module in modules if is_repeated(module)}
+    owners: Counter = Counter(id(module) for _, module in modules)
+    tensors: Counter = Counter(id(t) for t in _all_tensors(model))
+    repeats = []
+    for name, module in modules:
+        if name not in containers or _inside(name, containers):
+            continue
+        if not isinstance(module, (nn.ModuleList, nn.Sequential)):
+            continue  # a custom container may read its children other than by iterating
+        blocks = list(module.children())
+        if len(blocks) < 4 or not all(_private(b, owners, tensors) for b in blocks):
+            continue
+        kinds = _kinds(blocks)
+        kept, stands_for = _representatives(kinds)
+        if len(kept) < len(blocks):
+            repeats.append(Repeat(container=name, size=len(blocks), kept=tuple(kept),
+                                  stands_for=tuple(stands_for),
+                                  kinds=tuple(kinds[b] for b in kept)))
+    return tuple(repeats)
+
+
+def _inside(name: str, containers: set[str]) -> bool:
+    parts = name.split(".") if name else []
+    return any(".".join(parts[:i]) in containers for i in range(len(parts)))
+
+
+def _all_tensors(module: nn.Module) -> list[torch.Tensor]:
+    return ([t for _, t in module.named_parameters(remove_duplicate=False)]
+            + [t for _, t in module.named_buffers(remove_duplicate=False)])
+
+
+def _private(block: nn.Module, owners: Counter, tensors: Counter) -> bool:
+    """Whether the block's modules and tensors appear nowhere else in the model."""
+    inner_modules = Counter(id(m) for _, m in block.named_modules(remove_duplicate=False))
+    inner_tensors = Counter(id(t) for t in _all_tensors(block))
+    return (all(owners[key] == count for key, count in inner_modules.items())
+            and all(tensors[key] == count for key, count in inner_tensors.items()))
+
+
+def _kinds(blocks: list[nn.Module]) -> list[int]:
+    """A number per block; blocks with equal numbers have equal structure."""
+    attributes = [_attributes(block) for block in blocks]
+    labels = _labels(attributes)
+    numbers: dict[tuple, int] = {}
+    kinds = []
+    for block, found in zip(blocks, attributes):
+        plain = tuple(sorted((key, value) for key, value in found.items() if key not in labels))
+        key = (_tree(block), plain)
+        kinds.append(numbers.setdefault(key, len(numbers)))
+    return kinds
+
+
+def _tree(block: nn.Module) -> tuple:
+    modules = tuple((name, type(m).__module__, type(m).__qualname__, m.training)
+                    for name, m in block.named_modules(remove_duplicate=False))
+    params = tuple((name, tuple(t.shape), t.dtype, t.device.type, t.requires_grad)
+                   for name, t in block.named_parameters(remove_duplicate=False))
+    buffers = tuple((name, tuple(t.shape), t.dtype, t.device.type)
+                    for name, t in block.named_buffers(remove_duplicate=False))
+    return modules, params, buffers
+
+
+_STRUCTURAL = {"_parameters", "_buffers", "_modules", "training"}
+
+
+def _attributes(block: nn.Module) -> dict[tuple[str, str], Any]:
+    """Every module's own attributes, described so that equal means interchangeable."""
+    found = {}
+    for path, module in block.named_modules(remove_duplicate=False):
+        for name, value in vars(module).items():
+            if name not in _STRUCTURAL:
+                found[(path, name)] = _describe(value, hooks=name.endswith("hooks"))
+    return found
+
+
+def _describe(value: Any, hooks: bool = False) -> Any:
+    if value is None or isinstance(value, (bool, int, float, complex, str, bytes,
+                                           torch.dtype, torch.device, enum.Enum)):
+        return (type(value).__name__, repr(value))
+    if isinstance(value, (tuple, list)):
+        return (type(value).__name__, tuple(_describe(v) for v in value))
+    if isinstance(value, (set, frozenset)):
+        return ("set", tuple(sorted(repr(v) for v in value)))
+    if isinstance(value, dict):
+        # Hook dicts are keyed by handle numbers, unique per registration: keep the hooks.
+        items = value.values() if hooks else value.items()
+        return ("dict", tuple(_describe(v) for v in items))
+    if isinstance(value, torch.Tensor):
+        return ("tensor", tuple(value.shape), value.dtype, value.device.type)
+    return ("object", id(value))  # configs, functions, shared modules: the same object
+
+
+def _labels(attributes: list[dict]) -> set:
+    """Int attributes equal to the block's position plus a constant (``layer_idx``)."""
+    labels = set()
+    for key in attributes[0]:
+        values = [found.get(key) for found in attributes]
+        if all(v is not None and v[0] == "int" for v in values):
+            offsets = {int(v[1]) - position for position, v in enumerate(values)}
+            if len(offsets) == 1:
+                labels.add(key)
+    return labels
+
+
+def _representatives(kinds: list[int]) -> tuple[list[int], list[int]]:
+    """Blocks to trace, and per block the position of the one it copies."""
+    n = len(kinds)
+    for period in range(1, n // 3 + 1):
+        if all(kinds[i] == kinds[i + period] for i in range(n - period)):
+            kept = list(range(2 * period)) + list(range(n - period, n))
+            stands = [b if b < 2 * period else
+                      2 * period + b - (n - period) if b >= n - period else
+                      period + b % period for b in range(n)]
+            return kept, stands
+    seen: dict[int, list[int]] = {}
+    for block, kind in enumerate(kinds):
+        seen.setdefault(kind, []).append(block)
+    kept = sorted({b for blocks in seen.values() for b in blocks[:2]} | {n - 1})
+    position = {block: i for i, block in enumerate(kept)}
+    # A block that was not kept is a third or later of its kind: the second stands for it.
+    stands = [position[b] if b in position else position[seen[kinds[b]][1]]
+              for b in range(n)]
+    return kept, stands
+
+
+@contextlib.contextmanager
+def shrunk(model: nn.Module, repeats: tuple[Repeat, ...]) -> Iterator[None]:
+    """The model with only the representatives in each container, restored on exit."""
+    saved = []
+    try:
+        for repeat in repeats:
+            container = model.get_submodule(repeat.container)
+            blocks = list(container._modules.values())
+            saved.append((container, container._modules))
+            container._modules = {str(i): blocks[b] for i, b in enumerate(repeat.kept)}
+        yield
+    finally:
+        for container, modules in reversed(saved):
+            container._modules = modules
+
+
+# ----------------------------------------------------------------------- the expansion
+
+@dataclass(frozen=True)
+class _Block:
+    repeat: Repeat
+    position: int  # in the traced container
+
+
+@dataclass(frozen=True)
+class Expansion:
+    """How the traced layers map to the whole model's layers."""
+
+    repeats: tuple[Repeat, ...]
+    names: tuple[str, ...]                  # the whole model's layer names, in order
+    source: tuple[int, ...]                 # per layer: the traced layer it copies
+    renames: tuple[tuple[str, str] | None, ...]  # per layer: (traced, own) block prefix
+    targets: tuple[tuple[int, ...], ...]    # per traced layer: the layers it stands for
+    blocks: dict[int, _Block]               # traced layer index → its block
+    node_names: tuple[dict[str, str], ...]  # per layer: traced node name → own name
+    retrace: Callable[[], Any] | None = None  # the whole model's (gm, ctx), if needed
+
+    def fqn(self, name: str, layer: int) -> str:
+        rename = self.renames[layer]
+        if rename and name.startswith(rename[0] + "."):
+            return rename[1] + name[len(rename[0]):]
+        return name
+
+
+def plan_expansion(gm: fx.GraphModule, ctx: Any, repeats: tuple[Repeat, ...]) -> Expansion:
+    """Check the traced model (see the module docstring, step 4) and map its layers."""
+    infos = meta.layers(gm)
+    blocks = _block_layers(infos, repeats)
+    names, source, renames, targets = _layout(infos, blocks)
+    _check_params(gm, blocks)
+    expansion = Expansion(repeats=repeats, names=tuple(names), source=tuple(source),
+                          renames=tuple(renames), targets=tuple(targets), blocks=blocks,
+                          node_names=_node_names(gm, source))
+    _check_kinds(gm, blocks)
+    _spans(gm, expansion)  # raises unless every crossing maps onto the whole model
+    return expansion
+
+
+def _block_layers(infos: tuple[meta.LayerInfo, ...], repeats: tuple[Repeat, ...]
+                  ) -> dict[int, _Block]:
+    keys = {repeat.prefix(i): _Block(repeat, i) for repeat in repeats
+            for i in range(len(repeat.kept))}
+    blocks: dict[int, _Block] = {}
+    for info in infos:
+        if info.key in keys:
+            if info.name != info.key:
+                raise Mismatch(f"block {info.key} makes more than one layer")
+            blocks[info.index] = keys[info.key]
+    for repeat in repeats:
+        found = [index for index, b in blocks.items() if b.repeat is repeat]
+        positions = [blocks[index].position for index in sorted(found)]
+        if positions != list(range(len(repeat.kept))) or \
+                sorted(found) != list(range(min(found), min(found) + len(found))):
+            raise Mismatch(f"the blocks of {repeat.container or 'the model'} do not run "
+                           "once each, in order, one after another")
+    return blocks
+
+
+def _layout(infos: tuple[meta.LayerInfo, ...], blocks: dict[int, _Block]) -> tuple:
+    names, source, renames = [], [], []
+    targets: list[list[int]] = [[] for _ in infos]
+    for info in infos:
+        block = blocks.get(info.index)
+        if block is None:
+            targets[info.index].append(len(names))
+            names.append(info.name)
+            source.append(info.index)
+            renames.append(None)
+            continue
+        if block.position:
+            continue  # all of the container's layers come with its first block
+        repeat = block.repeat
+        for index, position in enumerate(repeat.stands_for):
+            traced = info.index + position
+            targets[traced].append(len(names))
+            names.append(repeat.prefix(index))
+            source.append(traced)
+            renames.append((repeat.prefix(position), repeat.prefix(index)))
+    return names, source, renames, [tuple(t) for t in targets]
+
+
+def _check_params(gm: fx.GraphModule, blocks: dict[int, _Block]) -> None:
+    """A block's layer uses its own parameters only, and no other layer uses them."""
+    prefixes = {index: b.repeat.prefix(b.position) + "." for index, b in blocks.items()}
+    for node in gm.graph.nodes:
+        if node.op not in ("get_attr", "call_module"):
+            continue
+        users = node.users if node.op == "get_attr" else [node]
+        for fqn in meta.params(node):
+            owner = next((i for i, p in prefixes.items() if fqn.startswith(p)), None)
+            for user in users:
+                index = meta.layer(user).index
+                if (index in blocks or owner is not None) and owner != index:
+                    raise Mismatch(f"{fqn} is used outside its block (layer "
+                                   f"{meta.layer(user).name})")
+
+
+def _check_kinds(gm: fx.GraphModule, blocks: dict[int, _Block]) -> None:
+    """Kept blocks of one kind must measure alike, or the copies would be guesses.
+
+    The last block stands only for itself and may be followed by code of the model's
+    own that joins its layer (a residual around the whole stack): for it, only the
+    nodes the block itself runs are compared."""
+    costs, infos = meta.layer_costs(gm), meta.layers(gm)
+    first: dict[tuple, tuple[Any, list]] = {}
+    for index, block in sorted(blocks.items()):
+        repeat = block.repeat
+        own = _own_node_costs(gm, infos[index], repeat.prefix(block.position))
+        cost = dataclasses.replace(costs[index], name="")
+        key = (repeat.container, repeat.kinds[block.position])
+        if key not in first:
+            first[key] = (cost, own)
+        elif (first[key][1] != own if block.position == len(repeat.kept) - 1
+              else first[key][0] != cost):
+            raise Mismatch(f"blocks of one structure measure differently "
+                           f"({costs[index].name})")
+
+
+def _own_node_costs(gm: fx.GraphModule, info: meta.LayerInfo, prefix: str) -> list:
+    nodes = {node.name: node for node in gm.graph.nodes}
+    own = [nodes[name] for name in info.nodes if nodes[name].op != "get_attr"]
+    return [(op_name(node), meta.cost(node)) for node in own
+            if meta.module_path(node) == prefix or meta.module_path(node).startswith(prefix + ".")]
+
+
+def check_param_count(analysis: ModelAnalysis, gm: fx.GraphModule, ctx: Any,
+                      expansion: Expansion) -> None:
+    """The expanded layers own every parameter the whole model uses, once: those the
+    traced graph uses, and each untraced block's as its representative's are used."""
+    used = param_usage(gm, ctx)["tensors"]
+    expected = sum(p.numel() for p in used.values())
+    for repeat in expansion.repeats:
+        blocks = list(ctx.model.get_submodule(repeat.container).children())
+        for index, position in enumerate(repeat.stands_for):
+            if index not in repeat.kept:
+                stand_in = dict(blocks[repeat.kept[position]].named_parameters())
+                expected += sum(p.numel() for name, p in blocks[index].named_parameters()
+                                if id(stand_in[name]) in used)
+    got = sum(layer.param_count for layer in analysis.layers) + \
+        sum(group.param_count for group in analysis.shared)
+    if got != expected:
+        raise Mismatch(f"the expanded layers hold {got} parameters, the model uses {expected}")
+
+
+def _node_names(gm: fx.GraphModule, source: list[int]) -> tuple[dict[str, str], ...]:
+    """Per layer of the whole model, the name each traced node would have had there.
+
+    fx names a node ``base``, ``base_1``, ``base_2`` … in the order it creates them, so
+    a node's number is how many nodes of its base come before it. Names that this does
+    not reproduce in the traced graph are left out (never guessed)."""
+    infos = meta.layers(gm)
+    start: Counter = Counter(_base(n.name)[0] for n in gm.graph.nodes if n.op == "placeholder")
+    per_layer = [Counter(_base(name)[0] for name in info.nodes) for info in infos]
+    traced_before, running = [], Counter(start)
+    for counts in per_layer:
+        traced_before.append(Counter(running))
+        running.update(counts)
+    result, running = [], Counter(start)
+    for layer in source:
+        names, seen = {}, Counter()
+        for name in infos[layer].nodes:
+            base, number = _base(name)
+            if number == traced_before[layer][base] + seen[base]:
+                own = running[base] + seen[base]
+                names[name] = f"{base}_{own}" if own else base
+            seen[base] += 1
+        result.append(names)
+        running.update(per_layer[layer])
+    return tuple(result)
+
+
+def _base(name: str) -> tuple[str, int]:
+    match = re.fullmatch(r"(.*)_(\d+)", name)
+    return (match.group(1), int(match.group(2))) if match else (name, 0)
+
+
+# ----------------------------------------------------------------------------- crossings
+
+def _spans(gm: fx.GraphModule, expansion: Expansion) -> list[tuple[fx.Node, int, int]]:
+    """Each crossing of the whole model: (traced node, layer made, last layer using)."""
+    result = []
+    blocks, targets = expansion.blocks, expansion.targets
+    for node, made, users in crossing_users(gm):
+        block = blocks.get(made) if node.op != "placeholder" else None
+        later = {u for u in users if u != made}
+        if block is None:
+            for repeat in expansion.repeats:
+                _check_fan_out(node, users, blocks, repeat)
+            result.append((node, targets[made][0] if node.op != "placeholder" else 0,
+                           max(t for u in users for t in targets[u])))
+            continue
+        last = block.position == len(block.repeat.kept) - 1
+        if not last and later != {made + 1}:
+            raise Mismatch(f"{node.name}, made in block {block.repeat.prefix(block.position)}, "
+                           "is used beyond the next layer")
+        for own in targets[made]:
+            used = own + 1 if not last else max(t for u in later for t in targets[u])
+            result.append((node, own, used))
+    return result
+
+
+def _check_fan_out(node: fx.Node, users: set[int], blocks: dict[int, _Block],
+                   repeat: Repeat) -> None:
+    """A value from before a container that a block in its middle reads (one standing
+    for others) must reach every later block of that kind. The first block may read
+    more (its input) and the last too (the model's code after the stack joins it)."""
+    reached = {blocks[u].position for u in users if u in blocks and blocks[u].repeat is repeat}
+    last = len(repeat.kept) - 1
+    for kind in set(repeat.kinds):
+        later = {p for p, k in enumerate(repeat.kinds) if k == kind and p != 0}
+        if reached & (later - {last}) and not later <= reached:
+            raise Mismatch(f"{node.name} reaches some blocks of "
+                           f"{repeat.container or 'the model'} of one structure and not others")
+
+
+def expanded_cuts(gm: fx.GraphModule, expansion: Expansion, per_sample: float
+                  ) -> tuple[tuple[float, ...], tuple[tuple[int, int], ...]]:
+    """The whole model's ``cut_bytes`` (per sample) and ``cut_tensors`` from ``gm``."""
+    spans = _spans(gm, expansion)
+    num_layers = len(expansion.names)
+    grads = carries_grad(gm)
+    cut_bytes = cut_sums([(meta.output_bytes(n), made, used) for n, made, used in spans],
+                         num_layers)
+    cut_tensors = cut_counts([(n in grads, made, used) for n, made, used in spans
+                              if isinstance(n.meta.get("val"), torch.Tensor)], num_layers)
+    return tuple(c * per_sample for c in cut_bytes), cut_tensors
+
+
+# ------------------------------------------------------------------------------ results
+
+def expand_analysis(analysis: ModelAnalysis, gm: fx.GraphModule, expansion: Expansion,
+                    per_sample: float) -> ModelAnalysis:
+    """The whole model's analysis from the traced one (``gm``: its graph)."""
+    layers = tuple(dataclasses.replace(analysis.layers[s], name=name)
+                   for s, name in zip(expansion.source, expansion.names))
+    cut_bytes, cut_tensors = expanded_cuts(gm, expansion, per_sample)
+    shared = tuple(dataclasses.replace(
+        group, layers=tuple(sorted({t for layer in group.layers
+                                    for t in expansion.targets[layer]})))
+        for group in analysis.shared)
+    return dataclasses.replace(analysis, layers=layers, cut_bytes=cut_bytes,
+                               cut_tensors=cut_tensors, shared=shared)
+
+
+def expand_option(option: TPOption, local: fx.GraphModule, expansion: Expansion,
+                  per_sample: float) -> TPOption:
+    """A tensor-parallel option of the whole model from the traced one's (``local``: the
+    rank's sharded graph it was measured on)."""
+    model = expand_analysis(option.model, local, expansion, per_sample)
+    choices = dict(option.choices)
+    notes = dict(option.notes)
+    traced_names = [info.name for info in meta.layers(local)]
+    full_notes = []
+    for layer, (s, name) in enumerate(zip(expansion.source, expansion.names)):
+        note = notes.get(traced_names[s])
+        if note:
+            full_notes.append((name, _rename_note(note, expansion.node_names[layer])))
+    return dataclasses.replace(
+        option, model=model,
+        choices=tuple((name, choices[traced_names[s]])
+                      for s, name in zip(expansion.source, expansion.names)),
+        placements=tuple(sorted(_renamed(dict(option.placements), expansion).items())),
+        partial_grad_params=tuple(sorted(_renamed(
+            {fqn: None for fqn in option.partial_grad_params}, expansion))),
+        notes=tuple(full_notes))
+
+
+def _renamed(by_fqn: dict[str, Any], expansion: Expansion) -> dict[str, Any]:
+    """FQN-keyed values of the traced model, for every block they stand for."""
+    result = {}
+    for fqn, value in by_fqn.items():
+        owners = [layer for layer, rename in enumerate(expansion.renames)
+                  if rename and fqn.startswith(rename[0] + ".")]
+        for layer in owners or [None]:
+            result[expansion.fqn(fqn, layer) if layer is not None else fqn] = value
+    return result
+
+
+def _rename_note(note: str, names: dict[str, str]) -> str:
+    """Notes open with the node they are about (``linear_3 (linear, ...``)."""
+    node, sep, rest = note.partition(" (")
+    if sep and node in names:
+        return names[node] + sep + rest
+    if sep and re.fullmatch(r"[A-Za-z_]\w*", node):
+        raise Mismatch(f"cannot name node {node} in the whole model")
+    return note

@@ -1,0 +1,216 @@
+"""Repeated blocks traced once: the expanded analysis equals a full trace's, exactly."""
+
+import logging
+
+import pytest
+import torch
+from torch import nn
+
+from partc import meta
+from partc.passes import dedupe
+from partc.passes.pipeline import analyze, tensor_parallel_options
+from partc.passes.sharding import Link
+from samples import gpt
+from tests import models
+
+LINK = Link(tp=2, bandwidth=100e9, latency_s=1e-6, flops=1e14, hbm_bandwidth=1e12)
+IDS = torch.zeros(2, 8, dtype=torch.long)
+
+# name: (build, example input, loss_fn, objectives measured)
+MODELS = {
+    "samples.gpt": (lambda: gpt.gpt_tiny(n_layer=4), IDS, gpt.loss_fn, ("time", "memory")),
+    "hf-llama": (lambda: models.llama(n_layer=4), IDS, models.causal_lm_loss, ("time",)),
+    "hf-gpt2": (lambda: models.gpt2(n_layer=4), IDS, models.causal_lm_loss, ("time",)),
+    "hf-bert": (lambda: models.bert(n_layer=4), IDS, None, ("time",)),
+}
+
+
+def assert_same_analysis(got, want):
+    assert [layer.name for layer in got.layers] == [layer.name for layer in want.layers]
+    for mine, theirs in zip(got.layers, want.layers):
+        assert mine == theirs, mine.name
+    assert got.cut_bytes == want.cut_bytes
+    assert got.cut_tensors == want.cut_tensors
+    assert got.shared == want.shared
+    assert got.summary == want.summary
+    assert got == want
+
+
+def assert_same_options(got, want):
+    assert [(o.tp, o.sequence_parallel, o.objective) for o in got] == \
+        [(o.tp, o.sequence_parallel, o.objective) for o in want]
+    for mine, theirs in zip(got, want):
+        assert_same_analysis(mine.model, theirs.model)
+        assert mine.choices == theirs.choices
+        assert mine.placements == theirs.placements
+        assert mine.partial_grad_params == theirs.partial_grad_params
+        assert mine.notes == theirs.notes
+        assert mine == theirs
+
+
+def traced_both_ways(build, example, **kwargs):
+    full_gm, full = analyze(build(), (example,), full_trace=True, **kwargs)
+    gm, analysis = analyze(build(), (example,), **kwargs)
+    return (full_gm, full), (gm, analysis)
+
+
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_expanded_analysis_and_options_equal_a_full_trace(name):
+    build, example, loss_fn, objectives = MODELS[name]
+    (full_gm, full), (gm, analysis) = traced_both_ways(build, example, loss_fn=loss_fn)
+    assert len(meta.layers(gm)) == len(full.layers) - 1  # one block of 4 not traced
+    assert len(meta.layers(full_gm)) == len(full.layers)
+    assert_same_analysis(analysis, full)
+    assert_same_options(tensor_parallel_options(gm, [LINK], (False, True), objectives),
+                        tensor_parallel_options(full_gm, [LINK], (False, True), objectives))
+
+
+class Mlp(nn.Module):
+    def __init__(self, width_in: int, width_out: int) -> None:
+        super().__init__()
+        self.fc = nn.Linear(width_in, width_out)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.relu(self.fc(x))
+
+
+class Gated(nn.Module):
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.gate = nn.Linear(width, width)
+        self.up = nn.Linear(width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + torch.sigmoid(self.gate(x)) * self.up(x)
+
+
+class Stack(nn.Module):
+    """Blocks between a stem and a head; ``skip`` adds the stem's output to the head's
+    input (a value made before the blocks that crosses all of them)."""
+
+    def __init__(self, blocks: list[nn.Module], width_in: int, width_out: int,
+                 skip: bool = False) -> None:
+        super().__init__()
+        self.stem = nn.Linear(width_in, width_in)
+        self.blocks = nn.ModuleList(blocks)
+        self.head = nn.Linear(width_out, 4)
+        self.skip = skip
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = start = self.stem(x)
+        for block in self.blocks:
+            h = block(h)
+        return self.head(h + start if self.skip else h)
+
+
+STACKS = {
+    # Two block classes, alternating: traced with their phase kept (2 periods + 1).
+    "alternating": lambda: Stack([Mlp(8, 8) if i % 2 else Gated(8) for i in range(8)], 8, 8),
+    # Different widths: 8 → 8 three times, 8 → 16 once, 16 → 16 four times.
+    "widths": lambda: Stack([Mlp(8, 8) for _ in range(3)] + [Mlp(8, 16)]
+                            + [Mlp(16, 16) for _ in range(4)], 8, 16),
+    # Odd widths: no linear splits over 2 ranks, so every block has a note naming a node.
+    "odd": lambda: Stack([Gated(7) for _ in range(5)], 7, 7),
+    "skip": lambda: Stack([Mlp(8, 8) for _ in range(6)], 8, 8, skip=True),
+}
+
+
+@pytest.mark.parametrize("name", sorted(STACKS))
+def test_blocks_that_differ_expand_exactly(name):
+    width = STACKS[name]().stem.in_features
+    (full_gm, full), (gm, analysis) = traced_both_ways(STACKS[name], torch.randn(2, width))
+    assert len(meta.layers(gm)) < len(full.layers)
+    assert_same_analysis(analysis, full)
+    options = tensor_parallel_options(gm, [LINK], (False,), ("time",))
+    assert_same_options(options, tensor_parallel_options(full_gm, [LINK], (False,), ("time",)))
+    if name == "odd":
+        blocks = [note for layer, note in options[0].notes if layer.startswith("blocks.")]
+        assert len(blocks) == 5 and len(set(blocks)) == 5  # each names its own node
+
+
+def test_representatives_keep_the_phase_and_the_last_block():
+    assert dedupe._representatives([0] * 6) == ([0, 1, 5], [0, 1, 1, 1, 1, 2])
+    kept, stands = dedupe._representatives([0, 1] * 4)
+    assert kept == [0, 1, 2, 3, 6, 7] and stands == [0, 1, 2, 3, 2, 3, 4, 5]
+    kept, stands = dedupe._representatives([0, 0, 0, 1, 2, 2, 2, 2])
+    assert kept == [0, 1, 3, 4, 5, 7] and stands == [0, 1, 1, 2, 3, 4, 4, 5]
+
+
+def test_kinds_ignore_block_indices_and_see_other_attributes():
+    (repeat,) = dedupe.find_repeats(models.llama(n_layer=4))  # layer_idx differs per block
+    assert (repeat.container, repeat.size, repeat.kept) == ("model.layers", 4, (0, 1, 3))
+    blocks = [models.MLP() for _ in range(5)]
+    blocks[3].fc1.extra_scale = 2.0  # a plain attribute the block's code could read
+    assert dedupe._kinds(blocks) == [0, 0, 0, 1, 0]
+
+
+def test_blocks_sharing_a_module_or_a_tensor_are_traced_in_full():
+    shared = Mlp(8, 8)
+    assert dedupe.find_repeats(Stack([shared] * 5, 8, 8)) == ()
+    tied = Stack([Mlp(8, 8) for _ in range(5)], 8, 8)
+    tied.blocks[4].fc.weight = tied.blocks[0].fc.weight
+    assert dedupe.find_repeats(tied) == ()
+    assert dedupe.find_repeats(Stack([Mlp(8, 8) for _ in range(3)], 8, 8)) == ()  # too short
+
+
+class Collects(Stack):
+    """Every block's output reaches the head: the blocks are not a chain."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h, outputs = self.stem(x), []
+        for block in self.blocks:
+            h = block(h)
+            outputs.append(h)
+        return self.head(torch.stack(outputs).sum(0))
+
+
+def test_a_mismatch_traces_the_whole_model_and_says_why(caplog):
+    build = lambda: Collects([Mlp(8, 8) for _ in range(5)], 8, 8)  # noqa: E731
+    with caplog.at_level(logging.WARNING, logger="partc"):
+        (_, full), (gm, analysis) = traced_both_ways(build, torch.randn(2, 8))
+    assert "used beyond the next layer" in caplog.text
+    assert len(meta.layers(gm)) == len(analysis.layers)
+    assert meta.layers(gm)[0].name == "stem"
+    assert_same_analysis(analysis, full)
+
+
+class Counted(Stack):
+    """Refuses to run with fewer blocks than it was built with."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if len(self.blocks) != 5:
+            raise ValueError("five blocks expected")
+        return super().forward(x)
+
+
+def test_a_failed_shorter_trace_restores_the_blocks_and_traces_them_all(caplog):
+    model = Counted([Mlp(8, 8) for _ in range(5)], 8, 8)
+    blocks = list(model.blocks)
+    with caplog.at_level(logging.WARNING, logger="partc"):
+        gm, analysis = analyze(model, (torch.randn(2, 8),))
+    assert "TraceError" in caplog.text
+    assert list(model.blocks) == blocks
+    assert [layer.name for layer in analysis.layers][1:-1] == [f"blocks.{i}" for i in range(5)]
+    with pytest.raises(RuntimeError), dedupe.shrunk(model, dedupe.find_repeats(model)):
+        assert len(model.blocks) == 3
+        raise RuntimeError("interrupted")
+    assert list(model.blocks) == blocks
+
+
+def test_full_trace_from_the_environment(monkeypatch):
+    monkeypatch.setenv("PARTC_FULL_TRACE", "1")
+    gm, analysis = analyze(Stack([Mlp(8, 8) for _ in range(5)], 8, 8), (torch.randn(2, 8),))
+    assert len(meta.layers(gm)) == len(analysis.layers) == 7
+
+
+def test_an_option_that_cannot_expand_is_measured_on_the_whole_model(monkeypatch, caplog):
+    (full_gm, _), (gm, _) = traced_both_ways(STACKS["skip"], torch.randn(2, 8))
+
+    def refuse(*args):
+        raise dedupe.Mismatch("a note names a node the whole model calls otherwise")
+
+    monkeypatch.setattr(dedupe, "expand_option", refuse)
+    with caplog.at_level(logging.WARNING, logger="partc"):
+        options = tensor_parallel_options(gm, [LINK], (False,), ("time",))
+    assert "measuring tensor parallelism on the whole model" in caplog.text
+    assert_same_options(options, tensor_parallel_options(full_gm, [LINK], (False,), ("time",)))
