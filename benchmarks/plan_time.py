@@ -1,173 +1,183 @@
-"""Planning time for a 32-layer Llama-3-8B config on the meta device: 8 and 64 devices.
+"""Planning time of big models on the meta device: Llama-3-70B on 1024 H100s, a 1T GPT on
+3072 A100s (and Llama-3-8B on 64 H100s), everything decided jointly.
 
-Two runs, each printing the time of its phases and the plan's headline:
+For each workload, ``--repeats`` cold runs (no cache) print the time of each phase —
+trace + analyse, measuring the tensor-parallel options (tp 2, 4, 8 inside a node, with
+and without sequence parallelism), and the joint search over every (pp, dp, tp),
+micro-batch size, microbatch count, schedule and ZeRO stage — and their median. Then
+re-planning: ``partc.compile`` again with a cache holding the measured model, after the
+memory per device changes (80 GiB -> 60 GiB, then 40 GiB), which skips tracing and
+measuring; and once more with the first budget, which returns the stored plan.
 
-1. ``--devices`` (8): trace + plan, median of ``--repeats`` runs, tensor parallelism not
-   measured (pp x dp only). The target for this 2-core machine is under 10 s.
-2. ``--joint-devices`` (64; 0 skips it): what ``partc.compile`` does, phase by phase, on
-   8 nodes of 8 devices (NVLink inside a node, one 400 Gb/s NIC per GPU between nodes):
-   trace + analyse, measure the tensor-parallel options (tp 2, 4, 8 inside a node, with
-   and without sequence parallelism), then the joint search over every (pp, dp, tp),
-   micro-batch size, microbatch count, schedule and ZeRO stage. It runs once: the search
-   stops at the planner's time limit (``--time-limit``), so repeats would time the limit.
-   Each phase prints wall and CPU seconds: on a shared machine the CPU time is the cost
-   of the code, but CP-SAT's time limit is wall-clock.
+Targets on this 2-core machine: trace + plan under 10 s (median of 3) for Llama-3-70B,
+re-plan after a memory change under 1 s, the plan feasible with its gap reported.
 
-The joint run trains on 512 sequences of 8192 tokens (4.2M tokens per step): 8192 is
-Llama 3's pre-training context, and about 4M tokens is the batch Llama 2 used at 7B and
-the one Llama 3 405B began pre-training with. It leaves every dp up to 64 at least 8
-sequences per replica, so a pipeline has microbatches to fill its bubble.
-
-    python benchmarks/plan_time.py [--repeats 3] [--devices 8] [--device H100-80GB]
-        [--joint-devices 64] [--joint-seq-len 8192] [--joint-global-batch 512]
+    python benchmarks/plan_time.py [--repeats 3] [--workloads llama3-70b gpt-1t llama3-8b]
         [--time-limit 30] [--profile]
+
+Workloads:
+
+- ``llama3-70b``: Hugging Face LlamaForCausalLM with Llama-3-70B's shape (80 layers,
+  hidden 8192, GQA 64/8 heads, FFN 28672, vocab 128256), bf16 AdamW, sequence 4096,
+  1024 sequences per step (4M tokens), 128 nodes of 8 H100-80GB (NVLink 450 GB/s inside
+  a node, one 400 Gb/s NIC per GPU between nodes).
+- ``gpt-1t``: the sample GPT with the 1T row of Megatron-LM's Table 1 (Narayanan et al.,
+  SC'21: 128 layers, hidden 25600, 160 heads, vocab 51200, sequence 2048), 3072
+  sequences per step, 384 DGX A100-80GB nodes (8 x 200 Gb/s InfiniBand per node).
+- ``llama3-8b``: 32 layers, 8192-token sequences, 512 per step, 8 nodes of 8 H100s.
 """
 
 from __future__ import annotations
 
 import argparse
 import cProfile
-import math
 import pstats
 import statistics
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "samples"))
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "samples"))
+sys.path.insert(0, str(ROOT))
 
 import partc  # noqa: E402
 from partc.compiler import build_problem, plan_problem  # noqa: E402
-from partc.costs import build_cost_table  # noqa: E402
 from partc.passes.pipeline import analyze  # noqa: E402
-from partc.planner import PlannerOptions, candidate_configs, lower_bound  # noqa: E402
-from plan_llama import LLAMA3_8B, workload  # noqa: E402
+from partc.planner import PlannerOptions  # noqa: E402
+
+LLAMA3_70B = dict(hidden_size=8192, intermediate_size=28672, num_hidden_layers=80,
+                  num_attention_heads=64, num_key_value_heads=8, vocab_size=128256,
+                  max_position_embeddings=8192, rope_theta=500000.0, rms_norm_eps=1e-5)
 
 
-def run_once(args) -> tuple[float, float, float, partc.Plan]:
+@dataclass(frozen=True)
+class Workload:
+    name: str
+    devices: int
+    device: str
+    inter_node: str
+
+    def build(self) -> dict:
+        """model, example_inputs, loss_fn, example_target, train — on the meta device."""
+        if self.name.startswith("llama3"):
+            from plan_llama import LLAMA3_8B, workload
+            shape, seq, batch = ((LLAMA3_70B, 4096, 1024) if self.name == "llama3-70b"
+                                 else (LLAMA3_8B, 8192, 512))
+            return workload(shape, seq, batch)
+        from gpt import GPT, GPTConfig, loss_fn
+        with torch.device("meta"):
+            model = GPT(GPTConfig(n_layer=128, n_head=160, n_embd=25600, vocab_size=51200,
+                                  block_size=2048))
+        ids = torch.zeros(1, 2048, dtype=torch.long, device="meta")
+        return {"model": model, "example_inputs": (ids,), "loss_fn": loss_fn,
+                "example_target": ids, "name": "gpt-1t",
+                "train": partc.TrainSpec(global_batch_size=3072, dtype=torch.bfloat16,
+                                         optimizer="adam")}
+
+    def budget(self, memory: str | None = None) -> partc.DeviceBudget:
+        return partc.DeviceBudget(num_devices=self.devices, device=self.device,
+                                  memory=memory, devices_per_node=8,
+                                  inter_node_bandwidth=self.inter_node)
+
+
+WORKLOADS = {
+    "llama3-70b": Workload("llama3-70b", 1024, "H100-80GB", "50GB/s"),
+    "gpt-1t": Workload("gpt-1t", 3072, "A100-80GB", "25GB/s"),
+    "llama3-8b": Workload("llama3-8b", 64, "H100-80GB", "50GB/s"),
+}
+
+
+def cold_run(workload: Workload, options: PlannerOptions) -> tuple[dict, partc.Plan]:
+    """One run without any cache: the seconds of each phase, and the plan."""
+    times = {}
     start = time.perf_counter()
-    work = workload(LLAMA3_8B, args.seq_len, args.global_batch)
-    built = time.perf_counter()
-    _, analysis = analyze(work["model"], work["example_inputs"], loss_fn=work["loss_fn"],
-                          example_target=work["example_target"], name="llama3-8b")
-    traced = time.perf_counter()
-    budget = partc.DeviceBudget(num_devices=args.devices, device=args.device)
-    problem = build_problem(analysis, budget, work["train"], partc.Constraints())
+    work = workload.build()
+    times["build model on meta"] = time.perf_counter() - start
+    start = time.perf_counter()
+    graph, analysis = analyze(work["model"], work["example_inputs"], loss_fn=work["loss_fn"],
+                              example_target=work["example_target"], name=work["name"])
+    times["trace + analyse"] = time.perf_counter() - start
+    start = time.perf_counter()
+    budget = workload.budget()
+    problem = build_problem(analysis, budget, work["train"], partc.Constraints(), graph)
+    times["tensor-parallel options"] = time.perf_counter() - start
+    start = time.perf_counter()
     plan = plan_problem(problem, budget=budget.to_dict(work["train"].dtype),
-                        train=work["train"].to_dict())
-    planned = time.perf_counter()
-    return built - start, traced - built, planned - traced, plan
+                        train=work["train"].to_dict(), options=options)
+    times["plan"] = time.perf_counter() - start
+    times["trace + plan"] = sum(t for name, t in times.items() if name != "build model on meta")
+    return times, plan
 
 
-def quick(args) -> None:
-    runs = [run_once(args) for _ in range(args.repeats)]
-    build, trace, plan_t = (statistics.median(r[i] for r in runs) for i in range(3))
-    plan = runs[-1][3]
-    print(f"Llama-3-8B (32 layers), seq {args.seq_len}, global batch {args.global_batch}, "
-          f"{args.devices} x {args.device}; median of {args.repeats}")
-    print(f"  build model on meta  {build:7.2f} s")
-    print(f"  trace + analyse      {trace:7.2f} s")
-    print(f"  plan (CP-SAT)        {plan_t:7.2f} s")
-    print(f"  trace + plan         {trace + plan_t:7.2f} s   (target < 10 s)")
-    print(f"  plan: pp={plan.mesh['pp']} dp={plan.mesh['dp']} {plan.schedule} "
-          f"m={plan.num_microbatches} b={plan.micro_batch_size}, step "
-          f"{plan.predicted['step_time_s']:.3f} s, MFU {100 * plan.predicted['mfu']:.1f}%, "
-          f"solver {plan.solver.status} gap {100 * plan.solver.gap:.2f}%")
+def replans(workload: Workload, options: PlannerOptions) -> list[tuple[str, float, partc.Plan]]:
+    """compile() with a cache: once to fill it, then after memory changes, then again."""
+    work = workload.build()
+    cache = partc.PlanCache()
+    results = []
+    for memory, what in ((None, "first compile (fills the cache)"),
+                         ("60GiB", "memory 80 -> 60 GiB"), ("40GiB", "memory 60 -> 40 GiB"),
+                         (None, "first budget again (stored plan)")):
+        start = time.perf_counter()
+        program = partc.compile(work["model"], work["example_inputs"],
+                                budget=workload.budget(memory), train=work["train"],
+                                loss_fn=work["loss_fn"], example_target=work["example_target"],
+                                name=work["name"], options=options, cache=cache)
+        results.append((what, time.perf_counter() - start, program.plan))
+    return results
 
 
-def unfit_configs(problem) -> int:
-    """Configurations whose lower bound says nothing fits: the cost tables and bounds the
-    planner builds before its first solve, rebuilt here to time them alone."""
-    floors = [lower_bound(build_cost_table(problem, c)) for c in candidate_configs(problem)]
-    return sum(f == math.inf for f in floors)
-
-
-def timed(times: dict[str, tuple[float, float]], name: str, thunk):
-    """Run ``thunk``, recording its wall and CPU seconds under ``name``."""
-    wall, cpu = time.perf_counter(), time.process_time()
-    result = thunk()
-    times[name] = (time.perf_counter() - wall, time.process_time() - cpu)
-    return result
-
-
-def joint(args) -> None:
-    times: dict[str, tuple[float, float]] = {}
-    work = timed(times, "build model on meta", lambda: workload(
-        LLAMA3_8B, args.joint_seq_len, args.joint_global_batch))
-    graph, analysis = timed(times, "trace + analyse", lambda: analyze(
-        work["model"], work["example_inputs"], loss_fn=work["loss_fn"],
-        example_target=work["example_target"], name="llama3-8b"))
-    # 50 GB/s between nodes is one 400 Gb/s NIC per GPU: the preset's figure, spelled out.
-    budget = partc.DeviceBudget(num_devices=args.joint_devices, device=args.device,
-                                devices_per_node=8, inter_node_bandwidth="50GB/s")
-    problem = timed(times, "tensor-parallel options", lambda: build_problem(
-        analysis, budget, work["train"], partc.Constraints(), graph))
-    aside: dict[str, tuple[float, float]] = {}
-    unfit = timed(aside, "cost tables + bounds", lambda: unfit_configs(problem))
-
-    def plan_phase() -> partc.Plan:
-        return plan_problem(problem, budget=budget.to_dict(work["train"].dtype),
-                            train=work["train"].to_dict(),
-                            options=PlannerOptions(time_limit_s=args.time_limit))
-
-    profile = cProfile.Profile() if args.profile else None
-    plan = timed(times, "plan", (lambda: profile.runcall(plan_phase)) if profile else plan_phase)
-    report_joint(args, problem, plan, times, aside["cost tables + bounds"], unfit)
-    if profile:
-        pstats.Stats(profile).sort_stats("cumulative").print_stats(15)
-
-
-def report_joint(args, problem, plan: partc.Plan, times: dict[str, tuple[float, float]],
-                 tables: tuple[float, float], unfit: int) -> None:
-    solver, nodes = plan.solver, args.joint_devices // 8
-    print(f"Llama-3-8B (32 layers), seq {args.joint_seq_len}, global batch "
-          f"{args.joint_global_batch}, {args.joint_devices} x {args.device} ({nodes} nodes "
-          f"of 8); joint search, one run, planner time limit {args.time_limit:g} s")
-    print(f"  {'phase':<26} {'wall':>7}   {'CPU':>7}")
-    for name, (wall, cpu) in times.items():
-        print(f"  {name:<26} {wall:7.2f} s {cpu:7.2f} s")
-    print(f"  {'total':<26} {sum(w for w, _ in times.values()):7.2f} s "
-          f"{sum(c for _, c in times.values()):7.2f} s")
-    print(f"  tensor-parallel options measured: {len(problem.model.tensor_parallel)}")
-    print(f"  plan phase: search {solver.solve_time_s:.2f} s, the rest baselines and "
-          f"validation; the search's cost tables + lower bounds of every configuration, "
-          f"timed apart: {tables[0]:.2f} s ({tables[1]:.2f} s CPU)")
-    unreached = solver.configs_total - solver.configs_solved - solver.configs_pruned
-    print(f"  configurations: {solver.configs_total} enumerated, {solver.configs_solved} "
-          f"solved by CP-SAT, {solver.configs_pruned} pruned by the lower bound ({unfit} "
-          f"of them cannot fit in memory), {unreached} not reached within the time limit")
-    print(f"  solver: {solver.status}, gap {100 * solver.gap:.2f}% (step {solver.objective:.3f}"
-          f" s, bound {solver.bound:.3f} s)")
+def describe(plan: partc.Plan) -> str:
     tp = plan.tensor_parallel
-    tp_text = f"tp={plan.tp}" + (f" ({'sequence parallel, ' if tp['sequence_parallel'] else ''}"
-                                 f"{tp['objective']} first)" if tp else "")
-    print(f"  plan: {tp_text} pp={plan.pp} dp={plan.dp}, ZeRO-{plan.zero_stage}, "
-          f"{plan.schedule}, b={plan.micro_batch_size} x m={plan.num_microbatches}, step "
-          f"{plan.predicted['step_time_s']:.3f} s, MFU {100 * plan.predicted['mfu']:.1f}%, "
-          f"{plan.predicted.get('tokens_per_s', 0) / 1e6:.2f}M tokens/s")
+    sp = " SP" if tp and tp.get("sequence_parallel") else ""
+    solver = plan.solver
+    recompute = {}
+    for mode in plan.recompute.values():
+        recompute[mode] = recompute.get(mode, 0) + 1
+    return (f"pp={plan.pp} dp={plan.dp} tp={plan.tp}{sp} ZeRO-{plan.zero_stage} "
+            f"{plan.schedule} b={plan.micro_batch_size} x m={plan.num_microbatches}, "
+            f"recompute {recompute}; step {plan.predicted['step_time_s']:.3f} s, MFU "
+            f"{100 * plan.predicted['mfu']:.1f}%, peak "
+            f"{plan.predicted['peak_memory_bytes'] / 2**30:.1f} GiB; solver {solver.status}, "
+            f"gap {100 * solver.gap:.2f}%, {solver.configs_total} configurations, "
+            f"{solver.configs_solved} solved, {solver.configs_pruned} pruned")
+
+
+def run(workload: Workload, args) -> None:
+    options = PlannerOptions(time_limit_s=args.time_limit)
+    print(f"\n{workload.name}: {workload.devices} x {workload.device} (8 per node, "
+          f"{workload.inter_node} per GPU between nodes); cold runs: {args.repeats}")
+    runs = [cold_run(workload, options) for _ in range(args.repeats)]
+    for phase in runs[0][0]:
+        values = [times[phase] for times, _ in runs]
+        print(f"  {phase:<26} median {statistics.median(values):7.2f} s   runs "
+              + " ".join(f"{v:.2f}" for v in values))
+    print(f"  plan: {describe(runs[-1][1])}")
+    print("  re-planning with a cache (partc.compile):")
+    for what, seconds, plan in replans(workload, options):
+        print(f"    {what:<34} {seconds:6.2f} s   {describe(plan)}")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--devices", type=int, default=8)
-    parser.add_argument("--device", default="H100-80GB")
-    parser.add_argument("--seq-len", type=int, default=2048)
-    parser.add_argument("--global-batch", type=int, default=64)
-    parser.add_argument("--joint-devices", type=int, default=64,
-                        help="devices of the joint search, in nodes of 8; 0 skips it")
-    parser.add_argument("--joint-seq-len", type=int, default=8192)
-    parser.add_argument("--joint-global-batch", type=int, default=512)
+    parser.add_argument("--workloads", nargs="+", default=["llama3-70b", "gpt-1t"],
+                        choices=sorted(WORKLOADS))
     parser.add_argument("--time-limit", type=float, default=PlannerOptions().time_limit_s,
-                        help="the joint search's planner time limit, seconds")
+                        help="the planner's time limit, seconds")
     parser.add_argument("--profile", action="store_true",
-                        help="cProfile the joint search's planning phase")
+                        help="cProfile the first workload's cold run")
     args = parser.parse_args()
-    if args.joint_devices % 8:
-        parser.error("--joint-devices must be a multiple of 8 (whole nodes)")
-    quick(args)
-    if args.joint_devices:
-        joint(args)
+    if args.profile:
+        profile = cProfile.Profile()
+        profile.runcall(cold_run, WORKLOADS[args.workloads[0]],
+                        PlannerOptions(time_limit_s=args.time_limit))
+        pstats.Stats(profile).sort_stats("cumulative").print_stats(25)
+    for name in args.workloads:
+        run(WORKLOADS[name], args)
 
 
 if __name__ == "__main__":

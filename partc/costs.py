@@ -368,27 +368,28 @@ class TableCache:
     A layer's row depends on the layer's numbers and on the configuration's micro-batch
     size, dp, tensor-parallel variant and ZeRO stage, never on its name, pp or schedule;
     the 80 identical blocks of a 70B model thus share one row per configuration family,
-    and the many configurations of a search share rows and cut tables.
+    and the many configurations of a search share rows and cut tables. Nothing but the
+    limits depends on the devices' memory, so problems that differ only in memory
+    (re-planning after a budget change) may share a cache too.
     """
 
     def __init__(self) -> None:
-        self._rows: dict[tuple, LayerTable] = {}
-        self._cuts: dict[tuple, tuple] = {}   # cut tables, shared tables, limits
+        self._cuts: dict[tuple, tuple] = {}   # rows, cut and shared tables, limits
+        self.distinct: dict[int, dict] = {}    # per rows tuple: its distinct rows, counted
         self._groups: dict[int, tuple[Any, list[int], list[int]]] = {}
 
     def rows(self, problem: PlanningProblem, config: PipelineConfig) -> tuple[LayerTable, ...]:
         """One row per layer; layers with equal numbers share one row object."""
         family = (config.micro_batch_size, config.dp, config.tp, config.sequence_parallel,
                   config.tp_objective, config.zero_stage)
+        known = self._cuts.get(("rows", family, id(problem.model)))
+        if known is not None:
+            return known
         group_of, representatives = self._layer_groups(problem)
-        built = []
-        for group, index in enumerate(representatives):
-            row = self._rows.get((family, group, id(problem.model)))
-            if row is None:
-                row = self._rows[family, group, id(problem.model)] = _layer_table(
-                    problem, config, index)
-            built.append(row)
-        return tuple(built[group] for group in group_of)
+        built = [_layer_table(problem, config, index) for index in representatives]
+        rows = self._cuts["rows", family, id(problem.model)] = tuple(
+            built[group] for group in group_of)
+        return rows
 
     def _layer_groups(self, problem: PlanningProblem) -> tuple[list[int], list[int]]:
         """Per layer, the index of its group of equal layers; each group's first layer."""
@@ -414,7 +415,7 @@ class TableCache:
         return self._cuts[key]
 
     def limits(self, problem: PlanningProblem, config: PipelineConfig) -> tuple[int, ...]:
-        key = ("limits", config.pp)
+        key = ("limits", config.pp, problem.devices.memory_bytes)
         if key not in self._cuts:
             self._cuts[key] = tuple(
                 min(problem.devices.memory_bytes[r] for r in stage_ranks(problem, config, s))

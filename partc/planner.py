@@ -50,10 +50,13 @@ Constraints
     (7) ``transient[s] >= X[l,r] x[l,j,r]`` for ``j ~ s``;
     (8) memory: ``v (sum_l W_l Y[l,s] + sum_g W_g h[g,s] + transient[s]) + f_s sum_{j ~
         s} sum_{l,r} A[l,r] x[l,j,r] <= v M_s``;
-    (9) pins: pinned stages fix ``before``, pinned recompute leaves one mode.
+    (9) pins: pinned stages fix ``before``, pinned recompute leaves one mode;
+    (10) symmetry: of two equal neighbouring layers in one run, the first takes the
+        heavier mode (none < selective < full): ``rank(l) >= rank(l+1) - 3 sum_j z[l,j]``.
 
-CP-SAT starts from a hint (:func:`incumbent`): the fastest modes split evenly into runs
-with the first uniform recompute policy that fits, so it holds a plan at once.
+CP-SAT starts from a hint (:func:`incumbent`): the fastest modes split evenly into runs,
+then on each stage over its limit the cheapest recompute per byte saved until it fits,
+so it holds a plan at once; if CP-SAT finds nothing better in time, that is the plan.
 """
 
 from __future__ import annotations
@@ -61,6 +64,7 @@ from __future__ import annotations
 import functools
 import math
 import time
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Sequence
 
@@ -69,7 +73,7 @@ from ortools.sat.python import cp_model
 from .costs import (CostTable, Evaluation, PipelineConfig, TableCache, build_cost_table,
                     evaluate)
 from .errors import PlanInfeasibleError
-from .problem import PlanningProblem
+from .problem import RECOMPUTE_MODES, PlanningProblem
 from .spec import AUTO_SCHEDULES, INTERLEAVED
 
 
@@ -215,17 +219,23 @@ def _chunk_counts(problem: PlanningProblem, schedule: str, pp: int, m: int) -> l
     return [v for v in range(2, MAX_CHUNKS + 1) if pp * v <= problem.num_layers]
 
 
-def lower_bound(table: CostTable) -> float:
+def lower_bound(table: CostTable, cache: TableCache | None = None) -> float:
     """A step time no assignment of this configuration can beat; inf if nothing fits.
 
     Besides compute spread evenly over stages, it charges the least recompute that
-    could bring the saved activations under the memory left after parameter state:
-    every stage holds at least ``min(m, 1)`` microbatches in flight (GPipe: ``m``), and a
-    layer's memory saved per extra picosecond is at best its best mode's ratio (the
-    LP relaxation of the recompute knapsack).
+    could bring the saved activations under the memory left after parameter state
+    (stage ``s`` keeps ``f_s`` microbatches in flight, so all stages together keep at most
+    ``sum_s M_s / f_s - state / max_s f_s`` bytes saved per microbatch), and a layer's
+    memory saved per extra picosecond is at best its best mode's ratio (the LP
+    relaxation of the recompute knapsack).
     """
     pp, m = table.config.pp, table.config.num_microbatches
-    distinct = _distinct_rows(table)
+    if cache is None:
+        distinct = _distinct_rows(table)
+    else:   # tables of one family share their rows tuple
+        distinct = cache.distinct.get(id(table.layers))
+        if distinct is None:
+            distinct = cache.distinct[id(table.layers)] = _distinct_rows(table)
     fastest = {key: min(row.compute_ps(r) for r in row.recompute_ps)
                for key, (row, _) in distinct.items()}
     recompute = _recompute_floor(table, distinct)
@@ -282,11 +292,13 @@ def _min_max_split(costs: tuple[int, ...], parts: int) -> int:
 
 def _recompute_floor(table: CostTable, distinct: dict[int, tuple[Any, int]]) -> float:
     config = table.config
-    inflight = config.num_microbatches if config.schedule == "gpipe" else 1
+    # Stage s holds f_s microbatches of its saved bytes A_s beside its state W_s:
+    # A_s <= (M_s - W_s) / f_s, so sum_s A_s <= sum_s M_s / f_s - sum_s W_s / max f.
+    inflight = [config.inflight(stage) / config.chunks for stage in range(config.pp)]
     state = sum(row.state_total * count for row, count in distinct.values())
     state += sum(g.state_total for g in table.shared)
-    budget = (sum(table.limits) - state) / inflight
-    if budget < 0:
+    budget = sum(limit / f for limit, f in zip(table.limits, inflight)) - state / max(inflight)
+    if budget < 0 or state > sum(table.limits):
         return math.inf
     excess, ratios = 0, []
     for row, count in distinct.values():
@@ -351,6 +363,7 @@ class _ConfigModel:
         self.ranks = range(table.config.pp)
         self._add_stages(pinned)                     # (2), (9)
         self._add_modes()                            # (1), (9)
+        self._break_symmetry()                       # (10)
         busy = self._add_busy()                      # (3), (4)
         held = self._add_holders()                   # (5)
         tail = self._add_tail(held)                  # (6)
@@ -428,6 +441,26 @@ class _ConfigModel:
         self.x_by_run: list[dict[tuple[int, str], Any]] = [{} for _ in self.stages]
         for (layer, run, r), v in self.x.items():
             self.x_by_run[run][layer, r] = v
+
+    def _break_symmetry(self) -> None:
+        """(10) Equal neighbours in one run are interchangeable: the earlier one takes
+        the heavier recompute mode, so only how many of each mode a run holds is left
+        to search (a knapsack over 128 identical blocks has 3^128 equivalent orders)."""
+        rank = {mode: i for i, mode in enumerate(RECOMPUTE_MODES)}
+        table = self.table
+        for layer in self.layers[:-1]:
+            following = layer + 1
+            modes = [r for (l, r) in self.mode_vars if l == layer]
+            if (table.layers[layer] is not table.layers[following] or len(modes) < 2
+                    or modes != [r for (l, r) in self.mode_vars if l == following]):
+                continue
+
+            def heaviness(l: int):
+                return sum(rank[r] * self.mode_vars[l, r] for r in modes)
+
+            cut = sum(self.cut_expr(layer, run) for run in self.stages)   # 1: runs differ
+            self.model.add(heaviness(layer) >= heaviness(following)
+                           - len(RECOMPUTE_MODES) * cut)
 
     def cut_expr(self, cut: int, stage: int):
         return self.before[cut][stage] - self.before[cut + 1][stage]
@@ -547,21 +580,58 @@ def balanced_split(costs: Sequence[int], parts: int) -> list[int]:
 
 
 def incumbent(problem: PlanningProblem, table: CostTable) -> Assignment | None:
-    """A plan to start CP-SAT from: the fastest-mode compute split evenly into runs,
-    with the first uniform recompute policy that fits (none, selective, full); None
-    when none fits."""
+    """A plan to start CP-SAT from: the fastest-mode compute split evenly into runs;
+    then, on each stage over its limit, recompute where it costs least per byte saved
+    (greedy); None when even that does not fit."""
     if table.num_layers < table.config.virtual_stages:
         return None
     fastest = [min(row.compute_ps(r) for r in row.recompute_ps) for row in table.layers]
     stage_of = balanced_split(fastest, table.config.virtual_stages)
-    for policy in ("none", "selective", "full"):
-        modes = []
-        for layer in range(table.num_layers):
-            allowed = _allowed_modes(problem, layer)
-            modes.append(policy if policy in allowed else allowed[0])
-        if evaluate(table, stage_of, modes).fits:
-            return Assignment(stage_of=tuple(stage_of), modes=tuple(modes))
-    return None
+    allowed = [_allowed_modes(problem, layer) for layer in range(table.num_layers)]
+    modes = [min(options, key=lambda r: (table.layers[l].compute_ps(r), r))
+             for l, options in enumerate(allowed)]
+    pp = table.config.pp
+    for stage in range(pp):
+        members = [l for l in range(table.num_layers) if stage_of[l] % pp == stage]
+        _recompute_until_it_fits(table, stage, members, allowed, modes)
+    if not evaluate(table, stage_of, modes).fits:
+        return None
+    return Assignment(stage_of=tuple(stage_of), modes=tuple(modes))
+
+
+def _recompute_until_it_fits(table: CostTable, stage: int, members: list[int],
+                             allowed: list[list[str]], modes: list[str]) -> None:
+    """Change ``modes`` of ``members`` (in place), one layer at a time, to the mode that
+    frees the most activation memory per picosecond, until the stage's saved
+    activations fit what its limit leaves (state and the largest transient aside)."""
+    config = table.config
+    rows = table.layers
+    state = sum(rows[l].state_total for l in members)
+    state += sum(g.state_total for g in table.shared if any(l in members for l in g.layers))
+    saved = sum(rows[l].saved_bytes[modes[l]] for l in members)
+    transient = max(rows[l].transient_bytes[modes[l]] for l in members)
+    while state + config.activations(stage, saved) + transient > table.limits[stage]:
+        best = None
+        seen = set()
+        for l in members:
+            key = (id(rows[l]), modes[l])
+            if key in seen:        # equal layers in equal modes offer the same change
+                continue
+            seen.add(key)
+            for mode in allowed[l]:
+                freed = rows[l].saved_bytes[modes[l]] - rows[l].saved_bytes[mode]
+                if freed <= 0:
+                    continue
+                extra = rows[l].compute_ps(mode) - rows[l].compute_ps(modes[l])
+                ratio = extra / freed
+                if best is None or ratio < best[0]:
+                    best = (ratio, l, mode)
+        if best is None:
+            return
+        _, layer, mode = best
+        saved -= rows[layer].saved_bytes[modes[layer]] - rows[layer].saved_bytes[mode]
+        transient = max(transient, rows[layer].transient_bytes[mode])
+        modes[layer] = mode
 
 
 def _memory_unit(table: CostTable) -> int:
@@ -616,8 +686,14 @@ def solve_config(problem: PlanningProblem, table: CostTable, options: PlannerOpt
     if status == "MODEL_INVALID":
         raise RuntimeError(f"internal error: invalid CP-SAT model for {table.config}: "
                            f"{built.model.validate()}")
+    beaten = status == "UNKNOWN" and cutoff is not None and proven >= cutoff
+    if status == "UNKNOWN" and hint is not None and not beaten:
+        # CP-SAT found nothing in time: the incumbent still is a plan.
+        evaluation = evaluate(table, hint.stage_of, hint.modes)
+        return ConfigResult(table=table, assignment=hint, evaluation=evaluation,
+                            status="FEASIBLE", bound=min(proven, evaluation.step_ps),
+                            solve_time_s=time.perf_counter() - start), "FEASIBLE", proven
     if status not in ("OPTIMAL", "FEASIBLE"):
-        beaten = status == "UNKNOWN" and cutoff is not None and proven >= cutoff
         return None, "BEATEN" if beaten else status, proven
     assignment = built.assignment(solver)
     evaluation = evaluate(table, assignment.stage_of, assignment.modes)
@@ -640,9 +716,9 @@ def solve(problem: PlanningProblem, options: PlannerOptions = PlannerOptions()) 
     configs = candidate_configs(problem)
     if not configs:
         raise PlanInfeasibleError(_no_config_message(problem), resource="configuration")
-    cache = TableCache()
+    cache = _table_cache(problem)
     tables = [build_cost_table(problem, c, cache) for c in configs]
-    floors = [lower_bound(t) for t in tables]
+    floors = [lower_bound(t, cache) for t in tables]
     order = sorted(range(len(tables)), key=lambda i: (floors[i], i))
     best: ConfigResult | None = None
     bound, solved, pruned, all_optimal = None, 0, 0, True
@@ -693,6 +769,25 @@ def solve(problem: PlanningProblem, options: PlannerOptions = PlannerOptions()) 
         solve_time_s=time.perf_counter() - start,
         configs_total=len(configs), configs_solved=solved, configs_pruned=pruned,
         meshes=mesh_results(tables, floors, outcomes, best))
+
+
+_TABLE_CACHES: "OrderedDict[str, TableCache]" = OrderedDict()
+
+
+def _table_cache(problem: PlanningProblem) -> TableCache:
+    """The cost-table cache of this problem, shared with earlier problems that differed
+    only in the devices' memory (the few latest are kept)."""
+    from dataclasses import replace
+
+    from .cache import problem_key
+
+    key = problem_key(replace(problem, devices=replace(problem.devices, memory_bytes=(0,) *
+                                                       problem.devices.num_devices)))
+    cache = _TABLE_CACHES.pop(key, None) or TableCache()
+    _TABLE_CACHES[key] = cache
+    while len(_TABLE_CACHES) > 4:
+        _TABLE_CACHES.popitem(last=False)
+    return cache
 
 
 def mesh_results(tables: list[CostTable], floors: list[float],

@@ -61,7 +61,12 @@ def _structure(problem: PlanningProblem, plan: Plan, errors: list[str]) -> None:
 
 def _modes(problem: PlanningProblem, plan: Plan, errors: list[str]) -> None:
     recompute = plan.recompute
-    for layer in problem.layers:
+    section = plan.tensor_parallel
+    key = (plan.tp, bool(section.get("sequence_parallel")), section.get("objective", "time"))
+    if plan.tp > 1 and problem.tp_option(*key) is None:
+        return   # _structure says so
+    local = problem.variant(*key)
+    for layer in local.layers:   # a sharded layer may allow modes the whole one does not
         mode = recompute.get(layer.name)
         if mode not in layer.modes:
             errors.append(f"layer {layer.name}: recompute {mode!r} not among {layer.modes}")
