@@ -1,0 +1,395 @@
+"""Predicted memory per rank against a measurement: one rank of a plan, run on CPU.
+
+    python benchmarks/memory_check.py                      # every case: the full table
+    python benchmarks/memory_check.py --case gpt-pp2-1f1b-m4 --case llama-pp1
+    python benchmarks/memory_check.py --list               # the cases' names
+    python benchmarks/memory_check.py --breakdown          # also each category's own peak
+
+Each case compiles a small model with ``partc.compile`` (the sample GPT, Hugging Face
+GPT-2 and Llama from tiny configs; fp32 or bf16 AdamW) with the plan's shape pinned, and
+then, for each rank measured, in this one process:
+
+1. joins a fake process group (``FakeStore``, backend ``"fake"``) as that rank of the
+   plan's world: collectives and point-to-point messages move nothing, so the values are
+   garbage, but every tensor the rank would allocate is allocated with its real shape;
+2. runs ``program.build()``, the optimizer from ``module.optimizer(torch.optim.AdamW)``
+   and one training step untracked: the pipeline's shape inference, and the optimizer
+   state, which exists from the first step on;
+3. runs the second step under ``MemTracker`` (``torch.distributed._tools``), with the
+   stage's parameters, the optimizer and the pipeline's receive buffers registered, and
+   reports the peak of that step and its breakdown by category at the peak.
+
+The first step's shape inference sends each stage's output shapes forward and its input
+gradients' shapes back, as Python objects: under a fake group a receive gets nothing.
+Here the stage is handed what its neighbours would send (``neighbour_messages``): its
+inputs are the outputs of the stages before it, run on fake tensors from the microbatch
+(under autocast in mixed precision; tensor-parallel collectives simulated), and the
+gradients coming back have the shapes of its own outputs that need one. The vote on
+static or dynamic shapes needs nothing: with no shapes given, every stage votes dynamic,
+which is also what a zero-filled receive says.
+
+Why the first step is not the measured one: it holds no optimizer state until its end,
+and ``MemTracker``'s backward hooks cannot run beside the shape inference's
+``autograd.grad`` on leaf inputs.
+
+The categories compared: parameters, gradients and optimizer state with the plan's own;
+activations with what was allocated outside backward and the optimizer and is not one of
+those (saved tensors, a stage's outputs, the pipeline's receive buffers); transient with
+what backward allocates (gradients of activations, recomputed tensors). "peak" is the
+largest total during the step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+from torch._subclasses.fake_tensor import FakeTensorMode  # noqa: E402
+from torch.distributed._tools.mem_tracker import MemTracker  # noqa: E402
+from torch.distributed.pipelining._utils import (  # noqa: E402
+    _derive_grad_metas, _StageBackwardMeta, _StageForwardMeta, extract_tensor_meta)
+from torch.testing._internal.distributed.fake_pg import FakeStore  # noqa: E402
+
+import partc  # noqa: E402
+from partc.runtime import tp as tp_ops  # noqa: E402
+
+CATEGORIES = ("params", "grads", "optimizer", "activations", "transient")
+# MemTracker's reference types, by the plan's category they stand for.
+TRACKED = {"params": ("Parameter", "Buffer"), "grads": ("Gradient",),
+           "optimizer": ("Optstate",), "activations": ("Activation", "Other"),
+           "transient": ("Temp",)}
+TOLERANCE = 0.10
+
+
+# ---------------------------------------------------------------------------- cases
+
+@dataclass(frozen=True, kw_only=True)
+class Case:
+    """One plan to check: a model, its batch, the pins, and the ranks to measure."""
+
+    name: str
+    model: str                     # "gpt" (samples/gpt.py), "gpt2" or "llama" (tests/models.py)
+    constraints: dict[str, Any] = field(default_factory=dict)
+    world: int = 1
+    ranks: tuple[int, ...] = (0,)
+    dtype: torch.dtype = torch.float32
+    batch: int = 8
+    seq: int = 32
+
+
+def _case(name: str, model: str, world: int = 1, ranks: tuple[int, ...] = (0,),
+          dtype: torch.dtype = torch.float32, batch: int = 16, seq: int = 64,
+          **constraints: Any) -> Case:
+    return Case(name=name, model=model, constraints=constraints, world=world, ranks=ranks,
+                dtype=dtype, batch=batch, seq=seq)
+
+
+PP2 = dict(world=2, ranks=(0, 1), pp=2)
+ONE_F_ONE_B = dict(schedule="1f1b", num_microbatches=4)
+GPIPE = dict(schedule="gpipe", num_microbatches=4)
+# 16 sequences of 64 tokens: activations outweigh parameters, gradients and optimizer
+# state, so the check is mostly of the activation model; "-small" cases (8 of 32) are
+# mostly of the state's.
+SMALL = dict(batch=8, seq=32)
+CASES: tuple[Case, ...] = (
+    _case("gpt-pp1", "gpt", pp=1, num_microbatches=1, recompute="none"),
+    _case("gpt-pp1-m4", "gpt", pp=1, num_microbatches=4, recompute="none"),
+    _case("gpt2-pp1", "gpt2", pp=1, num_microbatches=1, recompute="none"),
+    _case("llama-pp1", "llama", pp=1, num_microbatches=1, recompute="none"),
+    _case("gpt-pp2-1f1b-m4", "gpt", **PP2, **ONE_F_ONE_B, recompute="none"),
+    _case("gpt-pp2-gpipe-m4", "gpt", **PP2, **GPIPE, recompute="none"),
+    _case("gpt-pp2-1f1b-m2", "gpt", **PP2, schedule="1f1b", num_microbatches=2,
+          recompute="none"),
+    _case("gpt-pp2-1f1b-m8", "gpt", **PP2, schedule="1f1b", num_microbatches=8,
+          recompute="none"),
+    _case("gpt2-pp2-1f1b-m4", "gpt2", **PP2, **ONE_F_ONE_B, recompute="none"),
+    _case("llama-pp2-1f1b-m4", "llama", **PP2, **ONE_F_ONE_B, recompute="none"),
+    _case("gpt-pp2-1f1b-m4-full", "gpt", **PP2, **ONE_F_ONE_B, recompute="full"),
+    _case("gpt-pp2-gpipe-m4-full", "gpt", **PP2, **GPIPE, recompute="full"),
+    _case("llama-pp2-gpipe-m4-full", "llama", **PP2, **GPIPE, recompute="full"),
+    _case("gpt-pp2-1f1b-m4-selective", "gpt", **PP2, **ONE_F_ONE_B, recompute="selective"),
+    _case("gpt2-pp2-1f1b-m4-selective", "gpt2", **PP2, **ONE_F_ONE_B,
+          recompute="selective"),
+    _case("llama-pp1-selective", "llama", pp=1, num_microbatches=1, recompute="selective"),
+    _case("gpt-tp2", "gpt", world=2, pp=1, tp=2, num_microbatches=1, recompute="none"),
+    _case("gpt-pp2-tp2", "gpt", world=4, ranks=(0, 2), pp=2, tp=2, **ONE_F_ONE_B,
+          recompute="none"),
+    _case("gpt-dp2-zero1", "gpt", world=2, pp=1, dp=2, zero_stage=1, num_microbatches=1,
+          recompute="none"),
+    _case("gpt-dp2-zero2", "gpt", world=2, pp=1, dp=2, zero_stage=2, num_microbatches=1,
+          recompute="none"),
+    _case("gpt-dp2-zero3", "gpt", world=2, pp=1, dp=2, zero_stage=3, num_microbatches=1,
+          recompute="none"),
+    _case("gpt-pp2-dp2-zero1", "gpt", world=4, ranks=(0, 2), pp=2, dp=2, zero_stage=1,
+          **ONE_F_ONE_B, recompute="none"),
+    _case("gpt-pp2-1f1b-m4-bf16", "gpt", **PP2, dtype=torch.bfloat16, **ONE_F_ONE_B,
+          recompute="none"),
+    _case("llama-pp1-bf16", "llama", dtype=torch.bfloat16, pp=1, num_microbatches=1,
+          recompute="none"),
+    _case("gpt-pp2-1f1b-m4-small", "gpt", **PP2, **SMALL, **ONE_F_ONE_B, recompute="none"),
+    _case("gpt-pp2-gpipe-m4-small", "gpt", **PP2, **SMALL, **GPIPE, recompute="none"),
+    _case("gpt-dp2-zero3-small", "gpt", world=2, pp=1, dp=2, zero_stage=3, **SMALL,
+          num_microbatches=1, recompute="none"),
+    _case("gpt-pp2-1f1b-m4-bf16-small", "gpt", **PP2, **SMALL, dtype=torch.bfloat16,
+          **ONE_F_ONE_B, recompute="none"),
+)
+
+
+def case_named(name: str) -> Case:
+    for case in CASES:
+        if case.name == name:
+            return case
+    raise KeyError(f"no case {name!r}; cases: {', '.join(c.name for c in CASES)}")
+
+
+def _model(case: Case) -> tuple[torch.nn.Module, Callable]:
+    from samples import gpt
+    from tests import models
+
+    if case.model == "gpt":
+        return gpt.gpt_tiny(n_layer=4, n_embd=64, block_size=case.seq), gpt.loss_fn
+    if case.model == "gpt2":
+        return models.gpt2(n_layer=4, n_embd=64, positions=case.seq), models.causal_lm_loss
+    if case.model == "llama":
+        return models.llama(n_layer=4, hidden=64, positions=case.seq), models.causal_lm_loss
+    raise ValueError(f"unknown model {case.model!r}")
+
+
+def compile_case(case: Case) -> tuple[partc.Program, tuple[torch.Tensor, ...], torch.Tensor]:
+    """The case's program and one global batch (token ids and next-token targets)."""
+    torch.manual_seed(0)
+    model, loss_fn = _model(case)
+    vocab = 128
+    ids = torch.randint(0, vocab, (case.batch, case.seq))
+    target = torch.randint(0, vocab, (case.batch, case.seq))
+    program = partc.compile(
+        model, (ids,), loss_fn=loss_fn, example_target=target,
+        budget=partc.DeviceBudget(num_devices=case.world, device="CPU"),
+        train=partc.TrainSpec(global_batch_size=case.batch, dtype=case.dtype),
+        constraints=partc.Constraints(**case.constraints), name=case.name)
+    return program, (ids,), target
+
+
+# ---------------------------------------------------------------------------- measuring
+
+class StepTracker(MemTracker):
+    """``MemTracker`` with a window: the peak total since :meth:`start_window`, the
+    breakdown at that moment, and each category's own largest value in the window.
+
+    A pipeline calls its stage once per microbatch, which ``MemTracker`` takes for a new
+    iteration and refuses: here each such call starts the root module's statistics over
+    (only the totals are read)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.start_window()
+
+    def start_window(self) -> None:
+        self.peak = 0
+        self.at_peak: dict[str, int] = {}
+        self.phase = ""
+        self.category_peaks: dict[str, int] = {}
+
+    def current(self) -> dict[str, int]:
+        snapshot = self.get_tracker_snapshot("current")
+        return {_name(kind): nbytes for by_kind in snapshot.values()
+                for kind, nbytes in by_kind.items()}
+
+    def _pre_fw_hook(self, module: torch.nn.Module, inputs: Any) -> None:
+        tracker = self._mod_tracker
+        if (module in self.memory_tracking and not tracker.is_bw
+                and set(tracker.parents) <= {"Global", tracker.get_known_fqn(module)}):
+            del self.memory_tracking[module]
+        super()._pre_fw_hook(module, inputs)
+
+    def _update_peak_stats(self, peak_state: Any) -> None:
+        super()._update_peak_stats(peak_state)
+        now = self.current()
+        total = now.get("Total", 0)
+        if total > self.peak:
+            self.peak, self.at_peak = total, now
+            self.phase = ("optimizer" if self._in_opt else
+                          "backward" if self._mod_tracker.is_bw else "forward")
+        for kind, nbytes in now.items():
+            self.category_peaks[kind] = max(self.category_peaks.get(kind, 0), nbytes)
+
+
+def _name(kind: Any) -> str:
+    return getattr(kind, "value", str(kind))
+
+
+def by_category(tracked: dict[str, int]) -> dict[str, int]:
+    """MemTracker's reference types summed into the plan's categories."""
+    return {category: sum(tracked.get(kind, 0) for kind in kinds)
+            for category, kinds in TRACKED.items()}
+
+
+def neighbour_messages(program: partc.Program, stage: Any,
+                       microbatch: tuple[torch.Tensor, ...]) -> Callable[[int], Any]:
+    """What the stage's neighbours send it during shape inference, as ``_recv_meta``
+    returns it: from the previous stage, the metadata of the tensors it sends (the
+    stages before this one run on fake tensors); from the next, that of the gradients of
+    this stage's outputs that need one."""
+    plan = program.plan
+    forward: tuple = ()
+    if stage.stage_index > 0:
+        dtype = getattr(torch, plan.train.get("dtype", "float32"))
+        with contextlib.ExitStack() as scope:
+            fake = scope.enter_context(FakeTensorMode(allow_non_fake_inputs=True))
+            scope.enter_context(tp_ops.simulate(plan.mesh.get("tp", 1)))
+            if dtype != torch.float32:
+                scope.enter_context(torch.autocast("cpu", dtype=dtype))
+            values = tuple(fake.from_tensor(t) for t in microbatch)
+            for earlier in program.stages()[:stage.stage_index]:
+                values = earlier.module(*values)
+            forward = tuple(extract_tensor_meta(v) for v in values)
+
+    def receive(source_stage: int) -> Any:
+        if source_stage == stage.stage_index - 1:
+            return _StageForwardMeta(forward_metas=forward)
+        return _StageBackwardMeta(backward_metas=_derive_grad_metas(stage._stage_meta.outputs))
+
+    return receive
+
+
+def receive_buffers(stage: Any) -> list[torch.Tensor]:
+    """The pipeline stage's receive buffers, one per microbatch and message, kept from
+    the first step on (activations forward, gradients backward)."""
+    infos = [info for per_chunk in stage.args_recv_info.values() for info in per_chunk]
+    infos += [info for per_chunk in stage.grad_recv_info.values() for info in per_chunk]
+    return [info.buffer for info in infos if getattr(info, "buffer", None) is not None]
+
+
+@dataclass(frozen=True)
+class Measured:
+    peak: int
+    at_peak: dict[str, int]          # by the plan's categories, at the moment of the peak
+    category_peaks: dict[str, int]   # each category's own largest value in the step
+    raw: dict[str, int]              # MemTracker's reference types at the peak
+    phase: str                       # when the peak came: forward, backward or optimizer
+
+
+def measure_rank(program: partc.Program, inputs: tuple[torch.Tensor, ...],
+                 target: torch.Tensor, rank: int, world: int) -> Measured:
+    """One rank's second training step, as :mod:`this module's doc <memory_check>` says."""
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
+    try:
+        module = program.build()
+        stage = module._stage
+        microbatch = tuple(t[:program.plan.micro_batch_size] for t in inputs)
+        stage._recv_meta = neighbour_messages(program, stage, microbatch)
+        optimizer = module.optimizer(torch.optim.AdamW, lr=1e-3)
+        module.forward_backward(*inputs, target=target)
+        optimizer.step()
+        optimizer.zero_grad()
+        tracker = StepTracker()
+        # ZeRO-1's optimizer keeps its state in the local optimizer it wraps.
+        tracker.track_external(module.module, getattr(optimizer, "optim", optimizer),
+                               *receive_buffers(stage))
+        with tracker:
+            tracker.start_window()
+            module.forward_backward(*inputs, target=target)
+            optimizer.step()
+            optimizer.zero_grad()
+        return Measured(peak=tracker.peak, at_peak=by_category(tracker.at_peak),
+                        category_peaks=by_category(tracker.category_peaks),
+                        raw=dict(tracker.at_peak), phase=tracker.phase)
+    finally:
+        tp_ops.use_group(None)
+        dist.destroy_process_group()
+
+
+@dataclass(frozen=True)
+class Row:
+    case: str
+    rank: int
+    stage: int
+    predicted: dict[str, int]
+    measured: Measured
+
+    @property
+    def ratio(self) -> float:
+        return self.measured.peak / self.predicted["peak"]
+
+
+def stage_of_rank(plan: Any, rank: int) -> int:
+    return rank // (plan.dp * plan.mesh.get("tp", 1))
+
+
+def check_case(case: Case) -> list[Row]:
+    program, inputs, target = compile_case(case)
+    rows = []
+    for rank in case.ranks:
+        stage = stage_of_rank(program.plan, rank)
+        measured = measure_rank(program, inputs, target, rank, case.world)
+        rows.append(Row(case=case.name, rank=rank, stage=stage,
+                        predicted=dict(program.plan.stages[stage].memory_bytes),
+                        measured=measured))
+    return rows
+
+
+# ---------------------------------------------------------------------------- report
+
+def _ratio(measured: int, predicted: int) -> str:
+    return f"{measured / predicted:5.2f}" if predicted else ("    -" if not measured else "  inf")
+
+
+def table(rows: list[Row], breakdown: bool = False) -> str:
+    head = (f"{'case':28s} {'rank':>4s} {'stage':>5s} {'category':12s} {'predicted':>11s} "
+            f"{'measured':>11s} {'ratio':>5s}")
+    if breakdown:
+        head += f" {'own peak':>11s}"
+    lines = [head, "-" * len(head)]
+    for row in rows:
+        for category in (*CATEGORIES, "peak"):
+            predicted = row.predicted.get(category, 0)
+            measured = row.measured.peak if category == "peak" else row.measured.at_peak[category]
+            line = (f"{row.case:28s} {row.rank:4d} {row.stage:5d} {category:12s} "
+                    f"{predicted:11,d} {measured:11,d} {_ratio(measured, predicted)}")
+            if category == "peak":
+                line += ("  ok " if abs(row.ratio - 1) <= TOLERANCE else "  OFF") + \
+                    f" (in {row.measured.phase})"
+            elif breakdown:
+                line += f" {row.measured.category_peaks[category]:11,d}"
+            lines.append(line)
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--case", action="append", help="a case's name (default: all)")
+    parser.add_argument("--list", action="store_true", help="list the cases and exit")
+    parser.add_argument("--breakdown", action="store_true",
+                        help="also each category's own peak within the step")
+    args = parser.parse_args()
+    if args.list:
+        print("\n".join(f"{c.name:28s} {c.model:6s} world={c.world} ranks={c.ranks} "
+                        f"{str(c.dtype).removeprefix('torch.')} {c.constraints}" for c in CASES))
+        return
+    cases = [case_named(name) for name in args.case] if args.case else list(CASES)
+    rows = []
+    for case in cases:
+        started = time.perf_counter()
+        try:
+            rows += check_case(case)
+        except Exception as error:  # one failing case must not hide the others
+            print(f"{case.name}: failed: {type(error).__name__}: {error}", file=sys.stderr)
+            continue
+        print(f"{case.name}: {time.perf_counter() - started:.1f} s", file=sys.stderr)
+    print(table(rows, args.breakdown))
+    off = [r for r in rows if abs(r.ratio - 1) > TOLERANCE]
+    print(f"\n{len(rows) - len(off)} of {len(rows)} ranks' peaks within "
+          f"±{TOLERANCE:.0%} of the prediction")
+
+
+if __name__ == "__main__":
+    main()
