@@ -42,7 +42,9 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import enum
+import functools
 import re
+import types
 from collections import Counter
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator
@@ -149,28 +151,36 @@ _STRUCTURAL = {"_parameters", "_buffers", "_modules", "training"}
 
 def _attributes(block: nn.Module) -> dict[tuple[str, str], Any]:
     """Every module's own attributes, described so that equal means interchangeable."""
+    paths = {id(module): path for path, module in block.named_modules(remove_duplicate=False)}
     found = {}
     for path, module in block.named_modules(remove_duplicate=False):
         for name, value in vars(module).items():
             if name not in _STRUCTURAL:
-                found[(path, name)] = _describe(value, hooks=name.endswith("hooks"))
+                found[(path, name)] = _describe(value, paths, hooks=name.endswith("hooks"))
     return found
 
 
-def _describe(value: Any, hooks: bool = False) -> Any:
+def _describe(value: Any, paths: dict[int, str], hooks: bool = False) -> Any:
+    """Plain values by value; callables built per block (``functools.partial``, a method
+    of the block's own module) by what they call; any other object by identity."""
     if value is None or isinstance(value, (bool, int, float, complex, str, bytes,
                                            torch.dtype, torch.device, enum.Enum)):
         return (type(value).__name__, repr(value))
     if isinstance(value, (tuple, list)):
-        return (type(value).__name__, tuple(_describe(v) for v in value))
+        return (type(value).__name__, tuple(_describe(v, paths) for v in value))
     if isinstance(value, (set, frozenset)):
         return ("set", tuple(sorted(repr(v) for v in value)))
     if isinstance(value, dict):
         # Hook dicts are keyed by handle numbers, unique per registration: keep the hooks.
         items = value.values() if hooks else value.items()
-        return ("dict", tuple(_describe(v) for v in items))
+        return ("dict", tuple(_describe(v, paths) for v in items))
     if isinstance(value, torch.Tensor):
         return ("tensor", tuple(value.shape), value.dtype, value.device.type)
+    if isinstance(value, functools.partial):
+        return ("partial", _describe(value.func, paths), _describe(value.args, paths),
+                _describe(value.keywords, paths))
+    if isinstance(value, types.MethodType) and id(value.__self__) in paths:
+        return ("method", id(value.__func__), paths[id(value.__self__)])
     return ("object", id(value))  # configs, functions, shared modules: the same object
 
 

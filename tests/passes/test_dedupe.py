@@ -1,5 +1,6 @@
 """Repeated blocks traced once: the expanded analysis equals a full trace's, exactly."""
 
+import functools
 import logging
 
 import pytest
@@ -142,6 +143,12 @@ def test_kinds_ignore_block_indices_and_see_other_attributes():
     blocks = [models.MLP() for _ in range(5)]
     blocks[3].fc1.extra_scale = 2.0  # a plain attribute the block's code could read
     assert dedupe._kinds(blocks) == [0, 0, 0, 1, 0]
+    # Callables made per block (as Hugging Face's activations are) count by what they call.
+    for block in blocks:
+        block.act = functools.partial(torch.nn.functional.gelu, approximate="tanh")
+        block.norm = block.fc2.forward
+    blocks[1].act = functools.partial(torch.nn.functional.gelu, approximate="none")
+    assert dedupe._kinds(blocks) == [0, 1, 0, 2, 0]
 
 
 def test_blocks_sharing_a_module_or_a_tensor_are_traced_in_full():
