@@ -104,7 +104,40 @@ class Stack(nn.Module):
         return self.head(h + start if self.skip else h)
 
 
+class Cross(nn.Module):
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.fc = nn.Linear(width, width)
+        self.memory = nn.Linear(width, width)
+
+    def forward(self, x: torch.Tensor, memory: torch.Tensor) -> torch.Tensor:
+        return torch.relu(self.fc(x) + self.memory(memory))
+
+
+class TwoStacks(nn.Module):
+    """An encoder stack, then a decoder stack whose every block reads the encoder's
+    output: a value made between two repeated containers that reaches all of the second."""
+
+    def __init__(self, width: int = 8) -> None:
+        super().__init__()
+        self.stem = nn.Linear(width, width)
+        self.encoder = nn.ModuleList(Mlp(width, width) for _ in range(5))
+        self.bridge = nn.Linear(width, width)
+        self.decoder = nn.ModuleList(Cross(width) for _ in range(6))
+        self.head = nn.Linear(width, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.stem(x)
+        for block in self.encoder:
+            h = block(h)
+        memory = self.bridge(h)
+        for block in self.decoder:
+            h = block(h, memory)
+        return self.head(h)
+
+
 STACKS = {
+    "two-stacks": TwoStacks,
     # Two block classes, alternating: traced with their phase kept (2 periods + 1).
     "alternating": lambda: Stack([Mlp(8, 8) if i % 2 else Gated(8) for i in range(8)], 8, 8),
     # Different widths: 8 → 8 three times, 8 → 16 once, 16 → 16 four times.
