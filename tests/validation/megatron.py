@@ -188,7 +188,7 @@ def published(run: Run) -> partc.Constraints:
     blocks = [f"blocks.{i}" for i in range(run.layers)]
     layers = ("tok_emb", "pos_emb", "drop", *blocks, "ln_f", "lm_head", "loss")
     stages = None
-    if run.virtual_stages == 1 or schedule(run) != INTERLEAVED:
+    if schedule(run) != INTERLEAVED:
         split = _runs(run, layers, run.pp)
         stages = [[layers[l] for l in s] for s in split]
     return partc.Constraints(
@@ -232,8 +232,7 @@ def published_assignment(run: Run, problem: PlanningProblem) -> Assignment:
     config = PipelineConfig(
         pp=run.pp, dp=run.dp, tp=run.tp, micro_batch_size=run.micro_batch_size,
         num_microbatches=run.num_microbatches, schedule=schedule(run),
-        sequence_parallel=False, tp_objective="time", zero_stage=0,
-        **({"chunks": chunks} if interleaved else {}))
+        sequence_parallel=False, tp_objective="time", zero_stage=0, chunks=chunks)
     modes = tuple("full" if name.startswith("blocks.") else "none" for name in names)
     return Assignment(config=config, stage_of=stage_of, modes=modes)
 
@@ -248,8 +247,7 @@ def plan_assignment(plan: partc.Plan) -> Assignment:
                             num_microbatches=plan.num_microbatches, schedule=plan.schedule,
                             sequence_parallel=bool(section.get("sequence_parallel")),
                             tp_objective=section.get("objective", "time"),
-                            zero_stage=plan.zero_stage,
-                            **({"chunks": chunks} if chunks > 1 else {}))
+                            zero_stage=plan.zero_stage, chunks=chunks)
     if chunks > 1:
         runs = [stage.runs[c] for c in range(chunks) for stage in plan.stages]
     else:
