@@ -171,7 +171,10 @@ def precision_bytes(train) -> tuple[float, float, float]:
     ZeRO-2 (the gathered bf16 weights, the fp32 shards), and 16/d under ZeRO-3."""
     compute = train.weight_bytes_per_param
     master = max(compute, 4.0)
-    return compute, master, train.optimizer_bytes_per_param - (master - compute)
+    # TrainSpec counts a narrow dtype's fp32 master copy in the optimizer state; here the
+    # fp32 parameters are that copy, so it leaves the optimizer's share whole.
+    own_master = master if compute < master else 0.0
+    return compute, master, train.optimizer_bytes_per_param - own_master
 
 
 def _state_bytes(problem: PlanningProblem, config: PipelineConfig, params: int,
