@@ -588,7 +588,8 @@ def incumbent(problem: PlanningProblem, table: CostTable) -> Assignment | None:
     fastest = [min(row.compute_ps(r) for r in row.recompute_ps) for row in table.layers]
     stage_of = balanced_split(fastest, table.config.virtual_stages)
     allowed = [_allowed_modes(problem, layer) for layer in range(table.num_layers)]
-    modes = [min(options, key=lambda r: (table.layers[l].compute_ps(r), r))
+    modes = [min(options, key=lambda r: (table.layers[l].compute_ps(r),
+                                         RECOMPUTE_MODES.index(r)))   # ties: none first
              for l, options in enumerate(allowed)]
     pp = table.config.pp
     for stage in range(pp):

@@ -168,7 +168,8 @@ def _node_cost(node: fx.Node, args: tuple, kwargs: dict, result: Any, flops: int
         StorageWeakRef(t.untyped_storage()) in input_storages for t in outputs)
     for tensor in outputs:
         producer.setdefault(StorageWeakRef(tensor.untyped_storage()), node)
-    moved = 0 if is_view else sum(_nbytes(t) for t in inputs) + out_bytes
+    # A view moves nothing; nor does a query of metadata (size, dim) that returns no tensor.
+    moved = 0 if is_view or not outputs else sum(_nbytes(t) for t in inputs) + out_bytes
     return meta.NodeCost(flops=float(flops), bytes_moved=float(moved),
                          compute_heavy=flops > 0, is_view=is_view,
                          output_bytes=float(0 if is_view else out_bytes), saved_bytes=0.0)
