@@ -32,11 +32,21 @@ Why the first step is not the measured one: it holds no optimizer state until it
 and ``MemTracker``'s backward hooks cannot run beside the shape inference's
 ``autograd.grad`` on leaf inputs.
 
-The categories compared: parameters, gradients and optimizer state with the plan's own;
-activations with what was allocated outside backward and the optimizer and is not one of
-those (saved tensors, a stage's outputs, the pipeline's receive buffers); transient with
-what backward allocates (gradients of activations, recomputed tensors). "peak" is the
-largest total during the step.
+The table, one row per category for each rank measured: the plan's figure
+(``plan.stages[k].memory_bytes``), the measured one at the moment of the step's peak, and
+their ratio; on the "peak" row, ok or OFF against ±10% and the phase the peak came in.
+Parameters, gradients and optimizer state are MemTracker's own categories (buffers count
+as parameters); activations are what was allocated outside backward and the optimizer
+step (saved tensors, a stage's outputs, the pipeline's receive buffers), transient what
+backward allocated (gradients of activations, recomputed tensors, weight gradients
+before they are accumulated). The split between the last two is MemTracker's, not the
+plan's: under recompute, or with ZeRO-2/3's gathered weights (parameters to the plan,
+forward allocations here), compare their sum, or the peak.
+
+Tensor bytes are counted, as the plan counts them: no allocator rounding, no
+communication library buffers. It reaches into ``torch.distributed.pipelining``'s
+private metadata classes (torch 2.13) for the shape inference; ``tests/validation/
+test_memory.py`` runs some of the cases. All of them take about a minute on 2 cores.
 """
 
 from __future__ import annotations
@@ -54,7 +64,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from torch._subclasses.fake_tensor import FakeTensorMode  # noqa: E402
-from torch.distributed._tools.mem_tracker import MemTracker  # noqa: E402
+from torch.distributed._tools.mem_tracker import _TOTAL_KEY, MemTracker  # noqa: E402
 from torch.distributed.pipelining._utils import (  # noqa: E402
     _derive_grad_metas, _StageBackwardMeta, _StageForwardMeta, extract_tensor_meta)
 from torch.testing._internal.distributed.fake_pg import FakeStore  # noqa: E402
@@ -199,11 +209,6 @@ class StepTracker(MemTracker):
         self.phase = ""
         self.category_peaks: dict[str, int] = {}
 
-    def current(self) -> dict[str, int]:
-        snapshot = self.get_tracker_snapshot("current")
-        return {_name(kind): nbytes for by_kind in snapshot.values()
-                for kind, nbytes in by_kind.items()}
-
     def _pre_fw_hook(self, module: torch.nn.Module, inputs: Any) -> None:
         tracker = self._mod_tracker
         if (module in self.memory_tracking and not tracker.is_bw
@@ -212,15 +217,24 @@ class StepTracker(MemTracker):
         super()._pre_fw_hook(module, inputs)
 
     def _update_peak_stats(self, peak_state: Any) -> None:
-        super()._update_peak_stats(peak_state)
-        now = self.current()
-        total = now.get("Total", 0)
-        if total > self.peak:
-            self.peak, self.at_peak = total, now
-            self.phase = ("optimizer" if self._in_opt else
-                          "backward" if self._mod_tracker.is_bw else "forward")
-        for kind, nbytes in now.items():
-            self.category_peaks[kind] = max(self.category_peaks.get(kind, 0), nbytes)
+        # Only the window's figures are read: MemTracker's per-module peaks, which copy
+        # a snapshot per module at every new local peak, are not kept (they cost more
+        # than the step).
+        for by_kind in self._curr_mem_snap.values():
+            for kind, nbytes in by_kind.items():
+                if nbytes > self.category_peaks.get(kind, 0):
+                    self.category_peaks[kind] = nbytes
+            if by_kind[_TOTAL_KEY] > self.peak:
+                self.peak = by_kind[_TOTAL_KEY]
+                self.at_peak = dict(by_kind)
+                self.phase = ("optimizer" if self._in_opt else
+                              "backward" if self._mod_tracker.is_bw else "forward")
+
+    def window(self) -> tuple[int, dict[str, int], dict[str, int], str]:
+        """The window's peak, the breakdown at it, each category's own peak, and the
+        phase of the step the peak came in, with MemTracker's reference types by name."""
+        named = lambda by_kind: {_name(k): v for k, v in by_kind.items()}  # noqa: E731
+        return self.peak, named(self.at_peak), named(self.category_peaks), self.phase
 
 
 def _name(kind: Any) -> str:
@@ -300,9 +314,9 @@ def measure_rank(program: partc.Program, inputs: tuple[torch.Tensor, ...],
             module.forward_backward(*inputs, target=target)
             optimizer.step()
             optimizer.zero_grad()
-        return Measured(peak=tracker.peak, at_peak=by_category(tracker.at_peak),
-                        category_peaks=by_category(tracker.category_peaks),
-                        raw=dict(tracker.at_peak), phase=tracker.phase)
+        peak, at_peak, category_peaks, phase = tracker.window()
+        return Measured(peak=peak, at_peak=by_category(at_peak),
+                        category_peaks=by_category(category_peaks), raw=at_peak, phase=phase)
     finally:
         tp_ops.use_group(None)
         dist.destroy_process_group()
