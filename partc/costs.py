@@ -379,6 +379,10 @@ class TableCache:
     def __init__(self) -> None:
         self._cuts: dict[tuple, tuple] = {}   # rows, cut and shared tables, limits
         self.distinct: dict[int, dict] = {}    # per rows tuple: its distinct rows, counted
+        # What the planner learnt from earlier problems (memory aside, the same): the
+        # assignment it chose for each configuration it solved, and the best configuration.
+        self.solutions: dict[PipelineConfig, Any] = {}
+        self.best_config: PipelineConfig | None = None
         self._groups: dict[int, tuple[Any, list[int], list[int]]] = {}
 
     def rows(self, problem: PlanningProblem, config: PipelineConfig) -> tuple[LayerTable, ...]:

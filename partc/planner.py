@@ -201,8 +201,16 @@ def candidate_configs(problem: PlanningProblem) -> list[PipelineConfig]:
                                               sequence_parallel=sp, tp_objective=objective,
                                               zero_stage=zero, chunks=chunks)
                                for schedule in schedules for zero in zero_stages
+                               if not _same_as_1f1b(schedule, pp, m, pins.schedule)
                                for chunks in _chunk_counts(problem, schedule, pp, m))
     return configs
+
+
+def _same_as_1f1b(schedule: str, pp: int, m: int, pinned: str | None) -> bool:
+    """GPipe with one stage or one microbatch costs what 1F1B does or more (the same
+    time; with one stage it keeps every microbatch's activations, 1F1B one): left out
+    unless pinned."""
+    return schedule == "gpipe" and pinned != "gpipe" and (pp == 1 or m == 1)
 
 
 MAX_CHUNKS = 8
@@ -295,30 +303,48 @@ def _recompute_floor(table: CostTable, distinct: dict[int, tuple[Any, int]]) -> 
     # Stage s holds f_s microbatches of its saved bytes A_s beside its state W_s:
     # A_s <= (M_s - W_s) / f_s, so sum_s A_s <= sum_s M_s / f_s - sum_s W_s / max f.
     inflight = [config.inflight(stage) / config.chunks for stage in range(config.pp)]
-    state = sum(row.state_total * count for row, count in distinct.values())
+    state, saved, ratios = _knapsack(distinct)
     state += sum(g.state_total for g in table.shared)
     budget = sum(limit / f for limit, f in zip(table.limits, inflight)) - state / max(inflight)
     if budget < 0 or state > sum(table.limits):
         return math.inf
-    excess, ratios = 0, []
-    for row, count in distinct.values():
-        fastest = min(row.recompute_ps, key=lambda r: (row.compute_ps(r), r))
-        excess += row.saved_bytes[fastest] * count
-        options = [(row.compute_ps(r) - row.compute_ps(fastest),
-                    row.saved_bytes[fastest] - row.saved_bytes[r])
-                   for r in row.recompute_ps if row.saved_bytes[r] < row.saved_bytes[fastest]]
-        if options:
-            ratios.append((min(t / b for t, b in options),
-                           max(b for _, b in options) * count))
-    excess -= budget
+    excess = saved - budget
     floor = 0.0
-    for ratio, room in sorted(ratios):
+    for ratio, room in ratios:
         if excess <= 0:
             break
         used = min(room, excess)
         floor += ratio * used
         excess -= used
     return math.inf if excess > 0 else math.floor(floor)
+
+
+def _knapsack(distinct: dict[int, tuple[Any, int]]) -> tuple[int, int, list]:
+    """What the recompute bound needs of the rows, whatever the memory: their state, the
+    bytes their fastest modes save, and per row its best picoseconds per byte freed and
+    how many bytes, cheapest first. Kept beside ``distinct`` (same rows, same items)."""
+    known = _KNAPSACKS.get(id(distinct))
+    if known is not None and known[0] is distinct:
+        return known[1]
+    state = sum(row.state_total * count for row, count in distinct.values())
+    saved, ratios = 0, []
+    for row, count in distinct.values():
+        fastest = min(row.recompute_ps, key=lambda r: (row.compute_ps(r), r))
+        saved += row.saved_bytes[fastest] * count
+        options = [(row.compute_ps(r) - row.compute_ps(fastest),
+                    row.saved_bytes[fastest] - row.saved_bytes[r])
+                   for r in row.recompute_ps if row.saved_bytes[r] < row.saved_bytes[fastest]]
+        if options:
+            ratios.append((min(t / b for t, b in options),
+                           max(b for _, b in options) * count))
+    items = (state, saved, sorted(ratios))
+    _KNAPSACKS[id(distinct)] = (distinct, items)
+    if len(_KNAPSACKS) > 65536:
+        _KNAPSACKS.clear()
+    return items
+
+
+_KNAPSACKS: dict[int, tuple[dict, tuple]] = {}
 
 
 def _pinned_stages(problem: PlanningProblem) -> list[int] | None:
@@ -649,9 +675,12 @@ _STATUS = {cp_model.OPTIMAL: "OPTIMAL", cp_model.FEASIBLE: "FEASIBLE",
 
 def solve_config(problem: PlanningProblem, table: CostTable, options: PlannerOptions,
                  time_limit_s: float, pinned: list[int] | None,
-                 cutoff: int | None = None) -> tuple[ConfigResult | None, str, float]:
+                 cutoff: int | None = None, previous: Assignment | None = None
+                 ) -> tuple[ConfigResult | None, str, float]:
     """Solve one configuration: its result (None when there is none), CP-SAT's status
-    ("BEATEN" when stopped by ``cutoff``) and the bound CP-SAT proved.
+    ("BEATEN" when stopped by ``cutoff``) and the bound CP-SAT proved. ``previous`` (this
+    configuration's plan under another memory limit) is the hint when it still fits and
+    beats the greedy incumbent.
 
     ``cutoff`` (the best step time found elsewhere) is not a constraint: proving
     "nothing below the cutoff" was seen to take CP-SAT far longer than solving outright.
@@ -663,6 +692,10 @@ def solve_config(problem: PlanningProblem, table: CostTable, options: PlannerOpt
                               table.config.tp_objective)
     built = _ConfigModel(problem, table, pinned)
     hint = incumbent(problem, table) if pinned is None else None
+    if previous is not None and evaluate(table, previous.stage_of, previous.modes).fits and (
+            hint is None or evaluate(table, previous.stage_of, previous.modes).step_ps
+            < evaluate(table, hint.stage_of, hint.modes).step_ps):
+        hint = previous
     if hint is not None:
         built.add_hint(hint)
     solver = cp_model.CpSolver()
@@ -720,7 +753,10 @@ def solve(problem: PlanningProblem, options: PlannerOptions = PlannerOptions()) 
     cache = _table_cache(problem)
     tables = [build_cost_table(problem, c, cache) for c in configs]
     floors = [lower_bound(t, cache) for t in tables]
-    order = sorted(range(len(tables)), key=lambda i: (floors[i], i))
+    # Re-planning (the cache saw a problem that differed only in memory): the previous
+    # best configuration first, so its plan prunes the rest early.
+    order = sorted(range(len(tables)),
+                   key=lambda i: (tables[i].config != cache.best_config, floors[i], i))
     best: ConfigResult | None = None
     bound, solved, pruned, all_optimal = None, 0, 0, True
     # Per configuration: its ConfigResult, or why it has none (a MESH_OUTCOMES word).
@@ -743,7 +779,7 @@ def solve(problem: PlanningProblem, options: PlannerOptions = PlannerOptions()) 
             continue
         cutoff = best.evaluation.step_ps if best is not None else None
         result, status, proven = solve_config(problem, table, options, remaining, pinned,
-                                              cutoff)
+                                              cutoff, cache.solutions.get(table.config))
         solved += 1
         if result is None:
             if status == "BEATEN":  # proven no better than the best plan
@@ -756,6 +792,7 @@ def solve(problem: PlanningProblem, options: PlannerOptions = PlannerOptions()) 
                 bound = floor if bound is None else min(bound, floor)
             continue
         outcomes[i] = result
+        cache.solutions[table.config] = result.assignment
         all_optimal &= result.status == "OPTIMAL" or (
             cutoff is not None and result.bound >= cutoff)
         bound = result.bound if bound is None else min(bound, result.bound)
@@ -764,6 +801,7 @@ def solve(problem: PlanningProblem, options: PlannerOptions = PlannerOptions()) 
     if best is None:
         from .explain import explain_infeasible
         raise explain_infeasible(problem, tables)
+    cache.best_config = best.table.config
     return PlannerResult(
         best=best, status="OPTIMAL" if all_optimal else "FEASIBLE",
         bound=min(bound, best.evaluation.step_ps),
