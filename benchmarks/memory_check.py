@@ -195,9 +195,11 @@ class StepTracker(MemTracker):
     """``MemTracker`` with a window: the peak total since :meth:`start_window`, the
     breakdown at that moment, and each category's own largest value in the window.
 
-    A pipeline calls its stage once per microbatch, which ``MemTracker`` takes for a new
-    iteration and refuses: here each such call starts the root module's statistics over
-    (only the totals are read)."""
+    Only these totals are kept. ``MemTracker``'s per-module statistics are not: a
+    pipeline calls its stage once per microbatch, which ``MemTracker`` takes for a new
+    iteration and refuses (here each such call starts the module's statistics over), and
+    keeping them copies a snapshot per module at every new local peak, which costs more
+    than the step itself."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -217,9 +219,6 @@ class StepTracker(MemTracker):
         super()._pre_fw_hook(module, inputs)
 
     def _update_peak_stats(self, peak_state: Any) -> None:
-        # Only the window's figures are read: MemTracker's per-module peaks, which copy
-        # a snapshot per module at every new local peak, are not kept (they cost more
-        # than the step).
         for by_kind in self._curr_mem_snap.values():
             for kind, nbytes in by_kind.items():
                 if nbytes > self.category_peaks.get(kind, 0):
@@ -233,12 +232,11 @@ class StepTracker(MemTracker):
     def window(self) -> tuple[int, dict[str, int], dict[str, int], str]:
         """The window's peak, the breakdown at it, each category's own peak, and the
         phase of the step the peak came in, with MemTracker's reference types by name."""
-        named = lambda by_kind: {_name(k): v for k, v in by_kind.items()}  # noqa: E731
-        return self.peak, named(self.at_peak), named(self.category_peaks), self.phase
+        return self.peak, _named(self.at_peak), _named(self.category_peaks), self.phase
 
 
-def _name(kind: Any) -> str:
-    return getattr(kind, "value", str(kind))
+def _named(by_kind: dict[Any, int]) -> dict[str, int]:
+    return {getattr(kind, "value", str(kind)): nbytes for kind, nbytes in by_kind.items()}
 
 
 def by_category(tracked: dict[str, int]) -> dict[str, int]:
@@ -294,7 +292,8 @@ class Measured:
 
 def measure_rank(program: partc.Program, inputs: tuple[torch.Tensor, ...],
                  target: torch.Tensor, rank: int, world: int) -> Measured:
-    """One rank's second training step, as :mod:`this module's doc <memory_check>` says."""
+    """The peak of ``rank``'s second training step and its breakdown (steps 1-3 of the
+    module's docstring)."""
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
     try:
         module = program.build()
