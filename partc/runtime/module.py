@@ -27,6 +27,7 @@ any ``torch.optim`` optimizer over ``module.parameters()`` trains the same model
 
 from __future__ import annotations
 
+import inspect
 import logging
 from collections import Counter
 from typing import Any, Callable, Iterator, Mapping
@@ -37,6 +38,7 @@ import torch.utils._pytree as pytree
 from torch import fx, nn
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+from torch.distributed.pipelining.schedules import PipelineScheduleSingle
 from torch.distributed.pipelining._backward import stage_backward
 from torch.distributed.tensor import DTensor
 
@@ -51,6 +53,10 @@ from partc.passes.sharding import Placement
 from . import tp as tp_ops
 from .recompute import checkpoint_layer
 from .topology import Topology, init
+
+# Newer torch schedules can drop the last stage's outputs instead of returning them.
+_STEP_TAKES_RETURN_OUTPUTS = "return_outputs" in inspect.signature(
+    PipelineScheduleSingle.step).parameters
 
 log = logging.getLogger("partc.runtime")
 
@@ -279,6 +285,10 @@ class DistributedModule:
         if self._stage.is_last:
             kwargs = {"target": pytree.tree_map_only(
                 torch.Tensor, lambda t: t[rows].to(topo.device), target), "losses": losses}
+        if _STEP_TAKES_RETURN_OUTPUTS:
+            # The outputs are the loss's inputs (the logits): returned, torch keeps every
+            # microbatch's until the step ends; partc only needs the losses.
+            kwargs["return_outputs"] = False
         self._schedule.step(*args, **kwargs)
         self.last_messages = dict(self._stage.messages)
         self._sync_gradients()
