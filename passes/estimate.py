@@ -4,9 +4,9 @@ One fx interpreter loop per layer runs under ``FakeTensorMode`` (no memory),
 ``FlopCounterMode`` (FLOPs read before and after each node) and
 ``saved_tensors_hooks`` with grad enabled (what autograd keeps for backward). Saved
 tensors are deduplicated by storage, parameters and buffers are left out, and each saved
-storage is attributed to the node that *produced* it, so selective recompute can be
-costed: keep what compute-heavy nodes made and what came from outside the layer,
-recompute the rest.
+storage is attributed to the node that *produced* it. Selective recompute is costed as
+the runtime runs it: the layer's inputs and every compute-heavy node's output are kept,
+the rest is rerun.
 
 Layers with the same signature (``transformer.h.0`` … ``h.N``) are measured once and the
 numbers copied, which keeps a 32-layer 8B model to a handful of layer runs.
@@ -227,27 +227,21 @@ def _external_inputs(nodes: list[fx.Node]) -> list[fx.Node]:
 
 def _layer_cost(info: meta.LayerInfo, nodes: list[fx.Node], run: _LayerRun,
                 usage: dict, batch: int) -> LayerCost:
-    members = set(nodes)
     heavy = {n for n in nodes if run.costs[n].compute_heavy}
     flops = sum(run.costs[n].flops for n in nodes)
     light_bytes = sum(run.costs[n].bytes_moved for n in nodes if n not in heavy)
     saved_all = sum(size for size, _ in run.saved.values())
-    kept = sum(size for size, node in run.saved.values()
-               if node in heavy or node not in members)
-    kept_nodes = {node for _, node in run.saved.values() if node in heavy or node not in members}
-    dropped = {node for _, node in run.saved.values() if node in members and node not in heavy}
-    recompute = _recompute_closure(dropped, members, heavy)
-    # Rerunning the dropped light nodes needs their inputs: heavy outputs and values from
-    # outside the layer that autograd did not save (a loss's logits) must be kept too.
-    kept += sum(_kept_input_bytes(node, run) for node in
-                _recompute_frontier(recompute, members, heavy) - kept_nodes)
+    # Selective recompute as the runtime does it (partc.runtime.recompute): the layer's
+    # inputs and the output of every compute-heavy node are kept, whether backward reads
+    # it or not (attention scores too), and every light node is rerun.
+    kept = run.input_bytes + sum(run.costs[n].output_bytes for n in heavy)
     saved = {"none": saved_all, "full": run.input_bytes}
     rec_flops = {"none": 0.0, "full": flops}
     rec_bytes = {"none": 0.0, "full": light_bytes}
     if kept < saved_all:
         saved["selective"] = kept
-        rec_flops["selective"] = sum(run.costs[n].flops for n in recompute)
-        rec_bytes["selective"] = sum(run.costs[n].bytes_moved for n in recompute)
+        rec_flops["selective"] = sum(run.costs[n].flops for n in nodes if n not in heavy)
+        rec_bytes["selective"] = light_bytes
     count, nbytes = usage["own"].get(info.index, (0, 0))
     per = 1.0 / batch
     return LayerCost(
@@ -258,31 +252,6 @@ def _layer_cost(info: meta.LayerInfo, nodes: list[fx.Node], run: _LayerRun,
         recompute_mem_bytes={k: v * per for k, v in rec_bytes.items()},
         workspace_bytes=max((run.costs[n].output_bytes for n in nodes), default=0.0) * per,
         num_nodes=sum(1 for n in nodes if n.op.startswith("call_")))
-
-
-def _recompute_frontier(recompute: set, members: set, heavy: set) -> set:
-    """Values the recomputed nodes read that are not themselves recomputed."""
-    return {arg for node in recompute for arg in node.all_input_nodes
-            if arg not in recompute and arg.op != "get_attr"
-            and (arg in heavy or arg not in members)}
-
-
-def _kept_input_bytes(node: fx.Node, run: _LayerRun) -> float:
-    if node in run.costs:
-        return run.costs[node].output_bytes
-    return float(meta.output_bytes(node))
-
-
-def _recompute_closure(dropped: set, members: set, heavy: set) -> set:
-    """The light nodes to rerun to rebuild ``dropped``: back to kept or outside values."""
-    todo, seen = list(dropped), set(dropped)
-    while todo:
-        node = todo.pop()
-        for arg in node.all_input_nodes:
-            if arg in members and arg not in heavy and arg not in seen and arg.op != "get_attr":
-                seen.add(arg)
-                todo.append(arg)
-    return seen
 
 
 def param_usage(gm: fx.GraphModule, ctx: Context) -> dict:
