@@ -731,6 +731,14 @@ def solve_config(problem: PlanningProblem, table: CostTable, options: PlannerOpt
         return None, "BEATEN" if beaten else status, proven
     assignment = built.assignment(solver)
     evaluation = evaluate(table, assignment.stage_of, assignment.modes)
+    if status == "FEASIBLE" and hint is not None:
+        # Stopped by the time limit: never worse than the plan it was started from
+        # (CP-SAT may drop a hint it cannot complete in time).
+        start_from = evaluate(table, hint.stage_of, hint.modes)
+        if start_from.step_ps < evaluation.step_ps:
+            return ConfigResult(table=table, assignment=hint, evaluation=start_from,
+                                status="FEASIBLE", bound=min(proven, start_from.step_ps),
+                                solve_time_s=time.perf_counter() - start), status, proven
     # The model over-approximates nothing at an optimum; a feasible incumbent may carry
     # slack in its auxiliary variables, so the independent evaluation can only be lower.
     if chunks * evaluation.step_ps > round(solver.objective_value) or not evaluation.fits:
