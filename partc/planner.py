@@ -65,6 +65,7 @@ import functools
 import math
 import time
 from collections import OrderedDict
+import dataclasses
 from dataclasses import dataclass
 from typing import Any, Sequence
 
@@ -82,6 +83,15 @@ class PlannerOptions:
     time_limit_s: float = 30.0
     num_workers: int = 1          # one worker keeps CP-SAT deterministic
     seed: int = 0
+    # One configuration's share of the limit (None: an eighth, at least 2 s), so that one
+    # hard configuration cannot starve the rest; stopped early, it keeps its incumbent.
+    config_time_limit_s: float | None = None
+
+    @property
+    def per_config_s(self) -> float:
+        if self.config_time_limit_s is not None:
+            return self.config_time_limit_s
+        return max(2.0, self.time_limit_s / 8)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -765,40 +775,50 @@ def solve(problem: PlanningProblem, options: PlannerOptions = PlannerOptions()) 
     # best configuration first, so its plan prunes the rest early.
     order = sorted(range(len(tables)),
                    key=lambda i: (tables[i].config != cache.best_config, floors[i], i))
-    best: ConfigResult | None = None
     bound, solved, pruned, all_optimal = None, 0, 0, True
     # Per configuration: its ConfigResult, or why it has none (a MESH_OUTCOMES word).
     outcomes: list[ConfigResult | str] = ["infeasible"] * len(tables)
+    best = None if pinned is not None else _seed(problem, tables, floors, order)
+    if best is not None:   # solved first: CP-SAT improves the seed while its bound is fresh
+        seed = tables.index(best.table)
+        outcomes[seed] = best
+        if tables[order[0]].config != cache.best_config:
+            order.remove(seed)
+            order.insert(0, seed)
     for i in order:
         table, floor = tables[i], floors[i]
         if floor == math.inf:
             pruned += 1
             continue
+        seeded = isinstance(outcomes[i], ConfigResult)   # the greedy seed's configuration
         if best is not None and floor >= best.evaluation.step_ps:
             pruned += 1
-            outcomes[i] = "pruned"
+            outcomes[i] = outcomes[i] if seeded else "pruned"
             bound = floor if bound is None else min(bound, floor)
             continue
         remaining = options.time_limit_s - (time.perf_counter() - start)
         if remaining <= 0 and best is not None:
             all_optimal = False
-            outcomes[i] = "time limit"
+            outcomes[i] = outcomes[i] if seeded else "time limit"
             bound = floor if bound is None else min(bound, floor)
             continue
         cutoff = best.evaluation.step_ps if best is not None else None
-        result, status, proven = solve_config(problem, table, options, remaining, pinned,
+        result, status, proven = solve_config(problem, table, options,
+                                              min(remaining, options.per_config_s), pinned,
                                               cutoff, cache.solutions.get(table.config))
         solved += 1
         if result is None:
             if status == "BEATEN":  # proven no better than the best plan
-                outcomes[i] = "pruned"
+                outcomes[i] = outcomes[i] if seeded else "pruned"
                 floors[i] = max(floor, math.ceil(proven))
                 bound = floors[i] if bound is None else min(bound, floors[i])
             elif status == "UNKNOWN":
                 all_optimal = False
-                outcomes[i] = "time limit"
+                outcomes[i] = outcomes[i] if seeded else "time limit"
                 bound = floor if bound is None else min(bound, floor)
             continue
+        if result.bound < floor:   # CP-SAT proved less than the lower bound knows
+            result = dataclasses.replace(result, bound=int(floor))
         outcomes[i] = result
         cache.solutions[table.config] = result.assignment
         all_optimal &= result.status == "OPTIMAL" or (
@@ -816,6 +836,32 @@ def solve(problem: PlanningProblem, options: PlannerOptions = PlannerOptions()) 
         solve_time_s=time.perf_counter() - start,
         configs_total=len(configs), configs_solved=solved, configs_pruned=pruned,
         meshes=mesh_results(tables, floors, outcomes, best))
+
+
+def _seed(problem: PlanningProblem, tables: list[CostTable], floors: list[float],
+          order: list[int]) -> ConfigResult | None:
+    """The best greedy incumbent over each mesh's most promising configuration: a plan
+    in hand before any solve, whose step time prunes every configuration bounded above
+    it (CP-SAT may then improve on it, configuration by configuration)."""
+    firsts: dict[tuple, int] = {}
+    for i in order:
+        config = tables[i].config
+        key = (config.pp, config.dp, config.tp, config.sequence_parallel, config.tp_objective)
+        if floors[i] < math.inf:
+            firsts.setdefault(key, i)
+    best = None
+    for i in firsts.values():
+        table = tables[i]
+        config = table.config
+        hint = incumbent(problem.variant(config.tp, config.sequence_parallel,
+                                         config.tp_objective), table)
+        if hint is None:
+            continue
+        evaluation = evaluate(table, hint.stage_of, hint.modes)
+        if best is None or evaluation.step_ps < best.evaluation.step_ps:
+            best = ConfigResult(table=table, assignment=hint, evaluation=evaluation,
+                                status="FEASIBLE", bound=int(floors[i]), solve_time_s=0.0)
+    return best
 
 
 _TABLE_CACHES: "OrderedDict[str, TableCache]" = OrderedDict()
