@@ -605,7 +605,7 @@ def _rate(value: float) -> str:
 
 def summary(profile: dict) -> str:
     """A short table: what was measured, and the budget's numbers beside the preset's."""
-    device, budget, measured = profile["device"], profile["budget"], profile["measurements"]
+    device, measured = profile["device"], profile["measurements"]
     lines = [f"partc calibrate: {device['name']} ({device['kind']}, {device['processes']} "
              f"processes x {device['threads_per_process']} thread(s)), torch "
              f"{profile['software']['torch']}, {profile['mode']} run", "",
@@ -646,10 +646,10 @@ def _budget_rows(profile: dict) -> list[str]:
             for key, value in budget["peak_flops"].items()]
     formats = {"flops_efficiency": "{:.2f}".format, "memory": lambda b: f"{b / 2**30:.1f} GiB",
                "hbm_bandwidth": _rate, "devices_per_node": str,
-               "intra_node_bandwidth": _rate, "link_latency_s": format_seconds,
-               "inter_node_bandwidth": _rate}
+               "intra_node_bandwidth": _rate, "intra_node_latency_s": format_seconds,
+               "link_latency_s": format_seconds, "inter_node_bandwidth": _rate}
     for key, show in formats.items():
-        mine = "(preset)" if budget[key] is None else show(budget[key])
+        mine = "(preset)" if budget.get(key) is None else show(budget[key])
         rows.append((key, mine, show(getattr(preset, key)) if preset else "-"))
     head = ("budget number", "profile", f"preset {preset_name}" if preset else "no preset")
     return [f"{a:<30}{b:<16}{c}" for a, b, c in (head, *rows)]
