@@ -377,8 +377,8 @@ class TableCache:
     """
 
     def __init__(self) -> None:
-        self._cuts: dict[tuple, tuple] = {}   # rows, cut and shared tables, limits
-        self.distinct: dict[int, dict] = {}    # per rows tuple: its distinct rows, counted
+        self._tables: dict[tuple, tuple] = {}   # rows, cut and shared tables, limits
+        self.distinct: dict[int, tuple] = {}   # per rows tuple: planner's row summary
         # What the planner learnt from earlier problems (memory aside, the same): the
         # assignment it chose for each configuration it solved, and the best configuration.
         self.solutions: dict[PipelineConfig, Any] = {}
@@ -389,12 +389,12 @@ class TableCache:
         """One row per layer; layers with equal numbers share one row object."""
         family = (config.micro_batch_size, config.dp, config.tp, config.sequence_parallel,
                   config.tp_objective, config.zero_stage)
-        known = self._cuts.get(("rows", family, id(problem.model)))
+        known = self._tables.get(("rows", family, id(problem.model)))
         if known is not None:
             return known
         group_of, representatives = self._layer_groups(problem)
         built = [_layer_table(problem, config, index) for index in representatives]
-        rows = self._cuts["rows", family, id(problem.model)] = tuple(
+        rows = self._tables["rows", family, id(problem.model)] = tuple(
             built[group] for group in group_of)
         return rows
 
@@ -417,25 +417,25 @@ class TableCache:
                config: PipelineConfig) -> tuple[SharedTable, ...]:
         key = ("shared", config.micro_batch_size, config.num_microbatches, config.dp,
                config.tp, config.sequence_parallel, config.tp_objective, config.zero_stage)
-        if key not in self._cuts:
-            self._cuts[key] = _shared_tables(problem, config)
-        return self._cuts[key]
+        if key not in self._tables:
+            self._tables[key] = _shared_tables(problem, config)
+        return self._tables[key]
 
     def limits(self, problem: PlanningProblem, config: PipelineConfig) -> tuple[int, ...]:
         key = ("limits", config.pp, problem.devices.memory_bytes)
-        if key not in self._cuts:
-            self._cuts[key] = tuple(
+        if key not in self._tables:
+            self._tables[key] = tuple(
                 min(problem.devices.memory_bytes[r] for r in stage_ranks(problem, config, s))
                 for s in range(config.pp))
-        return self._cuts[key]
+        return self._tables[key]
 
     def cuts(self, problem: PlanningProblem,
              config: PipelineConfig) -> tuple[tuple[int, ...], ...]:
         key = (config.micro_batch_size, config.pp, config.chunks, config.tp,
                config.sequence_parallel, config.tp_objective)
-        cuts = self._cuts.get(key)
+        cuts = self._tables.get(key)
         if cuts is None:
-            cuts = self._cuts[key] = _cut_table(problem, config)
+            cuts = self._tables[key] = _cut_table(problem, config)
         return cuts
 
 

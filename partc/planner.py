@@ -249,14 +249,15 @@ def lower_bound(table: CostTable, cache: TableCache | None = None) -> float:
     """
     pp, m = table.config.pp, table.config.num_microbatches
     if cache is None:
-        distinct = _distinct_rows(table)
+        distinct, knapsack = _row_summary(table)
     else:   # tables of one family share their rows tuple
-        distinct = cache.distinct.get(id(table.layers))
-        if distinct is None:
-            distinct = cache.distinct[id(table.layers)] = _distinct_rows(table)
+        known = cache.distinct.get(id(table.layers))
+        if known is None:
+            known = cache.distinct[id(table.layers)] = _row_summary(table)
+        distinct, knapsack = known
     fastest = {key: min(row.compute_ps(r) for r in row.recompute_ps)
                for key, (row, _) in distinct.items()}
-    recompute = _recompute_floor(table, distinct)
+    recompute = _recompute_floor(table, knapsack)
     if recompute == math.inf:
         return math.inf
     total = sum(fastest[key] * count for key, (_, count) in distinct.items()) + recompute
@@ -275,14 +276,14 @@ def lower_bound(table: CostTable, cache: TableCache | None = None) -> float:
     return pipeline + tail + table.tail_latency_ps
 
 
-def _distinct_rows(table: CostTable) -> dict[int, tuple[Any, int]]:
+def _row_summary(table: CostTable) -> tuple[dict[int, tuple[Any, int]], tuple]:
     """The table's rows, each once, with how many layers share it (tables built with a
-    ``TableCache`` give equal layers one row object)."""
+    ``TableCache`` give equal layers one row object), and their :func:`_knapsack`."""
     distinct: dict[int, tuple[Any, int]] = {}
     for row in table.layers:
         known = distinct.get(id(row))
         distinct[id(row)] = (row, known[1] + 1 if known else 1)
-    return distinct
+    return distinct, _knapsack(distinct)
 
 
 @functools.lru_cache(maxsize=4096)
@@ -308,12 +309,12 @@ def _min_max_split(costs: tuple[int, ...], parts: int) -> int:
     return low
 
 
-def _recompute_floor(table: CostTable, distinct: dict[int, tuple[Any, int]]) -> float:
+def _recompute_floor(table: CostTable, knapsack: tuple[int, int, list]) -> float:
     config = table.config
     # Stage s holds f_s microbatches of its saved bytes A_s beside its state W_s:
     # A_s <= (M_s - W_s) / f_s, so sum_s A_s <= sum_s M_s / f_s - sum_s W_s / max f.
     inflight = [config.inflight(stage) / config.chunks for stage in range(config.pp)]
-    state, saved, ratios = _knapsack(distinct)
+    state, saved, ratios = knapsack
     state += sum(g.state_total for g in table.shared)
     budget = sum(limit / f for limit, f in zip(table.limits, inflight)) - state / max(inflight)
     if budget < 0 or state > sum(table.limits):
@@ -332,10 +333,7 @@ def _recompute_floor(table: CostTable, distinct: dict[int, tuple[Any, int]]) -> 
 def _knapsack(distinct: dict[int, tuple[Any, int]]) -> tuple[int, int, list]:
     """What the recompute bound needs of the rows, whatever the memory: their state, the
     bytes their fastest modes save, and per row its best picoseconds per byte freed and
-    how many bytes, cheapest first. Kept beside ``distinct`` (same rows, same items)."""
-    known = _KNAPSACKS.get(id(distinct))
-    if known is not None and known[0] is distinct:
-        return known[1]
+    how many bytes, cheapest first."""
     state = sum(row.state_total * count for row, count in distinct.values())
     saved, ratios = 0, []
     for row, count in distinct.values():
@@ -347,14 +345,7 @@ def _knapsack(distinct: dict[int, tuple[Any, int]]) -> tuple[int, int, list]:
         if options:
             ratios.append((min(t / b for t, b in options),
                            max(b for _, b in options) * count))
-    items = (state, saved, sorted(ratios))
-    _KNAPSACKS[id(distinct)] = (distinct, items)
-    if len(_KNAPSACKS) > 65536:
-        _KNAPSACKS.clear()
-    return items
-
-
-_KNAPSACKS: dict[int, tuple[dict, tuple]] = {}
+    return state, saved, sorted(ratios)
 
 
 def _pinned_stages(problem: PlanningProblem) -> list[int] | None:
@@ -599,6 +590,16 @@ class _ConfigModel:
         return Assignment(stage_of=tuple(stage_of), modes=tuple(modes))
 
 
+def _starting_point(problem: PlanningProblem, table: CostTable, pinned: list[int] | None,
+                    previous: Assignment | None) -> tuple[Assignment, Evaluation] | None:
+    """The plan a solve starts from, evaluated: the greedy incumbent, or ``previous``
+    when it still fits and is faster."""
+    candidates = [] if pinned is not None else [incumbent(problem, table), previous]
+    evaluated = [(a, evaluate(table, a.stage_of, a.modes)) for a in candidates if a is not None]
+    fitting = [(a, e) for a, e in evaluated if e.fits]
+    return min(fitting, key=lambda pair: pair[1].step_ps) if fitting else None
+
+
 def balanced_split(costs: Sequence[int], parts: int) -> list[int]:
     """Each layer's run when ``costs`` are cut into exactly ``parts`` non-empty
     contiguous runs whose largest sum is the least possible (:func:`_min_max_split`)."""
@@ -701,13 +702,9 @@ def solve_config(problem: PlanningProblem, table: CostTable, options: PlannerOpt
     problem = problem.variant(table.config.tp, table.config.sequence_parallel,
                               table.config.tp_objective)
     built = _ConfigModel(problem, table, pinned)
-    hint = incumbent(problem, table) if pinned is None else None
-    if previous is not None and evaluate(table, previous.stage_of, previous.modes).fits and (
-            hint is None or evaluate(table, previous.stage_of, previous.modes).step_ps
-            < evaluate(table, hint.stage_of, hint.modes).step_ps):
-        hint = previous
-    if hint is not None:
-        built.add_hint(hint)
+    start_from = _starting_point(problem, table, pinned, previous)
+    if start_from is not None:
+        built.add_hint(start_from[0])
     solver = cp_model.CpSolver()
     solver.parameters.max_time_in_seconds = max(time_limit_s, 0.01)
     solver.parameters.num_workers = options.num_workers
@@ -731,30 +728,25 @@ def solve_config(problem: PlanningProblem, table: CostTable, options: PlannerOpt
         raise RuntimeError(f"internal error: invalid CP-SAT model for {table.config}: "
                            f"{built.model.validate()}")
     beaten = status == "UNKNOWN" and cutoff is not None and proven >= cutoff
-    if status == "UNKNOWN" and hint is not None and not beaten:
-        # CP-SAT found nothing in time: the incumbent still is a plan.
-        evaluation = evaluate(table, hint.stage_of, hint.modes)
-        return ConfigResult(table=table, assignment=hint, evaluation=evaluation,
-                            status="FEASIBLE", bound=min(proven, evaluation.step_ps),
-                            solve_time_s=time.perf_counter() - start), "FEASIBLE", proven
-    if status not in ("OPTIMAL", "FEASIBLE"):
+    if status == "UNKNOWN" and start_from is not None and not beaten:
+        status = "FEASIBLE"   # CP-SAT found nothing in time: the incumbent still is a plan
+        assignment, evaluation = start_from
+    elif status not in ("OPTIMAL", "FEASIBLE"):
         return None, "BEATEN" if beaten else status, proven
-    assignment = built.assignment(solver)
-    evaluation = evaluate(table, assignment.stage_of, assignment.modes)
-    if status == "FEASIBLE" and hint is not None:
-        # Stopped by the time limit: never worse than the plan it was started from
-        # (CP-SAT may drop a hint it cannot complete in time).
-        start_from = evaluate(table, hint.stage_of, hint.modes)
-        if start_from.step_ps < evaluation.step_ps:
-            return ConfigResult(table=table, assignment=hint, evaluation=start_from,
-                                status="FEASIBLE", bound=min(proven, start_from.step_ps),
-                                solve_time_s=time.perf_counter() - start), status, proven
-    # The model over-approximates nothing at an optimum; a feasible incumbent may carry
-    # slack in its auxiliary variables, so the independent evaluation can only be lower.
-    if chunks * evaluation.step_ps > round(solver.objective_value) or not evaluation.fits:
-        raise RuntimeError(f"internal error: CP-SAT objective {solver.objective_value} "
-                           f"(x{chunks}) disagrees with the cost model "
-                           f"({evaluation.step_ps}) for {table.config}")
+    else:
+        assignment = built.assignment(solver)
+        evaluation = evaluate(table, assignment.stage_of, assignment.modes)
+        # The model over-approximates nothing at an optimum; a feasible incumbent may
+        # carry slack in its auxiliary variables, so the evaluation can only be lower.
+        if chunks * evaluation.step_ps > round(solver.objective_value) or not evaluation.fits:
+            raise RuntimeError(f"internal error: CP-SAT objective {solver.objective_value} "
+                               f"(x{chunks}) disagrees with the cost model "
+                               f"({evaluation.step_ps}) for {table.config}")
+        if status == "FEASIBLE" and start_from is not None \
+                and start_from[1].step_ps < evaluation.step_ps:
+            # Stopped by the time limit: never worse than the plan it started from
+            # (CP-SAT may drop a hint it cannot complete in time).
+            assignment, evaluation = start_from
     bound = min(proven, evaluation.step_ps) if status == "FEASIBLE" else evaluation.step_ps
     return ConfigResult(table=table, assignment=assignment, evaluation=evaluation,
                         status=status, bound=bound,

@@ -149,6 +149,18 @@ def _feasible(prob) -> bool:
         return False
 
 
+def _plan_and_oracle(prob):
+    """(plan, its validated evaluation, brute force's optimum), or None when brute force
+    finds nothing, after checking the planner says infeasible too."""
+    oracle = brute_force(prob)
+    if oracle is None:
+        with pytest.raises(PlanInfeasibleError):
+            plan_problem(prob)
+        return None
+    plan = plan_problem(prob)
+    return plan, validate_plan(prob, plan), oracle
+
+
 @pytest.mark.parametrize("seed, scale", [(0, 1), (1, 1), (2, 1), (3, 1), (4, 2**16)])
 def test_plan_equals_brute_force(seed, scale):
     """63 random instances each of <= 6 layers x <= 3 stages, recompute and memory
@@ -158,14 +170,11 @@ def test_plan_equals_brute_force(seed, scale):
     feasible = 0
     for _ in range(63):
         prob = random_problem(rng, scale)
-        oracle = brute_force(prob)
-        if oracle is None:
-            with pytest.raises(PlanInfeasibleError):
-                plan_problem(prob)
+        checked = _plan_and_oracle(prob)
+        if checked is None:
             continue
         feasible += 1
-        plan = plan_problem(prob)
-        evaluation = validate_plan(prob, plan)
+        plan, evaluation, oracle = checked
         assert evaluation.step_ps >= oracle[0]
         if evaluation.step_ps > oracle[0]:
             # The planner counts memory in units of 1/2^20 of the limit, rounding sizes
@@ -194,14 +203,11 @@ def test_interleaved_plan_equals_brute_force(seed):
                        batch=rng.choice([2, 4]), micro_batch_sizes=(1,),
                        shared=(tied,) if rng.random() < 0.4 else (),
                        pins=Pins(pp=2, schedule="interleaved-1f1b"))
-        oracle = brute_force(prob)
-        if oracle is None:
-            with pytest.raises(PlanInfeasibleError):
-                plan_problem(prob)
+        checked = _plan_and_oracle(prob)
+        if checked is None:
             continue
         feasible += 1
-        plan = plan_problem(prob)
-        evaluation = validate_plan(prob, plan)
+        plan, evaluation, oracle = checked
         assert plan.chunks > 1 and evaluation.step_ps == oracle[0]
         assert plan.solver.status == "OPTIMAL"
     assert feasible >= 8
