@@ -207,7 +207,8 @@ def _order_nodes(gm: fx.GraphModule) -> None:
     # Placeholders first (export puts parameters before them), and each get_attr next to
     # its first user, so that every later pass can treat graph order as layer order.
     graph = gm.graph
-    first = next(iter(graph.nodes))
+    # Before the first other node, one after another: their order is the forward's.
+    first = next(n for n in graph.nodes if n.op != "placeholder")
     for node in [n for n in graph.nodes if n.op == "placeholder"]:
         first.prepend(node)
     for node in [n for n in graph.nodes if n.op == "get_attr"]:

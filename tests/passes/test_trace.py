@@ -23,6 +23,18 @@ def test_symbolic_trace_is_functional_and_keeps_params_and_paths():
     assert ctx.batch_size == 2
 
 
+class _ThreeInputs(torch.nn.Module):
+    def forward(self, q, k, v):
+        return (q @ k.transpose(2, 3)) @ v
+
+
+def test_placeholders_keep_the_forwards_order():
+    q, k, v = (torch.randn(2, 3, 8, 4) for _ in range(3))
+    gm, _ = trace(_ThreeInputs(), (q, k, v))
+    assert [n.name for n in gm.graph.nodes][:3] == ["q", "k", "v"]
+    torch.testing.assert_close(gm(q, k, v), _ThreeInputs()(q, k, v))
+
+
 def test_real_inputs_become_fake():
     _, ctx = trace(models.MLP(), (torch.randn(2, 8),))
     assert all(isinstance(t, torch._subclasses.FakeTensor) for t in ctx.fake_inputs)
