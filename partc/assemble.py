@@ -13,8 +13,10 @@ if TYPE_CHECKING:     # the planner needs OR-Tools; assembling a plan does not
 
 
 def model_flops_per_step(problem: PlanningProblem) -> float:
-    """Forward + backward FLOPs of one step without recompute (what MFU counts)."""
-    per_sample = sum(layer.fwd_flops + layer.bwd_flops for layer in problem.layers)
+    """Forward + backward FLOPs of one step without recompute (what MFU counts), a
+    fused attention kernel's recompute in backward left out too."""
+    per_sample = sum(layer.fwd_flops + layer.bwd_flops - layer.bwd_extra_flops
+                     for layer in problem.layers)
     return per_sample * problem.train.global_batch_size
 
 

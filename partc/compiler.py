@@ -171,13 +171,14 @@ def compile(model: torch.nn.Module, example_inputs: tuple | torch.Tensor, *,
     constraints = constraints or Constraints()
     devices = device_numbers(budget, train.dtype)
     key = model_key(model_hash(model), example_inputs, example_target, loss_fn, name,
-                    _measured_for(devices, constraints)) if cache is not None else None
+                    _measured_for(devices, constraints, train)) if cache is not None else None
     analysis = cache.analysis(key) if cache is not None else None
     graph = None
     if analysis is None:
         start = time.perf_counter()
         graph, analysis = analyze(model, example_inputs, loss_fn=loss_fn,
-                                  example_target=example_target, name=name)
+                                  example_target=example_target, name=name,
+                                  attention=train.attention)
         log.info("analysed %s: %d layers in %.2f s", analysis.summary.name,
                  len(analysis.layers), time.perf_counter() - start)
     problem = build_problem(analysis, budget, train, constraints, graph)
@@ -196,8 +197,10 @@ def compile(model: torch.nn.Module, example_inputs: tuple | torch.Tensor, *,
     return Program(plan=plan, problem=problem, graph=graph, model=model, loss_fn=loss_fn)
 
 
-def _measured_for(devices: DeviceNumbers, constraints: Constraints) -> tuple:
-    """What a model's tensor-parallel variants depend on besides the model."""
+def _measured_for(devices: DeviceNumbers, constraints: Constraints,
+                  train: TrainSpec) -> tuple:
+    """What a model's measurement and tensor-parallel variants depend on besides the
+    model: the attention it runs, the degrees and links measured."""
     degrees = tp_degrees(devices, constraints)
-    return (tuple(tensor_parallel_links(devices, degrees)), constraints.sequence_parallel,
-            constraints.tp_objective)
+    return (train.attention, tuple(tensor_parallel_links(devices, degrees)),
+            constraints.sequence_parallel, constraints.tp_objective)

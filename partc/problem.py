@@ -47,6 +47,9 @@ class LayerCost:
     # Tensor-parallel collectives per sample: (kind, "forward"/"backward", bytes of the
     # whole tensor). Empty without tensor parallelism.
     tp_comm: tuple[tuple[str, str, float], ...] = ()
+    # Backward FLOPs beyond twice the forward's: a fused attention kernel recomputes its
+    # scores in backward (``partc.passes.fuse_attention.backward_recompute_flops``).
+    bwd_extra_flops: float = 0.0
 
     def __post_init__(self) -> None:
         for mode in ("none", "full"):
@@ -65,7 +68,7 @@ class LayerCost:
     @property
     def bwd_flops(self) -> float:
         # Gradient w.r.t. inputs and w.r.t. weights: two matmuls per forward matmul.
-        return 2.0 * self.fwd_flops
+        return 2.0 * self.fwd_flops + self.bwd_extra_flops
 
     @property
     def bwd_mem_bytes(self) -> float:

@@ -38,6 +38,10 @@ def _recompute_summary(recompute: dict[str, str]) -> str:
     return ", ".join(f"{mode} x{n}" for mode, n in sorted(counts.items()))
 
 
+_ATTENTION = {"as_written": "as the model writes it",
+              "fused": "fused (scaled_dot_product_attention where provably equal)"}
+
+
 def _headline(plan: Plan) -> list[str]:
     p, model, budget, train = plan.predicted, plan.model, plan.budget, plan.train
     lines = [
@@ -46,7 +50,7 @@ def _headline(plan: Plan) -> list[str]:
         f"budget: {budget.get('num_devices')} x {budget.get('device')} "
         f"({budget.get('memory')} each, {budget.get('devices_per_node')} per node)",
         f"training: global batch {train.get('global_batch_size')}, {train.get('dtype')}, "
-        f"{train.get('optimizer')}",
+        f"{train.get('optimizer')}, attention {_ATTENTION[train.get('attention', 'as_written')]}",
         f"plan: pp={plan.mesh['pp']} dp={plan.mesh['dp']} tp={plan.mesh['tp']}"
         + (f" (ZeRO-{plan.zero_stage}: {_ZERO_SHARDS[plan.zero_stage]} sharded over dp)"
            if plan.zero_stage else "") + ", "

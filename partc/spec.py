@@ -12,6 +12,10 @@ import torch
 
 from .problem import RECOMPUTE_MODES
 
+# How attention runs: as the model writes it, or as one fused kernel call
+# (``scaled_dot_product_attention``) wherever partc proves it computes the same.
+ATTENTION: tuple[str, ...] = ("as_written", "fused")
+
 SCHEDULES: tuple[str, ...] = ("gpipe", "1f1b", "interleaved-1f1b")
 # What the planner tries when the schedule is "auto": the schedules the runtime builds.
 # Interleaved 1F1B (Megatron's virtual stages) is planned and costed when pinned, but
@@ -54,6 +58,7 @@ class TrainSpec:
     optimizer: str | float = "adamw"
     schedule: str = "auto"
     max_grad_norm: float | None = None  # clip the global gradient norm (2-norm) to this
+    attention: str = "as_written"
 
     def __post_init__(self) -> None:
         if not isinstance(self.global_batch_size, int) or self.global_batch_size < 1:
@@ -76,6 +81,8 @@ class TrainSpec:
             raise ValueError("optimizer state bytes cannot be negative")
         if self.max_grad_norm is not None and not self.max_grad_norm > 0:
             raise ValueError(f"max_grad_norm must be positive, got {self.max_grad_norm!r}")
+        if self.attention not in ATTENTION:
+            raise ValueError(f"attention must be one of {ATTENTION}, got {self.attention!r}")
         if self.schedule not in ("auto", *SCHEDULES):
             raise ValueError(f"schedule must be 'auto' or one of {SCHEDULES}, "
                              f"got {self.schedule!r}")
@@ -103,6 +110,7 @@ class TrainSpec:
             "optimizer": self.optimizer,
             "schedule": self.schedule,
             "max_grad_norm": self.max_grad_norm,
+            "attention": self.attention,
             "bytes_per_param": {"weights": self.weight_bytes, "grads": self.grad_bytes,
                                 "optimizer": self.optimizer_bytes},
         }

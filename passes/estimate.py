@@ -27,6 +27,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from partc import meta
 from partc.problem import LayerCost
 
+from . import fuse_attention
 from .layers import layer_nodes
 from .trace import Context
 
@@ -89,14 +90,14 @@ def _run_layer(gm: fx.GraphModule, nodes: list[fx.Node], fake_mode: FakeTensorMo
                 run.input_bytes += meta.output_bytes(node)
         return env[node]
 
-    counter = FlopCounterMode(display=False)
+    counter = FlopCounterMode(display=False, custom_mapping=fuse_attention.FLOP_FORMULAS)
     with fake_mode, counter, torch.enable_grad(), \
             torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         for node in nodes:
             current.append(node)
             before = counter.get_total_flops()
             args = fx.node.map_arg(node.args, value_of)
-            kwargs = fx.node.map_arg(node.kwargs, value_of)
+            kwargs = fuse_attention.measured_kwargs(node, fx.node.map_arg(node.kwargs, value_of))
             if node.op == "get_attr":
                 result = value_of(node)
             elif node.op == "call_module":
@@ -251,7 +252,9 @@ def _layer_cost(info: meta.LayerInfo, nodes: list[fx.Node], run: _LayerRun,
         recompute_flops={k: v * per for k, v in rec_flops.items()},
         recompute_mem_bytes={k: v * per for k, v in rec_bytes.items()},
         workspace_bytes=max((run.costs[n].output_bytes for n in nodes), default=0.0) * per,
-        num_nodes=sum(1 for n in nodes if n.op.startswith("call_")))
+        num_nodes=sum(1 for n in nodes if n.op.startswith("call_")),
+        bwd_extra_flops=per * sum(fuse_attention.backward_recompute_flops(n, run.costs[n].flops)
+                                  for n in nodes))
 
 
 def param_usage(gm: fx.GraphModule, ctx: Context) -> dict:

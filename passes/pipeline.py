@@ -27,6 +27,7 @@ from . import dedupe
 from . import shard as shard_pass
 from . import sharding as sharding_pass
 from .estimate import estimate, param_usage
+from .fuse_attention import fuse_attention
 from .layers import crossing_bytes, crossing_tensors, layers
 from .propagate import propagate
 from .sharding import Link
@@ -39,8 +40,8 @@ log = logging.getLogger("partc")
 
 def analyze(model: nn.Module, example_inputs: Any, *, loss_fn: Callable | None = None,
             example_target: Any = None, name: str | None = None,
-            kwargs: dict | None = None, full_trace: bool | None = None
-            ) -> tuple[fx.GraphModule, ModelAnalysis]:
+            kwargs: dict | None = None, full_trace: bool | None = None,
+            attention: str = "as_written") -> tuple[fx.GraphModule, ModelAnalysis]:
     """Trace ``model`` and measure it, layer by layer, per sample.
 
     ``example_inputs`` is a tensor or a tuple of positional inputs (real, meta or fake;
@@ -56,9 +57,11 @@ def analyze(model: nn.Module, example_inputs: Any, *, loss_fn: Callable | None =
     (which expands its options the same way). Where the traced blocks cannot stand for
     the rest, the whole model is traced, and the log says why. ``full_trace=True`` (or
     ``PARTC_FULL_TRACE=1`` in the environment) traces every block from the start.
+    ``attention="fused"`` measures attention as one fused kernel call wherever
+    :mod:`partc.passes.fuse_attention` can put one in its place.
     """
     def front() -> tuple[fx.GraphModule, Context]:
-        return _front(model, example_inputs, kwargs=kwargs, loss_fn=loss_fn,
+        return _front(model, example_inputs, attention, kwargs=kwargs, loss_fn=loss_fn,
                       example_target=example_target, name=name)
 
     if full_trace is None:
@@ -79,16 +82,18 @@ def analyze(model: nn.Module, example_inputs: Any, *, loss_fn: Callable | None =
     return gm, summarize(gm, ctx)
 
 
-def _front(model: nn.Module, example_inputs: Any, **trace_args: Any
+def _front(model: nn.Module, example_inputs: Any, attention: str, **trace_args: Any
            ) -> tuple[fx.GraphModule, Context]:
     started = time.perf_counter()
     gm, ctx = _named("trace", lambda: trace(model, example_inputs, **trace_args))
     meta.add_pass_time(gm, "trace", time.perf_counter() - started)
     _verify("trace", gm)
-    # Order matters: layers reads the shapes propagate writes, and estimate measures one
-    # layer at a time (once per repeated-block signature), so it runs after layers.
+    # Order matters: fusing attention reads the shapes propagate writes, layers reads
+    # the graph as it will run, and estimate measures one layer at a time (once per
+    # repeated-block signature), so it runs after layers.
     passes: list[tuple[str, Pass]] = [
         ("propagate", propagate),
+        *_attention_passes(attention),
         ("layers", layers),
         ("estimate", estimate),
     ]
@@ -99,6 +104,11 @@ def _front(model: nn.Module, example_inputs: Any, **trace_args: Any
         _verify(pass_name, gm)
     gm.meta[meta.CONTEXT] = ctx
     return gm, ctx
+
+
+def _attention_passes(attention: str) -> list[tuple[str, Pass]]:
+    """The passes that ``attention`` (a ``TrainSpec.attention`` value) asks for."""
+    return [("fuse_attention", fuse_attention)] if attention == "fused" else []
 
 
 def _analyze_blocks(model: nn.Module, repeats: tuple[dedupe.Repeat, ...],
@@ -223,7 +233,8 @@ def _tp_option(ctx: Context, base: ModelAnalysis, usage: dict, local: fx.GraphMo
 def lower(model: nn.Module, example_inputs: tuple, stages: list[list[str]],
           recompute: dict[str, str], *, loss_fn: Callable | None = None,
           example_target: Any = None, tensor_parallel: dict | None = None,
-          local_param: Callable | None = None) -> tuple[fx.GraphModule, list]:
+          local_param: Callable | None = None, attention: str = "as_written"
+          ) -> tuple[fx.GraphModule, list]:
     """The back half: the model traced at the micro-batch size, cut into the plan's stages,
     with the plan's layers recomputed. Returns the traced graph and one
     :class:`partc.passes.split.StageGraph` per stage.
@@ -238,7 +249,8 @@ def lower(model: nn.Module, example_inputs: tuple, stages: list[list[str]],
                                             example_target=example_target))
     _drop_dtype_checks(gm)
     _verify("trace", gm)
-    for pass_name, run_pass in (("propagate", propagate), ("layers", layers)):
+    for pass_name, run_pass in [("propagate", propagate), *_attention_passes(attention),
+                                ("layers", layers)]:
         gm = _named(pass_name, lambda: run_pass(gm, ctx))
         _verify(pass_name, gm)
     tp = int((tensor_parallel or {}).get("degree", 1))
@@ -354,7 +366,8 @@ def _verify(pass_name: str, gm: fx.GraphModule) -> None:
     if os.environ.get("PARTC_VERIFY") != "1":
         return
     checks = {"trace": _verify_trace, "propagate": _verify_propagate,
-              "layers": _verify_layers, "estimate": _verify_estimate}
+              "fuse_attention": _verify_propagate, "layers": _verify_layers,
+              "estimate": _verify_estimate}
     gm.graph.lint()
     for node in gm.graph.nodes:
         problem = checks[pass_name](node)

@@ -570,7 +570,8 @@ def lower_plan(plan: Plan, model: nn.Module,
     target = example.pop("target", None)
     return lower(model, tuple(example.values()), [list(s.layers) for s in plan.stages],
                  plan.recompute, loss_fn=loss_fn, example_target=target,
-                 tensor_parallel=plan.tensor_parallel or None)
+                 tensor_parallel=plan.tensor_parallel or None,
+                 attention=plan.train.get("attention", "as_written"))
 
 
 def _own_parameters(module: fx.GraphModule, model: nn.Module,

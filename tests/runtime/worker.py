@@ -28,6 +28,7 @@ import torch.nn.functional as F  # noqa: E402
 from torch.distributed.tensor import DTensor  # noqa: E402
 
 import partc  # noqa: E402
+from partc.passes.fuse_attention import count_fused  # noqa: E402
 from partc.passes.sharding import Placement  # noqa: E402
 from partc.runtime import tp as tp_ops  # noqa: E402
 from samples import gpt  # noqa: E402
@@ -48,6 +49,7 @@ class Case:
     reference: str = "batch"
     clip: float | None = None  # TrainSpec.max_grad_norm; the reference clips likewise
     dtype: torch.dtype = torch.float32  # TrainSpec.dtype; the reference trains in fp32
+    attention: str = "as_written"  # TrainSpec.attention; the reference runs it as written
 
 
 def _tokens(model: torch.nn.Module) -> int:
@@ -167,6 +169,14 @@ CASES["gpt-pp2-dp2-zero1"] = Case(gpt.gpt_tiny, "tokens", gpt.loss_fn,
 CASES["llama-dp2-tp2-zero1"] = Case(models.llama, "tokens", models.causal_lm_loss,
                                     dict(pp=1, dp=2, tp=2, tp_objective="memory",
                                          recompute="none", zero_stage=1))
+# Fused attention (one scaled_dot_product_attention call per block) against the
+# attention the model writes, run on one process.
+CASES["llama-tp2-fused"] = Case(models.llama, "tokens", models.causal_lm_loss,
+                                dict(pp=1, tp=2, tp_objective="memory", recompute="none"),
+                                attention="fused")
+CASES["gpt2-pp2-fused-recompute"] = Case(_gpt2, "tokens", models.causal_lm_loss,
+                                         dict(pp=2, schedule="1f1b", recompute=GPT2_MODES),
+                                         attention="fused")
 # ZeRO-2/3: FSDP2 shards gradients (and parameters) over dp, one unit per layer.
 for _zero in (2, 3):
     CASES[f"gpt-dp2-zero{_zero}"] = Case(gpt.gpt_tiny, "tokens", gpt.loss_fn,
@@ -237,7 +247,8 @@ def compile_case(case: Case, model: torch.nn.Module, world: int) -> partc.Progra
     return partc.compile(model, (x,), loss_fn=case.loss_fn, example_target=y,
                          budget=partc.DeviceBudget(num_devices=world, device="CPU"),
                          train=partc.TrainSpec(global_batch_size=BATCH, optimizer="sgd",
-                                               max_grad_norm=case.clip, dtype=case.dtype),
+                                               max_grad_norm=case.clip, dtype=case.dtype,
+                                               attention=case.attention),
                          constraints=partc.Constraints(**constraints))
 
 
@@ -324,6 +335,8 @@ def run_case(name: str) -> dict[str, Any]:
             "changed_by_reload": changed,
             "grad_norms": norms, "ref_grad_norms": ref_norms,
             "zero_stage": plan.zero_stage, "dp_rank": topo.dp_rank,
+            "fused_attention": sum(count_fused(m) for m in module.module.modules()
+                                   if isinstance(m, torch.fx.GraphModule)),
             "optimizer_state_numel": sum(_numel_here(t) for state in getattr(opt, "optim", opt)
                                          .state.values() for t in state.values()
                                          if isinstance(t, torch.Tensor) and t.dim() > 0),

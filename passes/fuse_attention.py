@@ -1,0 +1,421 @@
+"""Attention written as plain ops, rewritten into one fused kernel call.
+
+Models written for readability (``samples/gpt.py``, Hugging Face's eager attention)
+spell attention out::
+
+    scores = q @ k.transpose(-2, -1)          # (batch, heads, seq_q, seq_k)
+    scores = scores * scale                    # or / sqrt(d), or no scale
+    scores = scores + mask                     # additive mask; or masked_fill(~keep, -inf)
+    probs  = dropout(softmax(scores, -1), p)   # dtype casts around it allowed
+    out    = probs @ v
+
+and autograd keeps the (seq_q, seq_k) scores and probabilities of every head for
+backward. ``torch.nn.functional.scaled_dot_product_attention`` (flash and memory-efficient
+kernels) keeps only q, k, v, the output and one log-sum-exp per row, and recomputes the
+probabilities in backward. This pass finds the pattern above and puts one such call in
+its place, with ``scale`` the scale written (1.0 when there is none), ``dropout_p`` the
+dropout's probability when it trains, and the mask:
+
+- ``is_causal=True`` when the mask is provably causal: it depends on shapes only (no
+  input, no parameter), so it is evaluated once here on CPU, and every position it keeps
+  is exactly ``j <= i`` while every other is ``-inf`` or at most the dtype's lowest
+  finite value (which softmax turns into exactly 0 whenever a row keeps one position,
+  as a causal row always does: its diagonal);
+- no mask when it keeps every position (a BERT batch without padding);
+- otherwise an additive mask is passed as ``attn_mask`` unchanged (SDPA adds it to the
+  scaled scores, as the written code does); a boolean ``masked_fill`` mask that is not
+  causal is left alone, since a fully masked row differs between the two.
+
+Grouped-query attention's ``repeat_kv`` (expand + reshape of k and v) stays before the
+call: the kernel then sees as many key/value heads as query heads. Dropout inside the
+kernel draws its own mask, with the same distribution as the written dropout.
+
+A match is rewritten only when the result is the same function (the checks above, one
+user for every intermediate, softmax over the last dim); otherwise the graph is left as
+it is and the log says why, once per reason.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import operator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import fx
+from torch.utils.flop_counter import flop_registry
+
+from partc import meta
+
+from .trace import Context
+
+log = logging.getLogger("partc")
+
+OPTIONS: tuple[str, ...] = ("as_written", "fused")
+
+
+@dataclass(frozen=True)
+class Match:
+    """One attention found in the graph, in the terms of the fused call."""
+
+    query: fx.Node
+    key: fx.Node       # (..., seq_k, d): the operand before its transpose
+    value: fx.Node
+    scale: float
+    mask: fx.Node | None      # additive mask passed as attn_mask (None when causal or none)
+    is_causal: bool
+    dropout_p: float
+    chain: tuple[fx.Node, ...]  # the nodes the call replaces, the output product last
+
+
+class _NoMatch(Exception):
+    """Why a candidate is not rewritten (the log's words)."""
+
+
+def fuse_attention(gm: fx.GraphModule, ctx: Context) -> fx.GraphModule:
+    """Replace each attention written as plain ops by ``F.scaled_dot_product_attention``.
+
+    Reads: ``node.meta["val"]``, ``meta.MODULE_PATH``. Writes: the graph (the new call
+    takes the place of the output product; the replaced nodes and what only they used
+    are erased); ``val``, ``meta.TENSORS``, ``meta.MODULE_PATH`` on the new node.
+    Requires: ``propagate``. Ensures: every rewritten attention computes what it did.
+    """
+    reasons: set[str] = set()
+    kinds: dict[fx.Node, str] = {}  # per mask node: one evaluation for every layer
+    fused = 0
+    for node in [n for n in gm.graph.nodes if _is(n, "softmax", "_softmax")]:
+        try:
+            match = _match(node, kinds)
+        except _NoMatch as why:
+            reasons.add(str(why))
+            continue
+        _rewrite(gm, match, ctx)
+        fused += 1
+    for reason in sorted(reasons):
+        log.info("attention left as written: %s", reason)
+    if fused:
+        gm.graph.lint()
+        gm.recompile()
+        log.info("fused %d attention%s into scaled_dot_product_attention", fused,
+                 "" if fused == 1 else "s")
+    return gm
+
+
+def count_fused(gm: fx.GraphModule) -> int:
+    """How many fused attention calls ``gm`` holds."""
+    return sum(1 for n in gm.graph.nodes if is_fused(n))
+
+
+# ----------------------------------------------------------------------- matching
+
+def _name(node: fx.Node) -> str:
+    target = node.target
+    if node.op == "call_method":
+        return str(target)
+    if node.op != "call_function":
+        return ""
+    packet = getattr(target, "overloadpacket", None)
+    if packet is not None:
+        return packet.__name__
+    return {operator.matmul: "matmul", operator.mul: "mul", operator.truediv: "div",
+            operator.add: "add", operator.invert: "bitwise_not"}.get(
+        target, getattr(target, "__name__", ""))
+
+
+def _is(node: Any, *names: str) -> bool:
+    return isinstance(node, fx.Node) and _name(node) in names
+
+
+def _val(node: Any) -> Any:
+    return node.meta.get("val") if isinstance(node, fx.Node) else node
+
+
+def _users(node: fx.Node) -> list[fx.Node]:
+    """Users that compute something (dtype checks export leaves are not)."""
+    return [u for u in node.users if not _name(u).startswith("_assert_tensor_metadata")]
+
+
+def _arg(node: fx.Node, index: int, name: str, default: Any = None) -> Any:
+    if len(node.args) > index:
+        return node.args[index]
+    return node.kwargs.get(name, default)
+
+
+def _match(softmax: fx.Node, kinds: dict[fx.Node, str]) -> Match:
+    scores = _arg(softmax, 0, "input")
+    value = _val(scores)
+    dim = _arg(softmax, 1, "dim")
+    if not isinstance(value, torch.Tensor) or value.dim() < 2 or \
+            dim not in (-1, value.dim() - 1):
+        raise _NoMatch("softmax over another dim than the last")
+    dtype = _arg(softmax, 2, "dtype") if _name(softmax) != "_softmax" else None
+    if _name(softmax) == "_softmax" and softmax.args[2]:
+        raise _NoMatch("half-to-float softmax")
+    if dtype not in (None, value.dtype, torch.float32):
+        raise _NoMatch(f"softmax in {dtype}")
+    chain = [softmax]
+    probs, dropout_p = _after_softmax(softmax, chain)
+    product = _users(probs)
+    if len(product) > 1:
+        raise _NoMatch(f"{probs.name} is used outside the attention (e.g. attention "
+                       "probabilities returned)")
+    if not product or not _is(product[0], "matmul") or product[0].args[0] is not probs:
+        raise _NoMatch("softmax output is not multiplied by the values")
+    chain.append(product[0])
+    mask, is_causal, logits = _mask(scores, chain, kinds)
+    scale, qk = _scale(logits, chain)
+    if not _is(qk, "matmul"):
+        raise _NoMatch("no q @ k^T before the softmax")
+    chain.append(qk)
+    inside = set(chain)
+    for node in chain:
+        if node is not product[0] and not set(_users(node)) <= inside:
+            raise _NoMatch(f"{node.name} is used outside the attention (e.g. attention "
+                           "probabilities returned)")
+    query, key_t = qk.args[:2]
+    key = _untransposed(key_t)
+    v = product[0].args[1]
+    if not all(isinstance(_val(t), torch.Tensor) and _val(t).dim() >= 3
+               for t in (query, key, v)):
+        raise _NoMatch("q, k, v are not (batch, ..., seq, dim) tensors")
+    if is_causal and _val(query).shape[-2] != _val(key).shape[-2]:
+        raise _NoMatch("causal mask with seq_q != seq_k")
+    ordered = sorted(set(chain), key=_position(softmax.graph))
+    return Match(query=query, key=key, value=v, scale=scale, mask=mask,
+                 is_causal=is_causal, dropout_p=dropout_p, chain=tuple(ordered))
+
+
+def _position(graph: fx.Graph):
+    order = {node: i for i, node in enumerate(graph.nodes)}
+    return order.__getitem__
+
+
+def _is_noop_cast(node: fx.Node) -> bool:
+    if not _is(node, "to", "type_as", "float", "_to_copy"):
+        return False
+    source, result = _val(node.args[0]), _val(node)
+    return isinstance(result, torch.Tensor) and isinstance(source, torch.Tensor) and \
+        result.dtype == source.dtype and result.is_floating_point()
+
+
+def _after_softmax(softmax: fx.Node, chain: list[fx.Node]) -> tuple[fx.Node, float]:
+    """Casts and one dropout after the softmax: the node whose output meets v, and p."""
+    node, dropout_p = softmax, 0.0
+    while True:
+        users = _users(node)
+        if len(users) != 1:
+            return node, dropout_p
+        user = users[0]
+        if _is_noop_cast(user):
+            pass
+        elif _is(user, "dropout") and dropout_p == 0.0 and user.args[0] is node:
+            p = _arg(user, 1, "p", 0.5)
+            train = _arg(user, 2, "train", _arg(user, 2, "training", True))
+            if not isinstance(p, (int, float)) or not isinstance(train, bool):
+                raise _NoMatch("dropout with a computed probability or train flag")
+            dropout_p = float(p) if train else 0.0
+        else:
+            return node, dropout_p
+        chain.append(user)
+        node = user
+
+
+def _mask(scores: fx.Node, chain: list[fx.Node], kinds: dict[fx.Node, str]
+          ) -> tuple[fx.Node | None, bool, fx.Node]:
+    """The mask applied to ``scores`` (the softmax input): (additive mask to pass, is
+    causal, the scaled scores before the mask)."""
+    if _is(scores, "add") and len(scores.args) == 2 and not scores.kwargs:
+        left, right = scores.args
+        logits, mask = (left, right) if _is(left, "mul", "div", "matmul") else (right, left)
+        if not isinstance(_val(mask), torch.Tensor) or not _val(mask).is_floating_point():
+            raise _NoMatch("added mask is not a float tensor")
+        chain.append(scores)
+        if mask not in kinds:
+            kinds[mask] = _mask_kind(mask, additive=True)
+        return (mask if kinds[mask] == "other" else None, kinds[mask] == "causal", logits)
+    if _is(scores, "masked_fill"):
+        logits, fill, fill_value = scores.args[:3]
+        chain.append(scores)
+        if fill not in kinds:
+            kinds[fill] = _mask_kind(fill, additive=False)
+        if not _is_lowest(fill_value) or kinds[fill] == "other":
+            raise _NoMatch("masked_fill mask not provably causal")
+        return None, kinds[fill] == "causal", logits
+    return None, False, scores
+
+
+def _scale(logits: fx.Node, chain: list[fx.Node]) -> tuple[float, fx.Node]:
+    """The scale applied to ``q @ k^T`` and the product itself."""
+    if not _is(logits, "mul", "div"):
+        return 1.0, logits
+    left, right = logits.args[:2]
+    product, factor = (left, right) if _is(left, "matmul") else (right, left)
+    if _name(logits) == "div" and factor is left:
+        raise _NoMatch("a scale divided by the scores")
+    number = _val(factor)
+    if isinstance(number, torch.Tensor) or not isinstance(number, (int, float)):
+        raise _NoMatch("scale is a tensor, not a number")
+    chain.append(logits)
+    return (1.0 / float(number) if _name(logits) == "div" else float(number)), product
+
+
+def _untransposed(key_t: Any) -> fx.Node:
+    value = _val(key_t)
+    if _is(key_t, "transpose") and isinstance(value, torch.Tensor):
+        dims = {d % value.dim() for d in key_t.args[1:3]}
+        if dims == {value.dim() - 1, value.dim() - 2}:
+            return key_t.args[0]
+    raise _NoMatch("second operand of q @ k^T is not a transpose of the last two dims")
+
+
+def _is_lowest(fill: Any) -> bool:
+    return isinstance(fill, float) and (fill == -math.inf or fill <= torch.finfo(
+        torch.float32).min)
+
+
+# ----------------------------------------------------------------- causal masks
+
+def _mask_kind(mask: fx.Node, *, additive: bool) -> str:
+    """``"causal"``, ``"none"`` (keeps every position) or ``"other"``: what ``mask``
+    (additive: 0 keeps, the lowest float drops; else a boolean ``masked_fill`` mask,
+    True drops) is, found by evaluating it when it depends on shapes only."""
+    try:
+        value = _evaluate(mask, {})
+    except _NotConstant:
+        return "other"
+    if not isinstance(value, torch.Tensor) or value.dim() < 2:
+        return "other"
+    if additive:
+        keep = value == 0
+        dropped = (value == -math.inf) | (value <= torch.finfo(value.dtype).min)
+        if not (keep | dropped).all():
+            return "other"
+    elif value.dtype == torch.bool:
+        keep = ~value
+    else:
+        return "other"
+    if keep.all():
+        return "none"
+    causal = torch.ones(keep.shape[-2:], dtype=torch.bool).tril()
+    return "causal" if torch.equal(keep, causal.expand_as(keep)) else "other"
+
+
+class _NotConstant(Exception):
+    pass
+
+
+# Methods and ops whose tensor argument gives only a dtype and device, not values.
+_LIKE = ("new_ones", "new_zeros", "new_full", "new_empty")
+
+
+def _evaluate(node: Any, env: dict) -> Any:
+    """The value of ``node`` computed on CPU, when it depends on shapes only."""
+    if not isinstance(node, fx.Node):
+        if isinstance(node, (list, tuple)):
+            return type(node)(_evaluate(a, env) for a in node)
+        return torch.device("cpu") if isinstance(node, torch.device) else node
+    if node in env:
+        return env[node]
+    value = _val(node)
+    if not isinstance(value, torch.Tensor):
+        if node.op == "placeholder" or isinstance(value, (torch.SymInt, torch.SymFloat)):
+            raise _NotConstant(node.name)
+        env[node] = torch.device("cpu") if isinstance(value, torch.device) else value
+        return env[node]
+    if node.op != "call_function" and node.op != "call_method":
+        raise _NotConstant(node.name)
+    args = list(node.args)
+    if _name(node) in _LIKE:
+        like = _val(args[0])
+        args[0] = torch.empty(0, dtype=like.dtype)
+    args = [a if isinstance(a, torch.Tensor) else _evaluate(a, env) for a in args]
+    kwargs = {k: _evaluate(v, env) for k, v in node.kwargs.items()}
+    if node.op == "call_method":
+        self_arg, *rest = args
+        result = getattr(self_arg, node.target)(*rest, **kwargs)
+    else:
+        result = node.target(*args, **kwargs)
+    env[node] = result
+    return result
+
+
+# ----------------------------------------------------------------------- rewriting
+
+def _rewrite(gm: fx.GraphModule, match: Match, ctx: Context) -> None:
+    graph = gm.graph
+    output = match.chain[-1]
+    kwargs: dict[str, Any] = {"dropout_p": match.dropout_p, "is_causal": match.is_causal,
+                              "scale": match.scale}
+    if match.mask is not None:
+        kwargs = {"attn_mask": match.mask, **kwargs}
+    with graph.inserting_before(output):
+        call = graph.call_function(F.scaled_dot_product_attention,
+                                   (match.query, match.key, match.value), kwargs)
+    call.meta.update({k: v for k, v in output.meta.items()
+                      if k in ("nn_module_stack", meta.MODULE_PATH)})
+    with ctx.fake_mode:
+        fake = fx.node.map_arg(call.args, _val), fx.node.map_arg(call.kwargs, _val)
+        call.meta["val"] = F.scaled_dot_product_attention(*fake[0], **fake[1])
+    meta.set_tensors(call, (meta.TensorInfo.of(call.meta["val"]),))
+    output.replace_all_uses_with(call)
+    _erase_dead(graph, list(match.chain))
+
+
+def _erase_dead(graph: fx.Graph, nodes: list[fx.Node]) -> None:
+    """Erase ``nodes`` and then whatever computed only for them (the mask, the scale)."""
+    pending, erased = list(reversed(nodes)), set()
+    while pending:
+        node = pending.pop(0)
+        if node in erased or node.op in ("placeholder", "output"):
+            continue
+        for user in [u for u in node.users if _name(u).startswith("_assert_tensor_metadata")]:
+            graph.erase_node(user)
+        if node.users or (node not in nodes and node.is_impure()):
+            continue
+        inputs = node.all_input_nodes
+        graph.erase_node(node)
+        erased.add(node)
+        pending.extend(inputs)
+
+
+# ----------------------------------------------------------------------- measuring
+
+def _cpu_kernel_flops(*args: Any, **kwargs: Any) -> int:
+    return flop_registry[torch.ops.aten._scaled_dot_product_flash_attention](*args, **kwargs)
+
+
+# Raw: the formula registered for the CUDA flash kernel takes the tensors themselves.
+_cpu_kernel_flops._get_raw = True  # type: ignore[attr-defined]
+
+# What FlopCounterMode lacks to count the fused kernel that fake CPU tensors dispatch to
+# (``_scaled_dot_product_flash_attention_for_cpu``; it counts none by default): the
+# same two products of (seq_q x seq_k) as the CUDA flash kernel and as the written ops.
+FLOP_FORMULAS = {torch.ops.aten._scaled_dot_product_flash_attention_for_cpu: _cpu_kernel_flops}
+
+
+def is_fused(node: fx.Node) -> bool:
+    return node.op == "call_function" and node.target is F.scaled_dot_product_attention
+
+
+def measured_kwargs(node: fx.Node, kwargs: dict) -> dict:
+    """The keyword arguments under which the estimate runs a fused call.
+
+    On fake CPU tensors SDPA dispatches to the fused CPU kernel, which keeps q, k, v,
+    the output and the log-sum-exp (and ``attn_mask``) for backward, as the flash and
+    memory-efficient kernels do on a GPU — except with dropout, where the CPU falls back
+    to the math path and keeps the (seq x seq) probabilities and dropout mask of every
+    head. The GPU kernels draw dropout from a seed in forward and again in backward, so
+    they keep only that seed: measuring the call without dropout keeps what they keep
+    (less two scalars) and counts the same products.
+    """
+    return {**kwargs, "dropout_p": 0.0} if is_fused(node) else kwargs
+
+
+def backward_recompute_flops(node: fx.Node, forward_flops: float) -> float:
+    """FLOPs a fused call's backward spends beyond the usual twice its forward: it
+    recomputes ``q @ k^T`` (FlashAttention-2: five products of (seq_q x seq_k) in
+    backward for two in forward, 2.5x instead of 2x)."""
+    return 0.5 * forward_flops if is_fused(node) else 0.0

@@ -1,0 +1,204 @@
+"""Attention written as plain ops becomes one fused call, computing what it did.
+
+On the sample GPT (symbolic_trace: ``masked_fill`` with a ``tril`` mask, scale as a
+computed number) and Hugging Face Llama (grouped-query ``repeat_kv``), GPT-2 and BERT
+(torch.export: additive ``where`` masks built from positions, scale a constant): the
+rewritten graph gives the original model's outputs and gradients; what the estimate
+measures is what the fused kernel keeps, counted here by hand.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from partc import meta
+from partc.passes.fuse_attention import count_fused, fuse_attention, is_fused
+from partc.passes.pipeline import analyze
+from partc.passes.propagate import propagate
+from partc.passes.trace import trace
+from samples import gpt
+from tests import models
+
+BATCH, SEQ = 2, 16
+
+
+def _build(name: str, dropout: float = 0.0) -> nn.Module:
+    torch.manual_seed(0)
+    return {"gpt": lambda: gpt.gpt_tiny(dropout=dropout),
+            "llama": lambda: models.llama(),
+            "gpt2": lambda: models.gpt2(dropout=dropout),
+            "bert": lambda: models.bert(dropout=dropout)}[name]()
+
+
+def _fused(model: nn.Module, *inputs: torch.Tensor, **kwargs: torch.Tensor):
+    gm, ctx = trace(model, inputs, kwargs=kwargs or None)
+    propagate(gm, ctx)
+    return fuse_attention(gm, ctx)
+
+
+def _calls(gm) -> list:
+    return [n for n in gm.graph.nodes if is_fused(n)]
+
+
+def _first(output) -> torch.Tensor:
+    return output if isinstance(output, torch.Tensor) else output[0]
+
+
+# Causal language models get is_causal; BERT without padding needs no mask at all.
+@pytest.mark.parametrize("name,causal", [("gpt", True), ("llama", True), ("gpt2", True),
+                                         ("bert", False)])
+def test_fused_graph_matches_the_model(name: str, causal: bool) -> None:
+    model = _build(name)
+    ids = torch.randint(1, 128, (BATCH, SEQ))
+    gm = _fused(copy.deepcopy(model), ids)
+    calls = _calls(gm)
+    assert len(calls) == 2  # one per block
+    for call in calls:
+        assert call.kwargs == {"dropout_p": 0.0, "is_causal": causal, "scale": 0.25}
+    assert "softmax" not in gm.code
+    ours, theirs = _first(gm(ids)), _first(model(ids))
+    torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-5)
+    weights = torch.randn_like(theirs)
+    (ours * weights).sum().backward()
+    (theirs * weights).sum().backward()
+    grads = {n: p.grad for n, p in gm.named_parameters() if p.grad is not None}
+    assert len(grads) == sum(1 for p in model.parameters() if p.grad is not None)
+    for fqn, param in model.named_parameters():
+        # Relative to the gradient's norm, against 1e-2 where that is ~0 (a key
+        # projection's bias has a gradient that is mathematically zero: rounding noise).
+        if param.grad is not None:
+            error = (grads[fqn] - param.grad).norm() / max(param.grad.norm(), 1e-2)
+            assert error < 1e-5, (fqn, error.item())
+
+
+def test_padding_mask_is_passed_as_additive_mask() -> None:
+    model = _build("bert")
+    ids = torch.randint(1, 128, (BATCH, SEQ))
+    mask = torch.ones(BATCH, SEQ, dtype=torch.long)
+    mask[1, 10:] = 0
+    gm = _fused(copy.deepcopy(model), ids, attention_mask=mask)
+    calls = _calls(gm)
+    assert len(calls) == 2 and all(c.kwargs["attn_mask"] is calls[0].kwargs["attn_mask"]
+                                   and not c.kwargs["is_causal"] for c in calls)
+    torch.testing.assert_close(gm.forward(ids, mask)[0],
+                               model(ids, attention_mask=mask).last_hidden_state,
+                               rtol=1e-5, atol=1e-5)
+
+
+def test_training_dropout_moves_into_the_call() -> None:
+    gm = _fused(_build("gpt2", dropout=0.1), torch.randint(1, 128, (BATCH, SEQ)))
+    assert [c.kwargs["dropout_p"] for c in _calls(gm)] == [0.1, 0.1]
+    assert "dropout" not in str(_calls(gm)[0].args)
+
+
+class _ReturnsProbs(nn.Module):
+    """Attention whose probabilities are returned: nothing to fuse without losing them."""
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
+        probs = F.softmax(q @ k.transpose(-2, -1) * 0.5, dim=-1)
+        return probs @ v, probs
+
+
+class _NoMaskNoScale(nn.Module):
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return torch.softmax(torch.matmul(q, k.transpose(2, 3)), -1) @ v
+
+
+def test_attention_with_other_users_is_left_as_written(caplog) -> None:
+    q, k, v = (torch.randn(2, 3, 8, 4) for _ in range(3))
+    with caplog.at_level(logging.INFO, logger="partc"):
+        gm = _fused(_ReturnsProbs(), q, k, v)
+    assert count_fused(gm) == 0 and "softmax" in gm.code
+    assert "used outside the attention" in caplog.text
+
+
+def test_unscaled_attention_gets_scale_one() -> None:
+    q, k, v = (torch.randn(2, 3, 8, 4) for _ in range(3))
+    gm = _fused(_NoMaskNoScale(), q, k, v)
+    (call,) = _calls(gm)
+    assert call.kwargs == {"dropout_p": 0.0, "is_causal": False, "scale": 1.0}
+    torch.testing.assert_close(gm(q, k, v), _NoMaskNoScale()(q, k, v))
+
+
+def _layer0(analysis):
+    return analysis.layers[[layer.name for layer in analysis.layers].index("model.layers.0")]
+
+
+def test_saved_bytes_are_the_fused_kernels() -> None:
+    """Llama, 4 query heads of 16 over 2 key/value heads, fp32, batch 2, seq 64: the
+    call keeps q, the repeated k and v, its output (b, h, s, d each) and one log-sum-exp
+    per row (b, h, s). The written attention kept the (b, h, s, s) probabilities instead
+    of the output and log-sum-exp (the output projection keeps its own copy either way)."""
+    seq, heads, head_dim = 64, 4, 16
+    ids = torch.randint(1, 128, (BATCH, seq))
+    gm, fused = analyze(_build("llama"), (ids,), attention="fused", full_trace=True)
+    _, written = analyze(_build("llama"), (ids,), full_trace=True)
+    call = _calls(gm)[0]
+    q, k, v = call.args
+    kept = sum(meta.cost(n).saved_bytes for n in (q, k, v, call))
+    out, lse = BATCH * heads * seq * head_dim * 4, BATCH * heads * seq * 4
+    assert kept == 4 * out + lse
+    probs = BATCH * heads * seq * seq * 4
+    saved, was = _layer0(fused).saved_bytes["none"], _layer0(written).saved_bytes["none"]
+    assert was - saved >= (probs - out - lse) / BATCH  # per sample
+
+
+def test_backward_recomputes_the_scores() -> None:
+    """Same forward FLOPs as the written products; backward 2.5x those of attention."""
+    ids = torch.randint(1, 128, (BATCH, SEQ))
+    _, fused = analyze(_build("gpt"), (ids,), attention="fused", full_trace=True)
+    _, written = analyze(_build("gpt"), (ids,), full_trace=True)
+    attention = 2 * 2 * 4 * SEQ * SEQ * 16  # two products per head, per sample
+    for ours, theirs in zip(fused.layers, written.layers):
+        assert ours.fwd_flops == theirs.fwd_flops
+        extra = attention / 2 if ours.name.startswith("blocks.") else 0.0
+        assert ours.bwd_flops == pytest.approx(theirs.bwd_flops + extra)
+        assert ours.fwd_mem_bytes <= theirs.fwd_mem_bytes
+
+
+def test_dropout_is_measured_as_the_fused_kernel_keeps_it() -> None:
+    """Fake CPU tensors send dropout to the math path; the estimate keeps what the GPU
+    kernels keep (they redraw the mask in backward), as without dropout."""
+    ids = torch.randint(1, 128, (BATCH, SEQ))
+    _, with_dropout = analyze(_build("gpt", 0.1), (ids,), attention="fused", full_trace=True)
+    _, without = analyze(_build("gpt", 0.0), (ids,), attention="fused", full_trace=True)
+    block = [layer.name for layer in without.layers].index("blocks.0")
+    ours, theirs = with_dropout.layers[block], without.layers[block]
+    assert ours.fwd_flops == theirs.fwd_flops
+    # The block's two other dropouts (attention and MLP outputs) keep their masks,
+    # in fp32 on CPU: four bytes per element of a (seq, 64) activation, per sample.
+    masks = 2 * SEQ * 64 * 4
+    assert ours.saved_bytes["none"] == theirs.saved_bytes["none"] + masks
+
+
+def test_compile_plans_and_emits_the_attention_chosen() -> None:
+    """The option reaches the plan, its report and the emitted stage code; a cache holding
+    the model measured as written does not answer for the fused one."""
+    import partc
+    from partc.cache import PlanCache
+
+    model = _build("gpt")
+    ids, targets = gpt.example_inputs(model, batch=4, seq=SEQ)
+    cache = PlanCache()
+    programs = {attention: partc.compile(
+        model, (ids,), loss_fn=gpt.loss_fn, example_target=targets, cache=cache,
+        budget=partc.DeviceBudget(num_devices=2, device="A100-80GB"),
+        train=partc.TrainSpec(global_batch_size=4, attention=attention),
+        constraints=partc.Constraints(pp=2, tp=1, dp=1, recompute="none", num_microbatches=2))
+        for attention in ("as_written", "fused")}
+    written, fused = programs["as_written"], programs["fused"]
+    assert cache.hits["analysis"] == 0
+    assert fused.plan.train["attention"] == "fused"
+    assert "attention fused" in fused.report() and "attention as the model" in written.report()
+    activations = [sum(s.memory_bytes["activations"] for s in program.plan.stages)
+                   for program in (fused, written)]
+    assert activations[0] < activations[1]
+    code = "".join(fused.code().values())
+    assert code.count("scaled_dot_product_attention(") == 2 and "softmax" not in code
+    assert "softmax" in "".join(written.code().values())

@@ -1,0 +1,24 @@
+"""Fused attention (``TrainSpec(attention="fused")``) trains like the attention the model
+writes, run on one process: Llama (grouped-query attention) with tp=2, whose fused calls
+are sharded by heads, and GPT-2 with pp=2, one block recomputed selectively and one in
+full, under torchrun with gloo. Every block runs one ``scaled_dot_product_attention``.
+"""
+
+from __future__ import annotations
+
+from .test_parity import assert_trains_like_one_process, launched
+
+CASES = {"llama-tp2-fused": {"pp": 1, "dp": 1, "tp": 2},
+         "gpt2-pp2-fused-recompute": {"pp": 2, "dp": 1, "tp": 1}}
+
+fused_two = launched("fused_two", 2, list(CASES))
+
+
+def test_fused_attention_trains_like_one_process(fused_two: list[dict]) -> None:
+    for name, mesh in CASES.items():
+        for rank, results in enumerate(fused_two):
+            result = results[name]
+            assert_trains_like_one_process(rank, result)
+            assert result["mesh"] == mesh
+            # Both blocks of the 2-layer model on a tp rank; one per pipeline stage.
+            assert result["fused_attention"] == 2 // mesh["pp"], (name, rank)
