@@ -97,7 +97,7 @@ def _run_layer(gm: fx.GraphModule, nodes: list[fx.Node], fake_mode: FakeTensorMo
             current.append(node)
             before = counter.get_total_flops()
             args = fx.node.map_arg(node.args, value_of)
-            kwargs = fuse_attention.measured_kwargs(node, fx.node.map_arg(node.kwargs, value_of))
+            kwargs = fx.node.map_arg(node.kwargs, value_of)
             if node.op == "get_attr":
                 result = value_of(node)
             elif node.op == "call_module":
@@ -154,7 +154,7 @@ def _fetch(gm: fx.GraphModule, target: str) -> torch.Tensor:
 
 def _call(gm: fx.GraphModule, node: fx.Node, args: tuple, kwargs: dict) -> Any:
     if node.op == "call_function":
-        return node.target(*args, **kwargs)
+        return fuse_attention.measured(node)(*args, **kwargs)
     self_arg, *rest = args
     return getattr(self_arg, node.target)(*rest, **kwargs)
 

@@ -400,18 +400,28 @@ def is_fused(node: fx.Node) -> bool:
     return node.op == "call_function" and node.target is F.scaled_dot_product_attention
 
 
-def measured_kwargs(node: fx.Node, kwargs: dict) -> dict:
-    """The keyword arguments under which the estimate runs a fused call.
+def measured(node: fx.Node) -> Any:
+    """What the estimate calls to run ``node``: the node's own function, except for a
+    fused call, which it runs as :func:`fused_kernel`."""
+    return fused_kernel if is_fused(node) else node.target
 
-    On fake CPU tensors SDPA dispatches to the fused CPU kernel, which keeps q, k, v,
-    the output and the log-sum-exp (and ``attn_mask``) for backward, as the flash and
-    memory-efficient kernels do on a GPU — except with dropout, where the CPU falls back
-    to the math path and keeps the (seq x seq) probabilities and dropout mask of every
-    head. The GPU kernels draw dropout from a seed in forward and again in backward, so
-    they keep only that seed: measuring the call without dropout keeps what they keep
-    (less two scalars) and counts the same products.
+
+def fused_kernel(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                 attn_mask: torch.Tensor | None = None, dropout_p: float = 0.0,
+                 is_causal: bool = False, scale: float | None = None) -> torch.Tensor:
+    """``scaled_dot_product_attention`` as the estimate measures it: always the fused
+    CPU kernel, which keeps for backward what the flash and memory-efficient kernels keep
+    on a GPU — q, k, v, the output and the log-sum-exp (and ``attn_mask``).
+
+    Left to choose, SDPA on fake tensors would not always pick it: on the meta device
+    (a model planned without weights) and with dropout it takes the math path, which
+    keeps the (seq x seq) probabilities and dropout mask of every head. The GPU kernels
+    draw dropout from a seed, again in backward, so they keep only that seed: the kernel
+    is run without dropout, which keeps what they keep but two scalars, and counts the
+    same products.
     """
-    return {**kwargs, "dropout_p": 0.0} if is_fused(node) else kwargs
+    kernel = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+    return kernel(query, key, value, 0.0, is_causal, attn_mask=attn_mask, scale=scale)[0]
 
 
 def backward_recompute_flops(node: fx.Node, forward_flops: float) -> float:

@@ -202,3 +202,14 @@ def test_compile_plans_and_emits_the_attention_chosen() -> None:
     code = "".join(fused.code().values())
     assert code.count("scaled_dot_product_attention(") == 2 and "softmax" not in code
     assert "softmax" in "".join(written.code().values())
+
+
+def test_a_model_on_the_meta_device_is_measured_like_one_with_weights() -> None:
+    """Fake meta tensors would send SDPA to the math path; the estimate runs the kernel."""
+    ids = torch.randint(1, 128, (BATCH, SEQ))
+    _, real = analyze(_build("llama"), (ids,), attention="fused", full_trace=True)
+    with torch.device("meta"):
+        model = _build("llama")
+    _, planned = analyze(model, (ids.to("meta"),), attention="fused", full_trace=True)
+    assert [layer.saved_bytes for layer in planned.layers] == \
+        [layer.saved_bytes for layer in real.layers]
