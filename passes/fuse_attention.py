@@ -105,8 +105,9 @@ def fuse_attention(gm: fx.GraphModule, ctx: Context) -> fx.GraphModule:
 
 
 def count_fused(gm: fx.GraphModule) -> int:
-    """How many fused attention calls ``gm`` holds."""
-    return sum(1 for n in gm.graph.nodes if is_fused(n))
+    """How many ``F.scaled_dot_product_attention`` calls ``gm`` holds (this pass puts
+    in such calls; torch.export writes a model's own as the aten op)."""
+    return sum(1 for n in gm.graph.nodes if n.target is F.scaled_dot_product_attention)
 
 
 # ----------------------------------------------------------------------- matching
@@ -397,7 +398,11 @@ FLOP_FORMULAS = {torch.ops.aten._scaled_dot_product_flash_attention_for_cpu: _cp
 
 
 def is_fused(node: fx.Node) -> bool:
-    return node.op == "call_function" and node.target is F.scaled_dot_product_attention
+    """Whether ``node`` calls ``scaled_dot_product_attention`` (this pass's calls, a
+    model's own, or torch.export's aten op), with key/value heads as many as the query's."""
+    return node.op == "call_function" and node.target in (
+        F.scaled_dot_product_attention, torch.ops.aten.scaled_dot_product_attention.default
+    ) and not node.kwargs.get("enable_gqa", False)
 
 
 def measured(node: fx.Node) -> Any:
