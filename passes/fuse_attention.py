@@ -54,8 +54,6 @@ from .trace import Context
 
 log = logging.getLogger("partc")
 
-OPTIONS: tuple[str, ...] = ("as_written", "fused")
-
 
 @dataclass(frozen=True)
 class Match:
