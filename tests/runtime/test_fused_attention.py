@@ -1,7 +1,8 @@
 """Fused attention (``TrainSpec(attention="fused")``) trains like the attention the model
 writes, run on one process: Llama (grouped-query attention) with tp=2, whose fused calls
-are sharded by heads, and GPT-2 with pp=2, one block recomputed selectively and one in
-full, under torchrun with gloo. Every block runs one ``scaled_dot_product_attention``.
+are sharded by heads; the sample GPT (symbolic_trace) with tp=2, sequence parallelism and
+selective recompute; GPT-2 with pp=2, one block recomputed selectively and one in full;
+under torchrun with gloo. Every block runs one ``scaled_dot_product_attention``.
 """
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ from __future__ import annotations
 from .test_parity import assert_trains_like_one_process, launched
 
 CASES = {"llama-tp2-fused": {"pp": 1, "dp": 1, "tp": 2},
+         "gpt-tp2-sp-fused": {"pp": 1, "dp": 1, "tp": 2},
          "gpt2-pp2-fused-recompute": {"pp": 2, "dp": 1, "tp": 1}}
 
 fused_two = launched("fused_two", 2, list(CASES))

@@ -174,6 +174,9 @@ CASES["llama-dp2-tp2-zero1"] = Case(models.llama, "tokens", models.causal_lm_los
 CASES["llama-tp2-fused"] = Case(models.llama, "tokens", models.causal_lm_loss,
                                 dict(pp=1, tp=2, tp_objective="memory", recompute="none"),
                                 attention="fused")
+CASES["gpt-tp2-sp-fused"] = Case(gpt.gpt_tiny, "tokens", gpt.loss_fn,
+                                 dict(pp=1, tp=2, sequence_parallel=True, tp_objective="memory",
+                                      recompute="selective"), attention="fused")
 CASES["gpt2-pp2-fused-recompute"] = Case(_gpt2, "tokens", models.causal_lm_loss,
                                          dict(pp=2, schedule="1f1b", recompute=GPT2_MODES),
                                          attention="fused")
