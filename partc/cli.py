@@ -26,7 +26,7 @@ from .budget import DEFAULT_DEVICE, PRESETS, DeviceBudget
 from .errors import PartcError
 from .planner import PlannerOptions
 from .report import FORMATS
-from .spec import SCHEDULES, Constraints, TrainSpec
+from .spec import ATTENTION, SCHEDULES, Constraints, TrainSpec
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
           "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
@@ -79,6 +79,8 @@ def _train(args: argparse.Namespace, workload: dict[str, Any]) -> TrainSpec:
         overrides["dtype"] = DTYPES[args.dtype]
     if args.optimizer is not None:
         overrides["optimizer"] = args.optimizer
+    if args.attention is not None:
+        overrides["attention"] = args.attention
     return replace(train, **overrides)
 
 
@@ -102,6 +104,8 @@ def _parser() -> argparse.ArgumentParser:
     plan.add_argument("--micro-batch", type=int, help="samples per microbatch")
     plan.add_argument("--dtype", choices=sorted(DTYPES))
     plan.add_argument("--optimizer", choices=("sgd", "sgd-momentum", "adam", "adamw"))
+    plan.add_argument("--attention", choices=ATTENTION,
+                      help="run attention as written, or fused into one kernel call")
     plan.add_argument("--time-limit", type=float, default=30.0, help="solver seconds")
     plan.add_argument("--format", choices=FORMATS, default="text", help="printed report")
     plan.add_argument("--out", type=Path, help="directory for plan.json and report.md")

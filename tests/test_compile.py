@@ -139,10 +139,11 @@ def test_cli_plans_and_writes(tmp_path, capsys):
         "def make():\n"
         "    return gpt_tiny(), (torch.zeros(2, 16, dtype=torch.long),), loss_fn\n")
     code = main(["plan", f"{factory}:make", "--devices", "2", "--device", "CPU",
-                 "--pp", "2", "--out", str(tmp_path / "out"), "-q"])
+                 "--pp", "2", "--attention", "fused", "--out", str(tmp_path / "out"), "-q"])
     assert code == 0
     assert "partc plan" in capsys.readouterr().out
-    assert (tmp_path / "out" / "plan.json").exists()
+    saved = json.loads((tmp_path / "out" / "plan.json").read_text())
+    assert saved["train"]["attention"] == "fused"
     code = main(["plan", f"{factory}:make", "--devices", "2", "--device", "CPU",
                  "--memory", "1KiB", "-q"])
     assert code == 2 and "PlanInfeasibleError" in capsys.readouterr().err
