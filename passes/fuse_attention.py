@@ -26,6 +26,10 @@ dropout's probability when it trains, and the mask:
   scaled scores, as the written code does); a boolean ``masked_fill`` mask that is not
   causal is left alone, since a fully masked row differs between the two.
 
+A model's own SDPA call (Hugging Face's ``sdpa`` attention) whose mask is provably
+causal or keeps every position, by the same evaluation, loses the mask the same way:
+the flash kernels take ``is_causal`` but no mask, and a mask is kept for backward.
+
 Grouped-query attention's ``repeat_kv`` (expand + reshape of k and v) stays before the
 call: the kernel then sees as many key/value heads as query heads. Dropout inside the
 kernel draws its own mask, with the same distribution as the written dropout.
@@ -62,11 +66,12 @@ class Match:
     query: fx.Node
     key: fx.Node       # (..., seq_k, d): the operand before its transpose
     value: fx.Node
-    scale: float
-    mask: fx.Node | None      # additive mask passed as attn_mask (None when causal or none)
+    scale: float | None       # None: SDPA's own, 1 / sqrt(head dim)
+    mask: fx.Node | None      # passed as attn_mask (None when causal or none)
     is_causal: bool
     dropout_p: float
     chain: tuple[fx.Node, ...]  # the nodes the call replaces, the output product last
+    enable_gqa: bool = False
 
 
 class _NoMatch(Exception):
@@ -83,22 +88,28 @@ def fuse_attention(gm: fx.GraphModule, ctx: Context) -> fx.GraphModule:
     """
     reasons: set[str] = set()
     kinds: dict[fx.Node, str] = {}  # per mask node: one evaluation for every layer
-    fused = 0
-    for node in [n for n in gm.graph.nodes if _is(n, "softmax", "_softmax")]:
-        try:
-            match = _match(node, kinds)
-        except _NoMatch as why:
-            reasons.add(str(why))
-            continue
-        _rewrite(gm, match, ctx)
-        fused += 1
+    fused = unmasked = 0
+    for node in list(gm.graph.nodes):
+        if _is(node, "scaled_dot_product_attention"):
+            match = _unmasked(node, kinds)
+            if match is not None:
+                _rewrite(gm, match, ctx)
+                unmasked += 1
+        elif _is(node, "softmax", "_softmax"):
+            try:
+                match = _match(node, kinds)
+            except _NoMatch as why:
+                reasons.add(str(why))
+                continue
+            _rewrite(gm, match, ctx)
+            fused += 1
     for reason in sorted(reasons):
         log.info("attention left as written: %s", reason)
-    if fused:
+    if fused or unmasked:
         gm.graph.lint()
         gm.recompile()
-        log.info("fused %d attention%s into scaled_dot_product_attention", fused,
-                 "" if fused == 1 else "s")
+        log.info("fused %d attentions into scaled_dot_product_attention; %d of the "
+                 "model's own calls lost a causal or empty mask", fused, unmasked)
     return gm
 
 
@@ -187,6 +198,25 @@ def _match(softmax: fx.Node, kinds: dict[fx.Node, str]) -> Match:
                  is_causal=is_causal, dropout_p=dropout_p, chain=tuple(ordered))
 
 
+def _unmasked(call: fx.Node, kinds: dict[fx.Node, str]) -> Match | None:
+    """A model's own SDPA call whose mask is causal or keeps everything, as one without
+    (``is_causal``, which the flash kernels take, or no mask); None for any other."""
+    query, key, value, mask = (_arg(call, i, name) for i, name in
+                               enumerate(("query", "key", "value", "attn_mask")))
+    if not isinstance(mask, fx.Node) or _arg(call, 5, "is_causal", False):
+        return None
+    if mask not in kinds:
+        kinds[mask] = _mask_kind(mask, "keeps" if _val(mask).dtype == torch.bool
+                                 else "additive")
+    if kinds[mask] == "other" or (kinds[mask] == "causal" and
+                                  _val(query).shape[-2] != _val(key).shape[-2]):
+        return None
+    return Match(query=query, key=key, value=value, scale=call.kwargs.get("scale"),
+                 mask=None, is_causal=kinds[mask] == "causal",
+                 dropout_p=float(_arg(call, 4, "dropout_p", 0.0)), chain=(call,),
+                 enable_gqa=bool(call.kwargs.get("enable_gqa", False)))
+
+
 def _position(graph: fx.Graph):
     order = {node: i for i, node in enumerate(graph.nodes)}
     return order.__getitem__
@@ -233,13 +263,13 @@ def _mask(scores: fx.Node, chain: list[fx.Node], kinds: dict[fx.Node, str]
             raise _NoMatch("added mask is not a float tensor")
         chain.append(scores)
         if mask not in kinds:
-            kinds[mask] = _mask_kind(mask, additive=True)
+            kinds[mask] = _mask_kind(mask, "additive")
         return (mask if kinds[mask] == "other" else None, kinds[mask] == "causal", logits)
     if _is(scores, "masked_fill"):
         logits, fill, fill_value = scores.args[:3]
         chain.append(scores)
         if fill not in kinds:
-            kinds[fill] = _mask_kind(fill, additive=False)
+            kinds[fill] = _mask_kind(fill, "drops")
         if not _is_lowest(fill_value) or kinds[fill] == "other":
             raise _NoMatch("masked_fill mask not provably causal")
         return None, kinds[fill] == "causal", logits
@@ -277,23 +307,24 @@ def _is_lowest(fill: Any) -> bool:
 
 # ----------------------------------------------------------------- causal masks
 
-def _mask_kind(mask: fx.Node, *, additive: bool) -> str:
-    """``"causal"``, ``"none"`` (keeps every position) or ``"other"``: what ``mask``
-    (additive: 0 keeps, the lowest float drops; else a boolean ``masked_fill`` mask,
-    True drops) is, found by evaluating it when it depends on shapes only."""
+def _mask_kind(mask: fx.Node, meaning: str) -> str:
+    """``"causal"``, ``"none"`` (keeps every position) or ``"other"``: what ``mask`` is,
+    found by evaluating it when it depends on shapes only. ``meaning``: ``"additive"``
+    (0 keeps, the lowest float drops), ``"drops"`` (boolean, True drops: masked_fill's)
+    or ``"keeps"`` (boolean, True keeps: SDPA's)."""
     try:
         value = _evaluate(mask, {})
     except _NotConstant:
         return "other"
     if not isinstance(value, torch.Tensor) or value.dim() < 2:
         return "other"
-    if additive:
+    if meaning == "additive" and value.is_floating_point():
         keep = value == 0
         dropped = (value == -math.inf) | (value <= torch.finfo(value.dtype).min)
         if not (keep | dropped).all():
             return "other"
-    elif value.dtype == torch.bool:
-        keep = ~value
+    elif value.dtype == torch.bool and meaning != "additive":
+        keep = value if meaning == "keeps" else ~value
     else:
         return "other"
     if keep.all():
@@ -350,6 +381,8 @@ def _rewrite(gm: fx.GraphModule, match: Match, ctx: Context) -> None:
                               "scale": match.scale}
     if match.mask is not None:
         kwargs = {"attn_mask": match.mask, **kwargs}
+    if match.enable_gqa:
+        kwargs["enable_gqa"] = True
     with graph.inserting_before(output):
         call = graph.call_function(F.scaled_dot_product_attention,
                                    (match.query, match.key, match.value), kwargs)

@@ -23,8 +23,10 @@ def gpt2(n_layer: int = 2, n_embd: int = 64, vocab: int = 128, positions: int = 
 
 
 def llama(n_layer: int = 2, hidden: int = 64, heads: int = 4, kv_heads: int = 2,
-          intermediate: int = 128, vocab: int = 128, positions: int = 64):
-    """Llama with grouped-query attention (fewer key/value heads than query heads)."""
+          intermediate: int = 128, vocab: int = 128, positions: int = 64,
+          attention: str = "eager"):
+    """Llama with grouped-query attention (fewer key/value heads than query heads);
+    ``attention="sdpa"`` for Hugging Face's scaled_dot_product_attention instead."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     config = LlamaConfig(hidden_size=hidden, num_attention_heads=heads,
@@ -32,7 +34,7 @@ def llama(n_layer: int = 2, hidden: int = 64, heads: int = 4, kv_heads: int = 2,
                          vocab_size=vocab, num_hidden_layers=n_layer,
                          max_position_embeddings=positions, bos_token_id=0,
                          eos_token_id=0, pad_token_id=0, use_cache=False,
-                         attn_implementation="eager")
+                         attn_implementation=attention)
     return LlamaForCausalLM(config)
 
 

@@ -213,3 +213,19 @@ def test_a_model_on_the_meta_device_is_measured_like_one_with_weights() -> None:
     _, planned = analyze(model, (ids.to("meta"),), attention="fused", full_trace=True)
     assert [layer.saved_bytes for layer in planned.layers] == \
         [layer.saved_bytes for layer in real.layers]
+
+
+def test_a_models_own_causal_mask_becomes_is_causal() -> None:
+    """Llama with Hugging Face's sdpa attention passes a (batch, 1, seq, seq) boolean mask;
+    fused, the call takes is_causal instead and backward keeps no mask."""
+    torch.manual_seed(0)
+    model = models.llama(attention="sdpa")
+    ids = torch.randint(1, 128, (BATCH, SEQ))
+    gm = _fused(copy.deepcopy(model), ids)
+    assert [c.kwargs for c in _calls(gm)] == [{"dropout_p": 0.0, "is_causal": True,
+                                                "scale": 0.25}] * 2
+    torch.testing.assert_close(gm(ids)[0], model(ids).logits, rtol=1e-5, atol=1e-5)
+    _, fused = analyze(model, (ids,), attention="fused", full_trace=True)
+    _, written = analyze(model, (ids,), full_trace=True)
+    mask = SEQ * SEQ  # per sample: the CPU kernel keeps the boolean mask itself
+    assert _layer0(written).saved_bytes["none"] - _layer0(fused).saved_bytes["none"] == mask
