@@ -39,7 +39,7 @@ def dtype_bytes(dtype: torch.dtype) -> int:
 
 @dataclass(frozen=True, kw_only=True)
 class TrainSpec:
-    """The training setup: batch, precision, optimizer, schedule.
+    """The training setup: batch, precision, optimizer, schedule, attention.
 
     ``global_batch_size`` is in samples (sequences) per optimizer step, over all
     data-parallel replicas and microbatches. ``dtype=torch.bfloat16`` trains in mixed
@@ -50,6 +50,14 @@ class TrainSpec:
     ``max_grad_norm``: after each step's backward the runtime scales all gradients so
     that their global 2-norm (every parameter counted once, whatever holds it) is at
     most this, as ``torch.nn.utils.clip_grad_norm_`` does on one device.
+    ``attention="fused"`` runs attention written as matmul + softmax (with its scale,
+    mask and dropout) as one ``torch.nn.functional.scaled_dot_product_attention`` call,
+    which keeps q, k, v, the output and one log-sum-exp per row for backward instead of
+    the (seq x seq) probabilities of every head, and recomputes them in backward; a
+    model's own such call with a provably causal mask takes ``is_causal`` instead
+    (:mod:`partc.passes.fuse_attention` says which patterns and masks it rewrites). The
+    plan is costed, and the program runs, with the attention chosen here; the default,
+    ``"as_written"``, changes nothing.
     """
 
     global_batch_size: int
