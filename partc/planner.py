@@ -12,47 +12,64 @@ Inner model, for one configuration (all costs from :mod:`partc.costs`, integers)
 Sets
     layers ``l = 0..L-1`` in topological order; runs ``j = 0..pv-1`` (contiguous groups
     of layers; run ``j`` is on stage ``j mod p``, so with ``v = 1`` runs are stages);
-    stages ``s = 0..p-1``; recompute modes ``r`` allowed for layer ``l``; shared (tied)
-    parameter groups ``g`` with user layers ``U_g``. Below, ``j ~ s`` reads "run ``j`` is
-    on stage ``s``" and ``Y[l,s] = sum_{j ~ s} y[l,j]``.
+    stages ``s = 0..p-1``; segments ``k = 0..K-1``: maximal runs of consecutive layers
+    ``a_k..b_k`` (``n_k`` of them) with one cost row, one set of allowed recompute modes
+    ``r``, one set of shared (tied) parameter groups ``g`` using them, one pinned stage
+    and one cut row on the cuts between them: interchangeable layers, so the model
+    counts them instead of placing each (80 equal blocks are one segment). Below,
+    ``j ~ s`` reads "run ``j`` is on stage ``s``".
 Parameters
-    ``C[l,r]`` compute per microbatch (forward + backward + recompute); ``K[l,j]`` send/recv
-    time if cut ``l`` is the boundary between run ``j`` and ``j+1``; ``T_l``, ``T_g`` tail
-    time (optimizer step, ZeRO-1's gather); ``D_l``, ``D_g`` dp gradient all-reduce;
-    ``B_l`` backward per microbatch; ``W_l``, ``W_g`` parameter + gradient + optimizer
-    bytes; ``A[l,r]`` saved bytes per microbatch; ``X[l,r]`` transient bytes; ``f_s``
-    microbatches in flight on stage ``s`` (interleaved: runs of one microbatch, each
-    holding ``1/v`` of the stage's activations); ``M_s`` memory limit; ``S_g`` tied-gradient sync.
+    per segment, as for each of its layers: ``C[k,r]`` compute per microbatch (forward +
+    backward + recompute); ``T_k`` tail time (optimizer step, ZeRO-1's gather); ``D_k``
+    dp gradient all-reduce; ``B_k`` backward per microbatch; ``W_k`` parameter +
+    gradient + optimizer bytes; ``A[k,r]`` saved bytes per microbatch; ``X[k,r]``
+    transient bytes. ``I_k[j]`` / ``E_k[j]`` send/recv time when the boundary between run
+    ``j`` and ``j+1`` falls inside segment ``k`` / right after it; ``T_g``, ``D_g``,
+    ``W_g`` likewise per shared group; ``f_s`` microbatches in flight on stage ``s``
+    (interleaved: runs of one microbatch, each holding ``1/v`` of the stage's
+    activations); ``M_s`` memory limit; ``S_g`` tied-gradient sync.
 Variables
-    ``before[l][j]`` layer ``l`` sits in a run ``<= j`` (so ``y[l,j] = before[l][j] -
-    before[l][j-1]`` says it sits in ``j``); ``w[l,r]`` layer ``l`` uses mode ``r``;
-    ``x[l,j,r] = y[l,j] and w[l,r]``; ``h[g,s]`` stage ``s`` holds group ``g``;
-    ``peak_busy``; ``tail``; ``transient[s]``.
+    ``P[k,j]`` in ``0..n_k``: layers of segment ``k`` in runs ``<= j`` (so ``c[k,j] =
+    P[k,j] - P[k,j-1]`` sit in run ``j`` and ``N[k,s] = sum_{j ~ s} c[k,j]`` on stage
+    ``s``); booleans ``started[k,j] = [P[k,j] >= 1]``, ``finished[k,j] = [P[k,j] =
+    n_k]``; ``n[k,s,r]`` layers of ``k`` on ``s`` in mode ``r``, ``u[k,s,r]`` mode ``r``
+    used there; ``h[g,s]`` stage ``s`` holds group ``g``; ``peak_busy``; ``tail``;
+    ``transient[s]``. (A segment of one layer: ``P = started = finished`` is the
+    boolean "the layer sits in a run ``<= j``" and ``n = u``.)
 Objective
     minimise ``v m peak_busy + (sum_s busy_s - peak_busy) + v (tail + sum_g S_g (sum_s
     h[g,s] - 1))``, ``v`` times the step time (``v = 1``: ``(m - 1) peak_busy + sum_s
-    busy_s + ...``), where ``busy_s = sum_{j ~ s} (sum_{l,r} C[l,r] x[l,j,r] + sum_l
-    K[l,j] z[l,j])`` and ``z[l,j] = before[l][j] - before[l+1][j]`` (cut ``l`` is the
-    boundary ``j -> j+1``).
+    busy_s + ...``), where ``busy_s = sum_{k,r} C[k,r] n[k,s,r] + sum_{j ~ s, j < pv-1}
+    sum_k (I_k[j] (started[k,j] - finished[k,j]) + E_k[j] (finished[k,j] -
+    started[k+1,j]))``.
 Constraints
-    (1) every layer has exactly one mode: ``sum_r w[l,r] = 1``, ``sum_r x[l,j,r] =
-        y[l,j]``, ``x[l,j,r] <= w[l,r]``;
-    (2) contiguity: ``before`` is monotone (``before[l][j] >= before[l+1][j]``,
-        ``before[l][j] <= before[l][j+1]``), layer 0 in run 0, the last layer in run
-        ``pv - 1``, and every run holds a layer: ``sum_l y[l,j] >= 1``;
-    (3) with (2), ``z[l,j]`` is exactly "layer ``l`` ends run ``j``";
+    (1) every layer has exactly one mode: ``sum_r n[k,s,r] = N[k,s]``, ``n[k,s,r] <= n_k
+        u[k,s,r]``;
+    (2) contiguity: ``P[k,j] <= P[k,j+1]``, ``P[k,pv-1] = n_k``, ``started`` and
+        ``finished`` linked to ``P`` (``started <= P <= n_k started``, ``n_k finished <=
+        P <= n_k - 1 + finished``), a segment starts only after the previous one
+        finished: ``started[k+1,j] <= finished[k,j]``, and every run holds a layer:
+        ``sum_k c[k,j] >= 1``; layer ``l`` can only sit in runs ``pv-1-(L-1-l)..l``,
+        which bounds ``P``;
+    (3) with (2), the boundary ``j -> j+1`` falls inside segment ``k`` exactly when
+        ``started[k,j] - finished[k,j] = 1`` and right after it exactly when
+        ``finished[k,j] - started[k+1,j] = 1``: one of these terms is 1 for each ``j``;
     (4) ``peak_busy >= busy_s``;
-    (5) ``h[g,s] >= y[l,j]`` for ``l`` in ``U_g``, ``j ~ s``;
-    (6) ``tail >= sum_l T_l Y[l,s] + sum_g T_g h[g,s] + exposed[s]`` with
-        ``exposed[s] >= sum_l D_l Y[l,s] + sum_g D_g h[g,s] - sum_l B_l Y[l,s]``,
+    (5) ``n_k h[g,s] >= N[k,s]`` for segments ``k`` using ``g``;
+    (6) ``tail >= sum_k T_k N[k,s] + sum_g T_g h[g,s] + exposed[s]`` with
+        ``exposed[s] >= sum_k D_k N[k,s] + sum_g D_g h[g,s] - sum_k B_k N[k,s]``,
         ``exposed[s] >= 0``: the dp all-reduce ``D`` (ZeRO 0/1) overlaps the last
         microbatch's backward ``B`` of the stage;
-    (7) ``transient[s] >= X[l,r] x[l,j,r]`` for ``j ~ s``;
-    (8) memory: ``v (sum_l W_l Y[l,s] + sum_g W_g h[g,s] + transient[s]) + f_s sum_{j ~
-        s} sum_{l,r} A[l,r] x[l,j,r] <= v M_s``;
-    (9) pins: pinned stages fix ``before``, pinned recompute leaves one mode;
-    (10) symmetry: of two equal neighbouring layers in one run, the first takes the
-        heavier mode (none < selective < full): ``rank(l) >= rank(l+1) - 3 sum_j z[l,j]``.
+    (7) ``transient[s] >= X[k,r] u[k,s,r]``;
+    (8) memory: ``v (sum_k W_k N[k,s] + sum_g W_g h[g,s] + transient[s]) + f_s sum_{k,r}
+        A[k,r] n[k,s,r] <= v M_s``;
+    (9) pins: pinned stages fix ``P``, pinned recompute leaves one mode (segments never
+        straddle a change of either).
+
+The plan names each layer again: a segment's layers fill its runs in order, and on each
+stage take their modes heaviest first (full, selective, none). Every layer of a segment
+costs the same in any mode and any position, and the cuts inside it cost alike, so the
+model is exact: its optimum is the optimum over per-layer assignments.
 
 CP-SAT starts from a hint (:func:`incumbent`): the fastest modes split evenly into runs,
 then on each stage over its limit the cheapest recompute per byte saved until it fits,
@@ -64,7 +81,7 @@ from __future__ import annotations
 import functools
 import math
 import time
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 import dataclasses
 from dataclasses import dataclass
 from typing import Any, Sequence
@@ -370,27 +387,66 @@ def _allowed_modes(problem: PlanningProblem, layer: int) -> list[str]:
     return [pinned if pinned in cost.modes else "none"]
 
 
+@dataclass(frozen=True)
+class _Segment:
+    """Layers ``first..last`` (inclusive): one row, one set of allowed modes, one set of
+    shared groups using them, one pinned stage, and one cut row on every cut between
+    them. Its layers are interchangeable, so the model only counts them."""
+
+    first: int
+    last: int
+    modes: tuple[str, ...]
+    groups: frozenset[int]
+
+    @property
+    def size(self) -> int:
+        return self.last - self.first + 1
+
+
+def segments(problem: PlanningProblem, table: CostTable,
+             pinned: list[int] | None) -> list[_Segment]:
+    """The layers cut into maximal segments of equal neighbours (see :class:`_Segment`)."""
+    users = [frozenset(g for g, group in enumerate(table.shared) if l in group.layers)
+             for l in range(table.num_layers)]
+
+    def key(l: int) -> tuple:
+        return (table.layers[l], _allowed_modes(problem, l), users[l],
+                pinned[l] if pinned is not None else None)
+
+    found: list[_Segment] = []
+    first, current = 0, key(0)
+    for layer in range(1, table.num_layers + 1):
+        following = key(layer) if layer < table.num_layers else None
+        if following == current and (layer - 1 == first
+                                      or table.cut_ps[layer - 1] == table.cut_ps[first]):
+            continue
+        found.append(_Segment(first=first, last=layer - 1, modes=tuple(current[1]),
+                              groups=current[2]))
+        first, current = layer, following
+    return found
+
+
 class _ConfigModel:
     """The CP-SAT model of one configuration; one method per constraint group.
 
-    Stage membership is encoded by prefix variables ``before[l][s]`` = "layer ``l`` sits
-    on a stage ``<= s``", monotone in ``l`` and ``s``; then ``y[l,s] = before[l][s] -
-    before[l][s-1]`` and, with every stage non-empty, cut ``l`` is the boundary
-    ``s -> s+1`` exactly when ``z[l,s] = before[l][s] - before[l+1][s]`` is 1. This
-    interval encoding keeps the LP relaxation tight, which is what lets CP-SAT prove
-    optimality on long chains of identical blocks.
+    Run membership is encoded by prefix counts ``prefix[k][j]`` = "how many layers of
+    segment ``k`` sit in runs ``<= j``", monotone in ``j``, with the booleans
+    ``started[k][j]`` (some do) and ``finished[k][j]`` (all do). A segment of one layer
+    is the interval encoding of a single layer (its prefix is the boolean "before").
+    Counting interchangeable layers instead of naming them leaves CP-SAT one integer per
+    segment and run where it had a boolean per layer, run and mode, and none of the
+    equivalent orders of 128 equal blocks to search through.
     """
 
     def __init__(self, problem: PlanningProblem, table: CostTable,
                  pinned: list[int] | None) -> None:
         self.problem, self.table = problem, table
         self.model = cp_model.CpModel()
-        self.layers = range(table.num_layers)
-        self.stages = range(table.config.virtual_stages)   # runs of layers
+        self.segments = segments(problem, table, pinned)
+        self.runs = range(table.config.virtual_stages)
         self.ranks = range(table.config.pp)
-        self._add_stages(pinned)                     # (2), (9)
+        self._add_runs(pinned)                       # (2), (9)
         self._add_modes()                            # (1), (9)
-        self._break_symmetry()                       # (10)
         busy = self._add_busy()                      # (3), (4)
         held = self._add_holders()                   # (5)
         tail = self._add_tail(held)                  # (6)
@@ -402,95 +458,99 @@ class _ConfigModel:
         self.model.minimize(v * m * self.peak_busy + sum(busy) - self.peak_busy
                             + v * (tail + tie + table.tail_latency_ps))
 
-    def _add_stages(self, pinned: list[int] | None) -> None:
+    def _variable(self, low: int, high: int, name: str, boolean: bool = False):
+        """A constant when ``low == high``, else a new integer (or boolean) variable."""
+        if low == high:
+            return low
+        if boolean:
+            return self.model.new_bool_var(name)
+        return self.model.new_int_var(low, high, name)
+
+    def _add_runs(self, pinned: list[int] | None) -> None:
         last, p = self.table.num_layers - 1, self.table.config.virtual_stages
-        self.before = [[None] * p for _ in self.layers]
-        for layer in self.layers:
-            for stage in self.stages:
-                lowest, highest = max(0, p - 1 - (last - layer)), min(layer, p - 1)
+        self.prefix, self.started, self.finished = [], [], []
+        for k, seg in enumerate(self.segments):
+            prefix, started, finished = [], [], []
+            for run in self.runs:
+                # Layer l sits in a run between p - 1 - (last - l) and l (every run
+                # holds a layer); a pinned one in its stage.
+                low = seg.size if run == p - 1 else max(0, min(seg.last, run) - seg.first + 1)
+                high = max(0, min(seg.last, run + last - p + 1) - seg.first + 1)
                 if pinned is not None:
-                    lowest = highest = pinned[layer]
-                if stage >= highest:
-                    self.before[layer][stage] = 1
-                elif stage < lowest:
-                    self.before[layer][stage] = 0
-                else:
-                    self.before[layer][stage] = self.model.new_bool_var(
-                        f"layer{layer}_before_stage{stage + 1}")
-        for layer in self.layers:
-            for stage in self.stages:
-                if layer < last:
-                    self.model.add(self.before[layer][stage] >= self.before[layer + 1][stage])
-                if stage < p - 1:
-                    self.model.add(self.before[layer][stage] <= self.before[layer][stage + 1])
-        self._y = {}
-        for layer in self.layers:
-            for stage in self.stages:
-                prior = self.before[layer][stage - 1] if stage else 0
-                self._y[layer, stage] = self.before[layer][stage] - prior
-        for stage in self.stages:                   # every stage holds a layer
-            self.model.add(sum(self._y[l, stage] for l in self.layers) >= 1)
+                    low = high = seg.size if pinned[seg.first] <= run else 0
+                count = self._variable(low, high, f"segment{k}_in_runs_to{run}",
+                                       boolean=seg.size == 1)
+                prefix.append(count)
+                if seg.size == 1:
+                    started.append(count)
+                    finished.append(count)
+                    continue
+                started.append(self._variable(min(low, 1), min(high, 1),
+                                              f"segment{k}_started_by_run{run}", True))
+                finished.append(self._variable(int(low == seg.size), int(high == seg.size),
+                                               f"segment{k}_finished_by_run{run}", True))
+                self.model.add(count >= started[-1])
+                self.model.add(count <= seg.size * started[-1])
+                self.model.add(count >= seg.size * finished[-1])
+                self.model.add(count <= seg.size - 1 + finished[-1])
+            for run in self.runs[:-1]:
+                self.model.add(prefix[run] <= prefix[run + 1])
+            self.prefix.append(prefix)
+            self.started.append(started)
+            self.finished.append(finished)
+        for k in range(len(self.segments) - 1):    # segment k + 1 starts after k ends
+            for run in self.runs:
+                self.model.add(self.started[k + 1][run] <= self.finished[k][run])
+        for run in self.runs:                      # every run holds a layer
+            self.model.add(sum(self.in_run(k, run) for k in range(len(self.segments))) >= 1)
+        # N[k][s]: how many layers of segment k sit on rank s (in any of its runs)
+        self.on_rank = [[sum(self.in_run(k, run) for run in self.runs[rank::len(self.ranks)])
+                         for rank in self.ranks] for k in range(len(self.segments))]
 
-    def _on_rank(self, layer: int, rank: int):
-        """1 if ``layer`` sits on ``rank`` (in any of its runs)."""
-        return sum(self._y[layer, run] for run in self.stages[rank::len(self.ranks)])
-
-    def _rank_x(self, rank: int) -> list[tuple[int, str, Any]]:
-        """(layer, mode, x) of every run on ``rank``, constants 0 left out."""
-        return [(l, r, v) for run in self.stages[rank::len(self.ranks)]
-                for (l, r), v in self.x_by_run[run].items() if not isinstance(v, int) or v]
+    def in_run(self, k: int, run: int):
+        """How many layers of segment ``k`` sit in ``run``."""
+        return self.prefix[k][run] - (self.prefix[k][run - 1] if run else 0)
 
     def _add_modes(self) -> None:
-        self.x: dict[tuple[int, int, str], Any] = {}
-        self.mode_vars: dict[tuple[int, str], Any] = {}
-        for layer in self.layers:
-            modes = _allowed_modes(self.problem, layer)
-            if len(modes) == 1:
-                for stage in self.stages:
-                    self.x[layer, stage, modes[0]] = self._y[layer, stage]
-                self.mode_vars[layer, modes[0]] = 1
-                continue
-            chosen = {r: self.model.new_bool_var(f"layer{layer}_{r}") for r in modes}
-            self.model.add_exactly_one(chosen.values())
-            self.mode_vars.update({(layer, r): v for r, v in chosen.items()})
-            for stage in self.stages:
-                y = self._y[layer, stage]
-                if isinstance(y, int):
-                    for r, v in chosen.items():
-                        self.x[layer, stage, r] = v if y == 1 else 0
-                    continue
-                for r, v in chosen.items():
-                    on = self.model.new_bool_var(f"layer{layer}_stage{stage}_{r}")
-                    self.model.add(on >= y + v - 1)
-                    self.model.add(on <= v)
-                    self.x[layer, stage, r] = on
-                self.model.add(sum(self.x[layer, stage, r] for r in chosen) == y)
-        self.x_by_run: list[dict[tuple[int, str], Any]] = [{} for _ in self.stages]
-        for (layer, run, r), v in self.x.items():
-            self.x_by_run[run][layer, r] = v
+        """(1) ``count[s][k, r]`` layers of segment ``k`` on rank ``s`` use mode ``r``;
+        ``used[s][k, r]`` is 1 when any does (for the transient, (7))."""
+        self.count: list[dict[tuple[int, str], Any]] = [{} for _ in self.ranks]
+        self.used: list[dict[tuple[int, str], Any]] = [{} for _ in self.ranks]
+        for k, seg in enumerate(self.segments):
+            for rank in self.ranks:
+                total, count = self.on_rank[k][rank], self.count[rank]
+                if len(seg.modes) == 1 or isinstance(total, int) and total == 0:
+                    count.update({(k, r): total if r == seg.modes[0] else 0
+                                  for r in seg.modes})
+                else:
+                    split = [self.model.new_int_var(0, seg.size, f"segment{k}_rank{rank}_{r}")
+                             for r in seg.modes]
+                    self.model.add(sum(split) == total)
+                    count.update({(k, r): c for r, c in zip(seg.modes, split)})
+                for r in seg.modes:
+                    if isinstance(count[k, r], int):
+                        self.used[rank][k, r] = int(count[k, r] > 0)
+                        continue
+                    if seg.size == 1:
+                        self.used[rank][k, r] = count[k, r]    # already 0 or 1
+                        continue
+                    used = self.model.new_bool_var(f"segment{k}_rank{rank}_uses_{r}")
+                    self.model.add(count[k, r] <= seg.size * used)
+                    self.used[rank][k, r] = used
 
-    def _break_symmetry(self) -> None:
-        """(10) Equal neighbours in one run are interchangeable: the earlier one takes
-        the heavier recompute mode, so only how many of each mode a run holds is left
-        to search (a knapsack over 128 identical blocks has 3^128 equivalent orders)."""
-        rank = {mode: i for i, mode in enumerate(RECOMPUTE_MODES)}
-        table = self.table
-        for layer in self.layers[:-1]:
-            following = layer + 1
-            modes = [r for (l, r) in self.mode_vars if l == layer]
-            if (table.layers[layer] is not table.layers[following] or len(modes) < 2
-                    or modes != [r for (l, r) in self.mode_vars if l == following]):
-                continue
-
-            def heaviness(l: int):
-                return sum(rank[r] * self.mode_vars[l, r] for r in modes)
-
-            cut = sum(self.cut_expr(layer, run) for run in self.stages)   # 1: runs differ
-            self.model.add(heaviness(layer) >= heaviness(following)
-                           - len(RECOMPUTE_MODES) * cut)
-
-    def cut_expr(self, cut: int, stage: int):
-        return self.before[cut][stage] - self.before[cut + 1][stage]
+    def boundary_ps(self, run: int):
+        """(3) The send/recv time of the boundary ``run -> run + 1``: the segment's inner
+        cut where the boundary falls inside one, its last cut where it falls after it
+        (exactly one of the terms is 1 by (2))."""
+        table, cost = self.table, 0
+        for k, seg in enumerate(self.segments):
+            if seg.size > 1:
+                inside = self.started[k][run] - self.finished[k][run]
+                cost += table.cut_ps[seg.first][run] * inside
+            if k + 1 < len(self.segments):
+                after = self.finished[k][run] - self.started[k + 1][run]
+                cost += table.cut_ps[seg.last][run] * after
+        return cost
 
     def _add_busy(self) -> list:
         table, busy = self.table, []
@@ -499,26 +559,32 @@ class _ConfigModel:
         self.peak_busy = self.model.new_int_var(0, horizon, "peak_busy")
         last_run = table.config.virtual_stages - 1
         for rank in self.ranks:
-            compute = sum(table.layers[l].compute_ps(r) * v for l, r, v in self._rank_x(rank))
-            comm = sum(table.cut_ps[cut][run] * self.cut_expr(cut, run)
-                       for run in self.stages[rank::len(self.ranks)] if run < last_run
-                       for cut in range(table.num_layers - 1))
+            compute = sum(table.layers[self.segments[k].first].compute_ps(r) * count
+                          for (k, r), count in self.count[rank].items())
+            comm = sum(self.boundary_ps(run) for run in self.runs[rank::len(self.ranks)]
+                       if run < last_run)
             busy.append(compute + comm)
             self.model.add(self.peak_busy >= compute + comm)
         return busy
 
     def _add_holders(self) -> list[list]:
         held = []
-        for gi, group in enumerate(self.table.shared):
+        for gi in range(len(self.table.shared)):
             row = []
             for rank in self.ranks:
                 h = self.model.new_bool_var(f"shared{gi}_on_stage{rank}")
-                for layer in group.layers:
-                    for run in self.stages[rank::len(self.ranks)]:
-                        self.model.add(h >= self._y[layer, run])
+                for k, seg in enumerate(self.segments):
+                    if gi in seg.groups:
+                        self.model.add(self.on_rank[k][rank] <= seg.size * h)
                 row.append(h)
             held.append(row)
         return held
+
+    def _per_rank(self, rank: int, value) -> Any:
+        """``sum_k value(row of k) N[k, rank]``: a per-layer number summed over the
+        rank's layers."""
+        return sum(value(self.table.layers[seg.first]) * self.on_rank[k][rank]
+                   for k, seg in enumerate(self.segments))
 
     def _add_tail(self, held: list[list]):
         table = self.table
@@ -526,17 +592,16 @@ class _ConfigModel:
         sync_top = sum(r.sync_ps for r in rows)
         tail = self.model.new_int_var(0, sum(r.tail_ps for r in rows) + sync_top, "tail")
         for stage in self.ranks:
-            own = sum(table.layers[l].tail_ps * self._on_rank(l, stage) for l in self.layers)
+            own = self._per_rank(stage, lambda row: row.tail_ps)
             tied = sum(g.tail_ps * held[gi][stage] for gi, g in enumerate(table.shared))
             if not sync_top:
                 self.model.add(tail >= own + tied)
                 continue
             # (6') the dp all-reduce left after the last microbatch's backward
             exposed = self.model.new_int_var(0, sync_top, f"exposed_sync_stage{stage}")
-            sync = sum(table.layers[l].sync_ps * self._on_rank(l, stage) for l in self.layers)
+            sync = self._per_rank(stage, lambda row: row.sync_ps)
             sync += sum(g.sync_ps * held[gi][stage] for gi, g in enumerate(table.shared))
-            overlap = sum(table.layers[l].backward_ps * self._on_rank(l, stage)
-                          for l in self.layers)
+            overlap = self._per_rank(stage, lambda row: row.backward_ps)
             self.model.add(exposed >= sync - overlap)
             self.model.add(tail >= own + tied + exposed)
         return tail
@@ -556,12 +621,13 @@ class _ConfigModel:
         for stage in self.ranks:
             transient = self.model.new_int_var(0, top, f"transient_stage{stage}")
             saved = 0
-            for l, r, v in self._rank_x(stage):
-                saved += units(table.layers[l].saved_bytes[r]) * v
-                if table.layers[l].transient_bytes[r]:
-                    self.model.add(transient >= units(table.layers[l].transient_bytes[r]) * v)
-            state = sum(units(table.layers[l].state_total) * self._on_rank(l, stage)
-                        for l in self.layers)
+            for (k, r), count in self.count[stage].items():
+                row = table.layers[self.segments[k].first]
+                saved += units(row.saved_bytes[r]) * count
+                if row.transient_bytes[r]:
+                    self.model.add(transient >= units(row.transient_bytes[r])
+                                   * self.used[stage][k, r])
+            state = self._per_rank(stage, lambda row: units(row.state_total))
             state += sum(units(g.state_total) * held[gi][stage]
                          for gi, g in enumerate(table.shared))
             inflight = table.config.inflight(stage)
@@ -570,23 +636,50 @@ class _ConfigModel:
 
     def add_hint(self, hint: Assignment) -> None:
         """Start the search from ``hint`` (CP-SAT completes the auxiliary variables)."""
-        for layer in self.layers:
-            for run in self.stages:
-                variable = self.before[layer][run]
-                if not isinstance(variable, int):
-                    self.model.add_hint(variable, hint.stage_of[layer] <= run)
-            for (l, r), variable in self.mode_vars.items():
-                if l == layer and not isinstance(variable, int):
-                    self.model.add_hint(variable, hint.modes[layer] == r)
+        pp = self.table.config.pp
+        values: dict[int, tuple[Any, int]] = {}   # one hint per variable
+
+        def put(variable, value: int) -> None:
+            if isinstance(variable, cp_model.IntVar):   # not a constant or a sum
+                values[variable.index] = (variable, value)
+
+        for k, seg in enumerate(self.segments):
+            layers = range(seg.first, seg.last + 1)
+            per_run = Counter(hint.stage_of[l] for l in layers)
+            inside = 0
+            for run in self.runs:
+                inside += per_run[run]
+                put(self.prefix[k][run], inside)
+                put(self.started[k][run], int(inside > 0))
+                put(self.finished[k][run], int(inside == seg.size))
+            per_mode = Counter((hint.stage_of[l] % pp, hint.modes[l]) for l in layers)
+            for rank in self.ranks:
+                for r in seg.modes:
+                    put(self.count[rank][k, r], per_mode[rank, r])
+                    put(self.used[rank][k, r], int(per_mode[rank, r] > 0))
+        for variable, value in values.values():
+            self.model.add_hint(variable, value)
 
     def assignment(self, solver: cp_model.CpSolver) -> Assignment:
+        """Each segment's layers fill its runs in order; on each rank they take their
+        modes heaviest first (full, selective, none), which is deterministic."""
         def value(v) -> int:
             return v if isinstance(v, int) else int(solver.value(v))
 
-        stage_of = [sum(1 - value(self.before[l][s]) for s in self.stages)
-                    for l in self.layers]
-        modes = [next(r for (l2, r), v in self.mode_vars.items() if l2 == l and value(v))
-                 for l in self.layers]
+        pp = self.table.config.pp
+        stage_of: list[int] = []
+        modes: list[str] = []
+        for k, seg in enumerate(self.segments):
+            counts = [value(self.prefix[k][run]) for run in self.runs]
+            stage_of += [sum(1 for c in counts if c <= i) for i in range(seg.size)]
+            left = {(rank, r): value(self.count[rank][k, r])
+                    for rank in self.ranks for r in seg.modes}
+            for layer in range(seg.first, seg.last + 1):
+                rank = stage_of[layer] % pp
+                mode = next(r for r in reversed(RECOMPUTE_MODES)
+                            if r in seg.modes and left[rank, r])
+                left[rank, mode] -= 1
+                modes.append(mode)
         return Assignment(stage_of=tuple(stage_of), modes=tuple(modes))
 
 

@@ -91,7 +91,7 @@ def brute_force(prob: PlanningProblem) -> tuple[int, PipelineConfig, list[int], 
     best = None
     n, num_layers = prob.devices.num_devices, prob.num_layers
     for pp in range(1, min(n, num_layers) + 1):
-        if n % pp or prob.train.global_batch_size % (n // pp):
+        if n % pp or prob.train.global_batch_size % (n // pp) or prob.pins.pp not in (None, pp):
             continue
         dp = n // pp
         for b in prob.train.micro_batch_sizes:
@@ -115,14 +115,67 @@ def brute_force(prob: PlanningProblem) -> tuple[int, PipelineConfig, list[int], 
     return best
 
 
+def _modes(prob: PlanningProblem, cost: LayerCost) -> tuple[str, ...]:
+    """The modes a layer may take: its own, or the pinned one ("none" for a pinned
+    "selective" on a layer without a selective mode)."""
+    pinned = prob.pins.recompute.get(cost.name)
+    if pinned is None:
+        return cost.modes
+    return (pinned if pinned in cost.modes else "none",)
+
+
 def _best_split(prob: PlanningProblem, config: PipelineConfig, best):
     """``best`` improved by any split of the layers into the config's runs."""
     table = build_cost_table(prob, config)
     num_layers = prob.num_layers
     for starts in itertools.combinations(range(1, num_layers), config.virtual_stages - 1):
         stage_of = [sum(1 for s in starts if s <= l) for l in range(num_layers)]
-        for modes in itertools.product(*(l.modes for l in prob.layers)):
+        for modes in itertools.product(*(_modes(prob, l) for l in prob.layers)):
             ev = evaluate(table, stage_of, modes)
             if ev.fits and (best is None or ev.step_ps < best[0]):
                 best = (ev.step_ps, config, stage_of, list(modes))
     return best
+
+
+def repeated_problem(rng: random.Random) -> PlanningProblem:
+    """A model of equal blocks between an embedding and a head, as the planner's
+    segments see real models: sometimes one block differs, one inner cut differs, a
+    block's recompute is pinned, the embedding and head are tied, or every block shares
+    one parameter (ALBERT's way)."""
+    num_blocks = rng.randint(3, 5)
+    block = dict(flops=rng.choice([5e8, 1e9]), params=rng.choice([1000, 5000]),
+                 saved=rng.choice([8e3, 3e4]), full=500.0,
+                 selective=4e3 if num_blocks < 5 and rng.random() < 0.4 else None,
+                 workspace=2000.0)
+    layers = [layer("emb", flops=1e8, params=8000, saved=2e3, workspace=100.0)]
+    layers += [layer(f"block{i}", **block, signature="block") for i in range(num_blocks)]
+    if rng.random() < 0.3:   # one block of another size in the middle
+        middle = 1 + num_blocks // 2
+        layers[middle] = layer(f"block{middle - 1}", **{**block, "flops": 3e9})
+    layers.append(layer("head", flops=2e9, params=8000, saved=6e3, workspace=4000.0))
+    inner = rng.choice([0.0, 1e5, 1e6])
+    cuts = [1e4] + [inner] * (num_blocks - 1) + [3e4]
+    if rng.random() < 0.2:   # one cut inside the blocks carries more
+        cuts[rng.randint(1, num_blocks - 1)] = 2e6
+    shared: tuple[SharedParam, ...] = ()
+    draw = rng.random()
+    if draw < 0.25:
+        shared = (SharedParam(name="wte", fqns=("emb.weight", "head.weight"),
+                              param_count=8000, param_bytes=32000,
+                              layers=(0, len(layers) - 1)),)
+    elif draw < 0.45:
+        shared = (SharedParam(name="blocks", fqns=("block.weight",), param_count=4000,
+                              param_bytes=16000, layers=tuple(range(1, num_blocks + 1))),)
+    recompute = {f"block{rng.randint(0, num_blocks - 1)}": rng.choice(["none", "full"])
+                 } if rng.random() < 0.3 else {}
+    num_devices = rng.choice([2, 4])
+    # Half of them a pure pipeline, where blocks share stages; some interleaved.
+    layout = rng.choice([{}, {"pp": num_devices}, {"pp": num_devices},
+                         {"pp": 2, "schedule": "interleaved-1f1b"}])
+    pins = Pins(recompute=recompute, **layout)
+    total = sum(16 * l.param_count + 4 * l.saved_bytes["none"] for l in layers)
+    memory = int(total * rng.choice([0.7, 1.0, 1.5, 3.0]) / num_devices) + 20000
+    return problem(layers, cuts,
+                   devices(num_devices, memory, bandwidth=rng.choice([1e8, 1e10]),
+                           node=rng.choice([2, 8])),
+                   batch=rng.choice([2, 4]), shared=shared, pins=pins)

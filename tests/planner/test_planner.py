@@ -13,7 +13,7 @@ from partc.planner import solve
 from partc.problem import Pins, SharedParam
 from partc.validate import validate_plan
 
-from .instances import brute_force, devices, layer, problem, random_problem
+from .instances import brute_force, devices, layer, problem, random_problem, repeated_problem
 
 # peak 1e12 FLOP/s, efficiency 1: a layer of 1e9 forward FLOPs takes 1 ms forward and
 # 2 ms backward; the optimizer touches 2*4 + 4 + 2*8 = 28 bytes per parameter at 1 TB/s.
@@ -267,3 +267,62 @@ def test_lower_bound_never_exceeds_a_configurations_optimum():
                 assert lower_bound(table) <= best
                 checked += 1
     assert checked > 50
+
+
+def test_equal_blocks_form_one_segment():
+    from partc.costs import PipelineConfig, build_cost_table
+    from partc.planner import segments
+
+    blocks = [layer(f"b{i}", signature="block") for i in range(6)]
+    layers = [layer("emb", flops=1e8), *blocks, layer("head", flops=2e9)]
+    config = PipelineConfig(pp=2, dp=1, micro_batch_size=1, num_microbatches=2,
+                            schedule="1f1b")
+
+    def spans(prob, pinned=None):
+        table = build_cost_table(prob, config)
+        return [(s.first, s.last) for s in segments(prob, table, pinned)]
+
+    cuts = [1e4] + [1e5] * 5 + [1e4]
+    assert spans(problem(layers, cuts, devices(2, 10**9))) == [(0, 0), (1, 6), (7, 7)]
+    # A cut of another size, a pinned mode or a pinned stage boundary breaks the blocks.
+    cuts[3] = 2e5
+    assert spans(problem(layers, cuts, devices(2, 10**9))) == [
+        (0, 0), (1, 3), (4, 6), (7, 7)]
+    cuts[3] = 1e5
+    pinned = problem(layers, cuts, devices(2, 10**9), pins=Pins(recompute={"b2": "full"}))
+    assert spans(pinned) == [(0, 0), (1, 2), (3, 3), (4, 6), (7, 7)]
+    assert spans(problem(layers, cuts, devices(2, 10**9)), [0] * 5 + [1] * 3) == [
+        (0, 0), (1, 4), (5, 6), (7, 7)]
+
+
+def test_equal_blocks_take_the_heavier_mode_first():
+    # Four equal blocks on one stage, 1 MB saved each, 2.5 MB free: recomputing one
+    # rematerialises its 1 MB in backward, so three recompute (1 MB kept + 1 MB); any
+    # three would do, and the plan names the first three.
+    layers = [layer(f"b{i}", params=0, saved=1e6, full=0.0, workspace=0.0)
+              for i in range(4)]
+    prob = problem(layers, [0.0] * 3, devices(1, 2_500_000))
+    plan = plan_problem(prob)
+    assert plan.recompute == {"b0": "full", "b1": "full", "b2": "full", "b3": "none"}
+    assert plan.solver.status == "OPTIMAL"
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_repeated_blocks_plan_equals_brute_force(seed):
+    """Models of equal blocks (the planner counts them per segment instead of placing
+    each): its plan equals the per-layer brute-force optimum, with blocks broken by a
+    different block, a different cut or a pin, and tied parameters."""
+    rng = random.Random(200 + seed)
+    feasible = 0
+    for _ in range(12):
+        prob = repeated_problem(rng)
+        checked = _plan_and_oracle(prob)
+        if checked is None:
+            continue
+        feasible += 1
+        plan, evaluation, oracle = checked
+        assert evaluation.step_ps >= oracle[0]
+        if evaluation.step_ps > oracle[0]:   # see test_plan_equals_brute_force
+            assert _memory_slack_in_units(prob, oracle) < 4 * (prob.num_layers + 2)
+        assert plan.solver.status == "OPTIMAL" and plan.solver.gap == 0.0
+    assert feasible >= 8
