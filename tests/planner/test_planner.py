@@ -326,3 +326,23 @@ def test_repeated_blocks_plan_equals_brute_force(seed):
             assert _memory_slack_in_units(prob, oracle) < 4 * (prob.num_layers + 2)
         assert plan.solver.status == "OPTIMAL" and plan.solver.gap == 0.0
     assert feasible >= 8
+
+
+def test_min_max_split_equals_every_split():
+    import itertools
+
+    from partc.planner import _min_max_split
+
+    rng = random.Random(5)
+    for _ in range(300):
+        costs = []
+        while len(costs) < 7:   # stretches of equal costs, as equal blocks give
+            costs += [rng.choice([0, 1, 2, 5, 8])] * rng.randint(1, 4)
+        costs = tuple(costs[:rng.randint(1, 7)])
+        if not any(costs):
+            continue
+        parts = rng.randint(1, len(costs))
+        best = min(max(sum(costs[a:b]) for a, b in zip((0, *cuts), (*cuts, len(costs))))
+                   for used in range(parts)
+                   for cuts in itertools.combinations(range(1, len(costs)), used))
+        assert _min_max_split(costs, parts) == best
