@@ -78,6 +78,7 @@ so it holds a plan at once; if CP-SAT finds nothing better in time, that is the 
 
 from __future__ import annotations
 
+import bisect
 import functools
 import math
 import time
@@ -760,27 +761,32 @@ def _recompute_until_it_fits(table: CostTable, stage: int, members: list[int],
     state += sum(g.state_total for g in table.shared if any(l in members for l in g.layers))
     saved = sum(rows[l].saved_bytes[modes[l]] for l in members)
     transient = max(rows[l].transient_bytes[modes[l]] for l in members)
+    # Equal layers in equal modes offer the same change: each such group offers it once,
+    # by its first layer (members are in order), so 128 equal blocks cost one look.
+    groups: dict[tuple, list[int]] = {}
+    for l in members:
+        groups.setdefault((id(rows[l]), modes[l], tuple(allowed[l])), []).append(l)
     while state + config.activations(stage, saved) + transient > table.limits[stage]:
         best = None
-        seen = set()
-        for l in members:
-            key = (id(rows[l]), modes[l])
-            if key in seen:        # equal layers in equal modes offer the same change
+        for (_, current, options), layers in groups.items():
+            if not layers:
                 continue
-            seen.add(key)
-            for mode in allowed[l]:
-                freed = rows[l].saved_bytes[modes[l]] - rows[l].saved_bytes[mode]
+            l = layers[0]
+            for mode in options:
+                freed = rows[l].saved_bytes[current] - rows[l].saved_bytes[mode]
                 if freed <= 0:
                     continue
-                extra = rows[l].compute_ps(mode) - rows[l].compute_ps(modes[l])
-                ratio = extra / freed
-                if best is None or ratio < best[0]:
+                ratio = (rows[l].compute_ps(mode) - rows[l].compute_ps(current)) / freed
+                if best is None or (ratio, l) < best[:2]:
                     best = (ratio, l, mode)
         if best is None:
             return
         _, layer, mode = best
         saved -= rows[layer].saved_bytes[modes[layer]] - rows[layer].saved_bytes[mode]
         transient = max(transient, rows[layer].transient_bytes[mode])
+        options = tuple(allowed[layer])
+        groups[id(rows[layer]), modes[layer], options].pop(0)
+        bisect.insort(groups.setdefault((id(rows[layer]), mode, options), []), layer)
         modes[layer] = mode
 
 
