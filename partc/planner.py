@@ -486,6 +486,11 @@ class _ConfigModel:
             return self.model.new_bool_var(name)
         return self.model.new_int_var(low, high, name)
 
+    def _require(self, constraint) -> None:
+        """Add ``constraint``, unless both its sides are constants and it holds."""
+        if constraint is not True:
+            self.model.add(constraint)
+
     def _add_runs(self, pinned: list[int] | None) -> None:
         last, p = self.table.num_layers - 1, self.table.config.virtual_stages
         self.prefix, self.started, self.finished = [], [], []
@@ -509,20 +514,20 @@ class _ConfigModel:
                                               f"segment{k}_started_by_run{run}", True))
                 finished.append(self._variable(int(low == seg.size), int(high == seg.size),
                                                f"segment{k}_finished_by_run{run}", True))
-                self.model.add(count >= started[-1])
-                self.model.add(count <= seg.size * started[-1])
-                self.model.add(count >= seg.size * finished[-1])
-                self.model.add(count <= seg.size - 1 + finished[-1])
+                self._require(count >= started[-1])
+                self._require(count <= seg.size * started[-1])
+                self._require(count >= seg.size * finished[-1])
+                self._require(count <= seg.size - 1 + finished[-1])
             for run in self.runs[:-1]:
-                self.model.add(prefix[run] <= prefix[run + 1])
+                self._require(prefix[run] <= prefix[run + 1])
             self.prefix.append(prefix)
             self.started.append(started)
             self.finished.append(finished)
         for k in range(len(self.segments) - 1):    # segment k + 1 starts after k ends
             for run in self.runs:
-                self.model.add(self.started[k + 1][run] <= self.finished[k][run])
+                self._require(self.started[k + 1][run] <= self.finished[k][run])
         for run in self.runs:                      # every run holds a layer
-            self.model.add(sum(self.in_run(k, run) for k in range(len(self.segments))) >= 1)
+            self._require(sum(self.in_run(k, run) for k in range(len(self.segments))) >= 1)
         # N[k][s]: how many layers of segment k sit on rank s (in any of its runs)
         self.on_rank = [[sum(self.in_run(k, run) for run in self.runs[rank::len(self.ranks)])
                          for rank in self.ranks] for k in range(len(self.segments))]
