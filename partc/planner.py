@@ -407,7 +407,7 @@ def _allowed_modes(problem: PlanningProblem, layer: int) -> list[str]:
     return [pinned if pinned in cost.modes else "none"]
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class _Segment:
     """Layers ``first..last`` (inclusive): one row, one set of allowed modes, one set of
     shared groups using them, one pinned stage, and one cut row on every cut between
