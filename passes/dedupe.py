@@ -337,20 +337,28 @@ def _check_params(gm: fx.GraphModule, blocks: dict[int, _Block]) -> None:
 def _check_kinds(gm: fx.GraphModule, blocks: dict[int, _Block]) -> None:
     """Kept blocks of one kind must measure alike, or the copies would be guesses.
 
-    The last block stands only for itself and may be followed by code of the model's
-    own that joins its layer (a residual around the whole stack): for it, only the
-    nodes the block itself runs are compared."""
+    The first and the last block stand only for themselves, and only the nodes each
+    runs itself are compared with the others': the last may be followed by code of the
+    model's own that joins its layer (a residual around the whole stack), and the first
+    may read a value from before the stack besides its input, which ``estimate``
+    charges to the value's maker when a later layer reads it too (a skip connection).
+    The blocks between are compared whole."""
     costs, infos = meta.layer_costs(gm), meta.layers(gm)
-    first: dict[tuple, tuple[Any, list]] = {}
+    first: dict[tuple, list] = {}
+    between: dict[tuple, Any] = {}
     for index, block in sorted(blocks.items()):
         repeat = block.repeat
         own = _own_node_costs(gm, infos[index], repeat.prefix(block.position))
-        cost = dataclasses.replace(costs[index], name="")
         key = (repeat.container, repeat.kinds[block.position])
         if key not in first:
-            first[key] = (cost, own)
-        elif (first[key][1] != own if block.position == len(repeat.kept) - 1
-              else first[key][0] != cost):
+            first[key] = own
+            continue
+        if block.position == len(repeat.kept) - 1:
+            alike = first[key] == own
+        else:
+            cost = dataclasses.replace(costs[index], name="")
+            alike = between.setdefault(key, cost) == cost and first[key] == own
+        if not alike:
             raise Mismatch(f"blocks of one structure measure differently "
                            f"({costs[index].name})")
 

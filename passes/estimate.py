@@ -8,6 +8,11 @@ storage is attributed to the node that *produced* it. Selective recompute is cos
 the runtime runs it: the layer's inputs and every compute-heavy node's output are kept,
 the rest is rerun.
 
+A value that several later layers read (Llama's attention mask and rotary cos/sin, made
+once and read by every block) is held once, not once per reader: it is charged to the
+layer that makes it, in every recompute mode, and to none of its readers (see
+:func:`_shared_values`).
+
 Layers with the same signature (``transformer.h.0`` … ``h.N``) are measured once and the
 numbers copied, which keeps a 32-layer 8B model to a handful of layer runs.
 """
@@ -28,7 +33,7 @@ from partc import meta
 from partc.problem import LayerCost
 
 from . import fuse_attention
-from .layers import layer_nodes
+from .layers import carries_grad, layer_nodes
 from .trace import Context
 
 
@@ -38,7 +43,7 @@ class _LayerRun:
 
     costs: dict[fx.Node, meta.NodeCost] = field(default_factory=dict)
     saved: dict[StorageWeakRef, tuple[int, fx.Node]] = field(default_factory=dict)
-    input_bytes: int = 0
+    inputs: dict[fx.Node, int] = field(default_factory=dict)   # values read from outside
 
 
 def estimate(gm: fx.GraphModule, ctx: Context) -> fx.GraphModule:
@@ -51,6 +56,8 @@ def estimate(gm: fx.GraphModule, ctx: Context) -> fx.GraphModule:
     """
     fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
     usage = param_usage(gm, ctx)
+    with_grad = carries_grad(gm)
+    shared = _shared_values(gm)
     measured: dict[str, tuple[meta.LayerInfo, _LayerRun]] = {}
     costs = []
     for info in meta.layers(gm):
@@ -59,16 +66,17 @@ def estimate(gm: fx.GraphModule, ctx: Context) -> fx.GraphModule:
             first, run = measured[info.signature]
             run = _copy_run(run, layer_nodes(gm, first), nodes)
         else:
-            run = _run_layer(gm, nodes, fake_mode)
+            run = _run_layer(gm, nodes, fake_mode, with_grad)
             measured[info.signature] = (info, run)
         for node, node_cost in run.costs.items():
             meta.set_cost(node, node_cost)
-        costs.append(_layer_cost(info, nodes, run, usage, ctx.batch_size))
+        costs.append(_layer_cost(info, nodes, run, usage, ctx.batch_size, shared))
     meta.set_layer_costs(gm, tuple(costs))
     return gm
 
 
-def _run_layer(gm: fx.GraphModule, nodes: list[fx.Node], fake_mode: FakeTensorMode) -> _LayerRun:
+def _run_layer(gm: fx.GraphModule, nodes: list[fx.Node], fake_mode: FakeTensorMode,
+               with_grad: set[fx.Node]) -> _LayerRun:
     run = _LayerRun()
     members = set(nodes)
     env: dict[fx.Node, Any] = {}
@@ -85,9 +93,10 @@ def _run_layer(gm: fx.GraphModule, nodes: list[fx.Node], fake_mode: FakeTensorMo
 
     def value_of(node: fx.Node) -> Any:
         if node not in env:
-            env[node] = _outside_value(gm, node, fake_mode, frozen, producer)
+            env[node] = _outside_value(gm, node, fake_mode, frozen, producer,
+                                       node in with_grad)
             if node not in members and node.op != "get_attr":
-                run.input_bytes += meta.output_bytes(node)
+                run.inputs[node] = meta.output_bytes(node)
         return env[node]
 
     counter = FlopCounterMode(display=False, custom_mapping=fuse_attention.FLOP_FORMULAS)
@@ -112,8 +121,11 @@ def _run_layer(gm: fx.GraphModule, nodes: list[fx.Node], fake_mode: FakeTensorMo
 
 
 def _outside_value(gm: fx.GraphModule, node: fx.Node, fake_mode: FakeTensorMode,
-                   frozen: set, producer: dict) -> Any:
-    """A fresh fake stand-in for a value the layer reads: a parameter or an input."""
+                   frozen: set, producer: dict, requires_grad: bool) -> Any:
+    """A fresh fake stand-in for a value the layer reads: a parameter or an input. An
+    input requires grad only where the runtime's does (``requires_grad``: it depends on
+    a trainable parameter, :func:`partc.passes.layers.carries_grad`): what autograd saves
+    depends on it (a product saves each factor only for the other's gradient)."""
     if node.op == "get_attr":
         value = _fetch(gm, str(node.target))
         if not isinstance(value, torch.Tensor):
@@ -126,7 +138,7 @@ def _outside_value(gm: fx.GraphModule, node: fx.Node, fake_mode: FakeTensorMode,
         tensor = torch.empty_strided(tuple(value.shape), tuple(value.stride()),
                                      dtype=value.dtype, device=value.device)
         producer[StorageWeakRef(tensor.untyped_storage())] = node
-        return tensor.requires_grad_(tensor.is_floating_point())
+        return tensor.requires_grad_(requires_grad and tensor.is_floating_point())
 
     return pytree.tree_map_only(torch.Tensor, fresh, node.meta.get("val"))
 
@@ -209,7 +221,7 @@ def _copy_run(run: _LayerRun, source: list[fx.Node], target: list[fx.Node]) -> _
     mapping = dict(zip(source, target))
     # Values from outside the layer map by order of first use (same signature, same order).
     mapping.update(zip(_external_inputs(source), _external_inputs(target)))
-    copied = _LayerRun(input_bytes=run.input_bytes)
+    copied = _LayerRun(inputs={mapping[node]: size for node, size in run.inputs.items()})
     copied.costs = {mapping[node]: cost for node, cost in run.costs.items()
                     if node.op != "get_attr"}
     copied.costs.update({node: _FETCH_COST for node in fetches})
@@ -226,17 +238,37 @@ def _external_inputs(nodes: list[fx.Node]) -> list[fx.Node]:
     return list(seen)
 
 
+def _shared_values(gm: fx.GraphModule) -> set[fx.Node]:
+    """Values read by two or more layers besides the one that makes them (inputs count as
+    made by the first layer). A stage holds such a value once whichever of its layers
+    keep it, so it is charged to its maker alone: exact for the stage that makes it; a
+    later stage that reads it holds it in the pipeline's receive buffers, which are not
+    modelled per stage either."""
+    shared = set()
+    for node in gm.graph.nodes:
+        if node.op in ("get_attr", "output") or meta.LAYER not in node.meta:
+            continue
+        readers = {meta.layer(user).index for user in node.users} - {meta.layer(node).index}
+        if len(readers) >= 2:
+            shared.add(node)
+    return shared
+
+
 def _layer_cost(info: meta.LayerInfo, nodes: list[fx.Node], run: _LayerRun,
-                usage: dict, batch: int) -> LayerCost:
+                usage: dict, batch: int, shared: set[fx.Node]) -> LayerCost:
     heavy = {n for n in nodes if run.costs[n].compute_heavy}
     flops = sum(run.costs[n].flops for n in nodes)
     light_bytes = sum(run.costs[n].bytes_moved for n in nodes if n not in heavy)
-    saved_all = sum(size for size, _ in run.saved.values())
+    # Shared values: made here, held in every mode; read here, charged to their maker.
+    held = sum(meta.output_bytes(n) for n in shared if meta.layer(n).index == info.index)
+    input_bytes = sum(size for node, size in run.inputs.items() if node not in shared)
+    saved_all = held + sum(size for size, node in run.saved.values() if node not in shared)
     # Selective recompute as the runtime does it (partc.runtime.recompute): the layer's
     # inputs and the output of every compute-heavy node are kept, whether backward reads
     # it or not (attention scores too), and every light node is rerun.
-    kept = run.input_bytes + sum(run.costs[n].output_bytes for n in heavy)
-    saved = {"none": saved_all, "full": run.input_bytes}
+    kept = held + input_bytes + sum(run.costs[n].output_bytes for n in heavy
+                                    if n not in shared)
+    saved = {"none": saved_all, "full": held + input_bytes}
     rec_flops = {"none": 0.0, "full": flops}
     rec_bytes = {"none": 0.0, "full": light_bytes}
     if kept < saved_all:

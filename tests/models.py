@@ -90,6 +90,23 @@ class LongSkip(nn.Module):
         return self.head(h + skip)
 
 
+class SharedScale(nn.Module):
+    """A value no parameter feeds, made once and read by every block (like Llama's rotary
+    cos/sin): each block multiplies its linear's output by it."""
+
+    def __init__(self, width: int = 8, depth: int = 3) -> None:
+        super().__init__()
+        self.stem = nn.Linear(width, width)
+        self.blocks = nn.ModuleList(nn.Linear(width, width) for _ in range(depth))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.stem(x)
+        scale = torch.cos(x)
+        for block in self.blocks:
+            h = block(h) * scale
+        return h
+
+
 class CalledTwice(nn.Module):
     """One module applied twice with another in between: three layers, shared weights."""
 

@@ -72,3 +72,17 @@ def test_identical_layers_are_measured_once_and_copied():
     for node in gm.graph.nodes:
         if node.op.startswith("call_"):
             assert meta.cost(node) is not None
+
+
+def test_value_read_by_every_block_is_held_once_by_its_maker():
+    """``cos(x)`` depends on no parameter, so it carries no gradient: each block's product
+    saves it (for the linear's gradient) but not the linear's output, as at run time.
+    Every block reads it and the model holds it once: the stem, which makes it, is charged
+    for it in every mode (x for its linear, cos(x) held), the blocks only for their own
+    input (8 fp32 each, per sample)."""
+    for full_trace in (True, False):
+        _, analysis = analyze(models.SharedScale(), (torch.randn(B, 8),),
+                              full_trace=full_trace)
+        stem, *blocks, _ = analysis.layers
+        assert stem.saved_bytes == {"none": 2 * 8 * 4, "full": 2 * 8 * 4}
+        assert [block.saved_bytes for block in blocks] == [{"none": 8 * 4, "full": 8 * 4}] * 3
