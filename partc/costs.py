@@ -32,7 +32,8 @@ Model (per pipeline stage ``s`` of ``p``, ``m`` microbatches of ``b`` samples):
 - memory of stage ``s``: parameters + gradients + optimizer state of every parameter the
   stage uses (a tied parameter on every stage that uses it) + saved activations times the
   microbatches in flight (1F1B: ``min(m, p - s)``; GPipe: ``m``) + the largest transient
-  working set of one layer (for a recomputed layer: what recompute rematerialises).
+  working set of one layer (for a recomputed layer: what recompute rematerialises; under
+  ZeRO-2/3 what FSDP holds of the layer's unit, :func:`_zero_transient`).
 """
 
 from __future__ import annotations
@@ -272,8 +273,8 @@ def _layer_table(problem: PlanningProblem, config: PipelineConfig, index: int) -
         # microbatch in flight (full recompute casts them again in backward).
         saved = {m: v + (int(round(layer.param_count * compute_bytes)) if m != "full" else 0)
                  for m, v in saved.items()}
-    workspace = int(round(2 * b * scale * layer.workspace_bytes)) + _zero_transient(
-        problem, config, layer.param_count)
+    workspace = int(round(2 * b * scale * layer.workspace_bytes))
+    gathered, gradient = _zero_transient(problem, config, layer.param_count)
     comm = tp_comm_seconds(problem, config, layer)
     zero = _zero_comm_seconds(problem, config, layer.param_count)
     # Recompute replays the layer's forward, collectives included (selective too: the
@@ -288,7 +289,10 @@ def _layer_table(problem: PlanningProblem, config: PipelineConfig, index: int) -
         recompute_ps={m: to_ps(seconds(layer.recompute_flops[m], layer.recompute_mem_bytes[m])
                                + rerun[m]) for m in layer.modes},
         saved_bytes=saved,
-        transient_bytes={m: saved["none"] - saved[m] + workspace for m in layer.modes},
+        # ZeRO-2/3: the unit's whole gradient is made as its backward ends, when the
+        # backward's working set and this microbatch's saved tensors of it are freed.
+        transient_bytes={m: gathered + max(saved["none"] - saved[m] + workspace,
+                                           gradient - saved[m]) for m in layer.modes},
         param_count=layer.param_count,
         state_bytes=_state_bytes(problem, config, layer.param_count),
         tail_ps=_tail_ps(problem, config, layer.param_count),
@@ -296,16 +300,21 @@ def _layer_table(problem: PlanningProblem, config: PipelineConfig, index: int) -
     )
 
 
-def _zero_transient(problem: PlanningProblem, config: PipelineConfig, params: int) -> int:
-    """Bytes a ZeRO-2/3 unit holds beyond its shards while it runs: its whole gradient
-    before the reduce-scatter, and under ZeRO-3 its gathered parameters and the next
-    unit's, prefetched (taken as the same size)."""
+def _zero_transient(problem: PlanningProblem, config: PipelineConfig,
+                    params: int) -> tuple[int, int]:
+    """Bytes a ZeRO-2/3 unit of ``params`` parameters holds beyond its shards in its
+    backward, as FSDP2 runs it: (held throughout, held as the backward ends).
+
+    Throughout, under ZeRO-3, its gathered parameters and the next unit's, whose
+    all-gather FSDP issues ahead (taken as the same size); ZeRO-2 gathered every weight
+    for the step (state). As it ends, its whole gradient (compute dtype) and the fp32
+    reduce-scatter input FSDP copies it into before freeing it."""
     zero = config.zero_stage if config.dp > 1 else 0
-    compute, _, _ = precision_bytes(problem.train)
+    compute, master, _ = precision_bytes(problem.train)
     if zero < 2:
-        return 0
+        return 0, 0
     gathered = 2 * params * compute if zero == 3 else 0
-    return int(round(gathered + params * compute))
+    return int(round(gathered)), int(round(params * (compute + master)))
 
 
 def tp_comm_seconds(problem: PlanningProblem, config: PipelineConfig,

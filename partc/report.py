@@ -96,8 +96,8 @@ def _memory_lines(plan: Plan) -> list[str]:
     sharded = _ZERO_SHARDS.get(plan.zero_stage)
     zero = f"; ZeRO-{plan.zero_stage} keeps 1/{plan.dp} of the {sharded}" if sharded else ""
     gathered = {2: " (and the weights gathered for the step beside their shards)",
-                3: " (and, as transient, one layer's gathered weights and the next's, with "
-                   "its whole gradient)"}.get(plan.zero_stage, "")
+                3: " (and, as transient, one layer's gathered weights and the next's)"
+                }.get(plan.zero_stage, "")
     return [f"Every rank of a stage holds the same: its layers' weights, gradients and "
             f"optimizer state{zero}{gathered}; the activations saved for the microbatches "
             f"in flight; the largest working set of one layer (transient)."]

@@ -85,8 +85,9 @@ def test_zero2_and_zero3_state_as_fsdp_holds_it():
     # ZeRO-2: the gathered weights for the step, and beside them each rank's shard.
     assert zero2["params"] == pytest.approx(1.5 * plain["params"], abs=8)
     # ZeRO-3: shards only, but the tied embedding (the root unit's, gathered for the
-    # whole step, as under ZeRO-2) and the largest layer gathered while it runs, with
-    # its whole gradient, as a transient.
+    # whole step, as under ZeRO-2) and, as a transient, a layer gathered while it runs
+    # with the next one prefetched. ZeRO-2's transient: a layer's whole gradient and its
+    # fp32 reduce-scatter input, as the layer's backward ends.
     assert plain["params"] / 2 < zero3["params"] < plain["params"]
     assert zero3["transient"] > zero2["transient"] > plain["transient"]
     assert zero3["peak"] < zero2["peak"]
