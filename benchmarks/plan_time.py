@@ -45,7 +45,7 @@ sys.path.insert(0, str(ROOT / "samples"))
 sys.path.insert(0, str(ROOT))
 
 import partc  # noqa: E402
-from partc.compiler import build_problem, plan_problem  # noqa: E402
+from partc.compiler import autocast_dtype, build_problem, plan_problem  # noqa: E402
 from partc.passes.pipeline import analyze  # noqa: E402
 from partc.planner import PlannerOptions  # noqa: E402
 
@@ -99,7 +99,8 @@ def cold_run(workload: Workload, options: PlannerOptions) -> tuple[dict, partc.P
     times["build model on meta"] = time.perf_counter() - start
     start = time.perf_counter()
     graph, analysis = analyze(work["model"], work["example_inputs"], loss_fn=work["loss_fn"],
-                              example_target=work["example_target"], name=work["name"])
+                              example_target=work["example_target"], name=work["name"],
+                              autocast=autocast_dtype(work["train"]))
     times["trace + analyse"] = time.perf_counter() - start
     start = time.perf_counter()
     budget = workload.budget()

@@ -109,9 +109,22 @@ def build_problem(analysis: ModelAnalysis, budget: DeviceBudget, train: TrainSpe
             activation_scale=dtype_bytes(train.dtype) / analysis.summary.traced_dtype_bytes,
             weight_bytes_per_param=train.weight_bytes,
             grad_bytes_per_param=train.grad_bytes,
-            optimizer_bytes_per_param=train.optimizer_bytes),
+            optimizer_bytes_per_param=train.optimizer_bytes,
+            measured_scale=dtype_bytes(train.dtype) / _measured_dtype_bytes(analysis)),
         pins=pins,
     )
+
+
+def autocast_dtype(train: TrainSpec) -> torch.dtype | None:
+    """The dtype the runtime's autocast computes in (mixed precision), None without it."""
+    return train.dtype if train.dtype != torch.float32 else None
+
+
+def _measured_dtype_bytes(analysis: ModelAnalysis) -> int:
+    """Bytes of the dtype the layers' activations were measured in."""
+    autocast = analysis.summary.autocast
+    return dtype_bytes(getattr(torch, autocast)) if autocast \
+        else analysis.summary.traced_dtype_bytes
 
 
 def plan_problem(problem: PlanningProblem, *, budget: dict[str, Any] | None = None,
@@ -178,7 +191,8 @@ def compile(model: torch.nn.Module, example_inputs: tuple | torch.Tensor, *,
         start = time.perf_counter()
         graph, analysis = analyze(model, example_inputs, loss_fn=loss_fn,
                                   example_target=example_target, name=name,
-                                  attention=train.attention)
+                                  attention=train.attention,
+                                  autocast=autocast_dtype(train))
         log.info("analysed %s: %d layers in %.2f s", analysis.summary.name,
                  len(analysis.layers), time.perf_counter() - start)
     problem = build_problem(analysis, budget, train, constraints, graph)
@@ -200,7 +214,9 @@ def compile(model: torch.nn.Module, example_inputs: tuple | torch.Tensor, *,
 def _measured_for(devices: DeviceNumbers, constraints: Constraints,
                   train: TrainSpec) -> tuple:
     """What a model's measurement and tensor-parallel variants depend on besides the
-    model: the attention it runs, the degrees and links measured."""
+    model: the attention it runs, the autocast dtype its layers are measured in, the
+    degrees and links measured."""
     degrees = tp_degrees(devices, constraints)
-    return (train.attention, tuple(tensor_parallel_links(devices, degrees)),
+    return (train.attention, str(autocast_dtype(train)),
+            tuple(tensor_parallel_links(devices, degrees)),
             constraints.sequence_parallel, constraints.tp_objective)

@@ -260,7 +260,7 @@ def _shared_tail_ps(problem: PlanningProblem, config: PipelineConfig, params: in
 def _layer_table(problem: PlanningProblem, config: PipelineConfig, index: int) -> LayerTable:
     layer = problem.layers[index]
     devices, train = problem.devices, problem.train
-    b, scale = config.micro_batch_size, train.activation_scale
+    b, scale = config.micro_batch_size, train.measured_scale
     flop_rate = devices.peak_flops * devices.flops_efficiency
 
     def seconds(flops: float, mem_bytes: float) -> float:

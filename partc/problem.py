@@ -26,7 +26,8 @@ RECOMPUTE_MODES: tuple[str, ...] = ("none", "selective", "full")
 
 @dataclass(frozen=True, kw_only=True)
 class LayerCost:
-    """What one layer costs, per sample of the batch, in the dtype it was traced in.
+    """What one layer costs, per sample of the batch, in the dtype it was measured in
+    (the traced one, or the autocast dtype in ``ModelSummary.autocast``).
 
     ``saved_bytes``, ``recompute_flops`` and ``recompute_mem_bytes`` are keyed by recompute
     mode and hold an entry for each mode in :data:`RECOMPUTE_MODES` that the layer allows
@@ -97,6 +98,9 @@ class ModelSummary:
     tracer: str
     # (name, shape without the batch dimension, dtype name) of each input, target last
     inputs: tuple[tuple[str, tuple[int, ...], str], ...] = ()
+    # The dtype autocast computed in while the layers were measured ("bfloat16"); "": none,
+    # the layers' numbers are in the traced dtype.
+    autocast: str = ""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -176,10 +180,15 @@ class DeviceNumbers:
 class TrainNumbers:
     global_batch_size: int
     micro_batch_sizes: tuple[int, ...]
+    # Bytes of the training dtype per traced byte: for the tensors measured as traced
+    # (cuts, tensor-parallel collectives).
     activation_scale: float
     weight_bytes_per_param: float
     grad_bytes_per_param: float
     optimizer_bytes_per_param: float
+    # The same for what ``estimate`` measured per layer (saved activations, working sets,
+    # bytes moved): 1 when it measured them under the training's autocast.
+    measured_scale: float = 1.0
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -8,6 +8,13 @@ storage is attributed to the node that *produced* it. Selective recompute is cos
 the runtime runs it: the layer's inputs and every compute-heavy node's output are kept,
 the rest is rerun.
 
+In mixed precision (``Context.autocast``) the layers run under ``torch.autocast``, as
+the runtime runs them: matmuls save their inputs cast to the compute dtype, while what
+autocast leaves alone (the residual stream, a norm computed in fp32, the loss's
+log-softmax) stays fp32. Autocast's copies of the weights are not activations (the cost
+model charges them per microbatch), and a layer's inputs have the dtypes the layers
+before it made them in.
+
 A value that several later layers read (Llama's attention mask and rotary cos/sin, made
 once and read by every block) is held once, not once per reader: it is charged to the
 layer that makes it, in every recompute mode, and to none of its readers (see
@@ -19,6 +26,8 @@ numbers copied, which keeps a 32-layer 8B model to a handful of layer runs.
 
 from __future__ import annotations
 
+import contextlib
+import copy
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -27,6 +36,7 @@ import torch.utils._pytree as pytree
 from torch import fx, nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import FlopCounterMode
 
 from partc import meta
@@ -44,6 +54,22 @@ class _LayerRun:
     costs: dict[fx.Node, meta.NodeCost] = field(default_factory=dict)
     saved: dict[StorageWeakRef, tuple[int, fx.Node]] = field(default_factory=dict)
     inputs: dict[fx.Node, int] = field(default_factory=dict)   # values read from outside
+    dtypes: dict[fx.Node, tuple[torch.dtype, ...]] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class _Setting:
+    """What every layer run shares: the fake mode, the values that carry a gradient,
+    the autocast dtype, and the dtypes each value was made in so far (autocast's)."""
+
+    fake_mode: FakeTensorMode
+    with_grad: set[fx.Node]
+    autocast: torch.dtype | None
+    dtypes: dict[fx.Node, tuple[torch.dtype, ...]]
+    # Where the stand-ins live: "cpu" for a model on the meta device under autocast
+    # (which does not act on meta tensors; fake ones hold no data either way), None:
+    # where the traced values are.
+    device: str | None = None
 
 
 def estimate(gm: fx.GraphModule, ctx: Context) -> fx.GraphModule:
@@ -54,29 +80,38 @@ def estimate(gm: fx.GraphModule, ctx: Context) -> fx.GraphModule:
     Requires: ``propagate`` and ``layers`` (layers are measured one at a time, and once
     per signature). Ensures: every non-placeholder node has a ``COST``.
     """
-    fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
+    setting = _Setting(fake_mode=FakeTensorMode(allow_non_fake_inputs=True),
+                       with_grad=carries_grad(gm), autocast=ctx.autocast, dtypes={},
+                       device="cpu" if ctx.autocast is not None and _on_meta(gm) else None)
     usage = param_usage(gm, ctx)
-    with_grad = carries_grad(gm)
     shared = _shared_values(gm)
-    measured: dict[str, tuple[meta.LayerInfo, _LayerRun]] = {}
+    measured: dict[tuple, tuple[meta.LayerInfo, _LayerRun]] = {}
     costs = []
     for info in meta.layers(gm):
         nodes = layer_nodes(gm, info)
-        if info.signature in measured:
-            first, run = measured[info.signature]
+        # Under autocast a layer like another may read values of other dtypes.
+        key = (info.signature, tuple(setting.dtypes.get(n) for n in _external_inputs(nodes)))
+        if key in measured:
+            first, run = measured[key]
             run = _copy_run(run, layer_nodes(gm, first), nodes)
         else:
-            run = _run_layer(gm, nodes, fake_mode, with_grad)
-            measured[info.signature] = (info, run)
+            run = _run_layer(gm, nodes, setting)
+            measured[key] = (info, run)
+        setting.dtypes.update(run.dtypes)
         for node, node_cost in run.costs.items():
             meta.set_cost(node, node_cost)
-        costs.append(_layer_cost(info, nodes, run, usage, ctx.batch_size, shared))
+        costs.append(_layer_cost(info, nodes, run, usage, ctx.batch_size, shared,
+                                 setting.dtypes))
     meta.set_layer_costs(gm, tuple(costs))
     return gm
 
 
-def _run_layer(gm: fx.GraphModule, nodes: list[fx.Node], fake_mode: FakeTensorMode,
-               with_grad: set[fx.Node]) -> _LayerRun:
+def _on_meta(gm: fx.GraphModule) -> bool:
+    return any(info.device == "meta" for node in gm.graph.nodes for info in meta.tensors(node))
+
+
+def _run_layer(gm: fx.GraphModule, nodes: list[fx.Node], setting: _Setting) -> _LayerRun:
+    fake_mode = setting.fake_mode
     run = _LayerRun()
     members = set(nodes)
     env: dict[fx.Node, Any] = {}
@@ -93,15 +128,20 @@ def _run_layer(gm: fx.GraphModule, nodes: list[fx.Node], fake_mode: FakeTensorMo
 
     def value_of(node: fx.Node) -> Any:
         if node not in env:
-            env[node] = _outside_value(gm, node, fake_mode, frozen, producer,
-                                       node in with_grad)
+            env[node] = _outside_value(gm, node, setting, frozen, producer)
             if node not in members and node.op != "get_attr":
-                run.inputs[node] = meta.output_bytes(node)
+                run.inputs[node] = _bytes_as_made(node, setting.dtypes)
         return env[node]
 
     counter = FlopCounterMode(display=False, custom_mapping=fuse_attention.FLOP_FORMULAS)
-    with fake_mode, counter, torch.enable_grad(), \
-            torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+    with contextlib.ExitStack() as scope:
+        for context in (fake_mode, counter, torch.enable_grad(),
+                        torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)):
+            scope.enter_context(context)
+        if setting.autocast is not None:
+            scope.enter_context(_WeightCopies(frozen))
+            scope.enter_context(torch.autocast(setting.device or _device_type(nodes),
+                                               dtype=setting.autocast))
         for node in nodes:
             current.append(node)
             before = counter.get_total_flops()
@@ -109,34 +149,83 @@ def _run_layer(gm: fx.GraphModule, nodes: list[fx.Node], fake_mode: FakeTensorMo
             kwargs = fx.node.map_arg(node.kwargs, value_of)
             if node.op == "get_attr":
                 result = value_of(node)
+            elif setting.autocast is not None and is_dtype_check(node):
+                result = None   # autocast changes dtypes; the runtime drops these checks
             elif node.op == "call_module":
-                result = _call_module(gm, node, args, kwargs, fake_mode, frozen)
+                result = _call_module(gm, node, args, kwargs, setting, frozen)
             else:
-                result = _call(gm, node, args, kwargs)
+                result = _call(gm, node, *_moved(setting.device, args, kwargs))
             env[node] = result
+            run.dtypes[node] = tuple(t.dtype for t in pytree.tree_leaves(result)
+                                     if isinstance(t, torch.Tensor))
             flops = counter.get_total_flops() - before
             run.costs[node] = _node_cost(node, args, kwargs, result, flops, producer)
     _attribute_saved(run)
     return run
 
 
-def _outside_value(gm: fx.GraphModule, node: fx.Node, fake_mode: FakeTensorMode,
-                   frozen: set, producer: dict, requires_grad: bool) -> Any:
+def is_dtype_check(node: fx.Node) -> bool:
+    """An exported graph's assertion of the dtype a tensor was traced with."""
+    return node.op == "call_function" and \
+        getattr(node.target, "__name__", "").startswith("_assert_tensor_metadata")
+
+
+class _WeightCopies(TorchDispatchMode):
+    """Marks autocast's compute-dtype copies of frozen tensors (weights) frozen too."""
+
+    def __init__(self, frozen: set[StorageWeakRef]) -> None:
+        super().__init__()
+        self.frozen = frozen
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        result = func(*args, **(kwargs or {}))
+        if func is torch.ops.aten._to_copy.default and \
+                StorageWeakRef(args[0].untyped_storage()) in self.frozen:
+            self.frozen.add(StorageWeakRef(result.untyped_storage()))
+        return result
+
+
+def _device_type(nodes: list[fx.Node]) -> str:
+    """Where autocast acts: the device of the layer's values (fake CUDA ones, or CPU)."""
+    for node in nodes:
+        for info in meta.tensors(node):
+            if info.device.startswith("cuda"):
+                return "cuda"
+    return "cpu"
+
+
+def _bytes_as_made(node: fx.Node, dtypes: dict[fx.Node, tuple[torch.dtype, ...]]) -> int:
+    """Bytes of ``node``'s value in the dtypes its layer's run made it in (as traced when
+    not run, or not under autocast)."""
+    infos = meta.tensors(node)
+    made = dtypes.get(node, tuple(info.dtype for info in infos))
+    return sum(info.nbytes // info.dtype.itemsize * dtype.itemsize
+               for info, dtype in zip(infos, made))
+
+
+def _outside_value(gm: fx.GraphModule, node: fx.Node, setting: _Setting, frozen: set,
+                   producer: dict) -> Any:
     """A fresh fake stand-in for a value the layer reads: a parameter or an input. An
-    input requires grad only where the runtime's does (``requires_grad``: it depends on
-    a trainable parameter, :func:`partc.passes.layers.carries_grad`): what autograd saves
-    depends on it (a product saves each factor only for the other's gradient)."""
+    input has the dtypes it was made in, and requires grad only where the runtime's does
+    (it depends on a trainable parameter, :func:`partc.passes.layers.carries_grad`):
+    what autograd saves depends on it (a product saves each factor only for the other's
+    gradient)."""
     if node.op == "get_attr":
         value = _fetch(gm, str(node.target))
+        if isinstance(value, fx.GraphModule) and setting.device is not None:
+            return _subgraph_on(value, setting.device)
         if not isinstance(value, torch.Tensor):
             return value  # a subgraph that export's higher-order ops call
-        tensor = fake_mode.from_tensor(value)
+        tensor = _frozen_copy(value, setting)
         frozen.add(StorageWeakRef(tensor.untyped_storage()))
         return tensor
+    requires_grad = node in setting.with_grad
+    dtypes = iter(setting.dtypes.get(node, ()))
 
     def fresh(value: torch.Tensor) -> torch.Tensor:
         tensor = torch.empty_strided(tuple(value.shape), tuple(value.stride()),
-                                     dtype=value.dtype, device=value.device)
+                                     dtype=next(dtypes, value.dtype),
+                                     device=setting.device or value.device)
         producer[StorageWeakRef(tensor.untyped_storage())] = node
         return tensor.requires_grad_(requires_grad and tensor.is_floating_point())
 
@@ -144,14 +233,45 @@ def _outside_value(gm: fx.GraphModule, node: fx.Node, fake_mode: FakeTensorMode,
 
 
 def _call_module(gm: fx.GraphModule, node: fx.Node, args: tuple, kwargs: dict,
-                 fake_mode: FakeTensorMode, frozen: set) -> Any:
+                 setting: _Setting, frozen: set) -> Any:
     # The module runs on fake copies of its parameters, known to be frozen, so that what
     # autograd saves of them (a weight, its transpose) is never counted as activation.
     module = gm.get_submodule(str(node.target))
-    state = {name: fake_mode.from_tensor(t) for name, t in _named_state(module)}
+    state = {name: _frozen_copy(t, setting) for name, t in _named_state(module)}
     for tensor in state.values():
         frozen.add(StorageWeakRef(tensor.untyped_storage()))
     return torch.func.functional_call(module, state, args, kwargs, tie_weights=True)
+
+
+def _frozen_copy(value: torch.Tensor, setting: _Setting) -> torch.Tensor:
+    """A fake copy of a parameter or buffer, on the stand-ins' device."""
+    if setting.device is None:
+        return setting.fake_mode.from_tensor(value)
+    return torch.empty_strided(tuple(value.shape), tuple(value.stride()), dtype=value.dtype,
+                               device=setting.device).requires_grad_(value.requires_grad)
+
+
+def _subgraph_on(module: fx.GraphModule, device: str) -> fx.GraphModule:
+    """A copy of a subgraph that export's higher-order ops call, making its tensors on
+    ``device`` instead of the meta device (its own subgraphs too)."""
+    graph = copy.deepcopy(module.graph)
+    for node in graph.nodes:
+        node.args, node.kwargs = _moved(device, node.args, node.kwargs)
+    moved = fx.GraphModule(module, graph)
+    for name, child in list(moved.named_children()):
+        if isinstance(child, fx.GraphModule):
+            setattr(moved, name, _subgraph_on(child, device))
+    return moved
+
+
+def _moved(device: str | None, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """A call's arguments with the meta device the graph was traced on replaced by the
+    stand-ins' ``device`` (tensors made inside the layer, ``arange(device=...)``)."""
+    if device is None:
+        return args, kwargs
+    return pytree.tree_map_only(
+        torch.device, lambda d: torch.device(device) if d.type == "meta" else d,
+        (tuple(args), dict(kwargs)))   # fx's immutable containers are leaves to pytree
 
 
 def _named_state(module: nn.Module) -> list[tuple[str, torch.Tensor]]:
@@ -221,7 +341,9 @@ def _copy_run(run: _LayerRun, source: list[fx.Node], target: list[fx.Node]) -> _
     mapping = dict(zip(source, target))
     # Values from outside the layer map by order of first use (same signature, same order).
     mapping.update(zip(_external_inputs(source), _external_inputs(target)))
-    copied = _LayerRun(inputs={mapping[node]: size for node, size in run.inputs.items()})
+    copied = _LayerRun(inputs={mapping[node]: size for node, size in run.inputs.items()},
+                       dtypes={mapping[node]: d for node, d in run.dtypes.items()
+                               if node.op != "get_attr"})
     copied.costs = {mapping[node]: cost for node, cost in run.costs.items()
                     if node.op != "get_attr"}
     copied.costs.update({node: _FETCH_COST for node in fetches})
@@ -255,12 +377,13 @@ def _shared_values(gm: fx.GraphModule) -> set[fx.Node]:
 
 
 def _layer_cost(info: meta.LayerInfo, nodes: list[fx.Node], run: _LayerRun,
-                usage: dict, batch: int, shared: set[fx.Node]) -> LayerCost:
+                usage: dict, batch: int, shared: set[fx.Node],
+                dtypes: dict[fx.Node, tuple[torch.dtype, ...]]) -> LayerCost:
     heavy = {n for n in nodes if run.costs[n].compute_heavy}
     flops = sum(run.costs[n].flops for n in nodes)
     light_bytes = sum(run.costs[n].bytes_moved for n in nodes if n not in heavy)
     # Shared values: made here, held in every mode; read here, charged to their maker.
-    held = sum(meta.output_bytes(n) for n in shared if meta.layer(n).index == info.index)
+    held = sum(_bytes_as_made(n, dtypes) for n in shared if meta.layer(n).index == info.index)
     input_bytes = sum(size for node, size in run.inputs.items() if node not in shared)
     saved_all = held + sum(size for size, node in run.saved.values() if node not in shared)
     # Selective recompute as the runtime does it (partc.runtime.recompute): the layer's

@@ -26,7 +26,7 @@ from partc.runtime import tp as tp_ops
 from . import dedupe
 from . import shard as shard_pass
 from . import sharding as sharding_pass
-from .estimate import estimate, param_usage
+from .estimate import estimate, is_dtype_check, param_usage
 from .fuse_attention import fuse_attention
 from .layers import crossing_bytes, crossing_tensors, layers
 from .propagate import propagate
@@ -41,7 +41,8 @@ log = logging.getLogger("partc")
 def analyze(model: nn.Module, example_inputs: Any, *, loss_fn: Callable | None = None,
             example_target: Any = None, name: str | None = None,
             kwargs: dict | None = None, full_trace: bool | None = None,
-            attention: str = "as_written") -> tuple[fx.GraphModule, ModelAnalysis]:
+            attention: str = "as_written", autocast: torch.dtype | None = None
+            ) -> tuple[fx.GraphModule, ModelAnalysis]:
     """Trace ``model`` and measure it, layer by layer, per sample.
 
     ``example_inputs`` is a tensor or a tuple of positional inputs (real, meta or fake;
@@ -59,10 +60,14 @@ def analyze(model: nn.Module, example_inputs: Any, *, loss_fn: Callable | None =
     ``PARTC_FULL_TRACE=1`` in the environment) traces every block from the start.
     ``attention="fused"`` measures attention as one fused kernel call wherever
     :mod:`partc.passes.fuse_attention` can put one in its place.
+
+    ``autocast``: the dtype mixed-precision training computes in (the runtime runs each
+    stage under ``torch.autocast``); the layers' activations are then measured as
+    autocast makes them (``ModelSummary.autocast``), not as traced.
     """
     def front() -> tuple[fx.GraphModule, Context]:
-        return _front(model, example_inputs, attention, kwargs=kwargs, loss_fn=loss_fn,
-                      example_target=example_target, name=name)
+        return _front(model, example_inputs, attention, autocast, kwargs=kwargs,
+                      loss_fn=loss_fn, example_target=example_target, name=name)
 
     if full_trace is None:
         full_trace = os.environ.get("PARTC_FULL_TRACE") == "1"
@@ -82,10 +87,11 @@ def analyze(model: nn.Module, example_inputs: Any, *, loss_fn: Callable | None =
     return gm, summarize(gm, ctx)
 
 
-def _front(model: nn.Module, example_inputs: Any, attention: str, **trace_args: Any
-           ) -> tuple[fx.GraphModule, Context]:
+def _front(model: nn.Module, example_inputs: Any, attention: str,
+           autocast: torch.dtype | None, **trace_args: Any) -> tuple[fx.GraphModule, Context]:
     started = time.perf_counter()
     gm, ctx = _named("trace", lambda: trace(model, example_inputs, **trace_args))
+    ctx = dataclasses.replace(ctx, autocast=autocast)
     meta.add_pass_time(gm, "trace", time.perf_counter() - started)
     _verify("trace", gm)
     # Order matters: fusing attention reads the shapes propagate writes, layers reads
@@ -273,8 +279,7 @@ def _drop_dtype_checks(gm: fx.GraphModule) -> None:
     """Exported graphs assert the dtype each tensor was traced with; under mixed
     precision the program runs them in another, so the checks go (they compute nothing)."""
     for node in list(gm.graph.nodes):
-        if node.op == "call_function" and not node.users and \
-                getattr(node.target, "__name__", "").startswith("_assert_tensor_metadata"):
+        if is_dtype_check(node) and not node.users:
             gm.graph.erase_node(node)
     gm.recompile()
 
@@ -296,7 +301,8 @@ def summarize(gm: fx.GraphModule, ctx: Context) -> ModelAnalysis:
             name=ctx.name, num_params=_num_params(ctx.model), hash=model_hash(ctx.model),
             tokens_per_sample=_tokens_per_sample(ctx), traced_batch_size=ctx.batch_size,
             traced_dtype_bytes=_dtype_bytes(ctx.model), tracer=info.tracer,
-            inputs=input_specs(gm)),
+            inputs=input_specs(gm),
+            autocast=str(ctx.autocast).removeprefix("torch.") if ctx.autocast else ""),
         layers=meta.layer_costs(gm),
         cut_bytes=tuple(c * per_sample for c in meta.cut_bytes(gm)),
         shared=_shared(gm, ctx),

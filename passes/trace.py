@@ -42,6 +42,9 @@ class Context:
     # How the traced layers stand for the whole model's, when ``analyze`` traced one
     # block per repeated structure (``partc.passes.dedupe.Expansion``); None otherwise.
     expansion: Any = None
+    # The dtype training computes in under autocast (mixed precision), which ``estimate``
+    # measures the layers in; None: the model's own.
+    autocast: torch.dtype | None = None
 
 
 class LossCall(nn.Module):

@@ -9,11 +9,12 @@ from partc.cache import problem_key
 from samples.gpt import gpt_tiny, loss_fn
 
 
-def _compile(model, cache, memory="64MiB", batch=8):
+def _compile(model, cache, memory="64MiB", batch=8, dtype=torch.float32):
     ids = torch.zeros(batch, 16, dtype=torch.long)
     return partc.compile(model, (ids,), budget=partc.DeviceBudget(
         num_devices=2, device="CPU", memory=memory), train=partc.TrainSpec(
-        global_batch_size=batch), loss_fn=loss_fn, example_target=ids, cache=cache)
+        global_batch_size=batch, dtype=dtype), loss_fn=loss_fn, example_target=ids,
+        cache=cache)
 
 
 def test_same_problem_returns_the_stored_plan_and_a_new_budget_skips_tracing():
@@ -34,6 +35,11 @@ def test_same_problem_returns_the_stored_plan_and_a_new_budget_skips_tracing():
     _compile(gpt_tiny(n_layer=4), cache)
     _compile(gpt_tiny(n_layer=3), cache, batch=4)
     assert cache.hits["analysis"] == 2
+    # Mixed precision measures the layers under autocast: a model measured apart.
+    mixed = _compile(gpt_tiny(n_layer=3), cache, dtype=torch.bfloat16)
+    assert cache.hits["analysis"] == 2 and mixed.graph is not None
+    assert mixed.problem.model.summary.autocast == "bfloat16"
+    assert mixed.problem.train.measured_scale == 1.0
 
 
 def test_a_cache_directory_serves_a_new_process(tmp_path):

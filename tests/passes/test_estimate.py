@@ -1,3 +1,5 @@
+import dataclasses
+
 import torch
 
 from partc import meta
@@ -86,3 +88,30 @@ def test_value_read_by_every_block_is_held_once_by_its_maker():
         stem, *blocks, _ = analysis.layers
         assert stem.saved_bytes == {"none": 2 * 8 * 4, "full": 2 * 8 * 4}
         assert [block.saved_bytes for block in blocks] == [{"none": 8 * 4, "full": 8 * 4}] * 3
+
+
+def test_mixed_precision_is_measured_as_autocast_runs_it():
+    """Under bf16 autocast fc1 saves its input cast to bf16 (2 bytes each) and relu its
+    bf16 output, which fc2 reads as made: 2 bytes each, also as fc2's input under full
+    recompute. Autocast's bf16 copies of the weights are not activations; fc1's input
+    is the model's, fp32."""
+    _, analysis = analyze(models.MLP(), (torch.randn(B, 8),), autocast=torch.bfloat16)
+    assert analysis.summary.autocast == "bfloat16"
+    fc1, fc2 = analysis.layers
+    assert fc1.saved_bytes == {"none": 8 * 2 + 16 * 2, "full": 8 * 4}
+    assert fc2.saved_bytes == {"none": 16 * 2, "full": 16 * 2}
+    assert fc1.workspace_bytes == 16 * 2
+
+
+def test_a_model_on_the_meta_device_is_measured_under_autocast_as_on_cpu():
+    """Autocast does not act on meta tensors: a meta model's layers are run on fake CPU
+    stand-ins (the exported graph's devices, its rotary subgraph's included, moved)."""
+    def layers(device: str):
+        with torch.device(device):
+            model = models.llama(n_layer=2)
+        ids = torch.zeros(B, 16, dtype=torch.long, device=device)
+        _, analysis = analyze(model, (ids,), loss_fn=models.causal_lm_loss,
+                              example_target=ids, autocast=torch.bfloat16)
+        return [dataclasses.replace(layer, signature="") for layer in analysis.layers]
+
+    assert layers("meta") == layers("cpu")   # signatures hash the device
