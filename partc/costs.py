@@ -7,9 +7,15 @@ the solver's objective and an independent evaluation of a plan agree exactly.
 
 Model (per pipeline stage ``s`` of ``p``, ``m`` microbatches of ``b`` samples):
 
-- compute per microbatch, per layer and recompute mode: forward, backward (2 x forward)
-  and the recomputed forward; each term is a roofline sum ``flops / (peak * efficiency) +
-  bytes / HBM bandwidth`` over compute-heavy and memory-bound work;
+- compute per microbatch, per layer and recompute mode: forward, backward and the
+  recomputed forward, summed op by op. A compute-heavy op (matmul, attention) takes its
+  roofline ``max(b * flops / (peak * efficiency), (b * activation bytes + weight bytes)
+  / HBM bandwidth)``: its weight is read once per microbatch, so small microbatches
+  (decode-like shapes) are bound by memory and large ones by FLOPs; ``efficiency`` is
+  one factor per device type (presets, calibration). Every other op moves its bytes at
+  HBM bandwidth. Backward is twice forward, op by op (a heavy op's gradients w.r.t. its
+  input and its weight are two ops like it; a fused attention kernel's recomputed
+  scores add FLOPs); recompute replays its ops at the same roofline (:func:`layer_work`);
 - ``t_s`` = compute of the stage's layers + send/recv of the activation crossing its
   outgoing cut (forward) and of its gradient (backward) over the link to the next stage;
 - pipeline time ``(m - 1) * max_s t_s + sum_s t_s``: every microbatch passes the
@@ -42,7 +48,7 @@ from dataclasses import dataclass
 from typing import Any, Sequence
 
 from .collectives import Group, collective_seconds
-from .problem import PlanningProblem
+from .problem import DeviceNumbers, HeavyOp, LayerCost, PlanningProblem
 
 PS_PER_S = 10**12
 
@@ -257,15 +263,55 @@ def _shared_tail_ps(problem: PlanningProblem, config: PipelineConfig, params: in
     return _tail_ps(problem, config, params) + to_ps(config.num_microbatches * per_microbatch)
 
 
+def roofline_seconds(ops: Sequence[HeavyOp], devices: DeviceNumbers, micro_batch: int,
+                     scale: float, backward: bool = False) -> tuple[float, float]:
+    """One microbatch of compute-heavy ``ops``, each ``max(FLOPs / (peak * efficiency),
+    bytes / HBM bandwidth)`` with its weight read once per microbatch; split into
+    (compute-bound, memory-bound) seconds. ``scale`` converts the measured dtype's bytes
+    to the training dtype's (``TrainNumbers.measured_scale``). ``backward``: an op's
+    gradients w.r.t. its input and its weight are two ops of its FLOPs (plus what a fused
+    kernel recomputes), each reading the output's gradient and the weight or the input
+    and writing the input's or the weight's gradient: its bytes twice."""
+    rate = devices.peak_flops * devices.flops_efficiency
+    factor = 2 if backward else 1
+    bound = {True: 0.0, False: 0.0}
+    for op in ops:
+        flops = factor * op.flops + (op.bwd_extra_flops if backward else 0.0)
+        compute = micro_batch * flops / rate
+        memory = factor * (micro_batch * op.activation_bytes + op.weight_bytes) * scale \
+            / devices.hbm_bandwidth
+        bound[compute >= memory] += op.count * max(compute, memory)
+    return bound[True], bound[False]
+
+
+def layer_work(layer: LayerCost, devices: DeviceNumbers, micro_batch: int,
+               scale: float) -> dict[str, Any]:
+    """A layer's compute per microbatch as (compute-bound, memory-bound) seconds: forward,
+    backward and, per recompute mode, the recomputed forward. Heavy ops by the roofline
+    (:func:`roofline_seconds`); the other ops move their bytes at HBM bandwidth, twice in
+    backward (their FLOPs, uncounted, are negligible). A recompute mode replays the share
+    of the heavy ops its FLOPs say (all or none, as estimated) and moves its bytes."""
+    compute, memory = roofline_seconds(layer.heavy_ops, devices, micro_batch, scale)
+    back_compute, back_memory = roofline_seconds(layer.heavy_ops, devices, micro_batch,
+                                                 scale, backward=True)
+
+    def light(mem_bytes: float) -> float:
+        return micro_batch * mem_bytes * scale / devices.hbm_bandwidth
+
+    replayed = {m: layer.recompute_flops[m] / layer.fwd_flops if layer.fwd_flops else 0.0
+                for m in layer.modes}
+    return {"forward": (compute, memory + light(layer.fwd_mem_bytes)),
+            "backward": (back_compute, back_memory + light(layer.bwd_mem_bytes)),
+            "recompute": {m: (replayed[m] * compute,
+                              replayed[m] * memory + light(layer.recompute_mem_bytes[m]))
+                          for m in layer.modes}}
+
+
 def _layer_table(problem: PlanningProblem, config: PipelineConfig, index: int) -> LayerTable:
     layer = problem.layers[index]
     devices, train = problem.devices, problem.train
     b, scale = config.micro_batch_size, train.measured_scale
-    flop_rate = devices.peak_flops * devices.flops_efficiency
-
-    def seconds(flops: float, mem_bytes: float) -> float:
-        return b * (flops / flop_rate + mem_bytes * scale / devices.hbm_bandwidth)
-
+    work = layer_work(layer, devices, b, scale)
     saved = {m: int(round(b * scale * v)) for m, v in layer.saved_bytes.items()}
     compute_bytes, master, _ = precision_bytes(train)
     if compute_bytes < master and (config.zero_stage < 2 or config.dp == 1):
@@ -281,13 +327,12 @@ def _layer_table(problem: PlanningProblem, config: PipelineConfig, index: int) -
     # cheap ops it replays include the collectives, which save nothing). ZeRO-3 gathers
     # the layer once for its backward, recompute included.
     rerun = {m: comm["forward"] if m != "none" else 0.0 for m in layer.modes}
-    forward = seconds(layer.fwd_flops, layer.fwd_mem_bytes) + comm["forward"]
-    backward = seconds(layer.bwd_flops, layer.bwd_mem_bytes) + comm["backward"]
+    forward = sum(work["forward"]) + comm["forward"]
+    backward = sum(work["backward"]) + comm["backward"]
     return LayerTable(
         forward_ps=to_ps(max(forward, zero["forward"])),
         backward_ps=to_ps(max(backward, zero["backward"])),
-        recompute_ps={m: to_ps(seconds(layer.recompute_flops[m], layer.recompute_mem_bytes[m])
-                               + rerun[m]) for m in layer.modes},
+        recompute_ps={m: to_ps(sum(work["recompute"][m]) + rerun[m]) for m in layer.modes},
         saved_bytes=saved,
         # ZeRO-2/3: the unit's whole gradient is made as its backward ends, when the
         # backward's working set and this microbatch's saved tensors of it are freed.
@@ -450,7 +495,7 @@ class TableCache:
 
 def _layer_key(layer) -> tuple:
     """Every number of a LayerCost a row depends on (not its name or signature)."""
-    return (layer.fwd_flops, layer.fwd_mem_bytes, layer.param_count,
+    return (layer.fwd_flops, layer.heavy_ops, layer.fwd_mem_bytes, layer.param_count,
             layer.param_bytes, tuple(sorted(layer.saved_bytes.items())),
             tuple(sorted(layer.recompute_flops.items())),
             tuple(sorted(layer.recompute_mem_bytes.items())), layer.workspace_bytes,

@@ -81,7 +81,9 @@ class NodeCost:
     ``compute_heavy`` marks ops that FlopCounterMode counts (matmul, conv, attention);
     ``is_view`` marks ops whose output aliases an input (no bytes moved). ``saved_bytes``
     is the size of the storages saved for backward that this node *produced*, counted
-    once per layer that saves them.
+    once per layer that saves them. ``bytes_moved`` counts the tensors the node reads and
+    writes but its parameters and buffers, which are ``weight_bytes`` (a module's own
+    included): a microbatch reads them once, whatever its size.
     """
 
     flops: float
@@ -90,6 +92,7 @@ class NodeCost:
     is_view: bool
     output_bytes: float
     saved_bytes: float
+    weight_bytes: float = 0.0
 
 
 @dataclass(frozen=True)

@@ -25,6 +25,21 @@ RECOMPUTE_MODES: tuple[str, ...] = ("none", "selective", "full")
 
 
 @dataclass(frozen=True, kw_only=True)
+class HeavyOp:
+    """``count`` compute-heavy ops of a layer (matmuls, attention) with equal costs, as the
+    roofline prices them: ``flops`` and ``activation_bytes`` (inputs and outputs other
+    than parameters) per sample, and ``weight_bytes``, the parameters the op reads, which
+    a microbatch reads once whatever its size. ``bwd_extra_flops``: what its backward
+    does beyond twice ``flops`` (see :attr:`LayerCost.bwd_extra_flops`), per sample."""
+
+    flops: float
+    activation_bytes: float
+    weight_bytes: float
+    count: int = 1
+    bwd_extra_flops: float = 0.0
+
+
+@dataclass(frozen=True, kw_only=True)
 class LayerCost:
     """What one layer costs, per sample of the batch, in the dtype it was measured in
     (the traced one, or the autocast dtype in ``ModelSummary.autocast``).
@@ -32,6 +47,10 @@ class LayerCost:
     ``saved_bytes``, ``recompute_flops`` and ``recompute_mem_bytes`` are keyed by recompute
     mode and hold an entry for each mode in :data:`RECOMPUTE_MODES` that the layer allows
     (``"none"`` and ``"full"`` always; ``"selective"`` only when it saves memory).
+
+    ``fwd_flops`` are those of the compute-heavy ops, listed in ``heavy_ops`` (equal ops
+    once, with a count) for the roofline; ``fwd_mem_bytes`` and ``recompute_mem_bytes``
+    are the bytes the other, memory-bound ops move.
     """
 
     name: str
@@ -51,8 +70,16 @@ class LayerCost:
     # Backward FLOPs beyond twice the forward's: a fused attention kernel recomputes its
     # scores in backward (``partc.passes.fuse_attention.backward_recompute_flops``).
     bwd_extra_flops: float = 0.0
+    heavy_ops: tuple[HeavyOp, ...] = ()
 
     def __post_init__(self) -> None:
+        for name, total, listed in (
+                ("forward", self.fwd_flops, sum(op.flops * op.count for op in self.heavy_ops)),
+                ("extra backward", self.bwd_extra_flops,
+                 sum(op.bwd_extra_flops * op.count for op in self.heavy_ops))):
+            if abs(listed - total) > 1e-9 * max(total, 1.0):
+                raise ValueError(f"layer {self.name}: heavy_ops hold {listed} of its "
+                                 f"{total} {name} FLOPs per sample")
         for mode in ("none", "full"):
             if mode not in self.saved_bytes:
                 raise ValueError(f"layer {self.name}: saved_bytes lacks mode {mode!r}")

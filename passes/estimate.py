@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -40,7 +41,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import FlopCounterMode
 
 from partc import meta
-from partc.problem import LayerCost
+from partc.problem import HeavyOp, LayerCost
 
 from . import fuse_attention
 from .layers import carries_grad, layer_nodes
@@ -159,7 +160,11 @@ def _run_layer(gm: fx.GraphModule, nodes: list[fx.Node], setting: _Setting) -> _
             run.dtypes[node] = tuple(t.dtype for t in pytree.tree_leaves(result)
                                      if isinstance(t, torch.Tensor))
             flops = counter.get_total_flops() - before
-            run.costs[node] = _node_cost(node, args, kwargs, result, flops, producer)
+            run.costs[node] = _node_cost(node, args, kwargs, result, flops, producer, frozen)
+            if node.op == "call_module":   # its parameters are read, not passed
+                state = [t for _, t in _named_state(gm.get_submodule(str(node.target)))]
+                run.costs[node] = dataclasses.replace(run.costs[node], weight_bytes=_weight_bytes(
+                    state, [t for t in pytree.tree_leaves(result) if isinstance(t, torch.Tensor)]))
     _attribute_saved(run)
     return run
 
@@ -292,7 +297,7 @@ def _call(gm: fx.GraphModule, node: fx.Node, args: tuple, kwargs: dict) -> Any:
 
 
 def _node_cost(node: fx.Node, args: tuple, kwargs: dict, result: Any, flops: int,
-               producer: dict) -> meta.NodeCost:
+               producer: dict, frozen: set) -> meta.NodeCost:
     inputs = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
     outputs = [t for t in pytree.tree_leaves(result) if isinstance(t, torch.Tensor)]
     input_storages = {StorageWeakRef(t.untyped_storage()) for t in inputs}
@@ -301,11 +306,22 @@ def _node_cost(node: fx.Node, args: tuple, kwargs: dict, result: Any, flops: int
         StorageWeakRef(t.untyped_storage()) in input_storages for t in outputs)
     for tensor in outputs:
         producer.setdefault(StorageWeakRef(tensor.untyped_storage()), node)
+    fixed = [t for t in inputs if StorageWeakRef(t.untyped_storage()) in frozen]
     # A view moves nothing; nor does a query of metadata (size, dim) that returns no tensor.
-    moved = 0 if is_view or not outputs else sum(_nbytes(t) for t in inputs) + out_bytes
+    moved = 0 if is_view or not outputs else \
+        sum(_nbytes(t) for t in inputs) - sum(_nbytes(t) for t in fixed) + out_bytes
     return meta.NodeCost(flops=float(flops), bytes_moved=float(moved),
                          compute_heavy=flops > 0, is_view=is_view,
-                         output_bytes=float(0 if is_view else out_bytes), saved_bytes=0.0)
+                         output_bytes=float(0 if is_view else out_bytes), saved_bytes=0.0,
+                         weight_bytes=0.0 if is_view else _weight_bytes(fixed, outputs))
+
+
+def _weight_bytes(params: list[torch.Tensor], outputs: list[torch.Tensor]) -> float:
+    """Bytes of the parameters an op reads, in the dtype it computes in (its floating
+    output's): under autocast a matmul reads the low-precision copy of a weight."""
+    floating = [t for t in outputs if t.is_floating_point()]
+    return float(sum(t.numel() * (floating[0].element_size() if floating else t.element_size())
+                     for t in params))
 
 
 def _nbytes(tensor: torch.Tensor) -> int:
@@ -320,10 +336,7 @@ def _attribute_saved(run: _LayerRun) -> None:
     for node, size in extra.items():
         if node in run.costs:
             cost = run.costs[node]
-            run.costs[node] = meta.NodeCost(
-                flops=cost.flops, bytes_moved=cost.bytes_moved,
-                compute_heavy=cost.compute_heavy, is_view=cost.is_view,
-                output_bytes=cost.output_bytes, saved_bytes=cost.saved_bytes + size)
+            run.costs[node] = dataclasses.replace(cost, saved_bytes=cost.saved_bytes + size)
 
 
 # Fetching a parameter moves no bytes and saves nothing: it is a view of the weight.
@@ -401,6 +414,7 @@ def _layer_cost(info: meta.LayerInfo, nodes: list[fx.Node], run: _LayerRun,
     count, nbytes = usage["own"].get(info.index, (0, 0))
     per = 1.0 / batch
     return LayerCost(
+        heavy_ops=_heavy_ops([n for n in nodes if n in heavy], run, per),
         name=info.name, signature=info.signature, fwd_flops=flops * per,
         fwd_mem_bytes=light_bytes * per, param_count=count, param_bytes=nbytes,
         saved_bytes={k: v * per for k, v in saved.items()},
@@ -410,6 +424,21 @@ def _layer_cost(info: meta.LayerInfo, nodes: list[fx.Node], run: _LayerRun,
         num_nodes=sum(1 for n in nodes if n.op.startswith("call_")),
         bwd_extra_flops=per * sum(fuse_attention.backward_recompute_flops(n, run.costs[n].flops)
                                   for n in nodes))
+
+
+def _heavy_ops(nodes: list[fx.Node], run: _LayerRun, per: float) -> tuple[HeavyOp, ...]:
+    """The layer's compute-heavy ops for the roofline, equal ones counted together:
+    FLOPs, activation bytes and extra backward FLOPs per sample, weight bytes per
+    microbatch."""
+    counts: dict[tuple[float, float, float, float], int] = {}
+    for node in nodes:
+        cost = run.costs[node]
+        extra = fuse_attention.backward_recompute_flops(node, cost.flops)
+        key = (cost.flops * per, cost.bytes_moved * per, cost.weight_bytes, extra * per)
+        counts[key] = counts.get(key, 0) + 1
+    return tuple(HeavyOp(flops=flops, activation_bytes=moved, weight_bytes=weight,
+                         bwd_extra_flops=extra, count=n)
+                 for (flops, moved, weight, extra), n in counts.items())
 
 
 def param_usage(gm: fx.GraphModule, ctx: Context) -> dict:

@@ -1,9 +1,11 @@
 import dataclasses
 
 import torch
+from torch import nn
 
 from partc import meta
 from partc.passes import analyze
+from partc.problem import HeavyOp
 from samples.gpt import gpt_tiny, loss_fn
 from tests import models
 
@@ -32,6 +34,31 @@ def test_mlp_costs_by_hand():
     assert costs["linear"].flops == 2 * B * 8 * 16
     assert costs["relu"].saved_bytes == B * 16 * 4
     assert costs["relu"].bytes_moved == 2 * B * 16 * 4
+    # For the roofline: fc1's matmul moves x and its output per sample and reads its
+    # weight and bias once per microbatch.
+    assert costs["linear"].weight_bytes == (8 * 16 + 16) * 4
+    assert costs["linear"].bytes_moved == B * (8 + 16) * 4
+    assert fc1.heavy_ops == (HeavyOp(flops=2 * 8 * 16, activation_bytes=(8 + 16) * 4,
+                                     weight_bytes=(8 * 16 + 16) * 4),)
+
+
+class _ProjectedLoss(nn.Module):
+    """A loss with parameters of its own: the loss layer is one ``call_module`` node."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(4, 3)
+
+    def forward(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return nn.functional.cross_entropy(self.proj(output), target)
+
+
+def test_a_modules_own_parameters_are_its_weight_bytes():
+    gm, analysis = analyze(models.MLP(), (torch.randn(B, 8),), loss_fn=_ProjectedLoss(),
+                           example_target=torch.zeros(B, dtype=torch.long))
+    (loss,) = [n for n in gm.graph.nodes if n.op == "call_module"]
+    assert meta.cost(loss).weight_bytes == (4 * 3 + 3) * 4
+    assert analysis.layers[-1].heavy_ops[0].weight_bytes == (4 * 3 + 3) * 4
 
 
 def test_view_ops_move_no_bytes():

@@ -6,8 +6,8 @@ import itertools
 import random
 
 from partc.costs import PipelineConfig, build_cost_table, evaluate
-from partc.problem import (DeviceNumbers, LayerCost, ModelAnalysis, ModelSummary, Pins,
-                           PlanningProblem, SharedParam, TrainNumbers)
+from partc.problem import (DeviceNumbers, HeavyOp, LayerCost, ModelAnalysis, ModelSummary,
+                           Pins, PlanningProblem, SharedParam, TrainNumbers)
 
 
 def layer(name: str, *, flops: float = 1e9, params: int = 1000, saved: float = 1000.0,
@@ -23,7 +23,10 @@ def layer(name: str, *, flops: float = 1e9, params: int = 1000, saved: float = 1
     return LayerCost(name=name, signature=signature or name, fwd_flops=flops,
                      fwd_mem_bytes=mem_bytes, param_count=params, param_bytes=4 * params,
                      saved_bytes=saved_bytes, recompute_flops=recompute_flops,
-                     recompute_mem_bytes=recompute_mem, workspace_bytes=workspace)
+                     recompute_mem_bytes=recompute_mem, workspace_bytes=workspace,
+                     # One compute-bound op: its FLOPs at peak, its bytes not counted.
+                     heavy_ops=(HeavyOp(flops=flops, activation_bytes=0.0, weight_bytes=0.0),)
+                     if flops else ())
 
 
 def devices(num: int, memory: int | list[int], *, peak: float = 1e12, bandwidth: float = 1e9,

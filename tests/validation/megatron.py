@@ -41,7 +41,7 @@ import torch
 import partc
 from partc.compiler import build_problem, plan_problem
 from partc.costs import (PS_PER_S, Evaluation, PipelineConfig, build_cost_table, evaluate,
-                         exposed_sync_ps, tp_comm_seconds)
+                         exposed_sync_ps, layer_work, tp_comm_seconds)
 from partc.problem import PlanningProblem
 from partc.spec import INTERLEAVED
 
@@ -315,8 +315,9 @@ class Breakdown:
     """A step's predicted time on its bottleneck rank, by cause, in seconds.
 
     ``step = compute + memory + tp + tp_latency + p2p + bubble + dp_sync + optimizer +
-    tied``: the first five are the bottleneck rank's work over all microbatches (matmul
-    FLOPs at the devices' efficiency, memory-bound bytes at HBM bandwidth,
+    tied``: the first five are the bottleneck rank's work over all microbatches (ops
+    bound by their FLOPs at the devices' efficiency, ops bound by their bytes at HBM
+    bandwidth,
     tensor-parallel collectives' bytes and their per-step latency, pipeline sends);
     ``bubble`` is the pipeline's fill and
     drain (the other ranks' time for one microbatch, divided by the chunks when
@@ -374,19 +375,17 @@ def breakdown(problem: PlanningProblem, assignment: Assignment) -> Breakdown:
 def _work_seconds(problem: PlanningProblem, config: PipelineConfig,
                   layers: list[tuple[int, str]]) -> dict[str, float]:
     """One microbatch's forward, backward and recompute of ``layers`` (index, mode), split
-    into matmul FLOPs, memory-bound bytes and tensor-parallel collectives, as
+    into compute-bound ops, memory-bound ops and tensor-parallel collectives, as
     ``partc.costs`` charges them."""
-    devices, train = problem.devices, problem.train
-    b = config.micro_batch_size
-    rate = devices.peak_flops * devices.flops_efficiency
     total = {"compute": 0.0, "memory": 0.0, "tp": 0.0}
     for index, mode in layers:
         layer = problem.layers[index]
-        flops = layer.fwd_flops + layer.bwd_flops + layer.recompute_flops[mode]
-        moved = layer.fwd_mem_bytes + layer.bwd_mem_bytes + layer.recompute_mem_bytes[mode]
+        work = layer_work(layer, problem.devices, config.micro_batch_size,
+                          problem.train.measured_scale)
+        for compute, memory in (work["forward"], work["backward"], work["recompute"][mode]):
+            total["compute"] += compute
+            total["memory"] += memory
         comm = tp_comm_seconds(problem, config, layer)
-        total["compute"] += b * flops / rate
-        total["memory"] += b * moved * train.activation_scale / devices.hbm_bandwidth
         total["tp"] += comm["forward"] + comm["backward"] + (
             comm["forward"] if mode != "none" else 0.0)
     return total
