@@ -15,7 +15,7 @@ clock (CUDA events on a GPU, ``time.perf_counter`` on CPU):
 - collectives: N local processes (gloo on CPU, NCCL on CUDA) time all-reduce, all-gather,
   reduce-scatter and a send/recv ping-pong over message sizes m (bytes of the whole
   tensor; send/recv: of the message). Times are fitted, by least squares on relative
-  error, to the ring form the cost model uses (``passes/sharding.collective_seconds``)::
+  error, to the ring form the cost model uses (``partc.collectives.ring_seconds``)::
 
       t(m) = steps · latency + (steps / n) · m / bandwidth
 

@@ -23,6 +23,7 @@ from .baselines import baselines
 from .budget import DeviceBudget
 from .cache import DEFAULT as DEFAULT_CACHE
 from .cache import PlanCache, model_key
+from .collectives import Group
 from .planner import PlannerOptions, PlannerResult, divisors, solve
 from .plan import Plan, SolverStats
 from .problem import DeviceNumbers, ModelAnalysis, Pins, PlanningProblem, TrainNumbers
@@ -60,8 +61,8 @@ def tp_degrees(devices: DeviceNumbers, constraints: Constraints) -> list[int]:
 def tensor_parallel_links(devices: DeviceNumbers, degrees: list[int]) -> list:
     from .passes.sharding import Link
 
-    return [Link(tp=t, bandwidth=devices.intra_node_bandwidth,
-                 latency_s=devices.intra_latency_s,
+    # A tensor-parallel group of t spans t consecutive ranks, as partc.costs prices it.
+    return [Link(group=Group.over(devices, t, t),
                  flops=devices.peak_flops * devices.flops_efficiency,
                  hbm_bandwidth=devices.hbm_bandwidth) for t in degrees]
 

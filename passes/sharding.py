@@ -34,6 +34,7 @@ from ortools.sat.python import cp_model
 from torch import fx
 
 from partc import meta
+from partc.collectives import Group, collective_seconds
 
 from .layers import carries_grad, layer_nodes, op_name
 
@@ -116,13 +117,16 @@ def _shape(node: fx.Node) -> tuple[int, ...]:
 
 @dataclass(frozen=True)
 class Link:
-    """What the cost of a choice depends on: the group and the device."""
+    """What the cost of a choice depends on: the group's communicator, priced by
+    :mod:`partc.collectives` as the cost model prices it, and the device."""
 
-    tp: int
-    bandwidth: float        # bytes/s each rank can send within the group
-    latency_s: float
+    group: Group
     flops: float            # achievable FLOP/s
     hbm_bandwidth: float
+
+    @property
+    def tp(self) -> int:
+        return self.group.ranks
 
 
 @dataclass(frozen=True)
@@ -161,20 +165,6 @@ def redistribute(src: Placement, dst: Placement, grad_partial: bool
         back = ("reduce_scatter" if src.chunks == 1 else "all_reduce") if grad_partial else None
         return (("all_gather", "forward"),) + (((back, "backward"),) if back else ())
     return None  # shard to another shard: not needed by any strategy
-
-
-def collective_seconds(kind: str, nbytes: float, link: Link) -> float:
-    t = link.tp
-    if t <= 1:
-        return 0.0
-    steps = 2 * (t - 1) if kind == "all_reduce" else (t - 1)
-    return steps * link.latency_s + steps / t * nbytes / link.bandwidth
-
-
-def collective_rank_bytes(kind: str, nbytes: float, tp: int) -> float:
-    """Bytes each rank sends in a ring implementation."""
-    steps = 2 * (tp - 1) if kind == "all_reduce" else (tp - 1)
-    return steps / tp * nbytes
 
 
 # ------------------------------------------------------------------------------- rules
@@ -697,7 +687,8 @@ def apply(gm: fx.GraphModule, tp: int, sequence_parallel: bool,
           choices: dict[str, tuple[int, ...]]) -> Sharding:
     """Rebuild a :class:`Sharding` from a plan's per-layer strategy indices."""
     # Costs play no part in rebuilding: any link will do.
-    link = Link(tp=tp, bandwidth=1.0, latency_s=0.0, flops=1.0, hbm_bandwidth=1.0)
+    link = Link(group=Group(ranks=tp, bandwidth=1.0, latency_s=0.0), flops=1.0,
+                hbm_bandwidth=1.0)
     with _layer_problems(gm, tp, link, sequence_parallel) as (result, problems, grads):
         picked = []
         for problem in problems:
@@ -791,13 +782,16 @@ def _compute_seconds(node: fx.Node, chosen: Strategy, link: Link) -> float:
     cost = meta.cost(node)
     if cost is None:
         return 0.0
-    seconds = 3.0 * (cost.flops / link.flops + cost.bytes_moved / link.hbm_bandwidth)
+    # Forward and backward (twice forward), each op at its roofline as partc.costs
+    # prices it: its FLOPs or the bytes it moves, parameters included, whichever binds.
+    seconds = 3.0 * max(cost.flops / link.flops,
+                        (cost.bytes_moved + cost.weight_bytes) / link.hbm_bandwidth)
     sharded = chosen.out.kind != "R" or any(p.kind != "R" for p in chosen.ins)
     return seconds / link.tp if sharded else seconds
 
 
 def _moves_seconds(moves: tuple, nbytes: float, link: Link) -> float:
-    return sum(collective_seconds(kind, nbytes, link) for kind, _ in moves)
+    return sum(collective_seconds(kind, nbytes, link.group) for kind, _ in moves)
 
 
 def _edge_moves(problem: _LayerProblem, producer: fx.Node, src: Placement, dst: Placement,

@@ -8,13 +8,15 @@ import torch
 from torch import nn
 
 from partc import meta
+from partc.collectives import Group
 from partc.passes import dedupe
 from partc.passes.pipeline import analyze, tensor_parallel_options
 from partc.passes.sharding import Link
 from samples import gpt
 from tests import models
 
-LINK = Link(tp=2, bandwidth=100e9, latency_s=1e-6, flops=1e14, hbm_bandwidth=1e12)
+LINK = Link(group=Group(ranks=2, bandwidth=100e9, latency_s=1e-6), flops=1e14,
+            hbm_bandwidth=1e12)
 IDS = torch.zeros(2, 8, dtype=torch.long)
 
 # name: (build, example input, loss_fn, objectives measured)
