@@ -782,8 +782,10 @@ def _compute_seconds(node: fx.Node, chosen: Strategy, link: Link) -> float:
     cost = meta.cost(node)
     if cost is None:
         return 0.0
-    # Forward and backward (twice forward), each op at its roofline as partc.costs
-    # prices it: its FLOPs or the bytes it moves, parameters included, whichever binds.
+    # Forward and backward (twice forward), each op at its roofline: its FLOPs or its
+    # bytes, parameters included, whichever binds. Unlike partc.costs (heavy ops only),
+    # a light op's parameters count too, as they always have here: an embedding's table
+    # then weighs in its split.
     seconds = 3.0 * max(cost.flops / link.flops,
                         (cost.bytes_moved + cost.weight_bytes) / link.hbm_bandwidth)
     sharded = chosen.out.kind != "R" or any(p.kind != "R" for p in chosen.ins)
