@@ -256,3 +256,22 @@ def test_an_option_that_cannot_expand_is_measured_on_the_whole_model(monkeypatch
         options = tensor_parallel_options(gm, [LINK], (False,), ("time",))
     assert "measuring tensor parallelism on the whole model" in caplog.text
     assert_same_options(options, tensor_parallel_options(full_gm, [LINK], (False,), ("time",)))
+
+
+def test_tensor_parallel_heavy_ops_read_each_ranks_weights():
+    """Every block's matmuls shard their weights over tp = 2: a rank's heavy ops read about
+    half the weight bytes (a row-parallel bias moves out of the matmul, to after its
+    all-reduce), their FLOPs half."""
+    gm, analysis = analyze(gpt.gpt_tiny(), (IDS,), loss_fn=gpt.loss_fn)
+    # Slow devices and a fast link: splitting every matmul pays.
+    link = Link(group=Group(ranks=2, bandwidth=1e15, latency_s=0.0), flops=1e9,
+                hbm_bandwidth=1e9)
+    (option,) = tensor_parallel_options(gm, [link], (False,), ("time",))
+
+    def weights(layer):
+        return sum(op.weight_bytes * op.count for op in layer.heavy_ops)
+
+    for whole, rank in zip(analysis.layers, option.model.layers):
+        if whole.name.startswith("blocks."):
+            assert weights(rank) == pytest.approx(weights(whole) / 2, rel=0.05)
+            assert rank.fwd_flops == pytest.approx(whole.fwd_flops / 2)
