@@ -128,6 +128,9 @@ def test_mixed_precision_is_measured_as_autocast_runs_it():
     assert fc1.saved_bytes == {"none": 8 * 2 + 16 * 2, "full": 8 * 4}
     assert fc2.saved_bytes == {"none": 16 * 2, "full": 16 * 2}
     assert fc1.workspace_bytes == 16 * 2
+    # The matmul reads the bf16 copy of its weight and bias, the fp32 input, writes bf16.
+    assert fc1.heavy_ops == (HeavyOp(flops=2 * 8 * 16, activation_bytes=8 * 4 + 16 * 2,
+                                     weight_bytes=(8 * 16 + 16) * 2),)
 
 
 def test_a_model_on_the_meta_device_is_measured_under_autocast_as_on_cpu():
