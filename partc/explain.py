@@ -3,7 +3,8 @@
 The search here is a fast dynamic program, not the solver: for each pipeline degree it
 finds the contiguous split that minimises the worst stage's memory relative to its limit,
 choosing each layer's recompute mode by its own memory (saved activations times the
-microbatches in flight, plus what recompute rematerialises). The split it finds is a real
+microbatches in flight, plus what recompute rematerialises) among the modes the user's
+pins allow it. The split it finds is a real
 plan, so the memory it needs is one at which the model does fit.
 """
 
@@ -33,12 +34,14 @@ class TightestSplit:
         return max(range(len(self.limits)), key=lambda s: self.stage_need[s] / self.limits[s])
 
 
-def _layer_needs(table: CostTable, stage: int) -> tuple[list[int], list[int]]:
-    """Per layer on ``stage``: memory with its leanest mode, and that mode's transient."""
+def _layer_needs(table: CostTable, stage: int,
+                 allowed: list[list[str]]) -> tuple[list[int], list[int]]:
+    """Per layer on ``stage``: memory with its leanest allowed mode, and that mode's
+    transient."""
     inflight = table.config.inflight(stage)
     needs, transients = [], []
-    for row in table.layers:
-        mode = min(row.saved_bytes,
+    for row, modes in zip(table.layers, allowed):
+        mode = min(modes,
                    key=lambda r: (inflight * row.saved_bytes[r] + row.transient_bytes[r], r))
         needs.append(row.state_total + inflight * row.saved_bytes[mode])
         transients.append(row.transient_bytes[mode])
@@ -50,15 +53,16 @@ def _shared_need(table: CostTable, first: int, last: int) -> int:
                if any(first <= layer <= last for layer in g.layers))
 
 
-def tightest_split(table: CostTable) -> TightestSplit:
+def tightest_split(table: CostTable, problem: PlanningProblem) -> TightestSplit:
     """The contiguous split minimising the worst stage's need / limit (DP over stages)."""
     layers, pp = table.num_layers, table.config.pp
+    allowed = [problem.allowed_modes(layer) for layer in range(layers)]
     inf = float("inf")
     # best[s][j]: (worst ratio, split) covering layers 0..j with stages 0..s.
     best = [[(inf, ())] * layers for _ in range(pp)]
     need_of: dict[tuple[int, int, int], int] = {}
     for stage in range(pp):
-        needs, transients = _layer_needs(table, stage)
+        needs, transients = _layer_needs(table, stage, allowed)
         prefix = [0]
         for n in needs:
             prefix.append(prefix[-1] + n)
@@ -91,14 +95,16 @@ def _fewest_stages_that_fit(problem: PlanningProblem, micro_batch_size: int,
         config = PipelineConfig(
             pp=pp, dp=1, micro_batch_size=micro_batch_size, schedule="1f1b",
             num_microbatches=problem.train.global_batch_size // micro_batch_size)
-        if tightest_split(build_cost_table(replace(problem, devices=devices), config)).ratio <= 1:
+        problem_pp = replace(problem, devices=devices)
+        if tightest_split(build_cost_table(problem_pp, config), problem_pp).ratio <= 1:
             return pp
     return None
 
 
 def explain_infeasible(problem: PlanningProblem, tables: list[CostTable]) -> PlanInfeasibleError:
     # Contiguous splits of one run per stage; interleaved tables only when pinned.
-    splits = [tightest_split(t) for t in [t for t in tables if t.config.chunks == 1] or tables]
+    tables = [t for t in tables if t.config.chunks == 1] or tables
+    splits = [tightest_split(t, problem) for t in tables]
     tight = min(splits, key=lambda s: (s.ratio, -s.config.pp))
     names = [layer.name for layer in problem.layers]
     stage = tight.worst

@@ -398,15 +398,6 @@ def _pinned_stages(problem: PlanningProblem) -> list[int] | None:
     return [s for s, stage in enumerate(stages) for _ in stage]
 
 
-def _allowed_modes(problem: PlanningProblem, layer: int) -> list[str]:
-    cost = problem.layers[layer]
-    pinned = problem.pins.recompute.get(cost.name)
-    if pinned is None:
-        return list(cost.modes)
-    # A pinned "selective" on a layer with nothing cheap to drop behaves as "none".
-    return [pinned if pinned in cost.modes else "none"]
-
-
 @dataclass(frozen=True, kw_only=True)
 class _Segment:
     """Layers ``first..last`` (inclusive): one row, one set of allowed modes, one set of
@@ -430,7 +421,7 @@ def segments(problem: PlanningProblem, table: CostTable,
              for l in range(table.num_layers)]
 
     def key(l: int) -> tuple:
-        return (table.layers[l], _allowed_modes(problem, l), users[l],
+        return (table.layers[l], problem.allowed_modes(l), users[l],
                 pinned[l] if pinned is not None else None)
 
     found: list[_Segment] = []
@@ -742,7 +733,7 @@ def incumbent(problem: PlanningProblem, table: CostTable) -> Assignment | None:
         return None
     fastest = [min(row.compute_ps(r) for r in row.recompute_ps) for row in table.layers]
     stage_of = balanced_split(fastest, table.config.virtual_stages)
-    allowed = [_allowed_modes(problem, layer) for layer in range(table.num_layers)]
+    allowed = [problem.allowed_modes(layer) for layer in range(table.num_layers)]
     modes = [min(options, key=lambda r: (table.layers[l].compute_ps(r),
                                          RECOMPUTE_MODES.index(r)))   # ties: none first
              for l, options in enumerate(allowed)]
@@ -951,7 +942,7 @@ def solve(problem: PlanningProblem, options: PlannerOptions = PlannerOptions()) 
         bound=min(bound, best.evaluation.step_ps),
         solve_time_s=time.perf_counter() - start,
         configs_total=len(configs), configs_solved=solved, configs_pruned=pruned,
-        meshes=mesh_results(tables, floors, outcomes, best))
+        meshes=mesh_results(problem, tables, floors, outcomes, best))
 
 
 def _seed(problem: PlanningProblem, tables: list[CostTable], floors: list[float],
@@ -999,7 +990,7 @@ def _table_cache(problem: PlanningProblem) -> TableCache:
     return cache
 
 
-def mesh_results(tables: list[CostTable], floors: list[float],
+def mesh_results(problem: PlanningProblem, tables: list[CostTable], floors: list[float],
                  outcomes: list[ConfigResult | str],
                  best: ConfigResult) -> tuple[MeshResult, ...]:
     """One MeshResult per (pp, dp, tp) among the configurations, best first: solved by
@@ -1008,8 +999,8 @@ def mesh_results(tables: list[CostTable], floors: list[float],
     for i, table in enumerate(tables):
         config = table.config
         groups.setdefault((config.pp, config.dp, config.tp), []).append(i)
-    meshes = [_mesh_result(mesh, [tables[i] for i in members], [floors[i] for i in members],
-                           [outcomes[i] for i in members], best)
+    meshes = [_mesh_result(problem, mesh, [tables[i] for i in members],
+                           [floors[i] for i in members], [outcomes[i] for i in members], best)
               for mesh, members in groups.items()]
     chosen = best.table.config
 
@@ -1023,7 +1014,8 @@ def mesh_results(tables: list[CostTable], floors: list[float],
     return tuple(sorted(meshes, key=rank))
 
 
-def _mesh_result(mesh: tuple[int, int, int], tables: list[CostTable], floors: list[float],
+def _mesh_result(problem: PlanningProblem, mesh: tuple[int, int, int],
+                 tables: list[CostTable], floors: list[float],
                  outcomes: list[ConfigResult | str], best: ConfigResult) -> MeshResult:
     pp, dp, tp = mesh
     results = [o for o in outcomes if isinstance(o, ConfigResult)]
@@ -1041,19 +1033,20 @@ def _mesh_result(mesh: tuple[int, int, int], tables: list[CostTable], floors: li
     if bound is not None:
         outcome = "time limit" if "time limit" in outcomes else "pruned"
         return MeshResult(pp=pp, dp=dp, tp=tp, outcome=outcome, bound_ps=bound)
-    need, limit = _memory_need(tables)
+    need, limit = _memory_need(problem, tables)
     return MeshResult(pp=pp, dp=dp, tp=tp, outcome="infeasible", need_bytes=need,
                       limit_bytes=limit)
 
 
-def _memory_need(tables: list[CostTable]) -> tuple[int | None, int | None]:
+def _memory_need(problem: PlanningProblem,
+                 tables: list[CostTable]) -> tuple[int | None, int | None]:
     """The memory the tightest split of any of ``tables`` needs on its worst stage, and
     that stage's limit; (None, None) when that split fits (then only the pins keep these
     configurations out)."""
     from .explain import tightest_split
 
     tables = [t for t in tables if t.config.chunks == 1] or tables
-    tight = min((tightest_split(t) for t in tables), key=lambda split: split.ratio)
+    tight = min((tightest_split(t, problem) for t in tables), key=lambda split: split.ratio)
     if tight.ratio <= 1:
         return None, None
     return tight.stage_need[tight.worst], tight.limits[tight.worst]

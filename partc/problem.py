@@ -266,3 +266,12 @@ class PlanningProblem:
         return next((o for o in self.model.tensor_parallel if o.tp == tp
                      and o.sequence_parallel == sequence_parallel
                      and o.objective == objective), None)
+
+    def allowed_modes(self, layer: int) -> list[str]:
+        """The recompute modes layer ``layer`` may take: its pinned one, else all it has."""
+        cost = self.layers[layer]
+        pinned = self.pins.recompute.get(cost.name)
+        if pinned is None:
+            return list(cost.modes)
+        # A pinned "selective" on a layer with nothing cheap to drop behaves as "none".
+        return [pinned if pinned in cost.modes else "none"]

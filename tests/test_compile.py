@@ -99,6 +99,30 @@ def test_infeasible_budget_names_stage_need_limit_and_fix_fast():
         solve(tight)
 
 
+def test_infeasible_under_pinned_recompute_names_memory_not_solver_time():
+    # Recompute would make the model fit; pinned to "none" nothing does. The error must
+    # say memory (what the pins leave), not that a plan fits but the solver ran out.
+    from dataclasses import replace
+
+    from partc.costs import build_cost_table
+    from partc.explain import tightest_split
+    from partc.planner import candidate_configs
+
+    problem = _gpt_124m_on("1.5GiB").problem
+    pinned = replace(problem, pins=replace(
+        problem.pins, recompute={layer.name: "none" for layer in problem.layers}))
+    configs = candidate_configs(pinned)
+    need = min(max(tightest_split(build_cost_table(pinned, c), pinned).stage_need)
+               for c in configs)
+    tight = replace(pinned, devices=replace(pinned.devices, memory_bytes=(need - 1,) * 4))
+    free = replace(tight, pins=problem.pins)
+    assert any(tightest_split(build_cost_table(free, c), free).ratio <= 1
+               for c in candidate_configs(free))   # recompute would fit it
+    with pytest.raises(partc.PlanInfeasibleError) as info:
+        solve(tight)
+    assert info.value.resource == "memory" and "It would fit with" in str(info.value)
+
+
 def test_pins_reach_the_plan():
     model = gpt_tiny(n_layer=4)
     program = partc.compile(model, (torch.zeros(2, 16, dtype=torch.long),), loss_fn=loss_fn,

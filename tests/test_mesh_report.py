@@ -61,7 +61,7 @@ def _least_needs(problem) -> dict[tuple[int, int, int], int]:
     """Per factorisation, the least memory per device any of its configurations needs."""
     needs: dict[tuple[int, int, int], int] = {}
     for config in candidate_configs(problem):
-        need = max(tightest_split(build_cost_table(problem, config)).stage_need)
+        need = max(tightest_split(build_cost_table(problem, config), problem).stage_need)
         key = (config.pp, config.dp, config.tp)
         needs[key] = min(needs.get(key, math.inf), need)
     return needs
@@ -188,7 +188,7 @@ def _render_history(program, best: ConfigResult, solved: tuple[ConfigResult, ...
     by_config = {r.table.config: r for r in solved}
     outcomes = [by_config.get(t.config, unsolved if f < math.inf else "infeasible")
                 for t, f in zip(tables, floors)]
-    meshes = mesh_results(tables, floors, outcomes, best)
+    meshes = mesh_results(problem, tables, floors, outcomes, best)
     config = best.table.config
     plan = replace(program.plan, meshes=tuple(mesh_summary(m) for m in meshes),
                    mesh={"pp": config.pp, "dp": config.dp, "tp": config.tp},
