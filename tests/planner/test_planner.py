@@ -167,21 +167,23 @@ def test_plan_equals_brute_force(seed, scale):
     limits; at scale 2^16 the sizes are those of real models (GB), where byte-sized
     coefficients once made CP-SAT's presolve return a wrong OPTIMAL."""
     rng = random.Random(seed)
-    feasible = 0
-    for _ in range(63):
-        prob = random_problem(rng, scale)
-        checked = _plan_and_oracle(prob)
-        if checked is None:
-            continue
-        feasible += 1
-        plan, evaluation, oracle = checked
-        assert evaluation.step_ps >= oracle[0]
-        if evaluation.step_ps > oracle[0]:
-            # The planner counts memory in units of 1/2^20 of the limit, rounding sizes
-            # up: only a plan that fits with less than a unit per term to spare is lost.
-            assert _memory_slack_in_units(prob, oracle) < 4 * (prob.num_layers + 2)
-        assert plan.solver.status == "OPTIMAL" and plan.solver.gap == 0.0
+    feasible = sum(_matches_oracle(random_problem(rng, scale)) for _ in range(63))
     assert feasible > 30
+
+
+def _matches_oracle(prob) -> bool:
+    """Whether ``prob`` has a plan; if so, the planner's is the brute-force optimum, proven."""
+    checked = _plan_and_oracle(prob)
+    if checked is None:
+        return False
+    plan, evaluation, oracle = checked
+    assert evaluation.step_ps >= oracle[0]
+    if evaluation.step_ps > oracle[0]:
+        # The planner counts memory in units of 1/2^20 of the limit, rounding sizes up:
+        # only a plan that fits with less than a unit per term to spare is lost.
+        assert _memory_slack_in_units(prob, oracle) < 4 * (prob.num_layers + 2)
+    assert plan.solver.status == "OPTIMAL" and plan.solver.gap == 0.0
+    return True
 
 
 @pytest.mark.parametrize("seed", [0, 1])
@@ -313,18 +315,7 @@ def test_repeated_blocks_plan_equals_brute_force(seed):
     each): its plan equals the per-layer brute-force optimum, with blocks broken by a
     different block, a different cut or a pin, and tied parameters."""
     rng = random.Random(200 + seed)
-    feasible = 0
-    for _ in range(12):
-        prob = repeated_problem(rng)
-        checked = _plan_and_oracle(prob)
-        if checked is None:
-            continue
-        feasible += 1
-        plan, evaluation, oracle = checked
-        assert evaluation.step_ps >= oracle[0]
-        if evaluation.step_ps > oracle[0]:   # see test_plan_equals_brute_force
-            assert _memory_slack_in_units(prob, oracle) < 4 * (prob.num_layers + 2)
-        assert plan.solver.status == "OPTIMAL" and plan.solver.gap == 0.0
+    feasible = sum(_matches_oracle(repeated_problem(rng)) for _ in range(12))
     assert feasible >= 8
 
 
