@@ -97,13 +97,14 @@ def cold_run(workload: Workload, options: PlannerOptions) -> tuple[dict, partc.P
     start = time.perf_counter()
     work = workload.build()
     times["build model on meta"] = time.perf_counter() - start
+    budget = workload.budget()
     start = time.perf_counter()
     graph, analysis = analyze(work["model"], work["example_inputs"], loss_fn=work["loss_fn"],
                               example_target=work["example_target"], name=work["name"],
-                              autocast=autocast_dtype(work["train"]))
+                              autocast=autocast_dtype(work["train"]),
+                              autocast_device=budget.device_type)
     times["trace + analyse"] = time.perf_counter() - start
     start = time.perf_counter()
-    budget = workload.budget()
     problem = build_problem(analysis, budget, work["train"], partc.Constraints(), graph)
     times["tensor-parallel options"] = time.perf_counter() - start
     start = time.perf_counter()

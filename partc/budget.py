@@ -39,6 +39,8 @@ class DevicePreset:
     link_latency_s: float          # per collective step between nodes
     intra_node_latency_s: float    # per collective step inside a node
     flops_efficiency: float
+    # The torch device type it runs as: its autocast policy is that device's.
+    device_type: str = "cuda"
 
 
 PRESETS: dict[str, DevicePreset] = {
@@ -79,7 +81,7 @@ PRESETS: dict[str, DevicePreset] = {
             memory=16 * 2**30, hbm_bandwidth=20 * GB, devices_per_node=64,
             intra_node_bandwidth=5 * GB, inter_node_bandwidth=1.25 * GB,
             link_latency_s=50e-6, intra_node_latency_s=50e-6,
-            flops_efficiency=0.5),
+            flops_efficiency=0.5, device_type="cpu"),
     )
 }
 _ALIASES = {"A100": "A100-80GB", "H100": "H100-80GB", "H200-141GB": "H200", "cpu": "CPU"}
@@ -300,6 +302,12 @@ class DeviceBudget:
             return getattr(self._preset, name)
         raise ValueError(f"profile {self._profile.path} has no {name} (not measured) and "
                          f"names no preset; pass {name}=... to DeviceBudget")
+
+    @property
+    def device_type(self) -> str:
+        """The torch device type the runtime runs on: "cpu" for the CPU preset (or a profile
+        measured on a CPU, which names it), "cuda" for the GPUs."""
+        return self._preset.device_type if self._preset is not None else "cuda"
 
     @property
     def name(self) -> str:

@@ -5,8 +5,9 @@ Two levels, both keyed by content, never by object identity:
 - *measured models*: the ``ModelAnalysis`` of a model with its tensor-parallel variants,
   keyed by the graph signature (module tree, parameter shapes and dtypes, input shapes and
   dtypes, loss function, name), by the autocast dtype the layers were measured in (the
-  training's precision) and by the links the variants were measured for. A change of
-  memory, device count or batch reuses it: tracing and measuring are skipped.
+  training's precision) and whose policy (a GPU's or a CPU's), and by the links the
+  variants were measured for. A change of memory, device count or batch reuses it:
+  tracing and measuring are skipped.
 - *plans*: keyed by a digest of the whole ``PlanningProblem`` (the measured model, the
   budget's numbers, the training numbers and the pins). A hit returns the stored plan,
   which the caller validates again.
@@ -112,7 +113,7 @@ def model_key(model_hash: str, example_inputs: tuple, example_target: Any,
     """The graph signature: the model's structure (``model_hash``: module tree, parameter
     shapes and dtypes), the inputs' and target's shapes and dtypes, the loss function and
     the name; with ``measured_for``, what the measurement depends on besides (the
-    autocast dtype, the links the tensor-parallel variants were measured for)."""
+    autocast dtype and policy, the links the tensor-parallel variants were measured for)."""
     def spec(value: Any) -> Any:
         if isinstance(value, torch.Tensor):
             return ("tensor", tuple(value.shape), str(value.dtype))

@@ -184,8 +184,9 @@ def compile(model: torch.nn.Module, example_inputs: tuple | torch.Tensor, *,
         train = TrainSpec(global_batch_size=int(example_inputs[0].shape[0]))
     constraints = constraints or Constraints()
     devices = device_numbers(budget, train.dtype)
+    measured_for = _measured_for(budget, devices, constraints, train)
     key = model_key(model_hash(model), example_inputs, example_target, loss_fn, name,
-                    _measured_for(devices, constraints, train)) if cache is not None else None
+                    measured_for) if cache is not None else None
     analysis = cache.analysis(key) if cache is not None else None
     graph = None
     if analysis is None:
@@ -193,7 +194,8 @@ def compile(model: torch.nn.Module, example_inputs: tuple | torch.Tensor, *,
         graph, analysis = analyze(model, example_inputs, loss_fn=loss_fn,
                                   example_target=example_target, name=name,
                                   attention=train.attention,
-                                  autocast=autocast_dtype(train))
+                                  autocast=autocast_dtype(train),
+                                  autocast_device=budget.device_type)
         log.info("analysed %s: %d layers in %.2f s", analysis.summary.name,
                  len(analysis.layers), time.perf_counter() - start)
     problem = build_problem(analysis, budget, train, constraints, graph)
@@ -212,12 +214,13 @@ def compile(model: torch.nn.Module, example_inputs: tuple | torch.Tensor, *,
     return Program(plan=plan, problem=problem, graph=graph, model=model, loss_fn=loss_fn)
 
 
-def _measured_for(devices: DeviceNumbers, constraints: Constraints,
+def _measured_for(budget: DeviceBudget, devices: DeviceNumbers, constraints: Constraints,
                   train: TrainSpec) -> tuple:
     """What a model's measurement and tensor-parallel variants depend on besides the
-    model: the attention it runs, the autocast dtype its layers are measured in, the
-    degrees and links measured."""
+    model: the attention it runs, the autocast dtype its layers are measured in and whose
+    policy (a GPU's or a CPU's; none without autocast), the degrees and links measured."""
     degrees = tp_degrees(devices, constraints)
-    return (train.attention, str(autocast_dtype(train)),
+    autocast = autocast_dtype(train)
+    return (train.attention, str(autocast), budget.device_type if autocast else None,
             tuple(tensor_parallel_links(devices, degrees)),
             constraints.sequence_parallel, constraints.tp_objective)

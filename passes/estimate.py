@@ -13,7 +13,9 @@ the runtime runs them: matmuls save their inputs cast to the compute dtype, whil
 autocast leaves alone (the residual stream, a norm computed in fp32, the loss's
 log-softmax) stays fp32. Autocast's copies of the weights are not activations (the cost
 model charges them per microbatch), and a layer's inputs have the dtypes the layers
-before it made them in.
+before it made them in. The policy is the runtime devices' (``Context.autocast_device``):
+a GPU's is CUDA's, applied to the CPU stand-ins by :mod:`partc.passes.autocast_policy`
+(softmax, norms and losses in fp32), a CPU's is CPU autocast's own.
 
 A value that several later layers read (Llama's attention mask and rotary cos/sin, made
 once and read by every block) is held once, not once per reader: it is charged to the
@@ -44,6 +46,7 @@ from partc import meta
 from partc.problem import HeavyOp, LayerCost
 
 from . import fuse_attention
+from .autocast_policy import cuda_autocast
 from .layers import carries_grad, layer_nodes
 from .trace import Context
 
@@ -61,11 +64,13 @@ class _LayerRun:
 @dataclass(frozen=True)
 class _Setting:
     """What every layer run shares: the fake mode, the values that carry a gradient,
-    the autocast dtype, and the dtypes each value was made in so far (autocast's)."""
+    the autocast dtype and whose policy, and the dtypes each value was made in so far
+    (autocast's)."""
 
     fake_mode: FakeTensorMode
     with_grad: set[fx.Node]
     autocast: torch.dtype | None
+    autocast_device: str
     dtypes: dict[fx.Node, tuple[torch.dtype, ...]]
     # Where the stand-ins live: "cpu" for a model on the meta device under autocast
     # (which does not act on meta tensors; fake ones hold no data either way), None:
@@ -82,7 +87,8 @@ def estimate(gm: fx.GraphModule, ctx: Context) -> fx.GraphModule:
     per signature). Ensures: every non-placeholder node has a ``COST``.
     """
     setting = _Setting(fake_mode=FakeTensorMode(allow_non_fake_inputs=True),
-                       with_grad=carries_grad(gm), autocast=ctx.autocast, dtypes={},
+                       with_grad=carries_grad(gm), autocast=ctx.autocast,
+                       autocast_device=ctx.autocast_device, dtypes={},
                        device="cpu" if ctx.autocast is not None and _on_meta(gm) else None)
     usage = param_usage(gm, ctx)
     shared = _shared_values(gm)
@@ -141,8 +147,7 @@ def _run_layer(gm: fx.GraphModule, nodes: list[fx.Node], setting: _Setting) -> _
             scope.enter_context(context)
         if setting.autocast is not None:
             scope.enter_context(_WeightCopies(frozen))
-            scope.enter_context(torch.autocast(setting.device or _device_type(nodes),
-                                               dtype=setting.autocast))
+            scope.enter_context(_autocast(setting, nodes))
         for node in nodes:
             current.append(node)
             before = counter.get_total_flops()
@@ -188,6 +193,15 @@ class _WeightCopies(TorchDispatchMode):
                 StorageWeakRef(args[0].untyped_storage()) in self.frozen:
             self.frozen.add(StorageWeakRef(result.untyped_storage()))
         return result
+
+
+def _autocast(setting: _Setting, nodes: list[fx.Node]) -> Any:
+    """Autocast as the runtime's devices apply it: CUDA's policy on GPUs (on the CPU
+    stand-ins, as this torch may have no CUDA), CPU autocast's on CPUs."""
+    where = setting.device or _device_type(nodes)
+    if setting.autocast_device == "cuda" and where == "cpu":
+        return cuda_autocast(setting.autocast)
+    return torch.autocast(where, dtype=setting.autocast)
 
 
 def _device_type(nodes: list[fx.Node]) -> str:

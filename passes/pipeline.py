@@ -41,8 +41,8 @@ log = logging.getLogger("partc")
 def analyze(model: nn.Module, example_inputs: Any, *, loss_fn: Callable | None = None,
             example_target: Any = None, name: str | None = None,
             kwargs: dict | None = None, full_trace: bool | None = None,
-            attention: str = "as_written", autocast: torch.dtype | None = None
-            ) -> tuple[fx.GraphModule, ModelAnalysis]:
+            attention: str = "as_written", autocast: torch.dtype | None = None,
+            autocast_device: str = "cuda") -> tuple[fx.GraphModule, ModelAnalysis]:
     """Trace ``model`` and measure it, layer by layer, per sample.
 
     ``example_inputs`` is a tensor or a tuple of positional inputs (real, meta or fake;
@@ -63,11 +63,13 @@ def analyze(model: nn.Module, example_inputs: Any, *, loss_fn: Callable | None =
 
     ``autocast``: the dtype mixed-precision training computes in (the runtime runs each
     stage under ``torch.autocast``); the layers' activations are then measured as
-    autocast makes them (``ModelSummary.autocast``), not as traced.
+    autocast makes them (``ModelSummary.autocast``), not as traced, under the policy of
+    ``autocast_device``: "cuda" (GPUs; CUDA's policy, applied on CPU) or "cpu".
     """
     def front() -> tuple[fx.GraphModule, Context]:
-        return _front(model, example_inputs, attention, autocast, kwargs=kwargs,
-                      loss_fn=loss_fn, example_target=example_target, name=name)
+        return _front(model, example_inputs, attention, autocast, autocast_device,
+                      kwargs=kwargs, loss_fn=loss_fn, example_target=example_target,
+                      name=name)
 
     if full_trace is None:
         full_trace = os.environ.get("PARTC_FULL_TRACE") == "1"
@@ -88,10 +90,11 @@ def analyze(model: nn.Module, example_inputs: Any, *, loss_fn: Callable | None =
 
 
 def _front(model: nn.Module, example_inputs: Any, attention: str,
-           autocast: torch.dtype | None, **trace_args: Any) -> tuple[fx.GraphModule, Context]:
+           autocast: torch.dtype | None, autocast_device: str, **trace_args: Any
+           ) -> tuple[fx.GraphModule, Context]:
     started = time.perf_counter()
     gm, ctx = _named("trace", lambda: trace(model, example_inputs, **trace_args))
-    ctx = dataclasses.replace(ctx, autocast=autocast)
+    ctx = dataclasses.replace(ctx, autocast=autocast, autocast_device=autocast_device)
     meta.add_pass_time(gm, "trace", time.perf_counter() - started)
     _verify("trace", gm)
     # Order matters: fusing attention reads the shapes propagate writes, layers reads

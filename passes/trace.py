@@ -45,6 +45,9 @@ class Context:
     # The dtype training computes in under autocast (mixed precision), which ``estimate``
     # measures the layers in; None: the model's own.
     autocast: torch.dtype | None = None
+    # Whose autocast policy the runtime's devices apply, "cuda" (a GPU's) or "cpu": which
+    # ops compute in fp32 differs (``partc.passes.autocast_policy``).
+    autocast_device: str = "cuda"
 
 
 class LossCall(nn.Module):

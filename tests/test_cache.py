@@ -5,14 +5,15 @@ from __future__ import annotations
 import torch
 
 import partc
+from partc.budget import preset
 from partc.cache import problem_key
 from samples.gpt import gpt_tiny, loss_fn
 
 
-def _compile(model, cache, memory="64MiB", batch=8, dtype=torch.float32):
+def _compile(model, cache, memory="64MiB", batch=8, dtype=torch.float32, **budget):
     ids = torch.zeros(batch, 16, dtype=torch.long)
     return partc.compile(model, (ids,), budget=partc.DeviceBudget(
-        num_devices=2, device="CPU", memory=memory), train=partc.TrainSpec(
+        num_devices=2, memory=memory, **{"device": "CPU", **budget}), train=partc.TrainSpec(
         global_batch_size=batch, dtype=dtype), loss_fn=loss_fn, example_target=ids,
         cache=cache)
 
@@ -40,6 +41,28 @@ def test_same_problem_returns_the_stored_plan_and_a_new_budget_skips_tracing():
     assert cache.hits["analysis"] == 2 and mixed.graph is not None
     assert mixed.problem.model.summary.autocast == "bfloat16"
     assert mixed.problem.train.measured_scale == 1.0
+
+
+def test_mixed_precision_is_measured_apart_for_gpus_and_cpus():
+    """GPUs' autocast keeps other ops in fp32 than CPUs' (softmax: GPT saves fp32
+    probabilities on a GPU): under bf16 a GPU with a CPU's numbers is measured apart
+    from the CPU, in fp32 the measurement is shared."""
+    cpu_preset = preset("CPU")
+    like_cpu = {name: getattr(cpu_preset, name) for name in (
+        "peak_flops", "flops_efficiency", "hbm_bandwidth", "devices_per_node",
+        "intra_node_bandwidth", "inter_node_bandwidth", "link_latency_s",
+        "intra_node_latency_s")}
+    cache = partc.PlanCache()
+    _compile(gpt_tiny(n_layer=2), cache)
+    _compile(gpt_tiny(n_layer=2), cache, device="H100-80GB", **like_cpu)
+    assert cache.hits["analysis"] == 1
+    cpu = _compile(gpt_tiny(n_layer=2), cache, dtype=torch.bfloat16)
+    gpu = _compile(gpt_tiny(n_layer=2), cache, dtype=torch.bfloat16, device="H100-80GB",
+                   **like_cpu)
+    assert cache.hits["analysis"] == 1 and gpu.graph is not None
+    blocks = [(c.saved_bytes["none"], g.saved_bytes["none"]) for c, g in zip(
+        cpu.problem.model.layers, gpu.problem.model.layers) if c.name.startswith("blocks.")]
+    assert blocks and all(on_cpu < on_gpu for on_cpu, on_gpu in blocks)
 
 
 def test_a_cache_directory_serves_a_new_process(tmp_path):
