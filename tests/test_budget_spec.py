@@ -12,6 +12,8 @@ def test_presets_carry_numbers_and_accept_overrides():
         budget = partc.DeviceBudget(num_devices=2, device=name)
         assert budget.peak_flops_for(torch.bfloat16) > 0
         assert budget.hbm_bytes_per_s > 0 and budget.memory_bytes[0] > 0
+        # Whose autocast policy mixed precision is measured under.
+        assert budget.device_type == ("cpu" if name == "CPU" else "cuda")
     budget = partc.DeviceBudget(num_devices=4, device="A100-80GB", memory="70GiB",
                                 devices_per_node=2, inter_node_bandwidth="10GB/s",
                                 peak_flops={"bfloat16": 100e12})
