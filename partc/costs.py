@@ -499,7 +499,7 @@ def _layer_key(layer) -> tuple:
             layer.param_bytes, tuple(sorted(layer.saved_bytes.items())),
             tuple(sorted(layer.recompute_flops.items())),
             tuple(sorted(layer.recompute_mem_bytes.items())), layer.workspace_bytes,
-            layer.tp_comm, layer.bwd_extra_flops)
+            layer.tp_comm)
 
 
 def build_cost_table(problem: PlanningProblem, config: PipelineConfig,

@@ -67,19 +67,13 @@ class LayerCost:
     # Tensor-parallel collectives per sample: (kind, "forward"/"backward", bytes of the
     # whole tensor). Empty without tensor parallelism.
     tp_comm: tuple[tuple[str, str, float], ...] = ()
-    # Backward FLOPs beyond twice the forward's: a fused attention kernel recomputes its
-    # scores in backward (``partc.passes.fuse_attention.backward_recompute_flops``).
-    bwd_extra_flops: float = 0.0
     heavy_ops: tuple[HeavyOp, ...] = ()
 
     def __post_init__(self) -> None:
-        for name, total, listed in (
-                ("forward", self.fwd_flops, sum(op.flops * op.count for op in self.heavy_ops)),
-                ("extra backward", self.bwd_extra_flops,
-                 sum(op.bwd_extra_flops * op.count for op in self.heavy_ops))):
-            if abs(listed - total) > 1e-9 * max(total, 1.0):
-                raise ValueError(f"layer {self.name}: heavy_ops hold {listed} of its "
-                                 f"{total} {name} FLOPs per sample")
+        listed = sum(op.flops * op.count for op in self.heavy_ops)
+        if abs(listed - self.fwd_flops) > 1e-9 * max(self.fwd_flops, 1.0):
+            raise ValueError(f"layer {self.name}: heavy_ops hold {listed} of its "
+                             f"{self.fwd_flops} forward FLOPs per sample")
         for mode in ("none", "full"):
             if mode not in self.saved_bytes:
                 raise ValueError(f"layer {self.name}: saved_bytes lacks mode {mode!r}")
@@ -92,6 +86,12 @@ class LayerCost:
     @property
     def modes(self) -> tuple[str, ...]:
         return tuple(m for m in RECOMPUTE_MODES if m in self.saved_bytes)
+
+    @property
+    def bwd_extra_flops(self) -> float:
+        """Backward FLOPs beyond twice the forward's: a fused attention kernel recomputes
+        its scores in backward (``partc.passes.fuse_attention.backward_recompute_flops``)."""
+        return sum(op.bwd_extra_flops * op.count for op in self.heavy_ops)
 
     @property
     def bwd_flops(self) -> float:

@@ -435,9 +435,7 @@ def _layer_cost(info: meta.LayerInfo, nodes: list[fx.Node], run: _LayerRun,
         recompute_flops={k: v * per for k, v in rec_flops.items()},
         recompute_mem_bytes={k: v * per for k, v in rec_bytes.items()},
         workspace_bytes=max((run.costs[n].output_bytes for n in nodes), default=0.0) * per,
-        num_nodes=sum(1 for n in nodes if n.op.startswith("call_")),
-        bwd_extra_flops=per * sum(fuse_attention.backward_recompute_flops(n, run.costs[n].flops)
-                                  for n in nodes))
+        num_nodes=sum(1 for n in nodes if n.op.startswith("call_")))
 
 
 def _heavy_ops(nodes: list[fx.Node], run: _LayerRun, per: float) -> tuple[HeavyOp, ...]:
