@@ -48,7 +48,7 @@ from partc.problem import HeavyOp, LayerCost
 from . import fuse_attention
 from .autocast_policy import cuda_autocast
 from .layers import carries_grad, layer_nodes
-from .trace import Context
+from .trace import Context, is_dtype_check
 
 
 @dataclass
@@ -172,12 +172,6 @@ def _run_layer(gm: fx.GraphModule, nodes: list[fx.Node], setting: _Setting) -> _
                     state, [t for t in pytree.tree_leaves(result) if isinstance(t, torch.Tensor)]))
     _attribute_saved(run)
     return run
-
-
-def is_dtype_check(node: fx.Node) -> bool:
-    """An exported graph's assertion of the dtype a tensor was traced with."""
-    return node.op == "call_function" and \
-        getattr(node.target, "__name__", "").startswith("_assert_tensor_metadata")
 
 
 class _WeightCopies(TorchDispatchMode):

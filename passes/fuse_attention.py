@@ -54,7 +54,7 @@ from torch.utils.flop_counter import flop_registry
 
 from partc import meta
 
-from .trace import Context
+from .trace import Context, is_dtype_check
 
 log = logging.getLogger("partc")
 
@@ -145,7 +145,7 @@ def _val(node: Any) -> Any:
 
 def _users(node: fx.Node) -> list[fx.Node]:
     """Users that compute something (dtype checks export leaves are not)."""
-    return [u for u in node.users if not _name(u).startswith("_assert_tensor_metadata")]
+    return [u for u in node.users if not is_dtype_check(u)]
 
 
 def _arg(node: fx.Node, index: int, name: str, default: Any = None) -> Any:
@@ -403,7 +403,7 @@ def _erase_dead(graph: fx.Graph, nodes: list[fx.Node]) -> None:
         node = pending.pop(0)
         if node in erased or node.op in ("placeholder", "output"):
             continue
-        for user in [u for u in node.users if _name(u).startswith("_assert_tensor_metadata")]:
+        for user in [u for u in node.users if is_dtype_check(u)]:
             graph.erase_node(user)
         if node.users or (node not in nodes and node.is_impure()):
             continue

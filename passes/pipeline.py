@@ -26,12 +26,12 @@ from partc.runtime import tp as tp_ops
 from . import dedupe
 from . import shard as shard_pass
 from . import sharding as sharding_pass
-from .estimate import estimate, is_dtype_check, param_usage
+from .estimate import estimate, param_usage
 from .fuse_attention import fuse_attention
 from .layers import crossing_bytes, crossing_tensors, layers
 from .propagate import propagate
 from .sharding import Link
-from .trace import Context, trace
+from .trace import Context, is_dtype_check, trace
 
 Pass = Callable[[fx.GraphModule, Context], fx.GraphModule]
 

@@ -107,6 +107,12 @@ def trace(model: nn.Module, example_inputs: Any, *, kwargs: dict | None = None,
     return gm, ctx
 
 
+def is_dtype_check(node: fx.Node) -> bool:
+    """An exported graph's assertion of the dtype a tensor was traced with."""
+    return node.op == "call_function" and \
+        getattr(node.target, "__name__", "").startswith("_assert_tensor_metadata")
+
+
 def _model_device(model: nn.Module) -> torch.device:
     for tensor in list(model.parameters()) + list(model.buffers()):
         return tensor.device
