@@ -11,13 +11,14 @@ from .compiler import build_problem, compile, plan_problem
 from .errors import (PartcError, PlanInfeasibleError, PlanMismatchError, PlanValidationError,
                      TraceError)
 from .plan import Plan
-from .planner import PlannerOptions
+from .options import PlannerOptions, ShardingOptions
 from .program import Program, load
 from .spec import Constraints, TrainSpec
 from .validate import validate_plan
 
 __all__ = [
     "PRESETS", "Constraints", "DeviceBudget", "PartcError", "Plan", "PlanInfeasibleError",
-    "PlanCache", "PlanMismatchError", "PlanValidationError", "PlannerOptions", "Program", "TraceError",
+    "PlanCache", "PlanMismatchError", "PlanValidationError", "PlannerOptions", "Program",
+    "ShardingOptions", "TraceError",
     "TrainSpec", "build_problem", "compile", "load", "plan_problem", "validate_plan",
 ]

@@ -24,7 +24,7 @@ import torch
 
 from .budget import DEFAULT_DEVICE, PRESETS, DeviceBudget
 from .errors import PartcError
-from .planner import PlannerOptions
+from .options import PlannerOptions
 from .report import FORMATS
 from .spec import ATTENTION, SCHEDULES, Constraints, TrainSpec
 

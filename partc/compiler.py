@@ -176,7 +176,8 @@ def compile(model: torch.nn.Module, example_inputs: tuple | torch.Tensor, *,
     ``None``: none) keeps measured models and plans: compiling the same model again
     with another budget or batch skips tracing and measuring, and an unchanged problem
     returns its plan at once (validated again)."""
-    from .passes.pipeline import analyze, model_hash
+    from .identity import model_hash
+    from .passes.pipeline import analyze
 
     if isinstance(example_inputs, torch.Tensor):
         example_inputs = (example_inputs,)

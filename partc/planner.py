@@ -92,28 +92,9 @@ from ortools.sat.python import cp_model
 from .costs import (CostTable, Evaluation, PipelineConfig, TableCache, build_cost_table,
                     evaluate)
 from .errors import PlanInfeasibleError
+from .options import PlannerOptions
 from .problem import RECOMPUTE_MODES, PlanningProblem
 from .spec import AUTO_SCHEDULES, INTERLEAVED
-
-
-@dataclass(frozen=True, kw_only=True)
-class PlannerOptions:
-    time_limit_s: float = 30.0
-    num_workers: int = 1          # one worker keeps CP-SAT deterministic
-    seed: int = 0
-    # CP-SAT's presolve took most of each solve on the segment model (most
-    # configurations are settled by the root LP bound against the cutoff): off, the 1T
-    # GPT's search solved its 35 configurations in a third of the time.
-    presolve: bool = False
-    # One configuration's share of the limit (None: an eighth, at least 2 s), so that one
-    # hard configuration cannot starve the rest; stopped early, it keeps its incumbent.
-    config_time_limit_s: float | None = None
-
-    @property
-    def per_config_s(self) -> float:
-        if self.config_time_limit_s is not None:
-            return self.config_time_limit_s
-        return max(2.0, self.time_limit_s / 8)
 
 
 @dataclass(frozen=True, kw_only=True)

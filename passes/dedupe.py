@@ -55,9 +55,8 @@ from torch import fx, nn
 from partc import meta
 from partc.problem import ModelAnalysis, TPOption
 
-from .estimate import param_usage
-from .layers import (carries_grad, crossing_users, cut_counts, cut_sums, is_repeated,
-                     op_name)
+from .graph import carries_grad, op_name, param_usage
+from .layers import crossing_users, cut_counts, cut_sums, is_repeated
 
 
 class Mismatch(Exception):

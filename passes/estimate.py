@@ -47,8 +47,8 @@ from partc.problem import HeavyOp, LayerCost
 
 from . import fuse_attention
 from .autocast_policy import cuda_autocast
-from .layers import carries_grad, layer_nodes
-from .trace import Context, is_dtype_check
+from .context import Context
+from .graph import carries_grad, fetch, is_dtype_check, layer_nodes, param_usage
 
 
 @dataclass
@@ -224,7 +224,7 @@ def _outside_value(gm: fx.GraphModule, node: fx.Node, setting: _Setting, frozen:
     what autograd saves depends on it (a product saves each factor only for the other's
     gradient)."""
     if node.op == "get_attr":
-        value = _fetch(gm, str(node.target))
+        value = fetch(gm, str(node.target))
         if isinstance(value, fx.GraphModule) and setting.device is not None:
             return _subgraph_on(value, setting.device)
         if not isinstance(value, torch.Tensor):
@@ -290,11 +290,6 @@ def _moved(device: str | None, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
 def _named_state(module: nn.Module) -> list[tuple[str, torch.Tensor]]:
     return (list(module.named_parameters(remove_duplicate=False))
             + list(module.named_buffers(remove_duplicate=False)))
-
-
-def _fetch(gm: fx.GraphModule, target: str) -> torch.Tensor:
-    owner, _, attr = target.rpartition(".")
-    return getattr(gm.get_submodule(owner) if owner else gm, attr)
 
 
 def _call(gm: fx.GraphModule, node: fx.Node, args: tuple, kwargs: dict) -> Any:
@@ -447,28 +442,3 @@ def _heavy_ops(nodes: list[fx.Node], run: _LayerRun, per: float) -> tuple[HeavyO
                  for (flops, moved, weight, extra), n in counts.items())
 
 
-def param_usage(gm: fx.GraphModule, ctx: Context) -> dict:
-    """Which layers use each parameter (by identity, so tied weights are one parameter).
-
-    Returns ``{"layers": {id: set of layer indices}, "tensors": {id: parameter},
-    "own": {layer index: (count, bytes) of parameters only that layer uses}}``.
-    """
-    parameter_ids = {id(p) for p in ctx.model.parameters()}
-    layers_of: dict[int, set[int]] = {}
-    tensors: dict[int, torch.Tensor] = {}
-    for node in gm.graph.nodes:
-        for fqn in meta.params(node):
-            tensor = _fetch(gm, fqn)
-            if id(tensor) not in parameter_ids:
-                continue  # buffers and constants are not parameters
-            tensors[id(tensor)] = tensor
-            users = node.users if node.op == "get_attr" else [node]
-            layers_of.setdefault(id(tensor), set()).update(meta.layer(u).index for u in users)
-    own: dict[int, tuple[int, int]] = {}
-    for key, indices in layers_of.items():
-        if len(indices) == 1:
-            (index,) = indices
-            count, nbytes = own.get(index, (0, 0))
-            tensor = tensors[key]
-            own[index] = (count + tensor.numel(), nbytes + tensor.numel() * tensor.element_size())
-    return {"layers": layers_of, "tensors": tensors, "own": own}

@@ -54,7 +54,8 @@ from torch.utils.flop_counter import flop_registry
 
 from partc import meta
 
-from .trace import Context, is_dtype_check
+from .context import Context
+from .graph import is_dtype_check
 
 log = logging.getLogger("partc")
 

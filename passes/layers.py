@@ -22,7 +22,8 @@ from torch import fx, nn
 
 from partc import meta
 
-from .trace import Context
+from .context import Context
+from .graph import carries_grad, op_name
 
 ROOT_LAYER = "root"
 OUTPUT_LAYER = "output"
@@ -296,53 +297,6 @@ def cut_sums(spans: list[tuple[float, int, int]], num_layers: int) -> tuple[floa
     return tuple(cuts)
 
 
-_NO_GRAD_OPS = {"detach", "_assert_tensor_metadata", "zeros_like", "ones_like",
-                "empty_like", "full_like", "new_zeros", "new_ones", "new_empty", "new_full"}
-
-
-def carries_grad(gm: fx.GraphModule) -> set[fx.Node]:
-    """Nodes whose value is a float tensor that depends on a trainable parameter and that
-    the graph's output depends on: the values a gradient reaches in backward (and that
-    carry one when they cross a stage boundary). An output the loss ignores (BERT's pooler
-    under a loss on the last hidden state) gets none."""
-    wanted = _ancestors_of_output(gm)
-    result: set[fx.Node] = set()
-    for node in gm.graph.nodes:
-        value = node.meta.get("val")
-        if isinstance(value, (tuple, list)) and value and all(
-                isinstance(v, torch.Tensor) for v in value):
-            value = value[0]  # a split's pieces: one value for this purpose
-        if not isinstance(value, torch.Tensor) or not value.is_floating_point():
-            continue
-        if node.op == "get_attr":
-            owner, _, attr = str(node.target).rpartition(".")
-            tensor = getattr(gm.get_submodule(owner) if owner else gm, attr, None)
-            if isinstance(tensor, torch.Tensor) and tensor.requires_grad:
-                result.add(node)
-        elif op_name(node) not in _NO_GRAD_OPS and any(a in result for a in node.all_input_nodes):
-            result.add(node)
-    return result & wanted
-
-
-def _ancestors_of_output(gm: fx.GraphModule) -> set[fx.Node]:
-    output = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
-    seen: set[fx.Node] = set()
-    stack: list[fx.Node] = []
-    for node in output.all_input_nodes:
-        uses = meta.loss_uses(node) if meta.role(node) == meta.ROLE_LOSS else None
-        if uses is None:
-            stack.append(node)
-        else:  # the loss's inputs it does not read get no gradient
-            seen.add(node)
-            stack += [a for a, used in zip(node.args, uses) if used and isinstance(a, fx.Node)]
-    while stack:
-        node = stack.pop()
-        if node not in seen:
-            seen.add(node)
-            stack.extend(node.all_input_nodes)
-    return seen
-
-
 def crossing_tensors(gm: fx.GraphModule, num_layers: int) -> tuple[tuple[int, int], ...]:
     """Per cut l: how many tensor values cross it, and how many of those carry gradients.
 
@@ -360,18 +314,6 @@ def cut_counts(spans: list[tuple[bool, int, int]], num_layers: int
     tensors = cut_sums([(1, made, used) for _, made, used in spans], num_layers)
     with_grad = cut_sums([(1, made, used) for grad, made, used in spans if grad], num_layers)
     return tuple((int(t), int(g)) for t, g in zip(tensors, with_grad))
-
-
-def op_name(node: fx.Node) -> str:
-    """A short op name: ``aten.view.default`` → ``view``, ``F.linear`` → ``linear``."""
-    target = node.target
-    if node.op == "call_module":
-        return type(node.graph.owning_module.get_submodule(target)).__name__.lower()
-    if node.op == "call_method":
-        return str(target)
-    if isinstance(target, torch._ops.OpOverload):
-        return target.overloadpacket.__name__
-    return getattr(target, "__name__", str(target))
 
 
 def _signature(nodes: list[fx.Node], prefix: str) -> str:
@@ -409,8 +351,4 @@ def _relative(fqn: str, prefix: str) -> str:
         return ""
     return fqn[len(prefix) + 1:] if prefix and fqn.startswith(prefix + ".") else fqn
 
-
-def layer_nodes(gm: fx.GraphModule, info: meta.LayerInfo) -> list[fx.Node]:
-    by_name = {node.name: node for node in gm.graph.nodes}
-    return [by_name[name] for name in info.nodes]
 

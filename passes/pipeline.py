@@ -9,7 +9,6 @@ before the next one runs.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import logging
 import os
 import time
@@ -20,18 +19,21 @@ from torch import fx, nn
 
 from partc import meta
 from partc.errors import TraceError
+from partc.identity import model_hash
 from partc.problem import ModelAnalysis, ModelSummary, SharedParam, TPOption
 from partc.runtime import tp as tp_ops
 
 from . import dedupe
 from . import shard as shard_pass
 from . import sharding as sharding_pass
-from .estimate import estimate, param_usage
+from .estimate import estimate
+from .graph import is_dtype_check, param_usage
 from .fuse_attention import fuse_attention
 from .layers import crossing_bytes, crossing_tensors, layers
 from .propagate import propagate
 from .sharding import Link
-from .trace import Context, is_dtype_check, trace
+from .context import Context
+from .trace import trace
 
 Pass = Callable[[fx.GraphModule, Context], fx.GraphModule]
 
@@ -343,18 +345,6 @@ def _tokens_per_sample(ctx: Context) -> int:
     if isinstance(first, torch.Tensor) and first.dim() == 2 and not first.is_floating_point():
         return int(first.shape[1])
     return 0
-
-
-def model_hash(model: nn.Module) -> str:
-    """A stable hash of the module tree and parameter shapes/dtypes (never values)."""
-    digest = hashlib.sha256()
-    for fqn, module in model.named_modules(remove_duplicate=False):
-        digest.update(f"m {fqn} {type(module).__module__}.{type(module).__qualname__}\n".encode())
-    for fqn, tensor in model.named_parameters(remove_duplicate=False):
-        digest.update(f"p {fqn} {tuple(tensor.shape)} {tensor.dtype}\n".encode())
-    for fqn, tensor in model.named_buffers(remove_duplicate=False):
-        digest.update(f"b {fqn} {tuple(tensor.shape)} {tensor.dtype}\n".encode())
-    return digest.hexdigest()[:16]
 
 
 def _shared(gm: fx.GraphModule, ctx: Context) -> tuple[SharedParam, ...]:

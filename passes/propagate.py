@@ -11,7 +11,8 @@ from torch import fx
 from partc import meta
 from partc.errors import TraceError
 
-from .trace import Context
+from .context import Context
+from .graph import fetch
 
 
 def propagate(gm: fx.GraphModule, ctx: Context) -> fx.GraphModule:
@@ -58,7 +59,7 @@ def _run(gm: fx.GraphModule, node: fx.Node, env: dict, ctx: Context) -> Any:
     kwargs = fx.node.map_arg(node.kwargs, env.__getitem__)
     with ctx.fake_mode:
         if node.op == "get_attr":
-            value = _fetch(gm, str(node.target))
+            value = fetch(gm, str(node.target))
             # export's higher-order ops read subgraphs through get_attr too.
             if not isinstance(value, torch.Tensor):
                 return value
@@ -86,11 +87,6 @@ def _loss_uses(gm: fx.GraphModule, loss: fx.Node, env: dict, ctx: Context) -> tu
         return tuple(True for _ in args)
     got = {id(p): g is not None for p, g in zip(wanted, grads)}
     return tuple(got.get(id(p), False) for p in probes) + (False,)
-
-
-def _fetch(gm: fx.GraphModule, target: str) -> torch.Tensor:
-    owner, _, attr = target.rpartition(".")
-    return getattr(gm.get_submodule(owner) if owner else gm, attr)
 
 
 def _derive_target(loss: fx.Node, env: dict, ctx: Context) -> None:

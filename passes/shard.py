@@ -37,8 +37,10 @@ from torch import fx
 from partc import meta
 from partc.runtime import tp as tp_ops
 
-from .layers import carries_grad, op_name
-from .sharding import Placement, Sharding, redistribute, tensor_inputs
+from partc.placement import Placement
+
+from .graph import carries_grad, op_name, tensor_inputs
+from .sharding import Sharding, redistribute
 
 LocalParam = Callable[[str, torch.Tensor, Placement], torch.Tensor]
 

@@ -35,54 +35,12 @@ from torch import fx
 
 from partc import meta
 from partc.collectives import Group, collective_seconds
+from partc.placement import PARTIAL, REPLICATE, Placement, Shard
 
-from .layers import carries_grad, layer_nodes, op_name
-
-
-# ---------------------------------------------------------------------------- placements
-
-@dataclass(frozen=True, order=True)
-class Placement:
-    """``Replicate()``, ``Shard(dim)`` / ``Shard(dim, chunks=k)`` or ``Partial()`` (sum)."""
-
-    kind: str  # "R", "S", "P", or "*" (an input read only for its dtype and device)
-    dim: int = -1
-    chunks: int = 1
-
-    def __str__(self) -> str:
-        if self.kind == "R":
-            return "Replicate()"
-        if self.kind == "P":
-            return "Partial()"
-        if self.kind == "*":
-            return "Any()"
-        return f"Shard({self.dim})" if self.chunks == 1 else f"Shard({self.dim}, chunks={self.chunks})"
-
-    @property
-    def is_shard(self) -> bool:
-        return self.kind == "S"
-
-    @staticmethod
-    def parse(text: str) -> "Placement":
-        text = text.strip()
-        if text == "Replicate()":
-            return REPLICATE
-        if text == "Partial()":
-            return PARTIAL
-        if text.startswith("Shard(") and text.endswith(")"):
-            inner = text[len("Shard("):-1].split(",")
-            chunks = int(inner[1].split("=")[1]) if len(inner) > 1 else 1
-            return Shard(int(inner[0]), chunks)
-        raise ValueError(f"not a placement: {text!r}")
+from .graph import carries_grad, is_tensorish, layer_nodes, op_name, tensor_inputs
 
 
-REPLICATE = Placement("R")
-PARTIAL = Placement("P")
 ANY = Placement("*")  # x.new_ones(...) reads x's dtype and device: any placement will do
-
-
-def Shard(dim: int, chunks: int = 1) -> Placement:  # noqa: N802 (DTensor's spelling)
-    return Placement("S", dim, chunks)
 
 
 @dataclass(frozen=True)
@@ -92,18 +50,6 @@ class Strategy:
     name: str
     out: Placement
     ins: tuple[Placement, ...]  # one per tensor input, in ``tensor_inputs`` order
-
-
-def tensor_inputs(node: fx.Node) -> list[fx.Node]:
-    return [a for a in node.all_input_nodes if _is_tensorish(a)]
-
-
-def _is_tensorish(node: fx.Node) -> bool:
-    value = node.meta.get("val")
-    if isinstance(value, torch.Tensor):
-        return True
-    return isinstance(value, (tuple, list)) and bool(value) and all(
-        isinstance(v, torch.Tensor) for v in value)
 
 
 def _shape(node: fx.Node) -> tuple[int, ...]:
@@ -196,7 +142,7 @@ def strategies(node: fx.Node, tp: int) -> list[Strategy]:
     rule = _RULES.get(name)
     if rule is None and name in _ELEMENTWISE:
         rule = _elementwise
-    if rule is None or not inputs or not _is_tensorish(node):
+    if rule is None or not inputs or not is_tensorish(node):
         return [replicated]
     found = []
     try:
@@ -613,7 +559,7 @@ def boundaries(gm: fx.GraphModule, tp: int, sequence_parallel: bool) -> dict[fx.
     loss_layers = {info.index for info in meta.layers(gm) if info.is_loss}
     result = {}
     for node in gm.graph.nodes:
-        if node.op in ("output", "get_attr") or not _is_tensorish(node):
+        if node.op in ("output", "get_attr") or not is_tensorish(node):
             continue
         here = meta.layer(node).index if node.op != "placeholder" else -1
         users = list(node.users)
@@ -730,7 +676,7 @@ class _LayerProblem:
         members = set(nodes)
         self.members = members
         computed = [n for n in nodes if n.op in ("call_function", "call_method", "call_module")
-                    and _is_tensorish(n) and op_name(n) not in _NO_STRATEGY_OPS]
+                    and is_tensorish(n) and op_name(n) not in _NO_STRATEGY_OPS]
         self.options: dict[fx.Node, list[Strategy]] = {n: strategies(n, tp) for n in computed}
         params: dict[fx.Node, set[Placement]] = {}
         for n in computed:

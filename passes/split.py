@@ -24,7 +24,7 @@ from torch import fx
 from partc import meta
 from partc.errors import PlanMismatchError
 
-from .layers import carries_grad
+from .graph import carries_grad
 
 
 @dataclass(frozen=True)

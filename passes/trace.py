@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import os
 import traceback
-from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
@@ -24,30 +23,11 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from partc import meta
 from partc.errors import TraceError
+from partc.identity import param_fqns
+
+from .context import Context
 
 LOSS_MODULE = "loss"
-
-
-@dataclass(frozen=True, kw_only=True)
-class Context:
-    """What the passes after ``trace`` need besides the graph."""
-
-    model: nn.Module
-    name: str
-    fake_mode: FakeTensorMode
-    fake_inputs: tuple[Any, ...]  # one per model placeholder, in order
-    fake_target: Any  # None: propagate derives it from the model's output
-    batch_size: int
-    param_fqns: dict[int, tuple[str, ...]] = field(default_factory=dict)  # id → all FQNs
-    # How the traced layers stand for the whole model's, when ``analyze`` traced one
-    # block per repeated structure (``partc.passes.dedupe.Expansion``); None otherwise.
-    expansion: Any = None
-    # The dtype training computes in under autocast (mixed precision), which ``estimate``
-    # measures the layers in; None: the model's own.
-    autocast: torch.dtype | None = None
-    # Whose autocast policy the runtime's devices apply, "cuda" (a GPU's) or "cpu": which
-    # ops compute in fp32 differs (``partc.passes.autocast_policy``).
-    autocast_device: str = "cuda"
 
 
 class LossCall(nn.Module):
@@ -105,12 +85,6 @@ def trace(model: nn.Module, example_inputs: Any, *, kwargs: dict | None = None,
                   fake_inputs=tuple(inputs), fake_target=target, batch_size=batch,
                   param_fqns=param_fqns(model))
     return gm, ctx
-
-
-def is_dtype_check(node: fx.Node) -> bool:
-    """An exported graph's assertion of the dtype a tensor was traced with."""
-    return node.op == "call_function" and \
-        getattr(node.target, "__name__", "").startswith("_assert_tensor_metadata")
 
 
 def _model_device(model: nn.Module) -> torch.device:
@@ -261,16 +235,6 @@ def _record_params(gm: fx.GraphModule, model: nn.Module) -> None:
             names = [f"{node.target}.{n}" for n, _ in module.named_parameters()]
             names += [f"{node.target}.{n}" for n, _ in module.named_buffers()]
             meta.set_params(node, tuple(names))
-
-
-def param_fqns(model: nn.Module) -> dict[int, tuple[str, ...]]:
-    """Every FQN of every parameter and buffer, grouped by tensor identity (ties)."""
-    groups: dict[int, list[str]] = {}
-    named = list(model.named_parameters(remove_duplicate=False))
-    named += list(model.named_buffers(remove_duplicate=False))
-    for fqn, tensor in named:
-        groups.setdefault(id(tensor), []).append(fqn)
-    return {key: tuple(fqns) for key, fqns in groups.items()}
 
 
 def _append_loss(gm: fx.GraphModule, loss_fn: Callable, out_spec: pytree.TreeSpec) -> None:

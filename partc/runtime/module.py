@@ -44,11 +44,12 @@ from torch.distributed.tensor import DTensor
 
 from partc import meta
 from partc.errors import PartcError, PlanMismatchError
-from partc.passes.trace import param_fqns
+from partc.identity import param_fqns
 from partc.passes.units import units
+from partc.identity import model_hash
 from partc.plan import Plan
 
-from partc.passes.sharding import Placement
+from partc.placement import Placement
 
 from . import tp as tp_ops
 from .recompute import checkpoint_layer
@@ -394,8 +395,6 @@ def build(plan: Plan, model: nn.Module, loss_fn: Callable | None, *,
           state_dict: Mapping[str, torch.Tensor] | None = None,
           device: torch.device | str | None = None) -> DistributedModule:
     """This rank's :class:`DistributedModule` for ``plan`` (see ``Program.build``)."""
-    from partc.passes.pipeline import model_hash
-
     inputs = plan.model.get("inputs")
     if not inputs:
         raise PartcError("the plan records no input shapes; compile it again with this "

@@ -7,7 +7,7 @@ import torch
 
 from partc import meta
 from partc.passes import analyze
-from partc.passes.pipeline import model_hash
+from partc.identity import model_hash
 from samples.gpt import gpt_small, gpt_tiny, loss_fn
 from tests import models
 

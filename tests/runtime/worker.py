@@ -29,7 +29,7 @@ from torch.distributed.tensor import DTensor  # noqa: E402
 
 import partc  # noqa: E402
 from partc.passes.fuse_attention import count_fused  # noqa: E402
-from partc.passes.sharding import Placement  # noqa: E402
+from partc.placement import Placement  # noqa: E402
 from partc.runtime import tp as tp_ops  # noqa: E402
 from samples import gpt  # noqa: E402
 from tests import models  # noqa: E402

@@ -1,0 +1,32 @@
+"""The context every pass after ``trace`` receives beside the graph."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+
+@dataclass(frozen=True, kw_only=True)
+class Context:
+    """What the passes after ``trace`` need besides the graph."""
+
+    model: nn.Module
+    name: str
+    fake_mode: FakeTensorMode
+    fake_inputs: tuple[Any, ...]  # one per model placeholder, in order
+    fake_target: Any  # None: propagate derives it from the model's output
+    batch_size: int
+    param_fqns: dict[int, tuple[str, ...]] = field(default_factory=dict)  # id → all FQNs
+    # How the traced layers stand for the whole model's, when ``analyze`` traced one
+    # block per repeated structure (``partc.passes.dedupe.Expansion``); None otherwise.
+    expansion: Any = None
+    # The dtype training computes in under autocast (mixed precision), which ``estimate``
+    # measures the layers in; None: the model's own.
+    autocast: torch.dtype | None = None
+    # Whose autocast policy the runtime's devices apply, "cuda" (a GPU's) or "cpu": which
+    # ops compute in fp32 differs (``partc.passes.autocast_policy``).
+    autocast_device: str = "cuda"

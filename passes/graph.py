@@ -1,0 +1,122 @@
+"""Graph queries several passes share: which values carry gradients, short op names,
+a layer's nodes, tensor inputs, parameter usage. Pure functions of a GraphModule and its
+``node.meta``; nothing here changes a graph."""
+
+from __future__ import annotations
+
+import torch
+from torch import fx
+
+from partc import meta
+
+from .context import Context
+
+
+_NO_GRAD_OPS = {"detach", "_assert_tensor_metadata", "zeros_like", "ones_like",
+                "empty_like", "full_like", "new_zeros", "new_ones", "new_empty", "new_full"}
+
+
+def carries_grad(gm: fx.GraphModule) -> set[fx.Node]:
+    """Nodes whose value is a float tensor that depends on a trainable parameter and that
+    the graph's output depends on: the values a gradient reaches in backward (and that
+    carry one when they cross a stage boundary). An output the loss ignores (BERT's pooler
+    under a loss on the last hidden state) gets none."""
+    wanted = _ancestors_of_output(gm)
+    result: set[fx.Node] = set()
+    for node in gm.graph.nodes:
+        value = node.meta.get("val")
+        if isinstance(value, (tuple, list)) and value and all(
+                isinstance(v, torch.Tensor) for v in value):
+            value = value[0]  # a split's pieces: one value for this purpose
+        if not isinstance(value, torch.Tensor) or not value.is_floating_point():
+            continue
+        if node.op == "get_attr":
+            owner, _, attr = str(node.target).rpartition(".")
+            tensor = getattr(gm.get_submodule(owner) if owner else gm, attr, None)
+            if isinstance(tensor, torch.Tensor) and tensor.requires_grad:
+                result.add(node)
+        elif op_name(node) not in _NO_GRAD_OPS and any(a in result for a in node.all_input_nodes):
+            result.add(node)
+    return result & wanted
+
+
+def _ancestors_of_output(gm: fx.GraphModule) -> set[fx.Node]:
+    output = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
+    seen: set[fx.Node] = set()
+    stack: list[fx.Node] = []
+    for node in output.all_input_nodes:
+        uses = meta.loss_uses(node) if meta.role(node) == meta.ROLE_LOSS else None
+        if uses is None:
+            stack.append(node)
+        else:  # the loss's inputs it does not read get no gradient
+            seen.add(node)
+            stack += [a for a, used in zip(node.args, uses) if used and isinstance(a, fx.Node)]
+    while stack:
+        node = stack.pop()
+        if node not in seen:
+            seen.add(node)
+            stack.extend(node.all_input_nodes)
+    return seen
+
+def op_name(node: fx.Node) -> str:
+    """A short op name: ``aten.view.default`` → ``view``, ``F.linear`` → ``linear``."""
+    target = node.target
+    if node.op == "call_module":
+        return type(node.graph.owning_module.get_submodule(target)).__name__.lower()
+    if node.op == "call_method":
+        return str(target)
+    if isinstance(target, torch._ops.OpOverload):
+        return target.overloadpacket.__name__
+    return getattr(target, "__name__", str(target))
+
+def layer_nodes(gm: fx.GraphModule, info: meta.LayerInfo) -> list[fx.Node]:
+    by_name = {node.name: node for node in gm.graph.nodes}
+    return [by_name[name] for name in info.nodes]
+
+def is_dtype_check(node: fx.Node) -> bool:
+    """An exported graph's assertion of the dtype a tensor was traced with."""
+    return node.op == "call_function" and \
+        getattr(node.target, "__name__", "").startswith("_assert_tensor_metadata")
+
+def tensor_inputs(node: fx.Node) -> list[fx.Node]:
+    return [a for a in node.all_input_nodes if is_tensorish(a)]
+
+
+def is_tensorish(node: fx.Node) -> bool:
+    value = node.meta.get("val")
+    if isinstance(value, torch.Tensor):
+        return True
+    return isinstance(value, (tuple, list)) and bool(value) and all(
+        isinstance(v, torch.Tensor) for v in value)
+
+def param_usage(gm: fx.GraphModule, ctx: Context) -> dict:
+    """Which layers use each parameter (by identity, so tied weights are one parameter).
+
+    Returns ``{"layers": {id: set of layer indices}, "tensors": {id: parameter},
+    "own": {layer index: (count, bytes) of parameters only that layer uses}}``.
+    """
+    parameter_ids = {id(p) for p in ctx.model.parameters()}
+    layers_of: dict[int, set[int]] = {}
+    tensors: dict[int, torch.Tensor] = {}
+    for node in gm.graph.nodes:
+        for fqn in meta.params(node):
+            tensor = fetch(gm, fqn)
+            if id(tensor) not in parameter_ids:
+                continue  # buffers and constants are not parameters
+            tensors[id(tensor)] = tensor
+            users = node.users if node.op == "get_attr" else [node]
+            layers_of.setdefault(id(tensor), set()).update(meta.layer(u).index for u in users)
+    own: dict[int, tuple[int, int]] = {}
+    for key, indices in layers_of.items():
+        if len(indices) == 1:
+            (index,) = indices
+            count, nbytes = own.get(index, (0, 0))
+            tensor = tensors[key]
+            own[index] = (count + tensor.numel(), nbytes + tensor.numel() * tensor.element_size())
+    return {"layers": layers_of, "tensors": tensors, "own": own}
+
+
+def fetch(gm: fx.GraphModule, target: str) -> torch.Tensor:
+    """The parameter, buffer or constant a ``get_attr`` target names."""
+    owner, _, attr = target.rpartition(".")
+    return getattr(gm.get_submodule(owner) if owner else gm, attr)
