@@ -19,6 +19,7 @@ so a new version of partc never reads what an old one wrote.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 import os
@@ -133,20 +134,15 @@ def problem_key(problem: PlanningProblem) -> str:
     return hashlib.sha256(repr(problem).encode()).hexdigest()[:32]
 
 
-_SOURCE_DIGEST: str | None = None
-
-
+@functools.cache
 def source_digest() -> str:
-    """A digest of partc's own Python source (the package and its passes)."""
-    global _SOURCE_DIGEST
-    if _SOURCE_DIGEST is None:
-        digest = hashlib.sha256()
-        root = Path(__file__).resolve().parent
-        files = sorted(root.rglob("*.py")) + sorted((root.parent / "passes").rglob("*.py"))
-        for path in files:
-            digest.update(path.name.encode() + path.read_bytes())
-        _SOURCE_DIGEST = digest.hexdigest()[:16]
-    return _SOURCE_DIGEST
+    """A digest of partc's own Python source (the package and its passes), read once."""
+    digest = hashlib.sha256()
+    root = Path(__file__).resolve().parent
+    files = sorted(root.rglob("*.py")) + sorted((root.parent / "passes").rglob("*.py"))
+    for path in files:
+        digest.update(path.name.encode() + path.read_bytes())
+    return digest.hexdigest()[:16]
 
 
 DEFAULT = PlanCache(os.environ.get("PARTC_CACHE_DIR") or None)

@@ -19,7 +19,7 @@ Graph keys (on ``gm.meta``): :data:`TRACE` (how the model was captured) and
 (bytes crossing each boundary between consecutive layers, for the whole traced batch),
 :data:`CUT_TENSORS` (how many tensors cross each boundary, and how many carry gradients),
 :data:`LAYER_COSTS` (one ``partc.problem.LayerCost`` per layer, per sample) and
-:data:`TIMINGS` (seconds each pass took).
+:data:`TIMINGS` (seconds each pass took); on a stage, :data:`FSDP_UNITS` (its FSDP units).
 """
 
 from __future__ import annotations
@@ -44,6 +44,7 @@ LAYER_COSTS = "partc.layer_costs"
 TIMINGS = "partc.pass_seconds"
 CONTEXT = "partc.context"  # on gm.meta: the trace Context the passes share
 LOSS_USES = "partc.loss_uses"  # on the loss node: which of its inputs the loss reads
+FSDP_UNITS = "partc.fsdp_units"  # on a stage's gm.meta: submodule paths of its FSDP units
 
 # Roles: a plain model node has no role.
 ROLE_LOSS = "loss"
@@ -225,6 +226,15 @@ def set_layer_costs(gm: fx.GraphModule, costs: tuple) -> None:
 def layer_costs(gm: fx.GraphModule) -> tuple:
     """The ``partc.problem.LayerCost`` of each layer, in layer order."""
     return gm.meta[LAYER_COSTS]
+
+
+def set_fsdp_units(gm: fx.GraphModule, paths: tuple[str, ...]) -> None:
+    gm.meta[FSDP_UNITS] = paths
+
+
+def fsdp_units(gm: fx.GraphModule) -> tuple[str, ...]:
+    """Submodule paths of a stage that are FSDP units (none unless ``fsdp_units`` ran)."""
+    return gm.meta.get(FSDP_UNITS, ())
 
 
 def add_pass_time(gm: fx.GraphModule, name: str, seconds: float) -> None:

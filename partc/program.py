@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Mapping, Sequence
 
 import torch
 from torch import nn
@@ -26,23 +26,46 @@ class Program:
     def report(self, format: str = "text") -> str:
         return render(self.plan, format)
 
-    def stages(self) -> list:
-        """The plan applied: one ``partc.passes.split.StageGraph`` per stage, traced at
-        the micro-batch size, with recompute in place (what ``build`` runs)."""
-        from .runtime.module import lower_plan
+    def lower(self, only: Sequence[int] | None = None) -> Any:
+        """The plan applied to the model (``partc.passes.pipeline.lower``): traced on meta
+        tensors of one microbatch's shapes (exported graphs fix their view shapes), cut
+        into stages, with tensor-parallel collectives, recompute and (ZeRO-2/3) FSDP
+        units in place. ``only``: the stages to finish (all by default)."""
+        from .passes.context import Lowering
+        from .passes.pipeline import lower
 
-        self._need_model("emit the stages")
-        return lower_plan(self.plan, self.model, self.loss_fn)[1]
+        self._need_model("lower the plan")
+        plan = self.plan
+        example = {spec["name"]: torch.empty((plan.micro_batch_size, *spec["shape"]),
+                                             dtype=getattr(torch, spec["dtype"]),
+                                             device="meta")
+                   for spec in plan.model["inputs"]}
+        target = example.pop("target", None)
+        tensor_parallel = plan.tensor_parallel or {}
+        lowering = Lowering(
+            stages=tuple(tuple(stage.layers) for stage in plan.stages),
+            recompute=plan.recompute, tp=plan.tp,
+            sequence_parallel=bool(tensor_parallel.get("sequence_parallel")),
+            tp_choices=tensor_parallel.get("choices", {}),
+            fsdp_units=plan.dp > 1 and plan.zero_stage >= 2,
+            attention=plan.train.get("attention", "as_written"))
+        return lower(self.model, tuple(example.values()), lowering, loss_fn=self.loss_fn,
+                     example_target=target, only=only)
+
+    def stages(self) -> list:
+        """One ``partc.passes.split.StageGraph`` per stage, lowered as ``build`` runs
+        them."""
+        return list(self.lower().stages)
 
     def code(self) -> dict[str, str]:
         """Readable Python source of each stage, keyed by file name (``stage_<k>.py``)."""
         from .passes.codegen import codegen
-        from .runtime.module import shared_parameters
 
-        stages = self.stages()
-        shared = shared_parameters(stages, self.model)
+        lowered = self.lower()
+        shared = {" = ".join(key): list(indices) for key, indices in lowered.holders.items()
+                  if len(indices) > 1}
         return {f"stage_{stage.index}.py": codegen(stage, self.plan, shared)
-                for stage in stages}
+                for stage in lowered.stages}
 
     def save(self, directory: str | Path, *, code: bool = True) -> Path:
         """Write plan.json, report.md and (with the model at hand, one run of layers per
@@ -67,15 +90,23 @@ class Program:
 
         Checks the world size against the plan, joins the process group (gloo on CPU,
         NCCL on CUDA with the device from ``LOCAL_RANK``), checks that every rank has the
-        same plan and model, and keeps only this rank's parameters: copied from the
-        model, or — for a model on the meta device — loaded from ``state_dict``.
-        Returns a ``partc.runtime.DistributedModule``.
+        same plan and model, lowers this rank's stage, and keeps only this rank's
+        parameters: copied from the model, or — for a model on the meta device — loaded
+        from ``state_dict``. Returns a ``partc.runtime.DistributedModule``.
         """
-        from .runtime import build
+        from .runtime import StageProgram, build, connect
 
         self._need_model("build")
-        return build(self.plan, self.model, self.loss_fn, state_dict=state_dict,
-                     device=device)
+        topology = connect(self.plan, self.model, self.loss_fn, device=device)
+        lowered = self.lower(only=(topology.pp_rank,))
+        mine = lowered.stages[topology.pp_rank]
+        loss, loss_layer = lowered.loss
+        program = StageProgram(
+            index=mine.index, num_stages=mine.num_stages, layers=mine.layers,
+            module=mine.module, loss=loss,
+            loss_recompute=self.plan.recompute.get(loss_layer, "none"),
+            holders=lowered.holders)
+        return build(self.plan, topology, program, self.model, state_dict=state_dict)
 
     def _need_model(self, what: str) -> None:
         if self.model is None:

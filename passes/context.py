@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Mapping
 
 import torch
 from torch import nn
@@ -30,3 +30,21 @@ class Context:
     # Whose autocast policy the runtime's devices apply, "cuda" (a GPU's) or "cpu": which
     # ops compute in fp32 differs (``partc.passes.autocast_policy``).
     autocast_device: str = "cuda"
+    # What the lowering passes apply (the plan's decisions); None while analysing.
+    lowering: Lowering | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
+class Lowering:
+    """A plan's decisions, as the lowering passes read them (``partc.plan.Plan`` holds
+    them; ``partc.program`` hands them over)."""
+
+    stages: tuple[tuple[str, ...], ...]      # layer names of each stage, in order
+    recompute: Mapping[str, str]             # layer → "none" | "selective" | "full"
+    tp: int = 1                              # tensor-parallel degree
+    sequence_parallel: bool = False
+    tp_choices: Mapping[str, tuple] = field(default_factory=dict)  # layer → node choices
+    # ZeRO-2/3 over more than one replica: each layer that owns its parameters becomes a
+    # module of its own, an FSDP unit.
+    fsdp_units: bool = False
+    attention: str = "as_written"

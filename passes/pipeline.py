@@ -1,9 +1,19 @@
-"""The front half of partc as a checklist of passes: model in, ``ModelAnalysis`` out.
+"""partc's compiler as one checklist: the pass lists, and the one runner that runs them.
 
-Each pass is timed (``partc.meta.pass_times(gm)``); an exception raised inside one
-carries a note naming the pass (and the node, where a pass ran one). With
-``PARTC_VERIFY=1`` (always on in tests) the invariants each pass ensures are checked
-before the next one runs.
+Three lists, each read top to bottom (see ``docs/architecture.md``):
+
+- :func:`analysis_passes` measure a traced model for the planner (``analyze``);
+- :func:`tp_measurement_passes` measure one rank of a tensor-parallel variant of it
+  (``tensor_parallel_options``);
+- :func:`lowering_passes` and :func:`stage_passes` apply a plan: the whole graph, then
+  each pipeline stage after ``split`` (``lower``; ``partc.Program`` calls it, and the
+  runtime gets the stage it runs).
+
+A transforming pass is ``def name(gm: fx.GraphModule, ctx: Context) -> fx.GraphModule``.
+:func:`run_pass` times every pass (``partc.meta.pass_times``), adds a note naming the
+pass and the node it was at to any exception raised inside, and with ``PARTC_VERIFY=1``
+(always on in tests) checks the invariants the pass ensures (:mod:`.verify`) before the
+next one runs.
 """
 
 from __future__ import annotations
@@ -12,6 +22,7 @@ import dataclasses
 import logging
 import os
 import time
+from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 import torch
@@ -19,26 +30,158 @@ from torch import fx, nn
 
 from partc import meta
 from partc.errors import TraceError
-from partc.identity import model_hash
-from partc.problem import ModelAnalysis, ModelSummary, SharedParam, TPOption
+from partc.problem import ModelAnalysis, TPOption
 from partc.runtime import tp as tp_ops
 
-from . import dedupe
+from . import dedupe, verify
 from . import shard as shard_pass
 from . import sharding as sharding_pass
+from .context import Context, Lowering
 from .estimate import estimate
-from .graph import is_dtype_check, param_usage
 from .fuse_attention import fuse_attention
-from .layers import crossing_bytes, crossing_tensors, layers
+from .graph import is_dtype_check, param_usage
+from .layers import layers
 from .propagate import propagate
+from .recompute import recompute
 from .sharding import Link
-from .context import Context
+from .split import StageGraph, parameter_holders, split
+from .summarize import summarize, tp_option
 from .trace import trace
-
-Pass = Callable[[fx.GraphModule, Context], fx.GraphModule]
+from .units import fsdp_units
 
 log = logging.getLogger("partc")
 
+Transform = Callable[[fx.GraphModule, Context], fx.GraphModule]
+
+
+@dataclass(frozen=True)
+class Pass:
+    """A named graph transform; its name selects the invariants checked after it."""
+
+    name: str
+    run: Transform
+
+
+# --------------------------------------------------------------------------- the lists
+
+def analysis_passes(attention: str) -> tuple[Pass, ...]:
+    """After ``trace``: what the planner needs to know of each layer."""
+    return (
+        Pass("propagate", propagate),
+        # Fusing attention reads the shapes propagate writes, and changes the graph
+        # that layers then groups.
+        *_attention_passes(attention),
+        # Layers reads the graph as it will run.
+        Pass("layers", layers),
+        # Estimate measures one layer at a time (once per repeated-block signature).
+        Pass("estimate", estimate),
+    )
+
+
+def tp_measurement_passes(chosen: Any) -> tuple[Pass, ...]:
+    """On a copy of the analysed graph: one rank's share of the ``chosen`` sharding,
+    measured again as ``analysis_passes`` measured the whole model."""
+    return (
+        Pass("tp_rewrite", lambda gm, ctx: shard_pass.shard(gm, chosen)),
+        # The rewrite dropped the fake values of everything whose shape changed.
+        Pass("propagate", _as_rank_of(chosen.tp, propagate)),
+        Pass("estimate", _as_rank_of(chosen.tp, estimate)),
+    )
+
+
+def lowering_passes(lowering: Lowering) -> tuple[Pass, ...]:
+    """The whole model, traced at the micro-batch size, up to where ``split`` cuts it."""
+    return (
+        # Exported graphs assert the dtype each tensor was traced with; under mixed
+        # precision the program runs them in another, and they compute nothing.
+        Pass("drop_dtype_checks", drop_dtype_checks),
+        Pass("propagate", propagate),
+        *_attention_passes(lowering.attention),
+        # The plan names layers: the graph must be grouped exactly as it was planned.
+        Pass("layers", layers),
+        # Tensor parallelism rewrites the whole graph before the cut, so that a stage's
+        # sends and receives are the shapes one rank holds.
+        *((Pass("tp_rewrite", _plan_sharding),
+           Pass("propagate", _as_rank_of(lowering.tp, propagate)))
+          if lowering.tp > 1 else ()),
+    )
+
+
+def stage_passes(lowering: Lowering) -> tuple[Pass, ...]:
+    """Each stage after ``split``."""
+    return (
+        Pass("recompute", recompute),
+        # FSDP units wrap whole layers, recomputed ones included: after recompute.
+        *((Pass("fsdp_units", fsdp_units),) if lowering.fsdp_units else ()),
+    )
+
+
+def _attention_passes(attention: str) -> tuple[Pass, ...]:
+    """The passes that ``attention`` (a ``TrainSpec.attention`` value) asks for."""
+    return (Pass("fuse_attention", fuse_attention),) if attention == "fused" else ()
+
+
+# -------------------------------------------------------------------------- the runner
+
+def run_pass(graph_pass: Pass, gm: fx.GraphModule, ctx: Context) -> fx.GraphModule:
+    """Run one pass: timed, named in errors, its invariants checked under PARTC_VERIFY."""
+    started = time.perf_counter()
+    gm = named(graph_pass.name, lambda: graph_pass.run(gm, ctx))
+    meta.add_pass_time(gm, graph_pass.name, time.perf_counter() - started)
+    if verify.enabled():
+        verify.check(graph_pass.name, gm)
+    return gm
+
+
+def run_passes(passes: Sequence[Pass], gm: fx.GraphModule, ctx: Context) -> fx.GraphModule:
+    for graph_pass in passes:
+        gm = run_pass(graph_pass, gm, ctx)
+    return gm
+
+
+def named(pass_name: str, thunk: Callable[[], Any]) -> Any:
+    """``thunk()``, with a note on any exception naming the pass and the node it was at."""
+    try:
+        return thunk()
+    except Exception as error:
+        node = _failing_node(error)
+        where = f" at node {node.name!r} ({node.format_node()})" if node is not None else ""
+        error.add_note(f"partc: raised in pass {pass_name!r}{where}")
+        raise
+
+
+def _failing_node(error: BaseException) -> fx.Node | None:
+    """The innermost ``node`` a frame of the traceback was working on, if any."""
+    found = None
+    frame = error.__traceback__
+    while frame is not None:
+        value = frame.tb_frame.f_locals.get("node")
+        if isinstance(value, fx.Node):
+            found = value
+        frame = frame.tb_next
+    return found
+
+
+def _trace(model: nn.Module, example_inputs: Any, **trace_args: Any
+           ) -> tuple[fx.GraphModule, Context]:
+    """``trace`` under the runner's rules: it makes the graph, so it is not a Pass."""
+    started = time.perf_counter()
+    gm, ctx = named("trace", lambda: trace(model, example_inputs, **trace_args))
+    meta.add_pass_time(gm, "trace", time.perf_counter() - started)
+    if verify.enabled():
+        verify.check("trace", gm)
+    return gm, ctx
+
+
+def _as_rank_of(tp: int, run: Transform) -> Transform:
+    """``run`` on one rank's graph of a tensor-parallel group of ``tp`` (no data moves)."""
+    def on_one_rank(gm: fx.GraphModule, ctx: Context) -> fx.GraphModule:
+        with tp_ops.simulate(tp):
+            return run(gm, ctx)
+    return on_one_rank
+
+
+# ------------------------------------------------------------------------------ analyse
 
 def analyze(model: nn.Module, example_inputs: Any, *, loss_fn: Callable | None = None,
             example_target: Any = None, name: str | None = None,
@@ -69,9 +212,12 @@ def analyze(model: nn.Module, example_inputs: Any, *, loss_fn: Callable | None =
     ``autocast_device``: "cuda" (GPUs; CUDA's policy, applied on CPU) or "cpu".
     """
     def front() -> tuple[fx.GraphModule, Context]:
-        return _front(model, example_inputs, attention, autocast, autocast_device,
-                      kwargs=kwargs, loss_fn=loss_fn, example_target=example_target,
-                      name=name)
+        gm, ctx = _trace(model, example_inputs, kwargs=kwargs, loss_fn=loss_fn,
+                         example_target=example_target, name=name)
+        ctx = dataclasses.replace(ctx, autocast=autocast, autocast_device=autocast_device)
+        gm = run_passes(analysis_passes(attention), gm, ctx)
+        gm.meta[meta.CONTEXT] = ctx
+        return gm, ctx
 
     if full_trace is None:
         full_trace = os.environ.get("PARTC_FULL_TRACE") == "1"
@@ -82,44 +228,12 @@ def analyze(model: nn.Module, example_inputs: Any, *, loss_fn: Callable | None =
         except Exception as error:  # any failure: the whole model, as without repeats
             # Under PARTC_VERIFY (tests) an error other than a refused expansion or a
             # failed trace is a bug to see, not to step around.
-            if os.environ.get("PARTC_VERIFY") == "1" and not isinstance(
-                    error, (dedupe.Mismatch, TraceError)):
+            if verify.enabled() and not isinstance(error, (dedupe.Mismatch, TraceError)):
                 raise
             log.warning("tracing the whole model, every block (%s: %s)",
                         type(error).__name__, error)
     gm, ctx = front()
     return gm, summarize(gm, ctx)
-
-
-def _front(model: nn.Module, example_inputs: Any, attention: str,
-           autocast: torch.dtype | None, autocast_device: str, **trace_args: Any
-           ) -> tuple[fx.GraphModule, Context]:
-    started = time.perf_counter()
-    gm, ctx = _named("trace", lambda: trace(model, example_inputs, **trace_args))
-    ctx = dataclasses.replace(ctx, autocast=autocast, autocast_device=autocast_device)
-    meta.add_pass_time(gm, "trace", time.perf_counter() - started)
-    _verify("trace", gm)
-    # Order matters: fusing attention reads the shapes propagate writes, layers reads
-    # the graph as it will run, and estimate measures one layer at a time (once per
-    # repeated-block signature), so it runs after layers.
-    passes: list[tuple[str, Pass]] = [
-        ("propagate", propagate),
-        *_attention_passes(attention),
-        ("layers", layers),
-        ("estimate", estimate),
-    ]
-    for pass_name, run_pass in passes:
-        started = time.perf_counter()
-        gm = _named(pass_name, lambda: run_pass(gm, ctx))
-        meta.add_pass_time(gm, pass_name, time.perf_counter() - started)
-        _verify(pass_name, gm)
-    gm.meta[meta.CONTEXT] = ctx
-    return gm, ctx
-
-
-def _attention_passes(attention: str) -> list[tuple[str, Pass]]:
-    """The passes that ``attention`` (a ``TrainSpec.attention`` value) asks for."""
-    return [("fuse_attention", fuse_attention)] if attention == "fused" else []
 
 
 def _analyze_blocks(model: nn.Module, repeats: tuple[dedupe.Repeat, ...],
@@ -141,6 +255,8 @@ def _analyze_blocks(model: nn.Module, repeats: tuple[dedupe.Repeat, ...],
         for r in repeats))
     return gm, analysis
 
+
+# ---------------------------------------------------------------- tensor-parallel options
 
 def tensor_parallel_options(gm: fx.GraphModule, links: Sequence[Link],
                             sequence_parallel: Sequence[bool] = (False, True),
@@ -173,7 +289,7 @@ def _options(gm: fx.GraphModule, ctx: Context, links: Sequence[Link],
         if sp and not sharding_pass.sequence_length(gm):
             continue
         started = time.perf_counter()
-        chosen = _named("sharding", lambda: sharding_pass.choose(
+        chosen = named("sharding", lambda: sharding_pass.choose(
             gm, link.tp, link, sequence_parallel=sp, prefer=objective))
         key = (link.tp, sp, tuple((layer.name, layer.choices) for layer in chosen.layers))
         same = [option for seen, option in measured if seen == key]
@@ -181,11 +297,8 @@ def _options(gm: fx.GraphModule, ctx: Context, links: Sequence[Link],
             options.append(dataclasses.replace(same[0], objective=objective))
             continue
         local, moved = shard_pass.copy_module(gm, chosen)
-        _named("shard", lambda: shard_pass.shard(local, moved))
-        with tp_ops.simulate(link.tp):
-            _named("propagate", lambda: propagate(local, ctx))
-            _named("estimate", lambda: estimate(local, ctx))
-        option = dataclasses.replace(_tp_option(ctx, base, usage, local, chosen),
+        local = run_passes(tp_measurement_passes(moved), local, ctx)
+        option = dataclasses.replace(tp_option(ctx, base, usage, local, moved),
                                      objective=objective)
         if ctx.expansion is not None:
             option = dedupe.expand_option(option, local, ctx.expansion, 1.0 / ctx.batch_size)
@@ -196,213 +309,80 @@ def _options(gm: fx.GraphModule, ctx: Context, links: Sequence[Link],
     return tuple(options)
 
 
-def _tp_option(ctx: Context, base: ModelAnalysis, usage: dict, local: fx.GraphModule,
-               chosen: sharding_pass.Sharding) -> TPOption:
-    """Per-rank costs: measured FLOPs and bytes, local parameter counts, collectives.
-    ``base`` and ``usage`` are the whole model's analysis and parameter usage."""
-    tp, per_sample = chosen.tp, 1.0 / ctx.batch_size
-    placements = chosen.param_placements()
+# ------------------------------------------------------------------------------- lower
 
-    def local_count(key: int) -> tuple[int, int]:
-        tensor = usage["tensors"][key]
-        placement = next((placements[f] for f in ctx.param_fqns[key] if f in placements),
-                         sharding_pass.REPLICATE)
-        divisor = tp if placement.kind == "S" else 1
-        return tensor.numel() // divisor, tensor.numel() * tensor.element_size() // divisor
+@dataclass(frozen=True)
+class Lowered:
+    """A plan applied to a model: the traced graph and one stage graph per stage."""
 
-    own: dict[int, list[int]] = {}
-    for key, indices in usage["layers"].items():
-        if len(indices) == 1:
-            count, nbytes = local_count(key)
-            totals = own.setdefault(next(iter(indices)), [0, 0])
-            totals[0] += count
-            totals[1] += nbytes
-    layers = []
-    for cost, sharded in zip(meta.layer_costs(local), chosen.layers):
-        count, nbytes = own.get(len(layers), (0, 0))
-        comm = tuple((c.kind, c.phase, c.bytes * per_sample) for c in sharded.collectives)
-        layers.append(dataclasses.replace(cost, param_count=count, param_bytes=nbytes,
-                                          tp_comm=comm))
-    shared = []
-    for group in base.shared:
-        key = next(k for k, fqns in ctx.param_fqns.items() if fqns[0] == group.fqns[0])
-        count, nbytes = local_count(key)
-        shared.append(dataclasses.replace(group, param_count=count, param_bytes=nbytes))
-    num_layers = len(layers)
-    model = dataclasses.replace(
-        base, layers=tuple(layers), shared=tuple(shared),
-        cut_bytes=tuple(c * per_sample for c in crossing_bytes(local, num_layers)),
-        cut_tensors=crossing_tensors(local, num_layers))
-    return TPOption(
-        tp=tp, sequence_parallel=chosen.sequence_parallel, model=model,
-        choices=tuple((layer.name, layer.choices) for layer in chosen.layers),
-        placements=tuple(sorted((fqn, str(p)) for fqn, p in placements.items())),
-        partial_grad_params=tuple(sorted(chosen.partial_grad_params)),
-        notes=tuple((layer.name, layer.note) for layer in chosen.layers if layer.note))
+    graph: fx.GraphModule
+    stages: tuple[StageGraph, ...]
+    # Each parameter (all its FQNs) → the stages holding it, in order (tied weights: more
+    # than one).
+    holders: dict[tuple[str, ...], tuple[int, ...]]
+
+    @property
+    def loss(self) -> tuple[nn.Module, str] | None:
+        """The loss call and the name of its layer (None without a loss)."""
+        node = next((n for n in self.graph.graph.nodes if meta.role(n) == meta.ROLE_LOSS),
+                    None)
+        if node is None:
+            return None
+        return self.graph.get_submodule(str(node.target)), meta.layer(node).name
 
 
-def lower(model: nn.Module, example_inputs: tuple, stages: list[list[str]],
-          recompute: dict[str, str], *, loss_fn: Callable | None = None,
-          example_target: Any = None, tensor_parallel: dict | None = None,
-          local_param: Callable | None = None, attention: str = "as_written"
-          ) -> tuple[fx.GraphModule, list]:
-    """The back half: the model traced at the micro-batch size, cut into the plan's stages,
-    with the plan's layers recomputed. Returns the traced graph and one
-    :class:`partc.passes.split.StageGraph` per stage.
+def lower(model: nn.Module, example_inputs: tuple, lowering: Lowering, *,
+          loss_fn: Callable | None = None, example_target: Any = None,
+          only: Sequence[int] | None = None) -> Lowered:
+    """The back half: ``model`` traced at the micro-batch size, cut into the plan's
+    stages; ``stage_passes`` run on the stages in ``only`` (all by default: a rank
+    needs its own stage, the emitted code every stage).
 
     ``example_inputs`` (and ``example_target``) must have the micro-batch size in dim 0:
     the graph's view shapes are those of one microbatch.
     """
-    from .recompute import recompute as recompute_pass
-    from .split import split
-
-    gm, ctx = _named("trace", lambda: trace(model, example_inputs, loss_fn=loss_fn,
-                                            example_target=example_target))
-    _drop_dtype_checks(gm)
-    _verify("trace", gm)
-    for pass_name, run_pass in [("propagate", propagate), *_attention_passes(attention),
-                                ("layers", layers)]:
-        gm = _named(pass_name, lambda: run_pass(gm, ctx))
-        _verify(pass_name, gm)
-    tp = int((tensor_parallel or {}).get("degree", 1))
-    if tp > 1:
-        # The plan's sharding, rebuilt from its per-node choices, then this rank's graph.
-        chosen = _named("sharding", lambda: sharding_pass.apply(
-            gm, tp, bool(tensor_parallel.get("sequence_parallel")),
-            {name: tuple(c) for name, c in tensor_parallel["choices"].items()}))
-        _named("shard", lambda: shard_pass.shard(gm, chosen, local_param))
-        with tp_ops.simulate(tp):
-            gm = _named("propagate", lambda: propagate(gm, ctx))
-    stage_graphs = _named("split", lambda: split(gm, stages))
-    for stage in stage_graphs:
-        modes = {name: recompute.get(name, "none") for name in stage.layers}
-        _named("recompute", lambda: recompute_pass(stage.module, modes))
-    return gm, stage_graphs
+    gm, ctx = _trace(model, example_inputs, loss_fn=loss_fn, example_target=example_target)
+    ctx = dataclasses.replace(ctx, lowering=lowering)
+    gm = run_passes(lowering_passes(lowering), gm, ctx)
+    stages = _split(gm, lowering.stages)
+    wanted = range(len(stages)) if only is None else only
+    for index in wanted:
+        run_passes(stage_passes(lowering), stages[index].module, ctx)
+    return Lowered(graph=gm, stages=tuple(stages),
+                   holders=parameter_holders(stages, ctx.param_fqns))
 
 
-def _drop_dtype_checks(gm: fx.GraphModule) -> None:
-    """Exported graphs assert the dtype each tensor was traced with; under mixed
-    precision the program runs them in another, so the checks go (they compute nothing)."""
+def _split(gm: fx.GraphModule, stages: Sequence[Sequence[str]]) -> list[StageGraph]:
+    started = time.perf_counter()
+    result = named("split", lambda: split(gm, stages))
+    meta.add_pass_time(gm, "split", time.perf_counter() - started)
+    if verify.enabled():
+        for stage in result:
+            verify.check("split", stage.module)
+        for before, after in zip(result, result[1:]):
+            if len(before.sends) != len(after.receives):
+                raise AssertionError(f"after pass 'split': stage {before.index} sends "
+                                     f"{len(before.sends)} values, stage {after.index} "
+                                     f"receives {len(after.receives)}")
+    return result
+
+
+def _plan_sharding(gm: fx.GraphModule, ctx: Context) -> fx.GraphModule:
+    """The plan's sharding, rebuilt from its per-node choices, then one rank's graph."""
+    lowering = ctx.lowering
+    chosen = sharding_pass.apply(gm, lowering.tp, lowering.sequence_parallel,
+                                 {name: tuple(c) for name, c in lowering.tp_choices.items()})
+    return shard_pass.shard(gm, chosen)
+
+
+def drop_dtype_checks(gm: fx.GraphModule, ctx: Context) -> fx.GraphModule:
+    """Remove export's assertions of the dtype a tensor was traced with.
+
+    Reads: nothing. Writes: nothing. Requires: ``trace``.
+    Ensures: the graph computes the same values and holds no dtype assertion.
+    """
     for node in list(gm.graph.nodes):
         if is_dtype_check(node) and not node.users:
             gm.graph.erase_node(node)
     gm.recompile()
-
-
-def _named(pass_name: str, thunk: Callable[[], Any]) -> Any:
-    try:
-        return thunk()
-    except Exception as error:
-        error.add_note(f"partc: raised in pass {pass_name!r}")
-        raise
-
-
-def summarize(gm: fx.GraphModule, ctx: Context) -> ModelAnalysis:
-    """Collect the per-layer costs, cuts and shared parameters into a ModelAnalysis."""
-    info = meta.trace_info(gm)
-    per_sample = 1.0 / ctx.batch_size
-    return ModelAnalysis(
-        summary=ModelSummary(
-            name=ctx.name, num_params=_num_params(ctx.model), hash=model_hash(ctx.model),
-            tokens_per_sample=_tokens_per_sample(ctx), traced_batch_size=ctx.batch_size,
-            traced_dtype_bytes=_dtype_bytes(ctx.model), tracer=info.tracer,
-            inputs=input_specs(gm),
-            autocast=str(ctx.autocast).removeprefix("torch.") if ctx.autocast else ""),
-        layers=meta.layer_costs(gm),
-        cut_bytes=tuple(c * per_sample for c in meta.cut_bytes(gm)),
-        shared=_shared(gm, ctx),
-        cut_tensors=meta.cut_tensors(gm),
-    )
-
-
-def input_specs(gm: fx.GraphModule) -> tuple[tuple[str, tuple[int, ...], str], ...]:
-    """Name, per-sample shape and dtype of each placeholder (the target last)."""
-    specs = []
-    for node in gm.graph.nodes:
-        if node.op != "placeholder" or not isinstance(node.meta.get("val"), torch.Tensor):
-            continue
-        value = node.meta["val"]
-        specs.append((node.name, tuple(int(d) for d in value.shape[1:]),
-                      str(value.dtype).removeprefix("torch.")))
-    return tuple(specs)
-
-
-def _unique_params(model: nn.Module) -> list[nn.Parameter]:
-    return list({id(p): p for p in model.parameters()}.values())
-
-
-def _num_params(model: nn.Module) -> int:
-    return sum(p.numel() for p in _unique_params(model))
-
-
-def _dtype_bytes(model: nn.Module) -> int:
-    floats = [p for p in _unique_params(model) if p.is_floating_point()]
-    return floats[0].element_size() if floats else 4
-
-
-def _tokens_per_sample(ctx: Context) -> int:
-    first = ctx.fake_inputs[0] if ctx.fake_inputs else None
-    if isinstance(first, torch.Tensor) and first.dim() == 2 and not first.is_floating_point():
-        return int(first.shape[1])
-    return 0
-
-
-def _shared(gm: fx.GraphModule, ctx: Context) -> tuple[SharedParam, ...]:
-    usage = param_usage(gm, ctx)
-    shared = []
-    for key, indices in usage["layers"].items():
-        if len(indices) < 2:
-            continue
-        tensor = usage["tensors"][key]
-        fqns = ctx.param_fqns[key]
-        shared.append(SharedParam(name=fqns[0], fqns=fqns, param_count=tensor.numel(),
-                                  param_bytes=tensor.numel() * tensor.element_size(),
-                                  layers=tuple(sorted(indices))))
-    return tuple(sorted(shared, key=lambda s: s.name))
-
-
-def _verify(pass_name: str, gm: fx.GraphModule) -> None:
-    if os.environ.get("PARTC_VERIFY") != "1":
-        return
-    checks = {"trace": _verify_trace, "propagate": _verify_propagate,
-              "fuse_attention": _verify_propagate, "layers": _verify_layers,
-              "estimate": _verify_estimate}
-    gm.graph.lint()
-    for node in gm.graph.nodes:
-        problem = checks[pass_name](node)
-        if problem:
-            raise AssertionError(f"after pass {pass_name!r}, node {node.name!r} "
-                                 f"({node.format_node()}): {problem}")
-    if pass_name == "layers" and len(meta.cut_bytes(gm)) != len(meta.layers(gm)) - 1:
-        raise AssertionError("after pass 'layers': one cut per pair of adjacent layers")
-
-
-def _verify_trace(node: fx.Node) -> str:
-    if node.op == "placeholder" and node.prev.op not in ("placeholder", "root"):
-        return "placeholders must come first"
-    if node.op == "get_attr" and not meta.params(node):
-        return "get_attr without its parameter FQN"
-    if node.op == "get_attr" and node.next not in node.users and node.next.op != "get_attr":
-        return "get_attr is not next to its first user"
-    return ""
-
-
-def _verify_propagate(node: fx.Node) -> str:
-    if node.op != "output" and "val" not in node.meta:
-        return "no fake value"
-    return ""
-
-
-def _verify_layers(node: fx.Node) -> str:
-    if meta.LAYER not in node.meta:
-        return "no layer"
-    if node.op in ("placeholder", "get_attr", "output"):
-        return ""
-    later = [u for u in node.users if meta.layer(u).index < meta.layer(node).index]
-    return f"used by an earlier layer: {later[0].name}" if later else ""
-
-
-def _verify_estimate(node: fx.Node) -> str:
-    if node.op.startswith("call_") and meta.cost(node) is None:
-        return "no cost"
-    return ""
+    return gm

@@ -21,9 +21,12 @@ from torch import fx
 from partc import meta
 from partc.runtime.recompute import RECOMPUTED_MODES, checkpoint_layer
 
+from .context import Context
 
-def recompute(module: fx.GraphModule, modes: Mapping[str, str]) -> fx.GraphModule:
-    """Rewrite ``module`` (a stage) so that each layer with a mode in ``modes`` is rerun.
+
+def recompute(module: fx.GraphModule, ctx: Context) -> fx.GraphModule:
+    """Rewrite ``module`` (a stage) so that each of its layers the plan recomputes
+    (``ctx.lowering.recompute``) is rerun in backward.
 
     Reads: ``meta.LAYER`` on nodes. Writes: a ``recompute_<layer>`` submodule per
     recomputed layer; ``meta.LAYER`` on the nodes that call it, and the values (``val``,
@@ -31,6 +34,12 @@ def recompute(module: fx.GraphModule, modes: Mapping[str, str]) -> fx.GraphModul
     Requires: ``split`` (one stage's graph; a layer's nodes are consecutive).
     Ensures: the stage computes the same values; its parameters are unchanged.
     """
+    modes = ctx.lowering.recompute if ctx.lowering is not None else {}
+    return recompute_layers(module, modes)
+
+
+def recompute_layers(module: fx.GraphModule, modes: Mapping[str, str]) -> fx.GraphModule:
+    """:func:`recompute` with the modes given: ``modes`` maps a layer to its mode."""
     graph = module.graph
     for layer_name, mode in modes.items():
         if mode == "none":

@@ -181,3 +181,17 @@ def _build(gm: fx.GraphModule, nodes: list[fx.Node], index: int, stage_of: Any,
     module.meta.update({key: gm.meta[key] for key in (meta.TRACE, meta.LAYERS)
                         if key in gm.meta})
     return module
+
+
+def parameter_holders(stages: Sequence[StageGraph], param_fqns: dict[int, tuple[str, ...]]
+                      ) -> dict[tuple[str, ...], tuple[int, ...]]:
+    """For each parameter (all its FQNs, ``Context.param_fqns``'s values), the stages that
+    hold it, in stage order: more than one for a weight tied across stages."""
+    aliases = {name: names for names in param_fqns.values() for name in names}
+    holders: dict[tuple[str, ...], list[int]] = {}
+    for stage in stages:
+        for name, _ in stage.module.named_parameters():
+            key = aliases.get(name, (name,))
+            if stage.index not in holders.setdefault(key, []):
+                holders[key].append(stage.index)
+    return {key: tuple(indices) for key, indices in sorted(holders.items())}

@@ -27,16 +27,25 @@ from torch import fx, nn
 
 from partc import meta
 
+from .context import Context
 
-def units(module: fx.GraphModule) -> list[str]:
+
+def fsdp_units(module: fx.GraphModule, ctx: Context) -> fx.GraphModule:
     """Rewrite ``module`` (a stage, after ``recompute``) so that every layer that can be
-    is one ``call_module`` of a submodule holding its parameters; returns their paths.
+    is one ``call_module`` of a submodule holding its parameters.
 
     Reads: ``meta.LAYER`` on nodes. Writes: the layer's submodule (now a GraphModule
-    with the layer's nodes), a ``call_module`` node and one ``getitem`` per output.
+    with the layer's nodes), a ``call_module`` node and one ``getitem`` per output;
+    ``meta.FSDP_UNITS`` on the stage: the paths of those submodules, in order.
     Requires: ``split`` (a layer's nodes are consecutive in the stage).
     Ensures: the stage computes the same values; parameter FQNs are unchanged.
     """
+    meta.set_fsdp_units(module, tuple(units(module)))
+    return module
+
+
+def units(module: fx.GraphModule) -> list[str]:
+    """:func:`fsdp_units`'s rewrite; returns the paths of the units it made."""
     regions: dict[str, list[fx.Node]] = {}
     for node in module.graph.nodes:
         if node.op not in ("placeholder", "output") and meta.LAYER in node.meta:

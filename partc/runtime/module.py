@@ -1,8 +1,10 @@
 """The program one rank runs: its stage, the planned schedule, and gradient sync.
 
-``build`` (called as ``program.build()`` under torchrun) checks the launch against the
-plan, keeps this rank's parameters only, wraps the stage for
-``torch.distributed.pipelining`` and returns a :class:`DistributedModule`. Its
+``program.build()`` (under torchrun) calls :func:`connect`, which checks the launch
+against the plan and joins the process group, lowers this rank's stage (the runtime
+gets it ready-made, a :class:`partc.runtime.StageProgram`), then :func:`build`, which
+keeps this rank's parameters only, wraps the stage for ``torch.distributed.pipelining``
+and returns a :class:`DistributedModule`. Its
 ``forward_backward`` runs one optimizer step's worth of forward and backward over all
 microbatches of the global batch, then:
 
@@ -13,7 +15,7 @@ microbatches of the global batch, then:
 3. returns the mean loss of the global batch, the same on every rank.
 
 ZeRO-2/3 (``plan.zero_stage >= 2`` with dp > 1): each layer that owns its parameters
-becomes an FSDP2 unit (``partc.passes.units``) and the stage the root unit, sharded over
+is an FSDP2 unit (lowering made it a module of its own) and the stage the root unit, sharded over
 the dp group. In a pipeline, torch's schedules defer FSDP's gradient reduce-scatter to
 the last microbatch, accumulating whole gradients in between, which would hold as much
 as no ZeRO at all; here every microbatch's backward reduce-scatters into the sharded
@@ -42,17 +44,14 @@ from torch.distributed.pipelining.schedules import PipelineScheduleSingle
 from torch.distributed.pipelining._backward import stage_backward
 from torch.distributed.tensor import DTensor
 
-from partc import meta
 from partc.errors import PartcError, PlanMismatchError
-from partc.identity import param_fqns
-from partc.passes.units import units
-from partc.identity import model_hash
-from partc.plan import Plan
-
+from partc.identity import model_hash, param_fqns
 from partc.placement import Placement
+from partc.plan import Plan
 
 from . import tp as tp_ops
 from .recompute import checkpoint_layer
+from .stage import StageProgram
 from .topology import Topology, init
 
 # Newer torch schedules can drop the last stage's outputs instead of returning them.
@@ -391,12 +390,11 @@ def _mismatch(spec: dict, given: Any, batch: int) -> list[str]:
     return problems
 
 
-def build(plan: Plan, model: nn.Module, loss_fn: Callable | None, *,
-          state_dict: Mapping[str, torch.Tensor] | None = None,
-          device: torch.device | str | None = None) -> DistributedModule:
-    """This rank's :class:`DistributedModule` for ``plan`` (see ``Program.build``)."""
-    inputs = plan.model.get("inputs")
-    if not inputs:
+def connect(plan: Plan, model: nn.Module, loss_fn: Callable | None, *,
+            device: torch.device | str | None = None) -> Topology:
+    """Check the launch against ``plan``, join the process group and check that every
+    rank has the same plan and model: the first step of ``Program.build``."""
+    if not plan.model.get("inputs"):
         raise PartcError("the plan records no input shapes; compile it again with this "
                          "version of partc")
     if loss_fn is None:
@@ -411,17 +409,23 @@ def build(plan: Plan, model: nn.Module, loss_fn: Callable | None, *,
                                 f"made for (hash {plan.model.get('hash')})")
     topology = init(plan, device)
     _check_same_plan(plan, own_hash)
+    return topology
+
+
+def build(plan: Plan, topology: Topology, program: StageProgram, model: nn.Module, *,
+          state_dict: Mapping[str, torch.Tensor] | None = None) -> DistributedModule:
+    """This rank's :class:`DistributedModule`: ``program`` (this rank's stage, lowered
+    by ``partc.Program``) with this rank's parameters, wrapped for the planned schedule.
+    Parameters are copied from ``model`` or, for a model on the meta device, from
+    ``state_dict``."""
     tp_ops.use_group(topology.tp_group if topology.tp > 1 else None)
-    gm, stages = lower_plan(plan, model, loss_fn)
-    mine = stages[topology.pp_rank]
-    module = mine.module
+    module = program.module
     zero_stage = plan.zero_stage if topology.dp > 1 else 0
     compute_dtype = _compute_dtype(plan)
-    unit_paths = units(module) if zero_stage >= 2 else []
     _own_parameters(module, model, state_dict, topology.device,
                     _shard_plan(plan, topology))
     if zero_stage >= 2:
-        _shard_over_dp(module, unit_paths, topology, zero_stage, compute_dtype)
+        _shard_over_dp(module, program.fsdp_units, topology, zero_stage, compute_dtype)
     if compute_dtype != torch.float32:
         # Mixed precision: the fp32 parameters are the master weights; autocast runs
         # the stage in the compute dtype, and gradients come out (and are summed) fp32.
@@ -429,15 +433,12 @@ def build(plan: Plan, model: nn.Module, loss_fn: Callable | None, *,
         # casts activations a traced graph pins to fp32 (exported graphs fix dtypes).
         module.forward = torch.autocast(topology.device.type, dtype=compute_dtype)(
             module.forward)
-    tied = _tied_groups(stages, model, module, topology)
+    tied = _tied_groups(program.holders, module, topology)
     partial_names = set(plan.tensor_parallel.get("partial_grad_params", ()))
     aliases = _aliases(model)
     partial = [p for name, p in module.named_parameters()
                if partial_names & set(aliases.get(name, (name,)))]
-    loss_node = next(n for n in gm.graph.nodes if meta.role(n) == meta.ROLE_LOSS)
-    loss = _Loss(gm.get_submodule(str(loss_node.target)),
-                 plan.recompute.get(meta.layer(loss_node).name, "none"),
-                 mixed=compute_dtype != torch.float32)
+    loss = _Loss(program.loss, program.loss_recompute, mixed=compute_dtype != torch.float32)
     stage = _CountingStage(module, topology.pp_rank, plan.pp, topology.device,
                            group=topology.pp_group, zero_stage=zero_stage)
     if topology.dp > 1 and zero_stage < 2:
@@ -446,13 +447,13 @@ def build(plan: Plan, model: nn.Module, loss_fn: Callable | None, *,
     if plan.schedule == "1f1b" and plan.num_microbatches >= plan.pp:
         schedule_type = Schedule1F1B  # with fewer microbatches than stages, 1F1B is GPipe
     schedule = schedule_type(stage, plan.num_microbatches, loss_fn=loss, scale_grads=True)
-    log.info("rank %d: stage %d of %d (%s), %d parameters", topology.rank, mine.index,
-             plan.pp, ", ".join(mine.layers), sum(p.numel() for p in module.parameters()))
+    log.info("rank %d: stage %d of %d (%s), %d parameters", topology.rank, program.index,
+             plan.pp, ", ".join(program.layers), sum(p.numel() for p in module.parameters()))
     return DistributedModule(
         plan=plan, topology=topology, stage=stage, module=module, schedule=schedule,
-        tied=tied, inputs=inputs, partial_grads=partial, aliases=aliases,
+        tied=tied, inputs=plan.model["inputs"], partial_grads=partial, aliases=aliases,
         state_keys=set(model.state_dict(keep_vars=True)),
-        tied_elsewhere=_tied_elsewhere(stages, model, module, topology.pp_rank),
+        tied_elsewhere=_tied_elsewhere(program.holders, module, topology.pp_rank),
         global_batch_size=plan.num_microbatches * plan.micro_batch_size * plan.dp)
 
 
@@ -493,7 +494,7 @@ def _compute_dtype(plan: Plan) -> torch.dtype:
     return dtype
 
 
-def _shard_over_dp(module: fx.GraphModule, unit_paths: list[str], topology: Topology,
+def _shard_over_dp(module: fx.GraphModule, unit_paths: tuple[str, ...], topology: Topology,
                    zero_stage: int, compute_dtype: torch.dtype) -> None:
     """ZeRO-2/3 by FSDP2 over the dp group: one unit per layer that owns its parameters
     (``unit_paths``), the stage itself the root unit for the rest (tied weights, layers
@@ -557,22 +558,6 @@ def _check_same_plan(plan: Plan, own_hash: str) -> None:
             "plan.json (partc.load) or the same model and compile arguments")
 
 
-def lower_plan(plan: Plan, model: nn.Module,
-               loss_fn: Callable | None) -> tuple[fx.GraphModule, list]:
-    """The plan applied to ``model``: traced on meta tensors of one microbatch's shapes
-    (exported graphs fix their view shapes), cut into stages, recompute in place."""
-    from partc.passes.pipeline import lower
-
-    example = {spec["name"]: torch.empty((plan.micro_batch_size, *spec["shape"]),
-                                         dtype=getattr(torch, spec["dtype"]), device="meta")
-               for spec in plan.model["inputs"]}
-    target = example.pop("target", None)
-    return lower(model, tuple(example.values()), [list(s.layers) for s in plan.stages],
-                 plan.recompute, loss_fn=loss_fn, example_target=target,
-                 tensor_parallel=plan.tensor_parallel or None,
-                 attention=plan.train.get("attention", "as_written"))
-
-
 def _own_parameters(module: fx.GraphModule, model: nn.Module,
                     state_dict: Mapping[str, torch.Tensor] | None,
                     device: torch.device, local: Callable | None = None) -> None:
@@ -623,33 +608,14 @@ def _get_tensor(model: nn.Module, name: str) -> torch.Tensor:
     return getattr(model.get_submodule(owner_name), attr)
 
 
-def _holders(stages: list, model: nn.Module) -> dict[tuple[str, ...], list[int]]:
-    """For each parameter (all its FQNs), the stages that hold it, in stage order."""
-    aliases = _aliases(model)
-    holders: dict[tuple[str, ...], list[int]] = {}
-    for stage in stages:
-        for name, _ in stage.module.named_parameters():
-            key = aliases.get(name, (name,))
-            if stage.index not in holders.setdefault(key, []):
-                holders[key].append(stage.index)
-    return dict(sorted(holders.items()))
-
-
-def _tied_elsewhere(stages: list, model: nn.Module, module: fx.GraphModule,
-                    stage: int) -> set[str]:
+def _tied_elsewhere(holders: Mapping[tuple[str, ...], tuple[int, ...]],
+                    module: fx.GraphModule, stage: int) -> set[str]:
     """This stage's parameter names that an earlier stage also holds (tied weights)."""
-    first = {name: indices[0] for key, indices in _holders(stages, model).items()
-             for name in key}
+    first = {name: indices[0] for key, indices in holders.items() for name in key}
     return {name for name, _ in module.named_parameters() if first.get(name, stage) < stage}
 
 
-def shared_parameters(stages: list, model: nn.Module) -> dict[str, list[int]]:
-    """Parameters held by more than one stage (tied weights) → the stages holding them."""
-    return {" = ".join(key): indices for key, indices in _holders(stages, model).items()
-            if len(indices) > 1}
-
-
-def _tied_groups(stages: list, model: nn.Module, module: fx.GraphModule,
+def _tied_groups(holders: Mapping[tuple[str, ...], tuple[int, ...]], module: fx.GraphModule,
                  topology: Topology) -> list[tuple[list[nn.Parameter], dist.ProcessGroup]]:
     """Process groups over the stages that hold the same (tied) parameter.
 
@@ -658,7 +624,7 @@ def _tied_groups(stages: list, model: nn.Module, module: fx.GraphModule,
     """
     own = dict(module.named_parameters())
     result = []
-    for key, stage_indices in _holders(stages, model).items():
+    for key, stage_indices in holders.items():
         if len(stage_indices) < 2:
             continue
         for dp_rank in range(topology.dp):

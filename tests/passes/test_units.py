@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from partc import meta
+from partc.passes.context import Lowering
 from partc.passes.pipeline import analyze, lower
 from partc.passes.units import units
 from samples import gpt
@@ -31,8 +32,9 @@ def test_units_keep_names_and_values(name, pp):
     cut = len(names) // 2
     stages = [names] if pp == 1 else [names[:cut], names[cut:]]
     recompute = {n: "full" for n in names if n.endswith(".0")}
-    _, plain = lower(model, (x,), stages, recompute, loss_fn=loss_fn)
-    _, wrapped = lower(model, (x,), stages, recompute, loss_fn=loss_fn)
+    lowering = Lowering(stages=tuple(map(tuple, stages)), recompute=recompute)
+    plain = lower(model, (x,), lowering, loss_fn=loss_fn).stages
+    wrapped = lower(model, (x,), lowering, loss_fn=loss_fn).stages
     inputs: tuple = (x,)
     for before, after in zip(plain, wrapped):
         made = units(after.module)
@@ -53,8 +55,22 @@ def test_a_tied_weight_read_by_two_layers_stays_with_the_stage():
     x = torch.randint(0, 128, (2, 16))
     gm, _ = analyze(model, (x,), loss_fn=gpt.loss_fn)
     names = [layer.name for layer in meta.layers(gm)]
-    _, (stage,) = lower(model, (x,), [names], {}, loss_fn=gpt.loss_fn)
+    (stage,) = lower(model, (x,), Lowering(stages=(tuple(names),), recompute={}),
+                     loss_fn=gpt.loss_fn).stages
     made = units(stage.module)
     # tok_emb.weight is also the LM head's: neither layer can own it.
     assert "tok_emb" not in made and "lm_head" not in made
     assert "blocks.0" in made and "ln_f" in made
+
+
+def test_lowering_makes_the_units_when_the_plan_shards_over_dp():
+    """With ``fsdp_units`` (ZeRO-2/3 over dp > 1) lowering leaves the units in place and
+    names them on the stage, where the runtime finds them."""
+    model = gpt.gpt_tiny()
+    x = torch.randint(0, 128, (2, 16))
+    gm, _ = analyze(model, (x,), loss_fn=gpt.loss_fn)
+    names = tuple(layer.name for layer in meta.layers(gm))
+    lowering = Lowering(stages=(names,), recompute={}, fsdp_units=True)
+    (stage,) = lower(model, (x,), lowering, loss_fn=gpt.loss_fn).stages
+    assert "blocks.0" in meta.fsdp_units(stage.module)
+    assert isinstance(stage.module.get_submodule("blocks.0"), torch.fx.GraphModule)

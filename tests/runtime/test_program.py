@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 
 import partc
+from partc.passes.recompute import recompute_layers
 from partc.passes.split import split
 from partc.passes.pipeline import analyze
 from partc import meta
@@ -116,8 +117,7 @@ def _stage_of_gpt2(dropout: float, modes: dict) -> tuple[torch.nn.Module, list]:
     gm, _ = analyze(model, (x,), loss_fn=models.causal_lm_loss, example_target=y)
     names = [layer.name for layer in meta.layers(gm)]
     [stage] = split(gm, [names])
-    from partc.passes.recompute import recompute
-    recompute(stage.module, {n: modes.get(n, "none") for n in names})
+    recompute_layers(stage.module, {n: modes.get(n, "none") for n in names})
     return model, stage, gm
 
 

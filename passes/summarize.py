@@ -1,0 +1,133 @@
+"""From a measured graph to the plain numbers the planner reads.
+
+``summarize`` collects per-layer costs, cuts and shared parameters into a
+:class:`partc.problem.ModelAnalysis`; ``tp_option`` does the same for one rank of a
+tensor-parallel variant (local parameter counts, the collectives each layer runs).
+Nothing here changes a graph.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+from torch import fx, nn
+
+from partc import meta
+from partc.identity import model_hash
+from partc.placement import REPLICATE
+from partc.problem import ModelAnalysis, ModelSummary, SharedParam, TPOption
+
+from .context import Context
+from .graph import param_usage
+from .layers import crossing_bytes, crossing_tensors
+
+
+def tp_option(ctx: Context, base: ModelAnalysis, usage: dict, local: fx.GraphModule,
+               chosen: Any) -> TPOption:
+    """Per-rank costs: measured FLOPs and bytes, local parameter counts, collectives.
+    ``base`` and ``usage`` are the whole model's analysis and parameter usage."""
+    tp, per_sample = chosen.tp, 1.0 / ctx.batch_size
+    placements = chosen.param_placements()
+
+    def local_count(key: int) -> tuple[int, int]:
+        tensor = usage["tensors"][key]
+        placement = next((placements[f] for f in ctx.param_fqns[key] if f in placements),
+                         REPLICATE)
+        divisor = tp if placement.kind == "S" else 1
+        return tensor.numel() // divisor, tensor.numel() * tensor.element_size() // divisor
+
+    own: dict[int, list[int]] = {}
+    for key, indices in usage["layers"].items():
+        if len(indices) == 1:
+            count, nbytes = local_count(key)
+            totals = own.setdefault(next(iter(indices)), [0, 0])
+            totals[0] += count
+            totals[1] += nbytes
+    layers = []
+    for cost, sharded in zip(meta.layer_costs(local), chosen.layers):
+        count, nbytes = own.get(len(layers), (0, 0))
+        comm = tuple((c.kind, c.phase, c.bytes * per_sample) for c in sharded.collectives)
+        layers.append(dataclasses.replace(cost, param_count=count, param_bytes=nbytes,
+                                          tp_comm=comm))
+    shared = []
+    for group in base.shared:
+        key = next(k for k, fqns in ctx.param_fqns.items() if fqns[0] == group.fqns[0])
+        count, nbytes = local_count(key)
+        shared.append(dataclasses.replace(group, param_count=count, param_bytes=nbytes))
+    num_layers = len(layers)
+    model = dataclasses.replace(
+        base, layers=tuple(layers), shared=tuple(shared),
+        cut_bytes=tuple(c * per_sample for c in crossing_bytes(local, num_layers)),
+        cut_tensors=crossing_tensors(local, num_layers))
+    return TPOption(
+        tp=tp, sequence_parallel=chosen.sequence_parallel, model=model,
+        choices=tuple((layer.name, layer.choices) for layer in chosen.layers),
+        placements=tuple(sorted((fqn, str(p)) for fqn, p in placements.items())),
+        partial_grad_params=tuple(sorted(chosen.partial_grad_params)),
+        notes=tuple((layer.name, layer.note) for layer in chosen.layers if layer.note))
+
+
+def summarize(gm: fx.GraphModule, ctx: Context) -> ModelAnalysis:
+    """Collect the per-layer costs, cuts and shared parameters into a ModelAnalysis."""
+    info = meta.trace_info(gm)
+    per_sample = 1.0 / ctx.batch_size
+    return ModelAnalysis(
+        summary=ModelSummary(
+            name=ctx.name, num_params=_num_params(ctx.model), hash=model_hash(ctx.model),
+            tokens_per_sample=_tokens_per_sample(ctx), traced_batch_size=ctx.batch_size,
+            traced_dtype_bytes=_dtype_bytes(ctx.model), tracer=info.tracer,
+            inputs=input_specs(gm),
+            autocast=str(ctx.autocast).removeprefix("torch.") if ctx.autocast else ""),
+        layers=meta.layer_costs(gm),
+        cut_bytes=tuple(c * per_sample for c in meta.cut_bytes(gm)),
+        shared=_shared(gm, ctx),
+        cut_tensors=meta.cut_tensors(gm),
+    )
+
+
+def input_specs(gm: fx.GraphModule) -> tuple[tuple[str, tuple[int, ...], str], ...]:
+    """Name, per-sample shape and dtype of each placeholder (the target last)."""
+    specs = []
+    for node in gm.graph.nodes:
+        if node.op != "placeholder" or not isinstance(node.meta.get("val"), torch.Tensor):
+            continue
+        value = node.meta["val"]
+        specs.append((node.name, tuple(int(d) for d in value.shape[1:]),
+                      str(value.dtype).removeprefix("torch.")))
+    return tuple(specs)
+
+
+def _unique_params(model: nn.Module) -> list[nn.Parameter]:
+    return list({id(p): p for p in model.parameters()}.values())
+
+
+def _num_params(model: nn.Module) -> int:
+    return sum(p.numel() for p in _unique_params(model))
+
+
+def _dtype_bytes(model: nn.Module) -> int:
+    floats = [p for p in _unique_params(model) if p.is_floating_point()]
+    return floats[0].element_size() if floats else 4
+
+
+def _tokens_per_sample(ctx: Context) -> int:
+    first = ctx.fake_inputs[0] if ctx.fake_inputs else None
+    if isinstance(first, torch.Tensor) and first.dim() == 2 and not first.is_floating_point():
+        return int(first.shape[1])
+    return 0
+
+
+def _shared(gm: fx.GraphModule, ctx: Context) -> tuple[SharedParam, ...]:
+    usage = param_usage(gm, ctx)
+    shared = []
+    for key, indices in usage["layers"].items():
+        if len(indices) < 2:
+            continue
+        tensor = usage["tensors"][key]
+        fqns = ctx.param_fqns[key]
+        shared.append(SharedParam(name=fqns[0], fqns=fqns, param_count=tensor.numel(),
+                                  param_bytes=tensor.numel() * tensor.element_size(),
+                                  layers=tuple(sorted(indices))))
+    return tuple(sorted(shared, key=lambda s: s.name))
