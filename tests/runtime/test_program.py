@@ -1,5 +1,5 @@
-"""The back half on one process: load without the solver, the launch checks, recompute,
-and one-device training through the runtime."""
+"""The back half on one process: load without the solver, the launch checks, and
+one-device training through the runtime (recompute: tests/passes/test_recompute.py)."""
 
 from __future__ import annotations
 
@@ -10,12 +10,7 @@ import torch
 import torch.distributed as dist
 
 import partc
-from partc.passes.recompute import recompute_layers
-from partc.passes.split import split
-from partc.passes.pipeline import analyze
-from partc import meta
 from samples.gpt import gpt_tiny, loss_fn
-from tests import models
 
 B, T = 8, 16
 
@@ -109,53 +104,3 @@ def test_meta_model_loads_its_parameters_from_a_state_dict(process_group):
     module = program.build(state_dict=real.state_dict())
     for fqn, param in module.named_parameters():
         assert torch.equal(param, real.state_dict()[fqn])
-
-
-def _stage_of_gpt2(dropout: float, modes: dict) -> tuple[torch.nn.Module, list]:
-    model = models.gpt2(dropout=dropout)
-    x, y = tokens()
-    gm, _ = analyze(model, (x,), loss_fn=models.causal_lm_loss, example_target=y)
-    names = [layer.name for layer in meta.layers(gm)]
-    [stage] = split(gm, [names])
-    recompute_layers(stage.module, {n: modes.get(n, "none") for n in names})
-    return model, stage, gm
-
-
-@pytest.mark.parametrize("mode", ["full", "selective"])
-def test_recompute_replays_dropout_masks(mode):
-    """With dropout on, a recomputed layer's gradients equal the stored layer's: the rerun
-    draws the forward's masks (RNG state preserved)."""
-    grads = {}
-    for label, modes in (("stored", {}), ("recomputed", {"transformer.h.0": mode,
-                                                          "transformer.h.1": mode})):
-        torch.manual_seed(0)
-        model, stage, gm = _stage_of_gpt2(0.1, modes)
-        x, y = tokens()
-        torch.manual_seed(1)
-        (logits,) = stage.module(x)
-        loss = gm.get_submodule("loss")(logits, y)
-        loss.backward()
-        grads[label] = {n: p.grad.clone() for n, p in stage.module.named_parameters()}
-    assert grads["stored"].keys() == grads["recomputed"].keys()
-    for name, grad in grads["stored"].items():
-        torch.testing.assert_close(grads["recomputed"][name], grad, rtol=1e-6, atol=1e-7)
-
-
-def test_recompute_keeps_less_for_backward():
-    """Activation bytes alive after the forward (what backward will read, kept by autograd
-    or by selective recompute's cache), as MemTracker counts them: full < selective < none."""
-    from torch.distributed._tools.mem_tracker import MemTracker
-
-    kept = {}
-    for mode in ("none", "selective", "full"):
-        torch.manual_seed(0)
-        model, stage, gm = _stage_of_gpt2(0.0, {"transformer.h.0": mode, "transformer.h.1": mode})
-        x, _ = tokens()
-        tracker = MemTracker()
-        tracker.track_external(stage.module)
-        with tracker:
-            (logits,) = stage.module(x)
-            snapshot = tracker.get_tracker_snapshot("current")
-        kept[mode] = sum(by_type[t] for by_type in snapshot.values()
-                         for t in by_type if "ACT" in str(t))
-    assert kept["full"] < kept["selective"] < kept["none"], kept

@@ -59,7 +59,8 @@ def _tokens(model: torch.nn.Module) -> int:
 
 def _gpt2(n_layer: int = 2) -> torch.nn.Module:
     # Dropout draws different masks when a batch is cut into microbatches: parity with
-    # one process needs it off. (Recompute replays the forward's masks: test_recompute.)
+    # one process needs it off. (Recompute replays the forward's masks:
+    # tests/passes/test_recompute.py.)
     return models.gpt2(n_layer=n_layer, dropout=0.0)
 
 
