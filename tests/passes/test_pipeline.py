@@ -1,4 +1,5 @@
-"""analyze() on real models: layer names, signatures, parameter counts and FLOPs."""
+"""analyze() on real models: layer names, signatures, parameter counts and FLOPs; and the
+pass runner on a tiny hand-built graph: timed, named in errors, verified."""
 
 import os
 
@@ -7,9 +8,11 @@ import torch
 
 from partc import meta
 from partc.passes import analyze
+from partc.passes.pipeline import Pass, run_pass
 from partc.identity import model_hash
 from samples.gpt import gpt_small, gpt_tiny, loss_fn
 from tests import models
+from tests.passes.tiny_graphs import context, tiny_graph, tokens, with_loss
 
 B, T = 2, 16
 
@@ -117,3 +120,62 @@ def test_errors_name_the_pass():
         analyze(models.MLP(), (torch.randn(B, 8),), loss_fn=bad_loss,
                 example_target=torch.randn(B, 4))
     assert any("propagate" in note for note in info.value.__notes__)
+
+
+# ------------------------------------------------------------------------ the runner
+
+def test_the_runner_times_each_pass():
+    model, gm = tiny_graph()
+    seen = []
+
+    def look(graph, ctx):
+        seen.append(graph)
+        return graph
+
+    ctx = context(model, (tokens(),))
+    assert run_pass(Pass("look", look), gm, ctx) is gm
+    assert run_pass(Pass("look_again", look), gm, ctx) is gm
+    assert seen == [gm, gm]
+    assert [name for name, _ in meta.pass_times(gm)] == ["look", "look_again"]
+    assert all(seconds >= 0 for _, seconds in meta.pass_times(gm))
+
+
+def test_an_error_inside_a_pass_names_the_pass_and_the_node():
+    model, gm = tiny_graph()
+
+    def lower_relu(graph, ctx):
+        for node in graph.graph.nodes:
+            if node.name == "relu":
+                raise NotImplementedError("no lowering for relu")
+        return graph
+
+    with pytest.raises(NotImplementedError, match="no lowering for relu") as info:
+        run_pass(Pass("lower_relu", lower_relu), gm, context(model, (tokens(),)))
+    (note,) = info.value.__notes__
+    assert note.startswith("partc: raised in pass 'lower_relu' at node 'relu' (%relu ")
+
+
+def _target_after_the_embedding(graph, ctx):
+    """Breaks "placeholders first": the target moves after a call node (which does not
+    read it, so the graph still lints)."""
+    nodes = {node.name: node for node in graph.graph.nodes}
+    nodes["embedding"].append(nodes["target"])
+    graph.recompile()
+    return graph
+
+
+def test_verify_catches_a_pass_that_breaks_an_invariant(monkeypatch):
+    model, gm = tiny_graph()
+    target = torch.randint(0, 16, (6,))
+    gm = with_loss(model, gm, (tokens(),), target)
+    broken = Pass("recompute", _target_after_the_embedding)
+    with pytest.raises(AssertionError, match=r"after pass 'recompute', node 'target' "
+                                             r"\(.*\): placeholders must come first"):
+        run_pass(broken, gm, context(model, (tokens(),), target=target))
+    # Without PARTC_VERIFY the runner does not look.
+    monkeypatch.setenv("PARTC_VERIFY", "0")
+    model, gm = tiny_graph()
+    gm = with_loss(model, gm, (tokens(),), target)
+    assert run_pass(broken, gm, context(model, (tokens(),), target=target)) is gm
+    assert [n.name for n in gm.graph.nodes][:4] == ["tokens", "embed_weight", "embedding",
+                                                    "target"]
