@@ -113,10 +113,14 @@ def _check_layers(infos: Sequence[meta.LayerInfo], stages: Sequence[Sequence[str
     if traced != planned:
         missing = [n for n in planned if n not in traced][:3]
         extra = [n for n in traced if n not in planned][:3]
+        position = next(i for i, (a, b) in enumerate(zip(traced + [None], planned + [None]))
+                        if a != b)
         raise PlanMismatchError(
             "the model's layers differ from the plan's "
             f"({len(traced)} traced, {len(planned)} planned; planned but not traced: "
-            f"{missing or 'none'}; traced but not planned: {extra or 'none'}): "
+            f"{missing or 'none'}; traced but not planned: {extra or 'none'}; first "
+            f"difference at layer {position}: traced {traced[position:position + 1] or 'none'}"
+            f", planned {planned[position:position + 1] or 'none'}): "
             "the plan was made for another model or another version of it")
     if any(not names for names in stages):
         raise PlanMismatchError("the plan has a stage without layers")
