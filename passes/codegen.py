@@ -2,14 +2,22 @@
 
 The code is the stage's own fx-generated ``forward`` (what the runtime executes), with
 each layer introduced by a comment line naming it and its recompute mode, the shapes of
-values as annotations, and the recomputed layers as nested modules called through
+values as trailing comments, and the recomputed layers as nested modules called through
 ``checkpoint_layer``. Formatting is stable: the same plan and model give the same text,
 so the files can be diffed and kept as golden copies.
+
+A stage file imports on its own and names only what it defines or imports (pyflakes
+finds no undefined name): before printing, export's metadata assertions are dropped and
+device literals of the planning machine read the device of the stage's input instead
+(``passes/portable.py``); fx's string annotations (``"f32[2, 16]"``, which are not
+Python names) become comments, and fx's ``wrap(...)`` registrations (needed only to
+trace the code again, and refused inside a class body) are left out. The file defines
+the stage's class; running it needs the model's parameters at the FQNs it reads.
 """
 
 from __future__ import annotations
 
-import math
+import ast
 import re
 import types
 from typing import Any, Mapping, Sequence
@@ -21,10 +29,21 @@ from partc import meta
 from partc.plan import Plan
 from partc.units import format_bytes
 
+from .portable import device_from_inputs, drop_assertions
 from .split import StageGraph
 
 _NODE_LINE = re.compile(r"^(\s+)(\w+)(?::| =)")
 _NOISE = re.compile(r"^\s*# (No stacktrace found|File: |Stack trace)")
+# fx's registration of a wrapped function for retracing: ``torch.fx._symbolic_trace.wrap("f")``
+_WRAP = re.compile(r'^\s*(torch\.fx\._symbolic_trace\.)?wrap\("\w+"\)$')
+_ANNOTATED = re.compile(r'^(\s+)(\w+): "([^"]*)" = (.*)$')
+_DEF = re.compile(r"^(\s*)def forward\(self((?:, \w+(?:: \"[^\"]*\")?)*)\):$")
+_PARAM = re.compile(r'(\w+)(?:: "([^"]*)")?')
+# fx's own names for a few values, and how a file gets them (``torch.fx.graph``'s list)
+_FX_BUILTINS = {"inf": "inf = float('inf')", "nan": "nan = float('nan')",
+                "NoneType": "NoneType = type(None)", "device": "from torch import device",
+                "fx_pytree": "import torch.fx._pytree as fx_pytree",
+                "pytree": "import torch.utils._pytree as pytree"}
 
 
 def codegen(stage: StageGraph, plan: Plan,
@@ -33,24 +52,57 @@ def codegen(stage: StageGraph, plan: Plan,
 
     ``shared`` maps a parameter FQN held by several stages to those stages' indices
     (tied weights, whose gradients are summed across them after backward).
-    Reads: ``meta.LAYER`` on the stage's nodes. Writes nothing.
+    Reads: ``meta.LAYER`` and ``node.meta["val"]`` on the stage's nodes. Changes
+    ``stage.module`` in place as printing needs (``_tidy``): give it a stage lowered for
+    printing, as ``Program.code`` does, not one a runtime is running.
     """
-    module = stage.module
-    for node in _all_nodes(module):
-        node.meta.pop("stack_trace", None)
-    module.recompile()
-    body = module.print_readable(print_output=False)
+    module = _tidy(stage.module)
+    body = _plain_python(module.print_readable(print_output=False))
     body = _annotate_layers(body, module, plan.recompute)
-    return "\n".join(_header(stage, plan, shared or {}) + [""] + _imports(module) +
+    return "\n".join(_header(stage, plan, shared or {}) + [""] + _imports(module, body) +
                      ["", ""] + [body.rstrip(), ""])
 
 
-def _all_nodes(module: fx.GraphModule) -> list[fx.Node]:
-    nodes = list(module.graph.nodes)
+def _tidy(module: fx.GraphModule) -> fx.GraphModule:
+    """The stage as it should print, in place: no stack traces, no export assertions, no
+    device of the planning machine (what it computes is unchanged)."""
+    for gm in _graph_modules(module):
+        for node in gm.graph.nodes:
+            node.meta.pop("stack_trace", None)
+    return device_from_inputs(drop_assertions(module))
+
+
+def _graph_modules(module: fx.GraphModule) -> list[fx.GraphModule]:
+    modules = [module]
     for child in module.children():
         if isinstance(child, fx.GraphModule):
-            nodes += _all_nodes(child)
-    return nodes
+            modules += _graph_modules(child)
+    return modules
+
+
+def _plain_python(body: str) -> str:
+    """fx's printout as a module pyflakes accepts: shape annotations as comments, no
+    stack-trace comments, no ``wrap`` registrations (and the blank line after each)."""
+    out: list[str] = []
+    for line in body.splitlines():
+        if _NOISE.match(line) or _WRAP.match(line):
+            continue
+        if not line.strip() and out and out[-1].lstrip().startswith("class "):
+            continue
+        annotated, signature = _ANNOTATED.match(line), _DEF.match(line)
+        if annotated:
+            indent, name, shape, value = annotated.groups()
+            line = f"{indent}{name} = {value}  # {shape}"
+        elif signature:
+            indent, params = signature.groups()
+            pairs = _PARAM.findall(params)
+            line = f"{indent}def forward(self{''.join(f', {name}' for name, _ in pairs)}):"
+            shapes = [f"{name}: {shape}" for name, shape in pairs if shape]
+            if shapes:
+                out += [line, f"{indent}    # {', '.join(shapes)}"]
+                continue
+        out.append(line.rstrip())
+    return "\n".join(out)
 
 
 def _data_parallel_lines(plan: Plan) -> list[str]:
@@ -159,12 +211,10 @@ def _shape(value: Any) -> str:
 
 
 def _annotate_layers(body: str, module: fx.GraphModule, modes: Mapping[str, str]) -> str:
-    """Drop fx's stack-trace comments; put a comment line before each layer's first node."""
+    """Put a comment line before each layer's first node."""
     layer_of = {n.name: meta.layer(n).name for n in module.graph.nodes if meta.LAYER in n.meta}
     out, current, in_stage = [], None, False
     for line in body.splitlines():
-        if _NOISE.match(line):
-            continue
         if line.startswith("class "):
             in_stage, current = True, None
         elif re.match(r"^    class ", line):
@@ -181,23 +231,27 @@ def _annotate_layers(body: str, module: fx.GraphModule, modes: Mapping[str, str]
     return "\n".join(out)
 
 
-def _imports(module: fx.GraphModule) -> list[str]:
-    """Import lines for the names the generated code uses besides ``torch``."""
+def _imports(module: fx.GraphModule, body: str) -> list[str]:
+    """Import lines for the names ``body`` uses besides ``torch``."""
     names: dict[str, Any] = {}
-    for gm in [module, *(c for c in module.children() if isinstance(c, fx.GraphModule))]:
+    for gm in _graph_modules(module):
         names.update(gm.graph.python_code("self").globals)
+    used = {n.id for n in ast.walk(ast.parse(body)) if isinstance(n, ast.Name)}
     lines = {"import torch"}
     for name, value in names.items():
-        if name in ("torch", "device", "fx_pytree", "pytree") or name.startswith("_") or \
-                getattr(value, "__module__", None) == "builtins":
+        if name == "torch" or name not in used:
             continue
-        if isinstance(value, types.ModuleType):
+        if name in _FX_BUILTINS:  # fx reserves these names for these values
+            lines.add(_FX_BUILTINS[name])
+        elif isinstance(value, types.ModuleType):
             lines.add(f"import {value.__name__}" if value.__name__ == name
                       else f"import {value.__name__} as {name}")
-        elif isinstance(value, float) and math.isinf(value):
-            lines.add(f"{name} = float({str(value)!r})")
+        elif getattr(value, "__module__", None) == "builtins":
+            continue
         elif callable(value) and getattr(value, "__module__", None):
             qualname = getattr(value, "__qualname__", getattr(value, "__name__", name))
             lines.add(f"from {value.__module__} import {qualname} as {name}"
                       if qualname != name else f"from {value.__module__} import {name}")
-    return sorted(lines, key=lambda line: (not line.startswith("import"), line))
+    # ``import`` lines, then ``from`` lines, then the assignments
+    return sorted(lines, key=lambda line: (line.split()[0] != "import",
+                                           line.split()[0] != "from", line))

@@ -16,79 +16,78 @@ inf = float('inf')
 
 
 class Stage0(torch.nn.Module):
-    def forward(self, idx: "i64[2, 16]"):
+    def forward(self, idx):
+        # idx: i64[2, 16]
         # layer tok_emb
         size = idx.size(1)
         getattr_1 = idx.device
-        arange: "i64[16]" = torch.arange(size, device = getattr_1);  size = getattr_1 = None
-        tok_emb_weight: "f32[128, 64]" = self.tok_emb.weight
-        embedding: "f32[2, 16, 64]" = torch.nn.functional.embedding(idx, tok_emb_weight, padding_idx = None, max_norm = None, norm_type = 2.0, scale_grad_by_freq = False, sparse = False);  idx = tok_emb_weight = None
+        arange = torch.arange(size, device = getattr_1);  size = getattr_1 = None  # i64[16]
+        tok_emb_weight = self.tok_emb.weight  # f32[128, 64]
+        embedding = torch.nn.functional.embedding(idx, tok_emb_weight, padding_idx = None, max_norm = None, norm_type = 2.0, scale_grad_by_freq = False, sparse = False);  idx = tok_emb_weight = None  # f32[2, 16, 64]
         # layer pos_emb
-        pos_emb_weight: "f32[32, 64]" = self.pos_emb.weight
-        embedding_1: "f32[16, 64]" = torch.nn.functional.embedding(arange, pos_emb_weight, padding_idx = None, max_norm = None, norm_type = 2.0, scale_grad_by_freq = False, sparse = False);  arange = pos_emb_weight = None
-        add: "f32[2, 16, 64]" = embedding + embedding_1;  embedding = embedding_1 = None
+        pos_emb_weight = self.pos_emb.weight  # f32[32, 64]
+        embedding_1 = torch.nn.functional.embedding(arange, pos_emb_weight, padding_idx = None, max_norm = None, norm_type = 2.0, scale_grad_by_freq = False, sparse = False);  arange = pos_emb_weight = None  # f32[16, 64]
+        add = embedding + embedding_1;  embedding = embedding_1 = None  # f32[2, 16, 64]
         # layer drop
-        dropout: "f32[2, 16, 64]" = torch.nn.functional.dropout(add, p = 0.0, training = True, inplace = False);  add = None
+        dropout = torch.nn.functional.dropout(add, p = 0.0, training = True, inplace = False);  add = None  # f32[2, 16, 64]
         # layer blocks.0 (recompute: full)
-        blocks_0_ln_1_weight: "f32[64]" = getattr(self.blocks, "0").ln_1.weight
-        blocks_0_ln_1_bias: "f32[64]" = getattr(self.blocks, "0").ln_1.bias
-        blocks_0_attn_c_attn_weight: "f32[192, 64]" = getattr(self.blocks, "0").attn.c_attn.weight
-        blocks_0_attn_c_attn_bias: "f32[192]" = getattr(self.blocks, "0").attn.c_attn.bias
-        blocks_0_attn_c_proj_weight: "f32[64, 64]" = getattr(self.blocks, "0").attn.c_proj.weight
-        blocks_0_attn_c_proj_bias: "f32[64]" = getattr(self.blocks, "0").attn.c_proj.bias
-        blocks_0_ln_2_weight: "f32[64]" = getattr(self.blocks, "0").ln_2.weight
-        blocks_0_ln_2_bias: "f32[64]" = getattr(self.blocks, "0").ln_2.bias
-        blocks_0_mlp_c_fc_weight: "f32[256, 64]" = getattr(self.blocks, "0").mlp.c_fc.weight
-        blocks_0_mlp_c_fc_bias: "f32[256]" = getattr(self.blocks, "0").mlp.c_fc.bias
-        blocks_0_mlp_c_proj_weight: "f32[64, 256]" = getattr(self.blocks, "0").mlp.c_proj.weight
-        blocks_0_mlp_c_proj_bias: "f32[64]" = getattr(self.blocks, "0").mlp.c_proj.bias
+        blocks_0_ln_1_weight = getattr(self.blocks, "0").ln_1.weight  # f32[64]
+        blocks_0_ln_1_bias = getattr(self.blocks, "0").ln_1.bias  # f32[64]
+        blocks_0_attn_c_attn_weight = getattr(self.blocks, "0").attn.c_attn.weight  # f32[192, 64]
+        blocks_0_attn_c_attn_bias = getattr(self.blocks, "0").attn.c_attn.bias  # f32[192]
+        blocks_0_attn_c_proj_weight = getattr(self.blocks, "0").attn.c_proj.weight  # f32[64, 64]
+        blocks_0_attn_c_proj_bias = getattr(self.blocks, "0").attn.c_proj.bias  # f32[64]
+        blocks_0_ln_2_weight = getattr(self.blocks, "0").ln_2.weight  # f32[64]
+        blocks_0_ln_2_bias = getattr(self.blocks, "0").ln_2.bias  # f32[64]
+        blocks_0_mlp_c_fc_weight = getattr(self.blocks, "0").mlp.c_fc.weight  # f32[256, 64]
+        blocks_0_mlp_c_fc_bias = getattr(self.blocks, "0").mlp.c_fc.bias  # f32[256]
+        blocks_0_mlp_c_proj_weight = getattr(self.blocks, "0").mlp.c_proj.weight  # f32[64, 256]
+        blocks_0_mlp_c_proj_bias = getattr(self.blocks, "0").mlp.c_proj.bias  # f32[64]
         recompute_blocks_0 = self.recompute_blocks_0
         checkpoint_layer = partc_runtime_recompute_checkpoint_layer(recompute_blocks_0, 'full', dropout, blocks_0_ln_1_weight, blocks_0_ln_1_bias, blocks_0_attn_c_attn_weight, blocks_0_attn_c_attn_bias, blocks_0_attn_c_proj_weight, blocks_0_attn_c_proj_bias, blocks_0_ln_2_weight, blocks_0_ln_2_bias, blocks_0_mlp_c_fc_weight, blocks_0_mlp_c_fc_bias, blocks_0_mlp_c_proj_weight, blocks_0_mlp_c_proj_bias);  recompute_blocks_0 = dropout = blocks_0_ln_1_weight = blocks_0_ln_1_bias = blocks_0_attn_c_attn_weight = blocks_0_attn_c_attn_bias = blocks_0_attn_c_proj_weight = blocks_0_attn_c_proj_bias = blocks_0_ln_2_weight = blocks_0_ln_2_bias = blocks_0_mlp_c_fc_weight = blocks_0_mlp_c_fc_bias = blocks_0_mlp_c_proj_weight = blocks_0_mlp_c_proj_bias = None
-        getitem_3: "f32[2, 16, 64]" = checkpoint_layer[0];  checkpoint_layer = None
+        getitem_3 = checkpoint_layer[0];  checkpoint_layer = None  # f32[2, 16, 64]
         return (getitem_3,)
 
     class recompute_blocks_0(torch.nn.Module):
-        torch.fx._symbolic_trace.wrap("math_sqrt")
-
         def forward(self, dropout, blocks_0_ln_1_weight, blocks_0_ln_1_bias, blocks_0_attn_c_attn_weight, blocks_0_attn_c_attn_bias, blocks_0_attn_c_proj_weight, blocks_0_attn_c_proj_bias, blocks_0_ln_2_weight, blocks_0_ln_2_bias, blocks_0_mlp_c_fc_weight, blocks_0_mlp_c_fc_bias, blocks_0_mlp_c_proj_weight, blocks_0_mlp_c_proj_bias):
-            layer_norm: "f32[2, 16, 64]" = torch.nn.functional.layer_norm(dropout, (64,), weight = blocks_0_ln_1_weight, bias = blocks_0_ln_1_bias, eps = 1e-05);  blocks_0_ln_1_weight = blocks_0_ln_1_bias = None
+            layer_norm = torch.nn.functional.layer_norm(dropout, (64,), weight = blocks_0_ln_1_weight, bias = blocks_0_ln_1_bias, eps = 1e-05);  blocks_0_ln_1_weight = blocks_0_ln_1_bias = None  # f32[2, 16, 64]
             size_1 = layer_norm.size(0)
             size_2 = layer_norm.size(1)
             size_3 = layer_norm.size(2)
             floordiv = size_3 // 4
-            linear: "f32[2, 16, 192]" = torch._C._nn.linear(layer_norm, blocks_0_attn_c_attn_weight, blocks_0_attn_c_attn_bias);  blocks_0_attn_c_attn_weight = blocks_0_attn_c_attn_bias = None
+            linear = torch._C._nn.linear(layer_norm, blocks_0_attn_c_attn_weight, blocks_0_attn_c_attn_bias);  blocks_0_attn_c_attn_weight = blocks_0_attn_c_attn_bias = None  # f32[2, 16, 192]
             split = linear.split(size_3, dim = 2);  linear = None
-            getitem: "f32[2, 16, 64]" = split[0]
-            getitem_1: "f32[2, 16, 64]" = split[1]
-            getitem_2: "f32[2, 16, 64]" = split[2];  split = None
-            view: "f32[2, 16, 4, 16]" = getitem.view(size_1, size_2, 4, floordiv);  getitem = None
-            transpose: "f32[2, 4, 16, 16]" = view.transpose(1, 2);  view = None
-            view_1: "f32[2, 16, 4, 16]" = getitem_1.view(size_1, size_2, 4, floordiv);  getitem_1 = None
-            transpose_1: "f32[2, 4, 16, 16]" = view_1.transpose(1, 2);  view_1 = None
-            view_2: "f32[2, 16, 4, 16]" = getitem_2.view(size_1, size_2, 4, floordiv);  getitem_2 = None
-            transpose_2: "f32[2, 4, 16, 16]" = view_2.transpose(1, 2);  view_2 = None
-            transpose_3: "f32[2, 4, 16, 16]" = transpose_1.transpose(-2, -1);  transpose_1 = None
-            matmul: "f32[2, 4, 16, 16]" = transpose @ transpose_3;  transpose = transpose_3 = None
+            getitem = split[0]  # f32[2, 16, 64]
+            getitem_1 = split[1]  # f32[2, 16, 64]
+            getitem_2 = split[2];  split = None  # f32[2, 16, 64]
+            view = getitem.view(size_1, size_2, 4, floordiv);  getitem = None  # f32[2, 16, 4, 16]
+            transpose = view.transpose(1, 2);  view = None  # f32[2, 4, 16, 16]
+            view_1 = getitem_1.view(size_1, size_2, 4, floordiv);  getitem_1 = None  # f32[2, 16, 4, 16]
+            transpose_1 = view_1.transpose(1, 2);  view_1 = None  # f32[2, 4, 16, 16]
+            view_2 = getitem_2.view(size_1, size_2, 4, floordiv);  getitem_2 = None  # f32[2, 16, 4, 16]
+            transpose_2 = view_2.transpose(1, 2);  view_2 = None  # f32[2, 4, 16, 16]
+            transpose_3 = transpose_1.transpose(-2, -1);  transpose_1 = None  # f32[2, 4, 16, 16]
+            matmul = transpose @ transpose_3;  transpose = transpose_3 = None  # f32[2, 4, 16, 16]
             sqrt = math_sqrt(floordiv);  floordiv = None
             truediv = 1.0 / sqrt;  sqrt = None
-            mul: "f32[2, 4, 16, 16]" = matmul * truediv;  matmul = truediv = None
-            new_ones: "b8[16, 16]" = layer_norm.new_ones(size_2, size_2, dtype = torch.bool);  layer_norm = None
-            tril: "b8[16, 16]" = new_ones.tril();  new_ones = None
-            invert: "b8[16, 16]" = ~tril;  tril = None
-            masked_fill: "f32[2, 4, 16, 16]" = mul.masked_fill(invert, -inf);  mul = invert = None
-            softmax: "f32[2, 4, 16, 16]" = torch.nn.functional.softmax(masked_fill, dim = -1, _stacklevel = 3, dtype = None);  masked_fill = None
-            dropout_1: "f32[2, 4, 16, 16]" = torch.nn.functional.dropout(softmax, p = 0.0, training = True, inplace = False);  softmax = None
-            matmul_1: "f32[2, 4, 16, 16]" = dropout_1 @ transpose_2;  dropout_1 = transpose_2 = None
-            transpose_4: "f32[2, 16, 4, 16]" = matmul_1.transpose(1, 2);  matmul_1 = None
-            contiguous: "f32[2, 16, 4, 16]" = transpose_4.contiguous();  transpose_4 = None
-            view_3: "f32[2, 16, 64]" = contiguous.view(size_1, size_2, size_3);  contiguous = size_1 = size_2 = size_3 = None
-            linear_1: "f32[2, 16, 64]" = torch._C._nn.linear(view_3, blocks_0_attn_c_proj_weight, blocks_0_attn_c_proj_bias);  view_3 = blocks_0_attn_c_proj_weight = blocks_0_attn_c_proj_bias = None
-            dropout_2: "f32[2, 16, 64]" = torch.nn.functional.dropout(linear_1, p = 0.0, training = True, inplace = False);  linear_1 = None
-            add_1: "f32[2, 16, 64]" = dropout + dropout_2;  dropout = dropout_2 = None
-            layer_norm_1: "f32[2, 16, 64]" = torch.nn.functional.layer_norm(add_1, (64,), weight = blocks_0_ln_2_weight, bias = blocks_0_ln_2_bias, eps = 1e-05);  blocks_0_ln_2_weight = blocks_0_ln_2_bias = None
-            linear_2: "f32[2, 16, 256]" = torch._C._nn.linear(layer_norm_1, blocks_0_mlp_c_fc_weight, blocks_0_mlp_c_fc_bias);  layer_norm_1 = blocks_0_mlp_c_fc_weight = blocks_0_mlp_c_fc_bias = None
-            gelu: "f32[2, 16, 256]" = torch._C._nn.gelu(linear_2, approximate = 'none');  linear_2 = None
-            linear_3: "f32[2, 16, 64]" = torch._C._nn.linear(gelu, blocks_0_mlp_c_proj_weight, blocks_0_mlp_c_proj_bias);  gelu = blocks_0_mlp_c_proj_weight = blocks_0_mlp_c_proj_bias = None
-            dropout_3: "f32[2, 16, 64]" = torch.nn.functional.dropout(linear_3, p = 0.0, training = True, inplace = False);  linear_3 = None
-            add_2: "f32[2, 16, 64]" = add_1 + dropout_3;  add_1 = dropout_3 = None
+            mul = matmul * truediv;  matmul = truediv = None  # f32[2, 4, 16, 16]
+            new_ones = layer_norm.new_ones(size_2, size_2, dtype = torch.bool);  layer_norm = None  # b8[16, 16]
+            tril = new_ones.tril();  new_ones = None  # b8[16, 16]
+            invert = ~tril;  tril = None  # b8[16, 16]
+            masked_fill = mul.masked_fill(invert, -inf);  mul = invert = None  # f32[2, 4, 16, 16]
+            softmax = torch.nn.functional.softmax(masked_fill, dim = -1, _stacklevel = 3, dtype = None);  masked_fill = None  # f32[2, 4, 16, 16]
+            dropout_1 = torch.nn.functional.dropout(softmax, p = 0.0, training = True, inplace = False);  softmax = None  # f32[2, 4, 16, 16]
+            matmul_1 = dropout_1 @ transpose_2;  dropout_1 = transpose_2 = None  # f32[2, 4, 16, 16]
+            transpose_4 = matmul_1.transpose(1, 2);  matmul_1 = None  # f32[2, 16, 4, 16]
+            contiguous = transpose_4.contiguous();  transpose_4 = None  # f32[2, 16, 4, 16]
+            view_3 = contiguous.view(size_1, size_2, size_3);  contiguous = size_1 = size_2 = size_3 = None  # f32[2, 16, 64]
+            linear_1 = torch._C._nn.linear(view_3, blocks_0_attn_c_proj_weight, blocks_0_attn_c_proj_bias);  view_3 = blocks_0_attn_c_proj_weight = blocks_0_attn_c_proj_bias = None  # f32[2, 16, 64]
+            dropout_2 = torch.nn.functional.dropout(linear_1, p = 0.0, training = True, inplace = False);  linear_1 = None  # f32[2, 16, 64]
+            add_1 = dropout + dropout_2;  dropout = dropout_2 = None  # f32[2, 16, 64]
+            layer_norm_1 = torch.nn.functional.layer_norm(add_1, (64,), weight = blocks_0_ln_2_weight, bias = blocks_0_ln_2_bias, eps = 1e-05);  blocks_0_ln_2_weight = blocks_0_ln_2_bias = None  # f32[2, 16, 64]
+            linear_2 = torch._C._nn.linear(layer_norm_1, blocks_0_mlp_c_fc_weight, blocks_0_mlp_c_fc_bias);  layer_norm_1 = blocks_0_mlp_c_fc_weight = blocks_0_mlp_c_fc_bias = None  # f32[2, 16, 256]
+            gelu = torch._C._nn.gelu(linear_2, approximate = 'none');  linear_2 = None  # f32[2, 16, 256]
+            linear_3 = torch._C._nn.linear(gelu, blocks_0_mlp_c_proj_weight, blocks_0_mlp_c_proj_bias);  gelu = blocks_0_mlp_c_proj_weight = blocks_0_mlp_c_proj_bias = None  # f32[2, 16, 64]
+            dropout_3 = torch.nn.functional.dropout(linear_3, p = 0.0, training = True, inplace = False);  linear_3 = None  # f32[2, 16, 64]
+            add_2 = add_1 + dropout_3;  add_1 = dropout_3 = None  # f32[2, 16, 64]
             return (add_2,)

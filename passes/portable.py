@@ -1,0 +1,122 @@
+"""Make a lowered graph independent of the machine and the tracer that produced it.
+
+``torch.export`` leaves two kinds of trace-time facts in a graph. Assertions on each
+tensor's metadata (``aten._assert_tensor_metadata`` and the other ``aten._assert_*``
+ops) compute nothing and check what the trace already knew. Device literals
+(``arange(16, device=device(type='cpu'))``, ``to.device(x, device(type='cpu'), ...)``)
+name the device the model sat on while it was traced, the planning machine's CPU or
+the meta device, not the one a rank runs on. ``drop_assertions`` removes the first;
+``device_from_inputs`` makes every such literal read the device of one of the graph's
+own inputs instead, so the same code runs wherever its inputs are.
+
+Both work on the module and every GraphModule nested in it (higher-order-op bodies
+such as export's ``wrap_with_set_grad_enabled``, and the ``recompute_<layer>`` modules),
+in place, and leave what the graph computes unchanged.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterator, Mapping
+
+import torch
+from torch import fx
+
+from .context import Context
+
+DEVICE_NODE = "input_device"
+
+
+def drop_assertions(gm: fx.GraphModule, ctx: Context | None = None) -> fx.GraphModule:
+    """Erase export's metadata assertions (``aten._assert_*`` calls nothing reads).
+
+    Reads: nothing. Writes: nothing.
+    Ensures: no ``aten._assert_*`` node without users in ``gm`` or its nested modules.
+    """
+    for module in _graph_modules(gm):
+        for node in list(module.graph.nodes):
+            if is_assertion(node) and not node.users:
+                module.graph.erase_node(node)
+        module.recompile()
+    return gm
+
+
+def is_assertion(node: fx.Node) -> bool:
+    """A check the exporter added (``aten._assert_tensor_metadata``, ``_assert_scalar``,
+    ``_assert_async``): it returns nothing and computes nothing the graph uses."""
+    target = node.target
+    return node.op == "call_function" and isinstance(target, torch._ops.OpOverload) \
+        and target.namespace == "aten" and target._opname.startswith("_assert_")
+
+
+def device_from_inputs(gm: fx.GraphModule, ctx: Context | None = None) -> fx.GraphModule:
+    """Replace the trace's device literals with the device of the graph's first tensor input.
+
+    A literal equal to the device the inputs were traced on becomes a node
+    ``input_device = <input>.device`` placed after the placeholders; a literal naming
+    another device (the model's own choice, such as an explicit ``.to("cpu")``) stays.
+    Reads: ``node.meta["val"]`` of placeholders (for a nested module whose placeholders
+    carry none, the values passed at its call site). Writes: nothing.
+    Ensures: no ``torch.device`` equal to the inputs' in any node's arguments, where the
+    module has a tensor input to read it from.
+    """
+    _retarget(gm, {})
+    return gm
+
+
+def _retarget(gm: fx.GraphModule, passed: Mapping[str, Any]) -> None:
+    """``passed``: values given to ``gm``'s placeholders at its call site, by name."""
+    graph = gm.graph
+    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+    source = next((n for n in placeholders
+                   if isinstance(_value(n, passed), torch.Tensor)), None)
+    traced = _value(source, passed).device if source is not None else None
+    users = [n for n in graph.nodes
+             if traced is not None and _mentions((n.args, n.kwargs), traced)]
+    if users:
+        with graph.inserting_after(placeholders[-1]):
+            device = graph.create_node("call_function", getattr, (source, "device"),
+                                       name=DEVICE_NODE)
+        for node in users:
+            node.args, node.kwargs = fx.node.map_aggregate(
+                (node.args, node.kwargs), lambda a: device if _is_device(a, traced) else a)
+        gm.recompile()
+    for name, child in gm.named_children():
+        if isinstance(child, fx.GraphModule):
+            _retarget(child, _call_site_values(gm, name, passed))
+
+
+def _value(node: fx.Node, passed: Mapping[str, Any]) -> Any:
+    value = node.meta.get("val")
+    return passed.get(node.name) if value is None and node.op == "placeholder" else value
+
+
+def _is_device(value: Any, traced: torch.device) -> bool:
+    return isinstance(value, torch.device) and value == traced
+
+
+def _mentions(args: Any, traced: torch.device) -> bool:
+    leaves: list[Any] = []
+    fx.node.map_aggregate(args, leaves.append)
+    return any(_is_device(leaf, traced) for leaf in leaves)
+
+
+def _call_site_values(gm: fx.GraphModule, child: str,
+                      passed: Mapping[str, Any]) -> dict[str, Any]:
+    """The values a nested module receives: the last arguments of the call that takes it,
+    one per placeholder (``checkpoint_layer(module, mode, *inputs)``, a higher-order op's
+    ``wrap_with_set_grad_enabled(enabled, module, *inputs)``)."""
+    names = [n.name for n in gm.get_submodule(child).graph.nodes if n.op == "placeholder"]
+    fetch = next((n for n in gm.graph.nodes if n.op == "get_attr" and n.target == child), None)
+    call = next((u for u in fetch.users if fetch in u.args), None) if fetch else None
+    if call is None or not names or len(call.args) <= len(names):
+        return {}
+    inputs = call.args[-len(names):]
+    return {name: _value(a, passed) if isinstance(a, fx.Node) else a
+            for name, a in zip(names, inputs)}
+
+
+def _graph_modules(gm: fx.GraphModule) -> Iterator[fx.GraphModule]:
+    yield gm
+    for child in gm.children():
+        if isinstance(child, fx.GraphModule):
+            yield from _graph_modules(child)
