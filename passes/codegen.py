@@ -7,9 +7,9 @@ values as trailing comments, and the recomputed layers as nested modules called 
 so the files can be diffed and kept as golden copies.
 
 A stage file imports on its own and names only what it defines or imports (pyflakes
-finds no undefined name): before printing, export's metadata assertions are dropped and
-device literals of the planning machine read the device of the stage's input instead
-(``passes/portable.py``); fx's string annotations (``"f32[2, 16]"``, which are not
+finds no undefined name): lowering dropped export's metadata assertions and made device
+literals of the planning machine read the device of the stage's input instead
+(``passes/portable.py``, run on every stage the runtime runs); fx's string annotations (``"f32[2, 16]"``, which are not
 Python names) become comments, and fx's ``wrap(...)`` registrations (needed only to
 trace the code again, and refused inside a class body) are left out. The file defines
 the stage's class; running it needs the model's parameters at the FQNs it reads.
@@ -29,7 +29,6 @@ from partc import meta
 from partc.plan import Plan
 from partc.units import format_bytes
 
-from .portable import device_from_inputs, drop_assertions
 from .split import StageGraph
 
 _NODE_LINE = re.compile(r"^(\s+)(\w+)(?::| =)")
@@ -52,32 +51,41 @@ def codegen(stage: StageGraph, plan: Plan,
 
     ``shared`` maps a parameter FQN held by several stages to those stages' indices
     (tied weights, whose gradients are summed across them after backward).
-    Reads: ``meta.LAYER`` and ``node.meta["val"]`` on the stage's nodes. Changes
-    ``stage.module`` in place as printing needs (``_tidy``): give it a stage lowered for
-    printing, as ``Program.code`` does, not one a runtime is running.
+    Reads: ``meta.LAYER`` and ``node.meta["val"]`` on the stage's nodes. Requires: the
+    stage as lowering left it (``passes.pipeline.stage_passes``). Drops the nodes' stack
+    traces, which are not printed.
     """
     module = _tidy(stage.module)
     body = _plain_python(module.print_readable(print_output=False))
     body = _annotate_layers(body, module, plan.recompute)
+    # fx prints a unit that is a direct child inside the stage's class; the others
+    # (``blocks.3`` of a ModuleList) follow it.
+    nested = [path for path in meta.fsdp_units(module) if "." in path]
+    body = "\n\n\n".join([body.rstrip(), *(_unit_source(module, path) for path in nested)])
     return "\n".join(_header(stage, plan, shared or {}) + [""] + _imports(module, body) +
                      ["", ""] + [body.rstrip(), ""])
 
 
 def _tidy(module: fx.GraphModule) -> fx.GraphModule:
-    """The stage as it should print, in place: no stack traces, no export assertions, no
-    device of the planning machine (what it computes is unchanged)."""
+    """The stage without the stack traces fx would print beside each node."""
     for gm in _graph_modules(module):
         for node in gm.graph.nodes:
             node.meta.pop("stack_trace", None)
-    return device_from_inputs(drop_assertions(module))
+        gm.recompile()
+    return module
 
 
 def _graph_modules(module: fx.GraphModule) -> list[fx.GraphModule]:
-    modules = [module]
-    for child in module.children():
-        if isinstance(child, fx.GraphModule):
-            modules += _graph_modules(child)
-    return modules
+    """The stage and every GraphModule inside it (recomputed layers, FSDP units)."""
+    return [m for m in module.modules() if isinstance(m, fx.GraphModule)]
+
+
+def _unit_source(module: fx.GraphModule, path: str) -> str:
+    """An FSDP unit's code (the stage calls it as a module at the layer's own path)."""
+    unit = module.get_submodule(path)
+    return (f"# FSDP unit {path}: layer {path} with its own parameters, gathered over the "
+            "data-parallel group before it runs\n"
+            + _plain_python(unit.print_readable(print_output=False)).rstrip())
 
 
 def _plain_python(body: str) -> str:

@@ -39,8 +39,9 @@ from . import sharding as sharding_pass
 from .context import Context, Lowering
 from .estimate import estimate
 from .fuse_attention import fuse_attention
-from .graph import is_dtype_check, param_usage
+from .graph import param_usage
 from .layers import layers
+from .portable import device_from_inputs, drop_assertions
 from .propagate import propagate
 from .recompute import recompute
 from .sharding import Link
@@ -92,9 +93,10 @@ def tp_measurement_passes(chosen: Any) -> tuple[Pass, ...]:
 def lowering_passes(lowering: Lowering) -> tuple[Pass, ...]:
     """The whole model, traced at the micro-batch size, up to where ``split`` cuts it."""
     return (
-        # Exported graphs assert the dtype each tensor was traced with; under mixed
-        # precision the program runs them in another, and they compute nothing.
-        Pass("drop_dtype_checks", drop_dtype_checks),
+        # Exported graphs assert the dtype (and device) each tensor was traced with;
+        # under mixed precision the program runs them in another, and they compute
+        # nothing.
+        Pass("drop_assertions", drop_assertions),
         Pass("propagate", propagate),
         *_attention_passes(lowering.attention),
         # The plan names layers: the graph must be grouped exactly as it was planned.
@@ -113,6 +115,10 @@ def stage_passes(lowering: Lowering) -> tuple[Pass, ...]:
         Pass("recompute", recompute),
         # FSDP units wrap whole layers, recomputed ones included: after recompute.
         *((Pass("fsdp_units", fsdp_units),) if lowering.fsdp_units else ()),
+        # Per stage, once every nested module exists: a device read off the stage's own
+        # input would be a traced constant if a whole-graph pass made it and split sent
+        # it to later stages.
+        Pass("device_from_inputs", device_from_inputs),
     )
 
 
@@ -373,16 +379,3 @@ def _plan_sharding(gm: fx.GraphModule, ctx: Context) -> fx.GraphModule:
     chosen = sharding_pass.apply(gm, lowering.tp, lowering.sequence_parallel,
                                  {name: tuple(c) for name, c in lowering.tp_choices.items()})
     return shard_pass.shard(gm, chosen)
-
-
-def drop_dtype_checks(gm: fx.GraphModule, ctx: Context) -> fx.GraphModule:
-    """Remove export's assertions of the dtype a tensor was traced with.
-
-    Reads: nothing. Writes: nothing. Requires: ``trace``.
-    Ensures: the graph computes the same values and holds no dtype assertion.
-    """
-    for node in list(gm.graph.nodes):
-        if is_dtype_check(node) and not node.users:
-            gm.graph.erase_node(node)
-    gm.recompile()
-    return gm

@@ -79,6 +79,14 @@ def computes_in_a_layer(node: fx.Node) -> str:
     return ""
 
 
+def no_assertion(node: fx.Node) -> str:
+    target = node.target
+    if node.op == "call_function" and not node.users and \
+            getattr(target, "__name__", "").startswith("_assert_"):
+        return "an export assertion is left"
+    return ""
+
+
 # ----------------------------------------------------------------------- graph checks
 
 def one_cut_per_boundary(gm: fx.GraphModule) -> str:
@@ -104,7 +112,7 @@ def parameters_keep_fqns(gm: fx.GraphModule) -> str:
 
 _NODE_CHECKS: dict[str, tuple[NodeCheck, ...]] = {
     "trace": (placeholders_first, get_attr_named),
-    "drop_dtype_checks": (placeholders_first,),
+    "drop_assertions": (placeholders_first, no_assertion),
     "propagate": (has_value,),
     "fuse_attention": (has_value,),
     "layers": (in_a_layer,),
@@ -113,6 +121,7 @@ _NODE_CHECKS: dict[str, tuple[NodeCheck, ...]] = {
     "split": (placeholders_first,),
     "recompute": (placeholders_first, computes_in_a_layer),
     "fsdp_units": (placeholders_first, computes_in_a_layer),
+    "device_from_inputs": (placeholders_first,),
 }
 
 _GRAPH_CHECKS: dict[str, tuple[Callable[[fx.GraphModule], str], ...]] = {

@@ -26,21 +26,50 @@ class Stage0(torch.nn.Module):
         tok_emb_weight = self.tok_emb.weight  # f32[128, 64]
         embedding = torch.nn.functional.embedding(idx, tok_emb_weight, padding_idx = None, max_norm = None, norm_type = 2.0, scale_grad_by_freq = False, sparse = False);  idx = None  # f32[2, 16, 64]
         # layer pos_emb
-        pos_emb_weight = self.pos_emb.weight  # f32[32, 64]
-        embedding_1 = torch.nn.functional.embedding(arange, pos_emb_weight, padding_idx = None, max_norm = None, norm_type = 2.0, scale_grad_by_freq = False, sparse = False);  arange = pos_emb_weight = None  # f32[16, 64]
-        add = embedding + embedding_1;  embedding = embedding_1 = None  # f32[2, 16, 64]
+        pos_emb = self.pos_emb(arange, embedding);  arange = embedding = None
+        getitem_6 = pos_emb[0];  pos_emb = None  # f32[2, 16, 64]
         # layer drop
-        dropout = torch.nn.functional.dropout(add, p = 0.0, training = True, inplace = False);  add = None  # f32[2, 16, 64]
+        dropout = torch.nn.functional.dropout(getitem_6, p = 0.0, training = True, inplace = False);  getitem_6 = None  # f32[2, 16, 64]
         # layer blocks.0
-        blocks_0_ln_1_weight = getattr(self.blocks, "0").ln_1.weight  # f32[64]
-        blocks_0_ln_1_bias = getattr(self.blocks, "0").ln_1.bias  # f32[64]
+        blocks_0 = getattr(self.blocks, "0")(dropout);  dropout = None
+        getitem_7 = blocks_0[0];  blocks_0 = None  # f32[2, 16, 64]
+        # layer blocks.1
+        blocks_1 = getattr(self.blocks, "1")(getitem_7);  getitem_7 = None
+        getitem_8 = blocks_1[0];  blocks_1 = None  # f32[2, 16, 64]
+        # layer ln_f
+        ln_f = self.ln_f(getitem_8);  getitem_8 = None
+        getitem_9 = ln_f[0];  ln_f = None  # f32[2, 16, 64]
+        # layer lm_head
+        linear_8 = torch._C._nn.linear(getitem_9, tok_emb_weight, None);  getitem_9 = tok_emb_weight = None  # f32[2, 16, 128]
+        return (linear_8,)
+
+    class pos_emb(torch.nn.Module):
+        def forward(self, arange, embedding):
+            pos_emb_weight = self.weight  # f32[32, 64]
+            embedding_1 = torch.nn.functional.embedding(arange, pos_emb_weight, padding_idx = None, max_norm = None, norm_type = 2.0, scale_grad_by_freq = False, sparse = False);  arange = pos_emb_weight = None  # f32[16, 64]
+            add = embedding + embedding_1;  embedding = embedding_1 = None  # f32[2, 16, 64]
+            return (add,)
+
+    class ln_f(torch.nn.Module):
+        def forward(self, getitem_8):
+            ln_f_weight = self.weight  # f32[64]
+            ln_f_bias = self.bias  # f32[64]
+            layer_norm_4 = torch.nn.functional.layer_norm(getitem_8, (64,), weight = ln_f_weight, bias = ln_f_bias, eps = 1e-05);  getitem_8 = ln_f_weight = ln_f_bias = None  # f32[2, 16, 64]
+            return (layer_norm_4,)
+
+
+# FSDP unit blocks.0: layer blocks.0 with its own parameters, gathered over the data-parallel group before it runs
+class blocks_0(torch.nn.Module):
+    def forward(self, dropout):
+        blocks_0_ln_1_weight = self.ln_1.weight  # f32[64]
+        blocks_0_ln_1_bias = self.ln_1.bias  # f32[64]
         layer_norm = torch.nn.functional.layer_norm(dropout, (64,), weight = blocks_0_ln_1_weight, bias = blocks_0_ln_1_bias, eps = 1e-05);  blocks_0_ln_1_weight = blocks_0_ln_1_bias = None  # f32[2, 16, 64]
         size_1 = layer_norm.size(0)
         size_2 = layer_norm.size(1)
         size_3 = layer_norm.size(2)
         floordiv = size_3 // 4
-        blocks_0_attn_c_attn_weight = getattr(self.blocks, "0").attn.c_attn.weight  # f32[192, 64]
-        blocks_0_attn_c_attn_bias = getattr(self.blocks, "0").attn.c_attn.bias  # f32[192]
+        blocks_0_attn_c_attn_weight = self.attn.c_attn.weight  # f32[192, 64]
+        blocks_0_attn_c_attn_bias = self.attn.c_attn.bias  # f32[192]
         linear = torch._C._nn.linear(layer_norm, blocks_0_attn_c_attn_weight, blocks_0_attn_c_attn_bias);  blocks_0_attn_c_attn_weight = blocks_0_attn_c_attn_bias = None  # f32[2, 16, 192]
         split = linear.split(size_3, dim = 2);  linear = None
         getitem = split[0]  # f32[2, 16, 64]
@@ -67,33 +96,38 @@ class Stage0(torch.nn.Module):
         transpose_4 = matmul_1.transpose(1, 2);  matmul_1 = None  # f32[2, 16, 4, 16]
         contiguous = transpose_4.contiguous();  transpose_4 = None  # f32[2, 16, 4, 16]
         view_3 = contiguous.view(size_1, size_2, size_3);  contiguous = size_1 = size_2 = size_3 = None  # f32[2, 16, 64]
-        blocks_0_attn_c_proj_weight = getattr(self.blocks, "0").attn.c_proj.weight  # f32[64, 64]
-        blocks_0_attn_c_proj_bias = getattr(self.blocks, "0").attn.c_proj.bias  # f32[64]
+        blocks_0_attn_c_proj_weight = self.attn.c_proj.weight  # f32[64, 64]
+        blocks_0_attn_c_proj_bias = self.attn.c_proj.bias  # f32[64]
         linear_1 = torch._C._nn.linear(view_3, blocks_0_attn_c_proj_weight, blocks_0_attn_c_proj_bias);  view_3 = blocks_0_attn_c_proj_weight = blocks_0_attn_c_proj_bias = None  # f32[2, 16, 64]
         dropout_2 = torch.nn.functional.dropout(linear_1, p = 0.0, training = True, inplace = False);  linear_1 = None  # f32[2, 16, 64]
         add_1 = dropout + dropout_2;  dropout = dropout_2 = None  # f32[2, 16, 64]
-        blocks_0_ln_2_weight = getattr(self.blocks, "0").ln_2.weight  # f32[64]
-        blocks_0_ln_2_bias = getattr(self.blocks, "0").ln_2.bias  # f32[64]
+        blocks_0_ln_2_weight = self.ln_2.weight  # f32[64]
+        blocks_0_ln_2_bias = self.ln_2.bias  # f32[64]
         layer_norm_1 = torch.nn.functional.layer_norm(add_1, (64,), weight = blocks_0_ln_2_weight, bias = blocks_0_ln_2_bias, eps = 1e-05);  blocks_0_ln_2_weight = blocks_0_ln_2_bias = None  # f32[2, 16, 64]
-        blocks_0_mlp_c_fc_weight = getattr(self.blocks, "0").mlp.c_fc.weight  # f32[256, 64]
-        blocks_0_mlp_c_fc_bias = getattr(self.blocks, "0").mlp.c_fc.bias  # f32[256]
+        blocks_0_mlp_c_fc_weight = self.mlp.c_fc.weight  # f32[256, 64]
+        blocks_0_mlp_c_fc_bias = self.mlp.c_fc.bias  # f32[256]
         linear_2 = torch._C._nn.linear(layer_norm_1, blocks_0_mlp_c_fc_weight, blocks_0_mlp_c_fc_bias);  layer_norm_1 = blocks_0_mlp_c_fc_weight = blocks_0_mlp_c_fc_bias = None  # f32[2, 16, 256]
         gelu = torch._C._nn.gelu(linear_2, approximate = 'none');  linear_2 = None  # f32[2, 16, 256]
-        blocks_0_mlp_c_proj_weight = getattr(self.blocks, "0").mlp.c_proj.weight  # f32[64, 256]
-        blocks_0_mlp_c_proj_bias = getattr(self.blocks, "0").mlp.c_proj.bias  # f32[64]
+        blocks_0_mlp_c_proj_weight = self.mlp.c_proj.weight  # f32[64, 256]
+        blocks_0_mlp_c_proj_bias = self.mlp.c_proj.bias  # f32[64]
         linear_3 = torch._C._nn.linear(gelu, blocks_0_mlp_c_proj_weight, blocks_0_mlp_c_proj_bias);  gelu = blocks_0_mlp_c_proj_weight = blocks_0_mlp_c_proj_bias = None  # f32[2, 16, 64]
         dropout_3 = torch.nn.functional.dropout(linear_3, p = 0.0, training = True, inplace = False);  linear_3 = None  # f32[2, 16, 64]
         add_2 = add_1 + dropout_3;  add_1 = dropout_3 = None  # f32[2, 16, 64]
-        # layer blocks.1
-        blocks_1_ln_1_weight = getattr(self.blocks, "1").ln_1.weight  # f32[64]
-        blocks_1_ln_1_bias = getattr(self.blocks, "1").ln_1.bias  # f32[64]
-        layer_norm_2 = torch.nn.functional.layer_norm(add_2, (64,), weight = blocks_1_ln_1_weight, bias = blocks_1_ln_1_bias, eps = 1e-05);  blocks_1_ln_1_weight = blocks_1_ln_1_bias = None  # f32[2, 16, 64]
+        return (add_2,)
+
+
+# FSDP unit blocks.1: layer blocks.1 with its own parameters, gathered over the data-parallel group before it runs
+class blocks_1(torch.nn.Module):
+    def forward(self, getitem_7):
+        blocks_1_ln_1_weight = self.ln_1.weight  # f32[64]
+        blocks_1_ln_1_bias = self.ln_1.bias  # f32[64]
+        layer_norm_2 = torch.nn.functional.layer_norm(getitem_7, (64,), weight = blocks_1_ln_1_weight, bias = blocks_1_ln_1_bias, eps = 1e-05);  blocks_1_ln_1_weight = blocks_1_ln_1_bias = None  # f32[2, 16, 64]
         size_4 = layer_norm_2.size(0)
         size_5 = layer_norm_2.size(1)
         size_6 = layer_norm_2.size(2)
         floordiv_1 = size_6 // 4
-        blocks_1_attn_c_attn_weight = getattr(self.blocks, "1").attn.c_attn.weight  # f32[192, 64]
-        blocks_1_attn_c_attn_bias = getattr(self.blocks, "1").attn.c_attn.bias  # f32[192]
+        blocks_1_attn_c_attn_weight = self.attn.c_attn.weight  # f32[192, 64]
+        blocks_1_attn_c_attn_bias = self.attn.c_attn.bias  # f32[192]
         linear_4 = torch._C._nn.linear(layer_norm_2, blocks_1_attn_c_attn_weight, blocks_1_attn_c_attn_bias);  blocks_1_attn_c_attn_weight = blocks_1_attn_c_attn_bias = None  # f32[2, 16, 192]
         split_1 = linear_4.split(size_6, dim = 2);  linear_4 = None
         getitem_3 = split_1[0]  # f32[2, 16, 64]
@@ -120,27 +154,21 @@ class Stage0(torch.nn.Module):
         transpose_9 = matmul_3.transpose(1, 2);  matmul_3 = None  # f32[2, 16, 4, 16]
         contiguous_1 = transpose_9.contiguous();  transpose_9 = None  # f32[2, 16, 4, 16]
         view_7 = contiguous_1.view(size_4, size_5, size_6);  contiguous_1 = size_4 = size_5 = size_6 = None  # f32[2, 16, 64]
-        blocks_1_attn_c_proj_weight = getattr(self.blocks, "1").attn.c_proj.weight  # f32[64, 64]
-        blocks_1_attn_c_proj_bias = getattr(self.blocks, "1").attn.c_proj.bias  # f32[64]
+        blocks_1_attn_c_proj_weight = self.attn.c_proj.weight  # f32[64, 64]
+        blocks_1_attn_c_proj_bias = self.attn.c_proj.bias  # f32[64]
         linear_5 = torch._C._nn.linear(view_7, blocks_1_attn_c_proj_weight, blocks_1_attn_c_proj_bias);  view_7 = blocks_1_attn_c_proj_weight = blocks_1_attn_c_proj_bias = None  # f32[2, 16, 64]
         dropout_5 = torch.nn.functional.dropout(linear_5, p = 0.0, training = True, inplace = False);  linear_5 = None  # f32[2, 16, 64]
-        add_3 = add_2 + dropout_5;  add_2 = dropout_5 = None  # f32[2, 16, 64]
-        blocks_1_ln_2_weight = getattr(self.blocks, "1").ln_2.weight  # f32[64]
-        blocks_1_ln_2_bias = getattr(self.blocks, "1").ln_2.bias  # f32[64]
+        add_3 = getitem_7 + dropout_5;  getitem_7 = dropout_5 = None  # f32[2, 16, 64]
+        blocks_1_ln_2_weight = self.ln_2.weight  # f32[64]
+        blocks_1_ln_2_bias = self.ln_2.bias  # f32[64]
         layer_norm_3 = torch.nn.functional.layer_norm(add_3, (64,), weight = blocks_1_ln_2_weight, bias = blocks_1_ln_2_bias, eps = 1e-05);  blocks_1_ln_2_weight = blocks_1_ln_2_bias = None  # f32[2, 16, 64]
-        blocks_1_mlp_c_fc_weight = getattr(self.blocks, "1").mlp.c_fc.weight  # f32[256, 64]
-        blocks_1_mlp_c_fc_bias = getattr(self.blocks, "1").mlp.c_fc.bias  # f32[256]
+        blocks_1_mlp_c_fc_weight = self.mlp.c_fc.weight  # f32[256, 64]
+        blocks_1_mlp_c_fc_bias = self.mlp.c_fc.bias  # f32[256]
         linear_6 = torch._C._nn.linear(layer_norm_3, blocks_1_mlp_c_fc_weight, blocks_1_mlp_c_fc_bias);  layer_norm_3 = blocks_1_mlp_c_fc_weight = blocks_1_mlp_c_fc_bias = None  # f32[2, 16, 256]
         gelu_1 = torch._C._nn.gelu(linear_6, approximate = 'none');  linear_6 = None  # f32[2, 16, 256]
-        blocks_1_mlp_c_proj_weight = getattr(self.blocks, "1").mlp.c_proj.weight  # f32[64, 256]
-        blocks_1_mlp_c_proj_bias = getattr(self.blocks, "1").mlp.c_proj.bias  # f32[64]
+        blocks_1_mlp_c_proj_weight = self.mlp.c_proj.weight  # f32[64, 256]
+        blocks_1_mlp_c_proj_bias = self.mlp.c_proj.bias  # f32[64]
         linear_7 = torch._C._nn.linear(gelu_1, blocks_1_mlp_c_proj_weight, blocks_1_mlp_c_proj_bias);  gelu_1 = blocks_1_mlp_c_proj_weight = blocks_1_mlp_c_proj_bias = None  # f32[2, 16, 64]
         dropout_6 = torch.nn.functional.dropout(linear_7, p = 0.0, training = True, inplace = False);  linear_7 = None  # f32[2, 16, 64]
         add_4 = add_3 + dropout_6;  add_3 = dropout_6 = None  # f32[2, 16, 64]
-        # layer ln_f
-        ln_f_weight = self.ln_f.weight  # f32[64]
-        ln_f_bias = self.ln_f.bias  # f32[64]
-        layer_norm_4 = torch.nn.functional.layer_norm(add_4, (64,), weight = ln_f_weight, bias = ln_f_bias, eps = 1e-05);  add_4 = ln_f_weight = ln_f_bias = None  # f32[2, 16, 64]
-        # layer lm_head
-        linear_8 = torch._C._nn.linear(layer_norm_4, tok_emb_weight, None);  layer_norm_4 = tok_emb_weight = None  # f32[2, 16, 128]
-        return (linear_8,)
+        return (add_4,)
