@@ -21,10 +21,8 @@ from partc import meta
 from partc.errors import TraceError
 from partc.identity import model_hash
 from partc.problem import ModelAnalysis, ModelSummary, SharedParam, TPOption
-from partc.runtime import tp as tp_ops
 
 from . import dedupe
-from . import shard as shard_pass
 from . import sharding as sharding_pass
 from .estimate import estimate
 from .graph import is_dtype_check, param_usage
@@ -32,6 +30,7 @@ from .fuse_attention import fuse_attention
 from .layers import crossing_bytes, crossing_tensors, layers
 from .propagate import propagate
 from .sharding import Link
+from .tp_rewrite import TPContext, copy_module, tp_rewrite
 from .context import Context
 from .trace import trace
 
@@ -180,11 +179,12 @@ def _options(gm: fx.GraphModule, ctx: Context, links: Sequence[Link],
         if same:  # measured already: the same sharding under the other objective
             options.append(dataclasses.replace(same[0], objective=objective))
             continue
-        local, moved = shard_pass.copy_module(gm, chosen)
-        _named("shard", lambda: shard_pass.shard(local, moved))
-        with tp_ops.simulate(link.tp):
-            _named("propagate", lambda: propagate(local, ctx))
-            _named("estimate", lambda: estimate(local, ctx))
+        local, moved = copy_module(gm, chosen)
+        # The rewrite's group is a stand-in that moves no data: propagate and estimate
+        # see this rank's shapes.
+        _named("tp_rewrite", lambda: tp_rewrite(local, TPContext(sharding=moved)))
+        _named("propagate", lambda: propagate(local, ctx))
+        _named("estimate", lambda: estimate(local, ctx))
         option = dataclasses.replace(_tp_option(ctx, base, usage, local, chosen),
                                      objective=objective)
         if ctx.expansion is not None:
@@ -270,9 +270,10 @@ def lower(model: nn.Module, example_inputs: tuple, stages: list[list[str]],
         chosen = _named("sharding", lambda: sharding_pass.apply(
             gm, tp, bool(tensor_parallel.get("sequence_parallel")),
             {name: tuple(c) for name, c in tensor_parallel["choices"].items()}))
-        _named("shard", lambda: shard_pass.shard(gm, chosen, local_param))
-        with tp_ops.simulate(tp):
-            gm = _named("propagate", lambda: propagate(gm, ctx))
+        _named("tp_rewrite", lambda: tp_rewrite(
+            gm, TPContext(sharding=chosen, local_param=local_param)))
+        # On the rewrite's stand-in group (the runtime binds the real one).
+        gm = _named("propagate", lambda: propagate(gm, ctx))
     stage_graphs = _named("split", lambda: split(gm, stages))
     for stage in stage_graphs:
         modes = {name: recompute.get(name, "none") for name in stage.layers}

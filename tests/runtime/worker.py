@@ -269,14 +269,14 @@ def run_case(name: str) -> dict[str, Any]:
         dist.barrier()
         program = partc.load(directory, model, loss_fn=case.loss_fn)
     module = program.build()
-    tp_ops.reset_counts()
+    module.tp.counts.clear()
     opt = module.optimizer(torch.optim.SGD, **OPTIMIZER)  # ZeRO-1 where the plan says
     ref_opt = optimizer(reference.parameters())
     losses, ref_losses, messages, norms, ref_norms = [], [], [], [], []
     for step in range(STEPS):
         x, y = batch(case, model, step)
         if step == 1:
-            tp_ops.reset_counts()  # the first step also runs the schedule's shape inference
+            module.tp.counts.clear()  # the first step also runs the schedule's shape inference
         state = torch.get_rng_state()
         losses.append(module.forward_backward(x, target=y).item())
         messages.append(dict(module.last_messages))
@@ -346,7 +346,7 @@ def run_case(name: str) -> dict[str, Any]:
             "param_numel_here": sum(_numel_here(p) for p in module.parameters()),
             "param_dtypes": sorted({str(p.dtype) for p in module.parameters()}),
             "planned_params": plan.stages[module.stage_index].param_count,
-            "collectives": dict(tp_ops.counts()),
+            "collectives": dict(module.tp.counts),
             "planned_collectives": _planned_collectives(plan, module.stage_index),
             "layer_collectives": {layer: [(kind, phase) for kind, phase, _ in moves]
                                   for layer, moves in
