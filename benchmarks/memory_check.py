@@ -70,7 +70,6 @@ from torch.distributed.pipelining._utils import (  # noqa: E402
 from torch.testing._internal.distributed.fake_pg import FakeStore  # noqa: E402
 
 import partc  # noqa: E402
-from partc.runtime import tp as tp_ops  # noqa: E402
 
 CATEGORIES = ("params", "grads", "optimizer", "activations", "transient")
 # MemTracker's reference types, by the plan's category they stand for.
@@ -257,7 +256,6 @@ def neighbour_messages(program: partc.Program, stage: Any,
         dtype = getattr(torch, plan.train.get("dtype", "float32"))
         with contextlib.ExitStack() as scope:
             fake = scope.enter_context(FakeTensorMode(allow_non_fake_inputs=True))
-            scope.enter_context(tp_ops.simulate(plan.mesh.get("tp", 1)))
             if dtype != torch.float32:
                 scope.enter_context(torch.autocast("cpu", dtype=dtype))
             values = tuple(fake.from_tensor(t) for t in microbatch)
@@ -317,7 +315,6 @@ def measure_rank(program: partc.Program, inputs: tuple[torch.Tensor, ...],
         return Measured(peak=peak, at_peak=by_category(at_peak),
                         category_peaks=by_category(category_peaks), raw=at_peak, phase=phase)
     finally:
-        tp_ops.use_group(None)
         dist.destroy_process_group()
 
 

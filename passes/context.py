@@ -32,6 +32,9 @@ class Context:
     autocast_device: str = "cuda"
     # What the lowering passes apply (the plan's decisions); None while analysing.
     lowering: Lowering | None = None
+    # The tensor-parallel sharding ``tp_rewrite`` applies, on this graph's nodes
+    # (``partc.passes.sharding.Sharding``); None before one is chosen.
+    sharding: Any = None
 
 
 @dataclass(frozen=True, kw_only=True)

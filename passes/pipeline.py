@@ -31,10 +31,8 @@ from torch import fx, nn
 from partc import meta
 from partc.errors import TraceError
 from partc.problem import ModelAnalysis, TPOption
-from partc.runtime import tp as tp_ops
 
 from . import dedupe, verify
-from . import shard as shard_pass
 from . import sharding as sharding_pass
 from .context import Context, Lowering
 from .estimate import estimate
@@ -47,6 +45,7 @@ from .recompute import recompute
 from .sharding import Link
 from .split import StageGraph, parameter_holders, split
 from .summarize import summarize, tp_option
+from .tp_rewrite import copy_module, tp_rewrite
 from .trace import trace
 from .units import fsdp_units
 
@@ -79,14 +78,15 @@ def analysis_passes(attention: str) -> tuple[Pass, ...]:
     )
 
 
-def tp_measurement_passes(chosen: Any) -> tuple[Pass, ...]:
-    """On a copy of the analysed graph: one rank's share of the ``chosen`` sharding,
-    measured again as ``analysis_passes`` measured the whole model."""
+def tp_measurement_passes() -> tuple[Pass, ...]:
+    """On a copy of the analysed graph: one rank's share of ``ctx.sharding``, measured
+    again as ``analysis_passes`` measured the whole model."""
     return (
-        Pass("tp_rewrite", lambda gm, ctx: shard_pass.shard(gm, chosen)),
-        # The rewrite dropped the fake values of everything whose shape changed.
-        Pass("propagate", _as_rank_of(chosen.tp, propagate)),
-        Pass("estimate", _as_rank_of(chosen.tp, estimate)),
+        Pass("tp_rewrite", tp_rewrite),
+        # The rewrite dropped the fake values of everything whose shape changed; its
+        # stand-in group (no data moves) gives one rank's shapes.
+        Pass("propagate", propagate),
+        Pass("estimate", estimate),
     )
 
 
@@ -103,8 +103,7 @@ def lowering_passes(lowering: Lowering) -> tuple[Pass, ...]:
         Pass("layers", layers),
         # Tensor parallelism rewrites the whole graph before the cut, so that a stage's
         # sends and receives are the shapes one rank holds.
-        *((Pass("tp_rewrite", _plan_sharding),
-           Pass("propagate", _as_rank_of(lowering.tp, propagate)))
+        *((Pass("tp_rewrite", _plan_sharding), Pass("propagate", propagate))
           if lowering.tp > 1 else ()),
     )
 
@@ -177,14 +176,6 @@ def _trace(model: nn.Module, example_inputs: Any, **trace_args: Any
     if verify.enabled():
         verify.check("trace", gm)
     return gm, ctx
-
-
-def _as_rank_of(tp: int, run: Transform) -> Transform:
-    """``run`` on one rank's graph of a tensor-parallel group of ``tp`` (no data moves)."""
-    def on_one_rank(gm: fx.GraphModule, ctx: Context) -> fx.GraphModule:
-        with tp_ops.simulate(tp):
-            return run(gm, ctx)
-    return on_one_rank
 
 
 # ------------------------------------------------------------------------------ analyse
@@ -302,8 +293,9 @@ def _options(gm: fx.GraphModule, ctx: Context, links: Sequence[Link],
         if same:  # measured already: the same sharding under the other objective
             options.append(dataclasses.replace(same[0], objective=objective))
             continue
-        local, moved = shard_pass.copy_module(gm, chosen)
-        local = run_passes(tp_measurement_passes(moved), local, ctx)
+        local, moved = copy_module(gm, chosen)
+        local = run_passes(tp_measurement_passes(), local,
+                           dataclasses.replace(ctx, sharding=moved))
         option = dataclasses.replace(tp_option(ctx, base, usage, local, moved),
                                      objective=objective)
         if ctx.expansion is not None:
@@ -378,4 +370,4 @@ def _plan_sharding(gm: fx.GraphModule, ctx: Context) -> fx.GraphModule:
     lowering = ctx.lowering
     chosen = sharding_pass.apply(gm, lowering.tp, lowering.sequence_parallel,
                                  {name: tuple(c) for name, c in lowering.tp_choices.items()})
-    return shard_pass.shard(gm, chosen)
+    return tp_rewrite(gm, dataclasses.replace(ctx, sharding=chosen))

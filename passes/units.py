@@ -141,6 +141,10 @@ def _wrap(module: fx.GraphModule, name: str, region: list[fx.Node],
         node.replace_all_uses_with(result, delete_user_cb=lambda user: user not in members)
     for node in reversed(body):
         graph.erase_node(node)
+    fetched = {n.target for n in graph.nodes if n.op == "get_attr"}
     for node in moved:
-        if "." not in node.target and isinstance(getattr(module, node.target), nn.Module):
-            delattr(module, node.target)  # a recompute submodule now lives in the unit
+        if "." not in node.target and node.target not in fetched and isinstance(
+                getattr(module, node.target), nn.Module):
+            # A recompute submodule now lives in the unit (the tensor-parallel group,
+            # which other layers read too, stays).
+            delattr(module, node.target)

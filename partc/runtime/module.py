@@ -143,8 +143,12 @@ class DistributedModule:
                  partial_grads: list[nn.Parameter] | None = None,
                  aliases: dict[str, tuple[str, ...]] | None = None,
                  state_keys: set[str] | None = None,
-                 tied_elsewhere: set[str] | None = None) -> None:
+                 tied_elsewhere: set[str] | None = None,
+                 tp: tp_ops.TensorParallelGroup | None = None) -> None:
         self.plan = plan
+        # The tensor-parallel group the stage's collectives run over; its ``counts`` are
+        # the collectives this rank has run.
+        self.tp = tp if tp is not None else tp_ops.TensorParallelGroup(1)
         self._aliases = aliases or {}
         # Tied weights whose first holder is an earlier stage: counted there in norms.
         self._tied_elsewhere = tied_elsewhere or set()
@@ -342,9 +346,7 @@ class DistributedModule:
         # run on those shards, which the ranks they span cut alike.
         partial = [_local(p.grad) for p in self._partial_grads if p.grad is not None]
         if partial:
-            flat = torch.cat([g.reshape(-1) for g in partial])
-            tp_ops.count("all_reduce")
-            dist.all_reduce(flat, group=self.topology.tp_group)
+            flat = self.tp.all_reduce(torch.cat([g.reshape(-1) for g in partial]))
             offset = 0
             for grad in partial:
                 grad.copy_(flat[offset:offset + grad.numel()].view_as(grad))
@@ -418,8 +420,12 @@ def build(plan: Plan, topology: Topology, program: StageProgram, model: nn.Modul
     by ``partc.Program``) with this rank's parameters, wrapped for the planned schedule.
     Parameters are copied from ``model`` or, for a model on the meta device, from
     ``state_dict``."""
-    tp_ops.use_group(topology.tp_group if topology.tp > 1 else None)
     module = program.module
+    # The stage's collectives run over this rank's tp group, in place of the lowering's
+    # stand-in.
+    tp_group = tp_ops.TensorParallelGroup(topology.tp,
+                                          topology.tp_group if topology.tp > 1 else None)
+    tp_ops.bind_group(module, tp_group)
     zero_stage = plan.zero_stage if topology.dp > 1 else 0
     compute_dtype = _compute_dtype(plan)
     _own_parameters(module, model, state_dict, topology.device,
@@ -454,6 +460,7 @@ def build(plan: Plan, topology: Topology, program: StageProgram, model: nn.Modul
         tied=tied, inputs=plan.model["inputs"], partial_grads=partial, aliases=aliases,
         state_keys=set(model.state_dict(keep_vars=True)),
         tied_elsewhere=_tied_elsewhere(program.holders, module, topology.pp_rank),
+        tp=tp_group,
         global_batch_size=plan.num_microbatches * plan.micro_batch_size * plan.dp)
 
 

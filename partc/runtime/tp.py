@@ -1,11 +1,13 @@
 """Tensor-parallel collectives with their autograd conjugates, as the emitted code calls them.
 
-Every rank of a tensor-parallel group runs the same stage code on its own shards; these
-functions are where the ranks meet. Each is an ``autograd.Function`` whose backward is
-the conjugate of its forward (Megatron's pairs):
+Every rank of a tensor-parallel group runs the same stage code on its own shards; the
+collectives are where the ranks meet. The group is an object, :class:`TensorParallelGroup`,
+that the tensor-parallel rewrite puts into the stage as its submodule ``tp``; the
+emitted code reads it (``tp = self.tp``) and calls its methods. Each collective is an
+``autograd.Function`` whose backward is the conjugate of its forward (Megatron's pairs):
 
 ============================  ==========================  ============================
-function                      forward                     backward
+method                        forward                     backward
 ============================  ==========================  ============================
 ``copy_to_tp``                identity                    all-reduce
 ``reduce_from_tp``            all-reduce                  identity (all-reduce if the
@@ -20,224 +22,242 @@ A shard ``Shard(dim, chunks=k)`` holds this rank's part of each of ``k`` equal p
 ``dim`` (a fused QKV projection split into query, key and value afterwards); gathers and
 slices respect that layout.
 
-The group comes from :func:`use_group` (the runtime sets it at build time). Without one,
-:func:`simulate` stands in a group of a given size that moves no data: outputs have the
-right shapes, which is what planning-time measurement on fake tensors needs.
-Every call is counted (:func:`counts`), so a test can compare the collectives a step
-ran with the plan's.
+A group made without a process group stands in for one of its size: it acts as rank 0
+and moves no data, so outputs have the right shapes, which is what measuring on fake
+tensors needs (the rewrite inserts such a stand-in). The runtime puts a group over the
+real process group in its place (:func:`bind_group`) before the first step. Each group
+counts the collectives run through it (``counts``), so a test can compare those of a
+step with the plan's. Nothing here is global: two programs in one process each run
+over their own group.
 """
 
 from __future__ import annotations
 
-import contextlib
 from collections import Counter
-from typing import Iterator
 
 import torch
 import torch.distributed as dist
-
-_group: dist.ProcessGroup | None = None
-_simulated: int | None = None
-_counts: Counter = Counter()
+from torch import nn
 
 
-def use_group(group: dist.ProcessGroup | None) -> None:
-    """Make ``group`` the tensor-parallel group of this process (``None`` clears it)."""
-    global _group
-    _group = group
+class TensorParallelGroup(nn.Module):
+    """The tensor-parallel group a stage's collectives run over: ``size`` ranks, this
+    process being ``rank`` of them, over ``process_group``; without one, a stand-in
+    that acts as rank 0 and moves no data (``simulated``).
+
+    An ``nn.Module`` so that it lives in the stage's GraphModule (as ``tp``) and shows in
+    its code; it holds no tensors.
+    """
+
+    def __init__(self, size: int, process_group: dist.ProcessGroup | None = None) -> None:
+        super().__init__()
+        if process_group is not None and dist.get_world_size(process_group) != size:
+            raise ValueError(f"a tensor-parallel group of {size} ranks cannot run over a "
+                             f"process group of {dist.get_world_size(process_group)}")
+        self.size = size
+        self.rank = dist.get_rank(process_group) if process_group is not None else 0
+        self.process_group = process_group
+        self.counts: Counter[str] = Counter()  # collectives run, forward and backward
+
+    @property
+    def simulated(self) -> bool:
+        """True for a stand-in of more than one rank: it moves no data."""
+        return self.process_group is None and self.size > 1
+
+    def extra_repr(self) -> str:
+        where = "simulated" if self.simulated else f"rank={self.rank}"
+        return f"size={self.size}, {where}"
+
+    # ------------------------------------------------------------------------ primitives
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """The sum of ``x`` over the group, as a new tensor (no autograd conjugate: for
+        the runtime's gradient sums; the emitted code calls ``reduce_from_tp``)."""
+        self.counts["all_reduce"] += 1
+        x = x.contiguous().clone()
+        if self.process_group is not None and self.size > 1:
+            dist.all_reduce(x, group=self.process_group)
+        return x
+
+    def _all_gather(self, x: torch.Tensor, dim: int, chunks: int) -> torch.Tensor:
+        self.counts["all_gather"] += 1
+        if self.process_group is None or self.size == 1:
+            parts = [x.contiguous()] * self.size
+        else:
+            parts = [torch.empty_like(x, memory_format=torch.contiguous_format)
+                     for _ in range(self.size)]
+            dist.all_gather(parts, x.contiguous(), group=self.process_group)
+        return whole_of(parts, dim, chunks)
+
+    def _slice(self, x: torch.Tensor, dim: int, chunks: int) -> torch.Tensor:
+        return shard_of(x, dim, chunks, self.rank, self.size).contiguous()
+
+    def _reduce_scatter(self, x: torch.Tensor, dim: int) -> torch.Tensor:
+        self.counts["reduce_scatter"] += 1
+        if self.process_group is None or self.size == 1:
+            return x.chunk(self.size, dim)[0].contiguous().clone()
+        parts = [p.contiguous() for p in x.chunk(self.size, dim)]
+        out = torch.empty_like(parts[0])
+        dist.reduce_scatter(out, parts, group=self.process_group)
+        return out
+
+    # ------------------------------------------------------------- what the code calls
+
+    def copy_to_tp(self, x: torch.Tensor) -> torch.Tensor:
+        """Replicated in, replicated out; the gradient, partial on each rank, is all-reduced."""
+        return _CopyToTP.apply(x, self)
+
+    def reduce_from_tp(self, x: torch.Tensor, grad_partial: bool = False) -> torch.Tensor:
+        """Partial sums in, their all-reduced total out."""
+        return _ReduceFromTP.apply(x, self, grad_partial)
+
+    def gather_from_tp(self, x: torch.Tensor, dim: int, chunks: int = 1,
+                       grad_partial: bool = False) -> torch.Tensor:
+        """Shards on ``dim`` in, the whole tensor out (all-gather)."""
+        return _GatherFromTP.apply(x, self, dim, chunks, grad_partial)
+
+    def scatter_to_tp(self, x: torch.Tensor, dim: int, chunks: int = 1) -> torch.Tensor:
+        """The whole tensor in, this rank's shard on ``dim`` out (no communication)."""
+        return _ScatterToTP.apply(x, self, dim, chunks)
+
+    def reduce_scatter_to_tp(self, x: torch.Tensor, dim: int) -> torch.Tensor:
+        """Partial sums in, this rank's shard of the total on ``dim`` out."""
+        return _ReduceScatterToTP.apply(x, self, dim)
+
+    def vocab_parallel_embedding(self, ids: torch.Tensor, weight: torch.Tensor,
+                                 padding_idx: int = -1) -> torch.Tensor:
+        """Look up ``ids`` in this rank's rows of a vocabulary-sharded table.
+
+        Ids owned by other ranks give zeros, so the result is this rank's partial sum of
+        the full lookup (``reduce_from_tp`` or ``reduce_scatter_to_tp`` completes it).
+        """
+        rows = weight.shape[0]
+        low = self.rank * rows
+        outside = (ids < low) | (ids >= low + rows)
+        local = (ids - low).masked_fill(outside, 0)
+        local_padding = padding_idx - low if 0 <= padding_idx - low < rows else -1
+        out = torch.nn.functional.embedding(local, weight,
+                                            local_padding if local_padding >= 0 else None)
+        return out.masked_fill(outside.unsqueeze(-1), 0.0)
+
+    def global_size(self, x: torch.Tensor, dim: int, index: int | None = None):
+        """``x.size()`` (or ``x.size(index)``) as the whole tensor has it, ``x`` sharded
+        on ``dim``."""
+        sizes = list(x.shape)
+        sizes[dim] *= self.size
+        if index is not None:
+            return sizes[index]
+        return torch.Size(sizes)
+
+    def dropout(self, x: torch.Tensor, p: float, train: bool | None, dim: int,
+                chunks: int = 1) -> torch.Tensor:
+        """Dropout of a tensor sharded as ``Shard(dim, chunks)``."""
+        if not train or p == 0:
+            return x
+        if p == 1:
+            return x * 0
+        keep = 1.0 - p
+        return x * self._global_mask(x, keep, dim, chunks).div_(keep)
+
+    def native_dropout(self, x: torch.Tensor, p: float, train: bool | None, dim: int,
+                       chunks: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+        """``aten.native_dropout`` of a sharded tensor: (output, keep-mask)."""
+        if not train or p == 0:
+            return x.clone(), torch.ones_like(x, dtype=torch.bool)
+        keep = 1.0 - p
+        mask = self._global_mask(x, keep, dim, chunks)
+        return x * mask * (1.0 / keep if keep else 0.0), mask.bool()
+
+    def _global_mask(self, x: torch.Tensor, keep: float, dim: int, chunks: int
+                     ) -> torch.Tensor:
+        """This rank's part of a keep-mask drawn for the whole tensor, as one device
+        draws it (``bernoulli_`` over the global shape), so that every rank consumes the
+        same random numbers and sharded and unsharded programs drop the same elements."""
+        shape = list(x.shape)
+        shape[dim] *= self.size
+        noise = torch.empty(shape, dtype=x.dtype, device=x.device).bernoulli_(keep)
+        return shard_of(noise, dim, chunks, self.rank, self.size)
 
 
-@contextlib.contextmanager
-def simulate(size: int) -> Iterator[None]:
-    """Within the block, act as rank 0 of a group of ``size`` that moves no data."""
-    global _simulated
-    before, _simulated = _simulated, size
-    try:
-        yield
-    finally:
-        _simulated = before
-
-
-def size() -> int:
-    if _simulated is not None:
-        return _simulated
-    return dist.get_world_size(_group) if _group is not None else 1
-
-
-def rank() -> int:
-    if _simulated is not None or _group is None:
-        return 0
-    return dist.get_rank(_group)
-
-
-def counts() -> Counter:
-    """Collectives run so far in this process, by kind (forward and backward together)."""
-    return Counter(_counts)
-
-
-def count(kind: str) -> None:
-    """Record a collective run outside these functions (the runtime's gradient sums)."""
-    _counts[kind] += 1
-
-
-def reset_counts() -> None:
-    _counts.clear()
-
-
-# ---------------------------------------------------------------------------- primitives
-
-def _all_reduce(x: torch.Tensor) -> torch.Tensor:
-    _counts["all_reduce"] += 1
-    x = x.contiguous().clone()
-    if _simulated is None and size() > 1:
-        dist.all_reduce(x, group=_group)
-    return x
-
-
-def _all_gather(x: torch.Tensor, dim: int, chunks: int) -> torch.Tensor:
-    _counts["all_gather"] += 1
-    n = size()
-    if _simulated is not None or n == 1:
-        parts = [x.contiguous()] * n
-    else:
-        parts = [torch.empty_like(x, memory_format=torch.contiguous_format) for _ in range(n)]
-        dist.all_gather(parts, x.contiguous(), group=_group)
-    return whole_of(parts, dim, chunks)
-
-
-def _slice(x: torch.Tensor, dim: int, chunks: int) -> torch.Tensor:
-    n, r = size(), rank()
-    if chunks == 1:
-        return x.chunk(n, dim)[r].contiguous()
-    return torch.cat([piece.chunk(n, dim)[r] for piece in x.chunk(chunks, dim)], dim).contiguous()
-
-
-def _reduce_scatter(x: torch.Tensor, dim: int) -> torch.Tensor:
-    _counts["reduce_scatter"] += 1
-    n = size()
-    if _simulated is not None or n == 1:
-        return x.chunk(n, dim)[0].contiguous().clone()
-    parts = [p.contiguous() for p in x.chunk(n, dim)]
-    out = torch.empty_like(parts[0])
-    dist.reduce_scatter(out, parts, group=_group)
-    return out
+def bind_group(module: nn.Module, group: TensorParallelGroup) -> None:
+    """Make ``group`` the group of every collective in ``module``: each
+    :class:`TensorParallelGroup` inside it (the rewrite's stand-in ``tp``, and wherever a
+    ZeRO unit or a sharded dropout holds it) is replaced by ``group``."""
+    for owner in list(module.modules()):
+        for name, child in list(owner.named_children()):
+            if isinstance(child, TensorParallelGroup) and child is not group:
+                if child.size != group.size:
+                    raise ValueError(f"{name}: the stage was rewritten for a tensor-parallel "
+                                     f"group of {child.size}, not {group.size}")
+                setattr(owner, name, group)
 
 
 # ------------------------------------------------------------------- autograd functions
 
 class _CopyToTP(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x):
+    def forward(ctx, x, group):
+        ctx.group = group
         return x.view_as(x)
 
     @staticmethod
     def backward(ctx, grad):
-        return _all_reduce(grad)
+        return ctx.group.all_reduce(grad), None
 
 
 class _ReduceFromTP(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, grad_partial):
-        ctx.grad_partial = grad_partial
-        return _all_reduce(x)
+    def forward(ctx, x, group, grad_partial):
+        ctx.group, ctx.grad_partial = group, grad_partial
+        return group.all_reduce(x)
 
     @staticmethod
     def backward(ctx, grad):
-        return (_all_reduce(grad) if ctx.grad_partial else grad), None
+        return (ctx.group.all_reduce(grad) if ctx.grad_partial else grad), None, None
 
 
 class _GatherFromTP(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, dim, chunks, grad_partial):
-        ctx.dim, ctx.chunks, ctx.grad_partial = dim, chunks, grad_partial
-        return _all_gather(x, dim, chunks)
+    def forward(ctx, x, group, dim, chunks, grad_partial):
+        ctx.group, ctx.dim, ctx.chunks, ctx.grad_partial = group, dim, chunks, grad_partial
+        return group._all_gather(x, dim, chunks)
 
     @staticmethod
     def backward(ctx, grad):
+        group = ctx.group
         if ctx.grad_partial:
             if ctx.chunks != 1:
-                grad = _slice(_all_reduce(grad), ctx.dim, ctx.chunks)
+                grad = group._slice(group.all_reduce(grad), ctx.dim, ctx.chunks)
             else:
-                grad = _reduce_scatter(grad, ctx.dim)
+                grad = group._reduce_scatter(grad, ctx.dim)
         else:
-            grad = _slice(grad, ctx.dim, ctx.chunks)
-        return grad, None, None, None
+            grad = group._slice(grad, ctx.dim, ctx.chunks)
+        return grad, None, None, None, None
 
 
 class _ScatterToTP(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, dim, chunks):
-        ctx.dim, ctx.chunks = dim, chunks
-        return _slice(x, dim, chunks)
+    def forward(ctx, x, group, dim, chunks):
+        ctx.group, ctx.dim, ctx.chunks = group, dim, chunks
+        return group._slice(x, dim, chunks)
 
     @staticmethod
     def backward(ctx, grad):
-        return _all_gather(grad, ctx.dim, ctx.chunks), None, None
+        return ctx.group._all_gather(grad, ctx.dim, ctx.chunks), None, None, None
 
 
 class _ReduceScatterToTP(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, dim):
-        ctx.dim = dim
-        return _reduce_scatter(x, dim)
+    def forward(ctx, x, group, dim):
+        ctx.group, ctx.dim = group, dim
+        return group._reduce_scatter(x, dim)
 
     @staticmethod
     def backward(ctx, grad):
-        return _all_gather(grad, ctx.dim, 1), None
+        return ctx.group._all_gather(grad, ctx.dim, 1), None, None
 
 
-def copy_to_tp(x: torch.Tensor) -> torch.Tensor:
-    """Replicated in, replicated out; the gradient, partial on each rank, is all-reduced."""
-    return _CopyToTP.apply(x)
-
-
-def reduce_from_tp(x: torch.Tensor, grad_partial: bool = False) -> torch.Tensor:
-    """Partial sums in, their all-reduced total out."""
-    return _ReduceFromTP.apply(x, grad_partial)
-
-
-def gather_from_tp(x: torch.Tensor, dim: int, chunks: int = 1,
-                   grad_partial: bool = False) -> torch.Tensor:
-    """Shards on ``dim`` in, the whole tensor out (all-gather)."""
-    return _GatherFromTP.apply(x, dim, chunks, grad_partial)
-
-
-def scatter_to_tp(x: torch.Tensor, dim: int, chunks: int = 1) -> torch.Tensor:
-    """The whole tensor in, this rank's shard on ``dim`` out (no communication)."""
-    return _ScatterToTP.apply(x, dim, chunks)
-
-
-def reduce_scatter_to_tp(x: torch.Tensor, dim: int) -> torch.Tensor:
-    """Partial sums in, this rank's shard of the total on ``dim`` out."""
-    return _ReduceScatterToTP.apply(x, dim)
-
-
-# ------------------------------------------------------------------------ sharded ops
-
-def vocab_parallel_embedding(ids: torch.Tensor, weight: torch.Tensor,
-                             padding_idx: int = -1) -> torch.Tensor:
-    """Look up ``ids`` in this rank's rows of a vocabulary-sharded table.
-
-    Ids owned by other ranks give zeros, so the result is this rank's partial sum of the
-    full lookup (``reduce_from_tp`` or ``reduce_scatter_to_tp`` completes it).
-    """
-    rows = weight.shape[0]
-    low = rank() * rows
-    outside = (ids < low) | (ids >= low + rows)
-    local = (ids - low).masked_fill(outside, 0)
-    local_padding = padding_idx - low if 0 <= padding_idx - low < rows else -1
-    out = torch.nn.functional.embedding(local, weight, local_padding if local_padding >= 0 else None)
-    return out.masked_fill(outside.unsqueeze(-1), 0.0)
-
-
-def global_size(x: torch.Tensor, dim: int, index: int | None = None):
-    """``x.size()`` (or ``x.size(index)``) as the whole tensor has it, ``x`` sharded on ``dim``."""
-    sizes = list(x.shape)
-    sizes[dim] *= size()
-    if index is not None:
-        return sizes[index]
-    return torch.Size(sizes)
-
+# ------------------------------------------------------------------------ layouts
 
 def shard_of(tensor: torch.Tensor, dim: int, chunks: int, tp_rank: int, tp: int) -> torch.Tensor:
     """Rank ``tp_rank``'s shard of a whole parameter, laid out as ``Shard(dim, chunks)``."""
@@ -256,46 +276,18 @@ def whole_of(parts: list[torch.Tensor], dim: int, chunks: int) -> torch.Tensor:
     return torch.cat([pieces[r][j] for j in range(chunks) for r in range(len(parts))], dim)
 
 
-def _global_mask(x: torch.Tensor, keep: float, dim: int, chunks: int) -> torch.Tensor:
-    """This rank's part of a keep-mask drawn for the whole tensor, as one device draws
-    it (``bernoulli_`` over the global shape), so that every rank consumes the same
-    random numbers and sharded and unsharded programs drop the same elements."""
-    shape = list(x.shape)
-    shape[dim] *= size()
-    noise = torch.empty(shape, dtype=x.dtype, device=x.device).bernoulli_(keep)
-    return shard_of(noise, dim, chunks, rank(), size())
+class ShardedDropout(nn.Module):
+    """``nn.Dropout`` for a tensor sharded as ``Shard(dim, chunks)`` over ``group``
+    (see :meth:`TensorParallelGroup.dropout`)."""
 
-
-def dropout(x: torch.Tensor, p: float, train: bool | None, dim: int, chunks: int = 1
-            ) -> torch.Tensor:
-    """Dropout of a tensor sharded as ``Shard(dim, chunks)``."""
-    if not train or p == 0:
-        return x
-    if p == 1:
-        return x * 0
-    keep = 1.0 - p
-    return x * _global_mask(x, keep, dim, chunks).div_(keep)
-
-
-def native_dropout(x: torch.Tensor, p: float, train: bool | None, dim: int, chunks: int = 1
-                   ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``aten.native_dropout`` of a sharded tensor: (output, keep-mask)."""
-    if not train or p == 0:
-        return x.clone(), torch.ones_like(x, dtype=torch.bool)
-    keep = 1.0 - p
-    mask = _global_mask(x, keep, dim, chunks)
-    return x * mask * (1.0 / keep if keep else 0.0), mask.bool()
-
-
-class ShardedDropout(torch.nn.Module):
-    """``nn.Dropout`` for a tensor sharded as ``Shard(dim, chunks)`` (see :func:`dropout`)."""
-
-    def __init__(self, p: float, dim: int, chunks: int = 1) -> None:
+    def __init__(self, group: TensorParallelGroup, p: float, dim: int, chunks: int = 1
+                 ) -> None:
         super().__init__()
+        self.tp = group
         self.p, self.dim, self.chunks = p, dim, chunks
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return dropout(x, self.p, self.training, self.dim, self.chunks)
+        return self.tp.dropout(x, self.p, self.training, self.dim, self.chunks)
 
     def extra_repr(self) -> str:
         return f"p={self.p}, dim={self.dim}, chunks={self.chunks}"

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+import partc
 from partc import meta
 from partc.passes.context import Lowering
 from partc.passes.pipeline import analyze, lower
@@ -74,3 +75,26 @@ def test_lowering_makes_the_units_when_the_plan_shards_over_dp():
     (stage,) = lower(model, (x,), lowering, loss_fn=gpt.loss_fn).stages
     assert "blocks.0" in meta.fsdp_units(stage.module)
     assert isinstance(stage.module.get_submodule("blocks.0"), torch.fx.GraphModule)
+
+
+def test_the_tensor_parallel_group_stays_with_the_stage():
+    """Under tensor parallelism each layer's unit takes along the group its collectives
+    run over; the stage keeps it too, for the layers that are not units."""
+    torch.manual_seed(0)
+    model = gpt.gpt_tiny()
+    ids, targets = gpt.example_inputs(model, batch=8, seq=16)
+    program = partc.compile(
+        model, (ids,), loss_fn=gpt.loss_fn, example_target=targets,
+        budget=partc.DeviceBudget(num_devices=2, device="CPU"),
+        train=partc.TrainSpec(global_batch_size=8),
+        constraints=partc.Constraints(pp=1, tp=2, tp_objective="memory", num_microbatches=4,
+                                      recompute={"blocks.0": "full"}))
+    (stage,) = program.stages()
+    module = stage.module
+    group = module.get_submodule("tp")
+    made = units(module)
+    assert {"blocks.0", "blocks.1"} <= set(made)
+    assert module.get_submodule("tp") is group
+    assert module.get_submodule("blocks.1.tp") is group
+    (logits,) = module(ids[:2])  # rank 0 of the stand-in group
+    assert logits.shape == (2, 16, 128)

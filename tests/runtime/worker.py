@@ -3,6 +3,9 @@ process, on every rank, and write what was seen to ``<out>/rank<k>.json``.
 
     torchrun --standalone --nproc-per-node=2 tests/runtime/worker.py OUT CASE [CASE ...]
 
+``A+B`` compiles and builds cases A and B in the same process, then trains A, then B
+(the results of each under its own name inside ``A+B``'s).
+
 A case that raises is recorded with its error rather than ending the run, so one
 failure does not hide the others (every rank raises alike: checks come before
 collectives).
@@ -256,7 +259,18 @@ def compile_case(case: Case, model: torch.nn.Module, world: int) -> partc.Progra
                          constraints=partc.Constraints(**constraints))
 
 
-def run_case(name: str) -> dict[str, Any]:
+@dataclass
+class Built:
+    """A case compiled and built, ready to train: its program, this rank's module, the
+    model it was compiled from and an untouched copy for the one-process reference."""
+    case: Case
+    model: torch.nn.Module
+    reference: torch.nn.Module
+    program: partc.Program
+    module: Any
+
+
+def build_case(name: str) -> Built:
     case = CASES[name]
     torch.manual_seed(0)
     model = case.build()
@@ -269,15 +283,32 @@ def run_case(name: str) -> dict[str, Any]:
             program.save(directory)
         dist.barrier()
         program = partc.load(directory, model, loss_fn=case.loss_fn)
-    module = program.build()
-    tp_ops.reset_counts()
+    return Built(case, model, reference, program, program.build())
+
+
+def run_case(name: str) -> dict[str, Any]:
+    return train_case(build_case(name))
+
+
+def run_together(names: list[str]) -> dict[str, Any]:
+    """Several programs in one process: every one compiled and built first, then each
+    trained in turn. Each must train as it does alone (nothing one program sets up may
+    change another's run)."""
+    built = [build_case(name) for name in names]
+    return {name: train_case(one) for name, one in zip(names, built)}
+
+
+def train_case(built: Built) -> dict[str, Any]:
+    case, model, reference = built.case, built.model, built.reference
+    program, module = built.program, built.module
+    module.tp.counts.clear()
     opt = module.optimizer(torch.optim.SGD, **OPTIMIZER)  # ZeRO-1 where the plan says
     ref_opt = optimizer(reference.parameters())
     losses, ref_losses, messages, norms, ref_norms = [], [], [], [], []
     for step in range(STEPS):
         x, y = batch(case, model, step)
         if step == 1:
-            tp_ops.reset_counts()  # the first step also runs the schedule's shape inference
+            module.tp.counts.clear()  # the first step also runs the schedule's shape inference
         state = torch.get_rng_state()
         losses.append(module.forward_backward(x, target=y).item())
         messages.append(dict(module.last_messages))
@@ -347,7 +378,7 @@ def run_case(name: str) -> dict[str, Any]:
             "param_numel_here": sum(_numel_here(p) for p in module.parameters()),
             "param_dtypes": sorted({str(p.dtype) for p in module.parameters()}),
             "planned_params": plan.stages[module.stage_index].param_count,
-            "collectives": dict(tp_ops.counts()),
+            "collectives": dict(module.tp.counts),
             "planned_collectives": _planned_collectives(plan, module.stage_index),
             "layer_collectives": {layer: [(kind, phase) for kind, phase, _ in moves]
                                   for layer, moves in
@@ -440,7 +471,12 @@ def main() -> None:
     results: dict[str, Any] = {}
     for name in names:
         try:
-            results[name] = run_mismatch_cases() if name == "mismatch" else run_case(name)
+            if name == "mismatch":
+                results[name] = run_mismatch_cases()
+            elif "+" in name:
+                results[name] = run_together(name.split("+"))
+            else:
+                results[name] = run_case(name)
         except Exception as error:  # recorded: the test reports it per case
             results[name] = {"error": f"{type(error).__name__}: {error}",
                              "traceback": traceback.format_exc()}

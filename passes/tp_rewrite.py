@@ -1,27 +1,37 @@
-"""Rewrite a traced model into the program one tensor-parallel rank runs.
+"""The tensor-parallel rewrite: the whole-model graph becomes the program that one rank of
+a tensor-parallel group runs, on local parameter shards, with the collectives inserted.
 
-Given a :class:`partc.passes.sharding.Sharding` (a strategy for every node), this pass
-turns the whole-model graph into a per-rank graph that works on local shards:
+Given a :class:`partc.passes.sharding.Sharding` (a strategy for every node, from the
+chooser or rebuilt from a plan by ``sharding.apply``):
 
-- a sharded parameter's attribute becomes this rank's shard (``local_param`` decides how);
-- where a value's placement differs from what its consumer needs, a call from
-  :mod:`partc.runtime.tp` moves it (``reduce_from_tp``, ``gather_from_tp``, …), once per
-  value and target placement, shared by the consumers that need the same;
+- the group: a :class:`partc.runtime.tp.TensorParallelGroup` of ``tp`` ranks becomes the
+  module's submodule ``tp``: a stand-in that moves no data (the shapes are right, which
+  is what measuring needs) until the runtime binds the real one
+  (``partc.runtime.tp.bind_group``). Each layer that meets the other ranks reads it
+  once, ``tp = self.tp``, and calls its methods;
+- a sharded parameter's attribute becomes a stand-in of this rank's shard;
+- where a value's placement differs from what its consumer needs, a collective moves it
+  (``tp.reduce_from_tp(x)``, ``tp.gather_from_tp(x, dim)``, …), once per value and
+  target placement, shared by the consumers that need the same;
 - values that leave their layer are brought to the layer boundary's placement;
 - ops whose arguments hold sizes (``view``, ``reshape``, ``expand``, ``split``) get the
   local size of the dim they shard; ``x.size()`` of a sharded ``x`` asks for the global
-  size, so size arithmetic in the model's code keeps its meaning;
+  size (``tp.global_size``), so size arithmetic in the model's code keeps its meaning;
 - a row-parallel linear adds ``bias / tp`` on each rank (the sum over ranks adds it once);
-- a vocabulary-parallel embedding looks up only the rows this rank holds.
+- a vocabulary-parallel embedding looks up only the rows this rank holds, and dropout
+  of a shard keeps its part of the whole tensor's mask (``tp.dropout``).
 
 The graph is the same on every rank of the group (ranks differ only in which shard they
-hold, and ``partc.runtime.tp`` reads the rank at run time), so one emitted file serves
-the whole group.
+hold, and the group knows its rank at run time), so one emitted file serves the group.
 
-Reads ``meta.LAYERS``, ``meta.LAYER``, ``meta.PARAMS``, ``node.meta["val"]``. Writes new
-nodes with ``meta.LAYER`` and a new ``meta.LAYERS``. Requires ``layers``. Ensures every
-node's inputs have the placements its strategy needs; ``propagate`` must run again (under
-``partc.runtime.tp.simulate``) to refresh the fake values to local shapes.
+Reads: ``meta.LAYERS``, ``meta.LAYER``, ``meta.PARAMS``, ``node.meta["val"]``.
+Writes: the submodule ``tp``; new nodes with ``meta.LAYER``; a new ``meta.LAYERS``
+(each layer's nodes and signature); drops ``node.meta["val"]`` of every node but the
+placeholders.
+Requires: ``layers``, and a sharding chosen (or applied) on this graph's nodes.
+Ensures: every node's inputs have the placements its strategy needs; every collective
+reads the group through a ``get_attr`` of ``tp`` in its own layer; ``propagate`` must
+run again to give the nodes their local shapes (the stand-in group makes them).
 """
 
 from __future__ import annotations
@@ -35,14 +45,16 @@ import torch
 from torch import fx
 
 from partc import meta
-from partc.runtime import tp as tp_ops
-
 from partc.placement import Placement
+from partc.runtime.tp import ShardedDropout, TensorParallelGroup
 
+from .context import Context
 from .graph import carries_grad, op_name, tensor_inputs
 from .sharding import Sharding, redistribute
 
 LocalParam = Callable[[str, torch.Tensor, Placement], torch.Tensor]
+
+GROUP = "tp"  # the group's attribute on the rewritten module
 
 
 def narrow_param(fqn: str, tensor: torch.Tensor, placement: Placement, tp: int) -> torch.Tensor:
@@ -65,11 +77,16 @@ def copy_module(gm: fx.GraphModule, sharding: Sharding) -> tuple[fx.GraphModule,
     return copied, moved
 
 
-def shard(gm: fx.GraphModule, sharding: Sharding,
-          local_param: LocalParam | None = None) -> fx.GraphModule:
-    """Rewrite ``gm`` in place for one rank of a group of ``sharding.tp``."""
+def tp_rewrite(gm: fx.GraphModule, ctx: Context) -> fx.GraphModule:
+    """Rewrite ``gm`` in place for one rank of a group of ``ctx.sharding.tp``; a sharded
+    parameter becomes a shape-only stand-in for its shard (:func:`narrow_param`: the
+    runtime copies in each rank's own shard after lowering)."""
+    sharding = ctx.sharding
     tp = sharding.tp
-    local_param = local_param or (lambda fqn, t, p: narrow_param(fqn, t, p, tp))
+    local_param: LocalParam = lambda fqn, t, p: narrow_param(fqn, t, p, tp)  # noqa: E731
+    if hasattr(gm, GROUP):
+        raise ValueError(f"the module has an attribute {GROUP!r} already: rewritten twice?")
+    gm.add_submodule(GROUP, TensorParallelGroup(tp))
     _shard_params(gm, sharding, local_param)
     rewriter = _Rewriter(gm, sharding)
     for node in list(gm.graph.nodes):
@@ -109,6 +126,24 @@ class _Rewriter:
         self.moved: dict[tuple, fx.Node] = {}
         self.at_boundary: dict[fx.Node, fx.Node] = {}
         self.grads = carries_grad(gm)  # the values a gradient reaches in backward
+        self.group_reads: dict[int, fx.Node] = {}  # layer index → its get_attr of the group
+
+    def group(self, first_use: fx.Node) -> fx.Node:
+        """The node that reads the group in ``first_use``'s layer; made just before
+        ``first_use`` when the layer has none yet (nodes are visited in order, so every
+        later use in the layer comes after it)."""
+        layer = meta.layer(first_use).index
+        if layer not in self.group_reads:
+            with self.gm.graph.inserting_before(first_use):
+                read = self.gm.graph.get_attr(GROUP)
+            _set_layer(read, first_use)
+            self.group_reads[layer] = read
+        return self.group_reads[layer]
+
+    def to_method(self, node: fx.Node, method: str, args: tuple) -> None:
+        """Make ``node`` a call of the group's ``method`` with ``args``."""
+        node.op, node.target = "call_method", method
+        node.args, node.kwargs = (self.group(node), *args), {}
 
     # ------------------------------------------------------------------ placements
     def seen_as(self, producer: fx.Node, consumer: fx.Node) -> tuple[fx.Node, Placement]:
@@ -150,7 +185,8 @@ class _Rewriter:
                             and meta.params(producer)[0] not in self.s.partial_grad_params
                             and producer in self.grads)
             if have != need:
-                raise AssertionError(f"{node.name}: parameter {producer.name} is {have}, needs {need}")
+                raise AssertionError(f"{node.name}: parameter {producer.name} is {have}, "
+                                     f"needs {need}")
             if grad_partial:
                 moved = self._move(source, have, need, True, node)
                 node.replace_input_with(source, moved)
@@ -174,11 +210,12 @@ class _Rewriter:
         if call is None:
             self.moved[key] = source
             return source
-        function, args = call
+        method, args = call
         # Before the first consumer (nodes are visited in order), in its layer: the
         # consumers that share the move all come later.
+        group = self.group(before)
         with self.gm.graph.inserting_before(before):
-            moved = self.gm.graph.call_function(function, (source, *args))
+            moved = self.gm.graph.call_method(method, (group, source, *args))
         _set_layer(moved, before)
         self.moved[key] = moved
         return moved
@@ -186,9 +223,10 @@ class _Rewriter:
     def _to_boundary(self, node: fx.Node, have: Placement, need: Placement) -> None:
         if have == need:
             return
-        function, args = _collective(have, need, False)
+        method, args = _collective(have, need, False)
+        group = self.group(node)
         with self.gm.graph.inserting_after(node):
-            moved = self.gm.graph.call_function(function, (node, *args))
+            moved = self.gm.graph.call_method(method, (group, node, *args))
         _set_layer(moved, node)
         self.at_boundary[node] = moved
 
@@ -198,7 +236,8 @@ class _Rewriter:
         out = chosen.out
         if name in ("view", "reshape", "_unsafe_view", "expand") and out.kind == "S":
             self._divide_size_arg(node, out.dim)
-        elif name == "split" and chosen.ins and chosen.ins[0].kind == "S" and chosen.ins[0].chunks > 1:
+        elif (name == "split" and chosen.ins and chosen.ins[0].kind == "S"
+              and chosen.ins[0].chunks > 1):
             size = node.args[1] if len(node.args) > 1 else node.kwargs["split_size"]
             new = [self._divided(s, node) for s in size] if isinstance(size, (list, tuple)) \
                 else self._divided(size, node)
@@ -223,10 +262,8 @@ class _Rewriter:
             else:
                 ids, weight = node.args[:2]
                 padding = node.args[2] if len(node.args) > 2 else node.kwargs.get("padding_idx")
-            node.op = "call_function"
-            node.target = tp_ops.vocab_parallel_embedding
-            node.args = (ids, weight, -1 if padding is None else int(padding))
-            node.kwargs = {}
+            self.to_method(node, "vocab_parallel_embedding",
+                           (ids, weight, -1 if padding is None else int(padding)))
 
     def _sharded_dropout(self, node: fx.Node, out: Placement) -> None:
         """Dropout on a shard draws the whole tensor's mask and keeps its own part: the
@@ -236,7 +273,8 @@ class _Rewriter:
             original = self.gm.get_submodule(str(node.target))
             name = f"{node.target}_shard{out.dim}x{out.chunks}"
             if name not in dict(self.gm.named_modules()):
-                sharded = tp_ops.ShardedDropout(original.p, out.dim, out.chunks)
+                sharded = ShardedDropout(self.gm.get_submodule(GROUP), original.p, out.dim,
+                                         out.chunks)
                 sharded.train(original.training)
                 self.gm.add_submodule(name, sharded)
             node.target = name
@@ -247,10 +285,7 @@ class _Rewriter:
         defaults = (None, 0.5, True)
         x, p, train = [node.args[i] if len(node.args) > i else node.kwargs.get(k, d)
                        for i, (k, d) in enumerate(zip(names, defaults))]
-        native = op_name(node) == "native_dropout"
-        node.op = "call_function"
-        node.target = tp_ops.native_dropout if native else tp_ops.dropout
-        node.args, node.kwargs = (x, p, train, out.dim, out.chunks), {}
+        self.to_method(node, op_name(node), (x, p, train, out.dim, out.chunks))
 
     def _divide_size_arg(self, node: fx.Node, dim: int) -> None:
         if node.op == "call_method":
@@ -290,24 +325,25 @@ class _Rewriter:
         if have.kind != "S":
             return
         index = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim")
-        node.op = "call_function"
-        node.target = tp_ops.global_size
-        node.args = (seen, have.dim) + ((index,) if index is not None else ())
-        node.kwargs = {}
+        self.to_method(node, "global_size",
+                       (seen, have.dim) + ((index,) if index is not None else ()))
 
 
-def _collective(have: Placement, need: Placement, grad_partial: bool) -> tuple | None:
+def _collective(have: Placement, need: Placement, grad_partial: bool
+                ) -> tuple[str, tuple] | None:
+    """The group's method that moves a value from ``have`` to ``need``, and its
+    arguments after the value (None: nothing to do)."""
     if have == need:
-        return (tp_ops.copy_to_tp, ()) if grad_partial else None
+        return ("copy_to_tp", ()) if grad_partial else None
     if have.kind == "P" and need.kind == "R":
-        return tp_ops.reduce_from_tp, (grad_partial,) if grad_partial else ()
+        return "reduce_from_tp", (grad_partial,) if grad_partial else ()
     if have.kind == "P" and need.kind == "S":
-        return tp_ops.reduce_scatter_to_tp, (need.dim,)
+        return "reduce_scatter_to_tp", (need.dim,)
     if have.kind == "S" and need.kind == "R":
         args = (have.dim,) + ((have.chunks,) if have.chunks != 1 or grad_partial else ())
-        return tp_ops.gather_from_tp, args + ((True,) if grad_partial else ())
+        return "gather_from_tp", args + ((True,) if grad_partial else ())
     if have.kind == "R" and need.kind == "S":
-        return tp_ops.scatter_to_tp, (need.dim,)
+        return "scatter_to_tp", (need.dim,)
     raise AssertionError(f"no collective moves {have} to {need}")
 
 

@@ -1,0 +1,178 @@
+"""The tensor-parallel rewrite on tiny graphs: a stack of two-linear MLP blocks (Megatron's
+column-then-row pair) and an embedding followed by a linear head, each sharded for tp=2
+by the chooser, rewritten, and checked on the printed graph, ``node.meta`` and the
+parameters' local shapes; run on the rewrite's stand-in group (rank 0 of 2, no data
+moved)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from torch import fx, nn
+
+from partc import meta
+from partc.collectives import Group
+from partc.passes import sharding
+from partc.passes.estimate import estimate
+from partc.passes.layers import layers
+from partc.passes.propagate import propagate
+from partc.passes.tp_rewrite import GROUP, copy_module, tp_rewrite
+from partc.passes.trace import trace
+from partc.runtime.tp import TensorParallelGroup, bind_group
+from tests import models
+
+LINK = sharding.Link(group=Group(ranks=2, bandwidth=1e11, latency_s=1e-6), flops=1e12,
+                     hbm_bandwidth=1e11)
+
+
+class Stack(nn.Module):
+    """Two MLP blocks (8 → 16 → 8): each block is one layer."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList([models.MLP(8, 16, 8) for _ in range(2)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
+class EmbeddingHead(nn.Module):
+    """A 32-word embedding 7 wide (odd: only its vocabulary can be split) and a head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(32, 7)
+        self.head = nn.Linear(7, 32)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.head(self.emb(ids))
+
+
+def _rewritten(model: nn.Module, example: torch.Tensor
+               ) -> tuple[fx.GraphModule, sharding.Sharding]:
+    """``model`` traced and measured, sharded for tp=2 (fewest parameter bytes first),
+    then a copy rewritten for one rank with fresh fake values."""
+    gm, ctx = trace(model, (example,))
+    for run in (propagate, layers, estimate):
+        gm = run(gm, ctx)
+    chosen = sharding.choose(gm, 2, LINK, prefer="memory")
+    local, moved = copy_module(gm, chosen)
+    tp_rewrite(local, dataclasses.replace(ctx, sharding=moved))
+    propagate(local, ctx)
+    return local, chosen
+
+
+def _nodes(gm: fx.GraphModule) -> dict[str, fx.Node]:
+    return {node.name: node for node in gm.graph.nodes}
+
+
+@pytest.fixture(scope="module")
+def stack() -> tuple[Stack, fx.GraphModule, sharding.Sharding]:
+    torch.manual_seed(0)
+    model = Stack()
+    gm, chosen = _rewritten(model, torch.randn(4, 8))
+    return model, gm, chosen
+
+
+def test_mlp_blocks_are_column_then_row_parallel(stack):
+    _, _, chosen = stack
+    for layer in chosen.layers:
+        assert dict(layer.params) == {
+            f"{layer.name}.fc1.weight": "Shard(0)", f"{layer.name}.fc1.bias": "Shard(0)",
+            f"{layer.name}.fc2.weight": "Shard(1)", f"{layer.name}.fc2.bias": "Replicate()"}
+
+
+def test_parameters_become_this_ranks_shards(stack):
+    model, gm, _ = stack
+    block = gm.get_submodule("blocks.0")
+    assert block.fc1.weight.shape == (8, 8)  # half of the column-parallel weight's 16 rows
+    assert block.fc1.bias.shape == (8,)
+    assert block.fc2.weight.shape == (8, 8)  # half of the row-parallel weight's 16 columns
+    assert block.fc2.bias.shape == (8,)      # replicated
+    # Rank 0's rows, as narrow_param stands them in.
+    torch.testing.assert_close(block.fc1.weight, model.blocks[0].fc1.weight[:8])
+
+
+def test_the_group_is_a_submodule_read_once_per_layer(stack):
+    _, gm, _ = stack
+    group = gm.get_submodule(GROUP)
+    assert isinstance(group, TensorParallelGroup)
+    assert (group.size, group.rank, group.simulated) == (2, 0, True)
+    reads = [n for n in gm.graph.nodes if n.op == "get_attr" and n.target == GROUP]
+    assert [meta.layer(n).name for n in reads] == ["blocks.0", "blocks.1"]
+    for read in reads:
+        assert all(meta.layer(user) == meta.layer(read) for user in read.users)
+        assert all(user.op == "call_method" and user.args[0] is read for user in read.users)
+    # The layers list the new nodes in graph order.
+    names = meta.layers(gm)[0].nodes
+    assert names.index("tp") < names.index("reduce_from_tp") == len(names) - 1
+
+
+def test_collectives_are_inserted_where_placements_change(stack):
+    _, gm, _ = stack
+    code = gm.code
+    # Block 0: the row-parallel linear adds bias / 2 on each rank; its partial sums are
+    # all-reduced. Block 1 reads a value that carries a gradient: copy_to_tp in front of
+    # its column-parallel linear all-reduces that gradient in backward.
+    assert "truediv = blocks_0_fc2_bias / 2" in code
+    assert "reduce_from_tp = tp.reduce_from_tp(linear_1)" in code
+    assert "copy_to_tp = tp_1.copy_to_tp(reduce_from_tp)" in code
+    assert "reduce_from_tp_1 = tp_1.reduce_from_tp(linear_3)" in code
+    nodes = _nodes(gm)
+    assert list(nodes["linear_1"].users) == [nodes["reduce_from_tp"]]
+    assert meta.layer(nodes["reduce_from_tp"]).name == "blocks.0"
+    # Local shapes: the hidden activations are half wide, the block outputs whole.
+    assert nodes["relu"].meta["val"].shape == (4, 8)
+    assert nodes["reduce_from_tp"].meta["val"].shape == (4, 8)
+
+
+def test_rewritten_stack_runs_as_rank_0_of_a_stand_in_group(stack):
+    model, gm, _ = stack
+    x = torch.randn(4, 8)
+    # The stand-in moves no data: each all-reduce returns rank 0's partial sum.
+    expected = x
+    for block in model.blocks:
+        hidden = torch.relu(nn.functional.linear(expected, block.fc1.weight[:8],
+                                                 block.fc1.bias[:8]))
+        expected = nn.functional.linear(hidden, block.fc2.weight[:, :8], block.fc2.bias / 2)
+    torch.testing.assert_close(gm(x), expected)
+
+
+def test_vocabulary_parallel_embedding_and_column_parallel_head():
+    torch.manual_seed(0)
+    ids = torch.randint(0, 32, (4, 6))
+    gm, chosen = _rewritten(EmbeddingHead(), ids)
+    assert dict(p for layer in chosen.layers for p in layer.params) == {
+        "emb.weight": "Shard(0)", "head.weight": "Shard(0)", "head.bias": "Shard(0)"}
+    assert gm.emb.weight.shape == (16, 7) and gm.head.weight.shape == (16, 7)
+    code = gm.code
+    assert "embedding = tp.vocab_parallel_embedding(ids, emb_weight, -1)" in code
+    assert "reduce_from_tp = tp.reduce_from_tp(embedding)" in code
+    assert "gather_from_tp = tp_1.gather_from_tp(linear, 2)" in code
+    nodes = _nodes(gm)
+    assert nodes["embedding"].meta["val"].shape == (4, 6, 7)  # a partial sum, whole
+    assert nodes["linear"].meta["val"].shape == (4, 6, 16)    # this rank's 16 words
+    assert nodes["gather_from_tp"].meta["val"].shape == (4, 6, 32)
+    assert gm(ids).shape == (4, 6, 32)
+
+
+def test_each_rewrite_has_its_own_group_and_counts():
+    torch.manual_seed(0)
+    x = torch.randn(4, 8, requires_grad=True)
+    first, _ = _rewritten(Stack(), x.detach())
+    second, _ = _rewritten(Stack(), x.detach())
+    assert first.get_submodule(GROUP) is not second.get_submodule(GROUP)
+    group = TensorParallelGroup(2)
+    bind_group(first, group)
+    assert first.get_submodule(GROUP) is group
+    others = dict(second.get_submodule(GROUP).counts)  # propagate's run, on fake tensors
+    first(x).sum().backward()
+    # Forward: one all-reduce per block; backward: block 1's copy_to_tp all-reduces.
+    assert group.counts == {"all_reduce": 3}
+    assert second.get_submodule(GROUP).counts == others
+    with pytest.raises(ValueError, match="group of 2, not 4"):
+        bind_group(second, TensorParallelGroup(4))
