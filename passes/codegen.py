@@ -182,7 +182,7 @@ def _header(stage: StageGraph, plan: Plan, shared: Mapping[str, Sequence[int]]) 
         lines.append(f"# Tensor parallel: tp={plan.tp}"
                      f"{', sequence parallel' if section.get('sequence_parallel') else ''}; "
                      f"each rank runs this code on its shards ({len(mine)} sharded parameters) "
-                     f"and meets the other ranks in partc.runtime.tp: "
+                     f"and meets the other ranks through its group, self.tp (partc.runtime.tp): "
                      f"{sum(m[1] == 'forward' for m in moves)} collectives forward and "
                      f"{sum(m[1] == 'backward' for m in moves)} backward per microbatch "
                      f"(the backward ones are the autograd conjugates of the calls below).")

@@ -177,15 +177,18 @@ def test_pp2_calls_recompute_and_shows_shapes_as_comments(emitted):
 def test_tp2_header_and_collectives(emitted):
     [source] = emitted("gpt_tiny_tp2_sp").values()
     assert "# Tensor parallel: tp=2, sequence parallel;" in source
-    assert "from partc.runtime.tp import gather_from_tp as partc_runtime_tp_gather_from_tp" \
-        in source
-    assert "partc_runtime_tp_reduce_scatter_to_tp(" in source
+    # Each layer that meets the other ranks reads the stage's group once and calls it.
+    assert "        tp = self.tp\n" in source
+    assert ".gather_from_tp(" in source and ".reduce_scatter_to_tp(" in source
 
 
 def test_zero3_header(emitted):
     [source] = emitted("gpt_tiny_zero3").values()
     assert "# ZeRO-3: FSDP2 over 2 replicas, one unit per layer" in source
     assert "(global batch 8 over 2 replicas)" in source
+    # Lowering made each block an FSDP unit; its code follows the stage's.
+    assert 'getattr(self.blocks, "0")(' in source
+    assert "# FSDP unit blocks.0:" in source and "class blocks_0(torch.nn.Module):" in source
 
 
 def test_exported_model_reads_the_device_of_its_input(emitted):

@@ -6,17 +6,12 @@
 # Recompute: none.
 # Inputs: idx int64[4, 16].
 # Returns the model's output for the loss: gather_from_tp_5 float32[4, 16, 128].
-# Tensor parallel: tp=2, sequence parallel; each rank runs this code on its shards (14 sharded parameters) and meets the other ranks in partc.runtime.tp: 12 collectives forward and 11 backward per microbatch (the backward ones are the autograd conjugates of the calls below).
+# Tensor parallel: tp=2, sequence parallel; each rank runs this code on its shards (14 sharded parameters) and meets the other ranks through its group, self.tp (partc.runtime.tp): 12 collectives forward and 11 backward per microbatch (the backward ones are the autograd conjugates of the calls below).
 # After backward, partial gradients of 14 replicated parameters summed (all-reduce) over the tp group.
 # Parameters: 55,616 (217.25 KiB).
 
 import torch
 from math import sqrt as math_sqrt
-from partc.runtime.tp import dropout as partc_runtime_tp_dropout
-from partc.runtime.tp import gather_from_tp as partc_runtime_tp_gather_from_tp
-from partc.runtime.tp import global_size as partc_runtime_tp_global_size
-from partc.runtime.tp import reduce_scatter_to_tp as partc_runtime_tp_reduce_scatter_to_tp
-from partc.runtime.tp import vocab_parallel_embedding as partc_runtime_tp_vocab_parallel_embedding
 inf = float('inf')
 
 
@@ -27,25 +22,29 @@ class Stage0(torch.nn.Module):
         size = idx.size(1)
         getattr_1 = idx.device
         arange = torch.arange(size, device = getattr_1);  size = getattr_1 = None  # i64[16]
+        tp = self.tp
         tok_emb_weight = self.tok_emb.weight  # f32[64, 64]
-        embedding = partc_runtime_tp_vocab_parallel_embedding(idx, tok_emb_weight, -1);  idx = None  # f32[4, 16, 64]
-        reduce_scatter_to_tp = partc_runtime_tp_reduce_scatter_to_tp(embedding, 1);  embedding = None  # f32[4, 8, 64]
+        embedding = tp.vocab_parallel_embedding(idx, tok_emb_weight, -1);  idx = None  # f32[4, 16, 64]
+        reduce_scatter_to_tp = tp.reduce_scatter_to_tp(embedding, 1);  tp = embedding = None  # f32[4, 8, 64]
         # layer pos_emb
+        tp_1 = self.tp
         pos_emb_weight = self.pos_emb.weight  # f32[16, 64]
-        embedding_1 = partc_runtime_tp_vocab_parallel_embedding(arange, pos_emb_weight, -1);  arange = pos_emb_weight = None  # f32[16, 64]
-        reduce_scatter_to_tp_1 = partc_runtime_tp_reduce_scatter_to_tp(embedding_1, 0);  embedding_1 = None  # f32[8, 64]
+        embedding_1 = tp_1.vocab_parallel_embedding(arange, pos_emb_weight, -1);  arange = pos_emb_weight = None  # f32[16, 64]
+        reduce_scatter_to_tp_1 = tp_1.reduce_scatter_to_tp(embedding_1, 0);  tp_1 = embedding_1 = None  # f32[8, 64]
         add = reduce_scatter_to_tp + reduce_scatter_to_tp_1;  reduce_scatter_to_tp = reduce_scatter_to_tp_1 = None  # f32[4, 8, 64]
         # layer drop
-        dropout = partc_runtime_tp_dropout(add, 0.0, True, 1, 1);  add = None  # f32[4, 8, 64]
+        tp_2 = self.tp
+        dropout = tp_2.dropout(add, 0.0, True, 1, 1);  tp_2 = add = None  # f32[4, 8, 64]
         # layer blocks.0
         blocks_0_ln_1_weight = getattr(self.blocks, "0").ln_1.weight  # f32[64]
         blocks_0_ln_1_bias = getattr(self.blocks, "0").ln_1.bias  # f32[64]
         layer_norm = torch.nn.functional.layer_norm(dropout, (64,), weight = blocks_0_ln_1_weight, bias = blocks_0_ln_1_bias, eps = 1e-05);  blocks_0_ln_1_weight = blocks_0_ln_1_bias = None  # f32[4, 8, 64]
-        size_1 = partc_runtime_tp_global_size(layer_norm, 1, 0)
-        size_2 = partc_runtime_tp_global_size(layer_norm, 1, 1)
-        size_3 = partc_runtime_tp_global_size(layer_norm, 1, 2)
+        tp_3 = self.tp
+        size_1 = tp_3.global_size(layer_norm, 1, 0)
+        size_2 = tp_3.global_size(layer_norm, 1, 1)
+        size_3 = tp_3.global_size(layer_norm, 1, 2)
         floordiv = size_3 // 4
-        gather_from_tp = partc_runtime_tp_gather_from_tp(layer_norm, 1, 1, True)  # f32[4, 16, 64]
+        gather_from_tp = tp_3.gather_from_tp(layer_norm, 1, 1, True)  # f32[4, 16, 64]
         blocks_0_attn_c_attn_weight = getattr(self.blocks, "0").attn.c_attn.weight  # f32[96, 64]
         blocks_0_attn_c_attn_bias = getattr(self.blocks, "0").attn.c_attn.bias  # f32[96]
         linear = torch._C._nn.linear(gather_from_tp, blocks_0_attn_c_attn_weight, blocks_0_attn_c_attn_bias);  gather_from_tp = blocks_0_attn_c_attn_weight = blocks_0_attn_c_attn_bias = None  # f32[4, 16, 96]
@@ -70,7 +69,7 @@ class Stage0(torch.nn.Module):
         invert = ~tril;  tril = None  # b8[16, 16]
         masked_fill = mul.masked_fill(invert, -inf);  mul = invert = None  # f32[4, 2, 16, 16]
         softmax = torch.nn.functional.softmax(masked_fill, dim = -1, _stacklevel = 3, dtype = None);  masked_fill = None  # f32[4, 2, 16, 16]
-        dropout_1 = partc_runtime_tp_dropout(softmax, 0.0, True, 1, 1);  softmax = None  # f32[4, 2, 16, 16]
+        dropout_1 = tp_3.dropout(softmax, 0.0, True, 1, 1);  softmax = None  # f32[4, 2, 16, 16]
         matmul_1 = dropout_1 @ transpose_2;  dropout_1 = transpose_2 = None  # f32[4, 2, 16, 16]
         transpose_4 = matmul_1.transpose(1, 2);  matmul_1 = None  # f32[4, 16, 2, 16]
         contiguous = transpose_4.contiguous();  transpose_4 = None  # f32[4, 16, 2, 16]
@@ -80,13 +79,13 @@ class Stage0(torch.nn.Module):
         truediv_2 = blocks_0_attn_c_proj_bias / 2;  blocks_0_attn_c_proj_bias = None  # f32[64]
         blocks_0_attn_c_proj_weight = getattr(self.blocks, "0").attn.c_proj.weight  # f32[64, 32]
         linear_1 = torch._C._nn.linear(view_3, blocks_0_attn_c_proj_weight, truediv_2);  view_3 = blocks_0_attn_c_proj_weight = truediv_2 = None  # f32[4, 16, 64]
-        reduce_scatter_to_tp_2 = partc_runtime_tp_reduce_scatter_to_tp(linear_1, 1);  linear_1 = None  # f32[4, 8, 64]
-        dropout_2 = partc_runtime_tp_dropout(reduce_scatter_to_tp_2, 0.0, True, 1, 1);  reduce_scatter_to_tp_2 = None  # f32[4, 8, 64]
+        reduce_scatter_to_tp_2 = tp_3.reduce_scatter_to_tp(linear_1, 1);  linear_1 = None  # f32[4, 8, 64]
+        dropout_2 = tp_3.dropout(reduce_scatter_to_tp_2, 0.0, True, 1, 1);  reduce_scatter_to_tp_2 = None  # f32[4, 8, 64]
         add_1 = dropout + dropout_2;  dropout = dropout_2 = None  # f32[4, 8, 64]
         blocks_0_ln_2_weight = getattr(self.blocks, "0").ln_2.weight  # f32[64]
         blocks_0_ln_2_bias = getattr(self.blocks, "0").ln_2.bias  # f32[64]
         layer_norm_1 = torch.nn.functional.layer_norm(add_1, (64,), weight = blocks_0_ln_2_weight, bias = blocks_0_ln_2_bias, eps = 1e-05);  blocks_0_ln_2_weight = blocks_0_ln_2_bias = None  # f32[4, 8, 64]
-        gather_from_tp_1 = partc_runtime_tp_gather_from_tp(layer_norm_1, 1, 1, True);  layer_norm_1 = None  # f32[4, 16, 64]
+        gather_from_tp_1 = tp_3.gather_from_tp(layer_norm_1, 1, 1, True);  layer_norm_1 = None  # f32[4, 16, 64]
         blocks_0_mlp_c_fc_weight = getattr(self.blocks, "0").mlp.c_fc.weight  # f32[128, 64]
         blocks_0_mlp_c_fc_bias = getattr(self.blocks, "0").mlp.c_fc.bias  # f32[128]
         linear_2 = torch._C._nn.linear(gather_from_tp_1, blocks_0_mlp_c_fc_weight, blocks_0_mlp_c_fc_bias);  gather_from_tp_1 = blocks_0_mlp_c_fc_weight = blocks_0_mlp_c_fc_bias = None  # f32[4, 16, 128]
@@ -95,18 +94,19 @@ class Stage0(torch.nn.Module):
         truediv_3 = blocks_0_mlp_c_proj_bias / 2;  blocks_0_mlp_c_proj_bias = None  # f32[64]
         blocks_0_mlp_c_proj_weight = getattr(self.blocks, "0").mlp.c_proj.weight  # f32[64, 128]
         linear_3 = torch._C._nn.linear(gelu, blocks_0_mlp_c_proj_weight, truediv_3);  gelu = blocks_0_mlp_c_proj_weight = truediv_3 = None  # f32[4, 16, 64]
-        reduce_scatter_to_tp_3 = partc_runtime_tp_reduce_scatter_to_tp(linear_3, 1);  linear_3 = None  # f32[4, 8, 64]
-        dropout_3 = partc_runtime_tp_dropout(reduce_scatter_to_tp_3, 0.0, True, 1, 1);  reduce_scatter_to_tp_3 = None  # f32[4, 8, 64]
+        reduce_scatter_to_tp_3 = tp_3.reduce_scatter_to_tp(linear_3, 1);  linear_3 = None  # f32[4, 8, 64]
+        dropout_3 = tp_3.dropout(reduce_scatter_to_tp_3, 0.0, True, 1, 1);  tp_3 = reduce_scatter_to_tp_3 = None  # f32[4, 8, 64]
         add_2 = add_1 + dropout_3;  add_1 = dropout_3 = None  # f32[4, 8, 64]
         # layer blocks.1
         blocks_1_ln_1_weight = getattr(self.blocks, "1").ln_1.weight  # f32[64]
         blocks_1_ln_1_bias = getattr(self.blocks, "1").ln_1.bias  # f32[64]
         layer_norm_2 = torch.nn.functional.layer_norm(add_2, (64,), weight = blocks_1_ln_1_weight, bias = blocks_1_ln_1_bias, eps = 1e-05);  blocks_1_ln_1_weight = blocks_1_ln_1_bias = None  # f32[4, 8, 64]
-        size_4 = partc_runtime_tp_global_size(layer_norm_2, 1, 0)
-        size_5 = partc_runtime_tp_global_size(layer_norm_2, 1, 1)
-        size_6 = partc_runtime_tp_global_size(layer_norm_2, 1, 2)
+        tp_4 = self.tp
+        size_4 = tp_4.global_size(layer_norm_2, 1, 0)
+        size_5 = tp_4.global_size(layer_norm_2, 1, 1)
+        size_6 = tp_4.global_size(layer_norm_2, 1, 2)
         floordiv_1 = size_6 // 4
-        gather_from_tp_2 = partc_runtime_tp_gather_from_tp(layer_norm_2, 1, 1, True)  # f32[4, 16, 64]
+        gather_from_tp_2 = tp_4.gather_from_tp(layer_norm_2, 1, 1, True)  # f32[4, 16, 64]
         blocks_1_attn_c_attn_weight = getattr(self.blocks, "1").attn.c_attn.weight  # f32[96, 64]
         blocks_1_attn_c_attn_bias = getattr(self.blocks, "1").attn.c_attn.bias  # f32[96]
         linear_4 = torch._C._nn.linear(gather_from_tp_2, blocks_1_attn_c_attn_weight, blocks_1_attn_c_attn_bias);  gather_from_tp_2 = blocks_1_attn_c_attn_weight = blocks_1_attn_c_attn_bias = None  # f32[4, 16, 96]
@@ -131,7 +131,7 @@ class Stage0(torch.nn.Module):
         invert_1 = ~tril_1;  tril_1 = None  # b8[16, 16]
         masked_fill_1 = mul_1.masked_fill(invert_1, -inf);  mul_1 = invert_1 = None  # f32[4, 2, 16, 16]
         softmax_1 = torch.nn.functional.softmax(masked_fill_1, dim = -1, _stacklevel = 3, dtype = None);  masked_fill_1 = None  # f32[4, 2, 16, 16]
-        dropout_4 = partc_runtime_tp_dropout(softmax_1, 0.0, True, 1, 1);  softmax_1 = None  # f32[4, 2, 16, 16]
+        dropout_4 = tp_4.dropout(softmax_1, 0.0, True, 1, 1);  softmax_1 = None  # f32[4, 2, 16, 16]
         matmul_3 = dropout_4 @ transpose_7;  dropout_4 = transpose_7 = None  # f32[4, 2, 16, 16]
         transpose_9 = matmul_3.transpose(1, 2);  matmul_3 = None  # f32[4, 16, 2, 16]
         contiguous_1 = transpose_9.contiguous();  transpose_9 = None  # f32[4, 16, 2, 16]
@@ -141,13 +141,13 @@ class Stage0(torch.nn.Module):
         truediv_4 = blocks_1_attn_c_proj_bias / 2;  blocks_1_attn_c_proj_bias = None  # f32[64]
         blocks_1_attn_c_proj_weight = getattr(self.blocks, "1").attn.c_proj.weight  # f32[64, 32]
         linear_5 = torch._C._nn.linear(view_7, blocks_1_attn_c_proj_weight, truediv_4);  view_7 = blocks_1_attn_c_proj_weight = truediv_4 = None  # f32[4, 16, 64]
-        reduce_scatter_to_tp_4 = partc_runtime_tp_reduce_scatter_to_tp(linear_5, 1);  linear_5 = None  # f32[4, 8, 64]
-        dropout_5 = partc_runtime_tp_dropout(reduce_scatter_to_tp_4, 0.0, True, 1, 1);  reduce_scatter_to_tp_4 = None  # f32[4, 8, 64]
+        reduce_scatter_to_tp_4 = tp_4.reduce_scatter_to_tp(linear_5, 1);  linear_5 = None  # f32[4, 8, 64]
+        dropout_5 = tp_4.dropout(reduce_scatter_to_tp_4, 0.0, True, 1, 1);  reduce_scatter_to_tp_4 = None  # f32[4, 8, 64]
         add_3 = add_2 + dropout_5;  add_2 = dropout_5 = None  # f32[4, 8, 64]
         blocks_1_ln_2_weight = getattr(self.blocks, "1").ln_2.weight  # f32[64]
         blocks_1_ln_2_bias = getattr(self.blocks, "1").ln_2.bias  # f32[64]
         layer_norm_3 = torch.nn.functional.layer_norm(add_3, (64,), weight = blocks_1_ln_2_weight, bias = blocks_1_ln_2_bias, eps = 1e-05);  blocks_1_ln_2_weight = blocks_1_ln_2_bias = None  # f32[4, 8, 64]
-        gather_from_tp_3 = partc_runtime_tp_gather_from_tp(layer_norm_3, 1, 1, True);  layer_norm_3 = None  # f32[4, 16, 64]
+        gather_from_tp_3 = tp_4.gather_from_tp(layer_norm_3, 1, 1, True);  layer_norm_3 = None  # f32[4, 16, 64]
         blocks_1_mlp_c_fc_weight = getattr(self.blocks, "1").mlp.c_fc.weight  # f32[128, 64]
         blocks_1_mlp_c_fc_bias = getattr(self.blocks, "1").mlp.c_fc.bias  # f32[128]
         linear_6 = torch._C._nn.linear(gather_from_tp_3, blocks_1_mlp_c_fc_weight, blocks_1_mlp_c_fc_bias);  gather_from_tp_3 = blocks_1_mlp_c_fc_weight = blocks_1_mlp_c_fc_bias = None  # f32[4, 16, 128]
@@ -156,15 +156,16 @@ class Stage0(torch.nn.Module):
         truediv_5 = blocks_1_mlp_c_proj_bias / 2;  blocks_1_mlp_c_proj_bias = None  # f32[64]
         blocks_1_mlp_c_proj_weight = getattr(self.blocks, "1").mlp.c_proj.weight  # f32[64, 128]
         linear_7 = torch._C._nn.linear(gelu_1, blocks_1_mlp_c_proj_weight, truediv_5);  gelu_1 = blocks_1_mlp_c_proj_weight = truediv_5 = None  # f32[4, 16, 64]
-        reduce_scatter_to_tp_5 = partc_runtime_tp_reduce_scatter_to_tp(linear_7, 1);  linear_7 = None  # f32[4, 8, 64]
-        dropout_6 = partc_runtime_tp_dropout(reduce_scatter_to_tp_5, 0.0, True, 1, 1);  reduce_scatter_to_tp_5 = None  # f32[4, 8, 64]
+        reduce_scatter_to_tp_5 = tp_4.reduce_scatter_to_tp(linear_7, 1);  linear_7 = None  # f32[4, 8, 64]
+        dropout_6 = tp_4.dropout(reduce_scatter_to_tp_5, 0.0, True, 1, 1);  tp_4 = reduce_scatter_to_tp_5 = None  # f32[4, 8, 64]
         add_4 = add_3 + dropout_6;  add_3 = dropout_6 = None  # f32[4, 8, 64]
         # layer ln_f
         ln_f_weight = self.ln_f.weight  # f32[64]
         ln_f_bias = self.ln_f.bias  # f32[64]
         layer_norm_4 = torch.nn.functional.layer_norm(add_4, (64,), weight = ln_f_weight, bias = ln_f_bias, eps = 1e-05);  add_4 = ln_f_weight = ln_f_bias = None  # f32[4, 8, 64]
         # layer lm_head
-        gather_from_tp_4 = partc_runtime_tp_gather_from_tp(layer_norm_4, 1, 1, True);  layer_norm_4 = None  # f32[4, 16, 64]
+        tp_5 = self.tp
+        gather_from_tp_4 = tp_5.gather_from_tp(layer_norm_4, 1, 1, True);  layer_norm_4 = None  # f32[4, 16, 64]
         linear_8 = torch._C._nn.linear(gather_from_tp_4, tok_emb_weight, None);  gather_from_tp_4 = tok_emb_weight = None  # f32[4, 16, 64]
-        gather_from_tp_5 = partc_runtime_tp_gather_from_tp(linear_8, 2);  linear_8 = None  # f32[4, 16, 128]
+        gather_from_tp_5 = tp_5.gather_from_tp(linear_8, 2);  tp_5 = linear_8 = None  # f32[4, 16, 128]
         return (gather_from_tp_5,)
