@@ -55,7 +55,7 @@ import argparse
 import contextlib
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
@@ -254,10 +254,10 @@ def neighbour_messages(program: partc.Program, stage: Any,
     plan = program.plan
     forward: tuple = ()
     if stage.stage_index > 0:
-        dtype = getattr(torch, plan.train.get("dtype", "float32"))
+        dtype = plan.train.dtype
         with contextlib.ExitStack() as scope:
             fake = scope.enter_context(FakeTensorMode(allow_non_fake_inputs=True))
-            scope.enter_context(tp_ops.simulate(plan.mesh.get("tp", 1)))
+            scope.enter_context(tp_ops.simulate(plan.tp))
             if dtype != torch.float32:
                 scope.enter_context(torch.autocast("cpu", dtype=dtype))
             values = tuple(fake.from_tensor(t) for t in microbatch)
@@ -335,7 +335,7 @@ class Row:
 
 
 def stage_of_rank(plan: Any, rank: int) -> int:
-    return rank // (plan.dp * plan.mesh.get("tp", 1))
+    return rank // (plan.dp * plan.tp)
 
 
 def check_case(case: Case) -> list[Row]:
@@ -345,7 +345,7 @@ def check_case(case: Case) -> list[Row]:
         stage = stage_of_rank(program.plan, rank)
         measured = measure_rank(program, inputs, target, rank, case.world)
         rows.append(Row(case=case.name, rank=rank, stage=stage,
-                        predicted=dict(program.plan.stages[stage].memory_bytes),
+                        predicted=asdict(program.plan.stages[stage].memory_bytes),
                         measured=measured))
     return rows
 

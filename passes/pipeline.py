@@ -20,6 +20,7 @@ from torch import fx, nn
 from partc import meta
 from partc.errors import TraceError
 from partc.identity import model_hash
+from partc.plan import TensorParallelPlan
 from partc.problem import ModelAnalysis, ModelSummary, SharedParam, TPOption
 from partc.runtime import tp as tp_ops
 
@@ -236,14 +237,14 @@ def _tp_option(ctx: Context, base: ModelAnalysis, usage: dict, local: fx.GraphMo
     return TPOption(
         tp=tp, sequence_parallel=chosen.sequence_parallel, model=model,
         choices=tuple((layer.name, layer.choices) for layer in chosen.layers),
-        placements=tuple(sorted((fqn, str(p)) for fqn, p in placements.items())),
+        placements=tuple(sorted(placements.items())),
         partial_grad_params=tuple(sorted(chosen.partial_grad_params)),
         notes=tuple((layer.name, layer.note) for layer in chosen.layers if layer.note))
 
 
 def lower(model: nn.Module, example_inputs: tuple, stages: list[list[str]],
           recompute: dict[str, str], *, loss_fn: Callable | None = None,
-          example_target: Any = None, tensor_parallel: dict | None = None,
+          example_target: Any = None, tensor_parallel: TensorParallelPlan | None = None,
           local_param: Callable | None = None, attention: str = "as_written"
           ) -> tuple[fx.GraphModule, list]:
     """The back half: the model traced at the micro-batch size, cut into the plan's stages,
@@ -264,12 +265,11 @@ def lower(model: nn.Module, example_inputs: tuple, stages: list[list[str]],
                                 ("layers", layers)]:
         gm = _named(pass_name, lambda: run_pass(gm, ctx))
         _verify(pass_name, gm)
-    tp = int((tensor_parallel or {}).get("degree", 1))
+    tp = tensor_parallel.degree if tensor_parallel is not None else 1
     if tp > 1:
         # The plan's sharding, rebuilt from its per-node choices, then this rank's graph.
         chosen = _named("sharding", lambda: sharding_pass.apply(
-            gm, tp, bool(tensor_parallel.get("sequence_parallel")),
-            {name: tuple(c) for name, c in tensor_parallel["choices"].items()}))
+            gm, tp, tensor_parallel.sequence_parallel, dict(tensor_parallel.choices)))
         _named("shard", lambda: shard_pass.shard(gm, chosen, local_param))
         with tp_ops.simulate(tp):
             gm = _named("propagate", lambda: propagate(gm, ctx))

@@ -12,7 +12,7 @@ microbatches of the global batch, then:
    FSDP2 reduce-scatters them, each replica keeping the mean gradient of its shard;
 3. returns the mean loss of the global batch, the same on every rank.
 
-ZeRO-2/3 (``plan.zero_stage >= 2`` with dp > 1): each layer that owns its parameters
+ZeRO-2/3 (``plan.effective_zero_stage >= 2``): each layer that owns its parameters
 becomes an FSDP2 unit (``partc.passes.units``) and the stage the root unit, sharded over
 the dp group. In a pipeline, torch's schedules defer FSDP's gradient reduce-scatter to
 the last microbatch, accumulating whole gradients in between, which would hold as much
@@ -47,7 +47,7 @@ from partc.errors import PartcError, PlanMismatchError
 from partc.identity import param_fqns
 from partc.passes.units import units
 from partc.identity import model_hash
-from partc.plan import Plan
+from partc.plan import InputSpec, Plan
 
 from partc.placement import Placement
 
@@ -160,8 +160,8 @@ class DistributedModule:
         self._schedule = schedule
         self._tied = tied
         self._partial_grads = partial_grads or []
-        self._inputs = [spec for spec in inputs if spec["name"] != "target"]
-        self._target = next((spec for spec in inputs if spec["name"] == "target"), None)
+        self._inputs = [spec for spec in inputs if spec.name != "target"]
+        self._target = next((spec for spec in inputs if spec.name == "target"), None)
         self.global_batch_size = global_batch_size
         self.last_messages: dict[str, int] = {"sends": 0, "recvs": 0}
 
@@ -250,10 +250,10 @@ class DistributedModule:
     def optimizer(self, optimizer_class: type[torch.optim.Optimizer], **defaults: Any
                   ) -> torch.optim.Optimizer:
         """``optimizer_class(self.parameters(), **defaults)`` as the plan holds its state:
-        with ZeRO-1 (``plan.zero_stage == 1``) each data-parallel rank keeps the state of
-        1/dp of the parameters, steps those and sends them to the other replicas
+        with ZeRO-1 (``plan.effective_zero_stage == 1``) each data-parallel rank keeps the
+        state of 1/dp of the parameters, steps those and sends them to the other replicas
         (``torch.distributed.optim.ZeroRedundancyOptimizer`` over the dp group)."""
-        if self.plan.zero_stage == 1 and self.topology.dp > 1:
+        if self.plan.effective_zero_stage == 1:
             # Imported here: torch.distributed.optim scripts its functional optimizers
             # on import, with deprecation warnings, which plain runs need not pay for.
             from torch.distributed.optim import ZeroRedundancyOptimizer
@@ -293,7 +293,7 @@ class DistributedModule:
         self._schedule.step(*args, **kwargs)
         self.last_messages = dict(self._stage.messages)
         self._sync_gradients()
-        max_norm = self.plan.train.get("max_grad_norm")
+        max_norm = self.plan.train.max_grad_norm
         if max_norm is not None:
             self.last_grad_norm = self.clip_grad_norm_(max_norm)
         total = torch.zeros((), device=topo.device)
@@ -363,7 +363,7 @@ class DistributedModule:
         problems = []
         if len(inputs) != len(self._inputs):
             problems.append(f"{len(inputs)} inputs given, the plan has {len(self._inputs)} "
-                            f"({', '.join(s['name'] for s in self._inputs)})")
+                            f"({', '.join(s.name for s in self._inputs)})")
         for given, spec in zip(inputs, self._inputs):
             problems += _mismatch(spec, given, self.global_batch_size)
         if self._target is not None:
@@ -378,16 +378,16 @@ class DistributedModule:
                 "dimension; compile again for new shapes")
 
 
-def _mismatch(spec: dict, given: Any, batch: int) -> list[str]:
-    expected = (batch, *spec["shape"])
+def _mismatch(spec: InputSpec, given: Any, batch: int) -> list[str]:
+    expected = (batch, *spec.shape)
     if not isinstance(given, torch.Tensor):
-        return [f"{spec['name']} is a {type(given).__name__}, not a tensor"]
+        return [f"{spec.name} is a {type(given).__name__}, not a tensor"]
     problems = []
     if tuple(given.shape) != expected:
-        problems.append(f"{spec['name']} has shape {tuple(given.shape)}, "
+        problems.append(f"{spec.name} has shape {tuple(given.shape)}, "
                         f"the plan's is {expected}")
-    if str(given.dtype).removeprefix("torch.") != spec["dtype"]:
-        problems.append(f"{spec['name']} is {given.dtype}, the plan's is {spec['dtype']}")
+    if given.dtype != spec.dtype:
+        problems.append(f"{spec.name} is {given.dtype}, the plan's is {spec.dtype}")
     return problems
 
 
@@ -395,7 +395,7 @@ def build(plan: Plan, model: nn.Module, loss_fn: Callable | None, *,
           state_dict: Mapping[str, torch.Tensor] | None = None,
           device: torch.device | str | None = None) -> DistributedModule:
     """This rank's :class:`DistributedModule` for ``plan`` (see ``Program.build``)."""
-    inputs = plan.model.get("inputs")
+    inputs = plan.model.inputs
     if not inputs:
         raise PartcError("the plan records no input shapes; compile it again with this "
                          "version of partc")
@@ -406,16 +406,16 @@ def build(plan: Plan, model: nn.Module, loss_fn: Callable | None, *,
                          f"({plan.schedule}), which partc plans and costs but does not run "
                          f"yet; compile with schedule='1f1b' (or leave it 'auto') to train")
     own_hash = model_hash(model)
-    if own_hash != plan.model.get("hash"):
+    if own_hash != plan.model.hash:
         raise PlanMismatchError(f"the model (hash {own_hash}) is not the one the plan was "
-                                f"made for (hash {plan.model.get('hash')})")
+                                f"made for (hash {plan.model.hash})")
     topology = init(plan, device)
     _check_same_plan(plan, own_hash)
     tp_ops.use_group(topology.tp_group if topology.tp > 1 else None)
     gm, stages = lower_plan(plan, model, loss_fn)
     mine = stages[topology.pp_rank]
     module = mine.module
-    zero_stage = plan.zero_stage if topology.dp > 1 else 0
+    zero_stage = plan.effective_zero_stage
     compute_dtype = _compute_dtype(plan)
     unit_paths = units(module) if zero_stage >= 2 else []
     _own_parameters(module, model, state_dict, topology.device,
@@ -430,7 +430,8 @@ def build(plan: Plan, model: nn.Module, loss_fn: Callable | None, *,
         module.forward = torch.autocast(topology.device.type, dtype=compute_dtype)(
             module.forward)
     tied = _tied_groups(stages, model, module, topology)
-    partial_names = set(plan.tensor_parallel.get("partial_grad_params", ()))
+    partial_names = set(plan.tensor_parallel.partial_grad_params
+                        if plan.tensor_parallel is not None else ())
     aliases = _aliases(model)
     partial = [p for name, p in module.named_parameters()
                if partial_names & set(aliases.get(name, (name,)))]
@@ -486,7 +487,7 @@ class _OverlappedAllReduce:
 
 
 def _compute_dtype(plan: Plan) -> torch.dtype:
-    dtype = getattr(torch, plan.train.get("dtype", "float32"))
+    dtype = plan.train.dtype
     if dtype == torch.float16:
         raise PartcError("training in float16 needs loss scaling, which partc's runtime "
                          "does not do: train in bfloat16 (plans for float16 are fine)")
@@ -538,9 +539,7 @@ def _shard_plan(plan: Plan, topology: Topology) -> Callable[[str, torch.Tensor],
 
 def _placement_of(plan: Plan, names: tuple[str, ...]) -> Placement:
     """How the plan places a parameter known under ``names`` (all its FQNs)."""
-    placements = plan.tensor_parallel.get("params", {})
-    return Placement.parse(next((placements[n] for n in names if n in placements),
-                                "Replicate()"))
+    return plan.placement(names)
 
 
 def _check_same_plan(plan: Plan, own_hash: str) -> None:
@@ -563,14 +562,13 @@ def lower_plan(plan: Plan, model: nn.Module,
     (exported graphs fix their view shapes), cut into stages, recompute in place."""
     from partc.passes.pipeline import lower
 
-    example = {spec["name"]: torch.empty((plan.micro_batch_size, *spec["shape"]),
-                                         dtype=getattr(torch, spec["dtype"]), device="meta")
-               for spec in plan.model["inputs"]}
+    example = {spec.name: torch.empty((plan.micro_batch_size, *spec.shape),
+                                      dtype=spec.dtype, device="meta")
+               for spec in plan.model.inputs}
     target = example.pop("target", None)
     return lower(model, tuple(example.values()), [list(s.layers) for s in plan.stages],
                  plan.recompute, loss_fn=loss_fn, example_target=target,
-                 tensor_parallel=plan.tensor_parallel or None,
-                 attention=plan.train.get("attention", "as_written"))
+                 tensor_parallel=plan.tensor_parallel, attention=plan.train.attention)
 
 
 def _own_parameters(module: fx.GraphModule, model: nn.Module,
