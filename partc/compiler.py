@@ -202,12 +202,16 @@ def compile(model: torch.nn.Module, example_inputs: tuple | torch.Tensor, *,
     if cache is not None and graph is not None:
         cache.put_analysis(key, problem.model)
     start = time.perf_counter()
+    recorded = BudgetInfo.from_dict(budget.to_dict(train.dtype))
     plan = cache.plan(problem) if cache is not None else None
     if plan is not None:
+        # The cache keys on what the planner reads; the rest of the setup (the runtime's
+        # max_grad_norm, the budget's name) is this compile's, not the stored plan's.
+        plan = dataclasses.replace(plan, budget=recorded, train=train)
         validate_plan(problem, plan)
     else:
-        plan = plan_problem(problem, budget=BudgetInfo.from_dict(budget.to_dict(train.dtype)),
-                            train=train, options=options or PlannerOptions())
+        plan = plan_problem(problem, budget=recorded, train=train,
+                            options=options or PlannerOptions())
         if cache is not None:
             cache.put_plan(problem, plan)
     log.info("planned in %.2f s: %s", time.perf_counter() - start, plan.solver.status)
