@@ -87,12 +87,12 @@ def rows(programs: dict[str, partc.Program]) -> list[tuple[str, str, str, str]]:
         row("layer backward FLOPs", lambda a: layer[a].bwd_flops, lambda v: f"{v / 1e12:.2f} T"),
         row("layer fwd traffic, light ops", lambda a: layer[a].fwd_mem_bytes * scale[a],
             format_bytes),
-        row("predicted step time", lambda a: plan[a].predicted["step_time_s"], format_seconds),
-        row("predicted peak memory", lambda a: plan[a].predicted["peak_memory_bytes"],
+        row("predicted step time", lambda a: plan[a].predicted.step_time_s, format_seconds),
+        row("predicted peak memory", lambda a: plan[a].predicted.peak_memory_bytes,
             format_bytes),
-        row("MFU", lambda a: plan[a].predicted["mfu"], lambda v: f"{100 * v:.1f}%"),
-        ("mesh (pp, dp, tp)", *(str(tuple(plan[a].mesh[k] for k in ("pp", "dp", "tp")))
-                                for a in ATTENTION), ""),
+        row("MFU", lambda a: plan[a].predicted.mfu, lambda v: f"{100 * v:.1f}%"),
+        ("mesh (pp, dp, tp)", *(str((plan[a].pp, plan[a].dp, plan[a].tp)) for a in ATTENTION),
+         ""),
         ("microbatches x size", *(f"{plan[a].num_microbatches} x {plan[a].micro_batch_size}"
                                   for a in ATTENTION), ""),
         ("recompute", *(modes(a) for a in ATTENTION), ""),

@@ -71,7 +71,7 @@ def fit(run: Run) -> float:
 
 def describe(plan: partc.Plan) -> str:
     """Mesh, microbatches, schedule, ZeRO and recompute of a plan, in one cell."""
-    sp = "+sp" if plan.tensor_parallel.get("sequence_parallel") else ""
+    sp = "+sp" if plan.sequence_parallel else ""
     blocks = Counter(mode for name, mode in plan.recompute.items()
                      if name.startswith("blocks."))
     recompute = ",".join(f"{mode} {count}" if len(blocks) > 1 else mode
@@ -93,9 +93,9 @@ def row_line(run: Run, predicted: float, peak: int, own: partc.Plan | None,
     mark = " (fit)" if fitted else ("" if abs(ratio - 1) <= TARGET else " MISS")
     own_cells = "| (not planned) | | "
     if own is not None:
-        own_tflops = megatron.tflops_per_gpu(run, own.predicted["step_time_s"])
+        own_tflops = megatron.tflops_per_gpu(run, own.predicted.step_time_s)
         own_cells = (f"| {describe(own)} | {own_tflops:.1f} "
-                     f"| {own.predicted['peak_memory_bytes'] / GIB:.1f} ")
+                     f"| {own.predicted.peak_memory_bytes / GIB:.1f} ")
     times = ", ".join(f"{s:.1f}" for s in seconds)
     return (f"| {run.name} | {run.tp} | {run.pp} | {run.dp} | {run.gpus} | {run.batch} "
             f"| {run.micro_batch_size} | {run.tflops_per_gpu:g} | {predicted:.1f} "
@@ -158,8 +158,8 @@ def pinned_line(run: Run, pinned, evaluation, time_limit: float) -> str:
     runs = plan.stages[0].runs or (plan.stages[0].layers,)
     step = megatron.step_seconds(evaluation)
     return (f"| {run.name} | {run.virtual_stages}, {step:.2f} | {len(runs)}, "
-            f"{[len(r) for r in runs]}, {plan.predicted['step_time_s']:.2f} "
-            f"| {plan.predicted['step_time_s'] / step:.3f} | {plan.solver.status} "
+            f"{[len(r) for r in runs]}, {plan.predicted.step_time_s:.2f} "
+            f"| {plan.predicted.step_time_s / step:.3f} | {plan.solver.status} "
             f"| {seconds:.1f} |")
 
 

@@ -55,7 +55,7 @@ import argparse
 import contextlib
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
@@ -253,7 +253,7 @@ def neighbour_messages(program: partc.Program, stage: Any,
     plan = program.plan
     forward: tuple = ()
     if stage.stage_index > 0:
-        dtype = getattr(torch, plan.train.get("dtype", "float32"))
+        dtype = plan.train.dtype
         with contextlib.ExitStack() as scope:
             fake = scope.enter_context(FakeTensorMode(allow_non_fake_inputs=True))
             if dtype != torch.float32:
@@ -332,7 +332,7 @@ class Row:
 
 
 def stage_of_rank(plan: Any, rank: int) -> int:
-    return rank // (plan.dp * plan.mesh.get("tp", 1))
+    return rank // (plan.dp * plan.tp)
 
 
 def check_case(case: Case) -> list[Row]:
@@ -342,7 +342,7 @@ def check_case(case: Case) -> list[Row]:
         stage = stage_of_rank(program.plan, rank)
         measured = measure_rank(program, inputs, target, rank, case.world)
         rows.append(Row(case=case.name, rank=rank, stage=stage,
-                        predicted=dict(program.plan.stages[stage].memory_bytes),
+                        predicted=asdict(program.plan.stages[stage].memory_bytes),
                         measured=measured))
     return rows
 

@@ -47,6 +47,7 @@ sys.path.insert(0, str(ROOT))
 import partc  # noqa: E402
 from partc.compiler import autocast_dtype, build_problem, plan_problem  # noqa: E402
 from partc.passes.pipeline import analyze  # noqa: E402
+from partc.plan import BudgetInfo  # noqa: E402
 from partc.planner import PlannerOptions  # noqa: E402
 
 LLAMA3_70B = dict(hidden_size=8192, intermediate_size=28672, num_hidden_layers=80,
@@ -108,8 +109,8 @@ def cold_run(workload: Workload, options: PlannerOptions) -> tuple[dict, partc.P
     problem = build_problem(analysis, budget, work["train"], partc.Constraints(), graph)
     times["tensor-parallel options"] = time.perf_counter() - start
     start = time.perf_counter()
-    plan = plan_problem(problem, budget=budget.to_dict(work["train"].dtype),
-                        train=work["train"].to_dict(), options=options)
+    recorded = BudgetInfo.from_dict(budget.to_dict(work["train"].dtype))
+    plan = plan_problem(problem, budget=recorded, train=work["train"], options=options)
     times["plan"] = time.perf_counter() - start
     times["trace + plan"] = sum(t for name, t in times.items() if name != "build model on meta")
     return times, plan
@@ -133,17 +134,16 @@ def replans(workload: Workload, options: PlannerOptions) -> list[tuple[str, floa
 
 
 def describe(plan: partc.Plan) -> str:
-    tp = plan.tensor_parallel
-    sp = " SP" if tp and tp.get("sequence_parallel") else ""
+    sp = " SP" if plan.sequence_parallel else ""
     solver = plan.solver
     recompute = {}
     for mode in plan.recompute.values():
         recompute[mode] = recompute.get(mode, 0) + 1
     return (f"pp={plan.pp} dp={plan.dp} tp={plan.tp}{sp} ZeRO-{plan.zero_stage} "
             f"{plan.schedule} b={plan.micro_batch_size} x m={plan.num_microbatches}, "
-            f"recompute {recompute}; step {plan.predicted['step_time_s']:.3f} s, MFU "
-            f"{100 * plan.predicted['mfu']:.1f}%, peak "
-            f"{plan.predicted['peak_memory_bytes'] / 2**30:.1f} GiB; solver {solver.status}, "
+            f"recompute {recompute}; step {plan.predicted.step_time_s:.3f} s, MFU "
+            f"{100 * plan.predicted.mfu:.1f}%, peak "
+            f"{plan.predicted.peak_memory_bytes / 2**30:.1f} GiB; solver {solver.status}, "
             f"gap {100 * solver.gap:.2f}%, {solver.configs_total} configurations, "
             f"{solver.configs_solved} solved, {solver.configs_pruned} pruned")
 

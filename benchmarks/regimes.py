@@ -46,12 +46,12 @@ def recompute_summary(plan: partc.Plan) -> str:
 
 def row(memory: str, plan: partc.Plan, note: str = "") -> str:
     mesh = f"{plan.pp} x {plan.dp} x {plan.tp}"
-    if plan.tensor_parallel.get("sequence_parallel"):
+    if plan.sequence_parallel:
         mesh += " (sp)"
     return (f"| {memory} | {mesh}{note} | {plan.zero_stage} | {plan.schedule} "
             f"| {plan.micro_batch_size} x {plan.num_microbatches} | {recompute_summary(plan)} "
-            f"| {plan.predicted['step_time_s'] * 1e3:.0f} ms "
-            f"| {plan.predicted['peak_memory_bytes'] / 2**30:.2f} GiB |")
+            f"| {plan.predicted.step_time_s * 1e3:.0f} ms "
+            f"| {plan.predicted.peak_memory_bytes / 2**30:.2f} GiB |")
 
 
 def rule_of_thumb(gib: float) -> tuple[str, partc.Plan]:

@@ -5,8 +5,11 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from .costs import PS_PER_S, Evaluation, PipelineConfig, tp_comm_seconds
-from .plan import Plan, SolverStats, StagePlan
+from .plan import (Alternative, BudgetInfo, InputSpec, Mesh, MeshOutcome, ModelInfo,
+                   P2PMessages, Plan, Predicted, SolverStats, StageMemory, StagePlan,
+                   StageTime, TensorParallelPlan, TPCollective)
 from .problem import PlanningProblem
+from .spec import TrainSpec, dtype_named
 
 if TYPE_CHECKING:     # the planner needs OR-Tools; assembling a plan does not
     from .planner import MeshResult
@@ -21,27 +24,26 @@ def model_flops_per_step(problem: PlanningProblem) -> float:
 
 
 def predicted(problem: PlanningProblem, config: PipelineConfig,
-              evaluation: Evaluation) -> dict[str, float]:
+              evaluation: Evaluation) -> Predicted:
     step = evaluation.step_ps / PS_PER_S
     batch = problem.train.global_batch_size
     devices = problem.devices
     busy = sum(s.busy_ps for s in evaluation.stages) * config.num_microbatches
     bubble = 1 - busy / (config.pp * evaluation.pipeline_ps) if evaluation.pipeline_ps else 0.0
-    figures = {
-        "step_time_s": step,
-        "samples_per_s": batch / step if step else 0.0,
-        "mfu": model_flops_per_step(problem) / (step * devices.num_devices * devices.peak_flops)
-        if step else 0.0,
-        "bubble_fraction": bubble,
-        "peak_memory_bytes": max(s.memory["peak"] for s in evaluation.stages),
-        "pipeline_time_s": evaluation.pipeline_ps / PS_PER_S,
-        "bottleneck_s": max(s.busy_ps for s in evaluation.stages) / PS_PER_S,
-        "tail_time_s": (evaluation.tail_ps + evaluation.tie_ps) / PS_PER_S,
-    }
+    samples_per_s = batch / step if step else 0.0
     tokens = problem.model.summary.tokens_per_sample
-    if tokens:
-        figures["tokens_per_s"] = figures["samples_per_s"] * tokens
-    return figures
+    return Predicted(
+        step_time_s=step,
+        samples_per_s=samples_per_s,
+        mfu=model_flops_per_step(problem) / (step * devices.num_devices * devices.peak_flops)
+        if step else 0.0,
+        bubble_fraction=bubble,
+        peak_memory_bytes=max(s.memory["peak"] for s in evaluation.stages),
+        pipeline_time_s=evaluation.pipeline_ps / PS_PER_S,
+        bottleneck_s=max(s.busy_ps for s in evaluation.stages) / PS_PER_S,
+        tail_time_s=(evaluation.tail_ps + evaluation.tie_ps) / PS_PER_S,
+        tokens_per_s=samples_per_s * tokens if tokens else None,
+    )
 
 
 def stage_plans(problem: PlanningProblem, config: PipelineConfig, evaluation: Evaluation,
@@ -54,13 +56,13 @@ def stage_plans(problem: PlanningProblem, config: PipelineConfig, evaluation: Ev
             layers=tuple(names[l] for l in stage.layers),
             recompute={names[l]: modes[l] for l in stage.layers},
             param_count=stage.param_count,
-            memory_bytes=dict(stage.memory),
+            memory_bytes=StageMemory(**stage.memory),
             limit_bytes=stage.limit,
-            time_s={"forward": m * stage.forward_ps / PS_PER_S,
-                    "backward": m * stage.backward_ps / PS_PER_S,
-                    "recompute": m * stage.recompute_ps / PS_PER_S,
-                    "comm": m * stage.comm_ps / PS_PER_S,
-                    "tail": stage.tail_ps / PS_PER_S},
+            time_s=StageTime(forward=m * stage.forward_ps / PS_PER_S,
+                             backward=m * stage.backward_ps / PS_PER_S,
+                             recompute=m * stage.recompute_ps / PS_PER_S,
+                             comm=m * stage.comm_ps / PS_PER_S,
+                             tail=stage.tail_ps / PS_PER_S),
             p2p=p2p_messages(problem, evaluation, index, m),
             runs=tuple(tuple(names[l] for l in run) for run in stage.runs),
         )
@@ -69,12 +71,12 @@ def stage_plans(problem: PlanningProblem, config: PipelineConfig, evaluation: Ev
 
 
 def p2p_messages(problem: PlanningProblem, evaluation: Evaluation, index: int,
-                 num_microbatches: int) -> dict[str, int]:
+                 num_microbatches: int) -> P2PMessages | None:
     """Sends and receives per step on stage ``index``: each tensor crossing a boundary is
     one message forward and, when it depends on a parameter, one gradient message back."""
     counts = problem.model.cut_tensors
     if not counts:
-        return {}
+        return None
     stages, pp = evaluation.stages, len(evaluation.stages)
     chunks = len(stages[0].runs) or 1
     runs = [stages[j % pp].runs[j // pp] if chunks > 1 else stages[j].layers
@@ -90,17 +92,17 @@ def p2p_messages(problem: PlanningProblem, evaluation: Evaluation, index: int,
         incoming, outgoing = boundary(run - 1), boundary(run)
         sends += outgoing[0] + incoming[1]
         recvs += incoming[0] + outgoing[1]
-    return {"sends": num_microbatches * sends, "recvs": num_microbatches * recvs}
+    return P2PMessages(sends=num_microbatches * sends, recvs=num_microbatches * recvs)
 
 
 def make_plan(problem: PlanningProblem, config: PipelineConfig, evaluation: Evaluation,
-              modes: tuple[str, ...], solver: SolverStats, *, budget: dict | None = None,
-              train: dict | None = None, alternatives: tuple[dict, ...] = (),
+              modes: tuple[str, ...], solver: SolverStats, *, budget: BudgetInfo,
+              train: TrainSpec, alternatives: tuple[Alternative, ...] = (),
               meshes: tuple[MeshResult, ...] = ()) -> Plan:
     summary = problem.model.summary
     local = problem.variant(config.tp, config.sequence_parallel, config.tp_objective)
     return Plan(
-        mesh={"pp": config.pp, "dp": config.dp, "tp": config.tp},
+        mesh=Mesh(pp=config.pp, dp=config.dp, tp=config.tp),
         schedule=config.schedule,
         num_microbatches=config.num_microbatches,
         micro_batch_size=config.micro_batch_size,
@@ -108,22 +110,23 @@ def make_plan(problem: PlanningProblem, config: PipelineConfig, evaluation: Eval
         stages=stage_plans(local, config, evaluation, modes),
         predicted=predicted(problem, config, evaluation),
         solver=solver,
-        budget=budget or {},
-        train=train or {},
-        model={"name": summary.name, "num_params": summary.num_params, "hash": summary.hash,
-               "tracer": summary.tracer, "num_layers": problem.num_layers,
-               "inputs": [{"name": name, "shape": list(shape), "dtype": dtype}
-                          for name, shape, dtype in summary.inputs]},
+        budget=budget,
+        train=train,
+        model=ModelInfo(name=summary.name, num_params=summary.num_params, hash=summary.hash,
+                        tracer=summary.tracer, num_layers=problem.num_layers,
+                        inputs=tuple(InputSpec(name=name, shape=tuple(shape),
+                                               dtype=dtype_named(dtype))
+                                     for name, shape, dtype in summary.inputs)),
         tensor_parallel=tensor_parallel_section(problem, config),
         alternatives=alternatives,
         meshes=tuple(mesh_summary(mesh) for mesh in meshes),
     )
 
 
-def mesh_summary(mesh: MeshResult) -> dict:
-    """One factorisation as the plan records it: JSON scalars only, so a saved plan
-    loads back equal; keys for what the outcome knows, times in seconds."""
-    summary = {"pp": mesh.pp, "dp": mesh.dp, "tp": mesh.tp, "outcome": mesh.outcome}
+def mesh_summary(mesh: MeshResult) -> MeshOutcome:
+    """One factorisation as the plan records it: what the outcome knows, times in
+    seconds."""
+    summary: dict = {}
     if mesh.config is not None:
         config = mesh.config
         summary.update(step_time_s=mesh.step_ps / PS_PER_S, solver_status=mesh.status,
@@ -135,47 +138,50 @@ def mesh_summary(mesh: MeshResult) -> dict:
         summary["bound_s"] = mesh.bound_ps / PS_PER_S
     if mesh.need_bytes is not None:
         summary.update(need_bytes=mesh.need_bytes, limit_bytes=mesh.limit_bytes)
-    return summary
+    return MeshOutcome(pp=mesh.pp, dp=mesh.dp, tp=mesh.tp, outcome=mesh.outcome, **summary)
 
 
-def tensor_parallel_section(problem: PlanningProblem, config: PipelineConfig) -> dict:
+def tensor_parallel_section(problem: PlanningProblem,
+                            config: PipelineConfig) -> TensorParallelPlan | None:
     """The plan's ``tensor_parallel``: what the runtime rebuilds the sharding from, and
     per layer the collectives of one microbatch (kind, phase, bytes of the whole tensor)."""
     option = problem.tp_option(config.tp, config.sequence_parallel, config.tp_objective)
     if config.tp == 1 or option is None:
-        return {}
+        return None
     scale = config.micro_batch_size * problem.train.activation_scale
-    return {
-        "degree": config.tp,
-        "sequence_parallel": config.sequence_parallel,
-        "objective": config.tp_objective,
-        "params": dict(option.placements),
-        "partial_grad_params": list(option.partial_grad_params),
-        "choices": {name: list(c) for name, c in option.choices},
-        "collectives": {layer.name: [[kind, phase, int(round(nbytes * scale))]
-                                     for kind, phase, nbytes in layer.tp_comm]
-                        for layer in option.model.layers if layer.tp_comm},
-        "collective_seconds": {layer.name: sum(tp_comm_seconds(problem, config, layer).values())
-                               for layer in option.model.layers if layer.tp_comm},
-        "notes": dict(option.notes),
-    }
+    moving = [layer for layer in option.model.layers if layer.tp_comm]
+    return TensorParallelPlan(
+        degree=config.tp,
+        sequence_parallel=config.sequence_parallel,
+        objective=config.tp_objective,
+        params=dict(option.placements),
+        partial_grad_params=tuple(option.partial_grad_params),
+        choices={name: tuple(c) for name, c in option.choices},
+        collectives={layer.name: tuple(TPCollective(kind=kind, phase=phase,
+                                                    nbytes=int(round(nbytes * scale)))
+                                       for kind, phase, nbytes in layer.tp_comm)
+                     for layer in moving},
+        collective_seconds={layer.name: sum(tp_comm_seconds(problem, config, layer).values())
+                            for layer in moving},
+        notes=dict(option.notes),
+    )
 
 
 def alternative(problem: PlanningProblem, name: str, description: str, recompute: str,
-                stage_of: tuple[int, ...], evaluation: Evaluation) -> dict:
+                stage_of: tuple[int, ...], evaluation: Evaluation) -> Alternative:
     """An alternative plan's summary, as the report shows it."""
     names = [layer.name for layer in problem.layers]
     worst = evaluation.worst_stage
-    return {
-        "name": name,
-        "description": description,
-        "recompute": recompute,
-        "stages": [[names[l] for l in s.layers] for s in evaluation.stages],
-        "step_time_s": evaluation.step_ps / PS_PER_S,
-        "fits": evaluation.fits,
-        "peak_memory_bytes": max(s.memory["peak"] for s in evaluation.stages),
-        "worst_stage": evaluation.stages.index(worst),
-        "worst_need_bytes": worst.memory["peak"],
-        "worst_limit_bytes": worst.limit,
-        "bottleneck_s": max(s.busy_ps for s in evaluation.stages) / PS_PER_S,
-    }
+    return Alternative(
+        name=name,
+        description=description,
+        recompute=recompute,
+        stages=tuple(tuple(names[l] for l in s.layers) for s in evaluation.stages),
+        step_time_s=evaluation.step_ps / PS_PER_S,
+        fits=evaluation.fits,
+        peak_memory_bytes=max(s.memory["peak"] for s in evaluation.stages),
+        worst_stage=evaluation.stages.index(worst),
+        worst_need_bytes=worst.memory["peak"],
+        worst_limit_bytes=worst.limit,
+        bottleneck_s=max(s.busy_ps for s in evaluation.stages) / PS_PER_S,
+    )

@@ -25,11 +25,10 @@ from .cache import DEFAULT as DEFAULT_CACHE
 from .cache import PlanCache, model_key
 from .collectives import Group
 from .planner import PlannerOptions, PlannerResult, divisors, solve
-from .plan import Plan, SolverStats
+from .plan import BudgetInfo, Plan, SolverStats
 from .problem import DeviceNumbers, ModelAnalysis, Pins, PlanningProblem, TrainNumbers
 from .program import Program
 from .spec import Constraints, TrainSpec, dtype_bytes
-from .units import format_bytes
 from .validate import validate_plan
 
 log = logging.getLogger("partc")
@@ -108,9 +107,7 @@ def build_problem(analysis: ModelAnalysis, budget: DeviceBudget, train: TrainSpe
             global_batch_size=train.global_batch_size,
             micro_batch_sizes=sizes,
             activation_scale=dtype_bytes(train.dtype) / analysis.summary.traced_dtype_bytes,
-            weight_bytes_per_param=train.weight_bytes,
-            grad_bytes_per_param=train.grad_bytes,
-            optimizer_bytes_per_param=train.optimizer_bytes,
+            precision=train.precision,
             measured_scale=dtype_bytes(train.dtype) / _measured_dtype_bytes(analysis)),
         pins=pins,
     )
@@ -128,8 +125,8 @@ def _measured_dtype_bytes(analysis: ModelAnalysis) -> int:
         else analysis.summary.traced_dtype_bytes
 
 
-def plan_problem(problem: PlanningProblem, *, budget: dict[str, Any] | None = None,
-                 train: dict[str, Any] | None = None,
+def plan_problem(problem: PlanningProblem, *, budget: BudgetInfo | None = None,
+                 train: TrainSpec | None = None,
                  options: PlannerOptions = PlannerOptions()) -> Plan:
     """Solve, assemble the Plan with its baselines, validate it."""
     result: PlannerResult = solve(problem, options)
@@ -143,25 +140,27 @@ def plan_problem(problem: PlanningProblem, *, budget: dict[str, Any] | None = No
         alternative(problem, b.name, b.description, b.recompute, b.stage_of, b.evaluation)
         for b in baselines(problem, best.table))
     plan = make_plan(problem, best.table.config, best.evaluation, best.assignment.modes,
-                     stats, budget=budget or _budget_dict(problem.devices),
-                     train=train or _train_dict(problem.train), alternatives=alternatives,
+                     stats, budget=budget or _budget_info(problem.devices),
+                     train=train or _train_spec(problem.train), alternatives=alternatives,
                      meshes=result.meshes)
     validate_plan(problem, plan)
     return plan
 
 
-def _budget_dict(devices: DeviceNumbers) -> dict[str, Any]:
+def _budget_info(devices: DeviceNumbers) -> BudgetInfo:
     """The budget as the plan records it, when only the numbers are known."""
-    return {"device": "custom", "num_devices": devices.num_devices,
-            "memory": format_bytes(min(devices.memory_bytes)),
-            "memory_bytes": list(devices.memory_bytes), "peak_flops": devices.peak_flops,
-            "devices_per_node": devices.devices_per_node}
+    return BudgetInfo(device="custom", num_devices=devices.num_devices,
+                      memory_bytes=devices.memory_bytes, peak_flops=devices.peak_flops,
+                      devices_per_node=devices.devices_per_node)
 
 
-def _train_dict(train: TrainNumbers) -> dict[str, Any]:
-    return {"global_batch_size": train.global_batch_size,
-            "dtype": f"{train.weight_bytes_per_param:g}-byte weights",
-            "optimizer": f"{train.optimizer_bytes_per_param:g} bytes of state per parameter"}
+def _train_spec(train: TrainNumbers) -> TrainSpec:
+    """The training setup as the plan records it, when only the numbers are known: fp32,
+    or bf16 for 2-byte weights; the optimizer as its bytes of state per parameter."""
+    precision = train.precision
+    return TrainSpec(global_batch_size=train.global_batch_size,
+                     dtype=torch.bfloat16 if precision.mixed else torch.float32,
+                     optimizer=precision.optimizer_state_bytes)
 
 
 def compile(model: torch.nn.Module, example_inputs: tuple | torch.Tensor, *,
@@ -203,12 +202,16 @@ def compile(model: torch.nn.Module, example_inputs: tuple | torch.Tensor, *,
     if cache is not None and graph is not None:
         cache.put_analysis(key, problem.model)
     start = time.perf_counter()
+    recorded = BudgetInfo.from_dict(budget.to_dict(train.dtype))
     plan = cache.plan(problem) if cache is not None else None
     if plan is not None:
+        # The cache keys on what the planner reads; the rest of the setup (the runtime's
+        # max_grad_norm, the budget's name) is this compile's, not the stored plan's.
+        plan = dataclasses.replace(plan, budget=recorded, train=train)
         validate_plan(problem, plan)
     else:
-        plan = plan_problem(problem, budget=budget.to_dict(train.dtype),
-                            train=train.to_dict(), options=options or PlannerOptions())
+        plan = plan_problem(problem, budget=recorded, train=train,
+                            options=options or PlannerOptions())
         if cache is not None:
             cache.put_plan(problem, plan)
     log.info("planned in %.2f s: %s", time.perf_counter() - start, plan.solver.status)

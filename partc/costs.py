@@ -48,7 +48,8 @@ from dataclasses import dataclass
 from typing import Any, Sequence
 
 from .collectives import Group, collective_seconds
-from .problem import DeviceNumbers, HeavyOp, LayerCost, PlanningProblem
+from .problem import (ZERO_STAGES, DeviceNumbers, HeavyOp, LayerCost, PlanningProblem,
+                      effective_zero_stage)
 
 PS_PER_S = 10**12
 
@@ -71,6 +72,11 @@ class PipelineConfig:
     tp_objective: str = "time"
     zero_stage: int = 0  # 1: optimizer state sharded over dp, 2: gradients too, 3: weights too
     chunks: int = 1      # interleaved-1f1b: model chunks (virtual stages) per pipeline rank
+
+    @property
+    def effective_zero_stage(self) -> int:
+        """The ZeRO stage that runs (0 with one replica): :func:`effective_zero_stage`."""
+        return effective_zero_stage(self.zero_stage, self.dp)
 
     @property
     def virtual_stages(self) -> int:
@@ -145,9 +151,6 @@ class CostTable:
         return len(self.layers)
 
 
-ZERO_STAGES = (0, 1, 2, 3)
-
-
 def zero_state_bytes(params: float, weight_bytes: float, grad_bytes: float,
                      optimizer_bytes: float, dp: int, stage: int) -> dict[str, float]:
     """Per-device bytes of weights, gradients and optimizer state for ``params``
@@ -165,36 +168,19 @@ def zero_state_bytes(params: float, weight_bytes: float, grad_bytes: float,
     }
 
 
-def precision_bytes(train) -> tuple[float, float, float]:
-    """Bytes per parameter as the runtime keeps them: (compute weights, fp32 master
-    weights and gradients, optimizer state without the master).
-
-    In fp32 the weights are their own master. In mixed precision (bf16) the runtime's
-    parameters stay fp32 and are the master: under ZeRO 0/1 autocast computes in bf16
-    and gradients are fp32; under ZeRO-2/3 FSDP gathers bf16 copies of the fp32 shards
-    and reduce-scatters gradients in fp32. So, per parameter, fp32 Adam holds 4 + 4 + 8
-    and bf16 Adam 4 + 4 + 8 too under ZeRO-0 (TrainSpec's 2 + 2 + 12 counts the same
-    16 bytes the ZeRO paper's way), 4 + 4 + 8/d under ZeRO-1, 2 + 12/d + 4/d under
-    ZeRO-2 (the gathered bf16 weights, the fp32 shards), and 16/d under ZeRO-3."""
-    compute = train.weight_bytes_per_param
-    master = max(compute, 4.0)
-    # TrainSpec counts a narrow dtype's fp32 master copy in the optimizer state; here the
-    # fp32 parameters are that copy, so it leaves the optimizer's share whole.
-    own_master = master if compute < master else 0.0
-    return compute, master, train.optimizer_bytes_per_param - own_master
-
-
 def _state_bytes(problem: PlanningProblem, config: PipelineConfig, params: int,
                  gathered: bool = False) -> dict[str, int]:
-    """What the runtime holds (see :func:`precision_bytes`): ZeRO's sharding, except that
-    under ZeRO-2 FSDP keeps each rank's fp32 shard beside the gathered weights
-    (``gathered``: weights the root unit keeps gathered through the step, such as tied
-    ones, likewise under ZeRO-3)."""
-    compute, master, optimizer = precision_bytes(problem.train)
-    zero = config.zero_stage if config.dp > 1 else 0
-    state = zero_state_bytes(params, master, master, optimizer, dp=config.dp, stage=zero)
+    """What the runtime holds (see :class:`partc.problem.Precision`): ZeRO's sharding,
+    except that under ZeRO-2 FSDP keeps each rank's fp32 shard beside the gathered
+    weights (``gathered``: weights the root unit keeps gathered through the step, such as
+    tied ones, likewise under ZeRO-3)."""
+    precision = problem.train.precision
+    master = precision.master_bytes
+    zero = config.effective_zero_stage
+    state = zero_state_bytes(params, master, master, precision.optimizer_state_bytes,
+                             dp=config.dp, stage=zero)
     if zero == 2 or zero == 3 and gathered:
-        state["params"] = params * (compute + master / config.dp)
+        state["params"] = params * (precision.compute_bytes + master / config.dp)
     return {kind: int(round(nbytes)) for kind, nbytes in state.items()}
 
 
@@ -202,14 +188,14 @@ def _zero_comm_seconds(problem: PlanningProblem, config: PipelineConfig,
                        params: int) -> dict[str, float]:
     """ZeRO-2/3 collectives of ``params`` parameters over dp (ring), by when they run:
     per microbatch in forward or backward, or once per step."""
-    zero = config.zero_stage if config.dp > 1 else 0
+    zero = config.effective_zero_stage
     result = {"forward": 0.0, "backward": 0.0, "step": 0.0}
     if zero < 2:
         return result
-    compute, master, _ = precision_bytes(problem.train)
+    precision = problem.train.precision
     group = dp_group(problem, config)
-    gather = collective_seconds("all_gather", params * compute, group)   # compute dtype
-    scatter = collective_seconds("reduce_scatter", params * master, group)   # fp32
+    gather = collective_seconds("all_gather", params * precision.compute_bytes, group)
+    scatter = collective_seconds("reduce_scatter", params * precision.master_bytes, group)
     if zero == 2:
         result.update(backward=scatter, step=gather)
     else:
@@ -229,13 +215,14 @@ def _tail_ps(problem: PlanningProblem, config: PipelineConfig, params: int) -> i
     and ZeRO-2 gathers the parameters once per step. (ZeRO 0/1's gradient all-reduce is
     :func:`_sync_ps`.)"""
     devices = problem.devices
-    _, master, optimizer = precision_bytes(problem.train)
+    master = problem.train.precision.master_bytes
+    optimizer = problem.train.precision.optimizer_state_bytes
     seconds = 0.0
     stepped = params
-    if config.dp > 1 and config.zero_stage >= 2:
+    if config.effective_zero_stage >= 2:
         stepped = params / config.dp
         seconds += _zero_comm_seconds(problem, config, params)["step"]
-    elif config.dp > 1 and config.zero_stage == 1:
+    elif config.effective_zero_stage == 1:
         stepped = params / config.dp
         bandwidth = dp_group(problem, config).bandwidth
         seconds += (config.dp - 1) / config.dp * params * master / bandwidth
@@ -248,9 +235,9 @@ def _tail_ps(problem: PlanningProblem, config: PipelineConfig, params: int) -> i
 def _sync_ps(problem: PlanningProblem, config: PipelineConfig, params: int) -> int:
     """ZeRO 0/1: the bandwidth term of the fp32 gradient all-reduce over dp (ring: 2
     (d-1)/d of the bytes; its latency is charged once per step, as for one bucket)."""
-    if config.dp == 1 or config.zero_stage >= 2:
+    if config.dp == 1 or config.effective_zero_stage >= 2:
         return 0
-    _, master, _ = precision_bytes(problem.train)
+    master = problem.train.precision.master_bytes
     bandwidth = dp_group(problem, config).bandwidth
     return to_ps(2 * (config.dp - 1) / config.dp * params * master / bandwidth)
 
@@ -313,8 +300,8 @@ def _layer_table(problem: PlanningProblem, config: PipelineConfig, index: int) -
     b, scale = config.micro_batch_size, train.measured_scale
     work = layer_work(layer, devices, b, scale)
     saved = {m: int(round(b * scale * v)) for m, v in layer.saved_bytes.items()}
-    compute_bytes, master, _ = precision_bytes(train)
-    if compute_bytes < master and (config.zero_stage < 2 or config.dp == 1):
+    compute_bytes = train.precision.compute_bytes
+    if train.precision.mixed and config.effective_zero_stage < 2:
         # Autocast's compute-dtype copies of the weights, saved for backward by every
         # microbatch in flight (full recompute casts them again in backward).
         saved = {m: v + (int(round(layer.param_count * compute_bytes)) if m != "full" else 0)
@@ -354,10 +341,11 @@ def _zero_transient(problem: PlanningProblem, config: PipelineConfig,
     all-gather FSDP issues ahead (taken as the same size); ZeRO-2 gathered every weight
     for the step (state). As it ends, its whole gradient (compute dtype) and the fp32
     reduce-scatter input FSDP copies it into before freeing it."""
-    zero = config.zero_stage if config.dp > 1 else 0
-    compute, master, _ = precision_bytes(problem.train)
+    zero = config.effective_zero_stage
     if zero < 2:
         return 0, 0
+    precision = problem.train.precision
+    compute, master = precision.compute_bytes, precision.master_bytes
     gathered = 2 * params * compute if zero == 3 else 0
     return int(round(gathered)), int(round(params * (compute + master)))
 
@@ -412,7 +400,7 @@ def _shared_tables(problem: PlanningProblem, config: PipelineConfig) -> tuple[Sh
             # fp32 gradients between the stages holding it (first and last, usually):
             # over the network unless the whole pipeline fits in one node.
             tie_sync_ps=to_ps(collective_seconds(
-                "send", group.param_count * precision_bytes(problem.train)[1],
+                "send", group.param_count * problem.train.precision.master_bytes,
                 Group.over(devices, 2, devices.num_devices))),
         )
         for group in problem.model.shared
@@ -515,7 +503,7 @@ def build_cost_table(problem: PlanningProblem, config: PipelineConfig,
                          f"{devices.num_devices} devices")
     shared = cache.shared(problem, config)
     limits = cache.limits(problem, config)
-    all_reduce = config.dp > 1 and config.zero_stage < 2
+    all_reduce = config.dp > 1 and config.effective_zero_stage < 2
     # The dp all-reduce's steps, once per step: ring or tree, whichever has fewer.
     group = dp_group(problem, config)
     latency = (collective_seconds("all_reduce", 0.0, group) if all_reduce else 0.0)

@@ -31,3 +31,7 @@ class PlanMismatchError(PartcError):
 
 class PlanValidationError(PartcError):
     """A plan broke one of the invariants that validate_plan checks."""
+
+
+class PlanSchemaError(PartcError, ValueError):
+    """A plan file this partc cannot read: another schema version, or a damaged section."""

@@ -1,34 +1,315 @@
-"""Plan: the planner's answer as JSON-ready data (DESIGN.md §2, "Plan schema").
+"""Plan: the planner's answer, typed (DESIGN.md §2, "Plan schema").
 
 A Plan names layers, never fx nodes, so it can be saved, diffed, reviewed and loaded
-again without tracing the model.
+again without tracing the model. Each section is a frozen dataclass; each decision is
+stored once, and what follows from decisions is a property computed in one place:
+
+- ``mesh`` (:class:`Mesh`): pp, dp, tp; ``zero_stage`` as chosen, and
+  :attr:`Plan.effective_zero_stage`, the one that runs (0 with one replica);
+- ``stages`` (:class:`StagePlan`): layers, recompute modes, :class:`StageMemory` and
+  :class:`StageTime` per rank, point-to-point messages (:class:`P2PMessages`);
+- ``tensor_parallel`` (:class:`TensorParallelPlan`, ``None`` when tp = 1): per parameter
+  FQN its :class:`partc.placement.Placement`, per layer the sharding strategies chosen;
+- ``train`` (:class:`partc.spec.TrainSpec`): the training setup with its real
+  ``torch.dtype`` (the runtime's compute dtype) and its ``precision`` (bytes per
+  parameter);
+- ``model`` (:class:`ModelInfo`), ``budget`` (:class:`BudgetInfo`), ``predicted``
+  (:class:`Predicted`), ``solver`` (:class:`SolverStats`), ``alternatives``
+  (:class:`Alternative`) and ``meshes`` (:class:`MeshOutcome`).
+
+``to_dict``/``to_json`` write schema version :data:`SCHEMA_VERSION`, and
+``from_dict``/``from_json`` read it back equal. Version 1 (untyped sections) still loads:
+:func:`migrate_v1` maps it to version 2, which differs only in the ``train`` section
+(version 1 could hold "4-byte weights" where a dtype name belongs, and derived
+``bytes_per_param``) and in ``p2p`` (``{}`` where version 2 writes ``null``).
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import asdict, dataclass, field
-from typing import Any
+import re
+from dataclasses import dataclass, field, fields
+from typing import Any, Iterable, Mapping
 
-SCHEMA_VERSION = 1
+import torch
+
+from .errors import PlanSchemaError
+from .placement import REPLICATE, Placement
+from .problem import effective_zero_stage
+from .spec import TrainSpec, dtype_name, dtype_named
+from .units import format_bytes
+
+SCHEMA_VERSION = 2
+
+
+def _scalars(record: Any) -> dict[str, Any]:
+    """A flat dataclass as JSON data, fields that are ``None`` left out."""
+    return {f.name: getattr(record, f.name) for f in fields(record)
+            if getattr(record, f.name) is not None}
+
+
+def _read(cls: type, data: Mapping[str, Any], where: str, **converted: Any) -> Any:
+    """``cls`` from JSON data, ``converted`` fields replacing theirs; a missing or unknown
+    key is a :class:`PlanSchemaError` naming the section."""
+    if not isinstance(data, Mapping):
+        raise PlanSchemaError(f"plan section {where} is a {type(data).__name__}, not a mapping")
+    known = {f.name for f in fields(cls)}
+    unknown = sorted(set(data) - known)
+    if unknown:
+        raise PlanSchemaError(f"plan section {where} has unknown keys {unknown}")
+    try:
+        return cls(**{**data, **converted})
+    except TypeError as error:   # a required key is missing
+        raise PlanSchemaError(f"plan section {where}: {error}") from None
+
+
+@dataclass(frozen=True, kw_only=True)
+class Mesh:
+    """Devices as a (pp, dp, tp) grid; ranks are ordered with tp innermost."""
+
+    pp: int
+    dp: int
+    tp: int = 1
+
+    @property
+    def size(self) -> int:
+        return self.pp * self.dp * self.tp
+
+    def to_dict(self) -> dict[str, int]:
+        return {"pp": self.pp, "dp": self.dp, "tp": self.tp}
+
+    def __str__(self) -> str:
+        return f"pp={self.pp} dp={self.dp} tp={self.tp}"
+
+
+@dataclass(frozen=True, kw_only=True)
+class StageMemory:
+    """Bytes per rank of a stage, by category; ``peak`` is their sum."""
+
+    params: int
+    grads: int
+    optimizer: int
+    activations: int
+    transient: int   # the largest working set of one layer
+    peak: int
+
+
+@dataclass(frozen=True, kw_only=True)
+class StageTime:
+    """Seconds per step on a rank of a stage: every microbatch's forward, backward,
+    recompute and point-to-point communication; ``tail`` once per step after the
+    pipeline drains (gradient sync left exposed, the optimizer step)."""
+
+    forward: float
+    backward: float
+    recompute: float
+    comm: float
+    tail: float
+
+
+@dataclass(frozen=True, kw_only=True)
+class P2PMessages:
+    """Point-to-point messages per step on each rank of a stage (activations forward,
+    their gradients backward)."""
+
+    sends: int
+    recvs: int
 
 
 @dataclass(frozen=True, kw_only=True)
 class StagePlan:
     index: int
     layers: tuple[str, ...]
-    recompute: dict[str, str]
+    recompute: dict[str, str]   # layer -> "none" | "selective" | "full"
     param_count: int
-    memory_bytes: dict[str, int]
+    memory_bytes: StageMemory
     limit_bytes: int
-    time_s: dict[str, float]
-    # Point-to-point messages per step on each rank of this stage (activations forward,
-    # their gradients backward): {"sends": n, "recvs": n}.
-    p2p: dict[str, int] = field(default_factory=dict)
+    time_s: StageTime
+    p2p: P2PMessages | None = None   # None: the problem does not count messages
     # Interleaved 1F1B: the stage's runs of layers (it holds runs index, index + pp, ...);
     # empty otherwise (``layers`` is then one run).
     runs: tuple[tuple[str, ...], ...] = ()
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"index": self.index, "layers": list(self.layers),
+                "recompute": dict(self.recompute), "param_count": self.param_count,
+                "memory_bytes": _scalars(self.memory_bytes), "limit_bytes": self.limit_bytes,
+                "time_s": _scalars(self.time_s),
+                "p2p": _scalars(self.p2p) if self.p2p is not None else None,
+                "runs": [list(run) for run in self.runs]}
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> "StagePlan":
+        where = f"stages[{data.get('index')}]"
+        p2p = data.get("p2p")
+        return _read(cls, data, where, layers=tuple(data.get("layers", ())),
+                     recompute=dict(data.get("recompute", {})),
+                     memory_bytes=_read(StageMemory, data.get("memory_bytes", {}),
+                                        where + ".memory_bytes"),
+                     time_s=_read(StageTime, data.get("time_s", {}), where + ".time_s"),
+                     p2p=_read(P2PMessages, p2p, where + ".p2p") if p2p is not None else None,
+                     runs=tuple(tuple(run) for run in data.get("runs", ())))
+
+
+@dataclass(frozen=True, kw_only=True)
+class TPCollective:
+    """One tensor-parallel collective of a layer per microbatch."""
+
+    kind: str     # "all_reduce" | "all_gather" | "reduce_scatter"
+    phase: str    # "forward" | "backward"
+    nbytes: int   # of the whole tensor
+
+    def to_list(self) -> list:
+        return [self.kind, self.phase, self.nbytes]
+
+
+@dataclass(frozen=True, kw_only=True)
+class TensorParallelPlan:
+    """How each rank of a tensor-parallel group of ``degree`` holds and runs its layers.
+
+    ``params`` places every parameter (by FQN); ``choices`` gives per layer the strategy
+    index of each node, which the tensor-parallel rewrite replays on the traced graph;
+    ``partial_grad_params`` are replicated parameters whose gradients are partial sums
+    over the group. ``collectives`` and ``collective_seconds`` are per layer and
+    microbatch, as the cost model prices them; ``notes`` say why a layer stays replicated.
+    """
+
+    degree: int
+    sequence_parallel: bool
+    objective: str   # what the per-layer choice minimised first: "time" or "memory"
+    params: dict[str, Placement]
+    partial_grad_params: tuple[str, ...] = ()
+    choices: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    collectives: dict[str, tuple[TPCollective, ...]] = field(default_factory=dict)
+    collective_seconds: dict[str, float] = field(default_factory=dict)
+    notes: dict[str, str] = field(default_factory=dict)
+
+    def placement(self, names: Iterable[str]) -> Placement:
+        """How a parameter known under ``names`` (all its FQNs) is placed."""
+        return next((self.params[n] for n in names if n in self.params), REPLICATE)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"degree": self.degree, "sequence_parallel": self.sequence_parallel,
+                "objective": self.objective,
+                "params": {fqn: str(p) for fqn, p in self.params.items()},
+                "partial_grad_params": list(self.partial_grad_params),
+                "choices": {layer: list(c) for layer, c in self.choices.items()},
+                "collectives": {layer: [c.to_list() for c in moves]
+                                for layer, moves in self.collectives.items()},
+                "collective_seconds": dict(self.collective_seconds),
+                "notes": dict(self.notes)}
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> "TensorParallelPlan":
+        def collective(move: list) -> TPCollective:
+            kind, phase, nbytes = move
+            return TPCollective(kind=kind, phase=phase, nbytes=nbytes)
+
+        try:
+            params = {fqn: Placement.parse(p) for fqn, p in data.get("params", {}).items()}
+        except ValueError as error:
+            raise PlanSchemaError(f"plan section tensor_parallel.params: {error}") from None
+        return _read(cls, data, "tensor_parallel", params=params,
+                     partial_grad_params=tuple(data.get("partial_grad_params", ())),
+                     choices={layer: tuple(c) for layer, c in data.get("choices", {}).items()},
+                     collectives={layer: tuple(collective(m) for m in moves)
+                                  for layer, moves in data.get("collectives", {}).items()},
+                     collective_seconds=dict(data.get("collective_seconds", {})),
+                     notes=dict(data.get("notes", {})))
+
+
+@dataclass(frozen=True, kw_only=True)
+class InputSpec:
+    """One input of the model (the target last, named "target"): its shape without the
+    batch dimension and its dtype."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"name": self.name, "shape": list(self.shape), "dtype": dtype_name(self.dtype)}
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> "InputSpec":
+        try:
+            dtype = dtype_named(data.get("dtype"))
+        except ValueError as error:
+            raise PlanSchemaError(f"plan section model.inputs: {error}") from None
+        return _read(cls, data, "model.inputs", shape=tuple(data.get("shape", ())),
+                     dtype=dtype)
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelInfo:
+    name: str
+    num_params: int
+    hash: str   # partc.identity.model_hash: ranks check they run the planned model
+    tracer: str   # "symbolic_trace" | "export"
+    num_layers: int
+    inputs: tuple[InputSpec, ...] = ()   # empty: written before partc recorded them
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**_scalars(self), "inputs": [spec.to_dict() for spec in self.inputs]}
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> "ModelInfo":
+        return _read(cls, data, "model",
+                     inputs=tuple(InputSpec.from_dict(s) for s in data.get("inputs", ())))
+
+
+@dataclass(frozen=True, kw_only=True)
+class BudgetInfo:
+    """The device budget the plan was made for (``DeviceBudget.to_dict``'s numbers)."""
+
+    device: str
+    num_devices: int
+    memory_bytes: tuple[int, ...]   # per device
+    peak_flops: float
+    devices_per_node: int
+    flops_efficiency: float | None = None
+    hbm_bandwidth: float | None = None
+    intra_node_bandwidth: float | None = None
+    inter_node_bandwidth: float | None = None
+    link_latency_s: float | None = None
+    intra_node_latency_s: float | None = None
+    source: str | None = None    # "profile" when a calibration profile gave the numbers
+    profile: str | None = None   # its path
+    preset: str | None = None    # the preset it overrides
+
+    @property
+    def memory(self) -> str:
+        """The smallest device memory, for people."""
+        return format_bytes(min(self.memory_bytes))
+
+    def to_dict(self) -> dict[str, Any]:
+        memory = self.memory_bytes
+        return {**_scalars(self), "memory": self.memory,
+                "memory_bytes": memory[0] if len(set(memory)) == 1 else list(memory)}
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> "BudgetInfo":
+        data = {k: v for k, v in data.items() if k != "memory"}   # derived
+        memory = data.get("memory_bytes", ())
+        if isinstance(memory, (int, float)):
+            memory = (memory,) * data.get("num_devices", 1)
+        return _read(cls, data, "budget", memory_bytes=tuple(memory))
+
+
+@dataclass(frozen=True, kw_only=True)
+class Predicted:
+    """What the cost model predicts for one step of the plan."""
+
+    step_time_s: float
+    samples_per_s: float
+    mfu: float
+    bubble_fraction: float
+    peak_memory_bytes: int
+    pipeline_time_s: float
+    bottleneck_s: float   # the slowest stage, per microbatch
+    tail_time_s: float
+    tokens_per_s: float | None = None   # when a sample is a sequence
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -44,35 +325,101 @@ class SolverStats:
 
 
 @dataclass(frozen=True, kw_only=True)
+class Alternative:
+    """An obvious plan the report compares with, under the same cost model."""
+
+    name: str
+    description: str
+    recompute: str
+    stages: tuple[tuple[str, ...], ...]
+    step_time_s: float
+    fits: bool
+    peak_memory_bytes: int
+    worst_stage: int
+    worst_need_bytes: int
+    worst_limit_bytes: int
+    bottleneck_s: float
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> "Alternative":
+        return _read(cls, data, "alternatives",
+                     stages=tuple(tuple(s) for s in data.get("stages", ())))
+
+
+@dataclass(frozen=True, kw_only=True)
+class MeshOutcome:
+    """One (pp, dp, tp) factorisation the planner weighed: its fastest configuration
+    and step time, or why it has none (``outcome``: "solved", "pruned", "time limit",
+    "infeasible")."""
+
+    pp: int
+    dp: int
+    tp: int
+    outcome: str
+    step_time_s: float | None = None
+    solver_status: str | None = None
+    micro_batch_size: int | None = None
+    num_microbatches: int | None = None
+    schedule: str | None = None
+    zero_stage: int | None = None
+    sequence_parallel: bool | None = None
+    bound_s: float | None = None
+    need_bytes: int | None = None    # infeasible: the tightest split's need per device
+    limit_bytes: int | None = None
+
+    @property
+    def mesh(self) -> Mesh:
+        return Mesh(pp=self.pp, dp=self.dp, tp=self.tp)
+
+
+@dataclass(frozen=True, kw_only=True)
 class Plan:
-    mesh: dict[str, int]
+    mesh: Mesh
     schedule: str
     num_microbatches: int
     micro_batch_size: int
-    zero_stage: int
+    zero_stage: int   # as chosen or pinned; see effective_zero_stage
     stages: tuple[StagePlan, ...]
-    predicted: dict[str, float]
+    predicted: Predicted
     solver: SolverStats
-    budget: dict[str, Any] = field(default_factory=dict)
-    train: dict[str, Any] = field(default_factory=dict)
-    model: dict[str, Any] = field(default_factory=dict)
-    tensor_parallel: dict[str, Any] = field(default_factory=dict)
-    alternatives: tuple[dict[str, Any], ...] = ()
-    # Every (pp, dp, tp) factorisation the planner considered, best first: its fastest
-    # configuration and step time, or why it has none (``assemble.mesh_summary``).
-    meshes: tuple[dict[str, Any], ...] = ()
+    budget: BudgetInfo
+    train: TrainSpec
+    model: ModelInfo
+    tensor_parallel: TensorParallelPlan | None = None
+    alternatives: tuple[Alternative, ...] = ()
+    # Every (pp, dp, tp) factorisation the planner considered, best first.
+    meshes: tuple[MeshOutcome, ...] = ()
 
     @property
     def pp(self) -> int:
-        return self.mesh["pp"]
+        return self.mesh.pp
 
     @property
     def dp(self) -> int:
-        return self.mesh["dp"]
+        return self.mesh.dp
 
     @property
     def tp(self) -> int:
-        return self.mesh.get("tp", 1)
+        return self.mesh.tp
+
+    @property
+    def effective_zero_stage(self) -> int:
+        """The ZeRO stage the runtime runs (:func:`partc.problem.effective_zero_stage`)."""
+        return effective_zero_stage(self.zero_stage, self.dp)
+
+    @property
+    def sequence_parallel(self) -> bool:
+        return self.tensor_parallel is not None and self.tensor_parallel.sequence_parallel
+
+    @property
+    def tp_objective(self) -> str:
+        return self.tensor_parallel.objective if self.tensor_parallel is not None else "time"
+
+    def placement(self, names: Iterable[str]) -> Placement:
+        """How the plan places a parameter known under ``names`` (all its FQNs)."""
+        if self.tensor_parallel is None:
+            return REPLICATE
+        return self.tensor_parallel.placement(names)
 
     @property
     def layer_names(self) -> tuple[str, ...]:
@@ -96,43 +443,97 @@ class Plan:
     def recompute(self) -> dict[str, str]:
         return {k: v for stage in self.stages for k, v in stage.recompute.items()}
 
-    def to_dict(self) -> dict[str, Any]:
-        data = asdict(self)
-        data["stages"] = [{**s, "layers": list(s["layers"])} for s in data["stages"]]
-        return {"schema_version": SCHEMA_VERSION, **data}
-
-    def to_json(self) -> str:
-        return json.dumps(self.to_dict(), indent=2, sort_keys=False)
-
     @property
     def hash(self) -> str:
         """Hash of the decisions (not of timings): ranks compare it before running."""
         decisions = {
-            "mesh": self.mesh, "schedule": self.schedule,
+            "mesh": self.mesh.to_dict(), "schedule": self.schedule,
             "num_microbatches": self.num_microbatches,
             "micro_batch_size": self.micro_batch_size, "zero_stage": self.zero_stage,
             "stages": [[list(s.layers), s.recompute] for s in self.stages],
             **({"runs": [list(r) for r in self.runs]} if self.chunks > 1 else {}),
-            "tensor_parallel": self.tensor_parallel, "model": self.model.get("hash"),
+            "tensor_parallel": self._tensor_parallel_dict(), "model": self.model.hash,
         }
         return hashlib.sha256(json.dumps(decisions, sort_keys=True).encode()).hexdigest()[:16]
 
+    def _tensor_parallel_dict(self) -> dict[str, Any]:
+        return self.tensor_parallel.to_dict() if self.tensor_parallel is not None else {}
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "schema_version": SCHEMA_VERSION,
+            "mesh": self.mesh.to_dict(), "schedule": self.schedule,
+            "num_microbatches": self.num_microbatches,
+            "micro_batch_size": self.micro_batch_size, "zero_stage": self.zero_stage,
+            "stages": [stage.to_dict() for stage in self.stages],
+            "predicted": _scalars(self.predicted), "solver": _scalars(self.solver),
+            "budget": self.budget.to_dict(), "train": self.train.to_dict(),
+            "model": self.model.to_dict(), "tensor_parallel": self._tensor_parallel_dict(),
+            "alternatives": [{**_scalars(a), "stages": [list(s) for s in a.stages]}
+                             for a in self.alternatives],
+            "meshes": [_scalars(m) for m in self.meshes],
+        }
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2, sort_keys=False)
+
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> "Plan":
-        version = data.get("schema_version", SCHEMA_VERSION)
-        if version != SCHEMA_VERSION:
-            raise ValueError(f"plan schema version {version} is not supported "
-                             f"(this partc reads version {SCHEMA_VERSION})")
-        fields = {k: v for k, v in data.items() if k != "schema_version"}
-        fields["stages"] = tuple(
-            StagePlan(**{**s, "layers": tuple(s["layers"]),
-                         "runs": tuple(tuple(r) for r in s.get("runs", ()))})
-            for s in data["stages"])
-        fields["solver"] = SolverStats(**data["solver"])
-        fields["alternatives"] = tuple(data.get("alternatives", ()))
-        fields["meshes"] = tuple(data.get("meshes", ()))
-        return cls(**fields)
+    def from_dict(cls, data: Mapping[str, Any]) -> "Plan":
+        """A plan from ``to_dict``'s data, of this schema version or version 1."""
+        version = data.get("schema_version", 1)
+        if version == 1:
+            data = migrate_v1(data)
+        elif version != SCHEMA_VERSION:
+            raise PlanSchemaError(
+                f"plan schema version {version} is not one this partc reads (1 and "
+                f"{SCHEMA_VERSION}): it was written by another version of partc; compile "
+                "the model again with this one (partc.compile or `partc plan`)")
+        sections = {k: v for k, v in data.items() if k != "schema_version"}
+        get = sections.get
+        tp = get("tensor_parallel") or None
+        try:
+            train = TrainSpec.from_dict(get("train", {}))
+        except (TypeError, ValueError) as error:
+            raise PlanSchemaError(f"plan section train: {error}") from None
+        return _read(
+            cls, sections, "plan", mesh=_read(Mesh, get("mesh", {}), "mesh"),
+            stages=tuple(StagePlan.from_dict(s) for s in get("stages", ())),
+            predicted=_read(Predicted, get("predicted", {}), "predicted"),
+            solver=_read(SolverStats, get("solver", {}), "solver"),
+            budget=BudgetInfo.from_dict(get("budget", {})), train=train,
+            model=ModelInfo.from_dict(get("model", {})),
+            tensor_parallel=TensorParallelPlan.from_dict(tp) if tp else None,
+            alternatives=tuple(Alternative.from_dict(a) for a in get("alternatives", ())),
+            meshes=tuple(_read(MeshOutcome, m, "meshes") for m in get("meshes", ())))
 
     @classmethod
     def from_json(cls, text: str) -> "Plan":
         return cls.from_dict(json.loads(text))
+
+
+_V1_WEIGHTS = re.compile(r"^(\d+(?:\.\d+)?)-byte weights$")
+_V1_OPTIMIZER = re.compile(r"^(\d+(?:\.\d+)?) bytes of state per parameter$")
+
+
+def migrate_v1(data: Mapping[str, Any]) -> dict[str, Any]:
+    """A version-1 plan as version 2: its ``train`` section with a dtype name and the
+    optimizer's own state (version 1 wrote, for a problem planned from numbers alone,
+    "4-byte weights" and the optimizer's bytes with a mixed-precision master copy in
+    them), derived ``bytes_per_param`` dropped, and ``p2p`` ``None`` where it was empty.
+    A plan too old to hold what version 2 needs is refused by :meth:`Plan.from_dict`
+    with the section it lacks."""
+    data = dict(data, schema_version=SCHEMA_VERSION)
+    train = {k: v for k, v in data.get("train", {}).items() if k != "bytes_per_param"}
+    weights = _V1_WEIGHTS.match(str(train.get("dtype", "")))
+    if weights:
+        mixed = float(weights.group(1)) < 4
+        train["dtype"] = "bfloat16" if mixed else "float32"
+        state = _V1_OPTIMIZER.match(str(train.get("optimizer", "")))
+        if state:
+            train["optimizer"] = float(state.group(1)) - (4.0 if mixed else 0.0)
+    if "global_batch_size" not in train and "mesh" in data:
+        train["global_batch_size"] = (data["mesh"].get("dp", 1) * data.get("micro_batch_size", 0)
+                                      * data.get("num_microbatches", 0))
+    data["train"] = train
+    data["stages"] = [{**s, "p2p": s.get("p2p") or None} for s in data.get("stages", ())]
+    return data

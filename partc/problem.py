@@ -21,7 +21,57 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
+from .placement import Placement
+
 RECOMPUTE_MODES: tuple[str, ...] = ("none", "selective", "full")
+
+# 0: plain data parallelism; 1: optimizer state sharded over dp; 2: gradients too;
+# 3: weights too.
+ZERO_STAGES: tuple[int, ...] = (0, 1, 2, 3)
+MASTER_BYTES = 4.0   # fp32, the dtype of master weights and their gradients
+
+
+def effective_zero_stage(zero_stage: int, dp: int) -> int:
+    """The ZeRO stage that runs: with one data-parallel replica there is nothing to shard
+    over, whatever was chosen or pinned."""
+    return zero_stage if dp > 1 else 0
+
+
+@dataclass(frozen=True, kw_only=True)
+class Precision:
+    """Bytes per parameter as the runtime keeps them, by precision; the one place that
+    says so (``TrainSpec`` makes it, the cost model reads it).
+
+    In fp32 the weights are their own master. In mixed precision (bf16) the runtime's
+    parameters stay fp32 and are the master: under ZeRO 0/1 autocast computes in bf16
+    and gradients are fp32; under ZeRO-2/3 FSDP gathers bf16 copies of the fp32 shards
+    and reduce-scatters gradients in fp32. So, per parameter, fp32 Adam holds 4 + 4 + 8
+    and bf16 Adam 4 + 4 + 8 too under ZeRO-0 (the ZeRO paper's 2 + 2 + 12,
+    :attr:`zero_paper_bytes`, counts the same 16 bytes), 4 + 4 + 8/d under ZeRO-1,
+    2 + 12/d + 4/d under ZeRO-2 (the gathered bf16 weights, the fp32 shards), and 16/d
+    under ZeRO-3 (``partc.costs`` applies the sharding).
+    """
+
+    compute_bytes: float            # a weight as the layers compute with it: 4 fp32, 2 bf16
+    optimizer_state_bytes: float    # the optimizer's own state, fp32 (Adam: 8, SGD: 0)
+
+    @property
+    def master_bytes(self) -> float:
+        """The fp32 parameters (the master weights) and their gradients."""
+        return max(self.compute_bytes, MASTER_BYTES)
+
+    @property
+    def mixed(self) -> bool:
+        """Compute in a narrower dtype than the master weights."""
+        return self.compute_bytes < self.master_bytes
+
+    @property
+    def zero_paper_bytes(self) -> tuple[float, float, float]:
+        """(weights, gradients, optimizer state) the ZeRO paper's way: compute-dtype
+        weights and gradients, the fp32 master copy counted with the optimizer state
+        (2 + 2 + 12 for mixed-precision Adam)."""
+        master = self.master_bytes if self.mixed else 0.0
+        return self.compute_bytes, self.compute_bytes, self.optimizer_state_bytes + master
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -173,7 +223,7 @@ class TPOption:
     model: ModelAnalysis
     objective: str = "time"   # what the per-layer choice minimised first: time or memory
     choices: tuple[tuple[str, tuple[int, ...]], ...]
-    placements: tuple[tuple[str, str], ...]
+    placements: tuple[tuple[str, Placement], ...]   # (parameter FQN, placement), sorted
     partial_grad_params: tuple[str, ...] = ()
     notes: tuple[tuple[str, str], ...] = ()   # (layer, why it stays replicated)
 
@@ -210,9 +260,7 @@ class TrainNumbers:
     # Bytes of the training dtype per traced byte: for the tensors measured as traced
     # (cuts, tensor-parallel collectives).
     activation_scale: float
-    weight_bytes_per_param: float
-    grad_bytes_per_param: float
-    optimizer_bytes_per_param: float
+    precision: Precision
     # The same for what ``estimate`` measured per layer (saved activations, working sets,
     # bytes moved): 1 when it measured them under the training's autocast.
     measured_scale: float = 1.0

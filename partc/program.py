@@ -36,19 +36,17 @@ class Program:
 
         self._need_model("lower the plan")
         plan = self.plan
-        example = {spec["name"]: torch.empty((plan.micro_batch_size, *spec["shape"]),
-                                             dtype=getattr(torch, spec["dtype"]),
-                                             device="meta")
-                   for spec in plan.model["inputs"]}
+        example = {spec.name: torch.empty((plan.micro_batch_size, *spec.shape),
+                                          dtype=spec.dtype, device="meta")
+                   for spec in plan.model.inputs}
         target = example.pop("target", None)
-        tensor_parallel = plan.tensor_parallel or {}
+        tensor_parallel = plan.tensor_parallel
         lowering = Lowering(
             stages=tuple(tuple(stage.layers) for stage in plan.stages),
             recompute=plan.recompute, tp=plan.tp,
-            sequence_parallel=bool(tensor_parallel.get("sequence_parallel")),
-            tp_choices=tensor_parallel.get("choices", {}),
-            fsdp_units=plan.dp > 1 and plan.zero_stage >= 2,
-            attention=plan.train.get("attention", "as_written"))
+            sequence_parallel=plan.sequence_parallel,
+            tp_choices=dict(tensor_parallel.choices) if tensor_parallel is not None else {},
+            fsdp_units=plan.effective_zero_stage >= 2, attention=plan.train.attention)
         return lower(self.model, tuple(example.values()), lowering, loss_fn=self.loss_fn,
                      example_target=target, only=only)
 

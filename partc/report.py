@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import json
 
-from .plan import Plan
+from .placement import REPLICATE
+from .plan import MeshOutcome, Plan
+from .spec import dtype_name
 from .units import format_bytes, format_count, format_seconds
 
 FORMATS = ("text", "markdown", "json")
@@ -44,24 +46,30 @@ _ATTENTION = {"as_written": "as the model writes it",
 
 def _headline(plan: Plan) -> list[str]:
     p, model, budget, train = plan.predicted, plan.model, plan.budget, plan.train
+    zero = plan.effective_zero_stage
     lines = [
-        f"model: {model.get('name')}, {format_count(model.get('num_params', 0))} parameters, "
-        f"{model.get('num_layers')} layers (traced with {model.get('tracer')})",
-        f"budget: {budget.get('num_devices')} x {budget.get('device')} "
-        f"({budget.get('memory')} each, {budget.get('devices_per_node')} per node)",
-        f"training: global batch {train.get('global_batch_size')}, {train.get('dtype')}, "
-        f"{train.get('optimizer')}, attention {_ATTENTION[train.get('attention', 'as_written')]}",
-        f"plan: pp={plan.mesh['pp']} dp={plan.mesh['dp']} tp={plan.mesh['tp']}"
-        + (f" (ZeRO-{plan.zero_stage}: {_ZERO_SHARDS[plan.zero_stage]} sharded over dp)"
-           if plan.zero_stage else "") + ", "
+        f"model: {model.name}, {format_count(model.num_params)} parameters, "
+        f"{model.num_layers} layers (traced with {model.tracer})",
+        f"budget: {budget.num_devices} x {budget.device} "
+        f"({budget.memory} each, {budget.devices_per_node} per node)",
+        f"training: global batch {train.global_batch_size}, {dtype_name(train.dtype)}, "
+        f"{_optimizer(train.optimizer)}, attention {_ATTENTION[train.attention]}",
+        f"plan: {plan.mesh}"
+        + (f" (ZeRO-{zero}: {_ZERO_SHARDS[zero]} sharded over dp)" if zero else "") + ", "
         f"{plan.schedule}, {plan.num_microbatches} microbatches of {plan.micro_batch_size}",
-        f"predicted: step {format_seconds(p['step_time_s'])}, "
-        f"{p['samples_per_s']:.2f} samples/s"
-        + (f", {p['tokens_per_s']:.0f} tokens/s" if "tokens_per_s" in p else "")
-        + f", MFU {100 * p['mfu']:.1f}%, bubble {100 * p['bubble_fraction']:.1f}%, "
-        f"peak memory {format_bytes(p['peak_memory_bytes'])}",
+        f"predicted: step {format_seconds(p.step_time_s)}, "
+        f"{p.samples_per_s:.2f} samples/s"
+        + (f", {p.tokens_per_s:.0f} tokens/s" if p.tokens_per_s is not None else "")
+        + f", MFU {100 * p.mfu:.1f}%, bubble {100 * p.bubble_fraction:.1f}%, "
+        f"peak memory {format_bytes(p.peak_memory_bytes)}",
     ]
     return lines
+
+
+def _optimizer(optimizer: str | float) -> str:
+    if isinstance(optimizer, str):
+        return optimizer
+    return f"{optimizer:g} bytes of state per parameter"
 
 
 def _stage_rows(plan: Plan) -> list[list[str]]:
@@ -71,9 +79,9 @@ def _stage_rows(plan: Plan) -> list[list[str]]:
         rows.append([
             str(s.index), " + ".join(_span(run) for run in s.runs) if s.runs else _span(s.layers),
             format_count(s.param_count),
-            format_seconds(t["forward"]), format_seconds(t["backward"]),
-            format_seconds(t["recompute"]), format_seconds(t["comm"]),
-            f"{s.p2p['sends']}/{s.p2p['recvs']}" if s.p2p else "-",
+            format_seconds(t.forward), format_seconds(t.backward),
+            format_seconds(t.recompute), format_seconds(t.comm),
+            f"{s.p2p.sends}/{s.p2p.recvs}" if s.p2p is not None else "-",
             _recompute_summary(s.recompute),
         ])
     return rows
@@ -86,18 +94,19 @@ def _memory_rows(plan: Plan) -> list[list[str]]:
     rows = []
     for s in plan.stages:
         mem = s.memory_bytes
-        rows.append([str(s.index)] + [format_bytes(mem[kind]) for kind in _MEMORY_KINDS] + [
-            f"{format_bytes(mem['peak'])} / {format_bytes(s.limit_bytes)} "
-            f"({100 * mem['peak'] / s.limit_bytes:.0f}%)"])
+        rows.append([str(s.index)] + [format_bytes(getattr(mem, kind)) for kind in _MEMORY_KINDS]
+                    + [f"{format_bytes(mem.peak)} / {format_bytes(s.limit_bytes)} "
+                       f"({100 * mem.peak / s.limit_bytes:.0f}%)"])
     return rows
 
 
 def _memory_lines(plan: Plan) -> list[str]:
-    sharded = _ZERO_SHARDS.get(plan.zero_stage)
-    zero = f"; ZeRO-{plan.zero_stage} keeps 1/{plan.dp} of the {sharded}" if sharded else ""
+    stage = plan.effective_zero_stage
+    sharded = _ZERO_SHARDS.get(stage)
+    zero = f"; ZeRO-{stage} keeps 1/{plan.dp} of the {sharded}" if sharded else ""
     gathered = {2: " (and the weights gathered for the step beside their shards)",
                 3: " (and, as transient, one layer's gathered weights and the next's)"
-                }.get(plan.zero_stage, "")
+                }.get(stage, "")
     return [f"Every rank of a stage holds the same: its layers' weights, gradients and "
             f"optimizer state{zero}{gathered}; the activations saved for the microbatches "
             f"in flight; the largest working set of one layer (transient)."]
@@ -107,46 +116,41 @@ _ZERO_SHARDS = {1: "optimizer state", 2: "gradients and optimizer state",
                 3: "weights, gradients and optimizer state"}
 
 
-def _mesh_name(mesh: dict) -> str:
-    return f"pp={mesh['pp']} dp={mesh['dp']} tp={mesh['tp']}"
+def _is_chosen(plan: Plan, outcome: MeshOutcome) -> bool:
+    return outcome.mesh == plan.mesh
 
 
-def _is_chosen(plan: Plan, mesh: dict) -> bool:
-    return all(mesh[axis] == plan.mesh.get(axis, 1) for axis in ("pp", "dp", "tp"))
-
-
-def _mesh_config(mesh: dict) -> str:
-    return (f"{mesh['micro_batch_size']} x {mesh['num_microbatches']}, {mesh['schedule']}, "
-            f"ZeRO-{mesh['zero_stage']}"
-            + (", sequence parallel" if mesh.get("sequence_parallel") else ""))
+def _mesh_config(mesh: MeshOutcome) -> str:
+    return (f"{mesh.micro_batch_size} x {mesh.num_microbatches}, {mesh.schedule}, "
+            f"ZeRO-{mesh.zero_stage}" + (", sequence parallel" if mesh.sequence_parallel else ""))
 
 
 def _mesh_chosen(plan: Plan) -> str:
-    sp = ", sequence parallel" if plan.tensor_parallel.get("sequence_parallel") else ""
-    return (f"chosen: {_mesh_name({'tp': 1, **plan.mesh})}, ZeRO-{plan.zero_stage}, "
+    sp = ", sequence parallel" if plan.sequence_parallel else ""
+    return (f"chosen: {plan.mesh}, ZeRO-{plan.zero_stage}, "
             f"{plan.schedule}, b x m = {plan.micro_batch_size} x {plan.num_microbatches}{sp}")
 
 
 def _mesh_why(plan: Plan) -> str:
     """One line: what the chosen mesh beats, by how much, or why it is the only one."""
-    step = plan.predicted["step_time_s"]
+    step = plan.predicted.step_time_s
     others = [m for m in plan.meshes if not _is_chosen(plan, m)]
-    solved = [m for m in others if m["outcome"] == "solved"]
-    unsettled = [m for m in others if m["outcome"] in ("pruned", "time limit")]
+    solved = [m for m in others if m.outcome == "solved"]
+    unsettled = [m for m in others if m.outcome in ("pruned", "time limit")]
     unfit = len(others) - len(solved) - len(unsettled)
-    timed_out = sum(m["outcome"] == "time limit" for m in others)
-    low = min(unsettled, key=lambda m: m["bound_s"], default=None)
+    timed_out = sum(m.outcome == "time limit" for m in others)
+    low = min(unsettled, key=lambda m: m.bound_s, default=None)
     if solved:
         runner = solved[0]
-        why = (f"fastest predicted step; the runner-up, {_mesh_name(runner)}, takes "
-               f"{format_seconds(runner['step_time_s'])} ({runner['step_time_s'] / step:.2f}x)")
-    elif low is not None and low["bound_s"] >= step:
+        why = (f"fastest predicted step; the runner-up, {runner.mesh}, takes "
+               f"{format_seconds(runner.step_time_s)} ({runner.step_time_s / step:.2f}x)")
+    elif low is not None and low.bound_s >= step:
         why = (f"no other factorisation can beat it: the lowest bound among the rest is "
-               f"{_mesh_name(low)}'s, {format_seconds(low['bound_s'])} "
-               f"({low['bound_s'] / step:.2f}x)" + (f"; {unfit} do not fit" if unfit else ""))
+               f"{low.mesh}'s, {format_seconds(low.bound_s)} "
+               f"({low.bound_s / step:.2f}x)" + (f"; {unfit} do not fit" if unfit else ""))
     elif low is not None:
-        why = (f"the best found; {_mesh_name(low)} was not settled within the solver's "
-               f"time limit and might be faster (bound {format_seconds(low['bound_s'])})")
+        why = (f"the best found; {low.mesh} was not settled within the solver's "
+               f"time limit and might be faster (bound {format_seconds(low.bound_s)})")
         timed_out = 0
     elif others:
         why = f"the only factorisation that fits ({unfit} others do not)"
@@ -158,31 +162,30 @@ def _mesh_why(plan: Plan) -> str:
 
 
 def _mesh_rows(plan: Plan) -> list[list[str]]:
-    step = plan.predicted["step_time_s"]
+    step = plan.predicted.step_time_s
     rows = []
     for mesh in plan.meshes:
-        axes = [str(mesh["pp"]), str(mesh["dp"]), str(mesh["tp"])]
-        if mesh["outcome"] == "solved":
+        axes = [str(mesh.pp), str(mesh.dp), str(mesh.tp)]
+        if mesh.outcome == "solved":
             notes = ["chosen"] if _is_chosen(plan, mesh) else []
             # Its other configurations were pruned against the chosen plan, or cut short.
-            if mesh["bound_s"] < 0.995 * mesh["step_time_s"]:
-                notes.append(f"best found (bound {format_seconds(mesh['bound_s'])})")
-            rows.append(axes + [_mesh_config(mesh), format_seconds(mesh["step_time_s"]),
-                                f"{mesh['step_time_s'] / step:.2f}x", "; ".join(notes)])
+            if mesh.bound_s < 0.995 * mesh.step_time_s:
+                notes.append(f"best found (bound {format_seconds(mesh.bound_s)})")
+            rows.append(axes + [_mesh_config(mesh), format_seconds(mesh.step_time_s),
+                                f"{mesh.step_time_s / step:.2f}x", "; ".join(notes)])
             continue
         rows.append(axes + ["-", "-", "-", _no_plan_reason(mesh, step)])
     return rows
 
 
-def _no_plan_reason(mesh: dict, step: float) -> str:
-    if mesh["outcome"] == "infeasible":
-        if "need_bytes" not in mesh:
+def _no_plan_reason(mesh: MeshOutcome, step: float) -> str:
+    if mesh.outcome == "infeasible":
+        if mesh.need_bytes is None:
             return "does not fit under the pins"
-        return (f"does not fit: needs {format_bytes(mesh['need_bytes'])} of "
-                f"{format_bytes(mesh['limit_bytes'])} per device")
-    bound = (f"bound >= {format_seconds(mesh['bound_s'])} "
-             f"({mesh['bound_s'] / step:.2f}x)")
-    return f"pruned: {bound}" if mesh["outcome"] == "pruned" else f"time limit: {bound}"
+        return (f"does not fit: needs {format_bytes(mesh.need_bytes)} of "
+                f"{format_bytes(mesh.limit_bytes)} per device")
+    bound = f"bound >= {format_seconds(mesh.bound_s)} ({mesh.bound_s / step:.2f}x)"
+    return f"pruned: {bound}" if mesh.outcome == "pruned" else f"time limit: {bound}"
 
 
 def _mesh_section(plan: Plan, md: bool) -> list[str]:
@@ -196,17 +199,16 @@ def _mesh_section(plan: Plan, md: bool) -> list[str]:
 
 
 def _alternative_rows(plan: Plan) -> list[list[str]]:
-    step = plan.predicted["step_time_s"]
+    step = plan.predicted.step_time_s
     rows = [["partc plan", format_seconds(step), "1.00x", "yes",
-             format_bytes(plan.predicted["peak_memory_bytes"]),
+             format_bytes(plan.predicted.peak_memory_bytes),
              " / ".join(str(len(run)) for run in plan.runs)]]
     for alt in plan.alternatives:
         rows.append([
-            alt["name"], format_seconds(alt["step_time_s"]),
-            f"{alt['step_time_s'] / step:.2f}x",
-            "yes" if alt["fits"] else f"no (stage {alt['worst_stage']})",
-            format_bytes(alt["peak_memory_bytes"]),
-            " / ".join(str(len(s)) for s in alt["stages"]) + f", recompute {alt['recompute']}",
+            alt.name, format_seconds(alt.step_time_s), f"{alt.step_time_s / step:.2f}x",
+            "yes" if alt.fits else f"no (stage {alt.worst_stage})",
+            format_bytes(alt.peak_memory_bytes),
+            " / ".join(str(len(s)) for s in alt.stages) + f", recompute {alt.recompute}",
         ])
     return rows
 
@@ -217,25 +219,26 @@ _SHORT = {"all_reduce": "AR", "all_gather": "AG", "reduce_scatter": "RS"}
 def _tp_layer_rows(plan: Plan) -> list[list[str]]:
     """Per layer (consecutive layers alike in one row): its sharded parameters, its
     collectives per microbatch, their bytes per step, and why it stays replicated."""
-    section, tp = plan.tensor_parallel, plan.mesh["tp"]
+    section, tp = plan.tensor_parallel, plan.tp
     steps = plan.num_microbatches
     rows, last_key = [], None
     for layer in plan.layer_names:
         prefix = layer + "."
         sharded = sorted(f"{fqn[len(prefix):]} {placement}"
-                         for fqn, placement in section.get("params", {}).items()
-                         if fqn.startswith(prefix) and not placement.startswith("Replicate"))
-        moves = section.get("collectives", {}).get(layer, [])
+                         for fqn, placement in section.params.items()
+                         if fqn.startswith(prefix) and placement != REPLICATE)
+        moves = section.collectives.get(layer, ())
         counts: dict[str, int] = {}
-        for kind, phase, _ in moves:
-            label = f"{_SHORT.get(kind, kind)} {'fwd' if phase == 'forward' else 'bwd'}"
+        for move in moves:
+            phase = "fwd" if move.phase == "forward" else "bwd"
+            label = f"{_SHORT.get(move.kind, move.kind)} {phase}"
             counts[label] = counts.get(label, 0) + 1
-        tensor_bytes = sum(nbytes for _, _, nbytes in moves) * steps
-        seconds = section.get("collective_seconds", {}).get(layer, 0.0) * steps
-        sent = sum(nbytes * (2 if kind == "all_reduce" else 1) * (tp - 1) / tp
-                   for kind, _, nbytes in moves) * steps
+        tensor_bytes = sum(move.nbytes for move in moves) * steps
+        seconds = section.collective_seconds.get(layer, 0.0) * steps
+        sent = sum(move.nbytes * (2 if move.kind == "all_reduce" else 1) * (tp - 1) / tp
+                   for move in moves) * steps
         key = (tuple(s.split(".", 1)[-1] for s in sharded),
-               tuple(sorted(counts.items())), tensor_bytes, section.get("notes", {}).get(layer, ""))
+               tuple(sorted(counts.items())), tensor_bytes, section.notes.get(layer, ""))
         if key == last_key:
             rows[-1][0].append(layer)
             continue
@@ -250,14 +253,14 @@ def _tp_layer_rows(plan: Plan) -> list[list[str]]:
 
 def _tp_lines(plan: Plan) -> list[str]:
     section = plan.tensor_parallel
-    sp = "on" if section.get("sequence_parallel") else "off"
+    sp = "on" if section.sequence_parallel else "off"
     objective = {"time": "fastest", "memory": "fewest parameter bytes"}.get(
-        section.get("objective"), section.get("objective"))
-    partial = section.get("partial_grad_params", [])
+        section.objective, section.objective)
+    partial = section.partial_grad_params
     summed = (f"; {len(partial)} replicated parameters (biases after a row-parallel split, "
               f"norms on sequence shards) get partial gradients, summed across the group "
               f"once per step" if partial else "")
-    return [f"tp={section['degree']} within a node, sequence parallelism {sp}, sharding chosen "
+    return [f"tp={section.degree} within a node, sequence parallelism {sp}, sharding chosen "
             f"for {objective} first{summed}. Collectives are per "
             f"microbatch; bytes and time are per step ({plan.num_microbatches} "
             f"microbatches): the tensors' size, what each rank sends in a ring, and the "
@@ -265,22 +268,22 @@ def _tp_lines(plan: Plan) -> list[str]:
 
 
 def _why(plan: Plan) -> list[str]:
-    step = plan.predicted["step_time_s"]
+    step = plan.predicted.step_time_s
     lines = []
     for alt in plan.alternatives:
-        if not alt["fits"]:
-            lines.append(f"- {alt['name']} ({alt['description']}) does not fit: stage "
-                         f"{alt['worst_stage']} needs {format_bytes(alt['worst_need_bytes'])} "
-                         f"against {format_bytes(alt['worst_limit_bytes'])}.")
+        if not alt.fits:
+            lines.append(f"- {alt.name} ({alt.description}) does not fit: stage "
+                         f"{alt.worst_stage} needs {format_bytes(alt.worst_need_bytes)} "
+                         f"against {format_bytes(alt.worst_limit_bytes)}.")
             continue
-        saving = 100 * (1 - step / alt["step_time_s"])
+        saving = 100 * (1 - step / alt.step_time_s)
         verdict = (f"the plan is {saving:.1f}% faster" if saving >= 0.05
                    else "the plan ties with it")
         lines.append(
-            f"- {alt['name']} ({alt['description']}, recompute {alt['recompute']}): "
-            f"{format_seconds(alt['step_time_s'])} per step; {verdict} "
-            f"(slowest stage {format_seconds(alt['bottleneck_s'])} per microbatch vs "
-            f"{format_seconds(plan.predicted['bottleneck_s'])}).")
+            f"- {alt.name} ({alt.description}, recompute {alt.recompute}): "
+            f"{format_seconds(alt.step_time_s)} per step; {verdict} "
+            f"(slowest stage {format_seconds(alt.bottleneck_s)} per microbatch vs "
+            f"{format_seconds(plan.predicted.bottleneck_s)}).")
     return lines
 
 
@@ -307,7 +310,7 @@ def render(plan: Plan, format: str = "text") -> str:
     out += ["", "## Memory per rank" if md else "Memory per rank:", ""]
     out += _memory_lines(plan) + [""]
     out += _table(["stage", *_MEMORY_KINDS, "peak / limit"], _memory_rows(plan), md)
-    if plan.mesh.get("tp", 1) > 1 and plan.tensor_parallel:
+    if plan.tp > 1 and plan.tensor_parallel is not None:
         out += ["", "## Tensor parallelism" if md else "Tensor parallelism:", ""]
         out += _tp_lines(plan) + [""]
         out += _table(["layers", "sharded parameters", "collectives per microbatch",

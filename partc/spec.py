@@ -6,11 +6,11 @@ Every decision is ``"auto"``/``None`` (the planner decides) or a pinned value.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Mapping
+from typing import Any, Mapping
 
 import torch
 
-from .problem import RECOMPUTE_MODES
+from .problem import RECOMPUTE_MODES, ZERO_STAGES, Precision
 
 # How attention runs: as the model writes it, or as one fused kernel call
 # (``scaled_dot_product_attention``) wherever partc proves it computes the same.
@@ -37,6 +37,19 @@ def dtype_bytes(dtype: torch.dtype) -> int:
     return torch.empty((), dtype=dtype).element_size()
 
 
+def dtype_name(dtype: torch.dtype) -> str:
+    """``torch.bfloat16`` -> ``"bfloat16"``: how plans write a dtype."""
+    return str(dtype).removeprefix("torch.")
+
+
+def dtype_named(name: str) -> torch.dtype:
+    """The inverse of :func:`dtype_name`."""
+    dtype = getattr(torch, str(name), None)
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"not a torch dtype: {name!r}")
+    return dtype
+
+
 @dataclass(frozen=True, kw_only=True)
 class TrainSpec:
     """The training setup: batch, precision, optimizer, schedule, attention.
@@ -45,7 +58,7 @@ class TrainSpec:
     data-parallel replicas and microbatches. ``dtype=torch.bfloat16`` trains in mixed
     precision: bf16 compute, fp32 master weights (the parameters stay fp32), fp32
     gradients and gradient reduction (autocast under ZeRO 0/1, FSDP's mixed precision
-    under ZeRO-2/3; see ``partc.costs.precision_bytes`` for the bytes each holds).
+    under ZeRO-2/3; :attr:`precision` says the bytes each holds).
     ``float16`` can be planned but not trained: it would need loss scaling.
     ``max_grad_norm``: after each step's backward the runtime scales all gradients so
     that their global 2-norm (every parameter counted once, whatever holds it) is at
@@ -96,32 +109,44 @@ class TrainSpec:
                              f"got {self.schedule!r}")
 
     @property
-    def weight_bytes(self) -> int:
-        return dtype_bytes(self.dtype)
+    def precision(self) -> Precision:
+        """Bytes per parameter as the runtime keeps them (what the cost model reads)."""
+        state = (OPTIMIZER_STATE_BYTES[self.optimizer]
+                 if isinstance(self.optimizer, str) else float(self.optimizer))
+        return Precision(compute_bytes=dtype_bytes(self.dtype), optimizer_state_bytes=state)
+
+    # The ZeRO paper's accounting of the same bytes (2 + 2 + 12 for mixed-precision Adam).
+    @property
+    def weight_bytes(self) -> float:
+        return self.precision.zero_paper_bytes[0]
 
     @property
-    def grad_bytes(self) -> int:
-        return dtype_bytes(self.dtype)
+    def grad_bytes(self) -> float:
+        return self.precision.zero_paper_bytes[1]
 
     @property
     def optimizer_bytes(self) -> float:
-        state = (OPTIMIZER_STATE_BYTES[self.optimizer]
-                 if isinstance(self.optimizer, str) else float(self.optimizer))
-        master = 0.0 if self.dtype == torch.float32 else 4.0
-        return state + master
+        return self.precision.zero_paper_bytes[2]
 
-    def to_dict(self) -> dict:
+    def to_dict(self) -> dict[str, Any]:
+        """The plan's ``train`` section (JSON scalars; the dtype by its name)."""
         return {
             "global_batch_size": self.global_batch_size,
             "micro_batch_size": self.micro_batch_size,
-            "dtype": str(self.dtype).removeprefix("torch."),
+            "dtype": dtype_name(self.dtype),
             "optimizer": self.optimizer,
             "schedule": self.schedule,
             "max_grad_norm": self.max_grad_norm,
             "attention": self.attention,
-            "bytes_per_param": {"weights": self.weight_bytes, "grads": self.grad_bytes,
-                                "optimizer": self.optimizer_bytes},
         }
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> "TrainSpec":
+        """The inverse of :meth:`to_dict`."""
+        fields = dict(data)
+        if "dtype" in fields:
+            fields["dtype"] = dtype_named(fields["dtype"])
+        return cls(**fields)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -158,7 +183,7 @@ class Constraints:
             raise ValueError(f"tp_objective must be 'time' or 'memory', got {self.tp_objective!r}")
         if self.sequence_parallel and self.tp == 1:
             raise ValueError("sequence parallelism needs tensor parallelism: tp=1 was pinned")
-        if self.zero_stage not in (None, 0, 1, 2, 3):
+        if self.zero_stage is not None and self.zero_stage not in ZERO_STAGES:
             raise ValueError(f"zero_stage must be 0 (plain data parallelism), 1 (optimizer "
                              f"state sharded over dp), 2 (gradients too) or 3 (parameters "
                              f"too), got {self.zero_stage!r}")

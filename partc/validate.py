@@ -12,34 +12,30 @@ import math
 
 from .costs import PS_PER_S, Evaluation, PipelineConfig, build_cost_table, evaluate
 from .errors import PlanValidationError
-from .plan import Plan
+from .plan import Plan, StageMemory
 from .spec import INTERLEAVED, SCHEDULES
 from .problem import PlanningProblem
 
 
 def _structure(problem: PlanningProblem, plan: Plan, errors: list[str]) -> None:
-    mesh = plan.mesh
-    tp = mesh.get("tp", 1)
-    if tp != 1:
-        section = plan.tensor_parallel
-        if section.get("degree") != tp:
-            errors.append(f"tp={tp} but the plan's tensor_parallel has degree "
-                          f"{section.get('degree')}")
-        elif problem.tp_option(tp, bool(section.get("sequence_parallel")),
-                               section.get("objective", "time")) is None:
+    mesh, tp = plan.mesh, plan.tp
+    section = plan.tensor_parallel
+    degree = section.degree if section is not None else 1
+    if degree != tp:
+        errors.append(f"tp={tp} but the plan's tensor_parallel has degree {degree}")
+    elif tp != 1:
+        option = problem.tp_option(tp, section.sequence_parallel, section.objective)
+        if option is None:
             errors.append(f"tp={tp} was not measured for this problem")
         elif problem.devices.devices_per_node % tp:
             errors.append(f"tp={tp} does not divide the {problem.devices.devices_per_node} "
                           "devices of a node")
-        else:
-            option = problem.tp_option(tp, bool(section.get("sequence_parallel")),
-                                       section.get("objective", "time"))
-            if dict(option.placements) != section.get("params"):
-                errors.append("parameter placements differ from the measured sharding")
-    if mesh["pp"] * mesh["dp"] * mesh.get("tp", 1) != problem.devices.num_devices:
+        elif dict(option.placements) != section.params:
+            errors.append("parameter placements differ from the measured sharding")
+    if mesh.size != problem.devices.num_devices:
         errors.append(f"mesh {mesh} does not use {problem.devices.num_devices} devices")
-    if len(plan.stages) != mesh["pp"]:
-        errors.append(f"{len(plan.stages)} stages for pp={mesh['pp']}")
+    if len(plan.stages) != mesh.pp:
+        errors.append(f"{len(plan.stages)} stages for pp={mesh.pp}")
     if [s.index for s in plan.stages] != list(range(len(plan.stages))):
         errors.append("stage indices are not 0..pp-1 in order")
     if any(not run for run in plan.runs):
@@ -47,7 +43,7 @@ def _structure(problem: PlanningProblem, plan: Plan, errors: list[str]) -> None:
     names = [layer.name for layer in problem.layers]
     if list(plan.layer_names) != names:
         errors.append(f"stages do not cover the layers once in order: {list(plan.layer_names)}")
-    batch = mesh["dp"] * plan.micro_batch_size * plan.num_microbatches
+    batch = mesh.dp * plan.micro_batch_size * plan.num_microbatches
     if batch != problem.train.global_batch_size:
         errors.append(f"dp x micro-batch size x microbatches = {batch}, "
                       f"global batch is {problem.train.global_batch_size}")
@@ -61,8 +57,7 @@ def _structure(problem: PlanningProblem, plan: Plan, errors: list[str]) -> None:
 
 def _modes(problem: PlanningProblem, plan: Plan, errors: list[str]) -> None:
     recompute = plan.recompute
-    section = plan.tensor_parallel
-    key = (plan.tp, bool(section.get("sequence_parallel")), section.get("objective", "time"))
+    key = (plan.tp, plan.sequence_parallel, plan.tp_objective)
     if plan.tp > 1 and problem.tp_option(*key) is None:
         return   # _structure says so
     local = problem.variant(*key)
@@ -78,8 +73,7 @@ def _modes(problem: PlanningProblem, plan: Plan, errors: list[str]) -> None:
 
 def _pins(problem: PlanningProblem, plan: Plan, errors: list[str]) -> None:
     pins = problem.pins
-    checks = {"pp": (pins.pp, plan.mesh["pp"]), "dp": (pins.dp, plan.mesh["dp"]),
-              "tp": (pins.tp, plan.mesh.get("tp", 1)),
+    checks = {"pp": (pins.pp, plan.pp), "dp": (pins.dp, plan.dp), "tp": (pins.tp, plan.tp),
               "num_microbatches": (pins.num_microbatches, plan.num_microbatches),
               "micro_batch_size": (pins.micro_batch_size, plan.micro_batch_size),
               "schedule": (pins.schedule, plan.schedule),
@@ -92,13 +86,11 @@ def _pins(problem: PlanningProblem, plan: Plan, errors: list[str]) -> None:
 
 
 def _costs(problem: PlanningProblem, plan: Plan, errors: list[str]) -> Evaluation | None:
-    config = PipelineConfig(pp=plan.mesh["pp"], dp=plan.mesh["dp"],
-                            micro_batch_size=plan.micro_batch_size,
+    config = PipelineConfig(pp=plan.pp, dp=plan.dp, micro_batch_size=plan.micro_batch_size,
                             num_microbatches=plan.num_microbatches, schedule=plan.schedule,
-                            tp=plan.mesh.get("tp", 1),
-                            sequence_parallel=bool(plan.tensor_parallel.get("sequence_parallel")),
-                            tp_objective=plan.tensor_parallel.get("objective", "time"),
-                            zero_stage=plan.zero_stage, chunks=plan.chunks)
+                            tp=plan.tp, sequence_parallel=plan.sequence_parallel,
+                            tp_objective=plan.tp_objective, zero_stage=plan.zero_stage,
+                            chunks=plan.chunks)
     stage_of = [j for j, run in enumerate(plan.runs) for _ in run]
     modes = [plan.recompute[layer.name] for layer in problem.layers]
     evaluation = evaluate(build_cost_table(problem, config), stage_of, modes)
@@ -106,14 +98,14 @@ def _costs(problem: PlanningProblem, plan: Plan, errors: list[str]) -> Evaluatio
         if cost.memory["peak"] > cost.limit:
             errors.append(f"stage {stage.index} needs {cost.memory['peak']} bytes, "
                           f"limit {cost.limit}")
-        if stage.memory_bytes != cost.memory:
+        if stage.memory_bytes != StageMemory(**cost.memory):
             errors.append(f"stage {stage.index} records memory {stage.memory_bytes}, "
                           f"the cost model gives {cost.memory}")
         if stage.limit_bytes != cost.limit:
             errors.append(f"stage {stage.index} records limit {stage.limit_bytes}, "
                           f"devices give {cost.limit}")
     step = evaluation.step_ps / PS_PER_S
-    recorded = plan.predicted.get("step_time_s", math.nan)
+    recorded = plan.predicted.step_time_s
     if not math.isclose(recorded, step, rel_tol=1e-9, abs_tol=1e-15):
         errors.append(f"predicted step time {recorded} s, the cost model gives {step} s")
     return evaluation

@@ -64,7 +64,7 @@ def tp_option(ctx: Context, base: ModelAnalysis, usage: dict, local: fx.GraphMod
     return TPOption(
         tp=tp, sequence_parallel=chosen.sequence_parallel, model=model,
         choices=tuple((layer.name, layer.choices) for layer in chosen.layers),
-        placements=tuple(sorted((fqn, str(p)) for fqn, p in placements.items())),
+        placements=tuple(sorted(placements.items())),
         partial_grad_params=tuple(sorted(chosen.partial_grad_params)),
         notes=tuple((layer.name, layer.note) for layer in chosen.layers if layer.note))
 

@@ -76,9 +76,9 @@ def test_float16_plans_but_the_runtime_asks_for_bfloat16():
     assert train.weight_bytes == 2  # planning in fp16 is fine
 
     class _Plan:
-        train = {"dtype": "float16"}
+        train = partc.TrainSpec(global_batch_size=8, dtype=torch.float16)
 
     with pytest.raises(partc.PartcError, match="bfloat16"):
         _compute_dtype(_Plan())
-    _Plan.train = {"dtype": "bfloat16"}
+    _Plan.train = partc.TrainSpec(global_batch_size=8, dtype=torch.bfloat16)
     assert _compute_dtype(_Plan()) == torch.bfloat16

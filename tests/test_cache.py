@@ -43,6 +43,20 @@ def test_same_problem_returns_the_stored_plan_and_a_new_budget_skips_tracing():
     assert mixed.problem.train.measured_scale == 1.0
 
 
+def test_a_stored_plan_carries_this_compiles_training_setup():
+    # max_grad_norm is no number the planner reads: the same problem, the stored plan,
+    # but the runtime must clip as this compile asks.
+    cache = partc.PlanCache()
+    ids = torch.zeros(8, 16, dtype=torch.long)
+    plans = [partc.compile(gpt_tiny(n_layer=2), (ids,), loss_fn=loss_fn, example_target=ids,
+                           budget=partc.DeviceBudget(num_devices=2, device="CPU"),
+                           train=partc.TrainSpec(global_batch_size=8, max_grad_norm=clip),
+                           cache=cache).plan for clip in (None, 1.0)]
+    assert cache.hits["plan"] == 1
+    assert [plan.train.max_grad_norm for plan in plans] == [None, 1.0]
+    assert plans[0].hash == plans[1].hash
+
+
 def test_mixed_precision_is_measured_apart_for_gpus_and_cpus():
     """GPUs' autocast keeps other ops in fp32 than CPUs' (softmax: GPT saves fp32
     probabilities on a GPU): under bf16 a GPU with a CPU's numbers is measured apart

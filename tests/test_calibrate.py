@@ -210,9 +210,9 @@ def test_compile_uses_the_profile_numbers(calibrated, tmp_path):
     path = calibrated[0]
     profile = _read(path)
     plan = _mlp_plan(partc.DeviceBudget(num_devices=1, profile=path))
-    assert plan.budget["source"] == "profile"
-    assert plan.budget["peak_flops"] == profile["budget"]["peak_flops"]["float32"]
-    assert plan.budget["hbm_bandwidth"] == int(profile["budget"]["hbm_bandwidth"])
+    assert plan.budget.source == "profile"
+    assert plan.budget.peak_flops == profile["budget"]["peak_flops"]["float32"]
+    assert plan.budget.hbm_bandwidth == int(profile["budget"]["hbm_bandwidth"])
     # Twice the FLOP/s and memory bandwidth: every layer's time halves.
     faster = profile | {"budget": profile["budget"] | {
         "peak_flops": {k: 2 * v for k, v in profile["budget"]["peak_flops"].items()},
@@ -220,11 +220,11 @@ def test_compile_uses_the_profile_numbers(calibrated, tmp_path):
     (tmp_path / "faster.json").write_text(json.dumps(faster))
     fast = _mlp_plan(partc.DeviceBudget(num_devices=1, profile=tmp_path / "faster.json"))
     for phase in ("forward", "backward"):
-        assert fast.stages[0].time_s[phase] == pytest.approx(plan.stages[0].time_s[phase] / 2,
-                                                             rel=1e-6)
+        assert getattr(fast.stages[0].time_s, phase) == pytest.approx(
+            getattr(plan.stages[0].time_s, phase) / 2, rel=1e-6)
     preset = _mlp_plan(partc.DeviceBudget(num_devices=1, device="CPU"))
-    assert "source" not in preset.budget
-    assert not math.isclose(preset.stages[0].time_s["forward"], plan.stages[0].time_s["forward"])
+    assert preset.budget.source is None
+    assert not math.isclose(preset.stages[0].time_s.forward, plan.stages[0].time_s.forward)
 
 
 def test_plan_command_takes_a_profile(calibrated, tmp_path, capsys):

@@ -39,7 +39,7 @@ def test_hugging_face_models_plan(name):
                             constraints=partc.Constraints(pp=2))
     plan = check(program)
     assert plan.pp == 2 and len(plan.layer_names) >= 6
-    assert plan.model["tracer"] == "export"
+    assert plan.model.tracer == "export"
     assert "stage" in program.report() and "uniform" in program.report()
 
 
@@ -49,10 +49,10 @@ def test_sample_gpt_plans_with_tied_embeddings():
                                                                        device="CPU"),
                             constraints=partc.Constraints(pp=2))
     plan = check(program)
-    assert plan.model["tracer"] == "symbolic_trace"
+    assert plan.model.tracer == "symbolic_trace"
     first, last = plan.stages
     # The tied embedding/head matrix is held by both stages.
-    assert first.param_count + last.param_count > plan.model["num_params"]
+    assert first.param_count + last.param_count > plan.model.num_params
 
 
 def _gpt_124m_on(memory: str, tp: int | None = 1) -> partc.Program:
@@ -72,15 +72,15 @@ def test_50k_vocab_tight_budget_beats_both_baselines():
     program = _gpt_124m_on("1.5GiB")
     plan = check(program)
     assert plan.pp > 1
-    step = plan.predicted["step_time_s"]
-    alternatives = {a["name"]: a for a in plan.alternatives}
+    step = plan.predicted.step_time_s
+    alternatives = {a.name: a for a in plan.alternatives}
     assert set(alternatives) == {"uniform", "parameters"}
     for alt in alternatives.values():
-        assert alt["fits"] and step < alt["step_time_s"]
+        assert alt.fits and step < alt.step_time_s
     text = program.report()
     assert "partc plan" in text and "uniform" in text and "parameters" in text
     for stage in plan.stages:
-        assert stage.memory_bytes["peak"] <= stage.limit_bytes
+        assert stage.memory_bytes.peak <= stage.limit_bytes
 
 
 def test_infeasible_budget_names_stage_need_limit_and_fix_fast():

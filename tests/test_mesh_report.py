@@ -21,7 +21,7 @@ from partc.assemble import mesh_summary
 from partc.compiler import plan_problem
 from partc.costs import PS_PER_S, build_cost_table
 from partc.explain import tightest_split
-from partc.plan import Plan
+from partc.plan import Mesh, MeshOutcome, Plan
 from partc.planner import ConfigResult, candidate_configs, lower_bound, mesh_results, solve
 from partc.report import render
 from partc.units import format_bytes, format_seconds
@@ -52,7 +52,7 @@ def tight(roomy) -> partc.Program:
             plan = plan_problem(problem)
         except partc.PlanInfeasibleError:
             break
-        if any(m["outcome"] == "infeasible" for m in plan.meshes):
+        if any(m.outcome == "infeasible" for m in plan.meshes):
             return partc.Program(plan=plan, problem=problem)
     pytest.fail("no memory leaves one factorisation infeasible and another feasible")
 
@@ -77,12 +77,12 @@ def _pinned(problem, key: tuple[int, int, int]):
     return replace(problem, pins=replace(problem.pins, pp=pp, dp=dp, tp=tp))
 
 
-def _key(mesh: dict) -> tuple[int, int, int]:
-    return mesh["pp"], mesh["dp"], mesh["tp"]
+def _key(mesh: MeshOutcome) -> tuple[int, int, int]:
+    return mesh.pp, mesh.dp, mesh.tp
 
 
-def _row(text: str, mesh: dict) -> str:
-    prefix = f"{mesh['pp']}   {mesh['dp']}   {mesh['tp']}   "
+def _row(text: str, mesh: MeshOutcome) -> str:
+    prefix = f"{mesh.pp}   {mesh.dp}   {mesh.tp}   "
     return next(line for line in text.splitlines() if line.startswith(prefix))
 
 
@@ -93,7 +93,7 @@ def test_every_factorisation_appears_once(roomy):
                 if pp * dp * tp == DEVICES}
     keys = [_key(m) for m in roomy.plan.meshes]
     assert len(keys) == len(set(keys)) and set(keys) == expected
-    assert {m["outcome"] for m in roomy.plan.meshes} <= OUTCOMES
+    assert {m.outcome for m in roomy.plan.meshes} <= OUTCOMES
 
 
 def test_pins_limit_the_factorisations(roomy):
@@ -106,13 +106,14 @@ def test_chosen_mesh_leads_with_ratio_one_and_the_lowest_time(which, request):
     program = request.getfixturevalue(which)
     plan = check(program)
     first, *rest = plan.meshes
-    assert _key(first) == (plan.pp, plan.dp, plan.tp) and first["outcome"] == "solved"
-    assert first["step_time_s"] == plan.predicted["step_time_s"]
-    assert (first["micro_batch_size"], first["num_microbatches"], first["schedule"],
-            first["zero_stage"]) == (plan.micro_batch_size, plan.num_microbatches,
+    assert _key(first) == (plan.pp, plan.dp, plan.tp) and first.outcome == "solved"
+    assert first.step_time_s == plan.predicted.step_time_s
+    assert (first.micro_batch_size, first.num_microbatches, first.schedule,
+            first.zero_stage) == (plan.micro_batch_size, plan.num_microbatches,
                                      plan.schedule, plan.zero_stage)
     for mesh in rest:
-        assert mesh.get("step_time_s", mesh.get("bound_s", math.inf)) >= first["step_time_s"]
+        floor = next((t for t in (mesh.step_time_s, mesh.bound_s) if t is not None), math.inf)
+        assert floor >= first.step_time_s
     row = _row(program.report(), first)
     assert "1.00x" in row and "chosen" in row
 
@@ -121,26 +122,26 @@ def test_chosen_mesh_leads_with_ratio_one_and_the_lowest_time(which, request):
 def test_each_claim_holds_with_the_mesh_pinned(which, request):
     program = request.getfixturevalue(which)
     plan, text = program.plan, program.report()
-    step = plan.predicted["step_time_s"]
+    step = plan.predicted.step_time_s
     for mesh in plan.meshes:
-        if mesh["outcome"] == "infeasible":
+        if mesh.outcome == "infeasible":
             with pytest.raises(partc.PlanInfeasibleError) as info:
                 solve(_pinned(program.problem, _key(mesh)))
-            assert info.value.need_bytes == mesh["need_bytes"] > mesh["limit_bytes"]
-            assert (f"does not fit: needs {format_bytes(mesh['need_bytes'])} of "
-                    f"{format_bytes(mesh['limit_bytes'])} per device") in _row(text, mesh)
+            assert info.value.need_bytes == mesh.need_bytes > mesh.limit_bytes
+            assert (f"does not fit: needs {format_bytes(mesh.need_bytes)} of "
+                    f"{format_bytes(mesh.limit_bytes)} per device") in _row(text, mesh)
             continue
         optimum = _pinned_optimum(program.problem, _key(mesh))
-        if mesh["outcome"] == "solved":
+        if mesh.outcome == "solved":
             # (times in seconds round-trip through floats: compare whole picoseconds)
-            assert round(mesh["bound_s"] * PS_PER_S) <= optimum <= round(
-                mesh["step_time_s"] * PS_PER_S)
-            assert f"{mesh['step_time_s'] / step:.2f}x" in _row(text, mesh)
+            assert round(mesh.bound_s * PS_PER_S) <= optimum <= round(
+                mesh.step_time_s * PS_PER_S)
+            assert f"{mesh.step_time_s / step:.2f}x" in _row(text, mesh)
         else:
             # Pruned unsolved, it may have no plan at all; if it has, the bound holds.
-            assert mesh["outcome"] == "pruned" and mesh["bound_s"] >= step
-            assert optimum is None or round(mesh["bound_s"] * PS_PER_S) <= optimum
-            assert f"pruned: bound >= {format_seconds(mesh['bound_s'])}" in _row(text, mesh)
+            assert mesh.outcome == "pruned" and mesh.bound_s >= step
+            assert optimum is None or round(mesh.bound_s * PS_PER_S) <= optimum
+            assert f"pruned: bound >= {format_seconds(mesh.bound_s)}" in _row(text, mesh)
 
 
 def _pinned_result(problem, key: tuple[int, int, int]) -> ConfigResult | None:
@@ -157,11 +158,11 @@ def _pinned_optimum(problem, key: tuple[int, int, int]) -> int | None:
 
 def test_infeasible_factorisations_say_what_they_need(roomy, tight):
     needs, memory = _least_needs(roomy.problem), tight.problem.devices.memory_bytes[0]
-    unfit = {_key(m): m for m in tight.plan.meshes if m["outcome"] == "infeasible"}
+    unfit = {_key(m): m for m in tight.plan.meshes if m.outcome == "infeasible"}
     assert unfit and all(needs[key] > memory for key in unfit)
     for key, mesh in unfit.items():
-        assert mesh["need_bytes"] == needs[key] and mesh["limit_bytes"] == memory
-    outcomes = [m["outcome"] for m in tight.plan.meshes]
+        assert mesh.need_bytes == needs[key] and mesh.limit_bytes == memory
+    outcomes = [m.outcome for m in tight.plan.meshes]
     assert outcomes[-len(unfit):] == ["infeasible"] * len(unfit)      # best first: last
     text = tight.report()
     assert f"{len(unfit)} do not fit" in text or f"{len(unfit)} others do not" in text
@@ -191,9 +192,9 @@ def _render_history(program, best: ConfigResult, solved: tuple[ConfigResult, ...
     meshes = mesh_results(problem, tables, floors, outcomes, best)
     config = best.table.config
     plan = replace(program.plan, meshes=tuple(mesh_summary(m) for m in meshes),
-                   mesh={"pp": config.pp, "dp": config.dp, "tp": config.tp},
-                   predicted={**program.plan.predicted,
-                              "step_time_s": best.evaluation.step_ps / PS_PER_S})
+                   mesh=Mesh(pp=config.pp, dp=config.dp, tp=config.tp),
+                   predicted=replace(program.plan.predicted,
+                                     step_time_s=best.evaluation.step_ps / PS_PER_S))
     return render(plan), meshes
 
 
@@ -232,9 +233,9 @@ def test_report_has_mesh_and_memory_sections(tight, format):
     memory = text[text.index("Memory per rank"):]
     for stage in plan.stages:
         mem = stage.memory_bytes
-        cells = [format_bytes(mem[kind]) for kind in
+        cells = [format_bytes(getattr(mem, kind)) for kind in
                  ("params", "grads", "optimizer", "activations", "transient")]
-        cells.append(f"{format_bytes(mem['peak'])} / {format_bytes(stage.limit_bytes)}")
+        cells.append(f"{format_bytes(mem.peak)} / {format_bytes(stage.limit_bytes)}")
         row = next(line for line in memory.splitlines()
                    if line.strip("| ").startswith(str(stage.index)))
         assert all(cell in row for cell in cells), (row, cells)

@@ -93,7 +93,7 @@ def plan_at(gib: float) -> partc.Plan:
     plan = plan_problem(at_memory(gib))
     for stage in plan.stages:
         assert stage.limit_bytes == int(gib * GiB)
-        assert stage.memory_bytes["peak"] <= stage.limit_bytes, stage
+        assert stage.memory_bytes.peak <= stage.limit_bytes, stage
     return plan
 
 
@@ -112,7 +112,7 @@ def stage_nodes(plan: partc.Plan, stage: int) -> set[int]:
 def test_pure_data_parallelism_when_memory_is_ample():
     plan = plan_at(AMPLE)
     assert (plan.pp, plan.dp, plan.tp, plan.zero_stage) == (1, NODES * PER_NODE, 1, 0)
-    assert plan.tensor_parallel == {}
+    assert plan.tensor_parallel is None
 
 
 def test_zero_when_plain_data_parallelism_does_not_fit():
@@ -126,7 +126,7 @@ def test_tensor_parallelism_inside_a_node_when_no_replica_fits():
     assert_infeasible(TENSOR, pp=1, tp=1)   # whatever the ZeRO stage
     plan = plan_at(TENSOR)
     assert 1 < plan.tp <= PER_NODE and PER_NODE % plan.tp == 0
-    assert plan.tensor_parallel["degree"] == plan.tp
+    assert plan.tensor_parallel.degree == plan.tp
 
 
 def test_pipeline_across_nodes_when_no_unpipelined_mesh_fits():

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 import partc
+from partc.placement import Shard
 from samples.gpt import gpt_small, loss_fn
 from tests.test_compile import check
 
@@ -36,17 +37,17 @@ def test_tp_is_picked_when_a_layer_does_not_fit_one_device():
     assert info.value.need_bytes > 700 * 2**20
     program = _program("700MiB")
     plan = check(program)
-    assert plan.mesh["tp"] == 2
-    assert plan.predicted["peak_memory_bytes"] <= 700 * 2**20
-    placements = plan.tensor_parallel["params"]
+    assert plan.mesh.tp == 2
+    assert plan.predicted.peak_memory_bytes <= 700 * 2**20
+    placements = plan.tensor_parallel.params
     tied = placements.get("lm_head.weight") or placements["tok_emb.weight"]
-    assert tied.startswith("Shard"), placements
+    assert tied.is_shard, placements
     # Per block: the attention's QKV and the MLP's first matrix split by columns, the
     # projections after them by rows.
-    assert placements["blocks.0.attn.c_attn.weight"] == "Shard(0, chunks=3)"
-    assert placements["blocks.0.attn.c_proj.weight"] == "Shard(1)"
-    assert placements["blocks.0.mlp.c_fc.weight"] == "Shard(0)"
-    assert placements["blocks.0.mlp.c_proj.weight"] == "Shard(1)"
+    assert placements["blocks.0.attn.c_attn.weight"] == Shard(0, chunks=3)
+    assert placements["blocks.0.attn.c_proj.weight"] == Shard(1)
+    assert placements["blocks.0.mlp.c_fc.weight"] == Shard(0)
+    assert placements["blocks.0.mlp.c_proj.weight"] == Shard(1)
     report = program.report()
     assert "Tensor parallelism" in report and "blocks.0 .. blocks.1 (2)" in report
     assert "2 AR fwd" in report or "2 RS fwd" in report
@@ -66,9 +67,9 @@ def test_tp_stays_1_when_everything_fits_and_the_link_is_slow():
     # wins: 61.7 ms against pp=2's 200.9 ms, of which the tied gradient is 154 ms.)
     slow = _program("4GiB", bandwidth="1GB/s", batch=64)
     plan = check(slow)
-    assert plan.mesh["tp"] == 1
+    assert plan.mesh.tp == 1
     assert "Tensor parallelism" not in slow.report()
     # Not for want of measuring tp=2: pinned, it is feasible and predicted slower.
     forced = check(_program("4GiB", tp=2, bandwidth="1GB/s", batch=64))
-    assert forced.mesh["tp"] == 2
-    assert forced.predicted["step_time_s"] > plan.predicted["step_time_s"]
+    assert forced.mesh.tp == 2
+    assert forced.predicted.step_time_s > plan.predicted.step_time_s

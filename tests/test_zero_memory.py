@@ -64,13 +64,13 @@ def test_zero1_lets_two_replicas_fit_where_plain_data_parallelism_does_not():
         _dp_program("7MiB", zero_stage=0)
     program = _dp_program("7MiB")
     plan = check(program)
-    assert plan.mesh["dp"] == 2 and plan.zero_stage == 1
-    assert plan.predicted["peak_memory_bytes"] <= 7 * 2**20
+    assert plan.mesh.dp == 2 and plan.zero_stage == 1
+    assert plan.predicted.peak_memory_bytes <= 7 * 2**20
     assert "ZeRO-1" in program.report()
     plain = check(_dp_program("1GiB", zero_stage=0))
-    assert plain.stages[0].memory_bytes["optimizer"] == \
-        pytest.approx(2 * plan.stages[0].memory_bytes["optimizer"], abs=2)
-    assert plain.stages[0].memory_bytes["params"] == plan.stages[0].memory_bytes["params"]
+    assert plain.stages[0].memory_bytes.optimizer == \
+        pytest.approx(2 * plan.stages[0].memory_bytes.optimizer, abs=2)
+    assert plain.stages[0].memory_bytes.params == plan.stages[0].memory_bytes.params
 
 
 def test_zero2_and_zero3_state_as_fsdp_holds_it():
@@ -80,17 +80,17 @@ def test_zero2_and_zero3_state_as_fsdp_holds_it():
     zero2 = check(_dp_program("1GiB", zero_stage=2)).stages[0].memory_bytes
     zero3 = check(_dp_program("1GiB", zero_stage=3)).stages[0].memory_bytes
     for zero in (zero2, zero3):
-        assert zero["grads"] == pytest.approx(plain["grads"] / 2, abs=8)
-        assert zero["optimizer"] == pytest.approx(plain["optimizer"] / 2, abs=8)
+        assert zero.grads == pytest.approx(plain.grads / 2, abs=8)
+        assert zero.optimizer == pytest.approx(plain.optimizer / 2, abs=8)
     # ZeRO-2: the gathered weights for the step, and beside them each rank's shard.
-    assert zero2["params"] == pytest.approx(1.5 * plain["params"], abs=8)
+    assert zero2.params == pytest.approx(1.5 * plain.params, abs=8)
     # ZeRO-3: shards only, but the tied embedding (the root unit's, gathered for the
     # whole step, as under ZeRO-2) and, as a transient, a layer gathered while it runs
     # with the next one prefetched. ZeRO-2's transient: a layer's whole gradient and its
     # fp32 reduce-scatter input, as the layer's backward ends.
-    assert plain["params"] / 2 < zero3["params"] < plain["params"]
-    assert zero3["transient"] > zero2["transient"] > plain["transient"]
-    assert zero3["peak"] < zero2["peak"]
+    assert plain.params / 2 < zero3.params < plain.params
+    assert zero3.transient > zero2.transient > plain.transient
+    assert zero3.peak < zero2.peak
 
 
 @pytest.mark.parametrize("bandwidth", [300e9, 1e8])

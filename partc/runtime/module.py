@@ -14,7 +14,7 @@ microbatches of the global batch, then:
    FSDP2 reduce-scatters them, each replica keeping the mean gradient of its shard;
 3. returns the mean loss of the global batch, the same on every rank.
 
-ZeRO-2/3 (``plan.zero_stage >= 2`` with dp > 1): each layer that owns its parameters
+ZeRO-2/3 (``plan.effective_zero_stage >= 2``): each layer that owns its parameters
 is an FSDP2 unit (lowering made it a module of its own) and the stage the root unit, sharded over
 the dp group. In a pipeline, torch's schedules defer FSDP's gradient reduce-scatter to
 the last microbatch, accumulating whole gradients in between, which would hold as much
@@ -47,7 +47,7 @@ from torch.distributed.tensor import DTensor
 from partc.errors import PartcError, PlanMismatchError
 from partc.identity import model_hash, param_fqns
 from partc.placement import Placement
-from partc.plan import Plan
+from partc.plan import InputSpec, Plan
 
 from . import tp as tp_ops
 from .recompute import checkpoint_layer
@@ -163,8 +163,8 @@ class DistributedModule:
         self._schedule = schedule
         self._tied = tied
         self._partial_grads = partial_grads or []
-        self._inputs = [spec for spec in inputs if spec["name"] != "target"]
-        self._target = next((spec for spec in inputs if spec["name"] == "target"), None)
+        self._inputs = [spec for spec in inputs if spec.name != "target"]
+        self._target = next((spec for spec in inputs if spec.name == "target"), None)
         self.global_batch_size = global_batch_size
         self.last_messages: dict[str, int] = {"sends": 0, "recvs": 0}
 
@@ -253,10 +253,10 @@ class DistributedModule:
     def optimizer(self, optimizer_class: type[torch.optim.Optimizer], **defaults: Any
                   ) -> torch.optim.Optimizer:
         """``optimizer_class(self.parameters(), **defaults)`` as the plan holds its state:
-        with ZeRO-1 (``plan.zero_stage == 1``) each data-parallel rank keeps the state of
-        1/dp of the parameters, steps those and sends them to the other replicas
+        with ZeRO-1 (``plan.effective_zero_stage == 1``) each data-parallel rank keeps the
+        state of 1/dp of the parameters, steps those and sends them to the other replicas
         (``torch.distributed.optim.ZeroRedundancyOptimizer`` over the dp group)."""
-        if self.plan.zero_stage == 1 and self.topology.dp > 1:
+        if self.plan.effective_zero_stage == 1:
             # Imported here: torch.distributed.optim scripts its functional optimizers
             # on import, with deprecation warnings, which plain runs need not pay for.
             from torch.distributed.optim import ZeroRedundancyOptimizer
@@ -296,7 +296,7 @@ class DistributedModule:
         self._schedule.step(*args, **kwargs)
         self.last_messages = dict(self._stage.messages)
         self._sync_gradients()
-        max_norm = self.plan.train.get("max_grad_norm")
+        max_norm = self.plan.train.max_grad_norm
         if max_norm is not None:
             self.last_grad_norm = self.clip_grad_norm_(max_norm)
         total = torch.zeros((), device=topo.device)
@@ -364,7 +364,7 @@ class DistributedModule:
         problems = []
         if len(inputs) != len(self._inputs):
             problems.append(f"{len(inputs)} inputs given, the plan has {len(self._inputs)} "
-                            f"({', '.join(s['name'] for s in self._inputs)})")
+                            f"({', '.join(s.name for s in self._inputs)})")
         for given, spec in zip(inputs, self._inputs):
             problems += _mismatch(spec, given, self.global_batch_size)
         if self._target is not None:
@@ -379,16 +379,16 @@ class DistributedModule:
                 "dimension; compile again for new shapes")
 
 
-def _mismatch(spec: dict, given: Any, batch: int) -> list[str]:
-    expected = (batch, *spec["shape"])
+def _mismatch(spec: InputSpec, given: Any, batch: int) -> list[str]:
+    expected = (batch, *spec.shape)
     if not isinstance(given, torch.Tensor):
-        return [f"{spec['name']} is a {type(given).__name__}, not a tensor"]
+        return [f"{spec.name} is a {type(given).__name__}, not a tensor"]
     problems = []
     if tuple(given.shape) != expected:
-        problems.append(f"{spec['name']} has shape {tuple(given.shape)}, "
+        problems.append(f"{spec.name} has shape {tuple(given.shape)}, "
                         f"the plan's is {expected}")
-    if str(given.dtype).removeprefix("torch.") != spec["dtype"]:
-        problems.append(f"{spec['name']} is {given.dtype}, the plan's is {spec['dtype']}")
+    if given.dtype != spec.dtype:
+        problems.append(f"{spec.name} is {given.dtype}, the plan's is {spec.dtype}")
     return problems
 
 
@@ -396,7 +396,7 @@ def connect(plan: Plan, model: nn.Module, loss_fn: Callable | None, *,
             device: torch.device | str | None = None) -> Topology:
     """Check the launch against ``plan``, join the process group and check that every
     rank has the same plan and model: the first step of ``Program.build``."""
-    if not plan.model.get("inputs"):
+    if not plan.model.inputs:
         raise PartcError("the plan records no input shapes; compile it again with this "
                          "version of partc")
     if loss_fn is None:
@@ -406,9 +406,9 @@ def connect(plan: Plan, model: nn.Module, loss_fn: Callable | None, *,
                          f"({plan.schedule}), which partc plans and costs but does not run "
                          f"yet; compile with schedule='1f1b' (or leave it 'auto') to train")
     own_hash = model_hash(model)
-    if own_hash != plan.model.get("hash"):
+    if own_hash != plan.model.hash:
         raise PlanMismatchError(f"the model (hash {own_hash}) is not the one the plan was "
-                                f"made for (hash {plan.model.get('hash')})")
+                                f"made for (hash {plan.model.hash})")
     topology = init(plan, device)
     _check_same_plan(plan, own_hash)
     return topology
@@ -426,7 +426,7 @@ def build(plan: Plan, topology: Topology, program: StageProgram, model: nn.Modul
     tp_group = tp_ops.TensorParallelGroup(topology.tp,
                                           topology.tp_group if topology.tp > 1 else None)
     tp_ops.bind_group(module, tp_group)
-    zero_stage = plan.zero_stage if topology.dp > 1 else 0
+    zero_stage = plan.effective_zero_stage
     compute_dtype = _compute_dtype(plan)
     _own_parameters(module, model, state_dict, topology.device,
                     _shard_plan(plan, topology))
@@ -440,7 +440,8 @@ def build(plan: Plan, topology: Topology, program: StageProgram, model: nn.Modul
         module.forward = torch.autocast(topology.device.type, dtype=compute_dtype)(
             module.forward)
     tied = _tied_groups(program.holders, module, topology)
-    partial_names = set(plan.tensor_parallel.get("partial_grad_params", ()))
+    partial_names = set(plan.tensor_parallel.partial_grad_params
+                        if plan.tensor_parallel is not None else ())
     aliases = _aliases(model)
     partial = [p for name, p in module.named_parameters()
                if partial_names & set(aliases.get(name, (name,)))]
@@ -457,7 +458,7 @@ def build(plan: Plan, topology: Topology, program: StageProgram, model: nn.Modul
              plan.pp, ", ".join(program.layers), sum(p.numel() for p in module.parameters()))
     return DistributedModule(
         plan=plan, topology=topology, stage=stage, module=module, schedule=schedule,
-        tied=tied, inputs=plan.model["inputs"], partial_grads=partial, aliases=aliases,
+        tied=tied, inputs=plan.model.inputs, partial_grads=partial, aliases=aliases,
         state_keys=set(model.state_dict(keep_vars=True)),
         tied_elsewhere=_tied_elsewhere(program.holders, module, topology.pp_rank),
         tp=tp_group,
@@ -494,7 +495,7 @@ class _OverlappedAllReduce:
 
 
 def _compute_dtype(plan: Plan) -> torch.dtype:
-    dtype = getattr(torch, plan.train.get("dtype", "float32"))
+    dtype = plan.train.dtype
     if dtype == torch.float16:
         raise PartcError("training in float16 needs loss scaling, which partc's runtime "
                          "does not do: train in bfloat16 (plans for float16 are fine)")
@@ -546,9 +547,7 @@ def _shard_plan(plan: Plan, topology: Topology) -> Callable[[str, torch.Tensor],
 
 def _placement_of(plan: Plan, names: tuple[str, ...]) -> Placement:
     """How the plan places a parameter known under ``names`` (all its FQNs)."""
-    placements = plan.tensor_parallel.get("params", {})
-    return Placement.parse(next((placements[n] for n in names if n in placements),
-                                "Replicate()"))
+    return plan.placement(names)
 
 
 def _check_same_plan(plan: Plan, own_hash: str) -> None:

@@ -57,12 +57,12 @@ def world_size_from_env() -> int:
 
 
 def check_world_size(plan: Plan) -> None:
-    expected = plan.pp * plan.dp * plan.mesh.get("tp", 1)
+    expected = plan.mesh.size
     actual = world_size_from_env()
     if actual != expected:
         raise PlanMismatchError(
             f"the plan needs {expected} processes (pp={plan.pp} × dp={plan.dp} × "
-            f"tp={plan.mesh.get('tp', 1)}) but {actual} were started: launch with "
+            f"tp={plan.tp}) but {actual} were started: launch with "
             f"`torchrun --nproc-per-node={expected} ...`, or compile for {actual} devices")
 
 
@@ -82,7 +82,7 @@ def init(plan: Plan, device: torch.device | str | None = None) -> Topology:
     if device.type == "cuda":
         torch.cuda.set_device(device)
     rank = dist.get_rank()
-    tp = plan.mesh.get("tp", 1)
+    tp = plan.tp
     mesh = init_device_mesh(device.type, (plan.pp, plan.dp, tp),
                             mesh_dim_names=("pp", "dp", "tp"))
     return Topology(rank=rank, world_size=dist.get_world_size(), pp=plan.pp, dp=plan.dp,

@@ -198,9 +198,9 @@ def test_compile_plans_and_emits_the_attention_chosen() -> None:
         for attention in ("as_written", "fused")}
     written, fused = programs["as_written"], programs["fused"]
     assert cache.hits["analysis"] == 0
-    assert fused.plan.train["attention"] == "fused"
+    assert fused.plan.train.attention == "fused"
     assert "attention fused" in fused.report() and "attention as the model" in written.report()
-    activations = [sum(s.memory_bytes["activations"] for s in program.plan.stages)
+    activations = [sum(s.memory_bytes.activations for s in program.plan.stages)
                    for program in (fused, written)]
     assert activations[0] < activations[1]
     code = "".join(fused.code().values())

@@ -7,7 +7,7 @@ import random
 
 from partc.costs import PipelineConfig, build_cost_table, evaluate
 from partc.problem import (DeviceNumbers, HeavyOp, LayerCost, ModelAnalysis, ModelSummary,
-                           Pins, PlanningProblem, SharedParam, TrainNumbers)
+                           Pins, PlanningProblem, Precision, SharedParam, TrainNumbers)
 
 
 def layer(name: str, *, flops: float = 1e9, params: int = 1000, saved: float = 1000.0,
@@ -51,8 +51,9 @@ def problem(layers: list[LayerCost], cuts: list[float], device_numbers: DeviceNu
                             shared=shared),
         devices=device_numbers,
         train=TrainNumbers(global_batch_size=batch, micro_batch_sizes=sizes,
-                           activation_scale=1.0, weight_bytes_per_param=4,
-                           grad_bytes_per_param=4, optimizer_bytes_per_param=optimizer_bytes),
+                           activation_scale=1.0,
+                           precision=Precision(compute_bytes=4,
+                                               optimizer_state_bytes=optimizer_bytes)),
         pins=pins,
     )
 

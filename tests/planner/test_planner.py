@@ -26,7 +26,7 @@ def test_one_device_sums_every_layer():
     plan = plan_problem(prob)
     validate_plan(prob, plan)
     # 3 ms + 6 ms of compute, optimizer step over 2000 params x 12 bytes = 24 ns.
-    assert plan.pp == 1 and plan.predicted["step_time_s"] == pytest.approx(9 * MS + 24e-9)
+    assert plan.pp == 1 and plan.predicted.step_time_s == pytest.approx(9 * MS + 24e-9)
 
 
 def test_two_balanced_stages_halve_the_steady_state():
@@ -36,8 +36,8 @@ def test_two_balanced_stages_halve_the_steady_state():
     plan = plan_problem(prob)
     # Two layers per stage: 6 ms per microbatch; (m - 1) * 6 + 2 * 6 = 30 ms for m = 4.
     assert [len(s.layers) for s in plan.stages] == [2, 2]
-    assert plan.predicted["step_time_s"] == pytest.approx(30 * MS)
-    assert plan.predicted["bubble_fraction"] == pytest.approx(1 / 5)
+    assert plan.predicted.step_time_s == pytest.approx(30 * MS)
+    assert plan.predicted.bubble_fraction == pytest.approx(1 / 5)
 
 
 def test_heavy_layer_gets_a_stage_of_its_own():
@@ -59,7 +59,7 @@ def test_memory_forces_recompute_on_the_cheapest_layers():
     plan = plan_problem(prob)
     assert plan.recompute == {"a": "full", "b": "full", "c": "none"}
     # Recompute redoes the forwards of a and b: 1 ms + 3 ms.
-    assert plan.stages[0].time_s["recompute"] == pytest.approx(4 * MS)
+    assert plan.stages[0].time_s.recompute == pytest.approx(4 * MS)
 
 
 def test_selective_chosen_when_it_is_enough():
@@ -71,7 +71,7 @@ def test_selective_chosen_when_it_is_enough():
                    pins=Pins(schedule="gpipe"))
     plan = plan_problem(prob)
     assert plan.recompute == {"attn": "selective"}
-    assert plan.stages[0].memory_bytes["peak"] == 1_200_000
+    assert plan.stages[0].memory_bytes.peak == 1_200_000
 
 
 def test_tied_parameter_is_held_by_every_stage_using_it():
@@ -81,7 +81,7 @@ def test_tied_parameter_is_held_by_every_stage_using_it():
     prob = problem(layers, [0.0, 0.0], devices(2, 10**9), shared=(tied,), pins=Pins(pp=2))
     plan = plan_problem(prob)
     for stage in plan.stages:
-        assert stage.memory_bytes["params"] == 4000   # weights of the tied matrix, each
+        assert stage.memory_bytes.params == 4000   # weights of the tied matrix, each
         assert stage.param_count == 1000
 
 
@@ -122,7 +122,7 @@ def test_validator_rejects_broken_plans():
     prob = problem(layers, [0.0, 0.0], devices(1, 10**9))
     plan = plan_problem(prob)
     from dataclasses import replace
-    wrong_time = replace(plan, predicted={**plan.predicted, "step_time_s": 1.0})
+    wrong_time = replace(plan, predicted=replace(plan.predicted, step_time_s=1.0))
     with pytest.raises(PlanValidationError, match="predicted step time"):
         validate_plan(prob, wrong_time)
     wrong_order = replace(plan, stages=(replace(plan.stages[0],
@@ -226,9 +226,9 @@ def test_interleaving_divides_the_bubble():
                        pins=Pins(pp=2, schedule=schedule))
         plans[schedule] = plan_problem(prob)
         validate_plan(prob, plans[schedule])
-    assert plans["1f1b"].predicted["step_time_s"] == pytest.approx(18 * MS)
+    assert plans["1f1b"].predicted.step_time_s == pytest.approx(18 * MS)
     interleaved = plans["interleaved-1f1b"]
-    assert interleaved.predicted["step_time_s"] == pytest.approx(15 * MS)
+    assert interleaved.predicted.step_time_s == pytest.approx(15 * MS)
     assert interleaved.chunks == 2
     assert [list(s.runs) for s in interleaved.stages] == [[("l0",), ("l2",)],
                                                          [("l1",), ("l3",)]]

@@ -18,7 +18,7 @@ import json
 import os
 import sys
 import traceback
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
@@ -32,7 +32,6 @@ from torch.distributed.tensor import DTensor  # noqa: E402
 
 import partc  # noqa: E402
 from partc.passes.fuse_attention import count_fused  # noqa: E402
-from partc.placement import Placement  # noqa: E402
 from partc.runtime import tp as tp_ops  # noqa: E402
 from samples import gpt  # noqa: E402
 from tests import models  # noqa: E402
@@ -330,15 +329,13 @@ def train_case(built: Built) -> dict[str, Any]:
         ref_losses.append(ref_loss.item())
     ref_params = dict(reference.named_parameters(remove_duplicate=False))
     plan = program.plan
-    placements = plan.tensor_parallel.get("params", {})
     topo = module.topology
 
     def reference_shard(fqn: str) -> torch.Tensor:
         # A sharded parameter is compared with the same shard of the reference.
         tensor = ref_params[fqn].detach()
         aliases = [a for a, t in ref_params.items() if t is ref_params[fqn]]
-        text = next((placements[a] for a in aliases if a in placements), "Replicate()")
-        placement = Placement.parse(text)
+        placement = plan.placement(aliases)
         if placement.kind == "S":
             tensor = tp_ops.shard_of(tensor, placement.dim, placement.chunks, topo.tp_rank,
                                      topo.tp)
@@ -360,9 +357,10 @@ def train_case(built: Built) -> dict[str, Any]:
     reloaded = not changed
     full_error = max(((full[k] - v).norm() / max(v.norm().item(), 1e-3)).item()
                      for k, v in ref_state.items() if k in full)
+    p2p = plan.stages[module.stage_index].p2p
     return {"losses": losses, "ref_losses": ref_losses, "param_errors": errors,
-            "messages": messages, "predicted": plan.stages[module.stage_index].p2p,
-            "stage": module.stage_index, "mesh": plan.mesh, "schedule": plan.schedule,
+            "messages": messages, "predicted": asdict(p2p) if p2p else {},
+            "stage": module.stage_index, "mesh": plan.mesh.to_dict(), "schedule": plan.schedule,
             "recompute": plan.stages[module.stage_index].recompute,
             "num_params": len(errors), "own_params": own_params,
             "full_state_keys": sorted(set(full) ^ set(ref_state)),
@@ -380,9 +378,12 @@ def train_case(built: Built) -> dict[str, Any]:
             "planned_params": plan.stages[module.stage_index].param_count,
             "collectives": dict(module.tp.counts),
             "planned_collectives": _planned_collectives(plan, module.stage_index),
-            "layer_collectives": {layer: [(kind, phase) for kind, phase, _ in moves]
-                                  for layer, moves in
-                                  plan.tensor_parallel.get("collectives", {}).items()}}
+            "layer_collectives": {layer: [(move.kind, move.phase) for move in moves]
+                                  for layer, moves in _tp_collectives(plan).items()}}
+
+
+def _tp_collectives(plan: partc.Plan) -> dict:
+    return plan.tensor_parallel.collectives if plan.tensor_parallel is not None else {}
 
 
 def _whole_over_dp(tensor: torch.Tensor) -> torch.Tensor:
@@ -410,16 +411,17 @@ def _planned_collectives(plan: partc.Plan, stage: int) -> dict[str, int]:
     ones twice in a recomputed layer), times the microbatches, plus one all-reduce of
     partial gradients when the stage has any."""
     counts: dict[str, int] = {}
-    section = plan.tensor_parallel
     steps = STEPS - 1
     recomputed = plan.stages[stage].recompute
     for layer in plan.stages[stage].layers:
-        for kind, phase, _ in section.get("collectives", {}).get(layer, []):
+        for move in _tp_collectives(plan).get(layer, ()):
             # A recomputed layer replays its forward (collectives too) in backward.
-            runs = 2 if phase == "forward" and recomputed.get(layer, "none") != "none" else 1
-            counts[kind] = counts.get(kind, 0) + runs * plan.num_microbatches * steps
+            replayed = move.phase == "forward" and recomputed.get(layer, "none") != "none"
+            runs = 2 if replayed else 1
+            counts[move.kind] = counts.get(move.kind, 0) + runs * plan.num_microbatches * steps
     layers = set(plan.stages[stage].layers)
-    if any(_layer_of(plan, fqn) in layers for fqn in section.get("partial_grad_params", [])):
+    partial = plan.tensor_parallel.partial_grad_params if plan.tensor_parallel else ()
+    if any(_layer_of(plan, fqn) in layers for fqn in partial):
         counts["all_reduce"] = counts.get("all_reduce", 0) + steps
     return counts
 

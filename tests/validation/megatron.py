@@ -239,14 +239,13 @@ def published_assignment(run: Run, problem: PlanningProblem) -> Assignment:
 
 def plan_assignment(plan: partc.Plan) -> Assignment:
     """A plan's configuration and assignment, to price or break down again."""
-    section = plan.tensor_parallel
     chunks = max(len(stage.runs) for stage in plan.stages) if plan.schedule == INTERLEAVED \
         else 1
     config = PipelineConfig(pp=plan.pp, dp=plan.dp, tp=plan.tp,
                             micro_batch_size=plan.micro_batch_size,
                             num_microbatches=plan.num_microbatches, schedule=plan.schedule,
-                            sequence_parallel=bool(section.get("sequence_parallel")),
-                            tp_objective=section.get("objective", "time"),
+                            sequence_parallel=plan.sequence_parallel,
+                            tp_objective=plan.tp_objective,
                             zero_stage=plan.zero_stage, chunks=chunks)
     if chunks > 1:
         runs = [stage.runs[c] for c in range(chunks) for stage in plan.stages]

@@ -102,7 +102,7 @@ def test_planner_pinned_to_the_published_configuration_prices_it_alike(name):
     problem, assignment, evaluation = published_prediction(name)
     plan = megatron.plan(problem)
     assert megatron.plan_assignment(plan) == assignment
-    assert plan.predicted["step_time_s"] == pytest.approx(megatron.step_seconds(evaluation),
+    assert plan.predicted.step_time_s == pytest.approx(megatron.step_seconds(evaluation),
                                                           rel=1e-9)
 
 
@@ -125,6 +125,6 @@ def test_own_plan_is_at_least_as_fast_and_fits(name):
     own = megatron.plan(own_problem)
     _, _, evaluation = published_prediction(run.name)
     published = megatron.tflops_per_gpu(run, megatron.step_seconds(evaluation))
-    assert megatron.tflops_per_gpu(run, own.predicted["step_time_s"]) >= published
-    assert own.predicted["peak_memory_bytes"] <= own_problem.devices.memory_bytes[0]
+    assert megatron.tflops_per_gpu(run, own.predicted.step_time_s) >= published
+    assert own.predicted.peak_memory_bytes <= own_problem.devices.memory_bytes[0]
     assert own.solver.status == "OPTIMAL"   # settled, not stopped by the time limit

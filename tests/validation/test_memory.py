@@ -4,7 +4,7 @@ Each case compiles a small model, runs one rank of its plan for two training ste
 this process under a fake process group and measures the second with ``MemTracker``
 (``benchmarks/memory_check.py``, which prints every case and category:
 ``python benchmarks/memory_check.py``). The peak must be within ±10% of
-``plan.stages[k].memory_bytes["peak"]``; a case the cost model is known to miss is
+``plan.stages[k].memory_bytes.peak``; a case the cost model is known to miss is
 marked ``pytest.mark.xfail(strict=True, reason=...)`` naming why, so that a fix shows up
 as an XPASS (then drop the mark). Comments note what each fix was.
 """
@@ -12,6 +12,7 @@ as an XPASS (then drop the mark). Comments note what each fix was.
 from __future__ import annotations
 
 import functools
+from dataclasses import asdict
 
 import pytest
 
@@ -29,7 +30,7 @@ def _measured(name: str, rank: int) -> tuple[dict[str, int], Measured]:
     program, inputs, target = _compiled(name)
     stage = stage_of_rank(program.plan, rank)
     measured = measure_rank(program, inputs, target, rank, case_named(name).world)
-    return dict(program.plan.stages[stage].memory_bytes), measured
+    return asdict(program.plan.stages[stage].memory_bytes), measured
 
 
 PEAKS = [

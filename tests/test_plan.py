@@ -1,0 +1,188 @@
+"""The typed plan: sections as frozen dataclasses, plan.json round trips, version-1 files
+load (or are refused with what to do), and derived facts computed in one place."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+
+import partc
+from partc.compiler import plan_problem
+from partc.costs import PipelineConfig
+from partc.errors import PlanSchemaError
+from partc.placement import REPLICATE, Placement
+from partc.plan import (SCHEMA_VERSION, BudgetInfo, Mesh, ModelInfo, P2PMessages, Plan,
+                        Predicted, StageMemory, StageTime, TensorParallelPlan, migrate_v1)
+from partc.problem import Precision, effective_zero_stage
+from partc.runtime.module import _compute_dtype
+from samples.gpt import gpt_tiny, loss_fn
+from tests.planner.instances import devices, layer, problem
+
+V1_FILE = Path(__file__).parent / "data" / "plan_v1_gpt_tiny_pp2_bf16.json"
+IDS = torch.zeros(2, 16, dtype=torch.long)
+
+CASES = {
+    "pp2": (2, dict(pp=2), torch.float32),
+    "tp2_sp": (2, dict(pp=1, tp=2, sequence_parallel=True, tp_objective="memory"),
+               torch.float32),
+    "zero3_bf16": (2, dict(pp=1, dp=2, zero_stage=3), torch.bfloat16),
+    "interleaved": (2, dict(pp=2, schedule="interleaved-1f1b", num_microbatches=4),
+                    torch.float32),
+}
+
+
+def _compile(devices_: int, constraints: dict, dtype: torch.dtype, *,
+             batch: int = 8) -> partc.Program:
+    return partc.compile(gpt_tiny(n_layer=2), (IDS,), loss_fn=loss_fn,
+                         budget=partc.DeviceBudget(num_devices=devices_, device="CPU"),
+                         train=partc.TrainSpec(global_batch_size=batch, dtype=dtype,
+                                               max_grad_norm=1.0),
+                         constraints=partc.Constraints(**constraints), cache=None)
+
+
+@pytest.fixture(scope="module")
+def programs() -> dict[str, partc.Program]:
+    return {name: _compile(*case) for name, case in CASES.items()}
+
+
+def _from_numbers(precision: Precision) -> Plan:
+    """A plan of a hand-built problem: budget and training known only as numbers."""
+    prob = problem([layer(f"l{i}") for i in range(3)], [1.0, 1.0], devices(2, 10**9),
+                   batch=2)
+    prob = replace(prob, train=replace(prob.train, precision=precision))
+    return plan_problem(prob)
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_to_json_from_json_is_the_same_plan(programs, name):
+    plan = programs[name].plan
+    loaded = Plan.from_json(plan.to_json())
+    assert loaded == plan and loaded.hash == plan.hash
+    assert loaded.to_dict() == plan.to_dict()
+    assert plan.to_dict()["schema_version"] == SCHEMA_VERSION
+    assert isinstance(loaded.mesh, Mesh) and isinstance(loaded.predicted, Predicted)
+    assert isinstance(loaded.budget, BudgetInfo) and isinstance(loaded.model, ModelInfo)
+    for stage in loaded.stages:
+        assert isinstance(stage.memory_bytes, StageMemory)
+        assert isinstance(stage.time_s, StageTime)
+        assert isinstance(stage.p2p, P2PMessages)
+
+
+@pytest.mark.parametrize("mixed", [False, True])
+def test_a_plan_from_numbers_round_trips(mixed):
+    plan = _from_numbers(Precision(compute_bytes=2 if mixed else 4, optimizer_state_bytes=8))
+    assert plan.train.dtype == (torch.bfloat16 if mixed else torch.float32)
+    assert plan.train.optimizer == 8.0            # the optimizer's own state, no master
+    assert plan.budget.device == "custom" and plan.stages[0].p2p is None
+    assert Plan.from_json(plan.to_json()) == plan
+
+
+def test_the_schema_keeps_every_key_design_names(programs):
+    data = json.loads(programs["pp2"].plan.to_json())
+    for key in ("mesh", "schedule", "num_microbatches", "micro_batch_size", "zero_stage",
+                "stages", "tensor_parallel", "predicted", "solver", "budget", "train",
+                "model"):
+        assert key in data
+    assert set(data["mesh"]) == {"pp", "dp", "tp"}
+    stage = data["stages"][0]
+    assert {"index", "layers", "recompute", "memory_bytes", "limit_bytes", "time_s"} <= set(stage)
+    assert {"params", "grads", "optimizer", "activations", "peak"} <= set(stage["memory_bytes"])
+    assert {"forward", "backward", "recompute", "comm"} <= set(stage["time_s"])
+    assert {"step_time_s", "samples_per_s", "tokens_per_s", "mfu", "bubble_fraction",
+            "peak_memory_bytes"} <= set(data["predicted"])
+    assert {"status", "objective", "bound", "gap", "solve_time_s"} <= set(data["solver"])
+    assert {"name", "num_params", "hash"} <= set(data["model"])
+    assert data["train"]["dtype"] == "float32"
+
+
+def test_a_version_1_file_loads_with_its_hash_unchanged():
+    # Written by partc before the typed plan (schema 1) for this very compile.
+    old = Plan.from_json(V1_FILE.read_text())
+    program = _compile(2, dict(pp=2), torch.bfloat16, batch=4)
+    # 407706854767671d: the hash the partc that wrote the file gave the plan.
+    assert old.hash == program.plan.hash == "407706854767671d"
+    assert replace(old, solver=program.plan.solver) == program.plan
+    assert old.train.dtype == torch.bfloat16 and old.train.max_grad_norm == 1.0
+    partc.validate_plan(program.problem, old)
+
+
+def test_version_1_numbers_only_sections_migrate():
+    plan = _from_numbers(Precision(compute_bytes=2, optimizer_state_bytes=8)).to_dict()
+    # What version 1 wrote for a problem planned from numbers alone.
+    plan.update(schema_version=1, train={"global_batch_size": 2, "dtype": "2-byte weights",
+                                         "optimizer": "12 bytes of state per parameter"})
+    for stage in plan["stages"]:
+        stage["p2p"] = {}
+    migrated = migrate_v1(plan)
+    assert migrated["train"]["dtype"] == "bfloat16" and migrated["train"]["optimizer"] == 8.0
+    loaded = Plan.from_dict(plan)
+    assert loaded.train.dtype == torch.bfloat16 and loaded.stages[0].p2p is None
+
+
+def test_other_versions_and_damaged_files_are_refused_with_what_to_do(programs):
+    data = programs["pp2"].plan.to_dict()
+    with pytest.raises(PlanSchemaError, match="compile the model again"):
+        Plan.from_dict({**data, "schema_version": SCHEMA_VERSION + 1})
+    lacking = {k: v for k, v in data.items() if k != "predicted"}
+    with pytest.raises(PlanSchemaError, match="predicted"):
+        Plan.from_dict({**lacking, "schema_version": 1})
+    with pytest.raises(PlanSchemaError, match="unknown keys"):
+        Plan.from_dict({**data, "mesh": {**data["mesh"], "ep": 2}})
+
+
+def test_effective_zero_stage_is_one_rule(programs):
+    zero3 = programs["zero3_bf16"].plan
+    assert zero3.zero_stage == zero3.effective_zero_stage == 3
+    one_replica = replace(programs["pp2"].plan, zero_stage=2)
+    assert one_replica.dp == 1 and one_replica.effective_zero_stage == 0
+    for dp, zero in ((1, 3), (2, 1), (4, 3)):
+        config = PipelineConfig(pp=1, dp=dp, micro_batch_size=1, num_microbatches=1,
+                                schedule="1f1b", zero_stage=zero)
+        assert config.effective_zero_stage == effective_zero_stage(zero, dp)
+        assert config.effective_zero_stage == (zero if dp > 1 else 0)
+
+
+def test_bytes_per_parameter_by_precision():
+    fp32 = partc.TrainSpec(global_batch_size=8).precision
+    bf16 = partc.TrainSpec(global_batch_size=8, dtype=torch.bfloat16, optimizer="adam").precision
+    assert (fp32.compute_bytes, fp32.master_bytes, fp32.optimizer_state_bytes) == (4, 4, 8)
+    assert (bf16.compute_bytes, bf16.master_bytes, bf16.optimizer_state_bytes) == (2, 4, 8)
+    assert not fp32.mixed and bf16.mixed
+    assert bf16.zero_paper_bytes == (2, 2, 12) and fp32.zero_paper_bytes == (4, 4, 8)
+
+
+def test_mixed_precision_state_is_what_the_runtime_holds():
+    # bf16 Adam without ZeRO: fp32 parameters (the master), fp32 gradients, 8 bytes of
+    # state; the ZeRO paper's 2 + 2 + 12 counts the same 16 bytes.
+    program = _compile(2, dict(pp=2), torch.bfloat16)
+    for stage in program.plan.stages:
+        memory = stage.memory_bytes
+        assert (memory.params, memory.grads, memory.optimizer) == \
+            (4 * stage.param_count, 4 * stage.param_count, 8 * stage.param_count)
+
+
+def test_the_runtime_reads_the_real_dtype(programs):
+    plan = programs["zero3_bf16"].plan
+    assert plan.train.dtype is torch.bfloat16 and _compute_dtype(plan) is torch.bfloat16
+    assert plan.to_dict()["train"]["dtype"] == "bfloat16"
+    assert programs["pp2"].plan.train.dtype is torch.float32
+
+
+def test_placements_are_typed(programs):
+    plan = programs["tp2_sp"].plan
+    section = plan.tensor_parallel
+    assert isinstance(section, TensorParallelPlan) and section.degree == plan.tp == 2
+    assert section.sequence_parallel and plan.sequence_parallel
+    assert all(isinstance(p, Placement) for p in section.params.values())
+    sharded = {fqn: p for fqn, p in section.params.items() if p.is_shard}
+    assert sharded, section.params
+    fqn, placement = next(iter(sharded.items()))
+    assert plan.placement(("not.a.parameter", fqn)) == placement
+    assert plan.placement(("not.a.parameter",)) == REPLICATE
+    assert plan.to_dict()["tensor_parallel"]["params"][fqn] == str(placement)
+    assert programs["pp2"].plan.tensor_parallel is None
+    assert programs["pp2"].plan.to_dict()["tensor_parallel"] == {}
