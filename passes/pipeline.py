@@ -20,18 +20,20 @@ from torch import fx, nn
 from partc import meta
 from partc.errors import TraceError
 from partc.identity import model_hash
+from partc.options import ShardingOptions
+from partc.placement import REPLICATE
 from partc.problem import ModelAnalysis, ModelSummary, SharedParam, TPOption
 from partc.runtime import tp as tp_ops
 
 from . import dedupe
 from . import shard as shard_pass
-from . import sharding as sharding_pass
+from . import tp_chooser
 from .estimate import estimate
 from .graph import is_dtype_check, param_usage
 from .fuse_attention import fuse_attention
 from .layers import crossing_bytes, crossing_tensors, layers
 from .propagate import propagate
-from .sharding import Link
+from .tp_chooser import Link
 from .context import Context
 from .trace import trace
 
@@ -144,37 +146,40 @@ def _analyze_blocks(model: nn.Module, repeats: tuple[dedupe.Repeat, ...],
 
 def tensor_parallel_options(gm: fx.GraphModule, links: Sequence[Link],
                             sequence_parallel: Sequence[bool] = (False, True),
-                            objectives: Sequence[str] = ("time", "memory")
+                            objectives: Sequence[str] = ("time", "memory"),
+                            options: ShardingOptions = ShardingOptions()
                             ) -> tuple[TPOption, ...]:
     """For each group (``links``: one per tp degree), with and without sequence
     parallelism, fastest first and fewest parameter bytes first: choose the sharding,
     rewrite a copy of the graph for one rank, and measure it as ``analyze`` measures the
     whole model. A memory-first sharding equal to the time-first one is not repeated.
+    ``options``: the chooser's CP-SAT limits (``PlannerOptions.sharding``).
     ``gm`` is ``analyze``'s graph; where it holds representatives of repeated blocks,
     each option is measured on it and expanded to the whole model.
     """
     ctx = gm.meta[meta.CONTEXT]
     try:
-        return _options(gm, ctx, links, sequence_parallel, objectives)
+        return _options(gm, ctx, links, sequence_parallel, objectives, options)
     except dedupe.Mismatch as why:
         log.warning("measuring tensor parallelism on the whole model (%s)", why)
         full, full_ctx = ctx.expansion.retrace()
-        return _options(full, full_ctx, links, sequence_parallel, objectives)
+        return _options(full, full_ctx, links, sequence_parallel, objectives, options)
 
 
 def _options(gm: fx.GraphModule, ctx: Context, links: Sequence[Link],
-             sequence_parallel: Sequence[bool], objectives: Sequence[str]
-             ) -> tuple[TPOption, ...]:
+             sequence_parallel: Sequence[bool], objectives: Sequence[str],
+             sharding_options: ShardingOptions) -> tuple[TPOption, ...]:
     base, usage = summarize(gm, ctx), param_usage(gm, ctx)
     options = []
     measured: list[tuple[tuple, TPOption]] = []  # (tp, sp, per-layer choices), option
     for link, sp, objective in [(link, sp, objective) for link in links
                                 for sp in sequence_parallel for objective in objectives]:
-        if sp and not sharding_pass.sequence_length(gm):
+        if sp and not tp_chooser.sequence_length(gm):
             continue
         started = time.perf_counter()
-        chosen = _named("sharding", lambda: sharding_pass.choose(
-            gm, link.tp, link, sequence_parallel=sp, prefer=objective))
+        chosen = _named("sharding", lambda: tp_chooser.choose(
+            gm, link.tp, link, sequence_parallel=sp, prefer=objective,
+            options=sharding_options))
         key = (link.tp, sp, tuple((layer.name, layer.choices) for layer in chosen.layers))
         same = [option for seen, option in measured if seen == key]
         if same:  # measured already: the same sharding under the other objective
@@ -197,7 +202,7 @@ def _options(gm: fx.GraphModule, ctx: Context, links: Sequence[Link],
 
 
 def _tp_option(ctx: Context, base: ModelAnalysis, usage: dict, local: fx.GraphModule,
-               chosen: sharding_pass.Sharding) -> TPOption:
+               chosen: tp_chooser.Sharding) -> TPOption:
     """Per-rank costs: measured FLOPs and bytes, local parameter counts, collectives.
     ``base`` and ``usage`` are the whole model's analysis and parameter usage."""
     tp, per_sample = chosen.tp, 1.0 / ctx.batch_size
@@ -206,7 +211,7 @@ def _tp_option(ctx: Context, base: ModelAnalysis, usage: dict, local: fx.GraphMo
     def local_count(key: int) -> tuple[int, int]:
         tensor = usage["tensors"][key]
         placement = next((placements[f] for f in ctx.param_fqns[key] if f in placements),
-                         sharding_pass.REPLICATE)
+                         REPLICATE)
         divisor = tp if placement.kind == "S" else 1
         return tensor.numel() // divisor, tensor.numel() * tensor.element_size() // divisor
 
@@ -267,7 +272,7 @@ def lower(model: nn.Module, example_inputs: tuple, stages: list[list[str]],
     tp = int((tensor_parallel or {}).get("degree", 1))
     if tp > 1:
         # The plan's sharding, rebuilt from its per-node choices, then this rank's graph.
-        chosen = _named("sharding", lambda: sharding_pass.apply(
+        chosen = _named("sharding", lambda: tp_chooser.apply(
             gm, tp, bool(tensor_parallel.get("sequence_parallel")),
             {name: tuple(c) for name, c in tensor_parallel["choices"].items()}))
         _named("shard", lambda: shard_pass.shard(gm, chosen, local_param))

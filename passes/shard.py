@@ -40,7 +40,8 @@ from partc.runtime import tp as tp_ops
 from partc.placement import Placement
 
 from .graph import carries_grad, op_name, tensor_inputs
-from .sharding import Sharding, redistribute
+from .tp_chooser import Sharding
+from .tp_rules import redistribute
 
 LocalParam = Callable[[str, torch.Tensor, Placement], torch.Tensor]
 
