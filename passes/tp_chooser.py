@@ -22,10 +22,11 @@ Sets
     ``Partial()`` never). Edges ``(u, v, i)``: ``u`` is the ``i``-th tensor input of
     ``v`` in ``V``, either a node of ``N`` or a value made outside the layer, which
     arrives in its boundary placement ``b_u``. ``O``: the nodes of ``V`` whose values
-    leave the layer, in boundary placement ``b_v``. Moves ``r = (u, p, q)``: value ``u``
-    brought from placement ``p`` to placement ``q`` by the collectives of
-    :func:`tp_rules.redistribute`; consumers that need the same move share it, as the
-    rewrite (:mod:`partc.passes.shard`) emits it once.
+    leave the layer, in boundary placement ``b_v``. Moves ``r = (u, p, q, c)``: value
+    ``u`` brought from placement ``p`` to placement ``q`` by the collectives ``c`` of
+    :func:`tp_rules.redistribute` (which depend on whether the consumer leaves a partial
+    gradient to sum); consumers that need the same move share it, as the rewrite
+    (:mod:`partc.passes.shard`) emits it once.
 Parameters
     ``C[v,s]``: compute of ``v`` under ``s``, its forward and backward at the roofline
     (:func:`partc.costs.op_step_seconds`; unlike the stage cost model, light ops and
@@ -58,11 +59,13 @@ Constraints
     (5) outputs reach their boundary placement: ``pick[v,s] = 0`` for ``v`` in ``O``
         where no collectives bring ``s.out`` to ``b_v``.
 
-Every layer has a solution without pins (all replicated). Layers with the same signature
-and boundary placements share one solve. A parameter that several layers use (a tied
-embedding) gets one placement for all of them: where the layers' picks disagree, each
-placement they picked is tried as a pin (2) on every layer, and the one with the smallest
-summed objective kept, one parameter at a time.
+Every layer has a solution without pins (all replicated). CP-SAT runs under
+:class:`partc.options.ShardingOptions` (time limit, workers, seed; the seed settles which
+of equally good picks is returned). Layers with the same signature and boundary
+placements share one solve. A parameter that several layers use (a tied embedding) gets
+one placement for all of them: where the layers' picks disagree, each placement they
+picked is tried as a pin (2) on every layer, and the one with the smallest summed
+objective kept, one parameter at a time.
 """
 
 from __future__ import annotations
@@ -70,7 +73,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 from ortools.sat.python import cp_model
@@ -268,6 +270,8 @@ class _LayerProblem:
         self.computed = computed
 
     def signature_key(self, pins: dict[str, Placement]) -> tuple:
+        """All this layer's solution depends on: its signature, the pins on its
+        parameters, the placements its inputs arrive in and its outputs leave in."""
         pinned = tuple(str(pins.get(meta.params(a)[0], "")) for a in self.items
                        if a.op == "get_attr" and meta.params(a))
         ends = tuple(str(self.boundary.get(a, REPLICATE)) for n in self.computed
@@ -349,16 +353,16 @@ class _Objective:
 
     def __init__(self, param_bytes: int) -> None:
         self.param_bytes = param_bytes
-        self.time_terms: list[tuple[int, Any]] = []     # (picoseconds, literal): T
-        self.memory_terms: list[tuple[int, Any]] = []   # (per-mille, literal): W
+        self.time_terms: list[tuple[int, cp_model.IntVar]] = []    # (picoseconds, var): T
+        self.memory_terms: list[tuple[int, cp_model.IntVar]] = []  # (per-mille, var): W
 
-    def add_time(self, seconds: float, literal: Any) -> None:
+    def add_time(self, seconds: float, literal: cp_model.IntVar) -> None:
         self.time_terms.append((to_ps(seconds), literal))
 
-    def add_memory(self, nbytes: float, literal: Any) -> None:
+    def add_memory(self, nbytes: float, literal: cp_model.IntVar) -> None:
         self.memory_terms.append((int(round(1000 * nbytes / self.param_bytes)), literal))
 
-    def expression(self, prefer: str) -> Any:
+    def expression(self, prefer: str) -> cp_model.LinearExprT:
         time = sum(c * literal for c, literal in self.time_terms if c)
         memory = sum(c * literal for c, literal in self.memory_terms if c)
         if prefer == "memory":
@@ -376,13 +380,13 @@ class _LayerModel:
         self.problem, self.model = problem, cp_model.CpModel()
         self.pick = {n: [self.model.new_bool_var(f"pick[{n.name},{i}:{s.name}]")
                          for i, s in enumerate(problem.options[n])] for n in problem.items}
-        self.move: dict[tuple, Any] = {}
+        self.move: dict[tuple, cp_model.IntVar] = {}
         self.objective = _Objective(sum(meta.output_bytes(n) for n in problem.items
                                         if n.op == "get_attr") or 1)
         for node in problem.items:
             self._one_strategy(node, problem.pin(node, pins))
         for node in problem.computed:
-            for i, chosen in enumerate(problem.options[node]):
+            for i, chosen in enumerate(problem.options[node]):   # C[v,s]
                 self.objective.add_time(_compute_seconds(node, chosen, problem.link),
                                         self.pick[node][i])
             for position, producer in enumerate(tensor_inputs(node)):
@@ -425,8 +429,8 @@ class _LayerModel:
                     self.model.add_bool_or([~lit for lit in both] + [move])
 
     def _move(self, value: fx.Node, src: Placement, dst: Placement, moves: tuple,
-              seconds: float) -> Any:
-        """``move[r]`` for ``r = (value, src, dst)``, charged ``M_r`` once."""
+              seconds: float) -> cp_model.IntVar:
+        """``move[r]`` for ``r = (value, src, dst, moves)``, charged ``M_r`` once."""
         key = (value, src, dst, moves)
         if key not in self.move:
             self.move[key] = self.model.new_bool_var(f"move[{value.name},{src}->{dst}]")
@@ -434,6 +438,7 @@ class _LayerModel:
         return self.move[key]
 
     def _boundary(self, node: fx.Node) -> None:
+        """Constraint (5) and the cost ``B[v,s]`` of an output that leaves the layer."""
         problem = self.problem
         nbytes = float(meta.output_bytes(node))
         for var, chosen in zip(self.pick[node], problem.options[node]):
