@@ -58,7 +58,7 @@ def tp_degrees(devices: DeviceNumbers, constraints: Constraints) -> list[int]:
 
 
 def tensor_parallel_links(devices: DeviceNumbers, degrees: list[int]) -> list:
-    from .passes.sharding import Link
+    from .passes.tp_chooser import Link
 
     # A tensor-parallel group of t spans t consecutive ranks, as partc.costs prices it.
     return [Link(group=Group.over(devices, t, t),
@@ -67,9 +67,11 @@ def tensor_parallel_links(devices: DeviceNumbers, degrees: list[int]) -> list:
 
 
 def build_problem(analysis: ModelAnalysis, budget: DeviceBudget, train: TrainSpec,
-                  constraints: Constraints, graph: Any = None) -> PlanningProblem:
+                  constraints: Constraints, graph: Any = None,
+                  options: PlannerOptions = PlannerOptions()) -> PlanningProblem:
     """The planning problem; with ``graph`` (``analyze``'s), tensor-parallel variants are
-    measured for each degree a node allows (or the pinned one)."""
+    measured for each degree a node allows (or the pinned one), the sharding chooser
+    running under ``options.sharding``."""
     pinned_b = constraints.micro_batch_size or (
         train.micro_batch_size if isinstance(train.micro_batch_size, int) else None)
     sizes = (pinned_b,) if pinned_b else tuple(divisors(train.global_batch_size))
@@ -88,11 +90,11 @@ def build_problem(analysis: ModelAnalysis, budget: DeviceBudget, train: TrainSpe
             else (False, True)
         start = time.perf_counter()
         objectives = (constraints.tp_objective,) if constraints.tp_objective else ("time", "memory")
-        options = tensor_parallel_options(graph, tensor_parallel_links(devices, degrees), sp,
-                                          objectives)
+        variants = tensor_parallel_options(graph, tensor_parallel_links(devices, degrees), sp,
+                                           objectives, options.sharding)
         log.info("tensor parallelism measured for tp in %s in %.2f s", degrees,
                  time.perf_counter() - start)
-        analysis = dataclasses.replace(analysis, tensor_parallel=options)
+        analysis = dataclasses.replace(analysis, tensor_parallel=variants)
     pins = Pins(pp=constraints.effective_pp, dp=constraints.dp, tp=constraints.tp,
                 sequence_parallel=constraints.sequence_parallel,
                 tp_objective=constraints.tp_objective, stages=constraints.stages,
@@ -183,8 +185,9 @@ def compile(model: torch.nn.Module, example_inputs: tuple | torch.Tensor, *,
     if train is None:
         train = TrainSpec(global_batch_size=int(example_inputs[0].shape[0]))
     constraints = constraints or Constraints()
+    options = options or PlannerOptions()
     devices = device_numbers(budget, train.dtype)
-    measured_for = _measured_for(budget, devices, constraints, train)
+    measured_for = _measured_for(budget, devices, constraints, train, options)
     key = model_key(model_hash(model), example_inputs, example_target, loss_fn, name,
                     measured_for) if cache is not None else None
     analysis = cache.analysis(key) if cache is not None else None
@@ -198,7 +201,7 @@ def compile(model: torch.nn.Module, example_inputs: tuple | torch.Tensor, *,
                                   autocast_device=budget.device_type)
         log.info("analysed %s: %d layers in %.2f s", analysis.summary.name,
                  len(analysis.layers), time.perf_counter() - start)
-    problem = build_problem(analysis, budget, train, constraints, graph)
+    problem = build_problem(analysis, budget, train, constraints, graph, options)
     if cache is not None and graph is not None:
         cache.put_analysis(key, problem.model)
     start = time.perf_counter()
@@ -210,8 +213,7 @@ def compile(model: torch.nn.Module, example_inputs: tuple | torch.Tensor, *,
         plan = dataclasses.replace(plan, budget=recorded, train=train)
         validate_plan(problem, plan)
     else:
-        plan = plan_problem(problem, budget=recorded, train=train,
-                            options=options or PlannerOptions())
+        plan = plan_problem(problem, budget=recorded, train=train, options=options)
         if cache is not None:
             cache.put_plan(problem, plan)
     log.info("planned in %.2f s: %s", time.perf_counter() - start, plan.solver.status)
@@ -219,12 +221,13 @@ def compile(model: torch.nn.Module, example_inputs: tuple | torch.Tensor, *,
 
 
 def _measured_for(budget: DeviceBudget, devices: DeviceNumbers, constraints: Constraints,
-                  train: TrainSpec) -> tuple:
+                  train: TrainSpec, options: PlannerOptions) -> tuple:
     """What a model's measurement and tensor-parallel variants depend on besides the
     model: the attention it runs, the autocast dtype its layers are measured in and whose
-    policy (a GPU's or a CPU's; none without autocast), the degrees and links measured."""
+    policy (a GPU's or a CPU's; none without autocast), the degrees and links measured,
+    the sharding chooser's options."""
     degrees = tp_degrees(devices, constraints)
     autocast = autocast_dtype(train)
     return (train.attention, str(autocast), budget.device_type if autocast else None,
             tuple(tensor_parallel_links(devices, degrees)),
-            constraints.sequence_parallel, constraints.tp_objective)
+            constraints.sequence_parallel, constraints.tp_objective, options.sharding)

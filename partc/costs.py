@@ -45,7 +45,7 @@ Model (per pipeline stage ``s`` of ``p``, ``m`` microbatches of ``b`` samples):
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Iterable, Sequence
 
 from .collectives import Group, collective_seconds
 from .problem import (ZERO_STAGES, DeviceNumbers, HeavyOp, LayerCost, PlanningProblem,
@@ -252,23 +252,40 @@ def _shared_tail_ps(problem: PlanningProblem, config: PipelineConfig, params: in
 
 def roofline_seconds(ops: Sequence[HeavyOp], devices: DeviceNumbers, micro_batch: int,
                      scale: float, backward: bool = False) -> tuple[float, float]:
-    """One microbatch of compute-heavy ``ops``, each ``max(FLOPs / (peak * efficiency),
-    bytes / HBM bandwidth)`` with its weight read once per microbatch; split into
-    (compute-bound, memory-bound) seconds. ``scale`` converts the measured dtype's bytes
-    to the training dtype's (``TrainNumbers.measured_scale``). ``backward``: an op's
-    gradients w.r.t. its input and its weight are two ops of its FLOPs (plus what a fused
-    kernel recomputes), each reading the output's gradient and the weight or the input
-    and writing the input's or the weight's gradient: its bytes twice."""
+    """One microbatch of compute-heavy ``ops``, each at its roofline (:func:`op_seconds`),
+    split into (compute-bound, memory-bound) seconds."""
     rate = devices.peak_flops * devices.flops_efficiency
-    factor = 2 if backward else 1
     bound = {True: 0.0, False: 0.0}
     for op in ops:
-        flops = factor * op.flops + (op.bwd_extra_flops if backward else 0.0)
-        compute = micro_batch * flops / rate
-        memory = factor * (micro_batch * op.activation_bytes + op.weight_bytes) * scale \
-            / devices.hbm_bandwidth
+        compute, memory = op_seconds(op, rate, devices.hbm_bandwidth, micro_batch, scale,
+                                     backward)
         bound[compute >= memory] += op.count * max(compute, memory)
     return bound[True], bound[False]
+
+
+def op_seconds(op: HeavyOp, rate: float, hbm_bandwidth: float, micro_batch: int = 1,
+               scale: float = 1.0, backward: bool = False) -> tuple[float, float]:
+    """One of ``op``'s equal ops on one microbatch as (compute, memory) seconds: its FLOPs
+    at ``rate`` (achievable FLOP/s) and its bytes at ``hbm_bandwidth``, with its weight
+    read once per microbatch; its time is the larger (the roofline). ``scale`` converts
+    the measured dtype's bytes to the training dtype's (``TrainNumbers.measured_scale``).
+    ``backward``: an op's gradients w.r.t. its input and its weight are two ops of its
+    FLOPs (plus what a fused kernel recomputes), each reading the output's gradient and
+    the weight or the input and writing the input's or the weight's gradient: its bytes
+    twice."""
+    factor = 2 if backward else 1
+    flops = factor * op.flops + (op.bwd_extra_flops if backward else 0.0)
+    compute = micro_batch * flops / rate
+    memory = factor * (micro_batch * op.activation_bytes + op.weight_bytes) * scale \
+        / hbm_bandwidth
+    return compute, memory
+
+
+def op_step_seconds(op: HeavyOp, rate: float, hbm_bandwidth: float) -> float:
+    """One op's forward and backward at the roofline, as measured (one microbatch of the
+    traced batch, its dtype): what the tensor-parallel chooser charges a node."""
+    return sum(max(op_seconds(op, rate, hbm_bandwidth, backward=backward))
+               for backward in (False, True))
 
 
 def layer_work(layer: LayerCost, devices: DeviceNumbers, micro_batch: int,
@@ -355,9 +372,17 @@ def tp_comm_seconds(problem: PlanningProblem, config: PipelineConfig,
     """A layer's tensor-parallel collectives per microbatch, by phase (ring, in a node)."""
     group = Group.over(problem.devices, config.tp, config.tp)
     scale = config.micro_batch_size * problem.train.activation_scale
+    return collectives_seconds(((kind, phase, nbytes * scale)
+                                for kind, phase, nbytes in layer.tp_comm), group)
+
+
+def collectives_seconds(collectives: Iterable[tuple[str, str, float]],
+                        group: Group) -> dict[str, float]:
+    """Collectives ``(kind, phase, bytes of the whole tensor)`` over ``group``
+    (:func:`partc.collectives.collective_seconds`), summed by phase."""
     result = {"forward": 0.0, "backward": 0.0}
-    for kind, phase, nbytes in layer.tp_comm:
-        result[phase] += collective_seconds(kind, nbytes * scale, group)
+    for kind, phase, nbytes in collectives:
+        result[phase] += collective_seconds(kind, nbytes, group)
     return result
 
 

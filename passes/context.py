@@ -33,7 +33,7 @@ class Context:
     # What the lowering passes apply (the plan's decisions); None while analysing.
     lowering: Lowering | None = None
     # The tensor-parallel sharding ``tp_rewrite`` applies, on this graph's nodes
-    # (``partc.passes.sharding.Sharding``); None before one is chosen.
+    # (``partc.passes.tp_chooser.Sharding``); None before one is chosen.
     sharding: Any = None
 
 

@@ -30,10 +30,11 @@ from torch import fx, nn
 
 from partc import meta
 from partc.errors import TraceError
+from partc.options import ShardingOptions
 from partc.problem import ModelAnalysis, TPOption
 
 from . import dedupe, verify
-from . import sharding as sharding_pass
+from . import tp_chooser
 from .context import Context, Lowering
 from .estimate import estimate
 from .fuse_attention import fuse_attention
@@ -42,7 +43,7 @@ from .layers import layers
 from .portable import device_from_inputs, drop_assertions
 from .propagate import propagate
 from .recompute import recompute
-from .sharding import Link
+from .tp_chooser import Link
 from .split import StageGraph, parameter_holders, split
 from .summarize import summarize, tp_option
 from .tp_rewrite import copy_module, tp_rewrite
@@ -257,37 +258,40 @@ def _analyze_blocks(model: nn.Module, repeats: tuple[dedupe.Repeat, ...],
 
 def tensor_parallel_options(gm: fx.GraphModule, links: Sequence[Link],
                             sequence_parallel: Sequence[bool] = (False, True),
-                            objectives: Sequence[str] = ("time", "memory")
+                            objectives: Sequence[str] = ("time", "memory"),
+                            options: ShardingOptions = ShardingOptions()
                             ) -> tuple[TPOption, ...]:
     """For each group (``links``: one per tp degree), with and without sequence
     parallelism, fastest first and fewest parameter bytes first: choose the sharding,
     rewrite a copy of the graph for one rank, and measure it as ``analyze`` measures the
     whole model. A memory-first sharding equal to the time-first one is not repeated.
+    ``options``: the chooser's CP-SAT limits (``PlannerOptions.sharding``).
     ``gm`` is ``analyze``'s graph; where it holds representatives of repeated blocks,
     each option is measured on it and expanded to the whole model.
     """
     ctx = gm.meta[meta.CONTEXT]
     try:
-        return _options(gm, ctx, links, sequence_parallel, objectives)
+        return _options(gm, ctx, links, sequence_parallel, objectives, options)
     except dedupe.Mismatch as why:
         log.warning("measuring tensor parallelism on the whole model (%s)", why)
         full, full_ctx = ctx.expansion.retrace()
-        return _options(full, full_ctx, links, sequence_parallel, objectives)
+        return _options(full, full_ctx, links, sequence_parallel, objectives, options)
 
 
 def _options(gm: fx.GraphModule, ctx: Context, links: Sequence[Link],
-             sequence_parallel: Sequence[bool], objectives: Sequence[str]
-             ) -> tuple[TPOption, ...]:
+             sequence_parallel: Sequence[bool], objectives: Sequence[str],
+             sharding_options: ShardingOptions) -> tuple[TPOption, ...]:
     base, usage = summarize(gm, ctx), param_usage(gm, ctx)
     options = []
     measured: list[tuple[tuple, TPOption]] = []  # (tp, sp, per-layer choices), option
     for link, sp, objective in [(link, sp, objective) for link in links
                                 for sp in sequence_parallel for objective in objectives]:
-        if sp and not sharding_pass.sequence_length(gm):
+        if sp and not tp_chooser.sequence_length(gm):
             continue
         started = time.perf_counter()
-        chosen = named("sharding", lambda: sharding_pass.choose(
-            gm, link.tp, link, sequence_parallel=sp, prefer=objective))
+        chosen = named("sharding", lambda: tp_chooser.choose(
+            gm, link.tp, link, sequence_parallel=sp, prefer=objective,
+            options=sharding_options))
         key = (link.tp, sp, tuple((layer.name, layer.choices) for layer in chosen.layers))
         same = [option for seen, option in measured if seen == key]
         if same:  # measured already: the same sharding under the other objective
@@ -368,6 +372,6 @@ def _split(gm: fx.GraphModule, stages: Sequence[Sequence[str]]) -> list[StageGra
 def _plan_sharding(gm: fx.GraphModule, ctx: Context) -> fx.GraphModule:
     """The plan's sharding, rebuilt from its per-node choices, then one rank's graph."""
     lowering = ctx.lowering
-    chosen = sharding_pass.apply(gm, lowering.tp, lowering.sequence_parallel,
+    chosen = tp_chooser.apply(gm, lowering.tp, lowering.sequence_parallel,
                                  {name: tuple(c) for name, c in lowering.tp_choices.items()})
     return tp_rewrite(gm, dataclasses.replace(ctx, sharding=chosen))

@@ -9,7 +9,7 @@ Nothing here changes a graph.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 from torch import fx, nn
@@ -23,9 +23,12 @@ from .context import Context
 from .graph import param_usage
 from .layers import crossing_bytes, crossing_tensors
 
+if TYPE_CHECKING:
+    from .tp_chooser import Sharding
+
 
 def tp_option(ctx: Context, base: ModelAnalysis, usage: dict, local: fx.GraphModule,
-               chosen: Any) -> TPOption:
+               chosen: Sharding) -> TPOption:
     """Per-rank costs: measured FLOPs and bytes, local parameter counts, collectives.
     ``base`` and ``usage`` are the whole model's analysis and parameter usage."""
     tp, per_sample = chosen.tp, 1.0 / ctx.batch_size

@@ -1,8 +1,8 @@
 """The tensor-parallel rewrite: the whole-model graph becomes the program that one rank of
 a tensor-parallel group runs, on local parameter shards, with the collectives inserted.
 
-Given a :class:`partc.passes.sharding.Sharding` (a strategy for every node, from the
-chooser or rebuilt from a plan by ``sharding.apply``):
+Given a :class:`partc.passes.tp_chooser.Sharding` (a strategy for every node, from the
+chooser or rebuilt from a plan by ``tp_chooser.apply``):
 
 - the group: a :class:`partc.runtime.tp.TensorParallelGroup` of ``tp`` ranks becomes the
   module's submodule ``tp``: a stand-in that moves no data (the shapes are right, which
@@ -50,7 +50,8 @@ from partc.runtime.tp import ShardedDropout, TensorParallelGroup
 
 from .context import Context
 from .graph import carries_grad, op_name, tensor_inputs
-from .sharding import Sharding, redistribute
+from .tp_chooser import Sharding
+from .tp_rules import redistribute
 
 LocalParam = Callable[[str, torch.Tensor, Placement], torch.Tensor]
 

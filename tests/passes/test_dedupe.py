@@ -11,7 +11,7 @@ from partc import meta
 from partc.collectives import Group
 from partc.passes import dedupe
 from partc.passes.pipeline import analyze, tensor_parallel_options
-from partc.passes.sharding import Link
+from partc.passes.tp_chooser import Link
 from samples import gpt
 from tests import models
 

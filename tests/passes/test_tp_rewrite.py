@@ -14,7 +14,7 @@ from torch import fx, nn
 
 from partc import meta
 from partc.collectives import Group
-from partc.passes import sharding
+from partc.passes import tp_chooser
 from partc.passes.estimate import estimate
 from partc.passes.layers import layers
 from partc.passes.propagate import propagate
@@ -23,7 +23,7 @@ from partc.passes.trace import trace
 from partc.runtime.tp import TensorParallelGroup, bind_group
 from tests import models
 
-LINK = sharding.Link(group=Group(ranks=2, bandwidth=1e11, latency_s=1e-6), flops=1e12,
+LINK = tp_chooser.Link(group=Group(ranks=2, bandwidth=1e11, latency_s=1e-6), flops=1e12,
                      hbm_bandwidth=1e11)
 
 
@@ -53,13 +53,13 @@ class EmbeddingHead(nn.Module):
 
 
 def _rewritten(model: nn.Module, example: torch.Tensor
-               ) -> tuple[fx.GraphModule, sharding.Sharding]:
+               ) -> tuple[fx.GraphModule, tp_chooser.Sharding]:
     """``model`` traced and measured, sharded for tp=2 (fewest parameter bytes first),
     then a copy rewritten for one rank with fresh fake values."""
     gm, ctx = trace(model, (example,))
     for run in (propagate, layers, estimate):
         gm = run(gm, ctx)
-    chosen = sharding.choose(gm, 2, LINK, prefer="memory")
+    chosen = tp_chooser.choose(gm, 2, LINK, prefer="memory")
     local, moved = copy_module(gm, chosen)
     tp_rewrite(local, dataclasses.replace(ctx, sharding=moved))
     propagate(local, ctx)
@@ -71,7 +71,7 @@ def _nodes(gm: fx.GraphModule) -> dict[str, fx.Node]:
 
 
 @pytest.fixture(scope="module")
-def stack() -> tuple[Stack, fx.GraphModule, sharding.Sharding]:
+def stack() -> tuple[Stack, fx.GraphModule, tp_chooser.Sharding]:
     torch.manual_seed(0)
     model = Stack()
     gm, chosen = _rewritten(model, torch.randn(4, 8))

@@ -1,0 +1,202 @@
+"""The tensor-parallel chooser on a hand-built layer: the pick it makes, pins, and its
+CP-SAT model's optimum against a brute-force enumeration of every pick, priced by an
+objective written here from the formulation (partc/passes/tp_chooser.py's docstring)."""
+
+import itertools
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import fx, nn
+
+from partc import meta
+from partc.collectives import Group, collective_seconds
+from partc.costs import to_ps
+from partc.options import ShardingOptions
+from partc.passes import tp_chooser
+from partc.passes.graph import tensor_inputs
+from partc.passes.tp_chooser import Link, apply, choose
+from partc.passes.tp_rules import redistribute
+from partc.placement import PARTIAL, REPLICATE, Shard
+
+# Slow arithmetic, a fast free link: splitting the work pays.
+FAST_LINK = Link(group=Group(ranks=2, bandwidth=1e12, latency_s=0.0), flops=1e9,
+                 hbm_bandwidth=1e12)
+# Every collective step costs a millisecond: nothing is worth a collective.
+SLOW_LINK = Link(group=Group(ranks=2, bandwidth=1e6, latency_s=1e-3), flops=1e12,
+                 hbm_bandwidth=1e12)
+
+
+class Mlp(nn.Module):
+    def __init__(self, width: int, hidden: int) -> None:
+        super().__init__()
+        self.up = nn.Linear(width, hidden)
+        self.down = nn.Linear(hidden, width)
+
+
+def mlp_layer(batch: int = 4, seq: int = 8, width: int = 16, hidden: int = 64
+              ) -> fx.GraphModule:
+    """``down(relu(up(x)))`` as one layer, "mlp", with the metadata the chooser reads:
+    fake values, parameter FQNs, tensor sizes, the layer, and forward costs."""
+    root = Mlp(width, hidden)
+    graph = fx.Graph()
+
+    def node(made: fx.Node, value: torch.Tensor, cost: meta.NodeCost | None = None):
+        made.meta["val"] = value.to("meta")
+        meta.set_tensors(made, (meta.TensorInfo.of(made.meta["val"]),))
+        if made.op != "placeholder":
+            meta.set_layer(made, meta.LayerRef(0, "mlp"))
+        if made.op == "get_attr":
+            meta.set_params(made, (made.target,))
+        if cost is not None:
+            meta.set_cost(made, cost)
+        return made
+
+    def linear(x: fx.Node, fqn: str, n_in: int, n_out: int) -> fx.Node:
+        w = node(graph.get_attr(f"{fqn}.weight"), torch.empty(n_out, n_in))
+        b = node(graph.get_attr(f"{fqn}.bias"), torch.empty(n_out))
+        tokens = batch * seq
+        return node(graph.call_function(F.linear, (x, w, b)), torch.empty(batch, seq, n_out),
+                    meta.NodeCost(flops=2.0 * tokens * n_in * n_out,
+                                  bytes_moved=4.0 * tokens * (n_in + n_out),
+                                  compute_heavy=True, is_view=False,
+                                  output_bytes=4.0 * tokens * n_out, saved_bytes=0.0,
+                                  weight_bytes=4.0 * (n_in + 1) * n_out))
+
+    x = node(graph.placeholder("x"), torch.empty(batch, seq, width))
+    h = linear(x, "up", width, hidden)
+    nbytes = 4.0 * batch * seq * hidden
+    r = node(graph.call_function(torch.relu, (h,)), torch.empty(batch, seq, hidden),
+             meta.NodeCost(flops=0.0, bytes_moved=2 * nbytes, compute_heavy=False,
+                           is_view=False, output_bytes=nbytes, saved_bytes=nbytes))
+    y = linear(r, "down", hidden, width)
+    graph.output(y)
+    gm = fx.GraphModule(root, graph)
+    names = tuple(n.name for n in gm.graph.nodes if n.op not in ("placeholder", "output"))
+    meta.set_layers(gm, (meta.LayerInfo(index=0, name="mlp", key="mlp", signature="mlp",
+                                        nodes=names),))
+    return gm
+
+
+def picked(sharding: tp_chooser.Sharding) -> dict[str, tuple[str, str]]:
+    return {n.name: (s.name, str(s.out)) for n, s in sharding.strategy.items()}
+
+
+def test_an_mlp_is_split_column_then_row():
+    gm = mlp_layer()
+    sharding = choose(gm, 2, FAST_LINK)
+    assert picked(sharding) == {
+        "up_weight": ("parameter", "Shard(0)"),
+        "up_bias": ("parameter", "Shard(0)"),
+        "linear": ("column-parallel", "Shard(2)"),
+        "relu": ("shard dim 2", "Shard(2)"),
+        "down_weight": ("parameter", "Shard(1)"),
+        "down_bias": ("parameter", "Replicate()"),
+        "linear_1": ("row-parallel", "Partial()"),
+    }
+    (layer,) = sharding.layers
+    # One all-reduce of the output, to the layer boundary's Replicate(); x reaches the
+    # column-parallel linear as it is (it carries no gradient to sum).
+    assert [(c.kind, c.phase, c.bytes) for c in layer.collectives] == \
+        [("all_reduce", "forward", 4 * 8 * 16 * 4)]
+    assert layer.params == (("up.weight", "Shard(0)"), ("up.bias", "Shard(0)"),
+                            ("down.weight", "Shard(1)"), ("down.bias", "Replicate()"))
+    assert layer.note == ""
+    # A plan's indices rebuild the same sharding.
+    again = apply(gm, 2, False, {layer.name: layer.choices})
+    assert picked(again) == picked(sharding) and again.layers == sharding.layers
+
+
+def test_on_a_slow_link_the_layer_stays_replicated_and_says_why():
+    sharding = choose(mlp_layer(), 2, SLOW_LINK)
+    assert {out for _, out in picked(sharding).values()} == {"Replicate()"}
+    (layer,) = sharding.layers
+    assert layer.collectives == ()
+    assert layer.note == "replicating is faster than any split at this group's bandwidth"
+
+
+def test_a_pinned_parameter_keeps_its_placement():
+    problem = layer_problem(mlp_layer())
+    # up.weight replicated: the first linear cannot split (both of its splits shard the
+    # weight); its output is sliced for free (gathered in backward), so that the ReLU and
+    # the second linear still run split.
+    choice, _ = tp_chooser._solve_layer(problem, {"up.weight": REPLICATE}, "time",
+                                        ShardingOptions())
+    chosen = {n.name: problem.options[n][i] for n, i in choice.items()}
+    assert chosen["up_weight"].out == REPLICATE
+    assert chosen["linear"].name == "replicate"
+    assert (chosen["relu"].out, chosen["linear_1"].name) == (Shard(2), "row-parallel")
+
+
+def test_a_pin_no_strategy_can_meet_names_the_layer():
+    problem = layer_problem(mlp_layer())
+    with pytest.raises(RuntimeError, match=r"layer mlp: .*up\.weight"):
+        tp_chooser._solve_layer(problem, {"up.weight": Shard(1, 2)}, "time",
+                                ShardingOptions())
+
+
+@pytest.mark.parametrize("link", [FAST_LINK, SLOW_LINK], ids=["fast", "slow"])
+@pytest.mark.parametrize("prefer", ["time", "memory"])
+def test_the_model_finds_the_brute_force_optimum(link, prefer):
+    problem = layer_problem(mlp_layer(), link)
+    picks = [dict(zip(problem.items, indices)) for indices in itertools.product(
+        *(range(len(problem.options[n])) for n in problem.items))]
+    assert len(picks) == 3 * 2 * 3 * 3 * 3 * 2 * 3
+    priced = [objective(problem, pick, prefer) for pick in picks]
+    best = min(value for value in priced if value is not None)
+    choice, value = tp_chooser._solve_layer(problem, {}, prefer, ShardingOptions())
+    assert value == best
+    assert objective(problem, choice, prefer) == best
+
+
+def layer_problem(gm: fx.GraphModule, link: Link = FAST_LINK) -> tp_chooser._LayerProblem:
+    _, (problem,), _ = tp_chooser._layer_problems(gm, 2, link, sequence_parallel=False)
+    return problem
+
+
+def objective(problem: tp_chooser._LayerProblem, pick: dict[fx.Node, int],
+              prefer: str) -> int | None:
+    """The formulation's objective of one pick, None where a constraint forbids it."""
+    link, tp = problem.link, problem.tp
+    strategy = {n: problem.options[n][i] for n, i in pick.items()}
+
+    def move_ps(collectives: tuple, nbytes: float) -> int:
+        return to_ps(sum(collective_seconds(kind, nbytes, link.group)
+                         for kind, _ in collectives))
+
+    time_ps, moves = 0, {}
+    for v in problem.computed:
+        chosen, cost = strategy[v], meta.cost(v)
+        # C[v,s]: forward and backward (twice forward), each at the roofline.
+        seconds = 3 * max(cost.flops / link.flops,
+                          (cost.bytes_moved + cost.weight_bytes) / link.hbm_bandwidth)
+        sharded = chosen.out != REPLICATE or any(p != REPLICATE for p in chosen.ins)
+        time_ps += to_ps(seconds / tp if sharded else seconds)
+        for position, u in enumerate(tensor_inputs(v)):
+            need = chosen.ins[position]
+            if u.op == "get_attr":
+                if strategy[u].out != need:
+                    return None                            # (3): parameters never move
+                continue
+            have = strategy[u].out if u in strategy else problem.boundary.get(u, REPLICATE)
+            grad_partial = need == REPLICATE and chosen.out != REPLICATE and u in problem.grads
+            collectives = redistribute(have, need, grad_partial)
+            if collectives is None:
+                return None                                # (3)
+            if collectives:                                # (4): M_r, once per move
+                moves[u, have, need, collectives] = move_ps(collectives, meta.output_bytes(u))
+        if v in problem.boundary:
+            collectives = redistribute(chosen.out, problem.boundary[v], False)
+            if collectives is None:
+                return None                                # (5)
+            time_ps += move_ps(collectives, meta.output_bytes(v))  # B[v,s]
+    time_ps += sum(moves.values())
+    params = [n for n in problem.items if n.op == "get_attr"]
+    total = sum(meta.output_bytes(n) for n in params)
+    # W: per-mille of the layer's parameter bytes held (vectors left out for memory).
+    held = {n: meta.output_bytes(n) / tp if strategy[n].out.is_shard
+            else float(meta.output_bytes(n)) for n in params}
+    memory = sum(round(1000 * held[n] / total) for n in params
+                 if prefer == "time" or len(n.meta["val"].shape) >= 2)
+    assert all(s.out != PARTIAL for n, s in strategy.items() if n.op == "get_attr")
+    return memory * 10**12 + time_ps if prefer == "memory" else time_ps * 1000 + memory
