@@ -24,6 +24,7 @@ from .budget import DeviceBudget
 from .cache import DEFAULT as DEFAULT_CACHE
 from .cache import PlanCache, model_key
 from .collectives import Group
+from .costs import TableCache
 from .planner import PlannerOptions, PlannerResult, divisors, solve
 from .plan import Plan, SolverStats
 from .problem import DeviceNumbers, ModelAnalysis, Pins, PlanningProblem, TrainNumbers
@@ -130,9 +131,11 @@ def _measured_dtype_bytes(analysis: ModelAnalysis) -> int:
 
 def plan_problem(problem: PlanningProblem, *, budget: dict[str, Any] | None = None,
                  train: dict[str, Any] | None = None,
-                 options: PlannerOptions = PlannerOptions()) -> Plan:
-    """Solve, assemble the Plan with its baselines, validate it."""
-    result: PlannerResult = solve(problem, options)
+                 options: PlannerOptions = PlannerOptions(),
+                 table_cache: TableCache | None = None) -> Plan:
+    """Solve (with ``table_cache``, see ``partc.planner.solve``), assemble the Plan with
+    its baselines, validate it."""
+    result: PlannerResult = solve(problem, options, table_cache)
     best = result.best
     stats = SolverStats(
         status=result.status, objective=best.evaluation.step_ps / 1e12,
@@ -208,7 +211,8 @@ def compile(model: torch.nn.Module, example_inputs: tuple | torch.Tensor, *,
         validate_plan(problem, plan)
     else:
         plan = plan_problem(problem, budget=budget.to_dict(train.dtype),
-                            train=train.to_dict(), options=options or PlannerOptions())
+                            train=train.to_dict(), options=options or PlannerOptions(),
+                            table_cache=cache.table_cache(problem) if cache is not None else None)
         if cache is not None:
             cache.put_plan(problem, plan)
     log.info("planned in %.2f s: %s", time.perf_counter() - start, plan.solver.status)

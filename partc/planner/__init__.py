@@ -1,7 +1,8 @@
 """The planner: stages, recompute, microbatches and schedule, by CP-SAT.
 
 It takes a ``PlanningProblem`` (plain numbers) and returns a :class:`PlannerResult`
-(data).
+(data). Nothing it does depends on an earlier call, except through the ``TableCache``
+a caller passes to :func:`solve`.
 
 - ``search.py``: :func:`solve`, the outer search: the candidate configurations, their
   order and pruning by lower bound, the greedy seed, one CP-SAT solve per configuration

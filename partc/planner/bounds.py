@@ -14,7 +14,6 @@
 from __future__ import annotations
 
 import bisect
-import functools
 import math
 from typing import Any, Sequence
 
@@ -51,7 +50,8 @@ def lower_bound(table: CostTable, cache: TableCache | None = None) -> float:
     # compute into pp stages bounds the bottleneck stage from below too.
     best_compute = tuple(fastest[id(row)] for row in table.layers)
     if table.config.chunks == 1:
-        peak_busy = max(-(-total // pp), min_max_split(best_compute, pp))
+        splits = cache.splits if cache is not None else None
+        peak_busy = max(-(-total // pp), min_max_split(best_compute, pp, splits))
     else:  # a rank's layers are not contiguous: only the even spread and one layer bound
         peak_busy = max(-(-total // pp), max(best_compute))
     tails = [row.tail_ps * count for row, count in distinct.values()]
@@ -72,11 +72,22 @@ def _row_summary(table: CostTable) -> tuple[dict[int, tuple[Any, int]], tuple]:
     return distinct, _knapsack(distinct)
 
 
-@functools.lru_cache(maxsize=4096)
-def min_max_split(costs: tuple[int, ...], parts: int) -> int:
+def min_max_split(costs: tuple[int, ...], parts: int,
+                  memo: dict[tuple, int] | None = None) -> int:
     """The least possible largest sum when ``costs`` are cut into at most ``parts``
-    contiguous runs (binary search on the answer, a greedy check per guess that takes
-    each stretch of equal costs at once: 128 equal blocks are one step, not 128)."""
+    contiguous runs. ``memo`` (a ``TableCache``'s ``splits``) keeps the answers: the
+    configurations of a search ask again for the same layers' costs."""
+    if memo is None:
+        return _least_largest_sum(costs, parts)
+    if (costs, parts) not in memo:
+        memo[costs, parts] = _least_largest_sum(costs, parts)
+    return memo[costs, parts]
+
+
+def _least_largest_sum(costs: tuple[int, ...], parts: int) -> int:
+    """:func:`min_max_split` by binary search on the answer, with a greedy check per
+    guess that takes each stretch of equal costs at once: 128 equal blocks are one step,
+    not 128."""
     stretches: list[list[int]] = []    # [cost, how many in a row]
     for cost in costs:
         if stretches and stretches[-1][0] == cost:
@@ -149,10 +160,12 @@ def _knapsack(distinct: dict[int, tuple[Any, int]]) -> tuple[int, int, list]:
     return state, saved, sorted(ratios)
 
 
-def balanced_split(costs: Sequence[int], parts: int) -> list[int]:
+def balanced_split(costs: Sequence[int], parts: int,
+                   memo: dict[tuple, int] | None = None) -> list[int]:
     """Each layer's run when ``costs`` are cut into exactly ``parts`` non-empty
-    contiguous runs whose largest sum is the least possible (:func:`min_max_split`)."""
-    limit = min_max_split(tuple(costs), parts)
+    contiguous runs whose largest sum is the least possible (:func:`min_max_split`,
+    with ``memo``)."""
+    limit = min_max_split(tuple(costs), parts, memo)
     run_of, run, current = [], 0, 0
     for index, cost in enumerate(costs):
         layers_left, runs_left = len(costs) - index, parts - run
@@ -165,14 +178,17 @@ def balanced_split(costs: Sequence[int], parts: int) -> list[int]:
     return run_of
 
 
-def incumbent(problem: PlanningProblem, table: CostTable) -> Assignment | None:
+def incumbent(problem: PlanningProblem, table: CostTable,
+              cache: TableCache | None = None) -> Assignment | None:
     """A plan to start CP-SAT from: the fastest-mode compute split evenly into runs;
     then, on each stage over its limit, recompute where it costs least per byte saved
-    (greedy); None when even that does not fit."""
+    (greedy); None when even that does not fit. ``cache`` (the table's) keeps the
+    splits."""
     if table.num_layers < table.config.virtual_stages:
         return None
     fastest = [min(row.compute_ps(r) for r in row.recompute_ps) for row in table.layers]
-    stage_of = balanced_split(fastest, table.config.virtual_stages)
+    stage_of = balanced_split(fastest, table.config.virtual_stages,
+                              cache.splits if cache is not None else None)
     allowed = [problem.allowed_modes(layer) for layer in range(table.num_layers)]
     modes = [min(options, key=lambda r: (table.layers[l].compute_ps(r),
                                          RECOMPUTE_MODES.index(r)))   # ties: none first
@@ -227,10 +243,11 @@ def _recompute_until_it_fits(table: CostTable, stage: int, members: list[int],
 
 
 def starting_point(problem: PlanningProblem, table: CostTable, pinned: list[int] | None,
-                   previous: Assignment | None) -> tuple[Assignment, Evaluation] | None:
+                   previous: Assignment | None, cache: TableCache | None = None
+                   ) -> tuple[Assignment, Evaluation] | None:
     """The plan a solve starts from, evaluated: the greedy incumbent, or ``previous``
     when it still fits and is faster."""
-    candidates = [] if pinned is not None else [incumbent(problem, table), previous]
+    candidates = [] if pinned is not None else [incumbent(problem, table, cache), previous]
     evaluated = [(a, evaluate(table, a.stage_of, a.modes)) for a in candidates if a is not None]
     fitting = [(a, e) for a, e in evaluated if e.fits]
     return min(fitting, key=lambda pair: pair[1].step_ps) if fitting else None

@@ -11,6 +11,12 @@ configuration is solved first. Every configuration not pruned is solved by CP-SA
 stage model (:mod:`.stage_model`, :func:`solve_config`), which stops as soon as its proven
 bound reaches the best plan's step time. What the search learnt about each mesh
 factorisation ``(pp, dp, tp)`` is kept for the report (:mod:`.meshes`).
+
+Nothing is kept between calls but what the caller passes: ``solve(..., table_cache=...)``
+builds the cost tables with the caller's ``TableCache`` and records there the plan of
+each configuration it solved and the best configuration; a later solve of the same problem
+(the devices' memory aside) with that cache visits that configuration first and starts
+each solve from its earlier plan. ``partc.PlanCache`` keeps one per problem.
 """
 
 from __future__ import annotations
@@ -18,7 +24,6 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
-from collections import OrderedDict
 
 from ortools.sat.python import cp_model
 
@@ -146,12 +151,13 @@ _STATUS = {cp_model.OPTIMAL: "OPTIMAL", cp_model.FEASIBLE: "FEASIBLE",
 
 def solve_config(problem: PlanningProblem, table: CostTable, options: PlannerOptions,
                  time_limit_s: float, pinned: list[int] | None,
-                 cutoff: int | None = None, previous: Assignment | None = None
+                 cutoff: int | None = None, previous: Assignment | None = None,
+                 table_cache: TableCache | None = None
                  ) -> tuple[ConfigResult | None, str, float]:
     """Solve one configuration: its result (None when there is none), CP-SAT's status
     ("BEATEN" when stopped by ``cutoff``) and the bound CP-SAT proved. ``previous`` (this
     configuration's plan under another memory limit) is the hint when it still fits and
-    beats the greedy incumbent.
+    beats the greedy incumbent. ``table_cache`` is the one ``table`` was built with.
 
     ``cutoff`` (the best step time found elsewhere) is not a constraint: proving
     "nothing below the cutoff" was seen to take CP-SAT far longer than solving outright.
@@ -162,7 +168,7 @@ def solve_config(problem: PlanningProblem, table: CostTable, options: PlannerOpt
     problem = problem.variant(table.config.tp, table.config.sequence_parallel,
                               table.config.tp_objective)
     built = StageModel(problem, table, pinned)
-    start_from = starting_point(problem, table, pinned, previous)
+    start_from = starting_point(problem, table, pinned, previous, table_cache)
     if start_from is not None:
         built.add_hint(start_from[0])
     solver = cp_model.CpSolver()
@@ -214,14 +220,21 @@ def solve_config(problem: PlanningProblem, table: CostTable, options: PlannerOpt
                         solve_time_s=time.perf_counter() - start), status, proven
 
 
-def solve(problem: PlanningProblem, options: PlannerOptions = PlannerOptions()) -> PlannerResult:
-    """The best plan over all configurations, or PlanInfeasibleError with a way out."""
+def solve(problem: PlanningProblem, options: PlannerOptions = PlannerOptions(),
+          table_cache: TableCache | None = None) -> PlannerResult:
+    """The best plan over all configurations, or PlanInfeasibleError with a way out.
+
+    ``table_cache`` (None: a fresh one) builds the cost tables and keeps what this solve
+    learns for the next: it must come from this problem or one that differed only in the
+    devices' memory (``PlanCache.table_cache`` keys them so), since its rows are keyed by the
+    layers' numbers, not by the devices and training numbers they were computed with.
+    """
     start = time.perf_counter()
     pinned = pinned_stages(problem)
     configs = candidate_configs(problem)
     if not configs:
         raise PlanInfeasibleError(_no_config_message(problem), resource="configuration")
-    cache = _table_cache(problem)
+    cache = table_cache if table_cache is not None else TableCache()
     tables = [build_cost_table(problem, c, cache) for c in configs]
     floors = [lower_bound(t, cache) for t in tables]
     # Re-planning (the cache saw a problem that differed only in memory): the previous
@@ -231,7 +244,7 @@ def solve(problem: PlanningProblem, options: PlannerOptions = PlannerOptions()) 
     bound, solved, pruned, all_optimal = None, 0, 0, True
     # Per configuration: its ConfigResult, or why it has none (a MESH_OUTCOMES word).
     outcomes: list[ConfigResult | str] = ["infeasible"] * len(tables)
-    best = None if pinned is not None else _seed(problem, tables, floors, order)
+    best = None if pinned is not None else _seed(problem, tables, floors, order, cache)
     if best is not None:   # solved first: CP-SAT improves the seed while its bound is fresh
         seed = tables.index(best.table)
         outcomes[seed] = best
@@ -258,7 +271,8 @@ def solve(problem: PlanningProblem, options: PlannerOptions = PlannerOptions()) 
         cutoff = best.evaluation.step_ps if best is not None else None
         result, status, proven = solve_config(problem, table, options,
                                               min(remaining, options.per_config_s), pinned,
-                                              cutoff, cache.solutions.get(table.config))
+                                              cutoff, cache.solutions.get(table.config),
+                                              cache)
         solved += 1
         if result is None:
             if status == "BEATEN":  # proven no better than the best plan
@@ -291,7 +305,7 @@ def solve(problem: PlanningProblem, options: PlannerOptions = PlannerOptions()) 
 
 
 def _seed(problem: PlanningProblem, tables: list[CostTable], floors: list[float],
-          order: list[int]) -> ConfigResult | None:
+          order: list[int], cache: TableCache) -> ConfigResult | None:
     """The best greedy incumbent over each mesh's most promising configuration: a plan
     in hand before any solve, whose step time prunes every configuration bounded above
     it (CP-SAT may then improve on it, configuration by configuration)."""
@@ -306,7 +320,7 @@ def _seed(problem: PlanningProblem, tables: list[CostTable], floors: list[float]
         table = tables[i]
         config = table.config
         hint = incumbent(problem.variant(config.tp, config.sequence_parallel,
-                                         config.tp_objective), table)
+                                         config.tp_objective), table, cache)
         if hint is None:
             continue
         evaluation = evaluate(table, hint.stage_of, hint.modes)
@@ -314,22 +328,3 @@ def _seed(problem: PlanningProblem, tables: list[CostTable], floors: list[float]
             best = ConfigResult(table=table, assignment=hint, evaluation=evaluation,
                                 status="FEASIBLE", bound=int(floors[i]), solve_time_s=0.0)
     return best
-
-
-_TABLE_CACHES: "OrderedDict[str, TableCache]" = OrderedDict()
-
-
-def _table_cache(problem: PlanningProblem) -> TableCache:
-    """The cost-table cache of this problem, shared with earlier problems that differed
-    only in the devices' memory (the few latest are kept)."""
-    from dataclasses import replace
-
-    from ..cache import problem_key
-
-    key = problem_key(replace(problem, devices=replace(problem.devices, memory_bytes=(0,) *
-                                                       problem.devices.num_devices)))
-    cache = _TABLE_CACHES.pop(key, None) or TableCache()
-    _TABLE_CACHES[key] = cache
-    while len(_TABLE_CACHES) > 4:
-        _TABLE_CACHES.popitem(last=False)
-    return cache

@@ -1,4 +1,5 @@
-"""The planner end to end (``solve``): hand-solved instances, brute force, its errors."""
+"""The planner end to end (``solve``): hand-solved instances, brute force, its errors,
+and no state kept between calls but the table cache a caller passes."""
 
 from __future__ import annotations
 
@@ -253,3 +254,41 @@ def test_repeated_blocks_plan_equals_brute_force(seed):
     rng = random.Random(200 + seed)
     feasible = sum(_matches_oracle(repeated_problem(rng)) for _ in range(12))
     assert feasible >= 8
+
+
+def _plan(result) -> tuple:
+    """What a plan is made of: configuration, assignment, step time, status and bound."""
+    best = result.best
+    return (best.table.config, best.assignment, best.evaluation.step_ps, result.status,
+            result.bound)
+
+
+def _search(result) -> tuple:
+    """The plan and how the search got there."""
+    return _plan(result) + (result.configs_total, result.configs_solved,
+                            result.configs_pruned, result.meshes)
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_same_problem_twice_gives_identical_plans_with_or_without_a_shared_table_cache(seed):
+    """Nothing is kept between two solves in one process: without a cache the second
+    solve repeats the first exactly. A shared TableCache may only change how the search
+    gets there (it starts from the first solve's best configuration and plans), never
+    the plan."""
+    from partc.costs import TableCache
+
+    rng = random.Random(300 + seed)
+    checked = 0
+    for _ in range(8):
+        prob = repeated_problem(rng) if rng.random() < 0.5 else random_problem(rng)
+        if not _feasible(prob):
+            continue
+        alone = solve(prob)
+        assert _search(solve(prob)) == _search(alone)
+        shared = TableCache()
+        assert _search(solve(prob, table_cache=shared)) == _search(alone)
+        again = solve(prob, table_cache=shared)
+        assert shared.best_config == alone.best.table.config
+        assert _plan(again) == _plan(alone)
+        checked += 1
+    assert checked >= 4
