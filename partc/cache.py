@@ -12,6 +12,11 @@ Two levels, both keyed by content, never by object identity:
   budget's numbers, the training numbers and the pins). A hit returns the stored plan,
   which the caller validates again.
 
+Besides, in memory only, the planner's cost-table caches (``partc.costs.TableCache``) of
+the few latest problems, keyed by the problem with the devices' memory left out: a
+problem that changed only in memory (re-planning after a budget change) reuses the rows
+of its tables and starts its search from the plans found before.
+
 A cache lives in memory; with a directory it also persists across processes, as
 pickled analyses and plan JSON files. Entries on disk carry a digest of partc's own source,
 so a new version of partc never reads what an old one wrote.
@@ -25,11 +30,13 @@ import logging
 import os
 import pickle
 from collections import OrderedDict
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Callable
 
 import torch
 
+from .costs import TableCache
 from .plan import Plan
 from .problem import ModelAnalysis, PlanningProblem
 
@@ -38,13 +45,17 @@ log = logging.getLogger("partc")
 
 class PlanCache:
     """Measured models and plans, in memory (the ``capacity`` latest of each) and, with
-    ``directory``, on disk."""
+    ``directory``, on disk; the cost-table caches of the ``TABLE_CACHES`` latest problems,
+    in memory."""
+
+    TABLE_CACHES = 4   # each holds the rows of every configuration family of a problem
 
     def __init__(self, directory: str | Path | None = None, capacity: int = 8) -> None:
         self.directory = Path(directory) if directory is not None else None
         self.capacity = capacity
         self._analyses: OrderedDict[str, ModelAnalysis] = OrderedDict()
         self._plans: OrderedDict[str, str] = OrderedDict()
+        self._table_caches: OrderedDict[str, TableCache] = OrderedDict()
         self.hits = {"analysis": 0, "plan": 0}
 
     def analysis(self, key: str) -> ModelAnalysis | None:
@@ -66,6 +77,19 @@ class PlanCache:
     def put_plan(self, problem: PlanningProblem, plan: Plan) -> None:
         text = plan.to_json()
         self._put(self._plans, problem_key(problem), text, "json", text.encode())
+
+    def table_cache(self, problem: PlanningProblem) -> TableCache:
+        """The cost-table cache to solve ``problem`` with (``partc.planner.solve``):
+        shared with the latest problem that differed only in the devices' memory, else
+        a new one."""
+        devices = problem.devices
+        key = problem_key(replace(problem, devices=replace(
+            devices, memory_bytes=(0,) * devices.num_devices)))
+        cache = self._table_caches.pop(key, None)
+        self._table_caches[key] = cache if cache is not None else TableCache()
+        while len(self._table_caches) > self.TABLE_CACHES:
+            self._table_caches.popitem(last=False)
+        return self._table_caches[key]
 
     def _get(self, memory: OrderedDict, key: str, kind: str, suffix: str,
              read: Callable[[Path], Any]) -> Any:

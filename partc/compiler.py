@@ -24,6 +24,7 @@ from .budget import DeviceBudget
 from .cache import DEFAULT as DEFAULT_CACHE
 from .cache import PlanCache, model_key
 from .collectives import Group
+from .costs import TableCache
 from .planner import PlannerOptions, PlannerResult, divisors, solve
 from .plan import BudgetInfo, Plan, SolverStats
 from .problem import DeviceNumbers, ModelAnalysis, Pins, PlanningProblem, TrainNumbers
@@ -129,9 +130,11 @@ def _measured_dtype_bytes(analysis: ModelAnalysis) -> int:
 
 def plan_problem(problem: PlanningProblem, *, budget: BudgetInfo | None = None,
                  train: TrainSpec | None = None,
-                 options: PlannerOptions = PlannerOptions()) -> Plan:
-    """Solve, assemble the Plan with its baselines, validate it."""
-    result: PlannerResult = solve(problem, options)
+                 options: PlannerOptions = PlannerOptions(),
+                 table_cache: TableCache | None = None) -> Plan:
+    """Solve (with ``table_cache``, see ``partc.planner.solve``), assemble the Plan with
+    its baselines, validate it."""
+    result: PlannerResult = solve(problem, options, table_cache)
     best = result.best
     stats = SolverStats(
         status=result.status, objective=best.evaluation.step_ps / 1e12,
@@ -171,7 +174,7 @@ def compile(model: torch.nn.Module, example_inputs: tuple | torch.Tensor, *,
             constraints: Constraints | None = None,
             options: PlannerOptions | None = None, name: str | None = None,
             cache: PlanCache | None = DEFAULT_CACHE) -> Program:
-    """Plan how to train ``model`` on ``budget``; see DESIGN.md §2 for the contract.
+    """Plan how to train ``model`` on ``budget``; see docs/architecture.md and the README for the contract.
 
     ``cache`` (by default one in memory, persisted under ``PARTC_CACHE_DIR`` when set;
     ``None``: none) keeps measured models and plans: compiling the same model again
@@ -213,7 +216,8 @@ def compile(model: torch.nn.Module, example_inputs: tuple | torch.Tensor, *,
         plan = dataclasses.replace(plan, budget=recorded, train=train)
         validate_plan(problem, plan)
     else:
-        plan = plan_problem(problem, budget=recorded, train=train, options=options)
+        plan = plan_problem(problem, budget=recorded, train=train, options=options,
+                            table_cache=cache.table_cache(problem) if cache is not None else None)
         if cache is not None:
             cache.put_plan(problem, plan)
     log.info("planned in %.2f s: %s", time.perf_counter() - start, plan.solver.status)

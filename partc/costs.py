@@ -441,11 +441,15 @@ class TableCache:
     and the many configurations of a search share rows and cut tables. Nothing but the
     limits depends on the devices' memory, so problems that differ only in memory
     (re-planning after a budget change) may share a cache too.
+
+    The caller owns it: ``partc.planner.solve`` takes one (a fresh one by default) and
+    ``partc.PlanCache.table_cache`` keeps one per problem, memory aside.
     """
 
     def __init__(self) -> None:
         self._tables: dict[tuple, tuple] = {}   # rows, cut and shared tables, limits
         self.distinct: dict[int, tuple] = {}   # per rows tuple: planner's row summary
+        self.splits: dict[tuple, int] = {}     # planner's min-max splits of layer costs
         # What the planner learnt from earlier problems (memory aside, the same): the
         # assignment it chose for each configuration it solved, and the best configuration.
         self.solutions: dict[PipelineConfig, Any] = {}

@@ -95,3 +95,23 @@ def test_a_cache_directory_serves_a_new_process(tmp_path):
 def test_no_cache_traces_every_time():
     program = _compile(gpt_tiny(n_layer=2), None)
     assert program.graph is not None
+
+
+def test_cost_tables_are_shared_between_problems_that_differ_only_in_memory():
+    """The planner keeps nothing between calls; the plan cache keeps its TableCache per
+    problem, the devices' memory left out, so that re-planning after a budget change
+    starts from the tables and plans of the last solve."""
+    from tests.planner.instances import devices, layer, problem
+
+    layers = [layer(f"l{i}") for i in range(3)]
+    cache = partc.PlanCache()
+    tables = cache.table_cache(problem(layers, [0.0, 0.0], devices(2, 10**9)))
+    assert cache.table_cache(problem(layers, [0.0, 0.0], devices(2, 10**8))) is tables
+    assert cache.table_cache(problem(layers, [0.0, 0.0], devices(2, [10**9, 10**8]))) is tables
+    assert cache.table_cache(problem(layers, [1e3, 0.0], devices(2, 10**9))) is not tables
+    assert partc.PlanCache().table_cache(problem(layers, [0.0, 0.0],
+                                                 devices(2, 10**9))) is not tables
+    # Re-planning with less memory fills the same cache with what the solve learnt.
+    tight = problem(layers, [0.0, 0.0], devices(2, 10**8))
+    partc.plan_problem(tight, table_cache=cache.table_cache(tight))
+    assert tables.best_config is not None and tables.solutions

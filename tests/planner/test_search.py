@@ -1,4 +1,5 @@
-"""The planner on hand-solved instances, against brute force, and its errors."""
+"""The planner end to end (``solve``): hand-solved instances, brute force, its errors,
+and no state kept between calls but the table cache a caller passes."""
 
 from __future__ import annotations
 
@@ -237,76 +238,12 @@ def test_interleaving_divides_the_bubble():
 
 def _memory_slack_in_units(prob, oracle) -> float:
     from partc.costs import build_cost_table, evaluate
-    from partc.planner import _memory_unit
+    from partc.planner.stage_model import memory_unit
 
     _, config, stage_of, modes = oracle
     table = build_cost_table(prob, config)
     stages = evaluate(table, stage_of, modes).stages
-    return min(s.limit - s.memory["peak"] for s in stages) / _memory_unit(table)
-
-
-def test_lower_bound_never_exceeds_a_configurations_optimum():
-    import itertools
-
-    from partc.costs import build_cost_table, evaluate
-    from partc.planner import candidate_configs, lower_bound
-
-    rng = random.Random(11)
-    checked = 0
-    for _ in range(60):
-        prob = random_problem(rng)
-        for config in candidate_configs(prob):
-            table = build_cost_table(prob, config)
-            best = None
-            n = prob.num_layers
-            for starts in itertools.combinations(range(1, n), config.pp - 1):
-                stage_of = [sum(1 for s in starts if s <= l) for l in range(n)]
-                for modes in itertools.product(*(l.modes for l in prob.layers)):
-                    ev = evaluate(table, stage_of, modes)
-                    if ev.fits and (best is None or ev.step_ps < best):
-                        best = ev.step_ps
-            if best is not None:
-                assert lower_bound(table) <= best
-                checked += 1
-    assert checked > 50
-
-
-def test_equal_blocks_form_one_segment():
-    from partc.costs import PipelineConfig, build_cost_table
-    from partc.planner import segments
-
-    blocks = [layer(f"b{i}", signature="block") for i in range(6)]
-    layers = [layer("emb", flops=1e8), *blocks, layer("head", flops=2e9)]
-    config = PipelineConfig(pp=2, dp=1, micro_batch_size=1, num_microbatches=2,
-                            schedule="1f1b")
-
-    def spans(prob, pinned=None):
-        table = build_cost_table(prob, config)
-        return [(s.first, s.last) for s in segments(prob, table, pinned)]
-
-    cuts = [1e4] + [1e5] * 5 + [1e4]
-    assert spans(problem(layers, cuts, devices(2, 10**9))) == [(0, 0), (1, 6), (7, 7)]
-    # A cut of another size, a pinned mode or a pinned stage boundary breaks the blocks.
-    cuts[3] = 2e5
-    assert spans(problem(layers, cuts, devices(2, 10**9))) == [
-        (0, 0), (1, 3), (4, 6), (7, 7)]
-    cuts[3] = 1e5
-    pinned = problem(layers, cuts, devices(2, 10**9), pins=Pins(recompute={"b2": "full"}))
-    assert spans(pinned) == [(0, 0), (1, 2), (3, 3), (4, 6), (7, 7)]
-    assert spans(problem(layers, cuts, devices(2, 10**9)), [0] * 5 + [1] * 3) == [
-        (0, 0), (1, 4), (5, 6), (7, 7)]
-
-
-def test_equal_blocks_take_the_heavier_mode_first():
-    # Four equal blocks on one stage, 1 MB saved each, 2.5 MB free: recomputing one
-    # rematerialises its 1 MB in backward, so three recompute (1 MB kept + 1 MB); any
-    # three would do, and the plan names the first three.
-    layers = [layer(f"b{i}", params=0, saved=1e6, full=0.0, workspace=0.0)
-              for i in range(4)]
-    prob = problem(layers, [0.0] * 3, devices(1, 2_500_000))
-    plan = plan_problem(prob)
-    assert plan.recompute == {"b0": "full", "b1": "full", "b2": "full", "b3": "none"}
-    assert plan.solver.status == "OPTIMAL"
+    return min(s.limit - s.memory["peak"] for s in stages) / memory_unit(table)
 
 
 @pytest.mark.parametrize("seed", [0, 1])
@@ -319,21 +256,39 @@ def test_repeated_blocks_plan_equals_brute_force(seed):
     assert feasible >= 8
 
 
-def test_min_max_split_equals_every_split():
-    import itertools
+def _plan(result) -> tuple:
+    """What a plan is made of: configuration, assignment, step time, status and bound."""
+    best = result.best
+    return (best.table.config, best.assignment, best.evaluation.step_ps, result.status,
+            result.bound)
 
-    from partc.planner import _min_max_split
 
-    rng = random.Random(5)
-    for _ in range(300):
-        costs = []
-        while len(costs) < 7:   # stretches of equal costs, as equal blocks give
-            costs += [rng.choice([0, 1, 2, 5, 8])] * rng.randint(1, 4)
-        costs = tuple(costs[:rng.randint(1, 7)])
-        if not any(costs):
+def _search(result) -> tuple:
+    """The plan and how the search got there."""
+    return _plan(result) + (result.configs_total, result.configs_solved,
+                            result.configs_pruned, result.meshes)
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_same_problem_twice_gives_identical_plans_with_or_without_a_shared_table_cache(seed):
+    """Nothing is kept between two solves in one process: without a cache the second
+    solve repeats the first exactly. A shared TableCache may only change how the search
+    gets there (it starts from the first solve's best configuration and plans), never
+    the plan."""
+    from partc.costs import TableCache
+
+    rng = random.Random(300 + seed)
+    checked = 0
+    for _ in range(8):
+        prob = repeated_problem(rng) if rng.random() < 0.5 else random_problem(rng)
+        if not _feasible(prob):
             continue
-        parts = rng.randint(1, len(costs))
-        best = min(max(sum(costs[a:b]) for a, b in zip((0, *cuts), (*cuts, len(costs))))
-                   for used in range(parts)
-                   for cuts in itertools.combinations(range(1, len(costs)), used))
-        assert _min_max_split(costs, parts) == best
+        alone = solve(prob)
+        assert _search(solve(prob)) == _search(alone)
+        shared = TableCache()
+        assert _search(solve(prob, table_cache=shared)) == _search(alone)
+        again = solve(prob, table_cache=shared)
+        assert shared.best_config == alone.best.table.config
+        assert _plan(again) == _plan(alone)
+        checked += 1
+    assert checked >= 4

@@ -1,0 +1,32 @@
+"""The planner: stages, recompute, microbatches and schedule, by CP-SAT.
+
+It takes a ``PlanningProblem`` (plain numbers) and returns a :class:`PlannerResult`
+(data). Nothing it does depends on an earlier call, except through the ``TableCache``
+a caller passes to :func:`solve`.
+
+- ``search.py``: :func:`solve`, the outer search: the candidate configurations, their
+  order and pruning by lower bound, the greedy seed, one CP-SAT solve per configuration
+  (:func:`solve_config`) and its status handling.
+- ``stage_model.py``: the CP-SAT model of one configuration (layers into runs and
+  recompute modes); its docstring is the formulation: sets, parameters, variables,
+  objective, numbered constraints.
+- ``bounds.py``: what is known without the solver: the lower bound on a configuration's
+  step time (min-max split, recompute knapsack) and the greedy plan CP-SAT starts from.
+- ``meshes.py``: what the search learnt about each ``(pp, dp, tp)`` factorisation, for
+  the report.
+- ``results.py``: the outputs, frozen dataclasses.
+"""
+
+from ..options import PlannerOptions
+from .bounds import balanced_split, incumbent, lower_bound
+from .meshes import mesh_results
+from .results import MESH_OUTCOMES, Assignment, ConfigResult, MeshResult, PlannerResult
+from .search import MAX_CHUNKS, candidate_configs, divisors, solve, solve_config, tp_choices
+from .stage_model import segments
+
+__all__ = [
+    "MAX_CHUNKS", "MESH_OUTCOMES", "Assignment", "ConfigResult", "MeshResult",
+    "PlannerOptions", "PlannerResult", "balanced_split", "candidate_configs", "divisors",
+    "incumbent", "lower_bound", "mesh_results", "segments", "solve", "solve_config",
+    "tp_choices",
+]

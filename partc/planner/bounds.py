@@ -1,0 +1,253 @@
+"""Bounds and starting points of one configuration, without the solver.
+
+- :func:`lower_bound`: a step time no assignment of a configuration can beat (compute
+  spread evenly or split at best into contiguous stages, :func:`min_max_split`, plus the
+  least recompute that brings the saved activations under memory, the LP relaxation of
+  the recompute knapsack). The search visits configurations in its order and prunes
+  those whose bound is no better than the best plan found.
+- :func:`incumbent`: the greedy plan CP-SAT starts from: the fastest modes split evenly
+  into runs (:func:`balanced_split`), then on each stage over its limit the cheapest
+  recompute per byte saved until it fits, so a plan is in hand at once; if CP-SAT finds
+  nothing better in time, that is the plan.
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+from typing import Any, Sequence
+
+from ..costs import CostTable, Evaluation, TableCache, evaluate
+from ..problem import RECOMPUTE_MODES, PlanningProblem
+from .results import Assignment
+
+
+def lower_bound(table: CostTable, cache: TableCache | None = None) -> float:
+    """A step time no assignment of this configuration can beat; inf if nothing fits.
+
+    Besides compute spread evenly over stages, it charges the least recompute that
+    could bring the saved activations under the memory left after parameter state
+    (stage ``s`` keeps ``f_s`` microbatches in flight, so all stages together keep at most
+    ``sum_s M_s / f_s - state / max_s f_s`` bytes saved per microbatch), and a layer's
+    memory saved per extra picosecond is at best its best mode's ratio (the LP
+    relaxation of the recompute knapsack).
+    """
+    pp, m = table.config.pp, table.config.num_microbatches
+    if cache is None:
+        distinct, knapsack = _row_summary(table)
+    else:   # tables of one family share their rows tuple
+        known = cache.distinct.get(id(table.layers))
+        if known is None:
+            known = cache.distinct[id(table.layers)] = _row_summary(table)
+        distinct, knapsack = known
+    fastest = {key: min(row.compute_ps(r) for r in row.recompute_ps)
+               for key, (row, _) in distinct.items()}
+    recompute = _recompute_floor(table, knapsack)
+    if recompute == math.inf:
+        return math.inf
+    total = sum(fastest[key] * count for key, (_, count) in distinct.items()) + recompute
+    # Whole layers cannot split evenly: the best contiguous split of their fastest
+    # compute into pp stages bounds the bottleneck stage from below too.
+    best_compute = tuple(fastest[id(row)] for row in table.layers)
+    if table.config.chunks == 1:
+        splits = cache.splits if cache is not None else None
+        peak_busy = max(-(-total // pp), min_max_split(best_compute, pp, splits))
+    else:  # a rank's layers are not contiguous: only the even spread and one layer bound
+        peak_busy = max(-(-total // pp), max(best_compute))
+    tails = [row.tail_ps * count for row, count in distinct.values()]
+    tails += [g.tail_ps for g in table.shared]
+    tail = max(-(-sum(tails) // pp), *(row.tail_ps for row, _ in distinct.values()),
+               *(g.tail_ps for g in table.shared))
+    pipeline = m * peak_busy + (total - peak_busy) // table.config.chunks  # pipeline_ps
+    return pipeline + tail + table.tail_latency_ps
+
+
+def _row_summary(table: CostTable) -> tuple[dict[int, tuple[Any, int]], tuple]:
+    """The table's rows, each once, with how many layers share it (tables built with a
+    ``TableCache`` give equal layers one row object), and their :func:`_knapsack`."""
+    distinct: dict[int, tuple[Any, int]] = {}
+    for row in table.layers:
+        known = distinct.get(id(row))
+        distinct[id(row)] = (row, known[1] + 1 if known else 1)
+    return distinct, _knapsack(distinct)
+
+
+def min_max_split(costs: tuple[int, ...], parts: int,
+                  memo: dict[tuple, int] | None = None) -> int:
+    """The least possible largest sum when ``costs`` are cut into at most ``parts``
+    contiguous runs. ``memo`` (a ``TableCache``'s ``splits``) keeps the answers: the
+    configurations of a search ask again for the same layers' costs."""
+    if memo is None:
+        return _least_largest_sum(costs, parts)
+    if (costs, parts) not in memo:
+        memo[costs, parts] = _least_largest_sum(costs, parts)
+    return memo[costs, parts]
+
+
+def _least_largest_sum(costs: tuple[int, ...], parts: int) -> int:
+    """:func:`min_max_split` by binary search on the answer, with a greedy check per
+    guess that takes each stretch of equal costs at once: 128 equal blocks are one step,
+    not 128."""
+    stretches: list[list[int]] = []    # [cost, how many in a row]
+    for cost in costs:
+        if stretches and stretches[-1][0] == cost:
+            stretches[-1][1] += 1
+        else:
+            stretches.append([cost, 1])
+
+    def fits(limit: int) -> bool:
+        runs, current = 1, 0
+        for cost, count in stretches:
+            if cost == 0:
+                continue
+            taken = min(count, (limit - current) // cost)   # what the open run still holds
+            current += taken * cost
+            left = count - taken
+            if left:   # then fresh runs of limit // cost each (limit >= cost)
+                per_run = limit // cost
+                runs += -(-left // per_run)
+                current = (left - (-(-left // per_run) - 1) * per_run) * cost
+                if runs > parts:
+                    return False
+        return runs <= parts
+
+    low, high = max(costs), sum(costs)
+    while low < high:
+        middle = (low + high) // 2
+        if fits(middle):
+            high = middle
+        else:
+            low = middle + 1
+    return low
+
+
+def _recompute_floor(table: CostTable, knapsack: tuple[int, int, list]) -> float:
+    config = table.config
+    # Stage s holds f_s microbatches of its saved bytes A_s beside its state W_s:
+    # A_s <= (M_s - W_s) / f_s, so sum_s A_s <= sum_s M_s / f_s - sum_s W_s / max f.
+    inflight = [config.inflight(stage) / config.chunks for stage in range(config.pp)]
+    state, saved, ratios = knapsack
+    state += sum(g.state_total for g in table.shared)
+    budget = sum(limit / f for limit, f in zip(table.limits, inflight)) - state / max(inflight)
+    if budget < 0 or state > sum(table.limits):
+        return math.inf
+    excess = saved - budget
+    floor = 0.0
+    for ratio, room in ratios:
+        if excess <= 0:
+            break
+        used = min(room, excess)
+        floor += ratio * used
+        excess -= used
+    return math.inf if excess > 0 else math.floor(floor)
+
+
+def _knapsack(distinct: dict[int, tuple[Any, int]]) -> tuple[int, int, list]:
+    """What the recompute bound needs of the rows, whatever the memory: their state, the
+    bytes their fastest modes save, and per row its best picoseconds per byte freed and
+    how many bytes, cheapest first."""
+    state = sum(row.state_total * count for row, count in distinct.values())
+    saved, ratios = 0, []
+    for row, count in distinct.values():
+        fastest = min(row.recompute_ps, key=lambda r: (row.compute_ps(r), r))
+        saved += row.saved_bytes[fastest] * count
+        options = [(row.compute_ps(r) - row.compute_ps(fastest),
+                    row.saved_bytes[fastest] - row.saved_bytes[r])
+                   for r in row.recompute_ps if row.saved_bytes[r] < row.saved_bytes[fastest]]
+        if options:
+            ratios.append((min(t / b for t, b in options),
+                           max(b for _, b in options) * count))
+    return state, saved, sorted(ratios)
+
+
+def balanced_split(costs: Sequence[int], parts: int,
+                   memo: dict[tuple, int] | None = None) -> list[int]:
+    """Each layer's run when ``costs`` are cut into exactly ``parts`` non-empty
+    contiguous runs whose largest sum is the least possible (:func:`min_max_split`,
+    with ``memo``)."""
+    limit = min_max_split(tuple(costs), parts, memo)
+    run_of, run, current = [], 0, 0
+    for index, cost in enumerate(costs):
+        layers_left, runs_left = len(costs) - index, parts - run
+        # Close the run when this layer would overflow it, or when every later run
+        # needs one of the layers left.
+        if run_of and run < parts - 1 and (current + cost > limit or layers_left < runs_left):
+            run, current = run + 1, 0
+        run_of.append(run)
+        current += cost
+    return run_of
+
+
+def incumbent(problem: PlanningProblem, table: CostTable,
+              cache: TableCache | None = None) -> Assignment | None:
+    """A plan to start CP-SAT from: the fastest-mode compute split evenly into runs;
+    then, on each stage over its limit, recompute where it costs least per byte saved
+    (greedy); None when even that does not fit. ``cache`` (the table's) keeps the
+    splits."""
+    if table.num_layers < table.config.virtual_stages:
+        return None
+    fastest = [min(row.compute_ps(r) for r in row.recompute_ps) for row in table.layers]
+    stage_of = balanced_split(fastest, table.config.virtual_stages,
+                              cache.splits if cache is not None else None)
+    allowed = [problem.allowed_modes(layer) for layer in range(table.num_layers)]
+    modes = [min(options, key=lambda r: (table.layers[l].compute_ps(r),
+                                         RECOMPUTE_MODES.index(r)))   # ties: none first
+             for l, options in enumerate(allowed)]
+    pp = table.config.pp
+    for stage in range(pp):
+        members = [l for l in range(table.num_layers) if stage_of[l] % pp == stage]
+        _recompute_until_it_fits(table, stage, members, allowed, modes)
+    if not evaluate(table, stage_of, modes).fits:
+        return None
+    return Assignment(stage_of=tuple(stage_of), modes=tuple(modes))
+
+
+def _recompute_until_it_fits(table: CostTable, stage: int, members: list[int],
+                             allowed: list[list[str]], modes: list[str]) -> None:
+    """Change ``modes`` of ``members`` (in place), one layer at a time, to the mode that
+    frees the most activation memory per picosecond, until the stage's saved
+    activations fit what its limit leaves (state and the largest transient aside)."""
+    config = table.config
+    rows = table.layers
+    state = sum(rows[l].state_total for l in members)
+    state += sum(g.state_total for g in table.shared if any(l in members for l in g.layers))
+    saved = sum(rows[l].saved_bytes[modes[l]] for l in members)
+    transient = max(rows[l].transient_bytes[modes[l]] for l in members)
+    # Equal layers in equal modes offer the same change: each such group offers it once,
+    # by its first layer (members are in order), so 128 equal blocks cost one look.
+    groups: dict[tuple, list[int]] = {}
+    for l in members:
+        groups.setdefault((id(rows[l]), modes[l], tuple(allowed[l])), []).append(l)
+    while state + config.activations(stage, saved) + transient > table.limits[stage]:
+        best = None
+        for (_, current, options), layers in groups.items():
+            if not layers:
+                continue
+            l = layers[0]
+            for mode in options:
+                freed = rows[l].saved_bytes[current] - rows[l].saved_bytes[mode]
+                if freed <= 0:
+                    continue
+                ratio = (rows[l].compute_ps(mode) - rows[l].compute_ps(current)) / freed
+                if best is None or (ratio, l) < best[:2]:
+                    best = (ratio, l, mode)
+        if best is None:
+            return
+        _, layer, mode = best
+        saved -= rows[layer].saved_bytes[modes[layer]] - rows[layer].saved_bytes[mode]
+        transient = max(transient, rows[layer].transient_bytes[mode])
+        options = tuple(allowed[layer])
+        groups[id(rows[layer]), modes[layer], options].pop(0)
+        bisect.insort(groups.setdefault((id(rows[layer]), mode, options), []), layer)
+        modes[layer] = mode
+
+
+def starting_point(problem: PlanningProblem, table: CostTable, pinned: list[int] | None,
+                   previous: Assignment | None, cache: TableCache | None = None
+                   ) -> tuple[Assignment, Evaluation] | None:
+    """The plan a solve starts from, evaluated: the greedy incumbent, or ``previous``
+    when it still fits and is faster."""
+    candidates = [] if pinned is not None else [incumbent(problem, table, cache), previous]
+    evaluated = [(a, evaluate(table, a.stage_of, a.modes)) for a in candidates if a is not None]
+    fitting = [(a, e) for a, e in evaluated if e.fits]
+    return min(fitting, key=lambda pair: pair[1].step_ps) if fitting else None

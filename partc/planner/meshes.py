@@ -1,0 +1,76 @@
+"""What the search learnt about each ``(pp, dp, tp)`` factorisation of the devices, for
+the report: its fastest plan, or why it has none (:data:`~.results.MESH_OUTCOMES`), best
+first with the chosen mesh leading."""
+
+from __future__ import annotations
+
+import math
+
+from ..costs import CostTable
+from ..explain import tightest_split
+from ..problem import PlanningProblem
+from .results import ConfigResult, MeshResult
+
+# The report lists meshes in this order; unsettled ones together, by their bound.
+_MESH_ORDER = {"solved": 0, "time limit": 1, "pruned": 1, "infeasible": 2}
+
+
+def mesh_results(problem: PlanningProblem, tables: list[CostTable], floors: list[float],
+                 outcomes: list[ConfigResult | str],
+                 best: ConfigResult) -> tuple[MeshResult, ...]:
+    """One MeshResult per (pp, dp, tp) among the configurations, best first: solved by
+    step time (the chosen mesh first), then unsettled by bound, then infeasible.
+    ``outcomes`` holds per configuration its ConfigResult or why it has none."""
+    groups: dict[tuple[int, int, int], list[int]] = {}
+    for i, table in enumerate(tables):
+        config = table.config
+        groups.setdefault((config.pp, config.dp, config.tp), []).append(i)
+    meshes = [_mesh_result(problem, mesh, [tables[i] for i in members],
+                           [floors[i] for i in members], [outcomes[i] for i in members], best)
+              for mesh, members in groups.items()]
+    chosen = best.table.config
+
+    def rank(mesh: MeshResult) -> tuple:
+        is_chosen = (mesh.pp, mesh.dp, mesh.tp) == (chosen.pp, chosen.dp, chosen.tp)
+        value = mesh.step_ps if mesh.outcome == "solved" else mesh.bound_ps
+        if mesh.outcome == "infeasible":
+            value = mesh.need_bytes / mesh.limit_bytes if mesh.need_bytes else math.inf
+        return (_MESH_ORDER[mesh.outcome], value, not is_chosen, mesh.pp, mesh.dp, mesh.tp)
+
+    return tuple(sorted(meshes, key=rank))
+
+
+def _mesh_result(problem: PlanningProblem, mesh: tuple[int, int, int],
+                 tables: list[CostTable], floors: list[float],
+                 outcomes: list[ConfigResult | str], best: ConfigResult) -> MeshResult:
+    pp, dp, tp = mesh
+    results = [o for o in outcomes if isinstance(o, ConfigResult)]
+    # A solved configuration can do no better than CP-SAT's bound, an unsolved one than
+    # its lower bound; infeasible ones do not count.
+    bounds = [r.bound for r in results] + [
+        floor for floor, o in zip(floors, outcomes) if o in ("pruned", "time limit")]
+    bound = int(min(bounds)) if bounds else None
+    if results:
+        top = best if any(r is best for r in results) else min(
+            results, key=lambda r: r.evaluation.step_ps)
+        return MeshResult(pp=pp, dp=dp, tp=tp, outcome="solved", bound_ps=bound,
+                          config=top.table.config, step_ps=top.evaluation.step_ps,
+                          status=top.status)
+    if bound is not None:
+        outcome = "time limit" if "time limit" in outcomes else "pruned"
+        return MeshResult(pp=pp, dp=dp, tp=tp, outcome=outcome, bound_ps=bound)
+    need, limit = _memory_need(problem, tables)
+    return MeshResult(pp=pp, dp=dp, tp=tp, outcome="infeasible", need_bytes=need,
+                      limit_bytes=limit)
+
+
+def _memory_need(problem: PlanningProblem,
+                 tables: list[CostTable]) -> tuple[int | None, int | None]:
+    """The memory the tightest split of any of ``tables`` needs on its worst stage, and
+    that stage's limit; (None, None) when that split fits (then only the pins keep these
+    configurations out)."""
+    tables = [t for t in tables if t.config.chunks == 1] or tables
+    tight = min((tightest_split(t, problem) for t in tables), key=lambda split: split.ratio)
+    if tight.ratio <= 1:
+        return None, None
+    return tight.stage_need[tight.worst], tight.limits[tight.worst]

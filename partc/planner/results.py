@@ -1,0 +1,76 @@
+"""What the planner returns, as frozen dataclasses: one configuration's plan
+(:class:`Assignment`, :class:`ConfigResult`), what the search learnt about each mesh
+factorisation (:class:`MeshResult`), and the whole search's answer (:class:`PlannerResult`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..costs import CostTable, Evaluation, PipelineConfig
+
+
+@dataclass(frozen=True, kw_only=True)
+class Assignment:
+    """Per layer: the run it sits in (its stage when there is one run per stage) and its
+    recompute mode."""
+
+    stage_of: tuple[int, ...]
+    modes: tuple[str, ...]
+
+
+@dataclass(frozen=True, kw_only=True)
+class ConfigResult:
+    """The plan found for one configuration: ``status`` is CP-SAT's ("FEASIBLE" also for
+    a greedy plan CP-SAT did not improve on), ``bound`` a step time no plan of this
+    configuration beats."""
+
+    table: CostTable
+    assignment: Assignment
+    evaluation: Evaluation
+    status: str
+    bound: int
+    solve_time_s: float
+
+
+MESH_OUTCOMES = ("solved", "time limit", "pruned", "infeasible")
+
+
+@dataclass(frozen=True, kw_only=True)
+class MeshResult:
+    """What the search learnt about one ``(pp, dp, tp)`` factorisation of the devices.
+
+    ``outcome`` is one of :data:`MESH_OUTCOMES`: "solved" (``config`` is its fastest plan
+    found, ``step_ps`` its step time), "time limit" (the search stopped before solving any
+    of its configurations), "pruned" (each configuration's lower bound was no better than
+    the chosen plan) or "infeasible" (no configuration fits memory; ``need_bytes`` against
+    ``limit_bytes`` on the stage of the tightest split, when known). ``bound_ps`` is a step
+    time no configuration of this factorisation can beat (None when infeasible).
+    """
+
+    pp: int
+    dp: int
+    tp: int
+    outcome: str
+    bound_ps: int | None = None
+    config: PipelineConfig | None = None
+    step_ps: int | None = None
+    status: str | None = None            # CP-SAT's status for ``config``
+    need_bytes: int | None = None
+    limit_bytes: int | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
+class PlannerResult:
+    best: ConfigResult
+    status: str
+    bound: int
+    solve_time_s: float
+    configs_total: int
+    configs_solved: int
+    configs_pruned: int
+    meshes: tuple[MeshResult, ...] = ()     # best first; the chosen mesh leads
+
+    @property
+    def gap(self) -> float:
+        step = self.best.evaluation.step_ps
+        return max(0.0, (step - self.bound) / step) if step else 0.0

@@ -1,0 +1,330 @@
+"""The search over pipeline configurations: ``solve``, the planner's entry point.
+
+Outer enumeration (cheap, exact): every pipeline configuration ``c = (tp, pp, dp, b, m,
+schedule, ZeRO stage, chunks v)`` with ``tp * pp * dp = N`` devices and ``dp * b * m = B``
+global batch, respecting pins (``v > 1`` only for a pinned interleaved 1F1B).
+Configurations are visited in order of a lower bound on their step time
+(:func:`~.bounds.lower_bound`); one whose bound is no better than the best plan found so
+far is pruned. Before any solve, the best plan is seeded with the greedy plan
+(:func:`~.bounds.incumbent`) of each mesh's most promising configuration, and its
+configuration is solved first. Every configuration not pruned is solved by CP-SAT on its
+stage model (:mod:`.stage_model`, :func:`solve_config`), which stops as soon as its proven
+bound reaches the best plan's step time. What the search learnt about each mesh
+factorisation ``(pp, dp, tp)`` is kept for the report (:mod:`.meshes`).
+
+Nothing is kept between calls but what the caller passes: ``solve(..., table_cache=...)``
+builds the cost tables with the caller's ``TableCache`` and records there the plan of
+each configuration it solved and the best configuration; a later solve of the same problem
+(the devices' memory aside) with that cache visits that configuration first and starts
+each solve from its earlier plan. ``partc.PlanCache`` keeps one per problem.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+
+from ortools.sat.python import cp_model
+
+from ..costs import CostTable, PipelineConfig, TableCache, build_cost_table, evaluate
+from ..errors import PlanInfeasibleError
+from ..explain import explain_infeasible
+from ..options import PlannerOptions
+from ..problem import PlanningProblem
+from ..spec import AUTO_SCHEDULES, INTERLEAVED
+from .bounds import incumbent, lower_bound, starting_point
+from .meshes import mesh_results
+from .results import Assignment, ConfigResult, PlannerResult
+from .stage_model import StageModel
+
+
+def divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def tp_choices(problem: PlanningProblem) -> list[tuple[int, bool, str]]:
+    """(tp, sequence parallel, objective) the pins allow: tp = 1 and every measured variant."""
+    pins = problem.pins
+    options = [(1, False, "time", None)] + [(o.tp, o.sequence_parallel, o.objective,
+                                             o.choices) for o in problem.model.tensor_parallel]
+    allowed, seen = [], set()
+    for tp, sp, objective, layer_choices in options:
+        if (pins.tp is None or pins.tp == tp) \
+                and (pins.sequence_parallel is None or tp == 1 and not pins.sequence_parallel
+                     or tp > 1 and pins.sequence_parallel == sp) \
+                and (pins.tp_objective is None or tp == 1 or pins.tp_objective == objective) \
+                and (tp, sp, layer_choices) not in seen:  # both objectives chose alike
+            seen.add((tp, sp, layer_choices))
+            allowed.append((tp, sp, objective))
+    return allowed
+
+
+def candidate_configs(problem: PlanningProblem) -> list[PipelineConfig]:
+    """Every (tp, pp, dp, b, m, schedule, ZeRO stage) the pins and the batch allow
+    (ZeRO stages 1-3 only where there is more than one replica)."""
+    pins = problem.pins
+    schedules = [pins.schedule] if pins.schedule else list(AUTO_SCHEDULES)
+    configs = []
+    for tp, sp, objective in tp_choices(problem):
+        devices = problem.devices.num_devices // tp
+        pp_options = [pins.pp] if pins.pp else [
+            p for p in divisors(devices) if p <= problem.num_layers]
+        for pp in pp_options:
+            if devices % pp:
+                continue
+            dp = devices // pp
+            if pins.dp is not None and pins.dp != dp:
+                continue
+            if problem.train.global_batch_size % dp:
+                continue
+            per_replica = problem.train.global_batch_size // dp
+            for b in problem.train.micro_batch_sizes:
+                if per_replica % b:
+                    continue
+                m = per_replica // b
+                if pins.num_microbatches is not None and m != pins.num_microbatches:
+                    continue
+                if pins.micro_batch_size is not None and b != pins.micro_batch_size:
+                    continue
+                zero_stages = [pins.zero_stage] if pins.zero_stage is not None else (
+                    [0, 1, 2, 3] if dp > 1 else [0])
+                configs.extend(PipelineConfig(pp=pp, dp=dp, micro_batch_size=b,
+                                              num_microbatches=m, schedule=schedule, tp=tp,
+                                              sequence_parallel=sp, tp_objective=objective,
+                                              zero_stage=zero, chunks=chunks)
+                               for schedule in schedules for zero in zero_stages
+                               if not _same_as_1f1b(schedule, pp, m, pins.schedule)
+                               for chunks in _chunk_counts(problem, schedule, pp, m))
+    return configs
+
+
+def _same_as_1f1b(schedule: str, pp: int, m: int, pinned: str | None) -> bool:
+    """GPipe with one stage or one microbatch costs what 1F1B does or more (the same
+    time; with one stage it keeps every microbatch's activations, 1F1B one): left out
+    unless pinned."""
+    return schedule == "gpipe" and pinned != "gpipe" and (pp == 1 or m == 1)
+
+
+MAX_CHUNKS = 8
+
+
+def _chunk_counts(problem: PlanningProblem, schedule: str, pp: int, m: int) -> list[int]:
+    """Chunks per rank: 1, or for interleaved 1F1B every ``v`` from 2 to ``MAX_CHUNKS``
+    with a layer for each of the ``pp * v`` runs, when the microbatches are a multiple
+    of ``pp`` (Megatron's condition) and the stages are not pinned."""
+    if schedule != INTERLEAVED:
+        return [1]
+    if pp == 1 or m % pp or problem.pins.stages is not None:
+        return []
+    return [v for v in range(2, MAX_CHUNKS + 1) if pp * v <= problem.num_layers]
+
+
+def pinned_stages(problem: PlanningProblem) -> list[int] | None:
+    stages = problem.pins.stages
+    if stages is None:
+        return None
+    names = [layer.name for layer in problem.layers]
+    flat = [name for stage in stages for name in stage]
+    if flat != names:
+        raise ValueError(
+            "Constraints.stages must list every layer once, in order; "
+            f"layers are {names}, pinned {flat}")
+    return [s for s, stage in enumerate(stages) for _ in stage]
+
+
+def _no_config_message(problem: PlanningProblem) -> str:
+    pins, train = problem.pins, problem.train
+    return (f"no pipeline configuration matches the pins and the batch: "
+            f"{problem.devices.num_devices} devices, global batch {train.global_batch_size}, "
+            f"micro-batch sizes {list(train.micro_batch_sizes)}, pins pp={pins.pp} "
+            f"dp={pins.dp} microbatches={pins.num_microbatches} "
+            f"micro_batch_size={pins.micro_batch_size}, {problem.num_layers} layers. "
+            f"pp must divide the device count and be at most the number of layers, and "
+            f"dp x micro-batch size x microbatches must equal the global batch.")
+
+
+_STATUS = {cp_model.OPTIMAL: "OPTIMAL", cp_model.FEASIBLE: "FEASIBLE",
+           cp_model.INFEASIBLE: "INFEASIBLE", cp_model.MODEL_INVALID: "MODEL_INVALID",
+           cp_model.UNKNOWN: "UNKNOWN"}
+
+
+def solve_config(problem: PlanningProblem, table: CostTable, options: PlannerOptions,
+                 time_limit_s: float, pinned: list[int] | None,
+                 cutoff: int | None = None, previous: Assignment | None = None,
+                 table_cache: TableCache | None = None
+                 ) -> tuple[ConfigResult | None, str, float]:
+    """Solve one configuration: its result (None when there is none), CP-SAT's status
+    ("BEATEN" when stopped by ``cutoff``) and the bound CP-SAT proved. ``previous`` (this
+    configuration's plan under another memory limit) is the hint when it still fits and
+    beats the greedy incumbent. ``table_cache`` is the one ``table`` was built with.
+
+    ``cutoff`` (the best step time found elsewhere) is not a constraint: proving
+    "nothing below the cutoff" was seen to take CP-SAT far longer than solving outright.
+    Instead the search stops as soon as its proven bound reaches it, which is often long
+    before the optimum of a losing configuration is proven.
+    """
+    start = time.perf_counter()
+    problem = problem.variant(table.config.tp, table.config.sequence_parallel,
+                              table.config.tp_objective)
+    built = StageModel(problem, table, pinned)
+    start_from = starting_point(problem, table, pinned, previous, table_cache)
+    if start_from is not None:
+        built.add_hint(start_from[0])
+    solver = cp_model.CpSolver()
+    solver.parameters.max_time_in_seconds = max(time_limit_s, 0.01)
+    solver.parameters.num_workers = options.num_workers
+    solver.parameters.random_seed = options.seed
+    solver.parameters.cp_model_presolve = options.presolve
+    chunks = table.config.chunks   # the objective is chunks x the step time
+
+    def step_floor(objective_bound: float) -> int:
+        """The least step time an objective bound allows (pipeline_ps floors its
+        fill-and-drain term divided by the chunks)."""
+        return -(-(math.ceil(objective_bound - 1e-6) - chunks + 1) // chunks)
+
+    if cutoff is not None:
+        def stop_when_beaten(bound: float) -> None:
+            if step_floor(bound) >= cutoff:
+                solver.stop_search()
+        solver.best_bound_callback = stop_when_beaten
+    code = solver.solve(built.model)
+    status = _STATUS.get(code, "UNKNOWN")
+    proven = step_floor(solver.best_objective_bound)
+    if status == "MODEL_INVALID":
+        raise RuntimeError(f"internal error: invalid CP-SAT model for {table.config}: "
+                           f"{built.model.validate()}")
+    beaten = status == "UNKNOWN" and cutoff is not None and proven >= cutoff
+    if status == "UNKNOWN" and start_from is not None and not beaten:
+        status = "FEASIBLE"   # CP-SAT found nothing in time: the incumbent still is a plan
+        assignment, evaluation = start_from
+    elif status not in ("OPTIMAL", "FEASIBLE"):
+        return None, "BEATEN" if beaten else status, proven
+    else:
+        assignment = built.assignment(solver)
+        evaluation = evaluate(table, assignment.stage_of, assignment.modes)
+        # The model over-approximates nothing at an optimum; a feasible incumbent may
+        # carry slack in its auxiliary variables, so the evaluation can only be lower.
+        if chunks * evaluation.step_ps > round(solver.objective_value) or not evaluation.fits:
+            raise RuntimeError(f"internal error: CP-SAT objective {solver.objective_value} "
+                               f"(x{chunks}) disagrees with the cost model "
+                               f"({evaluation.step_ps}) for {table.config}")
+        if status == "FEASIBLE" and start_from is not None \
+                and start_from[1].step_ps < evaluation.step_ps:
+            # Stopped by the time limit: never worse than the plan it started from
+            # (CP-SAT may drop a hint it cannot complete in time).
+            assignment, evaluation = start_from
+    bound = min(proven, evaluation.step_ps) if status == "FEASIBLE" else evaluation.step_ps
+    return ConfigResult(table=table, assignment=assignment, evaluation=evaluation,
+                        status=status, bound=bound,
+                        solve_time_s=time.perf_counter() - start), status, proven
+
+
+def solve(problem: PlanningProblem, options: PlannerOptions = PlannerOptions(),
+          table_cache: TableCache | None = None) -> PlannerResult:
+    """The best plan over all configurations, or PlanInfeasibleError with a way out.
+
+    ``table_cache`` (None: a fresh one) builds the cost tables and keeps what this solve
+    learns for the next: it must come from this problem or one that differed only in the
+    devices' memory (``PlanCache.table_cache`` keys them so), since its rows are keyed by the
+    layers' numbers, not by the devices and training numbers they were computed with.
+    """
+    start = time.perf_counter()
+    pinned = pinned_stages(problem)
+    configs = candidate_configs(problem)
+    if not configs:
+        raise PlanInfeasibleError(_no_config_message(problem), resource="configuration")
+    cache = table_cache if table_cache is not None else TableCache()
+    tables = [build_cost_table(problem, c, cache) for c in configs]
+    floors = [lower_bound(t, cache) for t in tables]
+    # Re-planning (the cache saw a problem that differed only in memory): the previous
+    # best configuration first, so its plan prunes the rest early.
+    order = sorted(range(len(tables)),
+                   key=lambda i: (tables[i].config != cache.best_config, floors[i], i))
+    bound, solved, pruned, all_optimal = None, 0, 0, True
+    # Per configuration: its ConfigResult, or why it has none (a MESH_OUTCOMES word).
+    outcomes: list[ConfigResult | str] = ["infeasible"] * len(tables)
+    best = None if pinned is not None else _seed(problem, tables, floors, order, cache)
+    if best is not None:   # solved first: CP-SAT improves the seed while its bound is fresh
+        seed = tables.index(best.table)
+        outcomes[seed] = best
+        if tables[order[0]].config != cache.best_config:
+            order.remove(seed)
+            order.insert(0, seed)
+    for i in order:
+        table, floor = tables[i], floors[i]
+        if floor == math.inf:
+            pruned += 1
+            continue
+        seeded = isinstance(outcomes[i], ConfigResult)   # the greedy seed's configuration
+        if best is not None and floor >= best.evaluation.step_ps:
+            pruned += 1
+            outcomes[i] = outcomes[i] if seeded else "pruned"
+            bound = floor if bound is None else min(bound, floor)
+            continue
+        remaining = options.time_limit_s - (time.perf_counter() - start)
+        if remaining <= 0 and best is not None:
+            all_optimal = False
+            outcomes[i] = outcomes[i] if seeded else "time limit"
+            bound = floor if bound is None else min(bound, floor)
+            continue
+        cutoff = best.evaluation.step_ps if best is not None else None
+        result, status, proven = solve_config(problem, table, options,
+                                              min(remaining, options.per_config_s), pinned,
+                                              cutoff, cache.solutions.get(table.config),
+                                              cache)
+        solved += 1
+        if result is None:
+            if status == "BEATEN":  # proven no better than the best plan
+                outcomes[i] = outcomes[i] if seeded else "pruned"
+                floors[i] = max(floor, math.ceil(proven))
+                bound = floors[i] if bound is None else min(bound, floors[i])
+            elif status == "UNKNOWN":
+                all_optimal = False
+                outcomes[i] = outcomes[i] if seeded else "time limit"
+                bound = floor if bound is None else min(bound, floor)
+            continue
+        if result.bound < floor:   # CP-SAT proved less than the lower bound knows
+            result = dataclasses.replace(result, bound=int(floor))
+        outcomes[i] = result
+        cache.solutions[table.config] = result.assignment
+        all_optimal &= result.status == "OPTIMAL" or (
+            cutoff is not None and result.bound >= cutoff)
+        bound = result.bound if bound is None else min(bound, result.bound)
+        if best is None or result.evaluation.step_ps < best.evaluation.step_ps:
+            best = result
+    if best is None:
+        raise explain_infeasible(problem, tables)
+    cache.best_config = best.table.config
+    return PlannerResult(
+        best=best, status="OPTIMAL" if all_optimal else "FEASIBLE",
+        bound=min(bound, best.evaluation.step_ps),
+        solve_time_s=time.perf_counter() - start,
+        configs_total=len(configs), configs_solved=solved, configs_pruned=pruned,
+        meshes=mesh_results(problem, tables, floors, outcomes, best))
+
+
+def _seed(problem: PlanningProblem, tables: list[CostTable], floors: list[float],
+          order: list[int], cache: TableCache) -> ConfigResult | None:
+    """The best greedy incumbent over each mesh's most promising configuration: a plan
+    in hand before any solve, whose step time prunes every configuration bounded above
+    it (CP-SAT may then improve on it, configuration by configuration)."""
+    firsts: dict[tuple, int] = {}
+    for i in order:
+        config = tables[i].config
+        key = (config.pp, config.dp, config.tp, config.sequence_parallel, config.tp_objective)
+        if floors[i] < math.inf:
+            firsts.setdefault(key, i)
+    best = None
+    for i in firsts.values():
+        table = tables[i]
+        config = table.config
+        hint = incumbent(problem.variant(config.tp, config.sequence_parallel,
+                                         config.tp_objective), table, cache)
+        if hint is None:
+            continue
+        evaluation = evaluate(table, hint.stage_of, hint.modes)
+        if best is None or evaluation.step_ps < best.evaluation.step_ps:
+            best = ConfigResult(table=table, assignment=hint, evaluation=evaluation,
+                                status="FEASIBLE", bound=int(floors[i]), solve_time_s=0.0)
+    return best

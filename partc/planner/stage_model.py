@@ -1,0 +1,418 @@
+"""The CP-SAT model of one pipeline configuration: which layers sit in which run (stage)
+and in which recompute mode, for the least step time under each stage's memory limit.
+
+The configuration ``(tp, pp, dp, b, m, schedule, ZeRO stage, chunks v)`` is fixed here
+(:mod:`.search` enumerates them); all costs come from :mod:`partc.costs`'s table of it.
+
+Sets
+    layers ``l = 0..L-1`` in topological order; runs ``j = 0..pv-1`` (contiguous groups
+    of layers; run ``j`` is on stage ``j mod p``, so with ``v = 1`` runs are stages);
+    stages ``s = 0..p-1``; segments ``k = 0..K-1``: maximal runs of consecutive layers
+    ``a_k..b_k`` (``n_k`` of them) with one cost row, one set of allowed recompute modes
+    ``r``, one set of shared (tied) parameter groups ``g`` using them, one pinned stage
+    and one cut row on the cuts between them: interchangeable layers, so the model
+    counts them instead of placing each (80 equal blocks are one segment). Below,
+    ``j ~ s`` reads "run ``j`` is on stage ``s``".
+Parameters
+    per segment, as for each of its layers: ``C[k,r]`` compute per microbatch (forward +
+    backward + recompute); ``T_k`` tail time (optimizer step, ZeRO-1's gather); ``D_k``
+    dp gradient all-reduce; ``B_k`` backward per microbatch; ``W_k`` parameter +
+    gradient + optimizer bytes; ``A[k,r]`` saved bytes per microbatch; ``X[k,r]``
+    transient bytes. ``I_k[j]`` / ``E_k[j]`` send/recv time when the boundary between run
+    ``j`` and ``j+1`` falls inside segment ``k`` / right after it; ``T_g``, ``D_g``,
+    ``W_g`` likewise per shared group; ``f_s`` microbatches in flight on stage ``s``
+    (interleaved: runs of one microbatch, each holding ``1/v`` of the stage's
+    activations); ``M_s`` memory limit; ``S_g`` tied-gradient sync.
+Variables
+    ``P[k,j]`` in ``0..n_k``: layers of segment ``k`` in runs ``<= j`` (so ``c[k,j] =
+    P[k,j] - P[k,j-1]`` sit in run ``j`` and ``N[k,s] = sum_{j ~ s} c[k,j]`` on stage
+    ``s``); booleans ``started[k,j] = [P[k,j] >= 1]``, ``finished[k,j] = [P[k,j] =
+    n_k]``; ``n[k,s,r]`` layers of ``k`` on ``s`` in mode ``r``, ``u[k,s,r]`` mode ``r``
+    used there; ``h[g,s]`` stage ``s`` holds group ``g``; ``peak_busy``; ``tail``;
+    ``transient[s]``. (A segment of one layer: ``P = started = finished`` is the
+    boolean "the layer sits in a run ``<= j``" and ``n = u``.)
+Objective
+    minimise ``v m peak_busy + (sum_s busy_s - peak_busy) + v (tail + sum_g S_g (sum_s
+    h[g,s] - 1))``, ``v`` times the step time (``v = 1``: ``(m - 1) peak_busy + sum_s
+    busy_s + ...``), where ``busy_s = sum_{k,r} C[k,r] n[k,s,r] + sum_{j ~ s, j < pv-1}
+    sum_k (I_k[j] (started[k,j] - finished[k,j]) + E_k[j] (finished[k,j] -
+    started[k+1,j]))``.
+Constraints
+    (1) every layer has exactly one mode: ``sum_r n[k,s,r] = N[k,s]``, ``n[k,s,r] <= n_k
+        u[k,s,r]``;
+    (2) contiguity: ``P[k,j] <= P[k,j+1]``, ``P[k,pv-1] = n_k``, ``started`` and
+        ``finished`` linked to ``P`` (``started <= P <= n_k started``, ``n_k finished <=
+        P <= n_k - 1 + finished``), a segment starts only after the previous one
+        finished: ``started[k+1,j] <= finished[k,j]``, and every run holds a layer:
+        ``sum_k c[k,j] >= 1``; layer ``l`` can only sit in runs ``pv-1-(L-1-l)..l``,
+        which bounds ``P``;
+    (3) with (2), the boundary ``j -> j+1`` falls inside segment ``k`` exactly when
+        ``started[k,j] - finished[k,j] = 1`` and right after it exactly when
+        ``finished[k,j] - started[k+1,j] = 1``: one of these terms is 1 for each ``j``;
+    (4) ``peak_busy >= busy_s``;
+    (5) ``n_k h[g,s] >= N[k,s]`` for segments ``k`` using ``g``;
+    (6) ``tail >= sum_k T_k N[k,s] + sum_g T_g h[g,s] + exposed[s]`` with
+        ``exposed[s] >= sum_k D_k N[k,s] + sum_g D_g h[g,s] - sum_k B_k N[k,s]``,
+        ``exposed[s] >= 0``: the dp all-reduce ``D`` (ZeRO 0/1) overlaps the last
+        microbatch's backward ``B`` of the stage;
+    (7) ``transient[s] >= X[k,r] u[k,s,r]``;
+    (8) memory: ``v (sum_k W_k N[k,s] + sum_g W_g h[g,s] + transient[s]) + f_s sum_{k,r}
+        A[k,r] n[k,s,r] <= v M_s``;
+    (9) pins: pinned stages fix ``P``, pinned recompute leaves one mode (segments never
+        straddle a change of either).
+
+The plan names each layer again: a segment's layers fill its runs in order, and on each
+stage take their modes heaviest first (full, selective, none). Every layer of a segment
+costs the same in any mode and any position, and the cuts inside it cost alike, so the
+model is exact: its optimum is the optimum over per-layer assignments.
+
+Integers
+    times are picoseconds, integers already in the cost table; bytes are scaled to units
+    of about 2^-20 of the largest limit by one helper (:meth:`StageModel.memory_units`:
+    sizes rounded up, limits down, so whatever fits in units fits in bytes). The
+    objective is ``v`` times the step time so that it stays integral.
+Names
+    every CP-SAT variable is named after its symbol: ``P[k,j]`` is
+    ``segment{k}_in_runs_to{j}``, ``started``/``finished`` ``segment{k}_started_by_run{j}``
+    / ``segment{k}_finished_by_run{j}``, ``n[k,s,r]`` ``segment{k}_rank{s}_{r}``,
+    ``u[k,s,r]`` ``segment{k}_rank{s}_uses_{r}``, ``h[g,s]`` ``shared{g}_on_stage{s}``,
+    ``exposed[s]`` ``exposed_sync_stage{s}``, ``transient[s]`` ``transient_stage{s}``;
+    bounds that leave a variable one value make it a constant instead.
+
+CP-SAT starts from a hint (:func:`~.bounds.incumbent`, :meth:`StageModel.add_hint`), so
+it holds a plan at once.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass
+from typing import Any
+
+from ortools.sat.python import cp_model
+
+from ..costs import CostTable
+from ..problem import RECOMPUTE_MODES, PlanningProblem
+from .results import Assignment
+
+
+@dataclass(frozen=True, kw_only=True)
+class Segment:
+    """Layers ``first..last`` (inclusive): one row, one set of allowed modes, one set of
+    shared groups using them, one pinned stage, and one cut row on every cut between
+    them. Its layers are interchangeable, so the model only counts them."""
+
+    first: int
+    last: int
+    modes: tuple[str, ...]
+    groups: frozenset[int]
+
+    @property
+    def size(self) -> int:
+        return self.last - self.first + 1
+
+
+def segments(problem: PlanningProblem, table: CostTable,
+             pinned: list[int] | None) -> list[Segment]:
+    """The layers cut into maximal segments ``k`` of equal neighbours (see
+    :class:`Segment`); a pinned mode or stage (9) ends a segment."""
+    users = [frozenset(g for g, group in enumerate(table.shared) if l in group.layers)
+             for l in range(table.num_layers)]
+
+    def key(l: int) -> tuple:
+        return (table.layers[l], problem.allowed_modes(l), users[l],
+                pinned[l] if pinned is not None else None)
+
+    found: list[Segment] = []
+    first, current = 0, key(0)
+    for layer in range(1, table.num_layers + 1):
+        following = key(layer) if layer < table.num_layers else None
+        if following == current and (layer - 1 == first
+                                      or table.cut_ps[layer - 1] == table.cut_ps[first]):
+            continue
+        found.append(Segment(first=first, last=layer - 1, modes=tuple(current[1]),
+                              groups=current[2]))
+        first, current = layer, following
+    return found
+
+
+class StageModel:
+    """The CP-SAT model of one configuration (the module docstring's formulation); one
+    method per constraint group, each citing its numbers.
+
+    Run membership is encoded by prefix counts ``prefix[k][j]`` = "how many layers of
+    segment ``k`` sit in runs ``<= j``", monotone in ``j``, with the booleans
+    ``started[k][j]`` (some do) and ``finished[k][j]`` (all do). A segment of one layer
+    is the interval encoding of a single layer (its prefix is the boolean "before").
+    Counting interchangeable layers instead of naming them leaves CP-SAT one integer per
+    segment and run where it had a boolean per layer, run and mode, and none of the
+    equivalent orders of 128 equal blocks to search through.
+    """
+
+    def __init__(self, problem: PlanningProblem, table: CostTable,
+                 pinned: list[int] | None) -> None:
+        self.problem, self.table = problem, table
+        self.model = cp_model.CpModel()
+        self.segments = segments(problem, table, pinned)
+        self.unit = memory_unit(table)
+        self.runs = range(table.config.virtual_stages)
+        self.ranks = range(table.config.pp)
+        self._add_runs(pinned)                       # (2), (9)
+        self._add_modes()                            # (1), (9)
+        busy = self._add_busy()                      # (3), (4)
+        held = self._add_holders()                   # (5)
+        tail = self._add_tail(held)                  # (6)
+        self._add_memory(held)                       # (7), (8)
+        tie = sum(g.tie_sync_ps * (sum(held[gi]) - 1) for gi, g in enumerate(table.shared))
+        m, v = table.config.num_microbatches, table.config.chunks
+        # Objective: v times the step time (see costs.pipeline_ps): the fill-and-drain
+        # term is divided by v, the rest multiplied, so that the objective stays integral.
+        self.model.minimize(v * m * self.peak_busy + sum(busy) - self.peak_busy
+                            + v * (tail + tie + table.tail_latency_ps))
+
+    def _variable(self, low: int, high: int, name: str, boolean: bool = False):
+        """A constant when ``low == high``, else a new integer (or boolean) variable."""
+        if low == high:
+            return low
+        if boolean:
+            return self.model.new_bool_var(name)
+        return self.model.new_int_var(low, high, name)
+
+    def _require(self, constraint) -> None:
+        """Add ``constraint``, unless both its sides are constants and it holds."""
+        if constraint is not True:
+            self.model.add(constraint)
+
+    def memory_units(self, nbytes: int, *, limit: bool = False) -> int:
+        """``nbytes`` in units of :func:`memory_unit` bytes, the one scaling of bytes to
+        the model's integers: a size rounded up, a limit down, so whatever fits in units
+        fits in bytes."""
+        return nbytes // self.unit if limit else -(-nbytes // self.unit)
+
+    def _add_runs(self, pinned: list[int] | None) -> None:
+        """(2) contiguity of runs through the prefix counts ``P``, and (9) pinned
+        stages; ``N[k][s]`` (``on_rank``) from them."""
+        last, p = self.table.num_layers - 1, self.table.config.virtual_stages
+        self.prefix, self.started, self.finished = [], [], []
+        for k, seg in enumerate(self.segments):
+            prefix, started, finished = [], [], []
+            for run in self.runs:
+                # (2) Layer l sits in a run between p - 1 - (last - l) and l (every
+                # run holds a layer); (9) a pinned one in its stage.
+                low = seg.size if run == p - 1 else max(0, min(seg.last, run) - seg.first + 1)
+                high = max(0, min(seg.last, run + last - p + 1) - seg.first + 1)
+                if pinned is not None:
+                    low = high = seg.size if pinned[seg.first] <= run else 0
+                count = self._variable(low, high, f"segment{k}_in_runs_to{run}",
+                                       boolean=seg.size == 1)
+                prefix.append(count)
+                if seg.size == 1:
+                    started.append(count)
+                    finished.append(count)
+                    continue
+                started.append(self._variable(min(low, 1), min(high, 1),
+                                              f"segment{k}_started_by_run{run}", True))
+                finished.append(self._variable(int(low == seg.size), int(high == seg.size),
+                                               f"segment{k}_finished_by_run{run}", True))
+                # (2) started <= P <= n_k started, n_k finished <= P <= n_k - 1 + finished
+                self._require(count >= started[-1])
+                self._require(count <= seg.size * started[-1])
+                self._require(count >= seg.size * finished[-1])
+                self._require(count <= seg.size - 1 + finished[-1])
+            for run in self.runs[:-1]:                # (2) P is monotone in the run
+                self._require(prefix[run] <= prefix[run + 1])
+            self.prefix.append(prefix)
+            self.started.append(started)
+            self.finished.append(finished)
+        for k in range(len(self.segments) - 1):    # (2) segment k + 1 starts after k ends
+            for run in self.runs:
+                self._require(self.started[k + 1][run] <= self.finished[k][run])
+        for run in self.runs:                      # (2) every run holds a layer
+            self._require(sum(self.in_run(k, run) for k in range(len(self.segments))) >= 1)
+        # N[k][s]: how many layers of segment k sit on rank s (in any of its runs)
+        self.on_rank = [[sum(self.in_run(k, run) for run in self.runs[rank::len(self.ranks)])
+                         for rank in self.ranks] for k in range(len(self.segments))]
+
+    def in_run(self, k: int, run: int):
+        """How many layers of segment ``k`` sit in ``run``."""
+        return self.prefix[k][run] - (self.prefix[k][run - 1] if run else 0)
+
+    def _add_modes(self) -> None:
+        """(1) ``count[s][k, r]`` (``n[k,s,r]``) layers of segment ``k`` on rank ``s``
+        use mode ``r``; ``used[s][k, r]`` (``u[k,s,r]``) is 1 when any does (for the
+        transient, (7)). A segment with one allowed mode, pinned (9) or not, has no choice."""
+        self.count: list[dict[tuple[int, str], Any]] = [{} for _ in self.ranks]
+        self.used: list[dict[tuple[int, str], Any]] = [{} for _ in self.ranks]
+        for k, seg in enumerate(self.segments):
+            for rank in self.ranks:
+                total, count = self.on_rank[k][rank], self.count[rank]
+                if len(seg.modes) == 1 or isinstance(total, int) and total == 0:
+                    count.update({(k, r): total if r == seg.modes[0] else 0
+                                  for r in seg.modes})
+                else:
+                    split = [self.model.new_int_var(0, seg.size, f"segment{k}_rank{rank}_{r}")
+                             for r in seg.modes]
+                    self.model.add(sum(split) == total)
+                    count.update({(k, r): c for r, c in zip(seg.modes, split)})
+                for r in seg.modes:
+                    if isinstance(count[k, r], int):
+                        self.used[rank][k, r] = int(count[k, r] > 0)
+                        continue
+                    if seg.size == 1:
+                        self.used[rank][k, r] = count[k, r]    # already 0 or 1
+                        continue
+                    used = self.model.new_bool_var(f"segment{k}_rank{rank}_uses_{r}")
+                    self.model.add(count[k, r] <= seg.size * used)
+                    self.used[rank][k, r] = used
+
+    def boundary_ps(self, run: int):
+        """(3) The send/recv time of the boundary ``run -> run + 1``: the segment's inner
+        cut where the boundary falls inside one, its last cut where it falls after it
+        (exactly one of the terms is 1 by (2))."""
+        table, cost = self.table, 0
+        for k, seg in enumerate(self.segments):
+            if seg.size > 1:
+                inside = self.started[k][run] - self.finished[k][run]
+                cost += table.cut_ps[seg.first][run] * inside
+            if k + 1 < len(self.segments):
+                after = self.finished[k][run] - self.started[k + 1][run]
+                cost += table.cut_ps[seg.last][run] * after
+        return cost
+
+    def _add_busy(self) -> list:
+        """``busy_s`` of each rank (its compute and the boundaries (3) of its runs) and
+        (4) ``peak_busy >= busy_s``."""
+        table, busy = self.table, []
+        horizon = sum(max(row.compute_ps(r) for r in row.recompute_ps) for row in table.layers)
+        horizon += sum(max(row, default=0) for row in table.cut_ps)
+        self.peak_busy = self.model.new_int_var(0, horizon, "peak_busy")
+        last_run = table.config.virtual_stages - 1
+        for rank in self.ranks:
+            compute = sum(table.layers[self.segments[k].first].compute_ps(r) * count
+                          for (k, r), count in self.count[rank].items())
+            comm = sum(self.boundary_ps(run) for run in self.runs[rank::len(self.ranks)]
+                       if run < last_run)
+            busy.append(compute + comm)
+            self.model.add(self.peak_busy >= compute + comm)
+        return busy
+
+    def _add_holders(self) -> list[list]:
+        """(5) ``h[g,s]``: stage ``s`` holds shared group ``g`` when it has a layer
+        using it."""
+        held = []
+        for gi in range(len(self.table.shared)):
+            row = []
+            for rank in self.ranks:
+                h = self.model.new_bool_var(f"shared{gi}_on_stage{rank}")
+                for k, seg in enumerate(self.segments):
+                    if gi in seg.groups:
+                        self.model.add(self.on_rank[k][rank] <= seg.size * h)
+                row.append(h)
+            held.append(row)
+        return held
+
+    def _per_rank(self, rank: int, value) -> Any:
+        """``sum_k value(row of k) N[k, rank]``: a per-layer number summed over the
+        rank's layers."""
+        return sum(value(self.table.layers[seg.first]) * self.on_rank[k][rank]
+                   for k, seg in enumerate(self.segments))
+
+    def _add_tail(self, held: list[list]):
+        """(6) the tail after the last microbatch: the optimizer step of each stage's
+        layers and shared groups, and the dp all-reduce its backward leaves exposed."""
+        table = self.table
+        rows = [*table.layers, *table.shared]
+        sync_top = sum(r.sync_ps for r in rows)
+        tail = self.model.new_int_var(0, sum(r.tail_ps for r in rows) + sync_top, "tail")
+        for stage in self.ranks:
+            own = self._per_rank(stage, lambda row: row.tail_ps)
+            tied = sum(g.tail_ps * held[gi][stage] for gi, g in enumerate(table.shared))
+            if not sync_top:
+                self.model.add(tail >= own + tied)
+                continue
+            # (6) exposed[s]: the dp all-reduce left after the last microbatch's backward
+            exposed = self.model.new_int_var(0, sync_top, f"exposed_sync_stage{stage}")
+            sync = self._per_rank(stage, lambda row: row.sync_ps)
+            sync += sum(g.sync_ps * held[gi][stage] for gi, g in enumerate(table.shared))
+            overlap = self._per_rank(stage, lambda row: row.backward_ps)
+            self.model.add(exposed >= sync - overlap)
+            self.model.add(tail >= own + tied + exposed)
+        return tail
+
+    def _add_memory(self, held: list[list]) -> None:
+        """(7) the largest transient of each stage, (8) its memory, in units of
+        :func:`memory_unit` bytes (:meth:`memory_units`). (Byte-sized coefficients on GiB
+        limits were seen to make CP-SAT 9.15's presolve return a wrong OPTIMAL.)"""
+        table, units = self.table, self.memory_units
+        top = max(units(max(row.transient_bytes.values())) for row in table.layers)
+        chunks = table.config.chunks   # activations are inflight * saved / chunks
+        for stage in self.ranks:
+            transient = self.model.new_int_var(0, top, f"transient_stage{stage}")
+            saved = 0
+            for (k, r), count in self.count[stage].items():
+                row = table.layers[self.segments[k].first]
+                saved += units(row.saved_bytes[r]) * count
+                if row.transient_bytes[r]:              # (7)
+                    self.model.add(transient >= units(row.transient_bytes[r])
+                                   * self.used[stage][k, r])
+            state = self._per_rank(stage, lambda row: units(row.state_total))
+            state += sum(units(g.state_total) * held[gi][stage]
+                         for gi, g in enumerate(table.shared))
+            inflight = table.config.inflight(stage)
+            self.model.add(chunks * (state + transient) + inflight * saved      # (8)
+                           <= chunks * units(table.limits[stage], limit=True))
+
+    def add_hint(self, hint: Assignment) -> None:
+        """Start the search from ``hint`` (CP-SAT completes the auxiliary variables)."""
+        pp = self.table.config.pp
+        values: dict[int, tuple[Any, int]] = {}   # one hint per variable
+
+        def put(variable, value: int) -> None:
+            if isinstance(variable, cp_model.IntVar):   # not a constant or a sum
+                values[variable.index] = (variable, value)
+
+        for k, seg in enumerate(self.segments):
+            layers = range(seg.first, seg.last + 1)
+            per_run = Counter(hint.stage_of[l] for l in layers)
+            inside = 0
+            for run in self.runs:
+                inside += per_run[run]
+                put(self.prefix[k][run], inside)
+                put(self.started[k][run], int(inside > 0))
+                put(self.finished[k][run], int(inside == seg.size))
+            per_mode = Counter((hint.stage_of[l] % pp, hint.modes[l]) for l in layers)
+            for rank in self.ranks:
+                for r in seg.modes:
+                    put(self.count[rank][k, r], per_mode[rank, r])
+                    put(self.used[rank][k, r], int(per_mode[rank, r] > 0))
+        for variable, value in values.values():
+            self.model.add_hint(variable, value)
+
+    def assignment(self, solver: cp_model.CpSolver) -> Assignment:
+        """Each segment's layers fill its runs in order; on each rank they take their
+        modes heaviest first (full, selective, none), which is deterministic."""
+        def value(v) -> int:
+            return v if isinstance(v, int) else int(solver.value(v))
+
+        pp = self.table.config.pp
+        stage_of: list[int] = []
+        modes: list[str] = []
+        for k, seg in enumerate(self.segments):
+            counts = [value(self.prefix[k][run]) for run in self.runs]
+            stage_of += [sum(1 for c in counts if c <= i) for i in range(seg.size)]
+            left = {(rank, r): value(self.count[rank][k, r])
+                    for rank in self.ranks for r in seg.modes}
+            for layer in range(seg.first, seg.last + 1):
+                rank = stage_of[layer] % pp
+                mode = next(r for r in reversed(RECOMPUTE_MODES)
+                            if r in seg.modes and left[rank, r])
+                left[rank, mode] -= 1
+                modes.append(mode)
+        return Assignment(stage_of=tuple(stage_of), modes=tuple(modes))
+
+
+def memory_unit(table: CostTable) -> int:
+    """Bytes per unit of the memory constraints: about 2^20 units in the largest limit
+    (one byte below 1 MiB, 4 KiB at 4 GiB), so the rounding costs under a millionth of
+    the limit per term."""
+    return max(1, max(table.limits) >> 20)

@@ -1,0 +1,80 @@
+"""The stage model: segments of equal layers, the plan it names, its named variables."""
+
+from __future__ import annotations
+
+import re
+
+from partc.compiler import plan_problem
+from partc.costs import PipelineConfig, build_cost_table
+from partc.planner.stage_model import StageModel, memory_unit, segments
+from partc.problem import Pins, SharedParam
+
+from .instances import devices, layer, problem
+
+
+def test_equal_blocks_form_one_segment():
+    blocks = [layer(f"b{i}", signature="block") for i in range(6)]
+    layers = [layer("emb", flops=1e8), *blocks, layer("head", flops=2e9)]
+    config = PipelineConfig(pp=2, dp=1, micro_batch_size=1, num_microbatches=2,
+                            schedule="1f1b")
+
+    def spans(prob, pinned=None):
+        table = build_cost_table(prob, config)
+        return [(s.first, s.last) for s in segments(prob, table, pinned)]
+
+    cuts = [1e4] + [1e5] * 5 + [1e4]
+    assert spans(problem(layers, cuts, devices(2, 10**9))) == [(0, 0), (1, 6), (7, 7)]
+    # A cut of another size, a pinned mode or a pinned stage boundary breaks the blocks.
+    cuts[3] = 2e5
+    assert spans(problem(layers, cuts, devices(2, 10**9))) == [
+        (0, 0), (1, 3), (4, 6), (7, 7)]
+    cuts[3] = 1e5
+    pinned = problem(layers, cuts, devices(2, 10**9), pins=Pins(recompute={"b2": "full"}))
+    assert spans(pinned) == [(0, 0), (1, 2), (3, 3), (4, 6), (7, 7)]
+    assert spans(problem(layers, cuts, devices(2, 10**9)), [0] * 5 + [1] * 3) == [
+        (0, 0), (1, 4), (5, 6), (7, 7)]
+
+
+def test_equal_blocks_take_the_heavier_mode_first():
+    # Four equal blocks on one stage, 1 MB saved each, 2.5 MB free: recomputing one
+    # rematerialises its 1 MB in backward, so three recompute (1 MB kept + 1 MB); any
+    # three would do, and the plan names the first three.
+    layers = [layer(f"b{i}", params=0, saved=1e6, full=0.0, workspace=0.0)
+              for i in range(4)]
+    prob = problem(layers, [0.0] * 3, devices(1, 2_500_000))
+    plan = plan_problem(prob)
+    assert plan.recompute == {"b0": "full", "b1": "full", "b2": "full", "b3": "none"}
+    assert plan.solver.status == "OPTIMAL"
+
+
+def test_every_variable_is_named():
+    """Each CP-SAT variable carries its symbol's name (the module docstring's list), and
+    no two share one."""
+    blocks = [layer(f"b{i}", signature="block", saved=1e6, selective=2e5) for i in range(5)]
+    tied = SharedParam(name="wte", fqns=("emb.weight", "head.weight"), param_count=1000,
+                       param_bytes=4000, layers=(0, 6))
+    layers = [layer("emb", flops=1e8), *blocks, layer("head", flops=2e9)]
+    prob = problem(layers, [1e4] * 6, devices(4, 10**7), batch=4, micro_batch_sizes=(1,),
+                   shared=(tied,))
+    config = PipelineConfig(pp=2, dp=2, micro_batch_size=1, num_microbatches=2,
+                            schedule="1f1b", zero_stage=0)
+    built = StageModel(prob, build_cost_table(prob, config), None)
+    names = [variable.name for variable in built.model.proto.variables]
+    assert names and all(names) and len(set(names)) == len(names)
+    prefixes = {re.sub(r"\d+", "#", name) for name in names}
+    assert prefixes <= {"segment#_in_runs_to#", "segment#_started_by_run#",
+                        "segment#_finished_by_run#", "segment#_rank#_none",
+                        "segment#_rank#_selective", "segment#_rank#_full",
+                        "segment#_rank#_uses_none", "segment#_rank#_uses_selective",
+                        "segment#_rank#_uses_full", "shared#_on_stage#", "peak_busy", "tail",
+                        "exposed_sync_stage#", "transient_stage#"}, prefixes
+
+
+def test_memory_units_round_sizes_up_and_limits_down():
+    prob = problem([layer("a"), layer("b")], [0.0], devices(1, 3 * 2**30))
+    config = PipelineConfig(pp=1, dp=1, micro_batch_size=1, num_microbatches=1,
+                            schedule="1f1b")
+    built = StageModel(prob, build_cost_table(prob, config), None)
+    assert built.unit == memory_unit(built.table) == 3 * 2**10
+    assert built.memory_units(1) == 1 and built.memory_units(3 * 2**10 + 1) == 2
+    assert built.memory_units(2 * 3 * 2**10 - 1, limit=True) == 1
