@@ -45,12 +45,14 @@ from torch.distributed.pipelining._backward import stage_backward
 from torch.distributed.tensor import DTensor
 
 from partc.errors import PartcError, PlanMismatchError
-from partc.identity import model_hash, param_fqns
+from partc.identity import model_hash
 from partc.placement import Placement
 from partc.plan import InputSpec, Plan
 
 from . import tp as tp_ops
 from .recompute import checkpoint_layer
+from .parameters import (aliases_of, dp_shard, local_part, own_parameters,
+                         placement_of, shard_plan)
 from .stage import StageProgram
 from .topology import Topology, init
 
@@ -230,7 +232,7 @@ class DistributedModule:
                 tensor = own[name]
                 placement = self._placement(name)
                 if isinstance(source, DTensor):  # this rank's own state_dict(), ZeRO-2/3
-                    _local(tensor).copy_(source.to_local())
+                    local_part(tensor).copy_(source.to_local())
                     continue
                 if source.shape != tensor.shape and placement.kind == "S":
                     source = tp_ops.shard_of(source, placement.dim, placement.chunks,
@@ -239,11 +241,11 @@ class DistributedModule:
                     raise ValueError(f"{name}: state dict has shape {list(source.shape)}, "
                                      f"this rank holds {list(tensor.shape)} ({placement})")
                 if isinstance(tensor, DTensor):  # whole over dp: keep this rank's shard
-                    source = _dp_shard(source, self.topology.dp, self.topology.dp_rank)
-                _local(tensor).copy_(source)
+                    source = dp_shard(source, self.topology.dp, self.topology.dp_rank)
+                local_part(tensor).copy_(source)
 
     def _placement(self, name: str) -> Placement:
-        return _placement_of(self.plan, self._aliases.get(name, (name,)))
+        return placement_of(self.plan, self._aliases.get(name, (name,)))
 
     def _entry(self, state_dict: Mapping[str, torch.Tensor], name: str) -> torch.Tensor | None:
         """``state_dict``'s tensor for ``name`` under any of its FQNs, or None."""
@@ -315,7 +317,7 @@ class DistributedModule:
         data-parallel replica.
         """
         topo = self.topology
-        grads = [_local(p.grad) for name, p in self.module.named_parameters()
+        grads = [local_part(p.grad) for name, p in self.module.named_parameters()
                  if p.grad is not None and self._counts_norm(name)]
         device = topo.device
         if norm_type == float("inf"):
@@ -331,7 +333,7 @@ class DistributedModule:
         coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
         for p in self.module.parameters():
             if p.grad is not None:
-                _local(p.grad).mul_(coef.to(p.grad.dtype))
+                local_part(p.grad).mul_(coef.to(p.grad.dtype))
         return total
 
     def _counts_norm(self, name: str) -> bool:
@@ -344,7 +346,7 @@ class DistributedModule:
         # each tensor-parallel rank: sum them (one flat all-reduce per step).
         # Under ZeRO-2/3 each rank holds its dp shard of every gradient: the sums below
         # run on those shards, which the ranks they span cut alike.
-        partial = [_local(p.grad) for p in self._partial_grads if p.grad is not None]
+        partial = [local_part(p.grad) for p in self._partial_grads if p.grad is not None]
         if partial:
             flat = self.tp.all_reduce(torch.cat([g.reshape(-1) for g in partial]))
             offset = 0
@@ -354,7 +356,7 @@ class DistributedModule:
         for params, group in self._tied:
             for param in params:
                 grad = param.grad if param.grad is not None else torch.zeros_like(param)
-                dist.all_reduce(_local(grad), group=group)
+                dist.all_reduce(local_part(grad), group=group)
                 param.grad = grad
         # Over dp the gradients are averaged already, during the last backward: by
         # _OverlappedAllReduce (ZeRO 0/1) or FSDP's reduce-scatter (ZeRO-2/3).
@@ -428,8 +430,7 @@ def build(plan: Plan, topology: Topology, program: StageProgram, model: nn.Modul
     tp_ops.bind_group(module, tp_group)
     zero_stage = plan.effective_zero_stage
     compute_dtype = _compute_dtype(plan)
-    _own_parameters(module, model, state_dict, topology.device,
-                    _shard_plan(plan, topology))
+    own_parameters(module, model, state_dict, topology.device, shard_plan(plan, topology))
     if zero_stage >= 2:
         _shard_over_dp(module, program.fsdp_units, topology, zero_stage, compute_dtype)
     if compute_dtype != torch.float32:
@@ -442,7 +443,7 @@ def build(plan: Plan, topology: Topology, program: StageProgram, model: nn.Modul
     tied = _tied_groups(program.holders, module, topology)
     partial_names = set(plan.tensor_parallel.partial_grad_params
                         if plan.tensor_parallel is not None else ())
-    aliases = _aliases(model)
+    aliases = aliases_of(model)
     partial = [p for name, p in module.named_parameters()
                if partial_names & set(aliases.get(name, (name,)))]
     loss = _Loss(program.loss, program.loss_recompute, mixed=compute_dtype != torch.float32)
@@ -522,34 +523,6 @@ def _shard_over_dp(module: fx.GraphModule, unit_paths: tuple[str, ...], topology
     fully_shard(module, mesh=mesh, reshard_after_forward=zero_stage >= 3, mp_policy=policy)
 
 
-def _local(tensor: torch.Tensor) -> torch.Tensor:
-    """This rank's part of a tensor FSDP shards over dp (the tensor itself otherwise)."""
-    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
-
-
-def _dp_shard(tensor: torch.Tensor, dp: int, dp_rank: int) -> torch.Tensor:
-    """FSDP2's shard of ``tensor`` on ``dp_rank``: its ``torch.chunk`` of dim 0 (empty
-    when dim 0 has fewer rows than ranks)."""
-    pieces = tensor.chunk(dp)
-    return pieces[dp_rank] if dp_rank < len(pieces) else tensor[:0]
-
-
-def _shard_plan(plan: Plan, topology: Topology) -> Callable[[str, torch.Tensor], torch.Tensor]:
-    """This rank's shard of a whole tensor named ``fqn``, as the plan places it."""
-    def local(names: tuple[str, ...], tensor: torch.Tensor) -> torch.Tensor:
-        placement = _placement_of(plan, names)
-        if placement.kind != "S":
-            return tensor
-        return tp_ops.shard_of(tensor, placement.dim, placement.chunks, topology.tp_rank,
-                               topology.tp)
-    return local
-
-
-def _placement_of(plan: Plan, names: tuple[str, ...]) -> Placement:
-    """How the plan places a parameter known under ``names`` (all its FQNs)."""
-    return plan.placement(names)
-
-
 def _check_same_plan(plan: Plan, own_hash: str) -> None:
     """Every rank must run the same plan on the same model: compare before anything else."""
     mine = (plan.hash, own_hash)
@@ -562,56 +535,6 @@ def _check_same_plan(plan: Plan, own_hash: str) -> None:
             f"{mine[0]} and model {mine[1]}, ranks {differing} have "
             f"{sorted({tuple(everyone[r]) for r in differing})}; give every rank the same "
             "plan.json (partc.load) or the same model and compile arguments")
-
-
-def _own_parameters(module: fx.GraphModule, model: nn.Module,
-                    state_dict: Mapping[str, torch.Tensor] | None,
-                    device: torch.device, local: Callable | None = None) -> None:
-    """Give the stage its own copies of its tensors (this rank's shards of them), from
-    the state dict or the model."""
-    aliases = _aliases(model)
-    copies: dict[int, torch.Tensor] = {}
-    entries = [(name, t, True) for name, t in module.named_parameters(remove_duplicate=False)]
-    entries += [(name, t, False) for name, t in module.named_buffers(remove_duplicate=False)]
-    for name, tensor, is_param in entries:
-        if id(tensor) not in copies:
-            source = _source_tensor(name, aliases, model, state_dict)
-            if local is not None:
-                source = local(aliases.get(name, (name,)), source)
-            value = source.detach().to(device=device, dtype=tensor.dtype, copy=True)
-            copies[id(tensor)] = nn.Parameter(value, tensor.requires_grad) if is_param \
-                else value
-        owner_name, _, attr = name.rpartition(".")
-        owner = module.get_submodule(owner_name)
-        if is_param:
-            owner._parameters[attr] = copies[id(tensor)]
-        else:
-            owner._buffers[attr] = copies[id(tensor)]
-
-
-def _aliases(model: nn.Module) -> dict[str, tuple[str, ...]]:
-    """Every FQN of a tensor → all FQNs of that tensor (tied weights have several)."""
-    return {name: names for names in param_fqns(model).values() for name in names}
-
-
-def _source_tensor(name: str, aliases: dict[str, tuple[str, ...]], model: nn.Module,
-                   state_dict: Mapping[str, torch.Tensor] | None) -> torch.Tensor:
-    names = aliases.get(name, (name,))
-    if state_dict is not None:
-        for alias in names:
-            if alias in state_dict:
-                return state_dict[alias]
-        raise KeyError(f"the state dict has no entry for {name} (nor its aliases {names})")
-    tensor = _get_tensor(model, names[0])
-    if tensor.is_meta:
-        raise PartcError(f"{name} is on the meta device: pass state_dict= to build() so "
-                         "each rank loads its own parameters")
-    return tensor
-
-
-def _get_tensor(model: nn.Module, name: str) -> torch.Tensor:
-    owner_name, _, attr = name.rpartition(".")
-    return getattr(model.get_submodule(owner_name), attr)
 
 
 def _tied_elsewhere(holders: Mapping[tuple[str, ...], tuple[int, ...]],

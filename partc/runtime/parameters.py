@@ -1,0 +1,96 @@
+"""A rank's own parameters: copied from the model or a state dict, cut to this rank's
+tensor-parallel shard, and FSDP's data-parallel shard of a tensor."""
+
+from __future__ import annotations
+
+from typing import Callable, Mapping
+
+import torch
+from torch import fx, nn
+from torch.distributed.tensor import DTensor
+
+from partc.errors import PartcError
+from partc.identity import param_fqns
+from partc.placement import Placement
+from partc.plan import Plan
+
+from . import tp as tp_ops
+from .topology import Topology
+
+
+def local_part(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a tensor FSDP shards over dp (the tensor itself otherwise)."""
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+def dp_shard(tensor: torch.Tensor, dp: int, dp_rank: int) -> torch.Tensor:
+    """FSDP2's shard of ``tensor`` on ``dp_rank``: its ``torch.chunk`` of dim 0 (empty
+    when dim 0 has fewer rows than ranks)."""
+    pieces = tensor.chunk(dp)
+    return pieces[dp_rank] if dp_rank < len(pieces) else tensor[:0]
+
+
+def shard_plan(plan: Plan, topology: Topology) -> Callable[[str, torch.Tensor], torch.Tensor]:
+    """This rank's shard of a whole tensor named ``fqn``, as the plan places it."""
+    def shard(names: tuple[str, ...], tensor: torch.Tensor) -> torch.Tensor:
+        placement = placement_of(plan, names)
+        if placement.kind != "S":
+            return tensor
+        return tp_ops.shard_of(tensor, placement.dim, placement.chunks, topology.tp_rank,
+                               topology.tp)
+    return shard
+
+
+def placement_of(plan: Plan, names: tuple[str, ...]) -> Placement:
+    """How the plan places a parameter known under ``names`` (all its FQNs)."""
+    return plan.placement(names)
+
+
+def own_parameters(module: fx.GraphModule, model: nn.Module,
+                   state_dict: Mapping[str, torch.Tensor] | None,
+                   device: torch.device, shard: Callable | None = None) -> None:
+    """Give the stage its own copies of its tensors (this rank's shards of them), from
+    the state dict or the model."""
+    aliases = aliases_of(model)
+    copies: dict[int, torch.Tensor] = {}
+    entries = [(name, t, True) for name, t in module.named_parameters(remove_duplicate=False)]
+    entries += [(name, t, False) for name, t in module.named_buffers(remove_duplicate=False)]
+    for name, tensor, is_param in entries:
+        if id(tensor) not in copies:
+            source = _source_tensor(name, aliases, model, state_dict)
+            if shard is not None:
+                source = shard(aliases.get(name, (name,)), source)
+            value = source.detach().to(device=device, dtype=tensor.dtype, copy=True)
+            copies[id(tensor)] = nn.Parameter(value, tensor.requires_grad) if is_param \
+                else value
+        owner_name, _, attr = name.rpartition(".")
+        owner = module.get_submodule(owner_name)
+        if is_param:
+            owner._parameters[attr] = copies[id(tensor)]
+        else:
+            owner._buffers[attr] = copies[id(tensor)]
+
+
+def aliases_of(model: nn.Module) -> dict[str, tuple[str, ...]]:
+    """Every FQN of a tensor → all FQNs of that tensor (tied weights have several)."""
+    return {name: names for names in param_fqns(model).values() for name in names}
+
+
+def _source_tensor(name: str, aliases: dict[str, tuple[str, ...]], model: nn.Module,
+                   state_dict: Mapping[str, torch.Tensor] | None) -> torch.Tensor:
+    names = aliases.get(name, (name,))
+    if state_dict is not None:
+        for alias in names:
+            if alias in state_dict:
+                return state_dict[alias]
+        raise KeyError(f"the state dict has no entry for {name} (nor its aliases {names})")
+    tensor = _get_tensor(model, names[0])
+    if tensor.is_meta:
+        raise PartcError(f"{name} is on the meta device: pass state_dict= to build() so "
+                         "each rank loads its own parameters")
+    return tensor
+
+
+def _get_tensor(model: nn.Module, name: str) -> torch.Tensor:
+    owner_name, _, attr = name.rpartition(".")
+    return getattr(model.get_submodule(owner_name), attr)
