@@ -1,4 +1,4 @@
-"""What the planner picks as memory per device tightens, for tests/test_regimes.py's workload.
+"""What the planner picks as memory per device tightens, for tests/planner/test_regimes.py's workload.
 
 A 12-layer, 1024-wide GPT (50k vocabulary, 1024-token sequences, 204M parameters), bf16
 AdamW, 2048 sequences per step, on 2 nodes of 8 H100s; only the memory per device
@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import partc  # noqa: E402
 from partc.compiler import plan_problem  # noqa: E402
-from tests.test_regimes import at_memory, regime_problem  # noqa: E402
+from tests.planner.test_regimes import at_memory, regime_problem  # noqa: E402
 
 MEMORIES = (80, 40, 20, 10, 5, 4, 3.3, 3, 2.5, 2, 1.5, 1.2, 1, 0.8, 0.7, 0.58, 0.5, 0.47)
 # Megatron's order: each a mesh to try, pinned, before the next.

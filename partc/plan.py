@@ -1,4 +1,4 @@
-"""Plan: the planner's answer, typed (DESIGN.md §2, "Plan schema").
+"""Plan: the planner's answer, typed (docs/architecture.md, "The plan's sections").
 
 A Plan names layers, never fx nodes, so it can be saved, diffed, reviewed and loaded
 again without tracing the model. Each section is a frozen dataclass; each decision is

@@ -57,7 +57,7 @@ def test_sample_gpt_plans_with_tied_embeddings():
 
 def _gpt_124m_on(memory: str, tp: int | None = 1) -> partc.Program:
     # tp=1 and no ZeRO: these tests are about pipeline stages and recompute under a tight
-    # budget (ZeRO-3 over 4 replicas would fit it otherwise: tests/test_regimes.py).
+    # budget (ZeRO-3 over 4 replicas would fit it otherwise: tests/planner/test_regimes.py).
     with torch.device("meta"):
         model = gpt_small()
     ids = torch.zeros(1, 1024, dtype=torch.long, device="meta")
