@@ -11,6 +11,7 @@ import torch.distributed as dist
 
 import partc
 from samples.gpt import gpt_tiny, loss_fn
+from tests import models
 
 B, T = 8, 16
 
@@ -104,3 +105,23 @@ def test_meta_model_loads_its_parameters_from_a_state_dict(process_group):
     module = program.build(state_dict=real.state_dict())
     for fqn, param in module.named_parameters():
         assert torch.equal(param, real.state_dict()[fqn])
+
+
+def test_an_exported_model_planned_on_meta_trains_from_a_state_dict(process_group):
+    """An exported Hugging Face model planned on the meta device runs on the CPU: lowering
+    made its device literals read the stage's input and dropped export's assertions
+    (they named the meta device the model was traced on)."""
+    torch.manual_seed(0)
+    real = models.llama()
+    with torch.device("meta"):
+        model = models.llama()
+    x, y = tokens()
+    program = partc.compile(model, (x,), loss_fn=models.causal_lm_loss, example_target=y,
+                            budget=partc.DeviceBudget(num_devices=1, device="CPU"),
+                            train=partc.TrainSpec(global_batch_size=B))
+    # Non-persistent buffers (rotary frequencies) are not in state_dict(): given too.
+    weights = {**dict(real.named_buffers()), **real.state_dict()}
+    module = program.build(state_dict=weights)
+    loss = module.forward_backward(x, target=y)
+    expected = models.causal_lm_loss(real(x), y)
+    torch.testing.assert_close(loss, expected.detach(), rtol=1e-5, atol=1e-6)
