@@ -17,18 +17,22 @@ the few latest problems, keyed by the problem with the devices' memory left out:
 problem that changed only in memory (re-planning after a budget change) reuses the rows
 of its tables and starts its search from the plans found before.
 
-A cache lives in memory; with a directory it also persists across processes, as
-pickled analyses and plan JSON files. Entries on disk carry a digest of partc's own source,
-so a new version of partc never reads what an old one wrote.
+A cache lives in memory; with a directory it also persists across processes, as JSON
+files: analyses through :mod:`partc.codec` (typed by ``ModelAnalysis``'s annotations, so
+a file can hold numbers but never name code to run), plans as ``Plan.to_json`` writes
+them. Entries on disk carry a digest of partc's own source, so a new version of partc
+never reads what an old one wrote. An entry that cannot be read back (damaged, of
+another version, failing the classes' own checks, or a plan that fails validation) is
+removed with a warning and computed again.
 """
 
 from __future__ import annotations
 
 import functools
 import hashlib
+import json
 import logging
 import os
-import pickle
 from collections import OrderedDict
 from dataclasses import replace
 from pathlib import Path
@@ -36,11 +40,16 @@ from typing import Any, Callable
 
 import torch
 
+from .codec import check, from_data, to_data
 from .costs import TableCache
+from .errors import PlanValidationError
 from .plan import Plan
 from .problem import ModelAnalysis, PlanningProblem
+from .validate import validate_plan
 
 log = logging.getLogger("partc")
+
+ANALYSIS_VERSION = 1   # of the analysis files' layout: {"version": 1, "analysis": {...}}
 
 
 class PlanCache:
@@ -59,16 +68,24 @@ class PlanCache:
         self.hits = {"analysis": 0, "plan": 0}
 
     def analysis(self, key: str) -> ModelAnalysis | None:
-        return self._get(self._analyses, key, "analysis", "pkl",
-                         lambda path: pickle.loads(path.read_bytes()))
+        def read(path: Path) -> ModelAnalysis:
+            data = json.loads(path.read_text())
+            if not isinstance(data, dict) or data.get("version") != ANALYSIS_VERSION:
+                raise ValueError(f"not an analysis entry of version {ANALYSIS_VERSION}")
+            return from_data(ModelAnalysis, data.get("analysis"), "analysis")
+
+        return self._get(self._analyses, key, "analysis", "json", read)
 
     def put_analysis(self, key: str, analysis: ModelAnalysis) -> None:
-        self._put(self._analyses, key, analysis, "pkl", pickle.dumps(analysis))
+        text = json.dumps({"version": ANALYSIS_VERSION, "analysis": to_data(analysis)})
+        self._put(self._analyses, key, analysis, "json", text.encode())
 
     def plan(self, problem: PlanningProblem) -> Plan | None:
         def read(path: Path) -> str:
             text = path.read_text()
-            Plan.from_json(text)   # raises on a damaged entry
+            plan = Plan.from_json(text)
+            check(plan, Plan)
+            validate_plan(problem, plan)   # an entry edited, or made by other numbers
             return text
 
         text = self._get(self._plans, problem_key(problem), "plan", "json", read)
@@ -102,9 +119,11 @@ class PlanCache:
             return None
         try:
             value = read(path)
-        except (OSError, pickle.UnpicklingError, EOFError, ValueError, KeyError,
-                TypeError) as error:
-            log.warning("ignoring unreadable cache entry %s: %s", path, error)
+        except (OSError, ValueError, KeyError, TypeError, RecursionError,
+                PlanValidationError) as error:
+            # ValueError covers bad JSON, bad UTF-8, CodecError and PlanSchemaError.
+            log.warning("discarding unreadable cache entry %s: %s", path, error)
+            path.unlink(missing_ok=True)
             return None
         self._remember(memory, key, value)
         self.hits[kind] += 1

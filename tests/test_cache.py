@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import json
+import logging
+
+import pytest
 import torch
 
 import partc
@@ -10,10 +14,11 @@ from partc.cache import problem_key
 from samples.gpt import gpt_tiny, loss_fn
 
 
-def _compile(model, cache, memory="64MiB", batch=8, dtype=torch.float32, **budget):
+def _compile(model, cache, memory="64MiB", batch=8, dtype=torch.float32, num_devices=2,
+             **budget):
     ids = torch.zeros(batch, 16, dtype=torch.long)
     return partc.compile(model, (ids,), budget=partc.DeviceBudget(
-        num_devices=2, memory=memory, **{"device": "CPU", **budget}), train=partc.TrainSpec(
+        num_devices=num_devices, memory=memory, **{"device": "CPU", **budget}), train=partc.TrainSpec(
         global_batch_size=batch, dtype=dtype), loss_fn=loss_fn, example_target=ids,
         cache=cache)
 
@@ -85,7 +90,7 @@ def test_a_cache_directory_serves_a_new_process(tmp_path):
     again = _compile(gpt_tiny(n_layer=2), fresh)
     assert fresh.hits == {"analysis": 1, "plan": 1} and again.plan == first.plan
     # A damaged entry is ignored, and the plan is made (and stored) again.
-    for path in tmp_path.rglob("*.json"):
+    for path in tmp_path.rglob("plan/*.json"):
         path.write_text("{not json")
     damaged = partc.PlanCache(tmp_path)
     remade = _compile(gpt_tiny(n_layer=2), damaged)
@@ -115,3 +120,76 @@ def test_cost_tables_are_shared_between_problems_that_differ_only_in_memory():
     tight = problem(layers, [0.0, 0.0], devices(2, 10**8))
     partc.plan_problem(tight, table_cache=cache.table_cache(tight))
     assert tables.best_config is not None and tables.solutions
+
+
+def test_cache_files_are_json_and_a_planted_pickle_never_runs(tmp_path):
+    """Files are data, never code: no entry is a pickle, and a pickle planted where an
+    entry lies (or where the old versions kept theirs) is discarded unread."""
+    import pickle
+
+    first = _compile(gpt_tiny(n_layer=2), partc.PlanCache(tmp_path))
+    entries = sorted(p for p in tmp_path.rglob("*") if p.is_file())
+    assert [p.suffix for p in entries] == [".json", ".json"]
+    marker = tmp_path / "payload-ran"
+
+    class Payload:
+        def __reduce__(self):
+            return (open, (str(marker), "w"))
+
+    for protocol, path in enumerate(entries):   # protocol 0 is ASCII text
+        planted = pickle.dumps(Payload(), protocol=protocol)
+        path.write_bytes(planted)
+        path.with_suffix(".pkl").write_bytes(planted)
+    fresh = partc.PlanCache(tmp_path)
+    again = _compile(gpt_tiny(n_layer=2), fresh)
+    assert not marker.exists()
+    assert fresh.hits == {"analysis": 0, "plan": 0} and again.plan.hash == first.plan.hash
+    # Both entries were made again, as JSON.
+    for path in entries:
+        json.loads(path.read_text())
+
+
+def test_an_analysis_and_a_plan_read_back_from_disk_are_equal(tmp_path):
+    first = _compile(gpt_tiny(n_layer=2), partc.PlanCache(tmp_path), num_devices=4)
+    assert first.problem.model.tensor_parallel   # TPOptions, placements, nested analyses
+    fresh = partc.PlanCache(tmp_path)
+    key = next(tmp_path.rglob("analysis/*.json")).stem
+    assert fresh.analysis(key) == first.problem.model
+    assert repr(fresh.analysis(key)) == repr(first.problem.model)   # the plan key holds
+    assert fresh.plan(first.problem) == first.plan
+
+
+@pytest.mark.parametrize("damage", ["truncated", "version", "schema", "invalid"])
+def test_a_bad_entry_is_discarded_with_a_warning_and_made_again(tmp_path, caplog, damage):
+    first = _compile(gpt_tiny(n_layer=2), partc.PlanCache(tmp_path))
+    plan_file = next(tmp_path.rglob("plan/*.json"))
+    analysis_file = next(tmp_path.rglob("analysis/*.json"))
+    data = json.loads(plan_file.read_text())
+    if damage == "truncated":
+        text = analysis_file.read_text()
+        analysis_file.write_text(text[:len(text) // 2])
+        plan_file.write_text(plan_file.read_text()[:100])
+    elif damage == "version":
+        analysis = json.loads(analysis_file.read_text())
+        analysis_file.write_text(json.dumps({**analysis, "version": 99}))
+        plan_file.write_text(json.dumps({**data, "schema_version": 99}))
+    elif damage == "schema":   # a mistyped field in each
+        analysis = json.loads(analysis_file.read_text())
+        analysis["analysis"]["layers"][0]["fwd_flops"] = "many"
+        analysis_file.write_text(json.dumps(analysis))
+        data["stages"][0]["limit_bytes"] = "16GiB"
+        plan_file.write_text(json.dumps(data))
+    else:   # well-formed, but not what the cost model gives for this problem
+        data["stages"][0]["memory_bytes"]["peak"] += 1
+        plan_file.write_text(json.dumps(data))
+    cache = partc.PlanCache(tmp_path)
+    with caplog.at_level(logging.WARNING, logger="partc"):
+        again = _compile(gpt_tiny(n_layer=2), cache)
+    assert again.plan.hash == first.plan.hash
+    assert "discarding" in caplog.text
+    assert cache.hits["plan"] == 0
+    assert cache.hits["analysis"] == (1 if damage == "invalid" else 0)
+    # The entries were replaced by good ones: a new process reads both.
+    fresh = partc.PlanCache(tmp_path)
+    _compile(gpt_tiny(n_layer=2), fresh)
+    assert fresh.hits == {"analysis": 1, "plan": 1}
