@@ -116,6 +116,52 @@ def build_problem(analysis: ModelAnalysis, budget: DeviceBudget, train: TrainSpe
     )
 
 
+def problem_for_plan(plan: Plan, model: torch.nn.Module, *, loss_fn: Callable | None = None,
+                     options: PlannerOptions = PlannerOptions()) -> PlanningProblem:
+    """The problem ``plan`` answers, measured again as ``compile`` measures it: the model
+    traced at the plan's global batch (meta tensors of the recorded input shapes), under
+    the plan's training setup, on the plan's budget, with the plan's tensor-parallel
+    degree (and sequence parallelism, objective) measured. No pins: ``validate_plan``
+    then checks the plan's own decisions against the model."""
+    from .passes.pipeline import analyze
+
+    train = plan.train
+    budget = budget_from_info(plan.budget)
+    example = {spec.name: torch.empty((train.global_batch_size, *spec.shape),
+                                      dtype=spec.dtype, device="meta")
+               for spec in plan.model.inputs}
+    target = example.pop("target", None)
+    graph, analysis = analyze(model, tuple(example.values()), loss_fn=loss_fn,
+                              example_target=target, name=plan.model.name,
+                              attention=train.attention, autocast=autocast_dtype(train),
+                              autocast_device=budget.device_type)
+    constraints = Constraints(tp=plan.tp) if plan.tp == 1 else Constraints(
+        tp=plan.tp, sequence_parallel=plan.sequence_parallel, tp_objective=plan.tp_objective)
+    return build_problem(analysis, budget, train, constraints, graph, options)
+
+
+def budget_from_info(info: BudgetInfo) -> DeviceBudget:
+    """A DeviceBudget with the numbers a plan recorded (its preset for the device type,
+    when it names one)."""
+    from .budget import preset
+
+    device = None
+    for name in (info.preset, info.device):
+        try:
+            device = preset(name).name if name else None
+        except ValueError:
+            continue
+        if device is not None:
+            break
+    return DeviceBudget(
+        num_devices=info.num_devices, device=device, memory=tuple(info.memory_bytes),
+        peak_flops=info.peak_flops, flops_efficiency=info.flops_efficiency,
+        hbm_bandwidth=info.hbm_bandwidth, devices_per_node=info.devices_per_node,
+        intra_node_bandwidth=info.intra_node_bandwidth,
+        inter_node_bandwidth=info.inter_node_bandwidth, link_latency_s=info.link_latency_s,
+        intra_node_latency_s=info.intra_node_latency_s)
+
+
 def autocast_dtype(train: TrainSpec) -> torch.dtype | None:
     """The dtype the runtime's autocast computes in (mixed precision), None without it."""
     return train.dtype if train.dtype != torch.float32 else None

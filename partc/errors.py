@@ -35,3 +35,14 @@ class PlanValidationError(PartcError):
 
 class PlanSchemaError(PartcError, ValueError):
     """A plan file this partc cannot read: another schema version, or a damaged section."""
+
+
+class PlanFileError(PlanSchemaError):
+    """A plan file that is not a plan this partc reads: not JSON, a key missing or unknown,
+    a value of the wrong type. ``path``: the file; ``field``: where in it, when known
+    (``stages[0].memory_bytes.peak``)."""
+
+    def __init__(self, message: str, *, path: str, field: str | None = None) -> None:
+        super().__init__(message)
+        self.path = path
+        self.field = field

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
@@ -9,10 +10,13 @@ from typing import Any, Callable, Mapping, Sequence
 import torch
 from torch import nn
 
-from .errors import PartcError
+from .codec import CodecError, check
+from .errors import (PartcError, PlanFileError, PlanMismatchError, PlanSchemaError,
+                     PlanValidationError)
 from .plan import Plan
 from .problem import PlanningProblem
 from .report import render
+from .spec import dtype_name
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -113,10 +117,62 @@ class Program:
 
 
 def load(directory: str | Path, model: nn.Module, *, loss_fn: Callable | None = None) -> Program:
-    """The program saved in ``directory`` for ``model``, without planning again."""
+    """The program saved in ``directory`` for ``model``, without planning again.
+
+    plan.json is data, checked in full before anything runs: its schema (JSON, every key
+    known and present, every value of its type: else :class:`PlanFileError` naming the
+    field), that it was made for ``model`` (else :class:`PlanMismatchError`), then its
+    values against the model measured again as ``compile`` measures it, under the plan's
+    budget and training setup (``validate_plan``, no solver: else
+    :class:`PlanValidationError` listing every violation)."""
+    from .compiler import problem_for_plan
+    from .identity import model_hash
+    from .validate import validate_plan
+
     path = Path(directory) / "plan.json"
     if not path.exists():
         raise FileNotFoundError(f"no plan.json in {directory}: save a program there first "
                                 "(program.save(directory) or `partc plan ... --out`)")
-    plan = Plan.from_json(path.read_text())
-    return Program(plan=plan, model=model, loss_fn=loss_fn)
+    plan = read_plan_file(path)
+    if plan.model.hash != model_hash(model):
+        raise PlanMismatchError(f"{path}: the model (hash {model_hash(model)}) is not the "
+                                f"one the plan was made for (hash {plan.model.hash}); "
+                                "compile this model")
+    if not plan.model.inputs:
+        raise PlanFileError(f"{path}: model.inputs is empty (a plan saved before partc "
+                            "recorded its inputs): compile the model again",
+                            path=str(path), field="model.inputs")
+    problem = problem_for_plan(plan, model, loss_fn=loss_fn)
+    try:
+        validate_plan(problem, plan)
+    except PlanValidationError as error:
+        train = plan.train
+        raise PlanValidationError(
+            f"{path} does not hold for this model, measured again with the plan's train "
+            f"(dtype {dtype_name(train.dtype)}, optimizer {train.optimizer}, attention "
+            f"{train.attention}) and budget ({plan.budget.device}, memory_bytes "
+            f"{list(plan.budget.memory_bytes)}); was it edited? Compile again rather than "
+            f"edit a plan.\n{error}") from None
+    return Program(plan=plan, problem=problem, model=model, loss_fn=loss_fn)
+
+
+def read_plan_file(path: str | Path) -> Plan:
+    """The plan in ``path``, its schema checked in full; :class:`PlanFileError` naming
+    the file and the field otherwise."""
+    path = Path(path)
+    try:
+        data = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        raise PlanFileError(f"{path} is not JSON: {error}", path=str(path)) from None
+    if not isinstance(data, dict):
+        raise PlanFileError(f"{path} holds a {type(data).__name__}, not a plan",
+                            path=str(path))
+    try:
+        plan = Plan.from_dict(data)
+        check(plan, Plan)
+    except CodecError as error:
+        raise PlanFileError(f"{path}: field {error}", path=str(path),
+                            field=error.field) from None
+    except (PlanSchemaError, TypeError, ValueError, AttributeError, KeyError) as error:
+        raise PlanFileError(f"{path}: {error}", path=str(path)) from None
+    return plan

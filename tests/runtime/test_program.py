@@ -4,6 +4,8 @@ one-device training through the runtime (recompute: tests/passes/test_recompute.
 from __future__ import annotations
 
 import copy
+import dataclasses
+import json
 
 import pytest
 import torch
@@ -63,11 +65,79 @@ def test_load_rebuilds_from_plan_json_without_the_solver(tmp_path, monkeypatch):
 
 def test_load_for_another_model_is_refused(tmp_path):
     compile_gpt(gpt_tiny(), 1).save(tmp_path)
-    other = partc.load(tmp_path, gpt_tiny(n_layer=3), loss_fn=loss_fn)
     with pytest.raises(partc.PlanMismatchError, match="not the one the plan was made for"):
-        other.build()
+        partc.load(tmp_path, gpt_tiny(n_layer=3), loss_fn=loss_fn)
     with pytest.raises(FileNotFoundError, match="no plan.json"):
         partc.load(tmp_path / "missing", gpt_tiny())
+
+
+def _truncate(text: str) -> str:
+    return text[:len(text) // 2]
+
+
+def _drop(data: dict, section: str, key: str) -> None:
+    del (data[section] if section else data)[key]
+
+
+def _rename_layer(data: dict) -> None:
+    stage = data["stages"][0]
+    old = stage["layers"][-1]
+    stage["layers"][-1] = old + "_renamed"
+    stage["recompute"][old + "_renamed"] = stage["recompute"].pop(old)
+
+
+# (edit of a saved plan.json, the error, what its message must name)
+EDITS = {
+    "truncated": (None, partc.PlanFileError, "not JSON"),
+    "missing key": (lambda d: _drop(d, "", "schedule"), partc.PlanFileError, "schedule"),
+    "missing nested key": (lambda d: _drop(d["stages"][0], "memory_bytes", "peak"),
+                           partc.PlanFileError, "memory_bytes"),
+    "mistyped": (lambda d: d["stages"][0]["time_s"].update(forward="fast"),
+                 partc.PlanFileError, r"stages\[0\]\.time_s\.forward: expected float"),
+    "max_grad_norm -1": (lambda d: d["train"].update(max_grad_norm=-1),
+                         partc.PlanFileError, "max_grad_norm must be positive"),
+    "schedule foo": (lambda d: d.update(schedule="foo"), partc.PlanValidationError,
+                     "unknown schedule 'foo'"),
+    "memory too small": (lambda d: d["budget"].update(memory_bytes=2**20),
+                         partc.PlanValidationError, "(?s)memory_bytes.*stage 0 needs"),
+    "dtype": (lambda d: d["train"].update(dtype="bfloat16"), partc.PlanValidationError,
+              "dtype bfloat16"),
+    "layer renamed": (_rename_layer, partc.PlanValidationError,
+                      r"stages do not cover the layers once in order: .*'blocks.0_renamed'"),
+}
+
+
+@pytest.fixture(scope="module")
+def saved_plan(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("saved")
+    compile_gpt(gpt_tiny(), 2, pp=2).save(directory, code=False)
+    return (directory / "plan.json").read_text()
+
+
+@pytest.mark.parametrize("edit", list(EDITS))
+def test_load_refuses_an_edited_plan_naming_the_field(tmp_path, saved_plan, edit):
+    change, error, names = EDITS[edit]
+    if change is None:
+        text = _truncate(saved_plan)
+    else:
+        data = json.loads(saved_plan)
+        change(data)
+        text = json.dumps(data)
+    (tmp_path / "plan.json").write_text(text)
+    with pytest.raises(error, match=names) as caught:
+        partc.load(tmp_path, gpt_tiny(), loss_fn=loss_fn)
+    assert str(tmp_path / "plan.json") in str(caught.value)
+
+
+def test_an_unedited_plan_loads_and_its_problem_is_the_compiled_one(tmp_path, saved_plan):
+    (tmp_path / "plan.json").write_text(saved_plan)
+    program = partc.load(tmp_path, gpt_tiny(), loss_fn=loss_fn)
+    assert program.plan.to_json() + "\n" == saved_plan
+    # Measured again as compile measured it (tp=1: no tensor-parallel variants).
+    compiled = compile_gpt(gpt_tiny(), 2, pp=2).problem
+    assert program.problem.model == dataclasses.replace(compiled.model, tensor_parallel=())
+    assert program.problem.devices == compiled.devices
+    assert program.problem.train == compiled.train
 
 
 def test_one_process_trains_like_the_model(process_group):
