@@ -114,6 +114,7 @@ def make_plan(problem: PlanningProblem, config: PipelineConfig, evaluation: Eval
         train=train,
         model=ModelInfo(name=summary.name, num_params=summary.num_params, hash=summary.hash,
                         tracer=summary.tracer, num_layers=problem.num_layers,
+                        traced_batch_size=summary.traced_batch_size,
                         inputs=tuple(InputSpec(name=name, shape=tuple(shape),
                                                dtype=dtype_named(dtype))
                                      for name, shape, dtype in summary.inputs)),

@@ -119,7 +119,8 @@ def build_problem(analysis: ModelAnalysis, budget: DeviceBudget, train: TrainSpe
 def problem_for_plan(plan: Plan, model: torch.nn.Module, *, loss_fn: Callable | None = None,
                      options: PlannerOptions = PlannerOptions()) -> PlanningProblem:
     """The problem ``plan`` answers, measured again as ``compile`` measures it: the model
-    traced at the plan's global batch (meta tensors of the recorded input shapes), under
+    traced at the batch it was measured at (else the global batch; meta tensors of the
+    recorded input shapes), under
     the plan's training setup, on the plan's budget, with the plan's tensor-parallel
     degree (and sequence parallelism, objective) measured. No pins: ``validate_plan``
     then checks the plan's own decisions against the model."""
@@ -127,7 +128,8 @@ def problem_for_plan(plan: Plan, model: torch.nn.Module, *, loss_fn: Callable | 
 
     train = plan.train
     budget = budget_from_info(plan.budget)
-    example = {spec.name: torch.empty((train.global_batch_size, *spec.shape),
+    batch = plan.model.traced_batch_size or train.global_batch_size
+    example = {spec.name: torch.empty((batch, *spec.shape),
                                       dtype=spec.dtype, device="meta")
                for spec in plan.model.inputs}
     target = example.pop("target", None)

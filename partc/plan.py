@@ -249,6 +249,9 @@ class ModelInfo:
     tracer: str   # "symbolic_trace" | "export"
     num_layers: int
     inputs: tuple[InputSpec, ...] = ()   # empty: written before partc recorded them
+    # The batch the model was traced and measured at (per-sample numbers depend on it a
+    # little): partc.load measures again at this one. None: written before it was recorded.
+    traced_batch_size: int | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return {**_scalars(self), "inputs": [spec.to_dict() for spec in self.inputs]}
