@@ -127,7 +127,6 @@ def load(directory: str | Path, model: nn.Module, *, loss_fn: Callable | None = 
     :class:`PlanValidationError` listing every violation)."""
     from .compiler import problem_for_plan
     from .identity import model_hash
-    from .validate import validate_plan
 
     path = Path(directory) / "plan.json"
     if not path.exists():
@@ -142,7 +141,19 @@ def load(directory: str | Path, model: nn.Module, *, loss_fn: Callable | None = 
         raise PlanFileError(f"{path}: model.inputs is empty (a plan saved before partc "
                             "recorded its inputs): compile the model again",
                             path=str(path), field="model.inputs")
+    if loss_fn is None and "loss" in plan.layer_names:
+        raise PartcError(f"{path}: the plan trains with a loss (its last layer, 'loss'): "
+                         "pass the same loss_fn to partc.load as to partc.compile")
     problem = problem_for_plan(plan, model, loss_fn=loss_fn)
+    _validate_file(path, problem, plan)
+    return Program(plan=plan, problem=problem, model=model, loss_fn=loss_fn)
+
+
+def _validate_file(path: Path, problem: PlanningProblem, plan: Plan) -> None:
+    """``validate_plan``, its error saying which of the file's sections the problem was
+    measured again from (an edited dtype or budget shows as numbers that differ)."""
+    from .validate import validate_plan
+
     try:
         validate_plan(problem, plan)
     except PlanValidationError as error:
@@ -153,7 +164,6 @@ def load(directory: str | Path, model: nn.Module, *, loss_fn: Callable | None = 
             f"{train.attention}) and budget ({plan.budget.device}, memory_bytes "
             f"{list(plan.budget.memory_bytes)}); was it edited? Compile again rather than "
             f"edit a plan.\n{error}") from None
-    return Program(plan=plan, problem=problem, model=model, loss_fn=loss_fn)
 
 
 def read_plan_file(path: str | Path) -> Plan:
@@ -162,7 +172,7 @@ def read_plan_file(path: str | Path) -> Plan:
     path = Path(path)
     try:
         data = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as error:
         raise PlanFileError(f"{path} is not JSON: {error}", path=str(path)) from None
     if not isinstance(data, dict):
         raise PlanFileError(f"{path} holds a {type(data).__name__}, not a plan",
