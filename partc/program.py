@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
@@ -184,5 +185,7 @@ def read_plan_file(path: str | Path) -> Plan:
         raise PlanFileError(f"{path}: field {error}", path=str(path),
                             field=error.field) from None
     except (PlanSchemaError, TypeError, ValueError, AttributeError, KeyError) as error:
-        raise PlanFileError(f"{path}: {error}", path=str(path)) from None
+        section = re.match(r"plan section (\S+?):", str(error))
+        raise PlanFileError(f"{path}: {error}", path=str(path),
+                            field=section.group(1) if section else None) from None
     return plan

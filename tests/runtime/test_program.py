@@ -127,6 +127,8 @@ def test_load_refuses_an_edited_plan_naming_the_field(tmp_path, saved_plan, edit
     with pytest.raises(error, match=names) as caught:
         partc.load(tmp_path, gpt_tiny(), loss_fn=loss_fn)
     assert str(tmp_path / "plan.json") in str(caught.value)
+    if edit in ("missing nested key", "mistyped", "max_grad_norm -1"):
+        assert caught.value.field.startswith(("stages[0]", "train"))
 
 
 def test_an_unedited_plan_loads_and_its_problem_is_the_compiled_one(tmp_path, saved_plan):
