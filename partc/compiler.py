@@ -119,18 +119,16 @@ def build_problem(analysis: ModelAnalysis, budget: DeviceBudget, train: TrainSpe
 def problem_for_plan(plan: Plan, model: torch.nn.Module, *, loss_fn: Callable | None = None,
                      options: PlannerOptions = PlannerOptions()) -> PlanningProblem:
     """The problem ``plan`` answers, measured again as ``compile`` measures it: the model
-    traced at the batch it was measured at (else the global batch; meta tensors of the
-    recorded input shapes), under
-    the plan's training setup, on the plan's budget, with the plan's tensor-parallel
-    degree (and sequence parallelism, objective) measured. No pins: ``validate_plan``
-    then checks the plan's own decisions against the model."""
+    traced at the batch it was measured at (else the global batch) on meta tensors of
+    the recorded input shapes, under the plan's training setup, on the plan's budget,
+    with the plan's tensor-parallel degree (and sequence parallelism, objective)
+    measured. No pins: ``validate_plan`` then checks the plan's own decisions."""
     from .passes.pipeline import analyze
 
     train = plan.train
     budget = budget_from_info(plan.budget)
     batch = plan.model.traced_batch_size or train.global_batch_size
-    example = {spec.name: torch.empty((batch, *spec.shape),
-                                      dtype=spec.dtype, device="meta")
+    example = {spec.name: torch.empty((batch, *spec.shape), dtype=spec.dtype, device="meta")
                for spec in plan.model.inputs}
     target = example.pop("target", None)
     graph, analysis = analyze(model, tuple(example.values()), loss_fn=loss_fn,
@@ -147,14 +145,13 @@ def budget_from_info(info: BudgetInfo) -> DeviceBudget:
     when it names one)."""
     from .budget import preset
 
-    device = None
-    for name in (info.preset, info.device):
+    def preset_named(name: str | None) -> str | None:
         try:
-            device = preset(name).name if name else None
-        except ValueError:
-            continue
-        if device is not None:
-            break
+            return preset(name).name if name else None
+        except ValueError:   # a profile's own device name, or "custom"
+            return None
+
+    device = preset_named(info.preset) or preset_named(info.device)
     return DeviceBudget(
         num_devices=info.num_devices, device=device, memory=tuple(info.memory_bytes),
         peak_flops=info.peak_flops, flops_efficiency=info.flops_efficiency,

@@ -126,7 +126,7 @@ def load(directory: str | Path, model: nn.Module, *, loss_fn: Callable | None = 
     values against the model measured again as ``compile`` measures it, under the plan's
     budget and training setup (``validate_plan``, no solver: else
     :class:`PlanValidationError` listing every violation)."""
-    from .compiler import problem_for_plan
+    from .compiler import budget_from_info, problem_for_plan
     from .identity import model_hash
 
     path = Path(directory) / "plan.json"
@@ -145,6 +145,10 @@ def load(directory: str | Path, model: nn.Module, *, loss_fn: Callable | None = 
     if loss_fn is None and "loss" in plan.layer_names:
         raise PartcError(f"{path}: the plan trains with a loss (its last layer, 'loss'): "
                          "pass the same loss_fn to partc.load as to partc.compile")
+    try:
+        budget_from_info(plan.budget)
+    except ValueError as error:
+        raise PlanFileError(f"{path}: budget: {error}", path=str(path), field="budget") from None
     problem = problem_for_plan(plan, model, loss_fn=loss_fn)
     _validate_file(path, problem, plan)
     return Program(plan=plan, problem=problem, model=model, loss_fn=loss_fn)

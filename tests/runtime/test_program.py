@@ -100,6 +100,8 @@ EDITS = {
                      "unknown schedule 'foo'"),
     "memory too small": (lambda d: d["budget"].update(memory_bytes=2**20),
                          partc.PlanValidationError, "(?s)memory_bytes.*stage 0 needs"),
+    "memory zero": (lambda d: d["budget"].update(memory_bytes=0), partc.PlanFileError,
+                    "budget: every device needs a positive memory size"),
     "dtype": (lambda d: d["train"].update(dtype="bfloat16"), partc.PlanValidationError,
               "dtype bfloat16"),
     "layer renamed": (_rename_layer, partc.PlanValidationError,
