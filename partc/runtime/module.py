@@ -151,7 +151,14 @@ class _Loss:
 
 
 class DistributedModule:
-    """This rank's part of the program: parameters, and one training step's fwd + bwd."""
+    """This rank's part of the program: parameters, and one training step's fwd + bwd.
+
+    With more than one rank, ``watchdog`` (``partc/runtime/watchdog.py``) is this rank's
+    watchdog: ``forward_backward`` (and the optimizer ``optimizer()`` makes) tell it the
+    step (``self.step``, the ``forward_backward`` calls so far) and phase; a rank that
+    stops or stays in one phase for ``PARTC_WATCHDOG_S`` s (default 60) is reported on
+    every other rank, which exit with ``watchdog.EXIT_CODE``. ``close()`` stops it.
+    """
 
     def __init__(self, *, plan: Plan, topology: Topology, stage: Any, module: fx.GraphModule,
                  schedule: Any, tied: list[tuple[list[nn.Parameter], dist.ProcessGroup]],
