@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import inspect
 import logging
+import weakref
 from collections import Counter
 from typing import Any, Callable, Iterator, Mapping
 
@@ -55,6 +56,8 @@ from .parameters import (aliases_of, dp_shard, local_part, own_parameters,
                          placement_of, shard_plan)
 from .stage import StageProgram
 from .topology import Topology, init
+from .watchdog import IDLE, Watchdog
+from .watchdog import start as start_watchdog
 
 # Newer torch schedules can drop the last stage's outputs instead of returning them.
 _STEP_TAKES_RETURN_OUTPUTS = "return_outputs" in inspect.signature(
@@ -72,6 +75,17 @@ class _CountingStage(PipelineStage):
         self.messages: Counter[str] = Counter()
         self.zero_stage = zero_stage
         self.grad_sync: _OverlappedAllReduce | None = None  # ZeRO 0/1 with dp > 1
+        self.watchdog: Watchdog | None = None  # told of each microbatch's start
+
+    def forward_one_chunk(self, fwd_chunk_id: int, *args: Any, **kwargs: Any) -> Any:
+        if self.watchdog is not None:
+            self.watchdog.mark(f"schedule: forward, microbatch {fwd_chunk_id}")
+        return super().forward_one_chunk(fwd_chunk_id, *args, **kwargs)
+
+    def backward_one_chunk(self, bwd_chunk_id: int, *args: Any, **kwargs: Any) -> Any:
+        if self.watchdog is not None:
+            self.watchdog.mark(f"schedule: backward, microbatch {bwd_chunk_id}")
+        return super().backward_one_chunk(bwd_chunk_id, *args, **kwargs)
 
     def perform_reduce_grad(self, grad_scale_factor: int) -> None:
         if self.grad_sync is not None:
@@ -137,7 +151,14 @@ class _Loss:
 
 
 class DistributedModule:
-    """This rank's part of the program: parameters, and one training step's fwd + bwd."""
+    """This rank's part of the program: parameters, and one training step's fwd + bwd.
+
+    With more than one rank, ``watchdog`` (``partc/runtime/watchdog.py``) is this rank's
+    watchdog: ``forward_backward`` (and the optimizer ``optimizer()`` makes) tell it the
+    step (``self.step``, the ``forward_backward`` calls so far) and phase; a rank that
+    stops or stays in one phase for ``PARTC_WATCHDOG_S`` s (default 60) is reported on
+    every other rank, which exit with ``watchdog.EXIT_CODE``. ``close()`` stops it.
+    """
 
     def __init__(self, *, plan: Plan, topology: Topology, stage: Any, module: fx.GraphModule,
                  schedule: Any, tied: list[tuple[list[nn.Parameter], dist.ProcessGroup]],
@@ -146,8 +167,15 @@ class DistributedModule:
                  aliases: dict[str, tuple[str, ...]] | None = None,
                  state_keys: set[str] | None = None,
                  tied_elsewhere: set[str] | None = None,
-                 tp: tp_ops.TensorParallelGroup | None = None) -> None:
+                 tp: tp_ops.TensorParallelGroup | None = None,
+                 watchdog: Watchdog | None = None) -> None:
         self.plan = plan
+        # Progress (step, phase) for the watchdog; None when it is off (one process).
+        self.watchdog = watchdog
+        self.step = 0  # forward_backward calls so far
+        stage.watchdog = watchdog
+        if watchdog is not None:
+            weakref.finalize(self, watchdog.stop)  # also at interpreter exit
         # The tensor-parallel group the stage's collectives run over; its ``counts`` are
         # the collectives this rank has run.
         self.tp = tp if tp is not None else tp_ops.TensorParallelGroup(1)
@@ -263,9 +291,26 @@ class DistributedModule:
             # on import, with deprecation warnings, which plain runs need not pay for.
             from torch.distributed.optim import ZeroRedundancyOptimizer
 
-            return ZeroRedundancyOptimizer(self.parameters(), optimizer_class=optimizer_class,
-                                           process_group=self.topology.dp_group, **defaults)
-        return optimizer_class(self.parameters(), **defaults)
+            optimizer = ZeroRedundancyOptimizer(
+                self.parameters(), optimizer_class=optimizer_class,
+                process_group=self.topology.dp_group, **defaults)
+        else:
+            optimizer = optimizer_class(self.parameters(), **defaults)
+        if self.watchdog is not None:
+            watchdog = self.watchdog
+            optimizer.register_step_pre_hook(lambda *_: watchdog.mark("optimizer step"))
+            optimizer.register_step_post_hook(lambda *_: watchdog.mark(IDLE))
+        return optimizer
+
+    def close(self) -> None:
+        """Stop this rank's watchdog thread (also done when the module is freed and at
+        exit); the other ranks then stop judging this one."""
+        if self.watchdog is not None:
+            self.watchdog.stop()
+
+    def _mark(self, phase: str, step: int | None = None) -> None:
+        if self.watchdog is not None:
+            self.watchdog.mark(phase, step)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.module.zero_grad(set_to_none=set_to_none)
@@ -280,6 +325,15 @@ class DistributedModule:
         reads the inputs and the last stage the target. Gradients accumulate into
         ``.grad`` like ``loss.backward()``: zero them between steps.
         """
+        self.step += 1
+        self._mark("forward_backward", self.step)
+        try:
+            return self._forward_backward(inputs, target)
+        finally:
+            # Returned or raised, the user's code runs next: not judged by the watchdog.
+            self._mark(IDLE)
+
+    def _forward_backward(self, inputs: tuple, target: Any) -> torch.Tensor:
         self._check_batch(inputs, target)
         topo = self.topology
         share = self.global_batch_size // topo.dp
@@ -295,12 +349,16 @@ class DistributedModule:
             # The outputs are the loss's inputs (the logits): returned, torch keeps every
             # microbatch's until the step ends; partc only needs the losses.
             kwargs["return_outputs"] = False
+        self._mark("schedule")
         self._schedule.step(*args, **kwargs)
         self.last_messages = dict(self._stage.messages)
+        self._mark("gradient sync")
         self._sync_gradients()
         max_norm = self.plan.train.max_grad_norm
         if max_norm is not None:
+            self._mark("clip")
             self.last_grad_norm = self.clip_grad_norm_(max_norm)
+        self._mark("loss all-reduce")
         total = torch.zeros((), device=topo.device)
         if losses:
             total = torch.stack(losses).sum().detach().to(torch.float32)
@@ -462,7 +520,7 @@ def build(plan: Plan, topology: Topology, program: StageProgram, model: nn.Modul
         tied=tied, inputs=plan.model.inputs, partial_grads=partial, aliases=aliases,
         state_keys=set(model.state_dict(keep_vars=True)),
         tied_elsewhere=_tied_elsewhere(program.holders, module, topology.pp_rank),
-        tp=tp_group,
+        tp=tp_group, watchdog=start_watchdog(topology.rank, topology.world_size),
         global_batch_size=plan.num_microbatches * plan.micro_batch_size * plan.dp)
 
 
