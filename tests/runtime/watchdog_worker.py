@@ -7,11 +7,14 @@ import os
 import signal
 import sys
 import time
+from pathlib import Path
 
 import torch
 
-import partc
-from samples.gpt import gpt_tiny, loss_fn
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # torchrun runs this file
+
+import partc  # noqa: E402
+from samples.gpt import gpt_tiny, loss_fn  # noqa: E402
 
 B, T = 8, 16
 
