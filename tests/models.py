@@ -152,3 +152,20 @@ def causal_lm_loss(output, target: torch.Tensor) -> torch.Tensor:
     logits = output.logits
     return F.cross_entropy(logits.reshape(-1, logits.size(-1)), target.reshape(-1))
 
+
+
+class InPlaceScale(nn.Module):
+    """Each block scales its output in place and nothing reads the in-place op's result
+    (``y.mul_(0.5)``): dead-code elimination must keep it."""
+
+    def __init__(self, width: int = 8, depth: int = 3) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Linear(width, width) for _ in range(depth))
+        self.head = nn.Linear(width, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            y = torch.sin(block(x))
+            y.mul_(0.5)
+            x = x + y
+        return self.head(x)
