@@ -169,3 +169,10 @@ class InPlaceScale(nn.Module):
             y.mul_(0.5)
             x = x + y
         return self.head(x)
+
+
+def in_place_relu(width: int = 8) -> nn.Module:
+    """``nn.ReLU(inplace=True)`` as a child of its own: a layer that writes to the
+    previous layer's output."""
+    return nn.Sequential(nn.Linear(width, width), nn.ReLU(inplace=True),
+                         nn.Linear(width, width), nn.ReLU(inplace=True), nn.Linear(width, 4))

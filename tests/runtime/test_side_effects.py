@@ -65,3 +65,9 @@ def test_each_stage_keeps_its_in_place_ops():
     code = compile_one(models.InPlaceScale(), 2, pp=2).code()
     assert sum(source.count(".mul_(0.5)") for source in code.values()) == 3
     assert all(".mul_(0.5)" in source for source in code.values())
+
+
+def test_an_in_place_relu_trains(process_group):
+    """Seen before: the estimate pass failed ("a leaf Variable that requires grad is being
+    used in an in-place operation"): the ReLU, a layer of its own, wrote to its input."""
+    assert_trains_like_eager(models.in_place_relu())
