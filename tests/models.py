@@ -38,6 +38,16 @@ def llama(n_layer: int = 2, hidden: int = 64, heads: int = 4, kv_heads: int = 2,
     return LlamaForCausalLM(config)
 
 
+def falcon(n_layer: int = 2, hidden: int = 64, heads: int = 4, vocab: int = 128):
+    """Falcon: its attention makes a constant tensor that torch.export lifts."""
+    from transformers import FalconConfig, FalconForCausalLM
+
+    config = FalconConfig(hidden_size=hidden, num_attention_heads=heads, vocab_size=vocab,
+                          num_hidden_layers=n_layer, use_cache=False,
+                          attn_implementation="eager")
+    return FalconForCausalLM(config)
+
+
 def llama3_8b_config():
     """Llama-3-8B's shapes: 32 layers, 4096 wide, 32 heads / 8 KV heads, vocab 128256."""
     from transformers import LlamaConfig
@@ -176,3 +186,23 @@ def in_place_relu(width: int = 8) -> nn.Module:
     previous layer's output."""
     return nn.Sequential(nn.Linear(width, width), nn.ReLU(inplace=True),
                          nn.Linear(width, width), nn.ReLU(inplace=True), nn.Linear(width, 4))
+
+
+class SliceZero(nn.Module):
+    """Slice assignment (``y[:, 0] = 0``) in each block, in a forward only torch.export
+    captures (it branches on a shape): export lifts the 0 as a constant tensor
+    attribute the model does not have."""
+
+    def __init__(self, width: int = 8, depth: int = 2) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Linear(width, width) for _ in range(depth))
+        self.head = nn.Linear(width, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dim() != 2:
+            raise ValueError("x must be (batch, width)")
+        for block in self.blocks:
+            y = block(x)
+            y[:, 0] = 0
+            x = x + y
+        return self.head(x)

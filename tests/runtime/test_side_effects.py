@@ -12,6 +12,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import partc
+from partc import meta
+from partc.passes.trace import trace
 from tests import models
 
 B = 8
@@ -71,3 +73,26 @@ def test_an_in_place_relu_trains(process_group):
     """Seen before: the estimate pass failed ("a leaf Variable that requires grad is being
     used in an in-place operation"): the ReLU, a layer of its own, wrote to its input."""
     assert_trains_like_eager(models.in_place_relu())
+
+
+def test_slice_assignment_traced_by_export_trains(process_group):
+    """Seen before: build failed with "'SliceZero' object has no attribute
+    'lifted_tensor_0'" (export's constant for the 0 was looked up on the model)."""
+    gm, _ = trace(models.SliceZero(), (batch(0)[0],))
+    assert meta.trace_info(gm).tracer == "export"
+    assert_trains_like_eager(models.SliceZero())
+
+
+def test_falcon_with_a_lifted_constant_trains(process_group):
+    """Seen before: "'FalconAttention' object has no attribute 'lifted_tensor_0'"."""
+    torch.manual_seed(0)
+    model = models.falcon()
+    reference = copy.deepcopy(model)
+    tokens = torch.randint(0, 128, (B, 17), generator=torch.Generator().manual_seed(0))
+    x, y = tokens[:, :-1], tokens[:, 1:]
+    module = partc.compile(model, (x,), loss_fn=models.causal_lm_loss, example_target=y,
+                           budget=partc.DeviceBudget(num_devices=1, device="CPU"),
+                           train=partc.TrainSpec(global_batch_size=B)).build()
+    loss = module.forward_backward(x, target=y)
+    expected = models.causal_lm_loss(reference(x), y)
+    torch.testing.assert_close(loss, expected.detach(), rtol=1e-5, atol=1e-6)
