@@ -168,10 +168,10 @@ class InPlaceScale(nn.Module):
     """Each block scales its output in place and nothing reads the in-place op's result
     (``y.mul_(0.5)``): dead-code elimination must keep it."""
 
-    def __init__(self, width: int = 8, depth: int = 3) -> None:
+    def __init__(self, width: int = 8, depth: int = 3, d_out: int = 4) -> None:
         super().__init__()
         self.blocks = nn.ModuleList(nn.Linear(width, width) for _ in range(depth))
-        self.head = nn.Linear(width, 4)
+        self.head = nn.Linear(width, d_out)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         for block in self.blocks:
@@ -193,10 +193,10 @@ class SliceZero(nn.Module):
     captures (it branches on a shape): export lifts the 0 as a constant tensor
     attribute the model does not have."""
 
-    def __init__(self, width: int = 8, depth: int = 2) -> None:
+    def __init__(self, width: int = 8, depth: int = 2, d_out: int = 4) -> None:
         super().__init__()
         self.blocks = nn.ModuleList(nn.Linear(width, width) for _ in range(depth))
-        self.head = nn.Linear(width, 4)
+        self.head = nn.Linear(width, d_out)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dim() != 2:

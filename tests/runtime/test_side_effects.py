@@ -16,7 +16,12 @@ from partc import meta
 from partc.passes.trace import trace
 from tests import models
 
+from .test_parity import check_parity, launched
+
 B = 8
+PIPELINED = ["inplace-pp2-1f1b", "inplace-pp2-gpipe-recompute", "slice-pp2-1f1b"]
+
+pipelined = launched("pipelined", 2, PIPELINED)
 
 
 @pytest.fixture
@@ -96,3 +101,8 @@ def test_falcon_with_a_lifted_constant_trains(process_group):
     loss = module.forward_backward(x, target=y)
     expected = models.causal_lm_loss(reference(x), y)
     torch.testing.assert_close(loss, expected.detach(), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("name", PIPELINED)
+def test_side_effects_train_alike_under_pp2(pipelined, name):
+    check_parity(pipelined, name)
