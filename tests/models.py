@@ -206,3 +206,20 @@ class SliceZero(nn.Module):
             y[:, 0] = 0
             x = x + y
         return self.head(x)
+
+
+class Normed(nn.Module):
+    """Blocks of a linear and a BatchNorm1d: a forward that writes buffers (the running
+    statistics)."""
+
+    def __init__(self, width: int = 8, depth: int = 2, d_out: int = 4) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(width, width),
+                                                  nn.BatchNorm1d(width))
+                                    for _ in range(depth))
+        self.head = nn.Linear(width, d_out)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = x + torch.tanh(block(x))
+        return self.head(x)
