@@ -128,3 +128,12 @@ def test_running_statistics_evolve_as_on_one_device(process_group):
     expected = dict(reference.named_buffers())
     for name, buffer in module.named_buffers():
         torch.testing.assert_close(buffer, expected[name], rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_running_statistics_are_not_split_over_replicas():
+    """Each dp replica would update its running statistics from its own data and drift
+    from the others: partc plans one replica for such a model, and refuses a pinned dp."""
+    with pytest.raises(partc.PartcError, match=r"blocks.0.1 \(BatchNorm1d\) .* dp=2"):
+        compile_one(models.Normed(), 2, dp=2)
+    assert compile_one(models.Normed(), 2).plan.mesh.dp == 1
+    assert compile_one(models.Normed().eval(), 2, dp=2).plan.mesh.dp == 2
