@@ -24,6 +24,7 @@ from .budget import DeviceBudget
 from .cache import DEFAULT as DEFAULT_CACHE
 from .cache import PlanCache, model_key
 from .collectives import Group
+from .errors import PartcError
 from .costs import TableCache
 from .planner import PlannerOptions, PlannerResult, divisors, solve
 from .plan import BudgetInfo, Plan, SolverStats
@@ -232,7 +233,7 @@ def compile(model: torch.nn.Module, example_inputs: tuple | torch.Tensor, *,
         example_inputs = (example_inputs,)
     if train is None:
         train = TrainSpec(global_batch_size=int(example_inputs[0].shape[0]))
-    constraints = constraints or Constraints()
+    constraints = _one_replica_for_running_stats(model, constraints or Constraints())
     options = options or PlannerOptions()
     devices = device_numbers(budget, train.dtype)
     measured_for = _measured_for(budget, devices, constraints, train, options)
@@ -267,6 +268,27 @@ def compile(model: torch.nn.Module, example_inputs: tuple | torch.Tensor, *,
             cache.put_plan(problem, plan)
     log.info("planned in %.2f s: %s", time.perf_counter() - start, plan.solver.status)
     return Program(plan=plan, problem=problem, graph=graph, model=model, loss_fn=loss_fn)
+
+
+def _one_replica_for_running_stats(model: torch.nn.Module,
+                                   constraints: Constraints) -> Constraints:
+    """A model whose forward updates running statistics (BatchNorm in training mode)
+    plans one replica: dp replicas would each update theirs from their own data and
+    drift apart, where one device sees every microbatch in order. A pinned dp > 1 is
+    refused."""
+    tracking = [(name, module) for name, module in model.named_modules()
+                if isinstance(module, torch.nn.modules.batchnorm._NormBase)
+                and module.track_running_stats and module.training]
+    if not tracking:
+        return constraints
+    name, module = tracking[0]
+    if constraints.dp is not None and constraints.dp > 1:
+        raise PartcError(
+            f"{name} ({type(module).__name__}) updates its running statistics in forward: "
+            f"under dp={constraints.dp} each replica would update its own from its own data "
+            "and they would drift apart. Leave dp to the planner or pin dp=1, or normalise "
+            "without running statistics (track_running_stats=False, LayerNorm, GroupNorm)")
+    return dataclasses.replace(constraints, dp=1)
 
 
 def _measured_for(budget: DeviceBudget, devices: DeviceNumbers, constraints: Constraints,

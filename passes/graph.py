@@ -1,8 +1,10 @@
 """Graph queries several passes share: which values carry gradients, short op names,
-a layer's nodes, tensor inputs, parameter usage. Pure functions of a GraphModule and its
+a layer's nodes, tensor inputs, parameter usage, side effects. Pure functions of a GraphModule and its
 ``node.meta``; nothing here changes a graph."""
 
 from __future__ import annotations
+
+import operator
 
 import torch
 from torch import fx
@@ -68,6 +70,42 @@ def op_name(node: fx.Node) -> str:
     if isinstance(target, torch._ops.OpOverload):
         return target.overloadpacket.__name__
     return getattr(target, "__name__", str(target))
+
+def has_side_effects(node: fx.Node) -> bool:
+    """Whether ``node`` must run even when nothing reads its result: fx's own impure ops
+    (mutable ATen schemas, random ops, assertions) and what fx misses, a symbolic trace's
+    in-place ops (:func:`mutated_inputs`). Dead-code elimination keeps these, so a model
+    trains as in eager PyTorch."""
+    if node.op == "call_module":  # a stage's graph is checked before it has a module
+        return node.graph.owning_module is not None and node.is_impure()
+    return node.is_impure() or bool(mutated_inputs(node))
+
+
+_IN_PLACE_OPERATORS = (operator.setitem, operator.iadd, operator.isub, operator.imul,
+                       operator.itruediv)
+
+
+def mutated_inputs(node: fx.Node) -> list[fx.Node]:
+    """The inputs ``node`` writes to: an in-place Tensor method (``y.mul_(0.5)``) or
+    function (``torch.relu_``, ``F.relu(x, inplace=True)``), slice assignment
+    (``y[:, 0] = 0``), an ``out=`` argument, an ATen op whose schema writes an argument."""
+    if node.op not in ("call_method", "call_function"):
+        return []
+    target = node.target
+    if isinstance(target, torch._ops.OpOverload):
+        values = [node.kwargs.get(a.name, node.args[i] if i < len(node.args) else None)
+                  for i, a in enumerate(target._schema.arguments)
+                  if a.alias_info is not None and a.alias_info.is_write]
+        return [v for v in values if isinstance(v, fx.Node)]
+    name = target if node.op == "call_method" else getattr(target, "__name__", "")
+    first = node.args[0] if node.args else None
+    out = node.kwargs.get("out")
+    writes_first = (node.kwargs.get("inplace") is True or target in _IN_PLACE_OPERATORS
+                    or (isinstance(name, str) and name.endswith("_")
+                        and not name.startswith("_")))
+    found = ([first] if writes_first else []) + [out]
+    return [v for v in found if isinstance(v, fx.Node)]
+
 
 def layer_nodes(gm: fx.GraphModule, info: meta.LayerInfo) -> list[fx.Node]:
     by_name = {node.name: node for node in gm.graph.nodes}

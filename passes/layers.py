@@ -5,7 +5,10 @@ Sequential). A node's layer key comes from its module path: walk it from the roo
 the module is an ancestor of a repeated container; the key is the first module that is
 not, or ``container.<index>`` inside a container. GPT-2 gives ``transformer.wte``,
 ``transformer.wpe``, ``transformer.drop``, ``transformer.h.0`` … ``transformer.ln_f``,
-``lm_head``. Nodes without a key (root-level functions) join the layer in progress.
+``lm_head``. Nodes without a key (root-level functions) join the layer in progress, and
+so does an in-place op writing to a value that layer made (``nn.ReLU(inplace=True)`` as a
+child of a Sequential): an op may write only to its own layer's values, since stages are
+cut and layers recomputed at layer boundaries; the pass refuses any other in-place write.
 
 Layers are runs of consecutive nodes in graph order, so their sequence is a topological
 order of the layer DAG by construction; the pass still checks it with networkx.
@@ -21,9 +24,10 @@ import torch
 from torch import fx, nn
 
 from partc import meta
+from partc.errors import TraceError
 
 from .context import Context
-from .graph import carries_grad, op_name
+from .graph import carries_grad, mutated_inputs, op_name
 
 ROOT_LAYER = "root"
 OUTPUT_LAYER = "output"
@@ -60,6 +64,7 @@ def layers(gm: fx.GraphModule, ctx: Context) -> fx.GraphModule:
     infos = _name_layers(runs)
     _assign(gm, infos)
     _check_dag(gm, infos)
+    _check_writes(gm)
     meta.set_layers(gm, tuple(infos))
     meta.set_cut_bytes(gm, crossing_bytes(gm, len(infos)))
     meta.set_cut_tensors(gm, crossing_tensors(gm, len(infos)))
@@ -106,18 +111,23 @@ class _Run:
 def _module_runs(gm: fx.GraphModule, keyer: _LayerKeyer) -> list[_Run]:
     runs: list[_Run] = []
     pending: list[fx.Node] = []  # keyless nodes before the first keyed one
+    made_in: dict[fx.Node, _Run] = {}
     for node in gm.graph.nodes:
         if node.op in ("placeholder", "output", "get_attr"):
             continue  # placed after grouping: inputs first, parameters with their user
         is_loss = meta.role(node) == meta.ROLE_LOSS
         key = "loss" if is_loss else keyer.key(meta.module_path(node))
+        if runs and any(made_in.get(value) is runs[-1] for value in mutated_inputs(node)):
+            key = runs[-1].key  # an in-place op stays with the value it writes to
         if key is None:
             (runs[-1].nodes if runs else pending).append(node)
-            continue
-        if not runs or runs[-1].key != key:
-            runs.append(_Run(key, is_loss))
-        runs[-1].nodes.append(node)
-        runs[-1].keyed_until = len(runs[-1].nodes)
+        else:
+            if not runs or runs[-1].key != key:
+                runs.append(_Run(key, is_loss))
+            runs[-1].nodes.append(node)
+            runs[-1].keyed_until = len(runs[-1].nodes)
+        if runs:
+            made_in[node] = runs[-1]
     if not runs or runs[0].is_loss:
         runs.insert(0, _Run(None))
     runs[0].nodes[:0] = pending
@@ -255,6 +265,27 @@ def _check_dag(gm: fx.GraphModule, infos: list[meta.LayerInfo]) -> None:
     if backward:
         a, b = backward[0]
         raise AssertionError(f"layer {infos[a].name} feeds earlier layer {infos[b].name}")
+
+
+def _check_writes(gm: fx.GraphModule) -> None:
+    """Refuse an in-place write to a value another layer made (parameters and buffers
+    aside: their ``get_attr`` lives with its first user). A stage receives such a value as
+    a leaf of its own and a recomputed layer would write it twice: what runs would not
+    be what eager PyTorch runs."""
+    for node in gm.graph.nodes:
+        for value in mutated_inputs(node):
+            if value.op == "get_attr" or meta.layer(value).index == meta.layer(node).index:
+                continue
+            where = meta.module_path(node) or "the model's forward"
+            line = (node.meta.get("stack_trace") or "").strip().splitlines()[-2:]
+            raise TraceError(
+                f"{op_name(node)} ({node.format_node()}) in {where} writes in place to "
+                f"{value.name}, made in layer {meta.layer(value).name}, not its own "
+                f"({meta.layer(node).name})" + (f"; at {' '.join(line)}" if line else "")
+                + ". partc cuts stages and recomputes at layer boundaries and cannot keep "
+                "that write as eager PyTorch does: write it out of place (y = y * 0.5 for "
+                "y.mul_(0.5), nn.ReLU() for nn.ReLU(inplace=True)) or inside the module "
+                "that makes the value.")
 
 
 def crossing_users(gm: fx.GraphModule) -> list[tuple[fx.Node, int, set[int]]]:

@@ -24,7 +24,7 @@ from torch import fx
 from partc import meta
 from partc.errors import PlanMismatchError
 
-from .graph import carries_grad
+from .graph import carries_grad, has_side_effects
 
 
 @dataclass(frozen=True)
@@ -179,7 +179,9 @@ def _build(gm: fx.GraphModule, nodes: list[fx.Node], index: int, stage_of: Any,
             continue
         env[node] = graph.node_copy(node, lookup)
     graph.output(tuple(lookup(node) for node in sends))
-    graph.eliminate_dead_code()
+    # fx's own notion of impure misses a symbolic trace's in-place methods (``y.mul_``):
+    # deleting one whose result nobody reads would silently change the model.
+    graph.eliminate_dead_code(is_impure_node=has_side_effects)
     graph.lint()
     module = fx.GraphModule(gm, graph, class_name=f"Stage{index}")
     module.meta.update({key: gm.meta[key] for key in (meta.TRACE, meta.LAYERS)

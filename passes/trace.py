@@ -64,6 +64,7 @@ def trace(model: nn.Module, example_inputs: Any, *, kwargs: dict | None = None,
     gm, tracer = _capture(model, fake_args, fake_kwargs, name or type(model).__name__)
     if tracer == "export":
         out_spec = _normalize_export(gm)
+        _inline_constants(gm, model)
     else:
         out_spec = _flatten_output(gm)
     _order_nodes(gm)
@@ -176,6 +177,40 @@ def _normalize_export(gm: fx.GraphModule) -> pytree.TreeSpec:
     leaves = list(output.args[0])
     output.args = (leaves[0] if out_spec.is_leaf() else tuple(leaves),)
     return out_spec
+
+
+# Constants up to this many elements are written into the graph; larger ones are refused.
+_MAX_INLINED = 1024
+
+
+def _inline_constants(gm: fx.GraphModule, model: nn.Module) -> None:
+    """Write export's lifted constants into the graph as ``torch.tensor`` calls.
+
+    A tensor the forward makes from Python values (the 0 of ``y[:, 0] = 0``, a
+    ``torch.tensor(-inf)``) becomes an attribute ``lifted_tensor_<n>`` of the exported
+    module that the model does not have, so a stage built from the model could not find
+    it. Written as a call, it travels in the stage's code like any other op.
+    """
+    own = {name for name, _ in model.named_parameters(remove_duplicate=False)}
+    own |= {name for name, _ in model.named_buffers(remove_duplicate=False)}
+    for node in [n for n in gm.graph.nodes if n.op == "get_attr" and n.target not in own]:
+        owner, _, attr = str(node.target).rpartition(".")
+        value = getattr(gm.get_submodule(owner), attr)
+        if not isinstance(value, torch.Tensor) or isinstance(value, nn.Parameter):
+            continue  # a subgraph that export's higher-order ops call
+        if value.numel() > _MAX_INLINED:
+            raise TraceError(
+                f"{type(model).__name__}'s forward makes a constant tensor of "
+                f"{value.numel()} elements ({node.target}, shape {tuple(value.shape)}) that "
+                "torch.export lifted out of the model: register it as a buffer of its "
+                "module so that each stage holds it")
+        with gm.graph.inserting_before(node):
+            call = gm.graph.call_function(torch.tensor, (value.tolist(),),
+                                          {"dtype": value.dtype, "device": value.device})
+        call.meta = dict(node.meta)
+        node.replace_all_uses_with(call)
+        gm.graph.erase_node(node)
+        delattr(gm.get_submodule(owner), attr)
 
 
 def _flatten_output(gm: fx.GraphModule) -> pytree.TreeSpec:

@@ -38,6 +38,16 @@ def llama(n_layer: int = 2, hidden: int = 64, heads: int = 4, kv_heads: int = 2,
     return LlamaForCausalLM(config)
 
 
+def falcon(n_layer: int = 2, hidden: int = 64, heads: int = 4, vocab: int = 128):
+    """Falcon: its attention makes a constant tensor that torch.export lifts."""
+    from transformers import FalconConfig, FalconForCausalLM
+
+    config = FalconConfig(hidden_size=hidden, num_attention_heads=heads, vocab_size=vocab,
+                          num_hidden_layers=n_layer, use_cache=False,
+                          attn_implementation="eager")
+    return FalconForCausalLM(config)
+
+
 def llama3_8b_config():
     """Llama-3-8B's shapes: 32 layers, 4096 wide, 32 heads / 8 KV heads, vocab 128256."""
     from transformers import LlamaConfig
@@ -152,3 +162,64 @@ def causal_lm_loss(output, target: torch.Tensor) -> torch.Tensor:
     logits = output.logits
     return F.cross_entropy(logits.reshape(-1, logits.size(-1)), target.reshape(-1))
 
+
+
+class InPlaceScale(nn.Module):
+    """Each block scales its output in place and nothing reads the in-place op's result
+    (``y.mul_(0.5)``): dead-code elimination must keep it."""
+
+    def __init__(self, width: int = 8, depth: int = 3, d_out: int = 4) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Linear(width, width) for _ in range(depth))
+        self.head = nn.Linear(width, d_out)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            y = torch.sin(block(x))
+            y.mul_(0.5)
+            x = x + y
+        return self.head(x)
+
+
+def in_place_relu(width: int = 8) -> nn.Module:
+    """``nn.ReLU(inplace=True)`` as a child of its own: a layer that writes to the
+    previous layer's output."""
+    return nn.Sequential(nn.Linear(width, width), nn.ReLU(inplace=True),
+                         nn.Linear(width, width), nn.ReLU(inplace=True), nn.Linear(width, 4))
+
+
+class SliceZero(nn.Module):
+    """Slice assignment (``y[:, 0] = 0``) in each block, in a forward only torch.export
+    captures (it branches on a shape): export lifts the 0 as a constant tensor
+    attribute the model does not have."""
+
+    def __init__(self, width: int = 8, depth: int = 2, d_out: int = 4) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Linear(width, width) for _ in range(depth))
+        self.head = nn.Linear(width, d_out)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dim() != 2:
+            raise ValueError("x must be (batch, width)")
+        for block in self.blocks:
+            y = block(x)
+            y[:, 0] = 0
+            x = x + y
+        return self.head(x)
+
+
+class Normed(nn.Module):
+    """Blocks of a linear and a BatchNorm1d: a forward that writes buffers (the running
+    statistics)."""
+
+    def __init__(self, width: int = 8, depth: int = 2, d_out: int = 4) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(width, width),
+                                                  nn.BatchNorm1d(width))
+                                    for _ in range(depth))
+        self.head = nn.Linear(width, d_out)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = x + torch.tanh(block(x))
+        return self.head(x)

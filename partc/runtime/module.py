@@ -87,6 +87,23 @@ class _CountingStage(PipelineStage):
             self.watchdog.mark(f"schedule: backward, microbatch {bwd_chunk_id}")
         return super().backward_one_chunk(bwd_chunk_id, *args, **kwargs)
 
+    def _prepare_forward_infra(self, *args: Any, **kwargs: Any) -> Any:
+        # On its first step pipelining learns shapes by running the stage on made-up
+        # inputs: a forward that writes buffers (BatchNorm's running statistics) must
+        # see only the real microbatches, as on one device. The written buffers are
+        # replaced, not copied back into: the backward that pipelining then infers
+        # still needs them as they were saved.
+        before: dict[int, torch.Tensor] = {}  # one copy of a buffer two modules share
+        saved = [(owner, name, before.setdefault(id(buffer), buffer.detach().clone()))
+                 for owner in self.submod.modules()
+                 for name, buffer in owner._buffers.items() if buffer is not None]
+        try:
+            return super()._prepare_forward_infra(*args, **kwargs)
+        finally:
+            for owner, name, value in saved:
+                if not torch.equal(owner._buffers[name], value):
+                    owner._buffers[name] = value
+
     def perform_reduce_grad(self, grad_scale_factor: int) -> None:
         if self.grad_sync is not None:
             self.grad_sync.wait()  # before the schedule scales the gradients in place

@@ -1,5 +1,7 @@
+import pytest
 import torch
 
+import partc
 from partc import meta
 from partc.passes import analyze
 from partc.passes.layers import _LayerKeyer
@@ -66,3 +68,30 @@ def test_repeated_blocks_share_a_signature_and_layers_are_in_order():
     assert [info.index for info in layers] == list(range(len(layers)))
     indices = [meta.layer(n).index for n in gm.graph.nodes if n.op.startswith("call_")]
     assert indices == sorted(indices)
+
+
+def test_an_in_place_activation_joins_the_layer_it_writes_to():
+    gm, analysis = analyze(models.in_place_relu(), (torch.randn(2, 8),))
+    assert names(analysis) == ["0", "2", "4"]
+    relu = next(n for n in gm.graph.nodes if n.name == "relu")
+    assert meta.layer(relu) == meta.LayerRef(0, "0")
+
+
+class _WritesBack(torch.nn.Module):
+    """Writes in place, after another block, to the first block's output."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = torch.nn.ModuleList(torch.nn.Linear(8, 8) for _ in range(2))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.blocks[0](x)
+        a = self.blocks[1](h)
+        h.mul_(2)
+        return a + h
+
+
+def test_an_in_place_write_to_another_layers_value_is_refused():
+    with pytest.raises(partc.TraceError, match=r"mul_ .* writes in place to linear, made "
+                                               r"in layer blocks.0, not its own \(output\)"):
+        analyze(_WritesBack(), (torch.randn(2, 8),))

@@ -114,6 +114,15 @@ CASES: dict[str, Case] = {
     "skip-pp4-gpipe": Case(_skip, "floats", _mse, dict(pp=4, schedule="gpipe")),
     "gpt-pp2-dp2": Case(gpt.gpt_tiny, "tokens", gpt.loss_fn,
                         dict(pp=2, dp=2, schedule="1f1b", recompute=ALL_MODES)),
+    # Side effects (tests/runtime/test_side_effects.py): in-place ops nobody reads, under
+    # recompute too; export's lifted constant of a slice assignment.
+    "inplace-pp2-1f1b": Case(lambda: models.InPlaceScale(width=16, depth=4, d_out=16),
+                             "floats", _mse, dict(pp=2, schedule="1f1b", recompute="none")),
+    "inplace-pp2-gpipe-recompute": Case(
+        lambda: models.InPlaceScale(width=16, depth=4, d_out=16), "floats", _mse,
+        dict(pp=2, schedule="gpipe", recompute={"blocks.0": "full", "blocks.3": "selective"})),
+    "slice-pp2-1f1b": Case(lambda: models.SliceZero(width=16, depth=4, d_out=16), "floats",
+                           _mse, dict(pp=2, schedule="1f1b")),
 }
 
 # Tensor parallelism: the sharding that holds the fewest parameter bytes (the tiny models
