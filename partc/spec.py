@@ -189,7 +189,7 @@ class Constraints:
         for name in ("pp", "dp", "tp", "num_microbatches", "micro_batch_size"):
             if getattr(self, name) is not None:
                 _check_positive_int(f"Constraints.{name}", getattr(self, name), "None or ")
-        if self.sequence_parallel not in (None, True, False):
+        if not any(self.sequence_parallel is v for v in (None, True, False)):
             raise ValueError(f"Constraints.sequence_parallel must be None, True or False, "
                              f"got {self.sequence_parallel!r}")
         if self.tp_objective not in (None, "time", "memory"):
