@@ -11,8 +11,8 @@ import torch.nn.functional as F
 
 import partc
 from partc.plan import Plan
-from partc.problem import Pins
 from partc.planner import solve
+from partc.problem import Pins
 from partc.report import render
 from samples.gpt import gpt_small, gpt_tiny, loss_fn
 from tests import models
