@@ -170,6 +170,10 @@ class Constraints:
     ``sequence_parallel`` pins Megatron-style sequence parallelism on or off;
     ``tp_objective`` keeps only the per-layer shardings chosen for ``"time"`` (fastest)
     or ``"memory"`` (fewest parameter bytes, then fastest).
+
+    Pins that contradict each other whatever the model are a ValueError here; pins that
+    cannot hold for a model, budget and batch raise ``PlanInfeasibleError`` naming the
+    pin from ``partc.compile`` (:mod:`partc.planner.pins`).
     """
 
     pp: int | None = None
