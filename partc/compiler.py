@@ -68,6 +68,24 @@ def tensor_parallel_links(devices: DeviceNumbers, degrees: list[int]) -> list:
                  hbm_bandwidth=devices.hbm_bandwidth) for t in degrees]
 
 
+def pins_for(constraints: Constraints, train: TrainSpec,
+             layer_names: tuple[str, ...] | None = None) -> Pins:
+    """The pins as the planner reads them; without ``layer_names`` the recompute pins are
+    as given (a mode for every layer is then left out), for checks that need no model."""
+    micro_batch_size = constraints.micro_batch_size or (
+        train.micro_batch_size if isinstance(train.micro_batch_size, int) else None)
+    recompute = dict(constraints._recompute_map) if layer_names is None \
+        else constraints.recompute_for(layer_names)
+    return Pins(pp=constraints.effective_pp, dp=constraints.dp, tp=constraints.tp,
+                sequence_parallel=constraints.sequence_parallel,
+                tp_objective=constraints.tp_objective, stages=constraints.stages,
+                recompute=recompute, num_microbatches=constraints.num_microbatches,
+                micro_batch_size=micro_batch_size,
+                schedule=constraints.schedule or (
+                    None if train.schedule == "auto" else train.schedule),
+                zero_stage=constraints.zero_stage)
+
+
 def build_problem(analysis: ModelAnalysis, budget: DeviceBudget, train: TrainSpec,
                   constraints: Constraints, graph: Any = None,
                   options: PlannerOptions = PlannerOptions()) -> PlanningProblem:
@@ -105,24 +123,6 @@ def build_problem(analysis: ModelAnalysis, budget: DeviceBudget, train: TrainSpe
             measured_scale=dtype_bytes(train.dtype) / _measured_dtype_bytes(analysis)),
         pins=pins,
     )
-
-
-def pins_for(constraints: Constraints, train: TrainSpec,
-             layer_names: tuple[str, ...] | None = None) -> Pins:
-    """The pins as the planner reads them; without ``layer_names`` the recompute pins are
-    as given (a mode for every layer is then left out), for checks that need no model."""
-    micro_batch_size = constraints.micro_batch_size or (
-        train.micro_batch_size if isinstance(train.micro_batch_size, int) else None)
-    recompute = dict(constraints._recompute_map) if layer_names is None \
-        else constraints.recompute_for(layer_names)
-    return Pins(pp=constraints.effective_pp, dp=constraints.dp, tp=constraints.tp,
-                sequence_parallel=constraints.sequence_parallel,
-                tp_objective=constraints.tp_objective, stages=constraints.stages,
-                recompute=recompute, num_microbatches=constraints.num_microbatches,
-                micro_batch_size=micro_batch_size,
-                schedule=constraints.schedule or (
-                    None if train.schedule == "auto" else train.schedule),
-                zero_stage=constraints.zero_stage)
 
 
 def autocast_dtype(train: TrainSpec) -> torch.dtype | None:
