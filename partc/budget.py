@@ -228,14 +228,15 @@ def _check_latency(name: str, value) -> None:
                          f"more, got {value!r}")
 
 
-def _check_amount(name: str, value, parse, example: str) -> None:
-    """A size or rate: parses (finite, not negative) and is above zero."""
+def _check_amount(name: str, value, parse, example: str | None = None) -> float:
+    """A size or rate: parses (finite, not negative) and, given ``example``, is above 0."""
     try:
         amount = parse(value)
     except (TypeError, ValueError) as error:
         raise ValueError(f"DeviceBudget.{name}: {error}") from None
-    if amount <= 0:
+    if example is not None and amount <= 0:
         raise ValueError(f"DeviceBudget.{name} must be above 0 ({example}), got {value!r}")
+    return amount
 
 
 DEFAULT_DEVICE = "H100-80GB"
@@ -270,7 +271,9 @@ class DeviceBudget:
             _check_count("devices_per_node", self.devices_per_node)
         self._resolve_device()
         for size in self._memory_fields():
-            _check_amount("memory", size, parse_bytes, "a size like '80GiB' or '40GB'")
+            if _check_amount("memory", size, parse_bytes) <= 0:
+                raise ValueError(f"every device needs a positive memory size: "
+                                 f"DeviceBudget.memory got {size!r} (write e.g. '80GiB')")
         self._check_flops()
         # Every number resolves now, so a gap in a profile fails here and not in the planner.
         _check_fraction("flops_efficiency", self._pick("flops_efficiency"))
