@@ -15,6 +15,7 @@ preset the profile names (or ``device``). ``docs/calibrate.md`` describes the fi
 from __future__ import annotations
 
 import json
+import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -165,8 +166,10 @@ def _profile_from_dict(data: dict, where: str) -> DeviceProfile:
         value = budget[key]
         if value is None and optional:
             return None
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
-            raise ProfileError(f"{where}: budget.{key} must be a positive number, got {value!r}")
+        if isinstance(value, bool) or not isinstance(value, (int, float)) \
+                or not math.isfinite(value) or value <= 0:
+            raise ProfileError(f"{where}: budget.{key} must be a positive number (and "
+                               f"finite), got {value!r}")
         return float(value)
 
     def table(key: str) -> dict[str, float]:
@@ -174,8 +177,10 @@ def _profile_from_dict(data: dict, where: str) -> DeviceProfile:
         if not isinstance(value, dict) or not value:
             raise ProfileError(f"{where} has no budget.{key} table (dtype -> number)")
         for dtype, entry in value.items():
-            if isinstance(entry, bool) or not isinstance(entry, (int, float)) or entry <= 0:
-                raise ProfileError(f"{where}: budget.{key}.{dtype} must be a positive number")
+            if isinstance(entry, bool) or not isinstance(entry, (int, float)) \
+                    or not math.isfinite(entry) or entry <= 0:
+                raise ProfileError(f"{where}: budget.{key}.{dtype} must be a positive number "
+                                   f"(and finite), got {entry!r}")
         return {dtype: float(entry) for dtype, entry in value.items()}
 
     required = {key: number(key) for key in _REQUIRED_NUMBERS}
@@ -200,6 +205,39 @@ def _profile_from_dict(data: dict, where: str) -> DeviceProfile:
 
 
 # ---------------------------------------------------------------------------- the budget
+
+# Every check names the field, the value and what is allowed: a bad number fails here, not
+# as a ZeroDivisionError or an overflow deep in the cost model.
+
+
+def _check_count(name: str, value) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"DeviceBudget.{name} must be a positive int, got {value!r}")
+
+
+def _check_fraction(name: str, value) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) \
+            or not 0 < value <= 1:  # NaN fails the comparison
+        raise ValueError(f"DeviceBudget.{name} must be a number in (0, 1], got {value!r}")
+
+
+def _check_latency(name: str, value) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) \
+            or not math.isfinite(value) or value < 0:
+        raise ValueError(f"DeviceBudget.{name} must be a finite number of seconds, 0 or "
+                         f"more, got {value!r}")
+
+
+def _check_amount(name: str, value, parse, example: str | None = None) -> float:
+    """A size or rate: parses (finite, not negative) and, given ``example``, is above 0."""
+    try:
+        amount = parse(value)
+    except (TypeError, ValueError) as error:
+        raise ValueError(f"DeviceBudget.{name}: {error}") from None
+    if example is not None and amount <= 0:
+        raise ValueError(f"DeviceBudget.{name} must be above 0 ({example}), got {value!r}")
+    return amount
+
 
 DEFAULT_DEVICE = "H100-80GB"
 
@@ -228,20 +266,42 @@ class DeviceBudget:
     _profile: DeviceProfile | None = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        if not isinstance(self.num_devices, int) or self.num_devices < 1:
-            raise ValueError(f"num_devices must be a positive int, got {self.num_devices!r}")
+        _check_count("num_devices", self.num_devices)
+        if self.devices_per_node is not None:
+            _check_count("devices_per_node", self.devices_per_node)
         self._resolve_device()
-        per_device = self.memory_bytes  # parses and checks the memory field
-        if min(per_device) <= 0:
-            raise ValueError("every device needs a positive memory size")
-        if self.flops_efficiency is not None and not 0 < self.flops_efficiency <= 1:
-            raise ValueError(f"flops_efficiency must be in (0, 1], got {self.flops_efficiency}")
-        if self.devices_per_node is not None and self.devices_per_node < 1:
-            raise ValueError("devices_per_node must be positive")
+        for size in self._memory_fields():
+            if _check_amount("memory", size, parse_bytes) <= 0:
+                raise ValueError(f"every device needs a positive memory size: "
+                                 f"DeviceBudget.memory got {size!r} (write e.g. '80GiB')")
+        self._check_flops()
         # Every number resolves now, so a gap in a profile fails here and not in the planner.
-        for name in ("flops_efficiency", "hbm_bandwidth", "devices_per_node",
-                     "intra_node_bandwidth", "inter_node_bandwidth", "link_latency_s"):
-            self._pick(name)
+        _check_fraction("flops_efficiency", self._pick("flops_efficiency"))
+        _check_count("devices_per_node", self._pick("devices_per_node"))
+        for name in ("hbm_bandwidth", "intra_node_bandwidth", "inter_node_bandwidth"):
+            _check_amount(name, self._pick(name), parse_rate, "a rate like '900GB/s'")
+        _check_latency("link_latency_s", self._pick("link_latency_s"))
+        if self.intra_node_latency_s is not None:
+            _check_latency("intra_node_latency_s", self.intra_node_latency_s)
+
+    def _memory_fields(self) -> tuple:
+        if isinstance(self.memory, (list, tuple)):
+            if len(self.memory) != self.num_devices:
+                raise ValueError(f"DeviceBudget.memory: {len(self.memory)} memory sizes "
+                                 f"given for {self.num_devices} devices")
+            return tuple(self.memory)
+        return (self._pick("memory"),)
+
+    def _check_flops(self) -> None:
+        if self.peak_flops is None:
+            return
+        table = self.peak_flops if isinstance(self.peak_flops, dict) else {"": self.peak_flops}
+        for dtype, value in table.items():
+            name = f"peak_flops[{dtype!r}]" if dtype else "peak_flops"
+            if isinstance(value, bool) or not isinstance(value, (int, float)) \
+                    or not math.isfinite(value) or value <= 0:
+                raise ValueError(f"DeviceBudget.{name} must be a finite number of FLOP/s "
+                                 f"above 0, got {value!r}")
 
     def _resolve_device(self) -> None:
         profile = self.profile
@@ -261,15 +321,8 @@ class DeviceBudget:
 
     @property
     def memory_bytes(self) -> tuple[int, ...]:
-        if self.memory is None:
-            return (self._pick("memory"),) * self.num_devices
-        if isinstance(self.memory, (list, tuple)):
-            if len(self.memory) != self.num_devices:
-                raise ValueError(
-                    f"{len(self.memory)} memory sizes given for {self.num_devices} devices"
-                )
-            return tuple(parse_bytes(m) for m in self.memory)
-        return (parse_bytes(self.memory),) * self.num_devices
+        sizes = tuple(parse_bytes(m) for m in self._memory_fields())
+        return sizes if len(sizes) == self.num_devices else sizes * self.num_devices
 
     def peak_flops_for(self, dtype: torch.dtype) -> float:
         if isinstance(self.peak_flops, (int, float)):

@@ -27,6 +27,7 @@ from .collectives import Group
 from .errors import PartcError
 from .costs import TableCache
 from .planner import PlannerOptions, PlannerResult, divisors, solve
+from .planner.pins import check_pins
 from .plan import BudgetInfo, Plan, SolverStats
 from .problem import DeviceNumbers, ModelAnalysis, Pins, PlanningProblem, TrainNumbers
 from .program import Program
@@ -68,23 +69,38 @@ def tensor_parallel_links(devices: DeviceNumbers, degrees: list[int]) -> list:
                  hbm_bandwidth=devices.hbm_bandwidth) for t in degrees]
 
 
+def pins_for(constraints: Constraints, train: TrainSpec,
+             layer_names: tuple[str, ...] | None = None) -> Pins:
+    """The pins as the planner reads them; without ``layer_names`` the recompute pins are
+    as given (a mode for every layer is then left out), for checks that need no model."""
+    micro_batch_size = constraints.micro_batch_size or (
+        train.micro_batch_size if isinstance(train.micro_batch_size, int) else None)
+    recompute = dict(constraints._recompute_map) if layer_names is None \
+        else constraints.recompute_for(layer_names)
+    return Pins(pp=constraints.effective_pp, dp=constraints.dp, tp=constraints.tp,
+                sequence_parallel=constraints.sequence_parallel,
+                tp_objective=constraints.tp_objective, stages=constraints.stages,
+                recompute=recompute, num_microbatches=constraints.num_microbatches,
+                micro_batch_size=micro_batch_size,
+                schedule=constraints.schedule or (
+                    None if train.schedule == "auto" else train.schedule),
+                zero_stage=constraints.zero_stage)
+
+
 def build_problem(analysis: ModelAnalysis, budget: DeviceBudget, train: TrainSpec,
                   constraints: Constraints, graph: Any = None,
                   options: PlannerOptions = PlannerOptions()) -> PlanningProblem:
     """The planning problem; with ``graph`` (``analyze``'s), tensor-parallel variants are
     measured for each degree a node allows (or the pinned one), the sharding chooser
     running under ``options.sharding``."""
-    pinned_b = constraints.micro_batch_size or (
-        train.micro_batch_size if isinstance(train.micro_batch_size, int) else None)
-    sizes = (pinned_b,) if pinned_b else tuple(divisors(train.global_batch_size))
     names = tuple(layer.name for layer in analysis.layers)
-    schedule = constraints.schedule or (None if train.schedule == "auto" else train.schedule)
     devices = device_numbers(budget, train.dtype)
+    # Before measuring tensor parallelism: a pin that cannot hold fails at once.
+    check_pins(pins_for(constraints, train), devices, train.global_batch_size, names)
+    pins = pins_for(constraints, train, names)
+    sizes = (pins.micro_batch_size,) if pins.micro_batch_size \
+        else tuple(divisors(train.global_batch_size))
     degrees = tp_degrees(devices, constraints)
-    if constraints.tp is not None and constraints.tp > 1 and constraints.tp not in [
-            t for t in divisors(devices.devices_per_node) if devices.num_devices % t == 0]:
-        raise ValueError(f"tp={constraints.tp} must divide the {devices.devices_per_node} "
-                         f"devices of a node and the {devices.num_devices} devices")
     if graph is not None and degrees:
         from .passes.pipeline import tensor_parallel_options
 
@@ -97,13 +113,6 @@ def build_problem(analysis: ModelAnalysis, budget: DeviceBudget, train: TrainSpe
         log.info("tensor parallelism measured for tp in %s in %.2f s", degrees,
                  time.perf_counter() - start)
         analysis = dataclasses.replace(analysis, tensor_parallel=variants)
-    pins = Pins(pp=constraints.effective_pp, dp=constraints.dp, tp=constraints.tp,
-                sequence_parallel=constraints.sequence_parallel,
-                tp_objective=constraints.tp_objective, stages=constraints.stages,
-                recompute=constraints.recompute_for(names),
-                num_microbatches=constraints.num_microbatches,
-                micro_batch_size=pinned_b, schedule=schedule,
-                zero_stage=constraints.zero_stage)
     return PlanningProblem(
         model=analysis,
         devices=devices,
@@ -236,6 +245,7 @@ def compile(model: torch.nn.Module, example_inputs: tuple | torch.Tensor, *,
     constraints = _one_replica_for_running_stats(model, constraints or Constraints())
     options = options or PlannerOptions()
     devices = device_numbers(budget, train.dtype)
+    check_pins(pins_for(constraints, train), devices, train.global_batch_size)  # before tracing
     measured_for = _measured_for(budget, devices, constraints, train, options)
     key = model_key(model_hash(model), example_inputs, example_target, loss_fn, name,
                     measured_for) if cache is not None else None

@@ -12,12 +12,15 @@ class TraceError(PartcError):
 
 
 class PlanInfeasibleError(PartcError):
-    """No plan fits the budget; the message names stage, resource, need, limit and a fix."""
+    """No plan fits the budget; the message names stage, resource, need, limit and a fix.
+
+    With ``resource="pin"`` a pinned decision cannot hold; ``pin`` names it."""
 
     def __init__(self, message: str, *, stage: int | None = None, resource: str = "memory",
                  need_bytes: int | None = None, limit_bytes: int | None = None,
-                 suggestion: str = "") -> None:
+                 suggestion: str = "", pin: str | None = None) -> None:
         super().__init__(message)
+        self.pin = pin   # the pin that cannot hold (resource "pin"), e.g. "pp"
         self.stage = stage
         self.resource = resource
         self.need_bytes = need_bytes

@@ -5,6 +5,7 @@ Every decision is ``"auto"``/``None`` (the planner decides) or a pinned value.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
@@ -50,6 +51,19 @@ def dtype_named(name: str) -> torch.dtype:
     return dtype
 
 
+def _is_real(value: Any, *, minimum: float | None = None, above: float | None = None) -> bool:
+    """A finite int or float (not a bool) at least ``minimum`` or above ``above``."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) \
+            or not math.isfinite(value):
+        return False
+    return (minimum is None or value >= minimum) and (above is None or value > above)
+
+
+def _check_positive_int(name: str, value: Any, alternatives: str = "") -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be {alternatives}a positive int, got {value!r}")
+
+
 @dataclass(frozen=True, kw_only=True)
 class TrainSpec:
     """The training setup: batch, precision, optimizer, schedule, attention.
@@ -82,26 +96,23 @@ class TrainSpec:
     attention: str = "as_written"
 
     def __post_init__(self) -> None:
-        if not isinstance(self.global_batch_size, int) or self.global_batch_size < 1:
-            raise ValueError(f"global_batch_size must be a positive int, "
-                             f"got {self.global_batch_size!r}")
-        if self.micro_batch_size != "auto" and (
-                not isinstance(self.micro_batch_size, int) or self.micro_batch_size < 1):
-            raise ValueError(f"micro_batch_size must be 'auto' or a positive int, "
-                             f"got {self.micro_batch_size!r}")
-        if isinstance(self.micro_batch_size, int) and \
-                self.global_batch_size % self.micro_batch_size:
-            raise ValueError(f"micro_batch_size {self.micro_batch_size} does not divide "
-                             f"global_batch_size {self.global_batch_size}")
+        _check_positive_int("TrainSpec.global_batch_size", self.global_batch_size)
+        if self.micro_batch_size != "auto":
+            _check_positive_int("TrainSpec.micro_batch_size", self.micro_batch_size, "'auto' or ")
+            if self.global_batch_size % self.micro_batch_size:
+                raise ValueError(f"TrainSpec.micro_batch_size {self.micro_batch_size} does "
+                                 f"not divide global_batch_size {self.global_batch_size}")
         if self.dtype not in _FLOAT_DTYPES:
             raise ValueError(f"dtype must be one of {_FLOAT_DTYPES}, got {self.dtype}")
         if isinstance(self.optimizer, str) and self.optimizer not in OPTIMIZER_STATE_BYTES:
             raise ValueError(f"unknown optimizer {self.optimizer!r}; use one of "
                              f"{sorted(OPTIMIZER_STATE_BYTES)} or bytes of state per parameter")
-        if not isinstance(self.optimizer, str) and self.optimizer < 0:
-            raise ValueError("optimizer state bytes cannot be negative")
-        if self.max_grad_norm is not None and not self.max_grad_norm > 0:
-            raise ValueError(f"max_grad_norm must be positive, got {self.max_grad_norm!r}")
+        if not isinstance(self.optimizer, str) and not _is_real(self.optimizer, minimum=0):
+            raise ValueError(f"TrainSpec.optimizer must be a name or a finite number of bytes "
+                             f"of state per parameter (0 or more), got {self.optimizer!r}")
+        if self.max_grad_norm is not None and not _is_real(self.max_grad_norm, above=0):
+            raise ValueError(f"TrainSpec.max_grad_norm must be positive and finite (None: no "
+                             f"clipping), got {self.max_grad_norm!r}")
         if self.attention not in ATTENTION:
             raise ValueError(f"attention must be one of {ATTENTION}, got {self.attention!r}")
         if self.schedule not in ("auto", *SCHEDULES):
@@ -159,6 +170,10 @@ class Constraints:
     ``sequence_parallel`` pins Megatron-style sequence parallelism on or off;
     ``tp_objective`` keeps only the per-layer shardings chosen for ``"time"`` (fastest)
     or ``"memory"`` (fewest parameter bytes, then fastest).
+
+    Pins that contradict each other whatever the model are a ValueError here; pins that
+    cannot hold for a model, budget and batch raise ``PlanInfeasibleError`` naming the
+    pin from ``partc.compile`` (:mod:`partc.planner.pins`).
     """
 
     pp: int | None = None
@@ -176,20 +191,31 @@ class Constraints:
 
     def __post_init__(self) -> None:
         for name in ("pp", "dp", "tp", "num_microbatches", "micro_batch_size"):
-            value = getattr(self, name)
-            if value is not None and (not isinstance(value, int) or value < 1):
-                raise ValueError(f"Constraints.{name} must be a positive int, got {value!r}")
+            if getattr(self, name) is not None:
+                _check_positive_int(f"Constraints.{name}", getattr(self, name), "None or ")
+        if not any(self.sequence_parallel is v for v in (None, True, False)):
+            raise ValueError(f"Constraints.sequence_parallel must be None, True or False, "
+                             f"got {self.sequence_parallel!r}")
         if self.tp_objective not in (None, "time", "memory"):
             raise ValueError(f"tp_objective must be 'time' or 'memory', got {self.tp_objective!r}")
         if self.sequence_parallel and self.tp == 1:
             raise ValueError("sequence parallelism needs tensor parallelism: tp=1 was pinned")
-        if self.zero_stage is not None and self.zero_stage not in ZERO_STAGES:
+        if self.zero_stage is not None and (isinstance(self.zero_stage, bool)
+                                            or self.zero_stage not in ZERO_STAGES):
             raise ValueError(f"zero_stage must be 0 (plain data parallelism), 1 (optimizer "
                              f"state sharded over dp), 2 (gradients too) or 3 (parameters "
                              f"too), got {self.zero_stage!r}")
+        if self.zero_stage and self.dp == 1:
+            raise ValueError(f"zero_stage={self.zero_stage} shards over data-parallel "
+                             f"replicas, but dp=1 was pinned: pin zero_stage=0, or dp > 1")
         if self.schedule is not None and self.schedule not in SCHEDULES:
             raise ValueError(f"schedule must be one of {SCHEDULES}, got {self.schedule!r}")
         if self.stages is not None:
+            if isinstance(self.stages, str) or any(
+                    isinstance(s, str) or not all(isinstance(n, str) for n in s)
+                    for s in self.stages):
+                raise ValueError(f"Constraints.stages must be a list of stages, each a list "
+                                 f"of layer names, got {self.stages!r}")
             stages = tuple(tuple(s) for s in self.stages)
             if not stages or any(not s for s in stages):
                 raise ValueError("Constraints.stages needs at least one non-empty stage")

@@ -82,3 +82,86 @@ def test_float16_plans_but_the_runtime_asks_for_bfloat16():
         _compute_dtype(_Plan())
     _Plan.train = partc.TrainSpec(global_batch_size=8, dtype=torch.bfloat16)
     assert _compute_dtype(_Plan()) == torch.bfloat16
+
+
+NAN, INF = float("nan"), float("inf")
+budget, train, pins = partc.DeviceBudget, partc.TrainSpec, partc.Constraints
+
+# Bad input → the error and a fragment of its message (the field, and what is allowed).
+BAD_INPUTS = [
+    (lambda: budget(num_devices=True), "num_devices must be a positive int, got True"),
+    (lambda: budget(num_devices=2.0), "num_devices must be a positive int, got 2.0"),
+    (lambda: budget(num_devices=0), "num_devices must be a positive int, got 0"),
+    (lambda: budget(num_devices=1, memory=INF), "memory: a size must be finite, got inf"),
+    (lambda: budget(num_devices=1, memory=NAN), "memory: a size must be finite, got nan"),
+    (lambda: budget(num_devices=1, memory="infGiB"), "memory: cannot read 'infGiB'"),
+    (lambda: budget(num_devices=1, memory="1e400GB"), "memory: a size must be finite"),
+    (lambda: budget(num_devices=1, memory=0), "positive memory size: DeviceBudget.memory got 0"),
+    (lambda: budget(num_devices=1, memory=-1), "memory: a size cannot be negative"),
+    (lambda: budget(num_devices=1, memory="40G"), "'40G' is ambiguous: write '40GiB'"),
+    (lambda: budget(num_devices=1, memory="512M"), "write '512MiB' .* or '512MB'"),
+    (lambda: budget(num_devices=2, memory=["1GiB", "0GiB"]), "memory got '0GiB'"),
+    (lambda: budget(num_devices=1, peak_flops=0), "peak_flops must be a finite number"),
+    (lambda: budget(num_devices=1, peak_flops=-1e12), "peak_flops must be a finite number"),
+    (lambda: budget(num_devices=1, peak_flops={"float32": NAN}),
+     r"peak_flops\['float32'\] must be a finite number"),
+    (lambda: budget(num_devices=1, flops_efficiency=NAN), "flops_efficiency must be a number in"),
+    (lambda: budget(num_devices=1, flops_efficiency=1.5), r"flops_efficiency must be .*\(0, 1\]"),
+    (lambda: budget(num_devices=1, hbm_bandwidth=0), "hbm_bandwidth must be above 0"),
+    (lambda: budget(num_devices=1, intra_node_bandwidth=-5e9),
+     "intra_node_bandwidth: a size cannot be negative"),
+    (lambda: budget(num_devices=1, inter_node_bandwidth="0GB/s"),
+     "inter_node_bandwidth must be above 0"),
+    (lambda: budget(num_devices=1, inter_node_bandwidth="400Gb/s"), "'400Gb' reads as bits"),
+    (lambda: budget(num_devices=1, inter_node_bandwidth=INF), "a size must be finite"),
+    (lambda: budget(num_devices=1, link_latency_s=-1e-6), "link_latency_s must be a finite"),
+    (lambda: budget(num_devices=1, intra_node_latency_s=NAN), "intra_node_latency_s must be"),
+    (lambda: budget(num_devices=1, devices_per_node=0), "devices_per_node must be a positive int"),
+    (lambda: budget(num_devices=1, devices_per_node=True), "devices_per_node must be a positive"),
+    (lambda: train(global_batch_size=True), "global_batch_size must be a positive int"),
+    (lambda: train(global_batch_size=8, micro_batch_size=True), "micro_batch_size must be"),
+    (lambda: train(global_batch_size=8, optimizer=NAN), "optimizer must be a name or a finite"),
+    (lambda: train(global_batch_size=8, optimizer=INF), "optimizer must be a name or a finite"),
+    (lambda: train(global_batch_size=8, optimizer=-4.0), "optimizer must be a name or a finite"),
+    (lambda: train(global_batch_size=8, max_grad_norm=INF), "max_grad_norm must be positive"),
+    (lambda: train(global_batch_size=8, max_grad_norm=NAN), "max_grad_norm must be positive"),
+    (lambda: pins(pp=True), "Constraints.pp must be None or a positive int, got True"),
+    (lambda: pins(dp=0), "Constraints.dp must be None or a positive int, got 0"),
+    (lambda: pins(tp=2.0), "Constraints.tp must be None or a positive int"),
+    (lambda: pins(num_microbatches=-1), "num_microbatches must be None or a positive int"),
+    (lambda: pins(zero_stage=True), "zero_stage must be 0"),
+    (lambda: pins(zero_stage=2, dp=1), "zero_stage=2 shards over data-parallel replicas"),
+    (lambda: pins(sequence_parallel=1), "sequence_parallel must be None, True or False"),
+    (lambda: pins(stages=["a", "b"]), "stages must be a list of stages"),
+]
+
+
+@pytest.mark.parametrize("make, message", BAD_INPUTS,
+                         ids=[m.split(":")[0][:40] for _, m in BAD_INPUTS])
+def test_bad_inputs_are_refused_naming_the_field(make, message):
+    with pytest.raises(ValueError, match=message):
+        make()
+
+
+def test_memory_units_are_explicit():
+    assert parse_bytes("80GiB") == 80 * 2**30 and parse_bytes("80gib") == 80 * 2**30
+    assert parse_bytes("80GB") == 80 * 10**9 and parse_bytes("5kB") == 5000
+    assert parse_bytes("1024") == parse_bytes("1024B") == parse_bytes(1024.0) == 1024
+    assert partc.DeviceBudget(num_devices=1, inter_node_bandwidth="50GB/s"
+                              ).inter_node_bytes_per_s == 50e9
+
+
+def test_bad_profile_numbers_are_refused(tmp_path):
+    import json
+
+    from partc.budget import PROFILE_SCHEMA, PROFILE_VERSION, ProfileError
+
+    numbers = {"flops_efficiency": 0.5, "hbm_bandwidth": float("nan"), "devices_per_node": 1,
+               "intra_node_bandwidth": None, "inter_node_bandwidth": None,
+               "link_latency_s": None, "intra_node_latency_s": None, "memory": None,
+               "peak_flops": {"float32": 1e12}, "flops_efficiency_by_dtype": {"float32": 0.5}}
+    path = tmp_path / "profile.json"
+    path.write_text(json.dumps({"schema": PROFILE_SCHEMA, "schema_version": PROFILE_VERSION,
+                                "device": {"name": "x", "preset": "CPU"}, "budget": numbers}))
+    with pytest.raises(ProfileError, match="hbm_bandwidth must be a positive number .*nan"):
+        partc.DeviceBudget(num_devices=1, profile=path)

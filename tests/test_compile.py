@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -11,6 +12,7 @@ import torch.nn.functional as F
 import partc
 from partc.plan import Plan
 from partc.planner import solve
+from partc.problem import Pins
 from partc.report import render
 from samples.gpt import gpt_small, gpt_tiny, loss_fn
 from tests import models
@@ -196,3 +198,42 @@ def test_interleaved_schedule_is_planned_saved_and_refused_at_build(tmp_path):
     partc.validate_plan(program.problem, loaded)
     with pytest.raises(partc.PartcError, match="does not run"):
         program.build()
+
+
+_LAYERS = ["tok_emb", "pos_emb", "drop", "blocks.0", "blocks.1", "ln_f", "lm_head", "loss"]
+
+
+@pytest.mark.parametrize("devices, node, pins, pin, fragment", [
+    (16, 16, dict(pp=16), "pp", "pp=16 stages need at least 16 layers; the model has 8"),
+    (4, 4, dict(pp=3), "pp", "pp=3 does not divide the 4 devices"),
+    (4, 4, dict(pp=2, dp=1, tp=1), "pp x dp x tp", "= 2, not the 4 devices"),
+    (4, 4, dict(pp=2, dp=4), "pp x dp", "pp=2 x dp=4 does not divide the 4 devices"),
+    (8, 8, dict(dp=8), "dp", "dp=8 does not divide the global batch 4"),
+    (2, 2, dict(num_microbatches=3), "num_microbatches", "does not divide the global batch 4"),
+    (2, 2, dict(micro_batch_size=3), "micro_batch_size", "does not divide the global batch 4"),
+    (2, 2, dict(dp=2, micro_batch_size=4), "micro_batch_size",
+     "does not divide the 2 samples per replica"),
+    (2, 2, dict(stages=[["nope"], _LAYERS]), "stages", "unknown layers ['nope']"),
+    (2, 2, dict(stages=[_LAYERS[:3], _LAYERS[4:]]), "stages", "missing ['blocks.0']"),
+    (2, 2, dict(recompute={"nope": "full"}), "recompute", "unknown layers ['nope']"),
+    (4, 2, dict(tp=4), "tp", "tp=4 must divide the 2 devices of a node"),
+])
+def test_pins_that_cannot_hold_name_the_pin(devices, node, pins, pin, fragment):
+    budget = partc.DeviceBudget(num_devices=devices, device="CPU", devices_per_node=node)
+    with pytest.raises(partc.PlanInfeasibleError) as info:
+        partc.compile(gpt_tiny(n_layer=2), (torch.zeros(4, 16, dtype=torch.long),),
+                      loss_fn=loss_fn, budget=budget, constraints=partc.Constraints(**pins),
+                      train=partc.TrainSpec(global_batch_size=4), cache=None)
+    assert info.value.pin == pin and info.value.resource == "pin"
+    assert f"cannot hold the pin {pin}: " in str(info.value) and fragment in str(info.value)
+
+
+def test_the_planner_refuses_pins_of_a_problem_built_by_hand():
+    # Planning a PlanningProblem directly (no compile) takes the same checks.
+    program = partc.compile(gpt_tiny(n_layer=2), (torch.zeros(4, 16, dtype=torch.long),),
+                            loss_fn=loss_fn, budget=partc.DeviceBudget(num_devices=16,
+                                                                       device="CPU"),
+                            train=partc.TrainSpec(global_batch_size=4), cache=None)
+    problem = dataclasses.replace(program.problem, pins=Pins(pp=16))
+    with pytest.raises(partc.PlanInfeasibleError, match="pp=16 stages need at least 16"):
+        solve(problem)

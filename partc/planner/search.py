@@ -35,6 +35,7 @@ from ..problem import PlanningProblem
 from ..spec import AUTO_SCHEDULES, INTERLEAVED
 from .bounds import incumbent, lower_bound, starting_point
 from .meshes import mesh_results
+from .pins import check_pins
 from .results import Assignment, ConfigResult, PlannerResult
 from .stage_model import StageModel
 
@@ -121,15 +122,10 @@ def _chunk_counts(problem: PlanningProblem, schedule: str, pp: int, m: int) -> l
 
 
 def pinned_stages(problem: PlanningProblem) -> list[int] | None:
+    """The pinned stage of each layer (``check_pins`` has checked the names)."""
     stages = problem.pins.stages
     if stages is None:
         return None
-    names = [layer.name for layer in problem.layers]
-    flat = [name for stage in stages for name in stage]
-    if flat != names:
-        raise ValueError(
-            "Constraints.stages must list every layer once, in order; "
-            f"layers are {names}, pinned {flat}")
     return [s for s, stage in enumerate(stages) for _ in stage]
 
 
@@ -230,6 +226,8 @@ def solve(problem: PlanningProblem, options: PlannerOptions = PlannerOptions(),
     layers' numbers, not by the devices and training numbers they were computed with.
     """
     start = time.perf_counter()
+    check_pins(problem.pins, problem.devices, problem.train.global_batch_size,
+               tuple(layer.name for layer in problem.layers))
     pinned = pinned_stages(problem)
     configs = candidate_configs(problem)
     if not configs:

@@ -302,7 +302,16 @@ class DistributedModule:
         """``optimizer_class(self.parameters(), **defaults)`` as the plan holds its state:
         with ZeRO-1 (``plan.effective_zero_stage == 1``) each data-parallel rank keeps the
         state of 1/dp of the parameters, steps those and sends them to the other replicas
-        (``torch.distributed.optim.ZeroRedundancyOptimizer`` over the dp group)."""
+        (``torch.distributed.optim.ZeroRedundancyOptimizer`` over the dp group).
+
+        A stage may hold no parameters (the planner may put the loss alone on the last
+        stage when that is fastest). torch optimizers refuse an empty parameter list, so
+        such a rank gets ``optimizer_class`` over one empty placeholder parameter that
+        never has a gradient: ``step`` and ``zero_grad`` do nothing, and learning-rate
+        schedulers, ``state_dict`` and the README's loop work unchanged on every rank."""
+        if not any(True for _ in self.parameters()):
+            placeholder = nn.Parameter(torch.empty(0, device=self.topology.device))
+            return optimizer_class([placeholder], **defaults)
         if self.plan.effective_zero_stage == 1:
             # Imported here: torch.distributed.optim scripts its functional optimizers
             # on import, with deprecation warnings, which plain runs need not pay for.

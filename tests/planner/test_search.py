@@ -99,8 +99,9 @@ def test_pins_are_kept():
 def test_bad_stage_pin_is_an_error():
     layers = [layer("a"), layer("b")]
     prob = problem(layers, [0.0], devices(2, 10**9), pins=Pins(stages=(("b",), ("a",))))
-    with pytest.raises(ValueError, match="every layer once, in order"):
+    with pytest.raises(PlanInfeasibleError, match="every layer once, in order") as info:
         solve(prob)
+    assert info.value.pin == "stages"
 
 
 def test_infeasible_names_stage_need_limit_and_fix_quickly():

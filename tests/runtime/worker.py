@@ -171,6 +171,11 @@ CASES["llama-pp2-tp2-clip"] = Case(models.llama, "tokens", models.causal_lm_loss
                                         recompute="none"), clip=_CLIP)
 CASES["gpt-pp2-dp2-clip"] = Case(gpt.gpt_tiny, "tokens", gpt.loss_fn,
                                  dict(pp=2, dp=2, schedule="1f1b"), clip=_CLIP)
+# The loss alone on the last stage: a stage without parameters trains with the README's
+# loop (its optimizer steps nothing).
+CASES["gpt-pp2-loss-alone"] = Case(gpt.gpt_tiny, "tokens", gpt.loss_fn, dict(
+    pp=2, schedule="1f1b", stages=[["tok_emb", "pos_emb", "drop", "blocks.0", "blocks.1",
+                                    "ln_f", "lm_head"], ["loss"]]))
 # ZeRO-1: each dp rank holds and steps the optimizer state of half the parameters.
 CASES["gpt-dp2-zero1"] = Case(gpt.gpt_tiny, "tokens", gpt.loss_fn,
                               dict(pp=1, dp=2, zero_stage=1))

@@ -1,0 +1,87 @@
+"""Pins that cannot hold, refused before any search: a PlanInfeasibleError naming the pin.
+
+The search (:func:`~.search.candidate_configs`) would find no configuration for most of
+these, and say so only in general terms; a pipeline degree above the layer count would
+reach CP-SAT as an invalid model. Each check here names the pin, its value and the
+number it contradicts. Checks on the devices and the batch need no model, so
+``partc.compile`` runs them before tracing (``layer_names=None``); the checks on layer
+names run once the model's layers are known.
+
+Pins that contradict each other whatever the model (``pp`` and the number of pinned
+``stages``; ZeRO with ``dp=1``) are refused earlier still, by ``Constraints`` itself.
+"""
+
+from __future__ import annotations
+
+from ..errors import PlanInfeasibleError
+from ..problem import DeviceNumbers, Pins
+
+
+def _refuse(pin: str, message: str) -> PlanInfeasibleError:
+    return PlanInfeasibleError(f"cannot hold the pin {pin}: {message}", resource="pin",
+                               pin=pin, suggestion=f"change or drop the {pin} pin")
+
+
+def check_pins(pins: Pins, devices: DeviceNumbers, global_batch_size: int,
+               layer_names: tuple[str, ...] | None = None) -> None:
+    """Raise PlanInfeasibleError for the first pin that no plan can satisfy."""
+    _check_mesh(pins, devices)
+    _check_batch(pins, global_batch_size)
+    if layer_names is not None:
+        _check_layers(pins, layer_names)
+
+
+def _check_mesh(pins: Pins, devices: DeviceNumbers) -> None:
+    n, node = devices.num_devices, devices.devices_per_node
+    if pins.tp is not None and pins.tp > 1 and (node % pins.tp or n % pins.tp):
+        raise _refuse("tp", f"tp={pins.tp} must divide the {node} devices of a node and "
+                            f"the {n} devices (a tensor-parallel group stays inside a node)")
+    tp = pins.tp or 1
+    for name in ("pp", "dp"):
+        value = getattr(pins, name)
+        if value is not None and (n // tp) % value:
+            within = f"the {n} devices" + (f" / tp={tp}" if tp > 1 else "")
+            raise _refuse(name, f"{name}={value} does not divide {within}")
+    if pins.pp is not None and pins.dp is not None and pins.tp is not None \
+            and pins.pp * pins.dp * pins.tp != n:
+        raise _refuse("pp x dp x tp", f"pp={pins.pp} x dp={pins.dp} x tp={pins.tp} = "
+                                      f"{pins.pp * pins.dp * pins.tp}, not the {n} devices")
+    if pins.pp is not None and pins.dp is not None and n % (pins.pp * pins.dp):
+        raise _refuse("pp x dp", f"pp={pins.pp} x dp={pins.dp} does not divide the {n} devices")
+
+
+def _check_batch(pins: Pins, batch: int) -> None:
+    where = f"global batch {batch}"
+    if pins.dp is not None:
+        if batch % pins.dp:
+            raise _refuse("dp", f"dp={pins.dp} does not divide the {where}")
+        batch //= pins.dp
+        where = f"{batch} samples per replica (global batch / dp={pins.dp})"
+    for name in ("num_microbatches", "micro_batch_size"):
+        value = getattr(pins, name)
+        if value is not None and batch % value:
+            raise _refuse(name, f"{name}={value} does not divide the {where}")
+    if pins.num_microbatches is not None and pins.micro_batch_size is not None \
+            and batch % (pins.num_microbatches * pins.micro_batch_size):
+        raise _refuse("num_microbatches x micro_batch_size",
+                      f"{pins.num_microbatches} microbatches x {pins.micro_batch_size} "
+                      f"samples do not divide the {where}")
+
+
+def _check_layers(pins: Pins, names: tuple[str, ...]) -> None:
+    if pins.pp is not None and pins.pp > len(names):
+        raise _refuse("pp", f"pp={pins.pp} stages need at least {pins.pp} layers; the model "
+                            f"has {len(names)}: {list(names)}")
+    unknown = sorted(set(pins.recompute) - set(names))
+    if unknown:
+        raise _refuse("recompute", f"recompute names unknown layers {unknown}; layers are "
+                                   f"{list(names)}")
+    if pins.stages is not None:
+        flat = [name for stage in pins.stages for name in stage]
+        if flat != list(names):
+            unknown = sorted(set(flat) - set(names))
+            missing = [name for name in names if name not in flat]
+            detail = (f"unknown layers {unknown}; " if unknown else "") + \
+                (f"missing {missing}; " if missing else "")
+            raise _refuse("stages", f"Constraints.stages must list every layer once, in "
+                                    f"order: {detail}layers are {list(names)}, pinned {flat}")
