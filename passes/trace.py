@@ -12,6 +12,8 @@ traced into, so any Python loss works as long as it runs on fake tensors.
 
 from __future__ import annotations
 
+import inspect
+import operator
 import os
 import traceback
 from typing import Any, Callable
@@ -116,7 +118,9 @@ def _capture(model: nn.Module, args: tuple, kwargs: dict,
     fx_error: BaseException = TypeError("symbolic_trace takes no keyword inputs")
     if not kwargs:
         try:
-            graph = _FunctionalTracer().trace(model)
+            defaults = _defaults_not_given(model, args)
+            graph = _FunctionalTracer().trace(model, concrete_args=defaults or None)
+            _drop_specialized(graph, defaults)
             return fx.GraphModule(model, graph, class_name=type(model).__name__), \
                 "symbolic_trace"
         except Exception as error:  # any failure sends the model to the second tracer
@@ -126,6 +130,39 @@ def _capture(model: nn.Module, args: tuple, kwargs: dict,
         return exported.module(), "export"
     except Exception as export_error:
         raise TraceError(_trace_error_message(name, fx_error, export_error)) from export_error
+
+
+def _defaults_not_given(model: nn.Module, args: tuple) -> dict[str, Any]:
+    """The forward's parameters after the given positional inputs that have defaults
+    (``mask=None``): traced as those constants, as the model runs when they are not
+    passed. Left as inputs, they would precede the loss's target without a default."""
+    try:
+        parameters = list(inspect.signature(model.forward).parameters.values())
+    except (TypeError, ValueError):
+        return {}
+    kinds = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    return {p.name: p.default for p in parameters[len(args):]
+            if p.kind in kinds and p.default is not inspect.Parameter.empty}
+
+
+def _drop_specialized(graph: fx.Graph, defaults: dict[str, Any]) -> None:
+    """Remove the placeholders fx keeps for ``defaults`` (``concrete_args``) with their
+    checks; a remaining use reads the constant itself."""
+    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+    for node in placeholders[len(placeholders) - len(defaults):]:
+        value = node.args[0] if node.args else None
+        for user in list(node.users):
+            if getattr(user.target, "__name__", "").startswith("_assert_is_none"):
+                graph.erase_node(user)
+            elif user.target is operator.eq and all(
+                    check.target is torch._assert for check in user.users):
+                for check in list(user.users):  # fx's check of a specialised value
+                    graph.erase_node(check)
+                graph.erase_node(user)
+            else:
+                user.args = fx.node.map_arg(user.args, lambda a: value if a is node else a)
+                user.kwargs = fx.node.map_arg(user.kwargs, lambda a: value if a is node else a)
+        graph.erase_node(node)
 
 
 def _trace_error_message(name: str, fx_error: BaseException,

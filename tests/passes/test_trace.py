@@ -95,3 +95,33 @@ def test_trace_error_names_both_tracers_the_construct_and_a_fix():
     assert "symbolic_trace" in message and "torch.export" in message
     assert "models.py" in message and "if x.sum() > 0" in message
     assert "What you can do" in message and "use_cache=False" in message
+
+
+class _OptionalInputs(torch.nn.Module):
+    """A forward with optional parameters the example inputs leave out."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = torch.nn.Linear(8, 8)
+        self.b = torch.nn.Linear(8, 8)
+
+    def forward(self, x, mask=None, scale: float = 2.0, *, shift=1):
+        y = self.a(x)
+        if mask is not None:
+            y = y * mask
+        return self.b(torch.relu(y * scale + shift))
+
+
+def test_parameters_left_to_their_defaults_are_traced_as_constants():
+    """``forward(self, x, mask=None)`` with a loss: the defaults are not inputs (left as
+    inputs they came before the target without a default, and the generated code was a
+    SyntaxError), and fx's checks of the specialised values are gone."""
+    def loss_fn(out, target):
+        return ((out - target) ** 2).mean()
+
+    model = _OptionalInputs()
+    x, y = torch.randn(4, 8), torch.randn(4, 8)
+    gm, _ = trace(model, (x,), loss_fn=loss_fn, example_target=y)
+    assert [n.name for n in gm.graph.nodes if n.op == "placeholder"] == ["x", "target"]
+    assert "_assert" not in gm.code and "specialized" not in gm.code
+    torch.testing.assert_close(gm(x, y), loss_fn(model(x), y), rtol=0, atol=0)
