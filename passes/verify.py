@@ -12,6 +12,8 @@ from torch import fx
 
 from partc import meta
 
+from .portable import is_assertion
+
 NodeCheck = Callable[[fx.Node], str]
 
 
@@ -80,9 +82,7 @@ def computes_in_a_layer(node: fx.Node) -> str:
 
 
 def no_assertion(node: fx.Node) -> str:
-    target = node.target
-    if node.op == "call_function" and not node.users and \
-            getattr(target, "__name__", "").startswith("_assert_"):
+    if is_assertion(node) and not node.users:
         return "an export assertion is left"
     return ""
 

@@ -53,7 +53,7 @@ from partc.plan import InputSpec, Plan
 from . import tp as tp_ops
 from .recompute import checkpoint_layer
 from .parameters import (aliases_of, dp_shard, local_part, own_parameters,
-                         placement_of, shard_plan)
+                         shard_plan)
 from .stage import StageProgram
 from .topology import Topology, init
 from .watchdog import IDLE, Watchdog
@@ -290,7 +290,7 @@ class DistributedModule:
                 local_part(tensor).copy_(source)
 
     def _placement(self, name: str) -> Placement:
-        return placement_of(self.plan, self._aliases.get(name, (name,)))
+        return self.plan.placement(self._aliases.get(name, (name,)))
 
     def _entry(self, state_dict: Mapping[str, torch.Tensor], name: str) -> torch.Tensor | None:
         """``state_dict``'s tensor for ``name`` under any of its FQNs, or None."""

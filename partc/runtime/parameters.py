@@ -11,7 +11,6 @@ from torch.distributed.tensor import DTensor
 
 from partc.errors import PartcError
 from partc.identity import param_fqns
-from partc.placement import Placement
 from partc.plan import Plan
 
 from . import tp as tp_ops
@@ -33,17 +32,12 @@ def dp_shard(tensor: torch.Tensor, dp: int, dp_rank: int) -> torch.Tensor:
 def shard_plan(plan: Plan, topology: Topology) -> Callable[[str, torch.Tensor], torch.Tensor]:
     """This rank's shard of a whole tensor named ``fqn``, as the plan places it."""
     def shard(names: tuple[str, ...], tensor: torch.Tensor) -> torch.Tensor:
-        placement = placement_of(plan, names)
+        placement = plan.placement(names)
         if placement.kind != "S":
             return tensor
         return tp_ops.shard_of(tensor, placement.dim, placement.chunks, topology.tp_rank,
                                topology.tp)
     return shard
-
-
-def placement_of(plan: Plan, names: tuple[str, ...]) -> Placement:
-    """How the plan places a parameter known under ``names`` (all its FQNs)."""
-    return plan.placement(names)
 
 
 def own_parameters(module: fx.GraphModule, model: nn.Module,
