@@ -34,7 +34,7 @@ import partc  # noqa: E402
 from partc.passes.fuse_attention import count_fused  # noqa: E402
 from partc.runtime import tp as tp_ops  # noqa: E402
 from samples import gpt  # noqa: E402
-from tests import models  # noqa: E402
+from tests import hf_families, models  # noqa: E402
 
 BATCH, SEQ, STEPS = 8, 16, 3
 
@@ -235,10 +235,27 @@ CASES["gpt2-pp2-tp2-recompute"] = Case(_gpt2, "tokens", models.causal_lm_loss,
                                        dict(pp=2, schedule="1f1b", recompute=GPT2_MODES,
                                             **_TP_RECOMPUTE))
 
+# Hugging Face families from tiny configs (tests/hf_families.py), as users bring them:
+# benchmarks/hf_coverage.py runs every one; the suite runs a few.
+for _family, _spec in hf_families.FAMILIES.items():
+    _hf = (_spec.build, f"hf:{_spec.data}", hf_families.loss_for(_spec.data))
+    CASES[f"hf-{_family}-pp2"] = Case(*_hf, dict(pp=2, schedule="1f1b", recompute="none"))
+    CASES[f"hf-{_family}-tp2"] = Case(*_hf, dict(pp=1, tp=2, tp_objective="memory",
+                                                 recompute="none"))
+
 
 def batch(case: Case, model: torch.nn.Module, step: int,
-          seq: int = SEQ) -> tuple[torch.Tensor, torch.Tensor]:
+          seq: int = SEQ) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
+    """Step ``step``'s batch: (the model's inputs, the loss's target)."""
     g = torch.Generator().manual_seed(1000 + step)
+    if case.data.startswith("hf:"):
+        return hf_families.batch(case.data[3:], model, BATCH, seq, g)
+    x, y = _one_input_batch(case, model, g, seq)
+    return (x,), y
+
+
+def _one_input_batch(case: Case, model: torch.nn.Module, g: torch.Generator,
+                     seq: int) -> tuple[torch.Tensor, torch.Tensor]:
     if case.data in ("tokens", "hidden"):
         vocab = _tokens(model)
         tokens = torch.randint(0, vocab, (BATCH, seq + 1), generator=g)
@@ -264,7 +281,7 @@ def compile_case(case: Case, model: torch.nn.Module, world: int) -> partc.Progra
     constraints = dict(case.constraints)
     constraints.setdefault("dp", world // (constraints["pp"] * constraints.get("tp", 1)))
     constraints.setdefault("num_microbatches", 4 // constraints["dp"])
-    return partc.compile(model, (x,), loss_fn=case.loss_fn, example_target=y,
+    return partc.compile(model, x, loss_fn=case.loss_fn, example_target=y,
                          budget=partc.DeviceBudget(num_devices=world, device="CPU"),
                          train=partc.TrainSpec(global_batch_size=BATCH, optimizer="sgd",
                                                max_grad_norm=case.clip, dtype=case.dtype,
@@ -323,17 +340,18 @@ def train_case(built: Built) -> dict[str, Any]:
         if step == 1:
             module.tp.counts.clear()  # the first step also runs the schedule's shape inference
         state = torch.get_rng_state()
-        losses.append(module.forward_backward(x, target=y).item())
+        losses.append(module.forward_backward(*x, target=y).item())
         messages.append(dict(module.last_messages))
         opt.step()
         opt.zero_grad()
         if case.reference == "microbatches":
             torch.set_rng_state(state)
             m = program.plan.num_microbatches
-            ref_loss = sum(_backward(case.loss_fn(reference(xi), yi) / m)
-                           for xi, yi in zip(x.chunk(m), y.chunk(m)))
+            pieces = zip(*(t.chunk(m) for t in x), y.chunk(m))
+            ref_loss = sum(_backward(case.loss_fn(reference(*p[:-1]), p[-1]) / m)
+                           for p in pieces)
         else:
-            ref_loss = _backward(case.loss_fn(reference(x), y))
+            ref_loss = _backward(case.loss_fn(reference(*x), y))
         if case.clip is not None:
             ref_norms.append(torch.nn.utils.clip_grad_norm_(reference.parameters(),
                                                             case.clip).item())
@@ -464,18 +482,18 @@ def run_mismatch_cases() -> dict[str, Any]:
     for label, seq in (("shorter-sequence", SEQ // 2),):
         x, y = batch(case, model, 0, seq=seq)
         try:
-            module.forward_backward(x, target=y)
+            module.forward_backward(*x, target=y)
             results[label] = "no error"
         except partc.PlanMismatchError as error:
             results[label] = str(error)
     x, y = batch(case, model, 0)
     try:
-        module.forward_backward(x[:4], target=y[:4])
+        module.forward_backward(x[0][:4], target=y[:4])
         results["smaller-batch"] = "no error"
     except partc.PlanMismatchError as error:
         results["smaller-batch"] = str(error)
     # After the refused batches the program still trains on the planned shapes.
-    results["loss-after"] = module.forward_backward(x, target=y).item()
+    results["loss-after"] = module.forward_backward(*x, target=y).item()
     return results
 
 

@@ -1,0 +1,156 @@
+"""Which Hugging Face model families partc traces, plans and trains like one process.
+
+For every family of ``tests/hf_families.py`` (tiny configs of the installed transformers):
+
+- trace: torch.fx / torch.export of the model and its loss, one process;
+- plan pp2 / plan tp2: ``partc.compile`` pinned to two pipeline stages / a
+  tensor-parallel pair on a 2-process CPU budget;
+- parity pp2 / parity tp2: that program trained 3 SGD steps under ``torchrun`` with
+  gloo on 2 processes, against the model trained on one process: every loss and every
+  parameter within 1e-5 relative (against the parameter's norm, floored at 1e-3).
+
+A failed cell shows the first line of its error. Prints a Markdown table and how many
+families pass each column; ``--readme`` also writes the table into README.md between
+its coverage markers.
+
+    python benchmarks/hf_coverage.py [--families llama,opt] [--readme]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+import warnings
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+
+from tests import hf_families  # noqa: E402
+from tests.runtime import worker  # noqa: E402
+
+COLUMNS = ["trace", "plan pp2", "plan tp2", "parity pp2", "parity tp2"]
+RTOL = 1e-5
+MARKERS = ("<!-- hf-coverage:start -->", "<!-- hf-coverage:end -->")
+
+
+def first_line(error: str) -> str:
+    line = next((s for s in str(error).splitlines() if s.strip()), str(error))
+    return line.strip()[:160]
+
+
+def one_process(family: str) -> dict[str, str]:
+    """trace / plan pp2 / plan tp2 in this process: "ok" or the first line of the error."""
+    from partc.passes.trace import trace
+
+    cells: dict[str, str] = {}
+    spec = hf_families.FAMILIES[family]
+    torch.manual_seed(0)
+    model = spec.build()
+    case = worker.CASES[f"hf-{family}-pp2"]
+    inputs, _ = worker.batch(case, model, 0)
+    try:
+        trace(model, inputs)
+        cells["trace"] = "ok"
+    except Exception as error:  # recorded in the table
+        cells["trace"] = f"{type(error).__name__}: {first_line(error)}"
+    for mode in ("pp2", "tp2"):
+        try:
+            worker.compile_case(worker.CASES[f"hf-{family}-{mode}"], model, 2)
+            cells[f"plan {mode}"] = "ok"
+        except Exception as error:
+            cells[f"plan {mode}"] = f"{type(error).__name__}: {first_line(error)}"
+    return cells
+
+
+def parity(family: str, out: Path) -> dict[str, str]:
+    """Train the family's pp2 and tp2 cases under torchrun on 2 processes."""
+    cases = [f"hf-{family}-pp2", f"hf-{family}-tp2"]
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+               "--nproc-per-node=2", str(ROOT / "tests/runtime/worker.py"), str(out), *cases]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PARTC_WATCHDOG_S": "120"}
+    try:
+        done = subprocess.run(command, capture_output=True, text=True, timeout=900, env=env)
+    except subprocess.TimeoutExpired:
+        return {f"parity {c[-3:]}": "timed out after 900 s" for c in cases}
+    files = [out / f"rank{r}.json" for r in range(2)]
+    if done.returncode != 0 or not all(f.exists() for f in files):
+        tail = first_line(done.stderr.strip().splitlines()[-1] if done.stderr.strip() else "")
+        return {f"parity {c[-3:]}": f"torchrun exited {done.returncode}: {tail}" for c in cases}
+    ranks = [json.loads(f.read_text()) for f in files]
+    return {f"parity {case[-3:]}": verdict([r[case] for r in ranks]) for case in cases}
+
+
+def verdict(results: list[dict]) -> str:
+    """"ok" when every rank trained like one process, else what differed first."""
+    for rank, result in enumerate(results):
+        if "error" in result:
+            return first_line(result["error"])
+        for step, (ours, ref) in enumerate(zip(result["losses"], result["ref_losses"])):
+            if abs(ours - ref) > RTOL * abs(ref):
+                return f"loss of step {step}: {ours:.7g} vs {ref:.7g} (rank {rank})"
+        worst = max(result["param_errors"].items(), key=lambda kv: kv[1], default=("", 0.0))
+        if worst[1] >= RTOL:
+            return f"parameter {worst[0]} off by {worst[1]:.1e} relative (rank {rank})"
+    return "ok"
+
+
+def table(rows: dict[str, dict[str, str]]) -> str:
+    lines = ["| family | " + " | ".join(COLUMNS) + " |", "|---" * (len(COLUMNS) + 1) + "|"]
+    for family, cells in rows.items():
+        shown = ["✓" if cells.get(c) == "ok" else f"✗ {cells.get(c, 'not run')}"
+                 .replace("|", "\\|") for c in COLUMNS]
+        lines.append(f"| {family} | " + " | ".join(shown) + " |")
+    passing = [sum(cells.get(c) == "ok" for cells in rows.values()) for c in COLUMNS]
+    lines.append(f"| **{len(rows)} families** | "
+                 + " | ".join(f"**{n}**" for n in passing) + " |")
+    return "\n".join(lines)
+
+
+def write_readme(text: str) -> None:
+    readme = ROOT / "README.md"
+    start, end = MARKERS
+    body = readme.read_text()
+    if start not in body:
+        raise SystemExit(f"README.md has no {start} marker")
+    pattern = re.compile(re.escape(start) + ".*?" + re.escape(end), re.S)
+    readme.write_text(pattern.sub(lambda _: f"{start}\n{text}\n{end}", body))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--families", help="comma-separated (default: all)")
+    parser.add_argument("--readme", action="store_true", help="write the table into README.md")
+    args = parser.parse_args()
+    families = args.families.split(",") if args.families else list(hf_families.FAMILIES)
+    unknown = sorted(set(families) - set(hf_families.FAMILIES))
+    if unknown:
+        raise SystemExit(f"unknown families {unknown}; known: {sorted(hf_families.FAMILIES)}")
+    warnings.filterwarnings("ignore")
+    rows: dict[str, dict[str, str]] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for family in families:
+            began = time.perf_counter()
+            cells = one_process(family)
+            cells.update(parity(family, Path(tmp) / family))
+            rows[family] = cells
+            print(f"{family}: {time.perf_counter() - began:.0f} s  "
+                  + "  ".join(f"{c}={'ok' if cells[c] == 'ok' else 'FAIL'}" for c in COLUMNS),
+                  flush=True)
+    text = table(rows)
+    print()
+    print(text)
+    if args.readme:
+        write_readme(text)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,200 @@
+"""Hugging Face model families from tiny configs, as a user would bring them.
+
+Every family builds with the attention its config picks by default (``sdpa`` where the
+family has it), no KV cache, and every dropout off: parity with one process cuts the
+batch into microbatches, which draw other dropout masks. Each family says what its
+inputs and loss are:
+
+- ``tokens``: a causal LM, ``model(ids).logits`` against the next tokens;
+- ``hidden``: an encoder, ``model(ids).last_hidden_state`` against a float target;
+- ``pixels``: a vision encoder, ``model(images).last_hidden_state`` likewise;
+- ``seq2seq``: an encoder-decoder, ``model(ids, decoder_ids).logits`` against tokens;
+- ``audio``: a speech encoder-decoder, ``model(features, decoder_ids).logits`` likewise.
+
+``benchmarks/hf_coverage.py`` compiles and trains every family under pp=2 and tp=2;
+``tests/runtime/worker.py`` registers them as cases ``hf-<family>-pp2`` / ``-tp2``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+HIDDEN, HEADS, KV_HEADS, LAYERS, VOCAB, POSITIONS = 64, 4, 2, 2, 128, 64
+# Every key of a config that names a dropout probability.
+_DROPOUT_WORDS = ("dropout", "pdrop")
+
+
+@dataclass(frozen=True)
+class Family:
+    """How to build one family's model and what it trains on."""
+    config: str        # the transformers config class
+    model: str         # the transformers model class
+    data: str          # tokens | hidden | pixels | seq2seq | audio
+    fields: dict[str, Any]
+
+    def build(self) -> nn.Module:
+        import transformers
+
+        config = getattr(transformers, self.config)(**self.fields)
+        for key, value in config.to_dict().items():
+            if any(word in key for word in _DROPOUT_WORDS) and isinstance(value, float):
+                setattr(config, key, 0.0)
+        model = getattr(transformers, self.model)(config)
+        if self.data in ("seq2seq", "audio"):
+            return DecoderLogits(model)
+        return model
+
+
+class DecoderLogits(nn.Module):
+    """An encoder-decoder called with its encoder input and the decoder's tokens by
+    position (its own forward takes them as keywords far apart)."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+        self.config = model.config
+        self.encoder_input = ("input_features" if model.main_input_name == "input_features"
+                              else "input_ids")
+
+    def forward(self, inputs: torch.Tensor, decoder_ids: torch.Tensor) -> torch.Tensor:
+        return self.model(**{self.encoder_input: inputs},
+                          decoder_input_ids=decoder_ids).logits
+
+
+_COMMON = dict(use_cache=False, bos_token_id=0, eos_token_id=0, pad_token_id=0)
+_DECODER = dict(hidden_size=HIDDEN, num_attention_heads=HEADS, num_key_value_heads=KV_HEADS,
+                intermediate_size=2 * HIDDEN, vocab_size=VOCAB, num_hidden_layers=LAYERS,
+                max_position_embeddings=POSITIONS, **_COMMON)
+_MOE = dict(num_experts_per_tok=2, output_router_logits=False)
+
+FAMILIES: dict[str, Family] = {
+    "llama": Family("LlamaConfig", "LlamaForCausalLM", "tokens", _DECODER),
+    "mistral": Family("MistralConfig", "MistralForCausalLM", "tokens",
+                      dict(_DECODER, sliding_window=8)),
+    "qwen2": Family("Qwen2Config", "Qwen2ForCausalLM", "tokens", _DECODER),
+    "qwen3": Family("Qwen3Config", "Qwen3ForCausalLM", "tokens", dict(_DECODER, head_dim=16)),
+    "gemma": Family("GemmaConfig", "GemmaForCausalLM", "tokens", dict(_DECODER, head_dim=16)),
+    # Sliding-window and global layers alternate; logits and attention scores softcapped.
+    "gemma2": Family("Gemma2Config", "Gemma2ForCausalLM", "tokens",
+                     dict(_DECODER, head_dim=16, sliding_window=8)),
+    # One sliding-window layer then one global one, each with its own rotary base.
+    "gemma3": Family("Gemma3TextConfig", "Gemma3ForCausalLM", "tokens",
+                     dict(_DECODER, head_dim=16, sliding_window=8,
+                          layer_types=["sliding_attention", "full_attention"])),
+    "phi": Family("PhiConfig", "PhiForCausalLM", "tokens",
+                  dict(_DECODER, partial_rotary_factor=0.5)),
+    "phi3": Family("Phi3Config", "Phi3ForCausalLM", "tokens", _DECODER),
+    "falcon": Family("FalconConfig", "FalconForCausalLM", "tokens",
+                     dict(hidden_size=HIDDEN, num_attention_heads=HEADS, vocab_size=VOCAB,
+                          num_hidden_layers=LAYERS, **_COMMON)),
+    "gpt-neox": Family("GPTNeoXConfig", "GPTNeoXForCausalLM", "tokens",
+                       dict(_DECODER, rotary_pct=0.5)),
+    "gpt-j": Family("GPTJConfig", "GPTJForCausalLM", "tokens",
+                    dict(n_embd=HIDDEN, n_head=HEADS, n_layer=LAYERS, vocab_size=VOCAB,
+                         n_positions=POSITIONS, rotary_dim=8, **_COMMON)),
+    "gpt2": Family("GPT2Config", "GPT2LMHeadModel", "tokens",
+                   dict(n_embd=HIDDEN, n_head=HEADS, n_layer=LAYERS, vocab_size=VOCAB,
+                        n_positions=POSITIONS, **_COMMON)),
+    "opt": Family("OPTConfig", "OPTForCausalLM", "tokens",
+                  dict(hidden_size=HIDDEN, num_attention_heads=HEADS, ffn_dim=2 * HIDDEN,
+                       num_hidden_layers=LAYERS, vocab_size=VOCAB, word_embed_proj_dim=HIDDEN,
+                       max_position_embeddings=POSITIONS, **_COMMON)),
+    "bloom": Family("BloomConfig", "BloomForCausalLM", "tokens",
+                    dict(hidden_size=HIDDEN, n_head=HEADS, n_layer=LAYERS, vocab_size=VOCAB,
+                         **_COMMON)),
+    "cohere": Family("CohereConfig", "CohereForCausalLM", "tokens", _DECODER),
+    "olmo": Family("OlmoConfig", "OlmoForCausalLM", "tokens", _DECODER),
+    "mixtral": Family("MixtralConfig", "MixtralForCausalLM", "tokens",
+                      dict(_DECODER, num_local_experts=4, **_MOE)),
+    "qwen2-moe": Family("Qwen2MoeConfig", "Qwen2MoeForCausalLM", "tokens",
+                        dict(_DECODER, num_experts=4, moe_intermediate_size=HIDDEN,
+                             shared_expert_intermediate_size=HIDDEN, **_MOE)),
+    "deepseek-v2": Family("DeepseekV2Config", "DeepseekV2ForCausalLM", "tokens",
+                          dict(_DECODER, n_routed_experts=4, n_shared_experts=1,
+                               moe_intermediate_size=HIDDEN, first_k_dense_replace=1,
+                               kv_lora_rank=16, q_lora_rank=32, qk_rope_head_dim=8,
+                               qk_nope_head_dim=8, v_head_dim=16, n_group=1, topk_group=1,
+                               **_MOE)),
+    # Encoders, vision, encoder-decoders.
+    "bert": Family("BertConfig", "BertModel", "hidden",
+                   dict(hidden_size=HIDDEN, num_attention_heads=HEADS, num_hidden_layers=LAYERS,
+                        intermediate_size=2 * HIDDEN, vocab_size=VOCAB,
+                        max_position_embeddings=POSITIONS, pad_token_id=0)),
+    "roberta": Family("RobertaConfig", "RobertaModel", "hidden",
+                      dict(hidden_size=HIDDEN, num_attention_heads=HEADS,
+                           num_hidden_layers=LAYERS, intermediate_size=2 * HIDDEN,
+                           vocab_size=VOCAB, max_position_embeddings=POSITIONS, pad_token_id=1)),
+    "vit": Family("ViTConfig", "ViTModel", "pixels",
+                  dict(hidden_size=HIDDEN, num_attention_heads=HEADS, num_hidden_layers=LAYERS,
+                       intermediate_size=2 * HIDDEN, image_size=32, patch_size=8,
+                       num_channels=3)),
+    "whisper": Family("WhisperConfig", "WhisperForConditionalGeneration", "audio",
+                      dict(d_model=HIDDEN, encoder_attention_heads=HEADS,
+                           decoder_attention_heads=HEADS, encoder_layers=LAYERS,
+                           decoder_layers=LAYERS, encoder_ffn_dim=2 * HIDDEN,
+                           decoder_ffn_dim=2 * HIDDEN, vocab_size=VOCAB, num_mel_bins=16,
+                           max_source_positions=16, max_target_positions=POSITIONS,
+                           decoder_start_token_id=0, **_COMMON)),
+    "bart": Family("BartConfig", "BartForConditionalGeneration", "seq2seq",
+                   dict(d_model=HIDDEN, encoder_attention_heads=HEADS,
+                        decoder_attention_heads=HEADS, encoder_layers=LAYERS,
+                        decoder_layers=LAYERS, encoder_ffn_dim=2 * HIDDEN,
+                        decoder_ffn_dim=2 * HIDDEN, vocab_size=VOCAB,
+                        max_position_embeddings=POSITIONS, decoder_start_token_id=0,
+                        **_COMMON)),
+    "t5": Family("T5Config", "T5ForConditionalGeneration", "seq2seq",
+                 dict(d_model=HIDDEN, d_kv=16, d_ff=2 * HIDDEN, num_heads=HEADS,
+                      num_layers=LAYERS, num_decoder_layers=LAYERS, vocab_size=VOCAB,
+                      decoder_start_token_id=0, use_cache=False, pad_token_id=0,
+                      eos_token_id=1)),
+}
+
+
+def loss_for(data: str) -> Callable:
+    return {"tokens": causal_lm_loss, "hidden": hidden_mse, "pixels": hidden_mse,
+            "seq2seq": logits_loss, "audio": logits_loss}[data]
+
+
+def causal_lm_loss(output, target: torch.Tensor) -> torch.Tensor:
+    logits = output.logits
+    return F.cross_entropy(logits.reshape(-1, logits.size(-1)), target.reshape(-1))
+
+
+def logits_loss(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.reshape(-1, logits.size(-1)), target.reshape(-1))
+
+
+def hidden_mse(output, target: torch.Tensor) -> torch.Tensor:
+    return F.mse_loss(output.last_hidden_state, target)
+
+
+def batch(data: str, model: nn.Module, batch_size: int, seq: int,
+          generator: torch.Generator) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
+    """One batch of ``data``'s kind for ``model``: (inputs, target)."""
+    config = model.config
+    vocab = getattr(config, "vocab_size", VOCAB)
+    tokens = torch.randint(1, vocab, (batch_size, seq + 1), generator=generator)
+    ids, next_ids = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+    if data == "tokens":
+        return (ids,), next_ids
+    if data == "hidden":
+        return (ids,), torch.randn(batch_size, seq, config.hidden_size, generator=generator)
+    if data == "pixels":
+        side, channels = config.image_size, config.num_channels
+        images = torch.randn(batch_size, channels, side, side, generator=generator)
+        patches = (side // config.patch_size) ** 2 + 1  # and the class token
+        return (images,), torch.randn(batch_size, patches, config.hidden_size,
+                                      generator=generator)
+    if data == "seq2seq":
+        source = torch.randint(1, vocab, (batch_size, seq), generator=generator)
+        return (source, ids), next_ids
+    if data == "audio":
+        frames = 2 * config.max_source_positions  # the encoder's convolutions halve them
+        features = torch.randn(batch_size, config.num_mel_bins, frames, generator=generator)
+        return (features, ids), next_ids
+    raise ValueError(f"unknown data kind {data!r}")
