@@ -115,7 +115,8 @@ FAMILIES: dict[str, Family] = {
                         dict(_DECODER, num_experts=4, moe_intermediate_size=HIDDEN,
                              shared_expert_intermediate_size=HIDDEN, **_MOE)),
     "deepseek-v2": Family("DeepseekV2Config", "DeepseekV2ForCausalLM", "tokens",
-                          dict(_DECODER, n_routed_experts=4, n_shared_experts=1,
+                          # Latent attention makes a key per query head.
+                          dict(_DECODER, num_key_value_heads=HEADS, n_routed_experts=4, n_shared_experts=1,
                                moe_intermediate_size=HIDDEN, first_k_dense_replace=1,
                                kv_lora_rank=16, q_lora_rank=32, qk_rope_head_dim=8,
                                qk_nope_head_dim=8, v_head_dim=16, n_group=1, topk_group=1,

@@ -21,7 +21,7 @@ from .test_parity import check_parity, launched
 B = 8
 PIPELINED = ["inplace-pp2-1f1b", "inplace-pp2-gpipe-recompute", "slice-pp2-1f1b"]
 
-pipelined = launched("pipelined", 2, PIPELINED)
+pipelined = launched("pipelined", 2, PIPELINED + ["normed-tp2"])
 
 
 @pytest.fixture
@@ -128,6 +128,21 @@ def test_running_statistics_evolve_as_on_one_device(process_group):
     expected = dict(reference.named_buffers())
     for name, buffer in module.named_buffers():
         torch.testing.assert_close(buffer, expected[name], rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_running_statistics_evolve_alike_in_a_tensor_parallel_pair(pipelined):
+    """Under tp=2 both ranks normalise the whole (gathered) activation: the parameters,
+    and the running statistics in the whole-model state, match one device running the
+    microbatches in order."""
+    for rank, seen in enumerate(pipelined):
+        result = seen["normed-tp2"]
+        assert "error" not in result, f"rank {rank}: {result.get('traceback')}"
+        assert result["mesh"]["tp"] == 2
+        for loss, ref in zip(result["losses"], result["ref_losses"]):
+            assert loss == pytest.approx(ref, rel=1e-5)
+        assert max(result["param_errors"].values()) < 1e-5
+        assert result["full_state_keys"] == []  # running_mean / running_var included
+        assert result["full_state_error"] < 1e-5
 
 
 def test_running_statistics_are_not_split_over_replicas():

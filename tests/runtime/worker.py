@@ -235,6 +235,12 @@ CASES["gpt2-pp2-tp2-recompute"] = Case(_gpt2, "tokens", models.causal_lm_loss,
                                        dict(pp=2, schedule="1f1b", recompute=GPT2_MODES,
                                             **_TP_RECOMPUTE))
 
+# BatchNorm inside a tensor-parallel pair: both ranks update the same running statistics
+# from the same (replicated) activations, as one device running the microbatches in order.
+CASES["normed-tp2"] = Case(lambda: models.Normed(width=16, depth=2, d_out=16), "floats", _mse,
+                           dict(pp=1, tp=2, tp_objective="memory", recompute="none"),
+                           reference="microbatches")
+
 # Hugging Face families from tiny configs (tests/hf_families.py), as users bring them:
 # benchmarks/hf_coverage.py runs every one; the suite runs a few.
 for _family, _spec in hf_families.FAMILIES.items():
@@ -387,8 +393,8 @@ def train_case(built: Built) -> dict[str, Any]:
     changed = [name for name, t in module.state_dict().items()
                if not torch.equal(before[name], _here(t))]
     reloaded = not changed
-    full_error = max(((full[k] - v).norm() / max(v.norm().item(), 1e-3)).item()
-                     for k, v in ref_state.items() if k in full)
+    full_error = max(((full[k] - v).double().norm() / max(v.double().norm().item(), 1e-3))
+                     .item() for k, v in ref_state.items() if k in full)  # buffers too
     p2p = plan.stages[module.stage_index].p2p
     return {"losses": losses, "ref_losses": ref_losses, "param_errors": errors,
             "messages": messages, "predicted": asdict(p2p) if p2p else {},
