@@ -120,7 +120,12 @@ def _capture(model: nn.Module, args: tuple, kwargs: dict,
         try:
             defaults = _defaults_not_given(model, args)
             graph = _FunctionalTracer().trace(model, concrete_args=defaults or None)
-            _drop_specialized(graph, defaults)
+            _drop_specialized(graph, len(args))
+            returned = next(n for n in reversed(graph.nodes) if n.op == "output").args[0]
+            if isinstance(returned, dict):
+                # fx keeps a returned mapping as a plain dict, not its class (a Hugging
+                # Face ModelOutput that the loss reads as ``.logits``); export keeps it.
+                raise TypeError("forward returns a mapping: fx would not keep its type")
             return fx.GraphModule(model, graph, class_name=type(model).__name__), \
                 "symbolic_trace"
         except Exception as error:  # any failure sends the model to the second tracer
@@ -145,11 +150,20 @@ def _defaults_not_given(model: nn.Module, args: tuple) -> dict[str, Any]:
             if p.kind in kinds and p.default is not inspect.Parameter.empty}
 
 
-def _drop_specialized(graph: fx.Graph, defaults: dict[str, Any]) -> None:
-    """Remove the placeholders fx keeps for ``defaults`` (``concrete_args``) with their
-    checks; a remaining use reads the constant itself."""
+def _drop_specialized(graph: fx.Graph, given: int) -> None:
+    """Keep the first ``given`` placeholders (the example inputs), always passed: no
+    default. Remove the rest: those fx keeps for the defaults traced as constants
+    (``concrete_args``), with their checks (a remaining use reads the constant itself),
+    and an unused ``*args`` / ``**kwargs``."""
     placeholders = [n for n in graph.nodes if n.op == "placeholder"]
-    for node in placeholders[len(placeholders) - len(defaults):]:
+    for node in placeholders[:given]:
+        node.args = ()
+    for node in placeholders[given:]:
+        if str(node.target).startswith("*"):
+            if node.users:
+                raise TypeError(f"forward reads {node.target} (its variable arguments)")
+            graph.erase_node(node)
+            continue
         value = node.args[0] if node.args else None
         for user in list(node.users):
             if getattr(user.target, "__name__", "").startswith("_assert_is_none"):

@@ -125,3 +125,53 @@ def test_parameters_left_to_their_defaults_are_traced_as_constants():
     assert [n.name for n in gm.graph.nodes if n.op == "placeholder"] == ["x", "target"]
     assert "_assert" not in gm.code and "specialized" not in gm.code
     torch.testing.assert_close(gm(x, y), loss_fn(model(x), y), rtol=0, atol=0)
+
+
+class _KeywordsToo(torch.nn.Module):
+    """Hugging Face's shape of forward: every input has a default, ``**kwargs`` last."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = torch.nn.Linear(8, 8)
+
+    def forward(self, x=None, mask=None, **kwargs):
+        y = self.a(x)
+        return y if mask is None else y * mask
+
+
+def test_given_inputs_lose_their_defaults_and_unused_kwargs_go():
+    """Seen on Falcon: ``x=None`` kept its default before the target placeholder, and
+    ``**kwargs`` shifted which placeholders were taken for the defaults (SyntaxError)."""
+    def loss_fn(out, target):
+        return ((out - target) ** 2).mean()
+
+    model = _KeywordsToo()
+    x, y = torch.randn(4, 8), torch.randn(4, 8)
+    gm, _ = trace(model, (x,), loss_fn=loss_fn, example_target=y)
+    assert [n.name for n in gm.graph.nodes if n.op == "placeholder"] == ["x", "target"]
+    assert all(not n.args for n in gm.graph.nodes if n.op == "placeholder")
+    torch.testing.assert_close(gm(x, y), loss_fn(model(x), y), rtol=0, atol=0)
+
+
+class _ReturnsModelOutput(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        from transformers.modeling_outputs import BaseModelOutput
+
+        return BaseModelOutput(last_hidden_state=self.a(x))
+
+
+def test_a_returned_mapping_keeps_its_class_for_the_loss():
+    """fx would hand the loss a plain dict where the model returns a ModelOutput (read as
+    ``.last_hidden_state``); such a model is traced by export, which keeps the class."""
+    def loss_fn(out, target):
+        return ((out.last_hidden_state - target) ** 2).mean()
+
+    model = _ReturnsModelOutput()
+    x, y = torch.randn(4, 8), torch.randn(4, 8)
+    gm, _ = trace(model, (x,), loss_fn=loss_fn, example_target=y)
+    assert meta.trace_info(gm).tracer == "export"
+    assert meta.trace_info(gm).has_loss
