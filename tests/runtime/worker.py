@@ -235,6 +235,10 @@ CASES["gpt2-pp2-tp2-recompute"] = Case(_gpt2, "tokens", models.causal_lm_loss,
                                        dict(pp=2, schedule="1f1b", recompute=GPT2_MODES,
                                             **_TP_RECOMPUTE))
 
+# Integers, a stride-0 mask and transposed activations cross the stage boundary.
+CASES["handoff-pp2"] = Case(models.Handoff, "tokens", gpt.loss_fn,
+                            dict(pp=2, tp=1, schedule="1f1b", recompute="none"))
+
 # Hugging Face families from tiny configs (tests/hf_families.py), as users bring them:
 # benchmarks/hf_coverage.py runs every one; the suite runs a few.
 for _family, _spec in hf_families.FAMILIES.items():
