@@ -541,7 +541,7 @@ def build(plan: Plan, topology: Topology, program: StageProgram, model: nn.Modul
     aliases = aliases_of(model)
     partial = [p for name, p in module.named_parameters()
                if partial_names & set(aliases.get(name, (name,)))]
-    contiguous_transfers(module, first=program.is_first, last=program.is_last)
+    _contiguous_transfers(module, first=program.is_first, last=program.is_last)
     loss = _Loss(program.loss, program.loss_recompute, mixed=compute_dtype != torch.float32)
     stage = _CountingStage(module, topology.pp_rank, plan.pp, topology.device,
                            group=topology.pp_group, zero_stage=zero_stage)
@@ -562,7 +562,7 @@ def build(plan: Plan, topology: Topology, program: StageProgram, model: nn.Modul
         global_batch_size=plan.num_microbatches * plan.micro_batch_size * plan.dp)
 
 
-def contiguous_transfers(module: nn.Module, *, first: bool, last: bool) -> None:
+def _contiguous_transfers(module: nn.Module, *, first: bool, last: bool) -> None:
     """Make every tensor that crosses a stage boundary contiguous, both ways.
 
     Pipelining sends a stage's outputs and its inputs' gradients as they are, and makes

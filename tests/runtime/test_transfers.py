@@ -13,7 +13,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.pipelining._utils import extract_tensor_meta
 
-from partc.runtime.module import _CountingStage, contiguous_transfers
+from partc.runtime.module import _CountingStage, _contiguous_transfers
 
 
 class Strided(nn.Module):
@@ -50,7 +50,7 @@ def test_what_a_stage_sends_is_contiguous(first, last):
     plain = Strided()
     wrapped = Strided()
     wrapped.load_state_dict(plain.state_dict())
-    contiguous_transfers(wrapped, first=first, last=last)
+    _contiguous_transfers(wrapped, first=first, last=last)
     torch.manual_seed(1)
     (out, mask), grad = run(wrapped)
     torch.manual_seed(1)
