@@ -223,3 +223,39 @@ class Normed(nn.Module):
         for block in self.blocks:
             x = x + torch.tanh(block(x))
         return self.head(x)
+
+
+class Handoff(nn.Module):
+    """What a pipeline hands from stage to stage besides one contiguous activation: token
+    positions every block looks up in an embedding (integers), a padding mask expanded
+    to (batch, seq, seq) (a stride-0 view), and blocks that return a transpose, so that
+    the activation sent on and the gradient sent back are both strided."""
+
+    def __init__(self, vocab: int = 128, seq: int = 16, depth: int = 4) -> None:
+        super().__init__()
+        # The width is the sequence length, so that the (seq, seq) mask scales a block.
+        self.embed = nn.Embedding(vocab, seq)
+        self.blocks = nn.ModuleList(HandoffBlock(seq) for _ in range(depth))
+        self.head = nn.Linear(seq, vocab)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        positions = torch.arange(ids.shape[1], device=ids.device).expand_as(ids)
+        mask = (ids > 0).unsqueeze(1).expand(-1, ids.shape[1], -1)
+        h = self.embed(ids).transpose(1, 2)
+        for block in self.blocks:
+            h = block(h, positions, mask)
+        return self.head(h.transpose(1, 2))
+
+
+class HandoffBlock(nn.Module):
+    """(batch, width, seq) in and out, as transposes of (batch, seq, width)."""
+
+    def __init__(self, seq: int) -> None:
+        super().__init__()
+        self.position = nn.Embedding(seq, seq)
+        self.linear = nn.Linear(seq, seq)
+
+    def forward(self, h: torch.Tensor, positions: torch.Tensor,
+                mask: torch.Tensor) -> torch.Tensor:
+        h = h.transpose(1, 2) + self.position(positions)
+        return (torch.tanh(self.linear(h)) * mask).transpose(1, 2)

@@ -104,6 +104,17 @@ class _CountingStage(PipelineStage):
                 if not torch.equal(owner._buffers[name], value):
                     owner._buffers[name] = value
 
+    def _to_tensor(self, arg: Any) -> torch.Tensor:
+        # Pipelining's first-step shape inference runs a later stage on tensors made
+        # from the received metadata, uninitialised: an integer tensor sent on (token
+        # ids, positions) would index an embedding or a buffer with whatever the memory
+        # held. Zeros are in range for every index and leave shapes as they are.
+        tensor = super()._to_tensor(arg)
+        if not isinstance(arg, torch.Tensor) and not isinstance(tensor, DTensor):
+            with torch.no_grad():
+                tensor.zero_()
+        return tensor
+
     def perform_reduce_grad(self, grad_scale_factor: int) -> None:
         if self.grad_sync is not None:
             self.grad_sync.wait()  # before the schedule scales the gradients in place
@@ -530,6 +541,7 @@ def build(plan: Plan, topology: Topology, program: StageProgram, model: nn.Modul
     aliases = aliases_of(model)
     partial = [p for name, p in module.named_parameters()
                if partial_names & set(aliases.get(name, (name,)))]
+    _contiguous_transfers(module, first=program.is_first, last=program.is_last)
     loss = _Loss(program.loss, program.loss_recompute, mixed=compute_dtype != torch.float32)
     stage = _CountingStage(module, topology.pp_rank, plan.pp, topology.device,
                            group=topology.pp_group, zero_stage=zero_stage)
@@ -548,6 +560,37 @@ def build(plan: Plan, topology: Topology, program: StageProgram, model: nn.Modul
         tied_elsewhere=_tied_elsewhere(program.holders, module, topology.pp_rank),
         tp=tp_group, watchdog=start_watchdog(topology.rank, topology.world_size),
         global_batch_size=plan.num_microbatches * plan.micro_batch_size * plan.dp)
+
+
+def _contiguous_transfers(module: nn.Module, *, first: bool, last: bool) -> None:
+    """Make every tensor that crosses a stage boundary contiguous, both ways.
+
+    Pipelining sends a stage's outputs and its inputs' gradients as they are, and makes
+    the receiving buffers with the strides it saw on the first step; point-to-point
+    sends need contiguous tensors, but a stage may end on a view (a transpose, an
+    ``expand``ed mask) and a gradient may come back strided the same way. Outputs are
+    made contiguous after the stage's forward (not the last stage's: they go to the
+    loss); inputs pass through :class:`_ContiguousGrad`, whose backward makes their
+    gradients contiguous before they are sent back."""
+    if not last:
+        module.register_forward_hook(lambda _module, _args, output: pytree.tree_map_only(
+            torch.Tensor, torch.Tensor.contiguous, output))
+    if not first:
+        module.register_forward_pre_hook(lambda _module, args: tuple(
+            _ContiguousGrad.apply(a) if isinstance(a, torch.Tensor) and a.requires_grad
+            else a for a in args))
+
+
+class _ContiguousGrad(torch.autograd.Function):
+    """The identity, whose backward makes the gradient contiguous."""
+
+    @staticmethod
+    def forward(ctx: Any, tensor: torch.Tensor) -> torch.Tensor:
+        return tensor.view_as(tensor)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        return grad.contiguous()
 
 
 class _OverlappedAllReduce:

@@ -20,7 +20,7 @@ from .worker import CASES, STEPS
 WORKER = Path(__file__).with_name("worker.py")
 TWO = ["gpt-pp2-1f1b", "gpt-pp2-gpipe-recompute", "gpt2-pp2-1f1b-recompute", "gpt2-pp2-gpipe",
        "llama-pp2-gpipe-recompute", "llama-pp2-1f1b", "llama-pp2-1f1b-loaded", "skip-pp2-1f1b",
-       "gpt-dp2", "bert-dp2", "mismatch"]
+       "handoff-pp2", "gpt-dp2", "bert-dp2", "mismatch"]
 FOUR = ["gpt-pp4-1f1b-recompute", "gpt-pp4-gpipe", "gpt2-pp4-gpipe-recompute", "llama-pp4-1f1b",
         "skip-pp4-gpipe", "gpt-pp2-dp2"]
 RTOL = 1e-5

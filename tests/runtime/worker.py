@@ -240,6 +240,9 @@ CASES["gpt2-pp2-tp2-recompute"] = Case(_gpt2, "tokens", models.causal_lm_loss,
 CASES["normed-tp2"] = Case(lambda: models.Normed(width=16, depth=2, d_out=16), "floats", _mse,
                            dict(pp=1, tp=2, tp_objective="memory", recompute="none"),
                            reference="microbatches")
+# Integers, a stride-0 mask and transposed activations cross the stage boundary.
+CASES["handoff-pp2"] = Case(models.Handoff, "tokens", gpt.loss_fn,
+                            dict(pp=2, tp=1, schedule="1f1b", recompute="none"))
 
 # Hugging Face families from tiny configs (tests/hf_families.py), as users bring them:
 # benchmarks/hf_coverage.py runs every one; the suite runs a few.
