@@ -130,8 +130,7 @@ def run(cases: list[Case], out: Path) -> None:
         try:
             result = train(case)
         except Exception as error:  # recorded: judged per case by ``failure``
-            result = {"error": f"{type(error).__name__}: {error}",
-                      "traceback": traceback.format_exc()}
+            result = {"error": describe(error), "traceback": traceback.format_exc()}
         results.append(result)
         (out / f"rank{rank}.json").write_text(json.dumps(results, indent=1))
         # A case that failed on one rank may have left the other in a collective: the
