@@ -3,8 +3,8 @@
 Two levels, both keyed by content, never by object identity:
 
 - *measured models*: the ``ModelAnalysis`` of a model with its tensor-parallel variants,
-  keyed by the graph signature (module tree, parameter shapes and dtypes, input shapes and
-  dtypes, loss function, name), by the autocast dtype the layers were measured in (the
+  keyed by the graph signature (module tree, parameter shapes and dtypes, the modules'
+  code and attributes and tied tensors, input shapes and dtypes, loss function, name), by the autocast dtype the layers were measured in (the
   training's precision) and whose policy (a GPU's or a CPU's), and by the links the
   variants were measured for. A change of memory, device count or batch reuses it:
   tracing and measuring are skipped.
@@ -152,10 +152,12 @@ class PlanCache:
         return self.directory / source_digest() / kind / f"{key}.{suffix}"
 
 
-def model_key(model_hash: str, example_inputs: tuple, example_target: Any,
+def model_key(model_identity: str, example_inputs: tuple, example_target: Any,
               loss_fn: Callable | None, name: str | None, measured_for: Any) -> str:
-    """The graph signature: the model's structure (``model_hash``: module tree, parameter
-    shapes and dtypes), the inputs' and target's shapes and dtypes, the loss function and
+    """The graph signature: the model's structure and behaviour (``model_identity``: its
+    ``model_hash``, module tree and parameter shapes and dtypes, and its
+    ``behaviour_digest``, the modules' code, attributes and tied tensors), the inputs'
+    and target's shapes and dtypes, the loss function and
     the name; with ``measured_for``, what the measurement depends on besides (the
     autocast dtype and policy, the links the tensor-parallel variants were measured for)."""
     def spec(value: Any) -> Any:
@@ -167,7 +169,7 @@ def model_key(model_hash: str, example_inputs: tuple, example_target: Any,
 
     loss = None if loss_fn is None else (getattr(loss_fn, "__module__", ""),
                                          getattr(loss_fn, "__qualname__", repr(loss_fn)))
-    text = repr((model_hash, spec(example_inputs), spec(example_target), loss, name,
+    text = repr((model_identity, spec(example_inputs), spec(example_target), loss, name,
                  measured_for))
     return hashlib.sha256(text.encode()).hexdigest()[:32]
 

@@ -235,7 +235,7 @@ def compile(model: torch.nn.Module, example_inputs: tuple | torch.Tensor, *,
     ``None``: none) keeps measured models and plans: compiling the same model again
     with another budget or batch skips tracing and measuring, and an unchanged problem
     returns its plan at once (validated again)."""
-    from .identity import model_hash
+    from .identity import behaviour_digest, model_hash
     from .passes.pipeline import analyze
 
     if isinstance(example_inputs, torch.Tensor):
@@ -247,7 +247,10 @@ def compile(model: torch.nn.Module, example_inputs: tuple | torch.Tensor, *,
     devices = device_numbers(budget, train.dtype)
     check_pins(pins_for(constraints, train), devices, train.global_batch_size)  # before tracing
     measured_for = _measured_for(budget, devices, constraints, train, options)
-    key = model_key(model_hash(model), example_inputs, example_target, loss_fn, name,
+    # The structure and the behaviour: models of one shape but other forwards (another
+    # activation, an untied weight) are traced and measured apart.
+    identity = f"{model_hash(model)}-{behaviour_digest(model)}"
+    key = model_key(identity, example_inputs, example_target, loss_fn, name,
                     measured_for) if cache is not None else None
     analysis = cache.analysis(key) if cache is not None else None
     graph = None

@@ -6,7 +6,8 @@ One fx interpreter loop per layer runs under ``FakeTensorMode`` (no memory),
 tensors are deduplicated by storage, parameters and buffers are left out, and each saved
 storage is attributed to the node that *produced* it. Selective recompute is costed as
 the runtime runs it: the layer's inputs and every compute-heavy node's output are kept,
-the rest is rerun.
+the rest is rerun; a layer that writes a compute-heavy node's output in place has no
+selective mode.
 
 In mixed precision (``Context.autocast``) the layers run under ``torch.autocast``, as
 the runtime runs them: matmuls save their inputs cast to the compute dtype, while what
@@ -48,7 +49,8 @@ from partc.problem import HeavyOp, LayerCost
 from . import fuse_attention
 from .autocast_policy import cuda_autocast
 from .context import Context
-from .graph import carries_grad, fetch, is_dtype_check, layer_nodes, param_usage
+from .graph import (carries_grad, fetch, is_dtype_check, layer_nodes, mutated_inputs,
+                    param_usage)
 
 
 @dataclass
@@ -59,6 +61,8 @@ class _LayerRun:
     saved: dict[StorageWeakRef, tuple[int, fx.Node]] = field(default_factory=dict)
     inputs: dict[fx.Node, int] = field(default_factory=dict)   # values read from outside
     dtypes: dict[fx.Node, tuple[torch.dtype, ...]] = field(default_factory=dict)
+    # Compute-heavy nodes whose output a later node of the layer writes in place.
+    written_heavy: set[fx.Node] = field(default_factory=set)
 
 
 @dataclass(frozen=True)
@@ -166,12 +170,22 @@ def _run_layer(gm: fx.GraphModule, nodes: list[fx.Node], setting: _Setting) -> _
                                      if isinstance(t, torch.Tensor))
             flops = counter.get_total_flops() - before
             run.costs[node] = _node_cost(node, args, kwargs, result, flops, producer, frozen)
+            run.written_heavy.update(_heavy_written(node, env, producer, run))
             if node.op == "call_module":   # its parameters are read, not passed
                 state = [t for _, t in _named_state(gm.get_submodule(str(node.target)))]
                 run.costs[node] = dataclasses.replace(run.costs[node], weight_bytes=_weight_bytes(
                     state, [t for t in pytree.tree_leaves(result) if isinstance(t, torch.Tensor)]))
     _attribute_saved(run)
     return run
+
+
+def _heavy_written(node: fx.Node, env: dict[fx.Node, Any], producer: dict,
+                   run: _LayerRun) -> list[fx.Node]:
+    """The compute-heavy nodes of this layer whose output (or a view of it) ``node``
+    writes in place."""
+    makers = [producer.get(StorageWeakRef(env[value].untyped_storage()))
+              for value in mutated_inputs(node) if isinstance(env.get(value), torch.Tensor)]
+    return [m for m in makers if m in run.costs and run.costs[m].compute_heavy]
 
 
 class _WeightCopies(TorchDispatchMode):
@@ -364,6 +378,7 @@ def _copy_run(run: _LayerRun, source: list[fx.Node], target: list[fx.Node]) -> _
                     if node.op != "get_attr"}
     copied.costs.update({node: _FETCH_COST for node in fetches})
     copied.saved = {key: (size, mapping.get(node, node)) for key, (size, node) in run.saved.items()}
+    copied.written_heavy = {mapping[node] for node in run.written_heavy}
     return copied
 
 
@@ -404,13 +419,16 @@ def _layer_cost(info: meta.LayerInfo, nodes: list[fx.Node], run: _LayerRun,
     saved_all = held + sum(size for size, node in run.saved.values() if node not in shared)
     # Selective recompute as the runtime does it (partc.runtime.recompute): the layer's
     # inputs and the output of every compute-heavy node are kept, whether backward reads
-    # it or not (attention scores too), and every light node is rerun.
+    # it or not (attention scores too), and every light node is rerun. Not offered
+    # where the layer writes a heavy node's output in place (``h = linear(x);
+    # h.relu_()``): the kept value would not be the one the op made, and torch's
+    # selective checkpoint refuses to use it.
     kept = held + input_bytes + sum(run.costs[n].output_bytes for n in heavy
                                     if n not in shared)
     saved = {"none": saved_all, "full": held + input_bytes}
     rec_flops = {"none": 0.0, "full": flops}
     rec_bytes = {"none": 0.0, "full": light_bytes}
-    if kept < saved_all:
+    if kept < saved_all and not heavy & run.written_heavy:
         saved["selective"] = kept
         rec_flops["selective"] = sum(run.costs[n].flops for n in nodes if n not in heavy)
         rec_bytes["selective"] = light_bytes

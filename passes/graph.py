@@ -85,13 +85,24 @@ _IN_PLACE_OPERATORS = (operator.setitem, operator.iadd, operator.isub, operator.
                        operator.itruediv)
 
 
+# Batch norm in training updates its running statistics (arguments 3 and 4) in place,
+# though these schemas do not mark them written (``_native_batch_norm_legit``'s does);
+# argument 5 is ``training`` (``use_input_stats`` for instance norm).
+_RUNNING_STATS_OPS = ("batch_norm", "native_batch_norm", "instance_norm",
+                      "_batch_norm_impl_index", "cudnn_batch_norm", "miopen_batch_norm")
+
+
 def mutated_inputs(node: fx.Node) -> list[fx.Node]:
     """The inputs ``node`` writes to: an in-place Tensor method (``y.mul_(0.5)``) or
     function (``torch.relu_``, ``F.relu(x, inplace=True)``), slice assignment
-    (``y[:, 0] = 0``), an ``out=`` argument, an ATen op whose schema writes an argument."""
+    (``y[:, 0] = 0``), an ``out=`` argument, an ATen op whose schema writes an argument,
+    the running statistics a batch norm in training updates."""
     if node.op not in ("call_method", "call_function"):
         return []
     target = node.target
+    if isinstance(target, torch._ops.OpOverload) and \
+            target.overloadpacket.__name__ in _RUNNING_STATS_OPS:
+        return _running_stats(node, target)
     if isinstance(target, torch._ops.OpOverload):
         values = [node.kwargs.get(a.name, node.args[i] if i < len(node.args) else None)
                   for i, a in enumerate(target._schema.arguments)
@@ -105,6 +116,15 @@ def mutated_inputs(node: fx.Node) -> list[fx.Node]:
                         and not name.startswith("_")))
     found = ([first] if writes_first else []) + [out]
     return [v for v in found if isinstance(v, fx.Node)]
+
+
+def _running_stats(node: fx.Node, target: torch._ops.OpOverload) -> list[fx.Node]:
+    names = [a.name for a in target._schema.arguments]
+    values = [node.kwargs.get(name, node.args[i] if i < len(node.args) else None)
+              for i, name in enumerate(names[:6])]
+    if values[5] is False:  # eval: the running statistics are read, not written
+        return []
+    return [v for v in values[3:5] if isinstance(v, fx.Node)]
 
 
 def layer_nodes(gm: fx.GraphModule, info: meta.LayerInfo) -> list[fx.Node]:

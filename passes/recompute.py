@@ -22,6 +22,7 @@ from partc import meta
 from partc.runtime.recompute import RECOMPUTED_MODES, checkpoint_layer
 
 from .context import Context
+from .graph import mutated_inputs
 
 
 def recompute(module: fx.GraphModule, ctx: Context) -> fx.GraphModule:
@@ -63,6 +64,10 @@ def _wrap(module: fx.GraphModule, region: list[fx.Node], layer_name: str, mode: 
             if arg not in members and arg not in inputs:
                 inputs.append(arg)
     outputs = [n for n in region if any(user not in members for user in n.users)]
+    # Buffers the layer updates in place (BatchNorm's running statistics): written once
+    # per microbatch, by the forward, as in eager PyTorch (checkpoint_layer's docstring).
+    written = tuple(i for i, arg in enumerate(inputs)
+                    if any(arg in mutated_inputs(node) for node in region))
 
     sub = fx.Graph()
     env = {arg: sub.placeholder(arg.name) for arg in inputs}
@@ -78,7 +83,8 @@ def _wrap(module: fx.GraphModule, region: list[fx.Node], layer_name: str, mode: 
     # region's span) is defined by then, and every outside user comes later.
     with graph.inserting_before(region[-1].next):
         fetch = graph.get_attr(name)
-        call = graph.call_function(checkpoint_layer, (fetch, mode, *inputs))
+        call = graph.call_function(checkpoint_layer, (fetch, mode, *inputs),
+                                   {"written": written} if written else {})
         results = [graph.call_function(operator.getitem, (call, i)) for i in range(len(outputs))]
     for node in (fetch, call, *results):
         meta.set_layer(node, ref)

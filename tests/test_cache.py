@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 
@@ -11,7 +12,9 @@ import torch
 import partc
 from partc.budget import preset
 from partc.cache import problem_key
+from partc.identity import model_hash
 from samples.gpt import gpt_tiny, loss_fn
+from tests.random_models import BlockSpec, ModelSpec, build
 
 
 def _compile(model, cache, memory="64MiB", batch=8, dtype=torch.float32, num_devices=2,
@@ -193,3 +196,26 @@ def test_a_bad_entry_is_discarded_with_a_warning_and_made_again(tmp_path, caplog
     fresh = partc.PlanCache(tmp_path)
     _compile(gpt_tiny(n_layer=2), fresh)
     assert fresh.hits == {"analysis": 1, "plan": 1}
+
+
+def test_models_of_one_shape_but_other_forwards_are_measured_apart():
+    """Seen before (random models, tests/random_models.py): a model with ``relu_`` where
+    another of the same module tree and shapes had ``silu`` got the other's measured
+    graph, and its lowering failed ("the plan's sharding has 6 node choices, the traced
+    layer 7"). Another activation, an in-place op or a tied weight is another graph."""
+    first, second = BlockSpec(width=4, activation="silu"), BlockSpec(width=4, activation="silu")
+    spec = ModelSpec(d_in=4, d_out=4, blocks=(first, second))
+    others = [(dataclasses.replace(first, activation="relu"), second),
+              (dataclasses.replace(first, in_place="mul_"), second),
+              (first, dataclasses.replace(second, tied_to=0))]
+    models = [build(spec)] + [build(dataclasses.replace(spec, blocks=b)) for b in others]
+    assert len({model_hash(model) for model in models}) == 1
+    cache = partc.PlanCache()
+    x = torch.zeros(8, 4)
+    for model in models:
+        partc.compile(model, (x,), budget=partc.DeviceBudget(num_devices=1, device="CPU"),
+                      loss_fn=torch.nn.functional.mse_loss, example_target=x, cache=cache)
+    assert cache.hits["analysis"] == 0
+    partc.compile(build(spec), (x,), budget=partc.DeviceBudget(num_devices=1, device="CPU"),
+                  loss_fn=torch.nn.functional.mse_loss, example_target=x, cache=cache)
+    assert cache.hits["analysis"] == 1  # the same model again: measured once

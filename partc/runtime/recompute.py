@@ -38,13 +38,44 @@ def _keep_expensive(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointP
 _selective_context = functools.partial(create_selective_checkpoint_contexts, _keep_expensive)
 
 
-def checkpoint_layer(layer: Callable[..., Any], mode: str, *args: Any) -> Any:
-    """Run ``layer(*args)``, keeping for backward what ``mode`` says, and return its result."""
-    if mode == "full":
-        with set_checkpoint_early_stop(False):
-            return checkpoint(layer, *args, use_reentrant=False, preserve_rng_state=True)
-    if mode == "selective":
-        with set_checkpoint_early_stop(False):
-            return checkpoint(layer, *args, use_reentrant=False, preserve_rng_state=True,
-                              context_fn=_selective_context)
-    raise ValueError(f"recompute mode must be one of {RECOMPUTED_MODES}, got {mode!r}")
+def checkpoint_layer(layer: Callable[..., Any], mode: str, *args: Any,
+                     written: tuple[int, ...] = ()) -> Any:
+    """Run ``layer(*args)``, keeping for backward what ``mode`` says, and return its result.
+
+    ``written``: the positions of the arguments the layer updates in place, buffers such
+    as BatchNorm's running statistics. The forward updates them, once per microbatch as
+    in eager PyTorch; the rerun in backward updates copies of what they held before the
+    forward, so it computes what the forward did and the buffers are not updated twice.
+    (Passed to ``checkpoint`` they would also fail its check that saved inputs are
+    unchanged.)
+    """
+    if mode not in RECOMPUTED_MODES:
+        raise ValueError(f"recompute mode must be one of {RECOMPUTED_MODES}, got {mode!r}")
+    if written:
+        layer, args = _writing_once(layer, args, written)
+    context = {"context_fn": _selective_context} if mode == "selective" else {}
+    with set_checkpoint_early_stop(False):
+        return checkpoint(layer, *args, use_reentrant=False, preserve_rng_state=True,
+                          **context)
+
+
+def _writing_once(layer: Callable[..., Any], args: tuple, written: tuple[int, ...]
+                  ) -> tuple[Callable[..., Any], tuple]:
+    """``layer`` taking the arguments at ``written`` from a closure (the live tensors on
+    its first call, copies of their values before it on later ones), and the other
+    arguments. The copies are made here, not in the rerun: selective recompute replays
+    only the ops the forward ran."""
+    live = {i: args[i] for i in written}
+    before = {i: tensor.detach().clone() for i, tensor in live.items()}
+    calls = 0
+
+    def run(*rest: Any) -> Any:
+        nonlocal calls
+        own = live if calls == 0 else before
+        calls += 1
+        merged = list(rest)
+        for i in sorted(own):
+            merged.insert(i, own[i])
+        return layer(*merged)
+
+    return run, tuple(arg for i, arg in enumerate(args) if i not in live)

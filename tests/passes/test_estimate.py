@@ -145,3 +145,29 @@ def test_a_model_on_the_meta_device_is_measured_under_autocast_as_on_cpu():
         return [dataclasses.replace(layer, signature="") for layer in analysis.layers]
 
     assert layers("meta") == layers("cpu")   # signatures hash the device
+
+
+class _WritesMatmulOutput(nn.Module):
+    """A block that writes its Linear's output in place (``relu_``), then a cheap op."""
+
+    def __init__(self, in_place: bool) -> None:
+        super().__init__()
+        self.linear = nn.Linear(8, 8)
+        self.in_place = in_place
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.linear(x)
+        h = h.relu_() if self.in_place else h.relu()
+        return x + torch.tanh(h)
+
+
+def test_a_layer_writing_a_matmul_output_in_place_has_no_selective_mode():
+    """Seen before (random models, tests/random_models.py): selective recompute kept the
+    Linear's output, which ``relu_`` then changed, and backward failed ("Tensor cached
+    during selective activation checkpoint has been mutated")."""
+    x = torch.randn(B, 8)
+    _, written = analyze(nn.Sequential(_WritesMatmulOutput(in_place=True)), (x,))
+    _, pure = analyze(nn.Sequential(_WritesMatmulOutput(in_place=False)), (x,))
+    assert [(layer.name, layer.modes) for layer in pure.layers] == [
+        ("0", ("none", "selective", "full"))]
+    assert [(layer.name, layer.modes) for layer in written.layers] == [("0", ("none", "full"))]
