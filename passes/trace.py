@@ -63,12 +63,12 @@ def trace(model: nn.Module, example_inputs: Any, *, kwargs: dict | None = None,
     device = _model_device(model)
     fake_args, fake_kwargs = pytree.tree_map_only(
         torch.Tensor, lambda t: _fake_like(fake_mode, t, device), (args, kwargs))
-    gm, tracer, typed = _capture(model, fake_args, fake_kwargs, name or type(model).__name__)
+    gm, tracer = _capture(model, fake_args, fake_kwargs, name or type(model).__name__)
     if tracer == "export":
         out_spec = _normalize_export(gm)
         _inline_constants(gm, model)
     else:
-        out_spec = _flatten_output(gm, typed)
+        out_spec = _flatten_output(gm)
     _order_nodes(gm)
     _record_modules(gm, tracer)
     _record_params(gm, model)
@@ -109,39 +109,25 @@ class _FunctionalTracer(fx.Tracer):
     nodes and every computation a function call, so later passes can cut a graph
     anywhere and pass parameters as plain values."""
 
-    def __init__(self) -> None:
-        super().__init__()
-        # fx stores a dict subclass (Hugging Face's ModelOutput) as a plain dict: the
-        # ones the graph took in, proxies and all, so the output keeps its type.
-        self.typed_dicts: list[dict] = []
-
     def is_leaf_module(self, module: nn.Module, qualified_name: str) -> bool:
         return False
 
-    def create_arg(self, a: Any) -> Any:
-        if isinstance(a, dict) and type(a) is not dict and type(a) in pytree.SUPPORTED_NODES:
-            self.typed_dicts.append(a)
-        return super().create_arg(a)
-
 
 def _capture(model: nn.Module, args: tuple, kwargs: dict,
-             name: str) -> tuple[fx.GraphModule, str, list[dict]]:
-    """The graph, the tracer that made it, and (symbolic_trace) the dict subclasses
-    it stored as plain dicts."""
+             name: str) -> tuple[fx.GraphModule, str]:
     fx_error: BaseException = TypeError("symbolic_trace takes no keyword inputs")
     if not kwargs:
         try:
             defaults = _defaults_not_given(model, args)
-            tracer = _FunctionalTracer()
-            graph = tracer.trace(model, concrete_args=defaults or None)
+            graph = _FunctionalTracer().trace(model, concrete_args=defaults or None)
             _drop_specialized(graph, model, defaults)
             return fx.GraphModule(model, graph, class_name=type(model).__name__), \
-                "symbolic_trace", tracer.typed_dicts
+                "symbolic_trace"
         except Exception as error:  # any failure sends the model to the second tracer
             fx_error = error
     try:
         exported = torch.export.export(model, args, kwargs, strict=False)
-        return exported.module(), "export", []
+        return exported.module(), "export"
     except Exception as export_error:
         raise TraceError(_trace_error_message(name, fx_error, export_error)) from export_error
 
@@ -282,23 +268,11 @@ def _inline_constants(gm: fx.GraphModule, model: nn.Module) -> None:
         delattr(gm.get_submodule(owner), attr)
 
 
-def _flatten_output(gm: fx.GraphModule, typed_dicts: list[dict] = ()) -> pytree.TreeSpec:
-    """Make the output a flat tuple of leaves; returns the structure they come from. An
-    output fx stored as a plain dict is flattened as the type it was made as."""
+def _flatten_output(gm: fx.GraphModule) -> pytree.TreeSpec:
     output = _output(gm)
-    value = output.args[0]
-    for made in typed_dicts:
-        if isinstance(value, dict) and list(made) == list(value) and all(
-                _as_arg(made[k]) is v for k, v in value.items()):
-            value = made
-    leaves, spec = pytree.tree_flatten(value)
-    leaves = [_as_arg(leaf) for leaf in leaves]
+    leaves, spec = pytree.tree_flatten(output.args[0])
     output.args = (leaves[0] if spec.is_leaf() else tuple(leaves),)
     return spec
-
-
-def _as_arg(value: Any) -> Any:
-    return value.node if isinstance(value, fx.Proxy) else value
 
 
 def _output(gm: fx.GraphModule) -> fx.Node:

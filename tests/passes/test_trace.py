@@ -152,27 +152,3 @@ def test_optional_inputs_given_and_kwargs_unused_leave_a_valid_signature():
     assert [n.name for n in gm.graph.nodes if n.op == "placeholder"] == ["x", "target"]
     assert "_assert" not in gm.code
     torch.testing.assert_close(gm(x, y), loss_fn(model(x), y), rtol=0, atol=0)
-
-
-class _ReturnsModelOutput(torch.nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.a = torch.nn.Linear(8, 8)
-
-    def forward(self, x):
-        from transformers.modeling_outputs import CausalLMOutput
-
-        return CausalLMOutput(logits=self.a(x))
-
-
-def test_a_model_output_keeps_its_type_through_symbolic_trace():
-    """fx stores the returned ModelOutput as a plain dict; the loss still reads
-    ``output.logits`` (Falcon: "'immutable_dict' object has no attribute 'logits'")."""
-    def loss_fn(out, target):
-        return ((out.logits - target) ** 2).mean()
-
-    model = _ReturnsModelOutput()
-    x, y = torch.randn(4, 8), torch.randn(4, 8)
-    gm, _ = trace(model, (x,), loss_fn=loss_fn, example_target=y)
-    assert meta.trace_info(gm).tracer == "symbolic_trace"
-    torch.testing.assert_close(gm(x, y), loss_fn(model(x), y), rtol=0, atol=0)
