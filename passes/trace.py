@@ -120,7 +120,7 @@ def _capture(model: nn.Module, args: tuple, kwargs: dict,
         try:
             defaults = _defaults_not_given(model, args)
             graph = _FunctionalTracer().trace(model, concrete_args=defaults or None)
-            _drop_specialized(graph, model, defaults)
+            _drop_specialized(graph, defaults)
             return fx.GraphModule(model, graph, class_name=type(model).__name__), \
                 "symbolic_trace"
         except Exception as error:  # any failure sends the model to the second tracer
@@ -145,42 +145,24 @@ def _defaults_not_given(model: nn.Module, args: tuple) -> dict[str, Any]:
             if p.kind in kinds and p.default is not inspect.Parameter.empty}
 
 
-def _drop_specialized(graph: fx.Graph, model: nn.Module, defaults: dict[str, Any]) -> None:
+def _drop_specialized(graph: fx.Graph, defaults: dict[str, Any]) -> None:
     """Remove the placeholders fx keeps for ``defaults`` (``concrete_args``) with their
-    checks, and an unused ``*args`` or ``**kwargs``; a remaining use reads the constant
-    itself. The inputs kept lose their defaults (Hugging Face's ``input_ids=None``), so
-    that the loss's target, which has none, may follow them."""
+    checks; a remaining use reads the constant itself."""
     placeholders = [n for n in graph.nodes if n.op == "placeholder"]
-    parameters = list(inspect.signature(model.forward).parameters.values()) \
-        if defaults else []
-    if len(parameters) != len(placeholders):  # fx makes one placeholder per parameter
-        parameters = [None] * (len(placeholders) - len(defaults)) + \
-            [inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY) for name in defaults]
-    variadic = (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)
-    for node, parameter in zip(placeholders, parameters):
-        if parameter is not None and parameter.kind in variadic and not node.users:
-            graph.erase_node(node)
-        elif parameter is not None and parameter.name in defaults:
-            _drop_placeholder(graph, node)
-        else:
-            node.args = ()
-
-
-def _drop_placeholder(graph: fx.Graph, node: fx.Node) -> None:
-    """Erase a specialised placeholder, its checks, and read its constant where used."""
-    value = node.args[0] if node.args else None
-    for user in list(node.users):
-        if getattr(user.target, "__name__", "").startswith("_assert_is_none"):
-            graph.erase_node(user)
-        elif user.target is operator.eq and all(
-                check.target is torch._assert for check in user.users):
-            for check in list(user.users):  # fx's check of a specialised value
-                graph.erase_node(check)
-            graph.erase_node(user)
-        else:
-            user.args = fx.node.map_arg(user.args, lambda a: value if a is node else a)
-            user.kwargs = fx.node.map_arg(user.kwargs, lambda a: value if a is node else a)
-    graph.erase_node(node)
+    for node in placeholders[len(placeholders) - len(defaults):]:
+        value = node.args[0] if node.args else None
+        for user in list(node.users):
+            if getattr(user.target, "__name__", "").startswith("_assert_is_none"):
+                graph.erase_node(user)
+            elif user.target is operator.eq and all(
+                    check.target is torch._assert for check in user.users):
+                for check in list(user.users):  # fx's check of a specialised value
+                    graph.erase_node(check)
+                graph.erase_node(user)
+            else:
+                user.args = fx.node.map_arg(user.args, lambda a: value if a is node else a)
+                user.kwargs = fx.node.map_arg(user.kwargs, lambda a: value if a is node else a)
+        graph.erase_node(node)
 
 
 def _trace_error_message(name: str, fx_error: BaseException,

@@ -125,30 +125,3 @@ def test_parameters_left_to_their_defaults_are_traced_as_constants():
     assert [n.name for n in gm.graph.nodes if n.op == "placeholder"] == ["x", "target"]
     assert "_assert" not in gm.code and "specialized" not in gm.code
     torch.testing.assert_close(gm(x, y), loss_fn(model(x), y), rtol=0, atol=0)
-
-
-class _HuggingFaceSignature(torch.nn.Module):
-    """Every input optional and ``**kwargs`` last, as Hugging Face writes forwards."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.a = torch.nn.Linear(8, 8)
-
-    def forward(self, x=None, mask=None, scale: float = 2.0, **kwargs):
-        y = self.a(x) * scale
-        return y * mask if mask is not None else y
-
-
-def test_optional_inputs_given_and_kwargs_unused_leave_a_valid_signature():
-    """Given ``x`` loses its default and the unused ``**kwargs`` goes, so the target
-    follows (the placeholders after ``x`` were dropped by count, ``**kwargs`` among
-    them and ``mask`` kept: Falcon's generated code was a SyntaxError)."""
-    def loss_fn(out, target):
-        return ((out - target) ** 2).mean()
-
-    model = _HuggingFaceSignature()
-    x, y = torch.randn(4, 8), torch.randn(4, 8)
-    gm, _ = trace(model, (x,), loss_fn=loss_fn, example_target=y)
-    assert [n.name for n in gm.graph.nodes if n.op == "placeholder"] == ["x", "target"]
-    assert "_assert" not in gm.code
-    torch.testing.assert_close(gm(x, y), loss_fn(model(x), y), rtol=0, atol=0)
