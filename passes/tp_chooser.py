@@ -217,6 +217,8 @@ def choose(gm: fx.GraphModule, tp: int, link: Link, *, sequence_parallel: bool =
             total = sum(cost for _, cost in trial)
             if best is None or total < best[0]:
                 best = (total, placement, trial)
+        if best is None:  # cannot happen: replicated meets every layer
+            raise RuntimeError(f"no placement of {fqn} meets every layer that reads it")
         pins[fqn], solved = best[1], best[2]
     return _apply_choices(gm, result, problems, [c for c, _ in solved], grads)
 
