@@ -53,11 +53,14 @@ def device_numbers(budget: DeviceBudget, dtype: torch.dtype) -> DeviceNumbers:
 
 
 def tp_degrees(devices: DeviceNumbers, constraints: Constraints) -> list[int]:
-    """Tensor-parallel degrees worth measuring: inside one node, dividing the devices."""
+    """Tensor-parallel degrees worth measuring: inside one node, dividing the devices
+    that pinned pipeline and data-parallel degrees leave (pp=2 on two devices leaves
+    none to split, so no sharding is searched)."""
     if constraints.tp is not None:
         return [constraints.tp] if constraints.tp > 1 else []
+    pinned = (constraints.effective_pp or 1) * (constraints.dp or 1)
     return [t for t in divisors(devices.devices_per_node)
-            if 1 < t <= devices.num_devices and devices.num_devices % t == 0]
+            if 1 < t <= devices.num_devices and devices.num_devices % (t * pinned) == 0]
 
 
 def tensor_parallel_links(devices: DeviceNumbers, degrees: list[int]) -> list:

@@ -456,7 +456,15 @@ def fused_kernel(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     draw dropout from a seed, again in backward, so they keep only that seed: the kernel
     is run without dropout, which keeps what they keep but two scalars, and counts the
     same products.
+
+    A mask that needs a gradient (T5's learned relative position bias, passed as
+    ``attn_mask``) is the exception: the fused CPU kernel cannot differentiate it, and
+    SDPA itself then takes the math path, which keeps the probabilities — so it is
+    measured on that path.
     """
+    if attn_mask is not None and attn_mask.requires_grad:
+        return torch.ops.aten._scaled_dot_product_attention_math(
+            query, key, value, attn_mask, 0.0, is_causal, scale=scale)[0]
     kernel = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
     return kernel(query, key, value, 0.0, is_causal, attn_mask=attn_mask, scale=scale)[0]
 

@@ -64,8 +64,10 @@ Every layer has a solution without pins (all replicated). CP-SAT runs under
 of equally good picks is returned). Layers with the same signature and boundary
 placements share one solve. A parameter that several layers use (a tied embedding) gets
 one placement for all of them: where the layers' picks disagree, each placement they
-picked is tried as a pin (2) on every layer, and the one with the smallest summed
-objective kept, one parameter at a time.
+picked, and ``Replicate()``, is tried as a pin (2) on every layer, and the one with the
+smallest summed objective kept among those every layer can meet, one parameter at a
+time. So the search never fails a plan: a layer whose search finds no pick in its time
+limit stays replicated (with a warning), and replicated meets every layer.
 """
 
 from __future__ import annotations
@@ -90,6 +92,10 @@ from .tp_rules import (NO_STRATEGY_OPS, ChunkHints, Collective, Strategy, divide
                        output_shape, redistribute, strategies)
 
 log = logging.getLogger("partc")
+
+
+class PinInfeasible(RuntimeError):
+    """No pick of a layer meets its pins (without pins, replicated always does)."""
 
 
 @dataclass(frozen=True)
@@ -190,21 +196,30 @@ def choose(gm: fx.GraphModule, tp: int, link: Link, *, sequence_parallel: bool =
     pins: dict[str, Placement] = {}
     # Solutions by layer key, shared by the trials: a pin changes only the keys of the
     # layers that use the pinned parameter.
-    cache: dict[tuple, tuple[list[int], int]] = {}
+    cache: dict[tuple, tuple[list[int], int] | None] = {}
 
-    def solve_all(pins: dict[str, Placement]) -> list[tuple[dict[fx.Node, int], int]]:
+    def solve_all(pins: dict[str, Placement]) -> list[tuple[dict[fx.Node, int], int]] | None:
         return _solve_all(problems, pins, prefer, options, cache)
 
     solved = solve_all(pins)
-    # A parameter several layers use has one placement: try each the layers chose.
+    if solved is None:  # cannot happen: with no pins every layer may stay replicated
+        raise RuntimeError("the sharding search found no pick without pins")
+    # A parameter several layers use has one placement: try each the layers chose, and
+    # replicated, which every layer can meet. A placement some layer cannot meet (a
+    # tied LM head whose sequence-parallel output cannot come from a vocabulary shard)
+    # is not a candidate.
     for fqn, placements in _disagreements(problems, solved).items():
         best = None
-        for placement in sorted(placements):
-            total = sum(cost for _, cost in solve_all({**pins, fqn: placement}))
+        for placement in sorted(placements | {REPLICATE}):
+            trial = solve_all({**pins, fqn: placement})
+            if trial is None:
+                continue
+            total = sum(cost for _, cost in trial)
             if best is None or total < best[0]:
-                best = (total, placement)
-        pins[fqn] = best[1]
-        solved = solve_all(pins)
+                best = (total, placement, trial)
+        if best is None:  # cannot happen: replicated meets every layer
+            raise RuntimeError(f"no placement of {fqn} meets every layer that reads it")
+        pins[fqn], solved = best[1], best[2]
     return _apply_choices(gm, result, problems, [c for c, _ in solved], grads)
 
 
@@ -296,15 +311,21 @@ class _LayerProblem:
 
 
 def _solve_all(problems: list[_LayerProblem], pins: dict[str, Placement], prefer: str,
-               options: ShardingOptions, cache: dict[tuple, tuple[list[int], int]]
-               ) -> list[tuple[dict[fx.Node, int], int]]:
-    """Every layer's pick (node → strategy index) and objective value under ``pins``."""
+               options: ShardingOptions, cache: dict[tuple, tuple[list[int], int] | None]
+               ) -> list[tuple[dict[fx.Node, int], int]] | None:
+    """Every layer's pick (node → strategy index) and objective value under ``pins``;
+    None where some layer cannot meet them."""
     solved = []
     for problem in problems:
         key = problem.signature_key(pins)
         if key not in cache:
-            choice, cost = _solve_layer(problem, pins, prefer, options)
-            cache[key] = ([choice[n] for n in problem.items], cost)
+            try:
+                choice, cost = _solve_layer(problem, pins, prefer, options)
+                cache[key] = ([choice[n] for n in problem.items], cost)
+            except PinInfeasible:
+                cache[key] = None
+        if cache[key] is None:
+            return None
         indices, cost = cache[key]
         solved.append((dict(zip(problem.items, indices)), cost))
     return solved
@@ -474,11 +495,32 @@ def _solve_layer(problem: _LayerProblem, pins: dict[str, Placement], prefer: str
     elif status == cp_model.INFEASIBLE:
         pinned = {fqn: str(p) for fqn, p in pins.items()
                   if any(problem.pin(n, {fqn: p}) is not None for n in problem.items)}
-        raise RuntimeError(f"layer {problem.info.name}: no strategy per node meets the "
-                           f"layer's boundary placements and pins {pinned}")
+        raise PinInfeasible(f"layer {problem.info.name}: no strategy per node meets the "
+                            f"layer's boundary placements and pins {pinned}")
     elif status != cp_model.OPTIMAL:
-        raise RuntimeError(f"layer {problem.info.name}: no sharding found in "
-                           f"{options.time_limit_s:.0f} s ({solver.status_name(status)})")
+        log.warning("layer %s: the sharding search found no pick in %.0f s (%s); the "
+                    "layer stays replicated", problem.info.name, options.time_limit_s,
+                    solver.status_name(status))
+        return _solve_replicated(problem, pins, prefer)
+    choice = {n: next(i for i, var in enumerate(layer.pick[n]) if solver.boolean_value(var))
+              for n in problem.items}
+    return choice, int(solver.objective_value)
+
+
+def _solve_replicated(problem: _LayerProblem, pins: dict[str, Placement], prefer: str
+                      ) -> tuple[dict[fx.Node, int], int]:
+    """The layer all replicated (its parameters as pinned), priced by the same model."""
+    layer = _LayerModel(problem, pins, prefer)
+    for node in problem.items:
+        if problem.pin(node, pins) is None:
+            index = next(i for i, s in enumerate(problem.options[node]) if s.out == REPLICATE)
+            layer.model.add(layer.pick[node][index] == 1)
+    solver = cp_model.CpSolver()
+    solver.parameters.num_workers = 1
+    status = solver.solve(layer.model)
+    if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
+        raise PinInfeasible(f"layer {problem.info.name}: replicated does not meet its "
+                            f"boundary placements and pins ({solver.status_name(status)})")
     choice = {n: next(i for i, var in enumerate(layer.pick[n]) if solver.boolean_value(var))
               for n in problem.items}
     return choice, int(solver.objective_value)

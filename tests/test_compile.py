@@ -137,6 +137,19 @@ def test_pins_reach_the_plan():
     assert set(plan.recompute.values()) == {"full"}
 
 
+def test_tensor_parallelism_is_measured_only_where_the_pinned_degrees_leave_devices():
+    from partc.compiler import device_numbers, tp_degrees
+
+    devices = device_numbers(partc.DeviceBudget(num_devices=4, device="CPU"), torch.float32)
+    assert tp_degrees(devices, partc.Constraints()) == [2, 4]
+    assert tp_degrees(devices, partc.Constraints(pp=2)) == [2]
+    # pp=2 and dp=2 on four devices leave no pair to split a layer over: no sharding
+    # search runs, so none can make the plan fail.
+    assert tp_degrees(devices, partc.Constraints(pp=2, dp=2)) == []
+    assert tp_degrees(devices, partc.Constraints(pp=4)) == []
+    assert tp_degrees(devices, partc.Constraints(pp=4, tp=1)) == []
+
+
 def test_save_round_trips_plan_and_report(tmp_path):
     program = partc.compile(gpt_tiny(), (torch.zeros(2, 16, dtype=torch.long),),
                             loss_fn=loss_fn,

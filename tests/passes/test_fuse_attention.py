@@ -236,3 +236,39 @@ def test_a_models_own_causal_mask_becomes_is_causal() -> None:
     mask = SEQ * SEQ
     assert _saved(written) - _saved(fused) == mask
     assert _layer0(written).saved_bytes["none"] == _layer0(fused).saved_bytes["none"]
+
+
+class LearnedBias(nn.Module):
+    """Attention whose additive mask is a parameter (T5's relative position bias)."""
+
+    def __init__(self, width: int = 16, heads: int = 2) -> None:
+        super().__init__()
+        self.heads = heads
+        self.qkv = nn.Linear(width, 3 * width)
+        self.bias = nn.Parameter(torch.randn(1, heads, SEQ, SEQ))
+        self.out = nn.Linear(width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, width = x.shape
+        q, k, v = self.qkv(x).view(b, s, 3, self.heads, -1).permute(2, 0, 3, 1, 4)
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=self.bias, scale=1.0)
+        return self.out(y.transpose(1, 2).reshape(b, s, width))
+
+
+def test_a_mask_that_needs_a_gradient_is_measured_on_the_math_path() -> None:
+    """The fused CPU kernel cannot differentiate its mask; SDPA then runs the math path,
+    and the estimate measures that one: the same values and gradients, and the model
+    analyses (it failed with "not differentiable with respect to argument 'attn_mask'")."""
+    from partc.passes.fuse_attention import fused_kernel
+
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(BATCH, 2, SEQ, 8, requires_grad=True) for _ in range(3))
+    bias = torch.randn(1, 2, SEQ, SEQ, requires_grad=True)
+    ours = fused_kernel(q, k, v, attn_mask=bias, scale=1.0)
+    (ours_grad,) = torch.autograd.grad(ours.square().sum(), bias)
+    theirs = F.scaled_dot_product_attention(q, k, v, attn_mask=bias, scale=1.0)
+    (theirs_grad,) = torch.autograd.grad(theirs.square().sum(), bias)
+    torch.testing.assert_close(ours, theirs)
+    torch.testing.assert_close(ours_grad, theirs_grad)
+    _, analysis = analyze(LearnedBias(), (torch.randn(BATCH, SEQ, 16),), full_trace=True)
+    assert analysis.layers

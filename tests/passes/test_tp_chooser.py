@@ -200,3 +200,74 @@ def objective(problem: tp_chooser._LayerProblem, pick: dict[fx.Node, int],
                  if prefer == "time" or len(n.meta["val"].shape) >= 2)
     assert all(s.out != PARTIAL for n, s in strategy.items() if n.op == "get_attr")
     return memory * 10**12 + time_ps if prefer == "memory" else time_ps * 1000 + memory
+
+
+def tied_layers(rows: int = 64, width: int = 3, batch: int = 4, seq: int = 8
+                ) -> fx.GraphModule:
+    """One parameter ``w`` (rows x width) read by two layers: "head", ``linear(x, w)``,
+    which can split only by rows (``width`` is odd: no row-parallel form), and "scaled",
+    ``w * 2``, which can split only along ``width`` (so not at all)."""
+    root = nn.Module()
+    root.w = nn.Parameter(torch.empty(rows, width))
+    graph = fx.Graph()
+
+    def node(made: fx.Node, value: torch.Tensor, layer: str | None = None,
+             cost: meta.NodeCost | None = None) -> fx.Node:
+        made.meta["val"] = value.to("meta")
+        meta.set_tensors(made, (meta.TensorInfo.of(made.meta["val"]),))
+        if layer is not None:
+            meta.set_layer(made, meta.LayerRef(["head", "scaled"].index(layer), layer))
+        if made.op == "get_attr":
+            meta.set_params(made, (made.target,))
+        if cost is not None:
+            meta.set_cost(made, cost)
+        return made
+
+    x = node(graph.placeholder("x"), torch.empty(batch, seq, width))
+    w = node(graph.get_attr("w"), torch.empty(rows, width), "head")
+    tokens = batch * seq
+    logits = node(graph.call_function(F.linear, (x, w)), torch.empty(batch, seq, rows),
+                  "head", meta.NodeCost(flops=2.0 * tokens * width * rows,
+                                        bytes_moved=4.0 * tokens * (width + rows),
+                                        compute_heavy=True, is_view=False,
+                                        output_bytes=4.0 * tokens * rows, saved_bytes=0.0,
+                                        weight_bytes=4.0 * width * rows))
+    w_again = node(graph.get_attr("w"), torch.empty(rows, width), "scaled")
+    scaled = node(graph.call_function(torch.mul, (w_again, 2.0)), torch.empty(rows, width),
+                  "scaled")
+    graph.output((logits, scaled))
+    gm = fx.GraphModule(root, graph)
+    meta.set_layers(gm, tuple(
+        meta.LayerInfo(index=i, name=name, key=name, signature=name, nodes=nodes)
+        for i, (name, nodes) in enumerate([("head", ("w", "linear")),
+                                           ("scaled", ("w_1", "mul"))])))
+    return gm
+
+
+def test_a_shared_parameter_takes_a_placement_every_layer_can_meet():
+    # Alone, "head" splits w by rows and "scaled" keeps it whole; w by rows is a pin
+    # "scaled" cannot meet, so the shared placement is the one both can: replicated.
+    gm = tied_layers()
+    alone = {layer.name: layer.params for layer in choose(gm, 2, FAST_LINK).layers}
+    problems = tp_chooser._layer_problems(gm, 2, FAST_LINK, False)[1]
+    firsts = [tp_chooser._solve_layer(p, {}, "time", ShardingOptions())[0] for p in problems]
+    assert {str(problems[i].options[n][c].out) for i in (0, 1)
+            for n, c in firsts[i].items() if n.op == "get_attr"} == {"Shard(0)", "Replicate()"}
+    with pytest.raises(tp_chooser.PinInfeasible, match="layer scaled"):
+        tp_chooser._solve_layer(problems[1], {"w": Shard(0)}, "time", ShardingOptions())
+    assert alone == {"head": (("w", "Replicate()"),), "scaled": (("w", "Replicate()"),)}
+
+
+def test_a_layer_whose_search_finds_nothing_in_time_stays_replicated(monkeypatch):
+    limit = ShardingOptions(time_limit_s=7.0)
+
+    class OutOfTime(tp_chooser.cp_model.CpSolver):
+        def solve(self, model, *args):
+            if self.parameters.max_time_in_seconds == limit.time_limit_s:
+                return tp_chooser.cp_model.UNKNOWN
+            return super().solve(model, *args)
+
+    monkeypatch.setattr(tp_chooser.cp_model, "CpSolver", OutOfTime)
+    sharding = choose(mlp_layer(), 2, FAST_LINK, options=limit)
+    assert {out for _, out in picked(sharding).values()} == {"Replicate()"}
+    assert sharding.layers[0].collectives == ()

@@ -110,6 +110,29 @@ def test_elementwise_ops_keep_shared_shards_and_broadcast_dims_replicated():
     assert all(s.out != P for s in strategies(y, 2, ChunkHints()))  # x * scale is bilinear
 
 
+def test_logits_keep_their_vocabulary_shard_through_scales_caps_and_biases():
+    """After a column-parallel LM head: Cohere's ``logits * scale``, Gemma-2's
+    ``tanh(logits / cap) * cap`` and BART's ``logits + final_logits_bias`` (1, vocab),
+    as fx and as torch.export write them, keep the shard of the vocabulary dim."""
+    aten = torch.ops.aten
+    for mul, div, tanh, add in [(operator.mul, operator.truediv, torch.tanh, operator.add),
+                                (aten.mul.Tensor, aten.div.Tensor, aten.tanh.default,
+                                 aten.add.Tensor)]:
+        g = Builder()
+        x, w, bias = g.input("x", 4, 8, 16), g.param("w", 32, 16), g.param("bias", 1, 32)
+        logits = g.call(F.linear, x, w)
+        assert ("column-parallel", Shard(2), (R, Shard(0))) in \
+            placements(strategies(logits, 2, ChunkHints()))
+        scaled = g.call(mul, logits, 0.0625)
+        capped = g.call(mul, g.call(tanh, g.call(div, scaled, 30.0)), 30.0)
+        biased = g.call(add, capped, bias)
+        for node in (scaled, capped, capped.args[0], capped.args[0].args[0]):
+            assert ("shard dim 2", Shard(2), (Shard(2),)) in \
+                placements(strategies(node, 2, ChunkHints()))
+        assert ("shard dim 2", Shard(2), (Shard(2), Shard(1))) in \
+            placements(strategies(biased, 2, ChunkHints()))
+
+
 def test_an_op_without_a_rule_stays_replicated():
     g = Builder()
     x = g.input("x", 4, 8, 16)
