@@ -62,12 +62,15 @@ Constraints
 Every layer has a solution without pins (all replicated). CP-SAT runs under
 :class:`partc.options.ShardingOptions` (time limit, workers, seed; the seed settles which
 of equally good picks is returned). Layers with the same signature and boundary
-placements share one solve. A parameter that several layers use (a tied embedding) gets
-one placement for all of them: where the layers' picks disagree, each placement they
-picked, and ``Replicate()``, is tried as a pin (2) on every layer, and the one with the
-smallest summed objective kept among those every layer can meet, one parameter at a
-time. So the search never fails a plan: a layer whose search finds no pick in its time
-limit stays replicated (with a warning), and replicated meets every layer.
+placements share one solve, their nodes matched in one order (a parameter just before
+its first consumer, whether the layer fetches it itself or reads one fetched in an
+earlier layer, as the later calls of a module called from several layers do). A
+parameter that several layers use (a tied embedding) gets one placement for all of them:
+where the layers' picks disagree, each placement they picked, and ``Replicate()``, is
+tried as a pin (2) on every layer, and the one with the smallest summed objective kept
+among those every layer can meet, one parameter at a time (until none disagree). So the
+search never fails a plan: a layer whose search finds no pick in its time limit stays
+replicated (with a warning), and replicated meets every layer.
 """
 
 from __future__ import annotations
@@ -207,8 +210,11 @@ def choose(gm: fx.GraphModule, tp: int, link: Link, *, sequence_parallel: bool =
     # A parameter several layers use has one placement: try each the layers chose, and
     # replicated, which every layer can meet. A placement some layer cannot meet (a
     # tied LM head whose sequence-parallel output cannot come from a vocabulary shard)
-    # is not a candidate.
-    for fqn, placements in _disagreements(problems, solved).items():
+    # is not a candidate. A pin can move other parameters' picks: a parameter the layers
+    # come to disagree on after one is settled in its turn.
+    unsettled = _disagreements(problems, solved)
+    while unsettled:
+        fqn, placements = next(iter(unsettled.items()))
         best = None
         for placement in sorted(placements | {REPLICATE}):
             trial = solve_all({**pins, fqn: placement})
@@ -220,6 +226,10 @@ def choose(gm: fx.GraphModule, tp: int, link: Link, *, sequence_parallel: bool =
         if best is None:  # cannot happen: replicated meets every layer
             raise RuntimeError(f"no placement of {fqn} meets every layer that reads it")
         pins[fqn], solved = best[1], best[2]
+        del unsettled[fqn]
+        for other, seen in _disagreements(problems, solved).items():
+            if other not in pins:
+                unsettled.setdefault(other, set()).update(seen)
     return _apply_choices(gm, result, problems, [c for c, _ in solved], grads)
 
 
@@ -283,11 +293,22 @@ class _LayerProblem:
         self.items = [n for n in nodes if n in self.options] + \
             [a for a in params if a not in members]
         self.computed = computed
+        # The items in an order that is the same for every layer of one signature: each
+        # parameter just before its first consumer, wherever its get_attr is (a layer's
+        # own parameter comes first in ``items``, one fetched elsewhere last). Solutions
+        # are shared between such layers in this order.
+        rank: dict[fx.Node, tuple[int, int, int]] = {}
+        for i, n in enumerate(computed):
+            for position, a in enumerate(tensor_inputs(n)):
+                if a.op == "get_attr":
+                    rank.setdefault(a, (i, 0, position))
+            rank[n] = (i, 1, 0)
+        self.canonical = sorted(self.items, key=rank.__getitem__)
 
     def signature_key(self, pins: dict[str, Placement]) -> tuple:
         """All this layer's solution depends on: its signature, the pins on its
         parameters, the placements its inputs arrive in and its outputs leave in."""
-        pinned = tuple(str(pins.get(meta.params(a)[0], "")) for a in self.items
+        pinned = tuple(str(pins.get(meta.params(a)[0], "")) for a in self.canonical
                        if a.op == "get_attr" and meta.params(a))
         ends = tuple(str(self.boundary.get(a, REPLICATE)) for n in self.computed
                      for a in tensor_inputs(n) if a not in self.members and a.op != "get_attr")
@@ -321,13 +342,13 @@ def _solve_all(problems: list[_LayerProblem], pins: dict[str, Placement], prefer
         if key not in cache:
             try:
                 choice, cost = _solve_layer(problem, pins, prefer, options)
-                cache[key] = ([choice[n] for n in problem.items], cost)
+                cache[key] = ([choice[n] for n in problem.canonical], cost)
             except PinInfeasible:
                 cache[key] = None
         if cache[key] is None:
             return None
         indices, cost = cache[key]
-        solved.append((dict(zip(problem.items, indices)), cost))
+        solved.append((dict(zip(problem.canonical, indices)), cost))
     return solved
 
 
@@ -536,7 +557,13 @@ def _apply_choices(gm: fx.GraphModule, result: Sharding, problems: list[_LayerPr
     param_edges: dict[int, list[fx.Node]] = {}
     for problem, choice in zip(problems, picked):
         for node, index in choice.items():
-            result.strategy[node] = problem.options[node][index]
+            chosen = problem.options[node][index]
+            # A parameter read in several layers has one placement for all its reads.
+            if node in result.strategy and result.strategy[node].out != chosen.out:
+                raise ValueError(f"layer {problem.info.name}: parameter {node.name} is "
+                                 f"{chosen.out} here, {result.strategy[node].out} in an "
+                                 f"earlier layer")
+            result.strategy[node] = chosen
     for problem, choice in zip(problems, picked):
         collectives, seen = [], set()
         for v in problem.computed:
