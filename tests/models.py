@@ -129,6 +129,26 @@ class CalledTwice(nn.Module):
         return self.shared(self.middle(self.shared(x)))
 
 
+class SharedEmbedding(nn.Module):
+    """One position embedding read before every block (a module called from several
+    layers): its weight's get_attr sits in the first reader's layer, the other readers
+    fetch it from there."""
+
+    def __init__(self, vocab: int = 128, seq: int = 16, depth: int = 4) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, seq)
+        self.position = nn.Embedding(seq, seq)
+        self.blocks = nn.ModuleList(nn.Linear(seq, seq) for _ in range(depth))
+        self.head = nn.Linear(seq, vocab)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        positions = torch.arange(ids.shape[1], device=ids.device).expand_as(ids)
+        h = self.embed(ids)
+        for block in self.blocks:
+            h = torch.tanh(block(h + self.position(positions)))
+        return self.head(h)
+
+
 class Flat(nn.Module):
     """No submodules: every op at the root, so only graph cuts can split it."""
 

@@ -243,6 +243,10 @@ CASES["normed-tp2"] = Case(lambda: models.Normed(width=16, depth=2, d_out=16), "
 # Integers, a stride-0 mask and transposed activations cross the stage boundary.
 CASES["handoff-pp2"] = Case(models.Handoff, "tokens", gpt.loss_fn,
                             dict(pp=2, tp=1, schedule="1f1b", recompute="none"))
+# A parameter read by several layers, tensor-parallel: one placement for every read.
+CASES["shared-embedding-tp2"] = Case(models.SharedEmbedding, "tokens", gpt.loss_fn,
+                                     dict(pp=1, tp=2, tp_objective="memory",
+                                          recompute="none"))
 
 # Hugging Face families from tiny configs (tests/hf_families.py), as users bring them:
 # benchmarks/hf_coverage.py runs every one; the suite runs a few.
