@@ -150,8 +150,12 @@ def prove(model: nn.Module, repeats: tuple[Repeat, ...], example: tuple[tuple, d
     full = repeats[0].recording if repeats else None
     if full is None:
         raise Mismatch("the forward was not recorded: nothing proves the blocks equal")
-    with shrunk(model, repeats):
-        short = segments.record(model, full.containers, *example)
+    try:
+        with shrunk(model, repeats):
+            short = segments.record(model, full.containers, *example)
+    except Exception as error:  # the model's own code refuses fewer blocks
+        raise Mismatch(f"the forward fails with fewer blocks ({type(error).__name__}: "
+                       f"{error})") from error
     by_name = {repeat.container: repeat for repeat in repeats}
     stands = [by_name[name].stands_for if name in by_name else None
               for name in full.containers]
