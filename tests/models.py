@@ -129,6 +129,18 @@ class CalledTwice(nn.Module):
         return self.shared(self.middle(self.shared(x)))
 
 
+class CalledTwiceInARow(nn.Module):
+    """The model's one module applied twice, a ReLU between: no other module, so graph
+    cuts make the layers, and both read the same weight and bias."""
+
+    def __init__(self, width: int = 8) -> None:
+        super().__init__()
+        self.shared = nn.Linear(width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.shared(torch.relu(self.shared(x)))
+
+
 class Flat(nn.Module):
     """No submodules: every op at the root, so only graph cuts can split it."""
 
