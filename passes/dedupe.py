@@ -15,14 +15,23 @@ Steps (``partc.passes.pipeline.analyze`` runs them):
    attributes and training flag, parameter and buffer names, shapes, dtypes and devices,
    hooks. An int attribute equal to the block's position plus a constant (``layer_idx``)
    is a label and ignored. Blocks that share a tensor or a module with anything else are
-   never dropped.
+   never dropped. Given the example inputs, the forward is recorded on fakes
+   (:mod:`partc.passes.segments`) and blocks whose *segment* (the block's calls and the
+   model's code after it, up to the next block) runs other code are of other kinds.
 2. Representatives: when the kinds repeat with a period ``p`` (uniform stacks: 1;
    alternating attention: 2), the first two periods and the last period, so every kept
    block stays in the phase it had; otherwise the first two blocks of each kind and the
    last block. Every other block stands with the second kept block of its kind. The last
    block is always kept as itself, so the last representative is the last block.
 3. :func:`shrunk` swaps each container's children for the representatives (renumbered
-   ``0 .. k-1``, as a shorter list would be) and always puts them back.
+   ``0 .. k-1``, as a shorter list would be) and always puts them back. :func:`prove`
+   records the shrunk model's forward and raises :class:`Mismatch` unless it runs, around
+   each kept block, what the whole model runs around every block that block stands for,
+   and the same code before the blocks: ops, arguments, shapes, dtypes and wiring (a
+   value read from the previous block, from before the stack, or from a parameter of the
+   block itself). The model's own loop can treat a block by its index (``if i == 4``),
+   or hand it a value by its index (``masks[config.layer_types[i]]``); a shorter model
+   then runs something else, and the copies would be guesses.
 4. :func:`plan_expansion` checks the traced model against what the copies assume, and
    raises :class:`Mismatch` (``analyze`` then traces the whole model) unless: each kept
    block is one layer, in order, consecutive; a block uses only its own parameters,
