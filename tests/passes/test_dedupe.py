@@ -358,3 +358,22 @@ def test_the_skip_after_the_fifth_block_builds_under_tensor_parallelism():
         constraints=partc.Constraints(pp=1, dp=1, tp=2))
     assert program.plan.tensor_parallel is not None
     assert "blocks.4" in program.code()["stage_0.py"]
+
+
+def test_gemma3_hands_each_layer_its_mask_by_index():
+    """Gemma-3 picks each layer's mask and rotary table by the loop's index
+    (``layer_types[i]``): five sliding-window layers and a global one, whose class and
+    parameters are alike. A shorter model hands the last kept layer a sliding mask, so the
+    copies would miss the global mask and table crossing into it (the plan predicted 4
+    sends per microbatch under pp=2, the program made 7): the whole model is traced."""
+    from tests.hf_families import _DECODER, Family
+
+    family = Family("Gemma3TextConfig", "Gemma3ForCausalLM", "tokens",
+                    dict(_DECODER, head_dim=16, sliding_window=8, num_hidden_layers=6))
+    ids = torch.randint(1, 128, (2, 16))
+    example = ((ids,), {})
+    repeats = dedupe.find_repeats(family.build(), example)
+    with pytest.raises(dedupe.Mismatch, match="model.layers.5"):
+        dedupe.prove(family.build(), repeats, example)
+    (_, full), (_, analysis) = traced_both_ways(family.build, ids, loss_fn=models.causal_lm_loss)
+    assert_same_analysis(analysis, full)
