@@ -102,7 +102,7 @@ def split(gm: fx.GraphModule, stages: Sequence[Sequence[str]]) -> list[StageGrap
                 crossing[boundary].append(node)
         elif used > made:
             _check_constant(node)
-    keys = _expression_keys(nodes)
+    keys = _expression_keys(gm, nodes)
     position = {node: i for i, node in enumerate(nodes)}
     for values in crossing:
         values.sort(key=lambda node: (keys[node], position[node]))
@@ -121,8 +121,10 @@ def split(gm: fx.GraphModule, stages: Sequence[Sequence[str]]) -> list[StageGrap
     return result
 
 
-def _expression_keys(nodes: list[fx.Node]) -> dict[fx.Node, str]:
-    """Per node, a digest of what it computes, independent of names and trace order."""
+def _expression_keys(gm: fx.GraphModule, nodes: list[fx.Node]) -> dict[fx.Node, str]:
+    """Per node, a digest of what it computes, independent of names and trace order:
+    parameters and buffers by FQN, and what tracers name by count (a nested graph's
+    ``submod_1``, a lifted constant's ``lifted_tensor_0``) by content."""
     keys: dict[fx.Node, str] = {}
     inputs = 0
 
@@ -140,13 +142,30 @@ def _expression_keys(nodes: list[fx.Node]) -> dict[fx.Node, str]:
             what: Any = ("input", inputs)
             inputs += 1
         elif node.op == "get_attr":
-            what = ("attr", str(node.target))
+            what = _attribute_key(gm, node)
         else:
             target = node.target if isinstance(node.target, str) else \
                 getattr(node.target, "__qualname__", None) or str(node.target)
             what = (node.op, str(target), arg(node.args), arg(node.kwargs))
         keys[node] = hashlib.sha1(repr(what).encode()).hexdigest()
     return keys
+
+
+def _attribute_key(gm: fx.GraphModule, node: fx.Node) -> Any:
+    value: Any = gm
+    for part in str(node.target).split("."):
+        value = getattr(value, part, None)
+    if isinstance(value, fx.GraphModule):
+        nodes = list(value.graph.nodes)
+        return ("graph", _expression_keys(value, nodes)[nodes[-1]])
+    if meta.params(node):
+        return ("param", meta.params(node)[0])
+    if isinstance(value, torch.Tensor):
+        small = value.numel() <= 4096 and value.device.type != "meta"
+        content = hashlib.sha1(value.detach().cpu().contiguous().view(-1).view(torch.uint8)
+                               .numpy().tobytes()).hexdigest() if small else ""
+        return ("tensor", tuple(value.shape), str(value.dtype), content)
+    return ("attribute", str(node.target))
 
 
 def _check_layers(infos: Sequence[meta.LayerInfo], stages: Sequence[Sequence[str]]) -> None:
