@@ -180,3 +180,41 @@ def test_values_are_sent_in_an_order_every_trace_agrees_on():
                      for name in first.sends])
     assert sorted(sent[0]) == ["cos", "mul", "sin"]
     assert sent[0] == sent[1]  # in graph order: ["cos", "sin", "mul"], ["sin", "cos", "mul"]
+
+
+def _call(sub: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    return sub(x)
+
+
+def _nested(first: str, second: str) -> tuple[torch.fx.GraphModule, list[torch.fx.Node]]:
+    """A graph calling two nested graphs named ``submod_1`` and ``submod_3`` (as export
+    names grad-mode regions, in trace order) that compute ``first`` and ``second``."""
+    root = torch.nn.Module()
+    for name, op in (("submod_1", first), ("submod_3", second)):
+        setattr(root, name, torch.fx.symbolic_trace(_Unary(op)))
+    graph = torch.fx.Graph()
+    x = graph.placeholder("x")
+    calls = [graph.call_function(_call, (graph.get_attr(name), x))
+             for name in ("submod_1", "submod_3")]
+    graph.output(tuple(calls))
+    return torch.fx.GraphModule(root, graph), calls
+
+
+class _Unary(torch.nn.Module):
+    def __init__(self, op: str) -> None:
+        super().__init__()
+        self.op = op
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.cos(x) if self.op == "cos" else torch.sin(x)
+
+
+def test_nested_graphs_are_told_apart_by_what_they_compute_not_their_names():
+    from partc.passes.split import _expression_keys
+
+    gm, (cos, sin) = _nested("cos", "sin")
+    swapped, (sin_too, cos_too) = _nested("sin", "cos")
+    keys = _expression_keys(gm, list(gm.graph.nodes))
+    other = _expression_keys(swapped, list(swapped.graph.nodes))
+    assert keys[cos] == other[cos_too] and keys[sin] == other[sin_too]
+    assert keys[cos] != keys[sin]
