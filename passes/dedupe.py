@@ -15,14 +15,23 @@ Steps (``partc.passes.pipeline.analyze`` runs them):
    attributes and training flag, parameter and buffer names, shapes, dtypes and devices,
    hooks. An int attribute equal to the block's position plus a constant (``layer_idx``)
    is a label and ignored. Blocks that share a tensor or a module with anything else are
-   never dropped.
+   never dropped. Given the example inputs, the forward is recorded on fakes
+   (:mod:`partc.passes.segments`) and blocks whose *segment* (the block's calls and the
+   model's code after it, up to the next block) runs other code are of other kinds.
 2. Representatives: when the kinds repeat with a period ``p`` (uniform stacks: 1;
    alternating attention: 2), the first two periods and the last period, so every kept
    block stays in the phase it had; otherwise the first two blocks of each kind and the
    last block. Every other block stands with the second kept block of its kind. The last
    block is always kept as itself, so the last representative is the last block.
 3. :func:`shrunk` swaps each container's children for the representatives (renumbered
-   ``0 .. k-1``, as a shorter list would be) and always puts them back.
+   ``0 .. k-1``, as a shorter list would be) and always puts them back. :func:`prove`
+   records the shrunk model's forward and raises :class:`Mismatch` unless it runs, around
+   each kept block, what the whole model runs around every block that block stands for,
+   and the same code before the blocks: ops, arguments, shapes, dtypes and wiring (a
+   value read from the previous block, from before the stack, or from a parameter of the
+   block itself). The model's own loop can treat a block by its index (``if i == 4``),
+   or hand it a value by its index (``masks[config.layer_types[i]]``); a shorter model
+   then runs something else, and the copies would be guesses.
 4. :func:`plan_expansion` checks the traced model against what the copies assume, and
    raises :class:`Mismatch` (``analyze`` then traces the whole model) unless: each kept
    block is one layer, in order, consecutive; a block uses only its own parameters,
@@ -55,6 +64,7 @@ from torch import fx, nn
 from partc import meta
 from partc.problem import ModelAnalysis, TPOption
 
+from . import segments
 from .graph import carries_grad, op_name, param_usage
 from .layers import crossing_users, cut_counts, cut_sums, is_repeated
 
@@ -72,6 +82,8 @@ class Repeat:
     kept: tuple[int, ...]        # the representatives' block indices, in order
     stands_for: tuple[int, ...]  # per block: the position in ``kept`` of its representative
     kinds: tuple[int, ...]       # per kept position: its kind (equal numbers, equal blocks)
+    recording: segments.Recording | None = dataclasses.field(
+        default=None, compare=False, repr=False)  # the whole model's forward, for prove
 
     def prefix(self, index: int) -> str:
         """FQN of block (or traced position) ``index``."""
@@ -80,28 +92,111 @@ class Repeat:
 
 # ------------------------------------------------------------------------ finding blocks
 
-def find_repeats(model: nn.Module) -> tuple[Repeat, ...]:
-    """The containers worth shrinking, with their representatives (none: trace it all)."""
+def find_repeats(model: nn.Module, example: tuple[tuple, dict] | None = None
+                 ) -> tuple[Repeat, ...]:
+    """The containers worth shrinking, with their representatives (none: trace it all).
+
+    ``example``: the forward's ``(args, kwargs)``. With it the forward is recorded
+    (:mod:`partc.passes.segments`) and blocks that run different code, or sit in different
+    code, are of different kinds; :func:`prove` then needs the recording, kept on each
+    repeat. Without it, kinds are structural only and nothing can be proven."""
     modules = list(model.named_modules(remove_duplicate=False))
     containers = {name for name, module in modules if is_repeated(module)}
     owners: Counter = Counter(id(module) for _, module in modules)
     tensors: Counter = Counter(id(t) for t in _all_tensors(model))
-    repeats = []
+    candidates = []
     for name, module in modules:
         if name not in containers or _inside(name, containers):
             continue
         if not isinstance(module, (nn.ModuleList, nn.Sequential)):
             continue  # a custom container may read its children other than by iterating
         blocks = list(module.children())
-        if len(blocks) < 4 or not all(_private(b, owners, tensors) for b in blocks):
-            continue
+        if len(blocks) >= 4 and all(_private(b, owners, tensors) for b in blocks):
+            candidates.append((name, blocks))
+    if not candidates:
+        return ()
+    recording = None
+    if example is not None:
+        recording = segments.record(model, tuple(name for name, _ in candidates), *example)
+    repeats = []
+    for number, (name, blocks) in enumerate(candidates):
         kinds = _kinds(blocks)
+        if recording is not None:
+            kinds = _refined(kinds, [recording.describe((number, b), _absolute)
+                                     for b in range(len(blocks))])
         kept, stands_for = _representatives(kinds)
         if len(kept) < len(blocks):
             repeats.append(Repeat(container=name, size=len(blocks), kept=tuple(kept),
                                   stands_for=tuple(stands_for),
-                                  kinds=tuple(kinds[b] for b in kept)))
+                                  kinds=tuple(kinds[b] for b in kept), recording=recording))
     return tuple(repeats)
+
+
+def _absolute(container: int, position: int) -> int:
+    return position
+
+
+def _refined(kinds: list[int], code: list[tuple]) -> list[int]:
+    """Kinds split by the code each block's segment runs. The first and the last block
+    stand only for themselves (their segments read the stack's input, or hold the code
+    after it): they take the kind of the first block between of their structure."""
+    numbers: dict[tuple, int] = {}
+    refined = list(kinds)
+    for block in range(1, len(kinds) - 1):
+        refined[block] = numbers.setdefault((kinds[block], code[block]), len(numbers))
+    for block in (0, len(kinds) - 1):
+        like = [refined[b] for b in range(1, len(kinds) - 1) if kinds[b] == kinds[block]]
+        refined[block] = like[0] if like else numbers.setdefault((kinds[block], block),
+                                                                 len(numbers))
+    return refined
+
+
+def prove(model: nn.Module, repeats: tuple[Repeat, ...], example: tuple[tuple, dict]) -> None:
+    """Raise :class:`Mismatch` unless the shrunk model runs what the whole model runs
+    around every block it keeps, and the whole model runs around every other block what
+    it runs around the block standing for it: code before, between and after the blocks,
+    wiring included (:mod:`partc.passes.segments`)."""
+    full = repeats[0].recording if repeats else None
+    if full is None:
+        raise Mismatch("the forward was not recorded: nothing proves the blocks equal")
+    try:
+        with shrunk(model, repeats):
+            short = segments.record(model, full.containers, *example)
+    except Exception as error:  # the model's own code refuses fewer blocks
+        raise Mismatch(f"the forward fails with fewer blocks ({type(error).__name__}: "
+                       f"{error})") from error
+    by_name = {repeat.container: repeat for repeat in repeats}
+    stands = [by_name[name].stands_for if name in by_name else None
+              for name in full.containers]
+
+    def rep(container: int, position: int) -> int:
+        return stands[container][position] if stands[container] else position
+
+    sizes = [len(model.get_submodule(name)._modules) for name in full.containers]
+    kept = [len(by_name[name].kept) if name in by_name else size
+            for name, size in zip(full.containers, sizes)]
+    if not _in_order(full.entered, sizes) or not _in_order(short.entered, kept):
+        raise Mismatch("the blocks do not run once each, in order")
+    if full.describe(segments.PREFIX, rep) != short.describe(segments.PREFIX, _absolute):
+        raise Mismatch("the code before the blocks runs differently with fewer blocks")
+    for container, position in full.entered:
+        mine = full.describe((container, position), rep)
+        if mine != short.describe((container, rep(container, position)), _absolute):
+            name = full.containers[container]
+            raise Mismatch(f"block {name + '.' if name else ''}{position} and the code "
+                           "around it run differently from the block standing for it")
+
+
+def _in_order(entered: list[tuple[int, int]], sizes: list[int]) -> bool:
+    """Each container's blocks entered once each, in order, one container after another."""
+    runs: list[tuple[int, list[int]]] = []
+    for container, position in entered:
+        if not runs or runs[-1][0] != container:
+            runs.append((container, []))
+        runs[-1][1].append(position)
+    seen = [container for container, _ in runs]
+    return len(seen) == len(set(seen)) == len(sizes) and all(
+        positions == list(range(sizes[container])) for container, positions in runs)
 
 
 def _inside(name: str, containers: set[str]) -> bool:

@@ -219,9 +219,17 @@ def analyze(model: nn.Module, example_inputs: Any, *, loss_fn: Callable | None =
 
     if full_trace is None:
         full_trace = os.environ.get("PARTC_FULL_TRACE") == "1"
-    repeats = () if full_trace else dedupe.find_repeats(model)
+    example = (example_inputs if isinstance(example_inputs, tuple) else (example_inputs,),
+               dict(kwargs or {}))
+    try:
+        repeats = () if full_trace else dedupe.find_repeats(model, example)
+    except Exception as error:  # the forward did not run eagerly on fakes: trace it all
+        log.warning("tracing the whole model, every block (recording its forward: %s: %s)",
+                    type(error).__name__, error)
+        repeats = ()
     if repeats:
         try:
+            dedupe.prove(model, repeats, example)
             return _analyze_blocks(model, repeats, front)
         except Exception as error:  # any failure: the whole model, as without repeats
             # Under PARTC_VERIFY (tests) an error other than a refused expansion or a

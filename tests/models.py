@@ -149,6 +149,18 @@ class SharedEmbedding(nn.Module):
         return self.head(h)
 
 
+class CalledTwiceInARow(nn.Module):
+    """The model's one module applied twice, a ReLU between: no other module, so graph
+    cuts make the layers, and both read the same weight and bias."""
+
+    def __init__(self, width: int = 8) -> None:
+        super().__init__()
+        self.shared = nn.Linear(width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.shared(torch.relu(self.shared(x)))
+
+
 class Flat(nn.Module):
     """No submodules: every op at the root, so only graph cuts can split it."""
 
@@ -279,3 +291,38 @@ class HandoffBlock(nn.Module):
                 mask: torch.Tensor) -> torch.Tensor:
         h = h.transpose(1, 2) + self.position(positions)
         return (torch.tanh(self.linear(h)) * mask).transpose(1, 2)
+
+
+class Residual(nn.Module):
+    """An MLP block with its residual: ``x + fc2(relu(fc1(x)))``."""
+
+    def __init__(self, width: int = 8) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(width, 2 * width)
+        self.fc2 = nn.Linear(2 * width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.fc2(torch.relu(self.fc1(x)))
+
+
+class SkipAfterFifth(nn.Module):
+    """Eight like MLP blocks; after the fifth, the model's own loop adds the second
+    block's output back (``x = x + skip``). The blocks are alike, the code around them
+    is not: the add joins the fifth block's layer."""
+
+    def __init__(self, width: int = 8, depth: int = 8) -> None:
+        super().__init__()
+        self.stem = nn.Linear(width, width)
+        self.blocks = nn.ModuleList(Residual(width) for _ in range(depth))
+        self.head = nn.Linear(width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.stem(x)
+        skip = x
+        for index, block in enumerate(self.blocks):
+            x = block(x)
+            if index == 1:
+                skip = x
+            if index == 4:
+                x = x + skip
+        return self.head(x)

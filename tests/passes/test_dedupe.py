@@ -7,6 +7,7 @@ import pytest
 import torch
 from torch import nn
 
+import partc
 from partc import meta
 from partc.collectives import Group
 from partc.passes import dedupe
@@ -210,7 +211,7 @@ def test_a_mismatch_traces_the_whole_model_and_says_why(caplog):
     build = lambda: Collects([Mlp(8, 8) for _ in range(5)], 8, 8)  # noqa: E731
     with caplog.at_level(logging.WARNING, logger="partc"):
         (_, full), (gm, analysis) = traced_both_ways(build, torch.randn(2, 8))
-    assert "used beyond the next layer" in caplog.text
+    assert "block blocks.4 and the code around it run differently" in caplog.text
     assert len(meta.layers(gm)) == len(analysis.layers)
     assert meta.layers(gm)[0].name == "stem"
     assert_same_analysis(analysis, full)
@@ -230,7 +231,7 @@ def test_a_failed_shorter_trace_restores_the_blocks_and_traces_them_all(caplog):
     blocks = list(model.blocks)
     with caplog.at_level(logging.WARNING, logger="partc"):
         gm, analysis = analyze(model, (torch.randn(2, 8),))
-    assert "TraceError" in caplog.text
+    assert "the forward fails with fewer blocks (ValueError: five blocks expected)" in caplog.text
     assert list(model.blocks) == blocks
     assert [layer.name for layer in analysis.layers][1:-1] == [f"blocks.{i}" for i in range(5)]
     with pytest.raises(RuntimeError), dedupe.shrunk(model, dedupe.find_repeats(model)):
@@ -275,3 +276,104 @@ def test_tensor_parallel_heavy_ops_read_each_ranks_weights():
         if whole.name.startswith("blocks."):
             assert weights(rank) == pytest.approx(weights(whole) / 2, rel=0.05)
             assert rank.fwd_flops == pytest.approx(whole.fwd_flops / 2)
+
+
+class Flagged(Stack):
+    """The model's loop adds the stem's output after each block marked ``rejoin``: an
+    attribute of the block, so the blocks that rejoin are told apart and traced."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = start = self.stem(x)
+        for block in self.blocks:
+            h = block(h)
+            if getattr(block, "rejoin", False):
+                h = h + start
+        return self.head(h)
+
+
+class Scheduled(nn.Module):
+    """Reads a schedule shared by every block at its own index (as Hugging Face blocks
+    read ``config.layer_types[self.layer_idx]``): the index is a label to the structure,
+    yet the blocks run different code."""
+
+    def __init__(self, width: int, schedule: list[str], index: int) -> None:
+        super().__init__()
+        self.fc = nn.Linear(width, width)
+        self.schedule, self.index = schedule, index
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.fc(x)
+        return torch.tanh(y) * 2 if self.schedule[self.index] == "scaled" else torch.relu(y)
+
+
+def flagged():
+    model = Flagged([Mlp(8, 8) for _ in range(8)], 8, 8)
+    model.blocks[3].rejoin = True
+    return model
+
+
+def scheduled():
+    schedule = ["plain", "plain", "plain", "scaled", "plain", "plain", "scaled", "plain"]
+    return Stack([Scheduled(8, schedule, i) for i in range(8)], 8, 8)
+
+
+@pytest.mark.parametrize("build", [models.SkipAfterFifth, flagged, scheduled])
+def test_blocks_in_different_code_are_never_merged(build):
+    """Blocks alike in structure but not in the code they run or sit in: traced apart
+    (or the whole model traced), the analysis and every option equal a full trace's."""
+    (full_gm, full), (gm, analysis) = traced_both_ways(build, torch.randn(2, 8))
+    assert_same_analysis(analysis, full)
+    assert_same_options(tensor_parallel_options(gm, [LINK], (False,), ("time",)),
+                        tensor_parallel_options(full_gm, [LINK], (False,), ("time",)))
+
+
+def test_the_skip_after_the_fifth_block_is_seen():
+    model = models.SkipAfterFifth()
+    example = ((torch.randn(2, 8),), {})
+    (repeat,) = dedupe.find_repeats(model, example)
+    # The fifth block's segment is a kind of its own, and so is the sixth's: it reads
+    # the add, not the previous block's own output.
+    assert repeat.kept == (0, 1, 4, 5, 7)
+    with pytest.raises(dedupe.Mismatch, match="block blocks.4 and the code around it"):
+        dedupe.prove(model, (repeat,), example)  # fewer blocks: the loop never adds skip
+    # Marked by an attribute instead, the block is kept and the copies are proven.
+    (repeat,) = dedupe.find_repeats(flagged(), example)
+    assert repeat.kept == (0, 1, 3, 4, 7)
+    dedupe.prove(flagged(), (repeat,), example)
+    (repeat,) = dedupe.find_repeats(scheduled(), example)
+    assert repeat.kept == (0, 1, 3, 4, 6, 7)  # block 6 copies block 3
+    dedupe.prove(scheduled(), (repeat,), example)
+
+
+def test_the_skip_after_the_fifth_block_builds_under_tensor_parallelism():
+    """The issue's report: the plan's sharding had 11 node choices for the fifth block,
+    the traced layer 12, and the tp=2 stage failed to build."""
+    torch.manual_seed(0)
+    program = partc.compile(
+        models.SkipAfterFifth(width=16), torch.randn(8, 16),
+        loss_fn=lambda out, target: ((out - target) ** 2).mean(),
+        example_target=torch.randn(8, 16),
+        budget=partc.DeviceBudget(num_devices=2, device="CPU"),
+        train=partc.TrainSpec(global_batch_size=8, optimizer="sgd"),
+        constraints=partc.Constraints(pp=1, dp=1, tp=2))
+    assert program.plan.tensor_parallel is not None
+    assert "blocks.4" in program.code()["stage_0.py"]
+
+
+def test_gemma3_hands_each_layer_its_mask_by_index():
+    """Gemma-3 picks each layer's mask and rotary table by the loop's index
+    (``layer_types[i]``): five sliding-window layers and a global one, whose class and
+    parameters are alike. A shorter model hands the last kept layer a sliding mask, so the
+    copies would miss the global mask and table crossing into it (the plan predicted 4
+    sends per microbatch under pp=2, the program made 7): the whole model is traced."""
+    from tests.hf_families import _DECODER, Family
+
+    family = Family("Gemma3TextConfig", "Gemma3ForCausalLM", "tokens",
+                    dict(_DECODER, head_dim=16, sliding_window=8, num_hidden_layers=6))
+    ids = torch.randint(1, 128, (2, 16))
+    example = ((ids,), {})
+    repeats = dedupe.find_repeats(family.build(), example)
+    with pytest.raises(dedupe.Mismatch, match="model.layers.5"):
+        dedupe.prove(family.build(), repeats, example)
+    (_, full), (_, analysis) = traced_both_ways(family.build, ids, loss_fn=models.causal_lm_loss)
+    assert_same_analysis(analysis, full)

@@ -47,6 +47,24 @@ def test_module_called_twice_is_two_layers_sharing_parameters():
     assert analysis.layers[0].param_count == 0  # held as shared, not by one layer
 
 
+@pytest.mark.parametrize("pins", [{}, {"tp": 2, "tp_objective": "memory"}])
+def test_a_module_called_twice_in_a_row_compiles_with_or_without_tensor_parallelism(pins):
+    """Both calls are layers of their own (graph cuts) reading one weight: the chooser
+    finds a placement both can meet, never INFEASIBLE, whether tp is asked for or not.
+    Parity under tp=2: the worker case ``twice-tp2``."""
+    program = partc.compile(
+        models.CalledTwiceInARow(width=16), torch.randn(8, 16),
+        loss_fn=lambda out, target: ((out - target) ** 2).mean(),
+        example_target=torch.randn(8, 16),
+        budget=partc.DeviceBudget(num_devices=2, device="CPU"),
+        train=partc.TrainSpec(global_batch_size=8, optimizer="sgd"),
+        constraints=partc.Constraints(**pins))
+    tp = program.plan.tensor_parallel
+    if pins:
+        assert tp is not None and tp.params["shared.weight"].kind == "S"
+    assert len(program.plan.stages[0].layers) == 3  # shared.0, shared.1, loss
+
+
 def test_root_level_model_is_split_at_single_tensor_cuts():
     gm, analysis = analyze(models.Flat(), (torch.randn(2, 8),))
     assert names(analysis) == ["root.0", "root.1", "root.2"]

@@ -143,3 +143,78 @@ def test_a_plan_for_other_layers_is_refused(stages, message):
     _, gm = tiny_graph()
     with pytest.raises(PlanMismatchError, match=message):
         split(gm, stages)
+
+
+class Tables(torch.nn.Module):
+    """Makes a cosine and a sine table in the order ``order`` names them (as code that
+    iterates a set of strings does, in an order each process's string hashing decides);
+    the second stage reads both."""
+
+    def __init__(self, order: tuple[str, ...]) -> None:
+        super().__init__()
+        self.stem, self.a = torch.nn.Linear(8, 8), torch.nn.Linear(8, 8)
+        self.b, self.head = torch.nn.Linear(8, 8), torch.nn.Linear(8, 8)
+        self.order = order
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        tables = {}
+        h = self.stem(x)
+        for name in self.order:
+            tables[name] = torch.cos(x) if name == "cos" else torch.sin(x)
+        h = self.a(h) * tables["cos"]
+        return self.head(self.b(h) * tables["sin"] + tables["cos"])
+
+
+def test_values_are_sent_in_an_order_every_trace_agrees_on():
+    """Two ranks that trace the model in different orders send and receive the same
+    values at the same positions: in the order of what they compute, not of the trace."""
+    from partc.passes import analyze
+
+    sent = []
+    for order in (("cos", "sin"), ("sin", "cos")):
+        gm, _ = analyze(Tables(order), (torch.randn(2, 8),))
+        first, second = split(gm, [["stem", "a"], ["b", "head"]])
+        assert first.sends == second.receives
+        nodes = {node.name: node for node in gm.graph.nodes}
+        sent.append([getattr(nodes[name].target, "__name__", str(nodes[name].target))
+                     for name in first.sends])
+    assert sorted(sent[0]) == ["cos", "mul", "sin"]
+    assert sent[0] == sent[1]  # in graph order: ["cos", "sin", "mul"], ["sin", "cos", "mul"]
+
+
+def _call(sub: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    return sub(x)
+
+
+def _nested(first: str, second: str) -> tuple[torch.fx.GraphModule, list[torch.fx.Node]]:
+    """A graph calling two nested graphs named ``submod_1`` and ``submod_3`` (as export
+    names grad-mode regions, in trace order) that compute ``first`` and ``second``."""
+    root = torch.nn.Module()
+    for name, op in (("submod_1", first), ("submod_3", second)):
+        setattr(root, name, torch.fx.symbolic_trace(_Unary(op)))
+    graph = torch.fx.Graph()
+    x = graph.placeholder("x")
+    calls = [graph.call_function(_call, (graph.get_attr(name), x))
+             for name in ("submod_1", "submod_3")]
+    graph.output(tuple(calls))
+    return torch.fx.GraphModule(root, graph), calls
+
+
+class _Unary(torch.nn.Module):
+    def __init__(self, op: str) -> None:
+        super().__init__()
+        self.op = op
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.cos(x) if self.op == "cos" else torch.sin(x)
+
+
+def test_nested_graphs_are_told_apart_by_what_they_compute_not_their_names():
+    from partc.passes.split import _expression_keys
+
+    gm, (cos, sin) = _nested("cos", "sin")
+    swapped, (sin_too, cos_too) = _nested("sin", "cos")
+    keys = _expression_keys(gm, list(gm.graph.nodes))
+    other = _expression_keys(swapped, list(swapped.graph.nodes))
+    assert keys[cos] == other[cos_too] and keys[sin] == other[sin_too]
+    assert keys[cos] != keys[sin]

@@ -123,6 +123,9 @@ CASES: dict[str, Case] = {
         dict(pp=2, schedule="gpipe", recompute={"blocks.0": "full", "blocks.3": "selective"})),
     "slice-pp2-1f1b": Case(lambda: models.SliceZero(width=16, depth=4, d_out=16), "floats",
                            _mse, dict(pp=2, schedule="1f1b")),
+    # One module called twice, sharded alike in both calls (the fewest parameter bytes).
+    "twice-tp2": Case(lambda: models.CalledTwiceInARow(width=16), "floats", _mse,
+                      dict(pp=1, tp=2, tp_objective="memory", recompute="none")),
 }
 
 # Tensor parallelism: the sharding that holds the fewest parameter bytes (the tiny models

@@ -5,7 +5,7 @@
 # Layers: model.embed_tokens, model.rotary_emb, model.layers.0.
 # Recompute: none.
 # Inputs: input_ids int64[2, 16].
-# Sends to stage 1, per microbatch: where float32[2, 1, 16, 16], to_4 float32[1, 16, 16], to_5 float32[1, 16, 16], add_9 float32[2, 16, 64]; receives 1 gradient(s) back.
+# Sends to stage 1, per microbatch: to_4 float32[1, 16, 16], add_9 float32[2, 16, 64], to_5 float32[1, 16, 16], where float32[2, 1, 16, 16]; receives 1 gradient(s) back.
 # Parameters: 45,184 (176.50 KiB).
 
 import torch
@@ -138,7 +138,7 @@ class Stage0(torch.nn.Module):
         model_layers_0_mlp_down_proj_weight = getattr(self.model.layers, "0").mlp.down_proj.weight  # f32[64, 128]
         linear_6 = torch.ops.aten.linear.default(mul_12, model_layers_0_mlp_down_proj_weight);  mul_12 = model_layers_0_mlp_down_proj_weight = None  # f32[2, 16, 64]
         add_9 = torch.ops.aten.add.Tensor(to_9, linear_6);  to_9 = linear_6 = None  # f32[2, 16, 64]
-        return (where, to_4, to_5, add_9)
+        return (to_4, add_9, to_5, where)
 
     class submod_1(torch.nn.Module):
         def forward(self, unsqueeze, b_model_rotary_emb_inv_freq):
