@@ -1,0 +1,31 @@
+"""Hugging Face families as users bring them (tests/hf_families.py) train like one
+process under torchrun: a few in the default profile, one per kind of fix they needed;
+``benchmarks/hf_coverage.py`` runs every family under pp=2 and tp=2 (README's table).
+
+- T5 (pp=2): an encoder-decoder with two inputs, and a learned relative position bias
+  passed to SDPA as its mask (a mask that needs a gradient);
+- Gemma-2 (tp=2): soft-capped logits and attention scores, sliding-window layers
+  alternating with global ones;
+- Mixtral (pp=2): mixture-of-experts routing through transformers' grouped matmul;
+- Falcon (pp=2): constants torch.export lifts out of the forward, positions sent between
+  stages.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from .test_parity import assert_trains_like_one_process, launched
+
+CASES = ["hf-t5-pp2", "hf-gemma2-tp2", "hf-mixtral-pp2", "hf-falcon-pp2"]
+
+families = launched("families", 2, CASES)
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_family_trains_like_one_process(families, name):
+    for rank, results in enumerate(families):
+        assert_trains_like_one_process(rank, results[name])
+    mesh = families[0][name]["mesh"]
+    assert (mesh["pp"], mesh["tp"]) == ((2, 1) if name.endswith("pp2") else (1, 2))
+
