@@ -1,10 +1,11 @@
 """Graph queries several passes share: which values carry gradients, short op names,
-a layer's nodes, tensor inputs, parameter usage, side effects. Pure functions of a GraphModule and its
-``node.meta``; nothing here changes a graph."""
+a layer's nodes, tensor inputs, parameter usage, side effects. Pure functions of a
+GraphModule and its ``node.meta``; nothing here changes a graph."""
 
 from __future__ import annotations
 
 import operator
+from typing import Any
 
 import torch
 from torch import fx
@@ -100,14 +101,15 @@ def mutated_inputs(node: fx.Node) -> list[fx.Node]:
     if node.op not in ("call_method", "call_function"):
         return []
     target = node.target
-    if isinstance(target, torch._ops.OpOverload) and \
-            target.overloadpacket.__name__ in _RUNNING_STATS_OPS:
-        return _running_stats(node, target)
     if isinstance(target, torch._ops.OpOverload):
-        values = [node.kwargs.get(a.name, node.args[i] if i < len(node.args) else None)
-                  for i, a in enumerate(target._schema.arguments)
-                  if a.alias_info is not None and a.alias_info.is_write]
-        return [v for v in values if isinstance(v, fx.Node)]
+        values = _schema_values(node, target)
+        if target.overloadpacket.__name__ in _RUNNING_STATS_OPS:
+            # values[5] is False in eval: the running statistics are read, not written.
+            written = values[3:5] if values[5] is not False else []
+        else:
+            written = [v for v, a in zip(values, target._schema.arguments)
+                       if a.alias_info is not None and a.alias_info.is_write]
+        return [v for v in written if isinstance(v, fx.Node)]
     name = target if node.op == "call_method" else getattr(target, "__name__", "")
     first = node.args[0] if node.args else None
     out = node.kwargs.get("out")
@@ -118,13 +120,10 @@ def mutated_inputs(node: fx.Node) -> list[fx.Node]:
     return [v for v in found if isinstance(v, fx.Node)]
 
 
-def _running_stats(node: fx.Node, target: torch._ops.OpOverload) -> list[fx.Node]:
-    names = [a.name for a in target._schema.arguments]
-    values = [node.kwargs.get(name, node.args[i] if i < len(node.args) else None)
-              for i, name in enumerate(names[:6])]
-    if values[5] is False:  # eval: the running statistics are read, not written
-        return []
-    return [v for v in values[3:5] if isinstance(v, fx.Node)]
+def _schema_values(node: fx.Node, target: torch._ops.OpOverload) -> list[Any]:
+    """The value of each argument of ``target``'s schema in ``node`` (None if not given)."""
+    return [node.kwargs.get(a.name, node.args[i] if i < len(node.args) else None)
+            for i, a in enumerate(target._schema.arguments)]
 
 
 def layer_nodes(gm: fx.GraphModule, info: meta.LayerInfo) -> list[fx.Node]:

@@ -523,9 +523,7 @@ def _solve_layer(problem: _LayerProblem, pins: dict[str, Placement], prefer: str
                     "layer stays replicated", problem.info.name, options.time_limit_s,
                     solver.status_name(status))
         return _solve_replicated(problem, pins, prefer)
-    choice = {n: next(i for i, var in enumerate(layer.pick[n]) if solver.boolean_value(var))
-              for n in problem.items}
-    return choice, int(solver.objective_value)
+    return _picked(problem, layer, solver)
 
 
 def _solve_replicated(problem: _LayerProblem, pins: dict[str, Placement], prefer: str
@@ -542,12 +540,18 @@ def _solve_replicated(problem: _LayerProblem, pins: dict[str, Placement], prefer
     if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
         raise PinInfeasible(f"layer {problem.info.name}: replicated does not meet its "
                             f"boundary placements and pins ({solver.status_name(status)})")
+    return _picked(problem, layer, solver)
+
+
+# ------------------------------------------------------------------------ the result
+
+def _picked(problem: _LayerProblem, layer: _LayerModel, solver: cp_model.CpSolver
+            ) -> tuple[dict[fx.Node, int], int]:
+    """The solved layer's pick (node → strategy index) and its objective value."""
     choice = {n: next(i for i, var in enumerate(layer.pick[n]) if solver.boolean_value(var))
               for n in problem.items}
     return choice, int(solver.objective_value)
 
-
-# ------------------------------------------------------------------------ the result
 
 def _apply_choices(gm: fx.GraphModule, result: Sharding, problems: list[_LayerProblem],
                    picked: list[dict[fx.Node, int]], grads: set[fx.Node]) -> Sharding:

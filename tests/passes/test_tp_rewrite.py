@@ -52,26 +52,6 @@ class EmbeddingHead(nn.Module):
         return self.head(self.emb(ids))
 
 
-class SharedPosition(nn.Module):
-    """One position embedding read before every block: its weight's get_attr is in the
-    first reader's layer, and the later readers, layers of the same signature, fetch it
-    from there."""
-
-    def __init__(self, vocab: int = 32, seq: int = 8, depth: int = 2) -> None:
-        super().__init__()
-        self.embed = nn.Embedding(vocab, seq)
-        self.position = nn.Embedding(seq, seq)
-        self.blocks = nn.ModuleList(nn.Linear(seq, seq) for _ in range(depth))
-        self.head = nn.Linear(seq, vocab)
-
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        positions = torch.arange(ids.shape[1]).expand_as(ids)
-        h = self.embed(ids)
-        for block in self.blocks:
-            h = torch.tanh(block(h + self.position(positions)))
-        return self.head(h)
-
-
 def _rewritten(model: nn.Module, example: torch.Tensor
                ) -> tuple[fx.GraphModule, tp_chooser.Sharding]:
     """``model`` traced and measured, sharded for tp=2 (fewest parameter bytes first),
@@ -203,7 +183,7 @@ def test_a_parameter_read_by_several_layers_has_one_placement_for_every_read():
     # its get_attr; every read must find the weight as the parameter's one placement.
     torch.manual_seed(0)
     ids = torch.randint(0, 32, (4, 8))
-    model = SharedPosition()
+    model = models.SharedEmbedding(vocab=32, seq=8, depth=2)
     gm, chosen = _rewritten(model, ids)
     readers = [layer for layer in chosen.layers if layer.name.startswith("position")]
     assert len(readers) == 2
