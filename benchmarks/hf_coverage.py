@@ -74,31 +74,28 @@ def one_process(family: str) -> dict[str, str]:
 def parity(family: str, out: Path) -> dict[str, str]:
     """Train the family's pp2 and tp2 cases, each in its own torchrun on 2 processes (a
     rank that dies in one case would otherwise fail the other)."""
-    cells: dict[str, str] = {}
-    for mode in ("pp2", "tp2"):
-        cells.update(_parity_run([f"hf-{family}-{mode}"], out / mode))
-    return cells
+    return {f"parity {mode}": _parity_run(f"hf-{family}-{mode}", out / mode)
+            for mode in ("pp2", "tp2")}
 
 
-def _parity_run(cases: list[str], out: Path) -> dict[str, str]:
+def _parity_run(case: str, out: Path) -> str:
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-               "--nproc-per-node=2", str(ROOT / "tests/runtime/worker.py"), str(out), *cases]
+               "--nproc-per-node=2", str(ROOT / "tests/runtime/worker.py"), str(out), case]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PARTC_WATCHDOG_S": "120"}
     try:
         done = subprocess.run(command, capture_output=True, text=True, timeout=900, env=env)
     except subprocess.TimeoutExpired:
-        return {f"parity {c[-3:]}": "timed out after 900 s" for c in cases}
+        return "timed out after 900 s"
     files = [out / f"rank{r}.json" for r in range(2)]
     ranks = [json.loads(f.read_text()) for f in files if f.exists()]
     if done.returncode != 0 or len(ranks) < len(files):
-        tail = first_line(done.stderr.strip().splitlines()[-1] if done.stderr.strip() else "")
-        cells = {}
-        for case in cases:  # a rank that wrote its results says why; else torchrun's end
-            errors = [r[case]["error"] for r in ranks if "error" in r.get(case, {})]
-            cells[f"parity {case[-3:]}"] = first_line(errors[0]) if errors else \
-                f"torchrun exited {done.returncode}: {tail}"
-        return cells
-    return {f"parity {case[-3:]}": verdict([r[case] for r in ranks]) for case in cases}
+        # A rank that wrote its results says why; else torchrun's last line.
+        errors = [r[case]["error"] for r in ranks if "error" in r.get(case, {})]
+        if errors:
+            return first_line(errors[0])
+        tail = done.stderr.strip().splitlines()[-1] if done.stderr.strip() else ""
+        return f"torchrun exited {done.returncode}: {first_line(tail)}"
+    return verdict([r[case] for r in ranks])
 
 
 def verdict(results: list[dict]) -> str:
