@@ -162,3 +162,38 @@ def workload(global_batch: int = 32, seq: int = 1024) -> dict:
     return {"model": model, "example_inputs": (ids,), "loss_fn": loss_fn,
             "example_target": targets, "name": "gpt-124m",
             "train": partc.TrainSpec(global_batch_size=global_batch)}
+
+
+def factory(global_batch: int = 16, seq: int = 64, layers: int = 4, width: int = 128) -> dict:
+    """What ``partc train samples/gpt.py:factory`` trains: a small character-level GPT
+    learning this file's own text, so that the loss visibly falls in a few steps::
+
+        torchrun --standalone --nproc-per-node=2 -m partc train samples/gpt.py:factory \\
+            --steps 20 --memory 10MiB --lr 3e-3 --log-dir out/telemetry
+
+    ``data(step)`` draws ``global_batch`` windows of ``seq`` + 1 bytes from the first 90%
+    of the text, seeded by the step (the same batch on every rank); ``data(-1)``, the
+    held-out batch ``--eval-every`` evaluates, draws from the last 10%.
+    """
+    import partc
+
+    from pathlib import Path
+
+    text = torch.tensor(list(Path(__file__).read_bytes()), dtype=torch.int64)
+    split = len(text) * 9 // 10
+    parts = {"train": text[:split], "held_out": text[split:]}
+    if len(parts["held_out"]) <= seq + 1:
+        raise ValueError(f"seq {seq} is too long for the held-out tenth of {Path(__file__).name}")
+
+    def data(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        source = parts["held_out"] if step < 0 else parts["train"]
+        generator = torch.Generator().manual_seed(abs(step))
+        starts = torch.randint(0, len(source) - seq - 1, (global_batch,), generator=generator)
+        windows = torch.stack([source[s:s + seq + 1] for s in starts.tolist()])
+        return windows[:, :-1].contiguous(), windows[:, 1:].contiguous()
+
+    model = gpt_tiny(vocab_size=256, block_size=seq, n_layer=layers, n_embd=width, n_head=4)
+    ids, targets = data(0)
+    return {"model": model, "example_inputs": (ids,), "loss_fn": loss_fn,
+            "example_target": targets, "name": "gpt-sample", "data": data,
+            "train": partc.TrainSpec(global_batch_size=global_batch)}

@@ -55,6 +55,7 @@ from .recompute import checkpoint_layer
 from .parameters import (aliases_of, dp_shard, local_part, own_parameters,
                          shard_plan)
 from .stage import StageProgram
+from .telemetry import StepRecord, Telemetry, resident_bytes
 from .topology import Topology, init
 from .watchdog import IDLE, Watchdog
 from .watchdog import start as start_watchdog
@@ -225,6 +226,8 @@ class DistributedModule:
         self._target = next((spec for spec in inputs if spec.name == "target"), None)
         self.global_batch_size = global_batch_size
         self.last_messages: dict[str, int] = {"sends": 0, "recvs": 0}
+        self._telemetry: Telemetry | None = None  # see telemetry()
+        self.memory_baseline = 0  # host RSS before build copied parameters (telemetry)
 
     # -- parameters, as torch.optim and checkpointing expect them -----------------------
 
@@ -337,13 +340,45 @@ class DistributedModule:
             watchdog = self.watchdog
             optimizer.register_step_pre_hook(lambda *_: watchdog.mark("optimizer step"))
             optimizer.register_step_post_hook(lambda *_: watchdog.mark(IDLE))
+        this = weakref.ref(self)  # the optimizer must not keep the module alive
+        optimizer.register_step_post_hook(
+            lambda *_: this() is not None and this().end_step(optimizer_stepped=True))
         return optimizer
+
+    def telemetry(self, *, jsonl_dir: str | None = None, console: bool = True,
+                  tensorboard_dir: str | None = None, warn_ratio: float = 0.25,
+                  grad_norm: bool = True) -> Telemetry:
+        """Report every step from now on against the plan (``partc/runtime/telemetry.py``):
+        loss, step time, tokens/s, MFU, peak memory, gradient norm; printed on rank 0,
+        appended to ``<jsonl_dir>/rank<k>.jsonl``, written to TensorBoard under
+        ``tensorboard_dir``; a warning when time or memory departs from the prediction
+        by more than ``warn_ratio``. A step ends with the step of an optimizer from
+        :meth:`optimizer`, or :meth:`end_step`. ``grad_norm=False`` skips the norm's
+        all-reduce when the plan does not clip. Call it on every rank."""
+        if self._telemetry is not None:
+            self._telemetry.close()
+        topo = self.topology
+        self._telemetry = Telemetry(
+            self.plan, rank=topo.rank, stage=self.stage_index, device=topo.device,
+            leads_stage=topo.dp_rank == 0 and topo.tp_rank == 0,
+            memory_baseline=self.memory_baseline, jsonl_dir=jsonl_dir, console=console,
+            tensorboard_dir=tensorboard_dir, warn_ratio=warn_ratio, grad_norm=grad_norm)
+        return self._telemetry
+
+    def end_step(self, *, optimizer_stepped: bool = True) -> StepRecord | None:
+        """End the step under way for telemetry (after an optimizer step that
+        :meth:`optimizer` did not make); returns its record, or None without telemetry."""
+        if self._telemetry is None:
+            return None
+        return self._telemetry.end(optimizer_stepped=optimizer_stepped)
 
     def close(self) -> None:
         """Stop this rank's watchdog thread (also done when the module is freed and at
         exit); the other ranks then stop judging this one."""
         if self.watchdog is not None:
             self.watchdog.stop()
+        if self._telemetry is not None:
+            self._telemetry.close()
 
     def _mark(self, phase: str, step: int | None = None) -> None:
         if self.watchdog is not None:
@@ -364,19 +399,51 @@ class DistributedModule:
         """
         self.step += 1
         self._mark("forward_backward", self.step)
+        if self._telemetry is not None:
+            self._telemetry.begin(self.step)
         try:
-            return self._forward_backward(inputs, target)
+            loss = self._forward_backward(inputs, target)
+            if self._telemetry is not None:
+                norm = self.last_grad_norm if self.plan.train.max_grad_norm is not None else (
+                    self.grad_norm() if self._telemetry.grad_norm else None)
+                self._telemetry.measured(loss, norm)
+            return loss
         finally:
             # Returned or raised, the user's code runs next: not judged by the watchdog.
             self._mark(IDLE)
 
-    def _forward_backward(self, inputs: tuple, target: Any) -> torch.Tensor:
+    def evaluate(self, *inputs: torch.Tensor, target: Any = None) -> torch.Tensor:
+        """The mean loss of a global batch, forward only: the same on every rank.
+
+        As ``forward_backward`` takes them (every rank passes the same global batch),
+        run through the pipeline's stages without gradients, in eval mode (dropout off,
+        normalisation statistics read, not updated), microbatch by microbatch as the plan
+        runs them; no parameter or gradient changes. Collective: every rank calls it.
+        Call it after the first ``forward_backward`` (which lets the pipeline learn the
+        shapes it sends with gradients).
+        """
         self._check_batch(inputs, target)
+        if self.step == 0:
+            raise PartcError("evaluate() needs one forward_backward first: the pipeline "
+                             "learns the shapes and gradients its stages exchange there")
+        losses: list[torch.Tensor] = []
+        args, kwargs = self._stage_arguments(inputs, target, losses)
+        was_training = self.module.training
+        self.module.eval()
+        try:
+            with torch.no_grad():
+                self._schedule.eval(*args, **kwargs)
+        finally:
+            self.module.train(was_training)
+        return self._mean_loss(losses)
+
+    def _stage_arguments(self, inputs: tuple, target: Any,
+                         losses: list[torch.Tensor]) -> tuple[tuple, dict[str, Any]]:
+        """The schedule's arguments on this rank: its dp replica's rows of the inputs
+        (first stage) and of the target (last stage)."""
         topo = self.topology
         share = self.global_batch_size // topo.dp
         rows = slice(topo.dp_rank * share, (topo.dp_rank + 1) * share)
-        self._stage.messages.clear()
-        losses: list[torch.Tensor] = []
         args = tuple(t[rows].to(topo.device) for t in inputs) if self._stage.is_first else ()
         kwargs: dict[str, Any] = {}
         if self._stage.is_last:
@@ -386,6 +453,23 @@ class DistributedModule:
             # The outputs are the loss's inputs (the logits): returned, torch keeps every
             # microbatch's until the step ends; partc only needs the losses.
             kwargs["return_outputs"] = False
+        return args, kwargs
+
+    def _mean_loss(self, losses: list[torch.Tensor]) -> torch.Tensor:
+        """The global batch's mean loss from the last stage's microbatch losses, on
+        every rank."""
+        topo = self.topology
+        total = torch.zeros((), device=topo.device)
+        if losses:
+            total = torch.stack(losses).sum().detach().to(torch.float32)
+        dist.all_reduce(total)  # only the last stage's ranks contribute, tp copies alike
+        return total / (self.plan.num_microbatches * topo.dp * topo.tp)
+
+    def _forward_backward(self, inputs: tuple, target: Any) -> torch.Tensor:
+        self._check_batch(inputs, target)
+        self._stage.messages.clear()
+        losses: list[torch.Tensor] = []
+        args, kwargs = self._stage_arguments(inputs, target, losses)
         self._mark("schedule")
         self._schedule.step(*args, **kwargs)
         self.last_messages = dict(self._stage.messages)
@@ -396,11 +480,7 @@ class DistributedModule:
             self._mark("clip")
             self.last_grad_norm = self.clip_grad_norm_(max_norm)
         self._mark("loss all-reduce")
-        total = torch.zeros((), device=topo.device)
-        if losses:
-            total = torch.stack(losses).sum().detach().to(torch.float32)
-        dist.all_reduce(total)  # only the last stage's ranks contribute, tp copies alike
-        return total / (self.plan.num_microbatches * topo.dp * topo.tp)
+        return self._mean_loss(losses)
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Scale every rank's gradients so that the whole model's gradient norm is at
@@ -411,6 +491,16 @@ class DistributedModule:
         tensor on one of them, a tied weight on the first stage holding it, and one
         data-parallel replica.
         """
+        total = self.grad_norm(norm_type)
+        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        for p in self.module.parameters():
+            if p.grad is not None:
+                local_part(p.grad).mul_(coef.to(p.grad.dtype))
+        return total
+
+    def grad_norm(self, norm_type: float = 2.0) -> torch.Tensor:
+        """The whole model's gradient norm, each parameter counted once as in
+        :meth:`clip_grad_norm_` (which scales by it); the same on every rank. Collective."""
         topo = self.topology
         grads = [local_part(p.grad) for name, p in self.module.named_parameters()
                  if p.grad is not None and self._counts_norm(name)]
@@ -419,17 +509,11 @@ class DistributedModule:
             local = max((g.detach().abs().max() for g in grads),
                         default=torch.zeros((), device=device)).to(torch.float32)
             dist.all_reduce(local, op=dist.ReduceOp.MAX)
-            total = local
-        else:
-            local = sum((g.detach().to(torch.float32).norm(norm_type) ** norm_type
-                         for g in grads), torch.zeros((), device=device))
-            dist.all_reduce(local)  # dp replicas add the same sum; dp shards, parts of it
-            total = (local / (1 if self._sharded_grads else topo.dp)) ** (1.0 / norm_type)
-        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-        for p in self.module.parameters():
-            if p.grad is not None:
-                local_part(p.grad).mul_(coef.to(p.grad.dtype))
-        return total
+            return local
+        local = sum((g.detach().to(torch.float32).norm(norm_type) ** norm_type
+                     for g in grads), torch.zeros((), device=device))
+        dist.all_reduce(local)  # dp replicas add the same sum; dp shards, parts of it
+        return (local / (1 if self._sharded_grads else topo.dp)) ** (1.0 / norm_type)
 
     def _counts_norm(self, name: str) -> bool:
         if name in self._tied_elsewhere:
@@ -517,6 +601,7 @@ def build(plan: Plan, topology: Topology, program: StageProgram, model: nn.Modul
     by ``partc.Program``) with this rank's parameters, wrapped for the planned schedule.
     Parameters are copied from ``model`` or, for a model on the meta device, from
     ``state_dict``."""
+    baseline = resident_bytes()  # before this rank's parameters: telemetry's memory zero
     module = program.module
     # The stage's collectives run over this rank's tp group, in place of the lowering's
     # stand-in.
@@ -553,13 +638,15 @@ def build(plan: Plan, topology: Topology, program: StageProgram, model: nn.Modul
     schedule = schedule_type(stage, plan.num_microbatches, loss_fn=loss, scale_grads=True)
     log.info("rank %d: stage %d of %d (%s), %d parameters", topology.rank, program.index,
              plan.pp, ", ".join(program.layers), sum(p.numel() for p in module.parameters()))
-    return DistributedModule(
+    distributed = DistributedModule(
         plan=plan, topology=topology, stage=stage, module=module, schedule=schedule,
         tied=tied, inputs=plan.model.inputs, partial_grads=partial, aliases=aliases,
         state_keys=set(model.state_dict(keep_vars=True)),
         tied_elsewhere=_tied_elsewhere(program.holders, module, topology.pp_rank),
         tp=tp_group, watchdog=start_watchdog(topology.rank, topology.world_size),
         global_batch_size=plan.num_microbatches * plan.micro_batch_size * plan.dp)
+    distributed.memory_baseline = baseline
+    return distributed
 
 
 def _contiguous_transfers(module: nn.Module, *, first: bool, last: bool) -> None:

@@ -1,0 +1,382 @@
+"""Training telemetry: what each step measured, beside what the plan predicted.
+
+``module.telemetry(jsonl_dir=..., console=True, tensorboard_dir=None, warn_ratio=0.25)``
+turns it on for a :class:`partc.runtime.DistributedModule`. From then on every step
+yields one :class:`StepRecord` per rank:
+
+- ``loss``: the step's mean loss (``forward_backward``'s result, the same on every rank);
+- ``step_time_s``: from the start of ``forward_backward`` to the end of the optimizer's
+  ``step`` (an optimizer from ``module.optimizer()``, or a call of ``module.end_step()``);
+  without either, to the end of ``forward_backward`` (``timed`` says which). Data loading
+  before ``forward_backward`` is not counted, as the plan does not count it;
+- ``samples_per_s`` / ``tokens_per_s``: the global batch (in tokens when the plan knows
+  the tokens per sample) over the step time;
+- ``mfu``: the plan's model FLOPs per step (forward + backward without recompute, as
+  ``Predicted.mfu`` counts them) over the step time and the peak FLOP/s of all devices,
+  beside ``predicted_mfu``;
+- ``memory_bytes``: this rank's peak memory during the step (``memory_measure`` names what
+  was measured, :data:`MEMORY_MEASURES` says what that is) beside ``predicted_memory_bytes``, the plan's
+  peak for this rank's stage;
+- ``grad_norm``: the global gradient 2-norm (the clipping norm when the plan clips,
+  computed otherwise unless ``grad_norm=False``).
+
+Rank 0 prints one line per step; with ``jsonl_dir`` every rank appends its records to
+``<jsonl_dir>/rank<k>.jsonl`` (one JSON object a line, ``"event": "step"`` or
+``"eval"``); with ``tensorboard_dir`` every rank writes scalars under
+``<tensorboard_dir>/rank<k>`` (needs the ``tensorboard`` package: ``pip install
+'partc[tensorboard]'``). After the first step (which also learns shapes and allocates
+optimizer state), a step whose time or memory departs from the prediction by more than
+``warn_ratio`` is logged as a warning naming the stage and the figures, once per stage and
+kind, by the stage's first rank.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import resource
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, TextIO
+
+import torch
+
+from partc.errors import PartcError
+from partc.plan import Plan
+from partc.units import format_bytes
+
+log = logging.getLogger("partc.runtime.telemetry")
+
+WARMUP_STEPS = 1   # not judged against the plan: shape inference, first allocations
+# What ``memory_bytes`` measures, by the name a record carries in ``memory_measure``:
+MEMORY_MEASURES = {
+    # the caching allocator's peak during the step (tensors only, not its reserve)
+    "cuda_max_allocated": "torch.cuda.max_memory_allocated during the step",
+    # the process's peak resident set during the step above its resident set when the
+    # module was built: tensors, and also allocator slack, communication buffers and
+    # libraries loaded late, which the plan does not count
+    "host_peak_rss_growth": "peak RSS during the step (VmHWM, reset each step) above the "
+                            "RSS at build",
+}
+
+
+# -- what the plan predicts -------------------------------------------------------------
+
+def flops_per_step(plan: Plan) -> float:
+    """The plan's model FLOPs for one step (what its MFU counts), recovered from the
+    predicted MFU, step time and the budget's devices."""
+    predicted = plan.predicted
+    return (predicted.mfu * predicted.step_time_s * plan.budget.num_devices
+            * plan.budget.peak_flops)
+
+
+def achieved_mfu(plan: Plan, seconds: float) -> float:
+    """Model FLOPs utilisation of a step that took ``seconds``."""
+    return flops_per_step(plan) / (seconds * plan.budget.num_devices * plan.budget.peak_flops)
+
+
+def tokens_per_sample(plan: Plan) -> float | None:
+    """Tokens in one sample as the plan counted them; None when a sample is no sequence."""
+    predicted = plan.predicted
+    if predicted.tokens_per_s is None or not predicted.samples_per_s:
+        return None
+    return predicted.tokens_per_s / predicted.samples_per_s
+
+
+def departure(measured: float, predicted: float) -> float:
+    """How far ``measured`` is from ``predicted``, as a signed fraction of it."""
+    return measured / predicted - 1.0 if predicted > 0 else float("inf")
+
+
+# -- one step's figures -----------------------------------------------------------------
+
+@dataclass(frozen=True, kw_only=True)
+class StepRecord:
+    """One rank's figures for one step (see the module's docstring)."""
+
+    step: int
+    rank: int
+    stage: int
+    loss: float
+    step_time_s: float
+    predicted_step_time_s: float
+    timed: str   # "forward_backward + optimizer step" or "forward_backward"
+    samples_per_s: float
+    tokens_per_s: float | None
+    mfu: float
+    predicted_mfu: float
+    memory_bytes: int
+    predicted_memory_bytes: int
+    memory_measure: str
+    grad_norm: float | None
+    notes: dict[str, Any] = field(default_factory=dict)   # e.g. the launcher's lr
+
+    @property
+    def time_departure(self) -> float:
+        return departure(self.step_time_s, self.predicted_step_time_s)
+
+    @property
+    def memory_departure(self) -> float:
+        return departure(self.memory_bytes, self.predicted_memory_bytes)
+
+    def to_json(self) -> dict[str, Any]:
+        record = {"event": "step", **asdict(self)}
+        notes = record.pop("notes")
+        return {**record, **notes, "time_departure": round(self.time_departure, 4),
+                "memory_departure": round(self.memory_departure, 4)}
+
+    def console_line(self) -> str:
+        rate = (f"{self.tokens_per_s:,.0f} tokens/s" if self.tokens_per_s is not None
+                else f"{self.samples_per_s:,.1f} samples/s")
+        parts = [f"step {self.step}", f"loss {self.loss:.4f}",
+                 f"{self.step_time_s * 1e3:.0f} ms (plan {self.predicted_step_time_s * 1e3:.0f}"
+                 f" ms, {self.time_departure:+.0%})", rate,
+                 f"MFU {self.mfu:.1%} (plan {self.predicted_mfu:.1%})",
+                 f"mem {format_bytes(self.memory_bytes)} (plan "
+                 f"{format_bytes(self.predicted_memory_bytes)}, stage {self.stage})"]
+        if self.grad_norm is not None:
+            parts.append(f"grad norm {self.grad_norm:.3g}")
+        parts += [f"{key} {value:.3g}" if isinstance(value, float) else f"{key} {value}"
+                  for key, value in self.notes.items()]
+        return "  ".join(parts)
+
+
+# -- measuring peak memory ----------------------------------------------------------------
+
+class _CudaMemory:
+    """Peak bytes the caching allocator handed out during the step."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+
+    def reset(self) -> None:
+        torch.cuda.reset_peak_memory_stats(self.device)
+
+    def sync(self) -> None:
+        torch.cuda.synchronize(self.device)
+
+    def peak(self) -> int:
+        return int(torch.cuda.max_memory_allocated(self.device))
+
+
+class _HostMemory:
+    """Peak resident set size during the step, above ``baseline`` (the RSS when the
+    module was built, before it copied its parameters). Linux resets the peak (VmHWM) on
+    a write of 5 to /proc/self/clear_refs; elsewhere the process's lifetime peak is read."""
+
+    def __init__(self, baseline: int) -> None:
+        self.baseline = baseline
+
+    def reset(self) -> None:
+        try:
+            Path("/proc/self/clear_refs").write_text("5")
+        except OSError:
+            pass   # not Linux: the lifetime peak (ru_maxrss) is what peak() reads
+
+    def sync(self) -> None:
+        pass
+
+    def peak(self) -> int:
+        return max(0, peak_rss() - self.baseline)
+
+
+def _status_bytes(key: str) -> int | None:
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith(key + ":"):
+                return int(line.split()[1]) * 1024   # reported in kB
+    except OSError:
+        pass
+    return None
+
+
+def resident_bytes() -> int:
+    """The process's resident set size now (the lifetime peak where /proc is absent)."""
+    return _status_bytes("VmRSS") or peak_rss()
+
+
+def peak_rss() -> int:
+    """The process's peak resident set size since the last reset (Linux) or its start."""
+    peak = _status_bytes("VmHWM")
+    if peak is not None:
+        return peak
+    scale = 1 if sys.platform == "darwin" else 1024   # macOS reports bytes, Linux kB
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * scale
+
+
+# -- writers -------------------------------------------------------------------------------
+
+def _tensorboard_writer(directory: Path) -> Any:
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError as error:   # torch's module imports the tensorboard package
+        raise PartcError("TensorBoard logging needs the tensorboard package: pip install "
+                         f"'partc[tensorboard]' (or tensorboard) ({error})") from None
+    return SummaryWriter(log_dir=str(directory))
+
+
+_SCALARS = {"loss": "train/loss", "step_time_s": "time/step_s",
+            "predicted_step_time_s": "time/predicted_step_s", "tokens_per_s": "speed/tokens_per_s",
+            "samples_per_s": "speed/samples_per_s", "mfu": "speed/mfu",
+            "memory_bytes": "memory/peak_bytes",
+            "predicted_memory_bytes": "memory/predicted_peak_bytes",
+            "grad_norm": "train/grad_norm"}
+
+
+# -- the telemetry of one rank -------------------------------------------------------------
+
+class Telemetry:
+    """One rank's telemetry; made by ``DistributedModule.telemetry``, which calls
+    :meth:`begin`, :meth:`measured` and :meth:`end` around each step."""
+
+    def __init__(self, plan: Plan, *, rank: int, stage: int, leads_stage: bool,
+                 device: torch.device, memory_baseline: int = 0,
+                 jsonl_dir: str | Path | None = None, console: bool = True,
+                 tensorboard_dir: str | Path | None = None, warn_ratio: float = 0.25,
+                 grad_norm: bool = True) -> None:
+        if not warn_ratio > 0:
+            raise ValueError(f"warn_ratio must be positive, got {warn_ratio!r}")
+        self.plan, self.rank, self.stage = plan, rank, stage
+        self.console = console and rank == 0
+        self.warn_ratio = warn_ratio
+        self.grad_norm = grad_norm
+        self._leads_stage = leads_stage
+        self._meter = (_CudaMemory(device) if device.type == "cuda"
+                       else _HostMemory(memory_baseline))
+        self._measure = ("cuda_max_allocated" if device.type == "cuda"
+                         else "host_peak_rss_growth")
+        self._jsonl: TextIO | None = None
+        if jsonl_dir is not None:
+            Path(jsonl_dir).mkdir(parents=True, exist_ok=True)
+            self._jsonl = open(Path(jsonl_dir) / f"rank{rank}.jsonl", "a", encoding="utf-8")
+        self._tensorboard = (_tensorboard_writer(Path(tensorboard_dir) / f"rank{rank}")
+                             if tensorboard_dir is not None else None)
+        self._warned: set[str] = set()
+        self._pending: dict[str, Any] | None = None
+        self.records: list[StepRecord] = []
+        self.last: StepRecord | None = None
+
+    # -- the step's phases, called by the module --------------------------------------------
+
+    def begin(self, step: int) -> None:
+        """A step starts (``forward_backward`` was called): end the previous one if no
+        optimizer step or ``end_step`` did, then start the clock and the memory peak."""
+        if self._pending is not None:
+            self.end()
+        self._meter.sync()
+        self._meter.reset()
+        self._pending = {"step": step, "notes": {}, "start": time.perf_counter()}
+
+    def measured(self, loss: torch.Tensor, grad_norm: torch.Tensor | None) -> None:
+        """``forward_backward`` returned ``loss``; ``grad_norm`` is the step's or None."""
+        if self._pending is None:
+            return
+        self._meter.sync()
+        self._pending.update(loss=loss, grad_norm=grad_norm,
+                             fb_end=time.perf_counter(), fb_peak=self._meter.peak())
+
+    def note(self, **fields: Any) -> None:
+        """Add figures to the step under way's record (the launcher adds ``lr``)."""
+        if self._pending is not None:
+            self._pending["notes"].update(fields)
+
+    def end(self, *, optimizer_stepped: bool = False) -> StepRecord | None:
+        """The step is over: measure, write and return its record (None if none began
+        or ``forward_backward`` did not return)."""
+        pending, self._pending = self._pending, None
+        if pending is None or "loss" not in pending:
+            return None
+        self._meter.sync()
+        if optimizer_stepped:
+            seconds = time.perf_counter() - pending["start"]
+            memory = max(pending["fb_peak"], self._meter.peak())
+        else:
+            seconds, memory = pending["fb_end"] - pending["start"], pending["fb_peak"]
+        record = self._record(pending, seconds, memory, optimizer_stepped)
+        self._publish(record)
+        return record
+
+    def _record(self, pending: dict[str, Any], seconds: float, memory: int,
+                optimizer_stepped: bool) -> StepRecord:
+        plan = self.plan
+        batch = plan.num_microbatches * plan.micro_batch_size * plan.dp
+        tokens = tokens_per_sample(plan)
+        seconds = max(seconds, 1e-9)
+        grad_norm = pending["grad_norm"]
+        return StepRecord(
+            step=pending["step"], rank=self.rank, stage=self.stage,
+            loss=float(pending["loss"]), step_time_s=seconds,
+            predicted_step_time_s=plan.predicted.step_time_s,
+            timed="forward_backward + optimizer step" if optimizer_stepped
+            else "forward_backward",
+            samples_per_s=batch / seconds,
+            tokens_per_s=batch * tokens / seconds if tokens is not None else None,
+            mfu=achieved_mfu(plan, seconds), predicted_mfu=plan.predicted.mfu,
+            memory_bytes=memory,
+            predicted_memory_bytes=plan.stages[self.stage].memory_bytes.peak,
+            memory_measure=self._measure,
+            grad_norm=float(grad_norm) if grad_norm is not None else None,
+            notes=dict(pending["notes"]))
+
+    # -- output ------------------------------------------------------------------------------
+
+    def _publish(self, record: StepRecord) -> None:
+        self.records.append(record)
+        self.last = record
+        if self.console:
+            print(record.console_line(), flush=True)
+        self._write({k: _plain(v) for k, v in record.to_json().items()})
+        if self._tensorboard is not None:
+            for key, tag in _SCALARS.items():
+                value = getattr(record, key)
+                if value is not None:
+                    self._tensorboard.add_scalar(tag, value, record.step)
+        if record.step > WARMUP_STEPS:
+            self._warn(record)
+
+    def _warn(self, record: StepRecord) -> None:
+        if not self._leads_stage:
+            return
+        for kind, off, measured, predicted in (
+                ("time", record.time_departure, f"{record.step_time_s:.3g} s",
+                 f"{record.predicted_step_time_s:.3g} s"),
+                ("memory", record.memory_departure, format_bytes(record.memory_bytes),
+                 format_bytes(record.predicted_memory_bytes))):
+            if abs(off) > self.warn_ratio and kind not in self._warned:
+                self._warned.add(kind)
+                log.warning("stage %d (rank %d), step %d: %s %s is %.0f%% %s the plan's %s "
+                            "(warning threshold %.0f%%; warned once per stage)", self.stage,
+                            self.rank, record.step, "measured step time" if kind == "time"
+                            else "peak memory", measured, abs(off) * 100,
+                            "above" if off > 0 else "below", predicted, self.warn_ratio * 100)
+
+    def log_eval(self, step: int, loss: float) -> None:
+        """Record an evaluation's mean loss after optimizer step ``step``."""
+        if self.console:
+            print(f"step {step}  eval loss {loss:.4f}", flush=True)
+        self._write({"event": "eval", "step": step, "rank": self.rank, "stage": self.stage,
+                     "eval_loss": loss})
+        if self._tensorboard is not None:
+            self._tensorboard.add_scalar("eval/loss", loss, step)
+
+    def _write(self, line: dict[str, Any]) -> None:
+        if self._jsonl is not None:
+            self._jsonl.write(json.dumps(line) + "\n")
+            self._jsonl.flush()
+
+    def close(self) -> None:
+        """End a step still open, then close the files."""
+        if self._pending is not None:
+            self.end()
+        if self._jsonl is not None:
+            self._jsonl.close()
+            self._jsonl = None
+        if self._tensorboard is not None:
+            self._tensorboard.close()
+            self._tensorboard = None
+
+
+def _plain(value: Any) -> Any:
+    return round(value, 9) if isinstance(value, float) else value
