@@ -21,7 +21,7 @@ Every rank seeds torch with ``--seed`` before calling the factory, so that every
 builds the same initial weights, then compiles (the planner is deterministic and ranks
 compare plan hashes), builds, and trains ``--steps`` optimizer steps: the learning rate
 rises linearly over ``--warmup-steps`` to ``--lr``, then falls on a cosine to ``--min-lr``
-at the last step; gradients are clipped to ``--max-grad-norm`` (planned, as
+at the end; gradients are clipped to ``--max-grad-norm`` (planned, as
 ``TrainSpec.max_grad_norm``); telemetry (``partc/runtime/telemetry.py``) prints a line per
 step on rank 0 and, with ``--log-dir``, writes JSON lines per rank (and TensorBoard
 events with ``--tensorboard``).
@@ -224,13 +224,13 @@ def parse_config(argv: list[str]) -> TrainConfig:
 
 def learning_rate(step: int, config: TrainConfig) -> float:
     """The learning rate of optimizer step ``step`` (0-based): linear warm-up to ``lr``
-    over ``warmup_steps``, then a cosine from ``lr`` down to ``min_lr`` at the last step."""
+    over ``warmup_steps``, then a cosine from ``lr`` that reaches ``min_lr`` when
+    training ends (at step ``steps``: the last step still learns when ``min_lr`` is 0)."""
     if step < config.warmup_steps:
         return config.lr * (step + 1) / config.warmup_steps
-    decay_steps = config.steps - config.warmup_steps - 1
-    if decay_steps <= 0:
+    if config.steps <= config.warmup_steps:
         return config.lr
-    progress = min(1.0, (step - config.warmup_steps) / decay_steps)
+    progress = min(1.0, (step - config.warmup_steps) / (config.steps - config.warmup_steps))
     return config.min_lr + 0.5 * (config.lr - config.min_lr) * (1 + math.cos(math.pi * progress))
 
 
@@ -338,10 +338,11 @@ def train(module: Any, optimizer: Any, workload: dict[str, Any], config: TrainCo
     return losses
 
 
-def run(config: TrainConfig) -> int:
-    """Compile, build and train under torchrun (or as one process)."""
+def prepare(config: TrainConfig) -> tuple[Any, Any, Any, dict[str, Any]]:
+    """Seed, make the workload, compile, build this rank's module, turn its telemetry on
+    and make the optimizer: ``(module, optimizer, telemetry, workload)``. Under torchrun
+    (or as one process)."""
     import torch
-    import torch.distributed as dist
 
     from .cli import load_factory
     from .runtime.topology import world_size_from_env
@@ -353,14 +354,20 @@ def run(config: TrainConfig) -> int:
                          "data(step) -> (inputs, target) giving the global batch of a step")
     program = compile_workload(config, workload, world_size_from_env())
     module = program.build()
-    rank = module.topology.rank
-    if rank == 0 and not config.quiet:
+    if module.topology.rank == 0 and not config.quiet:
         print(program.report(), flush=True)
     telemetry = module.telemetry(jsonl_dir=config.log_dir, console=not config.quiet,
-                     tensorboard_dir=(Path(config.log_dir) / "tensorboard"
-                                      if config.tensorboard else None),
-                     warn_ratio=config.warn_ratio)
-    optimizer = _optimizer(module, config)
+                                 tensorboard_dir=(Path(config.log_dir) / "tensorboard"
+                                                  if config.tensorboard else None),
+                                 warn_ratio=config.warn_ratio)
+    return module, _optimizer(module, config), telemetry, workload
+
+
+def run(config: TrainConfig) -> int:
+    """Prepare, train, and leave the process group."""
+    import torch.distributed as dist
+
+    module, optimizer, telemetry, workload = prepare(config)
     try:
         train(module, optimizer, workload, config, telemetry=telemetry)
     finally:

@@ -325,8 +325,8 @@ class DistributedModule:
         schedulers, ``state_dict`` and the README's loop work unchanged on every rank."""
         if not any(True for _ in self.parameters()):
             placeholder = nn.Parameter(torch.empty(0, device=self.topology.device))
-            return optimizer_class([placeholder], **defaults)
-        if self.plan.effective_zero_stage == 1:
+            optimizer = optimizer_class([placeholder], **defaults)
+        elif self.plan.effective_zero_stage == 1:
             # Imported here: torch.distributed.optim scripts its functional optimizers
             # on import, with deprecation warnings, which plain runs need not pay for.
             from torch.distributed.optim import ZeroRedundancyOptimizer
@@ -341,8 +341,13 @@ class DistributedModule:
             optimizer.register_step_pre_hook(lambda *_: watchdog.mark("optimizer step"))
             optimizer.register_step_post_hook(lambda *_: watchdog.mark(IDLE))
         this = weakref.ref(self)  # the optimizer must not keep the module alive
-        optimizer.register_step_post_hook(
-            lambda *_: this() is not None and this().end_step(optimizer_stepped=True))
+
+        def end_step(*_: Any) -> None:  # the step's telemetry includes the optimizer's
+            module = this()
+            if module is not None:
+                module.end_step()
+
+        optimizer.register_step_post_hook(end_step)
         return optimizer
 
     def telemetry(self, *, jsonl_dir: str | None = None, console: bool = True,

@@ -14,9 +14,9 @@ yields one :class:`StepRecord` per rank:
 - ``mfu``: the plan's model FLOPs per step (forward + backward without recompute, as
   ``Predicted.mfu`` counts them) over the step time and the peak FLOP/s of all devices,
   beside ``predicted_mfu``;
-- ``memory_bytes``: this rank's peak memory during the step (``memory_measure`` names what
-  was measured, :data:`MEMORY_MEASURES` says what that is) beside ``predicted_memory_bytes``, the plan's
-  peak for this rank's stage;
+- ``memory_bytes``: this rank's peak memory during the step (``memory_measure`` names
+  what was measured, :data:`MEMORY_MEASURES` says what that is) beside
+  ``predicted_memory_bytes``, the plan's peak for this rank's stage;
 - ``grad_norm``: the global gradient 2-norm (the clipping norm when the plan clips,
   computed otherwise unless ``grad_norm=False``).
 

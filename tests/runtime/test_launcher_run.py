@@ -1,0 +1,73 @@
+"""``partc train`` under torchrun (2 processes, the sample GPT made tiny): telemetry lines
+on rank 0 and JSON lines on every rank, the loss falls, and ``module.evaluate`` gives the
+loss of one process on the same weights, through a pipeline (pp=2) and over data-parallel
+replicas (dp=2), changing nothing."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from .launcher_worker import STEPS
+
+WORKER = Path(__file__).with_name("launcher_worker.py")
+RTOL = 1e-5
+
+
+@pytest.fixture(scope="module")
+def launched(tmp_path_factory) -> tuple[list[dict], str, Path]:
+    out = tmp_path_factory.mktemp("launcher")
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+               "--nproc-per-node=2", str(WORKER), str(out)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PARTC_TIMEOUT_S": "120"}
+    done = subprocess.run(command, capture_output=True, text=True, timeout=900, env=env)
+    files = [out / f"rank{r}.json" for r in range(2)]
+    if done.returncode != 0 or not all(f.exists() for f in files):
+        pytest.fail(f"torchrun exited with {done.returncode}; stderr tail:\n"
+                    f"{done.stderr[-4000:]}")
+    return [json.loads(f.read_text()) for f in files], done.stdout, out / "telemetry"
+
+
+def test_telemetry_lines_and_json_per_rank(launched):
+    ranks, stdout, telemetry = launched
+    for step in range(1, STEPS + 1):
+        assert f"step {step}  loss " in stdout   # rank 0's console line
+    assert f"step {STEPS}  eval loss " in stdout
+    for rank in range(2):
+        lines = [json.loads(x) for x in (telemetry / f"rank{rank}.jsonl").read_text()
+                 .splitlines()]
+        steps = [x for x in lines if x["event"] == "step"]
+        assert [x["step"] for x in steps] == list(range(1, STEPS + 1))
+        for record in steps:
+            assert record["rank"] == rank and record["stage"] == ranks[rank]["pp2"]["stage"]
+            assert record["timed"] == "forward_backward + optimizer step"
+            for key in ("step_time_s", "tokens_per_s", "mfu", "grad_norm", "lr",
+                        "predicted_step_time_s", "predicted_memory_bytes", "memory_bytes"):
+                assert math.isfinite(record[key]) and record[key] > 0, (rank, key, record)
+        # every rank reports the same loss, the one forward_backward returned
+        assert [x["loss"] for x in steps] == pytest.approx(ranks[rank]["pp2"]["losses"])
+        evals = [x for x in lines if x["event"] == "eval"]
+        assert [x["step"] for x in evals] == [STEPS]
+
+
+def test_the_loss_falls(launched):
+    losses = launched[0][0]["pp2"]["losses"]
+    assert losses[-1] < losses[0] - 0.3, losses
+
+
+@pytest.mark.parametrize("case, mesh", [("pp2", {"pp": 2, "dp": 1, "tp": 1}),
+                                        ("dp2", {"pp": 1, "dp": 2, "tp": 1})])
+def test_evaluate_is_one_process_loss_and_changes_nothing(launched, case, mesh):
+    ranks = launched[0]
+    for rank, results in enumerate(ranks):
+        seen = results[case]
+        assert seen["mesh"] == mesh
+        assert seen["eval_loss"] == pytest.approx(seen["ref_eval_loss"], rel=RTOL), rank
+        assert seen["eval_loss"] == ranks[0][case]["eval_loss"]   # the same on every rank
+        assert seen["unchanged"] and seen["no_grads"], rank
