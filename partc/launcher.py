@@ -310,10 +310,13 @@ def compile_workload(config: TrainConfig, workload: dict[str, Any], world_size: 
 
 def train(module: Any, optimizer: Any, workload: dict[str, Any], config: TrainConfig, *,
           telemetry: Any = None, start_step: int = 0,
-          after_step: Callable[[int], None] | None = None) -> list[float]:
-    """Steps ``start_step`` .. ``config.steps - 1``; returns their losses. ``after_step(n)``
-    runs after the n-th optimizer step (n counts from 1), on every rank: where a
-    checkpoint is written. Resuming is loading the checkpoint and passing its step."""
+          after_step: Callable[[int], bool | None] | None = None) -> list[float]:
+    """Steps ``start_step`` .. ``config.steps - 1``; returns their losses.
+
+    ``after_step(n)`` runs on every rank after the n-th optimizer step (n counts from 1)
+    and its evaluation: where a checkpoint is written; returning True stops training
+    there (a requested stop). Resuming is loading the checkpoint and passing its step as
+    ``start_step``: the learning rate and the data are functions of the step."""
     data: Callable[[int], Any] = workload["data"]
     held_out = _held_out(workload) if config.eval_every else None
     losses = []
@@ -333,8 +336,8 @@ def train(module: Any, optimizer: Any, workload: dict[str, Any], config: TrainCo
             evaluated = float(module.evaluate(*held_out[0], target=held_out[1]))
             if telemetry is not None:
                 telemetry.log_eval(done, evaluated)
-        if after_step is not None:
-            after_step(done)
+        if after_step is not None and after_step(done):
+            break
     return losses
 
 
@@ -386,6 +389,8 @@ def main(argv: list[str]) -> int:
     except ValueError as error:
         print(f"partc train: {error}", file=sys.stderr)
         return 2
+    except SystemExit as exit_:   # argparse: --help (0) or a bad flag (2), already printed
+        return exit_.code if isinstance(exit_.code, int) else 2
     logging.basicConfig(level=logging.WARNING if config.quiet else logging.INFO,
                         format="partc: %(message)s", stream=sys.stderr)
     try:

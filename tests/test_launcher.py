@@ -7,6 +7,7 @@ from __future__ import annotations
 import math
 
 import pytest
+import torch
 
 from partc import launcher
 from partc.launcher import TrainConfig, learning_rate, parse_config, read_config_file
@@ -73,3 +74,64 @@ def test_learning_rate_warms_up_then_falls_on_a_cosine():
     assert learning_rate(12, config) == pytest.approx(0.1)    # min_lr when training ends
     assert all(a > b for a, b in zip(rates[2:], rates[3:]))
     assert learning_rate(0, TrainConfig(target="m.py:f", steps=1, lr=0.3)) == 0.3
+
+
+class _Module:
+    """What train() uses of a DistributedModule, recording the calls."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple] = []
+
+    def forward_backward(self, *inputs, target):
+        self.calls.append(("forward_backward", inputs[0].item(), target))
+        return torch.tensor(10.0 - inputs[0].item())
+
+    def evaluate(self, *inputs, target):
+        self.calls.append(("evaluate", inputs[0].item(), target))
+        return torch.tensor(0.5)
+
+
+class _Optimizer:
+    def __init__(self, module: _Module) -> None:
+        self.param_groups = [{"lr": None}]
+        self.module = module
+
+    def step(self) -> None:
+        self.module.calls.append(("step", self.param_groups[0]["lr"]))
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        pass
+
+
+def test_the_loop_steps_evaluates_resumes_and_stops():
+    module = _Module()
+    workload = {"data": lambda step: (torch.tensor([step]), f"t{step}")}
+    config = TrainConfig(target="m.py:f", steps=6, lr=1.0, eval_every=2)
+    seen = []
+    losses = launcher.train(module, _Optimizer(module), workload, config, start_step=2,
+                            after_step=lambda n: seen.append(n) or n == 5)
+    assert losses == [8.0, 7.0, 6.0]    # steps 2, 3, 4: stopped after the 5th
+    assert seen == [3, 4, 5]
+    assert module.calls == [
+        ("forward_backward", 2, "t2"), ("step", learning_rate(2, config)),
+        ("forward_backward", 3, "t3"), ("step", learning_rate(3, config)),
+        ("evaluate", -1, "t-1"),        # after the 4th step: the held-out batch
+        ("forward_backward", 4, "t4"), ("step", learning_rate(4, config))]
+
+
+def test_eval_data_replaces_the_held_out_step():
+    module = _Module()
+    workload = {"data": lambda step: (torch.tensor([step]), None),
+                "eval_data": lambda: ((torch.tensor([99]),), "held")}
+    config = TrainConfig(target="m.py:f", steps=1, eval_every=1)
+    launcher.train(module, _Optimizer(module), workload, config)
+    assert module.calls[-1] == ("evaluate", 99, "held")
+    bad = {"data": lambda step: torch.tensor([step])}
+    with pytest.raises(ValueError, match=r"data\(-1\) must return \(inputs, target\)"):
+        launcher.train(module, _Optimizer(module), bad, config)
+
+
+def test_help_and_bad_flags_return_a_status(capsys):
+    assert launcher.main(["--help"]) == 0
+    assert "--max-grad-norm" in capsys.readouterr().out
+    assert launcher.main(["m.py:f", "--steps", "two"]) == 2
