@@ -175,9 +175,9 @@ def factory(global_batch: int = 16, seq: int = 64, layers: int = 4, width: int =
     of the text, seeded by the step (the same batch on every rank); ``data(-1)``, the
     held-out batch ``--eval-every`` evaluates, draws from the last 10%.
     """
-    import partc
-
     from pathlib import Path
+
+    import partc
 
     text = torch.tensor(list(Path(__file__).read_bytes()), dtype=torch.int64)
     split = len(text) * 9 // 10

@@ -45,7 +45,7 @@ import torch
 
 from partc.errors import PartcError
 from partc.plan import Plan
-from partc.units import format_bytes
+from partc.units import format_bytes, format_seconds
 
 log = logging.getLogger("partc.runtime.telemetry")
 
@@ -57,8 +57,8 @@ MEMORY_MEASURES = {
     # the process's peak resident set during the step above its resident set when the
     # module was built: tensors, and also allocator slack, communication buffers and
     # libraries loaded late, which the plan does not count
-    "host_peak_rss_growth": "peak RSS during the step (VmHWM, reset each step) above the "
-                            "RSS at build",
+    "host_peak_rss_growth": ("peak RSS during the step (VmHWM, reset each step) above "
+                             "the RSS at build"),
 }
 
 
@@ -131,8 +131,9 @@ class StepRecord:
         rate = (f"{self.tokens_per_s:,.0f} tokens/s" if self.tokens_per_s is not None
                 else f"{self.samples_per_s:,.1f} samples/s")
         parts = [f"step {self.step}", f"loss {self.loss:.4f}",
-                 f"{self.step_time_s * 1e3:.0f} ms (plan {self.predicted_step_time_s * 1e3:.0f}"
-                 f" ms, {self.time_departure:+.0%})", rate,
+                 f"{format_seconds(self.step_time_s)} (plan "
+                 f"{format_seconds(self.predicted_step_time_s)}, {self.time_departure:+.0%})",
+                 rate,
                  f"MFU {self.mfu:.1%} (plan {self.predicted_mfu:.1%})",
                  f"mem {format_bytes(self.memory_bytes)} (plan "
                  f"{format_bytes(self.predicted_memory_bytes)}, stage {self.stage})"]
@@ -340,8 +341,8 @@ class Telemetry:
         if not self._leads_stage:
             return
         for kind, off, measured, predicted in (
-                ("time", record.time_departure, f"{record.step_time_s:.3g} s",
-                 f"{record.predicted_step_time_s:.3g} s"),
+                ("time", record.time_departure, format_seconds(record.step_time_s),
+                 format_seconds(record.predicted_step_time_s)),
                 ("memory", record.memory_departure, format_bytes(record.memory_bytes),
                  format_bytes(record.predicted_memory_bytes))):
             if abs(off) > self.warn_ratio and kind not in self._warned:

@@ -103,7 +103,7 @@ def test_a_step_record_against_the_plan(plan, monkeypatch, tmp_path, capsys):
     assert record.memory_departure == pytest.approx(-0.5, abs=1e-5)
     assert (record.loss, record.grad_norm, record.notes) == (3.0, 0.25, {"lr": 1e-3})
     line = capsys.readouterr().out
-    assert line.startswith("step 1  loss 3.0000  20 ms (plan 10 ms, +100%)"), line
+    assert line.startswith("step 1  loss 3.0000  20.00 ms (plan 10.00 ms, +100%)"), line
     assert "MFU 20.0% (plan 40.0%)" in line and "stage 1" in line and "lr 0.001" in line
     telemetry.log_eval(1, 2.5)
     telemetry.close()
@@ -137,7 +137,7 @@ def test_departures_warn_once_per_kind_after_the_first_step(plan, monkeypatch, c
         _step(telemetry, clock, meter, 4, 0.02, peak * 2)    # already said
     messages = [r.getMessage() for r in caplog.records]
     assert len(messages) == 2, messages
-    assert "stage 1" in messages[0] and "step time 0.02 s is 100% above the plan's 0.01 s" \
+    assert "stage 1" in messages[0] and "step time 20.00 ms is 100% above the plan's 10.00 ms" \
         in messages[0]
     assert "peak memory" in messages[1] and "100% above" in messages[1]
 
