@@ -7,7 +7,8 @@ Two runs of the sample GPT's factory (tiny): pp=2 for 5 steps with telemetry to
 ``<out>/telemetry`` and an evaluation after the last step, then dp=2 for one step. After
 each, ``module.evaluate`` on the held-out batch is compared with the same loss in one
 process on the whole model (its weights gathered with ``full_state_dict``), and
-parameters and gradients are checked unchanged by it.
+parameters and gradients are checked unchanged by it. The dp=2 run shards with
+ZeRO-3 (FSDP), whose units gather their parameters for the forward.
 """
 
 from __future__ import annotations
@@ -58,7 +59,7 @@ def main(out: Path) -> None:
     results = {
         "pp2": _run(["--steps", str(STEPS), "--pp", "2", "--lr", "3e-3", "--warmup-steps",
                      "1", "--log-dir", str(out / "telemetry"), "--eval-every", str(STEPS)]),
-        "dp2": _run(["--steps", "1", "--dp", "2", "--lr", "3e-3", "-q"]),
+        "dp2": _run(["--steps", "1", "--dp", "2", "--zero-stage", "3", "--lr", "3e-3", "-q"]),
     }
     (out / f"rank{dist.get_rank()}.json").write_text(json.dumps(results))
     dist.barrier()

@@ -1,7 +1,7 @@
 """``partc train`` under torchrun (2 processes, the sample GPT made tiny): telemetry lines
 on rank 0 and JSON lines on every rank, the loss falls, and ``module.evaluate`` gives the
 loss of one process on the same weights, through a pipeline (pp=2) and over data-parallel
-replicas (dp=2), changing nothing."""
+replicas (dp=2, ZeRO-3), changing nothing."""
 
 from __future__ import annotations
 
