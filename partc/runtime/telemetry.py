@@ -134,7 +134,7 @@ class StepRecord:
                  f"{format_seconds(self.step_time_s)} (plan "
                  f"{format_seconds(self.predicted_step_time_s)}, {self.time_departure:+.0%})",
                  rate,
-                 f"MFU {self.mfu:.1%} (plan {self.predicted_mfu:.1%})",
+                 f"MFU {_percent(self.mfu)} (plan {_percent(self.predicted_mfu)})",
                  f"mem {format_bytes(self.memory_bytes)} (plan "
                  f"{format_bytes(self.predicted_memory_bytes)}, stage {self.stage})"]
         if self.grad_norm is not None:
@@ -377,6 +377,11 @@ class Telemetry:
         if self._tensorboard is not None:
             self._tensorboard.close()
             self._tensorboard = None
+
+
+def _percent(fraction: float) -> str:
+    """A percentage with one decimal, or two significant digits below 0.1%."""
+    return f"{fraction:.1%}" if fraction >= 1e-3 else f"{fraction * 100:.2g}%"
 
 
 def _plain(value: Any) -> Any:

@@ -81,6 +81,7 @@ def test_plan_figures(plan):
     assert tm.tokens_per_sample(plan) == pytest.approx(16)
     assert tm.departure(1.5, 1.0) == pytest.approx(0.5)
     assert tm.departure(0.5, 1.0) == pytest.approx(-0.5)
+    assert (tm._percent(0.4), tm._percent(0.000123)) == ("40.0%", "0.012%")
 
 
 def test_a_step_record_against_the_plan(plan, monkeypatch, tmp_path, capsys):
