@@ -423,14 +423,10 @@ class DistributedModule:
         As ``forward_backward`` takes them (every rank passes the same global batch),
         run through the pipeline's stages without gradients, in eval mode (dropout off,
         normalisation statistics read, not updated), microbatch by microbatch as the plan
-        runs them; no parameter or gradient changes. Collective: every rank calls it.
-        Call it after the first ``forward_backward`` (which lets the pipeline learn the
-        shapes it sends with gradients).
+        runs them; no parameter or gradient changes. Collective: every rank calls it,
+        before training or between steps.
         """
         self._check_batch(inputs, target)
-        if self.step == 0:
-            raise PartcError("evaluate() needs one forward_backward first: the pipeline "
-                             "learns the shapes and gradients its stages exchange there")
         losses: list[torch.Tensor] = []
         args, kwargs = self._stage_arguments(inputs, target, losses)
         was_training = self.module.training

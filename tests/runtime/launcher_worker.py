@@ -4,10 +4,11 @@ then evaluate, and write what was seen to ``<out>/rank<k>.json``.
     torchrun --standalone --nproc-per-node=2 tests/runtime/launcher_worker.py OUT
 
 Two runs of the sample GPT's factory (tiny): pp=2 for 5 steps with telemetry to
-``<out>/telemetry`` and an evaluation after the last step, then dp=2 for one step. After
-each, ``module.evaluate`` on the held-out batch is compared with the same loss in one
+``<out>/telemetry`` and an evaluation after the last step, then dp=2 for one step. Before
+the pp=2 run and after each, ``module.evaluate`` on the held-out batch is compared with the same loss in one
 process on the whole model (its weights gathered with ``full_state_dict``), and
-parameters and gradients are checked unchanged by it. The dp=2 run shards with
+parameters and gradients are checked unchanged by it; the training losses are compared
+with the same AdamW, learning rates and data in one process. The dp=2 run shards with
 ZeRO-3 (FSDP), whose units gather their parameters for the forward.
 """
 
@@ -34,31 +35,62 @@ def small() -> dict:
     return gpt.factory(global_batch=8, seq=16, layers=2, width=32)
 
 
-def _run(argv: list[str]) -> dict:
-    config = launcher.parse_config([f"{Path(__file__).resolve()}:small", *argv])
-    module, optimizer, telemetry, workload = launcher.prepare(config)
-    losses = launcher.train(module, optimizer, workload, config, telemetry=telemetry)
-    inputs, target = launcher._held_out(workload)
+def _evaluate(module, inputs: tuple, target) -> dict:
+    """``module.evaluate`` and one process's loss on the same weights; whether it left
+    parameters and gradients as they were."""
     before = {name: t.detach().clone() for name, t in module.state_dict().items()}
     loss = float(module.evaluate(*inputs, target=target))
     after = module.state_dict()
-    unchanged = all(torch.equal(before[name], t.detach()) for name, t in after.items())
-    no_grads = all(p.grad is None for p in module.parameters())
     model = small()["model"]
     model.load_state_dict(module.full_state_dict())
     model.eval()
     with torch.no_grad():
         reference = float(gpt.loss_fn(model(*inputs), target))
+    return {"loss": loss, "reference": reference,
+            "unchanged": all(torch.equal(before[name], t.detach()) for name, t in after.items()),
+            "no_grads": all(p.grad is None for p in module.parameters())}
+
+
+def _one_process_losses(weights: dict, workload: dict, config) -> list[float]:
+    """The launcher's training (AdamW, its learning rates, its data) in one process."""
+    model = small()["model"]
+    model.load_state_dict(weights)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr,
+                                  weight_decay=config.weight_decay)
+    losses = []
+    for step in range(config.steps):
+        for group in optimizer.param_groups:
+            group["lr"] = launcher.learning_rate(step, config)
+        inputs, target = workload["data"](step)
+        loss = gpt.loss_fn(model(inputs), target)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(float(loss))
+    return losses
+
+
+def _run(argv: list[str], *, evaluate_first: bool = False) -> dict:
+    config = launcher.parse_config([f"{Path(__file__).resolve()}:small", *argv])
+    module, optimizer, telemetry, workload = launcher.prepare(config)
+    held_out = launcher._held_out(workload)
+    # Before any step: the pipeline then learns its shapes forward only, and training
+    # after it must still send gradients back.
+    first = _evaluate(module, *held_out) if evaluate_first else None
+    reference = _one_process_losses(module.full_state_dict(), workload, config)
+    losses = launcher.train(module, optimizer, workload, config, telemetry=telemetry)
+    results = {"losses": losses, "ref_losses": reference, "evaluations": [
+        e for e in (first, _evaluate(module, *held_out)) if e is not None],
+        "stage": module.stage_index, "mesh": module.plan.mesh.to_dict()}
     module.close()
-    return {"losses": losses, "eval_loss": loss, "ref_eval_loss": reference,
-            "unchanged": unchanged, "no_grads": no_grads, "stage": module.stage_index,
-            "mesh": module.plan.mesh.to_dict()}
+    return results
 
 
 def main(out: Path) -> None:
     results = {
         "pp2": _run(["--steps", str(STEPS), "--pp", "2", "--lr", "3e-3", "--warmup-steps",
-                     "1", "--log-dir", str(out / "telemetry"), "--eval-every", str(STEPS)]),
+                     "1", "--log-dir", str(out / "telemetry"), "--eval-every", str(STEPS)],
+                    evaluate_first=True),
         "dp2": _run(["--steps", "1", "--dp", "2", "--zero-stage", "3", "--lr", "3e-3", "-q"]),
     }
     (out / f"rank{dist.get_rank()}.json").write_text(json.dumps(results))

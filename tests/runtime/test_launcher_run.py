@@ -1,7 +1,8 @@
 """``partc train`` under torchrun (2 processes, the sample GPT made tiny): telemetry lines
-on rank 0 and JSON lines on every rank, the loss falls, and ``module.evaluate`` gives the
-loss of one process on the same weights, through a pipeline (pp=2) and over data-parallel
-replicas (dp=2, ZeRO-3), changing nothing."""
+on rank 0 and JSON lines on every rank, the loss falls as in one process (AdamW, warm-up
+and cosine), and ``module.evaluate`` gives the loss of one process on the same weights,
+through a pipeline (pp=2, before training too) and over data-parallel replicas (dp=2,
+ZeRO-3), changing nothing."""
 
 from __future__ import annotations
 
@@ -56,18 +57,31 @@ def test_telemetry_lines_and_json_per_rank(launched):
         assert [x["step"] for x in evals] == [STEPS]
 
 
-def test_the_loss_falls(launched):
+def test_the_loss_falls_as_in_one_process(launched):
+    for results in launched[0]:
+        for case in ("pp2", "dp2"):
+            seen = results[case]
+            assert seen["losses"] == pytest.approx(seen["ref_losses"], rel=RTOL), case
     losses = launched[0][0]["pp2"]["losses"]
     assert losses[-1] < losses[0] - 0.3, losses
 
 
-@pytest.mark.parametrize("case, mesh", [("pp2", {"pp": 2, "dp": 1, "tp": 1}),
-                                        ("dp2", {"pp": 1, "dp": 2, "tp": 1})])
-def test_evaluate_is_one_process_loss_and_changes_nothing(launched, case, mesh):
+@pytest.mark.parametrize("case, mesh, evaluations", [
+    ("pp2", {"pp": 2, "dp": 1, "tp": 1}, 2),   # before training too
+    ("dp2", {"pp": 1, "dp": 2, "tp": 1}, 1)])
+def test_evaluate_is_one_process_loss_and_changes_nothing(launched, case, mesh, evaluations):
     ranks = launched[0]
     for rank, results in enumerate(ranks):
         seen = results[case]
         assert seen["mesh"] == mesh
-        assert seen["eval_loss"] == pytest.approx(seen["ref_eval_loss"], rel=RTOL), rank
-        assert seen["eval_loss"] == ranks[0][case]["eval_loss"]   # the same on every rank
-        assert seen["unchanged"] and seen["no_grads"], rank
+        assert len(seen["evaluations"]) == evaluations
+        for index, evaluation in enumerate(seen["evaluations"]):
+            assert evaluation["loss"] == pytest.approx(evaluation["reference"], rel=RTOL), rank
+            # the same on every rank
+            assert evaluation["loss"] == ranks[0][case]["evaluations"][index]["loss"]
+            assert evaluation["unchanged"] and evaluation["no_grads"], rank
+    # the telemetry's eval line is the last evaluation's loss
+    if case == "pp2":
+        lines = (launched[2] / "rank0.jsonl").read_text().splitlines()
+        evals = [json.loads(x) for x in lines if '"eval"' in x]
+        assert evals[-1]["eval_loss"] == pytest.approx(seen["evaluations"][-1]["loss"])
