@@ -166,3 +166,20 @@ def test_host_memory_counts_growth_above_the_baseline():
     grown = meter.peak()
     del block
     assert grown >= 60 * 2**20
+
+
+def test_tensorboard_scalars(plan, monkeypatch, tmp_path):
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    telemetry, clock, meter = _telemetry(plan, monkeypatch, console=False,
+                                         tensorboard_dir=tmp_path)
+    for step, loss in ((1, 3.0), (2, 2.5)):
+        _step(telemetry, clock, meter, step, 0.02, 1000, loss=loss)
+    telemetry.log_eval(2, 2.25)
+    telemetry.close()
+    events = EventAccumulator(str(tmp_path / "rank0"))
+    events.Reload()
+    assert [(e.step, e.value) for e in events.Scalars("train/loss")] == [(1, 3.0), (2, 2.5)]
+    assert [e.value for e in events.Scalars("speed/mfu")] == pytest.approx([0.2, 0.2])
+    assert [e.value for e in events.Scalars("eval/loss")] == [2.25]
