@@ -136,6 +136,7 @@ def _svg(figure, title: str) -> str:
     figure.savefig(buffer, format="svg", dpi=150, metadata={"Date": None, "Creator": None})
     text = buffer.getvalue()
     text = text[text.index("<svg"):]            # no XML prolog or doctype inside HTML
+    text = re.sub(r"\s*<metadata>.*?</metadata>", "", text, count=1, flags=re.S)
     text = re.sub(r'<svg([^>]*?) width="[^"]*" height="[^"]*"', r"<svg\1", text, count=1)
     opening = text.index(">") + 1
     return f"{text[:opening]}<title>{_esc(title)}</title>{text[opening:]}"
