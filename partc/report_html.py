@@ -51,7 +51,7 @@ def render_html(plan: Plan) -> str:
     with rc_context(_RC):
         figures = [("timeline", _timeline_caption(plan, timeline), timeline_svg(plan, timeline)),
                    ("memory", _memory_caption(plan), memory_svg(plan))]
-        if plan.meshes:
+        if any(m.step_time_s or m.bound_s for m in plan.meshes):
             figures.append(("meshes", _mesh_caption(plan), mesh_svg(plan)))
     parts = [_head(plan), "<body>", "<h1>partc plan</h1>"]
     content = sections(plan, timeline)
@@ -144,7 +144,8 @@ def _svg(figure, title: str) -> str:
 
 def _legend(figure, handles) -> None:
     """One row of legend under the axes, outside them (constrained layout makes room)."""
-    figure.legend(handles=handles, loc="outside lower left", ncol=len(handles),
+    figure.legend(handles=handles, loc="outside lower left",
+                  ncol=len(handles) if len(handles) <= 6 else -(-len(handles) // 2),
                   frameon=False, fontsize=9)
 
 
@@ -305,7 +306,7 @@ def mesh_svg(plan: Plan) -> str:
     from matplotlib.patches import Patch
 
     meshes = plan.meshes
-    times = [m.step_time_s if m.outcome == "solved" else m.bound_s for m in meshes]
+    times = [(m.step_time_s if m.outcome == "solved" else m.bound_s) or None for m in meshes]
     known = [t for t in times if t]
     scale, unit = _seconds_axis(max(known))
     row = 0.3 if len(meshes) <= 30 else max(0.14, 9 / len(meshes))
@@ -340,10 +341,13 @@ def mesh_svg(plan: Plan) -> str:
                     [f"pp={m.pp} dp={m.dp} tp={m.tp}" for m in meshes], fontsize=8)
     axes.set_xlabel(f"predicted step time ({unit})" + (", log scale" if log else ""))
     axes.set_title("Mesh factorisations: predicted step time", loc="left", fontweight="bold")
-    _legend(figure, [Patch(facecolor="#1f4e79", label="chosen"),
-                     Patch(facecolor="#7aa6d6", label="best plan of that mesh"),
-                     Patch(facecolor="white", edgecolor="#999", hatch="///",
-                           label="lower bound (not solved)")])
+    outcomes = {m.outcome for m in meshes if m.mesh != plan.mesh}
+    _legend(figure, [Patch(facecolor="#1f4e79", label="chosen")]
+            + ([Patch(facecolor="#7aa6d6", label="best plan of that mesh")]
+               if "solved" in outcomes else [])
+            + ([Patch(facecolor="white", edgecolor="#999", hatch="///",
+                      label="lower bound (not solved)")]
+               if outcomes & {"pruned", "time limit"} else []))
     return _svg(figure, "Mesh factorisations and their predicted step times")
 
 

@@ -157,7 +157,7 @@ def _interleaved(k: int, pp: int, chunks: int, phase: str) -> Op:
 
 def op_times(plan: Plan) -> list[OpTimes]:
     """Per rank, the seconds of one operation's parts (see the module docstring)."""
-    m, chunks, pp = plan.num_microbatches, plan.chunks, plan.pp
+    m, chunks, pp = plan.num_microbatches, plan.chunks, len(plan.stages)
     result = []
     for stage in plan.stages:
         t = stage.time_s
@@ -192,8 +192,9 @@ def _collective_seconds(plan: Plan, layers: tuple[str, ...]) -> tuple[float, flo
 
 
 def simulate(plan: Plan) -> Timeline:
-    """The plan's step played out rank by rank (see the module docstring)."""
-    pp, m, chunks = plan.pp, plan.num_microbatches, plan.chunks
+    """The plan's step played out rank by rank (see the module docstring); a rank per
+    stage the plan lists."""
+    pp, m, chunks = len(plan.stages), plan.num_microbatches, plan.chunks
     runs = pp * chunks
     orders = [schedule_order(plan.schedule, r, pp, m, chunks) for r in range(pp)]
     times = op_times(plan)
