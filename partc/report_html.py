@@ -278,14 +278,17 @@ def memory_svg(plan: Plan) -> str:
         limit = stage.limit_bytes / size
         axes.plot([limit, limit], [i - 0.45, i + 0.45], color="#d62728", linewidth=2)
         if len(stages) <= 24:
-            axes.text(left[i], i, f" {100 * stage.memory_bytes.peak / stage.limit_bytes:.0f}%",
+            # Beside the bar, or past the limit line when the bar reaches it.
+            near = left[i] > 0.93 * limit
+            axes.text(max(left[i], limit) if near else left[i], i,
+                      f" {100 * stage.memory_bytes.peak / stage.limit_bytes:.0f}%",
                       va="center", fontsize=8)
     axes.plot([], [], color="#d62728", linewidth=2, label="device limit")
     axes.set_ylim(len(stages) - 0.5, -0.5)
     step = max(1, len(stages) // 24)
     axes.set_yticks(range(0, len(stages), step),
                     [f"stage {s.index}" for s in stages[::step]])
-    axes.set_xlim(0, max(max(left), max(s.limit_bytes / size for s in stages)) * 1.08)
+    axes.set_xlim(0, max(max(left), max(s.limit_bytes / size for s in stages)) * 1.1)
     axes.set_xlabel(f"memory per rank ({unit})")
     axes.set_title("Memory per rank of each stage, by category", loc="left",
                    fontweight="bold")
