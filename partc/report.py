@@ -3,8 +3,13 @@
 Rendered from the Plan alone (so a saved plan.json renders the same report): the chosen
 mesh and schedule, predicted step time, throughput, MFU and bubble; the chosen mesh against
 every other (pp, dp, tp) factorisation of the devices; per-stage time by kind and memory
-per rank by category against its limit; the solver's statistics; and the obvious
-alternatives under the same cost model with why the plan beats them.
+per rank by category against its limit; the step played out per stage
+(:mod:`partc.timeline`); the solver's statistics and how the search settled the plan; and
+the obvious alternatives under the same cost model with why the plan beats them.
+
+:func:`sections` holds that content as data; :func:`render` lays it out as text or
+markdown, writes the plan as JSON, or (``"html"``) hands it to :mod:`partc.report_html`
+for one self-contained page with pictures.
 """
 
 from __future__ import annotations
@@ -274,7 +279,8 @@ def _tp_lines(plan: Plan) -> list[str]:
             f"for {objective} first{summed}. Collectives are per "
             f"microbatch; bytes and time are per step "
             f"({_microbatches(plan.num_microbatches)}): the tensors' size, what each rank "
-            f"sends in a ring, and the time the collectives take (counted in the stages' forward and backward)."]
+            f"sends in a ring, and the time the collectives take (counted in the stages' "
+            f"forward and backward)."]
 
 
 def _why(plan: Plan) -> list[str]:

@@ -106,21 +106,26 @@ def _section_html(section: Section) -> list[str]:
     if section.preformatted:
         out.append("<pre>" + _esc("\n".join(section.preformatted)) + "</pre>")
     if section.header:
-        chosen = 0 if section.key in ("alternatives",) else None
-        out.append(_table(section.header, section.rows, chosen,
-                          chosen_note="chosen" if section.key == "mesh" else None))
+        out.append(_table(section.header, section.rows, _chosen_rows(section)))
     if section.after:
         out.append("<ul>" + "".join(f"<li>{_esc(line.removeprefix('- '))}</li>"
                                     for line in section.after) + "</ul>")
     return out + ["</section>"]
 
 
-def _table(header, rows, chosen_row: int | None = None, chosen_note: str | None = None) -> str:
+def _chosen_rows(section: Section) -> set[int]:
+    """The rows about the plan itself: the mesh table's chosen mesh, the alternatives'
+    first row."""
+    if section.key == "mesh":
+        return {i for i, row in enumerate(section.rows) if row[-1].startswith("chosen")}
+    return {0} if section.key == "alternatives" else set()
+
+
+def _table(header, rows, chosen: set[int] = frozenset()) -> str:
     head = "<tr>" + "".join(f"<th>{_esc(h)}</th>" for h in header) + "</tr>"
     body = []
     for i, row in enumerate(rows):
-        mark = i == chosen_row or (chosen_note is not None and chosen_note in row[-1])
-        css = ' class="chosen"' if mark else ""
+        css = ' class="chosen"' if i in chosen else ""
         body.append(f"<tr{css}>" + "".join(f"<td>{_esc(c)}</td>" for c in row) + "</tr>")
     return "<table>" + head + "".join(body) + "</table>"
 
@@ -195,7 +200,8 @@ def timeline_svg(plan: Plan, timeline: Timeline) -> str:
     separate = plan.num_microbatches * plan.chunks <= 48
     dense = len(timeline.blocks) > 2000
     for (rank, kind), spans in by_row.items():
-        axes.broken_barh(spans if separate else _merged(spans), (rank - 0.4, 0.8), facecolors=COLOURS[kind],
+        axes.broken_barh(spans if separate else _merged(spans), (rank - 0.4, 0.8),
+                         facecolors=COLOURS[kind],
                          edgecolors="white" if separate else "none",
                          linewidth=0.4 if separate else 0, rasterized=dense)
     _label_microbatches(axes, timeline, scale)
@@ -241,9 +247,6 @@ def _label_microbatches(axes, timeline: Timeline, scale: float) -> None:
 
 # -- memory --------------------------------------------------------------------------------
 
-_MEMORY_KINDS = ("params", "grads", "optimizer", "activations", "transient")
-
-
 def _memory_caption(plan: Plan) -> str:
     worst = max(plan.stages, key=lambda s: s.memory_bytes.peak / s.limit_bytes)
     return (f"By category, against the device limit (red). The fullest is stage {worst.index}: "
@@ -269,7 +272,7 @@ def memory_svg(plan: Plan) -> str:
     axes = figure.add_subplot()
     positions = range(len(stages))
     left = [0.0] * len(stages)
-    for kind in _MEMORY_KINDS:
+    for kind in MEMORY_LABELS:
         widths = [getattr(s.memory_bytes, kind) / size for s in stages]
         axes.barh(positions, widths, left=left, height=0.7, color=MEMORY_COLOURS[kind],
                   label=MEMORY_LABELS[kind])
@@ -299,9 +302,10 @@ def memory_svg(plan: Plan) -> str:
 # -- mesh alternatives ----------------------------------------------------------------------
 
 def _mesh_caption(plan: Plan) -> str:
-    return ("Every (pp, dp, tp) factorisation the planner weighed: the predicted step time of each one's best configuration (solid; the chosen one dark), or "
-            "the lower bound that ruled it out without a solve (hatched: it cannot be "
-            "faster than that), or why it has no plan.")
+    return ("Every (pp, dp, tp) factorisation the planner weighed: the predicted step time "
+            "of each one's best configuration (solid; the chosen one dark), or the lower "
+            "bound that ruled it out without a solve (hatched: it cannot be faster than "
+            "that), or why it has no plan.")
 
 
 def mesh_svg(plan: Plan) -> str:
