@@ -372,7 +372,7 @@ def _layer_table(plan: Plan) -> list[str]:
     if plan.chunks > 1:
         header.insert(2, "run on the stage")
     if tp:
-        header += ["sharded parameters", "collectives per microbatch",
+        header += ["sharded parameters", "collectives per microbatch (their tensors' bytes)",
                    "collective time per step", "why replicated"]
     rows = []
     for layer in plan.layer_names:
@@ -386,10 +386,26 @@ def _layer_table(plan: Plan) -> list[str]:
             moves = section.collectives.get(layer, ())
             seconds = section.collective_seconds.get(layer, 0.0) * plan.num_microbatches
             row += [", ".join(sharded) or "-",
-                    ", ".join(f"{m.kind} {m.phase} {format_bytes(m.nbytes)}"
-                              for m in moves) or "-",
+                    _collectives(moves),
                     format_seconds(seconds) if moves else "-", section.notes.get(layer, "")]
         rows.append(row)
     return ['<section id="layers"><h2>Layers</h2>',
             f"<details open><summary>{len(rows)} layers in model order</summary>",
             _table(header, rows), "</details></section>"]
+
+
+_SHORT = {"all_reduce": "all-reduce", "all_gather": "all-gather",
+          "reduce_scatter": "reduce-scatter"}
+
+
+def _collectives(moves) -> str:
+    """``2 all-gather forward, 2 reduce-scatter backward (2.00 GiB)``: counts by kind and
+    phase, and the bytes of the tensors they move."""
+    if not moves:
+        return "-"
+    counts: dict[tuple[str, str], int] = {}
+    for move in moves:
+        key = (_SHORT.get(move.kind, move.kind), move.phase)
+        counts[key] = counts.get(key, 0) + 1
+    listed = ", ".join(f"{n} {kind} {phase}" for (kind, phase), n in counts.items())
+    return f"{listed} ({format_bytes(sum(move.nbytes for move in moves))})"
