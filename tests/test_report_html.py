@@ -3,6 +3,7 @@ three pictures, rendered by a real browser (headless Chromium) into a non-blank 
 
 from __future__ import annotations
 
+import dataclasses
 import html
 import re
 import shutil
@@ -11,7 +12,8 @@ import subprocess
 import pytest
 
 from partc.compiler import plan_problem
-from partc.plan import Plan
+from partc.placement import Placement
+from partc.plan import Plan, TensorParallelPlan, TPCollective
 from partc.problem import Pins
 from partc.report import render, sections
 
@@ -85,3 +87,21 @@ def test_html_renders_in_headless_chromium(plan, tmp_path):
     # the parameters bar, the backward orange, the limit's red.
     for colour in ("#4c78a8", "#f58518", "#d62728"):
         assert drawn(colour) > 200, colour
+
+
+def test_tensor_parallel_layers_are_tabled(plan):
+    section = TensorParallelPlan(
+        degree=2, sequence_parallel=False, objective="time",
+        params={"l1.weight": Placement.parse("Shard(0)")},
+        collectives={"l1": (TPCollective(kind="all_reduce", phase="forward", nbytes=1024),
+                            TPCollective(kind="all_reduce", phase="backward", nbytes=2048))},
+        collective_seconds={"l1": 1e-4})
+    tp_plan = dataclasses.replace(plan, tensor_parallel=section,
+                                  mesh=dataclasses.replace(plan.mesh, dp=1, tp=2))
+    page = render(tp_plan, "html")
+    assert "<h2>Tensor parallelism</h2>" in page
+    layers = page[page.index('<section id="layers">'):]
+    row = re.search(r"<tr><td>l1</td>.*?</tr>", layers).group(0)
+    assert "<td>weight Shard(0)</td>" in row
+    assert "<td>1 all-reduce forward, 1 all-reduce backward (3.00 KiB)</td>" in row
+    assert "tensor-parallel collectives" in page   # drawn in the timeline's legend

@@ -3,9 +3,13 @@ simulated step equals the cost model's, and the invariants every simulation keep
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from partc.compiler import plan_problem
+from partc.placement import Placement
+from partc.plan import TensorParallelPlan, TPCollective
 from partc.problem import Pins
 from partc.timeline import KINDS, Op, schedule_order, simulate, text_lines
 
@@ -96,3 +100,26 @@ def test_text_timeline():
     # over, until 30 ms.
     assert lines == ["stage 0 |FFFFFFFF......BBBBBBBBBBBBBBBB|",
                      "stage 1 |..FFFFFFFFBBBBBBBBBBBBBBBB....|"]
+
+
+def test_tensor_parallel_collectives_are_split_by_their_bytes():
+    plan = _four_layers(Pins(pp=2, schedule="1f1b"))
+    # As if l1 ran tensor-parallel: 3 ms of collectives per microbatch, a third of the
+    # bytes in forward (inside the stage's forward and backward figures).
+    section = TensorParallelPlan(
+        degree=2, sequence_parallel=False, objective="time",
+        params={"l1.weight": Placement.parse("Shard(0)")},
+        collectives={"l1": (TPCollective(kind="all_reduce", phase="forward", nbytes=1000),
+                            TPCollective(kind="all_reduce", phase="backward", nbytes=2000))},
+        collective_seconds={"l1": 0.3 * MS})
+    plan = dataclasses.replace(plan, tensor_parallel=section)
+    timeline = simulate(plan)
+    m = plan.num_microbatches
+    assert timeline.seconds(0, ("collective",)) == pytest.approx(0.3 * MS * m)
+    assert timeline.seconds(1, ("collective",)) == 0
+    forward = [b for b in timeline.blocks if b.rank == 0 and b.microbatch == 0
+               and b.kind == "collective"]
+    assert [b.seconds for b in forward] == pytest.approx([0.1 * MS, 0.2 * MS])
+    # The stage's work is unchanged: its forward and backward figures hold the collectives.
+    stage = plan.stages[0].time_s
+    assert timeline.seconds(0) == pytest.approx(stage.forward + stage.backward + stage.tail)
