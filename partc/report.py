@@ -3,20 +3,44 @@
 Rendered from the Plan alone (so a saved plan.json renders the same report): the chosen
 mesh and schedule, predicted step time, throughput, MFU and bubble; the chosen mesh against
 every other (pp, dp, tp) factorisation of the devices; per-stage time by kind and memory
-per rank by category against its limit; the solver's statistics; and the obvious
-alternatives under the same cost model with why the plan beats them.
+per rank by category against its limit; the step played out per stage
+(:mod:`partc.timeline`); the solver's statistics and how the search settled the plan; and
+the obvious alternatives under the same cost model with why the plan beats them.
+
+:func:`sections` holds that content as data; :func:`render` lays it out as text or
+markdown, writes the plan as JSON, or (``"html"``) hands it to :mod:`partc.report_html`
+for one self-contained page with pictures.
 """
 
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 
 from .placement import REPLICATE
 from .plan import MeshOutcome, Plan
 from .spec import dtype_name
+from .timeline import Timeline, simulate, text_lines
 from .units import format_bytes, format_count, format_seconds
 
-FORMATS = ("text", "markdown", "json")
+FORMATS = ("text", "markdown", "json", "html")
+
+
+def plural(n: int, noun: str, nouns: str | None = None) -> str:
+    """``1 microbatch``, ``16 microbatches``."""
+    return f"{n} {noun if n == 1 else nouns or noun + 's'}"
+
+
+def _microbatches(n: int) -> str:
+    return plural(n, "microbatch", "microbatches")
+
+
+def readable(n: float) -> str:
+    """A rate for people: three significant digits and a K/M/B/T suffix (42.7M)."""
+    for unit, size in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if abs(n) >= size * 0.9995:
+            return f"{n / size:.3g}{unit}"
+    return f"{n:.3g}"
 
 
 def _table(header: list[str], rows: list[list[str]], markdown: bool) -> list[str]:
@@ -56,10 +80,11 @@ def _headline(plan: Plan) -> list[str]:
         f"{_optimizer(train.optimizer)}, attention {_ATTENTION[train.attention]}",
         f"plan: {plan.mesh}"
         + (f" (ZeRO-{zero}: {_ZERO_SHARDS[zero]} sharded over dp)" if zero else "") + ", "
-        f"{plan.schedule}, {plan.num_microbatches} microbatches of {plan.micro_batch_size}",
+        f"{plan.schedule}, {_microbatches(plan.num_microbatches)} of "
+        f"{plural(plan.micro_batch_size, 'sample')}",
         f"predicted: step {format_seconds(p.step_time_s)}, "
         f"{p.samples_per_s:.2f} samples/s"
-        + (f", {p.tokens_per_s:.0f} tokens/s" if p.tokens_per_s is not None else "")
+        + (f", {readable(p.tokens_per_s)} tokens/s" if p.tokens_per_s is not None else "")
         + f", MFU {100 * p.mfu:.1f}%, bubble {100 * p.bubble_fraction:.1f}%, "
         f"peak memory {format_bytes(p.peak_memory_bytes)}",
     ]
@@ -188,16 +213,6 @@ def _no_plan_reason(mesh: MeshOutcome, step: float) -> str:
     return f"pruned: {bound}" if mesh.outcome == "pruned" else f"time limit: {bound}"
 
 
-def _mesh_section(plan: Plan, md: bool) -> list[str]:
-    out = ["", "## Mesh" if md else "Mesh:", ""]
-    out += [("- " if md else "") + _mesh_chosen(plan)]
-    if not plan.meshes:       # a plan saved before partc recorded the factorisations
-        return out
-    out += [("- " if md else "") + _mesh_why(plan), ""]
-    return out + _table(["pp", "dp", "tp", "best config (b x m, schedule, ZeRO)",
-                         "step time", "vs chosen", "note"], _mesh_rows(plan), md)
-
-
 def _alternative_rows(plan: Plan) -> list[list[str]]:
     step = plan.predicted.step_time_s
     rows = [["partc plan", format_seconds(step), "1.00x", "yes",
@@ -262,9 +277,10 @@ def _tp_lines(plan: Plan) -> list[str]:
               f"once per step" if partial else "")
     return [f"tp={section.degree} within a node, sequence parallelism {sp}, sharding chosen "
             f"for {objective} first{summed}. Collectives are per "
-            f"microbatch; bytes and time are per step ({plan.num_microbatches} "
-            f"microbatches): the tensors' size, what each rank sends in a ring, and the "
-            f"time the collectives take (counted in the stages' forward and backward)."]
+            f"microbatch; bytes and time are per step "
+            f"({_microbatches(plan.num_microbatches)}): the tensors' size, what each rank "
+            f"sends in a ring, and the time the collectives take (counted in the stages' "
+            f"forward and backward)."]
 
 
 def _why(plan: Plan) -> list[str]:
@@ -287,38 +303,142 @@ def _why(plan: Plan) -> list[str]:
     return lines
 
 
-def _solver(plan: Plan) -> str:
+_STATUS = {
+    "OPTIMAL": "no configuration can beat this plan under the cost model",
+    "FEASIBLE": "the best plan found within the time limit; none can beat the bound",
+}
+
+
+def _solver(plan: Plan) -> list[str]:
+    """What the search settled and how: a plan is OPTIMAL when each configuration was
+    either solved (CP-SAT to its optimum, or until its proven bound reached the best plan)
+    or ruled out by its lower bound without a solve."""
     s = plan.solver
-    return (f"solver: {s.status}, objective {format_seconds(s.objective)}, bound "
-            f"{format_seconds(s.bound)}, gap {100 * s.gap:.2f}%, {s.solve_time_s:.2f} s; "
-            f"{s.configs_total} configurations, {s.configs_solved} solved, "
-            f"{s.configs_pruned} pruned by bound")
+    verdict = _STATUS.get(s.status, s.status)
+    lines = [f"solver: {s.status} ({verdict}): step {format_seconds(s.objective)}, bound "
+             f"{format_seconds(s.bound)}, gap {100 * s.gap:.2f}%, {s.solve_time_s:.2f} s"]
+    if not s.configs_total:   # a plan saved before partc counted configurations
+        return lines
+    how = (f"search: {plural(s.configs_total, 'configuration')} (mesh, micro-batch size, "
+           f"schedule, ZeRO stage); ")
+    if s.configs_solved:
+        how += (f"{s.configs_solved} searched with CP-SAT (to the optimum, or until the "
+                f"bound it proved reached the best plan's step time); the other "
+                f"{s.configs_pruned} ruled out without a solve: their lower bound was no "
+                f"better than the best plan's step time (or showed they cannot fit)")
+    else:
+        how += ("none needed CP-SAT: the greedy starting plan meets its own "
+                "configuration's lower bound, and no other configuration's bound is lower")
+    unsettled = s.configs_total - s.configs_solved - s.configs_pruned
+    if unsettled > 0:
+        how += f"; {unsettled} not reached within the time limit"
+    return lines + [how]
+
+
+def _timeline_lines(plan: Plan, timeline: Timeline) -> list[str]:
+    return [f"One step per pipeline stage ({plan.schedule}, "
+            f"{_microbatches(plan.num_microbatches)}), played out from the stage times "
+            f"above: F forward, B backward, R recompute, c communication (sends, "
+            f"tensor-parallel collectives), T tail (gradient sync, optimizer), . waiting. "
+            f"Simulated step {format_seconds(timeline.step_s)} (the cost model's: "
+            f"{format_seconds(plan.predicted.step_time_s)})."]
+
+
+@dataclass(frozen=True, kw_only=True)
+class Section:
+    """One part of the report, for every format: its ``title`` (None: none), lines (a
+    bullet each in markdown, ``notes`` plain paragraphs), an optional table, a block of
+    ``preformatted`` lines, and ``after``: lines after the table."""
+
+    key: str
+    title: str | None
+    bullets: tuple[str, ...] = ()
+    notes: tuple[str, ...] = ()
+    header: tuple[str, ...] = ()
+    rows: tuple[tuple[str, ...], ...] = ()
+    preformatted: tuple[str, ...] = ()
+    after: tuple[str, ...] = ()
+
+
+def sections(plan: Plan, timeline: Timeline | None = None) -> list[Section]:
+    """The report's content, in order; :func:`render` and the HTML report lay it out.
+    ``timeline``: the plan's :func:`partc.timeline.simulate`, when the caller has it."""
+    timeline = timeline if timeline is not None else simulate(plan)
+    out = [Section(key="plan", title=None, bullets=tuple(_headline(plan)))]
+    mesh = (_mesh_chosen(plan),) + ((_mesh_why(plan),) if plan.meshes else ())
+    out.append(Section(
+        key="mesh", title="Mesh", bullets=mesh,
+        header=("pp", "dp", "tp", "best config (b x m, schedule, ZeRO)", "step time",
+                "vs chosen", "note") if plan.meshes else (),
+        rows=_rows(_mesh_rows(plan)) if plan.meshes else ()))
+    out.append(Section(
+        key="stages", title="Stages",
+        header=("stage", "layers", "params", "forward", "backward", "recompute", "comm",
+                "p2p send/recv", "recompute modes"), rows=_rows(_stage_rows(plan))))
+    out.append(Section(key="timeline", title="Timeline",
+                       notes=tuple(_timeline_lines(plan, timeline)),
+                       preformatted=tuple(text_lines(timeline))))
+    out.append(Section(key="memory", title="Memory per rank", notes=tuple(_memory_lines(plan)),
+                       header=("stage", *_MEMORY_KINDS, "peak / limit"),
+                       rows=_rows(_memory_rows(plan))))
+    if plan.tp > 1 and plan.tensor_parallel is not None:
+        out.append(Section(
+            key="tensor_parallel", title="Tensor parallelism", notes=tuple(_tp_lines(plan)),
+            header=("layers", "sharded parameters", "collectives per microbatch",
+                    "bytes per step", "sent per rank", "time per step", "why replicated"),
+            rows=_rows(_tp_layer_rows(plan))))
+    out.append(Section(
+        key="alternatives", title="Against the obvious alternatives",
+        header=("plan", "step time", "vs plan", "fits", "peak memory", "layers per stage"),
+        rows=_rows(_alternative_rows(plan)), after=tuple(_why(plan))))
+    out.append(Section(key="solver", title=None, bullets=tuple(_solver(plan))))
+    return out
+
+
+def _rows(rows: list[list[str]]) -> tuple[tuple[str, ...], ...]:
+    return tuple(tuple(row) for row in rows)
+
+
+_TEXT_TITLES = {"Against the obvious alternatives": "Alternatives"}
+
+
+def _lay_out(section: Section, md: bool) -> list[str]:
+    out = []
+    if section.title is not None:
+        title = section.title if md else _TEXT_TITLES.get(section.title, section.title)
+        out += ["", f"## {title}" if md else f"{title}:", ""]
+    else:
+        out += [""] if section.key != "plan" else []
+    out += [("- " if md else "") + line for line in section.bullets]
+    out += list(section.notes)
+    if section.preformatted:
+        block = list(section.preformatted)
+        out += [""] + (["```", *block, "```"] if md else block)
+    if section.header:
+        out += ([""] if section.bullets or section.notes else [])
+        out += _table(list(section.header), [list(r) for r in section.rows], md)
+    if section.after:
+        out += [""] + list(section.after)
+    return out
 
 
 def render(plan: Plan, format: str = "text") -> str:
+    """The report as ``format``: one of :data:`FORMATS` ("html": one self-contained page
+    with pictures, :mod:`partc.report_html`)."""
     if format not in FORMATS:
         raise ValueError(f"report format must be one of {FORMATS}, got {format!r}")
     if format == "json":
         return json.dumps(plan.to_dict(), indent=2)
-    md = format == "markdown"
-    out = ["# partc plan", ""] if md else ["partc plan", "=========="]
-    out += [("- " if md else "") + line for line in _headline(plan)]
-    out += _mesh_section(plan, md)
-    out += ["", "## Stages" if md else "Stages:", ""]
-    out += _table(["stage", "layers", "params", "forward", "backward", "recompute", "comm",
-                   "p2p send/recv", "recompute modes"], _stage_rows(plan), md)
-    out += ["", "## Memory per rank" if md else "Memory per rank:", ""]
-    out += _memory_lines(plan) + [""]
-    out += _table(["stage", *_MEMORY_KINDS, "peak / limit"], _memory_rows(plan), md)
-    if plan.tp > 1 and plan.tensor_parallel is not None:
-        out += ["", "## Tensor parallelism" if md else "Tensor parallelism:", ""]
-        out += _tp_lines(plan) + [""]
-        out += _table(["layers", "sharded parameters", "collectives per microbatch",
-                       "bytes per step", "sent per rank", "time per step", "why replicated"],
-                      _tp_layer_rows(plan), md)
-    out += ["", "## Against the obvious alternatives" if md else "Alternatives:", ""]
-    out += _table(["plan", "step time", "vs plan", "fits", "peak memory", "layers per stage"],
-                  _alternative_rows(plan), md)
-    out += [""] + _why(plan)
-    out += ["", ("- " if md else "") + _solver(plan), ""]
-    return "\n".join(out)
+    if format == "html":
+        from .report_html import render_html   # matplotlib: imported only for pictures
+
+        return render_html(plan)
+    return lay_out(sections(plan), markdown=format == "markdown")
+
+
+def lay_out(content: list[Section], *, markdown: bool = False) -> str:
+    """The report's sections as text or markdown."""
+    out = ["# partc plan", ""] if markdown else ["partc plan", "=========="]
+    for section in content:
+        out += _lay_out(section, markdown)
+    return "\n".join(out + [""])
