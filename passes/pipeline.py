@@ -28,7 +28,7 @@ from typing import Any, Callable, Sequence
 import torch
 from torch import fx, nn
 
-from partc import meta
+from partc import meta, progress
 from partc.errors import TraceError
 from partc.options import ShardingOptions
 from partc.problem import ModelAnalysis, TPOption
@@ -210,10 +210,16 @@ def analyze(model: nn.Module, example_inputs: Any, *, loss_fn: Callable | None =
     ``autocast_device``: "cuda" (GPUs; CUDA's policy, applied on CPU) or "cpu".
     """
     def front() -> tuple[fx.GraphModule, Context]:
+        passes = analysis_passes(attention)
+        steps = len(passes) + 1
+        progress.update("trace", 0, steps, "trace")
         gm, ctx = _trace(model, example_inputs, kwargs=kwargs, loss_fn=loss_fn,
                          example_target=example_target, name=name)
         ctx = dataclasses.replace(ctx, autocast=autocast, autocast_device=autocast_device)
-        gm = run_passes(analysis_passes(attention), gm, ctx)
+        for done, graph_pass in enumerate(passes, 1):
+            progress.update("trace", done, steps, graph_pass.name)
+            gm = run_pass(graph_pass, gm, ctx)
+        progress.update("trace", steps, steps)
         gm.meta[meta.CONTEXT] = ctx
         return gm, ctx
 
@@ -292,10 +298,12 @@ def _options(gm: fx.GraphModule, ctx: Context, links: Sequence[Link],
     base, usage = summarize(gm, ctx), param_usage(gm, ctx)
     options = []
     measured: list[tuple[tuple, TPOption]] = []  # (tp, sp, per-layer choices), option
-    for link, sp, objective in [(link, sp, objective) for link in links
-                                for sp in sequence_parallel for objective in objectives]:
-        if sp and not tp_chooser.sequence_length(gm):
-            continue
+    combinations = [(link, sp, objective) for link in links
+                    for sp in sequence_parallel for objective in objectives
+                    if not sp or tp_chooser.sequence_length(gm)]
+    for done, (link, sp, objective) in enumerate(combinations):
+        progress.update("tensor parallelism", done, len(combinations),
+                        f"tp={link.tp}{' sp' if sp else ''}, {objective} first")
         started = time.perf_counter()
         chosen = named("sharding", lambda: tp_chooser.choose(
             gm, link.tp, link, sequence_parallel=sp, prefer=objective,
@@ -316,6 +324,7 @@ def _options(gm: fx.GraphModule, ctx: Context, links: Sequence[Link],
         options.append(option)
         meta.add_pass_time(gm, f"sharding tp={link.tp}{' sp' if sp else ''}",
                            time.perf_counter() - started)
+    progress.update("tensor parallelism", len(combinations), len(combinations))
     return tuple(options)
 
 
