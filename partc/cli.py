@@ -519,8 +519,9 @@ class _Bars:
                 total=event.total, desc=event.phase, unit=self.UNITS.get(event.phase, "step"),
                 file=sys.stderr, leave=False, dynamic_ncols=True)
         bar.total = event.total
-        # Drawn by update, at most every tqdm's mininterval: fast phases stay cheap.
-        bar.set_postfix_str(_postfix(event), refresh=False)
+        # A step done is drawn by update, at most every tqdm's mininterval, so that fast
+        # phases stay cheap; a new detail in the same step (rare) at once.
+        bar.set_postfix_str(_postfix(event), refresh=event.done == bar.n)
         bar.update(event.done - bar.n)
         if event.done >= event.total:
             self._bars.pop(event.phase).close()

@@ -209,20 +209,22 @@ def analyze(model: nn.Module, example_inputs: Any, *, loss_fn: Callable | None =
     autocast makes them (``ModelSummary.autocast``), not as traced, under the policy of
     ``autocast_device``: "cuda" (GPUs; CUDA's policy, applied on CPU) or "cpu".
     """
+    passes = analysis_passes(attention)
+    steps = len(passes) + 2   # find the repeated blocks, trace, then each pass
+
     def front() -> tuple[fx.GraphModule, Context]:
-        passes = analysis_passes(attention)
-        steps = len(passes) + 1
-        progress.update("trace", 0, steps, "trace")
+        progress.update("trace", 1, steps, "trace")
         gm, ctx = _trace(model, example_inputs, kwargs=kwargs, loss_fn=loss_fn,
                          example_target=example_target, name=name)
         ctx = dataclasses.replace(ctx, autocast=autocast, autocast_device=autocast_device)
-        for done, graph_pass in enumerate(passes, 1):
+        for done, graph_pass in enumerate(passes, 2):
             progress.update("trace", done, steps, graph_pass.name)
             gm = run_pass(graph_pass, gm, ctx)
         progress.update("trace", steps, steps)
         gm.meta[meta.CONTEXT] = ctx
         return gm, ctx
 
+    progress.update("trace", 0, steps, "finding repeated blocks")
     if full_trace is None:
         full_trace = os.environ.get("PARTC_FULL_TRACE") == "1"
     example = (example_inputs if isinstance(example_inputs, tuple) else (example_inputs,),
@@ -302,8 +304,8 @@ def _options(gm: fx.GraphModule, ctx: Context, links: Sequence[Link],
                     for sp in sequence_parallel for objective in objectives
                     if not sp or tp_chooser.sequence_length(gm)]
     for done, (link, sp, objective) in enumerate(combinations):
-        progress.update("tensor parallelism", done, len(combinations),
-                        f"tp={link.tp}{' sp' if sp else ''}, {objective} first")
+        label = f"tp={link.tp}{' sp' if sp else ''}, {objective} first"
+        progress.update("tensor parallelism", done, len(combinations), f"{label}: choosing")
         started = time.perf_counter()
         chosen = named("sharding", lambda: tp_chooser.choose(
             gm, link.tp, link, sequence_parallel=sp, prefer=objective,
@@ -313,6 +315,7 @@ def _options(gm: fx.GraphModule, ctx: Context, links: Sequence[Link],
         if same:  # measured already: the same sharding under the other objective
             options.append(dataclasses.replace(same[0], objective=objective))
             continue
+        progress.update("tensor parallelism", done, len(combinations), f"{label}: measuring")
         local, moved = copy_module(gm, chosen)
         local = run_passes(tp_measurement_passes(), local,
                            dataclasses.replace(ctx, sharding=moved))

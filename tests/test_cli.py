@@ -208,8 +208,9 @@ def test_plan_draws_progress_and_prints_the_report(planned):
     last = phases["search"][-1]
     assert last.incumbent_s > 0 and 0 < last.bound_s <= last.incumbent_s
     assert 0 <= last.gap < 1
-    assert [e.detail for e in phases["tensor parallelism"][:2]] == [
-        "tp=2, time first", "tp=2, memory first"]
+    assert [e.detail for e in phases["tensor parallelism"][:3]] == [
+        "tp=2, time first: choosing", "tp=2, time first: measuring",
+        "tp=2, memory first: choosing"]
     progress.update("search", 0, 1)   # outside partc plan: nobody listens, nothing fails
 
 
