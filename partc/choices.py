@@ -32,3 +32,7 @@ DTYPE_NAMES: dict[str, str] = {
     "bfloat16": "bfloat16", "bf16": "bfloat16",
     "float16": "float16", "fp16": "float16",
 }
+
+# The formats of the report (what partc.report.render writes; a test holds the two
+# together).
+REPORT_FORMATS: tuple[str, ...] = ("text", "markdown", "json", "html")

@@ -33,14 +33,12 @@ from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
-from .choices import ATTENTION, DTYPE_NAMES, OPTIMIZER_STATE_BYTES, SCHEDULES, TP_OBJECTIVES
+from .choices import (ATTENTION, DTYPE_NAMES, OPTIMIZER_STATE_BYTES, REPORT_FORMATS,
+                      SCHEDULES, TP_OBJECTIVES)
 from .errors import PartcError
 from .presets import DEFAULT_DEVICE, PRESETS, preset
 from .problem import RECOMPUTE_MODES, ZERO_STAGES
 from .units import format_seconds, parse_bytes, parse_rate
-
-# The report formats partc.report renders (partc.report.FORMATS; a test keeps them equal).
-REPORT_FORMATS: tuple[str, ...] = ("text", "markdown", "json", "html")
 
 # The flag for each field of Constraints, TrainSpec and DeviceBudget: a test fails when one
 # of those classes gains a field that has no flag here.

@@ -16,7 +16,8 @@ import pytest
 
 import partc
 from partc import progress
-from partc.cli import BUDGET_FLAGS, PIN_FLAGS, REPORT_FORMATS, TRAIN_FLAGS, _parser, main
+from partc.choices import REPORT_FORMATS
+from partc.cli import BUDGET_FLAGS, PIN_FLAGS, TRAIN_FLAGS, _parser, main
 from partc.cli import _budget, _constraints, _top_level_names
 
 ROOT = Path(__file__).resolve().parents[1]
