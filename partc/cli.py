@@ -96,32 +96,31 @@ def _argument(read: Callable[[str], Any], name: str) -> Callable[[str], Any]:
     return checked
 
 
-def _count(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise ValueError(f"must be a positive whole number, got {text!r}")
+def _number(text: str, read: Callable[[str], float], allowed: Callable[[float], bool],
+            what: str) -> float:
+    try:
+        value = read(text)
+    except ValueError:
+        value = None
+    if value is None or not math.isfinite(value) or not allowed(value):
+        raise ValueError(f"must be {what}, got {text!r}")
     return value
+
+
+def _count(text: str) -> int:
+    return _number(text, int, lambda n: n >= 1, "a positive whole number")
 
 
 def _positive(text: str) -> float:
-    value = float(text)
-    if not math.isfinite(value) or value <= 0:
-        raise ValueError(f"must be a positive number, got {text!r}")
-    return value
+    return _number(text, float, lambda x: x > 0, "a positive number")
 
 
 def _fraction(text: str) -> float:
-    value = float(text)
-    if not 0 < value <= 1:
-        raise ValueError(f"must be a number in (0, 1], got {text!r}")
-    return value
+    return _number(text, float, lambda x: 0 < x <= 1, "a number in (0, 1]")
 
 
 def _seconds(text: str) -> float:
-    value = float(text)
-    if not math.isfinite(value) or value < 0:
-        raise ValueError(f"must be a number of seconds, 0 or more, got {text!r}")
-    return value
+    return _number(text, float, lambda x: x >= 0, "a number of seconds, 0 or more")
 
 
 def _size(text: str) -> int:
