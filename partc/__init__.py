@@ -5,21 +5,51 @@ model, measures it, and plans pipeline stages, recompute, microbatches and sched
 each device's memory limit, with a report that says why.
 """
 
-from .budget import PRESETS, DeviceBudget
-from .cache import PlanCache
-from .compiler import build_problem, compile, plan_problem
-from .errors import (PartcError, PlanFileError, PlanInfeasibleError, PlanMismatchError,
-                     PlanSchemaError, PlanValidationError, TraceError)
-from .plan import Plan
-from .options import PlannerOptions, ShardingOptions
-from .program import Program, load
-from .spec import Constraints, TrainSpec
-from .validate import validate_plan
+from __future__ import annotations
 
-__all__ = [
-    "PRESETS", "Constraints", "DeviceBudget", "PartcError", "Plan", "PlanFileError",
-    "PlanInfeasibleError",
-    "PlanCache", "PlanMismatchError", "PlanSchemaError", "PlanValidationError",
-    "PlannerOptions", "Program", "ShardingOptions", "TraceError",
-    "TrainSpec", "build_problem", "compile", "load", "plan_problem", "validate_plan",
-]
+import importlib
+from typing import TYPE_CHECKING, Any
+
+# Each public name and the module that defines it. They are imported on first use
+# (PEP 562), so that importing the package, as ``partc --help`` and ``python -m partc``
+# do, does not import torch; ``from partc import compile`` and ``partc.compile`` work as
+# if they were imported here.
+_EXPORTS = {
+    "PRESETS": "budget", "DeviceBudget": "budget",
+    "PlanCache": "cache",
+    "build_problem": "compiler", "compile": "compiler", "plan_problem": "compiler",
+    "PartcError": "errors", "PlanFileError": "errors", "PlanInfeasibleError": "errors",
+    "PlanMismatchError": "errors", "PlanSchemaError": "errors",
+    "PlanValidationError": "errors", "TraceError": "errors",
+    "Plan": "plan",
+    "PlannerOptions": "options", "ShardingOptions": "options",
+    "Program": "program", "load": "program",
+    "Constraints": "spec", "TrainSpec": "spec",
+    "validate_plan": "validate",
+}
+
+__all__ = sorted(_EXPORTS)
+
+if TYPE_CHECKING:   # what static tools and IDEs read
+    from .budget import PRESETS, DeviceBudget
+    from .cache import PlanCache
+    from .compiler import build_problem, compile, plan_problem
+    from .errors import (PartcError, PlanFileError, PlanInfeasibleError, PlanMismatchError,
+                         PlanSchemaError, PlanValidationError, TraceError)
+    from .options import PlannerOptions, ShardingOptions
+    from .plan import Plan
+    from .program import Program, load
+    from .spec import Constraints, TrainSpec
+    from .validate import validate_plan
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'partc' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f".{_EXPORTS[name]}", __name__), name)
+    globals()[name] = value   # once: later lookups do not come here
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *__all__})

@@ -11,26 +11,14 @@ from typing import Any, Mapping
 
 import torch
 
+from .choices import ATTENTION, OPTIMIZER_STATE_BYTES, SCHEDULES, TP_OBJECTIVES
 from .problem import RECOMPUTE_MODES, ZERO_STAGES, Precision
 
-# How attention runs: as the model writes it, or as one fused kernel call
-# (``scaled_dot_product_attention``) wherever partc proves it computes the same.
-ATTENTION: tuple[str, ...] = ("as_written", "fused")
-
-SCHEDULES: tuple[str, ...] = ("gpipe", "1f1b", "interleaved-1f1b")
 # What the planner tries when the schedule is "auto": the schedules the runtime builds.
 # Interleaved 1F1B (Megatron's virtual stages) is planned and costed when pinned, but
 # the runtime runs one stage per rank.
 AUTO_SCHEDULES: tuple[str, ...] = ("1f1b", "gpipe")
 INTERLEAVED = "interleaved-1f1b"
-
-# Bytes of optimizer state per parameter, kept in fp32 whatever the compute dtype.
-OPTIMIZER_STATE_BYTES: dict[str, float] = {
-    "sgd": 0.0,
-    "sgd-momentum": 4.0,
-    "adam": 8.0,
-    "adamw": 8.0,
-}
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
@@ -196,8 +184,9 @@ class Constraints:
         if not any(self.sequence_parallel is v for v in (None, True, False)):
             raise ValueError(f"Constraints.sequence_parallel must be None, True or False, "
                              f"got {self.sequence_parallel!r}")
-        if self.tp_objective not in (None, "time", "memory"):
-            raise ValueError(f"tp_objective must be 'time' or 'memory', got {self.tp_objective!r}")
+        if self.tp_objective is not None and self.tp_objective not in TP_OBJECTIVES:
+            raise ValueError(f"tp_objective must be one of {TP_OBJECTIVES}, "
+                             f"got {self.tp_objective!r}")
         if self.sequence_parallel and self.tp == 1:
             raise ValueError("sequence parallelism needs tensor parallelism: tp=1 was pinned")
         if self.zero_stage is not None and (isinstance(self.zero_stage, bool)

@@ -28,7 +28,7 @@ from typing import Any, Callable, Sequence
 import torch
 from torch import fx, nn
 
-from partc import meta
+from partc import meta, progress
 from partc.errors import TraceError
 from partc.options import ShardingOptions
 from partc.problem import ModelAnalysis, TPOption
@@ -209,14 +209,22 @@ def analyze(model: nn.Module, example_inputs: Any, *, loss_fn: Callable | None =
     autocast makes them (``ModelSummary.autocast``), not as traced, under the policy of
     ``autocast_device``: "cuda" (GPUs; CUDA's policy, applied on CPU) or "cpu".
     """
+    passes = analysis_passes(attention)
+    steps = len(passes) + 2   # find the repeated blocks, trace, then each pass
+
     def front() -> tuple[fx.GraphModule, Context]:
+        progress.update("trace", 1, steps, "trace")
         gm, ctx = _trace(model, example_inputs, kwargs=kwargs, loss_fn=loss_fn,
                          example_target=example_target, name=name)
         ctx = dataclasses.replace(ctx, autocast=autocast, autocast_device=autocast_device)
-        gm = run_passes(analysis_passes(attention), gm, ctx)
+        for done, graph_pass in enumerate(passes, 2):
+            progress.update("trace", done, steps, graph_pass.name)
+            gm = run_pass(graph_pass, gm, ctx)
+        progress.update("trace", steps, steps)
         gm.meta[meta.CONTEXT] = ctx
         return gm, ctx
 
+    progress.update("trace", 0, steps, "finding repeated blocks")
     if full_trace is None:
         full_trace = os.environ.get("PARTC_FULL_TRACE") == "1"
     example = (example_inputs if isinstance(example_inputs, tuple) else (example_inputs,),
@@ -292,10 +300,12 @@ def _options(gm: fx.GraphModule, ctx: Context, links: Sequence[Link],
     base, usage = summarize(gm, ctx), param_usage(gm, ctx)
     options = []
     measured: list[tuple[tuple, TPOption]] = []  # (tp, sp, per-layer choices), option
-    for link, sp, objective in [(link, sp, objective) for link in links
-                                for sp in sequence_parallel for objective in objectives]:
-        if sp and not tp_chooser.sequence_length(gm):
-            continue
+    combinations = [(link, sp, objective) for link in links
+                    for sp in sequence_parallel for objective in objectives
+                    if not sp or tp_chooser.sequence_length(gm)]
+    for done, (link, sp, objective) in enumerate(combinations):
+        label = f"tp={link.tp}{' sp' if sp else ''}, {objective} first"
+        progress.update("tensor parallelism", done, len(combinations), f"{label}: choosing")
         started = time.perf_counter()
         chosen = named("sharding", lambda: tp_chooser.choose(
             gm, link.tp, link, sequence_parallel=sp, prefer=objective,
@@ -305,6 +315,7 @@ def _options(gm: fx.GraphModule, ctx: Context, links: Sequence[Link],
         if same:  # measured already: the same sharding under the other objective
             options.append(dataclasses.replace(same[0], objective=objective))
             continue
+        progress.update("tensor parallelism", done, len(combinations), f"{label}: measuring")
         local, moved = copy_module(gm, chosen)
         local = run_passes(tp_measurement_passes(), local,
                            dataclasses.replace(ctx, sharding=moved))
@@ -316,6 +327,7 @@ def _options(gm: fx.GraphModule, ctx: Context, links: Sequence[Link],
         options.append(option)
         meta.add_pass_time(gm, f"sharding tp={link.tp}{' sp' if sp else ''}",
                            time.perf_counter() - started)
+    progress.update("tensor parallelism", len(combinations), len(combinations))
     return tuple(options)
 
 

@@ -22,11 +22,13 @@ each solve from its earlier plan. ``partc.PlanCache`` keeps one per problem.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 import time
 
 from ortools.sat.python import cp_model
 
+from .. import progress
 from ..costs import CostTable, PipelineConfig, TableCache, build_cost_table, evaluate
 from ..errors import PlanInfeasibleError
 from ..explain import explain_infeasible
@@ -249,7 +251,11 @@ def solve(problem: PlanningProblem, options: PlannerOptions = PlannerOptions(),
         if tables[order[0]].config != cache.best_config:
             order.remove(seed)
             order.insert(0, seed)
-    for i in order:
+    # The least lower bound of the configurations from the k-th on, for the progress.
+    ahead = list(itertools.accumulate(reversed([floors[i] for i in order]), min,
+                                      initial=math.inf))[::-1]
+    for done, i in enumerate(order):
+        _report(tables, order, ahead, done, bound, best)
         table, floor = tables[i], floors[i]
         if floor == math.inf:
             pruned += 1
@@ -291,6 +297,7 @@ def solve(problem: PlanningProblem, options: PlannerOptions = PlannerOptions(),
         bound = result.bound if bound is None else min(bound, result.bound)
         if best is None or result.evaluation.step_ps < best.evaluation.step_ps:
             best = result
+    _report(tables, order, ahead, len(order), bound, best)
     if best is None:
         raise explain_infeasible(problem, tables)
     cache.best_config = best.table.config
@@ -300,6 +307,23 @@ def solve(problem: PlanningProblem, options: PlannerOptions = PlannerOptions(),
         solve_time_s=time.perf_counter() - start,
         configs_total=len(configs), configs_solved=solved, configs_pruned=pruned,
         meshes=mesh_results(problem, tables, floors, outcomes, best))
+
+
+def _report(tables: list[CostTable], order: list[int], ahead: list[float], done: int,
+            bound: float | None, best: ConfigResult | None) -> None:
+    """The search's progress: configurations done, the incumbent's step time and the
+    least step time still possible: the least of what was proven for the configurations
+    done (``bound``) and of the lower bounds of those to do (``ahead[done]``)."""
+    incumbent = best.evaluation.step_ps if best is not None else None
+    lowest = min(x for x in (ahead[done], bound, incumbent) if x is not None)
+    detail = ""
+    if done < len(order):
+        config = tables[order[done]].config
+        detail = (f"pp={config.pp} dp={config.dp} tp={config.tp}, "
+                  f"{config.micro_batch_size} x {config.num_microbatches}, {config.schedule}")
+    progress.update("search", done, len(order), detail,
+                    incumbent_s=None if incumbent is None else incumbent / 1e12,
+                    bound_s=None if lowest == math.inf else lowest / 1e12)
 
 
 def _seed(problem: PlanningProblem, tables: list[CostTable], floors: list[float],

@@ -1,0 +1,96 @@
+"""The device presets: each device's vendor figures and usual node shape, by name.
+
+Torch-free, so that the command line can list and check device names before it imports
+torch; :mod:`partc.budget` builds a DeviceBudget on them. Bandwidths are per device and
+per direction (NVLink 4 on H100: 900 GB/s bidirectional = 450 GB/s each way; one 400 Gb/s
+NIC per GPU = 50 GB/s). ``flops_efficiency`` is the fraction of peak that large matmuls
+reach in practice; the presets guess it.
+"""
+
+from __future__ import annotations
+
+import difflib
+from dataclasses import dataclass
+
+TFLOPS = 1e12
+GB = 1e9
+
+
+@dataclass(frozen=True, kw_only=True)
+class DevicePreset:
+    name: str
+    peak_flops: dict[str, float]
+    memory: int
+    hbm_bandwidth: float
+    devices_per_node: int
+    intra_node_bandwidth: float
+    inter_node_bandwidth: float
+    link_latency_s: float          # per collective step between nodes
+    intra_node_latency_s: float    # per collective step inside a node
+    flops_efficiency: float
+    # The torch device type it runs as: its autocast policy is that device's.
+    device_type: str = "cuda"
+
+
+PRESETS: dict[str, DevicePreset] = {
+    preset.name: preset
+    for preset in (
+        DevicePreset(
+            name="A100-40GB",
+            peak_flops={"float32": 19.5 * TFLOPS, "tf32": 156 * TFLOPS,
+                        "bfloat16": 312 * TFLOPS, "float16": 312 * TFLOPS},
+            memory=40 * 2**30, hbm_bandwidth=1555 * GB, devices_per_node=8,
+            intra_node_bandwidth=300 * GB, inter_node_bandwidth=25 * GB,
+            link_latency_s=10e-6, intra_node_latency_s=2e-6, flops_efficiency=0.6),
+        DevicePreset(
+            name="A100-80GB",
+            peak_flops={"float32": 19.5 * TFLOPS, "tf32": 156 * TFLOPS,
+                        "bfloat16": 312 * TFLOPS, "float16": 312 * TFLOPS},
+            memory=80 * 2**30, hbm_bandwidth=2039 * GB, devices_per_node=8,
+            intra_node_bandwidth=300 * GB, inter_node_bandwidth=25 * GB,
+            link_latency_s=10e-6, intra_node_latency_s=2e-6, flops_efficiency=0.6),
+        DevicePreset(
+            name="H100-80GB",
+            peak_flops={"float32": 67 * TFLOPS, "tf32": 494.7 * TFLOPS,
+                        "bfloat16": 989.4 * TFLOPS, "float16": 989.4 * TFLOPS},
+            memory=80 * 2**30, hbm_bandwidth=3350 * GB, devices_per_node=8,
+            intra_node_bandwidth=450 * GB, inter_node_bandwidth=50 * GB,
+            link_latency_s=8e-6, intra_node_latency_s=2e-6, flops_efficiency=0.55),
+        DevicePreset(
+            name="H200",
+            peak_flops={"float32": 67 * TFLOPS, "tf32": 494.7 * TFLOPS,
+                        "bfloat16": 989.4 * TFLOPS, "float16": 989.4 * TFLOPS},
+            memory=141 * 10**9, hbm_bandwidth=4800 * GB, devices_per_node=8,
+            intra_node_bandwidth=450 * GB, inter_node_bandwidth=50 * GB,
+            link_latency_s=8e-6, intra_node_latency_s=2e-6, flops_efficiency=0.55),
+        DevicePreset(
+            name="CPU",
+            peak_flops={"float32": 0.2 * TFLOPS, "bfloat16": 0.2 * TFLOPS,
+                        "float16": 0.1 * TFLOPS},
+            memory=16 * 2**30, hbm_bandwidth=20 * GB, devices_per_node=64,
+            intra_node_bandwidth=5 * GB, inter_node_bandwidth=1.25 * GB,
+            link_latency_s=50e-6, intra_node_latency_s=50e-6,
+            flops_efficiency=0.5, device_type="cpu"),
+    )
+}
+_ALIASES = {"A100": "A100-80GB", "H100": "H100-80GB", "H200-141GB": "H200", "cpu": "CPU"}
+
+
+DEFAULT_DEVICE = "H100-80GB"
+
+
+def preset(name: str) -> DevicePreset:
+    """The preset called ``name`` (case-insensitive, or an alias such as "H100"); a
+    ValueError naming the closest names otherwise."""
+    key = {alias.lower(): n for alias, n in _ALIASES.items()}.get(str(name).lower(), name)
+    matches = [p for n, p in PRESETS.items() if n.lower() == str(key).lower()]
+    if not matches:
+        raise ValueError(f"unknown device {name!r}{_did_you_mean(str(name))}; "
+                         f"presets: {', '.join(PRESETS)}")
+    return matches[0]
+
+
+def _did_you_mean(name: str) -> str:
+    names = {n.lower(): n for n in (*PRESETS, *_ALIASES)}
+    close = difflib.get_close_matches(name.lower(), names, n=3, cutoff=0.6)
+    return f" (did you mean {' or '.join(repr(names[c]) for c in close)}?)" if close else ""
