@@ -17,13 +17,14 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
+from .choices import REPORT_FORMATS
 from .placement import REPLICATE
 from .plan import MeshOutcome, Plan
 from .spec import dtype_name
 from .timeline import Timeline, simulate, text_lines
 from .units import format_bytes, format_count, format_seconds
 
-FORMATS = ("text", "markdown", "json", "html")
+FORMATS = REPORT_FORMATS
 
 
 def plural(n: int, noun: str, nouns: str | None = None) -> str:

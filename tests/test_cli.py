@@ -84,7 +84,7 @@ def test_every_field_has_a_flag(cls, flags):
 
 def test_report_formats_are_the_renderers():
     from partc.report import FORMATS
-    assert set(FORMATS) <= set(REPORT_FORMATS)
+    assert FORMATS == REPORT_FORMATS
 
 
 def _args(*argv: str):
