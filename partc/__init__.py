@@ -8,8 +8,8 @@ each device's memory limit, with a report that says why.
 from .budget import PRESETS, DeviceBudget
 from .cache import PlanCache
 from .compiler import build_problem, compile, plan_problem
-from .errors import (PartcError, PlanFileError, PlanInfeasibleError, PlanMismatchError,
-                     PlanSchemaError, PlanValidationError, TraceError)
+from .errors import (CheckpointError, PartcError, PlanFileError, PlanInfeasibleError,
+                     PlanMismatchError, PlanSchemaError, PlanValidationError, TraceError)
 from .plan import Plan
 from .options import PlannerOptions, ShardingOptions
 from .program import Program, load
@@ -17,7 +17,8 @@ from .spec import Constraints, TrainSpec
 from .validate import validate_plan
 
 __all__ = [
-    "PRESETS", "Constraints", "DeviceBudget", "PartcError", "Plan", "PlanFileError",
+    "PRESETS", "CheckpointError", "Constraints", "DeviceBudget", "PartcError", "Plan",
+    "PlanFileError",
     "PlanInfeasibleError",
     "PlanCache", "PlanMismatchError", "PlanSchemaError", "PlanValidationError",
     "PlannerOptions", "Program", "ShardingOptions", "TraceError",
