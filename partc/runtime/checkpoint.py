@@ -417,23 +417,41 @@ def _to_cpu(state: dict[str, Any]) -> dict[str, Any]:
 # -- agreement ----------------------------------------------------------------------------
 
 
-def _agree(problem: str | None, what: str, *, path: Path | None = None) -> None:
-    """Raise CheckpointError on every rank if any rank has a problem (collective)."""
+def _agree(problem: str | CheckpointError | None, what: str, *,
+           path: Path | None = None) -> None:
+    """Raise CheckpointError on every rank if any rank has a problem (collective). The
+    error names every rank's problem; its ``path`` and ``tensor`` are this rank's, or
+    the first failing rank's."""
+    local = problem if isinstance(problem, CheckpointError) else None
     everyone: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, problem)
+    dist.all_gather_object(everyone, None if problem is None else (
+        str(problem), getattr(local, "path", None), getattr(local, "tensor", None)))
     failed = [(rank, p) for rank, p in enumerate(everyone) if p is not None]
     if not failed:
         return
     distinct: dict[str, list[int]] = {}
-    for rank, p in failed:
-        distinct.setdefault(p, []).append(rank)
-    detail = "; ".join(f"rank{'s' if len(r) > 1 else ''} {', '.join(map(str, r))}: {p}"
-                       for p, r in distinct.items())
-    raise CheckpointError(f"{what}: {detail}", path=str(path) if path else None)
+    for rank, (message, _, _) in failed:
+        distinct.setdefault(message, []).append(rank)
+    detail = "; ".join(f"rank{'s' if len(r) > 1 else ''} {', '.join(map(str, r))}: {m}"
+                       for m, r in distinct.items())
+    _, where, tensor = everyone[dist.get_rank()] or failed[0][1]
+    raise CheckpointError(f"{what}: {detail}", path=where or (str(path) if path else None),
+                          tensor=tensor)
 
 
 def _problem(error: BaseException) -> str:
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    if isinstance(error, CheckpointException):  # DCP's: every failing rank's exception
+        return "; ".join(f"DCP on rank {rank}: {type(exc).__name__}: {exc}"
+                         for rank, (exc, _) in sorted(error.failures.items()))
     return f"{type(error).__name__}: {error}"
+
+
+def _failures() -> tuple[type[BaseException], ...]:
+    """What a failed DCP call raises: DCP's CheckpointException is a BaseException."""
+    from torch.distributed.checkpoint.api import CheckpointException
+    return (Exception, CheckpointException)
 
 
 # -- save ----------------------------------------------------------------------------------
@@ -481,7 +499,7 @@ def save(module: "DistributedModule", directory: str | os.PathLike, *,
             state[f"rng.cuda.rank{rank}"] = torch.cuda.get_rng_state()
         manifest = _manifest(module, optimizer, step, extra)
     except Exception as error:  # every rank learns of it before any collective of DCP
-        problem = _problem(error)
+        problem = error if isinstance(error, CheckpointError) else _problem(error)
     _agree(problem, f"cannot save a checkpoint of step {step} under {root}", path=root)
 
     # Rank 0 makes the temporary directory and tells the others its name.
@@ -504,9 +522,14 @@ def save(module: "DistributedModule", directory: str | os.PathLike, *,
     if async_save:
         group = _async_group(module)
         started = time.perf_counter()
-        staged = _to_cpu(state)
-        future = dcp.async_save(staged, storage_writer=writer, planner=save_planner(),
-                                process_group=group, async_stager=_Staged())
+        problem, future = None, None
+        try:
+            future = dcp.async_save(_to_cpu(state), storage_writer=writer,
+                                    planner=save_planner(), process_group=group,
+                                    async_stager=_Staged())
+        except _failures() as error:
+            problem = _problem(error)
+        _agree(problem, f"cannot start saving the checkpoint of step {step}", path=tmp)
         pending = _Pending(future, step, final)
         if rank == 0:
             future.add_done_callback(lambda done: _commit_after(done, pending, root, tmp,
@@ -518,7 +541,7 @@ def save(module: "DistributedModule", directory: str | os.PathLike, *,
     problem = None
     try:
         dcp.save(state, storage_writer=writer, planner=save_planner())
-    except Exception as error:
+    except _failures() as error:
         problem = _problem(error)
     everyone: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, problem)
@@ -644,7 +667,7 @@ def wait(module: "DistributedModule") -> Path | None:
     problem = None
     try:
         pending.future.result()
-    except Exception as error:
+    except _failures() as error:
         problem = _problem(error)
     if dist.get_rank() == 0:
         pending.committed.wait()
@@ -670,6 +693,9 @@ def resolve(directory: str | os.PathLike) -> Path:
         return root / name
     if (root / MANIFEST).is_file():
         return root
+    if (root / ".metadata").is_file():
+        raise CheckpointError(f"{root / MANIFEST} is missing: {root} is a partial checkpoint "
+                              "(its save did not finish)", path=str(root / MANIFEST))
     if not root.exists():
         raise CheckpointError(f"no checkpoint at {root}: the directory does not exist",
                               path=str(root))
@@ -727,11 +753,14 @@ def _check(module: "DistributedModule", path: Path, manifest: dict[str, Any],
                 f"it has {len(unknown)} tensors this model does not ({', '.join(unknown[:4])}"
                 f"{', ...' if len(unknown) > 4 else ''})" if unknown else "") if part),
             path=manifest_file, tensor=(missing or unknown)[0])
-    for fqn, info in ours.items():
-        if list(theirs[fqn]["shape"]) != info["shape"]:
-            raise CheckpointError(f"{manifest_file}: tensor {fqn} has shape "
-                                  f"{theirs[fqn]['shape']} in the checkpoint, {info['shape']} "
-                                  f"in this model", path=manifest_file, tensor=fqn)
+    differ = [fqn for fqn, info in ours.items() if list(theirs[fqn]["shape"]) != info["shape"]]
+    if differ:
+        raise CheckpointError(
+            f"{manifest_file}: {len(differ)} tensor{'s' if len(differ) > 1 else ''} of "
+            "other shapes: " + "; ".join(
+                f"{fqn} has shape {theirs[fqn]['shape']} in the checkpoint, "
+                f"{ours[fqn]['shape']} in this model" for fqn in differ[:4])
+            + ("; ..." if len(differ) > 4 else ""), path=manifest_file, tensor=differ[0])
     if optimizer is not None:
         saved = manifest["optimizer"]
         if saved is None:
@@ -792,7 +821,7 @@ def load(module: "DistributedModule", directory: str | os.PathLike, *,
         manifest = read_manifest(path)
         metadata = _check(module, path, manifest, optimizer)
     except CheckpointError as error:
-        problem = str(error)
+        problem = error
     except Exception as error:
         problem = _problem(error)
     _agree(problem, f"cannot load the checkpoint at {directory}", path=path)
@@ -830,7 +859,7 @@ def load(module: "DistributedModule", directory: str | os.PathLike, *,
                 state[rng_keys[-1]] = torch.cuda.get_rng_state()
         _check_state_keys(state, metadata, path)
     except CheckpointError as error:
-        problem = str(error)
+        problem = error
     except Exception as error:
         problem = _problem(error)
     _agree(problem, f"cannot load the checkpoint at {path}", path=path)
@@ -840,7 +869,7 @@ def load(module: "DistributedModule", directory: str | os.PathLike, *,
     try:
         with torch.no_grad():
             dcp.load(state, storage_reader=FileSystemReader(str(path)), planner=load_planner())
-    except Exception as error:
+    except _failures() as error:
         problem = _problem(error)
     _agree(problem, f"reading the checkpoint at {path} failed (this rank's tensors may be "
            "partly loaded: load again)", path=path)
