@@ -95,9 +95,9 @@ def main() -> None:
             ranks = launch(out, phase, nproc, group)
             results.update({n: ranks for n in group})
     rows = [row(n, first[n], resumed[n]) for n in names]
-    print(f"| move | losses vs 1 process | params vs 1 process (A, uninterrupted) | "
-          f"params vs 1 process (resumed) | resumed vs uninterrupted (max abs) | "
-          f"losses bit-identical |")
+    print("| move | losses vs 1 process | params vs 1 process (A, uninterrupted) | "
+          "params vs 1 process (resumed) | resumed vs uninterrupted (max abs) | "
+          "losses bit-identical |")
     print("|---|---|---|---|---|---|")
     failed = 0
     for r in rows:

@@ -51,7 +51,6 @@ and by load) waits for it and raises on every rank if it failed.
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import json
 import logging
 import os
@@ -61,16 +60,17 @@ import time
 import uuid
 from concurrent.futures import Future
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Iterable
+from typing import TYPE_CHECKING, Any, Callable, Iterable
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor
 
-from partc.errors import CheckpointError, PartcError
+from partc.errors import CheckpointError
 
-from . import tp as tp_ops
-from .parameters import dp_shard
+from .checkpoint_chunks import (Chunks, CpuStaged, held_tensors, hyperparameters,
+                                initialise_state, inner_optimizer, model_tensors,
+                                needs_state, optimizer_class, optimizer_params,
+                                optimizer_state, planners, restore_hyperparameters, to_cpu)
 
 if TYPE_CHECKING:
     from .module import DistributedModule
@@ -89,339 +89,14 @@ def step_name(step: int) -> str:
     return f"step-{step:08d}"
 
 
-# -- what a rank holds of a tensor ------------------------------------------------------
-
-
-class Chunks:
-    """The parts of one whole tensor (``size``) this rank holds: views of its own tensor
-    with their offsets in the whole. DCP reads and writes them through
-    :class:`_SavePlanner` and :class:`_LoadPlanner`."""
-
-    def __init__(self, size: tuple[int, ...], parts: list[tuple[tuple[int, ...], torch.Tensor]]
-                 ) -> None:
-        self.whole = torch.Size(size)
-        self.parts = {torch.Size(offsets): view for offsets, view in parts}
-
-    def size(self) -> torch.Size:
-        return self.whole
-
-    def storage(self) -> list:
-        from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
-        return [ChunkStorageMetadata(offsets=offsets, sizes=view.size())
-                for offsets, view in self.parts.items()]
-
-    def write_items(self, fqn: str) -> list:
-        from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata,
-                                                           MetadataIndex, TensorProperties)
-        from torch.distributed.checkpoint.planner import (TensorWriteData, WriteItem,
-                                                          WriteItemType)
-        return [WriteItem(index=MetadataIndex(fqn, offsets), type=WriteItemType.SHARD,
-                          tensor_data=TensorWriteData(
-                              chunk=ChunkStorageMetadata(offsets=offsets, sizes=view.size()),
-                              properties=TensorProperties.create_from_tensor(view),
-                              size=self.whole))
-                for offsets, view in self.parts.items()]
-
-    def on_cpu(self) -> "Chunks":
-        """A copy in CPU memory, each part a tensor of its own (what an async save writes
-        while training goes on)."""
-        copy = Chunks(self.whole, [])
-        copy.parts = {offsets: view.detach().to("cpu", copy=True).contiguous()
-                      for offsets, view in self.parts.items()}
-        return copy
-
-
-def _runs(index: torch.Tensor) -> list[tuple[int, int, int]]:
-    """Runs of consecutive whole-tensor indices: (local start, whole start, length)."""
-    if index.numel() == 0:
-        return []
-    breaks = (torch.nonzero(index[1:] - index[:-1] != 1).flatten() + 1).tolist()
-    starts = [0, *breaks]
-    ends = [*breaks, index.numel()]
-    return [(s, int(index[s]), e - s) for s, e in zip(starts, ends)]
-
-
-def _index_maps(module: "DistributedModule", name: str, whole: tuple[int, ...],
-                local: torch.Tensor, dp_sharded: bool) -> list[torch.Tensor]:
-    """For each dim of this rank's ``local`` part of tensor ``name``, the whole tensor's
-    index of each local index, cut exactly as the runtime cuts it: the plan's
-    tensor-parallel placement (``tp.shard_of``), then FSDP's dp shard of dim 0."""
-    topo = module.topology
-    maps = [torch.arange(n) for n in whole]
-    placement = module._placement(name)
-    if placement.kind == "S" and whole:
-        dim = placement.dim % len(whole)
-        maps[dim] = tp_ops.shard_of(maps[dim], 0, placement.chunks, topo.tp_rank, topo.tp)
-    if dp_sharded and whole:
-        maps[0] = dp_shard(maps[0], topo.dp, topo.dp_rank)
-    held = tuple(len(m) for m in maps)
-    if held != tuple(local.shape):
-        raise PartcError(f"{name}: this rank holds shape {list(local.shape)}, but the plan "
-                         f"cuts {list(held)} of its whole {list(whole)}")
-    return maps
-
-
-def _chunks(maps: list[torch.Tensor], whole: tuple[int, ...], local: torch.Tensor) -> Chunks:
-    parts = []
-    for combo in itertools.product(*(_runs(m) for m in maps)):
-        view = local
-        for dim, (start, _, length) in enumerate(combo):
-            view = view.narrow(dim, start, length)
-        parts.append((tuple(offset for _, offset, _ in combo), view))
-    return Chunks(whole, parts)
-
-
-def _local(tensor: torch.Tensor) -> tuple[torch.Tensor, bool]:
-    """This rank's storage of a tensor, and whether FSDP shards it over dp."""
-    if isinstance(tensor, DTensor):
-        placements = tuple(tensor.placements)
-        if len(placements) != 1 or not placements[0].is_shard(0):
-            raise PartcError(f"a DTensor placed {placements} is not FSDP's dp shard of dim 0")
-        return tensor.to_local().detach(), True
-    return tensor.detach(), False
-
-
-# -- the module's tensors under canonical names ------------------------------------------
-
-
-@dataclasses.dataclass
-class _Held:
-    """One tensor this rank holds: its canonical FQN, its name in the stage, the whole
-    tensor's shape, and how this rank's part maps into it."""
-
-    fqn: str
-    name: str
-    tensor: torch.Tensor
-    whole: tuple[int, ...]
-    maps: list[torch.Tensor]
-    local: torch.Tensor
-
-    def chunks(self, local: torch.Tensor | None = None) -> Chunks:
-        return _chunks(self.maps, self.whole, self.local if local is None else local)
-
-
-def canonical(module: "DistributedModule", name: str) -> str:
-    return module._aliases.get(name, (name,))[0]
-
-
-def model_tensors(module: "DistributedModule") -> dict[str, dict[str, Any]]:
-    """The whole model's checkpointed tensors (parameters and persistent buffers), each
-    once under its canonical FQN: shape and dtype."""
-    shapes = module._model_tensors
-    return {canonical(module, name): {"shape": list(shape), "dtype": str(dtype)}
-            for name, (shape, dtype) in shapes.items()}
-
-
-def held_tensors(module: "DistributedModule") -> list[_Held]:
-    """This rank's parameters and persistent buffers, once each."""
-    whole = model_tensors(module)
-    seen: set[int] = set()
-    held = []
-    named = list(module.module.named_parameters()) + list(module.module.named_buffers())
-    for name, tensor in named:
-        fqn = canonical(module, name)
-        if id(tensor) in seen or fqn not in whole:  # a non-persistent buffer
-            continue
-        seen.add(id(tensor))
-        local, sharded = _local(tensor)
-        shape = tuple(whole[fqn]["shape"])
-        held.append(_Held(fqn, name, tensor, shape,
-                          _index_maps(module, name, shape, local, sharded), local))
-    return held
-
-
-# -- the optimizer -----------------------------------------------------------------------
-
-
-def _inner(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
-    """The optimizer holding the state: ZeroRedundancyOptimizer's local one, or itself."""
-    inner = getattr(optimizer, "optim", None)
-    return inner if isinstance(inner, torch.optim.Optimizer) else optimizer
-
-
-def _optimizer_params(module: "DistributedModule", optimizer: torch.optim.Optimizer
-                      ) -> list[tuple[_Held, torch.nn.Parameter]]:
-    """The parameters whose state this rank's optimizer keeps, with what this rank holds
-    of each (a placeholder parameter of an empty stage is none of the module's)."""
-    by_id = {id(h.tensor): h for h in held_tensors(module)}
-    return [(by_id[id(p)], p) for group in _inner(optimizer).param_groups
-            for p in group["params"] if id(p) in by_id]
-
-
-def _optimizer_class(optimizer: torch.optim.Optimizer) -> str:
-    return type(_inner(optimizer)).__name__
-
-
-def _json_value(value: Any) -> Any:
-    if isinstance(value, torch.Tensor) and value.numel() == 1:
-        return value.item()
-    if isinstance(value, (tuple, list)):
-        return [_json_value(v) for v in value]
-    if value is None or isinstance(value, (bool, int, float, str)):
-        return value
-    return None  # not restorable from JSON: left as the optimizer has it
-
-
-def _hyperparameters(optimizer: torch.optim.Optimizer) -> list[dict[str, Any]]:
-    return [{key: _json_value(value) for key, value in group.items() if key != "params"}
-            for group in optimizer.param_groups]
-
-
-def _restore_hyperparameters(optimizer: torch.optim.Optimizer,
-                             saved: list[dict[str, Any]]) -> None:
-    groups = [optimizer.param_groups]
-    if _inner(optimizer) is not optimizer:
-        groups.append(_inner(optimizer).param_groups)
-    for param_groups in groups:
-        for group, values in zip(param_groups, saved):
-            for key, value in values.items():
-                if key == "params" or key not in group or value is None:
-                    continue
-                current = group[key]
-                if isinstance(current, torch.Tensor):
-                    current.fill_(value)
-                elif isinstance(current, tuple):
-                    group[key] = tuple(value)
-                else:
-                    group[key] = value
-
-
-def _needs_state(module: "DistributedModule", optimizer: torch.optim.Optimizer) -> bool:
-    state = _inner(optimizer).state
-    return any(p.requires_grad and not state.get(p) for _, p in
-               _optimizer_params(module, optimizer))
-
-
-def _initialise_state(module: "DistributedModule", optimizer: torch.optim.Optimizer) -> None:
-    """Create the optimizer's state the way its own first step does, changing no
-    parameter: one step with zero gradients at learning rate 0 (collective under ZeRO-1,
-    which broadcasts the stepped parameters). Gradients the user had are kept."""
-    made = []
-    for group in optimizer.param_groups:
-        for p in group["params"]:
-            if p.requires_grad and p.grad is None:
-                p.grad = torch.zeros_like(p)
-                made.append(p)
-    rates = [group["lr"] for group in optimizer.param_groups]
-    try:
-        for group in optimizer.param_groups:
-            group["lr"] = 0.0
-        optimizer.step()
-    finally:
-        for group, rate in zip(optimizer.param_groups, rates):
-            group["lr"] = rate
-        for p in made:
-            p.grad = None
-
-
-def optimizer_state(module: "DistributedModule", optimizer: torch.optim.Optimizer
-                    ) -> dict[str, Any]:
-    """``optim.<fqn>.<name>`` → this rank's part of each state tensor it keeps."""
-    state = _inner(optimizer).state
-    out: dict[str, Any] = {}
-    for held, param in _optimizer_params(module, optimizer):
-        for key, value in state.get(param, {}).items():
-            if not isinstance(value, torch.Tensor):
-                continue
-            local, sharded = _local(value)
-            if tuple(local.shape) == tuple(held.local.shape) and value.dim() > 0:
-                out[f"optim.{held.fqn}.{key}"] = held.chunks(local)
-            else:
-                out[f"optim.{held.fqn}.{key}"] = local
-    return out
-
-
-# -- DCP planners --------------------------------------------------------------------------
-
-
-def _planners() -> tuple[type, type]:
-    from torch.distributed.checkpoint import DefaultLoadPlanner, DefaultSavePlanner
-    from torch.distributed.checkpoint.planner import LoadPlan, SavePlan
-    from torch.distributed.checkpoint.planner_helpers import (
-        _create_read_items, _create_write_items, create_read_items_for_chunk_list)
-    from torch.distributed.checkpoint.utils import find_tensor_shard
-
-    class SavePlanner(DefaultSavePlanner):
-        """DCP's default save planner, which also writes :class:`Chunks`."""
-
-        def __init__(self) -> None:
-            super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
-
-        def create_local_plan(self) -> SavePlan:
-            items = []
-            for fqn, obj in self.state_dict.items():
-                items += (obj.write_items(fqn) if isinstance(obj, Chunks)
-                          else _create_write_items(fqn, obj))
-            self.plan = SavePlan(items)
-            return self.plan
-
-        def lookup_object(self, index: Any) -> Any:
-            obj = self.state_dict[index.fqn]
-            if isinstance(obj, Chunks):
-                view = obj.parts[index.offset]
-                # torch.save writes a view's whole storage: write the part alone.
-                if view.untyped_storage().nbytes() != view.numel() * view.element_size():
-                    view = view.clone()
-                return view.contiguous()
-            return find_tensor_shard(obj, index)
-
-    class LoadPlanner(DefaultLoadPlanner):
-        """DCP's default load planner, which also reads into :class:`Chunks`."""
-
-        def __init__(self) -> None:
-            super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
-
-        def set_up_planner(self, state_dict: dict, metadata: Any = None,
-                           is_coordinator: bool = False) -> None:
-            self.original_state_dict = self.state_dict = state_dict
-            self.metadata = metadata
-            self.is_coordinator = is_coordinator
-
-        def create_local_plan(self) -> LoadPlan:
-            items = []
-            for fqn, obj in self.state_dict.items():
-                stored = self.metadata.state_dict_metadata[fqn]
-                items += (create_read_items_for_chunk_list(fqn, stored, obj.storage())
-                          if isinstance(obj, Chunks) else _create_read_items(fqn, stored, obj))
-            return LoadPlan(items)
-
-        def lookup_tensor(self, index: Any) -> torch.Tensor:
-            obj = self.state_dict[index.fqn]
-            if isinstance(obj, Chunks):
-                return obj.parts[index.offset]
-            return find_tensor_shard(obj, index)
-
-    return SavePlanner, LoadPlanner
-
-
-class _Staged:
-    """DCP's async stager for a state dict already copied to CPU by :func:`_to_cpu`."""
-
-    should_synchronize_after_execute = False
-
-    def stage(self, state_dict: dict) -> dict:
-        return state_dict
-
-    def synchronize_staging(self) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
-
-
-def _to_cpu(state: dict[str, Any]) -> dict[str, Any]:
-    return {key: value.on_cpu() if isinstance(value, Chunks)
-            else value.detach().to("cpu", copy=True) for key, value in state.items()}
-
-
 # -- agreement ----------------------------------------------------------------------------
 
 
 def _agree(problem: str | CheckpointError | None, what: str, *,
-           path: Path | None = None) -> None:
-    """Raise CheckpointError on every rank if any rank has a problem (collective). The
-    error names every rank's problem; its ``path`` and ``tensor`` are this rank's, or
-    the first failing rank's."""
+           path: Path | None = None, cleanup: Callable[[], None] | None = None) -> None:
+    """Raise CheckpointError on every rank if any rank has a problem (collective), after
+    rank 0 runs ``cleanup``. The error names every rank's problem; its ``path`` and
+    ``tensor`` are this rank's, or the first failing rank's."""
     local = problem if isinstance(problem, CheckpointError) else None
     everyone: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, None if problem is None else (
@@ -429,6 +104,8 @@ def _agree(problem: str | CheckpointError | None, what: str, *,
     failed = [(rank, p) for rank, p in enumerate(everyone) if p is not None]
     if not failed:
         return
+    if cleanup is not None and dist.get_rank() == 0:
+        cleanup()
     distinct: dict[str, list[int]] = {}
     for rank, (message, _, _) in failed:
         distinct.setdefault(message, []).append(rank)
@@ -471,12 +148,35 @@ class _Pending:
 def save(module: "DistributedModule", directory: str | os.PathLike, *,
          optimizer: torch.optim.Optimizer | None, step: int, extra: dict | None,
          async_save: bool, keep: int | None) -> Path:
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint import FileSystemWriter
-
+    """``module.save_checkpoint``: collect, make the temporary directory, write, commit;
+    each step agreed by every rank before the next."""
     wait(module)
     root = Path(directory)
-    rank = dist.get_rank()
+    state, manifest = _collect(module, optimizer, step, extra, keep, root)
+    tmp = _temporary(root, step)
+    final = root / step_name(step)
+    if async_save:
+        _write_in_background(module, state, tmp, final, step,
+                             commit=lambda: _commit(root, tmp, final, module, manifest, keep))
+        return final
+    _write(state, tmp, step)
+    problem = None
+    if dist.get_rank() == 0:
+        try:
+            _commit(root, tmp, final, module, manifest, keep)
+        except Exception as error:
+            problem = _problem(error)
+            shutil.rmtree(tmp, ignore_errors=True)
+    _agree(problem, f"committing the checkpoint of step {step} to {final} failed; "
+           f"{root / LATEST} still names the previous one", path=final)
+    return final
+
+
+def _collect(module: "DistributedModule", optimizer: torch.optim.Optimizer | None,
+             step: int, extra: dict | None, keep: int | None, root: Path
+             ) -> tuple[dict[str, Any], dict[str, Any]]:
+    """This rank's state dict for DCP and the manifest, or an error on every rank before
+    any file is touched."""
     problem = None
     state: dict[str, Any] = {}
     manifest: dict[str, Any] = {}
@@ -494,17 +194,22 @@ def save(module: "DistributedModule", directory: str | os.PathLike, *,
         state = {h.fqn: h.chunks() for h in held_tensors(module)}
         if optimizer is not None:
             state.update(optimizer_state(module, optimizer))
+        rank = dist.get_rank()
         state[f"rng.cpu.rank{rank}"] = torch.get_rng_state()
         if torch.cuda.is_available() and torch.cuda.is_initialized():
             state[f"rng.cuda.rank{rank}"] = torch.cuda.get_rng_state()
         manifest = _manifest(module, optimizer, step, extra)
-    except Exception as error:  # every rank learns of it before any collective of DCP
+    except Exception as error:
         problem = error if isinstance(error, CheckpointError) else _problem(error)
     _agree(problem, f"cannot save a checkpoint of step {step} under {root}", path=root)
+    return state, manifest
 
-    # Rank 0 makes the temporary directory and tells the others its name.
+
+def _temporary(root: Path, step: int) -> Path:
+    """Rank 0 makes the save's temporary directory (clearing those of saves that died)
+    and tells the others its name."""
     made: list[Any] = [(None, None)]
-    if rank == 0:
+    if dist.get_rank() == 0:
         try:
             root.mkdir(parents=True, exist_ok=True)
             _remove_stale(root)
@@ -515,51 +220,48 @@ def save(module: "DistributedModule", directory: str | os.PathLike, *,
             made = [(None, _problem(error))]
     dist.broadcast_object_list(made, src=0)
     _agree(made[0][1], f"cannot create a checkpoint directory under {root}", path=root)
-    tmp = Path(made[0][0])
-    final = root / step_name(step)
-    writer = FileSystemWriter(str(tmp))
-    save_planner, _ = _planners()
-    if async_save:
-        group = _async_group(module)
-        started = time.perf_counter()
-        problem, future = None, None
-        try:
-            future = dcp.async_save(_to_cpu(state), storage_writer=writer,
-                                    planner=save_planner(), process_group=group,
-                                    async_stager=_Staged())
-        except _failures() as error:
-            problem = _problem(error)
-        _agree(problem, f"cannot start saving the checkpoint of step {step}", path=tmp)
-        pending = _Pending(future, step, final)
-        if rank == 0:
-            future.add_done_callback(lambda done: _commit_after(done, pending, root, tmp,
-                                                                module, manifest, keep))
-        module._checkpoint_pending = pending
-        log.info("rank %d: checkpoint of step %d staged in %.3f s, writing in the background",
-                 rank, step, time.perf_counter() - started)
-        return final
+    return Path(made[0][0])
+
+
+def _write(state: dict[str, Any], tmp: Path, step: int) -> None:
+    """DCP writes every rank's part; on any failure every rank raises and the temporary
+    directory goes."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import FileSystemWriter
+
+    save_planner, _ = planners()
     problem = None
     try:
-        dcp.save(state, storage_writer=writer, planner=save_planner())
+        dcp.save(state, storage_writer=FileSystemWriter(str(tmp)), planner=save_planner())
     except _failures() as error:
         problem = _problem(error)
-    everyone: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, problem)
-    if any(p is not None for p in everyone):
-        if rank == 0:
-            shutil.rmtree(tmp, ignore_errors=True)
-        _agree(problem, f"saving the checkpoint of step {step} to {tmp} failed; the "
-               f"previous checkpoint is unchanged", path=tmp)
-    problem = None
-    if rank == 0:
-        try:
-            _commit(root, tmp, final, module, manifest, keep)
-        except Exception as error:
-            problem = _problem(error)
-            shutil.rmtree(tmp, ignore_errors=True)
-    _agree(problem, f"committing the checkpoint of step {step} to {final} failed; "
-           f"{root / LATEST} still names the previous one", path=final)
-    return final
+    _agree(problem, f"saving the checkpoint of step {step} to {tmp} failed; the previous "
+           "checkpoint is unchanged", path=tmp,
+           cleanup=lambda: shutil.rmtree(tmp, ignore_errors=True))
+
+
+def _write_in_background(module: "DistributedModule", state: dict[str, Any], tmp: Path,
+                         final: Path, step: int, commit: Callable[[], None]) -> None:
+    """Copy this rank's tensors to CPU memory (the pause), then DCP writes them in a
+    thread over the module's gloo group; rank 0 commits when every rank's part is
+    written. ``wait`` reports the outcome."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import FileSystemWriter
+
+    save_planner, _ = planners()
+    group = _async_group(module)
+    problem, future = None, None
+    try:
+        future = dcp.async_save(to_cpu(state), storage_writer=FileSystemWriter(str(tmp)),
+                                planner=save_planner(), process_group=group,
+                                async_stager=CpuStaged())
+    except _failures() as error:
+        problem = _problem(error)
+    _agree(problem, f"cannot start saving the checkpoint of step {step}", path=tmp)
+    pending = _Pending(future, step, final)
+    if dist.get_rank() == 0:
+        future.add_done_callback(lambda done: _commit_after(done, pending, tmp, commit))
+    module._checkpoint_pending = pending
 
 
 def _async_group(module: "DistributedModule") -> Any:
@@ -579,8 +281,8 @@ def _manifest(module: "DistributedModule", optimizer: torch.optim.Optimizer | No
         "plan_hash": module.plan.hash, "model_hash": module.plan.model.hash,
         "tensors": model_tensors(module),
         "optimizer": None if optimizer is None else {
-            "class": _optimizer_class(optimizer),
-            "param_groups": _hyperparameters(optimizer)},
+            "class": optimizer_class(optimizer),
+            "param_groups": hyperparameters(optimizer)},
         "rng": {"ranks": topo.world_size,
                 "cuda": torch.cuda.is_available() and torch.cuda.is_initialized()},
         "saved_at": time.time(),
@@ -633,13 +335,12 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def _commit_after(done: Future, pending: _Pending, root: Path, tmp: Path,
-                  module: "DistributedModule", manifest: dict[str, Any],
-                  keep: int | None) -> None:
+def _commit_after(done: Future, pending: _Pending, tmp: Path,
+                  commit: Callable[[], None]) -> None:
     """Rank 0's commit of an asynchronous save, once DCP has written every rank's part."""
     try:
         done.result()
-        _commit(root, tmp, pending.final, module, manifest, keep)
+        commit()
     except BaseException as error:  # reported on every rank by wait()
         pending.commit_error = _problem(error)
         shutil.rmtree(tmp, ignore_errors=True)
@@ -766,9 +467,9 @@ def _check(module: "DistributedModule", path: Path, manifest: dict[str, Any],
         if saved is None:
             raise CheckpointError(f"{manifest_file}: the checkpoint holds no optimizer state "
                                   "(saved without optimizer=); load without one", path=manifest_file)
-        if saved["class"] != _optimizer_class(optimizer):
+        if saved["class"] != optimizer_class(optimizer):
             raise CheckpointError(f"{manifest_file}: the optimizer state is {saved['class']}'s, "
-                                  f"this optimizer is a {_optimizer_class(optimizer)}",
+                                  f"this optimizer is a {optimizer_class(optimizer)}",
                                   path=manifest_file)
         if len(saved["param_groups"]) != len(optimizer.param_groups):
             raise CheckpointError(f"{manifest_file}: the optimizer had "
@@ -807,13 +508,45 @@ def _check_state_keys(state: dict[str, Any], metadata: Any, path: Path) -> None:
 
 def load(module: "DistributedModule", directory: str | os.PathLike, *,
          optimizer: torch.optim.Optimizer | None) -> tuple[int, dict]:
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint import FileSystemReader
-
+    """``module.load_checkpoint``: check, make the optimizer's state, read, restore;
+    each step agreed by every rank before the next, every check before any tensor
+    changes."""
     wait(module)
+    path, manifest, metadata = _checked(module, directory, optimizer)
+    if optimizer is not None:
+        # The optimizer's state must exist to be read into: made by its own first step,
+        # on every rank if on any (a ZeRO-1 step is collective).
+        need = torch.tensor([int(needs_state(module, optimizer))])
+        dist.all_reduce(need, op=dist.ReduceOp.MAX)
+        if need.item():
+            initialise_state(module, optimizer)
+    state, stateless = _targets(module, optimizer, path, manifest, metadata)
+    _read(state, path)
+    if optimizer is not None:
+        # A parameter without state in the checkpoint had not been stepped: it has none,
+        # as before its first step.
+        inner = inner_optimizer(optimizer)
+        for param in stateless:
+            inner.state.pop(param, None)
+        restore_hyperparameters(optimizer, manifest["optimizer"]["param_groups"])
     rank = dist.get_rank()
+    if f"rng.cpu.rank{rank}" in state:
+        torch.set_rng_state(state[f"rng.cpu.rank{rank}"])
+        if f"rng.cuda.rank{rank}" in state:
+            torch.cuda.set_rng_state(state[f"rng.cuda.rank{rank}"])
+    else:
+        log.info("checkpoint %s was written by %d processes, this run has %d: RNG states "
+                 "are not restored", path, manifest["world"]["size"], dist.get_world_size())
+    module.step = int(manifest["step"])
+    return int(manifest["step"]), manifest["extra"]
+
+
+def _checked(module: "DistributedModule", directory: str | os.PathLike,
+             optimizer: torch.optim.Optimizer | None) -> tuple[Path, dict[str, Any], Any]:
+    """The checkpoint directory, its manifest and DCP's metadata, checked against the
+    module on every rank; any rank's problem raises on all."""
     path = Path(directory)
-    problem = None
+    problem: str | CheckpointError | None = None
     manifest: dict[str, Any] = {}
     metadata = None
     try:
@@ -825,46 +558,46 @@ def load(module: "DistributedModule", directory: str | os.PathLike, *,
     except Exception as error:
         problem = _problem(error)
     _agree(problem, f"cannot load the checkpoint at {directory}", path=path)
+    return path, manifest, metadata
 
-    # The optimizer's state must exist to be read into; made by its own first step.
-    if optimizer is not None:
-        need = torch.tensor([int(_needs_state(module, optimizer))])
-        dist.all_reduce(need, op=dist.ReduceOp.MAX)
-        if need.item():
-            _initialise_state(module, optimizer)
 
-    problem = None
+def _targets(module: "DistributedModule", optimizer: torch.optim.Optimizer | None,
+             path: Path, manifest: dict[str, Any], metadata: Any
+             ) -> tuple[dict[str, Any], list[torch.Tensor]]:
+    """What DCP reads into on this rank (its chunks of every tensor, its optimizer state,
+    its RNG states when the world is the one that saved), checked against the metadata;
+    and the parameters the checkpoint has no optimizer state for."""
+    problem: str | CheckpointError | None = None
     state: dict[str, Any] = {}
-    opt_state: dict[str, Any] = {}
+    stateless: list[torch.Tensor] = []
     try:
-        held = held_tensors(module)
-        state = {h.fqn: h.chunks() for h in held}
+        state = {h.fqn: h.chunks() for h in held_tensors(module)}
         if optimizer is not None:
-            prefixes = {f"optim.{h.fqn}." for h, _ in _optimizer_params(module, optimizer)}
-            stored = {key for key in metadata.state_dict_metadata if key.startswith("optim.")}
-            opt_state = optimizer_state(module, optimizer)
-            # A parameter without state in the checkpoint had not been stepped: its state
-            # is dropped after the load, as before its first step.
-            without = {p for p in prefixes if not any(k.startswith(p) for k in stored)}
-            opt_state = {k: v for k, v in opt_state.items()
-                         if not any(k.startswith(p) for p in without)}
-            state.update(opt_state)
-        same_world = manifest["world"]["size"] == dist.get_world_size()
-        rng_keys = []
-        if same_world:
-            rng_keys.append(f"rng.cpu.rank{rank}")
-            state[rng_keys[-1]] = torch.get_rng_state()
+            stored = {key.rsplit(".", 1)[0] for key in metadata.state_dict_metadata
+                      if key.startswith("optim.")}
+            stateless = [p for h, p in optimizer_params(module, optimizer)
+                         if f"optim.{h.fqn}" not in stored]
+            state.update({key: value for key, value in optimizer_state(module, optimizer).items()
+                          if key.rsplit(".", 1)[0] in stored})
+        rank = dist.get_rank()
+        if manifest["world"]["size"] == dist.get_world_size():
+            state[f"rng.cpu.rank{rank}"] = torch.get_rng_state()
             if manifest["rng"].get("cuda") and torch.cuda.is_available():
-                rng_keys.append(f"rng.cuda.rank{rank}")
-                state[rng_keys[-1]] = torch.cuda.get_rng_state()
+                state[f"rng.cuda.rank{rank}"] = torch.cuda.get_rng_state()
         _check_state_keys(state, metadata, path)
     except CheckpointError as error:
         problem = error
     except Exception as error:
         problem = _problem(error)
     _agree(problem, f"cannot load the checkpoint at {path}", path=path)
+    return state, stateless
 
-    _, load_planner = _planners()
+
+def _read(state: dict[str, Any], path: Path) -> None:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import FileSystemReader
+
+    _, load_planner = planners()
     problem = None
     try:
         with torch.no_grad():
@@ -873,23 +606,6 @@ def load(module: "DistributedModule", directory: str | os.PathLike, *,
         problem = _problem(error)
     _agree(problem, f"reading the checkpoint at {path} failed (this rank's tensors may be "
            "partly loaded: load again)", path=path)
-
-    if optimizer is not None:
-        inner = _inner(optimizer)
-        loaded = {key.rsplit(".", 1)[0] for key in opt_state}
-        for held_tensor, param in _optimizer_params(module, optimizer):
-            if f"optim.{held_tensor.fqn}" not in loaded:
-                inner.state.pop(param, None)
-        _restore_hyperparameters(optimizer, manifest["optimizer"]["param_groups"])
-    if same_world:
-        torch.set_rng_state(state[f"rng.cpu.rank{rank}"])
-        if f"rng.cuda.rank{rank}" in state:
-            torch.cuda.set_rng_state(state[f"rng.cuda.rank{rank}"])
-    else:
-        log.info("checkpoint %s was written by %d processes, this run has %d: RNG states "
-                 "are not restored", path, manifest["world"]["size"], dist.get_world_size())
-    module.step = int(manifest["step"])
-    return int(manifest["step"]), manifest["extra"]
 
 
 def listed(directory: str | os.PathLike) -> list[Path]:
