@@ -61,6 +61,7 @@ PLANS: dict[str, tuple[int, dict[str, Any]]] = {
     "pp2-dp2": (4, dict(pp=2, dp=2, tp=1, schedule="1f1b", recompute="none")),
     "tp2": (2, dict(pp=1, dp=1, tp=2, **_TP)),
     "dp2-zero3": (2, dict(pp=1, dp=2, tp=1, zero_stage=3, recompute="none")),
+    "dp2-zero2": (2, dict(pp=1, dp=2, tp=1, zero_stage=2, recompute="none")),
     "dp2-zero1": (2, dict(pp=1, dp=2, tp=1, zero_stage=1, recompute="none")),
     "pp2-dp2-zero1": (4, dict(pp=2, dp=2, tp=1, zero_stage=1, schedule="1f1b",
                               recompute="none")),
