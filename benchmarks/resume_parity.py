@@ -9,7 +9,9 @@ second ``torchrun`` under plan B loads it (``module.load_checkpoint``) and train
 - ``pp2-dp2>tp2``: 4 processes pp=2 x dp=2 -> 2 processes tp=2;
 - ``dp2-zero3>pp2-dp2-zero1``: 2 processes dp=2 ZeRO-3 -> 4 processes pp=2 x dp=2 ZeRO-1;
 - ``dp2-zero1>dp2-zero1``: 2 -> 2 processes, the same plan: bit-identical to the
-  uninterrupted run.
+  uninterrupted run;
+- ``dp2-tp2-zero3>pp2``: 4 processes dp=2 x tp=2 ZeRO-3 (FSDP shards of tensor-parallel
+  shards, fused projections cut in chunks) -> 2 processes pp=2.
 
 Printed per move: the worst relative difference of the 6 losses (3 before the save, 3
 after the load) from one process, the final parameters' worst relative error from one
@@ -38,7 +40,8 @@ sys.path.insert(0, str(ROOT))
 from tests.runtime.ckpt_worker import PLANS, STEPS  # noqa: E402
 
 WORKER = ROOT / "tests" / "runtime" / "ckpt_worker.py"
-MOVES = ["pp2-dp2>tp2", "dp2-zero3>pp2-dp2-zero1", "dp2-zero1>dp2-zero1"]
+MOVES = ["pp2-dp2>tp2", "dp2-zero3>pp2-dp2-zero1", "dp2-zero1>dp2-zero1",
+         "dp2-tp2-zero3>pp2"]
 RTOL = 1e-5
 
 

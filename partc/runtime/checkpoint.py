@@ -60,7 +60,7 @@ import time
 import uuid
 from concurrent.futures import Future
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Iterable
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -608,6 +608,15 @@ def _read(state: dict[str, Any], path: Path) -> None:
            "partly loaded: load again)", path=path)
 
 
+def latest(directory: str | os.PathLike) -> Path | None:
+    """The checkpoint ``directory/latest`` names, or None when no save has committed
+    there yet (what a ``--resume`` that may start fresh asks first)."""
+    pointer = Path(directory) / LATEST
+    if not pointer.is_file():
+        return None
+    return resolve(directory)
+
+
 def listed(directory: str | os.PathLike) -> list[Path]:
     """The committed checkpoints under a root, oldest first."""
     root = Path(directory)
@@ -617,5 +626,5 @@ def listed(directory: str | os.PathLike) -> list[Path]:
                   if p.is_dir() and p.name.startswith("step-") and (p / MANIFEST).is_file())
 
 
-__all__: Iterable[str] = ["save", "load", "wait", "resolve", "read_manifest", "listed",
-                          "step_name", "Chunks"]
+__all__ = ["save", "load", "wait", "resolve", "read_manifest", "latest", "listed",
+           "step_name"]

@@ -63,6 +63,7 @@ PLANS: dict[str, tuple[int, dict[str, Any]]] = {
     "dp2-zero3": (2, dict(pp=1, dp=2, tp=1, zero_stage=3, recompute="none")),
     "dp2-zero2": (2, dict(pp=1, dp=2, tp=1, zero_stage=2, recompute="none")),
     "dp2-zero1": (2, dict(pp=1, dp=2, tp=1, zero_stage=1, recompute="none")),
+    "dp2-tp2-zero3": (4, dict(pp=1, dp=2, tp=2, zero_stage=3, **_TP)),
     "pp2-dp2-zero1": (4, dict(pp=2, dp=2, tp=1, zero_stage=1, schedule="1f1b",
                               recompute="none")),
 }
@@ -163,6 +164,50 @@ def run(out: Path, phase: str, name: str) -> dict[str, Any]:
     return result
 
 
+def run_faults(out: Path) -> dict[str, Any]:
+    """Failures on one rank are errors on every rank, never hangs: rank 1's write fails
+    (disk full) and the previous checkpoint stays the latest; rank 1's file of a
+    checkpoint is missing and every rank refuses it before any parameter changes."""
+    from torch.distributed.checkpoint import FileSystemWriter
+
+    case = MODELS["gpt"]
+    torch.manual_seed(0)
+    model = case.build()
+    module = compile_plan(case, model, "pp2").build()
+    opt = module.optimizer(torch.optim.AdamW, **ADAMW)
+    x, y = batch(case, model, 0)
+    module.forward_backward(*x, target=y)
+    opt.step()
+    directory = out / "faults"
+    module.save_checkpoint(directory, optimizer=opt, step=1)
+    result: dict[str, Any] = {}
+    write = FileSystemWriter.write_data
+    if dist.get_rank() == 1:
+        def disk_full(self, plan, planner):
+            raise OSError(28, "No space left on device")
+        FileSystemWriter.write_data = disk_full
+    try:
+        module.save_checkpoint(directory, optimizer=opt, step=2)
+        result["failed_save"] = "no error"
+    except partc.CheckpointError as error:
+        result["failed_save"] = str(error)
+    finally:
+        FileSystemWriter.write_data = write
+    result["latest_after_failed_save"] = (directory / "latest").read_text().strip()
+    dist.barrier()
+    if dist.get_rank() == 0:
+        (directory / "step-00000001" / "__1_0.distcp").unlink()
+    dist.barrier()
+    before = {k: v.detach().clone() for k, v in module.state_dict().items()}
+    try:
+        module.load_checkpoint(directory, optimizer=opt)
+        result["partial_load"] = "no error"
+    except partc.CheckpointError as error:
+        result["partial_load"] = str(error)
+    result["unchanged"] = all(torch.equal(before[k], v) for k, v in module.state_dict().items())
+    return result
+
+
 def main() -> None:
     out, phase, names = Path(sys.argv[1]), sys.argv[2], sys.argv[3:]
     if phase not in ("first", "resume"):
@@ -172,7 +217,7 @@ def main() -> None:
     results: dict[str, Any] = {}
     for name in names:
         try:
-            results[name] = run(out, phase, name)
+            results[name] = run_faults(out) if name == "faults" else run(out, phase, name)
         except Exception as error:  # recorded: the test reports it per move
             results[name] = {"error": f"{type(error).__name__}: {error}",
                              "traceback": traceback.format_exc()}

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -77,8 +78,10 @@ def fresh(program):
 
 def test_a_resumed_run_is_the_uninterrupted_one(program, tmp_path):
     module, opt = fresh(program)
+    assert checkpoint.latest(tmp_path) is None
     # Before the first step the optimizer has no state; loading that leaves none.
     module.save_checkpoint(tmp_path, optimizer=opt, step=0)
+    assert checkpoint.latest(tmp_path) == tmp_path / "step-00000000"
     other, other_opt = fresh(program)
     assert other.load_checkpoint(tmp_path, optimizer=other_opt) == (0, {})
     assert not other_opt.state
@@ -238,7 +241,8 @@ def launch(out: Path, phase: str, moves: list[str]) -> list[dict]:
 @pytest.fixture(scope="module")
 def resumed(tmp_path_factory) -> tuple[list[dict], list[dict]]:
     out = tmp_path_factory.mktemp("resume")
-    return launch(out, "first", [SAME, RESHARD]), launch(out, "resume", [SAME, RESHARD])
+    return (launch(out, "first", [SAME, RESHARD]),
+            launch(out, "resume", [SAME, RESHARD, "faults"]))
 
 
 def _ran(ranks: list[dict], move: str) -> list[dict]:
@@ -263,3 +267,13 @@ def test_a_zero3_checkpoint_resumes_under_tensor_parallelism_like_one_process(re
         assert len(losses) == STEPS
         assert losses == pytest.approx(now["ref_losses"], rel=RTOL)
         assert now["param_error"] < RTOL, now["param_error_at"]
+
+
+def test_one_rank_failing_is_an_error_on_every_rank(resumed):
+    for rank, seen in enumerate(_ran(resumed[1], "faults")):
+        assert "DCP on rank 1: OSError: [Errno 28] No space left on device" in \
+            seen["failed_save"], rank
+        assert seen["latest_after_failed_save"] == "step-00000001"
+        assert re.search(r"__1_0\.distcp is missing: .* partial checkpoint",
+                         seen["partial_load"]), (rank, seen["partial_load"])
+        assert seen["unchanged"]
