@@ -45,7 +45,12 @@ a partial one raises :class:`partc.CheckpointError` on every rank before any ten
 writes them in a background thread over a gloo process group of its own (DCP's
 ``async_save`` needs a CPU-capable group; the training collectives keep theirs); rank 0
 commits when the write is done. ``module.wait_checkpoint()`` (called by the next save
-and by load) waits for it and raises on every rank if it failed.
+and by load; call it before the process group ends) waits for it and raises on every
+rank if it failed.
+
+Every rank must see the same directory (a shared filesystem): DCP writes one file per
+rank and rank 0 the metadata. An optimizer without state yet (before its first step) is
+given its state by one step at learning rate 0 with zero gradients, then read into.
 """
 
 from __future__ import annotations

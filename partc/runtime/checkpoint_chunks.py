@@ -28,13 +28,14 @@ from .parameters import dp_shard
 if TYPE_CHECKING:
     from .module import DistributedModule
 
+
 # -- what a rank holds of a tensor ------------------------------------------------------
 
 
 class Chunks:
     """The parts of one whole tensor (``size``) this rank holds: views of its own tensor
-    with their offsets in the whole. DCP reads and writes them through
-    :class:`_SavePlanner` and :class:`_LoadPlanner`."""
+    with their offsets in the whole. DCP reads and writes them through the planners of
+    :func:`planners`."""
 
     def __init__(self, size: tuple[int, ...], parts: list[tuple[tuple[int, ...], torch.Tensor]]
                  ) -> None:
@@ -179,7 +180,7 @@ def inner_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
 
 
 def optimizer_params(module: "DistributedModule", optimizer: torch.optim.Optimizer
-                      ) -> list[tuple[_Held, torch.nn.Parameter]]:
+                     ) -> list[tuple[_Held, torch.nn.Parameter]]:
     """The parameters whose state this rank's optimizer keeps, with what this rank holds
     of each (a placeholder parameter of an empty stage is none of the module's)."""
     by_id = {id(h.tensor): h for h in held_tensors(module)}
@@ -207,7 +208,7 @@ def hyperparameters(optimizer: torch.optim.Optimizer) -> list[dict[str, Any]]:
 
 
 def restore_hyperparameters(optimizer: torch.optim.Optimizer,
-                             saved: list[dict[str, Any]]) -> None:
+                            saved: list[dict[str, Any]]) -> None:
     groups = [optimizer.param_groups]
     if inner_optimizer(optimizer) is not optimizer:
         groups.append(inner_optimizer(optimizer).param_groups)
@@ -334,7 +335,7 @@ def planners() -> tuple[type, type]:
 
 
 class CpuStaged:
-    """DCP's async stager for a state dict already copied to CPU by :func:`_to_cpu`."""
+    """DCP's async stager for a state dict already copied to CPU by :func:`to_cpu`."""
 
     should_synchronize_after_execute = False
 
