@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+from collections import OrderedDict
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -232,6 +233,9 @@ def needs_state(module: "DistributedModule", optimizer: torch.optim.Optimizer) -
                optimizer_params(module, optimizer))
 
 
+_STEP_HOOKS = ("_optimizer_step_pre_hooks", "_optimizer_step_post_hooks")
+
+
 def initialise_state(module: "DistributedModule", optimizer: torch.optim.Optimizer) -> None:
     """Create the optimizer's state the way its own first step does, changing no
     parameter: one step with zero gradients at learning rate 0 (collective under ZeRO-1,
@@ -243,13 +247,21 @@ def initialise_state(module: "DistributedModule", optimizer: torch.optim.Optimiz
                 p.grad = torch.zeros_like(p)
                 made.append(p)
     rates = [group["lr"] for group in optimizer.param_groups]
+    # It is no training step: the optimizer's step hooks (the watchdog's, a step
+    # counter's) do not see it.
+    hooks = {name: getattr(optimizer, name) for name in _STEP_HOOKS
+             if hasattr(optimizer, name)}
     try:
+        for name in hooks:
+            setattr(optimizer, name, OrderedDict())
         for group in optimizer.param_groups:
             group["lr"] = 0.0
         optimizer.step()
     finally:
         for group, rate in zip(optimizer.param_groups, rates):
             group["lr"] = rate
+        for name, value in hooks.items():
+            setattr(optimizer, name, value)
         for p in made:
             p.grad = None
 

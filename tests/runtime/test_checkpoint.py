@@ -96,18 +96,23 @@ def test_a_resumed_run_is_the_uninterrupted_one(program, tmp_path):
     assert (path / "plan.json").is_file()
     rng = torch.get_rng_state()
     losses += train(module, opt, range(2, 4))
-    # Loading into a module whose optimizer has no state yet: made, then read.
+    # Loading into a module whose optimizer has no state yet: made, then read, unseen
+    # by the optimizer's step hooks.
     resumed, resumed_opt = fresh(program)
+    stepped = []
+    resumed_opt.register_step_post_hook(lambda *_: stepped.append(1))
     torch.manual_seed(123)
     assert resumed.load_checkpoint(tmp_path, optimizer=resumed_opt) == (2, {"tokens": 256})
     assert torch.equal(torch.get_rng_state(), rng)
+    assert not stepped
     assert train(resumed, resumed_opt, range(2, 4)) == losses[2:]
     for name, value in params(module).items():
         assert torch.equal(value, params(resumed)[name]), name
-    state = {p: s for p, s in zip(module.parameters(), opt.state.values())}
-    assert len(state) == len(resumed_opt.state)
-    for (p, s), (q, r) in zip(opt.state.items(), resumed_opt.state.items()):
-        assert all(torch.equal(s[k], r[k]) for k in s)
+    # The optimizer state too, parameter by parameter.
+    assert len(opt.state) == len(resumed_opt.state) == len(list(module.parameters()))
+    for p, q in zip(module.parameters(), resumed.parameters()):
+        assert opt.state[p].keys() == resumed_opt.state[q].keys()
+        assert all(torch.equal(opt.state[p][k], resumed_opt.state[q][k]) for k in opt.state[p])
 
 
 def test_a_save_killed_before_its_commit_leaves_the_previous_checkpoint(program, tmp_path,
