@@ -3,9 +3,10 @@ across plans under torchrun, atomic commits, and bad checkpoints refused before 
 tensor changes.
 
 One process for the file-level behaviour (the same code path as every rank of a job);
-two ``torchrun`` launches of ``ckpt_worker.py`` (2 processes each) for resume parity: the
+two ``torchrun`` launches of ``ckpt_worker.py`` (2 processes each) for resume parity (the
 same plan resumed bit-identically, and a dp=2 ZeRO-3 checkpoint resumed under tp=2 like
-one process. ``benchmarks/resume_parity.py`` runs the moves between process counts on
+one process) and for one rank's failure (a failed write, a missing file) raising on
+every rank. ``benchmarks/resume_parity.py`` runs the moves between process counts on
 the sample GPT, Hugging Face Llama and GPT-2.
 """
 
