@@ -18,7 +18,8 @@ _EXPORTS = {
     "PRESETS": "budget", "DeviceBudget": "budget",
     "PlanCache": "cache",
     "build_problem": "compiler", "compile": "compiler", "plan_problem": "compiler",
-    "PartcError": "errors", "PlanFileError": "errors", "PlanInfeasibleError": "errors",
+    "CheckpointError": "errors", "PartcError": "errors", "PlanFileError": "errors",
+    "PlanInfeasibleError": "errors",
     "PlanMismatchError": "errors", "PlanSchemaError": "errors",
     "PlanValidationError": "errors", "TraceError": "errors",
     "Plan": "plan",
@@ -34,8 +35,8 @@ if TYPE_CHECKING:   # what static tools and IDEs read
     from .budget import PRESETS, DeviceBudget
     from .cache import PlanCache
     from .compiler import build_problem, compile, plan_problem
-    from .errors import (PartcError, PlanFileError, PlanInfeasibleError, PlanMismatchError,
-                         PlanSchemaError, PlanValidationError, TraceError)
+    from .errors import (CheckpointError, PartcError, PlanFileError, PlanInfeasibleError,
+                         PlanMismatchError, PlanSchemaError, PlanValidationError, TraceError)
     from .options import PlannerOptions, ShardingOptions
     from .plan import Plan
     from .program import Program, load

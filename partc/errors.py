@@ -49,3 +49,16 @@ class PlanFileError(PlanSchemaError):
         super().__init__(message)
         self.path = path
         self.field = field
+
+
+class CheckpointError(PartcError):
+    """A checkpoint that cannot be saved or loaded: a failed write (disk full, permission),
+    a partial checkpoint, or one of another model or of other shapes. Raised on every rank
+    alike, before any rank changes a parameter. ``path``: the file or directory at fault;
+    ``tensor``: the tensor, when one is."""
+
+    def __init__(self, message: str, *, path: str | None = None,
+                 tensor: str | None = None) -> None:
+        super().__init__(message)
+        self.path = path
+        self.tensor = tensor

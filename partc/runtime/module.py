@@ -33,6 +33,7 @@ import inspect
 import logging
 import weakref
 from collections import Counter
+from pathlib import Path
 from typing import Any, Callable, Iterator, Mapping
 
 import torch
@@ -197,8 +198,14 @@ class DistributedModule:
                  state_keys: set[str] | None = None,
                  tied_elsewhere: set[str] | None = None,
                  tp: tp_ops.TensorParallelGroup | None = None,
-                 watchdog: Watchdog | None = None) -> None:
+                 watchdog: Watchdog | None = None,
+                 model_tensors: dict[str, tuple[tuple[int, ...], torch.dtype]] | None = None
+                 ) -> None:
         self.plan = plan
+        # The whole model's state_dict() entries (shape, dtype): what a checkpoint holds.
+        self._model_tensors = model_tensors or {}
+        self._checkpoint_pending: Any = None  # an asynchronous save under way
+        self._checkpoint_group: dist.ProcessGroup | None = None  # its gloo group
         # Progress (step, phase) for the watchdog; None when it is off (one process).
         self.watchdog = watchdog
         self.step = 0  # forward_backward calls so far
@@ -376,6 +383,39 @@ class DistributedModule:
         if self._telemetry is None:
             return None
         return self._telemetry.end(optimizer_stepped=optimizer_stepped)
+
+    # -- checkpoints (partc/runtime/checkpoint.py) ---------------------------------------
+
+    def save_checkpoint(self, directory: str | Path, *,
+                        optimizer: torch.optim.Optimizer | None = None, step: int,
+                        extra: dict | None = None, async_save: bool = False,
+                        keep: int | None = None) -> Path:
+        """Save this rank's parameters, ``optimizer``'s state, RNG states, ``step``,
+        ``extra`` (JSON) and the plan under ``directory/step-<step>``, then point
+        ``directory/latest`` at it; returns that directory. Collective: every rank calls
+        it. ``async_save``: return once this rank's tensors are copied to CPU memory and
+        write them in the background (``wait_checkpoint`` finishes it). ``keep``: keep
+        only the newest ``keep`` checkpoints. Raises :class:`partc.CheckpointError` on
+        every rank if any rank cannot save; earlier checkpoints stay as they were."""
+        from . import checkpoint
+        return checkpoint.save(self, directory, optimizer=optimizer, step=step, extra=extra,
+                               async_save=async_save, keep=keep)
+
+    def load_checkpoint(self, directory: str | Path, *,
+                        optimizer: torch.optim.Optimizer | None = None) -> tuple[int, dict]:
+        """Load the checkpoint ``directory/latest`` names (or the step directory
+        ``directory``) into this module's plan, whatever plan saved it, and ``optimizer``'s
+        state; returns ``(step, extra)``. Collective. Raises :class:`partc.CheckpointError`
+        on every rank, before any tensor changes, for a partial checkpoint or one of
+        another model or shapes."""
+        from . import checkpoint
+        return checkpoint.load(self, directory, optimizer=optimizer)
+
+    def wait_checkpoint(self) -> Path | None:
+        """Finish the asynchronous save under way, if any (collective); returns its
+        directory. Raises :class:`partc.CheckpointError` on every rank if it failed."""
+        from . import checkpoint
+        return checkpoint.wait(self)
 
     def close(self) -> None:
         """Stop this rank's watchdog thread (also done when the module is freed and at
@@ -645,7 +685,9 @@ def build(plan: Plan, topology: Topology, program: StageProgram, model: nn.Modul
         state_keys=set(model.state_dict(keep_vars=True)),
         tied_elsewhere=_tied_elsewhere(program.holders, module, topology.pp_rank),
         tp=tp_group, watchdog=start_watchdog(topology.rank, topology.world_size),
-        global_batch_size=plan.num_microbatches * plan.micro_batch_size * plan.dp)
+        global_batch_size=plan.num_microbatches * plan.micro_batch_size * plan.dp,
+        model_tensors={name: (tuple(t.shape), t.dtype)
+                       for name, t in model.state_dict(keep_vars=True).items()})
     distributed.memory_baseline = baseline
     return distributed
 

@@ -1,0 +1,635 @@
+"""Sharded training checkpoints with ``torch.distributed.checkpoint`` (DCP), resharded
+on load into whatever plan the module has.
+
+``module.save_checkpoint(root, optimizer=opt, step=n, extra={...})`` on every rank writes
+this rank's part of the model and of the optimizer state; ``module.load_checkpoint(root,
+optimizer=opt)`` on every rank of any plan (another pp/dp/tp mesh, ZeRO stage or process
+count) reads the part it holds now and returns ``(step, extra)``.
+
+What is stored, all under the model's own FQNs (a tied weight under its first FQN, once):
+
+- every parameter and persistent buffer, as the chunks of the whole tensor this rank
+  holds: a tensor-parallel shard (``Shard(dim, chunks=k)`` is k chunks per rank), FSDP2's
+  data-parallel shard of it under ZeRO-2/3, a pipeline stage's tensors only on its ranks.
+  Each chunk is named by its offsets in the whole tensor, so DCP reads any other cut of
+  it back (resharding by FQN); replicas write one copy (DCP drops duplicates);
+- the optimizer state of every parameter this rank steps (all of its own, or under ZeRO-1
+  the 1/dp ``ZeroRedundancyOptimizer`` gives it), as ``optim.<fqn>.<name>``: state shaped
+  like the parameter (Adam's moments, SGD's momentum) is cut as the parameter is, other
+  state (Adam's ``step``) is stored whole; the param groups' hyper-parameters go in the
+  manifest;
+- each rank's RNG states (``rng.cpu.rank<r>``, ``rng.cuda.rank<r>``): restored rank by rank
+  when the checkpoint was written by as many processes, otherwise left as they are (the
+  ranks of another mesh draw other streams whatever one restored);
+- the step, ``extra`` (JSON) and the plan (``plan.json``).
+
+Layout under the root::
+
+    root/step-00000003/     DCP's files, plan.json, manifest.json (written last)
+    root/latest             "step-00000003": the checkpoint that loads
+    root/.tmp-step-...      a save in progress, or one that died
+
+A save writes everything under a temporary name; when every rank's DCP write succeeded
+(agreed by a collective), rank 0 writes the manifest (step, world, plan hash, every tensor
+with its shape, every file with its size), renames the directory to its step name and
+replaces ``latest`` atomically (``os.replace``). A save killed before that leaves the
+previous checkpoint as the one that loads; a failed save (disk full, permission) raises
+:class:`partc.CheckpointError` on every rank and leaves earlier checkpoints as they were.
+
+A load checks the checkpoint against the module first (manifest present, every file
+present at its size, the same tensors with the same shapes, the same optimizer class) and
+agrees on the result across ranks, so a checkpoint of another model, of other shapes, or
+a partial one raises :class:`partc.CheckpointError` on every rank before any tensor changes.
+
+``async_save=True`` copies this rank's tensors to CPU memory (the training pause) and
+writes them in a background thread over a gloo process group of its own (DCP's
+``async_save`` needs a CPU-capable group; the training collectives keep theirs); rank 0
+commits when the write is done. ``module.wait_checkpoint()`` (called by the next save
+and by load; call it before the process group ends) waits for it and raises on every
+rank if it failed.
+
+Every rank must see the same directory (a shared filesystem): DCP writes one file per
+rank and rank 0 the metadata. An optimizer without state yet (before its first step) is
+given its state by one step at learning rate 0 with zero gradients, then read into.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import shutil
+import threading
+import time
+import uuid
+from concurrent.futures import Future
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Callable
+
+import torch
+import torch.distributed as dist
+
+from partc.errors import CheckpointError
+
+from .checkpoint_chunks import (Chunks, CpuStaged, held_tensors, hyperparameters,
+                                initialise_state, inner_optimizer, model_tensors,
+                                needs_state, optimizer_class, optimizer_params,
+                                optimizer_state, planners, restore_hyperparameters, to_cpu)
+
+if TYPE_CHECKING:
+    from .module import DistributedModule
+
+log = logging.getLogger("partc.runtime")
+
+FORMAT = "partc-checkpoint"
+VERSION = 1
+MANIFEST = "manifest.json"
+LATEST = "latest"
+PLAN = "plan.json"
+_TMP = ".tmp-"
+
+
+def step_name(step: int) -> str:
+    return f"step-{step:08d}"
+
+
+# -- agreement ----------------------------------------------------------------------------
+
+
+def _agree(problem: str | CheckpointError | None, what: str, *,
+           path: Path | None = None, cleanup: Callable[[], None] | None = None) -> None:
+    """Raise CheckpointError on every rank if any rank has a problem (collective), after
+    rank 0 runs ``cleanup``. The error names every rank's problem; its ``path`` and
+    ``tensor`` are this rank's, or the first failing rank's."""
+    local = problem if isinstance(problem, CheckpointError) else None
+    everyone: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, None if problem is None else (
+        str(problem), getattr(local, "path", None), getattr(local, "tensor", None)))
+    failed = [(rank, p) for rank, p in enumerate(everyone) if p is not None]
+    if not failed:
+        return
+    if cleanup is not None and dist.get_rank() == 0:
+        cleanup()
+    distinct: dict[str, list[int]] = {}
+    for rank, (message, _, _) in failed:
+        distinct.setdefault(message, []).append(rank)
+    detail = "; ".join(f"rank{'s' if len(r) > 1 else ''} {', '.join(map(str, r))}: {m}"
+                       for m, r in distinct.items())
+    _, where, tensor = everyone[dist.get_rank()] or failed[0][1]
+    raise CheckpointError(f"{what}: {detail}", path=where or (str(path) if path else None),
+                          tensor=tensor)
+
+
+def _problem(error: BaseException) -> str:
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    if isinstance(error, CheckpointException):  # DCP's: every failing rank's exception
+        return "; ".join(f"DCP on rank {rank}: {type(exc).__name__}: {exc}"
+                         for rank, (exc, _) in sorted(error.failures.items()))
+    return f"{type(error).__name__}: {error}"
+
+
+def _failures() -> tuple[type[BaseException], ...]:
+    """What a failed DCP call raises: DCP's CheckpointException is a BaseException."""
+    from torch.distributed.checkpoint.api import CheckpointException
+    return (Exception, CheckpointException)
+
+
+# -- save ----------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class _Pending:
+    """An asynchronous save under way: DCP's future and, on rank 0, the commit."""
+
+    future: Any
+    step: int
+    final: Path
+    committed: threading.Event = dataclasses.field(default_factory=threading.Event)
+    commit_error: str | None = None
+
+
+def save(module: "DistributedModule", directory: str | os.PathLike, *,
+         optimizer: torch.optim.Optimizer | None, step: int, extra: dict | None,
+         async_save: bool, keep: int | None) -> Path:
+    """``module.save_checkpoint``: collect, make the temporary directory, write, commit;
+    each step agreed by every rank before the next."""
+    wait(module)
+    root = Path(directory)
+    state, manifest = _collect(module, optimizer, step, extra, keep, root)
+    tmp = _temporary(root, step)
+    final = root / step_name(step)
+    if async_save:
+        _write_in_background(module, state, tmp, final, step,
+                             commit=lambda: _commit(root, tmp, final, module, manifest, keep))
+        return final
+    _write(state, tmp, step)
+    problem = None
+    if dist.get_rank() == 0:
+        try:
+            _commit(root, tmp, final, module, manifest, keep)
+        except Exception as error:
+            problem = _problem(error)
+            shutil.rmtree(tmp, ignore_errors=True)
+    _agree(problem, f"committing the checkpoint of step {step} to {final} failed; "
+           f"{root / LATEST} still names the previous one", path=final)
+    return final
+
+
+def _collect(module: "DistributedModule", optimizer: torch.optim.Optimizer | None,
+             step: int, extra: dict | None, keep: int | None, root: Path
+             ) -> tuple[dict[str, Any], dict[str, Any]]:
+    """This rank's state dict for DCP and the manifest, or an error on every rank before
+    any file is touched."""
+    problem = None
+    state: dict[str, Any] = {}
+    manifest: dict[str, Any] = {}
+    try:
+        if not isinstance(step, int) or step < 0:
+            raise CheckpointError(f"step must be a non-negative int, got {step!r}")
+        if keep is not None and (not isinstance(keep, int) or keep < 1):
+            raise CheckpointError(f"keep must be a positive int or None, got {keep!r}")
+        extra = {} if extra is None else extra
+        try:
+            json.dumps(extra)
+        except (TypeError, ValueError) as error:
+            raise CheckpointError(f"extra must be JSON (dicts, lists, numbers, strings): "
+                                  f"{error}") from None
+        state = {h.fqn: h.chunks() for h in held_tensors(module)}
+        if optimizer is not None:
+            state.update(optimizer_state(module, optimizer))
+        rank = dist.get_rank()
+        state[f"rng.cpu.rank{rank}"] = torch.get_rng_state()
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            state[f"rng.cuda.rank{rank}"] = torch.cuda.get_rng_state()
+        manifest = _manifest(module, optimizer, step, extra)
+    except Exception as error:
+        problem = error if isinstance(error, CheckpointError) else _problem(error)
+    _agree(problem, f"cannot save a checkpoint of step {step} under {root}", path=root)
+    return state, manifest
+
+
+def _temporary(root: Path, step: int) -> Path:
+    """Rank 0 makes the save's temporary directory (clearing those of saves that died)
+    and tells the others its name."""
+    made: list[Any] = [(None, None)]
+    if dist.get_rank() == 0:
+        try:
+            root.mkdir(parents=True, exist_ok=True)
+            _remove_stale(root)
+            tmp = root / f"{_TMP}{step_name(step)}-{uuid.uuid4().hex[:8]}"
+            tmp.mkdir()
+            made = [(str(tmp), None)]
+        except Exception as error:
+            made = [(None, _problem(error))]
+    dist.broadcast_object_list(made, src=0)
+    _agree(made[0][1], f"cannot create a checkpoint directory under {root}", path=root)
+    return Path(made[0][0])
+
+
+def _write(state: dict[str, Any], tmp: Path, step: int) -> None:
+    """DCP writes every rank's part; on any failure every rank raises and the temporary
+    directory goes."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import FileSystemWriter
+
+    save_planner, _ = planners()
+    problem = None
+    try:
+        dcp.save(state, storage_writer=FileSystemWriter(str(tmp)), planner=save_planner())
+    except _failures() as error:
+        problem = _problem(error)
+    _agree(problem, f"saving the checkpoint of step {step} to {tmp} failed; the previous "
+           "checkpoint is unchanged", path=tmp,
+           cleanup=lambda: shutil.rmtree(tmp, ignore_errors=True))
+
+
+def _write_in_background(module: "DistributedModule", state: dict[str, Any], tmp: Path,
+                         final: Path, step: int, commit: Callable[[], None]) -> None:
+    """Copy this rank's tensors to CPU memory (the pause), then DCP writes them in a
+    thread over the module's gloo group; rank 0 commits when every rank's part is
+    written. ``wait`` reports the outcome."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import FileSystemWriter
+
+    save_planner, _ = planners()
+    group = _async_group(module)
+    problem, future = None, None
+    try:
+        future = dcp.async_save(to_cpu(state), storage_writer=FileSystemWriter(str(tmp)),
+                                planner=save_planner(), process_group=group,
+                                async_stager=CpuStaged())
+    except _failures() as error:
+        problem = _problem(error)
+    _agree(problem, f"cannot start saving the checkpoint of step {step}", path=tmp)
+    pending = _Pending(future, step, final)
+    if dist.get_rank() == 0:
+        future.add_done_callback(lambda done: _commit_after(done, pending, tmp, commit))
+    module._checkpoint_pending = pending
+
+
+def _async_group(module: "DistributedModule") -> Any:
+    """A gloo group of every rank for DCP's background collectives (made once, by all)."""
+    if module._checkpoint_group is None:
+        module._checkpoint_group = dist.new_group(backend="gloo")
+    return module._checkpoint_group
+
+
+def _manifest(module: "DistributedModule", optimizer: torch.optim.Optimizer | None,
+              step: int, extra: dict) -> dict[str, Any]:
+    topo = module.topology
+    return {
+        "format": FORMAT, "version": VERSION, "step": step, "extra": extra,
+        "world": {"size": topo.world_size, "pp": topo.pp, "dp": topo.dp, "tp": topo.tp},
+        "zero_stage": module.plan.effective_zero_stage,
+        "plan_hash": module.plan.hash, "model_hash": module.plan.model.hash,
+        "tensors": model_tensors(module),
+        "optimizer": None if optimizer is None else {
+            "class": optimizer_class(optimizer),
+            "param_groups": hyperparameters(optimizer)},
+        "rng": {"ranks": topo.world_size,
+                "cuda": torch.cuda.is_available() and torch.cuda.is_initialized()},
+        "saved_at": time.time(),
+    }
+
+
+def _fsync_write(path: Path, text: str) -> None:
+    with open(path, "w") as handle:
+        handle.write(text)
+        handle.flush()
+        os.fsync(handle.fileno())
+
+
+def _commit(root: Path, tmp: Path, final: Path, module: "DistributedModule",
+            manifest: dict[str, Any], keep: int | None) -> None:
+    """Rank 0, after every rank's write: manifest, rename, ``latest``."""
+    _fsync_write(tmp / PLAN, module.plan.to_json() + "\n")
+    manifest = dict(manifest, files={f.name: f.stat().st_size for f in sorted(tmp.iterdir())
+                                     if f.is_file()})
+    _fsync_write(tmp / MANIFEST, json.dumps(manifest, indent=1) + "\n")
+    if final.exists():  # the same step saved again: the new one replaces it
+        old = root / f"{_TMP}old-{final.name}-{uuid.uuid4().hex[:8]}"
+        os.replace(final, old)
+        os.replace(tmp, final)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.replace(tmp, final)
+    pointer = root / f"{_TMP}{LATEST}-{uuid.uuid4().hex[:8]}"
+    _fsync_write(pointer, final.name + "\n")
+    os.replace(pointer, root / LATEST)
+    _fsync_dir(root)
+    if keep is not None:
+        steps = sorted(p for p in root.iterdir() if p.is_dir() and p.name.startswith("step-")
+                       and (p / MANIFEST).exists())
+        for old in steps[:-keep]:
+            if old.name != final.name:
+                shutil.rmtree(old, ignore_errors=True)
+
+
+def _fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def _commit_after(done: Future, pending: _Pending, tmp: Path,
+                  commit: Callable[[], None]) -> None:
+    """Rank 0's commit of an asynchronous save, once DCP has written every rank's part."""
+    try:
+        done.result()
+        commit()
+    except BaseException as error:  # reported on every rank by wait()
+        pending.commit_error = _problem(error)
+        shutil.rmtree(tmp, ignore_errors=True)
+    finally:
+        pending.committed.set()
+
+
+def _remove_stale(root: Path) -> None:
+    """Temporary directories of saves that died (only one save runs at a time)."""
+    for path in root.iterdir():
+        if path.name.startswith(_TMP):
+            if path.is_dir():
+                shutil.rmtree(path, ignore_errors=True)
+            else:
+                path.unlink(missing_ok=True)
+
+
+def wait(module: "DistributedModule") -> Path | None:
+    """Finish the asynchronous save under way, if any: on every rank, raising
+    CheckpointError on every rank if any rank's write or the commit failed."""
+    pending = module._checkpoint_pending
+    if pending is None:
+        return None
+    module._checkpoint_pending = None
+    problem = None
+    try:
+        pending.future.result()
+    except _failures() as error:
+        problem = _problem(error)
+    if dist.get_rank() == 0:
+        pending.committed.wait()
+        problem = problem or pending.commit_error
+    _agree(problem, f"the asynchronous save of step {pending.step} to {pending.final} failed; "
+           f"the previous checkpoint is unchanged", path=pending.final)
+    return pending.final
+
+
+# -- load ----------------------------------------------------------------------------------
+
+
+def resolve(directory: str | os.PathLike) -> Path:
+    """The committed checkpoint ``directory`` names: ``latest`` under a root, or a step
+    directory itself."""
+    root = Path(directory)
+    pointer = root / LATEST
+    if pointer.is_file():
+        name = pointer.read_text().strip()
+        if not name or "/" in name or name.startswith("."):
+            raise CheckpointError(f"{pointer} names {name!r}, not a checkpoint directory",
+                                  path=str(pointer))
+        return root / name
+    if (root / MANIFEST).is_file():
+        return root
+    if (root / ".metadata").is_file():
+        raise CheckpointError(f"{root / MANIFEST} is missing: {root} is a partial checkpoint "
+                              "(its save did not finish)", path=str(root / MANIFEST))
+    if not root.exists():
+        raise CheckpointError(f"no checkpoint at {root}: the directory does not exist",
+                              path=str(root))
+    raise CheckpointError(f"no checkpoint at {root}: neither {pointer} nor "
+                          f"{root / MANIFEST} exists (a save that did not finish leaves none)",
+                          path=str(root))
+
+
+def read_manifest(path: Path) -> dict[str, Any]:
+    file = path / MANIFEST
+    if not file.is_file():
+        raise CheckpointError(f"{file} is missing: {path} is a partial checkpoint (its save "
+                              "did not finish)", path=str(file))
+    try:
+        manifest = json.loads(file.read_text())
+    except (OSError, ValueError) as error:
+        raise CheckpointError(f"{file} does not read as JSON: {error}", path=str(file)) from None
+    missing = [key for key in ("format", "version", "step", "extra", "world", "tensors",
+                               "optimizer", "files") if key not in manifest]
+    if manifest.get("format") != FORMAT or missing:
+        raise CheckpointError(f"{file} is not a partc checkpoint manifest"
+                              + (f" (it lacks {', '.join(missing)})" if missing else ""),
+                              path=str(file))
+    if manifest["version"] != VERSION:
+        raise CheckpointError(f"{file} has format version {manifest['version']}; this partc "
+                              f"reads version {VERSION}", path=str(file))
+    return manifest
+
+
+def _check(module: "DistributedModule", path: Path, manifest: dict[str, Any],
+           optimizer: torch.optim.Optimizer | None) -> Any:
+    """Everything that can be wrong with the checkpoint, before any tensor changes;
+    returns DCP's metadata."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    for name, size in manifest["files"].items():
+        file = path / name
+        if not file.is_file():
+            raise CheckpointError(f"{file} is missing: {path} is a partial checkpoint",
+                                  path=str(file))
+        if file.stat().st_size != size:
+            raise CheckpointError(f"{file} has {file.stat().st_size} bytes, the manifest "
+                                  f"says {size}: the file is truncated or was changed",
+                                  path=str(file))
+    manifest_file = str(path / MANIFEST)
+    ours, theirs = model_tensors(module), manifest["tensors"]
+    missing = sorted(set(ours) - set(theirs))
+    unknown = sorted(set(theirs) - set(ours))
+    if missing or unknown:
+        raise CheckpointError(
+            f"{manifest_file}: the checkpoint is of another model: "
+            + "; ".join(part for part in (
+                f"it lacks {len(missing)} of this model's tensors ({', '.join(missing[:4])}"
+                f"{', ...' if len(missing) > 4 else ''})" if missing else "",
+                f"it has {len(unknown)} tensors this model does not ({', '.join(unknown[:4])}"
+                f"{', ...' if len(unknown) > 4 else ''})" if unknown else "") if part),
+            path=manifest_file, tensor=(missing or unknown)[0])
+    differ = [fqn for fqn, info in ours.items() if list(theirs[fqn]["shape"]) != info["shape"]]
+    if differ:
+        raise CheckpointError(
+            f"{manifest_file}: {len(differ)} tensor{'s' if len(differ) > 1 else ''} of "
+            "other shapes: " + "; ".join(
+                f"{fqn} has shape {theirs[fqn]['shape']} in the checkpoint, "
+                f"{ours[fqn]['shape']} in this model" for fqn in differ[:4])
+            + ("; ..." if len(differ) > 4 else ""), path=manifest_file, tensor=differ[0])
+    if optimizer is not None:
+        saved = manifest["optimizer"]
+        if saved is None:
+            raise CheckpointError(f"{manifest_file}: the checkpoint holds no optimizer state "
+                                  "(saved without optimizer=); load without one", path=manifest_file)
+        if saved["class"] != optimizer_class(optimizer):
+            raise CheckpointError(f"{manifest_file}: the optimizer state is {saved['class']}'s, "
+                                  f"this optimizer is a {optimizer_class(optimizer)}",
+                                  path=manifest_file)
+        if len(saved["param_groups"]) != len(optimizer.param_groups):
+            raise CheckpointError(f"{manifest_file}: the optimizer had "
+                                  f"{len(saved['param_groups'])} param groups, this one has "
+                                  f"{len(optimizer.param_groups)}", path=manifest_file)
+    try:
+        metadata = FileSystemReader(str(path)).read_metadata()
+    except Exception as error:
+        raise CheckpointError(f"{path / '.metadata'} does not read: {_problem(error)}",
+                              path=str(path / ".metadata")) from None
+    stored = metadata.state_dict_metadata
+    for fqn, info in ours.items():
+        md = stored.get(fqn)
+        if md is None or list(getattr(md, "size", [])) != info["shape"]:
+            raise CheckpointError(f"{path / '.metadata'}: tensor {fqn} is "
+                                  f"{'missing' if md is None else f'of shape {list(md.size)}'}"
+                                  f", the manifest says {info['shape']}",
+                                  path=str(path / ".metadata"), tensor=fqn)
+    return metadata
+
+
+def _check_state_keys(state: dict[str, Any], metadata: Any, path: Path) -> None:
+    stored = metadata.state_dict_metadata
+    for key, obj in state.items():
+        md = stored.get(key)
+        if md is None:
+            raise CheckpointError(f"{path / '.metadata'}: the checkpoint has no {key} "
+                                  "(another optimizer's state, or saved under other settings)",
+                                  path=str(path / ".metadata"), tensor=key)
+        size = obj.size() if isinstance(obj, (Chunks, torch.Tensor)) else None
+        if size is not None and torch.Size(md.size) != torch.Size(size):
+            raise CheckpointError(f"{path / '.metadata'}: {key} has shape {list(md.size)} in "
+                                  f"the checkpoint, {list(size)} here",
+                                  path=str(path / ".metadata"), tensor=key)
+
+
+def load(module: "DistributedModule", directory: str | os.PathLike, *,
+         optimizer: torch.optim.Optimizer | None) -> tuple[int, dict]:
+    """``module.load_checkpoint``: check, make the optimizer's state, read, restore;
+    each step agreed by every rank before the next, every check before any tensor
+    changes."""
+    wait(module)
+    path, manifest, metadata = _checked(module, directory, optimizer)
+    if optimizer is not None:
+        # The optimizer's state must exist to be read into: made by its own first step,
+        # on every rank if on any (a ZeRO-1 step is collective).
+        need = torch.tensor([int(needs_state(module, optimizer))])
+        dist.all_reduce(need, op=dist.ReduceOp.MAX)
+        if need.item():
+            initialise_state(module, optimizer)
+    state, stateless = _targets(module, optimizer, path, manifest, metadata)
+    _read(state, path)
+    if optimizer is not None:
+        # A parameter without state in the checkpoint had not been stepped: it has none,
+        # as before its first step.
+        inner = inner_optimizer(optimizer)
+        for param in stateless:
+            inner.state.pop(param, None)
+        restore_hyperparameters(optimizer, manifest["optimizer"]["param_groups"])
+    rank = dist.get_rank()
+    if f"rng.cpu.rank{rank}" in state:
+        torch.set_rng_state(state[f"rng.cpu.rank{rank}"])
+        if f"rng.cuda.rank{rank}" in state:
+            torch.cuda.set_rng_state(state[f"rng.cuda.rank{rank}"])
+    else:
+        log.info("checkpoint %s was written by %d processes, this run has %d: RNG states "
+                 "are not restored", path, manifest["world"]["size"], dist.get_world_size())
+    module.step = int(manifest["step"])
+    return int(manifest["step"]), manifest["extra"]
+
+
+def _checked(module: "DistributedModule", directory: str | os.PathLike,
+             optimizer: torch.optim.Optimizer | None) -> tuple[Path, dict[str, Any], Any]:
+    """The checkpoint directory, its manifest and DCP's metadata, checked against the
+    module on every rank; any rank's problem raises on all."""
+    path = Path(directory)
+    problem: str | CheckpointError | None = None
+    manifest: dict[str, Any] = {}
+    metadata = None
+    try:
+        path = resolve(directory)
+        manifest = read_manifest(path)
+        metadata = _check(module, path, manifest, optimizer)
+    except CheckpointError as error:
+        problem = error
+    except Exception as error:
+        problem = _problem(error)
+    _agree(problem, f"cannot load the checkpoint at {directory}", path=path)
+    return path, manifest, metadata
+
+
+def _targets(module: "DistributedModule", optimizer: torch.optim.Optimizer | None,
+             path: Path, manifest: dict[str, Any], metadata: Any
+             ) -> tuple[dict[str, Any], list[torch.Tensor]]:
+    """What DCP reads into on this rank (its chunks of every tensor, its optimizer state,
+    its RNG states when the world is the one that saved), checked against the metadata;
+    and the parameters the checkpoint has no optimizer state for."""
+    problem: str | CheckpointError | None = None
+    state: dict[str, Any] = {}
+    stateless: list[torch.Tensor] = []
+    try:
+        state = {h.fqn: h.chunks() for h in held_tensors(module)}
+        if optimizer is not None:
+            stored = {key.rsplit(".", 1)[0] for key in metadata.state_dict_metadata
+                      if key.startswith("optim.")}
+            stateless = [p for h, p in optimizer_params(module, optimizer)
+                         if f"optim.{h.fqn}" not in stored]
+            state.update({key: value for key, value in optimizer_state(module, optimizer).items()
+                          if key.rsplit(".", 1)[0] in stored})
+        rank = dist.get_rank()
+        if manifest["world"]["size"] == dist.get_world_size():
+            state[f"rng.cpu.rank{rank}"] = torch.get_rng_state()
+            if manifest["rng"].get("cuda") and torch.cuda.is_available():
+                state[f"rng.cuda.rank{rank}"] = torch.cuda.get_rng_state()
+        _check_state_keys(state, metadata, path)
+    except CheckpointError as error:
+        problem = error
+    except Exception as error:
+        problem = _problem(error)
+    _agree(problem, f"cannot load the checkpoint at {path}", path=path)
+    return state, stateless
+
+
+def _read(state: dict[str, Any], path: Path) -> None:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import FileSystemReader
+
+    _, load_planner = planners()
+    problem = None
+    try:
+        with torch.no_grad():
+            dcp.load(state, storage_reader=FileSystemReader(str(path)), planner=load_planner())
+    except _failures() as error:
+        problem = _problem(error)
+    _agree(problem, f"reading the checkpoint at {path} failed (this rank's tensors may be "
+           "partly loaded: load again)", path=path)
+
+
+def latest(directory: str | os.PathLike) -> Path | None:
+    """The checkpoint ``directory/latest`` names, or None when no save has committed
+    there yet (what a ``--resume`` that may start fresh asks first)."""
+    pointer = Path(directory) / LATEST
+    if not pointer.is_file():
+        return None
+    return resolve(directory)
+
+
+def listed(directory: str | os.PathLike) -> list[Path]:
+    """The committed checkpoints under a root, oldest first."""
+    root = Path(directory)
+    if not root.is_dir():
+        return []
+    return sorted(p for p in root.iterdir()
+                  if p.is_dir() and p.name.startswith("step-") and (p / MANIFEST).is_file())
+
+
+__all__ = ["save", "load", "wait", "resolve", "read_manifest", "latest", "listed",
+           "step_name"]

@@ -1,0 +1,285 @@
+"""Checkpoints (partc/runtime/checkpoint.py): save and load round trips, resume parity
+across plans under torchrun, atomic commits, and bad checkpoints refused before any
+tensor changes.
+
+One process for the file-level behaviour (the same code path as every rank of a job);
+two ``torchrun`` launches of ``ckpt_worker.py`` (2 processes each) for resume parity (the
+same plan resumed bit-identically, and a dp=2 ZeRO-3 checkpoint resumed under tp=2 like
+one process) and for one rank's failure (a failed write, a missing file) raising on
+every rank. ``benchmarks/resume_parity.py`` runs the moves between process counts on
+the sample GPT, Hugging Face Llama and GPT-2.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import partc
+from partc.runtime import checkpoint
+from samples.gpt import gpt_tiny, loss_fn
+
+from .ckpt_worker import SAVE_AT, STEPS
+
+WORKER = Path(__file__).with_name("ckpt_worker.py")
+RTOL = 1e-5
+B, T = 8, 16
+ADAMW = dict(lr=1e-3, weight_decay=0.1, eps=1e-6)
+
+
+def tokens(step: int, vocab: int = 128) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(step)
+    data = torch.randint(0, vocab, (B, T + 1), generator=g)
+    return data[:, :-1].contiguous(), data[:, 1:].contiguous()
+
+
+def compile_one(model: torch.nn.Module, vocab: int = 128) -> partc.Program:
+    x, y = tokens(0, vocab)
+    return partc.compile(model, (x,), loss_fn=loss_fn, example_target=y,
+                         budget=partc.DeviceBudget(num_devices=1, device="CPU"),
+                         train=partc.TrainSpec(global_batch_size=B),
+                         constraints=partc.Constraints(num_microbatches=2))
+
+
+@pytest.fixture(scope="module")
+def program():
+    torch.manual_seed(0)
+    yield compile_one(gpt_tiny())
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def train(module, opt, steps: range, vocab: int = 128) -> list[float]:
+    losses = []
+    for step in steps:
+        x, y = tokens(step, vocab)
+        losses.append(module.forward_backward(x, target=y).item())
+        opt.step()
+        opt.zero_grad()
+    return losses
+
+
+def params(module) -> dict[str, torch.Tensor]:
+    return {name: p.detach().clone() for name, p in module.named_parameters()}
+
+
+def fresh(program):
+    module = program.build()
+    return module, torch.optim.AdamW(module.parameters(), **ADAMW)
+
+
+def test_a_resumed_run_is_the_uninterrupted_one(program, tmp_path):
+    module, opt = fresh(program)
+    assert checkpoint.latest(tmp_path) is None
+    # Before the first step the optimizer has no state; loading that leaves none.
+    module.save_checkpoint(tmp_path, optimizer=opt, step=0)
+    assert checkpoint.latest(tmp_path) == tmp_path / "step-00000000"
+    other, other_opt = fresh(program)
+    assert other.load_checkpoint(tmp_path, optimizer=other_opt) == (0, {})
+    assert not other_opt.state
+    losses = train(module, opt, range(2))
+    path = module.save_checkpoint(tmp_path, optimizer=opt, step=2, extra={"tokens": 256})
+    assert path == tmp_path / "step-00000002"
+    assert (tmp_path / "latest").read_text().strip() == "step-00000002"
+    manifest = json.loads((path / "manifest.json").read_text())
+    assert manifest["step"] == 2 and manifest["world"]["size"] == 1
+    assert manifest["tensors"]["blocks.0.attn.c_attn.weight"]["shape"] == [192, 64]
+    assert manifest["optimizer"]["class"] == "AdamW"
+    assert (path / "plan.json").is_file()
+    rng = torch.get_rng_state()
+    losses += train(module, opt, range(2, 4))
+    # Loading into a module whose optimizer has no state yet: made, then read, unseen
+    # by the optimizer's step hooks.
+    resumed, resumed_opt = fresh(program)
+    stepped = []
+    resumed_opt.register_step_post_hook(lambda *_: stepped.append(1))
+    torch.manual_seed(123)
+    assert resumed.load_checkpoint(tmp_path, optimizer=resumed_opt) == (2, {"tokens": 256})
+    assert torch.equal(torch.get_rng_state(), rng)
+    assert not stepped
+    assert train(resumed, resumed_opt, range(2, 4)) == losses[2:]
+    for name, value in params(module).items():
+        assert torch.equal(value, params(resumed)[name]), name
+    # The optimizer state too, parameter by parameter.
+    assert len(opt.state) == len(resumed_opt.state) == len(list(module.parameters()))
+    for p, q in zip(module.parameters(), resumed.parameters()):
+        assert opt.state[p].keys() == resumed_opt.state[q].keys()
+        assert all(torch.equal(opt.state[p][k], resumed_opt.state[q][k]) for k in opt.state[p])
+
+
+def test_a_save_killed_before_its_commit_leaves_the_previous_checkpoint(program, tmp_path,
+                                                                        monkeypatch):
+    module, opt = fresh(program)
+    train(module, opt, range(1))
+    module.save_checkpoint(tmp_path, optimizer=opt, step=1)
+    saved = params(module)
+    train(module, opt, range(1, 2))
+
+    def killed(*args, **kwargs):  # the process dies after DCP wrote, before the commit
+        raise SystemExit("killed")
+
+    monkeypatch.setattr(checkpoint, "_commit", killed)
+    with pytest.raises(SystemExit):
+        module.save_checkpoint(tmp_path, optimizer=opt, step=2)
+    monkeypatch.undo()
+    leftovers = [p for p in tmp_path.iterdir() if p.name.startswith(".tmp-")]
+    assert leftovers and (leftovers[0] / ".metadata").is_file()  # written, not committed
+    # A step directory whose manifest never came (copied by hand, or a rename without
+    # it) is refused by name, and `latest` still names step 1.
+    partial = tmp_path / "step-00000002"
+    shutil.copytree(leftovers[0], partial)
+    resumed, resumed_opt = fresh(program)
+    with pytest.raises(partc.CheckpointError, match="manifest.json is missing") as caught:
+        resumed.load_checkpoint(partial, optimizer=resumed_opt)
+    assert caught.value.path == str(partial / "manifest.json")
+    assert resumed.load_checkpoint(tmp_path, optimizer=resumed_opt)[0] == 1
+    assert all(torch.equal(v, params(resumed)[k]) for k, v in saved.items())
+    # The next save clears what the killed one left.
+    module.save_checkpoint(tmp_path, optimizer=opt, step=3)
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".tmp-")]
+    assert checkpoint.resolve(tmp_path).name == "step-00000003"
+
+
+def test_a_failing_save_raises_and_keeps_the_previous_checkpoint(program, tmp_path,
+                                                                 monkeypatch):
+    from torch.distributed.checkpoint import FileSystemWriter
+
+    module, opt = fresh(program)
+    train(module, opt, range(1))
+    module.save_checkpoint(tmp_path, optimizer=opt, step=1)
+
+    def disk_full(self, plan, planner):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(FileSystemWriter, "write_data", disk_full)
+    with pytest.raises(partc.CheckpointError, match="No space left on device"):
+        module.save_checkpoint(tmp_path, optimizer=opt, step=2)
+    monkeypatch.undo()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "step-00000001"]
+    assert module.load_checkpoint(tmp_path, optimizer=opt)[0] == 1
+    with pytest.raises(partc.CheckpointError, match="extra must be JSON"):
+        module.save_checkpoint(tmp_path, step=3, extra={"model": module})
+    # keep=N: the newest N stay.
+    for step in (4, 5, 6):
+        module.save_checkpoint(tmp_path, step=step, keep=2)
+    assert [p.name for p in checkpoint.listed(tmp_path)] == ["step-00000005", "step-00000006"]
+
+
+def test_checkpoints_of_other_models_or_partial_ones_are_refused_before_any_change(
+        program, tmp_path):
+    module, opt = fresh(program)
+    train(module, opt, range(1))
+    module.save_checkpoint(tmp_path / "ours", optimizer=opt, step=1)
+    before = params(module)
+
+    torch.manual_seed(0)
+    shallow = compile_one(gpt_tiny(n_layer=1)).build()
+    shallow.save_checkpoint(tmp_path / "shallow", step=1)
+    with pytest.raises(partc.CheckpointError, match=r"another model: it lacks \d+ of this "
+                       r"model's tensors \(blocks\.1\.") as caught:
+        module.load_checkpoint(tmp_path / "shallow")
+    assert caught.value.path.endswith("manifest.json") and caught.value.tensor
+
+    narrow = compile_one(gpt_tiny(vocab_size=64), vocab=64).build()
+    narrow.save_checkpoint(tmp_path / "narrow", step=1)
+    # (lm_head.weight is tok_emb.weight: tied, one tensor.)
+    with pytest.raises(partc.CheckpointError, match=r"1 tensor of other shapes: "
+                       r"tok_emb.weight has shape \[64, 64\] in the checkpoint, \[128, 64\] "
+                       r"in this model") as caught:
+        module.load_checkpoint(tmp_path / "narrow")
+    assert caught.value.tensor == "tok_emb.weight"
+
+    with pytest.raises(partc.CheckpointError, match="SGD"):
+        module.load_checkpoint(tmp_path / "ours",
+                               optimizer=torch.optim.SGD(module.parameters(), lr=0.1))
+    step_dir = checkpoint.resolve(tmp_path / "ours")
+    data = next(step_dir.glob("*.distcp"))
+    content = data.read_bytes()
+    data.write_bytes(content[:len(content) // 2])
+    with pytest.raises(partc.CheckpointError, match=f"{data}.* truncated"):
+        module.load_checkpoint(tmp_path / "ours", optimizer=opt)
+    data.unlink()
+    with pytest.raises(partc.CheckpointError, match=f"{data} is missing: .* partial"):
+        module.load_checkpoint(tmp_path / "ours", optimizer=opt)
+    with pytest.raises(partc.CheckpointError, match="no checkpoint at"):
+        module.load_checkpoint(tmp_path / "nowhere")
+    assert all(torch.equal(v, params(module)[k]) for k, v in before.items())
+
+
+def test_an_asynchronous_save_writes_what_the_step_had(program, tmp_path):
+    module, opt = fresh(program)
+    train(module, opt, range(1))
+    saved = params(module)
+    module.save_checkpoint(tmp_path, optimizer=opt, step=1, async_save=True)
+    train(module, opt, range(1, 3))  # training goes on while it writes
+    assert module.wait_checkpoint() == tmp_path / "step-00000001"
+    resumed, resumed_opt = fresh(program)
+    assert resumed.load_checkpoint(tmp_path, optimizer=resumed_opt)[0] == 1
+    assert all(torch.equal(v, params(resumed)[k]) for k, v in saved.items())
+
+
+# -- resume parity under torchrun ---------------------------------------------------------
+
+SAME, RESHARD = "gpt:pp2>pp2", "gpt:dp2-zero3>tp2"
+
+
+def launch(out: Path, phase: str, moves: list[str]) -> list[dict]:
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+               "--nproc-per-node=2", str(WORKER), str(out), phase, *moves]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PARTC_TIMEOUT_S": "120"}
+    done = subprocess.run(command, capture_output=True, text=True, timeout=900, env=env)
+    files = [out / f"{phase}-rank{r}.json" for r in range(2)]
+    if done.returncode != 0 or not all(f.exists() for f in files):
+        pytest.fail(f"torchrun exited with {done.returncode}; stderr tail:\n"
+                    f"{done.stderr[-4000:]}")
+    return [json.loads(f.read_text()) for f in files]
+
+
+@pytest.fixture(scope="module")
+def resumed(tmp_path_factory) -> tuple[list[dict], list[dict]]:
+    out = tmp_path_factory.mktemp("resume")
+    return (launch(out, "first", [SAME, RESHARD]),
+            launch(out, "resume", [SAME, RESHARD, "faults"]))
+
+
+def _ran(ranks: list[dict], move: str) -> list[dict]:
+    for rank, results in enumerate(ranks):
+        assert "error" not in results[move], f"rank {rank}: {results[move].get('traceback')}"
+    return [results[move] for results in ranks]
+
+
+def test_the_same_plan_resumes_bit_identically(resumed):
+    first, after = (_ran(ranks, SAME) for ranks in resumed)
+    for before, now in zip(first, after):
+        assert now["loaded"] == [SAVE_AT, {"plan": "pp2", "losses": before["losses"][:SAVE_AT]}]
+        assert now["losses"] == before["losses"][SAVE_AT:]
+        assert now["max_abs_diff_to_first"] == 0.0
+
+
+def test_a_zero3_checkpoint_resumes_under_tensor_parallelism_like_one_process(resumed):
+    first, after = (_ran(ranks, RESHARD) for ranks in resumed)
+    for before, now in zip(first, after):
+        assert (before["zero_stage"], now["mesh"]) == (3, {"pp": 1, "dp": 1, "tp": 2})
+        losses = before["losses"][:now["start"]] + now["losses"]
+        assert len(losses) == STEPS
+        assert losses == pytest.approx(now["ref_losses"], rel=RTOL)
+        assert now["param_error"] < RTOL, now["param_error_at"]
+
+
+def test_one_rank_failing_is_an_error_on_every_rank(resumed):
+    for rank, seen in enumerate(_ran(resumed[1], "faults")):
+        assert "DCP on rank 1: OSError: [Errno 28] No space left on device" in \
+            seen["failed_save"], rank
+        assert seen["latest_after_failed_save"] == "step-00000001"
+        assert re.search(r"__1_0\.distcp is missing: .* partial checkpoint",
+                         seen["partial_load"]), (rank, seen["partial_load"])
+        assert seen["unchanged"]
