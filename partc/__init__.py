@@ -15,11 +15,13 @@ from .options import PlannerOptions, ShardingOptions
 from .program import Program, load
 from .spec import Constraints, TrainSpec
 from .validate import validate_plan
+from .weights import on_meta
 
 __all__ = [
     "PRESETS", "Constraints", "DeviceBudget", "PartcError", "Plan", "PlanFileError",
     "PlanInfeasibleError",
     "PlanCache", "PlanMismatchError", "PlanSchemaError", "PlanValidationError",
     "PlannerOptions", "Program", "ShardingOptions", "TraceError",
-    "TrainSpec", "build_problem", "compile", "load", "plan_problem", "validate_plan",
+    "TrainSpec", "build_problem", "compile", "load", "on_meta", "plan_problem",
+    "validate_plan",
 ]

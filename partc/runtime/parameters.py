@@ -44,16 +44,26 @@ def own_parameters(module: fx.GraphModule, model: nn.Module,
                    state_dict: Mapping[str, torch.Tensor] | None,
                    device: torch.device, shard: Callable | None = None) -> None:
     """Give the stage its own copies of its tensors (this rank's shards of them), from
-    the state dict or the model."""
+    the state dict or the model. Only the stage's own entries of ``state_dict`` are
+    read (a lazy mapping such as ``weights.open_weights`` reads no others); a
+    non-persistent buffer comes from the model, as its own code computed it."""
     aliases = aliases_of(model)
+    persistent = set(model.state_dict(keep_vars=True))
     copies: dict[int, torch.Tensor] = {}
     entries = [(name, t, True) for name, t in module.named_parameters(remove_duplicate=False)]
     entries += [(name, t, False) for name, t in module.named_buffers(remove_duplicate=False)]
     for name, tensor, is_param in entries:
         if id(tensor) not in copies:
-            source = _source_tensor(name, aliases, model, state_dict)
+            source = _source_tensor(name, aliases, model, state_dict, persistent)
+            whole = tuple(source.shape)
             if shard is not None:
                 source = shard(aliases.get(name, (name,)), source)
+            if source.shape != tensor.shape:
+                cut = f" (this rank's shard: {list(source.shape)})" \
+                    if tuple(source.shape) != whole else ""
+                raise PartcError(f"{name}: the weights given have shape {list(whole)}{cut}, "
+                                 f"the model's is {list(tensor.shape)}: weights of "
+                                 "another model or configuration?")
             value = source.detach().to(device=device, dtype=tensor.dtype, copy=True)
             copies[id(tensor)] = nn.Parameter(value, tensor.requires_grad) if is_param \
                 else value
@@ -71,14 +81,24 @@ def aliases_of(model: nn.Module) -> dict[str, tuple[str, ...]]:
 
 
 def _source_tensor(name: str, aliases: dict[str, tuple[str, ...]], model: nn.Module,
-                   state_dict: Mapping[str, torch.Tensor] | None) -> torch.Tensor:
+                   state_dict: Mapping[str, torch.Tensor] | None,
+                   persistent: set[str]) -> torch.Tensor:
     names = aliases.get(name, (name,))
     if state_dict is not None:
         for alias in names:
             if alias in state_dict:
                 return state_dict[alias]
-        raise KeyError(f"the state dict has no entry for {name} (nor its aliases {names})")
+        if any(alias in persistent for alias in names):
+            raise KeyError(f"the state dict has no entry for {name} (nor its aliases "
+                           f"{names})")
+        # A non-persistent buffer: no state dict holds it; the model computed it.
     tensor = _get_tensor(model, names[0])
+    if tensor.is_meta and state_dict is not None:
+        raise PartcError(
+            f"{name} is a non-persistent buffer (not in model.state_dict()) and the model "
+            "holds it on the meta device, so its value was never computed: build the "
+            "model under `with partc.on_meta():` (parameters on meta, buffers computed by "
+            f"the model's own code), or give {name} in state_dict")
     if tensor.is_meta:
         raise PartcError(f"{name} is on the meta device: pass state_dict= to build() so "
                          "each rank loads its own parameters")

@@ -1,0 +1,117 @@
+"""Weights for models planned on the meta device (partc/weights.py), on one process:
+Hugging Face Llama and Qwen2 built under ``partc.on_meta()`` train from a state dict,
+a safetensors checkpoint or a DCP directory without their non-persistent buffers, and
+a stage reads only its own tensors."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+
+import partc
+from partc.runtime.parameters import own_parameters
+from tests import hf_families, models
+
+from .test_program import B, process_group, tokens  # noqa: F401
+
+FAMILIES = ["llama", "qwen2"]
+
+
+def _compile(model: torch.nn.Module, devices: int = 1, **constraints) -> partc.Program:
+    x, y = tokens()
+    return partc.compile(model, (x,), loss_fn=hf_families.causal_lm_loss, example_target=y,
+                         budget=partc.DeviceBudget(num_devices=devices, device="CPU"),
+                         train=partc.TrainSpec(global_batch_size=B),
+                         constraints=partc.Constraints(**constraints))
+
+
+def _pair(family: str) -> tuple[torch.nn.Module, torch.nn.Module]:
+    torch.manual_seed(0)
+    real = hf_families.FAMILIES[family].build()
+    with partc.on_meta():
+        planned = hf_families.FAMILIES[family].build()
+    return real, planned
+
+
+def _save_safetensors(state: dict[str, torch.Tensor], directory) -> None:
+    """A Hugging Face style checkpoint in two shards with its index."""
+    from safetensors.torch import save_file
+
+    names = sorted(state)
+    shards = {"model-00001-of-00002.safetensors": names[::2],
+              "model-00002-of-00002.safetensors": names[1::2]}
+    for file, keys in shards.items():
+        save_file({k: state[k].contiguous() for k in keys}, str(directory / file))
+    index = {"metadata": {}, "weight_map": {k: f for f, keys in shards.items() for k in keys}}
+    (directory / "model.safetensors.index.json").write_text(json.dumps(index))
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_a_model_on_meta_trains_from_its_weights_alone(family, tmp_path, process_group):
+    real, planned = _pair(family)
+    assert all(p.is_meta for p in planned.parameters())
+    assert not any(b.is_meta for b in planned.buffers())  # computed by the model's code
+    state = real.state_dict()
+    assert not any(name.endswith("inv_freq") for name in state)  # non-persistent
+    (tmp_path / "hf").mkdir()
+    _save_safetensors(state, tmp_path / "hf")
+    dcp.save(state, checkpoint_id=str(tmp_path / "dcp"), no_dist=True)
+    x, y = tokens()
+    expected = hf_families.causal_lm_loss(real(x), y).detach()
+    program = _compile(planned)
+    # Every source for one family; the plain state dict for the other (each build lowers
+    # the model again, the test's main cost).
+    sources = (state, tmp_path / "hf", str(tmp_path / "dcp")) if family == "llama" \
+        else (state,)
+    for source in sources:
+        module = program.build(state_dict=source)
+        torch.testing.assert_close(module.forward_backward(x, target=y), expected,
+                                   rtol=1e-5, atol=1e-6)
+        module.close()
+
+
+def test_buffers_never_computed_and_weights_of_other_shapes_are_refused(process_group):
+    torch.manual_seed(0)
+    real = models.llama()
+    with torch.device("meta"):
+        planned = models.llama()
+    program = _compile(planned)
+    with pytest.raises(partc.PartcError, match=r"model.rotary_emb.inv_freq is a "
+                       r"non-persistent buffer .* partc.on_meta\(\)"):
+        program.build(state_dict=real.state_dict())
+    wrong = dict(real.state_dict(), **{"model.norm.weight": torch.ones(65)})
+    with partc.on_meta():
+        planned = models.llama()
+    with pytest.raises(partc.PartcError, match=r"model.norm.weight: the weights given have "
+                       r"shape \[65\], the model's is \[64\]"):
+        _compile(planned).build(state_dict=wrong)
+    with pytest.raises(partc.PartcError, match="holds no weights partc reads"):
+        _compile(planned).build(state_dict=str(__import__("pathlib").Path(__file__).parent))
+
+
+class _Counting(dict):
+    """A state dict that records which entries were read."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.read: set[str] = set()
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        self.read.add(name)
+        return super().__getitem__(name)
+
+
+def test_a_stage_reads_its_own_tensors_only():
+    real, planned = _pair("llama")
+    lowered = _compile(planned, 2, pp=2).lower(only=(1,))
+    stage = lowered.stages[1].module
+    state = _Counting(real.state_dict())
+    own_parameters(stage, planned, state, torch.device("cpu"))
+    held = {name for name, _ in stage.named_parameters()}
+    assert state.read == held and 0 < len(held) < len(state)
+    real_params = dict(real.named_parameters())
+    for name, param in stage.named_parameters():
+        assert torch.equal(param, real_params[name])
