@@ -4,7 +4,8 @@ rank's tensors from files.
 A model planned on the meta device holds no values; ``Program.build(state_dict=...)``
 gives each rank its own tensors from ``model.state_dict()`` of a real copy, a Hugging
 Face checkpoint directory (``*.safetensors``, sharded with ``model.safetensors.
-index.json`` or not) or a ``torch.distributed.checkpoint`` directory of tensors by FQN.
+index.json`` or not) or a ``torch.distributed.checkpoint`` directory of tensors by FQN
+(``module.save_checkpoint``'s included: any plan's shards read back whole).
 The files are opened lazily: a rank reads the tensors its stage holds and no others.
 
 Non-persistent buffers (rotary frequencies, causal masks) are not in any state dict:
@@ -59,10 +60,14 @@ def on_meta() -> Iterator[None]:
 
 def open_weights(path: str | os.PathLike) -> Mapping[str, torch.Tensor]:
     """The tensors in ``path`` by FQN, read when asked for: a directory (or file) of
-    ``*.safetensors``, or a ``torch.distributed.checkpoint`` directory (``.metadata``)."""
+    ``*.safetensors``, or a ``torch.distributed.checkpoint`` directory (``.metadata``; a checkpoint root
+    with a ``latest`` pointer, as ``module.save_checkpoint`` writes, reads the
+    checkpoint it names)."""
     path = Path(path)
     if not path.exists():
         raise PartcError(f"no weights at {path}")
+    if (path / "latest").is_file():  # a checkpoint root: the checkpoint it points at
+        path = path / (path / "latest").read_text().strip()
     if path.is_dir() and (path / ".metadata").exists():
         return DcpWeights(path)
     files = [path] if path.suffix == ".safetensors" else sorted(path.glob("*.safetensors"))

@@ -58,7 +58,9 @@ def test_a_model_on_meta_trains_from_its_weights_alone(family, tmp_path, process
     assert not any(name.endswith("inv_freq") for name in state)  # non-persistent
     (tmp_path / "hf").mkdir()
     _save_safetensors(state, tmp_path / "hf")
-    dcp.save(state, checkpoint_id=str(tmp_path / "dcp"), no_dist=True)
+    # A DCP checkpoint under a root whose `latest` names it, as save_checkpoint writes.
+    dcp.save(state, checkpoint_id=str(tmp_path / "dcp" / "step-1"), no_dist=True)
+    (tmp_path / "dcp" / "latest").write_text("step-1\n")
     x, y = tokens()
     expected = hf_families.causal_lm_loss(real(x), y).detach()
     program = _compile(planned)
