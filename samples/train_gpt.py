@@ -137,8 +137,8 @@ def main() -> None:
                 save(module, optimizer, checkpoints, done, rank)
             print(f"rank {rank}: stopped at step {done} on a signal; exiting with "
                   f"{SUSPEND_EXIT_CODE}", flush=True)
-            module.close()
             dist.destroy_process_group()
+            module.close()  # last: until here a second signal only sets the flag again
             sys.exit(SUSPEND_EXIT_CODE)
         if checkpoints is not None and (done == args.steps or (
                 args.checkpoint_every and done % args.checkpoint_every == 0)):

@@ -56,7 +56,7 @@ from .recompute import checkpoint_layer
 from .parameters import (aliases_of, dp_shard, local_part, own_parameters,
                          shard_plan)
 from .stage import StageProgram
-from .suspend import process_stop_flag
+from .suspend import StopFlag
 from .topology import Topology, init
 from .watchdog import IDLE, Watchdog
 from .watchdog import start as start_watchdog
@@ -227,6 +227,7 @@ class DistributedModule:
         self._target = next((spec for spec in inputs if spec.name == "target"), None)
         self.global_batch_size = global_batch_size
         self.last_messages: dict[str, int] = {"sends": 0, "recvs": 0}
+        self._stop = StopFlag()  # stop_requested()'s: set by a stop signal
 
     # -- parameters, as torch.optim and checkpointing expect them -----------------------
 
@@ -343,7 +344,9 @@ class DistributedModule:
 
     def close(self) -> None:
         """Stop this rank's watchdog thread (also done when the module is freed and at
-        exit); the other ranks then stop judging this one."""
+        exit); the other ranks then stop judging this one. Stop signals get their
+        handlers from before ``stop_requested()`` back."""
+        self._stop.uninstall()
         if self.watchdog is not None:
             self.watchdog.stop()
 
@@ -371,9 +374,8 @@ class DistributedModule:
         exit with ``partc.runtime.suspend.SUSPEND_EXIT_CODE``. Collective (one small
         all-reduce): call it once per step on every rank; the first call installs the
         signal handlers."""
-        flag = process_stop_flag()
-        flag.install()
-        return flag.agreed(self.topology.device)
+        self._stop.install()
+        return self._stop.agreed(self.topology.device)
 
     # -- one step ------------------------------------------------------------------------
 

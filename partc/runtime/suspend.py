@@ -62,8 +62,8 @@ def stop_signals() -> tuple[signal.Signals, ...]:
 
 
 class StopFlag:
-    """This process's stop request: set by a stop signal (or :meth:`request`), agreed
-    over the world by :meth:`agreed`."""
+    """A program's stop request (each ``DistributedModule`` has one): set by a stop
+    signal (or :meth:`request`), agreed over the world by :meth:`agreed`."""
 
     def __init__(self) -> None:
         self.local = False  # a signal reached this process
@@ -87,15 +87,22 @@ class StopFlag:
         self._installed = signals
 
     def uninstall(self) -> None:
-        """Give the stop signals back their handlers from before :meth:`install`."""
+        """Give the stop signals back their handlers from before :meth:`install`
+        (where this flag's handler is still the one installed)."""
         for sig, handler in self._previous.items():
-            signal.signal(sig, handler)
+            if signal.getsignal(sig) == self._handle:
+                signal.signal(sig, handler)
         self._previous, self._installed = {}, ()
 
-    def _handle(self, signum: int, _frame: object) -> None:
+    def _handle(self, signum: int, frame: object) -> None:
         # Only a flag: the step in flight (and its collectives) must finish.
         self.local = True
         self.signal = signal.Signals(signum)
+        # Another program's flag in this process, installed before this one: it is
+        # told too (a signal is the process's, every program stops).
+        previous = self._previous.get(self.signal)
+        if isinstance(getattr(previous, "__self__", None), StopFlag):
+            previous(signum, frame)
 
     def request(self) -> None:
         """Ask for a stop from the program itself, as a signal would."""
@@ -115,11 +122,3 @@ class StopFlag:
                         "by another rank" if not self.local else "by the program")
         return self._agreed
 
-
-_PROCESS_FLAG = StopFlag()
-
-
-def process_stop_flag() -> StopFlag:
-    """The one stop flag of this process (signals are per process): every program
-    built in it stops together."""
-    return _PROCESS_FLAG

@@ -78,9 +78,14 @@ def test_a_signal_sets_the_flag_every_rank_agrees_on_and_it_stays_set(process_gr
     finally:
         flag.uninstall()
     assert signal.getsignal(signal.SIGUSR1) is signal.SIG_DFL
-    assert not module.stop_requested()  # the process's own flag, untouched
-    partc.runtime.suspend.process_stop_flag().uninstall()
-    module.close()
+    assert not module.stop_requested()  # the program's own flag: not set
+    later = StopFlag()
+    later.install()  # another program's in the same process, installed after
+    os.kill(os.getpid(), signal.SIGTERM)
+    assert later.local and module.stop_requested()  # both told
+    later.uninstall()
+    module.close()  # closed in reverse order, the handlers from before come back
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
 
 
 def test_the_report_gives_the_save_time_at_the_budgets_disk_bandwidth():
