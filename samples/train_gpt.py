@@ -115,7 +115,11 @@ def main() -> None:
     done = 0  # optimizer steps so far: the data position
     checkpoints = Path(args.checkpoint_dir) if args.checkpoint_dir else None
     if args.resume and (checkpoints / "latest").exists():
-        done, _ = module.load_checkpoint(checkpoints, optimizer=optimizer)
+        done, extra = module.load_checkpoint(checkpoints, optimizer=optimizer)
+        if extra.get("data", sampler.state_dict()) != sampler.state_dict():
+            raise SystemExit(f"{checkpoints} was saved reading the data as "
+                             f"{extra['data']}, this run reads {sampler.state_dict()}: "
+                             "resume with the same --seq, --batch and --seed")
         if rank == 0:
             print(f"resumed from {checkpoints} at step {done} on {world} processes",
                   flush=True)
@@ -134,7 +138,7 @@ def main() -> None:
                   f"tokens/s, {seconds * 1e3:.0f} ms)", flush=True)
         if module.stop_requested():  # every rank, from the same step on
             if checkpoints is not None:
-                save(module, optimizer, checkpoints, done, rank)
+                save(module, optimizer, sampler, checkpoints, done, rank)
             print(f"rank {rank}: stopped at step {done} on a signal; exiting with "
                   f"{SUSPEND_EXIT_CODE}", flush=True)
             dist.destroy_process_group()
@@ -142,15 +146,18 @@ def main() -> None:
             sys.exit(SUSPEND_EXIT_CODE)
         if checkpoints is not None and (done == args.steps or (
                 args.checkpoint_every and done % args.checkpoint_every == 0)):
-            save(module, optimizer, checkpoints, done, rank)
+            save(module, optimizer, sampler, checkpoints, done, rank)
     module.close()
     dist.barrier()
     dist.destroy_process_group()
 
 
-def save(module, optimizer, directory: Path, step: int, rank: int) -> None:
+def save(module, optimizer, sampler, directory: Path, step: int, rank: int) -> None:
+    """A checkpoint of ``step`` (every rank), with what fixes the data order: the step
+    is the position in it."""
     started = time.perf_counter()
-    path = module.save_checkpoint(directory, optimizer=optimizer, step=step)
+    path = module.save_checkpoint(directory, optimizer=optimizer, step=step,
+                                  extra={"data": sampler.state_dict()})
     if rank == 0:
         print(f"checkpoint: step {step} saved to {path} in "
               f"{time.perf_counter() - started:.2f} s", flush=True)
