@@ -9,7 +9,8 @@ replica ``r`` of ``dp`` takes rows ``r * B/dp`` to ``(r + 1) * B/dp - 1`` of it,
 microbatches are consecutive runs of those rows). So the step a checkpoint records is
 the data position: a run resumed at step ``s`` on any dp degree reads exactly the samples
 an uninterrupted run would have read, and every rank of a replica (its pipeline stages,
-its tensor-parallel ranks) the same ones.
+its tensor-parallel ranks) the same ones. A sampler holds at most two epochs'
+permutations (8 bytes per sample each).
 """
 
 from __future__ import annotations

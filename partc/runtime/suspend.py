@@ -23,7 +23,9 @@ exits, which must fit in that timeout (the plan's report gives the predicted sav
 bytes per rank over ``DeviceBudget.disk_bandwidth``). A rank that exits with a non-zero
 code while others still save makes torchrun send them SIGTERM too, which here only sets
 a flag already set. Under ``--max-restarts=K`` torchrun restarts a job whose worker
-exited non-zero, suspended included: signal torchrun itself to stop the job.
+exited non-zero, suspended included: signal torchrun itself to stop the job. torchrun
+signalled exits 1 itself (it re-raises the signal as an exception once its workers are
+gone); each worker's 75 is in their output.
 """
 
 from __future__ import annotations

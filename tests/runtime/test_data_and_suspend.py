@@ -102,3 +102,28 @@ def test_the_report_gives_the_save_time_at_the_budgets_disk_bandwidth():
     assert plan.predicted_save_s == pytest.approx(plan.checkpoint_bytes_per_rank / 1e6)
     assert "checkpoint: " in partc.Program(plan=plan).report()
     assert plan.budget.disk_bandwidth == 1e6
+
+
+def test_forward_backward_takes_the_global_batch_or_the_replicas_slice_only():
+    """The batch-size check on a module's dp=2 view (the torchrun run in
+    test_suspend_resume.py trains on slices)."""
+    from types import SimpleNamespace
+
+    from partc.plan import InputSpec
+    from partc.runtime.module import DistributedModule
+
+    module = object.__new__(DistributedModule)
+    module.topology = SimpleNamespace(dp=2)
+    module.global_batch_size = 8
+    module._inputs = [InputSpec(name="idx", shape=(16,), dtype=torch.int64)]
+    module._target = InputSpec(name="target", shape=(16,), dtype=torch.int64)
+    for rows in (8, 4):
+        ids = torch.zeros(rows, 16, dtype=torch.int64)
+        assert module._batch_size((ids,), ids) == rows
+        module._check_batch((ids,), ids, rows)
+    ids = torch.zeros(3, 16, dtype=torch.int64)
+    with pytest.raises(partc.PlanMismatchError,
+                       match=r"idx has shape \(3, 16\), the plan's is \(8, 16\).*or give "
+                             r"this rank's data-parallel slice: dim 0 of 4, global batch 8 "
+                             r"over dp 2"):
+        module._check_batch((ids,), ids, module._batch_size((ids,), ids))
