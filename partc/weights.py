@@ -110,6 +110,10 @@ class SafetensorsWeights(Mapping):
             raise KeyError(name)
         return self._handle(self._where[name]).get_tensor(name)
 
+    def read_tensors(self, names: set[str]) -> dict[str, torch.Tensor]:
+        """The tensors ``names``, read from their files."""
+        return {name: self[name] for name in names}
+
     def __contains__(self, name: object) -> bool:
         return name in self._where
 
@@ -135,12 +139,21 @@ class DcpWeights(Mapping):
                          if isinstance(meta, TensorStorageMetadata)}
 
     def __getitem__(self, name: str) -> torch.Tensor:
+        if name not in self._tensors:
+            raise KeyError(name)
+        return self.read_tensors({name})[name]
+
+    def read_tensors(self, names: set[str]) -> dict[str, torch.Tensor]:
+        """The tensors ``names``, whole, in one load (DCP reads every saved chunk of
+        them back, whichever plan wrote them)."""
         import torch.distributed.checkpoint as dcp
 
-        meta = self._tensors[name]  # KeyError when absent, as a Mapping
-        value = torch.empty(meta.size, dtype=meta.properties.dtype)
-        dcp.load({name: value}, checkpoint_id=str(self.directory), no_dist=True)
-        return value
+        values = {name: torch.empty(self._tensors[name].size,
+                                    dtype=self._tensors[name].properties.dtype)
+                  for name in names}
+        if values:
+            dcp.load(values, storage_reader=self._reader, no_dist=True)
+        return values
 
     def __contains__(self, name: object) -> bool:
         return name in self._tensors

@@ -52,6 +52,12 @@ def own_parameters(module: fx.GraphModule, model: nn.Module,
     copies: dict[int, torch.Tensor] = {}
     entries = [(name, t, True) for name, t in module.named_parameters(remove_duplicate=False)]
     entries += [(name, t, False) for name, t in module.named_buffers(remove_duplicate=False)]
+    if state_dict is not None and hasattr(state_dict, "read_tensors"):
+        # Files (partc.weights): read this stage's tensors at once, and no others.
+        state_dict = state_dict.read_tensors({
+            next(a for a in aliases.get(name, (name,)) if a in state_dict)
+            for name, _, _ in entries
+            if any(a in state_dict for a in aliases.get(name, (name,)))})
     for name, tensor, is_param in entries:
         if id(tensor) not in copies:
             source = _source_tensor(name, aliases, model, state_dict, persistent)

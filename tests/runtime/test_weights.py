@@ -13,6 +13,7 @@ import torch.distributed.checkpoint as dcp
 
 import partc
 from partc.runtime.parameters import own_parameters
+from partc.weights import open_weights
 from tests import hf_families, models
 
 from .test_program import B, process_group, tokens  # noqa: F401
@@ -99,21 +100,28 @@ class _Counting(dict):
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
-        self.read: set[str] = set()
+        self.seen: set[str] = set()
 
     def __getitem__(self, name: str) -> torch.Tensor:
-        self.read.add(name)
+        self.seen.add(name)
         return super().__getitem__(name)
 
 
-def test_a_stage_reads_its_own_tensors_only():
+def test_a_stage_reads_its_own_tensors_only(tmp_path):
     real, planned = _pair("llama")
     lowered = _compile(planned, 2, pp=2).lower(only=(1,))
     stage = lowered.stages[1].module
     state = _Counting(real.state_dict())
     own_parameters(stage, planned, state, torch.device("cpu"))
     held = {name for name, _ in stage.named_parameters()}
-    assert state.read == held and 0 < len(held) < len(state)
+    assert state.seen == held and 0 < len(held) < len(state)
+    # From files: one read of the stage's tensors.
+    _save_safetensors(real.state_dict(), tmp_path)
+    weights, asked = open_weights(tmp_path), []
+    read = weights.read_tensors
+    weights.read_tensors = lambda names: asked.append(set(names)) or read(names)
+    own_parameters(stage, planned, weights, torch.device("cpu"))
+    assert asked == [held]
     real_params = dict(real.named_parameters())
     for name, param in stage.named_parameters():
         assert torch.equal(param, real_params[name])
