@@ -60,9 +60,9 @@ def on_meta() -> Iterator[None]:
 
 def open_weights(path: str | os.PathLike) -> Mapping[str, torch.Tensor]:
     """The tensors in ``path`` by FQN, read when asked for: a directory (or file) of
-    ``*.safetensors``, or a ``torch.distributed.checkpoint`` directory (``.metadata``; a checkpoint root
-    with a ``latest`` pointer, as ``module.save_checkpoint`` writes, reads the
-    checkpoint it names)."""
+    ``*.safetensors``, or a ``torch.distributed.checkpoint`` directory (``.metadata``);
+    a checkpoint root with a ``latest`` pointer, as ``module.save_checkpoint`` writes
+    it, reads the checkpoint it names."""
     path = Path(path)
     if not path.exists():
         raise PartcError(f"no weights at {path}")
