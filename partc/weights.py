@@ -31,6 +31,25 @@ from torch import nn
 from .errors import PartcError
 
 
+# A tensor-parallel shard to read: (dim, chunks, tp_rank, tp), laid out as the runtime's
+# ``tp.shard_of`` cuts it.
+Cut = tuple[int, int, int, int]
+
+
+def shard_ranges(size: int, chunks: int, rank: int, tp: int) -> list[tuple[int, int]]:
+    """The [start, stop) ranges of a dim of ``size`` that rank ``rank`` of ``tp`` holds
+    under ``Shard(dim, chunks)``: of each of ``chunks`` pieces (``torch.chunk``'s), its
+    ``torch.chunk`` of ``tp``."""
+    ranges = []
+    piece = -(-size // chunks)
+    for start in range(0, size, piece):
+        length = min(piece, size - start)
+        part = -(-length // tp)
+        lo = min(rank * part, length)
+        ranges.append((start + lo, start + min(lo + part, length)))
+    return ranges
+
+
 @contextlib.contextmanager
 def on_meta() -> Iterator[None]:
     """Build a model with its parameters on the meta device and its buffers real:
@@ -110,9 +129,21 @@ class SafetensorsWeights(Mapping):
             raise KeyError(name)
         return self._handle(self._where[name]).get_tensor(name)
 
-    def read_tensors(self, names: set[str]) -> dict[str, torch.Tensor]:
-        """The tensors ``names``, read from their files."""
-        return {name: self[name] for name in names}
+    def read_tensors(self, cuts: Mapping[str, Cut | None]) -> dict[str, torch.Tensor]:
+        """The tensors ``cuts`` names, read from their files: whole, or where a cut is
+        given only that shard's rows (``get_slice``: the rest is never read)."""
+        values = {}
+        for name, cut in cuts.items():
+            if cut is None:
+                values[name] = self[name]
+                continue
+            dim, chunks, rank, tp = cut
+            part = self._handle(self._where[name]).get_slice(name)
+            size = part.get_shape()[dim]
+            values[name] = torch.cat([part[(slice(None),) * dim + (slice(start, stop),)]
+                                      for start, stop in shard_ranges(size, chunks, rank, tp)],
+                                     dim)
+        return values
 
     def __contains__(self, name: object) -> bool:
         return name in self._where
@@ -141,18 +172,24 @@ class DcpWeights(Mapping):
     def __getitem__(self, name: str) -> torch.Tensor:
         if name not in self._tensors:
             raise KeyError(name)
-        return self.read_tensors({name})[name]
+        return self.read_tensors({name: None})[name]
 
-    def read_tensors(self, names: set[str]) -> dict[str, torch.Tensor]:
-        """The tensors ``names``, whole, in one load (DCP reads every saved chunk of
-        them back, whichever plan wrote them)."""
+    def read_tensors(self, cuts: Mapping[str, Cut | None]) -> dict[str, torch.Tensor]:
+        """The tensors ``cuts`` names in one load (DCP reads every saved chunk of them
+        back, whichever plan wrote them), then cut where a cut is given."""
         import torch.distributed.checkpoint as dcp
 
         values = {name: torch.empty(self._tensors[name].size,
                                     dtype=self._tensors[name].properties.dtype)
-                  for name in names}
+                  for name in cuts}
         if values:
             dcp.load(values, storage_reader=self._reader, no_dist=True)
+        for name, cut in cuts.items():
+            if cut is not None:
+                dim, chunks, rank, tp = cut
+                ranges = shard_ranges(values[name].shape[dim], chunks, rank, tp)
+                values[name] = torch.cat([values[name].narrow(dim, start, stop - start)
+                                          for start, stop in ranges], dim)
         return values
 
     def __contains__(self, name: object) -> bool:

@@ -3,7 +3,7 @@ tensor-parallel shard, and FSDP's data-parallel shard of a tensor."""
 
 from __future__ import annotations
 
-from typing import Callable, Mapping
+from typing import Any, Callable, Mapping
 
 import torch
 from torch import fx, nn
@@ -29,15 +29,28 @@ def dp_shard(tensor: torch.Tensor, dp: int, dp_rank: int) -> torch.Tensor:
     return pieces[dp_rank] if dp_rank < len(pieces) else tensor[:0]
 
 
-def shard_plan(plan: Plan, topology: Topology) -> Callable[[str, torch.Tensor], torch.Tensor]:
-    """This rank's shard of a whole tensor named ``fqn``, as the plan places it."""
-    def shard(names: tuple[str, ...], tensor: torch.Tensor) -> torch.Tensor:
-        placement = plan.placement(names)
-        if placement.kind != "S":
+class TensorParallelCut:
+    """This rank's tensor-parallel shard of a whole tensor, as the plan places it:
+    ``cut(names, tensor)``; ``layout(names)`` is ``(dim, chunks)`` for a sharded one
+    (None when replicated), for readers that read the shard alone from a file."""
+
+    def __init__(self, plan: Plan, tp_rank: int, tp: int) -> None:
+        self.plan, self.tp_rank, self.tp = plan, tp_rank, tp
+
+    def layout(self, names: tuple[str, ...]) -> tuple[int, int] | None:
+        placement = self.plan.placement(names)
+        return (placement.dim, placement.chunks) if placement.kind == "S" else None
+
+    def __call__(self, names: tuple[str, ...], tensor: torch.Tensor) -> torch.Tensor:
+        layout = self.layout(names)
+        if layout is None:
             return tensor
-        return tp_ops.shard_of(tensor, placement.dim, placement.chunks, topology.tp_rank,
-                               topology.tp)
-    return shard
+        return tp_ops.shard_of(tensor, *layout, self.tp_rank, self.tp)
+
+
+def shard_plan(plan: Plan, topology: Topology) -> TensorParallelCut:
+    """This rank's shard of a whole tensor named ``fqn``, as the plan places it."""
+    return TensorParallelCut(plan, topology.tp_rank, topology.tp)
 
 
 def own_parameters(module: fx.GraphModule, model: nn.Module,
@@ -52,18 +65,16 @@ def own_parameters(module: fx.GraphModule, model: nn.Module,
     copies: dict[int, torch.Tensor] = {}
     entries = [(name, t, True) for name, t in module.named_parameters(remove_duplicate=False)]
     entries += [(name, t, False) for name, t in module.named_buffers(remove_duplicate=False)]
+    cut_already: set[str] = set()  # read from files as this rank's shards
     if state_dict is not None and hasattr(state_dict, "read_tensors"):
-        # Files (partc.weights): read this stage's tensors at once, and no others.
-        state_dict = state_dict.read_tensors({
-            next(a for a in aliases.get(name, (name,)) if a in state_dict)
-            for name, _, _ in entries
-            if any(a in state_dict for a in aliases.get(name, (name,)))})
+        state_dict, cut_already = _read_files(state_dict, entries, aliases, shard)
     for name, tensor, is_param in entries:
         if id(tensor) not in copies:
             source = _source_tensor(name, aliases, model, state_dict, persistent)
             whole = tuple(source.shape)
-            if shard is not None:
-                source = shard(aliases.get(name, (name,)), source)
+            names = aliases.get(name, (name,))
+            if shard is not None and not cut_already & set(names):
+                source = shard(names, source)
             if source.shape != tensor.shape:
                 cut = f" (this rank's shard: {list(source.shape)})" \
                     if tuple(source.shape) != whole else ""
@@ -79,6 +90,21 @@ def own_parameters(module: fx.GraphModule, model: nn.Module,
             owner._parameters[attr] = copies[id(tensor)]
         else:
             owner._buffers[attr] = copies[id(tensor)]
+
+
+def _read_files(files: Any, entries: list, aliases: dict[str, tuple[str, ...]],
+                shard: Callable | None) -> tuple[dict[str, torch.Tensor], set[str]]:
+    """This stage's tensors from files (``partc.weights``), read at once and no others;
+    a tensor-parallel shard read alone where the plan cuts it (``layout``)."""
+    wanted = {}
+    for name, _, _ in entries:
+        names = aliases.get(name, (name,))
+        found = next((a for a in names if a in files), None)
+        if found is not None:
+            layout = shard.layout(names) if isinstance(shard, TensorParallelCut) else None
+            wanted[found] = None if layout is None else (*layout, shard.tp_rank, shard.tp)
+    values = files.read_tensors(wanted)
+    return values, {name for name, cut in wanted.items() if cut is not None}
 
 
 def aliases_of(model: nn.Module) -> dict[str, tuple[str, ...]]:

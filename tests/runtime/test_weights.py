@@ -12,7 +12,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 import partc
-from partc.runtime.parameters import own_parameters
+from partc.runtime.parameters import TensorParallelCut, own_parameters
 from partc.weights import open_weights
 from tests import hf_families, models
 
@@ -125,3 +125,37 @@ def test_a_stage_reads_its_own_tensors_only(tmp_path):
     real_params = dict(real.named_parameters())
     for name, param in stage.named_parameters():
         assert torch.equal(param, real_params[name])
+
+
+def test_a_tensor_parallel_rank_reads_its_shard_of_each_tensor_from_files(tmp_path):
+    """Under tp=2 each rank's shards, read alone from safetensors (get_slice) or cut
+    from a DCP load, are the runtime's own cut of the whole tensors (tp.shard_of; for
+    fused layouts, chunks > 1, see the next test)."""
+    real, planned = _pair("llama")
+    program = _compile(planned, 2, pp=1, tp=2, tp_objective="memory")
+    stage = program.lower(only=(0,)).stages[0].module
+    state = real.state_dict()
+    (tmp_path / "hf").mkdir()
+    _save_safetensors(state, tmp_path / "hf")
+    dcp.save(state, checkpoint_id=str(tmp_path / "dcp"), no_dist=True)
+    for rank in range(2):
+        cut = TensorParallelCut(program.plan, rank, 2)
+        held = []
+        for source in (state, open_weights(tmp_path / "hf"), open_weights(tmp_path / "dcp")):
+            own_parameters(stage, planned, source, torch.device("cpu"), cut)
+            held.append({name: p.detach().clone() for name, p in stage.named_parameters()})
+        sharded = [name for name, p in held[0].items() if p.shape != state[name].shape]
+        assert sharded  # some tensors are cut, and every source cuts them alike
+        for other in held[1:]:
+            assert all(torch.equal(other[name], held[0][name]) for name in held[0])
+
+
+def test_shard_ranges_are_the_runtimes_cut():
+    from partc.runtime import tp as tp_ops
+    from partc.weights import shard_ranges
+
+    whole = torch.arange(24).reshape(12, 2)
+    for chunks in (1, 2, 3):
+        for rank in range(2):
+            rows = torch.cat([whole[a:b] for a, b in shard_ranges(12, chunks, rank, 2)])
+            assert torch.equal(rows, tp_ops.shard_of(whole, 0, chunks, rank, 2))
