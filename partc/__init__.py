@@ -27,6 +27,7 @@ _EXPORTS = {
     "Program": "program", "load": "program",
     "Constraints": "spec", "TrainSpec": "spec",
     "validate_plan": "validate",
+    "on_meta": "weights",
 }
 
 __all__ = sorted(_EXPORTS)
@@ -42,6 +43,7 @@ if TYPE_CHECKING:   # what static tools and IDEs read
     from .program import Program, load
     from .spec import Constraints, TrainSpec
     from .validate import validate_plan
+    from .weights import on_meta
 
 
 def __getattr__(name: str) -> Any:

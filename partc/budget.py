@@ -168,6 +168,11 @@ def _check_amount(name: str, value, parse, example: str | None = None) -> float:
     return amount
 
 
+# A rank's write rate to a checkpoint directory when the budget names none: a local
+# NVMe drive, or a parallel file system's share per rank, are of this order.
+DEFAULT_DISK_BANDWIDTH = "2GB/s"
+
+
 @dataclass(frozen=True, kw_only=True)
 class DeviceBudget:
     """The devices a job may use. ``memory`` may be one size or one per device.
@@ -188,6 +193,9 @@ class DeviceBudget:
     inter_node_bandwidth: float | str | None = None
     link_latency_s: float | None = None
     intra_node_latency_s: float | None = None
+    # Each rank's write rate to the checkpoint directory: the plan's report divides a
+    # rank's checkpoint bytes by it (the predicted save time, for a grace period).
+    disk_bandwidth: float | str | None = None
     _preset: DevicePreset | None = field(init=False, repr=False, compare=False)
     _profile: DeviceProfile | None = field(init=False, repr=False, compare=False)
 
@@ -206,6 +214,9 @@ class DeviceBudget:
         _check_count("devices_per_node", self._pick("devices_per_node"))
         for name in ("hbm_bandwidth", "intra_node_bandwidth", "inter_node_bandwidth"):
             _check_amount(name, self._pick(name), parse_rate, "a rate like '900GB/s'")
+        _check_amount("disk_bandwidth", DEFAULT_DISK_BANDWIDTH if self.disk_bandwidth is None
+                      else self.disk_bandwidth, parse_rate,
+                      "a rate like '2GB/s'")
         _check_latency("link_latency_s", self._pick("link_latency_s"))
         if self.intra_node_latency_s is not None:
             _check_latency("intra_node_latency_s", self.intra_node_latency_s)
@@ -314,6 +325,12 @@ class DeviceBudget:
         return parse_rate(self._pick("inter_node_bandwidth"))
 
     @property
+    def disk_bytes_per_s(self) -> float:
+        """Checkpoint write rate per rank: ``disk_bandwidth``, else DEFAULT_DISK_BANDWIDTH."""
+        return parse_rate(self.disk_bandwidth if self.disk_bandwidth is not None
+                          else DEFAULT_DISK_BANDWIDTH)
+
+    @property
     def latency_s(self) -> float:
         """Per collective step between nodes."""
         return self._pick("link_latency_s")
@@ -343,6 +360,8 @@ class DeviceBudget:
             "link_latency_s": self.latency_s,
             "intra_node_latency_s": self.intra_latency_s,
         }
+        if self.disk_bandwidth is not None:  # else plans record none and use the default
+            data["disk_bandwidth"] = self.disk_bytes_per_s
         if self._profile is not None:
             # Fields given to DeviceBudget still win over the profile's numbers.
             data.update(source="profile", profile=self._profile.path,

@@ -61,6 +61,7 @@ BUDGET_FLAGS = {
     "intra_node_bandwidth": "--intra-node-bandwidth",
     "inter_node_bandwidth": "--inter-node-bandwidth",
     "link_latency_s": "--link-latency", "intra_node_latency_s": "--intra-node-latency",
+    "disk_bandwidth": "--disk-bandwidth",
 }
 
 UNITS = """\
@@ -275,6 +276,9 @@ def _budget_arguments(group) -> None:
                        help="per collective step between nodes, e.g. 8e-6")
     group.add_argument("--intra-node-latency", type=SECONDS, metavar="SECONDS",
                        help="per collective step inside a node")
+    group.add_argument("--disk-bandwidth", type=RATE, metavar="RATE",
+                       help="checkpoint write rate per rank, e.g. 2GB/s (the report's "
+                            "predicted save time)")
 
 
 def _pin_arguments(group) -> None:

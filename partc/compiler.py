@@ -171,7 +171,7 @@ def budget_from_info(info: BudgetInfo) -> DeviceBudget:
         hbm_bandwidth=info.hbm_bandwidth, devices_per_node=info.devices_per_node,
         intra_node_bandwidth=info.intra_node_bandwidth,
         inter_node_bandwidth=info.inter_node_bandwidth, link_latency_s=info.link_latency_s,
-        intra_node_latency_s=info.intra_node_latency_s)
+        intra_node_latency_s=info.intra_node_latency_s, disk_bandwidth=info.disk_bandwidth)
 
 
 def autocast_dtype(train: TrainSpec) -> torch.dtype | None:

@@ -277,6 +277,7 @@ class BudgetInfo:
     inter_node_bandwidth: float | None = None
     link_latency_s: float | None = None
     intra_node_latency_s: float | None = None
+    disk_bandwidth: float | None = None   # checkpoint write rate per rank, bytes/s
     source: str | None = None    # "profile" when a calibration profile gave the numbers
     profile: str | None = None   # its path
     preset: str | None = None    # the preset it overrides
@@ -445,6 +446,22 @@ class Plan:
     @property
     def recompute(self) -> dict[str, str]:
         return {k: v for stage in self.stages for k, v in stage.recompute.items()}
+
+    @property
+    def checkpoint_bytes_per_rank(self) -> int:
+        """What the busiest rank writes to a checkpoint: its weights and optimizer state
+        (its shards under tensor parallelism and ZeRO), as the plan predicts them."""
+        return max(s.memory_bytes.params + s.memory_bytes.optimizer for s in self.stages)
+
+    @property
+    def predicted_save_s(self) -> float:
+        """Seconds to write a checkpoint: :attr:`checkpoint_bytes_per_rank` over the
+        budget's disk bandwidth (``DeviceBudget.disk_bandwidth``, or its default)."""
+        from .budget import DEFAULT_DISK_BANDWIDTH
+        from .units import parse_rate
+
+        rate = self.budget.disk_bandwidth or parse_rate(DEFAULT_DISK_BANDWIDTH)
+        return self.checkpoint_bytes_per_rank / rate
 
     @property
     def hash(self) -> str:

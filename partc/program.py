@@ -87,7 +87,7 @@ class Program:
                 (code_dir / name).write_text(source)
         return out
 
-    def build(self, *, state_dict: Mapping[str, torch.Tensor] | None = None,
+    def build(self, *, state_dict: Mapping[str, torch.Tensor] | str | Path | None = None,
               device: torch.device | str | None = None) -> Any:
         """This rank's part of the program, ready to train (run under torchrun).
 
@@ -95,11 +95,18 @@ class Program:
         NCCL on CUDA with the device from ``LOCAL_RANK``), checks that every rank has the
         same plan and model, lowers this rank's stage, and keeps only this rank's
         parameters: copied from the model, or — for a model on the meta device — loaded
-        from ``state_dict``. Returns a ``partc.runtime.DistributedModule``.
+        from ``state_dict``: a mapping such as ``model.state_dict()``, or the path of a
+        Hugging Face checkpoint (``*.safetensors``) or a ``torch.distributed.checkpoint``
+        directory, of which each rank reads only its own tensors
+        (``partc/weights.py``; non-persistent buffers come from the model: build
+        it under ``partc.on_meta()``). Returns a ``partc.runtime.DistributedModule``.
         """
         from .runtime import StageProgram, build, connect
+        from .weights import open_weights
 
         self._need_model("build")
+        if isinstance(state_dict, (str, Path)):
+            state_dict = open_weights(state_dict)
         topology = connect(self.plan, self.model, self.loss_fn, device=device)
         lowered = self.lower(only=(topology.pp_rank,))
         mine = lowered.stages[topology.pp_rank]

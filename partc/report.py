@@ -88,8 +88,17 @@ def _headline(plan: Plan) -> list[str]:
         + (f", {readable(p.tokens_per_s)} tokens/s" if p.tokens_per_s is not None else "")
         + f", MFU {100 * p.mfu:.1f}%, bubble {100 * p.bubble_fraction:.1f}%, "
         f"peak memory {format_bytes(p.peak_memory_bytes)}",
+        _checkpoint_line(plan),
     ]
     return lines
+
+
+def _checkpoint_line(plan: Plan) -> str:
+    """The predicted save time, to check against a cluster's grace period on suspend."""
+    size, seconds = plan.checkpoint_bytes_per_rank, plan.predicted_save_s
+    rate = size / seconds / 1e9 if seconds else 0.0
+    return (f"checkpoint: {format_bytes(size)} per rank, saved in {format_seconds(seconds)} "
+            f"at {rate:g} GB/s (DeviceBudget.disk_bandwidth)")
 
 
 def _optimizer(optimizer: str | float) -> str:

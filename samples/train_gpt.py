@@ -6,6 +6,20 @@ Every rank compiles the same model with the same arguments (the planner is
 deterministic, and ranks compare plan hashes before training); rank 0 prints the plan's
 report and saves the program directory (plan.json, report.md, code/stage_<k>.py). The
 model learns characters of its own source file, so the loss visibly falls.
+
+Checkpoints, suspend and resume:
+
+    torchrun --standalone --nproc-per-node=2 --max-restarts=3 samples/train_gpt.py \
+        --steps 100 --checkpoint-dir out/ckpt --checkpoint-every 10 --resume
+
+saves every 10 steps (and at the end) under out/ckpt; ``--resume`` starts from the
+latest complete checkpoint there, if any, on any number of processes (the plan is
+made again for them and the checkpoint resharded into it; each step reads the same
+samples whatever the data-parallel degree). A SIGTERM or SIGUSR1 to torchrun (or to
+any rank) makes every rank finish its step, save it, and exit with
+``partc.runtime.suspend.SUSPEND_EXIT_CODE`` (86); run the same command to continue.
+Under ``--max-restarts`` a rank that dies makes torchrun restart the job, which resumes
+from the latest checkpoint by itself.
 """
 
 from __future__ import annotations
@@ -22,6 +36,7 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import partc  # noqa: E402
+from partc.runtime.suspend import SUSPEND_EXIT_CODE  # noqa: E402
 from samples.gpt import gpt_tiny, loss_fn  # noqa: E402
 
 
@@ -41,7 +56,18 @@ def arguments() -> argparse.Namespace:
                         help="with --tp: shard norms and dropouts on the sequence too")
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--out", default="out/gpt", help="program directory to write")
-    return parser.parse_args()
+    parser.add_argument("--seed", type=int, default=0, help="data order seed")
+    parser.add_argument("--checkpoint-dir", default=None,
+                        help="save checkpoints here (every --checkpoint-every steps, at "
+                             "the end, and when a stop signal arrives)")
+    parser.add_argument("--checkpoint-every", type=int, default=0, metavar="N",
+                        help="save every N steps (default: only at the end and on a stop)")
+    parser.add_argument("--resume", action="store_true",
+                        help="start from the latest checkpoint in --checkpoint-dir, if any")
+    args = parser.parse_args()
+    if (args.resume or args.checkpoint_every) and not args.checkpoint_dir:
+        parser.error("--resume and --checkpoint-every need --checkpoint-dir")
+    return args
 
 
 def corpus() -> torch.Tensor:
@@ -50,12 +76,16 @@ def corpus() -> torch.Tensor:
     return torch.tensor(list(text), dtype=torch.int64)
 
 
-def batch(data: torch.Tensor, step: int, size: int, seq: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The same random windows on every rank (seeded by step)."""
-    g = torch.Generator().manual_seed(step)
-    starts = torch.randint(0, len(data) - seq - 1, (size,), generator=g)
-    windows = torch.stack([data[s:s + seq + 1] for s in starts.tolist()])
-    return windows[:, :-1].contiguous(), windows[:, 1:].contiguous()
+def samples(data: torch.Tensor, seq: int) -> torch.Tensor:
+    """The data set: consecutive windows of ``seq + 1`` bytes (inputs and next bytes)."""
+    count = (len(data) - 1) // seq
+    return torch.stack([data[i * seq:i * seq + seq + 1] for i in range(count)])
+
+
+def batch(windows: torch.Tensor, indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The samples ``indices`` names: token ids and their targets."""
+    rows = windows[indices]
+    return rows[:, :-1].contiguous(), rows[:, 1:].contiguous()
 
 
 def main() -> None:
@@ -65,8 +95,8 @@ def main() -> None:
     torch.manual_seed(0)  # the same initial weights on every rank
     model = gpt_tiny(vocab_size=256, block_size=args.seq, n_layer=args.layers,
                      n_embd=args.width, n_head=4)
-    data = corpus()
-    ids, targets = batch(data, 0, args.batch, args.seq)
+    windows = samples(corpus(), args.seq)
+    ids, targets = batch(windows, torch.arange(args.batch) % len(windows))
     budget = partc.DeviceBudget(num_devices=world, device=args.device,
                                 **({"memory": args.memory} if args.memory else {}))
     started = time.perf_counter()
@@ -81,20 +111,56 @@ def main() -> None:
               f"{program.save(args.out)}", flush=True)
     module = program.build()
     optimizer = module.optimizer(torch.optim.AdamW, lr=args.lr, weight_decay=0.1)
+    sampler = module.data_sampler(len(windows), seed=args.seed)
+    done = 0  # optimizer steps so far: the data position
+    checkpoints = Path(args.checkpoint_dir) if args.checkpoint_dir else None
+    if args.resume and (checkpoints / "latest").exists():
+        done, extra = module.load_checkpoint(checkpoints, optimizer=optimizer)
+        if extra.get("data", sampler.state_dict()) != sampler.state_dict():
+            raise SystemExit(f"{checkpoints} was saved reading the data as "
+                             f"{extra['data']}, this run reads {sampler.state_dict()}: "
+                             "resume with the same --seq, --batch and --seed")
+        if rank == 0:
+            print(f"resumed from {checkpoints} at step {done} on {world} processes",
+                  flush=True)
     tokens_per_step = args.batch * args.seq
-    for step in range(1, args.steps + 1):
-        ids, targets = batch(data, step, args.batch, args.seq)
+    while done < args.steps:
+        # This rank's data-parallel slice of the step's global batch.
+        ids, targets = batch(windows, sampler.indices(done))
         started = time.perf_counter()
         loss = module.forward_backward(ids, target=targets)
         optimizer.step()
         optimizer.zero_grad()
+        done += 1
         seconds = time.perf_counter() - started
         if rank == 0:
-            print(f"step {step:3d}/{args.steps}  loss {loss.item():.4f}  "
-                  f"{tokens_per_step / seconds:9,.0f} tokens/s  ({seconds * 1e3:.0f} ms)",
-                  flush=True)
+            print(f"step {done} loss {loss.item():.6f}  ({tokens_per_step / seconds:,.0f} "
+                  f"tokens/s, {seconds * 1e3:.0f} ms)", flush=True)
+        if module.stop_requested():  # every rank, from the same step on
+            if checkpoints is not None:
+                save(module, optimizer, sampler, checkpoints, done, rank)
+            print(f"rank {rank}: stopped at step {done} on a signal; exiting with "
+                  f"{SUSPEND_EXIT_CODE}", flush=True)
+            dist.destroy_process_group()
+            module.close()  # last: until here a second signal only sets the flag again
+            sys.exit(SUSPEND_EXIT_CODE)
+        if checkpoints is not None and (done == args.steps or (
+                args.checkpoint_every and done % args.checkpoint_every == 0)):
+            save(module, optimizer, sampler, checkpoints, done, rank)
+    module.close()
     dist.barrier()
     dist.destroy_process_group()
+
+
+def save(module, optimizer, sampler, directory: Path, step: int, rank: int) -> None:
+    """A checkpoint of ``step`` (every rank), with what fixes the data order: the step
+    is the position in it."""
+    started = time.perf_counter()
+    path = module.save_checkpoint(directory, optimizer=optimizer, step=step,
+                                  extra={"data": sampler.state_dict()})
+    if rank == 0:
+        print(f"checkpoint: step {step} saved to {path} in "
+              f"{time.perf_counter() - started:.2f} s", flush=True)
 
 
 if __name__ == "__main__":

@@ -52,10 +52,12 @@ from partc.placement import Placement
 from partc.plan import InputSpec, Plan
 
 from . import tp as tp_ops
+from .data import DataSampler
 from .recompute import checkpoint_layer
 from .parameters import (aliases_of, dp_shard, local_part, own_parameters,
                          shard_plan)
 from .stage import StageProgram
+from .suspend import StopFlag
 from .telemetry import StepRecord, Telemetry, resident_bytes
 from .topology import Topology, init
 from .watchdog import IDLE, Watchdog
@@ -235,6 +237,7 @@ class DistributedModule:
         self.last_messages: dict[str, int] = {"sends": 0, "recvs": 0}
         self._telemetry: Telemetry | None = None  # see telemetry()
         self.memory_baseline = 0  # host RSS before build copied parameters (telemetry)
+        self._stop = StopFlag()  # stop_requested()'s: set by a stop signal
 
     # -- parameters, as torch.optim and checkpointing expect them -----------------------
 
@@ -419,7 +422,9 @@ class DistributedModule:
 
     def close(self) -> None:
         """Stop this rank's watchdog thread (also done when the module is freed and at
-        exit); the other ranks then stop judging this one."""
+        exit); the other ranks then stop judging this one. Stop signals get their
+        handlers from before ``stop_requested()`` back."""
+        self._stop.uninstall()
         if self.watchdog is not None:
             self.watchdog.stop()
         if self._telemetry is not None:
@@ -432,15 +437,37 @@ class DistributedModule:
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.module.zero_grad(set_to_none=set_to_none)
 
+    # -- data and suspend (partc/runtime/data.py, partc/runtime/suspend.py) --------------
+
+    def data_sampler(self, num_samples: int, *, seed: int = 0) -> DataSampler:
+        """The sample indices this rank reads each step (``sampler.indices(step)``, step
+        0-based), a function of (seed, step, num_samples, global batch) only: a run
+        resumed at a checkpoint's step on another dp degree reads the same samples. Pass
+        ``forward_backward`` the rows of those indices (this rank's dp slice) or the
+        global batch."""
+        return DataSampler(num_samples, global_batch_size=self.global_batch_size,
+                           dp=self.topology.dp, dp_rank=self.topology.dp_rank, seed=seed)
+
+    def stop_requested(self) -> bool:
+        """True on every rank, from the same step on, once a stop signal (SIGTERM,
+        SIGUSR1; ``PARTC_STOP_SIGNALS``) reached any rank: then save a checkpoint and
+        exit with ``partc.runtime.suspend.SUSPEND_EXIT_CODE``. Collective (one small
+        all-reduce): call it once per step on every rank; the first call installs the
+        signal handlers."""
+        self._stop.install()
+        return self._stop.agreed(self.topology.device)
+
     # -- one step ------------------------------------------------------------------------
 
     def forward_backward(self, *inputs: torch.Tensor, target: Any = None) -> torch.Tensor:
         """Forward and backward over the whole global batch; returns its mean loss.
 
         Every rank passes the same global batch (``inputs`` with dim 0 the global batch
-        size, and ``target``); each data-parallel replica takes its own slice, stage 0
-        reads the inputs and the last stage the target. Gradients accumulate into
-        ``.grad`` like ``loss.backward()``: zero them between steps.
+        size, and ``target``), each data-parallel replica taking its own rows, or only
+        its replica's rows (dim 0 the global batch over dp, e.g. the samples of
+        ``data_sampler().indices(step)``); stage 0 reads the inputs and the last stage
+        the target. Gradients accumulate into ``.grad`` like ``loss.backward()``: zero
+        them between steps.
         """
         self.step += 1
         self._mark("forward_backward", self.step)
@@ -466,7 +493,6 @@ class DistributedModule:
         runs them; no parameter or gradient changes. Collective: every rank calls it,
         before training or between steps.
         """
-        self._check_batch(inputs, target)
         losses: list[torch.Tensor] = []
         args, kwargs = self._stage_arguments(inputs, target, losses)
         was_training = self.module.training
@@ -481,10 +507,13 @@ class DistributedModule:
     def _stage_arguments(self, inputs: tuple, target: Any,
                          losses: list[torch.Tensor]) -> tuple[tuple, dict[str, Any]]:
         """The schedule's arguments on this rank: its dp replica's rows of the inputs
-        (first stage) and of the target (last stage)."""
+        (first stage) and of the target (last stage), after checking the batch."""
         topo = self.topology
         share = self.global_batch_size // topo.dp
-        rows = slice(topo.dp_rank * share, (topo.dp_rank + 1) * share)
+        given = self._batch_size(inputs, target)  # the global batch, or this replica's rows
+        self._check_batch(inputs, target, given)
+        rows = slice(None) if given == share else \
+            slice(topo.dp_rank * share, (topo.dp_rank + 1) * share)
         args = tuple(t[rows].to(topo.device) for t in inputs) if self._stage.is_first else ()
         kwargs: dict[str, Any] = {}
         if self._stage.is_last:
@@ -507,7 +536,6 @@ class DistributedModule:
         return total / (self.plan.num_microbatches * topo.dp * topo.tp)
 
     def _forward_backward(self, inputs: tuple, target: Any) -> torch.Tensor:
-        self._check_batch(inputs, target)
         self._stage.messages.clear()
         losses: list[torch.Tensor] = []
         args, kwargs = self._stage_arguments(inputs, target, losses)
@@ -581,20 +609,40 @@ class DistributedModule:
         # Over dp the gradients are averaged already, during the last backward: by
         # _OverlappedAllReduce (ZeRO 0/1) or FSDP's reduce-scatter (ZeRO-2/3).
 
-    def _check_batch(self, inputs: tuple, target: Any) -> None:
+    def _batch_size(self, inputs: tuple, target: Any) -> int:
+        """The batch given: the global batch or this replica's slice of it (its dp
+        share), read from the first tensor's dim 0; for any other size the global batch,
+        which :meth:`_check_batch` then reports the shapes against."""
+        first = next((t for t in (*inputs, *pytree.tree_leaves(target))
+                      if isinstance(t, torch.Tensor) and t.dim() > 0), None)
+        share = self.global_batch_size // self.topology.dp
+        if first is not None and first.shape[0] == share:
+            return share
+        return self.global_batch_size
+
+    def _check_batch(self, inputs: tuple, target: Any, batch: int | None = None) -> None:
         """Shapes and dtypes against the plan, on every rank, before any message."""
+        batch = self.global_batch_size if batch is None else batch
         problems = []
         if len(inputs) != len(self._inputs):
             problems.append(f"{len(inputs)} inputs given, the plan has {len(self._inputs)} "
                             f"({', '.join(s.name for s in self._inputs)})")
         for given, spec in zip(inputs, self._inputs):
-            problems += _mismatch(spec, given, self.global_batch_size)
+            problems += _mismatch(spec, given, batch)
         if self._target is not None:
             if target is None:
                 problems.append("no target given; the plan's loss needs one")
             else:
-                problems += _mismatch(self._target, target, self.global_batch_size)
+                problems += _mismatch(self._target, target, batch)
         if problems:
+            dp = self.topology.dp
+            if dp > 1:  # the other batch size forward_backward takes
+                other = "global batch" if batch != self.global_batch_size else \
+                    "data-parallel slice"
+                size = self.global_batch_size if batch != self.global_batch_size else \
+                    self.global_batch_size // dp
+                problems.append(f"(or give this rank's {other}: dim 0 of {size}, "
+                                f"global batch {self.global_batch_size} over dp {dp})")
             raise PlanMismatchError(
                 "this batch does not match the plan: " + "; ".join(problems) +
                 ". The plan fixes the global batch, micro-batch size and every other "

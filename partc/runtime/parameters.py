@@ -3,7 +3,7 @@ tensor-parallel shard, and FSDP's data-parallel shard of a tensor."""
 
 from __future__ import annotations
 
-from typing import Callable, Mapping
+from typing import Any, Callable, Mapping
 
 import torch
 from torch import fx, nn
@@ -29,31 +29,58 @@ def dp_shard(tensor: torch.Tensor, dp: int, dp_rank: int) -> torch.Tensor:
     return pieces[dp_rank] if dp_rank < len(pieces) else tensor[:0]
 
 
-def shard_plan(plan: Plan, topology: Topology) -> Callable[[str, torch.Tensor], torch.Tensor]:
-    """This rank's shard of a whole tensor named ``fqn``, as the plan places it."""
-    def shard(names: tuple[str, ...], tensor: torch.Tensor) -> torch.Tensor:
-        placement = plan.placement(names)
-        if placement.kind != "S":
+class TensorParallelCut:
+    """This rank's tensor-parallel shard of a whole tensor, as the plan places it:
+    ``cut(names, tensor)``; ``layout(names)`` is ``(dim, chunks)`` for a sharded one
+    (None when replicated), for readers that read the shard alone from a file."""
+
+    def __init__(self, plan: Plan, tp_rank: int, tp: int) -> None:
+        self.plan, self.tp_rank, self.tp = plan, tp_rank, tp
+
+    def layout(self, names: tuple[str, ...]) -> tuple[int, int] | None:
+        placement = self.plan.placement(names)
+        return (placement.dim, placement.chunks) if placement.kind == "S" else None
+
+    def __call__(self, names: tuple[str, ...], tensor: torch.Tensor) -> torch.Tensor:
+        layout = self.layout(names)
+        if layout is None:
             return tensor
-        return tp_ops.shard_of(tensor, placement.dim, placement.chunks, topology.tp_rank,
-                               topology.tp)
-    return shard
+        return tp_ops.shard_of(tensor, *layout, self.tp_rank, self.tp)
+
+
+def shard_plan(plan: Plan, topology: Topology) -> TensorParallelCut:
+    """This rank's shard of a whole tensor named ``fqn``, as the plan places it."""
+    return TensorParallelCut(plan, topology.tp_rank, topology.tp)
 
 
 def own_parameters(module: fx.GraphModule, model: nn.Module,
                    state_dict: Mapping[str, torch.Tensor] | None,
                    device: torch.device, shard: Callable | None = None) -> None:
     """Give the stage its own copies of its tensors (this rank's shards of them), from
-    the state dict or the model."""
+    the state dict or the model. Only the stage's own entries of ``state_dict`` are
+    read (a lazy mapping such as ``weights.open_weights`` reads no others); a
+    non-persistent buffer comes from the model, as its own code computed it."""
     aliases = aliases_of(model)
+    persistent = set(model.state_dict(keep_vars=True))
     copies: dict[int, torch.Tensor] = {}
     entries = [(name, t, True) for name, t in module.named_parameters(remove_duplicate=False)]
     entries += [(name, t, False) for name, t in module.named_buffers(remove_duplicate=False)]
+    cut_already: set[str] = set()  # read from files as this rank's shards
+    if state_dict is not None and hasattr(state_dict, "read_tensors"):
+        state_dict, cut_already = _read_files(state_dict, entries, aliases, shard)
     for name, tensor, is_param in entries:
         if id(tensor) not in copies:
-            source = _source_tensor(name, aliases, model, state_dict)
-            if shard is not None:
-                source = shard(aliases.get(name, (name,)), source)
+            source = _source_tensor(name, aliases, model, state_dict, persistent)
+            whole = tuple(source.shape)
+            names = aliases.get(name, (name,))
+            if shard is not None and not cut_already & set(names):
+                source = shard(names, source)
+            if source.shape != tensor.shape:
+                cut = f" (this rank's shard: {list(source.shape)})" \
+                    if tuple(source.shape) != whole else ""
+                raise PartcError(f"{name}: the weights given have shape {list(whole)}{cut}, "
+                                 f"the model's is {list(tensor.shape)}: weights of "
+                                 "another model or configuration?")
             value = source.detach().to(device=device, dtype=tensor.dtype, copy=True)
             copies[id(tensor)] = nn.Parameter(value, tensor.requires_grad) if is_param \
                 else value
@@ -65,20 +92,45 @@ def own_parameters(module: fx.GraphModule, model: nn.Module,
             owner._buffers[attr] = copies[id(tensor)]
 
 
+def _read_files(files: Any, entries: list, aliases: dict[str, tuple[str, ...]],
+                shard: Callable | None) -> tuple[dict[str, torch.Tensor], set[str]]:
+    """This stage's tensors from files (``partc.weights``), read at once and no others;
+    a tensor-parallel shard read alone where the plan cuts it (``layout``)."""
+    wanted = {}
+    for name, _, _ in entries:
+        names = aliases.get(name, (name,))
+        found = next((a for a in names if a in files), None)
+        if found is not None:
+            layout = shard.layout(names) if isinstance(shard, TensorParallelCut) else None
+            wanted[found] = None if layout is None else (*layout, shard.tp_rank, shard.tp)
+    values = files.read_tensors(wanted)
+    return values, {name for name, cut in wanted.items() if cut is not None}
+
+
 def aliases_of(model: nn.Module) -> dict[str, tuple[str, ...]]:
     """Every FQN of a tensor → all FQNs of that tensor (tied weights have several)."""
     return {name: names for names in param_fqns(model).values() for name in names}
 
 
 def _source_tensor(name: str, aliases: dict[str, tuple[str, ...]], model: nn.Module,
-                   state_dict: Mapping[str, torch.Tensor] | None) -> torch.Tensor:
+                   state_dict: Mapping[str, torch.Tensor] | None,
+                   persistent: set[str]) -> torch.Tensor:
     names = aliases.get(name, (name,))
     if state_dict is not None:
         for alias in names:
             if alias in state_dict:
                 return state_dict[alias]
-        raise KeyError(f"the state dict has no entry for {name} (nor its aliases {names})")
+        if any(alias in persistent for alias in names):
+            raise KeyError(f"the state dict has no entry for {name} (nor its aliases "
+                           f"{names})")
+        # A non-persistent buffer: no state dict holds it; the model computed it.
     tensor = _get_tensor(model, names[0])
+    if tensor.is_meta and state_dict is not None:
+        raise PartcError(
+            f"{name} is a non-persistent buffer (not in model.state_dict()) and the model "
+            "holds it on the meta device, so its value was never computed: build the "
+            "model under `with partc.on_meta():` (parameters on meta, buffers computed by "
+            f"the model's own code), or give {name} in state_dict")
     if tensor.is_meta:
         raise PartcError(f"{name} is on the meta device: pass state_dict= to build() so "
                          "each rank loads its own parameters")
