@@ -19,13 +19,9 @@ from pathlib import Path
 
 import pytest
 
-from partc.runtime import DistributedModule
 from partc.runtime.suspend import SUSPEND_EXIT_CODE
 
 # The sample saves with helper ckpt's module.save_checkpoint (partc/runtime/checkpoint.py).
-pytestmark = pytest.mark.skipif(not hasattr(DistributedModule, "save_checkpoint"),
-                                reason="needs module.save_checkpoint/load_checkpoint")
-
 ROOT = Path(__file__).resolve().parents[2]
 SAMPLE = [str(ROOT / "samples" / "train_gpt.py"), "--layers", "1", "--width", "32",
           "--seq", "16", "--batch", "8"]
