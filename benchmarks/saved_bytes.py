@@ -1,7 +1,7 @@
 """What one transformer block keeps for backward under tensor parallelism, measured and
 estimated.
 
-For the sample GPT with dropout at tp=2 and tp=4, sequence parallelism off and on: the
+For the sample GPT with dropout at tp=2 and tp=4 with sequence parallelism: the
 stage partc emits runs one microbatch forward in one process (the rewrite's stand-in
 group: the shapes and the code of one rank, no data moved) under
 ``torch.autograd.graph.saved_tensors_hooks``, counting each saved storage once (bytes of
@@ -10,6 +10,8 @@ saved it. Printed per block: the measured bytes, the plan's estimate for the sam
 (``LayerCost.saved_bytes["none"]`` times the microbatch size) and their ratio.
 
     PYTHONPATH=. python benchmarks/saved_bytes.py [--embd 256] [--seq 128] [--batch 4]
+    PYTHONPATH=. python benchmarks/saved_bytes.py --estimate-only --embd 6144 --heads 48 \
+        --seq 2048 --batch 1 --tp 8     # a 22B GPT's layer: the plan's figure only
 
 Run with another checkout on ``PYTHONPATH`` to compare two versions of the runtime.
 """
@@ -31,9 +33,11 @@ from partc import meta  # noqa: E402
 from samples.gpt import GPT, GPTConfig, example_inputs, loss_fn  # noqa: E402
 
 
-def compile_gpt(config: GPTConfig, batch: int, seq: int, tp: int, sp: bool) -> partc.Program:
+def compile_gpt(config: GPTConfig, batch: int, seq: int, tp: int, sp: bool,
+                device: str = "cpu") -> partc.Program:
     torch.manual_seed(0)
-    model = GPT(config)
+    with torch.device(device):
+        model = GPT(config)
     ids, targets = example_inputs(model, batch=batch, seq=seq)
     return partc.compile(model, (ids,), loss_fn=loss_fn, example_target=targets,
                          budget=partc.DeviceBudget(num_devices=tp, device="CPU"),
@@ -110,19 +114,25 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--dropout", type=float, default=0.1)
     parser.add_argument("--tp", type=int, nargs="+", default=[2, 4])
+    parser.add_argument("--estimate-only", action="store_true",
+                        help="the model on the meta device, the plan's figure only (for "
+                             "layers too big to run here)")
     args = parser.parse_args(argv)
     config = GPTConfig(vocab_size=512, block_size=args.seq, n_layer=2, n_head=args.heads,
                        n_embd=args.embd, dropout=args.dropout)
     print(f"GPT block: embd {args.embd}, {args.heads} heads, seq {args.seq}, "
-          f"microbatch {args.batch}, dropout {args.dropout}, fp32; bytes saved per block")
-    print(f"{'tp':>3} {'sp':>3} {'measured':>12} {'estimated':>12} {'est/meas':>9}")
+          f"microbatch {args.batch}, dropout {args.dropout}, fp32, sequence parallel; "
+          f"bytes saved per block")
+    print(f"{'tp':>3} {'measured':>15} {'estimated':>15} {'est/meas':>9}")
     for tp in args.tp:
-        for sp in (False, True):
-            program = compile_gpt(config, args.batch, args.seq, tp, sp)
-            got = measured_saved_bytes(program)["blocks.0"]
-            want = estimated_saved_bytes(program)["blocks.0"]
-            print(f"{tp:>3} {'on' if sp else 'off':>3} {got:>12,} {want:>12,.0f} "
-                  f"{want / got:>9.3f}")
+        program = compile_gpt(config, args.batch, args.seq, tp, True,
+                              "meta" if args.estimate_only else "cpu")
+        want = estimated_saved_bytes(program)["blocks.0"]
+        if args.estimate_only:
+            print(f"{tp:>3} {'-':>15} {want:>15,.0f} {'-':>9}")
+            continue
+        got = measured_saved_bytes(program)["blocks.0"]
+        print(f"{tp:>3} {got:>15,} {want:>15,.0f} {want / got:>9.3f}")
     return 0
 
 

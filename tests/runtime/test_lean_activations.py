@@ -74,7 +74,8 @@ def test_sharded_dropout_keeps_its_part_of_the_unsharded_mask_as_bool(dtype, met
             assert torch.equal(got, grad * kept_mask * (1 / (1 - p)))
 
 
-def test_linear_of_gathered_keeps_the_shard_and_gathers_once_again():
+@pytest.mark.parametrize("autocast", [False, True], ids=["fp32", "autocast-bf16"])
+def test_linear_of_gathered_keeps_the_shard_and_gathers_once_again(autocast):
     group = _group(2, 0)   # a stand-in: its gather repeats this rank's shard
     torch.manual_seed(0)
     shard = torch.randn(3, 4, 16, requires_grad=True)
@@ -90,11 +91,16 @@ def test_linear_of_gathered_keeps_the_shard_and_gathers_once_again():
         return sum(group.linear_of_gathered(whole, shard, w, b, 1).square().sum()
                    for w, b in zip(weights, biases))
 
+    def under_autocast(fn):
+        # Autocast as the runtime runs mixed precision: the linears compute in bfloat16.
+        with torch.autocast("cpu", torch.bfloat16, enabled=autocast):
+            return fn()
+
     inputs = [shard, *weights, biases[0]]
-    want_loss = reference()
+    want_loss = under_autocast(reference)
     want = torch.autograd.grad(want_loss, inputs)
     group.counts.clear()
-    kept, loss = _saved(lean)
+    kept, loss = _saved(lambda: under_autocast(lean))
     assert torch.equal(loss, want_loss)
     assert not any(t.shape == (3, 8, 16) for t in kept), "the gathered input is kept"
     shard_storage = StorageWeakRef(shard.untyped_storage())
