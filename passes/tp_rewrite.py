@@ -19,7 +19,10 @@ chooser or rebuilt from a plan by ``tp_chooser.apply``):
   size (``tp.global_size``), so size arithmetic in the model's code keeps its meaning;
 - a row-parallel linear adds ``bias / tp`` on each rank (the sum over ranks adds it once);
 - a vocabulary-parallel embedding looks up only the rows this rank holds, and dropout
-  of a shard keeps its part of the whole tensor's mask (``tp.dropout``).
+  of a shard keeps its part of the whole tensor's mask (``tp.dropout``);
+- a linear reading a sequence-parallel shard gathered whole (``tp_rules.regathers``)
+  becomes ``tp.linear_of_gathered``: it keeps the shard, not the whole, for backward
+  and gathers it again there.
 
 The graph is the same on every rank of the group (ranks differ only in which shard they
 hold, and the group knows its rank at run time), so one emitted file serves the group.

@@ -18,6 +18,11 @@ method                        forward                     backward
 ``reduce_scatter_to_tp``      reduce-scatter on ``dim``   all-gather
 ============================  ==========================  ============================
 
+Two calls keep less for backward than the ops they stand for: ``dropout`` of a shard
+keeps a bool mask of this rank's part only (drawn for the whole tensor, so that it equals
+the unsharded program's), and ``linear_of_gathered`` (a linear of an all-gathered
+sequence-parallel shard) keeps the shard and all-gathers it again in backward.
+
 A shard ``Shard(dim, chunks=k)`` holds this rank's part of each of ``k`` equal pieces of
 ``dim`` (a fused QKV projection split into query, key and value afterwards); gathers and
 slices respect that layout.
