@@ -106,7 +106,8 @@ def regathers(consumer: fx.Node, position: int, src: Placement, dst: Placement,
     keeps the shard for its weight's gradient and gathers it again (Megatron's sequence
     parallelism; ``TensorParallelGroup.linear_of_gathered``), one backward all-gather per
     gathered value however many linears read it."""
-    return (grad_partial and position == 0 and op_name(consumer) == "linear"
+    return (grad_partial and position == 0 and consumer.op == "call_function"
+            and op_name(consumer) == "linear"
             and src.kind == "S" and src.chunks == 1 and dst.kind == "R")
 
 
