@@ -92,7 +92,7 @@ from partc.problem import HeavyOp
 
 from .graph import carries_grad, is_tensorish, layer_nodes, op_name, tensor_inputs
 from .tp_rules import (NO_STRATEGY_OPS, ChunkHints, Collective, Strategy, divides,
-                       output_shape, redistribute, strategies)
+                       output_shape, redistribute, regathers, strategies)
 
 log = logging.getLogger("partc")
 
@@ -586,6 +586,10 @@ def _apply_choices(gm: fx.GraphModule, result: Sharding, problems: list[_LayerPr
                 if moves and (u, dst, moves) not in seen:
                     seen.add((u, dst, moves))
                     collectives += [Collective(k, ph, meta.output_bytes(u)) for k, ph in moves]
+                partial = dst.kind == "R" and chosen.out.kind != "R" and u in grads
+                if regathers(v, position, src, dst, partial) and (u, "again") not in seen:
+                    seen.add((u, "again"))
+                    collectives.append(Collective("all_gather", "backward", meta.output_bytes(u)))
             if v in result.boundary:
                 moves = redistribute(chosen.out, result.boundary[v], False) or ()
                 collectives += [Collective(k, ph, meta.output_bytes(v)) for k, ph in moves]

@@ -19,7 +19,10 @@ chooser or rebuilt from a plan by ``tp_chooser.apply``):
   size (``tp.global_size``), so size arithmetic in the model's code keeps its meaning;
 - a row-parallel linear adds ``bias / tp`` on each rank (the sum over ranks adds it once);
 - a vocabulary-parallel embedding looks up only the rows this rank holds, and dropout
-  of a shard keeps its part of the whole tensor's mask (``tp.dropout``).
+  of a shard keeps its part of the whole tensor's mask (``tp.dropout``);
+- a linear reading a sequence-parallel shard gathered whole (``tp_rules.regathers``)
+  becomes ``tp.linear_of_gathered``: it keeps the shard, not the whole, for backward
+  and gathers it again there.
 
 The graph is the same on every rank of the group (ranks differ only in which shard they
 hold, and the group knows its rank at run time), so one emitted file serves the group.
@@ -51,7 +54,7 @@ from partc.runtime.tp import ShardedDropout, TensorParallelGroup
 from .context import Context
 from .graph import carries_grad, op_name, tensor_inputs
 from .tp_chooser import Sharding
-from .tp_rules import redistribute
+from .tp_rules import redistribute, regathers
 
 LocalParam = Callable[[str, torch.Tensor, Placement], torch.Tensor]
 
@@ -128,6 +131,8 @@ class _Rewriter:
         self.at_boundary: dict[fx.Node, fx.Node] = {}
         self.grads = carries_grad(gm)  # the values a gradient reaches in backward
         self.group_reads: dict[int, fx.Node] = {}  # layer index → its get_attr of the group
+        # Linears reading a gathered shard → (the gathered node, the shard, its dim).
+        self.regather: dict[fx.Node, tuple[fx.Node, fx.Node, int]] = {}
 
     def group(self, first_use: fx.Node) -> fx.Node:
         """The node that reads the group in ``first_use``'s layer; made just before
@@ -168,14 +173,16 @@ class _Rewriter:
                     node.replace_input_with(producer, source)
         if chosen is not None and node.op != "get_attr":
             for position, producer in enumerate(tensor_inputs(node)):
-                self._feed(node, producer, chosen.ins[position], chosen.out)
+                self._feed(node, producer, chosen.ins[position], chosen.out, position)
             self._local_sizes(node, chosen)
+            self._linear_of_gathered(node)
         elif node.op in ("call_function", "call_method"):
             self._global_sizes(node)
         if chosen is not None and node in self.s.boundary and node.op != "get_attr":
             self._to_boundary(node, chosen.out, self.s.boundary[node])
 
-    def _feed(self, node: fx.Node, producer: fx.Node, need: Placement, out: Placement) -> None:
+    def _feed(self, node: fx.Node, producer: fx.Node, need: Placement, out: Placement,
+              position: int) -> None:
         source, have = self.seen_as(producer, node)
         if need.kind == "*":  # read for its dtype and device only: as it is
             if source is not producer:
@@ -199,6 +206,21 @@ class _Rewriter:
             return
         moved = self._move(source, have, need, grad_partial, node)
         node.replace_input_with(producer, moved)
+        if regathers(node, position, have, need, grad_partial):
+            self.regather[node] = (moved, source, have.dim)
+
+    def _linear_of_gathered(self, node: fx.Node) -> None:
+        """A linear reading a gathered shard keeps the shard for backward and gathers it
+        again there (:func:`tp_rules.regathers`): ``tp.linear_of_gathered``."""
+        if node not in self.regather:
+            return
+        whole, shard, dim = self.regather.pop(node)
+        names = ("input", "weight", "bias")
+        args = [node.args[i] if len(node.args) > i else node.kwargs.get(k)
+                for i, k in enumerate(names)]
+        if args[0] is not whole:
+            raise AssertionError(f"{node.name}: reads {args[0]}, not the gathered {whole.name}")
+        self.to_method(node, "linear_of_gathered", (whole, shard, args[1], args[2], dim))
 
     def _move(self, source: fx.Node, have: Placement, need: Placement, grad_partial: bool,
               before: fx.Node) -> fx.Node:

@@ -99,6 +99,18 @@ def redistribute(src: Placement, dst: Placement, grad_partial: bool
     return None  # shard to another shard: not needed by any strategy
 
 
+def regathers(consumer: fx.Node, position: int, src: Placement, dst: Placement,
+              grad_partial: bool) -> bool:
+    """Whether the all-gather that brings a value to input ``position`` of ``consumer``
+    runs again in backward: a linear reading a sequence-parallel shard gathered whole
+    keeps the shard for its weight's gradient and gathers it again (Megatron's sequence
+    parallelism; ``TensorParallelGroup.linear_of_gathered``), one backward all-gather per
+    gathered value however many linears read it."""
+    return (grad_partial and position == 0 and consumer.op == "call_function"
+            and op_name(consumer) == "linear"
+            and src.kind == "S" and src.chunks == 1 and dst.kind == "R")
+
+
 # ------------------------------------------------------------- op families and hints
 
 _ELEMENTWISE = {

@@ -18,6 +18,11 @@ method                        forward                     backward
 ``reduce_scatter_to_tp``      reduce-scatter on ``dim``   all-gather
 ============================  ==========================  ============================
 
+Two calls keep less for backward than the ops they stand for: ``dropout`` of a shard
+keeps a bool mask of this rank's part only (drawn for the whole tensor, so that it equals
+the unsharded program's), and ``linear_of_gathered`` (a linear of an all-gathered
+sequence-parallel shard) keeps the shard and all-gathers it again in backward.
+
 A shard ``Shard(dim, chunks=k)`` holds this rank's part of each of ``k`` equal pieces of
 ``dim`` (a fused QKV projection split into query, key and value afterwards); gathers and
 slices respect that layout.
@@ -124,6 +129,16 @@ class TensorParallelGroup(nn.Module):
         """Partial sums in, this rank's shard of the total on ``dim`` out."""
         return _ReduceScatterToTP.apply(x, self, dim)
 
+    def linear_of_gathered(self, whole: torch.Tensor, shard: torch.Tensor,
+                           weight: torch.Tensor, bias: torch.Tensor | None = None,
+                           dim: int = 1) -> torch.Tensor:
+        """``F.linear(whole, weight, bias)`` where ``whole`` is ``gather_from_tp(shard,
+        dim)``: the same output, but backward keeps ``shard`` and all-gathers it again
+        for the weight's gradient instead of keeping ``whole`` (Megatron's sequence
+        parallelism). The linears that read one gathered tensor share one gather again
+        in backward."""
+        return _LinearOfGathered.apply(whole, shard.detach(), weight, bias, self, dim)
+
     def vocab_parallel_embedding(self, ids: torch.Tensor, weight: torch.Tensor,
                                  padding_idx: int = -1) -> torch.Tensor:
         """Look up ``ids`` in this rank's rows of a vocabulary-sharded table.
@@ -151,13 +166,15 @@ class TensorParallelGroup(nn.Module):
 
     def dropout(self, x: torch.Tensor, p: float, train: bool | None, dim: int,
                 chunks: int = 1) -> torch.Tensor:
-        """Dropout of a tensor sharded as ``Shard(dim, chunks)``."""
+        """Dropout of a tensor sharded as ``Shard(dim, chunks)``: the values of the
+        unsharded program's ``x * (mask / keep)`` on this rank's part, with only this
+        rank's part of the mask, one byte an element, kept for backward."""
         if not train or p == 0:
             return x
         if p == 1:
             return x * 0
         keep = 1.0 - p
-        return x * self._global_mask(x, keep, dim, chunks).div_(keep)
+        return _MaskedScale.apply(x, self._local_mask(x, keep, dim, chunks), keep)
 
     def native_dropout(self, x: torch.Tensor, p: float, train: bool | None, dim: int,
                        chunks: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
@@ -165,18 +182,30 @@ class TensorParallelGroup(nn.Module):
         if not train or p == 0:
             return x.clone(), torch.ones_like(x, dtype=torch.bool)
         keep = 1.0 - p
-        mask = self._global_mask(x, keep, dim, chunks)
-        return x * mask * (1.0 / keep if keep else 0.0), mask.bool()
+        mask = self._local_mask(x, keep, dim, chunks)
+        # A bool mask: autograd's multiply keeps it (one byte an element), not a float copy.
+        return x * mask * (1.0 / keep if keep else 0.0), mask
 
-    def _global_mask(self, x: torch.Tensor, keep: float, dim: int, chunks: int
-                     ) -> torch.Tensor:
+    def _local_mask(self, x: torch.Tensor, keep: float, dim: int, chunks: int
+                    ) -> torch.Tensor:
         """This rank's part of a keep-mask drawn for the whole tensor, as one device
         draws it (``bernoulli_`` over the global shape), so that every rank consumes the
-        same random numbers and sharded and unsharded programs drop the same elements."""
+        same random numbers and sharded and unsharded programs drop the same elements.
+
+        The whole mask is drawn as bool: ``bernoulli_`` gives the same elements in every
+        dtype for the same generator state (CPU: one seed per call, each element from
+        its position; CUDA: the same float draw for bool, half, bfloat16 and float), so
+        it equals the noise the unsharded program draws in ``x``'s dtype. Only this
+        rank's part is kept (a copy), so the whole one is freed here, not at backward.
+        """
         shape = list(x.shape)
         shape[dim] *= self.size
-        noise = torch.empty(shape, dtype=x.dtype, device=x.device).bernoulli_(keep)
-        return shard_of(noise, dim, chunks, self.rank, self.size)
+        whole = torch.empty(shape, dtype=torch.bool, device=x.device).bernoulli_(keep)
+        if self.size == 1:
+            return whole
+        part = shard_of(whole, dim, chunks, self.rank, self.size)
+        # A view of ``whole`` would keep all of it alive: copy (``cat`` already made one).
+        return part.clone(memory_format=torch.contiguous_format) if chunks == 1 else part
 
 
 def bind_group(module: nn.Module, group: TensorParallelGroup) -> None:
@@ -193,6 +222,85 @@ def bind_group(module: nn.Module, group: TensorParallelGroup) -> None:
 
 
 # ------------------------------------------------------------------- autograd functions
+
+class _MaskedScale(torch.autograd.Function):
+    """``x * (mask / keep)`` with ``mask`` bool: the arithmetic of a dropout that draws
+    its noise in ``x``'s dtype and divides it by ``keep`` (so values are those of the
+    unsharded program), saving only the bool mask for backward."""
+
+    @staticmethod
+    def forward(ctx, x, mask, keep):
+        ctx.keep = keep
+        ctx.save_for_backward(mask)
+        return x * mask.to(x.dtype).div_(keep)
+
+    @staticmethod
+    def backward(ctx, grad):
+        mask, = ctx.saved_tensors
+        return grad * mask.to(grad.dtype).div_(ctx.keep), None, None
+
+
+class _Regathered:
+    """The whole tensor gathered again in backward from a saved shard, shared by the
+    linears that read one gathered tensor in forward: gathered by the first of their
+    backwards to need it, dropped after the last."""
+
+    def __init__(self) -> None:
+        self.readers = 0
+        self.whole: torch.Tensor | None = None
+
+    def take(self, group: TensorParallelGroup, shard: torch.Tensor, dim: int
+             ) -> torch.Tensor:
+        whole = self.whole if self.whole is not None else group._all_gather(shard, dim, 1)
+        self.whole = whole
+        self.release()
+        return whole
+
+    def release(self) -> None:
+        """One reader fewer; the last one drops the whole tensor."""
+        self.readers -= 1
+        if self.readers <= 0:
+            self.whole = None
+
+
+class _LinearOfGathered(torch.autograd.Function):
+    """``F.linear`` of an all-gathered tensor that saves the shard (see
+    :meth:`TensorParallelGroup.linear_of_gathered`). Backward computes the gradients as
+    autograd does for ``F.linear`` (the input flattened to a matrix, as ``addmm`` runs
+    it), in the dtype the forward computed in (autocast's, where it casts)."""
+
+    @staticmethod
+    def forward(ctx, whole, shard, weight, bias, group, dim):
+        out = torch.nn.functional.linear(whole, weight, bias)
+        # One regather for every linear that reads this gathered tensor.
+        regathered = whole.__dict__.setdefault("_partc_regathered", _Regathered())
+        regathered.readers += 1
+        ctx.regathered, ctx.group, ctx.dim = regathered, group, dim
+        ctx.dtypes = (whole.dtype, weight.dtype, None if bias is None else bias.dtype)
+        ctx.compute = out.dtype
+        ctx.save_for_backward(shard, weight)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        shard, weight = ctx.saved_tensors
+        whole_dtype, weight_dtype, bias_dtype = ctx.dtypes
+        needs_whole, _, needs_weight, needs_bias = ctx.needs_input_grad[:4]
+        grad2 = grad.reshape(-1, grad.shape[-1])
+        grad_whole = grad_weight = grad_bias = None
+        if needs_whole:
+            grad_whole = grad2.mm(weight.to(ctx.compute)).view(*grad.shape[:-1], -1)
+            grad_whole = grad_whole.to(whole_dtype)
+        if needs_weight:
+            whole = ctx.regathered.take(ctx.group, shard, ctx.dim).to(ctx.compute)
+            whole2 = whole.reshape(-1, whole.shape[-1])
+            grad_weight = whole2.t().mm(grad2).t().to(weight_dtype)
+        else:
+            ctx.regathered.release()
+        if needs_bias and bias_dtype is not None:
+            grad_bias = grad2.sum(0).to(bias_dtype)
+        return grad_whole, None, grad_weight, grad_bias, None, None
+
 
 class _CopyToTP(torch.autograd.Function):
     @staticmethod

@@ -1,0 +1,135 @@
+"""What tensor-parallel code keeps for backward: sharded dropout keeps a bool mask of its
+own part only, equal to its part of the unsharded program's mask; under sequence
+parallelism a linear reading a gathered shard keeps the shard and gathers it again in
+backward; and the plan's saved bytes per layer are what the emitted stage saves.
+
+One process: the groups are stand-ins (``TensorParallelGroup(size)`` acts as one rank
+and moves no data), with the rank set by hand to check each rank's part.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.multiprocessing.reductions import StorageWeakRef
+
+from benchmarks.saved_bytes import compile_gpt, estimated_saved_bytes, saved_storages
+from partc.runtime.tp import TensorParallelGroup, shard_of
+from samples.gpt import GPTConfig
+
+
+def _group(size: int, rank: int) -> TensorParallelGroup:
+    group = TensorParallelGroup(size)
+    group.rank = rank
+    return group
+
+
+def _saved(fn) -> list[torch.Tensor]:
+    """The tensors autograd keeps while ``fn()`` runs, and its result."""
+    kept: list[torch.Tensor] = []
+
+    def pack(tensor):
+        kept.append(tensor)
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        result = fn()
+    return kept, result
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("method", ["dropout", "native_dropout"])
+@pytest.mark.parametrize("dim,chunks", [(1, 1), (2, 3), (0, 1)])
+def test_sharded_dropout_keeps_its_part_of_the_unsharded_mask_as_bool(dtype, method, dim,
+                                                                       chunks):
+    size, p = 2, 0.3
+    whole = torch.randn(6, 8, 12, dtype=dtype)
+    torch.manual_seed(7)
+    if method == "dropout":
+        reference = F.dropout(whole.clone().requires_grad_(), p, True)
+    else:
+        reference, reference_mask = torch.native_dropout(whole, p, True)
+    for rank in range(size):
+        group = _group(size, rank)
+        x = shard_of(whole, dim, chunks, rank, size).contiguous().requires_grad_()
+        torch.manual_seed(7)
+        kept, out = _saved(lambda: getattr(group, method)(x, p, True, dim, chunks))
+        if method == "native_dropout":
+            out, mask = out
+            assert torch.equal(mask, shard_of(reference_mask, dim, chunks, rank, size))
+        if method == "dropout" or dtype == torch.float32:
+            # (aten's bfloat16 native_dropout rounds its product differently; the masks
+            # are equal, checked above.)
+            assert torch.equal(out, shard_of(reference.detach(), dim, chunks, rank, size))
+        # Kept for backward: one bool mask of this rank's part, nothing of the whole.
+        assert [t.dtype for t in kept] == [torch.bool]
+        assert kept[0].untyped_storage().nbytes() == x.numel()
+        grad = torch.randn_like(out)
+        (got,) = torch.autograd.grad(out, x, grad)
+        kept_mask = (out != 0).to(dtype)
+        if method == "dropout":
+            assert torch.equal(got, grad * kept_mask.div_(1 - p))
+        else:
+            assert torch.equal(got, grad * kept_mask * (1 / (1 - p)))
+
+
+@pytest.mark.parametrize("autocast", [False, True], ids=["fp32", "autocast-bf16"])
+def test_linear_of_gathered_keeps_the_shard_and_gathers_once_again(autocast):
+    group = _group(2, 0)   # a stand-in: its gather repeats this rank's shard
+    torch.manual_seed(0)
+    shard = torch.randn(3, 4, 16, requires_grad=True)
+    weights = [torch.randn(24, 16, requires_grad=True) for _ in range(2)]
+    biases = [torch.randn(24, requires_grad=True), None]
+
+    def reference():
+        whole = group.gather_from_tp(shard, 1, 1, True)
+        return sum(F.linear(whole, w, b).square().sum() for w, b in zip(weights, biases))
+
+    def lean():
+        whole = group.gather_from_tp(shard, 1, 1, True)
+        return sum(group.linear_of_gathered(whole, shard, w, b, 1).square().sum()
+                   for w, b in zip(weights, biases))
+
+    def under_autocast(fn):
+        # Autocast as the runtime runs mixed precision: the linears compute in bfloat16.
+        with torch.autocast("cpu", torch.bfloat16, enabled=autocast):
+            return fn()
+
+    inputs = [shard, *weights, biases[0]]
+    want_loss = under_autocast(reference)
+    want = torch.autograd.grad(want_loss, inputs)
+    group.counts.clear()
+    kept, loss = _saved(lambda: under_autocast(lean))
+    assert torch.equal(loss, want_loss)
+    assert not any(t.shape == (3, 8, 16) for t in kept), "the gathered input is kept"
+    shard_storage = StorageWeakRef(shard.untyped_storage())
+    assert any(StorageWeakRef(t.untyped_storage()) == shard_storage for t in kept)
+    gathers = group.counts["all_gather"]
+    got = torch.autograd.grad(loss, inputs)
+    assert group.counts["all_gather"] == gathers + 1   # one gather again for both linears
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=1e-6, atol=1e-6)
+
+
+def test_plan_saves_what_the_emitted_stage_saves_under_sequence_parallelism():
+    config = GPTConfig(vocab_size=128, block_size=16, n_layer=2, n_head=4, n_embd=64,
+                       dropout=0.1)
+    program = compile_gpt(config, batch=4, seq=16, tp=2, sp=True)
+    assert program.plan.tp == 2 and program.plan.sequence_parallel
+    records = saved_storages(program)
+    estimated = estimated_saved_bytes(program)
+    batch, seq, width = 4, 16, 64
+    for block in ("blocks.0", "blocks.1"):
+        mine = [r for r in records if r[0] == block]
+        measured = sum(size for _, size, _, _ in mine)
+        assert measured == pytest.approx(estimated[block], rel=0.02), block
+        # Nothing of the gathered whole sequence is kept, and the dropout masks are bool
+        # and local: the attention probabilities' (heads split over the group) and the
+        # two residual branches' (sequence split).
+        assert not any(shape == (batch, seq, width) and dtype == torch.float32
+                       for _, _, dtype, shape in mine), mine
+        masks = sorted(shape for _, _, dtype, shape in mine if dtype == torch.bool
+                       and len(shape) > 2)
+        assert masks == sorted([(batch, 2, seq, seq), (batch, seq // 2, width),
+                                (batch, seq // 2, width)]), masks
