@@ -2,7 +2,9 @@
 on rank 0 and JSON lines on every rank, the loss falls as in one process (AdamW, warm-up
 and cosine), and ``module.evaluate`` gives the loss of one process on the same weights,
 through a pipeline (pp=2, before training too) and over data-parallel replicas (dp=2,
-ZeRO-3), changing nothing."""
+ZeRO-3), changing nothing. Checkpoints: 4 steps on pp=2 saved every 2, resumed with
+``--resume --steps 6`` on dp=2, continue at step 5 with the losses of 6 uninterrupted
+steps; a resume with another seed is refused."""
 
 from __future__ import annotations
 
@@ -14,6 +16,8 @@ import sys
 from pathlib import Path
 
 import pytest
+
+from partc.runtime.checkpoint import step_name
 
 from .launcher_worker import STEPS
 
@@ -85,3 +89,19 @@ def test_evaluate_is_one_process_loss_and_changes_nothing(launched, case, mesh, 
         lines = (launched[2] / "rank0.jsonl").read_text().splitlines()
         evals = [json.loads(x) for x in lines if '"eval"' in x]
         assert evals[-1]["eval_loss"] == pytest.approx(seen["evaluations"][-1]["loss"])
+
+
+def test_a_resumed_launch_on_another_plan_continues_the_run(launched):
+    ranks, _, telemetry = launched
+    for results in ranks:
+        seen = results["resume"]
+        first, resumed, whole = seen["first"], seen["resumed"], seen["whole"]
+        assert (first["status"], first["start"], len(first["losses"])) == (0, 0, 4)
+        assert seen["kept"] == ["latest", step_name(4)]   # --keep 1
+        assert (resumed["status"], resumed["start"], len(resumed["losses"])) == (0, 4, 2)
+        assert first["losses"] + resumed["losses"] == pytest.approx(whole["losses"], rel=RTOL)
+        assert "--seed 1" in seen["other_seed"]["refused"]
+    # telemetry numbers the resumed run's steps from the checkpoint's
+    lines = [json.loads(x) for x in (telemetry.parent / "resumed" / "rank0.jsonl")
+             .read_text().splitlines()]
+    assert [x["step"] for x in lines if x["event"] == "step"] == [5, 6]
