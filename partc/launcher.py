@@ -22,7 +22,8 @@ TrainSpec — and ``name``), plus the data:
 The budget, pin and training flags are ``partc plan``'s (:mod:`partc.cli` builds both
 commands' flags, checks them before the model is built and reads them into the
 DeviceBudget, Constraints and TrainSpec), except ``--devices``: the number of devices is
-the launch's world size. Every rank seeds torch with ``--seed`` before calling the
+the launch's world size, and without ``--device`` or ``--profile`` a run on a machine
+whose torch sees no GPU plans for the ``CPU`` preset. Every rank seeds torch with ``--seed`` before calling the
 factory, so that every rank builds the same initial weights, then compiles (the planner
 is deterministic and ranks compare plan hashes), builds, and trains ``--steps``
 optimizer steps: the learning rate rises linearly over ``--warmup-steps`` to ``--lr``,
@@ -81,6 +82,9 @@ from .choices import OPTIMIZER_STATE_BYTES
 OPTIMIZERS = tuple(sorted(OPTIMIZER_STATE_BYTES))
 HELD_OUT_STEP = -1
 COMMAND = "train"
+# The preset a run without a GPU plans for when neither --device nor --profile is given
+# (with a GPU: partc's default preset, as for partc plan).
+CPU_PRESET = "CPU"
 
 log = logging.getLogger("partc")
 
@@ -411,7 +415,16 @@ def check(config: TrainConfig, world_size: int) -> tuple[Any, Any]:
     cli.check_target(config.target, COMMAND)
     if config.out is not None and Path(config.out).exists() and not Path(config.out).is_dir():
         raise cli._refused(f"--out {config.out} is a file, not a directory", COMMAND)
-    return cli._budget(args, num_devices=world_size), cli._constraints(args)
+    fixed: dict[str, Any] = {"num_devices": world_size}
+    if args.device is None and args.profile is None and not _has_gpu():
+        fixed["device"] = CPU_PRESET   # plan for the devices that train
+    return cli._budget(args, **fixed), cli._constraints(args)
+
+
+def _has_gpu() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
 
 
 def compile_workload(config: TrainConfig, workload: dict[str, Any], world_size: int, *,

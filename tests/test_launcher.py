@@ -13,6 +13,7 @@ import torch
 
 from partc import launcher
 from partc.choices import OPTIMIZER_STATE_BYTES
+from partc.presets import DEFAULT_DEVICE
 from partc.cli import BUDGET_FLAGS, PIN_FLAGS, TRAIN_FLAGS, _budget, _constraints, _parser
 from partc.launcher import TrainConfig, learning_rate, parse_config, read_config_file
 
@@ -53,6 +54,9 @@ def test_the_plan_flags_are_partc_plans():
     assert constraints == _constraints(args) and budget == _budget(args)
     assert budget.memory_bytes == (40 * 2**30, 40 * 10**9) and budget.num_devices == 2
     assert launcher.OPTIMIZERS == tuple(sorted(OPTIMIZER_STATE_BYTES))
+    # without --device or --profile: the devices that train (CPU where torch sees no GPU)
+    budget, _ = launcher.check(parse_config([f"{__file__}:never", "--steps", "1"]), 1)
+    assert budget.device == ("CPU" if not torch.cuda.is_available() else DEFAULT_DEVICE)
 
 
 @pytest.mark.parametrize("argv, says", [
@@ -210,3 +214,25 @@ def test_help_and_bad_flags_return_a_status(capsys):
     assert launcher.main(["--help"]) == 0
     assert "--max-grad-norm" in capsys.readouterr().out
     assert launcher.main(["m.py:f", "--steps", "two"]) == 2
+
+
+def test_a_resume_whose_data_or_seed_differs_is_refused(caplog):
+    config = TrainConfig(target="m.py:f", steps=6, checkpoint_dir="ckpt", resume=True)
+    workload = {"data": lambda step: (torch.arange(4) + step, torch.zeros(2))}
+    extra = launcher._record(config, workload, 4)
+    assert extra["launcher"]["data"]["step"] == 3
+    launcher.check_resume(extra, config, workload, 4, "ckpt/step-4")   # the same: fine
+    shifted = {"data": lambda step: (torch.arange(4) + step + 1, torch.zeros(2))}
+    with pytest.raises(ValueError, match="read another batch at step 4"):
+        launcher.check_resume(extra, config, shifted, 4, "ckpt/step-4")
+    wider = {"data": lambda step: (torch.arange(4.0) + step, torch.zeros(2))}   # dtype
+    with pytest.raises(ValueError, match="its data order differs"):
+        launcher.check_resume(extra, config, wider, 4, "ckpt/step-4")
+    with pytest.raises(ValueError, match="resume with --seed 0"):
+        launcher.check_resume(extra, TrainConfig(target="m.py:f", steps=6, seed=1),
+                              workload, 4, "ckpt/step-4")
+    with pytest.raises(ValueError, match="not written by partc train"):
+        launcher.check_resume({"data": {}}, config, workload, 4, "ckpt/step-4")
+    with caplog.at_level("INFO", logger="partc"):   # more steps: allowed, said
+        launcher.check_resume(extra, TrainConfig(target="m.py:f", steps=9), workload, 4, "c")
+    assert "steps 6 -> 9" in caplog.text
