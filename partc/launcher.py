@@ -291,9 +291,9 @@ def _toml_argv(key: str, value: Any, action: argparse.Action, where: str) -> lis
                 raise wrong("a string or a list of strings")
             words += [flag, item]
         return words
-    if action.choices is not None and all(isinstance(c, int) for c in action.choices):
-        ok, expected = isinstance(value, int) and not isinstance(value, bool), "int"
-    elif action.type in _WHOLE:
+    whole_choices = action.choices is not None and all(isinstance(c, int)
+                                                       for c in action.choices)
+    if whole_choices or action.type in _WHOLE:
         ok, expected = isinstance(value, int) and not isinstance(value, bool), "int"
     elif action.type in _REAL:
         ok = isinstance(value, (int, float)) and not isinstance(value, bool)

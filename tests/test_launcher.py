@@ -13,9 +13,16 @@ import torch
 
 from partc import launcher
 from partc.choices import OPTIMIZER_STATE_BYTES
-from partc.presets import DEFAULT_DEVICE
-from partc.cli import BUDGET_FLAGS, PIN_FLAGS, TRAIN_FLAGS, _budget, _constraints, _parser
+from partc.cli import (
+    BUDGET_FLAGS,
+    PIN_FLAGS,
+    TRAIN_FLAGS,
+    _budget,
+    _constraints,
+    _parser,
+)
 from partc.launcher import TrainConfig, learning_rate, parse_config, read_config_file
+from partc.presets import DEFAULT_DEVICE
 
 
 def _toml(tmp_path, text: str) -> str:
