@@ -224,18 +224,8 @@ def _plan_arguments(plan: argparse.ArgumentParser) -> None:
     _budget_arguments(plan.add_argument_group("devices (sizes and rates: see the end)"))
     _pin_arguments(plan.add_argument_group(
         "pins (the planner decides what is not pinned)"))
-    train = plan.add_argument_group("training (overrides the factory's TrainSpec)")
-    train.add_argument("--global-batch", type=COUNT, metavar="N",
-                       help="samples per optimizer step")
-    train.add_argument("--micro-batch", type=COUNT, metavar="N",
-                       help="samples per microbatch (also pins it for the planner)")
-    train.add_argument("--dtype", choices=sorted(DTYPE_NAMES),
-                       help="compute dtype; bf16/fp16 train in mixed precision")
-    train.add_argument("--optimizer", choices=sorted(OPTIMIZER_STATE_BYTES))
-    train.add_argument("--max-grad-norm", type=POSITIVE, metavar="NORM",
-                       help="clip the global gradient norm to this")
-    train.add_argument("--attention", choices=ATTENTION,
-                       help="run attention as written, or fused into one kernel call")
+    _training_arguments(plan.add_argument_group(
+        "training (overrides the factory's TrainSpec)"))
     out = plan.add_argument_group("planner and output")
     out.add_argument("--time-limit", type=POSITIVE, default=30.0, metavar="SECONDS",
                      help="seconds for the stage planner's search (default 30)")
@@ -252,9 +242,27 @@ def _plan_arguments(plan: argparse.ArgumentParser) -> None:
                             "(they are drawn by default on a terminal)")
 
 
-def _budget_arguments(group) -> None:
-    group.add_argument("--devices", type=COUNT, metavar="N", required=True,
-                       help="number of devices")
+def _training_arguments(train) -> None:
+    """The TrainSpec fields (``partc plan`` and ``partc train`` alike)."""
+    train.add_argument("--global-batch", type=COUNT, metavar="N",
+                       help="samples per optimizer step")
+    train.add_argument("--micro-batch", type=COUNT, metavar="N",
+                       help="samples per microbatch (also pins it for the planner)")
+    train.add_argument("--dtype", choices=sorted(DTYPE_NAMES),
+                       help="compute dtype; bf16/fp16 train in mixed precision")
+    train.add_argument("--optimizer", choices=sorted(OPTIMIZER_STATE_BYTES))
+    train.add_argument("--max-grad-norm", type=POSITIVE, metavar="NORM",
+                       help="clip the global gradient norm to this")
+    train.add_argument("--attention", choices=ATTENTION,
+                       help="run attention as written, or fused into one kernel call")
+
+
+def _budget_arguments(group, *, devices: bool = True) -> None:
+    """The DeviceBudget fields; ``devices=False`` leaves out ``--devices`` (``partc
+    train`` plans for the launch's world size)."""
+    if devices:
+        group.add_argument("--devices", type=COUNT, metavar="N", required=True,
+                           help="number of devices")
     group.add_argument("--device", type=DEVICE, help=f"a preset: {', '.join(PRESETS)} "
                        f"(default {DEFAULT_DEVICE}, or the profile's)")
     group.add_argument("--profile", type=Path, metavar="FILE",
@@ -324,43 +332,54 @@ def _calibrate_arguments(calibrate: argparse.ArgumentParser) -> None:
 
 def _check_plan(args: argparse.Namespace) -> None:
     """What the flags say together, and the files they name: before torch is imported."""
-    if isinstance(args.memory, tuple) and len(args.memory) != args.devices:
-        raise _refused(f"--memory lists {len(args.memory)} sizes for "
-                       f"{args.devices} devices: give one size, or one per device")
-    layers = [layer for layer, _ in args.recompute_layer or ()]
+    check_flags(args, args.devices)
+    if args.out is not None and args.out.exists() and not args.out.is_dir():
+        raise _refused(f"--out {args.out} is a file, not a directory")
+    check_target(args.target)
+
+
+def check_flags(args: argparse.Namespace, devices: int, command: str = "plan") -> None:
+    """What the budget, pin and training flags (as :func:`_budget_arguments`,
+    :func:`_pin_arguments` and :func:`_training_arguments` read them) say together on
+    ``devices`` devices; a flag not in ``args`` counts as not given."""
+    memory = getattr(args, "memory", None)
+    if isinstance(memory, tuple) and len(memory) != devices:
+        raise _refused(f"--memory lists {len(memory)} sizes for "
+                       f"{devices} devices: give one size, or one per device", command)
+    layers = [layer for layer, _ in getattr(args, "recompute_layer", None) or ()]
     twice = sorted({layer for layer in layers if layers.count(layer) > 1})
     if twice:
         raise _refused(f"--recompute-layer names {', '.join(twice)} "
-                       f"more than once")
-    if args.global_batch and args.micro_batch and args.global_batch % args.micro_batch:
-        raise _refused(f"--micro-batch {args.micro_batch} does not "
-                       f"divide --global-batch {args.global_batch}")
-    if args.profile is not None and not args.profile.is_file():
-        raise _refused(f"no device profile at {args.profile}; write one "
-                       f"with `partc calibrate --out {args.profile}`")
-    if args.out is not None and args.out.exists() and not args.out.is_dir():
-        raise _refused(f"--out {args.out} is a file, not a directory")
-    _check_target(args.target)
+                       f"more than once", command)
+    global_batch = getattr(args, "global_batch", None)
+    micro_batch = getattr(args, "micro_batch", None)
+    if global_batch and micro_batch and global_batch % micro_batch:
+        raise _refused(f"--micro-batch {micro_batch} does not "
+                       f"divide --global-batch {global_batch}", command)
+    profile = getattr(args, "profile", None)
+    if profile is not None and not Path(profile).is_file():
+        raise _refused(f"no device profile at {profile}; write one "
+                       f"with `partc calibrate --out {profile}`", command)
 
 
-def _check_target(target: str) -> None:
+def check_target(target: str, command: str = "plan") -> None:
     """``file.py:factory``: the file exists, parses, and defines (or imports) ``factory``
     at its top level, unless it makes names in ways a reader cannot see."""
     path, _, name = target.rpartition(":")
     if not path or not name:
-        raise _refused(f"expected path/to/file.py:factory, got {target!r}")
+        raise _refused(f"expected path/to/file.py:factory, got {target!r}", command)
     file = Path(path)
     if not file.is_file():
-        raise _refused(f"no such file: {file}")
+        raise _refused(f"no such file: {file}", command)
     try:
         tree = ast.parse(file.read_bytes(), filename=str(file))
     except (SyntaxError, ValueError) as error:
-        raise _refused(f"{file} does not parse: {error}") from None
+        raise _refused(f"{file} does not parse: {error}", command) from None
     names, dynamic = _top_level_names(tree.body)
     if name not in names and not dynamic:
         close = difflib.get_close_matches(name, sorted(names), n=3)
         hint = f" (did you mean {' or '.join(map(repr, close))}?)" if close else ""
-        raise _refused(f"{file} has no function {name!r}{hint}")
+        raise _refused(f"{file} has no function {name!r}{hint}", command)
 
 
 def _top_level_names(body: list[ast.stmt]) -> tuple[set[str], bool]:
@@ -429,7 +448,7 @@ def _flagged(args: argparse.Namespace, flags: dict[str, str], **read: Any) -> di
     """The fields whose flag was given, each read by ``read[field]`` when there is one."""
     given = {}
     for name, flag in flags.items():
-        value = getattr(args, _dest(flag))
+        value = getattr(args, _dest(flag), None)   # absent: a command without the flag
         if value is not None:
             given[name] = read[name](value) if name in read else value
     return given
@@ -439,16 +458,18 @@ def _constraints(args: argparse.Namespace):
     from .spec import Constraints
 
     given = _flagged(args, PIN_FLAGS)
-    if args.recompute_layer:
+    if getattr(args, "recompute_layer", None):
         given["recompute"] = dict(args.recompute_layer)
     return Constraints(**given)
 
 
-def _budget(args: argparse.Namespace):
+def _budget(args: argparse.Namespace, **fixed: Any):
+    """The DeviceBudget the flags give; ``fixed`` fields (``num_devices`` for ``partc
+    train``: the launch's world size) are not flags."""
     from .budget import DeviceBudget
 
     return DeviceBudget(**_flagged(args, BUDGET_FLAGS,
-                                   peak_flops=lambda tflops: tflops * 1e12))
+                                   peak_flops=lambda tflops: tflops * 1e12), **fixed)
 
 
 def _train(args: argparse.Namespace, workload: dict[str, Any]):

@@ -1,6 +1,8 @@
-"""``partc train``: compile a model, build this rank's part and train it, with telemetry.
+"""``partc train``: compile a model, build this rank's part and train it, with telemetry
+and checkpoints.
 
-    torchrun --standalone --nproc-per-node=2 -m partc train samples/gpt.py:factory --steps 20
+    torchrun --standalone --nproc-per-node=2 -m partc train samples/gpt.py:factory \\
+        --steps 20 --memory 10MiB --checkpoint-dir out/ckpt --resume
     torchrun --standalone --nproc-per-node=2 -m partc.launcher samples/gpt.py:factory \\
         --steps 20 --config train.toml
 
@@ -17,27 +19,54 @@ TrainSpec — and ``name``), plus the data:
 - ``eval_data`` (optional): the held-out ``(inputs, target)``, or a callable of no
   arguments returning it.
 
-Every rank seeds torch with ``--seed`` before calling the factory, so that every rank
-builds the same initial weights, then compiles (the planner is deterministic and ranks
-compare plan hashes), builds, and trains ``--steps`` optimizer steps: the learning rate
-rises linearly over ``--warmup-steps`` to ``--lr``, then falls on a cosine to ``--min-lr``
-at the end; gradients are clipped to ``--max-grad-norm`` (planned, as
-``TrainSpec.max_grad_norm``); telemetry (``partc/runtime/telemetry.py``) prints a line per
-step on rank 0 and, with ``--log-dir``, writes JSON lines per rank (and TensorBoard
-events with ``--tensorboard``).
+The budget, pin and training flags are ``partc plan``'s (:mod:`partc.cli` builds both
+commands' flags, checks them before the model is built and reads them into the
+DeviceBudget, Constraints and TrainSpec), except ``--devices``: the number of devices is
+the launch's world size, and without ``--device`` or ``--profile`` a run on a machine
+whose torch sees no GPU plans for the ``CPU`` preset. Every rank seeds torch with ``--seed`` before calling the
+factory, so that every rank builds the same initial weights, then compiles (the planner
+is deterministic and ranks compare plan hashes), builds, and trains ``--steps``
+optimizer steps: the learning rate rises linearly over ``--warmup-steps`` to ``--lr``,
+then falls on a cosine to ``--min-lr`` at the end; gradients are clipped to
+``--max-grad-norm`` (planned, as ``TrainSpec.max_grad_norm``); telemetry
+(``partc/runtime/telemetry.py``) prints a line per step on rank 0 and, with
+``--log-dir``, writes JSON lines per rank (and TensorBoard events with
+``--tensorboard``). ``--out DIR``: rank 0 saves the program there (plan.json, report.md,
+report.html, code/).
+
+Checkpoints (``partc/runtime/checkpoint.py``): with ``--checkpoint-dir D`` every rank
+saves every ``--checkpoint-every N`` steps and after the last (``--keep K``: only the
+newest K; ``--async-save``: written in the background while training goes on).
+``--resume`` continues from D's latest complete checkpoint when there is one and starts
+afresh when there is none, so the same command serves the first launch, a relaunch
+after a suspend and torchrun's ``--max-restarts``; the plan is made again for this
+launch's world size and pins and the checkpoint resharded into it. The learning rate
+and the data are functions of the step, so the resumed run continues as an
+uninterrupted one would (the learning rate follows this run's ``--steps``, so resuming
+with more steps than the first launch continues a constant schedule exactly and a
+cosine one on the new horizon). The checkpoint records ``--seed``, ``--steps``, the
+schedule and a digest of the last batch it trained on; a resume whose seed or data
+differs is refused. Only with ``--checkpoint-dir`` does the launcher listen for stop
+signals (``module.stop_requested()``, once per step on every rank: one small
+collective): on SIGTERM or SIGUSR1 every rank finishes its step, saves it and exits with
+``partc.runtime.suspend.SUSPEND_EXIT_CODE`` (86). Without a checkpoint directory there
+is nothing to save, and a signal ends the job as it would any program.
 
 ``--config file.toml`` gives the same settings as a flat TOML table, keys named as the
-flags (``max_grad_norm = 1.0`` or ``max-grad-norm = 1.0``; ``target`` too); flags given
-on the command line win over the file, and an unknown key is refused.
+flags (``max_grad_norm = 1.0`` or ``max-grad-norm = 1.0``; ``target`` too; sizes as
+strings, ``memory = "10MiB"``; a repeatable flag as a list, ``stage = ["a,b", "c"]``;
+``zero = 1``); each value is read as its flag is, flags given on the command line win
+over the file, and an unknown key is refused.
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import logging
 import math
 import sys
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
@@ -46,12 +75,18 @@ if sys.version_info >= (3, 11):
 else:   # pragma: no cover - Python 3.10: the same parser, as a package
     import tomli as tomllib
 
-OPTIMIZERS = ("adamw", "adam", "sgd")
-DTYPE_NAMES = ("float32", "fp32", "bfloat16", "bf16", "float16", "fp16")
-SCHEDULE_NAMES = ("gpipe", "1f1b", "interleaved-1f1b")
-RECOMPUTE_MODES = ("none", "selective", "full")
-ZERO_STAGES = (0, 1, 2, 3)
+from . import cli
+from .choices import OPTIMIZER_STATE_BYTES
+
+# The optimizers by TrainSpec's names (what the planner counts their state as).
+OPTIMIZERS = tuple(sorted(OPTIMIZER_STATE_BYTES))
 HELD_OUT_STEP = -1
+COMMAND = "train"
+# The preset a run without a GPU plans for when neither --device nor --profile is given
+# (with a GPU: partc's default preset, as for partc plan).
+CPU_PRESET = "CPU"
+
+log = logging.getLogger("partc")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -60,23 +95,9 @@ class TrainConfig:
 
     target: str | None = None   # path/to/file.py:factory
     steps: int | None = None
-    # The budget, as for ``partc plan``; the number of devices is the launch's world size.
-    device: str | None = None
-    profile: str | None = None
-    memory: str | None = None
-    devices_per_node: int | None = None
-    # Planning pins (partc.Constraints) and the training setup (partc.TrainSpec).
-    pp: int | None = None
-    dp: int | None = None
-    tp: int | None = None
-    sequence_parallel: bool | None = None
-    zero_stage: int | None = None
-    microbatches: int | None = None
-    schedule: str | None = None
-    recompute: str | None = None
-    global_batch: int | None = None
-    micro_batch: int | None = None
-    dtype: str | None = None
+    # The budget, pins and TrainSpec flags, as partc.cli reads them (by argparse dest;
+    # absent: not given). The number of devices is the launch's world size.
+    plan: dict[str, Any] = field(default_factory=dict)
     time_limit: float = 30.0
     # The optimizer and its learning-rate schedule.
     optimizer: str = "adamw"
@@ -84,15 +105,21 @@ class TrainConfig:
     min_lr: float = 0.0
     warmup_steps: int = 0
     weight_decay: float = 0.0
-    momentum: float = 0.0   # sgd only
-    max_grad_norm: float | None = None
-    # Evaluation, logging, reproducibility.
+    momentum: float = 0.0   # sgd and sgd-momentum only
+    # Evaluation, logging, reproducibility, output.
     eval_every: int = 0     # 0: never
     log_dir: str | None = None
     tensorboard: bool = False
     warn_ratio: float = 0.25
     seed: int = 0
     quiet: bool = False
+    out: str | None = None
+    # Checkpoints.
+    checkpoint_dir: str | None = None
+    checkpoint_every: int = 0   # 0: only after the last step (and on a stop signal)
+    keep: int | None = None
+    resume: bool = False
+    async_save: bool = False
 
     def __post_init__(self) -> None:
         if self.target is None:
@@ -100,10 +127,9 @@ class TrainConfig:
                              "the config file)")
         if self.steps is None:
             raise ValueError("--steps is required (or steps = ... in the config file)")
-        for name in ("steps",):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
-        for name in ("warmup_steps", "eval_every", "seed"):
+        if self.steps < 1:
+            raise ValueError(f"steps must be at least 1, got {self.steps}")
+        for name in ("warmup_steps", "eval_every", "seed", "checkpoint_every"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must not be negative, got {getattr(self, name)}")
         for name in ("lr", "warn_ratio", "time_limit"):
@@ -114,46 +140,181 @@ class TrainConfig:
                 raise ValueError(f"{name} must not be negative, got {getattr(self, name)}")
         if self.min_lr > self.lr:
             raise ValueError(f"min_lr {self.min_lr} is above lr {self.lr}")
-        if self.momentum and self.optimizer != "sgd":
+        if self.optimizer not in OPTIMIZERS:
+            raise ValueError(f"optimizer must be one of {', '.join(OPTIMIZERS)}, "
+                             f"got {self.optimizer!r}")
+        if self.momentum and not self.optimizer.startswith("sgd"):
             raise ValueError(f"momentum is for sgd; {self.optimizer} has its own betas")
-        self._check_choice("optimizer", OPTIMIZERS)
-        self._check_choice("dtype", DTYPE_NAMES)
-        self._check_choice("schedule", SCHEDULE_NAMES)
-        self._check_choice("recompute", RECOMPUTE_MODES)
-        self._check_choice("zero_stage", ZERO_STAGES)
+        if self.optimizer == "sgd-momentum" and not self.momentum:
+            raise ValueError("sgd-momentum needs --momentum above 0")
         if self.tensorboard and self.log_dir is None:
             raise ValueError("tensorboard needs log_dir: events go to <log_dir>/tensorboard")
+        if self.keep is not None and self.keep < 1:
+            raise ValueError(f"keep must be at least 1, got {self.keep}")
+        if self.checkpoint_dir is None:
+            given = [name for name, on in (("checkpoint_every", self.checkpoint_every),
+                                           ("keep", self.keep is not None),
+                                           ("resume", self.resume),
+                                           ("async_save", self.async_save)) if on]
+            if given:
+                flags = [f"--{name.replace('_', '-')}" for name in given]
+                raise ValueError(f"{', '.join(flags)} need{'s' if len(flags) == 1 else ''} "
+                                 "--checkpoint-dir")
 
-    def _check_choice(self, name: str, choices: tuple) -> None:
-        value = getattr(self, name)
-        if value is not None and value not in choices:
-            raise ValueError(f"{name} must be one of {', '.join(map(str, choices))}, "
-                             f"got {value!r}")
+    @property
+    def train_optimizer(self) -> str:
+        """The optimizer as TrainSpec names it: sgd with momentum keeps a buffer."""
+        return "sgd-momentum" if self.optimizer == "sgd" and self.momentum else self.optimizer
+
+    def plan_arguments(self) -> argparse.Namespace:
+        """The plan flags as :mod:`partc.cli`'s readers take them (None: not given)."""
+        return argparse.Namespace(**{**dict.fromkeys(_plan_dests(), None), **self.plan,
+                                     "optimizer": self.train_optimizer})
 
 
-_TYPES = {"int": int, "float": float, "str": str, "bool": bool}
-# Each field's type, from its annotation ("int | None" -> int).
-_FIELD_TYPES: dict[str, tuple[type, ...]] = {
-    f.name: (_TYPES[str(f.type).split(" | ")[0]],) for f in fields(TrainConfig)}
+# -- the command line and the config file -----------------------------------------------------
+
+def parser() -> argparse.ArgumentParser:
+    """The flags; each defaults to absent, so that the config file fills what is not given."""
+    p = cli._Parser(prog="partc train", description=__doc__.splitlines()[0],
+                    argument_default=argparse.SUPPRESS, epilog=cli.UNITS,
+                    allow_abbrev=False,   # --devices must not read as --devices-per-node
+                    formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("target", nargs="?", help="path/to/file.py:factory")
+    p.add_argument("--config", help="TOML file with these settings (flags win over it)")
+    p.add_argument("--steps", type=cli.COUNT, metavar="N", help="optimizer steps to train")
+    cli._budget_arguments(p.add_argument_group(
+        "devices, as partc plan (the number of devices is the launch's world size)"),
+        devices=False)
+    cli._pin_arguments(p.add_argument_group("pins (the planner decides what is not pinned)"))
+    cli._training_arguments(p.add_argument_group(
+        "training (overrides the factory's TrainSpec; --optimizer also picks the torch "
+        "optimizer, default adamw)"))
+    p.add_argument("--time-limit", type=cli.POSITIVE, metavar="SECONDS",
+                   help="seconds for the stage planner's search (default 30)")
+    opt = p.add_argument_group("learning rate")
+    opt.add_argument("--lr", type=cli.POSITIVE, help="peak learning rate (default 3e-4)")
+    opt.add_argument("--min-lr", type=_non_negative, help="learning rate at the last step "
+                     "(default 0)")
+    opt.add_argument("--warmup-steps", type=_natural, metavar="N",
+                     help="linear warm-up steps (default 0)")
+    opt.add_argument("--weight-decay", type=_non_negative, help="default 0")
+    opt.add_argument("--momentum", type=_non_negative,
+                     help="sgd's momentum (default 0; above 0 plans sgd-momentum)")
+    run = p.add_argument_group("evaluation, logging and output")
+    run.add_argument("--eval-every", type=_natural, metavar="K",
+                     help="evaluate the held-out batch every K steps")
+    run.add_argument("--log-dir", help="directory for rank<k>.jsonl telemetry")
+    run.add_argument("--tensorboard", action="store_true",
+                     help="also write TensorBoard events under <log-dir>/tensorboard")
+    run.add_argument("--warn-ratio", type=cli.POSITIVE, metavar="RATIO",
+                     help="warn when time or memory departs from the plan by more (0.25)")
+    run.add_argument("--seed", type=_natural, help="torch seed before the factory (default 0)")
+    run.add_argument("--out", metavar="DIR", help="rank 0 saves the program here: plan.json, "
+                     "report.md, report.html and the stages' code")
+    run.add_argument("-q", "--quiet", action="store_true", help="no report, no progress lines")
+    saved = p.add_argument_group("checkpoints")
+    saved.add_argument("--checkpoint-dir", metavar="DIR",
+                       help="save checkpoints here (every --checkpoint-every steps, after "
+                            "the last, and on a stop signal)")
+    saved.add_argument("--checkpoint-every", type=_natural, metavar="N",
+                       help="save every N steps (default: after the last step only)")
+    saved.add_argument("--keep", type=cli.COUNT, metavar="K",
+                       help="keep only the newest K checkpoints")
+    saved.add_argument("--resume", action="store_true",
+                       help="continue from the latest checkpoint in --checkpoint-dir if "
+                            "there is one, else start afresh")
+    saved.add_argument("--async-save", action="store_true",
+                       help="write checkpoints in the background while training goes on")
+    return p
 
 
-def _checked(key: str, value: Any, where: str) -> Any:
-    """A config file's ``value`` for field ``key``, of the field's type."""
-    types = _FIELD_TYPES[key]
-    if isinstance(value, bool) and bool not in types:
-        raise ValueError(f"{where}: {key} must be {' or '.join(t.__name__ for t in types)}, "
-                         f"got {value!r}")
-    if float in types and isinstance(value, int) and not isinstance(value, bool):
-        return float(value)
-    if not isinstance(value, types):
-        raise ValueError(f"{where}: {key} must be {' or '.join(t.__name__ for t in types)}, "
-                         f"got {value!r}")
+def _natural(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be a whole number, 0 or more, got {text!r}")
     return value
+
+
+def _non_negative(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not (math.isfinite(value) and value >= 0):
+        raise argparse.ArgumentTypeError(f"must be a number, 0 or more, got {text!r}")
+    return value
+
+
+_natural.__name__, _non_negative.__name__ = "count", "number"
+_PLAN_GROUPS = ("devices, as", "pins", "training")
+
+
+def _plan_dests() -> tuple[str, ...]:
+    """The dests of the flags partc.cli defines for both commands."""
+    return tuple(action.dest for group in parser()._action_groups
+                 if group.title and group.title.startswith(_PLAN_GROUPS)
+                 for action in group._group_actions)
+
+
+# What a TOML value of a flag may be: the Python types TOML gives, by the flag's type.
+_WHOLE = (cli.COUNT, _natural, int)
+_REAL = (cli.POSITIVE, cli.FRACTION, cli.SECONDS, _non_negative, float)
+
+
+def _toml_argv(key: str, value: Any, action: argparse.Action, where: str) -> list[str]:
+    """The command-line words that say what ``key = value`` says in the file."""
+    flag = next((o for o in action.option_strings
+                 if o.startswith("--") and not o.startswith("--no-")), None)
+
+    def wrong(expected: str) -> ValueError:
+        return ValueError(f"{where}: {key} must be {expected}, got {value!r}")
+
+    if isinstance(action, argparse.BooleanOptionalAction):
+        if not isinstance(value, bool):
+            raise wrong("bool")
+        return [flag if value else "--no-" + flag[2:]]
+    if action.nargs == 0:   # store_true
+        if not isinstance(value, bool):
+            raise wrong("bool")
+        return [flag] if value else []
+    if isinstance(action, argparse._AppendAction):
+        items = value if isinstance(value, list) else [value]
+        words = []
+        for item in items:
+            if isinstance(item, list) and all(isinstance(x, str) for x in item):
+                item = ",".join(item)
+            if not isinstance(item, str):
+                raise wrong("a string or a list of strings")
+            words += [flag, item]
+        return words
+    whole_choices = action.choices is not None and all(isinstance(c, int)
+                                                       for c in action.choices)
+    if whole_choices or action.type in _WHOLE:
+        ok, expected = isinstance(value, int) and not isinstance(value, bool), "int"
+    elif action.type in _REAL:
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+        expected = "a number"
+    elif action.type in (cli.SIZES, cli.RATE):
+        if isinstance(value, list) and action.type is cli.SIZES:
+            value = ",".join(str(v) for v in value)
+        ok = isinstance(value, (str, int)) and not isinstance(value, bool)
+        expected = "a size such as \"10MiB\"" if action.type is cli.SIZES else \
+            "a rate such as \"900GB/s\""
+    else:
+        ok, expected = isinstance(value, str), "str"
+    if not ok:
+        raise wrong(expected)
+    return [str(value)] if flag is None else [flag, str(value)]
 
 
 def read_config_file(path: str | Path) -> dict[str, Any]:
     """The settings of a TOML config file (one flat table; keys as the flags, ``-`` or
-    ``_``); an unknown key or a value of the wrong type is a ValueError naming it."""
+    ``_``), each read as its flag is: a dict by argparse dest. An unknown key, a value of
+    the wrong type or one its flag refuses is a ValueError naming it."""
     path = Path(path)
     try:
         data = tomllib.loads(path.read_text(encoding="utf-8"))
@@ -161,65 +322,49 @@ def read_config_file(path: str | Path) -> dict[str, Any]:
         raise ValueError(f"cannot read config file {path}: {error.strerror}") from None
     except tomllib.TOMLDecodeError as error:
         raise ValueError(f"config file {path} is not valid TOML: {error}") from None
-    settings: dict[str, Any] = {}
+    p = parser()
+    actions = {action.dest: action for action in p._actions
+               if action.dest not in ("help", "config")}
+    words: list[str] = []
     for raw_key, value in data.items():
         key = raw_key.replace("-", "_")
-        if key not in _FIELD_TYPES or key == "config":
+        if key not in actions:
             raise ValueError(f"config file {path}: unknown key {raw_key!r}; known keys: "
-                             f"{', '.join(sorted(_FIELD_TYPES))}")
-        settings[key] = _checked(key, value, f"config file {path}")
-    return settings
+                             f"{', '.join(sorted(actions))}")
+        said = _toml_argv(key, value, actions[key], f"config file {path}")
+        words = said + words if key == "target" else words + said
+    try:
+        return vars(p.parse_args(words))
+    except cli.UsageError as error:
+        said = str(error).split("error: ", 1)[-1].rsplit(" (see ", 1)[0]
+        raise ValueError(f"config file {path}: {said}") from None
 
 
-def parser() -> argparse.ArgumentParser:
-    """The flags; each defaults to absent, so that the config file fills what is not given."""
-    p = argparse.ArgumentParser(prog="partc train", description=__doc__.splitlines()[0],
-                                argument_default=argparse.SUPPRESS)
-    p.add_argument("target", nargs="?", help="path/to/file.py:factory")
-    p.add_argument("--config", help="TOML file with these settings (flags win over it)")
-    p.add_argument("--steps", type=int, help="optimizer steps to train")
-    budget = p.add_argument_group("budget and plan (as partc plan)")
-    budget.add_argument("--device", help="device preset (default: the profile's, or partc's)")
-    budget.add_argument("--profile", help="device profile from partc calibrate")
-    budget.add_argument("--memory", help="memory per device, e.g. 40GiB, or a comma list")
-    budget.add_argument("--devices-per-node", type=int)
-    for name in ("pp", "dp", "tp"):
-        budget.add_argument(f"--{name}", type=int, help=f"pin the {name} degree")
-    budget.add_argument("--sequence-parallel", action="store_true",
-                        help="with tp: shard norms and dropouts on the sequence too")
-    budget.add_argument("--zero-stage", type=int, choices=ZERO_STAGES)
-    budget.add_argument("--microbatches", type=int, help="pin the number of microbatches")
-    budget.add_argument("--schedule", choices=SCHEDULE_NAMES)
-    budget.add_argument("--recompute", choices=RECOMPUTE_MODES)
-    budget.add_argument("--global-batch", type=int, help="samples per optimizer step")
-    budget.add_argument("--micro-batch", type=int, help="samples per microbatch")
-    budget.add_argument("--dtype", choices=DTYPE_NAMES)
-    budget.add_argument("--time-limit", type=float, help="solver seconds (default 30)")
-    opt = p.add_argument_group("optimizer")
-    opt.add_argument("--optimizer", choices=OPTIMIZERS, help="default adamw")
-    opt.add_argument("--lr", type=float, help="peak learning rate (default 3e-4)")
-    opt.add_argument("--min-lr", type=float, help="learning rate at the last step (default 0)")
-    opt.add_argument("--warmup-steps", type=int, help="linear warm-up steps (default 0)")
-    opt.add_argument("--weight-decay", type=float, help="default 0")
-    opt.add_argument("--momentum", type=float, help="sgd's momentum (default 0)")
-    opt.add_argument("--max-grad-norm", type=float, help="clip the global gradient 2-norm")
-    run = p.add_argument_group("evaluation and logging")
-    run.add_argument("--eval-every", type=int, help="evaluate the held-out batch every K steps")
-    run.add_argument("--log-dir", help="directory for rank<k>.jsonl telemetry")
-    run.add_argument("--tensorboard", action="store_true",
-                     help="also write TensorBoard events under <log-dir>/tensorboard")
-    run.add_argument("--warn-ratio", type=float,
-                     help="warn when time or memory departs from the plan by more (0.25)")
-    run.add_argument("--seed", type=int, help="torch seed before the factory (default 0)")
-    run.add_argument("-q", "--quiet", action="store_true", help="no report, no progress lines")
-    return p
+def _exclusive_with(p: argparse.ArgumentParser, given: dict[str, Any]) -> set[str]:
+    """The dests a flag in ``given`` excludes (its mutually exclusive group's others)."""
+    out = set()
+    for group in p._mutually_exclusive_groups:
+        dests = {action.dest for action in group._group_actions}
+        if dests & given.keys():
+            out |= dests - given.keys()
+    return out
 
 
 def parse_config(argv: list[str]) -> TrainConfig:
     """Flags over the config file over the defaults."""
-    given = vars(parser().parse_args(argv))
+    p = parser()
+    if any(word == "--devices" or word.startswith("--devices=") for word in argv):
+        raise cli._refused("no --devices here: the number of devices is the launch's world "
+                           "size (torchrun --nproc-per-node, --nnodes)", COMMAND)
+    given = vars(p.parse_args(argv))
     from_file = read_config_file(given.pop("config")) if "config" in given else {}
-    return TrainConfig(**{**from_file, **given})
+    for dest in _exclusive_with(p, given):   # --recompute on the command line wins over
+        from_file.pop(dest, None)            # recompute_layer in the file, and so on
+    settings = {**from_file, **given}
+    plan_dests = set(_plan_dests())
+    # --optimizer is a TrainSpec flag that also picks the torch optimizer: a field here.
+    plan = {k: settings.pop(k) for k in list(settings) if k in plan_dests and k != "optimizer"}
+    return TrainConfig(**settings, plan=plan)
 
 
 def learning_rate(step: int, config: TrainConfig) -> float:
@@ -250,59 +395,49 @@ def _held_out(workload: dict[str, Any]) -> tuple[tuple, Any]:
     return _batch(source() if callable(source) else source, "eval_data")
 
 
-def _train_spec(config: TrainConfig, workload: dict[str, Any]) -> Any:
-    import torch
-
-    from .spec import TrainSpec
-
-    inputs = workload["example_inputs"]
-    first = inputs[0] if isinstance(inputs, (tuple, list)) else inputs
-    train = workload.get("train") or TrainSpec(global_batch_size=int(first.shape[0]))
-    dtypes = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
-              "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
-    overrides: dict[str, Any] = {
-        "optimizer": "sgd-momentum" if config.optimizer == "sgd" and config.momentum
-        else config.optimizer}
-    for key, name in (("global_batch_size", "global_batch"), ("micro_batch_size", "micro_batch"),
-                      ("max_grad_norm", "max_grad_norm")):
-        if getattr(config, name) is not None:
-            overrides[key] = getattr(config, name)
-    if config.dtype is not None:
-        overrides["dtype"] = dtypes[config.dtype]
-    return replace(train, **overrides)
-
-
 def _optimizer(module: Any, config: TrainConfig) -> Any:
     import torch
 
-    if config.optimizer == "sgd":
+    if config.optimizer.startswith("sgd"):
         return module.optimizer(torch.optim.SGD, lr=config.lr, momentum=config.momentum,
                                 weight_decay=config.weight_decay)
     cls = torch.optim.AdamW if config.optimizer == "adamw" else torch.optim.Adam
     return module.optimizer(cls, lr=config.lr, weight_decay=config.weight_decay)
 
 
-def compile_workload(config: TrainConfig, workload: dict[str, Any], world_size: int) -> Any:
-    """The Program for ``workload`` on ``world_size`` devices as ``config`` says."""
-    from .budget import DeviceBudget
+def check(config: TrainConfig, world_size: int) -> tuple[Any, Any]:
+    """What can be checked before the model is built, as ``partc plan`` checks it: the
+    factory's file, the flags together, the budget and the pins. Returns ``(budget,
+    constraints)``; raises :class:`partc.cli.UsageError` or ValueError naming the
+    problem."""
+    args = config.plan_arguments()
+    cli.check_flags(args, world_size, COMMAND)
+    cli.check_target(config.target, COMMAND)
+    if config.out is not None and Path(config.out).exists() and not Path(config.out).is_dir():
+        raise cli._refused(f"--out {config.out} is a file, not a directory", COMMAND)
+    fixed: dict[str, Any] = {"num_devices": world_size}
+    if args.device is None and args.profile is None and not _has_gpu():
+        fixed["device"] = CPU_PRESET   # plan for the devices that train
+    return cli._budget(args, **fixed), cli._constraints(args)
+
+
+def _has_gpu() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def compile_workload(config: TrainConfig, workload: dict[str, Any], world_size: int, *,
+                     checked: tuple[Any, Any] | None = None) -> Any:
+    """The Program for ``workload`` on ``world_size`` devices as ``config`` says (the
+    budget and constraints :func:`check` gave, or made again)."""
     from .compiler import compile
     from .options import PlannerOptions
-    from .spec import Constraints
 
-    memory = None
-    if config.memory is not None:
-        parts = tuple(part.strip() for part in config.memory.split(","))
-        memory = parts[0] if len(parts) == 1 else parts
-    budget = DeviceBudget(num_devices=world_size, device=config.device,
-                          profile=config.profile, memory=memory,
-                          devices_per_node=config.devices_per_node)
-    constraints = Constraints(pp=config.pp, dp=config.dp, tp=config.tp,
-                              sequence_parallel=config.sequence_parallel,
-                              zero_stage=config.zero_stage,
-                              num_microbatches=config.microbatches,
-                              schedule=config.schedule, recompute=config.recompute)
+    budget, constraints = checked or check(config, world_size)
     return compile(workload["model"], workload["example_inputs"], budget=budget,
-                   train=_train_spec(config, workload), loss_fn=workload.get("loss_fn"),
+                   train=cli._train(config.plan_arguments(), workload),
+                   loss_fn=workload.get("loss_fn"),
                    example_target=workload.get("example_target"), constraints=constraints,
                    name=workload.get("name"),
                    options=PlannerOptions(time_limit_s=config.time_limit))
@@ -342,23 +477,31 @@ def train(module: Any, optimizer: Any, workload: dict[str, Any], config: TrainCo
 
 
 def prepare(config: TrainConfig) -> tuple[Any, Any, Any, dict[str, Any]]:
-    """Seed, make the workload, compile, build this rank's module, turn its telemetry on
-    and make the optimizer: ``(module, optimizer, telemetry, workload)``. Under torchrun
-    (or as one process)."""
+    """Check, seed, make the workload, compile, build this rank's module, turn its
+    telemetry on and make the optimizer: ``(module, optimizer, telemetry, workload)``.
+    Under torchrun (or as one process). Rank 0 prints the report and, with ``out``,
+    saves the program."""
     import torch
 
-    from .cli import load_factory
     from .runtime.topology import world_size_from_env
 
+    world = world_size_from_env()
+    checked = check(config, world)   # before the model is built
     torch.manual_seed(config.seed)   # every rank builds the same initial weights
-    workload = load_factory(config.target)
+    workload = cli.load_factory(config.target)
     if not callable(workload.get("data")):
         raise ValueError(f"{config.target} must return a dict with a 'data' key: a callable "
                          "data(step) -> (inputs, target) giving the global batch of a step")
-    program = compile_workload(config, workload, world_size_from_env())
+    program = compile_workload(config, workload, world, checked=checked)
     module = program.build()
-    if module.topology.rank == 0 and not config.quiet:
-        print(program.report(), flush=True)
+    if module.topology.rank == 0:
+        if not config.quiet:
+            print(program.report(), flush=True)
+        if config.out is not None:
+            out = program.save(config.out)
+            (out / "report.html").write_text(program.report("html"))
+            print(f"program saved to {out} (plan.json, report.md, report.html, code/)",
+                  flush=True)
     telemetry = module.telemetry(jsonl_dir=config.log_dir, console=not config.quiet,
                                  tensorboard_dir=(Path(config.log_dir) / "tensorboard"
                                                   if config.tensorboard else None),
@@ -366,18 +509,154 @@ def prepare(config: TrainConfig) -> tuple[Any, Any, Any, dict[str, Any]]:
     return module, _optimizer(module, config), telemetry, workload
 
 
-def run(config: TrainConfig) -> int:
-    """Prepare, train, and leave the process group."""
-    import torch.distributed as dist
+# -- checkpoints ------------------------------------------------------------------------------
+
+def data_digest(workload: dict[str, Any], step: int) -> str:
+    """A digest of ``data(step)``'s batch (shapes, dtypes and bytes): a resumed run whose
+    data differs from the checkpoint's reads another batch at the checkpoint's last step."""
+    import torch
+
+    digest = hashlib.sha256()
+    inputs, target = _batch(workload["data"](step), f"data({step})")
+    for value in (*inputs, target):
+        if isinstance(value, torch.Tensor):
+            flat = value.detach().cpu().contiguous().reshape(-1)
+            digest.update(f"{value.dtype}{tuple(value.shape)}".encode())
+            digest.update(flat.view(torch.uint8).numpy().tobytes())
+        else:
+            digest.update(repr(value).encode())
+    return digest.hexdigest()
+
+
+def _record(config: TrainConfig, workload: dict[str, Any], step: int) -> dict[str, Any]:
+    """What a checkpoint of ``step`` keeps of the launcher's settings (its ``extra``)."""
+    return {"launcher": {"seed": config.seed, "steps": config.steps,
+                         "lr": config.lr, "min_lr": config.min_lr,
+                         "warmup_steps": config.warmup_steps, "target": config.target,
+                         "data": {"step": step - 1, "sha256": data_digest(workload, step - 1)}}}
+
+
+def check_resume(extra: dict[str, Any], config: TrainConfig, workload: dict[str, Any],
+                 step: int, where: Any) -> None:
+    """Refuse to continue a checkpoint whose data order this run would not follow: another
+    seed, or another batch at the checkpoint's last step. Another ``steps`` (or schedule)
+    is allowed and logged: the learning rate from here follows this run's."""
+    saved = extra.get("launcher")
+    if saved is None:
+        raise ValueError(f"the checkpoint at {where} was not written by partc train (its "
+                         "extra has no 'launcher' record): resume it with the program that "
+                         "wrote it")
+    if saved["seed"] != config.seed:
+        raise ValueError(f"the checkpoint at {where} was trained with --seed "
+                         f"{saved['seed']}, this run has --seed {config.seed}: resume with "
+                         f"--seed {saved['seed']}")
+    if step > 0 and data_digest(workload, saved["data"]["step"]) != saved["data"]["sha256"]:
+        raise ValueError(f"the checkpoint at {where} read another batch at step "
+                         f"{saved['data']['step'] + 1} than data({saved['data']['step']}) "
+                         f"of {config.target} gives now: its data order differs (another "
+                         "data set, batch size or factory argument); resume with the data "
+                         "it was trained on")
+    schedule = ("steps", "lr", "min_lr", "warmup_steps")
+    changed = [f"{k} {saved[k]} -> {getattr(config, k)}" for k in schedule
+               if saved[k] != getattr(config, k)]
+    if changed:
+        log.info("resuming with another schedule (%s): the learning rate from step %d "
+                 "follows this run's", ", ".join(changed), step + 1)
+
+
+class _Checkpoints:
+    """``after_step`` for :func:`train`: saves every ``checkpoint_every`` steps and after
+    the last, and on a stop signal saves the step and asks training to stop."""
+
+    def __init__(self, module: Any, optimizer: Any, workload: dict[str, Any],
+                 config: TrainConfig) -> None:
+        self.module, self.optimizer, self.workload = module, optimizer, workload
+        self.config = config
+        self.directory = Path(config.checkpoint_dir)
+        self.stopped = False
+
+    def save(self, step: int, *, async_save: bool) -> None:
+        path = self.module.save_checkpoint(
+            self.directory, optimizer=self.optimizer, step=step,
+            extra=_record(self.config, self.workload, step), async_save=async_save,
+            keep=self.config.keep)
+        if self.module.topology.rank == 0 and not self.config.quiet:
+            print(f"checkpoint: step {step} {'saving' if async_save else 'saved'} to {path}",
+                  flush=True)
+
+    def __call__(self, done: int) -> bool:
+        if self.module.stop_requested():   # every rank, the same step
+            self.save(done, async_save=False)
+            self.stopped = True
+            return True
+        every = self.config.checkpoint_every
+        if done == self.config.steps or (every and done % every == 0):
+            self.save(done, async_save=self.config.async_save)
+        return False
+
+
+@dataclass
+class Outcome:
+    """What :func:`execute` did: the exit status, the first step trained (0-based: the
+    resumed checkpoint's step) and the steps' losses."""
+
+    status: int
+    start_step: int
+    losses: list[float]
+
+
+def execute(config: TrainConfig) -> Outcome:
+    """Prepare, resume if asked, train with checkpoints; the process group stays (:func:`run`
+    leaves it). ``status`` is 0, or SUSPEND_EXIT_CODE when a stop signal ended training
+    after saving its step."""
+    from .runtime import checkpoint
+    from .runtime.suspend import SUSPEND_EXIT_CODE
 
     module, optimizer, telemetry, workload = prepare(config)
     try:
-        train(module, optimizer, workload, config, telemetry=telemetry)
+        start = 0
+        saver = None
+        if config.checkpoint_dir is not None:
+            saver = _Checkpoints(module, optimizer, workload, config)
+            found = checkpoint.latest(config.checkpoint_dir) if config.resume else None
+            if found is not None:
+                # Checked before any tensor is read (every rank reads the same manifest).
+                manifest = checkpoint.read_manifest(found)
+                check_resume(manifest["extra"], config, workload, manifest["step"], found)
+                start, _ = module.load_checkpoint(found, optimizer=optimizer)
+                if module.topology.rank == 0 and not config.quiet:
+                    print(f"resumed from {found} at step {start} on "
+                          f"{module.topology.world_size} processes", flush=True)
+            # Installs the signal handlers before the first step; a signal during the
+            # build stops here, with nothing new to save.
+            if module.stop_requested():
+                return Outcome(SUSPEND_EXIT_CODE, start, [])
+        if start >= config.steps and module.topology.rank == 0:
+            print(f"nothing to train: the checkpoint is at step {start}, --steps is "
+                  f"{config.steps}", flush=True)
+        losses = train(module, optimizer, workload, config, telemetry=telemetry,
+                       start_step=start, after_step=saver)
+        if saver is not None:
+            module.wait_checkpoint()   # an asynchronous save under way ends before exit
+            if saver.stopped:
+                if module.topology.rank == 0:
+                    print(f"stopped on a signal at step {start + len(losses)}, saved; "
+                          f"exiting with {SUSPEND_EXIT_CODE}", flush=True)
+                return Outcome(SUSPEND_EXIT_CODE, start, losses)
+        return Outcome(0, start, losses)
     finally:
         module.close()
-    dist.barrier()
+
+
+def run(config: TrainConfig) -> int:
+    """:func:`execute`, then leave the process group; returns the exit status."""
+    import torch.distributed as dist
+
+    outcome = execute(config)
+    if outcome.status == 0:
+        dist.barrier()
     dist.destroy_process_group()
-    return 0
+    return outcome.status
 
 
 def main(argv: list[str]) -> int:
@@ -386,15 +665,21 @@ def main(argv: list[str]) -> int:
 
     try:
         config = parse_config(argv)
+    except cli.UsageError as error:   # a bad flag, one line naming it
+        print(error, file=sys.stderr)
+        return 2
     except ValueError as error:
         print(f"partc train: {error}", file=sys.stderr)
         return 2
-    except SystemExit as exit_:   # argparse: --help (0) or a bad flag (2), already printed
+    except SystemExit as exit_:   # argparse: --help (0)
         return exit_.code if isinstance(exit_.code, int) else 2
     logging.basicConfig(level=logging.WARNING if config.quiet else logging.INFO,
                         format="partc: %(message)s", stream=sys.stderr)
     try:
         return run(config)
+    except cli.UsageError as error:
+        print(error, file=sys.stderr)
+        return 2
     except PartcError as error:
         print(f"partc train: {type(error).__name__}: {error}", file=sys.stderr)
         return 2

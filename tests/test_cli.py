@@ -46,6 +46,8 @@ def test_help_and_version_import_no_torch():
               "        main(argv)\n"
               "    except SystemExit as done:\n"
               "        assert done.code == 0, (argv, done.code)\n"
+              "assert main(['train', '--help']) == 0\n"
+              "assert main(['train', 'x.py:f', '--steps', '1', '--memory', '4G']) == 2\n"
               "bad = ['plan', 'x.py:f', '--devices', '2', '--device', 'H100-80G']\n"
               "assert main(bad) == 2\n"
               "heavy = [m for m in ('torch', 'ortools', 'networkx') if m in sys.modules]\n"
@@ -58,6 +60,8 @@ def test_help_and_version_import_no_torch():
     assert "usage: partc plan" in done.stdout and "GiB" in done.stdout
     assert f"partc {version('partc')}" in done.stdout
     assert "did you mean 'H100-80GB'" in done.stderr
+    assert "usage: partc train" in done.stdout and "--checkpoint-dir" in done.stdout
+    assert "partc train: error: argument --memory: '4G' is ambiguous" in done.stderr
 
 
 def test_public_names_are_there_without_importing_them_first():

@@ -6,12 +6,23 @@ from __future__ import annotations
 
 import itertools
 import math
+import re
 
 import pytest
 import torch
 
 from partc import launcher
+from partc.choices import OPTIMIZER_STATE_BYTES
+from partc.cli import (
+    BUDGET_FLAGS,
+    PIN_FLAGS,
+    TRAIN_FLAGS,
+    _budget,
+    _constraints,
+    _parser,
+)
 from partc.launcher import TrainConfig, learning_rate, parse_config, read_config_file
+from partc.presets import DEFAULT_DEVICE
 
 
 def _toml(tmp_path, text: str) -> str:
@@ -25,8 +36,56 @@ def test_flags_alone():
                            "--momentum", "0.9", "--sequence-parallel", "--tp", "2"])
     assert (config.target, config.steps, config.lr, config.optimizer) == ("m.py:f", 5, 0.01,
                                                                          "sgd")
-    assert (config.momentum, config.sequence_parallel, config.tp) == (0.9, True, 2)
+    assert config.momentum == 0.9 and config.train_optimizer == "sgd-momentum"
+    assert config.plan == {"sequence_parallel": True, "tp": 2}
     assert config.warmup_steps == 0 and config.eval_every == 0   # defaults
+    assert config.checkpoint_dir is None and not config.resume
+
+
+def test_the_plan_flags_are_partc_plans():
+    """Every budget, pin and training flag of ``partc plan`` but --devices (the world size
+    is the number of devices), read by the same readers into the same objects."""
+    plan = _parser()._subparsers._group_actions[0].choices["plan"]
+    shared = {*BUDGET_FLAGS.values(), *PIN_FLAGS.values(), *TRAIN_FLAGS.values(),
+              "--recompute-layer"} - {"--devices"}
+    train = {o for action in launcher.parser()._actions for o in action.option_strings}
+    planned = {o for action in plan._actions for o in action.option_strings}
+    assert shared <= train and shared <= planned and "--devices" not in train
+    argv = ["--pp", "2", "--dp", "2", "--no-sequence-parallel", "--tp-objective", "memory",
+            "--stage", "a,b", "--stage", "c", "--recompute-layer", "a=full",
+            "--microbatches", "4", "--micro-batch", "2", "--schedule", "gpipe", "--zero", "1",
+            "--memory", "40GiB,40GB", "--hbm-bandwidth", "1TB/s", "--device", "a100"]
+    config = parse_config([f"{__file__}:never", "--steps", "1", *argv])
+    budget, constraints = launcher.check(config, 2)
+    args = _parser().parse_args(["plan", "m.py:f", "--devices", "2", *argv])
+    assert constraints == _constraints(args) and budget == _budget(args)
+    assert budget.memory_bytes == (40 * 2**30, 40 * 10**9) and budget.num_devices == 2
+    assert launcher.OPTIMIZERS == tuple(sorted(OPTIMIZER_STATE_BYTES))
+    # without --device or --profile: the devices that train (CPU where torch sees no GPU)
+    budget, _ = launcher.check(parse_config([f"{__file__}:never", "--steps", "1"]), 1)
+    assert budget.device == ("CPU" if not torch.cuda.is_available() else DEFAULT_DEVICE)
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["--memory", "40G"], "'40G' is ambiguous"),
+    (["--zero-stage", "1"], "unrecognized arguments: --zero-stage"),
+    (["--devices", "2"], "no --devices here: the number of devices is the launch's world"),
+    (["--schedule", "zb"], "invalid choice: 'zb'"),
+    (["--resume"], "--resume needs --checkpoint-dir"),
+    (["--keep", "0"], "argument --keep: must be a positive whole number"),
+    (["--memory", "1GiB,1GiB,1GiB"], "3 sizes for 1 devices"),
+    (["--global-batch", "6", "--micro-batch", "4"], "does not divide"),
+])
+def test_bad_flags_are_refused_before_the_model(capsys, argv, says):
+    assert launcher.main([f"{__file__}:never", "--steps", "2", *argv]) == 2
+    err = capsys.readouterr().err
+    assert says in err and err.count("\n") == 1, err
+    assert launcher.main(["no/such.py:f", "--steps", "1"]) == 2
+    assert "no such file: no/such.py" in capsys.readouterr().err
+
+
+def never():
+    raise SystemExit("the model was built")
 
 
 def test_flags_win_over_the_file(tmp_path):
@@ -35,9 +94,31 @@ def test_flags_win_over_the_file(tmp_path):
     config = parse_config(["--config", path, "--steps", "4"])
     assert config.steps == 4                       # the flag
     assert config.lr == 1.0 and isinstance(config.lr, float)   # the file; int widened
-    assert (config.max_grad_norm, config.warmup_steps) == (1.0, 3)
+    assert (config.plan["max_grad_norm"], config.warmup_steps) == (1.0, 3)
     assert (config.tensorboard, config.log_dir, config.target) == (True, "logs", "m.py:f")
     assert parse_config(["other.py:g", "--config", path]).target == "other.py:g"
+
+
+def test_the_file_is_read_as_the_flags(tmp_path):
+    path = _toml(tmp_path, 'target = "m.py:f"\nsteps = 2\nmemory = "10MiB"\nzero = 1\n'
+                           'stage = [["a", "b"], "c"]\nsequence-parallel = false\n'
+                           'recompute = "full"\ncheckpoint-dir = "ckpt"\nresume = true\n'
+                           'hbm_bandwidth = "1TB/s"\n')
+    config = parse_config(["--config", path])
+    assert config.plan == {"memory": 10 * 2**20, "zero": 1, "stage": [("a", "b"), ("c",)],
+                           "sequence_parallel": False, "recompute": "full",
+                           "hbm_bandwidth": 1e12}
+    assert (config.checkpoint_dir, config.resume) == ("ckpt", True)
+    # a flag wins over the file, also over the other member of an exclusive pair
+    config = parse_config(["--config", path, "--recompute-layer", "a=none", "--zero", "2"])
+    assert "recompute" not in config.plan and config.plan["recompute_layer"] == [("a", "none")]
+    assert config.plan["zero"] == 2
+    for text, says in (('memory = "40G"\n', "argument --memory: '40G' is ambiguous"),
+                       ("zero = 5\n", "invalid choice: 5"),
+                       ('zero = "1"\n', "zero must be int"),
+                       ("stage = [1]\n", "stage must be a string or a list of strings")):
+        with pytest.raises(ValueError, match=re.escape(says)):
+            read_config_file(_toml(tmp_path, text))
 
 
 def test_unknown_key_is_refused_by_name(tmp_path):
@@ -58,6 +139,10 @@ def test_wrong_types_and_values_are_refused(tmp_path):
         TrainConfig(target="m.py:f")
     with pytest.raises(ValueError, match="optimizer must be one of"):
         TrainConfig(target="m.py:f", steps=1, optimizer="lion")
+    with pytest.raises(ValueError, match="sgd-momentum needs --momentum"):
+        TrainConfig(target="m.py:f", steps=1, optimizer="sgd-momentum")
+    with pytest.raises(ValueError, match="--checkpoint-every, --keep need --checkpoint-dir"):
+        TrainConfig(target="m.py:f", steps=1, checkpoint_every=2, keep=1)
     with pytest.raises(ValueError, match="min_lr 1.0 is above lr"):
         TrainConfig(target="m.py:f", steps=1, lr=0.1, min_lr=1.0)
     with pytest.raises(ValueError, match="tensorboard needs log_dir"):
@@ -136,3 +221,25 @@ def test_help_and_bad_flags_return_a_status(capsys):
     assert launcher.main(["--help"]) == 0
     assert "--max-grad-norm" in capsys.readouterr().out
     assert launcher.main(["m.py:f", "--steps", "two"]) == 2
+
+
+def test_a_resume_whose_data_or_seed_differs_is_refused(caplog):
+    config = TrainConfig(target="m.py:f", steps=6, checkpoint_dir="ckpt", resume=True)
+    workload = {"data": lambda step: (torch.arange(4) + step, torch.zeros(2))}
+    extra = launcher._record(config, workload, 4)
+    assert extra["launcher"]["data"]["step"] == 3
+    launcher.check_resume(extra, config, workload, 4, "ckpt/step-4")   # the same: fine
+    shifted = {"data": lambda step: (torch.arange(4) + step + 1, torch.zeros(2))}
+    with pytest.raises(ValueError, match="read another batch at step 4"):
+        launcher.check_resume(extra, config, shifted, 4, "ckpt/step-4")
+    wider = {"data": lambda step: (torch.arange(4.0) + step, torch.zeros(2))}   # dtype
+    with pytest.raises(ValueError, match="its data order differs"):
+        launcher.check_resume(extra, config, wider, 4, "ckpt/step-4")
+    with pytest.raises(ValueError, match="resume with --seed 0"):
+        launcher.check_resume(extra, TrainConfig(target="m.py:f", steps=6, seed=1),
+                              workload, 4, "ckpt/step-4")
+    with pytest.raises(ValueError, match="not written by partc train"):
+        launcher.check_resume({"data": {}}, config, workload, 4, "ckpt/step-4")
+    with caplog.at_level("INFO", logger="partc"):   # more steps: allowed, said
+        launcher.check_resume(extra, TrainConfig(target="m.py:f", steps=9), workload, 4, "c")
+    assert "steps 6 -> 9" in caplog.text

@@ -79,6 +79,10 @@ def init(plan: Plan, device: torch.device | str | None = None) -> Topology:
             # One process and no launcher: a private store, no network.
             dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1,
                                     timeout=timeout)
+        elif os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+            dist.init_process_group(backend, store=_attempt_store(timeout),
+                                    rank=int(os.environ["RANK"]),
+                                    world_size=world_size_from_env(), timeout=timeout)
         else:
             dist.init_process_group(backend, timeout=timeout)
     if device.type == "cuda":
@@ -90,6 +94,18 @@ def init(plan: Plan, device: torch.device | str | None = None) -> Topology:
     return Topology(rank=rank, world_size=dist.get_world_size(), pp=plan.pp, dp=plan.dp,
                     pp_rank=rank // (plan.dp * tp), dp_rank=rank // tp % plan.dp,
                     device=device, mesh=mesh, tp=tp, tp_rank=rank % tp)
+
+
+def _attempt_store(timeout: datetime.timedelta) -> dist.Store:
+    """The store of torchrun's agent under a prefix for this attempt. The agent keeps one
+    store across ``--max-restarts`` restarts, and a process group made on it directly
+    finds the previous attempt's gloo addresses there: a rank that joins before its
+    peers connects to a dead address and fails. Keys of attempt k live under
+    ``partc/attempt-<k>/`` (TORCHELASTIC_RESTART_COUNT)."""
+    agent = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                          world_size_from_env(), is_master=False, timeout=timeout)
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    return dist.PrefixStore(f"partc/attempt-{attempt}", agent)
 
 
 def _default_device() -> torch.device:

@@ -3,6 +3,9 @@ then evaluate, and write what was seen to ``<out>/rank<k>.json``.
 
     torchrun --standalone --nproc-per-node=2 tests/runtime/launcher_worker.py OUT
 
+Checkpoints: ``_checkpoint_and_resume`` saves, resumes on another plan and refuses a
+resume with another seed (test_launcher_run.py's last test).
+
 Two runs of the sample GPT's factory (tiny): pp=2 for 5 steps with telemetry to
 ``<out>/telemetry`` and an evaluation after the last step, then dp=2 for one step. Before
 the pp=2 run and after each, ``module.evaluate`` on the held-out batch is compared with the same loss in one
@@ -86,12 +89,42 @@ def _run(argv: list[str], *, evaluate_first: bool = False) -> dict:
     return results
 
 
+def _execute(argv: list[str]) -> dict:
+    """One launch of ``partc train`` (``launcher.execute``: all but leaving the process
+    group, which the next launch in this process reuses)."""
+    config = launcher.parse_config([f"{Path(__file__).resolve()}:small", *argv])
+    try:
+        outcome = launcher.execute(config)
+    except ValueError as error:
+        return {"refused": str(error)}
+    return {"status": outcome.status, "start": outcome.start_step, "losses": outcome.losses}
+
+
+def _checkpoint_and_resume(out: Path) -> dict:
+    """4 steps on pp=2 saving every 2 (keeping 1), then ``--resume --steps 6`` on dp=2,
+    against 6 uninterrupted steps on pp=2; then a resume with another seed. A constant
+    learning rate: the schedule does not depend on --steps."""
+    common = ["--lr", "3e-3", "--min-lr", "3e-3", "-q"]
+    ckpt = ["--checkpoint-dir", str(out / "ckpt")]
+    first = _execute(["--steps", "4", "--pp", "2", *ckpt, "--checkpoint-every", "2",
+                      "--keep", "1", "--resume", *common])
+    kept = sorted(p.name for p in (out / "ckpt").iterdir())
+    resumed = _execute(["--steps", "6", "--dp", "2", *ckpt, "--resume", "--log-dir",
+                        str(out / "resumed"), *common])
+    whole = _execute(["--steps", "6", "--pp", "2", *common])
+    other_seed = _execute(["--steps", "6", "--tp", "2", *ckpt, "--resume", "--seed", "1",
+                           *common])
+    return {"first": first, "kept": kept, "resumed": resumed, "whole": whole,
+            "other_seed": other_seed}
+
+
 def main(out: Path) -> None:
     results = {
         "pp2": _run(["--steps", str(STEPS), "--pp", "2", "--lr", "3e-3", "--warmup-steps",
                      "1", "--log-dir", str(out / "telemetry"), "--eval-every", str(STEPS)],
                     evaluate_first=True),
-        "dp2": _run(["--steps", "1", "--dp", "2", "--zero-stage", "3", "--lr", "3e-3", "-q"]),
+        "dp2": _run(["--steps", "1", "--dp", "2", "--zero", "3", "--lr", "3e-3", "-q"]),
+        "resume": _checkpoint_and_resume(out),
     }
     (out / f"rank{dist.get_rank()}.json").write_text(json.dumps(results))
     dist.barrier()

@@ -2,7 +2,9 @@
 on rank 0 and JSON lines on every rank, the loss falls as in one process (AdamW, warm-up
 and cosine), and ``module.evaluate`` gives the loss of one process on the same weights,
 through a pipeline (pp=2, before training too) and over data-parallel replicas (dp=2,
-ZeRO-3), changing nothing."""
+ZeRO-3), changing nothing. Checkpoints: 4 steps on pp=2 saved every 2, resumed with
+``--resume --steps 6`` on dp=2, continue at step 5 with the losses of 6 uninterrupted
+steps; a resume with another seed is refused."""
 
 from __future__ import annotations
 
@@ -14,6 +16,8 @@ import sys
 from pathlib import Path
 
 import pytest
+
+from partc.runtime.checkpoint import step_name
 
 from .launcher_worker import STEPS
 
@@ -85,3 +89,66 @@ def test_evaluate_is_one_process_loss_and_changes_nothing(launched, case, mesh, 
         lines = (launched[2] / "rank0.jsonl").read_text().splitlines()
         evals = [json.loads(x) for x in lines if '"eval"' in x]
         assert evals[-1]["eval_loss"] == pytest.approx(seen["evaluations"][-1]["loss"])
+
+
+def test_a_resumed_launch_on_another_plan_continues_the_run(launched):
+    ranks, _, telemetry = launched
+    for results in ranks:
+        seen = results["resume"]
+        first, resumed, whole = seen["first"], seen["resumed"], seen["whole"]
+        assert (first["status"], first["start"], len(first["losses"])) == (0, 0, 4)
+        assert seen["kept"] == ["latest", step_name(4)]   # --keep 1
+        assert (resumed["status"], resumed["start"], len(resumed["losses"])) == (0, 4, 2)
+        assert first["losses"] + resumed["losses"] == pytest.approx(whole["losses"], rel=RTOL)
+        assert "--seed 1" in seen["other_seed"]["refused"]
+    # telemetry numbers the resumed run's steps from the checkpoint's
+    lines = [json.loads(x) for x in (telemetry.parent / "resumed" / "rank0.jsonl")
+             .read_text().splitlines()]
+    assert [x["step"] for x in lines if x["event"] == "step"] == [5, 6]
+
+
+RESTARTED = '''
+import os, signal, sys
+sys.path.insert(0, {root!r})
+from samples import gpt
+
+
+def small():
+    made = gpt.factory(global_batch=8, seq=16, layers=2, width=32)
+    data = made["data"]
+
+    def dying(step):
+        # The first attempt's rank 1 dies as it reads step 3's batch.
+        if step == 2 and os.environ.get("TORCHELASTIC_RESTART_COUNT") == "0" \\
+                and os.environ.get("RANK") == "1":
+            os.kill(os.getpid(), signal.SIGKILL)
+        return data(step)
+
+    made["data"] = dying
+    return made
+'''
+
+
+def test_a_rank_that_dies_restarts_the_job_from_its_checkpoint(tmp_path):
+    """Under ``torchrun --max-restarts=1`` a rank killed in step 3 makes torchrun restart
+    the job; the same command (with ``--resume``) continues from the step-2 checkpoint.
+    (The restarted ranks join a process group whose store still holds the first
+    attempt's keys: partc keys each attempt apart, partc/runtime/topology.py.)"""
+    factory = tmp_path / "restarted.py"
+    factory.write_text(RESTARTED.format(root=str(Path(__file__).resolve().parents[2])))
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+               "--nproc-per-node=2", "--max-restarts=1", "-m", "partc", "train",
+               f"{factory}:small", "--steps", "4", "--pp", "2", "--lr", "3e-3",
+               "--checkpoint-dir", str(tmp_path / "ckpt"), "--checkpoint-every", "2",
+               "--resume"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PARTC_TIMEOUT_S": "120",
+           "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
+    # About 15 s; without the per-attempt keys the restarted job hangs in its first
+    # collective, so the limit is short.
+    done = subprocess.run(command, capture_output=True, text=True, timeout=240, env=env,
+                          cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-4000:]
+    assert "exitcode: -9" in done.stderr                     # the first attempt's rank 1
+    assert "at step 2 on 2 processes" in done.stdout         # resumed after the restart
+    assert done.stdout.count("step 2  loss") == 1            # not trained again
+    assert "step 4  loss" in done.stdout and "checkpoint: step 4 saved" in done.stdout
