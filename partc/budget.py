@@ -42,6 +42,13 @@ class DevicePreset:
     flops_efficiency: float
     # The torch device type it runs as: its autocast policy is that device's.
     device_type: str = "cuda"
+    # Fixed time per op and microbatch, forward and backward (per forward op), and per
+    # matmul call beyond its FLOPs (DeviceNumbers). On GPUs 0: eager kernel launches run
+    # ahead of the GPU and hide behind the kernels of models worth planning; a profile
+    # measured on the machine replaces them.
+    op_overhead_s: float = 0.0
+    op_overhead_backward_s: float = 0.0
+    matmul_overhead_s: float = 0.0
 
 
 PRESETS: dict[str, DevicePreset] = {
@@ -82,7 +89,13 @@ PRESETS: dict[str, DevicePreset] = {
             memory=16 * 2**30, hbm_bandwidth=20 * GB, devices_per_node=64,
             intra_node_bandwidth=5 * GB, inter_node_bandwidth=1.25 * GB,
             link_latency_s=50e-6, intra_node_latency_s=50e-6,
-            flops_efficiency=0.5, device_type="cpu"),
+            flops_efficiency=0.5, device_type="cpu",
+            # Eager PyTorch's dispatch on one CPU thread: about 10 us per op forward and
+            # twice that in backward (autograd's node plus the gradient kernels), which the
+            # op's own work does not hide on a CPU; 2 us per matmul call beyond its FLOPs.
+            # Round figures of what `partc calibrate` measured on a shared 2-core x86
+            # machine (14 and 30 us per op, 0-3 us per matmul).
+            op_overhead_s=10e-6, op_overhead_backward_s=20e-6, matmul_overhead_s=2e-6),
     )
 }
 _ALIASES = {"A100": "A100-80GB", "H100": "H100-80GB", "H200-141GB": "H200", "cpu": "CPU"}
@@ -133,6 +146,18 @@ class DeviceProfile:
     inter_node_bandwidth: float | None
     link_latency_s: float | None
     intra_node_latency_s: float | None = None
+    # Each collective kind's own fit inside a node: (kind, latency per step, bandwidth),
+    # kinds as partc.collectives names them ("send" for send/recv).
+    collective_links: tuple[tuple[str, float, float], ...] = ()
+    op_overhead_s: float | None = None
+    op_overhead_backward_s: float | None = None
+    matmul_overhead_s: float | None = None
+
+
+# Calibration's collective names -> the cost model's.
+_COLLECTIVE_KINDS = {"all_reduce": "all_reduce", "all_gather": "all_gather",
+                     "reduce_scatter": "reduce_scatter", "send_recv": "send"}
+_OVERHEADS = ("op_overhead_s", "op_overhead_backward_s", "matmul_overhead_s")
 
 
 def load_profile(path) -> DeviceProfile:
@@ -183,6 +208,17 @@ def _profile_from_dict(data: dict, where: str) -> DeviceProfile:
                                    f"(and finite), got {entry!r}")
         return {dtype: float(entry) for dtype, entry in value.items()}
 
+    def overhead(key: str) -> float | None:
+        """Written since profiles measure it; absent (an older profile) or null: None."""
+        value = budget.get(key)
+        if value is None:
+            return None
+        if isinstance(value, bool) or not isinstance(value, (int, float)) \
+                or not math.isfinite(value) or value < 0:
+            raise ProfileError(f"{where}: budget.{key} must be a number of seconds, 0 or "
+                               f"more, got {value!r}")
+        return float(value)
+
     required = {key: number(key) for key in _REQUIRED_NUMBERS}
     optional = {key: number(key, optional=True) for key in _OPTIONAL_NUMBERS}
     if required["flops_efficiency"] > 1:
@@ -201,7 +237,39 @@ def _profile_from_dict(data: dict, where: str) -> DeviceProfile:
         intra_node_bandwidth=optional["intra_node_bandwidth"],
         inter_node_bandwidth=optional["inter_node_bandwidth"],
         link_latency_s=optional["link_latency_s"],
-        intra_node_latency_s=optional["intra_node_latency_s"])
+        intra_node_latency_s=optional["intra_node_latency_s"],
+        collective_links=_collective_links(data, where),
+        **{key: overhead(key) for key in _OVERHEADS})
+
+
+def _collective_links(data: dict, where: str) -> tuple[tuple[str, float, float], ...]:
+    """Each collective's own fit: ``budget.collective_links`` (kind -> {latency_s,
+    bandwidth}), or in a profile written before it, the fits among the measurements.
+    A kind without a fit (noise hid its growth with size) is left to the joint fit."""
+    links = data["budget"].get("collective_links")
+    if links is None:
+        measured = (data.get("measurements") or {}).get("collectives") or {}
+        links = {kind: (measured.get(kind) or {}).get("fit") for kind in _COLLECTIVE_KINDS}
+    if not isinstance(links, dict):
+        raise ProfileError(f"{where}: budget.collective_links must map a collective to "
+                           f"its fit, got {links!r}")
+    found = []
+    for kind, fit in links.items():
+        if fit is None:
+            continue
+        if kind not in _COLLECTIVE_KINDS or not isinstance(fit, dict):
+            raise ProfileError(f"{where}: collective fit {kind!r}: {fit!r}; kinds are "
+                               f"{', '.join(_COLLECTIVE_KINDS)}, each {{latency_s, bandwidth}}")
+        latency, bandwidth = fit.get("latency_s"), fit.get("bandwidth")
+        for name, value in (("latency_s", latency), ("bandwidth", bandwidth)):
+            if isinstance(value, bool) or not isinstance(value, (int, float)) \
+                    or not math.isfinite(value) or value < 0 \
+                    or name == "bandwidth" and value == 0:
+                raise ProfileError(f"{where}: collective fit {kind}.{name} must be a "
+                                   f"{'positive' if name == 'bandwidth' else 'non-negative'}"
+                                   f" finite number, got {value!r}")
+        found.append((_COLLECTIVE_KINDS[kind], float(latency), float(bandwidth)))
+    return tuple(sorted(found))
 
 
 # ---------------------------------------------------------------------------- the budget
@@ -400,6 +468,25 @@ class DeviceBudget:
             return self._pick("intra_node_latency_s")
         except ValueError:
             return self.latency_s
+
+    @property
+    def collective_links(self) -> tuple[tuple[str, float, float], ...]:
+        """Inside a node, each collective kind's own (latency per step, bandwidth), from
+        the profile's per-collective fits; empty where there are none, or where a link
+        number was given to DeviceBudget (which then prices every kind)."""
+        if self._profile is None or self.intra_node_bandwidth is not None \
+                or self.intra_node_latency_s is not None:
+            return ()
+        return self._profile.collective_links
+
+    def overhead(self, name: str) -> float:
+        """``op_overhead_s``, ``op_overhead_backward_s`` or ``matmul_overhead_s``: the
+        profile's where it measured it, else the preset's (0 without a preset)."""
+        if name not in _OVERHEADS:
+            raise ValueError(f"no overhead {name!r}; one of {_OVERHEADS}")
+        if self._profile is not None and getattr(self._profile, name) is not None:
+            return getattr(self._profile, name)
+        return getattr(self._preset, name) if self._preset is not None else 0.0
 
     def to_dict(self, dtype: torch.dtype = torch.float32) -> dict:
         memory = self.memory_bytes

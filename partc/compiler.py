@@ -49,6 +49,10 @@ def device_numbers(budget: DeviceBudget, dtype: torch.dtype) -> DeviceNumbers:
         inter_node_bandwidth=budget.inter_node_bytes_per_s,
         link_latency_s=budget.latency_s,
         intra_node_latency_s=budget.intra_latency_s,
+        intra_node_links=budget.collective_links,
+        op_overhead_s=budget.overhead("op_overhead_s"),
+        op_overhead_backward_s=budget.overhead("op_overhead_backward_s"),
+        matmul_overhead_s=budget.overhead("matmul_overhead_s"),
     )
 
 
