@@ -386,7 +386,7 @@ def tp_comm_seconds(problem: PlanningProblem, config: PipelineConfig,
                     layer) -> dict[str, float]:
     """A layer's tensor-parallel collectives per microbatch, by phase (ring, in a node)."""
     group = Group.over(problem.devices, config.tp, config.tp)
-    scale = config.micro_batch_size * problem.train.activation_scale
+    scale = config.micro_batch_size * problem.train.measured_scale
     return collectives_seconds(((kind, phase, nbytes * scale)
                                 for kind, phase, nbytes in layer.tp_comm), group)
 
@@ -418,7 +418,7 @@ def _p2p_link(problem: PlanningProblem, config: PipelineConfig, boundary: int) -
 
 
 def _cut_table(problem: PlanningProblem, config: PipelineConfig) -> tuple[tuple[int, ...], ...]:
-    scale = problem.train.activation_scale * config.micro_batch_size
+    scale = problem.train.measured_scale * config.micro_batch_size
     links = [_p2p_link(problem, config, j) for j in range(config.virtual_stages - 1)]
     rows: dict[float, tuple[int, ...]] = {}   # equal cuts (between blocks) share a row
     for crossing in set(problem.model.cut_bytes):

@@ -273,12 +273,12 @@ class DeviceNumbers:
 class TrainNumbers:
     global_batch_size: int
     micro_batch_sizes: tuple[int, ...]
-    # Bytes of the training dtype per traced byte: for the tensors measured as traced
-    # (cuts, tensor-parallel collectives).
+    # Bytes of the training dtype per traced byte.
     activation_scale: float
     precision: Precision
-    # The same for what ``estimate`` measured per layer (saved activations, working sets,
-    # bytes moved): 1 when it measured them under the training's autocast.
+    # The same for what ``estimate`` measured (saved activations, working sets, bytes
+    # moved, and the cuts and tensor-parallel collectives in the dtypes the runtime makes
+    # them in): 1 when it measured them under the training's autocast.
     measured_scale: float = 1.0
 
 
