@@ -330,6 +330,13 @@ class DeviceBudget:
     inter_node_bandwidth: float | str | None = None
     link_latency_s: float | None = None
     intra_node_latency_s: float | None = None
+    # Per collective kind inside a node, {kind: {"latency_s": ..., "bandwidth": ...}}
+    # (kinds of partc.collectives.KINDS); and the fixed overheads per op and per matmul
+    # (partc.problem.DeviceNumbers). By default the profile's, else the preset's.
+    collective_links: dict[str, dict[str, float]] | None = None
+    op_overhead_s: float | None = None
+    op_overhead_backward_s: float | None = None
+    matmul_overhead_s: float | None = None
     _preset: DevicePreset | None = field(init=False, repr=False, compare=False)
     _profile: DeviceProfile | None = field(init=False, repr=False, compare=False)
 
@@ -351,6 +358,11 @@ class DeviceBudget:
         _check_latency("link_latency_s", self._pick("link_latency_s"))
         if self.intra_node_latency_s is not None:
             _check_latency("intra_node_latency_s", self.intra_node_latency_s)
+        for name in _OVERHEADS:
+            if getattr(self, name) is not None:
+                _check_latency(name, getattr(self, name))
+        if self.collective_links is not None:
+            self._given_links()
 
     def _memory_fields(self) -> tuple:
         if isinstance(self.memory, (list, tuple)):
@@ -469,11 +481,31 @@ class DeviceBudget:
         except ValueError:
             return self.latency_s
 
+    def _given_links(self) -> tuple[tuple[str, float, float], ...]:
+        from .collectives import KINDS
+
+        found = []
+        for kind, fit in self.collective_links.items():
+            if kind not in KINDS or not isinstance(fit, dict) \
+                    or set(fit) != {"latency_s", "bandwidth"}:
+                raise ValueError(f"DeviceBudget.collective_links[{kind!r}] must be "
+                                 f"{{'latency_s': ..., 'bandwidth': ...}} for a kind of "
+                                 f"{KINDS}, got {fit!r}")
+            _check_latency(f"collective_links[{kind!r}].latency_s", fit["latency_s"])
+            bandwidth = _check_amount(f"collective_links[{kind!r}].bandwidth",
+                                      fit["bandwidth"], parse_rate, "a rate")
+            if isinstance(fit["bandwidth"], (int, float)):
+                bandwidth = fit["bandwidth"]   # as fitted: a profile's and a plan's agree
+            found.append((kind, float(fit["latency_s"]), float(bandwidth)))
+        return tuple(sorted(found))
+
     @property
-    def collective_links(self) -> tuple[tuple[str, float, float], ...]:
-        """Inside a node, each collective kind's own (latency per step, bandwidth), from
-        the profile's per-collective fits; empty where there are none, or where a link
-        number was given to DeviceBudget (which then prices every kind)."""
+    def link_numbers(self) -> tuple[tuple[str, float, float], ...]:
+        """Inside a node, each collective kind's own (kind, latency per step, bandwidth):
+        ``collective_links`` where given, else the profile's per-collective fits; none
+        where a link number was given to DeviceBudget (it then prices every kind)."""
+        if self.collective_links is not None:
+            return self._given_links()
         if self._profile is None or self.intra_node_bandwidth is not None \
                 or self.intra_node_latency_s is not None:
             return ()
@@ -481,9 +513,12 @@ class DeviceBudget:
 
     def overhead(self, name: str) -> float:
         """``op_overhead_s``, ``op_overhead_backward_s`` or ``matmul_overhead_s``: the
-        profile's where it measured it, else the preset's (0 without a preset)."""
+        field given, else the profile's where it measured it, else the preset's (0
+        without a preset)."""
         if name not in _OVERHEADS:
             raise ValueError(f"no overhead {name!r}; one of {_OVERHEADS}")
+        if getattr(self, name) is not None:
+            return float(getattr(self, name))
         if self._profile is not None and getattr(self._profile, name) is not None:
             return getattr(self._profile, name)
         return getattr(self._preset, name) if self._preset is not None else 0.0
@@ -503,6 +538,9 @@ class DeviceBudget:
             "inter_node_bandwidth": self.inter_node_bytes_per_s,
             "link_latency_s": self.latency_s,
             "intra_node_latency_s": self.intra_latency_s,
+            "collective_links": {kind: {"latency_s": latency, "bandwidth": bandwidth}
+                                 for kind, latency, bandwidth in self.link_numbers} or None,
+            **{name: self.overhead(name) for name in _OVERHEADS},
         }
         if self._profile is not None:
             # Fields given to DeviceBudget still win over the profile's numbers.

@@ -240,6 +240,11 @@ def test_each_collective_kind_and_the_overheads_reach_the_cost_model(calibrated,
     assert numbers.op_overhead_s == profile["budget"]["op_overhead_s"]
     assert numbers.op_overhead_backward_s == profile["budget"]["op_overhead_backward_s"]
     assert numbers.matmul_overhead_s == profile["budget"]["matmul_overhead_s"]
+    # A plan records them, and the budget it reads back prices alike (partc.load).
+    from partc.compiler import budget_from_info
+    from partc.plan import BudgetInfo
+    again = budget_from_info(BudgetInfo.from_dict(budget.to_dict()))
+    assert device_numbers(again, torch.float32) == numbers
     # A link number given to DeviceBudget prices every kind.
     given = partc.DeviceBudget(num_devices=2, profile=path, intra_node_bandwidth="1GB/s")
     assert device_numbers(given, torch.float32).intra_node_links == ()
