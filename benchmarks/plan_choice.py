@@ -47,7 +47,7 @@ import torch  # noqa: E402
 import partc  # noqa: E402
 from samples.gpt import GPT, GPTConfig, loss_fn  # noqa: E402
 
-CONFIG = GPTConfig(vocab_size=512, block_size=128, n_layer=4, n_head=4, n_embd=128,
+CONFIG = GPTConfig(vocab_size=512, block_size=128, n_layer=4, n_head=4, n_embd=192,
                    dropout=0.0)
 BATCH, SEQ = 8, 128
 
@@ -60,7 +60,7 @@ def model() -> GPT:
 def batch() -> tuple[torch.Tensor, torch.Tensor]:
     generator = torch.Generator().manual_seed(1)
     ids = torch.randint(0, CONFIG.vocab_size, (BATCH, SEQ + 1), generator=generator)
-    return ids[:, :-1], ids[:, 1:]
+    return ids[:, :-1].contiguous(), ids[:, 1:].contiguous()
 
 
 def variants() -> dict[str, dict]:

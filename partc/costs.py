@@ -13,7 +13,10 @@ Model (per pipeline stage ``s`` of ``p``, ``m`` microbatches of ``b`` samples):
   / HBM bandwidth)``: its weight is read once per microbatch, so small microbatches
   (decode-like shapes) are bound by memory and large ones by FLOPs; ``efficiency`` is
   one factor per device type (presets, calibration). Every other op moves its bytes at
-  HBM bandwidth. Backward is twice forward, op by op (a heavy op's gradients w.r.t. its
+  HBM bandwidth. Every op also pays a fixed overhead per call and microbatch, and every
+  heavy op a fixed time beyond its FLOPs (``DeviceNumbers.op_overhead_s``,
+  ``matmul_overhead_s``): more, smaller microbatches cost more. Backward is twice
+  forward, op by op (a heavy op's gradients w.r.t. its
   input and its weight are two ops like it; a fused attention kernel's recomputed
   scores add FLOPs); recompute replays its ops at the same roofline (:func:`layer_work`);
 - ``t_s`` = compute of the stage's layers + send/recv of the activation crossing its
@@ -24,7 +27,11 @@ Model (per pipeline stage ``s`` of ``p``, ``m`` microbatches of ``b`` samples):
   ``t_s`` sums them) divides the fill-and-drain term by ``v``: ``m * max_s t_s +
   (sum_s t_s - max_s t_s) / v``;
 - collectives and sends by :mod:`partc.collectives` (alpha-beta, ring or tree as NCCL
-  picks, over NVLink inside a node and the network across);
+  picks, over NVLink inside a node and the network across; inside a node each kind by
+  its own calibrated link where the profile has one), in the dtypes the runtime moves
+  them in: sends and tensor-parallel collectives as ``estimate`` measured the values
+  (under autocast the residual stream and norm outputs fp32, matmul outputs bf16),
+  gradients reduced in fp32, ZeRO-2/3 weights gathered in the compute dtype;
 - after the pipeline drains, ``max_s e_s`` where ``e_s`` is the exposed part of the
   data-parallel gradient all-reduce (ring; each gradient's all-reduce starts as soon as
   the last microbatch's backward has accumulated it, so ``max(0, all-reduce - that
