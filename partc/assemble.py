@@ -149,7 +149,7 @@ def tensor_parallel_section(problem: PlanningProblem,
     option = problem.tp_option(config.tp, config.sequence_parallel, config.tp_objective)
     if config.tp == 1 or option is None:
         return None
-    scale = config.micro_batch_size * problem.train.activation_scale
+    scale = config.micro_batch_size * problem.train.measured_scale
     moving = [layer for layer in option.model.layers if layer.tp_comm]
     return TensorParallelPlan(
         degree=config.tp,

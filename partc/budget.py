@@ -62,6 +62,18 @@ class DeviceProfile:
     inter_node_bandwidth: float | None
     link_latency_s: float | None
     intra_node_latency_s: float | None = None
+    # Each collective kind's own fit inside a node: (kind, latency per step, bandwidth),
+    # kinds as partc.collectives names them ("send" for send/recv).
+    collective_links: tuple[tuple[str, float, float], ...] = ()
+    op_overhead_s: float | None = None
+    op_overhead_backward_s: float | None = None
+    matmul_overhead_s: float | None = None
+
+
+# Calibration's collective names -> the cost model's.
+_COLLECTIVE_KINDS = {"all_reduce": "all_reduce", "all_gather": "all_gather",
+                     "reduce_scatter": "reduce_scatter", "send_recv": "send"}
+_OVERHEADS = ("op_overhead_s", "op_overhead_backward_s", "matmul_overhead_s")
 
 
 def load_profile(path) -> DeviceProfile:
@@ -112,6 +124,17 @@ def _profile_from_dict(data: dict, where: str) -> DeviceProfile:
                                    f"(and finite), got {entry!r}")
         return {dtype: float(entry) for dtype, entry in value.items()}
 
+    def overhead(key: str) -> float | None:
+        """Written since profiles measure it; absent (an older profile) or null: None."""
+        value = budget.get(key)
+        if value is None:
+            return None
+        if isinstance(value, bool) or not isinstance(value, (int, float)) \
+                or not math.isfinite(value) or value < 0:
+            raise ProfileError(f"{where}: budget.{key} must be a number of seconds, 0 or "
+                               f"more, got {value!r}")
+        return float(value)
+
     required = {key: number(key) for key in _REQUIRED_NUMBERS}
     optional = {key: number(key, optional=True) for key in _OPTIONAL_NUMBERS}
     if required["flops_efficiency"] > 1:
@@ -130,7 +153,39 @@ def _profile_from_dict(data: dict, where: str) -> DeviceProfile:
         intra_node_bandwidth=optional["intra_node_bandwidth"],
         inter_node_bandwidth=optional["inter_node_bandwidth"],
         link_latency_s=optional["link_latency_s"],
-        intra_node_latency_s=optional["intra_node_latency_s"])
+        intra_node_latency_s=optional["intra_node_latency_s"],
+        collective_links=_collective_links(data, where),
+        **{key: overhead(key) for key in _OVERHEADS})
+
+
+def _collective_links(data: dict, where: str) -> tuple[tuple[str, float, float], ...]:
+    """Each collective's own fit: ``budget.collective_links`` (kind -> {latency_s,
+    bandwidth}), or in a profile written before it, the fits among the measurements.
+    A kind without a fit (noise hid its growth with size) is left to the joint fit."""
+    links = data["budget"].get("collective_links")
+    if links is None:
+        measured = (data.get("measurements") or {}).get("collectives") or {}
+        links = {kind: (measured.get(kind) or {}).get("fit") for kind in _COLLECTIVE_KINDS}
+    if not isinstance(links, dict):
+        raise ProfileError(f"{where}: budget.collective_links must map a collective to "
+                           f"its fit, got {links!r}")
+    found = []
+    for kind, fit in links.items():
+        if fit is None:
+            continue
+        if kind not in _COLLECTIVE_KINDS or not isinstance(fit, dict):
+            raise ProfileError(f"{where}: collective fit {kind!r}: {fit!r}; kinds are "
+                               f"{', '.join(_COLLECTIVE_KINDS)}, each {{latency_s, bandwidth}}")
+        latency, bandwidth = fit.get("latency_s"), fit.get("bandwidth")
+        for name, value in (("latency_s", latency), ("bandwidth", bandwidth)):
+            if isinstance(value, bool) or not isinstance(value, (int, float)) \
+                    or not math.isfinite(value) or value < 0 \
+                    or name == "bandwidth" and value == 0:
+                raise ProfileError(f"{where}: collective fit {kind}.{name} must be a "
+                                   f"{'positive' if name == 'bandwidth' else 'non-negative'}"
+                                   f" finite number, got {value!r}")
+        found.append((_COLLECTIVE_KINDS[kind], float(latency), float(bandwidth)))
+    return tuple(sorted(found))
 
 
 # ---------------------------------------------------------------------------- the budget
@@ -196,6 +251,13 @@ class DeviceBudget:
     # Each rank's write rate to the checkpoint directory: the plan's report divides a
     # rank's checkpoint bytes by it (the predicted save time, for a grace period).
     disk_bandwidth: float | str | None = None
+    # Per collective kind inside a node, {kind: {"latency_s": ..., "bandwidth": ...}}
+    # (kinds of partc.collectives.KINDS); and the fixed overheads per op and per matmul
+    # (partc.problem.DeviceNumbers). By default the profile's, else the preset's.
+    collective_links: dict[str, dict[str, float]] | None = None
+    op_overhead_s: float | None = None
+    op_overhead_backward_s: float | None = None
+    matmul_overhead_s: float | None = None
     _preset: DevicePreset | None = field(init=False, repr=False, compare=False)
     _profile: DeviceProfile | None = field(init=False, repr=False, compare=False)
 
@@ -220,6 +282,11 @@ class DeviceBudget:
         _check_latency("link_latency_s", self._pick("link_latency_s"))
         if self.intra_node_latency_s is not None:
             _check_latency("intra_node_latency_s", self.intra_node_latency_s)
+        for name in _OVERHEADS:
+            if getattr(self, name) is not None:
+                _check_latency(name, getattr(self, name))
+        if self.collective_links is not None:
+            self._given_links()
 
     def _memory_fields(self) -> tuple:
         if isinstance(self.memory, (list, tuple)):
@@ -344,6 +411,48 @@ class DeviceBudget:
         except ValueError:
             return self.latency_s
 
+    def _given_links(self) -> tuple[tuple[str, float, float], ...]:
+        from .collectives import KINDS
+
+        found = []
+        for kind, fit in self.collective_links.items():
+            if kind not in KINDS or not isinstance(fit, dict) \
+                    or set(fit) != {"latency_s", "bandwidth"}:
+                raise ValueError(f"DeviceBudget.collective_links[{kind!r}] must be "
+                                 f"{{'latency_s': ..., 'bandwidth': ...}} for a kind of "
+                                 f"{KINDS}, got {fit!r}")
+            _check_latency(f"collective_links[{kind!r}].latency_s", fit["latency_s"])
+            bandwidth = _check_amount(f"collective_links[{kind!r}].bandwidth",
+                                      fit["bandwidth"], parse_rate, "a rate")
+            if isinstance(fit["bandwidth"], (int, float)):
+                bandwidth = fit["bandwidth"]   # as fitted: a profile's and a plan's agree
+            found.append((kind, float(fit["latency_s"]), float(bandwidth)))
+        return tuple(sorted(found))
+
+    @property
+    def link_numbers(self) -> tuple[tuple[str, float, float], ...]:
+        """Inside a node, each collective kind's own (kind, latency per step, bandwidth):
+        ``collective_links`` where given, else the profile's per-collective fits; none
+        where a link number was given to DeviceBudget (it then prices every kind)."""
+        if self.collective_links is not None:
+            return self._given_links()
+        if self._profile is None or self.intra_node_bandwidth is not None \
+                or self.intra_node_latency_s is not None:
+            return ()
+        return self._profile.collective_links
+
+    def overhead(self, name: str) -> float:
+        """``op_overhead_s``, ``op_overhead_backward_s`` or ``matmul_overhead_s``: the
+        field given, else the profile's where it measured it, else the preset's (0
+        without a preset)."""
+        if name not in _OVERHEADS:
+            raise ValueError(f"no overhead {name!r}; one of {_OVERHEADS}")
+        if getattr(self, name) is not None:
+            return float(getattr(self, name))
+        if self._profile is not None and getattr(self._profile, name) is not None:
+            return getattr(self._profile, name)
+        return getattr(self._preset, name) if self._preset is not None else 0.0
+
     def to_dict(self, dtype: torch.dtype = torch.float32) -> dict:
         memory = self.memory_bytes
         data = {
@@ -359,6 +468,9 @@ class DeviceBudget:
             "inter_node_bandwidth": self.inter_node_bytes_per_s,
             "link_latency_s": self.latency_s,
             "intra_node_latency_s": self.intra_latency_s,
+            "collective_links": {kind: {"latency_s": latency, "bandwidth": bandwidth}
+                                 for kind, latency, bandwidth in self.link_numbers} or None,
+            **{name: self.overhead(name) for name in _OVERHEADS},
         }
         if self.disk_bandwidth is not None:  # else plans record none and use the default
             data["disk_bandwidth"] = self.disk_bytes_per_s

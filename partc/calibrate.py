@@ -8,7 +8,12 @@ clock (CUDA events on a GPU, ``time.perf_counter`` on CPU):
 
 - matmul: achieved FLOP/s, 2·m·k·n per product, over a few square-ish sizes, per dtype
   (float32 and bfloat16 on CPU; float32, tf32, bfloat16 and float16 on CUDA). The best
-  size's figure is the dtype's achieved throughput.
+  size's figure is the dtype's achieved throughput; a fit of ``t = flops / best +
+  overhead`` over the sizes gives the fixed time per matmul call that makes small
+  matmuls run below it (``matmul_overhead_s``).
+- op overhead: a chain of tiny element-wise ops that autograd records, forward and
+  forward + backward: eager dispatch per op (``op_overhead_s``, ``op_overhead_backward_s``;
+  on CPU only: a GPU's launches run ahead of its kernels).
 - attention: ``scaled_dot_product_attention`` forward on one (batch, heads, seq, head_dim)
   shape, counted as 4·b·h·s²·d FLOPs (its two matmuls), and half that when causal.
 - memory bandwidth: a large copy (bytes read + written: 2 per element byte) and add (3).
@@ -86,19 +91,21 @@ def _powers_of_4(low: int, high: int) -> tuple[int, ...]:
 
 
 SIZES = {
-    ("cpu", True): Sizes(matmul=((128, 128, 128), (256, 256, 256)), attention=(1, 4, 128, 32),
+    ("cpu", True): Sizes(matmul=((64, 64, 64), (128, 128, 128), (256, 256, 256)), attention=(1, 4, 128, 32),
                          memory_bytes=16 * 2**20, message_bytes=_powers_of_4(10, 22),
                          repeats=5, warmup=1, min_sample_s=2e-3),
-    ("cpu", False): Sizes(matmul=((512, 512, 512), (1024, 1024, 1024), (2048, 2048, 2048),
-                                  (2048, 4096, 2048)), attention=(2, 8, 1024, 64),
+    ("cpu", False): Sizes(matmul=((128, 128, 128), (256, 256, 256), (512, 512, 512),
+                                  (1024, 1024, 1024), (2048, 2048, 2048), (2048, 4096, 2048)),
+                          attention=(2, 8, 1024, 64),
                           memory_bytes=256 * 2**20, message_bytes=_powers_of_4(10, 26),
                           repeats=7, warmup=3, min_sample_s=0.02),
     ("cuda", True): Sizes(matmul=((1024, 1024, 1024), (2048, 2048, 2048)),
                           attention=(2, 8, 1024, 64), memory_bytes=64 * 2**20,
                           message_bytes=_powers_of_4(10, 24), repeats=3, warmup=2,
                           min_sample_s=1e-3),
-    ("cuda", False): Sizes(matmul=((2048, 2048, 2048), (4096, 4096, 4096), (8192, 8192, 8192),
-                                   (8192, 4096, 8192)), attention=(4, 32, 4096, 128),
+    ("cuda", False): Sizes(matmul=((512, 512, 512), (1024, 1024, 1024), (2048, 2048, 2048),
+                                   (4096, 4096, 4096), (8192, 8192, 8192), (8192, 4096, 8192)),
+                           attention=(4, 32, 4096, 128),
                            memory_bytes=2**30, message_bytes=_powers_of_4(10, 30),
                            repeats=10, warmup=5, min_sample_s=0.02),
 }
@@ -195,7 +202,41 @@ def measure_matmul(device: torch.device, dtypes: tuple[str, ...], sizes: Sizes) 
                             "flops_per_s": 2 * m * k * n / seconds})
             log.info("matmul %s %dx%dx%d: %s", key, m, k, n, _flops(samples[-1]["flops_per_s"]))
         best = max(samples, key=lambda s: s["flops_per_s"])
-        result[key] = {"samples": samples, "best_flops_per_s": best["flops_per_s"]}
+        result[key] = {"samples": samples, "best_flops_per_s": best["flops_per_s"],
+                       "overhead_s": matmul_overhead(samples, best["flops_per_s"])}
+    return result
+
+
+def matmul_overhead(samples: list[dict], rate: float) -> float:
+    """The fixed time per matmul call beyond its FLOPs at ``rate`` (the best size's):
+    ``t = flops / rate + overhead`` fitted by least squares on relative error, so the
+    small sizes, which show it, weigh as much as the large. 0 or more."""
+    weights = [1 / s["seconds"] ** 2 for s in samples]
+    excess = [s["seconds"] - 2 * s["m"] * s["k"] * s["n"] / rate for s in samples]
+    return max(0.0, sum(w * e for w, e in zip(weights, excess)) / sum(weights))
+
+
+def measure_op_overhead(device: torch.device, sizes: Sizes, chain: int = 64) -> dict:
+    """Eager dispatch per op, forward and backward: a chain of ``chain`` element-wise ops
+    on a 16-element tensor that needs a gradient (so autograd records each), timed
+    forward alone and forward then backward; what one op costs whatever its size."""
+    x = torch.ones(16, device=device, requires_grad=True)
+
+    def forward() -> torch.Tensor:
+        y = x
+        for _ in range(chain):
+            y = y * 1.0001
+        return y
+
+    def both() -> None:
+        forward().sum().backward()
+
+    forward_s = median_seconds(forward, device, sizes) / chain
+    total_s = median_seconds(both, device, sizes) / chain
+    result = {"chain": chain, "forward_s": forward_s,
+              "backward_s": max(0.0, total_s - forward_s)}
+    log.info("op overhead: %s forward, %s backward per op",
+             format_seconds(result["forward_s"]), format_seconds(result["backward_s"]))
     return result
 
 
@@ -427,7 +468,8 @@ def calibrate(options: CalibrationOptions) -> dict:
     try:
         measured = {"matmul": measure_matmul(device, options.dtypes, options.sizes),
                     "attention": measure_attention(device, options.dtypes, options.sizes),
-                    "memory": measure_memory(device, options.sizes)}
+                    "memory": measure_memory(device, options.sizes),
+                    "op_overhead": measure_op_overhead(device, options.sizes)}
     finally:
         torch.set_num_threads(before)
     if options.processes > 1:
@@ -512,6 +554,10 @@ def build_profile(options: CalibrationOptions, measured: dict, *, name: str,
     efficiency = {key: min(1.0, achieved[key] / peak[key]) for key in achieved}
     training = "bfloat16" if options.device == "cuda" else "float32"
     link = measured.get("collectives", {}).get("joint_fit")
+    # On a CPU dispatch adds to every op's time; on a GPU launches run ahead of the
+    # kernels, so the preset's 0 stands (the measurement is kept among the measurements).
+    cpu = options.device == "cpu"
+    overhead = measured.get("op_overhead")
     budget = {
         "peak_flops": peak,
         "achieved_flops": achieved,
@@ -526,6 +572,14 @@ def build_profile(options: CalibrationOptions, measured: dict, *, name: str,
         "intra_node_latency_s": link["latency_s"] if link else None,
         "link_latency_s": None,      # between nodes: not measurable from one machine
         "inter_node_bandwidth": None,
+        "collective_links": {
+            kind: ({"latency_s": fit["latency_s"], "bandwidth": fit["bandwidth"]}
+                   if (fit := measured["collectives"][kind]["fit"]) else None)
+            for kind in COLLECTIVES} if "collectives" in measured else {},
+        "op_overhead_s": overhead["forward_s"] if cpu and overhead else None,
+        "op_overhead_backward_s": overhead["backward_s"] if cpu and overhead else None,
+        "matmul_overhead_s": (measured["matmul"][training].get("overhead_s") if cpu
+                              else None),
     }
     return {
         "schema": PROFILE_SCHEMA,
@@ -566,6 +620,18 @@ def _sources(options: CalibrationOptions, preset_name: str | None, vendor: bool,
                                  f"{fallback} (one process: no link to time)"),
         "link_latency_s": f"{fallback} (one machine cannot measure the network between "
                           f"nodes)",
+        "collective_links": (f"measured: each collective's own ring fit over {ranks}, "
+                             f"inside a node (a kind without a fit takes the joint one)"
+                             if link else f"{fallback} (one process: no link to time)"),
+        "op_overhead_s": ("measured: a chain of tiny element-wise ops, forward, per op"
+                          if options.device == "cpu" else
+                          f"not used on GPUs (launches run ahead of the kernels): "
+                          f"{preset_name or 'the'} preset's 0"),
+        "op_overhead_backward_s": ("measured: the same chain's backward, per forward op"
+                                   if options.device == "cpu" else "as op_overhead_s"),
+        "matmul_overhead_s": (f"measured: fit t = flops / best rate + overhead over the "
+                              f"{training} matmul sizes" if options.device == "cpu"
+                              else "as op_overhead_s"),
         "inter_node_bandwidth": f"{fallback} (one machine cannot measure the network "
                                 f"between nodes)",
     }
@@ -647,7 +713,9 @@ def _budget_rows(profile: dict) -> list[str]:
     formats = {"flops_efficiency": "{:.2f}".format, "memory": lambda b: f"{b / 2**30:.1f} GiB",
                "hbm_bandwidth": _rate, "devices_per_node": str,
                "intra_node_bandwidth": _rate, "intra_node_latency_s": format_seconds,
-               "link_latency_s": format_seconds, "inter_node_bandwidth": _rate}
+               "link_latency_s": format_seconds, "inter_node_bandwidth": _rate,
+               "op_overhead_s": format_seconds, "op_overhead_backward_s": format_seconds,
+               "matmul_overhead_s": format_seconds}
     for key, show in formats.items():
         mine = "(preset)" if budget.get(key) is None else show(budget[key])
         rows.append((key, mine, show(getattr(preset, key)) if preset else "-"))

@@ -35,6 +35,7 @@ from typing import Any, Callable, Iterator
 
 from .choices import (ATTENTION, DTYPE_NAMES, OPTIMIZER_STATE_BYTES, REPORT_FORMATS,
                       SCHEDULES, TP_OBJECTIVES)
+from .collectives import KINDS as COLLECTIVE_KINDS
 from .errors import PartcError
 from .presets import DEFAULT_DEVICE, PRESETS, preset
 from .problem import RECOMPUTE_MODES, ZERO_STAGES
@@ -61,7 +62,9 @@ BUDGET_FLAGS = {
     "intra_node_bandwidth": "--intra-node-bandwidth",
     "inter_node_bandwidth": "--inter-node-bandwidth",
     "link_latency_s": "--link-latency", "intra_node_latency_s": "--intra-node-latency",
-    "disk_bandwidth": "--disk-bandwidth",
+    "disk_bandwidth": "--disk-bandwidth", "collective_links": "--collective-link",
+    "op_overhead_s": "--op-overhead", "op_overhead_backward_s": "--op-overhead-backward",
+    "matmul_overhead_s": "--matmul-overhead",
 }
 
 UNITS = """\
@@ -157,6 +160,17 @@ def _layer_mode(text: str) -> tuple[str, str]:
     return layer, mode
 
 
+def _collective_link(text: str) -> tuple[str, dict[str, float]]:
+    kind, sep, numbers = text.partition("=")
+    latency, comma, rate = numbers.partition(",")
+    if not sep or not comma:
+        raise ValueError(f"write KIND=LATENCY,RATE, e.g. all_gather=20e-6,5GB/s, got {text!r}")
+    if kind not in COLLECTIVE_KINDS:
+        raise ValueError(f"{kind!r} is not a collective; use one of "
+                         f"{', '.join(COLLECTIVE_KINDS)}")
+    return kind, {"latency_s": _seconds(latency), "bandwidth": _rate(rate)}
+
+
 def _stage(text: str) -> tuple[str, ...]:
     names = tuple(name.strip() for name in text.split(","))
     if not all(names):
@@ -168,7 +182,7 @@ COUNT, POSITIVE = _argument(_count, "count"), _argument(_positive, "number")
 FRACTION, SECONDS = _argument(_fraction, "fraction"), _argument(_seconds, "seconds")
 SIZES, RATE = _argument(_sizes, "size"), _argument(_rate, "rate")
 DEVICE, LAYER_MODE = _argument(_device, "device"), _argument(_layer_mode, "LAYER=MODE")
-STAGE = _argument(_stage, "stage")
+STAGE, LINK = _argument(_stage, "stage"), _argument(_collective_link, "KIND=LATENCY,RATE")
 
 
 # -------------------------------------------------------------------------------- parser
@@ -284,6 +298,16 @@ def _budget_arguments(group, *, devices: bool = True) -> None:
                        help="per collective step between nodes, e.g. 8e-6")
     group.add_argument("--intra-node-latency", type=SECONDS, metavar="SECONDS",
                        help="per collective step inside a node")
+    group.add_argument("--collective-link", type=LINK, action="append",
+                       metavar="KIND=LATENCY,RATE",
+                       help="one collective's own link inside a node (repeatable), e.g. "
+                            "all_gather=20e-6,5GB/s (default: the profile's fits)")
+    group.add_argument("--op-overhead", type=SECONDS, metavar="SECONDS",
+                       help="fixed time per op and microbatch in forward")
+    group.add_argument("--op-overhead-backward", type=SECONDS, metavar="SECONDS",
+                       help="fixed time per forward op in backward")
+    group.add_argument("--matmul-overhead", type=SECONDS, metavar="SECONDS",
+                       help="time per matmul call beyond its FLOPs")
     group.add_argument("--disk-bandwidth", type=RATE, metavar="RATE",
                        help="checkpoint write rate per rank, e.g. 2GB/s (the report's "
                             "predicted save time)")
@@ -468,8 +492,8 @@ def _budget(args: argparse.Namespace, **fixed: Any):
     train``: the launch's world size) are not flags."""
     from .budget import DeviceBudget
 
-    return DeviceBudget(**_flagged(args, BUDGET_FLAGS,
-                                   peak_flops=lambda tflops: tflops * 1e12), **fixed)
+    return DeviceBudget(**_flagged(args, BUDGET_FLAGS, peak_flops=lambda tflops: tflops * 1e12,
+                                   collective_links=dict), **fixed)
 
 
 def _train(args: argparse.Namespace, workload: dict[str, Any]):

@@ -13,6 +13,11 @@ latency ``alpha``; bytes cost ``1 / bandwidth`` per rank:
 The link: a group inside one node runs over NVLink (``intra_node_*``); a group spanning
 nodes is bounded by each GPU's share of the network (``inter_node_*``), the slowest hop of
 every ring step. Point-to-point sends (pipeline activations) cost one step.
+
+Inside a node each kind may have its own latency and bandwidth (``Group.kinds``, from a
+calibrated profile's per-collective fits): backends do not run every kind as the same
+ring (gloo's all-gather and reduce-scatter move bytes about 3x slower than its
+all-reduce), so one joint fit misprices them.
 """
 
 from __future__ import annotations
@@ -32,6 +37,10 @@ class Group:
     ranks: int
     bandwidth: float      # bytes/s per rank, per direction
     latency_s: float      # per step
+    # Per collective kind, (kind, latency per step, bandwidth) where the link behaves
+    # differently by kind (gloo's all-gather moves bytes slower than its all-reduce);
+    # a kind not listed takes ``latency_s`` and ``bandwidth``.
+    kinds: tuple[tuple[str, float, float], ...] = ()
 
     @classmethod
     def over(cls, devices: DeviceNumbers, ranks: int, span: int) -> "Group":
@@ -40,26 +49,38 @@ class Group:
         return cls(ranks=ranks,
                    bandwidth=devices.intra_node_bandwidth if inside
                    else devices.inter_node_bandwidth,
-                   latency_s=devices.intra_latency_s if inside else devices.link_latency_s)
+                   latency_s=devices.intra_latency_s if inside else devices.link_latency_s,
+                   kinds=devices.intra_node_links if inside else ())
+
+    def link(self, kind: str) -> tuple[float, float]:
+        """(latency per step, bandwidth) of ``kind`` on this group's link. A broadcast
+        (ZeRO-1's weights from their owners) moves what an all-gather does."""
+        wanted = "all_gather" if kind == "broadcast" else kind
+        for name, latency, bandwidth in self.kinds:
+            if name == wanted:
+                return latency, bandwidth
+        return self.latency_s, self.bandwidth
 
 
 def ring_seconds(kind: str, nbytes: float, group: Group) -> float:
     n = group.ranks
-    if kind == "send":
-        return group.latency_s + nbytes / group.bandwidth
-    if n <= 1:
-        return 0.0
     if kind not in KINDS:
         raise ValueError(f"unknown collective {kind!r}; one of {KINDS}")
+    latency, bandwidth = group.link(kind)
+    if kind == "send":
+        return latency + nbytes / bandwidth
+    if n <= 1:
+        return 0.0
     steps = 2 * (n - 1) if kind == "all_reduce" else n - 1
-    return steps * group.latency_s + steps / n * nbytes / group.bandwidth
+    return steps * latency + steps / n * nbytes / bandwidth
 
 
 def tree_seconds(nbytes: float, group: Group) -> float:
     """A double-binary-tree all-reduce."""
     if group.ranks <= 1:
         return 0.0
-    return 2 * math.ceil(math.log2(group.ranks)) * group.latency_s + 2 * nbytes / group.bandwidth
+    latency, bandwidth = group.link("all_reduce")
+    return 2 * math.ceil(math.log2(group.ranks)) * latency + 2 * nbytes / bandwidth
 
 
 def collective_seconds(kind: str, nbytes: float, group: Group) -> float:

@@ -49,6 +49,10 @@ def device_numbers(budget: DeviceBudget, dtype: torch.dtype) -> DeviceNumbers:
         inter_node_bandwidth=budget.inter_node_bytes_per_s,
         link_latency_s=budget.latency_s,
         intra_node_latency_s=budget.intra_latency_s,
+        intra_node_links=budget.link_numbers,
+        op_overhead_s=budget.overhead("op_overhead_s"),
+        op_overhead_backward_s=budget.overhead("op_overhead_backward_s"),
+        matmul_overhead_s=budget.overhead("matmul_overhead_s"),
     )
 
 
@@ -171,7 +175,10 @@ def budget_from_info(info: BudgetInfo) -> DeviceBudget:
         hbm_bandwidth=info.hbm_bandwidth, devices_per_node=info.devices_per_node,
         intra_node_bandwidth=info.intra_node_bandwidth,
         inter_node_bandwidth=info.inter_node_bandwidth, link_latency_s=info.link_latency_s,
-        intra_node_latency_s=info.intra_node_latency_s, disk_bandwidth=info.disk_bandwidth)
+        intra_node_latency_s=info.intra_node_latency_s,
+        collective_links=info.collective_links, op_overhead_s=info.op_overhead_s,
+        op_overhead_backward_s=info.op_overhead_backward_s,
+        matmul_overhead_s=info.matmul_overhead_s, disk_bandwidth=info.disk_bandwidth)
 
 
 def autocast_dtype(train: TrainSpec) -> torch.dtype | None:

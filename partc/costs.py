@@ -13,7 +13,10 @@ Model (per pipeline stage ``s`` of ``p``, ``m`` microbatches of ``b`` samples):
   / HBM bandwidth)``: its weight is read once per microbatch, so small microbatches
   (decode-like shapes) are bound by memory and large ones by FLOPs; ``efficiency`` is
   one factor per device type (presets, calibration). Every other op moves its bytes at
-  HBM bandwidth. Backward is twice forward, op by op (a heavy op's gradients w.r.t. its
+  HBM bandwidth. Every op also pays a fixed overhead per call and microbatch, and every
+  heavy op a fixed time beyond its FLOPs (``DeviceNumbers.op_overhead_s``,
+  ``matmul_overhead_s``): more, smaller microbatches cost more. Backward is twice
+  forward, op by op (a heavy op's gradients w.r.t. its
   input and its weight are two ops like it; a fused attention kernel's recomputed
   scores add FLOPs); recompute replays its ops at the same roofline (:func:`layer_work`);
 - ``t_s`` = compute of the stage's layers + send/recv of the activation crossing its
@@ -24,7 +27,11 @@ Model (per pipeline stage ``s`` of ``p``, ``m`` microbatches of ``b`` samples):
   ``t_s`` sums them) divides the fill-and-drain term by ``v``: ``m * max_s t_s +
   (sum_s t_s - max_s t_s) / v``;
 - collectives and sends by :mod:`partc.collectives` (alpha-beta, ring or tree as NCCL
-  picks, over NVLink inside a node and the network across);
+  picks, over NVLink inside a node and the network across; inside a node each kind by
+  its own calibrated link where the profile has one), in the dtypes the runtime moves
+  them in: sends and tensor-parallel collectives as ``estimate`` measured the values
+  (under autocast the residual stream and norm outputs fp32, matmul outputs bf16),
+  gradients reduced in fp32, ZeRO-2/3 weights gathered in the compute dtype;
 - after the pipeline drains, ``max_s e_s`` where ``e_s`` is the exposed part of the
   data-parallel gradient all-reduce (ring; each gradient's all-reduce starts as soon as
   the last microbatch's backward has accumulated it, so ``max(0, all-reduce - that
@@ -224,7 +231,7 @@ def _tail_ps(problem: PlanningProblem, config: PipelineConfig, params: int) -> i
         seconds += _zero_comm_seconds(problem, config, params)["step"]
     elif config.effective_zero_stage == 1:
         stepped = params / config.dp
-        bandwidth = dp_group(problem, config).bandwidth
+        bandwidth = dp_group(problem, config).link("broadcast")[1]
         seconds += (config.dp - 1) / config.dp * params * master / bandwidth
     # The step reads gradients and state and writes weights and state (fp32 all).
     touched = stepped * (2 * master + master + 2 * optimizer)
@@ -238,7 +245,7 @@ def _sync_ps(problem: PlanningProblem, config: PipelineConfig, params: int) -> i
     if config.dp == 1 or config.effective_zero_stage >= 2:
         return 0
     master = problem.train.precision.master_bytes
-    bandwidth = dp_group(problem, config).bandwidth
+    bandwidth = dp_group(problem, config).link("all_reduce")[1]
     return to_ps(2 * (config.dp - 1) / config.dp * params * master / bandwidth)
 
 
@@ -258,13 +265,14 @@ def roofline_seconds(ops: Sequence[HeavyOp], devices: DeviceNumbers, micro_batch
     bound = {True: 0.0, False: 0.0}
     for op in ops:
         compute, memory = op_seconds(op, rate, devices.hbm_bandwidth, micro_batch, scale,
-                                     backward)
+                                     backward, devices.matmul_overhead_s)
         bound[compute >= memory] += op.count * max(compute, memory)
     return bound[True], bound[False]
 
 
 def op_seconds(op: HeavyOp, rate: float, hbm_bandwidth: float, micro_batch: int = 1,
-               scale: float = 1.0, backward: bool = False) -> tuple[float, float]:
+               scale: float = 1.0, backward: bool = False,
+               overhead_s: float = 0.0) -> tuple[float, float]:
     """One of ``op``'s equal ops on one microbatch as (compute, memory) seconds: its FLOPs
     at ``rate`` (achievable FLOP/s) and its bytes at ``hbm_bandwidth``, with its weight
     read once per microbatch; its time is the larger (the roofline). ``scale`` converts
@@ -272,10 +280,11 @@ def op_seconds(op: HeavyOp, rate: float, hbm_bandwidth: float, micro_batch: int 
     ``backward``: an op's gradients w.r.t. its input and its weight are two ops of its
     FLOPs (plus what a fused kernel recomputes), each reading the output's gradient and
     the weight or the input and writing the input's or the weight's gradient: its bytes
-    twice."""
+    twice. ``overhead_s``: what each kernel call costs beyond its FLOPs at ``rate``
+    (:attr:`DeviceNumbers.matmul_overhead_s`: small matmuls run below the rate)."""
     factor = 2 if backward else 1
     flops = factor * op.flops + (op.bwd_extra_flops if backward else 0.0)
-    compute = micro_batch * flops / rate
+    compute = micro_batch * flops / rate + factor * overhead_s
     memory = factor * (micro_batch * op.activation_bytes + op.weight_bytes) * scale \
         / hbm_bandwidth
     return compute, memory
@@ -294,7 +303,13 @@ def layer_work(layer: LayerCost, devices: DeviceNumbers, micro_batch: int,
     backward and, per recompute mode, the recomputed forward. Heavy ops by the roofline
     (:func:`roofline_seconds`); the other ops move their bytes at HBM bandwidth, twice in
     backward (their FLOPs, uncounted, are negligible). A recompute mode replays the share
-    of the heavy ops its FLOPs say (all or none, as estimated) and moves its bytes."""
+    of the heavy ops its FLOPs say (all or none, as estimated) and moves its bytes.
+
+    Every op also pays the device's fixed overhead per call and microbatch
+    (:attr:`DeviceNumbers.op_overhead_s` forward, ``op_overhead_backward_s`` per forward
+    op in backward; counted with the memory-bound time): what makes more, smaller
+    microbatches cost more than fewer, larger ones. Selective recompute replays the layer's
+    light ops, full recompute all of them."""
     compute, memory = roofline_seconds(layer.heavy_ops, devices, micro_batch, scale)
     back_compute, back_memory = roofline_seconds(layer.heavy_ops, devices, micro_batch,
                                                  scale, backward=True)
@@ -302,12 +317,19 @@ def layer_work(layer: LayerCost, devices: DeviceNumbers, micro_batch: int,
     def light(mem_bytes: float) -> float:
         return micro_batch * mem_bytes * scale / devices.hbm_bandwidth
 
+    ops = layer.num_nodes
+    heavy = sum(op.count for op in layer.heavy_ops)
     replayed = {m: layer.recompute_flops[m] / layer.fwd_flops if layer.fwd_flops else 0.0
                 for m in layer.modes}
-    return {"forward": (compute, memory + light(layer.fwd_mem_bytes)),
-            "backward": (back_compute, back_memory + light(layer.bwd_mem_bytes)),
+    rerun_ops = {m: 0 if m == "none" else ops if m == "full" else max(0, ops - heavy)
+                 for m in layer.modes}
+    return {"forward": (compute, memory + light(layer.fwd_mem_bytes)
+                        + ops * devices.op_overhead_s),
+            "backward": (back_compute, back_memory + light(layer.bwd_mem_bytes)
+                         + ops * devices.op_overhead_backward_s),
             "recompute": {m: (replayed[m] * compute,
-                              replayed[m] * memory + light(layer.recompute_mem_bytes[m]))
+                              replayed[m] * memory + light(layer.recompute_mem_bytes[m])
+                              + rerun_ops[m] * devices.op_overhead_s)
                           for m in layer.modes}}
 
 
@@ -371,7 +393,7 @@ def tp_comm_seconds(problem: PlanningProblem, config: PipelineConfig,
                     layer) -> dict[str, float]:
     """A layer's tensor-parallel collectives per microbatch, by phase (ring, in a node)."""
     group = Group.over(problem.devices, config.tp, config.tp)
-    scale = config.micro_batch_size * problem.train.activation_scale
+    scale = config.micro_batch_size * problem.train.measured_scale
     return collectives_seconds(((kind, phase, nbytes * scale)
                                 for kind, phase, nbytes in layer.tp_comm), group)
 
@@ -403,7 +425,7 @@ def _p2p_link(problem: PlanningProblem, config: PipelineConfig, boundary: int) -
 
 
 def _cut_table(problem: PlanningProblem, config: PipelineConfig) -> tuple[tuple[int, ...], ...]:
-    scale = problem.train.activation_scale * config.micro_batch_size
+    scale = problem.train.measured_scale * config.micro_batch_size
     links = [_p2p_link(problem, config, j) for j in range(config.virtual_stages - 1)]
     rows: dict[float, tuple[int, ...]] = {}   # equal cuts (between blocks) share a row
     for crossing in set(problem.model.cut_bytes):
@@ -516,7 +538,7 @@ def _layer_key(layer) -> tuple:
             layer.param_bytes, tuple(sorted(layer.saved_bytes.items())),
             tuple(sorted(layer.recompute_flops.items())),
             tuple(sorted(layer.recompute_mem_bytes.items())), layer.workspace_bytes,
-            layer.tp_comm)
+            layer.tp_comm, layer.num_nodes)
 
 
 def build_cost_table(problem: PlanningProblem, config: PipelineConfig,

@@ -13,6 +13,9 @@ Node keys:
 - :data:`ROLE` (``partc.role``): what a node is beyond its op (the loss, the target).
 - :data:`LAYER` (``partc.layer``): the layer a node belongs to.
 - :data:`COST` (``partc.cost``): the node's measured forward costs.
+- :data:`RUN_DTYPES` (``partc.run_dtypes``): the dtypes of the node's tensors as the
+  runtime makes them (under autocast, where ``estimate`` ran it so), which may differ
+  from the traced ones in :data:`TENSORS`; read through :func:`run_bytes`.
 
 Graph keys (on ``gm.meta``): :data:`TRACE` (how the model was captured) and
 :data:`LAYERS` (the layers in order, with their nodes and signatures) and :data:`CUTS`
@@ -36,6 +39,7 @@ TENSORS = "partc.tensors"
 ROLE = "partc.role"
 LAYER = "partc.layer"
 COST = "partc.cost"
+RUN_DTYPES = "partc.run_dtypes"
 TRACE = "partc.trace"
 LAYERS = "partc.layers"
 CUTS = "partc.cut_bytes"
@@ -150,6 +154,20 @@ def tensors(node: fx.Node) -> tuple[TensorInfo, ...]:
 
 def output_bytes(node: fx.Node) -> int:
     return sum(info.nbytes for info in tensors(node))
+
+
+def set_run_dtypes(node: fx.Node, dtypes: tuple[torch.dtype, ...]) -> None:
+    _set(node, RUN_DTYPES, tuple(dtypes))
+
+
+def run_bytes(node: fx.Node) -> int:
+    """Bytes of ``node``'s tensors in the dtypes the runtime makes them in (what a
+    collective or a pipeline send of the value moves); as traced where ``estimate`` did
+    not run the node (an input)."""
+    infos = tensors(node)
+    made = node.meta.get(RUN_DTYPES, tuple(info.dtype for info in infos))
+    return sum(info.nbytes // info.dtype.itemsize * dtype.itemsize
+               for info, dtype in zip(infos, made))
 
 
 def set_role(node: fx.Node, role: str) -> None:

@@ -278,6 +278,12 @@ class BudgetInfo:
     link_latency_s: float | None = None
     intra_node_latency_s: float | None = None
     disk_bandwidth: float | None = None   # checkpoint write rate per rank, bytes/s
+    # Each collective kind's own link inside a node, {kind: {latency_s, bandwidth}}, and
+    # the fixed overheads per op and matmul (DeviceBudget's); absent in older plans.
+    collective_links: dict[str, dict[str, float]] | None = None
+    op_overhead_s: float | None = None
+    op_overhead_backward_s: float | None = None
+    matmul_overhead_s: float | None = None
     source: str | None = None    # "profile" when a calibration profile gave the numbers
     profile: str | None = None   # its path
     preset: str | None = None    # the preset it overrides

@@ -30,6 +30,13 @@ class DevicePreset:
     flops_efficiency: float
     # The torch device type it runs as: its autocast policy is that device's.
     device_type: str = "cuda"
+    # Fixed time per op and microbatch, forward and backward (per forward op), and per
+    # matmul call beyond its FLOPs (DeviceNumbers). On GPUs 0: eager kernel launches run
+    # ahead of the GPU and hide behind the kernels of models worth planning; a profile
+    # measured on the machine replaces them.
+    op_overhead_s: float = 0.0
+    op_overhead_backward_s: float = 0.0
+    matmul_overhead_s: float = 0.0
 
 
 PRESETS: dict[str, DevicePreset] = {
@@ -70,7 +77,13 @@ PRESETS: dict[str, DevicePreset] = {
             memory=16 * 2**30, hbm_bandwidth=20 * GB, devices_per_node=64,
             intra_node_bandwidth=5 * GB, inter_node_bandwidth=1.25 * GB,
             link_latency_s=50e-6, intra_node_latency_s=50e-6,
-            flops_efficiency=0.5, device_type="cpu"),
+            flops_efficiency=0.5, device_type="cpu",
+            # Eager PyTorch's dispatch on one CPU thread: about 10 us per op forward and
+            # twice that in backward (autograd's node plus the gradient kernels), which the
+            # op's own work does not hide on a CPU; 2 us per matmul call beyond its FLOPs.
+            # Round figures of what `partc calibrate` measured on a shared 2-core x86
+            # machine (14 and 30 us per op, 0-3 us per matmul).
+            op_overhead_s=10e-6, op_overhead_backward_s=20e-6, matmul_overhead_s=2e-6),
     )
 }
 _ALIASES = {"A100": "A100-80GB", "H100": "H100-80GB", "H200-141GB": "H200", "cpu": "CPU"}

@@ -242,10 +242,26 @@ class DeviceNumbers:
     inter_node_bandwidth: float
     link_latency_s: float                       # per step of a collective between nodes
     intra_node_latency_s: float | None = None   # inside a node; None: link_latency_s
+    # Inside a node, each collective kind's own link numbers where calibration fitted them:
+    # (kind, latency per step, bandwidth per link), kinds of partc.collectives.KINDS.
+    # A kind not listed takes intra_node_latency_s and intra_node_bandwidth.
+    intra_node_links: tuple[tuple[str, float, float], ...] = ()
+    # Fixed time per op per microbatch (dispatch, kernel launch), forward and backward:
+    # eager execution pays it whatever the op's size.
+    op_overhead_s: float = 0.0
+    op_overhead_backward_s: float = 0.0
+    # Matmul efficiency by size: a compute-heavy op of f FLOPs takes f / (peak *
+    # flops_efficiency) + matmul_overhead_s, i.e. it reaches flops_efficiency * f / (f +
+    # matmul_overhead_s * peak * flops_efficiency) of peak: small matmuls run below it.
+    matmul_overhead_s: float = 0.0
 
     def __post_init__(self) -> None:
         if len(self.memory_bytes) != self.num_devices:
             raise ValueError("one memory limit per device is needed")
+        for name in ("op_overhead_s", "op_overhead_backward_s", "matmul_overhead_s"):
+            value = getattr(self, name)
+            if not value >= 0:
+                raise ValueError(f"DeviceNumbers.{name} must be 0 or more, got {value!r}")
 
     @property
     def intra_latency_s(self) -> float:
@@ -257,12 +273,12 @@ class DeviceNumbers:
 class TrainNumbers:
     global_batch_size: int
     micro_batch_sizes: tuple[int, ...]
-    # Bytes of the training dtype per traced byte: for the tensors measured as traced
-    # (cuts, tensor-parallel collectives).
+    # Bytes of the training dtype per traced byte.
     activation_scale: float
     precision: Precision
-    # The same for what ``estimate`` measured per layer (saved activations, working sets,
-    # bytes moved): 1 when it measured them under the training's autocast.
+    # The same for what ``estimate`` measured (saved activations, working sets, bytes
+    # moved, and the cuts and tensor-parallel collectives in the dtypes the runtime makes
+    # them in): 1 when it measured them under the training's autocast.
     measured_scale: float = 1.0
 
 

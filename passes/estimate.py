@@ -18,6 +18,12 @@ before it made them in. The policy is the runtime devices' (``Context.autocast_d
 a GPU's is CUDA's, applied to the CPU stand-ins by :mod:`partc.passes.autocast_policy`
 (softmax, norms and losses in fp32), a CPU's is CPU autocast's own.
 
+On the runtime's device (``Context.autocast_device``, the budget's device type even without
+autocast): causal fused attention counts half its (seq x seq) FLOPs where the kernel skips
+the masked blocks (:func:`partc.passes.fuse_attention.skips_masked_blocks`), and on a GPU
+dropout runs as CUDA's fused ``native_dropout``, saving a 1-byte mask rather than the
+noise a CPU decomposes it into.
+
 A value that several later layers read (Llama's attention mask and rotary cos/sin, made
 once and read by every block) is held once, not once per reader: it is charged to the
 layer that makes it, in every recompute mode, and to none of its readers (see
@@ -49,6 +55,7 @@ from partc.problem import HeavyOp, LayerCost
 from . import fuse_attention
 from .autocast_policy import cuda_autocast
 from .context import Context
+from .layers import crossing_bytes
 from .graph import (carries_grad, fetch, is_dtype_check, layer_nodes, mutated_inputs,
                     param_usage)
 
@@ -80,20 +87,25 @@ class _Setting:
     # (which does not act on meta tensors; fake ones hold no data either way), None:
     # where the traced values are.
     device: str | None = None
+    # The device type the runtime trains on ("cuda" or "cpu", the budget's): which kernels
+    # run (causal attention that skips masked blocks, dropout's fused kernel).
+    runtime_device: str = "cuda"
 
 
 def estimate(gm: fx.GraphModule, ctx: Context) -> fx.GraphModule:
     """Give every node its forward costs and every layer its ``LayerCost``.
 
     Reads: ``meta.LAYERS``, ``meta.LAYER``, ``meta.TENSORS``, ``node.meta["val"]``.
-    Writes: ``meta.COST`` on every node, ``meta.LAYER_COSTS`` on ``gm``.
+    Writes: ``meta.COST`` and ``meta.RUN_DTYPES`` on every node it runs,
+    ``meta.LAYER_COSTS`` on ``gm`` and ``meta.CUTS`` again, in the dtypes as run.
     Requires: ``propagate`` and ``layers`` (layers are measured one at a time, and once
     per signature). Ensures: every non-placeholder node has a ``COST``.
     """
     setting = _Setting(fake_mode=FakeTensorMode(allow_non_fake_inputs=True),
                        with_grad=carries_grad(gm), autocast=ctx.autocast,
                        autocast_device=ctx.autocast_device, dtypes={},
-                       device="cpu" if ctx.autocast is not None and _on_meta(gm) else None)
+                       device="cpu" if ctx.autocast is not None and _on_meta(gm) else None,
+                       runtime_device=ctx.autocast_device)
     usage = param_usage(gm, ctx)
     shared = _shared_values(gm)
     measured: dict[tuple, tuple[meta.LayerInfo, _LayerRun]] = {}
@@ -111,9 +123,15 @@ def estimate(gm: fx.GraphModule, ctx: Context) -> fx.GraphModule:
         setting.dtypes.update(run.dtypes)
         for node, node_cost in run.costs.items():
             meta.set_cost(node, node_cost)
+        for node, made in run.dtypes.items():
+            if len(made) == len(meta.tensors(node)):
+                meta.set_run_dtypes(node, made)
         costs.append(_layer_cost(info, nodes, run, usage, ctx.batch_size, shared,
                                  setting.dtypes))
     meta.set_layer_costs(gm, tuple(costs))
+    # What crosses each cut, in the dtypes the runtime sends it in (under autocast the
+    # residual stream stays fp32 while matmul outputs are bf16).
+    meta.set_cut_bytes(gm, crossing_bytes(gm, len(costs), size=meta.run_bytes))
     return gm
 
 
@@ -164,11 +182,13 @@ def _run_layer(gm: fx.GraphModule, nodes: list[fx.Node], setting: _Setting) -> _
             elif node.op == "call_module":
                 result = _call_module(gm, node, args, kwargs, setting, frozen)
             else:
-                result = _call(gm, node, *_moved(setting.device, args, kwargs))
+                result = _call(gm, node, setting, *_moved(setting.device, args, kwargs))
             env[node] = result
             run.dtypes[node] = tuple(t.dtype for t in pytree.tree_leaves(result)
                                      if isinstance(t, torch.Tensor))
             flops = counter.get_total_flops() - before
+            if fuse_attention.skips_masked_blocks(node, setting.runtime_device):
+                flops //= 2   # the kernel skips the blocks the causal mask hides
             run.costs[node] = _node_cost(node, args, kwargs, result, flops, producer, frozen)
             run.written_heavy.update(_heavy_written(node, env, producer, run))
             if node.op == "call_module":   # its parameters are read, not passed
@@ -306,11 +326,36 @@ def _named_state(module: nn.Module) -> list[tuple[str, torch.Tensor]]:
             + list(module.named_buffers(remove_duplicate=False)))
 
 
-def _call(gm: fx.GraphModule, node: fx.Node, args: tuple, kwargs: dict) -> Any:
+def _call(gm: fx.GraphModule, node: fx.Node, setting: _Setting, args: tuple,
+          kwargs: dict) -> Any:
     if node.op == "call_function":
+        if setting.runtime_device == "cuda" and _fused_dropout(node):
+            return _native_dropout(*args, **kwargs)
         return fuse_attention.measured(node)(*args, **kwargs)
     self_arg, *rest = args
     return getattr(self_arg, node.target)(*rest, **kwargs)
+
+
+_DROPOUTS = (torch.nn.functional.dropout, torch.dropout, torch.ops.aten.dropout.default)
+
+
+def _fused_dropout(node: fx.Node) -> bool:
+    """A training dropout (0 < p < 1, not in place) that CUDA runs as its fused
+    ``native_dropout``, saving a 1-byte mask for backward; a CPU decomposes it instead
+    into noise in the input's dtype, which is what it saves (measured as it runs)."""
+    if node.target not in _DROPOUTS:
+        return False
+    p = node.args[1] if len(node.args) > 1 else node.kwargs.get("p", 0.5)
+    training = node.args[2] if len(node.args) > 2 else node.kwargs.get(
+        "training", node.kwargs.get("train", True))
+    inplace = node.args[3] if len(node.args) > 3 else node.kwargs.get("inplace", False)
+    return isinstance(p, (int, float)) and 0 < p < 1 and training is True and not inplace
+
+
+def _native_dropout(input: torch.Tensor, p: float = 0.5, training: bool = True,
+                    inplace: bool = False, **kwargs: Any) -> torch.Tensor:
+    """Dropout as CUDA's fused kernel runs it: autograd saves its boolean mask."""
+    return torch.ops.aten.native_dropout(input, float(kwargs.get("p", p)), True)[0]
 
 
 def _node_cost(node: fx.Node, args: tuple, kwargs: dict, result: Any, flops: int,

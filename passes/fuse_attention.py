@@ -469,6 +469,19 @@ def fused_kernel(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     return kernel(query, key, value, 0.0, is_causal, attn_mask=attn_mask, scale=scale)[0]
 
 
+def skips_masked_blocks(node: fx.Node, device: str) -> bool:
+    """Whether the kernel that runs fused call ``node`` on ``device`` ("cuda" or "cpu")
+    skips the blocks a causal mask hides, doing about half the (seq x seq) products
+    forward and backward: a causal call (``is_causal=True``, no ``attn_mask``, square) on
+    the CUDA flash and memory-efficient kernels, and on the CPU flash kernel, which SDPA
+    picks on a CPU only without dropout (with dropout it takes the math path, which
+    computes every score and masks them)."""
+    if not is_fused(node) or not _arg(node, 5, "is_causal", False) \
+            or _arg(node, 3, "attn_mask") is not None:
+        return False
+    return device == "cuda" or not _arg(node, 4, "dropout_p", 0.0)
+
+
 def backward_recompute_flops(node: fx.Node, forward_flops: float) -> float:
     """FLOPs a fused call's backward spends beyond the usual twice its forward: it
     recomputes ``q @ k^T`` (FlashAttention-2: five products of (seq_q x seq_k) in

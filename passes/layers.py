@@ -309,9 +309,11 @@ def _crossings(gm: fx.GraphModule) -> list[tuple[fx.Node, int, int]]:
     return [(node, made, max(users)) for node, made, users in crossing_users(gm)]
 
 
-def crossing_bytes(gm: fx.GraphModule, num_layers: int) -> tuple[float, ...]:
-    """Bytes of every activation made at or before layer l and used after it, per cut l."""
-    return cut_sums([(meta.output_bytes(node), made, used)
+def crossing_bytes(gm: fx.GraphModule, num_layers: int,
+                   size=meta.output_bytes) -> tuple[float, ...]:
+    """Bytes of every activation made at or before layer l and used after it, per cut l
+    (``size``: a node's bytes; as traced, or :func:`partc.meta.run_bytes`)."""
+    return cut_sums([(size(node), made, used)
                      for node, made, used in _crossings(gm)], num_layers)
 
 

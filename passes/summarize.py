@@ -62,7 +62,8 @@ def tp_option(ctx: Context, base: ModelAnalysis, usage: dict, local: fx.GraphMod
     num_layers = len(layers)
     model = dataclasses.replace(
         base, layers=tuple(layers), shared=tuple(shared),
-        cut_bytes=tuple(c * per_sample for c in crossing_bytes(local, num_layers)),
+        cut_bytes=tuple(c * per_sample for c in crossing_bytes(local, num_layers,
+                                                               size=meta.run_bytes)),
         cut_tensors=crossing_tensors(local, num_layers))
     return TPOption(
         tp=tp, sequence_parallel=chosen.sequence_parallel, model=model,

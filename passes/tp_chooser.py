@@ -450,7 +450,7 @@ class _LayerModel:
     def _edges(self, consumer: fx.Node, position: int, producer: fx.Node) -> None:
         """Constraints (3) and (4) for every pair of strategies at one edge."""
         problem = self.problem
-        nbytes = float(meta.output_bytes(producer))
+        nbytes = float(meta.run_bytes(producer))
         if producer in self.pick:
             sources = list(zip(self.pick[producer], problem.options[producer]))
         else:  # made outside the layer: in its boundary placement
@@ -482,7 +482,7 @@ class _LayerModel:
     def _boundary(self, node: fx.Node) -> None:
         """Constraint (5) and the cost ``B[v,s]`` of an output that leaves the layer."""
         problem = self.problem
-        nbytes = float(meta.output_bytes(node))
+        nbytes = float(meta.run_bytes(node))
         for var, chosen in zip(self.pick[node], problem.options[node]):
             moves = redistribute(chosen.out, problem.boundary[node], False)
             if moves is None:
@@ -585,14 +585,14 @@ def _apply_choices(gm: fx.GraphModule, result: Sharding, problems: list[_LayerPr
                 moves = problem.edge_moves(u, src, dst, chosen.out) or ()
                 if moves and (u, dst, moves) not in seen:
                     seen.add((u, dst, moves))
-                    collectives += [Collective(k, ph, meta.output_bytes(u)) for k, ph in moves]
+                    collectives += [Collective(k, ph, meta.run_bytes(u)) for k, ph in moves]
                 partial = dst.kind == "R" and chosen.out.kind != "R" and u in grads
                 if regathers(v, position, src, dst, partial) and (u, "again") not in seen:
                     seen.add((u, "again"))
-                    collectives.append(Collective("all_gather", "backward", meta.output_bytes(u)))
+                    collectives.append(Collective("all_gather", "backward", meta.run_bytes(u)))
             if v in result.boundary:
                 moves = redistribute(chosen.out, result.boundary[v], False) or ()
-                collectives += [Collective(k, ph, meta.output_bytes(v)) for k, ph in moves]
+                collectives += [Collective(k, ph, meta.run_bytes(v)) for k, ph in moves]
         own = tuple((meta.params(n)[0], str(result.strategy[n].out)) for n in problem.items
                     if n.op == "get_attr" and n in problem.members and meta.params(n))
         layers.append(LayerSharding(
@@ -603,7 +603,7 @@ def _apply_choices(gm: fx.GraphModule, result: Sharding, problems: list[_LayerPr
         if meta.params(node) and all(uses) and result.strategy[node].out.kind == "R")
     # A parameter used both ways sums its partial gradient where it is used sharded.
     for index, nodes in param_edges.items():
-        extra = tuple(Collective("all_reduce", "backward", meta.output_bytes(u)) for u in
+        extra = tuple(Collective("all_reduce", "backward", meta.run_bytes(u)) for u in
                       dict.fromkeys(nodes) if meta.params(u)
                       and meta.params(u)[0] not in result.partial_grad_params)
         if extra:

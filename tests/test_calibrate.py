@@ -58,7 +58,8 @@ def test_profile_schema_and_summary(calibrated):
     device = profile["device"]
     assert device["kind"] == "cpu" and device["name"] and device["preset"] == "CPU"
     assert device["processes"] == 2 and device["threads_per_process"] >= 1
-    assert set(profile["measurements"]) == {"matmul", "attention", "memory", "collectives"}
+    assert set(profile["measurements"]) == {"matmul", "attention", "memory", "collectives",
+                                            "op_overhead"}
     assert set(profile["measurements"]["matmul"]) == {"float32", "bfloat16"}
     for key in BUDGET_NUMBERS:
         assert key in profile["budget"] and key in profile["sources"]
@@ -106,6 +107,22 @@ def test_budget_numbers_follow_from_the_samples(calibrated):
     assert budget["link_latency_s"] is None   # between nodes: the preset's
     assert budget["devices_per_node"] == 2 and budget["memory"] > 0
     assert budget["inter_node_bandwidth"] is None
+    # Each collective's own fit beside the joint one; the per-op and per-matmul overheads.
+    for kind in ("all_reduce", "all_gather", "reduce_scatter", "send_recv"):
+        fit = measured["collectives"][kind]["fit"]
+        own = budget["collective_links"][kind]
+        assert own is None if fit is None else own == {"latency_s": fit["latency_s"],
+                                                       "bandwidth": fit["bandwidth"]}
+    overhead = measured["op_overhead"]
+    assert budget["op_overhead_s"] == overhead["forward_s"] > 0
+    assert budget["op_overhead_backward_s"] == overhead["backward_s"] >= 0
+    samples = measured["matmul"]["float32"]["samples"]
+    best = measured["matmul"]["float32"]["best_flops_per_s"]
+    assert budget["matmul_overhead_s"] == measured["matmul"]["float32"]["overhead_s"] >= 0
+    # The fit's overhead is the weighted mean excess over the best rate, so it lies
+    # between the smallest and largest excess (floored at 0).
+    excess = [s["seconds"] - 2 * s["m"] * s["k"] * s["n"] / best for s in samples]
+    assert min(excess) - 1e-12 <= budget["matmul_overhead_s"] <= max(excess) + 1e-12
 
 
 def _squared_relative_error(fit: LinkFit, samples, ranks: int) -> float:
@@ -197,6 +214,62 @@ def test_profile_drives_the_budget(calibrated):
     assert "source" not in partc.DeviceBudget(num_devices=2, device="CPU").to_dict()
 
 
+def test_each_collective_kind_and_the_overheads_reach_the_cost_model(calibrated, tmp_path):
+    """The profile's per-collective fits price each kind inside a node (send/recv as
+    "send"); the op and matmul overheads reach DeviceNumbers. A profile written before
+    these keys existed still loads: its fits come from its measurements, its overheads
+    from the preset."""
+    from partc.collectives import Group, collective_seconds
+    from partc.compiler import device_numbers
+
+    path = calibrated[0]
+    profile = _read(path)
+    budget = partc.DeviceBudget(num_devices=2, profile=path)
+    numbers = device_numbers(budget, torch.float32)
+    links = profile["budget"]["collective_links"]
+    names = {"all_reduce": "all_reduce", "all_gather": "all_gather",
+             "reduce_scatter": "reduce_scatter", "send_recv": "send"}
+    expected = sorted((names[k], f["latency_s"], f["bandwidth"]) for k, f in links.items() if f)
+    assert list(numbers.intra_node_links) == expected
+    group = Group.over(numbers, 2, 2)
+    for kind, latency, bandwidth in expected:
+        steps, factor = (1, 1.0) if kind == "send" else \
+            (2, 1.0) if kind == "all_reduce" else (1, 0.5)
+        assert collective_seconds(kind, 1e6, group) == pytest.approx(
+            steps * latency + factor * 1e6 / bandwidth)
+    assert numbers.op_overhead_s == profile["budget"]["op_overhead_s"]
+    assert numbers.op_overhead_backward_s == profile["budget"]["op_overhead_backward_s"]
+    assert numbers.matmul_overhead_s == profile["budget"]["matmul_overhead_s"]
+    # A plan records them, and the budget it reads back prices alike (partc.load).
+    from partc.compiler import budget_from_info
+    from partc.plan import BudgetInfo
+    again = budget_from_info(BudgetInfo.from_dict(budget.to_dict()))
+    assert device_numbers(again, torch.float32) == numbers
+    # A link number given to DeviceBudget prices every kind.
+    given = partc.DeviceBudget(num_devices=2, profile=path, intra_node_bandwidth="1GB/s")
+    assert device_numbers(given, torch.float32).intra_node_links == ()
+
+    def older(p):
+        for key in ("collective_links", "op_overhead_s", "op_overhead_backward_s",
+                    "matmul_overhead_s"):
+            p["budget"].pop(key)
+    old = device_numbers(partc.DeviceBudget(num_devices=2, profile=_edited(
+        calibrated, tmp_path, older)), torch.float32)
+    assert list(old.intra_node_links) == expected
+    cpu = partc.PRESETS["CPU"]
+    assert (old.op_overhead_s, old.op_overhead_backward_s, old.matmul_overhead_s) == (
+        cpu.op_overhead_s, cpu.op_overhead_backward_s, cpu.matmul_overhead_s)
+    with pytest.raises(ProfileError, match="collective fit 'broadcast'"):
+        load_profile(_edited(calibrated, tmp_path, lambda p: p["budget"]["collective_links"]
+                             .update(broadcast={"latency_s": 0, "bandwidth": 1})))
+    with pytest.raises(ProfileError, match="all_gather.bandwidth must be a positive"):
+        load_profile(_edited(calibrated, tmp_path, lambda p: p["budget"]["collective_links"]
+                             .update(all_gather={"latency_s": 0, "bandwidth": 0})))
+    with pytest.raises(ProfileError, match="budget.op_overhead_s must be a number"):
+        load_profile(_edited(calibrated, tmp_path,
+                             lambda p: p["budget"].update(op_overhead_s=-1)))
+
+
 def _mlp_plan(budget: partc.DeviceBudget) -> partc.Plan:
     program = partc.compile(models.MLP(d_in=256, d_hidden=1024, d_out=256),
                             (torch.randn(64, 256),), budget=budget,
@@ -216,7 +289,9 @@ def test_compile_uses_the_profile_numbers(calibrated, tmp_path):
     # Twice the FLOP/s and memory bandwidth: every layer's time halves.
     faster = profile | {"budget": profile["budget"] | {
         "peak_flops": {k: 2 * v for k, v in profile["budget"]["peak_flops"].items()},
-        "hbm_bandwidth": 2 * profile["budget"]["hbm_bandwidth"]}}
+        "hbm_bandwidth": 2 * profile["budget"]["hbm_bandwidth"],
+        **{key: profile["budget"][key] / 2 for key in
+           ("op_overhead_s", "op_overhead_backward_s", "matmul_overhead_s")}}}
     (tmp_path / "faster.json").write_text(json.dumps(faster))
     fast = _mlp_plan(partc.DeviceBudget(num_devices=1, profile=tmp_path / "faster.json"))
     for phase in ("forward", "backward"):

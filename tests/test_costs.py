@@ -76,3 +76,61 @@ def test_a_fused_kernels_recomputed_scores_add_backward_flops():
     op = HeavyOp(flops=1e9, activation_bytes=1e6, weight_bytes=1e6, bwd_extra_flops=5e8)
     assert roofline_seconds([op], DEVICES, 4, 1.0, backward=True) == pytest.approx(
         (20e-3, 0.0))
+
+
+def test_op_and_matmul_overheads_make_small_microbatches_cost_more():
+    """Per call and microbatch: 10 us per op forward, 20 us in backward, 5 us per matmul
+    beyond its FLOPs. A layer of 30 ops, one of them the matmul, on 4 samples: one
+    microbatch of 4 pays the overheads once, four of 1 four times; without overheads
+    (the hand-built devices) the two splits tie."""
+    layer = dataclasses.replace(instances.layer("block", flops=1e9, selective=500.0),
+                                num_nodes=30)
+    slow = dataclasses.replace(DEVICES, op_overhead_s=10e-6, op_overhead_backward_s=20e-6,
+                               matmul_overhead_s=5e-6)
+
+    def step_s(devices, b: int, m: int) -> float:
+        problem = instances.problem([layer], [], devices, batch=4)
+        config = PipelineConfig(pp=1, dp=1, micro_batch_size=b, num_microbatches=m,
+                                schedule="1f1b")
+        row = build_cost_table(problem, config).layers[0]
+        return m * (row.forward_ps + row.backward_ps) / PS_PER_S, row
+
+    assert step_s(DEVICES, 4, 1)[0] == pytest.approx(step_s(DEVICES, 1, 4)[0])
+    whole, row = step_s(slow, 4, 1)
+    # forward: 4e9 / 5e11 = 8 ms + 5 us (matmul) + 30 x 10 us; backward: 16 ms + 2 x 5 us
+    # + 30 x 20 us.
+    assert row.forward_ps / PS_PER_S == pytest.approx(8e-3 + 5e-6 + 300e-6)
+    assert row.backward_ps / PS_PER_S == pytest.approx(16e-3 + 10e-6 + 600e-6)
+    # Recompute replays the ops it reruns: full all 30, selective the 29 light ones.
+    assert row.recompute_ps["full"] / PS_PER_S == pytest.approx(8e-3 + 5e-6 + 300e-6)
+    assert row.recompute_ps["selective"] / PS_PER_S == pytest.approx(29 * 10e-6)
+    split, _ = step_s(slow, 1, 4)
+    assert split - whole == pytest.approx(3 * (15e-6 + 900e-6))
+
+
+def test_each_collective_kind_is_priced_by_its_own_link():
+    """ZeRO-3 over dp=2 inside a node: the all-gather and reduce-scatter take their own
+    fits, the other kinds the joint numbers (1e9 bytes/s, no latency)."""
+    from partc.collectives import Group, collective_seconds
+
+    numbers = dataclasses.replace(
+        instances.devices(2, 10**12), intra_node_links=(
+            ("all_gather", 1e-3, 1e8), ("reduce_scatter", 2e-3, 5e7), ("send", 0.0, 2e9)))
+    group = Group.over(numbers, 2, 2)
+    assert collective_seconds("all_gather", 1e8, group) == pytest.approx(1e-3 + 0.5)
+    assert collective_seconds("broadcast", 1e8, group) == pytest.approx(1e-3 + 0.5)
+    assert collective_seconds("reduce_scatter", 1e8, group) == pytest.approx(2e-3 + 1.0)
+    assert collective_seconds("all_reduce", 1e8, group) == pytest.approx(0.1)
+    assert collective_seconds("send", 1e8, group) == pytest.approx(0.05)
+    # Across nodes the network's numbers, whatever the kind.
+    across = Group.over(numbers, 2, 16)
+    assert collective_seconds("all_gather", 1e8, across) == pytest.approx(0.05)
+    layer = instances.layer("block", flops=1e9, params=10**6)
+    problem = instances.problem([layer], [], numbers, batch=2)
+    config = PipelineConfig(pp=1, dp=2, micro_batch_size=1, num_microbatches=1,
+                            schedule="1f1b", zero_stage=3)
+    row = build_cost_table(problem, config).layers[0]
+    # 4e6 bytes of fp32 weights gathered (1 ms + 20 ms) in forward, gathered again and
+    # reduce-scattered (2 ms + 40 ms) in backward: each phase longer than its compute.
+    assert row.forward_ps / PS_PER_S == pytest.approx(21e-3)
+    assert row.backward_ps / PS_PER_S == pytest.approx(21e-3 + 42e-3)

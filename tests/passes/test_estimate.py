@@ -171,3 +171,45 @@ def test_a_layer_writing_a_matmul_output_in_place_has_no_selective_mode():
     assert [(layer.name, layer.modes) for layer in pure.layers] == [
         ("0", ("none", "selective", "full"))]
     assert [(layer.name, layer.modes) for layer in written.layers] == [("0", ("none", "full"))]
+
+
+class _CausalAttention(nn.Module):
+    """A projection, causal SDPA and dropout on its output: what the runtime's device
+    changes in the estimate."""
+
+    def __init__(self, dim: int = 16, dropout: float = 0.1, causal: bool = True) -> None:
+        super().__init__()
+        self.qkv = nn.Linear(dim, 3 * dim)
+        self.drop = nn.Dropout(dropout)
+        self.causal = causal
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.qkv(x).unsqueeze(1).chunk(3, dim=-1)
+        y = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=self.causal)
+        return self.drop(y.squeeze(1))
+
+
+def _attention_costs(device: str, **kwargs) -> tuple[float, float]:
+    """(SDPA's FLOPs, dropout's saved bytes) measured for ``device``."""
+    gm, _ = analyze(_CausalAttention(**kwargs), (torch.randn(B, 32, 16),),
+                    autocast_device=device)
+    nodes = {n.name: n for n in gm.graph.nodes}
+    return (meta.cost(nodes["scaled_dot_product_attention"]).flops,
+            meta.cost(nodes["dropout"]).saved_bytes)
+
+
+def test_causal_attention_and_dropout_as_the_device_runs_them():
+    """Causal SDPA counts half its (seq x seq) products where the kernel skips masked
+    blocks: on a GPU always, on a CPU only without dropout (the flash kernel; with
+    dropout SDPA takes the math path). Dropout on a GPU is CUDA's native_dropout, which
+    saves a 1-byte mask; a CPU saves its fp32 noise."""
+    full = 4 * B * 32 * 32 * 16      # q @ k^T and probs @ v, fp32 (B, 1, 32, 16)
+    flops, saved = _attention_costs("cuda")
+    assert flops == full // 2
+    assert saved == B * 32 * 16 * 1  # bool mask
+    flops, saved = _attention_costs("cpu")
+    assert flops == full // 2        # the model's own SDPA call runs without dropout
+    assert saved == B * 32 * 16 * 4  # fp32 noise
+    assert _attention_costs("cuda", causal=False)[0] == full
+    # No dropout: nothing saved for it on either device.
+    assert _attention_costs("cuda", dropout=0.0)[1] == 0

@@ -154,30 +154,40 @@ def test_saved_bytes_are_the_fused_kernels() -> None:
 
 
 def test_backward_recomputes_the_scores() -> None:
-    """Same forward FLOPs as the written products; backward 2.5x those of attention."""
+    """The written products' forward FLOPs, less the half of the (seq x seq) products the
+    GPU kernels skip under the causal mask; backward 2.5x the fused kernel's forward."""
     ids = torch.randint(1, 128, (BATCH, SEQ))
     _, fused = analyze(_build("gpt"), (ids,), attention="fused", full_trace=True)
     _, written = analyze(_build("gpt"), (ids,), full_trace=True)
     attention = 2 * 2 * 4 * SEQ * SEQ * 16  # two products per head, per sample
     for ours, theirs in zip(fused.layers, written.layers):
-        assert ours.fwd_flops == theirs.fwd_flops
-        extra = attention / 2 if ours.name.startswith("blocks.") else 0.0
-        assert ours.bwd_flops == pytest.approx(theirs.bwd_flops + extra)
+        skipped = attention / 2 if ours.name.startswith("blocks.") else 0.0
+        assert ours.fwd_flops == theirs.fwd_flops - skipped
+        # written: 2 x attention (4 x skipped) in backward; fused: 2.5 x its half of it.
+        assert ours.bwd_flops == pytest.approx(theirs.bwd_flops - 4 * skipped
+                                               + 2.5 * skipped)
         assert ours.fwd_mem_bytes <= theirs.fwd_mem_bytes
 
 
-def test_dropout_is_measured_as_the_fused_kernel_keeps_it() -> None:
+@pytest.mark.parametrize("device", ["cuda", "cpu"])
+def test_dropout_is_measured_as_the_fused_kernel_keeps_it(device: str) -> None:
     """Fake CPU tensors send dropout to the math path; the estimate keeps what the GPU
-    kernels keep (they redraw the mask in backward), as without dropout."""
+    kernels keep (they redraw the mask in backward), as without dropout. On a CPU, SDPA
+    with dropout takes the math path, which computes every (seq x seq) product: the half
+    the causal flash kernel skips without dropout is counted again."""
     ids = torch.randint(1, 128, (BATCH, SEQ))
-    _, with_dropout = analyze(_build("gpt", 0.1), (ids,), attention="fused", full_trace=True)
-    _, without = analyze(_build("gpt", 0.0), (ids,), attention="fused", full_trace=True)
+    _, with_dropout = analyze(_build("gpt", 0.1), (ids,), attention="fused", full_trace=True,
+                              autocast_device=device)
+    _, without = analyze(_build("gpt", 0.0), (ids,), attention="fused", full_trace=True,
+                         autocast_device=device)
     block = [layer.name for layer in without.layers].index("blocks.0")
     ours, theirs = with_dropout.layers[block], without.layers[block]
-    assert ours.fwd_flops == theirs.fwd_flops
-    # The block's two other dropouts (attention and MLP outputs) keep their masks,
-    # in fp32 on CPU: four bytes per element of a (seq, 64) activation, per sample.
-    masks = 2 * SEQ * 64 * 4
+    skipped = 2 * 4 * SEQ * SEQ * 16 if device == "cpu" else 0   # half of two products
+    assert ours.fwd_flops == theirs.fwd_flops + skipped
+    # The block's two other dropouts (attention and MLP outputs) keep their masks: CUDA's
+    # native_dropout a byte per element of a (seq, 64) activation, per sample; a CPU its
+    # fp32 noise, four bytes.
+    masks = 2 * SEQ * 64 * (1 if device == "cuda" else 4)
     assert ours.saved_bytes["none"] == theirs.saved_bytes["none"] + masks
 
 
