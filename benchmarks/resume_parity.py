@@ -1,8 +1,10 @@
 """Resume on another budget trains like one process: the sample GPT, Hugging Face Llama
 and Hugging Face GPT-2 (tied embeddings), tiny configs, AdamW, 6 steps.
 
-Each move trains 3 steps under plan A (``torchrun`` with gloo on CPU), saves a
-checkpoint (``module.save_checkpoint``), goes on to step 6 (the uninterrupted run), then a
+Each move trains 3 steps under plan A (``torchrun`` with gloo on CPU); then one rank gets
+a SIGTERM, every rank sees ``module.stop_requested()`` from that step and saves a
+checkpoint (``module.save_checkpoint``) as a suspended job does, and goes on to step 6
+(the uninterrupted run), then a
 second ``torchrun`` under plan B loads it (``module.load_checkpoint``) and trains steps
 4-6. Moves:
 
@@ -37,7 +39,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from tests.runtime.ckpt_worker import PLANS, STEPS  # noqa: E402
+from tests.runtime.ckpt_worker import PLANS, SAVE_AT, STEPS  # noqa: E402
 
 WORKER = ROOT / "tests" / "runtime" / "ckpt_worker.py"
 MOVES = ["pp2-dp2>tp2", "dp2-zero3>pp2-dp2-zero1", "dp2-zero1>dp2-zero1",
@@ -77,6 +79,7 @@ def row(name: str, first: list[dict], resumed: list[dict]) -> dict:
             "params": max(r[name]["param_error"] for r in resumed),
             "to_uninterrupted": max(r[name]["max_abs_diff_to_first"] for r in resumed),
             "bit_identical": after["losses"] == before["losses"][after["start"]:],
+            "stopped_at": sorted({r[name].get("stopped_at") for r in first}, key=str),
             "steps": len(losses)}
 
 
@@ -98,19 +101,21 @@ def main() -> None:
             ranks = launch(out, phase, nproc, group)
             results.update({n: ranks for n in group})
     rows = [row(n, first[n], resumed[n]) for n in names]
-    print("| move | losses vs 1 process | params vs 1 process (A, uninterrupted) | "
-          "params vs 1 process (resumed) | resumed vs uninterrupted (max abs) | "
-          "losses bit-identical |")
-    print("|---|---|---|---|---|---|")
+    print("| move | saved at step (SIGTERM) | losses vs 1 process | "
+          "params vs 1 process (A, uninterrupted) | params vs 1 process (resumed) | "
+          "resumed vs uninterrupted (max abs) | losses bit-identical |")
+    print("|---|---|---|---|---|---|---|")
     failed = 0
     for r in rows:
         if "error" in r:
             failed += 1
-            print(f"| {r['move']} | error: {r['error'].splitlines()[0][:120]} | | | | |")
+            print(f"| {r['move']} | error: {r['error'].splitlines()[0][:120]} | | | | | |")
             continue
-        ok = r["losses"] <= RTOL and r["params"] <= RTOL and r["steps"] == STEPS
+        ok = r["losses"] <= RTOL and r["params"] <= RTOL and r["steps"] == STEPS \
+            and r["stopped_at"] == [SAVE_AT]
         failed += not ok
-        print(f"| {r['move']} | {r['losses']:.1e} | {r['params_first']:.1e} | "
+        stopped = ", ".join(map(str, r["stopped_at"]))
+        print(f"| {r['move']} | {stopped} | {r['losses']:.1e} | {r['params_first']:.1e} | "
               f"{r['params']:.1e} | {r['to_uninterrupted']:.1e} | "
               f"{'yes' if r['bit_identical'] else 'no'} |")
     print(f"\n{len(rows) - failed} of {len(rows)} moves within {RTOL:g} (losses and "

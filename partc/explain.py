@@ -56,6 +56,10 @@ def _shared_need(table: CostTable, first: int, last: int) -> int:
 def tightest_split(table: CostTable, problem: PlanningProblem) -> TightestSplit:
     """The contiguous split minimising the worst stage's need / limit (DP over stages)."""
     layers, pp = table.num_layers, table.config.pp
+    # The layers as the table's tensor-parallel rank has them: a shard may offer fewer
+    # recompute modes than the whole layer (selective where it would keep no less).
+    config = table.config
+    problem = problem.variant(config.tp, config.sequence_parallel, config.tp_objective)
     allowed = [problem.allowed_modes(layer) for layer in range(layers)]
     inf = float("inf")
     # best[s][j]: (worst ratio, split) covering layers 0..j with stages 0..s.

@@ -1,11 +1,14 @@
-"""Resume parity under torchrun: train under plan A, save at step 3, resume under plan B.
+"""Resume parity under torchrun: train under plan A, suspended by SIGTERM after step 3,
+resume under plan B.
 
     torchrun --standalone --nproc-per-node=N tests/runtime/ckpt_worker.py OUT first MOVE ...
     torchrun --standalone --nproc-per-node=M tests/runtime/ckpt_worker.py OUT resume MOVE ...
 
 ``first`` (N = plan A's processes) trains MOVE's model under plan A for STEPS steps with
-AdamW, saving a checkpoint after step SAVE_AT into ``OUT/<move>/ckpt``, and keeps
-training: the uninterrupted run. ``resume`` (M = plan B's processes) compiles plan B,
+AdamW. After step SAVE_AT the last rank gets a SIGTERM; ``module.stop_requested()``,
+asked on every rank every step, is then True on all of them from that step on, and they
+save a checkpoint of it into ``OUT/<move>/ckpt`` (the path a suspended job takes), then
+keep training instead of exiting: the uninterrupted run. ``resume`` (M = plan B's processes) compiles plan B,
 loads that checkpoint and trains the remaining steps. Both also train the model in one
 process for STEPS steps (every rank, from the same initial weights and batches) and
 report, per rank in ``OUT/<phase>-rank<k>.json``: the losses of their steps, the one-process
@@ -24,6 +27,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import sys
 import traceback
 from dataclasses import dataclass
@@ -147,8 +151,13 @@ def run(out: Path, phase: str, name: str) -> dict[str, Any]:
         losses.append(module.forward_backward(*x, target=y).item())
         opt.step()
         opt.zero_grad()
-        if phase == "first" and step + 1 == SAVE_AT:
-            module.save_checkpoint(directory, optimizer=opt, step=SAVE_AT,
+        if phase != "first":
+            continue
+        if step + 1 == SAVE_AT and dist.get_rank() == dist.get_world_size() - 1:
+            signal.raise_signal(signal.SIGTERM)   # the cluster's signal, to one rank
+        if module.stop_requested() and "stopped_at" not in result:
+            result["stopped_at"] = step + 1
+            module.save_checkpoint(directory, optimizer=opt, step=step + 1,
                                    extra={"plan": plan, "losses": list(losses)})
     full = module.full_state_dict()
     worst, where = compare(full, ref_state)

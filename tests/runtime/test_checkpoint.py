@@ -260,6 +260,7 @@ def _ran(ranks: list[dict], move: str) -> list[dict]:
 def test_the_same_plan_resumes_bit_identically(resumed):
     first, after = (_ran(ranks, SAME) for ranks in resumed)
     for before, now in zip(first, after):
+        assert before["stopped_at"] == SAVE_AT   # one rank's SIGTERM, seen by every rank
         assert now["loaded"] == [SAVE_AT, {"plan": "pp2", "losses": before["losses"][:SAVE_AT]}]
         assert now["losses"] == before["losses"][SAVE_AT:]
         assert now["max_abs_diff_to_first"] == 0.0
