@@ -11,7 +11,7 @@ import re
 import pytest
 import torch
 
-from partc import launcher
+from partc import launcher, train_config
 from partc.choices import OPTIMIZER_STATE_BYTES
 from partc.cli import (
     BUDGET_FLAGS,
@@ -21,7 +21,8 @@ from partc.cli import (
     _constraints,
     _parser,
 )
-from partc.launcher import TrainConfig, learning_rate, parse_config, read_config_file
+from partc.train_config import (TrainConfig, learning_rate, parse_config,
+                                read_config_file)
 from partc.presets import DEFAULT_DEVICE
 
 
@@ -48,7 +49,7 @@ def test_the_plan_flags_are_partc_plans():
     plan = _parser()._subparsers._group_actions[0].choices["plan"]
     shared = {*BUDGET_FLAGS.values(), *PIN_FLAGS.values(), *TRAIN_FLAGS.values(),
               "--recompute-layer"} - {"--devices"}
-    train = {o for action in launcher.parser()._actions for o in action.option_strings}
+    train = {o for action in train_config.parser()._actions for o in action.option_strings}
     planned = {o for action in plan._actions for o in action.option_strings}
     assert shared <= train and shared <= planned and "--devices" not in train
     argv = ["--pp", "2", "--dp", "2", "--no-sequence-parallel", "--tp-objective", "memory",
@@ -60,7 +61,7 @@ def test_the_plan_flags_are_partc_plans():
     args = _parser().parse_args(["plan", "m.py:f", "--devices", "2", *argv])
     assert constraints == _constraints(args) and budget == _budget(args)
     assert budget.memory_bytes == (40 * 2**30, 40 * 10**9) and budget.num_devices == 2
-    assert launcher.OPTIMIZERS == tuple(sorted(OPTIMIZER_STATE_BYTES))
+    assert train_config.OPTIMIZERS == tuple(sorted(OPTIMIZER_STATE_BYTES))
     # without --device or --profile: the devices that train (CPU where torch sees no GPU)
     budget, _ = launcher.check(parse_config([f"{__file__}:never", "--steps", "1"]), 1)
     assert budget.device == ("CPU" if not torch.cuda.is_available() else DEFAULT_DEVICE)

@@ -27,7 +27,7 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from partc import launcher  # noqa: E402
+from partc import launcher, train_config  # noqa: E402
 from samples import gpt  # noqa: E402
 
 STEPS = 5
@@ -63,7 +63,7 @@ def _one_process_losses(weights: dict, workload: dict, config) -> list[float]:
     losses = []
     for step in range(config.steps):
         for group in optimizer.param_groups:
-            group["lr"] = launcher.learning_rate(step, config)
+            group["lr"] = train_config.learning_rate(step, config)
         inputs, target = workload["data"](step)
         loss = gpt.loss_fn(model(inputs), target)
         loss.backward()
@@ -74,7 +74,7 @@ def _one_process_losses(weights: dict, workload: dict, config) -> list[float]:
 
 
 def _run(argv: list[str], *, evaluate_first: bool = False) -> dict:
-    config = launcher.parse_config([f"{Path(__file__).resolve()}:small", *argv])
+    config = train_config.parse_config([f"{Path(__file__).resolve()}:small", *argv])
     module, optimizer, telemetry, workload = launcher.prepare(config)
     held_out = launcher._held_out(workload)
     # Before any step: the pipeline then learns its shapes forward only, and training
@@ -92,7 +92,7 @@ def _run(argv: list[str], *, evaluate_first: bool = False) -> dict:
 def _execute(argv: list[str]) -> dict:
     """One launch of ``partc train`` (``launcher.execute``: all but leaving the process
     group, which the next launch in this process reuses)."""
-    config = launcher.parse_config([f"{Path(__file__).resolve()}:small", *argv])
+    config = train_config.parse_config([f"{Path(__file__).resolve()}:small", *argv])
     try:
         outcome = launcher.execute(config)
     except ValueError as error:
