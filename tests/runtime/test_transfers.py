@@ -13,7 +13,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.pipelining._utils import extract_tensor_meta
 
-from partc.runtime.module import _CountingStage, _contiguous_transfers
+from partc.runtime.pipeline_stage import CountingStage, contiguous_transfers
 
 
 class Strided(nn.Module):
@@ -50,7 +50,7 @@ def test_what_a_stage_sends_is_contiguous(first, last):
     plain = Strided()
     wrapped = Strided()
     wrapped.load_state_dict(plain.state_dict())
-    _contiguous_transfers(wrapped, first=first, last=last)
+    contiguous_transfers(wrapped, first=first, last=last)
     torch.manual_seed(1)
     (out, mask), grad = run(wrapped)
     torch.manual_seed(1)
@@ -75,7 +75,7 @@ def group_of_one():
 def test_shape_inference_runs_a_later_stage_on_zeros(group_of_one):
     # Uninitialised integers used as indices (GPT-J's positions, Whisper's decoder ids)
     # failed the first step with "index 140372623695280 is out of bounds".
-    stage = _CountingStage(nn.Linear(3, 3), 1, 2, torch.device("cpu"))
+    stage = CountingStage(nn.Linear(3, 3), 1, 2, torch.device("cpu"))
     ids = stage._to_tensor(extract_tensor_meta(torch.full((2, 16), 7, dtype=torch.int64)))
     hidden = stage._to_tensor(extract_tensor_meta(torch.randn(2, 16, 3, requires_grad=True)))
     assert ids.dtype == torch.int64 and ids.shape == (2, 16) and not ids.any()

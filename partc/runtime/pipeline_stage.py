@@ -1,0 +1,181 @@
+"""What partc changes in torch's pipeline stage, and the gradient sync it arms.
+
+:class:`CountingStage` is ``torch.distributed.pipelining``'s ``PipelineStage`` with
+partc's additions: it counts the point-to-point messages it posts (the plan's figures are
+checked against them), tells the watchdog of each microbatch, runs pipelining's
+first-step shape inference on zeros and without touching written buffers, and under
+ZeRO-2/3 reduce-scatters gradients after every microbatch (see :mod:`.module`).
+:class:`OverlappedAllReduce` is ZeRO 0/1's gradient all-reduce, overlapping the last
+backward; :func:`contiguous_transfers` makes what crosses a stage boundary contiguous.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.utils._pytree as pytree
+from torch import nn
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.pipelining import PipelineStage
+from torch.distributed.pipelining._backward import stage_backward
+from torch.distributed.tensor import DTensor
+
+from partc.errors import PartcError
+
+from .watchdog import Watchdog
+
+
+class CountingStage(PipelineStage):
+    """A pipeline stage that counts the point-to-point messages it posts, and under
+    ZeRO-2/3 reduce-scatters gradients after every microbatch (see the module's doc)."""
+
+    def __init__(self, *args: Any, zero_stage: int = 0, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.messages: Counter[str] = Counter()
+        self.zero_stage = zero_stage
+        self.grad_sync: OverlappedAllReduce | None = None  # ZeRO 0/1 with dp > 1
+        self.watchdog: Watchdog | None = None  # told of each microbatch's start
+
+    def forward_one_chunk(self, fwd_chunk_id: int, *args: Any, **kwargs: Any) -> Any:
+        if self.watchdog is not None:
+            self.watchdog.mark(f"schedule: forward, microbatch {fwd_chunk_id}")
+        return super().forward_one_chunk(fwd_chunk_id, *args, **kwargs)
+
+    def backward_one_chunk(self, bwd_chunk_id: int, *args: Any, **kwargs: Any) -> Any:
+        if self.watchdog is not None:
+            self.watchdog.mark(f"schedule: backward, microbatch {bwd_chunk_id}")
+        return super().backward_one_chunk(bwd_chunk_id, *args, **kwargs)
+
+    def _prepare_forward_infra(self, *args: Any, **kwargs: Any) -> Any:
+        # On its first step pipelining learns shapes by running the stage on made-up
+        # inputs: a forward that writes buffers (BatchNorm's running statistics) must
+        # see only the real microbatches, as on one device. The written buffers are
+        # replaced, not copied back into: the backward that pipelining then infers
+        # still needs them as they were saved.
+        before: dict[int, torch.Tensor] = {}  # one copy of a buffer two modules share
+        saved = [(owner, name, before.setdefault(id(buffer), buffer.detach().clone()))
+                 for owner in self.submod.modules()
+                 for name, buffer in owner._buffers.items() if buffer is not None]
+        try:
+            return super()._prepare_forward_infra(*args, **kwargs)
+        finally:
+            for owner, name, value in saved:
+                if not torch.equal(owner._buffers[name], value):
+                    owner._buffers[name] = value
+
+    def _to_tensor(self, arg: Any) -> torch.Tensor:
+        # Pipelining's first-step shape inference runs a later stage on tensors made
+        # from the received metadata, uninitialised: an integer tensor sent on (token
+        # ids, positions) would index an embedding or a buffer with whatever the memory
+        # held. Zeros are in range for every index and leave shapes as they are.
+        tensor = super()._to_tensor(arg)
+        if not isinstance(arg, torch.Tensor) and not isinstance(tensor, DTensor):
+            with torch.no_grad():
+                tensor.zero_()
+        return tensor
+
+    def perform_reduce_grad(self, grad_scale_factor: int) -> None:
+        if self.grad_sync is not None:
+            self.grad_sync.wait()  # before the schedule scales the gradients in place
+        super().perform_reduce_grad(grad_scale_factor)
+
+    def backward_maybe_with_nosync(self, backward_type: str, bwd_kwargs: dict,
+                                   last_backward: bool = False) -> tuple:
+        if self.grad_sync is not None:
+            self.grad_sync.armed = last_backward
+            try:
+                return super().backward_maybe_with_nosync(backward_type, bwd_kwargs,
+                                                          last_backward)
+            finally:
+                self.grad_sync.armed = False
+        if self.zero_stage < 2 or not isinstance(self.submod, FSDPModule):
+            return super().backward_maybe_with_nosync(backward_type, bwd_kwargs,
+                                                      last_backward)
+        if backward_type != "full":
+            raise PartcError(f"ZeRO-{self.zero_stage} supports full backward only, "
+                             f"not {backward_type!r}")
+        self.submod.set_requires_gradient_sync(True)
+        self.submod.set_reshard_after_backward(self.zero_stage >= 3)
+        self.submod.set_is_last_backward(True)
+        grads = stage_backward(bwd_kwargs["stage_output"], bwd_kwargs["output_grads"],
+                               bwd_kwargs["input_values"])
+        return grads, None
+
+    def _count(self, kind: str, ops: list) -> list:
+        self.messages[kind] += len(ops)
+        return ops
+
+    def get_fwd_recv_ops(self, fwd_chunk_id: int) -> list:
+        return self._count("recvs", super().get_fwd_recv_ops(fwd_chunk_id))
+
+    def get_bwd_recv_ops(self, bwd_chunk_id: int) -> list:
+        return self._count("recvs", super().get_bwd_recv_ops(bwd_chunk_id))
+
+    def get_fwd_send_ops(self, fwd_chunk_id: int) -> list:
+        return self._count("sends", super().get_fwd_send_ops(fwd_chunk_id))
+
+    def get_bwd_send_ops(self, bwd_chunk_id: int) -> list:
+        return self._count("sends", super().get_bwd_send_ops(bwd_chunk_id))
+
+
+def contiguous_transfers(module: nn.Module, *, first: bool, last: bool) -> None:
+    """Make every tensor that crosses a stage boundary contiguous, both ways.
+
+    Pipelining sends a stage's outputs and its inputs' gradients as they are, and makes
+    the receiving buffers with the strides it saw on the first step; point-to-point
+    sends need contiguous tensors, but a stage may end on a view (a transpose, an
+    ``expand``ed mask) and a gradient may come back strided the same way. Outputs are
+    made contiguous after the stage's forward (not the last stage's: they go to the
+    loss); inputs pass through :class:`_ContiguousGrad`, whose backward makes their
+    gradients contiguous before they are sent back."""
+    if not last:
+        module.register_forward_hook(lambda _module, _args, output: pytree.tree_map_only(
+            torch.Tensor, torch.Tensor.contiguous, output))
+    if not first:
+        module.register_forward_pre_hook(lambda _module, args: tuple(
+            _ContiguousGrad.apply(a) if isinstance(a, torch.Tensor) and a.requires_grad
+            else a for a in args))
+
+
+class _ContiguousGrad(torch.autograd.Function):
+    """The identity, whose backward makes the gradient contiguous."""
+
+    @staticmethod
+    def forward(ctx: Any, tensor: torch.Tensor) -> torch.Tensor:
+        return tensor.view_as(tensor)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        return grad.contiguous()
+
+
+class OverlappedAllReduce:
+    """ZeRO 0/1 gradient sync over dp, overlapping the last microbatch's backward: while
+    armed, each parameter's gradient is all-reduced (asynchronously) as soon as that
+    backward has accumulated it, and :meth:`wait` finishes them and averages. What the
+    rest of that backward cannot hide is what the cost model charges as exposed.
+
+    (``DistributedDataParallel`` would bucket these, but its reducer breaks on the real
+    forward and backward the pipeline schedule runs first to learn shapes.)"""
+
+    def __init__(self, module: nn.Module, group: dist.ProcessGroup, dp: int) -> None:
+        self.group, self.dp = group, dp
+        self.armed = False
+        self._pending: list[tuple[torch.Tensor, Any]] = []
+        for param in {id(p): p for p in module.parameters()}.values():
+            if param.requires_grad:
+                param.register_post_accumulate_grad_hook(self._launch)
+
+    def _launch(self, param: torch.Tensor) -> None:
+        if self.armed:
+            work = dist.all_reduce(param.grad, group=self.group, async_op=True)
+            self._pending.append((param.grad, work))
+
+    def wait(self) -> None:
+        for grad, work in self._pending:
+            work.wait()
+            grad.div_(self.dp)
+        self._pending.clear()
