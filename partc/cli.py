@@ -115,6 +115,14 @@ def _count(text: str) -> int:
     return _number(text, int, lambda n: n >= 1, "a positive whole number")
 
 
+def _whole(text: str) -> int:
+    return _number(text, int, lambda n: n >= 0, "a whole number, 0 or more")
+
+
+def _non_negative(text: str) -> float:
+    return _number(text, float, lambda x: x >= 0, "a number, 0 or more")
+
+
 def _positive(text: str) -> float:
     return _number(text, float, lambda x: x > 0, "a positive number")
 
@@ -179,6 +187,7 @@ def _stage(text: str) -> tuple[str, ...]:
 
 
 COUNT, POSITIVE = _argument(_count, "count"), _argument(_positive, "number")
+WHOLE, NON_NEGATIVE = _argument(_whole, "count"), _argument(_non_negative, "number")
 FRACTION, SECONDS = _argument(_fraction, "fraction"), _argument(_seconds, "seconds")
 SIZES, RATE = _argument(_sizes, "size"), _argument(_rate, "rate")
 DEVICE, LAYER_MODE = _argument(_device, "device"), _argument(_layer_mode, "LAYER=MODE")
@@ -661,20 +670,24 @@ def main(argv: list[str] | None = None) -> int:
     except UsageError as error:
         print(error, file=sys.stderr)
         return 2
-    quiet = getattr(args, "quiet", False)
+    return run_reported(lambda: COMMANDS[args.command](args), "partc",
+                        quiet=getattr(args, "quiet", False))
+
+
+def run_reported(command: Callable[[], int], prefix: str, *, quiet: bool) -> int:
+    """Run a command with partc's log lines on stderr; bad input (a usage error, a
+    PartcError, a ValueError) is one line there, ``prefix`` first, and exit status 2."""
     logging.basicConfig(level=logging.WARNING if quiet else logging.INFO,
                         format="partc: %(message)s", stream=sys.stderr)
     try:
-        return COMMANDS[args.command](args)
+        return command()
     except UsageError as error:
         print(error, file=sys.stderr)
-        return 2
     except PartcError as error:
-        print(f"partc: {type(error).__name__}: {error}", file=sys.stderr)
-        return 2
+        print(f"{prefix}: {type(error).__name__}: {error}", file=sys.stderr)
     except ValueError as error:
-        print(f"partc: invalid input: {error}", file=sys.stderr)
-        return 2
+        print(f"{prefix}: invalid input: {error}", file=sys.stderr)
+    return 2
 
 
 if __name__ == "__main__":

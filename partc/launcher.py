@@ -361,8 +361,6 @@ def run(config: TrainConfig) -> int:
 
 def main(argv: list[str]) -> int:
     """``partc train ...``: returns the exit status (2 for bad input, named)."""
-    from .errors import PartcError
-
     try:
         config = parse_config(argv)
     except cli.UsageError as error:   # a bad flag, one line naming it
@@ -373,19 +371,7 @@ def main(argv: list[str]) -> int:
         return 2
     except SystemExit as exit_:   # argparse: --help (0)
         return exit_.code if isinstance(exit_.code, int) else 2
-    logging.basicConfig(level=logging.WARNING if config.quiet else logging.INFO,
-                        format="partc: %(message)s", stream=sys.stderr)
-    try:
-        return run(config)
-    except cli.UsageError as error:
-        print(error, file=sys.stderr)
-        return 2
-    except PartcError as error:
-        print(f"partc train: {type(error).__name__}: {error}", file=sys.stderr)
-        return 2
-    except ValueError as error:
-        print(f"partc train: invalid input: {error}", file=sys.stderr)
-        return 2
+    return cli.run_reported(lambda: run(config), f"partc {COMMAND}", quiet=config.quiet)
 
 
 if __name__ == "__main__":

@@ -134,22 +134,22 @@ def parser() -> argparse.ArgumentParser:
                    help="seconds for the stage planner's search (default 30)")
     opt = p.add_argument_group("learning rate")
     opt.add_argument("--lr", type=cli.POSITIVE, help="peak learning rate (default 3e-4)")
-    opt.add_argument("--min-lr", type=_non_negative, help="learning rate at the last step "
+    opt.add_argument("--min-lr", type=cli.NON_NEGATIVE, help="learning rate at the last step "
                      "(default 0)")
-    opt.add_argument("--warmup-steps", type=_natural, metavar="N",
+    opt.add_argument("--warmup-steps", type=cli.WHOLE, metavar="N",
                      help="linear warm-up steps (default 0)")
-    opt.add_argument("--weight-decay", type=_non_negative, help="default 0")
-    opt.add_argument("--momentum", type=_non_negative,
+    opt.add_argument("--weight-decay", type=cli.NON_NEGATIVE, help="default 0")
+    opt.add_argument("--momentum", type=cli.NON_NEGATIVE,
                      help="sgd's momentum (default 0; above 0 plans sgd-momentum)")
     run = p.add_argument_group("evaluation, logging and output")
-    run.add_argument("--eval-every", type=_natural, metavar="K",
+    run.add_argument("--eval-every", type=cli.WHOLE, metavar="K",
                      help="evaluate the held-out batch every K steps")
     run.add_argument("--log-dir", help="directory for rank<k>.jsonl telemetry")
     run.add_argument("--tensorboard", action="store_true",
                      help="also write TensorBoard events under <log-dir>/tensorboard")
     run.add_argument("--warn-ratio", type=cli.POSITIVE, metavar="RATIO",
                      help="warn when time or memory departs from the plan by more (0.25)")
-    run.add_argument("--seed", type=_natural, help="torch seed before the factory (default 0)")
+    run.add_argument("--seed", type=cli.WHOLE, help="torch seed before the factory (default 0)")
     run.add_argument("--out", metavar="DIR", help="rank 0 saves the program here: plan.json, "
                      "report.md, report.html and the stages' code")
     run.add_argument("-q", "--quiet", action="store_true", help="no report, no progress lines")
@@ -157,7 +157,7 @@ def parser() -> argparse.ArgumentParser:
     saved.add_argument("--checkpoint-dir", metavar="DIR",
                        help="save checkpoints here (every --checkpoint-every steps, after "
                             "the last, and on a stop signal)")
-    saved.add_argument("--checkpoint-every", type=_natural, metavar="N",
+    saved.add_argument("--checkpoint-every", type=cli.WHOLE, metavar="N",
                        help="save every N steps (default: after the last step only)")
     saved.add_argument("--keep", type=cli.COUNT, metavar="K",
                        help="keep only the newest K checkpoints")
@@ -169,27 +169,6 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
-def _natural(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = -1
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be a whole number, 0 or more, got {text!r}")
-    return value
-
-
-def _non_negative(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        value = -1.0
-    if not (math.isfinite(value) and value >= 0):
-        raise argparse.ArgumentTypeError(f"must be a number, 0 or more, got {text!r}")
-    return value
-
-
-_natural.__name__, _non_negative.__name__ = "count", "number"
 _PLAN_GROUPS = ("devices, as", "pins", "training")
 
 
@@ -201,8 +180,8 @@ def _plan_dests() -> tuple[str, ...]:
 
 
 # What a TOML value of a flag may be: the Python types TOML gives, by the flag's type.
-_WHOLE = (cli.COUNT, _natural, int)
-_REAL = (cli.POSITIVE, cli.FRACTION, cli.SECONDS, _non_negative, float)
+_WHOLE = (cli.COUNT, cli.WHOLE, int)
+_REAL = (cli.POSITIVE, cli.FRACTION, cli.SECONDS, cli.NON_NEGATIVE, float)
 
 
 def _toml_argv(key: str, value: Any, action: argparse.Action, where: str) -> list[str]:
