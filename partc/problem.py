@@ -90,6 +90,29 @@ class HeavyOp:
 
 
 @dataclass(frozen=True, kw_only=True)
+class MoECost:
+    """The routed experts of a mixture-of-experts layer, per sample of the batch, at
+    balanced routing (every expert receives ``tokens_per_sample * top_k / num_experts``
+    tokens). The layer's own figures (:class:`LayerCost`) include these experts as one
+    process runs them; the planner divides the expert parameters over the
+    expert-parallel group, adds the all-to-all, and scales the expert activations by
+    the routing imbalance it budgets for. The router, the shared experts and the
+    combine stay in the layer's ordinary figures and are never expert-parallel."""
+
+    num_experts: int
+    top_k: int
+    hidden: int                     # width of a token as dispatched (bytes = hidden x dtype)
+    tokens_per_sample: int
+    expert_param_count: int         # all routed experts together
+    expert_param_bytes: int
+    expert_fwd_flops: float         # all routed experts' forward FLOPs per sample
+    expert_saved_bytes: dict[str, float]   # by recompute mode, like LayerCost.saved_bytes
+    dispatch_bytes: float           # one all-to-all's payload per sample (tokens x top_k x hidden x dtype)
+    capacity_factor: float | None = None   # None: dropless
+    aux_loss: bool = False          # the model adds a load-balancing loss
+
+
+@dataclass(frozen=True, kw_only=True)
 class LayerCost:
     """What one layer costs, per sample of the batch, in the dtype it was measured in
     (the traced one, or the autocast dtype in ``ModelSummary.autocast``).
@@ -118,6 +141,9 @@ class LayerCost:
     # whole tensor). Empty without tensor parallelism.
     tp_comm: tuple[tuple[str, str, float], ...] = ()
     heavy_ops: tuple[HeavyOp, ...] = ()
+    # Mixture-of-experts: the routed experts inside this layer's figures; None for a
+    # dense layer.
+    moe: MoECost | None = None
 
     def __post_init__(self) -> None:
         listed = sum(op.flops * op.count for op in self.heavy_ops)

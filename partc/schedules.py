@@ -1,0 +1,89 @@
+"""The pipeline schedules partc plans and runs, and what each asks of a plan.
+
+One table, read by the planner (which schedules and virtual-stage counts to try), the
+runtime (which torch schedule to build, which virtual stages a rank holds), the cost
+model's event simulation and the report. Torch-free: the command line reads it before
+it imports torch.
+
+Words: the model is cut into ``pp * v`` contiguous **virtual stages** (runs of layers),
+numbered in model order; each of the ``pp`` pipeline ranks holds ``v`` of them.
+``"loop"`` placement gives rank ``r`` the virtual stages ``r, r + pp, r + 2 pp, ...``
+(Megatron's interleaving, torch's looped schedules); ``"v"`` placement gives rank ``r``
+the virtual stages ``r`` and ``2 pp - 1 - r``, so the first and the last live on rank 0
+(torch's ZBV and DualPipeV).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """One schedule: its name, torch's class, and what it needs of a plan."""
+
+    name: str
+    torch_class: str                 # in torch.distributed.pipelining.schedules
+    placement: str                   # "loop" or "v"
+    virtual_stages: tuple[int, ...]  # allowed v; () means any v >= 2
+    split_backward: bool             # runs backward as input-gradient + weight-gradient
+    rounds_divide: bool = False      # microbatches a multiple of torch's rounds (m // pp)
+    min_microbatches_per_stage: int = 0   # m >= this x (pp x v)
+
+    def allows_virtual_stages(self, v: int) -> bool:
+        return v in self.virtual_stages if self.virtual_stages else v >= 2
+
+
+SCHEDULE_TABLE: dict[str, Schedule] = {s.name: s for s in (
+    Schedule("gpipe", "ScheduleGPipe", "loop", (1,), False),
+    Schedule("1f1b", "Schedule1F1B", "loop", (1,), False),
+    Schedule("interleaved-1f1b", "ScheduleInterleaved1F1B", "loop", (), False,
+             rounds_divide=True),
+    Schedule("looped-bfs", "ScheduleLoopedBFS", "loop", (), False),
+    Schedule("interleaved-zero-bubble", "ScheduleInterleavedZeroBubble", "loop", (), True,
+             rounds_divide=True),
+    Schedule("zbv-zero-bubble", "ScheduleZBVZeroBubble", "v", (2,), True),
+    Schedule("dualpipev", "ScheduleDualPipeV", "v", (2,), True,
+             min_microbatches_per_stage=1),
+)}
+
+
+def schedule(name: str) -> Schedule:
+    try:
+        return SCHEDULE_TABLE[name]
+    except KeyError:
+        raise ValueError(f"unknown schedule {name!r}; partc runs "
+                         f"{', '.join(SCHEDULE_TABLE)}") from None
+
+
+def rank_of(name: str, pp: int, v: int, virtual_stage: int) -> int:
+    """The pipeline rank that holds ``virtual_stage`` (0 .. pp * v - 1)."""
+    if not 0 <= virtual_stage < pp * v:
+        raise ValueError(f"virtual stage {virtual_stage} out of range for pp={pp}, v={v}")
+    if schedule(name).placement == "v":
+        return virtual_stage if virtual_stage < pp else 2 * pp - 1 - virtual_stage
+    return virtual_stage % pp
+
+
+def stages_of_rank(name: str, pp: int, v: int, rank: int) -> tuple[int, ...]:
+    """The virtual stages rank ``rank`` holds, in model order."""
+    return tuple(j for j in range(pp * v) if rank_of(name, pp, v, j) == rank)
+
+
+def refusal(name: str, pp: int, v: int, num_microbatches: int) -> str | None:
+    """Why torch's schedule ``name`` cannot run ``pp`` ranks of ``v`` virtual stages
+    each over ``num_microbatches`` microbatches; None when it can."""
+    s = schedule(name)
+    if not s.allows_virtual_stages(v):
+        wanted = (" or ".join(map(str, s.virtual_stages)) if s.virtual_stages
+                  else "2 or more")
+        return f"{name} runs {wanted} virtual stage(s) per rank, not {v}"
+    if s.rounds_divide:
+        rounds = max(1, num_microbatches // pp)
+        if num_microbatches % rounds:
+            return (f"{name} needs the microbatches ({num_microbatches}) to be a multiple "
+                    f"of its rounds ({rounds} = microbatches // pp)")
+    if num_microbatches < s.min_microbatches_per_stage * pp * v:
+        return (f"{name} needs at least {s.min_microbatches_per_stage * pp * v} "
+                f"microbatches (one per virtual stage), not {num_microbatches}")
+    return None
