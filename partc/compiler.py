@@ -233,6 +233,14 @@ def _train_spec(train: TrainNumbers) -> TrainSpec:
                      optimizer=precision.optimizer_state_bytes)
 
 
+def _compact(value: Any) -> Any:
+    """``value`` as a contiguous tensor of its own storage; other values as they are."""
+    if isinstance(value, torch.Tensor) and (
+            not value.is_contiguous() or value.untyped_storage().nbytes() != value.nbytes):
+        return value.clone(memory_format=torch.contiguous_format)
+    return value
+
+
 def compile(model: torch.nn.Module, example_inputs: tuple | torch.Tensor, *,
             budget: DeviceBudget, train: TrainSpec | None = None,
             loss_fn: Callable | None = None, example_target: Any = None,
@@ -250,6 +258,11 @@ def compile(model: torch.nn.Module, example_inputs: tuple | torch.Tensor, *,
 
     if isinstance(example_inputs, torch.Tensor):
         example_inputs = (example_inputs,)
+    # A view (``ids[:, :-1]``) would be measured with its whole storage, which the plan
+    # file's inputs (described by shape and dtype only) do not have: measure compact
+    # copies, the same values.
+    example_inputs = tuple(_compact(t) for t in example_inputs)
+    example_target = _compact(example_target)
     if train is None:
         train = TrainSpec(global_batch_size=int(example_inputs[0].shape[0]))
     constraints = _one_replica_for_running_stats(model, constraints or Constraints())

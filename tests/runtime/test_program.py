@@ -211,3 +211,16 @@ def test_load_measures_again_at_the_batch_the_model_was_traced_at(tmp_path):
     assert program.plan.model.traced_batch_size == 4
     program.save(tmp_path, code=False)
     assert partc.load(tmp_path, gpt_tiny(), loss_fn=loss_fn).plan == program.plan
+
+
+def test_a_plan_compiled_from_sliced_views_loads_again(tmp_path):
+    # ``ids[:, :-1]`` is a view of a longer storage; the plan file describes inputs by
+    # shape and dtype only, so the loaded plan must measure what the compiled one did.
+    model = gpt_tiny()
+    ids = torch.randint(0, 64, (4, 17))
+    program = partc.compile(model, (ids[:, :-1],), example_target=ids[:, 1:],
+                            loss_fn=loss_fn, cache=None,
+                            budget=partc.DeviceBudget(num_devices=2, device="cpu",
+                                                      memory="10MiB"))
+    program.save(tmp_path)
+    assert partc.load(tmp_path, model, loss_fn=loss_fn).plan.hash == program.plan.hash
