@@ -102,7 +102,7 @@ def make_plan(problem: PlanningProblem, config: PipelineConfig, evaluation: Eval
     summary = problem.model.summary
     local = problem.variant(config.tp, config.sequence_parallel, config.tp_objective)
     return Plan(
-        mesh=Mesh(pp=config.pp, dp=config.dp, tp=config.tp),
+        mesh=Mesh(pp=config.pp, dp=config.dp, tp=config.tp, ep=config.ep),
         schedule=config.schedule,
         num_microbatches=config.num_microbatches,
         micro_batch_size=config.micro_batch_size,
@@ -121,7 +121,18 @@ def make_plan(problem: PlanningProblem, config: PipelineConfig, evaluation: Eval
         tensor_parallel=tensor_parallel_section(problem, config),
         alternatives=alternatives,
         meshes=tuple(mesh_summary(mesh) for mesh in meshes),
+        expert_parallel=_expert_parallel(problem, config, evaluation, modes),
     )
+
+
+def _expert_parallel(problem: PlanningProblem, config: PipelineConfig,
+                     evaluation: Evaluation, modes: tuple[str, ...]):
+    """The plan's ``expert_parallel`` (:mod:`partc.planner.experts`), None without it."""
+    if config.ep == 1:
+        return None
+    from .planner.experts import expert_parallel_section
+
+    return expert_parallel_section(problem, config, evaluation, tuple(modes))
 
 
 def mesh_summary(mesh: MeshResult) -> MeshOutcome:

@@ -47,12 +47,13 @@ PIN_FLAGS = {
     "pp": "--pp", "dp": "--dp", "tp": "--tp", "sequence_parallel": "--sequence-parallel",
     "tp_objective": "--tp-objective", "stages": "--stage", "recompute": "--recompute",
     "num_microbatches": "--microbatches", "micro_batch_size": "--micro-batch",
-    "schedule": "--schedule", "zero_stage": "--zero",
+    "schedule": "--schedule", "zero_stage": "--zero", "ep": "--ep",
 }
 TRAIN_FLAGS = {
     "global_batch_size": "--global-batch", "micro_batch_size": "--micro-batch",
     "dtype": "--dtype", "optimizer": "--optimizer", "schedule": "--schedule",
     "max_grad_norm": "--max-grad-norm", "attention": "--attention",
+    "moe_imbalance": "--moe-imbalance", "moe_capacity_factor": "--moe-capacity-factor",
 }
 BUDGET_FLAGS = {
     "num_devices": "--devices", "device": "--device", "profile": "--profile",
@@ -278,6 +279,13 @@ def _training_arguments(train) -> None:
                        help="clip the global gradient norm to this")
     train.add_argument("--attention", choices=ATTENTION,
                        help="run attention as written, or fused into one kernel call")
+    train.add_argument("--moe-imbalance", type=POSITIVE, metavar="FACTOR",
+                       help="mixture-of-experts: the busiest expert's tokens over its "
+                            "balanced share that memory is budgeted for (default 2, at "
+                            "least 1)")
+    train.add_argument("--moe-capacity-factor", type=POSITIVE, metavar="FACTOR",
+                       help="mixture-of-experts: cap each expert's tokens at FACTOR x its "
+                            "balanced share, dropping the rest (default: dropless)")
 
 
 def _budget_arguments(group, *, devices: bool = True) -> None:
@@ -346,6 +354,9 @@ def _pin_arguments(group) -> None:
     group.add_argument("--zero", type=int, choices=ZERO_STAGES,
                        help="ZeRO stage: 1 shards optimizer state over dp, 2 gradients "
                             "too, 3 parameters too")
+    group.add_argument("--ep", type=COUNT, metavar="N",
+                       help="expert-parallel degree of mixture-of-experts layers (divides "
+                            "dp x tp and the expert count)")
 
 
 def _calibrate_arguments(calibrate: argparse.ArgumentParser) -> None:

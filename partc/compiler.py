@@ -91,7 +91,7 @@ def pins_for(constraints: Constraints, train: TrainSpec,
                 micro_batch_size=micro_batch_size,
                 schedule=constraints.schedule or (
                     None if train.schedule == "auto" else train.schedule),
-                zero_stage=constraints.zero_stage)
+                zero_stage=constraints.zero_stage, ep=constraints.ep)
 
 
 def build_problem(analysis: ModelAnalysis, budget: DeviceBudget, train: TrainSpec,
@@ -128,7 +128,8 @@ def build_problem(analysis: ModelAnalysis, budget: DeviceBudget, train: TrainSpe
             micro_batch_sizes=sizes,
             activation_scale=dtype_bytes(train.dtype) / analysis.summary.traced_dtype_bytes,
             precision=train.precision,
-            measured_scale=dtype_bytes(train.dtype) / _measured_dtype_bytes(analysis)),
+            measured_scale=dtype_bytes(train.dtype) / _measured_dtype_bytes(analysis),
+            moe_imbalance=train.moe_imbalance, moe_capacity_factor=train.moe_capacity_factor),
         pins=pins,
     )
 
@@ -230,7 +231,9 @@ def _train_spec(train: TrainNumbers) -> TrainSpec:
     precision = train.precision
     return TrainSpec(global_batch_size=train.global_batch_size,
                      dtype=torch.bfloat16 if precision.mixed else torch.float32,
-                     optimizer=precision.optimizer_state_bytes)
+                     optimizer=precision.optimizer_state_bytes,
+                     moe_imbalance=train.moe_imbalance,
+                     moe_capacity_factor=train.moe_capacity_factor)
 
 
 def _compact(value: Any) -> Any:

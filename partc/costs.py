@@ -51,12 +51,12 @@ Model (per pipeline stage ``s`` of ``p``, ``m`` microbatches of ``b`` samples):
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Iterable, Sequence
 
 from .collectives import Group, collective_seconds
-from .problem import (ZERO_STAGES, DeviceNumbers, HeavyOp, LayerCost, PlanningProblem,
-                      effective_zero_stage)
+from .problem import (ZERO_STAGES, DeviceNumbers, HeavyOp, LayerCost, MoECost,
+                      PlanningProblem, effective_zero_stage)
 
 PS_PER_S = 10**12
 
@@ -79,6 +79,7 @@ class PipelineConfig:
     tp_objective: str = "time"
     zero_stage: int = 0  # 1: optimizer state sharded over dp, 2: gradients too, 3: weights too
     chunks: int = 1      # interleaved-1f1b: model chunks (virtual stages) per pipeline rank
+    ep: int = 1          # expert-parallel degree of mixture-of-experts layers (moe_layer_table)
 
     @property
     def effective_zero_stage(self) -> int:
@@ -547,7 +548,8 @@ def build_cost_table(problem: PlanningProblem, config: PipelineConfig,
     of the same problem (a cache must not outlive its problem: rows are keyed by layer
     numbers, not by the devices and training numbers they were computed with)."""
     cache = cache or TableCache()
-    problem = problem.variant(config.tp, config.sequence_parallel, config.tp_objective)
+    whole, problem = problem, problem.variant(config.tp, config.sequence_parallel,
+                                              config.tp_objective)
     devices = problem.devices
     if devices.num_devices != config.pp * config.dp * config.tp:
         raise ValueError(f"pp={config.pp} x dp={config.dp} x tp={config.tp} does not use "
@@ -560,7 +562,7 @@ def build_cost_table(problem: PlanningProblem, config: PipelineConfig,
     latency = (collective_seconds("all_reduce", 0.0, group) if all_reduce else 0.0)
     return CostTable(
         config=config,
-        layers=cache.rows(problem, config),
+        layers=moe_rows(whole, problem, config, cache.rows(problem, config), cache),
         shared=shared,
         cut_ps=cache.cuts(problem, config),
         limits=limits,
@@ -682,3 +684,232 @@ def evaluate(table: CostTable, stage_of: Sequence[int], modes: Sequence[str]) ->
               for group, held in zip(table.shared, holders))
     return Evaluation(stages=stages, pipeline_ps=pipeline, tail_ps=tail, tie_ps=tie,
                       step_ps=pipeline + tail + tie)
+
+
+# ---------------------------------------------------------------- mixture-of-experts
+#
+# Expert parallelism as Megatron folds it (expert tensor parallelism 1): within a
+# pipeline stage, the dp x tp ranks in rank order (tp fastest) form groups of ``ep``
+# consecutive ranks; ep rank e holds experts [e E / ep, (e + 1) E / ep) of every
+# mixture-of-experts layer, and the ranks at the same position of each group (``dp x tp
+# / ep`` of them, the expert-data-parallel group) hold the same experts and reduce their
+# gradients. Every token goes to its top-k experts by an all-to-all (dispatch) and comes
+# back by another (combine), in forward; backward returns both gradients the same way.
+# With ep = 1 a layer's row is the ordinary one (the layer's figures include the experts
+# as one process runs them).
+
+
+def moe_worst_factor(moe: MoECost, ep: int, imbalance: float,
+                     capacity_factor: float | None) -> float:
+    """The tokens a rank's experts receive at worst over their balanced share, which the
+    plan budgets memory for: the routing imbalance assumed (``TrainSpec.moe_imbalance``),
+    at most the capacity factor when tokens beyond it are dropped, and at most what the
+    group can send (each of the ``ep`` ranks' tokens to ``min(k, E / ep)`` of the rank's
+    experts). With ep = 1 a rank runs its own tokens through all its experts: 1."""
+    if ep == 1:
+        return 1.0
+    factor = imbalance if capacity_factor is None else min(imbalance, capacity_factor)
+    ceiling = ep * min(moe.top_k, moe.num_experts // ep) / moe.top_k
+    return min(factor, ceiling)
+
+
+def ep_ranks_cross_nodes(devices: DeviceNumbers, config: PipelineConfig) -> bool:
+    """Whether any expert-parallel group (``ep`` consecutive ranks of a stage) spans two
+    nodes."""
+    node, width, ep = devices.devices_per_node, config.dp * config.tp, config.ep
+    return any((first + ep - 1) // node != first // node
+               for stage in range(config.pp)
+               for first in range(stage * width, (stage + 1) * width, ep))
+
+
+def all_to_all_seconds(nbytes: float, devices: DeviceNumbers, config: PipelineConfig) -> float:
+    """One all-to-all over an expert-parallel group, each rank sending ``nbytes`` (its
+    whole buffer, its own share included), by the alpha-beta model of
+    :mod:`partc.collectives`: ``ep - 1`` steps (pairwise exchanges) at the link's
+    latency; of the buffer, ``(ep - 1) / ep`` leaves the rank. Inside a node it moves over
+    NVLink; a group spanning nodes sends the shares of peers in other nodes over the
+    network and the others over NVLink at the same time (the slower of the two)."""
+    ep = config.ep
+    if ep == 1:
+        return 0.0
+    if not ep_ranks_cross_nodes(devices, config):
+        group = Group.over(devices, ep, ep)
+        latency, bandwidth = group.latency_s, group.bandwidth
+        return (ep - 1) * latency + (ep - 1) / ep * nbytes / bandwidth
+    local = min(ep, devices.devices_per_node)   # peers in a rank's own node, itself too
+    network = (ep - local) / ep * nbytes / devices.inter_node_bandwidth
+    nvlink = (local - 1) / ep * nbytes / devices.intra_node_bandwidth
+    return (ep - 1) * devices.link_latency_s + max(network, nvlink)
+
+
+def expert_dp_config(config: PipelineConfig) -> PipelineConfig:
+    """The configuration the experts' parameters see: ``dp x tp / ep`` replicas spanning
+    the stage's dp x tp ranks (``dp_group`` of it is the expert-data-parallel group), so
+    that ZeRO, the gradient reduction and the optimizer step of the experts are priced by
+    the functions that price the other parameters."""
+    return replace(config, dp=config.dp * config.tp // config.ep, tp=config.ep)
+
+
+@dataclass(frozen=True, kw_only=True)
+class MoELayerFigures:
+    """One mixture-of-experts layer on one rank under expert parallelism, per microbatch:
+    what :func:`moe_layer_table` prices and the plan records."""
+
+    num_experts: int
+    top_k: int
+    local_experts: int            # experts per rank: E / ep
+    expert_params: int            # the rank's share of the routed experts' parameters
+    dense_params: int             # the layer's other parameters on the rank
+    all_to_all_bytes: float       # one all-to-all's buffer per rank (dispatch or combine)
+    all_to_all_s: float           # one all-to-all's time
+    worst_factor: float           # tokens at worst over the balanced share (memory)
+    expert_saved: dict[str, float]   # the experts' saved bytes at worst, by mode
+    flops_delta: float            # expert FLOPs beyond the layer's own figures (tp > 1)
+
+    @property
+    def all_to_alls(self) -> int:
+        """All-to-alls per microbatch without recompute: dispatch and combine, forward and
+        backward."""
+        return 4
+
+
+def moe_layer_figures(whole: MoECost, layer: LayerCost, problem: PlanningProblem,
+                      config: PipelineConfig) -> MoELayerFigures:
+    """The expert-parallel figures of ``layer`` (as one rank of the configuration's
+    tensor-parallel variant measures it) whose routed experts ``whole`` describes for the
+    whole model. ``layer.moe`` says how the layer's own figures include the experts
+    (tokens per sample on the rank, the parameters and FLOPs it counts); a variant layer
+    without it is taken to include them split over tp, as sequence parallelism splits
+    the tokens. Under expert parallelism the experts are whole (expert tensor
+    parallelism 1) and the rank's tokens, balanced, cost it the FLOPs of its share of the
+    tokens through whole experts."""
+    tp = config.tp
+    local = layer.moe if layer.moe is not None else replace(
+        whole, tokens_per_sample=whole.tokens_per_sample / tp,
+        expert_param_count=whole.expert_param_count // tp,
+        expert_fwd_flops=whole.expert_fwd_flops / tp,
+        expert_saved_bytes={m: v / tp for m, v in whole.expert_saved_bytes.items()},
+        dispatch_bytes=whole.dispatch_bytes / tp)
+    ratio = local.tokens_per_sample / whole.tokens_per_sample
+    b, scale = config.micro_batch_size, problem.train.measured_scale
+    worst = moe_worst_factor(whole, config.ep, problem.train.moe_imbalance,
+                             problem.train.moe_capacity_factor)
+    buffer = b * whole.dispatch_bytes * ratio * scale
+    return MoELayerFigures(
+        num_experts=whole.num_experts, top_k=whole.top_k,
+        local_experts=whole.num_experts // config.ep,
+        expert_params=whole.expert_param_count // config.ep,
+        dense_params=layer.param_count - local.expert_param_count,
+        all_to_all_bytes=buffer,
+        all_to_all_s=all_to_all_seconds(buffer, problem.devices, config),
+        worst_factor=worst,
+        expert_saved={m: whole.expert_saved_bytes.get(m, 0.0) * ratio * worst
+                      for m in layer.saved_bytes},
+        flops_delta=whole.expert_fwd_flops * ratio - local.expert_fwd_flops)
+
+
+def moe_layer_table(whole: MoECost, problem: PlanningProblem, config: PipelineConfig,
+                    index: int) -> LayerTable:
+    """A mixture-of-experts layer's row under expert parallelism (``config.ep > 1``):
+
+    - compute: the layer's own figures (experts included as one process runs them: at
+      balanced routing a rank's experts do the FLOPs of its own tokens, whatever ep),
+      plus the FLOPs whole experts add where the variant split them over tp, at the
+      device's matmul rate; plus two all-to-alls forward (dispatch, combine), two
+      backward, and two more in a recomputed forward;
+    - memory: the experts' saved activations at the worst routing the plan allows
+      (:func:`moe_worst_factor`) instead of the balanced ones, for every microbatch in
+      flight;
+    - parameters: the layer's other parameters as usual (over dp), the rank's ``1 / ep``
+      of the experts over the expert-data-parallel group (:func:`expert_dp_config`):
+      their ZeRO sharding, gradient reduction, gather and optimizer step.
+    """
+    layer = problem.layers[index]
+    devices, train = problem.devices, problem.train
+    figures = moe_layer_figures(whole, layer, problem, config)
+    expert_config = expert_dp_config(config)
+    b, scale = config.micro_batch_size, train.measured_scale
+    rate = devices.peak_flops * devices.flops_efficiency
+    work = layer_work(layer, devices, b, scale)
+    comm = tp_comm_seconds(problem, config, layer)
+    extra = b * figures.flops_delta / rate
+    a2a = 2 * figures.all_to_all_s
+    dense, experts = figures.dense_params, figures.expert_params
+    zero_dense = _zero_comm_seconds(problem, config, dense)
+    zero_experts = _zero_comm_seconds(problem, expert_config, experts)
+    forward = sum(work["forward"]) + comm["forward"] + extra + a2a
+    backward = sum(work["backward"]) + comm["backward"] + 2 * extra + a2a
+    replayed = {m: layer.recompute_flops[m] / layer.fwd_flops if layer.fwd_flops else 0.0
+                for m in layer.modes}
+    recompute = {m: sum(work["recompute"][m]) + (
+        comm["forward"] + replayed[m] * extra + a2a if m != "none" else 0.0)
+        for m in layer.modes}
+    expert_share = dict(layer.moe.expert_saved_bytes) if layer.moe is not None else {
+        m: v / config.tp for m, v in whole.expert_saved_bytes.items()}
+    saved = {m: int(round(b * scale * (v - expert_share.get(m, 0.0)
+                                       + figures.expert_saved[m])))
+             for m, v in layer.saved_bytes.items()}
+    compute_bytes = train.precision.compute_bytes
+    if train.precision.mixed:
+        copies = sum(params for params, cfg in ((dense, config), (experts, expert_config))
+                     if cfg.effective_zero_stage < 2)
+        saved = {m: v + (int(round(copies * compute_bytes)) if m != "full" else 0)
+                 for m, v in saved.items()}
+    workspace = int(round(2 * b * scale * layer.workspace_bytes))
+    gathered_d, gradient_d = _zero_transient(problem, config, dense)
+    gathered_e, gradient_e = _zero_transient(problem, expert_config, experts)
+    gathered, gradient = gathered_d + gathered_e, gradient_d + gradient_e
+    state_d = _state_bytes(problem, config, dense)
+    state_e = _state_bytes(problem, expert_config, experts)
+    return LayerTable(
+        forward_ps=to_ps(max(forward, zero_dense["forward"] + zero_experts["forward"])),
+        backward_ps=to_ps(max(backward, zero_dense["backward"] + zero_experts["backward"])),
+        recompute_ps={m: to_ps(v) for m, v in recompute.items()},
+        saved_bytes=saved,
+        transient_bytes={m: gathered + max(saved["none"] - saved[m] + workspace,
+                                           gradient - saved[m]) for m in layer.modes},
+        param_count=dense + experts,
+        state_bytes={k: state_d[k] + state_e[k] for k in state_d},
+        tail_ps=_tail_ps(problem, config, dense) + _tail_ps(problem, expert_config, experts),
+        sync_ps=_sync_ps(problem, config, dense) + _sync_ps(problem, expert_config, experts),
+    )
+
+
+def moe_rows(whole: PlanningProblem, problem: PlanningProblem, config: PipelineConfig,
+             rows: tuple[LayerTable, ...], cache: "TableCache") -> tuple[LayerTable, ...]:
+    """``rows`` with each mixture-of-experts layer's row priced under the configuration's
+    expert parallelism (:func:`moe_layer_table`); ``rows`` themselves when ``ep`` is 1 or
+    the model has no such layer. ``whole`` is the problem before its tensor-parallel
+    variant (the experts' whole figures); equal layers share one row, and the tuple is
+    kept in ``cache`` (the planner's bounds key rows by identity)."""
+    if config.ep == 1 or not any(layer.moe for layer in whole.layers):
+        return rows
+    key = ("moe rows", config.micro_batch_size, config.dp, config.tp,
+           config.sequence_parallel, config.tp_objective, config.zero_stage, config.ep,
+           id(problem.model))
+    known = cache._tables.get(key)
+    if known is not None and known[0] is problem.model:
+        return known[1]
+    built: dict[tuple, LayerTable] = {}
+    result = []
+    for index, row in enumerate(rows):
+        moe = whole.layers[index].moe
+        if moe is None:
+            result.append(row)
+            continue
+        same = (id(row), _moe_key(moe), _moe_key(problem.layers[index].moe))
+        if same not in built:
+            built[same] = moe_layer_table(moe, problem, config, index)
+        result.append(built[same])
+    cache._tables[key] = (problem.model, tuple(result))
+    return cache._tables[key][1]
+
+
+def _moe_key(moe: MoECost | None) -> tuple | None:
+    """Every number of a MoECost (its dict of saved bytes as sorted items)."""
+    if moe is None:
+        return None
+    return (moe.num_experts, moe.top_k, moe.hidden, moe.tokens_per_sample,
+            moe.expert_param_count, moe.expert_param_bytes, moe.expert_fwd_flops,
+            tuple(sorted(moe.expert_saved_bytes.items())), moe.dispatch_bytes,
+            moe.capacity_factor, moe.aux_loss)

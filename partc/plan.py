@@ -66,21 +66,33 @@ def _read(cls: type, data: Mapping[str, Any], where: str, **converted: Any) -> A
 
 @dataclass(frozen=True, kw_only=True)
 class Mesh:
-    """Devices as a (pp, dp, tp) grid; ranks are ordered with tp innermost."""
+    """Devices as a (pp, dp, tp) grid; ranks are ordered with tp innermost. ``ep``: the
+    expert-parallel degree of mixture-of-experts layers, folded over each stage's dp x tp
+    ranks (groups of ``ep`` consecutive ranks; see :class:`ExpertParallelPlan`); 1
+    without expert parallelism, and then not written (plans without it read as before)."""
 
     pp: int
     dp: int
     tp: int = 1
+    ep: int = 1
 
     @property
     def size(self) -> int:
         return self.pp * self.dp * self.tp
 
+    @property
+    def expert_dp(self) -> int:
+        """Ranks holding the same experts in a stage (their gradients are reduced over
+        them): dp x tp / ep."""
+        return self.dp * self.tp // self.ep
+
     def to_dict(self) -> dict[str, int]:
-        return {"pp": self.pp, "dp": self.dp, "tp": self.tp}
+        return {"pp": self.pp, "dp": self.dp, "tp": self.tp,
+                **({"ep": self.ep} if self.ep != 1 else {})}
 
     def __str__(self) -> str:
-        return f"pp={self.pp} dp={self.dp} tp={self.tp}"
+        return f"pp={self.pp} dp={self.dp} tp={self.tp}" + (
+            f" ep={self.ep}" if self.ep != 1 else "")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -217,6 +229,87 @@ class TensorParallelPlan:
                                   for layer, moves in data.get("collectives", {}).items()},
                      collective_seconds=dict(data.get("collective_seconds", {})),
                      notes=dict(data.get("notes", {})))
+
+
+@dataclass(frozen=True, kw_only=True)
+class ExpertLayer:
+    """One mixture-of-experts layer under expert parallelism: ep rank ``e`` of every
+    expert-parallel group holds experts ``[e * local_experts, (e + 1) *
+    local_experts)``; per step on each of its ranks, ``all_to_alls`` all-to-alls (dispatch
+    and combine, forward and backward, and a recomputed forward's) of ``all_to_all_bytes``
+    in all, taking ``all_to_all_s``; its experts' saved activations budgeted at
+    ``worst_factor`` times the balanced share (``expert_activation_bytes`` per
+    microbatch)."""
+
+    name: str
+    stage: int
+    num_experts: int
+    top_k: int
+    local_experts: int
+    expert_params: int          # the rank's share of the routed experts' parameters
+    all_to_alls: int
+    all_to_all_bytes: int
+    all_to_all_s: float
+    worst_factor: float
+    expert_activation_bytes: int
+
+    def experts_of(self, ep_rank: int) -> range:
+        """The experts ep rank ``ep_rank`` holds."""
+        return range(ep_rank * self.local_experts, (ep_rank + 1) * self.local_experts)
+
+
+@dataclass(frozen=True, kw_only=True)
+class ExpertParallelPlan:
+    """How the routed experts of mixture-of-experts layers are split (``ep`` > 1): within
+    each pipeline stage the dp x tp ranks, in rank order (tp fastest), form groups of
+    ``ep`` consecutive ranks that split every layer's experts contiguously; the ranks at
+    the same position of each group (``expert_dp`` of them) hold the same experts and
+    reduce their gradients. Tokens reach their experts by all-to-all, dropless unless
+    ``capacity_factor`` caps each expert at that multiple of its balanced share.
+    ``imbalance`` is the busiest expert's tokens over the balanced share that memory was
+    budgeted for (time at balanced routing). Per stage, per step on one rank: the
+    all-to-all bytes and seconds (``stage_all_to_all_*``) and the saved expert activations
+    in flight at the budgeted routing (``stage_expert_activation_bytes``: the part of the
+    stage's memory that grows with the imbalance)."""
+
+    ep: int
+    expert_dp: int
+    imbalance: float
+    capacity_factor: float | None
+    layers: tuple[ExpertLayer, ...]
+    stage_all_to_all_bytes: tuple[int, ...]
+    stage_all_to_all_s: tuple[float, ...]
+    stage_expert_activation_bytes: tuple[int, ...]
+    crosses_nodes: bool = False   # an expert-parallel group spans nodes (network)
+
+    @property
+    def all_to_all_bytes(self) -> int:
+        """All-to-all bytes per step on a rank of the busiest stage."""
+        return max(self.stage_all_to_all_bytes, default=0)
+
+    @property
+    def all_to_all_s(self) -> float:
+        return max(self.stage_all_to_all_s, default=0.0)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"ep": self.ep, "expert_dp": self.expert_dp, "imbalance": self.imbalance,
+                "capacity_factor": self.capacity_factor,
+                "layers": [_scalars(layer) for layer in self.layers],
+                "stage_all_to_all_bytes": list(self.stage_all_to_all_bytes),
+                "stage_all_to_all_s": list(self.stage_all_to_all_s),
+                "stage_expert_activation_bytes": list(self.stage_expert_activation_bytes),
+                "crosses_nodes": self.crosses_nodes}
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> "ExpertParallelPlan":
+        where = "expert_parallel"
+        return _read(cls, data, where,
+                     layers=tuple(_read(ExpertLayer, layer, where + ".layers")
+                                  for layer in data.get("layers", ())),
+                     stage_all_to_all_bytes=tuple(data.get("stage_all_to_all_bytes", ())),
+                     stage_all_to_all_s=tuple(data.get("stage_all_to_all_s", ())),
+                     stage_expert_activation_bytes=tuple(
+                         data.get("stage_expert_activation_bytes", ())))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -399,6 +492,9 @@ class Plan:
     alternatives: tuple[Alternative, ...] = ()
     # Every (pp, dp, tp) factorisation the planner considered, best first.
     meshes: tuple[MeshOutcome, ...] = ()
+    # Mixture-of-experts layers split over expert-parallel groups (mesh.ep > 1); None
+    # without expert parallelism.
+    expert_parallel: ExpertParallelPlan | None = None
 
     @property
     def pp(self) -> int:
@@ -479,6 +575,9 @@ class Plan:
             "stages": [[list(s.layers), s.recompute] for s in self.stages],
             **({"runs": [list(r) for r in self.runs]} if self.chunks > 1 else {}),
             "tensor_parallel": self._tensor_parallel_dict(), "model": self.model.hash,
+            **({"expert_parallel": {"ep": self.mesh.ep,
+                                    "capacity_factor": self.expert_parallel.capacity_factor}}
+               if self.expert_parallel is not None else {}),
         }
         return hashlib.sha256(json.dumps(decisions, sort_keys=True).encode()).hexdigest()[:16]
 
@@ -498,6 +597,8 @@ class Plan:
             "alternatives": [{**_scalars(a), "stages": [list(s) for s in a.stages]}
                              for a in self.alternatives],
             "meshes": [_scalars(m) for m in self.meshes],
+            **({"expert_parallel": self.expert_parallel.to_dict()}
+               if self.expert_parallel is not None else {}),
         }
 
     def to_json(self) -> str:
@@ -517,6 +618,7 @@ class Plan:
         sections = {k: v for k, v in data.items() if k != "schema_version"}
         get = sections.get
         tp = get("tensor_parallel") or None
+        experts = get("expert_parallel") or None
         try:
             train = TrainSpec.from_dict(get("train", {}))
         except (TypeError, ValueError) as error:
@@ -530,7 +632,8 @@ class Plan:
             model=ModelInfo.from_dict(get("model", {})),
             tensor_parallel=TensorParallelPlan.from_dict(tp) if tp else None,
             alternatives=tuple(Alternative.from_dict(a) for a in get("alternatives", ())),
-            meshes=tuple(_read(MeshOutcome, m, "meshes") for m in get("meshes", ())))
+            meshes=tuple(_read(MeshOutcome, m, "meshes") for m in get("meshes", ())),
+            expert_parallel=ExpertParallelPlan.from_dict(experts) if experts else None)
 
     @classmethod
     def from_json(cls, text: str) -> "Plan":

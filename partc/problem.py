@@ -306,6 +306,10 @@ class TrainNumbers:
     # moved, and the cuts and tensor-parallel collectives in the dtypes the runtime makes
     # them in): 1 when it measured them under the training's autocast.
     measured_scale: float = 1.0
+    # Mixture-of-experts (TrainSpec's): the busiest expert's tokens over the balanced
+    # share that memory is budgeted for, and the capacity factor (None: dropless).
+    moe_imbalance: float = 2.0
+    moe_capacity_factor: float | None = None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -323,6 +327,7 @@ class Pins:
     micro_batch_size: int | None = None
     schedule: str | None = None
     zero_stage: int | None = None
+    ep: int | None = None   # expert-parallel degree of mixture-of-experts layers
 
 
 @dataclass(frozen=True, kw_only=True)

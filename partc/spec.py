@@ -20,6 +20,9 @@ from .problem import RECOMPUTE_MODES, ZERO_STAGES, Precision
 AUTO_SCHEDULES: tuple[str, ...] = ("1f1b", "gpipe")
 INTERLEAVED = "interleaved-1f1b"
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+# The busiest expert's tokens over the balanced share a plan budgets memory for by
+# default (TrainSpec's docstring gives the sources).
+DEFAULT_MOE_IMBALANCE = 2.0
 
 
 def dtype_bytes(dtype: torch.dtype) -> int:
@@ -82,9 +85,20 @@ class TrainSpec:
     schedule: str = "auto"
     max_grad_norm: float | None = None  # clip the global gradient norm (2-norm) to this
     attention: str = "as_written"
+    # Mixture-of-experts (see the class docstring's last paragraph).
+    moe_imbalance: float = DEFAULT_MOE_IMBALANCE
+    moe_capacity_factor: float | None = None
 
     def __post_init__(self) -> None:
         _check_positive_int("TrainSpec.global_batch_size", self.global_batch_size)
+        if not _is_real(self.moe_imbalance, minimum=1):
+            raise ValueError(f"TrainSpec.moe_imbalance must be a finite number of at least 1 "
+                             f"(the busiest expert's tokens over the balanced share), got "
+                             f"{self.moe_imbalance!r}")
+        if self.moe_capacity_factor is not None \
+                and not _is_real(self.moe_capacity_factor, above=0):
+            raise ValueError(f"TrainSpec.moe_capacity_factor must be positive and finite "
+                             f"(None: dropless), got {self.moe_capacity_factor!r}")
         if self.micro_batch_size != "auto":
             _check_positive_int("TrainSpec.micro_batch_size", self.micro_batch_size, "'auto' or ")
             if self.global_batch_size % self.micro_batch_size:
@@ -137,6 +151,8 @@ class TrainSpec:
             "schedule": self.schedule,
             "max_grad_norm": self.max_grad_norm,
             "attention": self.attention,
+            "moe_imbalance": self.moe_imbalance,
+            "moe_capacity_factor": self.moe_capacity_factor,
         }
 
     @classmethod
@@ -175,10 +191,11 @@ class Constraints:
     micro_batch_size: int | None = None
     schedule: str | None = None
     zero_stage: int | None = None
+    ep: int | None = None
     _recompute_map: dict[str, str] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        for name in ("pp", "dp", "tp", "num_microbatches", "micro_batch_size"):
+        for name in ("pp", "dp", "tp", "num_microbatches", "micro_batch_size", "ep"):
             if getattr(self, name) is not None:
                 _check_positive_int(f"Constraints.{name}", getattr(self, name), "None or ")
         if not any(self.sequence_parallel is v for v in (None, True, False)):

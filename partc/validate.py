@@ -90,7 +90,7 @@ def _costs(problem: PlanningProblem, plan: Plan, errors: list[str]) -> Evaluatio
                             num_microbatches=plan.num_microbatches, schedule=plan.schedule,
                             tp=plan.tp, sequence_parallel=plan.sequence_parallel,
                             tp_objective=plan.tp_objective, zero_stage=plan.zero_stage,
-                            chunks=plan.chunks)
+                            chunks=plan.chunks, ep=plan.mesh.ep)
     stage_of = [j for j, run in enumerate(plan.runs) for _ in run]
     modes = [plan.recompute[layer.name] for layer in problem.layers]
     evaluation = evaluate(build_cost_table(problem, config), stage_of, modes)
@@ -104,11 +104,75 @@ def _costs(problem: PlanningProblem, plan: Plan, errors: list[str]) -> Evaluatio
         if stage.limit_bytes != cost.limit:
             errors.append(f"stage {stage.index} records limit {stage.limit_bytes}, "
                           f"devices give {cost.limit}")
+    if plan.mesh.ep > 1:
+        from .planner.experts import expert_parallel_section
+
+        modes_t = tuple(modes)
+        if expert_parallel_section(problem, config, evaluation, modes_t) \
+                != plan.expert_parallel:
+            errors.append("the plan's expert_parallel section differs from the cost model's")
     step = evaluation.step_ps / PS_PER_S
     recorded = plan.predicted.step_time_s
     if not math.isclose(recorded, step, rel_tol=1e-9, abs_tol=1e-15):
         errors.append(f"predicted step time {recorded} s, the cost model gives {step} s")
     return evaluation
+
+
+def _experts(problem: PlanningProblem, plan: Plan, errors: list[str]) -> None:
+    """Expert parallelism: the degree divides each stage's dp x tp ranks and every
+    mixture-of-experts layer's experts (with tp > 1, under sequence parallelism); the
+    plan's expert section says so, and its per-layer placement, parameters and
+    all-to-alls are what the layers' MoE figures give, by plain arithmetic."""
+    ep, section = plan.mesh.ep, plan.expert_parallel
+    moe = [(layer.name, layer.moe) for layer in problem.layers if layer.moe is not None]
+    if problem.pins.ep is not None and problem.pins.ep != ep:
+        errors.append(f"ep pinned to {problem.pins.ep}, plan has {ep}")
+    if ep == 1:
+        if section is not None:
+            errors.append("the plan has an expert_parallel section but ep=1")
+        return
+    if not moe:
+        errors.append(f"ep={ep} but the model has no mixture-of-experts layer")
+        return
+    if (plan.dp * plan.tp) % ep:
+        errors.append(f"ep={ep} does not divide dp x tp = {plan.dp * plan.tp}")
+    if plan.tp > 1 and not plan.sequence_parallel:
+        errors.append(f"ep={ep} with tp={plan.tp} needs sequence parallelism")
+    for name, cost in moe:
+        if cost.num_experts % ep:
+            errors.append(f"layer {name}: ep={ep} does not divide its {cost.num_experts} "
+                          f"experts")
+    if section is None:
+        errors.append(f"ep={ep} but the plan has no expert_parallel section")
+        return
+    if section.ep != ep or section.expert_dp * ep != plan.dp * plan.tp:
+        errors.append(f"expert_parallel says ep={section.ep}, expert_dp={section.expert_dp} "
+                      f"for mesh {plan.mesh}")
+    recorded = {layer.name: layer for layer in section.layers}
+    if set(recorded) != {name for name, _ in moe}:
+        errors.append(f"expert_parallel lists layers {sorted(recorded)}, the model's "
+                      f"mixture-of-experts layers are {[name for name, _ in moe]}")
+        return
+    tokens_share = 1 / plan.tp if plan.tp > 1 else 1.0   # sequence parallelism's tokens
+    m, b = plan.num_microbatches, plan.micro_batch_size
+    for name, cost in moe:
+        layer = recorded[name]
+        calls = m * (4 + (2 if plan.recompute[name] != "none" else 0))
+        nbytes = calls * b * cost.dispatch_bytes * tokens_share * problem.train.measured_scale
+        if layer.local_experts * ep != cost.num_experts \
+                or layer.expert_params != cost.expert_param_count // ep:
+            errors.append(f"layer {name}: {layer.local_experts} experts of "
+                          f"{layer.expert_params} parameters per rank, not "
+                          f"{cost.num_experts} / ep={ep}")
+        if layer.all_to_alls != calls or abs(layer.all_to_all_bytes - nbytes) > 1 + 1e-9 * nbytes:
+            errors.append(f"layer {name}: {layer.all_to_alls} all-to-alls of "
+                          f"{layer.all_to_all_bytes} bytes per step recorded, its figures "
+                          f"give {calls} of {nbytes:.0f}")
+        bound = section.imbalance if section.capacity_factor is None \
+            else min(section.imbalance, section.capacity_factor)
+        if layer.worst_factor > bound + 1e-12:
+            errors.append(f"layer {name}: memory budgeted at {layer.worst_factor}x the "
+                          f"balanced routing, above the {bound}x assumed")
 
 
 def validate_plan(problem: PlanningProblem, plan: Plan) -> Evaluation:
@@ -117,6 +181,7 @@ def validate_plan(problem: PlanningProblem, plan: Plan) -> Evaluation:
     _structure(problem, plan, errors)
     _modes(problem, plan, errors)
     _pins(problem, plan, errors)
+    _experts(problem, plan, errors)
     evaluation = None
     if not errors:
         evaluation = _costs(problem, plan, errors)

@@ -146,7 +146,7 @@ def test_other_versions_and_damaged_files_are_refused_with_what_to_do(programs):
     with pytest.raises(PlanSchemaError, match="predicted"):
         Plan.from_dict({**lacking, "schema_version": 1})
     with pytest.raises(PlanSchemaError, match="unknown keys"):
-        Plan.from_dict({**data, "mesh": {**data["mesh"], "ep": 2}})
+        Plan.from_dict({**data, "mesh": {**data["mesh"], "cp": 2}})
 
 
 def test_effective_zero_stage_is_one_rule(programs):

@@ -36,6 +36,7 @@ from ..options import PlannerOptions
 from ..problem import PlanningProblem
 from ..spec import AUTO_SCHEDULES, INTERLEAVED
 from .bounds import incumbent, lower_bound, starting_point
+from .experts import expand as expand_ep
 from .meshes import mesh_results
 from .pins import check_pins
 from .results import Assignment, ConfigResult, PlannerResult
@@ -99,7 +100,7 @@ def candidate_configs(problem: PlanningProblem) -> list[PipelineConfig]:
                                for schedule in schedules for zero in zero_stages
                                if not _same_as_1f1b(schedule, pp, m, pins.schedule)
                                for chunks in _chunk_counts(problem, schedule, pp, m))
-    return configs
+    return expand_ep(problem, configs)   # the expert-parallel degree (mixture-of-experts)
 
 
 def _same_as_1f1b(schedule: str, pp: int, m: int, pinned: str | None) -> bool:
