@@ -1,0 +1,216 @@
+"""Expert parallelism in the planner: mixture-of-experts layers priced per expert-parallel
+degree, the degree chosen with the rest against brute force, pins, the plan's expert
+section and the validator. Hand-built models (``LayerCost.moe`` filled), so the planner
+is tested without tracing."""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import random
+
+import pytest
+
+from partc.compiler import plan_problem
+from partc.costs import (PipelineConfig, all_to_all_seconds, build_cost_table,
+                         moe_worst_factor)
+from partc.errors import PlanInfeasibleError, PlanValidationError
+from partc.plan import Plan
+from partc.planner import solve
+from partc.planner.experts import ep_choices
+from partc.problem import MoECost, Pins
+from partc.validate import validate_plan
+
+from .instances import _best_split, devices, layer, problem
+
+
+def moe_layer(name: str, *, experts: int = 8, top_k: int = 2, flops: float = 4e9,
+              params: int = 40000, expert_share: float = 0.9, saved: float = 4e4,
+              tokens: int = 8, hidden: int = 16, signature: str = "moe"):
+    """A block whose routed experts hold ``expert_share`` of its parameters, 70% of its
+    FLOPs and 60% of its saved bytes (the rest: attention, router, shared expert)."""
+    base = layer(name, flops=flops, params=params, saved=saved, full=500.0,
+                 selective=saved / 2, workspace=1000.0, signature=signature)
+    expert_params = int(params * expert_share)
+    return dataclasses.replace(base, moe=MoECost(
+        num_experts=experts, top_k=top_k, hidden=hidden, tokens_per_sample=tokens,
+        expert_param_count=expert_params, expert_param_bytes=4 * expert_params,
+        expert_fwd_flops=0.7 * flops,
+        expert_saved_bytes={"none": 0.6 * saved, "selective": 0.3 * saved, "full": 0.0},
+        dispatch_bytes=tokens * top_k * hidden * 4))
+
+
+def moe_problem(num_devices: int = 4, memory: int = 1_000_000, *, blocks: int = 3,
+                node: int = 2, batch: int = 4, pins: Pins = Pins(), imbalance: float = 2.0,
+                capacity: float | None = None, bandwidth: float = 1e9, **block):
+    layers = [layer("emb", flops=1e8, params=5000, saved=2e3)]
+    layers += [moe_layer(f"block{i}", **block) for i in range(blocks)]
+    layers.append(layer("head", flops=1e9, params=5000, saved=3e3))
+    prob = problem(layers, [1e4] * (len(layers) - 1),
+                   devices(num_devices, memory, bandwidth=bandwidth, node=node, latency=1e-6),
+                   batch=batch, pins=pins)
+    return dataclasses.replace(prob, train=dataclasses.replace(
+        prob.train, moe_imbalance=imbalance, moe_capacity_factor=capacity))
+
+
+def brute_force(prob):
+    """The best (step_ps, config, stage_of, modes) over every pp, dp, expert-parallel
+    degree, micro-batch size, schedule, ZeRO stage, split and mode, or None (tp = 1)."""
+    best = None
+    n, num_layers = prob.devices.num_devices, prob.num_layers
+    experts = [l.moe.num_experts for l in prob.layers if l.moe is not None]
+    for pp in range(1, min(n, num_layers) + 1):
+        if n % pp or prob.train.global_batch_size % (n // pp):
+            continue
+        dp = n // pp
+        for ep in range(1, dp + 1):
+            if dp % ep or any(e % ep for e in experts) or prob.pins.ep not in (None, ep):
+                continue
+            for b in prob.train.micro_batch_sizes:
+                per_replica = prob.train.global_batch_size // dp
+                if per_replica % b:
+                    continue
+                for schedule, zero in itertools.product(("1f1b", "gpipe"), (0, 1, 2, 3)):
+                    if zero and dp == 1:
+                        continue
+                    config = PipelineConfig(pp=pp, dp=dp, micro_batch_size=b, ep=ep,
+                                            num_microbatches=per_replica // b,
+                                            schedule=schedule, zero_stage=zero)
+                    best = _best_split(prob, config, best)
+    return best
+
+
+def _random_moe_problem(rng: random.Random):
+    return moe_problem(
+        num_devices=rng.choice([2, 4]), memory=rng.choice([300_000, 450_000, 600_000, 1_500_000]),
+        blocks=rng.randint(1, 3), node=rng.choice([1, 2, 4]), batch=rng.choice([2, 4]),
+        imbalance=rng.choice([1.0, 2.0, 3.0]), capacity=rng.choice([None, 1.25]),
+        bandwidth=rng.choice([1e8, 1e10]), experts=rng.choice([4, 8]),
+        top_k=rng.choice([1, 2]), params=rng.choice([20000, 60000]))
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_plan_with_experts_equals_brute_force(seed):
+    """The planner's step time is brute force's optimum over every expert-parallel degree
+    with everything else; the plan's ep is one brute force reaches that time with."""
+    prob = _random_moe_problem(random.Random(seed))
+    oracle = brute_force(prob)
+    if oracle is None:
+        with pytest.raises(PlanInfeasibleError):
+            solve(prob)
+        return
+    result = solve(prob)
+    assert result.best.evaluation.step_ps == oracle[0]
+    plan = plan_problem(prob)
+    assert plan.mesh.ep == result.best.table.config.ep
+    assert (plan.expert_parallel is None) == (plan.mesh.ep == 1)
+
+
+def test_expert_state_is_split_over_ep_and_reduced_over_expert_dp():
+    """A block's expert parameters are 1/ep per rank; under ZeRO-1 their optimizer state
+    is sharded over the dp / ep ranks holding the same experts, the rest over dp."""
+    prob = moe_problem(num_devices=8, node=8, blocks=1)
+    block = prob.layers[1]
+    experts, dense = block.moe.expert_param_count, block.param_count - block.moe.expert_param_count
+    for ep, zero in [(2, 0), (2, 1), (4, 1), (8, 1)]:
+        config = PipelineConfig(pp=1, dp=8, micro_batch_size=1, num_microbatches=1,
+                                schedule="1f1b", zero_stage=zero, ep=ep)
+        row = build_cost_table(prob, config).layers[1]
+        edp = 8 // ep
+        assert row.param_count == dense + experts // ep
+        assert row.state_bytes["params"] == 4 * (dense + experts // ep)
+        assert row.state_bytes["grads"] == 4 * (dense + experts // ep)
+        dense_opt = 8 * dense / (8 if zero else 1)
+        expert_opt = 8 * (experts // ep) / (edp if zero and edp > 1 else 1)
+        assert row.state_bytes["optimizer"] == round(dense_opt) + round(expert_opt)
+    one = build_cost_table(prob, dataclasses.replace(config, ep=1)).layers[1]
+    assert one.param_count == block.param_count   # ep = 1: the layer as measured
+
+
+def test_all_to_all_over_nvlink_inside_a_node_and_the_network_across():
+    dev = devices(8, 10**9, node=4, latency=1e-6)
+    dev = dataclasses.replace(dev, intra_node_bandwidth=4e11, inter_node_bandwidth=5e10)
+    config = PipelineConfig(pp=1, dp=8, micro_batch_size=1, num_microbatches=1,
+                            schedule="1f1b", ep=4)
+    nbytes = 1e8
+    assert all_to_all_seconds(nbytes, dev, config) == pytest.approx(
+        3 * 1e-6 + 3 / 4 * nbytes / 4e11)
+    across = dataclasses.replace(config, ep=8)
+    # 4 of 8 peers in another node over the network, 3 over NVLink: the network bounds it.
+    assert all_to_all_seconds(nbytes, dev, across) == pytest.approx(
+        7 * 1e-6 + 4 / 8 * nbytes / 5e10)
+    assert all_to_all_seconds(nbytes, dev, dataclasses.replace(config, ep=1)) == 0.0
+
+
+def test_worst_routing_bounded_by_imbalance_capacity_and_group():
+    moe = moe_layer("b", experts=8, top_k=2).moe
+    assert moe_worst_factor(moe, 1, 3.0, None) == 1.0   # all experts local
+    assert moe_worst_factor(moe, 4, 3.0, None) == 3.0
+    assert moe_worst_factor(moe, 4, 3.0, 1.25) == 1.25  # dropped beyond capacity
+    # ep=2: a rank's 4 experts get at most every token of both ranks, twice (top-2).
+    assert moe_worst_factor(moe, 2, 3.0, None) == 2.0
+
+
+def test_imbalance_grows_the_expert_activations_only_under_expert_parallelism():
+    config = PipelineConfig(pp=1, dp=4, micro_batch_size=2, num_microbatches=1,
+                            schedule="1f1b", ep=4)
+    saved = {}
+    for imbalance in (1.0, 2.0):
+        prob = moe_problem(imbalance=imbalance)
+        saved[imbalance] = build_cost_table(prob, config).layers[1].saved_bytes["none"]
+    block = moe_problem().layers[1]
+    assert saved[2.0] - saved[1.0] == round(2 * block.moe.expert_saved_bytes["none"])
+    at_ep1 = {imb: build_cost_table(moe_problem(imbalance=imb), dataclasses.replace(
+        config, ep=1)).layers[1].saved_bytes["none"] for imb in (1.0, 2.0)}
+    assert at_ep1[1.0] == at_ep1[2.0] == round(2 * block.saved_bytes["none"])
+
+
+def test_ep_choices_divide_dp_tp_and_the_experts_and_need_sequence_parallelism():
+    prob = moe_problem(num_devices=8, experts=4)
+    base = PipelineConfig(pp=1, dp=8, micro_batch_size=1, num_microbatches=1,
+                          schedule="1f1b")
+    assert ep_choices(prob, base) == [1, 2, 4]
+    assert ep_choices(prob, dataclasses.replace(base, dp=4, tp=2)) == [1]
+    assert ep_choices(prob, dataclasses.replace(base, dp=4, tp=2,
+                                                sequence_parallel=True)) == [1, 2, 4]
+    dense = problem([layer("a"), layer("b")], [1e3], devices(4, 10**9))
+    assert ep_choices(dense, base) == [1]
+
+
+def test_ep_pin_is_kept_or_refused_with_the_reason():
+    prob = moe_problem(pins=Pins(ep=2))
+    plan = plan_problem(prob)
+    assert plan.mesh.ep == 2 and plan.expert_parallel.ep == 2
+    assert [layer.experts_of(1) for layer in plan.expert_parallel.layers] == [range(4, 8)] * 3
+    with pytest.raises(PlanInfeasibleError, match="does not divide the expert counts"):
+        solve(moe_problem(pins=Pins(ep=3), num_devices=6, batch=6))
+    dense = problem([layer("a"), layer("b")], [1e3], devices(2, 10**9), batch=2,
+                    pins=Pins(ep=2))
+    with pytest.raises(PlanInfeasibleError, match="the model has none"):
+        solve(dense)
+    with pytest.raises(PlanInfeasibleError, match="must divide each stage's dp x tp"):
+        solve(moe_problem(pins=Pins(ep=4, pp=2)))
+
+
+def test_expert_section_round_trips_and_the_validator_checks_it():
+    prob = moe_problem(pins=Pins(ep=4))
+    plan = plan_problem(prob)
+    section = plan.expert_parallel
+    assert Plan.from_json(plan.to_json()) == plan
+    layer0 = section.layers[0]
+    block = prob.layers[1]
+    calls = plan.num_microbatches * (4 + 2 * (plan.recompute[layer0.name] != "none"))
+    assert layer0.all_to_alls == calls
+    assert layer0.all_to_all_bytes == round(calls * plan.micro_batch_size
+                                            * block.moe.dispatch_bytes)
+    assert sum(section.stage_all_to_all_bytes) == sum(l.all_to_all_bytes for l in section.layers)
+    tampered = dataclasses.replace(plan, expert_parallel=dataclasses.replace(
+        section, layers=(dataclasses.replace(layer0, all_to_all_bytes=1),) + section.layers[1:]))
+    with pytest.raises(PlanValidationError, match="all-to-alls"):
+        validate_plan(prob, tampered)
+    with pytest.raises(PlanValidationError, match="no expert_parallel section"):
+        validate_plan(prob, dataclasses.replace(plan, expert_parallel=None))
+    # A plan written without expert parallelism reads ep=1 (the key is left out).
+    dense = plan_problem(moe_problem(pins=Pins(ep=1)))
+    assert "ep" not in dense.to_dict()["mesh"] and dense.expert_parallel is None
+    assert Plan.from_json(dense.to_json()).mesh.ep == 1
