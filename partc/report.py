@@ -293,6 +293,87 @@ def _tp_lines(plan: Plan) -> list[str]:
             f"forward and backward)."]
 
 
+def _expert_rows(plan: Plan) -> list[list[str]]:
+    """Per mixture-of-experts layer (consecutive layers alike in one row): its stage,
+    the experts each rank holds, their parameters per rank, its all-to-alls per step
+    and the routing its memory was budgeted for."""
+    section = plan.expert_parallel
+    rows, last_key = [], None
+    for layer in section.layers:
+        key = (layer.stage, layer.num_experts, layer.top_k, layer.local_experts,
+               layer.expert_params, layer.all_to_alls, layer.all_to_all_bytes,
+               layer.all_to_all_s, layer.worst_factor)
+        if key == last_key:
+            rows[-1][0].append(layer.name)
+            continue
+        last_key = key
+        rows.append([[layer.name], str(layer.stage),
+                     f"{layer.local_experts} of {layer.num_experts} (top-{layer.top_k}): "
+                     f"rank e holds e*{layer.local_experts}..e*{layer.local_experts}"
+                     f"+{layer.local_experts - 1}",
+                     format_count(layer.expert_params), str(layer.all_to_alls),
+                     format_bytes(layer.all_to_all_bytes), format_seconds(layer.all_to_all_s),
+                     f"{layer.worst_factor:g}x"])
+    return [[_span(row[0])] + row[1:] for row in rows]
+
+
+def _expert_lines(plan: Plan) -> list[str]:
+    section = plan.expert_parallel
+    where = "over the network (a group spans nodes)" if section.crosses_nodes \
+        else "over NVLink (each group inside a node)"
+    routing = "dropless" if section.capacity_factor is None else (
+        f"capacity factor {section.capacity_factor:g} (tokens beyond it dropped)")
+    busiest = max(range(len(section.stage_all_to_all_s)),
+                  key=lambda s: section.stage_all_to_all_s[s])
+    return [f"ep={section.ep}: each stage's dp x tp = {plan.dp * plan.tp} ranks form groups "
+            f"of {section.ep} consecutive ranks splitting every mixture-of-experts layer's "
+            f"experts; "
+            + (f"the {section.expert_dp} ranks holding the same experts reduce their "
+               f"gradients." if section.expert_dp > 1 else
+               "no other rank holds the same experts (no expert gradient reduction).")
+            + f" Tokens move by all-to-all {where}, {routing}.",
+            f"All-to-all per step on a rank of stage {busiest} (the busiest): "
+            f"{format_bytes(section.stage_all_to_all_bytes[busiest])} in "
+            f"{format_seconds(section.stage_all_to_all_s[busiest])} (counted in the "
+            f"stages' forward, backward and recompute, not overlapped with compute).",
+            f"Time is priced at balanced routing; memory at {section.imbalance:g}x the "
+            f"balanced tokens per expert (TrainSpec.moe_imbalance)"
+            + (f", at most the capacity factor {section.capacity_factor:g}"
+               if section.capacity_factor is not None else "") + "."]
+
+
+def _expert_overflow(plan: Plan) -> list[str]:
+    """What happens to memory if routing is worse than budgeted: per stage holding
+    experts, its need at twice the budgeted routing, and where it runs out."""
+    section = plan.expert_parallel
+    if section.capacity_factor is not None and section.capacity_factor <= section.imbalance:
+        return [f"Routing cannot exceed the budget: an expert takes at most "
+                f"{section.capacity_factor:g}x its balanced share, the rest is dropped."]
+    lines = []
+    for stage in plan.stages:
+        extra = section.stage_expert_activation_bytes[stage.index]
+        mine = [l for l in section.layers if l.stage == stage.index]
+        if not extra or not mine:
+            continue
+        factor = max(l.worst_factor for l in mine)
+        # The most a rank's experts can receive: every token of the group, each to
+        # min(top-k, its experts) of them.
+        ceiling = min(section.ep * min(l.top_k, l.local_experts) / l.top_k for l in mine)
+        doubled = min(2 * factor, ceiling)
+        need = stage.memory_bytes.peak + int(extra * (doubled / factor - 1))
+        verdict = "fits" if need <= stage.limit_bytes else "does not fit"
+        slack = stage.limit_bytes - stage.memory_bytes.peak
+        limit_factor = factor * (1 + slack / extra)
+        runs_out = (f"it runs out of memory above {limit_factor:.3g}x balanced routing"
+                    if limit_factor < ceiling else
+                    f"it fits even when routing sends its experts all it can ({ceiling:g}x)")
+        lines.append(f"At 2x the assumed imbalance ({doubled:g}x balanced"
+                     + (", the most routing can send" if doubled < 2 * factor else "")
+                     + f") stage {stage.index} needs {format_bytes(need)} of "
+                     f"{format_bytes(stage.limit_bytes)} ({verdict}); {runs_out}.")
+    return lines
+
+
 def _why(plan: Plan) -> list[str]:
     step = plan.predicted.step_time_s
     lines = []
@@ -397,6 +478,13 @@ def sections(plan: Plan, timeline: Timeline | None = None) -> list[Section]:
             header=("layers", "sharded parameters", "collectives per microbatch",
                     "bytes per step", "sent per rank", "time per step", "why replicated"),
             rows=_rows(_tp_layer_rows(plan))))
+    if plan.expert_parallel is not None:
+        out.append(Section(
+            key="expert_parallel", title="Expert parallelism", notes=tuple(_expert_lines(plan)),
+            header=("layers", "stage", "experts per rank", "expert params per rank",
+                    "all-to-alls per step", "bytes per step", "time per step",
+                    "memory budgeted for"),
+            rows=_rows(_expert_rows(plan)), after=tuple(_expert_overflow(plan))))
     out.append(Section(
         key="alternatives", title="Against the obvious alternatives",
         header=("plan", "step time", "vs plan", "fits", "peak memory", "layers per stage"),

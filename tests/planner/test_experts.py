@@ -214,3 +214,21 @@ def test_expert_section_round_trips_and_the_validator_checks_it():
     dense = plan_problem(moe_problem(pins=Pins(ep=1)))
     assert "ep" not in dense.to_dict()["mesh"] and dense.expert_parallel is None
     assert Plan.from_json(dense.to_json()).mesh.ep == 1
+
+
+def test_report_shows_placement_all_to_alls_and_memory_past_the_imbalance():
+    from partc.report import render
+
+    plan = plan_problem(moe_problem(pins=Pins(ep=2, pp=2), num_devices=4, memory=1_500_000,
+                                    experts=8, imbalance=1.5))
+    text = render(plan)
+    assert "Expert parallelism:" in text and "4 of 8 (top-2)" in text
+    stage = plan.stages[plan.expert_parallel.layers[0].stage]
+    extra = plan.expert_parallel.stage_expert_activation_bytes[stage.index]
+    assert extra > 0
+    # Doubling a 1.5x budget (3x) adds the budgeted expert activations once more.
+    from partc.units import format_bytes
+    assert (f"At 2x the assumed imbalance (2x balanced, the most routing can send) stage "
+            f"{stage.index} needs {format_bytes(stage.memory_bytes.peak + int(extra / 3))}"
+            in text)
+    assert "All-to-all per step on a rank of stage" in render(plan, "markdown")
