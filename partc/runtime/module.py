@@ -104,6 +104,7 @@ class DistributedModule:
                  module: nn.Module, schedule: Any, tied: list[tuple[list[nn.Parameter], dist.ProcessGroup]],
                  inputs: list[dict], global_batch_size: int,
                  partial_grads: list[nn.Parameter] | None = None,
+                 shared: list[nn.Parameter] | None = None,
                  aliases: dict[str, tuple[str, ...]] | None = None,
                  state_keys: set[str] | None = None,
                  tied_elsewhere: set[str] | None = None,
@@ -146,6 +147,9 @@ class DistributedModule:
         self._schedule = schedule
         self._tied = tied
         self._partial_grads = partial_grads or []
+        # Weights two of this rank's virtual stages hold: their stages leave them
+        # unscaled; _sync_gradients divides them by the microbatches.
+        self._shared = shared or []
         self._inputs = [spec for spec in inputs if spec.name != "target"]
         self._target = next((spec for spec in inputs if spec.name == "target"), None)
         self.global_batch_size = global_batch_size
@@ -508,6 +512,9 @@ class DistributedModule:
         return self.topology.tp_rank == 0 or self._placement(name).kind == "S"
 
     def _sync_gradients(self) -> None:
+        for param in self._shared:
+            if param.grad is not None:
+                param.grad.div_(self.plan.num_microbatches)
         if self._grad_sync is not None:
             # ZeRO 0/1 over dp: what the last backward did not all-reduce as it went
             # (weight gradients of a split backward, weights two virtual stages share).
@@ -588,13 +595,22 @@ def runtime_refusal(plan: Plan) -> str | None:
     """Why the runtime cannot train ``plan`` with parity to one process; None if it can.
 
     torch's schedule refuses the stage or microbatch count (``partc.schedules.refusal``);
-    a schedule that splits backward into input- and weight-gradient parts computes the
-    weight gradients with ``torch.autograd.grad`` outside FSDP's hooks, so ZeRO-2/3
-    would reduce-scatter nothing."""
+    a schedule that splits backward into input- and weight-gradient parts goes through
+    each layer's saved values twice, which selective recompute does not allow, and
+    computes the weight gradients with ``torch.autograd.grad`` outside FSDP's hooks, so
+    ZeRO-2/3 would reduce-scatter nothing. (Full recompute runs under a split backward.)"""
     facts = schedule_facts(plan.schedule)
     why = refusal(plan.schedule, plan.pp, plan.chunks, plan.num_microbatches)
     if why is not None:
         return why
+    selective = sorted(layer for layer, mode in plan.recompute.items() if mode == "selective")
+    if facts.split_backward and selective:
+        return (f"{plan.schedule} splits backward into input- and weight-gradient parts, "
+                f"two passes through each layer's saved values, and selective recompute "
+                f"(layers {', '.join(selective[:3])}{', ...' if len(selective) > 3 else ''})"
+                " keeps its saved values for one pass only (torch's selective activation "
+                "checkpoint): recompute those layers in full or not at all, or plan a "
+                "schedule with a whole backward")
     if facts.split_backward and plan.effective_zero_stage >= 2:
         return (f"{plan.schedule} splits backward into input- and weight-gradient parts, "
                 f"which FSDP (ZeRO-{plan.effective_zero_stage}) does not reduce: plan "
@@ -678,20 +694,19 @@ def build(plan: Plan, topology: Topology,
     loss = _Loss(programs[0].loss, programs[0].loss_recompute,
                  mixed=compute_dtype != torch.float32)
     stages: list[CountingStage] = []
-    scaled: set[int] = set()  # parameters an earlier stage of this rank scales
     for module, program in zip(modules, programs):
         contiguous_transfers(module, first=program.is_first, last=program.is_last)
         stage = CountingStage(module, program.index, program.num_stages, topology.device,
                               group=topology.pp_group, zero_stage=zero_stage)
-        stage.scaled_elsewhere = set(scaled)
-        scaled |= {id(p) for p in module.parameters()}
+        # A weight two stages share is scaled once, after the schedule: either stage's
+        # last backward may come last.
+        stage.scaled_elsewhere = set(shared.values())
         stages.append(stage)
     if topology.dp > 1 and zero_stage < 2:
         # One gradient sync for the rank: a weight two of its stages share is summed
         # over both before it is all-reduced (at the end, by ``finish``).
-        grad_sync = OverlappedAllReduce(
-            [p for p in whole.parameters() if id(p) not in set(shared.values())],
-            topology.dp_group, topology.dp)
+        grad_sync = OverlappedAllReduce(list(whole.parameters()), topology.dp_group,
+                                        topology.dp, at_end=set(shared.values()))
         for stage in stages:
             stage.grad_sync = grad_sync
     schedule = _schedule(plan, stages, loss)
@@ -702,6 +717,7 @@ def build(plan: Plan, topology: Topology,
     distributed = DistributedModule(
         plan=plan, topology=topology, stages=stages, module=whole, schedule=schedule,
         tied=tied, inputs=plan.model.inputs, partial_grads=partial, aliases=aliases,
+        shared=[p for p in whole.parameters() if id(p) in set(shared.values())],
         state_keys=set(model.state_dict(keep_vars=True)),
         tied_elsewhere=_tied_elsewhere(holders, whole, plan, topology.pp_rank),
         tp=tp_group, watchdog=start_watchdog(topology.rank, topology.world_size),

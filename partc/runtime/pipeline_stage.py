@@ -174,7 +174,8 @@ class OverlappedAllReduce:
     forward and backward the pipeline schedule runs first to learn shapes.)"""
 
     def __init__(self, params: nn.Module | list[nn.Parameter], group: dist.ProcessGroup,
-                 dp: int) -> None:
+                 dp: int, *, at_end: set[int] = frozenset()) -> None:
+        """``at_end``: ids of parameters to all-reduce in :meth:`finish` only."""
         self.group, self.dp = group, dp
         self.armed = False
         self._pending: list[tuple[torch.Tensor, Any]] = []
@@ -183,7 +184,8 @@ class OverlappedAllReduce:
             if p.requires_grad]
         self._reduced: set[int] = set()  # this step's, launched by the hooks
         for param in self._params:
-            param.register_post_accumulate_grad_hook(self._launch)
+            if id(param) not in at_end:
+                param.register_post_accumulate_grad_hook(self._launch)
 
     def _launch(self, param: torch.Tensor) -> None:
         if self.armed:

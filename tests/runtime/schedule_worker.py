@@ -6,8 +6,9 @@ every rank, and write what was seen to ``<out>/rank<k>.json``.
 
 A case is ``<model>-<schedule>-<combination>``: model ``gpt`` (samples/gpt.py), ``llama``
 or ``gpt2`` (Hugging Face, GPT-2's embedding tied to its head); combination ``plain`` and
-``recompute`` (pp=2, 2 processes), ``dp2`` and ``tp2`` (pp=2 with dp=2 or tp=2, 4
-processes). Schedules with virtual stages hold 2 per rank (pp=2, v=2).
+``recompute`` (some layers recomputed in full, some selectively) and ``full`` (every
+layer in full) with pp=2 (2 processes); ``dp2``, ``dp2-full``, ``dp2-zero2`` (FSDP) and
+``tp2`` with pp=2 and dp=2 or tp=2 (4 processes). Schedules with virtual stages hold 2 per rank (pp=2, v=2).
 
 A case the runtime refuses (``partc.PartcError`` from ``build``) is recorded as refused
 with its reason; any other error as an error.
@@ -45,11 +46,18 @@ MODELS = {
     "llama": (models.llama, models.causal_lm_loss, worker.HF_MODES),
     "gpt2": (lambda: models.gpt2(dropout=0.0), models.causal_lm_loss, worker.GPT2_MODES),
 }
+# For step times (benchmarks/schedule_parity.py --timing): 4 blocks, 256 wide.
+TIMING_MODELS = {
+    "gpt4": (lambda: gpt.gpt_tiny(n_layer=4, n_embd=256, n_head=8), gpt.loss_fn,
+             worker.ALL_MODES),
+}
 COMBINATIONS = {  # combination -> (constraints beside pp, processes)
     "plain": (dict(recompute="none"), 2),
     "recompute": ({}, 2),   # the model's recompute modes: full and selective layers
+    "full": (dict(recompute="full"), 2),   # every layer recomputed whole
     "dp2": (dict(dp=2, zero_stage=0, recompute="none"), 4),
     "tp2": (dict(tp=2, tp_objective="memory", recompute="none"), 4),
+    "dp2-full": (dict(dp=2, zero_stage=0, recompute="full"), 4),
     "dp2-zero2": (dict(dp=2, zero_stage=2, recompute="none"), 4),
 }
 SCHEDULES = tuple(SCHEDULE_TABLE)
@@ -78,11 +86,11 @@ def pinned_program(name: str, model: torch.nn.Module, world: int) -> partc.Progr
     runs of layers then placed as the schedule places virtual stages (``stages_of_rank``)
     on ``PP`` ranks."""
     model_name, schedule_name, combination = parse(name)
-    _, loss_fn, modes = MODELS[model_name]
+    build, loss_fn, modes = {**MODELS, **TIMING_MODELS}[model_name]
     constraints = dict(COMBINATIONS[combination][0])
     constraints.setdefault("recompute", modes)
     v = virtual_stages(schedule_name)
-    case = Case(MODELS[model_name][0], "tokens", loss_fn)
+    case = Case(build, "tokens", loss_fn)
     x, y = worker.batch(case, model, 0)
     dp = constraints.get("dp", 1)
     tp = constraints.get("tp", 1)
@@ -113,7 +121,7 @@ def pinned_program(name: str, model: torch.nn.Module, world: int) -> partc.Progr
 
 def build_case(name: str) -> Built:
     model_name = parse(name)[0]
-    build, loss_fn, _ = MODELS[model_name]
+    build, loss_fn, _ = {**MODELS, **TIMING_MODELS}[model_name]
     case = Case(build, "tokens", loss_fn)
     torch.manual_seed(0)
     model = build()
