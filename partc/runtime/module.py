@@ -595,22 +595,14 @@ def runtime_refusal(plan: Plan) -> str | None:
     """Why the runtime cannot train ``plan`` with parity to one process; None if it can.
 
     torch's schedule refuses the stage or microbatch count (``partc.schedules.refusal``);
-    a schedule that splits backward into input- and weight-gradient parts goes through
-    each layer's saved values twice, which selective recompute does not allow, and
-    computes the weight gradients with ``torch.autograd.grad`` outside FSDP's hooks, so
-    ZeRO-2/3 would reduce-scatter nothing. (Full recompute runs under a split backward.)"""
+    a schedule that splits backward into input- and weight-gradient parts computes the
+    weight gradients with ``torch.autograd.grad`` outside FSDP's hooks, so ZeRO-2/3
+    would reduce-scatter nothing. (Recompute runs under a split backward: each pass,
+    input and weight gradients, reruns a recomputed layer's forward.)"""
     facts = schedule_facts(plan.schedule)
     why = refusal(plan.schedule, plan.pp, plan.chunks, plan.num_microbatches)
     if why is not None:
         return why
-    selective = sorted(layer for layer, mode in plan.recompute.items() if mode == "selective")
-    if facts.split_backward and selective:
-        return (f"{plan.schedule} splits backward into input- and weight-gradient parts, "
-                f"two passes through each layer's saved values, and selective recompute "
-                f"(layers {', '.join(selective[:3])}{', ...' if len(selective) > 3 else ''})"
-                " keeps its saved values for one pass only (torch's selective activation "
-                "checkpoint): recompute those layers in full or not at all, or plan a "
-                "schedule with a whole backward")
     if facts.split_backward and plan.effective_zero_stage >= 2:
         return (f"{plan.schedule} splits backward into input- and weight-gradient parts, "
                 f"which FSDP (ZeRO-{plan.effective_zero_stage}) does not reduce: plan "

@@ -7,8 +7,8 @@ every rank, and write what was seen to ``<out>/rank<k>.json``.
 A case is ``<model>-<schedule>-<combination>``: model ``gpt`` (samples/gpt.py), ``llama``
 or ``gpt2`` (Hugging Face, GPT-2's embedding tied to its head); combination ``plain`` and
 ``recompute`` (some layers recomputed in full, some selectively) and ``full`` (every
-layer in full) with pp=2 (2 processes); ``dp2``, ``dp2-full``, ``dp2-zero2`` (FSDP) and
-``tp2`` with pp=2 and dp=2 or tp=2 (4 processes). Schedules with virtual stages hold 2 per rank (pp=2, v=2).
+layer in full) with pp=2 (2 processes); ``dp2``, ``dp2-recompute``, ``dp2-zero2`` (FSDP)
+and ``tp2`` with pp=2 and dp=2 or tp=2 (4 processes). Schedules with virtual stages hold 2 per rank (pp=2, v=2).
 
 A case the runtime refuses (``partc.PartcError`` from ``build``) is recorded as refused
 with its reason; any other error as an error.
@@ -57,7 +57,7 @@ COMBINATIONS = {  # combination -> (constraints beside pp, processes)
     "full": (dict(recompute="full"), 2),   # every layer recomputed whole
     "dp2": (dict(dp=2, zero_stage=0, recompute="none"), 4),
     "tp2": (dict(tp=2, tp_objective="memory", recompute="none"), 4),
-    "dp2-full": (dict(dp=2, zero_stage=0, recompute="full"), 4),
+    "dp2-recompute": (dict(dp=2, zero_stage=0), 4),
     "dp2-zero2": (dict(dp=2, zero_stage=2, recompute="none"), 4),
 }
 SCHEDULES = tuple(SCHEDULE_TABLE)
