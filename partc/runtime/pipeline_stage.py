@@ -80,6 +80,16 @@ class CountingStage(PipelineStage):
                 tensor.zero_()
         return tensor
 
+    # Forward only (``DistributedModule.evaluate``), torch's multi-stage schedules still
+    # hand input gradients between two adjacent stages of one rank ("v" placement), and
+    # the stage refuses: there are none to hand over.
+    def get_local_bwd_output(self, mb_index: int) -> Any:
+        return super().get_local_bwd_output(mb_index) if self.has_backward else ()
+
+    def set_local_bwd_input(self, next_stage_bwd_outputs: Any, mb_index: int) -> None:
+        if self.has_backward:
+            super().set_local_bwd_input(next_stage_bwd_outputs, mb_index)
+
     def scale_grads(self, grad_scale_factor: int) -> None:
         if grad_scale_factor != 1:
             for param in self.submod.parameters():

@@ -10,6 +10,10 @@ or ``gpt2`` (Hugging Face, GPT-2's embedding tied to its head); combination ``pl
 layer in full) with pp=2 (2 processes); ``dp2``, ``dp2-recompute``, ``dp2-zero2`` (FSDP)
 and ``tp2`` with pp=2 and dp=2 or tp=2 (4 processes). Schedules with virtual stages hold 2 per rank (pp=2, v=2).
 
+Every case clips the global gradient norm (``CLIP``), compared with one process's
+``clip_grad_norm_``. ``checkpoint:<case>`` saves a checkpoint of the case after one step
+and loads it into a 1F1B program of the same model instead.
+
 A case the runtime refuses (``partc.PartcError`` from ``build``) is recorded as refused
 with its reason; any other error as an error.
 """
@@ -41,6 +45,9 @@ from tests.runtime import worker  # noqa: E402
 from tests.runtime.worker import Built, Case  # noqa: E402
 
 PP, V, MICROBATCHES = 2, 2, 4
+# Global gradient-norm clipping, below the gradients' norm so that it scales them: the
+# norm counts a weight that several virtual stages hold once.
+CLIP = 0.5
 MODELS = {
     "gpt": (gpt.gpt_tiny, gpt.loss_fn, worker.ALL_MODES),
     "llama": (models.llama, models.causal_lm_loss, worker.HF_MODES),
@@ -90,7 +97,7 @@ def pinned_program(name: str, model: torch.nn.Module, world: int) -> partc.Progr
     constraints = dict(COMBINATIONS[combination][0])
     constraints.setdefault("recompute", modes)
     v = virtual_stages(schedule_name)
-    case = Case(build, "tokens", loss_fn)
+    case = Case(build, "tokens", loss_fn, clip=CLIP)
     x, y = worker.batch(case, model, 0)
     dp = constraints.get("dp", 1)
     tp = constraints.get("tp", 1)
@@ -98,7 +105,8 @@ def pinned_program(name: str, model: torch.nn.Module, world: int) -> partc.Progr
     base = partc.compile(
         model, x, loss_fn=loss_fn, example_target=y,
         budget=partc.DeviceBudget(num_devices=PP * v * dp * tp, device="CPU"),
-        train=partc.TrainSpec(global_batch_size=worker.BATCH, optimizer="sgd"),
+        train=partc.TrainSpec(global_batch_size=worker.BATCH, optimizer="sgd",
+                              max_grad_norm=CLIP),
         constraints=partc.Constraints(pp=PP * v, schedule="1f1b",
                                       num_microbatches=MICROBATCHES, **constraints))
     plan = base.plan
@@ -122,7 +130,7 @@ def pinned_program(name: str, model: torch.nn.Module, world: int) -> partc.Progr
 def build_case(name: str) -> Built:
     model_name = parse(name)[0]
     build, loss_fn, _ = {**MODELS, **TIMING_MODELS}[model_name]
-    case = Case(build, "tokens", loss_fn)
+    case = Case(build, "tokens", loss_fn, clip=CLIP)
     torch.manual_seed(0)
     model = build()
     reference = copy.deepcopy(model)
@@ -139,7 +147,43 @@ def run_case(name: str) -> dict[str, Any]:
         return {"refused": str(error)}
     result = worker.train_case(built)
     result["virtual_stages"] = list(built.module.virtual_stages)
+    # Forward only, through every virtual stage, after training: as one process's eval.
+    x, y = worker.batch(built.case, built.model, worker.STEPS)
+    result["eval_loss"] = built.module.evaluate(*x, target=y).item()
+    built.reference.eval()
+    with torch.no_grad():
+        result["ref_eval_loss"] = built.case.loss_fn(built.reference(*x), y).item()
     return result
+
+
+def checkpoint_case(name: str) -> dict[str, Any]:
+    """``checkpoint:<case>``: train case ``name`` one step, save a checkpoint (parameters
+    and optimizer state of every virtual stage), load it into the same model under 1F1B
+    with one stage per rank, and train both one more step on the same batch: the same
+    loss and the same whole model after it."""
+    model_name, schedule_name, combination = parse(name)
+    built = build_case(name)
+    other = build_case(f"{model_name}-1f1b-{combination}")
+    root = Path(os.environ["PARTC_WORKER_OUT"]) / f"checkpoint-{name}"
+    losses, states = [], []
+    first = built.module.optimizer(torch.optim.SGD, **worker.OPTIMIZER)
+    x, y = worker.batch(built.case, built.model, 0)
+    built.module.forward_backward(*x, target=y)
+    first.step()
+    first.zero_grad()
+    built.module.save_checkpoint(root, optimizer=first, step=1)
+    second = other.module.optimizer(torch.optim.SGD, **worker.OPTIMIZER)
+    step, _ = other.module.load_checkpoint(root, optimizer=second)
+    x, y = worker.batch(built.case, built.model, 1)
+    for module, opt in ((built.module, first), (other.module, second)):
+        losses.append(module.forward_backward(*x, target=y).item())
+        opt.step()
+        opt.zero_grad()
+        states.append(module.full_state_dict())
+    worst = max(((states[0][k] - states[1][k]).norm() / max(states[1][k].norm().item(), 1e-3))
+                .item() for k in states[1])
+    return {"step": step, "losses": losses, "state_error": worst,
+            "keys_differ": sorted(set(states[0]) ^ set(states[1]))}
 
 
 def time_case(name: str, steps: int) -> dict[str, Any]:
@@ -164,12 +208,16 @@ def time_case(name: str, steps: int) -> dict[str, Any]:
 def main() -> None:
     out, names = Path(sys.argv[1]), sys.argv[2:]
     timing = int(os.environ.get("PARTC_SCHEDULE_TIMING_STEPS", "0"))
+    os.environ["PARTC_WORKER_OUT"] = str(out)
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     results: dict[str, Any] = {}
     for name in names:
         try:
-            results[name] = time_case(name, timing) if timing else run_case(name)
+            if name.startswith("checkpoint:"):
+                results[name] = checkpoint_case(name.split(":", 1)[1])
+            else:
+                results[name] = time_case(name, timing) if timing else run_case(name)
         except Exception as error:  # recorded: the test reports it per case
             results[name] = {"error": f"{type(error).__name__}: {error}",
                              "traceback": traceback.format_exc()}

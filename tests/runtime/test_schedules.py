@@ -59,6 +59,12 @@ def check(ranks: list[dict], name: str) -> None:
         seen = results[name]
         assert "refused" not in seen, f"rank {rank}: {seen['refused']}"
         assert_trains_like_one_process(rank, seen)
+        # The clipped norm counts every weight once, tied ones held by two stages too.
+        assert seen["grad_norms"] == pytest.approx(seen["ref_grad_norms"], rel=1e-5)
+        # The whole model back from every virtual stage, and loaded again unchanged.
+        assert seen["full_state_keys"] == [] and seen["full_state_error"] < 1e-5
+        assert seen["reloaded_unchanged"], seen["changed_by_reload"]
+        assert seen["eval_loss"] == pytest.approx(seen["ref_eval_loss"], rel=1e-5)
         # Each pipeline rank holds the virtual stages the schedule places on it.
         pp_rank = seen["stage"]
         assert tuple(seen["virtual_stages"]) == stages_of_rank(schedule_name, pp, v, pp_rank)
@@ -117,6 +123,18 @@ def test_matrix(matrix_ranks, name):
         assert all("splits backward" in r[name]["refused"] for r in matrix_ranks[name])
     else:
         check(matrix_ranks[name], name)
+
+
+@pytest.mark.slow
+def test_a_checkpoint_of_virtual_stages_loads_into_another_schedule(tmp_path):
+    # Saved by "V" stages (GPT-2's tied weight on rank 0's two stages), loaded by 1F1B.
+    name = "checkpoint:gpt2-zbv-zero-bubble-dp2"
+    for results in launch(4, [name], tmp_path):
+        seen = results[name]
+        assert "error" not in seen, seen.get("traceback")
+        assert seen["step"] == 1 and seen["keys_differ"] == []
+        assert seen["losses"][0] == pytest.approx(seen["losses"][1], rel=1e-6)
+        assert seen["state_error"] < 1e-6
 
 
 def test_the_matrix_names_every_schedule_and_combination():
