@@ -5,10 +5,12 @@
     python benchmarks/schedule_parity.py --timing 10     # median step time per schedule
 
 Each case trains 3 SGD steps with partc (torchrun, gloo on CPU; pp=2 ranks, two virtual
-stages each where the schedule has them) and the same model on one process, fp32:
-``loss`` is the largest relative difference of the step losses, ``param`` the largest
-relative difference of a parameter after the steps, over every rank. A case passes at
-1e-5 on both; a combination the runtime refuses is printed with its reason.
+stages each where the schedule has them) and the same model on one process, fp32, with
+the global gradient norm clipped: ``loss`` is the largest relative difference of the
+step losses, ``param`` the largest relative difference of a parameter after the steps,
+``norm/eval`` that of the clipped norms and of ``evaluate()``'s loss after training,
+over every rank. A case passes at 1e-5 on all three (and the whole model gathered and
+loaded back unchanged); a combination the runtime refuses is printed with its reason.
 
 ``--timing N`` instead measures the median of N steps (after one warm-up) of the sample
 GPT (4 blocks) for each schedule on 4 CPU processes (pp=2 x dp=2, one thread each).
@@ -58,8 +60,14 @@ def summarise(ranks: list[dict], name: str) -> dict:
     loss = max(abs(a - b) / max(abs(b), 1e-12) for s in seen
                for a, b in zip(s["losses"], s["ref_losses"]))
     param = max((e for s in seen for e in s["param_errors"].values()), default=0.0)
-    return {"status": "pass" if loss <= RTOL and param <= RTOL else "FAIL",
-            "loss": loss, "param": param}
+    # The clipped gradient norm of every step, and the loss of evaluate() after them.
+    other = max([abs(a - b) / max(abs(b), 1e-12) for s in seen
+                 for a, b in zip(s["grad_norms"], s["ref_grad_norms"])]
+                + [abs(s["eval_loss"] - s["ref_eval_loss"]) / abs(s["ref_eval_loss"])
+                   for s in seen])
+    ok = max(loss, param, other) <= RTOL and all(s["reloaded_unchanged"] for s in seen)
+    return {"status": "pass" if ok else "FAIL", "loss": loss, "param": param,
+            "other": other}
 
 
 def parity(models: list[str], combinations: list[str], schedules: list[str]) -> None:
@@ -70,18 +78,18 @@ def parity(models: list[str], combinations: list[str], schedules: list[str]) -> 
             mine = [case for case in cases if processes(case) == nproc]
             ranks = launch(nproc, mine, Path(tmp) / str(nproc))
             rows.update({case: summarise(ranks, case) for case in mine})
-    print(f"{'schedule':<25} {'model':<6} {'combination':<11} {'max loss diff':>14} "
-          f"{'max param diff':>15}  result")
+    print(f"{'schedule':<25} {'model':<6} {'combination':<13} {'max loss diff':>14} "
+          f"{'max param diff':>15} {'norm/eval diff':>15}  result")
     for schedule in schedules:
         for model in models:
             for combination in combinations:
                 row = rows[f"{model}-{schedule}-{combination}"]
                 if row["status"] in ("pass", "FAIL"):
-                    print(f"{schedule:<25} {model:<6} {combination:<11} {row['loss']:>14.2e} "
-                          f"{row['param']:>15.2e}  {row['status']}")
+                    print(f"{schedule:<25} {model:<6} {combination:<13} {row['loss']:>14.2e} "
+                          f"{row['param']:>15.2e} {row['other']:>15.2e}  {row['status']}")
                 else:
-                    print(f"{schedule:<25} {model:<6} {combination:<11} {'-':>14} {'-':>15}  "
-                          f"{row['status']}: {row['why']}")
+                    print(f"{schedule:<25} {model:<6} {combination:<13} {'-':>14} {'-':>15} "
+                          f"{'-':>15}  {row['status']}: {row['why']}")
     counts = {status: sum(r["status"] == status for r in rows.values())
               for status in ("pass", "refused", "FAIL", "error")}
     print(f"\n{len(rows)} cases: " + ", ".join(f"{n} {s}" for s, n in counts.items()))
