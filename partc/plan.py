@@ -539,11 +539,20 @@ class Plan:
 
     @property
     def runs(self) -> tuple[tuple[str, ...], ...]:
-        """The contiguous runs of layers in model order (run ``j`` on stage ``j % pp``)."""
+        """The contiguous runs of layers in model order: run ``j`` (virtual stage ``j``)
+        is on the rank ``partc.schedules.rank_of(schedule, pp, chunks, j)`` says, which
+        lists its runs in model order."""
         if self.chunks == 1:
             return tuple(stage.layers for stage in self.stages)
-        return tuple(self.stages[j % len(self.stages)].runs[j // len(self.stages)]
-                     for j in range(len(self.stages) * self.chunks))
+        from .schedules import SCHEDULE_TABLE, stages_of_rank
+
+        pp, v = len(self.stages), self.chunks
+        name = self.schedule if self.schedule in SCHEDULE_TABLE else "interleaved-1f1b"
+        runs: dict[int, tuple[str, ...]] = {}
+        for stage in self.stages:
+            for j, run in zip(stages_of_rank(name, pp, v, stage.index), stage.runs):
+                runs[j] = run
+        return tuple(runs[j] for j in range(pp * v))
 
     @property
     def recompute(self) -> dict[str, str]:

@@ -34,8 +34,9 @@ class Program:
     def lower(self, only: Sequence[int] | None = None) -> Any:
         """The plan applied to the model (``partc.passes.pipeline.lower``): traced on meta
         tensors of one microbatch's shapes (exported graphs fix their view shapes), cut
-        into stages, with tensor-parallel collectives, recompute and (ZeRO-2/3) FSDP
-        units in place. ``only``: the stages to finish (all by default)."""
+        into its ``pp * v`` virtual stages (``plan.runs``, in model order), with
+        tensor-parallel collectives, recompute and (ZeRO-2/3) FSDP units in place.
+        ``only``: the virtual stages to finish (all by default)."""
         from .passes.context import Lowering
         from .passes.pipeline import lower
 
@@ -47,7 +48,7 @@ class Program:
         target = example.pop("target", None)
         tensor_parallel = plan.tensor_parallel
         lowering = Lowering(
-            stages=tuple(tuple(stage.layers) for stage in plan.stages),
+            stages=plan.runs,  # one per virtual stage (pp x v), in model order
             recompute=plan.recompute, tp=plan.tp,
             sequence_parallel=plan.sequence_parallel,
             tp_choices=dict(tensor_parallel.choices) if tensor_parallel is not None else {},
@@ -93,7 +94,8 @@ class Program:
 
         Checks the world size against the plan, joins the process group (gloo on CPU,
         NCCL on CUDA with the device from ``LOCAL_RANK``), checks that every rank has the
-        same plan and model, lowers this rank's stage, and keeps only this rank's
+        same plan and model, lowers this rank's virtual stages (one, or the ``v`` that
+        ``partc.schedules.stages_of_rank`` gives it), and keeps only this rank's
         parameters: copied from the model, or — for a model on the meta device — loaded
         from ``state_dict``: a mapping such as ``model.state_dict()``, or the path of a
         Hugging Face checkpoint (``*.safetensors``) or a ``torch.distributed.checkpoint``
@@ -102,21 +104,23 @@ class Program:
         it under ``partc.on_meta()``). Returns a ``partc.runtime.DistributedModule``.
         """
         from .runtime import StageProgram, build, connect
+        from .schedules import stages_of_rank
         from .weights import open_weights
 
         self._need_model("build")
         if isinstance(state_dict, (str, Path)):
             state_dict = open_weights(state_dict)
         topology = connect(self.plan, self.model, self.loss_fn, device=device)
-        lowered = self.lower(only=(topology.pp_rank,))
-        mine = lowered.stages[topology.pp_rank]
+        plan = self.plan
+        mine = stages_of_rank(plan.schedule, plan.pp, plan.chunks, topology.pp_rank)
+        lowered = self.lower(only=mine)
         loss, loss_layer = lowered.loss
-        program = StageProgram(
-            index=mine.index, num_stages=mine.num_stages, layers=mine.layers,
-            module=mine.module, loss=loss,
-            loss_recompute=self.plan.recompute.get(loss_layer, "none"),
-            holders=lowered.holders)
-        return build(self.plan, topology, program, self.model, state_dict=state_dict)
+        programs = [StageProgram(
+            index=stage.index, num_stages=stage.num_stages, layers=stage.layers,
+            module=stage.module, loss=loss,
+            loss_recompute=plan.recompute.get(loss_layer, "none"),
+            holders=lowered.holders) for stage in (lowered.stages[j] for j in mine)]
+        return build(plan, topology, programs, self.model, state_dict=state_dict)
 
     def _need_model(self, what: str) -> None:
         if self.model is None:

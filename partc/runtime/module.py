@@ -33,7 +33,7 @@ import inspect
 import logging
 import weakref
 from pathlib import Path
-from typing import Any, Callable, Iterator, Mapping
+from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
@@ -41,6 +41,7 @@ import torch.utils._pytree as pytree
 from torch import fx, nn
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe
+from torch.distributed.pipelining import schedules as torch_schedules
 from torch.distributed.pipelining.schedules import PipelineScheduleSingle
 from torch.distributed.tensor import DTensor
 
@@ -48,6 +49,7 @@ from partc.errors import PartcError, PlanMismatchError
 from partc.identity import model_hash
 from partc.placement import Placement
 from partc.plan import InputSpec, Plan
+from partc.schedules import rank_of, refusal, schedule as schedule_facts
 
 from . import tp as tp_ops
 from .data import DataSampler
@@ -98,10 +100,11 @@ class DistributedModule:
     every other rank, which exit with ``watchdog.EXIT_CODE``. ``close()`` stops it.
     """
 
-    def __init__(self, *, plan: Plan, topology: Topology, stage: Any, module: fx.GraphModule,
-                 schedule: Any, tied: list[tuple[list[nn.Parameter], dist.ProcessGroup]],
+    def __init__(self, *, plan: Plan, topology: Topology, stages: list[Any],
+                 module: nn.Module, schedule: Any, tied: list[tuple[list[nn.Parameter], dist.ProcessGroup]],
                  inputs: list[dict], global_batch_size: int,
                  partial_grads: list[nn.Parameter] | None = None,
+                 shared: list[nn.Parameter] | None = None,
                  aliases: dict[str, tuple[str, ...]] | None = None,
                  state_keys: set[str] | None = None,
                  tied_elsewhere: set[str] | None = None,
@@ -117,7 +120,8 @@ class DistributedModule:
         # Progress (step, phase) for the watchdog; None when it is off (one process).
         self.watchdog = watchdog
         self.step = 0  # forward_backward calls so far
-        stage.watchdog = watchdog
+        for stage in stages:
+            stage.watchdog = watchdog
         if watchdog is not None:
             weakref.finalize(self, watchdog.stop)  # also at interpreter exit
         # The tensor-parallel group the stage's collectives run over; its ``counts`` are
@@ -130,13 +134,22 @@ class DistributedModule:
         self._state_keys = state_keys  # model.state_dict()'s: no non-persistent buffers
         self.topology = topology
         # ZeRO-2/3: FSDP keeps each rank's dp shard of every parameter and gradient.
-        self._sharded_grads = isinstance(module, FSDPModule)
-        self.stage_index = stage.stage_index
+        self._sharded_grads = any(isinstance(s.submod, FSDPModule) for s in stages)
+        # The plan's stage this rank runs (its pipeline rank), and the virtual stages
+        # (runs of layers, ``plan.runs``) it holds: one, or ``plan.chunks``.
+        self.stage_index = topology.pp_rank
+        self.virtual_stages = tuple(s.stage_index for s in stages)
+        # The rank's stages' modules: the stage's own GraphModule, or with several
+        # virtual stages a :class:`RankStages` of them.
         self.module = module
-        self._stage = stage
+        self._stages = stages
+        self._grad_sync = next((s.grad_sync for s in stages if s.grad_sync is not None), None)
         self._schedule = schedule
         self._tied = tied
         self._partial_grads = partial_grads or []
+        # Weights two of this rank's virtual stages hold: their stages leave them
+        # unscaled; _sync_gradients divides them by the microbatches.
+        self._shared = shared or []
         self._inputs = [spec for spec in inputs if spec.name != "target"]
         self._target = next((spec for spec in inputs if spec.name == "target"), None)
         self.global_batch_size = global_batch_size
@@ -420,9 +433,10 @@ class DistributedModule:
         self._check_batch(inputs, target, given)
         rows = slice(None) if given == share else \
             slice(topo.dp_rank * share, (topo.dp_rank + 1) * share)
-        args = tuple(t[rows].to(topo.device) for t in inputs) if self._stage.is_first else ()
+        args = tuple(t[rows].to(topo.device) for t in inputs) \
+            if any(s.is_first for s in self._stages) else ()
         kwargs: dict[str, Any] = {}
-        if self._stage.is_last:
+        if any(s.is_last for s in self._stages):
             kwargs = {"target": pytree.tree_map_only(
                 torch.Tensor, lambda t: t[rows].to(topo.device), target), "losses": losses}
         if _STEP_TAKES_RETURN_OUTPUTS:
@@ -442,12 +456,14 @@ class DistributedModule:
         return total / (self.plan.num_microbatches * topo.dp * topo.tp)
 
     def _forward_backward(self, inputs: tuple, target: Any) -> torch.Tensor:
-        self._stage.messages.clear()
+        for stage in self._stages:
+            stage.messages.clear()
         losses: list[torch.Tensor] = []
         args, kwargs = self._stage_arguments(inputs, target, losses)
         self._mark("schedule")
         self._schedule.step(*args, **kwargs)
-        self.last_messages = dict(self._stage.messages)
+        self.last_messages = {kind: sum(s.messages[kind] for s in self._stages)
+                              for kind in ("sends", "recvs")}
         self._mark("gradient sync")
         self._sync_gradients()
         max_norm = self.plan.train.max_grad_norm
@@ -496,6 +512,13 @@ class DistributedModule:
         return self.topology.tp_rank == 0 or self._placement(name).kind == "S"
 
     def _sync_gradients(self) -> None:
+        for param in self._shared:
+            if param.grad is not None:
+                param.grad.div_(self.plan.num_microbatches)
+        if self._grad_sync is not None:
+            # ZeRO 0/1 over dp: what the last backward did not all-reduce as it went
+            # (weight gradients of a split backward, weights two virtual stages share).
+            self._grad_sync.finish()
         # Replicated parameters that feed only sharded ops hold a partial gradient on
         # each tensor-parallel rank: sum them (one flat all-reduce per step).
         # Under ZeRO-2/3 each rank holds its dp shard of every gradient: the sums below
@@ -568,6 +591,25 @@ def _mismatch(spec: InputSpec, given: Any, batch: int) -> list[str]:
     return problems
 
 
+def runtime_refusal(plan: Plan) -> str | None:
+    """Why the runtime cannot train ``plan`` with parity to one process; None if it can.
+
+    torch's schedule refuses the stage or microbatch count (``partc.schedules.refusal``);
+    a schedule that splits backward into input- and weight-gradient parts computes the
+    weight gradients with ``torch.autograd.grad`` outside FSDP's hooks, so ZeRO-2/3
+    would reduce-scatter nothing. (Recompute runs under a split backward: each pass,
+    input and weight gradients, reruns a recomputed layer's forward.)"""
+    facts = schedule_facts(plan.schedule)
+    why = refusal(plan.schedule, plan.pp, plan.chunks, plan.num_microbatches)
+    if why is not None:
+        return why
+    if facts.split_backward and plan.effective_zero_stage >= 2:
+        return (f"{plan.schedule} splits backward into input- and weight-gradient parts, "
+                f"which FSDP (ZeRO-{plan.effective_zero_stage}) does not reduce: plan "
+                "ZeRO-0/1 or a schedule with a whole backward")
+    return None
+
+
 def connect(plan: Plan, model: nn.Module, loss_fn: Callable | None, *,
             device: torch.device | str | None = None) -> Topology:
     """Check the launch against ``plan``, join the process group and check that every
@@ -577,10 +619,9 @@ def connect(plan: Plan, model: nn.Module, loss_fn: Callable | None, *,
                          "version of partc")
     if loss_fn is None:
         raise PartcError("training needs a loss: pass loss_fn to partc.compile/partc.load")
-    if plan.chunks > 1:
-        raise PartcError(f"the plan interleaves {plan.chunks} runs of layers per stage "
-                         f"({plan.schedule}), which partc plans and costs but does not run "
-                         f"yet; compile with schedule='1f1b' (or leave it 'auto') to train")
+    why = runtime_refusal(plan)
+    if why is not None:
+        raise PartcError(f"this plan cannot run: {why}")
     own_hash = model_hash(model)
     if own_hash != plan.model.hash:
         raise PlanMismatchError(f"the model (hash {own_hash}) is not the one the plan was "
@@ -590,60 +631,164 @@ def connect(plan: Plan, model: nn.Module, loss_fn: Callable | None, *,
     return topology
 
 
-def build(plan: Plan, topology: Topology, program: StageProgram, model: nn.Module, *,
+def build(plan: Plan, topology: Topology,
+          programs: StageProgram | Sequence[StageProgram], model: nn.Module, *,
           state_dict: Mapping[str, torch.Tensor] | None = None) -> DistributedModule:
-    """This rank's :class:`DistributedModule`: ``program`` (this rank's stage, lowered
-    by ``partc.Program``) with this rank's parameters, wrapped for the planned schedule.
-    Parameters are copied from ``model`` or, for a model on the meta device, from
-    ``state_dict``."""
+    """This rank's :class:`DistributedModule`: ``programs`` (this rank's virtual stages,
+    lowered by ``partc.Program``: one, or the ``plan.chunks`` that
+    ``partc.schedules.stages_of_rank`` places on it) with this rank's parameters, each
+    wrapped as a pipeline stage, and the planned schedule over them. Parameters are
+    copied from ``model`` or, for a model on the meta device, from ``state_dict``.
+
+    A weight that two virtual stages of this rank hold (a tied embedding and head under
+    "v" placement) is one parameter of both, its gradient summed by autograd; one that
+    stages of several ranks hold is summed over those ranks after the schedule."""
     baseline = resident_bytes()  # before this rank's parameters: telemetry's memory zero
-    module = program.module
-    # The stage's collectives run over this rank's tp group, in place of the lowering's
+    programs = [programs] if isinstance(programs, StageProgram) else list(programs)
+    modules = [program.module for program in programs]
+    # The stages' collectives run over this rank's tp group, in place of the lowering's
     # stand-in.
     tp_group = tp_ops.TensorParallelGroup(topology.tp,
                                           topology.tp_group if topology.tp > 1 else None)
-    tp_ops.bind_group(module, tp_group)
     zero_stage = plan.effective_zero_stage
     compute_dtype = _compute_dtype(plan)
-    own_parameters(module, model, state_dict, topology.device, shard_plan(plan, topology))
-    if zero_stage >= 2:
-        _shard_over_dp(module, program.fsdp_units, topology, zero_stage, compute_dtype)
-    if compute_dtype != torch.float32:
-        # Mixed precision: the fp32 parameters are the master weights; autocast runs
-        # the stage in the compute dtype, and gradients come out (and are summed) fp32.
-        # Under ZeRO-2/3 FSDP already gathers compute-dtype weights; autocast still
-        # casts activations a traced graph pins to fp32 (exported graphs fix dtypes).
-        module.forward = torch.autocast(topology.device.type, dtype=compute_dtype)(
-            module.forward)
-    tied = _tied_groups(program.holders, module, topology)
+    shard = shard_plan(plan, topology)
+    for module in modules:
+        tp_ops.bind_group(module, tp_group)
+        own_parameters(module, model, state_dict, topology.device, shard)
+    aliases = aliases_of(model)
+    shared = _share_local_ties(modules, aliases)
+    if shared and zero_stage >= 2:
+        raise PartcError(
+            f"virtual stages {[p.index for p in programs]} of pipeline rank "
+            f"{topology.pp_rank} both hold {sorted(shared)[:3]} (tied weights; "
+            f"{plan.schedule} places them on one rank): FSDP (ZeRO-{zero_stage}) cannot "
+            "shard one parameter in two units; plan ZeRO-0/1, or a schedule that places "
+            "those stages on different ranks")
+    for module, program in zip(modules, programs):
+        if zero_stage >= 2:
+            _shard_over_dp(module, program.fsdp_units, topology, zero_stage, compute_dtype)
+        if compute_dtype != torch.float32:
+            # Mixed precision: the fp32 parameters are the master weights; autocast runs
+            # the stage in the compute dtype, and gradients come out (and are summed)
+            # fp32. Under ZeRO-2/3 FSDP already gathers compute-dtype weights; autocast
+            # still casts activations a traced graph pins to fp32 (exported graphs fix
+            # dtypes).
+            module.forward = torch.autocast(topology.device.type, dtype=compute_dtype)(
+                module.forward)
+    whole = modules[0] if len(modules) == 1 else RankStages(modules)
+    holders = programs[0].holders
+    tied = _tied_groups(holders, whole, topology, plan)
     partial_names = set(plan.tensor_parallel.partial_grad_params
                         if plan.tensor_parallel is not None else ())
-    aliases = aliases_of(model)
-    partial = [p for name, p in module.named_parameters()
+    partial = [p for name, p in whole.named_parameters()
                if partial_names & set(aliases.get(name, (name,)))]
-    contiguous_transfers(module, first=program.is_first, last=program.is_last)
-    loss = _Loss(program.loss, program.loss_recompute, mixed=compute_dtype != torch.float32)
-    stage = CountingStage(module, topology.pp_rank, plan.pp, topology.device,
-                           group=topology.pp_group, zero_stage=zero_stage)
+    loss = _Loss(programs[0].loss, programs[0].loss_recompute,
+                 mixed=compute_dtype != torch.float32)
+    stages: list[CountingStage] = []
+    for module, program in zip(modules, programs):
+        contiguous_transfers(module, first=program.is_first, last=program.is_last)
+        stage = CountingStage(module, program.index, program.num_stages, topology.device,
+                              group=topology.pp_group, zero_stage=zero_stage)
+        # A weight two stages share is scaled once, after the schedule: either stage's
+        # last backward may come last.
+        stage.scaled_elsewhere = set(shared.values())
+        stages.append(stage)
     if topology.dp > 1 and zero_stage < 2:
-        stage.grad_sync = OverlappedAllReduce(module, topology.dp_group, topology.dp)
-    schedule_type = ScheduleGPipe
-    if plan.schedule == "1f1b" and plan.num_microbatches >= plan.pp:
-        schedule_type = Schedule1F1B  # with fewer microbatches than stages, 1F1B is GPipe
-    schedule = schedule_type(stage, plan.num_microbatches, loss_fn=loss, scale_grads=True)
-    log.info("rank %d: stage %d of %d (%s), %d parameters", topology.rank, program.index,
-             plan.pp, ", ".join(program.layers), sum(p.numel() for p in module.parameters()))
+        # One gradient sync for the rank: a weight two of its stages share is summed
+        # over both before it is all-reduced (at the end, by ``finish``).
+        grad_sync = OverlappedAllReduce(list(whole.parameters()), topology.dp_group,
+                                        topology.dp, at_end=set(shared.values()))
+        for stage in stages:
+            stage.grad_sync = grad_sync
+    schedule = _schedule(plan, stages, loss)
+    log.info("rank %d: virtual stage(s) %s of %d (%s), %d parameters", topology.rank,
+             [p.index for p in programs], programs[0].num_stages,
+             " | ".join(", ".join(p.layers) for p in programs),
+             sum(p.numel() for p in whole.parameters()))
     distributed = DistributedModule(
-        plan=plan, topology=topology, stage=stage, module=module, schedule=schedule,
+        plan=plan, topology=topology, stages=stages, module=whole, schedule=schedule,
         tied=tied, inputs=plan.model.inputs, partial_grads=partial, aliases=aliases,
+        shared=[p for p in whole.parameters() if id(p) in set(shared.values())],
         state_keys=set(model.state_dict(keep_vars=True)),
-        tied_elsewhere=_tied_elsewhere(program.holders, module, topology.pp_rank),
+        tied_elsewhere=_tied_elsewhere(holders, whole, plan, topology.pp_rank),
         tp=tp_group, watchdog=start_watchdog(topology.rank, topology.world_size),
         global_batch_size=plan.num_microbatches * plan.micro_batch_size * plan.dp,
         model_tensors={name: (tuple(t.shape), t.dtype)
                        for name, t in model.state_dict(keep_vars=True).items()})
     distributed.memory_baseline = baseline
     return distributed
+
+
+class RankStages(nn.Module):
+    """A rank's virtual stages as one module: their parameters and buffers under the
+    model's own FQNs (a weight two of them share, listed once), ``train``/``eval`` and
+    ``modules`` over all of them. Each stage stays its own module for the schedule."""
+
+    def __init__(self, modules: Sequence[nn.Module]) -> None:
+        super().__init__()
+        self.stages = nn.ModuleList(modules)
+
+    def _named(self, kind: str, prefix: str, recurse: bool, remove_duplicate: bool
+               ) -> Iterator[tuple[str, Any]]:
+        seen: set[int] = set()
+        for module in self.stages:
+            for name, tensor in getattr(module, kind)(
+                    prefix=prefix, recurse=recurse, remove_duplicate=remove_duplicate):
+                if remove_duplicate and id(tensor) in seen:
+                    continue
+                seen.add(id(tensor))
+                yield name, tensor
+
+    def named_parameters(self, prefix: str = "", recurse: bool = True,
+                         remove_duplicate: bool = True) -> Iterator[tuple[str, nn.Parameter]]:
+        return self._named("named_parameters", prefix, recurse, remove_duplicate)
+
+    def named_buffers(self, prefix: str = "", recurse: bool = True,
+                      remove_duplicate: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
+        return self._named("named_buffers", prefix, recurse, remove_duplicate)
+
+    def forward(self, *args: Any) -> Any:
+        raise PartcError("a rank's virtual stages run through the pipeline schedule "
+                         "(DistributedModule.forward_backward), not as one module")
+
+
+def _share_local_ties(modules: Sequence[nn.Module], aliases: Mapping[str, tuple[str, ...]]
+                      ) -> dict[str, int]:
+    """Make a parameter that several of this rank's stages hold (under any of its FQNs:
+    a tied embedding and head) one object, the first stage's; returns the FQNs of such
+    parameters → ``id`` of that object."""
+    first: dict[tuple[str, ...], nn.Parameter] = {}
+    shared: dict[str, int] = {}
+    for module in modules:
+        for name, param in list(module.named_parameters(remove_duplicate=False)):
+            kept = first.setdefault(aliases.get(name, (name,)), param)
+            if kept is not param:
+                owner_name, _, attr = name.rpartition(".")
+                module.get_submodule(owner_name)._parameters[attr] = kept
+                shared[name] = id(kept)
+    return shared
+
+
+def _schedule(plan: Plan, stages: list[CountingStage], loss: _Loss) -> Any:
+    """The planned schedule over this rank's stages: torch's class that
+    ``partc.schedules`` names for it (single-stage GPipe or 1F1B with one stage per
+    rank; the multi-stage classes, which place stages as ``rank_of`` does, otherwise)."""
+    facts = schedule_facts(plan.schedule)
+    if facts.virtual_stages == (1,):
+        schedule_type = ScheduleGPipe
+        if plan.schedule == "1f1b" and plan.num_microbatches >= plan.pp:
+            schedule_type = Schedule1F1B  # with fewer microbatches than stages, 1F1B is GPipe
+        return schedule_type(stages[0], plan.num_microbatches, loss_fn=loss,
+                             scale_grads=True)
+    schedule_type = getattr(torch_schedules, facts.torch_class)
+    result = schedule_type(stages, plan.num_microbatches, loss_fn=loss, scale_grads=True)
+    placed = {j: rank_of(plan.schedule, plan.pp, plan.chunks, j)
+              for j in range(plan.pp * plan.chunks)}
+    if dict(result.stage_index_to_group_rank) != placed:
+        raise PartcError(f"torch's {facts.torch_class} places virtual stages as "
+                         f"{dict(result.stage_index_to_group_rank)}, the plan as {placed}")
+    return result
 
 
 def _compute_dtype(plan: Plan) -> torch.dtype:
@@ -688,28 +833,37 @@ def _check_same_plan(plan: Plan, own_hash: str) -> None:
             "plan.json (partc.load) or the same model and compile arguments")
 
 
-def _tied_elsewhere(holders: Mapping[tuple[str, ...], tuple[int, ...]],
-                    module: fx.GraphModule, stage: int) -> set[str]:
-    """This stage's parameter names that an earlier stage also holds (tied weights)."""
+def _tied_elsewhere(holders: Mapping[tuple[str, ...], tuple[int, ...]], module: nn.Module,
+                    plan: Plan, pp_rank: int) -> set[str]:
+    """This rank's parameter names whose first holder is a virtual stage of another rank
+    (tied weights): that rank counts them in gradient norms."""
     first = {name: indices[0] for key, indices in holders.items() for name in key}
-    return {name for name, _ in module.named_parameters() if first.get(name, stage) < stage}
+    return {name for name, _ in module.named_parameters()
+            if name in first and _rank(plan, first[name]) != pp_rank}
 
 
-def _tied_groups(holders: Mapping[tuple[str, ...], tuple[int, ...]], module: fx.GraphModule,
-                 topology: Topology) -> list[tuple[list[nn.Parameter], dist.ProcessGroup]]:
-    """Process groups over the stages that hold the same (tied) parameter.
+def _rank(plan: Plan, virtual_stage: int) -> int:
+    return rank_of(plan.schedule, plan.pp, plan.chunks, virtual_stage)
+
+
+def _tied_groups(holders: Mapping[tuple[str, ...], tuple[int, ...]], module: nn.Module,
+                 topology: Topology, plan: Plan
+                 ) -> list[tuple[list[nn.Parameter], dist.ProcessGroup]]:
+    """Process groups over the pipeline ranks whose virtual stages hold the same (tied)
+    parameter; a tie within one rank is one parameter already (``_share_local_ties``).
 
     Every rank creates every group, in the same order, as ``new_group`` requires; a rank
     keeps the groups it is in.
     """
-    own = dict(module.named_parameters())
+    own = dict(module.named_parameters(remove_duplicate=False))
     result = []
     for key, stage_indices in holders.items():
-        if len(stage_indices) < 2:
+        pp_ranks = sorted({_rank(plan, j) for j in stage_indices})
+        if len(pp_ranks) < 2:
             continue
         for dp_rank in range(topology.dp):
             for tp_rank in range(topology.tp):
-                ranks = [topology.rank_of(s, dp_rank, tp_rank) for s in stage_indices]
+                ranks = [topology.rank_of(s, dp_rank, tp_rank) for s in pp_ranks]
                 group = dist.new_group(ranks)
                 if topology.rank in ranks:
                     params = [own[name] for name in key if name in own]

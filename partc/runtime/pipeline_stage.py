@@ -38,6 +38,9 @@ class CountingStage(PipelineStage):
         self.zero_stage = zero_stage
         self.grad_sync: OverlappedAllReduce | None = None  # ZeRO 0/1 with dp > 1
         self.watchdog: Watchdog | None = None  # told of each microbatch's start
+        # Parameters (ids) another stage of this rank holds too and scales: a tied
+        # weight is one parameter of both, divided by the microbatches once.
+        self.scaled_elsewhere: set[int] = set()
 
     def forward_one_chunk(self, fwd_chunk_id: int, *args: Any, **kwargs: Any) -> Any:
         if self.watchdog is not None:
@@ -76,6 +79,22 @@ class CountingStage(PipelineStage):
             with torch.no_grad():
                 tensor.zero_()
         return tensor
+
+    # Forward only (``DistributedModule.evaluate``), torch's multi-stage schedules still
+    # hand input gradients between two adjacent stages of one rank ("v" placement), and
+    # the stage refuses: there are none to hand over.
+    def get_local_bwd_output(self, mb_index: int) -> Any:
+        return super().get_local_bwd_output(mb_index) if self.has_backward else ()
+
+    def set_local_bwd_input(self, next_stage_bwd_outputs: Any, mb_index: int) -> None:
+        if self.has_backward:
+            super().set_local_bwd_input(next_stage_bwd_outputs, mb_index)
+
+    def scale_grads(self, grad_scale_factor: int) -> None:
+        if grad_scale_factor != 1:
+            for param in self.submod.parameters():
+                if param.grad is not None and id(param) not in self.scaled_elsewhere:
+                    param.grad.div_(grad_scale_factor)
 
     def perform_reduce_grad(self, grad_scale_factor: int) -> None:
         if self.grad_sync is not None:
@@ -157,22 +176,49 @@ class OverlappedAllReduce:
     armed, each parameter's gradient is all-reduced (asynchronously) as soon as that
     backward has accumulated it, and :meth:`wait` finishes them and averages. What the
     rest of that backward cannot hide is what the cost model charges as exposed.
+    :meth:`finish`, after the schedule, all-reduces what was not (weight gradients that
+    a split backward assigns without autograd's hooks; parameters left out because two
+    virtual stages of the rank accumulate into them).
 
     (``DistributedDataParallel`` would bucket these, but its reducer breaks on the real
     forward and backward the pipeline schedule runs first to learn shapes.)"""
 
-    def __init__(self, module: nn.Module, group: dist.ProcessGroup, dp: int) -> None:
+    def __init__(self, params: nn.Module | list[nn.Parameter], group: dist.ProcessGroup,
+                 dp: int, *, at_end: set[int] = frozenset()) -> None:
+        """``at_end``: ids of parameters to all-reduce in :meth:`finish` only."""
         self.group, self.dp = group, dp
         self.armed = False
         self._pending: list[tuple[torch.Tensor, Any]] = []
-        for param in {id(p): p for p in module.parameters()}.values():
-            if param.requires_grad:
+        self._params = [p for p in {id(p): p for p in (
+            params.parameters() if isinstance(params, nn.Module) else params)}.values()
+            if p.requires_grad]
+        self._reduced: set[int] = set()  # this step's, launched by the hooks
+        for param in self._params:
+            if id(param) not in at_end:
                 param.register_post_accumulate_grad_hook(self._launch)
 
     def _launch(self, param: torch.Tensor) -> None:
         if self.armed:
             work = dist.all_reduce(param.grad, group=self.group, async_op=True)
             self._pending.append((param.grad, work))
+            self._reduced.add(id(param))
+
+    def finish(self) -> None:
+        """All-reduce (one flat message) and average the gradients the hooks did not;
+        every replica runs the same schedule, so all leave out the same ones."""
+        self.wait()
+        rest = [p.grad for p in self._params
+                if p.grad is not None and id(p) not in self._reduced]
+        self._reduced.clear()
+        if not rest:
+            return
+        flat = torch.cat([g.reshape(-1) for g in rest])
+        dist.all_reduce(flat, group=self.group)
+        flat.div_(self.dp)
+        offset = 0
+        for grad in rest:
+            grad.copy_(flat[offset:offset + grad.numel()].view_as(grad))
+            offset += grad.numel()
 
     def wait(self) -> None:
         for grad, work in self._pending:

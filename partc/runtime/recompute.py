@@ -13,7 +13,7 @@ charges (with early stop, which trailing ones replay depends on what backward ne
 
 from __future__ import annotations
 
-import functools
+import collections
 from typing import Any, Callable
 
 from torch.utils.checkpoint import (CheckpointPolicy, checkpoint,
@@ -35,7 +35,23 @@ def _keep_expensive(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointP
     return CheckpointPolicy.PREFER_RECOMPUTE
 
 
-_selective_context = functools.partial(create_selective_checkpoint_contexts, _keep_expensive)
+class _KeptEntries(dict):
+    """One op's saved outputs in a selective checkpoint's storage, kept for every
+    backward pass through the region: the first write (the forward's) stays. torch marks
+    an entry consumed once read, which a split backward (input gradients, then weight
+    gradients: torch's zero-bubble schedules) would then find gone on its second pass.
+    The storage is freed with the region's autograd graph, as saved tensors are."""
+
+    def __setitem__(self, index: Any, value: Any) -> None:
+        if index not in self:
+            super().__setitem__(index, value)
+
+
+def _selective_context() -> tuple[Any, Any]:
+    caching, cached = create_selective_checkpoint_contexts(_keep_expensive)
+    # Both modes share one storage: the forward writes it, each backward pass reads it.
+    caching.storage = cached.storage = collections.defaultdict(_KeptEntries)
+    return caching, cached
 
 
 def checkpoint_layer(layer: Callable[..., Any], mode: str, *args: Any,
