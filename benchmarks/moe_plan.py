@@ -318,6 +318,35 @@ def run(shape: MoEShape, args) -> None:
     print(f"  the all-to-all is {100 * share:.1f}% of the step on the busiest stage; "
           f"hidden entirely it would give {hidden:.0f} TFLOP/s per GPU (published gain "
           f"from overlap: {PUBLISHED['overlapped'] / PUBLISHED['exposed']:.2f}x)")
+    plain, deduplicated = remote_copies(shape, pinned.mesh.ep)
+    print(f"  why it differs: (1) partc prices a plain all_to_all_single, every token sent "
+          f"once per expert it is routed to ({plain:.1f} copies per token leave the node "
+          f"here); Megatron's DeepEP dispatcher sends a token once per node it reaches and "
+          f"fans it out over NVLink ({deduplicated:.1f} copies at uniform routing, "
+          f"{plain / deduplicated:.1f}x fewer network bytes); (2) the published run "
+          f"interleaves {PUBLISHED['virtual']} virtual stages, dividing the pipeline "
+          f"bubble ({100 * pinned.predicted.bubble_fraction:.1f}% here) by about 4; (3) "
+          f"partc's H100 matmul efficiency is a preset guess "
+          f"({pinned.budget.flops_efficiency}), not fitted to grouped-GEMM experts; (4) the "
+          f"stand-in model leaves out Qwen3's query/key norms and the router's softmax and "
+          f"permutation work, and the published run's batch is not known.")
+
+
+def remote_copies(shape: MoEShape, ep: int, per_node: int = 8) -> tuple[float, float]:
+    """Copies of a token that leave its node per dispatch, at uniform routing over an
+    expert-parallel group of ``ep`` ranks: one per routed expert on another node (a plain
+    all-to-all), or one per other node holding any of its experts (per-node
+    deduplication)."""
+    from math import comb
+
+    nodes = max(1, ep // per_node)
+    if nodes == 1:
+        return 0.0, 0.0
+    experts_per_node = shape.experts // nodes
+    plain = shape.top_k * (nodes - 1) / nodes
+    missed = comb(shape.experts - experts_per_node, shape.top_k) / comb(shape.experts,
+                                                                         shape.top_k)
+    return plain, (nodes - 1) * (1 - missed)
 
 
 def main() -> None:
