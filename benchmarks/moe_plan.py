@@ -266,7 +266,10 @@ def describe(plan: partc.Plan) -> list[str]:
                      f"compute time), "
                      + ("over the network" if section.crosses_nodes else "inside a node"))
         overflow = next(s for s in sections(plan) if s.key == "expert_parallel").after
-        lines += [line for line in overflow[:2]]
+        # The stage that runs out first (the least routing it survives) speaks for all.
+        worst = min(overflow, key=lambda line: float(line.rsplit("above ", 1)[-1].split("x")[0])
+                    if "runs out" in line else float("inf"))
+        lines.append(worst)
     return lines
 
 
