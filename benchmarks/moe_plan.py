@@ -243,8 +243,9 @@ def describe(plan: partc.Plan) -> list[str]:
     recompute: dict[str, int] = {}
     for mode in plan.recompute.values():
         recompute[mode] = recompute.get(mode, 0) + 1
-    lines = [f"mesh: pp={plan.pp} dp={plan.dp} tp={plan.tp}{sp} ep={plan.mesh.ep} "
-             f"(expert-data-parallel {plan.mesh.expert_dp}), ZeRO-{plan.zero_stage}, "
+    lines = [f"mesh: pp={plan.pp} dp={plan.dp} tp={plan.tp}{sp} ep={plan.mesh.ep}"
+             + (f" (expert-data-parallel {plan.mesh.expert_dp})" if plan.mesh.ep > 1 else "")
+             + f", ZeRO-{plan.zero_stage}, "
              f"{plan.schedule} x{plan.chunks}, b={plan.micro_batch_size} x "
              f"m={plan.num_microbatches}, recompute {recompute}",
              f"predicted: step {plan.predicted.step_time_s:.2f} s, "
@@ -262,8 +263,8 @@ def describe(plan: partc.Plan) -> list[str]:
         lines.append(f"all-to-all per step, busiest stage {busiest}: "
                      f"{format_bytes(section.stage_all_to_all_bytes[busiest])} in "
                      f"{format_seconds(section.stage_all_to_all_s[busiest])} "
-                     f"({100 * section.stage_all_to_all_s[busiest] / compute:.0f}% of its "
-                     f"compute time), "
+                     f"({100 * section.stage_all_to_all_s[busiest] / compute:.0f}% of its forward, "
+                     f"backward and recompute time), "
                      + ("over the network" if section.crosses_nodes else "inside a node"))
         overflow = next(s for s in sections(plan) if s.key == "expert_parallel").after
         # The stage that runs out first (the least routing it survives) speaks for all.
