@@ -263,8 +263,8 @@ def describe(plan: partc.Plan) -> list[str]:
         lines.append(f"all-to-all per step, busiest stage {busiest}: "
                      f"{format_bytes(section.stage_all_to_all_bytes[busiest])} in "
                      f"{format_seconds(section.stage_all_to_all_s[busiest])} "
-                     f"({100 * section.stage_all_to_all_s[busiest] / compute:.0f}% of its forward, "
-                     f"backward and recompute time), "
+                     f"({100 * section.stage_all_to_all_s[busiest] / compute:.0f}% of "
+                     f"its forward, backward and recompute time), "
                      + ("over the network" if section.crosses_nodes else "inside a node"))
         overflow = next(s for s in sections(plan) if s.key == "expert_parallel").after
         # The stage that runs out first (the least routing it survives) speaks for all.
