@@ -302,12 +302,12 @@ def run(shape: MoEShape, args) -> None:
           f"PP{PUBLISHED['pp']}, sequence parallelism (Megatron's rule for TP with EP)")
     pins = dict(tp=PUBLISHED["tp"], pp=PUBLISHED["pp"], ep=PUBLISHED["ep"],
                 sequence_parallel=True)
-    virtual = {}
+    virtual = dict(schedule="interleaved-1f1b")
     if "virtual_stages" in {f.name for f in dataclasses.fields(problem.pins)}:
-        virtual = dict(virtual_stages=PUBLISHED["virtual"], schedule="interleaved-1f1b")
+        virtual["virtual_stages"] = PUBLISHED["virtual"]
     else:
-        print("  (virtual stages cannot be pinned in this build: the planner chooses the "
-              "schedule and its chunks)")
+        print("  (the virtual-stage count cannot be pinned in this build: interleaved 1F1B "
+              "is pinned and the planner chooses its virtual stages per rank)")
     seconds, pinned = planned(shape, problem, options, {**pins, **virtual})
     print(f"  plan time {seconds:.2f} s")
     for line in describe(pinned):
@@ -328,8 +328,9 @@ def run(shape: MoEShape, args) -> None:
           f"here); Megatron's DeepEP dispatcher sends a token once per node it reaches and "
           f"fans it out over NVLink ({deduplicated:.1f} copies at uniform routing, "
           f"{plain / deduplicated:.1f}x fewer network bytes); (2) the published run "
-          f"interleaves {PUBLISHED['virtual']} virtual stages, dividing the pipeline "
-          f"bubble ({100 * pinned.predicted.bubble_fraction:.1f}% here) by about 4; (3) "
+          f"interleaves {PUBLISHED['virtual']} virtual stages per rank, this plan "
+          f"{pinned.chunks} (pipeline bubble "
+          f"{100 * pinned.predicted.bubble_fraction:.1f}% here); (3) "
           f"partc's H100 matmul efficiency is a preset guess "
           f"({pinned.budget.flops_efficiency}), not fitted to grouped-GEMM experts; (4) the "
           f"stand-in model leaves out Qwen3's query/key norms and the router's softmax and "
