@@ -145,7 +145,8 @@ def mesh_summary(mesh: MeshResult) -> MeshOutcome:
                        micro_batch_size=config.micro_batch_size,
                        num_microbatches=config.num_microbatches, schedule=config.schedule,
                        zero_stage=config.zero_stage,
-                       sequence_parallel=config.sequence_parallel)
+                       sequence_parallel=config.sequence_parallel,
+                       **({"ep": config.ep} if config.ep != 1 else {}))
     if mesh.bound_ps is not None:
         summary["bound_s"] = mesh.bound_ps / PS_PER_S
     if mesh.need_bytes is not None:

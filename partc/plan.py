@@ -469,10 +469,11 @@ class MeshOutcome:
     bound_s: float | None = None
     need_bytes: int | None = None    # infeasible: the tightest split's need per device
     limit_bytes: int | None = None
+    ep: int | None = None            # its best configuration's expert-parallel degree
 
     @property
     def mesh(self) -> Mesh:
-        return Mesh(pp=self.pp, dp=self.dp, tp=self.tp)
+        return Mesh(pp=self.pp, dp=self.dp, tp=self.tp, ep=self.ep or 1)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -152,12 +152,14 @@ _ZERO_SHARDS = {1: "optimizer state", 2: "gradients and optimizer state",
 
 
 def _is_chosen(plan: Plan, outcome: MeshOutcome) -> bool:
-    return outcome.mesh == plan.mesh
+    # A factorisation (pp, dp, tp): the expert-parallel degree is one of its choices.
+    return (outcome.pp, outcome.dp, outcome.tp) == (plan.pp, plan.dp, plan.tp)
 
 
 def _mesh_config(mesh: MeshOutcome) -> str:
     return (f"{mesh.micro_batch_size} x {mesh.num_microbatches}, {mesh.schedule}, "
-            f"ZeRO-{mesh.zero_stage}" + (", sequence parallel" if mesh.sequence_parallel else ""))
+            f"ZeRO-{mesh.zero_stage}" + (", sequence parallel" if mesh.sequence_parallel else "")
+            + (f", ep={mesh.ep}" if mesh.ep and mesh.ep > 1 else ""))
 
 
 def _mesh_chosen(plan: Plan) -> str:

@@ -153,10 +153,18 @@ def _experts(problem: PlanningProblem, plan: Plan, errors: list[str]) -> None:
         errors.append(f"expert_parallel lists layers {sorted(recorded)}, the model's "
                       f"mixture-of-experts layers are {[name for name, _ in moe]}")
         return
-    tokens_share = 1 / plan.tp if plan.tp > 1 else 1.0   # sequence parallelism's tokens
     m, b = plan.num_microbatches, plan.micro_batch_size
+    key = (plan.tp, plan.sequence_parallel, plan.tp_objective)
+    local = {layer.name: layer.moe for layer in problem.variant(*key).layers} \
+        if plan.tp > 1 and problem.tp_option(*key) is not None else {}
     for name, cost in moe:
         layer = recorded[name]
+        # A rank dispatches its own tokens: all of them, or with tensor parallelism its
+        # share (sequence parallelism: 1/tp, unless the variant's figures say otherwise).
+        rank = local.get(name)
+        tokens_share = 1.0 if plan.tp == 1 else (
+            rank.tokens_per_sample / cost.tokens_per_sample if rank is not None
+            else 1 / plan.tp)
         calls = m * (4 + (2 if plan.recompute[name] != "none" else 0))
         nbytes = calls * b * cost.dispatch_bytes * tokens_share * problem.train.measured_scale
         if layer.local_experts * ep != cost.num_experts \

@@ -12,6 +12,9 @@ a caller passes to :func:`solve`.
   objective, numbered constraints.
 - ``bounds.py``: what is known without the solver: the lower bound on a configuration's
   step time (min-max split, recompute knapsack) and the greedy plan CP-SAT starts from.
+- ``experts.py``: the expert-parallel degree of mixture-of-experts layers: the degrees
+  each configuration allows (:func:`~.experts.expand`), the ``ep`` pin's refusals, and
+  the plan's expert section.
 - ``meshes.py``: what the search learnt about each ``(pp, dp, tp)`` factorisation, for
   the report.
 - ``results.py``: the outputs, frozen dataclasses.

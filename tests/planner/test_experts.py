@@ -10,6 +10,7 @@ import itertools
 import random
 
 import pytest
+import torch
 
 from partc.compiler import plan_problem
 from partc.costs import (PipelineConfig, all_to_all_seconds, build_cost_table,
@@ -232,3 +233,19 @@ def test_report_shows_placement_all_to_alls_and_memory_past_the_imbalance():
             f"{stage.index} needs {format_bytes(stage.memory_bytes.peak + int(extra / 3))}"
             in text)
     assert "All-to-all per step on a rank of stage" in render(plan, "markdown")
+
+
+def test_flags_reach_the_ep_pin_and_the_routing_assumptions():
+    import partc
+    from partc.cli import _constraints, _parser, _train
+
+    args = _parser().parse_args(["plan", "x.py:f", "--devices", "8", "--ep", "4",
+                                 "--moe-imbalance", "1.5", "--moe-capacity-factor", "1.25"])
+    assert _constraints(args).ep == 4
+    train = _train(args, {"example_inputs": (torch.zeros(8, 2),),
+                         "train": partc.TrainSpec(global_batch_size=8)})
+    assert (train.moe_imbalance, train.moe_capacity_factor) == (1.5, 1.25)
+    with pytest.raises(ValueError, match="moe_imbalance must be a finite number of at least 1"):
+        partc.TrainSpec(global_batch_size=8, moe_imbalance=0.5)
+    with pytest.raises(ValueError, match="Constraints.ep must be None or a positive int"):
+        partc.Constraints(ep=0)
