@@ -208,7 +208,10 @@ def test_interleaved_schedule_is_planned_saved_and_runnable(tmp_path):
     program.save(tmp_path)
     loaded = Plan.from_json((tmp_path / "plan.json").read_text())
     assert loaded == plan and loaded.hash == plan.hash
-    assert not (tmp_path / "code").exists()
+    # One file per virtual stage (pp x v), each naming the rank that holds it.
+    files = sorted((tmp_path / "code").glob("stage_*.py"))
+    assert len(files) == plan.pp * plan.chunks
+    assert "Virtual stage 1 of" in files[1].read_text()
     partc.validate_plan(program.problem, loaded)
     # The runtime runs it (tests/runtime/test_schedules.py trains it under torchrun).
     assert runtime_refusal(plan) is None
