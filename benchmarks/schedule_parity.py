@@ -13,7 +13,7 @@ over every rank. A case passes at 1e-5 on all three (and the whole model gathere
 loaded back unchanged); a combination the runtime refuses is printed with its reason.
 
 ``--timing N`` instead measures the median of N steps (after one warm-up) of the sample
-GPT (4 blocks) for each schedule on 4 CPU processes (pp=2 x dp=2, one thread each).
+GPT (8 blocks, 512 wide) for each schedule on 4 CPU processes (pp=2 x dp=2, one thread each).
 """
 
 from __future__ import annotations
@@ -96,12 +96,12 @@ def parity(models: list[str], combinations: list[str], schedules: list[str]) -> 
 
 
 def timing(steps: int, schedules: list[str]) -> None:
-    cases = [f"gpt4-{s}-dp2" for s in schedules]
+    cases = [f"gpt8-{s}-dp2" for s in schedules]
     with tempfile.TemporaryDirectory() as tmp:
         ranks = launch(4, cases, Path(tmp), env={"PARTC_SCHEDULE_TIMING_STEPS": str(steps)})
-    base = ranks[0][f"gpt4-1f1b-dp2"]["median_s"] if "1f1b" in schedules else None
+    base = ranks[0][f"gpt8-1f1b-dp2"]["median_s"] if "1f1b" in schedules else None
     print(f"{'schedule':<25} {'median step (s)':>16} {'vs 1f1b':>8}   "
-          f"(sample GPT, 4 blocks; pp=2 x dp=2 CPU processes, {steps} steps)")
+          f"(sample GPT, 8 blocks of 512; pp=2 x dp=2 CPU processes, {steps} steps)")
     for schedule, case in zip(schedules, cases):
         seen = ranks[0][case]
         if "error" in seen:

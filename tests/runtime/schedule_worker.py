@@ -53,9 +53,10 @@ MODELS = {
     "llama": (models.llama, models.causal_lm_loss, worker.HF_MODES),
     "gpt2": (lambda: models.gpt2(dropout=0.0), models.causal_lm_loss, worker.GPT2_MODES),
 }
-# For step times (benchmarks/schedule_parity.py --timing): 4 blocks, 256 wide.
+# For step times (benchmarks/schedule_parity.py --timing): 8 blocks, 512 wide, so that
+# compute, not messages, fills a step.
 TIMING_MODELS = {
-    "gpt4": (lambda: gpt.gpt_tiny(n_layer=4, n_embd=256, n_head=8), gpt.loss_fn,
+    "gpt8": (lambda: gpt.gpt_tiny(n_layer=8, n_embd=512, n_head=8), gpt.loss_fn,
              worker.ALL_MODES),
 }
 COMBINATIONS = {  # combination -> (constraints beside pp, processes)
