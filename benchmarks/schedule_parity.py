@@ -99,7 +99,7 @@ def timing(steps: int, schedules: list[str]) -> None:
     cases = [f"gpt8-{s}-dp2" for s in schedules]
     with tempfile.TemporaryDirectory() as tmp:
         ranks = launch(4, cases, Path(tmp), env={"PARTC_SCHEDULE_TIMING_STEPS": str(steps)})
-    base = ranks[0][f"gpt8-1f1b-dp2"]["median_s"] if "1f1b" in schedules else None
+    base = ranks[0]["gpt8-1f1b-dp2"]["median_s"] if "1f1b" in schedules else None
     print(f"{'schedule':<25} {'median step (s)':>16} {'vs 1f1b':>8}   "
           f"(sample GPT, 8 blocks of 512; pp=2 x dp=2 CPU processes, {steps} steps)")
     for schedule, case in zip(schedules, cases):

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 import partc
-from partc.runtime.module import runtime_refusal
+from partc.runtime.pipeline import runtime_refusal
 from partc.plan import Plan
 from partc.planner import solve
 from partc.problem import Pins
