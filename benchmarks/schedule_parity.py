@@ -51,6 +51,8 @@ def launch(nproc: int, cases: list[str], out: Path, env: dict | None = None) -> 
 def summarise(ranks: list[dict], name: str) -> dict:
     """One row: pass / refused / error, and the worst loss and parameter differences."""
     seen = [results[name] for results in ranks]
+    if "skipped" in seen[0]:
+        return {"status": "skipped", "why": seen[0]["skipped"]}
     refused = next((s["refused"] for s in seen if "refused" in s), None)
     if refused is not None:
         return {"status": "refused", "why": refused}
@@ -91,7 +93,7 @@ def parity(models: list[str], combinations: list[str], schedules: list[str]) -> 
                     print(f"{schedule:<25} {model:<6} {combination:<13} {'-':>14} {'-':>15} "
                           f"{'-':>15}  {row['status']}: {row['why']}")
     counts = {status: sum(r["status"] == status for r in rows.values())
-              for status in ("pass", "refused", "FAIL", "error")}
+              for status in ("pass", "refused", "skipped", "FAIL", "error")}
     print(f"\n{len(rows)} cases: " + ", ".join(f"{n} {s}" for s, n in counts.items()))
 
 
