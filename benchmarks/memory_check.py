@@ -295,7 +295,7 @@ def measure_rank(program: partc.Program, inputs: tuple[torch.Tensor, ...],
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
     try:
         module = program.build()
-        stage = module._stage
+        stage = module._stages[0]  # plans of one stage per rank
         microbatch = tuple(t[:program.plan.micro_batch_size] for t in inputs)
         stage._recv_meta = neighbour_messages(program, stage, microbatch)
         optimizer = module.optimizer(torch.optim.AdamW, lr=1e-3)

@@ -13,7 +13,7 @@ over every rank. A case passes at 1e-5 on all three (and the whole model gathere
 loaded back unchanged); a combination the runtime refuses is printed with its reason.
 
 ``--timing N`` instead measures the median of N steps (after one warm-up) of the sample
-GPT (4 blocks) for each schedule on 4 CPU processes (pp=2 x dp=2, one thread each).
+GPT (8 blocks, 512 wide) for each schedule on 4 CPU processes (pp=2 x dp=2, one thread each).
 """
 
 from __future__ import annotations
@@ -51,6 +51,8 @@ def launch(nproc: int, cases: list[str], out: Path, env: dict | None = None) -> 
 def summarise(ranks: list[dict], name: str) -> dict:
     """One row: pass / refused / error, and the worst loss and parameter differences."""
     seen = [results[name] for results in ranks]
+    if "skipped" in seen[0]:
+        return {"status": "skipped", "why": seen[0]["skipped"]}
     refused = next((s["refused"] for s in seen if "refused" in s), None)
     if refused is not None:
         return {"status": "refused", "why": refused}
@@ -91,17 +93,17 @@ def parity(models: list[str], combinations: list[str], schedules: list[str]) -> 
                     print(f"{schedule:<25} {model:<6} {combination:<13} {'-':>14} {'-':>15} "
                           f"{'-':>15}  {row['status']}: {row['why']}")
     counts = {status: sum(r["status"] == status for r in rows.values())
-              for status in ("pass", "refused", "FAIL", "error")}
+              for status in ("pass", "refused", "skipped", "FAIL", "error")}
     print(f"\n{len(rows)} cases: " + ", ".join(f"{n} {s}" for s, n in counts.items()))
 
 
 def timing(steps: int, schedules: list[str]) -> None:
-    cases = [f"gpt4-{s}-dp2" for s in schedules]
+    cases = [f"gpt8-{s}-dp2" for s in schedules]
     with tempfile.TemporaryDirectory() as tmp:
         ranks = launch(4, cases, Path(tmp), env={"PARTC_SCHEDULE_TIMING_STEPS": str(steps)})
-    base = ranks[0][f"gpt4-1f1b-dp2"]["median_s"] if "1f1b" in schedules else None
+    base = ranks[0]["gpt8-1f1b-dp2"]["median_s"] if "1f1b" in schedules else None
     print(f"{'schedule':<25} {'median step (s)':>16} {'vs 1f1b':>8}   "
-          f"(sample GPT, 4 blocks; pp=2 x dp=2 CPU processes, {steps} steps)")
+          f"(sample GPT, 8 blocks of 512; pp=2 x dp=2 CPU processes, {steps} steps)")
     for schedule, case in zip(schedules, cases):
         seen = ranks[0][case]
         if "error" in seen:

@@ -72,14 +72,14 @@ class Program:
                 for stage in lowered.stages}
 
     def save(self, directory: str | Path, *, code: bool = True) -> Path:
-        """Write plan.json, report.md and (with the model at hand, one run of layers per
-        stage) code/stage_<k>.py."""
+        """Write plan.json, report.md and (with the model at hand) code/stage_<k>.py, one
+        file per stage (per virtual stage, ``k`` in model order, when a rank holds
+        several)."""
         out = Path(directory)
         out.mkdir(parents=True, exist_ok=True)
         (out / "plan.json").write_text(self.plan.to_json() + "\n")
         (out / "report.md").write_text(render(self.plan, "markdown"))
-        # Interleaved plans are planned and reported, but not lowered to stage code yet.
-        if code and self.model is not None and self.plan.chunks == 1:
+        if code and self.model is not None:
             code_dir = out / "code"
             code_dir.mkdir(exist_ok=True)
             for old in code_dir.glob("stage_*.py"):

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 import partc
-from partc.runtime.module import runtime_refusal
+from partc.runtime.pipeline import runtime_refusal
 from partc.plan import Plan
 from partc.planner import solve
 from partc.problem import Pins
@@ -208,10 +208,22 @@ def test_interleaved_schedule_is_planned_saved_and_runnable(tmp_path):
     program.save(tmp_path)
     loaded = Plan.from_json((tmp_path / "plan.json").read_text())
     assert loaded == plan and loaded.hash == plan.hash
-    assert not (tmp_path / "code").exists()
+    # One file per virtual stage (pp x v), each naming the rank that holds it.
+    files = sorted((tmp_path / "code").glob("stage_*.py"))
+    assert len(files) == plan.pp * plan.chunks
+    assert "Virtual stage 1 of" in files[1].read_text()
     partc.validate_plan(program.problem, loaded)
-    # The runtime runs it (tests/runtime/test_schedules.py trains it under torchrun).
+    # The runtime runs it (tests/runtime/test_schedules.py trains it under torchrun), and
+    # refuses what torch's schedules cannot run with parity, before any process group.
     assert runtime_refusal(plan) is None
+    odd = dataclasses.replace(plan, num_microbatches=5)   # 2 rounds of 2 stages, and 1
+    assert "a multiple of its rounds" in runtime_refusal(odd)
+    zero_bubble = dataclasses.replace(plan, schedule="interleaved-zero-bubble", zero_stage=2,
+                                      mesh=dataclasses.replace(plan.mesh, dp=2))
+    assert "FSDP (ZeRO-2)" in runtime_refusal(zero_bubble)
+    with pytest.raises(partc.PartcError, match="cannot run: .*FSDP"):
+        zero_bubble_program = dataclasses.replace(program, plan=zero_bubble)
+        zero_bubble_program.build()
 
 
 _LAYERS = ["tok_emb", "pos_emb", "drop", "blocks.0", "blocks.1", "ln_f", "lm_head", "loss"]

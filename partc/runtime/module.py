@@ -1,10 +1,11 @@
 """The program one rank runs: its stage, the planned schedule, and gradient sync.
 
 ``program.build()`` (under torchrun) calls :func:`connect`, which checks the launch
-against the plan and joins the process group, lowers this rank's stage (the runtime
-gets it ready-made, a :class:`partc.runtime.StageProgram`), then :func:`build`, which
-keeps this rank's parameters only, wraps the stage for ``torch.distributed.pipelining``
-and returns a :class:`DistributedModule`. Its
+against the plan and joins the process group, lowers this rank's stage — or its virtual
+stages, when the schedule places several on a rank (:mod:`.pipeline`) — (the runtime
+gets each ready-made, a :class:`partc.runtime.StageProgram`), then :func:`build`, which
+keeps this rank's parameters only, wraps each stage for ``torch.distributed.pipelining``
+under the planned schedule and returns a :class:`DistributedModule`. Its
 ``forward_backward`` runs one optimizer step's worth of forward and backward over all
 microbatches of the global batch, then:
 
@@ -40,8 +41,6 @@ import torch.distributed as dist
 import torch.utils._pytree as pytree
 from torch import fx, nn
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
-from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe
-from torch.distributed.pipelining import schedules as torch_schedules
 from torch.distributed.pipelining.schedules import PipelineScheduleSingle
 from torch.distributed.tensor import DTensor
 
@@ -49,13 +48,14 @@ from partc.errors import PartcError, PlanMismatchError
 from partc.identity import model_hash
 from partc.placement import Placement
 from partc.plan import InputSpec, Plan
-from partc.schedules import rank_of, refusal, schedule as schedule_facts
 
 from . import tp as tp_ops
 from .data import DataSampler
 from .recompute import checkpoint_layer
 from .parameters import (aliases_of, dp_shard, local_part, own_parameters,
                          shard_plan)
+from .pipeline import (RankStages, make_schedule, runtime_refusal, share_local_ties,
+                       tied_elsewhere, tied_groups)
 from .pipeline_stage import CountingStage, OverlappedAllReduce, contiguous_transfers
 from .stage import StageProgram
 from .suspend import StopFlag
@@ -591,25 +591,6 @@ def _mismatch(spec: InputSpec, given: Any, batch: int) -> list[str]:
     return problems
 
 
-def runtime_refusal(plan: Plan) -> str | None:
-    """Why the runtime cannot train ``plan`` with parity to one process; None if it can.
-
-    torch's schedule refuses the stage or microbatch count (``partc.schedules.refusal``);
-    a schedule that splits backward into input- and weight-gradient parts computes the
-    weight gradients with ``torch.autograd.grad`` outside FSDP's hooks, so ZeRO-2/3
-    would reduce-scatter nothing. (Recompute runs under a split backward: each pass,
-    input and weight gradients, reruns a recomputed layer's forward.)"""
-    facts = schedule_facts(plan.schedule)
-    why = refusal(plan.schedule, plan.pp, plan.chunks, plan.num_microbatches)
-    if why is not None:
-        return why
-    if facts.split_backward and plan.effective_zero_stage >= 2:
-        return (f"{plan.schedule} splits backward into input- and weight-gradient parts, "
-                f"which FSDP (ZeRO-{plan.effective_zero_stage}) does not reduce: plan "
-                "ZeRO-0/1 or a schedule with a whole backward")
-    return None
-
-
 def connect(plan: Plan, model: nn.Module, loss_fn: Callable | None, *,
             device: torch.device | str | None = None) -> Topology:
     """Check the launch against ``plan``, join the process group and check that every
@@ -657,7 +638,7 @@ def build(plan: Plan, topology: Topology,
         tp_ops.bind_group(module, tp_group)
         own_parameters(module, model, state_dict, topology.device, shard)
     aliases = aliases_of(model)
-    shared = _share_local_ties(modules, aliases)
+    shared = share_local_ties(modules, aliases)
     if shared and zero_stage >= 2:
         raise PartcError(
             f"virtual stages {[p.index for p in programs]} of pipeline rank "
@@ -678,7 +659,7 @@ def build(plan: Plan, topology: Topology,
                 module.forward)
     whole = modules[0] if len(modules) == 1 else RankStages(modules)
     holders = programs[0].holders
-    tied = _tied_groups(holders, whole, topology, plan)
+    tied = tied_groups(holders, whole, topology, plan)
     partial_names = set(plan.tensor_parallel.partial_grad_params
                         if plan.tensor_parallel is not None else ())
     partial = [p for name, p in whole.named_parameters()
@@ -701,7 +682,7 @@ def build(plan: Plan, topology: Topology,
                                         topology.dp, at_end=set(shared.values()))
         for stage in stages:
             stage.grad_sync = grad_sync
-    schedule = _schedule(plan, stages, loss)
+    schedule = make_schedule(plan, stages, loss)
     log.info("rank %d: virtual stage(s) %s of %d (%s), %d parameters", topology.rank,
              [p.index for p in programs], programs[0].num_stages,
              " | ".join(", ".join(p.layers) for p in programs),
@@ -711,84 +692,13 @@ def build(plan: Plan, topology: Topology,
         tied=tied, inputs=plan.model.inputs, partial_grads=partial, aliases=aliases,
         shared=[p for p in whole.parameters() if id(p) in set(shared.values())],
         state_keys=set(model.state_dict(keep_vars=True)),
-        tied_elsewhere=_tied_elsewhere(holders, whole, plan, topology.pp_rank),
+        tied_elsewhere=tied_elsewhere(holders, whole, plan, topology.pp_rank),
         tp=tp_group, watchdog=start_watchdog(topology.rank, topology.world_size),
         global_batch_size=plan.num_microbatches * plan.micro_batch_size * plan.dp,
         model_tensors={name: (tuple(t.shape), t.dtype)
                        for name, t in model.state_dict(keep_vars=True).items()})
     distributed.memory_baseline = baseline
     return distributed
-
-
-class RankStages(nn.Module):
-    """A rank's virtual stages as one module: their parameters and buffers under the
-    model's own FQNs (a weight two of them share, listed once), ``train``/``eval`` and
-    ``modules`` over all of them. Each stage stays its own module for the schedule."""
-
-    def __init__(self, modules: Sequence[nn.Module]) -> None:
-        super().__init__()
-        self.stages = nn.ModuleList(modules)
-
-    def _named(self, kind: str, prefix: str, recurse: bool, remove_duplicate: bool
-               ) -> Iterator[tuple[str, Any]]:
-        seen: set[int] = set()
-        for module in self.stages:
-            for name, tensor in getattr(module, kind)(
-                    prefix=prefix, recurse=recurse, remove_duplicate=remove_duplicate):
-                if remove_duplicate and id(tensor) in seen:
-                    continue
-                seen.add(id(tensor))
-                yield name, tensor
-
-    def named_parameters(self, prefix: str = "", recurse: bool = True,
-                         remove_duplicate: bool = True) -> Iterator[tuple[str, nn.Parameter]]:
-        return self._named("named_parameters", prefix, recurse, remove_duplicate)
-
-    def named_buffers(self, prefix: str = "", recurse: bool = True,
-                      remove_duplicate: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
-        return self._named("named_buffers", prefix, recurse, remove_duplicate)
-
-    def forward(self, *args: Any) -> Any:
-        raise PartcError("a rank's virtual stages run through the pipeline schedule "
-                         "(DistributedModule.forward_backward), not as one module")
-
-
-def _share_local_ties(modules: Sequence[nn.Module], aliases: Mapping[str, tuple[str, ...]]
-                      ) -> dict[str, int]:
-    """Make a parameter that several of this rank's stages hold (under any of its FQNs:
-    a tied embedding and head) one object, the first stage's; returns the FQNs of such
-    parameters → ``id`` of that object."""
-    first: dict[tuple[str, ...], nn.Parameter] = {}
-    shared: dict[str, int] = {}
-    for module in modules:
-        for name, param in list(module.named_parameters(remove_duplicate=False)):
-            kept = first.setdefault(aliases.get(name, (name,)), param)
-            if kept is not param:
-                owner_name, _, attr = name.rpartition(".")
-                module.get_submodule(owner_name)._parameters[attr] = kept
-                shared[name] = id(kept)
-    return shared
-
-
-def _schedule(plan: Plan, stages: list[CountingStage], loss: _Loss) -> Any:
-    """The planned schedule over this rank's stages: torch's class that
-    ``partc.schedules`` names for it (single-stage GPipe or 1F1B with one stage per
-    rank; the multi-stage classes, which place stages as ``rank_of`` does, otherwise)."""
-    facts = schedule_facts(plan.schedule)
-    if facts.virtual_stages == (1,):
-        schedule_type = ScheduleGPipe
-        if plan.schedule == "1f1b" and plan.num_microbatches >= plan.pp:
-            schedule_type = Schedule1F1B  # with fewer microbatches than stages, 1F1B is GPipe
-        return schedule_type(stages[0], plan.num_microbatches, loss_fn=loss,
-                             scale_grads=True)
-    schedule_type = getattr(torch_schedules, facts.torch_class)
-    result = schedule_type(stages, plan.num_microbatches, loss_fn=loss, scale_grads=True)
-    placed = {j: rank_of(plan.schedule, plan.pp, plan.chunks, j)
-              for j in range(plan.pp * plan.chunks)}
-    if dict(result.stage_index_to_group_rank) != placed:
-        raise PartcError(f"torch's {facts.torch_class} places virtual stages as "
-                         f"{dict(result.stage_index_to_group_rank)}, the plan as {placed}")
-    return result
 
 
 def _compute_dtype(plan: Plan) -> torch.dtype:
@@ -831,41 +741,3 @@ def _check_same_plan(plan: Plan, own_hash: str) -> None:
             f"{mine[0]} and model {mine[1]}, ranks {differing} have "
             f"{sorted({tuple(everyone[r]) for r in differing})}; give every rank the same "
             "plan.json (partc.load) or the same model and compile arguments")
-
-
-def _tied_elsewhere(holders: Mapping[tuple[str, ...], tuple[int, ...]], module: nn.Module,
-                    plan: Plan, pp_rank: int) -> set[str]:
-    """This rank's parameter names whose first holder is a virtual stage of another rank
-    (tied weights): that rank counts them in gradient norms."""
-    first = {name: indices[0] for key, indices in holders.items() for name in key}
-    return {name for name, _ in module.named_parameters()
-            if name in first and _rank(plan, first[name]) != pp_rank}
-
-
-def _rank(plan: Plan, virtual_stage: int) -> int:
-    return rank_of(plan.schedule, plan.pp, plan.chunks, virtual_stage)
-
-
-def _tied_groups(holders: Mapping[tuple[str, ...], tuple[int, ...]], module: nn.Module,
-                 topology: Topology, plan: Plan
-                 ) -> list[tuple[list[nn.Parameter], dist.ProcessGroup]]:
-    """Process groups over the pipeline ranks whose virtual stages hold the same (tied)
-    parameter; a tie within one rank is one parameter already (``_share_local_ties``).
-
-    Every rank creates every group, in the same order, as ``new_group`` requires; a rank
-    keeps the groups it is in.
-    """
-    own = dict(module.named_parameters(remove_duplicate=False))
-    result = []
-    for key, stage_indices in holders.items():
-        pp_ranks = sorted({_rank(plan, j) for j in stage_indices})
-        if len(pp_ranks) < 2:
-            continue
-        for dp_rank in range(topology.dp):
-            for tp_rank in range(topology.tp):
-                ranks = [topology.rank_of(s, dp_rank, tp_rank) for s in pp_ranks]
-                group = dist.new_group(ranks)
-                if topology.rank in ranks:
-                    params = [own[name] for name in key if name in own]
-                    result.append((params[:1], group))
-    return result
