@@ -29,6 +29,9 @@ RECOMPUTE_MODES: tuple[str, ...] = ("none", "selective", "full")
 # 3: weights too.
 ZERO_STAGES: tuple[int, ...] = (0, 1, 2, 3)
 MASTER_BYTES = 4.0   # fp32, the dtype of master weights and their gradients
+# Elements per gradient bucket the runtime reduces over dp at once under ZeRO 0/1
+# (``partc/runtime/optimizer.py``; 100 MB of fp32 gradients, Megatron's order of size).
+BUCKET_ELEMENTS = 25_000_000
 
 
 def effective_zero_stage(zero_stage: int, dp: int) -> int:

@@ -9,9 +9,11 @@ and returns a :class:`DistributedModule`. Its
 microbatches of the global batch, then:
 
 1. sums the gradients of parameters that several stages hold (tied weights);
-2. has averaged gradients over data-parallel replicas: under ZeRO 0/1 each gradient's
-   all-reduce starts as the last microbatch's backward accumulates it; under ZeRO-2/3
-   FSDP2 reduce-scatters them, each replica keeping the mean gradient of its shard;
+2. has averaged gradients over data-parallel replicas: under ZeRO 0/1 gradients are
+   accumulated in fp32 buckets, each all-reduced (ZeRO-0) or reduce-scattered (ZeRO-1)
+   as soon as the last microbatch's backward has filled it
+   (``partc/runtime/optimizer.py``); under ZeRO-2/3 FSDP2 reduce-scatters them, each
+   replica keeping the mean gradient of its shard;
 3. returns the mean loss of the global batch, the same on every rank.
 
 ZeRO-2/3 (``plan.effective_zero_stage >= 2``): each layer that owns its parameters
@@ -54,7 +56,8 @@ from .data import DataSampler
 from .recompute import checkpoint_layer
 from .parameters import (aliases_of, dp_shard, local_part, own_parameters,
                          shard_plan)
-from .pipeline_stage import CountingStage, OverlappedAllReduce, contiguous_transfers
+from .optimizer import DistributedOptimizer, GradBuckets
+from .pipeline_stage import CountingStage, contiguous_transfers
 from .stage import StageProgram
 from .suspend import StopFlag
 from .telemetry import StepRecord, Telemetry, resident_bytes
@@ -129,8 +132,12 @@ class DistributedModule:
         self.last_grad_norm: torch.Tensor | None = None
         self._state_keys = state_keys  # model.state_dict()'s: no non-persistent buffers
         self.topology = topology
-        # ZeRO-2/3: FSDP keeps each rank's dp shard of every parameter and gradient.
-        self._sharded_grads = isinstance(module, FSDPModule)
+        # ZeRO 0/1 with dp > 1: the gradients' fp32 buckets (partc/runtime/optimizer.py).
+        self._buckets: GradBuckets | None = getattr(stage, "grad_sync", None)
+        # ZeRO-1/2/3: each rank keeps (reduced) gradients of its dp shard of every
+        # parameter only: FSDP's under ZeRO-2/3, the buckets' under ZeRO-1.
+        self._sharded_grads = isinstance(module, FSDPModule) or (
+            self._buckets is not None and self._buckets.sharded)
         self.stage_index = stage.stage_index
         self.module = module
         self._stage = stage
@@ -231,8 +238,9 @@ class DistributedModule:
                   ) -> torch.optim.Optimizer:
         """``optimizer_class(self.parameters(), **defaults)`` as the plan holds its state:
         with ZeRO-1 (``plan.effective_zero_stage == 1``) each data-parallel rank keeps the
-        state of 1/dp of the parameters, steps those and sends them to the other replicas
-        (``torch.distributed.optim.ZeroRedundancyOptimizer`` over the dp group).
+        state of its dp shard (rows ``chunk(dp)[rank]`` of each parameter), steps it with
+        the reduce-scattered gradients and all-gathers the updated shards, bucket by
+        bucket (:class:`partc.runtime.optimizer.DistributedOptimizer`).
 
         A stage may hold no parameters (the planner may put the loss alone on the last
         stage when that is fastest). torch optimizers refuse an empty parameter list, so
@@ -242,14 +250,8 @@ class DistributedModule:
         if not any(True for _ in self.parameters()):
             placeholder = nn.Parameter(torch.empty(0, device=self.topology.device))
             optimizer = optimizer_class([placeholder], **defaults)
-        elif self.plan.effective_zero_stage == 1:
-            # Imported here: torch.distributed.optim scripts its functional optimizers
-            # on import, with deprecation warnings, which plain runs need not pay for.
-            from torch.distributed.optim import ZeroRedundancyOptimizer
-
-            optimizer = ZeroRedundancyOptimizer(
-                self.parameters(), optimizer_class=optimizer_class,
-                process_group=self.topology.dp_group, **defaults)
+        elif self._buckets is not None and self._buckets.sharded:
+            optimizer = DistributedOptimizer(self._buckets, optimizer_class, **defaults)
         else:
             optimizer = optimizer_class(self.parameters(), **defaults)
         if self.watchdog is not None:
@@ -342,6 +344,8 @@ class DistributedModule:
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.module.zero_grad(set_to_none=set_to_none)
+        if self._buckets is not None:
+            self._buckets.zero_()
 
     # -- data and suspend (partc/runtime/data.py, partc/runtime/suspend.py) --------------
 
@@ -468,17 +472,26 @@ class DistributedModule:
         """
         total = self.grad_norm(norm_type)
         coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-        for p in self.module.parameters():
-            if p.grad is not None:
-                local_part(p.grad).mul_(coef.to(p.grad.dtype))
+        for p in {id(p): p for p in self.module.parameters()}.values():
+            grad = self._grad_of(p)
+            if grad is not None:
+                grad.mul_(coef.to(grad.dtype))
         return total
+
+    def _grad_of(self, param: nn.Parameter) -> torch.Tensor | None:
+        """This rank's gradient of ``param``: its ``.grad`` (FSDP's local shard under
+        ZeRO-2/3), or under ZeRO-1 the reduced gradient of its dp shard in the buckets."""
+        if self._buckets is not None and self._buckets.sharded:
+            return self._buckets.grad_of(param)
+        return None if param.grad is None else local_part(param.grad)
 
     def grad_norm(self, norm_type: float = 2.0) -> torch.Tensor:
         """The whole model's gradient norm, each parameter counted once as in
         :meth:`clip_grad_norm_` (which scales by it); the same on every rank. Collective."""
         topo = self.topology
-        grads = [local_part(p.grad) for name, p in self.module.named_parameters()
-                 if p.grad is not None and self._counts_norm(name)]
+        grads = [g for name, p in self.module.named_parameters()
+                 if (g := self._grad_of(p)) is not None and self._counts_norm(name)
+                 and (self._buckets is None or self._buckets.counted_once(p))]
         device = topo.device
         if norm_type == float("inf"):
             local = max((g.detach().abs().max() for g in grads),
@@ -500,7 +513,7 @@ class DistributedModule:
         # each tensor-parallel rank: sum them (one flat all-reduce per step).
         # Under ZeRO-2/3 each rank holds its dp shard of every gradient: the sums below
         # run on those shards, which the ranks they span cut alike.
-        partial = [local_part(p.grad) for p in self._partial_grads if p.grad is not None]
+        partial = [g for p in self._partial_grads if (g := self._grad_of(p)) is not None]
         if partial:
             flat = self.tp.all_reduce(torch.cat([g.reshape(-1) for g in partial]))
             offset = 0
@@ -509,11 +522,14 @@ class DistributedModule:
                 offset += grad.numel()
         for params, group in self._tied:
             for param in params:
+                if self._buckets is not None and self._buckets.sharded:
+                    dist.all_reduce(self._buckets.grad_of(param), group=group)
+                    continue
                 grad = param.grad if param.grad is not None else torch.zeros_like(param)
                 dist.all_reduce(local_part(grad), group=group)
                 param.grad = grad
-        # Over dp the gradients are averaged already, during the last backward: by
-        # OverlappedAllReduce (ZeRO 0/1) or FSDP's reduce-scatter (ZeRO-2/3).
+        # Over dp the gradients are averaged already, during the last backward: by the
+        # buckets' all-reduce or reduce-scatter (ZeRO 0/1) or FSDP's (ZeRO-2/3).
 
     def _batch_size(self, inputs: tuple, target: Any) -> int:
         """The batch given: the global batch or this replica's slice of it (its dp
@@ -626,7 +642,8 @@ def build(plan: Plan, topology: Topology, program: StageProgram, model: nn.Modul
     stage = CountingStage(module, topology.pp_rank, plan.pp, topology.device,
                            group=topology.pp_group, zero_stage=zero_stage)
     if topology.dp > 1 and zero_stage < 2:
-        stage.grad_sync = OverlappedAllReduce(module, topology.dp_group, topology.dp)
+        stage.grad_sync = GradBuckets(module, topology.dp_group, topology.dp,
+                                      topology.dp_rank, sharded=zero_stage == 1)
     schedule_type = ScheduleGPipe
     if plan.schedule == "1f1b" and plan.num_microbatches >= plan.pp:
         schedule_type = Schedule1F1B  # with fewer microbatches than stages, 1F1B is GPipe

@@ -5,8 +5,8 @@ partc's additions: it counts the point-to-point messages it posts (the plan's fi
 checked against them), tells the watchdog of each microbatch, runs pipelining's
 first-step shape inference on zeros and without touching written buffers, and under
 ZeRO-2/3 reduce-scatters gradients after every microbatch (see :mod:`.module`).
-:class:`OverlappedAllReduce` is ZeRO 0/1's gradient all-reduce, overlapping the last
-backward; :func:`contiguous_transfers` makes what crosses a stage boundary contiguous.
+:class:`partc.runtime.optimizer.GradBuckets` (ZeRO 0/1's bucketed gradient reduction,
+overlapping the last backward) is armed here; :func:`contiguous_transfers` makes what crosses a stage boundary contiguous.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ from torch.distributed.tensor import DTensor
 
 from partc.errors import PartcError
 
+from .optimizer import GradBuckets
 from .watchdog import Watchdog
 
 
@@ -36,7 +37,8 @@ class CountingStage(PipelineStage):
         super().__init__(*args, **kwargs)
         self.messages: Counter[str] = Counter()
         self.zero_stage = zero_stage
-        self.grad_sync: OverlappedAllReduce | None = None  # ZeRO 0/1 with dp > 1
+        # ZeRO 0/1 with dp > 1: GradBuckets (or OverlappedAllReduce)
+        self.grad_sync: GradBuckets | OverlappedAllReduce | None = None
         self.watchdog: Watchdog | None = None  # told of each microbatch's start
 
     def forward_one_chunk(self, fwd_chunk_id: int, *args: Any, **kwargs: Any) -> Any:
@@ -79,18 +81,20 @@ class CountingStage(PipelineStage):
 
     def perform_reduce_grad(self, grad_scale_factor: int) -> None:
         if self.grad_sync is not None:
-            self.grad_sync.wait()  # before the schedule scales the gradients in place
+            # Before the schedule scales ``.grad`` in place (ZeRO-0's bucket views);
+            # ZeRO-1's sharded buckets are scaled there.
+            self.grad_sync.finish(grad_scale_factor)
         super().perform_reduce_grad(grad_scale_factor)
 
     def backward_maybe_with_nosync(self, backward_type: str, bwd_kwargs: dict,
                                    last_backward: bool = False) -> tuple:
         if self.grad_sync is not None:
-            self.grad_sync.armed = last_backward
+            self.grad_sync.begin(last=last_backward)
             try:
                 return super().backward_maybe_with_nosync(backward_type, bwd_kwargs,
                                                           last_backward)
             finally:
-                self.grad_sync.armed = False
+                self.grad_sync.end()
         if self.zero_stage < 2 or not isinstance(self.submod, FSDPModule):
             return super().backward_maybe_with_nosync(backward_type, bwd_kwargs,
                                                       last_backward)
@@ -153,13 +157,12 @@ class _ContiguousGrad(torch.autograd.Function):
 
 
 class OverlappedAllReduce:
-    """ZeRO 0/1 gradient sync over dp, overlapping the last microbatch's backward: while
-    armed, each parameter's gradient is all-reduced (asynchronously) as soon as that
-    backward has accumulated it, and :meth:`wait` finishes them and averages. What the
-    rest of that backward cannot hide is what the cost model charges as exposed.
-
-    (``DistributedDataParallel`` would bucket these, but its reducer breaks on the real
-    forward and backward the pipeline schedule runs first to learn shapes.)"""
+    """Gradient sync over dp one parameter at a time, overlapping the last microbatch's
+    backward: while armed, each parameter's gradient is all-reduced (asynchronously) as
+    soon as that backward has accumulated it, and :meth:`finish` waits and averages.
+    The runtime uses :class:`partc.runtime.optimizer.GradBuckets` (one collective per
+    bucket); this is what it replaced, kept to measure against
+    (``benchmarks/optimizer.py``). It has the same calls as ``GradBuckets``."""
 
     def __init__(self, module: nn.Module, group: dist.ProcessGroup, dp: int) -> None:
         self.group, self.dp = group, dp
@@ -169,12 +172,18 @@ class OverlappedAllReduce:
             if param.requires_grad:
                 param.register_post_accumulate_grad_hook(self._launch)
 
+    def begin(self, last: bool) -> None:
+        self.armed = last
+
+    def end(self) -> None:
+        self.armed = False
+
     def _launch(self, param: torch.Tensor) -> None:
         if self.armed:
             work = dist.all_reduce(param.grad, group=self.group, async_op=True)
             self._pending.append((param.grad, work))
 
-    def wait(self) -> None:
+    def finish(self, scale: int) -> None:
         for grad, work in self._pending:
             work.wait()
             grad.div_(self.dp)
