@@ -31,6 +31,7 @@ any ``torch.optim`` optimizer over ``module.parameters()`` trains the same model
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import logging
 import weakref
@@ -57,6 +58,7 @@ from .recompute import checkpoint_layer
 from .parameters import (aliases_of, dp_shard, local_part, own_parameters,
                          shard_plan)
 from .optimizer import DistributedOptimizer, GradBuckets
+from .precision import ComputeCopies
 from .pipeline_stage import CountingStage, contiguous_transfers
 from .stage import StageProgram
 from .suspend import StopFlag
@@ -134,6 +136,8 @@ class DistributedModule:
         self.topology = topology
         # ZeRO 0/1 with dp > 1: the gradients' fp32 buckets (partc/runtime/optimizer.py).
         self._buckets: GradBuckets | None = getattr(stage, "grad_sync", None)
+        # Mixed precision under ZeRO 0/1: compute-dtype parameters made once per step.
+        self._copies: ComputeCopies | None = getattr(stage, "compute_copies", None)
         # ZeRO-1/2/3: each rank keeps (reduced) gradients of its dp shard of every
         # parameter only: FSDP's under ZeRO-2/3, the buckets' under ZeRO-1.
         self._sharded_grads = isinstance(module, FSDPModule) or (
@@ -450,7 +454,8 @@ class DistributedModule:
         losses: list[torch.Tensor] = []
         args, kwargs = self._stage_arguments(inputs, target, losses)
         self._mark("schedule")
-        self._schedule.step(*args, **kwargs)
+        with self._copies.step() if self._copies is not None else contextlib.nullcontext():
+            self._schedule.step(*args, **kwargs)
         self.last_messages = dict(self._stage.messages)
         self._mark("gradient sync")
         self._sync_gradients()
@@ -625,10 +630,11 @@ def build(plan: Plan, topology: Topology, program: StageProgram, model: nn.Modul
     if zero_stage >= 2:
         _shard_over_dp(module, program.fsdp_units, topology, zero_stage, compute_dtype)
     if compute_dtype != torch.float32:
-        # Mixed precision: the fp32 parameters are the master weights; autocast runs
-        # the stage in the compute dtype, and gradients come out (and are summed) fp32.
-        # Under ZeRO-2/3 FSDP already gathers compute-dtype weights; autocast still
-        # casts activations a traced graph pins to fp32 (exported graphs fix dtypes).
+        # Mixed precision: the fp32 parameters are the master weights; the stage computes
+        # with compute-dtype copies of them, cast once per step (ZeRO 0/1: ComputeCopies;
+        # ZeRO-2/3: FSDP's MixedPrecisionPolicy), gradients accumulated and reduced fp32.
+        # Autocast keeps the ops that must stay fp32 (softmax, norms) in fp32 and casts
+        # activations a traced graph pins to fp32 (exported graphs fix dtypes).
         module.forward = torch.autocast(topology.device.type, dtype=compute_dtype)(
             module.forward)
     tied = _tied_groups(program.holders, module, topology)
@@ -641,9 +647,11 @@ def build(plan: Plan, topology: Topology, program: StageProgram, model: nn.Modul
     loss = _Loss(program.loss, program.loss_recompute, mixed=compute_dtype != torch.float32)
     stage = CountingStage(module, topology.pp_rank, plan.pp, topology.device,
                            group=topology.pp_group, zero_stage=zero_stage)
-    if topology.dp > 1 and zero_stage < 2:
+    if zero_stage < 2 and (topology.dp > 1 or compute_dtype != torch.float32):
         stage.grad_sync = GradBuckets(module, topology.dp_group, topology.dp,
                                       topology.dp_rank, sharded=zero_stage == 1)
+        if compute_dtype != torch.float32:
+            stage.compute_copies = ComputeCopies(module, compute_dtype, stage.grad_sync)
     schedule_type = ScheduleGPipe
     if plan.schedule == "1f1b" and plan.num_microbatches >= plan.pp:
         schedule_type = Schedule1F1B  # with fewer microbatches than stages, 1F1B is GPipe

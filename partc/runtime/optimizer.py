@@ -106,6 +106,7 @@ class GradBuckets:
                   if p.requires_grad]
         device = params[0].device if params else torch.device("cpu")
         self.buckets: list[_Bucket] = []
+        self._hooks: dict[int, Any] = {}  # on compute-dtype copies (stand_in)
         self._slot: dict[int, tuple[_Bucket, _Slot]] = {}
         current: list[_Slot] = []
         offset = 0
@@ -122,6 +123,18 @@ class GradBuckets:
             if not param.is_contiguous():
                 raise PartcError("gradient buckets need contiguous parameters")
             param.register_post_accumulate_grad_hook(self._accumulate)
+
+    def stand_in(self, copy: nn.Parameter, param: nn.Parameter) -> None:
+        """``copy`` computes for ``param`` (a compute-dtype copy, ``partc/runtime/
+        precision.py``): its gradients go to ``param``'s slots."""
+        self._slot[id(copy)] = self._slot[id(param)]
+        self._hooks[id(copy)] = copy.register_post_accumulate_grad_hook(self._accumulate)
+
+    def drop_stand_in(self, copy: nn.Parameter) -> None:
+        self._slot.pop(id(copy), None)
+        hook = self._hooks.pop(id(copy), None)
+        if hook is not None:
+            hook.remove()
 
     def _close(self, slots: list[_Slot], device: torch.device) -> None:
         bucket = _Bucket(slots, self.dp if self.sharded else 1, torch.float32, device)
@@ -167,6 +180,9 @@ class GradBuckets:
     def _launch(self, bucket: _Bucket) -> None:
         if bucket.work is not None:
             return
+        if self.dp == 1:  # mixed precision alone: fp32 accumulation, nothing to reduce
+            bucket.work = _Done()
+            return
         if self.sharded:
             bucket.work = dist.reduce_scatter_tensor(
                 bucket.region_of(self.dp_rank), bucket.buffer, group=self.group,
@@ -177,18 +193,18 @@ class GradBuckets:
     def finish(self, scale: int) -> None:
         """After the step's last backward: reduce the buckets not reduced yet (parameters
         without a gradient this step), wait for all, take the mean over dp and divide by
-        ``scale`` (the microbatches; ZeRO-0 leaves that to the schedule, as ``.grad``)."""
+        ``scale`` (the microbatches: the schedule's scaling of ``.grad``, done here)."""
         for bucket in self.buckets:
             self._launch(bucket)
         for bucket in self.buckets:
             bucket.work.wait()
             bucket.work, bucket.ready = None, 0
             mine = bucket.region_of(self.dp_rank if self.sharded else 0)
-            mine.div_(self.dp)
-            if self.sharded:
-                if scale != 1:
-                    mine.div_(scale)
-            else:
+            if self.dp > 1:
+                mine.div_(self.dp)
+            if scale != 1:
+                mine.div_(scale)
+            if not self.sharded:
                 for slot in bucket.slots:
                     slot.param.grad = self._view(bucket, slot).view_as(slot.param)
         self.end()
@@ -228,6 +244,11 @@ class GradBuckets:
         for bucket in self.buckets:
             for slot in bucket.slots:
                 yield bucket, slot
+
+
+class _Done:
+    def wait(self) -> None:
+        pass
 
 
 def shard_shape(param: torch.Tensor, dp: int, dp_rank: int) -> torch.Size:

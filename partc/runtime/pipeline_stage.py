@@ -81,9 +81,9 @@ class CountingStage(PipelineStage):
 
     def perform_reduce_grad(self, grad_scale_factor: int) -> None:
         if self.grad_sync is not None:
-            # Before the schedule scales ``.grad`` in place (ZeRO-0's bucket views);
-            # ZeRO-1's sharded buckets are scaled there.
             self.grad_sync.finish(grad_scale_factor)
+            if isinstance(self.grad_sync, GradBuckets):
+                grad_scale_factor = 1  # the buckets' gradients are scaled there
         super().perform_reduce_grad(grad_scale_factor)
 
     def backward_maybe_with_nosync(self, backward_type: str, bwd_kwargs: dict,
