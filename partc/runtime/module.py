@@ -650,8 +650,9 @@ def build(plan: Plan, topology: Topology, program: StageProgram, model: nn.Modul
     if zero_stage < 2 and (topology.dp > 1 or compute_dtype != torch.float32):
         stage.grad_sync = GradBuckets(module, topology.dp_group, topology.dp,
                                       topology.dp_rank, sharded=zero_stage == 1)
-        if compute_dtype != torch.float32:
-            stage.compute_copies = ComputeCopies(module, compute_dtype, stage.grad_sync)
+
+    if compute_dtype != torch.float32:
+        stage.compute_copies = ComputeCopies(module, compute_dtype, stage.grad_sync)
     schedule_type = ScheduleGPipe
     if plan.schedule == "1f1b" and plan.num_microbatches >= plan.pp:
         schedule_type = Schedule1F1B  # with fewer microbatches than stages, 1F1B is GPipe

@@ -32,11 +32,15 @@ from .optimizer import GradBuckets
 
 
 class ComputeCopies:
-    """The module's parameters as compute-dtype copies for one step (see the module)."""
+    """The module's parameters as compute-dtype copies for one step (see the module).
+    Without ``buckets`` (ZeRO-2/3, where FSDP makes the copies) only the autocast rules
+    of CPU ranks are set for the step."""
 
-    def __init__(self, module: nn.Module, dtype: torch.dtype, buckets: GradBuckets) -> None:
+    def __init__(self, module: nn.Module, dtype: torch.dtype,
+                 buckets: GradBuckets | None) -> None:
         self.dtype, self.buckets = dtype, buckets
         self.device = next(module.parameters(), torch.empty(0)).device
+        self.last_bytes = 0  # of the copies the last step made (telemetry, benchmarks)
         # Every (owner, attribute) naming each parameter: a tied one is swapped once.
         self._places: dict[int, tuple[nn.Parameter, list[tuple[nn.Module, str]]]] = {}
         for name, param in module.named_parameters(remove_duplicate=False):
@@ -48,7 +52,7 @@ class ComputeCopies:
     def step(self) -> Iterator[None]:
         copies = []
         with torch.no_grad():
-            for master, places in self._places.values():
+            for master, places in self._places.values() if self.buckets is not None else ():
                 if not master.is_floating_point() or master.dtype == self.dtype:
                     continue
                 copy = nn.Parameter(master.detach().to(self.dtype), master.requires_grad)
@@ -57,6 +61,7 @@ class ComputeCopies:
                 copies.append(copy)
                 for owner, attr in places:
                     owner._parameters[attr] = copy
+        self.last_bytes = sum(c.numel() * c.element_size() for c in copies)
         # On CPU ranks (stand-ins for GPUs) autocast follows CUDA's rules, which keep
         # the norms in fp32 whatever dtype their weights have, as a GPU would run them.
         policy = cuda_policy(self.dtype) if self.device.type == "cpu" \
@@ -65,8 +70,9 @@ class ComputeCopies:
             with policy:
                 yield
         finally:
-            for master, places in self._places.values():
-                for owner, attr in places:
-                    owner._parameters[attr] = master
+            if copies:
+                for master, places in self._places.values():
+                    for owner, attr in places:
+                        owner._parameters[attr] = master
             for copy in copies:
                 self.buckets.drop_stand_in(copy)
