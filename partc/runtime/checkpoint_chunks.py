@@ -175,8 +175,8 @@ def held_tensors(module: "DistributedModule") -> list[_Held]:
 
 
 def inner_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
-    """The optimizer holding the state: ZeRO-1's (``DistributedOptimizer``,
-    ``ZeroRedundancyOptimizer``) local one, or itself."""
+    """The optimizer holding the state: ZeRO-1's local one (``DistributedOptimizer``'s
+    ``optim``), or itself."""
     inner = getattr(optimizer, "optim", None)
     return inner if isinstance(inner, torch.optim.Optimizer) else optimizer
 
