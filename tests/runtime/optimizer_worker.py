@@ -4,8 +4,8 @@ was seen to ``<out>/rank<k>.json``.
 
     torchrun --standalone --nproc-per-node=2 tests/runtime/optimizer_worker.py OUT CASE ...
 
-A case is ``<model>-zero<k>-<dtype>[-clip]``: model ``gpt`` (the sample GPT) or ``gpt2``
-(Hugging Face GPT-2 from a config), dp = every rank. In fp32 the reference is
+A case is ``<model>[-pp<p>]-zero<k>-<dtype>[-clip]``: model ``gpt`` (the sample GPT) or
+``gpt2`` (Hugging Face GPT-2 from a config), pp stages (1F1B), dp = the other ranks. In fp32 the reference is
 ``torch.optim.Adam`` on one process; in bf16 it runs the same recipe on one process:
 each step, bf16 copies of the fp32 parameters compute every microbatch under autocast
 (CUDA's rules, as the runtime's CPU ranks), their gradients summed in fp32 into the fp32
@@ -103,10 +103,12 @@ def _reference_step(model: nn.Module, loss_fn: Any, x: torch.Tensor, y: torch.Te
 def run_case(name: str) -> dict[str, Any]:
     parts = name.split("-")
     build, loss_fn = MODELS[parts[0]]
+    pp = int(parts.pop(1).removeprefix("pp")) if parts[1].startswith("pp") else 1
     zero = int(parts[1].removeprefix("zero"))
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[parts[2]]
     clip = 1.0 if "clip" in parts else None
     world = dist.get_world_size()
+    dp = world // pp
     torch.manual_seed(0)
     model = build()
     reference = copy.deepcopy(model)
@@ -116,8 +118,9 @@ def run_case(name: str) -> dict[str, Any]:
         budget=partc.DeviceBudget(num_devices=world, device="CPU"),
         train=partc.TrainSpec(global_batch_size=BATCH, optimizer="adam", dtype=dtype,
                               max_grad_norm=clip),
-        constraints=partc.Constraints(pp=1, dp=world, zero_stage=zero,
-                                      num_microbatches=MICROBATCHES // world))
+        constraints=partc.Constraints(pp=pp, dp=dp, zero_stage=zero, recompute="none",
+                                      schedule="1f1b" if pp > 1 else "auto",
+                                      num_microbatches=MICROBATCHES // dp))
     module = program.build()
     opt = module.optimizer(torch.optim.Adam, **ADAM)
     ref_opt = torch.optim.Adam(reference.parameters(), **ADAM)

@@ -27,16 +27,18 @@ CASES = ["gpt-zero0-fp32", "gpt-zero1-fp32", "gpt2-zero1-fp32-clip", "gpt-zero0-
          "gpt-zero1-bf16-clip", "gpt-zero3-bf16"]
 SLOW_CASES = ["gpt2-zero0-fp32-clip", "gpt-zero2-fp32", "gpt-zero3-fp32", "gpt2-zero1-bf16",
               "gpt2-zero2-bf16"]
+FOUR_CASES = ["gpt-pp2-zero1-fp32", "gpt-pp2-zero0-bf16", "gpt-pp2-zero1-bf16-clip",
+              "gpt2-pp2-zero1-fp32-clip"]  # pp=2 x dp=2
 RTOL = {"fp32": (1e-5, 1e-5), "bf16": (1e-3, 5e-3)}  # (losses and norms, parameters)
 
 
-def _launch(cases: list[str], out: Path) -> list[dict]:
+def _launch(cases: list[str], out: Path, nproc: int = 2) -> list[dict]:
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-               "--nproc-per-node=2", str(WORKER), str(out), *cases]
+               f"--nproc-per-node={nproc}", str(WORKER), str(out), *cases]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PARTC_TIMEOUT_S": "120",
            "PARTC_BUCKET_ELEMENTS": "4096"}
     done = subprocess.run(command, capture_output=True, text=True, timeout=900, env=env)
-    files = [out / f"rank{r}.json" for r in range(2)]
+    files = [out / f"rank{r}.json" for r in range(nproc)]
     if done.returncode != 0 or not all(f.exists() for f in files):
         pytest.fail(f"torchrun exited with {done.returncode}; stderr tail:\n"
                     f"{done.stderr[-4000:]}")
@@ -53,8 +55,13 @@ def slow_ranks(tmp_path_factory) -> list[dict]:
     return _launch(SLOW_CASES, tmp_path_factory.mktemp("optimizer_slow"))
 
 
+@pytest.fixture(scope="module")
+def four_ranks(tmp_path_factory) -> list[dict]:
+    return _launch(FOUR_CASES, tmp_path_factory.mktemp("optimizer_four"), nproc=4)
+
+
 def _check(ranks: list[dict], name: str) -> None:
-    rtol, param_rtol = RTOL[name.split("-")[2]]
+    rtol, param_rtol = RTOL[name.split("-")[-2 if name.endswith("clip") else -1]]
     for rank, results in enumerate(ranks):
         seen = results[name]
         assert "error" not in seen, f"rank {rank}: {seen['traceback']}"
@@ -78,3 +85,9 @@ def test_trains_like_one_process(ranks, name):
 @pytest.mark.parametrize("name", SLOW_CASES)
 def test_trains_like_one_process_slow(slow_ranks, name):
     _check(slow_ranks, name)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", FOUR_CASES)
+def test_pipeline_trains_like_one_process(four_ranks, name):
+    _check(four_ranks, name)
