@@ -51,12 +51,13 @@ Model (per pipeline stage ``s`` of ``p``, ``m`` microbatches of ``b`` samples):
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 from typing import Any, Iterable, Sequence
 
 from .collectives import Group, collective_seconds
-from .problem import (ZERO_STAGES, DeviceNumbers, HeavyOp, LayerCost, MoECost,
-                      PlanningProblem, effective_zero_stage)
+from .problem import (BUCKET_ELEMENTS, ZERO_STAGES, DeviceNumbers, HeavyOp, LayerCost,
+                      MoECost, PlanningProblem, effective_zero_stage)
 
 PS_PER_S = 10**12
 
@@ -181,7 +182,8 @@ def _state_bytes(problem: PlanningProblem, config: PipelineConfig, params: int,
     """What the runtime holds (see :class:`partc.problem.Precision`): ZeRO's sharding,
     except that under ZeRO-2 FSDP keeps each rank's fp32 shard beside the gathered
     weights (``gathered``: weights the root unit keeps gathered through the step, such as
-    tied ones, likewise under ZeRO-3)."""
+    tied ones, likewise under ZeRO-3), and in mixed precision under ZeRO 0/1 the
+    compute-dtype copy of every weight, made once per step, beside the fp32 master."""
     precision = problem.train.precision
     master = precision.master_bytes
     zero = config.effective_zero_stage
@@ -189,6 +191,8 @@ def _state_bytes(problem: PlanningProblem, config: PipelineConfig, params: int,
                              dp=config.dp, stage=zero)
     if zero == 2 or zero == 3 and gathered:
         state["params"] = params * (precision.compute_bytes + master / config.dp)
+    elif zero < 2 and precision.mixed:
+        state["params"] = params * (master + precision.compute_bytes)
     return {kind: int(round(nbytes)) for kind, nbytes in state.items()}
 
 
@@ -218,7 +222,7 @@ def dp_group(problem: PlanningProblem, config: PipelineConfig) -> Group:
 
 def _tail_ps(problem: PlanningProblem, config: PipelineConfig, params: int) -> int:
     """The optimizer step; under ZeRO-1 each rank steps 1/dp of the parameters, then the
-    updated weights are gathered from their owners ((d-1)/d of the weight bytes). Under
+    updated fp32 weights are all-gathered, bucket by bucket ((d-1)/d of the bytes). Under
     ZeRO-2/3 gradients were reduce-scattered during backward: each rank steps its shard,
     and ZeRO-2 gathers the parameters once per step. (ZeRO 0/1's gradient all-reduce is
     :func:`_sync_ps`.)"""
@@ -232,7 +236,7 @@ def _tail_ps(problem: PlanningProblem, config: PipelineConfig, params: int) -> i
         seconds += _zero_comm_seconds(problem, config, params)["step"]
     elif config.effective_zero_stage == 1:
         stepped = params / config.dp
-        bandwidth = dp_group(problem, config).link("broadcast")[1]
+        bandwidth = dp_group(problem, config).link("all_gather")[1]
         seconds += (config.dp - 1) / config.dp * params * master / bandwidth
     # The step reads gradients and state and writes weights and state (fp32 all).
     touched = stepped * (2 * master + master + 2 * optimizer)
@@ -241,13 +245,34 @@ def _tail_ps(problem: PlanningProblem, config: PipelineConfig, params: int) -> i
 
 
 def _sync_ps(problem: PlanningProblem, config: PipelineConfig, params: int) -> int:
-    """ZeRO 0/1: the bandwidth term of the fp32 gradient all-reduce over dp (ring: 2
-    (d-1)/d of the bytes; its latency is charged once per step, as for one bucket)."""
+    """ZeRO 0/1: the bandwidth term of the fp32 gradient buckets' reduction over dp, an
+    all-reduce under ZeRO-0 (ring: 2 (d-1)/d of the bytes), a reduce-scatter under
+    ZeRO-1 ((d-1)/d); the buckets' latencies are charged once per step
+    (:func:`_bucket_latency_seconds`)."""
     if config.dp == 1 or config.effective_zero_stage >= 2:
         return 0
     master = problem.train.precision.master_bytes
+    if config.effective_zero_stage == 1:
+        bandwidth = dp_group(problem, config).link("reduce_scatter")[1]
+        return to_ps((config.dp - 1) / config.dp * params * master / bandwidth)
     bandwidth = dp_group(problem, config).link("all_reduce")[1]
     return to_ps(2 * (config.dp - 1) / config.dp * params * master / bandwidth)
+
+
+def _bucket_latency_seconds(problem: PlanningProblem, config: PipelineConfig) -> float:
+    """ZeRO 0/1's collectives' latencies, once per step: one all-reduce per gradient
+    bucket (ZeRO-0), or a reduce-scatter and an all-gather per bucket (ZeRO-1). A stage
+    holds about 1/pp of the (tp rank's) parameters, in buckets of ``BUCKET_ELEMENTS``."""
+    if config.dp == 1 or config.effective_zero_stage >= 2:
+        return 0.0
+    group = dp_group(problem, config)
+    params = sum(layer.param_count for layer in problem.layers) + sum(
+        shared.param_count for shared in problem.model.shared)
+    buckets = max(1, math.ceil(params / config.pp / BUCKET_ELEMENTS))
+    if config.effective_zero_stage == 1:
+        return buckets * (collective_seconds("reduce_scatter", 0.0, group)
+                          + collective_seconds("all_gather", 0.0, group))
+    return buckets * collective_seconds("all_reduce", 0.0, group)
 
 
 def _shared_tail_ps(problem: PlanningProblem, config: PipelineConfig, params: int) -> int:
@@ -340,12 +365,6 @@ def _layer_table(problem: PlanningProblem, config: PipelineConfig, index: int) -
     b, scale = config.micro_batch_size, train.measured_scale
     work = layer_work(layer, devices, b, scale)
     saved = {m: int(round(b * scale * v)) for m, v in layer.saved_bytes.items()}
-    compute_bytes = train.precision.compute_bytes
-    if train.precision.mixed and config.effective_zero_stage < 2:
-        # Autocast's compute-dtype copies of the weights, saved for backward by every
-        # microbatch in flight (full recompute casts them again in backward).
-        saved = {m: v + (int(round(layer.param_count * compute_bytes)) if m != "full" else 0)
-                 for m, v in saved.items()}
     workspace = int(round(2 * b * scale * layer.workspace_bytes))
     gathered, gradient = _zero_transient(problem, config, layer.param_count)
     comm = tp_comm_seconds(problem, config, layer)
@@ -556,10 +575,7 @@ def build_cost_table(problem: PlanningProblem, config: PipelineConfig,
                          f"{devices.num_devices} devices")
     shared = cache.shared(problem, config)
     limits = cache.limits(problem, config)
-    all_reduce = config.dp > 1 and config.effective_zero_stage < 2
-    # The dp all-reduce's steps, once per step: ring or tree, whichever has fewer.
-    group = dp_group(problem, config)
-    latency = (collective_seconds("all_reduce", 0.0, group) if all_reduce else 0.0)
+    latency = _bucket_latency_seconds(problem, config)
     return CostTable(
         config=config,
         layers=moe_rows(whole, problem, config, cache.rows(problem, config), cache),

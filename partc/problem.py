@@ -29,6 +29,9 @@ RECOMPUTE_MODES: tuple[str, ...] = ("none", "selective", "full")
 # 3: weights too.
 ZERO_STAGES: tuple[int, ...] = (0, 1, 2, 3)
 MASTER_BYTES = 4.0   # fp32, the dtype of master weights and their gradients
+# Elements per gradient bucket the runtime reduces over dp at once under ZeRO 0/1
+# (``partc/runtime/optimizer.py``; 100 MB of fp32 gradients, Megatron's order of size).
+BUCKET_ELEMENTS = 25_000_000
 
 
 def effective_zero_stage(zero_stage: int, dp: int) -> int:
@@ -43,13 +46,25 @@ class Precision:
     says so (``TrainSpec`` makes it, the cost model reads it).
 
     In fp32 the weights are their own master. In mixed precision (bf16) the runtime's
-    parameters stay fp32 and are the master: under ZeRO 0/1 autocast computes in bf16
-    and gradients are fp32; under ZeRO-2/3 FSDP gathers bf16 copies of the fp32 shards
-    and reduce-scatters gradients in fp32. So, per parameter, fp32 Adam holds 4 + 4 + 8
-    and bf16 Adam 4 + 4 + 8 too under ZeRO-0 (the ZeRO paper's 2 + 2 + 12,
-    :attr:`zero_paper_bytes`, counts the same 16 bytes), 4 + 4 + 8/d under ZeRO-1,
-    2 + 12/d + 4/d under ZeRO-2 (the gathered bf16 weights, the fp32 shards), and 16/d
-    under ZeRO-3 (``partc.costs`` applies the sharding).
+    parameters stay fp32 and are the master: under ZeRO 0/1 the stage computes with bf16
+    copies of them made once per step (``partc/runtime/precision.py``) and gradients are
+    accumulated and reduced in fp32 buckets (``partc/runtime/optimizer.py``); under
+    ZeRO-2/3 FSDP gathers bf16 copies of the fp32 shards and reduce-scatters gradients
+    in fp32. So, per parameter (weights + gradients + optimizer state), Adam holds:
+
+    ======  =====================  ===============================================
+    ZeRO    fp32                   bf16
+    ======  =====================  ===============================================
+    0       4 + 4 + 8              (4 + 2) + 4 + 8 (master and step copy)
+    1       4 + 4 + 8/d            (4 + 2) + 4 + 8/d
+    2       4 + 4/d + 8/d          (2 + 4/d) + 4/d + 8/d (gathered bf16, fp32 shard)
+    3       16/d                   16/d, and the layers gathered in bf16 as they run
+    ======  =====================  ===============================================
+
+    (the ZeRO paper's 2 + 2 + 12, :attr:`zero_paper_bytes`; ``partc.costs`` applies the
+    sharding). Megatron's distributed optimizer keeps 2 + 4 + 12/d under ZeRO-1: its
+    fp32 master is sharded too, where partc's stays whole because checkpoints and
+    ``state_dict`` read it from the parameters.
     """
 
     compute_bytes: float            # a weight as the layers compute with it: 4 fp32, 2 bf16

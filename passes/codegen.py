@@ -122,11 +122,13 @@ def _data_parallel_lines(plan: Plan) -> list[str]:
         return []
     zero = plan.effective_zero_stage
     if zero < 2:
-        lines = [f"# Gradients averaged over {dp} data-parallel replicas: each one's all-reduce",
-                 "# starts as the last microbatch's backward accumulates it."]
+        lines = [f"# Gradients averaged over {dp} data-parallel replicas in fp32 buckets: each",
+                 "# bucket's all-reduce starts as the last microbatch's backward fills it."]
         if zero == 1:
-            lines += [f"# ZeRO-1: each replica keeps and steps the optimizer state of 1/{dp} of",
-                      "# the parameters (ZeroRedundancyOptimizer), then sends them to the others."]
+            lines = [f"# Gradients averaged over {dp} data-parallel replicas in fp32 buckets: each",
+                     "# bucket is reduce-scattered as the last microbatch's backward fills it;",
+                     f"# ZeRO-1: each replica steps its 1/{dp} shard of every parameter and its",
+                     "# optimizer state, then the shards are all-gathered bucket by bucket."]
         return lines
     kept = "the gathered weights for the step" if zero == 2 else (
         "each layer gathered only while it runs (forward, then again for backward)")

@@ -171,13 +171,14 @@ def test_bytes_per_parameter_by_precision():
 
 
 def test_mixed_precision_state_is_what_the_runtime_holds():
-    # bf16 Adam without ZeRO: fp32 parameters (the master), fp32 gradients, 8 bytes of
-    # state; the ZeRO paper's 2 + 2 + 12 counts the same 16 bytes.
+    # bf16 Adam without ZeRO: fp32 parameters (the master) and their bf16 copy for the
+    # step, fp32 gradients, 8 bytes of state (tests/runtime/test_distributed_optimizer.py
+    # measures them).
     program = _compile(2, dict(pp=2), torch.bfloat16)
     for stage in program.plan.stages:
         memory = stage.memory_bytes
         assert (memory.params, memory.grads, memory.optimizer) == \
-            (4 * stage.param_count, 4 * stage.param_count, 8 * stage.param_count)
+            (6 * stage.param_count, 4 * stage.param_count, 8 * stage.param_count)
 
 
 def test_the_runtime_reads_the_real_dtype(programs):

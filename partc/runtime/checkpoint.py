@@ -14,7 +14,7 @@ What is stored, all under the model's own FQNs (a tied weight under its first FQ
   Each chunk is named by its offsets in the whole tensor, so DCP reads any other cut of
   it back (resharding by FQN); replicas write one copy (DCP drops duplicates);
 - the optimizer state of every parameter this rank steps (all of its own, or under ZeRO-1
-  the 1/dp ``ZeroRedundancyOptimizer`` gives it), as ``optim.<fqn>.<name>``: state shaped
+  ``DistributedOptimizer``'s dp shard of each), as ``optim.<fqn>.<name>``: state shaped
   like the parameter (Adam's moments, SGD's momentum) is cut as the parameter is, other
   state (Adam's ``step``) is stored whole; the param groups' hyper-parameters go in the
   manifest;

@@ -175,7 +175,8 @@ def held_tensors(module: "DistributedModule") -> list[_Held]:
 
 
 def inner_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
-    """The optimizer holding the state: ZeroRedundancyOptimizer's local one, or itself."""
+    """The optimizer holding the state: ZeRO-1's local one (``DistributedOptimizer``'s
+    ``optim``), or itself."""
     inner = getattr(optimizer, "optim", None)
     return inner if isinstance(inner, torch.optim.Optimizer) else optimizer
 
@@ -185,8 +186,11 @@ def optimizer_params(module: "DistributedModule", optimizer: torch.optim.Optimiz
     """The parameters whose state this rank's optimizer keeps, with what this rank holds
     of each (a placeholder parameter of an empty stage is none of the module's)."""
     by_id = {id(h.tensor): h for h in held_tensors(module)}
-    return [(by_id[id(p)], p) for group in inner_optimizer(optimizer).param_groups
-            for p in group["params"] if id(p) in by_id]
+    # ZeRO-1's distributed optimizer steps dp shards of the parameters (``param_of``).
+    param_of = getattr(optimizer, "param_of", {})
+    return [(by_id[id(param_of.get(id(p), p))], p)
+            for group in inner_optimizer(optimizer).param_groups
+            for p in group["params"] if id(param_of.get(id(p), p)) in by_id]
 
 
 def optimizer_class(optimizer: torch.optim.Optimizer) -> str:
@@ -271,13 +275,18 @@ def optimizer_state(module: "DistributedModule", optimizer: torch.optim.Optimize
     """``optim.<fqn>.<name>`` → this rank's part of each state tensor it keeps."""
     state = inner_optimizer(optimizer).state
     out: dict[str, Any] = {}
+    dp_sharded = getattr(optimizer, "dp_sharded", lambda _: False)
+    topo = module.topology
     for held, param in optimizer_params(module, optimizer):
+        maps = held.maps
+        if dp_sharded(param):  # ZeRO-1's: this rank's dp shard of the parameter
+            maps = [dp_shard(maps[0], topo.dp, topo.dp_rank), *maps[1:]]
         for key, value in state.get(param, {}).items():
             if not isinstance(value, torch.Tensor):
                 continue
             local, sharded = _local(value)
-            if tuple(local.shape) == tuple(held.local.shape) and value.dim() > 0:
-                out[f"optim.{held.fqn}.{key}"] = held.chunks(local)
+            if tuple(local.shape) == tuple(len(m) for m in maps) and value.dim() > 0:
+                out[f"optim.{held.fqn}.{key}"] = _chunks(maps, held.whole, local)
             else:
                 out[f"optim.{held.fqn}.{key}"] = local
     return out

@@ -10,9 +10,11 @@ under the planned schedule and returns a :class:`DistributedModule`. Its
 microbatches of the global batch, then:
 
 1. sums the gradients of parameters that several stages hold (tied weights);
-2. has averaged gradients over data-parallel replicas: under ZeRO 0/1 each gradient's
-   all-reduce starts as the last microbatch's backward accumulates it; under ZeRO-2/3
-   FSDP2 reduce-scatters them, each replica keeping the mean gradient of its shard;
+2. has averaged gradients over data-parallel replicas: under ZeRO 0/1 gradients are
+   accumulated in fp32 buckets, each all-reduced (ZeRO-0) or reduce-scattered (ZeRO-1)
+   as soon as the last microbatch's backward has filled it
+   (``partc/runtime/optimizer.py``); under ZeRO-2/3 FSDP2 reduce-scatters them, each
+   replica keeping the mean gradient of its shard;
 3. returns the mean loss of the global batch, the same on every rank.
 
 ZeRO-2/3 (``plan.effective_zero_stage >= 2``): each layer that owns its parameters
@@ -30,6 +32,7 @@ any ``torch.optim`` optimizer over ``module.parameters()`` trains the same model
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import logging
 import weakref
@@ -48,15 +51,18 @@ from partc.errors import PartcError, PlanMismatchError
 from partc.identity import model_hash
 from partc.placement import Placement
 from partc.plan import InputSpec, Plan
+from partc.schedules import schedule as schedule_facts
 
 from . import tp as tp_ops
 from .data import DataSampler
 from .recompute import checkpoint_layer
 from .parameters import (aliases_of, dp_shard, local_part, own_parameters,
                          shard_plan)
+from .optimizer import DistributedOptimizer, GradBuckets
 from .pipeline import (RankStages, make_schedule, runtime_refusal, share_local_ties,
                        tied_elsewhere, tied_groups)
-from .pipeline_stage import CountingStage, OverlappedAllReduce, contiguous_transfers
+from .pipeline_stage import CountingStage, contiguous_transfers
+from .precision import ComputeCopies
 from .stage import StageProgram
 from .suspend import StopFlag
 from .telemetry import StepRecord, Telemetry, resident_bytes
@@ -133,8 +139,17 @@ class DistributedModule:
         self.last_grad_norm: torch.Tensor | None = None
         self._state_keys = state_keys  # model.state_dict()'s: no non-persistent buffers
         self.topology = topology
-        # ZeRO-2/3: FSDP keeps each rank's dp shard of every parameter and gradient.
-        self._sharded_grads = any(isinstance(s.submod, FSDPModule) for s in stages)
+        # ZeRO 0/1 (dp > 1, or mixed precision): the rank's gradients in fp32 buckets
+        # (partc/runtime/optimizer.py), one set over all its virtual stages.
+        self._buckets: GradBuckets | None = next(
+            (s.grad_sync for s in stages if s.grad_sync is not None), None)
+        # Mixed precision under ZeRO 0/1: compute-dtype parameters made once per step.
+        self._copies: ComputeCopies | None = next(
+            (s.compute_copies for s in stages if s.compute_copies is not None), None)
+        # ZeRO-1/2/3: each rank keeps (reduced) gradients of its dp shard of every
+        # parameter only: FSDP's under ZeRO-2/3, the buckets' under ZeRO-1.
+        self._sharded_grads = any(isinstance(s.submod, FSDPModule) for s in stages) or (
+            self._buckets is not None and self._buckets.sharded)
         # The plan's stage this rank runs (its pipeline rank), and the virtual stages
         # (runs of layers, ``plan.runs``) it holds: one, or ``plan.chunks``.
         self.stage_index = topology.pp_rank
@@ -143,7 +158,6 @@ class DistributedModule:
         # virtual stages a :class:`RankStages` of them.
         self.module = module
         self._stages = stages
-        self._grad_sync = next((s.grad_sync for s in stages if s.grad_sync is not None), None)
         self._schedule = schedule
         self._tied = tied
         self._partial_grads = partial_grads or []
@@ -244,8 +258,9 @@ class DistributedModule:
                   ) -> torch.optim.Optimizer:
         """``optimizer_class(self.parameters(), **defaults)`` as the plan holds its state:
         with ZeRO-1 (``plan.effective_zero_stage == 1``) each data-parallel rank keeps the
-        state of 1/dp of the parameters, steps those and sends them to the other replicas
-        (``torch.distributed.optim.ZeroRedundancyOptimizer`` over the dp group).
+        state of its dp shard (rows ``chunk(dp)[rank]`` of each parameter), steps it with
+        the reduce-scattered gradients and all-gathers the updated shards, bucket by
+        bucket (:class:`partc.runtime.optimizer.DistributedOptimizer`).
 
         A stage may hold no parameters (the planner may put the loss alone on the last
         stage when that is fastest). torch optimizers refuse an empty parameter list, so
@@ -255,14 +270,8 @@ class DistributedModule:
         if not any(True for _ in self.parameters()):
             placeholder = nn.Parameter(torch.empty(0, device=self.topology.device))
             optimizer = optimizer_class([placeholder], **defaults)
-        elif self.plan.effective_zero_stage == 1:
-            # Imported here: torch.distributed.optim scripts its functional optimizers
-            # on import, with deprecation warnings, which plain runs need not pay for.
-            from torch.distributed.optim import ZeroRedundancyOptimizer
-
-            optimizer = ZeroRedundancyOptimizer(
-                self.parameters(), optimizer_class=optimizer_class,
-                process_group=self.topology.dp_group, **defaults)
+        elif self._buckets is not None and self._buckets.sharded:
+            optimizer = DistributedOptimizer(self._buckets, optimizer_class, **defaults)
         else:
             optimizer = optimizer_class(self.parameters(), **defaults)
         if self.watchdog is not None:
@@ -355,6 +364,8 @@ class DistributedModule:
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.module.zero_grad(set_to_none=set_to_none)
+        if self._buckets is not None:
+            self._buckets.zero_()
 
     # -- data and suspend (partc/runtime/data.py, partc/runtime/suspend.py) --------------
 
@@ -461,7 +472,13 @@ class DistributedModule:
         losses: list[torch.Tensor] = []
         args, kwargs = self._stage_arguments(inputs, target, losses)
         self._mark("schedule")
-        self._schedule.step(*args, **kwargs)
+        with self._copies.step() if self._copies is not None else contextlib.nullcontext():
+            self._schedule.step(*args, **kwargs)
+            if self._buckets is not None:
+                # Reduce what the last backward left (split backwards' weight gradients,
+                # weights two virtual stages share) while the compute copies still hold
+                # their gradients; the mean over dp and the microbatches.
+                self._buckets.finish(self.plan.num_microbatches)
         self.last_messages = {kind: sum(s.messages[kind] for s in self._stages)
                               for kind in ("sends", "recvs")}
         self._mark("gradient sync")
@@ -484,17 +501,26 @@ class DistributedModule:
         """
         total = self.grad_norm(norm_type)
         coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-        for p in self.module.parameters():
-            if p.grad is not None:
-                local_part(p.grad).mul_(coef.to(p.grad.dtype))
+        for p in {id(p): p for p in self.module.parameters()}.values():
+            grad = self._grad_of(p)
+            if grad is not None:
+                grad.mul_(coef.to(grad.dtype))
         return total
+
+    def _grad_of(self, param: nn.Parameter) -> torch.Tensor | None:
+        """This rank's gradient of ``param``: its ``.grad`` (FSDP's local shard under
+        ZeRO-2/3), or under ZeRO-1 the reduced gradient of its dp shard in the buckets."""
+        if self._buckets is not None and self._buckets.sharded:
+            return self._buckets.grad_of(param)
+        return None if param.grad is None else local_part(param.grad)
 
     def grad_norm(self, norm_type: float = 2.0) -> torch.Tensor:
         """The whole model's gradient norm, each parameter counted once as in
         :meth:`clip_grad_norm_` (which scales by it); the same on every rank. Collective."""
         topo = self.topology
-        grads = [local_part(p.grad) for name, p in self.module.named_parameters()
-                 if p.grad is not None and self._counts_norm(name)]
+        grads = [g for name, p in self.module.named_parameters()
+                 if (g := self._grad_of(p)) is not None and self._counts_norm(name)
+                 and (self._buckets is None or self._buckets.counted_once(p))]
         device = topo.device
         if norm_type == float("inf"):
             local = max((g.detach().abs().max() for g in grads),
@@ -512,18 +538,17 @@ class DistributedModule:
         return self.topology.tp_rank == 0 or self._placement(name).kind == "S"
 
     def _sync_gradients(self) -> None:
-        for param in self._shared:
-            if param.grad is not None:
-                param.grad.div_(self.plan.num_microbatches)
-        if self._grad_sync is not None:
-            # ZeRO 0/1 over dp: what the last backward did not all-reduce as it went
-            # (weight gradients of a split backward, weights two virtual stages share).
-            self._grad_sync.finish()
+        if self._buckets is None:
+            # A weight two virtual stages share, scaled once (the buckets scale it
+            # otherwise, in ``finish``).
+            for param in self._shared:
+                if param.grad is not None:
+                    param.grad.div_(self.plan.num_microbatches)
         # Replicated parameters that feed only sharded ops hold a partial gradient on
         # each tensor-parallel rank: sum them (one flat all-reduce per step).
         # Under ZeRO-2/3 each rank holds its dp shard of every gradient: the sums below
         # run on those shards, which the ranks they span cut alike.
-        partial = [local_part(p.grad) for p in self._partial_grads if p.grad is not None]
+        partial = [g for p in self._partial_grads if (g := self._grad_of(p)) is not None]
         if partial:
             flat = self.tp.all_reduce(torch.cat([g.reshape(-1) for g in partial]))
             offset = 0
@@ -532,11 +557,14 @@ class DistributedModule:
                 offset += grad.numel()
         for params, group in self._tied:
             for param in params:
+                if self._buckets is not None and self._buckets.sharded:
+                    dist.all_reduce(self._buckets.grad_of(param), group=group)
+                    continue
                 grad = param.grad if param.grad is not None else torch.zeros_like(param)
                 dist.all_reduce(local_part(grad), group=group)
                 param.grad = grad
-        # Over dp the gradients are averaged already, during the last backward: by
-        # OverlappedAllReduce (ZeRO 0/1) or FSDP's reduce-scatter (ZeRO-2/3).
+        # Over dp the gradients are averaged already, during the last backward: by the
+        # buckets' all-reduce or reduce-scatter (ZeRO 0/1) or FSDP's (ZeRO-2/3).
 
     def _batch_size(self, inputs: tuple, target: Any) -> int:
         """The batch given: the global batch or this replica's slice of it (its dp
@@ -650,11 +678,12 @@ def build(plan: Plan, topology: Topology,
         if zero_stage >= 2:
             _shard_over_dp(module, program.fsdp_units, topology, zero_stage, compute_dtype)
         if compute_dtype != torch.float32:
-            # Mixed precision: the fp32 parameters are the master weights; autocast runs
-            # the stage in the compute dtype, and gradients come out (and are summed)
-            # fp32. Under ZeRO-2/3 FSDP already gathers compute-dtype weights; autocast
-            # still casts activations a traced graph pins to fp32 (exported graphs fix
-            # dtypes).
+            # Mixed precision: the fp32 parameters are the master weights; the stage
+            # computes with compute-dtype copies of them, cast once per step (ZeRO 0/1:
+            # ComputeCopies; ZeRO-2/3: FSDP's MixedPrecisionPolicy), gradients
+            # accumulated and reduced fp32. Autocast keeps the ops that must stay fp32
+            # (softmax, norms) in fp32 and casts activations a traced graph pins to fp32
+            # (exported graphs fix dtypes).
             module.forward = torch.autocast(topology.device.type, dtype=compute_dtype)(
                 module.forward)
     whole = modules[0] if len(modules) == 1 else RankStages(modules)
@@ -666,6 +695,17 @@ def build(plan: Plan, topology: Topology,
                if partial_names & set(aliases.get(name, (name,)))]
     loss = _Loss(programs[0].loss, programs[0].loss_recompute,
                  mixed=compute_dtype != torch.float32)
+    grad_sync = None
+    if zero_stage < 2 and (topology.dp > 1 or compute_dtype != torch.float32):
+        # One set of buckets for the rank: a weight two of its stages share is summed
+        # over both before it is reduced (after the schedule, by ``finish``), and a
+        # split backward's weight gradients (made outside autograd's accumulation
+        # hooks) are taken in there too, so neither overlaps the backward.
+        grad_sync = GradBuckets(whole, topology.dp_group, topology.dp, topology.dp_rank,
+                                sharded=zero_stage == 1, at_end=set(shared.values()),
+                                overlap=not schedule_facts(plan.schedule).split_backward)
+    copies = (ComputeCopies(modules, compute_dtype, grad_sync)
+              if compute_dtype != torch.float32 else None)
     stages: list[CountingStage] = []
     for module, program in zip(modules, programs):
         contiguous_transfers(module, first=program.is_first, last=program.is_last)
@@ -674,14 +714,8 @@ def build(plan: Plan, topology: Topology,
         # A weight two stages share is scaled once, after the schedule: either stage's
         # last backward may come last.
         stage.scaled_elsewhere = set(shared.values())
+        stage.grad_sync, stage.compute_copies = grad_sync, copies
         stages.append(stage)
-    if topology.dp > 1 and zero_stage < 2:
-        # One gradient sync for the rank: a weight two of its stages share is summed
-        # over both before it is all-reduced (at the end, by ``finish``).
-        grad_sync = OverlappedAllReduce(list(whole.parameters()), topology.dp_group,
-                                        topology.dp, at_end=set(shared.values()))
-        for stage in stages:
-            stage.grad_sync = grad_sync
     schedule = make_schedule(plan, stages, loss)
     log.info("rank %d: virtual stage(s) %s of %d (%s), %d parameters", topology.rank,
              [p.index for p in programs], programs[0].num_stages,

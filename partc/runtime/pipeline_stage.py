@@ -5,8 +5,8 @@ partc's additions: it counts the point-to-point messages it posts (the plan's fi
 checked against them), tells the watchdog of each microbatch, runs pipelining's
 first-step shape inference on zeros and without touching written buffers, and under
 ZeRO-2/3 reduce-scatters gradients after every microbatch (see :mod:`.module`).
-:class:`OverlappedAllReduce` is ZeRO 0/1's gradient all-reduce, overlapping the last
-backward; :func:`contiguous_transfers` makes what crosses a stage boundary contiguous.
+:class:`partc.runtime.optimizer.GradBuckets` (ZeRO 0/1's bucketed gradient reduction,
+overlapping the last backward) is armed here; :func:`contiguous_transfers` makes what crosses a stage boundary contiguous.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ from torch.distributed.tensor import DTensor
 
 from partc.errors import PartcError
 
+from .optimizer import GradBuckets
 from .watchdog import Watchdog
 
 
@@ -36,7 +37,9 @@ class CountingStage(PipelineStage):
         super().__init__(*args, **kwargs)
         self.messages: Counter[str] = Counter()
         self.zero_stage = zero_stage
-        self.grad_sync: OverlappedAllReduce | None = None  # ZeRO 0/1 with dp > 1
+        # ZeRO 0/1 with dp > 1: GradBuckets (or OverlappedAllReduce)
+        self.grad_sync: GradBuckets | OverlappedAllReduce | None = None
+        self.compute_copies: Any = None  # mixed precision under ZeRO 0/1 (precision.py)
         self.watchdog: Watchdog | None = None  # told of each microbatch's start
         # Parameters (ids) another stage of this rank holds too and scales: a tied
         # weight is one parameter of both, divided by the microbatches once.
@@ -97,19 +100,23 @@ class CountingStage(PipelineStage):
                     param.grad.div_(grad_scale_factor)
 
     def perform_reduce_grad(self, grad_scale_factor: int) -> None:
-        if self.grad_sync is not None:
-            self.grad_sync.wait()  # before the schedule scales the gradients in place
+        if isinstance(self.grad_sync, GradBuckets):
+            # The rank's buckets (over all its virtual stages) are reduced and scaled
+            # once, after the schedule (DistributedModule._forward_backward).
+            grad_scale_factor = 1
+        elif self.grad_sync is not None:
+            self.grad_sync.finish(grad_scale_factor)
         super().perform_reduce_grad(grad_scale_factor)
 
     def backward_maybe_with_nosync(self, backward_type: str, bwd_kwargs: dict,
                                    last_backward: bool = False) -> tuple:
         if self.grad_sync is not None:
-            self.grad_sync.armed = last_backward
+            self.grad_sync.begin(last=last_backward)
             try:
                 return super().backward_maybe_with_nosync(backward_type, bwd_kwargs,
                                                           last_backward)
             finally:
-                self.grad_sync.armed = False
+                self.grad_sync.end()
         if self.zero_stage < 2 or not isinstance(self.submod, FSDPModule):
             return super().backward_maybe_with_nosync(backward_type, bwd_kwargs,
                                                       last_backward)
@@ -172,55 +179,33 @@ class _ContiguousGrad(torch.autograd.Function):
 
 
 class OverlappedAllReduce:
-    """ZeRO 0/1 gradient sync over dp, overlapping the last microbatch's backward: while
-    armed, each parameter's gradient is all-reduced (asynchronously) as soon as that
-    backward has accumulated it, and :meth:`wait` finishes them and averages. What the
-    rest of that backward cannot hide is what the cost model charges as exposed.
-    :meth:`finish`, after the schedule, all-reduces what was not (weight gradients that
-    a split backward assigns without autograd's hooks; parameters left out because two
-    virtual stages of the rank accumulate into them).
+    """Gradient sync over dp one parameter at a time, overlapping the last microbatch's
+    backward: while armed, each parameter's gradient is all-reduced (asynchronously) as
+    soon as that backward has accumulated it, and :meth:`finish` waits and averages.
+    The runtime uses :class:`partc.runtime.optimizer.GradBuckets` (one collective per
+    bucket); this is what it replaced, kept to measure against
+    (``benchmarks/optimizer.py``). It has the same calls as ``GradBuckets``."""
 
-    (``DistributedDataParallel`` would bucket these, but its reducer breaks on the real
-    forward and backward the pipeline schedule runs first to learn shapes.)"""
-
-    def __init__(self, params: nn.Module | list[nn.Parameter], group: dist.ProcessGroup,
-                 dp: int, *, at_end: set[int] = frozenset()) -> None:
-        """``at_end``: ids of parameters to all-reduce in :meth:`finish` only."""
+    def __init__(self, module: nn.Module, group: dist.ProcessGroup, dp: int) -> None:
         self.group, self.dp = group, dp
         self.armed = False
         self._pending: list[tuple[torch.Tensor, Any]] = []
-        self._params = [p for p in {id(p): p for p in (
-            params.parameters() if isinstance(params, nn.Module) else params)}.values()
-            if p.requires_grad]
-        self._reduced: set[int] = set()  # this step's, launched by the hooks
-        for param in self._params:
-            if id(param) not in at_end:
+        for param in {id(p): p for p in module.parameters()}.values():
+            if param.requires_grad:
                 param.register_post_accumulate_grad_hook(self._launch)
+
+    def begin(self, last: bool) -> None:
+        self.armed = last
+
+    def end(self) -> None:
+        self.armed = False
 
     def _launch(self, param: torch.Tensor) -> None:
         if self.armed:
             work = dist.all_reduce(param.grad, group=self.group, async_op=True)
             self._pending.append((param.grad, work))
-            self._reduced.add(id(param))
 
-    def finish(self) -> None:
-        """All-reduce (one flat message) and average the gradients the hooks did not;
-        every replica runs the same schedule, so all leave out the same ones."""
-        self.wait()
-        rest = [p.grad for p in self._params
-                if p.grad is not None and id(p) not in self._reduced]
-        self._reduced.clear()
-        if not rest:
-            return
-        flat = torch.cat([g.reshape(-1) for g in rest])
-        dist.all_reduce(flat, group=self.group)
-        flat.div_(self.dp)
-        offset = 0
-        for grad in rest:
-            grad.copy_(flat[offset:offset + grad.numel()].view_as(grad))
-            offset += grad.numel()
-
-    def wait(self) -> None:
+    def finish(self, scale: int) -> None:
         for grad, work in self._pending:
             work.wait()
             grad.div_(self.dp)

@@ -1,8 +1,9 @@
 """Mixed precision (``TrainSpec(dtype=torch.bfloat16)``) against fp32 in one process.
 
 bf16 compute with fp32 master weights and fp32 gradient reduction: under ZeRO 0/1 the
-stage runs under autocast with its fp32 parameters as the master, under ZeRO-2/3 FSDP
-gathers bf16 copies of the fp32 shards and reduce-scatters gradients in fp32. The
+stage computes with bf16 copies of its fp32 parameters (the master), cast once per step,
+and accumulates and reduces gradients in fp32 buckets; under ZeRO-2/3 FSDP gathers bf16
+copies of the fp32 shards and reduce-scatters gradients in fp32. The
 reference trains the same model in fp32, so the tolerances are bf16's, not 1e-5: losses
 within 1e-3 relative, gradient norms within 1e-3, parameters within 2e-2 after 3 SGD
 steps (seen: losses 3e-5, parameters 1e-3 to 9e-3, norms 6e-4). The parameters must

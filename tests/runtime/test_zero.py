@@ -1,8 +1,8 @@
 """ZeRO 1, 2 and 3 (``Constraints(zero_stage=...)``, ``module.optimizer(...)``) against
 one process.
 
-ZeRO-1 keeps on each data-parallel rank the optimizer state (SGD momentum) of its share
-of the parameters (``ZeroRedundancyOptimizer`` over the dp group). ZeRO-2/3 are FSDP2
+ZeRO-1 keeps on each data-parallel rank the optimizer state (SGD momentum) of its dp
+shard of every parameter (the distributed optimizer, ``partc/runtime/optimizer.py``). ZeRO-2/3 are FSDP2
 units, one per layer, sharded over dp: every rank stores its shard of each parameter,
 gradient and momentum buffer, reduce-scatters gradients after every microbatch, and
 under ZeRO-3 gathers each layer's parameters just before it runs. Cases, for each stage:

@@ -1,0 +1,385 @@
+"""Gradient buckets over data parallelism, and ZeRO-1's distributed optimizer.
+
+Under ZeRO 0/1 with dp > 1 the stage's gradients are accumulated, microbatch after
+microbatch, into flat fp32 buckets (:class:`GradBuckets`): a hook on each parameter
+(``register_post_accumulate_grad_hook``) adds the gradient autograd just produced into
+the parameter's slots of its bucket and drops it. During the step's last backward a
+bucket's collective is issued (asynchronously) as soon as every parameter in it has its
+gradient, so it overlaps the rest of that backward:
+
+- ZeRO-0: the bucket is all-reduced; the parameters' ``.grad`` are then views of it, so
+  any ``torch.optim`` optimizer over ``module.parameters()`` steps as on one device;
+- ZeRO-1: the bucket is reduce-scattered. A bucket is laid out rank by rank: rank r's
+  region holds, for each of the bucket's parameters, its dp shard (FSDP's: rows
+  ``chunk(dp)[r]`` of dim 0, padded to the chunk size; a 0-dim parameter in every
+  region), so after the reduce-scatter each rank holds the summed gradient of its
+  shards. :class:`DistributedOptimizer` steps those shards with the user's optimizer
+  class (its parameters are views of this rank's rows of the module's parameters, so
+  the fp32 parameters are their own master) and all-gathers the updated rows bucket by
+  bucket, every bucket's all-gather issued before the first is waited for.
+
+Buckets are filled in reverse parameter order (the order backward produces gradients),
+each up to :data:`BUCKET_ELEMENTS` elements. The bytes per parameter this keeps
+(``partc.problem.Precision`` prices them): the parameter (4), its fp32 gradient bucket
+slot (4; ZeRO-1's padding aside) and, under ZeRO-1, the optimizer state of 1/dp of it.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from typing import Any, Iterator
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from partc.errors import PartcError
+from partc.problem import BUCKET_ELEMENTS
+
+from .parameters import dp_shard
+
+
+def bucket_elements() -> int:
+    """Elements per gradient bucket: ``PARTC_BUCKET_ELEMENTS`` or the default."""
+    return int(os.environ.get("PARTC_BUCKET_ELEMENTS", BUCKET_ELEMENTS))
+
+
+class _Slot:
+    """One parameter in a bucket: for each dp rank, the rows of the parameter that rank
+    holds (as a flat range of the parameter) and where they sit in its region."""
+
+    def __init__(self, param: nn.Parameter, dp: int, sharded: bool, offset: int) -> None:
+        self.param = param
+        self.offset = offset  # within each rank's region
+        numel = param.numel()
+        if not sharded:
+            self.ranges = [(0, numel)]
+            self.width = numel
+        elif param.dim() == 0:  # every rank holds (and steps) it whole
+            self.ranges = [(0, 1)] * dp
+            self.width = 1
+        else:
+            rows = param.shape[0]
+            row = numel // rows if rows else 0
+            chunk = math.ceil(rows / dp) if rows else 0
+            self.ranges = [(min(r * chunk, rows) * row, min((r + 1) * chunk, rows) * row)
+                           for r in range(dp)]
+            self.width = chunk * row
+
+    def rank_view(self, region: torch.Tensor, rank: int) -> torch.Tensor:
+        """This parameter's part held by ``rank``, in ``region`` (that rank's region)."""
+        start, end = self.ranges[rank]
+        return region[self.offset:self.offset + end - start]
+
+
+class _Bucket:
+    def __init__(self, slots: list[_Slot], regions: int, dtype: torch.dtype,
+                 device: torch.device) -> None:
+        self.slots = slots
+        self.region = sum(s.width for s in slots)
+        self.buffer = torch.zeros(self.region * regions, dtype=dtype, device=device)
+        self.ready = 0
+        self.work: Any = None
+
+    def region_of(self, rank: int) -> torch.Tensor:
+        return self.buffer[rank * self.region:(rank + 1) * self.region]
+
+
+class GradBuckets:
+    """This stage's gradients in fp32 buckets, reduced over the dp group bucket by bucket
+    during the step's last backward (see the module's doc). ``sharded``: ZeRO-1's
+    reduce-scatter (each rank keeps its shards' gradients) instead of an all-reduce.
+
+    The pipeline stage calls :meth:`begin` before each microbatch's backward (``last``:
+    the step's last), and :meth:`finish` after the last, before anything reads the
+    gradients."""
+
+    def __init__(self, module: nn.Module, group: dist.ProcessGroup, dp: int, dp_rank: int,
+                 *, sharded: bool, elements: int | None = None,
+                 at_end: set[int] = frozenset(), overlap: bool = True) -> None:
+        """``at_end``: ids of parameters whose gradient comes from several backwards of
+        one microbatch (a weight two virtual stages of the rank share): their buckets
+        are reduced in :meth:`finish` only. ``overlap`` False: every bucket is reduced
+        in :meth:`finish` (a split backward makes weight gradients outside autograd's
+        accumulation hooks, so no bucket is known full during the last backward)."""
+        self.group, self.dp, self.dp_rank, self.sharded = group, dp, dp_rank, sharded
+        self.overlap = overlap
+        self.collecting = False  # inside one of the schedule's backwards
+        self.armed = False  # inside the step's last backward: reduce full buckets
+        self._in_step = False  # a backward of this step has begun
+        limit = bucket_elements() if elements is None else elements
+        params = [p for p in {id(p): p for p in module.parameters()}.values()
+                  if p.requires_grad]
+        device = params[0].device if params else torch.device("cpu")
+        self.buckets: list[_Bucket] = []
+        self._hooks: dict[int, Any] = {}  # on compute-dtype copies (stand_in)
+        self._copies: dict[int, nn.Parameter] = {}
+        self._slot: dict[int, tuple[_Bucket, _Slot]] = {}
+        # Shared weights last, in buckets of their own that never count as ready.
+        ordered = ([p for p in reversed(params) if id(p) not in at_end]
+                   + [p for p in reversed(params) if id(p) in at_end])
+        self._late = {id(p) for p in params if id(p) in at_end}
+        current: list[_Slot] = []
+        offset = 0
+        for param in ordered:
+            if current and (id(param) in self._late) != (id(current[-1].param) in self._late):
+                self._close(current, device)
+                current, offset = [], 0
+            slot = _Slot(param, dp, sharded, offset)
+            current.append(slot)
+            offset += slot.width
+            if offset >= limit:
+                self._close(current, device)
+                current, offset = [], 0
+        if current:
+            self._close(current, device)
+        for param in params:
+            if not param.is_contiguous():
+                raise PartcError("gradient buckets need contiguous parameters")
+            param.register_post_accumulate_grad_hook(self._accumulate)
+
+    def stand_in(self, copy: nn.Parameter, param: nn.Parameter) -> None:
+        """``copy`` computes for ``param`` (a compute-dtype copy, ``partc/runtime/
+        precision.py``): its gradients go to ``param``'s slots."""
+        self._slot[id(copy)] = self._slot[id(param)]
+        self._copies[id(copy)] = copy
+        self._hooks[id(copy)] = copy.register_post_accumulate_grad_hook(self._accumulate)
+
+    def drop_stand_in(self, copy: nn.Parameter) -> None:
+        self._slot.pop(id(copy), None)
+        self._copies.pop(id(copy), None)
+        hook = self._hooks.pop(id(copy), None)
+        if hook is not None:
+            hook.remove()
+
+    def _close(self, slots: list[_Slot], device: torch.device) -> None:
+        bucket = _Bucket(slots, self.dp if self.sharded else 1, torch.float32, device)
+        self.buckets.append(bucket)
+        for slot in slots:
+            self._slot[id(slot.param)] = (bucket, slot)
+
+    # -- during backward ----------------------------------------------------------------
+
+    def begin(self, last: bool) -> None:
+        """Before one of the schedule's backwards. Under ZeRO-0 ``.grad`` is a view of the
+        bucket after a step: kept as the gradient so far if still that view, zeroed where
+        it was set to None (``zero_grad``), taken over if the user assigned another."""
+        if not self._in_step and not self.sharded:
+            for bucket in self.buckets:
+                for slot in bucket.slots:
+                    view = self._view(bucket, slot)
+                    grad = slot.param.grad
+                    if grad is None:
+                        view.zero_()
+                    elif not _same_view(grad, view):
+                        view.copy_(grad.reshape(-1))
+                    slot.param.grad = None
+        self.collecting, self.armed, self._in_step = True, last and self.overlap, True
+
+    def end(self) -> None:
+        self.collecting = self.armed = False
+
+    def _accumulate(self, param: nn.Parameter) -> None:
+        if not self.collecting or param.grad is None:
+            return
+        bucket, slot = self._slot[id(param)]
+        self._add(bucket, slot, param.grad)
+        param.grad = None
+        if self.armed and id(slot.param) not in self._late:
+            bucket.ready += 1
+            if bucket.ready == len(bucket.slots):
+                self._launch(bucket)
+
+    def _add(self, bucket: _Bucket, slot: _Slot, grad: torch.Tensor) -> None:
+        flat = grad.detach().reshape(-1)
+        for rank in range(len(slot.ranges) if self.sharded else 1):
+            start, end = slot.ranges[rank]
+            slot.rank_view(bucket.region_of(rank), rank).add_(flat[start:end])
+
+    def _take_the_rest(self) -> None:
+        """Add the gradients no hook took (a split backward's weight gradients, which
+        torch's stage assigns to ``.grad`` itself) into their buckets."""
+        owners = [slot.param for bucket in self.buckets for slot in bucket.slots]
+        for param in (*owners, *self._copies.values()):
+            grad = param.grad
+            if grad is None:
+                continue
+            bucket, slot = self._slot[id(param)]
+            if not self.sharded and _same_view(grad, self._view(bucket, slot)):
+                continue
+            self._add(bucket, slot, grad)
+            param.grad = None
+
+    def _launch(self, bucket: _Bucket) -> None:
+        if bucket.work is not None:
+            return
+        if self.dp == 1:  # mixed precision alone: fp32 accumulation, nothing to reduce
+            bucket.work = _Done()
+            return
+        if self.sharded:
+            bucket.work = dist.reduce_scatter_tensor(
+                bucket.region_of(self.dp_rank), bucket.buffer, group=self.group,
+                async_op=True)
+        else:
+            bucket.work = dist.all_reduce(bucket.buffer, group=self.group, async_op=True)
+
+    def finish(self, scale: int) -> None:
+        """After the step's last backward: reduce the buckets not reduced yet (parameters
+        without a gradient this step), wait for all, take the mean over dp and divide by
+        ``scale`` (the microbatches: the schedule's scaling of ``.grad``, done here)."""
+        if not self.overlap or self._late:
+            self._take_the_rest()
+        for bucket in self.buckets:
+            self._launch(bucket)
+        for bucket in self.buckets:
+            bucket.work.wait()
+            bucket.work, bucket.ready = None, 0
+            mine = bucket.region_of(self.dp_rank if self.sharded else 0)
+            if self.dp > 1:
+                mine.div_(self.dp)
+            if scale != 1:
+                mine.div_(scale)
+            if not self.sharded:
+                for slot in bucket.slots:
+                    slot.param.grad = self._view(bucket, slot).view_as(slot.param)
+        self.end()
+        self._in_step = False
+
+    # -- after the step's backward ------------------------------------------------------
+
+    def _view(self, bucket: _Bucket, slot: _Slot) -> torch.Tensor:
+        return slot.rank_view(bucket.region_of(0), 0)
+
+    def grad_of(self, param: nn.Parameter) -> torch.Tensor | None:
+        """This rank's reduced gradient of ``param``: shaped as its dp shard (ZeRO-1) or
+        the parameter's ``.grad`` (ZeRO-0)."""
+        if not self.sharded:
+            return param.grad
+        found = self._slot.get(id(param))
+        if found is None:
+            return None
+        bucket, slot = found
+        view = slot.rank_view(bucket.region_of(self.dp_rank), self.dp_rank)
+        return view.view(shard_shape(param, self.dp, self.dp_rank))
+
+    def counted_once(self, param: nn.Parameter) -> bool:
+        """Whether this rank's gradient of ``param`` is a part no other dp rank holds
+        (a 0-dim parameter is whole on every rank: counted on dp rank 0)."""
+        return not self.sharded or param.dim() > 0 or self.dp_rank == 0
+
+    def zero_(self) -> None:
+        for bucket in self.buckets:
+            bucket.buffer.zero_()
+        if not self.sharded:
+            for bucket in self.buckets:
+                for slot in bucket.slots:
+                    slot.param.grad = None
+
+    def slots(self) -> Iterator[tuple[_Bucket, _Slot]]:
+        for bucket in self.buckets:
+            for slot in bucket.slots:
+                yield bucket, slot
+
+
+class _Done:
+    def wait(self) -> None:
+        pass
+
+
+def shard_shape(param: torch.Tensor, dp: int, dp_rank: int) -> torch.Size:
+    if param.dim() == 0:
+        return param.shape
+    return dp_shard(torch.empty(param.shape, device="meta"), dp, dp_rank).shape
+
+
+def _same_view(grad: torch.Tensor, view: torch.Tensor) -> bool:
+    return grad.data_ptr() == view.data_ptr() and grad.numel() == view.numel()
+
+
+class DistributedOptimizer(torch.optim.Optimizer):
+    """ZeRO-1 (see the module's doc): ``optimizer_class`` over this rank's dp shard of
+    each parameter, stepped with the reduce-scattered gradients of :class:`GradBuckets`;
+    the updated shards are all-gathered, bucket by bucket, into every replica's
+    parameters.
+
+    ``param_groups`` and ``state`` are the inner optimizer's (``self.optim``): learning
+    rate schedulers and ``state_dict`` act on this rank's shards. ``param_of`` maps a
+    shard back to the module's parameter (checkpoints save its state as that
+    parameter's dp shard)."""
+
+    def __init__(self, buckets: GradBuckets, optimizer_class: type[torch.optim.Optimizer],
+                 **defaults: Any) -> None:
+        self.buckets = buckets
+        rank, dp = buckets.dp_rank, buckets.dp
+        shards: list[nn.Parameter] = []
+        self.param_of: dict[int, nn.Parameter] = {}
+        self._shard: dict[int, nn.Parameter] = {}
+        for _, slot in buckets.slots():
+            param = slot.param
+            start, end = slot.ranges[rank]
+            # A view of this rank's rows: stepping it updates the parameter in place.
+            rows = param.detach().reshape(-1)[start:end].view(shard_shape(param, dp, rank))
+            shard = nn.Parameter(rows, requires_grad=True)
+            shards.append(shard)
+            self.param_of[id(shard)] = param
+            self._shard[id(param)] = shard
+        self.optim = optimizer_class(shards, **defaults)
+        super().__init__(shards, self.optim.defaults)
+        self.param_groups = self.optim.param_groups
+        self.state = self.optim.state
+
+    def dp_sharded(self, shard: torch.Tensor) -> bool:
+        """Whether ``shard`` is a dp shard of dim 0 (not a 0-dim parameter whole)."""
+        return shard.dim() > 0
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.buckets.zero_()
+        for group in self.param_groups:
+            for shard in group["params"]:
+                shard.grad = None
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> Any:
+        loss = closure() if closure is not None else None
+        for group in self.param_groups:
+            for shard in group["params"]:
+                grad = self.buckets.grad_of(self.param_of[id(shard)])
+                if grad is not None:
+                    # A user's gradient (zeros to initialise state) stands if set.
+                    shard.grad = grad if shard.grad is None else shard.grad
+        self.optim.step()
+        for group in self.param_groups:
+            for shard in group["params"]:
+                shard.grad = None
+        self._gather()
+        return loss
+
+    def _gather(self) -> None:
+        """Every replica's updated rows into every replica's parameters: one all-gather
+        per bucket, all issued before any is waited for."""
+        buckets = self.buckets
+        rank, dp = buckets.dp_rank, buckets.dp
+        pending = []
+        for bucket in buckets.buckets:
+            dtype = bucket.slots[0].param.dtype
+            device = bucket.buffer.device
+            out = torch.empty(bucket.region * dp, dtype=dtype, device=device)
+            mine = torch.zeros(bucket.region, dtype=dtype, device=device)
+            for slot in bucket.slots:
+                start, end = slot.ranges[rank]
+                slot.rank_view(mine, rank).copy_(slot.param.detach().reshape(-1)[start:end])
+            work = dist.all_gather_into_tensor(out, mine, group=buckets.group,
+                                               async_op=True)
+            pending.append((bucket, out, work))
+        for bucket, out, work in pending:
+            work.wait()
+            for other in range(dp):
+                if other == rank:
+                    continue
+                region = out[other * bucket.region:(other + 1) * bucket.region]
+                for slot in bucket.slots:
+                    start, end = slot.ranges[other]
+                    if end > start and slot.param.dim() > 0:
+                        slot.param.detach().reshape(-1)[start:end].copy_(
+                            slot.rank_view(region, other))

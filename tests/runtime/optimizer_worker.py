@@ -1,0 +1,196 @@
+"""Run under torchrun by test_distributed_optimizer.py: train each named case with partc
+(Adam through ``module.optimizer``) and on one process, on every rank, and write what
+was seen to ``<out>/rank<k>.json``.
+
+    torchrun --standalone --nproc-per-node=2 tests/runtime/optimizer_worker.py OUT CASE ...
+
+A case is ``<model>[-pp<p>]-zero<k>-<dtype>[-clip]``: model ``gpt`` (the sample GPT) or
+``gpt2`` (Hugging Face GPT-2 from a config), pp stages (1F1B), dp = the other ranks. In fp32 the reference is
+``torch.optim.Adam`` on one process; in bf16 it runs the same recipe on one process:
+each step, bf16 copies of the fp32 parameters compute every microbatch under autocast
+(CUDA's rules, as the runtime's CPU ranks), their gradients summed in fp32 into the fp32
+parameters' ``.grad``, Adam stepping the fp32 parameters.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import sys
+import traceback
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+from torch import nn  # noqa: E402
+
+import partc  # noqa: E402
+from partc.autocast_policy import cuda_autocast  # noqa: E402
+from samples import gpt  # noqa: E402
+from tests import models  # noqa: E402
+
+BATCH, SEQ, STEPS, MICROBATCHES = 8, 16, 3, 4
+# eps well above fp32 rounding noise: a key projection's bias has a gradient that is
+# mathematically zero (softmax ignores a shift of every key alike), and Adam would turn
+# its noise (~1e-9, different on every mesh) into steps of lr either way.
+ADAM = dict(lr=1e-2, betas=(0.9, 0.95), eps=1e-3, weight_decay=0.0)
+
+
+def _gpt2() -> nn.Module:
+    return models.gpt2(n_layer=2, dropout=0.0)
+
+
+MODELS = {"gpt": (gpt.gpt_tiny, gpt.loss_fn), "gpt2": (_gpt2, models.causal_lm_loss)}
+
+
+def _batch(model: nn.Module, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1000 + step)
+    vocab = getattr(getattr(model, "config", None), "vocab_size", 128)
+    tokens = torch.randint(0, vocab, (BATCH, SEQ + 1), generator=g)
+    return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+
+
+def _fp32_logits(output: Any) -> Any:
+    if isinstance(output, torch.Tensor):
+        return output.float()
+    output.logits = output.logits.float()
+    return output
+
+
+def _reference_step(model: nn.Module, loss_fn: Any, x: torch.Tensor, y: torch.Tensor,
+                    dtype: torch.dtype) -> float:
+    """One step's gradients on one process: the whole batch in fp32, or in bf16 the
+    runtime's recipe microbatch by microbatch (bf16 copies cast once per step)."""
+    if dtype == torch.float32:
+        loss = loss_fn(model(x), y)
+        loss.backward()
+        return loss.item()
+    masters = dict(model.named_parameters())
+    copies = {name: nn.Parameter(p.detach().to(dtype)) for name, p in masters.items()}
+    for name, c in copies.items():
+        owner, _, attr = name.rpartition(".")
+        model.get_submodule(owner)._parameters[attr] = c
+    total = 0.0
+    try:
+        for xs, ys in zip(x.chunk(MICROBATCHES), y.chunk(MICROBATCHES)):
+            with cuda_autocast(dtype):
+                output = model(xs)
+            loss = loss_fn(_fp32_logits(output), ys)
+            loss.backward()
+            total += loss.item()
+            for name, c in copies.items():  # fp32 accumulation, as the buckets
+                if c.grad is not None:
+                    master = masters[name]
+                    if master.grad is None:
+                        master.grad = torch.zeros_like(master)
+                    master.grad.add_(c.grad)
+                    c.grad = None
+    finally:
+        for name, p in masters.items():
+            owner, _, attr = name.rpartition(".")
+            model.get_submodule(owner)._parameters[attr] = p
+    for p in masters.values():
+        if p.grad is not None:
+            p.grad.div_(MICROBATCHES)
+    return total / MICROBATCHES
+
+
+def run_case(name: str) -> dict[str, Any]:
+    parts = name.split("-")
+    build, loss_fn = MODELS[parts[0]]
+    pp = int(parts.pop(1).removeprefix("pp")) if parts[1].startswith("pp") else 1
+    zero = int(parts[1].removeprefix("zero"))
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[parts[2]]
+    clip = 1.0 if "clip" in parts else None
+    world = dist.get_world_size()
+    dp = world // pp
+    torch.manual_seed(0)
+    model = build()
+    reference = copy.deepcopy(model)
+    x, y = _batch(model, 0)
+    program = partc.compile(
+        model, (x,), loss_fn=loss_fn, example_target=y,
+        budget=partc.DeviceBudget(num_devices=world, device="CPU"),
+        train=partc.TrainSpec(global_batch_size=BATCH, optimizer="adam", dtype=dtype,
+                              max_grad_norm=clip),
+        constraints=partc.Constraints(pp=pp, dp=dp, zero_stage=zero, recompute="none",
+                                      schedule="1f1b" if pp > 1 else None,
+                                      num_microbatches=MICROBATCHES // dp))
+    module = program.build()
+    opt = module.optimizer(torch.optim.Adam, **ADAM)
+    ref_opt = torch.optim.Adam(reference.parameters(), **ADAM)
+    losses, ref_losses, norms, ref_norms = [], [], [], []
+    for step in range(STEPS):
+        x, y = _batch(model, step)
+        losses.append(module.forward_backward(x, target=y).item())
+        if clip is not None:
+            norms.append(module.last_grad_norm.item())
+        opt.step()
+        if step == STEPS - 1:
+            measured = _measured_bytes(module, opt)
+        opt.zero_grad()
+        ref_losses.append(_reference_step(reference, loss_fn, x, y, dtype))
+        if clip is not None:
+            ref_norms.append(nn.utils.clip_grad_norm_(reference.parameters(), clip).item())
+        ref_opt.step()
+        ref_opt.zero_grad()
+    full = module.full_state_dict()
+    ref_state = reference.state_dict()
+    errors = {k: ((full[k] - v).norm() / max(v.norm().item(), 1e-3)).item()
+              for k, v in ref_state.items() if k in full and v.is_floating_point()}
+    stage = program.plan.stages[module.stage_index]
+    return {"losses": losses, "ref_losses": ref_losses, "grad_norms": norms,
+            "ref_grad_norms": ref_norms, "param_errors": errors,
+            "zero_stage": program.plan.effective_zero_stage,
+            "measured": measured,
+            "planned": {"params": stage.memory_bytes.params, "grads": stage.memory_bytes.grads,
+                        "optimizer": stage.memory_bytes.optimizer},
+            "param_count": stage.param_count}
+
+
+def _measured_bytes(module: Any, opt: torch.optim.Optimizer) -> dict[str, int]:
+    """Bytes of the tensors this rank allocated for weights, gradients and optimizer
+    state, after a step: the parameters (and the compute-dtype copies the step made),
+    the gradient buckets or FSDP's sharded gradients, the optimizer's state tensors."""
+    params = list({id(p): p for p in module.parameters()}.values())
+    local = [p.to_local() if hasattr(p, "to_local") else p for p in params]
+    weights = sum(p.numel() * p.element_size() for p in local)
+    copies = getattr(module, "_copies", None)
+    weights += copies.last_bytes if copies is not None else 0
+    buckets = getattr(module, "_buckets", None)
+    if buckets is not None:
+        grads = sum(b.buffer.numel() * b.buffer.element_size() for b in buckets.buckets)
+    else:  # FSDP's sharded gradients
+        grads = sum(g.numel() * g.element_size() for p in params if p.grad is not None
+                    for g in [p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad])
+    state = getattr(opt, "optim", opt).state
+    optimizer = sum((t.to_local() if hasattr(t, "to_local") else t).numel() * t.element_size()
+                    for s in state.values() for t in s.values()
+                    if isinstance(t, torch.Tensor) and t.dim() > 0)
+    return {"params": weights, "grads": grads, "optimizer": optimizer}
+
+
+def main() -> None:
+    out = Path(sys.argv[1])
+    dist.init_process_group("gloo")
+    results: dict[str, Any] = {}
+    for name in sys.argv[2:]:
+        try:
+            results[name] = run_case(name)
+        except Exception as error:  # recorded, so one failure does not hide the others
+            results[name] = {"error": f"{type(error).__name__}: {error}",
+                             "traceback": traceback.format_exc()}
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"rank{dist.get_rank()}.json").write_text(json.dumps(results))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("PARTC_TIMEOUT_S", "120")
+    main()
