@@ -52,7 +52,7 @@ PIN_FLAGS = {
 TRAIN_FLAGS = {
     "global_batch_size": "--global-batch", "micro_batch_size": "--micro-batch",
     "dtype": "--dtype", "optimizer": "--optimizer", "schedule": "--schedule",
-    "max_grad_norm": "--max-grad-norm", "attention": "--attention",
+    "max_grad_norm": "--max-grad-norm", "attention": "--attention", "compile": "--compile",
 }
 BUDGET_FLAGS = {
     "num_devices": "--devices", "device": "--device", "profile": "--profile",
@@ -278,6 +278,9 @@ def _training_arguments(train) -> None:
                        help="clip the global gradient norm to this")
     train.add_argument("--attention", choices=ATTENTION,
                        help="run attention as written, or fused into one kernel call")
+    train.add_argument("--compile", action="store_true", default=None,
+                       help="run each stage through torch.compile (fused element-wise ops; "
+                            "the plan prices the fused bytes)")
 
 
 def _budget_arguments(group, *, devices: bool = True) -> None:

@@ -144,6 +144,12 @@ class LayerCost:
     # Mixture-of-experts: the routed experts inside this layer's figures; None for a
     # dense layer.
     moe: MoECost | None = None
+    # Compiled (``TrainSpec.compile``): the bytes the memory-bound ops move per sample when
+    # each chain of them between heavy ops is one fused kernel (its inputs read once,
+    # its outputs that leave the chain or are saved for backward written once), and the
+    # number of those kernels. None: not measured.
+    fused_mem_bytes: float | None = None
+    fused_kernels: int | None = None
 
     def __post_init__(self) -> None:
         listed = sum(op.flops * op.count for op in self.heavy_ops)
@@ -306,6 +312,8 @@ class TrainNumbers:
     # moved, and the cuts and tensor-parallel collectives in the dtypes the runtime makes
     # them in): 1 when it measured them under the training's autocast.
     measured_scale: float = 1.0
+    # Stages run through torch.compile: light ops priced by their fused bytes.
+    compiled: bool = False
 
 
 @dataclass(frozen=True, kw_only=True)

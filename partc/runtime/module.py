@@ -50,6 +50,7 @@ from partc.placement import Placement
 from partc.plan import InputSpec, Plan
 
 from . import tp as tp_ops
+from .compiled import compile_stage
 from .data import DataSampler
 from .recompute import checkpoint_layer
 from .parameters import (aliases_of, dp_shard, local_part, own_parameters,
@@ -615,6 +616,8 @@ def build(plan: Plan, topology: Topology, program: StageProgram, model: nn.Modul
         # casts activations a traced graph pins to fp32 (exported graphs fix dtypes).
         module.forward = torch.autocast(topology.device.type, dtype=compute_dtype)(
             module.forward)
+    if plan.train.compile:
+        compile_stage(module, plan, topology.device)
     tied = _tied_groups(program.holders, module, topology)
     partial_names = set(plan.tensor_parallel.partial_grad_params
                         if plan.tensor_parallel is not None else ())
