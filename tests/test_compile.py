@@ -293,3 +293,29 @@ def test_compiled_stages_are_priced_fused_and_never_planned_with_fsdp():
         compiled(True, zero_stage=2)
     with pytest.raises(ValueError, match="TrainSpec.compile must be True or False"):
         partc.TrainSpec(global_batch_size=8, compile="yes")
+
+
+def test_compiled_stages_are_refused_where_they_cannot_train(monkeypatch):
+    from torch._inductor import cpp_builder
+
+    from partc.runtime import compiled
+
+    plan = check(partc.compile(gpt_tiny(), (torch.randint(0, 128, (8, 16)),), loss_fn=loss_fn,
+                               example_target=torch.randint(0, 128, (8, 16)),
+                               budget=partc.DeviceBudget(num_devices=2, device="CPU"),
+                               train=partc.TrainSpec(global_batch_size=8, compile=True),
+                               constraints=partc.Constraints(pp=1, dp=2, zero_stage=1)))
+    cpu = torch.device("cpu")
+    assert compiled.refusal(plan, cpu) is None
+    assert "ZeRO-3" in compiled.refusal(dataclasses.replace(plan, zero_stage=3), cpu)
+
+    def no_compiler():
+        raise RuntimeError("no g++")
+
+    monkeypatch.setattr(cpp_builder, "get_cpp_compiler", no_compiler)
+    compiled._no_cpu_compiler.cache_clear()
+    try:
+        assert "needs a C++ compiler" in compiled.refusal(plan, cpu)
+        assert compiled.refusal(plan, torch.device("cuda")) is None
+    finally:
+        compiled._no_cpu_compiler.cache_clear()
