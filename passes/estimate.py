@@ -501,14 +501,22 @@ def _layer_cost(gm: fx.GraphModule, info: meta.LayerInfo, nodes: list[fx.Node], 
 
 def _fused(gm: fx.GraphModule, nodes: list[fx.Node], run: _LayerRun,
            heavy: set[fx.Node]) -> tuple[float, int]:
-    """The bytes the layer's light ops move when each connected chain of them is one
-    fused kernel, and how many kernels those are: a chain reads each value from outside
-    it once (parameters are left out, as :func:`_node_cost` leaves them) and writes each
+    """The bytes the layer's light ops move when each connected chain of them between
+    the same heavy ops is one fused kernel, and how many kernels those are: a chain
+    reads each value from outside it once (parameters are left out, as :func:`_node_cost` leaves them) and writes each
     value that a node outside it reads or that backward keeps. Heavy ops and the
     tensor-parallel group's calls (eager in a compiled stage) end chains, and queries of
     metadata (``x.size()``) join none; a chain of views alone is no kernel."""
-    light = [n for n in nodes if n.op.startswith("call_") and n not in heavy
-             and run.dtypes.get(n) and not _tp_call(gm, n)]   # a size query is no kernel
+    breaks = {n for n in nodes if n in heavy or _tp_call(gm, n)}
+    light = [n for n in nodes if n.op.startswith("call_") and n not in breaks
+             and run.dtypes.get(n)]   # a size query is no kernel
+    # How many breaks precede a node on its longest path within the layer: two light ops
+    # joined by a value share a kernel only when no heavy op must run between them
+    # (``h = x + a; ...; y = h + mlp(h)``: the two adds are two kernels).
+    depth: dict[fx.Node, int] = {}
+    for node in nodes:
+        depth[node] = max((depth.get(arg, 0) + (arg in breaks)
+                           for arg in node.all_input_nodes), default=0)
     chain = {n: n for n in light}
 
     def root(node: fx.Node) -> fx.Node:
@@ -518,7 +526,7 @@ def _fused(gm: fx.GraphModule, nodes: list[fx.Node], run: _LayerRun,
 
     for node in light:
         for arg in node.all_input_nodes:
-            if arg in chain:
+            if arg in chain and depth[arg] == depth[node]:
                 chain[root(arg)] = root(node)
     groups: dict[fx.Node, list[fx.Node]] = {}
     for node in light:
