@@ -86,8 +86,9 @@ def equation_bytes(config: Config, tp: int, sequence_parallel: bool, mode: str) 
     return s * b * h * (10 + 24 / t + attention)
 
 
-def gpt2_layer(config: Config) -> tuple[torch.nn.Module, torch.Tensor, torch.Tensor]:
-    """A two-block GPT-2 of the configuration's width on the meta device, as the paper
+def gpt2_layer(config: Config, device: str = "meta"
+               ) -> tuple[torch.nn.Module, torch.Tensor, torch.Tensor]:
+    """A two-block GPT-2 of the configuration's width (on the meta device), as the paper
     builds its layers, with (1, seq) token ids and targets. Two blocks: a value every
     block reads (the causal mask) is charged to the layer that makes it, as in a deep
     model, not to the one block."""
@@ -98,13 +99,13 @@ def gpt2_layer(config: Config) -> tuple[torch.nn.Module, torch.Tensor, torch.Ten
                     activation_function="gelu", resid_pdrop=DROPOUT, embd_pdrop=DROPOUT,
                     attn_pdrop=DROPOUT, use_cache=False, attn_implementation="eager",
                     bos_token_id=0, eos_token_id=0)
-    with torch.device("meta"):
+    with torch.device(device):
         model = GPT2LMHeadModel(hf)
         ids = torch.zeros(1, config.seq_len, dtype=torch.long)
     return model, ids, ids.clone()
 
 
-def _loss(output, target: torch.Tensor) -> torch.Tensor:
+def loss(output, target: torch.Tensor) -> torch.Tensor:
     logits = output.logits
     return torch.nn.functional.cross_entropy(logits.flatten(0, 1), target.flatten())
 
@@ -123,7 +124,7 @@ def analysed(name: str):
 
     config = config_named(name)
     model, ids, target = gpt2_layer(config)
-    return analyze(model, (ids,), loss_fn=_loss, example_target=target,
+    return analyze(model, (ids,), loss_fn=loss, example_target=target,
                    name=f"gpt2-layer-{name}", autocast=torch.bfloat16,
                    autocast_device="cuda")
 
