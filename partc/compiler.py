@@ -235,7 +235,7 @@ def _train_spec(train: TrainNumbers) -> TrainSpec:
     precision = train.precision
     return TrainSpec(global_batch_size=train.global_batch_size,
                      dtype=torch.bfloat16 if precision.mixed else torch.float32,
-                     optimizer=precision.optimizer_state_bytes)
+                     optimizer=precision.optimizer_state_bytes, compile=train.compiled)
 
 
 def compile(model: torch.nn.Module, example_inputs: tuple | torch.Tensor, *,
