@@ -42,6 +42,7 @@ def arguments() -> argparse.Namespace:
     parser.add_argument("--seq", type=int, default=128)
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--microbatches", type=int, default=2)
+    parser.add_argument("--dropout", type=float, default=0.1)
     parser.add_argument("--dp", action="store_true", help="two replicas instead of two stages")
     return parser.parse_args()
 
@@ -51,7 +52,7 @@ def main() -> None:
     dist.init_process_group("gloo")
     torch.manual_seed(0)
     model = gpt_tiny(vocab_size=1024, block_size=args.seq, n_layer=args.layers,
-                     n_embd=args.width, n_head=4, dropout=0.1)
+                     n_embd=args.width, n_head=4, dropout=args.dropout)
     g = torch.Generator().manual_seed(0)
     batches = [torch.randint(0, 1024, (args.batch, args.seq + 1), generator=g)
                for _ in range(4)]
@@ -95,6 +96,7 @@ def report(args, programs, times, losses) -> None:
                  for name, (program, _) in programs.items()}
     shape = "2 replicas" if args.dp else f"2 stages, 1f1b, {args.microbatches} microbatches"
     print(f"GPT {args.layers} layers x {args.width} wide, seq {args.seq}, batch {args.batch}, "
+          f"dropout {args.dropout}, "
           f"{shape}; median of {args.steps} steps (forward + backward), CPU preset")
     print(f"  {'':9s} {'predicted':>10s} {'measured':>10s}")
     for name in programs:
