@@ -54,6 +54,7 @@ TRAIN_FLAGS = {
     "dtype": "--dtype", "optimizer": "--optimizer", "schedule": "--schedule",
     "max_grad_norm": "--max-grad-norm", "attention": "--attention",
     "moe_imbalance": "--moe-imbalance", "moe_capacity_factor": "--moe-capacity-factor",
+    "compile": "--compile",
 }
 BUDGET_FLAGS = {
     "num_devices": "--devices", "device": "--device", "profile": "--profile",
@@ -286,6 +287,9 @@ def _training_arguments(train) -> None:
     train.add_argument("--moe-capacity-factor", type=POSITIVE, metavar="FACTOR",
                        help="mixture-of-experts: cap each expert's tokens at FACTOR x its "
                             "balanced share, dropping the rest (default: dropless)")
+    train.add_argument("--compile", action="store_true", default=None,
+                       help="run each stage through torch.compile (fused element-wise ops; "
+                            "the plan prices the fused bytes)")
 
 
 def _budget_arguments(group, *, devices: bool = True) -> None:

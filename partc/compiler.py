@@ -102,6 +102,10 @@ def build_problem(analysis: ModelAnalysis, budget: DeviceBudget, train: TrainSpe
     running under ``options.sharding``."""
     names = tuple(layer.name for layer in analysis.layers)
     devices = device_numbers(budget, train.dtype)
+    if train.compile and (constraints.zero_stage or 0) >= 2:
+        raise ValueError(f"compile=True cannot run zero_stage={constraints.zero_stage}: "
+                         "FSDP2's gather and free hooks are not compiled "
+                         "(partc.runtime.compiled); pin zero_stage 0 or 1, or compile=False")
     # Before measuring tensor parallelism: a pin that cannot hold fails at once.
     check_pins(pins_for(constraints, train), devices, train.global_batch_size, names)
     pins = pins_for(constraints, train, names)
@@ -129,7 +133,8 @@ def build_problem(analysis: ModelAnalysis, budget: DeviceBudget, train: TrainSpe
             activation_scale=dtype_bytes(train.dtype) / analysis.summary.traced_dtype_bytes,
             precision=train.precision,
             measured_scale=dtype_bytes(train.dtype) / _measured_dtype_bytes(analysis),
-            moe_imbalance=train.moe_imbalance, moe_capacity_factor=train.moe_capacity_factor),
+            moe_imbalance=train.moe_imbalance, moe_capacity_factor=train.moe_capacity_factor,
+            compiled=train.compile),
         pins=pins,
     )
 
@@ -233,7 +238,8 @@ def _train_spec(train: TrainNumbers) -> TrainSpec:
                      dtype=torch.bfloat16 if precision.mixed else torch.float32,
                      optimizer=precision.optimizer_state_bytes,
                      moe_imbalance=train.moe_imbalance,
-                     moe_capacity_factor=train.moe_capacity_factor)
+                     moe_capacity_factor=train.moe_capacity_factor,
+                     compile=train.compiled)
 
 
 def _compact(value: Any) -> Any:

@@ -324,7 +324,7 @@ def op_step_seconds(op: HeavyOp, rate: float, hbm_bandwidth: float) -> float:
 
 
 def layer_work(layer: LayerCost, devices: DeviceNumbers, micro_batch: int,
-               scale: float) -> dict[str, Any]:
+               scale: float, compiled: bool = False) -> dict[str, Any]:
     """A layer's compute per microbatch as (compute-bound, memory-bound) seconds: forward,
     backward and, per recompute mode, the recomputed forward. Heavy ops by the roofline
     (:func:`roofline_seconds`); the other ops move their bytes at HBM bandwidth, twice in
@@ -335,7 +335,15 @@ def layer_work(layer: LayerCost, devices: DeviceNumbers, micro_batch: int,
     (:attr:`DeviceNumbers.op_overhead_s` forward, ``op_overhead_backward_s`` per forward
     op in backward; counted with the memory-bound time): what makes more, smaller
     microbatches cost more than fewer, larger ones. Selective recompute replays the layer's
-    light ops, full recompute all of them."""
+    light ops, full recompute all of them.
+
+    ``compiled`` (``TrainSpec.compile``): the light ops of a layer that is not recomputed
+    run as fused kernels, moving ``fused_mem_bytes`` (twice in backward) and paying the
+    overhead of ``fused_kernels`` calls; a recomputed layer runs eagerly inside the
+    compiled stage (:mod:`partc.runtime.compiled`), so its recompute entry carries what
+    the unfused forward and backward cost beyond the fused ones."""
+    if compiled and layer.fused_mem_bytes is not None:
+        return _compiled_work(layer, devices, micro_batch, scale)
     compute, memory = roofline_seconds(layer.heavy_ops, devices, micro_batch, scale)
     back_compute, back_memory = roofline_seconds(layer.heavy_ops, devices, micro_batch,
                                                  scale, backward=True)
@@ -359,11 +367,32 @@ def layer_work(layer: LayerCost, devices: DeviceNumbers, micro_batch: int,
                           for m in layer.modes}}
 
 
+def _compiled_work(layer: LayerCost, devices: DeviceNumbers, micro_batch: int,
+                   scale: float) -> dict[str, Any]:
+    eager = layer_work(layer, devices, micro_batch, scale)
+    heavy = sum(op.count for op in layer.heavy_ops)
+    kernels = heavy + (layer.fused_kernels or 0)
+
+    def light(mem_bytes: float) -> float:
+        return micro_batch * mem_bytes * scale / devices.hbm_bandwidth
+
+    forward = (eager["forward"][0], eager["forward"][1] - light(layer.fwd_mem_bytes)
+               - layer.num_nodes * devices.op_overhead_s + light(layer.fused_mem_bytes)
+               + kernels * devices.op_overhead_s)
+    backward = (eager["backward"][0], eager["backward"][1] - light(layer.bwd_mem_bytes)
+                - layer.num_nodes * devices.op_overhead_backward_s
+                + light(2.0 * layer.fused_mem_bytes) + kernels * devices.op_overhead_backward_s)
+    unfused = (eager["forward"][1] + eager["backward"][1]) - (forward[1] + backward[1])
+    recompute = {m: (c, memory + (unfused if m != "none" else 0.0))
+                 for m, (c, memory) in eager["recompute"].items()}
+    return {"forward": forward, "backward": backward, "recompute": recompute}
+
+
 def _layer_table(problem: PlanningProblem, config: PipelineConfig, index: int) -> LayerTable:
     layer = problem.layers[index]
     devices, train = problem.devices, problem.train
     b, scale = config.micro_batch_size, train.measured_scale
-    work = layer_work(layer, devices, b, scale)
+    work = layer_work(layer, devices, b, scale, train.compiled)
     saved = {m: int(round(b * scale * v)) for m, v in layer.saved_bytes.items()}
     workspace = int(round(2 * b * scale * layer.workspace_bytes))
     gathered, gradient = _zero_transient(problem, config, layer.param_count)
@@ -558,7 +587,7 @@ def _layer_key(layer) -> tuple:
             layer.param_bytes, tuple(sorted(layer.saved_bytes.items())),
             tuple(sorted(layer.recompute_flops.items())),
             tuple(sorted(layer.recompute_mem_bytes.items())), layer.workspace_bytes,
-            layer.tp_comm, layer.num_nodes)
+            layer.tp_comm, layer.num_nodes, layer.fused_mem_bytes, layer.fused_kernels)
 
 
 def build_cost_table(problem: PlanningProblem, config: PipelineConfig,

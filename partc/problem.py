@@ -159,6 +159,12 @@ class LayerCost:
     # Mixture-of-experts: the routed experts inside this layer's figures; None for a
     # dense layer.
     moe: MoECost | None = None
+    # Compiled (``TrainSpec.compile``): the bytes the memory-bound ops move per sample when
+    # each chain of them between heavy ops is one fused kernel (its inputs read once,
+    # its outputs that leave the chain or are saved for backward written once), and the
+    # number of those kernels. None: not measured.
+    fused_mem_bytes: float | None = None
+    fused_kernels: int | None = None
 
     def __post_init__(self) -> None:
         listed = sum(op.flops * op.count for op in self.heavy_ops)
@@ -325,6 +331,8 @@ class TrainNumbers:
     # share that memory is budgeted for, and the capacity factor (None: dropless).
     moe_imbalance: float = 2.0
     moe_capacity_factor: float | None = None
+    # Stages run through torch.compile: light ops priced by their fused bytes.
+    compiled: bool = False
 
 
 @dataclass(frozen=True, kw_only=True)

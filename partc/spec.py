@@ -76,6 +76,10 @@ class TrainSpec:
     (:mod:`partc.passes.fuse_attention` says which patterns and masks it rewrites). The
     plan is costed, and the program runs, with the attention chosen here; the default,
     ``"as_written"``, changes nothing.
+    ``compile=True`` runs each stage through ``torch.compile`` (inductor), which fuses
+    chains of element-wise ops between the heavy ones into single kernels; the plan is
+    costed with those chains' fused bytes (:mod:`partc.runtime.compiled` says what is
+    compiled and what is refused).
     """
 
     global_batch_size: int
@@ -88,6 +92,7 @@ class TrainSpec:
     # Mixture-of-experts (see the class docstring's last paragraph).
     moe_imbalance: float = DEFAULT_MOE_IMBALANCE
     moe_capacity_factor: float | None = None
+    compile: bool = False
 
     def __post_init__(self) -> None:
         _check_positive_int("TrainSpec.global_batch_size", self.global_batch_size)
@@ -117,6 +122,8 @@ class TrainSpec:
                              f"clipping), got {self.max_grad_norm!r}")
         if self.attention not in ATTENTION:
             raise ValueError(f"attention must be one of {ATTENTION}, got {self.attention!r}")
+        if not isinstance(self.compile, bool):
+            raise ValueError(f"TrainSpec.compile must be True or False, got {self.compile!r}")
         if self.schedule not in ("auto", *SCHEDULES):
             raise ValueError(f"schedule must be 'auto' or one of {SCHEDULES}, "
                              f"got {self.schedule!r}")
@@ -153,6 +160,7 @@ class TrainSpec:
             "attention": self.attention,
             "moe_imbalance": self.moe_imbalance,
             "moe_capacity_factor": self.moe_capacity_factor,
+            "compile": self.compile,
         }
 
     @classmethod

@@ -29,6 +29,12 @@ once and read by every block) is held once, not once per reader: it is charged t
 layer that makes it, in every recompute mode, and to none of its readers (see
 :func:`_shared_values`).
 
+For a compiled stage (``TrainSpec.compile``) the same run also gives the light ops'
+bytes as inductor fuses them (:func:`_fused`): each connected chain of memory-bound ops
+between the heavy ones (and the tensor-parallel calls, which stay outside compiled
+code) is one kernel that reads the chain's inputs once and writes only what leaves the
+chain or is saved for backward.
+
 Layers with the same signature (``transformer.h.0`` … ``h.N``) are measured once and the
 numbers copied, which keeps a 32-layer 8B model to a handful of layer runs.
 """
@@ -51,6 +57,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from partc import meta
 from partc.problem import HeavyOp, LayerCost
+from partc.runtime.tp import TensorParallelGroup
 
 from . import fuse_attention
 from .autocast_policy import cuda_autocast
@@ -126,7 +133,7 @@ def estimate(gm: fx.GraphModule, ctx: Context) -> fx.GraphModule:
         for node, made in run.dtypes.items():
             if len(made) == len(meta.tensors(node)):
                 meta.set_run_dtypes(node, made)
-        costs.append(_layer_cost(info, nodes, run, usage, ctx.batch_size, shared,
+        costs.append(_layer_cost(gm, info, nodes, run, usage, ctx.batch_size, shared,
                                  setting.dtypes))
     meta.set_layer_costs(gm, tuple(costs))
     # What crosses each cut, in the dtypes the runtime sends it in (under autocast the
@@ -452,7 +459,7 @@ def _shared_values(gm: fx.GraphModule) -> set[fx.Node]:
     return shared
 
 
-def _layer_cost(info: meta.LayerInfo, nodes: list[fx.Node], run: _LayerRun,
+def _layer_cost(gm: fx.GraphModule, info: meta.LayerInfo, nodes: list[fx.Node], run: _LayerRun,
                 usage: dict, batch: int, shared: set[fx.Node],
                 dtypes: dict[fx.Node, tuple[torch.dtype, ...]]) -> LayerCost:
     heavy = {n for n in nodes if run.costs[n].compute_heavy}
@@ -479,6 +486,7 @@ def _layer_cost(info: meta.LayerInfo, nodes: list[fx.Node], run: _LayerRun,
         rec_bytes["selective"] = light_bytes
     count, nbytes = usage["own"].get(info.index, (0, 0))
     per = 1.0 / batch
+    fused_bytes, kernels = _fused(gm, nodes, run, heavy)
     return LayerCost(
         heavy_ops=_heavy_ops([n for n in nodes if n in heavy], run, per),
         name=info.name, signature=info.signature, fwd_flops=flops * per,
@@ -487,7 +495,83 @@ def _layer_cost(info: meta.LayerInfo, nodes: list[fx.Node], run: _LayerRun,
         recompute_flops={k: v * per for k, v in rec_flops.items()},
         recompute_mem_bytes={k: v * per for k, v in rec_bytes.items()},
         workspace_bytes=max((run.costs[n].output_bytes for n in nodes), default=0.0) * per,
-        num_nodes=sum(1 for n in nodes if n.op.startswith("call_")))
+        num_nodes=sum(1 for n in nodes if n.op.startswith("call_")),
+        fused_mem_bytes=fused_bytes * per, fused_kernels=kernels)
+
+
+def _fused(gm: fx.GraphModule, nodes: list[fx.Node], run: _LayerRun,
+           heavy: set[fx.Node]) -> tuple[float, int]:
+    """The bytes the layer's light ops move when each connected chain of them between
+    the same heavy ops is one fused kernel, and how many kernels those are: a chain
+    reads each value from outside it once (parameters are left out, as :func:`_node_cost` leaves them) and writes each
+    value that a node outside it reads or that backward keeps. Heavy ops and the
+    tensor-parallel group's calls (eager in a compiled stage) end chains, and queries of
+    metadata (``x.size()``) join none; a chain of views alone is no kernel."""
+    breaks = {n for n in nodes if n in heavy or _tp_call(gm, n)}
+    light = [n for n in nodes if n.op.startswith("call_") and n not in breaks
+             and run.dtypes.get(n)]   # a size query is no kernel
+    # How many breaks precede a node on its longest path within the layer: two light ops
+    # joined by a value share a kernel only when no heavy op must run between them
+    # (``h = x + a; ...; y = h + mlp(h)``: the two adds are two kernels).
+    depth: dict[fx.Node, int] = {}
+    for node in nodes:
+        depth[node] = max((depth.get(arg, 0) + (arg in breaks)
+                           for arg in node.all_input_nodes), default=0)
+    chain = {n: n for n in light}
+
+    def root(node: fx.Node) -> fx.Node:
+        while chain[node] is not node:
+            node = chain[node]
+        return node
+
+    for node in light:
+        for arg in node.all_input_nodes:
+            if arg in chain and depth[arg] == depth[node]:
+                chain[root(arg)] = root(node)
+    groups: dict[fx.Node, list[fx.Node]] = {}
+    for node in light:
+        groups.setdefault(root(node), []).append(node)
+    kept = {node for _, node in run.saved.values()}
+    total, kernels = 0.0, 0
+    for group in groups.values():
+        inside = set(group)
+        if all(run.costs[n].is_view for n in group):
+            continue
+        kernels += 1
+        read = {_base(arg, run) for n in group for arg in n.all_input_nodes
+                if arg not in inside}
+        written = {_base(n, run) for n in group
+                   if n in kept or any(user not in inside for user in n.users)}
+        total += sum(_value_bytes(value, run) for value in read - inside)
+        total += sum(_value_bytes(value, run) for value in written & inside)
+    return total, kernels
+
+
+def _tp_call(gm: fx.GraphModule, node: fx.Node) -> bool:
+    """A call of a method of the stage's tensor-parallel group (``tp.reduce_from_tp``)."""
+    if node.op != "call_method" or not node.args or not isinstance(node.args[0], fx.Node):
+        return False
+    owner = node.args[0]
+    return owner.op == "get_attr" and isinstance(fetch(gm, str(owner.target)),
+                                                 TensorParallelGroup)
+
+
+def _base(node: fx.Node, run: _LayerRun) -> fx.Node:
+    """The node whose storage ``node``'s value is (through views of this layer)."""
+    while node in run.costs and run.costs[node].is_view and node.all_input_nodes \
+            and node.op != "get_attr":
+        node = node.all_input_nodes[0]
+    return node
+
+
+def _value_bytes(node: fx.Node, run: _LayerRun) -> float:
+    """Bytes of a value as made: a node of the layer's output, an input's size as read
+    (parameters and buffers: 0, never counted as moved)."""
+    if node.op == "get_attr":
+        return 0.0
+    if node in run.costs:
+        return run.costs[node].output_bytes
+    return float(run.inputs.get(node, 0))
 
 
 def _heavy_ops(nodes: list[fx.Node], run: _LayerRun, per: float) -> tuple[HeavyOp, ...]:

@@ -263,3 +263,72 @@ def test_the_planner_refuses_pins_of_a_problem_built_by_hand():
     problem = dataclasses.replace(program.problem, pins=Pins(pp=16))
     with pytest.raises(partc.PlanInfeasibleError, match="pp=16 stages need at least 16"):
         solve(problem)
+
+
+class _Chain(torch.nn.Module):
+    """fc1: 8 → 16, then relu, * 2, - 1 (one chain of element-wise ops), fc2: 16 → 8."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1, self.fc2 = torch.nn.Linear(8, 16), torch.nn.Linear(16, 8)
+
+    def forward(self, x):
+        return self.fc2(torch.relu(self.fc1(x)) * 2.0 - 1.0)
+
+
+def test_a_fused_chain_moves_its_inputs_and_outputs_once():
+    from partc.passes import analyze
+
+    _, analysis = analyze(_Chain(), (torch.randn(2, 8),))
+    fc1 = analysis.layers[0]
+    # Eager: relu, mul and sub each read and write 16 floats per sample.
+    assert fc1.fwd_mem_bytes == 6 * 16 * 4 and fc1.num_nodes == 4
+    # Fused: fc1's output read once; sub's output (fc2 reads it) and relu's output
+    # (relu's backward keeps it) written once; one kernel.
+    assert fc1.fused_mem_bytes == 3 * 16 * 4 and fc1.fused_kernels == 1
+
+
+def test_compiled_stages_are_priced_fused_and_never_planned_with_fsdp():
+    model = gpt_tiny()
+    ids, target = torch.randint(0, 128, (8, 16)), torch.randint(0, 128, (8, 16))
+
+    def compiled(flag: bool, **pins) -> partc.Program:
+        return partc.compile(model, (ids,), loss_fn=loss_fn, example_target=target,
+                             budget=partc.DeviceBudget(num_devices=2, device="CPU"),
+                             train=partc.TrainSpec(global_batch_size=8, compile=flag),
+                             constraints=partc.Constraints(pp=1, dp=2, **pins))
+
+    fused, eager = check(compiled(True)), check(compiled(False))
+    assert fused.train.compile and fused.effective_zero_stage < 2
+    assert fused.predicted.step_time_s < eager.predicted.step_time_s
+    assert Plan.from_json(fused.to_json()).train == fused.train
+    with pytest.raises(ValueError, match="compile=True cannot run zero_stage=2"):
+        compiled(True, zero_stage=2)
+    with pytest.raises(ValueError, match="TrainSpec.compile must be True or False"):
+        partc.TrainSpec(global_batch_size=8, compile="yes")
+
+
+def test_compiled_stages_are_refused_where_they_cannot_train(monkeypatch):
+    from torch._inductor import cpp_builder
+
+    from partc.runtime import compiled
+
+    plan = check(partc.compile(gpt_tiny(), (torch.randint(0, 128, (8, 16)),), loss_fn=loss_fn,
+                               example_target=torch.randint(0, 128, (8, 16)),
+                               budget=partc.DeviceBudget(num_devices=2, device="CPU"),
+                               train=partc.TrainSpec(global_batch_size=8, compile=True),
+                               constraints=partc.Constraints(pp=1, dp=2, zero_stage=1)))
+    cpu = torch.device("cpu")
+    assert compiled.refusal(plan, cpu) is None
+    assert "ZeRO-3" in compiled.refusal(dataclasses.replace(plan, zero_stage=3), cpu)
+
+    def no_compiler():
+        raise RuntimeError("no g++")
+
+    monkeypatch.setattr(cpp_builder, "get_cpp_compiler", no_compiler)
+    compiled._no_cpu_compiler.cache_clear()
+    try:
+        assert "needs a C++ compiler" in compiled.refusal(plan, cpu)
+        assert compiled.refusal(plan, torch.device("cuda")) is None
+    finally:
+        compiled._no_cpu_compiler.cache_clear()

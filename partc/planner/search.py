@@ -93,6 +93,8 @@ def candidate_configs(problem: PlanningProblem) -> list[PipelineConfig]:
                     continue
                 zero_stages = [pins.zero_stage] if pins.zero_stage is not None else (
                     [0, 1, 2, 3] if dp > 1 else [0])
+                if problem.train.compiled:   # FSDP2 (ZeRO-2/3) does not run compiled
+                    zero_stages = [zero for zero in zero_stages if zero < 2]
                 configs.extend(PipelineConfig(pp=pp, dp=dp, micro_batch_size=b,
                                               num_microbatches=m, schedule=schedule, tp=tp,
                                               sequence_parallel=sp, tp_objective=objective,

@@ -54,6 +54,7 @@ from partc.plan import InputSpec, Plan
 from partc.schedules import schedule as schedule_facts
 
 from . import tp as tp_ops
+from .compiled import compile_stage
 from .data import DataSampler
 from .recompute import checkpoint_layer
 from .parameters import (aliases_of, dp_shard, local_part, own_parameters,
@@ -686,6 +687,8 @@ def build(plan: Plan, topology: Topology,
             # (exported graphs fix dtypes).
             module.forward = torch.autocast(topology.device.type, dtype=compute_dtype)(
                 module.forward)
+        if plan.train.compile:
+            compile_stage(module, plan, topology.device)
     whole = modules[0] if len(modules) == 1 else RankStages(modules)
     holders = programs[0].holders
     tied = tied_groups(holders, whole, topology, plan)

@@ -39,6 +39,10 @@ def runtime_refusal(plan: Plan) -> str | None:
     why = refusal(plan.schedule, plan.pp, plan.chunks, plan.num_microbatches)
     if why is not None:
         return why
+    if facts.split_backward and plan.train.compile:
+        return (f"{plan.schedule} splits backward into input- and weight-gradient parts, "
+                "but a compiled region's backward (TrainSpec(compile=True)) is one autograd "
+                "node: train without compile, or with a schedule that has a whole backward")
     if facts.split_backward and plan.effective_zero_stage >= 2:
         return (f"{plan.schedule} splits backward into input- and weight-gradient parts, "
                 f"which FSDP (ZeRO-{plan.effective_zero_stage}) does not reduce: plan "

@@ -52,6 +52,7 @@ class Case:
     clip: float | None = None  # TrainSpec.max_grad_norm; the reference clips likewise
     dtype: torch.dtype = torch.float32  # TrainSpec.dtype; the reference trains in fp32
     attention: str = "as_written"  # TrainSpec.attention; the reference runs it as written
+    compile: bool = False  # TrainSpec.compile; the reference runs eagerly
 
 
 def _tokens(model: torch.nn.Module) -> int:
@@ -200,6 +201,24 @@ CASES["gpt-tp2-sp-fused"] = Case(gpt.gpt_tiny, "tokens", gpt.loss_fn,
 CASES["gpt2-pp2-fused-recompute"] = Case(_gpt2, "tokens", models.causal_lm_loss,
                                          dict(pp=2, schedule="1f1b", recompute=GPT2_MODES),
                                          attention="fused")
+# Stages run through torch.compile (inductor's CPU kernels) against one eager process;
+# recomputed layers stay eager inside the compiled stage.
+_COMPILED = dict(compile=True)
+CASES["gpt-pp2-compiled"] = Case(gpt.gpt_tiny, "tokens", gpt.loss_fn,
+                                 dict(pp=2, schedule="1f1b", recompute=ALL_MODES), **_COMPILED)
+CASES["gpt-dp2-compiled"] = Case(gpt.gpt_tiny, "tokens", gpt.loss_fn, dict(pp=1, dp=2),
+                                 **_COMPILED)
+CASES["gpt-pp2-dp2-compiled"] = Case(gpt.gpt_tiny, "tokens", gpt.loss_fn,
+                                     dict(pp=2, dp=2, schedule="1f1b", recompute=ALL_MODES),
+                                     **_COMPILED)
+CASES["gpt-tp2-sp-dropout-compiled"] = Case(
+    lambda: gpt.gpt_tiny(dropout=0.1), "tokens", gpt.loss_fn,
+    dict(pp=1, tp=2, sequence_parallel=True, tp_objective="memory", recompute="none"),
+    reference="microbatches", **_COMPILED)
+CASES["llama-pp2-compiled"] = Case(models.llama, "tokens", models.causal_lm_loss,
+                                   dict(pp=2, schedule="1f1b", recompute="none"), **_COMPILED)
+CASES["gpt-dp2-zero2-compiled"] = Case(gpt.gpt_tiny, "tokens", gpt.loss_fn,
+                                       dict(pp=1, dp=2, zero_stage=2), **_COMPILED)
 # ZeRO-2/3: FSDP2 shards gradients (and parameters) over dp, one unit per layer.
 for _zero in (2, 3):
     CASES[f"gpt-dp2-zero{_zero}"] = Case(gpt.gpt_tiny, "tokens", gpt.loss_fn,
@@ -301,7 +320,8 @@ def compile_case(case: Case, model: torch.nn.Module, world: int) -> partc.Progra
                          budget=partc.DeviceBudget(num_devices=world, device="CPU"),
                          train=partc.TrainSpec(global_batch_size=BATCH, optimizer="sgd",
                                                max_grad_norm=case.clip, dtype=case.dtype,
-                                               attention=case.attention),
+                                               attention=case.attention,
+                                               compile=case.compile),
                          constraints=partc.Constraints(**constraints))
 
 
@@ -416,6 +436,7 @@ def train_case(built: Built) -> dict[str, Any]:
             "changed_by_reload": changed,
             "grad_norms": norms, "ref_grad_norms": ref_norms,
             "zero_stage": plan.zero_stage, "dp_rank": topo.dp_rank,
+            "compiled_graphs": _compiled_graphs(),
             "fused_attention": sum(count_fused(m) for m in module.module.modules()
                                    if isinstance(m, torch.fx.GraphModule)),
             "optimizer_state_numel": sum(_numel_here(t) for state in getattr(opt, "optim", opt)
@@ -428,6 +449,12 @@ def train_case(built: Built) -> dict[str, Any]:
             "planned_collectives": _planned_collectives(plan, module.stage_index),
             "layer_collectives": {layer: [(move.kind, move.phase) for move in moves]
                                   for layer, moves in _tp_collectives(plan).items()}}
+
+
+def _compiled_graphs() -> int:
+    """Graphs torch.compile has made in this process so far."""
+    from torch._dynamo.utils import counters
+    return int(counters["stats"]["unique_graphs"])
 
 
 def _tp_collectives(plan: partc.Plan) -> dict:

@@ -1,0 +1,101 @@
+"""A stage run through ``torch.compile`` (``TrainSpec(compile=True)``).
+
+What is compiled is the stage's forward as a whole: dynamo traces the stage's code, and
+inductor fuses each chain of element-wise ops between the heavy ones (matmuls, attention)
+into one kernel, in the forward and in the backward AOTAutograd derives from it. What the
+runtime must do exactly as written stays outside the compiled regions, as graph breaks:
+
+- the tensor-parallel collectives (the stage's ``TensorParallelGroup``): gloo and NCCL
+  calls as the runtime makes them, with their autograd conjugates and their counts;
+- recomputed layers (``checkpoint_layer``): torch's non-reentrant checkpoint compares what
+  the rerun saves with what the forward saved, and selective recompute picks what to keep
+  op by op (a dispatch mode a compiled kernel does not go through). A recomputed layer
+  runs eagerly (its module is excluded from dynamo), as without compile; the cost model
+  prices it unfused.
+
+So the stage is compiled per stage, not per layer: the regions between the breaks are
+exactly the runs of layers that need nothing special, and the module keeps its parameters
+and names (checkpoints, optimizers and FSDP see the same module). Dropout draws its masks
+from torch's own generator (inductor's ``fallback_random``), as in eager mode: a compiled
+stage trains like one process, mask for mask.
+
+The first step compiles: a stage's peers wait on it meanwhile, which on a large model
+may take longer than the watchdog's limit (``PARTC_WATCHDOG_S``, a minute by default:
+raise it for the first run, later ones read inductor's cache).
+
+Refused, with the reason, before anything runs: ZeRO-2/3 (FSDP2's hooks around a unit
+are not traced by dynamo here, and a graph over gathered parameters would not train alike)
+and a CPU run where inductor finds no C++ compiler.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+from torch import fx, nn
+
+from ..errors import PartcError
+from ..plan import Plan
+from .recompute import checkpoint_layer
+from .tp import TensorParallelGroup
+
+# What the compiled stage's kernels are asked to keep as eager mode has it: dropout and
+# every random op draw from torch's generator, so masks equal one process's.
+INDUCTOR_OPTIONS = {"fallback_random": True}
+# The group's methods the emitted code calls (collectives, sharded embedding and
+# dropout, the regathering linear): each one runs eagerly.
+COLLECTIVES = tuple(name for name, value in vars(TensorParallelGroup).items()
+                    if callable(value) and not name.startswith("_") and name != "extra_repr")
+
+
+def refusal(plan: Plan, device: torch.device) -> str | None:
+    """Why ``plan`` cannot train compiled on ``device`` (None: it can)."""
+    if plan.effective_zero_stage >= 2:
+        return (f"compile=True with ZeRO-{plan.effective_zero_stage}: FSDP2 gathers and "
+                "frees each unit's parameters in hooks that partc does not compile; train "
+                "it with zero_stage 0 or 1, or without compile")
+    if device.type == "cpu":
+        return _no_cpu_compiler()
+    return None
+
+
+@functools.cache
+def _no_cpu_compiler() -> str | None:
+    """Inductor's CPU kernels are C++ built on the fly: why they cannot be (None: they can)."""
+    from torch._inductor import cpp_builder
+
+    try:
+        cpp_builder.get_cpp_compiler()
+    except Exception as error:  # noqa: BLE001 - any failure to find one is the reason
+        return (f"compile=True on CPUs needs a C++ compiler for inductor's kernels, and "
+                f"none was found ({error}); install g++ or clang++, or train without compile")
+    return None
+
+
+def compile_stage(module: fx.GraphModule, plan: Plan, device: torch.device) -> None:
+    """Run ``module``'s forward through ``torch.compile`` from now on (its backward too);
+    a :class:`PartcError` saying why where the plan cannot train compiled."""
+    reason = refusal(plan, device)
+    if reason is not None:
+        raise PartcError(reason)
+    # On the instances: other stages and programs in the process are untouched.
+    for group in _groups(module):
+        for name in COLLECTIVES:
+            if hasattr(group, name):
+                setattr(group, name, torch._dynamo.disable(getattr(group, name)))
+    for layer in _recomputed(module):
+        layer.forward = torch._dynamo.disable(layer.forward)
+    module.forward = torch.compile(module.forward, options=INDUCTOR_OPTIONS, dynamic=False)
+
+
+def _groups(module: fx.GraphModule) -> list[TensorParallelGroup]:
+    return [m for m in module.modules() if isinstance(m, TensorParallelGroup)]
+
+
+def _recomputed(module: fx.GraphModule) -> list[nn.Module]:
+    """The layers the stage runs under ``checkpoint_layer`` (its first argument)."""
+    return [module.get_submodule(str(node.args[0].target)) for node in module.graph.nodes
+            if node.op == "call_function" and node.target is checkpoint_layer
+            and isinstance(node.args[0], fx.Node) and node.args[0].op == "get_attr"]
+

@@ -1,0 +1,136 @@
+"""partc's activation estimate against Korthikanti et al.'s equations (MLSys'23).
+
+Per transformer layer and rank, GPT-2 blocks built as the paper's (``korthikanti.py``),
+bf16 for H100s, at tensor-parallel degrees 1, 2 and 8, with and without sequence
+parallelism, under no, selective and full recompute. The target is ±15% of the
+equations; a row outside it is marked ``xfail(strict=True)`` with what partc's runtime
+keeps beyond the paper (``korthikanti.CAUSES``), so that a leaner runtime shows up as an
+XPASS. What is asserted instead: that for no and full recompute the estimate is the
+equation plus exactly those causes (:func:`korthikanti.explained_bytes`); that the
+estimate is what the emitted block keeps, measured on a small GPT-2 built the same way
+(so the causes are the runtime's); and the paper's memory verdicts. The 22B layer runs
+in the default profile (about 10 s of measuring on fake tensors); the 175B and 530B
+layers are slow-marked. ``benchmarks/validation.py`` prints
+every row.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.validation import korthikanti
+from tests.validation.korthikanti import CONFIGS, MODES, config_named
+
+TARGET = 0.15
+# Rows the estimate puts within TARGET of the paper (config, tp, sequence parallel, mode):
+# tp = 8 without sequence parallelism on the widest layers, where the fp32 softmax and
+# residual stream are a small share of a sharded layer. Every other row is outside it.
+WITHIN = {("175B", 8, False, "none"), ("175B", 8, False, "selective"),
+          ("530B", 8, False, "none"), ("530B", 8, False, "selective")}
+
+
+def _rows():
+    for config in CONFIGS:
+        slow = [pytest.mark.slow] if config.name != "22B" else []
+        for tp in (1, 2, 8):
+            for sp in ((False,) if tp == 1 else (False, True)):
+                for mode in MODES:
+                    key = (config.name, tp, sp, mode)
+                    marks = list(slow)
+                    if key not in WITHIN:
+                        row = korthikanti.Row(config=config.name, tp=tp, sequence_parallel=sp,
+                                              mode=mode, estimate=0.0, equation=1.0)
+                        reason = "; ".join(korthikanti.CAUSES[c]
+                                           for c in korthikanti.causes(row))
+                        marks.append(pytest.mark.xfail(strict=True, reason=reason))
+                    yield pytest.param(*key, marks=marks,
+                                       id=f"{config.name}-tp{tp}{'-sp' if sp else ''}-{mode}")
+
+
+ROWS = list(_rows())
+
+
+@pytest.mark.parametrize("name, tp, sp, mode", ROWS)
+def test_estimate_within_target_of_the_equations(name, tp, sp, mode):
+    config = config_named(name)
+    estimate = korthikanti.estimate_bytes(config, tp, sp, mode)
+    equation = korthikanti.equation_bytes(config, tp, sp, mode)
+    assert abs(estimate / equation - 1) <= TARGET, (
+        f"{name} tp={tp} sp={sp} {mode}: {estimate / 2**30:.3f} GiB per layer, the paper "
+        f"{equation / 2**30:.3f} GiB ({estimate / equation:.2f}x)")
+
+
+@pytest.mark.parametrize("name, tp, sp, mode", [
+    pytest.param(*row.values[:4], marks=[m for m in row.marks if m.name == "slow"], id=row.id)
+    for row in ROWS if row.values[3] != "selective"])
+def test_estimate_is_the_equations_plus_what_the_runtime_keeps(name, tp, sp, mode):
+    """No and full recompute: the equation plus the fp32 residual stream and softmax
+    output, and GPT-2's gathered Conv1D inputs under sequence parallelism. Where the
+    layer is sharded without sequence parallelism partc's sharding keeps less than
+    Megatron's (it also shards the residual branch's dropout and add), so no more."""
+    config = config_named(name)
+    estimate = korthikanti.estimate_bytes(config, tp, sp, mode)
+    explained = korthikanti.explained_bytes(config, tp, sp, mode)
+    if tp == 1 or sp or mode == "full":
+        assert estimate == pytest.approx(explained, rel=0.05)
+    else:
+        assert korthikanti.equation_bytes(config, tp, sp, mode) < estimate <= explained
+
+
+def test_equations_give_the_papers_figures():
+    # The per-layer GiB the paper's section 5 derives for the 22B configuration (b = 4).
+    config = config_named("22B")
+    derived = {("none", False, 1): 6.59, ("none", False, 8): 1.23, ("none", True, 8): 0.82,
+               ("selective", False, 8): 0.61, ("selective", True, 8): 0.20,
+               ("full", False, 8): 0.09}
+    for (mode, sp, tp), gib in derived.items():
+        got = korthikanti.equation_bytes(config, tp, sp, mode) / 2**30
+        assert got == pytest.approx(gib, abs=0.01), (mode, sp, tp)
+
+
+@pytest.mark.parametrize("name", [
+    "22B", pytest.param("175B", marks=pytest.mark.slow),
+    pytest.param("530B", marks=pytest.mark.slow)])
+def test_tensor_parallelism_alone_does_not_fit(name):
+    config = config_named(name)
+    assert not korthikanti.fits(config, False, "none", estimate=False)
+    assert not korthikanti.fits(config, False, "none", estimate=True)
+
+
+@pytest.mark.parametrize("name", [
+    "22B", pytest.param("175B", marks=pytest.mark.slow),
+    pytest.param("530B", marks=[pytest.mark.slow, pytest.mark.xfail(
+        strict=True, reason=korthikanti.CAUSES["scores"] + "; " + korthikanti.CAUSES["fp32"]
+        + ": 105 layers of 0.38 GiB with 30 GB of state exceed 80 GB")])])
+def test_sequence_parallelism_with_selective_recompute_fits(name):
+    config = config_named(name)
+    assert korthikanti.fits(config, True, "selective", estimate=False)
+    assert korthikanti.fits(config, True, "selective", estimate=True)
+
+
+@pytest.mark.parametrize("sp", [pytest.param(False, marks=pytest.mark.slow), True],
+                         ids=["tp2", "tp2-sp"])
+def test_the_estimate_is_what_the_emitted_block_keeps(sp):
+    """The causes above are the runtime's, not the estimate's: on a small GPT-2 built the
+    same way, one rank of the emitted stage keeps for backward exactly the bytes partc
+    estimates for the block (Conv1D's gathered inputs included)."""
+    import torch
+
+    import partc
+    from benchmarks.saved_bytes import measured_saved_bytes
+
+    small = korthikanti.Config(name="small", heads=4, hidden=128, layers=2, tp=2, pp=1,
+                               micro_batch=2, seq_len=64, vocab=512)
+    torch.manual_seed(0)
+    model, ids, _ = korthikanti.gpt2_layer(small, device="cpu")
+    ids = torch.randint(0, small.vocab, (small.micro_batch, small.seq_len))
+    program = partc.compile(
+        model, (ids,), loss_fn=korthikanti.loss, example_target=ids,
+        budget=partc.DeviceBudget(num_devices=2, device="CPU"),
+        train=partc.TrainSpec(global_batch_size=small.micro_batch),
+        constraints=partc.Constraints(pp=1, dp=1, tp=2, sequence_parallel=sp,
+                                      tp_objective="time", recompute="none"))
+    option = program.problem.tp_option(2, sp, "time")
+    [block] = [layer for layer in option.model.layers if layer.name == korthikanti.BLOCK]
+    measured = measured_saved_bytes(program)[korthikanti.BLOCK]
+    assert block.saved_bytes["none"] * small.micro_batch == measured

@@ -1,0 +1,70 @@
+"""partc's cost model and planner against Megatron-Core's published H100 weak scaling.
+
+One H100 matmul efficiency is fitted on the 32B row (``mcore.FIT_RUN``: tp = 8, no
+pipeline) with its published mesh as partc plans it; at that efficiency partc must
+predict every other row's TF/GPU within 15%, and its own plan for the same devices and
+batch must be at least as fast as its prediction of the published mesh, within 80 GiB.
+The default profile fits the constant and checks the smallest row (a few seconds of
+tracing on the meta device each); the other rows are slow-marked.
+``benchmarks/validation.py`` prints the whole table with each step's breakdown.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.validation import mcore
+from tests.validation.mcore import FIT_RUN, run_named
+
+TARGET = 0.15
+_FAST = {"1.7B"}
+# Today no efficiency reaches the fitted row: at 100% of peak partc predicts 328 of the
+# published 459.6 TF/GPU for 32B, the step's excess being the runtime's, not a constant's
+# (ZeRO-1 as an all-reduce then a broadcast of fp32 parameters: 0.31 s of a 0.89 s
+# published step; tensor-parallel collectives not overlapped with compute: 0.37 s).
+# Everything that needs the fitted constant fails for that reason alone until then.
+NO_FIT = pytest.mark.xfail(raises=ValueError, strict=True, reason=(
+    "no H100 efficiency up to 100% of peak reaches the 32B row's published throughput "
+    "(benchmarks/validation.py --only mcore --breakdown)"))
+
+
+def _rows(names):
+    return [pytest.param(name, marks=[NO_FIT] + ([] if name in _FAST else [pytest.mark.slow]))
+            for name in names]
+
+
+OTHER_ROWS = _rows(run.name for run in mcore.RUNS if run is not FIT_RUN)
+
+
+def test_step_flops_give_the_published_iteration_times():
+    for name, seconds in (("1.7B", 0.45), ("70B", 2.18), ("462B", 12.72)):
+        run = run_named(name)
+        iteration = mcore.step_flops(run) / (run.gpus * run.tflops_per_gpu * 1e12)
+        assert iteration == pytest.approx(seconds, abs=0.005), name
+
+
+@NO_FIT
+def test_the_fitted_efficiency_reproduces_the_fitted_row():
+    efficiency = mcore.fitted_efficiency()
+    assert 0.3 < efficiency <= 1.0
+    predicted = mcore.predict(FIT_RUN.name, efficiency)
+    assert predicted.ratio == pytest.approx(1.0, rel=0.02)
+
+
+@pytest.mark.parametrize("name", OTHER_ROWS)
+def test_published_mesh_within_target(name):
+    predicted = mcore.predict(name)
+    plan = predicted.plan
+    assert abs(predicted.ratio - 1) <= TARGET, (
+        f"{name}: predicted {predicted.tflops_per_gpu:.1f} TF/GPU, published "
+        f"{predicted.run.tflops_per_gpu} ({predicted.ratio:.3f}x) with b="
+        f"{plan.micro_batch_size}, m={plan.num_microbatches}, sp={plan.sequence_parallel}")
+    assert predicted.peak_bytes <= mcore.DEVICE_BYTES
+
+
+@pytest.mark.parametrize("name", _rows(["1.7B", "32B", "70B"]))
+def test_own_plan_is_at_least_as_fast_and_fits(name):
+    published = mcore.predict(name)
+    own = mcore.predict(name, own=True)
+    assert own.tflops_per_gpu >= published.tflops_per_gpu * (1 - 1e-9)
+    assert own.peak_bytes <= mcore.DEVICE_BYTES
