@@ -28,7 +28,8 @@ from __future__ import annotations
 
 import math
 import os
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import torch
 import torch.distributed as dist
