@@ -28,8 +28,7 @@ from __future__ import annotations
 
 import math
 import os
-from collections.abc import Iterator
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 import torch.distributed as dist

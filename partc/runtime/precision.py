@@ -21,7 +21,7 @@ fp32 input and bf16 weights, which CPU kernels refuse).
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from typing import Iterator
 
 import torch
 from torch import nn
