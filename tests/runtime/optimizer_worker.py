@@ -119,8 +119,8 @@ def run_case(name: str) -> dict[str, Any]:
         train=partc.TrainSpec(global_batch_size=BATCH, optimizer="adam", dtype=dtype,
                               max_grad_norm=clip),
         constraints=partc.Constraints(pp=pp, dp=dp, zero_stage=zero, recompute="none",
-                                      num_microbatches=MICROBATCHES // dp,
-                                      **({"schedule": "1f1b"} if pp > 1 else {})))
+                                      schedule="1f1b" if pp > 1 else None,
+                                      num_microbatches=MICROBATCHES // dp))
     module = program.build()
     opt = module.optimizer(torch.optim.Adam, **ADAM)
     ref_opt = torch.optim.Adam(reference.parameters(), **ADAM)
