@@ -17,6 +17,7 @@ from .errors import (PartcError, PlanFileError, PlanMismatchError, PlanSchemaErr
 from .plan import Plan
 from .problem import PlanningProblem
 from .report import render
+from .schedules import schedule as schedule_facts
 from .spec import dtype_name
 
 
@@ -52,7 +53,8 @@ class Program:
             recompute=plan.recompute, tp=plan.tp,
             sequence_parallel=plan.sequence_parallel,
             tp_choices=dict(tensor_parallel.choices) if tensor_parallel is not None else {},
-            fsdp_units=plan.effective_zero_stage >= 2, attention=plan.train.attention)
+            fsdp_units=plan.effective_zero_stage >= 2, attention=plan.train.attention,
+            split_backward=schedule_facts(plan.schedule).split_backward)
         return lower(self.model, tuple(example.values()), lowering, loss_fn=self.loss_fn,
                      example_target=target, only=only)
 

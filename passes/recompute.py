@@ -36,11 +36,14 @@ def recompute(module: fx.GraphModule, ctx: Context) -> fx.GraphModule:
     Ensures: the stage computes the same values; its parameters are unchanged.
     """
     modes = ctx.lowering.recompute if ctx.lowering is not None else {}
-    return recompute_layers(module, modes)
+    twice = ctx.lowering is not None and ctx.lowering.split_backward
+    return recompute_layers(module, modes, twice=twice)
 
 
-def recompute_layers(module: fx.GraphModule, modes: Mapping[str, str]) -> fx.GraphModule:
-    """:func:`recompute` with the modes given: ``modes`` maps a layer to its mode."""
+def recompute_layers(module: fx.GraphModule, modes: Mapping[str, str], *,
+                     twice: bool = False) -> fx.GraphModule:
+    """:func:`recompute` with the modes given: ``modes`` maps a layer to its mode;
+    ``twice``: backward passes through each layer twice (a split backward)."""
     graph = module.graph
     for layer_name, mode in modes.items():
         if mode == "none":
@@ -50,13 +53,14 @@ def recompute_layers(module: fx.GraphModule, modes: Mapping[str, str]) -> fx.Gra
         region = [n for n in graph.nodes if n.op not in ("placeholder", "get_attr", "output")
                   and meta.LAYER in n.meta and meta.layer(n).name == layer_name]
         if region:
-            _wrap(module, region, layer_name, mode)
+            _wrap(module, region, layer_name, mode, twice)
     graph.lint()
     module.recompile()
     return module
 
 
-def _wrap(module: fx.GraphModule, region: list[fx.Node], layer_name: str, mode: str) -> None:
+def _wrap(module: fx.GraphModule, region: list[fx.Node], layer_name: str, mode: str,
+          twice: bool) -> None:
     members = set(region)
     inputs: list[fx.Node] = []
     for node in region:
@@ -83,8 +87,10 @@ def _wrap(module: fx.GraphModule, region: list[fx.Node], layer_name: str, mode: 
     # region's span) is defined by then, and every outside user comes later.
     with graph.inserting_before(region[-1].next):
         fetch = graph.get_attr(name)
-        call = graph.call_function(checkpoint_layer, (fetch, mode, *inputs),
-                                   {"written": written} if written else {})
+        options = {"written": written} if written else {}
+        if mode == "selective" and twice:
+            options["twice"] = True
+        call = graph.call_function(checkpoint_layer, (fetch, mode, *inputs), options)
         results = [graph.call_function(operator.getitem, (call, i)) for i in range(len(outputs))]
     for node in (fetch, call, *results):
         meta.set_layer(node, ref)

@@ -48,6 +48,10 @@ class _KeptEntries(dict):
 
 
 def _selective_context() -> tuple[Any, Any]:
+    return create_selective_checkpoint_contexts(_keep_expensive)
+
+
+def _selective_context_twice() -> tuple[Any, Any]:
     caching, cached = create_selective_checkpoint_contexts(_keep_expensive)
     # Both modes share one storage: the forward writes it, each backward pass reads it.
     caching.storage = cached.storage = collections.defaultdict(_KeptEntries)
@@ -55,7 +59,7 @@ def _selective_context() -> tuple[Any, Any]:
 
 
 def checkpoint_layer(layer: Callable[..., Any], mode: str, *args: Any,
-                     written: tuple[int, ...] = ()) -> Any:
+                     written: tuple[int, ...] = (), twice: bool = False) -> Any:
     """Run ``layer(*args)``, keeping for backward what ``mode`` says, and return its result.
 
     ``written``: the positions of the arguments the layer updates in place, buffers such
@@ -64,12 +68,17 @@ def checkpoint_layer(layer: Callable[..., Any], mode: str, *args: Any,
     forward, so it computes what the forward did and the buffers are not updated twice.
     (Passed to ``checkpoint`` they would also fail its check that saved inputs are
     unchanged.)
+
+    ``twice``: backward passes through the layer twice (a split backward: input, then
+    weight gradients), so selective recompute keeps the outputs it saved until the
+    layer's graph is freed; otherwise each is freed as backward reads it.
     """
     if mode not in RECOMPUTED_MODES:
         raise ValueError(f"recompute mode must be one of {RECOMPUTED_MODES}, got {mode!r}")
     if written:
         layer, args = _writing_once(layer, args, written)
-    context = {"context_fn": _selective_context} if mode == "selective" else {}
+    context = ({"context_fn": _selective_context_twice if twice else _selective_context}
+               if mode == "selective" else {})
     with set_checkpoint_early_stop(False):
         return checkpoint(layer, *args, use_reentrant=False, preserve_rng_state=True,
                           **context)
