@@ -51,7 +51,9 @@ class Program:
             recompute=plan.recompute, tp=plan.tp,
             sequence_parallel=plan.sequence_parallel,
             tp_choices=dict(tensor_parallel.choices) if tensor_parallel is not None else {},
-            fsdp_units=plan.effective_zero_stage >= 2, attention=plan.train.attention)
+            fsdp_units=plan.effective_zero_stage >= 2, attention=plan.train.attention,
+            ep=getattr(plan.mesh, "ep", 1),
+            capacity_factor=getattr(plan.train, "moe_capacity_factor", None))
         return lower(self.model, tuple(example.values()), lowering, loss_fn=self.loss_fn,
                      example_target=target, only=only)
 

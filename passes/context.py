@@ -51,3 +51,7 @@ class Lowering:
     # module of its own, an FSDP unit.
     fsdp_units: bool = False
     attention: str = "as_written"
+    # Mixture-of-experts layers: the expert-parallel degree and the capacity factor
+    # (None: dropless); with either, the experts run as ``partc.runtime.experts``.
+    ep: int = 1
+    capacity_factor: float | None = None

@@ -30,7 +30,9 @@ import torch
 from torch import fx
 
 from partc import meta
+from partc.errors import PartcError
 
+from .context import Context
 from .graph import op_name
 
 # Ops a router's score may pass through between the gate and the top-k.
@@ -148,7 +150,8 @@ def _weight_only(node: fx.Node) -> bool:
     if node.op == "get_attr":
         return True
     inputs = node.all_input_nodes
-    return node.op == "call_function" and bool(inputs) and all(_weight_only(a) for a in inputs)
+    return node.op in ("call_function", "call_method") and bool(inputs) \
+        and all(_weight_only(a) for a in inputs)
 
 
 def _weights_below(node: fx.Node) -> list[str]:
@@ -289,3 +292,148 @@ def expert_nodes(gm: fx.GraphModule, region: MoERegion) -> list[fx.Node]:
                          or any(a in found for a in node.all_input_nodes)):
             found.append(node)
     return found
+
+
+# ------------------------------------------------------------------------------ lowering
+
+def lower_experts(gm: fx.GraphModule, ctx: Context) -> fx.GraphModule:
+    """Each recognised experts call becomes one call of the runtime's
+    :class:`partc.runtime.experts.ExpertParallel` (which the runtime binds to its
+    expert-parallel group and gives this rank's experts).
+
+    Reads: ``meta.LAYER``, ``meta.MODULE_PATH``, ``meta.PARAMS``, ``meta.TENSORS``,
+    ``ctx.lowering`` (``ep``, ``capacity_factor``). Writes: a submodule ``<experts>_ep``
+    per layer, and the call node's meta copied from the experts' output.
+    Requires: ``layers`` ran; the experts are batched weights called as
+    ``experts(tokens, indices, weights)`` with grouped ops over tokens sorted by expert
+    (Hugging Face's experts, the sample's). Ensures: no node of the experts module is
+    left; the router and the weights' get_attr nodes stay.
+    """
+    for region in recognize(gm, ctx.batch_size):
+        call = _experts_call(gm, region)
+        _replace(gm, region, call, ctx)
+    gm.graph.lint()
+    gm.recompile()
+    return gm
+
+
+@dataclass(frozen=True)
+class _ExpertsCall:
+    module: str
+    nodes: tuple[fx.Node, ...]         # the experts module's nodes, weight views too
+    tokens: fx.Node
+    indices: fx.Node
+    weights: fx.Node
+    output: fx.Node
+    body: tuple[fx.Node, ...]          # the grouped compute, from sorted tokens
+    routed: fx.Node                    # sorted tokens the body reads
+    ends: fx.Node                      # the experts' end offsets the body reads
+
+
+def _refuse(region: MoERegion, why: str) -> PartcError:
+    return PartcError(f"expert parallelism for layer {region.layer} ({region.module}): "
+                      f"{why}")
+
+
+def _experts_call(gm: fx.GraphModule, region: MoERegion) -> _ExpertsCall:
+    if region.expert_form != "batched":
+        raise _refuse(region, "only experts held as batched weights (a leading experts "
+                              "dimension) run expert-parallel; this model's are a module "
+                              "list")
+    module = _common_prefix([f.rpartition(".")[0] for f in region.expert_params])
+    inside = [n for n in gm.graph.nodes if n.op.startswith("call_")
+              and (meta.module_path(n) == module or meta.module_path(n).startswith(module + "."))]
+    members = set(inside)
+    outside_inputs = []
+    for node in inside:
+        for arg in node.all_input_nodes:
+            if arg not in members and not _weight_only(arg) and arg not in outside_inputs:
+                outside_inputs.append(arg)
+    outputs = [n for n in inside if any(u not in members for u in n.users)]
+    floats = [a for a in outside_inputs if _is_float(a)]
+    ints = [a for a in outside_inputs if not _is_float(a)]
+    if len(outputs) != 1 or len(floats) != 2 or len(ints) != 1:
+        raise _refuse(region, f"the experts module {module} is not called as "
+                              "experts(tokens, indices, weights) -> output")
+    tokens, weights = sorted(floats, key=lambda a: -_shape(a)[-1])
+    weight_readers = [n for n in inside if set(_weights_read(n)) & set(region.expert_params)]
+    last = weight_readers[-1]
+    ancestors = _ancestors(last) | {last}
+    start = _descendants(weight_readers[0]) | {weight_readers[0]}
+    body = tuple(n for n in inside if n in ancestors and n in start)
+    body_set = set(body)
+    feeds = []
+    for node in body:
+        for arg in node.all_input_nodes:
+            if arg not in body_set and not _weight_only(arg) and arg not in feeds:
+                feeds.append(arg)
+    routed = [a for a in feeds if _is_float(a)]
+    ends = [a for a in feeds if not _is_float(a)]
+    if len(routed) != 1 or len(ends) != 1 or _shape(ends[0]) != (region.num_experts,):
+        raise _refuse(region, "its experts are not grouped ops over tokens sorted by "
+                              "expert with the experts' end offsets")
+    return _ExpertsCall(module=module, nodes=tuple(inside), tokens=tokens, indices=ints[0],
+                        weights=weights, output=outputs[0], body=body, routed=routed[0],
+                        ends=ends[0])
+
+
+def _body_module(gm: fx.GraphModule, call: _ExpertsCall,
+                 expert_params: tuple[str, ...]) -> fx.GraphModule:
+    """The grouped compute as a graph of its own: (routed tokens, ends, *weights)."""
+    graph = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {call.routed: graph.placeholder("routed"),
+                                   call.ends: graph.placeholder("ends")}
+    weights = {fqn: graph.placeholder(fqn.replace(".", "_")) for fqn in expert_params}
+    for node in gm.graph.nodes:
+        if node.op == "get_attr" and str(node.target) in weights:
+            env[node] = weights[str(node.target)]
+
+    def copy(node: fx.Node) -> fx.Node:
+        if node not in env:
+            for arg in node.all_input_nodes:
+                copy(arg)
+            env[node] = graph.node_copy(node, lambda a: env[a])
+        return env[node]
+
+    graph.output(copy(call.body[-1]))
+    return fx.GraphModule(torch.nn.Module(), graph)
+
+
+def _replace(gm: fx.GraphModule, region: MoERegion, call: _ExpertsCall, ctx: Context) -> None:
+    from partc.runtime.experts import ExpertParallel
+
+    lowering = ctx.lowering
+    name = call.module.replace(".", "_") + "_ep"
+    gm.add_submodule(name, ExpertParallel(
+        _body_module(gm, call, region.expert_params), num_experts=region.num_experts,
+        top_k=region.top_k, tokens_per_sample=region.tokens_per_sample,
+        capacity_factor=lowering.capacity_factor if lowering is not None else None,
+        ends_dtype=call.ends.meta["val"].dtype, weight_names=region.expert_params))
+    getters = {str(n.target): n for n in gm.graph.nodes if n.op == "get_attr"}
+    with gm.graph.inserting_before(call.output):
+        node = gm.graph.call_module(name, (call.tokens, call.indices, call.weights,
+                                           *(getters[f] for f in region.expert_params)))
+    node.meta.update({k: v for k, v in call.output.meta.items()})
+    meta.set_module_path(node, call.module)
+    call.output.replace_all_uses_with(node)
+    for old in reversed(call.nodes):
+        if not old.users:
+            gm.graph.erase_node(old)
+    for getter in list(gm.graph.nodes):
+        if getter.op == "get_attr" and not getter.users:
+            gm.graph.erase_node(getter)
+
+
+def _ancestors(node: fx.Node) -> set[fx.Node]:
+    seen, stack = set(), [node]
+    while stack:
+        for arg in stack.pop().all_input_nodes:
+            if arg not in seen:
+                seen.add(arg)
+                stack.append(arg)
+    return seen
+
+
+def _is_float(node: fx.Node) -> bool:
+    value = node.meta.get("val")
+    return isinstance(value, torch.Tensor) and value.is_floating_point()

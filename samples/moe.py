@@ -89,14 +89,14 @@ def _grouped_mm_save(ctx, inputs, output) -> None:
 grouped_mm.register_autograd(_grouped_mm_backward, setup_context=_grouped_mm_save)
 
 
-class SwitchMLP(nn.Module):
-    """Routed experts as two batched weights; tokens sorted by expert feed one grouped
-    matmul per weight (``grouped_mm`` with the experts' end offsets)."""
+class Experts(nn.Module):
+    """``num_experts`` GELU MLPs as two batched weights: ``forward(tokens, experts,
+    weights)`` sends each token to its ``top_k`` experts (tokens sorted by expert, one
+    grouped matmul per weight) and sums their outputs weighted by ``weights``."""
 
     def __init__(self, config: MoEConfig) -> None:
         super().__init__()
         self.num_experts, self.top_k = config.num_experts, config.top_k
-        self.gate = nn.Linear(config.n_embd, config.num_experts, bias=False)
         self.w_in = nn.Parameter(torch.empty(config.num_experts, config.n_embd,
                                              config.expert_ffn))
         self.w_out = nn.Parameter(torch.empty(config.num_experts, config.expert_ffn,
@@ -105,11 +105,8 @@ class SwitchMLP(nn.Module):
             nn.init.normal_(self.w_in, std=0.02)
             nn.init.normal_(self.w_out, std=0.02)
 
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        batch, seq, width = x.shape
-        tokens = x.reshape(-1, width)
-        probs = F.softmax(self.gate(tokens), dim=-1)
-        weights, experts = probs.topk(self.top_k, dim=-1)          # (tokens, top_k)
+    def forward(self, tokens: torch.Tensor, experts: torch.Tensor,
+                weights: torch.Tensor) -> torch.Tensor:
         flat = experts.reshape(-1)
         order = flat.argsort(stable=True)                          # slots sorted by expert
         counts = F.one_hot(flat, self.num_experts).sum(0)          # tokens per expert
@@ -118,7 +115,25 @@ class SwitchMLP(nn.Module):
         hidden = F.gelu(grouped_mm(routed, self.w_in, ends))
         out = grouped_mm(hidden, self.w_out, ends)
         slots = torch.empty_like(out).index_copy(0, order, out)    # back in slot order
-        y = (slots.view(-1, self.top_k, width) * weights.unsqueeze(-1)).sum(1)
+        return (slots.view(-1, self.top_k, tokens.shape[-1]) * weights.unsqueeze(-1)).sum(1)
+
+
+class SwitchMLP(nn.Module):
+    """A router (linear gate, softmax, top-k) in front of :class:`Experts`."""
+
+    def __init__(self, config: MoEConfig) -> None:
+        super().__init__()
+        self.num_experts = config.num_experts
+        self.top_k = config.top_k
+        self.gate = nn.Linear(config.n_embd, config.num_experts, bias=False)
+        self.experts = Experts(config)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        batch, seq, width = x.shape
+        tokens = x.reshape(-1, width)
+        probs = F.softmax(self.gate(tokens), dim=-1)
+        weights, experts = probs.topk(self.top_k, dim=-1)          # (tokens, top_k)
+        y = self.experts(tokens, experts, weights)
         return y.view(batch, seq, width), self._balance_loss(probs, experts, batch)
 
     def _balance_loss(self, probs: torch.Tensor, experts: torch.Tensor,

@@ -49,6 +49,7 @@ from partc.identity import model_hash
 from partc.placement import Placement
 from partc.plan import InputSpec, Plan
 
+from . import experts
 from . import tp as tp_ops
 from .data import DataSampler
 from .recompute import checkpoint_layer
@@ -606,6 +607,12 @@ def build(plan: Plan, topology: Topology, program: StageProgram, model: nn.Modul
     zero_stage = plan.effective_zero_stage
     compute_dtype = _compute_dtype(plan)
     own_parameters(module, model, state_dict, topology.device, shard_plan(plan, topology))
+    expert_params = experts.shard_experts(module, topology.ep_group, topology.ep,
+                                          topology.ep_rank)
+    if expert_params and (zero_stage >= 1 or topology.tp > 1):
+        raise PartcError("expert parallelism runs with ZeRO 0 and tp=1 only: ZeRO would "
+                         "shard expert weights over the whole dp group, and tp ranks "
+                         "would dispatch the same tokens twice")
     if zero_stage >= 2:
         _shard_over_dp(module, program.fsdp_units, topology, zero_stage, compute_dtype)
     if compute_dtype != torch.float32:
@@ -626,7 +633,9 @@ def build(plan: Plan, topology: Topology, program: StageProgram, model: nn.Modul
     stage = CountingStage(module, topology.pp_rank, plan.pp, topology.device,
                            group=topology.pp_group, zero_stage=zero_stage)
     if topology.dp > 1 and zero_stage < 2:
-        stage.grad_sync = OverlappedAllReduce(module, topology.dp_group, topology.dp)
+        stage.grad_sync = OverlappedAllReduce(
+            module, topology.dp_group, topology.dp,
+            groups={id(p): topology.expert_dp_group for p in expert_params})
     schedule_type = ScheduleGPipe
     if plan.schedule == "1f1b" and plan.num_microbatches >= plan.pp:
         schedule_type = Schedule1F1B  # with fewer microbatches than stages, 1F1B is GPipe

@@ -161,8 +161,12 @@ class OverlappedAllReduce:
     (``DistributedDataParallel`` would bucket these, but its reducer breaks on the real
     forward and backward the pipeline schedule runs first to learn shapes.)"""
 
-    def __init__(self, module: nn.Module, group: dist.ProcessGroup, dp: int) -> None:
+    def __init__(self, module: nn.Module, group: dist.ProcessGroup, dp: int,
+                 groups: dict[int, dist.ProcessGroup] | None = None) -> None:
         self.group, self.dp = group, dp
+        # Parameters summed over another group (by id), still averaged over dp: expert
+        # weights over their expert-data-parallel group.
+        self.groups = groups or {}
         self.armed = False
         self._pending: list[tuple[torch.Tensor, Any]] = []
         for param in {id(p): p for p in module.parameters()}.values():
@@ -171,7 +175,8 @@ class OverlappedAllReduce:
 
     def _launch(self, param: torch.Tensor) -> None:
         if self.armed:
-            work = dist.all_reduce(param.grad, group=self.group, async_op=True)
+            work = dist.all_reduce(param.grad, group=self.groups.get(id(param), self.group),
+                                   async_op=True)
             self._pending.append((param.grad, work))
 
     def wait(self) -> None:
