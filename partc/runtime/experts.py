@@ -54,16 +54,37 @@ class ExpertParallel(nn.Module):
         self.weight_names = weight_names  # FQNs of the expert weights, in argument order
         self.group: dist.ProcessGroup | None = None
         self.ep, self.ep_rank = 1, 0
+        self.tp_group: dist.ProcessGroup | None = None
+        self.tp, self.tp_rank = 1, 0
         self.messages = 0  # all-to-alls this rank has posted (forward and backward)
 
-    def bind(self, group: dist.ProcessGroup | None, ep: int, ep_rank: int) -> None:
+    def bind(self, group: dist.ProcessGroup | None, ep: int, ep_rank: int,
+             tp_group: dist.ProcessGroup | None = None, tp: int = 1, tp_rank: int = 0
+             ) -> None:
         self.group, self.ep, self.ep_rank = group, ep, ep_rank
+        self.tp_group, self.tp, self.tp_rank = tp_group, tp, tp_rank
 
     def forward(self, tokens: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor,
                 *expert_weights: torch.Tensor) -> torch.Tensor:
+        if self.tp == 1:
+            return self._route(tokens, indices, weights, expert_weights)
+        # Under tensor parallelism the tokens are the same on every tp rank: each sends
+        # its share of them (every rank a contiguous part), and the outputs are gathered.
+        part = _share(tokens.shape[0], self.tp, self.tp_rank)
+        rows = _Replicated.apply(tokens, self.tp_group)[part]
+        mine = _Replicated.apply(weights, self.tp_group)[part]
+        keep = self._kept_slots(indices.reshape(-1)).view(indices.shape)[part]
+        out = self._route(rows, indices[part], mine, expert_weights, keep)
+        return _Gathered.apply(out, self.tp_group, self.tp, self.tp_rank)
+
+    def _route(self, tokens: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor,
+               expert_weights: tuple[torch.Tensor, ...],
+               keep: torch.Tensor | None = None) -> torch.Tensor:
         top_k, width = self.top_k, tokens.shape[-1]
         flat = indices.reshape(-1)
-        slots = self._kept_slots(flat)
+        if keep is None:
+            keep = self._kept_slots(flat)
+        slots = keep.reshape(-1).nonzero().squeeze(1)
         order = slots[flat[slots].argsort(stable=True)]          # kept slots by expert
         counts = torch.bincount(flat[order], minlength=self.num_experts)
         routed = tokens[order // top_k]
@@ -104,15 +125,58 @@ class ExpertParallel(nn.Module):
         return all_to_all_single(output, rows.contiguous(), recv, send, group=self.group)
 
     def _kept_slots(self, flat: torch.Tensor) -> torch.Tensor:
-        slots = torch.arange(flat.numel(), device=flat.device)
+        """Which slots (token, choice) reach their expert: a bool per slot."""
         if self.capacity_factor is None:
-            return slots
+            return torch.ones_like(flat, dtype=torch.bool)
         per_sample = self.tokens_per_sample * self.top_k
         capacity = math.ceil(self.capacity_factor * per_sample / self.num_experts)
         chosen = nn.functional.one_hot(flat, self.num_experts).view(-1, per_sample,
                                                                    self.num_experts)
         rank = ((chosen.cumsum(1) - 1) * chosen).sum(-1).reshape(-1)  # within sample, expert
-        return slots[rank < capacity]
+        return rank < capacity
+
+
+def _share(rows: int, parts: int, index: int) -> slice:
+    """Rank ``index``'s contiguous share of ``rows`` split over ``parts`` (the first
+    ``rows % parts`` ranks one more)."""
+    base, extra = divmod(rows, parts)
+    start = index * base + min(index, extra)
+    return slice(start, start + base + (index < extra))
+
+
+class _Replicated(torch.autograd.Function):
+    """A tensor every tp rank holds alike, of which each uses a part: its gradient is
+    the sum of the ranks' (Megatron's ``f``)."""
+
+    @staticmethod
+    def forward(ctx, tensor: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+        ctx.group = group
+        return tensor.view_as(tensor)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        grad = grad.contiguous()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad, None
+
+
+class _Gathered(torch.autograd.Function):
+    """Each tp rank's rows, concatenated on every rank; backward keeps this rank's rows
+    of the (identical) gradient."""
+
+    @staticmethod
+    def forward(ctx, rows: torch.Tensor, group: dist.ProcessGroup, tp: int,
+                tp_rank: int) -> torch.Tensor:
+        sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(tp)]
+        dist.all_gather(sizes, torch.tensor([rows.shape[0]]), group=group)
+        parts = [rows.new_empty(int(n), *rows.shape[1:]) for n in sizes]
+        dist.all_gather(parts, rows.contiguous(), group=group)
+        ctx.part = _share(sum(int(n) for n in sizes), tp, tp_rank)
+        return torch.cat(parts)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad[ctx.part], None, None, None
 
 
 def expert_modules(module: nn.Module) -> list[ExpertParallel]:
@@ -120,14 +184,15 @@ def expert_modules(module: nn.Module) -> list[ExpertParallel]:
 
 
 def shard_experts(module: nn.Module, group: dist.ProcessGroup | None, ep: int,
-                  ep_rank: int) -> list[nn.Parameter]:
+                  ep_rank: int, tp_group: dist.ProcessGroup | None = None, tp: int = 1,
+                  tp_rank: int = 0) -> list[nn.Parameter]:
     """Bind every :class:`ExpertParallel` of ``module`` to its group and keep this rank's
     experts ``[ep_rank * E/ep, (ep_rank+1) * E/ep)`` of each routed expert weight (its
     copy of the whole weight is dropped). Returns the expert parameters, whose gradients
     are reduced over the expert-data-parallel group."""
     owned: list[nn.Parameter] = []
     for experts in expert_modules(module):
-        experts.bind(group, ep, ep_rank)
+        experts.bind(group, ep, ep_rank, tp_group, tp, tp_rank)
         for name in experts.weight_names:
             owner_name, _, attr = name.rpartition(".")
             owner = module.get_submodule(owner_name)

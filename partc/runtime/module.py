@@ -607,12 +607,13 @@ def build(plan: Plan, topology: Topology, program: StageProgram, model: nn.Modul
     zero_stage = plan.effective_zero_stage
     compute_dtype = _compute_dtype(plan)
     own_parameters(module, model, state_dict, topology.device, shard_plan(plan, topology))
-    expert_params = experts.shard_experts(module, topology.ep_group, topology.ep,
-                                          topology.ep_rank)
-    if expert_params and (zero_stage >= 1 or topology.tp > 1):
-        raise PartcError("expert parallelism runs with ZeRO 0 and tp=1 only: ZeRO would "
-                         "shard expert weights over the whole dp group, and tp ranks "
-                         "would dispatch the same tokens twice")
+    expert_params = experts.shard_experts(
+        module, topology.ep_group, topology.ep, topology.ep_rank,
+        topology.tp_group if topology.tp > 1 else None, topology.tp, topology.tp_rank)
+    if expert_params and topology.ep > 1 and zero_stage >= 1:
+        raise PartcError("expert parallelism runs with ZeRO 0 only: ZeRO shards every "
+                         "weight over the whole dp group, and a rank's expert weights "
+                         "are not its dp peers'")
     if zero_stage >= 2:
         _shard_over_dp(module, program.fsdp_units, topology, zero_stage, compute_dtype)
     if compute_dtype != torch.float32:
