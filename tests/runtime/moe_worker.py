@@ -62,6 +62,7 @@ CASES: dict[str, Case] = {
     "moe-dp2-tp2-ep2": Case(moe.moe_tiny, moe.loss_fn, dict(pp=1, dp=2, tp=2, ep=2)),
     "moe-dp2-tp2-ep4-capacity": Case(lambda: moe.moe_tiny(top_k=2), moe.loss_fn,
                                      dict(pp=1, dp=2, tp=2, ep=4), capacity_factor=1.0),
+    "mixtral-tp2-ep2": Case(_family("mixtral"), _hf_loss, dict(pp=1, dp=1, tp=2, ep=2)),
     "mixtral-dp2-tp2-ep2": Case(_family("mixtral"), _hf_loss, dict(pp=1, dp=2, tp=2, ep=2)),
     "moe-dp2-ep2-capacity": Case(lambda: moe.moe_tiny(top_k=2), moe.loss_fn,
                                  dict(pp=1, dp=2, ep=2), capacity_factor=1.0),
