@@ -29,6 +29,7 @@ import torch.distributed as dist  # noqa: E402
 import partc  # noqa: E402
 from partc.passes.context import Lowering  # noqa: E402
 from partc.passes.pipeline import _trace, lowering_passes, run_passes  # noqa: E402
+from partc.runtime import tp as tp_ops  # noqa: E402
 from partc.runtime.experts import expert_modules  # noqa: E402
 from samples import moe  # noqa: E402
 from tests import hf_families, models  # noqa: E402
@@ -58,10 +59,8 @@ CASES: dict[str, Case] = {
     "moe-dp4-ep4": Case(moe.moe_tiny, moe.loss_fn, dict(pp=1, dp=4, ep=4)),
     "moe-dp4-ep2": Case(moe.moe_tiny, moe.loss_fn, dict(pp=1, dp=4, ep=2)),
     "moe-pp2-dp2-ep2": Case(moe.moe_tiny, moe.loss_fn, dict(pp=2, dp=2, ep=2)),
-    "moe-tp2-ep2": Case(moe.moe_tiny, moe.loss_fn, dict(pp=1, dp=1, tp=2, ep=2)),
-    "moe-dp2-tp2-ep2": Case(moe.moe_tiny, moe.loss_fn, dict(pp=1, dp=2, tp=2, ep=2)),
-    "moe-dp2-tp2-ep4-capacity": Case(lambda: moe.moe_tiny(top_k=2), moe.loss_fn,
-                                     dict(pp=1, dp=2, tp=2, ep=4), capacity_factor=1.0),
+    "mixtral-dp2-tp2-ep4-capacity": Case(_family("mixtral"), _hf_loss,
+                                         dict(pp=1, dp=2, tp=2, ep=4), capacity_factor=1.0),
     "mixtral-tp2-ep2": Case(_family("mixtral"), _hf_loss, dict(pp=1, dp=1, tp=2, ep=2)),
     "mixtral-dp2-tp2-ep2": Case(_family("mixtral"), _hf_loss, dict(pp=1, dp=2, tp=2, ep=2)),
     "moe-dp2-ep2-capacity": Case(lambda: moe.moe_tiny(top_k=2), moe.loss_fn,
@@ -128,11 +127,15 @@ def run_case(name: str) -> dict[str, Any]:
     topo = module.topology
     ref_params = dict(reference.named_parameters())
     errors = {}
+    expert_weights = {name for m in layers for name in m.weight_names}
     for fqn, param in module.named_parameters():
         ref = ref_params[fqn].detach()
-        if param.shape != ref.shape:  # this rank's experts
+        if fqn in expert_weights:  # this rank's experts
             rows = param.shape[0]
             ref = ref[topo.ep_rank * rows:(topo.ep_rank + 1) * rows]
+        placement = plan.placement((fqn,))
+        if placement.kind == "S":  # this rank's tensor-parallel shard
+            ref = tp_ops.shard_of(ref, placement.dim, placement.chunks, topo.tp_rank, topo.tp)
         errors[fqn] = ((param.detach() - ref).norm() / max(ref.norm().item(), 1e-3)).item()
     ep = plan.mesh.ep
     # Per step: three all-to-alls forward (counts, tokens out, back) and two backward,

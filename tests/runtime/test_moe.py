@@ -17,8 +17,10 @@ import pytest
 WORKER = Path(__file__).with_name("moe_worker.py")
 RTOL = 1e-5
 DEFAULT = ["moe-dp4-ep4", "moe-pp2-dp2-ep2"]
-SLOW_FOUR = ["moe-dp4-ep2", "qwen2-moe-dp4-ep4", "qwen3-moe-pp2-dp2-ep2"]
-SLOW_TWO = ["moe-dp2-ep2", "moe-dp2-ep2-capacity", "mixtral-dp2-ep2", "deepseek-v3-dp2-ep2"]
+SLOW_FOUR = ["moe-dp4-ep2", "qwen2-moe-dp4-ep4", "qwen3-moe-pp2-dp2-ep2", "mixtral-dp2-tp2-ep2",
+             "mixtral-dp2-tp2-ep4-capacity"]
+SLOW_TWO = ["moe-dp2-ep2", "moe-dp2-ep2-capacity", "mixtral-dp2-ep2", "mixtral-tp2-ep2",
+            "deepseek-v3-dp2-ep2"]
 
 
 def launch(nproc: int, cases: list[str], out: Path) -> list[dict]:
