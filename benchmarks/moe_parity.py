@@ -21,7 +21,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         runs = [(4, DEFAULT + SLOW_FOUR), (2, SLOW_TWO)]
         print(f"{'case':26s} {'pp dp tp ep':12s} {'loss rel':>9s} {'param rel':>9s} "
-              f"{'a2a/step run':>12s} {'plan':>5s}")
+              f"{'a2a/step run':>12s} {'plan':>5s} {'dropped':>7s}")
         for nproc, cases in runs:
             ranks = launch(nproc, cases, Path(tmp) / str(nproc))
             for name in cases:
@@ -37,7 +37,7 @@ def main() -> None:
                 plan = sorted({s["expected_messages"] for s in seen})
                 print(f"{name:26s} {mesh['pp']:2d} {mesh['dp']:2d} {mesh['tp']:2d} "
                       f"{mesh['ep']:2d}  {loss:9.1e} {param:9.1e} {str(run):>12s} "
-                      f"{str(plan):>5s}")
+                      f"{str(plan):>5s} {sum(s['dropped'] for s in seen):7d}")
 
 
 if __name__ == "__main__":

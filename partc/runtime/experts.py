@@ -57,6 +57,7 @@ class ExpertParallel(nn.Module):
         self.tp_group: dist.ProcessGroup | None = None
         self.tp, self.tp_rank = 1, 0
         self.messages = 0  # all-to-alls this rank has posted (forward and backward)
+        self.dropped = 0   # slots this rank's tokens lost to the capacity
 
     def bind(self, group: dist.ProcessGroup | None, ep: int, ep_rank: int,
              tp_group: dist.ProcessGroup | None = None, tp: int = 1, tp_rank: int = 0
@@ -85,6 +86,7 @@ class ExpertParallel(nn.Module):
         if keep is None:
             keep = self._kept_slots(flat)
         slots = keep.reshape(-1).nonzero().squeeze(1)
+        self.dropped += flat.numel() - slots.numel()
         order = slots[flat[slots].argsort(stable=True)]          # kept slots by expert
         counts = torch.bincount(flat[order], minlength=self.num_experts)
         routed = tokens[order // top_k]

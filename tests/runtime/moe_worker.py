@@ -148,7 +148,8 @@ def run_case(name: str) -> dict[str, Any]:
     return {"losses": losses, "ref_losses": ref_losses, "param_errors": errors,
             "messages": messages, "expected_messages": expected,
             "mesh": {"pp": plan.pp, "dp": plan.dp, "tp": plan.tp, "ep": ep},
-            "expert_layers": len(layers), "stage": module.stage_index}
+            "expert_layers": len(layers), "stage": module.stage_index,
+            "dropped": sum(m.dropped for m in layers)}
 
 
 def main() -> None:

@@ -69,3 +69,6 @@ def test_expert_parallel_matrix(tmp_path):
         check(four, name)
     for name in SLOW_TWO:
         check(two, name)
+    # The capacity cases drop slots (and still match one process with the same rule).
+    assert sum(r["moe-dp2-ep2-capacity"]["dropped"] for r in two) > 0
+    assert sum(r["mixtral-dp2-tp2-ep4-capacity"]["dropped"] for r in four) > 0
