@@ -129,12 +129,14 @@ class SwitchMLP(nn.Module):
         self.experts = Experts(config)
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        batch, seq, width = x.shape
+        # Sizes read off x, but not its sequence length, which a sequence-parallel
+        # rank holds a part of.
+        batch, width = x.shape[0], x.shape[-1]
         tokens = x.reshape(-1, width)
         probs = F.softmax(self.gate(tokens), dim=-1)
         weights, experts = probs.topk(self.top_k, dim=-1)          # (tokens, top_k)
         y = self.experts(tokens, experts, weights)
-        return y.view(batch, seq, width), self._balance_loss(probs, experts, batch)
+        return y.view(batch, -1, width), self._balance_loss(probs, experts, batch)
 
     def _balance_loss(self, probs: torch.Tensor, experts: torch.Tensor,
                       batch: int) -> torch.Tensor:
