@@ -63,6 +63,8 @@ CASES: dict[str, Case] = {
     "moe-dp4-ep4": Case(moe.moe_tiny, moe.loss_fn, dict(pp=1, dp=4, ep=4)),
     "moe-dp4-ep2": Case(moe.moe_tiny, moe.loss_fn, dict(pp=1, dp=4, ep=2)),
     "moe-pp2-dp2-ep2": Case(moe.moe_tiny, moe.loss_fn, dict(pp=2, dp=2, ep=2)),
+    "moe-tp2-ep2": Case(moe.moe_tiny, moe.loss_fn, dict(pp=1, dp=1, tp=2, ep=2)),
+    "moe-dp2-tp2-ep2": Case(moe.moe_tiny, moe.loss_fn, dict(pp=1, dp=2, tp=2, ep=2)),
     "mixtral-dp2-tp2-ep4-capacity": Case(_family("mixtral"), _hf_loss,
                                          dict(pp=1, dp=2, tp=2, ep=4), capacity_factor=1.0),
     "mixtral-tp2-ep2": Case(_family("mixtral"), _hf_loss, dict(pp=1, dp=1, tp=2, ep=2)),
