@@ -1,6 +1,6 @@
 """Expert parallelism trains like one process (fp32, 1e-5): the sample's Switch-style
-layers and Hugging Face mixture-of-experts families, with ep over dp, with pp, dropless
-and with a capacity factor; the all-to-alls posted per step are those the plan's ep and
+layers and Hugging Face mixture-of-experts families, with ep folded over dp and tp, with
+pp, dropless and with a capacity factor; the all-to-alls posted per step are those the plan's ep and
 expert layers give. The default profile runs one torchrun launch of 4 processes; the
 rest of the matrix is ``-m slow`` (``benchmarks/moe_parity.py`` prints it as a table).
 """
@@ -16,10 +16,10 @@ import pytest
 
 WORKER = Path(__file__).with_name("moe_worker.py")
 RTOL = 1e-5
-DEFAULT = ["moe-dp4-ep4", "moe-pp2-dp2-ep2"]
+DEFAULT = ["moe-dp4-ep4", "moe-pp2-dp2-ep2", "moe-dp2-tp2-ep2"]
 SLOW_FOUR = ["moe-dp4-ep2", "qwen2-moe-dp4-ep4", "qwen3-moe-pp2-dp2-ep2", "mixtral-dp2-tp2-ep2",
              "mixtral-dp2-tp2-ep4-capacity"]
-SLOW_TWO = ["moe-dp2-ep2", "moe-dp2-ep2-capacity", "mixtral-dp2-ep2", "mixtral-tp2-ep2",
+SLOW_TWO = ["moe-dp2-ep2", "moe-tp2-ep2", "moe-dp2-ep2-capacity", "mixtral-dp2-ep2", "mixtral-tp2-ep2",
             "deepseek-v3-dp2-ep2"]
 
 
