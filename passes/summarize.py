@@ -17,7 +17,7 @@ from torch import fx, nn
 from partc import meta
 from partc.identity import model_hash
 from partc.placement import REPLICATE
-from partc.problem import MoECost, ModelAnalysis, ModelSummary, SharedParam, TPOption
+from partc.problem import HeavyOp, MoECost, ModelAnalysis, ModelSummary, SharedParam, TPOption
 
 from .context import Context
 from .graph import fetch, param_usage
@@ -62,7 +62,7 @@ def tp_option(ctx: Context, base: ModelAnalysis, usage: dict, local: fx.GraphMod
         shared.append(dataclasses.replace(group, param_count=count, param_bytes=nbytes))
     num_layers = len(layers)
     model = dataclasses.replace(
-        base, layers=tuple(layers), shared=tuple(shared),
+        base, layers=_with_experts(local, ctx, tuple(layers)), shared=tuple(shared),
         cut_bytes=tuple(c * per_sample for c in crossing_bytes(local, num_layers,
                                                                size=meta.run_bytes)),
         cut_tensors=crossing_tensors(local, num_layers))
@@ -141,8 +141,27 @@ def _shared(gm: fx.GraphModule, ctx: Context) -> tuple[SharedParam, ...]:
 def _with_experts(gm: fx.GraphModule, ctx: Context, costs: tuple) -> tuple:
     """``costs`` with :class:`MoECost` on every mixture-of-experts layer."""
     regions = {region.layer: region for region in recognize(gm, ctx.batch_size)}
-    return tuple(dataclasses.replace(cost, moe=moe_cost(gm, ctx, regions[cost.name]))
+    return tuple(_with_moe(cost, moe_cost(gm, ctx, regions[cost.name]),
+                           _counted_flops(gm, ctx, regions[cost.name]))
                  if cost.name in regions else cost for cost in costs)
+
+
+def _with_moe(cost, moe: MoECost, counted: float):
+    """The layer with its MoE figures; where ``estimate`` counted no FLOPs for the
+    experts' grouped ops (a custom op FlopCounterMode does not know), the routed experts
+    at balanced routing join its heavy ops, so that the layer's figures include them."""
+    missing = moe.expert_fwd_flops - counted
+    if missing <= 0.5 * moe.expert_fwd_flops:
+        return dataclasses.replace(cost, moe=moe)
+    experts = HeavyOp(flops=missing, activation_bytes=2.0 * moe.dispatch_bytes,
+                      weight_bytes=moe.expert_param_bytes)
+    return dataclasses.replace(cost, moe=moe, fwd_flops=cost.fwd_flops + missing,
+                               heavy_ops=cost.heavy_ops + (experts,))
+
+
+def _counted_flops(gm: fx.GraphModule, ctx: Context, region: MoERegion) -> float:
+    costs = (meta.cost(n) for n in expert_nodes(gm, region))
+    return sum(c.flops for c in costs if c is not None) / ctx.batch_size
 
 
 def moe_cost(gm: fx.GraphModule, ctx: Context, region: MoERegion) -> MoECost:

@@ -38,6 +38,9 @@ def test_sample_layers_recognised_with_their_balance_loss():
     gm, analysis = _analysis(moe.moe_tiny(), moe.loss_fn)
     costs = [layer.moe for layer in analysis.layers if layer.moe is not None]
     assert len(costs) == 2
+    for layer in analysis.layers:
+        if layer.moe is not None:  # the layer's own figures include its experts
+            assert layer.fwd_flops > layer.moe.expert_fwd_flops
     for cost in costs:
         assert (cost.num_experts, cost.top_k, cost.hidden, cost.tokens_per_sample) == (4, 1, 64, SEQ)
         assert cost.expert_param_count == 2 * 4 * 64 * 128
