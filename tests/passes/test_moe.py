@@ -56,9 +56,8 @@ def test_sample_layers_recognised_with_their_balance_loss():
 def test_hf_families_recognised(family):
     torch.manual_seed(0)
     model = FAMILIES[family].build()
-    gm, _ = _trace(model, (_ids(),))
-    gm = run_passes(lowering_passes(Lowering(stages=(), recompute={})), gm,
-                    dataclasses.replace(_trace(model, (_ids(),))[1]))
+    gm, ctx = _trace(model, (_ids(),))
+    gm = run_passes(lowering_passes(Lowering(stages=(), recompute={})), gm, ctx)
     regions = recognize(gm, BATCH)
     layers, top_k, scoring, shared = EXPECTED[family]
     assert len(regions) == layers
