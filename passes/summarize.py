@@ -17,7 +17,8 @@ from torch import fx, nn
 from partc import meta
 from partc.identity import model_hash
 from partc.placement import REPLICATE
-from partc.problem import HeavyOp, MoECost, ModelAnalysis, ModelSummary, SharedParam, TPOption
+from partc.problem import (HeavyOp, ModelAnalysis, ModelSummary, MoECost, SharedParam,
+                           TPOption)
 
 from .context import Context
 from .graph import fetch, param_usage

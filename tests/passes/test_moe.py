@@ -35,7 +35,7 @@ def _analysis(model, loss_fn=None):
 
 def test_sample_layers_recognised_with_their_balance_loss():
     torch.manual_seed(0)
-    gm, analysis = _analysis(moe.moe_tiny(), moe.loss_fn)
+    _, analysis = _analysis(moe.moe_tiny(), moe.loss_fn)
     costs = [layer.moe for layer in analysis.layers if layer.moe is not None]
     assert len(costs) == 2
     for layer in analysis.layers:

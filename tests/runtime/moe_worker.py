@@ -89,7 +89,7 @@ def one_process(case: Case, model: torch.nn.Module) -> torch.nn.Module:
     """What one process trains: the model, or with a capacity the model lowered with it."""
     if case.capacity_factor is None:
         return model
-    x, y = batch(model, 0)
+    x, _ = batch(model, 0)
     lowering = Lowering(stages=(), recompute={}, capacity_factor=case.capacity_factor)
     gm, ctx = _trace(model, (x,))
     ctx = dataclasses.replace(ctx, lowering=lowering)
