@@ -170,6 +170,7 @@ class DistributedModule:
         group and stages over the pipeline (as Python objects: meant for exporting and
         checking models that fit one host's memory).
         """
+        self._refuse_expert_shards("the whole state dict")
         whole: dict[str, torch.Tensor] = {}
         group = self.topology.tp_group if self.topology.tp > 1 else None
         for name, tensor in self.state_dict().items():
@@ -219,6 +220,13 @@ class DistributedModule:
                 if isinstance(tensor, DTensor):  # whole over dp: keep this rank's shard
                     source = dp_shard(source, self.topology.dp, self.topology.dp_rank)
                 local_part(tensor).copy_(source)
+
+    def _refuse_expert_shards(self, what: str) -> None:
+        # Expert weights are cut over the expert-parallel group, which checkpoints and
+        # the whole state dict do not gather yet: refused rather than written wrong.
+        if self.topology.ep > 1:
+            raise PartcError(f"{what} of an expert-parallel run (ep={self.topology.ep}) "
+                             "are not supported yet: train with ep=1 to save")
 
     def _placement(self, name: str) -> Placement:
         return self.plan.placement(self._aliases.get(name, (name,)))
@@ -307,6 +315,7 @@ class DistributedModule:
         write them in the background (``wait_checkpoint`` finishes it). ``keep``: keep
         only the newest ``keep`` checkpoints. Raises :class:`partc.CheckpointError` on
         every rank if any rank cannot save; earlier checkpoints stay as they were."""
+        self._refuse_expert_shards("checkpoints")
         from . import checkpoint
         return checkpoint.save(self, directory, optimizer=optimizer, step=step, extra=extra,
                                async_save=async_save, keep=keep)
@@ -318,6 +327,7 @@ class DistributedModule:
         state; returns ``(step, extra)``. Collective. Raises :class:`partc.CheckpointError`
         on every rank, before any tensor changes, for a partial checkpoint or one of
         another model or shapes."""
+        self._refuse_expert_shards("checkpoints")
         from . import checkpoint
         return checkpoint.load(self, directory, optimizer=optimizer)
 
