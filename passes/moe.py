@@ -309,7 +309,12 @@ def lower_experts(gm: fx.GraphModule, ctx: Context) -> fx.GraphModule:
     (Hugging Face's experts, the sample's). Ensures: no node of the experts module is
     left; the router and the weights' get_attr nodes stay.
     """
+    lowering = ctx.lowering
     for region in recognize(gm, ctx.batch_size):
+        if lowering is not None and lowering.fsdp_units and lowering.ep > 1:
+            raise _refuse(region, "expert parallelism runs with ZeRO 0 only (ZeRO shards "
+                                  "every weight over the whole dp group, and a rank's "
+                                  "expert weights are not its dp peers'): pin zero_stage=0")
         call = _experts_call(gm, region)
         _replace(gm, region, call, ctx)
     gm.graph.lint()
