@@ -144,6 +144,8 @@ class DistributedModule:
         self.last_messages: dict[str, int] = {"sends": 0, "recvs": 0}
         self._telemetry: Telemetry | None = None  # see telemetry()
         self.memory_baseline = 0  # host RSS before build copied parameters (telemetry)
+        # This rank's slices of routed expert weights (expert parallelism; build sets it).
+        self.expert_params: list[nn.Parameter] = []
         self._stop = StopFlag()  # stop_requested()'s: set by a stop signal
 
     # -- parameters, as torch.optim and checkpointing expect them -----------------------
@@ -488,16 +490,23 @@ class DistributedModule:
         """The whole model's gradient norm, each parameter counted once as in
         :meth:`clip_grad_norm_` (which scales by it); the same on every rank. Collective."""
         topo = self.topology
+        experts = {id(p) for p in self.expert_params}
         grads = [local_part(p.grad) for name, p in self.module.named_parameters()
-                 if p.grad is not None and self._counts_norm(name)]
+                 if p.grad is not None and id(p) not in experts and self._counts_norm(name)]
+        # This rank's routed experts: held by dp x tp / ep ranks of the stage, any tp rank.
+        expert_grads = [p.grad for p in self.expert_params if p.grad is not None]
         device = topo.device
         if norm_type == float("inf"):
-            local = max((g.detach().abs().max() for g in grads),
+            local = max((g.detach().abs().max() for g in grads + expert_grads),
                         default=torch.zeros((), device=device)).to(torch.float32)
             dist.all_reduce(local, op=dist.ReduceOp.MAX)
             return local
         local = sum((g.detach().to(torch.float32).norm(norm_type) ** norm_type
                      for g in grads), torch.zeros((), device=device))
+        # Counted on every rank and divided by dp below: each expert once overall.
+        local = local + topo.ep / topo.tp * sum(
+            (g.detach().to(torch.float32).norm(norm_type) ** norm_type for g in expert_grads),
+            torch.zeros((), device=device))
         dist.all_reduce(local)  # dp replicas add the same sum; dp shards, parts of it
         return (local / (1 if self._sharded_grads else topo.dp)) ** (1.0 / norm_type)
 
@@ -663,6 +672,7 @@ def build(plan: Plan, topology: Topology, program: StageProgram, model: nn.Modul
         model_tensors={name: (tuple(t.shape), t.dtype)
                        for name, t in model.state_dict(keep_vars=True).items()})
     distributed.memory_baseline = baseline
+    distributed.expert_params = expert_params if topology.ep > 1 else []
     return distributed
 
 

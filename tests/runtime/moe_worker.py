@@ -44,6 +44,7 @@ class Case:
     loss_fn: Callable
     constraints: dict[str, Any] = field(default_factory=dict)
     capacity_factor: float | None = None
+    clip: float | None = None  # TrainSpec.max_grad_norm; the reference clips likewise
 
 
 def _family(name: str, **fields: Any) -> Callable[[], torch.nn.Module]:
@@ -65,6 +66,8 @@ CASES: dict[str, Case] = {
     "moe-pp2-dp2-ep2": Case(moe.moe_tiny, moe.loss_fn, dict(pp=2, dp=2, ep=2)),
     "moe-tp2-ep2": Case(moe.moe_tiny, moe.loss_fn, dict(pp=1, dp=1, tp=2, ep=2)),
     "moe-dp2-tp2-ep2": Case(moe.moe_tiny, moe.loss_fn, dict(pp=1, dp=2, tp=2, ep=2)),
+    "moe-dp2-tp2-ep2-clip": Case(moe.moe_tiny, moe.loss_fn, dict(pp=1, dp=2, tp=2, ep=2),
+                                 clip=0.05),
     "mixtral-dp2-tp2-ep4-capacity": Case(_family("mixtral"), _hf_loss,
                                          dict(pp=1, dp=2, tp=2, ep=4), capacity_factor=1.0),
     "mixtral-tp2-ep2": Case(_family("mixtral"), _hf_loss, dict(pp=1, dp=1, tp=2, ep=2)),
@@ -110,14 +113,15 @@ def run_case(name: str) -> dict[str, Any]:
         model, x, loss_fn=case.loss_fn, example_target=y,
         budget=partc.DeviceBudget(num_devices=world, device="CPU"),
         train=partc.TrainSpec(global_batch_size=BATCH, optimizer="sgd",
-                              moe_capacity_factor=case.capacity_factor),
+                              moe_capacity_factor=case.capacity_factor,
+                              max_grad_norm=case.clip),
         constraints=partc.Constraints(**constraints))
     module = program.build()
     plan = program.plan
     opt = module.optimizer(torch.optim.SGD, lr=LR)
     ref_opt = torch.optim.SGD(reference.parameters(), lr=LR)
     layers = expert_modules(module.module)
-    losses, ref_losses, messages = [], [], []
+    losses, ref_losses, messages, norms, ref_norms = [], [], [], [], []
     for step in range(STEPS):
         x, y = batch(model, step)
         before = sum(m.messages for m in layers)
@@ -127,6 +131,10 @@ def run_case(name: str) -> dict[str, Any]:
         opt.zero_grad()
         ref_loss = case.loss_fn(reference(x), y)
         ref_loss.backward()
+        if case.clip is not None:
+            ref_norms.append(torch.nn.utils.clip_grad_norm_(reference.parameters(),
+                                                            case.clip).item())
+            norms.append(module.last_grad_norm.item())
         ref_opt.step()
         ref_opt.zero_grad()
         ref_losses.append(ref_loss.item())
@@ -151,7 +159,8 @@ def run_case(name: str) -> dict[str, Any]:
             "messages": messages, "expected_messages": expected,
             "mesh": {"pp": plan.pp, "dp": plan.dp, "tp": plan.tp, "ep": ep},
             "expert_layers": len(layers), "stage": module.stage_index,
-            "dropped": sum(m.dropped for m in layers)}
+            "dropped": sum(m.dropped for m in layers),
+            "grad_norms": norms, "ref_grad_norms": ref_norms}
 
 
 def main() -> None:
