@@ -54,3 +54,7 @@ class Lowering:
     # The schedule runs backward as two passes (input, then weight gradients): a
     # selectively recomputed layer keeps what it saved for both.
     split_backward: bool = False
+    # Mixture-of-experts layers: the expert-parallel degree and the capacity factor
+    # (None: dropless); with either, the experts run as ``partc.runtime.experts``.
+    ep: int = 1
+    capacity_factor: float | None = None

@@ -40,6 +40,7 @@ from .estimate import estimate
 from .fuse_attention import fuse_attention
 from .graph import param_usage
 from .layers import layers
+from .moe import lower_experts
 from .portable import device_from_inputs, drop_assertions
 from .propagate import propagate
 from .recompute import recompute
@@ -106,6 +107,10 @@ def lowering_passes(lowering: Lowering) -> tuple[Pass, ...]:
         # sends and receives are the shapes one rank holds.
         *((Pass("tp_rewrite", _plan_sharding), Pass("propagate", propagate))
           if lowering.tp > 1 else ()),
+        # Last before the cut: the expert-parallel call's shapes depend on the routing,
+        # so no pass propagates fake values through it.
+        *((Pass("lower_experts", lower_experts),)
+          if lowering.ep > 1 or lowering.capacity_factor is not None else ()),
     )
 
 

@@ -17,11 +17,13 @@ from torch import fx, nn
 from partc import meta
 from partc.identity import model_hash
 from partc.placement import REPLICATE
-from partc.problem import ModelAnalysis, ModelSummary, SharedParam, TPOption
+from partc.problem import (HeavyOp, ModelAnalysis, ModelSummary, MoECost, SharedParam,
+                           TPOption)
 
 from .context import Context
-from .graph import param_usage
+from .graph import fetch, param_usage
 from .layers import crossing_bytes, crossing_tensors
+from .moe import MoERegion, expert_nodes, recognize
 
 if TYPE_CHECKING:
     from .tp_chooser import Sharding
@@ -61,7 +63,7 @@ def tp_option(ctx: Context, base: ModelAnalysis, usage: dict, local: fx.GraphMod
         shared.append(dataclasses.replace(group, param_count=count, param_bytes=nbytes))
     num_layers = len(layers)
     model = dataclasses.replace(
-        base, layers=tuple(layers), shared=tuple(shared),
+        base, layers=_with_experts(local, ctx, tuple(layers)), shared=tuple(shared),
         cut_bytes=tuple(c * per_sample for c in crossing_bytes(local, num_layers,
                                                                size=meta.run_bytes)),
         cut_tensors=crossing_tensors(local, num_layers))
@@ -84,7 +86,7 @@ def summarize(gm: fx.GraphModule, ctx: Context) -> ModelAnalysis:
             traced_dtype_bytes=_dtype_bytes(ctx.model), tracer=info.tracer,
             inputs=input_specs(gm),
             autocast=str(ctx.autocast).removeprefix("torch.") if ctx.autocast else ""),
-        layers=meta.layer_costs(gm),
+        layers=_with_experts(gm, ctx, meta.layer_costs(gm)),
         cut_bytes=tuple(c * per_sample for c in meta.cut_bytes(gm)),
         shared=_shared(gm, ctx),
         cut_tensors=meta.cut_tensors(gm),
@@ -135,3 +137,55 @@ def _shared(gm: fx.GraphModule, ctx: Context) -> tuple[SharedParam, ...]:
                                   param_bytes=tensor.numel() * tensor.element_size(),
                                   layers=tuple(sorted(indices))))
     return tuple(sorted(shared, key=lambda s: s.name))
+
+
+def _with_experts(gm: fx.GraphModule, ctx: Context, costs: tuple) -> tuple:
+    """``costs`` with :class:`MoECost` on every mixture-of-experts layer."""
+    regions = {region.layer: region for region in recognize(gm, ctx.batch_size)}
+    return tuple(_with_moe(cost, moe_cost(gm, ctx, regions[cost.name]),
+                           _counted_flops(gm, ctx, regions[cost.name]))
+                 if cost.name in regions else cost for cost in costs)
+
+
+def _with_moe(cost, moe: MoECost, counted: float):
+    """The layer with its MoE figures; where ``estimate`` counted no FLOPs for the
+    experts' grouped ops (a custom op FlopCounterMode does not know), the routed experts
+    at balanced routing join its heavy ops, so that the layer's figures include them."""
+    missing = moe.expert_fwd_flops - counted
+    if missing <= 0.5 * moe.expert_fwd_flops:
+        return dataclasses.replace(cost, moe=moe)
+    experts = HeavyOp(flops=missing, activation_bytes=2.0 * moe.dispatch_bytes,
+                      weight_bytes=moe.expert_param_bytes)
+    return dataclasses.replace(cost, moe=moe, fwd_flops=cost.fwd_flops + missing,
+                               heavy_ops=cost.heavy_ops + (experts,))
+
+
+def _counted_flops(gm: fx.GraphModule, ctx: Context, region: MoERegion) -> float:
+    costs = (meta.cost(n) for n in expert_nodes(gm, region))
+    return sum(c.flops for c in costs if c is not None) / ctx.batch_size
+
+
+def moe_cost(gm: fx.GraphModule, ctx: Context, region: MoERegion) -> MoECost:
+    """The routed experts' figures per sample at balanced routing: every token reaches
+    ``top_k`` experts, each expert ``tokens * top_k / num_experts`` tokens; one matmul
+    FLOP pair per expert weight and routed token. Saved bytes are those the traced
+    graph's expert compute and combine keep (its shapes are the balanced total: every
+    routed token slot once); full recompute keeps none of them."""
+    weights = [fetch(gm, fqn) for fqn in region.expert_params]
+    count = sum(w.numel() for w in weights)
+    nbytes = sum(w.numel() * w.element_size() for w in weights)
+    slots = region.tokens_per_sample * region.top_k
+    flops = 2.0 * slots * count / region.num_experts
+    saved = sum(c.saved_bytes for c in (meta.cost(n) for n in expert_nodes(gm, region))
+                if c is not None) / ctx.batch_size
+    token_bytes = region.hidden * meta.tensors(_node(gm, region.tokens))[0].dtype.itemsize
+    return MoECost(
+        num_experts=region.num_experts, top_k=region.top_k, hidden=region.hidden,
+        tokens_per_sample=region.tokens_per_sample, expert_param_count=count,
+        expert_param_bytes=nbytes, expert_fwd_flops=flops,
+        expert_saved_bytes={"none": saved, "full": 0.0}, dispatch_bytes=slots * token_bytes,
+        aux_loss=region.aux_loss)
+
+
+def _node(gm: fx.GraphModule, name: str) -> fx.Node:
+    return next(n for n in gm.graph.nodes if n.name == name)

@@ -53,6 +53,7 @@ from partc.placement import Placement
 from partc.plan import InputSpec, Plan
 from partc.schedules import schedule as schedule_facts
 
+from . import experts
 from . import tp as tp_ops
 from .compiled import compile_stage
 from .data import DataSampler
@@ -171,6 +172,8 @@ class DistributedModule:
         self.last_messages: dict[str, int] = {"sends": 0, "recvs": 0}
         self._telemetry: Telemetry | None = None  # see telemetry()
         self.memory_baseline = 0  # host RSS before build copied parameters (telemetry)
+        # This rank's slices of routed expert weights (expert parallelism; build sets it).
+        self.expert_params: list[nn.Parameter] = []
         self._stop = StopFlag()  # stop_requested()'s: set by a stop signal
 
     # -- parameters, as torch.optim and checkpointing expect them -----------------------
@@ -197,6 +200,7 @@ class DistributedModule:
         group and stages over the pipeline (as Python objects: meant for exporting and
         checking models that fit one host's memory).
         """
+        self._refuse_expert_shards("the whole state dict")
         whole: dict[str, torch.Tensor] = {}
         group = self.topology.tp_group if self.topology.tp > 1 else None
         for name, tensor in self.state_dict().items():
@@ -246,6 +250,13 @@ class DistributedModule:
                 if isinstance(tensor, DTensor):  # whole over dp: keep this rank's shard
                     source = dp_shard(source, self.topology.dp, self.topology.dp_rank)
                 local_part(tensor).copy_(source)
+
+    def _refuse_expert_shards(self, what: str) -> None:
+        # Expert weights are cut over the expert-parallel group, which checkpoints and
+        # the whole state dict do not gather yet: refused rather than written wrong.
+        if self.topology.ep > 1:
+            raise PartcError(f"{what} of an expert-parallel run (ep={self.topology.ep}) "
+                             "are not supported yet: train with ep=1 to save")
 
     def _placement(self, name: str) -> Placement:
         return self.plan.placement(self._aliases.get(name, (name,)))
@@ -329,6 +340,7 @@ class DistributedModule:
         write them in the background (``wait_checkpoint`` finishes it). ``keep``: keep
         only the newest ``keep`` checkpoints. Raises :class:`partc.CheckpointError` on
         every rank if any rank cannot save; earlier checkpoints stay as they were."""
+        self._refuse_expert_shards("checkpoints")
         from . import checkpoint
         return checkpoint.save(self, directory, optimizer=optimizer, step=step, extra=extra,
                                async_save=async_save, keep=keep)
@@ -340,6 +352,7 @@ class DistributedModule:
         state; returns ``(step, extra)``. Collective. Raises :class:`partc.CheckpointError`
         on every rank, before any tensor changes, for a partial checkpoint or one of
         another model or shapes."""
+        self._refuse_expert_shards("checkpoints")
         from . import checkpoint
         return checkpoint.load(self, directory, optimizer=optimizer)
 
@@ -519,17 +532,25 @@ class DistributedModule:
         """The whole model's gradient norm, each parameter counted once as in
         :meth:`clip_grad_norm_` (which scales by it); the same on every rank. Collective."""
         topo = self.topology
+        experts = {id(p) for p in self.expert_params}
         grads = [g for name, p in self.module.named_parameters()
-                 if (g := self._grad_of(p)) is not None and self._counts_norm(name)
+                 if id(p) not in experts and (g := self._grad_of(p)) is not None
+                 and self._counts_norm(name)
                  and (self._buckets is None or self._buckets.counted_once(p))]
+        # This rank's routed experts: held by dp x tp / ep ranks of the stage, any tp rank.
+        expert_grads = [p.grad for p in self.expert_params if p.grad is not None]
         device = topo.device
         if norm_type == float("inf"):
-            local = max((g.detach().abs().max() for g in grads),
+            local = max((g.detach().abs().max() for g in grads + expert_grads),
                         default=torch.zeros((), device=device)).to(torch.float32)
             dist.all_reduce(local, op=dist.ReduceOp.MAX)
             return local
         local = sum((g.detach().to(torch.float32).norm(norm_type) ** norm_type
                      for g in grads), torch.zeros((), device=device))
+        # Counted on every rank and divided by dp below: each expert once overall.
+        local = local + topo.ep / topo.tp * sum(
+            (g.detach().to(torch.float32).norm(norm_type) ** norm_type for g in expert_grads),
+            torch.zeros((), device=device))
         dist.all_reduce(local)  # dp replicas add the same sum; dp shards, parts of it
         return (local / (1 if self._sharded_grads else topo.dp)) ** (1.0 / norm_type)
 
@@ -666,6 +687,13 @@ def build(plan: Plan, topology: Topology,
     for module in modules:
         tp_ops.bind_group(module, tp_group)
         own_parameters(module, model, state_dict, topology.device, shard)
+    expert_params = [param for module in modules for param in experts.shard_experts(
+        module, topology.ep_group, topology.ep, topology.ep_rank,
+        topology.tp_group if topology.tp > 1 else None, topology.tp, topology.tp_rank)]
+    if expert_params and topology.ep > 1 and zero_stage >= 1:
+        raise PartcError("expert parallelism runs with ZeRO 0 only: ZeRO shards every "
+                         "weight over the whole dp group, and a rank's expert weights "
+                         "are not its dp peers'")
     aliases = aliases_of(model)
     shared = share_local_ties(modules, aliases)
     if shared and zero_stage >= 2:
@@ -699,14 +727,19 @@ def build(plan: Plan, topology: Topology,
     loss = _Loss(programs[0].loss, programs[0].loss_recompute,
                  mixed=compute_dtype != torch.float32)
     grad_sync = None
-    if zero_stage < 2 and (topology.dp > 1 or compute_dtype != torch.float32):
+    # Routed experts' gradients are summed over the ranks holding the same experts.
+    expert_groups = ({id(p): topology.expert_dp_group for p in expert_params}
+                     if topology.ep > 1 else {})
+    if zero_stage < 2 and (topology.dp > 1 or compute_dtype != torch.float32
+                           or topology.dp * topology.tp > topology.ep > 1):
         # One set of buckets for the rank: a weight two of its stages share is summed
         # over both before it is reduced (after the schedule, by ``finish``), and a
         # split backward's weight gradients (made outside autograd's accumulation
         # hooks) are taken in there too, so neither overlaps the backward.
         grad_sync = GradBuckets(whole, topology.dp_group, topology.dp, topology.dp_rank,
                                 sharded=zero_stage == 1, at_end=set(shared.values()),
-                                overlap=not schedule_facts(plan.schedule).split_backward)
+                                overlap=not schedule_facts(plan.schedule).split_backward,
+                                groups=expert_groups)
     copies = (ComputeCopies(modules, compute_dtype, grad_sync)
               if compute_dtype != torch.float32 else None)
     stages: list[CountingStage] = []
@@ -735,6 +768,7 @@ def build(plan: Plan, topology: Topology,
         model_tensors={name: (tuple(t.shape), t.dtype)
                        for name, t in model.state_dict(keep_vars=True).items()})
     distributed.memory_baseline = baseline
+    distributed.expert_params = expert_params if topology.ep > 1 else []
     return distributed
 
 

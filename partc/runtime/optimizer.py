@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import math
 import os
-from typing import Any, Iterator
+from typing import Any, Iterator, Mapping
 
 import torch
 import torch.distributed as dist
@@ -81,6 +81,7 @@ class _Bucket:
         self.buffer = torch.zeros(self.region * regions, dtype=dtype, device=device)
         self.ready = 0
         self.work: Any = None
+        self.group: Any = None  # the bucket's own group (expert weights); None: the dp group
 
     def region_of(self, rank: int) -> torch.Tensor:
         return self.buffer[rank * self.region:(rank + 1) * self.region]
@@ -97,12 +98,20 @@ class GradBuckets:
 
     def __init__(self, module: nn.Module, group: dist.ProcessGroup, dp: int, dp_rank: int,
                  *, sharded: bool, elements: int | None = None,
-                 at_end: set[int] = frozenset(), overlap: bool = True) -> None:
+                 at_end: set[int] = frozenset(), overlap: bool = True,
+                 groups: Mapping[int, Any] | None = None) -> None:
         """``at_end``: ids of parameters whose gradient comes from several backwards of
         one microbatch (a weight two virtual stages of the rank share): their buckets
         are reduced in :meth:`finish` only. ``overlap`` False: every bucket is reduced
         in :meth:`finish` (a split backward makes weight gradients outside autograd's
-        accumulation hooks, so no bucket is known full during the last backward)."""
+        accumulation hooks, so no bucket is known full during the last backward).
+        ``groups``: parameter id → the group its gradient is summed over instead of the
+        dp group (a routed expert's weights: the expert-data-parallel group, whose ranks
+        hold the same experts), in buckets of their own, still averaged over ``dp``."""
+        self.groups = dict(groups or {})
+        if self.groups and sharded:
+            raise PartcError("expert weights are reduced over their own group, which "
+                             "ZeRO-1's reduce-scatter over dp does not shard alike")
         self.group, self.dp, self.dp_rank, self.sharded = group, dp, dp_rank, sharded
         self.overlap = overlap
         self.collecting = False  # inside one of the schedule's backwards
@@ -117,13 +126,18 @@ class GradBuckets:
         self._copies: dict[int, nn.Parameter] = {}
         self._slot: dict[int, tuple[_Bucket, _Slot]] = {}
         # Shared weights last, in buckets of their own that never count as ready.
-        ordered = ([p for p in reversed(params) if id(p) not in at_end]
-                   + [p for p in reversed(params) if id(p) in at_end])
+        # Expert weights in buckets of their own per group, after the others.
         self._late = {id(p) for p in params if id(p) in at_end}
+
+        def kind(param: nn.Parameter) -> tuple[bool, int]:
+            group = self.groups.get(id(param))
+            return id(param) in self._late, 0 if group is None else 1 + id(group)
+
+        ordered = sorted(reversed(params), key=kind)  # stable: backward's order in a kind
         current: list[_Slot] = []
         offset = 0
         for param in ordered:
-            if current and (id(param) in self._late) != (id(current[-1].param) in self._late):
+            if current and kind(param) != kind(current[-1].param):
                 self._close(current, device)
                 current, offset = [], 0
             slot = _Slot(param, dp, sharded, offset)
@@ -155,6 +169,7 @@ class GradBuckets:
 
     def _close(self, slots: list[_Slot], device: torch.device) -> None:
         bucket = _Bucket(slots, self.dp if self.sharded else 1, torch.float32, device)
+        bucket.group = self.groups.get(id(slots[0].param))
         self.buckets.append(bucket)
         for slot in slots:
             self._slot[id(slot.param)] = (bucket, slot)
@@ -213,6 +228,9 @@ class GradBuckets:
 
     def _launch(self, bucket: _Bucket) -> None:
         if bucket.work is not None:
+            return
+        if bucket.group is not None:
+            bucket.work = dist.all_reduce(bucket.buffer, group=bucket.group, async_op=True)
             return
         if self.dp == 1:  # mixed precision alone: fp32 accumulation, nothing to reduce
             bucket.work = _Done()

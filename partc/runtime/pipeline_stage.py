@@ -186,8 +186,12 @@ class OverlappedAllReduce:
     bucket); this is what it replaced, kept to measure against
     (``benchmarks/optimizer.py``). It has the same calls as ``GradBuckets``."""
 
-    def __init__(self, module: nn.Module, group: dist.ProcessGroup, dp: int) -> None:
+    def __init__(self, module: nn.Module, group: dist.ProcessGroup, dp: int,
+                 groups: dict[int, dist.ProcessGroup] | None = None) -> None:
         self.group, self.dp = group, dp
+        # Parameters summed over another group (by id), still averaged over dp: expert
+        # weights over their expert-data-parallel group.
+        self.groups = groups or {}
         self.armed = False
         self._pending: list[tuple[torch.Tensor, Any]] = []
         for param in {id(p): p for p in module.parameters()}.values():
@@ -202,7 +206,8 @@ class OverlappedAllReduce:
 
     def _launch(self, param: torch.Tensor) -> None:
         if self.armed:
-            work = dist.all_reduce(param.grad, group=self.group, async_op=True)
+            work = dist.all_reduce(param.grad, group=self.groups.get(id(param), self.group),
+                                   async_op=True)
             self._pending.append((param.grad, work))
 
     def finish(self, scale: int) -> None:

@@ -32,6 +32,13 @@ class Topology:
     mesh: DeviceMesh
     tp: int = 1
     tp_rank: int = 0
+    # Expert parallelism (Megatron's folding): a stage's dp x tp ranks in rank order
+    # form groups of ``ep`` consecutive ranks that split the experts; the ranks at the
+    # same position of each group (the expert-data-parallel group) hold the same ones.
+    ep: int = 1
+    ep_rank: int = 0
+    ep_group: dist.ProcessGroup | None = None
+    expert_dp_group: dist.ProcessGroup | None = None
 
     @property
     def pp_group(self) -> dist.ProcessGroup:
@@ -91,9 +98,36 @@ def init(plan: Plan, device: torch.device | str | None = None) -> Topology:
     tp = plan.tp
     mesh = init_device_mesh(device.type, (plan.pp, plan.dp, tp),
                             mesh_dim_names=("pp", "dp", "tp"))
+    ep = plan.mesh.ep
+    ep_group, expert_dp_group = _expert_groups(plan.pp, plan.dp * tp, ep, rank)
     return Topology(rank=rank, world_size=dist.get_world_size(), pp=plan.pp, dp=plan.dp,
                     pp_rank=rank // (plan.dp * tp), dp_rank=rank // tp % plan.dp,
-                    device=device, mesh=mesh, tp=tp, tp_rank=rank % tp)
+                    device=device, mesh=mesh, tp=tp, tp_rank=rank % tp,
+                    ep=ep, ep_rank=rank % (plan.dp * tp) % ep, ep_group=ep_group,
+                    expert_dp_group=expert_dp_group)
+
+
+def _expert_groups(pp: int, width: int, ep: int, rank: int
+                   ) -> tuple[dist.ProcessGroup | None, dist.ProcessGroup | None]:
+    """This rank's expert-parallel and expert-data-parallel groups (every rank makes
+    every group, in one order, as ``new_group`` requires); None without ep."""
+    if ep == 1:
+        return None, None
+    if width % ep:
+        raise PlanMismatchError(f"ep={ep} does not divide a stage's dp x tp = {width} ranks")
+    mine: list[dist.ProcessGroup | None] = [None, None]
+    for stage in range(pp):
+        first = stage * width
+        for start in range(first, first + width, ep):
+            group = dist.new_group(list(range(start, start + ep)))
+            if start <= rank < start + ep:
+                mine[0] = group
+        for position in range(ep):
+            ranks = list(range(first + position, first + width, ep))
+            group = dist.new_group(ranks)
+            if rank in ranks:
+                mine[1] = group
+    return mine[0], mine[1]
 
 
 def _attempt_store(timeout: datetime.timedelta) -> dist.Store:

@@ -1,0 +1,114 @@
+"""Mixture-of-experts layers recognised from the graph (router, routed experts, shared
+experts, balance loss), their balanced-routing figures, and the experts call lowered to
+the runtime's expert-parallel module computing exactly what the model computes."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from partc.passes.context import Lowering
+from partc.passes.moe import recognize
+from partc.passes.pipeline import _trace, analyze, lowering_passes, run_passes
+from partc.runtime.experts import expert_modules
+from samples import moe
+from tests.hf_families import FAMILIES
+
+BATCH, SEQ = 2, 8
+# family: (MoE layers, top_k, scoring, shared expert parameters per layer)
+EXPECTED = {"mixtral": (2, 2, "softmax", 0), "qwen2-moe": (2, 2, "softmax", 4),
+            "qwen3-moe": (2, 2, "softmax", 0), "olmoe": (2, 2, "softmax", 0),
+            "deepseek-v3": (1, 2, "sigmoid", 3)}
+
+
+def _ids() -> torch.Tensor:
+    return torch.randint(0, 100, (BATCH, SEQ), generator=torch.Generator().manual_seed(0))
+
+
+def _analysis(model, loss_fn=None):
+    ids = _ids()
+    target = ids if loss_fn is not None else None
+    return analyze(model, (ids,), loss_fn=loss_fn, example_target=target)
+
+
+def test_sample_layers_recognised_with_their_balance_loss():
+    torch.manual_seed(0)
+    _, analysis = _analysis(moe.moe_tiny(), moe.loss_fn)
+    costs = [layer.moe for layer in analysis.layers if layer.moe is not None]
+    assert len(costs) == 2
+    for layer in analysis.layers:
+        if layer.moe is not None:  # the layer's own figures include its experts
+            assert layer.fwd_flops > layer.moe.expert_fwd_flops
+    for cost in costs:
+        assert (cost.num_experts, cost.top_k, cost.hidden, cost.tokens_per_sample) == (4, 1, 64, SEQ)
+        assert cost.expert_param_count == 2 * 4 * 64 * 128
+        # Balanced routing: each token through one expert's two matmuls.
+        assert cost.expert_fwd_flops == 2.0 * SEQ * 1 * cost.expert_param_count / 4
+        assert cost.dispatch_bytes == SEQ * 1 * 64 * 4
+        assert cost.aux_loss
+        assert cost.expert_saved_bytes["none"] > 0 and cost.expert_saved_bytes["full"] == 0
+
+
+@pytest.mark.parametrize("family", [f if f == "qwen2-moe" else pytest.param(f, marks=pytest.mark.slow)
+                                    for f in sorted(EXPECTED)])
+def test_hf_families_recognised(family):
+    torch.manual_seed(0)
+    model = FAMILIES[family].build()
+    gm, ctx = _trace(model, (_ids(),))
+    gm = run_passes(lowering_passes(Lowering(stages=(), recompute={})), gm, ctx)
+    regions = recognize(gm, BATCH)
+    layers, top_k, scoring, shared = EXPECTED[family]
+    assert len(regions) == layers
+    for region in regions:
+        assert (region.num_experts, region.top_k, region.scoring) == (4, top_k, scoring)
+        assert region.expert_form == "batched"
+        assert {p.rpartition(".")[2] for p in region.expert_params} == {"gate_up_proj",
+                                                                          "down_proj"}
+        assert len(region.shared_params) == shared
+        assert not region.aux_loss  # output_router_logits off
+
+
+@pytest.mark.slow
+def test_hf_router_aux_loss_recognised():
+    family = FAMILIES["mixtral"]
+    fields = {**family.fields, "output_router_logits": True}
+    model = dataclasses.replace(family, fields=fields).build()
+    gm, ctx = _trace(model, (_ids(),))
+    gm = run_passes(lowering_passes(Lowering(stages=(), recompute={})), gm, ctx)
+    assert all(region.aux_loss for region in recognize(gm, BATCH))
+
+
+@pytest.mark.parametrize("name", ["sample", *(pytest.param(n, marks=pytest.mark.slow)
+                                            for n in ("mixtral", "qwen2-moe", "deepseek-v3"))])
+def test_lowered_experts_compute_what_the_model_does(name):
+    torch.manual_seed(0)
+    model = moe.moe_tiny() if name == "sample" else FAMILIES[name].build()
+    lowering = Lowering(stages=(), recompute={}, ep=2)
+    gm, ctx = _trace(model, (_ids(),))
+    gm = run_passes(lowering_passes(lowering), gm, dataclasses.replace(ctx, lowering=lowering))
+    assert len(expert_modules(gm)) == (1 if name == "deepseek-v3" else 2)
+    with torch.no_grad():
+        ours, theirs = gm(_ids())[0], model(_ids())
+    theirs = theirs[0] if isinstance(theirs, tuple) else theirs.logits
+    assert torch.equal(ours, theirs)
+
+
+def test_capacity_drops_per_sample():
+    """Capacity 1 with top-2 keeps at most ceil(SEQ * 2 / 4) slots per sample and
+    expert; a sample's output depends on that sample alone."""
+    torch.manual_seed(0)
+    model = moe.moe_tiny(top_k=2)
+    lowering = Lowering(stages=(), recompute={}, capacity_factor=1.0)
+    gm, ctx = _trace(model, (_ids(),))
+    gm = run_passes(lowering_passes(lowering), gm, dataclasses.replace(ctx, lowering=lowering))
+    with torch.no_grad():
+        whole = gm(_ids())[0]
+        dropless = model(_ids())[0]
+    assert not torch.allclose(whole, dropless)
+    gm1, ctx1 = _trace(model, (_ids()[:1],))
+    gm1 = run_passes(lowering_passes(lowering), gm1, dataclasses.replace(ctx1, lowering=lowering))
+    with torch.no_grad():
+        first = gm1(_ids()[:1])[0]
+    torch.testing.assert_close(first, whole[:1], rtol=1e-6, atol=1e-6)

@@ -1,0 +1,76 @@
+"""Expert parallelism trains like one process (fp32, 1e-5): the sample's Switch-style
+layers and Hugging Face mixture-of-experts families, with ep folded over dp and tp, with
+pp, dropless and with a capacity factor; the all-to-alls posted per step are those the plan's ep and
+expert layers give. The default profile runs one torchrun launch of 4 processes; the
+rest of the matrix is ``-m slow`` (``benchmarks/moe_parity.py`` prints it as a table).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+WORKER = Path(__file__).with_name("moe_worker.py")
+RTOL = 1e-5
+DEFAULT = ["moe-dp4-ep4", "moe-pp2-dp2-ep2", "moe-dp2-tp2-ep2-clip"]
+SLOW_FOUR = ["moe-dp2-tp2-ep2", "moe-dp4-ep2", "qwen2-moe-dp4-ep4", "qwen3-moe-pp2-dp2-ep2", "mixtral-dp2-tp2-ep2",
+             "mixtral-dp2-tp2-ep4-capacity"]
+SLOW_TWO = ["moe-dp2-ep2", "moe-tp2-ep2", "moe-dp2-ep2-capacity", "mixtral-dp2-ep2", "mixtral-tp2-ep2",
+            "deepseek-v3-dp2-ep2"]
+
+
+def launch(nproc: int, cases: list[str], out: Path) -> list[dict]:
+    import json
+
+    out.mkdir(parents=True, exist_ok=True)
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+               f"--nproc-per-node={nproc}", str(WORKER), str(out), *cases]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PARTC_TIMEOUT_S": "120"}
+    done = subprocess.run(command, capture_output=True, text=True, timeout=900, env=env)
+    files = [out / f"rank{r}.json" for r in range(nproc)]
+    if done.returncode != 0 or not all(f.exists() for f in files):
+        pytest.fail(f"torchrun exited with {done.returncode}; stderr tail:\n"
+                    f"{done.stderr[-4000:]}")
+    return [json.loads(f.read_text()) for f in files]
+
+
+def check(ranks: list[dict], name: str) -> None:
+    for rank, results in enumerate(ranks):
+        seen = results[name]
+        assert "error" not in seen, f"rank {rank}: {seen.get('traceback')}"
+        for step, (loss, ref) in enumerate(zip(seen["losses"], seen["ref_losses"])):
+            assert abs(loss - ref) <= RTOL * abs(ref), f"rank {rank} step {step}: {loss} vs {ref}"
+        worst = max(seen["param_errors"].items(), key=lambda item: item[1])
+        assert worst[1] <= RTOL, f"rank {rank}: {worst[0]} differs by {worst[1]:.2e}"
+        assert seen["expert_layers"] > 0 or seen["mesh"]["pp"] > 1
+        for norm, ref in zip(seen["grad_norms"], seen["ref_grad_norms"]):
+            assert abs(norm - ref) <= RTOL * abs(ref), f"rank {rank}: grad norm {norm} vs {ref}"
+        # After the first step (which also runs the schedule's shape inference).
+        assert all(m == seen["expected_messages"] for m in seen["messages"][1:]), seen["messages"]
+
+
+@pytest.fixture(scope="module")
+def default_four(tmp_path_factory) -> list[dict]:
+    return launch(4, DEFAULT, tmp_path_factory.mktemp("moe4"))
+
+
+@pytest.mark.parametrize("name", DEFAULT)
+def test_expert_parallel_trains_like_one_process(default_four, name):
+    check(default_four, name)
+
+
+@pytest.mark.slow
+def test_expert_parallel_matrix(tmp_path):
+    four = launch(4, SLOW_FOUR, tmp_path / "four")
+    two = launch(2, SLOW_TWO, tmp_path / "two")
+    for name in SLOW_FOUR:
+        check(four, name)
+    for name in SLOW_TWO:
+        check(two, name)
+    # The capacity cases drop slots (and still match one process with the same rule).
+    assert sum(r["moe-dp2-ep2-capacity"]["dropped"] for r in two) > 0
+    assert sum(r["mixtral-dp2-tp2-ep4-capacity"]["dropped"] for r in four) > 0
