@@ -74,6 +74,8 @@ def brute_force(prob):
                 for schedule, zero in itertools.product(("1f1b", "gpipe"), (0, 1, 2, 3)):
                     if zero and dp == 1:
                         continue
+                    if zero and ep > 1:
+                        continue  # the runtime runs expert parallelism without ZeRO
                     config = PipelineConfig(pp=pp, dp=dp, micro_batch_size=b, ep=ep,
                                             num_microbatches=per_replica // b,
                                             schedule=schedule, zero_stage=zero)
