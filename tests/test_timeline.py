@@ -3,7 +3,9 @@ simulated step equals the cost model's, and the invariants every simulation keep
 
 from __future__ import annotations
 
+import csv
 import dataclasses
+import io
 
 import pytest
 
@@ -11,33 +13,70 @@ from partc.compiler import plan_problem
 from partc.placement import Placement
 from partc.plan import TensorParallelPlan, TPCollective
 from partc.problem import Pins
-from partc.timeline import KINDS, Op, schedule_order, simulate, text_lines
+from partc.schedules import schedule
+from partc.timeline import (KINDS, Op, StageSeconds, csv_text, play, schedule_order,
+                            simulate, text_lines, torch_order)
 
 from .planner.instances import devices, layer, problem
 
 MS = 1e-3
 
 
-def _ops(order: list[Op]) -> list[str]:
-    return [f"{op.phase[0].upper()}{op.microbatch}" + (f"c{op.chunk}" if op.chunk else "")
+def _ops(order: list[Op], pp: int) -> list[str]:
+    return [f"{op.phase[0].upper()}{op.microbatch}" + (f"c{op.stage // pp}" if op.stage >= pp
+                                                      else "")
             for op in order]
 
 
 def test_schedule_orders():
-    assert _ops(schedule_order("gpipe", 0, 2, 3)) == ["F0", "F1", "F2", "B0", "B1", "B2"]
+    assert _ops(schedule_order("gpipe", 0, 2, 3), 2) == ["F0", "F1", "F2", "B0", "B1", "B2"]
     # 1F1B: pp - rank - 1 warm-up forwards, then one forward and one backward in turn.
-    assert _ops(schedule_order("1f1b", 0, 3, 4)) == ["F0", "F1", "F2", "B0", "F3", "B1",
-                                                      "B2", "B3"]
-    assert _ops(schedule_order("1f1b", 2, 3, 4)) == ["F0", "B0", "F1", "B1", "F2", "B2",
-                                                      "F3", "B3"]
-    # Interleaved (Megatron): microbatches go through the chunks pp at a time, backwards
-    # take the chunks last first; rank 0 of 2 warms up with 2 (pp - 1) + (v - 1) pp = 4.
-    assert _ops(schedule_order("interleaved-1f1b", 0, 2, 2, chunks=2)) == [
+    assert _ops(schedule_order("1f1b", 0, 3, 4), 3) == ["F0", "F1", "F2", "B0", "F3", "B1",
+                                                         "B2", "B3"]
+    assert _ops(schedule_order("1f1b", 2, 3, 4), 3) == ["F0", "B0", "F1", "B1", "F2", "B2",
+                                                         "F3", "B3"]
+    # Interleaved (torch's order): microbatches go through the chunks pp at a time,
+    # backwards take the chunks last first.
+    assert _ops(schedule_order("interleaved-1f1b", 0, 2, 2, chunks=2), 2) == [
         "F0", "F1", "F0c1", "F1c1", "B0c1", "B1c1", "B0", "B1"]
-    assert _ops(schedule_order("interleaved-1f1b", 1, 2, 2, chunks=2)) == [
-        "F0", "F1", "F0c1", "B0c1", "F1c1", "B1c1", "B0", "B1"]
-    with pytest.raises(ValueError, match="multiple of the pipeline degree"):
-        schedule_order("interleaved-1f1b", 0, 2, 3, chunks=2)
+    # Zero-bubble: the backward split into input (I) and weight (W) gradients.
+    phases = {op.phase for op in schedule_order("zbv-zero-bubble", 0, 2, 4, chunks=2)}
+    assert phases >= {"forward", "input", "weight"}
+    with pytest.raises(ValueError, match="multiple of its rounds"):
+        schedule_order("interleaved-1f1b", 0, 2, 5, chunks=2)
+
+
+@pytest.mark.parametrize("name,v", [("gpipe", 1), ("1f1b", 1), ("interleaved-1f1b", 2),
+                                    ("looped-bfs", 2), ("interleaved-zero-bubble", 2),
+                                    ("zbv-zero-bubble", 2), ("dualpipev", 2)])
+def test_every_schedule_plays_out(name, v):
+    # 4 ranks, 8 microbatches, equal virtual stages of 1 ms forward, 2 ms backward (per
+    # rank). Every operation runs once; the step is at least the busiest rank's work and
+    # at most GPipe's fill-and-drain.
+    stages = [StageSeconds(forward=1 * MS / v, backward=2 * MS / v)] * (4 * v)
+    timeline = play(name, 4, v, 8, stages, [0.0] * 4)
+    for rank in range(4):
+        assert timeline.seconds(rank) == pytest.approx(8 * 3 * MS)
+    assert 8 * 3 * MS - 1e-12 <= timeline.step_s <= (8 + 3) * 3 * MS + 1e-12
+    if name in ("gpipe", "1f1b"):
+        assert timeline.step_s == pytest.approx((8 + 3) * 3 * MS)
+    if name == "interleaved-1f1b":   # Megatron's (m + (p - 1) / v) t
+        assert timeline.step_s == pytest.approx((8 + 3 / 2) * 3 * MS)
+    if schedule(name).split_backward:   # the weight gradients fill the bubble
+        assert timeline.bubble_fraction < 0.1
+        assert 0 < timeline.seconds(0, ("weight",)) <= 8 * MS + 1e-12
+
+
+def test_csv_export_reads_back_in_torch():
+    torch_schedules = pytest.importorskip("torch.distributed.pipelining.schedules")
+    text = csv_text("zbv-zero-bubble", 2, 2, 4)
+    rows = [[torch_schedules._Action.from_str(cell) for cell in row]
+            for row in csv.reader(io.StringIO(text))]
+    ours = torch_order("zbv-zero-bubble", 2, 2, 4)
+    assert [[(a.stage_index, a.computation_type.value, a.microbatch_index) for a in row]
+            for row in rows] == [[(op.stage, {"forward": "F", "backward": "B", "input": "I",
+                                              "weight": "W"}[op.phase], op.microbatch)
+                                  for op in ops] for ops in ours]
 
 
 def _four_layers(pins: Pins, batch: int = 4, cuts: float = 0.0):
