@@ -72,12 +72,14 @@ class Program:
                 for stage in lowered.stages}
 
     def save(self, directory: str | Path, *, code: bool = True) -> Path:
-        """Write plan.json, report.md and (with the model at hand, one run of layers per
+        """Write plan.json, report.md, schedule.csv and (with the model at hand, one run of layers per
         stage) code/stage_<k>.py."""
         out = Path(directory)
         out.mkdir(parents=True, exist_ok=True)
         (out / "plan.json").write_text(self.plan.to_json() + "\n")
         (out / "report.md").write_text(render(self.plan, "markdown"))
+        from .timeline import plan_csv   # the schedule, as torch's pipelining reads it
+        (out / "schedule.csv").write_text(plan_csv(self.plan))
         # Interleaved plans are planned and reported, but not lowered to stage code yet.
         if code and self.model is not None and self.plan.chunks == 1:
             code_dir = out / "code"

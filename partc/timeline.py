@@ -225,6 +225,11 @@ def csv_text(name: str, pp: int, v: int, m: int) -> str:
     return out.getvalue()
 
 
+def plan_csv(plan) -> str:
+    """The plan's schedule in torch's pipelining CSV format (:func:`csv_rows`)."""
+    return csv_text(plan.schedule, len(plan.stages), plan.chunks, plan.num_microbatches)
+
+
 # ------------------------------------------------------------------ the simulation
 
 def play(schedule: str, pp: int, v: int, m: int, stages: list[StageSeconds],
@@ -411,5 +416,5 @@ def text_lines(timeline: Timeline, width: int = 72) -> list[str]:
 
 
 __all__ = ["Block", "KINDS", "Op", "SCHEDULE_TABLE", "StageSeconds", "Timeline",
-           "csv_rows", "csv_text", "peak_inflight", "play", "schedule_order", "simulate",
+           "csv_rows", "csv_text", "plan_csv", "peak_inflight", "play", "schedule_order", "simulate",
            "stage_seconds", "text_lines", "torch_order"]

@@ -3,9 +3,7 @@ simulated step equals the cost model's, and the invariants every simulation keep
 
 from __future__ import annotations
 
-import csv
 import dataclasses
-import io
 
 import pytest
 
@@ -13,7 +11,7 @@ from partc.compiler import plan_problem
 from partc.placement import Placement
 from partc.plan import TensorParallelPlan, TPCollective
 from partc.problem import Pins
-from partc.schedules import schedule
+from partc.schedules import schedule, stages_of_rank
 from partc.timeline import (KINDS, Op, StageSeconds, csv_text, play, schedule_order,
                             simulate, text_lines, torch_order)
 
@@ -67,16 +65,33 @@ def test_every_schedule_plays_out(name, v):
         assert 0 < timeline.seconds(0, ("weight",)) <= 8 * MS + 1e-12
 
 
-def test_csv_export_reads_back_in_torch():
-    torch_schedules = pytest.importorskip("torch.distributed.pipelining.schedules")
-    text = csv_text("zbv-zero-bubble", 2, 2, 4)
-    rows = [[torch_schedules._Action.from_str(cell) for cell in row]
-            for row in csv.reader(io.StringIO(text))]
-    ours = torch_order("zbv-zero-bubble", 2, 2, 4)
-    assert [[(a.stage_index, a.computation_type.value, a.microbatch_index) for a in row]
-            for row in rows] == [[(op.stage, {"forward": "F", "backward": "B", "input": "I",
-                                              "weight": "W"}[op.phase], op.microbatch)
-                                  for op in ops] for ops in ours]
+@pytest.mark.parametrize("name", ["interleaved-1f1b", "zbv-zero-bubble"])
+def test_csv_export_loads_in_torch(name, tmp_path):
+    """What partc writes, torch's own CSV loader reads back (and lowers with its sends and
+    receives) to the order partc priced."""
+    import types
+
+    import torch
+    from torch.distributed.pipelining import schedules as torch_schedules
+
+    pp, v, m = 2, 2, 4
+    path = tmp_path / "schedule.csv"
+    path.write_text(csv_text(name, pp, v, m))
+    module = torch.nn.Module()
+    stages = [types.SimpleNamespace(num_stages=pp * v, group_size=pp, group_rank=0,
+                                    stage_index=j, is_first=j == 0,
+                                    is_last=j == pp * v - 1, submod=module)
+              for j in stages_of_rank(name, pp, v, 0)]
+    loaded = getattr(torch_schedules, schedule(name).torch_class)(
+        stages, m, loss_fn=lambda output, target: output)
+    loaded.pipeline_order = {}
+    loaded._load_csv(str(path))
+    letters = {"forward": "F", "backward": "B", "input": "I", "weight": "W"}
+    assert [[(a.stage_index, a.computation_type.value, a.microbatch_index)
+             for a in loaded.pipeline_order[rank]] for rank in range(pp)] == \
+        [[(op.stage, letters[op.phase], op.microbatch) for op in ops]
+         for ops in torch_order(name, pp, v, m)]
+    assert loaded.pipeline_order_with_comms   # lowered with its sends and receives
 
 
 def _four_layers(pins: Pins, batch: int = 4, cuts: float = 0.0):
