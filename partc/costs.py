@@ -21,11 +21,13 @@ Model (per pipeline stage ``s`` of ``p``, ``m`` microbatches of ``b`` samples):
   scores add FLOPs); recompute replays its ops at the same roofline (:func:`layer_work`);
 - ``t_s`` = compute of the stage's layers + send/recv of the activation crossing its
   outgoing cut (forward) and of its gradient (backward) over the link to the next stage;
-- pipeline time ``(m - 1) * max_s t_s + sum_s t_s``: every microbatch passes the
-  bottleneck stage, and the first one passes every stage once (GPipe and 1F1B alike);
-  interleaved 1F1B with ``v`` chunks per rank (rank ``s`` holds runs ``s, s + p, ...``;
-  ``t_s`` sums them) divides the fill-and-drain term by ``v``: ``m * max_s t_s +
-  (sum_s t_s - max_s t_s) / v``;
+- pipeline time, in closed form for the planner's search: ``(m - 1) * max_s t_s +
+  sum_s t_s``: every microbatch passes the bottleneck stage, and the first one passes
+  every stage once (GPipe and 1F1B alike); with ``v`` virtual stages per rank (placed as
+  the schedule places them, :mod:`partc.schedules`; ``t_s`` sums them) the fill-and-drain
+  term is divided by ``v``, and by 3 more under a zero-bubble schedule
+  (:attr:`PipelineConfig.fill_divisor`). The step time a plan reports is the schedule
+  played out in its own order (:func:`simulate`, :mod:`partc.timeline`);
 - collectives and sends by :mod:`partc.collectives` (alpha-beta, ring or tree as NCCL
   picks, over NVLink inside a node and the network across; inside a node each kind by
   its own calibrated link where the profile has one), in the dtypes the runtime moves
@@ -44,7 +46,8 @@ Model (per pipeline stage ``s`` of ``p``, ``m`` microbatches of ``b`` samples):
   parameters once per step, in the tail;
 - memory of stage ``s``: parameters + gradients + optimizer state of every parameter the
   stage uses (a tied parameter on every stage that uses it) + saved activations times the
-  microbatches in flight (1F1B: ``min(m, p - s)``; GPipe: ``m``) + the largest transient
+  microbatches in flight (1F1B: ``min(m, p - s)``; GPipe: ``m``; the others counted from
+  the schedule's order, :meth:`PipelineConfig.inflight`) + the largest transient
   working set of one layer (for a recomputed layer: what recompute rematerialises; under
   ZeRO-2/3 what FSDP holds of the layer's unit, :func:`_zero_transient`).
 """
