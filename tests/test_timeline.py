@@ -11,7 +11,7 @@ from partc.compiler import plan_problem
 from partc.placement import Placement
 from partc.plan import TensorParallelPlan, TPCollective
 from partc.problem import Pins
-from partc.schedules import schedule, stages_of_rank
+from partc.schedules import SCHEDULE_TABLE, schedule, stages_of_rank
 from partc.timeline import (KINDS, Op, StageSeconds, csv_text, play, schedule_order,
                             simulate, text_lines, torch_order)
 
@@ -177,3 +177,21 @@ def test_tensor_parallel_collectives_are_split_by_their_bytes():
     # The stage's work is unchanged: its forward and backward figures hold the collectives.
     stage = plan.stages[0].time_s
     assert timeline.seconds(0) == pytest.approx(stage.forward + stage.backward + stage.tail)
+
+
+def test_the_plan_prices_every_schedule_on_its_mesh():
+    # 8 equal layers on 4 ranks, 8 microbatches, ZBV pinned: the plan's step is its
+    # simulation; every other schedule is priced on the same mesh, and the zero-bubble
+    # ones beat 1F1B (whose bubble is (p - 1) / (m + p - 1) of the step, 3/11).
+    layers = [layer(f"l{i}", params=0) for i in range(8)]
+    plan = plan_problem(problem(layers, [0.0] * 7, devices(4, 10**9), batch=8,
+                                micro_batch_sizes=(1,),
+                                pins=Pins(pp=4, schedule="zbv-zero-bubble")))
+    options = {(o.schedule, o.virtual_stages): o for o in plan.schedules}
+    chosen = plan.schedules[0]
+    assert (chosen.schedule, chosen.how) == ("zbv-zero-bubble", "chosen")
+    assert chosen.step_time_s == pytest.approx(plan.predicted.step_time_s)
+    assert {name for name, _ in options} == set(SCHEDULE_TABLE)
+    assert options[("1f1b", 1)].bubble_fraction == pytest.approx(3 / 11, abs=1e-3)
+    assert chosen.step_time_s < options[("1f1b", 1)].step_time_s
+    assert simulate(plan).step_s == pytest.approx(plan.predicted.step_time_s, rel=1e-6)
