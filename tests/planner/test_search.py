@@ -223,7 +223,7 @@ def test_every_schedule_pinned_equals_brute_force(schedule):
     """Each schedule of several virtual stages per rank pinned: 4-5 layers on 2 ranks,
     against every split into runs and every recompute mode; under the "V" schedules rank
     0 holds the first and the last run."""
-    rng = random.Random(hash(schedule) % 1000)
+    rng = random.Random(sum(map(ord, schedule)))   # stable across processes
     feasible = 0
     for _ in range(5):
         layers = [layer(f"layer{i}", flops=rng.choice([1e8, 1e9, 3e9]), params=1000,
