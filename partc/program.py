@@ -72,14 +72,12 @@ class Program:
                 for stage in lowered.stages}
 
     def save(self, directory: str | Path, *, code: bool = True) -> Path:
-        """Write plan.json, report.md, schedule.csv and (with the model at hand, one run of layers per
+        """Write plan.json, report.md and (with the model at hand, one run of layers per
         stage) code/stage_<k>.py."""
         out = Path(directory)
         out.mkdir(parents=True, exist_ok=True)
         (out / "plan.json").write_text(self.plan.to_json() + "\n")
         (out / "report.md").write_text(render(self.plan, "markdown"))
-        from .timeline import plan_csv   # the schedule, as torch's pipelining reads it
-        (out / "schedule.csv").write_text(plan_csv(self.plan))
         # Interleaved plans are planned and reported, but not lowered to stage code yet.
         if code and self.model is not None and self.plan.chunks == 1:
             code_dir = out / "code"
@@ -88,6 +86,9 @@ class Program:
                 old.unlink()
             for name, source in self.code().items():
                 (code_dir / name).write_text(source)
+        # schedule.csv: the pipeline order, as torch's pipelining reads it (_load_csv).
+        from .timeline import plan_csv
+        (out / "schedule.csv").write_text(plan_csv(self.plan))
         return out
 
     def build(self, *, state_dict: Mapping[str, torch.Tensor] | str | Path | None = None,
