@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from .costs import PS_PER_S, Evaluation, PipelineConfig, tp_comm_seconds
+from .costs import PS_PER_S, Evaluation, PipelineConfig, simulated_step_ps, tp_comm_seconds
 from .plan import (Alternative, BudgetInfo, InputSpec, Mesh, MeshOutcome, ModelInfo,
                    P2PMessages, Plan, Predicted, SolverStats, StageMemory, StagePlan,
                    StageTime, TensorParallelPlan, TPCollective)
@@ -25,11 +25,12 @@ def model_flops_per_step(problem: PlanningProblem) -> float:
 
 def predicted(problem: PlanningProblem, config: PipelineConfig,
               evaluation: Evaluation) -> Predicted:
-    step = evaluation.step_ps / PS_PER_S
+    # The schedule played out (costs.simulated_step_ps), not the planner's closed form.
+    step_ps, bubble = simulated_step_ps(config, evaluation)
+    step = step_ps / PS_PER_S
+    pipeline_ps = step_ps - evaluation.tail_ps - evaluation.tie_ps
     batch = problem.train.global_batch_size
     devices = problem.devices
-    busy = sum(s.busy_ps for s in evaluation.stages) * config.num_microbatches
-    bubble = 1 - busy / (config.pp * evaluation.pipeline_ps) if evaluation.pipeline_ps else 0.0
     samples_per_s = batch / step if step else 0.0
     tokens = problem.model.summary.tokens_per_sample
     return Predicted(
@@ -39,7 +40,8 @@ def predicted(problem: PlanningProblem, config: PipelineConfig,
         if step else 0.0,
         bubble_fraction=bubble,
         peak_memory_bytes=max(s.memory["peak"] for s in evaluation.stages),
-        pipeline_time_s=evaluation.pipeline_ps / PS_PER_S,
+        pipeline_time_s=pipeline_ps / PS_PER_S,
+        closed_form_step_s=evaluation.step_ps / PS_PER_S,
         bottleneck_s=max(s.busy_ps for s in evaluation.stages) / PS_PER_S,
         tail_time_s=(evaluation.tail_ps + evaluation.tie_ps) / PS_PER_S,
         tokens_per_s=samples_per_s * tokens if tokens else None,
@@ -63,7 +65,7 @@ def stage_plans(problem: PlanningProblem, config: PipelineConfig, evaluation: Ev
                              recompute=m * stage.recompute_ps / PS_PER_S,
                              comm=m * stage.comm_ps / PS_PER_S,
                              tail=stage.tail_ps / PS_PER_S),
-            p2p=p2p_messages(problem, evaluation, index, m),
+            p2p=p2p_messages(problem, evaluation, index, m, config),
             runs=tuple(tuple(names[l] for l in run) for run in stage.runs),
         )
         for index, stage in enumerate(evaluation.stages)
@@ -71,7 +73,7 @@ def stage_plans(problem: PlanningProblem, config: PipelineConfig, evaluation: Ev
 
 
 def p2p_messages(problem: PlanningProblem, evaluation: Evaluation, index: int,
-                 num_microbatches: int) -> P2PMessages | None:
+                 num_microbatches: int, config: PipelineConfig) -> P2PMessages | None:
     """Sends and receives per step on stage ``index``: each tensor crossing a boundary is
     one message forward and, when it depends on a parameter, one gradient message back."""
     counts = problem.model.cut_tensors
@@ -79,8 +81,8 @@ def p2p_messages(problem: PlanningProblem, evaluation: Evaluation, index: int,
         return None
     stages, pp = evaluation.stages, len(evaluation.stages)
     chunks = len(stages[0].runs) or 1
-    runs = [stages[j % pp].runs[j // pp] if chunks > 1 else stages[j].layers
-            for j in range(pp * chunks)]
+    runs = [stages[config.rank_of(j)].runs[config.runs_of(config.rank_of(j)).index(j)]
+            if chunks > 1 else stages[j].layers for j in range(pp * chunks)]
 
     def boundary(after_run: int) -> tuple[int, int]:
         if after_run < 0 or after_run >= len(runs) - 1:
@@ -88,7 +90,7 @@ def p2p_messages(problem: PlanningProblem, evaluation: Evaluation, index: int,
         return counts[runs[after_run][-1]]
 
     sends = recvs = 0
-    for run in range(index, len(runs), pp):   # each of the stage's runs
+    for run in config.runs_of(index):   # each of the stage's runs
         incoming, outgoing = boundary(run - 1), boundary(run)
         sends += outgoing[0] + incoming[1]
         recvs += incoming[0] + outgoing[1]

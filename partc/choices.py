@@ -12,7 +12,10 @@ from __future__ import annotations
 # (``scaled_dot_product_attention``) wherever partc proves it computes the same.
 ATTENTION: tuple[str, ...] = ("as_written", "fused")
 
-SCHEDULES: tuple[str, ...] = ("gpipe", "1f1b", "interleaved-1f1b")
+# The pipeline schedules (partc.schedules holds what each needs of a plan; a test holds
+# the two together).
+SCHEDULES: tuple[str, ...] = ("gpipe", "1f1b", "interleaved-1f1b", "looped-bfs",
+                              "interleaved-zero-bubble", "zbv-zero-bubble", "dualpipev")
 
 # What a tensor-parallel sharding is chosen for: the fastest, or the fewest parameter
 # bytes (then the fastest).

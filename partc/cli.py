@@ -48,6 +48,7 @@ PIN_FLAGS = {
     "tp_objective": "--tp-objective", "stages": "--stage", "recompute": "--recompute",
     "num_microbatches": "--microbatches", "micro_batch_size": "--micro-batch",
     "schedule": "--schedule", "zero_stage": "--zero", "ep": "--ep",
+    "virtual_stages": "--virtual-stages",
 }
 TRAIN_FLAGS = {
     "global_batch_size": "--global-batch", "micro_batch_size": "--micro-batch",
@@ -355,6 +356,9 @@ def _pin_arguments(group) -> None:
                            "repeat for more layers (the others are left to the planner)")
     group.add_argument("--microbatches", type=COUNT, metavar="N", help="microbatches per step")
     group.add_argument("--schedule", choices=SCHEDULES, help="the pipeline schedule")
+    group.add_argument("--virtual-stages", type=COUNT, metavar="V",
+                       help="virtual stages (runs of layers) per pipeline rank: 2 or more "
+                            "for the interleaved, looped and 'V' schedules")
     group.add_argument("--zero", type=int, choices=ZERO_STAGES,
                        help="ZeRO stage: 1 shards optimizer state over dp, 2 gradients "
                             "too, 3 parameters too")

@@ -26,7 +26,7 @@ from .cache import PlanCache, model_key
 from .collectives import Group
 from .errors import PartcError
 from .costs import TableCache
-from .planner import PlannerOptions, PlannerResult, divisors, solve
+from .planner import PlannerOptions, PlannerResult, divisors, schedule_options, solve
 from .planner.pins import check_pins
 from .plan import BudgetInfo, Plan, SolverStats
 from .problem import DeviceNumbers, ModelAnalysis, Pins, PlanningProblem, TrainNumbers
@@ -91,6 +91,7 @@ def pins_for(constraints: Constraints, train: TrainSpec,
                 micro_batch_size=micro_batch_size,
                 schedule=constraints.schedule or (
                     None if train.schedule == "auto" else train.schedule),
+                virtual_stages=constraints.virtual_stages,
                 zero_stage=constraints.zero_stage, ep=constraints.ep)
 
 
@@ -219,6 +220,8 @@ def plan_problem(problem: PlanningProblem, *, budget: BudgetInfo | None = None,
                      stats, budget=budget or _budget_info(problem.devices),
                      train=train or _train_spec(problem.train), alternatives=alternatives,
                      meshes=result.meshes)
+    plan = dataclasses.replace(plan, schedules=tuple(
+        schedule_options(problem, best, table_cache)))
     validate_plan(problem, plan)
     return plan
 

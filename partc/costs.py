@@ -21,11 +21,13 @@ Model (per pipeline stage ``s`` of ``p``, ``m`` microbatches of ``b`` samples):
   scores add FLOPs); recompute replays its ops at the same roofline (:func:`layer_work`);
 - ``t_s`` = compute of the stage's layers + send/recv of the activation crossing its
   outgoing cut (forward) and of its gradient (backward) over the link to the next stage;
-- pipeline time ``(m - 1) * max_s t_s + sum_s t_s``: every microbatch passes the
-  bottleneck stage, and the first one passes every stage once (GPipe and 1F1B alike);
-  interleaved 1F1B with ``v`` chunks per rank (rank ``s`` holds runs ``s, s + p, ...``;
-  ``t_s`` sums them) divides the fill-and-drain term by ``v``: ``m * max_s t_s +
-  (sum_s t_s - max_s t_s) / v``;
+- pipeline time, in closed form for the planner's search: ``(m - 1) * max_s t_s +
+  sum_s t_s``: every microbatch passes the bottleneck stage, and the first one passes
+  every stage once (GPipe and 1F1B alike); with ``v`` virtual stages per rank (placed as
+  the schedule places them, :mod:`partc.schedules`; ``t_s`` sums them) the fill-and-drain
+  term is divided by ``v``, and by 3 more under a zero-bubble schedule
+  (:attr:`PipelineConfig.fill_divisor`). The step time a plan reports is the schedule
+  played out in its own order (:func:`simulate`, :mod:`partc.timeline`);
 - collectives and sends by :mod:`partc.collectives` (alpha-beta, ring or tree as NCCL
   picks, over NVLink inside a node and the network across; inside a node each kind by
   its own calibrated link where the profile has one), in the dtypes the runtime moves
@@ -44,7 +46,8 @@ Model (per pipeline stage ``s`` of ``p``, ``m`` microbatches of ``b`` samples):
   parameters once per step, in the tail;
 - memory of stage ``s``: parameters + gradients + optimizer state of every parameter the
   stage uses (a tied parameter on every stage that uses it) + saved activations times the
-  microbatches in flight (1F1B: ``min(m, p - s)``; GPipe: ``m``) + the largest transient
+  microbatches in flight (1F1B: ``min(m, p - s)``; GPipe: ``m``; the others counted from
+  the schedule's order, :meth:`PipelineConfig.inflight`) + the largest transient
   working set of one layer (for a recomputed layer: what recompute rematerialises; under
   ZeRO-2/3 what FSDP holds of the layer's unit, :func:`_zero_transient`).
 """
@@ -89,25 +92,58 @@ class PipelineConfig:
 
     @property
     def virtual_stages(self) -> int:
-        """Contiguous runs of layers: ``pp`` ranks of ``chunks`` each; run ``j`` is on rank
-        ``j % pp`` (Megatron's interleaving: rank 0 holds runs 0, pp, 2 pp, ...)."""
+        """Contiguous runs of layers: ``pp`` ranks of ``chunks`` each; run ``j`` is on the
+        rank :meth:`rank_of` says (the schedule's placement, :mod:`partc.schedules`)."""
         return self.pp * self.chunks
 
+    def rank_of(self, run: int) -> int:
+        """The rank of run (virtual stage) ``run``: ``run % pp`` for the looped
+        schedules, the "V" for ZBV and DualPipeV."""
+        if self.chunks == 1:
+            return run
+        from .schedules import rank_of
+        return rank_of(self.schedule, self.pp, self.chunks, run)
+
+    def runs_of(self, stage: int) -> tuple[int, ...]:
+        """The runs rank ``stage`` holds, in model order."""
+        if self.chunks == 1:
+            return (stage,)
+        from .schedules import stages_of_rank
+        return stages_of_rank(self.schedule, self.pp, self.chunks, stage)
+
+    @property
+    def fill_divisor(self) -> int:
+        """What the closed form :func:`pipeline_ps` divides the fill-and-drain by: the
+        chunks (Megatron's ``(p - 1) / v``), and 3 more under a split backward (the
+        zero-bubble schedules' fill of ``(p - 1)(F + I - W)`` against 1F1B's ``(p - 1)(F +
+        B)``, with backward twice forward and its weight gradient half of it). The
+        simulation (:func:`simulated_pipeline_ps`) is what the plan reports."""
+        from .schedules import SCHEDULE_TABLE
+        split = self.schedule in SCHEDULE_TABLE and SCHEDULE_TABLE[self.schedule].split_backward
+        return self.chunks * (3 if split else 1)
+
     def inflight(self, stage: int) -> int:
-        """Microbatches whose activations rank ``stage`` holds at its peak; interleaved,
-        counted in chunks of one microbatch through one of its runs (Megatron's warm-up
-        of ``2 (p - r - 1) + (v - 1) p`` chunks, plus the one in its steady state)."""
-        if self.schedule == "gpipe":
-            return self.num_microbatches
-        if self.chunks > 1:
-            return min(self.num_microbatches * self.chunks,
-                       2 * (self.pp - stage - 1) + (self.chunks - 1) * self.pp + 1)
-        return min(self.num_microbatches, self.pp - stage)
+        """(Microbatch, run) activations rank ``stage`` holds at its peak, as the
+        schedule's order runs (:func:`partc.timeline.peak_inflight`: from each forward to
+        its backward, or its weight gradient when the backward is split); GPipe and
+        looped BFS hold every one, 1F1B ``min(m, p - s)``."""
+        m = self.num_microbatches
+        if self.schedule in ("gpipe", "looped-bfs"):
+            return m * self.chunks
+        if self.schedule == "1f1b" or self.chunks == 1 and self.schedule not in _SPLIT:
+            return min(m, self.pp - stage)
+        from .timeline import peak_inflight
+        # The peak is the warm-up's: it no longer grows past a few rounds of pp.
+        return peak_inflight(self.schedule, self.pp, self.chunks,
+                             min(m, 4 * self.pp))[stage]
 
     def activations(self, stage: int, saved: int) -> int:
         """Bytes of saved activations on rank ``stage`` whose layers save ``saved`` bytes
         per microbatch (interleaved: its chunks average ``saved / chunks``)."""
         return -(-self.inflight(stage) * saved // self.chunks)
+
+
+_SPLIT = ("interleaved-zero-bubble", "zbv-zero-bubble", "dualpipev")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -467,8 +503,8 @@ def _p2p_link(problem: PlanningProblem, config: PipelineConfig, boundary: int) -
     ``boundary % pp`` and the next, wrapping to rank 0 when interleaved): the network if
     any pair of ranks crosses a node."""
     node = problem.devices.devices_per_node
-    here = stage_ranks(problem, config, boundary % config.pp)
-    there = stage_ranks(problem, config, (boundary + 1) % config.pp)
+    here = stage_ranks(problem, config, config.rank_of(boundary))
+    there = stage_ranks(problem, config, config.rank_of(boundary + 1))
     crosses = any(a // node != b // node for a, b in zip(here, there))
     return Group.over(problem.devices, 2, 2 * node if crosses else 2)
 
@@ -628,6 +664,9 @@ class StageCost:
     memory: dict[str, int]        # params, grads, optimizer, activations, transient, peak
     limit: int
     runs: tuple[tuple[int, ...], ...] = ()   # interleaved: the rank's runs of layers
+    # Per run of the rank (model order): forward, backward, recompute and the send of
+    # its cut (both ways), per microbatch; what the simulation plays.
+    run_ps: tuple[tuple[int, int, int, int], ...] = ()
 
     @property
     def busy_ps(self) -> int:
@@ -660,12 +699,12 @@ def exposed_sync_ps(sync_ps: int, backward_ps: int) -> int:
 def _holders(table: CostTable, stage_of: Sequence[int]) -> list[set[int]]:
     """Per shared group, the ranks holding it (``stage_of`` gives runs, see
     :attr:`PipelineConfig.virtual_stages`)."""
-    pp = table.config.pp
-    return [{stage_of[l] % pp for l in group.layers} for group in table.shared]
+    config = table.config
+    return [{config.rank_of(stage_of[l]) for l in group.layers} for group in table.shared]
 
 
 def _stage_cost(table: CostTable, stage: int, runs: list[list[int]], modes: Sequence[str],
-                held: list[int]) -> StageCost:
+                held: list[int], numbers: Sequence[int] = ()) -> StageCost:
     """Rank ``stage``'s costs; ``runs`` are its runs of layers (one unless interleaved),
     each sending to the next run's rank unless it is the model's last."""
     config = table.config
@@ -680,10 +719,17 @@ def _stage_cost(table: CostTable, stage: int, runs: list[list[int]], modes: Sequ
     forward = sum(r.forward_ps for r in rows)
     backward = sum(r.backward_ps for r in rows)
     recompute = sum(table.layers[l].recompute_ps[modes[l]] for l in members)
-    comm = sum(table.cut_ps[run[-1]][stage + chunk * config.pp]
-               for chunk, run in enumerate(runs)
-               if stage + chunk * config.pp < config.virtual_stages - 1)
+    numbers = numbers or config.runs_of(stage)
+    comm = sum(table.cut_ps[run[-1]][j] for j, run in zip(numbers, runs)
+               if run and j < config.virtual_stages - 1)
+    run_ps = tuple(
+        (sum(table.layers[l].forward_ps for l in run),
+         sum(table.layers[l].backward_ps for l in run),
+         sum(table.layers[l].recompute_ps[modes[l]] for l in run),
+         table.cut_ps[run[-1]][j] if run and j < config.virtual_stages - 1 else 0)
+        for j, run in zip(numbers, runs))
     return StageCost(
+        run_ps=run_ps,
         layers=tuple(members),
         compute_ps=forward + backward + recompute,
         forward_ps=forward, backward_ps=backward, recompute_ps=recompute, comm_ps=comm,
@@ -706,7 +752,33 @@ def pipeline_ps(config: PipelineConfig, busy: Sequence[int]) -> int:
     interleaving divides that fill-and-drain by the chunks (Megatron: ``(m + (p - 1) / v)
     t`` for equal ranks)."""
     peak = max(busy)
-    return config.num_microbatches * peak + (sum(busy) - peak) // config.chunks
+    return config.num_microbatches * peak + (sum(busy) - peak) // config.fill_divisor
+
+
+def simulate(config: PipelineConfig, evaluation: Evaluation, schedule: str | None = None):
+    """The configuration's step played out by :func:`partc.timeline.play` from the
+    evaluation's figures per run and microbatch, in picoseconds (a ``Timeline`` whose
+    seconds are picoseconds; the tails are the ranks' own). ``schedule`` plays another
+    schedule of the same placement and virtual stages."""
+    from .timeline import StageSeconds, play
+
+    name = schedule or config.schedule
+    runs: list[StageSeconds | None] = [None] * config.virtual_stages
+    for s, stage in enumerate(evaluation.stages):
+        for j, (forward, backward, recompute, cut) in zip(config.runs_of(s), stage.run_ps):
+            runs[j] = StageSeconds(forward=forward, backward=backward, recompute=recompute,
+                                   send=cut / 2)
+    return play(name, config.pp, config.chunks, config.num_microbatches, runs,
+                [stage.tail_ps for stage in evaluation.stages])
+
+
+def simulated_step_ps(config: PipelineConfig, evaluation: Evaluation) -> tuple[int, float]:
+    """The step time the plan reports, in picoseconds: the simulated pipeline
+    (:func:`simulate`) then the slowest tail and the tied-weight syncs, as
+    :func:`evaluate` adds them to the closed form; and the simulation's bubble."""
+    timeline = simulate(config, evaluation)
+    return (round(timeline.pipeline_s) + evaluation.tail_ps + evaluation.tie_ps,
+            timeline.bubble_fraction)
 
 
 def evaluate(table: CostTable, stage_of: Sequence[int], modes: Sequence[str]) -> Evaluation:
@@ -719,8 +791,8 @@ def evaluate(table: CostTable, stage_of: Sequence[int], modes: Sequence[str]) ->
         runs[run].append(layer)
     holders = _holders(table, stage_of)
     stages = tuple(
-        _stage_cost(table, s, runs[s::pp], modes,
-                    [g for g, held in enumerate(holders) if s in held])
+        _stage_cost(table, s, [runs[j] for j in config.runs_of(s)], modes,
+                    [g for g, held in enumerate(holders) if s in held], config.runs_of(s))
         for s in range(pp)
     )
     pipeline = pipeline_ps(config, [s.busy_ps for s in stages])

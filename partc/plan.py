@@ -413,6 +413,9 @@ class Predicted:
     bottleneck_s: float   # the slowest stage, per microbatch
     tail_time_s: float
     tokens_per_s: float | None = None   # when a sample is a sequence
+    # The planner's closed form of the step (what the search minimises; the step time
+    # above is the schedule played out, partc.timeline).
+    closed_form_step_s: float | None = None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -447,6 +450,21 @@ class Alternative:
     def from_dict(cls, data: Mapping[str, Any]) -> "Alternative":
         return _read(cls, data, "alternatives",
                      stages=tuple(tuple(s) for s in data.get("stages", ())))
+
+
+@dataclass(frozen=True, kw_only=True)
+class ScheduleOption:
+    """One pipeline schedule priced on the plan's mesh, microbatches and ZeRO stage: its
+    step time and bubble as the schedule plays out (:mod:`partc.timeline`), for the
+    plan's own split (``how`` "chosen"), the greedy split of its virtual stages ("greedy
+    split"), or why there is none (``how`` "no split fits" or torch's refusal)."""
+
+    schedule: str
+    virtual_stages: int
+    how: str
+    step_time_s: float | None = None
+    bubble_fraction: float | None = None
+    peak_memory_bytes: int | None = None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -496,6 +514,8 @@ class Plan:
     # Mixture-of-experts layers split over expert-parallel groups (mesh.ep > 1); None
     # without expert parallelism.
     expert_parallel: ExpertParallelPlan | None = None
+    # Every schedule priced on the plan's mesh (the chosen one first, then fastest first).
+    schedules: tuple[ScheduleOption, ...] = ()
 
     @property
     def pp(self) -> int:
@@ -607,6 +627,7 @@ class Plan:
             "alternatives": [{**_scalars(a), "stages": [list(s) for s in a.stages]}
                              for a in self.alternatives],
             "meshes": [_scalars(m) for m in self.meshes],
+            "schedules": [_scalars(o) for o in self.schedules],
             **({"expert_parallel": self.expert_parallel.to_dict()}
                if self.expert_parallel is not None else {}),
         }
@@ -643,6 +664,8 @@ class Plan:
             tensor_parallel=TensorParallelPlan.from_dict(tp) if tp else None,
             alternatives=tuple(Alternative.from_dict(a) for a in get("alternatives", ())),
             meshes=tuple(_read(MeshOutcome, m, "meshes") for m in get("meshes", ())),
+            schedules=tuple(_read(ScheduleOption, o, "schedules")
+                            for o in get("schedules", ())),
             expert_parallel=ExpertParallelPlan.from_dict(experts) if experts else None)
 
     @classmethod

@@ -349,6 +349,7 @@ class Pins:
     num_microbatches: int | None = None
     micro_batch_size: int | None = None
     schedule: str | None = None
+    virtual_stages: int | None = None   # virtual stages (runs of layers) per pipeline rank
     zero_stage: int | None = None
     ep: int | None = None   # expert-parallel degree of mixture-of-experts layers
 

@@ -89,6 +89,9 @@ class Program:
                 old.unlink()
             for name, source in self.code().items():
                 (code_dir / name).write_text(source)
+        # schedule.csv: the pipeline order, as torch's pipelining reads it (_load_csv).
+        from .timeline import plan_csv
+        (out / "schedule.csv").write_text(plan_csv(self.plan))
         return out
 
     def build(self, *, state_dict: Mapping[str, torch.Tensor] | str | Path | None = None,

@@ -429,12 +429,34 @@ def _solver(plan: Plan) -> list[str]:
 
 
 def _timeline_lines(plan: Plan, timeline: Timeline) -> list[str]:
-    return [f"One step per pipeline stage ({plan.schedule}, "
-            f"{_microbatches(plan.num_microbatches)}), played out from the stage times "
-            f"above: F forward, B backward, R recompute, c communication (sends, "
-            f"tensor-parallel collectives), T tail (gradient sync, optimizer), . waiting. "
-            f"Simulated step {format_seconds(timeline.step_s)} (the cost model's: "
-            f"{format_seconds(plan.predicted.step_time_s)})."]
+    virtual = f", {plan.chunks} virtual stages per rank" if plan.chunks > 1 else ""
+    closed = plan.predicted.closed_form_step_s
+    return [f"One step per pipeline stage ({plan.schedule}{virtual}, "
+            f"{_microbatches(plan.num_microbatches)}), in the schedule's own order, played "
+            f"out from the stage times above: F forward, B backward (its input-gradient "
+            f"part under a zero-bubble schedule), W weight gradient, R recompute, "
+            f"c communication (sends, tensor-parallel collectives), T tail (gradient "
+            f"sync, optimizer), . waiting. Simulated step "
+            f"{format_seconds(timeline.step_s)}, bubble "
+            f"{100 * timeline.bubble_fraction:.1f}%"
+            + (f" (the planner's closed form: {format_seconds(closed)})" if closed else "")
+            + "."]
+
+
+def _schedule_rows(plan: Plan) -> list[list[str]]:
+    step = plan.predicted.step_time_s
+    rows = []
+    for option in plan.schedules:
+        if option.step_time_s is None:
+            rows.append([option.schedule, str(option.virtual_stages), "-", "-", "-", "-",
+                         option.how])
+            continue
+        rows.append([option.schedule, str(option.virtual_stages),
+                     format_seconds(option.step_time_s),
+                     f"{option.step_time_s / step:.2f}x" if step else "-",
+                     f"{100 * (option.bubble_fraction or 0.0):.1f}%",
+                     format_bytes(option.peak_memory_bytes or 0), option.how])
+    return rows
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -471,6 +493,18 @@ def sections(plan: Plan, timeline: Timeline | None = None) -> list[Section]:
     out.append(Section(key="timeline", title="Timeline",
                        notes=tuple(_timeline_lines(plan, timeline)),
                        preformatted=tuple(text_lines(timeline))))
+    if plan.schedules:
+        out.append(Section(
+            key="schedules", title="Schedules",
+            notes=(f"Every pipeline schedule on this mesh ({plan.pp} stages, "
+                   f"{_microbatches(plan.num_microbatches)}), each played out in its own "
+                   f"order: the chosen plan first, the others with the greedy split of "
+                   f"their virtual stages. Export the chosen order in torch's pipelining "
+                   f"CSV format with partc.timeline.csv_text (program.save writes "
+                   f"schedule.csv).",),
+            header=("schedule", "v", "step time", "vs chosen", "bubble", "peak memory",
+                    "split"),
+            rows=_rows(_schedule_rows(plan))))
     out.append(Section(key="memory", title="Memory per rank", notes=tuple(_memory_lines(plan)),
                        header=("stage", *_MEMORY_KINDS, "peak / limit"),
                        rows=_rows(_memory_rows(plan))))

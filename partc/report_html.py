@@ -25,9 +25,11 @@ from .report import Section, lay_out, plural, sections
 from .timeline import COMM_KINDS, COMPUTE_KINDS, KINDS, Timeline, simulate
 from .units import format_bytes, format_seconds
 
-COLOURS = {"forward": "#4c78a8", "backward": "#f58518", "recompute": "#e45756",
+COLOURS = {"forward": "#4c78a8", "backward": "#f58518", "weight": "#eeca3b",
+           "recompute": "#e45756",
            "collective": "#54a24b", "p2p": "#2a7a2a", "tail": "#b279a2"}
-LABELS = {"forward": "forward", "backward": "backward", "recompute": "recompute",
+LABELS = {"forward": "forward", "backward": "backward (input gradient when split)",
+          "weight": "weight gradient", "recompute": "recompute",
           "collective": "tensor-parallel collectives", "p2p": "send / receive (p2p)",
           "tail": "tail: gradient sync, optimizer step"}
 MEMORY_COLOURS = {"params": "#4c78a8", "grads": "#72b7b2", "optimizer": "#54a24b",

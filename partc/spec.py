@@ -14,9 +14,9 @@ import torch
 from .choices import ATTENTION, OPTIMIZER_STATE_BYTES, SCHEDULES, TP_OBJECTIVES
 from .problem import RECOMPUTE_MODES, ZERO_STAGES, Precision
 
-# What the planner tries when the schedule is "auto": the schedules the runtime builds.
-# Interleaved 1F1B (Megatron's virtual stages) is planned and costed when pinned, but
-# the runtime runs one stage per rank.
+# What the planner's search tries when the schedule is "auto". Every schedule in
+# SCHEDULES is planned when pinned (Constraints.schedule, virtual_stages); the report
+# prices all of them on the chosen mesh (partc.planner.schedule_options).
 AUTO_SCHEDULES: tuple[str, ...] = ("1f1b", "gpipe")
 INTERLEAVED = "interleaved-1f1b"
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -198,12 +198,14 @@ class Constraints:
     num_microbatches: int | None = None
     micro_batch_size: int | None = None
     schedule: str | None = None
+    virtual_stages: int | None = None   # virtual stages (runs of layers) per pipeline rank
     zero_stage: int | None = None
     ep: int | None = None
     _recompute_map: dict[str, str] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        for name in ("pp", "dp", "tp", "num_microbatches", "micro_batch_size", "ep"):
+        for name in ("pp", "dp", "tp", "num_microbatches", "micro_batch_size", "ep",
+                     "virtual_stages"):
             if getattr(self, name) is not None:
                 _check_positive_int(f"Constraints.{name}", getattr(self, name), "None or ")
         if not any(self.sequence_parallel is v for v in (None, True, False)):
@@ -224,6 +226,15 @@ class Constraints:
                              f"replicas, but dp=1 was pinned: pin zero_stage=0, or dp > 1")
         if self.schedule is not None and self.schedule not in SCHEDULES:
             raise ValueError(f"schedule must be one of {SCHEDULES}, got {self.schedule!r}")
+        if self.schedule is not None and self.virtual_stages is not None:
+            from .schedules import refusal
+            refused = refusal(self.schedule, 1, self.virtual_stages, 10**9)
+            if refused:
+                raise ValueError(f"Constraints: {refused}")
+        if self.virtual_stages is not None and self.virtual_stages > 1 \
+                and self.stages is not None:
+            raise ValueError("Constraints.stages pins one run of layers per stage; "
+                             "virtual_stages > 1 needs runs the planner places")
         if self.stages is not None:
             if isinstance(self.stages, str) or any(
                     isinstance(s, str) or not all(isinstance(n, str) for n in s)

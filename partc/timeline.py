@@ -1,52 +1,58 @@
-"""One training step as each pipeline rank spends it, simulated from a plan's cost figures.
+"""One training step as each pipeline rank spends it, simulated event by event.
 
-The cost model (:mod:`partc.costs`) prices a step in closed form: ``(m - 1) * max_s t_s +
-sum_s t_s`` for the pipeline, then the tail. This module plays the schedule out instead,
-so a person can see where each rank computes, communicates and waits:
+The one simulator that prices every schedule partc runs (:mod:`partc.schedules`): the
+cost model (:mod:`partc.costs`) calls it for a configuration's step time, the report
+draws what it returns. Inputs are per virtual stage and per microbatch (the model is cut
+into ``pp * v`` virtual stages; see :mod:`partc.schedules`):
 
-- every rank runs its operations in the schedule's order (:func:`schedule_order`):
-  GPipe all forwards then all backwards; 1F1B ``pp - s - 1`` warm-up forwards, then one
-  forward and one backward in turn, then the remaining backwards; interleaved 1F1B
-  Megatron's order over ``v`` chunks per rank;
+- the order each rank runs its operations in is the schedule's own: torch's
+  ``pipeline_order`` for the schedule class (:func:`torch_order`), so what is priced is
+  what ``torch.distributed.pipelining`` runs. An operation is a forward ``F``, a full
+  backward ``B``, or, under the zero-bubble schedules, a backward split into its
+  input-gradient part ``I`` and its weight-gradient part ``W``; DualPipeV's overlapped
+  forward-backward pairs are played as their forward then their backward;
 - an operation starts when its rank is free and its input is there: a forward needs the
-  previous run's forward of the same microbatch (its activation sent), a backward the
-  next run's backward (the gradient of its output) or, on the model's last run, its own
-  forward;
-- durations are the plan's per-rank figures per microbatch (``StageTime`` over the
-  microbatches, and over the chunks when interleaved): a forward is its compute, then
-  the send of its activation (half of the rank's point-to-point time); a backward is the
-  receipt of its output's gradient (the other half), the recompute, then the backward.
-  Tensor-parallel collectives (``TensorParallelPlan.collective_seconds``) are inside the
-  forward and backward figures; they are drawn as communication, split between the
-  phases by their bytes;
-- after its last backward each rank runs its tail (exposed gradient sync, optimizer
+  previous virtual stage's forward of the same microbatch, a backward (``B`` or ``I``)
+  the next virtual stage's backward or, on the model's last virtual stage, its own
+  forward; ``W`` follows its own ``I`` on the same rank;
+- durations (:class:`StageSeconds`): a forward is its compute, then the send of its
+  activation when the next virtual stage is on another rank; a backward is the receipt
+  of its output's gradient (from another rank), the recompute, then the backward; under
+  a split backward ``I`` carries the recompute and the input-gradient part and ``W`` the
+  weight-gradient part. Tensor-parallel collectives are inside the forward and backward
+  figures and drawn as communication;
+- after its last operation each rank runs its tail (exposed gradient sync, optimizer
   step).
 
-Each row stands for every rank of a stage (its dp x tp ranks run alike). The simulated
-step can differ a little from the cost model's when the stages differ in time (the
-closed form assumes every microbatch waits only for the slowest stage); the report shows
-both.
+Each row stands for every rank of a stage (its dp x tp ranks run alike).
 """
 
 from __future__ import annotations
 
+import csv
+import io
 from dataclasses import dataclass
-from functools import cached_property
+from functools import cached_property, lru_cache
 
-from .plan import Plan
-from .spec import INTERLEAVED
+from .schedules import SCHEDULE_TABLE, rank_of, schedule as schedule_info, stages_of_rank
 
 #: Kinds of :class:`Block`, in the order pictures list them.
-KINDS = ("forward", "backward", "recompute", "collective", "p2p", "tail")
-COMPUTE_KINDS = ("forward", "backward", "recompute")
+KINDS = ("forward", "backward", "weight", "recompute", "collective", "p2p", "tail")
+COMPUTE_KINDS = ("forward", "backward", "weight", "recompute")
 COMM_KINDS = ("collective", "p2p")
+
+#: The share of a layer's backward that is its weight gradient when a schedule splits
+#: backward: the cost model prices backward as twice forward op by op, a heavy op's
+#: input-gradient and weight-gradient matmuls alike, so half.
+WEIGHT_SHARE = 0.5
 
 
 @dataclass(frozen=True, kw_only=True)
 class Block:
     """One stretch of a rank's step: ``kind`` (one of :data:`KINDS`) from ``start_s`` to
-    ``end_s``; ``microbatch`` and ``chunk`` (the rank's run of layers, 0 unless
-    interleaved) name the operation it belongs to, None for the tail."""
+    ``end_s``; ``microbatch`` and ``chunk`` (the position among the rank's virtual
+    stages, 0 with one) name the operation it belongs to, None for the tail;
+    ``stage`` is the virtual stage (model order)."""
 
     rank: int
     kind: str
@@ -54,6 +60,7 @@ class Block:
     end_s: float
     microbatch: int | None = None
     chunk: int = 0
+    stage: int | None = None
 
     @property
     def seconds(self) -> float:
@@ -62,23 +69,25 @@ class Block:
 
 @dataclass(frozen=True, kw_only=True)
 class Op:
-    """One forward or backward of a microbatch through one chunk of a rank."""
+    """One operation of a rank: ``phase`` "forward", "backward" (full), "input" or
+    "weight" (a split backward's parts), of ``microbatch`` through virtual ``stage``."""
 
-    phase: str        # "forward" | "backward"
+    phase: str
     microbatch: int
-    chunk: int = 0
+    stage: int
 
 
 @dataclass(frozen=True, kw_only=True)
-class OpTimes:
-    """Seconds of one operation's parts on a rank, per microbatch and chunk."""
+class StageSeconds:
+    """Seconds of one microbatch through one virtual stage."""
 
     forward: float
-    backward: float
-    recompute: float
-    collective_forward: float   # part of ``forward`` spent in tp collectives
-    collective_backward: float  # part of ``backward``
-    p2p: float                  # each way: activation out, gradient in
+    backward: float              # input + weight gradients
+    recompute: float = 0.0
+    collective_forward: float = 0.0   # part of ``forward`` spent in tp collectives
+    collective_backward: float = 0.0  # part of ``backward``
+    send: float = 0.0            # each way across the cut after this virtual stage
+    weight_share: float = WEIGHT_SHARE
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -88,6 +97,7 @@ class Timeline:
     num_microbatches: int
     chunks: int
     blocks: tuple[Block, ...]
+    peak_inflight: tuple[int, ...] = ()   # per rank: (microbatch, virtual stage) pairs held
 
     @property
     def step_s(self) -> float:
@@ -113,66 +123,242 @@ class Timeline:
         """Time the rank waits within the step."""
         return self.step_s - self.seconds(rank)
 
+    @property
+    def bubble_fraction(self) -> float:
+        """The share of the pipeline's rank-time (before the tails) no rank computes or
+        communicates in."""
+        span = self.pipeline_s * self.num_ranks
+        if span <= 0:
+            return 0.0
+        work = sum(b.seconds for b in self.blocks if b.kind != "tail")
+        return max(0.0, 1 - work / span)
+
+
+# ------------------------------------------------------------------ the orders
+
+_PHASES = {"F": "forward", "B": "backward", "I": "input", "W": "weight"}
+
+
+@lru_cache(maxsize=512)
+def torch_order(name: str, pp: int, v: int, m: int) -> tuple[tuple[Op, ...], ...]:
+    """Per rank, the compute operations torch's schedule ``name`` runs for ``pp`` ranks
+    of ``v`` virtual stages over ``m`` microbatches, in order (its ``pipeline_order``,
+    built without a process group from stand-in stages)."""
+    import types
+
+    import torch
+    from torch.distributed.pipelining import schedules as torch_schedules
+
+    refused = _refusal(name, pp, v, m)
+    if refused:
+        raise ValueError(refused)
+    if v == 1:
+        return tuple(_single_stage_order(name, rank, pp, m) for rank in range(pp))
+    cls = getattr(torch_schedules, schedule_info(name).torch_class)
+    module = torch.nn.Module()
+
+    def stage(index: int):
+        return types.SimpleNamespace(num_stages=pp * v, group_size=pp, group_rank=0,
+                                     stage_index=index, is_first=index == 0,
+                                     is_last=index == pp * v - 1, submod=module)
+
+    built = cls([stage(j) for j in stages_of_rank(name, pp, v, 0)], m, loss_fn=_loss)
+    orders = []
+    for rank in range(pp):
+        ops: list[Op] = []
+        for action in built.pipeline_order.get(rank, ()):
+            if action is None:
+                continue
+            for part in (action.sub_actions or (action,)):
+                phase = _PHASES.get(part.computation_type.value)
+                if phase is not None:
+                    ops.append(Op(phase=phase, microbatch=part.microbatch_index,
+                                  stage=part.stage_index))
+        orders.append(tuple(ops))
+    return tuple(orders)
+
+
+def _single_stage_order(name: str, rank: int, pp: int, m: int) -> tuple[Op, ...]:
+    """GPipe and 1F1B (one stage per rank), as torch's single-stage schedules run them:
+    GPipe all forwards then all backwards; 1F1B ``pp - rank - 1`` warm-up forwards, then
+    one forward and one backward in turn, then the remaining backwards. (Written here:
+    the ``pipeline_order`` torch builds for these two is informational only and, for
+    1F1B's last rank, off by one microbatch in torch 2.13.)"""
+    forwards = [Op(phase="forward", microbatch=i, stage=rank) for i in range(m)]
+    backwards = [Op(phase="backward", microbatch=i, stage=rank) for i in range(m)]
+    if name == "gpipe":
+        return tuple(forwards + backwards)
+    warmup = min(pp - rank - 1, m)
+    order = forwards[:warmup]
+    for i in range(m - warmup):
+        order += [forwards[warmup + i], backwards[i]]
+    return tuple(order + backwards[m - warmup:])
+
+
+def _loss(output, target):   # stands in for the loss; the order only needs one
+    return output
+
+
+def _refusal(name: str, pp: int, v: int, m: int) -> str | None:
+    from .schedules import refusal
+    return refusal(name, pp, v, m)
+
 
 def schedule_order(schedule: str, rank: int, pp: int, microbatches: int,
                    chunks: int = 1) -> list[Op]:
     """The operations rank ``rank`` of ``pp`` runs, in order."""
-    m = microbatches
-    if schedule == "gpipe":
-        return ([Op(phase="forward", microbatch=i) for i in range(m)]
-                + [Op(phase="backward", microbatch=i) for i in range(m)])
-    if schedule == "1f1b":
-        warmup = min(pp - rank - 1, m)
-        return _one_forward_one_backward(
-            [Op(phase="forward", microbatch=i) for i in range(m)],
-            [Op(phase="backward", microbatch=i) for i in range(m)], warmup)
-    if schedule == INTERLEAVED:
-        if m % pp:
-            raise ValueError(f"interleaved 1F1B needs the microbatches ({m}) to be a "
-                             f"multiple of the pipeline degree ({pp})")
-        total = m * chunks
-        warmup = min(2 * (pp - rank - 1) + (chunks - 1) * pp, total)
-        return _one_forward_one_backward(
-            [_interleaved(k, pp, chunks, "forward") for k in range(total)],
-            [_interleaved(k, pp, chunks, "backward") for k in range(total)], warmup)
-    raise ValueError(f"no timeline for schedule {schedule!r}")
+    return list(torch_order(schedule, pp, chunks, microbatches)[rank])
 
 
-def _one_forward_one_backward(forwards: list[Op], backwards: list[Op], warmup: int) -> list[Op]:
-    order = forwards[:warmup]
-    for i in range(len(forwards) - warmup):
-        order += [forwards[warmup + i], backwards[i]]
-    return order + backwards[len(forwards) - warmup:]
+def csv_rows(name: str, pp: int, v: int, m: int) -> list[list[str]]:
+    """The schedule in torch's pipelining CSV format (one row per rank, one action per
+    cell: virtual stage, ``F``/``B``/``I``/``W``, microbatch), as
+    ``_PipelineScheduleRuntime._load_csv`` reads it (compute only)."""
+    letters = {v_: k for k, v_ in _PHASES.items()}
+    return [[f"{op.stage}{letters[op.phase]}{op.microbatch}" for op in ops]
+            for ops in torch_order(name, pp, v, m)]
 
 
-def _interleaved(k: int, pp: int, chunks: int, phase: str) -> Op:
-    """Megatron's k-th forward (or backward) of a rank: microbatches go through the
-    chunks ``pp`` at a time; backwards visit the chunks last first."""
-    group, within = divmod(k, pp * chunks)
-    chunk = within // pp
-    if phase == "backward":
-        chunk = chunks - 1 - chunk
-    return Op(phase=phase, microbatch=group * pp + within % pp, chunk=chunk)
+def csv_text(name: str, pp: int, v: int, m: int) -> str:
+    out = io.StringIO()
+    csv.writer(out, lineterminator="\n").writerows(csv_rows(name, pp, v, m))
+    return out.getvalue()
 
 
-def op_times(plan: Plan) -> list[OpTimes]:
-    """Per rank, the seconds of one operation's parts (see the module docstring)."""
-    m, chunks, pp = plan.num_microbatches, plan.chunks, len(plan.stages)
-    result = []
+def plan_csv(plan) -> str:
+    """The plan's schedule in torch's pipelining CSV format (:func:`csv_rows`)."""
+    return csv_text(plan.schedule, len(plan.stages), plan.chunks, plan.num_microbatches)
+
+
+# ------------------------------------------------------------------ the simulation
+
+def play(schedule: str, pp: int, v: int, m: int, stages: list[StageSeconds],
+         tails: list[float] | None = None) -> Timeline:
+    """Play ``schedule`` out: ``stages`` gives each of the ``pp * v`` virtual stages'
+    seconds per microbatch (model order), ``tails`` each rank's tail."""
+    if len(stages) != pp * v:
+        raise ValueError(f"{len(stages)} virtual stages given, {pp} x {v} expected")
+    split = schedule_info(schedule).split_backward
+    orders = torch_order(schedule, pp, v, m)
+    runs = pp * v
+    rank = [rank_of(schedule, pp, v, j) for j in range(runs)]
+    chunk_of = {j: stages_of_rank(schedule, pp, v, rank[j]).index(j) for j in range(runs)}
+    # Sends cross ranks only: the cut after virtual stage j, to j + 1.
+    crosses = [j < runs - 1 and rank[j] != rank[j + 1] for j in range(runs)]
+    done: dict[tuple[str, int, int], float] = {}   # (phase, microbatch, stage) -> ready at
+    clock, position = [0.0] * pp, [0] * pp
+    holding, peak = [0] * pp, [0] * pp
+    blocks: list[Block] = []
+    remaining = sum(len(order) for order in orders)
+    while remaining:
+        progressed = False
+        for r in range(pp):
+            order = orders[r]
+            while position[r] < len(order):
+                op = order[position[r]]
+                j, mb = op.stage, op.microbatch
+                if op.phase == "forward":
+                    needs = ("forward", mb, j - 1) if j > 0 else None
+                elif op.phase == "weight":
+                    needs = ("input", mb, j)
+                else:
+                    needs = (("grad", mb, j + 1) if j < runs - 1 else ("forward", mb, j))
+                if needs is not None and needs not in done:
+                    break
+                start = max(clock[r], done[needs] if needs is not None else 0.0)
+                for kind, seconds in _parts(op, stages[j], crosses, split):
+                    if seconds > 0:
+                        blocks.append(Block(rank=r, kind=kind, start_s=start,
+                                            end_s=start + seconds, microbatch=mb,
+                                            chunk=chunk_of[j], stage=j))
+                    start += seconds
+                clock[r] = start
+                done[(op.phase, mb, j)] = start
+                if op.phase in ("backward", "input"):
+                    done[("grad", mb, j)] = start
+                if op.phase == "forward":
+                    holding[r] += 1
+                    peak[r] = max(peak[r], holding[r])
+                elif op.phase in ("backward", "weight"):
+                    holding[r] -= 1
+                position[r] += 1
+                remaining -= 1
+                progressed = True
+        if not progressed:
+            raise RuntimeError(f"internal error: the {schedule} order deadlocks at "
+                               f"positions {position}")
+    for r, tail in enumerate(tails or ()):
+        if tail > 0:
+            blocks.append(Block(rank=r, kind="tail", start_s=clock[r], end_s=clock[r] + tail))
+    return Timeline(schedule=schedule, num_ranks=pp, num_microbatches=m, chunks=v,
+                    blocks=tuple(blocks), peak_inflight=tuple(peak))
+
+
+def _parts(op: Op, t: StageSeconds, crosses: list[bool], split: bool
+           ) -> list[tuple[str, float]]:
+    j = op.stage
+    if op.phase == "forward":
+        return [("forward", t.forward - t.collective_forward),
+                ("collective", t.collective_forward),
+                ("p2p", t.send if crosses[j] else 0.0)]
+    receive = t.send if crosses[j] else 0.0
+    weight = t.backward * t.weight_share
+    if op.phase == "weight":
+        return [("weight", weight)]
+    backward = t.backward - weight if op.phase == "input" else t.backward
+    collective = min(t.collective_backward, backward)
+    return [("p2p", receive), ("recompute", t.recompute),
+            ("backward", backward - collective), ("collective", collective)]
+
+
+@lru_cache(maxsize=4096)
+def peak_inflight(schedule: str, pp: int, v: int, m: int) -> tuple[int, ...]:
+    """Per rank, the most (microbatch, virtual stage) activations the schedule's order
+    holds at once: each from its forward until its backward, or under a split backward
+    until its weight gradient (which needs the saved inputs)."""
+    peaks = []
+    for ops in torch_order(schedule, pp, v, m):
+        holding = peak = 0
+        for op in ops:
+            if op.phase == "forward":
+                holding += 1
+                peak = max(peak, holding)
+            elif op.phase in ("backward", "weight"):
+                holding -= 1
+        peaks.append(peak)
+    return tuple(peaks)
+
+
+# ------------------------------------------------------------------ from a plan
+
+def stage_seconds(plan) -> list[StageSeconds]:
+    """Per virtual stage of ``plan``, the seconds of one microbatch: each rank's figures
+    (``StageTime`` over the microbatches) shared among its virtual stages by their
+    layers' count, tensor-parallel collectives split between the phases by bytes."""
+    pp, v, m = len(plan.stages), plan.chunks, plan.num_microbatches
+    name = plan.schedule
+    result: list[StageSeconds | None] = [None] * (pp * v)
     for stage in plan.stages:
         t = stage.time_s
-        per = m * chunks
-        forward_tp, backward_tp = _collective_seconds(plan, stage.layers)
-        sending = sum(stage.index + c * pp < pp * chunks - 1 for c in range(chunks))
-        result.append(OpTimes(
-            forward=t.forward / per, backward=t.backward / per, recompute=t.recompute / per,
-            collective_forward=min(forward_tp / chunks, t.forward / per),
-            collective_backward=min(backward_tp / chunks, t.backward / per),
-            p2p=t.comm / (m * sending) / 2 if sending else 0.0))
-    return result
+        held = stages_of_rank(name, pp, v, stage.index) if v > 1 else (stage.index,)
+        runs = stage.runs if v > 1 and stage.runs else (stage.layers,)
+        sizes = [max(len(run), 1) for run in runs]
+        total = sum(sizes)
+        sending = sum(1 for j in held if j < pp * v - 1
+                      and (v == 1 or rank_of(name, pp, v, j) != rank_of(name, pp, v, j + 1)))
+        for j, run, size in zip(held, runs, sizes):
+            share = size / total / m
+            forward_tp, backward_tp = _collective_seconds(plan, run)
+            result[j] = StageSeconds(
+                forward=t.forward * share, backward=t.backward * share,
+                recompute=t.recompute * share,
+                collective_forward=min(forward_tp, t.forward * share),
+                collective_backward=min(backward_tp, t.backward * share),
+                send=t.comm / (m * sending) / 2 if sending else 0.0)
+    return result  # type: ignore[return-value]
 
 
-def _collective_seconds(plan: Plan, layers: tuple[str, ...]) -> tuple[float, float]:
+def _collective_seconds(plan, layers) -> tuple[float, float]:
     """Seconds per microbatch of the layers' tp collectives in forward and in backward,
     the layer's time split between its phases by their bytes."""
     section = plan.tensor_parallel
@@ -191,72 +377,23 @@ def _collective_seconds(plan: Plan, layers: tuple[str, ...]) -> tuple[float, flo
     return forward, backward
 
 
-def simulate(plan: Plan) -> Timeline:
+def simulate(plan, schedule: str | None = None) -> Timeline:
     """The plan's step played out rank by rank (see the module docstring); a rank per
-    stage the plan lists."""
-    pp, m, chunks = len(plan.stages), plan.num_microbatches, plan.chunks
-    runs = pp * chunks
-    orders = [schedule_order(plan.schedule, r, pp, m, chunks) for r in range(pp)]
-    times = op_times(plan)
-    done: dict[tuple[str, int, int], float] = {}   # (phase, microbatch, run) -> ready at
-    clock, position = [0.0] * pp, [0] * pp
-    blocks: list[Block] = []
-    remaining = sum(len(order) for order in orders)
-    while remaining:
-        progressed = False
-        for rank in range(pp):
-            while position[rank] < len(orders[rank]):
-                op = orders[rank][position[rank]]
-                run = rank + op.chunk * pp
-                if op.phase == "forward":
-                    needs = ("forward", op.microbatch, run - 1) if run > 0 else None
-                else:
-                    needs = (("backward", op.microbatch, run + 1) if run < runs - 1
-                             else ("forward", op.microbatch, run))
-                if needs is not None and needs not in done:
-                    break
-                start = max(clock[rank], done[needs] if needs is not None else 0.0)
-                parts = _parts(op, times[rank], sends=run < runs - 1)
-                for kind, seconds in parts:
-                    if seconds > 0:
-                        blocks.append(Block(rank=rank, kind=kind, start_s=start,
-                                            end_s=start + seconds, microbatch=op.microbatch,
-                                            chunk=op.chunk))
-                    start += seconds
-                clock[rank] = start
-                done[(op.phase, op.microbatch, run)] = start
-                position[rank] += 1
-                remaining -= 1
-                progressed = True
-        if not progressed:
-            raise RuntimeError(f"internal error: the {plan.schedule} order deadlocks at "
-                               f"positions {position}")
-    for rank, stage in enumerate(plan.stages):
-        if stage.time_s.tail > 0:
-            blocks.append(Block(rank=rank, kind="tail", start_s=clock[rank],
-                                end_s=clock[rank] + stage.time_s.tail))
-    return Timeline(schedule=plan.schedule, num_ranks=pp, num_microbatches=m, chunks=chunks,
-                    blocks=tuple(blocks))
+    stage the plan lists. ``schedule`` plays another schedule over the same virtual
+    stages (one placement and count of virtual stages)."""
+    pp, m, v = len(plan.stages), plan.num_microbatches, plan.chunks
+    return play(schedule or plan.schedule, pp, v, m, stage_seconds(plan),
+                [stage.time_s.tail for stage in plan.stages])
 
 
-def _parts(op: Op, t: OpTimes, *, sends: bool) -> list[tuple[str, float]]:
-    p2p = t.p2p if sends else 0.0
-    if op.phase == "forward":
-        return [("forward", t.forward - t.collective_forward),
-                ("collective", t.collective_forward), ("p2p", p2p)]
-    return [("p2p", p2p), ("recompute", t.recompute),
-            ("backward", t.backward - t.collective_backward),
-            ("collective", t.collective_backward)]
-
-
-_LETTERS = {"forward": "F", "backward": "B", "recompute": "R", "collective": "c", "p2p": "c",
-            "tail": "T"}
+_LETTERS = {"forward": "F", "backward": "B", "weight": "W", "recompute": "R",
+            "collective": "c", "p2p": "c", "tail": "T"}
 
 
 def text_lines(timeline: Timeline, width: int = 72) -> list[str]:
     """The timeline as one line of ``width`` characters per rank: in each column the
-    letter of what fills most of it (F forward, B backward, R recompute, c communication,
-    T tail), ``.`` where the rank mostly waits."""
+    letter of what fills most of it (F forward, B backward, W weight gradient, R
+    recompute, c communication, T tail), ``.`` where the rank mostly waits."""
     step = timeline.step_s
     if step <= 0:
         return []
@@ -276,3 +413,8 @@ def text_lines(timeline: Timeline, width: int = 72) -> list[str]:
                       else "." for cell in filled)
         lines.append(f"stage {rank:>{len(str(timeline.num_ranks - 1))}} |{row}|")
     return lines
+
+
+__all__ = ["Block", "KINDS", "Op", "SCHEDULE_TABLE", "StageSeconds", "Timeline",
+           "csv_rows", "csv_text", "plan_csv", "peak_inflight", "play", "schedule_order", "simulate",
+           "stage_seconds", "text_lines", "torch_order"]

@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import math
 
-from .costs import PS_PER_S, Evaluation, PipelineConfig, build_cost_table, evaluate
+from .costs import (PS_PER_S, Evaluation, PipelineConfig, build_cost_table, evaluate,
+                    simulated_step_ps)
 from .errors import PlanValidationError
 from .plan import Plan, StageMemory
-from .spec import INTERLEAVED, SCHEDULES
+from .schedules import refusal
+from .spec import SCHEDULES
 from .problem import PlanningProblem
 
 
@@ -49,10 +51,24 @@ def _structure(problem: PlanningProblem, plan: Plan, errors: list[str]) -> None:
                       f"global batch is {problem.train.global_batch_size}")
     if plan.schedule not in SCHEDULES:
         errors.append(f"unknown schedule {plan.schedule!r}")
-    if plan.chunks > 1 and (plan.schedule != INTERLEAVED
-                            or any(len(s.runs) != plan.chunks for s in plan.stages)):
-        errors.append(f"runs of layers per stage are uneven or not interleaved: "
-                      f"{[len(s.runs) for s in plan.stages]}, schedule {plan.schedule}")
+    else:
+        _placement(plan, errors)
+
+
+def _placement(plan: Plan, errors: list[str]) -> None:
+    """Torch runs the schedule with these ranks, virtual stages and microbatches, each
+    rank holding ``v`` runs (:mod:`partc.schedules`)."""
+    pp, v = len(plan.stages), plan.chunks
+    refused = refusal(plan.schedule, pp, v, plan.num_microbatches)
+    if refused:
+        errors.append(f"schedule refused: {refused}")
+        return
+    if v > 1 and any(len(s.runs) != v for s in plan.stages):
+        errors.append(f"runs of layers per stage are uneven: "
+                      f"{[len(s.runs) for s in plan.stages]} (want {v} each)")
+        return
+    # The layers read in the placement's order (plan.runs) must be the model's: checked
+    # with the stages' cover above.
 
 
 def _modes(problem: PlanningProblem, plan: Plan, errors: list[str]) -> None:
@@ -77,6 +93,7 @@ def _pins(problem: PlanningProblem, plan: Plan, errors: list[str]) -> None:
               "num_microbatches": (pins.num_microbatches, plan.num_microbatches),
               "micro_batch_size": (pins.micro_batch_size, plan.micro_batch_size),
               "schedule": (pins.schedule, plan.schedule),
+              "virtual_stages": (pins.virtual_stages, plan.chunks),
               "zero_stage": (pins.zero_stage, plan.zero_stage)}
     for name, (pinned, actual) in checks.items():
         if pinned is not None and pinned != actual:
@@ -111,7 +128,7 @@ def _costs(problem: PlanningProblem, plan: Plan, errors: list[str]) -> Evaluatio
         if expert_parallel_section(problem, config, evaluation, modes_t) \
                 != plan.expert_parallel:
             errors.append("the plan's expert_parallel section differs from the cost model's")
-    step = evaluation.step_ps / PS_PER_S
+    step = simulated_step_ps(config, evaluation)[0] / PS_PER_S
     recorded = plan.predicted.step_time_s
     if not math.isclose(recorded, step, rel_tol=1e-9, abs_tol=1e-15):
         errors.append(f"predicted step time {recorded} s, the cost model gives {step} s")

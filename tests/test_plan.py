@@ -114,7 +114,7 @@ def test_a_version_1_file_loads_with_its_hash_unchanged():
     new = program.plan
     assert replace(old, solver=new.solver, model=new.model, stages=new.stages,
                    predicted=new.predicted, budget=new.budget, alternatives=new.alternatives,
-                   meshes=new.meshes) == new
+                   meshes=new.meshes, schedules=new.schedules) == new
     assert [(s.layers, s.recompute) for s in old.stages] == \
         [(s.layers, s.recompute) for s in new.stages]
     assert replace(new.budget, collective_links=None, op_overhead_s=None,

@@ -11,33 +11,87 @@ from partc.compiler import plan_problem
 from partc.placement import Placement
 from partc.plan import TensorParallelPlan, TPCollective
 from partc.problem import Pins
-from partc.timeline import KINDS, Op, schedule_order, simulate, text_lines
+from partc.schedules import SCHEDULE_TABLE, schedule, stages_of_rank
+from partc.timeline import (KINDS, Op, StageSeconds, csv_text, play, schedule_order,
+                            simulate, text_lines, torch_order)
 
 from .planner.instances import devices, layer, problem
 
 MS = 1e-3
 
 
-def _ops(order: list[Op]) -> list[str]:
-    return [f"{op.phase[0].upper()}{op.microbatch}" + (f"c{op.chunk}" if op.chunk else "")
+def _ops(order: list[Op], pp: int) -> list[str]:
+    return [f"{op.phase[0].upper()}{op.microbatch}" + (f"c{op.stage // pp}" if op.stage >= pp
+                                                      else "")
             for op in order]
 
 
 def test_schedule_orders():
-    assert _ops(schedule_order("gpipe", 0, 2, 3)) == ["F0", "F1", "F2", "B0", "B1", "B2"]
+    assert _ops(schedule_order("gpipe", 0, 2, 3), 2) == ["F0", "F1", "F2", "B0", "B1", "B2"]
     # 1F1B: pp - rank - 1 warm-up forwards, then one forward and one backward in turn.
-    assert _ops(schedule_order("1f1b", 0, 3, 4)) == ["F0", "F1", "F2", "B0", "F3", "B1",
-                                                      "B2", "B3"]
-    assert _ops(schedule_order("1f1b", 2, 3, 4)) == ["F0", "B0", "F1", "B1", "F2", "B2",
-                                                      "F3", "B3"]
-    # Interleaved (Megatron): microbatches go through the chunks pp at a time, backwards
-    # take the chunks last first; rank 0 of 2 warms up with 2 (pp - 1) + (v - 1) pp = 4.
-    assert _ops(schedule_order("interleaved-1f1b", 0, 2, 2, chunks=2)) == [
+    assert _ops(schedule_order("1f1b", 0, 3, 4), 3) == ["F0", "F1", "F2", "B0", "F3", "B1",
+                                                         "B2", "B3"]
+    assert _ops(schedule_order("1f1b", 2, 3, 4), 3) == ["F0", "B0", "F1", "B1", "F2", "B2",
+                                                         "F3", "B3"]
+    # Interleaved (torch's order): microbatches go through the chunks pp at a time,
+    # backwards take the chunks last first.
+    assert _ops(schedule_order("interleaved-1f1b", 0, 2, 2, chunks=2), 2) == [
         "F0", "F1", "F0c1", "F1c1", "B0c1", "B1c1", "B0", "B1"]
-    assert _ops(schedule_order("interleaved-1f1b", 1, 2, 2, chunks=2)) == [
-        "F0", "F1", "F0c1", "B0c1", "F1c1", "B1c1", "B0", "B1"]
-    with pytest.raises(ValueError, match="multiple of the pipeline degree"):
-        schedule_order("interleaved-1f1b", 0, 2, 3, chunks=2)
+    # Zero-bubble: the backward split into input (I) and weight (W) gradients.
+    phases = {op.phase for op in schedule_order("zbv-zero-bubble", 0, 2, 4, chunks=2)}
+    assert phases >= {"forward", "input", "weight"}
+    with pytest.raises(ValueError, match="multiple of its rounds"):
+        schedule_order("interleaved-1f1b", 0, 2, 5, chunks=2)
+
+
+@pytest.mark.parametrize("name,v", [("gpipe", 1), ("1f1b", 1), ("interleaved-1f1b", 2),
+                                    ("looped-bfs", 2), ("interleaved-zero-bubble", 2),
+                                    ("zbv-zero-bubble", 2), ("dualpipev", 2)])
+def test_every_schedule_plays_out(name, v):
+    # 4 ranks, 8 microbatches, equal virtual stages of 1 ms forward, 2 ms backward (per
+    # rank). Every operation runs once; the step is at least the busiest rank's work and
+    # at most GPipe's fill-and-drain.
+    stages = [StageSeconds(forward=1 * MS / v, backward=2 * MS / v)] * (4 * v)
+    timeline = play(name, 4, v, 8, stages, [0.0] * 4)
+    for rank in range(4):
+        assert timeline.seconds(rank) == pytest.approx(8 * 3 * MS)
+    assert 8 * 3 * MS - 1e-12 <= timeline.step_s <= (8 + 3) * 3 * MS + 1e-12
+    if name in ("gpipe", "1f1b"):
+        assert timeline.step_s == pytest.approx((8 + 3) * 3 * MS)
+    if name == "interleaved-1f1b":   # Megatron's (m + (p - 1) / v) t
+        assert timeline.step_s == pytest.approx((8 + 3 / 2) * 3 * MS)
+    if schedule(name).split_backward:   # the weight gradients fill the bubble
+        assert timeline.bubble_fraction < 0.1
+        assert 0 < timeline.seconds(0, ("weight",)) <= 8 * MS + 1e-12
+
+
+@pytest.mark.parametrize("name", ["interleaved-1f1b", "zbv-zero-bubble"])
+def test_csv_export_loads_in_torch(name, tmp_path):
+    """What partc writes, torch's own CSV loader reads back (and lowers with its sends and
+    receives) to the order partc priced."""
+    import types
+
+    import torch
+    from torch.distributed.pipelining import schedules as torch_schedules
+
+    pp, v, m = 2, 2, 4
+    path = tmp_path / "schedule.csv"
+    path.write_text(csv_text(name, pp, v, m))
+    module = torch.nn.Module()
+    stages = [types.SimpleNamespace(num_stages=pp * v, group_size=pp, group_rank=0,
+                                    stage_index=j, is_first=j == 0,
+                                    is_last=j == pp * v - 1, submod=module)
+              for j in stages_of_rank(name, pp, v, 0)]
+    loaded = getattr(torch_schedules, schedule(name).torch_class)(
+        stages, m, loss_fn=lambda output, target: output)
+    loaded.pipeline_order = {}
+    loaded._load_csv(str(path))
+    letters = {"forward": "F", "backward": "B", "input": "I", "weight": "W"}
+    assert [[(a.stage_index, a.computation_type.value, a.microbatch_index)
+             for a in loaded.pipeline_order[rank]] for rank in range(pp)] == \
+        [[(op.stage, letters[op.phase], op.microbatch) for op in ops]
+         for ops in torch_order(name, pp, v, m)]
+    assert loaded.pipeline_order_with_comms   # lowered with its sends and receives
 
 
 def _four_layers(pins: Pins, batch: int = 4, cuts: float = 0.0):
@@ -123,3 +177,21 @@ def test_tensor_parallel_collectives_are_split_by_their_bytes():
     # The stage's work is unchanged: its forward and backward figures hold the collectives.
     stage = plan.stages[0].time_s
     assert timeline.seconds(0) == pytest.approx(stage.forward + stage.backward + stage.tail)
+
+
+def test_the_plan_prices_every_schedule_on_its_mesh():
+    # 8 equal layers on 4 ranks, 8 microbatches, ZBV pinned: the plan's step is its
+    # simulation; every other schedule is priced on the same mesh, and the zero-bubble
+    # ones beat 1F1B (whose bubble is (p - 1) / (m + p - 1) of the step, 3/11).
+    layers = [layer(f"l{i}", params=0) for i in range(8)]
+    plan = plan_problem(problem(layers, [0.0] * 7, devices(4, 10**9), batch=8,
+                                micro_batch_sizes=(1,),
+                                pins=Pins(pp=4, schedule="zbv-zero-bubble")))
+    options = {(o.schedule, o.virtual_stages): o for o in plan.schedules}
+    chosen = plan.schedules[0]
+    assert (chosen.schedule, chosen.how) == ("zbv-zero-bubble", "chosen")
+    assert chosen.step_time_s == pytest.approx(plan.predicted.step_time_s)
+    assert {name for name, _ in options} == set(SCHEDULE_TABLE)
+    assert options[("1f1b", 1)].bubble_fraction == pytest.approx(3 / 11, abs=1e-3)
+    assert chosen.step_time_s < options[("1f1b", 1)].step_time_s
+    assert simulate(plan).step_s == pytest.approx(plan.predicted.step_time_s, rel=1e-6)

@@ -24,11 +24,12 @@ from ..options import PlannerOptions
 from .bounds import balanced_split, incumbent, lower_bound
 from .meshes import mesh_results
 from .results import MESH_OUTCOMES, Assignment, ConfigResult, MeshResult, PlannerResult
-from .search import MAX_CHUNKS, candidate_configs, divisors, solve, solve_config, tp_choices
+from .search import (MAX_CHUNKS, candidate_configs, divisors, schedule_options, solve,
+                     solve_config, tp_choices)
 from .stage_model import segments
 
 __all__ = [
-    "MAX_CHUNKS", "MESH_OUTCOMES", "Assignment", "ConfigResult", "MeshResult",
+    "MAX_CHUNKS", "schedule_options", "MESH_OUTCOMES", "Assignment", "ConfigResult", "MeshResult",
     "PlannerOptions", "PlannerResult", "balanced_split", "candidate_configs", "divisors",
     "incumbent", "lower_bound", "mesh_results", "segments", "solve", "solve_config",
     "tp_choices",

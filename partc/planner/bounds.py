@@ -58,7 +58,7 @@ def lower_bound(table: CostTable, cache: TableCache | None = None) -> float:
     tails += [g.tail_ps for g in table.shared]
     tail = max(-(-sum(tails) // pp), *(row.tail_ps for row, _ in distinct.values()),
                *(g.tail_ps for g in table.shared))
-    pipeline = m * peak_busy + (total - peak_busy) // table.config.chunks  # pipeline_ps
+    pipeline = m * peak_busy + (total - peak_busy) // table.config.fill_divisor  # pipeline_ps
     return pipeline + tail + table.tail_latency_ps
 
 
@@ -195,7 +195,8 @@ def incumbent(problem: PlanningProblem, table: CostTable,
              for l, options in enumerate(allowed)]
     pp = table.config.pp
     for stage in range(pp):
-        members = [l for l in range(table.num_layers) if stage_of[l] % pp == stage]
+        members = [l for l in range(table.num_layers)
+                   if table.config.rank_of(stage_of[l]) == stage]
         _recompute_until_it_fits(table, stage, members, allowed, modes)
     if not evaluate(table, stage_of, modes).fits:
         return None

@@ -2,7 +2,8 @@
 
 Outer enumeration (cheap, exact): every pipeline configuration ``c = (tp, pp, dp, b, m,
 schedule, ZeRO stage, chunks v)`` with ``tp * pp * dp = N`` devices and ``dp * b * m = B``
-global batch, respecting pins (``v > 1`` only for a pinned interleaved 1F1B).
+global batch, respecting pins (``v`` virtual stages per rank for the schedules that run
+several, where torch's schedule takes the ranks and microbatches).
 Configurations are visited in order of a lower bound on their step time
 (:func:`~.bounds.lower_bound`); one whose bound is no better than the best plan found so
 far is pruned. Before any solve, the best plan is seeded with the greedy plan
@@ -29,12 +30,17 @@ import time
 from ortools.sat.python import cp_model
 
 from .. import progress
-from ..costs import CostTable, PipelineConfig, TableCache, build_cost_table, evaluate
+from ..choices import SCHEDULES
+from ..costs import (PS_PER_S, CostTable, PipelineConfig, TableCache, build_cost_table,
+                     evaluate, simulated_step_ps)
 from ..errors import PlanInfeasibleError
 from ..explain import explain_infeasible
 from ..options import PlannerOptions
+from ..plan import ScheduleOption
 from ..problem import PlanningProblem
-from ..spec import AUTO_SCHEDULES, INTERLEAVED
+from ..schedules import refusal
+from ..schedules import schedule as schedule_info
+from ..spec import AUTO_SCHEDULES
 from .bounds import incumbent, lower_bound, starting_point
 from .experts import expand as expand_ep
 from .meshes import mesh_results
@@ -116,14 +122,19 @@ MAX_CHUNKS = 8
 
 
 def _chunk_counts(problem: PlanningProblem, schedule: str, pp: int, m: int) -> list[int]:
-    """Chunks per rank: 1, or for interleaved 1F1B every ``v`` from 2 to ``MAX_CHUNKS``
-    with a layer for each of the ``pp * v`` runs, when the microbatches are a multiple
-    of ``pp`` (Megatron's condition) and the stages are not pinned."""
-    if schedule != INTERLEAVED:
-        return [1]
-    if pp == 1 or m % pp or problem.pins.stages is not None:
+    """Virtual stages per rank the schedule runs (:mod:`partc.schedules`): 1 for GPipe
+    and 1F1B; for the others every ``v`` the schedule allows up to ``MAX_CHUNKS`` (or the
+    pinned one) with a layer for each of the ``pp * v`` runs, where torch's schedule takes
+    ``pp`` ranks and ``m`` microbatches (:func:`partc.schedules.refusal`), pp > 1 and
+    the stages are not pinned."""
+    info = schedule_info(schedule)
+    pinned = problem.pins.virtual_stages
+    counts = [pinned] if pinned is not None else (
+        list(info.virtual_stages) or list(range(2, MAX_CHUNKS + 1)))
+    if counts != [1] and (pp == 1 or problem.pins.stages is not None):
         return []
-    return [v for v in range(2, MAX_CHUNKS + 1) if pp * v <= problem.num_layers]
+    return [v for v in counts if pp * v <= problem.num_layers
+            and refusal(schedule, pp, v, m) is None]
 
 
 def pinned_stages(problem: PlanningProblem) -> list[int] | None:
@@ -177,7 +188,7 @@ def solve_config(problem: PlanningProblem, table: CostTable, options: PlannerOpt
     solver.parameters.num_workers = options.num_workers
     solver.parameters.random_seed = options.seed
     solver.parameters.cp_model_presolve = options.presolve
-    chunks = table.config.chunks   # the objective is chunks x the step time
+    chunks = table.config.fill_divisor   # the objective is this x the step time
 
     def step_floor(objective_bound: float) -> int:
         """The least step time an objective bound allows (pipeline_ps floors its
@@ -353,3 +364,47 @@ def _seed(problem: PlanningProblem, tables: list[CostTable], floors: list[float]
             best = ConfigResult(table=table, assignment=hint, evaluation=evaluation,
                                 status="FEASIBLE", bound=int(floors[i]), solve_time_s=0.0)
     return best
+
+
+def schedule_options(problem: PlanningProblem, chosen: ConfigResult,
+                     cache: TableCache | None = None) -> list[ScheduleOption]:
+    """Every schedule priced on the chosen configuration's mesh, microbatches and ZeRO
+    stage: the chosen plan itself, then each other schedule and virtual-stage count
+    (the schedule's own, or 2 and 4) with the greedy split of its runs
+    (:func:`~.bounds.incumbent`), played out by the simulation; fastest first."""
+    config = chosen.table.config
+    step, bubble = simulated_step_ps(config, chosen.evaluation)
+    options = [ScheduleOption(schedule=config.schedule, virtual_stages=config.chunks,
+                              how="chosen", step_time_s=step / PS_PER_S,
+                              bubble_fraction=bubble,
+                              peak_memory_bytes=max(s.memory["peak"]
+                                                    for s in chosen.evaluation.stages))]
+    others = []
+    local = problem.variant(config.tp, config.sequence_parallel, config.tp_objective)
+    for name in SCHEDULES:
+        counts = schedule_info(name).virtual_stages or (2, 4)
+        for v in counts:
+            if (name, v) == (config.schedule, config.chunks):
+                continue
+            if v > 1 and (config.pp == 1 or problem.pins.stages is not None
+                          or config.pp * v > problem.num_layers):
+                continue
+            refused = refusal(name, config.pp, v, config.num_microbatches)
+            if refused:
+                others.append(ScheduleOption(schedule=name, virtual_stages=v, how=refused))
+                continue
+            other = dataclasses.replace(config, schedule=name, chunks=v)
+            table = build_cost_table(problem, other, cache)
+            hint = incumbent(local, table, cache)
+            if hint is None:
+                others.append(ScheduleOption(schedule=name, virtual_stages=v,
+                                             how="no split fits"))
+                continue
+            evaluation = evaluate(table, hint.stage_of, hint.modes)
+            step, bubble = simulated_step_ps(other, evaluation)
+            others.append(ScheduleOption(
+                schedule=name, virtual_stages=v, how="greedy split",
+                step_time_s=step / PS_PER_S, bubble_fraction=bubble,
+                peak_memory_bytes=max(s.memory["peak"] for s in evaluation.stages)))
+    others.sort(key=lambda o: (o.step_time_s is None, o.step_time_s or 0.0))
+    return options + others

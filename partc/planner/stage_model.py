@@ -164,9 +164,10 @@ class StageModel:
         tail = self._add_tail(held)                  # (6)
         self._add_memory(held)                       # (7), (8)
         tie = sum(g.tie_sync_ps * (sum(held[gi]) - 1) for gi, g in enumerate(table.shared))
-        m, v = table.config.num_microbatches, table.config.chunks
-        # Objective: v times the step time (see costs.pipeline_ps): the fill-and-drain
-        # term is divided by v, the rest multiplied, so that the objective stays integral.
+        m, v = table.config.num_microbatches, table.config.fill_divisor
+        # Objective: v times the step time (see costs.pipeline_ps, v its fill divisor):
+        # the fill-and-drain term is divided by v, the rest multiplied, so that the
+        # objective stays integral.
         self.model.minimize(v * m * self.peak_busy + sum(busy) - self.peak_busy
                             + v * (tail + tie + table.tail_latency_ps))
 
@@ -230,7 +231,7 @@ class StageModel:
         for run in self.runs:                      # (2) every run holds a layer
             self._require(sum(self.in_run(k, run) for k in range(len(self.segments))) >= 1)
         # N[k][s]: how many layers of segment k sit on rank s (in any of its runs)
-        self.on_rank = [[sum(self.in_run(k, run) for run in self.runs[rank::len(self.ranks)])
+        self.on_rank = [[sum(self.in_run(k, run) for run in self.table.config.runs_of(rank))
                          for rank in self.ranks] for k in range(len(self.segments))]
 
     def in_run(self, k: int, run: int):
@@ -290,7 +291,7 @@ class StageModel:
         for rank in self.ranks:
             compute = sum(table.layers[self.segments[k].first].compute_ps(r) * count
                           for (k, r), count in self.count[rank].items())
-            comm = sum(self.boundary_ps(run) for run in self.runs[rank::len(self.ranks)]
+            comm = sum(self.boundary_ps(run) for run in table.config.runs_of(rank)
                        if run < last_run)
             busy.append(compute + comm)
             self.model.add(self.peak_busy >= compute + comm)
@@ -364,7 +365,6 @@ class StageModel:
 
     def add_hint(self, hint: Assignment) -> None:
         """Start the search from ``hint`` (CP-SAT completes the auxiliary variables)."""
-        pp = self.table.config.pp
         values: dict[int, tuple[Any, int]] = {}   # one hint per variable
 
         def put(variable, value: int) -> None:
@@ -380,7 +380,8 @@ class StageModel:
                 put(self.prefix[k][run], inside)
                 put(self.started[k][run], int(inside > 0))
                 put(self.finished[k][run], int(inside == seg.size))
-            per_mode = Counter((hint.stage_of[l] % pp, hint.modes[l]) for l in layers)
+            per_mode = Counter((self.table.config.rank_of(hint.stage_of[l]), hint.modes[l])
+                               for l in layers)
             for rank in self.ranks:
                 for r in seg.modes:
                     put(self.count[rank][k, r], per_mode[rank, r])
@@ -394,7 +395,6 @@ class StageModel:
         def value(v) -> int:
             return v if isinstance(v, int) else int(solver.value(v))
 
-        pp = self.table.config.pp
         stage_of: list[int] = []
         modes: list[str] = []
         for k, seg in enumerate(self.segments):
@@ -403,7 +403,7 @@ class StageModel:
             left = {(rank, r): value(self.count[rank][k, r])
                     for rank in self.ranks for r in seg.modes}
             for layer in range(seg.first, seg.last + 1):
-                rank = stage_of[layer] % pp
+                rank = self.table.config.rank_of(stage_of[layer])
                 mode = next(r for r in reversed(RECOMPUTE_MODES)
                             if r in seg.modes and left[rank, r])
                 left[rank, mode] -= 1

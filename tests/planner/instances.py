@@ -5,7 +5,10 @@ from __future__ import annotations
 import itertools
 import random
 
+from partc.spec import AUTO_SCHEDULES
 from partc.costs import PipelineConfig, build_cost_table, evaluate
+from partc.schedules import refusal
+from partc.schedules import schedule as schedule_info
 from partc.problem import (DeviceNumbers, HeavyOp, LayerCost, ModelAnalysis, ModelSummary,
                            Pins, PlanningProblem, Precision, SharedParam, TrainNumbers)
 
@@ -103,20 +106,29 @@ def brute_force(prob: PlanningProblem) -> tuple[int, PipelineConfig, list[int], 
             if per_replica % b:
                 continue
             m = per_replica // b
-            schedules = (prob.pins.schedule,) if prob.pins.schedule else ("1f1b", "gpipe")
-            for schedule, zero in itertools.product(schedules, (0, 1, 2, 3)):
-                if zero and dp == 1:
-                    continue  # ZeRO shards over replicas: with one there is nothing to shard
-                # Interleaved: v runs per rank, v >= 2, m a multiple of pp (Megatron's rule).
-                chunk_counts = [1] if schedule != "interleaved-1f1b" else [
-                    v for v in range(2, num_layers + 1)
-                    if pp > 1 and m % pp == 0 and pp * v <= num_layers]
-                for chunks in chunk_counts:
-                    config = PipelineConfig(pp=pp, dp=dp, micro_batch_size=b,
-                                            zero_stage=zero, num_microbatches=m,
-                                            schedule=schedule, chunks=chunks)
-                    best = _best_split(prob, config, best)
+            for schedule, zero, chunks in schedule_choices(prob, pp, dp, m):
+                config = PipelineConfig(pp=pp, dp=dp, micro_batch_size=b,
+                                        zero_stage=zero, num_microbatches=m,
+                                        schedule=schedule, chunks=chunks)
+                best = _best_split(prob, config, best)
     return best
+
+
+def schedule_choices(prob: PlanningProblem, pp: int, dp: int, m: int):
+    """Every (schedule, ZeRO stage, virtual stages per rank v) brute force tries: v where
+    the schedule runs v, torch takes pp ranks and m microbatches, and every run gets a
+    layer; ZeRO only with replicas; as the pins allow."""
+    num_layers = prob.num_layers
+    schedules = (prob.pins.schedule,) if prob.pins.schedule else AUTO_SCHEDULES
+    for schedule, zero in itertools.product(schedules, (0, 1, 2, 3)):
+        if zero and dp == 1:
+            continue  # ZeRO shards over replicas: with one there is nothing to shard
+        allowed = schedule_info(schedule).virtual_stages or range(2, num_layers + 1)
+        for v in allowed:
+            if prob.pins.virtual_stages in (None, v) \
+                    and (v == 1 or pp > 1 and prob.pins.stages is None) \
+                    and pp * v <= num_layers and refusal(schedule, pp, v, m) is None:
+                yield schedule, zero, v
 
 
 def _modes(prob: PlanningProblem, cost: LayerCost) -> tuple[str, ...]:

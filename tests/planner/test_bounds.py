@@ -21,7 +21,7 @@ def test_lower_bound_never_exceeds_a_configurations_optimum():
             table = build_cost_table(prob, config)
             best = None
             n = prob.num_layers
-            for starts in itertools.combinations(range(1, n), config.pp - 1):
+            for starts in itertools.combinations(range(1, n), config.virtual_stages - 1):
                 stage_of = [sum(1 for s in starts if s <= l) for l in range(n)]
                 for modes in itertools.product(*(l.modes for l in prob.layers)):
                     ev = evaluate(table, stage_of, modes)

@@ -6,7 +6,6 @@ is tested without tracing."""
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import random
 
 import pytest
@@ -22,7 +21,7 @@ from partc.planner.experts import ep_choices
 from partc.problem import MoECost, Pins
 from partc.validate import validate_plan
 
-from .instances import _best_split, devices, layer, problem
+from .instances import _best_split, devices, layer, problem, schedule_choices
 
 
 def moe_layer(name: str, *, experts: int = 8, top_k: int = 2, flops: float = 4e9,
@@ -71,13 +70,12 @@ def brute_force(prob):
                 per_replica = prob.train.global_batch_size // dp
                 if per_replica % b:
                     continue
-                for schedule, zero in itertools.product(("1f1b", "gpipe"), (0, 1, 2, 3)):
-                    if zero and dp == 1:
-                        continue
+                m = per_replica // b
+                for schedule, zero, v in schedule_choices(prob, pp, dp, m):
                     if zero and ep > 1:
                         continue  # the runtime runs expert parallelism without ZeRO
                     config = PipelineConfig(pp=pp, dp=dp, micro_batch_size=b, ep=ep,
-                                            num_microbatches=per_replica // b,
+                                            num_microbatches=m, chunks=v,
                                             schedule=schedule, zero_stage=zero)
                     best = _best_split(prob, config, best)
     return best

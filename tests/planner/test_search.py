@@ -217,6 +217,35 @@ def test_interleaved_plan_equals_brute_force(seed):
     assert feasible >= 8
 
 
+@pytest.mark.parametrize("schedule", ["looped-bfs", "interleaved-zero-bubble",
+                                      "zbv-zero-bubble", "dualpipev"])
+def test_every_schedule_pinned_equals_brute_force(schedule):
+    """Each schedule of several virtual stages per rank pinned: 4-5 layers on 2 ranks,
+    against every split into runs and every recompute mode; under the "V" schedules rank
+    0 holds the first and the last run."""
+    rng = random.Random(sum(map(ord, schedule)))   # stable across processes
+    feasible = 0
+    for _ in range(5):
+        layers = [layer(f"layer{i}", flops=rng.choice([1e8, 1e9, 3e9]), params=1000,
+                        saved=rng.choice([1e3, 1e5]), full=100.0)
+                  for i in range(rng.randint(4, 5))]
+        prob = problem(layers, [rng.choice([0.0, 1e5]) for _ in layers[1:]],
+                       devices(2, rng.choice([10**6, 10**7]), bandwidth=1e9),
+                       batch=4, micro_batch_sizes=(1,),
+                       pins=Pins(pp=2, schedule=schedule))
+        checked = _plan_and_oracle(prob)
+        if checked is None:
+            continue
+        feasible += 1
+        plan, evaluation, oracle = checked
+        assert plan.schedule == schedule and plan.chunks >= 2
+        assert evaluation.step_ps == oracle[0] and plan.solver.status == "OPTIMAL"
+        if schedule in ("zbv-zero-bubble", "dualpipev"):
+            assert plan.stages[0].runs[0] == plan.runs[0]
+            assert plan.stages[0].runs[-1] == plan.runs[-1]
+    assert feasible >= 3
+
+
 def test_interleaving_divides_the_bubble():
     # 4 equal layers (1 ms forward, 2 ms backward), pp=2, 2 microbatches. 1F1B: 2 layers
     # per rank, (m - 1) * 6 + 12 = 18 ms. Interleaved, one layer per run, rank 0 runs

@@ -1,0 +1,201 @@
+"""Every pipeline schedule priced by the cost model's event simulation, side by side.
+
+    python benchmarks/schedules.py                 # all three parts
+    python benchmarks/schedules.py --parts cpu 405b plan-time
+
+- ``cpu``: the configuration ``benchmarks/schedule_parity.py --timing`` measures (the
+  sample GPT of 4 blocks, 256 wide, 16 tokens, 8 sequences per step in 4 microbatches,
+  4 CPU processes: pp=2 x dp=2, two virtual stages per rank where the schedule has
+  them, no recompute): the predicted step time and bubble per schedule, to put next to
+  the measured medians.
+- ``405b``: Llama-3-405B's shape (126 layers, hidden 16384, FFN 53248, 128/8 heads,
+  vocab 128000, sequence 8192; built on the meta device) on 8,192 H100-80GB with
+  tp=8, pp=16, dp=64 pinned and 2,048 sequences per step: each schedule pinned
+  (predicted step time, bubble, peak memory), the schedule the planner picks with
+  those pins, and with nothing pinned (``--time-limit`` for that search).
+- ``plan-time``: planning Llama-3-70B on 1,024 H100 (as ``benchmarks/plan_time.py``) with
+  the schedule pinned to 1F1B and with the schedule free, in one run: the ratio.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "samples"))
+sys.path.insert(0, str(ROOT))
+
+import partc  # noqa: E402
+from partc.compiler import autocast_dtype, build_problem, plan_problem  # noqa: E402
+from partc.passes.pipeline import analyze  # noqa: E402
+from partc.plan import BudgetInfo  # noqa: E402
+from partc.planner import PlannerOptions  # noqa: E402
+from partc.schedules import SCHEDULE_TABLE, refusal  # noqa: E402
+from partc.units import format_bytes, format_seconds  # noqa: E402
+
+LLAMA3_405B = dict(hidden_size=16384, intermediate_size=53248, num_hidden_layers=126,
+                   num_attention_heads=128, num_key_value_heads=8, vocab_size=128000,
+                   max_position_embeddings=8192, rope_theta=500000.0, rms_norm_eps=1e-5)
+LLAMA3_70B = dict(hidden_size=8192, intermediate_size=28672, num_hidden_layers=80,
+                  num_attention_heads=64, num_key_value_heads=8, vocab_size=128256,
+                  max_position_embeddings=8192, rope_theta=500000.0, rms_norm_eps=1e-5)
+
+
+def virtual_stages(name: str, wanted: int = 2) -> int:
+    allowed = SCHEDULE_TABLE[name].virtual_stages
+    return allowed[0] if allowed else wanted
+
+
+def table(rows: list[list[str]], header: list[str]) -> None:
+    widths = [max(len(str(r[i])) for r in rows + [header]) for i in range(len(header))]
+    print("  ".join(h.ljust(w) for h, w in zip(header, widths)))
+    for row in rows:
+        print("  ".join(str(c).ljust(w) for c, w in zip(row, widths)))
+
+
+def plan_rows(plans: dict[str, partc.Plan | str]) -> list[list[str]]:
+    steps = [p.predicted.step_time_s for p in plans.values() if not isinstance(p, str)]
+    fastest = min(steps) if steps else 1.0
+    rows = []
+    for name, plan in plans.items():
+        if isinstance(plan, str):
+            rows.append([name, "-", "-", "-", "-", "-", plan])
+            continue
+        p = plan.predicted
+        rows.append([name, str(plan.chunks), format_seconds(p.step_time_s),
+                     f"{p.step_time_s / fastest:.3f}x", f"{100 * p.bubble_fraction:.1f}%",
+                     format_bytes(p.peak_memory_bytes),
+                     f"closed form {format_seconds(p.closed_form_step_s)}"])
+    return rows
+
+
+HEADER = ["schedule", "v", "step", "vs fastest", "bubble", "peak memory", "note"]
+
+
+def cpu_part() -> None:
+    from tests.runtime import schedule_worker as sw
+    from tests.runtime import worker
+
+    build, loss_fn, _ = sw.TIMING_MODELS["gpt4"]
+    torch.manual_seed(0)
+    model = build()
+    case = worker.Case(build, "tokens", loss_fn, clip=sw.CLIP)
+    x, y = worker.batch(case, model, 0)
+    plans: dict[str, partc.Plan | str] = {}
+    for name in SCHEDULE_TABLE:
+        v = virtual_stages(name, sw.V)
+        why = refusal(name, sw.PP, v, sw.MICROBATCHES)
+        if why:
+            plans[name] = why
+            continue
+        program = partc.compile(
+            model, x, loss_fn=loss_fn, example_target=y,
+            budget=partc.DeviceBudget(num_devices=4, device="CPU"),
+            train=partc.TrainSpec(global_batch_size=worker.BATCH, optimizer="sgd",
+                                  max_grad_norm=sw.CLIP),
+            constraints=partc.Constraints(pp=sw.PP, dp=2, zero_stage=0, recompute="none",
+                                          schedule=name, virtual_stages=v,
+                                          num_microbatches=sw.MICROBATCHES))
+        plans[name] = program.plan
+    print(f"\n== CPU: sample GPT 4x256, 4 processes (pp={sw.PP} x dp=2), "
+          f"{sw.MICROBATCHES} microbatches: predicted per schedule")
+    table(plan_rows(plans), HEADER)
+    order = sorted((p.predicted.step_time_s, n) for n, p in plans.items()
+                   if not isinstance(p, str))
+    print("predicted order, fastest first:", ", ".join(n for _, n in order))
+
+
+def _problem(shape: dict, seq: int, batch: int, devices: int, constraints):
+    from plan_llama import build_llama
+    import plan_llama
+
+    model = build_llama(shape)
+    ids = torch.zeros(1, seq, dtype=torch.long, device="meta")
+    train = partc.TrainSpec(global_batch_size=batch, dtype=torch.bfloat16, optimizer="adamw")
+    budget = partc.DeviceBudget(num_devices=devices, device="H100-80GB", devices_per_node=8,
+                                inter_node_bandwidth="50GB/s")
+    graph, analysis = analyze(model, (ids,), loss_fn=plan_llama.causal_lm_loss,
+                              example_target=ids, name="llama",
+                              autocast=autocast_dtype(train),
+                              autocast_device=budget.device_type)
+    recorded = BudgetInfo.from_dict(budget.to_dict(train.dtype))
+    return graph, analysis, budget, train, recorded
+
+
+def _plan(graph, analysis, budget, train, recorded, constraints, options):
+    problem = build_problem(analysis, budget, train, constraints, graph)
+    return plan_problem(problem, budget=recorded, train=train, options=options)
+
+
+def part_405b(time_limit: float) -> None:
+    start = time.perf_counter()
+    graph, analysis, budget, train, recorded = _problem(LLAMA3_405B, 8192, 2048, 8192, None)
+    print(f"\n== Llama-3-405B shape on 8,192 H100-80GB, 2,048 x 8,192-token sequences "
+          f"(traced in {time.perf_counter() - start:.0f} s)")
+    options = PlannerOptions(time_limit_s=time_limit)
+    pins = dict(tp=8, pp=16, dp=64)
+    plans: dict[str, partc.Plan | str] = {}
+    for name in SCHEDULE_TABLE:
+        v = virtual_stages(name)
+        try:
+            plans[name] = _plan(graph, analysis, budget, train, recorded,
+                                partc.Constraints(**pins, schedule=name, virtual_stages=v),
+                                options)
+        except (partc.PlanInfeasibleError, ValueError) as error:
+            plans[name] = f"refused: {str(error).splitlines()[0][:90]}"
+    print("tp=8 pp=16 dp=64 pinned, each schedule pinned:")
+    table(plan_rows(plans), HEADER)
+    for label, constraints in (("tp=8 pp=16 dp=64 pinned", partc.Constraints(**pins)),
+                               ("nothing pinned", partc.Constraints())):
+        start = time.perf_counter()
+        plan = _plan(graph, analysis, budget, train, recorded, constraints, options)
+        p = plan.predicted
+        print(f"planner's pick, {label}: {plan.schedule} v={plan.chunks}, pp={plan.pp} "
+              f"dp={plan.dp} tp={plan.tp}, {plan.micro_batch_size} x "
+              f"{plan.num_microbatches}, ZeRO {plan.zero_stage}: step "
+              f"{format_seconds(p.step_time_s)}, bubble {100 * p.bubble_fraction:.1f}% "
+              f"(planned in {time.perf_counter() - start:.1f} s)")
+        for option in plan.schedules[:4]:
+            if option.step_time_s is not None:
+                print(f"    {option.schedule:<24} v={option.virtual_stages} "
+                      f"{format_seconds(option.step_time_s):>10}  bubble "
+                      f"{100 * (option.bubble_fraction or 0):.1f}%  ({option.how})")
+
+
+def plan_time_part(time_limit: float) -> None:
+    graph, analysis, budget, train, recorded = _problem(LLAMA3_70B, 4096, 1024, 1024, None)
+    options = PlannerOptions(time_limit_s=time_limit)
+    seconds = {}
+    for label, constraints in (("schedule pinned to 1f1b", partc.Constraints(schedule="1f1b")),
+                               ("schedule free", partc.Constraints())):
+        start = time.perf_counter()
+        plan = _plan(graph, analysis, budget, train, recorded, constraints, options)
+        seconds[label] = time.perf_counter() - start
+        print(f"Llama-3-70B on 1,024 H100, {label}: planned in {seconds[label]:.1f} s -> "
+              f"{plan.schedule} v={plan.chunks}, step "
+              f"{format_seconds(plan.predicted.step_time_s)}")
+    pinned, free = seconds.values()
+    print(f"plan time, schedule free / pinned 1f1b: {free / pinned:.2f}x")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--parts", nargs="+", default=["cpu", "405b", "plan-time"],
+                        choices=["cpu", "405b", "plan-time"])
+    parser.add_argument("--time-limit", type=float, default=60.0)
+    args = parser.parse_args()
+    if "cpu" in args.parts:
+        cpu_part()
+    if "405b" in args.parts:
+        part_405b(args.time_limit)
+    if "plan-time" in args.parts:
+        plan_time_part(args.time_limit)
+
+
+if __name__ == "__main__":
+    main()
