@@ -87,3 +87,22 @@ def refusal(name: str, pp: int, v: int, num_microbatches: int) -> str | None:
         return (f"{name} needs at least {s.min_microbatches_per_stage * pp * v} "
                 f"microbatches (one per virtual stage), not {num_microbatches}")
     return None
+
+
+def feature_refusal(name: str, zero_stage: int, compiled: bool) -> str | None:
+    """Why partc's runtime cannot run schedule ``name`` with the other decisions alike to
+    one process (None if it can): a split backward computes weight gradients with
+    ``torch.autograd.grad`` outside FSDP's hooks, so ZeRO-2/3 (``zero_stage``, the
+    effective one) would reduce-scatter nothing; and a compiled region's backward is
+    one autograd node, which cannot be split."""
+    if not schedule(name).split_backward:
+        return None
+    if zero_stage >= 2:
+        return (f"{name} splits backward into input- and weight-gradient parts, which "
+                f"FSDP (ZeRO-{zero_stage}) does not reduce: plan ZeRO-0/1 or a schedule "
+                "with a whole backward")
+    if compiled:
+        return (f"{name} splits backward into input- and weight-gradient parts, but a "
+                "compiled region's backward (TrainSpec(compile=True)) is one autograd "
+                "node: train without compile, or with a schedule that has a whole backward")
+    return None

@@ -14,7 +14,7 @@ from .costs import (PS_PER_S, Evaluation, PipelineConfig, build_cost_table, eval
                     simulated_step_ps)
 from .errors import PlanValidationError
 from .plan import Plan, StageMemory
-from .schedules import refusal
+from .schedules import feature_refusal, refusal
 from .spec import SCHEDULES
 from .problem import PlanningProblem
 
@@ -59,7 +59,9 @@ def _placement(plan: Plan, errors: list[str]) -> None:
     """Torch runs the schedule with these ranks, virtual stages and microbatches, each
     rank holding ``v`` runs (:mod:`partc.schedules`)."""
     pp, v = len(plan.stages), plan.chunks
-    refused = refusal(plan.schedule, pp, v, plan.num_microbatches)
+    refused = (refusal(plan.schedule, pp, v, plan.num_microbatches)
+               or feature_refusal(plan.schedule, plan.effective_zero_stage,
+                                  plan.train.compile))
     if refused:
         errors.append(f"schedule refused: {refused}")
         return

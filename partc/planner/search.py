@@ -38,7 +38,7 @@ from ..explain import explain_infeasible
 from ..options import PlannerOptions
 from ..plan import ScheduleOption
 from ..problem import PlanningProblem
-from ..schedules import refusal
+from ..schedules import feature_refusal, refusal
 from ..schedules import schedule as schedule_info
 from ..spec import AUTO_SCHEDULES
 from .bounds import incumbent, lower_bound, starting_point
@@ -107,6 +107,8 @@ def candidate_configs(problem: PlanningProblem) -> list[PipelineConfig]:
                                               zero_stage=zero, chunks=chunks)
                                for schedule in schedules for zero in zero_stages
                                if not _same_as_1f1b(schedule, pp, m, pins.schedule)
+                               and feature_refusal(schedule, zero if dp > 1 else 0,
+                                                   problem.train.compiled) is None
                                for chunks in _chunk_counts(problem, schedule, pp, m))
     return expand_ep(problem, configs)   # the expert-parallel degree (mixture-of-experts)
 

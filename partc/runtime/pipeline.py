@@ -21,7 +21,8 @@ from torch.distributed.pipelining import schedules as torch_schedules
 
 from partc.errors import PartcError
 from partc.plan import Plan
-from partc.schedules import rank_of, refusal, schedule as schedule_facts
+from partc.schedules import feature_refusal, rank_of, refusal
+from partc.schedules import schedule as schedule_facts
 
 from .pipeline_stage import CountingStage
 from .topology import Topology
@@ -31,23 +32,13 @@ def runtime_refusal(plan: Plan) -> str | None:
     """Why the runtime cannot train ``plan`` with parity to one process; None if it can.
 
     torch's schedule refuses the stage or microbatch count (``partc.schedules.refusal``);
-    a schedule that splits backward into input- and weight-gradient parts computes the
-    weight gradients with ``torch.autograd.grad`` outside FSDP's hooks, so ZeRO-2/3
-    would reduce-scatter nothing. (Recompute runs under a split backward: each pass,
-    input and weight gradients, reruns a recomputed layer's forward.)"""
-    facts = schedule_facts(plan.schedule)
+    a split backward does not run under FSDP or compile
+    (``partc.schedules.feature_refusal``). (Recompute runs under a split backward: each
+    pass, input and weight gradients, reruns a recomputed layer's forward.)"""
     why = refusal(plan.schedule, plan.pp, plan.chunks, plan.num_microbatches)
     if why is not None:
         return why
-    if facts.split_backward and plan.train.compile:
-        return (f"{plan.schedule} splits backward into input- and weight-gradient parts, "
-                "but a compiled region's backward (TrainSpec(compile=True)) is one autograd "
-                "node: train without compile, or with a schedule that has a whole backward")
-    if facts.split_backward and plan.effective_zero_stage >= 2:
-        return (f"{plan.schedule} splits backward into input- and weight-gradient parts, "
-                f"which FSDP (ZeRO-{plan.effective_zero_stage}) does not reduce: plan "
-                "ZeRO-0/1 or a schedule with a whole backward")
-    return None
+    return feature_refusal(plan.schedule, plan.effective_zero_stage, plan.train.compile)
 
 
 class RankStages(nn.Module):

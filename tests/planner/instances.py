@@ -7,7 +7,7 @@ import random
 
 from partc.spec import AUTO_SCHEDULES
 from partc.costs import PipelineConfig, build_cost_table, evaluate
-from partc.schedules import refusal
+from partc.schedules import feature_refusal, refusal
 from partc.schedules import schedule as schedule_info
 from partc.problem import (DeviceNumbers, HeavyOp, LayerCost, ModelAnalysis, ModelSummary,
                            Pins, PlanningProblem, Precision, SharedParam, TrainNumbers)
@@ -123,6 +123,8 @@ def schedule_choices(prob: PlanningProblem, pp: int, dp: int, m: int):
     for schedule, zero in itertools.product(schedules, (0, 1, 2, 3)):
         if zero and dp == 1:
             continue  # ZeRO shards over replicas: with one there is nothing to shard
+        if feature_refusal(schedule, zero, prob.train.compiled) is not None:
+            continue  # the runtime does not run it (e.g. a split backward under FSDP)
         allowed = schedule_info(schedule).virtual_stages or range(2, num_layers + 1)
         for v in allowed:
             if prob.pins.virtual_stages in (None, v) \

@@ -107,7 +107,8 @@ def test_chosen_mesh_leads_with_ratio_one_and_the_lowest_time(which, request):
     plan = check(program)
     first, *rest = plan.meshes
     assert _key(first) == (plan.pp, plan.dp, plan.tp) and first.outcome == "solved"
-    assert first.step_time_s == plan.predicted.step_time_s
+    # Meshes carry the planner's closed-form step, by which it ranked them.
+    assert first.step_time_s == plan.predicted.closed_form_step_s
     assert (first.micro_batch_size, first.num_microbatches, first.schedule,
             first.zero_stage) == (plan.micro_batch_size, plan.num_microbatches,
                                      plan.schedule, plan.zero_stage)
@@ -122,7 +123,7 @@ def test_chosen_mesh_leads_with_ratio_one_and_the_lowest_time(which, request):
 def test_each_claim_holds_with_the_mesh_pinned(which, request):
     program = request.getfixturevalue(which)
     plan, text = program.plan, program.report()
-    step = plan.predicted.step_time_s
+    step = plan.predicted.closed_form_step_s
     for mesh in plan.meshes:
         if mesh.outcome == "infeasible":
             with pytest.raises(partc.PlanInfeasibleError) as info:
