@@ -288,7 +288,7 @@ def _training_arguments(train) -> None:
     train.add_argument("--moe-capacity-factor", type=POSITIVE, metavar="FACTOR",
                        help="mixture-of-experts: cap each expert's tokens at FACTOR x its "
                             "balanced share, dropping the rest (default: dropless)")
-    train.add_argument("--compile", action="store_true", default=None,
+    train.add_argument("--compile", action="store_true",
                        help="run each stage through torch.compile (fused element-wise ops; "
                             "the plan prices the fused bytes)")
 
