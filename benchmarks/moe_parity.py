@@ -1,7 +1,7 @@
 """Expert parallelism against one process: every case of tests/runtime/moe_worker.py
 (the sample, Mixtral, Qwen2-MoE, Qwen3-MoE, DeepSeek-V3; ep over dp, with pp, with a
 capacity factor), one table of the worst relative loss and parameter differences and
-the all-to-alls per step, run against those the plan's ep and expert layers give.
+the all-to-alls of tokens per step, counted at run time, against the plan's own count
 
     python benchmarks/moe_parity.py
 """

@@ -56,7 +56,11 @@ class ExpertParallel(nn.Module):
         self.ep, self.ep_rank = 1, 0
         self.tp_group: dist.ProcessGroup | None = None
         self.tp, self.tp_rank = 1, 0
-        self.messages = 0  # all-to-alls this rank has posted (forward and backward)
+        # All-to-alls of tokens this rank has posted (dispatch and combine, forward and
+        # backward: what the plan's ExpertLayer.all_to_alls counts), and the exchanges of
+        # counts before each dispatch.
+        self.messages = 0
+        self.count_exchanges = 0
         self.dropped = 0   # slots this rank's tokens lost to the capacity
 
     def bind(self, group: dist.ProcessGroup | None, ep: int, ep_rank: int,
@@ -107,7 +111,7 @@ class ExpertParallel(nn.Module):
         ep, local = self.ep, self.num_experts // self.ep
         received = torch.empty_like(counts)
         dist.all_to_all_single(received, counts, group=self.group)  # (source, local expert)
-        self.messages += 1
+        self.count_exchanges += 1
         send = counts.view(ep, local).sum(1).tolist()
         recv_counts = received.view(ep, local)
         recv = recv_counts.sum(1).tolist()

@@ -121,12 +121,13 @@ def run_case(name: str) -> dict[str, Any]:
     opt = module.optimizer(torch.optim.SGD, lr=LR)
     ref_opt = torch.optim.SGD(reference.parameters(), lr=LR)
     layers = expert_modules(module.module)
-    losses, ref_losses, messages, norms, ref_norms = [], [], [], [], []
+    losses, ref_losses, messages, exchanges, norms, ref_norms = [], [], [], [], [], []
     for step in range(STEPS):
         x, y = batch(model, step)
-        before = sum(m.messages for m in layers)
+        before = [sum(m.messages for m in layers), sum(m.count_exchanges for m in layers)]
         losses.append(module.forward_backward(x, target=y).item())
-        messages.append(sum(m.messages for m in layers) - before)
+        messages.append(sum(m.messages for m in layers) - before[0])
+        exchanges.append(sum(m.count_exchanges for m in layers) - before[1])
         opt.step()
         opt.zero_grad()
         ref_loss = case.loss_fn(reference(x), y)
@@ -152,11 +153,16 @@ def run_case(name: str) -> dict[str, Any]:
             ref = tp_ops.shard_of(ref, placement.dim, placement.chunks, topo.tp_rank, topo.tp)
         errors[fqn] = ((param.detach() - ref).norm() / max(ref.norm().item(), 1e-3)).item()
     ep = plan.mesh.ep
-    # Per step: three all-to-alls forward (counts, tokens out, back) and two backward,
-    # per expert layer of this stage and microbatch.
-    expected = 5 * len(layers) * plan.num_microbatches if ep > 1 else 0
+    # Per step, the plan's all-to-alls of this rank's stage (tokens out and back, forward
+    # and backward, per expert layer and microbatch), and one exchange of counts before
+    # each dispatch.
+    section = plan.expert_parallel
+    expected = sum(layer.all_to_alls for layer in section.layers
+                   if layer.stage == topo.pp_rank) if section is not None else 0
+    expected_exchanges = len(layers) * plan.num_microbatches if ep > 1 else 0
     return {"losses": losses, "ref_losses": ref_losses, "param_errors": errors,
             "messages": messages, "expected_messages": expected,
+            "exchanges": exchanges, "expected_exchanges": expected_exchanges,
             "mesh": {"pp": plan.pp, "dp": plan.dp, "tp": plan.tp, "ep": ep},
             "expert_layers": len(layers), "stage": module.stage_index,
             "dropped": sum(m.dropped for m in layers),

@@ -50,7 +50,10 @@ def check(ranks: list[dict], name: str) -> None:
         for norm, ref in zip(seen["grad_norms"], seen["ref_grad_norms"]):
             assert abs(norm - ref) <= RTOL * abs(ref), f"rank {rank}: grad norm {norm} vs {ref}"
         # After the first step (which also runs the schedule's shape inference).
+        # The plan's all-to-alls, counted at run time (step 1 also runs the schedule's
+        # shape inference).
         assert all(m == seen["expected_messages"] for m in seen["messages"][1:]), seen["messages"]
+        assert all(m == seen["expected_exchanges"] for m in seen["exchanges"][1:])
 
 
 @pytest.fixture(scope="module")
