@@ -16,13 +16,11 @@ within 5% (ZeRO-1's buckets pad each parameter's dp shard to whole rows).
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+
+from .test_parity import launch as launch_worker
 
 WORKER = Path(__file__).with_name("optimizer_worker.py")
 CASES = ["gpt-zero0-fp32", "gpt-zero1-fp32", "gpt2-zero1-fp32-clip", "gpt-zero0-bf16",
@@ -35,16 +33,8 @@ RTOL = {"fp32": (1e-5, 1e-5), "bf16": (1e-3, 5e-2)}  # (losses and norms, parame
 
 
 def _launch(cases: list[str], out: Path, nproc: int = 2) -> list[dict]:
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-               f"--nproc-per-node={nproc}", str(WORKER), str(out), *cases]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PARTC_TIMEOUT_S": "120",
-           "PARTC_BUCKET_ELEMENTS": "4096"}
-    done = subprocess.run(command, capture_output=True, text=True, timeout=900, env=env)
-    files = [out / f"rank{r}.json" for r in range(nproc)]
-    if done.returncode != 0 or not all(f.exists() for f in files):
-        pytest.fail(f"torchrun exited with {done.returncode}; stderr tail:\n"
-                    f"{done.stderr[-4000:]}")
-    return [json.loads(f.read_text()) for f in files]
+    return launch_worker(nproc, cases, out, worker=WORKER,
+                         env={"PARTC_BUCKET_ELEMENTS": "4096"})
 
 
 @pytest.fixture(scope="module")

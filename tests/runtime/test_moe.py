@@ -7,12 +7,11 @@ rest of the matrix is ``-m slow`` (``benchmarks/moe_parity.py`` prints it as a t
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+
+from .test_parity import launch as launch_worker
 
 WORKER = Path(__file__).with_name("moe_worker.py")
 RTOL = 1e-5
@@ -24,18 +23,8 @@ SLOW_TWO = ["moe-dp2-ep2", "moe-tp2-ep2", "moe-dp2-ep2-capacity", "mixtral-dp2-e
 
 
 def launch(nproc: int, cases: list[str], out: Path) -> list[dict]:
-    import json
-
     out.mkdir(parents=True, exist_ok=True)
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-               f"--nproc-per-node={nproc}", str(WORKER), str(out), *cases]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PARTC_TIMEOUT_S": "120"}
-    done = subprocess.run(command, capture_output=True, text=True, timeout=900, env=env)
-    files = [out / f"rank{r}.json" for r in range(nproc)]
-    if done.returncode != 0 or not all(f.exists() for f in files):
-        pytest.fail(f"torchrun exited with {done.returncode}; stderr tail:\n"
-                    f"{done.stderr[-4000:]}")
-    return [json.loads(f.read_text()) for f in files]
+    return launch_worker(nproc, cases, out, worker=WORKER)
 
 
 def check(ranks: list[dict], name: str) -> None:

@@ -26,12 +26,14 @@ FOUR = ["gpt-pp4-1f1b-recompute", "gpt-pp4-gpipe", "gpt2-pp4-gpipe-recompute", "
 RTOL = 1e-5
 
 
-def launch(nproc: int, cases: list[str], out: Path) -> list[dict]:
-    """Run the worker under torchrun; return each rank's results (rank order)."""
+def launch(nproc: int, cases: list[str], out: Path, *, worker: Path = WORKER,
+           env: dict[str, str] | None = None, timeout: int = 900) -> list[dict]:
+    """Run ``worker`` (a script writing ``<out>/rank<k>.json``) under torchrun with the
+    cases named; return each rank's results (rank order). ``env``: extra variables."""
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-               f"--nproc-per-node={nproc}", str(WORKER), str(out), *cases]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PARTC_TIMEOUT_S": "120"}
-    done = subprocess.run(command, capture_output=True, text=True, timeout=900, env=env)
+               f"--nproc-per-node={nproc}", str(worker), str(out), *cases]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PARTC_TIMEOUT_S": "120", **(env or {})}
+    done = subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=env)
     files = [out / f"rank{r}.json" for r in range(nproc)]
     if done.returncode != 0 or not all(f.exists() for f in files):
         # A crash at process exit (seen once under gloo) must read as a crash, not a flake.

@@ -10,10 +10,6 @@ which ``benchmarks/schedule_parity.py`` prints as a table.
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -23,6 +19,7 @@ from partc.schedules import SCHEDULE_TABLE, schedule, stages_of_rank
 from .schedule_worker import (COMBINATIONS, MODELS, not_planned, parse, processes,
                               virtual_stages)
 from .test_parity import assert_trains_like_one_process
+from .test_parity import launch as launch_worker
 
 WORKER = Path(__file__).with_name("schedule_worker.py")
 DEFAULT = [
@@ -37,15 +34,7 @@ DEFAULT = [
 
 def launch(nproc: int, cases: list[str], out: Path) -> list[dict]:
     """Run the schedule worker under torchrun; return each rank's results."""
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-               f"--nproc-per-node={nproc}", str(WORKER), str(out), *cases]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PARTC_TIMEOUT_S": "120"}
-    done = subprocess.run(command, capture_output=True, text=True, timeout=1800, env=env)
-    files = [out / f"rank{r}.json" for r in range(nproc)]
-    if done.returncode != 0 or not all(f.exists() for f in files):
-        pytest.fail(f"torchrun exited with {done.returncode}; stderr tail:\n"
-                    f"{done.stderr[-4000:]}")
-    return [json.loads(f.read_text()) for f in files]
+    return launch_worker(nproc, cases, out, worker=WORKER, timeout=1800)
 
 
 def run(cases: list[str], tmp_path) -> list[dict]:
