@@ -25,6 +25,7 @@ rows — the gate. From there:
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable, Iterable
 
 import torch
 from torch import fx
@@ -239,12 +240,19 @@ def _has_aux_loss(gm: fx.GraphModule, gate: fx.Node, experts: set[str]) -> bool:
 
 
 def _descendants(node: fx.Node) -> set[fx.Node]:
+    return _reachable(node, lambda n: n.users)
+
+
+def _reachable(node: fx.Node, step: Callable[[fx.Node], Iterable[fx.Node]]
+               ) -> set[fx.Node]:
+    """The nodes ``step`` leads to from ``node``, transitively (``node`` not included
+    unless a cycle returns to it)."""
     seen, stack = set(), [node]
     while stack:
-        for user in stack.pop().users:
-            if user not in seen:
-                seen.add(user)
-                stack.append(user)
+        for nxt in step(stack.pop()):
+            if nxt not in seen:
+                seen.add(nxt)
+                stack.append(nxt)
     return seen
 
 
@@ -430,13 +438,7 @@ def _replace(gm: fx.GraphModule, region: MoERegion, call: _ExpertsCall, ctx: Con
 
 
 def _ancestors(node: fx.Node) -> set[fx.Node]:
-    seen, stack = set(), [node]
-    while stack:
-        for arg in stack.pop().all_input_nodes:
-            if arg not in seen:
-                seen.add(arg)
-                stack.append(arg)
-    return seen
+    return _reachable(node, lambda n: n.all_input_nodes)
 
 
 def _is_float(node: fx.Node) -> bool:
