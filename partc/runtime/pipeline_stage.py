@@ -6,7 +6,8 @@ checked against them), tells the watchdog of each microbatch, runs pipelining's
 first-step shape inference on zeros and without touching written buffers, and under
 ZeRO-2/3 reduce-scatters gradients after every microbatch (see :mod:`.module`).
 :class:`partc.runtime.optimizer.GradBuckets` (ZeRO 0/1's bucketed gradient reduction,
-overlapping the last backward) is armed here; :func:`contiguous_transfers` makes what crosses a stage boundary contiguous.
+overlapping the last backward) is armed here; :func:`contiguous_transfers` makes what
+crosses a stage boundary contiguous.
 """
 
 from __future__ import annotations
@@ -15,7 +16,6 @@ from collections import Counter
 from typing import Any
 
 import torch
-import torch.distributed as dist
 import torch.utils._pytree as pytree
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
@@ -37,8 +37,9 @@ class CountingStage(PipelineStage):
         super().__init__(*args, **kwargs)
         self.messages: Counter[str] = Counter()
         self.zero_stage = zero_stage
-        # ZeRO 0/1 with dp > 1: GradBuckets (or OverlappedAllReduce)
-        self.grad_sync: GradBuckets | OverlappedAllReduce | None = None
+        # ZeRO 0/1 with dp > 1 or mixed precision: GradBuckets (any object with its
+        # begin/end/finish calls: benchmarks/optimizer.py measures another against it)
+        self.grad_sync: Any = None
         self.compute_copies: Any = None  # mixed precision under ZeRO 0/1 (precision.py)
         self.watchdog: Watchdog | None = None  # told of each microbatch's start
         # Parameters (ids) another stage of this rank holds too and scales: a tied
@@ -176,42 +177,3 @@ class _ContiguousGrad(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
         return grad.contiguous()
-
-
-class OverlappedAllReduce:
-    """Gradient sync over dp one parameter at a time, overlapping the last microbatch's
-    backward: while armed, each parameter's gradient is all-reduced (asynchronously) as
-    soon as that backward has accumulated it, and :meth:`finish` waits and averages.
-    The runtime uses :class:`partc.runtime.optimizer.GradBuckets` (one collective per
-    bucket); this is what it replaced, kept to measure against
-    (``benchmarks/optimizer.py``). It has the same calls as ``GradBuckets``."""
-
-    def __init__(self, module: nn.Module, group: dist.ProcessGroup, dp: int,
-                 groups: dict[int, dist.ProcessGroup] | None = None) -> None:
-        self.group, self.dp = group, dp
-        # Parameters summed over another group (by id), still averaged over dp: expert
-        # weights over their expert-data-parallel group.
-        self.groups = groups or {}
-        self.armed = False
-        self._pending: list[tuple[torch.Tensor, Any]] = []
-        for param in {id(p): p for p in module.parameters()}.values():
-            if param.requires_grad:
-                param.register_post_accumulate_grad_hook(self._launch)
-
-    def begin(self, last: bool) -> None:
-        self.armed = last
-
-    def end(self) -> None:
-        self.armed = False
-
-    def _launch(self, param: torch.Tensor) -> None:
-        if self.armed:
-            work = dist.all_reduce(param.grad, group=self.groups.get(id(param), self.group),
-                                   async_op=True)
-            self._pending.append((param.grad, work))
-
-    def finish(self, scale: int) -> None:
-        for grad, work in self._pending:
-            work.wait()
-            grad.div_(self.dp)
-        self._pending.clear()
