@@ -68,12 +68,16 @@ class DeviceProfile:
     op_overhead_s: float | None = None
     op_overhead_backward_s: float | None = None
     matmul_overhead_s: float | None = None
+    comm_overlap: float | None = None
 
 
 # Calibration's collective names -> the cost model's.
 _COLLECTIVE_KINDS = {"all_reduce": "all_reduce", "all_gather": "all_gather",
                      "reduce_scatter": "reduce_scatter", "send_recv": "send"}
 _OVERHEADS = ("op_overhead_s", "op_overhead_backward_s", "matmul_overhead_s")
+# Measured numbers resolved like the overheads (given, else the profile's, else the
+# preset's): the overheads and the share of a collective compute hides.
+_MEASURED = _OVERHEADS + ("comm_overlap",)
 
 
 def load_profile(path) -> DeviceProfile:
@@ -135,6 +139,16 @@ def _profile_from_dict(data: dict, where: str) -> DeviceProfile:
                                f"more, got {value!r}")
         return float(value)
 
+    def fraction(key: str) -> float | None:
+        value = budget.get(key)
+        if value is None:
+            return None
+        if isinstance(value, bool) or not isinstance(value, (int, float)) \
+                or not 0 <= value <= 1:
+            raise ProfileError(f"{where}: budget.{key} must be a number in [0, 1], got "
+                               f"{value!r}")
+        return float(value)
+
     required = {key: number(key) for key in _REQUIRED_NUMBERS}
     optional = {key: number(key, optional=True) for key in _OPTIONAL_NUMBERS}
     if required["flops_efficiency"] > 1:
@@ -155,7 +169,8 @@ def _profile_from_dict(data: dict, where: str) -> DeviceProfile:
         link_latency_s=optional["link_latency_s"],
         intra_node_latency_s=optional["intra_node_latency_s"],
         collective_links=_collective_links(data, where),
-        **{key: overhead(key) for key in _OVERHEADS})
+        **{key: overhead(key) for key in _OVERHEADS},
+        comm_overlap=fraction("comm_overlap"))
 
 
 def _collective_links(data: dict, where: str) -> tuple[tuple[str, float, float], ...]:
@@ -203,6 +218,12 @@ def _check_fraction(name: str, value) -> None:
     if isinstance(value, bool) or not isinstance(value, (int, float)) \
             or not 0 < value <= 1:  # NaN fails the comparison
         raise ValueError(f"DeviceBudget.{name} must be a number in (0, 1], got {value!r}")
+
+
+def _check_share(name: str, value) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) \
+            or not 0 <= value <= 1:
+        raise ValueError(f"DeviceBudget.{name} must be a number in [0, 1], got {value!r}")
 
 
 def _check_latency(name: str, value) -> None:
@@ -258,6 +279,9 @@ class DeviceBudget:
     op_overhead_s: float | None = None
     op_overhead_backward_s: float | None = None
     matmul_overhead_s: float | None = None
+    # The share of a collective's time that compute beside it hides (DeviceNumbers.
+    # comm_overlap): by default the profile's, else the preset's.
+    comm_overlap: float | None = None
     _preset: DevicePreset | None = field(init=False, repr=False, compare=False)
     _profile: DeviceProfile | None = field(init=False, repr=False, compare=False)
 
@@ -285,6 +309,8 @@ class DeviceBudget:
         for name in _OVERHEADS:
             if getattr(self, name) is not None:
                 _check_latency(name, getattr(self, name))
+        if self.comm_overlap is not None:
+            _check_share("comm_overlap", self.comm_overlap)
         if self.collective_links is not None:
             self._given_links()
 
@@ -442,16 +468,18 @@ class DeviceBudget:
         return self._profile.collective_links
 
     def overhead(self, name: str) -> float:
-        """``op_overhead_s``, ``op_overhead_backward_s`` or ``matmul_overhead_s``: the
-        field given, else the profile's where it measured it, else the preset's (0
-        without a preset)."""
-        if name not in _OVERHEADS:
-            raise ValueError(f"no overhead {name!r}; one of {_OVERHEADS}")
+        """``op_overhead_s``, ``op_overhead_backward_s``, ``matmul_overhead_s`` or
+        ``comm_overlap``: the field given, else the profile's where it measured it, else
+        the preset's (without a preset: 0, and a whole overlap, as for a GPU)."""
+        if name not in _MEASURED:
+            raise ValueError(f"no overhead {name!r}; one of {_MEASURED}")
         if getattr(self, name) is not None:
             return float(getattr(self, name))
         if self._profile is not None and getattr(self._profile, name) is not None:
             return getattr(self._profile, name)
-        return getattr(self._preset, name) if self._preset is not None else 0.0
+        if self._preset is not None:
+            return getattr(self._preset, name)
+        return 1.0 if name == "comm_overlap" else 0.0
 
     def to_dict(self, dtype: torch.dtype = torch.float32) -> dict:
         memory = self.memory_bytes
@@ -470,7 +498,7 @@ class DeviceBudget:
             "intra_node_latency_s": self.intra_latency_s,
             "collective_links": {kind: {"latency_s": latency, "bandwidth": bandwidth}
                                  for kind, latency, bandwidth in self.link_numbers} or None,
-            **{name: self.overhead(name) for name in _OVERHEADS},
+            **{name: self.overhead(name) for name in _MEASURED},
         }
         if self.disk_bandwidth is not None:  # else plans record none and use the default
             data["disk_bandwidth"] = self.disk_bytes_per_s

@@ -78,6 +78,7 @@ class Sizes:
     """What to run: shapes, bytes and how often."""
 
     matmul: tuple[tuple[int, int, int], ...]   # (m, k, n)
+    linear: tuple[tuple[int, int, int], ...]   # (tokens, in, out) of a trained linear layer
     attention: tuple[int, int, int, int]       # (batch, heads, seq, head_dim)
     memory_bytes: int                          # of each tensor in the copy and add
     message_bytes: tuple[int, ...]             # collective sizes
@@ -91,20 +92,27 @@ def _powers_of_4(low: int, high: int) -> tuple[int, ...]:
 
 
 SIZES = {
-    ("cpu", True): Sizes(matmul=((64, 64, 64), (128, 128, 128), (256, 256, 256)), attention=(1, 4, 128, 32),
+    ("cpu", True): Sizes(matmul=((64, 64, 64), (128, 128, 128), (256, 256, 256)),
+                         linear=((256, 128, 384), (256, 384, 128)),
+                         attention=(1, 4, 128, 32),
                          memory_bytes=16 * 2**20, message_bytes=_powers_of_4(10, 22),
                          repeats=5, warmup=1, min_sample_s=2e-3),
     ("cpu", False): Sizes(matmul=((128, 128, 128), (256, 256, 256), (512, 512, 512),
                                   (1024, 1024, 1024), (2048, 2048, 2048), (2048, 4096, 2048)),
+                          linear=((512, 256, 768), (512, 768, 256), (2048, 1024, 4096),
+                                  (2048, 4096, 1024)),
                           attention=(2, 8, 1024, 64),
                           memory_bytes=256 * 2**20, message_bytes=_powers_of_4(10, 26),
                           repeats=7, warmup=3, min_sample_s=0.02),
     ("cuda", True): Sizes(matmul=((1024, 1024, 1024), (2048, 2048, 2048)),
+                          linear=((4096, 2048, 6144), (4096, 6144, 2048)),
                           attention=(2, 8, 1024, 64), memory_bytes=64 * 2**20,
                           message_bytes=_powers_of_4(10, 24), repeats=3, warmup=2,
                           min_sample_s=1e-3),
     ("cuda", False): Sizes(matmul=((512, 512, 512), (1024, 1024, 1024), (2048, 2048, 2048),
                                    (4096, 4096, 4096), (8192, 8192, 8192), (8192, 4096, 8192)),
+                           linear=((8192, 4096, 12288), (8192, 4096, 14336),
+                                   (8192, 14336, 4096), (8192, 8192, 28672)),
                            attention=(4, 32, 4096, 128),
                            memory_bytes=2**30, message_bytes=_powers_of_4(10, 30),
                            repeats=10, warmup=5, min_sample_s=0.02),
@@ -204,6 +212,39 @@ def measure_matmul(device: torch.device, dtypes: tuple[str, ...], sizes: Sizes) 
         best = max(samples, key=lambda s: s["flops_per_s"])
         result[key] = {"samples": samples, "best_flops_per_s": best["flops_per_s"],
                        "overhead_s": matmul_overhead(samples, best["flops_per_s"])}
+    return result
+
+
+def measure_linear(device: torch.device, dtypes: tuple[str, ...], sizes: Sizes) -> dict:
+    """The matmuls of training, as autograd runs them: a linear layer's forward
+    ``x @ W.T`` and backward (``dy @ W`` and ``dy.T @ x``, on transposed views) for each
+    (tokens, in, out) of ``sizes.linear``: 3 x 2 x tokens x in x out FLOPs a call. Their
+    rate over the best square matmul's is the efficiency a model's layers reach."""
+    result = {}
+    for key in dtypes:
+        if key == "tf32":
+            continue
+        dtype = _TORCH_DTYPES[key]
+        samples = []
+        for tokens, d_in, d_out in sizes.linear:
+            x = torch.randn(tokens, d_in, device=device, dtype=dtype, requires_grad=True)
+            weight = torch.randn(d_out, d_in, device=device, dtype=dtype, requires_grad=True)
+            grad = torch.randn(tokens, d_out, device=device, dtype=dtype)
+
+            def step() -> None:
+                F.linear(x, weight).backward(grad)
+                x.grad = weight.grad = None
+
+            with _Fp32Precision(key):
+                seconds = median_seconds(step, device, sizes)
+            flops = 3 * 2 * tokens * d_in * d_out
+            samples.append({"tokens": tokens, "in": d_in, "out": d_out, "seconds": seconds,
+                            "flops_per_s": flops / seconds})
+        total = sum(3 * 2 * s["tokens"] * s["in"] * s["out"] for s in samples)
+        result[key] = {"samples": samples,
+                       "flops_per_s": total / sum(s["seconds"] for s in samples)}
+        log.info("linear layers %s, forward and backward: %s", key,
+                 _flops(result[key]["flops_per_s"]))
     return result
 
 
@@ -359,6 +400,11 @@ def measure_collectives(options: CalibrationOptions) -> dict:
               "factor*bytes/bandwidth (ring: all_reduce steps 2(n-1), factor 2(n-1)/n; "
               "all_gather/reduce_scatter n-1, (n-1)/n; send_recv 1, 1)"}
     everything = []
+    result["overlap"] = timed["overlap"]
+    result["linear_all_busy"] = timed["linear_all_busy"]
+
+    log.info("overlap: %.2f of an all-reduce hidden by compute beside it",
+             timed["overlap"]["overlap"])
     for kind in COLLECTIVES:
         samples = [(kind, s["bytes"], s["seconds"]) for s in timed[kind]]
         everything += samples
@@ -399,11 +445,47 @@ def _collective_worker(rank: int, ranks: int, store: str, backend: str, sizes: S
                 seconds = _collective_seconds(op, device, sizes) / (
                     2 if kind == "send_recv" else 1)
                 timed[kind].append({"bytes": numel * 4, "seconds": seconds})
+        timed["overlap"] = _overlap(ranks, device, sizes)
+        dist.barrier()   # every rank computes at once, as in training
+        timed["linear_all_busy"] = measure_linear(device, ("float32", "bfloat16"), sizes)
+
         if rank == 0:
             Path(out).write_text(json.dumps(timed))
         dist.barrier()
     finally:
         dist.destroy_process_group()
+
+
+def _overlap(ranks: int, device: torch.device, sizes: Sizes) -> dict:
+    """How much of an all-reduce compute running beside it hides: the all-reduce alone
+    (``T_a``), matmuls of about as long alone (``T_c``), and the all-reduce started
+    asynchronously with the matmuls run while it goes (``T_b``), each the slowest rank's
+    median. ``overlap = (T_a + T_c - T_b) / min(T_a, T_c)``, clamped to [0, 1]: 1 when
+    they run side by side, 0 when they take turns (gloo's threads on cores the ranks'
+    compute fills)."""
+    numel = max(ranks, min(sizes.message_bytes[-1], 16 * 2**20) // 4 // ranks * ranks)
+    whole = torch.zeros(numel, device=device)
+    tokens, d_in, d_out = sizes.linear[0]
+    a = torch.randn(tokens, d_in, device=device)
+    b = torch.randn(d_in, d_out, device=device)
+    all_reduce_s = _collective_seconds(lambda: dist.all_reduce(whole), device, sizes)
+    one = _slowest(median_seconds(lambda: a @ b, device, sizes), device)
+    calls = max(1, round(all_reduce_s / one))
+
+    def compute() -> None:
+        for _ in range(calls):
+            a @ b
+
+    def both() -> None:
+        work = dist.all_reduce(whole, async_op=True)
+        compute()
+        work.wait()
+
+    compute_s = _collective_seconds(compute, device, sizes)
+    both_s = _collective_seconds(both, device, sizes)
+    hidden = (all_reduce_s + compute_s - both_s) / min(all_reduce_s, compute_s)
+    return {"bytes": numel * 4, "all_reduce_s": all_reduce_s, "compute_s": compute_s,
+            "both_s": both_s, "overlap": min(1.0, max(0.0, hidden))}
 
 
 def _collective(kind: str, numel: int, rank: int, ranks: int, device: torch.device):
@@ -467,6 +549,7 @@ def calibrate(options: CalibrationOptions) -> dict:
     torch.set_num_threads(threads)
     try:
         measured = {"matmul": measure_matmul(device, options.dtypes, options.sizes),
+                    "linear": measure_linear(device, options.dtypes, options.sizes),
                     "attention": measure_attention(device, options.dtypes, options.sizes),
                     "memory": measure_memory(device, options.sizes),
                     "op_overhead": measure_op_overhead(device, options.sizes)}
@@ -551,9 +634,16 @@ def build_profile(options: CalibrationOptions, measured: dict, *, name: str,
     achieved = {key: m["best_flops_per_s"] for key, m in measured["matmul"].items()}
     peak = {key: vendor.peak_flops.get(key, flops) if vendor else flops
             for key, flops in achieved.items()}
-    efficiency = {key: min(1.0, achieved[key] / peak[key]) for key in achieved}
+    # A model's layers run at the rate of training's linear-layer matmuls (forward and
+    # both backward products), measured with every rank computing at once where the
+    # ranks were spawned; tf32 (a matmul mode, no linear measured) by its square matmul.
+    linear = measured.get("collectives", {}).get("linear_all_busy") or measured.get("linear", {})
+    efficiency = {key: min(1.0, (linear[key]["flops_per_s"] if key in linear
+                                 else achieved[key]) / peak[key]) for key in achieved}
     training = "bfloat16" if options.device == "cuda" else "float32"
     link = measured.get("collectives", {}).get("joint_fit")
+    overlap = measured.get("collectives", {}).get("overlap")
+
     # On a CPU dispatch adds to every op's time; on a GPU launches run ahead of the
     # kernels, so the preset's 0 stands (the measurement is kept among the measurements).
     cpu = options.device == "cpu"
@@ -580,6 +670,7 @@ def build_profile(options: CalibrationOptions, measured: dict, *, name: str,
         "op_overhead_backward_s": overhead["backward_s"] if cpu and overhead else None,
         "matmul_overhead_s": (measured["matmul"][training].get("overhead_s") if cpu
                               else None),
+        "comm_overlap": overlap["overlap"] if overlap else None,
     }
     return {
         "schema": PROFILE_SCHEMA,
@@ -607,7 +698,10 @@ def _sources(options: CalibrationOptions, preset_name: str | None, vendor: bool,
     return {
         "peak_flops": (f"vendor figures of preset {preset_name}" if vendor else
                        "measured: best matmul throughput per dtype (no vendor figures)"),
-        "flops_efficiency": f"measured {training} matmul / peak_flops.{training}",
+        "flops_efficiency": (f"measured: {training} linear layers' forward and backward "
+                             f"matmuls" + (f", every one of {ranks} computing at once,"
+                                           if link else "")
+                             + f" / peak_flops.{training}"),
         "memory": ("total memory of GPU 0" if options.device == "cuda" else
                    f"physical memory / {options.processes} processes"),
         "hbm_bandwidth": "measured: best of copy and add, bytes read + written per second",
@@ -634,6 +728,9 @@ def _sources(options: CalibrationOptions, preset_name: str | None, vendor: bool,
                               else "as op_overhead_s"),
         "inter_node_bandwidth": f"{fallback} (one machine cannot measure the network "
                                 f"between nodes)",
+        "comm_overlap": (f"measured: an all-reduce over {ranks} alone, matmuls alone, "
+                         f"and both at once" if link else
+                         f"{fallback} (one process: no collective to overlap)"),
     }
 
 
@@ -715,9 +812,10 @@ def _budget_rows(profile: dict) -> list[str]:
                "intra_node_bandwidth": _rate, "intra_node_latency_s": format_seconds,
                "link_latency_s": format_seconds, "inter_node_bandwidth": _rate,
                "op_overhead_s": format_seconds, "op_overhead_backward_s": format_seconds,
-               "matmul_overhead_s": format_seconds}
+               "matmul_overhead_s": format_seconds, "comm_overlap": "{:.2f}".format}
     for key, show in formats.items():
         mine = "(preset)" if budget.get(key) is None else show(budget[key])
-        rows.append((key, mine, show(getattr(preset, key)) if preset else "-"))
+        theirs = getattr(preset, key) if preset else None
+        rows.append((key, mine, "-" if theirs is None else show(theirs)))
     head = ("budget number", "profile", f"preset {preset_name}" if preset else "no preset")
     return [f"{a:<30}{b:<16}{c}" for a, b, c in (head, *rows)]

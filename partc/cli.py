@@ -67,7 +67,7 @@ BUDGET_FLAGS = {
     "link_latency_s": "--link-latency", "intra_node_latency_s": "--intra-node-latency",
     "disk_bandwidth": "--disk-bandwidth", "collective_links": "--collective-link",
     "op_overhead_s": "--op-overhead", "op_overhead_backward_s": "--op-overhead-backward",
-    "matmul_overhead_s": "--matmul-overhead",
+    "matmul_overhead_s": "--matmul-overhead", "comm_overlap": "--comm-overlap",
 }
 
 UNITS = """\
@@ -134,6 +134,10 @@ def _fraction(text: str) -> float:
     return _number(text, float, lambda x: 0 < x <= 1, "a number in (0, 1]")
 
 
+def _share(text: str) -> float:
+    return _number(text, float, lambda x: 0 <= x <= 1, "a number in [0, 1]")
+
+
 def _seconds(text: str) -> float:
     return _number(text, float, lambda x: x >= 0, "a number of seconds, 0 or more")
 
@@ -192,6 +196,7 @@ def _stage(text: str) -> tuple[str, ...]:
 COUNT, POSITIVE = _argument(_count, "count"), _argument(_positive, "number")
 WHOLE, NON_NEGATIVE = _argument(_whole, "count"), _argument(_non_negative, "number")
 FRACTION, SECONDS = _argument(_fraction, "fraction"), _argument(_seconds, "seconds")
+SHARE = _argument(_share, "share")
 SIZES, RATE = _argument(_sizes, "size"), _argument(_rate, "rate")
 DEVICE, LAYER_MODE = _argument(_device, "device"), _argument(_layer_mode, "LAYER=MODE")
 STAGE, LINK = _argument(_stage, "stage"), _argument(_collective_link, "KIND=LATENCY,RATE")
@@ -330,6 +335,10 @@ def _budget_arguments(group, *, devices: bool = True) -> None:
                        help="fixed time per forward op in backward")
     group.add_argument("--matmul-overhead", type=SECONDS, metavar="SECONDS",
                        help="time per matmul call beyond its FLOPs")
+    group.add_argument("--comm-overlap", type=SHARE, metavar="SHARE",
+                       help="the share (0 to 1) of a collective's time that compute "
+                            "running beside it hides (default: the profile's, else 1 on "
+                            "GPUs and 0 on CPUs)")
     group.add_argument("--disk-bandwidth", type=RATE, metavar="RATE",
                        help="checkpoint write rate per rank, e.g. 2GB/s (the report's "
                             "predicted save time)")

@@ -53,6 +53,7 @@ def device_numbers(budget: DeviceBudget, dtype: torch.dtype) -> DeviceNumbers:
         op_overhead_s=budget.overhead("op_overhead_s"),
         op_overhead_backward_s=budget.overhead("op_overhead_backward_s"),
         matmul_overhead_s=budget.overhead("matmul_overhead_s"),
+        comm_overlap=budget.overhead("comm_overlap"),
     )
 
 
@@ -185,7 +186,8 @@ def budget_from_info(info: BudgetInfo) -> DeviceBudget:
         intra_node_latency_s=info.intra_node_latency_s,
         collective_links=info.collective_links, op_overhead_s=info.op_overhead_s,
         op_overhead_backward_s=info.op_overhead_backward_s,
-        matmul_overhead_s=info.matmul_overhead_s, disk_bandwidth=info.disk_bandwidth)
+        matmul_overhead_s=info.matmul_overhead_s, comm_overlap=info.comm_overlap,
+        disk_bandwidth=info.disk_bandwidth)
 
 
 def autocast_dtype(train: TrainSpec) -> torch.dtype | None:

@@ -69,6 +69,19 @@ def to_ps(seconds: float) -> int:
     return int(round(seconds * PS_PER_S))
 
 
+def overlapped(compute_s: float, comm_s: float, overlap: float) -> float:
+    """Compute and a collective running beside it: the share ``overlap``
+    (:attr:`DeviceNumbers.comm_overlap`) of the shorter one hides behind the longer:
+    ``max`` of the two at 1, their sum at 0."""
+    return compute_s + comm_s - overlap * min(compute_s, comm_s)
+
+
+def permille(share: float) -> int:
+    """A share in [0, 1] in thousandths: the integer the CP-SAT model and the
+    evaluation both weigh an overlap by."""
+    return int(round(1000 * share))
+
+
 @dataclass(frozen=True, kw_only=True)
 class PipelineConfig:
     """The outer decisions, enumerated by the planner around each CP-SAT solve."""
@@ -190,6 +203,9 @@ class CostTable:
     cut_ps: tuple[tuple[int, ...], ...]   # [cut l][run j]: cut l as the boundary j -> j+1
     limits: tuple[int, ...]               # per stage
     tail_latency_ps: int
+    # DeviceNumbers.comm_overlap in thousandths: how much of the dp gradient reduction
+    # the last microbatch's backward hides (:func:`exposed_sync_ps`).
+    overlap_permille: int = 1000
 
     @property
     def num_layers(self) -> int:
@@ -441,8 +457,8 @@ def _layer_table(problem: PlanningProblem, config: PipelineConfig, index: int) -
     forward = sum(work["forward"]) + comm["forward"]
     backward = sum(work["backward"]) + comm["backward"]
     return LayerTable(
-        forward_ps=to_ps(max(forward, zero["forward"])),
-        backward_ps=to_ps(max(backward, zero["backward"])),
+        forward_ps=to_ps(overlapped(forward, zero["forward"], devices.comm_overlap)),
+        backward_ps=to_ps(overlapped(backward, zero["backward"], devices.comm_overlap)),
         recompute_ps={m: to_ps(sum(work["recompute"][m]) + rerun[m]) for m in layer.modes},
         saved_bytes=saved,
         # ZeRO-2/3: the unit's whole gradient is made as its backward ends, when the
@@ -648,6 +664,7 @@ def build_cost_table(problem: PlanningProblem, config: PipelineConfig,
         cut_ps=cache.cuts(problem, config),
         limits=limits,
         tail_latency_ps=to_ps(latency),
+        overlap_permille=permille(devices.comm_overlap),
     )
 
 
@@ -690,10 +707,13 @@ class Evaluation:
         return max(self.stages, key=lambda s: s.memory["peak"] / max(s.limit, 1))
 
 
-def exposed_sync_ps(sync_ps: int, backward_ps: int) -> int:
+def exposed_sync_ps(sync_ps: int, backward_ps: int, overlap_permille: int = 1000) -> int:
     """What is left of a stage's dp gradient all-reduce once the last microbatch's
-    backward (``backward_ps``, which it overlaps bucket by bucket) is done."""
-    return max(0, sync_ps - backward_ps)
+    backward (``backward_ps``, which it overlaps bucket by bucket) is done: all but the
+    share ``overlap_permille`` / 1000 of the shorter of the two (:func:`overlapped`),
+    rounded up; ``max(0, sync - backward)`` at a whole overlap."""
+    hidden = overlap_permille * min(sync_ps, backward_ps)
+    return -(-(1000 * sync_ps - hidden) // 1000)
 
 
 def _holders(table: CostTable, stage_of: Sequence[int]) -> list[set[int]]:
@@ -735,7 +755,7 @@ def _stage_cost(table: CostTable, stage: int, runs: list[list[int]], modes: Sequ
         forward_ps=forward, backward_ps=backward, recompute_ps=recompute, comm_ps=comm,
         tail_ps=exposed_sync_ps(
             sum(r.sync_ps for r in rows) + sum(table.shared[g].sync_ps for g in held),
-            backward) + sum(r.tail_ps for r in rows)
+            backward, table.overlap_permille) + sum(r.tail_ps for r in rows)
         + sum(table.shared[g].tail_ps for g in held),
         param_count=sum(r.param_count for r in rows)
         + sum(table.shared[g].param_count for g in held),
@@ -979,8 +999,11 @@ def moe_layer_table(whole: MoECost, problem: PlanningProblem, config: PipelineCo
     state_d = _state_bytes(problem, config, dense)
     state_e = _state_bytes(problem, expert_config, experts)
     return LayerTable(
-        forward_ps=to_ps(max(forward, zero_dense["forward"] + zero_experts["forward"])),
-        backward_ps=to_ps(max(backward, zero_dense["backward"] + zero_experts["backward"])),
+        forward_ps=to_ps(overlapped(forward, zero_dense["forward"] + zero_experts["forward"],
+                                    problem.devices.comm_overlap)),
+        backward_ps=to_ps(overlapped(backward,
+                                     zero_dense["backward"] + zero_experts["backward"],
+                                     problem.devices.comm_overlap)),
         recompute_ps={m: to_ps(v) for m, v in recompute.items()},
         saved_bytes=saved,
         transient_bytes={m: gathered + max(saved["none"] - saved[m] + workspace,

@@ -37,6 +37,11 @@ class DevicePreset:
     op_overhead_s: float = 0.0
     op_overhead_backward_s: float = 0.0
     matmul_overhead_s: float = 0.0
+    # The share of a collective's time that compute running beside it hides (see
+    # DeviceNumbers.comm_overlap). GPUs 1: NCCL runs on its own SMs and copy engines. A
+    # CPU 0: gloo's threads need the cores that the ranks' compute already fills, so a
+    # collective "overlapping" backward delays it as much as it would run alone.
+    comm_overlap: float = 1.0
 
 
 PRESETS: dict[str, DevicePreset] = {
@@ -83,7 +88,8 @@ PRESETS: dict[str, DevicePreset] = {
             # op's own work does not hide on a CPU; 2 us per matmul call beyond its FLOPs.
             # Round figures of what `partc calibrate` measured on a shared 2-core x86
             # machine (14 and 30 us per op, 0-3 us per matmul).
-            op_overhead_s=10e-6, op_overhead_backward_s=20e-6, matmul_overhead_s=2e-6),
+            op_overhead_s=10e-6, op_overhead_backward_s=20e-6, matmul_overhead_s=2e-6,
+            comm_overlap=0.0),
     )
 }
 _ALIASES = {"A100": "A100-80GB", "H100": "H100-80GB", "H200-141GB": "H200", "cpu": "CPU"}

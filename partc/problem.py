@@ -301,6 +301,11 @@ class DeviceNumbers:
     # flops_efficiency) + matmul_overhead_s, i.e. it reaches flops_efficiency * f / (f +
     # matmul_overhead_s * peak * flops_efficiency) of peak: small matmuls run below it.
     matmul_overhead_s: float = 0.0
+    # The share of a collective's time hidden by compute running beside it (0 to 1): a
+    # collective of c seconds overlapping compute of t seconds costs c + t - comm_overlap
+    # * min(c, t). 1 where the collective has its own engine (NCCL on a GPU); on a CPU
+    # whose cores the ranks' compute fills, gloo's threads compete for them (calibrated).
+    comm_overlap: float = 1.0
 
     def __post_init__(self) -> None:
         if len(self.memory_bytes) != self.num_devices:
@@ -309,6 +314,9 @@ class DeviceNumbers:
             value = getattr(self, name)
             if not value >= 0:
                 raise ValueError(f"DeviceNumbers.{name} must be 0 or more, got {value!r}")
+        if not 0.0 <= self.comm_overlap <= 1.0:
+            raise ValueError(f"DeviceNumbers.comm_overlap must be in [0, 1], got "
+                             f"{self.comm_overlap!r}")
 
     @property
     def intra_latency_s(self) -> float:

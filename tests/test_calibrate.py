@@ -28,7 +28,7 @@ from tests import models
 
 BUDGET_NUMBERS = ("peak_flops", "flops_efficiency", "hbm_bandwidth", "devices_per_node",
                   "intra_node_bandwidth", "intra_node_latency_s", "link_latency_s",
-                  "inter_node_bandwidth")
+                  "inter_node_bandwidth", "comm_overlap")
 
 
 @pytest.fixture(scope="module")
@@ -58,8 +58,8 @@ def test_profile_schema_and_summary(calibrated):
     device = profile["device"]
     assert device["kind"] == "cpu" and device["name"] and device["preset"] == "CPU"
     assert device["processes"] == 2 and device["threads_per_process"] >= 1
-    assert set(profile["measurements"]) == {"matmul", "attention", "memory", "collectives",
-                                            "op_overhead"}
+    assert set(profile["measurements"]) == {"matmul", "linear", "attention", "memory",
+                                            "collectives", "op_overhead"}
     assert set(profile["measurements"]["matmul"]) == {"float32", "bfloat16"}
     for key in BUDGET_NUMBERS:
         assert key in profile["budget"] and key in profile["sources"]
@@ -86,10 +86,22 @@ def test_budget_numbers_follow_from_the_samples(calibrated):
             assert s["seconds"] > 0
             assert s["flops_per_s"] == pytest.approx(2 * s["m"] * s["k"] * s["n"] / s["seconds"])
         assert matmul["best_flops_per_s"] == max(rates) == budget["achieved_flops"][key]
-        # No vendor figures for a CPU: the measured best is the peak, reached fully.
+        # No vendor figures for a CPU: the measured best is the peak; a model's layers
+        # reach the rate of training's linear matmuls with every rank computing at once.
         assert budget["peak_flops"][key] == max(rates)
-        assert budget["flops_efficiency_by_dtype"][key] == 1.0
-    assert budget["training_dtype"] == "float32" and budget["flops_efficiency"] == 1.0
+        busy = measured["collectives"]["linear_all_busy"][key]
+        for s in busy["samples"]:
+            assert s["flops_per_s"] == pytest.approx(6 * s["tokens"] * s["in"] * s["out"]
+                                                     / s["seconds"])
+        assert budget["flops_efficiency_by_dtype"][key] == pytest.approx(
+            min(1.0, busy["flops_per_s"] / max(rates)))
+    assert budget["training_dtype"] == "float32"
+    assert budget["flops_efficiency"] == budget["flops_efficiency_by_dtype"]["float32"]
+    # The share of an all-reduce that compute beside it hides, from the three timings.
+    overlap = measured["collectives"]["overlap"]
+    hidden = (overlap["all_reduce_s"] + overlap["compute_s"] - overlap["both_s"]) / min(
+        overlap["all_reduce_s"], overlap["compute_s"])
+    assert budget["comm_overlap"] == pytest.approx(min(1.0, max(0.0, hidden)))
     attention = measured["attention"]
     b, h, s, d = attention["shape"].values()
     for name in ("float32", "float32_causal", "bfloat16", "bfloat16_causal"):

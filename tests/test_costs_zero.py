@@ -114,3 +114,38 @@ def test_dp_all_reduce_is_charged_only_past_the_last_backward(bandwidth):
     # A fast link hides the whole all-reduce; a slow one leaves part of it exposed.
     assert (stage.tail_ps == step) == (sync <= backward)
     assert (sync <= backward) == (bandwidth > 1e9)
+
+
+@pytest.mark.parametrize("overlap", [0.0, 0.5])
+def test_comm_overlap_hides_only_its_share(overlap):
+    """DeviceNumbers.comm_overlap: where a collective competes with compute for the cores
+    (gloo on a CPU), the last backward hides only that share of the dp all-reduce, and a
+    ZeRO-3 layer's gathers and reduce-scatters add to its compute instead of hiding
+    behind it."""
+    from dataclasses import replace
+
+    from partc.costs import PS_PER_S, PipelineConfig, build_cost_table, evaluate, overlapped
+
+    base = _dp_program("1GiB", zero_stage=0).problem
+    whole = replace(base, devices=replace(base.devices, intra_node_bandwidth=300e9))
+    partial = replace(whole, devices=replace(whole.devices, comm_overlap=overlap))
+    config = PipelineConfig(pp=1, dp=2, micro_batch_size=1, num_microbatches=4,
+                            schedule="1f1b")
+    tails = []
+    for problem in (whole, partial):
+        table = build_cost_table(problem, config)
+        rows = [*table.layers, *table.shared]
+        sync = sum(r.sync_ps for r in rows)
+        backward = sum(r.backward_ps for r in table.layers)
+        stage = evaluate(table, [0] * table.num_layers, ["none"] * table.num_layers).stages[0]
+        tails.append(stage.tail_ps - sum(r.tail_ps for r in rows))
+    assert 0 < sync <= backward and tails[0] == 0   # a fast link: all of it hidden at 1
+    assert tails[1] == pytest.approx((1 - overlap) * sync, abs=1)
+    # ZeRO-3: per layer and phase, compute + comm - overlap x the shorter of the two.
+    zero3 = PipelineConfig(pp=1, dp=2, micro_batch_size=1, num_microbatches=4,
+                           schedule="1f1b", zero_stage=3)
+    rows = [build_cost_table(p, zero3).layers for p in (whole, partial)]
+    assert all(s.forward_ps >= h.forward_ps for h, s in zip(rows[0], rows[1]))
+    assert any(s.forward_ps > h.forward_ps for h, s in zip(rows[0], rows[1]))
+    assert overlapped(2.0, 1.0, overlap) == pytest.approx(3.0 - overlap)
+    assert overlapped(1.0, 2.0, 1.0) == 2.0 and PS_PER_S == 10**12

@@ -52,9 +52,10 @@ Constraints
     (4) ``peak_busy >= busy_s``;
     (5) ``n_k h[g,s] >= N[k,s]`` for segments ``k`` using ``g``;
     (6) ``tail >= sum_k T_k N[k,s] + sum_g T_g h[g,s] + exposed[s]`` with
-        ``exposed[s] >= sum_k D_k N[k,s] + sum_g D_g h[g,s] - sum_k B_k N[k,s]``,
-        ``exposed[s] >= 0``: the dp all-reduce ``D`` (ZeRO 0/1) overlaps the last
-        microbatch's backward ``B`` of the stage;
+        ``1000 exposed[s] >= 1000 D_s - O B_s`` and ``1000 exposed[s] >= (1000 - O) D_s``
+        where ``D_s = sum_k D_k N[k,s] + sum_g D_g h[g,s]`` and ``B_s = sum_k B_k N[k,s]``:
+        the dp all-reduce ``D`` (ZeRO 0/1) overlaps the last microbatch's backward ``B``
+        of the stage, which hides ``O``/1000 of the shorter (``comm_overlap``);
     (7) ``transient[s] >= X[k,r] u[k,s,r]``;
     (8) memory: ``v (sum_k W_k N[k,s] + sum_g W_g h[g,s] + transient[s]) + f_s sum_{k,r}
         A[k,r] n[k,s,r] <= v M_s``;
@@ -335,8 +336,11 @@ class StageModel:
             exposed = self.model.new_int_var(0, sync_top, f"exposed_sync_stage{stage}")
             sync = self._per_rank(stage, lambda row: row.sync_ps)
             sync += sum(g.sync_ps * held[gi][stage] for gi, g in enumerate(table.shared))
-            overlap = self._per_rank(stage, lambda row: row.backward_ps)
-            self.model.add(exposed >= sync - overlap)
+            backward = self._per_rank(stage, lambda row: row.backward_ps)
+            # all but the hidden share O/1000 of min(sync, backward) (costs.exposed_sync_ps)
+            hides = table.overlap_permille
+            self.model.add(1000 * exposed >= 1000 * sync - hides * backward)
+            self.model.add(1000 * exposed >= (1000 - hides) * sync)
             self.model.add(tail >= own + tied + exposed)
         return tail
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import random
+from dataclasses import replace
 
 from partc.spec import AUTO_SCHEDULES
 from partc.costs import PipelineConfig, build_cost_table, evaluate
@@ -33,12 +34,12 @@ def layer(name: str, *, flops: float = 1e9, params: int = 1000, saved: float = 1
 
 
 def devices(num: int, memory: int | list[int], *, peak: float = 1e12, bandwidth: float = 1e9,
-            node: int = 8, latency: float = 0.0) -> DeviceNumbers:
+            node: int = 8, latency: float = 0.0, overlap: float = 1.0) -> DeviceNumbers:
     memories = tuple(memory) if isinstance(memory, list) else (memory,) * num
     return DeviceNumbers(num_devices=num, memory_bytes=memories, peak_flops=peak,
                          flops_efficiency=1.0, hbm_bandwidth=1e12, devices_per_node=node,
                          intra_node_bandwidth=bandwidth, inter_node_bandwidth=bandwidth,
-                         link_latency_s=latency)
+                         link_latency_s=latency, comm_overlap=overlap)
 
 
 def problem(layers: list[LayerCost], cuts: list[float], device_numbers: DeviceNumbers, *,
@@ -87,10 +88,12 @@ def random_problem(rng: random.Random, scale: int = 1) -> PlanningProblem:
     if num_devices > 1 and rng.random() < 0.2:
         memories = [memory * rng.choice([1, 2]) for _ in range(num_devices)]
     cuts = [rng.choice([0.0, 1e3, 1e5, 1e6]) for _ in range(num_layers - 1)]
-    return problem(layers, cuts,
-                   devices(num_devices, memories, bandwidth=rng.choice([1e8, 1e10]),
-                           node=rng.choice([1, 8]), latency=rng.choice([0.0, 1e-6])),
-                   batch=rng.choice([1, 2, 4]), shared=shared)
+    numbers = devices(num_devices, memories, bandwidth=rng.choice([1e8, 1e10]),
+                      node=rng.choice([1, 8]), latency=rng.choice([0.0, 1e-6]))
+    batch = rng.choice([1, 2, 4])
+    # Drawn last, so the instances' other numbers stay as they were before it was drawn.
+    numbers = replace(numbers, comm_overlap=rng.choice([0.0, 0.5, 1.0]))
+    return problem(layers, cuts, numbers, batch=batch, shared=shared)
 
 
 def brute_force(prob: PlanningProblem) -> tuple[int, PipelineConfig, list[int], list[str]] | None:
