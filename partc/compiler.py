@@ -208,10 +208,17 @@ def plan_problem(problem: PlanningProblem, *, budget: BudgetInfo | None = None,
                  table_cache: TableCache | None = None) -> Plan:
     """Solve (with ``table_cache``, see ``partc.planner.solve``), assemble the Plan with
     its baselines, validate it."""
-    result: PlannerResult = solve(problem, options, table_cache)
+    return plan_of(problem, solve(problem, options, table_cache), budget=budget,
+                   train=train, table_cache=table_cache)
+
+
+def plan_of(problem: PlanningProblem, result: PlannerResult, *,
+            budget: BudgetInfo | None = None, train: TrainSpec | None = None,
+            table_cache: TableCache | None = None) -> Plan:
+    """The validated Plan of the planner's ``result`` for ``problem``."""
     best = result.best
     stats = SolverStats(
-        status=result.status, objective=best.evaluation.step_ps / 1e12,
+        status=result.status, objective=result.searched.evaluation.step_ps / 1e12,
         bound=result.bound / 1e12, gap=result.gap, solve_time_s=result.solve_time_s,
         configs_total=result.configs_total, configs_solved=result.configs_solved,
         configs_pruned=result.configs_pruned)
@@ -223,7 +230,7 @@ def plan_problem(problem: PlanningProblem, *, budget: BudgetInfo | None = None,
                      train=train or _train_spec(problem.train), alternatives=alternatives,
                      meshes=result.meshes)
     plan = dataclasses.replace(plan, schedules=tuple(
-        schedule_options(problem, best, table_cache)))
+        schedule_options(problem, best, table_cache, result.schedule_trials)))
     validate_plan(problem, plan)
     return plan
 

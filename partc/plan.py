@@ -457,8 +457,9 @@ class Alternative:
 class ScheduleOption:
     """One pipeline schedule priced on the plan's mesh, microbatches and ZeRO stage: its
     step time and bubble as the schedule plays out (:mod:`partc.timeline`), for the
-    plan's own split (``how`` "chosen"), the greedy split of its virtual stages ("greedy
-    split"), or why there is none (``how`` "no split fits" or torch's refusal)."""
+    plan's own split (``how`` "chosen"), the split the automatic schedule choice solved
+    for it ("solved split"), the greedy split of its virtual stages ("greedy split"), or
+    why there is none (``how`` "no split fits" or torch's refusal)."""
 
     schedule: str
     virtual_stages: int

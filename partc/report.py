@@ -168,9 +168,17 @@ def _mesh_chosen(plan: Plan) -> str:
             f"{plan.schedule}, b x m = {plan.micro_batch_size} x {plan.num_microbatches}{sp}")
 
 
+def _ranking_step(plan: Plan) -> float:
+    """The step time meshes were ranked by: the closed form of the search's plan on the
+    chosen mesh (``solver.objective``; the plan's own step is its schedule played out, and
+    the automatic schedule choice may have run another schedule on that mesh)."""
+    return (plan.solver.objective or plan.predicted.closed_form_step_s
+            or plan.predicted.step_time_s)
+
+
 def _mesh_why(plan: Plan) -> str:
     """One line: what the chosen mesh beats, by how much, or why it is the only one."""
-    step = plan.predicted.step_time_s
+    step = _ranking_step(plan)
     others = [m for m in plan.meshes if not _is_chosen(plan, m)]
     solved = [m for m in others if m.outcome == "solved"]
     unsettled = [m for m in others if m.outcome in ("pruned", "time limit")]
@@ -200,8 +208,8 @@ def _mesh_why(plan: Plan) -> str:
 
 def _mesh_rows(plan: Plan) -> list[list[str]]:
     # Meshes are ranked by the planner's closed-form step (the plan's own step is the
-    # schedule played out): ratios against the chosen plan's closed form, like for like.
-    step = plan.predicted.closed_form_step_s or plan.predicted.step_time_s
+    # schedule played out): ratios against the chosen mesh's closed form, like for like.
+    step = _ranking_step(plan)
     rows = []
     for mesh in plan.meshes:
         axes = [str(mesh.pp), str(mesh.dp), str(mesh.tp)]
@@ -427,6 +435,12 @@ def _solver(plan: Plan) -> list[str]:
     unsettled = s.configs_total - s.configs_solved - s.configs_pruned
     if unsettled > 0:
         how += f"; {unsettled} not reached within the time limit"
+    solved = [o for o in plan.schedules if o.how == "solved split"]
+    if solved:
+        how += (f". The step and bound above are the closed form's (1F1B, GPipe), which "
+                f"chose the mesh; then {plural(len(solved), 'other schedule')} were solved "
+                f"on it and the one whose order plays out fastest kept ({plan.schedule}; "
+                f"see Schedules)")
     return lines + [how]
 
 
@@ -501,8 +515,10 @@ def sections(plan: Plan, timeline: Timeline | None = None) -> list[Section]:
             key="schedules", title="Schedules",
             notes=(f"Every pipeline schedule on this mesh ({plan.pp} stages, "
                    f"{_microbatches(plan.num_microbatches)}), each played out in its own "
-                   f"order: the chosen plan first, the others with the greedy split of "
-                   f"their virtual stages. Export the chosen order in torch's pipelining "
+                   f"order: the chosen plan first, then each other schedule with the "
+                   f"stage split the planner solved for it (when the schedule was left to "
+                   f"it; \"solved split\") or the greedy split of its virtual stages. "
+                   f"Export the chosen order in torch's pipelining "
                    f"CSV format with partc.timeline.csv_text (program.save writes "
                    f"schedule.csv).",),
             header=("schedule", "v", "step time", "vs chosen", "bubble", "peak memory",

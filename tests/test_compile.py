@@ -46,16 +46,21 @@ def test_hugging_face_models_plan(name):
     assert "stage" in program.report() and "uniform" in program.report()
 
 
-def test_sample_gpt_plans_with_tied_embeddings():
+@pytest.mark.parametrize("schedule", ["1f1b", "zbv-zero-bubble"])
+def test_sample_gpt_plans_with_tied_embeddings(schedule):
     program = partc.compile(gpt_tiny(n_layer=4), (torch.zeros(2, 16, dtype=torch.long),),
                             loss_fn=loss_fn, budget=partc.DeviceBudget(num_devices=2,
                                                                        device="CPU"),
-                            constraints=partc.Constraints(pp=2))
+                            constraints=partc.Constraints(pp=2, schedule=schedule))
     plan = check(program)
     assert plan.model.tracer == "symbolic_trace"
     first, last = plan.stages
-    # The tied embedding/head matrix is held by both stages.
-    assert first.param_count + last.param_count > plan.model.num_params
+    held = first.param_count + last.param_count
+    if schedule == "1f1b":   # the tied embedding/head matrix is held by both stages
+        assert held > plan.model.num_params
+    else:   # a "V" puts the first and the last virtual stage on rank 0: held once
+        assert held == plan.model.num_params
+        assert {"tok_emb", "lm_head"} <= set(first.layers)
 
 
 def _gpt_124m_on(memory: str, tp: int | None = 1) -> partc.Program:

@@ -104,7 +104,9 @@ def test_a_version_1_file_loads_with_its_hash_unchanged():
     old = Plan.from_json(V1_FILE.read_text())
     # The file's plan is 2 microbatches of 2: pinned, since the cost model now charges
     # each microbatch its per-op overhead and picks 1 of 4 for this tiny model on a CPU.
-    program = _compile(2, dict(pp=2, num_microbatches=2), torch.bfloat16, batch=4)
+    # 1F1B pinned: the file's plan was 1F1B, and the planner now weighs every schedule.
+    program = _compile(2, dict(pp=2, num_microbatches=2, schedule="1f1b"), torch.bfloat16,
+                       batch=4)
     # 407706854767671d: the hash the partc that wrote the file gave the plan.
     assert old.hash == program.plan.hash == "407706854767671d"
     # Files before partc recorded the traced batch do not hold it.

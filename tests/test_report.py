@@ -21,7 +21,7 @@ def _plan(batch: int = 1, pins: Pins = Pins()):
 def test_counts_take_their_number():
     one = render(_plan(batch=1, pins=Pins(pp=2)))
     assert "1 microbatch of 1 sample" in one and "1 microbatches" not in one
-    many = render(_plan(batch=4, pins=Pins(pp=2)))
+    many = render(_plan(batch=4, pins=Pins(pp=2, schedule="1f1b")))
     assert "4 microbatches of 1 sample" in many and "(1f1b, 4 microbatches)" in many
 
 

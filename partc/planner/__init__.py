@@ -23,14 +23,17 @@ a caller passes to :func:`solve`.
 from ..options import PlannerOptions
 from .bounds import balanced_split, incumbent, lower_bound
 from .meshes import mesh_results
-from .results import MESH_OUTCOMES, Assignment, ConfigResult, MeshResult, PlannerResult
-from .search import (MAX_CHUNKS, candidate_configs, divisors, schedule_options, solve,
-                     solve_config, tp_choices)
+from .results import (MESH_OUTCOMES, Assignment, ConfigResult, MeshResult, PlannerResult,
+                      ScheduleTrial)
+from .search import (AUTO_VIRTUAL_STAGES, MAX_CHUNKS, candidate_configs, choose_schedule,
+                     divisors, schedule_candidates, schedule_options, solve, solve_config,
+                     tp_choices)
 from .stage_model import segments
 
 __all__ = [
-    "MAX_CHUNKS", "schedule_options", "MESH_OUTCOMES", "Assignment", "ConfigResult", "MeshResult",
-    "PlannerOptions", "PlannerResult", "balanced_split", "candidate_configs", "divisors",
-    "incumbent", "lower_bound", "mesh_results", "segments", "solve", "solve_config",
-    "tp_choices",
+    "AUTO_VIRTUAL_STAGES", "MAX_CHUNKS", "schedule_options", "MESH_OUTCOMES", "Assignment",
+    "ConfigResult", "MeshResult", "PlannerOptions", "PlannerResult", "ScheduleTrial",
+    "balanced_split", "candidate_configs", "choose_schedule", "divisors", "incumbent",
+    "lower_bound", "mesh_results", "schedule_candidates", "segments", "solve",
+    "solve_config", "tp_choices",
 ]

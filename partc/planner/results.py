@@ -60,6 +60,17 @@ class MeshResult:
 
 
 @dataclass(frozen=True, kw_only=True)
+class ScheduleTrial:
+    """One schedule weighed on the chosen configuration by the automatic choice: its
+    plan and simulated step time, or why it has none (``why``)."""
+
+    config: PipelineConfig
+    result: ConfigResult | None = None
+    step_ps: int | None = None
+    why: str | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
 class PlannerResult:
     best: ConfigResult
     status: str
@@ -69,8 +80,17 @@ class PlannerResult:
     configs_solved: int
     configs_pruned: int
     meshes: tuple[MeshResult, ...] = ()     # best first; the chosen mesh leads
+    # The automatic schedule choice's trials (the closed-form search's plan first); one
+    # when the schedule was pinned or there is one stage.
+    schedule_trials: tuple[ScheduleTrial, ...] = ()
+
+    @property
+    def searched(self) -> ConfigResult:
+        """The closed-form search's plan, whose objective ``bound`` and ``gap`` are of
+        (``best`` unless the automatic schedule choice found a faster schedule)."""
+        return self.schedule_trials[0].result if self.schedule_trials else self.best
 
     @property
     def gap(self) -> float:
-        step = self.best.evaluation.step_ps
+        step = self.searched.evaluation.step_ps
         return max(0.0, (step - self.bound) / step) if step else 0.0

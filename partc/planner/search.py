@@ -18,6 +18,17 @@ builds the cost tables with the caller's ``TableCache`` and records there the pl
 each configuration it solved and the best configuration; a later solve of the same problem
 (the devices' memory aside) with that cache visits that configuration first and starts
 each solve from its earlier plan. ``partc.PlanCache`` keeps one per problem.
+
+With the schedule left to the planner ("auto"), the search above weighs 1F1B and GPipe
+by the closed form, which picks the mesh, batch split, ZeRO stage and tensor
+parallelism. Then every other schedule torch runs on that configuration
+(:func:`schedule_candidates`: interleaved 1F1B, looped BFS and interleaved zero-bubble
+with 2-4 virtual stages per rank, ZBV and DualPipeV with 2) is solved by CP-SAT in turn
+for its own stage split, recompute and memory (its activations in flight), and the plan
+whose schedule plays out fastest (:func:`~partc.costs.simulated_step_ps`, the per-rank
+event simulation) is kept (:func:`choose_schedule`). The closed form is no lower bound
+on the simulation, so it cannot prune these; searching them on the chosen mesh only
+keeps the search's cost close to one configuration's per schedule.
 """
 
 from __future__ import annotations
@@ -45,7 +56,7 @@ from .bounds import incumbent, lower_bound, starting_point
 from .experts import expand as expand_ep
 from .meshes import mesh_results
 from .pins import check_pins
-from .results import Assignment, ConfigResult, PlannerResult
+from .results import Assignment, ConfigResult, PlannerResult, ScheduleTrial
 from .stage_model import StageModel
 
 
@@ -111,6 +122,71 @@ def candidate_configs(problem: PlanningProblem) -> list[PipelineConfig]:
                                                    problem.train.compiled) is None
                                for chunks in _chunk_counts(problem, schedule, pp, m))
     return expand_ep(problem, configs)   # the expert-parallel degree (mixture-of-experts)
+
+
+# Virtual stages per rank the automatic schedule choice tries where a schedule takes any
+# number (a pinned ``virtual_stages`` replaces them).
+AUTO_VIRTUAL_STAGES: tuple[int, ...] = (2, 3, 4)
+
+
+def schedule_candidates(problem: PlanningProblem, config: PipelineConfig
+                        ) -> list[PipelineConfig]:
+    """The configurations :func:`choose_schedule` solves besides ``config``: ``config``
+    under every schedule of ``SCHEDULES`` the closed-form search does not weigh, with
+    each virtual-stage count the schedule allows (``AUTO_VIRTUAL_STAGES`` for those that
+    take any, or the pinned one), where torch runs it on ``config``'s ranks and
+    microbatches and with its ZeRO stage (:func:`partc.schedules.refusal`,
+    ``feature_refusal``), every run holds a layer, and the schedule and stages are not
+    pinned. Empty for one stage."""
+    pins = problem.pins
+    if pins.schedule is not None or pins.stages is not None or config.pp == 1:
+        return []
+    zero = config.zero_stage if config.dp > 1 else 0
+    found = []
+    for name in SCHEDULES:
+        if name in AUTO_SCHEDULES or feature_refusal(name, zero, problem.train.compiled):
+            continue
+        info = schedule_info(name)
+        counts = ([pins.virtual_stages] if pins.virtual_stages is not None
+                  else list(info.virtual_stages) or list(AUTO_VIRTUAL_STAGES))
+        found += [dataclasses.replace(config, schedule=name, chunks=v) for v in counts
+                  if info.allows_virtual_stages(v) and config.pp * v <= problem.num_layers
+                  and refusal(name, config.pp, v, config.num_microbatches) is None]
+    return found
+
+
+def choose_schedule(problem: PlanningProblem, best: ConfigResult, options: PlannerOptions,
+                    cache: TableCache, deadline: float
+                    ) -> tuple[ConfigResult, tuple[ScheduleTrial, ...], bool]:
+    """The plan whose schedule plays out fastest among ``best`` and each of
+    :func:`schedule_candidates` solved by CP-SAT (a time share each, until ``deadline``
+    on ``time.perf_counter``): (that plan, every trial in order, whether each solve
+    finished). Ties keep the earlier: ``best`` first, then ``SCHEDULES``' order."""
+    step, _ = simulated_step_ps(best.table.config, best.evaluation)
+    trials = [ScheduleTrial(config=best.table.config, result=best, step_ps=step)]
+    chosen, chosen_step, finished = best, step, True
+    for config in schedule_candidates(problem, best.table.config):
+        remaining = deadline - time.perf_counter()
+        if remaining <= 0:
+            finished = False
+            trials.append(ScheduleTrial(config=config, why="not reached (time limit)"))
+            continue
+        table = build_cost_table(problem, config, cache)
+        result, status, _ = solve_config(problem, table, options,
+                                         min(remaining, options.per_config_s), None,
+                                         None, cache.solutions.get(config), cache)
+        if result is None:
+            finished &= status != "UNKNOWN"
+            trials.append(ScheduleTrial(config=config, why="no split fits" if status ==
+                                        "INFEASIBLE" else "time limit"))
+            continue
+        cache.solutions[config] = result.assignment
+        finished &= result.status == "OPTIMAL"
+        step, _ = simulated_step_ps(config, result.evaluation)
+        trials.append(ScheduleTrial(config=config, result=result, step_ps=step))
+        if step < chosen_step:
+            chosen, chosen_step = result, step
+    return chosen, tuple(trials), finished
 
 
 def _same_as_1f1b(schedule: str, pp: int, m: int, pinned: str | None) -> bool:
@@ -317,12 +393,17 @@ def solve(problem: PlanningProblem, options: PlannerOptions = PlannerOptions(),
     if best is None:
         raise explain_infeasible(problem, tables)
     cache.best_config = best.table.config
+    meshes = mesh_results(problem, tables, floors, outcomes, best)
+    bound = min(bound, best.evaluation.step_ps)
+    chosen, trials, finished = choose_schedule(problem, best, options, cache,
+                                               start + options.time_limit_s)
     return PlannerResult(
-        best=best, status="OPTIMAL" if all_optimal else "FEASIBLE",
-        bound=min(bound, best.evaluation.step_ps),
+        best=chosen, status="OPTIMAL" if all_optimal and finished else "FEASIBLE",
+        bound=bound,
         solve_time_s=time.perf_counter() - start,
-        configs_total=len(configs), configs_solved=solved, configs_pruned=pruned,
-        meshes=mesh_results(problem, tables, floors, outcomes, best))
+        configs_total=len(configs) + len(trials) - 1,
+        configs_solved=solved + sum(t.why != "not reached (time limit)" for t in trials[1:]),
+        configs_pruned=pruned, meshes=meshes, schedule_trials=trials)
 
 
 def _report(tables: list[CostTable], order: list[int], ahead: list[float], done: int,
@@ -369,12 +450,15 @@ def _seed(problem: PlanningProblem, tables: list[CostTable], floors: list[float]
 
 
 def schedule_options(problem: PlanningProblem, chosen: ConfigResult,
-                     cache: TableCache | None = None) -> list[ScheduleOption]:
+                     cache: TableCache | None = None,
+                     trials: tuple[ScheduleTrial, ...] = ()) -> list[ScheduleOption]:
     """Every schedule priced on the chosen configuration's mesh, microbatches and ZeRO
     stage: the chosen plan itself, then each other schedule and virtual-stage count
-    (the schedule's own, or 2 and 4) with the greedy split of its runs
+    (the schedule's own, or 2, 3 and 4): the split the automatic choice solved for it
+    (``trials``, :func:`choose_schedule`), else the greedy split of its runs
     (:func:`~.bounds.incumbent`), played out by the simulation; fastest first."""
     config = chosen.table.config
+    solved = {(t.config.schedule, t.config.chunks): t for t in trials}
     step, bubble = simulated_step_ps(config, chosen.evaluation)
     options = [ScheduleOption(schedule=config.schedule, virtual_stages=config.chunks,
                               how="chosen", step_time_s=step / PS_PER_S,
@@ -384,9 +468,21 @@ def schedule_options(problem: PlanningProblem, chosen: ConfigResult,
     others = []
     local = problem.variant(config.tp, config.sequence_parallel, config.tp_objective)
     for name in SCHEDULES:
-        counts = schedule_info(name).virtual_stages or (2, 4)
+        counts = schedule_info(name).virtual_stages or AUTO_VIRTUAL_STAGES
         for v in counts:
             if (name, v) == (config.schedule, config.chunks):
+                continue
+            trial = solved.get((name, v))
+            if trial is not None and trial.result is None:
+                others.append(ScheduleOption(schedule=name, virtual_stages=v, how=trial.why))
+                continue
+            if trial is not None:
+                evaluation = trial.result.evaluation
+                others.append(ScheduleOption(
+                    schedule=name, virtual_stages=v, how="solved split",
+                    step_time_s=trial.step_ps / PS_PER_S,
+                    bubble_fraction=simulated_step_ps(trial.config, evaluation)[1],
+                    peak_memory_bytes=max(s.memory["peak"] for s in evaluation.stages)))
                 continue
             if v > 1 and (config.pp == 1 or problem.pins.stages is not None
                           or config.pp * v > problem.num_layers):

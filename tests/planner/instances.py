@@ -8,6 +8,7 @@ from dataclasses import replace
 
 from partc.spec import AUTO_SCHEDULES
 from partc.costs import PipelineConfig, build_cost_table, evaluate
+from partc.choices import SCHEDULES
 from partc.schedules import feature_refusal, refusal
 from partc.schedules import schedule as schedule_info
 from partc.problem import (DeviceNumbers, HeavyOp, LayerCost, ModelAnalysis, ModelSummary,
@@ -200,3 +201,31 @@ def repeated_problem(rng: random.Random) -> PlanningProblem:
                    devices(num_devices, memory, bandwidth=rng.choice([1e8, 1e10]),
                            node=rng.choice([2, 8])),
                    batch=rng.choice([2, 4]), shared=shared, pins=pins)
+
+
+def schedule_trials_expected(prob: PlanningProblem, config: PipelineConfig) -> set:
+    """The (schedule, v) the automatic schedule choice must try on ``config`` besides it,
+    enumerated apart from the planner: every schedule the closed-form search does not
+    weigh, with the virtual-stage counts it takes (2-4 for those taking any, or the
+    pinned one), where torch runs it and its ZeRO stage, and every run gets a layer;
+    none when the schedule or the stages are pinned, or with one stage."""
+    if prob.pins.schedule or prob.pins.stages is not None or config.pp == 1:
+        return set()
+    zero = config.zero_stage if config.dp > 1 else 0
+    expected = set()
+    for name in SCHEDULES:
+        if name in AUTO_SCHEDULES or feature_refusal(name, zero, prob.train.compiled):
+            continue
+        counts = schedule_info(name).virtual_stages or (2, 3, 4)
+        if prob.pins.virtual_stages is not None:
+            counts = [v for v in (prob.pins.virtual_stages,)
+                      if schedule_info(name).allows_virtual_stages(v)]
+        expected |= {(name, v) for v in counts if config.pp * v <= prob.num_layers
+                     and refusal(name, config.pp, v, config.num_microbatches) is None}
+    return expected
+
+
+def best_split_of(prob: PlanningProblem, config: PipelineConfig):
+    """Brute force's optimum for one configuration: (step_ps, config, stage_of, modes)
+    over every split into its runs and every recompute mode, or None when none fits."""
+    return _best_split(prob, config, None)

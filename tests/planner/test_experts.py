@@ -101,7 +101,7 @@ def test_plan_with_experts_equals_brute_force(seed):
             solve(prob)
         return
     result = solve(prob)
-    assert result.best.evaluation.step_ps == oracle[0]
+    assert result.searched.evaluation.step_ps == oracle[0]
     plan = plan_problem(prob)
     assert plan.mesh.ep == result.best.table.config.ep
     assert (plan.expert_parallel is None) == (plan.mesh.ep == 1)

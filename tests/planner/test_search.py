@@ -8,13 +8,14 @@ import time
 
 import pytest
 
-from partc.compiler import plan_problem
+from partc.compiler import plan_of, plan_problem
 from partc.errors import PlanInfeasibleError, PlanValidationError
 from partc.planner import solve
 from partc.problem import Pins, SharedParam
 from partc.validate import validate_plan
 
-from .instances import brute_force, devices, layer, problem, random_problem, repeated_problem
+from .instances import (best_split_of, brute_force, devices, layer, problem, random_problem,
+                        repeated_problem, schedule_trials_expected)
 
 # peak 1e12 FLOP/s, efficiency 1: a layer of 1e9 forward FLOPs takes 1 ms forward and
 # 2 ms backward; the optimizer touches 2*4 + 4 + 2*8 = 28 bytes per parameter at 1 TB/s.
@@ -33,12 +34,19 @@ def test_one_device_sums_every_layer():
 def test_two_balanced_stages_halve_the_steady_state():
     layers = [layer(f"l{i}", params=0) for i in range(4)]
     prob = problem(layers, [0.0] * 3, devices(2, 10**9), batch=4, micro_batch_sizes=(1,),
-                   pins=Pins(pp=2))
+                   pins=Pins(pp=2, schedule="1f1b"))
     plan = plan_problem(prob)
     # Two layers per stage: 6 ms per microbatch; (m - 1) * 6 + 2 * 6 = 30 ms for m = 4.
     assert [len(s.layers) for s in plan.stages] == [2, 2]
     assert plan.predicted.step_time_s == pytest.approx(30 * MS)
     assert plan.predicted.bubble_fraction == pytest.approx(1 / 5)
+    # Left to the planner, a schedule that leaves less of the bubble plays out faster
+    # on the same two stages: each rank's 4 x 6 = 24 ms of work, plus at most 1 ms.
+    auto = plan_problem(problem(layers, [0.0] * 3, devices(2, 10**9), batch=4,
+                                micro_batch_sizes=(1,), pins=Pins(pp=2)))
+    assert auto.schedule != "1f1b" and 24 * MS <= auto.predicted.step_time_s <= 25 * MS
+    assert {o.schedule for o in auto.schedules if o.how == "solved split"} >= {
+        "interleaved-1f1b", "zbv-zero-bubble"}
 
 
 def test_heavy_layer_gets_a_stage_of_its_own():
@@ -152,15 +160,45 @@ def _feasible(prob) -> bool:
 
 
 def _plan_and_oracle(prob):
-    """(plan, its validated evaluation, brute force's optimum), or None when brute force
-    finds nothing, after checking the planner says infeasible too."""
+    """(plan, the validated evaluation of the closed-form search's plan, brute force's
+    optimum), or None when brute force finds nothing, after checking the planner says
+    infeasible too. The automatic schedule choice after the search is checked against
+    brute force too (:func:`_check_schedule_choice`)."""
     oracle = brute_force(prob)
     if oracle is None:
         with pytest.raises(PlanInfeasibleError):
             plan_problem(prob)
         return None
-    plan = plan_problem(prob)
-    return plan, validate_plan(prob, plan), oracle
+    result = solve(prob)
+    plan = plan_of(prob, result)
+    validate_plan(prob, plan)
+    first = result.schedule_trials[0].result
+    _check_schedule_choice(prob, result, plan)
+    return plan, first.evaluation, oracle
+
+
+def _check_schedule_choice(prob, result, plan) -> None:
+    """The automatic choice tried exactly the schedules brute force enumerates on the
+    searched configuration, each with a brute-force-optimal split (the closed form), and
+    kept the one whose schedule plays out fastest; the plan reports that one."""
+    from partc.costs import PS_PER_S, simulated_step_ps
+
+    trials = result.schedule_trials
+    tried = {(t.config.schedule, t.config.chunks) for t in trials[1:]}
+    assert tried == schedule_trials_expected(prob, trials[0].config)
+    for trial in trials[1:]:
+        oracle = best_split_of(prob, trial.config)
+        if oracle is None:
+            assert trial.result is None and trial.why == "no split fits"
+            continue
+        assert trial.result is not None and trial.result.status == "OPTIMAL"
+        assert trial.result.evaluation.step_ps >= oracle[0]
+        if trial.result.evaluation.step_ps > oracle[0]:   # memory units, as below
+            assert _memory_slack_in_units(prob, oracle) < 4 * (prob.num_layers + 2)
+        assert trial.step_ps == simulated_step_ps(trial.config, trial.result.evaluation)[0]
+    fastest = min(t.step_ps for t in trials if t.step_ps is not None)
+    assert result.best is next(t.result for t in trials if t.step_ps == fastest)
+    assert plan.predicted.step_time_s == pytest.approx(fastest / PS_PER_S, rel=1e-9)
 
 
 @pytest.mark.parametrize("seed, scale", [(0, 1), (1, 1), (2, 1), (3, 1), (4, 2**16)])
