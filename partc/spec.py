@@ -14,9 +14,10 @@ import torch
 from .choices import ATTENTION, OPTIMIZER_STATE_BYTES, SCHEDULES, TP_OBJECTIVES
 from .problem import RECOMPUTE_MODES, ZERO_STAGES, Precision
 
-# What the planner's search tries when the schedule is "auto". Every schedule in
-# SCHEDULES is planned when pinned (Constraints.schedule, virtual_stages); the report
-# prices all of them on the chosen mesh (partc.planner.schedule_options).
+# What the planner's closed-form search weighs when the schedule is "auto"; it chooses
+# the mesh, and every other schedule of SCHEDULES is then solved on that mesh and the
+# fastest played out kept (partc.planner.choose_schedule). Every schedule is planned
+# when pinned (Constraints.schedule, virtual_stages).
 AUTO_SCHEDULES: tuple[str, ...] = ("1f1b", "gpipe")
 INTERLEAVED = "interleaved-1f1b"
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
