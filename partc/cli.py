@@ -55,7 +55,7 @@ TRAIN_FLAGS = {
     "dtype": "--dtype", "optimizer": "--optimizer", "schedule": "--schedule",
     "max_grad_norm": "--max-grad-norm", "attention": "--attention",
     "moe_imbalance": "--moe-imbalance", "moe_capacity_factor": "--moe-capacity-factor",
-    "compile": "--compile",
+    "compile": "--compile", "loss_per_microbatch": "--loss-per-microbatch",
 }
 BUDGET_FLAGS = {
     "num_devices": "--devices", "device": "--device", "profile": "--profile",
@@ -293,6 +293,11 @@ def _training_arguments(train) -> None:
     train.add_argument("--moe-capacity-factor", type=POSITIVE, metavar="FACTOR",
                        help="mixture-of-experts: cap each expert's tokens at FACTOR x its "
                             "balanced share, dropping the rest (default: dropless)")
+    train.add_argument("--loss-per-microbatch", action="store_true",
+                       help="each microbatch's loss is its own, where the model's loss "
+                            "couples a batch's samples (a router's load-balancing loss "
+                            "over the batch); without it such a model is planned with one "
+                            "replica and one microbatch")
     train.add_argument("--compile", action="store_true",
                        help="run each stage through torch.compile (fused element-wise ops; "
                             "the plan prices the fused bytes)")

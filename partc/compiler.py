@@ -307,6 +307,8 @@ def compile(model: torch.nn.Module, example_inputs: tuple | torch.Tensor, *,
                                   autocast_device=budget.device_type)
         log.info("analysed %s: %d layers in %.2f s", analysis.summary.name,
                  len(analysis.layers), time.perf_counter() - start)
+    constraints = _whole_batch_loss(model, example_inputs, loss_fn, example_target,
+                                    analysis, constraints, train)
     problem = build_problem(analysis, budget, train, constraints, graph, options)
     if cache is not None and graph is not None:
         cache.put_analysis(key, problem.model)
@@ -325,6 +327,23 @@ def compile(model: torch.nn.Module, example_inputs: tuple | torch.Tensor, *,
             cache.put_plan(problem, plan)
     log.info("planned in %.2f s: %s", time.perf_counter() - start, plan.solver.status)
     return Program(plan=plan, problem=problem, graph=graph, model=model, loss_fn=loss_fn)
+
+
+def _whole_batch_loss(model: torch.nn.Module, example_inputs: tuple, loss_fn: Callable | None,
+                      example_target: Any, analysis: Any, constraints: Constraints,
+                      train: TrainSpec) -> Constraints:
+    """A model whose mixture-of-experts router feeds a load-balancing loss that couples
+    the batch's samples plans one replica and one microbatch, unless the training setup
+    declares each microbatch's loss its own (:mod:`partc.batch_coupling`)."""
+    from .batch_coupling import couples_samples, restrict
+
+    if train.loss_per_microbatch or not any(
+            layer.moe is not None and layer.moe.aux_loss for layer in analysis.layers):
+        return constraints
+    if not couples_samples(model, example_inputs, loss_fn, example_target):
+        return constraints
+    return restrict(constraints, train, "a mixture-of-experts router's load-balancing loss "
+                                        "over the whole batch")
 
 
 def _one_replica_for_running_stats(model: torch.nn.Module,

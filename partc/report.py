@@ -90,6 +90,12 @@ def _headline(plan: Plan) -> list[str]:
         f"peak memory {format_bytes(p.peak_memory_bytes)}",
         _checkpoint_line(plan),
     ]
+    if train.loss_per_microbatch:
+        lines.append(f"loss: each microbatch's loss is its own (declared: "
+                     f"loss_per_microbatch), the mean of {plan.dp * plan.num_microbatches} "
+                     f"microbatches of {plural(plan.micro_batch_size, 'sample')}: a loss "
+                     f"that couples the samples of a batch differs from one device's "
+                     f"whole-batch loss")
     return lines
 
 

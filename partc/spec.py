@@ -81,6 +81,13 @@ class TrainSpec:
     chains of element-wise ops between the heavy ones into single kernels; the plan is
     costed with those chains' fused bytes (:mod:`partc.runtime.compiled` says what is
     compiled and what is refused).
+    ``loss_per_microbatch=True`` declares that the loss of each microbatch is its own:
+    needed only where the model's loss couples the samples of a batch (a load-balancing
+    loss over the whole batch, as Mixtral's and Qwen-MoE's router losses are), so that
+    splitting the batch over replicas and microbatches changes it. Without it such a
+    model is planned with one replica and one microbatch, and pinning more is refused
+    (:mod:`partc.batch_coupling`); with it the program computes each microbatch's loss
+    as Megatron and gradient accumulation do, and the report says so.
     """
 
     global_batch_size: int
@@ -94,6 +101,7 @@ class TrainSpec:
     moe_imbalance: float = DEFAULT_MOE_IMBALANCE
     moe_capacity_factor: float | None = None
     compile: bool = False
+    loss_per_microbatch: bool = False
 
     def __post_init__(self) -> None:
         _check_positive_int("TrainSpec.global_batch_size", self.global_batch_size)
@@ -125,6 +133,9 @@ class TrainSpec:
             raise ValueError(f"attention must be one of {ATTENTION}, got {self.attention!r}")
         if not isinstance(self.compile, bool):
             raise ValueError(f"TrainSpec.compile must be True or False, got {self.compile!r}")
+        if not isinstance(self.loss_per_microbatch, bool):
+            raise ValueError(f"TrainSpec.loss_per_microbatch must be True or False, got "
+                             f"{self.loss_per_microbatch!r}")
         if self.schedule not in ("auto", *SCHEDULES):
             raise ValueError(f"schedule must be 'auto' or one of {SCHEDULES}, "
                              f"got {self.schedule!r}")
@@ -162,6 +173,8 @@ class TrainSpec:
             "moe_imbalance": self.moe_imbalance,
             "moe_capacity_factor": self.moe_capacity_factor,
             "compile": self.compile,
+            # Written only when declared: plans without it read back unchanged.
+            **({"loss_per_microbatch": True} if self.loss_per_microbatch else {}),
         }
 
     @classmethod
