@@ -14,12 +14,12 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from tests.runtime.test_moe import SLOW_FOUR, SLOW_TWO, DEFAULT, launch  # noqa: E402
+from tests.runtime.test_moe import AUX, SLOW_FOUR, SLOW_TWO, DEFAULT, launch  # noqa: E402
 
 
 def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
-        runs = [(4, DEFAULT + SLOW_FOUR), (2, SLOW_TWO)]
+        runs = [(4, DEFAULT + SLOW_FOUR), (2, SLOW_TWO + AUX)]
         print(f"{'case':26s} {'pp dp tp ep':12s} {'loss rel':>9s} {'param rel':>9s} "
               f"{'a2a/step run':>12s} {'plan':>5s} {'dropped':>7s}")
         for nproc, cases in runs:

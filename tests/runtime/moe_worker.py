@@ -45,11 +45,25 @@ class Case:
     constraints: dict[str, Any] = field(default_factory=dict)
     capacity_factor: float | None = None
     clip: float | None = None  # TrainSpec.max_grad_norm; the reference clips likewise
+    # TrainSpec.loss_per_microbatch: the reference's loss is the mean of the plan's
+    # dp x microbatches parts' losses (a router loss over the batch couples samples).
+    per_microbatch: bool = False
 
 
 def _family(name: str, **fields: Any) -> Callable[[], torch.nn.Module]:
     family = hf_families.FAMILIES[name]
     return lambda: dataclasses.replace(family, fields={**family.fields, **fields}).build()
+
+
+AUX_COEF = 0.02
+
+
+def _hf_aux_loss(output: Any, target: torch.Tensor) -> torch.Tensor:
+    """Next-token cross entropy plus the router's load-balancing loss over the batch,
+    weighted as the model's own ``loss`` weights it (``router_aux_loss_coef``)."""
+    logits = output.logits
+    ce = F.cross_entropy(logits.reshape(-1, logits.size(-1)), target.reshape(-1))
+    return ce + AUX_COEF * output.aux_loss
 
 
 def _hf_loss(output: Any, target: torch.Tensor) -> torch.Tensor:
@@ -78,6 +92,13 @@ CASES: dict[str, Case] = {
     "qwen2-moe-dp4-ep4": Case(_family("qwen2-moe"), _hf_loss, dict(pp=1, dp=4, ep=4)),
     "qwen3-moe-pp2-dp2-ep2": Case(_family("qwen3-moe"), _hf_loss, dict(pp=2, dp=2, ep=2)),
     "deepseek-v3-dp2-ep2": Case(_family("deepseek-v3"), _hf_loss, dict(pp=1, dp=2, ep=2)),
+    # The router's load-balancing loss over the batch, each microbatch's its own.
+    "mixtral-aux-dp2-ep2": Case(_family("mixtral", output_router_logits=True,
+                                        router_aux_loss_coef=AUX_COEF), _hf_aux_loss,
+                                dict(pp=1, dp=2, ep=2), per_microbatch=True),
+    "qwen2-moe-aux-dp2-ep2": Case(_family("qwen2-moe", output_router_logits=True,
+                                          router_aux_loss_coef=AUX_COEF), _hf_aux_loss,
+                                  dict(pp=1, dp=2, ep=2), per_microbatch=True),
 }
 
 
@@ -114,7 +135,8 @@ def run_case(name: str) -> dict[str, Any]:
         budget=partc.DeviceBudget(num_devices=world, device="CPU"),
         train=partc.TrainSpec(global_batch_size=BATCH, optimizer="sgd",
                               moe_capacity_factor=case.capacity_factor,
-                              max_grad_norm=case.clip),
+                              max_grad_norm=case.clip,
+                              loss_per_microbatch=case.per_microbatch),
         constraints=partc.Constraints(**constraints))
     module = program.build()
     plan = program.plan
@@ -130,7 +152,12 @@ def run_case(name: str) -> dict[str, Any]:
         exchanges.append(sum(m.count_exchanges for m in layers) - before[1])
         opt.step()
         opt.zero_grad()
-        ref_loss = case.loss_fn(reference(x), y)
+        if case.per_microbatch:   # the mean of the plan's parts' losses, in batch order
+            parts = plan.dp * plan.num_microbatches
+            ref_loss = sum(case.loss_fn(reference(xs), ys) for xs, ys in
+                           zip(x.chunk(parts), y.chunk(parts))) / parts
+        else:
+            ref_loss = case.loss_fn(reference(x), y)
         ref_loss.backward()
         if case.clip is not None:
             ref_norms.append(torch.nn.utils.clip_grad_norm_(reference.parameters(),

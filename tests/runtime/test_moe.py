@@ -19,7 +19,10 @@ DEFAULT = ["moe-dp4-ep4", "moe-pp2-dp2-ep2", "moe-dp2-tp2-ep2-clip"]
 SLOW_FOUR = ["moe-dp2-tp2-ep2", "moe-dp4-ep2", "qwen2-moe-dp4-ep4", "qwen3-moe-pp2-dp2-ep2", "mixtral-dp2-tp2-ep2",
              "mixtral-dp2-tp2-ep4-capacity"]
 SLOW_TWO = ["moe-dp2-ep2", "moe-tp2-ep2", "moe-dp2-ep2-capacity", "mixtral-dp2-ep2", "mixtral-tp2-ep2",
-            "deepseek-v3-dp2-ep2"]
+            "deepseek-v3-dp2-ep2", "qwen2-moe-aux-dp2-ep2"]
+# The router's loss over the whole batch, declared per microbatch (TrainSpec.
+# loss_per_microbatch): against one process computing the same parts' losses.
+AUX = ["mixtral-aux-dp2-ep2"]
 
 
 def launch(nproc: int, cases: list[str], out: Path) -> list[dict]:
@@ -53,6 +56,12 @@ def default_four(tmp_path_factory) -> list[dict]:
 @pytest.mark.parametrize("name", DEFAULT)
 def test_expert_parallel_trains_like_one_process(default_four, name):
     check(default_four, name)
+
+
+def test_router_loss_over_the_batch_trains_per_microbatch_like_one_process(tmp_path):
+    ranks = launch(2, AUX, tmp_path)
+    for name in AUX:
+        check(ranks, name)
 
 
 @pytest.mark.slow
