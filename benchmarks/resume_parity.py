@@ -15,6 +15,11 @@ second ``torchrun`` under plan B loads it (``module.load_checkpoint``) and train
 - ``dp2-tp2-zero3>pp2``: 4 processes dp=2 x tp=2 ZeRO-3 (FSDP shards of tensor-parallel
   shards, fused projections cut in chunks) -> 2 processes pp=2.
 
+Mixture-of-experts models (``--models moe,mixtral``: the sample's Switch-style layers,
+Hugging Face Mixtral) take expert-parallel moves instead (``EXPERT_MOVES``): experts cut
+over 4 ranks -> 2, over 2 -> none (a pipeline), none -> 2, and 2 of 4 replicas' experts
+-> a pipeline with expert parallelism.
+
 Printed per move: the worst relative difference of the 6 losses (3 before the save, 3
 after the load) from one process, the final parameters' worst relative error from one
 process (per tensor, against its norm floored at 1e-3), the largest absolute difference
@@ -44,6 +49,8 @@ from tests.runtime.ckpt_worker import PLANS, SAVE_AT, STEPS  # noqa: E402
 WORKER = ROOT / "tests" / "runtime" / "ckpt_worker.py"
 MOVES = ["pp2-dp2>tp2", "dp2-zero3>pp2-dp2-zero1", "dp2-zero1>dp2-zero1",
          "dp2-tp2-zero3>pp2"]
+EXPERT_MOVES = ["dp4-ep4>dp2-ep2", "dp2-ep2>pp2", "pp2>dp2-ep2", "dp4-ep2>pp2-dp2-ep2"]
+EXPERT_MODELS = ("moe", "mixtral")
 RTOL = 1e-5
 
 
@@ -85,11 +92,12 @@ def row(name: str, first: list[dict], resumed: list[dict]) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--models", default="gpt,llama,gpt2")
+    parser.add_argument("--models", default="gpt,llama,gpt2,moe,mixtral")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     out = args.out or Path(tempfile.mkdtemp(prefix="resume_parity_"))
-    names = [f"{model}:{move}" for model in args.models.split(",") for move in MOVES]
+    names = [f"{model}:{move}" for model in args.models.split(",")
+             for move in (EXPERT_MOVES if model in EXPERT_MODELS else MOVES)]
 
     def processes(name: str, which: int) -> int:
         return PLANS[name.split(":")[1].split(">")[which]][0]

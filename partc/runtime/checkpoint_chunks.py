@@ -5,8 +5,10 @@ what a checkpoint holds).
 Every parameter and persistent buffer is known under its canonical FQN (the first of its
 FQNs: a tied weight once). This rank's part of it is a set of :class:`Chunks`: views of
 its own tensor with their offsets in the whole tensor, cut exactly as the runtime cuts it
-(the plan's tensor-parallel placement, ``Shard(dim, chunks=k)`` being k chunks per rank,
-then FSDP2's dp shard of dim 0 under ZeRO-2/3). DCP names each chunk by its offsets, so
+(a routed expert weight's block of experts on this expert-parallel rank, the plan's
+tensor-parallel placement, ``Shard(dim, chunks=k)`` being k chunks per rank, then FSDP2's
+dp shard of dim 0 under ZeRO-2/3). Ranks holding the same chunk (replicas, the
+expert-data-parallel group) name it alike, and DCP writes it once. DCP names each chunk by its offsets, so
 a checkpoint written under one cut reads back under any other (resharding by FQN);
 optimizer state shaped like its parameter is cut the same way.
 """
@@ -83,12 +85,16 @@ def _runs(index: torch.Tensor) -> list[tuple[int, int, int]]:
 
 
 def _index_maps(module: "DistributedModule", name: str, whole: tuple[int, ...],
-                local: torch.Tensor, dp_sharded: bool) -> list[torch.Tensor]:
+                local: torch.Tensor, dp_sharded: bool, expert: bool = False
+                ) -> list[torch.Tensor]:
     """For each dim of this rank's ``local`` part of tensor ``name``, the whole tensor's
-    index of each local index, cut exactly as the runtime cuts it: the plan's
+    index of each local index, cut exactly as the runtime cuts it: a routed expert
+    weight's experts ``[ep_rank * E/ep, (ep_rank+1) * E/ep)`` (``expert``), the plan's
     tensor-parallel placement (``tp.shard_of``), then FSDP's dp shard of dim 0."""
     topo = module.topology
     maps = [torch.arange(n) for n in whole]
+    if expert and whole:
+        maps[0] = maps[0].chunk(topo.ep)[topo.ep_rank]
     placement = module._placement(name)
     if placement.kind == "S" and whole:
         dim = placement.dim % len(whole)
@@ -156,6 +162,7 @@ def model_tensors(module: "DistributedModule") -> dict[str, dict[str, Any]]:
 def held_tensors(module: "DistributedModule") -> list[_Held]:
     """This rank's parameters and persistent buffers, once each."""
     whole = model_tensors(module)
+    experts = {id(p) for p in module.expert_params}
     seen: set[int] = set()
     held = []
     named = list(module.module.named_parameters()) + list(module.module.named_buffers())
@@ -167,7 +174,8 @@ def held_tensors(module: "DistributedModule") -> list[_Held]:
         local, sharded = _local(tensor)
         shape = tuple(whole[fqn]["shape"])
         held.append(_Held(fqn, name, tensor, shape,
-                          _index_maps(module, name, shape, local, sharded), local))
+                          _index_maps(module, name, shape, local, sharded,
+                                      id(tensor) in experts), local))
     return held
 
 

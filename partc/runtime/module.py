@@ -197,17 +197,22 @@ class DistributedModule:
         under every FQN ``model.state_dict()`` uses (tied weights under each name).
 
         Collective: every rank must call it. Shards are gathered over the tensor-parallel
-        group and stages over the pipeline (as Python objects: meant for exporting and
-        checking models that fit one host's memory).
+        group, routed experts over the expert-parallel group, and stages over the pipeline
+        (as Python objects: meant for exporting and checking models that fit one host's
+        memory).
         """
-        self._refuse_expert_shards("the whole state dict")
         whole: dict[str, torch.Tensor] = {}
         group = self.topology.tp_group if self.topology.tp > 1 else None
+        experts = {id(p) for p in self.expert_params}
         for name, tensor in self.state_dict().items():
             placement = self._placement(name)
             value = tensor.detach()
             if isinstance(value, DTensor):
                 value = value.full_tensor()
+            if id(tensor) in experts:   # this rank's block of experts: dim 0
+                parts = [torch.empty_like(value) for _ in range(self.topology.ep)]
+                dist.all_gather(parts, value.contiguous(), group=self.topology.ep_group)
+                value = torch.cat(parts)
             if group is not None and placement.kind == "S":
                 parts = [torch.empty_like(value) for _ in range(self.topology.tp)]
                 dist.all_gather(parts, value.contiguous(), group=group)
@@ -232,6 +237,7 @@ class DistributedModule:
         if missing:
             raise KeyError(f"state dict lacks {len(missing)} of this rank's tensors, "
                            f"e.g. {missing[:3]}")
+        experts = {id(p) for p in self.expert_params}
         with torch.no_grad():
             for name, source in sources.items():
                 if source is None:
@@ -241,6 +247,10 @@ class DistributedModule:
                 if isinstance(source, DTensor):  # this rank's own state_dict(), ZeRO-2/3
                     local_part(tensor).copy_(source.to_local())
                     continue
+                if id(tensor) in experts and source.shape[0] != tensor.shape[0]:
+                    rows = tensor.shape[0]   # the whole weight: this rank's experts
+                    source = source[self.topology.ep_rank * rows:
+                                    (self.topology.ep_rank + 1) * rows]
                 if source.shape != tensor.shape and placement.kind == "S":
                     source = tp_ops.shard_of(source, placement.dim, placement.chunks,
                                              self.topology.tp_rank, self.topology.tp)
@@ -250,13 +260,6 @@ class DistributedModule:
                 if isinstance(tensor, DTensor):  # whole over dp: keep this rank's shard
                     source = dp_shard(source, self.topology.dp, self.topology.dp_rank)
                 local_part(tensor).copy_(source)
-
-    def _refuse_expert_shards(self, what: str) -> None:
-        # Expert weights are cut over the expert-parallel group, which checkpoints and
-        # the whole state dict do not gather yet: refused rather than written wrong.
-        if self.topology.ep > 1:
-            raise PartcError(f"{what} of an expert-parallel run (ep={self.topology.ep}) "
-                             "are not supported yet: train with ep=1 to save")
 
     def _placement(self, name: str) -> Placement:
         return self.plan.placement(self._aliases.get(name, (name,)))
@@ -340,7 +343,6 @@ class DistributedModule:
         write them in the background (``wait_checkpoint`` finishes it). ``keep``: keep
         only the newest ``keep`` checkpoints. Raises :class:`partc.CheckpointError` on
         every rank if any rank cannot save; earlier checkpoints stay as they were."""
-        self._refuse_expert_shards("checkpoints")
         from . import checkpoint
         return checkpoint.save(self, directory, optimizer=optimizer, step=step, extra=extra,
                                async_save=async_save, keep=keep)
@@ -352,7 +354,6 @@ class DistributedModule:
         state; returns ``(step, extra)``. Collective. Raises :class:`partc.CheckpointError`
         on every rank, before any tensor changes, for a partial checkpoint or one of
         another model or shapes."""
-        self._refuse_expert_shards("checkpoints")
         from . import checkpoint
         return checkpoint.load(self, directory, optimizer=optimizer)
 

@@ -41,8 +41,8 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 import partc  # noqa: E402
-from samples import gpt  # noqa: E402
-from tests import models  # noqa: E402
+from samples import gpt, moe  # noqa: E402
+from tests import hf_families, models  # noqa: E402
 from tests.runtime.worker import BATCH, Case, batch  # noqa: E402
 
 STEPS, SAVE_AT = 6, 3
@@ -53,8 +53,16 @@ def _gpt2() -> torch.nn.Module:
     return models.gpt2(dropout=0.0)  # tied embeddings (GPT2LMHeadModel's default)
 
 
+def _mixtral() -> torch.nn.Module:
+    return hf_families.FAMILIES["mixtral"].build()
+
+
 MODELS: dict[str, Case] = {
     "gpt": Case(gpt.gpt_tiny, "tokens", gpt.loss_fn),
+    # Mixture-of-experts: the sample's Switch-style layers (with their balance loss) and
+    # Mixtral's batched experts, whose weights expert parallelism cuts by experts.
+    "moe": Case(moe.moe_tiny, "tokens", moe.loss_fn),
+    "mixtral": Case(_mixtral, "tokens", models.causal_lm_loss),
     "llama": Case(models.llama, "tokens", models.causal_lm_loss),
     "gpt2": Case(_gpt2, "tokens", models.causal_lm_loss),
 }
@@ -70,6 +78,12 @@ PLANS: dict[str, tuple[int, dict[str, Any]]] = {
     "dp2-tp2-zero3": (4, dict(pp=1, dp=2, tp=2, zero_stage=3, **_TP)),
     "pp2-dp2-zero1": (4, dict(pp=2, dp=2, tp=1, zero_stage=1, schedule="1f1b",
                               recompute="none")),
+    # Expert parallelism (ZeRO-0): experts split over 2 or 4 ranks.
+    "dp2-ep2": (2, dict(pp=1, dp=2, tp=1, ep=2, zero_stage=0, recompute="none")),
+    "dp4-ep4": (4, dict(pp=1, dp=4, tp=1, ep=4, zero_stage=0, recompute="none")),
+    "dp4-ep2": (4, dict(pp=1, dp=4, tp=1, ep=2, zero_stage=0, recompute="none")),
+    "pp2-dp2-ep2": (4, dict(pp=2, dp=2, tp=1, ep=2, zero_stage=0, schedule="1f1b",
+                            recompute="none")),
 }
 
 

@@ -230,6 +230,8 @@ def test_an_asynchronous_save_writes_what_the_step_had(program, tmp_path):
 # -- resume parity under torchrun ---------------------------------------------------------
 
 SAME, RESHARD = "gpt:pp2>pp2", "gpt:dp2-zero3>tp2"
+# Experts cut over 2 expert-parallel ranks, resumed whole on a pipeline.
+EXPERTS = "moe:dp2-ep2>pp2"
 
 
 def launch(out: Path, phase: str, moves: list[str]) -> list[dict]:
@@ -247,8 +249,8 @@ def launch(out: Path, phase: str, moves: list[str]) -> list[dict]:
 @pytest.fixture(scope="module")
 def resumed(tmp_path_factory) -> tuple[list[dict], list[dict]]:
     out = tmp_path_factory.mktemp("resume")
-    return (launch(out, "first", [SAME, RESHARD]),
-            launch(out, "resume", [SAME, RESHARD, "faults"]))
+    return (launch(out, "first", [SAME, RESHARD, EXPERTS]),
+            launch(out, "resume", [SAME, RESHARD, EXPERTS, "faults"]))
 
 
 def _ran(ranks: list[dict], move: str) -> list[dict]:
@@ -274,6 +276,18 @@ def test_a_zero3_checkpoint_resumes_under_tensor_parallelism_like_one_process(re
         assert len(losses) == STEPS
         assert losses == pytest.approx(now["ref_losses"], rel=RTOL)
         assert now["param_error"] < RTOL, now["param_error_at"]
+
+
+def test_an_expert_parallel_checkpoint_resumes_without_it_like_one_process(resumed):
+    first, after = (_ran(ranks, EXPERTS) for ranks in resumed)
+    for before, now in zip(first, after):
+        assert before["mesh"]["ep"] == 2 and now["mesh"] == {"pp": 2, "dp": 1, "tp": 1}
+        assert now["loaded"][0] == SAVE_AT
+        losses = before["losses"][:now["start"]] + now["losses"]
+        assert losses == pytest.approx(now["ref_losses"], rel=RTOL)
+        assert now["param_error"] < RTOL, now["param_error_at"]
+        # The whole state dicts agree: the first run's gathered its experts over ep.
+        assert now["max_abs_diff_to_first"] < 1e-6
 
 
 def test_one_rank_failing_is_an_error_on_every_rank(resumed):
