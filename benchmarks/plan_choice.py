@@ -3,6 +3,7 @@ by partc's cost model and timed on this machine.
 
     partc calibrate --quick --out /tmp/cm-profile.json      # or a full run
     python benchmarks/plan_choice.py --profile /tmp/cm-profile.json [--rounds 3]
+    python benchmarks/plan_choice.py --profile ... --set schedules   # every schedule
 
 The parent process compiles the sample GPT (``samples/gpt.py``) on a 2-process CPU budget
 from the profile once unpinned (the plan partc picks) and once per variant, each pinned
@@ -21,6 +22,12 @@ It prints per plan the predicted and measured step time and their ratio, and:
 - the Spearman rank correlation of predicted against measured,
 - the regret of partc's own (unpinned) pick: its measured time over the best measured,
 - the median of |predicted / measured - 1|,
+- the predicted and the measured order, and whether the fastest predicted is fastest.
+
+``--set schedules`` times every pipeline schedule instead, on one mesh (pp=2, 4
+microbatches of 2; 2 virtual stages per rank where a schedule takes any), each pinned,
+beside partc's pick with the schedule left to it: the same model and sizes for what is
+predicted and what is measured.
 
 with the machine's load average before and after: on a shared machine the times are
 noisy; the rounds interleave so that noise spreads over all plans.
@@ -63,6 +70,23 @@ def batch() -> tuple[torch.Tensor, torch.Tensor]:
     return ids[:, :-1].contiguous(), ids[:, 1:].contiguous()
 
 
+# ``--set schedules``: every pipeline schedule on one mesh (pp=2 on the 2 processes, 4
+# microbatches of 2), each pinned with the virtual stages it runs (2 where it takes any),
+# and partc's pick with the same mesh and microbatches but the schedule left to it.
+SCHEDULE_MESH = dict(pp=2, dp=1, tp=1, num_microbatches=4, recompute="none")
+
+
+def schedule_variants() -> dict[str, dict]:
+    from partc.schedules import SCHEDULE_TABLE, refusal
+
+    found = {}
+    for name, info in SCHEDULE_TABLE.items():
+        v = info.virtual_stages[0] if info.virtual_stages else 2
+        if refusal(name, 2, v, SCHEDULE_MESH["num_microbatches"]) is None:
+            found[name] = dict(SCHEDULE_MESH, schedule=name, virtual_stages=v)
+    return found
+
+
 def variants() -> dict[str, dict]:
     """Constraints of every variant, by name."""
     found: dict[str, dict] = {}
@@ -95,13 +119,15 @@ def _decisions(plan: partc.Plan) -> str:
                        "recompute": sorted(plan.recompute.items())}, sort_keys=True)
 
 
-def compile_all(profile: str, out: Path, only: list[str] | None = None) -> dict[str, dict]:
+def compile_all(profile: str, out: Path, only: list[str] | None = None,
+                which: str = "plans") -> dict[str, dict]:
     budget = partc.DeviceBudget(num_devices=2, profile=profile)
     train = partc.TrainSpec(global_batch_size=BATCH)
     ids, _ = batch()
     plans: dict[str, dict] = {}
     seen: dict[str, str] = {}
-    named = {"partc": {}, **variants()}
+    named = ({"partc": dict(SCHEDULE_MESH), **schedule_variants()} if which == "schedules"
+             else {"partc": {}, **variants()})
     if only:
         named = {name: pins for name, pins in named.items() if name == "partc" or name in only}
     for name, pins in named.items():
@@ -122,6 +148,7 @@ def compile_all(profile: str, out: Path, only: list[str] | None = None) -> dict[
         seen[key] = name
         program.save(out / name, code=False)
         plans[name] = {"predicted_s": plan.predicted.step_time_s, "also": [],
+                       "v": plan.chunks,
                        "mesh": f"pp{plan.pp} dp{plan.dp} tp{plan.tp}",
                        "m": plan.num_microbatches, "b": plan.micro_batch_size,
                        "zero": plan.effective_zero_stage, "sp": plan.sequence_parallel,
@@ -196,13 +223,14 @@ def report(plans: dict[str, dict], measured: dict[str, list[float]]) -> None:
         seconds = statistics.median(measured[name])
         rows.append((name, info, info["predicted_s"], seconds))
     rows.sort(key=lambda row: row[3])
-    print(f"\n{'plan':<26}{'mesh':<14}{'b x m':<7}{'zero':<5}{'predicted':>11}"
-          f"{'measured':>11}{'pred/meas':>11}")
+    print(f"\n{'plan':<26}{'mesh':<14}{'b x m':<7}{'zero':<5}{'schedule':<28}"
+          f"{'predicted':>11}{'measured':>11}{'pred/meas':>11}")
     for name, info, predicted, seconds in rows:
         also = f"  (= {', '.join(info['also'])})" if info["also"] else ""
+        schedule = info["schedule"] + (f", v={info['v']}" if info.get("v", 1) > 1 else "")
         print(f"{name:<26}{info['mesh']:<14}{info['b']}x{info['m']:<5}{info['zero']:<5}"
-              f"{predicted * 1e3:>9.1f}ms{seconds * 1e3:>9.1f}ms{predicted / seconds:>11.2f}"
-              f"{also}")
+              f"{schedule:<28}{predicted * 1e3:>9.1f}ms{seconds * 1e3:>9.1f}ms"
+              f"{predicted / seconds:>11.2f}{also}")
     predicted = [r[2] for r in rows]
     seconds = [r[3] for r in rows]
     best = min(seconds)
@@ -213,6 +241,10 @@ def report(plans: dict[str, dict], measured: dict[str, list[float]]) -> None:
     print(f"regret of partc's pick ({pick[1]['mesh']}, {pick[1]['b']}x{pick[1]['m']}): "
           f"{pick[3] / best:.2f} (measured / best measured)")
     print(f"median |predicted/measured - 1|: {statistics.median(errors):.2f}")
+    by_prediction = [r[0] for r in sorted(rows, key=lambda row: row[2])]
+    print(f"predicted order, fastest first: {', '.join(by_prediction)}")
+    print(f"measured order, fastest first:  {', '.join(r[0] for r in rows)}")
+    print(f"fastest predicted is fastest measured: {by_prediction[0] == rows[0][0]}")
 
 
 def main() -> None:
@@ -222,6 +254,9 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--steps", type=int, default=2, help="timed steps per plan and round")
     parser.add_argument("--only", nargs="*", help="these variants (and partc's pick) only")
+    parser.add_argument("--set", dest="which", choices=("plans", "schedules"), default="plans",
+                        help="plans: the pp/dp/ZeRO/tp/recompute/microbatch variants; "
+                             "schedules: every pipeline schedule on pp=2 x 4 microbatches")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--names", nargs="*", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -235,7 +270,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="partc-plan-choice-") as tmp:
         folder = Path(tmp)
         print(f"compiling the variants on a 2-process budget from {args.profile}", flush=True)
-        plans = compile_all(args.profile, folder, args.only)
+        plans = compile_all(args.profile, folder, args.only, args.which)
         env = {**os.environ, "OMP_NUM_THREADS": "1"}
         command = ["torchrun", "--standalone", "--nproc-per-node=2", __file__,
                    "--worker", str(folder), "--rounds", str(args.rounds), "--steps",

@@ -32,7 +32,7 @@ def _compile(**pins) -> partc.Program:
 
 
 def test_a_pipeline_send_is_priced_in_the_dtype_the_stage_makes():
-    program = _compile(pp=2)
+    program = _compile(pp=2, schedule="1f1b")   # stage 0 is the first run of layers
     plan, problem = program.plan, program.problem
     first = program.lower(only=(0,)).stages[0]
     ids = torch.randint(0, 128, (plan.micro_batch_size, SEQ))

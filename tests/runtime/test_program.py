@@ -48,7 +48,7 @@ def test_wrong_world_size_is_refused_before_any_collective():
 
 def test_load_rebuilds_from_plan_json_without_the_solver(tmp_path, monkeypatch):
     model = gpt_tiny()
-    program = compile_gpt(model, 2, pp=2, recompute={"blocks.1": "full"})
+    program = compile_gpt(model, 2, pp=2, schedule="1f1b", recompute={"blocks.1": "full"})
     program.save(tmp_path)
     assert sorted(p.name for p in (tmp_path / "code").iterdir()) == ["stage_0.py", "stage_1.py"]
 
@@ -112,7 +112,7 @@ EDITS = {
 @pytest.fixture(scope="module")
 def saved_plan(tmp_path_factory):
     directory = tmp_path_factory.mktemp("saved")
-    compile_gpt(gpt_tiny(), 2, pp=2).save(directory, code=False)
+    compile_gpt(gpt_tiny(), 2, pp=2, schedule="1f1b").save(directory, code=False)
     return (directory / "plan.json").read_text()
 
 
