@@ -1,13 +1,11 @@
 """Every pipeline schedule priced by the cost model's event simulation, side by side.
 
-    python benchmarks/schedules.py                 # all three parts
-    python benchmarks/schedules.py --parts cpu 405b plan-time
+    python benchmarks/schedules.py                 # both parts
+    python benchmarks/schedules.py --parts 405b plan-time
 
-- ``cpu``: the configuration ``benchmarks/schedule_parity.py --timing`` measures (the
-  sample GPT of 4 blocks, 256 wide, 16 tokens, 8 sequences per step in 4 microbatches,
-  4 CPU processes: pp=2 x dp=2, two virtual stages per rank where the schedule has
-  them, no recompute): the predicted step time and bubble per schedule, to put next to
-  the measured medians.
+(Predicted against measured on CPU processes, the same model and sizes for both:
+``benchmarks/plan_choice.py --set schedules``.)
+
 - ``405b``: Llama-3-405B's shape (126 layers, hidden 16384, FFN 53248, 128/8 heads,
   vocab 128000, sequence 8192; built on the meta device) on 8,192 H100-80GB with
   tp=8, pp=16, dp=64 pinned and 2,048 sequences per step: each schedule pinned
@@ -35,7 +33,7 @@ from partc.compiler import autocast_dtype, build_problem, plan_problem  # noqa: 
 from partc.passes.pipeline import analyze  # noqa: E402
 from partc.plan import BudgetInfo  # noqa: E402
 from partc.planner import PlannerOptions  # noqa: E402
-from partc.schedules import SCHEDULE_TABLE, refusal  # noqa: E402
+from partc.schedules import SCHEDULE_TABLE  # noqa: E402
 from partc.units import format_bytes, format_seconds  # noqa: E402
 
 LLAMA3_405B = dict(hidden_size=16384, intermediate_size=53248, num_hidden_layers=126,
@@ -75,39 +73,6 @@ def plan_rows(plans: dict[str, partc.Plan | str]) -> list[list[str]]:
 
 
 HEADER = ["schedule", "v", "step", "vs fastest", "bubble", "peak memory", "note"]
-
-
-def cpu_part() -> None:
-    from tests.runtime import schedule_worker as sw
-    from tests.runtime import worker
-
-    build, loss_fn, _ = sw.TIMING_MODELS["gpt4"]
-    torch.manual_seed(0)
-    model = build()
-    case = worker.Case(build, "tokens", loss_fn, clip=sw.CLIP)
-    x, y = worker.batch(case, model, 0)
-    plans: dict[str, partc.Plan | str] = {}
-    for name in SCHEDULE_TABLE:
-        v = virtual_stages(name, sw.V)
-        why = refusal(name, sw.PP, v, sw.MICROBATCHES)
-        if why:
-            plans[name] = why
-            continue
-        program = partc.compile(
-            model, x, loss_fn=loss_fn, example_target=y,
-            budget=partc.DeviceBudget(num_devices=4, device="CPU"),
-            train=partc.TrainSpec(global_batch_size=worker.BATCH, optimizer="sgd",
-                                  max_grad_norm=sw.CLIP),
-            constraints=partc.Constraints(pp=sw.PP, dp=2, zero_stage=0, recompute="none",
-                                          schedule=name, virtual_stages=v,
-                                          num_microbatches=sw.MICROBATCHES))
-        plans[name] = program.plan
-    print(f"\n== CPU: sample GPT 4x256, 4 processes (pp={sw.PP} x dp=2), "
-          f"{sw.MICROBATCHES} microbatches: predicted per schedule")
-    table(plan_rows(plans), HEADER)
-    order = sorted((p.predicted.step_time_s, n) for n, p in plans.items()
-                   if not isinstance(p, str))
-    print("predicted order, fastest first:", ", ".join(n for _, n in order))
 
 
 def _problem(shape: dict, seq: int, batch: int, devices: int, constraints):
@@ -185,12 +150,10 @@ def plan_time_part(time_limit: float) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--parts", nargs="+", default=["cpu", "405b", "plan-time"],
-                        choices=["cpu", "405b", "plan-time"])
+    parser.add_argument("--parts", nargs="+", default=["405b", "plan-time"],
+                        choices=["405b", "plan-time"])
     parser.add_argument("--time-limit", type=float, default=60.0)
     args = parser.parse_args()
-    if "cpu" in args.parts:
-        cpu_part()
     if "405b" in args.parts:
         part_405b(args.time_limit)
     if "plan-time" in args.parts:

@@ -69,6 +69,7 @@ class DeviceProfile:
     op_overhead_backward_s: float | None = None
     matmul_overhead_s: float | None = None
     comm_overlap: float | None = None
+    split_backward_factor: float | None = None
 
 
 # Calibration's collective names -> the cost model's.
@@ -77,7 +78,7 @@ _COLLECTIVE_KINDS = {"all_reduce": "all_reduce", "all_gather": "all_gather",
 _OVERHEADS = ("op_overhead_s", "op_overhead_backward_s", "matmul_overhead_s")
 # Measured numbers resolved like the overheads (given, else the profile's, else the
 # preset's): the overheads and the share of a collective compute hides.
-_MEASURED = _OVERHEADS + ("comm_overlap",)
+_MEASURED = _OVERHEADS + ("comm_overlap", "split_backward_factor")
 
 
 def load_profile(path) -> DeviceProfile:
@@ -149,6 +150,16 @@ def _profile_from_dict(data: dict, where: str) -> DeviceProfile:
                                f"{value!r}")
         return float(value)
 
+    def factor(key: str) -> float | None:
+        value = budget.get(key)
+        if value is None:
+            return None
+        if isinstance(value, bool) or not isinstance(value, (int, float)) \
+                or not math.isfinite(value) or value < 1:
+            raise ProfileError(f"{where}: budget.{key} must be a number of at least 1, got "
+                               f"{value!r}")
+        return float(value)
+
     required = {key: number(key) for key in _REQUIRED_NUMBERS}
     optional = {key: number(key, optional=True) for key in _OPTIONAL_NUMBERS}
     if required["flops_efficiency"] > 1:
@@ -170,7 +181,8 @@ def _profile_from_dict(data: dict, where: str) -> DeviceProfile:
         intra_node_latency_s=optional["intra_node_latency_s"],
         collective_links=_collective_links(data, where),
         **{key: overhead(key) for key in _OVERHEADS},
-        comm_overlap=fraction("comm_overlap"))
+        comm_overlap=fraction("comm_overlap"),
+        split_backward_factor=factor("split_backward_factor"))
 
 
 def _collective_links(data: dict, where: str) -> tuple[tuple[str, float, float], ...]:
@@ -282,6 +294,9 @@ class DeviceBudget:
     # The share of a collective's time that compute beside it hides (DeviceNumbers.
     # comm_overlap): by default the profile's, else the preset's.
     comm_overlap: float | None = None
+    # A backward run as input then weight gradients over one pass
+    # (DeviceNumbers.split_backward_factor): by default the profile's, else the preset's.
+    split_backward_factor: float | None = None
     _preset: DevicePreset | None = field(init=False, repr=False, compare=False)
     _profile: DeviceProfile | None = field(init=False, repr=False, compare=False)
 
@@ -311,6 +326,12 @@ class DeviceBudget:
                 _check_latency(name, getattr(self, name))
         if self.comm_overlap is not None:
             _check_share("comm_overlap", self.comm_overlap)
+        if self.split_backward_factor is not None and (
+                isinstance(self.split_backward_factor, bool)
+                or not isinstance(self.split_backward_factor, (int, float))
+                or not self.split_backward_factor >= 1):
+            raise ValueError(f"DeviceBudget.split_backward_factor must be a number of at "
+                             f"least 1, got {self.split_backward_factor!r}")
         if self.collective_links is not None:
             self._given_links()
 
@@ -469,8 +490,9 @@ class DeviceBudget:
 
     def overhead(self, name: str) -> float:
         """``op_overhead_s``, ``op_overhead_backward_s``, ``matmul_overhead_s`` or
-        ``comm_overlap``: the field given, else the profile's where it measured it, else
-        the preset's (without a preset: 0, and a whole overlap, as for a GPU)."""
+        ``comm_overlap`` or ``split_backward_factor``: the field given, else the
+        profile's where it measured it, else the preset's (without a preset: 0, a whole
+        overlap and a factor of 1, as for a GPU)."""
         if name not in _MEASURED:
             raise ValueError(f"no overhead {name!r}; one of {_MEASURED}")
         if getattr(self, name) is not None:
@@ -479,7 +501,7 @@ class DeviceBudget:
             return getattr(self._profile, name)
         if self._preset is not None:
             return getattr(self._preset, name)
-        return 1.0 if name == "comm_overlap" else 0.0
+        return 1.0 if name in ("comm_overlap", "split_backward_factor") else 0.0
 
     def to_dict(self, dtype: torch.dtype = torch.float32) -> dict:
         memory = self.memory_bytes

@@ -248,6 +248,45 @@ def measure_linear(device: torch.device, dtypes: tuple[str, ...], sizes: Sizes) 
     return result
 
 
+def measure_split_backward(device: torch.device, sizes: Sizes) -> dict:
+    """A backward run as the zero-bubble schedules run it, over one pass: two linear
+    blocks (``sizes.linear[0]``: tokens x in -> out -> in, GELU between) timed forward
+    alone, forward and one backward, and forward then ``autograd.grad`` for the input's
+    gradient (keeping the graph) and for the weights'. ``factor`` = the split backward's
+    time over the whole one's, at least 1."""
+    tokens, d_in, d_out = sizes.linear[0]
+    blocks = torch.nn.Sequential(*(torch.nn.Sequential(torch.nn.Linear(d_in, d_out),
+                                                       torch.nn.GELU(),
+                                                       torch.nn.Linear(d_out, d_in))
+                                   for _ in range(2))).to(device)
+    weights = list(blocks.parameters())
+    x = torch.randn(tokens, d_in, device=device, requires_grad=True)
+    grad = torch.randn(tokens, d_in, device=device)
+
+    def forward() -> None:
+        with torch.no_grad():
+            blocks(x)
+
+    def whole() -> None:
+        blocks(x).backward(grad)
+        x.grad = None
+        for w in weights:
+            w.grad = None
+
+    def split() -> None:
+        out = blocks(x)
+        torch.autograd.grad(out, x, grad, retain_graph=True)
+        torch.autograd.grad(out, weights, grad)
+
+    forward_s, whole_s, split_s = (median_seconds(f, device, sizes)
+                                   for f in (forward, whole, split))
+    factor = max(1.0, (split_s - forward_s) / max(whole_s - forward_s, 1e-12))
+    log.info("split backward: %.2fx one pass", factor)
+    return {"shape": [tokens, d_in, d_out], "forward_s": forward_s,
+            "forward_backward_s": whole_s, "forward_split_backward_s": split_s,
+            "factor": factor}
+
+
 def matmul_overhead(samples: list[dict], rate: float) -> float:
     """The fixed time per matmul call beyond its FLOPs at ``rate`` (the best size's):
     ``t = flops / rate + overhead`` fitted by least squares on relative error, so the
@@ -550,6 +589,7 @@ def calibrate(options: CalibrationOptions) -> dict:
     try:
         measured = {"matmul": measure_matmul(device, options.dtypes, options.sizes),
                     "linear": measure_linear(device, options.dtypes, options.sizes),
+                    "split_backward": measure_split_backward(device, options.sizes),
                     "attention": measure_attention(device, options.dtypes, options.sizes),
                     "memory": measure_memory(device, options.sizes),
                     "op_overhead": measure_op_overhead(device, options.sizes)}
@@ -671,6 +711,8 @@ def build_profile(options: CalibrationOptions, measured: dict, *, name: str,
         "matmul_overhead_s": (measured["matmul"][training].get("overhead_s") if cpu
                               else None),
         "comm_overlap": overlap["overlap"] if overlap else None,
+        "split_backward_factor": (measured["split_backward"]["factor"]
+                                  if "split_backward" in measured else None),
     }
     return {
         "schema": PROFILE_SCHEMA,
@@ -731,6 +773,8 @@ def _sources(options: CalibrationOptions, preset_name: str | None, vendor: bool,
         "comm_overlap": (f"measured: an all-reduce over {ranks} alone, matmuls alone, "
                          f"and both at once" if link else
                          f"{fallback} (one process: no collective to overlap)"),
+        "split_backward_factor": "measured: two linear blocks' backward as input then "
+                                 "weight gradients (two autograd passes) over one pass",
     }
 
 
@@ -812,7 +856,8 @@ def _budget_rows(profile: dict) -> list[str]:
                "intra_node_bandwidth": _rate, "intra_node_latency_s": format_seconds,
                "link_latency_s": format_seconds, "inter_node_bandwidth": _rate,
                "op_overhead_s": format_seconds, "op_overhead_backward_s": format_seconds,
-               "matmul_overhead_s": format_seconds, "comm_overlap": "{:.2f}".format}
+               "matmul_overhead_s": format_seconds, "comm_overlap": "{:.2f}".format,
+               "split_backward_factor": "{:.2f}".format}
     for key, show in formats.items():
         mine = "(preset)" if budget.get(key) is None else show(budget[key])
         theirs = getattr(preset, key) if preset else None

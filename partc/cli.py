@@ -68,6 +68,7 @@ BUDGET_FLAGS = {
     "disk_bandwidth": "--disk-bandwidth", "collective_links": "--collective-link",
     "op_overhead_s": "--op-overhead", "op_overhead_backward_s": "--op-overhead-backward",
     "matmul_overhead_s": "--matmul-overhead", "comm_overlap": "--comm-overlap",
+    "split_backward_factor": "--split-backward-factor",
 }
 
 UNITS = """\
@@ -344,6 +345,10 @@ def _budget_arguments(group, *, devices: bool = True) -> None:
                        help="the share (0 to 1) of a collective's time that compute "
                             "running beside it hides (default: the profile's, else 1 on "
                             "GPUs and 0 on CPUs)")
+    group.add_argument("--split-backward-factor", type=POSITIVE, metavar="FACTOR",
+                       help="a backward run as input then weight gradients (zero-bubble "
+                            "schedules) over one pass (default: the profile's, else 1 on "
+                            "GPUs, 1.25 on CPUs)")
     group.add_argument("--disk-bandwidth", type=RATE, metavar="RATE",
                        help="checkpoint write rate per rank, e.g. 2GB/s (the report's "
                             "predicted save time)")

@@ -54,6 +54,7 @@ def device_numbers(budget: DeviceBudget, dtype: torch.dtype) -> DeviceNumbers:
         op_overhead_backward_s=budget.overhead("op_overhead_backward_s"),
         matmul_overhead_s=budget.overhead("matmul_overhead_s"),
         comm_overlap=budget.overhead("comm_overlap"),
+        split_backward_factor=budget.overhead("split_backward_factor"),
     )
 
 
@@ -187,6 +188,7 @@ def budget_from_info(info: BudgetInfo) -> DeviceBudget:
         collective_links=info.collective_links, op_overhead_s=info.op_overhead_s,
         op_overhead_backward_s=info.op_overhead_backward_s,
         matmul_overhead_s=info.matmul_overhead_s, comm_overlap=info.comm_overlap,
+        split_backward_factor=info.split_backward_factor,
         disk_bandwidth=info.disk_bandwidth)
 
 

@@ -23,7 +23,10 @@ Model (per pipeline stage ``s`` of ``p``, ``m`` microbatches of ``b`` samples):
   outgoing cut (forward) and of its gradient (backward) over the link to the next stage;
 - pipeline time, in closed form for the planner's search: ``(m - 1) * max_s t_s +
   sum_s t_s``: every microbatch passes the bottleneck stage, and the first one passes
-  every stage once (GPipe and 1F1B alike); with ``v`` virtual stages per rank (placed as
+  every stage once (GPipe and 1F1B alike); under a zero-bubble schedule, which runs a
+  layer's backward as an input-gradient then a weight-gradient pass, its backward compute
+  costs ``DeviceNumbers.split_backward_factor`` times one pass (:func:`split_factor`);
+  with ``v`` virtual stages per rank (placed as
   the schedule places them, :mod:`partc.schedules`; ``t_s`` sums them) the fill-and-drain
   term is divided by ``v``, and by 3 more under a zero-bubble schedule
   (:attr:`PipelineConfig.fill_divisor`). The step time a plan reports is the schedule
@@ -59,6 +62,7 @@ from dataclasses import dataclass, replace
 from typing import Any, Iterable, Sequence
 
 from .collectives import Group, collective_seconds
+from .schedules import schedule as schedule_info
 from .problem import (BUCKET_ELEMENTS, ZERO_STAGES, DeviceNumbers, HeavyOp, LayerCost,
                       MoECost, PlanningProblem, effective_zero_stage)
 
@@ -74,6 +78,15 @@ def overlapped(compute_s: float, comm_s: float, overlap: float) -> float:
     (:attr:`DeviceNumbers.comm_overlap`) of the shorter one hides behind the longer:
     ``max`` of the two at 1, their sum at 0."""
     return compute_s + comm_s - overlap * min(compute_s, comm_s)
+
+
+def split_factor(problem: PlanningProblem, config: "PipelineConfig") -> float:
+    """What a layer's backward compute costs under ``config``'s schedule over one pass:
+    :attr:`DeviceNumbers.split_backward_factor` where the schedule runs it as an input-
+    then a weight-gradient pass (the zero-bubble schedules), else 1."""
+    if schedule_info(config.schedule).split_backward:
+        return problem.devices.split_backward_factor
+    return 1.0
 
 
 def permille(share: float) -> int:
@@ -455,7 +468,7 @@ def _layer_table(problem: PlanningProblem, config: PipelineConfig, index: int) -
     # the layer once for its backward, recompute included.
     rerun = {m: comm["forward"] if m != "none" else 0.0 for m in layer.modes}
     forward = sum(work["forward"]) + comm["forward"]
-    backward = sum(work["backward"]) + comm["backward"]
+    backward = split_factor(problem, config) * sum(work["backward"]) + comm["backward"]
     return LayerTable(
         forward_ps=to_ps(overlapped(forward, zero["forward"], devices.comm_overlap)),
         backward_ps=to_ps(overlapped(backward, zero["backward"], devices.comm_overlap)),
@@ -582,7 +595,8 @@ class TableCache:
     def rows(self, problem: PlanningProblem, config: PipelineConfig) -> tuple[LayerTable, ...]:
         """One row per layer; layers with equal numbers share one row object."""
         family = (config.micro_batch_size, config.dp, config.tp, config.sequence_parallel,
-                  config.tp_objective, config.zero_stage)
+                  config.tp_objective, config.zero_stage,
+                  schedule_info(config.schedule).split_backward)
         known = self._tables.get(("rows", family, id(problem.model)))
         if known is not None:
             return known
@@ -975,7 +989,8 @@ def moe_layer_table(whole: MoECost, problem: PlanningProblem, config: PipelineCo
     zero_dense = _zero_comm_seconds(problem, config, dense)
     zero_experts = _zero_comm_seconds(problem, expert_config, experts)
     forward = sum(work["forward"]) + comm["forward"] + extra + a2a
-    backward = sum(work["backward"]) + comm["backward"] + 2 * extra + a2a
+    backward = (split_factor(problem, config) * (sum(work["backward"]) + 2 * extra)
+                + comm["backward"] + a2a)
     replayed = {m: layer.recompute_flops[m] / layer.fwd_flops if layer.fwd_flops else 0.0
                 for m in layer.modes}
     recompute = {m: sum(work["recompute"][m]) + (
@@ -1026,7 +1041,7 @@ def moe_rows(whole: PlanningProblem, problem: PlanningProblem, config: PipelineC
         return rows
     key = ("moe rows", config.micro_batch_size, config.dp, config.tp,
            config.sequence_parallel, config.tp_objective, config.zero_stage, config.ep,
-           id(problem.model))
+           schedule_info(config.schedule).split_backward, id(problem.model))
     known = cache._tables.get(key)
     if known is not None and known[0] is problem.model:
         return known[1]

@@ -42,6 +42,10 @@ class DevicePreset:
     # CPU 0: gloo's threads need the cores that the ranks' compute already fills, so a
     # collective "overlapping" backward delays it as much as it would run alone.
     comm_overlap: float = 1.0
+    # A layer's backward run as two autograd passes (input gradient, then weight
+    # gradient: the zero-bubble schedules) over one: autograd walks the graph twice.
+    # GPUs 1 (not measured: the walk hides behind queued kernels); a CPU pays it.
+    split_backward_factor: float = 1.0
 
 
 PRESETS: dict[str, DevicePreset] = {
@@ -89,7 +93,7 @@ PRESETS: dict[str, DevicePreset] = {
             # Round figures of what `partc calibrate` measured on a shared 2-core x86
             # machine (14 and 30 us per op, 0-3 us per matmul).
             op_overhead_s=10e-6, op_overhead_backward_s=20e-6, matmul_overhead_s=2e-6,
-            comm_overlap=0.0),
+            comm_overlap=0.0, split_backward_factor=1.25),
     )
 }
 _ALIASES = {"A100": "A100-80GB", "H100": "H100-80GB", "H200-141GB": "H200", "cpu": "CPU"}

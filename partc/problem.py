@@ -306,6 +306,9 @@ class DeviceNumbers:
     # * min(c, t). 1 where the collective has its own engine (NCCL on a GPU); on a CPU
     # whose cores the ranks' compute fills, gloo's threads compete for them (calibrated).
     comm_overlap: float = 1.0
+    # A layer's backward as two autograd passes (input, then weight gradients: the
+    # zero-bubble schedules) over one pass; calibrated on a CPU.
+    split_backward_factor: float = 1.0
 
     def __post_init__(self) -> None:
         if len(self.memory_bytes) != self.num_devices:
@@ -314,6 +317,9 @@ class DeviceNumbers:
             value = getattr(self, name)
             if not value >= 0:
                 raise ValueError(f"DeviceNumbers.{name} must be 0 or more, got {value!r}")
+        if not self.split_backward_factor >= 1.0:
+            raise ValueError(f"DeviceNumbers.split_backward_factor must be 1 or more, got "
+                             f"{self.split_backward_factor!r}")
         if not 0.0 <= self.comm_overlap <= 1.0:
             raise ValueError(f"DeviceNumbers.comm_overlap must be in [0, 1], got "
                              f"{self.comm_overlap!r}")

@@ -28,7 +28,7 @@ from tests import models
 
 BUDGET_NUMBERS = ("peak_flops", "flops_efficiency", "hbm_bandwidth", "devices_per_node",
                   "intra_node_bandwidth", "intra_node_latency_s", "link_latency_s",
-                  "inter_node_bandwidth", "comm_overlap")
+                  "inter_node_bandwidth", "comm_overlap", "split_backward_factor")
 
 
 @pytest.fixture(scope="module")
@@ -59,7 +59,7 @@ def test_profile_schema_and_summary(calibrated):
     assert device["kind"] == "cpu" and device["name"] and device["preset"] == "CPU"
     assert device["processes"] == 2 and device["threads_per_process"] >= 1
     assert set(profile["measurements"]) == {"matmul", "linear", "attention", "memory",
-                                            "collectives", "op_overhead"}
+                                            "collectives", "op_overhead", "split_backward"}
     assert set(profile["measurements"]["matmul"]) == {"float32", "bfloat16"}
     for key in BUDGET_NUMBERS:
         assert key in profile["budget"] and key in profile["sources"]
@@ -102,6 +102,12 @@ def test_budget_numbers_follow_from_the_samples(calibrated):
     hidden = (overlap["all_reduce_s"] + overlap["compute_s"] - overlap["both_s"]) / min(
         overlap["all_reduce_s"], overlap["compute_s"])
     assert budget["comm_overlap"] == pytest.approx(min(1.0, max(0.0, hidden)))
+    # A backward as input then weight gradients, over one pass: at least 1.
+    split = measured["split_backward"]
+    assert budget["split_backward_factor"] == split["factor"] >= 1.0
+    assert split["factor"] == pytest.approx(max(1.0, (
+        split["forward_split_backward_s"] - split["forward_s"])
+        / (split["forward_backward_s"] - split["forward_s"])))
     attention = measured["attention"]
     b, h, s, d = attention["shape"].values()
     for name in ("float32", "float32_causal", "bfloat16", "bfloat16_causal"):

@@ -134,3 +134,22 @@ def test_each_collective_kind_is_priced_by_its_own_link():
     # reduce-scattered (2 ms + 40 ms) in backward: each phase longer than its compute.
     assert row.forward_ps / PS_PER_S == pytest.approx(21e-3)
     assert row.backward_ps / PS_PER_S == pytest.approx(21e-3 + 42e-3)
+
+
+def test_a_zero_bubble_schedule_prices_backward_as_two_passes():
+    """Under a schedule that splits backward into input and weight gradients, a layer's
+    backward compute costs DeviceNumbers.split_backward_factor times one pass (autograd
+    walks the graph twice); forward, and the other schedules, are unchanged."""
+    layer = instances.layer("block", flops=1e9)
+    split = dataclasses.replace(DEVICES, split_backward_factor=1.5)
+    problem = instances.problem([layer, layer], [0.0], split, batch=4)
+
+    def row(schedule: str, chunks: int = 1):
+        config = PipelineConfig(pp=1, dp=1, micro_batch_size=1, num_microbatches=4,
+                                schedule=schedule, chunks=chunks)
+        return build_cost_table(problem, config).layers[0]
+
+    whole, zero_bubble = row("1f1b"), row("zbv-zero-bubble", 2)
+    assert zero_bubble.forward_ps == whole.forward_ps
+    assert zero_bubble.backward_ps == pytest.approx(1.5 * whole.backward_ps, rel=1e-9)
+    assert row("interleaved-1f1b", 2).backward_ps == whole.backward_ps
