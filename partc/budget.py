@@ -129,36 +129,18 @@ def _profile_from_dict(data: dict, where: str) -> DeviceProfile:
                                    f"(and finite), got {entry!r}")
         return {dtype: float(entry) for dtype, entry in value.items()}
 
-    def overhead(key: str) -> float | None:
+    def measured(key: str, low: float, high: float, expected: str) -> float | None:
         """Written since profiles measure it; absent (an older profile) or null: None."""
         value = budget.get(key)
         if value is None:
             return None
         if isinstance(value, bool) or not isinstance(value, (int, float)) \
-                or not math.isfinite(value) or value < 0:
-            raise ProfileError(f"{where}: budget.{key} must be a number of seconds, 0 or "
-                               f"more, got {value!r}")
+                or not low <= value <= high:   # NaN fails the comparison
+            raise ProfileError(f"{where}: budget.{key} must be {expected}, got {value!r}")
         return float(value)
 
-    def fraction(key: str) -> float | None:
-        value = budget.get(key)
-        if value is None:
-            return None
-        if isinstance(value, bool) or not isinstance(value, (int, float)) \
-                or not 0 <= value <= 1:
-            raise ProfileError(f"{where}: budget.{key} must be a number in [0, 1], got "
-                               f"{value!r}")
-        return float(value)
-
-    def factor(key: str) -> float | None:
-        value = budget.get(key)
-        if value is None:
-            return None
-        if isinstance(value, bool) or not isinstance(value, (int, float)) \
-                or not math.isfinite(value) or value < 1:
-            raise ProfileError(f"{where}: budget.{key} must be a number of at least 1, got "
-                               f"{value!r}")
-        return float(value)
+    def overhead(key: str) -> float | None:
+        return measured(key, 0.0, math.inf, "a number of seconds, 0 or more")
 
     required = {key: number(key) for key in _REQUIRED_NUMBERS}
     optional = {key: number(key, optional=True) for key in _OPTIONAL_NUMBERS}
@@ -181,8 +163,9 @@ def _profile_from_dict(data: dict, where: str) -> DeviceProfile:
         intra_node_latency_s=optional["intra_node_latency_s"],
         collective_links=_collective_links(data, where),
         **{key: overhead(key) for key in _OVERHEADS},
-        comm_overlap=fraction("comm_overlap"),
-        split_backward_factor=factor("split_backward_factor"))
+        comm_overlap=measured("comm_overlap", 0.0, 1.0, "a number in [0, 1]"),
+        split_backward_factor=measured("split_backward_factor", 1.0, math.inf,
+                                       "a number of at least 1"))
 
 
 def _collective_links(data: dict, where: str) -> tuple[tuple[str, float, float], ...]:
