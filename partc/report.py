@@ -441,7 +441,7 @@ def _solver(plan: Plan) -> list[str]:
     unsettled = s.configs_total - s.configs_solved - s.configs_pruned
     if unsettled > 0:
         how += f"; {unsettled} not reached within the time limit"
-    solved = [o for o in plan.schedules if o.how == "solved split"]
+    solved = [o for o in plan.schedules if o.how.startswith("solved split")]
     if solved:
         how += (f". The step and bound above are the closed form's (1F1B, GPipe), which "
                 f"chose the mesh; then {plural(len(solved), 'other schedule')} were solved "

@@ -135,24 +135,40 @@ def schedule_candidates(problem: PlanningProblem, config: PipelineConfig
     under every schedule of ``SCHEDULES`` the closed-form search does not weigh, with
     each virtual-stage count the schedule allows (``AUTO_VIRTUAL_STAGES`` for those that
     take any, or the pinned one), where torch runs it on ``config``'s ranks and
-    microbatches and with its ZeRO stage (:func:`partc.schedules.refusal`,
-    ``feature_refusal``), every run holds a layer, and the schedule and stages are not
-    pinned. Empty for one stage."""
+    microbatches (:func:`partc.schedules.refusal`) and every run holds a layer; with
+    ``config``'s ZeRO stage, or where the runtime refuses the schedule with it
+    (``feature_refusal``: a split backward under FSDP) with the highest one it runs
+    and the pins allow. None when the schedule or the stages are pinned, or with one
+    stage."""
     pins = problem.pins
     if pins.schedule is not None or pins.stages is not None or config.pp == 1:
         return []
-    zero = config.zero_stage if config.dp > 1 else 0
     found = []
     for name in SCHEDULES:
-        if name in AUTO_SCHEDULES or feature_refusal(name, zero, problem.train.compiled):
+        zero = _runnable_zero(problem, config, name)
+        if name in AUTO_SCHEDULES or zero is None:
             continue
         info = schedule_info(name)
         counts = ([pins.virtual_stages] if pins.virtual_stages is not None
                   else list(info.virtual_stages) or list(AUTO_VIRTUAL_STAGES))
-        found += [dataclasses.replace(config, schedule=name, chunks=v) for v in counts
+        found += [dataclasses.replace(config, schedule=name, chunks=v, zero_stage=zero)
+                  for v in counts
                   if info.allows_virtual_stages(v) and config.pp * v <= problem.num_layers
                   and refusal(name, config.pp, v, config.num_microbatches) is None]
     return found
+
+
+def _runnable_zero(problem: PlanningProblem, config: PipelineConfig, name: str) -> int | None:
+    """``config``'s ZeRO stage if the runtime runs ``name`` with it, else the highest
+    lower one it runs (and the pins allow), else None."""
+    compiled = problem.train.compiled
+    if config.dp == 1:
+        return config.zero_stage if feature_refusal(name, 0, compiled) is None else None
+    pinned = problem.pins.zero_stage
+    for zero in range(config.zero_stage, -1, -1):
+        if feature_refusal(name, zero, compiled) is None and pinned in (None, zero):
+            return zero
+    return None
 
 
 def choose_schedule(problem: PlanningProblem, best: ConfigResult, options: PlannerOptions,
@@ -478,8 +494,11 @@ def schedule_options(problem: PlanningProblem, chosen: ConfigResult,
                 continue
             if trial is not None:
                 evaluation = trial.result.evaluation
+                zero = trial.config.effective_zero_stage
                 others.append(ScheduleOption(
-                    schedule=name, virtual_stages=v, how="solved split",
+                    schedule=name, virtual_stages=v,
+                    how="solved split" + (f" (ZeRO-{zero})"
+                                          if zero != config.effective_zero_stage else ""),
                     step_time_s=trial.step_ps / PS_PER_S,
                     bubble_fraction=simulated_step_ps(trial.config, evaluation)[1],
                     peak_memory_bytes=max(s.memory["peak"] for s in evaluation.stages)))
@@ -487,7 +506,9 @@ def schedule_options(problem: PlanningProblem, chosen: ConfigResult,
             if v > 1 and (config.pp == 1 or problem.pins.stages is not None
                           or config.pp * v > problem.num_layers):
                 continue
-            refused = refusal(name, config.pp, v, config.num_microbatches)
+            refused = refusal(name, config.pp, v, config.num_microbatches) or (
+                feature_refusal(name, config.zero_stage if config.dp > 1 else 0,
+                                problem.train.compiled))
             if refused:
                 others.append(ScheduleOption(schedule=name, virtual_stages=v, how=refused))
                 continue

@@ -204,23 +204,29 @@ def repeated_problem(rng: random.Random) -> PlanningProblem:
 
 
 def schedule_trials_expected(prob: PlanningProblem, config: PipelineConfig) -> set:
-    """The (schedule, v) the automatic schedule choice must try on ``config`` besides it,
-    enumerated apart from the planner: every schedule the closed-form search does not
-    weigh, with the virtual-stage counts it takes (2-4 for those taking any, or the
-    pinned one), where torch runs it and its ZeRO stage, and every run gets a layer;
+    """The (schedule, v, ZeRO stage) the automatic schedule choice must try on ``config``
+    besides it, enumerated apart from the planner: every schedule the closed-form search
+    does not weigh, with the virtual-stage counts it takes (2-4 for those taking any, or
+    the pinned one), where torch runs it and every run gets a layer, at the ZeRO stage of
+    ``config`` or the highest lower one the runtime runs the schedule with;
     none when the schedule or the stages are pinned, or with one stage."""
     if prob.pins.schedule or prob.pins.stages is not None or config.pp == 1:
         return set()
-    zero = config.zero_stage if config.dp > 1 else 0
     expected = set()
     for name in SCHEDULES:
-        if name in AUTO_SCHEDULES or feature_refusal(name, zero, prob.train.compiled):
+        # The configuration's ZeRO stage, or the highest lower one the runtime runs the
+        # schedule with (a split backward under FSDP is refused) and the pins allow.
+        zeros = [z for z in range(config.zero_stage if config.dp > 1 else 0, -1, -1)
+                 if feature_refusal(name, z, prob.train.compiled) is None
+                 and (config.dp == 1 or prob.pins.zero_stage in (None, z))]
+        if name in AUTO_SCHEDULES or not zeros:
             continue
         counts = schedule_info(name).virtual_stages or (2, 3, 4)
         if prob.pins.virtual_stages is not None:
             counts = [v for v in (prob.pins.virtual_stages,)
                       if schedule_info(name).allows_virtual_stages(v)]
-        expected |= {(name, v) for v in counts if config.pp * v <= prob.num_layers
+        expected |= {(name, v, zeros[0] if config.dp > 1 else config.zero_stage)
+                     for v in counts if config.pp * v <= prob.num_layers
                      and refusal(name, config.pp, v, config.num_microbatches) is None}
     return expected
 

@@ -45,7 +45,7 @@ def test_two_balanced_stages_halve_the_steady_state():
     auto = plan_problem(problem(layers, [0.0] * 3, devices(2, 10**9), batch=4,
                                 micro_batch_sizes=(1,), pins=Pins(pp=2)))
     assert auto.schedule != "1f1b" and 24 * MS <= auto.predicted.step_time_s <= 25 * MS
-    assert {o.schedule for o in auto.schedules if o.how == "solved split"} >= {
+    assert {o.schedule for o in auto.schedules if o.how.startswith("solved split")} >= {
         "interleaved-1f1b", "zbv-zero-bubble"}
 
 
@@ -184,7 +184,7 @@ def _check_schedule_choice(prob, result, plan) -> None:
     from partc.costs import PS_PER_S, simulated_step_ps
 
     trials = result.schedule_trials
-    tried = {(t.config.schedule, t.config.chunks) for t in trials[1:]}
+    tried = {(t.config.schedule, t.config.chunks, t.config.zero_stage) for t in trials[1:]}
     assert tried == schedule_trials_expected(prob, trials[0].config)
     for trial in trials[1:]:
         oracle = best_split_of(prob, trial.config)
@@ -356,7 +356,8 @@ def test_same_problem_twice_gives_identical_plans_with_or_without_a_shared_table
         shared = TableCache()
         assert _search(solve(prob, table_cache=shared)) == _search(alone)
         again = solve(prob, table_cache=shared)
-        assert shared.best_config == alone.best.table.config
+        # The closed-form search's best configuration seeds the next search.
+        assert shared.best_config == alone.searched.table.config
         assert _plan(again) == _plan(alone)
         checked += 1
     assert checked >= 4
