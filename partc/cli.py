@@ -589,7 +589,8 @@ def plan_command(args: argparse.Namespace) -> int:
 class _Bars:
     """Draws each phase :mod:`partc.progress` reports as a tqdm bar on stderr."""
 
-    UNITS = {"trace": "step", "tensor parallelism": "option", "search": "config"}
+    UNITS = {"trace": "step", "tensor parallelism": "option", "search": "config",
+             "schedules": "schedule"}
 
     def __init__(self) -> None:
         from tqdm import tqdm

@@ -10,7 +10,9 @@ that draws progress bars; the library never prints. The phases:
   parallelism, per objective: choosing the layers' shardings and measuring one rank's
   share (the long phase of a large model);
 - ``"search"``: the planner's configurations, with the best step time found so far
-  (``incumbent_s``) and the lowest any configuration could still reach (``bound_s``).
+  (``incumbent_s``) and the lowest any configuration could still reach (``bound_s``);
+- ``"schedules"``: with the schedule left to the planner, each other schedule solved on
+  the chosen configuration, with the fastest played-out step so far (``incumbent_s``).
 
 A phase may start again (``done=0``), as tracing does when repeated blocks cannot stand for
 the whole model; it ends with ``done == total``.

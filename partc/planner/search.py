@@ -181,7 +181,11 @@ def choose_schedule(problem: PlanningProblem, best: ConfigResult, options: Plann
     step, _ = simulated_step_ps(best.table.config, best.evaluation)
     trials = [ScheduleTrial(config=best.table.config, result=best, step_ps=step)]
     chosen, chosen_step, finished = best, step, True
-    for config in schedule_candidates(problem, best.table.config):
+    candidates = schedule_candidates(problem, best.table.config)
+    for done, config in enumerate(candidates):
+        progress.update("schedules", done, len(candidates),
+                        f"{config.schedule}, v={config.chunks}",
+                        incumbent_s=chosen_step / PS_PER_S)
         remaining = deadline - time.perf_counter()
         if remaining <= 0:
             finished = False
@@ -202,6 +206,9 @@ def choose_schedule(problem: PlanningProblem, best: ConfigResult, options: Plann
         trials.append(ScheduleTrial(config=config, result=result, step_ps=step))
         if step < chosen_step:
             chosen, chosen_step = result, step
+    if candidates:
+        progress.update("schedules", len(candidates), len(candidates),
+                        incumbent_s=chosen_step / PS_PER_S)
     return chosen, tuple(trials), finished
 
 
