@@ -367,8 +367,8 @@ def _refuse(region: MoERegion, why: str) -> PartcError:
 def _experts_call(gm: fx.GraphModule, region: MoERegion) -> _ExpertsCall:
     if region.expert_form != "batched":
         raise _refuse(region, "only experts held as batched weights (a leading experts "
-                              "dimension) run expert-parallel; this model's are a module "
-                              "list")
+                              "dimension) run expert-parallel or with a capacity factor; "
+                              "this model's are a module list")
     module = _common_prefix([f.rpartition(".")[0] for f in region.expert_params])
     inside = [n for n in gm.graph.nodes if n.op.startswith("call_")
               and (meta.module_path(n) == module or meta.module_path(n).startswith(module + "."))]

@@ -71,6 +71,21 @@ def check_ep_pin(problem: PlanningProblem) -> None:
                       f"model's mixture-of-experts layers")
 
 
+def check_capacity(problem: PlanningProblem) -> None:
+    """Refuse a capacity factor for experts held as a module list: the runtime's expert
+    module, which drops the tokens beyond capacity, runs batched experts only."""
+    factor, listed = problem.train.moe_capacity_factor, problem.module_list_experts
+    if factor is None or not listed:
+        return
+    raise PlanInfeasibleError(
+        f"TrainSpec.moe_capacity_factor={factor:g} drops the tokens beyond each expert's "
+        f"capacity, which partc does for experts held as batched weights only; this "
+        f"model's experts are an nn.ModuleList called one by one (layers "
+        f"{', '.join(listed)}). Leave moe_capacity_factor None (dropless) or hold the "
+        f"experts as batched weights", resource="moe_capacity_factor",
+        suggestion="leave moe_capacity_factor None")
+
+
 def _refuse(message: str, suggestion: str = "change or drop the ep pin"
             ) -> PlanInfeasibleError:
     return PlanInfeasibleError(f"cannot hold the pin ep: {message}", resource="pin",
@@ -79,8 +94,10 @@ def _refuse(message: str, suggestion: str = "change or drop the ep pin"
 
 def expand(problem: PlanningProblem, configs: list[PipelineConfig]) -> list[PipelineConfig]:
     """Each configuration once per expert-parallel degree it allows (:func:`ep_choices`);
-    a pinned ``ep`` that none allows is refused with the meshes it met."""
+    a pinned ``ep`` that none allows is refused with the meshes it met, and a capacity
+    factor for experts the runtime cannot cap (:func:`check_capacity`)."""
     check_ep_pin(problem)
+    check_capacity(problem)
     expanded = [dataclasses.replace(config, ep=ep) if ep != config.ep else config
                 for config in configs for ep in ep_choices(problem, config)]
     if configs and not expanded:
