@@ -8,7 +8,8 @@ moe_layer_table`). The search enumerates ``ep`` jointly with the rest of a pipel
 configuration (:func:`expand`): every ``ep`` dividing dp x tp and every MoE layer's
 expert count, the pinned one only when ``Constraints.ep`` is given. The runtime splits
 only experts held as batched weights (``MoECost.expert_form``): a model with a layer
-whose experts are a module list keeps ep = 1, and an ep > 1 pin on it is refused. With tensor
+whose experts are a module list keeps ep = 1, and an ep > 1 pin on it is refused (so is
+a capacity factor, which the runtime applies to batched experts only). With tensor
 parallelism, expert parallelism needs sequence parallelism (each tensor-parallel rank
 then dispatches its own share of the tokens; without it the ranks of a group hold the
 same tokens and would send them twice), as Megatron requires.
@@ -59,9 +60,10 @@ def check_ep_pin(problem: PlanningProblem) -> None:
     listed = problem.module_list_experts
     if listed:
         raise _refuse(f"ep={pinned} splits the routed experts over ranks, and this "
-                      f"model's experts are an nn.ModuleList called one by one (layers {', '.join(listed)}); expert parallelism needs batched "
-                      f"expert weights (one parameter per projection with a leading "
-                      f"experts dimension, run over the tokens sorted by expert, as Hugging "
+                      f"model's experts are an nn.ModuleList called one by one (layers "
+                      f"{', '.join(listed)}); expert parallelism needs batched expert "
+                      f"weights (one parameter per projection with a leading experts "
+                      f"dimension, run over the tokens sorted by expert, as Hugging "
                       f"Face's current MoE models hold them). Drop the ep pin (the plan "
                       f"keeps ep=1) or hold the experts as batched weights",
                       suggestion="drop the ep pin, or hold the experts as batched weights")

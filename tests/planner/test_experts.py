@@ -290,8 +290,9 @@ def test_module_list_experts_keep_ep_1_and_the_validator_refuses_more():
     assert Plan.from_json(plan.to_json()) == plan
     assert "module_list_experts" not in split.to_dict()
     # The batched twin's ep > 1 plan, offered for the module-list model.
+    offered = dataclasses.replace(split, module_list_experts=plan.module_list_experts)
     with pytest.raises(PlanValidationError, match="module list, which the runtime does not split"):
-        validate_plan(listed, dataclasses.replace(split, module_list_experts=plan.module_list_experts))
+        validate_plan(listed, offered)
     with pytest.raises(PlanValidationError, match="as layers whose experts are a module list"):
         validate_plan(listed, dataclasses.replace(plan, module_list_experts=()))
 
