@@ -1,7 +1,8 @@
 """Expert parallelism against one process: every case of tests/runtime/moe_worker.py
 (the sample, Mixtral, Qwen2-MoE, Qwen3-MoE, DeepSeek-V3; ep over dp, with pp, with a
-capacity factor), one table of the worst relative loss and parameter differences and
-the all-to-alls of tokens per step, counted at run time, against the plan's own count
+capacity factor; experts in a module list, kept at ep=1), one table of the worst
+relative loss and parameter differences and the all-to-alls of tokens per step, counted
+at run time, against the plan's own count
 
     python benchmarks/moe_parity.py
 """
@@ -14,12 +15,13 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from tests.runtime.test_moe import AUX, SLOW_FOUR, SLOW_TWO, DEFAULT, launch  # noqa: E402
+from tests.runtime.test_moe import (AUX, DEFAULT, MODULE_LIST, SLOW_FOUR, SLOW_TWO,  # noqa: E402
+                                    launch)
 
 
 def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
-        runs = [(4, DEFAULT + SLOW_FOUR), (2, SLOW_TWO + AUX)]
+        runs = [(4, DEFAULT + SLOW_FOUR), (2, SLOW_TWO + AUX + MODULE_LIST)]
         print(f"{'case':26s} {'pp dp tp ep':12s} {'loss rel':>9s} {'param rel':>9s} "
               f"{'a2a/step run':>12s} {'plan':>5s} {'dropped':>7s}")
         for nproc, cases in runs:

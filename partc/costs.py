@@ -1061,10 +1061,10 @@ def moe_rows(whole: PlanningProblem, problem: PlanningProblem, config: PipelineC
 
 
 def _moe_key(moe: MoECost | None) -> tuple | None:
-    """Every number of a MoECost (its dict of saved bytes as sorted items)."""
+    """Every field of a MoECost (its dict of saved bytes as sorted items)."""
     if moe is None:
         return None
     return (moe.num_experts, moe.top_k, moe.hidden, moe.tokens_per_sample,
             moe.expert_param_count, moe.expert_param_bytes, moe.expert_fwd_flops,
             tuple(sorted(moe.expert_saved_bytes.items())), moe.dispatch_bytes,
-            moe.capacity_factor, moe.aux_loss)
+            moe.capacity_factor, moe.aux_loss, moe.expert_form)

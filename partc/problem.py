@@ -104,6 +104,10 @@ class HeavyOp:
     bwd_extra_flops: float = 0.0
 
 
+# How a mixture-of-experts layer holds its routed experts (passes/moe.py recognises both).
+EXPERT_FORMS = ("batched", "module-list")
+
+
 @dataclass(frozen=True, kw_only=True)
 class MoECost:
     """The routed experts of a mixture-of-experts layer, per sample of the batch, at
@@ -112,7 +116,11 @@ class MoECost:
     process runs them; the planner divides the expert parameters over the
     expert-parallel group, adds the all-to-all, and scales the expert activations by
     the routing imbalance it budgets for. The router, the shared experts and the
-    combine stay in the layer's ordinary figures and are never expert-parallel."""
+    combine stay in the layer's ordinary figures and are never expert-parallel.
+
+    ``expert_form`` is how the model holds the routed experts: ``"batched"`` weights
+    with a leading experts dimension, or a ``"module-list"`` of experts called one by
+    one. The runtime splits batched experts only, so a module list keeps ep = 1."""
 
     num_experts: int
     top_k: int
@@ -125,6 +133,12 @@ class MoECost:
     dispatch_bytes: float           # one all-to-all's payload per sample (tokens x top_k x hidden x dtype)
     capacity_factor: float | None = None   # None: dropless
     aux_loss: bool = False          # the model adds a load-balancing loss
+    expert_form: str = "batched"    # batched | module-list (see EXPERT_FORMS)
+
+    def __post_init__(self) -> None:
+        if self.expert_form not in EXPERT_FORMS:
+            raise ValueError(f"MoECost.expert_form must be one of {EXPERT_FORMS}, "
+                             f"not {self.expert_form!r}")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -382,6 +396,13 @@ class PlanningProblem:
     @property
     def num_layers(self) -> int:
         return len(self.model.layers)
+
+    @property
+    def module_list_experts(self) -> tuple[str, ...]:
+        """The mixture-of-experts layers whose routed experts are a module list, which
+        the runtime does not split: with any, ep stays 1."""
+        return tuple(layer.name for layer in self.layers
+                     if layer.moe is not None and layer.moe.expert_form == "module-list")
 
     def variant(self, tp: int, sequence_parallel: bool = False,
                 objective: str = "time") -> "PlanningProblem":

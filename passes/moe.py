@@ -167,33 +167,43 @@ def _expert_params(gm: fx.GraphModule, downstream: set[fx.Node], num_experts: in
     """The routed experts' parameter FQNs among those the dispatch reads in ``block``,
     and their form."""
     prefix = block + "." if block else ""
-    fqns: list[str] = []
-    for node in gm.graph.nodes:
-        if node not in downstream:
-            continue
-        for fqn in _weights_read(node):
-                if fqn.startswith(prefix) and fqn not in exclude and fqn not in fqns:
-                    fqns.append(fqn)
+    fqns = _block_weights(gm, downstream, prefix, exclude)
     shapes = {f: tuple(_param(gm, f).shape) for f in fqns}
     batched = tuple(f for f in fqns if shapes[f] and shapes[f][0] == num_experts
                     and len(shapes[f]) >= 2)
     if batched:
         return batched, "batched"
-    listed = tuple(f for f in fqns if _list_index(f, num_experts) is not None)
-    indices = {_list_index(f, num_experts) for f in listed}
-    if listed and indices == set(range(num_experts)):
-        return listed, "module-list"
-    return None
+    # A module list may run every expert on every token and weight the outputs by the
+    # router (dense compute): its experts then feed the combine, not follow the top-k.
+    feeding = downstream | _reachable_from(downstream, lambda n: n.all_input_nodes)
+    listed = _module_list(_block_weights(gm, feeding, prefix, exclude), num_experts, prefix)
+    return (listed, "module-list") if listed else None
 
 
-def _list_index(fqn: str, num_experts: int) -> int | None:
-    """``i`` of ``…experts.<i>.weight``: the last number in the FQN, below num_experts."""
-    parts = fqn.split(".")
-    numbers = [i for i, p in enumerate(parts) if p.isdigit()]
-    if not numbers:
-        return None
-    index = int(parts[numbers[-1]])
-    return index if index < num_experts else None
+def _block_weights(gm: fx.GraphModule, nodes: set[fx.Node], prefix: str,
+                   exclude: set[str]) -> list[str]:
+    """FQNs below ``prefix`` that ``nodes`` read, in graph order, but ``exclude``."""
+    fqns: list[str] = []
+    for node in gm.graph.nodes:
+        if node in nodes:
+            fqns += [f for f in _weights_read(node)
+                     if f.startswith(prefix) and f not in exclude and f not in fqns]
+    return fqns
+
+
+def _module_list(fqns: list[str], num_experts: int, prefix: str) -> tuple[str, ...]:
+    """The FQNs of one list of ``num_experts`` modules below ``prefix``
+    (``<prefix><list>.<i>.…`` for every i below num_experts), or none."""
+    lists: dict[str, dict[str, int]] = {}
+    for fqn in fqns:
+        parts = fqn[len(prefix):].split(".")
+        at = next((i for i, part in enumerate(parts) if part.isdigit()), None)
+        if at is not None:
+            lists.setdefault(".".join(parts[:at]), {})[fqn] = int(parts[at])
+    for members in lists.values():
+        if set(members.values()) == set(range(num_experts)):
+            return tuple(members)
+    return ()
 
 
 def _shared_params(gm: fx.GraphModule, module: str, routed: set[str]) -> tuple[str, ...]:
@@ -247,7 +257,13 @@ def _reachable(node: fx.Node, step: Callable[[fx.Node], Iterable[fx.Node]]
                ) -> set[fx.Node]:
     """The nodes ``step`` leads to from ``node``, transitively (``node`` not included
     unless a cycle returns to it)."""
-    seen, stack = set(), [node]
+    return _reachable_from({node}, step)
+
+
+def _reachable_from(nodes: Iterable[fx.Node], step: Callable[[fx.Node], Iterable[fx.Node]]
+                    ) -> set[fx.Node]:
+    """The nodes ``step`` leads to from any of ``nodes``, transitively."""
+    seen, stack = set(), list(nodes)
     while stack:
         for nxt in step(stack.pop()):
             if nxt not in seen:
@@ -351,8 +367,8 @@ def _refuse(region: MoERegion, why: str) -> PartcError:
 def _experts_call(gm: fx.GraphModule, region: MoERegion) -> _ExpertsCall:
     if region.expert_form != "batched":
         raise _refuse(region, "only experts held as batched weights (a leading experts "
-                              "dimension) run expert-parallel; this model's are a module "
-                              "list")
+                              "dimension) run expert-parallel or with a capacity factor; "
+                              "this model's are a module list")
     module = _common_prefix([f.rpartition(".")[0] for f in region.expert_params])
     inside = [n for n in gm.graph.nodes if n.op.startswith("call_")
               and (meta.module_path(n) == module or meta.module_path(n).startswith(module + "."))]

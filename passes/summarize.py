@@ -184,7 +184,7 @@ def moe_cost(gm: fx.GraphModule, ctx: Context, region: MoERegion) -> MoECost:
         tokens_per_sample=region.tokens_per_sample, expert_param_count=count,
         expert_param_bytes=nbytes, expert_fwd_flops=flops,
         expert_saved_bytes={"none": saved, "full": 0.0}, dispatch_bytes=slots * token_bytes,
-        aux_loss=region.aux_loss)
+        aux_loss=region.aux_loss, expert_form=region.expert_form)
 
 
 def _node(gm: fx.GraphModule, name: str) -> fx.Node:

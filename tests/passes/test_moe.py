@@ -14,6 +14,7 @@ from partc.passes.moe import recognize
 from partc.passes.pipeline import _trace, analyze, lowering_passes, run_passes
 from partc.runtime.experts import expert_modules
 from samples import moe
+from tests import models
 from tests.hf_families import FAMILIES
 
 BATCH, SEQ = 2, 8
@@ -68,6 +69,27 @@ def test_hf_families_recognised(family):
                                                                           "down_proj"}
         assert len(region.shared_params) == shared
         assert not region.aux_loss  # output_router_logits off
+
+
+def test_module_list_experts_run_densely_recognised():
+    """Experts in an nn.ModuleList, each run on every token and weighted by the router:
+    they feed the combine without following the top-k, and are recognised as a module
+    list (every expert's weights, none of the gate's or the norm's)."""
+    torch.manual_seed(0)
+    model = models.ListMoEModel()
+    gm, analysis = analyze(model, (_ids(),), loss_fn=models.token_loss, example_target=_ids())
+    regions = recognize(gm, BATCH)
+    assert [r.module for r in regions] == ["moes.0", "moes.1"]
+    for index, region in enumerate(regions):
+        assert (region.num_experts, region.top_k, region.expert_form) == (4, 2, "module-list")
+        assert set(region.expert_params) == {
+            f"moes.{index}.experts.{e}.{proj}.{kind}" for e in range(4)
+            for proj in ("up", "down") for kind in ("weight", "bias")}
+        assert region.gate_params == (f"moes.{index}.gate.weight",)
+    costs = [layer.moe for layer in analysis.layers if layer.moe is not None]
+    assert [c.expert_form for c in costs] == ["module-list"] * 2
+    assert costs[0].expert_param_count == sum(
+        p.numel() for p in model.moes[0].experts.parameters())
 
 
 @pytest.mark.slow

@@ -33,7 +33,7 @@ from partc.passes.pipeline import _trace, lowering_passes, run_passes  # noqa: E
 from partc.runtime import tp as tp_ops  # noqa: E402
 from partc.runtime.experts import expert_modules  # noqa: E402
 from samples import moe  # noqa: E402
-from tests import hf_families  # noqa: E402
+from tests import hf_families, models  # noqa: E402
 
 BATCH, SEQ, STEPS, LR = 8, 16, 3, 0.1
 
@@ -99,6 +99,9 @@ CASES: dict[str, Case] = {
     "qwen2-moe-aux-dp2-ep2": Case(_family("qwen2-moe", output_router_logits=True,
                                           router_aux_loss_coef=AUX_COEF), _hf_aux_loss,
                                   dict(pp=1, dp=2, ep=2), per_microbatch=True),
+    # Experts in an nn.ModuleList, which the runtime does not split: the plan keeps ep=1
+    # (ep is left to the planner).
+    "list-moe-dp2": Case(models.ListMoEModel, models.token_loss, dict(pp=1, dp=2)),
 }
 
 
