@@ -247,8 +247,10 @@ def _state_bytes(problem: PlanningProblem, config: PipelineConfig, params: int,
     """What the runtime holds (see :class:`partc.problem.Precision`): ZeRO's sharding,
     except that under ZeRO-2 FSDP keeps each rank's fp32 shard beside the gathered
     weights (``gathered``: weights the root unit keeps gathered through the step, such as
-    tied ones, likewise under ZeRO-3), and in mixed precision under ZeRO 0/1 the
-    compute-dtype copy of every weight, made once per step, beside the fp32 master."""
+    tied ones, likewise under ZeRO-3), and in mixed precision the compute-dtype weights
+    beside the fp32 master: under ZeRO-0 a copy made once per step beside the whole
+    master, under ZeRO-1 the weights kept in the compute dtype and 1/dp of the master
+    (Megatron's distributed optimizer)."""
     precision = problem.train.precision
     master = precision.master_bytes
     zero = config.effective_zero_stage
@@ -256,7 +258,9 @@ def _state_bytes(problem: PlanningProblem, config: PipelineConfig, params: int,
                              dp=config.dp, stage=zero)
     if zero == 2 or zero == 3 and gathered:
         state["params"] = params * (precision.compute_bytes + master / config.dp)
-    elif zero < 2 and precision.mixed:
+    elif zero == 1 and precision.mixed:
+        state["params"] = params * (precision.compute_bytes + master / config.dp)
+    elif zero == 0 and precision.mixed:
         state["params"] = params * (master + precision.compute_bytes)
     return {kind: int(round(nbytes)) for kind, nbytes in state.items()}
 
@@ -287,7 +291,8 @@ def dp_group(problem: PlanningProblem, config: PipelineConfig) -> Group:
 
 def _tail_ps(problem: PlanningProblem, config: PipelineConfig, params: int) -> int:
     """The optimizer step; under ZeRO-1 each rank steps 1/dp of the parameters, then the
-    updated fp32 weights are all-gathered, bucket by bucket ((d-1)/d of the bytes). Under
+    updated weights are all-gathered, bucket by bucket ((d-1)/d of the bytes; in the
+    compute dtype, cast from the fp32 masters, in mixed precision). Under
     ZeRO-2/3 gradients were reduce-scattered during backward: each rank steps its shard,
     and ZeRO-2 gathers the parameters once per step. (ZeRO 0/1's gradient all-reduce is
     :func:`_sync_ps`.)"""
@@ -302,7 +307,8 @@ def _tail_ps(problem: PlanningProblem, config: PipelineConfig, params: int) -> i
     elif config.effective_zero_stage == 1:
         stepped = params / config.dp
         bandwidth = dp_group(problem, config).link("all_gather")[1]
-        seconds += (config.dp - 1) / config.dp * params * master / bandwidth
+        moved = problem.train.precision.compute_bytes
+        seconds += (config.dp - 1) / config.dp * params * moved / bandwidth
     # The step reads gradients and state and writes weights and state (fp32 all).
     touched = stepped * (2 * master + master + 2 * optimizer)
     seconds += touched / devices.hbm_bandwidth

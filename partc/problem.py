@@ -56,15 +56,15 @@ class Precision:
     ZeRO    fp32                   bf16
     ======  =====================  ===============================================
     0       4 + 4 + 8              (4 + 2) + 4 + 8 (master and step copy)
-    1       4 + 4 + 8/d            (4 + 2) + 4 + 8/d
+    1       4 + 4 + 8/d            (2 + 4/d) + 4 + 8/d (Megatron's: 2 + 4 + 12/d)
     2       4 + 4/d + 8/d          (2 + 4/d) + 4/d + 8/d (gathered bf16, fp32 shard)
     3       16/d                   16/d, and the layers gathered in bf16 as they run
     ======  =====================  ===============================================
 
     (the ZeRO paper's 2 + 2 + 12, :attr:`zero_paper_bytes`; ``partc.costs`` applies the
-    sharding). Megatron's distributed optimizer keeps 2 + 4 + 12/d under ZeRO-1: its
-    fp32 master is sharded too, where partc's stays whole because checkpoints and
-    ``state_dict`` read it from the parameters.
+    sharding). Under ZeRO-1 in mixed precision the runtime is Megatron's distributed
+    optimizer: the weights are kept in the compute dtype and each rank holds the fp32
+    master of its dp shard only (checkpoints and ``full_state_dict`` read the masters).
     """
 
     compute_bytes: float            # a weight as the layers compute with it: 4 fp32, 2 bf16

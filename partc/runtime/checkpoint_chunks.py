@@ -172,6 +172,9 @@ def held_tensors(module: "DistributedModule") -> list[_Held]:
             continue
         seen.add(id(tensor))
         local, sharded = _local(tensor)
+        master = module.master_of(tensor) if isinstance(tensor, torch.nn.Parameter) else None
+        if master is not None:  # ZeRO-1 in mixed precision: the fp32 dp shard is saved
+            local, sharded = master, True
         shape = tuple(whole[fqn]["shape"])
         held.append(_Held(fqn, name, tensor, shape,
                           _index_maps(module, name, shape, local, sharded,
@@ -287,7 +290,9 @@ def optimizer_state(module: "DistributedModule", optimizer: torch.optim.Optimize
     topo = module.topology
     for held, param in optimizer_params(module, optimizer):
         maps = held.maps
-        if dp_sharded(param):  # ZeRO-1's: this rank's dp shard of the parameter
+        # ZeRO-1's: this rank's dp shard of the parameter (already so when the held
+        # tensor is the fp32 master shard, in mixed precision).
+        if dp_sharded(param) and module.master_of(held.tensor) is None:
             maps = [dp_shard(maps[0], topo.dp, topo.dp_rank), *maps[1:]]
         for key, value in state.get(param, {}).items():
             if not isinstance(value, torch.Tensor):

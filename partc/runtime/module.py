@@ -189,7 +189,9 @@ class DistributedModule:
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """This rank's parameters and buffers under the model's own FQNs: its stage's
-        tensors, and of a tensor-parallel parameter only this rank's shard."""
+        tensors, and of a tensor-parallel parameter only this rank's shard. (Under ZeRO-1
+        in mixed precision the parameters are the compute-dtype ones the stage computes
+        with; :meth:`full_state_dict` and checkpoints hold the fp32 masters.)"""
         return {**dict(self.named_parameters()), **dict(self.named_buffers())}
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
@@ -207,6 +209,8 @@ class DistributedModule:
         for name, tensor in self.state_dict().items():
             placement = self._placement(name)
             value = tensor.detach()
+            if self.master_of(tensor) is not None:   # fp32, from the dp ranks' masters
+                value = self._buckets.full_master(tensor)
             if isinstance(value, DTensor):
                 value = value.full_tensor()
             if id(tensor) in experts:   # this rank's block of experts: dim 0
@@ -259,7 +263,22 @@ class DistributedModule:
                                      f"this rank holds {list(tensor.shape)} ({placement})")
                 if isinstance(tensor, DTensor):  # whole over dp: keep this rank's shard
                     source = dp_shard(source, self.topology.dp, self.topology.dp_rank)
+                if self.master_of(tensor) is not None:
+                    self._buckets.load_whole(tensor, source)
+                    continue
                 local_part(tensor).copy_(source)
+
+    def master_of(self, param: torch.Tensor) -> torch.Tensor | None:
+        """ZeRO-1 in mixed precision, once :meth:`optimizer` made it: this rank's fp32
+        master of its dp shard of ``param`` (the parameter itself is then kept in the
+        compute dtype). None otherwise: the parameter is its own master."""
+        return None if self._buckets is None else self._buckets.master_of(param)
+
+    def refresh_from_masters(self) -> None:
+        """The parameters again from the masters (after a checkpoint loaded into them).
+        Collective over the dp group; nothing without masters."""
+        if self._buckets is not None and self._buckets._masters:
+            self._buckets.gather_params()
 
     def _placement(self, name: str) -> Placement:
         return self.plan.placement(self._aliases.get(name, (name,)))
@@ -286,7 +305,10 @@ class DistributedModule:
             placeholder = nn.Parameter(torch.empty(0, device=self.topology.device))
             optimizer = optimizer_class([placeholder], **defaults)
         elif self._buckets is not None and self._buckets.sharded:
-            optimizer = DistributedOptimizer(self._buckets, optimizer_class, **defaults)
+            optimizer = DistributedOptimizer(
+                self._buckets, optimizer_class,
+                compute_dtype=self._copies.dtype if self._copies is not None else None,
+                **defaults)
         else:
             optimizer = optimizer_class(self.parameters(), **defaults)
         if self.watchdog is not None:

@@ -14,14 +14,20 @@ gradient, so it overlaps the rest of that backward:
   ``chunk(dp)[r]`` of dim 0, padded to the chunk size; a 0-dim parameter in every
   region), so after the reduce-scatter each rank holds the summed gradient of its
   shards. :class:`DistributedOptimizer` steps those shards with the user's optimizer
-  class (its parameters are views of this rank's rows of the module's parameters, so
-  the fp32 parameters are their own master) and all-gathers the updated rows bucket by
-  bucket, every bucket's all-gather issued before the first is waited for.
+  class and all-gathers the updated rows bucket by bucket, every bucket's all-gather
+  issued before the first is waited for. In fp32 its parameters are views of this
+  rank's rows of the module's parameters (which are their own master). In mixed
+  precision it is Megatron's distributed optimizer: this rank's rows are an fp32 master
+  of their own, the module's parameters are kept in the compute dtype (the stage
+  computes with them, with no per-step copy), and the all-gather moves compute-dtype
+  rows, cast from the masters.
 
 Buckets are filled in reverse parameter order (the order backward produces gradients),
 each up to :data:`BUCKET_ELEMENTS` elements. The bytes per parameter this keeps
 (``partc.problem.Precision`` prices them): the parameter (4), its fp32 gradient bucket
-slot (4; ZeRO-1's padding aside) and, under ZeRO-1, the optimizer state of 1/dp of it.
+slot (4; ZeRO-1's padding aside) and, under ZeRO-1, the optimizer state of 1/dp of it;
+under ZeRO-1 in bf16 with Adam, 2 + 4 + (4 + 8)/dp as Megatron's (the bf16 parameter,
+the fp32 gradient, 1/dp of the fp32 master and of the state).
 """
 
 from __future__ import annotations
@@ -125,6 +131,7 @@ class GradBuckets:
         self._hooks: dict[int, Any] = {}  # on compute-dtype copies (stand_in)
         self._copies: dict[int, nn.Parameter] = {}
         self._slot: dict[int, tuple[_Bucket, _Slot]] = {}
+        self._masters: dict[int, torch.Tensor] | None = None  # make_masters
         # Shared weights last, in buckets of their own that never count as ready.
         # Expert weights in buckets of their own per group, after the others.
         self._late = {id(p) for p in params if id(p) in at_end}
@@ -299,6 +306,96 @@ class GradBuckets:
             for slot in bucket.slots:
                 yield bucket, slot
 
+    # -- ZeRO-1 in mixed precision: sharded fp32 masters ---------------------------------
+
+    def make_masters(self, dtype: torch.dtype) -> dict[int, torch.Tensor]:
+        """ZeRO-1 in mixed precision, as Megatron's distributed optimizer: this rank's dp
+        shard of each fp32 parameter becomes a master tensor of its own, and the
+        parameter itself is kept in the compute ``dtype`` (its fp32 rows of the other
+        ranks are dropped). Made once (a second optimizer reuses them); parameters
+        already in ``dtype`` get none."""
+        if self._masters is None:
+            self._masters = {}
+            with torch.no_grad():
+                for _, slot in self.slots():
+                    param = slot.param
+                    if not param.is_floating_point() or param.dtype == dtype:
+                        continue
+                    start, end = slot.ranges[self.dp_rank]
+                    rows = param.detach().reshape(-1)[start:end].clone()
+                    self._masters[id(param)] = rows.view(
+                        shard_shape(param, self.dp, self.dp_rank))
+                    param.data = param.data.to(dtype)
+        return self._masters
+
+    def master_of(self, param: nn.Parameter) -> torch.Tensor | None:
+        """This rank's fp32 master shard of ``param`` (see :meth:`make_masters`), or None
+        when the parameter is its own master."""
+        return None if self._masters is None else self._masters.get(id(param))
+
+    @torch.no_grad()
+    def gather_params(self) -> None:
+        """Every replica's rows of each parameter into every replica's parameter: one
+        all-gather per bucket, in the parameters' dtype (the compute dtype where
+        :meth:`make_masters` made fp32 masters: bf16 moves half the bytes), all issued
+        before any is waited for. A rank's own rows are its master's, or (no masters)
+        the parameter's own, updated in place."""
+        rank, dp = self.dp_rank, self.dp
+        pending = []
+        for bucket in self.buckets:
+            dtype = bucket.slots[0].param.dtype
+            device = bucket.buffer.device
+            out = torch.empty(bucket.region * dp, dtype=dtype, device=device)
+            mine = torch.zeros(bucket.region, dtype=dtype, device=device)
+            for slot in bucket.slots:
+                start, end = slot.ranges[rank]
+                master = self.master_of(slot.param)
+                source = master.reshape(-1) if master is not None \
+                    else slot.param.detach().reshape(-1)[start:end]
+                slot.rank_view(mine, rank).copy_(source)
+            work = dist.all_gather_into_tensor(out, mine, group=self.group,
+                                               async_op=True)
+            pending.append((bucket, out, work))
+        for bucket, out, work in pending:
+            work.wait()
+            for other in range(dp):
+                region = out[other * bucket.region:(other + 1) * bucket.region]
+                for slot in bucket.slots:
+                    mastered = self.master_of(slot.param) is not None
+                    if other == rank and not mastered:
+                        continue
+                    start, end = slot.ranges[other]
+                    if end > start and (slot.param.dim() > 0 or other == rank):
+                        slot.param.detach().reshape(-1)[start:end].copy_(
+                            slot.rank_view(region, other))
+
+    def full_master(self, param: nn.Parameter) -> torch.Tensor:
+        """``param`` whole (this rank's local tensor, every dp rank's rows) in fp32 from
+        the dp ranks' masters. Collective over the dp group."""
+        master = self.master_of(param)
+        bucket, slot = self._slot[id(param)]
+        mine = torch.zeros(slot.width, dtype=master.dtype, device=master.device)
+        mine[:master.numel()].copy_(master.reshape(-1))
+        out = torch.empty(slot.width * self.dp, dtype=master.dtype, device=master.device)
+        dist.all_gather_into_tensor(out, mine, group=self.group)
+        if param.dim() == 0:
+            return master.clone()
+        whole = torch.empty(param.shape, dtype=master.dtype, device=master.device)
+        flat = whole.reshape(-1)
+        for other in range(self.dp):
+            start, end = slot.ranges[other]
+            flat[start:end].copy_(out[other * slot.width:other * slot.width + end - start])
+        return whole
+
+    @torch.no_grad()
+    def load_whole(self, param: nn.Parameter, whole: torch.Tensor) -> None:
+        """Set ``param`` (this rank's local tensor) to ``whole``: its master takes this
+        rank's rows in fp32, the parameter the compute-dtype copy of all of it."""
+        master = self.master_of(param)
+        start, end = self._slot[id(param)][1].ranges[self.dp_rank]
+        master.reshape(-1).copy_(whole.reshape(-1)[start:end])
+        param.detach().copy_(whole)
+
 
 class _Done:
     def wait(self) -> None:
@@ -327,17 +424,23 @@ class DistributedOptimizer(torch.optim.Optimizer):
     parameter's dp shard)."""
 
     def __init__(self, buckets: GradBuckets, optimizer_class: type[torch.optim.Optimizer],
-                 **defaults: Any) -> None:
+                 *, compute_dtype: torch.dtype | None = None, **defaults: Any) -> None:
+        """``compute_dtype``: mixed precision; the parameters are then kept in it and
+        the optimizer steps fp32 masters of this rank's shards
+        (:meth:`GradBuckets.make_masters`)."""
         self.buckets = buckets
         rank, dp = buckets.dp_rank, buckets.dp
+        masters = buckets.make_masters(compute_dtype) if compute_dtype is not None else {}
         shards: list[nn.Parameter] = []
         self.param_of: dict[int, nn.Parameter] = {}
         self._shard: dict[int, nn.Parameter] = {}
         for _, slot in buckets.slots():
             param = slot.param
             start, end = slot.ranges[rank]
-            # A view of this rank's rows: stepping it updates the parameter in place.
-            rows = param.detach().reshape(-1)[start:end].view(shard_shape(param, dp, rank))
+            # The fp32 master of this rank's rows, or a view of them: stepping it
+            # updates the parameter in place.
+            rows = masters[id(param)] if id(param) in masters else \
+                param.detach().reshape(-1)[start:end].view(shard_shape(param, dp, rank))
             shard = nn.Parameter(rows, requires_grad=True)
             shards.append(shard)
             self.param_of[id(shard)] = param
@@ -374,30 +477,5 @@ class DistributedOptimizer(torch.optim.Optimizer):
         return loss
 
     def _gather(self) -> None:
-        """Every replica's updated rows into every replica's parameters: one all-gather
-        per bucket, all issued before any is waited for."""
-        buckets = self.buckets
-        rank, dp = buckets.dp_rank, buckets.dp
-        pending = []
-        for bucket in buckets.buckets:
-            dtype = bucket.slots[0].param.dtype
-            device = bucket.buffer.device
-            out = torch.empty(bucket.region * dp, dtype=dtype, device=device)
-            mine = torch.zeros(bucket.region, dtype=dtype, device=device)
-            for slot in bucket.slots:
-                start, end = slot.ranges[rank]
-                slot.rank_view(mine, rank).copy_(slot.param.detach().reshape(-1)[start:end])
-            work = dist.all_gather_into_tensor(out, mine, group=buckets.group,
-                                               async_op=True)
-            pending.append((bucket, out, work))
-        for bucket, out, work in pending:
-            work.wait()
-            for other in range(dp):
-                if other == rank:
-                    continue
-                region = out[other * bucket.region:(other + 1) * bucket.region]
-                for slot in bucket.slots:
-                    start, end = slot.ranges[other]
-                    if end > start and slot.param.dim() > 0:
-                        slot.param.detach().reshape(-1)[start:end].copy_(
-                            slot.rank_view(region, other))
+        """Every replica's updated rows into every replica's parameters."""
+        self.buckets.gather_params()

@@ -230,6 +230,8 @@ def test_an_asynchronous_save_writes_what_the_step_had(program, tmp_path):
 # -- resume parity under torchrun ---------------------------------------------------------
 
 SAME, RESHARD = "gpt:pp2>pp2", "gpt:dp2-zero3>tp2"
+# bf16 under ZeRO-1: the fp32 master shards are what is saved and read back.
+SAME_BF16 = "gpt:dp2-zero1-bf16>dp2-zero1-bf16"
 # Experts cut over 2 expert-parallel ranks, resumed whole on a pipeline.
 EXPERTS = "moe:dp2-ep2>pp2"
 
@@ -249,8 +251,8 @@ def launch(out: Path, phase: str, moves: list[str]) -> list[dict]:
 @pytest.fixture(scope="module")
 def resumed(tmp_path_factory) -> tuple[list[dict], list[dict]]:
     out = tmp_path_factory.mktemp("resume")
-    return (launch(out, "first", [SAME, RESHARD, EXPERTS]),
-            launch(out, "resume", [SAME, RESHARD, EXPERTS, "faults"]))
+    return (launch(out, "first", [SAME, RESHARD, EXPERTS, SAME_BF16]),
+            launch(out, "resume", [SAME, RESHARD, EXPERTS, SAME_BF16, "faults"]))
 
 
 def _ran(ranks: list[dict], move: str) -> list[dict]:
@@ -264,6 +266,17 @@ def test_the_same_plan_resumes_bit_identically(resumed):
     for before, now in zip(first, after):
         assert before["stopped_at"] == SAVE_AT   # one rank's SIGTERM, seen by every rank
         assert now["loaded"] == [SAVE_AT, {"plan": "pp2", "losses": before["losses"][:SAVE_AT]}]
+        assert now["losses"] == before["losses"][SAVE_AT:]
+        assert now["max_abs_diff_to_first"] == 0.0
+
+
+def test_a_bf16_zero1_run_resumes_bit_identically_from_its_fp32_masters(resumed):
+    # Saving the bf16 weights instead of the fp32 masters would lose the masters' low
+    # bits, and the resumed losses would drift from the uninterrupted run's.
+    first, after = (_ran(ranks, SAME_BF16) for ranks in resumed)
+    for before, now in zip(first, after):
+        assert before["stopped_at"] == SAVE_AT and before["zero_stage"] == 1
+        assert now["loaded"][0] == SAVE_AT
         assert now["losses"] == before["losses"][SAVE_AT:]
         assert now["max_abs_diff_to_first"] == 0.0
 
