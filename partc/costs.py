@@ -316,34 +316,33 @@ def _tail_ps(problem: PlanningProblem, config: PipelineConfig, params: int) -> i
 
 
 def _sync_ps(problem: PlanningProblem, config: PipelineConfig, params: int) -> int:
-    """ZeRO 0/1: the bandwidth term of the fp32 gradient buckets' reduction over dp, an
-    all-reduce under ZeRO-0 (ring: 2 (d-1)/d of the bytes), a reduce-scatter under
-    ZeRO-1 ((d-1)/d); the buckets' latencies are charged once per step
-    (:func:`_bucket_latency_seconds`)."""
+    """ZeRO 0/1: the fp32 gradient buckets' reduction over dp of ``params`` parameters,
+    an all-reduce under ZeRO-0 (ring: 2 (d-1)/d of the bytes), a reduce-scatter under
+    ZeRO-1 ((d-1)/d), with their share of the buckets' latencies (one collective per
+    ``BUCKET_ELEMENTS``): each bucket's collective is issued during the last backward
+    and runs beside it, latency and all (:func:`exposed_sync_ps`)."""
     if config.dp == 1 or config.effective_zero_stage >= 2:
         return 0
     master = problem.train.precision.master_bytes
-    if config.effective_zero_stage == 1:
-        bandwidth = dp_group(problem, config).link("reduce_scatter")[1]
-        return to_ps((config.dp - 1) / config.dp * params * master / bandwidth)
-    bandwidth = dp_group(problem, config).link("all_reduce")[1]
-    return to_ps(2 * (config.dp - 1) / config.dp * params * master / bandwidth)
+    group = dp_group(problem, config)
+    kind = "reduce_scatter" if config.effective_zero_stage == 1 else "all_reduce"
+    bandwidth = group.link(kind)[1]
+    moved = (1 if kind == "reduce_scatter" else 2) * (config.dp - 1) / config.dp
+    latency = params / BUCKET_ELEMENTS * collective_seconds(kind, 0.0, group)
+    return to_ps(moved * params * master / bandwidth + latency)
 
 
 def _bucket_latency_seconds(problem: PlanningProblem, config: PipelineConfig) -> float:
-    """ZeRO 0/1's collectives' latencies, once per step: one all-reduce per gradient
-    bucket (ZeRO-0), or a reduce-scatter and an all-gather per bucket (ZeRO-1). A stage
-    holds about 1/pp of the (tp rank's) parameters, in buckets of ``BUCKET_ELEMENTS``."""
-    if config.dp == 1 or config.effective_zero_stage >= 2:
+    """ZeRO-1's all-gathers' latencies, once per step, after the optimizer step (the
+    gradient collectives' are in :func:`_sync_ps`): one per bucket. A stage holds about
+    1/pp of the (tp rank's) parameters, in buckets of ``BUCKET_ELEMENTS``."""
+    if config.dp == 1 or config.effective_zero_stage != 1:
         return 0.0
     group = dp_group(problem, config)
     params = sum(layer.param_count for layer in problem.layers) + sum(
         shared.param_count for shared in problem.model.shared)
     buckets = max(1, math.ceil(params / config.pp / BUCKET_ELEMENTS))
-    if config.effective_zero_stage == 1:
-        return buckets * (collective_seconds("reduce_scatter", 0.0, group)
-                          + collective_seconds("all_gather", 0.0, group))
-    return buckets * collective_seconds("all_reduce", 0.0, group)
+    return buckets * collective_seconds("all_gather", 0.0, group)
 
 
 def _shared_tail_ps(problem: PlanningProblem, config: PipelineConfig, params: int) -> int:
