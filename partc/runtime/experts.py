@@ -40,7 +40,7 @@ class ExpertParallel(nn.Module):
 
     ``forward(tokens, indices, weights, *expert_weights)``: tokens (T, hidden), the
     router's expert indices and weights (T, top_k), and this rank's slice of each routed
-    expert weight (experts first)."""
+    expert weight (experts first), or none when the module holds them (``owned``)."""
 
     def __init__(self, body: fx.GraphModule, *, num_experts: int, top_k: int,
                  tokens_per_sample: int, capacity_factor: float | None,
@@ -52,6 +52,9 @@ class ExpertParallel(nn.Module):
         self.capacity_factor = capacity_factor
         self.ends_dtype = ends_dtype
         self.weight_names = weight_names  # FQNs of the expert weights, in argument order
+        # Under ZeRO-2/3 the module holds the weights itself (attribute names, in
+        # argument order) and is called without them: an FSDP unit of its own.
+        self.owned: tuple[str, ...] = ()
         self.group: dist.ProcessGroup | None = None
         self.ep, self.ep_rank = 1, 0
         self.tp_group: dist.ProcessGroup | None = None
@@ -71,6 +74,8 @@ class ExpertParallel(nn.Module):
 
     def forward(self, tokens: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor,
                 *expert_weights: torch.Tensor) -> torch.Tensor:
+        if self.owned:
+            expert_weights = tuple(getattr(self, name) for name in self.owned)
         if self.tp == 1:
             return self._route(tokens, indices, weights, expert_weights)
         # Under tensor parallelism the tokens are the same on every tp rank: each sends
@@ -187,6 +192,13 @@ class _Gathered(torch.autograd.Function):
 
 def expert_modules(module: nn.Module) -> list[ExpertParallel]:
     return [m for m in module.modules() if isinstance(m, ExpertParallel)]
+
+
+def expert_weights(module: nn.Module) -> list[nn.Parameter]:
+    """The routed expert weights of ``module``'s :class:`ExpertParallel` layers, as the
+    module holds them now (FSDP replaces parameters by DTensor ones)."""
+    return [module.get_parameter(name) for experts in expert_modules(module)
+            for name in experts.weight_names]
 
 
 def shard_experts(module: nn.Module, group: dist.ProcessGroup | None, ep: int,

@@ -43,6 +43,7 @@ import torch
 import torch.distributed as dist
 import torch.utils._pytree as pytree
 from torch import fx, nn
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.pipelining.schedules import PipelineScheduleSingle
 from torch.distributed.tensor import DTensor
@@ -257,8 +258,9 @@ class DistributedModule:
                 if source.shape != tensor.shape:
                     raise ValueError(f"{name}: state dict has shape {list(source.shape)}, "
                                      f"this rank holds {list(tensor.shape)} ({placement})")
-                if isinstance(tensor, DTensor):  # whole over dp: keep this rank's shard
-                    source = dp_shard(source, self.topology.dp, self.topology.dp_rank)
+                if isinstance(tensor, DTensor):  # whole over its mesh: this rank's shard
+                    mesh = tensor.device_mesh
+                    source = dp_shard(source, mesh.size(), mesh.get_local_rank())
                 local_part(tensor).copy_(source)
 
     def _placement(self, name: str) -> Placement:
@@ -538,8 +540,9 @@ class DistributedModule:
                  if id(p) not in experts and (g := self._grad_of(p)) is not None
                  and self._counts_norm(name)
                  and (self._buckets is None or self._buckets.counted_once(p))]
-        # This rank's routed experts: held by dp x tp / ep ranks of the stage, any tp rank.
-        expert_grads = [p.grad for p in self.expert_params if p.grad is not None]
+        # This rank's routed experts: held by dp x tp / ep ranks of the stage, any tp rank
+        # (under ZeRO each of them a shard).
+        expert_grads = [g for p in self.expert_params if (g := self._grad_of(p)) is not None]
         device = topo.device
         if norm_type == float("inf"):
             local = max((g.detach().abs().max() for g in grads + expert_grads),
@@ -548,8 +551,10 @@ class DistributedModule:
             return local
         local = sum((g.detach().to(torch.float32).norm(norm_type) ** norm_type
                      for g in grads), torch.zeros((), device=device))
-        # Counted on every rank and divided by dp below: each expert once overall.
-        local = local + topo.ep / topo.tp * sum(
+        # Each expert once overall: a shard on each rank of its expert-data-parallel
+        # group under ZeRO; else whole on each, dp x tp / ep times, divided by dp below.
+        weight = 1.0 if self._sharded_grads else topo.ep / topo.tp
+        local = local + weight * sum(
             (g.detach().to(torch.float32).norm(norm_type) ** norm_type for g in expert_grads),
             torch.zeros((), device=device))
         dist.all_reduce(local)  # dp replicas add the same sum; dp shards, parts of it
@@ -691,10 +696,6 @@ def build(plan: Plan, topology: Topology,
     expert_params = [param for module in modules for param in experts.shard_experts(
         module, topology.ep_group, topology.ep, topology.ep_rank,
         topology.tp_group if topology.tp > 1 else None, topology.tp, topology.tp_rank)]
-    if expert_params and topology.ep > 1 and zero_stage >= 1:
-        raise PartcError("expert parallelism runs with ZeRO 0 only: ZeRO shards every "
-                         "weight over the whole dp group, and a rank's expert weights "
-                         "are not its dp peers'")
     aliases = aliases_of(model)
     shared = share_local_ties(modules, aliases)
     if shared and zero_stage >= 2:
@@ -707,6 +708,8 @@ def build(plan: Plan, topology: Topology,
     for module, program in zip(modules, programs):
         if zero_stage >= 2:
             _shard_over_dp(module, program.fsdp_units, topology, zero_stage, compute_dtype)
+            # FSDP made new (DTensor) parameters of the experts' too.
+            expert_params = [p for m in modules for p in experts.expert_weights(m)]
         if compute_dtype != torch.float32:
             # Mixed precision: the fp32 parameters are the master weights; the stage
             # computes with compute-dtype copies of them, cast once per step (ZeRO 0/1:
@@ -793,12 +796,32 @@ def _shard_over_dp(module: fx.GraphModule, unit_paths: tuple[str, ...], topology
     policy = MixedPrecisionPolicy(
         param_dtype=None if compute_dtype == torch.float32 else compute_dtype,
         reduce_dtype=torch.float32)
+    # Innermost first: the experts (lowering made each call hold its weights).
+    for layer in experts.expert_modules(module):
+        if layer.owned:
+            _shard_experts(layer, topology, zero_stage, policy)
     for path in unit_paths:
         unit = module.get_submodule(path)
         if next(unit.parameters(), None) is not None:
             fully_shard(unit, mesh=mesh, reshard_after_forward=zero_stage >= 3,
                         mp_policy=policy)
     fully_shard(module, mesh=mesh, reshard_after_forward=zero_stage >= 3, mp_policy=policy)
+
+
+def _shard_experts(layer: experts.ExpertParallel, topology: Topology, zero_stage: int,
+                   policy: MixedPrecisionPolicy) -> None:
+    """One mixture-of-experts layer's routed experts as an FSDP unit of their own over
+    the expert-data-parallel group (the ranks holding the same experts; the dp group
+    without expert parallelism). Their gradient is the sum over that group divided by
+    dp, as the dense weights' mean over dp: together the group's ranks received every
+    replica's tokens routed to these experts."""
+    mesh = topology.mesh["dp"] if topology.ep == 1 else DeviceMesh.from_group(
+        topology.expert_dp_group, topology.device.type, mesh_dim_names=("expert_dp",))
+    fully_shard(layer, mesh=mesh, reshard_after_forward=zero_stage >= 3, mp_policy=policy)
+    if mesh.size() != topology.dp:
+        layer.set_gradient_divide_factor(topology.dp)
+        if mesh.size() > 1:  # a sum then a division (gloo has no pre-multiplied sum)
+            layer.set_force_sum_reduction_for_comms(True)
 
 
 def _check_same_plan(plan: Plan, own_hash: str) -> None:

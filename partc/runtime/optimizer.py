@@ -74,14 +74,18 @@ class _Slot:
 
 
 class _Bucket:
-    def __init__(self, slots: list[_Slot], regions: int, dtype: torch.dtype,
-                 device: torch.device) -> None:
+    """Parameters whose gradients are reduced together over ``group`` (None: the dp
+    group), of whose ranks this one is ``rank``; ``shards`` regions when sharded (the
+    group's size), else one."""
+
+    def __init__(self, slots: list[_Slot], shards: int, rank: int, group: Any,
+                 dtype: torch.dtype, device: torch.device) -> None:
         self.slots = slots
+        self.shards, self.rank, self.group = shards, rank, group
         self.region = sum(s.width for s in slots)
-        self.buffer = torch.zeros(self.region * regions, dtype=dtype, device=device)
+        self.buffer = torch.zeros(self.region * shards, dtype=dtype, device=device)
         self.ready = 0
         self.work: Any = None
-        self.group: Any = None  # the bucket's own group (expert weights); None: the dp group
 
     def region_of(self, rank: int) -> torch.Tensor:
         return self.buffer[rank * self.region:(rank + 1) * self.region]
@@ -107,11 +111,9 @@ class GradBuckets:
         accumulation hooks, so no bucket is known full during the last backward).
         ``groups``: parameter id → the group its gradient is summed over instead of the
         dp group (a routed expert's weights: the expert-data-parallel group, whose ranks
-        hold the same experts), in buckets of their own, still averaged over ``dp``."""
+        hold the same experts), in buckets of their own, still averaged over ``dp``;
+        ZeRO-1 shards them over that group (rows ``chunk(size)[rank in it]``)."""
         self.groups = dict(groups or {})
-        if self.groups and sharded:
-            raise PartcError("expert weights are reduced over their own group, which "
-                             "ZeRO-1's reduce-scatter over dp does not shard alike")
         self.group, self.dp, self.dp_rank, self.sharded = group, dp, dp_rank, sharded
         self.overlap = overlap
         self.collecting = False  # inside one of the schedule's backwards
@@ -140,7 +142,7 @@ class GradBuckets:
             if current and kind(param) != kind(current[-1].param):
                 self._close(current, device)
                 current, offset = [], 0
-            slot = _Slot(param, dp, sharded, offset)
+            slot = _Slot(param, self._shards_of(param)[0], sharded, offset)
             current.append(slot)
             offset += slot.width
             if offset >= limit:
@@ -167,9 +169,18 @@ class GradBuckets:
         if hook is not None:
             hook.remove()
 
+    def _shards_of(self, param: nn.Parameter) -> tuple[int, int]:
+        """Over how many ranks ``param``'s gradient is reduced, and this rank's place
+        among them: its group's (an expert weight's), or dp."""
+        group = self.groups.get(id(param))
+        if group is None:
+            return self.dp, self.dp_rank
+        return group.size(), group.rank()
+
     def _close(self, slots: list[_Slot], device: torch.device) -> None:
-        bucket = _Bucket(slots, self.dp if self.sharded else 1, torch.float32, device)
-        bucket.group = self.groups.get(id(slots[0].param))
+        shards, rank = self._shards_of(slots[0].param)
+        bucket = _Bucket(slots, shards if self.sharded else 1, rank,
+                         self.groups.get(id(slots[0].param)), torch.float32, device)
         self.buckets.append(bucket)
         for slot in slots:
             self._slot[id(slot.param)] = (bucket, slot)
@@ -229,18 +240,15 @@ class GradBuckets:
     def _launch(self, bucket: _Bucket) -> None:
         if bucket.work is not None:
             return
-        if bucket.group is not None:
-            bucket.work = dist.all_reduce(bucket.buffer, group=bucket.group, async_op=True)
-            return
-        if self.dp == 1:  # mixed precision alone: fp32 accumulation, nothing to reduce
+        group = self.group if bucket.group is None else bucket.group
+        if (self.dp if bucket.group is None else group.size()) == 1:
+            # Mixed precision alone, or experts no other rank holds: nothing to reduce.
             bucket.work = _Done()
-            return
-        if self.sharded:
+        elif self.sharded:
             bucket.work = dist.reduce_scatter_tensor(
-                bucket.region_of(self.dp_rank), bucket.buffer, group=self.group,
-                async_op=True)
+                bucket.region_of(bucket.rank), bucket.buffer, group=group, async_op=True)
         else:
-            bucket.work = dist.all_reduce(bucket.buffer, group=self.group, async_op=True)
+            bucket.work = dist.all_reduce(bucket.buffer, group=group, async_op=True)
 
     def finish(self, scale: int) -> None:
         """After the step's last backward: reduce the buckets not reduced yet (parameters
@@ -253,7 +261,9 @@ class GradBuckets:
         for bucket in self.buckets:
             bucket.work.wait()
             bucket.work, bucket.ready = None, 0
-            mine = bucket.region_of(self.dp_rank if self.sharded else 0)
+            mine = bucket.region_of(bucket.rank if self.sharded else 0)
+            # The mean over dp replicas, whichever group summed them: an expert's
+            # ranks together saw every replica's tokens routed to it.
             if self.dp > 1:
                 mine.div_(self.dp)
             if scale != 1:
@@ -278,13 +288,18 @@ class GradBuckets:
         if found is None:
             return None
         bucket, slot = found
-        view = slot.rank_view(bucket.region_of(self.dp_rank), self.dp_rank)
-        return view.view(shard_shape(param, self.dp, self.dp_rank))
+        view = slot.rank_view(bucket.region_of(bucket.rank), bucket.rank)
+        return view.view(shard_shape(param, bucket.shards, bucket.rank))
+
+    def shards_of(self, param: nn.Parameter) -> tuple[int, int]:
+        """ZeRO-1: over how many ranks ``param`` is sharded, and this rank's shard."""
+        bucket, _ = self._slot[id(param)]
+        return bucket.shards, bucket.rank
 
     def counted_once(self, param: nn.Parameter) -> bool:
-        """Whether this rank's gradient of ``param`` is a part no other dp rank holds
-        (a 0-dim parameter is whole on every rank: counted on dp rank 0)."""
-        return not self.sharded or param.dim() > 0 or self.dp_rank == 0
+        """Whether this rank's gradient of ``param`` is a part no other rank of its
+        group holds (a 0-dim parameter is whole on every rank: counted on rank 0)."""
+        return not self.sharded or param.dim() > 0 or self.shards_of(param)[1] == 0
 
     def zero_(self) -> None:
         for bucket in self.buckets:
@@ -329,15 +344,15 @@ class DistributedOptimizer(torch.optim.Optimizer):
     def __init__(self, buckets: GradBuckets, optimizer_class: type[torch.optim.Optimizer],
                  **defaults: Any) -> None:
         self.buckets = buckets
-        rank, dp = buckets.dp_rank, buckets.dp
         shards: list[nn.Parameter] = []
         self.param_of: dict[int, nn.Parameter] = {}
         self._shard: dict[int, nn.Parameter] = {}
-        for _, slot in buckets.slots():
-            param = slot.param
+        for bucket, slot in buckets.slots():
+            param, rank = slot.param, bucket.rank
             start, end = slot.ranges[rank]
             # A view of this rank's rows: stepping it updates the parameter in place.
-            rows = param.detach().reshape(-1)[start:end].view(shard_shape(param, dp, rank))
+            rows = param.detach().reshape(-1)[start:end].view(
+                shard_shape(param, bucket.shards, rank))
             shard = nn.Parameter(rows, requires_grad=True)
             shards.append(shard)
             self.param_of[id(shard)] = param
@@ -347,9 +362,13 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self.param_groups = self.optim.param_groups
         self.state = self.optim.state
 
-    def dp_sharded(self, shard: torch.Tensor) -> bool:
-        """Whether ``shard`` is a dp shard of dim 0 (not a 0-dim parameter whole)."""
-        return shard.dim() > 0
+    def sharding(self, shard: torch.Tensor) -> tuple[int, int] | None:
+        """Over how many ranks ``shard``'s parameter is cut along dim 0 (dp, or an
+        expert weight's expert-data-parallel group) and which part this is; None for a
+        0-dim parameter, held whole."""
+        if shard.dim() == 0:
+            return None
+        return self.buckets.shards_of(self.param_of[id(shard)])
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.buckets.zero_()
@@ -375,25 +394,26 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
     def _gather(self) -> None:
         """Every replica's updated rows into every replica's parameters: one all-gather
-        per bucket, all issued before any is waited for."""
-        buckets = self.buckets
-        rank, dp = buckets.dp_rank, buckets.dp
+        per bucket over its group, all issued before any is waited for."""
         pending = []
-        for bucket in buckets.buckets:
+        for bucket in self.buckets.buckets:
+            rank, shards = bucket.rank, bucket.shards
+            if shards == 1:
+                continue  # experts no other rank holds: stepped whole here
+            group = self.buckets.group if bucket.group is None else bucket.group
             dtype = bucket.slots[0].param.dtype
             device = bucket.buffer.device
-            out = torch.empty(bucket.region * dp, dtype=dtype, device=device)
+            out = torch.empty(bucket.region * shards, dtype=dtype, device=device)
             mine = torch.zeros(bucket.region, dtype=dtype, device=device)
             for slot in bucket.slots:
                 start, end = slot.ranges[rank]
                 slot.rank_view(mine, rank).copy_(slot.param.detach().reshape(-1)[start:end])
-            work = dist.all_gather_into_tensor(out, mine, group=buckets.group,
-                                               async_op=True)
+            work = dist.all_gather_into_tensor(out, mine, group=group, async_op=True)
             pending.append((bucket, out, work))
         for bucket, out, work in pending:
             work.wait()
-            for other in range(dp):
-                if other == rank:
+            for other in range(bucket.shards):
+                if other == bucket.rank:
                     continue
                 region = out[other * bucket.region:(other + 1) * bucket.region]
                 for slot in bucket.slots:

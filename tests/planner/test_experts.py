@@ -72,8 +72,6 @@ def brute_force(prob):
                     continue
                 m = per_replica // b
                 for schedule, zero, v in schedule_choices(prob, pp, dp, m):
-                    if zero and ep > 1:
-                        continue  # the runtime runs expert parallelism without ZeRO
                     config = PipelineConfig(pp=pp, dp=dp, micro_batch_size=b, ep=ep,
                                             num_microbatches=m, chunks=v,
                                             schedule=schedule, zero_stage=zero)
@@ -105,6 +103,21 @@ def test_plan_with_experts_equals_brute_force(seed):
     plan = plan_problem(prob)
     assert plan.mesh.ep == result.best.table.config.ep
     assert (plan.expert_parallel is None) == (plan.mesh.ep == 1)
+
+
+def test_brute_force_optima_include_expert_parallelism_under_zero():
+    """ZeRO with ep > 1 is searched (the runtime shards experts over expert-dp): among
+    the instances above, some are fastest with both, and the planner plans them so."""
+    found = []
+    for seed in range(12):
+        prob = _random_moe_problem(random.Random(seed))
+        oracle = brute_force(prob)
+        if oracle is not None and oracle[1].ep > 1 and oracle[1].effective_zero_stage:
+            found.append(prob)
+    assert found
+    plan = plan_problem(found[0])
+    assert plan.mesh.ep > 1 and plan.effective_zero_stage > 0
+    assert plan.expert_parallel.expert_dp * plan.mesh.ep == plan.dp * plan.tp
 
 
 def test_expert_state_is_split_over_ep_and_reduced_over_expert_dp():
