@@ -207,7 +207,7 @@ def shard_experts(module: nn.Module, group: dist.ProcessGroup | None, ep: int,
     """Bind every :class:`ExpertParallel` of ``module`` to its group and keep this rank's
     experts ``[ep_rank * E/ep, (ep_rank+1) * E/ep)`` of each routed expert weight (its
     copy of the whole weight is dropped). Returns the expert parameters, whose gradients
-    are reduced over the expert-data-parallel group."""
+    are reduced (and under ZeRO sharded) over the expert-data-parallel group."""
     owned: list[nn.Parameter] = []
     for experts in expert_modules(module):
         experts.bind(group, ep, ep_rank, tp_group, tp, tp_rank)

@@ -10,7 +10,8 @@ under the planned schedule and returns a :class:`DistributedModule`. Its
 microbatches of the global batch, then:
 
 1. sums the gradients of parameters that several stages hold (tied weights);
-2. has averaged gradients over data-parallel replicas: under ZeRO 0/1 gradients are
+2. has averaged gradients over data-parallel replicas (routed experts' summed over their
+   expert-data-parallel group, divided by dp alike): under ZeRO 0/1 gradients are
    accumulated in fp32 buckets, each all-reduced (ZeRO-0) or reduce-scattered (ZeRO-1)
    as soon as the last microbatch's backward has filled it
    (``partc/runtime/optimizer.py``); under ZeRO-2/3 FSDP2 reduce-scatters them, each
@@ -19,7 +20,8 @@ microbatches of the global batch, then:
 
 ZeRO-2/3 (``plan.effective_zero_stage >= 2``): each layer that owns its parameters
 is an FSDP2 unit (lowering made it a module of its own) and the stage the root unit, sharded over
-the dp group. In a pipeline, torch's schedules defer FSDP's gradient reduce-scatter to
+the dp group; under expert parallelism each layer's routed experts are a unit of their
+own, sharded over the expert-data-parallel group (the ranks holding the same experts). In a pipeline, torch's schedules defer FSDP's gradient reduce-scatter to
 the last microbatch, accumulating whole gradients in between, which would hold as much
 as no ZeRO at all; here every microbatch's backward reduce-scatters into the sharded
 gradients instead (ZeRO-2 and 3 alike, as ZeRO does under gradient accumulation), ZeRO-2

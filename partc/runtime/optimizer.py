@@ -18,6 +18,10 @@ gradient, so it overlaps the rest of that backward:
   the fp32 parameters are their own master) and all-gathers the updated rows bucket by
   bucket, every bucket's all-gather issued before the first is waited for.
 
+Routed expert weights (expert parallelism) are in buckets of their own, reduced over
+their expert-data-parallel group (the ranks holding the same experts) instead of dp and
+under ZeRO-1 sharded over it; their gradients are divided by dp all the same.
+
 Buckets are filled in reverse parameter order (the order backward produces gradients),
 each up to :data:`BUCKET_ELEMENTS` elements. The bytes per parameter this keeps
 (``partc.problem.Precision`` prices them): the parameter (4), its fp32 gradient bucket
