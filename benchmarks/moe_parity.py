@@ -24,14 +24,14 @@ def main() -> None:
     passed, failed, worst_loss, worst_param, worst_norm = 0, [], 0.0, 0.0, 0.0
     with tempfile.TemporaryDirectory() as tmp:
         runs = [(4, DEFAULT + SLOW_FOUR), (2, SLOW_TWO + AUX)]
-        print(f"{'case':26s} {'pp dp tp ep zero':17s} {'loss rel':>9s} {'param rel':>9s} "
+        print(f"{'case':29s} {'pp dp tp ep zero':17s} {'loss rel':>9s} {'param rel':>9s} "
               f"{'norm rel':>9s} {'a2a/step run':>12s} {'plan':>5s} {'dropped':>7s}")
         for nproc, cases in runs:
             ranks = launch(nproc, cases, Path(tmp) / str(nproc))
             for name in cases:
                 seen = [r[name] for r in ranks]
                 if any("error" in s for s in seen):
-                    print(f"{name:26s} error: {next(s for s in seen if 'error' in s)['error']}")
+                    print(f"{name:29s} error: {next(s for s in seen if 'error' in s)['error']}")
                     failed.append(name)
                     continue
                 mesh = seen[0]["mesh"]
@@ -43,7 +43,7 @@ def main() -> None:
                            default=0.0)
                 run = sorted({m for s in seen for m in s["messages"][1:]})
                 plan = sorted({s["expected_messages"] for s in seen})
-                print(f"{name:26s} {mesh['pp']:2d} {mesh['dp']:2d} {mesh['tp']:2d} "
+                print(f"{name:29s} {mesh['pp']:2d} {mesh['dp']:2d} {mesh['tp']:2d} "
                       f"{mesh['ep']:2d} {mesh['zero']:4d}  {loss:9.1e} {param:9.1e} "
                       f"{norm:9.1e} {str(run):>12s} {str(plan):>5s} "
                       f"{sum(s['dropped'] for s in seen):7d}")
@@ -54,7 +54,8 @@ def main() -> None:
                     passed += 1
                 except AssertionError:
                     failed.append(name)
-    print(f"\n{passed} passed, {len(failed)} failed {failed or ''} (rtol {RTOL:g}); worst "
+    print(f"\n{passed} passed, {len(failed)} failed{f' {failed}' if failed else ''} "
+          f"(rtol {RTOL:g}); worst "
           f"relative difference: loss {worst_loss:.1e}, parameters {worst_param:.1e}, "
           f"gradient norm {worst_norm:.1e}")
 

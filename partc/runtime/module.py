@@ -21,7 +21,8 @@ microbatches of the global batch, then:
 ZeRO-2/3 (``plan.effective_zero_stage >= 2``): each layer that owns its parameters
 is an FSDP2 unit (lowering made it a module of its own) and the stage the root unit, sharded over
 the dp group; under expert parallelism each layer's routed experts are a unit of their
-own, sharded over the expert-data-parallel group (the ranks holding the same experts). In a pipeline, torch's schedules defer FSDP's gradient reduce-scatter to
+own, sharded over the expert-data-parallel group (the ranks holding the same experts).
+In a pipeline, torch's schedules defer FSDP's gradient reduce-scatter to
 the last microbatch, accumulating whole gradients in between, which would hold as much
 as no ZeRO at all; here every microbatch's backward reduce-scatters into the sharded
 gradients instead (ZeRO-2 and 3 alike, as ZeRO does under gradient accumulation), ZeRO-2
@@ -710,8 +711,6 @@ def build(plan: Plan, topology: Topology,
     for module, program in zip(modules, programs):
         if zero_stage >= 2:
             _shard_over_dp(module, program.fsdp_units, topology, zero_stage, compute_dtype)
-            # FSDP made new (DTensor) parameters of the experts' too.
-            expert_params = [p for m in modules for p in experts.expert_weights(m)]
         if compute_dtype != torch.float32:
             # Mixed precision: the fp32 parameters are the master weights; the stage
             # computes with compute-dtype copies of them, cast once per step (ZeRO 0/1:
@@ -723,6 +722,8 @@ def build(plan: Plan, topology: Topology,
                 module.forward)
         if plan.train.compile:
             compile_stage(module, plan, topology.device)
+    if zero_stage >= 2:  # FSDP made new (DTensor) parameters of the experts' too
+        expert_params = [p for module in modules for p in experts.expert_weights(module)]
     whole = modules[0] if len(modules) == 1 else RankStages(modules)
     holders = programs[0].holders
     tied = tied_groups(holders, whole, topology, plan)
@@ -819,6 +820,13 @@ def _shard_experts(layer: experts.ExpertParallel, topology: Topology, zero_stage
     replica's tokens routed to these experts."""
     mesh = topology.mesh["dp"] if topology.ep == 1 else DeviceMesh.from_group(
         topology.expert_dp_group, topology.device.type, mesh_dim_names=("expert_dp",))
+    if mesh.size() != topology.dp and not hasattr(FSDPModule,
+                                                  "set_force_sum_reduction_for_comms"):
+        raise PartcError("ZeRO-2/3 with expert parallelism divides the experts' gradients "
+                         "by dp, not by the ranks holding them, with FSDP's "
+                         "set_gradient_divide_factor and set_force_sum_reduction_for_comms, "
+                         f"which torch {torch.__version__} lacks: plan ZeRO-0/1 or use a "
+                         "newer torch")
     fully_shard(layer, mesh=mesh, reshard_after_forward=zero_stage >= 3, mp_policy=policy)
     if mesh.size() != topology.dp:
         layer.set_gradient_divide_factor(topology.dp)
