@@ -16,7 +16,8 @@ on this rank's experts. Per call, on a group of ``ep`` ranks holding experts
 3. the outputs come back by the reverse all-to-all and are combined with the weights.
 
 Backward runs the two token all-to-alls in reverse (autograd), so each call posts three
-all-to-alls forward and two backward (``messages``).
+all-to-alls forward and two backward (``messages`` counts those of tokens as they are
+posted: a recomputed forward's two, and no reverse for them).
 
 **Capacity** (``capacity_factor``; None is dropless): each sample's slots routed to one
 expert are kept up to ``ceil(capacity_factor * tokens_per_sample * top_k / E)``, earliest
@@ -132,8 +133,16 @@ class ExpertParallel(nn.Module):
     def _all_to_all(self, rows: torch.Tensor, recv: list[int], send: list[int]
                     ) -> torch.Tensor:
         output = rows.new_empty(sum(recv), rows.shape[-1])
-        self.messages += 2  # this one, and its reverse in backward
-        return all_to_all_single(output, rows.contiguous(), recv, send, group=self.group)
+        self.messages += 1
+        out = all_to_all_single(output, rows.contiguous(), recv, send, group=self.group)
+        if out.requires_grad:
+            # Its reverse is posted when backward reaches it: never for a forward that
+            # a recompute replays, whose backward runs through the first forward's graph.
+            out.register_hook(self._count_reverse)
+        return out
+
+    def _count_reverse(self, grad: torch.Tensor) -> None:
+        self.messages += 1
 
     def _kept_slots(self, flat: torch.Tensor) -> torch.Tensor:
         """Which slots (token, choice) reach their expert: a bool per slot."""

@@ -23,7 +23,8 @@ SLOW_FOUR = ["moe-dp2-tp2-ep2", "moe-dp4-ep2", "qwen2-moe-dp4-ep4", "qwen3-moe-p
              "moe-dp2-tp2-ep2-zero1", "moe-dp2-tp2-ep2-zero3", "moe-pp2-dp2-ep2-zero2"]
 SLOW_TWO = ["moe-dp2-ep2", "moe-tp2-ep2", "moe-dp2-ep2-capacity", "mixtral-dp2-ep2", "mixtral-tp2-ep2",
             "deepseek-v3-dp2-ep2", "qwen2-moe-aux-dp2-ep2", "moe-dp2-ep2-zero1",
-            "moe-dp2-ep2-zero2", "moe-dp2-ep2-zero3", "qwen3-moe-dp2-ep2-zero3"]
+            "moe-dp2-ep2-zero2", "moe-dp2-ep2-zero3", "qwen3-moe-dp2-ep2-zero3",
+            "moe-dp2-ep2-recompute", "moe-dp2-ep2-zero3-recompute"]
 # The router's loss over the whole batch, declared per microbatch (TrainSpec.
 # loss_per_microbatch): against one process computing the same parts' losses.
 AUX = ["mixtral-aux-dp2-ep2"]
