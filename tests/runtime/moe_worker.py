@@ -212,7 +212,12 @@ def run_case(name: str) -> dict[str, Any]:
     section = plan.expert_parallel
     expected = sum(layer.all_to_alls for layer in section.layers
                    if layer.stage == topo.pp_rank) if section is not None else 0
-    expected_exchanges = len(layers) * plan.num_microbatches if ep > 1 else 0
+    # A recomputed layer exchanges its counts again in the replayed forward.
+    recomputed = {name for stage in plan.stages for name, mode in stage.recompute.items()
+                  if mode != "none"}
+    expected_exchanges = plan.num_microbatches * sum(
+        1 + (layer.name in recomputed) for layer in section.layers
+        if layer.stage == topo.pp_rank) if ep > 1 else 0
     return {"losses": losses, "ref_losses": ref_losses, "param_errors": errors,
             "messages": messages, "expected_messages": expected,
             "exchanges": exchanges, "expected_exchanges": expected_exchanges,
