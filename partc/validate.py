@@ -164,9 +164,6 @@ def _experts(problem: PlanningProblem, plan: Plan, errors: list[str]) -> None:
         errors.append(f"ep={ep} does not divide dp x tp = {plan.dp * plan.tp}")
     if plan.tp > 1 and not plan.sequence_parallel:
         errors.append(f"ep={ep} with tp={plan.tp} needs sequence parallelism")
-    if plan.effective_zero_stage:
-        errors.append(f"ep={ep} with ZeRO-{plan.effective_zero_stage}: the runtime runs "
-                      f"expert parallelism without ZeRO")
     for name, cost in moe:
         if cost.num_experts % ep:
             errors.append(f"layer {name}: ep={ep} does not divide its {cost.num_experts} "

@@ -88,6 +88,13 @@ PLANS: dict[str, tuple[int, dict[str, Any]]] = {
     "dp4-ep2": (4, dict(pp=1, dp=4, tp=1, ep=2, zero_stage=0, recompute="none")),
     "pp2-dp2-ep2": (4, dict(pp=2, dp=2, tp=1, ep=2, zero_stage=0, schedule="1f1b",
                             recompute="none")),
+    # Expert parallelism under ZeRO: experts sharded over the ranks holding the same
+    # ones (dp4-ep2: 2 of them; dp2-ep2: each rank alone).
+    "dp2-ep2-zero1": (2, dict(pp=1, dp=2, tp=1, ep=2, zero_stage=1, recompute="none")),
+    "dp2-ep2-zero3": (2, dict(pp=1, dp=2, tp=1, ep=2, zero_stage=3, recompute="none")),
+    "dp4-ep2-zero1": (4, dict(pp=1, dp=4, tp=1, ep=2, zero_stage=1, recompute="none")),
+    "dp4-ep2-zero2": (4, dict(pp=1, dp=4, tp=1, ep=2, zero_stage=2, recompute="none")),
+    "dp4-ep2-zero3": (4, dict(pp=1, dp=4, tp=1, ep=2, zero_stage=3, recompute="none")),
 }
 
 
