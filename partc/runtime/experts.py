@@ -104,7 +104,8 @@ class ExpertParallel(nn.Module):
             out = self._run(routed, counts, expert_weights)
         else:
             out = self._exchange(routed, counts, expert_weights)
-        values = tokens.new_zeros(flat.numel(), width).index_copy(0, order, out)
+        # In the experts' output dtype (the compute dtype under mixed precision).
+        values = out.new_zeros(flat.numel(), width).index_copy(0, order, out)
         return (values.view(-1, top_k, width) * weights.unsqueeze(-1)).sum(1)
 
     def _run(self, routed: torch.Tensor, counts: torch.Tensor,

@@ -36,6 +36,7 @@ any ``torch.optim`` optimizer over ``module.parameters()`` trains the same model
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import inspect
 import logging
 import weakref
@@ -849,6 +850,10 @@ def _shard_experts(layer: experts.ExpertParallel, topology: Topology, zero_stage
                          "set_gradient_divide_factor and set_force_sum_reduction_for_comms, "
                          f"which torch {torch.__version__} lacks: plan ZeRO-0/1 or use a "
                          "newer torch")
+    # Its inputs keep their dtypes: the router's combine weights stay fp32 as on one
+    # device under autocast (FSDP would cast them to bf16 and the combine with them);
+    # the experts' matmuls cast what they compute with, as autocast does.
+    policy = dataclasses.replace(policy, cast_forward_inputs=False)
     fully_shard(layer, mesh=mesh, reshard_after_forward=zero_stage >= 3, mp_policy=policy)
     if mesh.size() != topology.dp:
         layer.set_gradient_divide_factor(topology.dp)
