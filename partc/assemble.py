@@ -109,6 +109,7 @@ def make_plan(problem: PlanningProblem, config: PipelineConfig, evaluation: Eval
         num_microbatches=config.num_microbatches,
         micro_batch_size=config.micro_batch_size,
         zero_stage=config.zero_stage,
+        zero2_grad_sync=config.zero2_grad_sync,
         stages=stage_plans(local, config, evaluation, modes),
         predicted=predicted(problem, config, evaluation),
         solver=solver,
