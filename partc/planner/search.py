@@ -167,7 +167,11 @@ def schedule_candidates(problem: PlanningProblem, config: PipelineConfig
         info = schedule_info(name)
         counts = ([pins.virtual_stages] if pins.virtual_stages is not None
                   else list(info.virtual_stages) or list(AUTO_VIRTUAL_STAGES))
-        found += [dataclasses.replace(config, schedule=name, chunks=v, zero_stage=zero)
+        # A lower ZeRO stage takes its own gradient sync (the pinned one, or the default).
+        sync = config.zero2_grad_sync if zero == config.zero_stage else zero2_grad_syncs(
+            problem, zero, config.dp, config.num_microbatches)[0]
+        found += [dataclasses.replace(config, schedule=name, chunks=v, zero_stage=zero,
+                                      zero2_grad_sync=sync)
                   for v in counts
                   if info.allows_virtual_stages(v) and config.pp * v <= problem.num_layers
                   and refusal(name, config.pp, v, config.num_microbatches) is None]
