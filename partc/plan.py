@@ -494,6 +494,8 @@ class MeshOutcome:
     need_bytes: int | None = None    # infeasible: the tightest split's need per device
     limit_bytes: int | None = None
     ep: int | None = None            # its best configuration's expert-parallel degree
+    # "step" where its best configuration's ZeRO-2 reduces once per step (else absent)
+    zero2_grad_sync: str | None = None
 
     @property
     def mesh(self) -> Mesh:

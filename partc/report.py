@@ -175,7 +175,9 @@ def _is_chosen(plan: Plan, outcome: MeshOutcome) -> bool:
 
 def _mesh_config(mesh: MeshOutcome) -> str:
     return (f"{mesh.micro_batch_size} x {mesh.num_microbatches}, {mesh.schedule}, "
-            f"ZeRO-{mesh.zero_stage}" + (", sequence parallel" if mesh.sequence_parallel else "")
+            f"ZeRO-{mesh.zero_stage}"
+            + (" (once per step)" if mesh.zero2_grad_sync == "step" else "")
+            + (", sequence parallel" if mesh.sequence_parallel else "")
             + (f", ep={mesh.ep}" if mesh.ep and mesh.ep > 1 else ""))
 
 

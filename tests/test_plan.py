@@ -172,6 +172,8 @@ def test_zero2_grad_sync_is_kept_and_older_plans_read_per_microbatch(programs):
     assert plan.zero2_grad_sync == "step" and plan.reduces_once
     assert plan.to_dict()["zero2_grad_sync"] == "step"
     assert "reduce-scattered once per step" in program.report()
+    chosen = next(m for m in plan.meshes if (m.pp, m.dp) == (1, 2))
+    assert chosen.zero2_grad_sync == "step" and "ZeRO-2 (once per step)" in program.report()
     older = {k: v for k, v in plan.to_dict().items() if k != "zero2_grad_sync"}
     assert Plan.from_dict(older).zero2_grad_sync == "microbatch"
     assert Plan.from_dict(older).hash != plan.hash
