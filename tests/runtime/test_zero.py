@@ -14,8 +14,8 @@ every element exactly once, each rank holding only part of it.
 
 ZeRO-2 reducing once per step (``zero2_grad_sync="step"``: whole gradients accumulated
 over 4 microbatches, reduce-scattered by the last backward) and after every microbatch,
-pinned: dp=2 on GPT and pp=2 x dp=2 (1F1B) by default, GPT-2 with clipping and Llama in
-bf16 under GPipe in the slow profile; each also counts FSDP's reductions per step: one
+pinned: dp=2 on GPT both ways and pp=2 x dp=2 (1F1B) once per step by default, GPT-2
+with clipping both ways and Llama in bf16 under GPipe in the slow profile; each also counts FSDP's reductions per step: one
 per unit, or one per unit and microbatch.
 """
 
@@ -31,7 +31,7 @@ TWO = [f"{case}-zero{z}{suffix}" for z in STAGES
     "gpt-dp2-zero2-step", "gpt-dp2-zero2-microbatch"]
 FOUR = [f"{case}-zero{z}" for z in STAGES for case in ("gpt-pp2-dp2", "llama-dp2-tp2")] + [
     "gpt-pp2-dp2-zero2-step"]
-SLOW_TWO = ["gpt2-dp2-zero2-step-clip"]
+SLOW_TWO = ["gpt2-dp2-zero2-step-clip", "gpt2-dp2-zero2-microbatch-clip"]
 
 
 zero2 = launched("zero2", 2, TWO)
@@ -87,5 +87,5 @@ def test_zero_matches_one_process(request, launch, name):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", SLOW_TWO)
-def test_zero2_once_per_step_matches_one_process(zero2_slow, name):
+def test_zero2_gradient_syncs_match_one_process_on_gpt2(zero2_slow, name):
     _check(zero2_slow, name)

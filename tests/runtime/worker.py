@@ -254,8 +254,10 @@ _STEP = dict(dp=2, zero_stage=2, zero2_grad_sync="step", num_microbatches=4)
 CASES["gpt-dp2-zero2-step"] = Case(gpt.gpt_tiny, "tokens", gpt.loss_fn, dict(pp=1, **_STEP))
 CASES["gpt-dp2-zero2-microbatch"] = Case(
     gpt.gpt_tiny, "tokens", gpt.loss_fn, dict(pp=1, **{**_STEP, "zero2_grad_sync": "microbatch"}))
-CASES["gpt2-dp2-zero2-step-clip"] = Case(_gpt2, "tokens", models.causal_lm_loss,
-                                         dict(pp=1, **_STEP), clip=_CLIP)
+for _sync in ("step", "microbatch"):
+    CASES[f"gpt2-dp2-zero2-{_sync}-clip"] = Case(
+        _gpt2, "tokens", models.causal_lm_loss,
+        dict(pp=1, **{**_STEP, "zero2_grad_sync": _sync}), clip=_CLIP)
 CASES["gpt-pp2-dp2-zero2-step"] = Case(gpt.gpt_tiny, "tokens", gpt.loss_fn,
                                        dict(pp=2, schedule="1f1b", recompute=ALL_MODES,
                                             **_STEP))
