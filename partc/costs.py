@@ -46,7 +46,10 @@ Model (per pipeline stage ``s`` of ``p``, ``m`` microbatches of ``b`` samples):
   layer's gradients, and ZeRO-3 gathers its parameters in forward and again in backward;
   each collective overlaps the layer's own compute (a layer costs ``max(compute, comm)``
   per phase, as FSDP prefetches the next unit while one computes); ZeRO-2 gathers all
-  parameters once per step, in the tail;
+  parameters once per step, in the tail. ZeRO-2 with ``zero2_grad_sync`` "step" and
+  several microbatches accumulates whole fp32 gradients instead (memory as ZeRO-1's) and
+  reduce-scatters them once, in the last microbatch's backward: priced as ZeRO 0/1's
+  reduction, exposed after the pipeline drains where that backward does not hide it;
 - memory of stage ``s``: parameters + gradients + optimizer state of every parameter the
   stage uses (a tied parameter on every stage that uses it) + saved activations times the
   microbatches in flight (1F1B: ``min(m, p - s)``; GPipe: ``m``; the others counted from
@@ -64,7 +67,8 @@ from typing import Any, Iterable, Sequence
 from .collectives import Group, collective_seconds
 from .schedules import schedule as schedule_info
 from .problem import (BUCKET_ELEMENTS, ZERO_STAGES, DeviceNumbers, HeavyOp, LayerCost,
-                      MoECost, PlanningProblem, effective_zero_stage)
+                      MoECost, PlanningProblem, effective_zero_stage,
+                      reduces_once_per_step)
 
 PS_PER_S = 10**12
 
@@ -110,11 +114,21 @@ class PipelineConfig:
     zero_stage: int = 0  # 1: optimizer state sharded over dp, 2: gradients too, 3: weights too
     chunks: int = 1      # interleaved-1f1b: model chunks (virtual stages) per pipeline rank
     ep: int = 1          # expert-parallel degree of mixture-of-experts layers (moe_layer_table)
+    # ZeRO-2: reduce-scatter gradients after every microbatch, or once per "step"
+    # (partc.problem.ZERO2_GRAD_SYNCS)
+    zero2_grad_sync: str = "microbatch"
 
     @property
     def effective_zero_stage(self) -> int:
         """The ZeRO stage that runs (0 with one replica): :func:`effective_zero_stage`."""
         return effective_zero_stage(self.zero_stage, self.dp)
+
+    @property
+    def reduces_once(self) -> bool:
+        """ZeRO-2 reduce-scatters the step's accumulated gradients once
+        (:func:`partc.problem.reduces_once_per_step`)."""
+        return reduces_once_per_step(self.zero_stage, self.dp, self.zero2_grad_sync,
+                                     self.num_microbatches)
 
     @property
     def virtual_stages(self) -> int:
@@ -250,7 +264,10 @@ def _state_bytes(problem: PlanningProblem, config: PipelineConfig, params: int,
     tied ones, likewise under ZeRO-3), and in mixed precision the compute-dtype weights
     beside the fp32 master: under ZeRO-0 a copy made once per step beside the whole
     master, under ZeRO-1 the weights kept in the compute dtype and 1/dp of the master
-    (Megatron's distributed optimizer)."""
+    (Megatron's distributed optimizer). ZeRO-2 reducing once per step
+    (:attr:`PipelineConfig.reduces_once`) holds the whole fp32 gradient the microbatches
+    accumulate into until the last one's reduce-scatter; its sharded output replaces the
+    whole gradient unit by unit."""
     precision = problem.train.precision
     master = precision.master_bytes
     zero = config.effective_zero_stage
@@ -262,22 +279,28 @@ def _state_bytes(problem: PlanningProblem, config: PipelineConfig, params: int,
         state["params"] = params * (precision.compute_bytes + master / config.dp)
     elif zero == 0 and precision.mixed:
         state["params"] = params * (master + precision.compute_bytes)
+    if config.reduces_once:
+        state["grads"] = params * master
     return {kind: int(round(nbytes)) for kind, nbytes in state.items()}
 
 
 def _zero_comm_seconds(problem: PlanningProblem, config: PipelineConfig,
                        params: int) -> dict[str, float]:
     """ZeRO-2/3 collectives of ``params`` parameters over dp (ring), by when they run:
-    per microbatch in forward or backward, or once per step."""
+    per microbatch in forward or backward, or once per step ("step" in the tail, "sync"
+    overlapping the last microbatch's backward: ZeRO-2's one reduce-scatter when it
+    reduces once per step)."""
     zero = config.effective_zero_stage
-    result = {"forward": 0.0, "backward": 0.0, "step": 0.0}
+    result = {"forward": 0.0, "backward": 0.0, "step": 0.0, "sync": 0.0}
     if zero < 2:
         return result
     precision = problem.train.precision
     group = dp_group(problem, config)
     gather = collective_seconds("all_gather", params * precision.compute_bytes, group)
     scatter = collective_seconds("reduce_scatter", params * precision.master_bytes, group)
-    if zero == 2:
+    if zero == 2 and config.reduces_once:
+        result.update(sync=scatter, step=gather)
+    elif zero == 2:
         result.update(backward=scatter, step=gather)
     else:
         result.update(forward=gather, backward=gather + scatter)
@@ -316,11 +339,14 @@ def _tail_ps(problem: PlanningProblem, config: PipelineConfig, params: int) -> i
 
 
 def _sync_ps(problem: PlanningProblem, config: PipelineConfig, params: int) -> int:
-    """ZeRO 0/1: the fp32 gradient buckets' reduction over dp of ``params`` parameters,
-    an all-reduce under ZeRO-0 (ring: 2 (d-1)/d of the bytes), a reduce-scatter under
-    ZeRO-1 ((d-1)/d), with their share of the buckets' latencies (one collective per
-    ``BUCKET_ELEMENTS``): each bucket's collective is issued during the last backward
-    and runs beside it, latency and all (:func:`exposed_sync_ps`)."""
+    """The gradient reduction over dp that runs beside the last microbatch's backward
+    (:func:`exposed_sync_ps`). ZeRO 0/1: the fp32 gradient buckets' reduction of
+    ``params`` parameters, an all-reduce under ZeRO-0 (ring: 2 (d-1)/d of the bytes), a
+    reduce-scatter under ZeRO-1 ((d-1)/d), with their share of the buckets' latencies
+    (one collective per ``BUCKET_ELEMENTS``), latency and all. ZeRO-2 reducing once per
+    step: the unit's one reduce-scatter, latency included."""
+    if config.reduces_once:
+        return to_ps(_zero_comm_seconds(problem, config, params)["sync"])
     if config.dp == 1 or config.effective_zero_stage >= 2:
         return 0
     master = problem.train.precision.master_bytes
@@ -347,10 +373,12 @@ def _bucket_latency_seconds(problem: PlanningProblem, config: PipelineConfig) ->
 
 def _shared_tail_ps(problem: PlanningProblem, config: PipelineConfig, params: int) -> int:
     """A tied weight's tail; under ZeRO-2/3 the stage's root unit holds it, whose
-    collectives (every microbatch's) are not overlapped: charged here."""
+    collectives (every microbatch's, or ZeRO-2's one per step) are not overlapped:
+    charged here."""
     zero = _zero_comm_seconds(problem, config, params)
     per_microbatch = zero["forward"] + zero["backward"]
-    return _tail_ps(problem, config, params) + to_ps(config.num_microbatches * per_microbatch)
+    return _tail_ps(problem, config, params) + to_ps(
+        config.num_microbatches * per_microbatch + zero["sync"])
 
 
 def roofline_seconds(ops: Sequence[HeavyOp], devices: DeviceNumbers, micro_batch: int,
@@ -562,7 +590,9 @@ def _shared_tables(problem: PlanningProblem, config: PipelineConfig) -> tuple[Sh
             param_count=group.param_count,
             state_bytes=_state_bytes(problem, config, group.param_count, gathered=True),
             tail_ps=_shared_tail_ps(problem, config, group.param_count),
-            sync_ps=_sync_ps(problem, config, group.param_count),
+            # ZeRO-2's once-per-step reduce-scatter of the root unit is in its tail.
+            sync_ps=0 if config.reduces_once else _sync_ps(problem, config,
+                                                           group.param_count),
             # fp32 gradients between the stages holding it (first and last, usually):
             # over the network unless the whole pipeline fits in one node.
             tie_sync_ps=to_ps(collective_seconds(
@@ -600,7 +630,7 @@ class TableCache:
     def rows(self, problem: PlanningProblem, config: PipelineConfig) -> tuple[LayerTable, ...]:
         """One row per layer; layers with equal numbers share one row object."""
         family = (config.micro_batch_size, config.dp, config.tp, config.sequence_parallel,
-                  config.tp_objective, config.zero_stage,
+                  config.tp_objective, config.zero_stage, config.reduces_once,
                   schedule_info(config.schedule).split_backward)
         known = self._tables.get(("rows", family, id(problem.model)))
         if known is not None:
@@ -629,7 +659,8 @@ class TableCache:
     def shared(self, problem: PlanningProblem,
                config: PipelineConfig) -> tuple[SharedTable, ...]:
         key = ("shared", config.micro_batch_size, config.num_microbatches, config.dp,
-               config.tp, config.sequence_parallel, config.tp_objective, config.zero_stage)
+               config.tp, config.sequence_parallel, config.tp_objective, config.zero_stage,
+               config.reduces_once)
         if key not in self._tables:
             self._tables[key] = _shared_tables(problem, config)
         return self._tables[key]
@@ -1046,7 +1077,8 @@ def moe_rows(whole: PlanningProblem, problem: PlanningProblem, config: PipelineC
         return rows
     key = ("moe rows", config.micro_batch_size, config.dp, config.tp,
            config.sequence_parallel, config.tp_objective, config.zero_stage, config.ep,
-           schedule_info(config.schedule).split_backward, id(problem.model))
+           config.reduces_once, schedule_info(config.schedule).split_backward,
+           id(problem.model))
     known = cache._tables.get(key)
     if known is not None and known[0] is problem.model:
         return known[1]

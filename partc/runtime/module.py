@@ -27,7 +27,10 @@ the last microbatch, accumulating whole gradients in between, which would hold a
 as no ZeRO at all; here every microbatch's backward reduce-scatters into the sharded
 gradients instead (ZeRO-2 and 3 alike, as ZeRO does under gradient accumulation), ZeRO-2
 keeps the gathered parameters for the whole step and ZeRO-3 frees each unit after its
-forward and after its backward, gathering it again for the next microbatch.
+forward and after its backward, gathering it again for the next microbatch. A ZeRO-2 plan
+may choose the other way (``plan.zero2_grad_sync == "step"``, :attr:`Plan.reduces_once`):
+the microbatches accumulate whole fp32 gradients and the stage's last backward
+reduce-scatters them, one reduce-scatter per step for a whole gradient held through it.
 
 Gradients are those of the mean loss over the whole global batch, as on one device, so
 any ``torch.optim`` optimizer over ``module.parameters()`` trains the same model.
@@ -776,7 +779,8 @@ def build(plan: Plan, topology: Topology,
     for module, program in zip(modules, programs):
         contiguous_transfers(module, first=program.is_first, last=program.is_last)
         stage = CountingStage(module, program.index, program.num_stages, topology.device,
-                              group=topology.pp_group, zero_stage=zero_stage)
+                              group=topology.pp_group, zero_stage=zero_stage,
+                              reduce_once=plan.reduces_once)
         # A weight two stages share is scaled once, after the schedule: either stage's
         # last backward may come last.
         stage.scaled_elsewhere = set(shared.values())

@@ -76,10 +76,11 @@ def brute_force(prob):
                 if per_replica % b:
                     continue
                 m = per_replica // b
-                for schedule, zero, v in schedule_choices(prob, pp, dp, m):
+                for schedule, zero, v, sync in schedule_choices(prob, pp, dp, m):
                     config = PipelineConfig(pp=pp, dp=dp, micro_batch_size=b, ep=ep,
                                             num_microbatches=m, chunks=v,
-                                            schedule=schedule, zero_stage=zero)
+                                            schedule=schedule, zero_stage=zero,
+                                            zero2_grad_sync=sync)
                     best = _best_split(prob, config, best)
     return best
 

@@ -94,6 +94,10 @@ CASES: dict[str, Case] = {
                               clip=0.05),
     "moe-dp4-ep2-zero3": Case(moe.moe_tiny, moe.loss_fn, dict(pp=1, dp=4, ep=2, zero_stage=3),
                               clip=0.05),
+    # ZeRO-2 reducing once per step, the experts' units over their expert-dp group too.
+    "moe-dp4-ep2-zero2-step": Case(moe.moe_tiny, moe.loss_fn,
+                                   dict(pp=1, dp=4, ep=2, zero_stage=2, zero2_grad_sync="step"),
+                                   clip=0.05),
     "moe-dp2-tp2-ep2-zero1": Case(moe.moe_tiny, moe.loss_fn,
                                   dict(pp=1, dp=2, tp=2, ep=2, zero_stage=1), clip=0.05),
     "moe-dp2-tp2-ep2-zero3": Case(moe.moe_tiny, moe.loss_fn,

@@ -24,6 +24,10 @@ LOSS_RTOL, PARAM_RTOL = 1e-3, 2e-2
 
 bf16_two = launched("bf16_two", 2, TWO)
 bf16_four = launched("bf16_four", 4, FOUR)
+# ZeRO-2 accumulating whole fp32 gradients (FSDP upcasts each microbatch's bf16 gradient)
+# and reduce-scattering them once per step, under GPipe.
+SLOW_FOUR = ["llama-pp2-dp2-zero2-step-bf16"]
+bf16_slow_four = launched("bf16_slow_four", 4, SLOW_FOUR)
 
 
 def _check(ranks: list[dict], name: str) -> None:
@@ -46,3 +50,10 @@ def _check(ranks: list[dict], name: str) -> None:
                          + [("bf16_four", n) for n in FOUR])
 def test_bf16_trains_like_fp32(request, launch, name):
     _check(request.getfixturevalue(launch), name)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", SLOW_FOUR)
+def test_bf16_zero2_once_per_step_trains_like_fp32(bf16_slow_four, name):
+    _check(bf16_slow_four, name)
+    assert all(results[name]["reduces_once"] for results in bf16_slow_four)

@@ -22,7 +22,8 @@ RTOL = 1e-5
 DEFAULT = ["moe-dp4-ep4", "moe-pp2-dp2-ep2", "moe-dp2-tp2-ep2-clip", "moe-dp4-ep2-zero3"]
 SLOW_FOUR = ["moe-dp2-tp2-ep2", "moe-dp4-ep2", "qwen2-moe-dp4-ep4", "qwen3-moe-pp2-dp2-ep2", "mixtral-dp2-tp2-ep2",
              "mixtral-dp2-tp2-ep4-capacity", "moe-dp4-ep2-zero1", "mixtral-dp4-ep2-zero1",
-             "moe-dp2-tp2-ep2-zero1", "moe-dp2-tp2-ep2-zero3", "moe-pp2-dp2-ep2-zero2"]
+             "moe-dp2-tp2-ep2-zero1", "moe-dp2-tp2-ep2-zero3", "moe-pp2-dp2-ep2-zero2",
+             "moe-dp4-ep2-zero2-step"]
 SLOW_TWO = ["moe-dp2-ep2", "moe-tp2-ep2", "moe-dp2-ep2-capacity", "mixtral-dp2-ep2", "mixtral-tp2-ep2",
             "deepseek-v3-dp2-ep2", "qwen2-moe-aux-dp2-ep2", "moe-dp2-ep2-zero1",
             "moe-dp2-ep2-zero2", "moe-dp2-ep2-zero3", "qwen3-moe-dp2-ep2-zero3",
