@@ -29,9 +29,10 @@ slowest rank's. Printed per pair: the median step times, the ratio partc /
 hand-written (target <= 1.05), the median of each round's ratio (steadier on a shared
 machine), the ratio of the median CPU times (the busiest rank's process, every
 thread: what each program computes, without the waits other processes cause), and
-both losses at every step with their largest relative difference. The two compute in bf16 with different roundings (partc keeps
-softmax, norms and the loss in fp32 under autocast; FSDP2 alone runs them in bf16), so
-their losses agree to bf16's tolerance, ``LOSS_RTOL``, not fp32's.
+both losses at every step with their largest relative difference. The two compute in
+bf16 with different roundings (partc keeps softmax, norms and the loss in fp32 under
+autocast; FSDP2 alone runs them in bf16), so their losses agree to bf16's tolerance,
+``LOSS_RTOL``, not fp32's.
 
 ``--out FILE`` writes the figures as JSON (``tests/runtime/test_torchtitan_side.py``
 runs a small case that way and checks the losses).

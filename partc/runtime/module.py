@@ -736,9 +736,11 @@ def build(plan: Plan, topology: Topology,
     for module, program in zip(modules, programs):
         if zero_stage >= 2:
             # The last stage's backward of a microbatch follows its forward under
-            # one microbatch or 1F1B (one virtual stage per rank).
+            # one microbatch or 1F1B (one virtual stage per rank; with fewer
+            # microbatches than stages 1F1B runs as GPipe, see make_schedule).
             follows = program.is_last and len(programs) == 1 and (
-                plan.num_microbatches == 1 or plan.schedule == "1f1b")
+                plan.num_microbatches == 1
+                or (plan.schedule == "1f1b" and plan.num_microbatches >= plan.pp))
             _shard_over_dp(module, program.fsdp_units, topology, zero_stage, compute_dtype,
                            backward_follows=follows)
         if compute_dtype != torch.float32:
