@@ -32,7 +32,6 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
-import torch.utils._pytree as pytree
 
 # Ops are named as aten registers them: "name" for the default overload, "name.overload".
 
@@ -144,12 +143,14 @@ def _op(name: str) -> torch._ops.OpOverload:
     return getattr(getattr(torch.ops.aten, base), overload or "default")
 
 
+_AUTOCAST_CPU = torch._C.DispatchKeySet(torch._C.DispatchKey.AutocastCPU)
+
+
 def _below_autocast(op: torch._ops.OpOverload, rule: Callable) -> Callable:
     """The kernel: ``rule`` casts and calls ``op`` with autocast off, as CUDA's kernels do
     (the ops an autocast op runs inside are not autocast again)."""
     def kernel(*args: Any, **kwargs: Any) -> Any:
-        with torch._C._ExcludeDispatchKeyGuard(
-                torch._C.DispatchKeySet(torch._C.DispatchKey.AutocastCPU)):
+        with torch._C._ExcludeDispatchKeyGuard(_AUTOCAST_CPU):
             return rule(op, args, kwargs)
     return kernel
 
@@ -160,8 +161,19 @@ def _eligible(value: Any) -> bool:
 
 
 def _cast(dtype: torch.dtype, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-    return pytree.tree_map_only(
-        torch.Tensor, lambda t: t.to(dtype) if _eligible(t) else t, (args, kwargs))
+    # Walked by hand rather than with pytree: an op's arguments are tensors, scalars and
+    # lists of tensors, and these kernels run for every matmul and norm of a step, where
+    # pytree's generality cost ~100 us a call (more than a small matmul).
+    return (tuple(_cast_value(dtype, a) for a in args),
+            {name: _cast_value(dtype, a) for name, a in kwargs.items()} if kwargs else kwargs)
+
+
+def _cast_value(dtype: torch.dtype, value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.to(dtype) if _eligible(value) and value.dtype != dtype else value
+    if isinstance(value, (list, tuple)):
+        return type(value)(_cast_value(dtype, v) for v in value)
+    return value
 
 
 def _cast_to(dtype: torch.dtype) -> Callable:
@@ -173,11 +185,17 @@ def _cast_to(dtype: torch.dtype) -> Callable:
 
 def _promote(low: torch.dtype) -> Callable:
     def rule(op, args, kwargs):
-        inputs = [t for t in pytree.tree_leaves((args, kwargs)) if _eligible(t)]
-        widest = torch.float32 if any(t.dtype == torch.float32 for t in inputs) else low
+        widest = torch.float32 if any(_has_fp32(a) for a in (*args, *kwargs.values())) \
+            else low
         args, kwargs = _cast(widest, args, kwargs)
         return op(*args, **kwargs)
     return rule
+
+
+def _has_fp32(value: Any) -> bool:
+    if isinstance(value, torch.Tensor):
+        return value.dtype == torch.float32
+    return isinstance(value, (list, tuple)) and any(_has_fp32(v) for v in value)
 
 
 def _fp32_output(op, args, kwargs):

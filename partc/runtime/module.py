@@ -397,8 +397,11 @@ class DistributedModule:
     def close(self) -> None:
         """Stop this rank's watchdog thread (also done when the module is freed and at
         exit); the other ranks then stop judging this one. Stop signals get their
-        handlers from before ``stop_requested()`` back."""
+        handlers from before ``stop_requested()`` back, and CPU autocast its own rules
+        (mixed precision on CPU ranks, ``partc/runtime/precision.py``)."""
         self._stop.uninstall()
+        if self._copies is not None:
+            self._copies.close()
         if self.watchdog is not None:
             self.watchdog.stop()
         if self._telemetry is not None:
@@ -736,7 +739,14 @@ def build(plan: Plan, topology: Topology,
             "those stages on different ranks")
     for module, program in zip(modules, programs):
         if zero_stage >= 2:
-            _shard_over_dp(module, program.fsdp_units, topology, zero_stage, compute_dtype)
+            # The last stage's backward of a microbatch follows its forward under
+            # one microbatch or 1F1B (one virtual stage per rank; with fewer
+            # microbatches than stages 1F1B runs as GPipe, see make_schedule).
+            follows = program.is_last and len(programs) == 1 and (
+                plan.num_microbatches == 1
+                or (plan.schedule == "1f1b" and plan.num_microbatches >= plan.pp))
+            _shard_over_dp(module, program.fsdp_units, topology, zero_stage, compute_dtype,
+                           backward_follows=follows)
         if compute_dtype != torch.float32:
             # Mixed precision: the fp32 parameters are the master weights; the stage
             # computes with compute-dtype copies of them, cast once per step (ZeRO 0/1:
@@ -815,13 +825,17 @@ def _compute_dtype(plan: Plan) -> torch.dtype:
 
 
 def _shard_over_dp(module: fx.GraphModule, unit_paths: tuple[str, ...], topology: Topology,
-                   zero_stage: int, compute_dtype: torch.dtype) -> None:
+                   zero_stage: int, compute_dtype: torch.dtype, *,
+                   backward_follows: bool) -> None:
     """ZeRO-2/3 by FSDP2 over the dp group: one unit per layer that owns its parameters
-    (``unit_paths``), the stage itself the root unit for the rest (tied weights, layers
-    without a module of their own). ZeRO-3 frees a unit's gathered parameters after its
-    forward; the root keeps its own gathered until backward, as FSDP does. In mixed
-    precision the fp32 shards are the master weights, gathered as compute-dtype copies,
-    and gradients are reduce-scattered in fp32."""
+    (``unit_paths``; a small layer shares the next one's, see :func:`_unit_groups`), the
+    stage itself the root unit for the rest (tied weights, layers without a module of
+    their own). ZeRO-3 frees a unit's gathered parameters after its forward, except the
+    stage's last unit when ``backward_follows`` (its backward comes next: freed, it
+    would be gathered again at once, as torchtitan's ``apply_fsdp`` knows); the root
+    keeps its own gathered until backward, as FSDP does. In mixed precision the fp32
+    shards are the master weights, gathered as compute-dtype copies, and gradients are
+    reduce-scattered in fp32."""
     mesh = topology.mesh["dp"]
     policy = MixedPrecisionPolicy(
         param_dtype=None if compute_dtype == torch.float32 else compute_dtype,
@@ -830,11 +844,12 @@ def _shard_over_dp(module: fx.GraphModule, unit_paths: tuple[str, ...], topology
     for layer in experts.expert_modules(module):
         if layer.owned:
             _shard_experts(layer, topology, zero_stage, policy)
-    for path in unit_paths:
-        unit = module.get_submodule(path)
-        if next(unit.parameters(), None) is not None:
-            fully_shard(unit, mesh=mesh, reshard_after_forward=zero_stage >= 3,
-                        mp_policy=policy)
+    groups = _unit_groups([module.get_submodule(path) for path in unit_paths],
+                          sum(p.numel() for p in module.parameters()))
+    for index, group in enumerate(groups):
+        kept = backward_follows and index == len(groups) - 1
+        fully_shard(group if len(group) > 1 else group[0], mesh=mesh, mp_policy=policy,
+                    reshard_after_forward=zero_stage >= 3 and not kept)
     fully_shard(module, mesh=mesh, reshard_after_forward=zero_stage >= 3, mp_policy=policy)
 
 
@@ -863,6 +878,38 @@ def _shard_experts(layer: experts.ExpertParallel, topology: Topology, zero_stage
         layer.set_gradient_divide_factor(topology.dp)
         if mesh.size() > 1:  # a sum then a division (gloo has no pre-multiplied sum)
             layer.set_force_sum_reduction_for_comms(True)
+
+
+# The share of a stage's parameters that its small layers (norms, position embeddings)
+# may hold for them not to be units of their own: each unit costs an all-gather and a
+# reduce-scatter per microbatch (two all-gathers under ZeRO-3), whose latency a layer
+# of a few thousand parameters does not repay in memory.
+SMALL_UNITS_SHARE = 0.01
+
+
+def _unit_groups(units: list[nn.Module], stage_params: int) -> list[list[nn.Module]]:
+    """The FSDP units of a stage, each a list of the layers' modules it gathers
+    together, in order: every layer holding parameters is one, but the smallest, whose
+    parameters together stay within ``SMALL_UNITS_SHARE`` of the stage's, join the next
+    unit (a final norm the head, as torchtitan groups them), or after the last one the
+    root."""
+    sizes = {id(unit): sum(p.numel() for p in unit.parameters()) for unit in units}
+    units = [unit for unit in units if sizes[id(unit)] > 0]
+    allowance = SMALL_UNITS_SHARE * stage_params
+    small: set[int] = set()
+    for unit in sorted(units, key=lambda u: sizes[id(u)]):
+        if sizes[id(unit)] > allowance:
+            break
+        allowance -= sizes[id(unit)]
+        small.add(id(unit))
+    groups: list[list[nn.Module]] = []
+    waiting: list[nn.Module] = []
+    for unit in units:
+        waiting.append(unit)
+        if id(unit) not in small:
+            groups.append(waiting)
+            waiting = []
+    return groups  # the small layers still waiting are the root's
 
 
 def _check_same_plan(plan: Plan, own_hash: str) -> None:

@@ -17,12 +17,16 @@ The stage still runs under autocast: with compute-dtype parameters it casts no w
 and it keeps the ops that must stay fp32 (softmax, the norms, the loss) in fp32 as
 torch's autocast does on a GPU (on CPU ranks, stand-ins for GPUs, under CUDA's policy:
 ``partc.autocast_policy.cuda_policy``; CPU autocast would run a norm with an
-fp32 input and bf16 weights, which CPU kernels refuse).
+fp32 input and bf16 weights, which CPU kernels refuse). Installing that policy
+registers some 200 kernels, milliseconds of a step: it is installed at the first step
+and kept, so CPU autocast in this process follows CUDA's rules from then on, until
+:meth:`ComputeCopies.close` (``DistributedModule.close``) or the module is freed.
 """
 
 from __future__ import annotations
 
 import contextlib
+import weakref
 from typing import Iterator, Sequence
 
 import torch
@@ -45,6 +49,7 @@ class ComputeCopies:
         self.device = next((p.device for m in modules for p in m.parameters()),
                            torch.device("cpu"))
         self.last_bytes = 0  # of the copies the last step made (telemetry, benchmarks)
+        self._policy: contextlib.ExitStack | None = None  # CUDA's autocast rules, kept
         # Every (owner, attribute) naming each parameter: a tied one (within a stage or
         # across the rank's stages) is swapped once.
         self._places: dict[int, tuple[nn.Parameter, list[tuple[nn.Module, str]]]] = {}
@@ -70,11 +75,12 @@ class ComputeCopies:
         self.last_bytes = sum(c.numel() * c.element_size() for c in copies)
         # On CPU ranks (stand-ins for GPUs) autocast follows CUDA's rules, which keep
         # the norms in fp32 whatever dtype their weights have, as a GPU would run them.
-        policy = cuda_policy(self.dtype) if self.device.type == "cpu" \
-            else contextlib.nullcontext()
+        if self.device.type == "cpu" and self._policy is None:
+            self._policy = contextlib.ExitStack()
+            self._policy.enter_context(cuda_policy(self.dtype))
+            weakref.finalize(self, self._policy.close)
         try:
-            with policy:
-                yield
+            yield
         finally:
             if copies:
                 for master, places in self._places.values():
@@ -82,3 +88,9 @@ class ComputeCopies:
                         owner._parameters[attr] = master
             for copy in copies:
                 self.buckets.drop_stand_in(copy)
+
+    def close(self) -> None:
+        """CPU autocast's own rules in force again (see the module)."""
+        if self._policy is not None:
+            self._policy.close()
+            self._policy = None
