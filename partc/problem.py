@@ -165,6 +165,9 @@ class LayerCost:
     # number of those kernels. None: not measured.
     fused_mem_bytes: float | None = None
     fused_kernels: int | None = None
+    # Ops a recompute mode reruns, by mode (full: every op; selective: the attention
+    # cores'). Missing: full reruns ``num_nodes``, selective the light ops.
+    recompute_nodes: dict[str, int] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         listed = sum(op.flops * op.count for op in self.heavy_ops)
