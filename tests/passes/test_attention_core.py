@@ -59,3 +59,22 @@ def test_a_softmax_without_products_around_it_is_no_core():
 
     assert attention_cores(_nodes(Classifier())) == []
 
+
+def test_the_cores_softmax_becomes_the_runtimes_and_computes_the_same():
+    from partc.passes.attention_softmax import attention_softmax
+    from partc.runtime.softmax import softmax
+
+    torch.manual_seed(0)
+    model = Attention().eval()
+    gm = fx.symbolic_trace(model)
+    x, mask = torch.randn(2, 5, 8), torch.zeros(5, 5)
+    want = model(x, mask)
+    attention_softmax(gm, None)
+    [node] = [n for n in gm.graph.nodes if n.name == "softmax"]
+    assert (node.target, node.args) == (softmax, (node.args[0], -1))
+    assert torch.equal(gm(x, mask), want)
+    # A softmax outside an attention core stays as written.
+    classifier = fx.symbolic_trace(nn.Softmax(-1))
+    code = classifier.code
+    attention_softmax(classifier, None)
+    assert classifier.code == code

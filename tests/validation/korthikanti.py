@@ -196,46 +196,46 @@ def fits(config: Config, sequence_parallel: bool, mode: str, *, estimate: bool) 
 
 
 def explained_bytes(config: Config, tp: int, sequence_parallel: bool, mode: str) -> float:
-    """The paper's bytes plus what partc's runtime is known to keep beyond them, for
-    ``"none"`` and ``"full"`` (:data:`CAUSES` ``fp32`` and ``softmax``):
+    """The paper's bytes corrected by what partc's runtime keeps differently
+    (:data:`CAUSES`), term by term, in ``s b h`` units:
 
-    - mixed precision is autocast over fp32 parameters: the residual stream is fp32, so
-      the layer's input and the second LayerNorm's input are 4 bytes an element, not 2
-      (the whole of ``"full"``'s excess);
-    - CUDA's autocast runs softmax in fp32, and softmax's backward keeps its fp32 output
-      (4 a s^2 b / t, not 2)."""
-    s, b, h, a, t = config.seq_len, config.micro_batch, config.hidden, config.heads, tp
+    - ``fp32``: mixed precision is autocast over fp32 parameters, so the residual
+      stream is fp32: the layer's input (the first LayerNorm's) and the second
+      LayerNorm's input take 4 bytes an element, not 2: +2 each (/ t where sharded);
+      the whole of ``"full"``'s excess (its one kept tensor is the layer's input);
+    - ``sharded``: with tensor but no sequence parallelism the paper keeps 10 s b h
+      replicated (both LayerNorms' inputs, QKV's and the MLP's inputs, two dropout
+      masks); partc keeps the first LayerNorm's (fp32) and QKV's input whole, and the
+      second LayerNorm's input (fp32, 4), the MLP's input (2) and both masks (2) / t:
+      the paper's 10 becomes 4 + 2 + 8 / t."""
+    s, b, h, t = config.seq_len, config.micro_batch, config.hidden, tp
     base = equation_bytes(config, tp, sequence_parallel, mode)
     if mode == "full":
         return 2 * base
-    shard = t if sequence_parallel else 1
-    return base + 2 * 2 * s * b * h / shard + 2 * a * s * s * b / t
+    if t > 1 and not sequence_parallel:
+        return base + s * b * h * (2 - 6 + 8 / t)
+    return base + s * b * h * 4 / t
 
 
 # Why partc's estimate differs from the paper's equations, by what the runtime keeps
-# (each checked node by node: benchmarks/validation.py --breakdown). None of these is
-# waste partc could drop without changing what trains: they are how the runtime's
-# mixed precision and sharding differ from the paper's Megatron.
+# (each checked node by node: benchmarks/validation.py --breakdown). Neither is waste
+# partc could drop without changing what trains: they are how the runtime's mixed
+# precision and sharding differ from the paper's Megatron.
 CAUSES = {
     "fp32": "autocast over fp32 parameters keeps the residual stream in fp32: the layer's "
             "input (the first LayerNorm's, and all that full recompute keeps) and the "
             "second LayerNorm's input take 4 bytes an element where the paper's bf16 "
             "parameters give 2",
-    "softmax": "CUDA's autocast computes softmax in fp32 and its backward keeps that fp32 "
-               "output: 4 a s^2 b / t bytes where the paper's fused softmax keeps 2",
     "sharded": "without sequence parallelism partc still splits the attention output's "
                "dropout and residual add, the second LayerNorm and the MLP's input over "
                "the sequence (gathered before the MLP), keeping them / t where the "
-               "paper's layer keeps 10 s b h replicated: with the attention core rerun "
-               "the estimate is below the equation",
+               "paper's layer keeps them replicated (its 10 s b h become 6 + 8 / t): "
+               "with the attention core rerun the estimate is below the equation",
 }
 
 
 def causes(row: Row) -> tuple[str, ...]:
     """The :data:`CAUSES` that put ``row`` outside the target."""
-    sharded = row.tp > 1 and not row.sequence_parallel
-    if row.mode == "full":
-        return ("fp32",)
-    if row.mode == "selective":
-        return ("sharded",) if sharded else ("fp32",)
-    return ("fp32", "softmax") + (("sharded",) if sharded else ())
+    if row.mode == "selective" and row.tp > 1 and not row.sequence_parallel:
+        return ("sharded",)
+    return ("fp32",)

@@ -4,17 +4,18 @@
 # Schedule: 1f1b, 4 microbatches of 2 (global batch 8).
 # Layers: model.layers.1, model.norm, lm_head, loss.
 # Recompute: model.layers.1 (selective).
-# Receives from stage 0, per microbatch: where float32[2, 1, 16, 16], add_9 float32[2, 16, 64], to_5 float32[1, 16, 16], to_4 float32[1, 16, 16]; sends 1 gradient(s) back.
+# Receives from stage 0, per microbatch: where float32[2, 1, 16, 16], to_5 float32[1, 16, 16], to_4 float32[1, 16, 16], add_9 float32[2, 16, 64]; sends 1 gradient(s) back.
 # Returns the model's output for the loss: linear_14 float32[2, 16, 128].
 # Parameters: 45,248 (176.75 KiB).
 
 import torch
 from partc.runtime.recompute import checkpoint_layer as partc_runtime_recompute_checkpoint_layer
+from partc.runtime.softmax import softmax as partc_runtime_softmax_softmax
 
 
 class Stage1(torch.nn.Module):
-    def forward(self, where, add_9, to_5, to_4):
-        # where: f32[2, 1, 16, 16], add_9: f32[2, 16, 64], to_5: f32[1, 16, 16], to_4: f32[1, 16, 16]
+    def forward(self, where, to_5, to_4, add_9):
+        # where: f32[2, 1, 16, 16], to_5: f32[1, 16, 16], to_4: f32[1, 16, 16], add_9: f32[2, 16, 64]
         # layer model.layers.1 (recompute: selective)
         to_11 = torch.ops.aten.to.dtype(add_9, torch.float32);  add_9 = None  # f32[2, 16, 64]
         pow_3 = torch.ops.aten.pow.Tensor_Scalar(to_11, 2)  # f32[2, 16, 64]
@@ -108,7 +109,7 @@ class Stage1(torch.nn.Module):
             matmul_2 = torch.ops.aten.matmul.default(add_11, transpose_8);  add_11 = transpose_8 = None  # f32[2, 4, 16, 16]
             mul_19 = torch.ops.aten.mul.Tensor(matmul_2, 0.25);  matmul_2 = None  # f32[2, 4, 16, 16]
             add_13 = torch.ops.aten.add.Tensor(mul_19, where);  mul_19 = where = None  # f32[2, 4, 16, 16]
-            softmax_1 = torch.ops.aten.softmax.int(add_13, -1, torch.float32);  add_13 = None  # f32[2, 4, 16, 16]
+            softmax_1 = partc_runtime_softmax_softmax(add_13, -1, torch.float32);  add_13 = None  # f32[2, 4, 16, 16]
             to_13 = torch.ops.aten.to.dtype(softmax_1, torch.float32);  softmax_1 = None  # f32[2, 4, 16, 16]
             dropout_1 = torch.ops.aten.dropout.default(to_13, 0.0, True);  to_13 = None  # f32[2, 4, 16, 16]
             matmul_3 = torch.ops.aten.matmul.default(dropout_1, reshape_4);  dropout_1 = reshape_4 = None  # f32[2, 4, 16, 16]
