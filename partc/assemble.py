@@ -124,6 +124,7 @@ def make_plan(problem: PlanningProblem, config: PipelineConfig, evaluation: Eval
         alternatives=alternatives,
         meshes=tuple(mesh_summary(mesh) for mesh in meshes),
         expert_parallel=_expert_parallel(problem, config, evaluation, modes),
+        module_list_experts=problem.module_list_experts,
     )
 
 

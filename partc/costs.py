@@ -247,8 +247,10 @@ def _state_bytes(problem: PlanningProblem, config: PipelineConfig, params: int,
     """What the runtime holds (see :class:`partc.problem.Precision`): ZeRO's sharding,
     except that under ZeRO-2 FSDP keeps each rank's fp32 shard beside the gathered
     weights (``gathered``: weights the root unit keeps gathered through the step, such as
-    tied ones, likewise under ZeRO-3), and in mixed precision under ZeRO 0/1 the
-    compute-dtype copy of every weight, made once per step, beside the fp32 master."""
+    tied ones, likewise under ZeRO-3), and in mixed precision the compute-dtype weights
+    beside the fp32 master: under ZeRO-0 a copy made once per step beside the whole
+    master, under ZeRO-1 the weights kept in the compute dtype and 1/dp of the master
+    (Megatron's distributed optimizer)."""
     precision = problem.train.precision
     master = precision.master_bytes
     zero = config.effective_zero_stage
@@ -256,7 +258,9 @@ def _state_bytes(problem: PlanningProblem, config: PipelineConfig, params: int,
                              dp=config.dp, stage=zero)
     if zero == 2 or zero == 3 and gathered:
         state["params"] = params * (precision.compute_bytes + master / config.dp)
-    elif zero < 2 and precision.mixed:
+    elif zero == 1 and precision.mixed:
+        state["params"] = params * (precision.compute_bytes + master / config.dp)
+    elif zero == 0 and precision.mixed:
         state["params"] = params * (master + precision.compute_bytes)
     return {kind: int(round(nbytes)) for kind, nbytes in state.items()}
 
@@ -287,7 +291,8 @@ def dp_group(problem: PlanningProblem, config: PipelineConfig) -> Group:
 
 def _tail_ps(problem: PlanningProblem, config: PipelineConfig, params: int) -> int:
     """The optimizer step; under ZeRO-1 each rank steps 1/dp of the parameters, then the
-    updated fp32 weights are all-gathered, bucket by bucket ((d-1)/d of the bytes). Under
+    updated weights are all-gathered, bucket by bucket ((d-1)/d of the bytes; in the
+    compute dtype, cast from the fp32 masters, in mixed precision). Under
     ZeRO-2/3 gradients were reduce-scattered during backward: each rank steps its shard,
     and ZeRO-2 gathers the parameters once per step. (ZeRO 0/1's gradient all-reduce is
     :func:`_sync_ps`.)"""
@@ -302,7 +307,8 @@ def _tail_ps(problem: PlanningProblem, config: PipelineConfig, params: int) -> i
     elif config.effective_zero_stage == 1:
         stepped = params / config.dp
         bandwidth = dp_group(problem, config).link("all_gather")[1]
-        seconds += (config.dp - 1) / config.dp * params * master / bandwidth
+        moved = problem.train.precision.compute_bytes
+        seconds += (config.dp - 1) / config.dp * params * moved / bandwidth
     # The step reads gradients and state and writes weights and state (fp32 all).
     touched = stepped * (2 * master + master + 2 * optimizer)
     seconds += touched / devices.hbm_bandwidth
@@ -310,34 +316,33 @@ def _tail_ps(problem: PlanningProblem, config: PipelineConfig, params: int) -> i
 
 
 def _sync_ps(problem: PlanningProblem, config: PipelineConfig, params: int) -> int:
-    """ZeRO 0/1: the bandwidth term of the fp32 gradient buckets' reduction over dp, an
-    all-reduce under ZeRO-0 (ring: 2 (d-1)/d of the bytes), a reduce-scatter under
-    ZeRO-1 ((d-1)/d); the buckets' latencies are charged once per step
-    (:func:`_bucket_latency_seconds`)."""
+    """ZeRO 0/1: the fp32 gradient buckets' reduction over dp of ``params`` parameters,
+    an all-reduce under ZeRO-0 (ring: 2 (d-1)/d of the bytes), a reduce-scatter under
+    ZeRO-1 ((d-1)/d), with their share of the buckets' latencies (one collective per
+    ``BUCKET_ELEMENTS``): each bucket's collective is issued during the last backward
+    and runs beside it, latency and all (:func:`exposed_sync_ps`)."""
     if config.dp == 1 or config.effective_zero_stage >= 2:
         return 0
     master = problem.train.precision.master_bytes
-    if config.effective_zero_stage == 1:
-        bandwidth = dp_group(problem, config).link("reduce_scatter")[1]
-        return to_ps((config.dp - 1) / config.dp * params * master / bandwidth)
-    bandwidth = dp_group(problem, config).link("all_reduce")[1]
-    return to_ps(2 * (config.dp - 1) / config.dp * params * master / bandwidth)
+    group = dp_group(problem, config)
+    kind = "reduce_scatter" if config.effective_zero_stage == 1 else "all_reduce"
+    bandwidth = group.link(kind)[1]
+    moved = (1 if kind == "reduce_scatter" else 2) * (config.dp - 1) / config.dp
+    latency = params / BUCKET_ELEMENTS * collective_seconds(kind, 0.0, group)
+    return to_ps(moved * params * master / bandwidth + latency)
 
 
 def _bucket_latency_seconds(problem: PlanningProblem, config: PipelineConfig) -> float:
-    """ZeRO 0/1's collectives' latencies, once per step: one all-reduce per gradient
-    bucket (ZeRO-0), or a reduce-scatter and an all-gather per bucket (ZeRO-1). A stage
-    holds about 1/pp of the (tp rank's) parameters, in buckets of ``BUCKET_ELEMENTS``."""
-    if config.dp == 1 or config.effective_zero_stage >= 2:
+    """ZeRO-1's all-gathers' latencies, once per step, after the optimizer step (the
+    gradient collectives' are in :func:`_sync_ps`): one per bucket. A stage holds about
+    1/pp of the (tp rank's) parameters, in buckets of ``BUCKET_ELEMENTS``."""
+    if config.dp == 1 or config.effective_zero_stage != 1:
         return 0.0
     group = dp_group(problem, config)
     params = sum(layer.param_count for layer in problem.layers) + sum(
         shared.param_count for shared in problem.model.shared)
     buckets = max(1, math.ceil(params / config.pp / BUCKET_ELEMENTS))
-    if config.effective_zero_stage == 1:
-        return buckets * (collective_seconds("reduce_scatter", 0.0, group)
-                          + collective_seconds("all_gather", 0.0, group))
-    return buckets * collective_seconds("all_reduce", 0.0, group)
+    return buckets * collective_seconds("all_gather", 0.0, group)
 
 
 def _shared_tail_ps(problem: PlanningProblem, config: PipelineConfig, params: int) -> int:
@@ -1064,10 +1069,10 @@ def moe_rows(whole: PlanningProblem, problem: PlanningProblem, config: PipelineC
 
 
 def _moe_key(moe: MoECost | None) -> tuple | None:
-    """Every number of a MoECost (its dict of saved bytes as sorted items)."""
+    """Every field of a MoECost (its dict of saved bytes as sorted items)."""
     if moe is None:
         return None
     return (moe.num_experts, moe.top_k, moe.hidden, moe.tokens_per_sample,
             moe.expert_param_count, moe.expert_param_bytes, moe.expert_fwd_flops,
             tuple(sorted(moe.expert_saved_bytes.items())), moe.dispatch_bytes,
-            moe.capacity_factor, moe.aux_loss)
+            moe.capacity_factor, moe.aux_loss, moe.expert_form)

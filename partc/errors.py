@@ -8,7 +8,9 @@ class PartcError(Exception):
 
 
 class TraceError(PartcError):
-    """Neither torch.fx.symbolic_trace nor torch.export could capture the model."""
+    """Neither torch.fx.symbolic_trace nor torch.export could capture the model, or what
+    they captured has a shape that depends on tensor values (partc plans from static
+    shapes)."""
 
 
 class PlanInfeasibleError(PartcError):

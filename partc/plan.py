@@ -517,6 +517,10 @@ class Plan:
     # Mixture-of-experts layers split over expert-parallel groups (mesh.ep > 1); None
     # without expert parallelism.
     expert_parallel: ExpertParallelPlan | None = None
+    # Mixture-of-experts layers whose routed experts are an nn.ModuleList called one by
+    # one: the runtime splits batched experts only, so these keep ep = 1 (the report
+    # says so). Written only when there are some.
+    module_list_experts: tuple[str, ...] = ()
     # Every schedule priced on the plan's mesh (the chosen one first, then fastest first).
     schedules: tuple[ScheduleOption, ...] = ()
 
@@ -633,6 +637,8 @@ class Plan:
             "schedules": [_scalars(o) for o in self.schedules],
             **({"expert_parallel": self.expert_parallel.to_dict()}
                if self.expert_parallel is not None else {}),
+            **({"module_list_experts": list(self.module_list_experts)}
+               if self.module_list_experts else {}),
         }
 
     def to_json(self) -> str:
@@ -669,7 +675,8 @@ class Plan:
             meshes=tuple(_read(MeshOutcome, m, "meshes") for m in get("meshes", ())),
             schedules=tuple(_read(ScheduleOption, o, "schedules")
                             for o in get("schedules", ())),
-            expert_parallel=ExpertParallelPlan.from_dict(experts) if experts else None)
+            expert_parallel=ExpertParallelPlan.from_dict(experts) if experts else None,
+            module_list_experts=tuple(get("module_list_experts", ())))
 
     @classmethod
     def from_json(cls, text: str) -> "Plan":

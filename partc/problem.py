@@ -56,15 +56,15 @@ class Precision:
     ZeRO    fp32                   bf16
     ======  =====================  ===============================================
     0       4 + 4 + 8              (4 + 2) + 4 + 8 (master and step copy)
-    1       4 + 4 + 8/d            (4 + 2) + 4 + 8/d
+    1       4 + 4 + 8/d            (2 + 4/d) + 4 + 8/d (Megatron's: 2 + 4 + 12/d)
     2       4 + 4/d + 8/d          (2 + 4/d) + 4/d + 8/d (gathered bf16, fp32 shard)
     3       16/d                   16/d, and the layers gathered in bf16 as they run
     ======  =====================  ===============================================
 
     (the ZeRO paper's 2 + 2 + 12, :attr:`zero_paper_bytes`; ``partc.costs`` applies the
-    sharding). Megatron's distributed optimizer keeps 2 + 4 + 12/d under ZeRO-1: its
-    fp32 master is sharded too, where partc's stays whole because checkpoints and
-    ``state_dict`` read it from the parameters.
+    sharding). Under ZeRO-1 in mixed precision the runtime is Megatron's distributed
+    optimizer: the weights are kept in the compute dtype and each rank holds the fp32
+    master of its dp shard only (checkpoints and ``full_state_dict`` read the masters).
     """
 
     compute_bytes: float            # a weight as the layers compute with it: 4 fp32, 2 bf16
@@ -104,6 +104,10 @@ class HeavyOp:
     bwd_extra_flops: float = 0.0
 
 
+# How a mixture-of-experts layer holds its routed experts (passes/moe.py recognises both).
+EXPERT_FORMS = ("batched", "module-list")
+
+
 @dataclass(frozen=True, kw_only=True)
 class MoECost:
     """The routed experts of a mixture-of-experts layer, per sample of the batch, at
@@ -112,7 +116,11 @@ class MoECost:
     process runs them; the planner divides the expert parameters over the
     expert-parallel group, adds the all-to-all, and scales the expert activations by
     the routing imbalance it budgets for. The router, the shared experts and the
-    combine stay in the layer's ordinary figures and are never expert-parallel."""
+    combine stay in the layer's ordinary figures and are never expert-parallel.
+
+    ``expert_form`` is how the model holds the routed experts: ``"batched"`` weights
+    with a leading experts dimension, or a ``"module-list"`` of experts called one by
+    one. The runtime splits batched experts only, so a module list keeps ep = 1."""
 
     num_experts: int
     top_k: int
@@ -125,6 +133,12 @@ class MoECost:
     dispatch_bytes: float           # one all-to-all's payload per sample (tokens x top_k x hidden x dtype)
     capacity_factor: float | None = None   # None: dropless
     aux_loss: bool = False          # the model adds a load-balancing loss
+    expert_form: str = "batched"    # batched | module-list (see EXPERT_FORMS)
+
+    def __post_init__(self) -> None:
+        if self.expert_form not in EXPERT_FORMS:
+            raise ValueError(f"MoECost.expert_form must be one of {EXPERT_FORMS}, "
+                             f"not {self.expert_form!r}")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -385,6 +399,13 @@ class PlanningProblem:
     @property
     def num_layers(self) -> int:
         return len(self.model.layers)
+
+    @property
+    def module_list_experts(self) -> tuple[str, ...]:
+        """The mixture-of-experts layers whose routed experts are a module list, which
+        the runtime does not split: with any, ep stays 1."""
+        return tuple(layer.name for layer in self.layers
+                     if layer.moe is not None and layer.moe.expert_form == "module-list")
 
     def variant(self, tp: int, sequence_parallel: bool = False,
                 objective: str = "time") -> "PlanningProblem":

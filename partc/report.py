@@ -360,6 +360,19 @@ def _expert_lines(plan: Plan) -> list[str]:
                if section.capacity_factor is not None else "") + "."]
 
 
+def _module_list_line(plan: Plan) -> str:
+    """Why ep stays 1: the model's experts are a module list, which the runtime does not
+    split."""
+    layers = plan.module_list_experts
+    names = ", ".join(layers) if len(layers) <= 4 else f"{layers[0]} .. {layers[-1]}"
+    return (f"ep=1: the experts of {plural(len(layers), 'mixture-of-experts layer')} "
+            f"({names}) are an nn.ModuleList called one by one, and expert "
+            f"parallelism needs batched expert weights (one parameter per projection "
+            f"with a leading experts dimension, run over the tokens sorted by expert, as "
+            f"Hugging Face's current MoE models hold them). Every rank holds every "
+            f"expert; hold the experts as batched weights to let the planner split them.")
+
+
 def _expert_overflow(plan: Plan) -> list[str]:
     """What happens to memory if routing is worse than budgeted: per stage holding
     experts, its need at twice the budgeted routing, and where it runs out."""
@@ -546,6 +559,9 @@ def sections(plan: Plan, timeline: Timeline | None = None) -> list[Section]:
                     "all-to-alls per step", "bytes per step", "time per step",
                     "memory budgeted for"),
             rows=_rows(_expert_rows(plan)), after=tuple(_expert_overflow(plan))))
+    elif plan.module_list_experts:
+        out.append(Section(key="expert_parallel", title="Expert parallelism",
+                           notes=(_module_list_line(plan),)))
     out.append(Section(
         key="alternatives", title="Against the obvious alternatives",
         header=("plan", "step time", "vs plan", "fits", "peak memory", "layers per stage"),

@@ -62,9 +62,11 @@ class TrainSpec:
 
     ``global_batch_size`` is in samples (sequences) per optimizer step, over all
     data-parallel replicas and microbatches. ``dtype=torch.bfloat16`` trains in mixed
-    precision: bf16 compute, fp32 master weights (the parameters stay fp32), fp32
-    gradients and gradient reduction (autocast under ZeRO 0/1, FSDP's mixed precision
-    under ZeRO-2/3; :attr:`precision` says the bytes each holds).
+    precision: bf16 compute, fp32 master weights (the parameters stay fp32, except
+    under ZeRO-1, whose distributed optimizer keeps bf16 weights and each rank's fp32
+    master shard, as Megatron's), fp32 gradients and gradient reduction (autocast under
+    ZeRO 0/1, FSDP's mixed precision under ZeRO-2/3; :attr:`precision` says the bytes
+    each holds).
     ``float16`` can be planned but not trained: it would need loss scaling.
     ``max_grad_norm``: after each step's backward the runtime scales all gradients so
     that their global 2-norm (every parameter counted once, whatever holds it) is at

@@ -146,6 +146,13 @@ def _experts(problem: PlanningProblem, plan: Plan, errors: list[str]) -> None:
     moe = [(layer.name, layer.moe) for layer in problem.layers if layer.moe is not None]
     if problem.pins.ep is not None and problem.pins.ep != ep:
         errors.append(f"ep pinned to {problem.pins.ep}, plan has {ep}")
+    listed = tuple(name for name, cost in moe if cost.expert_form == "module-list")
+    if plan.module_list_experts != listed:
+        errors.append(f"the plan names {list(plan.module_list_experts)} as layers whose "
+                      f"experts are a module list, the model's are {list(listed)}")
+    if ep > 1 and listed:
+        errors.append(f"ep={ep} but the experts of layers {list(listed)} are a module "
+                      f"list, which the runtime does not split")
     if ep == 1:
         if section is not None:
             errors.append("the plan has an expert_parallel section but ep=1")
@@ -157,9 +164,6 @@ def _experts(problem: PlanningProblem, plan: Plan, errors: list[str]) -> None:
         errors.append(f"ep={ep} does not divide dp x tp = {plan.dp * plan.tp}")
     if plan.tp > 1 and not plan.sequence_parallel:
         errors.append(f"ep={ep} with tp={plan.tp} needs sequence parallelism")
-    if plan.effective_zero_stage:
-        errors.append(f"ep={ep} with ZeRO-{plan.effective_zero_stage}: the runtime runs "
-                      f"expert parallelism without ZeRO")
     for name, cost in moe:
         if cost.num_experts % ep:
             errors.append(f"layer {name}: ep={ep} does not divide its {cost.num_experts} "

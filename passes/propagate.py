@@ -1,4 +1,12 @@
-"""Shapes and dtypes of every node, computed on fake tensors (no memory, meta models ok)."""
+"""Shapes and dtypes of every node, computed on fake tensors (no memory, meta models ok).
+
+Every shape must be known before the model runs: partc measures and plans from them. An
+op whose output shape depends on tensor values (``nonzero``, ``torch.where`` with one
+argument, boolean-mask indexing: a mixture-of-experts loop that picks each expert's
+tokens) is refused with a :class:`TraceError` naming the op and its module, whichever
+tracer captured it (fake tensors cannot run it after ``symbolic_trace``; ``torch.export``
+gives it an unbacked symbolic size).
+"""
 
 from __future__ import annotations
 
@@ -7,12 +15,14 @@ from typing import Any
 import torch
 import torch.utils._pytree as pytree
 from torch import fx
+from torch._subclasses.fake_tensor import (DataDependentOutputException,
+                                           DynamicOutputShapeException)
 
 from partc import meta
 from partc.errors import TraceError
 
 from .context import Context
-from .graph import fetch
+from .graph import fetch, op_name
 
 
 def propagate(gm: fx.GraphModule, ctx: Context) -> fx.GraphModule:
@@ -21,7 +31,8 @@ def propagate(gm: fx.GraphModule, ctx: Context) -> fx.GraphModule:
     Reads: ``meta.ROLE``; ``node.meta["val"]`` where torch.export left one (reused: the
     exporter already ran the graph on fake tensors).
     Writes: ``node.meta["val"]``, ``meta.TENSORS``; ``meta.LOSS_USES`` on the loss.
-    Requires: ``trace``. Ensures: every node but the output has ``val`` and ``TENSORS``.
+    Requires: ``trace``. Ensures: every node but the output has ``val`` and ``TENSORS``,
+    and every tensor shape is made of plain ints (a data-dependent one is a TraceError).
     """
     env: dict[fx.Node, Any] = {}
     inputs = iter(ctx.fake_inputs)
@@ -33,13 +44,42 @@ def propagate(gm: fx.GraphModule, ctx: Context) -> fx.GraphModule:
         elif node.op == "placeholder":
             value = _placeholder(node, inputs, ctx)
         else:
-            value = _run(gm, node, env, ctx)
+            try:
+                value = _run(gm, node, env, ctx)
+            except (DynamicOutputShapeException, DataDependentOutputException) as error:
+                raise _data_dependent(node, ctx, f"fake tensors cannot tell its output "
+                                                 f"shape: {error}") from error
             if meta.role(node) == meta.ROLE_LOSS:
                 meta.set_loss_uses(node, _loss_uses(gm, node, env, ctx))
+        _require_static(node, value, ctx)
         env[node] = value
         node.meta["val"] = value
         meta.set_tensors(node, _tensor_infos(value))
     return gm
+
+
+def _require_static(node: fx.Node, value: Any, ctx: Context) -> None:
+    for leaf in pytree.tree_leaves(value):
+        if isinstance(leaf, torch.Tensor) and not all(isinstance(d, int) for d in leaf.shape):
+            raise _data_dependent(node, ctx, f"its output has shape {tuple(leaf.shape)}, "
+                                             f"sizes the tracer left symbolic")
+
+
+def _data_dependent(node: fx.Node, ctx: Context, detail: str) -> TraceError:
+    module = meta.module_path(node) if meta.MODULE_PATH in node.meta else ""
+    where = f"module {module}" if module else f"{ctx.name}'s own forward"
+    source = (node.stack_trace or "").strip().splitlines()
+    line = f"\n  traced at {source[-2].strip()}: {source[-1].strip()}" \
+        if len(source) >= 2 else ""
+    return TraceError(
+        f"{ctx.name}: {op_name(node)} in {where} gives a tensor whose shape depends on "
+        f"tensor values ({detail}); partc measures and plans from shapes known before "
+        f"the model runs.{line}\n"
+        "What you can do: keep shapes static, selecting with masks rather than indices. "
+        "A mixture-of-experts layer whose experts pick their tokens with torch.where or "
+        "nonzero can run every expert on every token and weight its output by the "
+        "router, or hold its experts as batched weights run by a grouped matmul over "
+        "the tokens sorted by expert (as Hugging Face's current MoE models do).")
 
 
 def _placeholder(node: fx.Node, inputs: Any, ctx: Context) -> Any:

@@ -184,8 +184,9 @@ def moe_cost(gm: fx.GraphModule, ctx: Context, region: MoERegion) -> MoECost:
         num_experts=region.num_experts, top_k=region.top_k, hidden=region.hidden,
         tokens_per_sample=region.tokens_per_sample, expert_param_count=count,
         expert_param_bytes=nbytes, expert_fwd_flops=flops,
-        expert_saved_bytes={"none": saved, "selective": saved, "full": 0.0}, dispatch_bytes=slots * token_bytes,
-        aux_loss=region.aux_loss)
+        expert_saved_bytes={"none": saved, "selective": saved, "full": 0.0},
+        dispatch_bytes=slots * token_bytes, aux_loss=region.aux_loss,
+        expert_form=region.expert_form)
 
 
 def _node(gm: fx.GraphModule, name: str) -> fx.Node:

@@ -326,3 +326,85 @@ class SkipAfterFifth(nn.Module):
             if index == 4:
                 x = x + skip
         return self.head(x)
+
+
+class ListMoEConfig:
+    """Sizes of :class:`ListMoEModel` (``vocab_size`` read by the MoE test workers)."""
+
+    def __init__(self, vocab_size: int = 64, width: int = 32, ffn: int = 64,
+                 num_experts: int = 4, top_k: int = 2, depth: int = 2) -> None:
+        self.vocab_size, self.width, self.ffn = vocab_size, width, ffn
+        self.num_experts, self.top_k, self.depth = num_experts, top_k, depth
+
+
+class ExpertMLP(nn.Module):
+    def __init__(self, width: int, ffn: int) -> None:
+        super().__init__()
+        self.up = nn.Linear(width, ffn)
+        self.down = nn.Linear(ffn, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(F.gelu(self.up(x)))
+
+
+class ListMoE(nn.Module):
+    """A router (linear gate, softmax, top-k) and experts held as an ``nn.ModuleList``,
+    each called on its own, as Hugging Face's older MoE models hold them.
+
+    ``dispatch="dense"`` runs every expert on every token and weights its output by the
+    router (zero for the experts a token was not routed to): static shapes.
+    ``dispatch="indexed"`` is Mixtral's older loop: per expert, ``torch.where`` over the
+    routing mask picks its tokens, whose number depends on the router's values."""
+
+    def __init__(self, config: ListMoEConfig, dispatch: str = "dense") -> None:
+        super().__init__()
+        self.num_experts, self.top_k, self.dispatch = config.num_experts, config.top_k, dispatch
+        self.gate = nn.Linear(config.width, config.num_experts, bias=False)
+        self.experts = nn.ModuleList(ExpertMLP(config.width, config.ffn)
+                                     for _ in range(config.num_experts))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        tokens = x.reshape(-1, x.shape[-1])
+        probs = F.softmax(self.gate(tokens), dim=-1)
+        weights, chosen = probs.topk(self.top_k, dim=-1)
+        if self.dispatch == "indexed":
+            out = self._indexed(tokens, weights, chosen)
+        else:
+            routing = torch.zeros_like(probs).scatter(1, chosen, weights)
+            out = sum(routing[:, i:i + 1] * expert(tokens)
+                      for i, expert in enumerate(self.experts))
+        # Not x's sequence length, which a sequence-parallel rank holds a part of.
+        return out.view(x.shape[0], -1, x.shape[-1])
+
+    def _indexed(self, tokens: torch.Tensor, weights: torch.Tensor,
+                 chosen: torch.Tensor) -> torch.Tensor:
+        out = torch.zeros_like(tokens)
+        mask = F.one_hot(chosen, self.num_experts).permute(2, 1, 0)
+        for i, expert in enumerate(self.experts):
+            slot, rows = torch.where(mask[i])
+            out = out.index_add(0, rows, expert(tokens[rows]) * weights[rows, slot, None])
+        return out
+
+
+class ListMoEModel(nn.Module):
+    """Token embedding, ``depth`` pre-norm blocks of :class:`ListMoE` with a residual, a
+    head: logits of shape (batch, seq, vocab)."""
+
+    def __init__(self, config: ListMoEConfig | None = None, dispatch: str = "dense") -> None:
+        super().__init__()
+        self.config = config = config or ListMoEConfig()
+        self.embed = nn.Embedding(config.vocab_size, config.width)
+        self.norms = nn.ModuleList(nn.LayerNorm(config.width) for _ in range(config.depth))
+        self.moes = nn.ModuleList(ListMoE(config, dispatch) for _ in range(config.depth))
+        self.head = nn.Linear(config.width, config.vocab_size)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        h = self.embed(ids)
+        for norm, moe in zip(self.norms, self.moes):
+            h = h + moe(norm(h))
+        return self.head(h)
+
+
+def token_loss(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """Cross entropy of (batch, seq, vocab) logits against (batch, seq) classes."""
+    return F.cross_entropy(logits.reshape(-1, logits.size(-1)), target.reshape(-1))

@@ -337,3 +337,14 @@ def test_compiled_stages_are_refused_where_they_cannot_train(monkeypatch):
         assert compiled.refusal(plan, torch.device("cuda")) is None
     finally:
         compiled._no_cpu_compiler.cache_clear()
+
+
+def test_data_dependent_experts_loop_is_refused_by_compile_naming_op_and_module():
+    """Mixtral's older experts loop (torch.where per expert) reaches the user as the
+    TraceError propagate raises, not as fake tensors' exception."""
+    ids = torch.randint(0, 64, (8, 8), generator=torch.Generator().manual_seed(0))
+    with pytest.raises(partc.TraceError, match="where in module moes.0 gives a tensor whose "
+                                               "shape depends on tensor values"):
+        partc.compile(models.ListMoEModel(dispatch="indexed"), ids, loss_fn=models.token_loss,
+                      example_target=ids, budget=partc.DeviceBudget(num_devices=2, device="CPU"),
+                      train=partc.TrainSpec(global_batch_size=8))

@@ -6,7 +6,10 @@ of ``ep`` ranks folded over each stage's dp x tp ranks (Megatron's "parallel fol
 expert tensor parallelism 1; :mod:`partc.costs` prices it, :func:`partc.costs.
 moe_layer_table`). The search enumerates ``ep`` jointly with the rest of a pipeline
 configuration (:func:`expand`): every ``ep`` dividing dp x tp and every MoE layer's
-expert count, the pinned one only when ``Constraints.ep`` is given. With tensor
+expert count, the pinned one only when ``Constraints.ep`` is given. The runtime splits
+only experts held as batched weights (``MoECost.expert_form``): a model with a layer
+whose experts are a module list keeps ep = 1, and an ep > 1 pin on it is refused (so is
+a capacity factor, which the runtime applies to batched experts only). With tensor
 parallelism, expert parallelism needs sequence parallelism (each tensor-parallel rank
 then dispatches its own share of the tokens; without it the ranks of a group hold the
 same tokens and would send them twice), as Megatron requires.
@@ -30,15 +33,16 @@ def expert_counts(problem: PlanningProblem) -> tuple[int, ...]:
 def ep_choices(problem: PlanningProblem, config: PipelineConfig) -> list[int]:
     """The expert-parallel degrees ``config`` allows: 1, and every ``ep`` dividing its dp x
     tp ranks of a stage and every MoE layer's expert count (with tp > 1, only under
-    sequence parallelism; only without ZeRO, which the runtime's expert parallelism does
-    not shard: ZeRO shards every weight over the whole dp group, and a rank's expert
-    weights are not its dp peers'); the pinned one alone when ``ep`` is pinned."""
+    sequence parallelism; only when every MoE layer's experts are batched weights, the
+    form the runtime splits); the pinned one alone when ``ep`` is pinned. Under ZeRO the
+    experts' weights, gradients and optimizer state are sharded over the
+    expert-data-parallel group (:func:`partc.costs.expert_dp_config`)."""
     counts = expert_counts(problem)
     width = config.dp * config.tp
     allowed = [1] + ([ep for ep in range(2, width + 1)
                       if width % ep == 0 and all(e % ep == 0 for e in counts)]
                      if counts and (config.tp == 1 or config.sequence_parallel)
-                     and config.effective_zero_stage == 0 else [])
+                     and not problem.module_list_experts else [])
     pinned = problem.pins.ep
     return [ep for ep in allowed if pinned is None or ep == pinned]
 
@@ -52,21 +56,49 @@ def check_ep_pin(problem: PlanningProblem) -> None:
     if not counts:
         raise _refuse(f"ep={pinned} splits the experts of mixture-of-experts layers, and "
                       f"the model has none")
+    listed = problem.module_list_experts
+    if listed:
+        raise _refuse(f"ep={pinned} splits the routed experts over ranks, and this "
+                      f"model's experts are an nn.ModuleList called one by one (layers "
+                      f"{', '.join(listed)}); expert parallelism needs batched expert "
+                      f"weights (one parameter per projection with a leading experts "
+                      f"dimension, run over the tokens sorted by expert, as Hugging "
+                      f"Face's current MoE models hold them). Drop the ep pin (the plan "
+                      f"keeps ep=1) or hold the experts as batched weights",
+                      suggestion="drop the ep pin, or hold the experts as batched weights")
     wrong = sorted({e for e in counts if e % pinned})
     if wrong:
         raise _refuse(f"ep={pinned} does not divide the expert counts {wrong} of the "
                       f"model's mixture-of-experts layers")
 
 
-def _refuse(message: str) -> PlanInfeasibleError:
+def check_capacity(problem: PlanningProblem) -> None:
+    """Refuse a capacity factor for experts held as a module list: the runtime's expert
+    module, which drops the tokens beyond capacity, runs batched experts only."""
+    factor, listed = problem.train.moe_capacity_factor, problem.module_list_experts
+    if factor is None or not listed:
+        return
+    raise PlanInfeasibleError(
+        f"TrainSpec.moe_capacity_factor={factor:g} drops the tokens beyond each expert's "
+        f"capacity, which partc does for experts held as batched weights only; this "
+        f"model's experts are an nn.ModuleList called one by one (layers "
+        f"{', '.join(listed)}). Leave moe_capacity_factor None (dropless) or hold the "
+        f"experts as batched weights", resource="moe_capacity_factor",
+        suggestion="leave moe_capacity_factor None")
+
+
+def _refuse(message: str, suggestion: str = "change or drop the ep pin"
+            ) -> PlanInfeasibleError:
     return PlanInfeasibleError(f"cannot hold the pin ep: {message}", resource="pin",
-                               pin="ep", suggestion="change or drop the ep pin")
+                               pin="ep", suggestion=suggestion)
 
 
 def expand(problem: PlanningProblem, configs: list[PipelineConfig]) -> list[PipelineConfig]:
     """Each configuration once per expert-parallel degree it allows (:func:`ep_choices`);
-    a pinned ``ep`` that none allows is refused with the meshes it met."""
+    a pinned ``ep`` that none allows is refused with the meshes it met, and a capacity
+    factor for experts the runtime cannot cap (:func:`check_capacity`)."""
     check_ep_pin(problem)
+    check_capacity(problem)
     expanded = [dataclasses.replace(config, ep=ep) if ep != config.ep else config
                 for config in configs for ep in ep_choices(problem, config)]
     if configs and not expanded:

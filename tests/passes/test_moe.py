@@ -9,11 +9,14 @@ import dataclasses
 import pytest
 import torch
 
+from partc import meta
 from partc.passes.context import Lowering
 from partc.passes.moe import recognize
-from partc.passes.pipeline import _trace, analyze, lowering_passes, run_passes
+from partc.passes.pipeline import _trace, analyze, lowering_passes, run_passes, stage_passes
+from partc.passes.split import split
 from partc.runtime.experts import expert_modules
 from samples import moe
+from tests import models
 from tests.hf_families import FAMILIES
 
 BATCH, SEQ = 2, 8
@@ -70,6 +73,27 @@ def test_hf_families_recognised(family):
         assert not region.aux_loss  # output_router_logits off
 
 
+def test_module_list_experts_run_densely_recognised():
+    """Experts in an nn.ModuleList, each run on every token and weighted by the router:
+    they feed the combine without following the top-k, and are recognised as a module
+    list (every expert's weights, none of the gate's or the norm's)."""
+    torch.manual_seed(0)
+    model = models.ListMoEModel()
+    gm, analysis = analyze(model, (_ids(),), loss_fn=models.token_loss, example_target=_ids())
+    regions = recognize(gm, BATCH)
+    assert [r.module for r in regions] == ["moes.0", "moes.1"]
+    for index, region in enumerate(regions):
+        assert (region.num_experts, region.top_k, region.expert_form) == (4, 2, "module-list")
+        assert set(region.expert_params) == {
+            f"moes.{index}.experts.{e}.{proj}.{kind}" for e in range(4)
+            for proj in ("up", "down") for kind in ("weight", "bias")}
+        assert region.gate_params == (f"moes.{index}.gate.weight",)
+    costs = [layer.moe for layer in analysis.layers if layer.moe is not None]
+    assert [c.expert_form for c in costs] == ["module-list"] * 2
+    assert costs[0].expert_param_count == sum(
+        p.numel() for p in model.moes[0].experts.parameters())
+
+
 @pytest.mark.slow
 def test_hf_router_aux_loss_recognised():
     family = FAMILIES["mixtral"]
@@ -112,3 +136,30 @@ def test_capacity_drops_per_sample():
     with torch.no_grad():
         first = gm1(_ids()[:1])[0]
     torch.testing.assert_close(first, whole[:1], rtol=1e-6, atol=1e-6)
+
+
+def test_under_zero3_the_experts_call_holds_its_weights_and_is_a_layer_unit():
+    """ZeRO-2/3: the experts call takes the experts module's place holding the routed
+    weights under their FQNs (FSDP gathers a module's own weights around its call), and
+    the layer's unit keeps it; the stage computes what the model does."""
+    torch.manual_seed(0)
+    model = moe.moe_tiny()
+    names = set(dict(model.named_parameters()))
+    lowering = Lowering(stages=(), recompute={}, ep=2, fsdp_units=True)
+    gm, ctx = _trace(model, (_ids(),))
+    ctx = dataclasses.replace(ctx, lowering=lowering)
+    gm = run_passes(lowering_passes(lowering), gm, ctx)
+    (stage,) = split(gm, [[info.name for info in meta.layers(gm)]])
+    module = run_passes(stage_passes(lowering), stage.module, ctx)
+    layers = expert_modules(module)
+    assert len(layers) == 2
+    for layer in layers:
+        assert layer.owned == ("w_in", "w_out")
+        assert all(module.get_parameter(f) is getattr(layer, f.rpartition(".")[2])
+                   for f in layer.weight_names)
+    assert set(dict(module.named_parameters())) == names
+    unit = module.get_submodule("blocks.0")
+    assert isinstance(unit, torch.fx.GraphModule)
+    assert unit.get_submodule("moe.experts") is layers[0]
+    with torch.no_grad():
+        assert torch.equal(module(_ids())[0], model(_ids())[0])

@@ -1,6 +1,8 @@
+import pytest
 import torch
 
 from partc import meta
+from partc.errors import TraceError
 from partc.passes.propagate import propagate
 from partc.passes.trace import trace
 from samples.gpt import gpt_tiny, loss_fn
@@ -26,3 +28,23 @@ def test_meta_model_and_derived_target():
     assert meta.tensors(nodes["target"])[0].dtype == torch.int64
     assert meta.tensors(nodes["linear_8"])[0].shape == (3, 16, 128)
     assert meta.tensors(nodes["loss"])[0].shape == ()
+
+
+@pytest.mark.parametrize("tracer", ["symbolic_trace", "export"])
+def test_data_dependent_shape_is_a_trace_error_naming_op_and_module(tracer):
+    """Mixtral's older experts loop picks each expert's tokens with torch.where: fake
+    tensors cannot run it after symbolic_trace, export leaves its size symbolic; both
+    are refused naming the op and the module, with the way out."""
+    model = models.ListMoEModel(dispatch="indexed")
+    ids = torch.zeros(2, 8, dtype=torch.long)
+    args, kwargs = ((ids,), None) if tracer == "symbolic_trace" else ((), {"ids": ids})
+    gm, ctx = trace(model, args, kwargs=kwargs)
+    assert meta.trace_info(gm).tracer == tracer
+    with pytest.raises(TraceError, match="ListMoEModel: where in module moes.0 gives a "
+                                         "tensor whose shape depends on tensor values") as err:
+        propagate(gm, ctx)
+    assert "run every expert on every token and weight its output by the router" \
+        in str(err.value)
+    # The static-shape variant of the same layer propagates.
+    gm, ctx = trace(models.ListMoEModel(dispatch="dense"), args, kwargs=kwargs)
+    propagate(gm, ctx)

@@ -1,7 +1,8 @@
 """Expert parallelism in the planner: mixture-of-experts layers priced per expert-parallel
 degree, the degree chosen with the rest against brute force, pins, the plan's expert
 section and the validator. Hand-built models (``LayerCost.moe`` filled), so the planner
-is tested without tracing."""
+is tested without tracing; and experts held as a module list, which the runtime does not
+split, kept at ep = 1 (hand-built, and one traced model against its batched twin)."""
 
 from __future__ import annotations
 
@@ -26,7 +27,8 @@ from .instances import _best_split, devices, layer, problem, schedule_choices
 
 def moe_layer(name: str, *, experts: int = 8, top_k: int = 2, flops: float = 4e9,
               params: int = 40000, expert_share: float = 0.9, saved: float = 4e4,
-              tokens: int = 8, hidden: int = 16, signature: str = "moe"):
+              tokens: int = 8, hidden: int = 16, signature: str = "moe",
+              form: str = "batched"):
     """A block whose routed experts hold ``expert_share`` of its parameters, 70% of its
     FLOPs and 60% of its saved bytes (the rest: attention, router, shared expert)."""
     base = layer(name, flops=flops, params=params, saved=saved, full=500.0,
@@ -37,7 +39,7 @@ def moe_layer(name: str, *, experts: int = 8, top_k: int = 2, flops: float = 4e9
         expert_param_count=expert_params, expert_param_bytes=4 * expert_params,
         expert_fwd_flops=0.7 * flops,
         expert_saved_bytes={"none": 0.6 * saved, "selective": 0.3 * saved, "full": 0.0},
-        dispatch_bytes=tokens * top_k * hidden * 4))
+        dispatch_bytes=tokens * top_k * hidden * 4, expert_form=form))
 
 
 def moe_problem(num_devices: int = 4, memory: int = 1_000_000, *, blocks: int = 3,
@@ -59,12 +61,15 @@ def brute_force(prob):
     best = None
     n, num_layers = prob.devices.num_devices, prob.num_layers
     experts = [l.moe.num_experts for l in prob.layers if l.moe is not None]
+    # The runtime splits batched experts only.
+    splittable = all(l.moe.expert_form == "batched" for l in prob.layers if l.moe is not None)
     for pp in range(1, min(n, num_layers) + 1):
         if n % pp or prob.train.global_batch_size % (n // pp):
             continue
         dp = n // pp
         for ep in range(1, dp + 1):
-            if dp % ep or any(e % ep for e in experts) or prob.pins.ep not in (None, ep):
+            if dp % ep or any(e % ep for e in experts) or prob.pins.ep not in (None, ep) \
+                    or (ep > 1 and not splittable):
                 continue
             for b in prob.train.micro_batch_sizes:
                 per_replica = prob.train.global_batch_size // dp
@@ -72,8 +77,6 @@ def brute_force(prob):
                     continue
                 m = per_replica // b
                 for schedule, zero, v in schedule_choices(prob, pp, dp, m):
-                    if zero and ep > 1:
-                        continue  # the runtime runs expert parallelism without ZeRO
                     config = PipelineConfig(pp=pp, dp=dp, micro_batch_size=b, ep=ep,
                                             num_microbatches=m, chunks=v,
                                             schedule=schedule, zero_stage=zero)
@@ -107,9 +110,25 @@ def test_plan_with_experts_equals_brute_force(seed):
     assert (plan.expert_parallel is None) == (plan.mesh.ep == 1)
 
 
+def test_brute_force_optima_include_expert_parallelism_under_zero():
+    """ZeRO with ep > 1 is searched (the runtime shards experts over expert-dp): among
+    the instances above, some are fastest with both, and the planner plans them so."""
+    found = []
+    for seed in range(12):
+        prob = _random_moe_problem(random.Random(seed))
+        oracle = brute_force(prob)
+        if oracle is not None and oracle[1].ep > 1 and oracle[1].effective_zero_stage:
+            found.append(prob)
+    assert found
+    plan = plan_problem(found[0])
+    assert plan.mesh.ep > 1 and plan.effective_zero_stage > 0
+    assert plan.expert_parallel.expert_dp * plan.mesh.ep == plan.dp * plan.tp
+
+
 def test_expert_state_is_split_over_ep_and_reduced_over_expert_dp():
     """A block's expert parameters are 1/ep per rank; under ZeRO-1 their optimizer state
-    is sharded over the dp / ep ranks holding the same experts, the rest over dp."""
+    is sharded over the dp / ep ranks holding the same experts, the rest over dp; under
+    ZeRO-3 their weights and gradients too."""
     prob = moe_problem(num_devices=8, node=8, blocks=1)
     block = prob.layers[1]
     experts, dense = block.moe.expert_param_count, block.param_count - block.moe.expert_param_count
@@ -126,6 +145,16 @@ def test_expert_state_is_split_over_ep_and_reduced_over_expert_dp():
         assert row.state_bytes["optimizer"] == round(dense_opt) + round(expert_opt)
     one = build_cost_table(prob, dataclasses.replace(config, ep=1)).layers[1]
     assert one.param_count == block.param_count   # ep = 1: the layer as measured
+    # ZeRO-3: weights, gradients and optimizer state of the experts over expert-dp (FSDP
+    # units of their own on that group), whole where a rank alone holds its experts.
+    for ep in (2, 8):
+        config = PipelineConfig(pp=1, dp=8, micro_batch_size=1, num_microbatches=1,
+                                schedule="1f1b", zero_stage=3, ep=ep)
+        row = build_cost_table(prob, config).layers[1]
+        edp, local = 8 // ep, experts // ep
+        for kind, per_param in (("params", 4), ("grads", 4), ("optimizer", 8)):
+            assert row.state_bytes[kind] == round(per_param * dense / 8) + \
+                round(per_param * local / edp)
 
 
 def test_all_to_all_over_nvlink_inside_a_node_and_the_network_across():
@@ -249,3 +278,116 @@ def test_flags_reach_the_ep_pin_and_the_routing_assumptions():
         partc.TrainSpec(global_batch_size=8, moe_imbalance=0.5)
     with pytest.raises(ValueError, match="Constraints.ep must be None or a positive int"):
         partc.Constraints(ep=0)
+
+
+# ------------------------------------------------------------------ experts in a module list
+
+def _as_module_list(prob):
+    """``prob`` with every MoE layer's experts held as a module list (same figures)."""
+    layers = tuple(dataclasses.replace(l, moe=dataclasses.replace(l.moe, expert_form="module-list"))
+                   if l.moe is not None else l for l in prob.layers)
+    return dataclasses.replace(prob, model=dataclasses.replace(prob.model, layers=layers))
+
+
+def _ep_wins(**block):
+    """A problem whose batched experts plan at ep > 1 (a slow link: the expert gradients'
+    all-reduce costs more than the all-to-alls)."""
+    prob = moe_problem(num_devices=4, memory=2_500_000, bandwidth=1e7, **block)
+    assert plan_problem(prob).mesh.ep > 1
+    return prob
+
+
+def split_config(plan):
+    return PipelineConfig(pp=plan.pp, dp=plan.dp, micro_batch_size=plan.micro_batch_size,
+                          num_microbatches=plan.num_microbatches, schedule=plan.schedule)
+
+
+def test_module_list_experts_keep_ep_1_and_the_validator_refuses_more():
+    batched = _ep_wins()
+    split = plan_problem(batched)
+    listed = _as_module_list(batched)
+    assert ep_choices(batched, split_config(split)) != [1]
+    assert ep_choices(listed, split_config(split)) == [1]
+    plan = plan_problem(listed)
+    assert plan.mesh.ep == 1 and plan.expert_parallel is None
+    assert plan.module_list_experts == ("block0", "block1", "block2")
+    assert Plan.from_json(plan.to_json()) == plan
+    assert "module_list_experts" not in split.to_dict()
+    # The batched twin's ep > 1 plan, offered for the module-list model.
+    offered = dataclasses.replace(split, module_list_experts=plan.module_list_experts)
+    with pytest.raises(PlanValidationError, match="module list, which the runtime does not split"):
+        validate_plan(listed, offered)
+    with pytest.raises(PlanValidationError, match="as layers whose experts are a module list"):
+        validate_plan(listed, dataclasses.replace(plan, module_list_experts=()))
+
+
+def test_module_list_ep_pin_is_refused_with_the_reason():
+    with pytest.raises(PlanInfeasibleError, match="nn.ModuleList called one by one "
+                       r"\(layers block0, block1, block2\); expert parallelism needs "
+                       "batched expert weights") as refused:
+        solve(_as_module_list(moe_problem(pins=Pins(ep=2))))
+    assert refused.value.pin == "ep" and "Drop the ep pin" in str(refused.value)
+    assert plan_problem(_as_module_list(moe_problem(pins=Pins(ep=1)))).mesh.ep == 1
+    # The runtime caps batched experts only: a capacity factor is refused too.
+    with pytest.raises(PlanInfeasibleError, match="moe_capacity_factor=1.25 drops the tokens "
+                       "beyond each expert's capacity, which partc does for experts held "
+                       "as batched weights only"):
+        solve(_as_module_list(moe_problem(capacity=1.25)))
+    assert plan_problem(moe_problem(capacity=1.25)).train.moe_capacity_factor == 1.25
+
+
+# Instances that fit; at seeds 6 and 8 the same layers with batched experts plan ep=2.
+@pytest.mark.parametrize("seed", [0, 6, 8])
+def test_module_list_plan_equals_brute_force(seed):
+    prob = _as_module_list(_random_moe_problem(random.Random(seed)))
+    prob = dataclasses.replace(prob, train=dataclasses.replace(prob.train,
+                                                               moe_capacity_factor=None))
+    oracle = brute_force(prob)
+    result = solve(prob)
+    assert result.searched.evaluation.step_ps == oracle[0]
+    assert result.best.table.config.ep == 1
+
+
+def test_report_says_why_ep_stays_1():
+    from partc.report import render
+
+    plan = plan_problem(_as_module_list(_ep_wins()))
+    text = render(plan)
+    assert ("ep=1: the experts of 3 mixture-of-experts layers (block0, block1, block2) are "
+            "an nn.ModuleList called one by one, and expert parallelism needs batched "
+            "expert weights") in text
+    assert "Expert parallelism:" in text
+    assert "nn.ModuleList" not in render(plan_problem(moe_problem()))
+
+
+def test_traced_module_list_model_plans_ep_1_where_its_batched_twin_splits():
+    """A traced model whose experts are an nn.ModuleList run densely: on two replicas
+    over a slow link the same figures with batched experts plan ep=2 (no expert
+    gradient all-reduce); the model keeps ep=1, and an ep=2 pin is refused."""
+    import partc
+    from tests import models
+
+    torch.manual_seed(0)
+    ids = torch.randint(0, 64, (8, 8), generator=torch.Generator().manual_seed(0))
+
+    def compile(**pins):
+        return partc.compile(
+            models.ListMoEModel(), ids, loss_fn=models.token_loss, example_target=ids,
+            budget=partc.DeviceBudget(num_devices=2, device="CPU", memory="100MiB",
+                                      intra_node_bandwidth="100MB/s",
+                                      intra_node_latency_s=1e-6, link_latency_s=1e-6),
+            train=partc.TrainSpec(global_batch_size=8, optimizer="adam"),
+            constraints=partc.Constraints(dp=2, **pins))
+
+    program = compile()
+    twin = dataclasses.replace(program.problem, model=dataclasses.replace(
+        program.problem.model, layers=tuple(
+            dataclasses.replace(l, moe=dataclasses.replace(l.moe, expert_form="batched"))
+            if l.moe is not None else l for l in program.problem.layers)))
+    assert program.problem.module_list_experts == ("moes.0", "moes.1")
+    assert plan_problem(twin).mesh.ep == 2
+    assert program.plan.mesh.ep == 1 and program.plan.module_list_experts == ("moes.0", "moes.1")
+    with pytest.raises(PlanInfeasibleError, match="cannot hold the pin ep: ep=2 splits the "
+                       "routed experts over ranks, and this model's experts are an "
+                       "nn.ModuleList called one by one"):
+        compile(ep=2)

@@ -155,7 +155,8 @@ def run_case(name: str) -> dict[str, Any]:
 
 def _measured_bytes(module: Any, opt: torch.optim.Optimizer) -> dict[str, int]:
     """Bytes of the tensors this rank allocated for weights, gradients and optimizer
-    state, after a step: the parameters (and the compute-dtype copies the step made),
+    state, after a step: the parameters (and the compute-dtype copies the step made, or
+    ZeRO-1's fp32 masters),
     the gradient buckets or FSDP's sharded gradients, the optimizer's state tensors."""
     params = list({id(p): p for p in module.parameters()}.values())
     local = [p.to_local() if hasattr(p, "to_local") else p for p in params]
@@ -163,6 +164,9 @@ def _measured_bytes(module: Any, opt: torch.optim.Optimizer) -> dict[str, int]:
     copies = getattr(module, "_copies", None)
     weights += copies.last_bytes if copies is not None else 0
     buckets = getattr(module, "_buckets", None)
+    # ZeRO-1 in mixed precision: the fp32 masters of this rank's shards.
+    weights += sum(module.master_of(p).numel() * 4 for p in params
+                   if module.master_of(p) is not None)
     if buckets is not None:
         grads = sum(b.buffer.numel() * b.buffer.element_size() for b in buckets.buckets)
     else:  # FSDP's sharded gradients

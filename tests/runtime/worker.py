@@ -411,7 +411,7 @@ def train_case(built: Built) -> dict[str, Any]:
 
     # Relative error; against 1e-3 where the reference is ~0 (a key projection's bias never
     # moves: its gradient is mathematically zero, so only rounding noise is compared).
-    errors = {fqn: ((_whole_over_dp(p) - reference_shard(fqn)).norm()
+    errors = {fqn: ((_master_or_whole(module, p) - reference_shard(fqn)).norm()
                     / max(reference_shard(fqn).norm().item(), 1e-3)).item()
               for fqn, p in module.named_parameters()}
     own_params = sum(p.numel() for p in {id(p): p for p in module.parameters()}.values())
@@ -443,7 +443,11 @@ def train_case(built: Built) -> dict[str, Any]:
                                          .state.values() for t in state.values()
                                          if isinstance(t, torch.Tensor) and t.dim() > 0),
             "param_numel_here": sum(_numel_here(p) for p in module.parameters()),
-            "param_dtypes": sorted({str(p.dtype) for p in module.parameters()}),
+            # The fp32 truth (ZeRO-1's masters in mixed precision), and what computes.
+            "param_dtypes": sorted({str((module.master_of(p) if module.master_of(p)
+                                         is not None else p).dtype)
+                                    for p in module.parameters()}),
+            "compute_param_dtypes": sorted({str(p.dtype) for p in module.parameters()}),
             "planned_params": plan.stages[module.stage_index].param_count,
             "collectives": dict(module.tp.counts),
             "planned_collectives": _planned_collectives(plan, module.stage_index),
@@ -465,6 +469,14 @@ def _whole_over_dp(tensor: torch.Tensor) -> torch.Tensor:
     """A parameter as its tp rank holds it: gathered over dp where ZeRO-2/3 shards it."""
     tensor = tensor.detach()
     return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+
+
+def _master_or_whole(module: Any, param: torch.Tensor) -> torch.Tensor:
+    """A parameter as its tp rank holds it, in fp32: from the dp ranks' masters under
+    ZeRO-1 in mixed precision (collective), else :func:`_whole_over_dp`."""
+    if module.master_of(param) is not None:
+        return module._buckets.full_master(param)
+    return _whole_over_dp(param)
 
 
 def _here(tensor: torch.Tensor) -> torch.Tensor:

@@ -239,18 +239,14 @@ def published_assignment(run: Run, problem: PlanningProblem) -> Assignment:
 
 def plan_assignment(plan: partc.Plan) -> Assignment:
     """A plan's configuration and assignment, to price or break down again."""
-    chunks = max(len(stage.runs) for stage in plan.stages) if plan.schedule == INTERLEAVED \
-        else 1
     config = PipelineConfig(pp=plan.pp, dp=plan.dp, tp=plan.tp,
                             micro_batch_size=plan.micro_batch_size,
                             num_microbatches=plan.num_microbatches, schedule=plan.schedule,
                             sequence_parallel=plan.sequence_parallel,
                             tp_objective=plan.tp_objective,
-                            zero_stage=plan.zero_stage, chunks=chunks)
-    if chunks > 1:
-        runs = [stage.runs[c] for c in range(chunks) for stage in plan.stages]
-    else:
-        runs = [stage.layers for stage in plan.stages]
+                            zero_stage=plan.zero_stage, chunks=plan.chunks,
+                            ep=plan.mesh.ep)
+    runs = plan.runs
     stage_of = tuple(j for j, members in enumerate(runs) for _ in members)
     recompute = plan.recompute
     modes = tuple(recompute[name] for members in runs for name in members)
