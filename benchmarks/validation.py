@@ -86,7 +86,10 @@ def block_breakdown(name: str, tp: int, sequence_parallel: bool) -> None:
         if meta.LAYER in node.meta and meta.layer(node).name == korthikanti.BLOCK:
             saved = meta.cost(node).saved_bytes
             if saved:
-                print(f"  {node.name:>16} {str(node.target)[:36]:>36} {saved / unit:8.3f}")
+                target = str(node.target)
+                if callable(node.target) and not hasattr(node.target, "overloadpacket"):
+                    target = f"{node.target.__module__}.{node.target.__name__}"
+                print(f"  {node.name:>16} {target[-36:]:>36} {saved / unit:8.3f}")
 
 
 def mcore_table(names: list[str], show_breakdown: bool) -> None:

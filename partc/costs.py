@@ -432,8 +432,8 @@ def layer_work(layer: LayerCost, devices: DeviceNumbers, micro_batch: int,
     Every op also pays the device's fixed overhead per call and microbatch
     (:attr:`DeviceNumbers.op_overhead_s` forward, ``op_overhead_backward_s`` per forward
     op in backward; counted with the memory-bound time): what makes more, smaller
-    microbatches cost more than fewer, larger ones. Selective recompute replays the layer's
-    light ops, full recompute all of them.
+    microbatches cost more than fewer, larger ones. Selective recompute replays the
+    layer's attention cores (``recompute_nodes``), full recompute all of its ops.
 
     ``compiled`` (``TrainSpec.compile``): the light ops of a layer that is not recomputed
     run as fused kernels, moving ``fused_mem_bytes`` (twice in backward) and paying the
@@ -453,8 +453,9 @@ def layer_work(layer: LayerCost, devices: DeviceNumbers, micro_batch: int,
     heavy = sum(op.count for op in layer.heavy_ops)
     replayed = {m: layer.recompute_flops[m] / layer.fwd_flops if layer.fwd_flops else 0.0
                 for m in layer.modes}
-    rerun_ops = {m: 0 if m == "none" else ops if m == "full" else max(0, ops - heavy)
-                 for m in layer.modes}
+    rerun_ops = {m: layer.recompute_nodes.get(
+        m, 0 if m == "none" else ops if m == "full" else max(0, ops - heavy))
+        for m in layer.modes}
     return {"forward": (compute, memory + light(layer.fwd_mem_bytes)
                         + ops * devices.op_overhead_s),
             "backward": (back_compute, back_memory + light(layer.bwd_mem_bytes)
@@ -496,10 +497,10 @@ def _layer_table(problem: PlanningProblem, config: PipelineConfig, index: int) -
     gathered, gradient = _zero_transient(problem, config, layer.param_count)
     comm = tp_comm_seconds(problem, config, layer)
     zero = _zero_comm_seconds(problem, config, layer.param_count)
-    # Recompute replays the layer's forward, collectives included (selective too: the
-    # cheap ops it replays include the collectives, which save nothing). ZeRO-3 gathers
-    # the layer once for its backward, recompute included.
-    rerun = {m: comm["forward"] if m != "none" else 0.0 for m in layer.modes}
+    # Full recompute replays the layer's forward, collectives included; selective
+    # replays the attention cores, which hold none (heads are split over the group).
+    # ZeRO-3 gathers the layer once for its backward, recompute included.
+    rerun = {m: comm["forward"] if m == "full" else 0.0 for m in layer.modes}
     forward = sum(work["forward"]) + comm["forward"]
     backward = split_factor(problem, config) * sum(work["backward"]) + comm["backward"]
     return LayerTable(
@@ -689,7 +690,8 @@ def _layer_key(layer) -> tuple:
             layer.param_bytes, tuple(sorted(layer.saved_bytes.items())),
             tuple(sorted(layer.recompute_flops.items())),
             tuple(sorted(layer.recompute_mem_bytes.items())), layer.workspace_bytes,
-            layer.tp_comm, layer.num_nodes, layer.fused_mem_bytes, layer.fused_kernels)
+            layer.tp_comm, layer.num_nodes, layer.fused_mem_bytes, layer.fused_kernels,
+            tuple(sorted(layer.recompute_nodes.items())))
 
 
 def build_cost_table(problem: PlanningProblem, config: PipelineConfig,
@@ -1029,8 +1031,9 @@ def moe_layer_table(whole: MoECost, problem: PlanningProblem, config: PipelineCo
                 + comm["backward"] + a2a)
     replayed = {m: layer.recompute_flops[m] / layer.fwd_flops if layer.fwd_flops else 0.0
                 for m in layer.modes}
+    # Selective recompute reruns the attention cores: no expert, no collective.
     recompute = {m: sum(work["recompute"][m]) + (
-        comm["forward"] + replayed[m] * extra + a2a if m != "none" else 0.0)
+        comm["forward"] + replayed[m] * extra + a2a if m == "full" else 0.0)
         for m in layer.modes}
     expert_share = dict(layer.moe.expert_saved_bytes) if layer.moe is not None else {
         m: v / config.tp for m, v in whole.expert_saved_bytes.items()}

@@ -8,9 +8,9 @@ Glossary (used across partc):
 - *cut*: the boundary after layer ``l``; ``cut_bytes[l]`` is what crosses it per sample.
 - *microbatch*: ``micro_batch_size`` samples pushed through the pipeline together.
 - *recompute mode*: ``"none"`` keeps every tensor saved for backward; ``"selective"``
-  keeps only the outputs of compute-heavy ops (matmuls, attention) and recomputes the
-  cheap memory-heavy rest; ``"full"`` keeps only the layer's inputs and reruns its
-  forward in backward.
+  reruns the layer's attention cores in backward (from the product of queries and keys
+  to the product with the values, Megatron's selective recompute) and keeps the rest;
+  ``"full"`` keeps only the layer's inputs and reruns its forward in backward.
 
 Everything here is a frozen dataclass of plain numbers: no fx objects, no tensors. The
 front half of the compiler (``partc.passes``) produces a :class:`ModelAnalysis`;
@@ -195,6 +195,9 @@ class LayerCost:
     # number of those kernels. None: not measured.
     fused_mem_bytes: float | None = None
     fused_kernels: int | None = None
+    # Ops a recompute mode reruns, by mode (full: every op; selective: the attention
+    # cores'). Missing: full reruns ``num_nodes``, selective the light ops.
+    recompute_nodes: dict[str, int] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         listed = sum(op.flops * op.count for op in self.heavy_ops)
@@ -444,5 +447,6 @@ class PlanningProblem:
         pinned = self.pins.recompute.get(cost.name)
         if pinned is None:
             return list(cost.modes)
-        # A pinned "selective" on a layer with nothing cheap to drop behaves as "none".
+        # A pinned "selective" on a layer without an attention core (or whose core keeps
+        # nothing the rest does not) behaves as "none".
         return [pinned if pinned in cost.modes else "none"]

@@ -17,7 +17,6 @@ from .errors import (PartcError, PlanFileError, PlanMismatchError, PlanSchemaErr
 from .plan import Plan
 from .problem import PlanningProblem
 from .report import render
-from .schedules import schedule as schedule_facts
 from .spec import dtype_name
 
 
@@ -54,7 +53,6 @@ class Program:
             sequence_parallel=plan.sequence_parallel,
             tp_choices=dict(tensor_parallel.choices) if tensor_parallel is not None else {},
             fsdp_units=plan.effective_zero_stage >= 2, attention=plan.train.attention,
-            split_backward=schedule_facts(plan.schedule).split_backward,
             ep=plan.mesh.ep, capacity_factor=plan.train.moe_capacity_factor)
         return lower(self.model, tuple(example.values()), lowering, loss_fn=self.loss_fn,
                      example_target=target, only=only)

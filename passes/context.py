@@ -51,9 +51,6 @@ class Lowering:
     # module of its own, an FSDP unit.
     fsdp_units: bool = False
     attention: str = "as_written"
-    # The schedule runs backward as two passes (input, then weight gradients): a
-    # selectively recomputed layer keeps what it saved for both.
-    split_backward: bool = False
     # Mixture-of-experts layers: the expert-parallel degree and the capacity factor
     # (None: dropless); with either, the experts run as ``partc.runtime.experts``.
     ep: int = 1

@@ -5,9 +5,10 @@ One fx interpreter loop per layer runs under ``FakeTensorMode`` (no memory),
 ``saved_tensors_hooks`` with grad enabled (what autograd keeps for backward). Saved
 tensors are deduplicated by storage, parameters and buffers are left out, and each saved
 storage is attributed to the node that *produced* it. Selective recompute is costed as
-the runtime runs it: the layer's inputs and every compute-heavy node's output are kept,
-the rest is rerun; a layer that writes a compute-heavy node's output in place has no
-selective mode.
+the runtime runs it (Megatron's): each attention core
+(:func:`partc.passes.attention_core.attention_cores`) is rerun in backward, so what only
+its nodes save is dropped and its inputs are kept instead; everything else the layer
+saves is kept. A layer without an attention core has no selective mode.
 
 In mixed precision (``Context.autocast``) the layers run under ``torch.autocast``, as
 the runtime runs them: matmuls save their inputs cast to the compute dtype, while what
@@ -60,11 +61,11 @@ from partc.problem import HeavyOp, LayerCost
 from partc.runtime.tp import TensorParallelGroup
 
 from . import fuse_attention
+from .attention_core import attention_cores, core_inputs
 from .autocast_policy import cuda_autocast
 from .context import Context
 from .layers import crossing_bytes
-from .graph import (carries_grad, fetch, is_dtype_check, layer_nodes, mutated_inputs,
-                    param_usage)
+from .graph import carries_grad, fetch, is_dtype_check, layer_nodes, param_usage
 
 
 @dataclass
@@ -75,8 +76,12 @@ class _LayerRun:
     saved: dict[StorageWeakRef, tuple[int, fx.Node]] = field(default_factory=dict)
     inputs: dict[fx.Node, int] = field(default_factory=dict)   # values read from outside
     dtypes: dict[fx.Node, tuple[torch.dtype, ...]] = field(default_factory=dict)
-    # Compute-heavy nodes whose output a later node of the layer writes in place.
-    written_heavy: set[fx.Node] = field(default_factory=set)
+    # The nodes whose backward keeps each saved storage (one storage, several readers).
+    savers: dict[StorageWeakRef, set[fx.Node]] = field(default_factory=dict)
+    # The storages (and their bytes) of each value the layer makes or reads, parameters
+    # left out: what a checkpoint of part of the layer keeps of its inputs.
+    storages: dict[fx.Node, tuple[tuple[StorageWeakRef, int], ...]] = field(
+        default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -160,6 +165,8 @@ def _run_layer(gm: fx.GraphModule, nodes: list[fx.Node], setting: _Setting) -> _
         if storage not in frozen and storage not in run.saved:
             made_by = producer.get(storage, current[-1])
             run.saved[storage] = (tensor.untyped_storage().nbytes(), made_by)
+        if storage not in frozen:
+            run.savers.setdefault(storage, set()).add(current[-1])
         return tensor
 
     def value_of(node: fx.Node) -> Any:
@@ -197,22 +204,26 @@ def _run_layer(gm: fx.GraphModule, nodes: list[fx.Node], setting: _Setting) -> _
             if fuse_attention.skips_masked_blocks(node, setting.runtime_device):
                 flops //= 2   # the kernel skips the blocks the causal mask hides
             run.costs[node] = _node_cost(node, args, kwargs, result, flops, producer, frozen)
-            run.written_heavy.update(_heavy_written(node, env, producer, run))
+            run.storages[node] = _storages(result, frozen)
             if node.op == "call_module":   # its parameters are read, not passed
                 state = [t for _, t in _named_state(gm.get_submodule(str(node.target)))]
                 run.costs[node] = dataclasses.replace(run.costs[node], weight_bytes=_weight_bytes(
                     state, [t for t in pytree.tree_leaves(result) if isinstance(t, torch.Tensor)]))
+    for node in run.inputs:
+        run.storages[node] = _storages(env[node], frozen)
     _attribute_saved(run)
     return run
 
 
-def _heavy_written(node: fx.Node, env: dict[fx.Node, Any], producer: dict,
-                   run: _LayerRun) -> list[fx.Node]:
-    """The compute-heavy nodes of this layer whose output (or a view of it) ``node``
-    writes in place."""
-    makers = [producer.get(StorageWeakRef(env[value].untyped_storage()))
-              for value in mutated_inputs(node) if isinstance(env.get(value), torch.Tensor)]
-    return [m for m in makers if m in run.costs and run.costs[m].compute_heavy]
+def _storages(value: Any, frozen: set[StorageWeakRef]) -> tuple[tuple[StorageWeakRef, int], ...]:
+    """The storages of the tensors in ``value`` with their bytes, parameters left out."""
+    found = {}
+    for tensor in pytree.tree_leaves(value):
+        if isinstance(tensor, torch.Tensor):
+            storage = StorageWeakRef(tensor.untyped_storage())
+            if storage not in frozen:
+                found[storage] = tensor.untyped_storage().nbytes()
+    return tuple(found.items())
 
 
 class _WeightCopies(TorchDispatchMode):
@@ -430,7 +441,10 @@ def _copy_run(run: _LayerRun, source: list[fx.Node], target: list[fx.Node]) -> _
                     if node.op != "get_attr"}
     copied.costs.update({node: _FETCH_COST for node in fetches})
     copied.saved = {key: (size, mapping.get(node, node)) for key, (size, node) in run.saved.items()}
-    copied.written_heavy = {mapping[node] for node in run.written_heavy}
+    copied.savers = {key: {mapping.get(node, node) for node in nodes}
+                     for key, nodes in run.savers.items()}
+    copied.storages = {mapping.get(node, node): found for node, found in run.storages.items()
+                       if node.op != "get_attr"}
     return copied
 
 
@@ -469,21 +483,21 @@ def _layer_cost(gm: fx.GraphModule, info: meta.LayerInfo, nodes: list[fx.Node], 
     held = sum(_bytes_as_made(n, dtypes) for n in shared if meta.layer(n).index == info.index)
     input_bytes = sum(size for node, size in run.inputs.items() if node not in shared)
     saved_all = held + sum(size for size, node in run.saved.values() if node not in shared)
-    # Selective recompute as the runtime does it (partc.runtime.recompute): the layer's
-    # inputs and the output of every compute-heavy node are kept, whether backward reads
-    # it or not (attention scores too), and every light node is rerun. Not offered
-    # where the layer writes a heavy node's output in place (``h = linear(x);
-    # h.relu_()``): the kept value would not be the one the op made, and torch's
-    # selective checkpoint refuses to use it.
-    kept = held + input_bytes + sum(run.costs[n].output_bytes for n in heavy
-                                    if n not in shared)
     saved = {"none": saved_all, "full": held + input_bytes}
     rec_flops = {"none": 0.0, "full": flops}
     rec_bytes = {"none": 0.0, "full": light_bytes}
-    if kept < saved_all and not heavy & run.written_heavy:
+    rerun = {"none": 0, "full": sum(1 for n in nodes if n.op.startswith("call_"))}
+    # Selective recompute as the runtime does it (passes/recompute.py): the attention
+    # cores are rerun, everything else is kept.
+    cores = attention_cores(nodes)
+    inside = {node for core in cores for node in core}
+    kept = held + _kept_around(cores, run, shared)
+    if cores and kept < saved_all:
         saved["selective"] = kept
-        rec_flops["selective"] = sum(run.costs[n].flops for n in nodes if n not in heavy)
-        rec_bytes["selective"] = light_bytes
+        rec_flops["selective"] = sum(run.costs[n].flops for n in inside)
+        rec_bytes["selective"] = sum(run.costs[n].bytes_moved for n in inside
+                                     if n not in heavy)
+        rerun["selective"] = sum(1 for n in inside if n.op.startswith("call_"))
     count, nbytes = usage["own"].get(info.index, (0, 0))
     per = 1.0 / batch
     fused_bytes, kernels = _fused(gm, nodes, run, heavy)
@@ -494,9 +508,25 @@ def _layer_cost(gm: fx.GraphModule, info: meta.LayerInfo, nodes: list[fx.Node], 
         saved_bytes={k: v * per for k, v in saved.items()},
         recompute_flops={k: v * per for k, v in rec_flops.items()},
         recompute_mem_bytes={k: v * per for k, v in rec_bytes.items()},
+        recompute_nodes=rerun,
         workspace_bytes=max((run.costs[n].output_bytes for n in nodes), default=0.0) * per,
         num_nodes=sum(1 for n in nodes if n.op.startswith("call_")),
         fused_mem_bytes=fused_bytes * per, fused_kernels=kernels)
+
+
+def _kept_around(cores: list[tuple[fx.Node, ...]], run: _LayerRun,
+                 shared: set[fx.Node]) -> float:
+    """Bytes the layer keeps when its attention ``cores`` are rerun in backward: every
+    storage a node outside the cores saves, and the storages of the cores' inputs (their
+    checkpoint holds them), each once; shared values are their maker's (held apart)."""
+    inside = {node for core in cores for node in core}
+    kept = {key: size for key, (size, node) in run.saved.items()
+            if node not in shared and run.savers.get(key, set()) - inside}
+    for core in cores:
+        for value in core_inputs(core):
+            if value not in shared:
+                kept.update(run.storages.get(value, ()))
+    return float(sum(kept.values()))
 
 
 def _fused(gm: fx.GraphModule, nodes: list[fx.Node], run: _LayerRun,

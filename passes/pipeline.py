@@ -35,6 +35,7 @@ from partc.problem import ModelAnalysis, TPOption
 
 from . import dedupe, verify
 from . import tp_chooser
+from .attention_softmax import attention_softmax
 from .context import Context, Lowering
 from .estimate import estimate
 from .fuse_attention import fuse_attention
@@ -73,6 +74,8 @@ def analysis_passes(attention: str) -> tuple[Pass, ...]:
         # Fusing attention reads the shapes propagate writes, and changes the graph
         # that layers then groups.
         *_attention_passes(attention),
+        # After fusing: a softmax left written out is measured as the runtime keeps it.
+        Pass("attention_softmax", attention_softmax),
         # Layers reads the graph as it will run.
         Pass("layers", layers),
         # Estimate measures one layer at a time (once per repeated-block signature).
@@ -101,6 +104,7 @@ def lowering_passes(lowering: Lowering) -> tuple[Pass, ...]:
         Pass("drop_assertions", drop_assertions),
         Pass("propagate", propagate),
         *_attention_passes(lowering.attention),
+        Pass("attention_softmax", attention_softmax),
         # The plan names layers: the graph must be grouped exactly as it was planned.
         Pass("layers", layers),
         # Tensor parallelism rewrites the whole graph before the cut, so that a stage's

@@ -170,7 +170,8 @@ def moe_cost(gm: fx.GraphModule, ctx: Context, region: MoERegion) -> MoECost:
     ``top_k`` experts, each expert ``tokens * top_k / num_experts`` tokens; one matmul
     FLOP pair per expert weight and routed token. Saved bytes are those the traced
     graph's expert compute and combine keep (its shapes are the balanced total: every
-    routed token slot once); full recompute keeps none of them."""
+    routed token slot once); full recompute keeps none of them, selective (which reruns
+    the attention cores only) all."""
     weights = [fetch(gm, fqn) for fqn in region.expert_params]
     count = sum(w.numel() for w in weights)
     nbytes = sum(w.numel() * w.element_size() for w in weights)
@@ -183,8 +184,9 @@ def moe_cost(gm: fx.GraphModule, ctx: Context, region: MoERegion) -> MoECost:
         num_experts=region.num_experts, top_k=region.top_k, hidden=region.hidden,
         tokens_per_sample=region.tokens_per_sample, expert_param_count=count,
         expert_param_bytes=nbytes, expert_fwd_flops=flops,
-        expert_saved_bytes={"none": saved, "full": 0.0}, dispatch_bytes=slots * token_bytes,
-        aux_loss=region.aux_loss, expert_form=region.expert_form)
+        expert_saved_bytes={"none": saved, "selective": saved, "full": 0.0},
+        dispatch_bytes=slots * token_bytes, aux_loss=region.aux_loss,
+        expert_form=region.expert_form)
 
 
 def _node(gm: fx.GraphModule, name: str) -> fx.Node:

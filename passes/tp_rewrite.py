@@ -21,8 +21,9 @@ chooser or rebuilt from a plan by ``tp_chooser.apply``):
 - a vocabulary-parallel embedding looks up only the rows this rank holds, and dropout
   of a shard keeps its part of the whole tensor's mask (``tp.dropout``);
 - a linear reading a sequence-parallel shard gathered whole (``tp_rules.regathers``)
-  becomes ``tp.linear_of_gathered``: it keeps the shard, not the whole, for backward
-  and gathers it again there.
+  becomes ``tp.linear_of_gathered``, and an ``addmm`` reading it flattened (GPT-2's
+  ``Conv1D``) ``tp.addmm_of_gathered``: they keep the shard, not the whole, for
+  backward and gather it again there.
 
 The graph is the same on every rank of the group (ranks differ only in which shard they
 hold, and the group knows its rank at run time), so one emitted file serves the group.
@@ -54,7 +55,7 @@ from partc.runtime.tp import ShardedDropout, TensorParallelGroup
 from .context import Context
 from .graph import carries_grad, op_name, tensor_inputs
 from .tp_chooser import Sharding
-from .tp_rules import redistribute, regathers
+from .tp_rules import flattened_for_addmm, redistribute, regathers
 
 LocalParam = Callable[[str, torch.Tensor, Placement], torch.Tensor]
 
@@ -207,14 +208,26 @@ class _Rewriter:
         moved = self._move(source, have, need, grad_partial, node)
         node.replace_input_with(producer, moved)
         if regathers(node, position, have, need, grad_partial):
-            self.regather[node] = (moved, source, have.dim)
+            # A linear reads the gathered value; addmm reads the view that flattens it.
+            for product in flattened_for_addmm(node) or [node]:
+                self.regather[product] = (node if product is not node else moved,
+                                          source, have.dim)
 
     def _linear_of_gathered(self, node: fx.Node) -> None:
-        """A linear reading a gathered shard keeps the shard for backward and gathers it
-        again there (:func:`tp_rules.regathers`): ``tp.linear_of_gathered``."""
+        """A product reading a gathered shard keeps the shard for backward and gathers it
+        again there (:func:`tp_rules.regathers`): ``tp.linear_of_gathered``, or
+        ``tp.addmm_of_gathered`` for an ``addmm`` of the flattened gathered value."""
         if node not in self.regather:
             return
         whole, shard, dim = self.regather.pop(node)
+        if op_name(node) == "addmm":
+            bias, matrix, weight = node.args
+            # The flattening view, or the copy_to_tp the rewrite put after it.
+            if whole not in (matrix, *matrix.all_input_nodes):
+                raise AssertionError(f"{node.name}: reads {matrix}, not the flattened "
+                                     f"gathered {whole.name}")
+            self.to_method(node, "addmm_of_gathered", (bias, matrix, weight, shard, dim))
+            return
         names = ("input", "weight", "bias")
         args = [node.args[i] if len(node.args) > i else node.kwargs.get(k)
                 for i, k in enumerate(names)]

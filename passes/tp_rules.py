@@ -102,13 +102,30 @@ def redistribute(src: Placement, dst: Placement, grad_partial: bool
 def regathers(consumer: fx.Node, position: int, src: Placement, dst: Placement,
               grad_partial: bool) -> bool:
     """Whether the all-gather that brings a value to input ``position`` of ``consumer``
-    runs again in backward: a linear reading a sequence-parallel shard gathered whole
+    runs again in backward: a product reading a sequence-parallel shard gathered whole
     keeps the shard for its weight's gradient and gathers it again (Megatron's sequence
     parallelism; ``TensorParallelGroup.linear_of_gathered``), one backward all-gather per
-    gathered value however many linears read it."""
-    return (grad_partial and position == 0 and consumer.op == "call_function"
-            and op_name(consumer) == "linear"
-            and src.kind == "S" and src.chunks == 1 and dst.kind == "R")
+    gathered value however many products read it. The products: a column-parallel
+    linear, and ``addmm`` reading the gathered value through the view that flattens it
+    to a matrix (GPT-2's ``Conv1D``: the gather's consumer is that view)."""
+    if not (position == 0 and src.kind == "S" and src.chunks == 1 and dst.kind == "R"):
+        return False
+    if consumer.op == "call_function" and op_name(consumer) == "linear":
+        return grad_partial
+    return bool(flattened_for_addmm(consumer))
+
+
+def flattened_for_addmm(view: fx.Node) -> list[fx.Node]:
+    """The ``addmm`` nodes that read ``view`` as their matrix input, when ``view`` is a
+    view read by nothing else (``torch.addmm(b, x.view(-1, n), w)``); else none."""
+    if view.op != "call_function" or op_name(view) not in _VIEWS or not view.users:
+        return []
+    readers = list(view.users)
+    if all(op_name(user) == "addmm" and len(user.args) == 3 and not user.kwargs
+           and user.args[1] is view and view not in (user.args[0], user.args[2])
+           for user in readers):
+        return readers
+    return []
 
 
 # ------------------------------------------------------------- op families and hints

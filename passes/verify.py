@@ -115,6 +115,7 @@ _NODE_CHECKS: dict[str, tuple[NodeCheck, ...]] = {
     "drop_assertions": (placeholders_first, no_assertion),
     "propagate": (has_value,),
     "fuse_attention": (has_value,),
+    "attention_softmax": (has_value,),
     "layers": (in_a_layer,),
     "estimate": (has_cost,),
     "tp_rewrite": (placeholders_first,),

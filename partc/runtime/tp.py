@@ -18,10 +18,11 @@ method                        forward                     backward
 ``reduce_scatter_to_tp``      reduce-scatter on ``dim``   all-gather
 ============================  ==========================  ============================
 
-Two calls keep less for backward than the ops they stand for: ``dropout`` of a shard
+Three calls keep less for backward than the ops they stand for: ``dropout`` of a shard
 keeps a bool mask of this rank's part only (drawn for the whole tensor, so that it equals
-the unsharded program's), and ``linear_of_gathered`` (a linear of an all-gathered
-sequence-parallel shard) keeps the shard and all-gathers it again in backward.
+the unsharded program's), and ``linear_of_gathered`` and ``addmm_of_gathered`` (a linear,
+or GPT-2's ``Conv1D`` product, of an all-gathered sequence-parallel shard) keep the shard,
+in the dtype the product computes in, and all-gather it again in backward.
 
 A shard ``Shard(dim, chunks=k)`` holds this rank's part of each of ``k`` equal pieces of
 ``dim`` (a fused QKV projection split into query, key and value afterwards); gathers and
@@ -133,11 +134,22 @@ class TensorParallelGroup(nn.Module):
                            weight: torch.Tensor, bias: torch.Tensor | None = None,
                            dim: int = 1) -> torch.Tensor:
         """``F.linear(whole, weight, bias)`` where ``whole`` is ``gather_from_tp(shard,
-        dim)``: the same output, but backward keeps ``shard`` and all-gathers it again
-        for the weight's gradient instead of keeping ``whole`` (Megatron's sequence
-        parallelism). The linears that read one gathered tensor share one gather again
-        in backward."""
-        return _LinearOfGathered.apply(whole, shard.detach(), weight, bias, self, dim)
+        dim)``: the same output, but backward keeps ``shard`` (cast to the dtype the
+        product computes in, as autocast's copy of ``whole`` would be) and all-gathers it
+        again for the weight's gradient instead of keeping ``whole`` (Megatron's
+        sequence parallelism). The products that read one gathered tensor share one
+        gather again in backward."""
+        return _ProductOfGathered.apply(whole, shard.detach(), weight, bias, self, dim,
+                                        "linear")
+
+    def addmm_of_gathered(self, bias: torch.Tensor | None, whole: torch.Tensor,
+                          weight: torch.Tensor, shard: torch.Tensor, dim: int = 1
+                          ) -> torch.Tensor:
+        """``torch.addmm(bias, whole, weight)`` (GPT-2's ``Conv1D``: ``weight`` is (in,
+        out)) where ``whole`` is ``gather_from_tp(shard, dim)`` flattened to a matrix:
+        kept and regathered as :meth:`linear_of_gathered` does."""
+        return _ProductOfGathered.apply(whole, shard.detach(), weight, bias, self, dim,
+                                        "addmm")
 
     def vocab_parallel_embedding(self, ids: torch.Tensor, weight: torch.Tensor,
                                  padding_idx: int = -1) -> torch.Tensor:
@@ -263,22 +275,28 @@ class _Regathered:
             self.whole = None
 
 
-class _LinearOfGathered(torch.autograd.Function):
-    """``F.linear`` of an all-gathered tensor that saves the shard (see
-    :meth:`TensorParallelGroup.linear_of_gathered`). Backward computes the gradients as
-    autograd does for ``F.linear`` (the input flattened to a matrix, as ``addmm`` runs
-    it), in the dtype the forward computed in (autocast's, where it casts)."""
+class _ProductOfGathered(torch.autograd.Function):
+    """A product of an all-gathered tensor that saves the shard (see
+    :meth:`TensorParallelGroup.linear_of_gathered`): ``F.linear`` (``kind="linear"``,
+    weight (out, in)) or ``torch.addmm`` (``kind="addmm"``, weight (in, out)). Backward
+    computes the gradients as autograd does for the op (the input flattened to a matrix,
+    as ``addmm`` runs it), in the dtype the forward computed in (autocast's, where it
+    casts); the kept shard is in that dtype already, so regathering it gives autocast's
+    copy of the whole."""
 
     @staticmethod
-    def forward(ctx, whole, shard, weight, bias, group, dim):
-        out = torch.nn.functional.linear(whole, weight, bias)
-        # One regather for every linear that reads this gathered tensor.
+    def forward(ctx, whole, shard, weight, bias, group, dim, kind):
+        if kind == "linear":
+            out = torch.nn.functional.linear(whole, weight, bias)
+        else:
+            out = torch.addmm(bias, whole, weight) if bias is not None else whole.mm(weight)
+        # One regather for every product that reads this gathered tensor.
         regathered = whole.__dict__.setdefault("_partc_regathered", _Regathered())
         regathered.readers += 1
-        ctx.regathered, ctx.group, ctx.dim = regathered, group, dim
+        ctx.regathered, ctx.group, ctx.dim, ctx.kind = regathered, group, dim, kind
         ctx.dtypes = (whole.dtype, weight.dtype, None if bias is None else bias.dtype)
         ctx.compute = out.dtype
-        ctx.save_for_backward(shard, weight)
+        ctx.save_for_backward(shard.to(out.dtype), weight)
         return out
 
     @staticmethod
@@ -287,19 +305,23 @@ class _LinearOfGathered(torch.autograd.Function):
         whole_dtype, weight_dtype, bias_dtype = ctx.dtypes
         needs_whole, _, needs_weight, needs_bias = ctx.needs_input_grad[:4]
         grad2 = grad.reshape(-1, grad.shape[-1])
+        # (in, out) as addmm reads it: linear's (out, in) weight transposed.
+        matrix = weight.to(ctx.compute)
+        matrix = matrix.t() if ctx.kind == "linear" else matrix
         grad_whole = grad_weight = grad_bias = None
         if needs_whole:
-            grad_whole = grad2.mm(weight.to(ctx.compute)).view(*grad.shape[:-1], -1)
-            grad_whole = grad_whole.to(whole_dtype)
+            grad_whole = grad2.mm(matrix.t()).view(*grad.shape[:-1], -1).to(whole_dtype)
         if needs_weight:
-            whole = ctx.regathered.take(ctx.group, shard, ctx.dim).to(ctx.compute)
+            whole = ctx.regathered.take(ctx.group, shard, ctx.dim)
             whole2 = whole.reshape(-1, whole.shape[-1])
-            grad_weight = whole2.t().mm(grad2).t().to(weight_dtype)
+            grad_weight = whole2.t().mm(grad2)   # (in, out), as autograd computes both
+            grad_weight = (grad_weight.t() if ctx.kind == "linear" else grad_weight
+                           ).to(weight_dtype)
         else:
             ctx.regathered.release()
         if needs_bias and bias_dtype is not None:
             grad_bias = grad2.sum(0).to(bias_dtype)
-        return grad_whole, None, grad_weight, grad_bias, None, None
+        return grad_whole, None, grad_weight, grad_bias, None, None, None
 
 
 class _CopyToTP(torch.autograd.Function):

@@ -147,30 +147,47 @@ def test_a_model_on_the_meta_device_is_measured_under_autocast_as_on_cpu():
     assert layers("meta") == layers("cpu")   # signatures hash the device
 
 
-class _WritesMatmulOutput(nn.Module):
-    """A block that writes its Linear's output in place (``relu_``), then a cheap op."""
+class _WrittenAttention(nn.Module):
+    """Attention written out, with a causal mask buffer and dropout on the probabilities."""
 
-    def __init__(self, in_place: bool) -> None:
+    def __init__(self, width: int = 8, seq: int = 6) -> None:
         super().__init__()
-        self.linear = nn.Linear(8, 8)
-        self.in_place = in_place
+        self.qkv = nn.Linear(width, 3 * width)
+        self.out = nn.Linear(width, width)
+        self.drop = nn.Dropout(0.1)
+        self.register_buffer("mask", torch.full((seq, seq), -1e9).triu(1))
+        self.width = width
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.linear(x)
-        h = h.relu_() if self.in_place else h.relu()
-        return x + torch.tanh(h)
+        q, k, v = self.qkv(x).split(self.width, dim=-1)
+        scores = (q @ k.transpose(-2, -1)) * self.width ** -0.5
+        probs = self.drop((scores + self.mask).softmax(-1))
+        return x + self.out(probs @ v)
 
 
-def test_a_layer_writing_a_matmul_output_in_place_has_no_selective_mode():
-    """Seen before (random models, tests/random_models.py): selective recompute kept the
-    Linear's output, which ``relu_`` then changed, and backward failed ("Tensor cached
-    during selective activation checkpoint has been mutated")."""
-    x = torch.randn(B, 8)
-    _, written = analyze(nn.Sequential(_WritesMatmulOutput(in_place=True)), (x,))
-    _, pure = analyze(nn.Sequential(_WritesMatmulOutput(in_place=False)), (x,))
-    assert [(layer.name, layer.modes) for layer in pure.layers] == [
-        ("0", ("none", "selective", "full"))]
-    assert [(layer.name, layer.modes) for layer in written.layers] == [("0", ("none", "full"))]
+def test_selective_recompute_drops_what_only_the_attention_core_keeps():
+    """By hand, per sample, fp32 for a GPU (analyze's default device): the layer keeps x
+    (the qkv projection's input), the qkv output (q and k for their product, v for the
+    second), softmax's output, dropout's mask (CUDA's native_dropout: one byte), the
+    probabilities after dropout and the out projection's input. Rerunning the core
+    drops the three (seq x seq) ones; its inputs (views of the qkv output) are kept
+    anyway. Its FLOPs are the two products'."""
+    width, seq = 8, 6
+    _, analysis = analyze(nn.Sequential(_WrittenAttention(width, seq)),
+                          (torch.randn(B, seq, width),))
+    [layer] = analysis.layers
+    square = seq * seq
+    kept = seq * width * 4 + seq * 3 * width * 4 + seq * width * 4
+    assert layer.saved_bytes["none"] == kept + 4 * square + square + 4 * square
+    assert layer.saved_bytes["selective"] == kept
+    assert layer.recompute_flops["selective"] == 2 * (2 * seq * seq * width)
+    # Rerun: the two products, the scale, the mask's add, softmax and dropout.
+    assert layer.recompute_nodes["selective"] == 6
+
+
+def test_a_layer_without_attention_has_no_selective_mode():
+    _, analysis = analyze(models.MLP(), (torch.randn(B, 8),))
+    assert all(layer.modes == ("none", "full") for layer in analysis.layers)
 
 
 class _CausalAttention(nn.Module):

@@ -1,6 +1,7 @@
 """The recompute pass: on a tiny hand-built graph (``tests/passes/tiny_graphs.py``), the
 printed code and node.meta of a recomputed layer, and the same values and gradients as
-the graph it rewrote; on GPT-2, that the rerun replays dropout and keeps less."""
+the graph it rewrote; on GPT-2, that selective recompute wraps exactly the attention
+cores, that the rerun replays dropout and keeps less."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import torch
 from partc import meta
 from partc.passes import verify
 from partc.passes.context import Lowering
+from partc.passes.graph import op_name
 from partc.passes.pipeline import analyze
 from partc.passes.recompute import recompute, recompute_layers
 from partc.passes.split import StageGraph, split
@@ -33,8 +35,8 @@ def values_and_grads(model: torch.nn.Module, gm: torch.fx.GraphModule
     return out.detach(), {name: p.grad.clone() for name, p in model.named_parameters()}
 
 
-@pytest.mark.parametrize("mode", ["full", "selective"])
-def test_a_recomputed_layer_becomes_a_checkpointed_submodule(mode):
+def test_a_recomputed_layer_becomes_a_checkpointed_submodule():
+    mode = "full"
     model, gm = tiny_graph()
     params = [name for name, _ in gm.named_parameters()]
     recompute_layers(gm, {"block": mode})
@@ -76,16 +78,17 @@ def test_the_new_nodes_carry_the_layer_and_the_outputs_values():
     assert meta.tensors(inner["relu"]) == relu_tensors
 
 
-@pytest.mark.parametrize("modes", [{"block": "full"}, {"block": "selective"},
+@pytest.mark.parametrize("modes", [{"block": "full"},
                                    {"embed": "full", "block": "selective", "head": "full"}],
-                         ids=["full", "selective", "every-layer"])
+                         ids=["full", "every-layer"])
 def test_values_and_gradients_equal_the_original(modes):
     model, gm = tiny_graph()
     expected, expected_grads = values_and_grads(model, gm)
     model, gm = tiny_graph()
     recompute_layers(gm, modes)
     wrapped = [name for name, _ in gm.named_children() if name.startswith("recompute_")]
-    assert wrapped == [f"recompute_{layer}" for layer in modes]
+    # The block has no attention core: selective recompute leaves it as it is.
+    assert wrapped == [f"recompute_{layer}" for layer, mode in modes.items() if mode == "full"]
     verify.check("recompute", gm)
     got, grads = values_and_grads(model, gm)
     torch.testing.assert_close(got, expected, rtol=0, atol=0)
@@ -94,10 +97,11 @@ def test_values_and_gradients_equal_the_original(modes):
         torch.testing.assert_close(grads[name], grad, rtol=0, atol=0)
 
 
-def test_none_leaves_the_graph_unchanged():
+@pytest.mark.parametrize("mode", ["none", "selective"])
+def test_none_leaves_the_graph_unchanged_and_so_does_selective_without_attention(mode):
     _, gm = tiny_graph()
     code = gm.code
-    recompute_layers(gm, {name: "none" for name in TINY_LAYERS})
+    recompute_layers(gm, {name: mode for name in TINY_LAYERS})
     assert gm.code == code
     assert not any(name.startswith("recompute_") for name, _ in gm.named_children())
 
@@ -110,11 +114,11 @@ def test_an_unknown_mode_is_refused():
 
 def test_the_pass_reads_the_modes_from_the_lowering():
     model, gm = tiny_graph()
-    lowering = Lowering(stages=STAGE, recompute={"head": "selective"})
+    lowering = Lowering(stages=STAGE, recompute={"head": "full"})
     recompute(gm, context(model, (tokens(),), lowering=lowering))
     assert [name for name, _ in gm.named_children()][-1] == "recompute_head"
     assert ("checkpoint_layer = partc_runtime_recompute_checkpoint_layer(recompute_head, "
-            "'selective', relu, embedding, size, embed_weight)") in lines(gm)
+            "'full', relu, embedding, size, embed_weight)") in lines(gm)
     # While analysing there is no lowering, and nothing to recompute.
     model, gm = tiny_graph()
     code = gm.code
@@ -140,6 +144,23 @@ def _stage_of_gpt2(dropout: float, modes: dict
     return model, stage, gm
 
 
+def test_selective_recompute_wraps_the_attention_cores_only():
+    """Megatron's selective recompute: in each block, q @ k^T, scale, mask, softmax,
+    dropout and @ v are rerun; the projections, norms and MLP keep what they save."""
+    _, stage, _ = _stage_of_gpt2(0.1, {"transformer.h.0": "selective",
+                                       "transformer.h.1": "selective"})
+    module = stage.module
+    wrapped = [name for name, _ in module.named_children() if name.startswith("recompute_")]
+    assert wrapped == ["recompute_transformer_h_0_attention",
+                       "recompute_transformer_h_1_attention"]
+    core = module.get_submodule(wrapped[0])
+    ops = [op_name(n) for n in core.graph.nodes if n.op in ("call_function", "call_method")]
+    assert ops[0] == "matmul" and ops[-1] == "matmul", ops
+    assert "softmax" in ops and "dropout" in ops, ops
+    assert not {"addmm", "linear", "layer_norm", "gelu"} & set(ops), ops
+    verify.check("recompute", module)
+
+
 @pytest.mark.parametrize("mode", ["full", "selective"])
 def test_recompute_replays_dropout_masks(mode):
     """With dropout on, a recomputed layer's gradients equal the stored layer's: the rerun
@@ -161,8 +182,8 @@ def test_recompute_replays_dropout_masks(mode):
 
 
 def test_recompute_keeps_less_for_backward():
-    """Activation bytes alive after the forward (what backward will read, kept by autograd
-    or by selective recompute's cache), as MemTracker counts them: full < selective < none."""
+    """Activation bytes alive after the forward (what backward will read), as MemTracker
+    counts them: full < selective < none."""
     from torch.distributed._tools.mem_tracker import MemTracker
 
     kept = {}

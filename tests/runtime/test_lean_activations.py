@@ -75,39 +75,61 @@ def test_sharded_dropout_keeps_its_part_of_the_unsharded_mask_as_bool(dtype, met
 
 
 @pytest.mark.parametrize("autocast", [False, True], ids=["fp32", "autocast-bf16"])
-def test_linear_of_gathered_keeps_the_shard_and_gathers_once_again(autocast):
+@pytest.mark.parametrize("product", ["linear", "addmm"])
+def test_product_of_gathered_keeps_the_shard_and_gathers_once_again(autocast, product):
+    """``linear_of_gathered`` and ``addmm_of_gathered`` (GPT-2's Conv1D: the gathered
+    value flattened to a matrix, the weight (in, out)) give autograd's values and
+    gradients, keep the shard in the dtype the product computes in, never the whole,
+    and gather it once again in backward for all the products that read it."""
     group = _group(2, 0)   # a stand-in: its gather repeats this rank's shard
     torch.manual_seed(0)
     shard = torch.randn(3, 4, 16, requires_grad=True)
-    weights = [torch.randn(24, 16, requires_grad=True) for _ in range(2)]
-    biases = [torch.randn(24, requires_grad=True), None]
+    shape = (20, 16) if product == "linear" else (16, 20)
+    weights = [torch.randn(*shape, requires_grad=True) for _ in range(2)]
+    biases = [torch.randn(20, requires_grad=True),
+              None if product == "linear" else torch.randn(20, requires_grad=True)]
+
+    def op(whole, w, b):
+        return F.linear(whole, w, b) if product == "linear" else torch.addmm(b, whole, w)
+
+    def lean_op(whole, w, b):
+        if product == "linear":
+            return group.linear_of_gathered(whole, shard, w, b, 1)
+        return group.addmm_of_gathered(b, whole, w, shard, 1)
+
+    def gathered():
+        whole = group.gather_from_tp(shard, 1, 1, True)
+        return whole if product == "linear" else whole.view(-1, 16)
 
     def reference():
-        whole = group.gather_from_tp(shard, 1, 1, True)
-        return sum(F.linear(whole, w, b).square().sum() for w, b in zip(weights, biases))
+        whole = gathered()
+        return sum(op(whole, w, b).square().sum() for w, b in zip(weights, biases))
 
     def lean():
-        whole = group.gather_from_tp(shard, 1, 1, True)
-        return sum(group.linear_of_gathered(whole, shard, w, b, 1).square().sum()
-                   for w, b in zip(weights, biases))
+        whole = gathered()
+        return sum(lean_op(whole, w, b).square().sum() for w, b in zip(weights, biases))
 
     def under_autocast(fn):
-        # Autocast as the runtime runs mixed precision: the linears compute in bfloat16.
+        # Autocast as the runtime runs mixed precision: the products compute in bfloat16.
         with torch.autocast("cpu", torch.bfloat16, enabled=autocast):
             return fn()
 
-    inputs = [shard, *weights, biases[0]]
+    inputs = [shard, *weights, *[b for b in biases if b is not None]]
     want_loss = under_autocast(reference)
     want = torch.autograd.grad(want_loss, inputs)
     group.counts.clear()
     kept, loss = _saved(lambda: under_autocast(lean))
     assert torch.equal(loss, want_loss)
-    assert not any(t.shape == (3, 8, 16) for t in kept), "the gathered input is kept"
-    shard_storage = StorageWeakRef(shard.untyped_storage())
-    assert any(StorageWeakRef(t.untyped_storage()) == shard_storage for t in kept)
+    assert not any(t.shape in ((3, 8, 16), (24, 16)) for t in kept), "the gathered input is kept"
+    compute = torch.bfloat16 if autocast else torch.float32
+    kept_shards = [t for t in kept if t.shape == shard.shape]
+    assert kept_shards and all(t.dtype == compute for t in kept_shards)
+    if not autocast:
+        shard_storage = StorageWeakRef(shard.untyped_storage())
+        assert any(StorageWeakRef(t.untyped_storage()) == shard_storage for t in kept)
     gathers = group.counts["all_gather"]
     got = torch.autograd.grad(loss, inputs)
-    assert group.counts["all_gather"] == gathers + 1   # one gather again for both linears
+    assert group.counts["all_gather"] == gathers + 1   # one gather again for both products
     for g, w in zip(got, want):
         torch.testing.assert_close(g, w, rtol=1e-6, atol=1e-6)
 

@@ -84,12 +84,12 @@ def test_sequence_parallel_blocks_use_gathers_and_reduce_scatters(tp_two, name):
     # backward). HF GPT-2 flattens [batch, seq, hidden] to [batch*seq, hidden] for its
     # Conv1D: a sequence shard is not a contiguous block of that, so the gather happens
     # before the flatten and the gradient comes back by all-reduce, not reduce-scatter.
-    # A linear reading the gathered input keeps the shard and gathers it again in
-    # backward (one more backward all-gather each for attention and MLP, as Megatron
-    # does); GPT-2's Conv1D reads a flattened view of it and keeps the whole.
+    # A linear reading the gathered input, and GPT-2's Conv1D reading a flattened view
+    # of it, keep the shard and gather it again in backward (one more backward
+    # all-gather each for attention and MLP, as Megatron does).
     megatron = sorted([("all_gather", "forward"), ("reduce_scatter", "backward"),
                        ("reduce_scatter", "forward"), ("all_gather", "backward")] * 2
-                      + ([] if name.startswith("gpt2") else [("all_gather", "backward")] * 2))
+                      + [("all_gather", "backward")] * 2)
     for results in tp_two:
         result = results[name]
         assert result["collectives"] == result["planned_collectives"]

@@ -535,15 +535,16 @@ def _backward(loss: torch.Tensor) -> torch.Tensor:
 
 def _planned_collectives(plan: partc.Plan, stage: int) -> dict[str, int]:
     """Per step: the plan's per-microbatch collectives of this stage's layers (forward
-    ones twice in a recomputed layer), times the microbatches, plus one all-reduce of
-    partial gradients when the stage has any."""
+    ones twice in a fully recomputed layer: selective recompute reruns attention cores,
+    which hold none), times the microbatches, plus one all-reduce of partial gradients
+    when the stage has any."""
     counts: dict[str, int] = {}
     steps = STEPS - 1
     recomputed = plan.stages[stage].recompute
     for layer in plan.stages[stage].layers:
         for move in _tp_collectives(plan).get(layer, ()):
-            # A recomputed layer replays its forward (collectives too) in backward.
-            replayed = move.phase == "forward" and recomputed.get(layer, "none") != "none"
+            # A fully recomputed layer replays its forward (collectives too) in backward.
+            replayed = move.phase == "forward" and recomputed.get(layer, "none") == "full"
             runs = 2 if replayed else 1
             counts[move.kind] = counts.get(move.kind, 0) + runs * plan.num_microbatches * steps
     layers = set(plan.stages[stage].layers)

@@ -41,8 +41,8 @@ PEAKS = [
     # The last stage once kept every microbatch's logits (1.19x): the runtime now steps
     # with return_outputs=False. Receive buffers per microbatch remain unmodelled.
     pytest.param("gpt-pp2-1f1b-m8", 1, id="gpt-pp2-1f1b-m8-stage1"),
-    # Selective recompute keeps every compute-heavy op's output (the runtime's MUST_SAVE
-    # policy); the estimate once kept only those autograd would save (1.26x).
+    # Selective recompute reruns the attention cores and keeps their inputs (once it
+    # kept every compute-heavy op's output, which the estimate once missed: 1.26x).
     pytest.param("gpt-pp2-1f1b-m4-selective", 0, id="gpt-pp2-1f1b-m4-selective-stage0"),
     # Only inputs that carry a gradient require one: Llama's rotary cos/sin once made
     # every rotary product save q and k twice over (0.87x).

@@ -12,6 +12,7 @@
 import torch
 from math import sqrt as math_sqrt
 from partc.runtime.recompute import checkpoint_layer as partc_runtime_recompute_checkpoint_layer
+from partc.runtime.softmax import softmax as partc_runtime_softmax_softmax
 inf = float('inf')
 
 
@@ -21,69 +22,69 @@ class Stage1(torch.nn.Module):
         # layer blocks.1 (recompute: selective)
         blocks_1_ln_1_weight = getattr(self.blocks, "1").ln_1.weight  # f32[64]
         blocks_1_ln_1_bias = getattr(self.blocks, "1").ln_1.bias  # f32[64]
+        layer_norm_2 = torch.nn.functional.layer_norm(add_2, (64,), weight = blocks_1_ln_1_weight, bias = blocks_1_ln_1_bias, eps = 1e-05);  blocks_1_ln_1_weight = blocks_1_ln_1_bias = None  # f32[2, 16, 64]
+        size_4 = layer_norm_2.size(0)
+        size_5 = layer_norm_2.size(1)
+        size_6 = layer_norm_2.size(2)
+        floordiv_1 = size_6 // 4
         blocks_1_attn_c_attn_weight = getattr(self.blocks, "1").attn.c_attn.weight  # f32[192, 64]
         blocks_1_attn_c_attn_bias = getattr(self.blocks, "1").attn.c_attn.bias  # f32[192]
+        linear_4 = torch._C._nn.linear(layer_norm_2, blocks_1_attn_c_attn_weight, blocks_1_attn_c_attn_bias);  blocks_1_attn_c_attn_weight = blocks_1_attn_c_attn_bias = None  # f32[2, 16, 192]
+        split_1 = linear_4.split(size_6, dim = 2);  linear_4 = None
+        getitem_3 = split_1[0]  # f32[2, 16, 64]
+        getitem_4 = split_1[1]  # f32[2, 16, 64]
+        getitem_5 = split_1[2];  split_1 = None  # f32[2, 16, 64]
+        view_4 = getitem_3.view(size_4, size_5, 4, floordiv_1);  getitem_3 = None  # f32[2, 16, 4, 16]
+        transpose_5 = view_4.transpose(1, 2);  view_4 = None  # f32[2, 4, 16, 16]
+        view_5 = getitem_4.view(size_4, size_5, 4, floordiv_1);  getitem_4 = None  # f32[2, 16, 4, 16]
+        transpose_6 = view_5.transpose(1, 2);  view_5 = None  # f32[2, 4, 16, 16]
+        view_6 = getitem_5.view(size_4, size_5, 4, floordiv_1);  getitem_5 = None  # f32[2, 16, 4, 16]
+        transpose_7 = view_6.transpose(1, 2);  view_6 = None  # f32[2, 4, 16, 16]
+        transpose_8 = transpose_6.transpose(-2, -1);  transpose_6 = None  # f32[2, 4, 16, 16]
+        sqrt_1 = math_sqrt(floordiv_1);  floordiv_1 = None
+        truediv_1 = 1.0 / sqrt_1;  sqrt_1 = None
+        new_ones_1 = layer_norm_2.new_ones(size_5, size_5, dtype = torch.bool);  layer_norm_2 = None  # b8[16, 16]
+        tril_1 = new_ones_1.tril();  new_ones_1 = None  # b8[16, 16]
+        invert_1 = ~tril_1;  tril_1 = None  # b8[16, 16]
+        recompute_blocks_1_attention = self.recompute_blocks_1_attention
+        checkpoint_layer = partc_runtime_recompute_checkpoint_layer(recompute_blocks_1_attention, 'selective', transpose_5, transpose_8, truediv_1, invert_1, transpose_7);  recompute_blocks_1_attention = transpose_5 = transpose_8 = truediv_1 = invert_1 = transpose_7 = None
+        getitem = checkpoint_layer[0];  checkpoint_layer = None  # f32[2, 4, 16, 16]
+        transpose_9 = getitem.transpose(1, 2);  getitem = None  # f32[2, 16, 4, 16]
+        contiguous_1 = transpose_9.contiguous();  transpose_9 = None  # f32[2, 16, 4, 16]
+        view_7 = contiguous_1.view(size_4, size_5, size_6);  contiguous_1 = size_4 = size_5 = size_6 = None  # f32[2, 16, 64]
         blocks_1_attn_c_proj_weight = getattr(self.blocks, "1").attn.c_proj.weight  # f32[64, 64]
         blocks_1_attn_c_proj_bias = getattr(self.blocks, "1").attn.c_proj.bias  # f32[64]
+        linear_5 = torch._C._nn.linear(view_7, blocks_1_attn_c_proj_weight, blocks_1_attn_c_proj_bias);  view_7 = blocks_1_attn_c_proj_weight = blocks_1_attn_c_proj_bias = None  # f32[2, 16, 64]
+        dropout_5 = torch.nn.functional.dropout(linear_5, p = 0.0, training = True, inplace = False);  linear_5 = None  # f32[2, 16, 64]
+        add_3 = add_2 + dropout_5;  add_2 = dropout_5 = None  # f32[2, 16, 64]
         blocks_1_ln_2_weight = getattr(self.blocks, "1").ln_2.weight  # f32[64]
         blocks_1_ln_2_bias = getattr(self.blocks, "1").ln_2.bias  # f32[64]
+        layer_norm_3 = torch.nn.functional.layer_norm(add_3, (64,), weight = blocks_1_ln_2_weight, bias = blocks_1_ln_2_bias, eps = 1e-05);  blocks_1_ln_2_weight = blocks_1_ln_2_bias = None  # f32[2, 16, 64]
         blocks_1_mlp_c_fc_weight = getattr(self.blocks, "1").mlp.c_fc.weight  # f32[256, 64]
         blocks_1_mlp_c_fc_bias = getattr(self.blocks, "1").mlp.c_fc.bias  # f32[256]
+        linear_6 = torch._C._nn.linear(layer_norm_3, blocks_1_mlp_c_fc_weight, blocks_1_mlp_c_fc_bias);  layer_norm_3 = blocks_1_mlp_c_fc_weight = blocks_1_mlp_c_fc_bias = None  # f32[2, 16, 256]
+        gelu_1 = torch._C._nn.gelu(linear_6, approximate = 'none');  linear_6 = None  # f32[2, 16, 256]
         blocks_1_mlp_c_proj_weight = getattr(self.blocks, "1").mlp.c_proj.weight  # f32[64, 256]
         blocks_1_mlp_c_proj_bias = getattr(self.blocks, "1").mlp.c_proj.bias  # f32[64]
-        recompute_blocks_1 = self.recompute_blocks_1
-        checkpoint_layer = partc_runtime_recompute_checkpoint_layer(recompute_blocks_1, 'selective', add_2, blocks_1_ln_1_weight, blocks_1_ln_1_bias, blocks_1_attn_c_attn_weight, blocks_1_attn_c_attn_bias, blocks_1_attn_c_proj_weight, blocks_1_attn_c_proj_bias, blocks_1_ln_2_weight, blocks_1_ln_2_bias, blocks_1_mlp_c_fc_weight, blocks_1_mlp_c_fc_bias, blocks_1_mlp_c_proj_weight, blocks_1_mlp_c_proj_bias);  recompute_blocks_1 = add_2 = blocks_1_ln_1_weight = blocks_1_ln_1_bias = blocks_1_attn_c_attn_weight = blocks_1_attn_c_attn_bias = blocks_1_attn_c_proj_weight = blocks_1_attn_c_proj_bias = blocks_1_ln_2_weight = blocks_1_ln_2_bias = blocks_1_mlp_c_fc_weight = blocks_1_mlp_c_fc_bias = blocks_1_mlp_c_proj_weight = blocks_1_mlp_c_proj_bias = None
-        getitem = checkpoint_layer[0];  checkpoint_layer = None  # f32[2, 16, 64]
+        linear_7 = torch._C._nn.linear(gelu_1, blocks_1_mlp_c_proj_weight, blocks_1_mlp_c_proj_bias);  gelu_1 = blocks_1_mlp_c_proj_weight = blocks_1_mlp_c_proj_bias = None  # f32[2, 16, 64]
+        dropout_6 = torch.nn.functional.dropout(linear_7, p = 0.0, training = True, inplace = False);  linear_7 = None  # f32[2, 16, 64]
+        add_4 = add_3 + dropout_6;  add_3 = dropout_6 = None  # f32[2, 16, 64]
         # layer ln_f
         ln_f_weight = self.ln_f.weight  # f32[64]
         ln_f_bias = self.ln_f.bias  # f32[64]
-        layer_norm_4 = torch.nn.functional.layer_norm(getitem, (64,), weight = ln_f_weight, bias = ln_f_bias, eps = 1e-05);  getitem = ln_f_weight = ln_f_bias = None  # f32[2, 16, 64]
+        layer_norm_4 = torch.nn.functional.layer_norm(add_4, (64,), weight = ln_f_weight, bias = ln_f_bias, eps = 1e-05);  add_4 = ln_f_weight = ln_f_bias = None  # f32[2, 16, 64]
         # layer tok_emb
         tok_emb_weight = self.tok_emb.weight  # f32[128, 64]
         # layer lm_head
         linear_8 = torch._C._nn.linear(layer_norm_4, tok_emb_weight, None);  layer_norm_4 = tok_emb_weight = None  # f32[2, 16, 128]
         return (linear_8,)
 
-    class recompute_blocks_1(torch.nn.Module):
-        def forward(self, add_2, blocks_1_ln_1_weight, blocks_1_ln_1_bias, blocks_1_attn_c_attn_weight, blocks_1_attn_c_attn_bias, blocks_1_attn_c_proj_weight, blocks_1_attn_c_proj_bias, blocks_1_ln_2_weight, blocks_1_ln_2_bias, blocks_1_mlp_c_fc_weight, blocks_1_mlp_c_fc_bias, blocks_1_mlp_c_proj_weight, blocks_1_mlp_c_proj_bias):
-            layer_norm_2 = torch.nn.functional.layer_norm(add_2, (64,), weight = blocks_1_ln_1_weight, bias = blocks_1_ln_1_bias, eps = 1e-05);  blocks_1_ln_1_weight = blocks_1_ln_1_bias = None  # f32[2, 16, 64]
-            size_4 = layer_norm_2.size(0)
-            size_5 = layer_norm_2.size(1)
-            size_6 = layer_norm_2.size(2)
-            floordiv_1 = size_6 // 4
-            linear_4 = torch._C._nn.linear(layer_norm_2, blocks_1_attn_c_attn_weight, blocks_1_attn_c_attn_bias);  blocks_1_attn_c_attn_weight = blocks_1_attn_c_attn_bias = None  # f32[2, 16, 192]
-            split_1 = linear_4.split(size_6, dim = 2);  linear_4 = None
-            getitem_3 = split_1[0]  # f32[2, 16, 64]
-            getitem_4 = split_1[1]  # f32[2, 16, 64]
-            getitem_5 = split_1[2];  split_1 = None  # f32[2, 16, 64]
-            view_4 = getitem_3.view(size_4, size_5, 4, floordiv_1);  getitem_3 = None  # f32[2, 16, 4, 16]
-            transpose_5 = view_4.transpose(1, 2);  view_4 = None  # f32[2, 4, 16, 16]
-            view_5 = getitem_4.view(size_4, size_5, 4, floordiv_1);  getitem_4 = None  # f32[2, 16, 4, 16]
-            transpose_6 = view_5.transpose(1, 2);  view_5 = None  # f32[2, 4, 16, 16]
-            view_6 = getitem_5.view(size_4, size_5, 4, floordiv_1);  getitem_5 = None  # f32[2, 16, 4, 16]
-            transpose_7 = view_6.transpose(1, 2);  view_6 = None  # f32[2, 4, 16, 16]
-            transpose_8 = transpose_6.transpose(-2, -1);  transpose_6 = None  # f32[2, 4, 16, 16]
+    class recompute_blocks_1_attention(torch.nn.Module):
+        def forward(self, transpose_5, transpose_8, truediv_1, invert_1, transpose_7):
             matmul_2 = transpose_5 @ transpose_8;  transpose_5 = transpose_8 = None  # f32[2, 4, 16, 16]
-            sqrt_1 = math_sqrt(floordiv_1);  floordiv_1 = None
-            truediv_1 = 1.0 / sqrt_1;  sqrt_1 = None
             mul_1 = matmul_2 * truediv_1;  matmul_2 = truediv_1 = None  # f32[2, 4, 16, 16]
-            new_ones_1 = layer_norm_2.new_ones(size_5, size_5, dtype = torch.bool);  layer_norm_2 = None  # b8[16, 16]
-            tril_1 = new_ones_1.tril();  new_ones_1 = None  # b8[16, 16]
-            invert_1 = ~tril_1;  tril_1 = None  # b8[16, 16]
             masked_fill_1 = mul_1.masked_fill(invert_1, -inf);  mul_1 = invert_1 = None  # f32[2, 4, 16, 16]
-            softmax_1 = torch.nn.functional.softmax(masked_fill_1, dim = -1, _stacklevel = 3, dtype = None);  masked_fill_1 = None  # f32[2, 4, 16, 16]
+            softmax_1 = partc_runtime_softmax_softmax(masked_fill_1, -1);  masked_fill_1 = None  # f32[2, 4, 16, 16]
             dropout_4 = torch.nn.functional.dropout(softmax_1, p = 0.0, training = True, inplace = False);  softmax_1 = None  # f32[2, 4, 16, 16]
             matmul_3 = dropout_4 @ transpose_7;  dropout_4 = transpose_7 = None  # f32[2, 4, 16, 16]
-            transpose_9 = matmul_3.transpose(1, 2);  matmul_3 = None  # f32[2, 16, 4, 16]
-            contiguous_1 = transpose_9.contiguous();  transpose_9 = None  # f32[2, 16, 4, 16]
-            view_7 = contiguous_1.view(size_4, size_5, size_6);  contiguous_1 = size_4 = size_5 = size_6 = None  # f32[2, 16, 64]
-            linear_5 = torch._C._nn.linear(view_7, blocks_1_attn_c_proj_weight, blocks_1_attn_c_proj_bias);  view_7 = blocks_1_attn_c_proj_weight = blocks_1_attn_c_proj_bias = None  # f32[2, 16, 64]
-            dropout_5 = torch.nn.functional.dropout(linear_5, p = 0.0, training = True, inplace = False);  linear_5 = None  # f32[2, 16, 64]
-            add_3 = add_2 + dropout_5;  add_2 = dropout_5 = None  # f32[2, 16, 64]
-            layer_norm_3 = torch.nn.functional.layer_norm(add_3, (64,), weight = blocks_1_ln_2_weight, bias = blocks_1_ln_2_bias, eps = 1e-05);  blocks_1_ln_2_weight = blocks_1_ln_2_bias = None  # f32[2, 16, 64]
-            linear_6 = torch._C._nn.linear(layer_norm_3, blocks_1_mlp_c_fc_weight, blocks_1_mlp_c_fc_bias);  layer_norm_3 = blocks_1_mlp_c_fc_weight = blocks_1_mlp_c_fc_bias = None  # f32[2, 16, 256]
-            gelu_1 = torch._C._nn.gelu(linear_6, approximate = 'none');  linear_6 = None  # f32[2, 16, 256]
-            linear_7 = torch._C._nn.linear(gelu_1, blocks_1_mlp_c_proj_weight, blocks_1_mlp_c_proj_bias);  gelu_1 = blocks_1_mlp_c_proj_weight = blocks_1_mlp_c_proj_bias = None  # f32[2, 16, 64]
-            dropout_6 = torch.nn.functional.dropout(linear_7, p = 0.0, training = True, inplace = False);  linear_7 = None  # f32[2, 16, 64]
-            add_4 = add_3 + dropout_6;  add_3 = dropout_6 = None  # f32[2, 16, 64]
-            return (add_4,)
+            return (matmul_3,)

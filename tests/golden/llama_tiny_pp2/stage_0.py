@@ -5,10 +5,11 @@
 # Layers: model.embed_tokens, model.rotary_emb, model.layers.0.
 # Recompute: none.
 # Inputs: input_ids int64[2, 16].
-# Sends to stage 1, per microbatch: where float32[2, 1, 16, 16], add_9 float32[2, 16, 64], to_5 float32[1, 16, 16], to_4 float32[1, 16, 16]; receives 1 gradient(s) back.
+# Sends to stage 1, per microbatch: where float32[2, 1, 16, 16], to_5 float32[1, 16, 16], to_4 float32[1, 16, 16], add_9 float32[2, 16, 64]; receives 1 gradient(s) back.
 # Parameters: 45,184 (176.50 KiB).
 
 import torch
+from partc.runtime.softmax import softmax as partc_runtime_softmax_softmax
 
 
 class Stage0(torch.nn.Module):
@@ -117,7 +118,7 @@ class Stage0(torch.nn.Module):
         matmul = torch.ops.aten.matmul.default(add_4, transpose_3);  add_4 = transpose_3 = None  # f32[2, 4, 16, 16]
         mul_9 = torch.ops.aten.mul.Tensor(matmul, 0.25);  matmul = None  # f32[2, 4, 16, 16]
         add_6 = torch.ops.aten.add.Tensor(mul_9, where);  mul_9 = None  # f32[2, 4, 16, 16]
-        softmax = torch.ops.aten.softmax.int(add_6, -1, torch.float32);  add_6 = None  # f32[2, 4, 16, 16]
+        softmax = partc_runtime_softmax_softmax(add_6, -1, torch.float32);  add_6 = None  # f32[2, 4, 16, 16]
         to_8 = torch.ops.aten.to.dtype(softmax, torch.float32);  softmax = None  # f32[2, 4, 16, 16]
         dropout = torch.ops.aten.dropout.default(to_8, 0.0, True);  to_8 = None  # f32[2, 4, 16, 16]
         matmul_1 = torch.ops.aten.matmul.default(dropout, reshape_1);  dropout = reshape_1 = None  # f32[2, 4, 16, 16]
@@ -145,4 +146,4 @@ class Stage0(torch.nn.Module):
         model_layers_0_mlp_down_proj_weight = getattr(self.model.layers, "0").mlp.down_proj.weight  # f32[64, 128]
         linear_6 = torch.ops.aten.linear.default(mul_12, model_layers_0_mlp_down_proj_weight);  mul_12 = model_layers_0_mlp_down_proj_weight = None  # f32[2, 16, 64]
         add_9 = torch.ops.aten.add.Tensor(to_9, linear_6);  to_9 = linear_6 = None  # f32[2, 16, 64]
-        return (where, add_9, to_5, to_4)
+        return (where, to_5, to_4, add_9)

@@ -1,0 +1,49 @@
+"""The softmax of an attention core, kept for backward in the autocast dtype.
+
+Under mixed precision a GPU's autocast computes softmax in fp32, and autograd keeps its
+fp32 output for backward: 4 bytes for each of the (seq x seq) probabilities of every
+head, twice what the probabilities take in bf16. Megatron's fused softmax keeps its
+output in the training's 16-bit dtype, and so does :func:`softmax` (which the
+``attention_softmax`` pass puts in place of each attention core's softmax): the forward
+computes and returns exactly what autocast's softmax does; backward computes softmax's
+gradient in that same dtype from the kept output widened again, so only the rounding of
+the kept probabilities (bf16's, as Megatron's) differs from autocast's backward. Without
+autocast, or where softmax computes in the autocast dtype already, it keeps its output as
+softmax does and backward is softmax's own, bit for bit.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def softmax(x: torch.Tensor, dim: int, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """``torch.softmax(x, dim, dtype=dtype)`` as autocast computes it, keeping for
+    backward its output in the autocast dtype where that is narrower."""
+    return _Softmax.apply(x, dim, dtype)
+
+
+def _autocast_dtype(device_type: str) -> torch.dtype | None:
+    if device_type in ("cpu", "cuda") and torch.is_autocast_enabled(device_type):
+        return torch.get_autocast_dtype(device_type)
+    return None
+
+
+class _Softmax(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, dim, dtype):
+        # Autocast's policy applies here as it does to the op itself.
+        out = torch.softmax(x, dim, dtype=dtype)
+        low = _autocast_dtype(x.device.type)
+        narrower = low is not None and low.itemsize < out.dtype.itemsize
+        ctx.save_for_backward(out.to(low) if narrower else out)
+        ctx.dim, ctx.dtypes = dim, (x.dtype, out.dtype)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        kept, = ctx.saved_tensors
+        x_dtype, out_dtype = ctx.dtypes
+        out = kept.to(out_dtype)
+        grad_x = torch._softmax_backward_data(grad.to(out_dtype), out, ctx.dim, out_dtype)
+        return grad_x.to(x_dtype), None, None
