@@ -361,6 +361,9 @@ class TrainNumbers:
     moe_capacity_factor: float | None = None
     # Stages run through torch.compile: light ops priced by their fused bytes.
     compiled: bool = False
+    # Sequence-parallel collectives run as rings beside their linears' matmuls
+    # (TrainSpec.tp_overlap): LayerCost.tp_overlap_flops price their exposed part only.
+    tp_overlap: bool = True
 
 
 @dataclass(frozen=True, kw_only=True)
