@@ -26,17 +26,20 @@ RECOMPUTE_FOUR = ["gpt2-pp2-tp2-recompute"]
 # the same random state: sharded dropouts keep their part of the whole tensor's mask.
 DROPOUT_TWO = ["gpt-tp2-dropout", "gpt-tp2-sp-dropout", "gpt2-tp2-dropout",
                "gpt2-tp2-sp-dropout", "gpt2-tp2-dropout-recompute"]
-# Sequence parallelism with blocking collectives, against the rings of the "-sp" cases.
-BLOCKING_TWO = ["gpt-tp2-sp-blocking", "llama-tp2-sp-blocking"]
-BLOCKING_FOUR = ["gpt-pp2-tp2-sp-blocking", "llama-pp2-tp2-sp-blocking"]
+# Sequence parallelism with blocking collectives, against the rings of the "-sp" cases:
+# one case in the default profile, the others slow.
+BLOCKING_TWO = ["gpt-tp2-sp-blocking"]
+SLOW_BLOCKING = {2: ["llama-tp2-sp-blocking"],
+                 4: ["gpt-pp2-tp2-sp-blocking", "llama-pp2-tp2-sp-blocking"]}
 TWO = ([f"{m}-tp2{s}" for m in MODELS for s in ("", "-sp")] + RECOMPUTE_TWO + DROPOUT_TWO
        + BLOCKING_TWO)
-FOUR = [f"{m}-pp2-tp2{s}" for m in MODELS for s in ("", "-sp")] + RECOMPUTE_FOUR \
-    + BLOCKING_FOUR
+FOUR = [f"{m}-pp2-tp2{s}" for m in MODELS for s in ("", "-sp")] + RECOMPUTE_FOUR
 
 
 tp_two = launched("tp_two", 2, TWO)
 tp_four = launched("tp_four", 4, FOUR)
+blocking_two = launched("blocking_two", 2, SLOW_BLOCKING[2])
+blocking_four = launched("blocking_four", 4, SLOW_BLOCKING[4])
 
 
 def _check(ranks: list[dict], name: str, tp: int, pp: int) -> None:
@@ -129,3 +132,17 @@ def test_sequence_parallel_linears_run_their_collectives_as_rings(tp_two, name):
         blocks = _blocks(result)
         per_microbatch = 2 * (1 + 1 + 2 + 1)   # attention and MLP, tp - 1 = 1 step each
         assert result["ring_steps"] >= per_microbatch * len(blocks) * 4 * 2, result
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", SLOW_BLOCKING[2])
+def test_tp2_blocking_matches_one_process(blocking_two, name):
+    _check(blocking_two, name, tp=2, pp=1)
+    assert all(results[name]["ring_steps"] == 0 for results in blocking_two)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", SLOW_BLOCKING[4])
+def test_pp2_tp2_blocking_matches_one_process(blocking_four, name):
+    _check(blocking_four, name, tp=2, pp=2)
+    assert all(results[name]["ring_steps"] == 0 for results in blocking_four)
