@@ -150,6 +150,10 @@ CASES: tuple[Case, ...] = (
           num_microbatches=1, recompute="none"),
     _case("gpt-pp2-1f1b-m4-bf16-small", "gpt", **PP2, **SMALL, dtype=torch.bfloat16,
           **ONE_F_ONE_B, recompute="none"),
+    # ZeRO-2's gradient sync: sharded gradients, or whole ones accumulated over the step.
+    *(_case(f"gpt-dp2-zero2-m4-{sync}-small", "gpt", world=2, pp=1, dp=2, zero_stage=2,
+            **SMALL, num_microbatches=4, zero2_grad_sync=sync, recompute="none")
+      for sync in ("microbatch", "step")),
 )
 
 

@@ -4,6 +4,7 @@ by partc's cost model and timed on this machine.
     partc calibrate --quick --out /tmp/cm-profile.json      # or a full run
     python benchmarks/plan_choice.py --profile /tmp/cm-profile.json [--rounds 3]
     python benchmarks/plan_choice.py --profile ... --set schedules   # every schedule
+    python benchmarks/plan_choice.py --profile ... --set zero2   # ZeRO-2's gradient sync
 
 The parent process compiles the sample GPT (``samples/gpt.py``) on a 2-process CPU budget
 from the profile once unpinned (the plan partc picks) and once per variant, each pinned
@@ -28,6 +29,11 @@ It prints per plan the predicted and measured step time and their ratio, and:
 microbatches of 2; 2 virtual stages per rank where a schedule takes any), each pinned,
 beside partc's pick with the schedule left to it: the same model and sizes for what is
 predicted and what is measured.
+
+``--set zero2`` times ZeRO-2's two gradient syncs on dp=2 with 4 microbatches of 1:
+reduce-scatter after every microbatch, or accumulate whole gradients and reduce-scatter
+once per step (``Constraints.zero2_grad_sync``), beside partc's pick with the sync left
+to it.
 
 with the machine's load average before and after: on a shared machine the times are
 noisy; the rounds interleave so that noise spreads over all plans.
@@ -87,6 +93,16 @@ def schedule_variants() -> dict[str, dict]:
     return found
 
 
+# ``--set zero2``: dp=2 under ZeRO-2, 4 microbatches per replica, each gradient sync
+# pinned, and partc's pick of the sync on the same mesh and microbatches.
+ZERO2_MESH = dict(pp=1, dp=2, tp=1, zero_stage=2, num_microbatches=4, recompute="none")
+
+
+def zero2_variants() -> dict[str, dict]:
+    return {f"dp2-zero2-m4-{sync}": dict(ZERO2_MESH, zero2_grad_sync=sync)
+            for sync in ("microbatch", "step")}
+
+
 def variants() -> dict[str, dict]:
     """Constraints of every variant, by name."""
     found: dict[str, dict] = {}
@@ -113,7 +129,7 @@ def _decisions(plan: partc.Plan) -> str:
     """What makes two plans the same program."""
     return json.dumps({"mesh": [plan.pp, plan.dp, plan.tp], "m": plan.num_microbatches,
                        "b": plan.micro_batch_size, "schedule": plan.schedule,
-                       "zero": plan.effective_zero_stage,
+                       "zero": plan.effective_zero_stage, "once": plan.reduces_once,
                        "sp": plan.sequence_parallel,
                        "stages": [list(s.layers) for s in plan.stages],
                        "recompute": sorted(plan.recompute.items())}, sort_keys=True)
@@ -126,8 +142,9 @@ def compile_all(profile: str, out: Path, only: list[str] | None = None,
     ids, _ = batch()
     plans: dict[str, dict] = {}
     seen: dict[str, str] = {}
-    named = ({"partc": dict(SCHEDULE_MESH), **schedule_variants()} if which == "schedules"
-             else {"partc": {}, **variants()})
+    named = {"schedules": {"partc": dict(SCHEDULE_MESH), **schedule_variants()},
+             "zero2": {"partc": dict(ZERO2_MESH), **zero2_variants()},
+             "plans": {"partc": {}, **variants()}}[which]
     if only:
         named = {name: pins for name, pins in named.items() if name == "partc" or name in only}
     for name, pins in named.items():
@@ -151,8 +168,9 @@ def compile_all(profile: str, out: Path, only: list[str] | None = None,
                        "v": plan.chunks,
                        "mesh": f"pp{plan.pp} dp{plan.dp} tp{plan.tp}",
                        "m": plan.num_microbatches, "b": plan.micro_batch_size,
-                       "zero": plan.effective_zero_stage, "sp": plan.sequence_parallel,
-                       "schedule": plan.schedule}
+                       "zero": f"{plan.effective_zero_stage}"
+                               + ("s" if plan.reduces_once else ""),
+                       "sp": plan.sequence_parallel, "schedule": plan.schedule}
         print(f"  {name}: predicted {plan.predicted.step_time_s * 1e3:.1f} ms "
               f"({time.perf_counter() - start:.1f} s to compile)", flush=True)
     return plans
@@ -223,7 +241,8 @@ def report(plans: dict[str, dict], measured: dict[str, list[float]]) -> None:
         seconds = statistics.median(measured[name])
         rows.append((name, info, info["predicted_s"], seconds))
     rows.sort(key=lambda row: row[3])
-    print(f"\n{'plan':<26}{'mesh':<14}{'b x m':<7}{'zero':<5}{'schedule':<28}"
+    print("\n(zero: the ZeRO stage; 2s: ZeRO-2 reduce-scattering once per step)")
+    print(f"{'plan':<26}{'mesh':<14}{'b x m':<7}{'zero':<5}{'schedule':<28}"
           f"{'predicted':>11}{'measured':>11}{'pred/meas':>11}")
     for name, info, predicted, seconds in rows:
         also = f"  (= {', '.join(info['also'])})" if info["also"] else ""
@@ -254,9 +273,12 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--steps", type=int, default=2, help="timed steps per plan and round")
     parser.add_argument("--only", nargs="*", help="these variants (and partc's pick) only")
-    parser.add_argument("--set", dest="which", choices=("plans", "schedules"), default="plans",
+    parser.add_argument("--set", dest="which", choices=("plans", "schedules", "zero2"),
+                        default="plans",
                         help="plans: the pp/dp/ZeRO/tp/recompute/microbatch variants; "
-                             "schedules: every pipeline schedule on pp=2 x 4 microbatches")
+                             "schedules: every pipeline schedule on pp=2 x 4 microbatches; "
+                             "zero2: ZeRO-2's gradient sync per microbatch or per step "
+                             "on dp=2 x 4 microbatches")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--names", nargs="*", help=argparse.SUPPRESS)
     args = parser.parse_args()

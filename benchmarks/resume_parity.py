@@ -18,7 +18,10 @@ second ``torchrun`` under plan B loads it (``module.load_checkpoint``) and train
 Mixture-of-experts models (``--models moe,mixtral``: the sample's Switch-style layers,
 Hugging Face Mixtral) take expert-parallel moves instead (``EXPERT_MOVES``): experts cut
 over 4 ranks -> 2, over 2 -> none (a pipeline), none -> 2, and 2 of 4 replicas' experts
--> a pipeline with expert parallelism.
+-> a pipeline with expert parallelism; and under ZeRO, experts sharded over the ranks
+holding the same ones: ZeRO-1 over expert-dp 2 -> a pipeline, none -> ZeRO-3 over
+expert-dp 2, ZeRO-3 over expert-dp 2 -> ZeRO-1 with each rank's experts its own, and
+ZeRO-3 over expert-dp 2 resumed under the same plan (bit-identical).
 
 Printed per move: the worst relative difference of the 6 losses (3 before the save, 3
 after the load) from one process, the final parameters' worst relative error from one
@@ -49,7 +52,9 @@ from tests.runtime.ckpt_worker import PLANS, SAVE_AT, STEPS  # noqa: E402
 WORKER = ROOT / "tests" / "runtime" / "ckpt_worker.py"
 MOVES = ["pp2-dp2>tp2", "dp2-zero3>pp2-dp2-zero1", "dp2-zero1>dp2-zero1",
          "dp2-tp2-zero3>pp2"]
-EXPERT_MOVES = ["dp4-ep4>dp2-ep2", "dp2-ep2>pp2", "pp2>dp2-ep2", "dp4-ep2>pp2-dp2-ep2"]
+EXPERT_MOVES = ["dp4-ep4>dp2-ep2", "dp2-ep2>pp2", "pp2>dp2-ep2", "dp4-ep2>pp2-dp2-ep2",
+                "dp4-ep2-zero1>pp2", "dp2-ep2>dp4-ep2-zero3", "dp4-ep2-zero3>dp2-ep2-zero1",
+                "dp4-ep2-zero3>dp4-ep2-zero3"]
 EXPERT_MODELS = ("moe", "mixtral")
 RTOL = 1e-5
 

@@ -109,6 +109,7 @@ def make_plan(problem: PlanningProblem, config: PipelineConfig, evaluation: Eval
         num_microbatches=config.num_microbatches,
         micro_batch_size=config.micro_batch_size,
         zero_stage=config.zero_stage,
+        zero2_grad_sync=config.zero2_grad_sync,
         stages=stage_plans(local, config, evaluation, modes),
         predicted=predicted(problem, config, evaluation),
         solver=solver,
@@ -149,7 +150,8 @@ def mesh_summary(mesh: MeshResult) -> MeshOutcome:
                        num_microbatches=config.num_microbatches, schedule=config.schedule,
                        zero_stage=config.zero_stage,
                        sequence_parallel=config.sequence_parallel,
-                       **({"ep": config.ep} if config.ep != 1 else {}))
+                       **({"ep": config.ep} if config.ep != 1 else {}),
+                       **({"zero2_grad_sync": "step"} if config.reduces_once else {}))
     if mesh.bound_ps is not None:
         summary["bound_s"] = mesh.bound_ps / PS_PER_S
     if mesh.need_bytes is not None:

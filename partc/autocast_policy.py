@@ -122,9 +122,12 @@ def policy_ops() -> set[str]:
 
 
 def _kernels(low: torch.dtype) -> dict[str, Callable]:
+    # CPU autocast's own aten kernels pass through; other namespaces' (a custom op's
+    # torch.library.register_autocast) are the op's own rules and stay.
     kernels: dict[str, Callable] = {
         name.removeprefix("aten::"): torch.library.fallthrough_kernel
-        for name in torch._C._dispatch_get_registrations_for_dispatch_key("AutocastCPU")}
+        for name in torch._C._dispatch_get_registrations_for_dispatch_key("AutocastCPU")
+        if name.startswith("aten::")}
     rules = ([(name, _cast_to(low)) for name in LOWER_PRECISION]
              + [(name, _cast_to(torch.float32)) for name in FP32]
              + [(name, _fp32_output) for name in FP32_OUTPUT]

@@ -38,7 +38,7 @@ from .choices import (ATTENTION, DTYPE_NAMES, OPTIMIZER_STATE_BYTES, REPORT_FORM
 from .collectives import KINDS as COLLECTIVE_KINDS
 from .errors import PartcError
 from .presets import DEFAULT_DEVICE, PRESETS, preset
-from .problem import RECOMPUTE_MODES, ZERO_STAGES
+from .problem import RECOMPUTE_MODES, ZERO2_GRAD_SYNCS, ZERO_STAGES
 from .units import format_seconds, parse_bytes, parse_rate
 
 # The flag for each field of Constraints, TrainSpec and DeviceBudget: a test fails when one
@@ -48,7 +48,7 @@ PIN_FLAGS = {
     "tp_objective": "--tp-objective", "stages": "--stage", "recompute": "--recompute",
     "num_microbatches": "--microbatches", "micro_batch_size": "--micro-batch",
     "schedule": "--schedule", "zero_stage": "--zero", "ep": "--ep",
-    "virtual_stages": "--virtual-stages",
+    "virtual_stages": "--virtual-stages", "zero2_grad_sync": "--zero2-grad-sync",
 }
 TRAIN_FLAGS = {
     "global_batch_size": "--global-batch", "micro_batch_size": "--micro-batch",
@@ -385,6 +385,9 @@ def _pin_arguments(group) -> None:
     group.add_argument("--zero", type=int, choices=ZERO_STAGES,
                        help="ZeRO stage: 1 shards optimizer state over dp, 2 gradients "
                             "too, 3 parameters too")
+    group.add_argument("--zero2-grad-sync", choices=ZERO2_GRAD_SYNCS,
+                       help="when ZeRO-2 reduce-scatters gradients: after every "
+                            "microbatch, or once per step (accumulated whole)")
     group.add_argument("--ep", type=COUNT, metavar="N",
                        help="expert-parallel degree of mixture-of-experts layers (divides "
                             "dp x tp and the expert count)")

@@ -46,7 +46,10 @@ Model (per pipeline stage ``s`` of ``p``, ``m`` microbatches of ``b`` samples):
   layer's gradients, and ZeRO-3 gathers its parameters in forward and again in backward;
   each collective overlaps the layer's own compute (a layer costs ``max(compute, comm)``
   per phase, as FSDP prefetches the next unit while one computes); ZeRO-2 gathers all
-  parameters once per step, in the tail;
+  parameters once per step, in the tail. ZeRO-2 with ``zero2_grad_sync`` "step" and
+  several microbatches accumulates whole fp32 gradients instead (memory as ZeRO-1's) and
+  reduce-scatters them once, in the last microbatch's backward: priced as ZeRO 0/1's
+  reduction, exposed after the pipeline drains where that backward does not hide it;
 - memory of stage ``s``: parameters + gradients + optimizer state of every parameter the
   stage uses (a tied parameter on every stage that uses it) + saved activations times the
   microbatches in flight (1F1B: ``min(m, p - s)``; GPipe: ``m``; the others counted from
@@ -64,7 +67,8 @@ from typing import Any, Iterable, Sequence
 from .collectives import Group, collective_seconds
 from .schedules import schedule as schedule_info
 from .problem import (BUCKET_ELEMENTS, ZERO_STAGES, DeviceNumbers, HeavyOp, LayerCost,
-                      MoECost, PlanningProblem, effective_zero_stage)
+                      MoECost, PlanningProblem, effective_zero_stage,
+                      reduces_once_per_step)
 
 PS_PER_S = 10**12
 
@@ -117,11 +121,21 @@ class PipelineConfig:
     zero_stage: int = 0  # 1: optimizer state sharded over dp, 2: gradients too, 3: weights too
     chunks: int = 1      # interleaved-1f1b: model chunks (virtual stages) per pipeline rank
     ep: int = 1          # expert-parallel degree of mixture-of-experts layers (moe_layer_table)
+    # ZeRO-2: reduce-scatter gradients after every microbatch, or once per "step"
+    # (partc.problem.ZERO2_GRAD_SYNCS)
+    zero2_grad_sync: str = "microbatch"
 
     @property
     def effective_zero_stage(self) -> int:
         """The ZeRO stage that runs (0 with one replica): :func:`effective_zero_stage`."""
         return effective_zero_stage(self.zero_stage, self.dp)
+
+    @property
+    def reduces_once(self) -> bool:
+        """ZeRO-2 reduce-scatters the step's accumulated gradients once
+        (:func:`partc.problem.reduces_once_per_step`)."""
+        return reduces_once_per_step(self.zero_stage, self.dp, self.zero2_grad_sync,
+                                     self.num_microbatches)
 
     @property
     def virtual_stages(self) -> int:
@@ -254,8 +268,13 @@ def _state_bytes(problem: PlanningProblem, config: PipelineConfig, params: int,
     """What the runtime holds (see :class:`partc.problem.Precision`): ZeRO's sharding,
     except that under ZeRO-2 FSDP keeps each rank's fp32 shard beside the gathered
     weights (``gathered``: weights the root unit keeps gathered through the step, such as
-    tied ones, likewise under ZeRO-3), and in mixed precision under ZeRO 0/1 the
-    compute-dtype copy of every weight, made once per step, beside the fp32 master."""
+    tied ones, likewise under ZeRO-3), and in mixed precision the compute-dtype weights
+    beside the fp32 master: under ZeRO-0 a copy made once per step beside the whole
+    master, under ZeRO-1 the weights kept in the compute dtype and 1/dp of the master
+    (Megatron's distributed optimizer). ZeRO-2 reducing once per step
+    (:attr:`PipelineConfig.reduces_once`) holds the whole fp32 gradient the microbatches
+    accumulate into until the last one's reduce-scatter; its sharded output replaces the
+    whole gradient unit by unit."""
     precision = problem.train.precision
     master = precision.master_bytes
     zero = config.effective_zero_stage
@@ -263,24 +282,32 @@ def _state_bytes(problem: PlanningProblem, config: PipelineConfig, params: int,
                              dp=config.dp, stage=zero)
     if zero == 2 or zero == 3 and gathered:
         state["params"] = params * (precision.compute_bytes + master / config.dp)
-    elif zero < 2 and precision.mixed:
+    elif zero == 1 and precision.mixed:
+        state["params"] = params * (precision.compute_bytes + master / config.dp)
+    elif zero == 0 and precision.mixed:
         state["params"] = params * (master + precision.compute_bytes)
+    if config.reduces_once:
+        state["grads"] = params * master
     return {kind: int(round(nbytes)) for kind, nbytes in state.items()}
 
 
 def _zero_comm_seconds(problem: PlanningProblem, config: PipelineConfig,
                        params: int) -> dict[str, float]:
     """ZeRO-2/3 collectives of ``params`` parameters over dp (ring), by when they run:
-    per microbatch in forward or backward, or once per step."""
+    per microbatch in forward or backward, or once per step ("step" in the tail, "sync"
+    overlapping the last microbatch's backward: ZeRO-2's one reduce-scatter when it
+    reduces once per step)."""
     zero = config.effective_zero_stage
-    result = {"forward": 0.0, "backward": 0.0, "step": 0.0}
+    result = {"forward": 0.0, "backward": 0.0, "step": 0.0, "sync": 0.0}
     if zero < 2:
         return result
     precision = problem.train.precision
     group = dp_group(problem, config)
     gather = collective_seconds("all_gather", params * precision.compute_bytes, group)
     scatter = collective_seconds("reduce_scatter", params * precision.master_bytes, group)
-    if zero == 2:
+    if zero == 2 and config.reduces_once:
+        result.update(sync=scatter, step=gather)
+    elif zero == 2:
         result.update(backward=scatter, step=gather)
     else:
         result.update(forward=gather, backward=gather + scatter)
@@ -294,7 +321,8 @@ def dp_group(problem: PlanningProblem, config: PipelineConfig) -> Group:
 
 def _tail_ps(problem: PlanningProblem, config: PipelineConfig, params: int) -> int:
     """The optimizer step; under ZeRO-1 each rank steps 1/dp of the parameters, then the
-    updated fp32 weights are all-gathered, bucket by bucket ((d-1)/d of the bytes). Under
+    updated weights are all-gathered, bucket by bucket ((d-1)/d of the bytes; in the
+    compute dtype, cast from the fp32 masters, in mixed precision). Under
     ZeRO-2/3 gradients were reduce-scattered during backward: each rank steps its shard,
     and ZeRO-2 gathers the parameters once per step. (ZeRO 0/1's gradient all-reduce is
     :func:`_sync_ps`.)"""
@@ -309,7 +337,8 @@ def _tail_ps(problem: PlanningProblem, config: PipelineConfig, params: int) -> i
     elif config.effective_zero_stage == 1:
         stepped = params / config.dp
         bandwidth = dp_group(problem, config).link("all_gather")[1]
-        seconds += (config.dp - 1) / config.dp * params * master / bandwidth
+        moved = problem.train.precision.compute_bytes
+        seconds += (config.dp - 1) / config.dp * params * moved / bandwidth
     # The step reads gradients and state and writes weights and state (fp32 all).
     touched = stepped * (2 * master + master + 2 * optimizer)
     seconds += touched / devices.hbm_bandwidth
@@ -317,42 +346,46 @@ def _tail_ps(problem: PlanningProblem, config: PipelineConfig, params: int) -> i
 
 
 def _sync_ps(problem: PlanningProblem, config: PipelineConfig, params: int) -> int:
-    """ZeRO 0/1: the bandwidth term of the fp32 gradient buckets' reduction over dp, an
-    all-reduce under ZeRO-0 (ring: 2 (d-1)/d of the bytes), a reduce-scatter under
-    ZeRO-1 ((d-1)/d); the buckets' latencies are charged once per step
-    (:func:`_bucket_latency_seconds`)."""
+    """The gradient reduction over dp that runs beside the last microbatch's backward
+    (:func:`exposed_sync_ps`). ZeRO 0/1: the fp32 gradient buckets' reduction of
+    ``params`` parameters, an all-reduce under ZeRO-0 (ring: 2 (d-1)/d of the bytes), a
+    reduce-scatter under ZeRO-1 ((d-1)/d), with their share of the buckets' latencies
+    (one collective per ``BUCKET_ELEMENTS``), latency and all. ZeRO-2 reducing once per
+    step: the unit's one reduce-scatter, latency included."""
+    if config.reduces_once:
+        return to_ps(_zero_comm_seconds(problem, config, params)["sync"])
     if config.dp == 1 or config.effective_zero_stage >= 2:
         return 0
     master = problem.train.precision.master_bytes
-    if config.effective_zero_stage == 1:
-        bandwidth = dp_group(problem, config).link("reduce_scatter")[1]
-        return to_ps((config.dp - 1) / config.dp * params * master / bandwidth)
-    bandwidth = dp_group(problem, config).link("all_reduce")[1]
-    return to_ps(2 * (config.dp - 1) / config.dp * params * master / bandwidth)
+    group = dp_group(problem, config)
+    kind = "reduce_scatter" if config.effective_zero_stage == 1 else "all_reduce"
+    bandwidth = group.link(kind)[1]
+    moved = (1 if kind == "reduce_scatter" else 2) * (config.dp - 1) / config.dp
+    latency = params / BUCKET_ELEMENTS * collective_seconds(kind, 0.0, group)
+    return to_ps(moved * params * master / bandwidth + latency)
 
 
 def _bucket_latency_seconds(problem: PlanningProblem, config: PipelineConfig) -> float:
-    """ZeRO 0/1's collectives' latencies, once per step: one all-reduce per gradient
-    bucket (ZeRO-0), or a reduce-scatter and an all-gather per bucket (ZeRO-1). A stage
-    holds about 1/pp of the (tp rank's) parameters, in buckets of ``BUCKET_ELEMENTS``."""
-    if config.dp == 1 or config.effective_zero_stage >= 2:
+    """ZeRO-1's all-gathers' latencies, once per step, after the optimizer step (the
+    gradient collectives' are in :func:`_sync_ps`): one per bucket. A stage holds about
+    1/pp of the (tp rank's) parameters, in buckets of ``BUCKET_ELEMENTS``."""
+    if config.dp == 1 or config.effective_zero_stage != 1:
         return 0.0
     group = dp_group(problem, config)
     params = sum(layer.param_count for layer in problem.layers) + sum(
         shared.param_count for shared in problem.model.shared)
     buckets = max(1, math.ceil(params / config.pp / BUCKET_ELEMENTS))
-    if config.effective_zero_stage == 1:
-        return buckets * (collective_seconds("reduce_scatter", 0.0, group)
-                          + collective_seconds("all_gather", 0.0, group))
-    return buckets * collective_seconds("all_reduce", 0.0, group)
+    return buckets * collective_seconds("all_gather", 0.0, group)
 
 
 def _shared_tail_ps(problem: PlanningProblem, config: PipelineConfig, params: int) -> int:
     """A tied weight's tail; under ZeRO-2/3 the stage's root unit holds it, whose
-    collectives (every microbatch's) are not overlapped: charged here."""
+    collectives (every microbatch's, or ZeRO-2's one per step) are not overlapped:
+    charged here."""
     zero = _zero_comm_seconds(problem, config, params)
     per_microbatch = zero["forward"] + zero["backward"]
-    return _tail_ps(problem, config, params) + to_ps(config.num_microbatches * per_microbatch)
+    return _tail_ps(problem, config, params) + to_ps(
+        config.num_microbatches * per_microbatch + zero["sync"])
 
 
 def roofline_seconds(ops: Sequence[HeavyOp], devices: DeviceNumbers, micro_batch: int,
@@ -581,7 +614,9 @@ def _shared_tables(problem: PlanningProblem, config: PipelineConfig) -> tuple[Sh
             param_count=group.param_count,
             state_bytes=_state_bytes(problem, config, group.param_count, gathered=True),
             tail_ps=_shared_tail_ps(problem, config, group.param_count),
-            sync_ps=_sync_ps(problem, config, group.param_count),
+            # ZeRO-2's once-per-step reduce-scatter of the root unit is in its tail.
+            sync_ps=0 if config.reduces_once else _sync_ps(problem, config,
+                                                           group.param_count),
             # fp32 gradients between the stages holding it (first and last, usually):
             # over the network unless the whole pipeline fits in one node.
             tie_sync_ps=to_ps(collective_seconds(
@@ -619,7 +654,7 @@ class TableCache:
     def rows(self, problem: PlanningProblem, config: PipelineConfig) -> tuple[LayerTable, ...]:
         """One row per layer; layers with equal numbers share one row object."""
         family = (config.micro_batch_size, config.dp, config.tp, config.sequence_parallel,
-                  config.tp_objective, config.zero_stage,
+                  config.tp_objective, config.zero_stage, config.reduces_once,
                   schedule_info(config.schedule).split_backward)
         known = self._tables.get(("rows", family, id(problem.model)))
         if known is not None:
@@ -648,7 +683,8 @@ class TableCache:
     def shared(self, problem: PlanningProblem,
                config: PipelineConfig) -> tuple[SharedTable, ...]:
         key = ("shared", config.micro_batch_size, config.num_microbatches, config.dp,
-               config.tp, config.sequence_parallel, config.tp_objective, config.zero_stage)
+               config.tp, config.sequence_parallel, config.tp_objective, config.zero_stage,
+               config.reduces_once)
         if key not in self._tables:
             self._tables[key] = _shared_tables(problem, config)
         return self._tables[key]
@@ -1066,7 +1102,8 @@ def moe_rows(whole: PlanningProblem, problem: PlanningProblem, config: PipelineC
         return rows
     key = ("moe rows", config.micro_batch_size, config.dp, config.tp,
            config.sequence_parallel, config.tp_objective, config.zero_stage, config.ep,
-           schedule_info(config.schedule).split_backward, id(problem.model))
+           config.reduces_once, schedule_info(config.schedule).split_backward,
+           id(problem.model))
     known = cache._tables.get(key)
     if known is not None and known[0] is problem.model:
         return known[1]

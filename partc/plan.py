@@ -6,6 +6,9 @@ stored once, and what follows from decisions is a property computed in one place
 
 - ``mesh`` (:class:`Mesh`): pp, dp, tp; ``zero_stage`` as chosen, and
   :attr:`Plan.effective_zero_stage`, the one that runs (0 with one replica);
+  ``zero2_grad_sync``, when ZeRO-2 reduce-scatters gradients ("microbatch" or "step",
+  :data:`partc.problem.ZERO2_GRAD_SYNCS`), and :attr:`Plan.reduces_once`, whether it
+  does so once per step (plans written before it read as "microbatch");
 - ``stages`` (:class:`StagePlan`): layers, recompute modes, :class:`StageMemory` and
   :class:`StageTime` per rank, point-to-point messages (:class:`P2PMessages`);
 - ``tensor_parallel`` (:class:`TensorParallelPlan`, ``None`` when tp = 1): per parameter
@@ -36,7 +39,7 @@ import torch
 
 from .errors import PlanSchemaError
 from .placement import REPLICATE, Placement
-from .problem import effective_zero_stage
+from .problem import effective_zero_stage, reduces_once_per_step
 from .spec import TrainSpec, dtype_name, dtype_named
 from .units import format_bytes
 
@@ -491,6 +494,8 @@ class MeshOutcome:
     need_bytes: int | None = None    # infeasible: the tightest split's need per device
     limit_bytes: int | None = None
     ep: int | None = None            # its best configuration's expert-parallel degree
+    # "step" where its best configuration's ZeRO-2 reduces once per step (else absent)
+    zero2_grad_sync: str | None = None
 
     @property
     def mesh(self) -> Mesh:
@@ -523,6 +528,9 @@ class Plan:
     module_list_experts: tuple[str, ...] = ()
     # Every schedule priced on the plan's mesh (the chosen one first, then fastest first).
     schedules: tuple[ScheduleOption, ...] = ()
+    # ZeRO-2: reduce-scatter gradients after every microbatch's backward, or accumulate
+    # them whole and reduce-scatter once per "step" (see reduces_once).
+    zero2_grad_sync: str = "microbatch"
 
     @property
     def pp(self) -> int:
@@ -540,6 +548,13 @@ class Plan:
     def effective_zero_stage(self) -> int:
         """The ZeRO stage the runtime runs (:func:`partc.problem.effective_zero_stage`)."""
         return effective_zero_stage(self.zero_stage, self.dp)
+
+    @property
+    def reduces_once(self) -> bool:
+        """ZeRO-2 accumulates the step's gradients whole and reduce-scatters them in the
+        last microbatch's backward (:func:`partc.problem.reduces_once_per_step`)."""
+        return reduces_once_per_step(self.zero_stage, self.dp, self.zero2_grad_sync,
+                                     self.num_microbatches)
 
     @property
     def sequence_parallel(self) -> bool:
@@ -609,6 +624,9 @@ class Plan:
             "mesh": self.mesh.to_dict(), "schedule": self.schedule,
             "num_microbatches": self.num_microbatches,
             "micro_batch_size": self.micro_batch_size, "zero_stage": self.zero_stage,
+            # Written only where it differs from the default: older plans keep their hash.
+            **({"zero2_grad_sync": self.zero2_grad_sync}
+               if self.zero2_grad_sync != "microbatch" else {}),
             "stages": [[list(s.layers), s.recompute] for s in self.stages],
             **({"runs": [list(r) for r in self.runs]} if self.chunks > 1 else {}),
             "tensor_parallel": self._tensor_parallel_dict(), "model": self.model.hash,
@@ -627,6 +645,7 @@ class Plan:
             "mesh": self.mesh.to_dict(), "schedule": self.schedule,
             "num_microbatches": self.num_microbatches,
             "micro_batch_size": self.micro_batch_size, "zero_stage": self.zero_stage,
+            "zero2_grad_sync": self.zero2_grad_sync,
             "stages": [stage.to_dict() for stage in self.stages],
             "predicted": _scalars(self.predicted), "solver": _scalars(self.solver),
             "budget": self.budget.to_dict(), "train": self.train.to_dict(),

@@ -28,6 +28,12 @@ RECOMPUTE_MODES: tuple[str, ...] = ("none", "selective", "full")
 # 0: plain data parallelism; 1: optimizer state sharded over dp; 2: gradients too;
 # 3: weights too.
 ZERO_STAGES: tuple[int, ...] = (0, 1, 2, 3)
+# When ZeRO-2 reduce-scatters the gradients of a step's microbatches over dp: after every
+# microbatch's backward ("microbatch": sharded gradients only, m reduce-scatters), or once,
+# in the last microbatch's backward, after accumulating them unsharded ("step": one
+# reduce-scatter, a whole fp32 gradient held through the step, as Megatron's and
+# DeepSpeed's gradient accumulation do).
+ZERO2_GRAD_SYNCS: tuple[str, ...] = ("microbatch", "step")
 MASTER_BYTES = 4.0   # fp32, the dtype of master weights and their gradients
 # Elements per gradient bucket the runtime reduces over dp at once under ZeRO 0/1
 # (``partc/runtime/optimizer.py``; 100 MB of fp32 gradients, Megatron's order of size).
@@ -38,6 +44,15 @@ def effective_zero_stage(zero_stage: int, dp: int) -> int:
     """The ZeRO stage that runs: with one data-parallel replica there is nothing to shard
     over, whatever was chosen or pinned."""
     return zero_stage if dp > 1 else 0
+
+
+def reduces_once_per_step(zero_stage: int, dp: int, zero2_grad_sync: str,
+                          num_microbatches: int) -> bool:
+    """Whether ZeRO-2 accumulates the step's gradients unsharded and reduce-scatters them
+    once (``zero2_grad_sync`` "step"): only where ZeRO-2 runs and a step has several
+    microbatches; with one, both ways are the same reduce-scatter."""
+    return (effective_zero_stage(zero_stage, dp) == 2 and zero2_grad_sync == "step"
+            and num_microbatches > 1)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -56,15 +71,16 @@ class Precision:
     ZeRO    fp32                   bf16
     ======  =====================  ===============================================
     0       4 + 4 + 8              (4 + 2) + 4 + 8 (master and step copy)
-    1       4 + 4 + 8/d            (4 + 2) + 4 + 8/d
+    1       4 + 4 + 8/d            (2 + 4/d) + 4 + 8/d (Megatron's: 2 + 4 + 12/d)
     2       4 + 4/d + 8/d          (2 + 4/d) + 4/d + 8/d (gathered bf16, fp32 shard)
+    2 step  4 + 4 + 8/d            (2 + 4/d) + 4 + 8/d (fp32 gradient accumulated whole)
     3       16/d                   16/d, and the layers gathered in bf16 as they run
     ======  =====================  ===============================================
 
     (the ZeRO paper's 2 + 2 + 12, :attr:`zero_paper_bytes`; ``partc.costs`` applies the
-    sharding). Megatron's distributed optimizer keeps 2 + 4 + 12/d under ZeRO-1: its
-    fp32 master is sharded too, where partc's stays whole because checkpoints and
-    ``state_dict`` read it from the parameters.
+    sharding). Under ZeRO-1 in mixed precision the runtime is Megatron's distributed
+    optimizer: the weights are kept in the compute dtype and each rank holds the fp32
+    master of its dp shard only (checkpoints and ``full_state_dict`` read the masters).
     """
 
     compute_bytes: float            # a weight as the layers compute with it: 4 fp32, 2 bf16
@@ -390,6 +406,7 @@ class Pins:
     schedule: str | None = None
     virtual_stages: int | None = None   # virtual stages (runs of layers) per pipeline rank
     zero_stage: int | None = None
+    zero2_grad_sync: str | None = None   # one of ZERO2_GRAD_SYNCS
     ep: int | None = None   # expert-parallel degree of mixture-of-experts layers
 
 

@@ -80,7 +80,7 @@ def _headline(plan: Plan) -> list[str]:
         f"training: global batch {train.global_batch_size}, {dtype_name(train.dtype)}, "
         f"{_optimizer(train.optimizer)}, attention {_ATTENTION[train.attention]}",
         f"plan: {plan.mesh}"
-        + (f" (ZeRO-{zero}: {_ZERO_SHARDS[zero]} sharded over dp)" if zero else "") + ", "
+        + (f" (ZeRO-{zero}: {_zero_sharding(plan)})" if zero else "") + ", "
         f"{plan.schedule}, {_microbatches(plan.num_microbatches)} of "
         f"{plural(plan.micro_batch_size, 'sample')}",
         f"predicted: step {format_seconds(p.step_time_s)}, "
@@ -141,10 +141,21 @@ def _memory_rows(plan: Plan) -> list[list[str]]:
     return rows
 
 
+def _zero_sharding(plan: Plan) -> str:
+    """What the plan's ZeRO stage shards over dp, and when ZeRO-2 reduces gradients."""
+    zero = plan.effective_zero_stage
+    if plan.reduces_once:
+        return (f"{_ZERO_SHARDS[1]} sharded over dp, gradients accumulated whole over "
+                f"the {plan.num_microbatches} microbatches and reduce-scattered once per step")
+    return f"{_ZERO_SHARDS[zero]} sharded over dp"
+
+
 def _memory_lines(plan: Plan) -> list[str]:
     stage = plan.effective_zero_stage
-    sharded = _ZERO_SHARDS.get(stage)
+    sharded = _ZERO_SHARDS.get(1 if plan.reduces_once else stage)
     zero = f"; ZeRO-{stage} keeps 1/{plan.dp} of the {sharded}" if sharded else ""
+    if plan.reduces_once:
+        zero += " and the whole fp32 gradient, accumulated until the step's last backward"
     gathered = {2: " (and the weights gathered for the step beside their shards)",
                 3: " (and, as transient, one layer's gathered weights and the next's)"
                 }.get(stage, "")
@@ -164,13 +175,16 @@ def _is_chosen(plan: Plan, outcome: MeshOutcome) -> bool:
 
 def _mesh_config(mesh: MeshOutcome) -> str:
     return (f"{mesh.micro_batch_size} x {mesh.num_microbatches}, {mesh.schedule}, "
-            f"ZeRO-{mesh.zero_stage}" + (", sequence parallel" if mesh.sequence_parallel else "")
+            f"ZeRO-{mesh.zero_stage}"
+            + (" (once per step)" if mesh.zero2_grad_sync == "step" else "")
+            + (", sequence parallel" if mesh.sequence_parallel else "")
             + (f", ep={mesh.ep}" if mesh.ep and mesh.ep > 1 else ""))
 
 
 def _mesh_chosen(plan: Plan) -> str:
     sp = ", sequence parallel" if plan.sequence_parallel else ""
-    return (f"chosen: {plan.mesh}, ZeRO-{plan.zero_stage}, "
+    once = " (gradients reduce-scattered once per step)" if plan.reduces_once else ""
+    return (f"chosen: {plan.mesh}, ZeRO-{plan.zero_stage}{once}, "
             f"{plan.schedule}, b x m = {plan.micro_batch_size} x {plan.num_microbatches}{sp}")
 
 

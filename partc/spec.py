@@ -12,7 +12,7 @@ from typing import Any, Mapping
 import torch
 
 from .choices import ATTENTION, OPTIMIZER_STATE_BYTES, SCHEDULES, TP_OBJECTIVES
-from .problem import RECOMPUTE_MODES, ZERO_STAGES, Precision
+from .problem import RECOMPUTE_MODES, ZERO2_GRAD_SYNCS, ZERO_STAGES, Precision
 
 # What the planner's closed-form search weighs when the schedule is "auto"; it chooses
 # the mesh, and every other schedule of SCHEDULES is then solved on that mesh and the
@@ -62,9 +62,11 @@ class TrainSpec:
 
     ``global_batch_size`` is in samples (sequences) per optimizer step, over all
     data-parallel replicas and microbatches. ``dtype=torch.bfloat16`` trains in mixed
-    precision: bf16 compute, fp32 master weights (the parameters stay fp32), fp32
-    gradients and gradient reduction (autocast under ZeRO 0/1, FSDP's mixed precision
-    under ZeRO-2/3; :attr:`precision` says the bytes each holds).
+    precision: bf16 compute, fp32 master weights (the parameters stay fp32, except
+    under ZeRO-1, whose distributed optimizer keeps bf16 weights and each rank's fp32
+    master shard, as Megatron's), fp32 gradients and gradient reduction (autocast under
+    ZeRO 0/1, FSDP's mixed precision under ZeRO-2/3; :attr:`precision` says the bytes
+    each holds).
     ``float16`` can be planned but not trained: it would need loss scaling.
     ``max_grad_norm``: after each step's backward the runtime scales all gradients so
     that their global 2-norm (every parameter counted once, whatever holds it) is at
@@ -206,7 +208,11 @@ class Constraints:
     ``tp`` pins the tensor-parallel degree (it must divide the devices of a node);
     ``sequence_parallel`` pins Megatron-style sequence parallelism on or off;
     ``tp_objective`` keeps only the per-layer shardings chosen for ``"time"`` (fastest)
-    or ``"memory"`` (fewest parameter bytes, then fastest).
+    or ``"memory"`` (fewest parameter bytes, then fastest). ``zero2_grad_sync`` pins
+    when ZeRO-2 reduce-scatters gradients: after every microbatch (``"microbatch"``:
+    sharded gradients, one reduce-scatter per microbatch) or once per step (``"step"``:
+    a whole fp32 gradient accumulated over the microbatches, one reduce-scatter);
+    with one microbatch, or another ZeRO stage, it changes nothing.
 
     Pins that contradict each other whatever the model are a ValueError here; pins that
     cannot hold for a model, budget and batch raise ``PlanInfeasibleError`` naming the
@@ -225,6 +231,7 @@ class Constraints:
     schedule: str | None = None
     virtual_stages: int | None = None   # virtual stages (runs of layers) per pipeline rank
     zero_stage: int | None = None
+    zero2_grad_sync: str | None = None
     ep: int | None = None
     _recompute_map: dict[str, str] = field(init=False, repr=False, compare=False)
 
@@ -246,6 +253,10 @@ class Constraints:
             raise ValueError(f"zero_stage must be 0 (plain data parallelism), 1 (optimizer "
                              f"state sharded over dp), 2 (gradients too) or 3 (parameters "
                              f"too), got {self.zero_stage!r}")
+        if self.zero2_grad_sync is not None and self.zero2_grad_sync not in ZERO2_GRAD_SYNCS:
+            raise ValueError(f"zero2_grad_sync must be one of {ZERO2_GRAD_SYNCS} (ZeRO-2 "
+                             f"reduce-scatters gradients after every microbatch, or once "
+                             f"per step), got {self.zero2_grad_sync!r}")
         if self.zero_stage and self.dp == 1:
             raise ValueError(f"zero_stage={self.zero_stage} shards over data-parallel "
                              f"replicas, but dp=1 was pinned: pin zero_stage=0, or dp > 1")

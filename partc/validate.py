@@ -16,7 +16,7 @@ from .errors import PlanValidationError
 from .plan import Plan, StageMemory
 from .schedules import feature_refusal, refusal
 from .spec import SCHEDULES
-from .problem import PlanningProblem
+from .problem import ZERO2_GRAD_SYNCS, PlanningProblem
 
 
 def _structure(problem: PlanningProblem, plan: Plan, errors: list[str]) -> None:
@@ -49,6 +49,9 @@ def _structure(problem: PlanningProblem, plan: Plan, errors: list[str]) -> None:
     if batch != problem.train.global_batch_size:
         errors.append(f"dp x micro-batch size x microbatches = {batch}, "
                       f"global batch is {problem.train.global_batch_size}")
+    if plan.zero2_grad_sync not in ZERO2_GRAD_SYNCS:
+        errors.append(f"unknown zero2_grad_sync {plan.zero2_grad_sync!r} (one of "
+                      f"{ZERO2_GRAD_SYNCS})")
     if plan.schedule not in SCHEDULES:
         errors.append(f"unknown schedule {plan.schedule!r}")
     else:
@@ -96,7 +99,8 @@ def _pins(problem: PlanningProblem, plan: Plan, errors: list[str]) -> None:
               "micro_batch_size": (pins.micro_batch_size, plan.micro_batch_size),
               "schedule": (pins.schedule, plan.schedule),
               "virtual_stages": (pins.virtual_stages, plan.chunks),
-              "zero_stage": (pins.zero_stage, plan.zero_stage)}
+              "zero_stage": (pins.zero_stage, plan.zero_stage),
+              "zero2_grad_sync": (pins.zero2_grad_sync, plan.zero2_grad_sync)}
     for name, (pinned, actual) in checks.items():
         if pinned is not None and pinned != actual:
             errors.append(f"{name} pinned to {pinned}, plan has {actual}")
@@ -109,7 +113,8 @@ def _costs(problem: PlanningProblem, plan: Plan, errors: list[str]) -> Evaluatio
                             num_microbatches=plan.num_microbatches, schedule=plan.schedule,
                             tp=plan.tp, sequence_parallel=plan.sequence_parallel,
                             tp_objective=plan.tp_objective, zero_stage=plan.zero_stage,
-                            chunks=plan.chunks, ep=plan.mesh.ep)
+                            chunks=plan.chunks, ep=plan.mesh.ep,
+                            zero2_grad_sync=plan.zero2_grad_sync)
     stage_of = [j for j, run in enumerate(plan.runs) for _ in run]
     modes = [plan.recompute[layer.name] for layer in problem.layers]
     evaluation = evaluate(build_cost_table(problem, config), stage_of, modes)
@@ -164,9 +169,6 @@ def _experts(problem: PlanningProblem, plan: Plan, errors: list[str]) -> None:
         errors.append(f"ep={ep} does not divide dp x tp = {plan.dp * plan.tp}")
     if plan.tp > 1 and not plan.sequence_parallel:
         errors.append(f"ep={ep} with tp={plan.tp} needs sequence parallelism")
-    if plan.effective_zero_stage:
-        errors.append(f"ep={ep} with ZeRO-{plan.effective_zero_stage}: the runtime runs "
-                      f"expert parallelism without ZeRO")
     for name, cost in moe:
         if cost.num_experts % ep:
             errors.append(f"layer {name}: ep={ep} does not divide its {cost.num_experts} "

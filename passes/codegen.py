@@ -132,6 +132,13 @@ def _data_parallel_lines(plan: Plan) -> list[str]:
         return lines
     kept = "the gathered weights for the step" if zero == 2 else (
         "each layer gathered only while it runs (forward, then again for backward)")
+    if plan.reduces_once:
+        return [f"# ZeRO-2: FSDP2 over {dp} replicas, one unit per layer that owns "
+                "its parameters;",
+                f"# weights and optimizer state sharded 1/{dp}; gradients accumulate whole "
+                "over the step's",
+                "# microbatches and the last microbatch's backward reduce-scatters them; "
+                f"{kept}."]
     return [f"# ZeRO-{zero}: FSDP2 over {dp} replicas, one unit per layer that owns "
             "its parameters;",
             f"# weights, gradients and optimizer state sharded 1/{dp}; every microbatch's "

@@ -325,9 +325,15 @@ def lower_experts(gm: fx.GraphModule, ctx: Context) -> fx.GraphModule:
     :class:`partc.runtime.experts.ExpertParallel` (which the runtime binds to its
     expert-parallel group and gives this rank's experts).
 
+    Under ZeRO-2/3 (``lowering.fsdp_units``) the module takes the experts module's place
+    and owns its weights, under their FQNs: the runtime makes it an FSDP unit of its own,
+    sharded over the expert-data-parallel group (the ranks holding the same experts),
+    gathered around its call.
+
     Reads: ``meta.LAYER``, ``meta.MODULE_PATH``, ``meta.PARAMS``, ``meta.TENSORS``,
-    ``ctx.lowering`` (``ep``, ``capacity_factor``). Writes: a submodule ``<experts>_ep``
-    per layer, and the call node's meta copied from the experts' output.
+    ``ctx.lowering`` (``ep``, ``capacity_factor``, ``fsdp_units``). Writes: a submodule
+    ``<experts>_ep`` per layer (under ZeRO-2/3: the module at ``<experts>``), and the call
+    node's meta copied from the experts' output.
     Requires: ``layers`` ran; the experts are batched weights called as
     ``experts(tokens, indices, weights)`` with grouped ops over tokens sorted by expert
     (Hugging Face's experts, the sample's). Ensures: no node of the experts module is
@@ -335,10 +341,6 @@ def lower_experts(gm: fx.GraphModule, ctx: Context) -> fx.GraphModule:
     """
     lowering = ctx.lowering
     for region in recognize(gm, ctx.batch_size):
-        if lowering is not None and lowering.fsdp_units and lowering.ep > 1:
-            raise _refuse(region, "expert parallelism runs with ZeRO 0 only (ZeRO shards "
-                                  "every weight over the whole dp group, and a rank's "
-                                  "expert weights are not its dp peers'): pin zero_stage=0")
         call = _experts_call(gm, region)
         _replace(gm, region, call, ctx)
     gm.graph.lint()
@@ -432,16 +434,22 @@ def _replace(gm: fx.GraphModule, region: MoERegion, call: _ExpertsCall, ctx: Con
     from partc.runtime.experts import ExpertParallel
 
     lowering = ctx.lowering
-    name = call.module.replace(".", "_") + "_ep"
-    gm.add_submodule(name, ExpertParallel(
+    experts = ExpertParallel(
         _body_module(gm, call, region.expert_params), num_experts=region.num_experts,
         top_k=region.top_k, tokens_per_sample=region.tokens_per_sample,
         capacity_factor=lowering.capacity_factor if lowering is not None else None,
-        ends_dtype=call.ends.meta["val"].dtype, weight_names=region.expert_params))
-    getters = {str(n.target): n for n in gm.graph.nodes if n.op == "get_attr"}
+        ends_dtype=call.ends.meta["val"].dtype, weight_names=region.expert_params)
+    if lowering is not None and lowering.fsdp_units:
+        name, weights = call.module, ()
+        _take_weights(gm, region, call.module, experts)
+    else:
+        name = call.module.replace(".", "_") + "_ep"
+        gm.add_submodule(name, experts)
+        getters = {str(n.target): n for n in gm.graph.nodes if n.op == "get_attr"}
+        weights = tuple(getters[f] for f in region.expert_params)
     with gm.graph.inserting_before(call.output):
         node = gm.graph.call_module(name, (call.tokens, call.indices, call.weights,
-                                           *(getters[f] for f in region.expert_params)))
+                                           *weights))
     node.meta.update({k: v for k, v in call.output.meta.items()})
     meta.set_module_path(node, call.module)
     call.output.replace_all_uses_with(node)
@@ -451,6 +459,26 @@ def _replace(gm: fx.GraphModule, region: MoERegion, call: _ExpertsCall, ctx: Con
     for getter in list(gm.graph.nodes):
         if getter.op == "get_attr" and not getter.users:
             gm.graph.erase_node(getter)
+
+
+def _take_weights(gm: fx.GraphModule, region: MoERegion, path: str,
+                  experts: torch.nn.Module) -> None:
+    """``experts`` replaces the module at ``path`` and holds its routed expert weights
+    (the same parameters, under the same FQNs): FSDP shards a module's own parameters
+    and gathers them around its forward, so the weights must be the call's own."""
+    owner = gm.get_submodule(path)
+    names = tuple(f.rpartition(".")[2] for f in region.expert_params)
+    if any(f.rpartition(".")[0] != path for f in region.expert_params) or \
+            set(dict(owner.named_parameters())) != set(names) or \
+            next(owner.buffers(), None) is not None:
+        raise _refuse(region, f"under ZeRO-2/3 the experts module {path} must hold the "
+                              "routed expert weights and nothing else (they are sharded "
+                              "over the ranks holding the same experts); pin zero_stage=1")
+    for attr in names:
+        experts.register_parameter(attr, owner._parameters[attr])
+    experts.owned = names
+    parent, _, field = path.rpartition(".")
+    gm.get_submodule(parent)._modules[field] = experts
 
 
 def _ancestors(node: fx.Node) -> set[fx.Node]:

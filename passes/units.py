@@ -77,13 +77,15 @@ def _movable(module: fx.GraphModule, name: str, owner: nn.Module,
     None if the layer cannot be a unit."""
     prefix = name + "."
     members = set(region)
+    # The layer's tensors, and its submodules called as modules (the experts under
+    # expert parallelism, which hold their weights).
     inside = {n for n in module.graph.nodes
-              if n.op == "get_attr" and n.target.startswith(prefix)}
+              if n.op in ("get_attr", "call_module") and n.target.startswith(prefix)}
     if not inside or not inside <= members:
         return None  # another layer reads this module's tensors
     if any(user not in members for node in inside for user in node.users):
         return None
-    read = {id(_attr(module, n.target)) for n in inside}
+    read = {id(t) for n in inside for t in _tensors(_attr(module, n.target))}
     own = [t for t in (*owner.parameters(), *owner.buffers())]
     if not own or any(id(t) not in read for t in own):
         return None  # the unit would lose tensors the layer does not read
@@ -93,6 +95,12 @@ def _movable(module: fx.GraphModule, name: str, owner: nn.Module,
                 _attr(module, node.target), nn.Module) and set(node.users) <= members:
             moved[node] = node.target.replace(".", "_")
     return moved
+
+
+def _tensors(value: Any) -> list[Any]:
+    if isinstance(value, nn.Module):
+        return [*value.parameters(), *value.buffers()]
+    return [value]
 
 
 def _attr(module: nn.Module, target: str) -> Any:

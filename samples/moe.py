@@ -87,6 +87,10 @@ def _grouped_mm_save(ctx, inputs, output) -> None:
 
 
 grouped_mm.register_autograd(_grouped_mm_backward, setup_context=_grouped_mm_save)
+# Under autocast the grouped matmul computes in the low-precision dtype, as a matmul does
+# (and as torch._grouped_mm takes bf16): its inputs are cast on entry.
+for _device in ("cpu", "cuda"):
+    torch.library.register_autocast("partc_samples::grouped_mm", _device, torch.bfloat16)
 
 
 class Experts(nn.Module):

@@ -44,7 +44,7 @@ def test_zero_stage_checks_its_input():
                 for s in range(4)}) == 1
 
 
-def _dp_program(memory: str, **pins) -> partc.Program:
+def _dp_program(memory: str, dtype: torch.dtype = torch.float32, **pins) -> partc.Program:
     from samples.gpt import gpt_tiny, loss_fn
 
     model = gpt_tiny(n_layer=2, n_embd=128, vocab_size=512)
@@ -52,8 +52,25 @@ def _dp_program(memory: str, **pins) -> partc.Program:
     return partc.compile(model, (ids,), loss_fn=loss_fn, example_target=ids,
                          budget=partc.DeviceBudget(num_devices=2, device="A100-40GB",
                                                    memory=memory),
-                         train=partc.TrainSpec(global_batch_size=8, optimizer="adamw"),
+                         train=partc.TrainSpec(global_batch_size=8, optimizer="adamw",
+                                               dtype=dtype),
                          constraints=partc.Constraints(pp=1, tp=1, **pins))
+
+
+def test_bf16_zero1_holds_what_megatrons_distributed_optimizer_holds():
+    from tests.test_compile import check
+
+    # Per parameter: ZeRO-0 the fp32 master and the step's bf16 copy, 4 + 2, with the
+    # fp32 gradient 4 and Adam's 8; ZeRO-1 bf16 weights and 1/dp of the master and of
+    # the state, 2 + 4 + 12/dp (dp = 2: 12 bytes against 18).
+    plain = check(_dp_program("1GiB", torch.bfloat16, zero_stage=0))
+    zero1 = check(_dp_program("1GiB", torch.bfloat16, zero_stage=1))
+    count = zero1.stages[0].param_count
+    assert plain.stages[0].param_count == count
+    for plan, per_param in ((plain, (6, 4, 8)), (zero1, (2 + 4 / 2, 4, 8 / 2))):
+        held = plan.stages[0].memory_bytes
+        assert (held.params, held.grads, held.optimizer) == pytest.approx(
+            tuple(count * b for b in per_param), abs=8)
 
 
 def test_zero1_lets_two_replicas_fit_where_plain_data_parallelism_does_not():
@@ -77,7 +94,8 @@ def test_zero2_and_zero3_state_as_fsdp_holds_it():
     from tests.test_compile import check
 
     plain = check(_dp_program("1GiB", zero_stage=0)).stages[0].memory_bytes
-    zero2 = check(_dp_program("1GiB", zero_stage=2)).stages[0].memory_bytes
+    zero2 = check(_dp_program("1GiB", zero_stage=2,
+                              zero2_grad_sync="microbatch")).stages[0].memory_bytes
     zero3 = check(_dp_program("1GiB", zero_stage=3)).stages[0].memory_bytes
     for zero in (zero2, zero3):
         assert zero.grads == pytest.approx(plain.grads / 2, abs=8)

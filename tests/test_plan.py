@@ -32,6 +32,8 @@ CASES = {
     "zero3_bf16": (2, dict(pp=1, dp=2, zero_stage=3), torch.bfloat16),
     "interleaved": (2, dict(pp=2, schedule="interleaved-1f1b", num_microbatches=4),
                     torch.float32),
+    "zero2_step": (2, dict(pp=1, dp=2, zero_stage=2, zero2_grad_sync="step",
+                           num_microbatches=4), torch.float32),
 }
 
 
@@ -162,6 +164,27 @@ def test_effective_zero_stage_is_one_rule(programs):
                                 schedule="1f1b", zero_stage=zero)
         assert config.effective_zero_stage == effective_zero_stage(zero, dp)
         assert config.effective_zero_stage == (zero if dp > 1 else 0)
+
+
+def test_zero2_grad_sync_is_kept_and_older_plans_read_per_microbatch(programs):
+    program = programs["zero2_step"]
+    plan = program.plan
+    assert plan.zero2_grad_sync == "step" and plan.reduces_once
+    assert plan.to_dict()["zero2_grad_sync"] == "step"
+    assert "reduce-scattered once per step" in program.report()
+    chosen = next(m for m in plan.meshes if (m.pp, m.dp) == (1, 2))
+    assert chosen.zero2_grad_sync == "step" and "ZeRO-2 (once per step)" in program.report()
+    older = {k: v for k, v in plan.to_dict().items() if k != "zero2_grad_sync"}
+    assert Plan.from_dict(older).zero2_grad_sync == "microbatch"
+    assert Plan.from_dict(older).hash != plan.hash
+    # A plan reducing per microbatch hashes as plans written before the key did.
+    pp2 = programs["pp2"].plan
+    assert pp2.zero2_grad_sync == "microbatch" and not pp2.reduces_once
+    unkeyed = {k: v for k, v in pp2.to_dict().items() if k != "zero2_grad_sync"}
+    assert Plan.from_dict(unkeyed).hash == pp2.hash
+    # One microbatch, or one replica: nothing to reduce once.
+    assert not replace(plan, num_microbatches=1).reduces_once
+    assert not replace(plan, mesh=replace(plan.mesh, dp=1)).reduces_once
 
 
 def test_bytes_per_parameter_by_precision():

@@ -33,16 +33,15 @@ def expert_counts(problem: PlanningProblem) -> tuple[int, ...]:
 def ep_choices(problem: PlanningProblem, config: PipelineConfig) -> list[int]:
     """The expert-parallel degrees ``config`` allows: 1, and every ``ep`` dividing its dp x
     tp ranks of a stage and every MoE layer's expert count (with tp > 1, only under
-    sequence parallelism; only without ZeRO, which the runtime's expert parallelism does
-    not shard: ZeRO shards every weight over the whole dp group, and a rank's expert
-    weights are not its dp peers'; only when every MoE layer's experts are batched
-    weights, the form the runtime splits); the pinned one alone when ``ep`` is pinned."""
+    sequence parallelism; only when every MoE layer's experts are batched weights, the
+    form the runtime splits); the pinned one alone when ``ep`` is pinned. Under ZeRO the
+    experts' weights, gradients and optimizer state are sharded over the
+    expert-data-parallel group (:func:`partc.costs.expert_dp_config`)."""
     counts = expert_counts(problem)
     width = config.dp * config.tp
     allowed = [1] + ([ep for ep in range(2, width + 1)
                       if width % ep == 0 and all(e % ep == 0 for e in counts)]
                      if counts and (config.tp == 1 or config.sequence_parallel)
-                     and config.effective_zero_stage == 0
                      and not problem.module_list_experts else [])
     pinned = problem.pins.ep
     return [ep for ep in allowed if pinned is None or ep == pinned]

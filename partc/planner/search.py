@@ -1,9 +1,10 @@
 """The search over pipeline configurations: ``solve``, the planner's entry point.
 
 Outer enumeration (cheap, exact): every pipeline configuration ``c = (tp, pp, dp, b, m,
-schedule, ZeRO stage, chunks v)`` with ``tp * pp * dp = N`` devices and ``dp * b * m = B``
-global batch, respecting pins (``v`` virtual stages per rank for the schedules that run
-several, where torch's schedule takes the ranks and microbatches).
+schedule, ZeRO stage, ZeRO-2 gradient sync, chunks v)`` with ``tp * pp * dp = N`` devices
+and ``dp * b * m = B`` global batch, respecting pins (``v`` virtual stages per rank for
+the schedules that run several, where torch's schedule takes the ranks and microbatches;
+both gradient syncs only where they differ: ZeRO-2 with dp > 1 and m > 1).
 Configurations are visited in order of a lower bound on their step time
 (:func:`~.bounds.lower_bound`); one whose bound is no better than the best plan found so
 far is pruned. Before any solve, the best plan is seeded with the greedy plan
@@ -48,7 +49,7 @@ from ..errors import PlanInfeasibleError
 from ..explain import explain_infeasible
 from ..options import PlannerOptions
 from ..plan import ScheduleOption
-from ..problem import PlanningProblem
+from ..problem import ZERO2_GRAD_SYNCS, PlanningProblem, effective_zero_stage
 from ..schedules import feature_refusal, refusal
 from ..schedules import schedule as schedule_info
 from ..spec import AUTO_SCHEDULES
@@ -115,13 +116,28 @@ def candidate_configs(problem: PlanningProblem) -> list[PipelineConfig]:
                 configs.extend(PipelineConfig(pp=pp, dp=dp, micro_batch_size=b,
                                               num_microbatches=m, schedule=schedule, tp=tp,
                                               sequence_parallel=sp, tp_objective=objective,
-                                              zero_stage=zero, chunks=chunks)
+                                              zero_stage=zero, chunks=chunks,
+                                              zero2_grad_sync=sync)
                                for schedule in schedules for zero in zero_stages
+                               for sync in zero2_grad_syncs(problem, zero, dp, m)
                                if not _same_as_1f1b(schedule, pp, m, pins.schedule)
                                and feature_refusal(schedule, zero if dp > 1 else 0,
                                                    problem.train.compiled) is None
                                for chunks in _chunk_counts(problem, schedule, pp, m))
     return expand_ep(problem, configs)   # the expert-parallel degree (mixture-of-experts)
+
+
+def zero2_grad_syncs(problem: PlanningProblem, zero_stage: int, dp: int,
+                     num_microbatches: int) -> list[str]:
+    """The ZeRO-2 gradient syncs a configuration may take: the pinned one, else both
+    where they differ (ZeRO-2 over several replicas, several microbatches), else the
+    default."""
+    pinned = problem.pins.zero2_grad_sync
+    if pinned is not None:
+        return [pinned]
+    if effective_zero_stage(zero_stage, dp) == 2 and num_microbatches > 1:
+        return list(ZERO2_GRAD_SYNCS)
+    return [ZERO2_GRAD_SYNCS[0]]
 
 
 # Virtual stages per rank the automatic schedule choice tries where a schedule takes any
@@ -151,7 +167,11 @@ def schedule_candidates(problem: PlanningProblem, config: PipelineConfig
         info = schedule_info(name)
         counts = ([pins.virtual_stages] if pins.virtual_stages is not None
                   else list(info.virtual_stages) or list(AUTO_VIRTUAL_STAGES))
-        found += [dataclasses.replace(config, schedule=name, chunks=v, zero_stage=zero)
+        # A lower ZeRO stage takes its own gradient sync (the pinned one, or the default).
+        sync = config.zero2_grad_sync if zero == config.zero_stage else zero2_grad_syncs(
+            problem, zero, config.dp, config.num_microbatches)[0]
+        found += [dataclasses.replace(config, schedule=name, chunks=v, zero_stage=zero,
+                                      zero2_grad_sync=sync)
                   for v in counts
                   if info.allows_virtual_stages(v) and config.pp * v <= problem.num_layers
                   and refusal(name, config.pp, v, config.num_microbatches) is None]

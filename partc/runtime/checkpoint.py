@@ -10,7 +10,9 @@ What is stored, all under the model's own FQNs (a tied weight under its first FQ
 
 - every parameter and persistent buffer, as the chunks of the whole tensor this rank
   holds: a tensor-parallel shard (``Shard(dim, chunks=k)`` is k chunks per rank), FSDP2's
-  data-parallel shard of it under ZeRO-2/3, a pipeline stage's tensors only on its ranks.
+  data-parallel shard of it under ZeRO-2/3 (and under ZeRO-1 in mixed precision, where
+  the fp32 masters are dp shards and the parameters bf16), a pipeline stage's tensors
+  only on its ranks.
   Each chunk is named by its offsets in the whole tensor, so DCP reads any other cut of
   it back (resharding by FQN); replicas write one copy (DCP drops duplicates);
 - the optimizer state of every parameter this rank steps (all of its own, or under ZeRO-1
@@ -527,6 +529,8 @@ def load(module: "DistributedModule", directory: str | os.PathLike, *,
             initialise_state(module, optimizer)
     state, stateless = _targets(module, optimizer, path, manifest, metadata)
     _read(state, path)
+    # ZeRO-1 in mixed precision read fp32 masters: the compute-dtype parameters follow.
+    module.refresh_from_masters()
     if optimizer is not None:
         # A parameter without state in the checkpoint had not been stepped: it has none,
         # as before its first step.

@@ -7,7 +7,8 @@ FQNs: a tied weight once). This rank's part of it is a set of :class:`Chunks`: v
 its own tensor with their offsets in the whole tensor, cut exactly as the runtime cuts it
 (a routed expert weight's block of experts on this expert-parallel rank, the plan's
 tensor-parallel placement, ``Shard(dim, chunks=k)`` being k chunks per rank, then FSDP2's
-dp shard of dim 0 under ZeRO-2/3). Ranks holding the same chunk (replicas, the
+shard of dim 0 under ZeRO-2/3, over the DTensor's own mesh: dp, or for a routed expert
+weight the expert-data-parallel group). Ranks holding the same chunk (replicas, the
 expert-data-parallel group) name it alike, and DCP writes it once. DCP names each chunk by its offsets, so
 a checkpoint written under one cut reads back under any other (resharding by FQN);
 optimizer state shaped like its parameter is cut the same way.
@@ -85,12 +86,13 @@ def _runs(index: torch.Tensor) -> list[tuple[int, int, int]]:
 
 
 def _index_maps(module: "DistributedModule", name: str, whole: tuple[int, ...],
-                local: torch.Tensor, dp_sharded: bool, expert: bool = False
+                local: torch.Tensor, fsdp: tuple[int, int] | None, expert: bool = False
                 ) -> list[torch.Tensor]:
     """For each dim of this rank's ``local`` part of tensor ``name``, the whole tensor's
     index of each local index, cut exactly as the runtime cuts it: a routed expert
     weight's experts ``[ep_rank * E/ep, (ep_rank+1) * E/ep)`` (``expert``), the plan's
-    tensor-parallel placement (``tp.shard_of``), then FSDP's dp shard of dim 0."""
+    tensor-parallel placement (``tp.shard_of``), then FSDP's shard of dim 0 (``fsdp``:
+    its mesh's size and this rank's place in it)."""
     topo = module.topology
     maps = [torch.arange(n) for n in whole]
     if expert and whole:
@@ -99,8 +101,8 @@ def _index_maps(module: "DistributedModule", name: str, whole: tuple[int, ...],
     if placement.kind == "S" and whole:
         dim = placement.dim % len(whole)
         maps[dim] = tp_ops.shard_of(maps[dim], 0, placement.chunks, topo.tp_rank, topo.tp)
-    if dp_sharded and whole:
-        maps[0] = dp_shard(maps[0], topo.dp, topo.dp_rank)
+    if fsdp is not None and whole:
+        maps[0] = dp_shard(maps[0], *fsdp)
     held = tuple(len(m) for m in maps)
     if held != tuple(local.shape):
         raise PartcError(f"{name}: this rank holds shape {list(local.shape)}, but the plan "
@@ -118,14 +120,16 @@ def _chunks(maps: list[torch.Tensor], whole: tuple[int, ...], local: torch.Tenso
     return Chunks(whole, parts)
 
 
-def _local(tensor: torch.Tensor) -> tuple[torch.Tensor, bool]:
-    """This rank's storage of a tensor, and whether FSDP shards it over dp."""
+def _local(tensor: torch.Tensor) -> tuple[torch.Tensor, tuple[int, int] | None]:
+    """This rank's storage of a tensor, and how FSDP shards it (its mesh's size and this
+    rank's place in it: dp, or an expert weight's expert-data-parallel group), or None."""
     if isinstance(tensor, DTensor):
         placements = tuple(tensor.placements)
         if len(placements) != 1 or not placements[0].is_shard(0):
             raise PartcError(f"a DTensor placed {placements} is not FSDP's dp shard of dim 0")
-        return tensor.to_local().detach(), True
-    return tensor.detach(), False
+        mesh = tensor.device_mesh
+        return tensor.to_local().detach(), (mesh.size(), mesh.get_local_rank())
+    return tensor.detach(), None
 
 
 # -- the module's tensors under canonical names ------------------------------------------
@@ -171,10 +175,13 @@ def held_tensors(module: "DistributedModule") -> list[_Held]:
         if id(tensor) in seen or fqn not in whole:  # a non-persistent buffer
             continue
         seen.add(id(tensor))
-        local, sharded = _local(tensor)
+        local, fsdp = _local(tensor)
+        master = module.master_of(tensor) if isinstance(tensor, torch.nn.Parameter) else None
+        if master is not None:  # ZeRO-1 in mixed precision: the fp32 master shard is saved
+            local, fsdp = master, module._buckets.shards_of(tensor)
         shape = tuple(whole[fqn]["shape"])
         held.append(_Held(fqn, name, tensor, shape,
-                          _index_maps(module, name, shape, local, sharded,
+                          _index_maps(module, name, shape, local, fsdp,
                                       id(tensor) in experts), local))
     return held
 
@@ -283,16 +290,19 @@ def optimizer_state(module: "DistributedModule", optimizer: torch.optim.Optimize
     """``optim.<fqn>.<name>`` → this rank's part of each state tensor it keeps."""
     state = inner_optimizer(optimizer).state
     out: dict[str, Any] = {}
-    dp_sharded = getattr(optimizer, "dp_sharded", lambda _: False)
-    topo = module.topology
+    sharding = getattr(optimizer, "sharding", lambda _: None)
     for held, param in optimizer_params(module, optimizer):
         maps = held.maps
-        if dp_sharded(param):  # ZeRO-1's: this rank's dp shard of the parameter
-            maps = [dp_shard(maps[0], topo.dp, topo.dp_rank), *maps[1:]]
+        # ZeRO-1's: this rank's shard of the parameter, over dp or an expert weight's
+        # expert-data-parallel group (already so when the held tensor is the fp32 master
+        # shard, in mixed precision).
+        cut = sharding(param)
+        if cut is not None and module.master_of(held.tensor) is None:
+            maps = [dp_shard(maps[0], *cut), *maps[1:]]
         for key, value in state.get(param, {}).items():
             if not isinstance(value, torch.Tensor):
                 continue
-            local, sharded = _local(value)
+            local, _ = _local(value)
             if tuple(local.shape) == tuple(len(m) for m in maps) and value.dim() > 0:
                 out[f"optim.{held.fqn}.{key}"] = _chunks(maps, held.whole, local)
             else:

@@ -16,7 +16,8 @@ on this rank's experts. Per call, on a group of ``ep`` ranks holding experts
 3. the outputs come back by the reverse all-to-all and are combined with the weights.
 
 Backward runs the two token all-to-alls in reverse (autograd), so each call posts three
-all-to-alls forward and two backward (``messages``).
+all-to-alls forward and two backward (``messages`` counts those of tokens as they are
+posted: a recomputed forward's two, and no reverse for them).
 
 **Capacity** (``capacity_factor``; None is dropless): each sample's slots routed to one
 expert are kept up to ``ceil(capacity_factor * tokens_per_sample * top_k / E)``, earliest
@@ -40,7 +41,7 @@ class ExpertParallel(nn.Module):
 
     ``forward(tokens, indices, weights, *expert_weights)``: tokens (T, hidden), the
     router's expert indices and weights (T, top_k), and this rank's slice of each routed
-    expert weight (experts first)."""
+    expert weight (experts first), or none when the module holds them (``owned``)."""
 
     def __init__(self, body: fx.GraphModule, *, num_experts: int, top_k: int,
                  tokens_per_sample: int, capacity_factor: float | None,
@@ -52,6 +53,9 @@ class ExpertParallel(nn.Module):
         self.capacity_factor = capacity_factor
         self.ends_dtype = ends_dtype
         self.weight_names = weight_names  # FQNs of the expert weights, in argument order
+        # Under ZeRO-2/3 the module holds the weights itself (attribute names, in
+        # argument order) and is called without them: an FSDP unit of its own.
+        self.owned: tuple[str, ...] = ()
         self.group: dist.ProcessGroup | None = None
         self.ep, self.ep_rank = 1, 0
         self.tp_group: dist.ProcessGroup | None = None
@@ -71,6 +75,8 @@ class ExpertParallel(nn.Module):
 
     def forward(self, tokens: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor,
                 *expert_weights: torch.Tensor) -> torch.Tensor:
+        if self.owned:
+            expert_weights = tuple(getattr(self, name) for name in self.owned)
         if self.tp == 1:
             return self._route(tokens, indices, weights, expert_weights)
         # Under tensor parallelism the tokens are the same on every tp rank: each sends
@@ -98,7 +104,8 @@ class ExpertParallel(nn.Module):
             out = self._run(routed, counts, expert_weights)
         else:
             out = self._exchange(routed, counts, expert_weights)
-        values = tokens.new_zeros(flat.numel(), width).index_copy(0, order, out)
+        # In the experts' output dtype (the compute dtype under mixed precision).
+        values = out.new_zeros(flat.numel(), width).index_copy(0, order, out)
         return (values.view(-1, top_k, width) * weights.unsqueeze(-1)).sum(1)
 
     def _run(self, routed: torch.Tensor, counts: torch.Tensor,
@@ -127,8 +134,16 @@ class ExpertParallel(nn.Module):
     def _all_to_all(self, rows: torch.Tensor, recv: list[int], send: list[int]
                     ) -> torch.Tensor:
         output = rows.new_empty(sum(recv), rows.shape[-1])
-        self.messages += 2  # this one, and its reverse in backward
-        return all_to_all_single(output, rows.contiguous(), recv, send, group=self.group)
+        self.messages += 1
+        out = all_to_all_single(output, rows.contiguous(), recv, send, group=self.group)
+        if out.requires_grad:
+            # Its reverse is posted when backward reaches it: never for a forward that
+            # a recompute replays, whose backward runs through the first forward's graph.
+            out.register_hook(self._count_reverse)
+        return out
+
+    def _count_reverse(self, grad: torch.Tensor) -> None:
+        self.messages += 1
 
     def _kept_slots(self, flat: torch.Tensor) -> torch.Tensor:
         """Which slots (token, choice) reach their expert: a bool per slot."""
@@ -189,13 +204,20 @@ def expert_modules(module: nn.Module) -> list[ExpertParallel]:
     return [m for m in module.modules() if isinstance(m, ExpertParallel)]
 
 
+def expert_weights(module: nn.Module) -> list[nn.Parameter]:
+    """The routed expert weights of ``module``'s :class:`ExpertParallel` layers, as the
+    module holds them now (FSDP replaces parameters by DTensor ones)."""
+    return [module.get_parameter(name) for experts in expert_modules(module)
+            for name in experts.weight_names]
+
+
 def shard_experts(module: nn.Module, group: dist.ProcessGroup | None, ep: int,
                   ep_rank: int, tp_group: dist.ProcessGroup | None = None, tp: int = 1,
                   tp_rank: int = 0) -> list[nn.Parameter]:
     """Bind every :class:`ExpertParallel` of ``module`` to its group and keep this rank's
     experts ``[ep_rank * E/ep, (ep_rank+1) * E/ep)`` of each routed expert weight (its
     copy of the whole weight is dropped). Returns the expert parameters, whose gradients
-    are reduced over the expert-data-parallel group."""
+    are reduced (and under ZeRO sharded) over the expert-data-parallel group."""
     owned: list[nn.Parameter] = []
     for experts in expert_modules(module):
         experts.bind(group, ep, ep_rank, tp_group, tp, tp_rank)

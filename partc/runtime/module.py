@@ -10,7 +10,8 @@ under the planned schedule and returns a :class:`DistributedModule`. Its
 microbatches of the global batch, then:
 
 1. sums the gradients of parameters that several stages hold (tied weights);
-2. has averaged gradients over data-parallel replicas: under ZeRO 0/1 gradients are
+2. has averaged gradients over data-parallel replicas (routed experts' summed over their
+   expert-data-parallel group, divided by dp alike): under ZeRO 0/1 gradients are
    accumulated in fp32 buckets, each all-reduced (ZeRO-0) or reduce-scattered (ZeRO-1)
    as soon as the last microbatch's backward has filled it
    (``partc/runtime/optimizer.py``); under ZeRO-2/3 FSDP2 reduce-scatters them, each
@@ -19,12 +20,17 @@ microbatches of the global batch, then:
 
 ZeRO-2/3 (``plan.effective_zero_stage >= 2``): each layer that owns its parameters
 is an FSDP2 unit (lowering made it a module of its own) and the stage the root unit, sharded over
-the dp group. In a pipeline, torch's schedules defer FSDP's gradient reduce-scatter to
+the dp group; under expert parallelism each layer's routed experts are a unit of their
+own, sharded over the expert-data-parallel group (the ranks holding the same experts).
+In a pipeline, torch's schedules defer FSDP's gradient reduce-scatter to
 the last microbatch, accumulating whole gradients in between, which would hold as much
 as no ZeRO at all; here every microbatch's backward reduce-scatters into the sharded
 gradients instead (ZeRO-2 and 3 alike, as ZeRO does under gradient accumulation), ZeRO-2
 keeps the gathered parameters for the whole step and ZeRO-3 frees each unit after its
-forward and after its backward, gathering it again for the next microbatch.
+forward and after its backward, gathering it again for the next microbatch. A ZeRO-2 plan
+may choose the other way (``plan.zero2_grad_sync == "step"``, :attr:`Plan.reduces_once`):
+the microbatches accumulate whole fp32 gradients and the stage's last backward
+reduce-scatters them, one reduce-scatter per step for a whole gradient held through it.
 
 Gradients are those of the mean loss over the whole global batch, as on one device, so
 any ``torch.optim`` optimizer over ``module.parameters()`` trains the same model.
@@ -33,6 +39,7 @@ any ``torch.optim`` optimizer over ``module.parameters()`` trains the same model
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import inspect
 import logging
 import weakref
@@ -43,6 +50,7 @@ import torch
 import torch.distributed as dist
 import torch.utils._pytree as pytree
 from torch import fx, nn
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.pipelining.schedules import PipelineScheduleSingle
 from torch.distributed.tensor import DTensor
@@ -189,7 +197,9 @@ class DistributedModule:
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """This rank's parameters and buffers under the model's own FQNs: its stage's
-        tensors, and of a tensor-parallel parameter only this rank's shard."""
+        tensors, and of a tensor-parallel parameter only this rank's shard. (Under ZeRO-1
+        in mixed precision the parameters are the compute-dtype ones the stage computes
+        with; :meth:`full_state_dict` and checkpoints hold the fp32 masters.)"""
         return {**dict(self.named_parameters()), **dict(self.named_buffers())}
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
@@ -207,6 +217,8 @@ class DistributedModule:
         for name, tensor in self.state_dict().items():
             placement = self._placement(name)
             value = tensor.detach()
+            if self.master_of(tensor) is not None:   # fp32, from the dp ranks' masters
+                value = self._buckets.full_master(tensor)
             if isinstance(value, DTensor):
                 value = value.full_tensor()
             if id(tensor) in experts:   # this rank's block of experts: dim 0
@@ -257,9 +269,25 @@ class DistributedModule:
                 if source.shape != tensor.shape:
                     raise ValueError(f"{name}: state dict has shape {list(source.shape)}, "
                                      f"this rank holds {list(tensor.shape)} ({placement})")
-                if isinstance(tensor, DTensor):  # whole over dp: keep this rank's shard
-                    source = dp_shard(source, self.topology.dp, self.topology.dp_rank)
+                if isinstance(tensor, DTensor):  # whole over its mesh: this rank's shard
+                    mesh = tensor.device_mesh
+                    source = dp_shard(source, mesh.size(), mesh.get_local_rank())
+                if self.master_of(tensor) is not None:
+                    self._buckets.load_whole(tensor, source)
+                    continue
                 local_part(tensor).copy_(source)
+
+    def master_of(self, param: torch.Tensor) -> torch.Tensor | None:
+        """ZeRO-1 in mixed precision, once :meth:`optimizer` made it: this rank's fp32
+        master of its dp shard of ``param`` (the parameter itself is then kept in the
+        compute dtype). None otherwise: the parameter is its own master."""
+        return None if self._buckets is None else self._buckets.master_of(param)
+
+    def refresh_from_masters(self) -> None:
+        """The parameters again from the masters (after a checkpoint loaded into them).
+        Collective over the dp group; nothing without masters."""
+        if self._buckets is not None and self._buckets._masters:
+            self._buckets.gather_params()
 
     def _placement(self, name: str) -> Placement:
         return self.plan.placement(self._aliases.get(name, (name,)))
@@ -286,7 +314,10 @@ class DistributedModule:
             placeholder = nn.Parameter(torch.empty(0, device=self.topology.device))
             optimizer = optimizer_class([placeholder], **defaults)
         elif self._buckets is not None and self._buckets.sharded:
-            optimizer = DistributedOptimizer(self._buckets, optimizer_class, **defaults)
+            optimizer = DistributedOptimizer(
+                self._buckets, optimizer_class,
+                compute_dtype=self._copies.dtype if self._copies is not None else None,
+                **defaults)
         else:
             optimizer = optimizer_class(self.parameters(), **defaults)
         if self.watchdog is not None:
@@ -538,8 +569,9 @@ class DistributedModule:
                  if id(p) not in experts and (g := self._grad_of(p)) is not None
                  and self._counts_norm(name)
                  and (self._buckets is None or self._buckets.counted_once(p))]
-        # This rank's routed experts: held by dp x tp / ep ranks of the stage, any tp rank.
-        expert_grads = [p.grad for p in self.expert_params if p.grad is not None]
+        # This rank's routed experts: held by dp x tp / ep ranks of the stage, any tp rank
+        # (under ZeRO each of them a shard).
+        expert_grads = [g for p in self.expert_params if (g := self._grad_of(p)) is not None]
         device = topo.device
         if norm_type == float("inf"):
             local = max((g.detach().abs().max() for g in grads + expert_grads),
@@ -548,8 +580,10 @@ class DistributedModule:
             return local
         local = sum((g.detach().to(torch.float32).norm(norm_type) ** norm_type
                      for g in grads), torch.zeros((), device=device))
-        # Counted on every rank and divided by dp below: each expert once overall.
-        local = local + topo.ep / topo.tp * sum(
+        # Each expert once overall: a shard on each rank of its expert-data-parallel
+        # group under ZeRO; else whole on each, dp x tp / ep times, divided by dp below.
+        weight = 1.0 if self._sharded_grads else topo.ep / topo.tp
+        local = local + weight * sum(
             (g.detach().to(torch.float32).norm(norm_type) ** norm_type for g in expert_grads),
             torch.zeros((), device=device))
         dist.all_reduce(local)  # dp replicas add the same sum; dp shards, parts of it
@@ -692,10 +726,6 @@ def build(plan: Plan, topology: Topology,
     expert_params = [param for module in modules for param in experts.shard_experts(
         module, topology.ep_group, topology.ep, topology.ep_rank,
         topology.tp_group if topology.tp > 1 else None, topology.tp, topology.tp_rank)]
-    if expert_params and topology.ep > 1 and zero_stage >= 1:
-        raise PartcError("expert parallelism runs with ZeRO 0 only: ZeRO shards every "
-                         "weight over the whole dp group, and a rank's expert weights "
-                         "are not its dp peers'")
     aliases = aliases_of(model)
     shared = share_local_ties(modules, aliases)
     if shared and zero_stage >= 2:
@@ -719,6 +749,8 @@ def build(plan: Plan, topology: Topology,
                 module.forward)
         if plan.train.compile:
             compile_stage(module, plan, topology.device)
+    if zero_stage >= 2:  # FSDP made new (DTensor) parameters of the experts' too
+        expert_params = [p for module in modules for p in experts.expert_weights(module)]
     whole = modules[0] if len(modules) == 1 else RankStages(modules)
     holders = programs[0].holders
     tied = tied_groups(holders, whole, topology, plan)
@@ -748,7 +780,8 @@ def build(plan: Plan, topology: Topology,
     for module, program in zip(modules, programs):
         contiguous_transfers(module, first=program.is_first, last=program.is_last)
         stage = CountingStage(module, program.index, program.num_stages, topology.device,
-                              group=topology.pp_group, zero_stage=zero_stage)
+                              group=topology.pp_group, zero_stage=zero_stage,
+                              reduce_once=plan.reduces_once)
         # A weight two stages share is scaled once, after the schedule: either stage's
         # last backward may come last.
         stage.scaled_elsewhere = set(shared.values())
@@ -794,12 +827,43 @@ def _shard_over_dp(module: fx.GraphModule, unit_paths: tuple[str, ...], topology
     policy = MixedPrecisionPolicy(
         param_dtype=None if compute_dtype == torch.float32 else compute_dtype,
         reduce_dtype=torch.float32)
+    # Innermost first: the experts (lowering made each call hold its weights).
+    for layer in experts.expert_modules(module):
+        if layer.owned:
+            _shard_experts(layer, topology, zero_stage, policy)
     for path in unit_paths:
         unit = module.get_submodule(path)
         if next(unit.parameters(), None) is not None:
             fully_shard(unit, mesh=mesh, reshard_after_forward=zero_stage >= 3,
                         mp_policy=policy)
     fully_shard(module, mesh=mesh, reshard_after_forward=zero_stage >= 3, mp_policy=policy)
+
+
+def _shard_experts(layer: experts.ExpertParallel, topology: Topology, zero_stage: int,
+                   policy: MixedPrecisionPolicy) -> None:
+    """One mixture-of-experts layer's routed experts as an FSDP unit of their own over
+    the expert-data-parallel group (the ranks holding the same experts; the dp group
+    without expert parallelism). Their gradient is the sum over that group divided by
+    dp, as the dense weights' mean over dp: together the group's ranks received every
+    replica's tokens routed to these experts."""
+    mesh = topology.mesh["dp"] if topology.ep == 1 else DeviceMesh.from_group(
+        topology.expert_dp_group, topology.device.type, mesh_dim_names=("expert_dp",))
+    if mesh.size() != topology.dp and not hasattr(FSDPModule,
+                                                  "set_force_sum_reduction_for_comms"):
+        raise PartcError("ZeRO-2/3 with expert parallelism divides the experts' gradients "
+                         "by dp, not by the ranks holding them, with FSDP's "
+                         "set_gradient_divide_factor and set_force_sum_reduction_for_comms, "
+                         f"which torch {torch.__version__} lacks: plan ZeRO-0/1 or use a "
+                         "newer torch")
+    # Its inputs keep their dtypes: the router's combine weights stay fp32 as on one
+    # device under autocast (FSDP would cast them to bf16 and the combine with them);
+    # the experts' matmuls cast what they compute with, as autocast does.
+    policy = dataclasses.replace(policy, cast_forward_inputs=False)
+    fully_shard(layer, mesh=mesh, reshard_after_forward=zero_stage >= 3, mp_policy=policy)
+    if mesh.size() != topology.dp:
+        layer.set_gradient_divide_factor(topology.dp)
+        if mesh.size() > 1:  # a sum then a division (gloo has no pre-multiplied sum)
+            layer.set_force_sum_reduction_for_comms(True)
 
 
 def _check_same_plan(plan: Plan, own_hash: str) -> None:

@@ -14,14 +14,24 @@ gradient, so it overlaps the rest of that backward:
   ``chunk(dp)[r]`` of dim 0, padded to the chunk size; a 0-dim parameter in every
   region), so after the reduce-scatter each rank holds the summed gradient of its
   shards. :class:`DistributedOptimizer` steps those shards with the user's optimizer
-  class (its parameters are views of this rank's rows of the module's parameters, so
-  the fp32 parameters are their own master) and all-gathers the updated rows bucket by
-  bucket, every bucket's all-gather issued before the first is waited for.
+  class and all-gathers the updated rows bucket by bucket, every bucket's all-gather
+  issued before the first is waited for. In fp32 its parameters are views of this
+  rank's rows of the module's parameters (which are their own master). In mixed
+  precision it is Megatron's distributed optimizer: this rank's rows are an fp32 master
+  of their own, the module's parameters are kept in the compute dtype (the stage
+  computes with them, with no per-step copy), and the all-gather moves compute-dtype
+  rows, cast from the masters.
+
+Routed expert weights (expert parallelism) are in buckets of their own, reduced over
+their expert-data-parallel group (the ranks holding the same experts) instead of dp and
+under ZeRO-1 sharded over it; their gradients are divided by dp all the same.
 
 Buckets are filled in reverse parameter order (the order backward produces gradients),
 each up to :data:`BUCKET_ELEMENTS` elements. The bytes per parameter this keeps
 (``partc.problem.Precision`` prices them): the parameter (4), its fp32 gradient bucket
-slot (4; ZeRO-1's padding aside) and, under ZeRO-1, the optimizer state of 1/dp of it.
+slot (4; ZeRO-1's padding aside) and, under ZeRO-1, the optimizer state of 1/dp of it;
+under ZeRO-1 in bf16 with Adam, 2 + 4 + (4 + 8)/dp as Megatron's (the bf16 parameter,
+the fp32 gradient, 1/dp of the fp32 master and of the state).
 """
 
 from __future__ import annotations
@@ -74,14 +84,18 @@ class _Slot:
 
 
 class _Bucket:
-    def __init__(self, slots: list[_Slot], regions: int, dtype: torch.dtype,
-                 device: torch.device) -> None:
+    """Parameters whose gradients are reduced together over ``group`` (None: the dp
+    group), of whose ranks this one is ``rank``; ``shards`` regions when sharded (the
+    group's size), else one."""
+
+    def __init__(self, slots: list[_Slot], shards: int, rank: int, group: Any,
+                 dtype: torch.dtype, device: torch.device) -> None:
         self.slots = slots
+        self.shards, self.rank, self.group = shards, rank, group
         self.region = sum(s.width for s in slots)
-        self.buffer = torch.zeros(self.region * regions, dtype=dtype, device=device)
+        self.buffer = torch.zeros(self.region * shards, dtype=dtype, device=device)
         self.ready = 0
         self.work: Any = None
-        self.group: Any = None  # the bucket's own group (expert weights); None: the dp group
 
     def region_of(self, rank: int) -> torch.Tensor:
         return self.buffer[rank * self.region:(rank + 1) * self.region]
@@ -107,11 +121,9 @@ class GradBuckets:
         accumulation hooks, so no bucket is known full during the last backward).
         ``groups``: parameter id → the group its gradient is summed over instead of the
         dp group (a routed expert's weights: the expert-data-parallel group, whose ranks
-        hold the same experts), in buckets of their own, still averaged over ``dp``."""
+        hold the same experts), in buckets of their own, still averaged over ``dp``;
+        ZeRO-1 shards them over that group (rows ``chunk(size)[rank in it]``)."""
         self.groups = dict(groups or {})
-        if self.groups and sharded:
-            raise PartcError("expert weights are reduced over their own group, which "
-                             "ZeRO-1's reduce-scatter over dp does not shard alike")
         self.group, self.dp, self.dp_rank, self.sharded = group, dp, dp_rank, sharded
         self.overlap = overlap
         self.collecting = False  # inside one of the schedule's backwards
@@ -125,6 +137,7 @@ class GradBuckets:
         self._hooks: dict[int, Any] = {}  # on compute-dtype copies (stand_in)
         self._copies: dict[int, nn.Parameter] = {}
         self._slot: dict[int, tuple[_Bucket, _Slot]] = {}
+        self._masters: dict[int, torch.Tensor] | None = None  # make_masters
         # Shared weights last, in buckets of their own that never count as ready.
         # Expert weights in buckets of their own per group, after the others.
         self._late = {id(p) for p in params if id(p) in at_end}
@@ -140,7 +153,7 @@ class GradBuckets:
             if current and kind(param) != kind(current[-1].param):
                 self._close(current, device)
                 current, offset = [], 0
-            slot = _Slot(param, dp, sharded, offset)
+            slot = _Slot(param, self._shards_of(param)[0], sharded, offset)
             current.append(slot)
             offset += slot.width
             if offset >= limit:
@@ -167,9 +180,18 @@ class GradBuckets:
         if hook is not None:
             hook.remove()
 
+    def _shards_of(self, param: nn.Parameter) -> tuple[int, int]:
+        """Over how many ranks ``param``'s gradient is reduced, and this rank's place
+        among them: its group's (an expert weight's), or dp."""
+        group = self.groups.get(id(param))
+        if group is None:
+            return self.dp, self.dp_rank
+        return group.size(), group.rank()
+
     def _close(self, slots: list[_Slot], device: torch.device) -> None:
-        bucket = _Bucket(slots, self.dp if self.sharded else 1, torch.float32, device)
-        bucket.group = self.groups.get(id(slots[0].param))
+        shards, rank = self._shards_of(slots[0].param)
+        bucket = _Bucket(slots, shards if self.sharded else 1, rank,
+                         self.groups.get(id(slots[0].param)), torch.float32, device)
         self.buckets.append(bucket)
         for slot in slots:
             self._slot[id(slot.param)] = (bucket, slot)
@@ -229,18 +251,15 @@ class GradBuckets:
     def _launch(self, bucket: _Bucket) -> None:
         if bucket.work is not None:
             return
-        if bucket.group is not None:
-            bucket.work = dist.all_reduce(bucket.buffer, group=bucket.group, async_op=True)
-            return
-        if self.dp == 1:  # mixed precision alone: fp32 accumulation, nothing to reduce
+        group = self.group if bucket.group is None else bucket.group
+        if (self.dp if bucket.group is None else group.size()) == 1:
+            # Mixed precision alone, or experts no other rank holds: nothing to reduce.
             bucket.work = _Done()
-            return
-        if self.sharded:
+        elif self.sharded:
             bucket.work = dist.reduce_scatter_tensor(
-                bucket.region_of(self.dp_rank), bucket.buffer, group=self.group,
-                async_op=True)
+                bucket.region_of(bucket.rank), bucket.buffer, group=group, async_op=True)
         else:
-            bucket.work = dist.all_reduce(bucket.buffer, group=self.group, async_op=True)
+            bucket.work = dist.all_reduce(bucket.buffer, group=group, async_op=True)
 
     def finish(self, scale: int) -> None:
         """After the step's last backward: reduce the buckets not reduced yet (parameters
@@ -253,7 +272,9 @@ class GradBuckets:
         for bucket in self.buckets:
             bucket.work.wait()
             bucket.work, bucket.ready = None, 0
-            mine = bucket.region_of(self.dp_rank if self.sharded else 0)
+            mine = bucket.region_of(bucket.rank if self.sharded else 0)
+            # The mean over dp replicas, whichever group summed them: an expert's
+            # ranks together saw every replica's tokens routed to it.
             if self.dp > 1:
                 mine.div_(self.dp)
             if scale != 1:
@@ -278,13 +299,18 @@ class GradBuckets:
         if found is None:
             return None
         bucket, slot = found
-        view = slot.rank_view(bucket.region_of(self.dp_rank), self.dp_rank)
-        return view.view(shard_shape(param, self.dp, self.dp_rank))
+        view = slot.rank_view(bucket.region_of(bucket.rank), bucket.rank)
+        return view.view(shard_shape(param, bucket.shards, bucket.rank))
+
+    def shards_of(self, param: nn.Parameter) -> tuple[int, int]:
+        """ZeRO-1: over how many ranks ``param`` is sharded, and this rank's shard."""
+        bucket, _ = self._slot[id(param)]
+        return bucket.shards, bucket.rank
 
     def counted_once(self, param: nn.Parameter) -> bool:
-        """Whether this rank's gradient of ``param`` is a part no other dp rank holds
-        (a 0-dim parameter is whole on every rank: counted on dp rank 0)."""
-        return not self.sharded or param.dim() > 0 or self.dp_rank == 0
+        """Whether this rank's gradient of ``param`` is a part no other rank of its
+        group holds (a 0-dim parameter is whole on every rank: counted on rank 0)."""
+        return not self.sharded or param.dim() > 0 or self.shards_of(param)[1] == 0
 
     def zero_(self) -> None:
         for bucket in self.buckets:
@@ -298,6 +324,106 @@ class GradBuckets:
         for bucket in self.buckets:
             for slot in bucket.slots:
                 yield bucket, slot
+
+    # -- ZeRO-1 in mixed precision: sharded fp32 masters ---------------------------------
+
+    def make_masters(self, dtype: torch.dtype) -> dict[int, torch.Tensor]:
+        """ZeRO-1 in mixed precision, as Megatron's distributed optimizer: this rank's
+        shard of each fp32 parameter (over dp, or an expert weight's group) becomes a
+        master tensor of its own, and the parameter itself is kept in the compute
+        ``dtype`` (its fp32 rows of the other ranks are dropped). Made once (a second
+        optimizer reuses them); parameters already in ``dtype`` get none."""
+        if self._masters is None:
+            self._masters = {}
+            with torch.no_grad():
+                for bucket, slot in self.slots():
+                    param = slot.param
+                    if not param.is_floating_point() or param.dtype == dtype:
+                        continue
+                    start, end = slot.ranges[bucket.rank]
+                    rows = param.detach().reshape(-1)[start:end].clone()
+                    self._masters[id(param)] = rows.view(
+                        shard_shape(param, bucket.shards, bucket.rank))
+                    param.data = param.data.to(dtype)
+        return self._masters
+
+    def master_of(self, param: nn.Parameter) -> torch.Tensor | None:
+        """This rank's fp32 master shard of ``param`` (see :meth:`make_masters`), or None
+        when the parameter is its own master."""
+        return None if self._masters is None else self._masters.get(id(param))
+
+    @torch.no_grad()
+    def gather_params(self) -> None:
+        """Every replica's rows of each parameter into every replica's parameter: one
+        all-gather per bucket over its group, in the parameters' dtype (the compute dtype
+        where :meth:`make_masters` made fp32 masters: bf16 moves half the bytes), all
+        issued before any is waited for. A rank's own rows are its master's, or (no
+        masters) the parameter's own, updated in place."""
+        pending = []
+        for bucket in self.buckets:
+            rank, shards = bucket.rank, bucket.shards
+            group = self.group if bucket.group is None else bucket.group
+            dtype = bucket.slots[0].param.dtype
+            device = bucket.buffer.device
+            mine = torch.zeros(bucket.region, dtype=dtype, device=device)
+            for slot in bucket.slots:
+                start, end = slot.ranges[rank]
+                master = self.master_of(slot.param)
+                source = master.reshape(-1) if master is not None \
+                    else slot.param.detach().reshape(-1)[start:end]
+                slot.rank_view(mine, rank).copy_(source)
+            if shards == 1:  # experts no other rank holds: stepped whole here
+                pending.append((bucket, mine, None))
+                continue
+            out = torch.empty(bucket.region * shards, dtype=dtype, device=device)
+            work = dist.all_gather_into_tensor(out, mine, group=group, async_op=True)
+            pending.append((bucket, out, work))
+        for bucket, out, work in pending:
+            if work is not None:
+                work.wait()
+            for other in range(bucket.shards):
+                region = out[other * bucket.region:(other + 1) * bucket.region]
+                for slot in bucket.slots:
+                    mastered = self.master_of(slot.param) is not None
+                    if other == bucket.rank and not mastered:
+                        continue
+                    start, end = slot.ranges[other]
+                    if end > start and (slot.param.dim() > 0 or other == bucket.rank):
+                        slot.param.detach().reshape(-1)[start:end].copy_(
+                            slot.rank_view(region, other))
+
+    def full_master(self, param: nn.Parameter) -> torch.Tensor:
+        """``param`` whole (this rank's local tensor, every rank's rows of its group) in
+        fp32 from the masters. Collective over the parameter's group."""
+        master = self.master_of(param)
+        bucket, slot = self._slot[id(param)]
+        if param.dim() == 0:
+            return master.clone()
+        mine = torch.zeros(slot.width, dtype=master.dtype, device=master.device)
+        mine[:master.numel()].copy_(master.reshape(-1))
+        out = torch.empty(slot.width * bucket.shards, dtype=master.dtype,
+                          device=master.device)
+        if bucket.shards > 1:
+            group = self.group if bucket.group is None else bucket.group
+            dist.all_gather_into_tensor(out, mine, group=group)
+        else:
+            out.copy_(mine)
+        whole = torch.empty(param.shape, dtype=master.dtype, device=master.device)
+        flat = whole.reshape(-1)
+        for other in range(bucket.shards):
+            start, end = slot.ranges[other]
+            flat[start:end].copy_(out[other * slot.width:other * slot.width + end - start])
+        return whole
+
+    @torch.no_grad()
+    def load_whole(self, param: nn.Parameter, whole: torch.Tensor) -> None:
+        """Set ``param`` (this rank's local tensor) to ``whole``: its master takes this
+        rank's rows in fp32, the parameter the compute-dtype copy of all of it."""
+        master = self.master_of(param)
+        bucket, slot = self._slot[id(param)]
+        start, end = slot.ranges[bucket.rank]
+        master.reshape(-1).copy_(whole.reshape(-1)[start:end])
+        param.detach().copy_(whole)
 
 
 class _Done:
@@ -327,17 +453,23 @@ class DistributedOptimizer(torch.optim.Optimizer):
     parameter's dp shard)."""
 
     def __init__(self, buckets: GradBuckets, optimizer_class: type[torch.optim.Optimizer],
-                 **defaults: Any) -> None:
+                 *, compute_dtype: torch.dtype | None = None, **defaults: Any) -> None:
+        """``compute_dtype``: mixed precision; the parameters are then kept in it and
+        the optimizer steps fp32 masters of this rank's shards
+        (:meth:`GradBuckets.make_masters`)."""
         self.buckets = buckets
-        rank, dp = buckets.dp_rank, buckets.dp
+        masters = buckets.make_masters(compute_dtype) if compute_dtype is not None else {}
         shards: list[nn.Parameter] = []
         self.param_of: dict[int, nn.Parameter] = {}
         self._shard: dict[int, nn.Parameter] = {}
-        for _, slot in buckets.slots():
-            param = slot.param
+        for bucket, slot in buckets.slots():
+            param, rank = slot.param, bucket.rank
             start, end = slot.ranges[rank]
-            # A view of this rank's rows: stepping it updates the parameter in place.
-            rows = param.detach().reshape(-1)[start:end].view(shard_shape(param, dp, rank))
+            # The fp32 master of this rank's rows, or a view of them: stepping it
+            # updates the parameter in place.
+            rows = masters[id(param)] if id(param) in masters else \
+                param.detach().reshape(-1)[start:end].view(
+                    shard_shape(param, bucket.shards, rank))
             shard = nn.Parameter(rows, requires_grad=True)
             shards.append(shard)
             self.param_of[id(shard)] = param
@@ -347,9 +479,13 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self.param_groups = self.optim.param_groups
         self.state = self.optim.state
 
-    def dp_sharded(self, shard: torch.Tensor) -> bool:
-        """Whether ``shard`` is a dp shard of dim 0 (not a 0-dim parameter whole)."""
-        return shard.dim() > 0
+    def sharding(self, shard: torch.Tensor) -> tuple[int, int] | None:
+        """Over how many ranks ``shard``'s parameter is cut along dim 0 (dp, or an
+        expert weight's expert-data-parallel group) and which part this is; None for a
+        0-dim parameter, held whole."""
+        if shard.dim() == 0:
+            return None
+        return self.buckets.shards_of(self.param_of[id(shard)])
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.buckets.zero_()
@@ -374,30 +510,5 @@ class DistributedOptimizer(torch.optim.Optimizer):
         return loss
 
     def _gather(self) -> None:
-        """Every replica's updated rows into every replica's parameters: one all-gather
-        per bucket, all issued before any is waited for."""
-        buckets = self.buckets
-        rank, dp = buckets.dp_rank, buckets.dp
-        pending = []
-        for bucket in buckets.buckets:
-            dtype = bucket.slots[0].param.dtype
-            device = bucket.buffer.device
-            out = torch.empty(bucket.region * dp, dtype=dtype, device=device)
-            mine = torch.zeros(bucket.region, dtype=dtype, device=device)
-            for slot in bucket.slots:
-                start, end = slot.ranges[rank]
-                slot.rank_view(mine, rank).copy_(slot.param.detach().reshape(-1)[start:end])
-            work = dist.all_gather_into_tensor(out, mine, group=buckets.group,
-                                               async_op=True)
-            pending.append((bucket, out, work))
-        for bucket, out, work in pending:
-            work.wait()
-            for other in range(dp):
-                if other == rank:
-                    continue
-                region = out[other * bucket.region:(other + 1) * bucket.region]
-                for slot in bucket.slots:
-                    start, end = slot.ranges[other]
-                    if end > start and slot.param.dim() > 0:
-                        slot.param.detach().reshape(-1)[start:end].copy_(
-                            slot.rank_view(region, other))
+        """Every replica's updated rows into every replica's parameters."""
+        self.buckets.gather_params()

@@ -4,7 +4,8 @@
 partc's additions: it counts the point-to-point messages it posts (the plan's figures are
 checked against them), tells the watchdog of each microbatch, runs pipelining's
 first-step shape inference on zeros and without touching written buffers, and under
-ZeRO-2/3 reduce-scatters gradients after every microbatch (see :mod:`.module`).
+ZeRO-2/3 reduce-scatters gradients after every microbatch, or, for a ZeRO-2 plan that
+reduces once per step, after the stage's last one (see :mod:`.module`).
 :class:`partc.runtime.optimizer.GradBuckets` (ZeRO 0/1's bucketed gradient reduction,
 overlapping the last backward) is armed here; :func:`contiguous_transfers` makes what
 crosses a stage boundary contiguous.
@@ -31,12 +32,16 @@ from .watchdog import Watchdog
 
 class CountingStage(PipelineStage):
     """A pipeline stage that counts the point-to-point messages it posts, and under
-    ZeRO-2/3 reduce-scatters gradients after every microbatch (see the module's doc)."""
+    ZeRO-2/3 reduce-scatters gradients after every microbatch, or with ``reduce_once``
+    (ZeRO-2) accumulates them whole until the stage's last backward of the step (see
+    the module's doc)."""
 
-    def __init__(self, *args: Any, zero_stage: int = 0, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, zero_stage: int = 0, reduce_once: bool = False,
+                 **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.messages: Counter[str] = Counter()
         self.zero_stage = zero_stage
+        self.reduce_once = reduce_once
         # ZeRO 0/1 with dp > 1 or mixed precision: GradBuckets (any object with its
         # begin/end/finish calls: benchmarks/optimizer.py measures another against it)
         self.grad_sync: Any = None
@@ -124,9 +129,12 @@ class CountingStage(PipelineStage):
         if backward_type != "full":
             raise PartcError(f"ZeRO-{self.zero_stage} supports full backward only, "
                              f"not {backward_type!r}")
-        self.submod.set_requires_gradient_sync(True)
+        # FSDP's no-sync accumulates the unsharded gradient (fp32: its reduce dtype) in
+        # every unit; the backward that syncs reduce-scatters what accumulated.
+        sync = last_backward or not self.reduce_once
+        self.submod.set_requires_gradient_sync(sync)
         self.submod.set_reshard_after_backward(self.zero_stage >= 3)
-        self.submod.set_is_last_backward(True)
+        self.submod.set_is_last_backward(sync)
         grads = stage_backward(bwd_kwargs["stage_output"], bwd_kwargs["output_grads"],
                                bwd_kwargs["input_values"])
         return grads, None

@@ -1,5 +1,7 @@
 """Mixed precision under ZeRO 0/1: the stage computes with bf16 copies of its parameters,
-made once per step.
+made once per step. (Under ZeRO-1, once ``module.optimizer`` has made the distributed
+optimizer, the parameters themselves are bf16 and the fp32 masters are each rank's dp
+shards, ``partc/runtime/optimizer.py``: there is nothing left to copy.)
 
 The module's parameters stay fp32: they are the master weights, what the optimizer
 steps, checkpoints save and ``state_dict`` returns. For the schedule's step (every

@@ -9,9 +9,11 @@ import dataclasses
 import pytest
 import torch
 
+from partc import meta
 from partc.passes.context import Lowering
 from partc.passes.moe import recognize
-from partc.passes.pipeline import _trace, analyze, lowering_passes, run_passes
+from partc.passes.pipeline import _trace, analyze, lowering_passes, run_passes, stage_passes
+from partc.passes.split import split
 from partc.runtime.experts import expert_modules
 from samples import moe
 from tests import models
@@ -134,3 +136,30 @@ def test_capacity_drops_per_sample():
     with torch.no_grad():
         first = gm1(_ids()[:1])[0]
     torch.testing.assert_close(first, whole[:1], rtol=1e-6, atol=1e-6)
+
+
+def test_under_zero3_the_experts_call_holds_its_weights_and_is_a_layer_unit():
+    """ZeRO-2/3: the experts call takes the experts module's place holding the routed
+    weights under their FQNs (FSDP gathers a module's own weights around its call), and
+    the layer's unit keeps it; the stage computes what the model does."""
+    torch.manual_seed(0)
+    model = moe.moe_tiny()
+    names = set(dict(model.named_parameters()))
+    lowering = Lowering(stages=(), recompute={}, ep=2, fsdp_units=True)
+    gm, ctx = _trace(model, (_ids(),))
+    ctx = dataclasses.replace(ctx, lowering=lowering)
+    gm = run_passes(lowering_passes(lowering), gm, ctx)
+    (stage,) = split(gm, [[info.name for info in meta.layers(gm)]])
+    module = run_passes(stage_passes(lowering), stage.module, ctx)
+    layers = expert_modules(module)
+    assert len(layers) == 2
+    for layer in layers:
+        assert layer.owned == ("w_in", "w_out")
+        assert all(module.get_parameter(f) is getattr(layer, f.rpartition(".")[2])
+                   for f in layer.weight_names)
+    assert set(dict(module.named_parameters())) == names
+    unit = module.get_submodule("blocks.0")
+    assert isinstance(unit, torch.fx.GraphModule)
+    assert unit.get_submodule("moe.experts") is layers[0]
+    with torch.no_grad():
+        assert torch.equal(module(_ids())[0], model(_ids())[0])

@@ -110,31 +110,40 @@ def brute_force(prob: PlanningProblem) -> tuple[int, PipelineConfig, list[int], 
             if per_replica % b:
                 continue
             m = per_replica // b
-            for schedule, zero, chunks in schedule_choices(prob, pp, dp, m):
+            for schedule, zero, chunks, sync in schedule_choices(prob, pp, dp, m):
                 config = PipelineConfig(pp=pp, dp=dp, micro_batch_size=b,
                                         zero_stage=zero, num_microbatches=m,
-                                        schedule=schedule, chunks=chunks)
+                                        schedule=schedule, chunks=chunks,
+                                        zero2_grad_sync=sync)
                 best = _best_split(prob, config, best)
     return best
 
 
 def schedule_choices(prob: PlanningProblem, pp: int, dp: int, m: int):
-    """Every (schedule, ZeRO stage, virtual stages per rank v) brute force tries: v where
-    the schedule runs v, torch takes pp ranks and m microbatches, and every run gets a
-    layer; ZeRO only with replicas; as the pins allow."""
+    """Every (schedule, ZeRO stage, virtual stages per rank v, ZeRO-2 gradient sync)
+    brute force tries: v where the schedule runs v, torch takes pp ranks and m
+    microbatches, and every run gets a layer; ZeRO only with replicas (or as pinned: it
+    then runs as 0); ZeRO-2's reduce-scatter after every microbatch or once per step
+    where there are several; as the pins allow."""
     num_layers = prob.num_layers
     schedules = (prob.pins.schedule,) if prob.pins.schedule else AUTO_SCHEDULES
-    for schedule, zero in itertools.product(schedules, (0, 1, 2, 3)):
-        if zero and dp == 1:
+    for schedule, zero, sync in itertools.product(schedules, (0, 1, 2, 3),
+                                                  ("microbatch", "step")):
+        if zero and dp == 1 and prob.pins.zero_stage is None:
             continue  # ZeRO shards over replicas: with one there is nothing to shard
-        if feature_refusal(schedule, zero, prob.train.compiled) is not None:
+        if sync == "step" and (zero != 2 or dp == 1 or m == 1):
+            continue  # the same as reducing per microbatch
+        if prob.pins.zero_stage not in (None, zero) \
+                or prob.pins.zero2_grad_sync not in (None, sync):
+            continue
+        if feature_refusal(schedule, zero if dp > 1 else 0, prob.train.compiled) is not None:
             continue  # the runtime does not run it (e.g. a split backward under FSDP)
         allowed = schedule_info(schedule).virtual_stages or range(2, num_layers + 1)
         for v in allowed:
             if prob.pins.virtual_stages in (None, v) \
                     and (v == 1 or pp > 1 and prob.pins.stages is None) \
                     and pp * v <= num_layers and refusal(schedule, pp, v, m) is None:
-                yield schedule, zero, v
+                yield schedule, zero, v, sync
 
 
 def _modes(prob: PlanningProblem, cost: LayerCost) -> tuple[str, ...]:

@@ -76,12 +76,11 @@ def brute_force(prob):
                 if per_replica % b:
                     continue
                 m = per_replica // b
-                for schedule, zero, v in schedule_choices(prob, pp, dp, m):
-                    if zero and ep > 1:
-                        continue  # the runtime runs expert parallelism without ZeRO
+                for schedule, zero, v, sync in schedule_choices(prob, pp, dp, m):
                     config = PipelineConfig(pp=pp, dp=dp, micro_batch_size=b, ep=ep,
                                             num_microbatches=m, chunks=v,
-                                            schedule=schedule, zero_stage=zero)
+                                            schedule=schedule, zero_stage=zero,
+                                            zero2_grad_sync=sync)
                     best = _best_split(prob, config, best)
     return best
 
@@ -112,9 +111,25 @@ def test_plan_with_experts_equals_brute_force(seed):
     assert (plan.expert_parallel is None) == (plan.mesh.ep == 1)
 
 
+def test_brute_force_optima_include_expert_parallelism_under_zero():
+    """ZeRO with ep > 1 is searched (the runtime shards experts over expert-dp): among
+    the instances above, some are fastest with both, and the planner plans them so."""
+    found = []
+    for seed in range(12):
+        prob = _random_moe_problem(random.Random(seed))
+        oracle = brute_force(prob)
+        if oracle is not None and oracle[1].ep > 1 and oracle[1].effective_zero_stage:
+            found.append(prob)
+    assert found
+    plan = plan_problem(found[0])
+    assert plan.mesh.ep > 1 and plan.effective_zero_stage > 0
+    assert plan.expert_parallel.expert_dp * plan.mesh.ep == plan.dp * plan.tp
+
+
 def test_expert_state_is_split_over_ep_and_reduced_over_expert_dp():
     """A block's expert parameters are 1/ep per rank; under ZeRO-1 their optimizer state
-    is sharded over the dp / ep ranks holding the same experts, the rest over dp."""
+    is sharded over the dp / ep ranks holding the same experts, the rest over dp; under
+    ZeRO-3 their weights and gradients too."""
     prob = moe_problem(num_devices=8, node=8, blocks=1)
     block = prob.layers[1]
     experts, dense = block.moe.expert_param_count, block.param_count - block.moe.expert_param_count
@@ -131,6 +146,16 @@ def test_expert_state_is_split_over_ep_and_reduced_over_expert_dp():
         assert row.state_bytes["optimizer"] == round(dense_opt) + round(expert_opt)
     one = build_cost_table(prob, dataclasses.replace(config, ep=1)).layers[1]
     assert one.param_count == block.param_count   # ep = 1: the layer as measured
+    # ZeRO-3: weights, gradients and optimizer state of the experts over expert-dp (FSDP
+    # units of their own on that group), whole where a rank alone holds its experts.
+    for ep in (2, 8):
+        config = PipelineConfig(pp=1, dp=8, micro_batch_size=1, num_microbatches=1,
+                                schedule="1f1b", zero_stage=3, ep=ep)
+        row = build_cost_table(prob, config).layers[1]
+        edp, local = 8 // ep, experts // ep
+        for kind, per_param in (("params", 4), ("grads", 4), ("optimizer", 8)):
+            assert row.state_bytes[kind] == round(per_param * dense / 8) + \
+                round(per_param * local / edp)
 
 
 def test_all_to_all_over_nvlink_inside_a_node_and_the_network_across():

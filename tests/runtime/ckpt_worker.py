@@ -78,12 +78,23 @@ PLANS: dict[str, tuple[int, dict[str, Any]]] = {
     "dp2-tp2-zero3": (4, dict(pp=1, dp=2, tp=2, zero_stage=3, **_TP)),
     "pp2-dp2-zero1": (4, dict(pp=2, dp=2, tp=1, zero_stage=1, schedule="1f1b",
                               recompute="none")),
+    # bf16 (a plan name ending in -bf16): under ZeRO-1 the checkpoint holds each rank's
+    # fp32 master shard, the module computes with bf16 weights.
+    "dp2-zero1-bf16": (2, dict(pp=1, dp=2, tp=1, zero_stage=1, recompute="none")),
+    "pp2-bf16": (2, dict(pp=2, dp=1, tp=1, schedule="1f1b", recompute="none")),
     # Expert parallelism (ZeRO-0): experts split over 2 or 4 ranks.
     "dp2-ep2": (2, dict(pp=1, dp=2, tp=1, ep=2, zero_stage=0, recompute="none")),
     "dp4-ep4": (4, dict(pp=1, dp=4, tp=1, ep=4, zero_stage=0, recompute="none")),
     "dp4-ep2": (4, dict(pp=1, dp=4, tp=1, ep=2, zero_stage=0, recompute="none")),
     "pp2-dp2-ep2": (4, dict(pp=2, dp=2, tp=1, ep=2, zero_stage=0, schedule="1f1b",
                             recompute="none")),
+    # Expert parallelism under ZeRO: experts sharded over the ranks holding the same
+    # ones (dp4-ep2: 2 of them; dp2-ep2: each rank alone).
+    "dp2-ep2-zero1": (2, dict(pp=1, dp=2, tp=1, ep=2, zero_stage=1, recompute="none")),
+    "dp2-ep2-zero3": (2, dict(pp=1, dp=2, tp=1, ep=2, zero_stage=3, recompute="none")),
+    "dp4-ep2-zero1": (4, dict(pp=1, dp=4, tp=1, ep=2, zero_stage=1, recompute="none")),
+    "dp4-ep2-zero2": (4, dict(pp=1, dp=4, tp=1, ep=2, zero_stage=2, recompute="none")),
+    "dp4-ep2-zero3": (4, dict(pp=1, dp=4, tp=1, ep=2, zero_stage=3, recompute="none")),
 }
 
 
@@ -110,7 +121,9 @@ def compile_plan(case: Case, model: torch.nn.Module, plan: str) -> partc.Program
     x, y = batch(case, model, 0)
     return partc.compile(model, x, loss_fn=case.loss_fn, example_target=y,
                          budget=partc.DeviceBudget(num_devices=world, device="CPU"),
-                         train=partc.TrainSpec(global_batch_size=BATCH, optimizer="adamw"),
+                         train=partc.TrainSpec(global_batch_size=BATCH, optimizer="adamw",
+                                               dtype=torch.bfloat16 if plan.endswith("-bf16")
+                                               else torch.float32),
                          constraints=partc.Constraints(**constraints))
 
 

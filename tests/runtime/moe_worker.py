@@ -26,6 +26,7 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
+from torch.distributed.tensor import DTensor  # noqa: E402
 
 import partc  # noqa: E402
 from partc.passes.context import Lowering  # noqa: E402
@@ -86,6 +87,32 @@ CASES: dict[str, Case] = {
                                          dict(pp=1, dp=2, tp=2, ep=4), capacity_factor=1.0),
     "mixtral-tp2-ep2": Case(_family("mixtral"), _hf_loss, dict(pp=1, dp=1, tp=2, ep=2)),
     "mixtral-dp2-tp2-ep2": Case(_family("mixtral"), _hf_loss, dict(pp=1, dp=2, tp=2, ep=2)),
+    "moe-dp2-ep2-zero1": Case(moe.moe_tiny, moe.loss_fn, dict(pp=1, dp=2, ep=2, zero_stage=1)),
+    "moe-dp2-ep2-zero2": Case(moe.moe_tiny, moe.loss_fn, dict(pp=1, dp=2, ep=2, zero_stage=2)),
+    "moe-dp2-ep2-zero3": Case(moe.moe_tiny, moe.loss_fn, dict(pp=1, dp=2, ep=2, zero_stage=3)),
+    "moe-dp4-ep2-zero1": Case(moe.moe_tiny, moe.loss_fn, dict(pp=1, dp=4, ep=2, zero_stage=1),
+                              clip=0.05),
+    "moe-dp4-ep2-zero3": Case(moe.moe_tiny, moe.loss_fn, dict(pp=1, dp=4, ep=2, zero_stage=3),
+                              clip=0.05),
+    # ZeRO-2 reducing once per step, the experts' units over their expert-dp group too.
+    "moe-dp4-ep2-zero2-step": Case(moe.moe_tiny, moe.loss_fn,
+                                   dict(pp=1, dp=4, ep=2, zero_stage=2, zero2_grad_sync="step"),
+                                   clip=0.05),
+    "moe-dp2-tp2-ep2-zero1": Case(moe.moe_tiny, moe.loss_fn,
+                                  dict(pp=1, dp=2, tp=2, ep=2, zero_stage=1), clip=0.05),
+    "moe-dp2-tp2-ep2-zero3": Case(moe.moe_tiny, moe.loss_fn,
+                                  dict(pp=1, dp=2, tp=2, ep=2, zero_stage=3), clip=0.05),
+    "moe-pp2-dp2-ep2-zero2": Case(moe.moe_tiny, moe.loss_fn,
+                                  dict(pp=2, dp=2, ep=2, zero_stage=2)),
+    "moe-dp2-ep2-zero3-recompute": Case(moe.moe_tiny, moe.loss_fn,
+                                        dict(pp=1, dp=2, ep=2, zero_stage=3,
+                                             recompute="full")),
+    "moe-dp2-ep2-recompute": Case(moe.moe_tiny, moe.loss_fn,
+                                  dict(pp=1, dp=2, ep=2, zero_stage=0, recompute="full")),
+    "qwen3-moe-dp2-ep2-zero3": Case(_family("qwen3-moe"), _hf_loss,
+                                    dict(pp=1, dp=2, ep=2, zero_stage=3)),
+    "mixtral-dp4-ep2-zero1": Case(_family("mixtral"), _hf_loss,
+                                  dict(pp=1, dp=4, ep=2, zero_stage=1)),
     "moe-dp2-ep2-capacity": Case(lambda: moe.moe_tiny(top_k=2), moe.loss_fn,
                                  dict(pp=1, dp=2, ep=2), capacity_factor=1.0),
     "mixtral-dp2-ep2": Case(_family("mixtral"), _hf_loss, dict(pp=1, dp=2, ep=2)),
@@ -181,7 +208,10 @@ def run_case(name: str) -> dict[str, Any]:
         placement = plan.placement((fqn,))
         if placement.kind == "S":  # this rank's tensor-parallel shard
             ref = tp_ops.shard_of(ref, placement.dim, placement.chunks, topo.tp_rank, topo.tp)
-        errors[fqn] = ((param.detach() - ref).norm() / max(ref.norm().item(), 1e-3)).item()
+        value = param.detach()
+        if isinstance(value, DTensor):  # ZeRO-2/3: this rank's shard, over its mesh
+            value = value.full_tensor()
+        errors[fqn] = ((value - ref).norm() / max(ref.norm().item(), 1e-3)).item()
     ep = plan.mesh.ep
     # Per step, the plan's all-to-alls of this rank's stage (tokens out and back, forward
     # and backward, per expert layer and microbatch), and one exchange of counts before
@@ -189,11 +219,17 @@ def run_case(name: str) -> dict[str, Any]:
     section = plan.expert_parallel
     expected = sum(layer.all_to_alls for layer in section.layers
                    if layer.stage == topo.pp_rank) if section is not None else 0
-    expected_exchanges = len(layers) * plan.num_microbatches if ep > 1 else 0
+    # A recomputed layer exchanges its counts again in the replayed forward.
+    recomputed = {name for stage in plan.stages for name, mode in stage.recompute.items()
+                  if mode != "none"}
+    expected_exchanges = plan.num_microbatches * sum(
+        1 + (layer.name in recomputed) for layer in section.layers
+        if layer.stage == topo.pp_rank) if ep > 1 else 0
     return {"losses": losses, "ref_losses": ref_losses, "param_errors": errors,
             "messages": messages, "expected_messages": expected,
             "exchanges": exchanges, "expected_exchanges": expected_exchanges,
-            "mesh": {"pp": plan.pp, "dp": plan.dp, "tp": plan.tp, "ep": ep},
+            "mesh": {"pp": plan.pp, "dp": plan.dp, "tp": plan.tp, "ep": ep,
+                     "zero": plan.effective_zero_stage},
             "expert_layers": len(layers), "stage": module.stage_index,
             "dropped": sum(m.dropped for m in layers),
             "grad_norms": norms, "ref_grad_norms": ref_norms}

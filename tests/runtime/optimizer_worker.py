@@ -4,8 +4,10 @@ was seen to ``<out>/rank<k>.json``.
 
     torchrun --standalone --nproc-per-node=2 tests/runtime/optimizer_worker.py OUT CASE ...
 
-A case is ``<model>[-pp<p>]-zero<k>-<dtype>[-clip]``: model ``gpt`` (the sample GPT) or
-``gpt2`` (Hugging Face GPT-2 from a config), pp stages (1F1B), dp = the other ranks. In fp32 the reference is
+A case is ``<model>[-pp<p>][-ep<e>]-zero<k>-<dtype>[-clip]``: model ``gpt`` (the sample
+GPT), ``gpt2`` (Hugging Face GPT-2 from a config) or ``moe`` (the sample
+mixture-of-experts GPT), pp stages (1F1B), dp = the other ranks, experts split over
+``e`` of them. In fp32 the reference is
 ``torch.optim.Adam`` on one process; in bf16 it runs the same recipe on one process:
 each step, bf16 copies of the fp32 parameters compute every microbatch under autocast
 (CUDA's rules, as the runtime's CPU ranks), their gradients summed in fp32 into the fp32
@@ -31,7 +33,7 @@ from torch import nn  # noqa: E402
 
 import partc  # noqa: E402
 from partc.autocast_policy import cuda_autocast  # noqa: E402
-from samples import gpt  # noqa: E402
+from samples import gpt, moe  # noqa: E402
 from tests import models  # noqa: E402
 
 BATCH, SEQ, STEPS, MICROBATCHES = 8, 16, 3, 4
@@ -45,7 +47,8 @@ def _gpt2() -> nn.Module:
     return models.gpt2(n_layer=2, dropout=0.0)
 
 
-MODELS = {"gpt": (gpt.gpt_tiny, gpt.loss_fn), "gpt2": (_gpt2, models.causal_lm_loss)}
+MODELS = {"gpt": (gpt.gpt_tiny, gpt.loss_fn), "gpt2": (_gpt2, models.causal_lm_loss),
+          "moe": (moe.moe_tiny, moe.loss_fn)}
 
 
 def _batch(model: nn.Module, step: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -58,6 +61,8 @@ def _batch(model: nn.Module, step: int) -> tuple[torch.Tensor, torch.Tensor]:
 def _fp32_logits(output: Any) -> Any:
     if isinstance(output, torch.Tensor):
         return output.float()
+    if isinstance(output, tuple):  # the sample MoE's (logits, balance loss)
+        return tuple(_fp32_logits(t) for t in output)
     output.logits = output.logits.float()
     return output
 
@@ -104,6 +109,7 @@ def run_case(name: str) -> dict[str, Any]:
     parts = name.split("-")
     build, loss_fn = MODELS[parts[0]]
     pp = int(parts.pop(1).removeprefix("pp")) if parts[1].startswith("pp") else 1
+    ep = int(parts.pop(1).removeprefix("ep")) if parts[1].startswith("ep") else 1
     zero = int(parts[1].removeprefix("zero"))
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[parts[2]]
     clip = 1.0 if "clip" in parts else None
@@ -118,7 +124,7 @@ def run_case(name: str) -> dict[str, Any]:
         budget=partc.DeviceBudget(num_devices=world, device="CPU"),
         train=partc.TrainSpec(global_batch_size=BATCH, optimizer="adam", dtype=dtype,
                               max_grad_norm=clip),
-        constraints=partc.Constraints(pp=pp, dp=dp, zero_stage=zero, recompute="none",
+        constraints=partc.Constraints(pp=pp, dp=dp, ep=ep, zero_stage=zero, recompute="none",
                                       schedule="1f1b" if pp > 1 else None,
                                       num_microbatches=MICROBATCHES // dp))
     module = program.build()
@@ -155,7 +161,8 @@ def run_case(name: str) -> dict[str, Any]:
 
 def _measured_bytes(module: Any, opt: torch.optim.Optimizer) -> dict[str, int]:
     """Bytes of the tensors this rank allocated for weights, gradients and optimizer
-    state, after a step: the parameters (and the compute-dtype copies the step made),
+    state, after a step: the parameters (and the compute-dtype copies the step made, or
+    ZeRO-1's fp32 masters),
     the gradient buckets or FSDP's sharded gradients, the optimizer's state tensors."""
     params = list({id(p): p for p in module.parameters()}.values())
     local = [p.to_local() if hasattr(p, "to_local") else p for p in params]
@@ -163,6 +170,9 @@ def _measured_bytes(module: Any, opt: torch.optim.Optimizer) -> dict[str, int]:
     copies = getattr(module, "_copies", None)
     weights += copies.last_bytes if copies is not None else 0
     buckets = getattr(module, "_buckets", None)
+    # ZeRO-1 in mixed precision: the fp32 masters of this rank's shards.
+    weights += sum(module.master_of(p).numel() * 4 for p in params
+                   if module.master_of(p) is not None)
     if buckets is not None:
         grads = sum(b.buffer.numel() * b.buffer.element_size() for b in buckets.buckets)
     else:  # FSDP's sharded gradients

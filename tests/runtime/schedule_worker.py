@@ -7,8 +7,9 @@ every rank, and write what was seen to ``<out>/rank<k>.json``.
 A case is ``<model>-<schedule>-<combination>``: model ``gpt`` (samples/gpt.py), ``llama``
 or ``gpt2`` (Hugging Face, GPT-2's embedding tied to its head); combination ``plain`` and
 ``recompute`` (some layers recomputed in full, some selectively) and ``full`` (every
-layer in full) with pp=2 (2 processes); ``dp2``, ``dp2-recompute``, ``dp2-zero2`` (FSDP)
-and ``tp2`` with pp=2 and dp=2 or tp=2 (4 processes). Schedules with virtual stages hold 2 per rank (pp=2, v=2).
+layer in full) with pp=2 (2 processes); ``dp2``, ``dp2-recompute``, ``dp2-zero2`` (FSDP),
+``dp2-zero2-step`` (ZeRO-2 reducing once per step) and ``tp2`` with pp=2 and dp=2 or tp=2
+(4 processes). Schedules with virtual stages hold 2 per rank (pp=2, v=2).
 
 Every case clips the global gradient norm (``CLIP``), compared with one process's
 ``clip_grad_norm_``. ``checkpoint:<case>`` saves a checkpoint of the case after one step
@@ -67,6 +68,8 @@ COMBINATIONS = {  # combination -> (constraints beside pp, processes)
     "tp2": (dict(tp=2, tp_objective="memory", recompute="none"), 4),
     "dp2-recompute": (dict(dp=2, zero_stage=0), 4),
     "dp2-zero2": (dict(dp=2, zero_stage=2, recompute="none"), 4),
+    # ZeRO-2 reducing once per step: each virtual stage's last backward reduce-scatters
+    "dp2-zero2-step": (dict(dp=2, zero_stage=2, zero2_grad_sync="step", recompute="none"), 4),
     # The planner's own plan for the pinned schedule (its split and v), pp=2.
     "planned": (dict(recompute="none"), 2),
 }

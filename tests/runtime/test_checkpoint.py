@@ -230,16 +230,25 @@ def test_an_asynchronous_save_writes_what_the_step_had(program, tmp_path):
 # -- resume parity under torchrun ---------------------------------------------------------
 
 SAME, RESHARD = "gpt:pp2>pp2", "gpt:dp2-zero3>tp2"
+# bf16 under ZeRO-1: the fp32 master shards are what is saved and read back.
+SAME_BF16 = "gpt:dp2-zero1-bf16>dp2-zero1-bf16"
 # Experts cut over 2 expert-parallel ranks, resumed whole on a pipeline.
 EXPERTS = "moe:dp2-ep2>pp2"
+# Experts under ZeRO: FSDP units of each rank's own experts, resumed as ZeRO-1's
+# buckets and optimizer shards.
+EXPERTS_ZERO = "moe:dp2-ep2-zero3>dp2-ep2-zero1"
+# Experts sharded over 2 ranks holding the same ones (expert-dp 2) under ZeRO-1 and 3,
+# resumed on other meshes (4 -> 2 and 2 -> 4 processes, -m slow).
+EXPERTS_ZERO_FOUR = ["moe:dp4-ep2-zero1>pp2", "mixtral:dp4-ep2-zero3>dp2-ep2-zero1"]
+EXPERTS_ZERO_TWO = ["moe:dp2-ep2>dp4-ep2-zero3", "mixtral:dp2-ep2-zero3>dp4-ep2-zero1"]
 
 
-def launch(out: Path, phase: str, moves: list[str]) -> list[dict]:
+def launch(out: Path, phase: str, moves: list[str], nproc: int = 2) -> list[dict]:
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-               "--nproc-per-node=2", str(WORKER), str(out), phase, *moves]
+               f"--nproc-per-node={nproc}", str(WORKER), str(out), phase, *moves]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PARTC_TIMEOUT_S": "120"}
     done = subprocess.run(command, capture_output=True, text=True, timeout=900, env=env)
-    files = [out / f"{phase}-rank{r}.json" for r in range(2)]
+    files = [out / f"{phase}-rank{r}.json" for r in range(nproc)]
     if done.returncode != 0 or not all(f.exists() for f in files):
         pytest.fail(f"torchrun exited with {done.returncode}; stderr tail:\n"
                     f"{done.stderr[-4000:]}")
@@ -249,8 +258,8 @@ def launch(out: Path, phase: str, moves: list[str]) -> list[dict]:
 @pytest.fixture(scope="module")
 def resumed(tmp_path_factory) -> tuple[list[dict], list[dict]]:
     out = tmp_path_factory.mktemp("resume")
-    return (launch(out, "first", [SAME, RESHARD, EXPERTS]),
-            launch(out, "resume", [SAME, RESHARD, EXPERTS, "faults"]))
+    return (launch(out, "first", [SAME, RESHARD, EXPERTS, EXPERTS_ZERO, SAME_BF16]),
+            launch(out, "resume", [SAME, RESHARD, EXPERTS, EXPERTS_ZERO, SAME_BF16, "faults"]))
 
 
 def _ran(ranks: list[dict], move: str) -> list[dict]:
@@ -264,6 +273,17 @@ def test_the_same_plan_resumes_bit_identically(resumed):
     for before, now in zip(first, after):
         assert before["stopped_at"] == SAVE_AT   # one rank's SIGTERM, seen by every rank
         assert now["loaded"] == [SAVE_AT, {"plan": "pp2", "losses": before["losses"][:SAVE_AT]}]
+        assert now["losses"] == before["losses"][SAVE_AT:]
+        assert now["max_abs_diff_to_first"] == 0.0
+
+
+def test_a_bf16_zero1_run_resumes_bit_identically_from_its_fp32_masters(resumed):
+    # Saving the bf16 weights instead of the fp32 masters would lose the masters' low
+    # bits, and the resumed losses would drift from the uninterrupted run's.
+    first, after = (_ran(ranks, SAME_BF16) for ranks in resumed)
+    for before, now in zip(first, after):
+        assert before["stopped_at"] == SAVE_AT and before["zero_stage"] == 1
+        assert now["loaded"][0] == SAVE_AT
         assert now["losses"] == before["losses"][SAVE_AT:]
         assert now["max_abs_diff_to_first"] == 0.0
 
@@ -288,6 +308,41 @@ def test_an_expert_parallel_checkpoint_resumes_without_it_like_one_process(resum
         assert now["param_error"] < RTOL, now["param_error_at"]
         # The whole state dicts agree: the first run's gathered its experts over ep.
         assert now["max_abs_diff_to_first"] < 1e-6
+
+
+def _resumes_like_one_process(first: list[dict], after: list[dict]) -> None:
+    for before, now in zip(first, after):
+        assert before["stopped_at"] == SAVE_AT and now["loaded"][0] == SAVE_AT
+        losses = before["losses"][:now["start"]] + now["losses"]
+        assert len(losses) == STEPS
+        assert losses == pytest.approx(now["ref_losses"], rel=RTOL)
+        assert now["param_error"] < RTOL, now["param_error_at"]
+        assert now["max_abs_diff_to_first"] < 1e-6   # the uninterrupted run's
+
+
+def test_a_zero3_expert_parallel_checkpoint_resumes_under_zero1_like_one_process(resumed):
+    first, after = (_ran(ranks, EXPERTS_ZERO) for ranks in resumed)
+    assert [(r["zero_stage"], r["mesh"]["ep"]) for r in first] == [(3, 2)] * 2
+    assert [(r["zero_stage"], r["mesh"]["ep"]) for r in after] == [(1, 2)] * 2
+    _resumes_like_one_process(first, after)
+
+
+@pytest.mark.slow
+def test_expert_dp_sharded_checkpoints_resume_on_other_meshes(tmp_path):
+    """Expert weights and their optimizer state cut over expert-dp (2 ranks) by ZeRO-1
+    or FSDP, saved and read at their offsets whatever the other plan."""
+    first = {**_by_move(launch(tmp_path, "first", EXPERTS_ZERO_FOUR, 4), EXPERTS_ZERO_FOUR),
+             **_by_move(launch(tmp_path, "first", EXPERTS_ZERO_TWO), EXPERTS_ZERO_TWO)}
+    after = {**_by_move(launch(tmp_path, "resume", EXPERTS_ZERO_FOUR), EXPERTS_ZERO_FOUR),
+             **_by_move(launch(tmp_path, "resume", EXPERTS_ZERO_TWO, 4), EXPERTS_ZERO_TWO)}
+    for move in EXPERTS_ZERO_FOUR + EXPERTS_ZERO_TWO:
+        _resumes_like_one_process(first[move], after[move])
+    assert {r["zero_stage"] for r in first["moe:dp4-ep2-zero1>pp2"]} == {1}
+    assert {r["zero_stage"] for r in after["moe:dp2-ep2>dp4-ep2-zero3"]} == {3}
+
+
+def _by_move(ranks: list[dict], moves: list[str]) -> dict[str, list[dict]]:
+    return {move: _ran(ranks, move) for move in moves}
 
 
 def test_one_rank_failing_is_an_error_on_every_rank(resumed):

@@ -24,9 +24,9 @@ from .test_parity import launch as launch_worker
 
 WORKER = Path(__file__).with_name("optimizer_worker.py")
 CASES = ["gpt-zero0-fp32", "gpt-zero1-fp32", "gpt2-zero1-fp32-clip", "gpt-zero0-bf16",
-         "gpt-zero1-bf16-clip", "gpt-zero3-bf16"]
+         "gpt-zero1-bf16-clip", "gpt-zero3-bf16", "moe-ep2-zero1-bf16-clip"]
 SLOW_CASES = ["gpt2-zero0-fp32-clip", "gpt-zero2-fp32", "gpt-zero3-fp32", "gpt2-zero1-bf16",
-              "gpt2-zero2-bf16"]
+              "gpt2-zero2-bf16", "moe-ep2-zero1-fp32", "moe-ep2-zero3-bf16"]
 FOUR_CASES = ["gpt-pp2-zero1-fp32", "gpt-pp2-zero0-bf16", "gpt-pp2-zero1-bf16-clip",
               "gpt2-pp2-zero1-fp32-clip"]  # pp=2 x dp=2
 RTOL = {"fp32": (1e-5, 1e-5), "bf16": (1e-3, 5e-2)}  # (losses and norms, parameters)

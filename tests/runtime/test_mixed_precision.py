@@ -8,7 +8,8 @@ reference trains the same model in fp32, so the tolerances are bf16's, not 1e-5:
 within 1e-3 relative, gradient norms within 1e-3, parameters within 2e-2 after 3 SGD
 steps (seen: losses 3e-5, parameters 1e-3 to 9e-3, norms 6e-4). The parameters must
 differ from fp32 training by more than fp32 rounding (1e-5), which shows that the
-compute ran in bf16, and must themselves stay fp32.
+compute ran in bf16, and must themselves stay fp32 (under ZeRO-1 the module's weights
+are bf16 and the fp32 masters each rank's dp shard: the masters are compared).
 """
 
 from __future__ import annotations
@@ -23,6 +24,10 @@ LOSS_RTOL, PARAM_RTOL = 1e-3, 2e-2
 
 bf16_two = launched("bf16_two", 2, TWO)
 bf16_four = launched("bf16_four", 4, FOUR)
+# ZeRO-2 accumulating whole fp32 gradients (FSDP upcasts each microbatch's bf16 gradient)
+# and reduce-scattering them once per step, under GPipe.
+SLOW_FOUR = ["llama-pp2-dp2-zero2-step-bf16"]
+bf16_slow_four = launched("bf16_slow_four", 4, SLOW_FOUR)
 
 
 def _check(ranks: list[dict], name: str) -> None:
@@ -36,9 +41,19 @@ def _check(ranks: list[dict], name: str) -> None:
         worst = max(result["param_errors"].values())
         assert 1e-5 < worst < PARAM_RTOL, f"rank {rank}: parameter error {worst}"
         assert result["param_dtypes"] == ["torch.float32"]
+        # ZeRO-1 is Megatron's distributed optimizer: bf16 weights, fp32 master shards.
+        held = ["torch.bfloat16"] if result["zero_stage"] == 1 else ["torch.float32"]
+        assert result["compute_param_dtypes"] == held
 
 
 @pytest.mark.parametrize("launch, name", [("bf16_two", n) for n in TWO]
                          + [("bf16_four", n) for n in FOUR])
 def test_bf16_trains_like_fp32(request, launch, name):
     _check(request.getfixturevalue(launch), name)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", SLOW_FOUR)
+def test_bf16_zero2_once_per_step_trains_like_fp32(bf16_slow_four, name):
+    _check(bf16_slow_four, name)
+    assert all(results[name]["reduces_once"] for results in bf16_slow_four)

@@ -1,8 +1,9 @@
 """Expert parallelism trains like one process (fp32, 1e-5): the sample's Switch-style
 layers and Hugging Face mixture-of-experts families, with ep folded over dp and tp, with
-pp, dropless and with a capacity factor; the all-to-alls posted per step are those the plan's ep and
-expert layers give. Experts held as a module list train at ep=1, which the planner keeps
-for them. The default profile runs one torchrun launch of 4 processes and one of 2; the
+pp, dropless and with a capacity factor, under ZeRO-0 to 3; the all-to-alls posted per
+step are those the plan's ep and expert layers give. Experts held as a module list train
+at ep=1, which the planner keeps for them. The default profile runs one torchrun launch
+of 4 processes and one of 2; the
 rest of the matrix is ``-m slow`` (``benchmarks/moe_parity.py`` prints it as a table).
 """
 
@@ -16,11 +17,17 @@ from .test_parity import launch as launch_worker
 
 WORKER = Path(__file__).with_name("moe_worker.py")
 RTOL = 1e-5
-DEFAULT = ["moe-dp4-ep4", "moe-pp2-dp2-ep2", "moe-dp2-tp2-ep2-clip"]
+# ZeRO with expert parallelism: experts sharded over their expert-data-parallel group
+# (2 ranks in dp4-ep2), clipped by the global gradient norm.
+DEFAULT = ["moe-dp4-ep4", "moe-pp2-dp2-ep2", "moe-dp2-tp2-ep2-clip", "moe-dp4-ep2-zero3"]
 SLOW_FOUR = ["moe-dp2-tp2-ep2", "moe-dp4-ep2", "qwen2-moe-dp4-ep4", "qwen3-moe-pp2-dp2-ep2", "mixtral-dp2-tp2-ep2",
-             "mixtral-dp2-tp2-ep4-capacity"]
+             "mixtral-dp2-tp2-ep4-capacity", "moe-dp4-ep2-zero1", "mixtral-dp4-ep2-zero1",
+             "moe-dp2-tp2-ep2-zero1", "moe-dp2-tp2-ep2-zero3", "moe-pp2-dp2-ep2-zero2",
+             "moe-dp4-ep2-zero2-step"]
 SLOW_TWO = ["moe-dp2-ep2", "moe-tp2-ep2", "moe-dp2-ep2-capacity", "mixtral-dp2-ep2", "mixtral-tp2-ep2",
-            "deepseek-v3-dp2-ep2", "qwen2-moe-aux-dp2-ep2"]
+            "deepseek-v3-dp2-ep2", "qwen2-moe-aux-dp2-ep2", "moe-dp2-ep2-zero1",
+            "moe-dp2-ep2-zero2", "moe-dp2-ep2-zero3", "qwen3-moe-dp2-ep2-zero3",
+            "moe-dp2-ep2-recompute", "moe-dp2-ep2-zero3-recompute"]
 # The router's loss over the whole batch, declared per microbatch (TrainSpec.
 # loss_per_microbatch): against one process computing the same parts' losses.
 AUX = ["mixtral-aux-dp2-ep2"]

@@ -28,7 +28,10 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
+from torch.distributed.fsdp import FSDPModule  # noqa: E402
 from torch.distributed.tensor import DTensor  # noqa: E402
+
+import torch.distributed.fsdp._fully_shard._fsdp_param_group as fsdp_param_group  # noqa: E402
 
 import partc  # noqa: E402
 from partc.passes.fuse_attention import count_fused  # noqa: E402
@@ -37,6 +40,20 @@ from samples import gpt  # noqa: E402
 from tests import hf_families, models  # noqa: E402
 
 BATCH, SEQ, STEPS = 8, 16, 3
+
+# FSDP's gradient reductions in this process (one per unit that reduce-scatters): a
+# ZeRO-2 plan that reduces once per step makes one per unit a step, else one per unit
+# and microbatch.
+FSDP_REDUCES = [0]
+_foreach_reduce = fsdp_param_group.foreach_reduce
+
+
+def _counted_reduce(*args: Any, **kwargs: Any) -> Any:
+    FSDP_REDUCES[0] += 1
+    return _foreach_reduce(*args, **kwargs)
+
+
+fsdp_param_group.foreach_reduce = _counted_reduce
 
 
 @dataclass(frozen=True)
@@ -242,6 +259,22 @@ for _zero in (2, 3):
     CASES[f"llama-dp2-tp2-zero{_zero}"] = Case(models.llama, "tokens", models.causal_lm_loss,
                                                dict(pp=1, dp=2, tp=2, tp_objective="memory",
                                                     recompute="none", zero_stage=_zero))
+# ZeRO-2 reducing once per step: whole gradients accumulated over the microbatches,
+# reduce-scattered by the last backward (4 microbatches per replica).
+_STEP = dict(dp=2, zero_stage=2, zero2_grad_sync="step", num_microbatches=4)
+CASES["gpt-dp2-zero2-step"] = Case(gpt.gpt_tiny, "tokens", gpt.loss_fn, dict(pp=1, **_STEP))
+CASES["gpt-dp2-zero2-microbatch"] = Case(
+    gpt.gpt_tiny, "tokens", gpt.loss_fn, dict(pp=1, **{**_STEP, "zero2_grad_sync": "microbatch"}))
+for _sync in ("step", "microbatch"):
+    CASES[f"gpt2-dp2-zero2-{_sync}-clip"] = Case(
+        _gpt2, "tokens", models.causal_lm_loss,
+        dict(pp=1, **{**_STEP, "zero2_grad_sync": _sync}), clip=_CLIP)
+CASES["gpt-pp2-dp2-zero2-step"] = Case(gpt.gpt_tiny, "tokens", gpt.loss_fn,
+                                       dict(pp=2, schedule="1f1b", recompute=ALL_MODES,
+                                            **_STEP))
+CASES["llama-pp2-dp2-zero2-step-bf16"] = Case(models.llama, "tokens", models.causal_lm_loss,
+                                              dict(pp=2, tp=1, schedule="gpipe", **_STEP),
+                                              dtype=torch.bfloat16)
 # Mixed precision (bf16 compute, fp32 master weights and gradient reduction): autocast
 # under ZeRO 0/1, FSDP's mixed precision under ZeRO-2/3; against fp32 in one process.
 _BF16 = dict(dtype=torch.bfloat16)
@@ -384,13 +417,16 @@ def train_case(built: Built) -> dict[str, Any]:
     opt = module.optimizer(torch.optim.SGD, **OPTIMIZER)  # ZeRO-1 where the plan says
     ref_opt = optimizer(reference.parameters())
     losses, ref_losses, messages, norms, ref_norms = [], [], [], [], []
+    reduces = []
     for step in range(STEPS):
         x, y = batch(case, model, step)
         if step == 1:
             module.tp.counts.clear()  # the first step also runs the schedule's shape inference
             module.tp.ring_steps = 0
         state = torch.get_rng_state()
+        before = FSDP_REDUCES[0]
         losses.append(module.forward_backward(*x, target=y).item())
+        reduces.append(FSDP_REDUCES[0] - before)
         messages.append(dict(module.last_messages))
         opt.step()
         opt.zero_grad()
@@ -425,7 +461,7 @@ def train_case(built: Built) -> dict[str, Any]:
 
     # Relative error; against 1e-3 where the reference is ~0 (a key projection's bias never
     # moves: its gradient is mathematically zero, so only rounding noise is compared).
-    errors = {fqn: ((_whole_over_dp(p) - reference_shard(fqn)).norm()
+    errors = {fqn: ((_master_or_whole(module, p) - reference_shard(fqn)).norm()
                     / max(reference_shard(fqn).norm().item(), 1e-3)).item()
               for fqn, p in module.named_parameters()}
     own_params = sum(p.numel() for p in {id(p): p for p in module.parameters()}.values())
@@ -450,6 +486,10 @@ def train_case(built: Built) -> dict[str, Any]:
             "changed_by_reload": changed,
             "grad_norms": norms, "ref_grad_norms": ref_norms,
             "zero_stage": plan.zero_stage, "dp_rank": topo.dp_rank,
+            "zero2_grad_sync": plan.zero2_grad_sync, "reduces_once": plan.reduces_once,
+            "num_microbatches": plan.num_microbatches, "fsdp_reduces": reduces,
+            "fsdp_units": sum(1 for m in module.module.modules() if isinstance(m, FSDPModule)
+                              and m._get_fsdp_state()._fsdp_param_group is not None),
             "compiled_graphs": _compiled_graphs(),
             "fused_attention": sum(count_fused(m) for m in module.module.modules()
                                    if isinstance(m, torch.fx.GraphModule)),
@@ -457,7 +497,11 @@ def train_case(built: Built) -> dict[str, Any]:
                                          .state.values() for t in state.values()
                                          if isinstance(t, torch.Tensor) and t.dim() > 0),
             "param_numel_here": sum(_numel_here(p) for p in module.parameters()),
-            "param_dtypes": sorted({str(p.dtype) for p in module.parameters()}),
+            # The fp32 truth (ZeRO-1's masters in mixed precision), and what computes.
+            "param_dtypes": sorted({str((module.master_of(p) if module.master_of(p)
+                                         is not None else p).dtype)
+                                    for p in module.parameters()}),
+            "compute_param_dtypes": sorted({str(p.dtype) for p in module.parameters()}),
             "planned_params": plan.stages[module.stage_index].param_count,
             "collectives": dict(module.tp.counts),
             "ring_steps": module.tp.ring_steps,
@@ -480,6 +524,14 @@ def _whole_over_dp(tensor: torch.Tensor) -> torch.Tensor:
     """A parameter as its tp rank holds it: gathered over dp where ZeRO-2/3 shards it."""
     tensor = tensor.detach()
     return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+
+
+def _master_or_whole(module: Any, param: torch.Tensor) -> torch.Tensor:
+    """A parameter as its tp rank holds it, in fp32: from the dp ranks' masters under
+    ZeRO-1 in mixed precision (collective), else :func:`_whole_over_dp`."""
+    if module.master_of(param) is not None:
+        return module._buckets.full_master(param)
+    return _whole_over_dp(param)
 
 
 def _here(tensor: torch.Tensor) -> torch.Tensor:

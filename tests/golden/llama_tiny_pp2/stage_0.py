@@ -5,7 +5,7 @@
 # Layers: model.embed_tokens, model.rotary_emb, model.layers.0.
 # Recompute: none.
 # Inputs: input_ids int64[2, 16].
-# Sends to stage 1, per microbatch: to_4 float32[1, 16, 16], add_9 float32[2, 16, 64], to_5 float32[1, 16, 16], where float32[2, 1, 16, 16]; receives 1 gradient(s) back.
+# Sends to stage 1, per microbatch: where float32[2, 1, 16, 16], add_9 float32[2, 16, 64], to_5 float32[1, 16, 16], to_4 float32[1, 16, 16]; receives 1 gradient(s) back.
 # Parameters: 45,184 (176.50 KiB).
 
 import torch
@@ -43,25 +43,32 @@ class Stage0(torch.nn.Module):
         unsqueeze_11 = torch.ops.aten.unsqueeze.default(unsqueeze_10, 1);  unsqueeze_10 = None  # i64[1, 1, 16]
         unsqueeze_12 = torch.ops.aten.unsqueeze.default(unsqueeze_11, 2);  unsqueeze_11 = None  # i64[1, 1, 1, 16]
         new_ones = torch.ops.aten.new_ones.default(unsqueeze_9, [], dtype = torch.bool, pin_memory = False)  # b8[]
-        index = torch.ops.aten.index.Tensor(cumsum, [unsqueeze_3, unsqueeze_9])  # i64[2, 1, 16, 1]
-        index_1 = torch.ops.aten.index.Tensor(cumsum, [unsqueeze_3, unsqueeze_12]);  cumsum = None  # i64[2, 1, 1, 16]
-        eq = torch.ops.aten.eq.Tensor(index, index_1);  index = index_1 = None  # b8[2, 1, 16, 16]
-        to = torch.ops.aten.to.dtype_layout(eq, dtype = torch.bool, layout = torch.strided, device = input_device);  eq = None  # b8[2, 1, 16, 16]
+        index = torch.ops.aten.index.Tensor(expand_1, [unsqueeze_3, unsqueeze_9])  # i64[2, 1, 16, 1]
+        index_1 = torch.ops.aten.index.Tensor(expand_1, [unsqueeze_3, unsqueeze_12]);  expand_1 = None  # i64[2, 1, 1, 16]
+        le = torch.ops.aten.le.Tensor(index_1, index);  index_1 = index = None  # b8[2, 1, 16, 16]
+        to = torch.ops.aten.to.dtype_layout(le, dtype = torch.bool, layout = torch.strided, device = input_device);  le = None  # b8[2, 1, 16, 16]
         and_1 = torch.ops.aten.__and__.Tensor(new_ones, to);  new_ones = to = None  # b8[2, 1, 16, 16]
-        index_2 = torch.ops.aten.index.Tensor(expand_1, [unsqueeze_3, unsqueeze_9]);  unsqueeze_9 = None  # i64[2, 1, 16, 1]
-        index_3 = torch.ops.aten.index.Tensor(expand_1, [unsqueeze_3, unsqueeze_12]);  expand_1 = unsqueeze_3 = unsqueeze_12 = None  # i64[2, 1, 1, 16]
-        le = torch.ops.aten.le.Tensor(index_3, index_2);  index_3 = index_2 = None  # b8[2, 1, 16, 16]
-        to_1 = torch.ops.aten.to.dtype_layout(le, dtype = torch.bool, layout = torch.strided, device = input_device);  le = None  # b8[2, 1, 16, 16]
+        index_2 = torch.ops.aten.index.Tensor(cumsum, [unsqueeze_3, unsqueeze_9]);  unsqueeze_9 = None  # i64[2, 1, 16, 1]
+        index_3 = torch.ops.aten.index.Tensor(cumsum, [unsqueeze_3, unsqueeze_12]);  cumsum = unsqueeze_3 = unsqueeze_12 = None  # i64[2, 1, 1, 16]
+        eq = torch.ops.aten.eq.Tensor(index_2, index_3);  index_2 = index_3 = None  # b8[2, 1, 16, 16]
+        to_1 = torch.ops.aten.to.dtype_layout(eq, dtype = torch.bool, layout = torch.strided, device = input_device);  eq = None  # b8[2, 1, 16, 16]
         and_2 = torch.ops.aten.__and__.Tensor(and_1, to_1);  and_1 = to_1 = None  # b8[2, 1, 16, 16]
         expand_2 = torch.ops.aten.expand.default(and_2, [2, -1, 16, 16]);  and_2 = None  # b8[2, 1, 16, 16]
-        zeros = torch.ops.aten.zeros.default([], dtype = torch.float32, device = input_device, pin_memory = False);  input_device = None  # f32[]
+        zeros = torch.ops.aten.zeros.default([], dtype = torch.float32, device = input_device, pin_memory = False)  # f32[]
         where = torch.ops.aten.where.ScalarOther(expand_2, zeros, -3.4028234663852886e+38);  expand_2 = zeros = None  # f32[2, 1, 16, 16]
         # layer model.rotary_emb
-        submod_3 = self.submod_1
+        unsqueeze_13 = torch.ops.aten.unsqueeze.default(unsqueeze, 2);  unsqueeze = None  # i64[1, 16, 1]
+        to_2 = torch.ops.aten.to.dtype(unsqueeze_13, torch.float32);  unsqueeze_13 = None  # f32[1, 16, 1]
         model_rotary_emb_inv_freq = self.model.rotary_emb.inv_freq  # f32[8]
-        wrap_with_set_grad_enabled = torch.ops.higher_order.wrap_with_set_grad_enabled(False, submod_3, unsqueeze, model_rotary_emb_inv_freq);  submod_3 = unsqueeze = model_rotary_emb_inv_freq = None
-        to_4 = wrap_with_set_grad_enabled[0]  # f32[1, 16, 16]
-        to_5 = wrap_with_set_grad_enabled[1];  wrap_with_set_grad_enabled = None  # f32[1, 16, 16]
+        to_3 = torch.ops.aten.to.device(model_rotary_emb_inv_freq, input_device, torch.float32);  model_rotary_emb_inv_freq = input_device = None  # f32[8]
+        mul = torch.ops.aten.mul.Tensor(to_2, to_3);  to_2 = to_3 = None  # f32[1, 16, 8]
+        cat = torch.ops.aten.cat.default([mul, mul], -1);  mul = None  # f32[1, 16, 16]
+        cos = torch.ops.aten.cos.default(cat)  # f32[1, 16, 16]
+        mul_1 = torch.ops.aten.mul.Tensor(cos, 1.0);  cos = None  # f32[1, 16, 16]
+        sin = torch.ops.aten.sin.default(cat);  cat = None  # f32[1, 16, 16]
+        mul_2 = torch.ops.aten.mul.Tensor(sin, 1.0);  sin = None  # f32[1, 16, 16]
+        to_4 = torch.ops.aten.to.dtype(mul_1, torch.float32);  mul_1 = None  # f32[1, 16, 16]
+        to_5 = torch.ops.aten.to.dtype(mul_2, torch.float32);  mul_2 = None  # f32[1, 16, 16]
         # layer model.layers.0
         to_6 = torch.ops.aten.to.dtype(embedding, torch.float32);  embedding = None  # f32[2, 16, 64]
         pow_1 = torch.ops.aten.pow.Tensor_Scalar(to_6, 2)  # f32[2, 16, 64]
@@ -138,21 +145,4 @@ class Stage0(torch.nn.Module):
         model_layers_0_mlp_down_proj_weight = getattr(self.model.layers, "0").mlp.down_proj.weight  # f32[64, 128]
         linear_6 = torch.ops.aten.linear.default(mul_12, model_layers_0_mlp_down_proj_weight);  mul_12 = model_layers_0_mlp_down_proj_weight = None  # f32[2, 16, 64]
         add_9 = torch.ops.aten.add.Tensor(to_9, linear_6);  to_9 = linear_6 = None  # f32[2, 16, 64]
-        return (to_4, add_9, to_5, where)
-
-    class submod_1(torch.nn.Module):
-        def forward(self, unsqueeze, b_model_rotary_emb_inv_freq):
-            # unsqueeze: i64[1, 16], b_model_rotary_emb_inv_freq: f32[8]
-            input_device = unsqueeze.device
-            unsqueeze_13 = torch.ops.aten.unsqueeze.default(unsqueeze, 2);  unsqueeze = None  # i64[1, 16, 1]
-            to_2 = torch.ops.aten.to.dtype(unsqueeze_13, torch.float32);  unsqueeze_13 = None  # f32[1, 16, 1]
-            to_3 = torch.ops.aten.to.device(b_model_rotary_emb_inv_freq, input_device, torch.float32);  b_model_rotary_emb_inv_freq = input_device = None  # f32[8]
-            mul = torch.ops.aten.mul.Tensor(to_2, to_3);  to_2 = to_3 = None  # f32[1, 16, 8]
-            cat = torch.ops.aten.cat.default([mul, mul], -1);  mul = None  # f32[1, 16, 16]
-            cos = torch.ops.aten.cos.default(cat)  # f32[1, 16, 16]
-            mul_1 = torch.ops.aten.mul.Tensor(cos, 1.0);  cos = None  # f32[1, 16, 16]
-            sin = torch.ops.aten.sin.default(cat);  cat = None  # f32[1, 16, 16]
-            mul_2 = torch.ops.aten.mul.Tensor(sin, 1.0);  sin = None  # f32[1, 16, 16]
-            to_4 = torch.ops.aten.to.dtype(mul_1, torch.float32);  mul_1 = None  # f32[1, 16, 16]
-            to_5 = torch.ops.aten.to.dtype(mul_2, torch.float32);  mul_2 = None  # f32[1, 16, 16]
-            return (to_4, to_5)
+        return (where, add_9, to_5, to_4)

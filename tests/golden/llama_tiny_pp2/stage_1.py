@@ -4,7 +4,7 @@
 # Schedule: 1f1b, 4 microbatches of 2 (global batch 8).
 # Layers: model.layers.1, model.norm, lm_head, loss.
 # Recompute: model.layers.1 (selective).
-# Receives from stage 0, per microbatch: to_4 float32[1, 16, 16], add_9 float32[2, 16, 64], to_5 float32[1, 16, 16], where float32[2, 1, 16, 16]; sends 1 gradient(s) back.
+# Receives from stage 0, per microbatch: where float32[2, 1, 16, 16], add_9 float32[2, 16, 64], to_5 float32[1, 16, 16], to_4 float32[1, 16, 16]; sends 1 gradient(s) back.
 # Returns the model's output for the loss: linear_14 float32[2, 16, 128].
 # Parameters: 45,248 (176.75 KiB).
 
@@ -13,8 +13,8 @@ from partc.runtime.recompute import checkpoint_layer as partc_runtime_recompute_
 
 
 class Stage1(torch.nn.Module):
-    def forward(self, to_4, add_9, to_5, where):
-        # to_4: f32[1, 16, 16], add_9: f32[2, 16, 64], to_5: f32[1, 16, 16], where: f32[2, 1, 16, 16]
+    def forward(self, where, add_9, to_5, to_4):
+        # where: f32[2, 1, 16, 16], add_9: f32[2, 16, 64], to_5: f32[1, 16, 16], to_4: f32[1, 16, 16]
         # layer model.layers.1 (recompute: selective)
         model_layers_1_input_layernorm_weight = getattr(self.model.layers, "1").input_layernorm.weight  # f32[64]
         model_layers_1_self_attn_q_proj_weight = getattr(self.model.layers, "1").self_attn.q_proj.weight  # f32[64, 64]
