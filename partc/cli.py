@@ -56,6 +56,7 @@ TRAIN_FLAGS = {
     "max_grad_norm": "--max-grad-norm", "attention": "--attention",
     "moe_imbalance": "--moe-imbalance", "moe_capacity_factor": "--moe-capacity-factor",
     "compile": "--compile", "loss_per_microbatch": "--loss-per-microbatch",
+    "tp_overlap": "--no-tp-overlap",
 }
 BUDGET_FLAGS = {
     "num_devices": "--devices", "device": "--device", "profile": "--profile",
@@ -299,6 +300,9 @@ def _training_arguments(train) -> None:
                             "couples a batch's samples (a router's load-balancing loss "
                             "over the batch); without it such a model is planned with one "
                             "replica and one microbatch")
+    train.add_argument("--no-tp-overlap", action="store_true", default=None,
+                       help="run the sequence-parallel all-gathers and reduce-scatters "
+                            "blocking, not as rings beside their linears' matmuls")
     train.add_argument("--compile", action="store_true",
                        help="run each stage through torch.compile (fused element-wise ops; "
                             "the plan prices the fused bytes)")
@@ -555,7 +559,8 @@ def _train(args: argparse.Namespace, workload: dict[str, Any]):
     first = inputs[0] if isinstance(inputs, (tuple, list)) else inputs
     train = workload.get("train") or TrainSpec(global_batch_size=int(first.shape[0]))
     return replace(train, **_flagged(args, TRAIN_FLAGS,
-                                     dtype=lambda name: dtype_named(DTYPE_NAMES[name])))
+                                     dtype=lambda name: dtype_named(DTYPE_NAMES[name]),
+                                     tp_overlap=lambda blocking: not blocking))
 
 
 def plan_command(args: argparse.Namespace) -> int:

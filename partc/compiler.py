@@ -138,7 +138,7 @@ def build_problem(analysis: ModelAnalysis, budget: DeviceBudget, train: TrainSpe
             precision=train.precision,
             measured_scale=dtype_bytes(train.dtype) / _measured_dtype_bytes(analysis),
             moe_imbalance=train.moe_imbalance, moe_capacity_factor=train.moe_capacity_factor,
-            compiled=train.compile),
+            compiled=train.compile, tp_overlap=train.tp_overlap),
         pins=pins,
     )
 

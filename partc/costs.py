@@ -81,7 +81,14 @@ def overlapped(compute_s: float, comm_s: float, overlap: float) -> float:
     """Compute and a collective running beside it: the share ``overlap``
     (:attr:`DeviceNumbers.comm_overlap`) of the shorter one hides behind the longer:
     ``max`` of the two at 1, their sum at 0."""
-    return compute_s + comm_s - overlap * min(compute_s, comm_s)
+    return compute_s + exposed_seconds(comm_s, compute_s, overlap)
+
+
+def exposed_seconds(comm_s: float, compute_s: float, overlap: float) -> float:
+    """What a collective of ``comm_s`` adds to compute of ``compute_s`` running beside
+    it: all but the share ``overlap`` of the shorter of the two (the rule of
+    :func:`overlapped` and, in picoseconds, :func:`exposed_sync_ps`)."""
+    return comm_s - overlap * min(compute_s, comm_s)
 
 
 def split_factor(problem: PlanningProblem, config: "PipelineConfig") -> float:
@@ -539,11 +546,28 @@ def _zero_transient(problem: PlanningProblem, config: PipelineConfig,
 
 def tp_comm_seconds(problem: PlanningProblem, config: PipelineConfig,
                     layer) -> dict[str, float]:
-    """A layer's tensor-parallel collectives per microbatch, by phase (ring, in a node)."""
-    group = Group.over(problem.devices, config.tp, config.tp)
+    """A layer's tensor-parallel collectives per microbatch, by phase (ring, in a node).
+
+    A collective the runtime runs as a ring beside its linears' matmuls
+    (``LayerCost.tp_overlap_flops``, ``TrainSpec.tp_overlap``) costs its exposed part
+    only, :func:`exposed_seconds` of its time ``c`` beside ``t``: the share of those
+    matmuls that runs while the ring moves data, ``(tp - 1) / tp`` of them (the chunk
+    this rank holds first, or sums last, runs alone), at the compute-bound rate; the
+    share ``DeviceNumbers.comm_overlap`` of ``min(c, t)`` is hidden."""
+    devices = problem.devices
+    group = Group.over(devices, config.tp, config.tp)
     scale = config.micro_batch_size * problem.train.measured_scale
-    return collectives_seconds(((kind, phase, nbytes * scale)
-                                for kind, phase, nbytes in layer.tp_comm), group)
+    beside = layer.tp_overlap_flops if problem.train.tp_overlap else ()
+    rate = devices.peak_flops * devices.flops_efficiency
+    share = (config.tp - 1) / config.tp
+    result = {"forward": 0.0, "backward": 0.0}
+    for index, (kind, phase, nbytes) in enumerate(layer.tp_comm):
+        seconds = collective_seconds(kind, nbytes * scale, group)
+        if beside and beside[index]:
+            matmul = share * beside[index] * config.micro_batch_size / rate
+            seconds = exposed_seconds(seconds, matmul, devices.comm_overlap)
+        result[phase] += seconds
+    return result
 
 
 def collectives_seconds(collectives: Iterable[tuple[str, str, float]],
@@ -690,8 +714,8 @@ def _layer_key(layer) -> tuple:
             layer.param_bytes, tuple(sorted(layer.saved_bytes.items())),
             tuple(sorted(layer.recompute_flops.items())),
             tuple(sorted(layer.recompute_mem_bytes.items())), layer.workspace_bytes,
-            layer.tp_comm, layer.num_nodes, layer.fused_mem_bytes, layer.fused_kernels,
-            tuple(sorted(layer.recompute_nodes.items())))
+            layer.tp_comm, layer.tp_overlap_flops, layer.num_nodes, layer.fused_mem_bytes,
+            layer.fused_kernels, tuple(sorted(layer.recompute_nodes.items())))
 
 
 def build_cost_table(problem: PlanningProblem, config: PipelineConfig,

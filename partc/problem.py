@@ -185,6 +185,11 @@ class LayerCost:
     # Tensor-parallel collectives per sample: (kind, "forward"/"backward", bytes of the
     # whole tensor). Empty without tensor parallelism.
     tp_comm: tuple[tuple[str, str, float], ...] = ()
+    # Per entry of ``tp_comm``, the FLOPs per sample of the matmuls that run beside it
+    # where the runtime fuses it with them into a ring (partc.runtime.tp_rings): the
+    # linears' forward for the forward gather or reduce-scatter, their input or weight
+    # gradients for the backward ones; 0 for a blocking collective. Empty: all blocking.
+    tp_overlap_flops: tuple[float, ...] = ()
     heavy_ops: tuple[HeavyOp, ...] = ()
     # Mixture-of-experts: the routed experts inside this layer's figures; None for a
     # dense layer.
@@ -204,6 +209,9 @@ class LayerCost:
         if abs(listed - self.fwd_flops) > 1e-9 * max(self.fwd_flops, 1.0):
             raise ValueError(f"layer {self.name}: heavy_ops hold {listed} of its "
                              f"{self.fwd_flops} forward FLOPs per sample")
+        if self.tp_overlap_flops and len(self.tp_overlap_flops) != len(self.tp_comm):
+            raise ValueError(f"layer {self.name}: {len(self.tp_overlap_flops)} overlap "
+                             f"figures for {len(self.tp_comm)} collectives")
         for mode in ("none", "full"):
             if mode not in self.saved_bytes:
                 raise ValueError(f"layer {self.name}: saved_bytes lacks mode {mode!r}")
@@ -380,6 +388,9 @@ class TrainNumbers:
     moe_capacity_factor: float | None = None
     # Stages run through torch.compile: light ops priced by their fused bytes.
     compiled: bool = False
+    # Sequence-parallel collectives run as rings beside their linears' matmuls
+    # (TrainSpec.tp_overlap): LayerCost.tp_overlap_flops price their exposed part only.
+    tp_overlap: bool = True
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -90,6 +90,12 @@ class TrainSpec:
     model is planned with one replica and one microbatch, and pinning more is refused
     (:mod:`partc.batch_coupling`); with it the program computes each microbatch's loss
     as Megatron and gradient accumulation do, and the report says so.
+    ``tp_overlap`` (on by default): under sequence parallelism, the all-gather before a
+    column-parallel linear and the reduce-scatter after a row-parallel one run as rings
+    beside the linear's matmul (Megatron's tensor-parallel communication overlap,
+    :mod:`partc.runtime.tp_rings`), and the plan charges their exposed part only
+    (``DeviceBudget.comm_overlap`` says how much compute hides); ``False`` runs them
+    blocking and charges them whole.
     """
 
     global_batch_size: int
@@ -104,6 +110,7 @@ class TrainSpec:
     moe_capacity_factor: float | None = None
     compile: bool = False
     loss_per_microbatch: bool = False
+    tp_overlap: bool = True
 
     def __post_init__(self) -> None:
         _check_positive_int("TrainSpec.global_batch_size", self.global_batch_size)
@@ -135,6 +142,9 @@ class TrainSpec:
             raise ValueError(f"attention must be one of {ATTENTION}, got {self.attention!r}")
         if not isinstance(self.compile, bool):
             raise ValueError(f"TrainSpec.compile must be True or False, got {self.compile!r}")
+        if not isinstance(self.tp_overlap, bool):
+            raise ValueError(f"TrainSpec.tp_overlap must be True or False, got "
+                             f"{self.tp_overlap!r}")
         if not isinstance(self.loss_per_microbatch, bool):
             raise ValueError(f"TrainSpec.loss_per_microbatch must be True or False, got "
                              f"{self.loss_per_microbatch!r}")
@@ -177,6 +187,7 @@ class TrainSpec:
             "compile": self.compile,
             # Written only when declared: plans without it read back unchanged.
             **({"loss_per_microbatch": True} if self.loss_per_microbatch else {}),
+            **({"tp_overlap": False} if not self.tp_overlap else {}),
         }
 
     @classmethod

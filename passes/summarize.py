@@ -51,11 +51,14 @@ def tp_option(ctx: Context, base: ModelAnalysis, usage: dict, local: fx.GraphMod
             totals[0] += count
             totals[1] += nbytes
     layers = []
+    rings = _rings(local, tp)
     for cost, sharded in zip(meta.layer_costs(local), chosen.layers):
         count, nbytes = own.get(len(layers), (0, 0))
         comm = tuple((c.kind, c.phase, c.bytes * per_sample) for c in sharded.collectives)
-        layers.append(dataclasses.replace(cost, param_count=count, param_bytes=nbytes,
-                                          tp_comm=comm))
+        beside = _overlap_flops(sharded.collectives, rings.get(len(layers), []))
+        layers.append(dataclasses.replace(
+            cost, param_count=count, param_bytes=nbytes, tp_comm=comm,
+            tp_overlap_flops=tuple(f * per_sample for f in beside) if any(beside) else ()))
     shared = []
     for group in base.shared:
         key = next(k for k, fqns in ctx.param_fqns.items() if fqns[0] == group.fqns[0])
@@ -73,6 +76,47 @@ def tp_option(ctx: Context, base: ModelAnalysis, usage: dict, local: fx.GraphMod
         placements=tuple(sorted(placements.items())),
         partial_grad_params=tuple(sorted(chosen.partial_grad_params)),
         notes=tuple((layer.name, layer.note) for layer in chosen.layers if layer.note))
+
+
+def _rings(local: fx.GraphModule, tp: int) -> dict[int, list[tuple[str, str, int, float]]]:
+    """Per layer, the collectives its rings run beside matmuls (``tp_rewrite.fuse_rings``):
+    (kind, phase, bytes of the whole tensor, FLOPs of the matmuls beside it). The
+    gathered linears: the forward all-gather beside their forward, the backward
+    all-gather of the shard beside the input gradients, the input gradient's
+    reduce-scatter beside the weight gradients (equal FLOPs each). The reduce-scattered
+    linear: the forward beside its forward, the output gradient's all-gather beside its
+    input and weight gradients."""
+    rings: dict[int, list[tuple[str, str, int, float]]] = {}
+    for node in local.graph.nodes:
+        if node.op != "call_method" or meta.cost(node) is None:
+            continue
+        flops = meta.cost(node).flops
+        if node.target == "linears_of_gathered":
+            whole = meta.run_bytes(node.args[1]) * tp
+            moves = [("all_gather", "forward", flops), ("all_gather", "backward", flops),
+                     ("reduce_scatter", "backward", flops)]
+        elif node.target == "linear_reduce_scatter":
+            whole = meta.run_bytes(node) * tp
+            moves = [("reduce_scatter", "forward", flops), ("all_gather", "backward", 2 * flops)]
+        else:
+            continue
+        rings.setdefault(meta.layer(node).index, []).extend(
+            (kind, phase, whole, beside) for kind, phase, beside in moves)
+    return rings
+
+
+def _overlap_flops(collectives, rings: list[tuple[str, str, int, float]]) -> list[float]:
+    """Per collective of a layer (the chooser's, in its order), the FLOPs of the matmuls
+    a ring runs beside it, 0 if none: each ring's collective taken by the unclaimed one
+    of its kind and phase nearest in bytes."""
+    beside = [0.0] * len(collectives)
+    for kind, phase, nbytes, flops in rings:
+        free = [i for i, c in enumerate(collectives)
+                if c.kind == kind and c.phase == phase and not beside[i]]
+        if free:
+            nearest = min(free, key=lambda i: abs(collectives[i].bytes - nbytes))
+            beside[nearest] = flops
+    return beside
 
 
 def summarize(gm: fx.GraphModule, ctx: Context) -> ModelAnalysis:

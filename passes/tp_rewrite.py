@@ -23,7 +23,12 @@ chooser or rebuilt from a plan by ``tp_chooser.apply``):
 - a linear reading a sequence-parallel shard gathered whole (``tp_rules.regathers``)
   becomes ``tp.linear_of_gathered``, and an ``addmm`` reading it flattened (GPT-2's
   ``Conv1D``) ``tp.addmm_of_gathered``: they keep the shard, not the whole, for
-  backward and gather it again there.
+  backward and gather it again there;
+- where linears are all that read the gathered value, the gather and they become
+  one ``tp.linears_of_gathered`` (one output per linear), and a row-parallel linear
+  whose output only the reduce-scatter to the sequence shard reads becomes
+  ``tp.linear_reduce_scatter``: the runtime runs each as a ring that hides the
+  collective behind the matmuls (:mod:`partc.runtime.tp_rings`, :func:`fuse_rings`).
 
 The graph is the same on every rank of the group (ranks differ only in which shard they
 hold, and the group knows its rank at run time), so one emitted file serves the group.
@@ -97,6 +102,7 @@ def tp_rewrite(gm: fx.GraphModule, ctx: Context) -> fx.GraphModule:
     for node in list(gm.graph.nodes):
         if node.op != "placeholder":
             rewriter.visit(node)
+    fuse_rings(gm)
     gm.graph.lint()
     gm.recompile()
     _relayer(gm, sharding)
@@ -363,6 +369,69 @@ class _Rewriter:
         index = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim")
         self.to_method(node, "global_size",
                        (seen, have.dim) + ((index,) if index is not None else ()))
+
+
+def fuse_rings(gm: fx.GraphModule) -> None:
+    """Fuse each sequence-parallel collective with the linears next to it, where the
+    runtime can run them as one ring: a ``gather_from_tp`` whose every reader is a
+    ``linear_of_gathered`` of its layer becomes one ``linears_of_gathered`` (the linears'
+    parameters fetched before it); a ``reduce_scatter_to_tp`` of a linear that nothing
+    else reads becomes ``linear_reduce_scatter``. The collectives they run are those
+    they replace."""
+    # Positions before fusing. Fusing only moves ``get_attr`` nodes (no inputs) earlier,
+    # which is always safe, so a stale position at worst moves one earlier again.
+    order = {n: i for i, n in enumerate(gm.graph.nodes)}
+    for node in list(gm.graph.nodes):
+        if node.op != "call_method":
+            continue
+        if node.target == "gather_from_tp":
+            _fuse_gathered_linears(gm, node, order)
+        elif node.target == "reduce_scatter_to_tp":
+            _fuse_linear_reduce_scatter(node, order)
+
+
+def _fuse_gathered_linears(gm: fx.GraphModule, gather: fx.Node,
+                           order: dict[fx.Node, int]) -> None:
+    readers = list(gather.users)
+    layer = meta.layer(gather).index
+    if not readers or any(r.op != "call_method" or r.target != "linear_of_gathered"
+                          or r.args[1] is not gather or meta.layer(r).index != layer
+                          for r in readers):
+        return
+    first = min(readers, key=order.__getitem__)
+    params = [a for r in readers for a in r.args[3:5] if isinstance(a, fx.Node)]
+    late = [a for a in params if order[a] > order[first]]
+    if any(a.op != "get_attr" for a in late):
+        return   # a parameter computed after the first linear: left as it is
+    for fetched in late:
+        first.prepend(fetched)
+    group, shard, dim = first.args[0], first.args[2], first.args[5]
+    with gm.graph.inserting_before(first):
+        fused = gm.graph.call_method("linears_of_gathered", (
+            group, shard, tuple(r.args[3] for r in readers),
+            tuple(r.args[4] for r in readers), dim))
+    _set_layer(fused, first)
+    for index, reader in enumerate(readers):
+        reader.op, reader.target = "call_function", operator.getitem
+        reader.args, reader.kwargs = (fused, index), {}
+    gm.graph.erase_node(gather)
+
+
+def _fuse_linear_reduce_scatter(scatter: fx.Node, order: dict[fx.Node, int]) -> None:
+    group, linear, dim = scatter.args
+    if (linear.op != "call_function" or op_name(linear) != "linear"
+            or len(linear.users) != 1 or group.op != "get_attr"
+            or meta.layer(linear).index != meta.layer(scatter).index):
+        return
+    names = ("input", "weight", "bias")
+    x, weight, bias = [linear.args[i] if len(linear.args) > i else linear.kwargs.get(k)
+                       for i, k in enumerate(names)]
+    if order[group] > order[linear]:   # the layer's group was first read after the linear
+        linear.prepend(group)
+    linear.op, linear.target = "call_method", "linear_reduce_scatter"
+    linear.args, linear.kwargs = (group, x, weight, bias, dim), {}
+    scatter.replace_all_uses_with(linear)
+    scatter.graph.erase_node(scatter)
 
 
 def _collective(have: Placement, need: Placement, grad_partial: bool

@@ -718,7 +718,8 @@ def build(plan: Plan, topology: Topology,
     # The stages' collectives run over this rank's tp group, in place of the lowering's
     # stand-in.
     tp_group = tp_ops.TensorParallelGroup(topology.tp,
-                                          topology.tp_group if topology.tp > 1 else None)
+                                          topology.tp_group if topology.tp > 1 else None,
+                                          overlap=plan.train.tp_overlap)
     zero_stage = plan.effective_zero_stage
     compute_dtype = _compute_dtype(plan)
     shard = shard_plan(plan, topology)

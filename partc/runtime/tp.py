@@ -18,6 +18,13 @@ method                        forward                     backward
 ``reduce_scatter_to_tp``      reduce-scatter on ``dim``   all-gather
 ============================  ==========================  ============================
 
+Under sequence parallelism two calls fuse a collective with the linears beside it and
+run it as a ring that hides it behind their matmuls (:mod:`partc.runtime.tp_rings`;
+blocking when the group's ``overlap`` is off): ``linears_of_gathered`` (the
+column-parallel linears reading one all-gathered shard) and ``linear_reduce_scatter``
+(a row-parallel linear reduce-scattered to the sequence shard). They count the
+collectives they replace.
+
 Three calls keep less for backward than the ops they stand for: ``dropout`` of a shard
 keeps a bool mask of this rank's part only (drawn for the whole tensor, so that it equals
 the unsharded program's), and ``linear_of_gathered`` and ``addmm_of_gathered`` (a linear,
@@ -45,6 +52,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from .tp_rings import LinearReduceScatter, LinearsOfGathered
+
 
 class TensorParallelGroup(nn.Module):
     """The tensor-parallel group a stage's collectives run over: ``size`` ranks, this
@@ -55,7 +64,8 @@ class TensorParallelGroup(nn.Module):
     its code; it holds no tensors.
     """
 
-    def __init__(self, size: int, process_group: dist.ProcessGroup | None = None) -> None:
+    def __init__(self, size: int, process_group: dist.ProcessGroup | None = None,
+                 overlap: bool = True) -> None:
         super().__init__()
         if process_group is not None and dist.get_world_size(process_group) != size:
             raise ValueError(f"a tensor-parallel group of {size} ranks cannot run over a "
@@ -64,6 +74,14 @@ class TensorParallelGroup(nn.Module):
         self.rank = dist.get_rank(process_group) if process_group is not None else 0
         self.process_group = process_group
         self.counts: Counter[str] = Counter()  # collectives run, forward and backward
+        # Sequence-parallel linears run their collectives as rings beside the matmuls
+        # (:mod:`partc.runtime.tp_rings`); off: blocking (``TrainSpec.tp_overlap``).
+        self.overlap = overlap
+        self.ring_steps = 0  # exchanges with the ring's neighbours (not collectives)
+        self._next = self._previous = None
+        if process_group is not None and size > 1:
+            self._next = dist.get_global_rank(process_group, (self.rank + 1) % size)
+            self._previous = dist.get_global_rank(process_group, (self.rank - 1) % size)
 
     @property
     def simulated(self) -> bool:
@@ -72,7 +90,7 @@ class TensorParallelGroup(nn.Module):
 
     def extra_repr(self) -> str:
         where = "simulated" if self.simulated else f"rank={self.rank}"
-        return f"size={self.size}, {where}"
+        return f"size={self.size}, {where}" + ("" if self.overlap else ", blocking")
 
     # ------------------------------------------------------------------------ primitives
 
@@ -106,6 +124,15 @@ class TensorParallelGroup(nn.Module):
         out = torch.empty_like(parts[0])
         dist.reduce_scatter(out, parts, group=self.process_group)
         return out
+
+    def ring_exchange(self, send: torch.Tensor, receive: torch.Tensor, tag: int = 0):
+        """Send ``send`` to the next rank of the ring and receive ``receive`` from the
+        previous one, without waiting: the returned handle's ``wait()`` does (a step of
+        a ring in :mod:`partc.runtime.tp_rings`, not a collective of its own)."""
+        self.ring_steps += 1
+        ops = [dist.P2POp(dist.isend, send, self._next, self.process_group, tag),
+               dist.P2POp(dist.irecv, receive, self._previous, self.process_group, tag)]
+        return _Exchange(dist.batch_isend_irecv(ops))
 
     # ------------------------------------------------------------- what the code calls
 
@@ -150,6 +177,24 @@ class TensorParallelGroup(nn.Module):
         kept and regathered as :meth:`linear_of_gathered` does."""
         return _ProductOfGathered.apply(whole, shard.detach(), weight, bias, self, dim,
                                         "addmm")
+
+    def linears_of_gathered(self, shard: torch.Tensor, weights: tuple, biases: tuple,
+                            dim: int = 1) -> tuple[torch.Tensor, ...]:
+        """``F.linear(gather_from_tp(shard, dim), w, b)`` for each weight and bias: the
+        column-parallel linears that read one gathered sequence-parallel shard, run as
+        one ring that hides the all-gather behind their matmuls (and, in backward, the
+        shard's second all-gather and the input gradient's reduce-scatter behind the
+        gradients' matmuls); keeps the shard for backward, not the whole
+        (:class:`partc.runtime.tp_rings.LinearsOfGathered`)."""
+        return LinearsOfGathered.apply(shard, self, dim, len(weights), *weights, *biases)
+
+    def linear_reduce_scatter(self, x: torch.Tensor, weight: torch.Tensor,
+                              bias: torch.Tensor | None = None, dim: int = 1
+                              ) -> torch.Tensor:
+        """``reduce_scatter_to_tp(F.linear(x, weight, bias), dim)`` of a row-parallel
+        linear, run as one ring: each rank's chunk of the output computed in ring order
+        and summed as it passes (:class:`partc.runtime.tp_rings.LinearReduceScatter`)."""
+        return LinearReduceScatter.apply(x, weight, bias, self, dim)
 
     def vocab_parallel_embedding(self, ids: torch.Tensor, weight: torch.Tensor,
                                  padding_idx: int = -1) -> torch.Tensor:
@@ -218,6 +263,17 @@ class TensorParallelGroup(nn.Module):
         part = shard_of(whole, dim, chunks, self.rank, self.size)
         # A view of ``whole`` would keep all of it alive: copy (``cat`` already made one).
         return part.clone(memory_format=torch.contiguous_format) if chunks == 1 else part
+
+
+class _Exchange:
+    """The pending sends and receives of one ring step."""
+
+    def __init__(self, works: list) -> None:
+        self.works = works
+
+    def wait(self) -> None:
+        for work in self.works:
+            work.wait()
 
 
 def bind_group(module: nn.Module, group: TensorParallelGroup) -> None:

@@ -52,14 +52,45 @@ class EmbeddingHead(nn.Module):
         return self.head(self.emb(ids))
 
 
-def _rewritten(model: nn.Module, example: torch.Tensor
+class GatedBlock(nn.Module):
+    """Three linears reading one normed input (as a Llama's q, k, v or gate and up), and
+    an output projection."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(16)
+        self.q, self.k = nn.Linear(16, 32), nn.Linear(16, 32)
+        self.v = nn.Linear(16, 32, bias=False)
+        self.o = nn.Linear(32, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.norm(x)
+        return x + self.o(self.q(h) * torch.sigmoid(self.k(h)) + self.v(h))
+
+
+class GatedStack(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(32, 16)
+        self.blocks = nn.ModuleList([GatedBlock() for _ in range(2)])
+        self.head = nn.Linear(16, 32)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        x = self.emb(ids)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+def _rewritten(model: nn.Module, example: torch.Tensor, sequence_parallel: bool = False
                ) -> tuple[fx.GraphModule, tp_chooser.Sharding]:
     """``model`` traced and measured, sharded for tp=2 (fewest parameter bytes first),
     then a copy rewritten for one rank with fresh fake values."""
     gm, ctx = trace(model, (example,))
     for run in (propagate, layers, estimate):
         gm = run(gm, ctx)
-    chosen = tp_chooser.choose(gm, 2, LINK, prefer="memory")
+    chosen = tp_chooser.choose(gm, 2, LINK, sequence_parallel=sequence_parallel,
+                               prefer="memory")
     local, moved = copy_module(gm, chosen)
     tp_rewrite(local, dataclasses.replace(ctx, sharding=moved))
     propagate(local, ctx)
@@ -192,3 +223,33 @@ def test_a_parameter_read_by_several_layers_has_one_placement_for_every_read():
     uses = [chosen.strategy[user].ins[1] for user in weight.users]
     assert len(uses) == 2 and set(uses) == {chosen.placement(weight)}
     assert gm(ids).shape == (4, 8, 32)
+
+
+def test_sequence_parallel_collectives_are_fused_with_the_linears_beside_them():
+    # The gather of a block's normed input and the three linears reading it become one
+    # linears_of_gathered (an output per linear, read by getitem where the linears
+    # were); the output projection and the reduce-scatter after it, one
+    # linear_reduce_scatter. Nothing of the block is gathered or reduce-scattered apart.
+    torch.manual_seed(0)
+    gm, _ = _rewritten(GatedStack(), torch.randint(0, 32, (2, 8)), sequence_parallel=True)
+    nodes = _nodes(gm)
+    for index, (fused, out) in enumerate((("linears_of_gathered", "linear_3"),
+                                          ("linears_of_gathered_1", "linear_7"))):
+        block = f"blocks.{index}"
+        in_block = [n for n in gm.graph.nodes if meta.LAYER in n.meta
+                    and meta.layer(n).name == block]
+        assert not [n.target for n in in_block if n.target in ("gather_from_tp",
+                                                                 "reduce_scatter_to_tp")]
+        gathered = nodes[fused]
+        assert meta.layer(gathered).name == block
+        weights, biases = gathered.args[2], gathered.args[3]
+        assert [w.target for w in weights] == [f"{block}.{m}.weight" for m in "qkv"]
+        assert [b.target if b is not None else None for b in biases] == [
+            f"{block}.q.bias", f"{block}.k.bias", None]
+        readers = sorted(gathered.users, key=lambda n: n.args[1])
+        assert [r.args[1] for r in readers] == [0, 1, 2]
+        # The whole sequence, half the features; the projection's shard of the sequence.
+        assert readers[0].meta["val"].shape == (2, 8, 16)
+        scattered = nodes[out]
+        assert scattered.target == "linear_reduce_scatter"
+        assert scattered.meta["val"].shape == (2, 4, 16)

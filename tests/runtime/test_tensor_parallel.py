@@ -2,7 +2,9 @@
 
 Each case trains 3 SGD steps with partc's tp=2 program (2 processes) or pp=2 x tp=2
 (4 processes) and on one process, on Hugging Face GPT-2, Llama (grouped-query
-attention), BERT and the sample GPT, with sequence parallelism on and off. Checks:
+attention), BERT and the sample GPT, with sequence parallelism on and off; under
+sequence parallelism with the collectives next to the linears run as rings (the
+default) and blocking ("-blocking", ``TrainSpec.tp_overlap=False``). Checks:
 losses and every rank's parameter shards within 1e-5 relative; parameters held per rank
 equal the plan's count; the collectives run (all-reduces, all-gathers, reduce-scatters)
 equal the plan's (per layer per microbatch, times microbatches, plus the partial-gradient
@@ -24,12 +26,20 @@ RECOMPUTE_FOUR = ["gpt2-pp2-tp2-recompute"]
 # the same random state: sharded dropouts keep their part of the whole tensor's mask.
 DROPOUT_TWO = ["gpt-tp2-dropout", "gpt-tp2-sp-dropout", "gpt2-tp2-dropout",
                "gpt2-tp2-sp-dropout", "gpt2-tp2-dropout-recompute"]
-TWO = [f"{m}-tp2{s}" for m in MODELS for s in ("", "-sp")] + RECOMPUTE_TWO + DROPOUT_TWO
+# Sequence parallelism with blocking collectives, against the rings of the "-sp" cases:
+# one case in the default profile, the others slow.
+BLOCKING_TWO = ["gpt-tp2-sp-blocking"]
+SLOW_BLOCKING = {2: ["llama-tp2-sp-blocking"],
+                 4: ["gpt-pp2-tp2-sp-blocking", "llama-pp2-tp2-sp-blocking"]}
+TWO = ([f"{m}-tp2{s}" for m in MODELS for s in ("", "-sp")] + RECOMPUTE_TWO + DROPOUT_TWO
+       + BLOCKING_TWO)
 FOUR = [f"{m}-pp2-tp2{s}" for m in MODELS for s in ("", "-sp")] + RECOMPUTE_FOUR
 
 
 tp_two = launched("tp_two", 2, TWO)
 tp_four = launched("tp_four", 4, FOUR)
+blocking_two = launched("blocking_two", 2, SLOW_BLOCKING[2])
+blocking_four = launched("blocking_four", 4, SLOW_BLOCKING[4])
 
 
 def _check(ranks: list[dict], name: str, tp: int, pp: int) -> None:
@@ -105,3 +115,34 @@ def test_sequence_parallel_blocks_use_gathers_and_reduce_scatters(tp_two, name):
                 # BERT's last block ends the model: its output is gathered whole.
                 moves.remove(("all_gather", "forward"))
             assert moves == megatron, (layer, moves)
+
+
+@pytest.mark.parametrize("name", ["gpt-tp2-sp", "llama-tp2-sp", "gpt-tp2-sp-recompute",
+                                  "llama-tp2-sp-recompute"] + BLOCKING_TWO)
+def test_sequence_parallel_linears_run_their_collectives_as_rings(tp_two, name):
+    # Per block, the gathers before attention and MLP and the reduce-scatters after them
+    # run as rings (one exchange per step, tp - 1 steps): forward the gathered linears'
+    # ring and the row-parallel linear's, backward the regather and input gradient's
+    # rings advancing together and the output gradient's. Blocking: none.
+    for results in tp_two:
+        result = results[name]
+        if name.endswith("-blocking"):
+            assert result["ring_steps"] == 0
+            continue
+        blocks = _blocks(result)
+        per_microbatch = 2 * (1 + 1 + 2 + 1)   # attention and MLP, tp - 1 = 1 step each
+        assert result["ring_steps"] >= per_microbatch * len(blocks) * 4 * 2, result
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", SLOW_BLOCKING[2])
+def test_tp2_blocking_matches_one_process(blocking_two, name):
+    _check(blocking_two, name, tp=2, pp=1)
+    assert all(results[name]["ring_steps"] == 0 for results in blocking_two)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", SLOW_BLOCKING[4])
+def test_pp2_tp2_blocking_matches_one_process(blocking_four, name):
+    _check(blocking_four, name, tp=2, pp=2)
+    assert all(results[name]["ring_steps"] == 0 for results in blocking_four)

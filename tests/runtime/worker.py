@@ -70,6 +70,7 @@ class Case:
     dtype: torch.dtype = torch.float32  # TrainSpec.dtype; the reference trains in fp32
     attention: str = "as_written"  # TrainSpec.attention; the reference runs it as written
     compile: bool = False  # TrainSpec.compile; the reference runs eagerly
+    tp_overlap: bool = True  # TrainSpec.tp_overlap: sequence-parallel rings or blocking
 
 
 def _tokens(model: torch.nn.Module) -> int:
@@ -162,6 +163,16 @@ for _name, (_build, _data, _loss) in _TP_MODELS.items():
         CASES[f"{_name}-tp2{_suffix}"] = Case(_build, _data, _loss, dict(pp=1, **_tp))
         CASES[f"{_name}-pp2-tp2{_suffix}"] = Case(_build, _data, _loss,
                                                  dict(pp=2, schedule="1f1b", **_tp))
+# Sequence parallelism with its collectives blocking (TrainSpec.tp_overlap=False); the
+# "-sp" cases above run them as rings beside the linears' matmuls.
+for _name in ("gpt", "llama"):
+    _build, _data, _loss = _TP_MODELS[_name]
+    for _pp in (1, 2):
+        _mesh = dict(pp=1) if _pp == 1 else dict(pp=2, schedule="1f1b")
+        CASES[f"{_name}-{'pp2-' if _pp == 2 else ''}tp2-sp-blocking"] = Case(
+            _build, _data, _loss,
+            dict(tp=2, sequence_parallel=True, tp_objective="memory", recompute="none",
+                 **_mesh), tp_overlap=False)
 # Recompute inside tensor-parallel layers: full recompute replays the layer's forward
 # collectives, selective recompute keeps them out of the replay.
 _TP_RECOMPUTE = dict(tp=2, tp_objective="memory")
@@ -354,7 +365,8 @@ def compile_case(case: Case, model: torch.nn.Module, world: int) -> partc.Progra
                          train=partc.TrainSpec(global_batch_size=BATCH, optimizer="sgd",
                                                max_grad_norm=case.clip, dtype=case.dtype,
                                                attention=case.attention,
-                                               compile=case.compile),
+                                               compile=case.compile,
+                                               tp_overlap=case.tp_overlap),
                          constraints=partc.Constraints(**constraints))
 
 
@@ -401,6 +413,7 @@ def train_case(built: Built) -> dict[str, Any]:
     case, model, reference = built.case, built.model, built.reference
     program, module = built.program, built.module
     module.tp.counts.clear()
+    module.tp.ring_steps = 0
     opt = module.optimizer(torch.optim.SGD, **OPTIMIZER)  # ZeRO-1 where the plan says
     ref_opt = optimizer(reference.parameters())
     losses, ref_losses, messages, norms, ref_norms = [], [], [], [], []
@@ -409,6 +422,7 @@ def train_case(built: Built) -> dict[str, Any]:
         x, y = batch(case, model, step)
         if step == 1:
             module.tp.counts.clear()  # the first step also runs the schedule's shape inference
+            module.tp.ring_steps = 0
         state = torch.get_rng_state()
         before = FSDP_REDUCES[0]
         losses.append(module.forward_backward(*x, target=y).item())
@@ -490,6 +504,7 @@ def train_case(built: Built) -> dict[str, Any]:
             "compute_param_dtypes": sorted({str(p.dtype) for p in module.parameters()}),
             "planned_params": plan.stages[module.stage_index].param_count,
             "collectives": dict(module.tp.counts),
+            "ring_steps": module.tp.ring_steps,
             "planned_collectives": _planned_collectives(plan, module.stage_index),
             "layer_collectives": {layer: [(move.kind, move.phase) for move in moves]
                                   for layer, moves in _tp_collectives(plan).items()}}

@@ -150,9 +150,12 @@ def budget(run: Run, flops_efficiency: float | None = None) -> partc.DeviceBudge
 
 
 def train_spec(run: Run) -> partc.TrainSpec:
-    # float16 is planned (not run: the runtime would need loss scaling).
+    # float16 is planned (not run: the runtime would need loss scaling). Megatron-LM
+    # then ran its tensor-parallel collectives blocking: no overlap with the matmuls
+    # (the chooser still reduce-scatters and gathers inside a layer where that is
+    # cheaper than an all-reduce, which partc would otherwise run as rings).
     return partc.TrainSpec(global_batch_size=run.batch, dtype=torch.float16,
-                           optimizer="adam")
+                           optimizer="adam", tp_overlap=False)
 
 
 def gpt(run: Run) -> tuple[GPT, torch.Tensor, torch.Tensor]:

@@ -18,20 +18,24 @@ from tests.validation.mcore import FIT_RUN, run_named
 
 TARGET = 0.15
 _FAST = {"1.7B"}
-# Today no efficiency reaches the fitted row: at 100% of peak partc predicts 311 of the
-# published 459.6 TF/GPU for 32B, the step's excess being the runtime's, not a constant's
-# (the ZeRO-1 optimizer step's tail as the cost model prices it: 0.31 s of a 0.89 s
-# published step; tensor-parallel collectives not overlapped with compute: 0.37 s;
-# exposed dp gradient reduction: 0.12 s).
-# Everything that needs the fitted constant fails for that reason alone until then.
-NO_FIT = pytest.mark.xfail(raises=ValueError, strict=True, reason=(
-    "no H100 efficiency up to 100% of peak reaches the 32B row's published throughput "
-    "(benchmarks/validation.py --only mcore --breakdown)"))
+# The fit reaches the 32B row since the sequence-parallel collectives run as rings
+# beside their linears' matmuls (TrainSpec.tp_overlap: the tensor-parallel term of the
+# 32B step fell from 0.37 s to 0.03 s) and ZeRO-1 in bf16 is Megatron's distributed
+# optimizer (its tail 0.31 s -> 0.16 s). One row stays outside the band: partc
+# over-predicts its throughput by 18% (benchmarks/validation.py --only mcore).
+OUTSIDE = {"119B": 1.18}
+
+
+def _marks(name):
+    marks = [] if name in _FAST else [pytest.mark.slow]
+    if name in OUTSIDE:
+        marks.append(pytest.mark.xfail(raises=AssertionError, strict=True, reason=(
+            f"partc predicts {OUTSIDE[name]:.2f}x the published throughput")))
+    return marks
 
 
 def _rows(names):
-    return [pytest.param(name, marks=[NO_FIT] + ([] if name in _FAST else [pytest.mark.slow]))
-            for name in names]
+    return [pytest.param(name, marks=_marks(name)) for name in names]
 
 
 OTHER_ROWS = _rows(run.name for run in mcore.RUNS if run is not FIT_RUN)
@@ -44,7 +48,6 @@ def test_step_flops_give_the_published_iteration_times():
         assert iteration == pytest.approx(seconds, abs=0.005), name
 
 
-@NO_FIT
 def test_the_fitted_efficiency_reproduces_the_fitted_row():
     efficiency = mcore.fitted_efficiency()
     assert 0.3 < efficiency <= 1.0

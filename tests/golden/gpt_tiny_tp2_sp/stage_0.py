@@ -45,10 +45,10 @@ class Stage0(torch.nn.Module):
         size_2 = tp_3.global_size(layer_norm, 1, 1)
         size_3 = tp_3.global_size(layer_norm, 1, 2)
         floordiv = size_3 // 4
-        gather_from_tp = tp_3.gather_from_tp(layer_norm, 1, 1, True)  # f32[4, 16, 64]
         blocks_0_attn_c_attn_weight = getattr(self.blocks, "0").attn.c_attn.weight  # f32[96, 64]
         blocks_0_attn_c_attn_bias = getattr(self.blocks, "0").attn.c_attn.bias  # f32[96]
-        linear = tp_3.linear_of_gathered(gather_from_tp, layer_norm, blocks_0_attn_c_attn_weight, blocks_0_attn_c_attn_bias, 1);  gather_from_tp = blocks_0_attn_c_attn_weight = blocks_0_attn_c_attn_bias = None  # f32[4, 16, 96]
+        linears_of_gathered = tp_3.linears_of_gathered(layer_norm, (blocks_0_attn_c_attn_weight,), (blocks_0_attn_c_attn_bias,), 1);  blocks_0_attn_c_attn_weight = blocks_0_attn_c_attn_bias = None
+        linear = linears_of_gathered[0];  linears_of_gathered = None  # f32[4, 16, 96]
         floordiv_2 = size_3 // 2
         split = linear.split(floordiv_2, dim = 2);  linear = floordiv_2 = None
         getitem = split[0]  # f32[4, 16, 32]
@@ -79,24 +79,22 @@ class Stage0(torch.nn.Module):
         blocks_0_attn_c_proj_bias = getattr(self.blocks, "0").attn.c_proj.bias  # f32[64]
         truediv_2 = blocks_0_attn_c_proj_bias / 2;  blocks_0_attn_c_proj_bias = None  # f32[64]
         blocks_0_attn_c_proj_weight = getattr(self.blocks, "0").attn.c_proj.weight  # f32[64, 32]
-        linear_1 = torch._C._nn.linear(view_3, blocks_0_attn_c_proj_weight, truediv_2);  view_3 = blocks_0_attn_c_proj_weight = truediv_2 = None  # f32[4, 16, 64]
-        reduce_scatter_to_tp_2 = tp_3.reduce_scatter_to_tp(linear_1, 1);  linear_1 = None  # f32[4, 8, 64]
-        dropout_2 = tp_3.dropout(reduce_scatter_to_tp_2, 0.0, True, 1, 1);  reduce_scatter_to_tp_2 = None  # f32[4, 8, 64]
+        linear_1 = tp_3.linear_reduce_scatter(view_3, blocks_0_attn_c_proj_weight, truediv_2, 1);  view_3 = blocks_0_attn_c_proj_weight = truediv_2 = None  # f32[4, 8, 64]
+        dropout_2 = tp_3.dropout(linear_1, 0.0, True, 1, 1);  linear_1 = None  # f32[4, 8, 64]
         add_1 = dropout + dropout_2;  dropout = dropout_2 = None  # f32[4, 8, 64]
         blocks_0_ln_2_weight = getattr(self.blocks, "0").ln_2.weight  # f32[64]
         blocks_0_ln_2_bias = getattr(self.blocks, "0").ln_2.bias  # f32[64]
         layer_norm_1 = torch.nn.functional.layer_norm(add_1, (64,), weight = blocks_0_ln_2_weight, bias = blocks_0_ln_2_bias, eps = 1e-05);  blocks_0_ln_2_weight = blocks_0_ln_2_bias = None  # f32[4, 8, 64]
-        gather_from_tp_1 = tp_3.gather_from_tp(layer_norm_1, 1, 1, True)  # f32[4, 16, 64]
         blocks_0_mlp_c_fc_weight = getattr(self.blocks, "0").mlp.c_fc.weight  # f32[128, 64]
         blocks_0_mlp_c_fc_bias = getattr(self.blocks, "0").mlp.c_fc.bias  # f32[128]
-        linear_2 = tp_3.linear_of_gathered(gather_from_tp_1, layer_norm_1, blocks_0_mlp_c_fc_weight, blocks_0_mlp_c_fc_bias, 1);  gather_from_tp_1 = layer_norm_1 = blocks_0_mlp_c_fc_weight = blocks_0_mlp_c_fc_bias = None  # f32[4, 16, 128]
+        linears_of_gathered_1 = tp_3.linears_of_gathered(layer_norm_1, (blocks_0_mlp_c_fc_weight,), (blocks_0_mlp_c_fc_bias,), 1);  layer_norm_1 = blocks_0_mlp_c_fc_weight = blocks_0_mlp_c_fc_bias = None
+        linear_2 = linears_of_gathered_1[0];  linears_of_gathered_1 = None  # f32[4, 16, 128]
         gelu = torch._C._nn.gelu(linear_2, approximate = 'none');  linear_2 = None  # f32[4, 16, 128]
         blocks_0_mlp_c_proj_bias = getattr(self.blocks, "0").mlp.c_proj.bias  # f32[64]
         truediv_3 = blocks_0_mlp_c_proj_bias / 2;  blocks_0_mlp_c_proj_bias = None  # f32[64]
         blocks_0_mlp_c_proj_weight = getattr(self.blocks, "0").mlp.c_proj.weight  # f32[64, 128]
-        linear_3 = torch._C._nn.linear(gelu, blocks_0_mlp_c_proj_weight, truediv_3);  gelu = blocks_0_mlp_c_proj_weight = truediv_3 = None  # f32[4, 16, 64]
-        reduce_scatter_to_tp_3 = tp_3.reduce_scatter_to_tp(linear_3, 1);  linear_3 = None  # f32[4, 8, 64]
-        dropout_3 = tp_3.dropout(reduce_scatter_to_tp_3, 0.0, True, 1, 1);  tp_3 = reduce_scatter_to_tp_3 = None  # f32[4, 8, 64]
+        linear_3 = tp_3.linear_reduce_scatter(gelu, blocks_0_mlp_c_proj_weight, truediv_3, 1);  gelu = blocks_0_mlp_c_proj_weight = truediv_3 = None  # f32[4, 8, 64]
+        dropout_3 = tp_3.dropout(linear_3, 0.0, True, 1, 1);  tp_3 = linear_3 = None  # f32[4, 8, 64]
         add_2 = add_1 + dropout_3;  add_1 = dropout_3 = None  # f32[4, 8, 64]
         # layer blocks.1
         blocks_1_ln_1_weight = getattr(self.blocks, "1").ln_1.weight  # f32[64]
@@ -107,10 +105,10 @@ class Stage0(torch.nn.Module):
         size_5 = tp_4.global_size(layer_norm_2, 1, 1)
         size_6 = tp_4.global_size(layer_norm_2, 1, 2)
         floordiv_1 = size_6 // 4
-        gather_from_tp_2 = tp_4.gather_from_tp(layer_norm_2, 1, 1, True)  # f32[4, 16, 64]
         blocks_1_attn_c_attn_weight = getattr(self.blocks, "1").attn.c_attn.weight  # f32[96, 64]
         blocks_1_attn_c_attn_bias = getattr(self.blocks, "1").attn.c_attn.bias  # f32[96]
-        linear_4 = tp_4.linear_of_gathered(gather_from_tp_2, layer_norm_2, blocks_1_attn_c_attn_weight, blocks_1_attn_c_attn_bias, 1);  gather_from_tp_2 = blocks_1_attn_c_attn_weight = blocks_1_attn_c_attn_bias = None  # f32[4, 16, 96]
+        linears_of_gathered_2 = tp_4.linears_of_gathered(layer_norm_2, (blocks_1_attn_c_attn_weight,), (blocks_1_attn_c_attn_bias,), 1);  blocks_1_attn_c_attn_weight = blocks_1_attn_c_attn_bias = None
+        linear_4 = linears_of_gathered_2[0];  linears_of_gathered_2 = None  # f32[4, 16, 96]
         floordiv_4 = size_6 // 2
         split_1 = linear_4.split(floordiv_4, dim = 2);  linear_4 = floordiv_4 = None
         getitem_3 = split_1[0]  # f32[4, 16, 32]
@@ -141,24 +139,22 @@ class Stage0(torch.nn.Module):
         blocks_1_attn_c_proj_bias = getattr(self.blocks, "1").attn.c_proj.bias  # f32[64]
         truediv_4 = blocks_1_attn_c_proj_bias / 2;  blocks_1_attn_c_proj_bias = None  # f32[64]
         blocks_1_attn_c_proj_weight = getattr(self.blocks, "1").attn.c_proj.weight  # f32[64, 32]
-        linear_5 = torch._C._nn.linear(view_7, blocks_1_attn_c_proj_weight, truediv_4);  view_7 = blocks_1_attn_c_proj_weight = truediv_4 = None  # f32[4, 16, 64]
-        reduce_scatter_to_tp_4 = tp_4.reduce_scatter_to_tp(linear_5, 1);  linear_5 = None  # f32[4, 8, 64]
-        dropout_5 = tp_4.dropout(reduce_scatter_to_tp_4, 0.0, True, 1, 1);  reduce_scatter_to_tp_4 = None  # f32[4, 8, 64]
+        linear_5 = tp_4.linear_reduce_scatter(view_7, blocks_1_attn_c_proj_weight, truediv_4, 1);  view_7 = blocks_1_attn_c_proj_weight = truediv_4 = None  # f32[4, 8, 64]
+        dropout_5 = tp_4.dropout(linear_5, 0.0, True, 1, 1);  linear_5 = None  # f32[4, 8, 64]
         add_3 = add_2 + dropout_5;  add_2 = dropout_5 = None  # f32[4, 8, 64]
         blocks_1_ln_2_weight = getattr(self.blocks, "1").ln_2.weight  # f32[64]
         blocks_1_ln_2_bias = getattr(self.blocks, "1").ln_2.bias  # f32[64]
         layer_norm_3 = torch.nn.functional.layer_norm(add_3, (64,), weight = blocks_1_ln_2_weight, bias = blocks_1_ln_2_bias, eps = 1e-05);  blocks_1_ln_2_weight = blocks_1_ln_2_bias = None  # f32[4, 8, 64]
-        gather_from_tp_3 = tp_4.gather_from_tp(layer_norm_3, 1, 1, True)  # f32[4, 16, 64]
         blocks_1_mlp_c_fc_weight = getattr(self.blocks, "1").mlp.c_fc.weight  # f32[128, 64]
         blocks_1_mlp_c_fc_bias = getattr(self.blocks, "1").mlp.c_fc.bias  # f32[128]
-        linear_6 = tp_4.linear_of_gathered(gather_from_tp_3, layer_norm_3, blocks_1_mlp_c_fc_weight, blocks_1_mlp_c_fc_bias, 1);  gather_from_tp_3 = layer_norm_3 = blocks_1_mlp_c_fc_weight = blocks_1_mlp_c_fc_bias = None  # f32[4, 16, 128]
+        linears_of_gathered_3 = tp_4.linears_of_gathered(layer_norm_3, (blocks_1_mlp_c_fc_weight,), (blocks_1_mlp_c_fc_bias,), 1);  layer_norm_3 = blocks_1_mlp_c_fc_weight = blocks_1_mlp_c_fc_bias = None
+        linear_6 = linears_of_gathered_3[0];  linears_of_gathered_3 = None  # f32[4, 16, 128]
         gelu_1 = torch._C._nn.gelu(linear_6, approximate = 'none');  linear_6 = None  # f32[4, 16, 128]
         blocks_1_mlp_c_proj_bias = getattr(self.blocks, "1").mlp.c_proj.bias  # f32[64]
         truediv_5 = blocks_1_mlp_c_proj_bias / 2;  blocks_1_mlp_c_proj_bias = None  # f32[64]
         blocks_1_mlp_c_proj_weight = getattr(self.blocks, "1").mlp.c_proj.weight  # f32[64, 128]
-        linear_7 = torch._C._nn.linear(gelu_1, blocks_1_mlp_c_proj_weight, truediv_5);  gelu_1 = blocks_1_mlp_c_proj_weight = truediv_5 = None  # f32[4, 16, 64]
-        reduce_scatter_to_tp_5 = tp_4.reduce_scatter_to_tp(linear_7, 1);  linear_7 = None  # f32[4, 8, 64]
-        dropout_6 = tp_4.dropout(reduce_scatter_to_tp_5, 0.0, True, 1, 1);  tp_4 = reduce_scatter_to_tp_5 = None  # f32[4, 8, 64]
+        linear_7 = tp_4.linear_reduce_scatter(gelu_1, blocks_1_mlp_c_proj_weight, truediv_5, 1);  gelu_1 = blocks_1_mlp_c_proj_weight = truediv_5 = None  # f32[4, 8, 64]
+        dropout_6 = tp_4.dropout(linear_7, 0.0, True, 1, 1);  tp_4 = linear_7 = None  # f32[4, 8, 64]
         add_4 = add_3 + dropout_6;  add_3 = dropout_6 = None  # f32[4, 8, 64]
         # layer ln_f
         ln_f_weight = self.ln_f.weight  # f32[64]
@@ -166,7 +162,7 @@ class Stage0(torch.nn.Module):
         layer_norm_4 = torch.nn.functional.layer_norm(add_4, (64,), weight = ln_f_weight, bias = ln_f_bias, eps = 1e-05);  add_4 = ln_f_weight = ln_f_bias = None  # f32[4, 8, 64]
         # layer lm_head
         tp_5 = self.tp
-        gather_from_tp_4 = tp_5.gather_from_tp(layer_norm_4, 1, 1, True)  # f32[4, 16, 64]
-        linear_8 = tp_5.linear_of_gathered(gather_from_tp_4, layer_norm_4, tok_emb_weight, None, 1);  gather_from_tp_4 = layer_norm_4 = tok_emb_weight = None  # f32[4, 16, 64]
+        linears_of_gathered_4 = tp_5.linears_of_gathered(layer_norm_4, (tok_emb_weight,), (None,), 1);  layer_norm_4 = tok_emb_weight = None
+        linear_8 = linears_of_gathered_4[0];  linears_of_gathered_4 = None  # f32[4, 16, 64]
         gather_from_tp_5 = tp_5.gather_from_tp(linear_8, 2);  tp_5 = linear_8 = None  # f32[4, 16, 128]
         return (gather_from_tp_5,)

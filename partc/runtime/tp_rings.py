@@ -1,0 +1,249 @@
+"""Sequence-parallel linears fused with their collectives, computed as rings (Megatron's
+tensor-parallel communication overlap).
+
+Under sequence parallelism a column-parallel linear reads the all-gather of the
+sequence shards, and a row-parallel linear's partial sums are reduce-scattered back to
+them. Run blocking, each collective waits for the whole tensor before (or after) the
+matmul next to it. Here the two are one ring over the ``n`` ranks of the group: the
+sequence is cut into the ``n`` shards, and while the matmul of the chunk already here
+runs, the next one travels (``n - 1`` exchanges with the neighbours, each hidden behind
+one chunk's matmul):
+
+=========================  ===============================  ===============================
+call                       forward                          backward
+=========================  ===============================  ===============================
+``linears_of_gathered``    ring all-gather of the shard;    ring all-gather of the shard
+(column-parallel)          each arriving chunk's rows of    again (each chunk's weight
+                           every linear's output computed   gradient while the next comes)
+                           while the next one comes         and ring reduce-scatter of the
+                                                            input gradient (each rank's
+                                                            partial of the chunk the next
+                                                            rank sums computed while the
+                                                            previous partial travels)
+``linear_reduce_scatter``  ring reduce-scatter fused with   ring all-gather of the output
+(row-parallel)             the matmul: the partial output   gradient; each chunk's input
+                           chunk destined for each rank     and weight gradients while the
+                           computed in ring order, summed   next one comes
+                           as it passes
+=========================  ===============================  ===============================
+
+The results are those of the blocking calls up to the order of summation (a weight
+gradient summed over chunks, a partial sum over ranks in ring order). With
+``group.overlap`` off, and for a stand-in group (which moves no data), the same calls
+run blocking: the all-gather, then the matmuls; the matmul, then the reduce-scatter.
+Either way each call counts the collectives it stands for in ``group.counts``, as the
+blocking program runs them.
+
+The linears compute as ``F.linear`` (autocast applies to the forward); backward
+computes in the forward's dtype, as :class:`partc.runtime.tp._LinearOfGathered` does.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Callable, Sequence
+
+import torch
+import torch.nn.functional as F
+
+if TYPE_CHECKING:
+    from .tp import TensorParallelGroup
+
+
+def _rows(x: torch.Tensor, dim: int, index: int, size: int) -> torch.Tensor:
+    """Chunk ``index`` of ``x``'s ``dim`` cut in pieces of ``size``."""
+    return x.narrow(dim, index * size, size)
+
+
+def _matrix(x: torch.Tensor) -> torch.Tensor:
+    return x.reshape(-1, x.shape[-1])
+
+
+def _ring(group: "TensorParallelGroup", held: torch.Tensor,
+          visit: Callable[[int, torch.Tensor], None]) -> None:
+    """Pass ``held`` around the group: ``visit(rank, chunk)`` for every rank's chunk in
+    ring order, this rank's first, each while the next chunk is in flight."""
+    size, rank = group.size, group.rank
+    for step in range(size):
+        exchange = None
+        if step < size - 1:
+            arriving = torch.empty_like(held)
+            exchange = group.ring_exchange(held, arriving)
+        visit((rank - step) % size, held)
+        if exchange is not None:
+            exchange.wait()
+            held = arriving
+
+
+def _ring_sum(group: "TensorParallelGroup", partial: Callable[[int], torch.Tensor]
+              ) -> torch.Tensor:
+    """This rank's chunk of a sum over the group, each rank's ``partial(chunk)`` summed
+    around the ring: at step ``s`` this rank computes its partial of chunk ``rank - s -
+    1`` while the running sum of that chunk comes from the previous rank, adds it and
+    passes it on; after ``n - 1`` steps the sum of chunk ``rank`` is here."""
+    size, rank = group.size, group.rank
+    exchange, arriving = None, None
+    for step in range(size):
+        local = partial((rank - step - 1) % size)
+        if exchange is not None:
+            exchange.wait()
+            local = local + arriving
+        if step == size - 1:
+            return local
+        local = local.contiguous()
+        arriving = torch.empty_like(local)
+        exchange = group.ring_exchange(local, arriving)
+    raise AssertionError("a ring of no ranks")
+
+
+def _rings(group: "TensorParallelGroup") -> bool:
+    """Whether the group runs the ring (else the blocking collectives)."""
+    return group.overlap and group.process_group is not None and group.size > 1
+
+
+class LinearsOfGathered(torch.autograd.Function):
+    """``F.linear(gather_from_tp(shard, dim), weight_i, bias_i)`` for each linear reading
+    one gathered sequence-parallel shard; saves the shard, not the whole."""
+
+    @staticmethod
+    def forward(ctx, shard, group, dim, count, *params):
+        weights, biases = params[:count], params[count:]
+        if _rings(group):
+            group.counts["all_gather"] += 1
+            outs = _ring_linears(group, shard, dim, weights, biases)
+        else:
+            whole = group._all_gather(shard, dim, 1)
+            outs = [F.linear(whole, w, b) for w, b in zip(weights, biases)]
+        ctx.group, ctx.dim, ctx.count = group, dim, count
+        ctx.dtypes = (shard.dtype, tuple(w.dtype for w in weights),
+                      tuple(None if b is None else b.dtype for b in biases))
+        ctx.compute = outs[0].dtype
+        ctx.save_for_backward(shard, *weights)
+        return tuple(outs)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        shard, *weights = ctx.saved_tensors
+        group, dim, compute = ctx.group, ctx.dim, ctx.compute
+        shard_dtype, weight_dtypes, bias_dtypes = ctx.dtypes
+        weights = [w.to(compute) for w in weights]
+        grads = [g.to(compute) for g in grads]
+        if _rings(group):
+            group.counts["all_gather"] += 1
+            group.counts["reduce_scatter"] += 1
+            grad_shard, grad_weights = _ring_linears_backward(group, shard.to(compute), dim,
+                                                              weights, grads)
+        else:
+            whole = _matrix(group._all_gather(shard, dim, 1).to(compute))
+            grad_whole = sum(g.matmul(w) for g, w in zip(grads, weights))
+            grad_shard = group._reduce_scatter(grad_whole, dim)
+            grad_weights = [_matrix(g).t().mm(whole) for g in grads]
+        grad_biases = [None if dtype is None else _matrix(g).sum(0).to(dtype)
+                       for g, dtype in zip(grads, bias_dtypes)]
+        grad_weights = [g.to(dtype) for g, dtype in zip(grad_weights, weight_dtypes)]
+        return (grad_shard.to(shard_dtype), None, None, None, *grad_weights, *grad_biases)
+
+
+def _ring_linears(group: "TensorParallelGroup", shard: torch.Tensor, dim: int,
+                  weights: Sequence[torch.Tensor], biases: Sequence[torch.Tensor | None]
+                  ) -> list[torch.Tensor]:
+    rows = shard.shape[dim]
+    outs: list[torch.Tensor] = []
+
+    def visit(rank: int, chunk: torch.Tensor) -> None:
+        for index, (w, b) in enumerate(zip(weights, biases)):
+            part = F.linear(chunk, w, b)
+            if len(outs) <= index:
+                shape = list(part.shape)
+                shape[dim] = rows * group.size
+                outs.append(part.new_empty(shape))
+            _rows(outs[index], dim, rank, rows).copy_(part)
+
+    _ring(group, shard.contiguous(), visit)
+    return outs
+
+
+def _ring_linears_backward(group: "TensorParallelGroup", shard: torch.Tensor, dim: int,
+                           weights: Sequence[torch.Tensor], grads: Sequence[torch.Tensor]
+                           ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """The shard's gradient (ring reduce-scatter of the input gradient, each partial
+    computed while the previous one travels) and the weights' (over the shard's ring
+    all-gather, each chunk's while the next one comes), interleaved step by step."""
+    rows = shard.shape[dim]
+    grad_weights = [torch.zeros_like(w) for w in weights]
+
+    def input_grad(chunk: int) -> torch.Tensor:
+        return sum(_rows(g, dim, chunk, rows).matmul(w) for g, w in zip(grads, weights))
+
+    def weight_grad(rank: int, chunk: torch.Tensor) -> None:
+        for total, g in zip(grad_weights, grads):
+            total.addmm_(_matrix(_rows(g, dim, rank, rows)).t(), _matrix(chunk))
+
+    # The two rings advance together: the input gradient's partial for the next rank
+    # and this step's weight gradients run while both rings' transfers are in flight.
+    size, rank = group.size, group.rank
+    held, exchange, arriving = shard.contiguous(), None, None
+    total, passing, incoming = None, None, None
+    for step in range(size):
+        if step < size - 1:
+            arriving = torch.empty_like(held)
+            exchange = group.ring_exchange(held, arriving)
+        local = input_grad((rank - step - 1) % size)
+        if passing is not None:
+            passing.wait()
+            local = local + incoming
+        if step < size - 1:
+            local = local.contiguous()
+            incoming = torch.empty_like(local)
+            passing = group.ring_exchange(local, incoming, tag=1)
+        else:
+            total = local
+        weight_grad((rank - step) % size, held)
+        if step < size - 1:
+            exchange.wait()
+            held = arriving
+    return total, grad_weights
+
+
+class LinearReduceScatter(torch.autograd.Function):
+    """``reduce_scatter_to_tp(F.linear(x, weight, bias), dim)`` of a row-parallel linear:
+    this rank's chunk of ``dim`` of the output summed over the group."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, group, dim):
+        if _rings(group):
+            group.counts["reduce_scatter"] += 1
+            rows = x.shape[dim] // group.size
+            out = _ring_sum(group, lambda c: F.linear(_rows(x, dim, c, rows), weight, bias))
+        else:
+            out = group._reduce_scatter(F.linear(x, weight, bias), dim)
+        ctx.group, ctx.dim, ctx.compute = group, dim, out.dtype
+        ctx.dtypes = (x.dtype, weight.dtype, None if bias is None else bias.dtype)
+        ctx.save_for_backward(x, weight)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight = ctx.saved_tensors
+        group, dim, compute = ctx.group, ctx.dim, ctx.compute
+        x_dtype, weight_dtype, bias_dtype = ctx.dtypes
+        x, weight, grad = x.to(compute), weight.to(compute), grad.to(compute)
+        if _rings(group):
+            group.counts["all_gather"] += 1
+            rows = grad.shape[dim]
+            grad_x = torch.empty_like(x)
+            grad_weight = torch.zeros_like(weight)
+            grad_bias = grad.new_zeros(grad.shape[-1])
+
+            def visit(rank: int, chunk: torch.Tensor) -> None:
+                _rows(grad_x, dim, rank, rows).copy_(chunk.matmul(weight))
+                grad_weight.addmm_(_matrix(chunk).t(), _matrix(_rows(x, dim, rank, rows)))
+                grad_bias.add_(_matrix(chunk).sum(0))
+
+            _ring(group, grad.contiguous(), visit)
+        else:
+            whole = group._all_gather(grad, dim, 1)
+            grad_x = whole.matmul(weight)
+            grad_weight = _matrix(whole).t().mm(_matrix(x))
+            grad_bias = _matrix(whole).sum(0)
+        return (grad_x.to(x_dtype), grad_weight.to(weight_dtype),
+                None if bias_dtype is None else grad_bias.to(bias_dtype), None, None)

@@ -1,0 +1,113 @@
+"""Sequence-parallel collectives run as rings beside their linears' matmuls
+(``TrainSpec.tp_overlap``) cost their exposed part only.
+
+A collective of ``c`` seconds that a ring runs beside matmuls of ``F`` FLOPs
+(``LayerCost.tp_overlap_flops``) at tp = 2 hides behind ``t = F / 2 / rate`` of them
+(the chunk held first runs alone): it costs ``c - comm_overlap * min(c, t)``. Devices:
+1e12 FLOP/s at efficiency 1, 1e9 bytes/s links, no latency (``instances.devices``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from partc.collectives import Group, collective_seconds
+from partc.compiler import plan_of
+from partc.costs import PS_PER_S, PipelineConfig, build_cost_table, tp_comm_seconds
+from partc.planner import solve
+from partc.problem import LayerCost, Pins, TPOption
+from partc.validate import validate_plan
+from tests.planner.instances import best_split_of, devices, layer, problem
+
+NBYTES = 4e6
+RATE = 1e12
+
+
+def _seconds(kind: str) -> float:
+    return collective_seconds(kind, NBYTES, Group.over(devices(2, 10**12), 2, 2))
+
+
+def _ring_layer(name: str, hide: float) -> LayerCost:
+    """A sequence-parallel block: the gather before its column-parallel linears (and,
+    backward, its regather and the input gradient's reduce-scatter) beside matmuls that
+    take ``hide`` times the gather's time; the all-reduce of a partial bias stays
+    blocking."""
+    flops = hide * _seconds("all_gather") * 2 * RATE   # t = flops / 2 / rate
+    return dataclasses.replace(
+        layer(name, flops=2e9, params=10**6),
+        tp_comm=(("all_gather", "forward", NBYTES), ("all_gather", "backward", NBYTES),
+                 ("reduce_scatter", "backward", NBYTES), ("all_reduce", "backward", NBYTES)),
+        tp_overlap_flops=(flops, flops, flops, 0.0))
+
+
+def _problem(hides: list[float], *, overlap: float = 1.0, rings: bool = True):
+    layers = [_ring_layer(f"block{i}", hide) for i, hide in enumerate(hides)]
+    base = problem([layer(f"block{i}", flops=4e9, params=2 * 10**6)
+                    for i in range(len(hides))], [1e6] * (len(hides) - 1),
+                   devices(4, 10**12, overlap=overlap), batch=4,
+                   pins=Pins(tp=2, sequence_parallel=True))
+    option = TPOption(tp=2, sequence_parallel=True, choices=(), placements=(),
+                      model=dataclasses.replace(base.model, layers=tuple(layers)))
+    whole = dataclasses.replace(base.model, tensor_parallel=(option,))
+    train = dataclasses.replace(base.train, tp_overlap=rings)
+    return dataclasses.replace(base, model=whole, train=train)
+
+
+CONFIG = PipelineConfig(pp=1, dp=2, tp=2, sequence_parallel=True, micro_batch_size=1,
+                        num_microbatches=2, schedule="1f1b")
+
+
+@pytest.mark.parametrize("hide", [0.5, 3.0])
+def test_a_ring_hides_its_collective_up_to_the_matmuls_beside_it(hide):
+    prob = _problem([hide])
+    comm = tp_comm_seconds(prob, CONFIG, prob.variant(2, True).layers[0])
+    gather, scatter = _seconds("all_gather"), _seconds("reduce_scatter")
+    matmul = hide * gather
+    exposed = [max(0.0, c - matmul) for c in (gather, gather, scatter)]
+    assert comm["forward"] == pytest.approx(exposed[0], rel=1e-12)
+    assert comm["backward"] == pytest.approx(exposed[1] + exposed[2]
+                                             + _seconds("all_reduce"), rel=1e-12)
+    if hide > 1:   # the matmuls outlast the gathers: only the blocking all-reduce is left
+        assert comm["forward"] == 0.0
+
+
+@pytest.mark.parametrize("overlap, rings", [(0.0, True), (1.0, False)])
+def test_nothing_is_hidden_without_overlap_or_rings(overlap, rings):
+    prob = _problem([3.0], overlap=overlap, rings=rings)
+    comm = tp_comm_seconds(prob, CONFIG, prob.variant(2, True).layers[0])
+    assert comm["forward"] == pytest.approx(_seconds("all_gather"), rel=1e-12)
+    assert comm["backward"] == pytest.approx(
+        _seconds("all_gather") + _seconds("reduce_scatter") + _seconds("all_reduce"),
+        rel=1e-12)
+
+
+def test_rows_charge_the_exposed_part_in_every_phase():
+    """The row's forward and backward (what the CP-SAT model, ``evaluate`` and the
+    validator read) lose exactly what the ring hides; a half overlap hides half."""
+    blocking = build_cost_table(_problem([0.5], rings=False), CONFIG).layers[0]
+    for overlap, hidden in ((1.0, 0.5), (0.5, 0.25)):
+        row = build_cost_table(_problem([0.5], overlap=overlap), CONFIG).layers[0]
+        gather = _seconds("all_gather")
+        assert blocking.forward_ps - row.forward_ps == pytest.approx(
+            hidden * gather * PS_PER_S, abs=2)
+        assert blocking.backward_ps - row.backward_ps == pytest.approx(
+            2 * overlap * min(0.5 * gather, _seconds("reduce_scatter")) * PS_PER_S, abs=2)
+
+
+def test_planner_validator_and_brute_force_agree_on_rings():
+    """With rings the planner's plan is the brute-force optimum of its configuration,
+    the validator (no solver) accepts it, and it is faster than the same problem's
+    blocking plan."""
+    steps = {}
+    for rings in (True, False):
+        prob = _problem([0.5, 3.0, 0.2], rings=rings)
+        result = solve(prob)
+        config = result.best.table.config
+        assert config.tp == 2 and config.sequence_parallel
+        oracle = best_split_of(prob, config)
+        assert result.best.evaluation.step_ps == oracle[0]
+        validate_plan(prob, plan_of(prob, result))
+        steps[rings] = result.best.evaluation.step_ps
+    assert steps[True] < steps[False]
