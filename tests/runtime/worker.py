@@ -488,8 +488,11 @@ def train_case(built: Built) -> dict[str, Any]:
             "zero_stage": plan.zero_stage, "dp_rank": topo.dp_rank,
             "zero2_grad_sync": plan.zero2_grad_sync, "reduces_once": plan.reduces_once,
             "num_microbatches": plan.num_microbatches, "fsdp_reduces": reduces,
-            "fsdp_units": sum(1 for m in module.module.modules() if isinstance(m, FSDPModule)
-                              and m._get_fsdp_state()._fsdp_param_group is not None),
+            # Units, not modules: modules sharded together (fully_shard of a list, a
+            # small layer with the next) share one parameter group and one reduction.
+            "fsdp_units": len({id(m._get_fsdp_state()._fsdp_param_group)
+                               for m in module.module.modules() if isinstance(m, FSDPModule)
+                               and m._get_fsdp_state()._fsdp_param_group is not None}),
             "compiled_graphs": _compiled_graphs(),
             "fused_attention": sum(count_fused(m) for m in module.module.modules()
                                    if isinstance(m, torch.fx.GraphModule)),
