@@ -16,9 +16,7 @@ same arithmetic, fused). The first compiled step (compiling) is not timed.
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -30,6 +28,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 import partc  # noqa: E402
+from benchmarks.torchrun_launch import run_under_torchrun  # noqa: E402
 from samples.gpt import gpt_tiny, loss_fn  # noqa: E402
 
 
@@ -108,10 +107,4 @@ def report(args, programs, times, losses) -> None:
 
 
 if __name__ == "__main__":
-    if "RANK" not in os.environ:
-        command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-                   "--nproc-per-node=2", __file__, *sys.argv[1:]]
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "PARTC_WATCHDOG_S": "600",
-               "TORCHINDUCTOR_COMPILE_THREADS": "1"}
-        sys.exit(subprocess.run(command, env=env).returncode)
-    main()
+    run_under_torchrun(main, PARTC_WATCHDOG_S="600", TORCHINDUCTOR_COMPILE_THREADS="1")

@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import subprocess
 import sys
 import time
 from typing import Any
@@ -41,6 +40,7 @@ import torch.distributed as dist  # noqa: E402
 from torch import nn  # noqa: E402
 
 import partc  # noqa: E402
+from benchmarks.torchrun_launch import run_under_torchrun  # noqa: E402
 from samples.gpt import gpt_tiny, loss_fn  # noqa: E402
 
 
@@ -235,8 +235,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    if "RANK" not in os.environ:
-        command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-                   "--nproc-per-node=2", __file__, *sys.argv[1:]]
-        sys.exit(subprocess.run(command, env={**os.environ, "OMP_NUM_THREADS": "1"}).returncode)
-    main()
+    run_under_torchrun(main)

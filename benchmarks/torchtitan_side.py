@@ -44,9 +44,7 @@ import argparse
 import copy
 import dataclasses
 import json
-import os
 import statistics
-import subprocess
 import sys
 import time
 from dataclasses import dataclass
@@ -64,6 +62,7 @@ from torch.distributed.device_mesh import init_device_mesh  # noqa: E402
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard  # noqa: E402
 
 import partc  # noqa: E402
+from benchmarks.torchrun_launch import run_under_torchrun  # noqa: E402
 from samples.gpt import GPT, GPTConfig  # noqa: E402
 from tests import hf_families  # noqa: E402
 
@@ -311,8 +310,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    if "RANK" not in os.environ:
-        command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-                   "--nproc-per-node=2", __file__, *sys.argv[1:]]
-        sys.exit(subprocess.run(command, env={**os.environ, "OMP_NUM_THREADS": "1"}).returncode)
-    main()
+    run_under_torchrun(main)

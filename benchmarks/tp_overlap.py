@@ -19,9 +19,7 @@ predicts no gain): a ratio near 1 is what this machine allows, not what a GPU ge
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -33,6 +31,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 import partc  # noqa: E402
+from benchmarks.torchrun_launch import run_under_torchrun  # noqa: E402
 from samples.gpt import gpt_tiny, loss_fn  # noqa: E402
 
 
@@ -109,9 +108,4 @@ def report(args, programs, times, losses, ring_steps: int) -> None:
 
 
 if __name__ == "__main__":
-    if "RANK" not in os.environ:
-        command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-                   "--nproc-per-node=2", __file__, *sys.argv[1:]]
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "PARTC_WATCHDOG_S": "600"}
-        sys.exit(subprocess.run(command, env=env).returncode)
-    main()
+    run_under_torchrun(main, PARTC_WATCHDOG_S="600")
