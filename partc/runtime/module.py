@@ -286,7 +286,7 @@ class DistributedModule:
     def refresh_from_masters(self) -> None:
         """The parameters again from the masters (after a checkpoint loaded into them).
         Collective over the dp group; nothing without masters."""
-        if self._buckets is not None and self._buckets._masters:
+        if self._buckets is not None and self._buckets.has_masters:
             self._buckets.gather_params()
 
     def _placement(self, name: str) -> Placement:

@@ -347,6 +347,11 @@ class GradBuckets:
                     param.data = param.data.to(dtype)
         return self._masters
 
+    @property
+    def has_masters(self) -> bool:
+        """Whether :meth:`make_masters` made fp32 masters of any parameter."""
+        return bool(self._masters)
+
     def master_of(self, param: nn.Parameter) -> torch.Tensor | None:
         """This rank's fp32 master shard of ``param`` (see :meth:`make_masters`), or None
         when the parameter is its own master."""
@@ -506,9 +511,5 @@ class DistributedOptimizer(torch.optim.Optimizer):
         for group in self.param_groups:
             for shard in group["params"]:
                 shard.grad = None
-        self._gather()
+        self.buckets.gather_params()  # every replica's updated rows to every replica
         return loss
-
-    def _gather(self) -> None:
-        """Every replica's updated rows into every replica's parameters."""
-        self.buckets.gather_params()
