@@ -70,6 +70,9 @@ class Pass:
 def analysis_passes(attention: str) -> tuple[Pass, ...]:
     """After ``trace``: what the planner needs to know of each layer."""
     return (
+        # Estimate runs the graph under the training's autocast: an exported graph's
+        # assertions of the dtypes it was traced in would fail there (and compute nothing).
+        Pass("drop_assertions", drop_assertions),
         Pass("propagate", propagate),
         # Fusing attention reads the shapes propagate writes, and changes the graph
         # that layers then groups.
