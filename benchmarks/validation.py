@@ -7,8 +7,11 @@
    node by node (in s*b*h units per rank) at tp=8 with sequence parallelism.
 2. Megatron-Core's H100 weak scaling (Megatron-LM README, 2024): one H100 matmul
    efficiency fitted on the 32B row; partc's predicted TF/GPU for every published mesh
-   (tp, pp, dp, batch and the distributed optimizer pinned), its ratio to the published
-   one, the planner's own plan for the same devices, and each step broken down by cause.
+   (tp, pp, dp, batch and the distributed optimizer pinned, and a pipeline as
+   Megatron-Core r0.8.0 runs it: plain 1F1B over an even split of the blocks), its ratio
+   to the published one; under "partc schedule" the same mesh with the schedule and
+   stages left to the planner, and that prediction's ratio; the planner's own plan for
+   the same devices; and each step broken down by cause.
    Where no efficiency up to 100% of peak reaches the fitted row's throughput, the table
    is printed at the preset's efficiency and the fit says so.
 
@@ -104,7 +107,7 @@ def mcore_table(names: list[str], show_breakdown: bool) -> None:
               f"at the preset's efficiency, {efficiency}")
     print(f"{'model':>5} {'tp':>3} {'pp':>3} {'dp':>3} {'published':>9} {'partc':>7} "
           f"{'ratio':>6} {'GiB':>5} {'b':>2} {'m':>3} {'sp':>3} {'recompute':>16} "
-          f"{'own plan':>28}")
+          f"{'partc schedule':>30} {'own plan':>18}")
     for run in mcore.RUNS:
         if names and run.name not in names:
             continue
@@ -113,10 +116,15 @@ def mcore_table(names: list[str], show_breakdown: bool) -> None:
         plan = ours.plan
         modes = ",".join(sorted(set(plan.recompute.values())))
         mesh = f"{own.plan.tp}x{own.plan.pp}x{own.plan.dp} {own.tflops_per_gpu:.0f} TF"
+        chosen = "-"
+        if run.pp > 1:
+            free = mcore.predict(run.name, efficiency, megatron_pipeline=False)
+            chosen = f"{free.plan.schedule} v={free.plan.chunks} {free.ratio:.3f}"
         print(f"{run.name:>5} {run.tp:>3} {run.pp:>3} {run.dp:>3} {run.tflops_per_gpu:>9.1f} "
               f"{ours.tflops_per_gpu:>7.1f} {ours.ratio:>6.3f} {ours.peak_bytes / GIB:>5.1f} "
               f"{plan.micro_batch_size:>2} {plan.num_microbatches:>3} "
-              f"{'on' if plan.sequence_parallel else '-':>3} {modes:>16} {mesh:>28}")
+              f"{'on' if plan.sequence_parallel else '-':>3} {modes:>16} {chosen:>30} "
+              f"{mesh:>18}")
         if show_breakdown:
             problem = mcore.problem(run.name, efficiency)
             parts = breakdown(problem, plan_assignment(plan))

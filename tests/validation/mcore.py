@@ -18,11 +18,18 @@ positions), dropout 0.1 (Megatron's default), attention fused into one kernel ca
 (``TrainSpec(attention="fused")``: Megatron-Core runs flash attention), planned in bf16
 for the H100 preset. Pinned as published: tp, pp, dp, the global batch and the
 distributed optimizer (``zero_stage=1``). Free, as the issue asks: sequence parallelism,
-recompute per layer, the micro-batch size and the schedule among those partc plans by
-itself (1F1B or GPipe). Not published, so not pinned: the micro-batch size and whether
-the pipelined runs interleaved (Megatron-Core's examples interleave; partc's runtime
-runs one stage per rank today and its planner tries interleaved 1F1B only when pinned:
-:data:`SCHEDULE` says what these predictions use).
+recompute per layer and the micro-batch size. Pinned as Megatron-Core r0.8.0 (the
+release the figures name) runs a pipelined row: plain 1F1B over its even split of the
+blocks, embeddings on the first stage, final norm, head and loss on the last
+(:data:`PUBLISHED_SCHEDULE`, :func:`published`). That release interleaves only when
+``--num-layers-per-virtual-pipeline-stage`` divides the blocks per stage, which the
+table does not give and which 119B's 23 and 462B's 7 blocks per stage allow only as
+one-block virtual stages; it has no zero-bubble schedule and no uneven split. Left to
+itself, partc's planner gives 70B a zero-bubble V schedule, 119B interleaved 1F1B over
+chunks of 11, 12 and 9 blocks and 314B interleaved zero-bubble, and predicted 119B's
+throughput 18% above the published one (its bubble 3/32 of the step where Megatron's
+1F1B has 3/16): a schedule Megatron did not run, priced right
+(``benchmarks/validation.py --only mcore`` compares).
 
 One H100 matmul efficiency is fitted on one row (:data:`FIT_RUN`), the rest predicted
 with it (``tests/validation/test_mcore_scaling.py``; ``benchmarks/validation.py`` prints
@@ -42,7 +49,8 @@ import torch
 import partc
 from partc.compiler import build_problem, plan_problem
 from partc.problem import PlanningProblem
-from tests.validation.megatron import Assignment, plan_assignment, price, step_seconds
+from tests.validation.megatron import (Assignment, even_stages, plan_assignment, price,
+                                       step_seconds)
 
 _SAMPLES = Path(__file__).resolve().parents[2] / "samples"
 if str(_SAMPLES) not in sys.path:
@@ -56,9 +64,9 @@ DROPOUT = 0.1
 PEAK_TFLOPS = 989.4
 DEVICE = "H100-80GB"
 DEVICE_BYTES = 80 * 2**30
-# The schedule pipelined rows are planned with when nothing else is pinned: partc's own
-# choice ("auto": 1F1B or GPipe). Megatron-Core's interleaving is not in the table.
-SCHEDULE = "auto"
+# What Megatron-Core runs a pipeline with unless told to interleave (the table does
+# not say it was).
+PUBLISHED_SCHEDULE = "1f1b"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -95,6 +103,8 @@ RUNS: tuple[Run, ...] = tuple(Run(**row) for row in (
          batch=384, tflops_per_gpu=419.7, mfu=0.42),
     dict(params_b=119, heads=80, hidden=10240, layers=92, tp=8, pp=4, dp=48, gpus=1536,
          batch=768, tflops_per_gpu=420.5, mfu=0.43),
+    dict(params_b=177, heads=96, hidden=12288, layers=96, tp=8, pp=6, dp=48, gpus=2304,
+         batch=1152, tflops_per_gpu=432.8, mfu=0.44),
     dict(params_b=314, heads=128, hidden=16384, layers=96, tp=8, pp=8, dp=48, gpus=3072,
          batch=1536, tflops_per_gpu=474.4, mfu=0.48),
     dict(params_b=462, heads=144, hidden=18432, layers=112, tp=8, pp=16, dp=48, gpus=6144,
@@ -129,7 +139,7 @@ def budget(run: Run, flops_efficiency: float | None = None) -> partc.DeviceBudge
 
 def train_spec(run: Run) -> partc.TrainSpec:
     return partc.TrainSpec(global_batch_size=run.batch, dtype=torch.bfloat16,
-                           optimizer="adam", attention="fused", schedule=SCHEDULE)
+                           optimizer="adam", attention="fused")
 
 
 def gpt(run: Run) -> tuple[GPT, torch.Tensor, torch.Tensor]:
@@ -155,19 +165,26 @@ def analysed(name: str):
                    autocast=torch.bfloat16, autocast_device="cuda")
 
 
-def published(run: Run) -> partc.Constraints:
-    """The published mesh and the distributed optimizer; the rest left to the planner."""
+def published(run: Run, megatron_pipeline: bool = True) -> partc.Constraints:
+    """The published mesh and the distributed optimizer, and a pipeline as Megatron-Core
+    runs it (:data:`PUBLISHED_SCHEDULE` over :func:`even_stages`; without
+    ``megatron_pipeline``, the schedule and stages partc chooses); the rest left to the
+    planner."""
+    pipelined = run.pp > 1 and megatron_pipeline
     return partc.Constraints(tp=run.tp, pp=run.pp, dp=run.dp, zero_stage=1,
-                             tp_objective="time" if run.tp > 1 else None)
+                             tp_objective="time" if run.tp > 1 else None,
+                             schedule=PUBLISHED_SCHEDULE if pipelined else None,
+                             stages=even_stages(run, run.pp) if pipelined else None)
 
 
 @functools.lru_cache(maxsize=None)
-def problem(name: str, flops_efficiency: float | None, own: bool = False) -> PlanningProblem:
-    """The row's planning problem: its published mesh pinned, or (``own``) nothing but
-    the devices and the batch."""
+def problem(name: str, flops_efficiency: float | None, own: bool = False,
+            megatron_pipeline: bool = True) -> PlanningProblem:
+    """The row's planning problem: its published mesh pinned (:func:`published`), or
+    (``own``) nothing but the devices and the batch."""
     run = run_named(name)
     graph, analysis = analysed(name)
-    constraints = partc.Constraints() if own else published(run)
+    constraints = partc.Constraints() if own else published(run, megatron_pipeline)
     return build_problem(analysis, budget(run, flops_efficiency), train_spec(run),
                          constraints, graph)
 
@@ -221,11 +238,13 @@ class Prediction:
         return self.plan.predicted.peak_memory_bytes
 
 
-def predict(name: str, efficiency: float | None = None, own: bool = False) -> Prediction:
-    """partc's plan for the row (the published mesh pinned, or its own) at ``efficiency``
-    (the fitted one by default) and the TF/GPU it predicts."""
+def predict(name: str, efficiency: float | None = None, own: bool = False,
+            megatron_pipeline: bool = True) -> Prediction:
+    """partc's plan for the row (the published mesh pinned as :func:`published` pins it,
+    or its own) at ``efficiency`` (the fitted one by default) and the TF/GPU it
+    predicts."""
     run = run_named(name)
     efficiency = fitted_efficiency() if efficiency is None else efficiency
-    result = plan(problem(name, efficiency, own))
+    result = plan(problem(name, efficiency, own, megatron_pipeline))
     return Prediction(run=run, plan=result,
                       tflops_per_gpu=tflops_per_gpu(run, result.predicted.step_time_s))
