@@ -26,10 +26,15 @@ blocks, embeddings on the first stage, final norm, head and loss on the last
 table does not give and which 119B's 23 and 462B's 7 blocks per stage allow only as
 one-block virtual stages; it has no zero-bubble schedule and no uneven split. Left to
 itself, partc's planner gives 70B a zero-bubble V schedule, 119B interleaved 1F1B over
-chunks of 11, 12 and 9 blocks and 314B interleaved zero-bubble, and predicted 119B's
-throughput 18% above the published one (its bubble 3/32 of the step where Megatron's
-1F1B has 3/16): a schedule Megatron did not run, priced right
-(``benchmarks/validation.py --only mcore`` compares).
+two chunks per rank of 9 to 12 blocks and 314B interleaved zero-bubble, and predicted
+119B's throughput 18% above the published one: its fill and drain are (p - 1) / (v m) =
+3/32 of the microbatches' time where Megatron-Core's 1F1B has 3/16. That is a schedule
+partc can run and Megatron-Core r0.8.0 cannot, not a wrong price
+(``benchmarks/validation.py --only mcore`` shows both). The interleavings that release
+could have run price within the band too (even splits, partc's plan otherwise: 70B
+1.03-1.05 at v = 2 to 14, 119B 1.11 at v = 23, 314B 1.07-1.11 at v = 2 to 12; 462B at
+v = 7 needs 103 GiB). The 177B row (pp = 6) is in the README's table but not in
+the json; it is here.
 
 One H100 matmul efficiency is fitted on one row (:data:`FIT_RUN`), the rest predicted
 with it (``tests/validation/test_mcore_scaling.py``; ``benchmarks/validation.py`` prints
