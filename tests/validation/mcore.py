@@ -30,11 +30,14 @@ two chunks per rank of 9 to 12 blocks and 314B interleaved zero-bubble, and pred
 119B's throughput 18% above the published one: its fill and drain are (p - 1) / (v m) =
 3/32 of the microbatches' time where Megatron-Core's 1F1B has 3/16. That is a schedule
 partc can run and Megatron-Core r0.8.0 cannot, not a wrong price
-(``benchmarks/validation.py --only mcore`` shows both). The interleavings that release
-could have run price within the band too (even splits, partc's plan otherwise: 70B
-1.03-1.05 at v = 2 to 14, 119B 1.11 at v = 23, 314B 1.07-1.11 at v = 2 to 12; 462B at
-v = 7 needs 103 GiB). The 177B row (pp = 6) is in the README's table but not in
-the json; it is here.
+(``benchmarks/validation.py --only mcore`` shows both). Plain 1F1B is also what the
+published figures fit: under the interleavings r0.8.0 could have run (even splits, the
+plan otherwise as pinned; :func:`megatron_interleavings`, ``--interleavings``) partc
+predicts 0.97-1.05x for 70B (v = 2 to 42), 1.11x for 119B (v = 23), 1.14-1.18x for 177B
+(v = 2 to 16), 1.08-1.11x for 314B (v = 2 to 12) and 462B at v = 7 needs 103 GiB, where
+plain 1F1B gives 0.99-1.07x across the five; partc's interleaved pricing itself is
+checked on the SC'21 runs that did interleave (``tests/validation/megatron.py``). The
+177B row (pp = 6) is in the README's table but not in the json; it is here.
 
 One H100 matmul efficiency is fitted on one row (:data:`FIT_RUN`), the rest predicted
 with it (``tests/validation/test_mcore_scaling.py``; ``benchmarks/validation.py`` prints
@@ -54,8 +57,9 @@ import torch
 import partc
 from partc.compiler import build_problem, plan_problem
 from partc.problem import PlanningProblem
-from tests.validation.megatron import (Assignment, even_stages, plan_assignment, price,
-                                       step_seconds)
+from partc.spec import INTERLEAVED
+from tests.validation.megatron import (Assignment, even_runs, even_stages, layer_names,
+                                       peak_bytes, plan_assignment, price, step_seconds)
 
 _SAMPLES = Path(__file__).resolve().parents[2] / "samples"
 if str(_SAMPLES) not in sys.path:
@@ -253,3 +257,44 @@ def predict(name: str, efficiency: float | None = None, own: bool = False,
     result = plan(problem(name, efficiency, own, megatron_pipeline))
     return Prediction(run=run, plan=result,
                       tflops_per_gpu=tflops_per_gpu(run, result.predicted.step_time_s))
+
+
+@dataclass(frozen=True, kw_only=True)
+class Interleaving:
+    """A row priced as interleaved 1F1B with ``chunks`` virtual stages per rank."""
+
+    chunks: int
+    tflops_per_gpu: float
+    ratio: float
+    peak_bytes: int
+
+
+def megatron_interleavings(name: str, efficiency: float | None = None) -> list[Interleaving]:
+    """The row as :func:`predict` plans it, priced under each interleaving Megatron-Core
+    r0.8.0 could have run instead: ``v`` chunks per rank of its even split for every
+    ``v > 1`` that divides the blocks per stage, where the microbatches are a multiple of
+    pp (its interleaved schedule requires it); micro-batch size, sequence parallelism and
+    recompute as planned."""
+    run = run_named(name)
+    efficiency = fitted_efficiency() if efficiency is None else efficiency
+    planned = predict(name, efficiency).plan
+    base = plan_assignment(planned)
+    per_stage = run.layers // run.pp
+    if run.pp == 1 or planned.num_microbatches % run.pp:
+        return []
+    names = layer_names(run.layers)
+    mode_of = dict(zip((layer for members in planned.runs for layer in members), base.modes))
+    modes = tuple(mode_of[layer] for layer in names)
+    found = []
+    for chunks in (v for v in range(2, per_stage + 1) if per_stage % v == 0):
+        runs = even_runs(run, names, run.pp * chunks)
+        config = dataclasses.replace(base.config, schedule=INTERLEAVED, chunks=chunks)
+        stage_of = tuple(j for j, members in enumerate(runs) for _ in members)
+        evaluation = price(problem(name, efficiency),
+                           Assignment(config=config, stage_of=stage_of, modes=modes))
+        tflops = tflops_per_gpu(run, step_seconds(evaluation))
+        found.append(Interleaving(chunks=chunks, tflops_per_gpu=tflops,
+                                  ratio=tflops / run.tflops_per_gpu,
+                                  peak_bytes=peak_bytes(evaluation)))
+    return found
+
