@@ -2,10 +2,10 @@
 inside ``optimizer.step()``: measured step times and what the plan predicts.
 
     python benchmarks/param_gather.py               # starts torchrun with 2 processes
-    python benchmarks/param_gather.py --nproc 4     # dp = 4
+    python benchmarks/param_gather.py --dp 4        # 4 processes
     torchrun --standalone --nproc-per-node=2 benchmarks/param_gather.py [--steps 12]
 
-The same GPT (same weights, same batches) is planned twice at dp = nproc under ZeRO-1
+The same GPT (same weights, same batches) is planned twice at dp = ``--dp`` under ZeRO-1
 with Adam, in bf16 by default (Megatron's distributed optimizer: bf16 weights gathered
 from fp32 master shards), once with ``TrainSpec(overlap_param_gather=False)``. A step is
 ``forward_backward`` + ``optimizer.step()`` + ``zero_grad()``: the overlapped program's
@@ -48,7 +48,7 @@ DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
 def arguments() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--nproc", type=int, default=2, help="processes (dp) to start")
+    parser.add_argument("--dp", type=int, default=2, help="processes to start (data parallel)")
     parser.add_argument("--steps", type=int, default=12, help="timed steps per program")
     parser.add_argument("--block", type=int, default=3, help="steps in a row per program")
     parser.add_argument("--warmup", type=int, default=1, help="untimed blocks")
@@ -133,4 +133,4 @@ def report(args, programs, times, losses) -> None:
 
 
 if __name__ == "__main__":
-    run_under_torchrun(main, nproc=arguments().nproc, PARTC_WATCHDOG_S="600")
+    run_under_torchrun(main, nproc=arguments().dp, PARTC_WATCHDOG_S="600")
