@@ -6,9 +6,10 @@ to ``<out>/rank<k>.json``.
 
     torchrun --standalone --nproc-per-node=2 tests/runtime/gather_worker.py OUT CASE ...
 
-A case is ``<model>[-pp<p>]-<dtype>[-ckpt]``: model ``gpt`` (the sample GPT) or
+A case is ``<model>[-pp<p>[-v<v>]]-<dtype>[-ckpt]``: model ``gpt`` (the sample GPT) or
 ``llama`` (Hugging Face Llama from a config, ``tests/hf_families.py``), pp stages
-(1F1B), dp the other ranks, ZeRO-1, Adam, STEPS steps. Without ``-ckpt`` the program
+(1F1B; with v virtual stages per rank, interleaved 1F1B), dp the other ranks, ZeRO-1,
+Adam, STEPS steps. Without ``-ckpt`` the program
 trains twice, overlapped and not, from the same weights and batches; with it, the
 overlapped run saves a checkpoint right after step SAVE_AT's ``optimizer.step()`` (its
 all-gathers still in flight) and a second build of the same plan loads it and trains the
@@ -47,14 +48,15 @@ MODELS = {"gpt": Case(gpt.gpt_tiny, "tokens", gpt.loss_fn),
                         models.causal_lm_loss)}
 
 
-def _parse(name: str) -> tuple[Case, int, torch.dtype, bool]:
+def _parse(name: str) -> tuple[Case, int, int, torch.dtype, bool]:
     parts = name.split("-")
     pp = int(parts.pop(1).removeprefix("pp")) if parts[1].startswith("pp") else 1
+    v = int(parts.pop(1).removeprefix("v")) if parts[1].startswith("v") else 1
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[parts[1]]
-    return MODELS[parts[0]], pp, dtype, parts[-1] == "ckpt"
+    return MODELS[parts[0]], pp, v, dtype, parts[-1] == "ckpt"
 
 
-def _build(case: Case, pp: int, dtype: torch.dtype, overlap: bool):
+def _build(case: Case, pp: int, v: int, dtype: torch.dtype, overlap: bool):
     torch.manual_seed(0)
     model = case.build()
     x, y = batch(case, model, 0)
@@ -64,9 +66,11 @@ def _build(case: Case, pp: int, dtype: torch.dtype, overlap: bool):
         budget=partc.DeviceBudget(num_devices=world, device="CPU"),
         train=partc.TrainSpec(global_batch_size=BATCH, optimizer="adam", dtype=dtype,
                               overlap_param_gather=overlap),
-        constraints=partc.Constraints(pp=pp, dp=world // pp, zero_stage=1, recompute="none",
-                                      schedule="1f1b" if pp > 1 else None,
-                                      num_microbatches=MICROBATCHES // (world // pp)))
+        constraints=partc.Constraints(
+            pp=pp, dp=world // pp, zero_stage=1, recompute="none",
+            schedule=("interleaved-1f1b" if v > 1 else "1f1b") if pp > 1 else None,
+            virtual_stages=v if v > 1 else None,
+            num_microbatches=MICROBATCHES // (world // pp)))
     module = program.build()
     return model, module, module.optimizer(torch.optim.Adam, **ADAM)
 
@@ -94,8 +98,8 @@ def _step(module: Any, opt: Any, case: Case, model: Any, step: int) -> float:
     return loss
 
 
-def _train(case: Case, pp: int, dtype: torch.dtype, overlap: bool) -> dict[str, Any]:
-    model, module, opt = _build(case, pp, dtype, overlap)
+def _train(case: Case, pp: int, v: int, dtype: torch.dtype, overlap: bool) -> dict[str, Any]:
+    model, module, opt = _build(case, pp, v, dtype, overlap)
     waits = _record_waits(module)
     losses, pending, hooked = [], [], []
     for step in range(STEPS):
@@ -111,13 +115,13 @@ def _train(case: Case, pp: int, dtype: torch.dtype, overlap: bool) -> dict[str, 
     full = module.full_state_dict()
     return {"losses": losses, "full": full, "pending": pending, "hook_waits": hooked,
             "buckets": len(module._buckets.buckets), "changed_by_wait": changed,
-            "waits_outside": waits.count(None)}
+            "waits_outside": waits.count(None), "virtual_stages": len(module.virtual_stages)}
 
 
-def _resumed(case: Case, pp: int, dtype: torch.dtype, out: Path) -> dict[str, Any]:
+def _resumed(case: Case, pp: int, v: int, dtype: torch.dtype, out: Path) -> dict[str, Any]:
     """Overlapped: save right after step SAVE_AT's optimizer step, keep training; a second
     build loads that checkpoint and trains the remaining steps."""
-    model, module, opt = _build(case, pp, dtype, True)
+    model, module, opt = _build(case, pp, v, dtype, True)
     losses, pending_at_save = [], []
     for step in range(STEPS):
         losses.append(_step(module, opt, case, model, step))
@@ -125,7 +129,7 @@ def _resumed(case: Case, pp: int, dtype: torch.dtype, out: Path) -> dict[str, An
             pending_at_save = list(module._buckets.pending_gathers)
             module.save_checkpoint(out, optimizer=opt, step=step + 1)
     full = module.full_state_dict()
-    model, again, opt = _build(case, pp, dtype, True)
+    model, again, opt = _build(case, pp, v, dtype, True)
     start, _ = again.load_checkpoint(out, optimizer=opt)
     resumed = [_step(again, opt, case, model, step) for step in range(start, STEPS)]
     return {"losses": losses[start:], "resumed_losses": resumed, "full": full,
@@ -137,18 +141,18 @@ def _same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> list[str]:
 
 
 def run_case(name: str, out: Path) -> dict[str, Any]:
-    case, pp, dtype, ckpt = _parse(name)
+    case, pp, v, dtype, ckpt = _parse(name)
     if ckpt:
-        seen = _resumed(case, pp, dtype, out / name)
+        seen = _resumed(case, pp, v, dtype, out / name)
         return {"losses": seen["losses"], "resumed_losses": seen["resumed_losses"],
                 "differ": _same(seen["full"], seen["resumed_full"]),
                 "pending_at_save": seen["pending_at_save"]}
-    on = _train(case, pp, dtype, True)
-    off = _train(case, pp, dtype, False)
+    on = _train(case, pp, v, dtype, True)
+    off = _train(case, pp, v, dtype, False)
     return {"losses": on["losses"], "off_losses": off["losses"],
             "differ": _same(on["full"], off["full"]),
-            **{key: on[key] for key in ("pending", "hook_waits", "buckets",
-                                        "changed_by_wait", "waits_outside")},
+            **{key: on[key] for key in ("pending", "hook_waits", "buckets", "changed_by_wait",
+                                        "waits_outside", "virtual_stages")},
             "off_pending": off["pending"], "off_changed_by_wait": off["changed_by_wait"]}
 
 

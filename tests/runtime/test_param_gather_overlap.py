@@ -13,7 +13,8 @@ of 4096 elements so that every stage spans several).
 - A checkpoint saved right after ``step()``, all-gathers in flight, resumes to the same
   losses and parameters, bit for bit (fp32, where the parameters themselves are saved,
   and bf16, where the masters are).
-The pipeline (pp=2 x dp=2) cases are slow: they run 4 processes.
+The pipeline (pp=2 x dp=2) cases are slow: they run 4 processes; ``-v2`` is interleaved
+1F1B with two virtual stages per rank, each waiting for its own buckets.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from .test_parity import launch
 
 WORKER = Path(__file__).with_name("gather_worker.py")
 CASES = ["gpt-fp32", "llama-bf16", "gpt-fp32-ckpt", "gpt-bf16-ckpt"]
-FOUR_CASES = ["gpt-pp2-bf16", "llama-pp2-fp32", "gpt-pp2-fp32-ckpt"]
+FOUR_CASES = ["gpt-pp2-bf16", "llama-pp2-fp32", "gpt-pp2-v2-fp32", "gpt-pp2-fp32-ckpt"]
 
 
 def _launch(cases: list[str], out: Path, nproc: int) -> list[dict]:
@@ -50,10 +51,11 @@ def _check(ranks: list[dict], name: str) -> None:
         if name.endswith("-ckpt"):
             _check_resume(rank, seen)
         else:
-            _check_overlap(rank, seen)
+            _check_overlap(rank, seen, 2 if "-v2-" in name else 1)
 
 
-def _check_overlap(rank: int, seen: dict) -> None:
+def _check_overlap(rank: int, seen: dict, virtual_stages: int) -> None:
+    assert seen["virtual_stages"] == virtual_stages
     assert seen["losses"] == seen["off_losses"], rank
     assert seen["differ"] == [], (rank, seen["differ"][:3])
     everything = list(reversed(range(seen["buckets"])))
