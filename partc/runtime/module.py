@@ -489,7 +489,7 @@ class DistributedModule:
         """
         losses: list[torch.Tensor] = []
         args, kwargs = self._stage_arguments(inputs, target, losses)
-        self.wait_param_gathers()
+        self.wait_param_gathers()  # an evaluation has no step to overlap them with
         was_training = self.module.training
         self.module.eval()
         try:
