@@ -17,8 +17,8 @@ of it. Buckets hold ``--bucket-elements`` (``PARTC_BUCKET_ELEMENTS``): the defau
 would put the whole model in one bucket, which the first layer waits for.
 
 Printed: the machine's load (``os.getloadavg``), each program's predicted and measured
-median step (per block, over the block's steps), the overlapped/blocking ratios, and
-whether the losses agree bit for bit (they must: the same values arrive, only later).
+median step (per block, over the block's steps), the overlapped/blocking ratios, every
+block's step, and whether the losses agree bit for bit (they must: the same values arrive, only later).
 On a CPU the ranks' compute and gloo's threads share the cores (the CPU preset's
 ``comm_overlap`` is 0, so the plan predicts no gain): a ratio near 1 is what this
 machine allows, not what a GPU gets.
@@ -129,6 +129,8 @@ def report(args, programs, times, losses) -> None:
     print(f"  overlapped / blocking: predicted "
           f"{predicted['overlapped'] / predicted['blocking']:.3f}, "
           f"measured {measured['overlapped'] / measured['blocking']:.3f}")
+    for name, seen in times.items():   # the spread: the machine's noise
+        print(f"  {name} per block: " + " ".join(f"{t * 1e3:.0f}" for t in seen) + " ms")
     print(f"  losses agree bit for bit: {losses['overlapped'] == losses['blocking']}")
 
 
