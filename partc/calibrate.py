@@ -53,7 +53,7 @@ import platform
 import statistics
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
 from typing import Callable
@@ -169,6 +169,13 @@ def _elapsed(fn: Callable[[], object], device: torch.device, calls: int) -> floa
     for _ in range(calls):
         fn()
     return time.perf_counter() - start_s
+
+
+# What the ranks time together, every one computing at once as in training, is batched
+# into samples at least this long: a training step's phases run for tens of milliseconds,
+# and on a shared machine a shorter sample sees one time slice of a core (all of it, or
+# none) instead of the share the step gets.
+BUSY_SAMPLE_S = 0.05
 
 
 def _calls_per_sample(one_call_s: float, sizes: Sizes) -> int:
@@ -328,7 +335,7 @@ def measure_op_overhead(device: torch.device, sizes: Sizes, chain: int = 64) -> 
 def measure_elementwise(device: torch.device, sizes: Sizes,
                         overhead: dict | None = None) -> dict:
     """The memory-bound ops of training, forward and backward as autograd runs them: a
-    residual add, a layer norm, a scale, a mask, a softmax and a GELU, each on a fresh
+    residual add, a layer norm, a scale, a mask, a softmax and a GELU, each on its own
     (tokens, out) activation of ``sizes.linear[0]`` that needs a gradient. Their bytes
     are counted as ``passes/estimate`` counts them (tensor inputs read and outputs
     written; the norm's weights, parameters, left out) and backward as twice forward's,
@@ -561,10 +568,11 @@ def _collective_worker(rank: int, ranks: int, store: str, backend: str, sizes: S
                 timed[kind].append({"bytes": numel * 4, "seconds": seconds})
         timed["overlap"] = _overlap(ranks, device, sizes)
         dist.barrier()   # every rank computes at once, as in training
-        timed["linear_all_busy"] = measure_linear(device, ("float32", "bfloat16"), sizes)
-        overhead = measure_op_overhead(device, sizes)
-        timed["elementwise_all_busy"] = measure_elementwise(device, sizes, overhead)
-        timed["optimizer_all_busy"] = measure_optimizer(device, sizes)
+        busy = replace(sizes, min_sample_s=max(sizes.min_sample_s, BUSY_SAMPLE_S))
+        timed["linear_all_busy"] = measure_linear(device, ("float32", "bfloat16"), busy)
+        overhead = measure_op_overhead(device, busy)
+        timed["elementwise_all_busy"] = measure_elementwise(device, busy, overhead)
+        timed["optimizer_all_busy"] = measure_optimizer(device, busy)
 
         if rank == 0:
             Path(out).write_text(json.dumps(timed))
