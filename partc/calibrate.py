@@ -90,6 +90,9 @@ class Sizes:
     repeats: int
     warmup: int
     min_sample_s: float                        # calls per sample are batched up to this
+    # A CPU's clock: wall time, or ``time.thread_time`` (the calling thread's CPU time:
+    # what a one-thread process computes, whatever else the machine runs).
+    clock: Callable[[], float] = time.perf_counter
 
 
 def _powers_of_4(low: int, high: int) -> tuple[int, ...]:
@@ -154,8 +157,9 @@ class CalibrationOptions:
 
 # ---------------------------------------------------------------------------- timing
 
-def _elapsed(fn: Callable[[], object], device: torch.device, calls: int) -> float:
-    """Seconds for ``calls`` back-to-back calls, all finished."""
+def _elapsed(fn: Callable[[], object], device: torch.device, calls: int,
+             clock: Callable[[], float] = time.perf_counter) -> float:
+    """Seconds for ``calls`` back-to-back calls, all finished (on a CPU by ``clock``)."""
     if device.type == "cuda":
         start = torch.cuda.Event(enable_timing=True)
         end = torch.cuda.Event(enable_timing=True)
@@ -165,10 +169,10 @@ def _elapsed(fn: Callable[[], object], device: torch.device, calls: int) -> floa
         end.record()
         end.synchronize()
         return start.elapsed_time(end) / 1e3
-    start_s = time.perf_counter()
+    start_s = clock()
     for _ in range(calls):
         fn()
-    return time.perf_counter() - start_s
+    return clock() - start_s
 
 
 # What the ranks time together, every one computing at once as in training, is batched
@@ -188,8 +192,9 @@ def median_seconds(fn: Callable[[], object], device: torch.device, sizes: Sizes)
         fn()
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-    calls = _calls_per_sample(_elapsed(fn, device, 1), sizes)
-    return statistics.median(_elapsed(fn, device, calls) / calls for _ in range(sizes.repeats))
+    calls = _calls_per_sample(_elapsed(fn, device, 1, sizes.clock), sizes)
+    return statistics.median(_elapsed(fn, device, calls, sizes.clock) / calls
+                             for _ in range(sizes.repeats))
 
 
 class _Fp32Precision:

@@ -14,6 +14,7 @@ import io
 import json
 import math
 import statistics
+import time
 from datetime import datetime
 
 import pytest
@@ -422,3 +423,17 @@ def test_options_are_checked():
     if not torch.cuda.is_available():
         with pytest.raises(CalibrationError, match="sees no GPU"):
             CalibrationOptions(device="cuda")
+
+
+def test_median_seconds_times_by_the_sizes_clock():
+    """On a CPU the clock is ``Sizes.clock`` (wall time unless one asks for the thread's
+    CPU time): a clock that advances 0.5 s per reading times every call at 0.5 s."""
+    import dataclasses
+    import itertools
+
+    from partc.calibrate import median_seconds
+
+    readings = itertools.count(0.0, 0.5)
+    sizes = dataclasses.replace(SIZES["cpu", True], clock=lambda: next(readings))
+    assert median_seconds(lambda: None, torch.device("cpu"), sizes) == 0.5
+    assert SIZES["cpu", True].clock is time.perf_counter
