@@ -37,6 +37,12 @@ to it.
 
 with the machine's load average before and after: on a shared machine the times are
 noisy; the rounds interleave so that noise spreads over all plans.
+
+``--compare OTHER.json`` predicts the same plans again with a second profile (every
+decision of each plan pinned: mesh, stages, recompute, microbatches, schedule, ZeRO) and
+prints its figures against the same measurements: two cost models, or two profiles,
+judged on one set of timings (e.g. a profile with ``elementwise_bandwidth`` and
+``optimizer_bandwidth`` nulled, which prices as the cost model did before them).
 """
 
 from __future__ import annotations
@@ -135,6 +141,37 @@ def _decisions(plan: partc.Plan) -> str:
                        "recompute": sorted(plan.recompute.items())}, sort_keys=True)
 
 
+def pins_of(plan: partc.Plan) -> dict:
+    """Constraints that pin every decision of ``plan``."""
+    return dict(pp=plan.pp, dp=plan.dp, tp=plan.tp, sequence_parallel=plan.sequence_parallel
+                if plan.tp > 1 else None, stages=[list(s.layers) for s in plan.stages],
+                recompute=dict(plan.recompute), num_microbatches=plan.num_microbatches,
+                micro_batch_size=plan.micro_batch_size, schedule=plan.schedule,
+                virtual_stages=plan.chunks if plan.chunks > 1 else None,
+                zero_stage=plan.zero_stage if plan.dp > 1 else None,
+                zero2_grad_sync=plan.zero2_grad_sync if plan.effective_zero_stage == 2
+                else None)
+
+
+def repredict(profile: str, plans: dict[str, dict]) -> dict[str, dict]:
+    """``plans`` with each one's step time predicted with ``profile`` instead, every
+    decision pinned; a plan the other profile cannot price pinned so is left out."""
+    budget = partc.DeviceBudget(num_devices=2, profile=profile)
+    train = partc.TrainSpec(global_batch_size=BATCH)
+    ids, _ = batch()
+    again = {}
+    for name, info in plans.items():
+        try:
+            program = partc.compile(model(), (ids,), loss_fn=loss_fn, budget=budget,
+                                    train=train,
+                                    constraints=partc.Constraints(**info["pins"]))
+        except (partc.PartcError, ValueError) as error:
+            print(f"  {name}: not re-predicted ({str(error).splitlines()[0]})", flush=True)
+            continue
+        again[name] = info | {"predicted_s": program.plan.predicted.step_time_s}
+    return again
+
+
 def compile_all(profile: str, out: Path, only: list[str] | None = None,
                 which: str = "plans") -> dict[str, dict]:
     budget = partc.DeviceBudget(num_devices=2, profile=profile)
@@ -170,7 +207,8 @@ def compile_all(profile: str, out: Path, only: list[str] | None = None,
                        "m": plan.num_microbatches, "b": plan.micro_batch_size,
                        "zero": f"{plan.effective_zero_stage}"
                                + ("s" if plan.reduces_once else ""),
-                       "sp": plan.sequence_parallel, "schedule": plan.schedule}
+                       "sp": plan.sequence_parallel, "schedule": plan.schedule,
+                       "pins": pins_of(plan)}
         print(f"  {name}: predicted {plan.predicted.step_time_s * 1e3:.1f} ms "
               f"({time.perf_counter() - start:.1f} s to compile)", flush=True)
     return plans
@@ -279,6 +317,9 @@ def main() -> None:
                              "schedules: every pipeline schedule on pp=2 x 4 microbatches; "
                              "zero2: ZeRO-2's gradient sync per microbatch or per step "
                              "on dp=2 x 4 microbatches")
+    parser.add_argument("--compare", metavar="OTHER.json",
+                        help="also predict the same plans with this profile, against the "
+                             "same measurements")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--names", nargs="*", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -302,6 +343,11 @@ def main() -> None:
         subprocess.run(command, check=True, env=env, cwd=ROOT)
         measured = json.loads((folder / "measured.json").read_text())
     report(plans, measured)
+    if args.compare:
+        print(f"\nthe same plans predicted with {args.compare}:")
+        again = repredict(args.compare, plans)
+        if "partc" in again:
+            report(again, {name: measured[name] for name in again})
     print(f"load average (1 min) before {before:.1f}, after {os.getloadavg()[0]:.1f}, "
           f"on {os.cpu_count()} cores")
 

@@ -70,6 +70,8 @@ class DeviceProfile:
     matmul_overhead_s: float | None = None
     comm_overlap: float | None = None
     split_backward_factor: float | None = None
+    elementwise_bandwidth: float | None = None
+    optimizer_bandwidth: float | None = None
 
 
 # Calibration's collective names -> the cost model's.
@@ -79,6 +81,9 @@ _OVERHEADS = ("op_overhead_s", "op_overhead_backward_s", "matmul_overhead_s")
 # Measured numbers resolved like the overheads (given, else the profile's, else the
 # preset's): the overheads and the share of a collective compute hides.
 _MEASURED = _OVERHEADS + ("comm_overlap", "split_backward_factor")
+# Measured rates resolved the same way, where neither knows them None: the cost model
+# then moves those bytes at hbm_bandwidth (DeviceNumbers.elementwise_bandwidth, ...).
+_RATES = ("elementwise_bandwidth", "optimizer_bandwidth")
 
 
 def load_profile(path) -> DeviceProfile:
@@ -165,7 +170,8 @@ def _profile_from_dict(data: dict, where: str) -> DeviceProfile:
         **{key: overhead(key) for key in _OVERHEADS},
         comm_overlap=measured("comm_overlap", 0.0, 1.0, "a number in [0, 1]"),
         split_backward_factor=measured("split_backward_factor", 1.0, math.inf,
-                                       "a number of at least 1"))
+                                       "a number of at least 1"),
+        **{key: None if budget.get(key) is None else number(key) for key in _RATES})
 
 
 def _collective_links(data: dict, where: str) -> tuple[tuple[str, float, float], ...]:
@@ -280,6 +286,11 @@ class DeviceBudget:
     # A backward run as input then weight gradients over one pass
     # (DeviceNumbers.split_backward_factor): by default the profile's, else the preset's.
     split_backward_factor: float | None = None
+    # The rates memory-bound ops and the optimizer step move their bytes at
+    # (DeviceNumbers.elementwise_bandwidth, optimizer_bandwidth): by default the
+    # profile's, else the preset's, else hbm_bandwidth.
+    elementwise_bandwidth: float | str | None = None
+    optimizer_bandwidth: float | str | None = None
     _preset: DevicePreset | None = field(init=False, repr=False, compare=False)
     _profile: DeviceProfile | None = field(init=False, repr=False, compare=False)
 
@@ -298,6 +309,9 @@ class DeviceBudget:
         _check_count("devices_per_node", self._pick("devices_per_node"))
         for name in ("hbm_bandwidth", "intra_node_bandwidth", "inter_node_bandwidth"):
             _check_amount(name, self._pick(name), parse_rate, "a rate like '900GB/s'")
+        for name in _RATES:
+            if getattr(self, name) is not None:
+                _check_amount(name, getattr(self, name), parse_rate, "a rate like '8GB/s'")
         _check_amount("disk_bandwidth", DEFAULT_DISK_BANDWIDTH if self.disk_bandwidth is None
                       else self.disk_bandwidth, parse_rate,
                       "a rate like '2GB/s'")
@@ -486,6 +500,18 @@ class DeviceBudget:
             return getattr(self._preset, name)
         return 1.0 if name in ("comm_overlap", "split_backward_factor") else 0.0
 
+    def rate(self, name: str) -> float | None:
+        """``elementwise_bandwidth`` or ``optimizer_bandwidth`` in bytes per second: the
+        field given, else the profile's, else the preset's; None where none knows it (the
+        cost model then uses ``hbm_bandwidth``)."""
+        if name not in _RATES:
+            raise ValueError(f"no rate {name!r}; one of {_RATES}")
+        for source in (self, self._profile, self._preset):
+            value = getattr(source, name, None) if source is not None else None
+            if value is not None:
+                return parse_rate(value)
+        return None
+
     def to_dict(self, dtype: torch.dtype = torch.float32) -> dict:
         memory = self.memory_bytes
         data = {
@@ -504,6 +530,7 @@ class DeviceBudget:
             "collective_links": {kind: {"latency_s": latency, "bandwidth": bandwidth}
                                  for kind, latency, bandwidth in self.link_numbers} or None,
             **{name: self.overhead(name) for name in _MEASURED},
+            **{name: self.rate(name) for name in _RATES},
         }
         if self.disk_bandwidth is not None:  # else plans record none and use the default
             data["disk_bandwidth"] = self.disk_bytes_per_s

@@ -17,6 +17,11 @@ clock (CUDA events on a GPU, ``time.perf_counter`` on CPU):
 - attention: ``scaled_dot_product_attention`` forward on one (batch, heads, seq, head_dim)
   shape, counted as 4·b·h·s²·d FLOPs (its two matmuls), and half that when causal.
 - memory bandwidth: a large copy (bytes read + written: 2 per element byte) and add (3).
+- element-wise ops: an add, layer norm, scale, mask, softmax and GELU on activations,
+  forward and backward, in bytes as partc counts them (``elementwise_bandwidth``), and
+  ``torch.optim.AdamW``'s step over a transformer block's parameters, in the bytes the
+  cost model charges a step (``optimizer_bandwidth``); on CPU only: one thread computes
+  these well below its copy bandwidth, a GPU streams them at about HBM bandwidth.
 - collectives: N local processes (gloo on CPU, NCCL on CUDA) time all-reduce, all-gather,
   reduce-scatter and a send/recv ping-pong over message sizes m (bytes of the whole
   tensor; send/recv: of the message). Times are fitted, by least squares on relative
@@ -48,7 +53,7 @@ import platform
 import statistics
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
 from typing import Callable
@@ -85,6 +90,9 @@ class Sizes:
     repeats: int
     warmup: int
     min_sample_s: float                        # calls per sample are batched up to this
+    # A CPU's clock: wall time, or ``time.thread_time`` (the calling thread's CPU time:
+    # what a one-thread process computes, whatever else the machine runs).
+    clock: Callable[[], float] = time.perf_counter
 
 
 def _powers_of_4(low: int, high: int) -> tuple[int, ...]:
@@ -149,8 +157,9 @@ class CalibrationOptions:
 
 # ---------------------------------------------------------------------------- timing
 
-def _elapsed(fn: Callable[[], object], device: torch.device, calls: int) -> float:
-    """Seconds for ``calls`` back-to-back calls, all finished."""
+def _elapsed(fn: Callable[[], object], device: torch.device, calls: int,
+             clock: Callable[[], float] = time.perf_counter) -> float:
+    """Seconds for ``calls`` back-to-back calls, all finished (on a CPU by ``clock``)."""
     if device.type == "cuda":
         start = torch.cuda.Event(enable_timing=True)
         end = torch.cuda.Event(enable_timing=True)
@@ -160,10 +169,17 @@ def _elapsed(fn: Callable[[], object], device: torch.device, calls: int) -> floa
         end.record()
         end.synchronize()
         return start.elapsed_time(end) / 1e3
-    start_s = time.perf_counter()
+    start_s = clock()
     for _ in range(calls):
         fn()
-    return time.perf_counter() - start_s
+    return clock() - start_s
+
+
+# What the ranks time together, every one computing at once as in training, is batched
+# into samples at least this long: a training step's phases run for tens of milliseconds,
+# and on a shared machine a shorter sample sees one time slice of a core (all of it, or
+# none) instead of the share the step gets.
+BUSY_SAMPLE_S = 0.05
 
 
 def _calls_per_sample(one_call_s: float, sizes: Sizes) -> int:
@@ -176,8 +192,9 @@ def median_seconds(fn: Callable[[], object], device: torch.device, sizes: Sizes)
         fn()
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-    calls = _calls_per_sample(_elapsed(fn, device, 1), sizes)
-    return statistics.median(_elapsed(fn, device, calls) / calls for _ in range(sizes.repeats))
+    calls = _calls_per_sample(_elapsed(fn, device, 1, sizes.clock), sizes)
+    return statistics.median(_elapsed(fn, device, calls, sizes.clock) / calls
+                             for _ in range(sizes.repeats))
 
 
 class _Fp32Precision:
@@ -320,6 +337,75 @@ def measure_op_overhead(device: torch.device, sizes: Sizes, chain: int = 64) -> 
     return result
 
 
+def measure_elementwise(device: torch.device, sizes: Sizes,
+                        overhead: dict | None = None) -> dict:
+    """The memory-bound ops of training, forward and backward as autograd runs them: a
+    residual add, a layer norm, a scale, a mask, a softmax and a GELU, each on its own
+    (tokens, out) activation of ``sizes.linear[0]`` that needs a gradient. Their bytes
+    are counted as ``passes/estimate`` counts them (tensor inputs read and outputs
+    written; the norm's weights, parameters, left out) and backward as twice forward's,
+    as the cost model charges them; the ops' fixed cost per call (``overhead``, from
+    :func:`measure_op_overhead`), which the cost model charges apart, is taken off.
+    ``bytes_per_s`` = 3 x forward bytes / (forward + backward) seconds: a CPU thread
+    computes exp, erf and compares at well below its copy bandwidth."""
+    tokens, _, width = sizes.linear[0]
+    inputs = [torch.randn(tokens, width, device=device, requires_grad=True)
+              for _ in range(6)]
+    norm = [torch.ones(width, device=device, requires_grad=True),
+            torch.zeros(width, device=device, requires_grad=True)]
+    keep = torch.rand(tokens, width, device=device) < 0.5
+    grads = [torch.randn(tokens, width, device=device) for _ in range(6)]
+
+    def forward() -> list[torch.Tensor]:
+        residual, normed, scaled, masked, soft, gelu = inputs
+        return [residual + normed, F.layer_norm(normed, (width,), *norm), scaled * 0.125,
+                masked.masked_fill(keep, -1e4), F.softmax(soft, dim=-1), F.gelu(gelu)]
+
+    def both() -> None:
+        torch.autograd.backward(forward(), grads)
+        for tensor in inputs + norm:
+            tensor.grad = None
+
+    one = tokens * width * 4
+    # add: 2 read, 1 written; mask: its bool mask too; the others 1 read, 1 written.
+    nbytes = 3 * one + 2 * one + 2 * one + (2 * one + tokens * width) + 2 * one + 2 * one
+    forward_s, both_s = (median_seconds(f, device, sizes) for f in (forward, both))
+    per_op = (overhead["forward_s"] + overhead["backward_s"]) if overhead else 0.0
+    work_s = max(both_s - 6 * per_op, both_s / 2)
+    result = {"shape": [tokens, width], "ops": 6, "forward_bytes": nbytes,
+              "forward_s": forward_s, "forward_backward_s": both_s,
+              "bytes_per_s": 3 * nbytes / work_s}
+    log.info("element-wise ops, forward and backward: %s", _rate(result["bytes_per_s"]))
+    return result
+
+
+def measure_optimizer(device: torch.device, sizes: Sizes) -> dict:
+    """``torch.optim.AdamW``'s step as a user builds it (torch's defaults for the device:
+    a loop over the parameters on a CPU) over a transformer block's parameters of width
+    ``sizes.linear[0]``'s input (two norms, attention's input and output projections, an
+    MLP of 4x; weights and biases: 12 tensors). ``bytes_per_s`` counts the bytes the cost
+    model charges a step (:attr:`partc.problem.Precision.step_bytes`: 28 per parameter
+    for Adam in fp32) over the step's time: every pass over the state and the dispatch per
+    tensor of an unfused step included."""
+    from .problem import Precision
+
+    width = sizes.linear[0][1]
+    shapes = [(width,), (width,), (3 * width, width), (3 * width,), (width, width),
+              (width,), (width,), (width,), (4 * width, width), (4 * width,),
+              (width, 4 * width), (width,)]
+    params = [torch.nn.Parameter(torch.randn(shape, device=device)) for shape in shapes]
+    for param in params:
+        param.grad = torch.randn_like(param)
+    optimizer = torch.optim.AdamW(params, lr=1e-4)
+    seconds = median_seconds(optimizer.step, device, sizes)
+    count = sum(param.numel() for param in params)
+    nbytes = count * Precision(compute_bytes=4, optimizer_state_bytes=8).step_bytes
+    result = {"optimizer": "AdamW", "tensors": len(params), "params": count,
+              "seconds": seconds, "bytes_counted": nbytes, "bytes_per_s": nbytes / seconds}
+    log.info("optimizer step (AdamW): %s", _rate(result["bytes_per_s"]))
+    return result
+
+
 def measure_attention(device: torch.device, dtypes: tuple[str, ...], sizes: Sizes) -> dict:
     b, h, s, d = sizes.attention
     result = {"shape": {"batch": b, "heads": h, "seq": s, "head_dim": d},
@@ -440,7 +526,8 @@ def measure_collectives(options: CalibrationOptions) -> dict:
               "all_gather/reduce_scatter n-1, (n-1)/n; send_recv 1, 1)"}
     everything = []
     result["overlap"] = timed["overlap"]
-    result["linear_all_busy"] = timed["linear_all_busy"]
+    for key in ("linear_all_busy", "elementwise_all_busy", "optimizer_all_busy"):
+        result[key] = timed[key]
 
     log.info("overlap: %.2f of an all-reduce hidden by compute beside it",
              timed["overlap"]["overlap"])
@@ -486,7 +573,11 @@ def _collective_worker(rank: int, ranks: int, store: str, backend: str, sizes: S
                 timed[kind].append({"bytes": numel * 4, "seconds": seconds})
         timed["overlap"] = _overlap(ranks, device, sizes)
         dist.barrier()   # every rank computes at once, as in training
-        timed["linear_all_busy"] = measure_linear(device, ("float32", "bfloat16"), sizes)
+        busy = replace(sizes, min_sample_s=max(sizes.min_sample_s, BUSY_SAMPLE_S))
+        timed["linear_all_busy"] = measure_linear(device, ("float32", "bfloat16"), busy)
+        overhead = measure_op_overhead(device, busy)
+        timed["elementwise_all_busy"] = measure_elementwise(device, busy, overhead)
+        timed["optimizer_all_busy"] = measure_optimizer(device, busy)
 
         if rank == 0:
             Path(out).write_text(json.dumps(timed))
@@ -593,6 +684,9 @@ def calibrate(options: CalibrationOptions) -> dict:
                     "attention": measure_attention(device, options.dtypes, options.sizes),
                     "memory": measure_memory(device, options.sizes),
                     "op_overhead": measure_op_overhead(device, options.sizes)}
+        measured["elementwise"] = measure_elementwise(device, options.sizes,
+                                                      measured["op_overhead"])
+        measured["optimizer"] = measure_optimizer(device, options.sizes)
     finally:
         torch.set_num_threads(before)
     if options.processes > 1:
@@ -683,6 +777,11 @@ def build_profile(options: CalibrationOptions, measured: dict, *, name: str,
     training = "bfloat16" if options.device == "cuda" else "float32"
     link = measured.get("collectives", {}).get("joint_fit")
     overlap = measured.get("collectives", {}).get("overlap")
+    # Element-wise ops and the optimizer step likewise, every rank at once where spawned
+    # (they share the memory bus); on a GPU both stream at about HBM bandwidth (kept
+    # among the measurements; the preset's None stands).
+    busy = {key: measured.get("collectives", {}).get(f"{key}_all_busy") or measured.get(key)
+            for key in ("elementwise", "optimizer")}
 
     # On a CPU dispatch adds to every op's time; on a GPU launches run ahead of the
     # kernels, so the preset's 0 stands (the measurement is kept among the measurements).
@@ -713,6 +812,10 @@ def build_profile(options: CalibrationOptions, measured: dict, *, name: str,
         "comm_overlap": overlap["overlap"] if overlap else None,
         "split_backward_factor": (measured["split_backward"]["factor"]
                                   if "split_backward" in measured else None),
+        "elementwise_bandwidth": (busy["elementwise"]["bytes_per_s"]
+                                  if cpu and busy["elementwise"] else None),
+        "optimizer_bandwidth": (busy["optimizer"]["bytes_per_s"]
+                                if cpu and busy["optimizer"] else None),
     }
     return {
         "schema": PROFILE_SCHEMA,
@@ -775,6 +878,19 @@ def _sources(options: CalibrationOptions, preset_name: str | None, vendor: bool,
                          f"{fallback} (one process: no collective to overlap)"),
         "split_backward_factor": "measured: two linear blocks' backward as input then "
                                  "weight gradients (two autograd passes) over one pass",
+        "elementwise_bandwidth": (f"measured: add, layer norm, scale, mask, softmax and "
+                                  f"GELU forward and backward, bytes as partc counts "
+                                  f"them" + (f", every one of {ranks} computing at once"
+                                             if link else "")
+                                  if options.device == "cpu" else
+                                  "not used on GPUs (element-wise kernels stream at HBM "
+                                  "bandwidth): hbm_bandwidth"),
+        "optimizer_bandwidth": (f"measured: torch.optim.AdamW's step over a transformer "
+                                f"block's parameters, in the bytes the cost model counts"
+                                + (f", every one of {ranks} computing at once"
+                                   if link else "")
+                                if options.device == "cpu" else
+                                "not used on GPUs: hbm_bandwidth"),
     }
 
 
@@ -830,6 +946,11 @@ def summary(profile: dict) -> str:
     memory = measured["memory"]
     lines.append(f"{'memory copy / add':<30}{_rate(memory['copy']['bytes_per_s'])} / "
                  f"{_rate(memory['add']['bytes_per_s'])}")
+    for key, what in (("elementwise", "element-wise ops fwd+bwd"),
+                      ("optimizer", "AdamW step")):
+        if key in measured:
+            lines.append(f"{what:<30}{_rate(measured[key]['bytes_per_s'])} in the cost "
+                         f"model's bytes")
     collectives = measured.get("collectives", {})
     fits = {kind: collectives[kind]["fit"] for kind in COLLECTIVES if kind in collectives}
     if collectives:
@@ -857,7 +978,8 @@ def _budget_rows(profile: dict) -> list[str]:
                "link_latency_s": format_seconds, "inter_node_bandwidth": _rate,
                "op_overhead_s": format_seconds, "op_overhead_backward_s": format_seconds,
                "matmul_overhead_s": format_seconds, "comm_overlap": "{:.2f}".format,
-               "split_backward_factor": "{:.2f}".format}
+               "split_backward_factor": "{:.2f}".format, "elementwise_bandwidth": _rate,
+               "optimizer_bandwidth": _rate}
     for key, show in formats.items():
         mine = "(preset)" if budget.get(key) is None else show(budget[key])
         theirs = getattr(preset, key) if preset else None

@@ -70,6 +70,8 @@ BUDGET_FLAGS = {
     "op_overhead_s": "--op-overhead", "op_overhead_backward_s": "--op-overhead-backward",
     "matmul_overhead_s": "--matmul-overhead", "comm_overlap": "--comm-overlap",
     "split_backward_factor": "--split-backward-factor",
+    "elementwise_bandwidth": "--elementwise-bandwidth",
+    "optimizer_bandwidth": "--optimizer-bandwidth",
 }
 
 UNITS = """\
@@ -356,6 +358,13 @@ def _budget_arguments(group, *, devices: bool = True) -> None:
                        help="a backward run as input then weight gradients (zero-bubble "
                             "schedules) over one pass (default: the profile's, else 1 on "
                             "GPUs, 1.25 on CPUs)")
+    group.add_argument("--elementwise-bandwidth", type=RATE, metavar="RATE",
+                       help="the rate memory-bound ops (all but matmuls and attention) "
+                            "move their bytes at (default: the profile's, else the HBM "
+                            "bandwidth)")
+    group.add_argument("--optimizer-bandwidth", type=RATE, metavar="RATE",
+                       help="the rate the optimizer step moves the bytes it touches "
+                            "(default: the profile's, else the HBM bandwidth)")
     group.add_argument("--disk-bandwidth", type=RATE, metavar="RATE",
                        help="checkpoint write rate per rank, e.g. 2GB/s (the report's "
                             "predicted save time)")

@@ -55,6 +55,8 @@ def device_numbers(budget: DeviceBudget, dtype: torch.dtype) -> DeviceNumbers:
         matmul_overhead_s=budget.overhead("matmul_overhead_s"),
         comm_overlap=budget.overhead("comm_overlap"),
         split_backward_factor=budget.overhead("split_backward_factor"),
+        elementwise_bandwidth=budget.rate("elementwise_bandwidth"),
+        optimizer_bandwidth=budget.rate("optimizer_bandwidth"),
     )
 
 
@@ -191,6 +193,8 @@ def budget_from_info(info: BudgetInfo) -> DeviceBudget:
         op_overhead_backward_s=info.op_overhead_backward_s,
         matmul_overhead_s=info.matmul_overhead_s, comm_overlap=info.comm_overlap,
         split_backward_factor=info.split_backward_factor,
+        elementwise_bandwidth=info.elementwise_bandwidth,
+        optimizer_bandwidth=info.optimizer_bandwidth,
         disk_bandwidth=info.disk_bandwidth)
 
 

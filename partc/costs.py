@@ -13,9 +13,11 @@ Model (per pipeline stage ``s`` of ``p``, ``m`` microbatches of ``b`` samples):
   / HBM bandwidth)``: its weight is read once per microbatch, so small microbatches
   (decode-like shapes) are bound by memory and large ones by FLOPs; ``efficiency`` is
   one factor per device type (presets, calibration). Every other op moves its bytes at
-  HBM bandwidth. Every op also pays a fixed overhead per call and microbatch, and every
-  heavy op a fixed time beyond its FLOPs (``DeviceNumbers.op_overhead_s``,
-  ``matmul_overhead_s``): more, smaller microbatches cost more. Backward is twice
+  the device's element-wise rate (``DeviceNumbers.elementwise_bandwidth``: HBM bandwidth
+  unless calibrated; a CPU thread runs them well below its copy rate). Every op also
+  pays a fixed overhead per call and microbatch, and every heavy op a fixed time beyond
+  its FLOPs (``DeviceNumbers.op_overhead_s``, ``matmul_overhead_s``): more, smaller
+  microbatches cost more. Backward is twice
   forward, op by op (a heavy op's gradients w.r.t. its
   input and its weight are two ops like it; a fused attention kernel's recomputed
   scores add FLOPs); recompute replays its ops at the same roofline (:func:`layer_work`);
@@ -40,7 +42,9 @@ Model (per pipeline stage ``s`` of ``p``, ``m`` microbatches of ``b`` samples):
 - after the pipeline drains, ``max_s e_s`` where ``e_s`` is the exposed part of the
   data-parallel gradient all-reduce (ring; each gradient's all-reduce starts as soon as
   the last microbatch's backward has accumulated it, so ``max(0, all-reduce - that
-  backward)`` is left) plus the optimizer step of the stage's parameters, and the
+  backward)`` is left) plus the optimizer step of the stage's parameters (the bytes a
+  step touches, :attr:`Precision.step_bytes`, at ``DeviceNumbers.optimizer_bandwidth``:
+  HBM bandwidth unless calibrated), and the
   all-reduce of tied parameters' gradients among the stages that hold them;
 - ZeRO-2/3 (FSDP2, one unit per layer): every microbatch's backward reduce-scatters the
   layer's gradients, and ZeRO-3 gathers its parameters in forward and again in backward;
@@ -335,8 +339,6 @@ def _tail_ps(problem: PlanningProblem, config: PipelineConfig, params: int) -> i
     and ZeRO-2 gathers the parameters once per step. (ZeRO 0/1's gradient all-reduce is
     :func:`_sync_ps`.)"""
     devices = problem.devices
-    master = problem.train.precision.master_bytes
-    optimizer = problem.train.precision.optimizer_state_bytes
     seconds = 0.0
     stepped = params
     if config.effective_zero_stage >= 2:
@@ -346,9 +348,9 @@ def _tail_ps(problem: PlanningProblem, config: PipelineConfig, params: int) -> i
         stepped = params / config.dp
         if not gather_overlaps(problem, config):   # else beside the forward: _gather_ps
             seconds += _gather_seconds(problem, config, params)
-    # The step reads gradients and state and writes weights and state (fp32 all).
-    touched = stepped * (2 * master + master + 2 * optimizer)
-    seconds += touched / devices.hbm_bandwidth
+    # At the rate the device's optimizer moves the bytes a step touches (a fused step's
+    # HBM bandwidth, or the calibrated rate of torch's unfused one).
+    seconds += stepped * problem.train.precision.step_bytes / devices.optimizer_step_bandwidth
     return to_ps(seconds)
 
 
@@ -483,9 +485,10 @@ def layer_work(layer: LayerCost, devices: DeviceNumbers, micro_batch: int,
                scale: float, compiled: bool = False) -> dict[str, Any]:
     """A layer's compute per microbatch as (compute-bound, memory-bound) seconds: forward,
     backward and, per recompute mode, the recomputed forward. Heavy ops by the roofline
-    (:func:`roofline_seconds`); the other ops move their bytes at HBM bandwidth, twice in
-    backward (their FLOPs, uncounted, are negligible). A recompute mode replays the share
-    of the heavy ops its FLOPs say (all or none, as estimated) and moves its bytes.
+    (:func:`roofline_seconds`); the other ops move their bytes at the device's
+    element-wise rate (:attr:`DeviceNumbers.light_op_bandwidth`), twice in backward. A
+    recompute mode replays the share of the heavy ops its FLOPs say (all or none, as
+    estimated) and moves its bytes.
 
     Every op also pays the device's fixed overhead per call and microbatch
     (:attr:`DeviceNumbers.op_overhead_s` forward, ``op_overhead_backward_s`` per forward
@@ -505,7 +508,7 @@ def layer_work(layer: LayerCost, devices: DeviceNumbers, micro_batch: int,
                                                  scale, backward=True)
 
     def light(mem_bytes: float) -> float:
-        return micro_batch * mem_bytes * scale / devices.hbm_bandwidth
+        return micro_batch * mem_bytes * scale / devices.light_op_bandwidth
 
     ops = layer.num_nodes
     heavy = sum(op.count for op in layer.heavy_ops)
@@ -531,7 +534,7 @@ def _compiled_work(layer: LayerCost, devices: DeviceNumbers, micro_batch: int,
     kernels = heavy + (layer.fused_kernels or 0)
 
     def light(mem_bytes: float) -> float:
-        return micro_batch * mem_bytes * scale / devices.hbm_bandwidth
+        return micro_batch * mem_bytes * scale / devices.light_op_bandwidth
 
     forward = (eager["forward"][0], eager["forward"][1] - light(layer.fwd_mem_bytes)
                - layer.num_nodes * devices.op_overhead_s + light(layer.fused_mem_bytes)

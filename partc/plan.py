@@ -382,6 +382,8 @@ class BudgetInfo:
     matmul_overhead_s: float | None = None
     comm_overlap: float | None = None   # absent in older plans: the device's default
     split_backward_factor: float | None = None   # likewise
+    elementwise_bandwidth: float | None = None   # None: the cost model used hbm_bandwidth
+    optimizer_bandwidth: float | None = None     # likewise
     source: str | None = None    # "profile" when a calibration profile gave the numbers
     profile: str | None = None   # its path
     preset: str | None = None    # the preset it overrides

@@ -46,6 +46,11 @@ class DevicePreset:
     # gradient: the zero-bubble schedules) over one: autograd walks the graph twice.
     # GPUs 1 (not measured: the walk hides behind queued kernels); a CPU pays it.
     split_backward_factor: float = 1.0
+    # The rates memory-bound ops and the optimizer step move their bytes at
+    # (DeviceNumbers.elementwise_bandwidth, optimizer_bandwidth). None: hbm_bandwidth, as
+    # a GPU's element-wise kernels and fused optimizer stream; a profile measures them.
+    elementwise_bandwidth: float | None = None
+    optimizer_bandwidth: float | None = None
 
 
 PRESETS: dict[str, DevicePreset] = {

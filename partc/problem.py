@@ -97,6 +97,12 @@ class Precision:
         return self.compute_bytes < self.master_bytes
 
     @property
+    def step_bytes(self) -> float:
+        """Bytes an optimizer step moves per parameter it steps, fp32 all: the gradient
+        read, the weight and the state read and written (Adam: 4 + 8 + 16 = 28)."""
+        return 3 * self.master_bytes + 2 * self.optimizer_state_bytes
+
+    @property
     def zero_paper_bytes(self) -> tuple[float, float, float]:
         """(weights, gradients, optimizer state) the ZeRO paper's way: compute-dtype
         weights and gradients, the fp32 master copy counted with the optimizer state
@@ -350,10 +356,26 @@ class DeviceNumbers:
     # A layer's backward as two autograd passes (input, then weight gradients: the
     # zero-bubble schedules) over one pass; calibrated on a CPU.
     split_backward_factor: float = 1.0
+    # The rate the memory-bound ops (all but the matmuls and attention) move their bytes
+    # at, counted as ``passes/estimate`` counts them (inputs read, outputs written;
+    # backward twice forward's). None: ``hbm_bandwidth``, as a GPU's element-wise kernels
+    # stream; one CPU thread computing exp, erf and masks runs them well below its copy
+    # bandwidth (calibrated).
+    elementwise_bandwidth: float | None = None
+    # The optimizer step's rate in the bytes the cost model counts for it (gradients and
+    # state read, weights and state written once: :attr:`Precision.step_bytes`).
+    # None: ``hbm_bandwidth``, a fused step's; an unfused step (torch's per-parameter
+    # loop on a CPU) makes several passes and pays dispatch per tensor (calibrated).
+    optimizer_bandwidth: float | None = None
 
     def __post_init__(self) -> None:
         if len(self.memory_bytes) != self.num_devices:
             raise ValueError("one memory limit per device is needed")
+        for name in ("elementwise_bandwidth", "optimizer_bandwidth"):
+            value = getattr(self, name)
+            if value is not None and not 0 < value < float("inf"):
+                raise ValueError(f"DeviceNumbers.{name} must be None or a positive rate, "
+                                 f"got {value!r}")
         for name in ("op_overhead_s", "op_overhead_backward_s", "matmul_overhead_s"):
             value = getattr(self, name)
             if not value >= 0:
@@ -369,6 +391,16 @@ class DeviceNumbers:
     def intra_latency_s(self) -> float:
         return self.link_latency_s if self.intra_node_latency_s is None \
             else self.intra_node_latency_s
+
+    @property
+    def light_op_bandwidth(self) -> float:
+        """What memory-bound ops move bytes at: ``elementwise_bandwidth``, else HBM's."""
+        return self.elementwise_bandwidth or self.hbm_bandwidth
+
+    @property
+    def optimizer_step_bandwidth(self) -> float:
+        """The optimizer step's rate: ``optimizer_bandwidth``, else HBM's."""
+        return self.optimizer_bandwidth or self.hbm_bandwidth
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -14,6 +14,7 @@ import io
 import json
 import math
 import statistics
+import time
 from datetime import datetime
 
 import pytest
@@ -21,14 +22,15 @@ import torch
 
 import partc
 from partc.budget import PROFILE_SCHEMA, PROFILE_VERSION, ProfileError, load_profile
-from partc.calibrate import (COLLECTIVES, CalibrationError, CalibrationOptions, LinkFit,
-                             fit_link, ring_factor, ring_steps, summary)
+from partc.calibrate import (COLLECTIVES, SIZES, CalibrationError, CalibrationOptions,
+                             LinkFit, fit_link, ring_factor, ring_steps, summary)
 from partc.cli import main
 from tests import models
 
 BUDGET_NUMBERS = ("peak_flops", "flops_efficiency", "hbm_bandwidth", "devices_per_node",
                   "intra_node_bandwidth", "intra_node_latency_s", "link_latency_s",
-                  "inter_node_bandwidth", "comm_overlap", "split_backward_factor")
+                  "inter_node_bandwidth", "comm_overlap", "split_backward_factor",
+                  "elementwise_bandwidth", "optimizer_bandwidth")
 
 
 @pytest.fixture(scope="module")
@@ -59,14 +61,16 @@ def test_profile_schema_and_summary(calibrated):
     assert device["kind"] == "cpu" and device["name"] and device["preset"] == "CPU"
     assert device["processes"] == 2 and device["threads_per_process"] >= 1
     assert set(profile["measurements"]) == {"matmul", "linear", "attention", "memory",
-                                            "collectives", "op_overhead", "split_backward"}
+                                            "collectives", "op_overhead", "split_backward",
+                                            "elementwise", "optimizer"}
     assert set(profile["measurements"]["matmul"]) == {"float32", "bfloat16"}
     for key in BUDGET_NUMBERS:
         assert key in profile["budget"] and key in profile["sources"]
     assert "one machine cannot measure" in profile["sources"]["inter_node_bandwidth"]
     for line in ("matmul float32", "attention float32_causal", "memory copy / add",
                  "all_reduce", "joint_fit", "budget number", "preset CPU", "hbm_bandwidth",
-                 "note: quick run"):
+                 "element-wise ops fwd+bwd", "AdamW step", "elementwise_bandwidth",
+                 "optimizer_bandwidth", "note: quick run"):
         assert line in printed
 
 
@@ -141,6 +145,27 @@ def test_budget_numbers_follow_from_the_samples(calibrated):
     # between the smallest and largest excess (floored at 0).
     excess = [s["seconds"] - 2 * s["m"] * s["k"] * s["n"] / best for s in samples]
     assert min(excess) - 1e-12 <= budget["matmul_overhead_s"] <= max(excess) + 1e-12
+    # Element-wise ops and the optimizer step, timed with every rank at once: their
+    # rates in the bytes the cost model counts (3 x forward's over forward and backward
+    # less the ops' own overhead; 28 bytes per AdamW parameter).
+    for key in ("elementwise", "optimizer"):
+        busy = measured["collectives"][f"{key}_all_busy"]
+        assert budget[f"{key}_bandwidth"] == busy["bytes_per_s"] > 0
+        assert measured[key]["bytes_per_s"] > 0
+    elementwise = measured["elementwise"]
+    tokens, _, width = SIZES["cpu", True].linear[0]
+    assert elementwise["shape"] == [tokens, width]
+    assert elementwise["forward_bytes"] == 4 * tokens * width * 13 + tokens * width
+    per_op = overhead["forward_s"] + overhead["backward_s"]
+    assert elementwise["bytes_per_s"] == pytest.approx(
+        3 * elementwise["forward_bytes"] / max(elementwise["forward_backward_s"] - 6 * per_op,
+                                               elementwise["forward_backward_s"] / 2))
+    optimizer = measured["optimizer"]
+    width = SIZES["cpu", True].linear[0][1]   # the block's width: the linear's input
+    assert optimizer["params"] == 12 * width**2 + 13 * width and optimizer["tensors"] == 12
+    assert optimizer["bytes_counted"] == 28 * optimizer["params"]
+    assert optimizer["bytes_per_s"] == pytest.approx(28 * optimizer["params"]
+                                                     / optimizer["seconds"])
 
 
 def _squared_relative_error(fit: LinkFit, samples, ranks: int) -> float:
@@ -258,6 +283,9 @@ def test_each_collective_kind_and_the_overheads_reach_the_cost_model(calibrated,
     assert numbers.op_overhead_s == profile["budget"]["op_overhead_s"]
     assert numbers.op_overhead_backward_s == profile["budget"]["op_overhead_backward_s"]
     assert numbers.matmul_overhead_s == profile["budget"]["matmul_overhead_s"]
+    # Rates are whole bytes per second (partc.units.parse_rate).
+    for key in ("elementwise_bandwidth", "optimizer_bandwidth"):
+        assert getattr(numbers, key) == int(profile["budget"][key])
     # A plan records them, and the budget it reads back prices alike (partc.load).
     from partc.compiler import budget_from_info
     from partc.plan import BudgetInfo
@@ -269,7 +297,7 @@ def test_each_collective_kind_and_the_overheads_reach_the_cost_model(calibrated,
 
     def older(p):
         for key in ("collective_links", "op_overhead_s", "op_overhead_backward_s",
-                    "matmul_overhead_s"):
+                    "matmul_overhead_s", "elementwise_bandwidth", "optimizer_bandwidth"):
             p["budget"].pop(key)
     old = device_numbers(partc.DeviceBudget(num_devices=2, profile=_edited(
         calibrated, tmp_path, older)), torch.float32)
@@ -277,6 +305,7 @@ def test_each_collective_kind_and_the_overheads_reach_the_cost_model(calibrated,
     cpu = partc.PRESETS["CPU"]
     assert (old.op_overhead_s, old.op_overhead_backward_s, old.matmul_overhead_s) == (
         cpu.op_overhead_s, cpu.op_overhead_backward_s, cpu.matmul_overhead_s)
+    assert old.elementwise_bandwidth is None and old.optimizer_bandwidth is None
     with pytest.raises(ProfileError, match="collective fit 'broadcast'"):
         load_profile(_edited(calibrated, tmp_path, lambda p: p["budget"]["collective_links"]
                              .update(broadcast={"latency_s": 0, "bandwidth": 1})))
@@ -286,6 +315,9 @@ def test_each_collective_kind_and_the_overheads_reach_the_cost_model(calibrated,
     with pytest.raises(ProfileError, match="budget.op_overhead_s must be a number"):
         load_profile(_edited(calibrated, tmp_path,
                              lambda p: p["budget"].update(op_overhead_s=-1)))
+    with pytest.raises(ProfileError, match="budget.optimizer_bandwidth must be a positive"):
+        load_profile(_edited(calibrated, tmp_path,
+                             lambda p: p["budget"].update(optimizer_bandwidth=0)))
 
 
 def _mlp_plan(budget: partc.DeviceBudget) -> partc.Plan:
@@ -308,6 +340,7 @@ def test_compile_uses_the_profile_numbers(calibrated, tmp_path):
     faster = profile | {"budget": profile["budget"] | {
         "peak_flops": {k: 2 * v for k, v in profile["budget"]["peak_flops"].items()},
         "hbm_bandwidth": 2 * profile["budget"]["hbm_bandwidth"],
+        "elementwise_bandwidth": 2 * profile["budget"]["elementwise_bandwidth"],
         **{key: profile["budget"][key] / 2 for key in
            ("op_overhead_s", "op_overhead_backward_s", "matmul_overhead_s")}}}
     (tmp_path / "faster.json").write_text(json.dumps(faster))
@@ -390,3 +423,17 @@ def test_options_are_checked():
     if not torch.cuda.is_available():
         with pytest.raises(CalibrationError, match="sees no GPU"):
             CalibrationOptions(device="cuda")
+
+
+def test_median_seconds_times_by_the_sizes_clock():
+    """On a CPU the clock is ``Sizes.clock`` (wall time unless one asks for the thread's
+    CPU time): a clock that advances 0.5 s per reading times every call at 0.5 s."""
+    import dataclasses
+    import itertools
+
+    from partc.calibrate import median_seconds
+
+    readings = itertools.count(0.0, 0.5)
+    sizes = dataclasses.replace(SIZES["cpu", True], clock=lambda: next(readings))
+    assert median_seconds(lambda: None, torch.device("cpu"), sizes) == 0.5
+    assert SIZES["cpu", True].clock is time.perf_counter
