@@ -27,8 +27,9 @@ class Context:
     # The dtype training computes in under autocast (mixed precision), which ``estimate``
     # measures the layers in; None: the model's own.
     autocast: torch.dtype | None = None
-    # Whose autocast policy the runtime's devices apply, "cuda" (a GPU's) or "cpu": which
-    # ops compute in fp32 differs (``partc.passes.autocast_policy``).
+    # The device type the runtime trains on, "cuda" or "cpu" (the budget's): which kernels
+    # run (fused dropout, causal attention skipping masked blocks). Autocast's policy is
+    # CUDA's on both: the runtime applies it on CPU ranks too (``partc.runtime.precision``).
     autocast_device: str = "cuda"
     # What the lowering passes apply (the plan's decisions); None while analysing.
     lowering: Lowering | None = None

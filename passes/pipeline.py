@@ -214,9 +214,10 @@ def analyze(model: nn.Module, example_inputs: Any, *, loss_fn: Callable | None =
     :mod:`partc.passes.fuse_attention` can put one in its place.
 
     ``autocast``: the dtype mixed-precision training computes in (the runtime runs each
-    stage under ``torch.autocast``); the layers' activations are then measured as
-    autocast makes them (``ModelSummary.autocast``), not as traced, under the policy of
-    ``autocast_device``: "cuda" (GPUs; CUDA's policy, applied on CPU) or "cpu".
+    stage with compute-dtype parameters under ``torch.autocast``, CUDA's policy); the
+    layers' activations are then measured as the runtime makes them
+    (``ModelSummary.autocast``), not as traced. ``autocast_device``: the device type the
+    runtime trains on, "cuda" or "cpu" (its dropout and attention kernels).
     """
     passes = analysis_passes(attention)
     steps = len(passes) + 2   # find the repeated blocks, trace, then each pass
