@@ -53,6 +53,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import copy
 import sys
 import time
 from dataclasses import asdict, dataclass, field
@@ -70,6 +71,7 @@ from torch.distributed.pipelining._utils import (  # noqa: E402
 from torch.testing._internal.distributed.fake_pg import FakeStore  # noqa: E402
 
 import partc  # noqa: E402
+from partc.autocast_policy import cuda_autocast  # noqa: E402
 
 CATEGORIES = ("params", "grads", "optimizer", "activations", "transient")
 # MemTracker's reference types, by the plan's category they stand for.
@@ -258,13 +260,18 @@ def neighbour_messages(program: partc.Program, stage: Any,
     forward: tuple = ()
     if stage.stage_index > 0:
         dtype = plan.train.dtype
+        earlier = [program.module for program in program.stages()[:stage.stage_index]]
+        if dtype != torch.float32:
+            # As the runtime runs a stage in mixed precision: compute-dtype parameters
+            # (buffers as they are) under CUDA's autocast policy.
+            earlier = [_in_compute_dtype(module, dtype) for module in earlier]
         with contextlib.ExitStack() as scope:
             fake = scope.enter_context(FakeTensorMode(allow_non_fake_inputs=True))
             if dtype != torch.float32:
-                scope.enter_context(torch.autocast("cpu", dtype=dtype))
+                scope.enter_context(cuda_autocast(dtype))
             values = tuple(fake.from_tensor(t) for t in microbatch)
-            for earlier in program.stages()[:stage.stage_index]:
-                values = earlier.module(*values)
+            for module in earlier:
+                values = module(*values)
             forward = tuple(extract_tensor_meta(v) for v in values)
 
     def receive(source_stage: int) -> Any:
@@ -273,6 +280,15 @@ def neighbour_messages(program: partc.Program, stage: Any,
         return _StageBackwardMeta(backward_metas=_derive_grad_metas(stage._stage_meta.outputs))
 
     return receive
+
+
+def _in_compute_dtype(module: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
+    """A copy of ``module`` with its floating parameters in ``dtype``."""
+    module = copy.deepcopy(module)
+    for param in module.parameters():
+        if param.is_floating_point():
+            param.data = param.data.to(dtype)
+    return module
 
 
 def receive_buffers(stage: Any) -> list[torch.Tensor]:
