@@ -52,6 +52,9 @@ class Lowering:
     # module of its own, an FSDP unit.
     fsdp_units: bool = False
     attention: str = "as_written"
+    # Mixed precision: the stages compute in a lower dtype than the graph was traced in
+    # (``partc.passes.portable.unpin_dtypes`` frees the dtypes the trace fixed).
+    mixed: bool = False
     # Mixture-of-experts layers: the expert-parallel degree and the capacity factor
     # (None: dropless); with either, the experts run as ``partc.runtime.experts``.
     ep: int = 1

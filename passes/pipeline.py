@@ -42,7 +42,7 @@ from .fuse_attention import fuse_attention
 from .graph import param_usage
 from .layers import layers
 from .moe import lower_experts
-from .portable import device_from_inputs, drop_assertions
+from .portable import device_from_inputs, drop_assertions, unpin_dtypes
 from .propagate import propagate
 from .recompute import recompute
 from .tp_chooser import Link
@@ -71,6 +71,9 @@ def analysis_passes(attention: str) -> tuple[Pass, ...]:
     """After ``trace``: what the planner needs to know of each layer."""
     return (
         Pass("propagate", propagate),
+        # In mixed precision the casts the trace saw do nothing go (as lowering drops
+        # them): they would hold values in fp32 that the model's code keeps in bf16.
+        Pass("unpin_dtypes", unpin_dtypes),
         # Fusing attention reads the shapes propagate writes, and changes the graph
         # that layers then groups.
         *_attention_passes(attention),
@@ -103,6 +106,7 @@ def lowering_passes(lowering: Lowering) -> tuple[Pass, ...]:
         # nothing.
         Pass("drop_assertions", drop_assertions),
         Pass("propagate", propagate),
+        Pass("unpin_dtypes", unpin_dtypes),
         *_attention_passes(lowering.attention),
         Pass("attention_softmax", attention_softmax),
         # The plan names layers: the graph must be grouped exactly as it was planned.

@@ -160,38 +160,17 @@ def test_plan_saves_what_the_emitted_stage_saves_under_sequence_parallelism():
 def test_plan_saves_what_the_bf16_runtime_saves():
     """In bf16 the estimate runs the layers as the runtime does (bf16 parameters, CUDA's
     autocast policy on CPU ranks too, the loss in fp32 outside autocast): the bytes one
-    microbatch of the built module keeps for backward, under its real mixed-precision
-    path, are the plan's to the byte (the LayerNorms' fp32 copies of their bf16 weights
+    step of the built module keeps for backward, under its real mixed-precision path,
+    are the plan's to the byte (the LayerNorms' fp32 copies of their bf16 weights
     included). Once the estimate saw fp32 parameters under CPU autocast's policy: 0.77x
     of what the runtime keeps."""
-    import torch.distributed as dist
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
     from benchmarks.memory_check import _case, compile_case
+    from benchmarks.saved_bytes import runtime_saved_bytes
 
     case = _case("gpt-bf16", "gpt", dtype=torch.bfloat16, batch=4, seq=32, pp=1,
                  num_microbatches=1, recompute="none")
     program, inputs, target = compile_case(case)
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=1)
-    try:
-        module = program.build()
-        module.forward_backward(*inputs, target=target)  # the first runs shape inference too
-        kept: dict[StorageWeakRef, tuple[int, torch.dtype]] = {}
-
-        def pack(tensor: torch.Tensor) -> torch.Tensor:
-            state = {StorageWeakRef(t.untyped_storage())
-                     for t in (*module.module.parameters(), *module.module.buffers())}
-            storage = StorageWeakRef(tensor.untyped_storage())
-            if storage not in state:
-                kept.setdefault(storage, (tensor.untyped_storage().nbytes(), tensor.dtype))
-            return tensor
-
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            module.forward_backward(*inputs, target=target)
-        module.close()
-    finally:
-        dist.destroy_process_group()
-    measured = sum(size for size, _ in kept.values())
+    kept = runtime_saved_bytes(program, inputs, target)
     estimated = sum(layer.saved_bytes["none"] for layer in program.problem.model.layers)
-    assert estimated * program.plan.micro_batch_size == measured
-    assert {dtype for _, dtype in kept.values()} >= {torch.bfloat16, torch.float32}
+    assert estimated * program.plan.micro_batch_size == sum(kept.values())
+    assert kept[torch.bfloat16] > kept[torch.float32]
