@@ -67,13 +67,14 @@ class Pass:
 
 # --------------------------------------------------------------------------- the lists
 
-def analysis_passes(attention: str) -> tuple[Pass, ...]:
-    """After ``trace``: what the planner needs to know of each layer."""
+def analysis_passes(attention: str, mixed: bool = False) -> tuple[Pass, ...]:
+    """After ``trace``: what the planner needs to know of each layer (``mixed``: measured
+    for mixed-precision training)."""
     return (
         Pass("propagate", propagate),
-        # In mixed precision the casts the trace saw do nothing go (as lowering drops
-        # them): they would hold values in fp32 that the model's code keeps in bf16.
-        Pass("unpin_dtypes", unpin_dtypes),
+        # In mixed precision the device moves the trace saw do nothing go (as lowering
+        # drops them): they would cast values the model keeps in bf16 to fp32.
+        *((Pass("unpin_dtypes", unpin_dtypes),) if mixed else ()),
         # Fusing attention reads the shapes propagate writes, and changes the graph
         # that layers then groups.
         *_attention_passes(attention),
@@ -106,7 +107,7 @@ def lowering_passes(lowering: Lowering) -> tuple[Pass, ...]:
         # nothing.
         Pass("drop_assertions", drop_assertions),
         Pass("propagate", propagate),
-        Pass("unpin_dtypes", unpin_dtypes),
+        *((Pass("unpin_dtypes", unpin_dtypes),) if lowering.mixed else ()),
         *_attention_passes(lowering.attention),
         Pass("attention_softmax", attention_softmax),
         # The plan names layers: the graph must be grouped exactly as it was planned.
@@ -223,7 +224,7 @@ def analyze(model: nn.Module, example_inputs: Any, *, loss_fn: Callable | None =
     (``ModelSummary.autocast``), not as traced. ``autocast_device``: the device type the
     runtime trains on, "cuda" or "cpu" (its dropout and attention kernels).
     """
-    passes = analysis_passes(attention)
+    passes = analysis_passes(attention, mixed=autocast is not None)
     steps = len(passes) + 2   # find the repeated blocks, trace, then each pass
 
     def front() -> tuple[fx.GraphModule, Context]:

@@ -59,11 +59,11 @@ _MOVES = ("to.dtype_layout", "to.device")
 
 
 def unpin_dtypes(gm: fx.GraphModule, ctx: Context | None = None) -> fx.GraphModule:
-    """In mixed precision, drop each device move the trace recorded as doing nothing: a
+    """Drop each device move the trace recorded as doing nothing: a
     ``aten.to.dtype_layout`` or ``aten.to.device`` call (not asked to copy) whose input
     was traced in the dtype and on the device it names. Its dtype is the trace's, not
-    the model's: run in bf16 it would cast the value to fp32. Under fp32
-    (``ctx.autocast`` and ``ctx.lowering.mixed`` unset) the graph is left as it is.
+    the model's: run in bf16 it would cast the value to fp32. The pass lists run it for
+    mixed precision only (in fp32 such a move does nothing either way).
 
     Casts that name only a dtype (``aten.to.dtype``) stay, doing nothing or not: the
     graph cannot tell ``x.to(x.dtype)`` (the trace's dtype) from an RMSNorm's
@@ -73,10 +73,6 @@ def unpin_dtypes(gm: fx.GraphModule, ctx: Context | None = None) -> fx.GraphModu
     Ensures: no such move in ``gm`` itself (the bodies of higher-order ops run as
     written).
     """
-    mixed = ctx is not None and (ctx.autocast is not None or (
-        ctx.lowering is not None and ctx.lowering.mixed))
-    if not mixed:
-        return gm
     for node in list(gm.graph.nodes):
         if _does_nothing(node):
             node.replace_all_uses_with(node.args[0])

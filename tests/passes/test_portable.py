@@ -4,10 +4,13 @@ same; in mixed precision its device moves no longer pin the traced dtype."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 from torch import fx, nn
 
 from partc.passes.context import Lowering
+from partc.passes.pipeline import lowering_passes
 from partc.passes.portable import device_from_inputs, drop_assertions, unpin_dtypes
 
 aten = torch.ops.aten
@@ -87,13 +90,8 @@ def _moves_and_casts() -> fx.GraphModule:
     return fx.GraphModule(nn.Module(), graph)
 
 
-class _Ctx:
-    autocast = None
-    lowering = Lowering(stages=(), recompute={}, mixed=True)
-
-
 def test_mixed_precision_drops_the_device_moves_that_pin_the_traced_dtype():
-    gm = unpin_dtypes(_moves_and_casts(), _Ctx())
+    gm = unpin_dtypes(_moves_and_casts())
     targets = [n.target for n in gm.graph.nodes if n.op == "call_function"]
     # The move that did nothing goes; the cast (an upcast, for all the graph tells),
     # the copy and the real conversion stay.
@@ -104,5 +102,7 @@ def test_mixed_precision_drops_the_device_moves_that_pin_the_traced_dtype():
     # Run in bf16, the moved value stays bf16 (the cast's fp32 promotes the sum).
     x = torch.randn(4, dtype=torch.bfloat16)
     assert torch.equal(gm(x), (x + x.float() + x.float()).to(torch.float64))
-    plain = unpin_dtypes(_moves_and_casts(), None)
-    assert aten.to.dtype_layout in [n.target for n in plain.graph.nodes]
+    # Only mixed precision runs the pass.
+    fp32 = Lowering(stages=(), recompute={})
+    assert "unpin_dtypes" not in [p.name for p in lowering_passes(fp32)]
+    assert "unpin_dtypes" in [p.name for p in lowering_passes(replace(fp32, mixed=True))]
