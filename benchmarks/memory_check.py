@@ -66,8 +66,6 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from torch._subclasses.fake_tensor import FakeTensorMode  # noqa: E402
 from torch.distributed._tools.mem_tracker import _TOTAL_KEY, MemTracker  # noqa: E402
-from torch.distributed.pipelining._utils import (  # noqa: E402
-    _derive_grad_metas, _StageBackwardMeta, _StageForwardMeta, extract_tensor_meta)
 from torch.testing._internal.distributed.fake_pg import FakeStore  # noqa: E402
 
 import partc  # noqa: E402
@@ -95,6 +93,11 @@ class Case:
     dtype: torch.dtype = torch.float32
     batch: int = 8
     seq: int = 32
+    layers: int = 4
+    width: int = 64
+    vocab: int = 128
+    heads: int = 4
+    device: str = "CPU"            # the budget's preset: "CPU", or a GPU's ("H100-80GB")
 
 
 def _case(name: str, model: str, world: int = 1, ranks: tuple[int, ...] = (0,),
@@ -170,12 +173,17 @@ def _model(case: Case) -> tuple[torch.nn.Module, Callable]:
     from samples import gpt
     from tests import models
 
+    layers, width = case.layers, case.width
     if case.model == "gpt":
-        return gpt.gpt_tiny(n_layer=4, n_embd=64, block_size=case.seq), gpt.loss_fn
+        return (gpt.gpt_tiny(n_layer=layers, n_embd=width, n_head=case.heads,
+                             block_size=case.seq, vocab_size=case.vocab), gpt.loss_fn)
     if case.model == "gpt2":
-        return models.gpt2(n_layer=4, n_embd=64, positions=case.seq), models.causal_lm_loss
+        return (models.gpt2(n_layer=layers, n_embd=width, positions=case.seq, vocab=case.vocab),
+                models.causal_lm_loss)
     if case.model == "llama":
-        return models.llama(n_layer=4, hidden=64, positions=case.seq), models.causal_lm_loss
+        return (models.llama(n_layer=layers, hidden=width, heads=case.heads,
+                             kv_heads=max(1, case.heads // 2), intermediate=2 * width,
+                             positions=case.seq, vocab=case.vocab), models.causal_lm_loss)
     raise ValueError(f"unknown model {case.model!r}")
 
 
@@ -183,12 +191,11 @@ def compile_case(case: Case) -> tuple[partc.Program, tuple[torch.Tensor, ...], t
     """The case's program and one global batch (token ids and next-token targets)."""
     torch.manual_seed(0)
     model, loss_fn = _model(case)
-    vocab = 128
-    ids = torch.randint(0, vocab, (case.batch, case.seq))
-    target = torch.randint(0, vocab, (case.batch, case.seq))
+    ids = torch.randint(0, case.vocab, (case.batch, case.seq))
+    target = torch.randint(0, case.vocab, (case.batch, case.seq))
     program = partc.compile(
         model, (ids,), loss_fn=loss_fn, example_target=target,
-        budget=partc.DeviceBudget(num_devices=case.world, device="CPU"),
+        budget=partc.DeviceBudget(num_devices=case.world, device=case.device),
         train=partc.TrainSpec(global_batch_size=case.batch, dtype=case.dtype),
         constraints=partc.Constraints(**case.constraints), name=case.name)
     return program, (ids,), target
@@ -256,6 +263,11 @@ def neighbour_messages(program: partc.Program, stage: Any,
     returns it: from the previous stage, the metadata of the tensors it sends (the
     stages before this one run on fake tensors); from the next, that of the gradients of
     this stage's outputs that need one."""
+    # torch 2.13's private pipelining metadata: imported here, so that the plans of one
+    # stage are checked on a torch without them.
+    from torch.distributed.pipelining._utils import (
+        _derive_grad_metas, _StageBackwardMeta, _StageForwardMeta, extract_tensor_meta)
+
     plan = program.plan
     forward: tuple = ()
     if stage.stage_index > 0:
@@ -268,6 +280,8 @@ def neighbour_messages(program: partc.Program, stage: Any,
         with contextlib.ExitStack() as scope:
             fake = scope.enter_context(FakeTensorMode(allow_non_fake_inputs=True))
             if dtype != torch.float32:
+                # On CPU ranks and GPUs alike the runtime applies CUDA's policy (here
+                # on CPU fake tensors).
                 scope.enter_context(cuda_autocast(dtype))
             values = tuple(fake.from_tensor(t) for t in microbatch)
             for module in earlier:
@@ -306,6 +320,7 @@ class Measured:
     category_peaks: dict[str, int]   # each category's own largest value in the step
     raw: dict[str, int]              # MemTracker's reference types at the peak
     phase: str                       # when the peak came: forward, backward or optimizer
+    cuda_peak: int | None = None     # torch.cuda.max_memory_allocated in the step (GPUs)
 
 
 def measure_rank(program: partc.Program, inputs: tuple[torch.Tensor, ...],
@@ -317,11 +332,23 @@ def measure_rank(program: partc.Program, inputs: tuple[torch.Tensor, ...],
         module = program.build()
         stage = module._stages[0]  # plans of one stage per rank
         microbatch = tuple(t[:program.plan.micro_batch_size] for t in inputs)
-        stage._recv_meta = neighbour_messages(program, stage, microbatch)
+        on_gpu = module.topology.device.type == "cuda"
+        if program.plan.pp > 1:
+            stage._recv_meta = neighbour_messages(program, stage, microbatch)
         optimizer = module.optimizer(torch.optim.AdamW, lr=1e-3)
         module.forward_backward(*inputs, target=target)
         optimizer.step()
         optimizer.zero_grad()
+        cuda_peak = None
+        if on_gpu:
+            # The allocator's own count, a step with no tracker: what the plan promises.
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            module.forward_backward(*inputs, target=target)
+            optimizer.step()
+            optimizer.zero_grad()
+            torch.cuda.synchronize()
+            cuda_peak = torch.cuda.max_memory_allocated()
         tracker = StepTracker()
         # ZeRO-1's optimizer keeps its state in the local optimizer it wraps.
         tracker.track_external(module.module, getattr(optimizer, "optim", optimizer),
@@ -333,7 +360,8 @@ def measure_rank(program: partc.Program, inputs: tuple[torch.Tensor, ...],
             optimizer.zero_grad()
         peak, at_peak, category_peaks, phase = tracker.window()
         return Measured(peak=peak, at_peak=by_category(at_peak),
-                        category_peaks=by_category(category_peaks), raw=at_peak, phase=phase)
+                        category_peaks=by_category(category_peaks), raw=at_peak, phase=phase,
+                        cuda_peak=cuda_peak)
     finally:
         dist.destroy_process_group()
 
@@ -391,6 +419,12 @@ def table(rows: list[Row], breakdown: bool = False) -> str:
             elif breakdown:
                 line += f" {row.measured.category_peaks[category]:11,d}"
             lines.append(line)
+            if category == "peak" and row.measured.cuda_peak is not None:
+                cuda = row.measured.cuda_peak
+                lines.append(f"{row.case:28s} {row.rank:4d} {row.stage:5d} {'cuda peak':12s} "
+                             f"{predicted:11,d} {cuda:11,d} {_ratio(cuda, predicted)}"
+                             + ("  ok " if abs(cuda / predicted - 1) <= TOLERANCE else "  OFF")
+                             + " (torch.cuda.max_memory_allocated)")
     return "\n".join(lines)
 
 

@@ -7,13 +7,17 @@
    node by node (in s*b*h units per rank) at tp=8 with sequence parallelism.
 2. Megatron-Core's H100 weak scaling (Megatron-LM README, 2024): one H100 matmul
    efficiency fitted on the 32B row; partc's predicted TF/GPU for every published mesh
-   (tp, pp, dp, batch and the distributed optimizer pinned), its ratio to the published
-   one, the planner's own plan for the same devices, and each step broken down by cause.
+   (tp, pp, dp, batch and the distributed optimizer pinned, and a pipeline as
+   Megatron-Core r0.8.0 runs it: plain 1F1B over an even split of the blocks), its ratio
+   to the published one; under "partc schedule" the same mesh with the schedule and
+   stages left to the planner, and that prediction's ratio; the planner's own plan for
+   the same devices; and each step broken down by cause. With ``--interleavings``, the
+   pipelined rows priced under each interleaved 1F1B Megatron-Core could have run.
    Where no efficiency up to 100% of peak reaches the fitted row's throughput, the table
    is printed at the preset's efficiency and the fit says so.
 
     PYTHONPATH=. python benchmarks/validation.py [--only korthikanti|mcore] [--breakdown]
-        [--rows 1.7B,32B]
+        [--rows 1.7B,32B] [--interleavings]
 
 Everything is measured on the meta device (fake tensors): a few seconds per model.
 """
@@ -104,7 +108,7 @@ def mcore_table(names: list[str], show_breakdown: bool) -> None:
               f"at the preset's efficiency, {efficiency}")
     print(f"{'model':>5} {'tp':>3} {'pp':>3} {'dp':>3} {'published':>9} {'partc':>7} "
           f"{'ratio':>6} {'GiB':>5} {'b':>2} {'m':>3} {'sp':>3} {'recompute':>16} "
-          f"{'own plan':>28}")
+          f"{'partc schedule':>30} {'own plan':>18}")
     for run in mcore.RUNS:
         if names and run.name not in names:
             continue
@@ -113,10 +117,15 @@ def mcore_table(names: list[str], show_breakdown: bool) -> None:
         plan = ours.plan
         modes = ",".join(sorted(set(plan.recompute.values())))
         mesh = f"{own.plan.tp}x{own.plan.pp}x{own.plan.dp} {own.tflops_per_gpu:.0f} TF"
+        chosen = "-"
+        if run.pp > 1:
+            free = mcore.predict(run.name, efficiency, megatron_pipeline=False)
+            chosen = f"{free.plan.schedule} v={free.plan.chunks} {free.ratio:.3f}"
         print(f"{run.name:>5} {run.tp:>3} {run.pp:>3} {run.dp:>3} {run.tflops_per_gpu:>9.1f} "
               f"{ours.tflops_per_gpu:>7.1f} {ours.ratio:>6.3f} {ours.peak_bytes / GIB:>5.1f} "
               f"{plan.micro_batch_size:>2} {plan.num_microbatches:>3} "
-              f"{'on' if plan.sequence_parallel else '-':>3} {modes:>16} {mesh:>28}")
+              f"{'on' if plan.sequence_parallel else '-':>3} {modes:>16} {chosen:>30} "
+              f"{mesh:>18}")
         if show_breakdown:
             problem = mcore.problem(run.name, efficiency)
             parts = breakdown(problem, plan_assignment(plan))
@@ -125,16 +134,34 @@ def mcore_table(names: list[str], show_breakdown: bool) -> None:
                   + f"{mcore.step_flops(run) / (run.gpus * run.tflops_per_gpu * 1e12):.3f} s")
 
 
+def interleavings_table(names: list[str]) -> None:
+    print("\nThe pipelined rows under each interleaving Megatron-Core r0.8.0 could run "
+          "(even split, v chunks per rank)")
+    for run in mcore.RUNS:
+        if run.pp == 1 or names and run.name not in names:
+            continue
+        found = mcore.megatron_interleavings(run.name)
+        print(f"{run.name:>5}: " + ("; ".join(
+            f"v={i.chunks} {i.tflops_per_gpu:.1f} TF {i.ratio:.3f} "
+            f"{i.peak_bytes / GIB:.1f} GiB" for i in found) or "none"))
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--only", choices=("korthikanti", "mcore"))
     parser.add_argument("--breakdown", action="store_true")
     parser.add_argument("--rows", default="", help="mcore rows, e.g. 1.7B,32B (default all)")
+    parser.add_argument("--interleavings", action="store_true",
+                        help="mcore: price the pipelined rows' interleavings instead")
     args = parser.parse_args(argv)
+    rows = [n for n in args.rows.split(",") if n]
+    if args.interleavings:
+        interleavings_table(rows)
+        return 0
     if args.only in (None, "korthikanti"):
         korthikanti_table(args.breakdown)
     if args.only in (None, "mcore"):
-        mcore_table([n for n in args.rows.split(",") if n], args.breakdown)
+        mcore_table(rows, args.breakdown)
     return 0
 
 

@@ -500,6 +500,21 @@ def _layer_cost(gm: fx.GraphModule, info: meta.LayerInfo, nodes: list[fx.Node], 
     held = sum(_bytes_as_made(n, dtypes) for n in shared if meta.layer(n).index == info.index)
     input_bytes = sum(size for node, size in run.inputs.items() if node not in shared)
     saved_all = held + sum(size for size, node in run.saved.values() if node not in shared)
+    workspace = max((run.costs[n].output_bytes for n in nodes), default=0.0)
+    if info.is_loss:
+        # The loss's backward, the first of the step's, runs while the schedule still
+        # holds the stage's output, the loss's input (torch.distributed.pipelining keeps
+        # it until then to run backward from), and makes the gradient of its largest
+        # saved tensor and of its input, each as large as that tensor (cross entropy:
+        # the fp32 log-softmax). The cost model charges a layer twice its workspace
+        # while its backward runs, so the loss's is half of that working set. (Held
+        # input storages it saves itself are counted once.)
+        own = {key for key, (_, node) in run.saved.items() if node not in shared}
+        held_input = sum(size for node in run.inputs if node not in shared
+                         for key, size in run.storages.get(node, ()) if key not in own)
+        largest = max((size for size, node in run.saved.values() if node not in shared),
+                      default=0.0)
+        workspace = max(workspace, largest + held_input / 2)
     saved = {"none": saved_all, "full": held + input_bytes}
     rec_flops = {"none": 0.0, "full": flops}
     rec_bytes = {"none": 0.0, "full": light_bytes}
@@ -526,7 +541,7 @@ def _layer_cost(gm: fx.GraphModule, info: meta.LayerInfo, nodes: list[fx.Node], 
         recompute_flops={k: v * per for k, v in rec_flops.items()},
         recompute_mem_bytes={k: v * per for k, v in rec_bytes.items()},
         recompute_nodes=rerun,
-        workspace_bytes=max((run.costs[n].output_bytes for n in nodes), default=0.0) * per,
+        workspace_bytes=workspace * per,
         num_nodes=sum(1 for n in nodes if n.op.startswith("call_")),
         fused_mem_bytes=fused_bytes * per, fused_kernels=kernels)
 

@@ -71,6 +71,9 @@ def analysis_passes(attention: str, mixed: bool = False) -> tuple[Pass, ...]:
     """After ``trace``: what the planner needs to know of each layer (``mixed``: measured
     for mixed-precision training)."""
     return (
+        # Estimate runs the graph under the training's autocast: an exported graph's
+        # assertions of the dtypes it was traced in would fail there (and compute nothing).
+        Pass("drop_assertions", drop_assertions),
         Pass("propagate", propagate),
         # In mixed precision the device moves the trace saw do nothing go (as lowering
         # drops them): they would cast values the model keeps in bf16 to fp32.

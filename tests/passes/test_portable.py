@@ -106,3 +106,45 @@ def test_mixed_precision_drops_the_device_moves_that_pin_the_traced_dtype():
     fp32 = Lowering(stages=(), recompute={})
     assert "unpin_dtypes" not in [p.name for p in lowering_passes(fp32)]
     assert "unpin_dtypes" in [p.name for p in lowering_passes(replace(fp32, mixed=True))]
+
+
+class PinnedRotary(nn.Module):
+    """Built like transformers 5.17's rotary embedding: fp32 angles from a matmul under
+    ``no_grad``, pinned with ``.float()``. ``torch.export`` asserts the dtypes it traced
+    (fp32) inside the ``wrap_with_set_grad_enabled`` body; the shape check in ``forward``
+    keeps ``symbolic_trace`` out, as transformers' models do."""
+
+    def __init__(self, width: int = 16) -> None:
+        super().__init__()
+        self.proj = nn.Linear(width, width)
+        self.register_buffer("inv_freq", torch.linspace(1.0, 0.01, width // 2),
+                             persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[-1] != self.proj.in_features:
+            raise ValueError("width")
+        h = self.proj(x)
+        with torch.no_grad():
+            pos = torch.arange(x.shape[1], device=x.device, dtype=torch.float32)
+            freqs = (self.inv_freq[:, None].float() @ pos[None, :]).transpose(0, 1)
+            cos = torch.cat([freqs, freqs], -1).cos().float()
+        return h * cos.to(h.dtype)
+
+
+def test_mixed_precision_compiles_an_exported_graph_with_pinned_dtypes():
+    """Under bf16 autocast the matmul above yields bf16 where export asserted fp32: the
+    analysis (which measures the graph under the training's autocast) drops the
+    assertions as lowering does, instead of failing on them."""
+    import partc
+
+    torch.manual_seed(0)
+    model = PinnedRotary()
+    x = torch.randn(4, 8, 16)
+    exported = torch.export.export(model, (x,), strict=False).module()
+    assert any("_assert_tensor_metadata" in m.code for m in exported.modules()
+               if isinstance(m, fx.GraphModule))
+    program = partc.compile(model, (x,), loss_fn=lambda out, y: ((out - y) ** 2).mean(),
+                            example_target=torch.randn(4, 8, 16),
+                            budget=partc.DeviceBudget(num_devices=1, device="CPU"),
+                            train=partc.TrainSpec(global_batch_size=4, dtype=torch.bfloat16))
+    assert program.plan.predicted.step_time_s > 0

@@ -18,11 +18,26 @@ positions), dropout 0.1 (Megatron's default), attention fused into one kernel ca
 (``TrainSpec(attention="fused")``: Megatron-Core runs flash attention), planned in bf16
 for the H100 preset. Pinned as published: tp, pp, dp, the global batch and the
 distributed optimizer (``zero_stage=1``). Free, as the issue asks: sequence parallelism,
-recompute per layer, the micro-batch size and the schedule among those partc plans by
-itself (1F1B or GPipe). Not published, so not pinned: the micro-batch size and whether
-the pipelined runs interleaved (Megatron-Core's examples interleave; partc's runtime
-runs one stage per rank today and its planner tries interleaved 1F1B only when pinned:
-:data:`SCHEDULE` says what these predictions use).
+recompute per layer and the micro-batch size. Pinned as Megatron-Core r0.8.0 (the
+release the figures name) runs a pipelined row: plain 1F1B over its even split of the
+blocks, embeddings on the first stage, final norm, head and loss on the last
+(:data:`PUBLISHED_SCHEDULE`, :func:`published`). That release interleaves only when
+``--num-layers-per-virtual-pipeline-stage`` divides the blocks per stage, which the
+table does not give and which 119B's 23 and 462B's 7 blocks per stage allow only as
+one-block virtual stages; it has no zero-bubble schedule and no uneven split. Left to
+itself, partc's planner gives 70B a zero-bubble V schedule, 119B interleaved 1F1B over
+two chunks per rank of 9 to 12 blocks and 314B interleaved zero-bubble, and predicted
+119B's throughput 18% above the published one: its fill and drain are (p - 1) / (v m) =
+3/32 of the microbatches' time where Megatron-Core's 1F1B has 3/16. That is a schedule
+partc can run and Megatron-Core r0.8.0 cannot, not a wrong price
+(``benchmarks/validation.py --only mcore`` shows both). Plain 1F1B is also what the
+published figures fit: under the interleavings r0.8.0 could have run (even splits, the
+plan otherwise as pinned; :func:`megatron_interleavings`, ``--interleavings``) partc
+predicts 0.97-1.05x for 70B (v = 2 to 42), 1.11x for 119B (v = 23), 1.14-1.18x for 177B
+(v = 2 to 16), 1.08-1.11x for 314B (v = 2 to 12) and 462B at v = 7 needs 103 GiB, where
+plain 1F1B gives 0.99-1.07x across the five; partc's interleaved pricing itself is
+checked on the SC'21 runs that did interleave (``tests/validation/megatron.py``). The
+177B row (pp = 6) is in the README's table but not in the json; it is here.
 
 One H100 matmul efficiency is fitted on one row (:data:`FIT_RUN`), the rest predicted
 with it (``tests/validation/test_mcore_scaling.py``; ``benchmarks/validation.py`` prints
@@ -42,7 +57,9 @@ import torch
 import partc
 from partc.compiler import build_problem, plan_problem
 from partc.problem import PlanningProblem
-from tests.validation.megatron import Assignment, plan_assignment, price, step_seconds
+from partc.spec import INTERLEAVED
+from tests.validation.megatron import (Assignment, even_runs, even_stages, layer_names,
+                                       peak_bytes, plan_assignment, price, step_seconds)
 
 _SAMPLES = Path(__file__).resolve().parents[2] / "samples"
 if str(_SAMPLES) not in sys.path:
@@ -56,9 +73,9 @@ DROPOUT = 0.1
 PEAK_TFLOPS = 989.4
 DEVICE = "H100-80GB"
 DEVICE_BYTES = 80 * 2**30
-# The schedule pipelined rows are planned with when nothing else is pinned: partc's own
-# choice ("auto": 1F1B or GPipe). Megatron-Core's interleaving is not in the table.
-SCHEDULE = "auto"
+# What Megatron-Core runs a pipeline with unless told to interleave (the table does
+# not say it was).
+PUBLISHED_SCHEDULE = "1f1b"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -95,6 +112,8 @@ RUNS: tuple[Run, ...] = tuple(Run(**row) for row in (
          batch=384, tflops_per_gpu=419.7, mfu=0.42),
     dict(params_b=119, heads=80, hidden=10240, layers=92, tp=8, pp=4, dp=48, gpus=1536,
          batch=768, tflops_per_gpu=420.5, mfu=0.43),
+    dict(params_b=177, heads=96, hidden=12288, layers=96, tp=8, pp=6, dp=48, gpus=2304,
+         batch=1152, tflops_per_gpu=432.8, mfu=0.44),
     dict(params_b=314, heads=128, hidden=16384, layers=96, tp=8, pp=8, dp=48, gpus=3072,
          batch=1536, tflops_per_gpu=474.4, mfu=0.48),
     dict(params_b=462, heads=144, hidden=18432, layers=112, tp=8, pp=16, dp=48, gpus=6144,
@@ -129,7 +148,7 @@ def budget(run: Run, flops_efficiency: float | None = None) -> partc.DeviceBudge
 
 def train_spec(run: Run) -> partc.TrainSpec:
     return partc.TrainSpec(global_batch_size=run.batch, dtype=torch.bfloat16,
-                           optimizer="adam", attention="fused", schedule=SCHEDULE)
+                           optimizer="adam", attention="fused")
 
 
 def gpt(run: Run) -> tuple[GPT, torch.Tensor, torch.Tensor]:
@@ -155,19 +174,26 @@ def analysed(name: str):
                    autocast=torch.bfloat16, autocast_device="cuda")
 
 
-def published(run: Run) -> partc.Constraints:
-    """The published mesh and the distributed optimizer; the rest left to the planner."""
+def published(run: Run, megatron_pipeline: bool = True) -> partc.Constraints:
+    """The published mesh and the distributed optimizer, and a pipeline as Megatron-Core
+    runs it (:data:`PUBLISHED_SCHEDULE` over :func:`even_stages`; without
+    ``megatron_pipeline``, the schedule and stages partc chooses); the rest left to the
+    planner."""
+    pipelined = run.pp > 1 and megatron_pipeline
     return partc.Constraints(tp=run.tp, pp=run.pp, dp=run.dp, zero_stage=1,
-                             tp_objective="time" if run.tp > 1 else None)
+                             tp_objective="time" if run.tp > 1 else None,
+                             schedule=PUBLISHED_SCHEDULE if pipelined else None,
+                             stages=even_stages(run, run.pp) if pipelined else None)
 
 
 @functools.lru_cache(maxsize=None)
-def problem(name: str, flops_efficiency: float | None, own: bool = False) -> PlanningProblem:
-    """The row's planning problem: its published mesh pinned, or (``own``) nothing but
-    the devices and the batch."""
+def problem(name: str, flops_efficiency: float | None, own: bool = False,
+            megatron_pipeline: bool = True) -> PlanningProblem:
+    """The row's planning problem: its published mesh pinned (:func:`published`), or
+    (``own``) nothing but the devices and the batch."""
     run = run_named(name)
     graph, analysis = analysed(name)
-    constraints = partc.Constraints() if own else published(run)
+    constraints = partc.Constraints() if own else published(run, megatron_pipeline)
     return build_problem(analysis, budget(run, flops_efficiency), train_spec(run),
                          constraints, graph)
 
@@ -221,11 +247,54 @@ class Prediction:
         return self.plan.predicted.peak_memory_bytes
 
 
-def predict(name: str, efficiency: float | None = None, own: bool = False) -> Prediction:
-    """partc's plan for the row (the published mesh pinned, or its own) at ``efficiency``
-    (the fitted one by default) and the TF/GPU it predicts."""
+def predict(name: str, efficiency: float | None = None, own: bool = False,
+            megatron_pipeline: bool = True) -> Prediction:
+    """partc's plan for the row (the published mesh pinned as :func:`published` pins it,
+    or its own) at ``efficiency`` (the fitted one by default) and the TF/GPU it
+    predicts."""
     run = run_named(name)
     efficiency = fitted_efficiency() if efficiency is None else efficiency
-    result = plan(problem(name, efficiency, own))
+    result = plan(problem(name, efficiency, own, megatron_pipeline))
     return Prediction(run=run, plan=result,
                       tflops_per_gpu=tflops_per_gpu(run, result.predicted.step_time_s))
+
+
+@dataclass(frozen=True, kw_only=True)
+class Interleaving:
+    """A row priced as interleaved 1F1B with ``chunks`` virtual stages per rank."""
+
+    chunks: int
+    tflops_per_gpu: float
+    ratio: float
+    peak_bytes: int
+
+
+def megatron_interleavings(name: str, efficiency: float | None = None) -> list[Interleaving]:
+    """The row as :func:`predict` plans it, priced under each interleaving Megatron-Core
+    r0.8.0 could have run instead: ``v`` chunks per rank of its even split for every
+    ``v > 1`` that divides the blocks per stage, where the microbatches are a multiple of
+    pp (its interleaved schedule requires it); micro-batch size, sequence parallelism and
+    recompute as planned."""
+    run = run_named(name)
+    efficiency = fitted_efficiency() if efficiency is None else efficiency
+    planned = predict(name, efficiency).plan
+    base = plan_assignment(planned)
+    per_stage = run.layers // run.pp
+    if run.pp == 1 or planned.num_microbatches % run.pp:
+        return []
+    names = layer_names(run.layers)
+    mode_of = dict(zip((layer for members in planned.runs for layer in members), base.modes))
+    modes = tuple(mode_of[layer] for layer in names)
+    found = []
+    for chunks in (v for v in range(2, per_stage + 1) if per_stage % v == 0):
+        runs = even_runs(run, names, run.pp * chunks)
+        config = dataclasses.replace(base.config, schedule=INTERLEAVED, chunks=chunks)
+        stage_of = tuple(j for j, members in enumerate(runs) for _ in members)
+        evaluation = price(problem(name, efficiency),
+                           Assignment(config=config, stage_of=stage_of, modes=modes))
+        tflops = tflops_per_gpu(run, step_seconds(evaluation))
+        found.append(Interleaving(chunks=chunks, tflops_per_gpu=tflops,
+                                  ratio=tflops / run.tflops_per_gpu,
+                                  peak_bytes=peak_bytes(evaluation)))
+    return found
+

@@ -188,20 +188,30 @@ def published(run: Run) -> partc.Constraints:
     ZeRO, no sequence parallelism (Megatron had none yet), and recompute of every
     transformer layer and nothing else. The stages are pinned to Megatron's split
     where partc can pin them (see :func:`published_assignment`)."""
-    blocks = [f"blocks.{i}" for i in range(run.layers)]
-    layers = ("tok_emb", "pos_emb", "drop", *blocks, "ln_f", "lm_head", "loss")
-    stages = None
-    if schedule(run) != INTERLEAVED:
-        split = _runs(run, layers, run.pp)
-        stages = [[layers[l] for l in s] for s in split]
+    layers = layer_names(run.layers)
+    stages = even_stages(run, run.pp) if schedule(run) != INTERLEAVED else None
     return partc.Constraints(
         tp=run.tp, pp=run.pp, dp=run.dp, sequence_parallel=False,
         tp_objective="time" if run.tp > 1 else None, stages=stages,
-        recompute={name: "full" if name in blocks else "none" for name in layers},
+        recompute={name: "full" if name.startswith("blocks.") else "none"
+                   for name in layers},
         micro_batch_size=run.micro_batch_size, schedule=schedule(run), zero_stage=0)
 
 
-def _runs(run: Run, layers: tuple[str, ...], count: int) -> list[list[int]]:
+def layer_names(blocks: int) -> tuple[str, ...]:
+    """The layers partc finds in ``samples/gpt.py``'s GPT of ``blocks`` blocks, in order."""
+    return ("tok_emb", "pos_emb", "drop", *(f"blocks.{i}" for i in range(blocks)),
+            "ln_f", "lm_head", "loss")
+
+
+def even_stages(run, count: int) -> list[list[str]]:
+    """Megatron's split of ``run``'s GPT (anything with ``layers`` and ``name``) into
+    ``count`` stages, by layer name (:func:`even_runs`)."""
+    layers = layer_names(run.layers)
+    return [[layers[l] for l in members] for members in even_runs(run, layers, count)]
+
+
+def even_runs(run, layers: tuple[str, ...], count: int) -> list[list[int]]:
     """Megatron's split of the layers into ``count`` runs: the blocks evenly, the
     embeddings before the first, the final norm, head and loss after the last."""
     blocks = [i for i, name in enumerate(layers) if name.startswith("blocks.")]
@@ -230,7 +240,7 @@ def published_assignment(run: Run, problem: PlanningProblem) -> Assignment:
     names = tuple(layer.name for layer in problem.layers)
     interleaved = schedule(run) == INTERLEAVED
     chunks = run.virtual_stages if interleaved else 1
-    runs = _runs(run, names, run.pp * chunks)
+    runs = even_runs(run, names, run.pp * chunks)
     stage_of = tuple(j for j, members in enumerate(runs) for _ in members)
     config = PipelineConfig(
         pp=run.pp, dp=run.dp, tp=run.tp, micro_batch_size=run.micro_batch_size,

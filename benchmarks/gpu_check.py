@@ -1,0 +1,495 @@
+"""partc on one GPU: the NCCL path, and the plan's predictions against what runs.
+
+    python benchmarks/gpu_check.py --out DIR            # on a machine with a CUDA GPU
+    python benchmarks/gpu_check.py --out DIR --smoke    # the same parts on CPU, tiny sizes
+    python benchmarks/gpu_check.py --out DIR --part train --part memory
+    python benchmarks/gpu_check.py --prepare            # plan everything, train nothing
+
+Four parts, each in its own processes (one failing part does not hide the others), each
+writing ``DIR/<part>.json`` and printing a table:
+
+- ``parity``: ``torchrun --nproc-per-node=1`` on this file's worker, the process group
+  NCCL (gloo on CPU): the sample GPT and a Llama from a config, compiled for one device
+  and trained 4 steps (SGD with momentum) in fp32, against the same model trained by plain PyTorch on
+  the same device (TF32 off): the largest relative difference of the losses and of the
+  parameters. Then the same in bf16 (partc's mixed precision against the fp32 reference:
+  how far bf16 moves the losses, not a parity).
+- ``train``: ``partc train`` under ``torchrun --nproc-per-node=1`` for a GPT of 12 layers
+  1536 wide (about 0.4 B parameters), 32 sequences of 1024 tokens a step in bf16, as
+  partc plans it and pinned three ways (full recompute with one microbatch, no recompute
+  with 8 microbatches of 4, selective recompute with 4 of 8). Per plan: the median step
+  time after the first two steps against the plan's prediction, and the step's
+  ``torch.cuda.max_memory_allocated`` against the plan's peak (the telemetry's own
+  records, ``DIR/train/<plan>/rank0.jsonl``).
+- ``memory``: ``benchmarks/memory_check.py``'s measurement at GPU sizes, on the GPU: one
+  rank at a time of plans for 2 or 4 GPUs (pipeline, ZeRO-1/3, tensor and sequence
+  parallel, bf16 and fp32), joined to a fake process group (collectives move nothing;
+  every tensor is allocated with its real shape): ``max_memory_allocated`` of a training
+  step against the plan's peak for that rank.
+- ``calibrate``: ``partc calibrate`` on this GPU, then the ``train`` part's plans
+  predicted again from that profile (pinned to what ran) against the same measurements.
+
+``--prepare`` compiles what the parts compile without running anything, so that a cache
+directory (``PARTC_CACHE_DIR``) carried to the GPU machine spares its planning time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+
+PARTS = ("parity", "train", "memory", "calibrate")
+SMOKE = os.environ.get("PARTC_GPU_CHECK_SMOKE") == "1"
+# The train part's model and batch: layers, width, heads, sequence, global batch, vocab.
+TRAIN_GPU = dict(layers=12, width=1536, heads=12, seq=1024, batch=32, vocab=50304)
+TRAIN_SMOKE = dict(layers=2, width=64, heads=4, seq=32, batch=8, vocab=128)
+# (name, partc train flags): the planner's pick, then three pinned plans.
+TRAIN_PLANS = (
+    ("planned", ()),
+    ("full-m1", ("--recompute", "full", "--micro-batch", "{batch}")),
+    ("none-m8", ("--recompute", "none", "--micro-batch", "{batch8}")),
+    ("selective-m4", ("--recompute", "selective", "--micro-batch", "{batch4}")),
+)
+STEPS = 10
+
+
+def _sizes() -> dict[str, int]:
+    return TRAIN_SMOKE if SMOKE else TRAIN_GPU
+
+
+def _preset() -> str:
+    return "CPU" if SMOKE else "H100-80GB"
+
+
+def _env(**extra: str) -> dict[str, str]:
+    env = dict(os.environ, PYTHONUNBUFFERED="1", **extra)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, (str(ROOT), env.get("PYTHONPATH"))))
+    return env
+
+
+DEADLINE = [float("inf")]   # perf_counter time by which every part must end (--budget)
+
+
+def _run(command: list[str], timeout: float, log: Path) -> int:
+    """Run ``command``, its output to ``log`` (and the end of it printed); its exit code,
+    124 when it ran past ``timeout`` or the deadline of ``--budget``."""
+    started = time.perf_counter()
+    timeout = min(timeout, DEADLINE[0] - started)
+    if timeout <= 1:
+        print(f"  [{' '.join(command[:6])} ...] skipped: --budget spent")
+        return 124
+    with open(log, "w") as out:
+        try:
+            code = subprocess.run(command, stdout=out, stderr=subprocess.STDOUT, env=_env(),
+                                  timeout=timeout, cwd=ROOT).returncode
+        except subprocess.TimeoutExpired:
+            code = 124
+    tail = log.read_text().splitlines()[-6:]
+    print(f"  [{' '.join(command[:6])} ...] exit {code} in {time.perf_counter() - started:.0f} s")
+    if code:
+        print("    " + "\n    ".join(tail))
+    return code
+
+
+def _torchrun(*args: str) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone",
+            "--nproc-per-node=1", *args]
+
+
+# ---------------------------------------------------------------------------- the model
+
+def factory() -> dict[str, Any]:
+    """What the ``train`` part trains (``partc train benchmarks/gpu_check.py:factory``):
+    a GPT of :data:`TRAIN_GPU`'s sizes on random tokens, a new batch each step."""
+    from samples import gpt
+
+    s = _sizes()
+    model = gpt.gpt_tiny(n_layer=s["layers"], n_embd=s["width"], n_head=s["heads"],
+                         block_size=s["seq"], vocab_size=s["vocab"])
+
+    def data(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        generator = torch.Generator().manual_seed(abs(step) + 1)
+        tokens = torch.randint(0, s["vocab"], (s["batch"], s["seq"] + 1), generator=generator)
+        return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+
+    ids, _ = data(0)
+    return {"model": model, "example_inputs": (ids,), "loss_fn": gpt.loss_fn, "data": data}
+
+
+def _plan_flags(flags: tuple[str, ...]) -> list[str]:
+    batch = _sizes()["batch"]
+    names = dict(batch=batch, batch4=max(1, batch // 4), batch8=max(1, batch // 8))
+    return [flag.format(**names) for flag in flags]
+
+
+# ---------------------------------------------------------------------------- parity
+
+def parity_worker(out: Path) -> None:
+    """Under torchrun, one process: partc against plain PyTorch on the same device."""
+    import torch.distributed as dist
+
+    import partc
+    from samples import gpt
+    from tests import models
+
+    device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    results: dict[str, Any] = {}
+    builders = {"gpt": (lambda: gpt.gpt_tiny(n_layer=4, n_embd=128, block_size=64), gpt.loss_fn),
+                "llama": (lambda: models.llama(n_layer=4, hidden=128, intermediate=256),
+                          models.causal_lm_loss)}
+    for name, (build, loss_fn) in builders.items():
+        for dtype in (torch.float32, torch.bfloat16):
+            key = f"{name}-{str(dtype).removeprefix('torch.')}"
+            try:
+                results[key] = _parity_case(build, loss_fn, dtype, device, partc)
+            except Exception as error:  # recorded: one failure must not hide the rest
+                import traceback
+                results[key] = {"error": f"{type(error).__name__}: {error}",
+                                "trace": traceback.format_exc()[-3000:]}
+    results["backend"] = dist.get_backend() if dist.is_initialized() else None
+    results["device"] = str(device)
+    (out / "parity.json").write_text(json.dumps(results, indent=1))
+
+
+def _parity_case(build: Any, loss_fn: Any, dtype: torch.dtype, device: torch.device,
+                 partc: Any) -> dict[str, Any]:
+    torch.manual_seed(0)
+    model = build()
+    reference = copy.deepcopy(model).to(device)
+    batch, seq, steps = 8, 32, 4
+    vocab = 128
+
+    def data(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        g = torch.Generator().manual_seed(100 + step)
+        tokens = torch.randint(0, vocab, (batch, seq + 1), generator=g)
+        return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+
+    x, y = data(0)
+    program = partc.compile(model, (x,), loss_fn=loss_fn, example_target=y,
+                            budget=partc.DeviceBudget(num_devices=1, device=_preset()),
+                            train=partc.TrainSpec(global_batch_size=batch, dtype=dtype,
+                                                  optimizer="sgd"),
+                            constraints=partc.Constraints(num_microbatches=2))
+    module = program.build()
+    # SGD with momentum, as the runtime tests: Adam turns the rounding noise of gradients
+    # that are mathematically zero (a key projection's bias) into full-size steps.
+    optimizer = module.optimizer(torch.optim.SGD, lr=0.1, momentum=0.9)
+    ref_optimizer = torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9)
+    losses, ref_losses = [], []
+    for step in range(steps):
+        x, y = data(step)
+        losses.append(float(module.forward_backward(x, target=y)))
+        optimizer.step()
+        optimizer.zero_grad()
+        ref_loss = sum(loss_fn(reference(xs.to(device)), ys.to(device)) / 2
+                       for xs, ys in zip(x.chunk(2), y.chunk(2)))
+        ref_loss.backward()
+        ref_optimizer.step()
+        ref_optimizer.zero_grad()
+        ref_losses.append(float(ref_loss))
+    ref_params = dict(reference.named_parameters())
+    param_error = 0.0
+    for name, param in module.named_parameters():
+        truth = module.master_of(param) if module.master_of(param) is not None else param
+        want = ref_params.get(name)
+        if want is None:
+            continue
+        error = ((truth.detach().float().to(device) - want.detach().float()).norm()
+                 / max(want.detach().float().norm().item(), 1e-3)).item()
+        param_error = max(param_error, error)
+    loss_error = max(abs(a - b) / max(abs(b), 1e-6) for a, b in zip(losses, ref_losses))
+    parameter_device = next(module.parameters()).device
+    module.close()
+    return {"losses": losses, "ref_losses": ref_losses, "max_loss_rel_diff": loss_error,
+            "max_param_rel_diff": param_error, "param_device": str(parameter_device),
+            "plan": {"microbatches": program.plan.num_microbatches,
+                     "recompute": program.plan.stages[0].recompute}}
+
+
+def run_parity(out: Path) -> dict[str, Any]:
+    code = _run(_torchrun(str(Path(__file__)), "--worker", "parity", "--out", str(out)),
+                600, out / "parity.log")
+    path = out / "parity.json"
+    results = json.loads(path.read_text()) if path.exists() else {"exit": code}
+    print(f"  backend {results.get('backend')}, device {results.get('device')}")
+    for key, row in results.items():
+        if not isinstance(row, dict):
+            continue
+        if "error" in row:
+            print(f"  {key:18s} FAILED {row['error']}")
+            continue
+        bound = 1e-5 if key.endswith("float32") else None
+        verdict = ("" if bound is None else
+                   " ok" if max(row["max_loss_rel_diff"], row["max_param_rel_diff"]) <= bound
+                   else " OFF")
+        print(f"  {key:18s} losses {row['max_loss_rel_diff']:.1e}  parameters "
+              f"{row['max_param_rel_diff']:.1e}{verdict}   (partc {row['losses'][-1]:.5f}, "
+              f"one device {row['ref_losses'][-1]:.5f} at step {len(row['losses'])})")
+    return results
+
+
+# ---------------------------------------------------------------------------- train
+
+def _records(log_dir: Path) -> list[dict[str, Any]]:
+    path = log_dir / "rank0.jsonl"
+    if not path.exists():
+        return []
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return [r for r in rows if r.get("event") == "step"]
+
+
+def run_train(out: Path, prepare: bool = False) -> dict[str, Any]:
+    results: dict[str, Any] = {}
+    target = f"{Path(__file__)}:factory"
+    for name, flags in TRAIN_PLANS:
+        directory = out / "train" / name
+        directory.mkdir(parents=True, exist_ok=True)
+        common = ["--device", _preset(), "--dtype", "bf16", "--time-limit", "20", "-q",
+                  *_plan_flags(flags)]
+        if prepare:
+            command = [sys.executable, "-m", "partc", "plan", target, "--devices", "1",
+                       *common, "--out", str(directory / "program")]
+            _run(command, 900, directory / "plan.log")
+            continue
+        command = _torchrun("-m", "partc", "train", target, *common, "--steps", str(STEPS),
+                            "--lr", "3e-4", "--log-dir", str(directory),
+                            "--out", str(directory / "program"))
+        code = _run(command, 300, directory / "train.log")
+        records = _records(directory)
+        if not records:
+            results[name] = {"exit": code}
+            print(f"  {name:14s} no step records (exit {code}); see {directory / 'train.log'}")
+            continue
+        timed = records[2:] or records[-1:]
+        measured_s = statistics.median(r["step_time_s"] for r in timed)
+        predicted_s = timed[-1]["predicted_step_time_s"]
+        memory = max(r["memory_bytes"] for r in timed)
+        predicted_memory = timed[-1]["predicted_memory_bytes"]
+        plan = _plan_summary(directory / "program" / "plan.json")
+        results[name] = {"exit": code, "measured_step_s": measured_s,
+                         "predicted_step_s": predicted_s, "memory_bytes": memory,
+                         "predicted_memory_bytes": predicted_memory,
+                         "memory_measure": timed[-1]["memory_measure"],
+                         "losses": [r["loss"] for r in records], "plan": plan,
+                         "mfu": statistics.median(r["mfu"] for r in timed)}
+        print(f"  {name:14s} {plan.get('summary', ''):40s} step {measured_s * 1e3:7.1f} ms "
+              f"(predicted {predicted_s * 1e3:7.1f}, ratio {predicted_s / measured_s:4.2f})  "
+              f"peak {memory / 2**30:6.2f} GiB (predicted {predicted_memory / 2**30:6.2f}, "
+              f"ratio {memory / predicted_memory:4.2f})  loss {records[0]['loss']:.3f} -> "
+              f"{records[-1]['loss']:.3f}")
+    return results
+
+
+def _plan_summary(path: Path) -> dict[str, Any]:
+    if not path.exists():
+        return {}
+    plan = json.loads(path.read_text())
+    stage = plan["stages"][0]
+    recompute = stage.get("recompute")
+    modes = sorted(set(recompute.values())) if isinstance(recompute, dict) else [recompute]
+    micro = plan.get("micro_batch_size")
+    count = plan.get("num_microbatches")
+    return {"microbatches": count, "micro_batch": micro, "recompute": modes,
+            "summary": f"{count} x {micro}, recompute {'/'.join(map(str, modes))}"}
+
+
+# ---------------------------------------------------------------------------- memory
+
+def memory_cases() -> list[Any]:
+    """memory_check's cases at GPU sizes: activations of GiBs, so that allocator
+    rounding and library workspaces (cuBLAS's) are small beside what the plan counts."""
+    from benchmarks import memory_check as mc
+
+    bf16 = torch.bfloat16
+    if SMOKE:
+        size = dict(batch=8, seq=32, layers=4, width=64, heads=4, vocab=128, device="CPU")
+    else:
+        size = dict(batch=16, seq=1024, layers=8, width=1024, heads=8, vocab=50304,
+                    device="H100-80GB")
+    pipeline = dict(world=2, ranks=(0, 1), pp=2, schedule="1f1b", num_microbatches=4)
+
+    def case(name: str, model: str = "gpt", **rest: Any) -> Any:
+        fields = {**size, **rest}
+        constraints = {k: v for k, v in fields.items() if k not in mc.Case.__dataclass_fields__}
+        kept = {k: v for k, v in fields.items() if k in mc.Case.__dataclass_fields__}
+        return mc.Case(name=name, model=model, constraints=constraints, **kept)
+
+    return [
+        case("gpt-pp1-m2-fp32", pp=1, num_microbatches=2, recompute="none"),
+        case("gpt-pp1-m2-bf16", dtype=bf16, pp=1, num_microbatches=2, recompute="none"),
+        case("gpt-pp2-1f1b-m4-bf16", dtype=bf16, **pipeline, recompute="none"),
+        case("gpt-pp2-1f1b-m4-full-bf16", dtype=bf16, **pipeline, recompute="full"),
+        case("gpt-dp2-zero1-bf16", dtype=bf16, world=2, pp=1, dp=2, zero_stage=1,
+             num_microbatches=1, recompute="none"),
+        case("gpt-dp2-zero3-bf16", dtype=bf16, world=2, pp=1, dp=2, zero_stage=3,
+             num_microbatches=1, recompute="none"),
+        case("gpt-tp2-sp-bf16", dtype=bf16, world=2, pp=1, tp=2, sequence_parallel=True,
+             num_microbatches=1, recompute="selective"),
+        case("llama-pp1-bf16", "llama", dtype=bf16, pp=1, num_microbatches=1,
+             recompute="none"),
+    ]
+
+
+def memory_worker(out: Path, name: str, prepare: bool) -> None:
+    """One case in this process (a fresh CUDA context and allocator per case)."""
+    from benchmarks import memory_check as mc
+
+    case = next(c for c in memory_cases() if c.name == name)
+    if prepare:
+        mc.compile_case(case)
+        return
+    rows = mc.check_case(case)
+    result = [{"case": row.case, "rank": row.rank, "stage": row.stage,
+               "predicted_peak": row.predicted["peak"], "tracked_peak": row.measured.peak,
+               "cuda_peak": row.measured.cuda_peak, "phase": row.measured.phase,
+               "predicted": row.predicted, "tracked": row.measured.at_peak}
+              for row in rows]
+    (out / "memory" / f"{name}.json").write_text(json.dumps(result, indent=1))
+    print(mc.table(rows))
+
+
+def run_memory(out: Path, prepare: bool = False) -> dict[str, Any]:
+    (out / "memory").mkdir(parents=True, exist_ok=True)
+    results: dict[str, Any] = {}
+    for case in memory_cases():
+        command = [sys.executable, str(Path(__file__)), "--worker", "memory",
+                   "--case", case.name, "--out", str(out)] + (["--prepare"] if prepare else [])
+        code = _run(command, 300, out / "memory" / f"{case.name}.log")
+        path = out / "memory" / f"{case.name}.json"
+        if prepare:
+            continue
+        if not path.exists():
+            results[case.name] = {"exit": code}
+            continue
+        for row in json.loads(path.read_text()):
+            results[f"{case.name}/rank{row['rank']}"] = row
+            measured = row["cuda_peak"] if row["cuda_peak"] is not None else row["tracked_peak"]
+            what = "cuda max allocated" if row["cuda_peak"] is not None else "tracked"
+            ratio = measured / row["predicted_peak"]
+            print(f"  {case.name:28s} rank {row['rank']} predicted "
+                  f"{row['predicted_peak'] / 2**30:7.3f} GiB  {what} {measured / 2**30:7.3f} "
+                  f"GiB  ratio {ratio:4.2f} {'ok' if abs(ratio - 1) <= 0.10 else 'OFF'}  "
+                  f"(tracked {row['tracked_peak'] / 2**30:.3f}, peak in {row['phase']})")
+    return results
+
+
+# ---------------------------------------------------------------------------- calibrate
+
+def run_calibrate(out: Path, trained: dict[str, Any]) -> dict[str, Any]:
+    profile = out / "profile.json"
+    command = [sys.executable, "-m", "partc", "calibrate", "--out", str(profile), "-q",
+               "--processes", "1"] + ([] if torch.cuda.is_available() else ["--quick"])
+    code = _run(command, 300, out / "calibrate.log")
+    if code or not profile.exists():
+        return {"exit": code}
+    results: dict[str, Any] = {"profile": json.loads(profile.read_text()).get("budget")}
+    target = f"{Path(__file__)}:factory"
+    for name, row in trained.items():
+        plan = row.get("plan") if isinstance(row, dict) else None
+        if not plan or "measured_step_s" not in row:
+            continue
+        recompute = plan["recompute"][0] if len(plan["recompute"]) == 1 else None
+        pins = ["--micro-batch", str(plan["micro_batch"])]
+        if recompute is not None:
+            pins += ["--recompute", recompute]
+        directory = out / "calibrated" / name
+        command = [sys.executable, "-m", "partc", "plan", target, "--devices", "1",
+                   "--profile", str(profile), "--dtype", "bf16", "--time-limit", "20", "-q", *pins,
+                   "--out", str(directory)]
+        (out / "calibrated").mkdir(parents=True, exist_ok=True)
+        _run(command, 300, out / "calibrated" / f"{name}.log")
+        plan_json = directory / "plan.json"
+        if not plan_json.exists():
+            continue
+        predicted = json.loads(plan_json.read_text())["predicted"]["step_time_s"]
+        measured = row["measured_step_s"]
+        results[name] = {"predicted_step_s": predicted, "measured_step_s": measured}
+        print(f"  {name:14s} calibrated prediction {predicted * 1e3:7.1f} ms, measured "
+              f"{measured * 1e3:7.1f} ms, ratio {predicted / measured:4.2f}")
+    return results
+
+
+# ---------------------------------------------------------------------------- main
+
+def environment() -> dict[str, Any]:
+    info: dict[str, Any] = {"torch": torch.__version__, "python": sys.version.split()[0],
+                            "cuda": torch.version.cuda, "gpu": None}
+    if torch.cuda.is_available():
+        info["gpu"] = torch.cuda.get_device_name(0)
+        info["nccl"] = ".".join(map(str, torch.cuda.nccl.version()))
+        info["gpu_memory"] = torch.cuda.get_device_properties(0).total_memory
+    try:
+        import ortools
+        info["ortools"] = ortools.__version__
+    except ImportError as error:
+        info["ortools"] = f"missing: {error}"
+    return info
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=ROOT / "out" / "gpu_check")
+    parser.add_argument("--part", action="append", choices=PARTS,
+                        help="a part to run (default: all, in order)")
+    parser.add_argument("--smoke", action="store_true",
+                        help="CPU, tiny sizes: check the script itself")
+    parser.add_argument("--prepare", action="store_true",
+                        help="only plan (fills PARTC_CACHE_DIR for a later run)")
+    parser.add_argument("--budget", type=float, default=None, metavar="SECONDS",
+                        help="end every part within this many seconds from the start")
+    parser.add_argument("--worker", choices=("parity", "memory"), help=argparse.SUPPRESS)
+    parser.add_argument("--case", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.smoke:
+        os.environ["PARTC_GPU_CHECK_SMOKE"] = "1"
+        global SMOKE
+        SMOKE = True
+    args.out.mkdir(parents=True, exist_ok=True)
+    if args.worker == "parity":
+        return parity_worker(args.out)
+    if args.worker == "memory":
+        return memory_worker(args.out, args.case, args.prepare)
+    if args.budget is not None:
+        DEADLINE[0] = time.perf_counter() + args.budget
+    info = environment()
+    print("environment:", json.dumps(info))
+    (args.out / "environment.json").write_text(json.dumps(info, indent=1))
+    parts = args.part or list(PARTS)
+    if args.prepare:
+        parts = [p for p in parts if p in ("train", "memory")]
+    trained: dict[str, Any] = {}
+    for part in parts:
+        started = time.perf_counter()
+        print(f"\n== {part}")
+        if part == "parity":
+            results = run_parity(args.out)
+        elif part == "train":
+            results = trained = run_train(args.out, args.prepare)
+        elif part == "memory":
+            results = run_memory(args.out, args.prepare)
+        else:
+            if not trained and (args.out / "train.json").exists():
+                trained = json.loads((args.out / "train.json").read_text())
+            results = run_calibrate(args.out, trained)
+        if not args.prepare:
+            (args.out / f"{part}.json").write_text(json.dumps(results, indent=1, default=str))
+        print(f"== {part}: {time.perf_counter() - started:.0f} s")
+
+
+if __name__ == "__main__":
+    main()
