@@ -69,7 +69,6 @@ from .attention_core import attention_cores, core_inputs
 from .autocast_policy import cuda_autocast
 from .context import Context
 from .layers import crossing_bytes
-from .portable import is_assertion
 from .graph import carries_grad, fetch, is_dtype_check, layer_nodes, param_usage
 
 
@@ -267,8 +266,8 @@ def _outside_value(gm: fx.GraphModule, node: fx.Node, setting: _Setting, frozen:
     gradient)."""
     if node.op == "get_attr":
         value = fetch(gm, str(node.target))
-        if isinstance(value, fx.GraphModule) and setting.autocast is not None:
-            return _subgraph_as_run(value, setting.device)
+        if isinstance(value, fx.GraphModule) and setting.device is not None:
+            return _subgraph_on(value, setting.device)
         if not isinstance(value, torch.Tensor):
             return value  # a subgraph that export's higher-order ops call
         tensor = _frozen_copy(value, setting)
@@ -327,22 +326,16 @@ def _frozen_copy(value: torch.Tensor, setting: _Setting) -> torch.Tensor:
                                device=setting.device).requires_grad_(value.requires_grad)
 
 
-def _subgraph_as_run(module: fx.GraphModule, device: str | None) -> fx.GraphModule:
-    """A copy of a subgraph that export's higher-order ops call, as the runtime runs it
-    under autocast: without export's dtype assertions (the lowering drops them,
-    :func:`partc.passes.portable.drop_assertions`; autocast changes dtypes), making its
-    tensors on ``device`` instead of the meta device where given (its own subgraphs
-    too)."""
+def _subgraph_on(module: fx.GraphModule, device: str) -> fx.GraphModule:
+    """A copy of a subgraph that export's higher-order ops call, making its tensors on
+    ``device`` instead of the meta device (its own subgraphs too)."""
     graph = copy.deepcopy(module.graph)
-    for node in list(graph.nodes):
-        if is_assertion(node) and not node.users:
-            graph.erase_node(node)
-        else:
-            node.args, node.kwargs = _moved(device, node.args, node.kwargs)
+    for node in graph.nodes:
+        node.args, node.kwargs = _moved(device, node.args, node.kwargs)
     moved = fx.GraphModule(module, graph)
     for name, child in list(moved.named_children()):
         if isinstance(child, fx.GraphModule):
-            setattr(moved, name, _subgraph_as_run(child, device))
+            setattr(moved, name, _subgraph_on(child, device))
     return moved
 
 
