@@ -29,6 +29,13 @@ writing ``DIR/<part>.json`` and printing a table:
 - ``calibrate``: ``partc calibrate`` on this GPU, then the ``train`` part's plans
   predicted again from that profile (pinned to what ran) against the same measurements.
 
+- ``profile``: two of the ``train`` part's plans (8 microbatches of 4, and one of 32
+  with full recompute) built through the API under ``torchrun --nproc-per-node=1``, two
+  steps under ``torch.profiler``: the step's wall time against the time the GPU spent in
+  kernels (their sum, and the union of their intervals), the number of kernels and of
+  CPU-side aten calls, and the kernels that took longest: where a step's time goes that
+  the plan does not predict.
+
 ``--prepare`` compiles what the parts compile without running anything, so that a cache
 directory (``PARTC_CACHE_DIR``) carried to the GPU machine spares its planning time.
 """
@@ -51,7 +58,7 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
-PARTS = ("parity", "train", "memory", "calibrate")
+PARTS = ("parity", "train", "memory", "calibrate", "profile")
 SMOKE = os.environ.get("PARTC_GPU_CHECK_SMOKE") == "1"
 # The train part's model and batch: layers, width, heads, sequence, global batch, vocab.
 TRAIN_GPU = dict(layers=12, width=1536, heads=12, seq=1024, batch=32, vocab=50304)
@@ -424,6 +431,98 @@ def run_calibrate(out: Path, trained: dict[str, Any]) -> dict[str, Any]:
     return results
 
 
+# ---------------------------------------------------------------------------- profile
+
+PROFILE_PLANS = {"none-m8": dict(recompute="none", micro=8),
+                 "full-m1": dict(recompute="full", micro=1)}
+
+
+def profile_worker(out: Path, name: str, prepare: bool = False) -> None:
+    """Under torchrun, one process: build plan ``name`` and profile two steps (with
+    ``prepare``: only plan it)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    import partc
+
+    workload = factory()
+    pins = PROFILE_PLANS[name]
+    batch = _sizes()["batch"]
+    program = partc.compile(
+        workload["model"], workload["example_inputs"], loss_fn=workload["loss_fn"],
+        budget=partc.DeviceBudget(num_devices=1, device=_preset()),
+        train=partc.TrainSpec(global_batch_size=batch, dtype=torch.bfloat16),
+        constraints=partc.Constraints(recompute=pins["recompute"], num_microbatches=pins["micro"]))
+    if prepare:
+        return
+    module = program.build()
+    optimizer = module.optimizer(torch.optim.AdamW, lr=3e-4)
+    data = workload["data"]
+    on_gpu = torch.cuda.is_available()
+
+    def step(i: int) -> None:
+        x, y = data(i)
+        module.forward_backward(x, target=y)
+        optimizer.step()
+        optimizer.zero_grad()
+
+    for i in range(3):
+        step(i)
+    if on_gpu:
+        torch.cuda.synchronize()
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_gpu else [])
+    steps = 2
+    with profile(activities=activities) as prof:
+        started = time.perf_counter()
+        for i in range(steps):
+            step(3 + i)
+        if on_gpu:
+            torch.cuda.synchronize()
+        wall = (time.perf_counter() - started) / steps
+    events = prof.events()
+    kernels = [e for e in events if getattr(e, "device_type", None) is not None
+               and str(e.device_type).endswith("CUDA") and e.time_range.elapsed_us() > 0]
+    busy_sum = sum(e.time_range.elapsed_us() for e in kernels) / 1e6 / steps
+    intervals = sorted((e.time_range.start, e.time_range.end) for e in kernels)
+    union, end = 0.0, float("-inf")
+    for start, stop in intervals:
+        if stop > end:
+            union += stop - max(start, end)
+            end = stop
+    aten = sum(1 for e in events if e.name.startswith("aten::")
+               and str(getattr(e, "device_type", "CPU")).endswith("CPU"))
+    table = prof.key_averages().table(
+        sort_by="self_cuda_time_total" if on_gpu else "self_cpu_time_total", row_limit=25,
+        max_name_column_width=60)
+    result = {"plan": name, "wall_step_s": wall, "kernel_time_sum_s": busy_sum,
+              "kernel_busy_s": union / 1e6 / steps, "kernels_per_step": len(kernels) / steps,
+              "aten_calls_per_step": aten / steps,
+              "predicted_step_s": program.plan.predicted.step_time_s}
+    (out / f"profile-{name}.json").write_text(json.dumps(result, indent=1))
+    (out / f"profile-{name}.txt").write_text(table)
+    module.close()
+
+
+def run_profile(out: Path, prepare: bool = False) -> dict[str, Any]:
+    results: dict[str, Any] = {}
+    for name in PROFILE_PLANS:
+        worker = [str(Path(__file__)), "--worker", "profile", "--case", name, "--out", str(out)]
+        if prepare:
+            _run([sys.executable, *worker, "--prepare"], 900, out / f"profile-{name}.log")
+            continue
+        code = _run(_torchrun(*worker), 300, out / f"profile-{name}.log")
+        path = out / f"profile-{name}.json"
+        if not path.exists():
+            results[name] = {"exit": code}
+            continue
+        row = results[name] = json.loads(path.read_text())
+        print(f"  {name:10s} wall {row['wall_step_s'] * 1e3:7.1f} ms/step, GPU busy "
+              f"{row['kernel_busy_s'] * 1e3:7.1f} ms (kernels' sum "
+              f"{row['kernel_time_sum_s'] * 1e3:7.1f}), {row['kernels_per_step']:.0f} "
+              f"kernels and {row['aten_calls_per_step']:.0f} aten calls a step; predicted "
+              f"{row['predicted_step_s'] * 1e3:7.1f} ms")
+    return results
+
+
 # ---------------------------------------------------------------------------- main
 
 def environment() -> dict[str, Any]:
@@ -452,7 +551,8 @@ def main() -> None:
                         help="only plan (fills PARTC_CACHE_DIR for a later run)")
     parser.add_argument("--budget", type=float, default=None, metavar="SECONDS",
                         help="end every part within this many seconds from the start")
-    parser.add_argument("--worker", choices=("parity", "memory"), help=argparse.SUPPRESS)
+    parser.add_argument("--worker", choices=("parity", "memory", "profile"),
+                        help=argparse.SUPPRESS)
     parser.add_argument("--case", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.smoke:
@@ -464,6 +564,8 @@ def main() -> None:
         return parity_worker(args.out)
     if args.worker == "memory":
         return memory_worker(args.out, args.case, args.prepare)
+    if args.worker == "profile":
+        return profile_worker(args.out, args.case, args.prepare)
     if args.budget is not None:
         DEADLINE[0] = time.perf_counter() + args.budget
     info = environment()
@@ -471,7 +573,7 @@ def main() -> None:
     (args.out / "environment.json").write_text(json.dumps(info, indent=1))
     parts = args.part or list(PARTS)
     if args.prepare:
-        parts = [p for p in parts if p in ("train", "memory")]
+        parts = [p for p in parts if p in ("train", "memory", "profile")]
     trained: dict[str, Any] = {}
     for part in parts:
         started = time.perf_counter()
@@ -482,6 +584,8 @@ def main() -> None:
             results = trained = run_train(args.out, args.prepare)
         elif part == "memory":
             results = run_memory(args.out, args.prepare)
+        elif part == "profile":
+            results = run_profile(args.out, args.prepare)
         else:
             if not trained and (args.out / "train.json").exists():
                 trained = json.loads((args.out / "train.json").read_text())

@@ -56,7 +56,7 @@ TRAIN_FLAGS = {
     "max_grad_norm": "--max-grad-norm", "attention": "--attention",
     "moe_imbalance": "--moe-imbalance", "moe_capacity_factor": "--moe-capacity-factor",
     "compile": "--compile", "loss_per_microbatch": "--loss-per-microbatch",
-    "tp_overlap": "--no-tp-overlap",
+    "tp_overlap": "--no-tp-overlap", "overlap_param_gather": "--no-param-gather-overlap",
 }
 BUDGET_FLAGS = {
     "num_devices": "--devices", "device": "--device", "profile": "--profile",
@@ -303,6 +303,9 @@ def _training_arguments(train) -> None:
     train.add_argument("--no-tp-overlap", action="store_true",
                        help="run the sequence-parallel all-gathers and reduce-scatters "
                             "blocking, not as rings beside their linears' matmuls")
+    train.add_argument("--no-param-gather-overlap", action="store_true",
+                       help="ZeRO-1: finish the all-gather of the updated parameters in "
+                            "the optimizer step, not beside the next forward")
     train.add_argument("--compile", action="store_true",
                        help="run each stage through torch.compile (fused element-wise ops; "
                             "the plan prices the fused bytes)")
@@ -560,7 +563,8 @@ def _train(args: argparse.Namespace, workload: dict[str, Any]):
     train = workload.get("train") or TrainSpec(global_batch_size=int(first.shape[0]))
     return replace(train, **_flagged(args, TRAIN_FLAGS,
                                      dtype=lambda name: dtype_named(DTYPE_NAMES[name]),
-                                     tp_overlap=lambda blocking: not blocking))
+                                     tp_overlap=lambda blocking: not blocking,
+                                     overlap_param_gather=lambda blocking: not blocking))
 
 
 def plan_command(args: argparse.Namespace) -> int:

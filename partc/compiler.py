@@ -138,7 +138,8 @@ def build_problem(analysis: ModelAnalysis, budget: DeviceBudget, train: TrainSpe
             precision=train.precision,
             measured_scale=dtype_bytes(train.dtype) / _measured_dtype_bytes(analysis),
             moe_imbalance=train.moe_imbalance, moe_capacity_factor=train.moe_capacity_factor,
-            compiled=train.compile, tp_overlap=train.tp_overlap),
+            compiled=train.compile, tp_overlap=train.tp_overlap,
+            param_gather_overlap=train.overlap_param_gather),
         pins=pins,
     )
 

@@ -206,6 +206,8 @@ class LayerTable:
     state_bytes: dict[str, int]   # params / grads / optimizer of the layer's own parameters
     tail_ps: int                  # optimizer step (ZeRO-1: and the weight gather), per step
     sync_ps: int = 0              # dp gradient all-reduce (ZeRO 0/1), overlapping backward
+    # ZeRO-1's weight all-gather when it overlaps the next forward (then not in tail_ps)
+    gather_ps: int = 0
 
     def compute_ps(self, mode: str) -> int:
         return self.forward_ps + self.backward_ps + self.recompute_ps[mode]
@@ -223,6 +225,7 @@ class SharedTable:
     tail_ps: int
     tie_sync_ps: int              # per extra stage holding it
     sync_ps: int = 0
+    gather_ps: int = 0
 
     @property
     def state_total(self) -> int:
@@ -240,6 +243,10 @@ class CostTable:
     # DeviceNumbers.comm_overlap in thousandths: how much of the dp gradient reduction
     # the last microbatch's backward hides (:func:`exposed_sync_ps`).
     overlap_permille: int = 1000
+    # ZeRO-1 with its weight all-gather overlapped: one bucket's all-gather, which the
+    # first layer waits for before any forward runs: in tail_latency_ps, and taken off
+    # what forward may hide (:func:`exposed_gather_ps`).
+    first_gather_ps: int = 0
 
     @property
     def num_layers(self) -> int:
@@ -322,7 +329,8 @@ def dp_group(problem: PlanningProblem, config: PipelineConfig) -> Group:
 def _tail_ps(problem: PlanningProblem, config: PipelineConfig, params: int) -> int:
     """The optimizer step; under ZeRO-1 each rank steps 1/dp of the parameters, then the
     updated weights are all-gathered, bucket by bucket ((d-1)/d of the bytes; in the
-    compute dtype, cast from the fp32 masters, in mixed precision). Under
+    compute dtype, cast from the fp32 masters, in mixed precision), here unless that
+    all-gather overlaps the next forward (:func:`_gather_ps`). Under
     ZeRO-2/3 gradients were reduce-scattered during backward: each rank steps its shard,
     and ZeRO-2 gathers the parameters once per step. (ZeRO 0/1's gradient all-reduce is
     :func:`_sync_ps`.)"""
@@ -336,9 +344,8 @@ def _tail_ps(problem: PlanningProblem, config: PipelineConfig, params: int) -> i
         seconds += _zero_comm_seconds(problem, config, params)["step"]
     elif config.effective_zero_stage == 1:
         stepped = params / config.dp
-        bandwidth = dp_group(problem, config).link("all_gather")[1]
-        moved = problem.train.precision.compute_bytes
-        seconds += (config.dp - 1) / config.dp * params * moved / bandwidth
+        if not gather_overlaps(problem, config):   # else beside the forward: _gather_ps
+            seconds += _gather_seconds(problem, config, params)
     # The step reads gradients and state and writes weights and state (fp32 all).
     touched = stepped * (2 * master + master + 2 * optimizer)
     seconds += touched / devices.hbm_bandwidth
@@ -365,16 +372,60 @@ def _sync_ps(problem: PlanningProblem, config: PipelineConfig, params: int) -> i
     return to_ps(moved * params * master / bandwidth + latency)
 
 
+def gather_overlaps(problem: PlanningProblem, config: PipelineConfig) -> bool:
+    """Whether ZeRO-1's all-gather of the stepped weights runs beside the next step's
+    forward (``TrainSpec.overlap_param_gather``) rather than after the optimizer step."""
+    return config.effective_zero_stage == 1 and problem.train.param_gather_overlap
+
+
+def _gather_seconds(problem: PlanningProblem, config: PipelineConfig, params: float) -> float:
+    """ZeRO-1's all-gather of ``params`` stepped weights, bandwidth only: (d-1)/d of
+    their bytes in the compute dtype."""
+    bandwidth = dp_group(problem, config).link("all_gather")[1]
+    moved = problem.train.precision.compute_bytes
+    return (config.dp - 1) / config.dp * params * moved / bandwidth
+
+
+def _gather_ps(problem: PlanningProblem, config: PipelineConfig, params: int) -> int:
+    """ZeRO-1's all-gather of ``params`` stepped weights where it overlaps the next
+    step's forward (:func:`gather_overlaps`; what forward leaves exposed is
+    :func:`exposed_gather_ps`), with their share of the buckets' latencies (one
+    all-gather per ``BUCKET_ELEMENTS``), as :func:`_sync_ps` prices the reduce-scatter
+    beside backward. 0 otherwise: the all-gather is in the tail (:func:`_tail_ps`)."""
+    if config.dp == 1 or not gather_overlaps(problem, config):
+        return 0
+    latency = params / BUCKET_ELEMENTS * collective_seconds("all_gather", 0.0,
+                                                           dp_group(problem, config))
+    return to_ps(_gather_seconds(problem, config, params) + latency)
+
+
+def _first_gather_ps(problem: PlanningProblem, config: PipelineConfig) -> int:
+    """One bucket's all-gather, latency and bytes: what the first layer of a stage
+    waits for before the forward it overlaps has begun, charged whole once per step. A
+    bucket holds ``BUCKET_ELEMENTS``, or a stage's parameters (about 1/pp of the tp
+    rank's) when fewer."""
+    if config.dp == 1 or not gather_overlaps(problem, config):
+        return 0
+    bucket = min(BUCKET_ELEMENTS, math.ceil(_rank_params(problem) / config.pp))
+    return to_ps(_gather_seconds(problem, config, bucket)
+                 + collective_seconds("all_gather", 0.0, dp_group(problem, config)))
+
+
+def _rank_params(problem: PlanningProblem) -> int:
+    """The parameters of the model (a tensor-parallel rank's, in its variant)."""
+    return sum(layer.param_count for layer in problem.layers) + sum(
+        shared.param_count for shared in problem.model.shared)
+
+
 def _bucket_latency_seconds(problem: PlanningProblem, config: PipelineConfig) -> float:
     """ZeRO-1's all-gathers' latencies, once per step, after the optimizer step (the
     gradient collectives' are in :func:`_sync_ps`): one per bucket. A stage holds about
-    1/pp of the (tp rank's) parameters, in buckets of ``BUCKET_ELEMENTS``."""
-    if config.dp == 1 or config.effective_zero_stage != 1:
+    1/pp of the (tp rank's) parameters, in buckets of ``BUCKET_ELEMENTS``. None where
+    the all-gathers overlap the next forward: their latencies are in :func:`_gather_ps`."""
+    if config.dp == 1 or config.effective_zero_stage != 1 or gather_overlaps(problem, config):
         return 0.0
     group = dp_group(problem, config)
-    params = sum(layer.param_count for layer in problem.layers) + sum(
-        shared.param_count for shared in problem.model.shared)
-    buckets = max(1, math.ceil(params / config.pp / BUCKET_ELEMENTS))
+    buckets = max(1, math.ceil(_rank_params(problem) / config.pp / BUCKET_ELEMENTS))
     return buckets * collective_seconds("all_gather", 0.0, group)
 
 
@@ -523,6 +574,7 @@ def _layer_table(problem: PlanningProblem, config: PipelineConfig, index: int) -
         state_bytes=_state_bytes(problem, config, layer.param_count),
         tail_ps=_tail_ps(problem, config, layer.param_count),
         sync_ps=_sync_ps(problem, config, layer.param_count),
+        gather_ps=_gather_ps(problem, config, layer.param_count),
     )
 
 
@@ -618,6 +670,7 @@ def _shared_tables(problem: PlanningProblem, config: PipelineConfig) -> tuple[Sh
             # ZeRO-2's once-per-step reduce-scatter of the root unit is in its tail.
             sync_ps=0 if config.reduces_once else _sync_ps(problem, config,
                                                            group.param_count),
+            gather_ps=_gather_ps(problem, config, group.param_count),
             # fp32 gradients between the stages holding it (first and last, usually):
             # over the network unless the whole pipeline fits in one node.
             tie_sync_ps=to_ps(collective_seconds(
@@ -733,14 +786,16 @@ def build_cost_table(problem: PlanningProblem, config: PipelineConfig,
     shared = cache.shared(problem, config)
     limits = cache.limits(problem, config)
     latency = _bucket_latency_seconds(problem, config)
+    first_gather = _first_gather_ps(problem, config)
     return CostTable(
         config=config,
         layers=moe_rows(whole, problem, config, cache.rows(problem, config), cache),
         shared=shared,
         cut_ps=cache.cuts(problem, config),
         limits=limits,
-        tail_latency_ps=to_ps(latency),
+        tail_latency_ps=to_ps(latency) + first_gather,
         overlap_permille=permille(devices.comm_overlap),
+        first_gather_ps=first_gather,
     )
 
 
@@ -792,6 +847,16 @@ def exposed_sync_ps(sync_ps: int, backward_ps: int, overlap_permille: int = 1000
     return -(-(1000 * sync_ps - hidden) // 1000)
 
 
+def exposed_gather_ps(gather_ps: int, forward_ps: int, first_ps: int,
+                      overlap_permille: int = 1000) -> int:
+    """What is left of a stage's ZeRO-1 weight all-gather (``gather_ps``, overlapping
+    the next step's forward) beyond the first bucket's (``first_ps``, which the first
+    layer waits for before any runs: charged whole in ``CostTable.tail_latency_ps``):
+    what a microbatch's forward of the stage (``forward_ps``; the first microbatch's
+    meets the waits) does not hide of the rest, as :func:`exposed_sync_ps`."""
+    return exposed_sync_ps(max(0, gather_ps - first_ps), forward_ps, overlap_permille)
+
+
 def _holders(table: CostTable, stage_of: Sequence[int]) -> list[set[int]]:
     """Per shared group, the ranks holding it (``stage_of`` gives runs, see
     :attr:`PipelineConfig.virtual_stages`)."""
@@ -832,7 +897,10 @@ def _stage_cost(table: CostTable, stage: int, runs: list[list[int]], modes: Sequ
         tail_ps=exposed_sync_ps(
             sum(r.sync_ps for r in rows) + sum(table.shared[g].sync_ps for g in held),
             backward, table.overlap_permille) + sum(r.tail_ps for r in rows)
-        + sum(table.shared[g].tail_ps for g in held),
+        + sum(table.shared[g].tail_ps for g in held)
+        + exposed_gather_ps(
+            sum(r.gather_ps for r in rows) + sum(table.shared[g].gather_ps for g in held),
+            forward, table.first_gather_ps, table.overlap_permille),
         param_count=sum(r.param_count for r in rows)
         + sum(table.shared[g].param_count for g in held),
         memory={**state, "activations": activations, "transient": transient,
@@ -1086,6 +1154,8 @@ def moe_layer_table(whole: MoECost, problem: PlanningProblem, config: PipelineCo
         state_bytes={k: state_d[k] + state_e[k] for k in state_d},
         tail_ps=_tail_ps(problem, config, dense) + _tail_ps(problem, expert_config, experts),
         sync_ps=_sync_ps(problem, config, dense) + _sync_ps(problem, expert_config, experts),
+        gather_ps=_gather_ps(problem, config, dense)
+        + _gather_ps(problem, expert_config, experts),
     )
 
 

@@ -391,6 +391,9 @@ class TrainNumbers:
     # Sequence-parallel collectives run as rings beside their linears' matmuls
     # (TrainSpec.tp_overlap): LayerCost.tp_overlap_flops price their exposed part only.
     tp_overlap: bool = True
+    # ZeRO-1's all-gather of the updated parameters runs beside the next step's forward
+    # (TrainSpec.overlap_param_gather): priced by what that forward leaves exposed.
+    param_gather_overlap: bool = True
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -35,7 +35,9 @@ class Program:
         """The plan applied to the model (``partc.passes.pipeline.lower``): traced on meta
         tensors of one microbatch's shapes (exported graphs fix their view shapes), cut
         into its ``pp * v`` virtual stages (``plan.runs``, in model order), with
-        tensor-parallel collectives, recompute and (ZeRO-2/3) FSDP units in place.
+        tensor-parallel collectives, recompute and units in place (each layer a module of
+        its own: FSDP's units under ZeRO-2/3, under ZeRO-1 where each layer waits for
+        its parameters' overlapped all-gather).
         ``only``: the virtual stages to finish (all by default)."""
         from .passes.context import Lowering
         from .passes.pipeline import lower
@@ -52,7 +54,8 @@ class Program:
             recompute=plan.recompute, tp=plan.tp,
             sequence_parallel=plan.sequence_parallel,
             tp_choices=dict(tensor_parallel.choices) if tensor_parallel is not None else {},
-            fsdp_units=plan.effective_zero_stage >= 2, attention=plan.train.attention,
+            fsdp_units=plan.effective_zero_stage >= 2 or _gathers_wait_in_layers(plan),
+            attention=plan.train.attention,
             ep=plan.mesh.ep, capacity_factor=plan.train.moe_capacity_factor,
             mixed=plan.train.dtype != torch.float32)
         return lower(self.model, tuple(example.values()), lowering, loss_fn=self.loss_fn,
@@ -209,3 +212,13 @@ def read_plan_file(path: str | Path) -> Plan:
         raise PlanFileError(f"{path}: {error}", path=str(path),
                             field=section.group(1) if section else None) from None
     return plan
+
+
+def _gathers_wait_in_layers(plan: Plan) -> bool:
+    """ZeRO-1 with its parameter all-gather overlapped (``TrainSpec.overlap_param_gather``):
+    each layer becomes a module of its own, whose forward pre-hook waits for the buckets
+    of its parameters (:func:`partc.runtime.optimizer.wait_in_forward`). Not under
+    ``torch.compile``, which would trace the hooks' waits: a compiled stage waits for
+    all its buckets before it runs."""
+    return (plan.effective_zero_stage == 1 and plan.train.overlap_param_gather
+            and not plan.train.compile)

@@ -96,6 +96,13 @@ class TrainSpec:
     :mod:`partc.runtime.tp_rings`), and the plan charges their exposed part only
     (``DeviceBudget.comm_overlap`` says how much compute hides); ``False`` runs them
     blocking and charges them whole.
+    ``overlap_param_gather`` (on by default): under ZeRO-1, the optimizer step leaves
+    the all-gather of the updated parameters in flight, bucket by bucket, and the next
+    forward waits for each bucket just before the first layer reading it runs
+    (Megatron's distributed optimizer with ``overlap_param_gather``,
+    :func:`partc.runtime.optimizer.wait_in_forward`); the plan charges what that forward
+    cannot hide. ``False`` finishes the all-gathers inside ``optimizer.step()`` and
+    charges them whole.
     """
 
     global_batch_size: int
@@ -111,6 +118,7 @@ class TrainSpec:
     compile: bool = False
     loss_per_microbatch: bool = False
     tp_overlap: bool = True
+    overlap_param_gather: bool = True
 
     def __post_init__(self) -> None:
         _check_positive_int("TrainSpec.global_batch_size", self.global_batch_size)
@@ -145,6 +153,9 @@ class TrainSpec:
         if not isinstance(self.tp_overlap, bool):
             raise ValueError(f"TrainSpec.tp_overlap must be True or False, got "
                              f"{self.tp_overlap!r}")
+        if not isinstance(self.overlap_param_gather, bool):
+            raise ValueError(f"TrainSpec.overlap_param_gather must be True or False, got "
+                             f"{self.overlap_param_gather!r}")
         if not isinstance(self.loss_per_microbatch, bool):
             raise ValueError(f"TrainSpec.loss_per_microbatch must be True or False, got "
                              f"{self.loss_per_microbatch!r}")
@@ -188,6 +199,7 @@ class TrainSpec:
             # Written only when declared: plans without it read back unchanged.
             **({"loss_per_microbatch": True} if self.loss_per_microbatch else {}),
             **({"tp_overlap": False} if not self.tp_overlap else {}),
+            **({"overlap_param_gather": False} if not self.overlap_param_gather else {}),
         }
 
     @classmethod

@@ -1,4 +1,6 @@
-"""Give each layer its own module, holding its own parameters, for ZeRO-2/3 (FSDP2).
+"""Give each layer its own module, holding its own parameters, for ZeRO-2/3 (FSDP2), and
+for ZeRO-1 whose parameter all-gather overlaps the next forward (each layer's forward
+pre-hook waits for its buckets: ``partc.runtime.optimizer.wait_in_forward``).
 
 FSDP2 gathers and frees parameters around a module's ``forward`` and reduce-scatters
 their gradients when that module's backward is done. A stage graph reads every

@@ -50,6 +50,12 @@ def test_train_spec_bytes_per_parameter():
     with pytest.raises(ValueError, match="max_grad_norm must be positive"):
         partc.TrainSpec(global_batch_size=8, max_grad_norm=0.0)
     assert partc.TrainSpec(global_batch_size=8, max_grad_norm=1.0).to_dict()["max_grad_norm"] == 1.0
+    # Written only when off: plans from before it read back unchanged.
+    assert "overlap_param_gather" not in partc.TrainSpec(global_batch_size=8).to_dict()
+    blocking = partc.TrainSpec(global_batch_size=8, overlap_param_gather=False)
+    assert partc.TrainSpec.from_dict(blocking.to_dict()) == blocking
+    with pytest.raises(ValueError, match="overlap_param_gather"):
+        partc.TrainSpec(global_batch_size=8, overlap_param_gather="no")
 
 
 def test_constraints_validate_pins():

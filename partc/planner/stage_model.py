@@ -15,14 +15,16 @@ Sets
     ``j ~ s`` reads "run ``j`` is on stage ``s``".
 Parameters
     per segment, as for each of its layers: ``C[k,r]`` compute per microbatch (forward +
-    backward + recompute); ``T_k`` tail time (optimizer step, ZeRO-1's gather); ``D_k``
-    dp gradient all-reduce; ``B_k`` backward per microbatch; ``W_k`` parameter +
-    gradient + optimizer bytes; ``A[k,r]`` saved bytes per microbatch; ``X[k,r]``
-    transient bytes. ``I_k[j]`` / ``E_k[j]`` send/recv time when the boundary between run
-    ``j`` and ``j+1`` falls inside segment ``k`` / right after it; ``T_g``, ``D_g``,
-    ``W_g`` likewise per shared group; ``f_s`` microbatches in flight on stage ``s``
-    (interleaved: runs of one microbatch, each holding ``1/v`` of the stage's
-    activations); ``M_s`` memory limit; ``S_g`` tied-gradient sync.
+    backward + recompute), ``F_k`` its forward; ``T_k`` tail time (optimizer step,
+    ZeRO-1's gather unless it overlaps forward); ``G_k`` ZeRO-1's gather overlapping the
+    next forward, ``G_first`` one bucket's; ``D_k`` dp gradient all-reduce; ``B_k``
+    backward per microbatch; ``W_k`` parameter + gradient + optimizer bytes; ``A[k,r]``
+    saved bytes per microbatch; ``X[k,r]`` transient bytes. ``I_k[j]`` / ``E_k[j]``
+    send/recv time when the boundary between run ``j`` and ``j+1`` falls inside segment
+    ``k`` / right after it; ``T_g``, ``D_g``, ``G_g``, ``W_g`` likewise per shared group;
+    ``f_s`` microbatches in flight on stage ``s`` (interleaved: runs of one microbatch,
+    each holding ``1/v`` of the stage's activations); ``M_s`` memory limit; ``S_g``
+    tied-gradient sync.
 Variables
     ``P[k,j]`` in ``0..n_k``: layers of segment ``k`` in runs ``<= j`` (so ``c[k,j] =
     P[k,j] - P[k,j-1]`` sit in run ``j`` and ``N[k,s] = sum_{j ~ s} c[k,j]`` on stage
@@ -51,11 +53,16 @@ Constraints
         ``finished[k,j] - started[k+1,j] = 1``: one of these terms is 1 for each ``j``;
     (4) ``peak_busy >= busy_s``;
     (5) ``n_k h[g,s] >= N[k,s]`` for segments ``k`` using ``g``;
-    (6) ``tail >= sum_k T_k N[k,s] + sum_g T_g h[g,s] + exposed[s]`` with
+    (6) ``tail >= sum_k T_k N[k,s] + sum_g T_g h[g,s] + exposed[s] + gathered[s]`` with
         ``1000 exposed[s] >= 1000 D_s - O B_s`` and ``1000 exposed[s] >= (1000 - O) D_s``
         where ``D_s = sum_k D_k N[k,s] + sum_g D_g h[g,s]`` and ``B_s = sum_k B_k N[k,s]``:
         the dp all-reduce ``D`` (ZeRO 0/1) overlaps the last microbatch's backward ``B``
-        of the stage, which hides ``O``/1000 of the shorter (``comm_overlap``);
+        of the stage, which hides ``O``/1000 of the shorter (``comm_overlap``); likewise
+        ``1000 gathered[s] >= 1000 (G_s - G_first) - O F_s`` and ``1000 gathered[s] >=
+        (1000 - O) (G_s - G_first)``: ZeRO-1's weight all-gather ``G`` (``G_s`` summed as
+        ``D_s``) overlaps the next step's forward ``F_s = sum_k F_k N[k,s]`` of a
+        microbatch, all but the first bucket's ``G_first``, which the first layer waits
+        for before any runs (a constant of the step: ``CostTable.tail_latency_ps``);
     (7) ``transient[s] >= X[k,r] u[k,s,r]``;
     (8) memory: ``v (sum_k W_k N[k,s] + sum_g W_g h[g,s] + transient[s]) + f_s sum_{k,r}
         A[k,r] n[k,s,r] <= v M_s``;
@@ -77,7 +84,8 @@ Names
     ``segment{k}_in_runs_to{j}``, ``started``/``finished`` ``segment{k}_started_by_run{j}``
     / ``segment{k}_finished_by_run{j}``, ``n[k,s,r]`` ``segment{k}_rank{s}_{r}``,
     ``u[k,s,r]`` ``segment{k}_rank{s}_uses_{r}``, ``h[g,s]`` ``shared{g}_on_stage{s}``,
-    ``exposed[s]`` ``exposed_sync_stage{s}``, ``transient[s]`` ``transient_stage{s}``;
+    ``exposed[s]`` ``exposed_sync_stage{s}``, ``gathered[s]`` ``exposed_gather_stage{s}``,
+    ``transient[s]`` ``transient_stage{s}``;
     bounds that leave a variable one value make it a constant instead.
 
 CP-SAT starts from a hint (:func:`~.bounds.incumbent`, :meth:`StageModel.add_hint`), so
@@ -321,28 +329,54 @@ class StageModel:
 
     def _add_tail(self, held: list[list]):
         """(6) the tail after the last microbatch: the optimizer step of each stage's
-        layers and shared groups, and the dp all-reduce its backward leaves exposed."""
+        layers and shared groups, the dp all-reduce its backward leaves exposed and
+        ZeRO-1's weight all-gather the next forward leaves exposed."""
         table = self.table
         rows = [*table.layers, *table.shared]
-        sync_top = sum(r.sync_ps for r in rows)
-        tail = self.model.new_int_var(0, sum(r.tail_ps for r in rows) + sync_top, "tail")
+        top = sum(r.tail_ps + r.sync_ps + r.gather_ps for r in rows)
+        tail = self.model.new_int_var(0, top, "tail")
         for stage in self.ranks:
             own = self._per_rank(stage, lambda row: row.tail_ps)
             tied = sum(g.tail_ps * held[gi][stage] for gi, g in enumerate(table.shared))
-            if not sync_top:
-                self.model.add(tail >= own + tied)
-                continue
-            # (6) exposed[s]: the dp all-reduce left after the last microbatch's backward
-            exposed = self.model.new_int_var(0, sync_top, f"exposed_sync_stage{stage}")
-            sync = self._per_rank(stage, lambda row: row.sync_ps)
-            sync += sum(g.sync_ps * held[gi][stage] for gi, g in enumerate(table.shared))
-            backward = self._per_rank(stage, lambda row: row.backward_ps)
-            # all but the hidden share O/1000 of min(sync, backward) (costs.exposed_sync_ps)
-            hides = table.overlap_permille
-            self.model.add(1000 * exposed >= 1000 * sync - hides * backward)
-            self.model.add(1000 * exposed >= (1000 - hides) * sync)
-            self.model.add(tail >= own + tied + exposed)
+            self.model.add(tail >= own + tied + self._exposed_sync(stage, held)
+                           + self._exposed_gather(stage, held))
         return tail
+
+    def _stage_sum(self, stage: int, held: list[list], value) -> Any:
+        """``value`` of the stage's layers and of the shared groups it holds, summed."""
+        return self._per_rank(stage, value) + sum(
+            value(g) * held[gi][stage] for gi, g in enumerate(self.table.shared))
+
+    def _exposed_sync(self, stage: int, held: list[list]) -> Any:
+        """(6) ``exposed[s]``: the dp all-reduce left after the last microbatch's
+        backward, all but the hidden share O/1000 of min(sync, backward)
+        (costs.exposed_sync_ps)."""
+        top = sum(r.sync_ps for r in (*self.table.layers, *self.table.shared))
+        if not top:
+            return 0
+        exposed = self.model.new_int_var(0, top, f"exposed_sync_stage{stage}")
+        sync = self._stage_sum(stage, held, lambda row: row.sync_ps)
+        backward = self._per_rank(stage, lambda row: row.backward_ps)
+        hides = self.table.overlap_permille
+        self.model.add(1000 * exposed >= 1000 * sync - hides * backward)
+        self.model.add(1000 * exposed >= (1000 - hides) * sync)
+        return exposed
+
+    def _exposed_gather(self, stage: int, held: list[list]) -> Any:
+        """(6) ``gathered[s]``: ZeRO-1's weight all-gather beyond the first bucket's,
+        ``G_s - G_first``, left exposed by the next step's forward ``F_s`` (one
+        microbatch's), as (6) for the all-reduce (costs.exposed_gather_ps)."""
+        top = sum(r.gather_ps for r in (*self.table.layers, *self.table.shared))
+        if not top:
+            return 0
+        exposed = self.model.new_int_var(0, top, f"exposed_gather_stage{stage}")
+        rest = self._stage_sum(stage, held, lambda row: row.gather_ps) \
+            - self.table.first_gather_ps
+        forward = self._per_rank(stage, lambda row: row.forward_ps)
+        hides = self.table.overlap_permille
+        self.model.add(1000 * exposed >= 1000 * rest - hides * forward)
+        self.model.add(1000 * exposed >= (1000 - hides) * rest)
+        return exposed
 
     def _add_memory(self, held: list[list]) -> None:
         """(7) the largest transient of each stage, (8) its memory, in units of

@@ -527,6 +527,9 @@ def load(module: "DistributedModule", directory: str | os.PathLike, *,
         dist.all_reduce(need, op=dist.ReduceOp.MAX)
         if need.item():
             initialise_state(module, optimizer)
+            # Its ZeRO-1 step left the parameters' all-gather in flight, from the rows
+            # before loading: finished now, before a tensor is read into.
+            module.wait_param_gathers()
     state, stateless = _targets(module, optimizer, path, manifest, metadata)
     _read(state, path)
     # ZeRO-1 in mixed precision read fp32 masters: the compute-dtype parameters follow.

@@ -68,7 +68,7 @@ from .data import DataSampler
 from .recompute import checkpoint_layer
 from .parameters import (aliases_of, dp_shard, local_part, own_parameters,
                          shard_plan)
-from .optimizer import DistributedOptimizer, GradBuckets
+from .optimizer import DistributedOptimizer, GradBuckets, wait_in_forward
 from .pipeline import (RankStages, make_schedule, runtime_refusal, share_local_ties,
                        tied_elsewhere, tied_groups)
 from .pipeline_stage import CountingStage, contiguous_transfers
@@ -186,11 +186,24 @@ class DistributedModule:
 
     # -- parameters, as torch.optim and checkpointing expect them -----------------------
 
+    # Under ZeRO-1 the optimizer step leaves the all-gather of the updated parameters in
+    # flight for the next forward (TrainSpec.overlap_param_gather): what hands out or
+    # reads parameters outside forward finishes it first (wait_param_gathers).
+
     def parameters(self) -> Iterator[nn.Parameter]:
+        self.wait_param_gathers()
         return self.module.parameters()
 
     def named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
+        self.wait_param_gathers()
         return self.module.named_parameters()
+
+    def wait_param_gathers(self) -> None:
+        """Finish ZeRO-1's all-gathers of the stepped parameters still in flight (the
+        forward pre-hooks of :func:`partc.runtime.optimizer.wait_in_forward` finish
+        them bucket by bucket otherwise); nothing when none is."""
+        if self._buckets is not None:
+            self._buckets.wait_gathers()
 
     def named_buffers(self) -> Iterator[tuple[str, torch.Tensor]]:
         return self.module.named_buffers()
@@ -375,6 +388,7 @@ class DistributedModule:
         only the newest ``keep`` checkpoints. Raises :class:`partc.CheckpointError` on
         every rank if any rank cannot save; earlier checkpoints stay as they were."""
         from . import checkpoint
+        self.wait_param_gathers()
         return checkpoint.save(self, directory, optimizer=optimizer, step=step, extra=extra,
                                async_save=async_save, keep=keep)
 
@@ -386,6 +400,7 @@ class DistributedModule:
         on every rank, before any tensor changes, for a partial checkpoint or one of
         another model or shapes."""
         from . import checkpoint
+        self.wait_param_gathers()  # one finished later would overwrite what is loaded
         return checkpoint.load(self, directory, optimizer=optimizer)
 
     def wait_checkpoint(self) -> Path | None:
@@ -474,6 +489,7 @@ class DistributedModule:
         """
         losses: list[torch.Tensor] = []
         args, kwargs = self._stage_arguments(inputs, target, losses)
+        self.wait_param_gathers()  # an evaluation has no step to overlap them with
         was_training = self.module.training
         self.module.eval()
         try:
@@ -784,6 +800,11 @@ def build(plan: Plan, topology: Topology,
                                 sharded=zero_stage == 1, at_end=set(shared.values()),
                                 overlap=not schedule_facts(plan.schedule).split_backward,
                                 groups=expert_groups)
+    if grad_sync is not None and grad_sync.sharded and plan.train.overlap_param_gather:
+        # ZeRO-1's all-gather of the stepped parameters runs beside the next forward:
+        # each layer (a unit lowering made) waits for its buckets before it runs.
+        for module, program in zip(modules, programs):
+            wait_in_forward(grad_sync, module, program.fsdp_units)
     copies = (ComputeCopies(modules, compute_dtype, grad_sync)
               if compute_dtype != torch.float32 else None)
     stages: list[CountingStage] = []

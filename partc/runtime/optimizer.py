@@ -22,6 +22,14 @@ gradient, so it overlaps the rest of that backward:
   computes with them, with no per-step copy), and the all-gather moves compute-dtype
   rows, cast from the masters.
 
+  As Megatron's ``overlap_param_gather`` (``TrainSpec.overlap_param_gather``, on by
+  default), ``step()`` returns with those all-gathers in flight, issued in the order
+  forward reads the buckets: forward pre-hooks (:func:`wait_in_forward`) on each layer's
+  module wait for the buckets of its parameters just before it runs, so the next
+  step's forward overlaps the rest. Anything else reading the parameters first finishes
+  them all (:meth:`GradBuckets.wait_gathers`: ``DistributedModule`` does so when it hands
+  out parameters, saves or loads a checkpoint, evaluates).
+
 Routed expert weights (expert parallelism) are in buckets of their own, reduced over
 their expert-data-parallel group (the ranks holding the same experts) instead of dp and
 under ZeRO-1 sharded over it; their gradients are divided by dp all the same.
@@ -38,7 +46,7 @@ from __future__ import annotations
 
 import math
 import os
-from typing import Any, Iterator, Mapping
+from typing import Any, Iterable, Iterator, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
@@ -138,6 +146,11 @@ class GradBuckets:
         self._copies: dict[int, nn.Parameter] = {}
         self._slot: dict[int, tuple[_Bucket, _Slot]] = {}
         self._masters: dict[int, torch.Tensor] | None = None  # make_masters
+        # ZeRO-1: bucket index -> its parameters' all-gather in flight (gather_params).
+        self._gathers: dict[int, _Gather] = {}
+        # The optimizer leaves the all-gathers in flight, for forward to finish: set by
+        # wait_in_forward, which registers the hooks that do.
+        self.defer_gathers = False
         # Shared weights last, in buckets of their own that never count as ready.
         # Expert weights in buckets of their own per group, after the others.
         self._late = {id(p) for p in params if id(p) in at_end}
@@ -265,6 +278,7 @@ class GradBuckets:
         """After the step's last backward: reduce the buckets not reduced yet (parameters
         without a gradient this step), wait for all, take the mean over dp and divide by
         ``scale`` (the microbatches: the schedule's scaling of ``.grad``, done here)."""
+        self.wait_gathers()  # of parameters no forward read: none in flight past a step
         if not self.overlap or self._late:
             self._take_the_rest()
         for bucket in self.buckets:
@@ -333,6 +347,7 @@ class GradBuckets:
         master tensor of its own, and the parameter itself is kept in the compute
         ``dtype`` (its fp32 rows of the other ranks are dropped). Made once (a second
         optimizer reuses them); parameters already in ``dtype`` get none."""
+        self.wait_gathers()
         if self._masters is None:
             self._masters = {}
             with torch.no_grad():
@@ -358,44 +373,75 @@ class GradBuckets:
         return None if self._masters is None else self._masters.get(id(param))
 
     @torch.no_grad()
-    def gather_params(self) -> None:
+    def gather_params(self, *, wait: bool = True) -> None:
         """Every replica's rows of each parameter into every replica's parameter: one
         all-gather per bucket over its group, in the parameters' dtype (the compute dtype
         where :meth:`make_masters` made fp32 masters: bf16 moves half the bytes), all
-        issued before any is waited for. A rank's own rows are its master's, or (no
-        masters) the parameter's own, updated in place."""
-        pending = []
-        for bucket in self.buckets:
-            rank, shards = bucket.rank, bucket.shards
-            group = self.group if bucket.group is None else bucket.group
-            dtype = bucket.slots[0].param.dtype
-            device = bucket.buffer.device
-            mine = torch.zeros(bucket.region, dtype=dtype, device=device)
+        issued before any is waited for, in the order forward reads them (the buckets
+        hold the parameters backwards). A rank's own rows are its master's, or (no
+        masters) the parameter's own, updated in place.
+
+        ``wait`` False: return with the all-gathers in flight; each bucket's is finished
+        by :meth:`wait_gathers` (the forward pre-hooks of :func:`wait_in_forward`, before
+        the first module reading its parameters runs, or anything else that reads them).
+        Gathers still pending from an earlier call are finished first."""
+        self.wait_gathers()
+        for index in reversed(range(len(self.buckets))):
+            self._gathers[index] = self._issue_gather(self.buckets[index])
+        if wait:
+            self.wait_gathers()
+
+    def _issue_gather(self, bucket: _Bucket) -> _Gather:
+        rank, shards = bucket.rank, bucket.shards
+        group = self.group if bucket.group is None else bucket.group
+        dtype = bucket.slots[0].param.dtype
+        device = bucket.buffer.device
+        mine = torch.zeros(bucket.region, dtype=dtype, device=device)
+        for slot in bucket.slots:
+            start, end = slot.ranges[rank]
+            master = self.master_of(slot.param)
+            source = master.reshape(-1) if master is not None \
+                else slot.param.detach().reshape(-1)[start:end]
+            slot.rank_view(mine, rank).copy_(source)
+        if shards == 1:  # experts no other rank holds: stepped whole here
+            return _Gather(mine, _Done())
+        out = torch.empty(bucket.region * shards, dtype=dtype, device=device)
+        work = dist.all_gather_into_tensor(out, mine, group=group, async_op=True)
+        return _Gather(out, work)
+
+    @property
+    def pending_gathers(self) -> tuple[int, ...]:
+        """The buckets (indices into :attr:`buckets`) whose all-gather is in flight."""
+        return tuple(self._gathers)
+
+    def buckets_of(self, params: Iterable[nn.Parameter]) -> tuple[int, ...]:
+        """The buckets (indices) holding any of ``params``, in forward order."""
+        index = {id(bucket): i for i, bucket in enumerate(self.buckets)}
+        found = {index[id(self._slot[id(p)][0])] for p in params if id(p) in self._slot}
+        return tuple(sorted(found, reverse=True))
+
+    @torch.no_grad()
+    def wait_gathers(self, buckets: tuple[int, ...] | None = None) -> None:
+        """Finish the pending all-gathers of ``buckets`` (indices; all by default): wait
+        for each and copy the other ranks' rows (and this rank's, from its master) into
+        the parameters."""
+        for index in self.pending_gathers if buckets is None else buckets:
+            gather = self._gathers.pop(index, None)
+            if gather is not None:
+                gather.work.wait()
+                self._scatter_rows(self.buckets[index], gather.out)
+
+    def _scatter_rows(self, bucket: _Bucket, out: torch.Tensor) -> None:
+        for other in range(bucket.shards):
+            region = out[other * bucket.region:(other + 1) * bucket.region]
             for slot in bucket.slots:
-                start, end = slot.ranges[rank]
-                master = self.master_of(slot.param)
-                source = master.reshape(-1) if master is not None \
-                    else slot.param.detach().reshape(-1)[start:end]
-                slot.rank_view(mine, rank).copy_(source)
-            if shards == 1:  # experts no other rank holds: stepped whole here
-                pending.append((bucket, mine, None))
-                continue
-            out = torch.empty(bucket.region * shards, dtype=dtype, device=device)
-            work = dist.all_gather_into_tensor(out, mine, group=group, async_op=True)
-            pending.append((bucket, out, work))
-        for bucket, out, work in pending:
-            if work is not None:
-                work.wait()
-            for other in range(bucket.shards):
-                region = out[other * bucket.region:(other + 1) * bucket.region]
-                for slot in bucket.slots:
-                    mastered = self.master_of(slot.param) is not None
-                    if other == bucket.rank and not mastered:
-                        continue
-                    start, end = slot.ranges[other]
-                    if end > start and (slot.param.dim() > 0 or other == bucket.rank):
-                        slot.param.detach().reshape(-1)[start:end].copy_(
-                            slot.rank_view(region, other))
+                mastered = self.master_of(slot.param) is not None
+                if other == bucket.rank and not mastered:
+                    continue
+                start, end = slot.ranges[other]
+                if end > start and (slot.param.dim() > 0 or other == bucket.rank):
+                    slot.param.detach().reshape(-1)[start:end].copy_(
+                        slot.rank_view(region, other))
 
     def full_master(self, param: nn.Parameter) -> torch.Tensor:
         """``param`` whole (this rank's local tensor, every rank's rows of its group) in
@@ -424,6 +470,7 @@ class GradBuckets:
     def load_whole(self, param: nn.Parameter, whole: torch.Tensor) -> None:
         """Set ``param`` (this rank's local tensor) to ``whole``: its master takes this
         rank's rows in fp32, the parameter the compute-dtype copy of all of it."""
+        self.wait_gathers()  # an all-gather in flight would overwrite it
         master = self.master_of(param)
         bucket, slot = self._slot[id(param)]
         start, end = slot.ranges[bucket.rank]
@@ -431,9 +478,48 @@ class GradBuckets:
         param.detach().copy_(whole)
 
 
+def wait_in_forward(buckets: GradBuckets, stage: nn.Module, units: Sequence[str]) -> None:
+    """Megatron's overlapped parameter all-gather: the optimizer step leaves the
+    buckets' all-gathers in flight (:attr:`GradBuckets.defer_gathers`) and forward
+    pre-hooks finish each just before its parameters are first read. ``units``:
+    submodule paths of ``stage`` that forward calls as modules, each holding its layer's
+    parameters (``partc.passes.units``); each waits for the buckets holding its
+    parameters, and ``stage`` itself, before it runs, for those holding the parameters
+    outside units. The rest of the stage's forward overlaps the gathers still in flight.
+    (Under pipelining the next step's first microbatch meets the waits; a rank's
+    virtual stages each wait for their own.)"""
+    inside: set[int] = set()
+    for path in units:
+        unit = stage.get_submodule(path)
+        params = list(unit.parameters())
+        inside.update(id(p) for p in params)
+        _wait_before(unit, buckets, buckets.buckets_of(params))
+    outside = [p for p in stage.parameters() if id(p) not in inside]
+    _wait_before(stage, buckets, buckets.buckets_of(outside))
+    buckets.defer_gathers = True
+
+
+def _wait_before(module: nn.Module, buckets: GradBuckets, indices: tuple[int, ...]) -> None:
+    if not indices:
+        return
+
+    def hook(*_: Any) -> None:
+        if buckets.pending_gathers:
+            buckets.wait_gathers(indices)
+
+    module.register_forward_pre_hook(hook)
+
+
 class _Done:
     def wait(self) -> None:
         pass
+
+
+class _Gather:
+    """One bucket's all-gather in flight: ``work`` fills ``out`` (every rank's region)."""
+
+    def __init__(self, out: torch.Tensor, work: Any) -> None:
+        self.out, self.work = out, work
 
 
 def shard_shape(param: torch.Tensor, dp: int, dp_rank: int) -> torch.Size:
@@ -511,5 +597,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         for group in self.param_groups:
             for shard in group["params"]:
                 shard.grad = None
-        self.buckets.gather_params()  # every replica's updated rows to every replica
+        # Every replica's updated rows to every replica; left in flight for the next
+        # forward to finish, layer by layer, where its hooks are (wait_in_forward).
+        self.buckets.gather_params(wait=not self.buckets.defer_gathers)
         return loss

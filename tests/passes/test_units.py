@@ -1,5 +1,6 @@
-"""The units pass (ZeRO-2/3): each layer that owns its parameters becomes one module call
-at its own path, with the same parameter FQNs and the same values out."""
+"""The units pass (ZeRO-2/3, and ZeRO-1 with its all-gather overlapped): each layer that
+owns its parameters becomes one module call at its own path, with the same parameter
+FQNs and the same values out."""
 
 from __future__ import annotations
 
@@ -75,6 +76,23 @@ def test_lowering_makes_the_units_when_the_plan_shards_over_dp():
     (stage,) = lower(model, (x,), lowering, loss_fn=gpt.loss_fn).stages
     assert "blocks.0" in meta.fsdp_units(stage.module)
     assert isinstance(stage.module.get_submodule("blocks.0"), torch.fx.GraphModule)
+
+
+@pytest.mark.parametrize("train, made", [({}, True), ({"overlap_param_gather": False}, False),
+                                         ({"compile": True}, False)])
+def test_zero1_lowers_units_where_its_overlapped_gathers_wait_in_layers(train, made):
+    """Under ZeRO-1 each layer's forward pre-hook waits for the buckets of its parameters
+    (``TrainSpec.overlap_param_gather``): lowering makes the units then, and not for a
+    blocking all-gather or a compiled stage (which waits for all its buckets at once)."""
+    model = gpt.gpt_tiny()
+    x = torch.randint(0, 128, (4, 16))
+    program = partc.compile(
+        model, (x,), loss_fn=gpt.loss_fn, example_target=x,
+        budget=partc.DeviceBudget(num_devices=2, device="CPU"),
+        train=partc.TrainSpec(global_batch_size=4, **train),
+        constraints=partc.Constraints(pp=1, dp=2, zero_stage=1, recompute="none"))
+    (stage,) = program.lower().stages
+    assert ("blocks.0" in meta.fsdp_units(stage.module)) == made
 
 
 def test_the_tensor_parallel_group_stays_with_the_stage():

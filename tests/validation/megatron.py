@@ -41,7 +41,8 @@ import torch
 import partc
 from partc.compiler import build_problem, plan_problem
 from partc.costs import (PS_PER_S, Evaluation, PipelineConfig, build_cost_table, evaluate,
-                         exposed_sync_ps, layer_work, tp_comm_seconds)
+                         exposed_gather_ps, exposed_sync_ps, layer_work,
+                         tp_comm_seconds)
 from partc.problem import PlanningProblem
 from partc.spec import INTERLEAVED
 
@@ -369,7 +370,10 @@ def breakdown(problem: PlanningProblem, assignment: Assignment) -> Breakdown:
     rows = [table.layers[l] for l in last.layers]
     held = [g for g in table.shared if any(l in last.layers for l in g.layers)]
     sync_ps = sum(r.sync_ps for r in rows) + sum(g.sync_ps for g in held)
-    exposed = exposed_sync_ps(sync_ps, last.backward_ps) + table.tail_latency_ps
+    gather_ps = sum(r.gather_ps for r in rows) + sum(g.gather_ps for g in held)
+    exposed = exposed_sync_ps(sync_ps, last.backward_ps) + table.tail_latency_ps \
+        + exposed_gather_ps(gather_ps, last.forward_ps, table.first_gather_ps,
+                            table.overlap_permille)
     optimizer = sum(r.tail_ps for r in rows) + sum(g.tail_ps for g in held)
     fill_drain = evaluation.pipeline_ps - m * worst.busy_ps
     return Breakdown(

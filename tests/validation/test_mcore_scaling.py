@@ -25,26 +25,14 @@ from tests.validation.mcore import FIT_RUN, run_named
 # optimizer (its tail 0.31 s -> 0.16 s).
 TARGET = 0.15
 _FAST = {"1.7B"}
-# One row is outside the band, partc over-predicting its throughput: 1.7B by 15.1% since
-# the layers are measured as the bf16 runtime keeps them (a bf16 residual stream: the
-# light ops move fewer bytes; the fitted efficiency went from 0.673 to 0.659 and 1.7B
-# from 1.140x to 1.151x). benchmarks/validation.py --only mcore prints the table.
-OUTSIDE = {"1.7B": 1.15}
 
 
-def _rows(names, outside=False):
-    """Slow unless fast; with ``outside``, a row outside the band a strict xfail."""
-    rows = []
-    for name in names:
-        marks = [] if name in _FAST else [pytest.mark.slow]
-        if outside and name in OUTSIDE:
-            marks.append(pytest.mark.xfail(raises=AssertionError, strict=True, reason=(
-                f"partc predicts {OUTSIDE[name]:.2f}x the published throughput")))
-        rows.append(pytest.param(name, marks=marks))
-    return rows
+def _rows(names):
+    return [pytest.param(name, marks=[] if name in _FAST else [pytest.mark.slow])
+            for name in names]
 
 
-OTHER_ROWS = _rows((run.name for run in mcore.RUNS if run is not FIT_RUN), outside=True)
+OTHER_ROWS = _rows(run.name for run in mcore.RUNS if run is not FIT_RUN)
 
 
 def test_step_flops_give_the_published_iteration_times():
