@@ -53,6 +53,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import copy
 import sys
 import time
 from dataclasses import asdict, dataclass, field
@@ -257,8 +258,7 @@ def by_category(tracked: dict[str, int]) -> dict[str, int]:
 
 
 def neighbour_messages(program: partc.Program, stage: Any,
-                       microbatch: tuple[torch.Tensor, ...],
-                       on_gpu: bool = False) -> Callable[[int], Any]:
+                       microbatch: tuple[torch.Tensor, ...]) -> Callable[[int], Any]:
     """What the stage's neighbours send it during shape inference, as ``_recv_meta``
     returns it: from the previous stage, the metadata of the tensors it sends (the
     stages before this one run on fake tensors); from the next, that of the gradients of
@@ -272,16 +272,20 @@ def neighbour_messages(program: partc.Program, stage: Any,
     forward: tuple = ()
     if stage.stage_index > 0:
         dtype = plan.train.dtype
+        earlier = [program.module for program in program.stages()[:stage.stage_index]]
+        if dtype != torch.float32:
+            # As the runtime runs a stage in mixed precision: compute-dtype parameters
+            # (buffers as they are) under CUDA's autocast policy.
+            earlier = [_in_compute_dtype(module, dtype) for module in earlier]
         with contextlib.ExitStack() as scope:
             fake = scope.enter_context(FakeTensorMode(allow_non_fake_inputs=True))
             if dtype != torch.float32:
-                # The stages before run here on CPU fake tensors; on GPUs their outputs'
-                # dtypes are those of CUDA's autocast policy.
-                scope.enter_context(cuda_autocast(dtype) if on_gpu else
-                                    torch.autocast("cpu", dtype=dtype))
+                # On CPU ranks and GPUs alike the runtime applies CUDA's policy (here
+                # on CPU fake tensors).
+                scope.enter_context(cuda_autocast(dtype))
             values = tuple(fake.from_tensor(t) for t in microbatch)
-            for earlier in program.stages()[:stage.stage_index]:
-                values = earlier.module(*values)
+            for module in earlier:
+                values = module(*values)
             forward = tuple(extract_tensor_meta(v) for v in values)
 
     def receive(source_stage: int) -> Any:
@@ -290,6 +294,15 @@ def neighbour_messages(program: partc.Program, stage: Any,
         return _StageBackwardMeta(backward_metas=_derive_grad_metas(stage._stage_meta.outputs))
 
     return receive
+
+
+def _in_compute_dtype(module: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
+    """A copy of ``module`` with its floating parameters in ``dtype``."""
+    module = copy.deepcopy(module)
+    for param in module.parameters():
+        if param.is_floating_point():
+            param.data = param.data.to(dtype)
+    return module
 
 
 def receive_buffers(stage: Any) -> list[torch.Tensor]:
@@ -321,7 +334,7 @@ def measure_rank(program: partc.Program, inputs: tuple[torch.Tensor, ...],
         microbatch = tuple(t[:program.plan.micro_batch_size] for t in inputs)
         on_gpu = module.topology.device.type == "cuda"
         if program.plan.pp > 1:
-            stage._recv_meta = neighbour_messages(program, stage, microbatch, on_gpu)
+            stage._recv_meta = neighbour_messages(program, stage, microbatch)
         optimizer = module.optimizer(torch.optim.AdamW, lr=1e-3)
         module.forward_backward(*inputs, target=target)
         optimizer.step()

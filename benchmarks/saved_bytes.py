@@ -88,6 +88,44 @@ def saved_storages(program: partc.Program, seed: int = 0
     return records
 
 
+def runtime_saved_bytes(program: partc.Program, inputs: tuple[torch.Tensor, ...],
+                        target: torch.Tensor) -> dict[torch.dtype, int]:
+    """What rank 0 of the built module keeps for backward over one step (its second: the
+    first runs the pipeline's shape inference too), by dtype: each storage once,
+    parameters and buffers left out. Unlike :func:`saved_storages` this runs the
+    runtime's own path (mixed precision's compute-dtype parameters and autocast policy,
+    the loss in fp32), in this process under a fake process group of the plan's world
+    (collectives move nothing; every tensor has its real shape)."""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    plan = program.plan
+    dist.init_process_group("fake", store=FakeStore(), rank=0,
+                            world_size=plan.pp * plan.dp * plan.tp)
+    try:
+        module = program.build()
+        module.forward_backward(*inputs, target=target)
+        kept: dict[StorageWeakRef, tuple[int, torch.dtype]] = {}
+
+        def pack(tensor: torch.Tensor) -> torch.Tensor:
+            state = {StorageWeakRef(t.untyped_storage())
+                     for t in (*module.module.parameters(), *module.module.buffers())}
+            storage = StorageWeakRef(tensor.untyped_storage())
+            if storage not in state:
+                kept.setdefault(storage, (tensor.untyped_storage().nbytes(), tensor.dtype))
+            return tensor
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            module.forward_backward(*inputs, target=target)
+        module.close()
+    finally:
+        dist.destroy_process_group()
+    by_dtype: dict[torch.dtype, int] = {}
+    for size, dtype in kept.values():
+        by_dtype[dtype] = by_dtype.get(dtype, 0) + size
+    return by_dtype
+
+
 def measured_saved_bytes(program: partc.Program, seed: int = 0) -> dict[str, int]:
     """Per layer: the bytes of the storages autograd keeps (:func:`saved_storages`)."""
     per_layer: dict[str, int] = {}

@@ -6,7 +6,8 @@ Two levels, both keyed by content, never by object identity:
   keyed by the graph signature (module tree, parameter shapes and dtypes, the modules'
   code and attributes and tied tensors, input shapes and dtypes, loss function, name),
   by the autocast dtype the layers were measured in (the training's precision) and
-  whose policy (a GPU's or a CPU's), and by the links the variants were measured for. A change of memory, device count or batch reuses it:
+  the device type they run on (a GPU's kernels or a CPU's), and by the links the variants
+  were measured for. A change of memory, device count or batch reuses it:
   tracing and measuring are skipped.
 - *plans*: keyed by a digest of the whole ``PlanningProblem`` (the measured model, the
   budget's numbers, the training numbers and the pins). A hit returns the stored plan,

@@ -378,9 +378,9 @@ def _one_replica_for_running_stats(model: torch.nn.Module,
 def _measured_for(budget: DeviceBudget, devices: DeviceNumbers, constraints: Constraints,
                   train: TrainSpec, options: PlannerOptions) -> tuple:
     """What a model's measurement and tensor-parallel variants depend on besides the
-    model: the attention it runs, the autocast dtype its layers are measured in and whose
-    policy (a GPU's or a CPU's; none without autocast), the degrees and links measured,
-    the sharding chooser's options."""
+    model: the attention it runs, the autocast dtype its layers are measured in and the
+    device type they run on (its dropout and attention kernels; none without autocast),
+    the degrees and links measured, the sharding chooser's options."""
     degrees = tp_degrees(devices, constraints)
     autocast = autocast_dtype(train)
     return (train.attention, str(autocast), budget.device_type if autocast else None,

@@ -1135,12 +1135,8 @@ def moe_layer_table(whole: MoECost, problem: PlanningProblem, config: PipelineCo
     saved = {m: int(round(b * scale * (v - expert_share.get(m, 0.0)
                                        + figures.expert_saved[m])))
              for m, v in layer.saved_bytes.items()}
-    compute_bytes = train.precision.compute_bytes
-    if train.precision.mixed:
-        copies = sum(params for params, cfg in ((dense, config), (experts, expert_config))
-                     if cfg.effective_zero_stage < 2)
-        saved = {m: v + (int(round(copies * compute_bytes)) if m != "full" else 0)
-                 for m, v in saved.items()}
+    # In mixed precision the compute-dtype weights are state, made once per step
+    # (_state_bytes), not copies kept per microbatch.
     workspace = int(round(2 * b * scale * layer.workspace_bytes))
     gathered_d, gradient_d = _zero_transient(problem, config, dense)
     gathered_e, gradient_e = _zero_transient(problem, expert_config, experts)

@@ -56,7 +56,8 @@ class Program:
             tp_choices=dict(tensor_parallel.choices) if tensor_parallel is not None else {},
             fsdp_units=plan.effective_zero_stage >= 2 or _gathers_wait_in_layers(plan),
             attention=plan.train.attention,
-            ep=plan.mesh.ep, capacity_factor=plan.train.moe_capacity_factor)
+            ep=plan.mesh.ep, capacity_factor=plan.train.moe_capacity_factor,
+            mixed=plan.train.dtype != torch.float32)
         return lower(self.model, tuple(example.values()), lowering, loss_fn=self.loss_fn,
                      example_target=target, only=only)
 

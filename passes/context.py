@@ -27,8 +27,9 @@ class Context:
     # The dtype training computes in under autocast (mixed precision), which ``estimate``
     # measures the layers in; None: the model's own.
     autocast: torch.dtype | None = None
-    # Whose autocast policy the runtime's devices apply, "cuda" (a GPU's) or "cpu": which
-    # ops compute in fp32 differs (``partc.passes.autocast_policy``).
+    # The device type the runtime trains on, "cuda" or "cpu" (the budget's): which kernels
+    # run (fused dropout, causal attention skipping masked blocks). Autocast's policy is
+    # CUDA's on both: the runtime applies it on CPU ranks too (``partc.runtime.precision``).
     autocast_device: str = "cuda"
     # What the lowering passes apply (the plan's decisions); None while analysing.
     lowering: Lowering | None = None
@@ -51,6 +52,9 @@ class Lowering:
     # module of its own, an FSDP unit.
     fsdp_units: bool = False
     attention: str = "as_written"
+    # Mixed precision: the stages compute in a lower dtype than the graph was traced in
+    # (``partc.passes.portable.unpin_dtypes`` frees the dtypes the trace fixed).
+    mixed: bool = False
     # Mixture-of-experts layers: the expert-parallel degree and the capacity factor
     # (None: dropless); with either, the experts run as ``partc.runtime.experts``.
     ep: int = 1

@@ -431,27 +431,34 @@ def _check_params(gm: fx.GraphModule, blocks: dict[int, _Block]) -> None:
 def _check_kinds(gm: fx.GraphModule, blocks: dict[int, _Block]) -> None:
     """Kept blocks of one kind must measure alike, or the copies would be guesses.
 
-    The first and the last block stand only for themselves, and only the nodes each
-    runs itself are compared with the others': the last may be followed by code of the
-    model's own that joins its layer (a residual around the whole stack), and the first
-    may read a value from before the stack besides its input, which ``estimate``
-    charges to the value's maker when a later layer reads it too (a skip connection).
-    The blocks between are compared whole."""
+    The first block of a kind stands only for itself (:func:`_representatives`) and is
+    not compared: under mixed precision it may read its input in another dtype than the
+    rest (an embedding's compute-dtype output where the graph pins the residual stream
+    to fp32). The last block stands only for itself too, and only the nodes each runs
+    itself are compared with the second's: it may be followed by code of the model's
+    own that joins its layer (a residual around the whole stack). The blocks between
+    are compared whole."""
     costs, infos = meta.layer_costs(gm), meta.layers(gm)
-    first: dict[tuple, list] = {}
+    seen: set[tuple] = set()
+    reference: dict[tuple, list] = {}
     between: dict[tuple, Any] = {}
     for index, block in sorted(blocks.items()):
         repeat = block.repeat
         own = _own_node_costs(gm, infos[index], repeat.prefix(block.position))
         key = (repeat.container, repeat.kinds[block.position])
-        if key not in first:
-            first[key] = own
+        if key not in seen:
+            seen.add(key)
+            continue
+        if key not in reference:
+            reference[key] = own
+            if block.position != len(repeat.kept) - 1:
+                between[key] = dataclasses.replace(costs[index], name="")
             continue
         if block.position == len(repeat.kept) - 1:
-            alike = first[key] == own
+            alike = reference[key] == own
         else:
             cost = dataclasses.replace(costs[index], name="")
-            alike = between.setdefault(key, cost) == cost and first[key] == own
+            alike = between.setdefault(key, cost) == cost and reference[key] == own
         if not alike:
             raise Mismatch(f"blocks of one structure measure differently "
                            f"({costs[index].name})")

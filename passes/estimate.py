@@ -10,17 +10,22 @@ the runtime runs it (Megatron's): each attention core
 its nodes save is dropped and its inputs are kept instead; everything else the layer
 saves is kept. A layer without an attention core has no selective mode.
 
-In mixed precision (``Context.autocast``) the layers run under ``torch.autocast``, as
-the runtime runs them: matmuls save their inputs cast to the compute dtype, while what
-autocast leaves alone (the residual stream, a norm computed in fp32, the loss's
-log-softmax) stays fp32. Autocast's copies of the weights are not activations (the cost
-model charges them per microbatch), and a layer's inputs have the dtypes the layers
-before it made them in. The policy is the runtime devices' (``Context.autocast_device``):
-a GPU's is CUDA's, applied to the CPU stand-ins by :mod:`partc.passes.autocast_policy`
-(softmax, norms and losses in fp32), a CPU's is CPU autocast's own.
+In mixed precision (``Context.autocast``) the layers run as the runtime runs them: with
+their floating parameters in the compute dtype (``partc.runtime.precision``'s copies,
+ZeRO-1's bf16 parameters, FSDP's ``MixedPrecisionPolicy``; buffers keep their dtype)
+under ``torch.autocast`` with CUDA's policy, which the runtime applies on CPU ranks too
+(applied to the CPU stand-ins by :mod:`partc.passes.autocast_policy`): matmuls compute
+in the compute dtype and the ops it lists as fp32 (softmax, norms, losses) cast their
+inputs to fp32, so what a norm saves is an fp32 copy of its input, while the residual
+stream is in the dtype the graph makes it (the compute dtype, unless the traced graph
+pins a cast to fp32). Autocast's fp32 casts of the weights (a norm's), made and kept
+per microbatch, count as the activations they are in the runtime, and a layer's inputs
+have the dtypes the layers before it made them in.
+Only activations change: parameter and optimizer bytes are the cost model's
+(``partc.problem.Precision``: fp32 masters beside the compute-dtype weights).
 
-On the runtime's device (``Context.autocast_device``, the budget's device type even without
-autocast): causal fused attention counts half its (seq x seq) FLOPs where the kernel skips
+On the runtime's device (``Context.autocast_device``, the budget's device type, with or
+without autocast): causal fused attention counts half its (seq x seq) FLOPs where the kernel skips
 the masked blocks (:func:`partc.passes.fuse_attention.skips_masked_blocks`), and on a GPU
 dropout runs as CUDA's fused ``native_dropout``, saving a 1-byte mask rather than the
 noise a CPU decomposes it into.
@@ -53,7 +58,6 @@ import torch.utils._pytree as pytree
 from torch import fx, nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.multiprocessing.reductions import StorageWeakRef
-from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import FlopCounterMode
 
 from partc import meta
@@ -87,13 +91,11 @@ class _LayerRun:
 @dataclass(frozen=True)
 class _Setting:
     """What every layer run shares: the fake mode, the values that carry a gradient,
-    the autocast dtype and whose policy, and the dtypes each value was made in so far
-    (autocast's)."""
+    the autocast dtype, and the dtypes each value was made in so far (autocast's)."""
 
     fake_mode: FakeTensorMode
     with_grad: set[fx.Node]
     autocast: torch.dtype | None
-    autocast_device: str
     dtypes: dict[fx.Node, tuple[torch.dtype, ...]]
     # Where the stand-ins live: "cpu" for a model on the meta device under autocast
     # (which does not act on meta tensors; fake ones hold no data either way), None:
@@ -114,8 +116,7 @@ def estimate(gm: fx.GraphModule, ctx: Context) -> fx.GraphModule:
     per signature). Ensures: every non-placeholder node has a ``COST``.
     """
     setting = _Setting(fake_mode=FakeTensorMode(allow_non_fake_inputs=True),
-                       with_grad=carries_grad(gm), autocast=ctx.autocast,
-                       autocast_device=ctx.autocast_device, dtypes={},
+                       with_grad=carries_grad(gm), autocast=ctx.autocast, dtypes={},
                        device="cpu" if ctx.autocast is not None and _on_meta(gm) else None,
                        runtime_device=ctx.autocast_device)
     usage = param_usage(gm, ctx)
@@ -182,7 +183,6 @@ def _run_layer(gm: fx.GraphModule, nodes: list[fx.Node], setting: _Setting) -> _
                         torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)):
             scope.enter_context(context)
         if setting.autocast is not None:
-            scope.enter_context(_WeightCopies(frozen))
             scope.enter_context(_autocast(setting, nodes))
         for node in nodes:
             current.append(node)
@@ -193,6 +193,8 @@ def _run_layer(gm: fx.GraphModule, nodes: list[fx.Node], setting: _Setting) -> _
                 result = value_of(node)
             elif setting.autocast is not None and is_dtype_check(node):
                 result = None   # autocast changes dtypes; the runtime drops these checks
+            elif setting.autocast is not None and meta.role(node) == meta.ROLE_LOSS:
+                result = _loss_in_fp32(gm, node, args, setting, frozen, nodes)
             elif node.op == "call_module":
                 result = _call_module(gm, node, args, kwargs, setting, frozen)
             else:
@@ -226,26 +228,13 @@ def _storages(value: Any, frozen: set[StorageWeakRef]) -> tuple[tuple[StorageWea
     return tuple(found.items())
 
 
-class _WeightCopies(TorchDispatchMode):
-    """Marks autocast's compute-dtype copies of frozen tensors (weights) frozen too."""
-
-    def __init__(self, frozen: set[StorageWeakRef]) -> None:
-        super().__init__()
-        self.frozen = frozen
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        result = func(*args, **(kwargs or {}))
-        if func is torch.ops.aten._to_copy.default and \
-                StorageWeakRef(args[0].untyped_storage()) in self.frozen:
-            self.frozen.add(StorageWeakRef(result.untyped_storage()))
-        return result
-
-
 def _autocast(setting: _Setting, nodes: list[fx.Node]) -> Any:
-    """Autocast as the runtime's devices apply it: CUDA's policy on GPUs (on the CPU
-    stand-ins, as this torch may have no CUDA), CPU autocast's on CPUs."""
+    """Autocast as the runtime applies it: CUDA's policy, on GPUs and on CPU ranks alike
+    (``partc.runtime.precision`` installs it there: CPU autocast would run a norm on an
+    fp32 input with bf16 weights). On CPU stand-ins (this torch may have no CUDA) the
+    policy is applied at CPU autocast's key."""
     where = setting.device or _device_type(nodes)
-    if setting.autocast_device == "cuda" and where == "cpu":
+    if where == "cpu":
         return cuda_autocast(setting.autocast)
     return torch.autocast(where, dtype=setting.autocast)
 
@@ -308,11 +297,32 @@ def _call_module(gm: fx.GraphModule, node: fx.Node, args: tuple, kwargs: dict,
     return torch.func.functional_call(module, state, args, kwargs, tie_weights=True)
 
 
+def _loss_in_fp32(gm: fx.GraphModule, node: fx.Node, args: tuple, setting: _Setting,
+                  frozen: set, nodes: list[fx.Node]) -> Any:
+    """The loss as the runtime computes it in mixed precision (``partc.runtime.module``'s
+    ``_Loss``): on the model's floating outputs cast to fp32 (the target as it is),
+    outside autocast. The casts save nothing; the loss keeps what it keeps in fp32."""
+    outputs = pytree.tree_map_only(
+        torch.Tensor, lambda t: t.float() if t.is_floating_point() else t, tuple(args[:-1]))
+    where = setting.device or _device_type(nodes)
+    with torch.autocast(where, enabled=False):
+        return _call_module(gm, node, (*outputs, args[-1]), {}, setting, frozen)
+
+
 def _frozen_copy(value: torch.Tensor, setting: _Setting) -> torch.Tensor:
-    """A fake copy of a parameter or buffer, on the stand-ins' device."""
+    """A fake copy of a parameter or buffer, on the stand-ins' device. In mixed precision
+    a floating parameter is in the compute dtype, as the runtime computes with it
+    (``partc.runtime.precision``, FSDP's ``MixedPrecisionPolicy``); buffers keep theirs."""
+    dtype = value.dtype
+    if setting.autocast is not None and isinstance(value, nn.Parameter) \
+            and value.is_floating_point():
+        dtype = setting.autocast
     if setting.device is None:
-        return setting.fake_mode.from_tensor(value)
-    return torch.empty_strided(tuple(value.shape), tuple(value.stride()), dtype=value.dtype,
+        tensor = setting.fake_mode.from_tensor(value)
+        if dtype == value.dtype:
+            return tensor
+        return tensor.detach().to(dtype).requires_grad_(value.requires_grad)
+    return torch.empty_strided(tuple(value.shape), tuple(value.stride()), dtype=dtype,
                                device=setting.device).requires_grad_(value.requires_grad)
 
 

@@ -42,7 +42,7 @@ from .fuse_attention import fuse_attention
 from .graph import param_usage
 from .layers import layers
 from .moe import lower_experts
-from .portable import device_from_inputs, drop_assertions
+from .portable import device_from_inputs, drop_assertions, unpin_dtypes
 from .propagate import propagate
 from .recompute import recompute
 from .tp_chooser import Link
@@ -67,13 +67,17 @@ class Pass:
 
 # --------------------------------------------------------------------------- the lists
 
-def analysis_passes(attention: str) -> tuple[Pass, ...]:
-    """After ``trace``: what the planner needs to know of each layer."""
+def analysis_passes(attention: str, mixed: bool = False) -> tuple[Pass, ...]:
+    """After ``trace``: what the planner needs to know of each layer (``mixed``: measured
+    for mixed-precision training)."""
     return (
         # Estimate runs the graph under the training's autocast: an exported graph's
         # assertions of the dtypes it was traced in would fail there (and compute nothing).
         Pass("drop_assertions", drop_assertions),
         Pass("propagate", propagate),
+        # In mixed precision the device moves the trace saw do nothing go (as lowering
+        # drops them): they would cast values the model keeps in bf16 to fp32.
+        *((Pass("unpin_dtypes", unpin_dtypes),) if mixed else ()),
         # Fusing attention reads the shapes propagate writes, and changes the graph
         # that layers then groups.
         *_attention_passes(attention),
@@ -106,6 +110,7 @@ def lowering_passes(lowering: Lowering) -> tuple[Pass, ...]:
         # nothing.
         Pass("drop_assertions", drop_assertions),
         Pass("propagate", propagate),
+        *((Pass("unpin_dtypes", unpin_dtypes),) if lowering.mixed else ()),
         *_attention_passes(lowering.attention),
         Pass("attention_softmax", attention_softmax),
         # The plan names layers: the graph must be grouped exactly as it was planned.
@@ -217,11 +222,12 @@ def analyze(model: nn.Module, example_inputs: Any, *, loss_fn: Callable | None =
     :mod:`partc.passes.fuse_attention` can put one in its place.
 
     ``autocast``: the dtype mixed-precision training computes in (the runtime runs each
-    stage under ``torch.autocast``); the layers' activations are then measured as
-    autocast makes them (``ModelSummary.autocast``), not as traced, under the policy of
-    ``autocast_device``: "cuda" (GPUs; CUDA's policy, applied on CPU) or "cpu".
+    stage with compute-dtype parameters under ``torch.autocast``, CUDA's policy); the
+    layers' activations are then measured as the runtime makes them
+    (``ModelSummary.autocast``), not as traced. ``autocast_device``: the device type the
+    runtime trains on, "cuda" or "cpu" (its dropout and attention kernels).
     """
-    passes = analysis_passes(attention)
+    passes = analysis_passes(attention, mixed=autocast is not None)
     steps = len(passes) + 2   # find the repeated blocks, trace, then each pass
 
     def front() -> tuple[fx.GraphModule, Context]:

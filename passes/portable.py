@@ -7,11 +7,16 @@ ops) compute nothing and check what the trace already knew. Device literals
 name the device the model sat on while it was traced, the planning machine's CPU or
 the meta device, not the one a rank runs on. ``drop_assertions`` removes the first;
 ``device_from_inputs`` makes every such literal read the device of one of the graph's
-own inputs instead, so the same code runs wherever its inputs are.
+own inputs instead, so the same code runs wherever its inputs are. A device move
+carries a dtype literal too: ``x.to(device)`` is exported as ``aten.to.dtype_layout(x,
+dtype=torch.float32, device=...)``, which in mixed precision would cast a bf16 value
+back to the dtype it was traced in (GPT-2's position embeddings, and so its residual
+stream). ``unpin_dtypes`` drops the device moves the trace saw do nothing.
 
-Both work on the module and every GraphModule nested in it (higher-order-op bodies
-such as export's ``wrap_with_set_grad_enabled``, and the ``recompute_<layer>`` modules),
-in place, and leave what the graph computes unchanged.
+The first two work on the module and every GraphModule nested in it (higher-order-op
+bodies such as export's ``wrap_with_set_grad_enabled``, and the ``recompute_<layer>``
+modules), in place, and leave what the graph computes unchanged; the third works on the
+module itself, and changes only the dtype a value is kept in.
 """
 
 from __future__ import annotations
@@ -46,6 +51,61 @@ def is_assertion(node: fx.Node) -> bool:
     target = node.target
     return node.op == "call_function" and isinstance(target, torch._ops.OpOverload) \
         and target.namespace == "aten" and target._opname.startswith("_assert_")
+
+
+# The aten overloads a device move is exported as (``x.to(device)``, ``x.to(device,
+# dtype)``): each names the dtype the trace saw.
+_MOVES = ("to.dtype_layout", "to.device")
+
+
+def unpin_dtypes(gm: fx.GraphModule, ctx: Context | None = None) -> fx.GraphModule:
+    """Drop each device move the trace recorded as doing nothing: a
+    ``aten.to.dtype_layout`` or ``aten.to.device`` call (not asked to copy) whose input
+    was traced in the dtype and on the device it names. Its dtype is the trace's, not
+    the model's: run in bf16 it would cast the value to fp32. The pass lists run it for
+    mixed precision only (in fp32 such a move does nothing either way).
+
+    Casts that name only a dtype (``aten.to.dtype``) stay, doing nothing or not: the
+    graph cannot tell ``x.to(x.dtype)`` (the trace's dtype) from an RMSNorm's
+    ``x.to(torch.float32)`` (the model's upcast, which its normalisation shares).
+
+    Reads: ``node.meta["val"]`` (the traced dtypes and devices). Writes: nothing.
+    Ensures: no such move in ``gm`` itself (the bodies of higher-order ops run as
+    written).
+    """
+    for node in list(gm.graph.nodes):
+        if _does_nothing(node):
+            node.replace_all_uses_with(node.args[0])
+            gm.graph.erase_node(node)
+    gm.recompile()
+    return gm
+
+
+def _does_nothing(node: fx.Node) -> bool:
+    """A device move to the dtype and device its input was traced in, which returns its
+    input."""
+    target = node.target
+    if node.op != "call_function" or not isinstance(target, torch._ops.OpOverload) or \
+            target.namespace != "aten" or \
+            f"{target._opname}.{target._overloadname}" not in _MOVES:
+        return False
+    source, result = node.args[0], node.meta.get("val")
+    value = source.meta.get("val") if isinstance(source, fx.Node) else None
+    if not isinstance(value, torch.Tensor) or not isinstance(result, torch.Tensor):
+        return False
+    return (not _argument(node, "copy") and value.dtype == result.dtype
+            and value.device == result.device and value.is_floating_point())
+
+
+def _argument(node: fx.Node, name: str) -> Any:
+    """The argument ``name`` of an aten call, given by position or keyword (None: not
+    given)."""
+    for index, argument in enumerate(node.target._schema.arguments):
+        if argument.name == name:
+            if name in node.kwargs:
+                return node.kwargs[name]
+            return node.args[index] if index < len(node.args) else None
+    return None
 
 
 def device_from_inputs(gm: fx.GraphModule, ctx: Context | None = None) -> fx.GraphModule:

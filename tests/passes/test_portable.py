@@ -1,12 +1,17 @@
-"""drop_assertions and device_from_inputs on a tiny hand-built graph: the trace's
-assertions go, its device literals read the input's device, values stay the same."""
+"""drop_assertions, device_from_inputs and unpin_dtypes on tiny hand-built graphs: the
+trace's assertions go, its device literals read the input's device, values stay the
+same; in mixed precision its device moves no longer pin the traced dtype."""
 
 from __future__ import annotations
+
+from dataclasses import replace
 
 import torch
 from torch import fx, nn
 
-from partc.passes.portable import device_from_inputs, drop_assertions
+from partc.passes.context import Lowering
+from partc.passes.pipeline import lowering_passes
+from partc.passes.portable import device_from_inputs, drop_assertions, unpin_dtypes
 
 aten = torch.ops.aten
 CPU, META = torch.device("cpu"), torch.device("meta")
@@ -61,6 +66,46 @@ def test_device_literals_read_the_input_device():
     assert "device(type='cpu')" not in gm.code + gm.body.code
     after, _ = gm(x)
     torch.testing.assert_close(after, before)
+
+
+def _moves_and_casts() -> fx.GraphModule:
+    """``(x.to(device) + x.to(x.dtype) + x.to(device, copy=True)).to(torch.float64)`` as
+    export records it on an fp32 ``x``: a device move that names the traced dtype, a
+    cast to it, a move asked to copy, and a move that changes the dtype."""
+    graph = fx.Graph()
+    x = graph.placeholder("x")
+    x.meta["val"] = torch.empty(4)
+
+    def node(target, args, kwargs=None, dtype=torch.float32):
+        made = graph.call_function(target, args, kwargs or {})
+        made.meta["val"] = torch.empty(4, dtype=dtype)
+        return made
+
+    moved = node(aten.to.dtype_layout, (x,), {"dtype": torch.float32,
+                                               "layout": torch.strided, "device": CPU})
+    cast = node(aten.to.dtype, (x, torch.float32))
+    copied = node(aten.to.device, (x, CPU, torch.float32), {"copy": True})
+    total = node(aten.add.Tensor, (node(aten.add.Tensor, (moved, cast)), copied))
+    graph.output(node(aten.to.device, (total, CPU, torch.float64), dtype=torch.float64))
+    return fx.GraphModule(nn.Module(), graph)
+
+
+def test_mixed_precision_drops_the_device_moves_that_pin_the_traced_dtype():
+    gm = unpin_dtypes(_moves_and_casts())
+    targets = [n.target for n in gm.graph.nodes if n.op == "call_function"]
+    # The move that did nothing goes; the cast (an upcast, for all the graph tells),
+    # the copy and the real conversion stay.
+    assert aten.to.dtype_layout not in targets
+    assert targets.count(aten.to.dtype) == 1 and targets.count(aten.to.device) == 2
+    assert [n.args[0].op for n in gm.graph.nodes if n.target is aten.add.Tensor] == \
+        ["placeholder", "call_function"]
+    # Run in bf16, the moved value stays bf16 (the cast's fp32 promotes the sum).
+    x = torch.randn(4, dtype=torch.bfloat16)
+    assert torch.equal(gm(x), (x + x.float() + x.float()).to(torch.float64))
+    # Only mixed precision runs the pass.
+    fp32 = Lowering(stages=(), recompute={})
+    assert "unpin_dtypes" not in [p.name for p in lowering_passes(fp32)]
+    assert "unpin_dtypes" in [p.name for p in lowering_passes(replace(fp32, mixed=True))]
 
 
 class PinnedRotary(nn.Module):

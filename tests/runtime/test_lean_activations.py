@@ -155,3 +155,22 @@ def test_plan_saves_what_the_emitted_stage_saves_under_sequence_parallelism():
                        and len(shape) > 2)
         assert masks == sorted([(batch, 2, seq, seq), (batch, seq // 2, width),
                                 (batch, seq // 2, width)]), masks
+
+
+def test_plan_saves_what_the_bf16_runtime_saves():
+    """In bf16 the estimate runs the layers as the runtime does (bf16 parameters, CUDA's
+    autocast policy on CPU ranks too, the loss in fp32 outside autocast): the bytes one
+    step of the built module keeps for backward, under its real mixed-precision path,
+    are the plan's to the byte (the LayerNorms' fp32 copies of their bf16 weights
+    included). Once the estimate saw fp32 parameters under CPU autocast's policy: 0.77x
+    of what the runtime keeps."""
+    from benchmarks.memory_check import _case, compile_case
+    from benchmarks.saved_bytes import runtime_saved_bytes
+
+    case = _case("gpt-bf16", "gpt", dtype=torch.bfloat16, batch=4, seq=32, pp=1,
+                 num_microbatches=1, recompute="none")
+    program, inputs, target = compile_case(case)
+    kept = runtime_saved_bytes(program, inputs, target)
+    estimated = sum(layer.saved_bytes["none"] for layer in program.problem.model.layers)
+    assert estimated * program.plan.micro_batch_size == sum(kept.values())
+    assert kept[torch.bfloat16] > kept[torch.float32]

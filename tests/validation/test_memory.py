@@ -53,6 +53,10 @@ PEAKS = [
     # Mixed precision is measured under autocast: norms, softmax and the residual
     # stream stay fp32, which halving the fp32 activations missed (1.36x).
     pytest.param("llama-pp1-bf16", 0, id="llama-pp1-bf16"),
+    # The estimate runs the layers with bf16 parameters under CUDA's policy, as the
+    # runtime does (1.17x when it saw fp32 parameters and CPU autocast's rules), and the
+    # stage receives what its neighbour sends in bf16.
+    pytest.param("gpt-pp2-1f1b-m4-bf16", 1, id="gpt-pp2-1f1b-m4-bf16-stage1"),
     # At the peak FSDP2 holds a unit's gathered weights and the next one's, but no
     # unsharded gradient yet (0.87x when one was charged).
     pytest.param("gpt-dp2-zero3-small", 0, id="gpt-dp2-zero3-small"),
