@@ -23,10 +23,8 @@ step, how many parameters changed when the all-gathers still in flight were fini
 
 from __future__ import annotations
 
-import json
 import os
 import sys
-import traceback
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +37,7 @@ import torch.distributed as dist  # noqa: E402
 import partc  # noqa: E402
 from samples import gpt  # noqa: E402
 from tests import hf_families, models  # noqa: E402
+from tests.runtime.optimizer_worker import run_cases  # noqa: E402
 from tests.runtime.worker import BATCH, Case, batch  # noqa: E402
 
 STEPS, SAVE_AT, MICROBATCHES = 4, 1, 4
@@ -158,18 +157,7 @@ def run_case(name: str, out: Path) -> dict[str, Any]:
 
 def main() -> None:
     out = Path(sys.argv[1])
-    dist.init_process_group("gloo")
-    results: dict[str, Any] = {}
-    for name in sys.argv[2:]:
-        try:
-            results[name] = run_case(name, out)
-        except Exception as error:  # recorded, so one failure does not hide the others
-            results[name] = {"error": f"{type(error).__name__}: {error}",
-                             "traceback": traceback.format_exc()}
-    out.mkdir(parents=True, exist_ok=True)
-    (out / f"rank{dist.get_rank()}.json").write_text(json.dumps(results))
-    dist.barrier()
-    dist.destroy_process_group()
+    run_cases(lambda name: run_case(name, out))
 
 
 if __name__ == "__main__":

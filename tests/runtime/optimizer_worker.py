@@ -22,7 +22,7 @@ import os
 import sys
 import traceback
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
@@ -185,13 +185,15 @@ def _measured_bytes(module: Any, opt: torch.optim.Optimizer) -> dict[str, int]:
     return {"params": weights, "grads": grads, "optimizer": optimizer}
 
 
-def main() -> None:
+def run_cases(run: Callable[[str], dict[str, Any]]) -> None:
+    """``worker.py OUT CASE [CASE ...]``: each case run, its result (or its error) in
+    ``OUT/rank<k>.json``."""
     out = Path(sys.argv[1])
     dist.init_process_group("gloo")
     results: dict[str, Any] = {}
     for name in sys.argv[2:]:
         try:
-            results[name] = run_case(name)
+            results[name] = run(name)
         except Exception as error:  # recorded, so one failure does not hide the others
             results[name] = {"error": f"{type(error).__name__}: {error}",
                              "traceback": traceback.format_exc()}
@@ -199,6 +201,10 @@ def main() -> None:
     (out / f"rank{dist.get_rank()}.json").write_text(json.dumps(results))
     dist.barrier()
     dist.destroy_process_group()
+
+
+def main() -> None:
+    run_cases(run_case)
 
 
 if __name__ == "__main__":

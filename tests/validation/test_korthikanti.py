@@ -114,22 +114,9 @@ def test_the_estimate_is_what_the_emitted_block_keeps(sp):
     """The causes above are the runtime's, not the estimate's: on a small GPT-2 built the
     same way, one rank of the emitted stage keeps for backward exactly the bytes partc
     estimates for the block (Conv1D's regathered shards included)."""
-    import torch
-
-    import partc
     from benchmarks.saved_bytes import measured_saved_bytes
 
-    small = korthikanti.Config(name="small", heads=4, hidden=128, layers=2, tp=2, pp=1,
-                               micro_batch=2, seq_len=64, vocab=512)
-    torch.manual_seed(0)
-    model, ids, _ = korthikanti.gpt2_layer(small, device="cpu")
-    ids = torch.randint(0, small.vocab, (small.micro_batch, small.seq_len))
-    program = partc.compile(
-        model, (ids,), loss_fn=korthikanti.loss, example_target=ids,
-        budget=partc.DeviceBudget(num_devices=2, device="CPU"),
-        train=partc.TrainSpec(global_batch_size=small.micro_batch),
-        constraints=partc.Constraints(pp=1, dp=1, tp=2, sequence_parallel=sp,
-                                      tp_objective="time", recompute="none"))
+    small, program, _ = _small_gpt2(sp)
     option = program.problem.tp_option(2, sp, "time")
     [block] = [layer for layer in option.model.layers if layer.name == korthikanti.BLOCK]
     measured = measured_saved_bytes(program)[korthikanti.BLOCK]
@@ -147,8 +134,23 @@ def test_the_bf16_estimate_is_what_the_runtime_keeps(sp):
     keeps none of it (the scores' add saves nothing)."""
     import torch
 
-    import partc
     from benchmarks.saved_bytes import runtime_saved_bytes
+
+    small, program, ids = _small_gpt2(sp, torch.bfloat16, num_microbatches=1)
+    option = program.problem.tp_option(2, sp, "time")
+    estimated = sum(layer.saved_bytes["none"] for layer in option.model.layers)
+    kept = runtime_saved_bytes(program, (ids,), ids)
+    mask = small.micro_batch * small.seq_len ** 2 * 4
+    assert estimated * small.micro_batch == pytest.approx(sum(kept.values()) + mask, rel=1e-3)
+    assert kept[torch.bfloat16] > kept[torch.float32]
+
+
+def _small_gpt2(sp, dtype=None, **pins):
+    """A GPT-2 layer built like the paper's, small, compiled for tp=2 (``sp``: with
+    sequence parallelism) in ``dtype`` (fp32 by default): its config, program and ids."""
+    import torch
+
+    import partc
 
     small = korthikanti.Config(name="small", heads=4, hidden=128, layers=2, tp=2, pp=1,
                                micro_batch=2, seq_len=64, vocab=512)
@@ -158,13 +160,8 @@ def test_the_bf16_estimate_is_what_the_runtime_keeps(sp):
     program = partc.compile(
         model, (ids,), loss_fn=korthikanti.loss, example_target=ids,
         budget=partc.DeviceBudget(num_devices=2, device="CPU"),
-        train=partc.TrainSpec(global_batch_size=small.micro_batch, dtype=torch.bfloat16),
+        train=partc.TrainSpec(global_batch_size=small.micro_batch,
+                              dtype=dtype or torch.float32),
         constraints=partc.Constraints(pp=1, dp=1, tp=2, sequence_parallel=sp,
-                                      tp_objective="time", recompute="none",
-                                      num_microbatches=1))
-    option = program.problem.tp_option(2, sp, "time")
-    estimated = sum(layer.saved_bytes["none"] for layer in option.model.layers)
-    kept = runtime_saved_bytes(program, (ids,), ids)
-    mask = small.micro_batch * small.seq_len ** 2 * 4
-    assert estimated * small.micro_batch == pytest.approx(sum(kept.values()) + mask, rel=1e-3)
-    assert kept[torch.bfloat16] > kept[torch.float32]
+                                      tp_objective="time", recompute="none", **pins))
+    return small, program, ids
