@@ -41,7 +41,8 @@ import torch.distributed as dist  # noqa: E402
 
 import partc  # noqa: E402
 from benchmarks.torchrun_launch import run_under_torchrun  # noqa: E402
-from samples.gpt import gpt_tiny, loss_fn  # noqa: E402
+from benchmarks.tiny_gpt import model_and_batches  # noqa: E402
+from samples.gpt import loss_fn  # noqa: E402
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
@@ -77,13 +78,8 @@ def main() -> None:
     args = arguments()
     os.environ["PARTC_BUCKET_ELEMENTS"] = str(args.bucket_elements)
     dist.init_process_group("gloo")
-    torch.manual_seed(0)
-    model = gpt_tiny(vocab_size=1024, block_size=args.seq, n_layer=args.layers,
-                     n_embd=args.width, n_head=8, dropout=0.0)
-    g = torch.Generator().manual_seed(0)
-    batches = [torch.randint(0, 1024, (args.batch, args.seq + 1), generator=g)
-               for _ in range(4)]
-    ids, targets = batches[0][:, :-1].contiguous(), batches[0][:, 1:].contiguous()
+    model, batches = model_and_batches(args, heads=8)
+    ids, targets = batches[0]
     programs = {name: build(args, name == "overlapped", ids, targets, model)
                 for name in ("overlapped", "blocking")}
     times: dict[str, list[float]] = {name: [] for name in programs}
@@ -97,8 +93,7 @@ def main() -> None:
             dist.barrier()
             started = time.perf_counter()
             for step in range(first, first + args.block):
-                tokens = batches[step % len(batches)]
-                x, y = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+                x, y = batches[step % len(batches)]
                 losses[name].append(module.forward_backward(x, target=y).item())
                 opt.step()
                 opt.zero_grad()

@@ -31,7 +31,8 @@ from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGP
 
 import partc  # noqa: E402
 from benchmarks.torchrun_launch import run_under_torchrun  # noqa: E402
-from samples.gpt import GPT, gpt_tiny, loss_fn  # noqa: E402
+from benchmarks.tiny_gpt import model_and_batches  # noqa: E402
+from samples.gpt import GPT, loss_fn  # noqa: E402
 
 
 class FirstHalf(nn.Module):
@@ -105,16 +106,11 @@ def main() -> None:
     args = arguments()
     dist.init_process_group("gloo")
     rank = dist.get_rank()
-    torch.manual_seed(0)
-    model = gpt_tiny(vocab_size=1024, block_size=args.seq, n_layer=args.layers,
-                     n_embd=args.width, n_head=4)
+    model, batches = model_and_batches(args, heads=4)
+    ids, targets = batches[0]
     cut = args.layers // 2
     first = ["tok_emb", "pos_emb", "drop"] + [f"blocks.{i}" for i in range(cut)]
     second = [f"blocks.{i}" for i in range(cut, args.layers)] + ["ln_f", "lm_head", "loss"]
-    g = torch.Generator().manual_seed(0)
-    batches = [torch.randint(0, 1024, (args.batch, args.seq + 1), generator=g)
-               for _ in range(4)]
-    ids, targets = batches[0][:, :-1].contiguous(), batches[0][:, 1:].contiguous()
     program = partc.compile(
         model, (ids,), loss_fn=loss_fn, example_target=targets,
         budget=partc.DeviceBudget(num_devices=2, device="CPU"),
@@ -129,8 +125,7 @@ def main() -> None:
     times: dict[str, list[float]] = {name: [] for name in programs}
     losses: dict[str, list[float]] = {name: [] for name in programs}
     for step in range(args.warmup + args.steps):
-        tokens = batches[step % len(batches)]
-        x, y = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+        x, y = batches[step % len(batches)]
         order = list(programs) if step % 2 == 0 else list(reversed(programs))
         for name in order:
             run, zero = programs[name]

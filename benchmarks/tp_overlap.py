@@ -32,7 +32,8 @@ import torch.distributed as dist  # noqa: E402
 
 import partc  # noqa: E402
 from benchmarks.torchrun_launch import run_under_torchrun  # noqa: E402
-from samples.gpt import gpt_tiny, loss_fn  # noqa: E402
+from benchmarks.tiny_gpt import model_and_batches  # noqa: E402
+from samples.gpt import loss_fn  # noqa: E402
 
 
 def arguments() -> argparse.Namespace:
@@ -50,13 +51,8 @@ def arguments() -> argparse.Namespace:
 def main() -> None:
     args = arguments()
     dist.init_process_group("gloo")
-    torch.manual_seed(0)
-    model = gpt_tiny(vocab_size=1024, block_size=args.seq, n_layer=args.layers,
-                     n_embd=args.width, n_head=8, dropout=0.0)
-    g = torch.Generator().manual_seed(0)
-    batches = [torch.randint(0, 1024, (args.batch, args.seq + 1), generator=g)
-               for _ in range(4)]
-    ids, targets = batches[0][:, :-1].contiguous(), batches[0][:, 1:].contiguous()
+    model, batches = model_and_batches(args, heads=8)
+    ids, targets = batches[0]
     programs = {}
     for rings in (True, False):
         program = partc.compile(
@@ -71,8 +67,7 @@ def main() -> None:
     times: dict[str, list[float]] = {name: [] for name in programs}
     losses: dict[str, list[float]] = {name: [] for name in programs}
     for step in range(args.warmup + args.steps):
-        tokens = batches[step % len(batches)]
-        x, y = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+        x, y = batches[step % len(batches)]
         order = list(programs) if step % 2 == 0 else list(reversed(programs))
         for name in order:
             module = programs[name][1]
