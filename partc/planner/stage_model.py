@@ -115,8 +115,8 @@ from .results import Assignment
 @dataclass(frozen=True, kw_only=True)
 class Segment:
     """Layers ``first..last`` (inclusive): one row, one set of allowed modes, one set of
-    shared groups using them, one pinned stage, and one cut row on every cut between
-    them. Its layers are interchangeable, so the model only counts them."""
+    shared groups using them, one pinned stage, and one cut row (time and bytes) on every
+    cut between them. Its layers are interchangeable, so the model only counts them."""
 
     first: int
     last: int
