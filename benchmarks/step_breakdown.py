@@ -3,6 +3,7 @@ phases measured, on one CPU thread, by its CPU time: a check of the compute mode
 other jobs on a shared machine do not disturb.
 
     python benchmarks/step_breakdown.py [--batches 1 2 4 8] [--wall]
+    python benchmarks/step_breakdown.py --zero 2 3 [--batches 2 8]   # FSDP, 2 gloo ranks
 
 The device numbers are measured first, by ``partc calibrate``'s own functions (its quick
 sizes) under the same clock: best matmul rate and per-call overhead, linear layers'
@@ -18,21 +19,36 @@ that clock, once priced with the element-wise and optimizer rates and once witho
 The clock is the thread's CPU time (``time.thread_time``): what the thread computed,
 not the time slices other processes took from it; ``--wall`` times by wall clock.
 Collectives and pipeline bubbles are outside it: ``plan_choice.py`` times whole steps.
+
+``--zero`` checks ZeRO-2/3 instead: two gloo processes first measure FSDP's own work
+(``calibrate.measure_fsdp``), then the parent plans the sample GPT on dp=2 at each ZeRO
+stage (one microbatch, no recompute; the links made free, so that the prediction holds
+what the rank's thread computes and no collective), once with FSDP's figures and once
+without (as the cost model priced ZeRO-2/3 before them), and the two processes build it
+with ``partc.load`` and time, by their thread's CPU time, the stage module's forward with
+the loss, its backward (FSDP's hooks, copies and reduce-scatters included, the waits
+for the collectives not) and the tail: ``AdamW.step`` over the rank's shards, and under
+ZeRO-2 the all-gather of the stepped weights before the next forward.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import statistics
 import sys
+import tempfile
 import time
+from datetime import timedelta
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+import torch.multiprocessing as mp  # noqa: E402
 
 import partc  # noqa: E402
 from partc import calibrate  # noqa: E402
@@ -87,12 +103,135 @@ def measured(b: int, sizes: calibrate.Sizes) -> tuple[float, float, float]:
     return forward_s, both_s - forward_s, calibrate.median_seconds(optimizer.step, CPU, sizes)
 
 
+RANKS = 2
+# Links that cost nothing: the ZeRO predictions then hold the rank thread's own work.
+FREE_LINKS = dict(intra_node_bandwidth=1e15, intra_node_latency_s=1e-12)
+
+
+def _rank_worker(rank: int, store: str, job: dict) -> None:
+    """One of the two gloo ranks: measure FSDP's figures (``job["measure"]``) or time
+    each saved program's phases, written by rank 0 to ``job["out"]``."""
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", store=dist.FileStore(store, RANKS), rank=rank,
+                            world_size=RANKS, timeout=timedelta(minutes=10))
+    sizes = calibrate.SIZES["cpu", True]
+    try:
+        if job["measure"]:
+            result = calibrate.measure_fsdp(CPU, sizes)
+        else:
+            result = {folder: _zero_phases(folder, sizes) for folder in job["programs"]}
+        if rank == 0:
+            Path(job["out"]).write_text(json.dumps(result))
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def _zero_phases(folder: str, sizes: calibrate.Sizes) -> tuple[float, float, float]:
+    """(forward, backward, tail) thread CPU seconds of the program saved in ``folder``,
+    each phase the slowest rank's median, as the runtime runs one microbatch."""
+    from torch.distributed.fsdp import FSDPModule
+
+    module = partc.load(folder, model(), loss_fn=loss_fn).build()
+    stage = module._stages[0].submod
+    units = [m for m in stage.modules() if isinstance(m, FSDPModule)]
+    zero = module.plan.zero_stage
+    stage.set_requires_gradient_sync(True)
+    stage.set_reshard_after_backward(zero >= 3)
+    optimizer = torch.optim.AdamW(module.parameters(), lr=1e-4)
+    ids, target = batch()
+    ids, target = ids[:module.plan.micro_batch_size], target[:module.plan.micro_batch_size]
+
+    def forward() -> torch.Tensor:
+        output = stage(ids)   # the stage's outputs: a tuple of the model's one
+        return loss_fn(output[0] if isinstance(output, tuple) else output, target)
+
+    def both() -> None:
+        forward().backward()
+
+    def tail() -> None:
+        optimizer.step()
+        if zero == 2:   # the stepped shards gathered again for the next forward
+            for unit in units:
+                unit.reshard()
+            for unit in units:
+                unit.unshard()
+
+    timed = [calibrate._collective_seconds(fn, CPU, sizes, time.thread_time)
+             for fn in (forward, both, tail)]
+    return timed[0], timed[1] - timed[0], timed[2]
+
+
+def _spawn(job: dict) -> object:
+    with tempfile.TemporaryDirectory(prefix="step-breakdown-") as folder:
+        job = dict(job, out=str(Path(folder) / "out.json"))
+        mp.spawn(_rank_worker, nprocs=RANKS, args=(str(Path(folder) / "store"), job))
+        return json.loads(Path(job["out"]).read_text())
+
+
+def zero_main(stages: list[int], batches: list[int]) -> None:
+    """ZeRO-2/3's phases on dp=2 against the plan's, with and without FSDP's figures."""
+    sizes = dataclasses.replace(calibrate.SIZES["cpu", True], clock=time.thread_time)
+    numbers = device_numbers(sizes) | FREE_LINKS
+    fsdp = _spawn({"measure": True})
+    with_fsdp = numbers | {name: fsdp[key] for name, key in calibrate.FSDP_FIGURES.items()}
+    # Before the figures: no FSDP work but the collectives (its copies free).
+    without = numbers | {name: 1e18 if name.endswith("bandwidth") else 0.0
+                         for name in calibrate.FSDP_FIGURES}
+    print("FSDP per unit and microbatch: " + ", ".join(
+        f"{name} {fsdp[key] / 1e9:.2f}GB/s" if name.endswith("bandwidth") else
+        f"{name} {fsdp[key] * 1e6:.0f}us" for name, key in calibrate.FSDP_FIGURES.items()))
+    ids, _ = batch()
+    rows, plans = [], {}
+    with tempfile.TemporaryDirectory(prefix="step-breakdown-plans-") as folder:
+        for zero in stages:
+            for b in batches:
+                predicted_phases = []
+                for label, figures in (("fsdp", with_fsdp), ("before", without)):
+                    program = partc.compile(
+                        model(), (ids[:b],), loss_fn=loss_fn,
+                        budget=partc.DeviceBudget(num_devices=RANKS, device="CPU",
+                                                  **figures),
+                        train=partc.TrainSpec(global_batch_size=RANKS * b),
+                        constraints=partc.Constraints(pp=1, dp=RANKS, tp=1, zero_stage=zero,
+                                                      num_microbatches=1, recompute="none"))
+                    time_s = program.plan.stages[0].time_s
+                    predicted_phases.append((time_s.forward, time_s.backward, time_s.tail))
+                    if label == "fsdp":
+                        plans[(zero, b)] = str(Path(folder) / f"zero{zero}-b{b}")
+                        program.save(plans[(zero, b)])
+                rows.append((zero, b, predicted_phases))
+        measured_phases = _spawn({"measure": False, "programs": list(plans.values())})
+    _print_rows([(f"Z{zero} b{b}", measured_phases[plans[(zero, b)]], *predicted)
+                 for zero, b, predicted in rows], ("FSDP figures", "without"))
+
+
+def _print_rows(rows: list, labels: tuple[str, str]) -> None:
+    print(f"{'plan':<8}{'phase':<10}{'measured':>10}{'predicted':>11}{'ratio':>7}"
+          f"{labels[1]:>11}{'ratio':>7}")
+    errors: dict[str, list[float]] = {label: [] for label in labels}
+    for name, measured_phases, rated, before in rows:
+        for phase, seconds, new, old in zip(("forward", "backward", "tail"),
+                                            measured_phases, rated, before):
+            errors[labels[0]].append(abs(new / seconds - 1))
+            errors[labels[1]].append(abs(old / seconds - 1))
+            print(f"{name:<8}{phase:<10}{seconds * 1e3:>8.1f}ms{new * 1e3:>9.1f}ms"
+                  f"{new / seconds:>7.2f}{old * 1e3:>9.1f}ms{old / seconds:>7.2f}")
+    for label, values in errors.items():
+        print(f"median |predicted/measured - 1| {label}: {statistics.median(values):.2f}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--batches", type=int, nargs="*", default=[1, 2, 4, 8])
     parser.add_argument("--wall", action="store_true", help="time by wall clock")
+    parser.add_argument("--zero", type=int, nargs="*", choices=(2, 3),
+                        help="ZeRO-2/3 on two gloo ranks instead (by CPU time)")
     args = parser.parse_args()
     torch.set_num_threads(1)
+    if args.zero:
+        zero_main(args.zero, args.batches)
+        return
     clock = time.perf_counter if args.wall else time.thread_time
     sizes = dataclasses.replace(calibrate.SIZES["cpu", True], clock=clock)
     numbers = device_numbers(sizes)

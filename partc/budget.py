@@ -72,18 +72,25 @@ class DeviceProfile:
     split_backward_factor: float | None = None
     elementwise_bandwidth: float | None = None
     optimizer_bandwidth: float | None = None
+    fsdp_unit_overhead_s: float | None = None
+    fsdp_unit_overhead_backward_s: float | None = None
+    fsdp_gather_overhead_s: float | None = None
+    fsdp_scatter_overhead_s: float | None = None
+    fsdp_copy_bandwidth: float | None = None
 
 
 # Calibration's collective names -> the cost model's.
 _COLLECTIVE_KINDS = {"all_reduce": "all_reduce", "all_gather": "all_gather",
                      "reduce_scatter": "reduce_scatter", "send_recv": "send"}
-_OVERHEADS = ("op_overhead_s", "op_overhead_backward_s", "matmul_overhead_s")
+_OVERHEADS = ("op_overhead_s", "op_overhead_backward_s", "matmul_overhead_s",
+              "fsdp_unit_overhead_s", "fsdp_unit_overhead_backward_s",
+              "fsdp_gather_overhead_s", "fsdp_scatter_overhead_s")
 # Measured numbers resolved like the overheads (given, else the profile's, else the
 # preset's): the overheads and the share of a collective compute hides.
 _MEASURED = _OVERHEADS + ("comm_overlap", "split_backward_factor")
 # Measured rates resolved the same way, where neither knows them None: the cost model
 # then moves those bytes at hbm_bandwidth (DeviceNumbers.elementwise_bandwidth, ...).
-_RATES = ("elementwise_bandwidth", "optimizer_bandwidth")
+_RATES = ("elementwise_bandwidth", "optimizer_bandwidth", "fsdp_copy_bandwidth")
 
 
 def load_profile(path) -> DeviceProfile:
@@ -280,6 +287,15 @@ class DeviceBudget:
     op_overhead_s: float | None = None
     op_overhead_backward_s: float | None = None
     matmul_overhead_s: float | None = None
+    # FSDP2's own work per unit and microbatch under ZeRO-2/3 (DeviceNumbers.
+    # fsdp_unit_overhead_s, ...): by default the profile's, else the preset's.
+    fsdp_unit_overhead_s: float | None = None
+    fsdp_unit_overhead_backward_s: float | None = None
+    fsdp_gather_overhead_s: float | None = None
+    fsdp_scatter_overhead_s: float | None = None
+    # The rate FSDP copies a unit's weights and gradients in and out of its collectives
+    # at (DeviceNumbers.fsdp_copy_bandwidth): the profile's, else hbm_bandwidth.
+    fsdp_copy_bandwidth: float | str | None = None
     # The share of a collective's time that compute beside it hides (DeviceNumbers.
     # comm_overlap): by default the profile's, else the preset's.
     comm_overlap: float | None = None
@@ -486,7 +502,8 @@ class DeviceBudget:
         return self._profile.collective_links
 
     def overhead(self, name: str) -> float:
-        """``op_overhead_s``, ``op_overhead_backward_s``, ``matmul_overhead_s`` or
+        """``op_overhead_s``, ``op_overhead_backward_s``, ``matmul_overhead_s``, the
+        ``fsdp_*_overhead_s``, or
         ``comm_overlap`` or ``split_backward_factor``: the field given, else the
         profile's where it measured it, else the preset's (without a preset: 0, a whole
         overlap and a factor of 1, as for a GPU)."""
@@ -501,7 +518,8 @@ class DeviceBudget:
         return 1.0 if name in ("comm_overlap", "split_backward_factor") else 0.0
 
     def rate(self, name: str) -> float | None:
-        """``elementwise_bandwidth`` or ``optimizer_bandwidth`` in bytes per second: the
+        """``elementwise_bandwidth``, ``optimizer_bandwidth`` or ``fsdp_copy_bandwidth``
+        in bytes per second: the
         field given, else the profile's, else the preset's; None where none knows it (the
         cost model then uses ``hbm_bandwidth``)."""
         if name not in _RATES:

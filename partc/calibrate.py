@@ -22,6 +22,11 @@ clock (CUDA events on a GPU, ``time.perf_counter`` on CPU):
   ``torch.optim.AdamW``'s step over a transformer block's parameters, in the bytes the
   cost model charges a step (``optimizer_bandwidth``); on CPU only: one thread computes
   these well below its copy bandwidth, a GPU streams them at about HBM bandwidth.
+- FSDP2 (ZeRO-2/3): with the N processes below, its own work per unit and microbatch
+  beside the collectives (:func:`measure_fsdp`): forward and backward hooks, and per
+  all-gather and reduce-scatter (``fsdp_unit_overhead_s``, ``..._backward_s``,
+  ``fsdp_gather_overhead_s``, ``fsdp_scatter_overhead_s``); on CPU only: a GPU's host
+  runs it ahead of the kernels.
 - collectives: N local processes (gloo on CPU, NCCL on CUDA) time all-reduce, all-gather,
   reduce-scatter and a send/recv ping-pong over message sizes m (bytes of the whole
   tensor; send/recv: of the message). Times are fitted, by least squares on relative
@@ -526,8 +531,9 @@ def measure_collectives(options: CalibrationOptions) -> dict:
               "all_gather/reduce_scatter n-1, (n-1)/n; send_recv 1, 1)"}
     everything = []
     result["overlap"] = timed["overlap"]
-    for key in ("linear_all_busy", "elementwise_all_busy", "optimizer_all_busy"):
-        result[key] = timed[key]
+    for key in ("linear_all_busy", "elementwise_all_busy", "optimizer_all_busy", "fsdp"):
+        if key in timed:   # FSDP's: on a CPU only
+            result[key] = timed[key]
 
     log.info("overlap: %.2f of an all-reduce hidden by compute beside it",
              timed["overlap"]["overlap"])
@@ -578,6 +584,8 @@ def _collective_worker(rank: int, ranks: int, store: str, backend: str, sizes: S
         overhead = measure_op_overhead(device, busy)
         timed["elementwise_all_busy"] = measure_elementwise(device, busy, overhead)
         timed["optimizer_all_busy"] = measure_optimizer(device, busy)
+        if device.type == "cpu":
+            timed["fsdp"] = measure_fsdp(device, sizes)
 
         if rank == 0:
             Path(out).write_text(json.dumps(timed))
@@ -618,6 +626,115 @@ def _overlap(ranks: int, device: torch.device, sizes: Sizes) -> dict:
             "both_s": both_s, "overlap": min(1.0, max(0.0, hidden))}
 
 
+# FSDP units timed by measure_fsdp: enough that the root unit's hooks are a small share.
+FSDP_UNITS = 8
+# The budget's FSDP numbers (DeviceNumbers) and measure_fsdp's figures they are.
+FSDP_FIGURES = {"fsdp_unit_overhead_s": "unit_forward_s",
+                "fsdp_unit_overhead_backward_s": "unit_backward_s",
+                "fsdp_gather_overhead_s": "gather_s", "fsdp_scatter_overhead_s": "scatter_s",
+                "fsdp_copy_bandwidth": "copy_bytes_per_s"}
+# The tiny units' width: their copies cost next to nothing.
+FSDP_TINY_WIDTH = 8
+
+
+def block_shapes(width: int) -> list[tuple[int, ...]]:
+    """A transformer block's parameters of width ``width``: two norms, attention's input
+    and output projections, an MLP of 4x; weights and biases: 12 tensors."""
+    return [(width,), (width,), (3 * width, width), (3 * width,), (width, width),
+            (width,), (width,), (width,), (4 * width, width), (4 * width,),
+            (width, 4 * width), (width,)]
+
+
+class _Block(torch.nn.Module):
+    """A unit holding a transformer block's parameters; its forward uses each once."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.weights = torch.nn.ParameterList(torch.nn.Parameter(torch.randn(shape) / width)
+                                              for shape in block_shapes(width))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + sum(weight.sum() for weight in self.weights)
+
+
+def measure_fsdp(device: torch.device, sizes: Sizes, units: int = FSDP_UNITS) -> dict:
+    """FSDP2's own work per unit and microbatch over the ranks' process group, as
+    ``partc.runtime`` runs ZeRO-2/3, beside the collectives: ``units`` units of a
+    transformer block's 12 parameter tensors (:func:`block_shapes`) under a root, timed
+    forward and forward + backward against the same modules without FSDP, by the rank
+    thread's CPU time (``time.thread_time``): the collectives run on gloo's threads while
+    it waits, and the cost model prices them apart. Per unit, the root's share included,
+    at a tiny width (``FSDP_TINY_WIDTH``: the fixed work):
+
+    - ZeRO-2 accumulating (no gradient sync): its forward and backward hooks
+      (``unit_forward_s``, ``unit_backward_s``);
+    - ZeRO-2 reducing every microbatch: ``scatter_s``, its backward's excess over that;
+    - ZeRO-3 (gathered again in forward and backward, freed after each): ``gather_s``,
+      its forward's excess over ZeRO-2's;
+
+    and the same at the width of ``sizes.linear``'s first input, whose all-gather's and
+    reduce-scatter's excess over the tiny ones' is their copies: ``copy_bytes_per_s`` is
+    the bytes the cost model counts for them (read and written, the whole unit and the
+    rank's shard: 2 (1 + 1/n) per byte of weights or gradients) over that time."""
+    ranks = dist.get_world_size()
+    tiny = _fsdp_figures(device, sizes, units, FSDP_TINY_WIDTH)
+    wide = _fsdp_figures(device, sizes, units, sizes.linear[0][1])
+    params = {width: sum(math.prod(shape) for shape in block_shapes(width))
+              for width in (FSDP_TINY_WIDTH, sizes.linear[0][1])}
+    copied = 2 * (1 + 1 / ranks) * 4 * (params[sizes.linear[0][1]] - params[FSDP_TINY_WIDTH])
+    copy_s = (wide["gather_s"] - tiny["gather_s"]) + (wide["scatter_s"] - tiny["scatter_s"])
+    result = {"units": units, "clock": "thread CPU time", "tiny": tiny, "wide": wide,
+              "params_per_unit": params, "copied_bytes": 2 * copied, "copy_s": copy_s,
+              "copy_bytes_per_s": 2 * copied / copy_s if copy_s > 0 else None}
+    result.update({key: tiny[key] for key in ("unit_forward_s", "unit_backward_s",
+                                              "gather_s", "scatter_s")})
+    log.info("FSDP per unit and microbatch: hooks %s forward, %s backward; %s per "
+             "all-gather, %s per reduce-scatter, copies at %s", *(format_seconds(
+                 result[key]) for key in ("unit_forward_s", "unit_backward_s", "gather_s",
+                                          "scatter_s")),
+             _rate(result["copy_bytes_per_s"]) if result["copy_bytes_per_s"] else "-")
+    return result
+
+
+def _fsdp_figures(device: torch.device, sizes: Sizes, units: int, width: int) -> dict:
+    """:func:`measure_fsdp`'s four timings of ``units`` blocks of ``width``, and the
+    figures per unit they give."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+    x = torch.randn(4, width, device=device)
+    fixed = replace(sizes, clock=time.thread_time)
+
+    def blocks(zero: int, sync: bool) -> torch.nn.Module:
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(*(_Block(width) for _ in range(units))).to(device)
+        if zero:
+            for block in model:
+                fully_shard(block, mesh=mesh, reshard_after_forward=zero >= 3)
+            fully_shard(model, mesh=mesh, reshard_after_forward=zero >= 3)
+            model.set_requires_gradient_sync(sync)
+            model.set_reshard_after_backward(zero >= 3)
+        return model
+
+    def phases(model: torch.nn.Module) -> tuple[float, float]:
+        def backward() -> None:
+            model(x).sum().backward()
+        forward_s = _collective_seconds(lambda: model(x).sum(), device, fixed, time.thread_time)
+        both_s = _collective_seconds(backward, device, fixed, time.thread_time)
+        return forward_s, both_s - forward_s
+
+    plain = phases(blocks(0, True))
+    hooks, reduced, gathered = (phases(blocks(zero, sync))
+                                for zero, sync in ((2, False), (2, True), (3, True)))
+    return {"width": width, "plain_s": plain, "zero2_accumulate_s": hooks,
+            "zero2_reduce_s": reduced, "zero3_s": gathered,
+            "unit_forward_s": max(0.0, (hooks[0] - plain[0]) / units),
+            "unit_backward_s": max(0.0, (hooks[1] - plain[1]) / units),
+            "scatter_s": max(0.0, (reduced[1] - hooks[1]) / units),
+            "gather_s": max(0.0, (gathered[0] - hooks[0]) / units)}
+
+
 def _collective(kind: str, numel: int, rank: int, ranks: int, device: torch.device):
     """A closure running one ``kind`` collective on ``numel`` float32 elements."""
     whole = torch.zeros(numel, device=device)
@@ -645,17 +762,18 @@ def _collective(kind: str, numel: int, rank: int, ranks: int, device: torch.devi
     return ping_pong
 
 
-def _collective_seconds(op: Callable[[], object], device: torch.device, sizes: Sizes) -> float:
+def _collective_seconds(op: Callable[[], object], device: torch.device, sizes: Sizes,
+                        clock: Callable[[], float] = time.perf_counter) -> float:
     """Median seconds per call; every rank runs the same number of calls per sample and a
-    sample is the slowest rank's time."""
+    sample is the slowest rank's time (on a CPU by ``clock``)."""
     for _ in range(sizes.warmup):
         op()
-    one = _slowest(_elapsed(op, device, 1), device)
+    one = _slowest(_elapsed(op, device, 1, clock), device)
     calls = _calls_per_sample(one, sizes)
     samples = []
     for _ in range(sizes.repeats):
         dist.barrier()
-        samples.append(_slowest(_elapsed(op, device, calls) / calls, device))
+        samples.append(_slowest(_elapsed(op, device, calls, clock) / calls, device))
     return statistics.median(samples)
 
 
@@ -789,6 +907,7 @@ def build_profile(options: CalibrationOptions, measured: dict, *, name: str,
     # which the dispatch floor already prices.
     cpu = options.device == "cpu"
     overhead = measured.get("op_overhead")
+    fsdp = measured.get("collectives", {}).get("fsdp")
     budget = {
         "peak_flops": peak,
         "achieved_flops": achieved,
@@ -818,6 +937,8 @@ def build_profile(options: CalibrationOptions, measured: dict, *, name: str,
                                   if cpu and busy["elementwise"] else None),
         "optimizer_bandwidth": (busy["optimizer"]["bytes_per_s"]
                                 if cpu and busy["optimizer"] else None),
+        # FSDP's host work: measured on a CPU only, where ranks were spawned.
+        **{name: fsdp[key] if cpu and fsdp else None for name, key in FSDP_FIGURES.items()},
     }
     return {
         "schema": PROFILE_SCHEMA,
@@ -892,6 +1013,17 @@ def _sources(options: CalibrationOptions, preset_name: str | None, vendor: bool,
                                    if link else "")
                                 if options.device == "cpu" else
                                 "not used on GPUs: hbm_bandwidth"),
+        **{name: (f"measured: FSDP2 over {ranks} on {FSDP_UNITS} units of a transformer "
+                  f"block's 12 tensors, ZeRO-2 accumulating, reducing and ZeRO-3, against "
+                  f"the same modules without it, by the rank thread's CPU time, per unit "
+                  f"and microbatch ({key}; the copies' rate from a tiny and a wide "
+                  f"width)" if options.device == "cpu" and link else
+                  f"{fallback} (one process: no process group to shard over)"
+                  if options.device == "cpu" else
+                  ("not used on GPUs: hbm_bandwidth" if name == "fsdp_copy_bandwidth" else
+                   f"not used on GPUs (host work ahead of the kernels): "
+                   f"{preset_name or 'the'} preset's 0"))
+           for name, key in FSDP_FIGURES.items()},
     }
 
 
@@ -980,7 +1112,9 @@ def _budget_rows(profile: dict) -> list[str]:
                "op_overhead_s": format_seconds, "op_overhead_backward_s": format_seconds,
                "matmul_overhead_s": format_seconds, "comm_overlap": "{:.2f}".format,
                "split_backward_factor": "{:.2f}".format, "elementwise_bandwidth": _rate,
-               "optimizer_bandwidth": _rate}
+               "optimizer_bandwidth": _rate} | {
+                   name: _rate if name.endswith("bandwidth") else format_seconds
+                   for name in FSDP_FIGURES}
     for key, show in formats.items():
         mine = "(preset)" if budget.get(key) is None else show(budget[key])
         theirs = getattr(preset, key) if preset else None

@@ -69,9 +69,14 @@ BUDGET_FLAGS = {
     "disk_bandwidth": "--disk-bandwidth", "collective_links": "--collective-link",
     "op_overhead_s": "--op-overhead", "op_overhead_backward_s": "--op-overhead-backward",
     "matmul_overhead_s": "--matmul-overhead", "comm_overlap": "--comm-overlap",
+    "fsdp_unit_overhead_s": "--fsdp-unit-overhead",
+    "fsdp_unit_overhead_backward_s": "--fsdp-unit-overhead-backward",
+    "fsdp_gather_overhead_s": "--fsdp-gather-overhead",
+    "fsdp_scatter_overhead_s": "--fsdp-scatter-overhead",
     "split_backward_factor": "--split-backward-factor",
     "elementwise_bandwidth": "--elementwise-bandwidth",
     "optimizer_bandwidth": "--optimizer-bandwidth",
+    "fsdp_copy_bandwidth": "--fsdp-copy-bandwidth",
 }
 
 UNITS = """\
@@ -350,6 +355,16 @@ def _budget_arguments(group, *, devices: bool = True) -> None:
                        help="fixed time per forward op in backward")
     group.add_argument("--matmul-overhead", type=SECONDS, metavar="SECONDS",
                        help="time per matmul call beyond its FLOPs")
+    group.add_argument("--fsdp-unit-overhead", type=SECONDS, metavar="SECONDS",
+                       help="ZeRO-2/3: FSDP's forward hooks per unit and microbatch")
+    group.add_argument("--fsdp-unit-overhead-backward", type=SECONDS, metavar="SECONDS",
+                       help="ZeRO-2/3: FSDP's backward hooks per unit and microbatch")
+    group.add_argument("--fsdp-gather-overhead", type=SECONDS, metavar="SECONDS",
+                       help="ZeRO-2/3: FSDP's own work per unit all-gather beyond the "
+                            "collective (copies in and out, bookkeeping)")
+    group.add_argument("--fsdp-scatter-overhead", type=SECONDS, metavar="SECONDS",
+                       help="ZeRO-2/3: FSDP's own work per unit gradient reduce-scatter "
+                            "beyond the collective")
     group.add_argument("--comm-overlap", type=SHARE, metavar="SHARE",
                        help="the share (0 to 1) of a collective's time that compute "
                             "running beside it hides (default: the profile's, else 1 on "
@@ -365,6 +380,10 @@ def _budget_arguments(group, *, devices: bool = True) -> None:
     group.add_argument("--optimizer-bandwidth", type=RATE, metavar="RATE",
                        help="the rate the optimizer step moves the bytes it touches "
                             "(default: the profile's, else the HBM bandwidth)")
+    group.add_argument("--fsdp-copy-bandwidth", type=RATE, metavar="RATE",
+                       help="ZeRO-2/3: the rate FSDP copies weights and gradients in and "
+                            "out of its collectives at (default: the profile's, else the "
+                            "HBM bandwidth)")
     group.add_argument("--disk-bandwidth", type=RATE, metavar="RATE",
                        help="checkpoint write rate per rank, e.g. 2GB/s (the report's "
                             "predicted save time)")

@@ -54,10 +54,15 @@ def device_numbers(budget: DeviceBudget, dtype: torch.dtype) -> DeviceNumbers:
         op_overhead_backward_s=budget.overhead("op_overhead_backward_s"),
         dispatch_ahead=budget.device_type != "cpu",
         matmul_overhead_s=budget.overhead("matmul_overhead_s"),
+        fsdp_unit_overhead_s=budget.overhead("fsdp_unit_overhead_s"),
+        fsdp_unit_overhead_backward_s=budget.overhead("fsdp_unit_overhead_backward_s"),
+        fsdp_gather_overhead_s=budget.overhead("fsdp_gather_overhead_s"),
+        fsdp_scatter_overhead_s=budget.overhead("fsdp_scatter_overhead_s"),
         comm_overlap=budget.overhead("comm_overlap"),
         split_backward_factor=budget.overhead("split_backward_factor"),
         elementwise_bandwidth=budget.rate("elementwise_bandwidth"),
         optimizer_bandwidth=budget.rate("optimizer_bandwidth"),
+        fsdp_copy_bandwidth=budget.rate("fsdp_copy_bandwidth"),
     )
 
 
@@ -193,9 +198,14 @@ def budget_from_info(info: BudgetInfo) -> DeviceBudget:
         collective_links=info.collective_links, op_overhead_s=info.op_overhead_s,
         op_overhead_backward_s=info.op_overhead_backward_s,
         matmul_overhead_s=info.matmul_overhead_s, comm_overlap=info.comm_overlap,
+        fsdp_unit_overhead_s=info.fsdp_unit_overhead_s,
+        fsdp_unit_overhead_backward_s=info.fsdp_unit_overhead_backward_s,
+        fsdp_gather_overhead_s=info.fsdp_gather_overhead_s,
+        fsdp_scatter_overhead_s=info.fsdp_scatter_overhead_s,
         split_backward_factor=info.split_backward_factor,
         elementwise_bandwidth=info.elementwise_bandwidth,
         optimizer_bandwidth=info.optimizer_bandwidth,
+        fsdp_copy_bandwidth=info.fsdp_copy_bandwidth,
         disk_bandwidth=info.disk_bandwidth)
 
 

@@ -55,7 +55,13 @@ Model (per pipeline stage ``s`` of ``p``, ``m`` microbatches of ``b`` samples):
   parameters once per step, in the tail. ZeRO-2 with ``zero2_grad_sync`` "step" and
   several microbatches accumulates whole fp32 gradients instead (memory as ZeRO-1's) and
   reduce-scatters them once, in the last microbatch's backward: priced as ZeRO 0/1's
-  reduction, exposed after the pipeline drains where that backward does not hide it;
+  reduction, exposed after the pipeline drains where that backward does not hide it.
+  FSDP's own work on the unit beside its collectives, which no collective hides
+  (:func:`_zero_overhead_seconds`): its hooks every microbatch, forward and backward,
+  and per all-gather and reduce-scatter the copies in and out (``fsdp_copy_bandwidth``,
+  else HBM bandwidth) and the
+  fixed work of each (``DeviceNumbers.fsdp_*_overhead_s``: a CPU's dispatch, calibrated;
+  0 on a GPU, whose host runs ahead of its kernels);
 - memory of stage ``s``: parameters + gradients + optimizer state of every parameter the
   stage uses (a tied parameter on every stage that uses it) + saved activations times the
   microbatches in flight (1F1B: ``min(m, p - s)``; GPipe: ``m``; the others counted from
@@ -348,6 +354,40 @@ def _zero_comm_seconds(problem: PlanningProblem, config: PipelineConfig,
     return result
 
 
+def _zero_overhead_seconds(problem: PlanningProblem, config: PipelineConfig,
+                           params: int) -> dict[str, float]:
+    """FSDP's own work on a ZeRO-2/3 unit of ``params`` parameters, by when it runs (the
+    keys of :func:`_zero_comm_seconds`, whose collectives it goes with): its forward and
+    backward hooks every microbatch (``DeviceNumbers.fsdp_unit_overhead_s``,
+    ``fsdp_unit_overhead_backward_s``), and around each all-gather and reduce-scatter the
+    unit runs, the fixed work (``fsdp_gather_overhead_s``, ``fsdp_scatter_overhead_s``)
+    and the copies: an all-gather copies the rank's shard in and the whole weights out
+    (compute dtype), a reduce-scatter the whole gradient in and the shard out (fp32),
+    each byte read and written (at ``DeviceNumbers.fsdp_copy_rate``). ZeRO-2 reducing once per step
+    accumulates every microbatch's whole fp32 gradient instead of copying it out, about
+    as many bytes. It runs on the rank's own thread beside its compute: none of it
+    overlaps."""
+    zero = config.effective_zero_stage
+    result = {"forward": 0.0, "backward": 0.0, "step": 0.0, "sync": 0.0}
+    if zero < 2 or params == 0:
+        return result
+    devices, precision = problem.devices, problem.train.precision
+    copied = 2 * (1 + 1 / config.dp) * params / devices.fsdp_copy_rate
+    gather = devices.fsdp_gather_overhead_s + copied * precision.compute_bytes
+    scatter = devices.fsdp_scatter_overhead_s + copied * precision.master_bytes
+    result.update(forward=devices.fsdp_unit_overhead_s,
+                  backward=devices.fsdp_unit_overhead_backward_s)
+    if zero == 2 and config.reduces_once:
+        accumulate = copied * precision.master_bytes
+        result.update(backward=result["backward"] + accumulate, sync=scatter, step=gather)
+    elif zero == 2:
+        result.update(backward=result["backward"] + scatter, step=gather)
+    else:
+        result.update(forward=result["forward"] + gather,
+                      backward=result["backward"] + gather + scatter)
+    return result
+
+
 def dp_group(problem: PlanningProblem, config: PipelineConfig) -> Group:
     # Ranks are ordered (pp, dp, tp) with tp innermost: a dp group spans dp * tp ranks.
     return Group.over(problem.devices, config.dp, config.dp * config.tp)
@@ -367,6 +407,7 @@ def _tail_ps(problem: PlanningProblem, config: PipelineConfig, params: int) -> i
     if config.effective_zero_stage >= 2:
         stepped = params / config.dp
         seconds += _zero_comm_seconds(problem, config, params)["step"]
+        seconds += _zero_overhead_seconds(problem, config, params)["step"]
     elif config.effective_zero_stage == 1:
         stepped = params / config.dp
         if not gather_overlaps(problem, config):   # else beside the forward: _gather_ps
@@ -385,7 +426,8 @@ def _sync_ps(problem: PlanningProblem, config: PipelineConfig, params: int) -> i
     (one collective per ``BUCKET_ELEMENTS``), latency and all. ZeRO-2 reducing once per
     step: the unit's one reduce-scatter, latency included."""
     if config.reduces_once:
-        return to_ps(_zero_comm_seconds(problem, config, params)["sync"])
+        return to_ps(_zero_comm_seconds(problem, config, params)["sync"]
+                     + _zero_overhead_seconds(problem, config, params)["sync"])
     if config.dp == 1 or config.effective_zero_stage >= 2:
         return 0
     master = problem.train.precision.master_bytes
@@ -457,11 +499,12 @@ def _bucket_latency_seconds(problem: PlanningProblem, config: PipelineConfig) ->
 def _shared_tail_ps(problem: PlanningProblem, config: PipelineConfig, params: int) -> int:
     """A tied weight's tail; under ZeRO-2/3 the stage's root unit holds it, whose
     collectives (every microbatch's, or ZeRO-2's one per step) are not overlapped:
-    charged here."""
+    charged here, with FSDP's work on it."""
     zero = _zero_comm_seconds(problem, config, params)
-    per_microbatch = zero["forward"] + zero["backward"]
+    own = _zero_overhead_seconds(problem, config, params)
+    per_microbatch = sum(zero[p] + own[p] for p in ("forward", "backward"))
     return _tail_ps(problem, config, params) + to_ps(
-        config.num_microbatches * per_microbatch + zero["sync"])
+        config.num_microbatches * per_microbatch + zero["sync"] + own["sync"])
 
 
 def roofline_seconds(ops: Sequence[HeavyOp], devices: DeviceNumbers, micro_batch: int,
@@ -583,12 +626,14 @@ def _layer_table(problem: PlanningProblem, config: PipelineConfig, index: int) -
     gathered, gradient = _zero_transient(problem, config, layer.param_count)
     comm = tp_comm_seconds(problem, config, layer)
     zero = _zero_comm_seconds(problem, config, layer.param_count)
+    own = _zero_overhead_seconds(problem, config, layer.param_count)
     # Full recompute replays the layer's forward, collectives included; selective
     # replays the attention cores, which hold none (heads are split over the group).
     # ZeRO-3 gathers the layer once for its backward, recompute included.
     rerun = {m: comm["forward"] if m == "full" else 0.0 for m in layer.modes}
-    forward = sum(work["forward"]) + comm["forward"]
-    backward = split_factor(problem, config) * sum(work["backward"]) + comm["backward"]
+    forward = sum(work["forward"]) + comm["forward"] + own["forward"]
+    backward = (split_factor(problem, config) * sum(work["backward"]) + comm["backward"]
+                + own["backward"])
     return LayerTable(
         forward_ps=to_ps(overlapped(forward, zero["forward"], devices.comm_overlap)),
         backward_ps=to_ps(overlapped(backward, zero["backward"], devices.comm_overlap)),
@@ -1169,9 +1214,12 @@ def moe_layer_table(whole: MoECost, problem: PlanningProblem, config: PipelineCo
     dense, experts = figures.dense_params, figures.expert_params
     zero_dense = _zero_comm_seconds(problem, config, dense)
     zero_experts = _zero_comm_seconds(problem, expert_config, experts)
-    forward = sum(work["forward"]) + comm["forward"] + extra + a2a
+    own = {phase: _zero_overhead_seconds(problem, config, dense)[phase]
+           + _zero_overhead_seconds(problem, expert_config, experts)[phase]
+           for phase in ("forward", "backward")}
+    forward = sum(work["forward"]) + comm["forward"] + extra + a2a + own["forward"]
     backward = (split_factor(problem, config) * (sum(work["backward"]) + 2 * extra)
-                + comm["backward"] + a2a)
+                + comm["backward"] + a2a + own["backward"])
     replayed = {m: layer.recompute_flops[m] / layer.fwd_flops if layer.fwd_flops else 0.0
                 for m in layer.modes}
     # Selective recompute reruns the attention cores: no expert, no collective.

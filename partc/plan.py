@@ -383,10 +383,15 @@ class BudgetInfo:
     op_overhead_s: float | None = None
     op_overhead_backward_s: float | None = None
     matmul_overhead_s: float | None = None
+    fsdp_unit_overhead_s: float | None = None            # absent in older plans: 0
+    fsdp_unit_overhead_backward_s: float | None = None
+    fsdp_gather_overhead_s: float | None = None
+    fsdp_scatter_overhead_s: float | None = None
     comm_overlap: float | None = None   # absent in older plans: the device's default
     split_backward_factor: float | None = None   # likewise
     elementwise_bandwidth: float | None = None   # None: the cost model used hbm_bandwidth
     optimizer_bandwidth: float | None = None     # likewise
+    fsdp_copy_bandwidth: float | None = None     # likewise
     source: str | None = None    # "profile" when a calibration profile gave the numbers
     profile: str | None = None   # its path
     preset: str | None = None    # the preset it overrides

@@ -46,6 +46,14 @@ class DevicePreset:
     op_overhead_s: float = _GPU_DISPATCH_S
     op_overhead_backward_s: float = _GPU_DISPATCH_BACKWARD_S
     matmul_overhead_s: float = 0.0
+    # FSDP2's own work under ZeRO-2/3 per unit and microbatch (DeviceNumbers.
+    # fsdp_unit_overhead_s, ...). GPUs 0: its hooks, bookkeeping and copy kernels'
+    # launches run on the host ahead of the GPU's kernels (not measured on one; a profile
+    # measured on the machine replaces them).
+    fsdp_unit_overhead_s: float = 0.0
+    fsdp_unit_overhead_backward_s: float = 0.0
+    fsdp_gather_overhead_s: float = 0.0
+    fsdp_scatter_overhead_s: float = 0.0
     # The share of a collective's time that compute running beside it hides (see
     # DeviceNumbers.comm_overlap). GPUs 1: NCCL runs on its own SMs and copy engines. A
     # CPU 0: gloo's threads need the cores that the ranks' compute already fills, so a
@@ -60,6 +68,9 @@ class DevicePreset:
     # a GPU's element-wise kernels and fused optimizer stream; a profile measures them.
     elementwise_bandwidth: float | None = None
     optimizer_bandwidth: float | None = None
+    # FSDP's copies in and out of its collectives (DeviceNumbers.fsdp_copy_bandwidth).
+    # None: hbm_bandwidth, a GPU's copy kernels'; a profile measures a CPU's.
+    fsdp_copy_bandwidth: float | None = None
 
 
 PRESETS: dict[str, DevicePreset] = {
@@ -107,6 +118,15 @@ PRESETS: dict[str, DevicePreset] = {
             # Round figures of what `partc calibrate` measured on a shared 2-core x86
             # machine (14 and 30 us per op, 0-3 us per matmul).
             op_overhead_s=10e-6, op_overhead_backward_s=20e-6, matmul_overhead_s=2e-6,
+            # FSDP2 under ZeRO-2/3, per unit (a transformer block's 12 tensors) and
+            # microbatch: its hooks, and its own work around each all-gather and
+            # reduce-scatter, its copies apart, which run at 6 GB/s. Round figures of
+            # `partc calibrate --quick` on the same machine (2 gloo ranks: 135-165 and
+            # 105-140 us of hooks forward and backward, 560-630 us per all-gather,
+            # 430-480 us per reduce-scatter, copies at 5.7-6.9 GB/s).
+            fsdp_unit_overhead_s=150e-6, fsdp_unit_overhead_backward_s=120e-6,
+            fsdp_gather_overhead_s=600e-6, fsdp_scatter_overhead_s=450e-6,
+            fsdp_copy_bandwidth=6 * GB,
             comm_overlap=0.0, split_backward_factor=1.25),
     )
 }

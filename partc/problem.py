@@ -355,6 +355,18 @@ class DeviceNumbers:
     # flops_efficiency) + matmul_overhead_s, i.e. it reaches flops_efficiency * f / (f +
     # matmul_overhead_s * peak * flops_efficiency) of peak: small matmuls run below it.
     matmul_overhead_s: float = 0.0
+    # ZeRO-2/3 as FSDP2 runs it, per unit (a layer) and microbatch, beyond the collectives
+    # (partc.collectives prices those): its forward hooks (``fsdp_unit_overhead_s``) and
+    # backward hooks (``..._backward_s``: gradient accumulation and state), and per
+    # all-gather and per reduce-scatter the unit runs its own work around the collective
+    # (``fsdp_gather_overhead_s``: copy-in, copy-out into the unsharded parameters,
+    # DTensor bookkeeping, freeing them again; ``fsdp_scatter_overhead_s``: copying the
+    # gradients into the reduce-scatter input, the sharded gradients out of it). Host
+    # work: hidden behind a GPU's kernels, it is eager dispatch on a CPU (calibrated).
+    fsdp_unit_overhead_s: float = 0.0
+    fsdp_unit_overhead_backward_s: float = 0.0
+    fsdp_gather_overhead_s: float = 0.0
+    fsdp_scatter_overhead_s: float = 0.0
     # The share of a collective's time hidden by compute running beside it (0 to 1): a
     # collective of c seconds overlapping compute of t seconds costs c + t - comm_overlap
     # * min(c, t). 1 where the collective has its own engine (NCCL on a GPU); on a CPU
@@ -374,16 +386,23 @@ class DeviceNumbers:
     # None: ``hbm_bandwidth``, a fused step's; an unfused step (torch's per-parameter
     # loop on a CPU) makes several passes and pays dispatch per tensor (calibrated).
     optimizer_bandwidth: float | None = None
+    # The rate FSDP copies bytes into and out of its collectives' buffers (read and
+    # written, counted as :func:`partc.costs._zero_overhead_seconds` counts them). None:
+    # ``hbm_bandwidth``; a CPU thread splitting a gathered buffer into the parameters
+    # runs below its copy rate (calibrated).
+    fsdp_copy_bandwidth: float | None = None
 
     def __post_init__(self) -> None:
         if len(self.memory_bytes) != self.num_devices:
             raise ValueError("one memory limit per device is needed")
-        for name in ("elementwise_bandwidth", "optimizer_bandwidth"):
+        for name in ("elementwise_bandwidth", "optimizer_bandwidth", "fsdp_copy_bandwidth"):
             value = getattr(self, name)
             if value is not None and not 0 < value < float("inf"):
                 raise ValueError(f"DeviceNumbers.{name} must be None or a positive rate, "
                                  f"got {value!r}")
-        for name in ("op_overhead_s", "op_overhead_backward_s", "matmul_overhead_s"):
+        for name in ("op_overhead_s", "op_overhead_backward_s", "matmul_overhead_s",
+                     "fsdp_unit_overhead_s", "fsdp_unit_overhead_backward_s",
+                     "fsdp_gather_overhead_s", "fsdp_scatter_overhead_s"):
             value = getattr(self, name)
             if not value >= 0:
                 raise ValueError(f"DeviceNumbers.{name} must be 0 or more, got {value!r}")
@@ -408,6 +427,11 @@ class DeviceNumbers:
     def optimizer_step_bandwidth(self) -> float:
         """The optimizer step's rate: ``optimizer_bandwidth``, else HBM's."""
         return self.optimizer_bandwidth or self.hbm_bandwidth
+
+    @property
+    def fsdp_copy_rate(self) -> float:
+        """FSDP's copies' rate: ``fsdp_copy_bandwidth``, else HBM's."""
+        return self.fsdp_copy_bandwidth or self.hbm_bandwidth
 
 
 @dataclass(frozen=True, kw_only=True)

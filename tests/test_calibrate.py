@@ -22,8 +22,9 @@ import torch
 
 import partc
 from partc.budget import PROFILE_SCHEMA, PROFILE_VERSION, ProfileError, load_profile
-from partc.calibrate import (COLLECTIVES, SIZES, CalibrationError, CalibrationOptions,
-                             LinkFit, fit_link, ring_factor, ring_steps, summary)
+from partc.calibrate import (COLLECTIVES, FSDP_FIGURES, SIZES, CalibrationError,
+                             CalibrationOptions, LinkFit, fit_link, ring_factor, ring_steps,
+                             summary)
 from partc.cli import main
 from tests import models
 
@@ -166,6 +167,31 @@ def test_budget_numbers_follow_from_the_samples(calibrated):
     assert optimizer["bytes_counted"] == 28 * optimizer["params"]
     assert optimizer["bytes_per_s"] == pytest.approx(28 * optimizer["params"]
                                                      / optimizer["seconds"])
+    # FSDP's work per unit and microbatch, from its four timings of tiny blocks against
+    # the plain modules': hooks from ZeRO-2 accumulating, a reduce-scatter from reducing
+    # every microbatch over that, an all-gather from ZeRO-3's forward over ZeRO-2's; the
+    # copies' rate from the wide blocks' all-gather and reduce-scatter over the tiny.
+    fsdp = measured["collectives"]["fsdp"]
+    figures = {}
+    for width in ("tiny", "wide"):
+        timed, units = fsdp[width], fsdp["units"]
+        plain, hooks, reduced, gathered = (timed[key] for key in (
+            "plain_s", "zero2_accumulate_s", "zero2_reduce_s", "zero3_s"))
+        figures[width] = {"unit_forward_s": (hooks[0] - plain[0]) / units,
+                          "unit_backward_s": (hooks[1] - plain[1]) / units,
+                          "scatter_s": (reduced[1] - hooks[1]) / units,
+                          "gather_s": (gathered[0] - hooks[0]) / units}
+        for key, value in figures[width].items():
+            assert timed[key] == pytest.approx(max(0.0, value))
+    for name, key in FSDP_FIGURES.items():
+        if key != "copy_bytes_per_s":
+            assert budget[name] == fsdp["tiny"][key] >= 0
+    width = SIZES["cpu", True].linear[0][1]
+    params = [12 * w**2 + 13 * w for w in (8, width)]
+    assert list(fsdp["params_per_unit"].values()) == params
+    copy_s = sum(fsdp["wide"][k] - fsdp["tiny"][k] for k in ("gather_s", "scatter_s"))
+    assert budget["fsdp_copy_bandwidth"] == (pytest.approx(
+        2 * 2 * (1 + 1 / 2) * 4 * (params[1] - params[0]) / copy_s) if copy_s > 0 else None)
 
 
 def _squared_relative_error(fit: LinkFit, samples, ranks: int) -> float:
@@ -283,9 +309,13 @@ def test_each_collective_kind_and_the_overheads_reach_the_cost_model(calibrated,
     assert numbers.op_overhead_s == profile["budget"]["op_overhead_s"]
     assert numbers.op_overhead_backward_s == profile["budget"]["op_overhead_backward_s"]
     assert numbers.matmul_overhead_s == profile["budget"]["matmul_overhead_s"]
+    for key in FSDP_FIGURES:
+        if not key.endswith("bandwidth"):
+            assert getattr(numbers, key) == profile["budget"][key]
     # Rates are whole bytes per second (partc.units.parse_rate).
-    for key in ("elementwise_bandwidth", "optimizer_bandwidth"):
-        assert getattr(numbers, key) == int(profile["budget"][key])
+    for key in ("elementwise_bandwidth", "optimizer_bandwidth", "fsdp_copy_bandwidth"):
+        given = profile["budget"][key]   # the copies' rate: None where noise hid them
+        assert getattr(numbers, key) == (None if given is None else int(given))
     # A plan records them, and the budget it reads back prices alike (partc.load).
     from partc.compiler import budget_from_info
     from partc.plan import BudgetInfo
@@ -297,7 +327,8 @@ def test_each_collective_kind_and_the_overheads_reach_the_cost_model(calibrated,
 
     def older(p):
         for key in ("collective_links", "op_overhead_s", "op_overhead_backward_s",
-                    "matmul_overhead_s", "elementwise_bandwidth", "optimizer_bandwidth"):
+                    "matmul_overhead_s", "elementwise_bandwidth", "optimizer_bandwidth",
+                    *FSDP_FIGURES):
             p["budget"].pop(key)
     old = device_numbers(partc.DeviceBudget(num_devices=2, profile=_edited(
         calibrated, tmp_path, older)), torch.float32)
@@ -306,6 +337,8 @@ def test_each_collective_kind_and_the_overheads_reach_the_cost_model(calibrated,
     assert (old.op_overhead_s, old.op_overhead_backward_s, old.matmul_overhead_s) == (
         cpu.op_overhead_s, cpu.op_overhead_backward_s, cpu.matmul_overhead_s)
     assert old.elementwise_bandwidth is None and old.optimizer_bandwidth is None
+    assert all(getattr(old, key) == getattr(cpu, key) for key in FSDP_FIGURES)
+    assert old.fsdp_copy_bandwidth is None   # the cost model copies at hbm_bandwidth
     with pytest.raises(ProfileError, match="collective fit 'broadcast'"):
         load_profile(_edited(calibrated, tmp_path, lambda p: p["budget"]["collective_links"]
                              .update(broadcast={"latency_s": 0, "bandwidth": 1})))

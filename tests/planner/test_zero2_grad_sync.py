@@ -17,7 +17,8 @@ from dataclasses import replace
 
 import pytest
 
-from partc.costs import PipelineConfig, build_cost_table, evaluate, exposed_sync_ps
+from partc.costs import (PipelineConfig, build_cost_table, evaluate, exposed_sync_ps,
+                         to_ps)
 from partc.errors import PlanValidationError
 from partc.compiler import plan_problem
 from partc.problem import Pins
@@ -54,19 +55,23 @@ def test_step_holds_whole_gradients_and_reduces_once():
     assert step.memory["grads"] == 2 * mb.memory["grads"] == 2 * 4 * PARAMS
     assert {k: v for k, v in step.memory.items() if k not in ("grads", "peak")} == \
         {k: v for k, v in mb.memory.items() if k not in ("grads", "peak")}
-    # Time: no reduce-scatter in a microbatch's backward; one per layer a step, beside
-    # the last backward, hiding none of it at comm_overlap 0.
+    # Time: no reduce-scatter in a microbatch's backward but the accumulation of the
+    # whole fp32 gradient (FSDP's copies around a reduce-scatter move as many bytes,
+    # read and written at HBM bandwidth); one reduce-scatter per layer a step, beside the
+    # last backward, hiding none of it at comm_overlap 0.
+    accumulate = to_ps(2 * (1 + 1 / 2) * PARAMS * 4 / prob.devices.hbm_bandwidth)
     for row_mb, row_once in zip(per_mb.layers, once.layers):
         assert row_mb.sync_ps == 0 and row_once.sync_ps > 0
-        assert row_once.backward_ps + row_once.sync_ps == row_mb.backward_ps
+        assert row_once.backward_ps + row_once.sync_ps == row_mb.backward_ps + accumulate
         assert row_once.forward_ps == row_mb.forward_ps
     sync = sum(row.sync_ps for row in once.layers)
     assert step.tail_ps == exposed_sync_ps(sync, step.backward_ps, 0) + sum(
         row.tail_ps for row in once.layers)
     assert step.tail_ps - mb.tail_ps == sync
-    # m reduce-scatters a step against 1 (one stage: the pipeline is m microbatches).
+    # m reduce-scatters a step against 1 (one stage: the pipeline is m microbatches),
+    # and m accumulations per layer.
     steps = [evaluate(table, [0, 0], ["none", "none"]).step_ps for table in (per_mb, once)]
-    assert steps[0] - steps[1] == (4 - 1) * sync
+    assert steps[0] - steps[1] == (4 - 1) * sync - 4 * 2 * accumulate
 
 
 def test_one_microbatch_or_another_zero_stage_is_the_same_either_way():
