@@ -76,6 +76,7 @@ class DeviceProfile:
     fsdp_unit_overhead_backward_s: float | None = None
     fsdp_gather_overhead_s: float | None = None
     fsdp_scatter_overhead_s: float | None = None
+    fsdp_step_overhead_s: float | None = None
     fsdp_copy_bandwidth: float | None = None
 
 
@@ -84,7 +85,7 @@ _COLLECTIVE_KINDS = {"all_reduce": "all_reduce", "all_gather": "all_gather",
                      "reduce_scatter": "reduce_scatter", "send_recv": "send"}
 _OVERHEADS = ("op_overhead_s", "op_overhead_backward_s", "matmul_overhead_s",
               "fsdp_unit_overhead_s", "fsdp_unit_overhead_backward_s",
-              "fsdp_gather_overhead_s", "fsdp_scatter_overhead_s")
+              "fsdp_gather_overhead_s", "fsdp_scatter_overhead_s", "fsdp_step_overhead_s")
 # Measured numbers resolved like the overheads (given, else the profile's, else the
 # preset's): the overheads and the share of a collective compute hides.
 _MEASURED = _OVERHEADS + ("comm_overlap", "split_backward_factor")
@@ -293,6 +294,7 @@ class DeviceBudget:
     fsdp_unit_overhead_backward_s: float | None = None
     fsdp_gather_overhead_s: float | None = None
     fsdp_scatter_overhead_s: float | None = None
+    fsdp_step_overhead_s: float | None = None
     # The rate FSDP copies a unit's weights and gradients in and out of its collectives
     # at (DeviceNumbers.fsdp_copy_bandwidth): the profile's, else hbm_bandwidth.
     fsdp_copy_bandwidth: float | str | None = None

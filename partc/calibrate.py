@@ -632,7 +632,7 @@ FSDP_UNITS = 8
 FSDP_FIGURES = {"fsdp_unit_overhead_s": "unit_forward_s",
                 "fsdp_unit_overhead_backward_s": "unit_backward_s",
                 "fsdp_gather_overhead_s": "gather_s", "fsdp_scatter_overhead_s": "scatter_s",
-                "fsdp_copy_bandwidth": "copy_bytes_per_s"}
+                "fsdp_step_overhead_s": "step_s", "fsdp_copy_bandwidth": "copy_bytes_per_s"}
 # The tiny units' width: their copies cost next to nothing.
 FSDP_TINY_WIDTH = 8
 
@@ -671,6 +671,9 @@ def measure_fsdp(device: torch.device, sizes: Sizes, units: int = FSDP_UNITS) ->
     - ZeRO-2 reducing every microbatch: ``scatter_s``, its backward's excess over that;
     - ZeRO-3 (gathered again in forward and backward, freed after each): ``gather_s``,
       its forward's excess over ZeRO-2's;
+    - ``torch.optim.AdamW``'s step over the sharded parameters (DTensors, dispatched per
+      tensor and op) over its step over the plain ones: ``step_s``, per parameter tensor
+      and step;
 
     and the same at the width of ``sizes.linear``'s first input, whose all-gather's and
     reduce-scatter's excess over the tiny ones' is their copies: ``copy_bytes_per_s`` is
@@ -687,11 +690,11 @@ def measure_fsdp(device: torch.device, sizes: Sizes, units: int = FSDP_UNITS) ->
               "params_per_unit": params, "copied_bytes": 2 * copied, "copy_s": copy_s,
               "copy_bytes_per_s": 2 * copied / copy_s if copy_s > 0 else None}
     result.update({key: tiny[key] for key in ("unit_forward_s", "unit_backward_s",
-                                              "gather_s", "scatter_s")})
+                                              "gather_s", "scatter_s", "step_s")})
     log.info("FSDP per unit and microbatch: hooks %s forward, %s backward; %s per "
-             "all-gather, %s per reduce-scatter, copies at %s", *(format_seconds(
-                 result[key]) for key in ("unit_forward_s", "unit_backward_s", "gather_s",
-                                          "scatter_s")),
+             "all-gather, %s per reduce-scatter, %s per tensor's optimizer step, copies at %s",
+             *(format_seconds(result[key]) for key in (
+                 "unit_forward_s", "unit_backward_s", "gather_s", "scatter_s", "step_s")),
              _rate(result["copy_bytes_per_s"]) if result["copy_bytes_per_s"] else "-")
     return result
 
@@ -717,18 +720,21 @@ def _fsdp_figures(device: torch.device, sizes: Sizes, units: int, width: int) ->
             model.set_reshard_after_backward(zero >= 3)
         return model
 
-    def phases(model: torch.nn.Module) -> tuple[float, float]:
+    def phases(model: torch.nn.Module) -> tuple[float, float, float]:
         def backward() -> None:
             model(x).sum().backward()
         forward_s = _collective_seconds(lambda: model(x).sum(), device, fixed, time.thread_time)
         both_s = _collective_seconds(backward, device, fixed, time.thread_time)
-        return forward_s, both_s - forward_s
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6)
+        step_s = _collective_seconds(optimizer.step, device, fixed, time.thread_time)
+        return forward_s, both_s - forward_s, step_s
 
     plain = phases(blocks(0, True))
     hooks, reduced, gathered = (phases(blocks(zero, sync))
                                 for zero, sync in ((2, False), (2, True), (3, True)))
     return {"width": width, "plain_s": plain, "zero2_accumulate_s": hooks,
             "zero2_reduce_s": reduced, "zero3_s": gathered,
+            "step_s": max(0.0, (gathered[2] - plain[2]) / units / len(block_shapes(width))),
             "unit_forward_s": max(0.0, (hooks[0] - plain[0]) / units),
             "unit_backward_s": max(0.0, (hooks[1] - plain[1]) / units),
             "scatter_s": max(0.0, (reduced[1] - hooks[1]) / units),

@@ -73,6 +73,7 @@ BUDGET_FLAGS = {
     "fsdp_unit_overhead_backward_s": "--fsdp-unit-overhead-backward",
     "fsdp_gather_overhead_s": "--fsdp-gather-overhead",
     "fsdp_scatter_overhead_s": "--fsdp-scatter-overhead",
+    "fsdp_step_overhead_s": "--fsdp-step-overhead",
     "split_backward_factor": "--split-backward-factor",
     "elementwise_bandwidth": "--elementwise-bandwidth",
     "optimizer_bandwidth": "--optimizer-bandwidth",
@@ -365,6 +366,9 @@ def _budget_arguments(group, *, devices: bool = True) -> None:
     group.add_argument("--fsdp-scatter-overhead", type=SECONDS, metavar="SECONDS",
                        help="ZeRO-2/3: FSDP's own work per unit gradient reduce-scatter "
                             "beyond the collective")
+    group.add_argument("--fsdp-step-overhead", type=SECONDS, metavar="SECONDS",
+                       help="ZeRO-2/3: the optimizer step's excess per sharded parameter "
+                            "tensor (a DTensor) over the plain step")
     group.add_argument("--comm-overlap", type=SHARE, metavar="SHARE",
                        help="the share (0 to 1) of a collective's time that compute "
                             "running beside it hides (default: the profile's, else 1 on "

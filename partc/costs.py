@@ -81,8 +81,8 @@ from typing import Any, Iterable, Sequence
 
 from .collectives import Group, collective_seconds
 from .schedules import schedule as schedule_info
-from .problem import (BUCKET_ELEMENTS, ZERO_STAGES, DeviceNumbers, HeavyOp, LayerCost,
-                      MoECost, PlanningProblem, effective_zero_stage,
+from .problem import (BUCKET_ELEMENTS, SMALL_UNITS_SHARE, ZERO_STAGES, DeviceNumbers,
+                      HeavyOp, LayerCost, MoECost, PlanningProblem, effective_zero_stage,
                       reduces_once_per_step)
 
 PS_PER_S = 10**12
@@ -355,33 +355,41 @@ def _zero_comm_seconds(problem: PlanningProblem, config: PipelineConfig,
 
 
 def _zero_overhead_seconds(problem: PlanningProblem, config: PipelineConfig,
-                           params: int) -> dict[str, float]:
+                           params: int, tensors: int = 1) -> dict[str, float]:
     """FSDP's own work on a ZeRO-2/3 unit of ``params`` parameters, by when it runs (the
     keys of :func:`_zero_comm_seconds`, whose collectives it goes with): its forward and
     backward hooks every microbatch (``DeviceNumbers.fsdp_unit_overhead_s``,
-    ``fsdp_unit_overhead_backward_s``), and around each all-gather and reduce-scatter the
+    ``fsdp_unit_overhead_backward_s``), the optimizer step's dispatch over its ``tensors``
+    sharded parameters once per step (``fsdp_step_overhead_s`` each), and around each all-gather and reduce-scatter the
     unit runs, the fixed work (``fsdp_gather_overhead_s``, ``fsdp_scatter_overhead_s``)
     and the copies: an all-gather copies the rank's shard in and the whole weights out
     (compute dtype), a reduce-scatter the whole gradient in and the shard out (fp32),
     each byte read and written (at ``DeviceNumbers.fsdp_copy_rate``). ZeRO-2 reducing once per step
     accumulates every microbatch's whole fp32 gradient instead of copying it out, about
     as many bytes. It runs on the rank's own thread beside its compute: none of it
-    overlaps."""
+    overlaps.
+
+    A layer too small to be a unit of its own (under ``SMALL_UNITS_SHARE`` of a stage's
+    parameters, about 1/pp of the model's: the runtime joins it to the next unit) adds
+    its bytes to that unit's copies but no work of a unit."""
     zero = config.effective_zero_stage
     result = {"forward": 0.0, "backward": 0.0, "step": 0.0, "sync": 0.0}
     if zero < 2 or params == 0:
         return result
     devices, precision = problem.devices, problem.train.precision
+    unit = params > SMALL_UNITS_SHARE * _rank_params(problem) / config.pp
     copied = 2 * (1 + 1 / config.dp) * params / devices.fsdp_copy_rate
-    gather = devices.fsdp_gather_overhead_s + copied * precision.compute_bytes
-    scatter = devices.fsdp_scatter_overhead_s + copied * precision.master_bytes
-    result.update(forward=devices.fsdp_unit_overhead_s,
-                  backward=devices.fsdp_unit_overhead_backward_s)
+    gather = unit * devices.fsdp_gather_overhead_s + copied * precision.compute_bytes
+    scatter = unit * devices.fsdp_scatter_overhead_s + copied * precision.master_bytes
+    result.update(forward=unit * devices.fsdp_unit_overhead_s,
+                  backward=unit * devices.fsdp_unit_overhead_backward_s,
+                  step=tensors * devices.fsdp_step_overhead_s)
     if zero == 2 and config.reduces_once:
         accumulate = copied * precision.master_bytes
-        result.update(backward=result["backward"] + accumulate, sync=scatter, step=gather)
+        result.update(backward=result["backward"] + accumulate, sync=scatter,
+                      step=result["step"] + gather)
     elif zero == 2:
-        result.update(backward=result["backward"] + scatter, step=gather)
+        result.update(backward=result["backward"] + scatter, step=result["step"] + gather)
     else:
         result.update(forward=result["forward"] + gather,
                       backward=result["backward"] + gather + scatter)
@@ -393,21 +401,23 @@ def dp_group(problem: PlanningProblem, config: PipelineConfig) -> Group:
     return Group.over(problem.devices, config.dp, config.dp * config.tp)
 
 
-def _tail_ps(problem: PlanningProblem, config: PipelineConfig, params: int) -> int:
+def _tail_ps(problem: PlanningProblem, config: PipelineConfig, params: int,
+             tensors: int = 1) -> int:
     """The optimizer step; under ZeRO-1 each rank steps 1/dp of the parameters, then the
     updated weights are all-gathered, bucket by bucket ((d-1)/d of the bytes; in the
     compute dtype, cast from the fp32 masters, in mixed precision), here unless that
     all-gather overlaps the next forward (:func:`_gather_ps`). Under
     ZeRO-2/3 gradients were reduce-scattered during backward: each rank steps its shard,
-    and ZeRO-2 gathers the parameters once per step. (ZeRO 0/1's gradient all-reduce is
-    :func:`_sync_ps`.)"""
+    and ZeRO-2 gathers the parameters once per step; FSDP's work on the ``tensors``
+    parameter tensors then (:func:`_zero_overhead_seconds`). (ZeRO 0/1's gradient
+    all-reduce is :func:`_sync_ps`.)"""
     devices = problem.devices
     seconds = 0.0
     stepped = params
     if config.effective_zero_stage >= 2:
         stepped = params / config.dp
         seconds += _zero_comm_seconds(problem, config, params)["step"]
-        seconds += _zero_overhead_seconds(problem, config, params)["step"]
+        seconds += _zero_overhead_seconds(problem, config, params, tensors)["step"]
     elif config.effective_zero_stage == 1:
         stepped = params / config.dp
         if not gather_overlaps(problem, config):   # else beside the forward: _gather_ps
@@ -645,7 +655,7 @@ def _layer_table(problem: PlanningProblem, config: PipelineConfig, index: int) -
                                            gradient - saved[m]) for m in layer.modes},
         param_count=layer.param_count,
         state_bytes=_state_bytes(problem, config, layer.param_count),
-        tail_ps=_tail_ps(problem, config, layer.param_count),
+        tail_ps=_tail_ps(problem, config, layer.param_count, max(1, layer.param_tensors)),
         sync_ps=_sync_ps(problem, config, layer.param_count),
         gather_ps=_gather_ps(problem, config, layer.param_count),
     )
@@ -847,7 +857,8 @@ def _layer_key(layer) -> tuple:
             tuple(sorted(layer.recompute_flops.items())),
             tuple(sorted(layer.recompute_mem_bytes.items())), layer.workspace_bytes,
             layer.tp_comm, layer.tp_overlap_flops, layer.num_nodes, layer.fused_mem_bytes,
-            layer.fused_kernels, tuple(sorted(layer.recompute_nodes.items())))
+            layer.fused_kernels, tuple(sorted(layer.recompute_nodes.items())),
+            layer.param_tensors)
 
 
 def build_cost_table(problem: PlanningProblem, config: PipelineConfig,
@@ -1251,7 +1262,8 @@ def moe_layer_table(whole: MoECost, problem: PlanningProblem, config: PipelineCo
                                            gradient - saved[m]) for m in layer.modes},
         param_count=dense + experts,
         state_bytes={k: state_d[k] + state_e[k] for k in state_d},
-        tail_ps=_tail_ps(problem, config, dense) + _tail_ps(problem, expert_config, experts),
+        tail_ps=_tail_ps(problem, config, dense, max(1, layer.param_tensors))
+        + _tail_ps(problem, expert_config, experts),
         sync_ps=_sync_ps(problem, config, dense) + _sync_ps(problem, expert_config, experts),
         gather_ps=_gather_ps(problem, config, dense)
         + _gather_ps(problem, expert_config, experts),

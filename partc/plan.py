@@ -387,6 +387,7 @@ class BudgetInfo:
     fsdp_unit_overhead_backward_s: float | None = None
     fsdp_gather_overhead_s: float | None = None
     fsdp_scatter_overhead_s: float | None = None
+    fsdp_step_overhead_s: float | None = None
     comm_overlap: float | None = None   # absent in older plans: the device's default
     split_backward_factor: float | None = None   # likewise
     elementwise_bandwidth: float | None = None   # None: the cost model used hbm_bandwidth

@@ -54,6 +54,7 @@ class DevicePreset:
     fsdp_unit_overhead_backward_s: float = 0.0
     fsdp_gather_overhead_s: float = 0.0
     fsdp_scatter_overhead_s: float = 0.0
+    fsdp_step_overhead_s: float = 0.0
     # The share of a collective's time that compute running beside it hides (see
     # DeviceNumbers.comm_overlap). GPUs 1: NCCL runs on its own SMs and copy engines. A
     # CPU 0: gloo's threads need the cores that the ranks' compute already fills, so a
@@ -120,13 +121,14 @@ PRESETS: dict[str, DevicePreset] = {
             op_overhead_s=10e-6, op_overhead_backward_s=20e-6, matmul_overhead_s=2e-6,
             # FSDP2 under ZeRO-2/3, per unit (a transformer block's 12 tensors) and
             # microbatch: its hooks, and its own work around each all-gather and
-            # reduce-scatter, its copies apart, which run at 6 GB/s. Round figures of
-            # `partc calibrate --quick` on the same machine (2 gloo ranks: 135-165 and
-            # 105-140 us of hooks forward and backward, 560-630 us per all-gather,
-            # 430-480 us per reduce-scatter, copies at 5.7-6.9 GB/s).
+            # reduce-scatter, its copies apart, which run at 6 GB/s; AdamW's step over
+            # DTensors, per tensor. Round figures of `partc calibrate --quick` on the same
+            # machine (2 gloo ranks: 135-195 and 105-140 us of hooks forward and
+            # backward, 550-640 us per all-gather, 430-490 us per reduce-scatter, copies
+            # at 4.9-6.9 GB/s, 135-145 us per tensor's step).
             fsdp_unit_overhead_s=150e-6, fsdp_unit_overhead_backward_s=120e-6,
             fsdp_gather_overhead_s=600e-6, fsdp_scatter_overhead_s=450e-6,
-            fsdp_copy_bandwidth=6 * GB,
+            fsdp_step_overhead_s=140e-6, fsdp_copy_bandwidth=6 * GB,
             comm_overlap=0.0, split_backward_factor=1.25),
     )
 }

@@ -38,6 +38,13 @@ MASTER_BYTES = 4.0   # fp32, the dtype of master weights and their gradients
 # Elements per gradient bucket the runtime reduces over dp at once under ZeRO 0/1
 # (``partc/runtime/optimizer.py``; 100 MB of fp32 gradients, Megatron's order of size).
 BUCKET_ELEMENTS = 25_000_000
+# The share of a stage's parameters that its small layers (norms, position embeddings)
+# may hold for them not to be FSDP units of their own under ZeRO-2/3: each unit costs an
+# all-gather and a reduce-scatter per microbatch (two all-gathers under ZeRO-3), whose
+# latency and FSDP's work a layer of a few thousand parameters does not repay in memory.
+# The runtime joins them to the next unit (``partc.runtime.module._unit_groups``); the
+# cost model charges them no unit's work of their own.
+SMALL_UNITS_SHARE = 0.01
 
 
 def effective_zero_stage(zero_stage: int, dp: int) -> int:
@@ -190,6 +197,9 @@ class LayerCost:
     # The ops the layer calls per microbatch (what dispatch is paid for): its graph's
     # calls and the casts autocast inserts beside them.
     num_nodes: int = 0
+    # Parameter tensors among ``param_count`` (ZeRO-2/3's optimizer step pays FSDP's
+    # dispatch per tensor: DeviceNumbers.fsdp_step_overhead_s); 0: not counted, one.
+    param_tensors: int = 0
     # Tensor-parallel collectives per sample: (kind, "forward"/"backward", bytes of the
     # whole tensor). Empty without tensor parallelism.
     tp_comm: tuple[tuple[str, str, float], ...] = ()
@@ -367,6 +377,9 @@ class DeviceNumbers:
     fsdp_unit_overhead_backward_s: float = 0.0
     fsdp_gather_overhead_s: float = 0.0
     fsdp_scatter_overhead_s: float = 0.0
+    # The optimizer step over sharded parameters (DTensors: dispatch per tensor and op)
+    # beyond the step over plain tensors, per parameter tensor and step.
+    fsdp_step_overhead_s: float = 0.0
     # The share of a collective's time hidden by compute running beside it (0 to 1): a
     # collective of c seconds overlapping compute of t seconds costs c + t - comm_overlap
     # * min(c, t). 1 where the collective has its own engine (NCCL on a GPU); on a CPU
@@ -402,7 +415,8 @@ class DeviceNumbers:
                                  f"got {value!r}")
         for name in ("op_overhead_s", "op_overhead_backward_s", "matmul_overhead_s",
                      "fsdp_unit_overhead_s", "fsdp_unit_overhead_backward_s",
-                     "fsdp_gather_overhead_s", "fsdp_scatter_overhead_s"):
+                     "fsdp_gather_overhead_s", "fsdp_scatter_overhead_s",
+                     "fsdp_step_overhead_s"):
             value = getattr(self, name)
             if not value >= 0:
                 raise ValueError(f"DeviceNumbers.{name} must be 0 or more, got {value!r}")

@@ -180,7 +180,8 @@ def test_budget_numbers_follow_from_the_samples(calibrated):
         figures[width] = {"unit_forward_s": (hooks[0] - plain[0]) / units,
                           "unit_backward_s": (hooks[1] - plain[1]) / units,
                           "scatter_s": (reduced[1] - hooks[1]) / units,
-                          "gather_s": (gathered[0] - hooks[0]) / units}
+                          "gather_s": (gathered[0] - hooks[0]) / units,
+                          "step_s": (gathered[2] - plain[2]) / units / 12}
         for key, value in figures[width].items():
             assert timed[key] == pytest.approx(max(0.0, value))
     for name, key in FSDP_FIGURES.items():
@@ -338,7 +339,7 @@ def test_each_collective_kind_and_the_overheads_reach_the_cost_model(calibrated,
         cpu.op_overhead_s, cpu.op_overhead_backward_s, cpu.matmul_overhead_s)
     assert old.elementwise_bandwidth is None and old.optimizer_bandwidth is None
     assert all(getattr(old, key) == getattr(cpu, key) for key in FSDP_FIGURES)
-    assert old.fsdp_copy_bandwidth is None   # the cost model copies at hbm_bandwidth
+    assert old.fsdp_copy_bandwidth == cpu.fsdp_copy_bandwidth
     with pytest.raises(ProfileError, match="collective fit 'broadcast'"):
         load_profile(_edited(calibrated, tmp_path, lambda p: p["budget"]["collective_links"]
                              .update(broadcast={"latency_s": 0, "bandwidth": 1})))

@@ -9,6 +9,8 @@ weights, momentum and variance per parameter) over N_d = 64 data-parallel device
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -168,3 +170,100 @@ def test_comm_overlap_hides_only_its_share(overlap):
     assert any(s.forward_ps > h.forward_ps for h, s in zip(rows[0], rows[1]))
     assert overlapped(2.0, 1.0, overlap) == pytest.approx(3.0 - overlap)
     assert overlapped(1.0, 2.0, 1.0) == 2.0 and PS_PER_S == 10**12
+
+
+# FSDP's own work (DeviceNumbers.fsdp_*), chosen apart so each shows in the sums.
+FSDP_WORK = dict(fsdp_unit_overhead_s=1e-4, fsdp_unit_overhead_backward_s=2e-4,
+                 fsdp_gather_overhead_s=4e-4, fsdp_scatter_overhead_s=8e-4,
+                 fsdp_step_overhead_s=16e-4, fsdp_copy_bandwidth=1e9)
+
+
+def _fsdp_instance(work: dict):
+    """Two layers of 100k parameters and one of 100 (under SMALL_UNITS_SHARE: no unit
+    of its own), of 12, 2 and (not counted: one) parameter tensors, on two replicas; no
+    link cost, so FSDP's work is all that differs."""
+    from tests.planner.instances import devices, layer, problem
+
+    numbers = replace(devices(2, 10**9, bandwidth=1e18, overlap=0.0), **work)
+    layers = [replace(layer("a", params=100_000), param_tensors=12),
+              replace(layer("norm", params=100), param_tensors=2), layer("b", params=100_000)]
+    return problem(layers, [1e3, 1e3], numbers, batch=4, micro_batch_sizes=(1,))
+
+
+@pytest.mark.parametrize("zero", [2, 3])
+def test_fsdp_work_is_charged_per_unit_and_microbatch_and_reaches_the_step(zero):
+    """ZeRO-2/3's FSDP work (hooks, fixed work and copies of each all-gather and
+    reduce-scatter, the optimizer step's dispatch over DTensors) as
+    :func:`partc.costs._zero_overhead_seconds` says: per unit in every microbatch's
+    forward and backward, once per step in the tail (the step's dispatch per tensor),
+    and m times in the step time."""
+    from partc.costs import PipelineConfig, build_cost_table, evaluate, to_ps
+
+    config = PipelineConfig(pp=1, dp=2, micro_batch_size=1, num_microbatches=4,
+                            schedule="1f1b", zero_stage=zero)
+    # Before: no FSDP work, copies free.
+    tables = [build_cost_table(_fsdp_instance(work), config)
+              for work in ({"fsdp_copy_bandwidth": 1e18}, FSDP_WORK)]
+    # A unit's copies: its shard in and its whole weights (or gradient) out, 2 (1 + 1/2)
+    # bytes moved per byte, fp32 here, at 1 GB/s.
+    copies = {100_000: 2 * 1.5 * 4 * 100_000 / 1e9, 100: 2 * 1.5 * 4 * 100 / 1e9}
+    names = ["a", "norm", "b"]
+    for before, after in zip(*(table.layers for table in tables)):
+        unit = after.param_count == 100_000
+        work = {k: unit * v for k, v in FSDP_WORK.items() if k.endswith("_s")}
+        gather = work["fsdp_gather_overhead_s"] + copies[after.param_count]
+        scatter = work["fsdp_scatter_overhead_s"] + copies[after.param_count]
+        forward = work["fsdp_unit_overhead_s"] + (gather if zero == 3 else 0.0)
+        backward = work["fsdp_unit_overhead_backward_s"] + scatter + (
+            gather if zero == 3 else 0.0)
+        tensors = {"a": 12, "norm": 2, "b": 1}[names.pop(0)]
+        tail = tensors * FSDP_WORK["fsdp_step_overhead_s"] + (gather if zero == 2 else 0.0)
+        assert after.forward_ps - before.forward_ps == pytest.approx(to_ps(forward), abs=5)
+        assert after.backward_ps - before.backward_ps == pytest.approx(to_ps(backward), abs=5)
+        assert after.tail_ps - before.tail_ps == pytest.approx(to_ps(tail), abs=5)
+    # One stage: every microbatch's forward and backward, then the tail.
+    steps = [evaluate(table, [0, 0, 0], ["none"] * 3).step_ps for table in tables]
+    per_microbatch = sum(a.forward_ps + a.backward_ps - b.forward_ps - b.backward_ps
+                         for b, a in zip(tables[0].layers, tables[1].layers))
+    per_step = sum(a.tail_ps - b.tail_ps for b, a in zip(tables[0].layers, tables[1].layers))
+    assert per_microbatch > 0 and steps[1] - steps[0] == 4 * per_microbatch + per_step
+
+
+def test_fsdp_work_is_no_part_of_zero_0_or_1_and_gpus_run_it_ahead():
+    from partc.costs import PipelineConfig, build_cost_table
+
+    for zero in (0, 1):
+        config = PipelineConfig(pp=1, dp=2, micro_batch_size=1, num_microbatches=4,
+                                schedule="1f1b", zero_stage=zero)
+        assert build_cost_table(_fsdp_instance({}), config).layers == \
+            build_cost_table(_fsdp_instance(FSDP_WORK), config).layers
+    for name in ("H100", "A100-80GB", "H200"):
+        numbers = partc.DeviceBudget(num_devices=8, device=name)
+        assert all(numbers.overhead(key) == 0.0 for key in FSDP_WORK if key.endswith("_s"))
+        assert numbers.rate("fsdp_copy_bandwidth") is None   # HBM bandwidth
+
+
+def test_the_cpu_preset_prices_fsdp_in_a_planned_zero3_step():
+    """End to end: the sample GPT planned with ZeRO-3 on the CPU preset predicts a longer
+    step than with FSDP's work set to nothing, by at least the preset's fixed work of
+    its two blocks (units of their own) in each of the step's two microbatches: hooks,
+    two all-gathers and a reduce-scatter."""
+    budget = dict(num_devices=2, device="CPU", memory="1GiB")
+    nothing = {key: 0.0 for key in FSDP_WORK if key.endswith("_s")}
+    steps = [_dp_program_on(partc.DeviceBudget(**budget, **work)).plan.predicted.step_time_s
+             for work in (nothing, {})]
+    cpu = partc.PRESETS["CPU"]
+    fixed = (cpu.fsdp_unit_overhead_s + cpu.fsdp_unit_overhead_backward_s
+             + 2 * cpu.fsdp_gather_overhead_s + cpu.fsdp_scatter_overhead_s)
+    assert fixed > 0 and steps[1] - steps[0] >= 2 * 2 * fixed
+
+
+def _dp_program_on(budget: partc.DeviceBudget) -> partc.Program:
+    from samples.gpt import gpt_tiny, loss_fn
+
+    model = gpt_tiny(n_layer=2, n_embd=128, vocab_size=512)
+    ids = torch.zeros(2, 32, dtype=torch.long)
+    return partc.compile(model, (ids,), loss_fn=loss_fn, example_target=ids, budget=budget,
+                         train=partc.TrainSpec(global_batch_size=8, optimizer="adamw"),
+                         constraints=partc.Constraints(pp=1, tp=1, dp=2, zero_stage=3,
+                                                       num_microbatches=2))

@@ -59,6 +59,7 @@ from partc.errors import PartcError, PlanMismatchError
 from partc.identity import model_hash
 from partc.placement import Placement
 from partc.plan import InputSpec, Plan
+from partc.problem import SMALL_UNITS_SHARE
 from partc.schedules import schedule as schedule_facts
 
 from . import experts
@@ -900,13 +901,6 @@ def _shard_experts(layer: experts.ExpertParallel, topology: Topology, zero_stage
         layer.set_gradient_divide_factor(topology.dp)
         if mesh.size() > 1:  # a sum then a division (gloo has no pre-multiplied sum)
             layer.set_force_sum_reduction_for_comms(True)
-
-
-# The share of a stage's parameters that its small layers (norms, position embeddings)
-# may hold for them not to be units of their own: each unit costs an all-gather and a
-# reduce-scatter per microbatch (two all-gathers under ZeRO-3), whose latency a layer
-# of a few thousand parameters does not repay in memory.
-SMALL_UNITS_SHARE = 0.01
 
 
 def _unit_groups(units: list[nn.Module], stage_params: int) -> list[list[nn.Module]]:
