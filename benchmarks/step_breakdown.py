@@ -4,6 +4,7 @@ other jobs on a shared machine do not disturb.
 
     python benchmarks/step_breakdown.py [--batches 1 2 4 8] [--wall]
     python benchmarks/step_breakdown.py --zero 2 3 [--batches 2 8]   # FSDP, 2 gloo ranks
+    python benchmarks/step_breakdown.py --steps dp0 dp1 tp [--batches 2 8]
 
 The device numbers are measured first, by ``partc calibrate``'s own functions (its quick
 sizes) under the same clock: best matmul rate and per-call overhead, linear layers'
@@ -29,6 +30,12 @@ with ``partc.load`` and time, by their thread's CPU time, the stage module's for
 the loss, its backward (FSDP's hooks, copies and reduce-scatters included, the waits
 for the collectives not) and the tail: ``AdamW.step`` over the rank's shards, and under
 ZeRO-2 the all-gather of the stepped weights before the next forward.
+
+``--steps`` does the same for whole steps as the runtime runs them
+(``forward_backward`` with its schedule, buckets and collectives, then ``AdamW.step``
+and ``zero_grad``) of the plans named: ``dp0``, ``dp1``, ``dp2``, ``dp3`` (dp=2 at that
+ZeRO stage) and ``tp`` (tp=2), by the thread's CPU time against the plan's forward +
+backward and tail with free links.
 """
 
 from __future__ import annotations
@@ -108,6 +115,12 @@ RANKS = 2
 FREE_LINKS = dict(intra_node_bandwidth=1e15, intra_node_latency_s=1e-12)
 
 
+# --steps: the plans by name, pinned on the two ranks.
+STEP_PLANS = {"dp0": dict(dp=2, tp=1, zero_stage=0), "dp1": dict(dp=2, tp=1, zero_stage=1),
+              "dp2": dict(dp=2, tp=1, zero_stage=2), "dp3": dict(dp=2, tp=1, zero_stage=3),
+              "tp": dict(dp=1, tp=2)}
+
+
 def _rank_worker(rank: int, store: str, job: dict) -> None:
     """One of the two gloo ranks: measure FSDP's figures (``job["measure"]``) or time
     each saved program's phases, written by rank 0 to ``job["out"]``."""
@@ -118,6 +131,8 @@ def _rank_worker(rank: int, store: str, job: dict) -> None:
     try:
         if job["measure"]:
             result = calibrate.measure_fsdp(CPU, sizes)
+        elif job.get("whole"):
+            result = {folder: _step_phases(folder, sizes) for folder in job["programs"]}
         else:
             result = {folder: _zero_phases(folder, sizes) for folder in job["programs"]}
         if rank == 0:
@@ -160,6 +175,57 @@ def _zero_phases(folder: str, sizes: calibrate.Sizes) -> tuple[float, float, flo
     timed = [calibrate._collective_seconds(fn, CPU, sizes, time.thread_time)
              for fn in (forward, both, tail)]
     return timed[0], timed[1] - timed[0], timed[2]
+
+
+def _step_phases(folder: str, sizes: calibrate.Sizes) -> tuple[float, float]:
+    """(forward + backward, tail) thread CPU seconds of the program saved in ``folder``
+    as the runtime runs a step, each the slowest rank's median."""
+    module = partc.load(folder, model(), loss_fn=loss_fn).build()
+    optimizer = torch.optim.AdamW(module.parameters(), lr=1e-4)
+    ids, target = batch()
+    size = module.plan.micro_batch_size * module.plan.num_microbatches * module.plan.dp
+    ids, target = ids[:size], target[:size]
+
+    def tail() -> None:
+        optimizer.step()
+        optimizer.zero_grad()
+
+    work = calibrate._collective_seconds(lambda: module.forward_backward(ids, target=target),
+                                         CPU, sizes, time.thread_time)
+    return work, calibrate._collective_seconds(tail, CPU, sizes, time.thread_time)
+
+
+def steps_main(names: list[str], batches: list[int]) -> None:
+    """Whole steps of the named plans against their predictions (free links)."""
+    sizes = dataclasses.replace(calibrate.SIZES["cpu", True], clock=time.thread_time)
+    numbers = device_numbers(sizes) | FREE_LINKS
+    fsdp = _spawn({"measure": True})
+    numbers |= {name: fsdp[key] for name, key in calibrate.FSDP_FIGURES.items()}
+    ids, _ = batch()
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="step-breakdown-plans-") as folder:
+        for name in names:
+            for b in batches:
+                replicas = STEP_PLANS[name]["dp"]
+                program = partc.compile(
+                    model(), (ids[:b],), loss_fn=loss_fn,
+                    budget=partc.DeviceBudget(num_devices=RANKS, device="CPU", **numbers),
+                    train=partc.TrainSpec(global_batch_size=replicas * b),
+                    constraints=partc.Constraints(pp=1, num_microbatches=1,
+                                                  recompute="none", **STEP_PLANS[name]))
+                time_s = program.plan.stages[0].time_s
+                path = str(Path(folder) / f"{name}-b{b}")
+                program.save(path)
+                rows.append((f"{name} b{b}", path, time_s.forward + time_s.backward,
+                             time_s.tail))
+        measured_phases = _spawn({"measure": False, "whole": True,
+                                  "programs": [row[1] for row in rows]})
+    print(f"{'plan':<9}{'phase':<10}{'measured':>10}{'predicted':>11}{'ratio':>7}")
+    for name, path, work, tail in rows:
+        for phase, seconds, predicted in zip(("fwd+bwd", "tail"), measured_phases[path],
+                                             (work, tail)):
+            print(f"{name:<9}{phase:<10}{seconds * 1e3:>8.1f}ms{predicted * 1e3:>9.1f}ms"
+                  f"{predicted / seconds:>7.2f}")
 
 
 def _spawn(job: dict) -> object:
@@ -227,10 +293,15 @@ def main() -> None:
     parser.add_argument("--wall", action="store_true", help="time by wall clock")
     parser.add_argument("--zero", type=int, nargs="*", choices=(2, 3),
                         help="ZeRO-2/3 on two gloo ranks instead (by CPU time)")
+    parser.add_argument("--steps", nargs="*", choices=tuple(STEP_PLANS),
+                        help="whole steps of these plans on two gloo ranks (by CPU time)")
     args = parser.parse_args()
     torch.set_num_threads(1)
     if args.zero:
         zero_main(args.zero, args.batches)
+        return
+    if args.steps:
+        steps_main(args.steps, args.batches)
         return
     clock = time.perf_counter if args.wall else time.thread_time
     sizes = dataclasses.replace(calibrate.SIZES["cpu", True], clock=clock)
