@@ -32,10 +32,10 @@ for the collectives not) and the tail: ``AdamW.step`` over the rank's shards, an
 ZeRO-2 the all-gather of the stepped weights before the next forward.
 
 ``--steps`` does the same for whole steps as the runtime runs them
-(``forward_backward`` with its schedule, buckets and collectives, then ``AdamW.step``
-and ``zero_grad``) of the plans named: ``dp0``, ``dp1``, ``dp2``, ``dp3`` (dp=2 at that
-ZeRO stage) and ``tp`` (tp=2), by the thread's CPU time against the plan's forward +
-backward and tail with free links.
+(``forward_backward`` with its schedule, buckets and collectives, then ``AdamW.step``)
+of the plans named: ``dp0``, ``dp1``, ``dp2``, ``dp3`` (dp=2 at that ZeRO stage) and
+``tp`` (tp=2; ``tp-sp``, ``tp-nosp`` with sequence parallelism pinned on or off), by the
+thread's CPU time against the plan's forward + backward and tail with free links.
 """
 
 from __future__ import annotations
@@ -118,7 +118,8 @@ FREE_LINKS = dict(intra_node_bandwidth=1e15, intra_node_latency_s=1e-12)
 # --steps: the plans by name, pinned on the two ranks.
 STEP_PLANS = {"dp0": dict(dp=2, tp=1, zero_stage=0), "dp1": dict(dp=2, tp=1, zero_stage=1),
               "dp2": dict(dp=2, tp=1, zero_stage=2), "dp3": dict(dp=2, tp=1, zero_stage=3),
-              "tp": dict(dp=1, tp=2)}
+              "tp": dict(dp=1, tp=2), "tp-nosp": dict(dp=1, tp=2, sequence_parallel=False),
+              "tp-sp": dict(dp=1, tp=2, sequence_parallel=True)}
 
 
 def _rank_worker(rank: int, store: str, job: dict) -> None:
@@ -186,13 +187,11 @@ def _step_phases(folder: str, sizes: calibrate.Sizes) -> tuple[float, float]:
     size = module.plan.micro_batch_size * module.plan.num_microbatches * module.plan.dp
     ids, target = ids[:size], target[:size]
 
-    def tail() -> None:
-        optimizer.step()
-        optimizer.zero_grad()
-
+    # The step over the gradients the last step's backward left (zeroed, the step
+    # would skip every parameter).
     work = calibrate._collective_seconds(lambda: module.forward_backward(ids, target=target),
                                          CPU, sizes, time.thread_time)
-    return work, calibrate._collective_seconds(tail, CPU, sizes, time.thread_time)
+    return work, calibrate._collective_seconds(optimizer.step, CPU, sizes, time.thread_time)
 
 
 def steps_main(names: list[str], batches: list[int]) -> None:
@@ -218,13 +217,15 @@ def steps_main(names: list[str], batches: list[int]) -> None:
                 program.save(path)
                 rows.append((f"{name} b{b}", path, time_s.forward + time_s.backward,
                              time_s.tail))
+                print(f"{name} b{b}: sequence parallel {program.plan.sequence_parallel}, "
+                      f"ZeRO {program.plan.zero_stage}")
         measured_phases = _spawn({"measure": False, "whole": True,
                                   "programs": [row[1] for row in rows]})
-    print(f"{'plan':<9}{'phase':<10}{'measured':>10}{'predicted':>11}{'ratio':>7}")
+    print(f"{'plan':<12}{'phase':<10}{'measured':>10}{'predicted':>11}{'ratio':>7}")
     for name, path, work, tail in rows:
         for phase, seconds, predicted in zip(("fwd+bwd", "tail"), measured_phases[path],
                                              (work, tail)):
-            print(f"{name:<9}{phase:<10}{seconds * 1e3:>8.1f}ms{predicted * 1e3:>9.1f}ms"
+            print(f"{name:<12}{phase:<10}{seconds * 1e3:>8.1f}ms{predicted * 1e3:>9.1f}ms"
                   f"{predicted / seconds:>7.2f}")
 
 
