@@ -189,8 +189,10 @@ def _step_phases(folder: str, sizes: calibrate.Sizes) -> tuple[float, float]:
 
     # The step over the gradients the last step's backward left (zeroed, the step
     # would skip every parameter).
-    work = calibrate._collective_seconds(lambda: module.forward_backward(ids, target=target),
-                                         CPU, sizes, time.thread_time)
+    def step() -> None:
+        module.forward_backward(ids, target=target)
+
+    work = calibrate._collective_seconds(step, CPU, sizes, time.thread_time)
     return work, calibrate._collective_seconds(optimizer.step, CPU, sizes, time.thread_time)
 
 

@@ -684,7 +684,8 @@ def measure_fsdp(device: torch.device, sizes: Sizes, units: int = FSDP_UNITS) ->
     wide = _fsdp_figures(device, sizes, units, sizes.linear[0][1])
     params = {width: sum(math.prod(shape) for shape in block_shapes(width))
               for width in (FSDP_TINY_WIDTH, sizes.linear[0][1])}
-    copied = 2 * (1 + 1 / ranks) * 4 * (params[sizes.linear[0][1]] - params[FSDP_TINY_WIDTH])
+    added = params[sizes.linear[0][1]] - params[FSDP_TINY_WIDTH]
+    copied = 2 * (1 + 1 / ranks) * 4 * added
     copy_s = (wide["gather_s"] - tiny["gather_s"]) + (wide["scatter_s"] - tiny["scatter_s"])
     result = {"units": units, "clock": "thread CPU time", "tiny": tiny, "wide": wide,
               "params_per_unit": params, "copied_bytes": 2 * copied, "copy_s": copy_s,
@@ -692,7 +693,8 @@ def measure_fsdp(device: torch.device, sizes: Sizes, units: int = FSDP_UNITS) ->
     result.update({key: tiny[key] for key in ("unit_forward_s", "unit_backward_s",
                                               "gather_s", "scatter_s", "step_s")})
     log.info("FSDP per unit and microbatch: hooks %s forward, %s backward; %s per "
-             "all-gather, %s per reduce-scatter, %s per tensor's optimizer step, copies at %s",
+             "all-gather, %s per reduce-scatter, %s per tensor's optimizer step, copies "
+             "at %s",
              *(format_seconds(result[key]) for key in (
                  "unit_forward_s", "unit_backward_s", "gather_s", "scatter_s", "step_s")),
              _rate(result["copy_bytes_per_s"]) if result["copy_bytes_per_s"] else "-")
@@ -723,7 +725,8 @@ def _fsdp_figures(device: torch.device, sizes: Sizes, units: int, width: int) ->
     def phases(model: torch.nn.Module) -> tuple[float, float, float]:
         def backward() -> None:
             model(x).sum().backward()
-        forward_s = _collective_seconds(lambda: model(x).sum(), device, fixed, time.thread_time)
+        forward_s = _collective_seconds(lambda: model(x).sum(), device, fixed,
+                                        time.thread_time)
         both_s = _collective_seconds(backward, device, fixed, time.thread_time)
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6)
         step_s = _collective_seconds(optimizer.step, device, fixed, time.thread_time)

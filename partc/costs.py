@@ -58,10 +58,10 @@ Model (per pipeline stage ``s`` of ``p``, ``m`` microbatches of ``b`` samples):
   reduction, exposed after the pipeline drains where that backward does not hide it.
   FSDP's own work on the unit beside its collectives, which no collective hides
   (:func:`_zero_overhead_seconds`): its hooks every microbatch, forward and backward,
-  and per all-gather and reduce-scatter the copies in and out (``fsdp_copy_bandwidth``,
-  else HBM bandwidth) and the
-  fixed work of each (``DeviceNumbers.fsdp_*_overhead_s``: a CPU's dispatch, calibrated;
-  0 on a GPU, whose host runs ahead of its kernels);
+  per all-gather and reduce-scatter the copies in and out (``fsdp_copy_bandwidth``,
+  else HBM bandwidth) and the fixed work of each, and the optimizer step's dispatch per
+  sharded tensor (``DeviceNumbers.fsdp_*_overhead_s``: a CPU's, calibrated; 0 on a GPU,
+  whose host runs ahead of its kernels);
 - memory of stage ``s``: parameters + gradients + optimizer state of every parameter the
   stage uses (a tied parameter on every stage that uses it) + saved activations times the
   microbatches in flight (1F1B: ``min(m, p - s)``; GPipe: ``m``; the others counted from
@@ -359,12 +359,13 @@ def _zero_overhead_seconds(problem: PlanningProblem, config: PipelineConfig,
     """FSDP's own work on a ZeRO-2/3 unit of ``params`` parameters, by when it runs (the
     keys of :func:`_zero_comm_seconds`, whose collectives it goes with): its forward and
     backward hooks every microbatch (``DeviceNumbers.fsdp_unit_overhead_s``,
-    ``fsdp_unit_overhead_backward_s``), the optimizer step's dispatch over its ``tensors``
-    sharded parameters once per step (``fsdp_step_overhead_s`` each), and around each all-gather and reduce-scatter the
-    unit runs, the fixed work (``fsdp_gather_overhead_s``, ``fsdp_scatter_overhead_s``)
-    and the copies: an all-gather copies the rank's shard in and the whole weights out
-    (compute dtype), a reduce-scatter the whole gradient in and the shard out (fp32),
-    each byte read and written (at ``DeviceNumbers.fsdp_copy_rate``). ZeRO-2 reducing once per step
+    ``fsdp_unit_overhead_backward_s``), the optimizer step's dispatch over its
+    ``tensors`` sharded parameters once per step (``fsdp_step_overhead_s`` each), and
+    around each all-gather and reduce-scatter the unit runs, the fixed work
+    (``fsdp_gather_overhead_s``, ``fsdp_scatter_overhead_s``) and the copies: an
+    all-gather copies the rank's shard in and the whole weights out (compute dtype), a
+    reduce-scatter the whole gradient in and the shard out (fp32), each byte read and
+    written (at :attr:`DeviceNumbers.fsdp_copy_rate`). ZeRO-2 reducing once per step
     accumulates every microbatch's whole fp32 gradient instead of copying it out, about
     as many bytes. It runs on the rank's own thread beside its compute: none of it
     overlaps.
@@ -377,12 +378,12 @@ def _zero_overhead_seconds(problem: PlanningProblem, config: PipelineConfig,
     if zero < 2 or params == 0:
         return result
     devices, precision = problem.devices, problem.train.precision
-    unit = params > SMALL_UNITS_SHARE * _rank_params(problem) / config.pp
+    units = 1.0 if params > SMALL_UNITS_SHARE * _rank_params(problem) / config.pp else 0.0
     copied = 2 * (1 + 1 / config.dp) * params / devices.fsdp_copy_rate
-    gather = unit * devices.fsdp_gather_overhead_s + copied * precision.compute_bytes
-    scatter = unit * devices.fsdp_scatter_overhead_s + copied * precision.master_bytes
-    result.update(forward=unit * devices.fsdp_unit_overhead_s,
-                  backward=unit * devices.fsdp_unit_overhead_backward_s,
+    gather = units * devices.fsdp_gather_overhead_s + copied * precision.compute_bytes
+    scatter = units * devices.fsdp_scatter_overhead_s + copied * precision.master_bytes
+    result.update(forward=units * devices.fsdp_unit_overhead_s,
+                  backward=units * devices.fsdp_unit_overhead_backward_s,
                   step=tensors * devices.fsdp_step_overhead_s)
     if zero == 2 and config.reduces_once:
         accumulate = copied * precision.master_bytes

@@ -186,7 +186,8 @@ def _fsdp_instance(work: dict):
 
     numbers = replace(devices(2, 10**9, bandwidth=1e18, overlap=0.0), **work)
     layers = [replace(layer("a", params=100_000), param_tensors=12),
-              replace(layer("norm", params=100), param_tensors=2), layer("b", params=100_000)]
+              replace(layer("norm", params=100), param_tensors=2),
+              layer("b", params=100_000)]
     return problem(layers, [1e3, 1e3], numbers, batch=4, micro_batch_sizes=(1,))
 
 
@@ -219,7 +220,8 @@ def test_fsdp_work_is_charged_per_unit_and_microbatch_and_reaches_the_step(zero)
         tensors = {"a": 12, "norm": 2, "b": 1}[names.pop(0)]
         tail = tensors * FSDP_WORK["fsdp_step_overhead_s"] + (gather if zero == 2 else 0.0)
         assert after.forward_ps - before.forward_ps == pytest.approx(to_ps(forward), abs=5)
-        assert after.backward_ps - before.backward_ps == pytest.approx(to_ps(backward), abs=5)
+        assert after.backward_ps - before.backward_ps == pytest.approx(
+            to_ps(backward), abs=5)
         assert after.tail_ps - before.tail_ps == pytest.approx(to_ps(tail), abs=5)
     # One stage: every microbatch's forward and backward, then the tail.
     steps = [evaluate(table, [0, 0, 0], ["none"] * 3).step_ps for table in tables]
