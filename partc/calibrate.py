@@ -631,7 +631,8 @@ FSDP_UNITS = 8
 # The budget's FSDP numbers (DeviceNumbers) and measure_fsdp's figures they are.
 FSDP_FIGURES = {"fsdp_unit_overhead_s": "unit_forward_s",
                 "fsdp_unit_overhead_backward_s": "unit_backward_s",
-                "fsdp_gather_overhead_s": "gather_s", "fsdp_scatter_overhead_s": "scatter_s",
+                "fsdp_gather_overhead_s": "gather_s",
+                "fsdp_scatter_overhead_s": "scatter_s",
                 "fsdp_step_overhead_s": "step_s", "fsdp_copy_bandwidth": "copy_bytes_per_s"}
 # The tiny units' width: their copies cost next to nothing.
 FSDP_TINY_WIDTH = 8

@@ -227,7 +227,8 @@ def test_fsdp_work_is_charged_per_unit_and_microbatch_and_reaches_the_step(zero)
     steps = [evaluate(table, [0, 0, 0], ["none"] * 3).step_ps for table in tables]
     per_microbatch = sum(a.forward_ps + a.backward_ps - b.forward_ps - b.backward_ps
                          for b, a in zip(tables[0].layers, tables[1].layers))
-    per_step = sum(a.tail_ps - b.tail_ps for b, a in zip(tables[0].layers, tables[1].layers))
+    per_step = sum(a.tail_ps - b.tail_ps
+                   for b, a in zip(tables[0].layers, tables[1].layers))
     assert per_microbatch > 0 and steps[1] - steps[0] == 4 * per_microbatch + per_step
 
 
