@@ -72,6 +72,7 @@ BUDGET_FLAGS = {
     "split_backward_factor": "--split-backward-factor",
     "elementwise_bandwidth": "--elementwise-bandwidth",
     "optimizer_bandwidth": "--optimizer-bandwidth",
+    "attention_efficiency": "--attention-efficiency",
 }
 
 UNITS = """\
@@ -365,6 +366,9 @@ def _budget_arguments(group, *, devices: bool = True) -> None:
     group.add_argument("--optimizer-bandwidth", type=RATE, metavar="RATE",
                        help="the rate the optimizer step moves the bytes it touches "
                             "(default: the profile's, else the HBM bandwidth)")
+    group.add_argument("--attention-efficiency", type=FRACTION, metavar="FRACTION",
+                       help="the share of peak fused attention kernels reach (default: "
+                            "the preset's, else the matmuls' --flops-efficiency)")
     group.add_argument("--disk-bandwidth", type=RATE, metavar="RATE",
                        help="checkpoint write rate per rank, e.g. 2GB/s (the report's "
                             "predicted save time)")

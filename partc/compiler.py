@@ -57,6 +57,7 @@ def device_numbers(budget: DeviceBudget, dtype: torch.dtype) -> DeviceNumbers:
         split_backward_factor=budget.overhead("split_backward_factor"),
         elementwise_bandwidth=budget.rate("elementwise_bandwidth"),
         optimizer_bandwidth=budget.rate("optimizer_bandwidth"),
+        attention_efficiency=budget.attention_share,
     )
 
 
@@ -195,6 +196,7 @@ def budget_from_info(info: BudgetInfo) -> DeviceBudget:
         split_backward_factor=info.split_backward_factor,
         elementwise_bandwidth=info.elementwise_bandwidth,
         optimizer_bandwidth=info.optimizer_bandwidth,
+        attention_efficiency=info.attention_efficiency,
         disk_bandwidth=info.disk_bandwidth)
 
 
