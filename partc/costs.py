@@ -12,10 +12,10 @@ Model (per pipeline stage ``s`` of ``p``, ``m`` microbatches of ``b`` samples):
   roofline ``max(b * flops / (peak * efficiency), (b * activation bytes + weight bytes)
   / HBM bandwidth)``: its weight is read once per microbatch, so small microbatches
   (decode-like shapes) are bound by memory and large ones by FLOPs; ``efficiency`` is
-  one factor per device type (presets, calibration), and a fused attention kernel's its
-  own (``DeviceNumbers.attention_efficiency``: flash kernels run below the matmuls). Every other op moves its bytes at
-  the device's element-wise rate (``DeviceNumbers.elementwise_bandwidth``: HBM bandwidth
-  unless calibrated; a CPU thread runs them well below its copy rate). Every op also
+  one factor per device type (presets, calibration), and a fused attention kernel has
+  its own (``DeviceNumbers.attention_efficiency``: flash kernels run below the
+  matmuls). Every other op moves its bytes at the device's element-wise rate
+  (``DeviceNumbers.elementwise_bandwidth``: HBM bandwidth unless calibrated; a CPU thread runs them well below its copy rate). Every op also
   pays a fixed overhead per call and microbatch, and every heavy op a fixed time beyond
   its FLOPs (``DeviceNumbers.op_overhead_s``, ``matmul_overhead_s``): more, smaller
   microbatches cost more. Backward is twice

@@ -394,9 +394,10 @@ class DeviceNumbers:
         if not 0.0 <= self.comm_overlap <= 1.0:
             raise ValueError(f"DeviceNumbers.comm_overlap must be in [0, 1], got "
                              f"{self.comm_overlap!r}")
-        if self.attention_efficiency is not None and not 0.0 < self.attention_efficiency <= 1.0:
-            raise ValueError(f"DeviceNumbers.attention_efficiency must be None or in (0, 1], "
-                             f"got {self.attention_efficiency!r}")
+        share = self.attention_efficiency
+        if share is not None and not 0.0 < share <= 1.0:
+            raise ValueError(f"DeviceNumbers.attention_efficiency must be None or in "
+                             f"(0, 1], got {share!r}")
 
     @property
     def intra_latency_s(self) -> float:
