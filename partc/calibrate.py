@@ -783,8 +783,10 @@ def build_profile(options: CalibrationOptions, measured: dict, *, name: str,
     busy = {key: measured.get("collectives", {}).get(f"{key}_all_busy") or measured.get(key)
             for key in ("elementwise", "optimizer")}
 
-    # On a CPU dispatch adds to every op's time; on a GPU launches run ahead of the
-    # kernels, so the preset's 0 stands (the measurement is kept among the measurements).
+    # Dispatch per op: on a CPU it adds to every op's time, on a GPU it is the floor
+    # under a layer's kernels (DeviceNumbers.dispatch_ahead); either way the measured
+    # figure. The matmul overhead only on a CPU: a GPU's small matmuls are launch-bound,
+    # which the dispatch floor already prices.
     cpu = options.device == "cpu"
     overhead = measured.get("op_overhead")
     budget = {
@@ -805,8 +807,8 @@ def build_profile(options: CalibrationOptions, measured: dict, *, name: str,
             kind: ({"latency_s": fit["latency_s"], "bandwidth": fit["bandwidth"]}
                    if (fit := measured["collectives"][kind]["fit"]) else None)
             for kind in COLLECTIVES} if "collectives" in measured else {},
-        "op_overhead_s": overhead["forward_s"] if cpu and overhead else None,
-        "op_overhead_backward_s": overhead["backward_s"] if cpu and overhead else None,
+        "op_overhead_s": overhead["forward_s"] if overhead else None,
+        "op_overhead_backward_s": overhead["backward_s"] if overhead else None,
         "matmul_overhead_s": (measured["matmul"][training].get("overhead_s") if cpu
                               else None),
         "comm_overlap": overlap["overlap"] if overlap else None,
@@ -862,15 +864,14 @@ def _sources(options: CalibrationOptions, preset_name: str | None, vendor: bool,
         "collective_links": (f"measured: each collective's own ring fit over {ranks}, "
                              f"inside a node (a kind without a fit takes the joint one)"
                              if link else f"{fallback} (one process: no link to time)"),
-        "op_overhead_s": ("measured: a chain of tiny element-wise ops, forward, per op"
-                          if options.device == "cpu" else
-                          f"not used on GPUs (launches run ahead of the kernels): "
-                          f"{preset_name or 'the'} preset's 0"),
-        "op_overhead_backward_s": ("measured: the same chain's backward, per forward op"
-                                   if options.device == "cpu" else "as op_overhead_s"),
+        "op_overhead_s": "measured: a chain of tiny element-wise ops, forward, per op" + (
+            "" if options.device == "cpu" else
+            " (on a GPU the floor under a layer's kernels: launches run ahead of them)"),
+        "op_overhead_backward_s": "measured: the same chain's backward, per forward op",
         "matmul_overhead_s": (f"measured: fit t = flops / best rate + overhead over the "
                               f"{training} matmul sizes" if options.device == "cpu"
-                              else "as op_overhead_s"),
+                              else f"not used on GPUs (the dispatch floor prices small "
+                                   f"matmuls): {preset_name or 'the'} preset's 0"),
         "inter_node_bandwidth": f"{fallback} (one machine cannot measure the network "
                                 f"between nodes)",
         "comm_overlap": (f"measured: an all-reduce over {ranks} alone, matmuls alone, "

@@ -52,6 +52,7 @@ def device_numbers(budget: DeviceBudget, dtype: torch.dtype) -> DeviceNumbers:
         intra_node_links=budget.link_numbers,
         op_overhead_s=budget.overhead("op_overhead_s"),
         op_overhead_backward_s=budget.overhead("op_overhead_backward_s"),
+        dispatch_ahead=budget.device_type != "cpu",
         matmul_overhead_s=budget.overhead("matmul_overhead_s"),
         comm_overlap=budget.overhead("comm_overlap"),
         split_backward_factor=budget.overhead("split_backward_factor"),

@@ -15,10 +15,13 @@ Model (per pipeline stage ``s`` of ``p``, ``m`` microbatches of ``b`` samples):
   one factor per device type (presets, calibration), and a fused attention kernel has
   its own (``DeviceNumbers.attention_efficiency``: flash kernels run below the
   matmuls). Every other op moves its bytes at the device's element-wise rate
-  (``DeviceNumbers.elementwise_bandwidth``: HBM bandwidth unless calibrated; a CPU thread runs them well below its copy rate). Every op also
-  pays a fixed overhead per call and microbatch, and every heavy op a fixed time beyond
-  its FLOPs (``DeviceNumbers.op_overhead_s``, ``matmul_overhead_s``): more, smaller
-  microbatches cost more. Backward is twice
+  (``DeviceNumbers.elementwise_bandwidth``: HBM bandwidth unless calibrated; a CPU
+  thread runs them well below its copy rate), autocast's casts among them. Every op
+  also pays a fixed overhead per call and microbatch, and every heavy op a fixed time
+  beyond its FLOPs (``DeviceNumbers.op_overhead_s``, ``matmul_overhead_s``): more,
+  smaller microbatches cost more. On a GPU, whose host dispatches ahead of its kernels,
+  the ops' overhead is a floor under each layer's phase rather than a sum
+  (:func:`dispatched`). Backward is twice
   forward, op by op (a heavy op's gradients w.r.t. its
   input and its weight are two ops like it; a fused attention kernel's recomputed
   scores add FLOPs); recompute replays its ops at the same roofline (:func:`layer_work`);
@@ -494,17 +497,15 @@ def layer_work(layer: LayerCost, devices: DeviceNumbers, micro_batch: int,
 
     Every op also pays the device's fixed overhead per call and microbatch
     (:attr:`DeviceNumbers.op_overhead_s` forward, ``op_overhead_backward_s`` per forward
-    op in backward; counted with the memory-bound time): what makes more, smaller
-    microbatches cost more than fewer, larger ones. Selective recompute replays the
-    layer's attention cores (``recompute_nodes``), full recompute all of its ops.
+    op in backward; :func:`dispatched`): what makes more, smaller microbatches cost more
+    than fewer, larger ones. Selective recompute replays the layer's attention cores
+    (``recompute_nodes``), full recompute all of its ops.
 
     ``compiled`` (``TrainSpec.compile``): the light ops of a layer that is not recomputed
     run as fused kernels, moving ``fused_mem_bytes`` (twice in backward) and paying the
     overhead of ``fused_kernels`` calls; a recomputed layer runs eagerly inside the
     compiled stage (:mod:`partc.runtime.compiled`), so its recompute entry carries what
     the unfused forward and backward cost beyond the fused ones."""
-    if compiled and layer.fused_mem_bytes is not None:
-        return _compiled_work(layer, devices, micro_batch, scale)
     compute, memory = roofline_seconds(layer.heavy_ops, devices, micro_batch, scale)
     back_compute, back_memory = roofline_seconds(layer.heavy_ops, devices, micro_batch,
                                                  scale, backward=True)
@@ -519,35 +520,39 @@ def layer_work(layer: LayerCost, devices: DeviceNumbers, micro_batch: int,
     rerun_ops = {m: layer.recompute_nodes.get(
         m, 0 if m == "none" else ops if m == "full" else max(0, ops - heavy))
         for m in layer.modes}
-    return {"forward": (compute, memory + light(layer.fwd_mem_bytes)
-                        + ops * devices.op_overhead_s),
-            "backward": (back_compute, back_memory + light(layer.bwd_mem_bytes)
-                         + ops * devices.op_overhead_backward_s),
-            "recompute": {m: (replayed[m] * compute,
-                              replayed[m] * memory + light(layer.recompute_mem_bytes[m])
-                              + rerun_ops[m] * devices.op_overhead_s)
-                          for m in layer.modes}}
-
-
-def _compiled_work(layer: LayerCost, devices: DeviceNumbers, micro_batch: int,
-                   scale: float) -> dict[str, Any]:
-    eager = layer_work(layer, devices, micro_batch, scale)
-    heavy = sum(op.count for op in layer.heavy_ops)
+    eager = {"forward": dispatched(compute, memory + light(layer.fwd_mem_bytes),
+                                   ops * devices.op_overhead_s, devices),
+             "backward": dispatched(back_compute, back_memory + light(layer.bwd_mem_bytes),
+                                    ops * devices.op_overhead_backward_s, devices),
+             "recompute": {m: dispatched(replayed[m] * compute,
+                                         replayed[m] * memory
+                                         + light(layer.recompute_mem_bytes[m]),
+                                         rerun_ops[m] * devices.op_overhead_s, devices)
+                           for m in layer.modes}}
+    if not compiled or layer.fused_mem_bytes is None:
+        return eager
     kernels = heavy + (layer.fused_kernels or 0)
-
-    def light(mem_bytes: float) -> float:
-        return micro_batch * mem_bytes * scale / devices.light_op_bandwidth
-
-    forward = (eager["forward"][0], eager["forward"][1] - light(layer.fwd_mem_bytes)
-               - layer.num_nodes * devices.op_overhead_s + light(layer.fused_mem_bytes)
-               + kernels * devices.op_overhead_s)
-    backward = (eager["backward"][0], eager["backward"][1] - light(layer.bwd_mem_bytes)
-                - layer.num_nodes * devices.op_overhead_backward_s
-                + light(2.0 * layer.fused_mem_bytes) + kernels * devices.op_overhead_backward_s)
-    unfused = (eager["forward"][1] + eager["backward"][1]) - (forward[1] + backward[1])
+    forward = dispatched(compute, memory + light(layer.fused_mem_bytes),
+                         kernels * devices.op_overhead_s, devices)
+    backward = dispatched(back_compute, back_memory + light(2.0 * layer.fused_mem_bytes),
+                          kernels * devices.op_overhead_backward_s, devices)
+    unfused = sum(eager["forward"]) + sum(eager["backward"]) - sum(forward) - sum(backward)
     recompute = {m: (c, memory + (unfused if m != "none" else 0.0))
                  for m, (c, memory) in eager["recompute"].items()}
     return {"forward": forward, "backward": backward, "recompute": recompute}
+
+
+def dispatched(compute: float, memory: float, dispatch: float,
+               devices: DeviceNumbers) -> tuple[float, float]:
+    """A phase's (compute-bound, memory-bound) kernel seconds with its ops' ``dispatch``
+    seconds (their count times the op overhead) added to the memory-bound part. Where the
+    host dispatches ahead of the device (:attr:`DeviceNumbers.dispatch_ahead`, a GPU's
+    launch queue) the phase takes the longer of its kernels and its dispatch: only the
+    dispatch the kernels cannot hide is added (a layer of many small ops on small
+    microbatches runs at the host's pace); on a CPU all of it."""
+    if devices.dispatch_ahead:
+        return compute, memory + max(0.0, dispatch - compute - memory)
+    return compute, memory + dispatch
 
 
 def _layer_table(problem: PlanningProblem, config: PipelineConfig, index: int) -> LayerTable:

@@ -88,7 +88,10 @@ class NodeCost:
     is the size of the storages saved for backward that this node *produced*, counted
     once per layer that saves them. ``bytes_moved`` counts the tensors the node reads and
     writes but its parameters and buffers, which are ``weight_bytes`` (a module's own
-    included): a microbatch reads them once, whatever its size.
+    included): a microbatch reads them once, whatever its size. ``casts`` and
+    ``cast_bytes``: the dtype casts autocast makes of the node's inputs (to the dtype the
+    op computes in), each a kernel of its own that reads and writes ``cast_bytes`` in all
+    and that no graph node shows.
     """
 
     flops: float
@@ -98,6 +101,8 @@ class NodeCost:
     output_bytes: float
     saved_bytes: float
     weight_bytes: float = 0.0
+    casts: int = 0
+    cast_bytes: float = 0.0
 
 
 @dataclass(frozen=True)

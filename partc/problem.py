@@ -190,6 +190,8 @@ class LayerCost:
     recompute_flops: dict[str, float]
     recompute_mem_bytes: dict[str, float]
     workspace_bytes: float
+    # The ops the layer calls per microbatch (what dispatch is paid for): its graph's
+    # calls and the casts autocast inserts beside them.
     num_nodes: int = 0
     # Tensor-parallel collectives per sample: (kind, "forward"/"backward", bytes of the
     # whole tensor). Empty without tensor parallelism.
@@ -347,6 +349,11 @@ class DeviceNumbers:
     # eager execution pays it whatever the op's size.
     op_overhead_s: float = 0.0
     op_overhead_backward_s: float = 0.0
+    # Whether the host dispatches ops ahead of the device (a GPU's launch queue): then a
+    # layer's phase takes the longer of its kernels and its ops' dispatch (the overhead
+    # is a floor, reached when the kernels are too small to hide it); False (a CPU, where
+    # the same thread dispatches and computes): the overhead adds to every op.
+    dispatch_ahead: bool = False
     # Matmul efficiency by size: a compute-heavy op of f FLOPs takes f / (peak *
     # flops_efficiency) + matmul_overhead_s, i.e. it reaches flops_efficiency * f / (f +
     # matmul_overhead_s * peak * flops_efficiency) of peak: small matmuls run below it.

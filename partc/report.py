@@ -484,8 +484,9 @@ def _timeline_lines(plan: Plan, timeline: Timeline) -> list[str]:
             f"{_microbatches(plan.num_microbatches)}), in the schedule's own order, played "
             f"out from the stage times above: F forward, B backward (its input-gradient "
             f"part under a zero-bubble schedule), W weight gradient, R recompute, "
-            f"c communication (sends, tensor-parallel collectives), T tail (gradient "
-            f"sync, optimizer), . waiting. Simulated step "
+            f"c communication (sends, tensor-parallel collectives), T tail (the exposed "
+            f"part of the gradient sync and of ZeRO-1's weight all-gather, the optimizer "
+            f"step), . waiting. Simulated step "
             f"{format_seconds(timeline.step_s)}, bubble "
             f"{100 * timeline.bubble_fraction:.1f}%"
             + (f" (the planner's closed form: {format_seconds(closed)})" if closed else "")

@@ -21,8 +21,9 @@ into ``pp * v`` virtual stages; see :mod:`partc.schedules`):
   a split backward ``I`` carries the recompute and the input-gradient part and ``W`` the
   weight-gradient part. Tensor-parallel collectives are inside the forward and backward
   figures and drawn as communication;
-- after its last operation each rank runs its tail (exposed gradient sync, optimizer
-  step).
+- after its last operation each rank runs its tail: what the gradient sync and ZeRO-1's
+  weight all-gather leave exposed (the all-gather runs beside the next step's forward;
+  drawn here, as priced, after this step's), and the optimizer step.
 
 Each row stands for every rank of a stage (its dp x tp ranks run alike).
 """

@@ -58,6 +58,7 @@ import torch.utils._pytree as pytree
 from torch import fx, nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import FlopCounterMode
 
 from partc import meta
@@ -178,8 +179,9 @@ def _run_layer(gm: fx.GraphModule, nodes: list[fx.Node], setting: _Setting) -> _
         return env[node]
 
     counter = FlopCounterMode(display=False, custom_mapping=fuse_attention.FLOP_FORMULAS)
+    casts = _Casts(cuda=setting.runtime_device == "cuda")
     with contextlib.ExitStack() as scope:
-        for context in (fake_mode, counter, torch.enable_grad(),
+        for context in (fake_mode, counter, casts, torch.enable_grad(),
                         torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)):
             scope.enter_context(context)
         if setting.autocast is not None:
@@ -189,14 +191,15 @@ def _run_layer(gm: fx.GraphModule, nodes: list[fx.Node], setting: _Setting) -> _
             before = counter.get_total_flops()
             args = fx.node.map_arg(node.args, value_of)
             kwargs = fx.node.map_arg(node.kwargs, value_of)
+            casts.made.clear()   # the stand-ins' own making is no cast the runtime runs
             if node.op == "get_attr":
                 result = value_of(node)
             elif setting.autocast is not None and is_dtype_check(node):
                 result = None   # autocast changes dtypes; the runtime drops these checks
             elif setting.autocast is not None and meta.role(node) == meta.ROLE_LOSS:
-                result = _loss_in_fp32(gm, node, args, setting, frozen, nodes)
+                result = _loss_in_fp32(gm, node, args, setting, frozen, nodes, casts)
             elif node.op == "call_module":
-                result = _call_module(gm, node, args, kwargs, setting, frozen)
+                result = _call_module(gm, node, args, kwargs, setting, frozen, casts)
             else:
                 result = _call(gm, node, setting, *_moved(setting.device, args, kwargs))
             env[node] = result
@@ -205,7 +208,9 @@ def _run_layer(gm: fx.GraphModule, nodes: list[fx.Node], setting: _Setting) -> _
             flops = counter.get_total_flops() - before
             if fuse_attention.skips_masked_blocks(node, setting.runtime_device):
                 flops //= 2   # the kernel skips the blocks the causal mask hides
-            run.costs[node] = _node_cost(node, args, kwargs, result, flops, producer, frozen)
+            run.costs[node] = _with_casts(
+                _node_cost(node, args, kwargs, result, flops, producer, frozen),
+                casts.made, result)
             run.storages[node] = _storages(result, frozen)
             if node.op == "call_module":   # its parameters are read, not passed
                 state = [t for _, t in _named_state(gm.get_submodule(str(node.target)))]
@@ -215,6 +220,51 @@ def _run_layer(gm: fx.GraphModule, nodes: list[fx.Node], setting: _Setting) -> _
         run.storages[node] = _storages(env[node], frozen)
     _attribute_saved(run)
     return run
+
+
+_HALF_TO_FLOAT = (torch.ops.aten._softmax.default, torch.ops.aten._log_softmax.default)
+
+
+class _Casts(TorchDispatchMode):
+    """Records the dtype casts run below autocast (``made``: each cast's output and the
+    bytes it reads and writes), the node's own and those autocast inserts. ``cuda``: as
+    CUDA runs them, where softmax and log-softmax read a 16-bit input and write fp32 in
+    one kernel (a CPU widens the input first: that cast is left out)."""
+
+    def __init__(self, cuda: bool) -> None:
+        super().__init__()
+        self.cuda = cuda
+        self.made: list[tuple[torch.Tensor, float]] = []
+
+    @contextlib.contextmanager
+    def paused(self):
+        made = self.made
+        self.made = []
+        try:
+            yield
+        finally:
+            self.made = made
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func is torch.ops.aten._to_copy.default and isinstance(out, torch.Tensor) \
+                and isinstance(args[0], torch.Tensor) and out.dtype != args[0].dtype:
+            self.made.append((out, float(_nbytes(args[0]) + _nbytes(out))))
+        elif self.cuda and func in _HALF_TO_FLOAT and self.made and args[0] is self.made[-1][0]:
+            self.made.pop()
+        return out
+
+
+def _with_casts(cost: meta.NodeCost, made: list[tuple[torch.Tensor, float]],
+                result: Any) -> meta.NodeCost:
+    """``cost`` with the casts autocast made while the node ran: those whose output is
+    not the node's own result (an explicit ``.to(dtype)`` is the node itself, whose bytes
+    ``bytes_moved`` already counts)."""
+    own = {id(t) for t in pytree.tree_leaves(result) if isinstance(t, torch.Tensor)}
+    implicit = [nbytes for out, nbytes in made if id(out) not in own]
+    if not implicit:
+        return cost
+    return dataclasses.replace(cost, casts=len(implicit), cast_bytes=float(sum(implicit)))
 
 
 def _storages(value: Any, frozen: set[StorageWeakRef]) -> tuple[tuple[StorageWeakRef, int], ...]:
@@ -287,18 +337,19 @@ def _outside_value(gm: fx.GraphModule, node: fx.Node, setting: _Setting, frozen:
 
 
 def _call_module(gm: fx.GraphModule, node: fx.Node, args: tuple, kwargs: dict,
-                 setting: _Setting, frozen: set) -> Any:
+                 setting: _Setting, frozen: set, casts: _Casts) -> Any:
     # The module runs on fake copies of its parameters, known to be frozen, so that what
     # autograd saves of them (a weight, its transpose) is never counted as activation.
     module = gm.get_submodule(str(node.target))
-    state = {name: _frozen_copy(t, setting) for name, t in _named_state(module)}
+    with casts.paused():   # making the copies is no cast the runtime runs
+        state = {name: _frozen_copy(t, setting) for name, t in _named_state(module)}
     for tensor in state.values():
         frozen.add(StorageWeakRef(tensor.untyped_storage()))
     return torch.func.functional_call(module, state, args, kwargs, tie_weights=True)
 
 
 def _loss_in_fp32(gm: fx.GraphModule, node: fx.Node, args: tuple, setting: _Setting,
-                  frozen: set, nodes: list[fx.Node]) -> Any:
+                  frozen: set, nodes: list[fx.Node], casts: _Casts) -> Any:
     """The loss as the runtime computes it in mixed precision (``partc.runtime.module``'s
     ``_Loss``): on the model's floating outputs cast to fp32 (the target as it is),
     outside autocast. The casts save nothing; the loss keeps what it keeps in fp32."""
@@ -306,7 +357,7 @@ def _loss_in_fp32(gm: fx.GraphModule, node: fx.Node, args: tuple, setting: _Sett
         torch.Tensor, lambda t: t.float() if t.is_floating_point() else t, tuple(args[:-1]))
     where = setting.device or _device_type(nodes)
     with torch.autocast(where, enabled=False):
-        return _call_module(gm, node, (*outputs, args[-1]), {}, setting, frozen)
+        return _call_module(gm, node, (*outputs, args[-1]), {}, setting, frozen, casts)
 
 
 def _frozen_copy(value: torch.Tensor, setting: _Setting) -> torch.Tensor:
@@ -488,7 +539,10 @@ def _layer_cost(gm: fx.GraphModule, info: meta.LayerInfo, nodes: list[fx.Node], 
                 dtypes: dict[fx.Node, tuple[torch.dtype, ...]]) -> LayerCost:
     heavy = {n for n in nodes if run.costs[n].compute_heavy}
     flops = sum(run.costs[n].flops for n in nodes)
-    light_bytes = sum(run.costs[n].bytes_moved for n in nodes if n not in heavy)
+    # Autocast's casts are kernels of their own beside every op, heavy ones included.
+    light_bytes = sum(run.costs[n].bytes_moved for n in nodes if n not in heavy) \
+        + sum(run.costs[n].cast_bytes for n in nodes)
+    calls = {n: int(n.op.startswith("call_")) + run.costs[n].casts for n in nodes}
     # Shared values: made here, held in every mode; read here, charged to their maker.
     held = sum(_bytes_as_made(n, dtypes) for n in shared if meta.layer(n).index == info.index)
     input_bytes = sum(size for node, size in run.inputs.items() if node not in shared)
@@ -511,7 +565,7 @@ def _layer_cost(gm: fx.GraphModule, info: meta.LayerInfo, nodes: list[fx.Node], 
     saved = {"none": saved_all, "full": held + input_bytes}
     rec_flops = {"none": 0.0, "full": flops}
     rec_bytes = {"none": 0.0, "full": light_bytes}
-    rerun = {"none": 0, "full": sum(1 for n in nodes if n.op.startswith("call_"))}
+    rerun = {"none": 0, "full": sum(calls.values())}
     # Selective recompute as the runtime does it (passes/recompute.py): the attention
     # cores are rerun, everything else is kept.
     cores = attention_cores(nodes)
@@ -521,8 +575,9 @@ def _layer_cost(gm: fx.GraphModule, info: meta.LayerInfo, nodes: list[fx.Node], 
         saved["selective"] = kept
         rec_flops["selective"] = sum(run.costs[n].flops for n in inside)
         rec_bytes["selective"] = sum(run.costs[n].bytes_moved for n in inside
-                                     if n not in heavy)
-        rerun["selective"] = sum(1 for n in inside if n.op.startswith("call_"))
+                                     if n not in heavy) \
+            + sum(run.costs[n].cast_bytes for n in inside)
+        rerun["selective"] = sum(calls[n] for n in inside)
     count, nbytes = usage["own"].get(info.index, (0, 0))
     per = 1.0 / batch
     fused_bytes, kernels = _fused(gm, nodes, run, heavy)
@@ -535,7 +590,7 @@ def _layer_cost(gm: fx.GraphModule, info: meta.LayerInfo, nodes: list[fx.Node], 
         recompute_mem_bytes={k: v * per for k, v in rec_bytes.items()},
         recompute_nodes=rerun,
         workspace_bytes=workspace * per,
-        num_nodes=sum(1 for n in nodes if n.op.startswith("call_")),
+        num_nodes=sum(calls.values()),
         fused_mem_bytes=fused_bytes * per, fused_kernels=kernels)
 
 

@@ -6,9 +6,12 @@ Devices: 1e12 FLOP/s peak at efficiency 0.5 (5e11 achievable) and 1e11 bytes/s o
 import dataclasses
 
 import pytest
+import torch
 
+import partc
 from partc.costs import PS_PER_S, PipelineConfig, build_cost_table, roofline_seconds
 from partc.problem import HeavyOp
+from samples.gpt import gpt_tiny, loss_fn
 from tests.planner import instances
 
 DEVICES = dataclasses.replace(instances.devices(1, 10**12), flops_efficiency=0.5,
@@ -106,6 +109,57 @@ def test_op_and_matmul_overheads_make_small_microbatches_cost_more():
     assert row.recompute_ps["selective"] / PS_PER_S == pytest.approx(29 * 10e-6)
     split, _ = step_s(slow, 1, 4)
     assert split - whole == pytest.approx(3 * (15e-6 + 900e-6))
+
+
+def test_a_gpu_pays_the_longer_of_its_kernels_and_their_dispatch():
+    """Where the host dispatches ahead of the device (a GPU's launch queue) the op
+    overhead is a floor, not a sum: a layer of 30 ops at 10 us (forward) and 20 us
+    (backward) per op pays max(kernels, 300 us) forward and max(kernels, 600 us) in
+    backward. On 4 samples its kernels (8 ms, 16 ms) hide the dispatch; on a layer 100x
+    smaller, one sample at a time, the dispatch is the time."""
+    layer = dataclasses.replace(instances.layer("block", flops=1e9, selective=500.0),
+                                num_nodes=30)
+    tiny = dataclasses.replace(instances.layer("block", flops=1e7, selective=5.0),
+                               num_nodes=30)
+    gpu = dataclasses.replace(DEVICES, op_overhead_s=10e-6, op_overhead_backward_s=20e-6,
+                              dispatch_ahead=True)
+
+    def row(devices, block, b: int):
+        problem = instances.problem([block], [], devices, batch=4)
+        config = PipelineConfig(pp=1, dp=1, micro_batch_size=b, num_microbatches=4 // b,
+                                schedule="1f1b")
+        return build_cost_table(problem, config).layers[0]
+
+    plain, ahead = row(DEVICES, layer, 4), row(gpu, layer, 4)
+    assert (ahead.forward_ps, ahead.backward_ps) == (plain.forward_ps, plain.backward_ps)
+    assert ahead.recompute_ps["selective"] / PS_PER_S == pytest.approx(29 * 10e-6)
+    small = row(gpu, tiny, 1)
+    kernels = row(DEVICES, tiny, 1)
+    assert kernels.forward_ps / PS_PER_S < 300e-6
+    assert small.forward_ps / PS_PER_S == pytest.approx(300e-6)
+    assert small.backward_ps / PS_PER_S == pytest.approx(600e-6)
+    assert small.recompute_ps["full"] / PS_PER_S == pytest.approx(300e-6)
+    # On a CPU (dispatch_ahead False) the same overheads add to the kernels.
+    cpu = row(dataclasses.replace(gpu, dispatch_ahead=False), tiny, 1)
+    assert cpu.forward_ps == pytest.approx(kernels.forward_ps + 300e-6 * PS_PER_S, abs=2)
+
+
+def test_the_gpu_presets_no_longer_tie_microbatch_splits():
+    """On the GPU presets (dispatch measured on an H100's host, as a floor) a small GPT
+    split into microbatches of one sequence is predicted slower than one microbatch of
+    all of them, and the planner picks fewer, larger microbatches."""
+    model = gpt_tiny(n_layer=2, n_embd=128, vocab_size=512)
+    ids = torch.zeros(8, 64, dtype=torch.long)
+
+    def plan(**pins):
+        return partc.compile(model, (ids,), loss_fn=loss_fn, example_target=ids,
+                             budget=partc.DeviceBudget(num_devices=1, device="H100"),
+                             train=partc.TrainSpec(global_batch_size=8),
+                             constraints=partc.Constraints(recompute="none", **pins)).plan
+
+    whole, split = plan(num_microbatches=1), plan(num_microbatches=8)
+    assert split.predicted.step_time_s > 2 * whole.predicted.step_time_s
+    assert plan().num_microbatches == 1
 
 
 def test_each_collective_kind_is_priced_by_its_own_link():

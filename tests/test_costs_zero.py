@@ -93,10 +93,11 @@ def test_zero1_lets_two_replicas_fit_where_plain_data_parallelism_does_not():
 def test_zero2_and_zero3_state_as_fsdp_holds_it():
     from tests.test_compile import check
 
-    plain = check(_dp_program("1GiB", zero_stage=0)).stages[0].memory_bytes
-    zero2 = check(_dp_program("1GiB", zero_stage=2,
+    # Microbatches of one sample, whose working set is smaller than a layer's gradient.
+    plain = check(_dp_program("1GiB", zero_stage=0, num_microbatches=4)).stages[0].memory_bytes
+    zero2 = check(_dp_program("1GiB", zero_stage=2, num_microbatches=4,
                               zero2_grad_sync="microbatch")).stages[0].memory_bytes
-    zero3 = check(_dp_program("1GiB", zero_stage=3)).stages[0].memory_bytes
+    zero3 = check(_dp_program("1GiB", zero_stage=3, num_microbatches=4)).stages[0].memory_bytes
     for zero in (zero2, zero3):
         assert zero.grads == pytest.approx(plain.grads / 2, abs=8)
         assert zero.optimizer == pytest.approx(plain.optimizer / 2, abs=8)

@@ -229,7 +229,9 @@ def test_compile_plans_and_emits_the_attention_chosen() -> None:
     assert cache.hits["analysis"] == 0
     assert fused.plan.train.attention == "fused"
     assert "attention fused" in fused.report() and "attention as the model" in written.report()
-    activations = [sum(s.memory_bytes.activations for s in program.plan.stages)
+    # Per layer (the stages' sums also depend on where each plan cuts, and on how many
+    # microbatches each stage holds).
+    activations = [sum(layer.saved_bytes["none"] for layer in program.problem.layers)
                    for program in (fused, written)]
     assert activations[0] < activations[1]
     code = "".join(fused.code().values())

@@ -16,7 +16,8 @@ regime  memory/GPU  plan picked                      why the previous regime's m
 ======  ==========  ===============================  ==================================
 1       80 GiB      pp=1, tp=1, dp=16, ZeRO-1 (0     (first regime)
                     with a blocking weight gather)
-2       3.3 GiB     pp=1, tp=1, dp=16, ZeRO-1        ZeRO-0 needs 3.73 GiB
+2       3.3 GiB     pp=4, tp=1, dp=4, ZeRO-1 (the    ZeRO-0 needs 3.73 GiB
+                    rule: pp=1, dp=16, ZeRO-1)
 3       0.58 GiB    tp=2 in a node (with pp=2)       pp=1, tp=1 needs 0.63 GiB (ZeRO-3)
 4       0.47 GiB    pp=2 over the nodes, tp=8        pp=1 needs 0.52 GiB (tp=8, ZeRO-3);
                                                      regime 3's pp=2, tp=2 needs 0.53
@@ -33,6 +34,15 @@ with 512 sequences (0.5M tokens) the planner goes from plain data parallelism (d
 The planner does not follow the whole order. The strict expected failures below say
 where, and why in the cost model's own figures; they will fail (XPASS) once it does:
 
+- where ZeRO lets one replica fit (3.3 to 3.7 GiB) it puts a pipeline across the nodes
+  instead: at 3.3 GiB pp=4, dp=4, ZeRO-1 with 128 microbatches of 4 sequences, 912 ms,
+  against pp=1, dp=16, ZeRO-1 at 952 ms. One rank holding all 12 layers fits
+  microbatches of 4 only with full or selective recompute, and microbatches of 1-2
+  sequences of this 1024-wide model are shorter on the GPU than eager PyTorch's
+  dispatch of their ops (about 8.5 us per op forward, 18 us backward on an H100's host:
+  ``DeviceNumbers.dispatch_ahead``), so they run at the host's pace. With the kernels
+  alone priced (no dispatch floor) plain ZeRO-1 won with 128 microbatches of one
+  sequence, 771 ms;
 - from about 2.5 GiB it already puts a pipeline across the two nodes (pp=2, dp=8, then
   pp=4) although pp=1, tp=1 with ZeRO fits down to 0.63 GiB: with each stage on one
   node the dp collectives run over NVLink instead of the NIC. At 1.2 GiB: pp=4, dp=4,
@@ -126,6 +136,9 @@ def test_pure_data_parallelism_when_memory_is_ample():
         (1, NODES * PER_NODE, 1, 0)
 
 
+@pytest.mark.xfail(strict=True, raises=AssertionError,
+                   reason="one replica per rank runs microbatches too small to hide the GPU's "
+                          "dispatch; a pipeline is predicted faster; see the module docstring")
 def test_zero_when_plain_data_parallelism_does_not_fit():
     assert_infeasible(ZERO, pp=1, tp=1, zero_stage=0)
     plan = plan_at(ZERO)
