@@ -29,7 +29,7 @@ from tests.validation.megatron import breakdown, plan_assignment
 # 32B step fell from 0.37 s to 0.03 s) and ZeRO-1 in bf16 is Megatron's distributed
 # optimizer (its tail 0.31 s -> 0.16 s).
 TARGET = 0.15
-_FAST = {"1.7B"}
+_FAST = {"1.7B", "7.1B"}
 
 
 # Outside the band since ZeRO-1's parameter all-gather runs beside the next forward
@@ -38,12 +38,24 @@ _FAST = {"1.7B"}
 # four sequences, which hides all of its data-parallel traffic, where the published
 # batches imply four microbatches of one, which expose 0.36 s of it
 # (test_the_fitted_row_hides_the_sync_that_microbatches_of_one_expose). The constant
-# fitted on the first plan, 0.48 of peak (an H100's bf16 linears measured 0.70),
+# fitted on the first plan, 0.53 of peak (an H100's bf16 linears measured 0.70),
 # absorbs that and prices the pipelined rows' matmuls that much slower; at the measured
 # 0.70 with microbatches of one they are within the band, nothing fitted
 # (test_pipelined_rows_within_target_at_the_measured_efficiency). Ratios at the last
-# fit, measured with partc's prediction.
-OUTSIDE = {"70B": 0.82, "119B": 0.83, "177B": 0.81, "314B": 0.74, "462B": 0.75}
+# fit, measured with partc's prediction; 119B, at 0.853x, is just inside.
+PIPELINED_OUTSIDE = {"70B": 0.83, "177B": 0.84, "314B": 0.78, "462B": 0.80}
+# 1.7B is planned as one microbatch of four as 32B is, its sync hidden as the fitted
+# row's, and came out at 1.14x until the element-wise bytes took in autocast's casts
+# (partc's runtime casts each normed input for its matmuls; Megatron's Transformer
+# Engine fuses the cast into the norm): 32B's memory-bound term rose from 0.039 s to
+# 0.124, 1.7B's from 0.039 to 0.068, so the fitted constant rose from 0.48 to 0.53 and
+# 1.7B's matmuls, most of its step, came out faster.
+OUTSIDE = {"1.7B": 1.16, **PIPELINED_OUTSIDE}
+_WHY = {name: "the constant fitted on 32B as one microbatch of four, whose "
+        "data-parallel sync is hidden, is 0.53 of peak where an H100 measured 0.70"
+        for name in PIPELINED_OUTSIDE}
+_WHY["1.7B"] = ("autocast's casts, priced as element-wise bytes, weigh more in the "
+                "fitted 32B row's step than in 1.7B's and raised the constant")
 
 
 def _rows(names, within_target=False):
@@ -52,10 +64,8 @@ def _rows(names, within_target=False):
         found = [] if name in _FAST else [pytest.mark.slow]
         if within_target and name in OUTSIDE:
             found.append(pytest.mark.xfail(raises=AssertionError, strict=True, reason=(
-                f"partc predicts {OUTSIDE[name]:.2f}x the published throughput: the "
-                "constant fitted on 32B as one microbatch of four, whose data-parallel "
-                "sync is hidden, is 0.48 of peak where an H100 measured 0.70 (see "
-                "OUTSIDE)")))
+                f"partc predicts {OUTSIDE[name]:.2f}x the published throughput: "
+                f"{_WHY[name]} (see OUTSIDE)")))
         return found
 
     return [pytest.param(name, marks=marks(name)) for name in names]
