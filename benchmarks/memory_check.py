@@ -36,8 +36,10 @@ The table, one row per category for each rank measured: the plan's figure
 (``plan.stages[k].memory_bytes``), the measured one at the moment of the step's peak, and
 their ratio; on the "peak" row, ok or OFF against ±10% and the phase the peak came in.
 Parameters, gradients and optimizer state are MemTracker's own categories (buffers count
-as parameters); activations are what was allocated outside backward and the optimizer
-step (saved tensors, a stage's outputs, the pipeline's receive buffers), transient what
+as parameters); receive is the pipeline's receive buffers (given to MemTracker, which
+counts them as "Other": one per microbatch, activations in and gradients back;
+``partc.costs.PipelineConfig.receive_bytes``); activations are what was allocated outside
+backward and the optimizer step (saved tensors, a stage's outputs), transient what
 backward allocated (gradients of activations, recomputed tensors, weight gradients
 before they are accumulated). The split between the last two is MemTracker's, not the
 plan's: under recompute, or with ZeRO-2/3's gathered weights (parameters to the plan,
@@ -71,11 +73,11 @@ from torch.testing._internal.distributed.fake_pg import FakeStore  # noqa: E402
 import partc  # noqa: E402
 from partc.autocast_policy import cuda_autocast  # noqa: E402
 
-CATEGORIES = ("params", "grads", "optimizer", "activations", "transient")
+CATEGORIES = ("params", "grads", "optimizer", "activations", "transient", "receive")
 # MemTracker's reference types, by the plan's category they stand for.
 TRACKED = {"params": ("Parameter", "Buffer"), "grads": ("Gradient",),
-           "optimizer": ("Optstate",), "activations": ("Activation", "Other"),
-           "transient": ("Temp",)}
+           "optimizer": ("Optstate",), "activations": ("Activation",),
+           "transient": ("Temp",), "receive": ("Other",)}
 TOLERANCE = 0.10
 
 
@@ -114,6 +116,12 @@ GPIPE = dict(schedule="gpipe", num_microbatches=4)
 # state, so the check is mostly of the activation model; "-small" cases (8 of 32) are
 # mostly of the state's.
 SMALL = dict(batch=8, seq=32)
+# One block per stage and 32 microbatches of one sequence: the receive buffers (a
+# sequence's activations, 64 tokens x 128 wide, per microbatch, and as many gradients)
+# are a large share of a stage's memory.
+SHALLOW = Case(name="gpt-pp2-1f1b-m32-shallow", model="gpt", world=2, ranks=(0, 1),
+               constraints=dict(pp=2, schedule="1f1b", num_microbatches=32, recompute="none"),
+               batch=32, seq=64, layers=2, width=128)
 CASES: tuple[Case, ...] = (
     _case("gpt-pp1", "gpt", pp=1, num_microbatches=1, recompute="none"),
     _case("gpt-pp1-m4", "gpt", pp=1, num_microbatches=4, recompute="none"),
@@ -125,6 +133,7 @@ CASES: tuple[Case, ...] = (
           recompute="none"),
     _case("gpt-pp2-1f1b-m8", "gpt", **PP2, schedule="1f1b", num_microbatches=8,
           recompute="none"),
+    SHALLOW,
     _case("gpt2-pp2-1f1b-m4", "gpt2", **PP2, **ONE_F_ONE_B, recompute="none"),
     _case("llama-pp2-1f1b-m4", "llama", **PP2, **ONE_F_ONE_B, recompute="none"),
     _case("gpt-pp2-1f1b-m4-full", "gpt", **PP2, **ONE_F_ONE_B, recompute="full"),

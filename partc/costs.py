@@ -63,7 +63,10 @@ Model (per pipeline stage ``s`` of ``p``, ``m`` microbatches of ``b`` samples):
   microbatches in flight (1F1B: ``min(m, p - s)``; GPipe: ``m``; the others counted from
   the schedule's order, :meth:`PipelineConfig.inflight`) + the largest transient
   working set of one layer (for a recomputed layer: what recompute rematerialises; under
-  ZeRO-2/3 what FSDP holds of the layer's unit, :func:`_zero_transient`).
+  ZeRO-2/3 what FSDP holds of the layer's unit, :func:`_zero_transient`) + the
+  pipeline's receive buffers (:meth:`PipelineConfig.receive_bytes`): a buffer per
+  microbatch for the activations crossing the cut before each of the stage's runs and
+  for the gradients crossing the cut after it, kept from step to step.
 """
 
 from __future__ import annotations
@@ -197,6 +200,23 @@ class PipelineConfig:
         per microbatch (interleaved: its chunks average ``saved / chunks``)."""
         return -(-self.inflight(stage) * saved // self.chunks)
 
+    def receive_bytes(self, stage: int, received: int, returned: int) -> int:
+        """Bytes of the pipeline's receive buffers on rank ``stage``, whose runs receive
+        ``received`` bytes of activations per microbatch from the runs before them and
+        ``returned`` bytes of gradients from the runs after them.
+
+        ``torch.distributed.pipelining``'s stage allocates one buffer per microbatch and
+        message, activations forward and gradients backward, on its first step, and
+        keeps them from step to step: ``m`` of each, whatever the schedule. A buffer of
+        activations is the stage's input itself, which its first layer saves for
+        backward (counted in :meth:`activations`) while its microbatch is in flight:
+        only the other ``m - f/v`` add to that, per run. (What crosses a cut is counted
+        whole both ways, though a value without a gradient, a mask or the positions,
+        gets no gradient buffer; and a value read by several layers, charged to the
+        layer that makes it, is not among the first layer's saved inputs.)"""
+        m, v = self.num_microbatches, self.chunks
+        return -(-(m * v - self.inflight(stage)) * received // v) + m * returned
+
 
 _SPLIT = ("interleaved-zero-bubble", "zbv-zero-bubble", "dualpipev")
 
@@ -246,6 +266,7 @@ class CostTable:
     layers: tuple[LayerTable, ...]
     shared: tuple[SharedTable, ...]
     cut_ps: tuple[tuple[int, ...], ...]   # [cut l][run j]: cut l as the boundary j -> j+1
+    cut_bytes: tuple[int, ...]   # [cut l]: bytes crossing it per microbatch (each way)
     limits: tuple[int, ...]               # per stage
     tail_latency_ps: int
     # DeviceNumbers.comm_overlap in thousandths: how much of the dp gradient reduction
@@ -669,6 +690,12 @@ def _cut_table(problem: PlanningProblem, config: PipelineConfig) -> tuple[tuple[
     return tuple(rows[crossing] for crossing in problem.model.cut_bytes)
 
 
+def _cut_bytes(problem: PlanningProblem, config: PipelineConfig) -> tuple[int, ...]:
+    """Bytes crossing each cut per microbatch, in the training dtype."""
+    scale = problem.train.measured_scale * config.micro_batch_size
+    return tuple(math.ceil(scale * crossing) for crossing in problem.model.cut_bytes)
+
+
 def _shared_tables(problem: PlanningProblem, config: PipelineConfig) -> tuple[SharedTable, ...]:
     devices = problem.devices
     return tuple(
@@ -806,6 +833,7 @@ def build_cost_table(problem: PlanningProblem, config: PipelineConfig,
         tail_latency_ps=to_ps(latency) + first_gather,
         overlap_permille=permille(devices.comm_overlap),
         first_gather_ps=first_gather,
+        cut_bytes=_cut_bytes(problem, config),
     )
 
 
@@ -819,7 +847,8 @@ class StageCost:
     comm_ps: int
     tail_ps: int
     param_count: int
-    memory: dict[str, int]        # params, grads, optimizer, activations, transient, peak
+    # params, grads, optimizer, activations, transient, receive (buffers), peak
+    memory: dict[str, int]
     limit: int
     runs: tuple[tuple[int, ...], ...] = ()   # interleaved: the rank's runs of layers
     # Per run of the rank (model order): forward, backward, recompute and the send of
@@ -874,6 +903,19 @@ def _holders(table: CostTable, stage_of: Sequence[int]) -> list[set[int]]:
     return [{config.rank_of(stage_of[l]) for l in group.layers} for group in table.shared]
 
 
+def receive_bytes(table: CostTable, stage: int, runs: Sequence[Sequence[int]],
+                  numbers: Sequence[int]) -> int:
+    """The receive buffers of rank ``stage`` whose runs ``numbers`` hold the layers
+    ``runs`` (:meth:`PipelineConfig.receive_bytes`): activations across the cut before
+    each run but the model's first, gradients across the cut after each but its last."""
+    last = table.config.virtual_stages - 1
+    received = sum(table.cut_bytes[run[0] - 1] for j, run in zip(numbers, runs)
+                   if run and j > 0)
+    returned = sum(table.cut_bytes[run[-1]] for j, run in zip(numbers, runs)
+                   if run and j < last)
+    return table.config.receive_bytes(stage, received, returned)
+
+
 def _stage_cost(table: CostTable, stage: int, runs: list[list[int]], modes: Sequence[str],
                 held: list[int], numbers: Sequence[int] = ()) -> StageCost:
     """Rank ``stage``'s costs; ``runs`` are its runs of layers (one unless interleaved),
@@ -891,6 +933,7 @@ def _stage_cost(table: CostTable, stage: int, runs: list[list[int]], modes: Sequ
     backward = sum(r.backward_ps for r in rows)
     recompute = sum(table.layers[l].recompute_ps[modes[l]] for l in members)
     numbers = numbers or config.runs_of(stage)
+    receive = receive_bytes(table, stage, runs, numbers)
     comm = sum(table.cut_ps[run[-1]][j] for j, run in zip(numbers, runs)
                if run and j < config.virtual_stages - 1)
     run_ps = tuple(
@@ -914,7 +957,8 @@ def _stage_cost(table: CostTable, stage: int, runs: list[list[int]], modes: Sequ
         param_count=sum(r.param_count for r in rows)
         + sum(table.shared[g].param_count for g in held),
         memory={**state, "activations": activations, "transient": transient,
-                "peak": sum(state.values()) + activations + transient},
+                "receive": receive,
+                "peak": sum(state.values()) + activations + transient + receive},
         limit=table.limits[stage],
         runs=tuple(tuple(run) for run in runs) if config.chunks > 1 else (),
     )

@@ -4,7 +4,7 @@ The search here is a fast dynamic program, not the solver: for each pipeline deg
 finds the contiguous split that minimises the worst stage's memory relative to its limit,
 choosing each layer's recompute mode by its own memory (saved activations times the
 microbatches in flight, plus what recompute rematerialises) among the modes the user's
-pins allow it. The split it finds is a real
+pins allow it, and each stage's receive buffers by its cuts. The split it finds is a real
 plan, so the memory it needs is one at which the model does fit.
 """
 
@@ -53,6 +53,14 @@ def _shared_need(table: CostTable, first: int, last: int) -> int:
                if any(first <= layer <= last for layer in g.layers))
 
 
+def _receive_need(table: CostTable, stage: int, first: int, last: int) -> int:
+    """The receive buffers of stage ``stage`` holding layers ``first..last``
+    (:meth:`PipelineConfig.receive_bytes`)."""
+    received = table.cut_bytes[first - 1] if stage > 0 else 0
+    returned = table.cut_bytes[last] if stage < table.config.pp - 1 else 0
+    return table.config.receive_bytes(stage, received, returned)
+
+
 def tightest_split(table: CostTable, problem: PlanningProblem) -> TightestSplit:
     """The contiguous split minimising the worst stage's need / limit (DP over stages)."""
     layers, pp = table.num_layers, table.config.pp
@@ -79,7 +87,8 @@ def tightest_split(table: CostTable, problem: PlanningProblem) -> TightestSplit:
                 before, split = best[stage - 1][i - 1] if stage else (0.0, ())
                 if before == inf:
                     continue
-                need = prefix[j + 1] - prefix[i] + transient + _shared_need(table, i, j)
+                need = prefix[j + 1] - prefix[i] + transient + _shared_need(table, i, j) \
+                    + _receive_need(table, stage, i, j)
                 need_of[stage, i, j] = need
                 options.append((max(before, need / table.limits[stage]), split + ((i, j),)))
             if options:

@@ -128,7 +128,7 @@ def _stage_rows(plan: Plan) -> list[list[str]]:
     return rows
 
 
-_MEMORY_KINDS = ("params", "grads", "optimizer", "activations", "transient")
+_MEMORY_KINDS = ("params", "grads", "optimizer", "activations", "transient", "receive")
 
 
 def _memory_rows(plan: Plan) -> list[list[str]]:
@@ -161,7 +161,9 @@ def _memory_lines(plan: Plan) -> list[str]:
                 }.get(stage, "")
     return [f"Every rank of a stage holds the same: its layers' weights, gradients and "
             f"optimizer state{zero}{gathered}; the activations saved for the microbatches "
-            f"in flight; the largest working set of one layer (transient)."]
+            f"in flight; the largest working set of one layer (transient); the pipeline's "
+            f"receive buffers, one per microbatch for the activations coming in and the "
+            f"gradients coming back (receive)."]
 
 
 _ZERO_SHARDS = {1: "optimizer state", 2: "gradients and optimizer state",

@@ -33,9 +33,10 @@ LABELS = {"forward": "forward", "backward": "backward (input gradient when split
           "collective": "tensor-parallel collectives", "p2p": "send / receive (p2p)",
           "tail": "tail: gradient sync, optimizer step"}
 MEMORY_COLOURS = {"params": "#4c78a8", "grads": "#72b7b2", "optimizer": "#54a24b",
-                  "activations": "#f58518", "transient": "#e45756"}
+                  "activations": "#f58518", "transient": "#e45756", "receive": "#9d755d"}
 MEMORY_LABELS = {"params": "parameters", "grads": "gradients", "optimizer": "optimizer state",
-                 "activations": "saved activations", "transient": "transient (one layer)"}
+                 "activations": "saved activations", "transient": "transient (one layer)",
+                 "receive": "pipeline receive buffers"}
 
 # Deterministic SVG (the same plan renders the same bytes) with text kept as text, in
 # the fonts the browser has: small, selectable, and nothing to download.

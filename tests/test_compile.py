@@ -82,7 +82,10 @@ def _gpt_124m_on(memory: str, tp: int | None = 1) -> partc.Program:
 
 
 def test_50k_vocab_tight_budget_beats_both_baselines():
-    program = _gpt_124m_on("1.5GiB")
+    # 1.6 GiB: at 1.5 the uniform split, with full recompute, no longer fits beside the
+    # pipeline's receive buffers (32 microbatches of a 1024 x 768 activation, 96 MiB
+    # each way on a stage inside the pipeline).
+    program = _gpt_124m_on("1.6GiB")
     plan = check(program)
     assert plan.pp > 1
     step = plan.predicted.step_time_s
@@ -101,7 +104,7 @@ def test_infeasible_budget_names_stage_need_limit_and_fix_fast():
         _gpt_124m_on("1GiB")
     error = info.value
     assert error.need_bytes > error.limit_bytes == 2**30
-    assert "stage 0" in str(error) and "It would fit with" in str(error)
+    assert f"stage {error.stage}" in str(error) and "It would fit with" in str(error)
     # Planning alone (the model is already measured) says so too. How fast is measured
     # in benchmarks/plan_time.py, not asserted here.
     program = _gpt_124m_on("1.5GiB")

@@ -17,7 +17,7 @@ import bisect
 import math
 from typing import Any, Sequence
 
-from ..costs import CostTable, Evaluation, TableCache, evaluate
+from ..costs import CostTable, Evaluation, TableCache, evaluate, receive_bytes
 from ..problem import RECOMPUTE_MODES, PlanningProblem
 from .results import Assignment
 
@@ -197,17 +197,22 @@ def incumbent(problem: PlanningProblem, table: CostTable,
     for stage in range(pp):
         members = [l for l in range(table.num_layers)
                    if table.config.rank_of(stage_of[l]) == stage]
-        _recompute_until_it_fits(table, stage, members, allowed, modes)
+        numbers = table.config.runs_of(stage)
+        runs = [[l for l in members if stage_of[l] == j] for j in numbers]
+        receive = receive_bytes(table, stage, runs, numbers)
+        _recompute_until_it_fits(table, stage, members, allowed, modes, receive)
     if not evaluate(table, stage_of, modes).fits:
         return None
     return Assignment(stage_of=tuple(stage_of), modes=tuple(modes))
 
 
 def _recompute_until_it_fits(table: CostTable, stage: int, members: list[int],
-                             allowed: list[list[str]], modes: list[str]) -> None:
+                             allowed: list[list[str]], modes: list[str],
+                             receive: int) -> None:
     """Change ``modes`` of ``members`` (in place), one layer at a time, to the mode that
     frees the most activation memory per picosecond, until the stage's saved
-    activations fit what its limit leaves (state and the largest transient aside)."""
+    activations fit what its limit leaves (state, the largest transient and the
+    ``receive`` buffers aside)."""
     config = table.config
     rows = table.layers
     state = sum(rows[l].state_total for l in members)
@@ -219,7 +224,8 @@ def _recompute_until_it_fits(table: CostTable, stage: int, members: list[int],
     groups: dict[tuple, list[int]] = {}
     for l in members:
         groups.setdefault((id(rows[l]), modes[l], tuple(allowed[l])), []).append(l)
-    while state + config.activations(stage, saved) + transient > table.limits[stage]:
+    while state + config.activations(stage, saved) + transient + receive \
+            > table.limits[stage]:
         best = None
         for (_, current, options), layers in groups.items():
             if not layers:

@@ -23,8 +23,9 @@ Parameters
     send/recv time when the boundary between run ``j`` and ``j+1`` falls inside segment
     ``k`` / right after it; ``T_g``, ``D_g``, ``G_g``, ``W_g`` likewise per shared group;
     ``f_s`` microbatches in flight on stage ``s`` (interleaved: runs of one microbatch,
-    each holding ``1/v`` of the stage's activations); ``M_s`` memory limit; ``S_g``
-    tied-gradient sync.
+    each holding ``1/v`` of the stage's activations); ``R_k`` / ``Q_k`` bytes crossing a
+    cut inside segment ``k`` / right after it, per microbatch (one receive buffer);
+    ``M_s`` memory limit; ``S_g`` tied-gradient sync.
 Variables
     ``P[k,j]`` in ``0..n_k``: layers of segment ``k`` in runs ``<= j`` (so ``c[k,j] =
     P[k,j] - P[k,j-1]`` sit in run ``j`` and ``N[k,s] = sum_{j ~ s} c[k,j]`` on stage
@@ -65,7 +66,13 @@ Constraints
         for before any runs (a constant of the step: ``CostTable.tail_latency_ps``);
     (7) ``transient[s] >= X[k,r] u[k,s,r]``;
     (8) memory: ``v (sum_k W_k N[k,s] + sum_g W_g h[g,s] + transient[s]) + f_s sum_{k,r}
-        A[k,r] n[k,s,r] <= v M_s``;
+        A[k,r] n[k,s,r] + (m v - f_s) sum_{j ~ s, j > 0} cut[j-1] + v m sum_{j ~ s,
+        j < pv-1} cut[j] <= v M_s``, where ``cut[j] = sum_k (R_k (started[k,j] -
+        finished[k,j]) + Q_k (finished[k,j] - started[k+1,j]))`` are the bytes crossing
+        the boundary ``j -> j+1`` (as (3)): the pipeline's receive buffers, ``m`` per
+        run for the gradients coming back and ``m`` for the activations coming in, of
+        which the ``f_s / v`` in flight are the run's saved input already
+        (:meth:`partc.costs.PipelineConfig.receive_bytes`);
     (9) pins: pinned stages fix ``P``, pinned recompute leaves one mode (segments never
         straddle a change of either).
 
@@ -108,8 +115,8 @@ from .results import Assignment
 @dataclass(frozen=True, kw_only=True)
 class Segment:
     """Layers ``first..last`` (inclusive): one row, one set of allowed modes, one set of
-    shared groups using them, one pinned stage, and one cut row on every cut between
-    them. Its layers are interchangeable, so the model only counts them."""
+    shared groups using them, one pinned stage, and one cut row (time and bytes) on every
+    cut between them. Its layers are interchangeable, so the model only counts them."""
 
     first: int
     last: int
@@ -137,7 +144,8 @@ def segments(problem: PlanningProblem, table: CostTable,
     for layer in range(1, table.num_layers + 1):
         following = key(layer) if layer < table.num_layers else None
         if following == current and (layer - 1 == first
-                                      or table.cut_ps[layer - 1] == table.cut_ps[first]):
+                                      or table.cut_ps[layer - 1] == table.cut_ps[first]
+                                      and table.cut_bytes[layer - 1] == table.cut_bytes[first]):
             continue
         found.append(Segment(first=first, last=layer - 1, modes=tuple(current[1]),
                               groups=current[2]))
@@ -276,18 +284,27 @@ class StageModel:
                     self.used[rank][k, r] = used
 
     def boundary_ps(self, run: int):
-        """(3) The send/recv time of the boundary ``run -> run + 1``: the segment's inner
-        cut where the boundary falls inside one, its last cut where it falls after it
-        (exactly one of the terms is 1 by (2))."""
-        table, cost = self.table, 0
+        """(3) The send/recv time of the boundary ``run -> run + 1``."""
+        return self._at_boundary(run, lambda cut: self.table.cut_ps[cut][run])
+
+    def boundary_units(self, run: int):
+        """(8) The bytes crossing the boundary ``run -> run + 1`` per microbatch, in
+        memory units."""
+        return self._at_boundary(run, lambda cut: self.memory_units(self.table.cut_bytes[cut]))
+
+    def _at_boundary(self, run: int, value):
+        """(3) ``value`` of the cut at the boundary ``run -> run + 1``: the segment's
+        inner cut where the boundary falls inside one, its last cut where it falls after
+        it (exactly one of the terms is 1 by (2))."""
+        total = 0
         for k, seg in enumerate(self.segments):
             if seg.size > 1:
                 inside = self.started[k][run] - self.finished[k][run]
-                cost += table.cut_ps[seg.first][run] * inside
+                total += value(seg.first) * inside
             if k + 1 < len(self.segments):
                 after = self.finished[k][run] - self.started[k + 1][run]
-                cost += table.cut_ps[seg.last][run] * after
-        return cost
+                total += value(seg.last) * after
+        return total
 
     def _add_busy(self) -> list:
         """``busy_s`` of each rank (its compute and the boundaries (3) of its runs) and
@@ -399,7 +416,19 @@ class StageModel:
                          for gi, g in enumerate(table.shared))
             inflight = table.config.inflight(stage)
             self.model.add(chunks * (state + transient) + inflight * saved      # (8)
+                           + self._receive(stage, inflight)
                            <= chunks * units(table.limits[stage], limit=True))
+
+    def _receive(self, stage: int, inflight: int):
+        """(8) ``v`` times the receive buffers of the stage's runs: ``m v - f_s`` of the
+        activations crossing the cut before each run, ``v m`` of the gradients crossing
+        the cut after it."""
+        config = self.table.config
+        m, v, last = config.num_microbatches, config.chunks, config.virtual_stages - 1
+        runs = config.runs_of(stage)
+        received = sum(self.boundary_units(run - 1) for run in runs if run > 0)
+        returned = sum(self.boundary_units(run) for run in runs if run < last)
+        return (m * v - inflight) * received + v * m * returned
 
     def add_hint(self, hint: Assignment) -> None:
         """Start the search from ``hint`` (CP-SAT completes the auxiliary variables)."""

@@ -84,14 +84,20 @@ def random_problem(rng: random.Random, scale: int = 1) -> PlanningProblem:
                               param_count=4000 * scale, param_bytes=16000 * scale,
                               layers=(0, num_layers - 1)),)
     total = sum(16 * l.param_count + 4 * l.saved_bytes["none"] for l in layers)
-    memory = int(total * rng.choice([0.3, 0.6, 1.0, 2.0, 4.0]) / num_devices) + 20000 * scale
-    memories: int | list[int] = memory
+    share = rng.choice([0.3, 0.6, 1.0, 2.0, 4.0]) / num_devices
+    factors = [1] * num_devices
     if num_devices > 1 and rng.random() < 0.2:
-        memories = [memory * rng.choice([1, 2]) for _ in range(num_devices)]
+        factors = [rng.choice([1, 2]) for _ in range(num_devices)]
     cuts = [rng.choice([0.0, 1e3, 1e5, 1e6]) for _ in range(num_layers - 1)]
-    numbers = devices(num_devices, memories, bandwidth=rng.choice([1e8, 1e10]),
-                      node=rng.choice([1, 8]), latency=rng.choice([0.0, 1e-6]))
+    bandwidth, node, latency = (rng.choice([1e8, 1e10]), rng.choice([1, 8]),
+                                rng.choice([0.0, 1e-6]))
     batch = rng.choice([1, 2, 4])
+    # A stage's receive buffers hold the whole batch's activations across the cut
+    # before it and their gradients across the cut after it.
+    total += 2 * batch * max(cuts, default=0.0)
+    memory = int(total * share) + 20000 * scale
+    numbers = devices(num_devices, [memory * f for f in factors], bandwidth=bandwidth,
+                      node=node, latency=latency)
     # Drawn last, so the instances' other numbers stay as they were before it was drawn.
     numbers = replace(numbers, comm_overlap=rng.choice([0.0, 0.5, 1.0]))
     return problem(layers, cuts, numbers, batch=batch, shared=shared)
@@ -205,11 +211,14 @@ def repeated_problem(rng: random.Random) -> PlanningProblem:
                          {"pp": 2, "schedule": "interleaved-1f1b"}])
     pins = Pins(recompute=recompute, **layout)
     total = sum(16 * l.param_count + 4 * l.saved_bytes["none"] for l in layers)
-    memory = int(total * rng.choice([0.7, 1.0, 1.5, 3.0]) / num_devices) + 20000
-    return problem(layers, cuts,
-                   devices(num_devices, memory, bandwidth=rng.choice([1e8, 1e10]),
-                           node=rng.choice([2, 8])),
-                   batch=rng.choice([2, 4]), shared=shared, pins=pins)
+    share = rng.choice([0.7, 1.0, 1.5, 3.0]) / num_devices
+    bandwidth, node, batch = rng.choice([1e8, 1e10]), rng.choice([2, 8]), rng.choice([2, 4])
+    # Receive buffers: the batch's activations in, and their gradients back (a stage
+    # inside the pipeline holds both).
+    total += 2 * batch * max(cuts)
+    memory = int(total * share) + 20000
+    return problem(layers, cuts, devices(num_devices, memory, bandwidth=bandwidth, node=node),
+                   batch=batch, shared=shared, pins=pins)
 
 
 def schedule_trials_expected(prob: PlanningProblem, config: PipelineConfig) -> set:
