@@ -12,12 +12,16 @@
    to the published one; under "partc schedule" the same mesh with the schedule and
    stages left to the planner, and that prediction's ratio; the planner's own plan for
    the same devices; and each step broken down by cause. With ``--interleavings``, the
-   pipelined rows priced under each interleaved 1F1B Megatron-Core could have run.
+   pipelined rows priced under each interleaved 1F1B Megatron-Core could have run. With
+   ``--efficiency E``, the table at that matmul efficiency instead of the fitted one
+   (0.70: an H100's bf16 linears as ``partc calibrate`` measured them); with
+   ``--micro-batch B``, every row's micro-batch size pinned (each row's batch is 4 pp
+   dp sequences: 4 pp microbatches of one per replica, as Megatron's 1F1B needs them).
    Where no efficiency up to 100% of peak reaches the fitted row's throughput, the table
    is printed at the preset's efficiency and the fit says so.
 
     PYTHONPATH=. python benchmarks/validation.py [--only korthikanti|mcore] [--breakdown]
-        [--rows 1.7B,32B] [--interleavings]
+        [--rows 1.7B,32B] [--interleavings] [--efficiency 0.70] [--micro-batch 1]
 
 Everything is measured on the meta device (fake tensors): a few seconds per model.
 """
@@ -96,11 +100,18 @@ def block_breakdown(name: str, tp: int, sequence_parallel: bool) -> None:
                 print(f"  {node.name:>16} {target[-36:]:>36} {saved / unit:8.3f}")
 
 
-def mcore_table(names: list[str], show_breakdown: bool) -> None:
+def mcore_table(names: list[str], show_breakdown: bool, given: float | None = None,
+                micro_batch_size: int | None = None) -> None:
     print("\nMegatron-Core weak scaling on H100: TF/GPU, partc's prediction vs published")
+    if micro_batch_size is not None:
+        print(f"micro-batch size pinned to {micro_batch_size}")
     try:
-        efficiency = mcore.fitted_efficiency()
-        print(f"H100 matmul efficiency fitted on {mcore.FIT_RUN.name}: {efficiency:.4f}")
+        if given is not None:
+            efficiency = given
+            print(f"H100 matmul efficiency given: {efficiency:.4f} (not fitted)")
+        else:
+            efficiency = mcore.fitted_efficiency()
+            print(f"H100 matmul efficiency fitted on {mcore.FIT_RUN.name}: {efficiency:.4f}")
     except ValueError as error:
         efficiency = preset(mcore.DEVICE).flops_efficiency
         top = mcore.predict(mcore.FIT_RUN.name, 1.0)
@@ -112,14 +123,15 @@ def mcore_table(names: list[str], show_breakdown: bool) -> None:
     for run in mcore.RUNS:
         if names and run.name not in names:
             continue
-        ours = mcore.predict(run.name, efficiency)
+        ours = mcore.predict(run.name, efficiency, micro_batch_size=micro_batch_size)
         own = mcore.predict(run.name, efficiency, own=True)
         plan = ours.plan
         modes = ",".join(sorted(set(plan.recompute.values())))
         mesh = f"{own.plan.tp}x{own.plan.pp}x{own.plan.dp} {own.tflops_per_gpu:.0f} TF"
         chosen = "-"
         if run.pp > 1:
-            free = mcore.predict(run.name, efficiency, megatron_pipeline=False)
+            free = mcore.predict(run.name, efficiency, megatron_pipeline=False,
+                                 micro_batch_size=micro_batch_size)
             chosen = f"{free.plan.schedule} v={free.plan.chunks} {free.ratio:.3f}"
         print(f"{run.name:>5} {run.tp:>3} {run.pp:>3} {run.dp:>3} {run.tflops_per_gpu:>9.1f} "
               f"{ours.tflops_per_gpu:>7.1f} {ours.ratio:>6.3f} {ours.peak_bytes / GIB:>5.1f} "
@@ -127,7 +139,7 @@ def mcore_table(names: list[str], show_breakdown: bool) -> None:
               f"{'on' if plan.sequence_parallel else '-':>3} {modes:>16} {chosen:>30} "
               f"{mesh:>18}")
         if show_breakdown:
-            problem = mcore.problem(run.name, efficiency)
+            problem = mcore.problem(run.name, efficiency, micro_batch_size=micro_batch_size)
             parts = breakdown(problem, plan_assignment(plan))
             print("      " + ", ".join(f"{k} {v:.3f}" for k, v in parts.terms.items())
                   + f" = {parts.step:.3f} s; published step "
@@ -153,6 +165,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rows", default="", help="mcore rows, e.g. 1.7B,32B (default all)")
     parser.add_argument("--interleavings", action="store_true",
                         help="mcore: price the pipelined rows' interleavings instead")
+    parser.add_argument("--efficiency", type=float,
+                        help="mcore: the table at this matmul efficiency instead of the "
+                             "fitted one (e.g. 0.70, measured on an H100)")
+    parser.add_argument("--micro-batch", type=int,
+                        help="mcore: pin every row's micro-batch size (Megatron's: 1)")
     args = parser.parse_args(argv)
     rows = [n for n in args.rows.split(",") if n]
     if args.interleavings:
@@ -161,7 +178,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.only in (None, "korthikanti"):
         korthikanti_table(args.breakdown)
     if args.only in (None, "mcore"):
-        mcore_table(rows, args.breakdown)
+        mcore_table(rows, args.breakdown, args.efficiency, args.micro_batch)
     return 0
 
 

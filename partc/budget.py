@@ -309,6 +309,9 @@ class DeviceBudget:
     # profile's, else the preset's, else hbm_bandwidth.
     elementwise_bandwidth: float | str | None = None
     optimizer_bandwidth: float | str | None = None
+    # The share of peak fused attention kernels reach (DeviceNumbers.
+    # attention_efficiency): by default the preset's; None there: flops_efficiency.
+    attention_efficiency: float | None = None
     _preset: DevicePreset | None = field(init=False, repr=False, compare=False)
     _profile: DeviceProfile | None = field(init=False, repr=False, compare=False)
 
@@ -341,6 +344,8 @@ class DeviceBudget:
                 _check_latency(name, getattr(self, name))
         if self.comm_overlap is not None:
             _check_share("comm_overlap", self.comm_overlap)
+        if self.attention_efficiency is not None:
+            _check_fraction("attention_efficiency", self.attention_efficiency)
         if self.split_backward_factor is not None and (
                 isinstance(self.split_backward_factor, bool)
                 or not isinstance(self.split_backward_factor, (int, float))
@@ -436,6 +441,14 @@ class DeviceBudget:
     @property
     def efficiency(self) -> float:
         return self._pick("flops_efficiency")
+
+    @property
+    def attention_share(self) -> float | None:
+        """The share of peak fused attention kernels reach: the field given, else the
+        preset's; None (the matmuls' ``flops_efficiency``) where neither gives one."""
+        if self.attention_efficiency is not None:
+            return float(self.attention_efficiency)
+        return self._preset.attention_efficiency if self._preset is not None else None
 
     @property
     def hbm_bytes_per_s(self) -> float:
@@ -551,6 +564,7 @@ class DeviceBudget:
                                  for kind, latency, bandwidth in self.link_numbers} or None,
             **{name: self.overhead(name) for name in _MEASURED},
             **{name: self.rate(name) for name in _RATES},
+            "attention_efficiency": self.attention_share,
         }
         if self.disk_bandwidth is not None:  # else plans record none and use the default
             data["disk_bandwidth"] = self.disk_bytes_per_s

@@ -78,6 +78,7 @@ BUDGET_FLAGS = {
     "elementwise_bandwidth": "--elementwise-bandwidth",
     "optimizer_bandwidth": "--optimizer-bandwidth",
     "fsdp_copy_bandwidth": "--fsdp-copy-bandwidth",
+    "attention_efficiency": "--attention-efficiency",
 }
 
 UNITS = """\
@@ -388,6 +389,9 @@ def _budget_arguments(group, *, devices: bool = True) -> None:
                        help="ZeRO-2/3: the rate FSDP copies weights and gradients in and "
                             "out of its collectives at (default: the profile's, else the "
                             "HBM bandwidth)")
+    group.add_argument("--attention-efficiency", type=FRACTION, metavar="FRACTION",
+                       help="the share of peak fused attention kernels reach (default: "
+                            "the preset's, else the matmuls' --flops-efficiency)")
     group.add_argument("--disk-bandwidth", type=RATE, metavar="RATE",
                        help="checkpoint write rate per rank, e.g. 2GB/s (the report's "
                             "predicted save time)")

@@ -64,6 +64,7 @@ def device_numbers(budget: DeviceBudget, dtype: torch.dtype) -> DeviceNumbers:
         elementwise_bandwidth=budget.rate("elementwise_bandwidth"),
         optimizer_bandwidth=budget.rate("optimizer_bandwidth"),
         fsdp_copy_bandwidth=budget.rate("fsdp_copy_bandwidth"),
+        attention_efficiency=budget.attention_share,
     )
 
 
@@ -208,6 +209,7 @@ def budget_from_info(info: BudgetInfo) -> DeviceBudget:
         elementwise_bandwidth=info.elementwise_bandwidth,
         optimizer_bandwidth=info.optimizer_bandwidth,
         fsdp_copy_bandwidth=info.fsdp_copy_bandwidth,
+        attention_efficiency=info.attention_efficiency,
         disk_bandwidth=info.disk_bandwidth)
 
 

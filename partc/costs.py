@@ -12,14 +12,16 @@ Model (per pipeline stage ``s`` of ``p``, ``m`` microbatches of ``b`` samples):
   roofline ``max(b * flops / (peak * efficiency), (b * activation bytes + weight bytes)
   / HBM bandwidth)``: its weight is read once per microbatch, so small microbatches
   (decode-like shapes) are bound by memory and large ones by FLOPs; ``efficiency`` is
-  one factor per device type (presets, calibration). Every other op moves its bytes at
-  the device's element-wise rate (``DeviceNumbers.elementwise_bandwidth``: HBM bandwidth
-  unless calibrated; a CPU thread runs them well below its copy rate), autocast's casts
-  among them. Every op also pays a fixed overhead per call and microbatch, and every
-  heavy op a fixed time beyond its FLOPs (``DeviceNumbers.op_overhead_s``,
-  ``matmul_overhead_s``): more, smaller microbatches cost more. On a GPU, whose host
-  dispatches ahead of its kernels, the ops' overhead is a floor under each layer's
-  phase rather than a sum (:func:`dispatched`). Backward is twice
+  one factor per device type (presets, calibration), and a fused attention kernel has
+  its own (``DeviceNumbers.attention_efficiency``: flash kernels run below the
+  matmuls). Every other op moves its bytes at the device's element-wise rate
+  (``DeviceNumbers.elementwise_bandwidth``: HBM bandwidth unless calibrated; a CPU
+  thread runs them well below its copy rate), autocast's casts among them. Every op
+  also pays a fixed overhead per call and microbatch, and every heavy op a fixed time
+  beyond its FLOPs (``DeviceNumbers.op_overhead_s``, ``matmul_overhead_s``): more,
+  smaller microbatches cost more. On a GPU, whose host dispatches ahead of its kernels,
+  the ops' overhead is a floor under each layer's phase rather than a sum
+  (:func:`dispatched`). Backward is twice
   forward, op by op (a heavy op's gradients w.r.t. its
   input and its weight are two ops like it; a fused attention kernel's recomputed
   scores add FLOPs); recompute replays its ops at the same roofline (:func:`layer_work`);
@@ -520,13 +522,14 @@ def _shared_tail_ps(problem: PlanningProblem, config: PipelineConfig, params: in
 
 def roofline_seconds(ops: Sequence[HeavyOp], devices: DeviceNumbers, micro_batch: int,
                      scale: float, backward: bool = False) -> tuple[float, float]:
-    """One microbatch of compute-heavy ``ops``, each at its roofline (:func:`op_seconds`),
-    split into (compute-bound, memory-bound) seconds."""
-    rate = devices.peak_flops * devices.flops_efficiency
+    """One microbatch of compute-heavy ``ops``, each at its roofline (:func:`op_seconds`)
+    and its rate (a fused attention kernel at the device's attention share of peak, the
+    matmuls at theirs: :meth:`DeviceNumbers.heavy_op_flops`), split into
+    (compute-bound, memory-bound) seconds."""
     bound = {True: 0.0, False: 0.0}
     for op in ops:
-        compute, memory = op_seconds(op, rate, devices.hbm_bandwidth, micro_batch, scale,
-                                     backward, devices.matmul_overhead_s)
+        compute, memory = op_seconds(op, devices.heavy_op_flops(op), devices.hbm_bandwidth,
+                                     micro_batch, scale, backward, devices.matmul_overhead_s)
         bound[compute >= memory] += op.count * max(compute, memory)
     return bound[True], bound[False]
 

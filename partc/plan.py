@@ -393,6 +393,7 @@ class BudgetInfo:
     elementwise_bandwidth: float | None = None   # None: the cost model used hbm_bandwidth
     optimizer_bandwidth: float | None = None     # likewise
     fsdp_copy_bandwidth: float | None = None     # likewise
+    attention_efficiency: float | None = None    # None: fused attention at flops_efficiency
     source: str | None = None    # "profile" when a calibration profile gave the numbers
     profile: str | None = None   # its path
     preset: str | None = None    # the preset it overrides

@@ -72,7 +72,18 @@ class DevicePreset:
     # FSDP's copies in and out of its collectives (DeviceNumbers.fsdp_copy_bandwidth).
     # None: hbm_bandwidth, a GPU's copy kernels'; a profile measures a CPU's.
     fsdp_copy_bandwidth: float | None = None
+    # The share of peak fused attention (flash) kernels reach, forward and backward
+    # (DeviceNumbers.attention_efficiency). None: flops_efficiency, the matmuls' share.
+    attention_efficiency: float | None = None
 
+
+# Hopper's attention: Transformer Engine runs it on cuDNN's fused flash kernel there
+# (preferred over FlashAttention-2 on Hopper since TE 1.x), and the FlashAttention-3
+# paper (Shah et al. 2024, figs. 5-6: H100 80GB SXM5, bf16, head dim 128, 4k tokens)
+# measured cuDNN at 518 TFLOP/s forward with a causal mask and 499 backward: 0.50-0.52
+# of the 989.4 dense peak, where large bf16 matmuls reach about 0.7 (partc calibrate
+# measured 0.70 on an H100). FlashAttention-2 measured 0.32-0.37 there.
+_HOPPER_ATTENTION = 0.5
 
 PRESETS: dict[str, DevicePreset] = {
     preset.name: preset
@@ -97,14 +108,16 @@ PRESETS: dict[str, DevicePreset] = {
                         "bfloat16": 989.4 * TFLOPS, "float16": 989.4 * TFLOPS},
             memory=80 * 2**30, hbm_bandwidth=3350 * GB, devices_per_node=8,
             intra_node_bandwidth=450 * GB, inter_node_bandwidth=50 * GB,
-            link_latency_s=8e-6, intra_node_latency_s=2e-6, flops_efficiency=0.55),
+            link_latency_s=8e-6, intra_node_latency_s=2e-6, flops_efficiency=0.55,
+            attention_efficiency=_HOPPER_ATTENTION),
         DevicePreset(
             name="H200",
             peak_flops={"float32": 67 * TFLOPS, "tf32": 494.7 * TFLOPS,
                         "bfloat16": 989.4 * TFLOPS, "float16": 989.4 * TFLOPS},
             memory=141 * 10**9, hbm_bandwidth=4800 * GB, devices_per_node=8,
             intra_node_bandwidth=450 * GB, inter_node_bandwidth=50 * GB,
-            link_latency_s=8e-6, intra_node_latency_s=2e-6, flops_efficiency=0.55),
+            link_latency_s=8e-6, intra_node_latency_s=2e-6, flops_efficiency=0.55,
+            attention_efficiency=_HOPPER_ATTENTION),
         DevicePreset(
             name="CPU",
             peak_flops={"float32": 0.2 * TFLOPS, "bfloat16": 0.2 * TFLOPS,

@@ -124,13 +124,16 @@ class HeavyOp:
     roofline prices them: ``flops`` and ``activation_bytes`` (inputs and outputs other
     than parameters) per sample, and ``weight_bytes``, the parameters the op reads, which
     a microbatch reads once whatever its size. ``bwd_extra_flops``: what its backward
-    does beyond twice ``flops`` (see :attr:`LayerCost.bwd_extra_flops`), per sample."""
+    does beyond twice ``flops`` (see :attr:`LayerCost.bwd_extra_flops`), per sample.
+    ``attention``: a fused attention kernel (flash), which runs at its own share of peak
+    (:attr:`DeviceNumbers.attention_efficiency`), not the matmuls'."""
 
     flops: float
     activation_bytes: float
     weight_bytes: float
     count: int = 1
     bwd_extra_flops: float = 0.0
+    attention: bool = False
 
 
 # How a mixture-of-experts layer holds its routed experts (passes/moe.py recognises both).
@@ -404,6 +407,11 @@ class DeviceNumbers:
     # ``hbm_bandwidth``; a CPU thread splitting a gathered buffer into the parameters
     # runs below its copy rate (calibrated).
     fsdp_copy_bandwidth: float | None = None
+    # The share of peak a fused attention kernel reaches, forward and backward together
+    # (HeavyOp.attention). None: flops_efficiency, the matmuls' share. Flash kernels
+    # interleave a softmax between two products of small head dimension and keep
+    # below the large matmuls' share (presets).
+    attention_efficiency: float | None = None
 
     def __post_init__(self) -> None:
         if len(self.memory_bytes) != self.num_devices:
@@ -426,11 +434,21 @@ class DeviceNumbers:
         if not 0.0 <= self.comm_overlap <= 1.0:
             raise ValueError(f"DeviceNumbers.comm_overlap must be in [0, 1], got "
                              f"{self.comm_overlap!r}")
+        share = self.attention_efficiency
+        if share is not None and not 0.0 < share <= 1.0:
+            raise ValueError(f"DeviceNumbers.attention_efficiency must be None or in "
+                             f"(0, 1], got {share!r}")
 
     @property
     def intra_latency_s(self) -> float:
         return self.link_latency_s if self.intra_node_latency_s is None \
             else self.intra_node_latency_s
+
+    def heavy_op_flops(self, op: HeavyOp) -> float:
+        """The FLOP/s ``op`` runs at: peak times ``attention_efficiency`` for a fused
+        attention kernel (where the device has one), else times ``flops_efficiency``."""
+        share = self.attention_efficiency if op.attention else None
+        return self.peak_flops * (share or self.flops_efficiency)
 
     @property
     def light_op_bandwidth(self) -> float:

@@ -689,15 +689,16 @@ def _value_bytes(node: fx.Node, run: _LayerRun) -> float:
 def _heavy_ops(nodes: list[fx.Node], run: _LayerRun, per: float) -> tuple[HeavyOp, ...]:
     """The layer's compute-heavy ops for the roofline, equal ones counted together:
     FLOPs, activation bytes and extra backward FLOPs per sample, weight bytes per
-    microbatch."""
-    counts: dict[tuple[float, float, float, float], int] = {}
+    microbatch, and whether the op is a fused attention kernel (priced at its own rate)."""
+    counts: dict[tuple[float, float, float, float, bool], int] = {}
     for node in nodes:
         cost = run.costs[node]
         extra = fuse_attention.backward_recompute_flops(node, cost.flops)
-        key = (cost.flops * per, cost.bytes_moved * per, cost.weight_bytes, extra * per)
+        key = (cost.flops * per, cost.bytes_moved * per, cost.weight_bytes, extra * per,
+               fuse_attention.is_fused(node))
         counts[key] = counts.get(key, 0) + 1
     return tuple(HeavyOp(flops=flops, activation_bytes=moved, weight_bytes=weight,
-                         bwd_extra_flops=extra, count=n)
-                 for (flops, moved, weight, extra), n in counts.items())
+                         bwd_extra_flops=extra, count=n, attention=attention)
+                 for (flops, moved, weight, extra, attention), n in counts.items())
 
 

@@ -1,6 +1,7 @@
-"""The rates the memory-bound ops and the optimizer step run at
-(``DeviceNumbers.elementwise_bandwidth``, ``optimizer_bandwidth``), against numbers worked
-out by hand, and the planner against brute force when a profile gives them.
+"""The rates the memory-bound ops, the optimizer step and fused attention run at
+(``DeviceNumbers.elementwise_bandwidth``, ``optimizer_bandwidth``,
+``attention_efficiency``), against numbers worked out by hand, and the planner against
+brute force when a profile gives them.
 
 Devices: 1e12 FLOP/s peak at efficiency 0.5 (5e11 achievable) and 1e11 bytes/s of HBM.
 """
@@ -65,6 +66,50 @@ def test_the_optimizer_step_moves_its_bytes_at_the_optimizer_rate():
     assert _row(slow, layer).forward_ps == _row(DEVICES, layer).forward_ps
 
 
+def test_fused_attention_runs_at_the_attention_share_of_peak():
+    """A block of a linear (1e8 FLOPs per sample) and a fused attention kernel (2e7
+    FLOPs per sample, 1e7 more recomputed in backward), micro-batch 2, at 5e11 FLOP/s of
+    matmul: forward 0.4 + 0.08 = 0.48 ms, backward 0.8 + 0.2 = 1.0 ms. At an attention
+    share of 0.25 of the 1e12 peak the kernel takes twice as long (0.16 ms forward, 0.4
+    backward) and the linear is unchanged; None leaves it at the matmuls' rate."""
+    linear = HeavyOp(flops=1e8, activation_bytes=0.0, weight_bytes=0.0)
+    attention = HeavyOp(flops=2e7, activation_bytes=0.0, weight_bytes=0.0,
+                        bwd_extra_flops=1e7, attention=True)
+    layer = dataclasses.replace(instances.layer("block", flops=1.2e8),
+                                heavy_ops=(linear, attention))
+    slow = dataclasses.replace(DEVICES, attention_efficiency=0.25)
+    for devices, forward, backward in ((DEVICES, 0.48e-3, 1.0e-3),
+                                       (slow, 0.56e-3, 1.2e-3)):
+        row = _row(devices, layer)
+        assert row.forward_ps / PS_PER_S == pytest.approx(forward)
+        assert row.backward_ps / PS_PER_S == pytest.approx(backward)
+        assert row.recompute_ps["full"] / PS_PER_S == pytest.approx(forward)
+    # A linear marked otherwise is not affected by it.
+    plain = dataclasses.replace(layer, heavy_ops=(linear, dataclasses.replace(
+        attention, attention=False)))
+    assert _row(slow, plain).forward_ps == _row(DEVICES, layer).forward_ps
+    with pytest.raises(ValueError, match="DeviceNumbers.attention_efficiency must be None"):
+        dataclasses.replace(DEVICES, attention_efficiency=0.0)
+
+
+def test_the_hopper_presets_price_attention_below_their_matmuls():
+    """H100 and H200 presets carry cuDNN's flash-attention share (0.5, see presets.py);
+    a budget's own figure wins, a plan's budget keeps it, and a CPU has none (its
+    attention runs at flops_efficiency, as before)."""
+    h100 = partc.DeviceBudget(num_devices=8, device="H100")
+    assert device_numbers(h100, torch.bfloat16).attention_efficiency == 0.5
+    assert partc.PRESETS["H200"].attention_efficiency == 0.5
+    given = partc.DeviceBudget(num_devices=8, device="H100", attention_efficiency=0.4)
+    numbers = device_numbers(given, torch.bfloat16)
+    assert numbers.attention_efficiency == 0.4
+    again = budget_from_info(BudgetInfo.from_dict(given.to_dict(torch.bfloat16)))
+    assert device_numbers(again, torch.bfloat16) == numbers
+    cpu = partc.DeviceBudget(num_devices=2, device="CPU")
+    assert device_numbers(cpu, torch.float32).attention_efficiency is None
+    with pytest.raises(ValueError, match="DeviceBudget.attention_efficiency must be"):
+        partc.DeviceBudget(num_devices=8, device="H100", attention_efficiency=1.5)
+
+
 def test_rates_must_be_positive():
     for name in ("elementwise_bandwidth", "optimizer_bandwidth"):
         with pytest.raises(ValueError, match=f"DeviceNumbers.{name} must be None or a"):
@@ -90,14 +135,20 @@ def test_the_budget_resolves_the_rates_and_a_plan_keeps_them():
 
 @pytest.mark.parametrize("seed", [0, pytest.param(1, marks=pytest.mark.slow)])
 def test_plan_equals_brute_force_with_calibrated_rates(seed):
-    """Random instances whose light ops and optimizer step run at rates of their own (as
-    a CPU profile gives them): the planner's plan is still brute force's optimum."""
+    """Random instances whose light ops, optimizer step and (some layers') heavy ops as
+    fused attention run at rates of their own: the planner's plan is still brute force's
+    optimum."""
     rng = random.Random(500 + seed)
     feasible = 0
     for _ in range(30):
         prob = instances.random_problem(rng)
         devices = dataclasses.replace(prob.devices,
                                       elementwise_bandwidth=rng.choice([1e8, 1e9, 1e10]),
-                                      optimizer_bandwidth=rng.choice([1e6, 1e7, 1e9]))
-        feasible += _matches_oracle(dataclasses.replace(prob, devices=devices))
+                                      optimizer_bandwidth=rng.choice([1e6, 1e7, 1e9]),
+                                      attention_efficiency=rng.choice([None, 0.3]))
+        layers = tuple(dataclasses.replace(layer, heavy_ops=tuple(
+            dataclasses.replace(op, attention=rng.random() < 0.5) for op in layer.heavy_ops))
+            for layer in prob.model.layers)
+        model = dataclasses.replace(prob.model, layers=layers)
+        feasible += _matches_oracle(dataclasses.replace(prob, devices=devices, model=model))
     assert feasible > 10

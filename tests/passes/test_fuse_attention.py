@@ -169,6 +169,25 @@ def test_backward_recomputes_the_scores() -> None:
         assert ours.fwd_mem_bytes <= theirs.fwd_mem_bytes
 
 
+def test_the_fused_call_is_the_one_heavy_op_marked_attention() -> None:
+    """The cost model prices a fused attention kernel at the device's attention share of
+    peak: each block's call is its one HeavyOp marked so, holding the block's (seq x
+    seq) products (half of them skipped under the causal mask); the written products
+    are plain matmuls."""
+    ids = torch.randint(1, 128, (BATCH, SEQ))
+    _, fused = analyze(_build("gpt"), (ids,), attention="fused", full_trace=True)
+    _, written = analyze(_build("gpt"), (ids,), full_trace=True)
+    half = 2 * 2 * 4 * SEQ * SEQ * 16 / 2
+    for layer in fused.layers:
+        marked = [op for op in layer.heavy_ops if op.attention]
+        if layer.name.startswith("blocks."):
+            assert [(op.count, op.flops, op.bwd_extra_flops) for op in marked] == [
+                (1, half, half / 2)]
+        else:
+            assert marked == []
+    assert not any(op.attention for layer in written.layers for op in layer.heavy_ops)
+
+
 @pytest.mark.parametrize("device", ["cuda", "cpu"])
 def test_dropout_is_measured_as_the_fused_kernel_keeps_it(device: str) -> None:
     """Fake CPU tensors send dropout to the math path; the estimate keeps what the GPU

@@ -41,7 +41,30 @@ checked on the SC'21 runs that did interleave (``tests/validation/megatron.py``)
 
 One H100 matmul efficiency is fitted on one row (:data:`FIT_RUN`), the rest predicted
 with it (``tests/validation/test_mcore_scaling.py``; ``benchmarks/validation.py`` prints
-the table).
+the table). Fused attention is not fitted: it runs at the H100 preset's attention
+efficiency, 0.5 of peak (cuDNN's flash kernel, which Transformer Engine runs on Hopper,
+as the FlashAttention-3 paper measured it; ``partc/presets.py``).
+
+What the fitted constant absorbs. The table does not give the micro-batch size; every
+row's batch is 4 pp dp sequences, i.e. 4 pp microbatches of one sequence per replica,
+what 1F1B needs to keep its fill and drain under a quarter of the step, and partc plans
+the pipelined rows so (b = 1, m = 4 pp; 70B b = 2). Without a pipeline partc plans one
+microbatch of four sequences (b = 4, m = 1: 32B at 78.8 GiB), whose backward hides the
+whole fp32 reduce-scatter of ZeRO-1's gradients and whose forward the bf16 all-gather
+of its weights; as four microbatches of one, Megatron-Core overlaps them with the last
+microbatch's backward and the first one's forward only, and partc prices 0.36 s of them
+exposed on 32B at the fitted efficiency (29% of that step; 0.40 s at 0.70). Fitted on
+the plan that hides them, the constant comes out at 0.53 of peak where an H100's bf16
+linears measured 0.70 (``partc calibrate``, :data:`MEASURED_EFFICIENCY`), and it
+prices the pipelined rows' matmuls that much slower: 0.78-0.85x (119B just inside
+the band at 0.853x; 1.7B, planned as 32B is, at 1.16x: ``test_mcore_scaling``'s
+OUTSIDE says why). At the measured 0.70 with micro-batches of one
+(:data:`MICROBATCH_OF_THE_BATCHES`), nothing fitted, the pipelined rows are predicted
+at 0.96-1.03x and the unpipelined ones at 0.76-0.90x:
+those four spend 0.18-0.42 s on exposed data-parallel traffic that 0.45-0.89 s
+published steps leave no room for at one sequence per microbatch, so they likely ran
+larger microbatches, which the table does not say (partc's own, four sequences,
+predicts them at 1.16-1.39x there).
 """
 
 from __future__ import annotations
@@ -76,6 +99,13 @@ DEVICE_BYTES = 80 * 2**30
 # What Megatron-Core runs a pipeline with unless told to interleave (the table does
 # not say it was).
 PUBLISHED_SCHEDULE = "1f1b"
+# bf16 linear layers' matmuls on one H100 SXM, as `partc calibrate` measured them
+# (0.697; square matmuls of 2048^3 and more 0.71-0.72): the efficiency a row is
+# predicted at when nothing is fitted.
+MEASURED_EFFICIENCY = 0.70
+# The micro-batch size the published batches imply: 4 pp dp sequences, 4 pp
+# microbatches of one per replica (the table does not give it).
+MICROBATCH_OF_THE_BATCHES = 1
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -174,26 +204,30 @@ def analysed(name: str):
                    autocast=torch.bfloat16, autocast_device="cuda")
 
 
-def published(run: Run, megatron_pipeline: bool = True) -> partc.Constraints:
+def published(run: Run, megatron_pipeline: bool = True,
+              micro_batch_size: int | None = None) -> partc.Constraints:
     """The published mesh and the distributed optimizer, and a pipeline as Megatron-Core
     runs it (:data:`PUBLISHED_SCHEDULE` over :func:`even_stages`; without
     ``megatron_pipeline``, the schedule and stages partc chooses); the rest left to the
-    planner."""
+    planner, the micro-batch size too unless ``micro_batch_size`` pins it."""
     pipelined = run.pp > 1 and megatron_pipeline
     return partc.Constraints(tp=run.tp, pp=run.pp, dp=run.dp, zero_stage=1,
                              tp_objective="time" if run.tp > 1 else None,
                              schedule=PUBLISHED_SCHEDULE if pipelined else None,
-                             stages=even_stages(run, run.pp) if pipelined else None)
+                             stages=even_stages(run, run.pp) if pipelined else None,
+                             micro_batch_size=micro_batch_size)
 
 
 @functools.lru_cache(maxsize=None)
 def problem(name: str, flops_efficiency: float | None, own: bool = False,
-            megatron_pipeline: bool = True) -> PlanningProblem:
+            megatron_pipeline: bool = True,
+            micro_batch_size: int | None = None) -> PlanningProblem:
     """The row's planning problem: its published mesh pinned (:func:`published`), or
     (``own``) nothing but the devices and the batch."""
     run = run_named(name)
     graph, analysis = analysed(name)
-    constraints = partc.Constraints() if own else published(run, megatron_pipeline)
+    constraints = partc.Constraints() if own else published(run, megatron_pipeline,
+                                                            micro_batch_size)
     return build_problem(analysis, budget(run, flops_efficiency), train_spec(run),
                          constraints, graph)
 
@@ -248,13 +282,13 @@ class Prediction:
 
 
 def predict(name: str, efficiency: float | None = None, own: bool = False,
-            megatron_pipeline: bool = True) -> Prediction:
+            megatron_pipeline: bool = True, micro_batch_size: int | None = None) -> Prediction:
     """partc's plan for the row (the published mesh pinned as :func:`published` pins it,
     or its own) at ``efficiency`` (the fitted one by default) and the TF/GPU it
     predicts."""
     run = run_named(name)
     efficiency = fitted_efficiency() if efficiency is None else efficiency
-    result = plan(problem(name, efficiency, own, megatron_pipeline))
+    result = plan(problem(name, efficiency, own, megatron_pipeline, micro_batch_size))
     return Prediction(run=run, plan=result,
                       tflops_per_gpu=tflops_per_gpu(run, result.predicted.step_time_s))
 

@@ -41,7 +41,7 @@ import torch
 import partc
 from partc.compiler import build_problem, plan_problem
 from partc.costs import (PS_PER_S, Evaluation, PipelineConfig, build_cost_table, evaluate,
-                         exposed_gather_ps, exposed_sync_ps, layer_work,
+                         exposed_gather_ps, exposed_sync_ps, layer_work, roofline_seconds,
                          tp_comm_seconds)
 from partc.problem import PlanningProblem
 from partc.spec import INTERLEAVED
@@ -337,10 +337,11 @@ def fit_efficiency(run: Run, problem: PlanningProblem, assignment: Assignment,
 class Breakdown:
     """A step's predicted time on its bottleneck rank, by cause, in seconds.
 
-    ``step = compute + memory + tp + tp_latency + p2p + bubble + dp_sync + optimizer +
-    tied``: the first five are the bottleneck rank's work over all microbatches (ops
-    bound by their FLOPs at the devices' efficiency, ops bound by their bytes at HBM
-    bandwidth,
+    ``step = compute + attention + memory + tp + tp_latency + p2p + bubble + dp_sync +
+    optimizer + tied``: the first six are the bottleneck rank's work over all
+    microbatches (ops bound by their FLOPs at the devices' efficiency, fused attention
+    kernels bound by theirs at the devices' attention efficiency, ops bound by their
+    bytes at HBM bandwidth,
     tensor-parallel collectives' bytes and their per-step latency, pipeline sends);
     ``bubble`` is the pipeline's fill and
     drain (the other ranks' time for one microbatch, divided by the chunks when
@@ -349,6 +350,7 @@ class Breakdown:
     """
 
     compute: float
+    attention: float
     memory: float
     tp: float
     tp_latency: float
@@ -362,8 +364,8 @@ class Breakdown:
     @property
     def terms(self) -> dict[str, float]:
         return {name: getattr(self, name) for name in
-                ("compute", "memory", "tp", "tp_latency", "p2p", "bubble", "dp_sync",
-                 "optimizer", "tied")}
+                ("compute", "attention", "memory", "tp", "tp_latency", "p2p", "bubble",
+                 "dp_sync", "optimizer", "tied")}
 
 
 def breakdown(problem: PlanningProblem, assignment: Assignment) -> Breakdown:
@@ -391,7 +393,8 @@ def breakdown(problem: PlanningProblem, assignment: Assignment) -> Breakdown:
     optimizer = sum(r.tail_ps for r in rows) + sum(g.tail_ps for g in held)
     fill_drain = evaluation.pipeline_ps - m * worst.busy_ps
     return Breakdown(
-        compute=m * work["compute"], memory=m * work["memory"], tp=m * bandwidth,
+        compute=m * (work["compute"] - work["attention"]), attention=m * work["attention"],
+        memory=m * work["memory"], tp=m * bandwidth,
         tp_latency=m * (work["tp"] - bandwidth),
         p2p=m * worst.comm_ps / PS_PER_S, bubble=fill_drain / PS_PER_S,
         dp_sync=exposed / PS_PER_S, optimizer=optimizer / PS_PER_S,
@@ -401,16 +404,21 @@ def breakdown(problem: PlanningProblem, assignment: Assignment) -> Breakdown:
 def _work_seconds(problem: PlanningProblem, config: PipelineConfig,
                   layers: list[tuple[int, str]]) -> dict[str, float]:
     """One microbatch's forward, backward and recompute of ``layers`` (index, mode), split
-    into compute-bound ops, memory-bound ops and tensor-parallel collectives, as
-    ``partc.costs`` charges them."""
-    total = {"compute": 0.0, "memory": 0.0, "tp": 0.0}
+    into compute-bound ops (of which ``attention``: fused attention kernels), memory-bound
+    ops and tensor-parallel collectives, as ``partc.costs`` charges them."""
+    total = {"compute": 0.0, "attention": 0.0, "memory": 0.0, "tp": 0.0}
+    b, scale = config.micro_batch_size, problem.train.measured_scale
     for index, mode in layers:
         layer = problem.layers[index]
-        work = layer_work(layer, problem.devices, config.micro_batch_size,
-                          problem.train.measured_scale)
+        work = layer_work(layer, problem.devices, b, scale)
         for compute, memory in (work["forward"], work["backward"], work["recompute"][mode]):
             total["compute"] += compute
             total["memory"] += memory
+        kernels = [op for op in layer.heavy_ops if op.attention]
+        replayed = layer.recompute_flops[mode] / layer.fwd_flops if layer.fwd_flops else 0.0
+        forward = roofline_seconds(kernels, problem.devices, b, scale)[0]
+        total["attention"] += (1 + replayed) * forward + roofline_seconds(
+            kernels, problem.devices, b, scale, backward=True)[0]
         comm = tp_comm_seconds(problem, config, layer)
         total["tp"] += comm["forward"] + comm["backward"] + (
             comm["forward"] if mode != "none" else 0.0)

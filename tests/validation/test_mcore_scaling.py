@@ -8,35 +8,54 @@ A pipelined row runs as Megatron-Core r0.8.0 ran it: plain 1F1B over an even spl
 the blocks (``mcore.published``; the schedules partc would choose instead, such as
 119B's interleaved chunks of 9 to 12 blocks, are ones that release cannot run).
 The default profile fits the constant and checks the smallest row (a few seconds of
-tracing on the meta device each); the other rows are slow-marked.
+tracing on the meta device each); the other rows are slow-marked. The slow profile also
+predicts every row at an H100's measured matmul efficiency, nothing fitted, which
+names what the fitted constant absorbs (``mcore``'s docstring).
 ``benchmarks/validation.py`` prints the whole table with each step's breakdown.
 """
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from tests.validation import mcore
 from tests.validation.mcore import FIT_RUN, run_named
+from tests.validation.megatron import breakdown, plan_assignment
 
 # The fit reaches the 32B row since the sequence-parallel collectives run as rings
 # beside their linears' matmuls (TrainSpec.tp_overlap: the tensor-parallel term of the
 # 32B step fell from 0.37 s to 0.03 s) and ZeRO-1 in bf16 is Megatron's distributed
 # optimizer (its tail 0.31 s -> 0.16 s).
 TARGET = 0.15
-_FAST = {"1.7B"}
+_FAST = {"1.7B", "7.1B"}
 
 
 # Outside the band since ZeRO-1's parameter all-gather runs beside the next forward
-# (TrainSpec.overlap_param_gather), as Megatron-Core's did (the json's common.overlap):
-# the fitted 32B row then has its data-parallel traffic all hidden, its step is matmuls
-# and element-wise ops alone, and the one constant that fits it is 0.48 of peak (an
-# H100 measured 0.70 on bf16 linears, benchmarks/gpu_check.py). The pipelined rows, whose
-# bubble and exposed gradient sync do not shrink with it, come out at 0.74-0.83x: what
-# Megatron-Core's 32B step spends beyond its matmuls (attention, fused element-wise
-# kernels, collectives slowing the matmuls beside them) is priced by no term of partc's
-# but absorbed by the constant. Ratios at the last fit, measured with partc's prediction.
-OUTSIDE = {"70B": 0.82, "119B": 0.83, "177B": 0.81, "314B": 0.74, "462B": 0.75}
+# (TrainSpec.overlap_param_gather), as Megatron-Core's did (the json's common.overlap).
+# Measured cause (mcore's docstring): partc plans the fitted 32B row as one microbatch of
+# four sequences, which hides all of its data-parallel traffic, where the published
+# batches imply four microbatches of one, which expose 0.36 s of it
+# (test_the_fitted_row_hides_the_sync_that_microbatches_of_one_expose). The constant
+# fitted on the first plan, 0.53 of peak (an H100's bf16 linears measured 0.70),
+# absorbs that and prices the pipelined rows' matmuls that much slower; at the measured
+# 0.70 with microbatches of one they are within the band, nothing fitted
+# (test_pipelined_rows_within_target_at_the_measured_efficiency). Ratios at the last
+# fit, measured with partc's prediction; 119B, at 0.853x, is just inside.
+PIPELINED_OUTSIDE = {"70B": 0.83, "177B": 0.84, "314B": 0.78, "462B": 0.80}
+# 1.7B is planned as one microbatch of four as 32B is, its sync hidden as the fitted
+# row's, and came out at 1.14x until the element-wise bytes took in autocast's casts
+# (partc's runtime casts each normed input for its matmuls; Megatron's Transformer
+# Engine fuses the cast into the norm): 32B's memory-bound term rose from 0.039 s to
+# 0.124, 1.7B's from 0.039 to 0.068, so the fitted constant rose from 0.48 to 0.53 and
+# 1.7B's matmuls, most of its step, came out faster.
+OUTSIDE = {"1.7B": 1.16, **PIPELINED_OUTSIDE}
+_WHY = {name: "the constant fitted on 32B as one microbatch of four, whose "
+        "data-parallel sync is hidden, is 0.53 of peak where an H100 measured 0.70"
+        for name in PIPELINED_OUTSIDE}
+_WHY["1.7B"] = ("autocast's casts, priced as element-wise bytes, weigh more in the "
+                "fitted 32B row's step than in 1.7B's and raised the constant")
 
 
 def _rows(names, within_target=False):
@@ -45,8 +64,8 @@ def _rows(names, within_target=False):
         found = [] if name in _FAST else [pytest.mark.slow]
         if within_target and name in OUTSIDE:
             found.append(pytest.mark.xfail(raises=AssertionError, strict=True, reason=(
-                f"partc predicts {OUTSIDE[name]:.2f}x the published throughput: the fit "
-                "row's per-layer costs beyond its matmuls are unpriced (see OUTSIDE)")))
+                f"partc predicts {OUTSIDE[name]:.2f}x the published throughput: "
+                f"{_WHY[name]} (see OUTSIDE)")))
         return found
 
     return [pytest.param(name, marks=marks(name)) for name in names]
@@ -80,6 +99,25 @@ def test_the_fitted_efficiency_reproduces_the_fitted_row():
     assert predicted.ratio == pytest.approx(1.0, rel=0.02)
 
 
+def test_the_fitted_row_hides_the_sync_that_microbatches_of_one_expose():
+    """The cause of OUTSIDE, measured on the fitted row: partc plans 32B as one
+    microbatch of four sequences per replica, whose backward hides the whole fp32
+    reduce-scatter of ZeRO-1's gradients and whose forward the bf16 all-gather; the same
+    plan run as the four microbatches of one sequence that the published batches imply
+    (4 pp dp sequences: 4 pp microbatches per replica) overlaps them with one
+    microbatch's backward and forward only, and exposes 0.36 s of them (29% of its
+    step), which the constant fitted on the first plan never sees."""
+    fit_problem = mcore.problem(FIT_RUN.name, None)
+    planned = plan_assignment(mcore.plan(fit_problem))
+    assert (planned.config.micro_batch_size, planned.config.num_microbatches) == (4, 1)
+    problem = mcore.with_efficiency(fit_problem, mcore.fitted_efficiency())
+    ones = dataclasses.replace(planned, config=dataclasses.replace(
+        planned.config, micro_batch_size=1, num_microbatches=4))
+    hidden, exposed = breakdown(problem, planned), breakdown(problem, ones)
+    assert hidden.dp_sync < 0.01 < 0.3 < exposed.dp_sync
+    assert exposed.dp_sync / exposed.step > 0.25
+
+
 @pytest.mark.parametrize("name", OTHER_ROWS)
 def test_published_mesh_within_target(name):
     predicted = mcore.predict(name)
@@ -89,6 +127,38 @@ def test_published_mesh_within_target(name):
         f"{predicted.run.tflops_per_gpu} ({predicted.ratio:.3f}x) with b="
         f"{plan.micro_batch_size}, m={plan.num_microbatches}, sp={plan.sequence_parallel}")
     assert predicted.peak_bytes <= mcore.DEVICE_BYTES
+
+
+PIPELINED = [pytest.param(run.name, marks=pytest.mark.slow) for run in mcore.RUNS
+             if run.pp > 1]
+UNPIPELINED = [pytest.param(run.name, marks=pytest.mark.slow) for run in mcore.RUNS
+               if run.pp == 1]
+
+
+def _measured(name: str, micro_batch_size: int | None) -> mcore.Prediction:
+    return mcore.predict(name, mcore.MEASURED_EFFICIENCY, micro_batch_size=micro_batch_size)
+
+
+@pytest.mark.parametrize("name", PIPELINED)
+def test_pipelined_rows_within_target_at_the_measured_efficiency(name):
+    """Nothing fitted: matmuls at an H100's measured share of peak, attention at the
+    preset's, one sequence per microbatch as the published batches imply (which partc
+    plans for these rows itself, 70B aside)."""
+    predicted = _measured(name, mcore.MICROBATCH_OF_THE_BATCHES)
+    assert abs(predicted.ratio - 1) <= TARGET, f"{name}: {predicted.ratio:.3f}x"
+    assert predicted.peak_bytes <= mcore.DEVICE_BYTES
+
+
+@pytest.mark.parametrize("name", UNPIPELINED)
+def test_unpipelined_rows_lie_between_microbatches_of_one_and_partcs_own(name):
+    """At the measured efficiency, a row without a pipeline is predicted below its
+    published throughput as four microbatches of one (data-parallel sync exposed beside
+    one microbatch) and above it as the microbatch partc chooses (four sequences: the
+    sync hidden): the micro-batch size the table does not give decides it."""
+    ones = _measured(name, mcore.MICROBATCH_OF_THE_BATCHES)
+    chosen = _measured(name, None)
+    assert chosen.plan.micro_batch_size > 1
+    assert ones.ratio < 1 < chosen.ratio, f"{name}: {ones.ratio:.3f}x, {chosen.ratio:.3f}x"
 
 
 @pytest.mark.slow
