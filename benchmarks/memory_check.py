@@ -119,9 +119,10 @@ GPIPE = dict(schedule="gpipe", num_microbatches=4)
 # state, so the check is mostly of the activation model; "-small" cases (8 of 32) are
 # mostly of the state's.
 SMALL = dict(batch=8, seq=32)
-# One block per stage and 32 microbatches of one sequence: the receive buffers (a
-# sequence's activations, 64 tokens x 128 wide, per microbatch, and as many gradients)
-# are a large share of a stage's memory.
+# One block per stage and 32 microbatches of one sequence: had the stage kept a receive
+# buffer per microbatch (a sequence's activations, 64 tokens x 128 wide, and as many
+# gradients), as torch's does, they would be a fifth of the last stage's memory; it
+# holds those of the microbatches in flight.
 SHALLOW = Case(name="gpt-pp2-1f1b-m32-shallow", model="gpt", world=2, ranks=(0, 1),
                constraints=dict(pp=2, schedule="1f1b", num_microbatches=32, recompute="none"),
                batch=32, seq=64, layers=2, width=128)
