@@ -16,8 +16,9 @@ then, for each rank measured, in this one process:
    and one training step untracked: the pipeline's shape inference, and the optimizer
    state, which exists from the first step on;
 3. runs the second step under ``MemTracker`` (``torch.distributed._tools``), with the
-   stage's parameters, the optimizer and the pipeline's receive buffers registered, and
-   reports the peak of that step and its breakdown by category at the peak.
+   stage's parameters and the optimizer registered, and the pipeline's gradient receive
+   buffers as the stage makes them, and reports the peak of that step and its breakdown
+   by category at the peak.
 
 The first step's shape inference sends each stage's output shapes forward and its input
 gradients' shapes back, as Python objects: under a fake group a receive gets nothing.
@@ -36,9 +37,10 @@ The table, one row per category for each rank measured: the plan's figure
 (``plan.stages[k].memory_bytes``), the measured one at the moment of the step's peak, and
 their ratio; on the "peak" row, ok or OFF against ±10% and the phase the peak came in.
 Parameters, gradients and optimizer state are MemTracker's own categories (buffers count
-as parameters); receive is the pipeline's receive buffers (given to MemTracker, which
-counts them as "Other": one per microbatch, activations in and gradients back;
-``partc.costs.PipelineConfig.receive_bytes``); activations are what was allocated outside
+as parameters); receive is the pipeline's gradient receive buffers (given to MemTracker
+as the stage makes them, which counts them as "Other": one per run while its backward
+runs; ``partc.costs.PipelineConfig.receive_bytes``; a received activation is the stage's
+input, among the activations); activations are what was allocated outside
 backward and the optimizer step (saved tensors, a stage's outputs), transient what
 backward allocated (gradients of activations, recomputed tensors, weight gradients
 before they are accumulated). The split between the last two is MemTracker's, not the
@@ -56,6 +58,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
+import gc
 import sys
 import time
 from dataclasses import asdict, dataclass, field
@@ -116,9 +119,10 @@ GPIPE = dict(schedule="gpipe", num_microbatches=4)
 # state, so the check is mostly of the activation model; "-small" cases (8 of 32) are
 # mostly of the state's.
 SMALL = dict(batch=8, seq=32)
-# One block per stage and 32 microbatches of one sequence: the receive buffers (a
-# sequence's activations, 64 tokens x 128 wide, per microbatch, and as many gradients)
-# are a large share of a stage's memory.
+# One block per stage and 32 microbatches of one sequence: had the stage kept a receive
+# buffer per microbatch (a sequence's activations, 64 tokens x 128 wide, and as many
+# gradients), as torch's does, they would be a fifth of the last stage's memory; it
+# holds those of the microbatches in flight.
 SHALLOW = Case(name="gpt-pp2-1f1b-m32-shallow", model="gpt", world=2, ranks=(0, 1),
                constraints=dict(pp=2, schedule="1f1b", num_microbatches=32, recompute="none"),
                batch=32, seq=64, layers=2, width=128)
@@ -314,12 +318,38 @@ def _in_compute_dtype(module: torch.nn.Module, dtype: torch.dtype) -> torch.nn.M
     return module
 
 
-def receive_buffers(stage: Any) -> list[torch.Tensor]:
-    """The pipeline stage's receive buffers, one per microbatch and message, kept from
-    the first step on (activations forward, gradients backward)."""
-    infos = [info for per_chunk in stage.args_recv_info.values() for info in per_chunk]
-    infos += [info for per_chunk in stage.grad_recv_info.values() for info in per_chunk]
-    return [info.buffer for info in infos if getattr(info, "buffer", None) is not None]
+def track_receive_buffers(stage: Any, tracker: MemTracker) -> None:
+    """Have ``tracker`` count the gradient buffers the stage allocates as "Other" (the
+    plan's receive), and see its activation buffers go: the stage makes each buffer
+    when its receive is posted and lets it go after that microbatch's backward
+    (``partc.runtime.pipeline_stage``). Activation buffers are left as MemTracker finds
+    them, forward allocations: a stage's input is saved by its first layer, as the plan
+    counts it.
+
+    MemTracker's module tracker hooks every module input that needs a gradient, and
+    its hook holds the input's gradient accumulator, which holds the input: a stage's
+    input, a leaf, would outlive the stage's hold on it through a cycle that passes
+    through autograd's C++ nodes, which Python's collector cannot break. Its hooks have
+    run once the microbatch's backward has, and are dropped when the stage lets go; the
+    tracker's other bookkeeping leaves cycles of Python objects around the input too,
+    collected there and then (without the tracker the stage's inputs go as soon as it
+    lets them go: ``tests/runtime/test_receive_buffers.py``)."""
+    gradients, activations = stage.gradient_buffers, stage.activation_buffers
+    allocate, release = gradients.allocate, activations.release
+
+    def allocate_tracked(infos: dict, chunk: int) -> None:
+        allocate(infos, chunk)
+        tracker.track_external(*(info.buffer for info in infos[chunk]
+                                 if getattr(info, "buffer", None) is not None))
+
+    def release_unhooked(infos: dict, chunk: int) -> None:
+        for info in infos.get(chunk, ()):
+            hooks = getattr(getattr(info, "buffer", None), "_backward_hooks", None)
+            if hooks:
+                hooks.clear()
+        release(infos, chunk)
+        gc.collect()
+    gradients.allocate, activations.release = allocate_tracked, release_unhooked
 
 
 @dataclass(frozen=True)
@@ -360,8 +390,8 @@ def measure_rank(program: partc.Program, inputs: tuple[torch.Tensor, ...],
             cuda_peak = torch.cuda.max_memory_allocated()
         tracker = StepTracker()
         # ZeRO-1's optimizer keeps its state in the local optimizer it wraps.
-        tracker.track_external(module.module, getattr(optimizer, "optim", optimizer),
-                               *receive_buffers(stage))
+        tracker.track_external(module.module, getattr(optimizer, "optim", optimizer))
+        track_receive_buffers(stage, tracker)
         with tracker:
             tracker.start_window()
             module.forward_backward(*inputs, target=target)

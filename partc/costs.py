@@ -70,9 +70,9 @@ Model (per pipeline stage ``s`` of ``p``, ``m`` microbatches of ``b`` samples):
   the schedule's order, :meth:`PipelineConfig.inflight`) + the largest transient
   working set of one layer (for a recomputed layer: what recompute rematerialises; under
   ZeRO-2/3 what FSDP holds of the layer's unit, :func:`_zero_transient`) + the
-  pipeline's receive buffers (:meth:`PipelineConfig.receive_bytes`): a buffer per
-  microbatch for the activations crossing the cut before each of the stage's runs and
-  for the gradients crossing the cut after it, kept from step to step.
+  pipeline's receive buffers (:meth:`PipelineConfig.receive_bytes`): the gradient
+  crossing the cut after each of the stage's runs, for the backward being run (the
+  activations received are the first layer's saved inputs, among the activations).
 """
 
 from __future__ import annotations
@@ -211,17 +211,18 @@ class PipelineConfig:
         ``received`` bytes of activations per microbatch from the runs before them and
         ``returned`` bytes of gradients from the runs after them.
 
-        ``torch.distributed.pipelining``'s stage allocates one buffer per microbatch and
-        message, activations forward and gradients backward, on its first step, and
-        keeps them from step to step: ``m`` of each, whatever the schedule. A buffer of
-        activations is the stage's input itself, which its first layer saves for
-        backward (counted in :meth:`activations`) while its microbatch is in flight:
-        only the other ``m - f/v`` add to that, per run. (What crosses a cut is counted
-        whole both ways, though a value without a gradient, a mask or the positions,
-        gets no gradient buffer; and a value read by several layers, charged to the
-        layer that makes it, is not among the first layer's saved inputs.)"""
-        m, v = self.num_microbatches, self.chunks
-        return -(-(m * v - self.inflight(stage)) * received // v) + m * returned
+        partc's stage (:class:`partc.runtime.pipeline_stage.CountingStage`) makes a
+        microbatch's buffers when their receive is posted and lets them go after its
+        backward, as Megatron does. A buffer of activations is the stage's input
+        itself, which its first layer saves for backward while its microbatch is in
+        flight: counted in :meth:`activations`, nothing more here. A buffer of
+        gradients lives from just before a run's backward to its end: one per run at a
+        time, the bytes crossing out once. (What crosses a cut is counted whole, though
+        a value without a gradient, a mask or the positions, gets no gradient buffer;
+        and a value read by several layers, charged to the layer that makes it, is not
+        among the first layer's saved inputs.) The same on every rank, and whatever
+        is received: ``benchmarks/memory_check.py`` measures it."""
+        return returned
 
 
 _SPLIT = ("interleaved-zero-bubble", "zbv-zero-bubble", "dualpipev")

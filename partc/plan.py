@@ -107,7 +107,7 @@ class StageMemory:
     optimizer: int
     activations: int
     transient: int   # the largest working set of one layer
-    # The pipeline's receive buffers, one per microbatch (partc.costs.receive_bytes);
+    # The pipeline's receive buffer for a gradient, one per run (partc.costs.receive_bytes);
     # plans written before it was counted read as 0.
     receive: int = 0
     peak: int

@@ -162,8 +162,8 @@ def _memory_lines(plan: Plan) -> list[str]:
     return [f"Every rank of a stage holds the same: its layers' weights, gradients and "
             f"optimizer state{zero}{gathered}; the activations saved for the microbatches "
             f"in flight; the largest working set of one layer (transient); the pipeline's "
-            f"receive buffers, one per microbatch for the activations coming in and the "
-            f"gradients coming back (receive)."]
+            f"receive buffer for the gradient coming back to the backward being run "
+            f"(receive; the activations coming in are the saved inputs)."]
 
 
 _ZERO_SHARDS = {1: "optimizer state", 2: "gradients and optimizer state",

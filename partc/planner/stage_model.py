@@ -66,13 +66,12 @@ Constraints
         for before any runs (a constant of the step: ``CostTable.tail_latency_ps``);
     (7) ``transient[s] >= X[k,r] u[k,s,r]``;
     (8) memory: ``v (sum_k W_k N[k,s] + sum_g W_g h[g,s] + transient[s]) + f_s sum_{k,r}
-        A[k,r] n[k,s,r] + (m v - f_s) sum_{j ~ s, j > 0} cut[j-1] + v m sum_{j ~ s,
-        j < pv-1} cut[j] <= v M_s``, where ``cut[j] = sum_k (R_k (started[k,j] -
-        finished[k,j]) + Q_k (finished[k,j] - started[k+1,j]))`` are the bytes crossing
-        the boundary ``j -> j+1`` (as (3)): the pipeline's receive buffers, ``m`` per
-        run for the gradients coming back and ``m`` for the activations coming in, of
-        which the ``f_s / v`` in flight are the run's saved input already
-        (:meth:`partc.costs.PipelineConfig.receive_bytes`);
+        A[k,r] n[k,s,r] + v sum_{j ~ s, j < pv-1} cut[j] <= v M_s``, where ``cut[j] =
+        sum_k (R_k (started[k,j] - finished[k,j]) + Q_k (finished[k,j] -
+        started[k+1,j]))`` are the bytes crossing the boundary ``j -> j+1`` (as (3)):
+        the pipeline's receive buffers, one per run for the gradient coming back while
+        its backward runs; the activations coming in are the runs' saved inputs,
+        already in ``A`` (:meth:`partc.costs.PipelineConfig.receive_bytes`);
     (9) pins: pinned stages fix ``P``, pinned recompute leaves one mode (segments never
         straddle a change of either).
 
@@ -416,19 +415,17 @@ class StageModel:
                          for gi, g in enumerate(table.shared))
             inflight = table.config.inflight(stage)
             self.model.add(chunks * (state + transient) + inflight * saved      # (8)
-                           + self._receive(stage, inflight)
+                           + self._receive(stage)
                            <= chunks * units(table.limits[stage], limit=True))
 
-    def _receive(self, stage: int, inflight: int):
-        """(8) ``v`` times the receive buffers of the stage's runs: ``m v - f_s`` of the
-        activations crossing the cut before each run, ``v m`` of the gradients crossing
-        the cut after it."""
+    def _receive(self, stage: int):
+        """(8) ``v`` times the receive buffers of the stage's runs: one gradient crossing
+        the cut after each run."""
         config = self.table.config
-        m, v, last = config.num_microbatches, config.chunks, config.virtual_stages - 1
-        runs = config.runs_of(stage)
-        received = sum(self.boundary_units(run - 1) for run in runs if run > 0)
-        returned = sum(self.boundary_units(run) for run in runs if run < last)
-        return (m * v - inflight) * received + v * m * returned
+        last = config.virtual_stages - 1
+        returned = sum(self.boundary_units(run) for run in config.runs_of(stage)
+                       if run < last)
+        return config.chunks * returned
 
     def add_hint(self, hint: Assignment) -> None:
         """Start the search from ``hint`` (CP-SAT completes the auxiliary variables)."""

@@ -3,7 +3,8 @@
 :class:`CountingStage` is ``torch.distributed.pipelining``'s ``PipelineStage`` with
 partc's additions: it counts the point-to-point messages it posts (the plan's figures are
 checked against them), tells the watchdog of each microbatch, runs pipelining's
-first-step shape inference on zeros and without touching written buffers, and under
+first-step shape inference on zeros and without touching written buffers, holds each
+receive buffer only while its microbatch needs it (:class:`_ReceiveBuffers`), and under
 ZeRO-2/3 reduce-scatters gradients after every microbatch, or, for a ZeRO-2 plan that
 reduces once per step, after the stage's last one (see :mod:`.module`).
 :class:`partc.runtime.optimizer.GradBuckets` (ZeRO 0/1's bucketed gradient reduction,
@@ -13,7 +14,9 @@ crosses a stage boundary contiguous.
 
 from __future__ import annotations
 
+import logging
 from collections import Counter
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -28,6 +31,13 @@ from partc.errors import PartcError
 
 from .optimizer import GradBuckets
 from .watchdog import Watchdog
+
+try:  # private to torch: without it the stage keeps torch's buffers (see _ReceiveBuffers)
+    from torch.distributed.pipelining.stage import _RecvInfo
+except ImportError:  # pragma: no cover - a torch that moved it
+    _RecvInfo = None
+
+log = logging.getLogger(__name__)
 
 
 class CountingStage(PipelineStage):
@@ -50,16 +60,44 @@ class CountingStage(PipelineStage):
         # Parameters (ids) another stage of this rank holds too and scales: a tied
         # weight is one parameter of both, divided by the microbatches once.
         self.scaled_elsewhere: set[int] = set()
+        # The receive buffers' shapes, per microbatch (see _ReceiveBuffers)
+        self.activation_buffers = _ReceiveBuffers("activation")
+        self.gradient_buffers = _ReceiveBuffers("gradient")
 
     def forward_one_chunk(self, fwd_chunk_id: int, *args: Any, **kwargs: Any) -> Any:
         if self.watchdog is not None:
             self.watchdog.mark(f"schedule: forward, microbatch {fwd_chunk_id}")
-        return super().forward_one_chunk(fwd_chunk_id, *args, **kwargs)
+        output = super().forward_one_chunk(fwd_chunk_id, *args, **kwargs)
+        if not self.has_backward:
+            # Forward only: the outputs are still to be sent, but nothing reads the
+            # microbatch's inputs again.
+            outputs, _inputs = self.fwd_cache[fwd_chunk_id]
+            self.fwd_cache[fwd_chunk_id] = (outputs, [])
+            self.activation_buffers.release(self.args_recv_info, fwd_chunk_id)
+        return output
 
     def backward_one_chunk(self, bwd_chunk_id: int, *args: Any, **kwargs: Any) -> Any:
         if self.watchdog is not None:
             self.watchdog.mark(f"schedule: backward, microbatch {bwd_chunk_id}")
-        return super().backward_one_chunk(bwd_chunk_id, *args, **kwargs)
+        result = super().backward_one_chunk(bwd_chunk_id, *args, **kwargs)
+        if self.has_backward:
+            # Autograd (and a split backward's saved state) keeps what it needs itself.
+            self.activation_buffers.release(self.args_recv_info, bwd_chunk_id)
+            self.gradient_buffers.release(self.grad_recv_info, bwd_chunk_id)
+            loss = kwargs.get("loss", args[0] if args else None)
+            if self.is_last and isinstance(loss, torch.Tensor) and not loss._is_view() \
+                    and kwargs.get("full_backward", True):
+                # The schedule keeps each microbatch's loss to the end of the step, and
+                # through its graph the stage's input (autograd's leaf): the value is
+                # all it needs of it.
+                loss.detach_()
+        return result
+
+    def _prepare_backward_infra(self, *args: Any, **kwargs: Any) -> Any:
+        result = super()._prepare_backward_infra(*args, **kwargs)
+        if not self.is_last:
+            self.gradient_buffers.adopt(self.grad_recv_info)
+        return result
 
     def _prepare_forward_infra(self, *args: Any, **kwargs: Any) -> Any:
         # On its first step pipelining learns shapes by running the stage on made-up
@@ -72,11 +110,14 @@ class CountingStage(PipelineStage):
                  for owner in self.submod.modules()
                  for name, buffer in owner._buffers.items() if buffer is not None]
         try:
-            return super()._prepare_forward_infra(*args, **kwargs)
+            result = super()._prepare_forward_infra(*args, **kwargs)
         finally:
             for owner, name, value in saved:
                 if not torch.equal(owner._buffers[name], value):
                     owner._buffers[name] = value
+        if not self.is_first:
+            self.activation_buffers.adopt(self.args_recv_info)
+        return result
 
     def _to_tensor(self, arg: Any) -> torch.Tensor:
         # Pipelining's first-step shape inference runs a later stage on tensors made
@@ -97,6 +138,8 @@ class CountingStage(PipelineStage):
 
     def set_local_bwd_input(self, next_stage_bwd_outputs: Any, mb_index: int) -> None:
         if self.has_backward:
+            # Torch zeroes the buffer of a gradient the next stage did not make.
+            self.gradient_buffers.allocate(self.grad_recv_info, mb_index)
             super().set_local_bwd_input(next_stage_bwd_outputs, mb_index)
 
     def scale_grads(self, grad_scale_factor: int) -> None:
@@ -144,9 +187,13 @@ class CountingStage(PipelineStage):
         return ops
 
     def get_fwd_recv_ops(self, fwd_chunk_id: int) -> list:
+        if not self.is_first:
+            self.activation_buffers.allocate(self.args_recv_info, fwd_chunk_id)
         return self._count("recvs", super().get_fwd_recv_ops(fwd_chunk_id))
 
     def get_bwd_recv_ops(self, bwd_chunk_id: int) -> list:
+        if self.has_backward and not self.is_last:
+            self.gradient_buffers.allocate(self.grad_recv_info, bwd_chunk_id)
         return self._count("recvs", super().get_bwd_recv_ops(bwd_chunk_id))
 
     def get_fwd_send_ops(self, fwd_chunk_id: int) -> list:
@@ -154,6 +201,91 @@ class CountingStage(PipelineStage):
 
     def get_bwd_send_ops(self, bwd_chunk_id: int) -> list:
         return self._count("sends", super().get_bwd_send_ops(bwd_chunk_id))
+
+
+@dataclass(frozen=True)
+class _BufferSpec:
+    """One receive buffer as torch allocated it at setup, to make again."""
+
+    shape: torch.Size
+    stride: tuple[int, ...]
+    dtype: torch.dtype
+    device: torch.device
+    requires_grad: bool
+
+    def allocate(self) -> torch.Tensor:
+        buffer = torch.empty_strided(self.shape, self.stride, dtype=self.dtype,
+                                     device=self.device)
+        return buffer.requires_grad_(self.requires_grad)
+
+    def placeholder(self) -> torch.Tensor:
+        # Not None: torch posts no receive for a None buffer only where it has no
+        # metadata either, and asserts so.
+        return torch.empty(0, dtype=self.dtype, device=self.device)
+
+
+class _ReceiveBuffers:
+    """One direction of a stage's receive buffers (activations coming in, or gradients
+    coming back), held only while a microbatch needs them, as Megatron holds them.
+
+    Torch's stage allocates one buffer per microbatch for each tensor it receives at
+    its first step and keeps them all: a later stage would hold ``m`` microbatches'
+    activations at its cut where only those in flight are needed. :meth:`adopt`
+    records the buffers torch made (shape, strides, dtype) and puts 0-element
+    placeholders in their place; :meth:`allocate` makes a microbatch's buffers when
+    its receive is posted (or before a gradient is handed over on the rank, which
+    torch zeroes where none came); :meth:`release` lets them go after the
+    microbatch's backward, or its forward when there is none. A stage input is the
+    buffer itself, so what autograd saved of it stays alive through autograd alone.
+    A buffer handed over on the rank (V-schedule) replaces the placeholder and is let
+    go the same way. DTensor buffers (and a torch without ``_RecvInfo``) keep torch's
+    behaviour.
+    """
+
+    def __init__(self, direction: str) -> None:
+        self.direction = direction
+        self.specs: dict[int, tuple[_BufferSpec | None, ...]] = {}
+
+    def adopt(self, infos: dict[int, tuple]) -> None:
+        """Record the buffers torch just allocated in ``infos`` and release them."""
+        if _RecvInfo is None:
+            log.info("pipeline stage: torch has no _RecvInfo; %s receive buffers are "
+                     "kept for every microbatch, as torch keeps them", self.direction)
+            return
+        self.specs = {chunk: tuple(_spec(info) for info in chunk_infos)
+                      for chunk, chunk_infos in infos.items()}
+        for chunk in self.specs:
+            self.release(infos, chunk)
+
+    def allocate(self, infos: dict[int, tuple], chunk: int) -> None:
+        for info, spec in zip(infos[chunk], self.specs.get(chunk, ())):
+            if spec is not None:
+                info.buffer = spec.allocate()
+
+    def release(self, infos: dict[int, tuple], chunk: int) -> None:
+        for info, spec in zip(infos.get(chunk, ()), self.specs.get(chunk, ())):
+            if spec is not None:
+                info.buffer = spec.placeholder()
+
+    @staticmethod
+    def held(infos: dict[int, tuple]) -> list[torch.Tensor]:
+        """The buffers ``infos`` hold now, placeholders left out."""
+        return [info.buffer for chunk_infos in infos.values() for info in chunk_infos
+                if isinstance(getattr(info, "buffer", None), torch.Tensor)
+                and info.buffer.numel() > 0]
+
+
+def _spec(info: Any) -> _BufferSpec | None:
+    """The buffer of ``info`` to hold lazily, or None: a model input (first stage), a
+    gradient that never comes (no buffer), a DTensor's local shard."""
+    if not isinstance(info, _RecvInfo) or getattr(info, "is_root_arg", False):
+        return None
+    buffer = info.buffer
+    if not isinstance(buffer, torch.Tensor) or isinstance(buffer, DTensor) \
+            or hasattr(getattr(info, "tensor_meta", None), "placements"):
+        return None
+    return _BufferSpec(shape=buffer.shape, stride=buffer.stride(), dtype=buffer.dtype,
+                       device=buffer.device, requires_grad=buffer.requires_grad)
 
 
 def contiguous_transfers(module: nn.Module, *, first: bool, last: bool) -> None:

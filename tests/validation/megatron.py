@@ -297,21 +297,11 @@ def step_seconds(evaluation: Evaluation) -> float:
 
 
 def peak_bytes(evaluation: Evaluation) -> int:
-    """The largest stage's memory as Megatron-LM holds it: without the receive buffers
-    partc's runtime (torch.distributed.pipelining) keeps, one per microbatch and kept
-    between steps. Megatron receives a microbatch's tensors into fresh ones, freed after
-    its backward: those in flight are the inputs the stage saves, already counted. (With
-    the published 144-512 microbatches, partc's runtime would hold 35-126 GiB of them per
-    rank.)"""
-    return max(stage.memory["peak"] - stage.memory["receive"] for stage in evaluation.stages)
-
-
-def with_memory(problem: PlanningProblem, memory_bytes: int) -> PlanningProblem:
-    """The same problem on devices of ``memory_bytes`` each (nothing but the limits
-    depends on it)."""
-    devices = dataclasses.replace(problem.devices,
-                                  memory_bytes=(memory_bytes,) * problem.devices.num_devices)
-    return dataclasses.replace(problem, devices=devices)
+    """The largest stage's memory. partc's runtime holds the pipeline's receive buffers
+    as Megatron-LM does, each made for its microbatch and freed after its backward (a
+    gradient's for the backward being run; an activation's is the input the stage
+    saves), so the plan's peak is Megatron's too."""
+    return max(stage.memory["peak"] for stage in evaluation.stages)
 
 
 def fit_efficiency(run: Run, problem: PlanningProblem, assignment: Assignment,
