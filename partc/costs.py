@@ -70,7 +70,7 @@ Model (per pipeline stage ``s`` of ``p``, ``m`` microbatches of ``b`` samples):
   the schedule's order, :meth:`PipelineConfig.inflight`) + the largest transient
   working set of one layer (for a recomputed layer: what recompute rematerialises; under
   ZeRO-2/3 what FSDP holds of the layer's unit, :func:`_zero_transient`) + the
-  pipeline's receive buffers (:meth:`PipelineConfig.receive_bytes`): the gradient
+  pipeline's receive buffers (:func:`receive_bytes`): the gradient
   crossing the cut after each of the stage's runs, for the backward being run (the
   activations received are the first layer's saved inputs, among the activations).
 """
@@ -205,24 +205,6 @@ class PipelineConfig:
         """Bytes of saved activations on rank ``stage`` whose layers save ``saved`` bytes
         per microbatch (interleaved: its chunks average ``saved / chunks``)."""
         return -(-self.inflight(stage) * saved // self.chunks)
-
-    def receive_bytes(self, stage: int, received: int, returned: int) -> int:
-        """Bytes of the pipeline's receive buffers on rank ``stage``, whose runs receive
-        ``received`` bytes of activations per microbatch from the runs before them and
-        ``returned`` bytes of gradients from the runs after them.
-
-        partc's stage (:class:`partc.runtime.pipeline_stage.CountingStage`) makes a
-        microbatch's buffers when their receive is posted and lets them go after its
-        backward, as Megatron does. A buffer of activations is the stage's input
-        itself, which its first layer saves for backward while its microbatch is in
-        flight: counted in :meth:`activations`, nothing more here. A buffer of
-        gradients lives from just before a run's backward to its end: one per run at a
-        time, the bytes crossing out once. (What crosses a cut is counted whole, though
-        a value without a gradient, a mask or the positions, gets no gradient buffer;
-        and a value read by several layers, charged to the layer that makes it, is not
-        among the first layer's saved inputs.) The same on every rank, and whatever
-        is received: ``benchmarks/memory_check.py`` measures it."""
-        return returned
 
 
 _SPLIT = ("interleaved-zero-bubble", "zbv-zero-bubble", "dualpipev")
@@ -961,17 +943,24 @@ def _holders(table: CostTable, stage_of: Sequence[int]) -> list[set[int]]:
     return [{config.rank_of(stage_of[l]) for l in group.layers} for group in table.shared]
 
 
-def receive_bytes(table: CostTable, stage: int, runs: Sequence[Sequence[int]],
+def receive_bytes(table: CostTable, runs: Sequence[Sequence[int]],
                   numbers: Sequence[int]) -> int:
-    """The receive buffers of rank ``stage`` whose runs ``numbers`` hold the layers
-    ``runs`` (:meth:`PipelineConfig.receive_bytes`): activations across the cut before
-    each run but the model's first, gradients across the cut after each but its last."""
+    """The receive buffers of the rank whose runs ``numbers`` hold the layers ``runs``:
+    the gradient crossing the cut after each run but the model's last.
+
+    partc's stage (:class:`partc.runtime.pipeline_stage.CountingStage`) makes a
+    microbatch's buffers when their receive is posted and lets them go after its
+    backward, as Megatron does. A buffer of activations is the stage's input itself,
+    which its first layer saves for backward while its microbatch is in flight: counted
+    in :meth:`PipelineConfig.activations`, nothing more here. A buffer of gradients
+    lives from just before a run's backward to its end: one per run at a time, the bytes
+    crossing out once. (What crosses a cut is counted whole, though a value without a
+    gradient, a mask or the positions, gets no gradient buffer; and a value read by
+    several layers, charged to the layer that makes it, is not among the first layer's
+    saved inputs.) ``benchmarks/memory_check.py`` measures it."""
     last = table.config.virtual_stages - 1
-    received = sum(table.cut_bytes[run[0] - 1] for j, run in zip(numbers, runs)
-                   if run and j > 0)
-    returned = sum(table.cut_bytes[run[-1]] for j, run in zip(numbers, runs)
-                   if run and j < last)
-    return table.config.receive_bytes(stage, received, returned)
+    return sum(table.cut_bytes[run[-1]] for j, run in zip(numbers, runs)
+               if run and j < last)
 
 
 def _stage_cost(table: CostTable, stage: int, runs: list[list[int]], modes: Sequence[str],
@@ -991,7 +980,7 @@ def _stage_cost(table: CostTable, stage: int, runs: list[list[int]], modes: Sequ
     backward = sum(r.backward_ps for r in rows)
     recompute = sum(table.layers[l].recompute_ps[modes[l]] for l in members)
     numbers = numbers or config.runs_of(stage)
-    receive = receive_bytes(table, stage, runs, numbers)
+    receive = receive_bytes(table, runs, numbers)
     comm = sum(table.cut_ps[run[-1]][j] for j, run in zip(numbers, runs)
                if run and j < config.virtual_stages - 1)
     run_ps = tuple(

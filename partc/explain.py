@@ -55,10 +55,8 @@ def _shared_need(table: CostTable, first: int, last: int) -> int:
 
 def _receive_need(table: CostTable, stage: int, first: int, last: int) -> int:
     """The receive buffers of stage ``stage`` holding layers ``first..last``
-    (:meth:`PipelineConfig.receive_bytes`)."""
-    received = table.cut_bytes[first - 1] if stage > 0 else 0
-    returned = table.cut_bytes[last] if stage < table.config.pp - 1 else 0
-    return table.config.receive_bytes(stage, received, returned)
+    (:func:`partc.costs.receive_bytes`): the gradient crossing its last cut."""
+    return table.cut_bytes[last] if stage < table.config.pp - 1 else 0
 
 
 def tightest_split(table: CostTable, problem: PlanningProblem) -> TightestSplit:

@@ -522,9 +522,9 @@ def _shared_values(gm: fx.GraphModule) -> set[fx.Node]:
     """Values read by two or more layers besides the one that makes them (inputs count as
     made by the first layer). A stage holds such a value once whichever of its layers
     keep it, so it is charged to its maker alone: exact for the stage that makes it; a
-    later stage that reads it holds it in the pipeline's receive buffers, one per
-    microbatch (``partc.costs.PipelineConfig.receive_bytes``, which takes those of the
-    microbatches in flight for the first layer's saved input: short by them here)."""
+    later stage that reads it holds it in the pipeline's receive buffers while its
+    microbatch is in flight (``partc.costs.receive_bytes`` takes those for the first
+    layer's saved inputs: short by them here)."""
     shared = set()
     for node in gm.graph.nodes:
         if node.op in ("get_attr", "output") or meta.LAYER not in node.meta:

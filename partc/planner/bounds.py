@@ -199,7 +199,7 @@ def incumbent(problem: PlanningProblem, table: CostTable,
                    if table.config.rank_of(stage_of[l]) == stage]
         numbers = table.config.runs_of(stage)
         runs = [[l for l in members if stage_of[l] == j] for j in numbers]
-        receive = receive_bytes(table, stage, runs, numbers)
+        receive = receive_bytes(table, runs, numbers)
         _recompute_until_it_fits(table, stage, members, allowed, modes, receive)
     if not evaluate(table, stage_of, modes).fits:
         return None

@@ -71,7 +71,7 @@ Constraints
         started[k+1,j]))`` are the bytes crossing the boundary ``j -> j+1`` (as (3)):
         the pipeline's receive buffers, one per run for the gradient coming back while
         its backward runs; the activations coming in are the runs' saved inputs,
-        already in ``A`` (:meth:`partc.costs.PipelineConfig.receive_bytes`);
+        already in ``A`` (:func:`partc.costs.receive_bytes`);
     (9) pins: pinned stages fix ``P``, pinned recompute leaves one mode (segments never
         straddle a change of either).
 

@@ -36,7 +36,7 @@ where, and why in the cost model's own figures (``python benchmarks/regimes.py
 
 - a pipeline comes before ZeRO on one replica and before tensor parallelism: the
   pipeline's receive buffers are only those of the microbatches in flight, as in
-  Megatron (``partc.costs.PipelineConfig.receive_bytes``), so a stage holds half or a
+  Megatron (``partc.costs.receive_bytes``), so a stage holds half or a
   quarter of the layers' state and saved activations for little more, and the planner
   takes the memory that frees for less recompute. At 3.3 GiB pp=4 x dp=4 with ZeRO-1
   (2 layers of 18 selective) steps in 912 ms against 952 ms for ZeRO-1 on one replica
