@@ -540,9 +540,13 @@ def _layer_cost(gm: fx.GraphModule, info: meta.LayerInfo, nodes: list[fx.Node], 
                 dtypes: dict[fx.Node, tuple[torch.dtype, ...]]) -> LayerCost:
     heavy = {n for n in nodes if run.costs[n].compute_heavy}
     flops = sum(run.costs[n].flops for n in nodes)
-    # Autocast's casts are kernels of their own beside every op, heavy ones included.
-    light_bytes = sum(run.costs[n].bytes_moved for n in nodes if n not in heavy) \
-        + sum(run.costs[n].cast_bytes for n in nodes)
+
+    def light(among) -> float:
+        # Autocast's casts are kernels of their own beside every op, heavy ones included.
+        return sum(run.costs[n].bytes_moved for n in among if n not in heavy) \
+            + sum(run.costs[n].cast_bytes for n in among)
+
+    light_bytes = light(nodes)
     calls = {n: int(n.op.startswith("call_")) + run.costs[n].casts for n in nodes}
     # Shared values: made here, held in every mode; read here, charged to their maker.
     held = sum(_bytes_as_made(n, dtypes) for n in shared if meta.layer(n).index == info.index)
@@ -575,9 +579,7 @@ def _layer_cost(gm: fx.GraphModule, info: meta.LayerInfo, nodes: list[fx.Node], 
     if cores and kept < saved_all:
         saved["selective"] = kept
         rec_flops["selective"] = sum(run.costs[n].flops for n in inside)
-        rec_bytes["selective"] = sum(run.costs[n].bytes_moved for n in inside
-                                     if n not in heavy) \
-            + sum(run.costs[n].cast_bytes for n in inside)
+        rec_bytes["selective"] = light(inside)
         rerun["selective"] = sum(calls[n] for n in inside)
     count, nbytes, tensors = usage["own"].get(info.index, (0, 0, 0))
     per = 1.0 / batch
