@@ -128,7 +128,8 @@ def _rank_worker(rank: int, store: str, job: dict) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", store=dist.FileStore(store, RANKS), rank=rank,
                             world_size=RANKS, timeout=timedelta(minutes=10))
-    sizes = calibrate.SIZES["cpu", True]
+    # By the thread's CPU time: what the rank computes, not gloo's threads' waits.
+    sizes = dataclasses.replace(calibrate.SIZES["cpu", True], clock=time.thread_time)
     try:
         if job["measure"]:
             result = calibrate.measure_fsdp(CPU, sizes)
@@ -173,7 +174,7 @@ def _zero_phases(folder: str, sizes: calibrate.Sizes) -> tuple[float, float, flo
             for unit in units:
                 unit.unshard()
 
-    timed = [calibrate._collective_seconds(fn, CPU, sizes, time.thread_time)
+    timed = [calibrate._collective_seconds(fn, CPU, sizes)
              for fn in (forward, both, tail)]
     return timed[0], timed[1] - timed[0], timed[2]
 
@@ -192,8 +193,8 @@ def _step_phases(folder: str, sizes: calibrate.Sizes) -> tuple[float, float]:
     def step() -> None:
         module.forward_backward(ids, target=target)
 
-    work = calibrate._collective_seconds(step, CPU, sizes, time.thread_time)
-    return work, calibrate._collective_seconds(optimizer.step, CPU, sizes, time.thread_time)
+    work = calibrate._collective_seconds(step, CPU, sizes)
+    return work, calibrate._collective_seconds(optimizer.step, CPU, sizes)
 
 
 def steps_main(names: list[str], batches: list[int]) -> None:

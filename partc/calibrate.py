@@ -726,11 +726,10 @@ def _fsdp_figures(device: torch.device, sizes: Sizes, units: int, width: int) ->
     def phases(model: torch.nn.Module) -> tuple[float, float, float]:
         def backward() -> None:
             model(x).sum().backward()
-        forward_s = _collective_seconds(lambda: model(x).sum(), device, fixed,
-                                        time.thread_time)
-        both_s = _collective_seconds(backward, device, fixed, time.thread_time)
+        forward_s = _collective_seconds(lambda: model(x).sum(), device, fixed)
+        both_s = _collective_seconds(backward, device, fixed)
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6)
-        step_s = _collective_seconds(optimizer.step, device, fixed, time.thread_time)
+        step_s = _collective_seconds(optimizer.step, device, fixed)
         return forward_s, both_s - forward_s, step_s
 
     plain = phases(blocks(0, True))
@@ -772,10 +771,10 @@ def _collective(kind: str, numel: int, rank: int, ranks: int, device: torch.devi
     return ping_pong
 
 
-def _collective_seconds(op: Callable[[], object], device: torch.device, sizes: Sizes,
-                        clock: Callable[[], float] = time.perf_counter) -> float:
+def _collective_seconds(op: Callable[[], object], device: torch.device, sizes: Sizes) -> float:
     """Median seconds per call; every rank runs the same number of calls per sample and a
-    sample is the slowest rank's time (on a CPU by ``clock``)."""
+    sample is the slowest rank's time (on a CPU by ``sizes.clock``)."""
+    clock = sizes.clock
     for _ in range(sizes.warmup):
         op()
     one = _slowest(_elapsed(op, device, 1, clock), device)
