@@ -22,7 +22,8 @@ from pathlib import Path
 
 import torch
 
-from .presets import DEFAULT_DEVICE, PRESETS, DevicePreset, preset
+from .presets import (DEFAULT_DEVICE, OVERHEAD_FIELDS, PRESETS, RATE_FIELDS, DevicePreset,
+                      preset)
 from .units import format_bytes, parse_bytes, parse_rate
 
 def dtype_key(dtype: torch.dtype) -> str:
@@ -83,15 +84,10 @@ class DeviceProfile:
 # Calibration's collective names -> the cost model's.
 _COLLECTIVE_KINDS = {"all_reduce": "all_reduce", "all_gather": "all_gather",
                      "reduce_scatter": "reduce_scatter", "send_recv": "send"}
-_OVERHEADS = ("op_overhead_s", "op_overhead_backward_s", "matmul_overhead_s",
-              "fsdp_unit_overhead_s", "fsdp_unit_overhead_backward_s",
-              "fsdp_gather_overhead_s", "fsdp_scatter_overhead_s", "fsdp_step_overhead_s")
 # Measured numbers resolved like the overheads (given, else the profile's, else the
 # preset's): the overheads and the share of a collective compute hides.
-_MEASURED = _OVERHEADS + ("comm_overlap", "split_backward_factor")
-# Measured rates resolved the same way, where neither knows them None: the cost model
-# then moves those bytes at hbm_bandwidth (DeviceNumbers.elementwise_bandwidth, ...).
-_RATES = ("elementwise_bandwidth", "optimizer_bandwidth", "fsdp_copy_bandwidth")
+_MEASURED = OVERHEAD_FIELDS + ("comm_overlap", "split_backward_factor")
+# The rates (RATE_FIELDS) are resolved the same way, None where neither knows them.
 
 
 def load_profile(path) -> DeviceProfile:
@@ -175,11 +171,11 @@ def _profile_from_dict(data: dict, where: str) -> DeviceProfile:
         link_latency_s=optional["link_latency_s"],
         intra_node_latency_s=optional["intra_node_latency_s"],
         collective_links=_collective_links(data, where),
-        **{key: overhead(key) for key in _OVERHEADS},
+        **{key: overhead(key) for key in OVERHEAD_FIELDS},
         comm_overlap=measured("comm_overlap", 0.0, 1.0, "a number in [0, 1]"),
         split_backward_factor=measured("split_backward_factor", 1.0, math.inf,
                                        "a number of at least 1"),
-        **{key: None if budget.get(key) is None else number(key) for key in _RATES})
+        **{key: None if budget.get(key) is None else number(key) for key in RATE_FIELDS})
 
 
 def _collective_links(data: dict, where: str) -> tuple[tuple[str, float, float], ...]:
@@ -330,7 +326,7 @@ class DeviceBudget:
         _check_count("devices_per_node", self._pick("devices_per_node"))
         for name in ("hbm_bandwidth", "intra_node_bandwidth", "inter_node_bandwidth"):
             _check_amount(name, self._pick(name), parse_rate, "a rate like '900GB/s'")
-        for name in _RATES:
+        for name in RATE_FIELDS:
             if getattr(self, name) is not None:
                 _check_amount(name, getattr(self, name), parse_rate, "a rate like '8GB/s'")
         _check_amount("disk_bandwidth", DEFAULT_DISK_BANDWIDTH if self.disk_bandwidth is None
@@ -339,7 +335,7 @@ class DeviceBudget:
         _check_latency("link_latency_s", self._pick("link_latency_s"))
         if self.intra_node_latency_s is not None:
             _check_latency("intra_node_latency_s", self.intra_node_latency_s)
-        for name in _OVERHEADS:
+        for name in OVERHEAD_FIELDS:
             if getattr(self, name) is not None:
                 _check_latency(name, getattr(self, name))
         if self.comm_overlap is not None:
@@ -537,8 +533,8 @@ class DeviceBudget:
         in bytes per second: the
         field given, else the profile's, else the preset's; None where none knows it (the
         cost model then uses ``hbm_bandwidth``)."""
-        if name not in _RATES:
-            raise ValueError(f"no rate {name!r}; one of {_RATES}")
+        if name not in RATE_FIELDS:
+            raise ValueError(f"no rate {name!r}; one of {RATE_FIELDS}")
         for source in (self, self._profile, self._preset):
             value = getattr(source, name, None) if source is not None else None
             if value is not None:
@@ -563,7 +559,7 @@ class DeviceBudget:
             "collective_links": {kind: {"latency_s": latency, "bandwidth": bandwidth}
                                  for kind, latency, bandwidth in self.link_numbers} or None,
             **{name: self.overhead(name) for name in _MEASURED},
-            **{name: self.rate(name) for name in _RATES},
+            **{name: self.rate(name) for name in RATE_FIELDS},
             "attention_efficiency": self.attention_share,
         }
         if self.disk_bandwidth is not None:  # else plans record none and use the default

@@ -16,6 +16,14 @@ TFLOPS = 1e12
 GB = 1e9
 
 
+# The measured fixed times (seconds, 0 or more) and rates (bytes/s, None: HBM bandwidth)
+# of DevicePreset, DeviceBudget and DeviceNumbers, by field name.
+OVERHEAD_FIELDS = ("op_overhead_s", "op_overhead_backward_s", "matmul_overhead_s",
+                   "fsdp_unit_overhead_s", "fsdp_unit_overhead_backward_s",
+                   "fsdp_gather_overhead_s", "fsdp_scatter_overhead_s",
+                   "fsdp_step_overhead_s")
+RATE_FIELDS = ("elementwise_bandwidth", "optimizer_bandwidth", "fsdp_copy_bandwidth")
+
 # Eager dispatch per op on a GPU's host, forward and backward (see DevicePreset).
 _GPU_DISPATCH_S = 8.5e-6
 _GPU_DISPATCH_BACKWARD_S = 18e-6

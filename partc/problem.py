@@ -22,6 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 
 from .placement import Placement
+from .presets import OVERHEAD_FIELDS, RATE_FIELDS
 
 RECOMPUTE_MODES: tuple[str, ...] = ("none", "selective", "full")
 
@@ -416,15 +417,12 @@ class DeviceNumbers:
     def __post_init__(self) -> None:
         if len(self.memory_bytes) != self.num_devices:
             raise ValueError("one memory limit per device is needed")
-        for name in ("elementwise_bandwidth", "optimizer_bandwidth", "fsdp_copy_bandwidth"):
+        for name in RATE_FIELDS:
             value = getattr(self, name)
             if value is not None and not 0 < value < float("inf"):
                 raise ValueError(f"DeviceNumbers.{name} must be None or a positive rate, "
                                  f"got {value!r}")
-        for name in ("op_overhead_s", "op_overhead_backward_s", "matmul_overhead_s",
-                     "fsdp_unit_overhead_s", "fsdp_unit_overhead_backward_s",
-                     "fsdp_gather_overhead_s", "fsdp_scatter_overhead_s",
-                     "fsdp_step_overhead_s"):
+        for name in OVERHEAD_FIELDS:
             value = getattr(self, name)
             if not value >= 0:
                 raise ValueError(f"DeviceNumbers.{name} must be 0 or more, got {value!r}")
