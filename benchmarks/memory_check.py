@@ -138,12 +138,12 @@ CASES: tuple[Case, ...] = (
     _case("gpt-pp2-1f1b-m8", "gpt", **PP2, schedule="1f1b", num_microbatches=8,
           recompute="none"),
     SHALLOW,
-    # Two runs of layers per rank. Outside the band: rank 1 measures 1.59x its predicted
-    # peak and rank 0 0.85x. The plan prices each (microbatch, run) in flight at the
-    # average of the rank's runs; rank 1's are blocks 0-1 (2.6 MB a microbatch) and the
-    # head and loss (0.2 MB), and at its peak it holds three of the heavy run's. (A "V"
-    # schedule's last stage, on rank 0 beside the first, does not run under the fake
-    # group: its loss's backward finds no output gradient.)
+    # Two runs of layers per rank, held unequally: rank 1's are blocks 0-1 (2.6 MB a
+    # microbatch) and the head and loss (0.2 MB), and at its peak it holds three of the
+    # heavy run's and none of the light one's (PipelineConfig.held). Priced at the
+    # average of its runs, it measured 1.59x its predicted peak. (A "V" schedule's last
+    # stage, on rank 0 beside the first, does not run under the fake group: its loss's
+    # backward finds no output gradient.)
     _case("gpt-pp2-interleaved-m4", "gpt", **PP2, schedule="interleaved-1f1b",
           virtual_stages=2, num_microbatches=4, recompute="none"),
     _case("gpt2-pp2-1f1b-m4", "gpt2", **PP2, **ONE_F_ONE_B, recompute="none"),

@@ -66,8 +66,10 @@ Model (per pipeline stage ``s`` of ``p``, ``m`` microbatches of ``b`` samples):
   whose host runs ahead of its kernels);
 - memory of stage ``s``: parameters + gradients + optimizer state of every parameter the
   stage uses (a tied parameter on every stage that uses it) + saved activations times the
-  microbatches in flight (1F1B: ``min(m, p - s)``; GPipe: ``m``; the others counted from
-  the schedule's order, :meth:`PipelineConfig.inflight`) + the largest transient
+  microbatches in flight (1F1B: ``min(m, p - s)``; GPipe: ``m``; the others counted per
+  run from the schedule's order, the largest over its peaks, :meth:`PipelineConfig.held`:
+  interleaved 1F1B holds a rank's first run more often than its later ones) + the
+  largest transient
   working set of one layer (for a recomputed layer: what recompute rematerialises; under
   ZeRO-2/3 what FSDP holds of the layer's unit, :func:`_zero_transient`) + the
   pipeline's receive buffers (:func:`receive_bytes`): the gradient
@@ -187,24 +189,36 @@ class PipelineConfig:
         return self.chunks * (3 if split else 1)
 
     def inflight(self, stage: int) -> int:
-        """(Microbatch, run) activations rank ``stage`` holds at its peak, as the
-        schedule's order runs (:func:`partc.timeline.peak_inflight`: from each forward to
-        its backward, or its weight gradient when the backward is split); GPipe and
-        looped BFS hold every one, 1F1B ``min(m, p - s)``."""
+        """(Microbatch, run) activations rank ``stage`` holds at its peak, all runs
+        together (:meth:`held`)."""
+        return max(sum(peak) for peak in self.held(stage))
+
+    def held(self, stage: int) -> tuple[tuple[int, ...], ...]:
+        """Microbatches rank ``stage`` holds activations of, per run (:meth:`runs_of`'s
+        order), at each of its schedule's peaks (:func:`partc.timeline.held_per_run`):
+        the runs of an interleaved rank are held unequally (the first run's warm-up
+        forwards run before the later runs'). GPipe and looped BFS hold every one, 1F1B
+        ``min(m, p - s)``."""
         m = self.num_microbatches
         if self.schedule in ("gpipe", "looped-bfs"):
-            return m * self.chunks
-        if self.schedule == "1f1b" or self.chunks == 1 and self.schedule not in _SPLIT:
-            return min(m, self.pp - stage)
-        from .timeline import peak_inflight
-        # The peak is the warm-up's: it no longer grows past a few rounds of pp.
-        return peak_inflight(self.schedule, self.pp, self.chunks,
-                             min(m, 4 * self.pp))[stage]
+            return ((m,) * self.chunks,)
+        if self.chunks == 1 and self.schedule not in _SPLIT:
+            return ((min(m, self.pp - stage),),)
+        from .timeline import held_per_run
+        return held_per_run(self.schedule, self.pp, self.chunks, min(m, 4 * self.pp))[stage]
 
-    def activations(self, stage: int, saved: int) -> int:
-        """Bytes of saved activations on rank ``stage`` whose layers save ``saved`` bytes
-        per microbatch (interleaved: its chunks average ``saved / chunks``)."""
-        return -(-self.inflight(stage) * saved // self.chunks)
+    def held_at_least(self, stage: int) -> int:
+        """A count of microbatches rank ``stage`` holds of every run at once (at one
+        of :meth:`held`'s peaks): its activations are at least that many times all its
+        runs' saved bytes, whatever their split, a bound for relaxations."""
+        return max(min(h) for h in self.held(stage))
+
+    def activations(self, stage: int, saved: Sequence[int]) -> int:
+        """Bytes of saved activations on rank ``stage`` whose runs (:meth:`runs_of`'s
+        order) save ``saved[i]`` bytes per microbatch: the largest of :meth:`held`'s
+        peaks."""
+        return max(sum(h * a for h, a in zip(peak, saved, strict=True))
+                   for peak in self.held(stage))
 
 
 _SPLIT = ("interleaved-zero-bubble", "zbv-zero-bubble", "dualpipev")
@@ -973,7 +987,7 @@ def _stage_cost(table: CostTable, stage: int, runs: list[list[int]], modes: Sequ
     state = {k: sum(r.state_bytes[k] for r in rows)
              + sum(table.shared[g].state_bytes[k] for g in held)
              for k in ("params", "grads", "optimizer")}
-    saved = sum(table.layers[l].saved_bytes[modes[l]] for l in members)
+    saved = [sum(table.layers[l].saved_bytes[modes[l]] for l in run) for run in runs]
     activations = config.activations(stage, saved)
     transient = max(table.layers[l].transient_bytes[modes[l]] for l in members)
     forward = sum(r.forward_ps for r in rows)

@@ -38,7 +38,8 @@ def _layer_needs(table: CostTable, stage: int,
                  allowed: list[list[str]]) -> tuple[list[int], list[int]]:
     """Per layer on ``stage``: memory with its leanest allowed mode, and that mode's
     transient."""
-    inflight = table.config.inflight(stage)
+    # The most microbatches any of its runs holds at once (1F1B: min(m, p - s)).
+    inflight = max(max(peak) for peak in table.config.held(stage))
     needs, transients = [], []
     for row, modes in zip(table.layers, allowed):
         mode = min(modes,

@@ -313,21 +313,30 @@ def _parts(op: Op, t: StageSeconds, crosses: list[bool], split: bool
 
 
 @lru_cache(maxsize=4096)
-def peak_inflight(schedule: str, pp: int, v: int, m: int) -> tuple[int, ...]:
-    """Per rank, the most (microbatch, virtual stage) activations the schedule's order
-    holds at once: each from its forward until its backward, or under a split backward
-    until its weight gradient (which needs the saved inputs)."""
-    peaks = []
-    for ops in torch_order(schedule, pp, v, m):
-        holding = peak = 0
+def held_per_run(schedule: str, pp: int, v: int, m: int
+                 ) -> tuple[tuple[tuple[int, ...], ...], ...]:
+    """Per rank, the microbatches it holds activations of, per run (its virtual stages
+    in model order), at each moment of the schedule's order that no other moment
+    exceeds in every run: the peak of a rank whose runs save ``a_j`` bytes per
+    microbatch is the largest ``sum_j h_j a_j`` over these vectors ``h``. A run's
+    microbatch is held from its forward until its backward, or under a split backward
+    until its weight gradient."""
+    result = []
+    for rank, ops in enumerate(torch_order(schedule, pp, v, m)):
+        numbers = stages_of_rank(schedule, pp, v, rank) if v > 1 else (rank,)
+        index = {j: i for i, j in enumerate(numbers)}
+        holding = [0] * len(numbers)
+        moments = set()
         for op in ops:
             if op.phase == "forward":
-                holding += 1
-                peak = max(peak, holding)
+                holding[index[op.stage]] += 1
+                moments.add(tuple(holding))
             elif op.phase in ("backward", "weight"):
-                holding -= 1
-        peaks.append(peak)
-    return tuple(peaks)
+                holding[index[op.stage]] -= 1
+        result.append(tuple(sorted(
+            h for h in moments
+            if not any(g != h and all(a >= b for a, b in zip(g, h)) for g in moments))))
+    return tuple(result)
 
 
 # ------------------------------------------------------------------ from a plan
@@ -417,5 +426,5 @@ def text_lines(timeline: Timeline, width: int = 72) -> list[str]:
 
 
 __all__ = ["Block", "KINDS", "Op", "SCHEDULE_TABLE", "StageSeconds", "Timeline",
-           "csv_rows", "csv_text", "plan_csv", "peak_inflight", "play", "schedule_order", "simulate",
-           "stage_seconds", "text_lines", "torch_order"]
+           "csv_rows", "csv_text", "held_per_run", "plan_csv", "play",
+           "schedule_order", "simulate", "stage_seconds", "text_lines", "torch_order"]

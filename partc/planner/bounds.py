@@ -123,9 +123,11 @@ def _least_largest_sum(costs: tuple[int, ...], parts: int) -> int:
 
 def _recompute_floor(table: CostTable, knapsack: tuple[int, int, list]) -> float:
     config = table.config
-    # Stage s holds f_s microbatches of its saved bytes A_s beside its state W_s:
-    # A_s <= (M_s - W_s) / f_s, so sum_s A_s <= sum_s M_s / f_s - sum_s W_s / max f.
-    inflight = [config.inflight(stage) / config.chunks for stage in range(config.pp)]
+    # Stage s holds at least f_s microbatches of its saved bytes A_s beside its state
+    # W_s: A_s <= (M_s - W_s) / f_s, so sum_s A_s <= sum_s M_s / f_s - sum_s W_s / max f.
+    inflight = [config.held_at_least(stage) for stage in range(config.pp)]
+    if not all(inflight):
+        return 0.0
     state, saved, ratios = knapsack
     state += sum(g.state_total for g in table.shared)
     budget = sum(limit / f for limit, f in zip(table.limits, inflight)) - state / max(inflight)
@@ -195,57 +197,59 @@ def incumbent(problem: PlanningProblem, table: CostTable,
              for l, options in enumerate(allowed)]
     pp = table.config.pp
     for stage in range(pp):
-        members = [l for l in range(table.num_layers)
-                   if table.config.rank_of(stage_of[l]) == stage]
         numbers = table.config.runs_of(stage)
-        runs = [[l for l in members if stage_of[l] == j] for j in numbers]
+        runs = [[l for l in range(table.num_layers) if stage_of[l] == j] for j in numbers]
         receive = receive_bytes(table, runs, numbers)
-        _recompute_until_it_fits(table, stage, members, allowed, modes, receive)
+        _recompute_until_it_fits(table, stage, runs, allowed, modes, receive)
     if not evaluate(table, stage_of, modes).fits:
         return None
     return Assignment(stage_of=tuple(stage_of), modes=tuple(modes))
 
 
-def _recompute_until_it_fits(table: CostTable, stage: int, members: list[int],
+def _recompute_until_it_fits(table: CostTable, stage: int, runs: list[list[int]],
                              allowed: list[list[str]], modes: list[str],
                              receive: int) -> None:
-    """Change ``modes`` of ``members`` (in place), one layer at a time, to the mode that
-    frees the most activation memory per picosecond, until the stage's saved
-    activations fit what its limit leaves (state, the largest transient and the
-    ``receive`` buffers aside)."""
+    """Change ``modes`` of the layers of ``runs`` (rank ``stage``'s, in place), one
+    layer at a time, to the mode that frees the most activation memory at the rank's
+    peak per picosecond, until its saved activations fit what its limit leaves (state,
+    the largest transient and the ``receive`` buffers aside)."""
     config = table.config
     rows = table.layers
+    members = [l for run in runs for l in run]
     state = sum(rows[l].state_total for l in members)
     state += sum(g.state_total for g in table.shared if any(l in members for l in g.layers))
-    saved = sum(rows[l].saved_bytes[modes[l]] for l in members)
+    saved = [sum(rows[l].saved_bytes[modes[l]] for l in run) for run in runs]
     transient = max(rows[l].transient_bytes[modes[l]] for l in members)
-    # Equal layers in equal modes offer the same change: each such group offers it once,
-    # by its first layer (members are in order), so 128 equal blocks cost one look.
+    # Equal layers of a run in equal modes offer the same change: each such group offers
+    # it once, by its first layer (runs are in order), so 128 equal blocks cost one look.
     groups: dict[tuple, list[int]] = {}
-    for l in members:
-        groups.setdefault((id(rows[l]), modes[l], tuple(allowed[l])), []).append(l)
+    for i, run in enumerate(runs):
+        for l in run:
+            groups.setdefault((i, id(rows[l]), modes[l], tuple(allowed[l])), []).append(l)
     while state + config.activations(stage, saved) + transient + receive \
             > table.limits[stage]:
+        peak = max(config.held(stage), key=lambda h: sum(n * a for n, a in zip(h, saved)))
         best = None
-        for (_, current, options), layers in groups.items():
-            if not layers:
+        for (i, _, current, options), layers in groups.items():
+            if not layers or not peak[i]:
                 continue
             l = layers[0]
             for mode in options:
                 freed = rows[l].saved_bytes[current] - rows[l].saved_bytes[mode]
                 if freed <= 0:
                     continue
-                ratio = (rows[l].compute_ps(mode) - rows[l].compute_ps(current)) / freed
+                ratio = (rows[l].compute_ps(mode) - rows[l].compute_ps(current)) \
+                    / (freed * peak[i])
                 if best is None or (ratio, l) < best[:2]:
-                    best = (ratio, l, mode)
+                    best = (ratio, l, mode, i)
         if best is None:
             return
-        _, layer, mode = best
-        saved -= rows[layer].saved_bytes[modes[layer]] - rows[layer].saved_bytes[mode]
+        _, layer, mode, i = best
+        saved[i] -= rows[layer].saved_bytes[modes[layer]] - rows[layer].saved_bytes[mode]
         transient = max(transient, rows[layer].transient_bytes[mode])
         options = tuple(allowed[layer])
-        groups[id(rows[layer]), modes[layer], options].pop(0)
-        bisect.insort(groups.setdefault((id(rows[layer]), mode, options), []), layer)
+        groups[i, id(rows[layer]), modes[layer], options].pop(0)
+        bisect.insort(groups.setdefault((i, id(rows[layer]), mode, options), []), layer)
         modes[layer] = mode
 
 

@@ -143,8 +143,11 @@ def expert_parallel_section(problem: PlanningProblem, config: PipelineConfig,
             expert_activation_bytes=saved))
         a2a_bytes[stage] += layers[-1].all_to_all_bytes
         a2a_s[stage] += layers[-1].all_to_all_s
-    for s in range(config.pp):
-        saved = sum(layer.expert_activation_bytes for layer in layers if layer.stage == s)
+    by_name = {whole.name: index for index, whole in enumerate(problem.layers)}
+    for s, stage in enumerate(evaluation.stages):
+        runs = stage.runs or (stage.layers,)
+        saved = [sum(layer.expert_activation_bytes for layer in layers
+                     if by_name[layer.name] in run) for run in runs]
         activations[s] = config.activations(s, saved)
     return ExpertParallelPlan(
         ep=config.ep, expert_dp=config.dp * config.tp // config.ep,

@@ -22,16 +22,19 @@ Parameters
     saved bytes per microbatch; ``X[k,r]`` transient bytes. ``I_k[j]`` / ``E_k[j]``
     send/recv time when the boundary between run ``j`` and ``j+1`` falls inside segment
     ``k`` / right after it; ``T_g``, ``D_g``, ``G_g``, ``W_g`` likewise per shared group;
-    ``f_s`` microbatches in flight on stage ``s`` (interleaved: runs of one microbatch,
-    each holding ``1/v`` of the stage's activations); ``R_k`` / ``Q_k`` bytes crossing a
+    ``H_s`` the schedule's peaks on stage ``s``: vectors ``h`` of microbatches in
+    flight per run ``j ~ s`` (1F1B one, ``min(m, p - s)``; an interleaved stage holds
+    its first run's warm-up forwards more often than its later runs',
+    :meth:`partc.costs.PipelineConfig.held`); ``R_k`` / ``Q_k`` bytes crossing a
     cut inside segment ``k`` / right after it, per microbatch (one receive buffer);
     ``M_s`` memory limit; ``S_g`` tied-gradient sync.
 Variables
     ``P[k,j]`` in ``0..n_k``: layers of segment ``k`` in runs ``<= j`` (so ``c[k,j] =
     P[k,j] - P[k,j-1]`` sit in run ``j`` and ``N[k,s] = sum_{j ~ s} c[k,j]`` on stage
     ``s``); booleans ``started[k,j] = [P[k,j] >= 1]``, ``finished[k,j] = [P[k,j] =
-    n_k]``; ``n[k,s,r]`` layers of ``k`` on ``s`` in mode ``r``, ``u[k,s,r]`` mode ``r``
-    used there; ``h[g,s]`` stage ``s`` holds group ``g``; ``peak_busy``; ``tail``;
+    n_k]``; ``n[k,s,r]`` layers of ``k`` on ``s`` in mode ``r`` (a stage whose peaks
+    hold its runs unequally splits it per run, ``n[k,s,r] = sum_{j ~ s} n[k,j,r]``),
+    ``u[k,s,r]`` mode ``r`` used there; ``h[g,s]`` stage ``s`` holds group ``g``; ``peak_busy``; ``tail``;
     ``transient[s]``. (A segment of one layer: ``P = started = finished`` is the
     boolean "the layer sits in a run ``<= j``" and ``n = u``.)
 Objective
@@ -65,8 +68,10 @@ Constraints
         microbatch, all but the first bucket's ``G_first``, which the first layer waits
         for before any runs (a constant of the step: ``CostTable.tail_latency_ps``);
     (7) ``transient[s] >= X[k,r] u[k,s,r]``;
-    (8) memory: ``v (sum_k W_k N[k,s] + sum_g W_g h[g,s] + transient[s]) + f_s sum_{k,r}
-        A[k,r] n[k,s,r] + v sum_{j ~ s, j < pv-1} cut[j] <= v M_s``, where ``cut[j] =
+    (8) memory, at each peak ``h`` in ``H_s``: ``sum_k W_k N[k,s] + sum_g W_g h[g,s] +
+        transient[s] + sum_{j ~ s} h_j sum_{k,r} A[k,r] n[k,j,r] + sum_{j ~ s, j < pv-1}
+        cut[j] <= M_s`` (``n[k,j,r]`` the stage's ``n[k,s,r]`` where its peaks hold every
+        run alike), where ``cut[j] =
         sum_k (R_k (started[k,j] - finished[k,j]) + Q_k (finished[k,j] -
         started[k+1,j]))`` are the bytes crossing the boundary ``j -> j+1`` (as (3)):
         the pipeline's receive buffers, one per run for the gradient coming back while
@@ -76,7 +81,8 @@ Constraints
         straddle a change of either).
 
 The plan names each layer again: a segment's layers fill its runs in order, and on each
-stage take their modes heaviest first (full, selective, none). Every layer of a segment
+stage (or run, where modes split per run) take their modes heaviest first (full,
+selective, none). Every layer of a segment
 costs the same in any mode and any position, and the cuts inside it cost alike, so the
 model is exact: its optimum is the optimum over per-layer assignments.
 
@@ -88,8 +94,8 @@ Integers
 Names
     every CP-SAT variable is named after its symbol: ``P[k,j]`` is
     ``segment{k}_in_runs_to{j}``, ``started``/``finished`` ``segment{k}_started_by_run{j}``
-    / ``segment{k}_finished_by_run{j}``, ``n[k,s,r]`` ``segment{k}_rank{s}_{r}``,
-    ``u[k,s,r]`` ``segment{k}_rank{s}_uses_{r}``, ``h[g,s]`` ``shared{g}_on_stage{s}``,
+    / ``segment{k}_finished_by_run{j}``, ``n[k,s,r]`` ``segment{k}_rank{s}_{r}``
+    (``n[k,j,r]`` ``segment{k}_rank{s}_run{j}_{r}``), ``u[k,s,r]`` ``segment{k}_rank{s}_uses_{r}``, ``h[g,s]`` ``shared{g}_on_stage{s}``,
     ``exposed[s]`` ``exposed_sync_stage{s}``, ``gathered[s]`` ``exposed_gather_stage{s}``,
     ``transient[s]`` ``transient_stage{s}``;
     bounds that leave a variable one value make it a constant instead.
@@ -257,30 +263,97 @@ class StageModel:
     def _add_modes(self) -> None:
         """(1) ``count[s][k, r]`` (``n[k,s,r]``) layers of segment ``k`` on rank ``s``
         use mode ``r``; ``used[s][k, r]`` (``u[k,s,r]``) is 1 when any does (for the
-        transient, (7)). A segment with one allowed mode, pinned (9) or not, has no choice."""
+        transient, (7)). A segment with one allowed mode, pinned (9) or not, has no choice.
+        A rank holding its runs unequally at its peaks (interleaved 1F1B: the first run's
+        warm-up) splits modes per run (``n[k,j,r]``, summed into the rank's), since a
+        byte saved in one run is held more often than in another (8); ``mode_units``
+        lists the (rank, runs) each split covers."""
+        config = self.table.config
+        self.mode_units: list[tuple[int, tuple[int, ...]]] = []
+        for rank in self.ranks:
+            runs = config.runs_of(rank)
+            unequal = any(len(set(peak)) > 1 for peak in config.held(rank))
+            self.mode_units += [(rank, (run,)) for run in runs] if unequal \
+                else [(rank, runs)]
+        self.unit_count: list[dict[tuple[int, str], Any]] = [{} for _ in self.mode_units]
+        self._unit_used: dict[tuple[int, int, str], Any] = {}
         self.count: list[dict[tuple[int, str], Any]] = [{} for _ in self.ranks]
         self.used: list[dict[tuple[int, str], Any]] = [{} for _ in self.ranks]
         for k, seg in enumerate(self.segments):
-            for rank in self.ranks:
-                total, count = self.on_rank[k][rank], self.count[rank]
+            for u, (rank, runs) in enumerate(self.mode_units):
+                total, count = sum(self.in_run(k, run) for run in runs), self.unit_count[u]
+                if len(runs) == len(config.runs_of(rank)):
+                    total = self.on_rank[k][rank]
                 if len(seg.modes) == 1 or isinstance(total, int) and total == 0:
                     count.update({(k, r): total if r == seg.modes[0] else 0
                                   for r in seg.modes})
-                else:
-                    split = [self.model.new_int_var(0, seg.size, f"segment{k}_rank{rank}_{r}")
-                             for r in seg.modes]
-                    self.model.add(sum(split) == total)
-                    count.update({(k, r): c for r, c in zip(seg.modes, split)})
+                    continue
+                name = f"segment{k}_rank{rank}" + (f"_run{runs[0]}" if len(runs) == 1
+                                                   and config.chunks > 1 else "")
+                split = [self.model.new_int_var(0, seg.size, f"{name}_{r}")
+                         for r in seg.modes]
+                self.model.add(sum(split) == total)
+                count.update({(k, r): c for r, c in zip(seg.modes, split)})
+            self._order_runs(k, seg)
+            for rank in self.ranks:
+                parts = [self.unit_count[u] for u, (owner, _) in enumerate(self.mode_units)
+                         if owner == rank]
                 for r in seg.modes:
-                    if isinstance(count[k, r], int):
-                        self.used[rank][k, r] = int(count[k, r] > 0)
+                    count = parts[0][k, r] if len(parts) == 1 \
+                        else sum(part[k, r] for part in parts)
+                    self.count[rank][k, r] = count
+                    if isinstance(count, int):
+                        self.used[rank][k, r] = int(count > 0)
                         continue
-                    if seg.size == 1:
-                        self.used[rank][k, r] = count[k, r]    # already 0 or 1
+                    if seg.size == 1 and len(parts) == 1:
+                        self.used[rank][k, r] = count    # already 0 or 1
                         continue
                     used = self.model.new_bool_var(f"segment{k}_rank{rank}_uses_{r}")
-                    self.model.add(count[k, r] <= seg.size * used)
+                    self.model.add(count <= seg.size * used)
                     self.used[rank][k, r] = used
+
+    def _order_runs(self, k: int, seg: Segment) -> None:
+        """(1) Of two runs of a rank split per run, where one is held at least as often
+        as the other at every peak, the first holds segment ``k``'s leaner modes: no
+        layer of ``k`` in the other saves less than one in the first. Swapping two such
+        layers' modes changes neither a rank's compute nor its modes (nor so its
+        transient), and frees ``(h_a - h_b)(A[k,fat] - A[k,lean]) >= 0`` bytes at each
+        peak ``h``: an optimum keeps this order, and CP-SAT need not search the
+        equivalent splits."""
+        saved = self.table.layers[seg.first].saved_bytes
+        pairs = [(lean, fat) for lean in seg.modes for fat in seg.modes
+                 if saved[lean] < saved[fat]]
+        if not pairs:
+            return
+        config = self.table.config
+        for rank in self.ranks:
+            units = [(u, runs[0]) for u, (owner, runs) in enumerate(self.mode_units)
+                     if owner == rank and len(runs) == 1]
+            if len(units) < 2:
+                continue
+            index = {run: i for i, run in enumerate(config.runs_of(rank))}
+            peaks = config.held(rank)
+            for a, run_a in units:
+                for b, run_b in units:
+                    if a == b or not all(h[index[run_a]] >= h[index[run_b]] for h in peaks):
+                        continue
+                    if all(h[index[run_a]] == h[index[run_b]] for h in peaks) and a > b:
+                        continue        # held alike: order them once, the earlier first
+                    for lean, fat in pairs:
+                        self._require(self._mode_used(b, k, lean, seg)
+                                      + self._mode_used(a, k, fat, seg) <= 1)
+
+    def _mode_used(self, u: int, k: int, r: str, seg: Segment):
+        """1 when a layer of segment ``k`` in mode split ``u`` uses mode ``r``."""
+        count = self.unit_count[u][k, r]
+        if isinstance(count, int) or seg.size == 1:
+            return int(count > 0) if isinstance(count, int) else count
+        key = (u, k, r)
+        if key not in self._unit_used:
+            used = self.model.new_bool_var(f"segment{k}_unit{u}_uses_{r}")
+            self.model.add(count <= seg.size * used)
+            self._unit_used[key] = used
+        return self._unit_used[key]
 
     def boundary_ps(self, run: int):
         """(3) The send/recv time of the boundary ``run -> run + 1``."""
@@ -395,37 +468,38 @@ class StageModel:
         return exposed
 
     def _add_memory(self, held: list[list]) -> None:
-        """(7) the largest transient of each stage, (8) its memory, in units of
-        :func:`memory_unit` bytes (:meth:`memory_units`). (Byte-sized coefficients on GiB
-        limits were seen to make CP-SAT 9.15's presolve return a wrong OPTIMAL.)"""
-        table, units = self.table, self.memory_units
+        """(7) the largest transient of each stage, (8) its memory at each of its
+        schedule's peaks, in units of :func:`memory_unit` bytes (:meth:`memory_units`).
+        (Byte-sized coefficients on GiB limits were seen to make CP-SAT 9.15's presolve
+        return a wrong OPTIMAL.)"""
+        table, units, config = self.table, self.memory_units, self.table.config
         top = max(units(max(row.transient_bytes.values())) for row in table.layers)
-        chunks = table.config.chunks   # activations are inflight * saved / chunks
         for stage in self.ranks:
             transient = self.model.new_int_var(0, top, f"transient_stage{stage}")
-            saved = 0
-            for (k, r), count in self.count[stage].items():
+            for (k, r), used in self.used[stage].items():
                 row = table.layers[self.segments[k].first]
-                saved += units(row.saved_bytes[r]) * count
                 if row.transient_bytes[r]:              # (7)
-                    self.model.add(transient >= units(row.transient_bytes[r])
-                                   * self.used[stage][k, r])
+                    self.model.add(transient >= units(row.transient_bytes[r]) * used)
+            # A[s, runs]: the bytes saved per microbatch by each mode split's layers
+            saved = {runs: sum(units(table.layers[self.segments[k].first].saved_bytes[r])
+                               * count for (k, r), count in self.unit_count[u].items())
+                     for u, (rank, runs) in enumerate(self.mode_units) if rank == stage}
             state = self._per_rank(stage, lambda row: units(row.state_total))
             state += sum(units(g.state_total) * held[gi][stage]
                          for gi, g in enumerate(table.shared))
-            inflight = table.config.inflight(stage)
-            self.model.add(chunks * (state + transient) + inflight * saved      # (8)
-                           + self._receive(stage)
-                           <= chunks * units(table.limits[stage], limit=True))
+            numbers = config.runs_of(stage)
+            for peak in config.held(stage):                                     # (8)
+                count = dict(zip(numbers, peak))
+                activations = sum(count[runs[0]] * part for runs, part in saved.items())
+                self.model.add(state + transient + activations + self._receive(stage)
+                               <= units(table.limits[stage], limit=True))
 
     def _receive(self, stage: int):
-        """(8) ``v`` times the receive buffers of the stage's runs: one gradient crossing
-        the cut after each run."""
+        """(8) the receive buffers of the stage's runs: one gradient crossing the cut
+        after each run."""
         config = self.table.config
         last = config.virtual_stages - 1
-        returned = sum(self.boundary_units(run) for run in config.runs_of(stage)
-                       if run < last)
-        return config.chunks * returned
+        return sum(self.boundary_units(run) for run in config.runs_of(stage) if run < last)
 
     def add_hint(self, hint: Assignment) -> None:
         """Start the search from ``hint`` (CP-SAT completes the auxiliary variables)."""
@@ -435,6 +509,7 @@ class StageModel:
             if isinstance(variable, cp_model.IntVar):   # not a constant or a sum
                 values[variable.index] = (variable, value)
 
+        unit_of = self._unit_of_run()
         for k, seg in enumerate(self.segments):
             layers = range(seg.first, seg.last + 1)
             per_run = Counter(hint.stage_of[l] for l in layers)
@@ -444,14 +519,37 @@ class StageModel:
                 put(self.prefix[k][run], inside)
                 put(self.started[k][run], int(inside > 0))
                 put(self.finished[k][run], int(inside == seg.size))
+            per_unit = self._leanest_first(k, seg, hint, unit_of)
+            for u, (rank, _) in enumerate(self.mode_units):
+                for r in seg.modes:
+                    put(self.unit_count[u][k, r], per_unit[u, r])
             per_mode = Counter((self.table.config.rank_of(hint.stage_of[l]), hint.modes[l])
                                for l in layers)
             for rank in self.ranks:
                 for r in seg.modes:
-                    put(self.count[rank][k, r], per_mode[rank, r])
                     put(self.used[rank][k, r], int(per_mode[rank, r] > 0))
         for variable, value in values.values():
             self.model.add_hint(variable, value)
+
+    def _leanest_first(self, k: int, seg: Segment, hint: Assignment,
+                       unit_of: dict[int, int]) -> Counter:
+        """Per (mode split, mode), the layers of segment ``k`` in ``hint``, its modes
+        on each rank dealt leanest first to the runs held most (as :meth:`_order_runs`
+        orders them; neither compute nor memory grows)."""
+        layers = range(seg.first, seg.last + 1)
+        found: Counter = Counter()
+        saved = self.table.layers[seg.first].saved_bytes
+        config = self.table.config
+        for rank in self.ranks:
+            mine = [l for l in layers if config.rank_of(hint.stage_of[l]) == rank]
+            modes = sorted((hint.modes[l] for l in mine), key=lambda r: saved[r])
+            index = {run: i for i, run in enumerate(config.runs_of(rank))}
+            weight = {run: sum(h[index[run]] for h in config.held(rank))
+                      for run in index}
+            runs = sorted((hint.stage_of[l] for l in mine),
+                          key=lambda run: (-weight[run], run))
+            found.update((unit_of[run], mode) for run, mode in zip(runs, modes))
+        return found
 
     def assignment(self, solver: cp_model.CpSolver) -> Assignment:
         """Each segment's layers fill its runs in order; on each rank they take their
@@ -461,18 +559,23 @@ class StageModel:
 
         stage_of: list[int] = []
         modes: list[str] = []
+        unit_of = self._unit_of_run()
         for k, seg in enumerate(self.segments):
             counts = [value(self.prefix[k][run]) for run in self.runs]
             stage_of += [sum(1 for c in counts if c <= i) for i in range(seg.size)]
-            left = {(rank, r): value(self.count[rank][k, r])
-                    for rank in self.ranks for r in seg.modes}
+            left = {(u, r): value(self.unit_count[u][k, r])
+                    for u in range(len(self.mode_units)) for r in seg.modes}
             for layer in range(seg.first, seg.last + 1):
-                rank = self.table.config.rank_of(stage_of[layer])
+                u = unit_of[stage_of[layer]]
                 mode = next(r for r in reversed(RECOMPUTE_MODES)
-                            if r in seg.modes and left[rank, r])
-                left[rank, mode] -= 1
+                            if r in seg.modes and left[u, r])
+                left[u, mode] -= 1
                 modes.append(mode)
         return Assignment(stage_of=tuple(stage_of), modes=tuple(modes))
+
+    def _unit_of_run(self) -> dict[int, int]:
+        """Each run's mode split (an index into ``mode_units``)."""
+        return {run: u for u, (_, runs) in enumerate(self.mode_units) for run in runs}
 
 
 def memory_unit(table: CostTable) -> int:

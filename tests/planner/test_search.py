@@ -255,6 +255,23 @@ def test_interleaved_plan_equals_brute_force(seed):
     assert feasible >= 8
 
 
+def test_an_interleaved_rank_recomputes_the_run_its_schedule_holds_most():
+    """Interleaved 1F1B, 4 layers on 2 ranks of 2 runs, 4 microbatches: rank 0 holds
+    run 0 (layer 0, 1 MB saved) three or four times at its peaks and run 2 (layer 2,
+    0.1 MB) twice or once: 4.1 MB, which 3.5 MB does not hold, though the average of its
+    runs (5 in flight x 1.1 MB / 2 = 2.75 MB) would. Layer 0 is recomputed, as brute
+    force finds."""
+    layers = [layer(f"l{i}", saved=1e6 if i == 0 else 1e5) for i in range(4)]
+    prob = problem(layers, [0.0] * 3, devices(2, 3_500_000), batch=4,
+                   micro_batch_sizes=(1,), pins=Pins(pp=2, schedule="interleaved-1f1b"))
+    plan, evaluation, oracle = _plan_and_oracle(prob)
+    assert evaluation.step_ps == oracle[0] and plan.chunks == 2
+    assert plan.stages[0].runs == (("l0",), ("l2",))
+    assert plan.recompute == {"l0": "full", "l1": "none", "l2": "none", "l3": "none"}
+    assert plan.stages[0].memory_bytes.activations == max(3 * 100 + 2 * 1e5,
+                                                          4 * 100 + 1 * 1e5)
+
+
 @pytest.mark.parametrize("schedule", ["looped-bfs", "interleaved-zero-bubble",
                                       "zbv-zero-bubble", "dualpipev"])
 def test_every_schedule_pinned_equals_brute_force(schedule):

@@ -21,7 +21,8 @@ import torch
 import torch.distributed as dist
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
-from benchmarks.memory_check import Case, compile_case, neighbour_messages
+from benchmarks.memory_check import (Case, compile_case, neighbour_messages,
+                                      zero_integer_receives)
 from partc.costs import PipelineConfig
 from partc.runtime import pipeline_stage
 from partc.runtime.pipeline_stage import _ReceiveBuffers
@@ -120,3 +121,70 @@ def test_the_first_stage_holds_one_gradient_at_a_time(monkeypatch):
     assert alive["gradient at backward"] == [1] * M
     assert all(info.buffer is None or info.buffer.numel() == 0
                for infos in stage.grad_recv_info.values() for info in infos)
+
+
+def test_an_interleaved_rank_holds_its_runs_as_the_plan_counts(monkeypatch):
+    """Rank 1 of interleaved 1F1B holds runs 1 and 3: the microbatches it holds per run
+    (forwarded, not yet backwarded) as its schedule really runs peak where
+    ``PipelineConfig.held`` says, the first run's warm-up more often than the last's;
+    and each run's receive buffers alive are those plus at most the one whose receive
+    the schedule posted ahead."""
+    case = Case(name=f"gpt-pp2-interleaved-m{M}", model="gpt", world=2, ranks=(0, 1),
+                constraints=dict(pp=2, schedule="interleaved-1f1b", virtual_stages=2,
+                                 num_microbatches=M, recompute="none"),
+                batch=M, seq=16, layers=4, width=32)
+    program, inputs, target = compile_case(case)
+    made: dict[int, list] = defaultdict(list)     # per run: its activation buffers
+    allocate = pipeline_stage._ReceiveBuffers.allocate
+    run_of = {}
+
+    def allocate_watched(self, infos, chunk):
+        allocate(self, infos, chunk)
+        if self.direction == "activation":     # the hidden states, not the positions
+            made[run_of[id(infos)]] += [weakref.ref(info.buffer) for info in infos[chunk]
+                                        if getattr(info, "buffer", None) is not None
+                                        and info.buffer.is_floating_point()]
+    monkeypatch.setattr(pipeline_stage._ReceiveBuffers, "allocate", allocate_watched)
+    dist.init_process_group("fake", store=FakeStore(), rank=1, world_size=2)
+    try:
+        module = program.build()
+        microbatch = tuple(t[:program.plan.micro_batch_size] for t in inputs)
+        runs = [stage.stage_index for stage in module._stages]
+        holding = dict.fromkeys(runs, 0)
+        moments, excess = set(), []
+
+        def watch(stage, name: str, step: int) -> None:
+            run, call = stage.stage_index, getattr(stage, name)
+
+            def watched(*args, **kwargs):
+                holding[run] += max(step, 0)
+                if step > 0:
+                    moments.add(tuple(holding[j] for j in runs))
+                excess.extend(sum(r() is not None for r in made[j]) - holding[j]
+                              for j in runs)
+                result = call(*args, **kwargs)
+                holding[run] += min(step, 0)
+                return result
+            setattr(stage, name, watched)
+
+        for stage in module._stages:
+            run_of[id(stage.args_recv_info)] = stage.stage_index
+            stage._recv_meta = neighbour_messages(program, stage, microbatch)
+            zero_integer_receives(stage)    # positions: the fake group moves nothing
+            watch(stage, "forward_one_chunk", 1)
+            watch(stage, "backward_one_chunk", -1)
+        module.forward_backward(*inputs, target=target)     # shape inference
+        made.clear()
+        moments.clear()
+        excess.clear()
+        module.forward_backward(*inputs, target=target)
+    finally:
+        dist.destroy_process_group()
+    config = PipelineConfig(pp=2, dp=1, micro_batch_size=program.plan.micro_batch_size,
+                            num_microbatches=M, schedule="interleaved-1f1b", chunks=2)
+    assert runs == list(config.runs_of(1)) == [1, 3]
+    peaks = {h for h in moments
+             if not any(g != h and all(a >= b for a, b in zip(g, h)) for g in moments)}
+    assert peaks == set(config.held(1))
+    assert any(len(set(h)) > 1 for h in peaks)    # unequal: the average would not do
+    assert min(excess) >= 0 and max(excess) == 1
