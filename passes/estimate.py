@@ -210,7 +210,7 @@ def _run_layer(gm: fx.GraphModule, nodes: list[fx.Node], setting: _Setting) -> _
                 flops //= 2   # the kernel skips the blocks the causal mask hides
             run.costs[node] = _with_casts(
                 _node_cost(node, args, kwargs, result, flops, producer, frozen),
-                casts.made, result)
+                casts.made, result if _casts_itself(node) else None)
             run.storages[node] = _storages(result, frozen)
             if node.op == "call_module":   # its parameters are read, not passed
                 state = [t for _, t in _named_state(gm.get_submodule(str(node.target)))]
@@ -255,11 +255,19 @@ class _Casts(TorchDispatchMode):
         return out
 
 
+def _casts_itself(node: fx.Node) -> bool:
+    """Whether a cast making ``node``'s result is the node's own work (whose bytes
+    ``bytes_moved`` counts): an explicit ``.to(dtype)``, a parameter handed over in the
+    compute dtype. Not where the node's function computes wider and narrows its result
+    as a kernel of its own (``casts_its_result``: :func:`partc.runtime.norm.layer_norm`)."""
+    return not getattr(node.target, "casts_its_result", False)
+
+
 def _with_casts(cost: meta.NodeCost, made: list[tuple[torch.Tensor, float]],
                 result: Any) -> meta.NodeCost:
-    """``cost`` with the casts autocast made while the node ran: those whose output is
-    not the node's own result (an explicit ``.to(dtype)`` is the node itself, whose bytes
-    ``bytes_moved`` already counts)."""
+    """``cost`` with the casts made while the node ran (autocast's beside it, a runtime
+    function's inside it) but the node's own ``result`` where it is given: an explicit
+    ``.to(dtype)`` is the node itself, whose bytes ``bytes_moved`` already counts."""
     own = {id(t) for t in pytree.tree_leaves(result) if isinstance(t, torch.Tensor)}
     implicit = [nbytes for out, nbytes in made if id(out) not in own]
     if not implicit:

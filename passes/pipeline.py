@@ -42,6 +42,7 @@ from .fuse_attention import fuse_attention
 from .graph import param_usage
 from .layers import layers
 from .moe import lower_experts
+from .norm_dtype import norm_dtype
 from .portable import device_from_inputs, drop_assertions, unpin_dtypes
 from .propagate import propagate
 from .recompute import recompute
@@ -83,6 +84,8 @@ def analysis_passes(attention: str, mixed: bool = False) -> tuple[Pass, ...]:
         *_attention_passes(attention),
         # After fusing: a softmax left written out is measured as the runtime keeps it.
         Pass("attention_softmax", attention_softmax),
+        # A LayerNorm only matmuls read is measured in bf16, as it runs.
+        *((Pass("norm_dtype", norm_dtype),) if mixed else ()),
         # Layers reads the graph as it will run.
         Pass("layers", layers),
         # Estimate measures one layer at a time (once per repeated-block signature).
@@ -113,6 +116,8 @@ def lowering_passes(lowering: Lowering) -> tuple[Pass, ...]:
         *((Pass("unpin_dtypes", unpin_dtypes),) if lowering.mixed else ()),
         *_attention_passes(lowering.attention),
         Pass("attention_softmax", attention_softmax),
+        # Before tp_rewrite: a sequence-parallel all-gather after the norm moves bf16.
+        *((Pass("norm_dtype", norm_dtype),) if lowering.mixed else ()),
         # The plan names layers: the graph must be grouped exactly as it was planned.
         Pass("layers", layers),
         # Tensor parallelism rewrites the whole graph before the cut, so that a stage's

@@ -116,6 +116,7 @@ _NODE_CHECKS: dict[str, tuple[NodeCheck, ...]] = {
     "propagate": (has_value,),
     "fuse_attention": (has_value,),
     "attention_softmax": (has_value,),
+    "norm_dtype": (has_value,),
     "layers": (in_a_layer,),
     "estimate": (has_cost,),
     "tp_rewrite": (placeholders_first,),

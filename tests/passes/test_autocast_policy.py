@@ -53,9 +53,10 @@ def _measure(build, loss, device: str) -> tuple[torch.fx.GraphModule, dict]:
 def test_gpt_computes_attention_probabilities_in_fp32_and_keeps_them_in_bf16():
     """A GPT block (64 wide, 4 heads, 16 positions), per sample, as the runtime runs it
     in bf16 (bf16 parameters under CUDA's policy, which its CPU ranks apply too, so a
-    CPU budget measures the same): each LayerNorm an fp32 copy of its bf16 input (4096),
-    fp32 mean and rstd (128) and fp32 copies of its bf16 weight and bias (512 per
-    microbatch: 256); each linear its bf16 input (ln_1's, ln_2's, y: 2048
+    CPU budget measures the same): each LayerNorm its bf16 input (2048) and fp32 mean
+    and rstd (128), and returns bf16 (partc.runtime.norm: autocast's fp32 LayerNorm
+    would keep an fp32 copy of its input, 4096, and fp32 copies of its bf16 weight and
+    bias, 512 per microbatch: 256); each linear its bf16 input (ln_1's, ln_2's, y: 2048
     each); the scores' matmul q and k, views of the bf16 qkv (6144); masked_fill its
     mask (256 per batch: 128); the attention's softmax, computed in fp32, a bf16 copy of
     its output (4 x 16 x 16 x 2 = 2048: partc.runtime.softmax, not autograd's fp32
@@ -66,7 +67,7 @@ def test_gpt_computes_attention_probabilities_in_fp32_and_keeps_them_in_bf16():
     (4 bytes per batch)."""
     _, cuda = _measure(gpt_tiny, loss_fn, "cuda")
     _, cpu = _measure(gpt_tiny, loss_fn, "cpu")
-    layer_norms = 2 * (4096 + 128 + 256)
+    layer_norms = 2 * (2048 + 128)
     linears = 3 * 2048 + 6144 + 8192 + 8192
     assert cuda["blocks.0"] == layer_norms + linears + 128 + 2048 + 2048
     assert cuda["loss"] == T * 128 * 4 + T * 8 + 4 / B

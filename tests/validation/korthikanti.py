@@ -198,25 +198,20 @@ def fits(config: Config, sequence_parallel: bool, mode: str, *, estimate: bool) 
 def explained_bytes(config: Config, tp: int, sequence_parallel: bool, mode: str) -> float:
     """The paper's bytes corrected by what partc's runtime keeps differently, term by
     term, in ``s b h`` units (the runtime computes with bf16 parameters, as the paper's
-    Megatron, so the residual stream and the layer's input are bf16: full recompute
-    keeps what the paper keeps):
+    Megatron, so the residual stream and the layer's input are bf16, and its LayerNorms
+    keep their bf16 inputs, ``partc.runtime.norm``: full recompute, and every row with
+    sequence parallelism or without tensor parallelism, keep what the paper keeps):
 
-    - norms in fp32: CUDA's autocast runs LayerNorm in fp32, so each LayerNorm keeps
-      an fp32 copy of its bf16 input, 4 bytes an element where the paper's fused
-      LayerNorm keeps the bf16 input, 2: +2 each (/ t where sharded). Within the target
-      in every row;
     - ``sharded`` (:data:`CAUSES`): with tensor but no sequence parallelism the paper
       keeps 10 s b h replicated (both LayerNorms' inputs, QKV's and the MLP's inputs,
-      two dropout masks); partc keeps the first LayerNorm's (fp32 copy) and QKV's input
-      whole, and the second LayerNorm's input (fp32 copy, 4), the MLP's input (2) and
-      both masks (2) / t: the paper's 10 becomes 4 + 2 + 8 / t."""
+      two dropout masks); partc keeps the first LayerNorm's and QKV's input whole, and
+      the second LayerNorm's input (2), the MLP's input (2) and both masks (2) / t: the
+      paper's 10 becomes 4 + 6 / t."""
     s, b, h, t = config.seq_len, config.micro_batch, config.hidden, tp
     base = equation_bytes(config, tp, sequence_parallel, mode)
-    if mode == "full":
+    if mode == "full" or t == 1 or sequence_parallel:
         return base
-    if t > 1 and not sequence_parallel:
-        return base + s * b * h * (2 - 6 + 8 / t)
-    return base + s * b * h * 4 / t
+    return base + s * b * h * (4 + 6 / t - 10)
 
 
 # Why partc's estimate is outside the target of the paper's equations, by what the
@@ -226,13 +221,13 @@ CAUSES = {
     "sharded": "without sequence parallelism partc still splits the attention output's "
                "dropout and residual add, the second LayerNorm and the MLP's input over "
                "the sequence (gathered before the MLP), keeping them / t where the "
-               "paper's layer keeps them replicated (its 10 s b h become 6 + 8 / t): "
-               "with the attention core rerun the estimate is below the equation",
+               "paper's layer keeps them replicated (its 10 s b h become 4 + 6 / t): at "
+               "t = 8 the estimate is below the equation",
 }
 
 
 def causes(row: Row) -> tuple[str, ...]:
     """The :data:`CAUSES` that put ``row`` outside the target (none for a row within)."""
-    if row.mode == "selective" and row.tp > 1 and not row.sequence_parallel:
+    if row.mode != "full" and row.tp == 8 and not row.sequence_parallel:
         return ("sharded",)
     return ()

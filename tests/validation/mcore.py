@@ -54,13 +54,12 @@ whole fp32 reduce-scatter of ZeRO-1's gradients and whose forward the bf16 all-g
 of its weights; as four microbatches of one, Megatron-Core overlaps them with the last
 microbatch's backward and the first one's forward only, and partc prices 0.36 s of them
 exposed on 32B at the fitted efficiency (29% of that step; 0.40 s at 0.70). Fitted on
-the plan that hides them, the constant comes out at 0.53 of peak where an H100's bf16
+the plan that hides them, the constant comes out at 0.49 of peak where an H100's bf16
 linears measured 0.70 (``partc calibrate``, :data:`MEASURED_EFFICIENCY`), and it
-prices the pipelined rows' matmuls that much slower: 0.78-0.85x (119B just inside
-the band at 0.853x; 1.7B, planned as 32B is, at 1.16x: ``test_mcore_scaling``'s
-OUTSIDE says why). At the measured 0.70 with micro-batches of one
-(:data:`MICROBATCH_OF_THE_BATCHES`), nothing fitted, the pipelined rows are predicted
-at 0.96-1.03x and the unpipelined ones at 0.76-0.90x:
+prices the pipelined rows' matmuls that much slower: 0.75-0.84x (1.7B, planned as 32B
+is, inside at 1.10x: ``test_mcore_scaling``'s OUTSIDE says why). At the measured 0.70
+with micro-batches of one (:data:`MICROBATCH_OF_THE_BATCHES`), nothing fitted, the
+pipelined rows are predicted at 1.01-1.08x and the unpipelined ones at 0.77-0.90x:
 those four spend 0.18-0.42 s on exposed data-parallel traffic that 0.45-0.89 s
 published steps leave no room for at one sequence per microbatch, so they likely ran
 larger microbatches, which the table does not say (partc's own, four sequences,
