@@ -45,10 +45,10 @@ _FAST = {"1.7B", "7.1B"}
 # fit, measured with partc's prediction.
 PIPELINED_OUTSIDE = {"70B": 0.82, "119B": 0.84, "177B": 0.82, "314B": 0.75, "462B": 0.76}
 # 1.7B, planned as one microbatch of four as 32B is, its sync hidden as the fitted row's,
-# is inside at 1.10x: the LayerNorms return bf16 (partc.runtime.norm), so the
-# sequence-parallel all-gathers after them move half the bytes in the fitted 32B row,
-# and the constant fell from 0.53 to 0.49 (at 0.53, when autocast's fp32 LayerNorm output
-# was gathered, 1.7B was 1.16x and 119B inside at 0.85x).
+# is inside at 1.10x: the LayerNorms return bf16 (partc.runtime.norm), so their
+# matmuls no longer each cast an fp32 normed input, and the fitted 32B row's
+# memory-bound term fell from 0.124 s to 0.067 (at efficiency 0.5), more than 1.7B's:
+# the constant fell from 0.53 to 0.49 (at 0.53, 1.7B was 1.16x and 119B inside at 0.85x).
 OUTSIDE = dict(PIPELINED_OUTSIDE)
 _WHY = {name: "the constant fitted on 32B as one microbatch of four, whose "
         "data-parallel sync is hidden, is 0.49 of peak where an H100 measured 0.70"
