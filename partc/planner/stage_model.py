@@ -275,6 +275,8 @@ class StageModel:
             unequal = any(len(set(peak)) > 1 for peak in config.held(rank))
             self.mode_units += [(rank, (run,)) for run in runs] if unequal \
                 else [(rank, runs)]
+        # Whether some rank splits its modes per run (its memory then weighs each run).
+        self.splits_runs = len(self.mode_units) > len(self.ranks)
         self.unit_count: list[dict[tuple[int, str], Any]] = [{} for _ in self.mode_units]
         self._unit_used: dict[tuple[int, int, str], Any] = {}
         self.count: list[dict[tuple[int, str], Any]] = [{} for _ in self.ranks]
