@@ -11,18 +11,7 @@ import torch.nn.functional as F
 
 from partc.passes.autocast_policy import cuda_autocast
 from partc.runtime.norm import layer_norm
-
-
-def _kept(fn):
-    kept = []
-
-    def pack(tensor):
-        kept.append(tensor)
-        return tensor
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        out = fn()
-    return kept, out
+from tests.runtime.test_softmax import _kept   # what autograd keeps, and the output
 
 
 def _operands(shape, affine: bool, seed: int = 0):
