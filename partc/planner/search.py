@@ -367,9 +367,9 @@ def _solve(solver: cp_model.CpSolver, built: StageModel, time_limit_s: float,
     proves it in 0.7 s and fails on interleaved zero-bubble, which the default proves
     in 1.7 s. So the fuller one runs first, for a quarter of the time or
     ``_FULLER_LP_WORK`` of CP-SAT's deterministic time (it proves the first in 0.3), and
-    unless it
-    settles the model (``settled``: its bound reached the cutoff) the default one runs
-    the rest, from the same hint (the fuller one's plans, where it fails, are poor)."""
+    unless it settles the model (``settled``: its bound reached the cutoff) the default
+    one runs the rest, from the same hint (the fuller one's plans, where it fails, are
+    poor)."""
     if not built.splits_runs:
         return solver.solve(built.model)
     first = time.perf_counter()

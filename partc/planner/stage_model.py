@@ -34,9 +34,9 @@ Variables
     ``s``); booleans ``started[k,j] = [P[k,j] >= 1]``, ``finished[k,j] = [P[k,j] =
     n_k]``; ``n[k,s,r]`` layers of ``k`` on ``s`` in mode ``r`` (a stage whose peaks
     hold its runs unequally splits it per run, ``n[k,s,r] = sum_{j ~ s} n[k,j,r]``),
-    ``u[k,s,r]`` mode ``r`` used there; ``h[g,s]`` stage ``s`` holds group ``g``; ``peak_busy``; ``tail``;
-    ``transient[s]``. (A segment of one layer: ``P = started = finished`` is the
-    boolean "the layer sits in a run ``<= j``" and ``n = u``.)
+    ``u[k,s,r]`` mode ``r`` used there; ``h[g,s]`` stage ``s`` holds group ``g``;
+    ``peak_busy``; ``tail``; ``transient[s]``. (A segment of one layer: ``P = started =
+    finished`` is the boolean "the layer sits in a run ``<= j``" and ``n = u``.)
 Objective
     minimise ``v m peak_busy + (sum_s busy_s - peak_busy) + v (tail + sum_g S_g (sum_s
     h[g,s] - 1))``, ``v`` times the step time (``v = 1``: ``(m - 1) peak_busy + sum_s
@@ -71,20 +71,19 @@ Constraints
     (8) memory, at each peak ``h`` in ``H_s``: ``sum_k W_k N[k,s] + sum_g W_g h[g,s] +
         transient[s] + sum_{j ~ s} h_j sum_{k,r} A[k,r] n[k,j,r] + sum_{j ~ s, j < pv-1}
         cut[j] <= M_s`` (``n[k,j,r]`` the stage's ``n[k,s,r]`` where its peaks hold every
-        run alike), where ``cut[j] =
-        sum_k (R_k (started[k,j] - finished[k,j]) + Q_k (finished[k,j] -
-        started[k+1,j]))`` are the bytes crossing the boundary ``j -> j+1`` (as (3)):
-        the pipeline's receive buffers, one per run for the gradient coming back while
-        its backward runs; the activations coming in are the runs' saved inputs,
-        already in ``A`` (:func:`partc.costs.receive_bytes`);
+        run alike), where ``cut[j] = sum_k (R_k (started[k,j] - finished[k,j]) + Q_k
+        (finished[k,j] - started[k+1,j]))`` are the bytes crossing the boundary ``j ->
+        j+1`` (as (3)): the pipeline's receive buffers, one per run for the gradient
+        coming back while its backward runs; the activations coming in are the runs'
+        saved inputs, already in ``A`` (:func:`partc.costs.receive_bytes`);
     (9) pins: pinned stages fix ``P``, pinned recompute leaves one mode (segments never
         straddle a change of either).
 
 The plan names each layer again: a segment's layers fill its runs in order, and on each
 stage (or run, where modes split per run) take their modes heaviest first (full,
-selective, none). Every layer of a segment
-costs the same in any mode and any position, and the cuts inside it cost alike, so the
-model is exact: its optimum is the optimum over per-layer assignments.
+selective, none). Every layer of a segment costs the same in any mode and any position,
+and the cuts inside it cost alike, so the model is exact: its optimum is the optimum over
+per-layer assignments.
 
 Integers
     times are picoseconds, integers already in the cost table; bytes are scaled to units
@@ -95,7 +94,8 @@ Names
     every CP-SAT variable is named after its symbol: ``P[k,j]`` is
     ``segment{k}_in_runs_to{j}``, ``started``/``finished`` ``segment{k}_started_by_run{j}``
     / ``segment{k}_finished_by_run{j}``, ``n[k,s,r]`` ``segment{k}_rank{s}_{r}``
-    (``n[k,j,r]`` ``segment{k}_rank{s}_run{j}_{r}``), ``u[k,s,r]`` ``segment{k}_rank{s}_uses_{r}``, ``h[g,s]`` ``shared{g}_on_stage{s}``,
+    (``n[k,j,r]`` ``segment{k}_rank{s}_run{j}_{r}``), ``u[k,s,r]``
+    ``segment{k}_rank{s}_uses_{r}``, ``h[g,s]`` ``shared{g}_on_stage{s}``,
     ``exposed[s]`` ``exposed_sync_stage{s}``, ``gathered[s]`` ``exposed_gather_stage{s}``,
     ``transient[s]`` ``transient_stage{s}``;
     bounds that leave a variable one value make it a constant instead.
@@ -283,9 +283,9 @@ class StageModel:
         self.used: list[dict[tuple[int, str], Any]] = [{} for _ in self.ranks]
         for k, seg in enumerate(self.segments):
             for u, (rank, runs) in enumerate(self.mode_units):
-                total, count = sum(self.in_run(k, run) for run in runs), self.unit_count[u]
-                if len(runs) == len(config.runs_of(rank)):
-                    total = self.on_rank[k][rank]
+                count = self.unit_count[u]
+                total = self.in_run(k, runs[0]) if len(runs) == 1 and config.chunks > 1 \
+                    else self.on_rank[k][rank]
                 if len(seg.modes) == 1 or isinstance(total, int) and total == 0:
                     count.update({(k, r): total if r == seg.modes[0] else 0
                                   for r in seg.modes})
@@ -304,15 +304,8 @@ class StageModel:
                     count = parts[0][k, r] if len(parts) == 1 \
                         else sum(part[k, r] for part in parts)
                     self.count[rank][k, r] = count
-                    if isinstance(count, int):
-                        self.used[rank][k, r] = int(count > 0)
-                        continue
-                    if seg.size == 1 and len(parts) == 1:
-                        self.used[rank][k, r] = count    # already 0 or 1
-                        continue
-                    used = self.model.new_bool_var(f"segment{k}_rank{rank}_uses_{r}")
-                    self.model.add(count <= seg.size * used)
-                    self.used[rank][k, r] = used
+                    self.used[rank][k, r] = self._indicator(
+                        count, seg.size, f"segment{k}_rank{rank}_uses_{r}")
 
     def _order_runs(self, k: int, seg: Segment) -> None:
         """(1) Of two runs of a rank split per run, where one is held at least as often
@@ -327,35 +320,47 @@ class StageModel:
                  if saved[lean] < saved[fat]]
         if not pairs:
             return
-        config = self.table.config
         for rank in self.ranks:
             units = [(u, runs[0]) for u, (owner, runs) in enumerate(self.mode_units)
                      if owner == rank and len(runs) == 1]
             if len(units) < 2:
                 continue
-            index = {run: i for i, run in enumerate(config.runs_of(rank))}
-            peaks = config.held(rank)
+            peaks = self._peaks(rank)
             for a, run_a in units:
                 for b, run_b in units:
-                    if a == b or not all(h[index[run_a]] >= h[index[run_b]] for h in peaks):
+                    if a == b or not all(h[run_a] >= h[run_b] for h in peaks):
                         continue
-                    if all(h[index[run_a]] == h[index[run_b]] for h in peaks) and a > b:
+                    if all(h[run_a] == h[run_b] for h in peaks) and a > b:
                         continue        # held alike: order them once, the earlier first
                     for lean, fat in pairs:
                         self._require(self._mode_used(b, k, lean, seg)
                                       + self._mode_used(a, k, fat, seg) <= 1)
 
     def _mode_used(self, u: int, k: int, r: str, seg: Segment):
-        """1 when a layer of segment ``k`` in mode split ``u`` uses mode ``r``."""
-        count = self.unit_count[u][k, r]
-        if isinstance(count, int) or seg.size == 1:
-            return int(count > 0) if isinstance(count, int) else count
-        key = (u, k, r)
-        if key not in self._unit_used:
-            used = self.model.new_bool_var(f"segment{k}_unit{u}_uses_{r}")
-            self.model.add(count <= seg.size * used)
-            self._unit_used[key] = used
-        return self._unit_used[key]
+        """1 when a layer of segment ``k`` in mode split ``u`` uses mode ``r`` (made
+        once)."""
+        if (u, k, r) not in self._unit_used:
+            self._unit_used[u, k, r] = self._indicator(
+                self.unit_count[u][k, r], seg.size, f"segment{k}_unit{u}_uses_{r}")
+        return self._unit_used[u, k, r]
+
+    def _indicator(self, count, most: int, name: str):
+        """1 when ``count`` (of at most ``most``) is not 0: a constant, ``count`` itself
+        where it is already 0 or 1, else a boolean ``used`` with ``count <= most
+        used``."""
+        if isinstance(count, int):
+            return int(count > 0)
+        if most == 1:
+            return count
+        used = self.model.new_bool_var(name)
+        self.model.add(count <= most * used)
+        return used
+
+    def _peaks(self, rank: int) -> list[dict[int, int]]:
+        """The schedule's peaks on ``rank`` (:meth:`PipelineConfig.held`), each as the
+        microbatches held of each of its runs."""
+        config = self.table.config
+        return [dict(zip(config.runs_of(rank), peak)) for peak in config.held(rank)]
 
     def boundary_ps(self, run: int):
         """(3) The send/recv time of the boundary ``run -> run + 1``."""
@@ -474,7 +479,7 @@ class StageModel:
         schedule's peaks, in units of :func:`memory_unit` bytes (:meth:`memory_units`).
         (Byte-sized coefficients on GiB limits were seen to make CP-SAT 9.15's presolve
         return a wrong OPTIMAL.)"""
-        table, units, config = self.table, self.memory_units, self.table.config
+        table, units = self.table, self.memory_units
         top = max(units(max(row.transient_bytes.values())) for row in table.layers)
         for stage in self.ranks:
             transient = self.model.new_int_var(0, top, f"transient_stage{stage}")
@@ -489,9 +494,7 @@ class StageModel:
             state = self._per_rank(stage, lambda row: units(row.state_total))
             state += sum(units(g.state_total) * held[gi][stage]
                          for gi, g in enumerate(table.shared))
-            numbers = config.runs_of(stage)
-            for peak in config.held(stage):                                     # (8)
-                count = dict(zip(numbers, peak))
+            for count in self._peaks(stage):                                    # (8)
                 activations = sum(count[runs[0]] * part for runs, part in saved.items())
                 self.model.add(state + transient + activations + self._receive(stage)
                                <= units(table.limits[stage], limit=True))
@@ -545,9 +548,8 @@ class StageModel:
         for rank in self.ranks:
             mine = [l for l in layers if config.rank_of(hint.stage_of[l]) == rank]
             modes = sorted((hint.modes[l] for l in mine), key=lambda r: saved[r])
-            index = {run: i for i, run in enumerate(config.runs_of(rank))}
-            weight = {run: sum(h[index[run]] for h in config.held(rank))
-                      for run in index}
+            weight = {run: sum(h[run] for h in self._peaks(rank))
+                      for run in config.runs_of(rank)}
             runs = sorted((hint.stage_of[l] for l in mine),
                           key=lambda run: (-weight[run], run))
             found.update((unit_of[run], mode) for run, mode in zip(runs, modes))
