@@ -102,16 +102,36 @@ def cuda_policy(dtype: torch.dtype) -> Iterator[None]:
     """CUDA's autocast rules in place of CPU autocast's, inside the block, for every CPU
     autocast region entered there (the runtime enters it once per step on CPU ranks,
     where its stage's forward runs under ``torch.autocast("cpu")``; installing the
-    rules costs milliseconds)."""
-    library = torch.library.Library("aten", "IMPL")
+    rules costs milliseconds). Blocks open at once for the same dtype share one
+    installation, which goes when the last of them ends, in whatever order they end:
+    torch before 2.12 refuses a second Python kernel for an op and key, and later ones
+    would let one block's end remove the rules of another still open."""
+    shared = _SHARED.get(dtype)
+    if shared is None:
+        library = torch.library.Library("aten", "IMPL")
+        shared = _SHARED[dtype] = [library, 0]
+        try:
+            with warnings.catch_warnings():
+                warnings.filterwarnings("ignore",
+                                        "(?s).*Overriding a previously registered kernel")
+                for name, kernel in _kernels(dtype).items():
+                    library.impl(name, kernel, "AutocastCPU")
+        except BaseException:
+            del _SHARED[dtype]
+            library._destroy()
+            raise
+    shared[1] += 1
     try:
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", "(?s).*Overriding a previously registered kernel")
-            for name, kernel in _kernels(dtype).items():
-                library.impl(name, kernel, "AutocastCPU")
         yield
     finally:
-        library._destroy()   # CPU autocast's own kernels are in force again
+        shared[1] -= 1
+        if shared[1] == 0:
+            del _SHARED[dtype]
+            shared[0]._destroy()   # CPU autocast's own kernels are in force again
+
+
+# The rules installed now, per dtype: the library holding them and the blocks open.
+_SHARED: dict[torch.dtype, list] = {}
 
 
 def policy_ops() -> set[str]:

@@ -7,7 +7,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from partc import meta
 from partc.passes import analyze
-from partc.passes.autocast_policy import cuda_autocast, policy_ops
+from partc.passes.autocast_policy import cuda_autocast, cuda_policy, policy_ops
 from partc.runtime.softmax import softmax as attention_softmax
 from samples.gpt import gpt_tiny, loss_fn
 from tests import models
@@ -42,6 +42,27 @@ def test_ops_take_cudas_dtypes_and_cpu_autocast_is_back_afterwards():
             assert F.softmax(x, -1).dtype == torch.bfloat16
             assert torch.mm(w, w).dtype == torch.bfloat16
 
+
+
+def test_blocks_open_at_once_share_the_rules_until_the_last_ends():
+    """The runtime keeps the policy open across steps while an estimate or a check opens
+    it again (torch before 2.12 refuses a second Python kernel for the same op): both
+    blocks see CUDA's rules, in whichever order they end, and CPU autocast's are back
+    once both have."""
+    def softmax_dtype() -> torch.dtype:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return F.softmax(torch.randn(2, 4, dtype=torch.bfloat16), -1).dtype
+
+    first, second = cuda_policy(torch.bfloat16), cuda_policy(torch.bfloat16)
+    first.__enter__()
+    second.__enter__()
+    assert softmax_dtype() == torch.float32
+    first.__exit__(None, None, None)          # the outer block ends first
+    assert softmax_dtype() == torch.float32
+    second.__exit__(None, None, None)
+    assert softmax_dtype() == torch.bfloat16
+    with cuda_policy(torch.bfloat16):         # and installs again afterwards
+        assert softmax_dtype() == torch.float32
 
 def _measure(build, loss, device: str) -> tuple[torch.fx.GraphModule, dict]:
     ids = torch.zeros(B, T, dtype=torch.long)
