@@ -278,6 +278,40 @@ def by_category(tracked: dict[str, int]) -> dict[str, int]:
             for category, kinds in TRACKED.items()}
 
 
+def answer_shape_inference(program: partc.Program, stage: Any,
+                            microbatch: tuple[torch.Tensor, ...]) -> None:
+    """Hand ``stage`` what its neighbours would send it during pipelining's first-step
+    shape inference, which a fake group cannot carry.
+
+    From torch 2.12 the stage asks through ``_recv_meta`` (:func:`neighbour_messages`).
+    Earlier ones (the GPU machine's 2.11) receive the previous stage's outputs as meta
+    tensors through ``dist.recv_object_list``, send their own with
+    ``dist.send_object_list``, and derive the gradients' shapes locally: those two calls
+    are answered for the length of the stage's shape inference."""
+    if hasattr(type(stage), "_recv_meta"):
+        stage._recv_meta = neighbour_messages(program, stage, microbatch)
+        return
+    from torch.distributed.pipelining import stage as stage_module
+
+    metas = tuple(torch.empty_strided(v.shape, v.stride(), dtype=v.dtype, device="meta")
+                  for v in _forward_values(program, stage, microbatch))
+    infer = stage._shape_inference
+
+    def receive_object(objects: list, *args: Any, **kwargs: Any) -> None:
+        objects[0] = metas
+
+    def shape_inference(*args: Any, **kwargs: Any) -> Any:
+        distributed = stage_module.dist
+        receive, send = distributed.recv_object_list, distributed.send_object_list
+        distributed.recv_object_list = receive_object
+        distributed.send_object_list = lambda *a, **k: None
+        try:
+            return infer(*args, **kwargs)
+        finally:
+            distributed.recv_object_list, distributed.send_object_list = receive, send
+    stage._shape_inference = shape_inference
+
+
 def neighbour_messages(program: partc.Program, stage: Any,
                        microbatch: tuple[torch.Tensor, ...]) -> Callable[[int], Any]:
     """What the stage's neighbours send it during shape inference, as ``_recv_meta``
@@ -289,8 +323,22 @@ def neighbour_messages(program: partc.Program, stage: Any,
     from torch.distributed.pipelining._utils import (
         _derive_grad_metas, _StageBackwardMeta, _StageForwardMeta, extract_tensor_meta)
 
+    forward = tuple(extract_tensor_meta(v) for v in _forward_values(program, stage, microbatch))
+
+    def receive(source_stage: int) -> Any:
+        if source_stage == stage.stage_index - 1:
+            return _StageForwardMeta(forward_metas=forward)
+        return _StageBackwardMeta(backward_metas=_derive_grad_metas(stage._stage_meta.outputs))
+
+    return receive
+
+
+def _forward_values(program: partc.Program, stage: Any,
+                    microbatch: tuple[torch.Tensor, ...]) -> tuple:
+    """What the stages before ``stage`` send it for ``microbatch``, as fake tensors
+    (nothing for the first stage)."""
     plan = program.plan
-    forward: tuple = ()
+    values: tuple = ()
     if stage.stage_index > 0:
         dtype = plan.train.dtype
         earlier = [program.module for program in program.stages()[:stage.stage_index]]
@@ -307,14 +355,9 @@ def neighbour_messages(program: partc.Program, stage: Any,
             values = tuple(fake.from_tensor(t) for t in microbatch)
             for module in earlier:
                 values = module(*values)
-            forward = tuple(extract_tensor_meta(v) for v in values)
-
-    def receive(source_stage: int) -> Any:
-        if source_stage == stage.stage_index - 1:
-            return _StageForwardMeta(forward_metas=forward)
-        return _StageBackwardMeta(backward_metas=_derive_grad_metas(stage._stage_meta.outputs))
-
-    return receive
+            if isinstance(values, torch.Tensor):
+                values = (values,)
+    return tuple(values)
 
 
 def _in_compute_dtype(module: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
@@ -398,7 +441,7 @@ def measure_rank(program: partc.Program, inputs: tuple[torch.Tensor, ...],
         on_gpu = module.topology.device.type == "cuda"
         if program.plan.pp > 1:
             for stage in module._stages:   # the rank's virtual stages
-                stage._recv_meta = neighbour_messages(program, stage, microbatch)
+                answer_shape_inference(program, stage, microbatch)
                 zero_integer_receives(stage)
         optimizer = module.optimizer(torch.optim.AdamW, lr=1e-3)
         module.forward_backward(*inputs, target=target)

@@ -111,6 +111,19 @@ class CountingStage(PipelineStage):
                  for name, buffer in owner._buffers.items() if buffer is not None]
         try:
             result = super()._prepare_forward_infra(*args, **kwargs)
+        except RuntimeError as error:
+            if "floating point dtype can require gradients" not in str(error):
+                raise
+            kinds = sorted({str(t.dtype).removeprefix("torch.")
+                            for t in pytree.tree_leaves(getattr(self, "inputs_meta", ()))
+                            if isinstance(t, torch.Tensor) and not t.is_floating_point()})
+            raise PartcError(
+                f"stage {self.stage_index} receives a {'/'.join(kinds) or 'non-floating'} "
+                f"tensor from the stage before it, and torch {torch.__version__}'s pipeline "
+                "stage asks a gradient of every tensor it receives, which such a tensor "
+                "cannot have: run this plan on torch 2.13 or later, whose stage asks none "
+                "of it, or pin stages (Constraints.stages) whose boundaries only floating "
+                "tensors cross") from error
         finally:
             for owner, name, value in saved:
                 if not torch.equal(owner._buffers[name], value):
