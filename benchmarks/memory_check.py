@@ -180,6 +180,11 @@ CASES: tuple[Case, ...] = (
     *(_case(f"gpt-dp2-zero2-m4-{sync}-small", "gpt", world=2, pp=1, dp=2, zero_stage=2,
             **SMALL, num_microbatches=4, zero2_grad_sync=sync, recompute="none")
       for sync in ("microbatch", "step")),
+    # A vocabulary 128 times the width, full recompute in bf16: the loss's working set
+    # (fp32 logits) is most of the peak, and a recomputed loss keeps no fp32 copies.
+    Case(name="gpt-pp2-1f1b-m4-full-bf16-vocab", model="gpt", world=2, ranks=(0, 1),
+         dtype=torch.bfloat16, batch=16, seq=128, layers=2, width=128, vocab=16384,
+         constraints=dict(pp=2, **ONE_F_ONE_B, recompute="full")),
 )
 
 

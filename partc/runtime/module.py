@@ -99,12 +99,19 @@ class _Loss:
 
     def __call__(self, output: Any, target: Any) -> torch.Tensor:
         leaves = tuple(output) if isinstance(output, (tuple, list)) else (output,)
-        if self.mixed:
-            leaves = tuple(t.float() if isinstance(t, torch.Tensor) and t.is_floating_point()
-                           else t for t in leaves)
         if self.mode == "none":
-            return self.loss_call(*leaves, target)
-        return checkpoint_layer(self.loss_call, self.mode, *leaves, target)
+            return self._widened(*leaves, target)
+        # The fp32 copies are made inside the checkpoint, so that it keeps the outputs
+        # as they came (the schedule holds them until this backward anyway) and not
+        # copies twice their size (the estimate's "full" keeps the loss's inputs only).
+        return checkpoint_layer(self._widened, self.mode, *leaves, target)
+
+    def _widened(self, *args: Any) -> torch.Tensor:
+        *leaves, target = args
+        if self.mixed:
+            leaves = [t.float() if isinstance(t, torch.Tensor) and t.is_floating_point()
+                      else t for t in leaves]
+        return self.loss_call(*leaves, target)
 
 
 class DistributedModule:

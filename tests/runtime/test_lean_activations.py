@@ -174,3 +174,40 @@ def test_plan_saves_what_the_bf16_runtime_saves():
     estimated = sum(layer.saved_bytes["none"] for layer in program.problem.model.layers)
     assert estimated * program.plan.micro_batch_size == sum(kept.values())
     assert kept[torch.bfloat16] > kept[torch.float32]
+
+
+
+@pytest.mark.parametrize("mode", ["none", "full"])
+def test_a_recomputed_loss_keeps_the_outputs_as_they_came(mode):
+    """Under mixed precision the loss runs on fp32 copies of the last stage's bf16
+    outputs. Recomputed, it keeps after its forward the outputs themselves (which the
+    schedule holds until the loss's backward anyway), not the copies, twice their size:
+    the estimate's "full" loss keeps its inputs only. Without recompute it keeps its
+    fp32 log-softmax. The loss and its gradient are the same either way."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from partc.runtime.module import _Loss
+
+    logits = torch.randn(4, 16, 64, dtype=torch.bfloat16, requires_grad=True)
+    target = torch.randint(0, 64, (4, 16))
+    made: set[StorageWeakRef] = set()   # the fp32 storages as large as the logits
+
+    class Watch(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if isinstance(out, torch.Tensor) and out.dtype == torch.float32 \
+                    and out.numel() >= logits.numel():
+                made.add(StorageWeakRef(out.untyped_storage()))
+            return out
+
+    def loss_call(output, labels):
+        return F.cross_entropy(output.reshape(-1, output.size(-1)), labels.reshape(-1))
+
+    with Watch():
+        loss = _Loss(loss_call, mode, mixed=True)(logits, target)
+    alive = sum(not ref.expired() for ref in made)
+    assert alive == (0 if mode == "full" else 1)
+    grad, = torch.autograd.grad(loss, logits)
+    want_loss = loss_call(logits.float(), target)
+    want_grad, = torch.autograd.grad(want_loss, logits)
+    assert torch.equal(loss, want_loss) and torch.equal(grad, want_grad)

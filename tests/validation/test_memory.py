@@ -62,6 +62,15 @@ PEAKS = [
     pytest.param("gpt-dp2-zero3-small", 0, id="gpt-dp2-zero3-small"),
     # ZeRO-2 reducing once per step: the whole fp32 gradient held through the step.
     pytest.param("gpt-dp2-zero2-m4-step-small", 0, id="gpt-dp2-zero2-m4-step-small"),
+    # A recomputed loss once kept the fp32 copies of the logits it was handed (1.21x;
+    # on one H100, a 50k vocabulary, 1.20x): it now widens them inside its checkpoint.
+    pytest.param("gpt-pp2-1f1b-m4-full-bf16-vocab", 1, id="gpt-bf16-full-vocab-stage1"),
+    pytest.param("gpt-pp2-1f1b-m4-full-bf16-vocab", 0, id="gpt-bf16-full-vocab-stage0",
+                 marks=pytest.mark.xfail(strict=True, reason=(
+                     "the optimizer step's own temporaries are not priced: on CPU torch's "
+                     "per-tensor AdamW makes two the size of the largest parameter (the "
+                     "tied 16384 x 128 embedding, 16.8 MB) after the activations are "
+                     "freed, and this stage's activations are smaller (1.20x)"))),
 ]
 
 
