@@ -8,7 +8,16 @@ each device's memory limit, with a report that says why.
 from __future__ import annotations
 
 import importlib
+import os
 from typing import TYPE_CHECKING, Any
+
+# A checkout used in place, not installed (``PYTHONPATH=.``, as on a machine the
+# repository is copied to): ``partc.passes`` is the repository's top-level ``passes/``,
+# as pyproject's package-dir maps it for an install.
+_HERE = os.path.dirname(os.path.abspath(__file__))
+if not os.path.isdir(os.path.join(_HERE, "passes")) and os.path.isfile(
+        os.path.join(os.path.dirname(_HERE), "passes", "__init__.py")):
+    __path__.append(os.path.dirname(_HERE))
 
 # Each public name and the module that defines it. They are imported on first use
 # (PEP 562), so that importing the package, as ``partc --help`` and ``python -m partc``
