@@ -239,6 +239,7 @@ class LayerTable:
     sync_ps: int = 0              # dp gradient all-reduce (ZeRO 0/1), overlapping backward
     # ZeRO-1's weight all-gather when it overlaps the next forward (then not in tail_ps)
     gather_ps: int = 0
+    step_bytes: int = 0           # the optimizer step's temporaries (:func:`step_bytes`)
 
     def compute_ps(self, mode: str) -> int:
         return self.forward_ps + self.backward_ps + self.recompute_ps[mode]
@@ -257,6 +258,7 @@ class SharedTable:
     tie_sync_ps: int              # per extra stage holding it
     sync_ps: int = 0
     gather_ps: int = 0
+    step_bytes: int = 0
 
     @property
     def state_total(self) -> int:
@@ -279,6 +281,9 @@ class CostTable:
     # first layer waits for before any forward runs: in tail_latency_ps, and taken off
     # what forward may hide (:func:`exposed_gather_ps`).
     first_gather_ps: int = 0
+    # Whether a rank's step temporaries are the sum of its rows' step_bytes (torch's
+    # foreach step, over the whole list) or the largest of them (one tensor at a time).
+    step_sums: bool = True
 
     @property
     def num_layers(self) -> int:
@@ -328,6 +333,36 @@ def _state_bytes(problem: PlanningProblem, config: PipelineConfig, params: int,
     if config.reduces_once:
         state["grads"] = params * master
     return {kind: int(round(nbytes)) for kind, nbytes in state.items()}
+
+
+def steps_whole_list(problem: PlanningProblem, config: PipelineConfig) -> bool:
+    """Whether torch's optimizer step (as the runtime builds it, with torch's defaults)
+    makes its temporaries for all of a rank's weights at once: its foreach form, torch's
+    default for weights on a GPU; on a CPU it steps one tensor at a time, except that
+    ZeRO-1's distributed optimizer (``partc/runtime/optimizer.py``) steps flat shards of
+    its buckets, each up to the rank's whole shard, counted whole here."""
+    return problem.devices.dispatch_ahead or config.effective_zero_stage == 1
+
+
+def step_bytes(problem: PlanningProblem, config: PipelineConfig, params: int,
+               largest: int) -> int:
+    """The fp32 temporaries the optimizer step makes beside the state, for ``params``
+    parameters whose largest tensor has ``largest`` elements: ``step_copies`` copies of
+    what it steps over the whole list in torch's foreach form (:func:`steps_whole_list`:
+    a rank's rows add up), twice as many of its largest tensor one at a time (the rank's
+    largest row counts). It steps the fp32 masters, sharded over dp under ZeRO-1/2/3.
+    The activations are gone by then, so this meets only the state at the step's peak:
+    a plan of small activations (full recompute, microbatches of one) beside many
+    weights peaks in the step (a tied 16384 x 128 embedding on CPU: 16.8 MB)."""
+    precision = problem.train.precision
+    if not precision.step_copies:
+        return 0
+    shard = config.dp if config.effective_zero_stage >= 1 else 1
+    if steps_whole_list(problem, config):
+        elements, copies = params / shard, precision.step_copies
+    else:
+        elements, copies = largest / shard, 2 * precision.step_copies
+    return int(round(copies * precision.master_bytes * elements))
 
 
 def _zero_comm_seconds(problem: PlanningProblem, config: PipelineConfig,
@@ -659,6 +694,7 @@ def _layer_table(problem: PlanningProblem, config: PipelineConfig, index: int) -
         tail_ps=_tail_ps(problem, config, layer.param_count, max(1, layer.param_tensors)),
         sync_ps=_sync_ps(problem, config, layer.param_count),
         gather_ps=_gather_ps(problem, config, layer.param_count),
+        step_bytes=step_bytes(problem, config, layer.param_count, layer.largest_param),
     )
 
 
@@ -761,6 +797,7 @@ def _shared_tables(problem: PlanningProblem, config: PipelineConfig) -> tuple[Sh
             sync_ps=0 if config.reduces_once else _sync_ps(problem, config,
                                                            group.param_count),
             gather_ps=_gather_ps(problem, config, group.param_count),
+            step_bytes=step_bytes(problem, config, group.param_count, group.param_count),
             # fp32 gradients between the stages holding it (first and last, usually):
             # over the network unless the whole pipeline fits in one node.
             tie_sync_ps=to_ps(collective_seconds(
@@ -859,7 +896,7 @@ def _layer_key(layer) -> tuple:
             tuple(sorted(layer.recompute_mem_bytes.items())), layer.workspace_bytes,
             layer.tp_comm, layer.tp_overlap_flops, layer.num_nodes, layer.fused_mem_bytes,
             layer.fused_kernels, tuple(sorted(layer.recompute_nodes.items())),
-            layer.param_tensors)
+            layer.param_tensors, layer.largest_param)
 
 
 def build_cost_table(problem: PlanningProblem, config: PipelineConfig,
@@ -888,6 +925,7 @@ def build_cost_table(problem: PlanningProblem, config: PipelineConfig,
         overlap_permille=permille(devices.comm_overlap),
         first_gather_ps=first_gather,
         cut_bytes=_cut_bytes(problem, config),
+        step_sums=steps_whole_list(problem, config),
     )
 
 
@@ -990,6 +1028,8 @@ def _stage_cost(table: CostTable, stage: int, runs: list[list[int]], modes: Sequ
     saved = [sum(table.layers[l].saved_bytes[modes[l]] for l in run) for run in runs]
     activations = config.activations(stage, saved)
     transient = max(table.layers[l].transient_bytes[modes[l]] for l in members)
+    steps = [r.step_bytes for r in rows] + [table.shared[g].step_bytes for g in held]
+    step = sum(steps) if table.step_sums else max(steps, default=0)
     forward = sum(r.forward_ps for r in rows)
     backward = sum(r.backward_ps for r in rows)
     recompute = sum(table.layers[l].recompute_ps[modes[l]] for l in members)
@@ -1018,8 +1058,8 @@ def _stage_cost(table: CostTable, stage: int, runs: list[list[int]], modes: Sequ
         param_count=sum(r.param_count for r in rows)
         + sum(table.shared[g].param_count for g in held),
         memory={**state, "activations": activations, "transient": transient,
-                "receive": receive,
-                "peak": sum(state.values()) + activations + transient + receive},
+                "receive": receive, "step": step,
+                "peak": sum(state.values()) + max(activations + transient + receive, step)},
         limit=table.limits[stage],
         runs=tuple(tuple(run) for run in runs) if config.chunks > 1 else (),
     )
@@ -1275,6 +1315,10 @@ def moe_layer_table(whole: MoECost, problem: PlanningProblem, config: PipelineCo
         sync_ps=_sync_ps(problem, config, dense) + _sync_ps(problem, expert_config, experts),
         gather_ps=_gather_ps(problem, config, dense)
         + _gather_ps(problem, expert_config, experts),
+        # The experts as one grouped tensor, the rank's share of them.
+        step_bytes=(sum if steps_whole_list(problem, config) else max)(
+            (step_bytes(problem, config, dense, layer.largest_param),
+             step_bytes(problem, expert_config, experts, experts))),
     )
 
 

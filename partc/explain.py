@@ -49,9 +49,11 @@ def _layer_needs(table: CostTable, stage: int,
     return needs, transients
 
 
-def _shared_need(table: CostTable, first: int, last: int) -> int:
-    return sum(g.state_total for g in table.shared
-               if any(first <= layer <= last for layer in g.layers))
+def _shared_need(table: CostTable, first: int, last: int) -> tuple[int, list[int]]:
+    """The state of the shared groups a stage holding ``first..last`` holds, and their
+    optimizer step's temporaries."""
+    groups = [g for g in table.shared if any(first <= layer <= last for layer in g.layers)]
+    return sum(g.state_total for g in groups), [g.step_bytes for g in groups]
 
 
 def _receive_need(table: CostTable, stage: int, first: int, last: int) -> int:
@@ -74,20 +76,26 @@ def tightest_split(table: CostTable, problem: PlanningProblem) -> TightestSplit:
     need_of: dict[tuple[int, int, int], int] = {}
     for stage in range(pp):
         needs, transients = _layer_needs(table, stage, allowed)
-        prefix = [0]
-        for n in needs:
+        prefix, state = [0], [0]   # and at the optimizer step: the state, its temporaries
+        for n, row in zip(needs, table.layers):
             prefix.append(prefix[-1] + n)
+            state.append(state[-1] + row.state_total
+                         + (row.step_bytes if table.step_sums else 0))
         for j in range(stage, layers - (pp - 1 - stage)):
-            transient, options = 0, []
+            transient, step, options = 0, 0, []
             for i in range(j, stage - 1, -1):
                 transient = max(transient, transients[i])
+                step = step if table.step_sums else max(step, table.layers[i].step_bytes)
                 if stage == 0 and i > 0:
                     continue
                 before, split = best[stage - 1][i - 1] if stage else (0.0, ())
                 if before == inf:
                     continue
-                need = prefix[j + 1] - prefix[i] + transient + _shared_need(table, i, j) \
-                    + _receive_need(table, stage, i, j)
+                shared, steps = _shared_need(table, i, j)
+                at_step = sum(steps) if table.step_sums else max([step, *steps])
+                need = shared + max(prefix[j + 1] - prefix[i] + transient
+                                    + _receive_need(table, stage, i, j),
+                                    state[j + 1] - state[i] + at_step)
                 need_of[stage, i, j] = need
                 options.append((max(before, need / table.limits[stage]), split + ((i, j),)))
             if options:

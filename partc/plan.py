@@ -100,7 +100,10 @@ class Mesh:
 
 @dataclass(frozen=True, kw_only=True)
 class StageMemory:
-    """Bytes per rank of a stage, by category; ``peak`` is their sum."""
+    """Bytes per rank of a stage, by category. ``peak`` is the state (params, grads,
+    optimizer) and the larger of the microbatches' working set (activations, transient,
+    receive) and the optimizer step's temporaries (``step``), which come after the
+    activations are gone."""
 
     params: int
     grads: int
@@ -110,6 +113,9 @@ class StageMemory:
     # The pipeline's receive buffer for a gradient, one per run (partc.costs.receive_bytes);
     # plans written before it was counted read as 0.
     receive: int = 0
+    # The optimizer step's temporaries (partc.costs.step_bytes); plans written before
+    # they were counted read as 0.
+    step: int = 0
     peak: int
 
 

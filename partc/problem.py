@@ -93,6 +93,10 @@ class Precision:
 
     compute_bytes: float            # a weight as the layers compute with it: 4 fp32, 2 bf16
     optimizer_state_bytes: float    # the optimizer's own state, fp32 (Adam: 8, SGD: 0)
+    # fp32 copies of the stepped weights torch's step makes beside them, over the whole
+    # list in its foreach form (Adam: sqrt(v); SGD, momentum or not: none); torch's
+    # per-tensor loop makes twice as many of one tensor at a time (partc.costs.step_bytes).
+    step_copies: float = 0.0
 
     @property
     def master_bytes(self) -> float:
@@ -204,6 +208,9 @@ class LayerCost:
     # Parameter tensors among ``param_count`` (ZeRO-2/3's optimizer step pays FSDP's
     # dispatch per tensor: DeviceNumbers.fsdp_step_overhead_s); 0: not counted, one.
     param_tensors: int = 0
+    # Elements of the largest of those tensors (an optimizer stepping one tensor at a
+    # time makes its temporaries that size: partc.costs.step_bytes); 0: not counted.
+    largest_param: int = 0
     # Tensor-parallel collectives per sample: (kind, "forward"/"backward", bytes of the
     # whole tensor). Empty without tensor parallelism.
     tp_comm: tuple[tuple[str, str, float], ...] = ()

@@ -128,7 +128,10 @@ def _stage_rows(plan: Plan) -> list[list[str]]:
     return rows
 
 
-_MEMORY_KINDS = ("params", "grads", "optimizer", "activations", "transient", "receive")
+# "step": the optimizer step's temporaries, held after the activations are gone (the
+# peak takes the larger of them and activations + transient + receive).
+_MEMORY_KINDS = ("params", "grads", "optimizer", "activations", "transient", "receive",
+                 "step")
 
 
 def _memory_rows(plan: Plan) -> list[list[str]]:
@@ -163,7 +166,9 @@ def _memory_lines(plan: Plan) -> list[str]:
             f"optimizer state{zero}{gathered}; the activations saved for the microbatches "
             f"in flight; the largest working set of one layer (transient); the pipeline's "
             f"receive buffer for the gradient coming back to the backward being run "
-            f"(receive; the activations coming in are the saved inputs)."]
+            f"(receive; the activations coming in are the saved inputs). The optimizer "
+            f"step's temporaries (step) come once the activations are gone: the peak is "
+            f"the state and the larger of the two."]
 
 
 _ZERO_SHARDS = {1: "optimizer state", 2: "gradients and optimizer state",

@@ -168,7 +168,12 @@ class TrainSpec:
         """Bytes per parameter as the runtime keeps them (what the cost model reads)."""
         state = (OPTIMIZER_STATE_BYTES[self.optimizer]
                  if isinstance(self.optimizer, str) else float(self.optimizer))
-        return Precision(compute_bytes=dtype_bytes(self.dtype), optimizer_state_bytes=state)
+        # Adam's step divides by sqrt(v) made anew; an optimizer named by its bytes of
+        # state is taken for Adam when it keeps two fp32 moments.
+        adam = self.optimizer in ("adam", "adamw") if isinstance(self.optimizer, str) \
+            else state >= 8
+        return Precision(compute_bytes=dtype_bytes(self.dtype), optimizer_state_bytes=state,
+                         step_copies=1.0 if adam else 0.0)
 
     # The ZeRO paper's accounting of the same bytes (2 + 2 + 12 for mixed-precision Adam).
     @property

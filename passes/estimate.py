@@ -590,13 +590,15 @@ def _layer_cost(gm: fx.GraphModule, info: meta.LayerInfo, nodes: list[fx.Node], 
         rec_bytes["selective"] = light(inside)
         rerun["selective"] = sum(calls[n] for n in inside)
     count, nbytes, tensors = usage["own"].get(info.index, (0, 0, 0))
+    largest = max((usage["tensors"][key].numel() for key, users in usage["layers"].items()
+                   if users == {info.index}), default=0)
     per = 1.0 / batch
     fused_bytes, kernels = _fused(gm, nodes, run, heavy)
     return LayerCost(
         heavy_ops=_heavy_ops([n for n in nodes if n in heavy], run, per),
         name=info.name, signature=info.signature, fwd_flops=flops * per,
         fwd_mem_bytes=light_bytes * per, param_count=count, param_bytes=nbytes,
-        param_tensors=tensors,
+        param_tensors=tensors, largest_param=largest,
         saved_bytes={k: v * per for k, v in saved.items()},
         recompute_flops={k: v * per for k, v in rec_flops.items()},
         recompute_mem_bytes={k: v * per for k, v in rec_bytes.items()},

@@ -43,21 +43,22 @@ def tp_option(ctx: Context, base: ModelAnalysis, usage: dict, local: fx.GraphMod
         divisor = tp if placement.kind == "S" else 1
         return tensor.numel() // divisor, tensor.numel() * tensor.element_size() // divisor
 
-    own: dict[int, list[int]] = {}
+    own: dict[int, list[int]] = {}   # layer: [elements, bytes, largest tensor's elements]
     for key, indices in usage["layers"].items():
         if len(indices) == 1:
             count, nbytes = local_count(key)
-            totals = own.setdefault(next(iter(indices)), [0, 0])
+            totals = own.setdefault(next(iter(indices)), [0, 0, 0])
             totals[0] += count
             totals[1] += nbytes
+            totals[2] = max(totals[2], count)
     layers = []
     rings = _rings(local, tp)
     for cost, sharded in zip(meta.layer_costs(local), chosen.layers):
-        count, nbytes = own.get(len(layers), (0, 0))
+        count, nbytes, largest = own.get(len(layers), (0, 0, 0))
         comm = tuple((c.kind, c.phase, c.bytes * per_sample) for c in sharded.collectives)
         beside = _overlap_flops(sharded.collectives, rings.get(len(layers), []))
         layers.append(dataclasses.replace(
-            cost, param_count=count, param_bytes=nbytes, tp_comm=comm,
+            cost, param_count=count, param_bytes=nbytes, largest_param=largest, tp_comm=comm,
             tp_overlap_flops=tuple(f * per_sample for f in beside) if any(beside) else ()))
     shared = []
     for group in base.shared:

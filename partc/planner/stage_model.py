@@ -75,7 +75,11 @@ Constraints
         (finished[k,j] - started[k+1,j]))`` are the bytes crossing the boundary ``j ->
         j+1`` (as (3)): the pipeline's receive buffers, one per run for the gradient
         coming back while its backward runs; the activations coming in are the runs'
-        saved inputs, already in ``A`` (:func:`partc.costs.receive_bytes`);
+        saved inputs, already in ``A`` (:func:`partc.costs.receive_bytes`); and at the
+        optimizer step, the activations gone: ``sum_k W_k N[k,s] + sum_g W_g h[g,s] +
+        step[s] <= M_s``, ``step[s]`` the step's temporaries ``T_k``, ``T_g`` of the
+        stage's layers and groups summed (torch's foreach step) or their largest (one
+        tensor at a time: ``step[s] >= T_k u[k,s,r]``) (:func:`partc.costs.step_bytes`);
     (9) pins: pinned stages fix ``P``, pinned recompute leaves one mode (segments never
         straddle a change of either).
 
@@ -476,7 +480,9 @@ class StageModel:
 
     def _add_memory(self, held: list[list]) -> None:
         """(7) the largest transient of each stage, (8) its memory at each of its
-        schedule's peaks, in units of :func:`memory_unit` bytes (:meth:`memory_units`).
+        schedule's peaks and at the optimizer step (the state and the step's
+        temporaries, summed or the largest: ``CostTable.step_sums``), in units of
+        :func:`memory_unit` bytes (:meth:`memory_units`).
         (Byte-sized coefficients on GiB limits were seen to make CP-SAT 9.15's presolve
         return a wrong OPTIMAL.)"""
         table, units = self.table, self.memory_units
@@ -494,10 +500,32 @@ class StageModel:
             state = self._per_rank(stage, lambda row: units(row.state_total))
             state += sum(units(g.state_total) * held[gi][stage]
                          for gi, g in enumerate(table.shared))
+            limit = units(table.limits[stage], limit=True)
             for count in self._peaks(stage):                                    # (8)
                 activations = sum(count[runs[0]] * part for runs, part in saved.items())
                 self.model.add(state + transient + activations + self._receive(stage)
-                               <= units(table.limits[stage], limit=True))
+                               <= limit)
+            self.model.add(state + self._step(stage, held) <= limit)            # (8)
+
+    def _step(self, stage: int, held: list[list]) -> Any:
+        """(8) the optimizer step's temporaries on the stage: its rows' and shared
+        groups' summed, or the largest of them."""
+        table, units = self.table, self.memory_units
+        if table.step_sums:
+            return self._stage_sum(stage, held, lambda row: units(row.step_bytes))
+        rows = [*table.layers, *table.shared]
+        top = max((units(r.step_bytes) for r in rows), default=0)
+        if not top:
+            return 0
+        step = self.model.new_int_var(0, top, f"step_stage{stage}")
+        for (k, _), used in self.used[stage].items():
+            size = units(table.layers[self.segments[k].first].step_bytes)
+            if size:
+                self.model.add(step >= size * used)
+        for gi, group in enumerate(table.shared):
+            if group.step_bytes:
+                self.model.add(step >= units(group.step_bytes) * held[gi][stage])
+        return step
 
     def _receive(self, stage: int):
         """(8) the receive buffers of the stage's runs: one gradient crossing the cut

@@ -17,7 +17,7 @@ from partc.problem import (DeviceNumbers, HeavyOp, LayerCost, ModelAnalysis, Mod
 
 def layer(name: str, *, flops: float = 1e9, params: int = 1000, saved: float = 1000.0,
           selective: float | None = None, full: float = 100.0, workspace: float = 100.0,
-          mem_bytes: float = 0.0, signature: str = "") -> LayerCost:
+          mem_bytes: float = 0.0, signature: str = "", largest: int = 0) -> LayerCost:
     saved_bytes = {"none": saved, "full": full}
     recompute_flops = {"none": 0.0, "full": flops}
     recompute_mem = {"none": 0.0, "full": mem_bytes}
@@ -29,6 +29,7 @@ def layer(name: str, *, flops: float = 1e9, params: int = 1000, saved: float = 1
                      fwd_mem_bytes=mem_bytes, param_count=params, param_bytes=4 * params,
                      saved_bytes=saved_bytes, recompute_flops=recompute_flops,
                      recompute_mem_bytes=recompute_mem, workspace_bytes=workspace,
+                     largest_param=largest,
                      # One compute-bound op: its FLOPs at peak, its bytes not counted.
                      heavy_ops=(HeavyOp(flops=flops, activation_bytes=0.0, weight_bytes=0.0),)
                      if flops else ())
@@ -46,7 +47,7 @@ def devices(num: int, memory: int | list[int], *, peak: float = 1e12, bandwidth:
 def problem(layers: list[LayerCost], cuts: list[float], device_numbers: DeviceNumbers, *,
             batch: int = 1, micro_batch_sizes: tuple[int, ...] | None = None,
             shared: tuple[SharedParam, ...] = (), pins: Pins = Pins(),
-            optimizer_bytes: float = 8.0) -> PlanningProblem:
+            optimizer_bytes: float = 8.0, step_copies: float = 0.0) -> PlanningProblem:
     summary = ModelSummary(name="hand-built", num_params=sum(l.param_count for l in layers),
                            hash="0", tokens_per_sample=0, traced_batch_size=1,
                            traced_dtype_bytes=4, tracer="none")
@@ -58,7 +59,8 @@ def problem(layers: list[LayerCost], cuts: list[float], device_numbers: DeviceNu
         train=TrainNumbers(global_batch_size=batch, micro_batch_sizes=sizes,
                            activation_scale=1.0,
                            precision=Precision(compute_bytes=4,
-                                               optimizer_state_bytes=optimizer_bytes)),
+                                               optimizer_state_bytes=optimizer_bytes,
+                                               step_copies=step_copies)),
         pins=pins,
     )
 

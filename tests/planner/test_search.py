@@ -272,6 +272,34 @@ def test_an_interleaved_rank_recomputes_the_run_its_schedule_holds_most():
                                                           4 * 100 + 1 * 1e5)
 
 
+@pytest.mark.parametrize("foreach", [True, False])
+def test_the_optimizer_steps_temporaries_rule_out_a_replica_that_fits_its_microbatches(
+        foreach):
+    """Two layers of 1M parameters on 2 devices of 36 MB, Adam in fp32 (16 bytes a
+    parameter), ZeRO-0 pinned: two replicas hold 32 MB each and their microbatches fit,
+    and without the step's temporaries they are the fastest plan; with them (foreach:
+    4 bytes a parameter, 8 MB; one tensor at a time: twice the largest, 8 MB) they do
+    not fit, and the plan is a pipeline, as brute force finds, each stage fitting at its
+    step."""
+    from dataclasses import replace
+
+    layers = [layer(f"l{i}", params=1_000_000, largest=1_000_000, saved=1e3)
+              for i in range(2)]
+    machine = replace(devices(2, 36_000_000, bandwidth=1e15), dispatch_ahead=foreach)
+    free = problem(layers, [0.0], machine, batch=2, pins=Pins(zero_stage=0))
+    _, _, unbound = _plan_and_oracle(free)
+    assert unbound[1].pp == 1
+    prob = problem(layers, [0.0], machine, batch=2, pins=Pins(zero_stage=0),
+                   step_copies=1.0)
+    plan, evaluation, oracle = _plan_and_oracle(prob)
+    assert evaluation.step_ps == oracle[0] > unbound[0]
+    assert plan.pp == 2
+    for stage in plan.stages:
+        memory = stage.memory_bytes
+        assert memory.step == (4_000_000 if foreach else 8_000_000)
+        assert memory.params + memory.grads + memory.optimizer + memory.step <= 36_000_000
+
+
 @pytest.mark.parametrize("schedule", ["looped-bfs", "interleaved-zero-bubble",
                                       "zbv-zero-bubble", "dualpipev"])
 def test_every_schedule_pinned_equals_brute_force(schedule):
