@@ -176,8 +176,11 @@ class StageModel:
     """
 
     def __init__(self, problem: PlanningProblem, table: CostTable,
-                 pinned: list[int] | None) -> None:
+                 pinned: list[int] | None, *, step: bool = True) -> None:
+        """``step``: with (8)'s constraint at the optimizer step (without it the model is
+        a relaxation, which :func:`partc.planner.search.solve_config` solves first)."""
         self.problem, self.table = problem, table
+        self.with_step = step
         self.model = cp_model.CpModel()
         self.segments = segments(problem, table, pinned)
         self.unit = memory_unit(table)
@@ -505,7 +508,8 @@ class StageModel:
                 activations = sum(count[runs[0]] * part for runs, part in saved.items())
                 self.model.add(state + transient + activations + self._receive(stage)
                                <= limit)
-            self.model.add(state + self._step(stage, held) <= limit)            # (8)
+            if self.with_step:
+                self.model.add(state + self._step(stage, held) <= limit)        # (8)
 
     def _step(self, stage: int, held: list[list]) -> Any:
         """(8) the optimizer step's temporaries on the stage: its rows' and shared
