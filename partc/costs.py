@@ -344,6 +344,12 @@ def steps_whole_list(problem: PlanningProblem, config: PipelineConfig) -> bool:
     return problem.devices.dispatch_ahead or config.effective_zero_stage == 1
 
 
+def step_total(steps: Sequence[int], sums: bool) -> int:
+    """The optimizer step's temporaries of a rank whose rows make ``steps`` each: their
+    sum, or with ``sums`` false (one tensor at a time) the largest."""
+    return sum(steps) if sums else max(steps, default=0)
+
+
 def step_bytes(problem: PlanningProblem, config: PipelineConfig, params: int,
                largest: int) -> int:
     """The fp32 temporaries the optimizer step makes beside the state, for ``params``
@@ -1028,8 +1034,8 @@ def _stage_cost(table: CostTable, stage: int, runs: list[list[int]], modes: Sequ
     saved = [sum(table.layers[l].saved_bytes[modes[l]] for l in run) for run in runs]
     activations = config.activations(stage, saved)
     transient = max(table.layers[l].transient_bytes[modes[l]] for l in members)
-    steps = [r.step_bytes for r in rows] + [table.shared[g].step_bytes for g in held]
-    step = sum(steps) if table.step_sums else max(steps, default=0)
+    step = step_total([r.step_bytes for r in rows] + [table.shared[g].step_bytes for g in held],
+                      table.step_sums)
     forward = sum(r.forward_ps for r in rows)
     backward = sum(r.backward_ps for r in rows)
     recompute = sum(table.layers[l].recompute_ps[modes[l]] for l in members)
@@ -1316,9 +1322,9 @@ def moe_layer_table(whole: MoECost, problem: PlanningProblem, config: PipelineCo
         gather_ps=_gather_ps(problem, config, dense)
         + _gather_ps(problem, expert_config, experts),
         # The experts as one grouped tensor, the rank's share of them.
-        step_bytes=(sum if steps_whole_list(problem, config) else max)(
-            (step_bytes(problem, config, dense, layer.largest_param),
-             step_bytes(problem, expert_config, experts, experts))),
+        step_bytes=step_total((step_bytes(problem, config, dense, layer.largest_param),
+                               step_bytes(problem, expert_config, experts, experts)),
+                              steps_whole_list(problem, config)),
     )
 
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from .costs import CostTable, PipelineConfig, build_cost_table
+from .costs import CostTable, PipelineConfig, build_cost_table, step_total
 from .errors import PlanInfeasibleError
 from .problem import PlanningProblem
 from .units import format_bytes
@@ -92,7 +92,7 @@ def tightest_split(table: CostTable, problem: PlanningProblem) -> TightestSplit:
                 if before == inf:
                     continue
                 shared, steps = _shared_need(table, i, j)
-                at_step = sum(steps) if table.step_sums else max([step, *steps])
+                at_step = step_total([step, *steps], table.step_sums)
                 need = shared + max(prefix[j + 1] - prefix[i] + transient
                                     + _receive_need(table, stage, i, j),
                                     state[j + 1] - state[i] + at_step)

@@ -589,9 +589,7 @@ def _layer_cost(gm: fx.GraphModule, info: meta.LayerInfo, nodes: list[fx.Node], 
         rec_flops["selective"] = sum(run.costs[n].flops for n in inside)
         rec_bytes["selective"] = light(inside)
         rerun["selective"] = sum(calls[n] for n in inside)
-    count, nbytes, tensors = usage["own"].get(info.index, (0, 0, 0))
-    largest = max((usage["tensors"][key].numel() for key, users in usage["layers"].items()
-                   if users == {info.index}), default=0)
+    count, nbytes, tensors, largest = usage["own"].get(info.index, (0, 0, 0, 0))
     per = 1.0 / batch
     fused_bytes, kernels = _fused(gm, nodes, run, heavy)
     return LayerCost(

@@ -150,7 +150,8 @@ def param_usage(gm: fx.GraphModule, ctx: Context) -> dict:
     """Which layers use each parameter (by identity, so tied weights are one parameter).
 
     Returns ``{"layers": {id: set of layer indices}, "tensors": {id: parameter},
-    "own": {layer index: (count, bytes, tensors) of parameters only that layer uses}}``.
+    "own": {layer index: (count, bytes, tensors, largest tensor's count) of parameters
+    only that layer uses}}``.
     """
     parameter_ids = {id(p) for p in ctx.model.parameters()}
     layers_of: dict[int, set[int]] = {}
@@ -163,14 +164,15 @@ def param_usage(gm: fx.GraphModule, ctx: Context) -> dict:
             tensors[id(tensor)] = tensor
             users = node.users if node.op == "get_attr" else [node]
             layers_of.setdefault(id(tensor), set()).update(meta.layer(u).index for u in users)
-    own: dict[int, tuple[int, int, int]] = {}
+    own: dict[int, tuple[int, int, int, int]] = {}
     for key, indices in layers_of.items():
         if len(indices) == 1:
             (index,) = indices
-            count, nbytes, held = own.get(index, (0, 0, 0))
+            count, nbytes, held, largest = own.get(index, (0, 0, 0, 0))
             tensor = tensors[key]
             own[index] = (count + tensor.numel(),
-                          nbytes + tensor.numel() * tensor.element_size(), held + 1)
+                          nbytes + tensor.numel() * tensor.element_size(), held + 1,
+                          max(largest, tensor.numel()))
     return {"layers": layers_of, "tensors": tensors, "own": own}
 
 

@@ -180,7 +180,6 @@ class StageModel:
         """``step``: with (8)'s constraint at the optimizer step (without it the model is
         a relaxation, which :func:`partc.planner.search.solve_config` solves first)."""
         self.problem, self.table = problem, table
-        self.with_step = step
         self.model = cp_model.CpModel()
         self.segments = segments(problem, table, pinned)
         self.unit = memory_unit(table)
@@ -191,7 +190,7 @@ class StageModel:
         busy = self._add_busy()                      # (3), (4)
         held = self._add_holders()                   # (5)
         tail = self._add_tail(held)                  # (6)
-        self._add_memory(held)                       # (7), (8)
+        self._add_memory(held, step)                 # (7), (8)
         tie = sum(g.tie_sync_ps * (sum(held[gi]) - 1) for gi, g in enumerate(table.shared))
         m, v = table.config.num_microbatches, table.config.fill_divisor
         # Objective: v times the step time (see costs.pipeline_ps, v its fill divisor):
@@ -481,10 +480,10 @@ class StageModel:
         self.model.add(1000 * exposed >= (1000 - hides) * rest)
         return exposed
 
-    def _add_memory(self, held: list[list]) -> None:
+    def _add_memory(self, held: list[list], step: bool) -> None:
         """(7) the largest transient of each stage, (8) its memory at each of its
-        schedule's peaks and at the optimizer step (the state and the step's
-        temporaries, summed or the largest: ``CostTable.step_sums``), in units of
+        schedule's peaks and, with ``step``, at the optimizer step (the state and the
+        step's temporaries, summed or the largest: ``CostTable.step_sums``), in units of
         :func:`memory_unit` bytes (:meth:`memory_units`).
         (Byte-sized coefficients on GiB limits were seen to make CP-SAT 9.15's presolve
         return a wrong OPTIMAL.)"""
@@ -508,7 +507,7 @@ class StageModel:
                 activations = sum(count[runs[0]] * part for runs, part in saved.items())
                 self.model.add(state + transient + activations + self._receive(stage)
                                <= limit)
-            if self.with_step:
+            if step:
                 self.model.add(state + self._step(stage, held) <= limit)        # (8)
 
     def _step(self, stage: int, held: list[list]) -> Any:
