@@ -180,11 +180,14 @@ def _profile_from_dict(data: dict, where: str) -> DeviceProfile:
 
 def _collective_links(data: dict, where: str) -> tuple[tuple[str, float, float], ...]:
     """Each collective's own fit: ``budget.collective_links`` (kind -> {latency_s,
-    bandwidth}), or in a profile written before it, the fits among the measurements.
-    A kind without a fit (noise hid its growth with size) is left to the joint fit."""
+    bandwidth}), or in a profile written before it, the fits among the measurements
+    (those timed between compute where there are any, as calibrate chooses). A kind
+    without a fit (noise hid its growth with size) is left to the joint fit."""
     links = data["budget"].get("collective_links")
     if links is None:
         measured = (data.get("measurements") or {}).get("collectives") or {}
+        if (measured.get("between_compute") or {}).get("joint_fit"):
+            measured = measured["between_compute"]
         links = {kind: (measured.get(kind) or {}).get("fit") for kind in _COLLECTIVE_KINDS}
     if not isinstance(links, dict):
         raise ProfileError(f"{where}: budget.collective_links must map a collective to "

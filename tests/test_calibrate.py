@@ -22,9 +22,9 @@ import torch
 
 import partc
 from partc.budget import PROFILE_SCHEMA, PROFILE_VERSION, ProfileError, load_profile
-from partc.calibrate import (COLLECTIVES, FSDP_FIGURES, SIZES, CalibrationError,
-                             CalibrationOptions, LinkFit, fit_link, ring_factor, ring_steps,
-                             summary)
+from partc.calibrate import (BETWEEN_COMPUTE_S, COLLECTIVES, FSDP_FIGURES, SIZES,
+                             CalibrationError, CalibrationOptions, LinkFit, fit_link,
+                             ring_factor, ring_steps, summary)
 from partc.cli import main
 from tests import models
 
@@ -68,10 +68,12 @@ def test_profile_schema_and_summary(calibrated):
     for key in BUDGET_NUMBERS:
         assert key in profile["budget"] and key in profile["sources"]
     assert "one machine cannot measure" in profile["sources"]["inter_node_bandwidth"]
+    assert "ms of compute as in a step" in profile["sources"]["collective_links"]
     for line in ("matmul float32", "attention float32_causal", "memory copy / add",
                  "all_reduce", "joint_fit", "budget number", "preset CPU", "hbm_bandwidth",
                  "element-wise ops fwd+bwd", "AdamW step", "elementwise_bandwidth",
-                 "optimizer_bandwidth", "note: quick run"):
+                 "optimizer_bandwidth", "all_reduce, in a step", "joint_fit, in a step",
+                 "note: quick run"):
         assert line in printed
 
 
@@ -124,7 +126,10 @@ def test_budget_numbers_follow_from_the_samples(calibrated):
     assert memory["add"]["bytes_moved"] == 3 * memory["tensor_bytes"]
     assert budget["hbm_bandwidth"] == max(memory["copy"]["bytes_per_s"],
                                           memory["add"]["bytes_per_s"]) > 0
-    joint = measured["collectives"]["joint_fit"]
+    # The links as a step meets them: on a CPU the collectives timed between compute.
+    links = measured["collectives"]["between_compute"]
+    assert links["compute_s"] >= BETWEEN_COMPUTE_S / 2
+    joint = links["joint_fit"]
     assert budget["intra_node_bandwidth"] == joint["bandwidth"] > 0
     assert budget["intra_node_latency_s"] == joint["latency_s"] >= 0
     assert budget["link_latency_s"] is None   # between nodes: the preset's
@@ -132,7 +137,7 @@ def test_budget_numbers_follow_from_the_samples(calibrated):
     assert budget["inter_node_bandwidth"] is None
     # Each collective's own fit beside the joint one; the per-op and per-matmul overheads.
     for kind in ("all_reduce", "all_gather", "reduce_scatter", "send_recv"):
-        fit = measured["collectives"][kind]["fit"]
+        fit = links[kind]["fit"]
         own = budget["collective_links"][kind]
         assert own is None if fit is None else own == {"latency_s": fit["latency_s"],
                                                        "bandwidth": fit["bandwidth"]}
@@ -217,6 +222,15 @@ def test_each_fit_is_the_least_squares_optimum_of_its_samples(calibrated):
             assert entry["fit"]["alpha_s"] == pytest.approx(entry["steps"]
                                                             * entry["fit"]["latency_s"])
     _check_optimal(collectives["joint_fit"], everything, ranks)
+    # The same collectives and sizes timed between compute, fitted alike.
+    between, everything = collectives["between_compute"], []
+    for kind in COLLECTIVES:
+        samples = [(kind, s["bytes"], s["seconds"]) for s in between[kind]["samples"]]
+        assert [s[1] for s in samples] == [s["bytes"] for s in collectives[kind]["samples"]]
+        everything += samples
+        if between[kind]["fit"] is not None:
+            _check_optimal(between[kind]["fit"], samples, ranks)
+    _check_optimal(between["joint_fit"], everything, ranks)
 
 
 def _check_optimal(record: dict, samples, ranks: int) -> None:
