@@ -331,6 +331,7 @@ class DistributedModule:
         such a rank gets ``optimizer_class`` over one empty placeholder parameter that
         never has a gradient: ``step`` and ``zero_grad`` do nothing, and learning-rate
         schedulers, ``state_dict`` and the README's loop work unchanged on every rank."""
+        self._check_step_temporaries(defaults)
         if not any(True for _ in self.parameters()):
             placeholder = nn.Parameter(torch.empty(0, device=self.topology.device))
             optimizer = optimizer_class([placeholder], **defaults)
@@ -354,6 +355,27 @@ class DistributedModule:
 
         optimizer.register_step_post_hook(end_step)
         return optimizer
+
+    def _check_step_temporaries(self, defaults: Mapping[str, Any]) -> None:
+        """Warn where ``foreach=True`` makes the optimizer step's fp32 temporaries for all
+        of the rank's weights at once although the plan priced torch's default for them,
+        one tensor at a time (CPU weights; :func:`partc.costs.step_bytes`): the step then
+        needs more than the plan's peak says. ``fused=True`` and ``foreach=False`` need
+        less, and ZeRO-1's sharded step was priced whole."""
+        stage = self.plan.stages[self.stage_index]
+        copies = self.plan.train.precision.step_copies
+        if not defaults.get("foreach") or not copies or self.topology.device.type != "cpu" \
+                or (self._buckets is not None and self._buckets.sharded):
+            return
+        weights = sum(p.numel() for p in self.parameters())
+        whole, priced = int(copies * 4 * weights), stage.memory_bytes.step
+        if whole > priced:
+            log.warning("rank %d: optimizer foreach=True steps all %s weights at once: its "
+                        "temporaries take %.1f MiB where the plan priced %.1f MiB (torch's "
+                        "default for CPU weights, one tensor at a time); the stage's peak "
+                        "may exceed its planned %.1f MiB. Leave foreach to torch, or plan "
+                        "with more memory headroom", self.topology.rank, f"{weights:,}",
+                        whole / 2**20, priced / 2**20, stage.memory_bytes.peak / 2**20)
 
     def telemetry(self, *, jsonl_dir: str | None = None, console: bool = True,
                   tensorboard_dir: str | None = None, warn_ratio: float = 0.25,

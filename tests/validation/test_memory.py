@@ -194,3 +194,36 @@ def test_the_optimizer_steps_temporaries_are_step_bytes(foreach):
                                   compute_bytes=4, optimizer_state_bytes=8, step_copies=1.0)))
     config = SimpleNamespace(effective_zero_stage=0, dp=1)
     assert mode.peak == step_bytes(problem, config, params, largest)
+
+
+def test_a_foreach_step_on_cpu_weights_is_flagged(caplog):
+    """The plan prices torch's default step for CPU weights (one tensor at a time); a
+    user asking ``foreach=True`` gets a warning that the step needs more than priced,
+    with both sizes. torch's default and ``foreach=False`` need no warning."""
+    import logging
+
+    import torch
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from benchmarks.memory_check import Case, compile_case
+
+    case = Case(name="gpt-step", model="gpt", constraints=dict(recompute="none"),
+                batch=4, seq=16, layers=2, width=32)
+    program, _, _ = compile_case(case)
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=1)
+    try:
+        module = program.build()
+        weights = sum(p.numel() for p in module.parameters())
+        caplog.set_level(logging.WARNING, logger="partc.runtime")
+        for defaults in ({}, {"foreach": False}):
+            module.optimizer(torch.optim.AdamW, lr=1e-3, **defaults)
+        assert not caplog.records
+        module.optimizer(torch.optim.AdamW, lr=1e-3, foreach=True)
+    finally:
+        dist.destroy_process_group()
+    (record,) = caplog.records
+    priced = program.plan.stages[0].memory_bytes.step
+    assert 0 < priced < 4 * weights
+    assert f"{4 * weights / 2**20:.1f} MiB where the plan priced {priced / 2**20:.1f}" \
+        in record.getMessage()
