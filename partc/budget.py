@@ -178,6 +178,13 @@ def _profile_from_dict(data: dict, where: str) -> DeviceProfile:
         **{key: None if budget.get(key) is None else number(key) for key in RATE_FIELDS})
 
 
+def step_links(collectives: dict) -> dict:
+    """The fits of a profile's collective measurements that price a step: on a CPU those
+    timed between compute (``partc.calibrate``), where they were fitted; else the
+    back-to-back ones."""
+    return collectives.get("between_compute") or collectives
+
+
 def _collective_links(data: dict, where: str) -> tuple[tuple[str, float, float], ...]:
     """Each collective's own fit: ``budget.collective_links`` (kind -> {latency_s,
     bandwidth}), or in a profile written before it, the fits among the measurements
@@ -185,9 +192,7 @@ def _collective_links(data: dict, where: str) -> tuple[tuple[str, float, float],
     without a fit (noise hid its growth with size) is left to the joint fit."""
     links = data["budget"].get("collective_links")
     if links is None:
-        measured = (data.get("measurements") or {}).get("collectives") or {}
-        if (measured.get("between_compute") or {}).get("joint_fit"):
-            measured = measured["between_compute"]
+        measured = step_links((data.get("measurements") or {}).get("collectives") or {})
         links = {kind: (measured.get(kind) or {}).get("fit") for kind in _COLLECTIVE_KINDS}
     if not isinstance(links, dict):
         raise ProfileError(f"{where}: budget.collective_links must map a collective to "

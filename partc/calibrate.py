@@ -72,7 +72,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
 
-from .budget import PRESETS, PROFILE_SCHEMA, PROFILE_VERSION
+from .budget import PRESETS, PROFILE_SCHEMA, PROFILE_VERSION, step_links
 from .errors import PartcError
 from .units import format_seconds
 
@@ -533,7 +533,6 @@ def measure_collectives(options: CalibrationOptions) -> dict:
     result = {"processes": ranks, "backend": backend, "model": "t = steps*latency_s + "
               "factor*bytes/bandwidth (ring: all_reduce steps 2(n-1), factor 2(n-1)/n; "
               "all_gather/reduce_scatter n-1, (n-1)/n; send_recv 1, 1)"}
-    everything = []
     result["overlap"] = timed["overlap"]
     for key in ("linear_all_busy", "elementwise_all_busy", "optimizer_all_busy", "fsdp"):
         if key in timed:   # FSDP's: on a CPU only
@@ -541,27 +540,28 @@ def measure_collectives(options: CalibrationOptions) -> dict:
 
     log.info("overlap: %.2f of an all-reduce hidden by compute beside it",
              timed["overlap"]["overlap"])
+    result |= _fits(timed, ranks)
+    for kind in COLLECTIVES:
+        result[kind] = {"steps": ring_steps(kind, ranks), "factor": ring_factor(kind, ranks),
+                        **result[kind]}
+    if "between_compute" in timed:   # on a CPU only
+        between = timed["between_compute"]
+        try:   # its samples as measured, each kind's fit beside them
+            result["between_compute"] = between | _fits(between, ranks)
+        except CalibrationError as error:   # the budget keeps the back-to-back fits
+            log.warning("collectives between compute: no joint fit: %s", error)
+    return result
+
+
+def _fits(timed: dict, ranks: int) -> dict:
+    """Each collective's samples in ``timed`` with its own fit, and the joint fit over
+    all of them (which raises a CalibrationError where noise hides every growth)."""
+    result, everything = {}, []
     for kind in COLLECTIVES:
         samples = [(kind, s["bytes"], s["seconds"]) for s in timed[kind]]
         everything += samples
-        result[kind] = {"steps": ring_steps(kind, ranks), "factor": ring_factor(kind, ranks),
-                        "samples": timed[kind], "fit": _own_fit(kind, samples, ranks)}
+        result[kind] = {"samples": timed[kind], "fit": _own_fit(kind, samples, ranks)}
     result["joint_fit"] = _fit_record(fit_link(everything, ranks), everything, ranks)
-    if "between_compute" in timed:   # on a CPU only
-        between = dict(timed["between_compute"])
-        everything = []
-        for kind in COLLECTIVES:
-            samples = [(kind, s["bytes"], s["seconds"]) for s in between[kind]]
-            everything += samples
-            between[kind] = {"samples": between[kind],
-                             "fit": _own_fit(kind, samples, ranks)}
-        try:
-            between["joint_fit"] = _fit_record(fit_link(everything, ranks), everything,
-                                               ranks)
-        except CalibrationError as error:
-            log.warning("collectives between compute: no joint fit: %s", error)
-            between["joint_fit"] = None
-        result["between_compute"] = between
     return result
 
 
@@ -588,16 +588,21 @@ def _collective_worker(rank: int, ranks: int, store: str, backend: str, sizes: S
                             world_size=ranks, timeout=timedelta(minutes=5))
     try:
         timed = {kind: [] for kind in COLLECTIVES}
+        # On a CPU each collective again as a step meets it (:class:`_BetweenCompute`).
+        between = _BetweenCompute(device, sizes) if device.type == "cpu" else None
         for nbytes in sizes.message_bytes:
             numel = max(ranks, nbytes // 4 // ranks * ranks)
             for kind in COLLECTIVES:
                 op = _collective(kind, numel, rank, ranks, device)
                 # A ping-pong call is a round trip: two messages.
-                seconds = _collective_seconds(op, device, sizes) / (
-                    2 if kind == "send_recv" else 1)
+                messages = 2 if kind == "send_recv" else 1
+                seconds = _collective_seconds(op, device, sizes) / messages
                 timed[kind].append({"bytes": numel * 4, "seconds": seconds})
-        if device.type == "cpu":
-            timed["between_compute"] = _between_compute(rank, ranks, device, sizes)
+                if between is not None:
+                    seconds = between.seconds(op) / messages
+                    between.timed[kind].append({"bytes": numel * 4, "seconds": seconds})
+        if between is not None:
+            timed["between_compute"] = between.timed
         timed["overlap"] = _overlap(ranks, device, sizes)
         dist.barrier()   # every rank computes at once, as in training
         busy = replace(sizes, min_sample_s=max(sizes.min_sample_s, BUSY_SAMPLE_S))
@@ -620,8 +625,8 @@ def _collective_worker(rank: int, ranks: int, store: str, backend: str, sizes: S
 BETWEEN_COMPUTE_S = 2e-3
 
 
-def _between_compute(rank: int, ranks: int, device: torch.device, sizes: Sizes) -> dict:
-    """Each collective and size again as a training step meets it: every call after
+class _BetweenCompute:
+    """Collectives timed as a training step meets them: every call after
     ``BETWEEN_COMPUTE_S`` of compute (a linear layer and a GELU), timed alone by wall
     clock from the call to its end on each rank, waits for the other ranks included.
 
@@ -631,33 +636,31 @@ def _between_compute(rank: int, ranks: int, device: torch.device, sizes: Sizes) 
     1.5-3 ms between compute, the time the tensor-parallel runtime's all-reduces took.
     A figure is the slowest rank's mean over the calls (a step pays every call, its
     slow ones included)."""
-    tokens, d_in, d_out = sizes.linear[0]
-    a = torch.randn(tokens, d_in, device=device)
-    b = torch.randn(d_in, d_out, device=device)
-    unit = median_seconds(lambda: F.gelu(a @ b), device, sizes)
-    units = max(1, round(BETWEEN_COMPUTE_S / max(unit, 1e-9)))
-    calls = 4 * sizes.repeats
-    result: dict = {"compute_s": units * unit, "calls": calls}
-    for kind in COLLECTIVES:
-        result[kind] = []
-    for nbytes in sizes.message_bytes:
-        numel = max(ranks, nbytes // 4 // ranks * ranks)
-        for kind in COLLECTIVES:
-            op = _collective(kind, numel, rank, ranks, device)
-            for _ in range(sizes.warmup):
-                op()
-            dist.barrier()
-            total = 0.0
-            for _ in range(calls):
-                for _ in range(units):
-                    F.gelu(a @ b)
-                start = time.perf_counter()
-                op()
-                total += time.perf_counter() - start
-            # A ping-pong call is a round trip: two messages.
-            seconds = _slowest(total / calls, device) / (2 if kind == "send_recv" else 1)
-            result[kind].append({"bytes": numel * 4, "seconds": seconds})
-    return result
+
+    def __init__(self, device: torch.device, sizes: Sizes) -> None:
+        tokens, d_in, d_out = sizes.linear[0]
+        a = torch.randn(tokens, d_in, device=device)
+        b = torch.randn(d_in, d_out, device=device)
+        self.unit = lambda: F.gelu(a @ b)
+        unit_s = median_seconds(self.unit, device, sizes)
+        self.units = max(1, round(BETWEEN_COMPUTE_S / max(unit_s, 1e-9)))
+        self.calls, self.device, self.sizes = 4 * sizes.repeats, device, sizes
+        # What the profile keeps: the compute before each call and the samples per kind.
+        self.timed: dict = {"compute_s": self.units * unit_s, "calls": self.calls,
+                            **{kind: [] for kind in COLLECTIVES}}
+
+    def seconds(self, op: Callable[[], object]) -> float:
+        for _ in range(self.sizes.warmup):
+            op()
+        dist.barrier()
+        total = 0.0
+        for _ in range(self.calls):
+            for _ in range(self.units):
+                self.unit()
+            start = time.perf_counter()
+            op()
+            total += time.perf_counter() - start
+        return _slowest(total / self.calls, self.device)
 
 
 def _overlap(ranks: int, device: torch.device, sizes: Sizes) -> dict:
@@ -969,13 +972,11 @@ def build_profile(options: CalibrationOptions, measured: dict, *, name: str,
                                  else achieved[key]) / peak[key]) for key in achieved}
     training = "bfloat16" if options.device == "cuda" else "float32"
     # The links as a step meets them: on a CPU the collectives timed between compute
-    # (:func:`_between_compute`) where they were fitted, else back to back.
+    # (:class:`_BetweenCompute`) where they were fitted, else back to back.
     collectives = measured.get("collectives", {})
-    links = collectives
-    if (collectives.get("between_compute") or {}).get("joint_fit"):
-        links = collectives["between_compute"]
+    links = step_links(collectives)
     link = links.get("joint_fit")
-    overlap = measured.get("collectives", {}).get("overlap")
+    overlap = collectives.get("overlap")
     # Element-wise ops and the optimizer step likewise, every rank at once where spawned
     # (they share the memory bus); on a GPU both stream at about HBM bandwidth (kept
     # among the measurements; the preset's None stands).

@@ -363,12 +363,14 @@ class DistributedModule:
         needs more than the plan's peak says. ``fused=True`` and ``foreach=False`` need
         less, and ZeRO-1's sharded step was priced whole."""
         stage = self.plan.stages[self.stage_index]
-        copies = self.plan.train.precision.step_copies
-        if not defaults.get("foreach") or not copies or self.topology.device.type != "cpu" \
+        precision = self.plan.train.precision
+        if not defaults.get("foreach") or not precision.step_copies \
+                or self.topology.device.type != "cpu" \
                 or (self._buckets is not None and self._buckets.sharded):
             return
         weights = sum(p.numel() for p in self.parameters())
-        whole, priced = int(copies * 4 * weights), stage.memory_bytes.step
+        whole = int(precision.step_copies * precision.master_bytes * weights)
+        priced = stage.memory_bytes.step
         if whole > priced:
             log.warning("rank %d: optimizer foreach=True steps all %s weights at once: its "
                         "temporaries take %.1f MiB where the plan priced %.1f MiB (torch's "
