@@ -25,7 +25,7 @@ from partc.schedules import feature_refusal, rank_of, refusal
 from partc.schedules import schedule as schedule_facts
 
 from .pipeline_stage import CountingStage
-from .topology import Topology
+from .topology import Topology, group_of
 
 
 def runtime_refusal(plan: Plan) -> str | None:
@@ -143,7 +143,7 @@ def tied_groups(holders: Mapping[tuple[str, ...], tuple[int, ...]], module: nn.M
         for dp_rank in range(topology.dp):
             for tp_rank in range(topology.tp):
                 ranks = [topology.rank_of(s, dp_rank, tp_rank) for s in pp_ranks]
-                group = dist.new_group(ranks)
+                group = group_of(ranks)
                 if topology.rank in ranks:
                     params = [own[name] for name in key if name in own]
                     result.append((params[:1], group))

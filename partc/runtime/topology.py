@@ -11,6 +11,7 @@ from __future__ import annotations
 import datetime
 import os
 from dataclasses import dataclass
+from typing import Callable, Iterable, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -18,6 +19,8 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from partc.errors import PlanMismatchError
 from partc.plan import Plan
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -55,6 +58,39 @@ class Topology:
     def rank_of(self, pp_rank: int, dp_rank: int, tp_rank: int = 0) -> int:
         """Ranks are ordered (pp, dp, tp), tp innermost: a tp group sits inside a node."""
         return (pp_rank * self.dp + dp_rank) * self.tp + tp_rank
+
+
+class SharedGroups:
+    """Meshes and process groups made once per world and reused by every later build in
+    the process. A second plan built beside the first (plans compared in one process, a
+    new plan after a resume) would otherwise add communicators that stay alive, each with
+    its own threads (gloo: idle, they still wake and take CPU from the compute) or buffers
+    (NCCL). ``new_group`` must be called by every rank in one order; every rank builds the
+    same plans in the same order, so every rank finds or makes the same entries. A world
+    destroyed and started again starts afresh."""
+
+    def __init__(self) -> None:
+        self._world: object = None
+        self._made: dict[tuple, object] = {}
+
+    def get(self, key: tuple, make: Callable[[], T]) -> T:
+        """``make()``'s result, made once per world under ``key``."""
+        world = dist.group.WORLD
+        if self._world is not world:
+            self._made = {}
+            self._world = world
+        if key not in self._made:
+            self._made[key] = make()
+        return self._made[key]
+
+
+GROUPS = SharedGroups()   # the process's one registry
+
+
+def group_of(ranks: Iterable[int]) -> dist.ProcessGroup:
+    """The process group of ``ranks``, made once per world (``SharedGroups``)."""
+    ranks = tuple(ranks)
+    return GROUPS.get(("group", ranks), lambda: dist.new_group(list(ranks)))
 
 
 def world_size_from_env() -> int:
@@ -96,8 +132,9 @@ def init(plan: Plan, device: torch.device | str | None = None) -> Topology:
         torch.cuda.set_device(device)
     rank = dist.get_rank()
     tp = plan.tp
-    mesh = init_device_mesh(device.type, (plan.pp, plan.dp, tp),
-                            mesh_dim_names=("pp", "dp", "tp"))
+    shape = (plan.pp, plan.dp, tp)
+    mesh = GROUPS.get(("mesh", device.type, shape),
+                  lambda: init_device_mesh(device.type, shape, mesh_dim_names=("pp", "dp", "tp")))
     ep = plan.mesh.ep
     ep_group, expert_dp_group = _expert_groups(plan.pp, plan.dp * tp, ep, rank)
     return Topology(rank=rank, world_size=dist.get_world_size(), pp=plan.pp, dp=plan.dp,
@@ -119,12 +156,12 @@ def _expert_groups(pp: int, width: int, ep: int, rank: int
     for stage in range(pp):
         first = stage * width
         for start in range(first, first + width, ep):
-            group = dist.new_group(list(range(start, start + ep)))
+            group = group_of(range(start, start + ep))
             if start <= rank < start + ep:
                 mine[0] = group
         for position in range(ep):
             ranks = list(range(first + position, first + width, ep))
-            group = dist.new_group(ranks)
+            group = group_of(ranks)
             if rank in ranks:
                 mine[1] = group
     return mine[0], mine[1]
