@@ -83,8 +83,8 @@ def describe(plan: partc.Plan) -> str:
 HEADER = ("| model | tp | pp | dp | GPUs | batch | b | published | predicted | ratio "
           "| peak GiB | partc's plan | its TFLOP/s | its peak GiB | seconds: trace, measure, "
           "plan |\n|" + "---|" * 15)
-TERMS = ("compute", "memory", "tp", "tp_latency", "p2p", "bubble", "dp_sync", "optimizer",
-         "tied")
+TERMS = ("compute", "memory", "tp", "tp_latency", "p2p", "grads", "bubble", "dp_sync",
+         "optimizer", "tied")
 
 
 def row_line(run: Run, predicted: float, peak: int, own: partc.Plan | None,

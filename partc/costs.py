@@ -396,8 +396,10 @@ def _zero_comm_seconds(problem: PlanningProblem, config: PipelineConfig,
 
 def _zero_overhead_seconds(problem: PlanningProblem, config: PipelineConfig,
                            params: int, tensors: int = 1) -> dict[str, float]:
-    """FSDP's own work on a ZeRO-2/3 unit of ``params`` parameters, by when it runs (the
-    keys of :func:`_zero_comm_seconds`, whose collectives it goes with): its forward and
+    """The runtime's own work on a unit of ``params`` parameters beside its layers'
+    compute, by when it runs (the keys of :func:`_zero_comm_seconds`): under ZeRO 0/1
+    its passes over the gradients (:func:`gradient_work_seconds`); under ZeRO-2/3
+    FSDP's, with the collectives it goes with: its forward and
     backward hooks every microbatch (``DeviceNumbers.fsdp_unit_overhead_s``,
     ``fsdp_unit_overhead_backward_s``), the optimizer step's dispatch over its
     ``tensors`` sharded parameters once per step (``fsdp_step_overhead_s`` each), and
@@ -415,8 +417,10 @@ def _zero_overhead_seconds(problem: PlanningProblem, config: PipelineConfig,
     its bytes to that unit's copies but no work of a unit."""
     zero = config.effective_zero_stage
     result = {"forward": 0.0, "backward": 0.0, "step": 0.0, "sync": 0.0}
-    if zero < 2 or params == 0:
+    if params == 0:
         return result
+    if zero < 2:
+        return result | gradient_work_seconds(problem, config, params)
     devices, precision = problem.devices, problem.train.precision
     units = 1.0 if params > SMALL_UNITS_SHARE * _rank_params(problem) / config.pp else 0.0
     copied = 2 * (1 + 1 / config.dp) * params / devices.fsdp_copy_rate
@@ -437,6 +441,34 @@ def _zero_overhead_seconds(problem: PlanningProblem, config: PipelineConfig,
     return result
 
 
+def gradient_work_seconds(problem: PlanningProblem, config: PipelineConfig,
+                           params: int) -> dict[str, float]:
+    """The runtime's element-wise passes over the gradients of ``params`` parameters under
+    ZeRO 0/1, at the device's element-wise rate (none of it overlaps: the rank's own
+    thread or stream runs it between its layers' kernels).
+
+    Where the runtime keeps fp32 gradient buckets (dp > 1, mixed precision, or experts
+    folded over fewer ranks than dp x tp: ``partc/runtime/module.py``), every
+    microbatch's backward adds each gradient into its bucket (the gradient read, the
+    bucket read and written); once per step the mean over dp and over the microbatches
+    each take a pass over the rank's part of the buckets (read and written; the whole
+    under ZeRO-0, 1/dp under ZeRO-1), and the buckets are zeroed for the next step.
+    Without buckets autograd accumulates ``.grad`` itself: every microbatch's gradient
+    but the first is added to it, and the schedule divides it by the microbatches."""
+    precision = problem.train.precision
+    rate = problem.devices.light_op_bandwidth
+    master, m = precision.master_bytes, config.num_microbatches
+    bucketed = config.dp > 1 or precision.mixed or config.dp * config.tp > config.ep > 1
+    if bucketed:
+        added = precision.compute_bytes + 2 * master
+        mine = params / config.dp if config.effective_zero_stage == 1 else params
+        means = (config.dp > 1) + (m > 1)
+        return {"backward": params * added / rate,
+                "step": (2 * master * means * mine + master * params) / rate}
+    return {"backward": (m - 1) / m * params * 3 * master / rate,
+            "step": (m > 1) * params * 2 * master / rate}
+
+
 def dp_group(problem: PlanningProblem, config: PipelineConfig) -> Group:
     # Ranks are ordered (pp, dp, tp) with tp innermost: a dp group spans dp * tp ranks.
     return Group.over(problem.devices, config.dp, config.dp * config.tp)
@@ -453,12 +485,11 @@ def _tail_ps(problem: PlanningProblem, config: PipelineConfig, params: int,
     parameter tensors then (:func:`_zero_overhead_seconds`). (ZeRO 0/1's gradient
     all-reduce is :func:`_sync_ps`.)"""
     devices = problem.devices
-    seconds = 0.0
+    seconds = _zero_overhead_seconds(problem, config, params, tensors)["step"]
     stepped = params
     if config.effective_zero_stage >= 2:
         stepped = params / config.dp
         seconds += _zero_comm_seconds(problem, config, params)["step"]
-        seconds += _zero_overhead_seconds(problem, config, params, tensors)["step"]
     elif config.effective_zero_stage == 1:
         stepped = params / config.dp
         if not gather_overlaps(problem, config):   # else beside the forward: _gather_ps

@@ -41,8 +41,8 @@ import torch
 import partc
 from partc.compiler import build_problem, plan_problem
 from partc.costs import (PS_PER_S, Evaluation, PipelineConfig, build_cost_table, evaluate,
-                         exposed_gather_ps, exposed_sync_ps, layer_work, roofline_seconds,
-                         tp_comm_seconds)
+                         exposed_gather_ps, exposed_sync_ps, gradient_work_seconds,
+                         layer_work, roofline_seconds, tp_comm_seconds)
 from partc.problem import PlanningProblem
 from partc.spec import INTERLEAVED
 
@@ -327,12 +327,13 @@ def fit_efficiency(run: Run, problem: PlanningProblem, assignment: Assignment,
 class Breakdown:
     """A step's predicted time on its bottleneck rank, by cause, in seconds.
 
-    ``step = compute + attention + memory + tp + tp_latency + p2p + bubble + dp_sync +
-    optimizer + tied``: the first six are the bottleneck rank's work over all
+    ``step = compute + attention + memory + tp + tp_latency + p2p + grads + bubble +
+    dp_sync + optimizer + tied``: the first seven are the bottleneck rank's work over all
     microbatches (ops bound by their FLOPs at the devices' efficiency, fused attention
     kernels bound by theirs at the devices' attention efficiency, ops bound by their
     bytes at HBM bandwidth,
-    tensor-parallel collectives' bytes and their per-step latency, pipeline sends);
+    tensor-parallel collectives' bytes and their per-step latency, pipeline sends, the
+    runtime's adds of each microbatch's gradients into their fp32 buckets);
     ``bubble`` is the pipeline's fill and
     drain (the other ranks' time for one microbatch, divided by the chunks when
     interleaved); then what follows the pipeline: the exposed dp gradient all-reduce
@@ -345,6 +346,7 @@ class Breakdown:
     tp: float
     tp_latency: float
     p2p: float
+    grads: float
     bubble: float
     dp_sync: float
     optimizer: float
@@ -354,8 +356,8 @@ class Breakdown:
     @property
     def terms(self) -> dict[str, float]:
         return {name: getattr(self, name) for name in
-                ("compute", "attention", "memory", "tp", "tp_latency", "p2p", "bubble",
-                 "dp_sync", "optimizer", "tied")}
+                ("compute", "attention", "memory", "tp", "tp_latency", "p2p", "grads",
+                 "bubble", "dp_sync", "optimizer", "tied")}
 
 
 def breakdown(problem: PlanningProblem, assignment: Assignment) -> Breakdown:
@@ -382,11 +384,13 @@ def breakdown(problem: PlanningProblem, assignment: Assignment) -> Breakdown:
                             table.overlap_permille)
     optimizer = sum(r.tail_ps for r in rows) + sum(g.tail_ps for g in held)
     fill_drain = evaluation.pipeline_ps - m * worst.busy_ps
+    grads = m * sum(gradient_work_seconds(local, config, local.layers[l].param_count)
+                    ["backward"] for l, _ in layers)
     return Breakdown(
         compute=m * (work["compute"] - work["attention"]), attention=m * work["attention"],
         memory=m * work["memory"], tp=m * bandwidth,
         tp_latency=m * (work["tp"] - bandwidth),
-        p2p=m * worst.comm_ps / PS_PER_S, bubble=fill_drain / PS_PER_S,
+        p2p=m * worst.comm_ps / PS_PER_S, grads=grads, bubble=fill_drain / PS_PER_S,
         dp_sync=exposed / PS_PER_S, optimizer=optimizer / PS_PER_S,
         tied=evaluation.tie_ps / PS_PER_S, step=evaluation.step_ps / PS_PER_S)
 
