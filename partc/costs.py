@@ -281,6 +281,10 @@ class CostTable:
     # first layer waits for before any forward runs: in tail_latency_ps, and taken off
     # what forward may hide (:func:`exposed_gather_ps`).
     first_gather_ps: int = 0
+    # ZeRO 0/1 over dp: the last bucket's gradient reduction, which starts as the step's
+    # backward ends and so overlaps none of it: in tail_latency_ps, and taken off what
+    # backward may hide (:func:`exposed_sync_ps`).
+    last_sync_ps: int = 0
     # Whether a rank's step temporaries are the sum of its rows' step_bytes (torch's
     # foreach step, over the whole list) or the largest of them (one tensor at a time).
     step_sums: bool = True
@@ -558,6 +562,33 @@ def _first_gather_ps(problem: PlanningProblem, config: PipelineConfig) -> int:
     bucket = min(BUCKET_ELEMENTS, math.ceil(_rank_params(problem) / config.pp))
     return to_ps(_gather_seconds(problem, config, bucket)
                  + collective_seconds("all_gather", 0.0, dp_group(problem, config)))
+
+
+def _last_sync_ps(whole: PlanningProblem, problem: PlanningProblem,
+                  config: PipelineConfig) -> int:
+    """ZeRO 0/1: the gradient reduction of the last bucket backward fills, latency and
+    bytes, as :func:`_sync_ps` prices it. It starts as the step's last backward ends (the
+    bucket holds the stage's first parameters), so nothing hides it: charged whole once
+    per step. A bucket holds ``BUCKET_ELEMENTS``, or a stage's parameters reduced over dp
+    (about 1/pp of the tp rank's, the routed experts' aside under expert parallelism:
+    their buckets are reduced over their own group) when fewer, as
+    :func:`_first_gather_ps` takes it. ``whole``: the problem before its tensor-parallel
+    variant ``problem``."""
+    if config.dp == 1 or config.effective_zero_stage >= 2:
+        return 0
+    synced = _rank_params(problem)
+    if config.ep > 1:
+        for index, layer in enumerate(whole.layers):
+            if layer.moe is not None:
+                local = problem.layers[index]
+                figures = moe_layer_figures(layer.moe, local, problem, config)
+                synced -= local.param_count - figures.dense_params
+    bucket = min(BUCKET_ELEMENTS, math.ceil(synced / config.pp))
+    group = dp_group(problem, config)
+    kind = "reduce_scatter" if config.effective_zero_stage == 1 else "all_reduce"
+    moved = (1 if kind == "reduce_scatter" else 2) * (config.dp - 1) / config.dp
+    return to_ps(moved * bucket * problem.train.precision.master_bytes / group.link(kind)[1]
+                 + collective_seconds(kind, 0.0, group))
 
 
 def _rank_params(problem: PlanningProblem) -> int:
@@ -952,15 +983,16 @@ def build_cost_table(problem: PlanningProblem, config: PipelineConfig,
     limits = cache.limits(problem, config)
     latency = _bucket_latency_seconds(problem, config)
     first_gather = _first_gather_ps(problem, config)
+    last_sync = _last_sync_ps(whole, problem, config)
     return CostTable(
         config=config,
         layers=moe_rows(whole, problem, config, cache.rows(problem, config), cache),
         shared=shared,
         cut_ps=cache.cuts(problem, config),
         limits=limits,
-        tail_latency_ps=to_ps(latency) + first_gather,
+        tail_latency_ps=to_ps(latency) + first_gather + last_sync,
         overlap_permille=permille(devices.comm_overlap),
-        first_gather_ps=first_gather,
+        first_gather_ps=first_gather, last_sync_ps=last_sync,
         cut_bytes=_cut_bytes(problem, config),
         step_sums=steps_whole_list(problem, config),
     )
@@ -1006,11 +1038,15 @@ class Evaluation:
         return max(self.stages, key=lambda s: s.memory["peak"] / max(s.limit, 1))
 
 
-def exposed_sync_ps(sync_ps: int, backward_ps: int, overlap_permille: int = 1000) -> int:
+def exposed_sync_ps(sync_ps: int, backward_ps: int, overlap_permille: int = 1000,
+                    last_ps: int = 0) -> int:
     """What is left of a stage's dp gradient all-reduce once the last microbatch's
     backward (``backward_ps``, which it overlaps bucket by bucket) is done: all but the
     share ``overlap_permille`` / 1000 of the shorter of the two (:func:`overlapped`),
-    rounded up; ``max(0, sync - backward)`` at a whole overlap."""
+    rounded up; ``max(0, sync - backward)`` at a whole overlap. The last bucket's
+    reduction (``last_ps``: it starts as backward ends, and is charged whole in
+    ``CostTable.tail_latency_ps``) is not counted here."""
+    sync_ps = max(0, sync_ps - last_ps)
     hidden = overlap_permille * min(sync_ps, backward_ps)
     return -(-(1000 * sync_ps - hidden) // 1000)
 
@@ -1087,7 +1123,8 @@ def _stage_cost(table: CostTable, stage: int, runs: list[list[int]], modes: Sequ
         forward_ps=forward, backward_ps=backward, recompute_ps=recompute, comm_ps=comm,
         tail_ps=exposed_sync_ps(
             sum(r.sync_ps for r in rows) + sum(table.shared[g].sync_ps for g in held),
-            backward, table.overlap_permille) + sum(r.tail_ps for r in rows)
+            backward, table.overlap_permille, table.last_sync_ps)
+        + sum(r.tail_ps for r in rows)
         + sum(table.shared[g].tail_ps for g in held)
         + exposed_gather_ps(
             sum(r.gather_ps for r in rows) + sum(table.shared[g].gather_ps for g in held),

@@ -8,11 +8,13 @@ fp32. Per layer: forward 20 ms, backward 40 ms and the gradients' add into their
 buckets (30M x 12 bytes at 1 TB/s, 0.36 ms), the optimizer step 15M x 28 bytes at 1
 TB/s = 0.42 ms after the buckets' mean over dp (15M x 8 bytes) and zeroing (30M x 4
 bytes), 0.24 ms, the gradient reduce-scatter and the weight all-gather 1/2 x 30M x 4
-bytes at 1 GB/s = 60 ms each. The stage: 120 ms of reduce-scatter beside 80.72 ms of
-backward leave 39.28 ms. Blocking, the 120 ms all-gather follows the step: tail 39.28 +
-1.32 + 120 ms. Overlapped, a bucket of 25M parameters (50 ms) is waited for before the
-first layer runs; of the other 70 ms the 40 ms forward hides 40 (all of it at
-``comm_overlap`` 1, half at 0.5): tail 39.28 + 1.32 + 30 ms, and 50 ms once per step.
+bytes at 1 GB/s = 60 ms each. The stage: of 120 ms of reduce-scatter, the last bucket's
+(25M parameters, 50 ms) starts as backward ends and is charged whole once per step; the
+other 70 ms run beside 80.72 ms of backward, which hides them (all at ``comm_overlap``
+1, half at 0.5). Blocking, the 120 ms all-gather follows the step: tail 1.32 + 120 ms,
+and 50 ms once per step. Overlapped, the first bucket's all-gather (50 ms) is waited for
+before the first layer runs; of the other 70 ms the 40 ms forward hides 40 (all of it
+at ``comm_overlap`` 1, half at 0.5): tail 1.32 + 30 ms, and 50 + 50 ms once per step.
 """
 
 from __future__ import annotations
@@ -46,10 +48,11 @@ def test_a_blocking_gather_is_in_the_tail():
     table = build_cost_table(_instance(False), ZERO1)
     assert [(_ms(r.tail_ps), r.gather_ps) for r in table.layers] == \
         [(pytest.approx(60.66), 0)] * 2
-    assert table.first_gather_ps == 0 and table.tail_latency_ps == 0
+    assert table.first_gather_ps == 0
+    assert _ms(table.tail_latency_ps) == _ms(table.last_sync_ps) == pytest.approx(50)
     evaluation = evaluate(table, [0, 0], ["none", "none"])
-    assert _ms(evaluation.stages[0].tail_ps) == pytest.approx(120 - BACKWARD + TAIL + 120)
-    assert _ms(evaluation.step_ps) == pytest.approx(40 + 120 + TAIL + 120)
+    assert _ms(evaluation.stages[0].tail_ps) == pytest.approx(TAIL + 120)
+    assert _ms(evaluation.step_ps) == pytest.approx(40 + BACKWARD + TAIL + 120 + 50)
 
 
 @pytest.mark.parametrize("comm_overlap, hidden", [(1.0, 40.0), (0.5, 20.0)])
@@ -58,14 +61,14 @@ def test_an_overlapped_gather_costs_its_first_bucket_and_what_forward_leaves(com
     table = build_cost_table(_instance(True, comm_overlap), ZERO1)
     assert [(_ms(r.tail_ps), _ms(r.gather_ps)) for r in table.layers] == \
         [(pytest.approx(0.66), pytest.approx(60))] * 2
-    assert _ms(table.first_gather_ps) == pytest.approx(50)
-    assert table.tail_latency_ps == table.first_gather_ps
+    assert _ms(table.first_gather_ps) == _ms(table.last_sync_ps) == pytest.approx(50)
+    assert table.tail_latency_ps == table.first_gather_ps + table.last_sync_ps
     evaluation = evaluate(table, [0, 0], ["none", "none"])
-    exposed_sync = 120 - min(120, BACKWARD) * comm_overlap
+    exposed_sync = 70 - min(70, BACKWARD) * comm_overlap
     assert _ms(evaluation.stages[0].tail_ps) == pytest.approx(
         exposed_sync + TAIL + (70 - hidden))
     assert _ms(evaluation.step_ps) == pytest.approx(
-        40 + BACKWARD + exposed_sync + TAIL + (70 - hidden) + 50)
+        40 + BACKWARD + exposed_sync + TAIL + (70 - hidden) + 50 + 50)
 
 
 def test_exposed_gather_by_hand():

@@ -114,8 +114,21 @@ def test_zero2_and_zero3_state_as_fsdp_holds_it():
     assert zero3.peak < zero2.peak
 
 
+def _small_buckets(monkeypatch, problem) -> None:
+    """Buckets of 1/8 of the model's parameters (the runtime's PARTC_BUCKET_ELEMENTS), so
+    that backward has buckets to hide besides the last one."""
+    import partc.costs
+
+    params = sum(layer.param_count for layer in problem.layers) + sum(
+        shared.param_count for shared in problem.model.shared)
+    monkeypatch.setattr(partc.costs, "BUCKET_ELEMENTS", params // 8)
+
+
 @pytest.mark.parametrize("bandwidth", [300e9, 1e8])
-def test_dp_all_reduce_is_charged_only_past_the_last_backward(bandwidth):
+def test_dp_all_reduce_is_charged_only_past_the_last_backward(bandwidth, monkeypatch):
+    """The dp all-reduce overlaps the last microbatch's backward bucket by bucket, but the
+    last bucket's starts as backward ends: charged whole, once a step, in the tail
+    latency."""
     from dataclasses import replace
 
     from partc.costs import PipelineConfig, build_cost_table, evaluate
@@ -125,20 +138,28 @@ def test_dp_all_reduce_is_charged_only_past_the_last_backward(bandwidth):
                                                intra_node_bandwidth=bandwidth))
     config = PipelineConfig(pp=1, dp=2, micro_batch_size=1, num_microbatches=4,
                             schedule="1f1b")
+    # At the default size the model is one bucket: all of its reduction is exposed.
+    table = build_cost_table(problem, config)
+    sync = sum(r.sync_ps for r in (*table.layers, *table.shared))
+    stage = evaluate(table, [0] * table.num_layers, ["none"] * table.num_layers).stages[0]
+    assert table.last_sync_ps >= sync > 0 and table.tail_latency_ps >= table.last_sync_ps
+    assert stage.tail_ps == sum(r.tail_ps for r in (*table.layers, *table.shared))
+    _small_buckets(monkeypatch, problem)
     table = build_cost_table(problem, config)
     rows = [*table.layers, *table.shared]
-    sync = sum(r.sync_ps for r in rows)
+    sync, last = sum(r.sync_ps for r in rows), table.last_sync_ps
     backward = sum(r.backward_ps for r in table.layers)
     step = sum(r.tail_ps for r in rows)
     stage = evaluate(table, [0] * table.num_layers, ["none"] * table.num_layers).stages[0]
-    assert sync > 0 and stage.tail_ps == max(0, sync - backward) + step
-    # A fast link hides the whole all-reduce; a slow one leaves part of it exposed.
-    assert (stage.tail_ps == step) == (sync <= backward)
-    assert (sync <= backward) == (bandwidth > 1e9)
+    assert 0 < last < sync and table.tail_latency_ps >= last
+    assert stage.tail_ps == max(0, sync - last - backward) + step
+    # A fast link hides all but the last bucket; a slow one leaves part of the rest.
+    assert (stage.tail_ps == step) == (sync - last <= backward)
+    assert (sync - last <= backward) == (bandwidth > 1e9)
 
 
 @pytest.mark.parametrize("overlap", [0.0, 0.5])
-def test_comm_overlap_hides_only_its_share(overlap):
+def test_comm_overlap_hides_only_its_share(overlap, monkeypatch):
     """DeviceNumbers.comm_overlap: where a collective competes with compute for the cores
     (gloo on a CPU), the last backward hides only that share of the dp all-reduce, and a
     ZeRO-3 layer's gathers and reduce-scatters add to its compute instead of hiding
@@ -152,11 +173,13 @@ def test_comm_overlap_hides_only_its_share(overlap):
     partial = replace(whole, devices=replace(whole.devices, comm_overlap=overlap))
     config = PipelineConfig(pp=1, dp=2, micro_batch_size=1, num_microbatches=4,
                             schedule="1f1b")
+    _small_buckets(monkeypatch, base)
     tails = []
     for problem in (whole, partial):
         table = build_cost_table(problem, config)
         rows = [*table.layers, *table.shared]
-        sync = sum(r.sync_ps for r in rows)
+        # The last bucket's reduction is never hidden (the tail latency's): the rest.
+        sync = sum(r.sync_ps for r in rows) - table.last_sync_ps
         backward = sum(r.backward_ps for r in table.layers)
         stage = evaluate(table, [0] * table.num_layers, ["none"] * table.num_layers).stages[0]
         tails.append(stage.tail_ps - sum(r.tail_ps for r in rows))

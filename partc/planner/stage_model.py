@@ -58,10 +58,12 @@ Constraints
     (4) ``peak_busy >= busy_s``;
     (5) ``n_k h[g,s] >= N[k,s]`` for segments ``k`` using ``g``;
     (6) ``tail >= sum_k T_k N[k,s] + sum_g T_g h[g,s] + exposed[s] + gathered[s]`` with
-        ``1000 exposed[s] >= 1000 D_s - O B_s`` and ``1000 exposed[s] >= (1000 - O) D_s``
-        where ``D_s = sum_k D_k N[k,s] + sum_g D_g h[g,s]`` and ``B_s = sum_k B_k N[k,s]``:
-        the dp all-reduce ``D`` (ZeRO 0/1) overlaps the last microbatch's backward ``B``
-        of the stage, which hides ``O``/1000 of the shorter (``comm_overlap``); likewise
+        ``1000 exposed[s] >= 1000 (D_s - D_last) - O B_s`` and ``1000 exposed[s] >= (1000
+        - O) (D_s - D_last)`` where ``D_s = sum_k D_k N[k,s] + sum_g D_g h[g,s]`` and ``B_s
+        = sum_k B_k N[k,s]``: the dp all-reduce ``D`` (ZeRO 0/1) overlaps the last
+        microbatch's backward ``B`` of the stage, which hides ``O``/1000 of the shorter
+        (``comm_overlap``), all but the last bucket's ``D_last``, which starts as that
+        backward ends (a constant of the step: ``CostTable.tail_latency_ps``); likewise
         ``1000 gathered[s] >= 1000 (G_s - G_first) - O F_s`` and ``1000 gathered[s] >=
         (1000 - O) (G_s - G_first)``: ZeRO-1's weight all-gather ``G`` (``G_s`` summed as
         ``D_s``) overlaps the next step's forward ``F_s = sum_k F_k N[k,s]`` of a
@@ -450,14 +452,16 @@ class StageModel:
             value(g) * held[gi][stage] for gi, g in enumerate(self.table.shared))
 
     def _exposed_sync(self, stage: int, held: list[list]) -> Any:
-        """(6) ``exposed[s]``: the dp all-reduce left after the last microbatch's
-        backward, all but the hidden share O/1000 of min(sync, backward)
+        """(6) ``exposed[s]``: the dp all-reduce beyond the last bucket's ``D_last``
+        (a constant of the step: ``CostTable.tail_latency_ps``) left after the last
+        microbatch's backward, all but the hidden share O/1000 of min(sync, backward)
         (costs.exposed_sync_ps)."""
         top = sum(r.sync_ps for r in (*self.table.layers, *self.table.shared))
         if not top:
             return 0
         exposed = self.model.new_int_var(0, top, f"exposed_sync_stage{stage}")
-        sync = self._stage_sum(stage, held, lambda row: row.sync_ps)
+        sync = self._stage_sum(stage, held, lambda row: row.sync_ps) \
+            - self.table.last_sync_ps
         backward = self._per_rank(stage, lambda row: row.backward_ps)
         hides = self.table.overlap_permille
         self.model.add(1000 * exposed >= 1000 * sync - hides * backward)

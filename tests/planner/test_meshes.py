@@ -193,10 +193,12 @@ def _render_history(program, best: ConfigResult, solved: tuple[ConfigResult, ...
                 for t, f in zip(tables, floors)]
     meshes = mesh_results(problem, tables, floors, outcomes, best)
     config = best.table.config
+    step_s = best.evaluation.step_ps / PS_PER_S
     plan = replace(program.plan, meshes=tuple(mesh_summary(m) for m in meshes),
                    mesh=Mesh(pp=config.pp, dp=config.dp, tp=config.tp),
-                   predicted=replace(program.plan.predicted,
-                                     step_time_s=best.evaluation.step_ps / PS_PER_S))
+                   predicted=replace(program.plan.predicted, step_time_s=step_s,
+                                     closed_form_step_s=step_s),
+                   solver=replace(program.plan.solver, objective=step_s))
     return render(plan), meshes
 
 

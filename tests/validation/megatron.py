@@ -379,7 +379,8 @@ def breakdown(problem: PlanningProblem, assignment: Assignment) -> Breakdown:
     held = [g for g in table.shared if any(l in last.layers for l in g.layers)]
     sync_ps = sum(r.sync_ps for r in rows) + sum(g.sync_ps for g in held)
     gather_ps = sum(r.gather_ps for r in rows) + sum(g.gather_ps for g in held)
-    exposed = exposed_sync_ps(sync_ps, last.backward_ps) + table.tail_latency_ps \
+    exposed = exposed_sync_ps(sync_ps, last.backward_ps, table.overlap_permille,
+                              table.last_sync_ps) + table.tail_latency_ps \
         + exposed_gather_ps(gather_ps, last.forward_ps, table.first_gather_ps,
                             table.overlap_permille)
     optimizer = sum(r.tail_ps for r in rows) + sum(g.tail_ps for g in held)
