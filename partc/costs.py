@@ -516,13 +516,19 @@ def _sync_ps(problem: PlanningProblem, config: PipelineConfig, params: int) -> i
                      + _zero_overhead_seconds(problem, config, params)["sync"])
     if config.dp == 1 or config.effective_zero_stage >= 2:
         return 0
-    master = problem.train.precision.master_bytes
+    return to_ps(_reduction_seconds(problem, config, params, params / BUCKET_ELEMENTS))
+
+
+def _reduction_seconds(problem: PlanningProblem, config: PipelineConfig, params: float,
+                       calls: float) -> float:
+    """ZeRO 0/1's reduction over dp of ``params`` fp32 gradients in ``calls``
+    collectives: an all-reduce under ZeRO-0 (ring: 2 (d-1)/d of the bytes), a
+    reduce-scatter under ZeRO-1 ((d-1)/d), latency and all."""
     group = dp_group(problem, config)
     kind = "reduce_scatter" if config.effective_zero_stage == 1 else "all_reduce"
-    bandwidth = group.link(kind)[1]
     moved = (1 if kind == "reduce_scatter" else 2) * (config.dp - 1) / config.dp
-    latency = params / BUCKET_ELEMENTS * collective_seconds(kind, 0.0, group)
-    return to_ps(moved * params * master / bandwidth + latency)
+    return (moved * params * problem.train.precision.master_bytes / group.link(kind)[1]
+            + calls * collective_seconds(kind, 0.0, group))
 
 
 def gather_overlaps(problem: PlanningProblem, config: PipelineConfig) -> bool:
@@ -559,7 +565,7 @@ def _first_gather_ps(problem: PlanningProblem, config: PipelineConfig) -> int:
     rank's) when fewer."""
     if config.dp == 1 or not gather_overlaps(problem, config):
         return 0
-    bucket = min(BUCKET_ELEMENTS, math.ceil(_rank_params(problem) / config.pp))
+    bucket = _stage_bucket(_rank_params(problem), config)
     return to_ps(_gather_seconds(problem, config, bucket)
                  + collective_seconds("all_gather", 0.0, dp_group(problem, config)))
 
@@ -567,13 +573,11 @@ def _first_gather_ps(problem: PlanningProblem, config: PipelineConfig) -> int:
 def _last_sync_ps(whole: PlanningProblem, problem: PlanningProblem,
                   config: PipelineConfig) -> int:
     """ZeRO 0/1: the gradient reduction of the last bucket backward fills, latency and
-    bytes, as :func:`_sync_ps` prices it. It starts as the step's last backward ends (the
-    bucket holds the stage's first parameters), so nothing hides it: charged whole once
-    per step. A bucket holds ``BUCKET_ELEMENTS``, or a stage's parameters reduced over dp
-    (about 1/pp of the tp rank's, the routed experts' aside under expert parallelism:
-    their buckets are reduced over their own group) when fewer, as
-    :func:`_first_gather_ps` takes it. ``whole``: the problem before its tensor-parallel
-    variant ``problem``."""
+    bytes. It starts as the step's last backward ends (the bucket holds the stage's first
+    parameters), so nothing hides it: charged whole once per step. The bucket is
+    :func:`_stage_bucket` of the parameters reduced over dp (the routed experts' aside
+    under expert parallelism: their buckets are reduced over their own group).
+    ``whole``: the problem before its tensor-parallel variant ``problem``."""
     if config.dp == 1 or config.effective_zero_stage >= 2:
         return 0
     synced = _rank_params(problem)
@@ -583,12 +587,13 @@ def _last_sync_ps(whole: PlanningProblem, problem: PlanningProblem,
                 local = problem.layers[index]
                 figures = moe_layer_figures(layer.moe, local, problem, config)
                 synced -= local.param_count - figures.dense_params
-    bucket = min(BUCKET_ELEMENTS, math.ceil(synced / config.pp))
-    group = dp_group(problem, config)
-    kind = "reduce_scatter" if config.effective_zero_stage == 1 else "all_reduce"
-    moved = (1 if kind == "reduce_scatter" else 2) * (config.dp - 1) / config.dp
-    return to_ps(moved * bucket * problem.train.precision.master_bytes / group.link(kind)[1]
-                 + collective_seconds(kind, 0.0, group))
+    return to_ps(_reduction_seconds(problem, config, _stage_bucket(synced, config), 1))
+
+
+def _stage_bucket(params: int, config: PipelineConfig) -> int:
+    """The elements of a stage's first (or last) bucket, its model's ``params`` spread
+    over ``pp`` stages: ``BUCKET_ELEMENTS``, or the stage's parameters when fewer."""
+    return min(BUCKET_ELEMENTS, math.ceil(params / config.pp))
 
 
 def _rank_params(problem: PlanningProblem) -> int:

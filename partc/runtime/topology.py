@@ -133,8 +133,8 @@ def init(plan: Plan, device: torch.device | str | None = None) -> Topology:
     rank = dist.get_rank()
     tp = plan.tp
     shape = (plan.pp, plan.dp, tp)
-    mesh = GROUPS.get(("mesh", device.type, shape),
-                  lambda: init_device_mesh(device.type, shape, mesh_dim_names=("pp", "dp", "tp")))
+    mesh = GROUPS.get(("mesh", device.type, shape), lambda: init_device_mesh(
+        device.type, shape, mesh_dim_names=("pp", "dp", "tp")))
     ep = plan.mesh.ep
     ep_group, expert_dp_group = _expert_groups(plan.pp, plan.dp * tp, ep, rank)
     return Topology(rank=rank, world_size=dist.get_world_size(), pp=plan.pp, dp=plan.dp,
