@@ -11,8 +11,14 @@ latency ``alpha``; bytes cost ``1 / bandwidth`` per rank:
   rings win on bandwidth, trees on latency once groups are large and messages small.
 
 The link: a group inside one node runs over NVLink (``intra_node_*``); a group spanning
-nodes is bounded by each GPU's share of the network (``inter_node_*``), the slowest hop of
-every ring step. Point-to-point sends (pipeline activations) cost one step.
+nodes is bounded by the network (``inter_node_*``, each GPU's own NIC), the slowest hop of
+every ring step. NCCL runs a collective as several rings (channels) at once, each entering
+and leaving every node once, and spreads them over the NICs of the group's members in the
+node: with ``k`` members per node (a data-parallel group beside tensor parallelism of
+``8 / k`` ranks), a node sends ``(n - 1) / n * S`` over ``k`` NICs, so each rank moves
+bytes at ``k`` times its NIC's rate, up to NVLink's. With one member per node (tp = 8)
+that is the NIC's rate. Point-to-point sends (pipeline activations) cost one step over
+one NIC.
 
 Inside a node each kind may have its own latency and bandwidth (``Group.kinds``, from a
 calibrated profile's per-collective fits): backends do not run every kind as the same
@@ -44,13 +50,16 @@ class Group:
 
     @classmethod
     def over(cls, devices: DeviceNumbers, ranks: int, span: int) -> "Group":
-        """A group of ``ranks`` whose members lie within ``span`` consecutive devices."""
-        inside = span <= devices.devices_per_node
-        return cls(ranks=ranks,
-                   bandwidth=devices.intra_node_bandwidth if inside
-                   else devices.inter_node_bandwidth,
-                   latency_s=devices.intra_latency_s if inside else devices.link_latency_s,
-                   kinds=devices.intra_node_links if inside else ())
+        """A group of ``ranks`` spread evenly over ``span`` consecutive devices (a
+        data-parallel group: every tp-th rank of ``dp * tp``)."""
+        node = devices.devices_per_node
+        if span <= node:
+            return cls(ranks=ranks, bandwidth=devices.intra_node_bandwidth,
+                       latency_s=devices.intra_latency_s, kinds=devices.intra_node_links)
+        return cls(ranks=ranks, latency_s=devices.link_latency_s,
+                   bandwidth=min(devices.intra_node_bandwidth,
+                                 members_per_node(ranks, span, node)
+                                 * devices.inter_node_bandwidth))
 
     def link(self, kind: str) -> tuple[float, float]:
         """(latency per step, bandwidth) of ``kind`` on this group's link. A broadcast
@@ -60,6 +69,13 @@ class Group:
             if name == wanted:
                 return latency, bandwidth
         return self.latency_s, self.bandwidth
+
+
+def members_per_node(ranks: int, span: int, node: int) -> int:
+    """How many of a group's ``ranks``, spread evenly over ``span`` consecutive devices
+    (every ``span / ranks``-th one), share a node of ``node`` devices: 1 once the stride
+    reaches a node."""
+    return max(1, min(ranks, ranks * node // span))
 
 
 def ring_seconds(kind: str, nbytes: float, group: Group) -> float:

@@ -196,6 +196,31 @@ def test_each_collective_kind_is_priced_by_its_own_link():
     assert row.backward_ps / PS_PER_S == pytest.approx(21e-3 + 42e-3)
 
 
+def test_a_group_spanning_nodes_drives_the_nics_of_its_members_in_each_node():
+    """NCCL spreads a collective's rings over the NICs of the group's members in a node:
+    a data-parallel group of 48 over 6 nodes of 8 (tp = 1) moves bytes at 8 NICs' rate
+    per rank, beside tp = 2 at 4 NICs', beside tp = 8 (one member per node) at one NIC's;
+    never above NVLink's; a pipeline send crosses one NIC."""
+    from partc.collectives import Group, collective_seconds, members_per_node
+
+    numbers = dataclasses.replace(instances.devices(8, 10**12), devices_per_node=8,
+                                  intra_node_bandwidth=450e9, inter_node_bandwidth=50e9,
+                                  link_latency_s=0.0)
+    assert [members_per_node(48, 48 * tp, 8) for tp in (1, 2, 4, 8, 16)] == [8, 4, 2, 1, 1]
+    nbytes = 48e8
+
+    def seconds(tp: int) -> float:
+        return collective_seconds("reduce_scatter", nbytes, Group.over(numbers, 48, 48 * tp))
+
+    one_nic = 47 / 48 * nbytes / 50e9
+    assert seconds(8) == pytest.approx(one_nic)
+    assert seconds(2) == pytest.approx(one_nic / 4)
+    assert seconds(1) == pytest.approx(47 / 48 * nbytes / 400e9)
+    fast = dataclasses.replace(numbers, inter_node_bandwidth=100e9)
+    assert Group.over(fast, 48, 48).bandwidth == 450e9
+    assert Group.over(numbers, 2, 16).bandwidth == 50e9
+
+
 def test_a_zero_bubble_schedule_prices_backward_as_two_passes():
     """Under a schedule that splits backward into input and weight gradients, a layer's
     backward compute costs DeviceNumbers.split_backward_factor times one pass (autograd

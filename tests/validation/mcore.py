@@ -59,11 +59,14 @@ linears measured 0.70 (``partc calibrate``, :data:`MEASURED_EFFICIENCY`), and it
 prices the pipelined rows' matmuls that much slower: 0.75-0.84x (1.7B, planned as 32B
 is, inside at 1.10x: ``test_mcore_scaling``'s OUTSIDE says why). At the measured 0.70
 with micro-batches of one (:data:`MICROBATCH_OF_THE_BATCHES`), nothing fitted, the
-pipelined rows are predicted at 1.01-1.08x and the unpipelined ones at 0.77-0.90x:
-those four spend 0.18-0.42 s on exposed data-parallel traffic that 0.45-0.89 s
-published steps leave no room for at one sequence per microbatch, so they likely ran
-larger microbatches, which the table does not say (partc's own, four sequences,
-predicts them at 1.16-1.39x there).
+pipelined rows are predicted at 1.01-1.08x and the unpipelined ones at 0.79-1.27x. 16B
+and 32B, whose data-parallel groups hold two ranks and one rank per node (a NIC each),
+spend 0.18 and 0.41 s on exposed data-parallel traffic that 0.85 and 0.89 s published
+steps leave no room for at one sequence per microbatch: they likely ran larger
+microbatches, which the table does not say (partc's own, four sequences, predicts them
+at 1.23 and 1.29x there). 1.7B and 7.1B run their rings over 8 and 4 NICs a node
+(:mod:`partc.collectives`), expose 0.01-0.05 s and come out at 1.27 and 1.12x (1.37
+and 1.25x as partc plans them): no one micro-batch size puts all four in the band.
 """
 
 from __future__ import annotations

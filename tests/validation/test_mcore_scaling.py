@@ -148,14 +148,21 @@ def test_pipelined_rows_within_target_at_the_measured_efficiency(name):
 
 @pytest.mark.parametrize("name", UNPIPELINED)
 def test_unpipelined_rows_lie_between_microbatches_of_one_and_partcs_own(name):
-    """At the measured efficiency, a row without a pipeline is predicted below its
-    published throughput as four microbatches of one (data-parallel sync exposed beside
-    one microbatch) and above it as the microbatch partc chooses (four sequences: the
-    sync hidden): the micro-batch size the table does not give decides it."""
+    """At the measured efficiency, a row without a pipeline is predicted above its
+    published throughput as the microbatch partc chooses (four sequences: the
+    data-parallel sync hidden) and below it as four microbatches of one (the sync
+    exposed beside one microbatch) where its data-parallel group has one or two ranks
+    per node (16B, 32B: a NIC each); 1.7B's and 7.1B's rings run over 8 and 4 NICs a
+    node and hide it either way. The micro-batch size the table does not give decides
+    the larger rows."""
+    run = run_named(name)
     ones = _measured(name, mcore.MICROBATCH_OF_THE_BATCHES)
     chosen = _measured(name, None)
     assert chosen.plan.micro_batch_size > 1
-    assert ones.ratio < 1 < chosen.ratio, f"{name}: {ones.ratio:.3f}x, {chosen.ratio:.3f}x"
+    assert ones.ratio < chosen.ratio and chosen.ratio > 1, \
+        f"{name}: {ones.ratio:.3f}x, {chosen.ratio:.3f}x"
+    if run.tp >= 4:
+        assert ones.ratio < 1, f"{name}: {ones.ratio:.3f}x"
 
 
 @pytest.mark.slow
