@@ -842,13 +842,18 @@ def _p2p_link(problem: PlanningProblem, config: PipelineConfig, boundary: int) -
 
 
 def _cut_table(problem: PlanningProblem, config: PipelineConfig) -> tuple[tuple[int, ...], ...]:
+    """[cut l][boundary j]: the sends of cut ``l`` as the boundary ``j -> j + 1``, both
+    ways; 0 where both runs are on one rank (the V schedules' turn), which passes the
+    tensors on without a send."""
     scale = problem.train.measured_scale * config.micro_batch_size
-    links = [_p2p_link(problem, config, j) for j in range(config.virtual_stages - 1)]
+    links = [None if config.rank_of(j) == config.rank_of(j + 1)
+             else _p2p_link(problem, config, j) for j in range(config.virtual_stages - 1)]
     rows: dict[float, tuple[int, ...]] = {}   # equal cuts (between blocks) share a row
     for crossing in set(problem.model.cut_bytes):
         # Forward sends the activation, backward returns its gradient: twice the bytes.
-        rows[crossing] = tuple(to_ps(2 * collective_seconds("send", scale * crossing, link))
-                               for link in links)
+        rows[crossing] = tuple(
+            0 if link is None else to_ps(2 * collective_seconds("send", scale * crossing, link))
+            for link in links)
     return tuple(rows[crossing] for crossing in problem.model.cut_bytes)
 
 
@@ -953,8 +958,9 @@ class TableCache:
 
     def cuts(self, problem: PlanningProblem,
              config: PipelineConfig) -> tuple[tuple[int, ...], ...]:
-        key = (config.micro_batch_size, config.pp, config.chunks, config.tp,
-               config.sequence_parallel, config.tp_objective)
+        placement = config.chunks > 1 and schedule_info(config.schedule).placement
+        key = ("cuts", config.micro_batch_size, config.pp, config.chunks, placement,
+               config.tp, config.sequence_parallel, config.tp_objective)
         cuts = self._tables.get(key)
         if cuts is None:
             cuts = self._tables[key] = _cut_table(problem, config)
@@ -1017,9 +1023,10 @@ class StageCost:
     memory: dict[str, int]
     limit: int
     runs: tuple[tuple[int, ...], ...] = ()   # interleaved: the rank's runs of layers
-    # Per run of the rank (model order): forward, backward, recompute and the send of
-    # its cut (both ways), per microbatch; what the simulation plays.
-    run_ps: tuple[tuple[int, int, int, int], ...] = ()
+    # Per run of the rank (model order): forward, backward, recompute, the send of its
+    # cut (both ways) and its share of the cut into it (:func:`receive_ps`), per
+    # microbatch; what the simulation plays.
+    run_ps: tuple[tuple[int, int, int, int, int], ...] = ()
 
     @property
     def busy_ps(self) -> int:
@@ -1093,6 +1100,17 @@ def receive_bytes(table: CostTable, runs: Sequence[Sequence[int]],
                if run and j < last)
 
 
+def receive_ps(table: CostTable, cut: int, boundary: int) -> int:
+    """The receiving end's share of cut ``cut``'s transfers as the boundary ``boundary ->
+    boundary + 1`` (both ways: the activation in, its gradient back out), charged to
+    the run after the boundary beside the sender's whole ``cut_ps``: all but the share
+    ``comm_overlap`` of it. A transfer costs its sender the send and its receiver the
+    receipt; NCCL's kernels run beside the receiver's compute (overlap 1: nothing), gloo's
+    threads on the cores the receiver computes on (a CPU's calibrated overlap, about
+    0.2), so both ends lose it there."""
+    return table.cut_ps[cut][boundary] * (1000 - table.overlap_permille) // 1000
+
+
 def _stage_cost(table: CostTable, stage: int, runs: list[list[int]], modes: Sequence[str],
                 held: list[int], numbers: Sequence[int] = ()) -> StageCost:
     """Rank ``stage``'s costs; ``runs`` are its runs of layers (one unless interleaved),
@@ -1113,14 +1131,17 @@ def _stage_cost(table: CostTable, stage: int, runs: list[list[int]], modes: Sequ
     recompute = sum(table.layers[l].recompute_ps[modes[l]] for l in members)
     numbers = numbers or config.runs_of(stage)
     receive = receive_bytes(table, runs, numbers)
-    comm = sum(table.cut_ps[run[-1]][j] for j, run in zip(numbers, runs)
-               if run and j < config.virtual_stages - 1)
+    sent = [table.cut_ps[run[-1]][j] if run and j < config.virtual_stages - 1 else 0
+            for j, run in zip(numbers, runs)]
+    # Runs are contiguous in model order: the cut into run j is its first layer's - 1.
+    received = [receive_ps(table, run[0] - 1, j - 1) if run and j > 0 else 0
+                for j, run in zip(numbers, runs)]
+    comm = sum(sent) + sum(received)
     run_ps = tuple(
         (sum(table.layers[l].forward_ps for l in run),
          sum(table.layers[l].backward_ps for l in run),
-         sum(table.layers[l].recompute_ps[modes[l]] for l in run),
-         table.cut_ps[run[-1]][j] if run and j < config.virtual_stages - 1 else 0)
-        for j, run in zip(numbers, runs))
+         sum(table.layers[l].recompute_ps[modes[l]] for l in run), out, into)
+        for run, out, into in zip(runs, sent, received))
     return StageCost(
         run_ps=run_ps,
         layers=tuple(members),
@@ -1163,9 +1184,10 @@ def simulate(config: PipelineConfig, evaluation: Evaluation, schedule: str | Non
     name = schedule or config.schedule
     runs: list[StageSeconds | None] = [None] * config.virtual_stages
     for s, stage in enumerate(evaluation.stages):
-        for j, (forward, backward, recompute, cut) in zip(config.runs_of(s), stage.run_ps):
+        for j, (forward, backward, recompute, cut, into) in zip(config.runs_of(s),
+                                                                 stage.run_ps):
             runs[j] = StageSeconds(forward=forward, backward=backward, recompute=recompute,
-                                   send=cut / 2)
+                                   send=cut / 2, receive=into / 2)
     return play(name, config.pp, config.chunks, config.num_microbatches, runs,
                 [stage.tail_ps for stage in evaluation.stages])
 

@@ -88,6 +88,10 @@ class StageSeconds:
     collective_forward: float = 0.0   # part of ``forward`` spent in tp collectives
     collective_backward: float = 0.0  # part of ``backward``
     send: float = 0.0            # each way across the cut after this virtual stage
+    # Each way across the cut before it: the receiving end's share of that transfer
+    # (partc.costs.receive_ps), paid on receipt of the activation and on sending its
+    # gradient back.
+    receive: float = 0.0
     weight_share: float = WEIGHT_SHARE
 
 
@@ -307,7 +311,7 @@ def _parts(op: Op, t: StageSeconds, crosses: list[bool], split: bool
            ) -> list[tuple[str, float]]:
     j = op.stage
     if op.phase == "forward":
-        return [("forward", t.forward - t.collective_forward),
+        return [("p2p", t.receive), ("forward", t.forward - t.collective_forward),
                 ("collective", t.collective_forward),
                 ("p2p", t.send if crosses[j] else 0.0)]
     receive = t.send if crosses[j] else 0.0
@@ -317,7 +321,8 @@ def _parts(op: Op, t: StageSeconds, crosses: list[bool], split: bool
     backward = t.backward - weight if op.phase == "input" else t.backward
     collective = min(t.collective_backward, backward)
     return [("p2p", receive), ("recompute", t.recompute),
-            ("backward", backward - collective), ("collective", collective)]
+            ("backward", backward - collective), ("collective", collective),
+            ("p2p", t.receive)]
 
 
 @lru_cache(maxsize=4096)

@@ -42,7 +42,9 @@ Objective
     h[g,s] - 1))``, ``v`` times the step time (``v = 1``: ``(m - 1) peak_busy + sum_s
     busy_s + ...``), where ``busy_s = sum_{k,r} C[k,r] n[k,s,r] + sum_{j ~ s, j < pv-1}
     sum_k (I_k[j] (started[k,j] - finished[k,j]) + E_k[j] (finished[k,j] -
-    started[k+1,j]))``.
+    started[k+1,j]))`` plus, for the boundary into each run ``j ~ s, j > 0``, the same
+    sum at ``j - 1`` over the receiving end's share of ``I`` and ``E``
+    (:func:`partc.costs.receive_ps`: ``(1000 - O) / 1000`` of it).
 Constraints
     (1) every layer has exactly one mode: ``sum_r n[k,s,r] = N[k,s]``, ``n[k,s,r] <= n_k
         u[k,s,r]``;
@@ -118,7 +120,7 @@ from typing import Any
 
 from ortools.sat.python import cp_model
 
-from ..costs import CostTable
+from ..costs import CostTable, receive_ps
 from ..problem import RECOMPUTE_MODES, PlanningProblem
 from .results import Assignment
 
@@ -374,6 +376,11 @@ class StageModel:
         """(3) The send/recv time of the boundary ``run -> run + 1``."""
         return self._at_boundary(run, lambda cut: self.table.cut_ps[cut][run])
 
+    def receive_boundary_ps(self, run: int):
+        """(3) The receiving end's share of the boundary ``run -> run + 1``
+        (:func:`partc.costs.receive_ps`), charged to ``run + 1``'s rank."""
+        return self._at_boundary(run, lambda cut: receive_ps(self.table, cut, run))
+
     def boundary_units(self, run: int):
         """(8) The bytes crossing the boundary ``run -> run + 1`` per microbatch, in
         memory units."""
@@ -398,7 +405,7 @@ class StageModel:
         (4) ``peak_busy >= busy_s``."""
         table, busy = self.table, []
         horizon = sum(max(row.compute_ps(r) for r in row.recompute_ps) for row in table.layers)
-        horizon += sum(max(row, default=0) for row in table.cut_ps)
+        horizon += 2 * sum(max(row, default=0) for row in table.cut_ps)
         self.peak_busy = self.model.new_int_var(0, horizon, "peak_busy")
         last_run = table.config.virtual_stages - 1
         for rank in self.ranks:
@@ -406,6 +413,8 @@ class StageModel:
                           for (k, r), count in self.count[rank].items())
             comm = sum(self.boundary_ps(run) for run in table.config.runs_of(rank)
                        if run < last_run)
+            comm += sum(self.receive_boundary_ps(run - 1)
+                        for run in table.config.runs_of(rank) if run > 0)
             busy.append(compute + comm)
             self.model.add(self.peak_busy >= compute + comm)
         return busy
