@@ -14,7 +14,7 @@ parallelism inside a node; then a pipeline across the nodes. What the planner pi
 regime  memory/GPU  plan picked                      why the previous regime's mesh
                                                      no longer fits
 ======  ==========  ===============================  ==================================
-1       80 GiB      pp=1, tp=1, dp=16, ZeRO-1 (0     (first regime)
+1       80 GiB      pp=1, tp=1, dp=16, ZeRO-1 (also  (first regime)
                     with a blocking weight gather)
 2       3.3 GiB     pp=2, tp=1, dp=8, ZeRO-1         ZeRO-0 needs 4.17 GiB
                     (zero-bubble V schedule)
