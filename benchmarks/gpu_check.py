@@ -26,6 +26,8 @@ writing ``DIR/<part>.json`` and printing a table:
   parallel, bf16 and fp32), joined to a fake process group (collectives move nothing;
   every tensor is allocated with its real shape): ``max_memory_allocated`` of a training
   step against the plan's peak for that rank.
+  With ``PARTC_GPU_SNAPSHOT=<case>``, that case's allocations are recorded with their
+  Python stacks (``DIR/memory/<case>.pickle``, ``torch.cuda.memory._dump_snapshot``).
 - ``calibrate``: ``partc calibrate`` on this GPU, then the ``train`` part's plans
   predicted again from that profile (pinned to what ran) against the same measurements.
 
@@ -44,6 +46,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import dataclasses
 import json
 import os
 import statistics
@@ -360,7 +363,13 @@ def memory_worker(out: Path, name: str, prepare: bool) -> None:
     if prepare:
         mc.compile_case(case)
         return
+    snapshot = torch.cuda.is_available() and os.environ.get("PARTC_GPU_SNAPSHOT") == name
+    if snapshot:   # every allocation with its Python stack: what the peak holds
+        torch.cuda.memory._record_memory_history(max_entries=400_000, stacks="python")
     rows = mc.check_case(case)
+    if snapshot:
+        torch.cuda.memory._dump_snapshot(str(out / "memory" / f"{name}.pickle"))
+        torch.cuda.memory._record_memory_history(enabled=None)
     result = [{"case": row.case, "rank": row.rank, "stage": row.stage,
                "predicted_peak": row.predicted["peak"], "tracked_peak": row.measured.peak,
                "cuda_peak": row.measured.cuda_peak, "phase": row.measured.phase,
@@ -471,7 +480,7 @@ def profile_worker(out: Path, name: str, prepare: bool = False) -> None:
         torch.cuda.synchronize()
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_gpu else [])
     steps = 2
-    with profile(activities=activities) as prof:
+    with profile(activities=activities, record_shapes=True) as prof:
         started = time.perf_counter()
         for i in range(steps):
             step(3 + i)
@@ -490,16 +499,66 @@ def profile_worker(out: Path, name: str, prepare: bool = False) -> None:
             end = stop
     aten = sum(1 for e in events if e.name.startswith("aten::")
                and str(getattr(e, "device_type", "CPU")).endswith("CPU"))
-    table = prof.key_averages().table(
-        sort_by="self_cuda_time_total" if on_gpu else "self_cpu_time_total", row_limit=25,
-        max_name_column_width=60)
+    sort = "self_cuda_time_total" if on_gpu else "self_cpu_time_total"
+    table = prof.key_averages().table(sort_by=sort, row_limit=25, max_name_column_width=60)
+    shapes = prof.key_averages(group_by_input_shape=True).table(
+        sort_by=sort, row_limit=40, max_name_column_width=40, max_shapes_column_width=80)
+    optimizer_ranges = [e.time_range for e in events if e.name.startswith("Optimizer.step")]
+    heavy_s = light_s = optimizer_s = 0.0
+    for kernel in kernels:
+        seconds = kernel.time_range.elapsed_us() / 1e6 / steps
+        if any(r.start <= kernel.time_range.start <= r.end for r in optimizer_ranges):
+            optimizer_s += seconds
+        elif _is_heavy_kernel(kernel.name):
+            heavy_s += seconds
+        else:
+            light_s += seconds
     result = {"plan": name, "wall_step_s": wall, "kernel_time_sum_s": busy_sum,
               "kernel_busy_s": union / 1e6 / steps, "kernels_per_step": len(kernels) / steps,
               "aten_calls_per_step": aten / steps,
-              "predicted_step_s": program.plan.predicted.step_time_s}
+              "predicted_step_s": program.plan.predicted.step_time_s,
+              "measured_kernels_s": {"heavy": heavy_s, "light": light_s,
+                                     "optimizer": optimizer_s},
+              "predicted_parts_s": predicted_parts(program)}
     (out / f"profile-{name}.json").write_text(json.dumps(result, indent=1))
-    (out / f"profile-{name}.txt").write_text(table)
+    (out / f"profile-{name}.txt").write_text(table + "\n\nby input shape\n" + shapes)
     module.close()
+
+
+def _is_heavy_kernel(name: str) -> bool:
+    """A matmul or attention kernel (cuBLAS's, CUTLASS's, flash attention's)."""
+    lowered = name.lower()
+    return any(key in lowered for key in ("gemm", "nvjet", "xmma", "cutlass", "flash",
+                                          "fmha", "attention"))
+
+
+def predicted_parts(program: Any) -> dict[str, float]:
+    """The plan's step on one stage split as the cost model prices it: the heavy ops'
+    compute-bound seconds, the rest (memory-bound ops and the dispatch floor), every
+    microbatch's forward, backward and recompute together; and the tail."""
+    from partc.costs import layer_work
+
+    problem, plan = program.problem, program.plan
+    stage = plan.stages[0]
+    count, micro = plan.num_microbatches, plan.micro_batch_size
+    undispatched = dataclasses.replace(problem.devices, op_overhead_s=0.0,
+                                       op_overhead_backward_s=0.0)
+    parts = {"heavy": 0.0, "light": 0.0, "light_bytes": 0.0}
+    for layer in problem.model.layers:
+        if layer.name not in stage.layers:
+            continue
+        mode = stage.recompute.get(layer.name, "none")
+        for devices, key in ((problem.devices, "light"), (undispatched, "light_bytes")):
+            work = layer_work(layer, devices, micro, problem.train.measured_scale)
+            for compute, memory in (work["forward"], work["backward"],
+                                    work["recompute"][mode]):
+                parts["heavy"] += count * compute if key == "light" else 0.0
+                parts[key] += count * memory
+    parts["tail"] = stage.time_s.tail
+    parts["stage_time"] = {"forward": stage.time_s.forward, "backward": stage.time_s.backward,
+                           "recompute": stage.time_s.recompute, "comm": stage.time_s.comm,
+                           "tail": stage.time_s.tail}
+    return parts
 
 
 def run_profile(out: Path, prepare: bool = False) -> dict[str, Any]:
@@ -520,6 +579,13 @@ def run_profile(out: Path, prepare: bool = False) -> dict[str, Any]:
               f"{row['kernel_time_sum_s'] * 1e3:7.1f}), {row['kernels_per_step']:.0f} "
               f"kernels and {row['aten_calls_per_step']:.0f} aten calls a step; predicted "
               f"{row['predicted_step_s'] * 1e3:7.1f} ms")
+        kernels, parts = row["measured_kernels_s"], row["predicted_parts_s"]
+        print(f"  {'':10s} matmul/attention kernels {kernels['heavy'] * 1e3:7.1f} ms "
+              f"(priced {parts['heavy'] * 1e3:7.1f} compute-bound), other kernels "
+              f"{kernels['light'] * 1e3:7.1f} ms (priced {parts['light'] * 1e3:7.1f} "
+              f"memory-bound and dispatch; {parts['light_bytes'] * 1e3:.1f} without the "
+              f"dispatch floor), optimizer {kernels['optimizer'] * 1e3:6.1f} ms "
+              f"(tail priced {parts['tail'] * 1e3:6.1f})")
     return results
 
 

@@ -440,6 +440,11 @@ def measure_rank(program: partc.Program, inputs: tuple[torch.Tensor, ...],
     """The peak of ``rank``'s second training step and its breakdown (steps 1-3 of the
     module's docstring)."""
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
+    module = None
+    # What the process holds already (an earlier rank's module until the collector frees
+    # it): a GPU's counters take it off, as a rank on its own GPU would not hold it.
+    gc.collect()
+    held = torch.cuda.memory_allocated() if torch.cuda.is_available() else 0
     try:
         module = program.build()
         microbatch = tuple(t[:program.plan.micro_batch_size] for t in inputs)
@@ -461,7 +466,7 @@ def measure_rank(program: partc.Program, inputs: tuple[torch.Tensor, ...],
             optimizer.step()
             optimizer.zero_grad()
             torch.cuda.synchronize()
-            cuda_peak = torch.cuda.max_memory_allocated()
+            cuda_peak = torch.cuda.max_memory_allocated() - held
         tracker = StepTracker()
         # ZeRO-1's optimizer keeps its state in the local optimizer it wraps.
         tracker.track_external(module.module, getattr(optimizer, "optim", optimizer))
@@ -477,6 +482,8 @@ def measure_rank(program: partc.Program, inputs: tuple[torch.Tensor, ...],
                         category_peaks=by_category(category_peaks), raw=at_peak, phase=phase,
                         cuda_peak=cuda_peak)
     finally:
+        if module is not None:
+            module.close()
         dist.destroy_process_group()
 
 
