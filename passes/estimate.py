@@ -192,6 +192,7 @@ def _run_layer(gm: fx.GraphModule, nodes: list[fx.Node], setting: _Setting) -> _
             args = fx.node.map_arg(node.args, value_of)
             kwargs = fx.node.map_arg(node.kwargs, value_of)
             casts.made.clear()   # the stand-ins' own making is no cast the runtime runs
+            casts.copied = 0.0
             if node.op == "get_attr":
                 result = value_of(node)
             elif setting.autocast is not None and is_dtype_check(node):
@@ -209,7 +210,8 @@ def _run_layer(gm: fx.GraphModule, nodes: list[fx.Node], setting: _Setting) -> _
             if fuse_attention.skips_masked_blocks(node, setting.runtime_device):
                 flops //= 2   # the kernel skips the blocks the causal mask hides
             run.costs[node] = _with_casts(
-                _node_cost(node, args, kwargs, result, flops, producer, frozen),
+                _node_cost(node, args, kwargs, result, flops, producer, frozen,
+                           casts.copied),
                 casts.made, result if _casts_itself(node) else None)
             run.storages[node] = _storages(result, frozen)
             if node.op == "call_module":   # its parameters are read, not passed
@@ -224,17 +226,29 @@ def _run_layer(gm: fx.GraphModule, nodes: list[fx.Node], setting: _Setting) -> _
 
 _HALF_TO_FLOAT = (torch.ops.aten._softmax.default, torch.ops.aten._log_softmax.default)
 
+# Out-of-place ops that ATen runs as a copy of their input and then their in-place form
+# (``masked_fill`` is ``clone`` then ``masked_fill_``): two kernels, the copy's bytes on
+# top of what the op reads and writes.
+_COPY_THEN_IN_PLACE = frozenset(
+    op for name in ("masked_fill", "index_fill", "index_put", "masked_scatter",
+                    "index_add", "index_copy", "put")
+    for op in (getattr(torch.ops.aten, name, None),) if op is not None)
+
 
 class _Casts(TorchDispatchMode):
     """Records the dtype casts run below autocast (``made``: each cast's output and the
-    bytes it reads and writes), the node's own and those autocast inserts. ``cuda``: as
-    CUDA runs them, where softmax and log-softmax read a 16-bit input and write fp32 in
-    one kernel (a CPU widens the input first: that cast is left out)."""
+    bytes it reads and writes), the node's own and those autocast inserts, and the copies
+    out-of-place ops make before running in place (``copied``: their bytes). ``cuda``:
+    as CUDA runs them, where softmax and log-softmax read an fp16 input and write fp32 in
+    one kernel (ATen fuses the widening for float16 only: a bf16 input is widened by a
+    cast of its own, as on a CPU)."""
 
     def __init__(self, cuda: bool) -> None:
         super().__init__()
         self.cuda = cuda
         self.made: list[tuple[torch.Tensor, float]] = []
+        self.copied = 0.0
+        self._widened_from: torch.dtype | None = None   # the last cast's input dtype
 
     @contextlib.contextmanager
     def paused(self):
@@ -250,8 +264,12 @@ class _Casts(TorchDispatchMode):
         if func is torch.ops.aten._to_copy.default and isinstance(out, torch.Tensor) \
                 and isinstance(args[0], torch.Tensor) and out.dtype != args[0].dtype:
             self.made.append((out, float(_nbytes(args[0]) + _nbytes(out))))
-        elif self.cuda and func in _HALF_TO_FLOAT and self.made and args[0] is self.made[-1][0]:
+            self._widened_from = args[0].dtype
+        elif self.cuda and func in _HALF_TO_FLOAT and self.made and args[0] is self.made[-1][0] \
+                and self._widened_from == torch.float16:
             self.made.pop()
+        elif func.overloadpacket in _COPY_THEN_IN_PLACE and isinstance(out, torch.Tensor):
+            self.copied += 2.0 * _nbytes(out)
         return out
 
 
@@ -446,7 +464,10 @@ def _native_dropout(input: torch.Tensor, p: float = 0.5, training: bool = True,
 
 
 def _node_cost(node: fx.Node, args: tuple, kwargs: dict, result: Any, flops: int,
-               producer: dict, frozen: set) -> meta.NodeCost:
+               producer: dict, frozen: set, copied: float = 0.0) -> meta.NodeCost:
+    """What ``node`` computed and moved: the tensors it read (parameters and buffers
+    apart, as its weight bytes) and wrote, and ``copied``, the bytes of the copies its
+    ops made before running in place (:data:`_COPY_THEN_IN_PLACE`)."""
     inputs = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
     outputs = [t for t in pytree.tree_leaves(result) if isinstance(t, torch.Tensor)]
     input_storages = {StorageWeakRef(t.untyped_storage()) for t in inputs}
@@ -458,7 +479,7 @@ def _node_cost(node: fx.Node, args: tuple, kwargs: dict, result: Any, flops: int
     fixed = [t for t in inputs if StorageWeakRef(t.untyped_storage()) in frozen]
     # A view moves nothing; nor does a query of metadata (size, dim) that returns no tensor.
     moved = 0 if is_view or not outputs else \
-        sum(_nbytes(t) for t in inputs) - sum(_nbytes(t) for t in fixed) + out_bytes
+        sum(_nbytes(t) for t in inputs) - sum(_nbytes(t) for t in fixed) + out_bytes + copied
     return meta.NodeCost(flops=float(flops), bytes_moved=float(moved),
                          compute_heavy=flops > 0, is_view=is_view,
                          output_bytes=float(0 if is_view else out_bytes), saved_bytes=0.0,

@@ -230,3 +230,36 @@ def test_causal_attention_and_dropout_as_the_device_runs_them():
     assert _attention_costs("cuda", causal=False)[0] == full
     # No dropout: nothing saved for it on either device.
     assert _attention_costs("cuda", dropout=0.0)[1] == 0
+
+
+class _MaskedSoftmax(nn.Module):
+    """A projection's scores, masked out of place, then softmax (fp32 under autocast)."""
+
+    def __init__(self, width: int = 8) -> None:
+        super().__init__()
+        self.proj = nn.Linear(width, width)
+        self.register_buffer("keep", torch.ones(width, width, dtype=torch.bool).tril())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.proj(x).masked_fill(~self.keep, float("-inf")).softmax(-1)
+
+
+def _masked_softmax_costs(autocast: torch.dtype) -> tuple[meta.NodeCost, meta.NodeCost]:
+    gm, _ = analyze(_MaskedSoftmax(), (torch.randn(B, 8, 8),), autocast=autocast,
+                    autocast_device="cuda")
+    nodes = {n.name: n for n in gm.graph.nodes}
+    return meta.cost(nodes["masked_fill"]), meta.cost(nodes["softmax"])
+
+
+def test_casts_and_copies_as_cuda_runs_them():
+    """On a GPU, softmax under autocast widens a bf16 input by a cast of its own (ATen
+    fuses the widening into the kernel for fp16 only), and an out-of-place masked_fill
+    is a clone then masked_fill_: both kernels' bytes are counted."""
+    n = B * 8 * 8                      # the scores' elements per traced batch
+    for dtype, size, widening in ((torch.bfloat16, 2, (2 + 4) * n), (torch.float16, 2, 0)):
+        masked_fill, softmax = _masked_softmax_costs(dtype)
+        # Reads the 16-bit scores and writes them (the mask, a buffer, is its weight),
+        # and copies them once (read and written) before filling in place.
+        assert masked_fill.bytes_moved == size * n + size * n + 2 * size * n
+        assert softmax.cast_bytes == widening, dtype
+        assert softmax.casts == (1 if widening else 0)
