@@ -5,7 +5,10 @@ autocast's fp32 softmax would keep 32: see that module).
 Only the softmax between an attention core's two products
 (:func:`partc.passes.attention_core.attention_cores`) is rewritten (its ``dtype``
 argument kept, as Llama's fp32 softmax has one): a router's scores or a loss's
-log-softmax are left alone.
+log-softmax are left alone. Where the second product is the probabilities' only reader
+(directly or through a dropout of probability 0) it becomes
+:func:`partc.runtime.softmax.softmax_for_product`, which hands the product the copy it
+keeps in the autocast dtype instead of the fp32 values autocast would cast again.
 """
 
 from __future__ import annotations
@@ -13,10 +16,16 @@ from __future__ import annotations
 import torch
 from torch import fx
 
-from partc.runtime.softmax import softmax
+from partc.runtime.softmax import softmax, softmax_for_product
 
 from .attention_core import attention_cores
 from .context import Context
+from .graph import op_name
+
+# Products autocast computes in its low dtype (it casts their floating inputs to it).
+_LOW_PRECISION_PRODUCTS = frozenset({"matmul", "bmm"})
+_DROPOUTS = (torch.nn.functional.dropout, torch.dropout, torch.ops.aten.dropout.default)
+
 
 def attention_softmax(gm: fx.GraphModule, ctx: Context) -> fx.GraphModule:
     """Rewrite the softmax of each attention core as ``softmax(x, dim)`` of
@@ -32,12 +41,40 @@ def attention_softmax(gm: fx.GraphModule, ctx: Context) -> fx.GraphModule:
             operands = _softmax_operands(node)
             if operands is not None:
                 x, dim, dtype = operands
-                node.op, node.target = "call_function", softmax
+                node.op, node.target = "call_function", (
+                    softmax_for_product if _only_a_product_reads(node) else softmax)
                 node.args, node.kwargs = (x, dim) if dtype is None else (x, dim, dtype), {}
                 changed = True
     if changed:
         gm.recompile()
     return gm
+
+
+def _only_a_product_reads(node: fx.Node) -> bool:
+    """Whether ``node``'s value reaches nothing but one matmul that autocast computes in
+    its low dtype, directly or through dropouts that return their input (probability
+    0)."""
+    while len(node.users) == 1:
+        (user,) = node.users
+        if user.op in ("call_function", "call_method") \
+                and op_name(user) in _LOW_PRECISION_PRODUCTS:
+            return True
+        if not _returns_its_input(user, node):
+            return False
+        node = user
+    return False
+
+
+def _returns_its_input(node: fx.Node, value: fx.Node) -> bool:
+    """A dropout of probability 0 applied to ``value``: the same tensor comes back."""
+    if node.op == "call_module":
+        module = node.graph.owning_module.get_submodule(str(node.target))
+        return isinstance(module, torch.nn.Dropout) and module.p == 0 \
+            and node.args[:1] == (value,)
+    if node.op == "call_function" and node.target in _DROPOUTS and node.args[:1] == (value,):
+        p = node.kwargs.get("p", node.args[1] if len(node.args) > 1 else 0.5)
+        return p == 0
+    return False
 
 
 def _softmax_operands(node: fx.Node) -> tuple[fx.Node, int, torch.dtype | None] | None:

@@ -10,6 +10,14 @@ gradient in that same dtype from the kept output widened again, so only the roun
 the kept probabilities (bf16's, as Megatron's) differs from autocast's backward. Without
 autocast, or where softmax computes in the autocast dtype already, it keeps its output as
 softmax does and backward is softmax's own, bit for bit.
+
+Where the probabilities' only reader is the core's second product (directly, or through
+a dropout of probability 0, which returns its input), autocast would cast them to the
+low dtype for that matmul: a second copy of what backward keeps, made and kept again.
+:func:`softmax_for_product` returns the kept low-precision copy itself (the same values
+the cast makes), so the product reads it with no cast and backward keeps one copy, as
+Megatron's fused softmax hands the product its 16-bit output. The gradient the product
+returns is widened in backward exactly as autocast's cast would widen it.
 """
 
 from __future__ import annotations
@@ -20,7 +28,21 @@ import torch
 def softmax(x: torch.Tensor, dim: int, dtype: torch.dtype | None = None) -> torch.Tensor:
     """``torch.softmax(x, dim, dtype=dtype)`` as autocast computes it, keeping for
     backward its output in the autocast dtype where that is narrower."""
-    return _Softmax.apply(x, dim, dtype)
+    return _Softmax.apply(x, dim, dtype, False)
+
+
+def softmax_for_product(x: torch.Tensor, dim: int,
+                        dtype: torch.dtype | None = None) -> torch.Tensor:
+    """:func:`softmax` for probabilities that only a matmul computing in the autocast
+    dtype reads: under autocast they come back in that dtype (rounded once from the fp32
+    result, as autocast's cast for the product would round them), and that one tensor is
+    what backward keeps. Without autocast, as :func:`softmax`."""
+    return _Softmax.apply(x, dim, dtype, True)
+
+
+# The narrowing to the autocast dtype is a kernel of its own beside softmax's (what
+# passes/estimate counts as a cast).
+softmax_for_product.casts_its_result = True
 
 
 def _autocast_dtype(device_type: str) -> torch.dtype | None:
@@ -31,14 +53,15 @@ def _autocast_dtype(device_type: str) -> torch.dtype | None:
 
 class _Softmax(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, dim, dtype):
+    def forward(ctx, x, dim, dtype, narrow_output):
         # Autocast's policy applies here as it does to the op itself.
         out = torch.softmax(x, dim, dtype=dtype)
         low = _autocast_dtype(x.device.type)
         narrower = low is not None and low.itemsize < out.dtype.itemsize
-        ctx.save_for_backward(out.to(low) if narrower else out)
+        kept = out.to(low) if narrower else out
+        ctx.save_for_backward(kept)
         ctx.dim, ctx.dtypes = dim, (x.dtype, out.dtype)
-        return out
+        return kept if narrow_output else out
 
     @staticmethod
     def backward(ctx, grad):
@@ -46,4 +69,4 @@ class _Softmax(torch.autograd.Function):
         x_dtype, out_dtype = ctx.dtypes
         out = kept.to(out_dtype)
         grad_x = torch._softmax_backward_data(grad.to(out_dtype), out, ctx.dim, out_dtype)
-        return grad_x.to(x_dtype), None, None
+        return grad_x.to(x_dtype), None, None, None

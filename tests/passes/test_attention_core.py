@@ -78,3 +78,40 @@ def test_the_cores_softmax_becomes_the_runtimes_and_computes_the_same():
     code = classifier.code
     attention_softmax(classifier, None)
     assert classifier.code == code
+
+
+class _ProbsTo(nn.Module):
+    """Softmax read by the second product directly, through a dropout, or by more."""
+
+    def __init__(self, reader: str) -> None:
+        super().__init__()
+        self.reader = reader
+        self.drop = nn.Dropout(0.1 if reader == "dropout" else 0.0)
+
+    def forward(self, q, k, v):
+        probs = (q @ k.transpose(-2, -1)).softmax(-1)
+        if self.reader == "two readers":
+            return (probs + probs.mean(-1, keepdim=True)) @ v
+        if self.reader == "functional p=0":
+            return F.dropout(probs, p=0.0, training=True) @ v
+        return self.drop(probs) @ v
+
+
+def test_probabilities_only_the_product_reads_are_handed_over_in_its_dtype():
+    """The second product as the only reader, directly or through a dropout of
+    probability 0, gets ``softmax_for_product``; a real dropout or another reader keeps
+    the plain runtime softmax (the fp32 values are read as such)."""
+    from partc.passes.attention_softmax import attention_softmax
+    from partc.runtime.softmax import softmax, softmax_for_product
+
+    q, k, v = (torch.randn(2, 4, 6) for _ in range(3))
+    chosen = {}
+    for reader in ("dropout p=0", "functional p=0", "dropout", "two readers"):
+        gm = fx.symbolic_trace(_ProbsTo(reader).eval())
+        attention_softmax(gm, None)
+        [node] = [n for n in gm.graph.nodes if n.name == "softmax"]
+        chosen[reader] = node.target
+        if reader != "dropout":
+            assert torch.equal(gm(q, k, v), _ProbsTo(reader).eval()(q, k, v))
+    assert chosen == {"dropout p=0": softmax_for_product, "functional p=0": softmax_for_product,
+                      "dropout": softmax, "two readers": softmax}

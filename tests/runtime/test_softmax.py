@@ -57,3 +57,30 @@ def test_under_cuda_autocast_it_keeps_its_output_in_bf16(dtype, asked):
     assert got.dtype == dtype
     torch.testing.assert_close(got, want_grad, rtol=2e-2, atol=2e-2 * want_grad.abs().max())
     assert not torch.equal(got, want_grad)   # the kept copy is bf16, not fp32
+
+
+def test_probabilities_only_a_product_reads_are_handed_over_in_bf16():
+    """``softmax_for_product``: under autocast the product reads the kept bf16 copy, the
+    one autocast's cast would make: the product's output and every gradient equal the
+    plain softmax's bit for bit, and the probabilities are kept once (one storage, which
+    the softmax and the product both keep) instead of twice. Without autocast, as
+    softmax."""
+    from partc.runtime.softmax import softmax_for_product
+
+    torch.manual_seed(0)
+    x = torch.randn(2, 3, 16, 16, dtype=torch.bfloat16, requires_grad=True)
+    v = torch.randn(2, 3, 16, 8, dtype=torch.bfloat16, requires_grad=True)
+    grad = torch.randn(2, 3, 16, 8, dtype=torch.bfloat16)
+    results = {}
+    for fn in (softmax, softmax_for_product):
+        with cuda_autocast(torch.bfloat16):
+            kept, out = _kept(lambda: fn(x, -1) @ v)
+        grads = torch.autograd.grad(out, (x, v), grad)
+        probs = {t.untyped_storage().data_ptr() for t in kept if t.numel() == x.numel()}
+        results[fn.__name__] = out, grads, len(probs)
+    (want, want_grads, copies), (got, got_grads, once) = results.values()
+    assert torch.equal(got, want)
+    assert all(torch.equal(a, b) for a, b in zip(got_grads, want_grads))
+    assert (copies, once) == (2, 1)
+    plain = torch.randn(2, 3, 16, 16, requires_grad=True)
+    assert torch.equal(softmax_for_product(plain, -1), torch.softmax(plain, -1))

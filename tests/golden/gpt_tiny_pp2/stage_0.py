@@ -12,7 +12,7 @@
 import torch
 from math import sqrt as math_sqrt
 from partc.runtime.recompute import checkpoint_layer as partc_runtime_recompute_checkpoint_layer
-from partc.runtime.softmax import softmax as partc_runtime_softmax_softmax
+from partc.runtime.softmax import softmax_for_product as partc_runtime_softmax_softmax_for_product
 inf = float('inf')
 
 
@@ -76,7 +76,7 @@ class Stage0(torch.nn.Module):
             tril = new_ones.tril();  new_ones = None  # b8[16, 16]
             invert = ~tril;  tril = None  # b8[16, 16]
             masked_fill = mul.masked_fill(invert, -inf);  mul = invert = None  # f32[2, 4, 16, 16]
-            softmax = partc_runtime_softmax_softmax(masked_fill, -1);  masked_fill = None  # f32[2, 4, 16, 16]
+            softmax = partc_runtime_softmax_softmax_for_product(masked_fill, -1);  masked_fill = None  # f32[2, 4, 16, 16]
             dropout_1 = torch.nn.functional.dropout(softmax, p = 0.0, training = True, inplace = False);  softmax = None  # f32[2, 4, 16, 16]
             matmul_1 = dropout_1 @ transpose_2;  dropout_1 = transpose_2 = None  # f32[2, 4, 16, 16]
             transpose_4 = matmul_1.transpose(1, 2);  matmul_1 = None  # f32[2, 16, 4, 16]

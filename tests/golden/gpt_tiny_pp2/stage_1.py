@@ -12,7 +12,7 @@
 import torch
 from math import sqrt as math_sqrt
 from partc.runtime.recompute import checkpoint_layer as partc_runtime_recompute_checkpoint_layer
-from partc.runtime.softmax import softmax as partc_runtime_softmax_softmax
+from partc.runtime.softmax import softmax_for_product as partc_runtime_softmax_softmax_for_product
 inf = float('inf')
 
 
@@ -84,7 +84,7 @@ class Stage1(torch.nn.Module):
             matmul_2 = transpose_5 @ transpose_8;  transpose_5 = transpose_8 = None  # f32[2, 4, 16, 16]
             mul_1 = matmul_2 * truediv_1;  matmul_2 = truediv_1 = None  # f32[2, 4, 16, 16]
             masked_fill_1 = mul_1.masked_fill(invert_1, -inf);  mul_1 = invert_1 = None  # f32[2, 4, 16, 16]
-            softmax_1 = partc_runtime_softmax_softmax(masked_fill_1, -1);  masked_fill_1 = None  # f32[2, 4, 16, 16]
+            softmax_1 = partc_runtime_softmax_softmax_for_product(masked_fill_1, -1);  masked_fill_1 = None  # f32[2, 4, 16, 16]
             dropout_4 = torch.nn.functional.dropout(softmax_1, p = 0.0, training = True, inplace = False);  softmax_1 = None  # f32[2, 4, 16, 16]
             matmul_3 = dropout_4 @ transpose_7;  dropout_4 = transpose_7 = None  # f32[2, 4, 16, 16]
             return (matmul_3,)

@@ -12,7 +12,7 @@
 
 import torch
 from math import sqrt as math_sqrt
-from partc.runtime.softmax import softmax as partc_runtime_softmax_softmax
+from partc.runtime.softmax import softmax_for_product as partc_runtime_softmax_softmax_for_product
 inf = float('inf')
 
 
@@ -69,7 +69,7 @@ class Stage0(torch.nn.Module):
         tril = new_ones.tril();  new_ones = None  # b8[16, 16]
         invert = ~tril;  tril = None  # b8[16, 16]
         masked_fill = mul.masked_fill(invert, -inf);  mul = invert = None  # f32[4, 2, 16, 16]
-        softmax = partc_runtime_softmax_softmax(masked_fill, -1);  masked_fill = None  # f32[4, 2, 16, 16]
+        softmax = partc_runtime_softmax_softmax_for_product(masked_fill, -1);  masked_fill = None  # f32[4, 2, 16, 16]
         dropout_1 = tp_3.dropout(softmax, 0.0, True, 1, 1);  softmax = None  # f32[4, 2, 16, 16]
         matmul_1 = dropout_1 @ transpose_2;  dropout_1 = transpose_2 = None  # f32[4, 2, 16, 16]
         transpose_4 = matmul_1.transpose(1, 2);  matmul_1 = None  # f32[4, 16, 2, 16]
@@ -129,7 +129,7 @@ class Stage0(torch.nn.Module):
         tril_1 = new_ones_1.tril();  new_ones_1 = None  # b8[16, 16]
         invert_1 = ~tril_1;  tril_1 = None  # b8[16, 16]
         masked_fill_1 = mul_1.masked_fill(invert_1, -inf);  mul_1 = invert_1 = None  # f32[4, 2, 16, 16]
-        softmax_1 = partc_runtime_softmax_softmax(masked_fill_1, -1);  masked_fill_1 = None  # f32[4, 2, 16, 16]
+        softmax_1 = partc_runtime_softmax_softmax_for_product(masked_fill_1, -1);  masked_fill_1 = None  # f32[4, 2, 16, 16]
         dropout_4 = tp_4.dropout(softmax_1, 0.0, True, 1, 1);  softmax_1 = None  # f32[4, 2, 16, 16]
         matmul_3 = dropout_4 @ transpose_7;  dropout_4 = transpose_7 = None  # f32[4, 2, 16, 16]
         transpose_9 = matmul_3.transpose(1, 2);  matmul_3 = None  # f32[4, 16, 2, 16]
