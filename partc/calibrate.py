@@ -20,8 +20,10 @@ clock (CUDA events on a GPU, ``time.perf_counter`` on CPU):
 - element-wise ops: an add, layer norm, scale, mask, softmax and GELU on activations,
   forward and backward, in bytes as partc counts them (``elementwise_bandwidth``), and
   ``torch.optim.AdamW``'s step over a transformer block's parameters, in the bytes the
-  cost model charges a step (``optimizer_bandwidth``); on CPU only: one thread computes
-  these well below its copy bandwidth, a GPU streams them at about HBM bandwidth.
+  cost model charges a step (``optimizer_bandwidth``): one CPU thread computes these
+  well below its copy bandwidth; a GPU streams element-wise kernels at about HBM
+  bandwidth, but torch's AdamW (its foreach form, the default there) passes over the
+  state several times (an H100 stepped 0.31 of its copy rate in those bytes).
 - FSDP2 (ZeRO-2/3): with the N processes below, its own work per unit and microbatch
   beside the collectives (:func:`measure_fsdp`): forward and backward hooks, and per
   all-gather and reduce-scatter (``fsdp_unit_overhead_s``, ``..._backward_s``,
@@ -376,8 +378,9 @@ def measure_elementwise(device: torch.device, sizes: Sizes,
             tensor.grad = None
 
     one = tokens * width * 4
-    # add: 2 read, 1 written; mask: its bool mask too; the others 1 read, 1 written.
-    nbytes = 3 * one + 2 * one + 2 * one + (2 * one + tokens * width) + 2 * one + 2 * one
+    # add: 2 read, 1 written; mask: its bool mask too, and the copy masked_fill makes
+    # before filling in place; the others 1 read, 1 written.
+    nbytes = 3 * one + 2 * one + 2 * one + (4 * one + tokens * width) + 2 * one + 2 * one
     forward_s, both_s = (median_seconds(f, device, sizes) for f in (forward, both))
     per_op = (overhead["forward_s"] + overhead["backward_s"]) if overhead else 0.0
     work_s = max(both_s - 6 * per_op, both_s / 2)
@@ -990,8 +993,9 @@ def build_profile(options: CalibrationOptions, measured: dict, *, name: str,
     link = links.get("joint_fit")
     overlap = collectives.get("overlap")
     # Element-wise ops and the optimizer step likewise, every rank at once where spawned
-    # (they share the memory bus); on a GPU both stream at about HBM bandwidth (kept
-    # among the measurements; the preset's None stands).
+    # (they share the memory bus). A GPU streams its element-wise kernels at about HBM
+    # bandwidth, but torch's AdamW (foreach) passes over the state several times: an
+    # H100 stepped 0.3 of its copy rate in the cost model's bytes.
     busy = {key: measured.get("collectives", {}).get(f"{key}_all_busy") or measured.get(key)
             for key in ("elementwise", "optimizer")}
 
@@ -1028,9 +1032,9 @@ def build_profile(options: CalibrationOptions, measured: dict, *, name: str,
         "split_backward_factor": (measured["split_backward"]["factor"]
                                   if "split_backward" in measured else None),
         "elementwise_bandwidth": (busy["elementwise"]["bytes_per_s"]
-                                  if cpu and busy["elementwise"] else None),
+                                  if busy["elementwise"] else None),
         "optimizer_bandwidth": (busy["optimizer"]["bytes_per_s"]
-                                if cpu and busy["optimizer"] else None),
+                                if busy["optimizer"] else None),
         # FSDP's host work: measured on a CPU only, where ranks were spawned.
         **{name: fsdp[key] if cpu and fsdp else None for name, key in FSDP_FIGURES.items()},
     }
@@ -1100,16 +1104,11 @@ def _sources(options: CalibrationOptions, preset_name: str | None, vendor: bool,
         "elementwise_bandwidth": (f"measured: add, layer norm, scale, mask, softmax and "
                                   f"GELU forward and backward, bytes as partc counts "
                                   f"them" + (f", every one of {ranks} computing at once"
-                                             if link else "")
-                                  if options.device == "cpu" else
-                                  "not used on GPUs (element-wise kernels stream at HBM "
-                                  "bandwidth): hbm_bandwidth"),
+                                             if link else "")),
         "optimizer_bandwidth": (f"measured: torch.optim.AdamW's step over a transformer "
                                 f"block's parameters, in the bytes the cost model counts"
                                 + (f", every one of {ranks} computing at once"
-                                   if link else "")
-                                if options.device == "cpu" else
-                                "not used on GPUs: hbm_bandwidth"),
+                                   if link else "")),
         **{name: (f"measured: FSDP2 over {ranks} on {FSDP_UNITS} units of a transformer "
                   f"block's 12 tensors, ZeRO-2 accumulating, reducing and ZeRO-3, against "
                   f"the same modules without it, by the rank thread's CPU time, per unit "

@@ -161,7 +161,8 @@ def test_budget_numbers_follow_from_the_samples(calibrated):
     elementwise = measured["elementwise"]
     tokens, _, width = SIZES["cpu", True].linear[0]
     assert elementwise["shape"] == [tokens, width]
-    assert elementwise["forward_bytes"] == 4 * tokens * width * 13 + tokens * width
+    # masked_fill copies its input before filling in place: 2 of the 15 fp32 passes.
+    assert elementwise["forward_bytes"] == 4 * tokens * width * 15 + tokens * width
     per_op = overhead["forward_s"] + overhead["backward_s"]
     assert elementwise["bytes_per_s"] == pytest.approx(
         3 * elementwise["forward_bytes"] / max(elementwise["forward_backward_s"] - 6 * per_op,
