@@ -32,11 +32,15 @@ writing ``DIR/<part>.json`` and printing a table:
   predicted again from that profile (pinned to what ran) against the same measurements.
 
 - ``profile``: two of the ``train`` part's plans (8 microbatches of 4, and one of 32
-  with full recompute) built through the API under ``torchrun --nproc-per-node=1``, two
-  steps under ``torch.profiler``: the step's wall time against the time the GPU spent in
+  with full recompute, also with telemetry on as ``partc train`` steps: its syncs and
+  gradient norm) built through the API under ``torchrun --nproc-per-node=1``, two
+  steps under ``torch.profiler``: the step's wall time (and two steps' without the
+  profiler) against the time the GPU spent in
   kernels (their sum, and the union of their intervals), the number of kernels and of
   CPU-side aten calls, and the kernels that took longest: where a step's time goes that
   the plan does not predict.
+
+``--case NAME`` (repeatable) runs only those memory and profile cases.
 
 ``--prepare`` compiles what the parts compile without running anything, so that a cache
 directory (``PARTC_CACHE_DIR``) carried to the GPU machine spares its planning time.
@@ -91,6 +95,11 @@ def _env(**extra: str) -> dict[str, str]:
 
 
 DEADLINE = [float("inf")]   # perf_counter time by which every part must end (--budget)
+CASES: list[str] = []       # --case: the memory and profile cases to run (empty: all)
+
+
+def _chosen(names: Any) -> list[str]:
+    return [name for name in names if not CASES or name in CASES]
 
 
 def _run(command: list[str], timeout: float, log: Path) -> int:
@@ -383,6 +392,8 @@ def run_memory(out: Path, prepare: bool = False) -> dict[str, Any]:
     (out / "memory").mkdir(parents=True, exist_ok=True)
     results: dict[str, Any] = {}
     for case in memory_cases():
+        if case.name not in _chosen([case.name]):
+            continue
         command = [sys.executable, str(Path(__file__)), "--worker", "memory",
                    "--case", case.name, "--out", str(out)] + (["--prepare"] if prepare else [])
         code = _run(command, 300, out / "memory" / f"{case.name}.log")
@@ -443,7 +454,9 @@ def run_calibrate(out: Path, trained: dict[str, Any]) -> dict[str, Any]:
 # ---------------------------------------------------------------------------- profile
 
 PROFILE_PLANS = {"none-m8": dict(recompute="none", micro=8),
-                 "full-m1": dict(recompute="full", micro=1)}
+                 "full-m1": dict(recompute="full", micro=1),
+                 # As `partc train` steps: telemetry's syncs and its gradient norm.
+                 "full-m1-telemetry": dict(recompute="full", micro=1, telemetry=True)}
 
 
 def profile_worker(out: Path, name: str, prepare: bool = False) -> None:
@@ -464,6 +477,8 @@ def profile_worker(out: Path, name: str, prepare: bool = False) -> None:
     if prepare:
         return
     module = program.build()
+    if pins.get("telemetry"):
+        module.telemetry(console=False)
     optimizer = module.optimizer(torch.optim.AdamW, lr=3e-4)
     data = workload["data"]
     on_gpu = torch.cuda.is_available()
@@ -487,6 +502,12 @@ def profile_worker(out: Path, name: str, prepare: bool = False) -> None:
         if on_gpu:
             torch.cuda.synchronize()
         wall = (time.perf_counter() - started) / steps
+    started = time.perf_counter()
+    for i in range(steps):
+        step(3 + steps + i)
+    if on_gpu:
+        torch.cuda.synchronize()
+    unprofiled = (time.perf_counter() - started) / steps
     events = prof.events()
     kernels = [e for e in events if getattr(e, "device_type", None) is not None
                and str(e.device_type).endswith("CUDA") and e.time_range.elapsed_us() > 0]
@@ -513,7 +534,8 @@ def profile_worker(out: Path, name: str, prepare: bool = False) -> None:
             heavy_s += seconds
         else:
             light_s += seconds
-    result = {"plan": name, "wall_step_s": wall, "kernel_time_sum_s": busy_sum,
+    result = {"plan": name, "wall_step_s": wall, "unprofiled_step_s": unprofiled,
+              "kernel_time_sum_s": busy_sum,
               "kernel_busy_s": union / 1e6 / steps, "kernels_per_step": len(kernels) / steps,
               "aten_calls_per_step": aten / steps,
               "predicted_step_s": program.plan.predicted.step_time_s,
@@ -563,7 +585,7 @@ def predicted_parts(program: Any) -> dict[str, float]:
 
 def run_profile(out: Path, prepare: bool = False) -> dict[str, Any]:
     results: dict[str, Any] = {}
-    for name in PROFILE_PLANS:
+    for name in _chosen(PROFILE_PLANS):
         worker = [str(Path(__file__)), "--worker", "profile", "--case", name, "--out", str(out)]
         if prepare:
             _run([sys.executable, *worker, "--prepare"], 900, out / f"profile-{name}.log")
@@ -574,7 +596,8 @@ def run_profile(out: Path, prepare: bool = False) -> dict[str, Any]:
             results[name] = {"exit": code}
             continue
         row = results[name] = json.loads(path.read_text())
-        print(f"  {name:10s} wall {row['wall_step_s'] * 1e3:7.1f} ms/step, GPU busy "
+        print(f"  {name:10s} wall {row['wall_step_s'] * 1e3:7.1f} ms/step (unprofiled "
+              f"{row['unprofiled_step_s'] * 1e3:7.1f}), GPU busy "
               f"{row['kernel_busy_s'] * 1e3:7.1f} ms (kernels' sum "
               f"{row['kernel_time_sum_s'] * 1e3:7.1f}), {row['kernels_per_step']:.0f} "
               f"kernels and {row['aten_calls_per_step']:.0f} aten calls a step; predicted "
@@ -619,7 +642,8 @@ def main() -> None:
                         help="end every part within this many seconds from the start")
     parser.add_argument("--worker", choices=("parity", "memory", "profile"),
                         help=argparse.SUPPRESS)
-    parser.add_argument("--case", help=argparse.SUPPRESS)
+    parser.add_argument("--case", action="append",
+                        help="only this memory or profile case (repeatable)")
     args = parser.parse_args()
     if args.smoke:
         os.environ["PARTC_GPU_CHECK_SMOKE"] = "1"
@@ -629,9 +653,10 @@ def main() -> None:
     if args.worker == "parity":
         return parity_worker(args.out)
     if args.worker == "memory":
-        return memory_worker(args.out, args.case, args.prepare)
+        return memory_worker(args.out, args.case[0], args.prepare)
     if args.worker == "profile":
-        return profile_worker(args.out, args.case, args.prepare)
+        return profile_worker(args.out, args.case[0], args.prepare)
+    CASES[:] = args.case or []
     if args.budget is not None:
         DEADLINE[0] = time.perf_counter() + args.budget
     info = environment()
