@@ -91,7 +91,9 @@ class NodeCost:
     included): a microbatch reads them once, whatever its size. ``casts`` and
     ``cast_bytes``: the dtype casts autocast makes of the node's inputs (to the dtype the
     op computes in), each a kernel of its own that reads and writes ``cast_bytes`` in all
-    and that no graph node shows.
+    and that no graph node shows. ``backward_bytes``: what the node's backward allocates
+    at once where its function says so (``backward_working_set``: partc.runtime.softmax's
+    widened copies), 0 where that is no more than twice its output.
     """
 
     flops: float
@@ -103,6 +105,7 @@ class NodeCost:
     weight_bytes: float = 0.0
     casts: int = 0
     cast_bytes: float = 0.0
+    backward_bytes: float = 0.0
 
 
 @dataclass(frozen=True)

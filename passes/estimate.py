@@ -213,6 +213,10 @@ def _run_layer(gm: fx.GraphModule, nodes: list[fx.Node], setting: _Setting) -> _
                 _node_cost(node, args, kwargs, result, flops, producer, frozen,
                            casts.copied),
                 casts.made, result if _casts_itself(node) else None)
+            working_set = getattr(node.target, "backward_working_set", None)
+            if working_set is not None:
+                run.costs[node] = dataclasses.replace(
+                    run.costs[node], backward_bytes=float(working_set(result)))
             run.storages[node] = _storages(result, frozen)
             if node.op == "call_module":   # its parameters are read, not passed
                 state = [t for _, t in _named_state(gm.get_submodule(str(node.target)))]
@@ -581,7 +585,17 @@ def _layer_cost(gm: fx.GraphModule, info: meta.LayerInfo, nodes: list[fx.Node], 
     held = sum(_bytes_as_made(n, dtypes) for n in shared if meta.layer(n).index == info.index)
     input_bytes = sum(size for node, size in run.inputs.items() if node not in shared)
     saved_all = held + sum(size for size, node in run.saved.values() if node not in shared)
+    # The cost model charges twice this while the layer's backward runs: twice the
+    # largest output, or what a node's backward is known to allocate at once, less what
+    # the backward of the layer's later nodes has freed by then.
     workspace = max((run.costs[n].output_bytes for n in nodes), default=0.0)
+    order = {node: i for i, node in enumerate(nodes)}
+    for node in nodes:
+        if run.costs[node].backward_bytes:
+            freed = sum(size for key, (size, _) in run.saved.items()
+                        if run.savers.get(key) and all(order.get(reader, -1) > order[node]
+                                                       for reader in run.savers[key]))
+            workspace = max(workspace, (run.costs[node].backward_bytes - freed) / 2)
     if info.is_loss:
         # The loss's backward, the first of the step's, runs while the schedule still
         # holds the stage's output, the loss's input (torch.distributed.pipelining keeps

@@ -40,9 +40,25 @@ def softmax_for_product(x: torch.Tensor, dim: int,
     return _Softmax.apply(x, dim, dtype, True)
 
 
+def _backward_working_set(result: torch.Tensor) -> int:
+    """Bytes live at once in :class:`_Softmax`'s backward for ``result`` where it kept a
+    narrowed copy: the incoming gradient in fp32 (widened from the low dtype where the
+    result was handed over in it, both then live), the kept copy widened, softmax's
+    gradient in fp32 and its narrowing to the input's dtype: 3 x 4 + 2 bytes an element
+    in bf16, 2 more for a narrowed result. 0 (twice the output, the estimate's default)
+    otherwise."""
+    low = _autocast_dtype(result.device.type)
+    if low is None or low.itemsize >= 4:
+        return 0
+    handed_over = low.itemsize if result.dtype == low else 0
+    return result.numel() * (3 * 4 + low.itemsize + handed_over)
+
+
 # The narrowing to the autocast dtype is a kernel of its own beside softmax's (what
-# passes/estimate counts as a cast).
+# passes/estimate counts as a cast); what backward allocates, as the estimate prices it.
 softmax_for_product.casts_its_result = True
+softmax.backward_working_set = softmax_for_product.backward_working_set = \
+    _backward_working_set
 
 
 def _autocast_dtype(device_type: str) -> torch.dtype | None:

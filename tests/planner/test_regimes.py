@@ -41,8 +41,8 @@ where, and why in the cost model's own figures (``python benchmarks/regimes.py
   those of the microbatches in flight, as in Megatron (``partc.costs.receive_bytes``),
   so a stage holds half the layers' state and saved activations for little more, and
   the planner takes the memory that frees for less recompute. At 0.65 GiB pp=2 x dp=8
-  (interleaved, ZeRO-3) steps in 3649 ms against 5770 ms for tp=2 with sequence
-  parallelism. At 3.3 GiB ZeRO-2 on one replica (1006 ms) is now ahead of pp=2 x dp=8
+  (interleaved, ZeRO-3) steps in 3880 ms against 5771 ms for tp=2 with sequence
+  parallelism. At 3.3 GiB ZeRO-2 on one replica (1007 ms) is now ahead of pp=2 x dp=8
   (1040 ms): since the estimate counts the copies that bf16 attention makes on a GPU
   (softmax's widening cast, masked_fill's clone; ``passes/estimate.py``), recomputing
   a layer costs more and the pipeline's saved recompute less; it used to be pp=2
@@ -132,7 +132,7 @@ def test_pure_data_parallelism_when_memory_is_ample():
     assert plan.tensor_parallel is None
     # ZeRO-1 whose weight all-gather runs beside the next forward (the default,
     # TrainSpec.overlap_param_gather) steps 1/dp of the weights and leaves one bucket's
-    # all-gather exposed: 846.4 ms against ZeRO-0's 848.9 (its optimizer steps all the
+    # all-gather exposed: 846.7 ms against ZeRO-0's 852.8 (its optimizer steps all the
     # weights). With the all-gather after the step ZeRO-1 is 1.8 ms slower, still ahead:
     # the group's 16 ranks, 8 per node, gather over 8 NICs a node.
     assert plan.zero_stage == 1
