@@ -123,6 +123,15 @@ def build_problem(analysis: ModelAnalysis, budget: DeviceBudget, train: TrainSpe
     # Before measuring tensor parallelism: a pin that cannot hold fails at once.
     check_pins(pins_for(constraints, train), devices, train.global_batch_size, names)
     pins = pins_for(constraints, train, names)
+    # A mode for every layer means "selective where there is an attention core"; a layer
+    # named on its own is told.
+    named = {} if constraints.recompute is None or isinstance(constraints.recompute, str) \
+        else dict(constraints.recompute)
+    for layer in analysis.layers:
+        if named.get(layer.name) == "selective" and "selective" not in layer.modes:
+            log.warning("recompute pinned 'selective' on %s: the layer has no attention core "
+                        "whose tensors only it keeps, so selective recompute reruns nothing "
+                        "there; it is planned as 'none'", layer.name)
     sizes = (pins.micro_batch_size,) if pins.micro_batch_size \
         else tuple(divisors(train.global_batch_size))
     degrees = tp_degrees(devices, constraints)

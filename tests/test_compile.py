@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 
 import pytest
 import torch
@@ -150,6 +151,22 @@ def test_pins_reach_the_plan():
     plan = check(program)
     assert plan.schedule == "gpipe" and plan.num_microbatches == 4
     assert set(plan.recompute.values()) == {"full"}
+
+
+def test_a_selective_pin_on_a_layer_without_attention_says_it_runs_as_none(caplog):
+    """Selective recompute reruns attention cores: pinned by name on the final norm, it
+    is planned as "none", and the user is told; pinned for every layer it is the
+    attention layers' mode, and nothing is said."""
+    ids = torch.zeros(4, 16, dtype=torch.long)
+    for pinned, told in (({"ln_f": "selective"}, True), ("selective", False)):
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="partc"):
+            program = partc.compile(gpt_tiny(), (ids,), loss_fn=loss_fn,
+                                    budget=partc.DeviceBudget(num_devices=1, device="CPU"),
+                                    train=partc.TrainSpec(global_batch_size=4),
+                                    constraints=partc.Constraints(recompute=pinned))
+        assert program.plan.recompute["ln_f"] == "none"
+        assert ("recompute pinned 'selective' on ln_f" in caplog.text) == told
 
 
 def test_tensor_parallelism_is_measured_only_where_the_pinned_degrees_leave_devices():
