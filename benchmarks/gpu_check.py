@@ -98,8 +98,8 @@ DEADLINE = [float("inf")]   # perf_counter time by which every part must end (--
 CASES: list[str] = []       # --case: the memory and profile cases to run (empty: all)
 
 
-def _chosen(names: Any) -> list[str]:
-    return [name for name in names if not CASES or name in CASES]
+def _wanted(name: str) -> bool:
+    return not CASES or name in CASES
 
 
 def _run(command: list[str], timeout: float, log: Path) -> int:
@@ -391,9 +391,7 @@ def memory_worker(out: Path, name: str, prepare: bool) -> None:
 def run_memory(out: Path, prepare: bool = False) -> dict[str, Any]:
     (out / "memory").mkdir(parents=True, exist_ok=True)
     results: dict[str, Any] = {}
-    for case in memory_cases():
-        if case.name not in _chosen([case.name]):
-            continue
+    for case in filter(lambda case: _wanted(case.name), memory_cases()):
         command = [sys.executable, str(Path(__file__)), "--worker", "memory",
                    "--case", case.name, "--out", str(out)] + (["--prepare"] if prepare else [])
         code = _run(command, 300, out / "memory" / f"{case.name}.log")
@@ -570,12 +568,11 @@ def predicted_parts(program: Any) -> dict[str, float]:
         if layer.name not in stage.layers:
             continue
         mode = stage.recompute.get(layer.name, "none")
-        for devices, key in ((problem.devices, "light"), (undispatched, "light_bytes")):
+        for devices, light in ((problem.devices, "light"), (undispatched, "light_bytes")):
             work = layer_work(layer, devices, micro, problem.train.measured_scale)
-            for compute, memory in (work["forward"], work["backward"],
-                                    work["recompute"][mode]):
-                parts["heavy"] += count * compute if key == "light" else 0.0
-                parts[key] += count * memory
+            phases = (work["forward"], work["backward"], work["recompute"][mode])
+            parts[light] += count * sum(memory for _, memory in phases)
+        parts["heavy"] += count * sum(compute for compute, _ in phases)
     parts["tail"] = stage.time_s.tail
     parts["stage_time"] = {"forward": stage.time_s.forward, "backward": stage.time_s.backward,
                            "recompute": stage.time_s.recompute, "comm": stage.time_s.comm,
@@ -585,7 +582,7 @@ def predicted_parts(program: Any) -> dict[str, float]:
 
 def run_profile(out: Path, prepare: bool = False) -> dict[str, Any]:
     results: dict[str, Any] = {}
-    for name in _chosen(PROFILE_PLANS):
+    for name in filter(_wanted, PROFILE_PLANS):
         worker = [str(Path(__file__)), "--worker", "profile", "--case", name, "--out", str(out)]
         if prepare:
             _run([sys.executable, *worker, "--prepare"], 900, out / f"profile-{name}.log")

@@ -34,9 +34,7 @@ from .graph import is_dtype_check, op_name
 
 # The batched products an attention core starts and ends with.
 _PRODUCTS = frozenset({"matmul", "bmm", "baddbmm", "einsum"})
-# With the runtime's own (partc.runtime.softmax, which the attention_softmax pass puts in).
-_SOFTMAX = frozenset({"softmax", "_softmax", "safe_softmax", "_safe_softmax",
-                      "softmax_for_product"})
+_SOFTMAX = frozenset({"softmax", "_softmax", "safe_softmax", "_safe_softmax"})
 
 
 def attention_cores(nodes: list[fx.Node]) -> list[tuple[fx.Node, ...]]:

@@ -234,9 +234,9 @@ _HALF_TO_FLOAT = (torch.ops.aten._softmax.default, torch.ops.aten._log_softmax.d
 # (``masked_fill`` is ``clone`` then ``masked_fill_``): two kernels, the copy's bytes on
 # top of what the op reads and writes.
 _COPY_THEN_IN_PLACE = frozenset(
-    op for name in ("masked_fill", "index_fill", "index_put", "masked_scatter",
-                    "index_add", "index_copy", "put")
-    for op in (getattr(torch.ops.aten, name, None),) if op is not None)
+    getattr(torch.ops.aten, name) for name in ("masked_fill", "index_fill", "index_put",
+                                               "masked_scatter", "index_add", "index_copy",
+                                               "put"))
 
 
 class _Casts(TorchDispatchMode):
@@ -250,9 +250,8 @@ class _Casts(TorchDispatchMode):
     def __init__(self, cuda: bool) -> None:
         super().__init__()
         self.cuda = cuda
-        self.made: list[tuple[torch.Tensor, float]] = []
+        self.made: list[tuple[torch.Tensor, float, torch.dtype]] = []   # and its source
         self.copied = 0.0
-        self._widened_from: torch.dtype | None = None   # the last cast's input dtype
 
     @contextlib.contextmanager
     def paused(self):
@@ -267,10 +266,9 @@ class _Casts(TorchDispatchMode):
         out = func(*args, **(kwargs or {}))
         if func is torch.ops.aten._to_copy.default and isinstance(out, torch.Tensor) \
                 and isinstance(args[0], torch.Tensor) and out.dtype != args[0].dtype:
-            self.made.append((out, float(_nbytes(args[0]) + _nbytes(out))))
-            self._widened_from = args[0].dtype
-        elif self.cuda and func in _HALF_TO_FLOAT and self.made and args[0] is self.made[-1][0] \
-                and self._widened_from == torch.float16:
+            self.made.append((out, float(_nbytes(args[0]) + _nbytes(out)), args[0].dtype))
+        elif self.cuda and func in _HALF_TO_FLOAT and self.made \
+                and self.made[-1][0] is args[0] and self.made[-1][2] == torch.float16:
             self.made.pop()
         elif func.overloadpacket in _COPY_THEN_IN_PLACE and isinstance(out, torch.Tensor):
             self.copied += 2.0 * _nbytes(out)
@@ -285,13 +283,13 @@ def _casts_itself(node: fx.Node) -> bool:
     return not getattr(node.target, "casts_its_result", False)
 
 
-def _with_casts(cost: meta.NodeCost, made: list[tuple[torch.Tensor, float]],
+def _with_casts(cost: meta.NodeCost, made: list[tuple[torch.Tensor, float, torch.dtype]],
                 result: Any) -> meta.NodeCost:
     """``cost`` with the casts made while the node ran (autocast's beside it, a runtime
     function's inside it) but the node's own ``result`` where it is given: an explicit
     ``.to(dtype)`` is the node itself, whose bytes ``bytes_moved`` already counts."""
     own = {id(t) for t in pytree.tree_leaves(result) if isinstance(t, torch.Tensor)}
-    implicit = [nbytes for out, nbytes in made if id(out) not in own]
+    implicit = [nbytes for out, nbytes, _ in made if id(out) not in own]
     if not implicit:
         return cost
     return dataclasses.replace(cost, casts=len(implicit), cast_bytes=float(sum(implicit)))

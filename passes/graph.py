@@ -62,7 +62,8 @@ def _ancestors_of_output(gm: fx.GraphModule) -> set[fx.Node]:
     return seen
 
 def op_name(node: fx.Node) -> str:
-    """A short op name: ``aten.view.default`` → ``view``, ``F.linear`` → ``linear``."""
+    """A short op name: ``aten.view.default`` → ``view``, ``F.linear`` → ``linear``; a
+    runtime function the passes put in names the op it stands for (``op_name``)."""
     target = node.target
     if node.op == "call_module":
         return type(node.graph.owning_module.get_submodule(target)).__name__.lower()
@@ -70,7 +71,7 @@ def op_name(node: fx.Node) -> str:
         return str(target)
     if isinstance(target, torch._ops.OpOverload):
         return target.overloadpacket.__name__
-    return getattr(target, "__name__", str(target))
+    return getattr(target, "op_name", None) or getattr(target, "__name__", str(target))
 
 def has_side_effects(node: fx.Node) -> bool:
     """Whether ``node`` must run even when nothing reads its result: fx's own impure ops

@@ -573,8 +573,7 @@ _RULES: dict[str, Rule] = {
        for name in ("transpose", "swapaxes", "t", "permute", "unsqueeze", "squeeze")},
     "expand": _expand, "split": _split, "chunk": _split, "getitem": _getitem,
     "mean": _reduction, "sum": _reduction, "softmax": _softmax, "log_softmax": _softmax,
-    "_softmax": _softmax, "softmax_for_product": _softmax,   # partc.runtime.softmax's
-    "slice": _slice, "select": _slice, "narrow": _slice, "cat": _cat,
+    "_softmax": _softmax, "slice": _slice, "select": _slice, "narrow": _slice, "cat": _cat,
     "layer_norm": _layer_norm, "linear": _linear, "addmm": _addmm, "matmul": _matmul,
     "scaled_dot_product_attention": _sdpa, "embedding": _embedding,
 }

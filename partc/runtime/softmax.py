@@ -55,8 +55,10 @@ def _backward_working_set(result: torch.Tensor) -> int:
 
 
 # The narrowing to the autocast dtype is a kernel of its own beside softmax's (what
-# passes/estimate counts as a cast); what backward allocates, as the estimate prices it.
+# passes/estimate counts as a cast); what backward allocates, as the estimate prices it;
+# to the passes (attention cores, tensor-parallel rules) it is a softmax.
 softmax_for_product.casts_its_result = True
+softmax_for_product.op_name = "softmax"
 softmax.backward_working_set = softmax_for_product.backward_working_set = \
     _backward_working_set
 
