@@ -21,9 +21,10 @@ clock (CUDA events on a GPU, ``time.perf_counter`` on CPU):
   forward and backward, in bytes as partc counts them (``elementwise_bandwidth``), and
   ``torch.optim.AdamW``'s step over a transformer block's parameters, in the bytes the
   cost model charges a step (``optimizer_bandwidth``): one CPU thread computes these
-  well below its copy bandwidth; a GPU streams element-wise kernels at about HBM
-  bandwidth, but torch's AdamW (its foreach form, the default there) passes over the
-  state several times (an H100 stepped 0.31 of its copy rate in those bytes).
+  well below its copy bandwidth; a GPU runs element-wise kernels somewhat below it (an
+  H100 0.82 of its copy rate), and torch's AdamW (its foreach form, the default there)
+  passes over the state several times (an H100 stepped 0.31 of its copy rate in those
+  bytes).
 - FSDP2 (ZeRO-2/3): with the N processes below, its own work per unit and microbatch
   beside the collectives (:func:`measure_fsdp`): forward and backward hooks, and per
   all-gather and reduce-scatter (``fsdp_unit_overhead_s``, ``..._backward_s``,
@@ -73,6 +74,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
+from torch.multiprocessing.reductions import StorageWeakRef
 
 from .budget import PRESETS, PROFILE_SCHEMA, PROFILE_VERSION, step_links
 from .errors import PartcError
@@ -354,11 +356,15 @@ def measure_elementwise(device: torch.device, sizes: Sizes,
     residual add, a layer norm, a scale, a mask, a softmax and a GELU, each on its own
     (tokens, out) activation of ``sizes.linear[0]`` that needs a gradient. Their bytes
     are counted as ``passes/estimate`` counts them (tensor inputs read and outputs
-    written; the norm's weights, parameters, left out) and backward as twice forward's,
-    as the cost model charges them; the ops' fixed cost per call (``overhead``, from
-    :func:`measure_op_overhead`), which the cost model charges apart, is taken off.
-    ``bytes_per_s`` = 3 x forward bytes / (forward + backward) seconds: a CPU thread
-    computes exp, erf and compares at well below its copy bandwidth."""
+    written; the norm's weights, parameters, left out), backward's as it counts a layer's
+    backward (the ops autograd runs, :class:`partc.passes.estimate.MovedBytes`, with the
+    kernels of the device's own where they differ); the ops' fixed cost per call
+    (``overhead``, from :func:`measure_op_overhead`), which the cost model charges
+    apart, is taken off. ``bytes_per_s`` = (forward + backward bytes) / (forward +
+    backward) seconds: a CPU thread computes exp, erf and compares at well below its
+    copy bandwidth."""
+    from partc.passes.estimate import MovedBytes   # the passes import torch's fx stack
+
     tokens, _, width = sizes.linear[0]
     inputs = [torch.randn(tokens, width, device=device, requires_grad=True)
               for _ in range(6)]
@@ -381,12 +387,20 @@ def measure_elementwise(device: torch.device, sizes: Sizes,
     # add: 2 read, 1 written; mask: its bool mask too, and the copy masked_fill makes
     # before filling in place; the others 1 read, 1 written.
     nbytes = 3 * one + 2 * one + 2 * one + (4 * one + tokens * width) + 2 * one + 2 * one
+    counted = MovedBytes({StorageWeakRef(t.untyped_storage()) for t in norm},
+                         cuda=device.type == "cuda")
+    outputs = forward()
+    with counted:
+        torch.autograd.backward(outputs, grads)
+    for tensor in inputs + norm:
+        tensor.grad = None
     forward_s, both_s = (median_seconds(f, device, sizes) for f in (forward, both))
     per_op = (overhead["forward_s"] + overhead["backward_s"]) if overhead else 0.0
     work_s = max(both_s - 6 * per_op, both_s / 2)
     result = {"shape": [tokens, width], "ops": 6, "forward_bytes": nbytes,
-              "forward_s": forward_s, "forward_backward_s": both_s,
-              "bytes_per_s": 3 * nbytes / work_s}
+              "backward_bytes": counted.moved, "forward_s": forward_s,
+              "forward_backward_s": both_s,
+              "bytes_per_s": (nbytes + counted.moved) / work_s}
     log.info("element-wise ops, forward and backward: %s", _rate(result["bytes_per_s"]))
     return result
 
@@ -993,8 +1007,8 @@ def build_profile(options: CalibrationOptions, measured: dict, *, name: str,
     link = links.get("joint_fit")
     overlap = collectives.get("overlap")
     # Element-wise ops and the optimizer step likewise, every rank at once where spawned
-    # (they share the memory bus). A GPU streams its element-wise kernels at about HBM
-    # bandwidth, but torch's AdamW (foreach) passes over the state several times: an
+    # (they share the memory bus). A GPU runs its element-wise kernels somewhat below its
+    # copy rate, and torch's AdamW (foreach) passes over the state several times: an
     # H100 stepped 0.3 of its copy rate in the cost model's bytes.
     busy = {key: measured.get("collectives", {}).get(f"{key}_all_busy") or measured.get(key)
             for key in ("elementwise", "optimizer")}

@@ -21,10 +21,10 @@ Model (per pipeline stage ``s`` of ``p``, ``m`` microbatches of ``b`` samples):
   beyond its FLOPs (``DeviceNumbers.op_overhead_s``, ``matmul_overhead_s``): more,
   smaller microbatches cost more. On a GPU, whose host dispatches ahead of its kernels,
   the ops' overhead is a floor under each layer's phase rather than a sum
-  (:func:`dispatched`). Backward is twice
-  forward, op by op (a heavy op's gradients w.r.t. its
-  input and its weight are two ops like it; a fused attention kernel's recomputed
-  scores add FLOPs); recompute replays its ops at the same roofline (:func:`layer_work`);
+  (:func:`dispatched`). A heavy op's backward is twice its forward (its gradients
+  w.r.t. its input and its weight are two ops like it; a fused attention kernel's
+  recomputed scores add FLOPs); the light ops' backward moves the bytes the estimate
+  measured autograd's ops to move (``LayerCost.bwd_mem_bytes``); recompute replays its ops at the same roofline (:func:`layer_work`);
 - ``t_s`` = compute of the stage's layers + send/recv of the activation crossing its
   outgoing cut (forward) and of its gradient (backward) over the link to the next stage;
 - pipeline time, in closed form for the planner's search: ``(m - 1) * max_s t_s +
@@ -671,7 +671,8 @@ def layer_work(layer: LayerCost, devices: DeviceNumbers, micro_batch: int,
     """A layer's compute per microbatch as (compute-bound, memory-bound) seconds: forward,
     backward and, per recompute mode, the recomputed forward. Heavy ops by the roofline
     (:func:`roofline_seconds`); the other ops move their bytes at the device's
-    element-wise rate (:attr:`DeviceNumbers.light_op_bandwidth`), twice in backward. A
+    element-wise rate (:attr:`DeviceNumbers.light_op_bandwidth`), backward's as measured
+    (:attr:`LayerCost.bwd_mem_bytes`). A
     recompute mode replays the share of the heavy ops its FLOPs say (all or none, as
     estimated) and moves its bytes.
 
@@ -975,7 +976,7 @@ def _layer_key(layer) -> tuple:
             tuple(sorted(layer.recompute_mem_bytes.items())), layer.workspace_bytes,
             layer.tp_comm, layer.tp_overlap_flops, layer.num_nodes, layer.fused_mem_bytes,
             layer.fused_kernels, tuple(sorted(layer.recompute_nodes.items())),
-            layer.param_tensors, layer.largest_param)
+            layer.param_tensors, layer.largest_param, layer.backward_mem_bytes)
 
 
 def build_cost_table(problem: PlanningProblem, config: PipelineConfig,

@@ -232,6 +232,9 @@ class LayerCost:
     # Ops a recompute mode reruns, by mode (full: every op; selective: the attention
     # cores'). Missing: full reruns ``num_nodes``, selective the light ops.
     recompute_nodes: dict[str, int] = field(default_factory=dict)
+    # The bytes the memory-bound ops of the layer's backward move per sample, as measured
+    # (autograd run on fake tensors: passes/estimate.py). None: twice ``fwd_mem_bytes``.
+    backward_mem_bytes: float | None = None
 
     def __post_init__(self) -> None:
         listed = sum(op.flops * op.count for op in self.heavy_ops)
@@ -267,6 +270,11 @@ class LayerCost:
 
     @property
     def bwd_mem_bytes(self) -> float:
+        """What backward's memory-bound ops move per sample: as measured, else (a layer
+        built by hand, or whose backward the stand-ins could not run) twice the
+        forward's bytes, a gradient read and written for each value read and written."""
+        if self.backward_mem_bytes is not None:
+            return self.backward_mem_bytes
         return 2.0 * self.fwd_mem_bytes
 
 

@@ -1,4 +1,4 @@
-"""Measure each layer's forward costs by running it on fake tensors.
+"""Measure each layer's costs, forward and backward, by running it on fake tensors.
 
 One fx interpreter loop per layer runs under ``FakeTensorMode`` (no memory),
 ``FlopCounterMode`` (FLOPs read before and after each node) and
@@ -30,6 +30,14 @@ the masked blocks (:func:`partc.passes.fuse_attention.skips_masked_blocks`), and
 dropout runs as CUDA's fused ``native_dropout``, saving a 1-byte mask rather than the
 noise a CPU decomposes it into.
 
+Backward is measured too (:func:`_backward_bytes`): autograd runs on the fake values
+the forward made, outside autocast as the runtime runs it, and the bytes its memory-bound
+ops read and write are counted as a forward node's (:class:`MovedBytes`), matmuls and
+attention kernels apart (the roofline prices their FLOPs), with CUDA's kernels where they
+differ from the ops dispatched. A gradient is not twice its forward: a cast's is one
+cast, softmax's reads two tensors and writes one, cross entropy's fills a
+vocabulary-wide gradient and scatters into it.
+
 A value that several later layers read (Llama's attention mask and rotary cos/sin, made
 once and read by every block) is held once, not once per reader: it is charged to the
 layer that makes it, in every recompute mode, and to none of its readers (see
@@ -50,6 +58,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
+import logging
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -59,7 +68,7 @@ from torch import fx, nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils.flop_counter import FlopCounterMode
+from torch.utils.flop_counter import FlopCounterMode, flop_registry
 
 from partc import meta
 from partc.problem import HeavyOp, LayerCost
@@ -71,6 +80,8 @@ from .autocast_policy import cuda_autocast
 from .context import Context
 from .layers import crossing_bytes
 from .graph import carries_grad, fetch, is_dtype_check, layer_nodes, param_usage
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -87,6 +98,9 @@ class _LayerRun:
     # left out: what a checkpoint of part of the layer keeps of its inputs.
     storages: dict[fx.Node, tuple[tuple[StorageWeakRef, int], ...]] = field(
         default_factory=dict)
+    # The bytes the layer's backward moves in its memory-bound ops (:func:`_backward_bytes`);
+    # None: not measured.
+    backward_bytes: float | None = None
 
 
 @dataclass(frozen=True)
@@ -222,10 +236,103 @@ def _run_layer(gm: fx.GraphModule, nodes: list[fx.Node], setting: _Setting) -> _
                 state = [t for _, t in _named_state(gm.get_submodule(str(node.target)))]
                 run.costs[node] = dataclasses.replace(run.costs[node], weight_bytes=_weight_bytes(
                     state, [t for t in pytree.tree_leaves(result) if isinstance(t, torch.Tensor)]))
+    # Backward runs outside autocast, as the runtime runs it.
+    run.backward_bytes = _backward_bytes(nodes, env, frozen, fake_mode,
+                                         cuda=setting.runtime_device == "cuda")
     for node in run.inputs:
         run.storages[node] = _storages(env[node], frozen)
     _attribute_saved(run)
     return run
+
+
+def _backward_bytes(nodes: list[fx.Node], env: dict[fx.Node, Any], frozen: set,
+                    fake_mode: FakeTensorMode, cuda: bool) -> float | None:
+    """The bytes the memory-bound ops of the layer's backward read and write, counted as
+    :func:`_node_cost` counts a forward node's (:class:`MovedBytes`): autograd run on
+    the fake values the forward made, from a gradient for each of the layer's outputs
+    (values read outside it) that needs one; ``cuda``: with the kernels CUDA runs where
+    they differ from the ops dispatched. None where autograd cannot run on the
+    stand-ins (the cost model then charges backward twice the forward's bytes)."""
+    members = set(nodes)
+    outputs = [t for node in nodes if node in env and any(u not in members for u in node.users)
+               for t in pytree.tree_leaves(env[node])
+               if isinstance(t, torch.Tensor) and t.grad_fn is not None]
+    if not outputs:
+        return 0.0
+    counted = MovedBytes(frozen, cuda)
+    try:
+        with fake_mode, torch.enable_grad():
+            grads = [torch.empty_like(t) for t in outputs]
+            with counted:
+                torch.autograd.backward(outputs, grads)
+    except Exception as error:   # noqa: BLE001 - any op the stand-ins cannot run
+        logger.debug("backward of %s not measured on fake tensors: %s", nodes[0].name, error)
+        return None
+    return counted.moved
+
+
+# The ops the roofline prices by their FLOPs, forward and backward (matmuls,
+# convolutions, attention kernels): FlopCounterMode's, and CPU's fused attention.
+_HEAVY = frozenset(flop_registry) | {
+    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu,
+    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward}
+# Ops that write their output without reading it (the destination of a copy, a fill).
+_WRITE_ONLY = frozenset((torch.ops.aten.copy_, torch.ops.aten.fill_, torch.ops.aten.zero_))
+# Ops that allocate and move nothing.
+_ALLOCATING = frozenset((torch.ops.aten.empty, torch.ops.aten.empty_like,
+                         torch.ops.aten.new_empty, torch.ops.aten.empty_strided,
+                         torch.ops.aten.new_empty_strided))
+
+
+def _accumulating() -> bool:
+    """Whether autograd is storing a leaf's gradient (its copy of a gradient it cannot
+    take over): the stand-ins' inputs are leaves where the runtime's are the previous
+    layer's outputs, and the runtime's adds into its gradient buckets are priced apart
+    (``partc.costs.gradient_work_seconds``)."""
+    node = _current_autograd_node()
+    return node is not None and node.name().endswith("AccumulateGrad")
+
+
+_current_autograd_node = getattr(torch._C, "_current_autograd_node", lambda: None)
+
+
+class MovedBytes(TorchDispatchMode):
+    """Counts (``moved``) the bytes the memory-bound ops run below it read and write:
+    every tensor an op reads and writes, parameters and buffers (``frozen`` storages)
+    apart, and the copy an out-of-place op makes before running in place
+    (:data:`_COPY_THEN_IN_PLACE`); views, allocations, the heavy ops (:data:`_HEAVY`,
+    priced by their FLOPs) and autograd's storing of leaves' gradients move nothing
+    here."""
+
+    def __init__(self, frozen: set, cuda: bool) -> None:
+        super().__init__()
+        self.frozen = frozen
+        self.cuda = cuda
+        self.moved = 0.0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        packet = func.overloadpacket
+        if func.is_view or packet in _HEAVY or packet in _ALLOCATING or _accumulating():
+            return out
+        outputs = [t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
+        tensors = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+        read = {StorageWeakRef(t.untyped_storage()) for t in tensors}
+        if not outputs or not func._schema.is_mutable and all(
+                StorageWeakRef(t.untyped_storage()) in read for t in outputs):
+            return out   # a query, or an alias the schema does not declare (_unsafe_view)
+        inputs = [t for t in tensors if StorageWeakRef(t.untyped_storage()) not in self.frozen]
+        if packet in _WRITE_ONLY:
+            inputs = inputs[1:]   # the destination, written (an output) and not read
+        self.moved += sum(_nbytes(t) for t in inputs) + sum(_nbytes(t) for t in outputs)
+        if packet in _COPY_THEN_IN_PLACE:
+            self.moved += 2.0 * sum(_nbytes(t) for t in outputs)
+        if self.cuda and packet is torch.ops.aten._softmax_backward_data:
+            # CUDA's kernel first multiplies the gradient by the output, a kernel of its
+            # own (reads both, writes their product), then reduces and subtracts.
+            grad, output = args[0], args[1]
+            self.moved += _nbytes(grad) + 2.0 * _nbytes(output)
+        return out
 
 
 _HALF_TO_FLOAT = (torch.ops.aten._softmax.default, torch.ops.aten._log_softmax.default)
@@ -528,7 +635,8 @@ def _copy_run(run: _LayerRun, source: list[fx.Node], target: list[fx.Node]) -> _
     mapping.update(zip(_external_inputs(source), _external_inputs(target)))
     copied = _LayerRun(inputs={mapping[node]: size for node, size in run.inputs.items()},
                        dtypes={mapping[node]: d for node, d in run.dtypes.items()
-                               if node.op != "get_attr"})
+                               if node.op != "get_attr"},
+                       backward_bytes=run.backward_bytes)
     copied.costs = {mapping[node]: cost for node, cost in run.costs.items()
                     if node.op != "get_attr"}
     copied.costs.update({node: _FETCH_COST for node in fetches})
@@ -628,7 +736,9 @@ def _layer_cost(gm: fx.GraphModule, info: meta.LayerInfo, nodes: list[fx.Node], 
     return LayerCost(
         heavy_ops=_heavy_ops([n for n in nodes if n in heavy], run, per),
         name=info.name, signature=info.signature, fwd_flops=flops * per,
-        fwd_mem_bytes=light_bytes * per, param_count=count, param_bytes=nbytes,
+        fwd_mem_bytes=light_bytes * per,
+        backward_mem_bytes=None if run.backward_bytes is None else run.backward_bytes * per,
+        param_count=count, param_bytes=nbytes,
         param_tensors=tensors, largest_param=largest,
         saved_bytes={k: v * per for k, v in saved.items()},
         recompute_flops={k: v * per for k, v in rec_flops.items()},

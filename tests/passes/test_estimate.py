@@ -40,6 +40,12 @@ def test_mlp_costs_by_hand():
     assert costs["linear"].bytes_moved == B * (8 + 16) * 4
     assert fc1.heavy_ops == (HeavyOp(flops=2 * 8 * 16, activation_bytes=(8 + 16) * 4,
                                      weight_bytes=(8 * 16 + 16) * 4),)
+    # Backward as autograd runs it, matmuls apart: relu's gradient reads the incoming
+    # gradient and relu's output and writes one (3 x 16 floats a sample); a bias's
+    # gradient sums the batch's output gradients (B x out read, out written). The input
+    # needs no gradient.
+    assert fc1.bwd_mem_bytes == 3 * 16 * 4 + (B * 16 + 16) * 4 / B
+    assert fc2.bwd_mem_bytes == (B * 4 + 4) * 4 / B
 
 
 class _ProjectedLoss(nn.Module):
@@ -263,3 +269,34 @@ def test_casts_and_copies_as_cuda_runs_them():
         assert masked_fill.bytes_moved == size * n + size * n + 2 * size * n
         assert softmax.cast_bytes == widening, dtype
         assert softmax.casts == (1 if widening else 0)
+
+
+def test_backward_bytes_as_the_device_runs_them():
+    """A layer's backward is measured, not taken as twice its forward: masked_fill's
+    gradient is again a copy then a fill (4 passes), softmax's reads its output and the
+    gradient and writes one (3), and on a GPU CUDA's kernel first multiplies the two as a
+    kernel of its own (3 more). A layer whose backward the stand-ins cannot run is
+    charged twice its forward."""
+    n = B * 8 * 8
+    for device, softmax in (("cpu", 3), ("cuda", 6)):
+        _, analysis = analyze(_MaskedSoftmax(), (torch.randn(B, 8, 8),),
+                              autocast_device=device)
+        proj, scores = analysis.layers
+        assert proj.bwd_mem_bytes == (n + 8) * 4 / B   # the bias's gradient
+        assert scores.bwd_mem_bytes == (4 + softmax) * n * 4 / B, device
+        assert scores.bwd_mem_bytes != 2 * scores.fwd_mem_bytes
+    unmeasured = dataclasses.replace(scores, backward_mem_bytes=None)
+    assert unmeasured.bwd_mem_bytes == 2 * scores.fwd_mem_bytes
+
+
+def test_every_layer_of_a_transformer_has_its_backward_measured():
+    """The sample GPT in bf16 as a GPU runs it: every layer's backward runs on the fake
+    stand-ins (autocast's casts back, the loss's gradient over the vocabulary)."""
+    model = gpt_tiny()
+    ids = torch.randint(0, model.config.vocab_size, (B, 16))
+    _, analysis = analyze(model, (ids,), loss_fn=loss_fn, example_target=ids,
+                          autocast=torch.bfloat16, autocast_device="cuda")
+    assert all(layer.backward_mem_bytes is not None for layer in analysis.layers)
+    blocks = [layer for layer in analysis.layers if layer.name.startswith("blocks.")]
+    assert blocks and all(0 < b.bwd_mem_bytes for b in blocks)
+    assert len({b.bwd_mem_bytes for b in blocks}) == 1
