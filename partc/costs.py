@@ -15,8 +15,9 @@ Model (per pipeline stage ``s`` of ``p``, ``m`` microbatches of ``b`` samples):
   one factor per device type (presets, calibration), and a fused attention kernel has
   its own (``DeviceNumbers.attention_efficiency``: flash kernels run below the
   matmuls). Every other op moves its bytes at the device's element-wise rate
-  (``DeviceNumbers.elementwise_bandwidth``: HBM bandwidth unless calibrated; a CPU
-  thread runs them well below its copy rate), autocast's casts among them. Every op
+  (``DeviceNumbers.elementwise_bandwidth``: 0.75 of HBM bandwidth in the Hopper
+  presets, HBM's in the A100s', unless calibrated; a CPU thread runs them well below its copy rate), autocast's
+  casts among them. Every op
   also pays a fixed overhead per call and microbatch, and every heavy op a fixed time
   beyond its FLOPs (``DeviceNumbers.op_overhead_s``, ``matmul_overhead_s``): more,
   smaller microbatches cost more. On a GPU, whose host dispatches ahead of its kernels,

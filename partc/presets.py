@@ -73,9 +73,9 @@ class DevicePreset:
     # GPUs 1 (not measured: the walk hides behind queued kernels); a CPU pays it.
     split_backward_factor: float = 1.0
     # The rates memory-bound ops and the optimizer step move their bytes at
-    # (DeviceNumbers.elementwise_bandwidth, optimizer_bandwidth). None: hbm_bandwidth, as
-    # a GPU's element-wise kernels stream (the GPU presets price torch's AdamW below it,
-    # _GPU_ADAMW_SHARE); a profile measures both.
+    # (DeviceNumbers.elementwise_bandwidth, optimizer_bandwidth). None: hbm_bandwidth (the
+    # GPU presets price the optimizer below it, _GPU_ADAMW_SHARE, and Hopper's the
+    # element-wise kernels too, _GPU_ELEMENTWISE_SHARE); a profile measures both.
     elementwise_bandwidth: float | None = None
     optimizer_bandwidth: float | None = None
     # FSDP's copies in and out of its collectives (DeviceNumbers.fsdp_copy_bandwidth).
@@ -98,8 +98,20 @@ _HOPPER_ATTENTION = 0.5
 # steps at this share of the GPU's memory bandwidth, in the bytes the cost model charges
 # a step (Precision.step_bytes, 28 per fp32 parameter): `partc calibrate` on an H100
 # (torch 2.11) measured 927 GB/s against 3036 GB/s for a plain copy. The GPU presets'
-# optimizer_bandwidth; their element-wise kernels stream at about HBM bandwidth.
+# optimizer_bandwidth.
 _GPU_ADAMW_SHARE = 0.3
+
+# A GPU's element-wise kernels (norms, activations, softmax, masks, casts, copies, forward
+# and backward) move the bytes the estimate counts for them at this share of the GPU's
+# nominal memory bandwidth. On an H100 (torch 2.11): `partc calibrate`'s mix of them ran
+# at 2.50 TB/s (its forward and measured backward bytes over its time) and the
+# memory-bound kernels of `benchmarks/gpu_check.py`'s full-recompute step at 2.47 TB/s
+# (torch.profiler), of a nominal 3.35; a plain copy 3.04. Below a copy: kernels that
+# broadcast an input run unvectorized (masked_fill with a (seq, seq) mask, 1.4 TB/s),
+# row reductions over a wide vocabulary (log_softmax, 1.5 TB/s). The Hopper presets'
+# elementwise_bandwidth (the H200's kernels are Hopper's); the A100s', not measured,
+# stay at HBM bandwidth.
+_GPU_ELEMENTWISE_SHARE = 0.75
 
 PRESETS: dict[str, DevicePreset] = {
     preset.name: preset
@@ -125,6 +137,7 @@ PRESETS: dict[str, DevicePreset] = {
             peak_flops={"float32": 67 * TFLOPS, "tf32": 494.7 * TFLOPS,
                         "bfloat16": 989.4 * TFLOPS, "float16": 989.4 * TFLOPS},
             memory=80 * 2**30, hbm_bandwidth=3350 * GB, devices_per_node=8,
+            elementwise_bandwidth=_GPU_ELEMENTWISE_SHARE * 3350 * GB,
             optimizer_bandwidth=_GPU_ADAMW_SHARE * 3350 * GB,
             intra_node_bandwidth=450 * GB, inter_node_bandwidth=50 * GB,
             link_latency_s=8e-6, intra_node_latency_s=2e-6, flops_efficiency=0.55,
@@ -134,6 +147,7 @@ PRESETS: dict[str, DevicePreset] = {
             peak_flops={"float32": 67 * TFLOPS, "tf32": 494.7 * TFLOPS,
                         "bfloat16": 989.4 * TFLOPS, "float16": 989.4 * TFLOPS},
             memory=141 * 10**9, hbm_bandwidth=4800 * GB, devices_per_node=8,
+            elementwise_bandwidth=_GPU_ELEMENTWISE_SHARE * 4800 * GB,
             optimizer_bandwidth=_GPU_ADAMW_SHARE * 4800 * GB,
             intra_node_bandwidth=450 * GB, inter_node_bandwidth=50 * GB,
             link_latency_s=8e-6, intra_node_latency_s=2e-6, flops_efficiency=0.55,

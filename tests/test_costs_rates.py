@@ -122,8 +122,9 @@ def test_rates_must_be_positive():
 
 def test_the_budget_resolves_the_rates_and_a_plan_keeps_them():
     """Given to DeviceBudget they reach DeviceNumbers and the plan's budget, and the
-    budget a plan reads back prices alike. A GPU preset streams element-wise ops at HBM
-    bandwidth and steps torch's AdamW at a share of it (measured on an H100)."""
+    budget a plan reads back prices alike. A Hopper preset runs element-wise ops and
+    steps torch's AdamW at shares of HBM bandwidth (measured on an H100); an A100's
+    element-wise ops, not measured, stream at HBM bandwidth."""
     budget = partc.DeviceBudget(num_devices=2, device="CPU", elementwise_bandwidth="8GB/s",
                                 optimizer_bandwidth=2e9)
     numbers = device_numbers(budget, torch.float32)
@@ -132,9 +133,12 @@ def test_the_budget_resolves_the_rates_and_a_plan_keeps_them():
     again = budget_from_info(BudgetInfo.from_dict(budget.to_dict()))
     assert device_numbers(again, torch.float32) == numbers
     h100 = device_numbers(partc.DeviceBudget(num_devices=8, device="H100"), torch.bfloat16)
-    assert h100.elementwise_bandwidth is None
-    assert h100.light_op_bandwidth == h100.hbm_bandwidth == partc.PRESETS["H100-80GB"].hbm_bandwidth
+    assert h100.hbm_bandwidth == partc.PRESETS["H100-80GB"].hbm_bandwidth
+    assert h100.light_op_bandwidth == h100.elementwise_bandwidth \
+        == pytest.approx(0.75 * h100.hbm_bandwidth)
     assert h100.optimizer_step_bandwidth == pytest.approx(0.3 * h100.hbm_bandwidth)
+    a100 = device_numbers(partc.DeviceBudget(num_devices=8, device="A100"), torch.bfloat16)
+    assert a100.elementwise_bandwidth is None and a100.light_op_bandwidth == a100.hbm_bandwidth
 
 
 @pytest.mark.parametrize("seed", [0, pytest.param(1, marks=pytest.mark.slow)])

@@ -52,21 +52,24 @@ the pipelined rows so (b = 1, m = 4 pp; 70B b = 2). Without a pipeline partc pla
 microbatch of four sequences (b = 4, m = 1: 32B at 78.8 GiB), whose backward hides the
 whole fp32 reduce-scatter of ZeRO-1's gradients and whose forward the bf16 all-gather
 of its weights; as four microbatches of one, Megatron-Core overlaps them with the last
-microbatch's backward and the first one's forward only, and partc prices 0.36 s of them
-exposed on 32B at the fitted efficiency (29% of that step; 0.40 s at 0.70). Fitted on
-the plan that hides them, the constant comes out at 0.49 of peak where an H100's bf16
-linears measured 0.70 (``partc calibrate``, :data:`MEASURED_EFFICIENCY`), and it
-prices the pipelined rows' matmuls that much slower: 0.75-0.84x (1.7B, planned as 32B
-is, inside at 1.10x: ``test_mcore_scaling``'s OUTSIDE says why). At the measured 0.70
-with micro-batches of one (:data:`MICROBATCH_OF_THE_BATCHES`), nothing fitted, the
-pipelined rows are predicted at 1.01-1.08x and the unpipelined ones at 0.79-1.27x. 16B
-and 32B, whose data-parallel groups hold two ranks and one rank per node (a NIC each),
-spend 0.18 and 0.41 s on exposed data-parallel traffic that 0.85 and 0.89 s published
-steps leave no room for at one sequence per microbatch: they likely ran larger
-microbatches, which the table does not say (partc's own, four sequences, predicts them
-at 1.23 and 1.29x there). 1.7B and 7.1B run their rings over 8 and 4 NICs a node
-(:mod:`partc.collectives`), expose 0.01-0.05 s and come out at 1.27 and 1.12x (1.37
-and 1.25x as partc plans them): no one micro-batch size puts all four in the band.
+microbatch's backward and the first one's forward only, and partc prices about 0.36 s
+of them exposed on 32B (0.38 s at 0.70). Fitted on the plan that hides them, the
+constant comes out at 0.59 of peak where an H100's bf16 linears measured 0.70
+(``partc calibrate``, :data:`MEASURED_EFFICIENCY`), and it prices the pipelined rows'
+matmuls that much slower: 0.77-0.83x (1.7B, planned as 32B is, inside at 1.12x:
+``test_mcore_scaling``'s OUTSIDE says why). At the measured 0.70 with micro-batches of
+one (:data:`MICROBATCH_OF_THE_BATCHES`), nothing fitted, the pipelined rows are
+predicted at 0.87-0.92x and the unpipelined ones at 0.73-1.15x. 16B and 32B, whose
+data-parallel groups hold two ranks and one rank per node (a NIC each), spend 0.16 and
+0.38 s on exposed data-parallel traffic that 0.85 and 0.89 s published steps leave no
+room for at one sequence per microbatch: they likely ran larger microbatches, which the
+table does not say (partc's own, four sequences, predicts them at 1.10 and 1.13x
+there). 1.7B and 7.1B run their rings over 8 and 4 NICs a node
+(:mod:`partc.collectives`), expose little and come out at 1.15 and 1.02x (1.24 and
+1.13x as partc plans them). At 0.70, rows as partc plans them, eight of the nine lie
+in the band (1.7B at 1.24x), but they span 0.87-1.24x, more than any one constant
+fitted on one row can bring inside: fitted on a pipelined row, the unpipelined ones
+leave it.
 """
 
 from __future__ import annotations
