@@ -322,8 +322,8 @@ class MovedBytes(TorchDispatchMode):
                 StorageWeakRef(t.untyped_storage()) in read for t in outputs):
             return out   # a query, or an alias the schema does not declare (_unsafe_view)
         inputs = [t for t in tensors if StorageWeakRef(t.untyped_storage()) not in self.frozen]
-        if packet in _WRITE_ONLY:
-            inputs = inputs[1:]   # the destination, written (an output) and not read
+        if packet in _WRITE_ONLY:   # the destination is written (an output), not read
+            inputs = [t for t in inputs if t is not args[0]]
         self.moved += sum(_nbytes(t) for t in inputs) + sum(_nbytes(t) for t in outputs)
         if packet in _COPY_THEN_IN_PLACE:
             self.moved += 2.0 * sum(_nbytes(t) for t in outputs)
