@@ -4,7 +4,8 @@ Torch-free, so that the command line can list and check device names before it i
 torch; :mod:`partc.budget` builds a DeviceBudget on them. Bandwidths are per device and
 per direction (NVLink 4 on H100: 900 GB/s bidirectional = 450 GB/s each way; one 400 Gb/s
 NIC per GPU = 50 GB/s). ``flops_efficiency`` is the fraction of peak that large matmuls
-reach in practice; the presets guess it.
+reach in practice: measured on an H100 for the Hopper presets (_HOPPER_MATMULS), a guess
+for the others.
 """
 
 from __future__ import annotations
@@ -94,6 +95,13 @@ class DevicePreset:
 # measured 0.70 on an H100). FlashAttention-2 measured 0.32-0.37 there.
 _HOPPER_ATTENTION = 0.5
 
+# Hopper's bf16 matmuls: `partc calibrate` on an H100 SXM (torch 2.11, cuBLAS) measured
+# linear layers' shapes at 0.697 of the dense peak and square ones of 2048^3 and more at
+# 0.71-0.72. The Hopper presets' flops_efficiency. (A training step runs somewhat below
+# both rates: `benchmarks/gpu_check.py`'s full-recompute step spent 563 ms in its matmul
+# and memory-bound kernels where they price 493; docs/calibrate.md.)
+_HOPPER_MATMULS = 0.70
+
 # torch's AdamW on a GPU (its default, the foreach form: several passes over the state)
 # steps at this share of the GPU's memory bandwidth, in the bytes the cost model charges
 # a step (Precision.step_bytes, 28 per fp32 parameter): `partc calibrate` on an H100
@@ -103,14 +111,12 @@ _GPU_ADAMW_SHARE = 0.3
 
 # A GPU's element-wise kernels (norms, activations, softmax, masks, casts, copies, forward
 # and backward) move the bytes the estimate counts for them at this share of the GPU's
-# nominal memory bandwidth. On an H100 (torch 2.11): `partc calibrate`'s mix of them ran
-# at 2.50 TB/s (its forward and measured backward bytes over its time) and the
-# memory-bound kernels of `benchmarks/gpu_check.py`'s full-recompute step at 2.47 TB/s
-# (torch.profiler), of a nominal 3.35; a plain copy 3.04. Below a copy: kernels that
-# broadcast an input run unvectorized (masked_fill with a (seq, seq) mask, 1.4 TB/s),
-# row reductions over a wide vocabulary (log_softmax, 1.5 TB/s). The Hopper presets'
-# elementwise_bandwidth (the H200's kernels are Hopper's); the A100s', not measured,
-# stay at HBM bandwidth.
+# nominal memory bandwidth: on an H100 (torch 2.11) `partc calibrate`'s mix of them ran
+# at 2.50 TB/s (its forward and measured backward bytes over its time) of a nominal
+# 3.35, a plain copy at 3.04. Below a copy: kernels that broadcast an input run
+# unvectorized (masked_fill with a (seq, seq) mask, 1.4 TB/s), row reductions over a
+# wide vocabulary (log_softmax, 1.5 TB/s). The Hopper presets' elementwise_bandwidth
+# (the H200's kernels are Hopper's); the A100s', not measured, stay at HBM bandwidth.
 _GPU_ELEMENTWISE_SHARE = 0.75
 
 PRESETS: dict[str, DevicePreset] = {
@@ -140,7 +146,7 @@ PRESETS: dict[str, DevicePreset] = {
             elementwise_bandwidth=_GPU_ELEMENTWISE_SHARE * 3350 * GB,
             optimizer_bandwidth=_GPU_ADAMW_SHARE * 3350 * GB,
             intra_node_bandwidth=450 * GB, inter_node_bandwidth=50 * GB,
-            link_latency_s=8e-6, intra_node_latency_s=2e-6, flops_efficiency=0.55,
+            link_latency_s=8e-6, intra_node_latency_s=2e-6, flops_efficiency=_HOPPER_MATMULS,
             attention_efficiency=_HOPPER_ATTENTION),
         DevicePreset(
             name="H200",
@@ -150,7 +156,7 @@ PRESETS: dict[str, DevicePreset] = {
             elementwise_bandwidth=_GPU_ELEMENTWISE_SHARE * 4800 * GB,
             optimizer_bandwidth=_GPU_ADAMW_SHARE * 4800 * GB,
             intra_node_bandwidth=450 * GB, inter_node_bandwidth=50 * GB,
-            link_latency_s=8e-6, intra_node_latency_s=2e-6, flops_efficiency=0.55,
+            link_latency_s=8e-6, intra_node_latency_s=2e-6, flops_efficiency=_HOPPER_MATMULS,
             attention_efficiency=_HOPPER_ATTENTION),
         DevicePreset(
             name="CPU",

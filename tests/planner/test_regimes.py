@@ -41,8 +41,8 @@ where, and why in the cost model's own figures (``python benchmarks/regimes.py
   those of the microbatches in flight, as in Megatron (``partc.costs.receive_bytes``),
   so a stage holds half the layers' state and saved activations for little more, and
   the planner takes the memory that frees for less recompute. At 0.65 GiB pp=2 x dp=8
-  (interleaved, ZeRO-3) steps in 3880 ms against 5786 ms for tp=2 with sequence
-  parallelism. At 3.3 GiB ZeRO-2 on one replica is picked (1070 ms), by a margin over
+  (interleaved, ZeRO-3) steps in 3866 ms against 5796 ms for tp=2 with sequence
+  parallelism. At 3.3 GiB ZeRO-2 on one replica is picked (1039 ms), by a margin over
   a pipeline of a few percent that has changed sides as the estimate learned what a
   GPU runs: pp=2 led (920 ms against 944) until it counted the copies that bf16
   attention makes (softmax's widening cast, masked_fill's clone), then ZeRO-2 (1007
@@ -50,7 +50,7 @@ where, and why in the cost model's own figures (``python benchmarks/regimes.py
   forward's bytes, the loss's over the 50k vocabulary 3.2 times, where twice was
   charged; ``passes/estimate.py``) put pp=4 x dp=4 ahead (992 against 1011), and
   pricing those bytes at the H100's measured 0.75 of HBM bandwidth
-  (``partc.presets``) ZeRO-2 again. At 1.2 GiB, where one replica still fits, it is picked (ZeRO-3, 1496
+  (``partc.presets``; its matmuls at their measured 0.70 of peak) ZeRO-2 again. At 1.2 GiB, where one replica still fits, it is picked (ZeRO-3, 1450
   ms): its data-parallel group of 16, eight ranks a node, runs NCCL's rings over the
   eight NICs of each node (``partc.collectives``); priced at one NIC's rate, its
   gathers and reduce-scatters were 8x slower and pp=2 x dp=8 won. Megatron's rule of thumb puts
@@ -136,7 +136,7 @@ def test_pure_data_parallelism_when_memory_is_ample():
     assert plan.tensor_parallel is None
     # ZeRO-1 whose weight all-gather runs beside the next forward (the default,
     # TrainSpec.overlap_param_gather) steps 1/dp of the weights and leaves one bucket's
-    # all-gather exposed: 932 ms against ZeRO-0's 939 (its optimizer steps all the
+    # all-gather exposed: 870 ms against ZeRO-0's 876 (its optimizer steps all the
     # weights). With the all-gather after the step ZeRO-1 is slower, still ahead:
     # the group's 16 ranks, 8 per node, gather over 8 NICs a node.
     assert plan.zero_stage == 1
