@@ -357,13 +357,13 @@ def measure_elementwise(device: torch.device, sizes: Sizes,
     (tokens, out) activation of ``sizes.linear[0]`` that needs a gradient. Their bytes
     are counted as ``passes/estimate`` counts them (tensor inputs read and outputs
     written; the norm's weights, parameters, left out), backward's as it counts a layer's
-    backward (the ops autograd runs, :class:`partc.passes.estimate.MovedBytes`, with the
+    backward (the ops autograd runs, :class:`partc.passes.op_bytes.MovedBytes`, with the
     kernels of the device's own where they differ); the ops' fixed cost per call
     (``overhead``, from :func:`measure_op_overhead`), which the cost model charges
     apart, is taken off. ``bytes_per_s`` = (forward + backward bytes) / (forward +
     backward) seconds: a CPU thread computes exp, erf and compares at well below its
     copy bandwidth."""
-    from partc.passes.estimate import MovedBytes   # the passes import torch's fx stack
+    from partc.passes.op_bytes import MovedBytes
 
     tokens, _, width = sizes.linear[0]
     inputs = [torch.randn(tokens, width, device=device, requires_grad=True)

@@ -68,7 +68,7 @@ from torch import fx, nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils.flop_counter import FlopCounterMode, flop_registry
+from torch.utils.flop_counter import FlopCounterMode
 
 from partc import meta
 from partc.problem import HeavyOp, LayerCost
@@ -79,6 +79,7 @@ from .attention_core import attention_cores, core_inputs
 from .autocast_policy import cuda_autocast
 from .context import Context
 from .layers import crossing_bytes
+from .op_bytes import COPY_THEN_IN_PLACE, MovedBytes, nbytes
 from .graph import carries_grad, fetch, is_dtype_check, layer_nodes, param_usage
 
 logger = logging.getLogger(__name__)
@@ -271,80 +272,7 @@ def _backward_bytes(nodes: list[fx.Node], env: dict[fx.Node, Any], frozen: set,
     return counted.moved
 
 
-# The ops the roofline prices by their FLOPs, forward and backward (matmuls,
-# convolutions, attention kernels): FlopCounterMode's, and CPU's fused attention.
-_HEAVY = frozenset(flop_registry) | {
-    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu,
-    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward}
-# Ops that write their output without reading it (the destination of a copy, a fill).
-_WRITE_ONLY = frozenset((torch.ops.aten.copy_, torch.ops.aten.fill_, torch.ops.aten.zero_))
-# Ops that allocate and move nothing.
-_ALLOCATING = frozenset((torch.ops.aten.empty, torch.ops.aten.empty_like,
-                         torch.ops.aten.new_empty, torch.ops.aten.empty_strided,
-                         torch.ops.aten.new_empty_strided))
-
-
-def _accumulating() -> bool:
-    """Whether autograd is storing a leaf's gradient (its copy of a gradient it cannot
-    take over): the stand-ins' inputs are leaves where the runtime's are the previous
-    layer's outputs, and the runtime's adds into its gradient buckets are priced apart
-    (``partc.costs.gradient_work_seconds``)."""
-    node = _current_autograd_node()
-    return node is not None and node.name().endswith("AccumulateGrad")
-
-
-_current_autograd_node = getattr(torch._C, "_current_autograd_node", lambda: None)
-
-
-class MovedBytes(TorchDispatchMode):
-    """Counts (``moved``) the bytes the memory-bound ops run below it read and write:
-    every tensor an op reads and writes, parameters and buffers (``frozen`` storages)
-    apart, and the copy an out-of-place op makes before running in place
-    (:data:`_COPY_THEN_IN_PLACE`); views, allocations, the heavy ops (:data:`_HEAVY`,
-    priced by their FLOPs) and autograd's storing of leaves' gradients move nothing
-    here."""
-
-    def __init__(self, frozen: set, cuda: bool) -> None:
-        super().__init__()
-        self.frozen = frozen
-        self.cuda = cuda
-        self.moved = 0.0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        packet = func.overloadpacket
-        if func.is_view or packet in _HEAVY or packet in _ALLOCATING or _accumulating():
-            return out
-        outputs = [t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
-        tensors = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
-        read = {StorageWeakRef(t.untyped_storage()) for t in tensors}
-        if not outputs or not func._schema.is_mutable and all(
-                StorageWeakRef(t.untyped_storage()) in read for t in outputs):
-            return out   # a query, or an alias the schema does not declare (_unsafe_view)
-        inputs = [t for t in tensors if StorageWeakRef(t.untyped_storage()) not in self.frozen]
-        if packet in _WRITE_ONLY:   # the destination is written (an output), not read
-            inputs = [t for t in inputs if t is not args[0]]
-        self.moved += sum(_nbytes(t) for t in inputs) + sum(_nbytes(t) for t in outputs)
-        if packet in _COPY_THEN_IN_PLACE:
-            self.moved += 2.0 * sum(_nbytes(t) for t in outputs)
-        if self.cuda and packet is torch.ops.aten._softmax_backward_data:
-            # CUDA's kernel first multiplies the gradient by the output, a kernel of its
-            # own (reads both, writes their product), then reduces and subtracts.
-            grad, output = args[0], args[1]
-            self.moved += _nbytes(grad) + 2.0 * _nbytes(output)
-        return out
-
-
 _HALF_TO_FLOAT = (torch.ops.aten._softmax.default, torch.ops.aten._log_softmax.default)
-
-# Out-of-place ops that ATen runs as a copy of their input and then their in-place form
-# (``masked_fill`` is ``clone`` then ``masked_fill_``): two kernels, the copy's bytes on
-# top of what the op reads and writes.
-_COPY_THEN_IN_PLACE = frozenset(
-    getattr(torch.ops.aten, name) for name in ("masked_fill", "index_fill", "index_put",
-                                               "masked_scatter", "index_add", "index_copy",
-                                               "put"))
-
 
 class _Casts(TorchDispatchMode):
     """Records the dtype casts run below autocast (``made``: each cast's output and the
@@ -373,12 +301,12 @@ class _Casts(TorchDispatchMode):
         out = func(*args, **(kwargs or {}))
         if func is torch.ops.aten._to_copy.default and isinstance(out, torch.Tensor) \
                 and isinstance(args[0], torch.Tensor) and out.dtype != args[0].dtype:
-            self.made.append((out, float(_nbytes(args[0]) + _nbytes(out)), args[0].dtype))
+            self.made.append((out, float(nbytes(args[0]) + nbytes(out)), args[0].dtype))
         elif self.cuda and func in _HALF_TO_FLOAT and self.made \
                 and self.made[-1][0] is args[0] and self.made[-1][2] == torch.float16:
             self.made.pop()
-        elif func.overloadpacket in _COPY_THEN_IN_PLACE and isinstance(out, torch.Tensor):
-            self.copied += 2.0 * _nbytes(out)
+        elif func.overloadpacket in COPY_THEN_IN_PLACE and isinstance(out, torch.Tensor):
+            self.copied += 2.0 * nbytes(out)
         return out
 
 
@@ -576,11 +504,11 @@ def _node_cost(node: fx.Node, args: tuple, kwargs: dict, result: Any, flops: int
                producer: dict, frozen: set, copied: float = 0.0) -> meta.NodeCost:
     """What ``node`` computed and moved: the tensors it read (parameters and buffers
     apart, as its weight bytes) and wrote, and ``copied``, the bytes of the copies its
-    ops made before running in place (:data:`_COPY_THEN_IN_PLACE`)."""
+    ops made before running in place (:data:`COPY_THEN_IN_PLACE`)."""
     inputs = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
     outputs = [t for t in pytree.tree_leaves(result) if isinstance(t, torch.Tensor)]
     input_storages = {StorageWeakRef(t.untyped_storage()) for t in inputs}
-    out_bytes = sum(_nbytes(t) for t in outputs)
+    out_bytes = sum(nbytes(t) for t in outputs)
     is_view = node.op == "get_attr" or bool(outputs) and all(
         StorageWeakRef(t.untyped_storage()) in input_storages for t in outputs)
     for tensor in outputs:
@@ -588,7 +516,7 @@ def _node_cost(node: fx.Node, args: tuple, kwargs: dict, result: Any, flops: int
     fixed = [t for t in inputs if StorageWeakRef(t.untyped_storage()) in frozen]
     # A view moves nothing; nor does a query of metadata (size, dim) that returns no tensor.
     moved = 0 if is_view or not outputs else \
-        sum(_nbytes(t) for t in inputs) - sum(_nbytes(t) for t in fixed) + out_bytes + copied
+        sum(nbytes(t) for t in inputs) - sum(nbytes(t) for t in fixed) + out_bytes + copied
     return meta.NodeCost(flops=float(flops), bytes_moved=float(moved),
                          compute_heavy=flops > 0, is_view=is_view,
                          output_bytes=float(0 if is_view else out_bytes), saved_bytes=0.0,
@@ -601,10 +529,6 @@ def _weight_bytes(params: list[torch.Tensor], outputs: list[torch.Tensor]) -> fl
     floating = [t for t in outputs if t.is_floating_point()]
     return float(sum(t.numel() * (floating[0].element_size() if floating else t.element_size())
                      for t in params))
-
-
-def _nbytes(tensor: torch.Tensor) -> int:
-    return tensor.numel() * tensor.element_size()
 
 
 def _attribute_saved(run: _LayerRun) -> None:

@@ -1,0 +1,93 @@
+"""What one op reads and writes, as the estimate counts it.
+
+A node's forward and a layer's backward are priced by the bytes their memory-bound ops
+move (``passes/estimate.py``); calibrate's element-wise mix is counted the same way so that
+its rate is in the same bytes. :class:`MovedBytes` counts them for every op dispatched
+below it: the tensors each op reads and writes, parameters and buffers apart; the copy an
+out-of-place op makes of its input before running in place; and, on CUDA, the kernels
+that differ from the op dispatched. Matmuls, convolutions and attention kernels move
+nothing here: the roofline prices their FLOPs.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.utils._pytree as pytree
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.flop_counter import flop_registry
+
+# Out-of-place ops that ATen runs as a copy of their input and then their in-place form
+# (``masked_fill`` is ``clone`` then ``masked_fill_``): two kernels, the copy's bytes on
+# top of what the op reads and writes.
+COPY_THEN_IN_PLACE = frozenset(
+    getattr(torch.ops.aten, name) for name in ("masked_fill", "index_fill", "index_put",
+                                               "masked_scatter", "index_add", "index_copy",
+                                               "put"))
+
+# The ops the roofline prices by their FLOPs, forward and backward (matmuls,
+# convolutions, attention kernels): FlopCounterMode's, and CPU's fused attention.
+_HEAVY = frozenset(flop_registry) | {
+    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu,
+    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward}
+# Ops that write their output without reading it (the destination of a copy, a fill).
+_WRITE_ONLY = frozenset((torch.ops.aten.copy_, torch.ops.aten.fill_, torch.ops.aten.zero_))
+# Ops that allocate and move nothing.
+_ALLOCATING = frozenset((torch.ops.aten.empty, torch.ops.aten.empty_like,
+                         torch.ops.aten.new_empty, torch.ops.aten.empty_strided,
+                         torch.ops.aten.new_empty_strided))
+
+
+def _accumulating() -> bool:
+    """Whether autograd is storing a leaf's gradient (its copy of a gradient it cannot
+    take over): the stand-ins' inputs are leaves where the runtime's are the previous
+    layer's outputs, and the runtime's adds into its gradient buckets are priced apart
+    (``partc.costs.gradient_work_seconds``)."""
+    node = _current_autograd_node()
+    return node is not None and node.name().endswith("AccumulateGrad")
+
+
+_current_autograd_node = getattr(torch._C, "_current_autograd_node", lambda: None)
+
+
+class MovedBytes(TorchDispatchMode):
+    """Counts (``moved``) the bytes the memory-bound ops run below it read and write:
+    every tensor an op reads and writes, parameters and buffers (``frozen`` storages)
+    apart, and the copy an out-of-place op makes before running in place
+    (:data:`COPY_THEN_IN_PLACE`); views, allocations, the heavy ops (:data:`_HEAVY`,
+    priced by their FLOPs) and autograd's storing of leaves' gradients move nothing
+    here."""
+
+    def __init__(self, frozen: set, cuda: bool) -> None:
+        super().__init__()
+        self.frozen = frozen
+        self.cuda = cuda
+        self.moved = 0.0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        packet = func.overloadpacket
+        if func.is_view or packet in _HEAVY or packet in _ALLOCATING or _accumulating():
+            return out
+        outputs = [t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
+        tensors = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+        read = {StorageWeakRef(t.untyped_storage()) for t in tensors}
+        if not outputs or not func._schema.is_mutable and all(
+                StorageWeakRef(t.untyped_storage()) in read for t in outputs):
+            return out   # a query, or an alias the schema does not declare (_unsafe_view)
+        inputs = [t for t in tensors if StorageWeakRef(t.untyped_storage()) not in self.frozen]
+        if packet in _WRITE_ONLY:   # the destination is written (an output), not read
+            inputs = [t for t in inputs if t is not args[0]]
+        self.moved += sum(nbytes(t) for t in inputs) + sum(nbytes(t) for t in outputs)
+        if packet in COPY_THEN_IN_PLACE:
+            self.moved += 2.0 * sum(nbytes(t) for t in outputs)
+        if self.cuda and packet is torch.ops.aten._softmax_backward_data:
+            # CUDA's kernel first multiplies the gradient by the output, a kernel of its
+            # own (reads both, writes their product), then reduces and subtracts.
+            grad, output = args[0], args[1]
+            self.moved += nbytes(grad) + 2.0 * nbytes(output)
+        return out
+
+
+def nbytes(tensor: torch.Tensor) -> int:
+    return tensor.numel() * tensor.element_size()

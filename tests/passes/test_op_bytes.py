@@ -1,0 +1,48 @@
+"""What MovedBytes counts of each op: every tensor read and written but parameters,
+nothing for views, allocations and matmuls, and no leaf's gradient copy."""
+
+import torch
+from torch.multiprocessing.reductions import StorageWeakRef
+
+from partc.passes.op_bytes import MovedBytes
+
+N = 64   # elements of each fp32 tensor: 256 bytes
+
+
+def _counted(run, frozen=(), cuda=False) -> float:
+    counter = MovedBytes({StorageWeakRef(t.untyped_storage()) for t in frozen}, cuda)
+    with counter:
+        run()
+    return counter.moved
+
+
+def test_reads_and_writes_of_each_kind_of_op():
+    a, b = torch.randn(N), torch.randn(N)
+    weight = torch.randn(N)
+    assert _counted(lambda: a + b) == 3 * 4 * N               # two read, one written
+    assert _counted(lambda: a.add_(b)) == 3 * 4 * N           # in place: a read and written
+    assert _counted(lambda: a.copy_(b)) == 2 * 4 * N          # the destination is not read
+    assert _counted(lambda: weight.copy_(b), frozen=[weight]) == 2 * 4 * N
+    assert _counted(lambda: a.view(8, 8).t()) == 0            # views
+    assert _counted(lambda: torch.empty(N)) == 0              # an allocation
+    assert _counted(lambda: a.view(8, 8) @ b.view(8, 8)) == 0  # a matmul: its FLOPs price it
+    assert _counted(lambda: a * weight, frozen=[weight]) == 2 * 4 * N
+    # masked_fill copies its input, then fills the copy in place.
+    mask = torch.zeros(N, dtype=torch.bool)
+    assert _counted(lambda: a.masked_fill(mask, 0.0)) == 4 * 4 * N + N
+
+
+def test_softmax_backward_as_cuda_runs_it_and_no_leaf_copy():
+    x = torch.randn(8, 8, requires_grad=True)
+    grad = torch.randn(8, 8)
+    for cuda, passes in ((False, 3), (True, 6)):
+        y = torch.softmax(x, -1)
+        # The incoming gradient reaches the leaf through softmax's backward as a new
+        # tensor; autograd's storing of it in .grad is not counted either way.
+        assert _counted(lambda: y.backward(grad), cuda=cuda) == passes * 4 * N
+        x.grad = None
+    # An add passes the caller's gradient straight on: autograd copies it into the
+    # leaf's .grad (it cannot take over a tensor the caller holds), which is not counted.
+    y = x + 1
+    assert _counted(lambda: y.backward(grad)) == 0
+    assert x.grad is not grad and torch.equal(x.grad, grad)
