@@ -16,16 +16,17 @@ Model (per pipeline stage ``s`` of ``p``, ``m`` microbatches of ``b`` samples):
   its own (``DeviceNumbers.attention_efficiency``: flash kernels run below the
   matmuls). Every other op moves its bytes at the device's element-wise rate
   (``DeviceNumbers.elementwise_bandwidth``: 0.75 of HBM bandwidth in the Hopper
-  presets, HBM's in the A100s', unless calibrated; a CPU thread runs them well below its copy rate), autocast's
-  casts among them. Every op
-  also pays a fixed overhead per call and microbatch, and every heavy op a fixed time
-  beyond its FLOPs (``DeviceNumbers.op_overhead_s``, ``matmul_overhead_s``): more,
-  smaller microbatches cost more. On a GPU, whose host dispatches ahead of its kernels,
+  presets, HBM's in the A100s', unless calibrated; a CPU thread runs them well below
+  its copy rate), autocast's casts among them. Every op also pays a fixed overhead per
+  call and microbatch, and every heavy op a fixed time beyond its FLOPs
+  (``DeviceNumbers.op_overhead_s``, ``matmul_overhead_s``): more, smaller microbatches
+  cost more. On a GPU, whose host dispatches ahead of its kernels,
   the ops' overhead is a floor under each layer's phase rather than a sum
   (:func:`dispatched`). A heavy op's backward is twice its forward (its gradients
   w.r.t. its input and its weight are two ops like it; a fused attention kernel's
   recomputed scores add FLOPs); the light ops' backward moves the bytes the estimate
-  measured autograd's ops to move (``LayerCost.bwd_mem_bytes``); recompute replays its ops at the same roofline (:func:`layer_work`);
+  measured autograd's ops to move (``LayerCost.bwd_mem_bytes``); recompute replays its
+  ops at the same roofline (:func:`layer_work`);
 - ``t_s`` = compute of the stage's layers + send/recv of the activation crossing its
   outgoing cut (forward) and of its gradient (backward) over the link to the next stage;
 - pipeline time, in closed form for the planner's search: ``(m - 1) * max_s t_s +
@@ -673,9 +674,8 @@ def layer_work(layer: LayerCost, devices: DeviceNumbers, micro_batch: int,
     backward and, per recompute mode, the recomputed forward. Heavy ops by the roofline
     (:func:`roofline_seconds`); the other ops move their bytes at the device's
     element-wise rate (:attr:`DeviceNumbers.light_op_bandwidth`), backward's as measured
-    (:attr:`LayerCost.bwd_mem_bytes`). A
-    recompute mode replays the share of the heavy ops its FLOPs say (all or none, as
-    estimated) and moves its bytes.
+    (:attr:`LayerCost.bwd_mem_bytes`). A recompute mode replays the share of the heavy
+    ops its FLOPs say (all or none, as estimated) and moves its bytes.
 
     Every op also pays the device's fixed overhead per call and microbatch
     (:attr:`DeviceNumbers.op_overhead_s` forward, ``op_overhead_backward_s`` per forward

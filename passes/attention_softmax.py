@@ -20,11 +20,10 @@ from partc.runtime.softmax import softmax, softmax_for_product
 
 from .attention_core import attention_cores
 from .context import Context
-from .graph import op_name
+from .graph import dropout_args, op_name
 
 # Products autocast computes in its low dtype (it casts their floating inputs to it).
 _LOW_PRECISION_PRODUCTS = frozenset({"matmul", "bmm"})
-_DROPOUTS = (torch.nn.functional.dropout, torch.dropout, torch.ops.aten.dropout.default)
 
 
 def attention_softmax(gm: fx.GraphModule, ctx: Context) -> fx.GraphModule:
@@ -67,14 +66,8 @@ def _only_a_product_reads(node: fx.Node) -> bool:
 
 def _returns_its_input(node: fx.Node, value: fx.Node) -> bool:
     """A dropout of probability 0 applied to ``value``: the same tensor comes back."""
-    if node.op == "call_module":
-        module = node.graph.owning_module.get_submodule(str(node.target))
-        return isinstance(module, torch.nn.Dropout) and module.p == 0 \
-            and node.args[:1] == (value,)
-    if node.op == "call_function" and node.target in _DROPOUTS and node.args[:1] == (value,):
-        p = node.kwargs.get("p", node.args[1] if len(node.args) > 1 else 0.5)
-        return p == 0
-    return False
+    found = dropout_args(node)
+    return found is not None and found[0] == 0 and node.args[:1] == (value,)
 
 
 def _softmax_operands(node: fx.Node) -> tuple[fx.Node, int, torch.dtype | None] | None:

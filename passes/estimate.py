@@ -78,11 +78,12 @@ from . import fuse_attention
 from .attention_core import attention_cores, core_inputs
 from .autocast_policy import cuda_autocast
 from .context import Context
+from .graph import (carries_grad, dropout_args, fetch, is_dtype_check, layer_nodes,
+                    param_usage)
 from .layers import crossing_bytes
 from .op_bytes import COPY_THEN_IN_PLACE, MovedBytes, nbytes
-from .graph import carries_grad, fetch, is_dtype_check, layer_nodes, param_usage
 
-logger = logging.getLogger(__name__)
+log = logging.getLogger("partc")
 
 
 @dataclass
@@ -267,12 +268,13 @@ def _backward_bytes(nodes: list[fx.Node], env: dict[fx.Node, Any], frozen: set,
             with counted:
                 torch.autograd.backward(outputs, grads)
     except Exception as error:   # noqa: BLE001 - any op the stand-ins cannot run
-        logger.debug("backward of %s not measured on fake tensors: %s", nodes[0].name, error)
+        log.debug("backward of %s not measured on fake tensors: %s", nodes[0].name, error)
         return None
     return counted.moved
 
 
 _HALF_TO_FLOAT = (torch.ops.aten._softmax.default, torch.ops.aten._log_softmax.default)
+
 
 class _Casts(TorchDispatchMode):
     """Records the dtype casts run below autocast (``made``: each cast's output and the
@@ -324,7 +326,7 @@ def _with_casts(cost: meta.NodeCost, made: list[tuple[torch.Tensor, float, torch
     function's inside it) but the node's own ``result`` where it is given: an explicit
     ``.to(dtype)`` is the node itself, whose bytes ``bytes_moved`` already counts."""
     own = {id(t) for t in pytree.tree_leaves(result) if isinstance(t, torch.Tensor)}
-    implicit = [nbytes for out, nbytes, _ in made if id(out) not in own]
+    implicit = [size for out, size, _ in made if id(out) not in own]
     if not implicit:
         return cost
     return dataclasses.replace(cost, casts=len(implicit), cast_bytes=float(sum(implicit)))
@@ -478,19 +480,15 @@ def _call(gm: fx.GraphModule, node: fx.Node, setting: _Setting, args: tuple,
     return getattr(self_arg, node.target)(*rest, **kwargs)
 
 
-_DROPOUTS = (torch.nn.functional.dropout, torch.dropout, torch.ops.aten.dropout.default)
-
-
 def _fused_dropout(node: fx.Node) -> bool:
-    """A training dropout (0 < p < 1, not in place) that CUDA runs as its fused
-    ``native_dropout``, saving a 1-byte mask for backward; a CPU decomposes it instead
-    into noise in the input's dtype, which is what it saves (measured as it runs)."""
-    if node.target not in _DROPOUTS:
+    """A functional training dropout (0 < p < 1, not in place) that CUDA runs as its
+    fused ``native_dropout``, saving a 1-byte mask for backward; a CPU decomposes it
+    instead into noise in the input's dtype, which is what it saves (measured as it
+    runs)."""
+    found = dropout_args(node) if node.op == "call_function" else None
+    if found is None:
         return False
-    p = node.args[1] if len(node.args) > 1 else node.kwargs.get("p", 0.5)
-    training = node.args[2] if len(node.args) > 2 else node.kwargs.get(
-        "training", node.kwargs.get("train", True))
-    inplace = node.args[3] if len(node.args) > 3 else node.kwargs.get("inplace", False)
+    p, training, inplace = found
     return isinstance(p, (int, float)) and 0 < p < 1 and training is True and not inplace
 
 

@@ -131,6 +131,31 @@ def layer_nodes(gm: fx.GraphModule, info: meta.LayerInfo) -> list[fx.Node]:
     by_name = {node.name: node for node in gm.graph.nodes}
     return [by_name[name] for name in info.nodes]
 
+# The functional dropouts a traced graph calls (F.dropout, torch.dropout, export's aten op).
+_DROPOUTS = (torch.nn.functional.dropout, torch.dropout, torch.ops.aten.dropout.default)
+
+
+def dropout_args(node: fx.Node) -> tuple[Any, Any, Any] | None:
+    """``(p, training, inplace)`` of a dropout, a functional call or an ``nn.Dropout``
+    module's (whose ``training`` is the module's mode); None for any other node. Values
+    may be nodes where the graph computes them."""
+    if node.op == "call_module":
+        module = node.graph.owning_module.get_submodule(str(node.target))
+        if not isinstance(module, torch.nn.Dropout):
+            return None
+        return module.p, module.training, module.inplace
+    if node.op != "call_function" or node.target not in _DROPOUTS:
+        return None
+
+    def arg(index: int, *names: str, default: Any) -> Any:
+        if len(node.args) > index:
+            return node.args[index]
+        return next((node.kwargs[name] for name in names if name in node.kwargs), default)
+
+    return (arg(1, "p", default=0.5), arg(2, "training", "train", default=True),
+            arg(3, "inplace", default=False))
+
+
 def is_dtype_check(node: fx.Node) -> bool:
     """An exported graph's assertion of the dtype a tensor was traced with."""
     return node.op == "call_function" and \
