@@ -25,7 +25,6 @@ which the plan budgets; ZeRO-3: the root unit's) are FSDP's own storage, not cou
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import sys
 import time
@@ -94,7 +93,7 @@ def arguments() -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--bucket-elements", type=int, default=1_000_000,
-                        help="elements per gradient bucket (PARTC_BUCKET_ELEMENTS)")
+                        help="elements per gradient bucket (TrainSpec.bucket_elements)")
     return parser.parse_args()
 
 
@@ -116,7 +115,8 @@ def _build(args: argparse.Namespace, zero: int, dtype: torch.dtype = torch.float
     program = partc.compile(
         model, (x,), loss_fn=loss_fn, example_target=y,
         budget=partc.DeviceBudget(num_devices=2, device="CPU"),
-        train=partc.TrainSpec(global_batch_size=args.batch, optimizer="adam", dtype=dtype),
+        train=partc.TrainSpec(global_batch_size=args.batch, optimizer="adam", dtype=dtype,
+                              bucket_elements=args.bucket_elements),
         constraints=partc.Constraints(pp=1, dp=2, zero_stage=zero, recompute="none",
                                       num_microbatches=2))
     return program, program.build()
@@ -207,7 +207,6 @@ def _allocated(module, opt) -> dict[str, int]:
 
 def main() -> None:
     args = arguments()
-    os.environ["PARTC_BUCKET_ELEMENTS"] = str(args.bucket_elements)
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     medians = step_times(args)

@@ -13,7 +13,7 @@ all-gather moves from the step into the next forward, so only whole steps compar
 Programs alternate in blocks of ``--block`` steps, the order flipped every block, so that
 drift in the machine's speed hits both alike; each block ends by finishing what is still
 in flight (``module.wait_param_gathers()``), so that the other program's steps hide none
-of it. Buckets hold ``--bucket-elements`` (``PARTC_BUCKET_ELEMENTS``): the default 25M
+of it. Buckets hold ``--bucket-elements`` (``TrainSpec.bucket_elements``): the default 25M
 would put the whole model in one bucket, which the first layer waits for.
 
 Printed: the machine's load (``os.getloadavg``), each program's predicted and measured
@@ -67,7 +67,8 @@ def build(args, overlap: bool, ids: torch.Tensor, targets: torch.Tensor, model):
         model, (ids,), loss_fn=loss_fn, example_target=targets,
         budget=partc.DeviceBudget(num_devices=dist.get_world_size(), device="CPU"),
         train=partc.TrainSpec(global_batch_size=args.batch, optimizer="adam",
-                              dtype=DTYPES[args.dtype], overlap_param_gather=overlap),
+                              dtype=DTYPES[args.dtype], overlap_param_gather=overlap,
+                              bucket_elements=args.bucket_elements),
         constraints=partc.Constraints(pp=1, tp=1, dp=dist.get_world_size(), zero_stage=1,
                                       recompute="none", num_microbatches=1))
     module = program.build()
@@ -76,7 +77,6 @@ def build(args, overlap: bool, ids: torch.Tensor, targets: torch.Tensor, model):
 
 def main() -> None:
     args = arguments()
-    os.environ["PARTC_BUCKET_ELEMENTS"] = str(args.bucket_elements)
     dist.init_process_group("gloo")
     model, batches = model_and_batches(args, heads=8)
     ids, targets = batches[0]

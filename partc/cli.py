@@ -57,6 +57,7 @@ TRAIN_FLAGS = {
     "moe_imbalance": "--moe-imbalance", "moe_capacity_factor": "--moe-capacity-factor",
     "compile": "--compile", "loss_per_microbatch": "--loss-per-microbatch",
     "tp_overlap": "--no-tp-overlap", "overlap_param_gather": "--no-param-gather-overlap",
+    "bucket_elements": "--bucket-elements",
 }
 BUDGET_FLAGS = {
     "num_devices": "--devices", "device": "--device", "profile": "--profile",
@@ -315,6 +316,9 @@ def _training_arguments(train) -> None:
     train.add_argument("--no-param-gather-overlap", action="store_true",
                        help="ZeRO-1: finish the all-gather of the updated parameters in "
                             "the optimizer step, not beside the next forward")
+    train.add_argument("--bucket-elements", type=COUNT, metavar="N",
+                       help="ZeRO 0/1: reduce gradients over the replicas in buckets of up "
+                            "to N elements (default 25000000); the plan prices them")
     train.add_argument("--compile", action="store_true",
                        help="run each stage through torch.compile (fused element-wise ops; "
                             "the plan prices the fused bytes)")

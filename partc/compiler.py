@@ -158,7 +158,8 @@ def build_problem(analysis: ModelAnalysis, budget: DeviceBudget, train: TrainSpe
             measured_scale=dtype_bytes(train.dtype) / _measured_dtype_bytes(analysis),
             moe_imbalance=train.moe_imbalance, moe_capacity_factor=train.moe_capacity_factor,
             compiled=train.compile, tp_overlap=train.tp_overlap,
-            param_gather_overlap=train.overlap_param_gather),
+            param_gather_overlap=train.overlap_param_gather,
+            bucket_elements=train.bucket_elements),
         pins=pins,
     )
 

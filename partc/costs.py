@@ -87,7 +87,7 @@ from typing import Any, Iterable, Sequence
 
 from .collectives import Group, collective_seconds
 from .schedules import schedule as schedule_info
-from .problem import (BUCKET_ELEMENTS, SMALL_UNITS_SHARE, ZERO_STAGES, DeviceNumbers,
+from .problem import (SMALL_UNITS_SHARE, ZERO_STAGES, DeviceNumbers,
                       HeavyOp, LayerCost, MoECost, PlanningProblem, effective_zero_stage,
                       reduces_once_per_step)
 
@@ -511,14 +511,15 @@ def _sync_ps(problem: PlanningProblem, config: PipelineConfig, params: int) -> i
     (:func:`exposed_sync_ps`). ZeRO 0/1: the fp32 gradient buckets' reduction of
     ``params`` parameters, an all-reduce under ZeRO-0 (ring: 2 (d-1)/d of the bytes), a
     reduce-scatter under ZeRO-1 ((d-1)/d), with their share of the buckets' latencies
-    (one collective per ``BUCKET_ELEMENTS``), latency and all. ZeRO-2 reducing once per
+    (one collective per ``TrainSpec.bucket_elements``), latency and all. ZeRO-2 reducing once per
     step: the unit's one reduce-scatter, latency included."""
     if config.reduces_once:
         return to_ps(_zero_comm_seconds(problem, config, params)["sync"]
                      + _zero_overhead_seconds(problem, config, params)["sync"])
     if config.dp == 1 or config.effective_zero_stage >= 2:
         return 0
-    return to_ps(_reduction_seconds(problem, config, params, params / BUCKET_ELEMENTS))
+    return to_ps(_reduction_seconds(problem, config, params,
+                                    params / problem.train.bucket_elements))
 
 
 def _reduction_seconds(problem: PlanningProblem, config: PipelineConfig, params: float,
@@ -551,23 +552,23 @@ def _gather_ps(problem: PlanningProblem, config: PipelineConfig, params: int) ->
     """ZeRO-1's all-gather of ``params`` stepped weights where it overlaps the next
     step's forward (:func:`gather_overlaps`; what forward leaves exposed is
     :func:`exposed_gather_ps`), with their share of the buckets' latencies (one
-    all-gather per ``BUCKET_ELEMENTS``), as :func:`_sync_ps` prices the reduce-scatter
+    all-gather per ``TrainSpec.bucket_elements``), as :func:`_sync_ps` prices the reduce-scatter
     beside backward. 0 otherwise: the all-gather is in the tail (:func:`_tail_ps`)."""
     if config.dp == 1 or not gather_overlaps(problem, config):
         return 0
-    latency = params / BUCKET_ELEMENTS * collective_seconds("all_gather", 0.0,
-                                                           dp_group(problem, config))
+    latency = params / problem.train.bucket_elements * collective_seconds(
+        "all_gather", 0.0, dp_group(problem, config))
     return to_ps(_gather_seconds(problem, config, params) + latency)
 
 
 def _first_gather_ps(problem: PlanningProblem, config: PipelineConfig) -> int:
     """One bucket's all-gather, latency and bytes: what the first layer of a stage
     waits for before the forward it overlaps has begun, charged whole once per step. A
-    bucket holds ``BUCKET_ELEMENTS``, or a stage's parameters (about 1/pp of the tp
-    rank's) when fewer."""
+    bucket holds ``TrainSpec.bucket_elements``, or a stage's parameters (about 1/pp of
+    the tp rank's) when fewer."""
     if config.dp == 1 or not gather_overlaps(problem, config):
         return 0
-    bucket = _stage_bucket(_rank_params(problem), config)
+    bucket = _stage_bucket(problem, _rank_params(problem), config)
     return to_ps(_gather_seconds(problem, config, bucket)
                  + collective_seconds("all_gather", 0.0, dp_group(problem, config)))
 
@@ -589,13 +590,14 @@ def _last_sync_ps(whole: PlanningProblem, problem: PlanningProblem,
                 local = problem.layers[index]
                 figures = moe_layer_figures(layer.moe, local, problem, config)
                 synced -= local.param_count - figures.dense_params
-    return to_ps(_reduction_seconds(problem, config, _stage_bucket(synced, config), 1))
+    return to_ps(_reduction_seconds(problem, config, _stage_bucket(problem, synced, config), 1))
 
 
-def _stage_bucket(params: int, config: PipelineConfig) -> int:
+def _stage_bucket(problem: PlanningProblem, params: int, config: PipelineConfig) -> int:
     """The elements of a stage's first (or last) bucket, its model's ``params`` spread
-    over ``pp`` stages: ``BUCKET_ELEMENTS``, or the stage's parameters when fewer."""
-    return min(BUCKET_ELEMENTS, math.ceil(params / config.pp))
+    over ``pp`` stages: ``TrainSpec.bucket_elements``, or the stage's parameters when
+    fewer."""
+    return min(problem.train.bucket_elements, math.ceil(params / config.pp))
 
 
 def _rank_params(problem: PlanningProblem) -> int:
@@ -607,12 +609,13 @@ def _rank_params(problem: PlanningProblem) -> int:
 def _bucket_latency_seconds(problem: PlanningProblem, config: PipelineConfig) -> float:
     """ZeRO-1's all-gathers' latencies, once per step, after the optimizer step (the
     gradient collectives' are in :func:`_sync_ps`): one per bucket. A stage holds about
-    1/pp of the (tp rank's) parameters, in buckets of ``BUCKET_ELEMENTS``. None where
+    1/pp of the (tp rank's) parameters, in buckets of ``TrainSpec.bucket_elements``. None where
     the all-gathers overlap the next forward: their latencies are in :func:`_gather_ps`."""
     if config.dp == 1 or config.effective_zero_stage != 1 or gather_overlaps(problem, config):
         return 0.0
     group = dp_group(problem, config)
-    buckets = max(1, math.ceil(_rank_params(problem) / config.pp / BUCKET_ELEMENTS))
+    buckets = max(1, math.ceil(_rank_params(problem) / config.pp
+                               / problem.train.bucket_elements))
     return buckets * collective_seconds("all_gather", 0.0, group)
 
 

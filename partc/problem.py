@@ -36,8 +36,9 @@ ZERO_STAGES: tuple[int, ...] = (0, 1, 2, 3)
 # DeepSpeed's gradient accumulation do).
 ZERO2_GRAD_SYNCS: tuple[str, ...] = ("microbatch", "step")
 MASTER_BYTES = 4.0   # fp32, the dtype of master weights and their gradients
-# Elements per gradient bucket the runtime reduces over dp at once under ZeRO 0/1
-# (``partc/runtime/optimizer.py``; 100 MB of fp32 gradients, Megatron's order of size).
+# Elements per gradient bucket the runtime reduces over dp at once under ZeRO 0/1 unless
+# the training says otherwise (``TrainSpec.bucket_elements``, ``partc/runtime/
+# optimizer.py``; 100 MB of fp32 gradients, Megatron's order of size).
 BUCKET_ELEMENTS = 25_000_000
 # The share of a stage's parameters that its small layers (norms, position embeddings)
 # may hold for them not to be FSDP units of their own under ZeRO-2/3: each unit costs an
@@ -502,6 +503,8 @@ class TrainNumbers:
     # ZeRO-1's all-gather of the updated parameters runs beside the next step's forward
     # (TrainSpec.overlap_param_gather): priced by what that forward leaves exposed.
     param_gather_overlap: bool = True
+    # Elements per gradient bucket under ZeRO 0/1 (TrainSpec.bucket_elements).
+    bucket_elements: int = BUCKET_ELEMENTS
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -12,7 +12,7 @@ from typing import Any, Mapping
 import torch
 
 from .choices import ATTENTION, OPTIMIZER_STATE_BYTES, SCHEDULES, TP_OBJECTIVES
-from .problem import RECOMPUTE_MODES, ZERO2_GRAD_SYNCS, ZERO_STAGES, Precision
+from .problem import BUCKET_ELEMENTS, RECOMPUTE_MODES, ZERO2_GRAD_SYNCS, ZERO_STAGES, Precision
 
 # What the planner's closed-form search weighs when the schedule is "auto"; it chooses
 # the mesh, and every other schedule of SCHEDULES is then solved on that mesh and the
@@ -103,6 +103,13 @@ class TrainSpec:
     :func:`partc.runtime.optimizer.wait_in_forward`); the plan charges what that forward
     cannot hide. ``False`` finishes the all-gathers inside ``optimizer.step()`` and
     charges them whole.
+    ``bucket_elements``: under ZeRO 0/1, the gradients are reduced over the replicas
+    (and ZeRO-1's parameters gathered) in buckets of up to this many elements, each one
+    collective as soon as backward has filled it (:mod:`partc.runtime.optimizer`). The
+    plan prices the buckets the runtime makes: one collective's latency per bucket, and
+    the last bucket's reduction after the step's last backward. Smaller buckets start
+    reducing sooner and pay more latencies; the default is 25M (100 MB of fp32
+    gradients, Megatron's order of size).
     """
 
     global_batch_size: int
@@ -119,6 +126,7 @@ class TrainSpec:
     loss_per_microbatch: bool = False
     tp_overlap: bool = True
     overlap_param_gather: bool = True
+    bucket_elements: int = BUCKET_ELEMENTS
 
     def __post_init__(self) -> None:
         _check_positive_int("TrainSpec.global_batch_size", self.global_batch_size)
@@ -156,6 +164,7 @@ class TrainSpec:
         if not isinstance(self.overlap_param_gather, bool):
             raise ValueError(f"TrainSpec.overlap_param_gather must be True or False, got "
                              f"{self.overlap_param_gather!r}")
+        _check_positive_int("TrainSpec.bucket_elements", self.bucket_elements)
         if not isinstance(self.loss_per_microbatch, bool):
             raise ValueError(f"TrainSpec.loss_per_microbatch must be True or False, got "
                              f"{self.loss_per_microbatch!r}")
@@ -205,6 +214,8 @@ class TrainSpec:
             **({"loss_per_microbatch": True} if self.loss_per_microbatch else {}),
             **({"tp_overlap": False} if not self.tp_overlap else {}),
             **({"overlap_param_gather": False} if not self.overlap_param_gather else {}),
+            **({"bucket_elements": self.bucket_elements}
+               if self.bucket_elements != BUCKET_ELEMENTS else {}),
         }
 
     @classmethod

@@ -56,6 +56,12 @@ def test_train_spec_bytes_per_parameter():
     assert partc.TrainSpec.from_dict(blocking.to_dict()) == blocking
     with pytest.raises(ValueError, match="overlap_param_gather"):
         partc.TrainSpec(global_batch_size=8, overlap_param_gather="no")
+    assert "bucket_elements" not in partc.TrainSpec(global_batch_size=8).to_dict()
+    small = partc.TrainSpec(global_batch_size=8, bucket_elements=4096)
+    assert partc.TrainSpec.from_dict(small.to_dict()) == small
+    for bad in (0, 2.5, True):
+        with pytest.raises(ValueError, match="bucket_elements"):
+            partc.TrainSpec(global_batch_size=8, bucket_elements=bad)
 
 
 def test_constraints_validate_pins():

@@ -114,18 +114,19 @@ def test_zero2_and_zero3_state_as_fsdp_holds_it():
     assert zero3.peak < zero2.peak
 
 
-def _small_buckets(monkeypatch, problem) -> None:
-    """Buckets of 1/8 of the model's parameters (the runtime's PARTC_BUCKET_ELEMENTS), so
-    that backward has buckets to hide besides the last one."""
-    import partc.costs
+def _small_buckets(problem):
+    """``problem`` with buckets of 1/8 of the model's parameters
+    (``TrainSpec.bucket_elements``), so that backward has buckets to hide besides the
+    last one."""
+    from dataclasses import replace
 
     params = sum(layer.param_count for layer in problem.layers) + sum(
         shared.param_count for shared in problem.model.shared)
-    monkeypatch.setattr(partc.costs, "BUCKET_ELEMENTS", params // 8)
+    return replace(problem, train=replace(problem.train, bucket_elements=params // 8))
 
 
 @pytest.mark.parametrize("bandwidth", [300e9, 1e8])
-def test_dp_all_reduce_is_charged_only_past_the_last_backward(bandwidth, monkeypatch):
+def test_dp_all_reduce_is_charged_only_past_the_last_backward(bandwidth):
     """The dp all-reduce overlaps the last microbatch's backward bucket by bucket, but the
     last bucket's starts as backward ends: charged whole, once a step, in the tail
     latency."""
@@ -144,7 +145,7 @@ def test_dp_all_reduce_is_charged_only_past_the_last_backward(bandwidth, monkeyp
     stage = evaluate(table, [0] * table.num_layers, ["none"] * table.num_layers).stages[0]
     assert table.last_sync_ps >= sync > 0 and table.tail_latency_ps >= table.last_sync_ps
     assert stage.tail_ps == sum(r.tail_ps for r in (*table.layers, *table.shared))
-    _small_buckets(monkeypatch, problem)
+    problem = _small_buckets(problem)
     table = build_cost_table(problem, config)
     rows = [*table.layers, *table.shared]
     sync, last = sum(r.sync_ps for r in rows), table.last_sync_ps
@@ -159,7 +160,7 @@ def test_dp_all_reduce_is_charged_only_past_the_last_backward(bandwidth, monkeyp
 
 
 @pytest.mark.parametrize("overlap", [0.0, 0.5])
-def test_comm_overlap_hides_only_its_share(overlap, monkeypatch):
+def test_comm_overlap_hides_only_its_share(overlap):
     """DeviceNumbers.comm_overlap: where a collective competes with compute for the cores
     (gloo on a CPU), the last backward hides only that share of the dp all-reduce, and a
     ZeRO-3 layer's gathers and reduce-scatters add to its compute instead of hiding
@@ -168,12 +169,11 @@ def test_comm_overlap_hides_only_its_share(overlap, monkeypatch):
 
     from partc.costs import PS_PER_S, PipelineConfig, build_cost_table, evaluate, overlapped
 
-    base = _dp_program("1GiB", zero_stage=0).problem
+    base = _small_buckets(_dp_program("1GiB", zero_stage=0).problem)
     whole = replace(base, devices=replace(base.devices, intra_node_bandwidth=300e9))
     partial = replace(whole, devices=replace(whole.devices, comm_overlap=overlap))
     config = PipelineConfig(pp=1, dp=2, micro_batch_size=1, num_microbatches=4,
                             schedule="1f1b")
-    _small_buckets(monkeypatch, base)
     tails = []
     for problem in (whole, partial):
         table = build_cost_table(problem, config)

@@ -831,7 +831,7 @@ def build(plan: Plan, topology: Topology,
         grad_sync = GradBuckets(whole, topology.dp_group, topology.dp, topology.dp_rank,
                                 sharded=zero_stage == 1, at_end=set(shared.values()),
                                 overlap=not schedule_facts(plan.schedule).split_backward,
-                                groups=expert_groups)
+                                groups=expert_groups, elements=plan.train.bucket_elements)
     if grad_sync is not None and grad_sync.sharded and plan.train.overlap_param_gather:
         # ZeRO-1's all-gather of the stepped parameters runs beside the next forward:
         # each layer (a unit lowering made) waits for its buckets before it runs.

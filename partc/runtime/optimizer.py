@@ -35,7 +35,8 @@ their expert-data-parallel group (the ranks holding the same experts) instead of
 under ZeRO-1 sharded over it; their gradients are divided by dp all the same.
 
 Buckets are filled in reverse parameter order (the order backward produces gradients),
-each up to :data:`BUCKET_ELEMENTS` elements. The bytes per parameter this keeps
+each up to ``TrainSpec.bucket_elements`` elements (the plan's training setup; the plan
+prices that many). The bytes per parameter this keeps
 (``partc.problem.Precision`` prices them): the parameter (4), its fp32 gradient bucket
 slot (4; ZeRO-1's padding aside) and, under ZeRO-1, the optimizer state of 1/dp of it;
 under ZeRO-1 in bf16 with Adam, 2 + 4 + (4 + 8)/dp as Megatron's (the bf16 parameter,
@@ -45,7 +46,6 @@ the fp32 gradient, 1/dp of the fp32 master and of the state).
 from __future__ import annotations
 
 import math
-import os
 from typing import Any, Iterable, Iterator, Mapping, Sequence
 
 import torch
@@ -56,11 +56,6 @@ from partc.errors import PartcError
 from partc.problem import BUCKET_ELEMENTS
 
 from .parameters import dp_shard
-
-
-def bucket_elements() -> int:
-    """Elements per gradient bucket: ``PARTC_BUCKET_ELEMENTS`` or the default."""
-    return int(os.environ.get("PARTC_BUCKET_ELEMENTS", BUCKET_ELEMENTS))
 
 
 class _Slot:
@@ -137,7 +132,7 @@ class GradBuckets:
         self.collecting = False  # inside one of the schedule's backwards
         self.armed = False  # inside the step's last backward: reduce full buckets
         self._in_step = False  # a backward of this step has begun
-        limit = bucket_elements() if elements is None else elements
+        limit = BUCKET_ELEMENTS if elements is None else elements
         params = [p for p in {id(p): p for p in module.parameters()}.values()
                   if p.requires_grad]
         device = params[0].device if params else torch.device("cpu")

@@ -37,7 +37,7 @@ import torch.distributed as dist  # noqa: E402
 import partc  # noqa: E402
 from samples import gpt  # noqa: E402
 from tests import hf_families, models  # noqa: E402
-from tests.runtime.optimizer_worker import run_cases  # noqa: E402
+from tests.runtime.optimizer_worker import BUCKET_ELEMENTS, run_cases  # noqa: E402
 from tests.runtime.worker import BATCH, Case, batch  # noqa: E402
 
 STEPS, SAVE_AT, MICROBATCHES = 4, 1, 4
@@ -64,7 +64,7 @@ def _build(case: Case, pp: int, v: int, dtype: torch.dtype, overlap: bool):
         model, x, loss_fn=case.loss_fn, example_target=y,
         budget=partc.DeviceBudget(num_devices=world, device="CPU"),
         train=partc.TrainSpec(global_batch_size=BATCH, optimizer="adam", dtype=dtype,
-                              overlap_param_gather=overlap),
+                              overlap_param_gather=overlap, bucket_elements=BUCKET_ELEMENTS),
         constraints=partc.Constraints(
             pp=pp, dp=world // pp, zero_stage=1, recompute="none",
             schedule=("interleaved-1f1b" if v > 1 else "1f1b") if pp > 1 else None,

@@ -37,6 +37,9 @@ from samples import gpt, moe  # noqa: E402
 from tests import models  # noqa: E402
 
 BATCH, SEQ, STEPS, MICROBATCHES = 8, 16, 3, 4
+# Gradient buckets of this many elements (TrainSpec.bucket_elements): every model spans
+# many, so that buckets are reduced while backward still runs.
+BUCKET_ELEMENTS = 4096
 # eps well above fp32 rounding noise: a key projection's bias has a gradient that is
 # mathematically zero (softmax ignores a shift of every key alike), and Adam would turn
 # its noise (~1e-9, different on every mesh) into steps of lr either way.
@@ -123,7 +126,7 @@ def run_case(name: str) -> dict[str, Any]:
         model, (x,), loss_fn=loss_fn, example_target=y,
         budget=partc.DeviceBudget(num_devices=world, device="CPU"),
         train=partc.TrainSpec(global_batch_size=BATCH, optimizer="adam", dtype=dtype,
-                              max_grad_norm=clip),
+                              max_grad_norm=clip, bucket_elements=BUCKET_ELEMENTS),
         constraints=partc.Constraints(pp=pp, dp=dp, ep=ep, zero_stage=zero, recompute="none",
                                       schedule="1f1b" if pp > 1 else None,
                                       num_microbatches=MICROBATCHES // dp))

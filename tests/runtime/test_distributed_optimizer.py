@@ -33,8 +33,7 @@ RTOL = {"fp32": (1e-5, 1e-5), "bf16": (1e-3, 5e-2)}  # (losses and norms, parame
 
 
 def _launch(cases: list[str], out: Path, nproc: int = 2) -> list[dict]:
-    return launch_worker(nproc, cases, out, worker=WORKER,
-                         env={"PARTC_BUCKET_ELEMENTS": "4096"})
+    return launch_worker(nproc, cases, out, worker=WORKER)
 
 
 @pytest.fixture(scope="module")

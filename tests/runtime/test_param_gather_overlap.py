@@ -31,7 +31,7 @@ FOUR_CASES = ["gpt-pp2-bf16", "llama-pp2-fp32", "gpt-pp2-v2-fp32", "gpt-pp2-fp32
 
 
 def _launch(cases: list[str], out: Path, nproc: int) -> list[dict]:
-    return launch(nproc, cases, out, worker=WORKER, env={"PARTC_BUCKET_ELEMENTS": "4096"})
+    return launch(nproc, cases, out, worker=WORKER)
 
 
 @pytest.fixture(scope="module")
