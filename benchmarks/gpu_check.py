@@ -577,16 +577,19 @@ def _is_heavy_kernel(name: str) -> bool:
 
 def predicted_parts(program: Any) -> dict[str, float]:
     """The plan's step on one stage split as the cost model prices it: the heavy ops'
-    compute-bound seconds, the rest (memory-bound ops and the dispatch floor), every
-    microbatch's forward, backward and recompute together; and the tail."""
+    compute-bound seconds, the rest (memory-bound ops, the device's time per kernel and
+    the dispatch floor; ``light_bytes`` the bytes alone), every microbatch's forward,
+    backward and recompute together; the kernels the estimate counts them launching
+    (the gradients' adds into their buckets among them: one per parameter tensor and
+    microbatch), and their device time; and the tail."""
     from partc.costs import layer_work
 
     problem, plan = program.problem, program.plan
     stage = plan.stages[0]
     count, micro = plan.num_microbatches, plan.micro_batch_size
     undispatched = dataclasses.replace(problem.devices, op_overhead_s=0.0,
-                                       op_overhead_backward_s=0.0)
-    parts = {"heavy": 0.0, "light": 0.0, "light_bytes": 0.0}
+                                       op_overhead_backward_s=0.0, kernel_overhead_s=0.0)
+    parts = {"heavy": 0.0, "light": 0.0, "light_bytes": 0.0, "kernels": 0}
     for layer in problem.model.layers:
         if layer.name not in stage.layers:
             continue
@@ -596,6 +599,10 @@ def predicted_parts(program: Any) -> dict[str, float]:
             phases = (work["forward"], work["backward"], work["recompute"][mode])
             parts[light] += count * sum(memory for _, memory in phases)
         parts["heavy"] += count * sum(compute for compute, _ in phases)
+        kernels = layer.kernels
+        parts["kernels"] += count * (kernels["forward"] + kernels["backward"]
+                                     + kernels["recompute"][mode] + layer.param_tensors)
+    parts["kernel_time"] = parts["kernels"] * problem.devices.kernel_overhead_s
     parts["tail"] = stage.time_s.tail
     parts["stage_time"] = {"forward": stage.time_s.forward, "backward": stage.time_s.backward,
                            "recompute": stage.time_s.recompute, "comm": stage.time_s.comm,
@@ -620,7 +627,8 @@ def run_profile(out: Path, prepare: bool = False) -> dict[str, Any]:
               f"{row['unprofiled_step_s'] * 1e3:7.1f}), GPU busy "
               f"{row['kernel_busy_s'] * 1e3:7.1f} ms (kernels' sum "
               f"{row['kernel_time_sum_s'] * 1e3:7.1f}), {row['kernels_per_step']:.0f} "
-              f"kernels and {row['aten_calls_per_step']:.0f} aten calls a step; predicted "
+              f"kernels ({row['predicted_parts_s'].get('kernels', 0):.0f} counted by the "
+              f"estimate) and {row['aten_calls_per_step']:.0f} aten calls a step; predicted "
               f"{row['predicted_step_s'] * 1e3:7.1f} ms")
         kernels, parts = row["measured_kernels_s"], row["predicted_parts_s"]
         print(f"  {'':10s} matmul/attention kernels {kernels['heavy'] * 1e3:7.1f} ms "

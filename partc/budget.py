@@ -69,6 +69,7 @@ class DeviceProfile:
     op_overhead_s: float | None = None
     op_overhead_backward_s: float | None = None
     matmul_overhead_s: float | None = None
+    kernel_overhead_s: float | None = None
     comm_overlap: float | None = None
     split_backward_factor: float | None = None
     elementwise_bandwidth: float | None = None
@@ -292,6 +293,9 @@ class DeviceBudget:
     op_overhead_s: float | None = None
     op_overhead_backward_s: float | None = None
     matmul_overhead_s: float | None = None
+    # Device time per kernel (DeviceNumbers.kernel_overhead_s): the profile's, else the
+    # preset's.
+    kernel_overhead_s: float | None = None
     # FSDP2's own work per unit and microbatch under ZeRO-2/3 (DeviceNumbers.
     # fsdp_unit_overhead_s, ...): by default the profile's, else the preset's.
     fsdp_unit_overhead_s: float | None = None
@@ -521,7 +525,8 @@ class DeviceBudget:
         return self._profile.collective_links
 
     def overhead(self, name: str) -> float:
-        """``op_overhead_s``, ``op_overhead_backward_s``, ``matmul_overhead_s``, the
+        """``op_overhead_s``, ``op_overhead_backward_s``, ``matmul_overhead_s``,
+        ``kernel_overhead_s``, the
         ``fsdp_*_overhead_s``, or
         ``comm_overlap`` or ``split_backward_factor``: the field given, else the
         profile's where it measured it, else the preset's (without a preset: 0, a whole

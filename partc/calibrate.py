@@ -14,6 +14,10 @@ clock (CUDA events on a GPU, ``time.perf_counter`` on CPU):
 - op overhead: a chain of tiny element-wise ops that autograd records, forward and
   forward + backward: eager dispatch per op (``op_overhead_s``, ``op_overhead_backward_s``;
   on CPU only: a GPU's launches run ahead of its kernels).
+- kernel overhead (a GPU only): a GPU's own time per kernel whatever its size, its
+  launch, ramp-up and tail (``kernel_overhead_s``): tiny kernels queued behind a long
+  one run back to back, as a layer's do behind a host that dispatches ahead, timed over
+  their span (:func:`measure_kernel_overhead`). A CPU's per-op time is the op overhead.
 - attention: ``scaled_dot_product_attention`` forward on one (batch, heads, seq, head_dim)
   shape, counted as 4·b·h·s²·d FLOPs (its two matmuls), and half that when causal.
 - memory bandwidth: a large copy (bytes read + written: 2 per element byte) and add (3).
@@ -347,6 +351,57 @@ def measure_op_overhead(device: torch.device, sizes: Sizes, chain: int = 64) -> 
               "backward_s": max(0.0, total_s - forward_s)}
     log.info("op overhead: %s forward, %s backward per op",
              format_seconds(result["forward_s"]), format_seconds(result["backward_s"]))
+    return result
+
+
+def measure_kernel_overhead(device: torch.device, sizes: Sizes,
+                            kernels: int = 256) -> dict | None:
+    """A GPU's own time per kernel whatever its size: ``kernels`` multiplies of a
+    16-element tensor queued while a long kernel holds the GPU, so that they run back to
+    back from a full queue (as a layer's kernels do behind a host that dispatches ahead)
+    and not at the host's pace; their span over their number. ``queued_s``: the host's
+    time to launch them, under the hold when the figure is the GPU's alone. None on a
+    CPU, whose time per op is the op overhead."""
+    if device.type != "cuda":
+        return None
+    x = torch.ones(16, device=device)
+    hold_s = 0.05
+    sleep = getattr(torch.cuda, "_sleep", None)
+    if sleep is not None:
+        hertz = 1e3 * getattr(torch.cuda.get_device_properties(device), "clock_rate",
+                              1.5e6)   # kHz
+        cycles = int(hold_s * hertz)
+
+        def hold() -> None:
+            sleep(cycles)
+    else:   # matmuls long enough to hold it as long
+        a = torch.ones(4096, 4096, device=device, dtype=torch.bfloat16)
+
+        def hold() -> None:
+            for _ in range(32):
+                torch.mm(a, a)
+
+    def span() -> tuple[float, float]:
+        start = torch.cuda.Event(enable_timing=True)
+        end = torch.cuda.Event(enable_timing=True)
+        hold()
+        start.record()
+        queued = time.perf_counter()
+        for _ in range(kernels):
+            x.mul_(1.0)
+        queued = time.perf_counter() - queued
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end) / 1e3 / kernels, queued
+
+    for _ in range(max(1, sizes.warmup)):
+        span()
+    spans = [span() for _ in range(max(3, sizes.repeats))]
+    result = {"kernels": kernels, "per_kernel_s": statistics.median(s for s, _ in spans),
+              "queued_s": statistics.median(q for _, q in spans)}
+    log.info("kernel overhead: %s per kernel (%d kernels, queued in %s)",
+             format_seconds(result["per_kernel_s"]), kernels,
+             format_seconds(result["queued_s"]))
     return result
 
 
@@ -909,6 +964,9 @@ def calibrate(options: CalibrationOptions) -> dict:
                     "attention": measure_attention(device, options.dtypes, options.sizes),
                     "memory": measure_memory(device, options.sizes),
                     "op_overhead": measure_op_overhead(device, options.sizes)}
+        kernel = measure_kernel_overhead(device, options.sizes)
+        if kernel is not None:
+            measured["kernel_overhead"] = kernel
         measured["elementwise"] = measure_elementwise(device, options.sizes,
                                                       measured["op_overhead"])
         measured["optimizer"] = measure_optimizer(device, options.sizes)
@@ -1042,6 +1100,8 @@ def build_profile(options: CalibrationOptions, measured: dict, *, name: str,
         "op_overhead_backward_s": overhead["backward_s"] if overhead else None,
         "matmul_overhead_s": (measured["matmul"][training].get("overhead_s") if cpu
                               else None),
+        "kernel_overhead_s": (measured["kernel_overhead"]["per_kernel_s"]
+                              if "kernel_overhead" in measured else None),
         "comm_overlap": overlap["overlap"] if overlap else None,
         "split_backward_factor": (measured["split_backward"]["factor"]
                                   if "split_backward" in measured else None),
@@ -1110,6 +1170,10 @@ def _sources(options: CalibrationOptions, preset_name: str | None, vendor: bool,
                                    f"matmuls): {preset_name or 'the'} preset's 0"),
         "inter_node_bandwidth": f"{fallback} (one machine cannot measure the network "
                                 f"between nodes)",
+        "kernel_overhead_s": ("measured: tiny kernels queued behind a long one, their span "
+                              "per kernel" if options.device == "cuda" else
+                              f"not measured on a CPU (its per-op time is op_overhead_s): "
+                              f"{preset_name or 'the'} preset's 0"),
         "comm_overlap": (f"measured: an all-reduce over {ranks} alone, matmuls alone, "
                          f"and both at once" if link else
                          f"{fallback} (one process: no collective to overlap)"),
@@ -1223,7 +1287,8 @@ def _budget_rows(profile: dict) -> list[str]:
                "intra_node_bandwidth": _rate, "intra_node_latency_s": format_seconds,
                "link_latency_s": format_seconds, "inter_node_bandwidth": _rate,
                "op_overhead_s": format_seconds, "op_overhead_backward_s": format_seconds,
-               "matmul_overhead_s": format_seconds, "comm_overlap": "{:.2f}".format,
+               "matmul_overhead_s": format_seconds, "kernel_overhead_s": format_seconds,
+               "comm_overlap": "{:.2f}".format,
                "split_backward_factor": "{:.2f}".format, "elementwise_bandwidth": _rate,
                "optimizer_bandwidth": _rate} | {
                    name: _rate if name.endswith("bandwidth") else format_seconds

@@ -70,6 +70,7 @@ BUDGET_FLAGS = {
     "disk_bandwidth": "--disk-bandwidth", "collective_links": "--collective-link",
     "op_overhead_s": "--op-overhead", "op_overhead_backward_s": "--op-overhead-backward",
     "matmul_overhead_s": "--matmul-overhead", "comm_overlap": "--comm-overlap",
+    "kernel_overhead_s": "--kernel-overhead",
     "fsdp_unit_overhead_s": "--fsdp-unit-overhead",
     "fsdp_unit_overhead_backward_s": "--fsdp-unit-overhead-backward",
     "fsdp_gather_overhead_s": "--fsdp-gather-overhead",
@@ -361,6 +362,9 @@ def _budget_arguments(group, *, devices: bool = True) -> None:
                        help="fixed time per forward op in backward")
     group.add_argument("--matmul-overhead", type=SECONDS, metavar="SECONDS",
                        help="time per matmul call beyond its FLOPs")
+    group.add_argument("--kernel-overhead", type=SECONDS, metavar="SECONDS",
+                       help="device time per kernel beyond its bytes and FLOPs (a GPU's "
+                            "launch, ramp-up and tail)")
     group.add_argument("--fsdp-unit-overhead", type=SECONDS, metavar="SECONDS",
                        help="ZeRO-2/3: FSDP's forward hooks per unit and microbatch")
     group.add_argument("--fsdp-unit-overhead-backward", type=SECONDS, metavar="SECONDS",

@@ -22,7 +22,10 @@ Model (per pipeline stage ``s`` of ``p``, ``m`` microbatches of ``b`` samples):
   (``DeviceNumbers.op_overhead_s``, ``matmul_overhead_s``): more, smaller microbatches
   cost more. On a GPU, whose host dispatches ahead of its kernels,
   the ops' overhead is a floor under each layer's phase rather than a sum
-  (:func:`dispatched`). A heavy op's backward is twice its forward (its gradients
+  (:func:`dispatched`); the GPU's own time per kernel, whatever its size
+  (``DeviceNumbers.kernel_overhead_s``), adds to it for each kernel the estimate
+  counted the layer launching (``LayerCost.kernels``) and each gradient's add into its
+  accumulator. A heavy op's backward is twice its forward (its gradients
   w.r.t. its input and its weight are two ops like it; a fused attention kernel's
   recomputed scores add FLOPs); the light ops' backward moves the bytes the estimate
   measured autograd's ops to move (``LayerCost.bwd_mem_bytes``); recompute replays its
@@ -415,7 +418,7 @@ def _zero_overhead_seconds(problem: PlanningProblem, config: PipelineConfig,
     reduce-scatter the whole gradient in and the shard out (fp32), each byte read and
     written (at :attr:`DeviceNumbers.fsdp_copy_rate`). ZeRO-2 reducing once per step
     accumulates every microbatch's whole fp32 gradient instead of copying it out, about
-    as many bytes. It runs on the rank's own thread beside its compute: none of it
+    as many bytes, a kernel per parameter tensor. It runs on the rank's own thread beside its compute: none of it
     overlaps.
 
     A layer too small to be a unit of its own (under ``SMALL_UNITS_SHARE`` of a stage's
@@ -426,7 +429,7 @@ def _zero_overhead_seconds(problem: PlanningProblem, config: PipelineConfig,
     if params == 0:
         return result
     if zero < 2:
-        return result | gradient_work_seconds(problem, config, params)
+        return result | gradient_work_seconds(problem, config, params, tensors)
     devices, precision = problem.devices, problem.train.precision
     units = 1.0 if params > SMALL_UNITS_SHARE * _rank_params(problem) / config.pp else 0.0
     copied = 2 * (1 + 1 / config.dp) * params / devices.fsdp_copy_rate
@@ -436,7 +439,9 @@ def _zero_overhead_seconds(problem: PlanningProblem, config: PipelineConfig,
                   backward=units * devices.fsdp_unit_overhead_backward_s,
                   step=tensors * devices.fsdp_step_overhead_s)
     if zero == 2 and config.reduces_once:
-        accumulate = copied * precision.master_bytes
+        # Autograd adds each parameter's gradient into its whole fp32 one: a kernel per
+        # tensor (DeviceNumbers.kernel_overhead_s), as ZeRO 0/1's adds into buckets.
+        accumulate = copied * precision.master_bytes + tensors * devices.kernel_overhead_s
         result.update(backward=result["backward"] + accumulate, sync=scatter,
                       step=result["step"] + gather)
     elif zero == 2:
@@ -448,7 +453,7 @@ def _zero_overhead_seconds(problem: PlanningProblem, config: PipelineConfig,
 
 
 def gradient_work_seconds(problem: PlanningProblem, config: PipelineConfig,
-                           params: int) -> dict[str, float]:
+                           params: int, tensors: int = 0) -> dict[str, float]:
     """The runtime's element-wise passes over the gradients of ``params`` parameters under
     ZeRO 0/1, at the device's element-wise rate (none of it overlaps: the rank's own
     thread or stream runs it between its layers' kernels).
@@ -460,18 +465,21 @@ def gradient_work_seconds(problem: PlanningProblem, config: PipelineConfig,
     each take a pass over the rank's part of the buckets (read and written; the whole
     under ZeRO-0, 1/dp under ZeRO-1), and the buckets are zeroed for the next step.
     Without buckets autograd accumulates ``.grad`` itself: every microbatch's gradient
-    but the first is added to it, and the schedule divides it by the microbatches."""
+    but the first is added to it, and the schedule divides it by the microbatches.
+    Each add is a kernel per parameter tensor (``tensors`` of them), each paying the
+    device's time per kernel (:attr:`DeviceNumbers.kernel_overhead_s`)."""
     precision = problem.train.precision
     rate = problem.devices.light_op_bandwidth
     master, m = precision.master_bytes, config.num_microbatches
     bucketed = config.dp > 1 or precision.mixed or config.dp * config.tp > config.ep > 1
+    kernels = tensors * problem.devices.kernel_overhead_s
     if bucketed:
         added = precision.compute_bytes + 2 * master
         mine = params / config.dp if config.effective_zero_stage == 1 else params
         means = (config.dp > 1) + (m > 1)
-        return {"backward": params * added / rate,
+        return {"backward": params * added / rate + kernels,
                 "step": (2 * master * means * mine + master * params) / rate}
-    return {"backward": (m - 1) / m * params * 3 * master / rate,
+    return {"backward": (m - 1) / m * (params * 3 * master / rate + kernels),
             "step": (m > 1) * params * 2 * master / rate}
 
 
@@ -698,6 +706,11 @@ def layer_work(layer: LayerCost, devices: DeviceNumbers, micro_batch: int,
     def light(mem_bytes: float) -> float:
         return micro_batch * mem_bytes * scale / devices.light_op_bandwidth
 
+    # The device's own time per kernel launched (0 where not counted, or on a CPU).
+    launched = {phase: devices.kernel_overhead_s * count if phase != "recompute" else
+                {m: devices.kernel_overhead_s * n for m, n in count.items()}
+                for phase, count in layer.kernels.items()}
+
     ops = layer.num_nodes
     heavy = sum(op.count for op in layer.heavy_ops)
     replayed = {m: layer.recompute_flops[m] / layer.fwd_flops if layer.fwd_flops else 0.0
@@ -705,21 +718,31 @@ def layer_work(layer: LayerCost, devices: DeviceNumbers, micro_batch: int,
     rerun_ops = {m: layer.recompute_nodes.get(
         m, 0 if m == "none" else ops if m == "full" else max(0, ops - heavy))
         for m in layer.modes}
-    eager = {"forward": dispatched(compute, memory + light(layer.fwd_mem_bytes),
+    eager = {"forward": dispatched(compute, memory + light(layer.fwd_mem_bytes)
+                                   + launched["forward"],
                                    ops * devices.op_overhead_s, devices),
-             "backward": dispatched(back_compute, back_memory + light(layer.bwd_mem_bytes),
+             "backward": dispatched(back_compute, back_memory + light(layer.bwd_mem_bytes)
+                                    + launched["backward"],
                                     ops * devices.op_overhead_backward_s, devices),
              "recompute": {m: dispatched(replayed[m] * compute,
                                          replayed[m] * memory
-                                         + light(layer.recompute_mem_bytes[m]),
+                                         + light(layer.recompute_mem_bytes[m])
+                                         + launched["recompute"][m],
                                          rerun_ops[m] * devices.op_overhead_s, devices)
                            for m in layer.modes}}
     if not compiled or layer.fused_mem_bytes is None:
         return eager
     kernels = heavy + (layer.fused_kernels or 0)
-    forward = dispatched(compute, memory + light(layer.fused_mem_bytes),
+    # The fused kernels' own time, where the layer's were counted: backward launches as
+    # many more per forward kernel as the eager layer's does.
+    counted = layer.kernels
+    per_kernel = devices.kernel_overhead_s if layer.forward_kernels else 0.0
+    backward_share = counted["backward"] / counted["forward"] if counted["forward"] else 2.0
+    forward = dispatched(compute, memory + light(layer.fused_mem_bytes)
+                         + kernels * per_kernel,
                          kernels * devices.op_overhead_s, devices)
-    backward = dispatched(back_compute, back_memory + light(2.0 * layer.fused_mem_bytes),
+    backward = dispatched(back_compute, back_memory + light(2.0 * layer.fused_mem_bytes)
+                          + backward_share * kernels * per_kernel,
                           kernels * devices.op_overhead_backward_s, devices)
     unfused = sum(eager["forward"]) + sum(eager["backward"]) - sum(forward) - sum(backward)
     recompute = {m: (c, memory + (unfused if m != "none" else 0.0))
@@ -750,7 +773,7 @@ def _layer_table(problem: PlanningProblem, config: PipelineConfig, index: int) -
     gathered, gradient = _zero_transient(problem, config, layer.param_count)
     comm = tp_comm_seconds(problem, config, layer)
     zero = _zero_comm_seconds(problem, config, layer.param_count)
-    own = _zero_overhead_seconds(problem, config, layer.param_count)
+    own = _zero_overhead_seconds(problem, config, layer.param_count, layer.param_tensors)
     # Full recompute replays the layer's forward, collectives included; selective
     # replays the attention cores, which hold none (heads are split over the group).
     # ZeRO-3 gathers the layer once for its backward, recompute included.
@@ -980,7 +1003,9 @@ def _layer_key(layer) -> tuple:
             tuple(sorted(layer.recompute_mem_bytes.items())), layer.workspace_bytes,
             layer.tp_comm, layer.tp_overlap_flops, layer.num_nodes, layer.fused_mem_bytes,
             layer.fused_kernels, tuple(sorted(layer.recompute_nodes.items())),
-            layer.param_tensors, layer.largest_param, layer.backward_mem_bytes)
+            layer.param_tensors, layer.largest_param, layer.backward_mem_bytes,
+            layer.forward_kernels, layer.backward_kernels,
+            tuple(sorted(layer.recompute_kernels.items())))
 
 
 def build_cost_table(problem: PlanningProblem, config: PipelineConfig,

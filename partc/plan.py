@@ -389,6 +389,7 @@ class BudgetInfo:
     op_overhead_s: float | None = None
     op_overhead_backward_s: float | None = None
     matmul_overhead_s: float | None = None
+    kernel_overhead_s: float | None = None   # absent in older plans: the preset's
     fsdp_unit_overhead_s: float | None = None            # absent in older plans: 0
     fsdp_unit_overhead_backward_s: float | None = None
     fsdp_gather_overhead_s: float | None = None

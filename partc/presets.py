@@ -20,6 +20,7 @@ GB = 1e9
 # The measured fixed times (seconds, 0 or more) and rates (bytes/s, None: HBM bandwidth)
 # of DevicePreset, DeviceBudget and DeviceNumbers, by field name.
 OVERHEAD_FIELDS = ("op_overhead_s", "op_overhead_backward_s", "matmul_overhead_s",
+                   "kernel_overhead_s",
                    "fsdp_unit_overhead_s", "fsdp_unit_overhead_backward_s",
                    "fsdp_gather_overhead_s", "fsdp_scatter_overhead_s",
                    "fsdp_step_overhead_s")
@@ -28,6 +29,14 @@ RATE_FIELDS = ("elementwise_bandwidth", "optimizer_bandwidth", "fsdp_copy_bandwi
 # Eager dispatch per op on a GPU's host, forward and backward (see DevicePreset).
 _GPU_DISPATCH_S = 8.5e-6
 _GPU_DISPATCH_BACKWARD_S = 18e-6
+# A GPU's own time per kernel beyond its bytes and FLOPs (launch, ramp-up, tail), which
+# dispatching ahead does not hide: 3 us, from two `benchmarks/gpu_check.py` profiles of
+# a 419M GPT on an H100 (torch 2.11). Measured kernel time = a x priced + t x kernels over
+# the full-recompute step (2368 kernels) and the step of 8 microbatches (11220) gives t =
+# 2.6 us; the 8-microbatch step measured 44 ms above the one-microbatch step where the
+# cost model without it priced 14 ms: 3.8 us over the 7868 more kernels it counts.
+# Not yet measured directly; `partc calibrate` on a GPU does, and its profile replaces it.
+_GPU_KERNEL_S = 3e-6
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -55,6 +64,10 @@ class DevicePreset:
     op_overhead_s: float = _GPU_DISPATCH_S
     op_overhead_backward_s: float = _GPU_DISPATCH_BACKWARD_S
     matmul_overhead_s: float = 0.0
+    # Device time per kernel beyond its bytes and FLOPs (DeviceNumbers.kernel_overhead_s):
+    # a GPU's launch, ramp-up and tail, paid once per kernel whatever its size
+    # (_GPU_KERNEL_S). A CPU: 0, op_overhead_s holds its per-op time.
+    kernel_overhead_s: float = _GPU_KERNEL_S
     # FSDP2's own work under ZeRO-2/3 per unit and microbatch (DeviceNumbers.
     # fsdp_unit_overhead_s, ...). GPUs 0: its hooks, bookkeeping and copy kernels'
     # launches run on the host ahead of the GPU's kernels (not measured on one; a profile
@@ -172,6 +185,7 @@ PRESETS: dict[str, DevicePreset] = {
             # Round figures of what `partc calibrate` measured on a shared 2-core x86
             # machine (14 and 30 us per op, 0-3 us per matmul).
             op_overhead_s=10e-6, op_overhead_backward_s=20e-6, matmul_overhead_s=2e-6,
+            kernel_overhead_s=0.0,
             # FSDP2 under ZeRO-2/3, per unit (a transformer block's 12 tensors) and
             # microbatch: its hooks, and its own work around each all-gather and
             # reduce-scatter, its copies apart, which run at 6 GB/s; AdamW's step over

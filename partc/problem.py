@@ -20,6 +20,7 @@ front half of the compiler (``partc.passes``) produces a :class:`ModelAnalysis`;
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 from .placement import Placement
 from .presets import OVERHEAD_FIELDS, RATE_FIELDS
@@ -236,6 +237,14 @@ class LayerCost:
     # The bytes the memory-bound ops of the layer's backward move per sample, as measured
     # (autograd run on fake tensors: passes/estimate.py). None: twice ``fwd_mem_bytes``.
     backward_mem_bytes: float | None = None
+    # The device kernels the layer launches per microbatch (whatever its size), forward
+    # and backward, and those each recompute mode launches again, as the estimate counts
+    # them (passes/op_bytes.MovedBytes): each costs DeviceNumbers.kernel_overhead_s of
+    # device time. None: not counted (a layer built by hand), no per-kernel time;
+    # backward None beside a counted forward: twice the forward's.
+    forward_kernels: int | None = None
+    backward_kernels: int | None = None
+    recompute_kernels: dict[str, int] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         listed = sum(op.flops * op.count for op in self.heavy_ops)
@@ -277,6 +286,17 @@ class LayerCost:
         if self.backward_mem_bytes is not None:
             return self.backward_mem_bytes
         return 2.0 * self.fwd_mem_bytes
+
+    @property
+    def kernels(self) -> dict[str, Any]:
+        """Kernels per microbatch by phase, as :func:`partc.costs.layer_work` splits its
+        time: forward, backward and per recompute mode (full: the forward's; selective:
+        its attention cores'); all 0 where they were not counted."""
+        forward = self.forward_kernels or 0
+        backward = self.backward_kernels if self.backward_kernels is not None else 2 * forward
+        recompute = {m: self.recompute_kernels.get(m, 0 if m == "none" else forward)
+                     for m in self.modes}
+        return {"forward": forward, "backward": backward, "recompute": recompute}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -385,6 +405,12 @@ class DeviceNumbers:
     # flops_efficiency) + matmul_overhead_s, i.e. it reaches flops_efficiency * f / (f +
     # matmul_overhead_s * peak * flops_efficiency) of peak: small matmuls run below it.
     matmul_overhead_s: float = 0.0
+    # Device time per kernel beyond what its bytes and FLOPs take (a GPU's launch,
+    # ramp-up and tail: small kernels run below the rates), paid for each kernel a layer
+    # launches per microbatch (LayerCost.kernels); unlike op_overhead_s it is the
+    # device's own time, which dispatching ahead does not hide. 0 on a CPU, whose
+    # per-op time op_overhead_s holds.
+    kernel_overhead_s: float = 0.0
     # ZeRO-2/3 as FSDP2 runs it, per unit (a layer) and microbatch, beyond the collectives
     # (partc.collectives prices those): its forward hooks (``fsdp_unit_overhead_s``) and
     # backward hooks (``..._backward_s``: gradient accumulation and state), and per

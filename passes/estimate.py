@@ -103,6 +103,10 @@ class _LayerRun:
     # The bytes the layer's backward moves in its memory-bound ops (:func:`_backward_bytes`);
     # None: not measured.
     backward_bytes: float | None = None
+    # The kernels each node's forward launches, and the layer's backward (None: not
+    # measured), as :class:`MovedBytes` counts them.
+    kernels: dict[fx.Node, int] = field(default_factory=dict)
+    backward_kernels: int | None = None
 
 
 @dataclass(frozen=True)
@@ -196,8 +200,10 @@ def _run_layer(gm: fx.GraphModule, nodes: list[fx.Node], setting: _Setting) -> _
 
     counter = FlopCounterMode(display=False, custom_mapping=fuse_attention.FLOP_FORMULAS)
     casts = _Casts(cuda=setting.runtime_device == "cuda")
+    # The kernels each node launches; paused with the casts while stand-ins are made.
+    launched = casts.launched = MovedBytes(frozen, casts.cuda)
     with contextlib.ExitStack() as scope:
-        for context in (fake_mode, counter, casts, torch.enable_grad(),
+        for context in (fake_mode, counter, casts, launched, torch.enable_grad(),
                         torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)):
             scope.enter_context(context)
         if setting.autocast is not None:
@@ -209,6 +215,7 @@ def _run_layer(gm: fx.GraphModule, nodes: list[fx.Node], setting: _Setting) -> _
             kwargs = fx.node.map_arg(node.kwargs, value_of)
             casts.made.clear()   # the stand-ins' own making is no cast the runtime runs
             casts.copied = 0.0
+            kernels_before = launched.kernels
             if node.op == "get_attr":
                 result = value_of(node)
             elif setting.autocast is not None and is_dtype_check(node):
@@ -220,6 +227,9 @@ def _run_layer(gm: fx.GraphModule, nodes: list[fx.Node], setting: _Setting) -> _
             else:
                 result = _call(gm, node, setting, *_moved(setting.device, args, kwargs))
             env[node] = result
+            # Fetching a parameter launches nothing (making its stand-in may).
+            run.kernels[node] = 0 if node.op == "get_attr" else \
+                launched.kernels - kernels_before
             run.dtypes[node] = tuple(t.dtype for t in pytree.tree_leaves(result)
                                      if isinstance(t, torch.Tensor))
             flops = counter.get_total_flops() - before
@@ -239,8 +249,8 @@ def _run_layer(gm: fx.GraphModule, nodes: list[fx.Node], setting: _Setting) -> _
                 run.costs[node] = dataclasses.replace(run.costs[node], weight_bytes=_weight_bytes(
                     state, [t for t in pytree.tree_leaves(result) if isinstance(t, torch.Tensor)]))
     # Backward runs outside autocast, as the runtime runs it.
-    run.backward_bytes = _backward_bytes(nodes, env, frozen, fake_mode,
-                                         cuda=setting.runtime_device == "cuda")
+    run.backward_bytes, run.backward_kernels = _backward_bytes(
+        nodes, env, frozen, fake_mode, cuda=setting.runtime_device == "cuda")
     for node in run.inputs:
         run.storages[node] = _storages(env[node], frozen)
     _attribute_saved(run)
@@ -248,19 +258,21 @@ def _run_layer(gm: fx.GraphModule, nodes: list[fx.Node], setting: _Setting) -> _
 
 
 def _backward_bytes(nodes: list[fx.Node], env: dict[fx.Node, Any], frozen: set,
-                    fake_mode: FakeTensorMode, cuda: bool) -> float | None:
+                    fake_mode: FakeTensorMode,
+                    cuda: bool) -> tuple[float | None, int | None]:
     """The bytes the memory-bound ops of the layer's backward read and write, counted as
-    :func:`_node_cost` counts a forward node's (:class:`MovedBytes`): autograd run on
-    the fake values the forward made, from a gradient for each of the layer's outputs
-    (values read outside it) that needs one; ``cuda``: with the kernels CUDA runs where
-    they differ from the ops dispatched. None where autograd cannot run on the
-    stand-ins (the cost model then charges backward twice the forward's bytes)."""
+    :func:`_node_cost` counts a forward node's (:class:`MovedBytes`), and the kernels
+    its ops launch: autograd run on the fake values the forward made, from a gradient
+    for each of the layer's outputs (values read outside it) that needs one; ``cuda``:
+    with the kernels CUDA runs where they differ from the ops dispatched. None where
+    autograd cannot run on the stand-ins (the cost model then charges backward twice the
+    forward's bytes and kernels)."""
     members = set(nodes)
     outputs = [t for node in nodes if node in env and any(u not in members for u in node.users)
                for t in pytree.tree_leaves(env[node])
                if isinstance(t, torch.Tensor) and t.grad_fn is not None]
     if not outputs:
-        return 0.0
+        return 0.0, 0
     counted = MovedBytes(frozen, cuda)
     try:
         with fake_mode, torch.enable_grad():
@@ -269,8 +281,8 @@ def _backward_bytes(nodes: list[fx.Node], env: dict[fx.Node, Any], frozen: set,
                 torch.autograd.backward(outputs, grads)
     except Exception as error:   # noqa: BLE001 - any op the stand-ins cannot run
         log.debug("backward of %s not measured on fake tensors: %s", nodes[0].name, error)
-        return None
-    return counted.moved
+        return None, None
+    return counted.moved, counted.kernels
 
 
 _HALF_TO_FLOAT = (torch.ops.aten._softmax.default, torch.ops.aten._log_softmax.default)
@@ -289,15 +301,19 @@ class _Casts(TorchDispatchMode):
         self.cuda = cuda
         self.made: list[tuple[torch.Tensor, float, torch.dtype]] = []   # and its source
         self.copied = 0.0
+        # The kernels counted beside these casts, paused with them (:meth:`paused`).
+        self.launched: MovedBytes | None = None
 
     @contextlib.contextmanager
     def paused(self):
+        """Record no cast (nor, in ``launched``, kernel) of what runs inside."""
         made = self.made
         self.made = []
-        try:
-            yield
-        finally:
-            self.made = made
+        with self.launched.paused() if self.launched is not None else contextlib.nullcontext():
+            try:
+                yield
+            finally:
+                self.made = made
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
@@ -558,7 +574,10 @@ def _copy_run(run: _LayerRun, source: list[fx.Node], target: list[fx.Node]) -> _
     copied = _LayerRun(inputs={mapping[node]: size for node, size in run.inputs.items()},
                        dtypes={mapping[node]: d for node, d in run.dtypes.items()
                                if node.op != "get_attr"},
-                       backward_bytes=run.backward_bytes)
+                       backward_bytes=run.backward_bytes,
+                       kernels={mapping[node]: count for node, count in run.kernels.items()
+                                if node.op != "get_attr"},
+                       backward_kernels=run.backward_kernels)
     copied.costs = {mapping[node]: cost for node, cost in run.costs.items()
                     if node.op != "get_attr"}
     copied.costs.update({node: _FETCH_COST for node in fetches})
@@ -642,6 +661,8 @@ def _layer_cost(gm: fx.GraphModule, info: meta.LayerInfo, nodes: list[fx.Node], 
     rec_flops = {"none": 0.0, "full": flops}
     rec_bytes = {"none": 0.0, "full": light_bytes}
     rerun = {"none": 0, "full": sum(calls.values())}
+    kernels = {node: run.kernels.get(node, 0) for node in nodes}
+    rekernels = {"none": 0, "full": sum(kernels.values())}
     # Selective recompute as the runtime does it (passes/recompute.py): the attention
     # cores are rerun, everything else is kept.
     cores = attention_cores(nodes)
@@ -652,9 +673,10 @@ def _layer_cost(gm: fx.GraphModule, info: meta.LayerInfo, nodes: list[fx.Node], 
         rec_flops["selective"] = sum(run.costs[n].flops for n in inside)
         rec_bytes["selective"] = light(inside)
         rerun["selective"] = sum(calls[n] for n in inside)
+        rekernels["selective"] = sum(kernels[n] for n in inside)
     count, nbytes, tensors, largest = usage["own"].get(info.index, (0, 0, 0, 0))
     per = 1.0 / batch
-    fused_bytes, kernels = _fused(gm, nodes, run, heavy)
+    fused_bytes, fused_kernels = _fused(gm, nodes, run, heavy)
     return LayerCost(
         heavy_ops=_heavy_ops([n for n in nodes if n in heavy], run, per),
         name=info.name, signature=info.signature, fwd_flops=flops * per,
@@ -668,7 +690,9 @@ def _layer_cost(gm: fx.GraphModule, info: meta.LayerInfo, nodes: list[fx.Node], 
         recompute_nodes=rerun,
         workspace_bytes=workspace * per,
         num_nodes=sum(calls.values()),
-        fused_mem_bytes=fused_bytes * per, fused_kernels=kernels)
+        forward_kernels=rekernels["full"], backward_kernels=run.backward_kernels,
+        recompute_kernels=rekernels,
+        fused_mem_bytes=fused_bytes * per, fused_kernels=fused_kernels)
 
 
 def _kept_around(cores: list[tuple[fx.Node, ...]], run: _LayerRun,

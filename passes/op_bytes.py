@@ -11,6 +11,8 @@ nothing here: the roofline prices their FLOPs.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.utils._pytree as pytree
 from torch.multiprocessing.reductions import StorageWeakRef
@@ -56,18 +58,38 @@ class MovedBytes(TorchDispatchMode):
     apart, and the copy an out-of-place op makes before running in place
     (:data:`COPY_THEN_IN_PLACE`); views, allocations, the heavy ops (:data:`_HEAVY`,
     priced by their FLOPs) and autograd's storing of leaves' gradients move nothing
-    here."""
+    here.
+
+    ``kernels`` counts the device kernels the same ops launch: one per op that moves
+    bytes or is heavy, two for a copy-then-in-place op, and on CUDA two for softmax's
+    backward; views, allocations, queries and leaves' gradient copies launch none. (A
+    GPU spends a few microseconds on each kernel whatever its size:
+    ``DeviceNumbers.kernel_overhead_s``.)"""
 
     def __init__(self, frozen: set, cuda: bool) -> None:
         super().__init__()
         self.frozen = frozen
         self.cuda = cuda
         self.moved = 0.0
+        self.kernels = 0
+        self._paused = False
+
+    @contextlib.contextmanager
+    def paused(self):
+        """Count nothing of what runs inside (the stand-ins' own making)."""
+        paused, self._paused = self._paused, True
+        try:
+            yield
+        finally:
+            self._paused = paused
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         packet = func.overloadpacket
-        if func.is_view or packet in _HEAVY or packet in _ALLOCATING or _accumulating():
+        if self._paused or func.is_view or packet in _ALLOCATING or _accumulating():
+            return out
+        if packet in _HEAVY:
+            self.kernels += 1
             return out
         outputs = [t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
         tensors = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
@@ -79,13 +101,16 @@ class MovedBytes(TorchDispatchMode):
         if packet in _WRITE_ONLY:   # the destination is written (an output), not read
             inputs = [t for t in inputs if t is not args[0]]
         self.moved += sum(nbytes(t) for t in inputs) + sum(nbytes(t) for t in outputs)
+        self.kernels += 1
         if packet in COPY_THEN_IN_PLACE:
             self.moved += 2.0 * sum(nbytes(t) for t in outputs)
+            self.kernels += 1
         if self.cuda and packet is torch.ops.aten._softmax_backward_data:
             # CUDA's kernel first multiplies the gradient by the output, a kernel of its
             # own (reads both, writes their product), then reduces and subtracts.
             grad, output = args[0], args[1]
             self.moved += nbytes(grad) + 2.0 * nbytes(output)
+            self.kernels += 1
         return out
 
 

@@ -150,6 +150,46 @@ def test_a_gpu_pays_the_longer_of_its_kernels_and_their_dispatch():
     assert cpu.forward_ps == pytest.approx(kernels.forward_ps + 300e-6 * PS_PER_S, abs=2)
 
 
+def test_a_gpu_pays_its_own_time_per_kernel_beside_the_dispatch():
+    """DeviceNumbers.kernel_overhead_s, 3 us: a layer that launches 40 kernels forward, 90
+    in backward and 12 again under selective recompute pays 120, 270 and 36 us more per
+    microbatch, on the device, whatever its size; its gradients' adds into .grad one
+    kernel per parameter tensor (2 of them) for each of 3 of the 4 microbatches. Being
+    the device's own time, the dispatch floor is measured against the kernels with it. A
+    layer whose kernels were not counted (built by hand) pays none."""
+    counted = dataclasses.replace(instances.layer("block", flops=1e9, selective=500.0),
+                                  num_nodes=30, forward_kernels=40, backward_kernels=90,
+                                  recompute_kernels={"none": 0, "selective": 12, "full": 40},
+                                  param_tensors=2)
+    per_kernel = dataclasses.replace(DEVICES, kernel_overhead_s=3e-6)
+
+    def row(devices, block):
+        problem = instances.problem([block], [], devices, batch=4)
+        config = PipelineConfig(pp=1, dp=1, micro_batch_size=1, num_microbatches=4,
+                                schedule="1f1b")
+        return build_cost_table(problem, config).layers[0]
+
+    plain, paid = row(DEVICES, counted), row(per_kernel, counted)
+    assert (paid.forward_ps - plain.forward_ps) / PS_PER_S == pytest.approx(120e-6)
+    assert (paid.backward_ps - plain.backward_ps) / PS_PER_S == pytest.approx(
+        270e-6 + 3 / 4 * 2 * 3e-6)
+    assert {m: (paid.recompute_ps[m] - plain.recompute_ps[m]) / PS_PER_S
+            for m in ("selective", "full")} == pytest.approx({"selective": 36e-6,
+                                                              "full": 120e-6})
+    by_hand = dataclasses.replace(counted, forward_kernels=None, backward_kernels=None,
+                                  recompute_kernels={}, param_tensors=0)
+    assert row(per_kernel, by_hand) == row(DEVICES, by_hand)
+    # Behind a host that dispatches ahead, 30 ops at 10 us are a floor of 300 us that
+    # a tiny layer's kernels, 40 x 3 us of their own time among them, now nearly reach.
+    tiny = dataclasses.replace(counted, fwd_flops=1e6, heavy_ops=(
+        HeavyOp(flops=1e6, activation_bytes=0.0, weight_bytes=0.0),),
+        recompute_flops={"none": 0.0, "selective": 0.0, "full": 1e6})
+    gpu = dataclasses.replace(per_kernel, op_overhead_s=10e-6, dispatch_ahead=True)
+    assert row(gpu, tiny).forward_ps / PS_PER_S == pytest.approx(300e-6)
+    many = dataclasses.replace(tiny, forward_kernels=200)
+    assert row(gpu, many).forward_ps / PS_PER_S == pytest.approx(1e6 / 5e11 + 600e-6)
+
+
 def test_the_gpu_presets_no_longer_tie_microbatch_splits():
     """On the GPU presets (dispatch measured on an H100's host, as a floor) a small GPT
     split into microbatches of one sequence is predicted slower than one microbatch of

@@ -123,6 +123,7 @@ def test_a_version_1_file_loads_with_its_hash_unchanged():
         [(s.layers, s.recompute) for s in new.stages]
     assert replace(new.budget, collective_links=None, op_overhead_s=None,
                    op_overhead_backward_s=None, matmul_overhead_s=None,
+                   kernel_overhead_s=None,
                    fsdp_unit_overhead_s=None, fsdp_unit_overhead_backward_s=None,
                    fsdp_gather_overhead_s=None, fsdp_scatter_overhead_s=None,
                    fsdp_step_overhead_s=None, fsdp_copy_bandwidth=None, comm_overlap=None,

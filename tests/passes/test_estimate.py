@@ -46,6 +46,11 @@ def test_mlp_costs_by_hand():
     # needs no gradient.
     assert fc1.bwd_mem_bytes == 3 * 16 * 4 + (B * 16 + 16) * 4 / B
     assert fc2.bwd_mem_bytes == (B * 4 + 4) * 4 / B
+    # Kernels per microbatch: fc1 forward its addmm and relu; backward relu's gradient,
+    # the weight's gradient (a matmul) and the bias's (a sum), none for the input; fc2
+    # also the input's gradient. Full recompute launches the forward's again.
+    assert fc1.kernels == {"forward": 2, "backward": 3, "recompute": {"none": 0, "full": 2}}
+    assert fc2.kernels == {"forward": 1, "backward": 3, "recompute": {"none": 0, "full": 1}}
 
 
 class _ProjectedLoss(nn.Module):

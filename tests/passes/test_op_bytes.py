@@ -9,11 +9,19 @@ from partc.passes.op_bytes import MovedBytes
 N = 64   # elements of each fp32 tensor: 256 bytes
 
 
-def _counted(run, frozen=(), cuda=False) -> float:
+def _counter(run, frozen=(), cuda=False) -> MovedBytes:
     counter = MovedBytes({StorageWeakRef(t.untyped_storage()) for t in frozen}, cuda)
     with counter:
         run()
-    return counter.moved
+    return counter
+
+
+def _counted(run, frozen=(), cuda=False) -> float:
+    return _counter(run, frozen, cuda).moved
+
+
+def _kernels(run, cuda=False) -> int:
+    return _counter(run, cuda=cuda).kernels
 
 
 def test_reads_and_writes_of_each_kind_of_op():
@@ -46,3 +54,28 @@ def test_softmax_backward_as_cuda_runs_it_and_no_leaf_copy():
     y = x + 1
     assert _counted(lambda: y.backward(grad)) == 0
     assert x.grad is not grad and torch.equal(x.grad, grad)
+
+
+def test_kernels_each_op_launches():
+    a, b = torch.randn(N), torch.randn(N)
+    mask = torch.zeros(N, dtype=torch.bool)
+    assert _kernels(lambda: a + b) == 1
+    assert _kernels(lambda: a.view(8, 8).t()) == 0            # views
+    assert _kernels(lambda: torch.empty(N)) == 0              # an allocation
+    assert _kernels(lambda: a.view(8, 8) @ b.view(8, 8)) == 1  # a matmul launches one
+    assert _kernels(lambda: a.masked_fill(mask, 0.0)) == 2    # the copy, then the fill
+    assert _kernels(lambda: a.size()) == 0                    # a query
+    x = torch.randn(8, 8, requires_grad=True)
+    grad = torch.randn(8, 8)
+    for cuda, launched in ((False, 1), (True, 2)):   # CUDA's multiply of its own
+        y = torch.softmax(x, -1)
+        assert _kernels(lambda: y.backward(grad), cuda=cuda) == launched
+        x.grad = None
+    y = x + 1
+    assert _kernels(lambda: y.backward(grad)) == 0            # the leaf's copy: none
+    counter = MovedBytes(set(), False)
+    with counter:
+        with counter.paused():
+            a + b
+        a * b
+    assert counter.kernels == 1

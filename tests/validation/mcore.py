@@ -49,25 +49,26 @@ What the fitted constant absorbs. The table does not give the micro-batch size; 
 row's batch is 4 pp dp sequences, i.e. 4 pp microbatches of one sequence per replica,
 what 1F1B needs to keep its fill and drain under a quarter of the step, and partc plans
 the pipelined rows so (b = 1, m = 4 pp; 70B b = 2). Without a pipeline partc plans one
-microbatch of four sequences (b = 4, m = 1: 32B at 78.8 GiB), whose backward hides the
+microbatch of four sequences (b = 4, m = 1: 32B at 73.5 GiB), whose backward hides the
 whole fp32 reduce-scatter of ZeRO-1's gradients and whose forward the bf16 all-gather
 of its weights; as four microbatches of one, Megatron-Core overlaps them with the last
 microbatch's backward and the first one's forward only, and partc prices about 0.36 s
 of them exposed on 32B (0.38 s at 0.70). Fitted on the plan that hides them, the
-constant comes out at 0.59 of peak where an H100's bf16 linears measured 0.70
+constant comes out at 0.60 of peak where an H100's bf16 linears measured 0.70
 (``partc calibrate``, :data:`MEASURED_EFFICIENCY`), and it prices the pipelined rows'
-matmuls that much slower: 0.77-0.83x (1.7B, planned as 32B is, inside at 1.12x:
+matmuls that much slower: 0.77-0.82x (1.7B, planned as 32B is, inside at 1.12x:
 ``test_mcore_scaling``'s OUTSIDE says why). At the measured 0.70 with micro-batches of
 one (:data:`MICROBATCH_OF_THE_BATCHES`), nothing fitted, the pipelined rows are
-predicted at 0.87-0.92x and the unpipelined ones at 0.73-1.15x. 16B and 32B, whose
+predicted at 0.85-0.90x (70B at 0.849x, 0.889x as partc plans it, two sequences a
+microbatch) and the unpipelined ones at 0.71-1.10x. 16B and 32B, whose
 data-parallel groups hold two ranks and one rank per node (a NIC each), spend 0.16 and
 0.38 s on exposed data-parallel traffic that 0.85 and 0.89 s published steps leave no
 room for at one sequence per microbatch: they likely ran larger microbatches, which the
-table does not say (partc's own, four sequences, predicts them at 1.10 and 1.13x
+table does not say (partc's own, four sequences, predicts them at 1.09 and 1.11x
 there). 1.7B and 7.1B run their rings over 8 and 4 NICs a node
-(:mod:`partc.collectives`), expose little and come out at 1.15 and 1.02x (1.24 and
-1.13x as partc plans them). At 0.70, rows as partc plans them, eight of the nine lie
-in the band (1.7B at 1.24x), but they span 0.87-1.24x, more than any one constant
+(:mod:`partc.collectives`), expose little and come out at 1.10 and 0.99x (1.22 and
+1.11x as partc plans them). At 0.70, rows as partc plans them, eight of the nine lie
+in the band (1.7B at 1.22x), but they span 0.86-1.22x, more than any one constant
 fitted on one row can bring inside: fitted on a pipelined row, the unpipelined ones
 leave it.
 """

@@ -385,8 +385,9 @@ def breakdown(problem: PlanningProblem, assignment: Assignment) -> Breakdown:
                             table.overlap_permille)
     optimizer = sum(r.tail_ps for r in rows) + sum(g.tail_ps for g in held)
     fill_drain = evaluation.pipeline_ps - m * worst.busy_ps
-    grads = m * sum(gradient_work_seconds(local, config, local.layers[l].param_count)
-                    ["backward"] for l, _ in layers)
+    grads = m * sum(gradient_work_seconds(local, config, local.layers[l].param_count,
+                                          local.layers[l].param_tensors)["backward"]
+                    for l, _ in layers)
     return Breakdown(
         compute=m * (work["compute"] - work["attention"]), attention=m * work["attention"],
         memory=m * work["memory"], tp=m * bandwidth,
