@@ -305,3 +305,14 @@ def test_every_layer_of_a_transformer_has_its_backward_measured():
     blocks = [layer for layer in analysis.layers if layer.name.startswith("blocks.")]
     assert blocks and all(0 < b.bwd_mem_bytes for b in blocks)
     assert len({b.bwd_mem_bytes for b in blocks}) == 1
+    # Their kernels are counted too (the dropout of probability 0 launches none: ATen
+    # returns its input), alike for alike blocks: a block's backward launches more than
+    # its forward (two matmuls per forward one, the norms' and biases' sums), and
+    # selective recompute reruns a part of the forward's.
+    assert all(layer.forward_kernels is not None and layer.backward_kernels is not None
+               for layer in analysis.layers)
+    assert {layer.name for layer in analysis.layers if not layer.forward_kernels} == {"drop"}
+    assert len({(b.forward_kernels, b.backward_kernels) for b in blocks}) == 1
+    block = blocks[0].kernels
+    assert block["backward"] > block["forward"] > block["recompute"]["selective"] > 0
+    assert block["recompute"]["full"] == block["forward"]
