@@ -706,10 +706,12 @@ def layer_work(layer: LayerCost, devices: DeviceNumbers, micro_batch: int,
     def light(mem_bytes: float) -> float:
         return micro_batch * mem_bytes * scale / devices.light_op_bandwidth
 
-    # The device's own time per kernel launched (0 where not counted, or on a CPU).
-    launched = {phase: devices.kernel_overhead_s * count if phase != "recompute" else
-                {m: devices.kernel_overhead_s * n for m, n in count.items()}
-                for phase, count in layer.kernels.items()}
+    # The device's own time for the kernels each phase launches (0 where they were not
+    # counted, or on a CPU).
+    counted, per_kernel = layer.kernels, devices.kernel_overhead_s
+    launched = {"forward": per_kernel * counted["forward"],
+                "backward": per_kernel * counted["backward"],
+                "recompute": {m: per_kernel * n for m, n in counted["recompute"].items()}}
 
     ops = layer.num_nodes
     heavy = sum(op.count for op in layer.heavy_ops)
@@ -735,8 +737,7 @@ def layer_work(layer: LayerCost, devices: DeviceNumbers, micro_batch: int,
     kernels = heavy + (layer.fused_kernels or 0)
     # The fused kernels' own time, where the layer's were counted: backward launches as
     # many more per forward kernel as the eager layer's does.
-    counted = layer.kernels
-    per_kernel = devices.kernel_overhead_s if layer.forward_kernels else 0.0
+    per_kernel = per_kernel if layer.forward_kernels else 0.0
     backward_share = counted["backward"] / counted["forward"] if counted["forward"] else 2.0
     forward = dispatched(compute, memory + light(layer.fused_mem_bytes)
                          + kernels * per_kernel,
