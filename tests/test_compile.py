@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import logging
 
@@ -64,6 +65,7 @@ def test_sample_gpt_plans_with_tied_embeddings(schedule):
         assert {"tok_emb", "lm_head"} <= set(first.layers)
 
 
+@functools.cache   # the tests read a program, never change it
 def _gpt_124m_on(memory: str, tp: int | None = 1) -> partc.Program:
     # tp=1 and no ZeRO: these tests are about pipeline stages and recompute under a tight
     # budget (ZeRO-3 over 4 replicas would fit it otherwise: tests/planner/test_regimes.py).
@@ -127,7 +129,9 @@ def test_infeasible_under_pinned_recompute_names_memory_not_solver_time():
     from partc.explain import tightest_split
     from partc.planner import candidate_configs
 
-    problem = _gpt_124m_on("1.5GiB").problem
+    # The problem of a plan with the device's whole memory (settled at once): the
+    # memory is set below.
+    problem = _gpt_124m_on("40GiB").problem
     pinned = replace(problem, pins=replace(
         problem.pins, recompute={layer.name: "none" for layer in problem.layers}))
     configs = candidate_configs(pinned)
