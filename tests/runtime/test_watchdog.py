@@ -171,7 +171,15 @@ def test_a_stopped_rank_ends_the_torchrun_job(tmp_path):
                 stopped_at = time.time()
             if "partc watchdog on rank 0" in line and reported_at is None:
                 reported_at = time.time()
-        job.wait(timeout=120)  # torchrun stops the stopped rank 30 s later (SIGKILL)
+            closing = re.search(r"Sending process (\d+) closing signal SIGTERM", line)
+            if closing:
+                # The stopped rank takes torchrun's SIGTERM only once continued; else
+                # torchrun waits 30 s before it kills it.
+                try:
+                    os.kill(int(closing.group(1)), signal.SIGCONT)
+                except ProcessLookupError:
+                    pass
+        job.wait(timeout=120)
         ended_at = time.time()
     finally:
         try:
