@@ -199,9 +199,9 @@ def _run_layer(gm: fx.GraphModule, nodes: list[fx.Node], setting: _Setting) -> _
         return env[node]
 
     counter = FlopCounterMode(display=False, custom_mapping=fuse_attention.FLOP_FORMULAS)
-    casts = _Casts(cuda=setting.runtime_device == "cuda")
-    # The kernels each node launches; paused with the casts while stand-ins are made.
-    launched = casts.launched = MovedBytes(frozen, casts.cuda)
+    # The kernels each node launches, paused with the casts while stand-ins are made.
+    launched = MovedBytes(frozen, cuda=setting.runtime_device == "cuda")
+    casts = _Casts(cuda=launched.cuda, launched=launched)
     with contextlib.ExitStack() as scope:
         for context in (fake_mode, counter, casts, launched, torch.enable_grad(),
                         torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)):
@@ -217,7 +217,8 @@ def _run_layer(gm: fx.GraphModule, nodes: list[fx.Node], setting: _Setting) -> _
             casts.copied = 0.0
             kernels_before = launched.kernels
             if node.op == "get_attr":
-                result = value_of(node)
+                with launched.paused():   # a fetch launches nothing; its stand-in's making
+                    result = value_of(node)
             elif setting.autocast is not None and is_dtype_check(node):
                 result = None   # autocast changes dtypes; the runtime drops these checks
             elif setting.autocast is not None and meta.role(node) == meta.ROLE_LOSS:
@@ -227,9 +228,7 @@ def _run_layer(gm: fx.GraphModule, nodes: list[fx.Node], setting: _Setting) -> _
             else:
                 result = _call(gm, node, setting, *_moved(setting.device, args, kwargs))
             env[node] = result
-            # Fetching a parameter launches nothing (making its stand-in may).
-            run.kernels[node] = 0 if node.op == "get_attr" else \
-                launched.kernels - kernels_before
+            run.kernels[node] = launched.kernels - kernels_before
             run.dtypes[node] = tuple(t.dtype for t in pytree.tree_leaves(result)
                                      if isinstance(t, torch.Tensor))
             flops = counter.get_total_flops() - before
@@ -296,20 +295,20 @@ class _Casts(TorchDispatchMode):
     one kernel (ATen fuses the widening for float16 only: a bf16 input is widened by a
     cast of its own, as on a CPU)."""
 
-    def __init__(self, cuda: bool) -> None:
+    def __init__(self, cuda: bool, launched: MovedBytes) -> None:
         super().__init__()
         self.cuda = cuda
         self.made: list[tuple[torch.Tensor, float, torch.dtype]] = []   # and its source
         self.copied = 0.0
         # The kernels counted beside these casts, paused with them (:meth:`paused`).
-        self.launched: MovedBytes | None = None
+        self.launched = launched
 
     @contextlib.contextmanager
     def paused(self):
         """Record no cast (nor, in ``launched``, kernel) of what runs inside."""
         made = self.made
         self.made = []
-        with self.launched.paused() if self.launched is not None else contextlib.nullcontext():
+        with self.launched.paused():
             try:
                 yield
             finally:
