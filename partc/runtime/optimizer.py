@@ -79,11 +79,36 @@ class _Slot:
             self.ranges = [(min(r * chunk, rows) * row, min((r + 1) * chunk, rows) * row)
                            for r in range(dp)]
             self.width = chunk * row
+        # The first `whole` ranks hold full chunks; the next one a short last chunk of
+        # `rest` elements, if any (the later ranks hold nothing).
+        self.whole = sum(end - start == self.width for start, end in self.ranges)
+        self.rest = next((end - start for start, end in self.ranges
+                          if 0 < end - start < self.width), 0)
+        self.everywhere = sharded and param.dim() == 0
 
     def rank_view(self, region: torch.Tensor, rank: int) -> torch.Tensor:
         """This parameter's part held by ``rank``, in ``region`` (that rank's region)."""
         start, end = self.ranges[rank]
         return region[self.offset:self.offset + end - start]
+
+    def pieces(self, regions: torch.Tensor,
+               flat: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """This parameter's places in ``regions`` (a bucket's buffer viewed as one row
+        per region) paired with the same elements of ``flat`` (the parameter,
+        flattened), as at most two pairs of equal-shaped views: every rank's full chunk
+        at once, then the short last chunk. One kernel each, however many ranks (a
+        rank-by-rank loop would launch dp of them per parameter and microbatch). Not for
+        a 0-dim parameter held whole everywhere (``everywhere``)."""
+        at, width = self.offset, self.width
+        found = []
+        if self.whole and width:
+            found.append((regions[:self.whole, at:at + width],
+                          flat[:self.whole * width].view(self.whole, width)))
+        if self.rest:
+            start = self.whole * width
+            found.append((regions[self.whole, at:at + self.rest],
+                          flat[start:start + self.rest]))
+        return found
 
 
 class _Bucket:
@@ -102,6 +127,10 @@ class _Bucket:
 
     def region_of(self, rank: int) -> torch.Tensor:
         return self.buffer[rank * self.region:(rank + 1) * self.region]
+
+    def regions(self, flat: torch.Tensor | None = None) -> torch.Tensor:
+        """``flat`` (the buffer, or a tensor laid out as it is) as one row per region."""
+        return (self.buffer if flat is None else flat).view(self.shards, self.region)
 
 
 class GradBuckets:
@@ -238,9 +267,12 @@ class GradBuckets:
 
     def _add(self, bucket: _Bucket, slot: _Slot, grad: torch.Tensor) -> None:
         flat = grad.detach().reshape(-1)
-        for rank in range(len(slot.ranges) if self.sharded else 1):
-            start, end = slot.ranges[rank]
-            slot.rank_view(bucket.region_of(rank), rank).add_(flat[start:end])
+        regions = bucket.regions()
+        if slot.everywhere:  # a 0-dim parameter: whole in every region
+            regions[:, slot.offset:slot.offset + 1].add_(flat)
+            return
+        for into, part in slot.pieces(regions, flat):
+            into.add_(part)
 
     def _take_the_rest(self) -> None:
         """Add the gradients no hook took (a split backward's weight gradients, which
@@ -427,16 +459,17 @@ class GradBuckets:
                 self._scatter_rows(self.buckets[index], gather.out)
 
     def _scatter_rows(self, bucket: _Bucket, out: torch.Tensor) -> None:
-        for other in range(bucket.shards):
-            region = out[other * bucket.region:(other + 1) * bucket.region]
-            for slot in bucket.slots:
-                mastered = self.master_of(slot.param) is not None
-                if other == bucket.rank and not mastered:
-                    continue
-                start, end = slot.ranges[other]
-                if end > start and (slot.param.dim() > 0 or other == bucket.rank):
-                    slot.param.detach().reshape(-1)[start:end].copy_(
-                        slot.rank_view(region, other))
+        """Every rank's rows from ``out`` (the bucket's all-gather) into the parameters,
+        this rank's own too: its master's, or the parameter's own rows unchanged."""
+        regions = bucket.regions(out)
+        for slot in bucket.slots:
+            flat = slot.param.detach().reshape(-1)
+            if slot.everywhere:  # whole on every rank, as this rank stepped it
+                if self.master_of(slot.param) is not None:
+                    flat.copy_(regions[bucket.rank, slot.offset:slot.offset + 1])
+                continue
+            for into, part in slot.pieces(regions, flat):
+                part.copy_(into)
 
     def full_master(self, param: nn.Parameter) -> torch.Tensor:
         """``param`` whole (this rank's local tensor, every rank's rows of its group) in

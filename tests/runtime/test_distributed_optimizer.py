@@ -19,6 +19,10 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from partc.runtime.optimizer import GradBuckets
 
 from .test_parity import launch as launch_worker
 
@@ -90,3 +94,69 @@ def test_trains_like_one_process_slow(slow_ranks, name):
 @pytest.mark.parametrize("name", FOUR_CASES)
 def test_pipeline_trains_like_one_process(four_ranks, name):
     _check(four_ranks, name)
+
+
+# -- the buckets' layout, in one process ------------------------------------------------
+
+class _Shapes(torch.nn.Module):
+    """Parameters whose rows divide dp, do not, are fewer than dp ranks, or are none."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        for name, shape in (("square", (12, 5)), ("odd", (7, 3)), ("few", (2, 4)),
+                            ("vector", (11,)), ("scalar", ()), ("tall", (48, 2))):
+            self.register_parameter(name, torch.nn.Parameter(torch.randn(shape)))
+
+
+class _Launches(TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func not in _VIEWS:
+            self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+_VIEWS = {torch.ops.aten.view.default, torch.ops.aten.slice.Tensor,
+          torch.ops.aten.select.int, torch.ops.aten._unsafe_view.default,
+          torch.ops.aten.detach.default, torch.ops.aten.alias.default}
+
+
+@pytest.mark.parametrize("dp", [1, 2, 3, 5, 8, 48])
+def test_buckets_take_each_rank_its_rows(dp):
+    """A gradient added into the sharded buckets lands, for every rank, in the rows that
+    rank holds (FSDP's ``chunk(dp)`` of dim 0; a 0-dim parameter in every region), and an
+    all-gather's output goes back into every parameter row for row: the same as placing
+    each rank's part one by one, with at most two kernels per parameter whatever dp is."""
+    torch.manual_seed(0)
+    module = _Shapes()
+    for rank in {0, dp - 1}:
+        buckets = GradBuckets(module, None, dp, rank, sharded=True, elements=8)
+        assert len(buckets.buckets) > 1
+        grads = [(bucket, slot, slot.param.detach() * 2) for bucket, slot in buckets.slots()]
+        launches = _Launches()
+        with launches:
+            for bucket, slot, grad in grads:
+                buckets._add(bucket, slot, grad)
+        assert launches.count <= 2 * len(list(module.parameters()))
+        for bucket, slot in buckets.slots():
+            whole = slot.param.detach().reshape(-1) * 2
+            for other in range(dp):
+                start, end = slot.ranges[other]
+                if slot.param.dim() == 0:
+                    start, end = 0, 1
+                torch.testing.assert_close(
+                    slot.rank_view(bucket.region_of(other), other)[:end - start],
+                    whole[start:end], rtol=0, atol=0)
+        # The bucket's buffer stands for an all-gather's output: every rank's rows back.
+        before = {name: p.detach().clone() for name, p in module.named_parameters()}
+        with torch.no_grad():
+            for p in module.parameters():
+                if p.dim():
+                    p.zero_()
+        for bucket in buckets.buckets:
+            buckets._scatter_rows(bucket, bucket.buffer / 2)
+        for name, p in module.named_parameters():
+            torch.testing.assert_close(p.detach(), before[name], rtol=0, atol=0)
