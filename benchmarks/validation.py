@@ -22,6 +22,13 @@
 
     PYTHONPATH=. python benchmarks/validation.py [--only korthikanti|mcore] [--breakdown]
         [--rows 1.7B,32B] [--interleavings] [--efficiency 0.70] [--micro-batch 1]
+        [--table other_table.json] [--fit-row 32B] [--korthikanti-table other.json]
+
+``--table`` predicts another published table of the same schema as
+``mcore_h100_weak_scaling.json`` (rows of heads, hidden, layers, tp, pp, dp, gpus,
+batch and TF/GPU; the common vocabulary and sequence; the GPU, as a partc device
+preset names it) the same way, fitted on ``--fit-row``; ``--korthikanti-table`` the
+configurations of another table of ``korthikanti_activations.json``'s schema.
 
 Everything is measured on the meta device (fake tensors): a few seconds per model.
 """
@@ -32,6 +39,7 @@ import argparse
 import dataclasses
 import os
 import sys
+from pathlib import Path
 
 sys.path.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -42,12 +50,12 @@ from tests.validation.megatron import breakdown, plan_assignment  # noqa: E402
 GIB = 2**30
 
 
-def korthikanti_table(show_breakdown: bool) -> None:
+def korthikanti_table(show_breakdown: bool, configs: tuple = korthikanti.CONFIGS) -> None:
     print("Korthikanti et al.: activation bytes per layer and rank (GiB), partc vs paper")
     print(f"{'model':>5} {'tp':>3} {'sp':>3} {'recompute':>10} {'partc':>8} {'paper':>8} "
           f"{'ratio':>6}  outside ±15% because")
-    for config in korthikanti.CONFIGS:
-        for row in korthikanti.rows(config.name):
+    for config in configs:
+        for row in korthikanti.rows(config):
             why = "" if abs(row.ratio - 1) <= 0.15 else ", ".join(korthikanti.causes(row))
             print(f"{row.config:>5} {row.tp:>3} {'on' if row.sequence_parallel else '-':>3} "
                   f"{row.mode:>10} {row.estimate / GIB:>8.3f} {row.equation / GIB:>8.3f} "
@@ -56,7 +64,7 @@ def korthikanti_table(show_breakdown: bool) -> None:
         print(f"  {cause}: {text}")
     print("\nVerdicts: first pipeline stage, 16 bytes of state per parameter, 80 GB")
     print(f"{'model':>5} {'setting':>22} {'partc GB':>9} {'paper GB':>9} {'fits':>11}")
-    for config in korthikanti.CONFIGS:
+    for config in configs:
         for sp, mode, label in ((False, "none", "TP, no recompute"),
                                 (True, "selective", "TP+SP, selective")):
             ours = korthikanti.peak_bytes(config, korthikanti.estimate_bytes(
@@ -67,18 +75,18 @@ def korthikanti_table(show_breakdown: bool) -> None:
             print(f"{config.name:>5} {label:>22} {ours / 1e9:>9.1f} {paper / 1e9:>9.1f} "
                   f"{fit(ours) + ' / ' + fit(paper):>11}")
     if show_breakdown:
-        block_breakdown("22B", 8, True)
+        block_breakdown(configs[0], 8, True)
 
 
-def block_breakdown(name: str, tp: int, sequence_parallel: bool) -> None:
+def block_breakdown(config: korthikanti.Config, tp: int, sequence_parallel: bool) -> None:
     """What the first block keeps, node by node, for one rank (s*b*h units)."""
     from partc import meta
     from partc.compiler import device_numbers, tensor_parallel_links
     from partc.passes import pipeline, tp_chooser
     from partc.passes.tp_rewrite import copy_module
 
-    config = korthikanti.config_named(name)
-    graph, _ = korthikanti.analysed(name)
+    name = config.name
+    graph, _ = korthikanti.analysed(config)
     ctx = graph.meta[meta.CONTEXT]
     devices = device_numbers(korthikanti.budget(config), korthikanti.train_spec(config).dtype)
     [link] = tensor_parallel_links(devices, [tp])
@@ -101,36 +109,39 @@ def block_breakdown(name: str, tp: int, sequence_parallel: bool) -> None:
 
 
 def mcore_table(names: list[str], show_breakdown: bool, given: float | None = None,
-                micro_batch_size: int | None = None) -> None:
-    print("\nMegatron-Core weak scaling on H100: TF/GPU, partc's prediction vs published")
+                micro_batch_size: int | None = None, runs: tuple = mcore.RUNS,
+                fit: mcore.Run = mcore.FIT_RUN) -> None:
+    device = fit.device
+    title = "Megatron-Core weak scaling" if runs == mcore.RUNS else "The table's runs"
+    print(f"\n{title} on {device}: TF/GPU, partc's prediction vs published")
     if micro_batch_size is not None:
         print(f"micro-batch size pinned to {micro_batch_size}")
     try:
         if given is not None:
             efficiency = given
-            print(f"H100 matmul efficiency given: {efficiency:.4f} (not fitted)")
+            print(f"{device} matmul efficiency given: {efficiency:.4f} (not fitted)")
         else:
-            efficiency = mcore.fitted_efficiency()
-            print(f"H100 matmul efficiency fitted on {mcore.FIT_RUN.name}: {efficiency:.4f}")
+            efficiency = mcore.fitted_efficiency(fit)
+            print(f"{device} matmul efficiency fitted on {fit.name}: {efficiency:.4f}")
     except ValueError as error:
-        efficiency = preset(mcore.DEVICE).flops_efficiency
-        top = mcore.predict(mcore.FIT_RUN.name, 1.0)
+        efficiency = preset(device).flops_efficiency
+        top = mcore.predict(fit, 1.0)
         print(f"no fit: {error} ({top.tflops_per_gpu:.1f} at 100% of peak); the table is "
               f"at the preset's efficiency, {efficiency}")
     print(f"{'model':>5} {'tp':>3} {'pp':>3} {'dp':>3} {'published':>9} {'partc':>7} "
           f"{'ratio':>6} {'GiB':>5} {'b':>2} {'m':>3} {'sp':>3} {'recompute':>16} "
           f"{'partc schedule':>30} {'own plan':>18}")
-    for run in mcore.RUNS:
+    for run in runs:
         if names and run.name not in names:
             continue
-        ours = mcore.predict(run.name, efficiency, micro_batch_size=micro_batch_size)
-        own = mcore.predict(run.name, efficiency, own=True)
+        ours = mcore.predict(run, efficiency, micro_batch_size=micro_batch_size)
+        own = mcore.predict(run, efficiency, own=True)
         plan = ours.plan
         modes = ",".join(sorted(set(plan.recompute.values())))
         mesh = f"{own.plan.tp}x{own.plan.pp}x{own.plan.dp} {own.tflops_per_gpu:.0f} TF"
         chosen = "-"
         if run.pp > 1:
-            free = mcore.predict(run.name, efficiency, megatron_pipeline=False,
+            free = mcore.predict(run, efficiency, megatron_pipeline=False,
                                  micro_batch_size=micro_batch_size)
             chosen = f"{free.plan.schedule} v={free.plan.chunks} {free.ratio:.3f}"
         print(f"{run.name:>5} {run.tp:>3} {run.pp:>3} {run.dp:>3} {run.tflops_per_gpu:>9.1f} "
@@ -139,20 +150,22 @@ def mcore_table(names: list[str], show_breakdown: bool, given: float | None = No
               f"{'on' if plan.sequence_parallel else '-':>3} {modes:>16} {chosen:>30} "
               f"{mesh:>18}")
         if show_breakdown:
-            problem = mcore.problem(run.name, efficiency, micro_batch_size=micro_batch_size)
+            problem = mcore.problem(run, efficiency, micro_batch_size=micro_batch_size)
             parts = breakdown(problem, plan_assignment(plan))
             print("      " + ", ".join(f"{k} {v:.3f}" for k, v in parts.terms.items())
                   + f" = {parts.step:.3f} s; published step "
                   + f"{mcore.step_flops(run) / (run.gpus * run.tflops_per_gpu * 1e12):.3f} s")
 
 
-def interleavings_table(names: list[str]) -> None:
+def interleavings_table(names: list[str], runs: tuple = mcore.RUNS,
+                        fit: mcore.Run = mcore.FIT_RUN) -> None:
     print("\nThe pipelined rows under each interleaving Megatron-Core r0.8.0 could run "
           "(even split, v chunks per rank)")
-    for run in mcore.RUNS:
+    efficiency = mcore.fitted_efficiency(fit)
+    for run in runs:
         if run.pp == 1 or names and run.name not in names:
             continue
-        found = mcore.megatron_interleavings(run.name)
+        found = mcore.megatron_interleavings(run, efficiency)
         print(f"{run.name:>5}: " + ("; ".join(
             f"v={i.chunks} {i.tflops_per_gpu:.1f} TF {i.ratio:.3f} "
             f"{i.peak_bytes / GIB:.1f} GiB" for i in found) or "none"))
@@ -170,15 +183,38 @@ def main(argv: list[str] | None = None) -> int:
                              "fitted one (e.g. 0.70, measured on an H100)")
     parser.add_argument("--micro-batch", type=int,
                         help="mcore: pin every row's micro-batch size (Megatron's: 1)")
+    parser.add_argument("--table", type=Path,
+                        help="mcore: another published table in the schema of "
+                             "mcore_h100_weak_scaling.json instead of the copy in "
+                             "tests/validation/mcore.py")
+    parser.add_argument("--korthikanti-table", type=Path,
+                        help="korthikanti: another table's configurations in the schema "
+                             "of korthikanti_activations.json")
+    parser.add_argument("--fit-row", help="mcore: the row (e.g. 32B) the efficiency is "
+                                          "fitted on (default 32B)")
     args = parser.parse_args(argv)
     rows = [n for n in args.rows.split(",") if n]
+    try:
+        runs = mcore.load_runs(args.table) if args.table else mcore.RUNS
+    except (OSError, ValueError, KeyError) as error:
+        parser.error(f"--table: {error}")
+    fit_name = args.fit_row or mcore.FIT_RUN.name
+    fit = next((run for run in runs if run.name == fit_name), None)
+    if fit is None:
+        parser.error(f"no row {fit_name} to fit on: the table has "
+                     f"{', '.join(run.name for run in runs)} (--fit-row)")
     if args.interleavings:
-        interleavings_table(rows)
+        interleavings_table(rows, runs, fit)
         return 0
-    if args.only in (None, "korthikanti"):
-        korthikanti_table(args.breakdown)
+    try:
+        configs = korthikanti.load_configs(args.korthikanti_table) \
+            if args.korthikanti_table else korthikanti.CONFIGS
+    except (OSError, ValueError, KeyError) as error:
+        parser.error(f"--korthikanti-table: {error}")
+    if args.only in (None, "korthikanti") and (args.korthikanti_table or not args.table):
+        korthikanti_table(args.breakdown, configs)
     if args.only in (None, "mcore"):
-        mcore_table(rows, args.breakdown, args.efficiency, args.micro_batch)
+        mcore_table(rows, args.breakdown, args.efficiency, args.micro_batch, runs, fit)
     return 0
 
 

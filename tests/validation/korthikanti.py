@@ -20,8 +20,11 @@ What differs from the paper is what partc's runtime keeps, not a rounding: see
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import json
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -74,6 +77,27 @@ def config_named(name: str) -> Config:
     return next(c for c in CONFIGS if c.name == name)
 
 
+def load_configs(path: str | Path) -> tuple[Config, ...]:
+    """The ``configurations`` of a table in the schema of ``korthikanti_activations.json``
+    (each: params_b, which names it, heads, hidden, layers, tp, pp, micro_batch, and
+    optionally seq_len, vocab and interleave), to estimate as :data:`CONFIGS` are
+    (``benchmarks/validation.py --korthikanti-table``)."""
+    fields = {f.name for f in dataclasses.fields(Config)}
+    needed = {f.name for f in dataclasses.fields(Config)
+              if f.default is dataclasses.MISSING} - {"name"} | {"params_b"}
+    configs = []
+    for row in json.loads(Path(path).read_text())["configurations"]:
+        if needed - set(row):
+            raise ValueError(f"{path}: configuration {row} lacks {sorted(needed - set(row))}")
+        given = {key: value for key, value in row.items() if key in fields}
+        configs.append(Config(name=f"{row['params_b']:g}B", **given))
+    return tuple(configs)
+
+
+def _config(config: Config | str) -> Config:
+    return config if isinstance(config, Config) else config_named(config)
+
+
 def equation_bytes(config: Config, tp: int, sequence_parallel: bool, mode: str) -> float:
     """The paper's bytes per layer (section 4, Table 2) for one rank of ``tp``."""
     s, b, h, a, t = config.seq_len, config.micro_batch, config.hidden, config.heads, tp
@@ -119,22 +143,22 @@ def train_spec(config: Config) -> partc.TrainSpec:
 
 
 @functools.lru_cache(maxsize=None)
-def analysed(name: str):
+def analysed(config: Config | str):
     from partc.passes.pipeline import analyze
 
-    config = config_named(name)
+    config = _config(config)
     model, ids, target = gpt2_layer(config)
     return analyze(model, (ids,), loss_fn=loss, example_target=target,
-                   name=f"gpt2-layer-{name}", autocast=torch.bfloat16,
+                   name=f"gpt2-layer-{config.name}", autocast=torch.bfloat16,
                    autocast_device="cuda")
 
 
 @functools.lru_cache(maxsize=None)
-def block(name: str, tp: int, sequence_parallel: bool) -> LayerCost:
+def block(config: Config | str, tp: int, sequence_parallel: bool) -> LayerCost:
     """The first block's costs as one rank of a tensor-parallel group of ``tp`` keeps
     them (Megatron's sharding: the planner's fastest, ``tp_objective="time"``)."""
-    config = config_named(name)
-    graph, analysis = analysed(name)
+    config = _config(config)
+    graph, analysis = analysed(config)
     problem = build_problem(analysis, budget(config), train_spec(config), partc.Constraints(
         tp=tp, sequence_parallel=sequence_parallel if tp > 1 else None,
         tp_objective="time" if tp > 1 else None), graph)
@@ -145,7 +169,7 @@ def block(name: str, tp: int, sequence_parallel: bool) -> LayerCost:
 def estimate_bytes(config: Config, tp: int, sequence_parallel: bool, mode: str) -> float:
     """partc's bytes per layer for one rank: the block's saved bytes in ``mode`` (a
     block without a selective mode keeps what "none" keeps) times the micro-batch."""
-    layer = block(config.name, tp, sequence_parallel)
+    layer = block(config, tp, sequence_parallel)
     saved = layer.saved_bytes.get(mode, layer.saved_bytes["none"])
     return saved * config.micro_batch
 
@@ -164,13 +188,13 @@ class Row:
         return self.estimate / self.equation
 
 
-def rows(name: str, degrees: tuple[int, ...] = (1, 2, 8)) -> list[Row]:
-    config = config_named(name)
+def rows(config: Config | str, degrees: tuple[int, ...] = (1, 2, 8)) -> list[Row]:
+    config = _config(config)
     result = []
     for tp in degrees:
         for sp in ((False,) if tp == 1 else (False, True)):
             for mode in MODES:
-                result.append(Row(config=name, tp=tp, sequence_parallel=sp, mode=mode,
+                result.append(Row(config=config.name, tp=tp, sequence_parallel=sp, mode=mode,
                                   estimate=estimate_bytes(config, tp, sp, mode),
                                   equation=equation_bytes(config, tp, sp, mode)))
     return result

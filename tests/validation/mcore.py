@@ -77,6 +77,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import json
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -85,6 +86,7 @@ import torch
 
 import partc
 from partc.compiler import build_problem, plan_problem
+from partc.presets import PRESETS
 from partc.problem import PlanningProblem
 from partc.spec import INTERLEAVED
 from tests.validation.megatron import (Assignment, even_runs, even_stages, layer_names,
@@ -128,7 +130,11 @@ class Run:
     gpus: int
     batch: int
     tflops_per_gpu: float
-    mfu: float
+    mfu: float | None = None
+    # The table's common settings and its hardware as a partc device preset.
+    vocab: int = VOCAB
+    seq_len: int = SEQ_LEN
+    device: str = DEVICE
 
     @property
     def name(self) -> str:
@@ -167,10 +173,48 @@ def run_named(name: str) -> Run:
     return next(run for run in RUNS if run.name == name)
 
 
+def _run(row: Run | str) -> Run:
+    return row if isinstance(row, Run) else run_named(row)
+
+
+def load_runs(path: str | Path) -> tuple[Run, ...]:
+    """The rows of a published table in the schema of ``mcore_h100_weak_scaling.json``
+    (``rows`` of heads, hidden, layers, tp, pp, dp, gpus, batch and tflops_per_gpu;
+    ``common``'s vocab_size and seq_len; ``hardware``'s gpu, named as a partc device
+    preset is, e.g. "H100-80GB SXM"), to predict as :data:`RUNS` are
+    (``benchmarks/validation.py --table``)."""
+    table = json.loads(Path(path).read_text())
+    common, gpu = table.get("common", {}), table.get("hardware", {}).get("gpu", DEVICE)
+    shared = dict(vocab=common.get("vocab_size", VOCAB),
+                  seq_len=common.get("seq_len", SEQ_LEN), device=_preset_named(gpu))
+    fields = {f.name for f in dataclasses.fields(Run)}
+    needed = {f.name for f in dataclasses.fields(Run)
+              if f.default is dataclasses.MISSING}
+    runs = []
+    for row in table["rows"]:
+        if needed - set(row):
+            raise ValueError(f"{path}: row {row} lacks {sorted(needed - set(row))}")
+        # A row's own settings stand over the common ones; other keys only describe it.
+        given = {key: value for key, value in row.items() if key in fields}
+        runs.append(Run(**(shared | given)))
+    return tuple(runs)
+
+
+def _preset_named(gpu: str) -> str:
+    """The device preset a table's hardware names ("H100-80GB SXM" -> "H100-80GB")."""
+    def key(text: str) -> str:
+        return "".join(c for c in text.upper() if c.isalnum())
+
+    found = [name for name in PRESETS if key(gpu).startswith(key(name))]
+    if not found:
+        raise ValueError(f"hardware {gpu!r} names no device preset ({', '.join(PRESETS)})")
+    return max(found, key=len)
+
+
 def step_flops(run: Run) -> float:
     """Model FLOPs of one step as Megatron counts them (no recompute)."""
-    b, s, l, h = run.batch, SEQ_LEN, run.layers, run.hidden
-    return 72 * b * s * l * h**2 * (1 + s / (6 * h) + VOCAB / (12 * l * h))
+    b, s, l, h = run.batch, run.seq_len, run.layers, run.hidden
+    return 72 * b * s * l * h**2 * (1 + s / (6 * h) + run.vocab / (12 * l * h))
 
 
 def tflops_per_gpu(run: Run, step_s: float) -> float:
@@ -178,7 +222,7 @@ def tflops_per_gpu(run: Run, step_s: float) -> float:
 
 
 def budget(run: Run, flops_efficiency: float | None = None) -> partc.DeviceBudget:
-    return partc.DeviceBudget(num_devices=run.gpus, device=DEVICE,
+    return partc.DeviceBudget(num_devices=run.gpus, device=run.device,
                               flops_efficiency=flops_efficiency)
 
 
@@ -188,22 +232,22 @@ def train_spec(run: Run) -> partc.TrainSpec:
 
 
 def gpt(run: Run) -> tuple[GPT, torch.Tensor, torch.Tensor]:
-    """The row's GPT on the meta device, head untied, with (1, 4096) ids and targets."""
+    """The row's GPT on the meta device, head untied, with (1, seq_len) ids and targets."""
     config = GPTConfig(n_layer=run.layers, n_head=run.heads, n_embd=run.hidden,
-                       vocab_size=VOCAB, block_size=SEQ_LEN, dropout=DROPOUT)
+                       vocab_size=run.vocab, block_size=run.seq_len, dropout=DROPOUT)
     with torch.device("meta"):
         model = GPT(config)
-        model.lm_head.weight = torch.nn.Parameter(torch.empty(VOCAB, run.hidden))
-        ids = torch.zeros(1, SEQ_LEN, dtype=torch.long)
+        model.lm_head.weight = torch.nn.Parameter(torch.empty(run.vocab, run.hidden))
+        ids = torch.zeros(1, run.seq_len, dtype=torch.long)
     return model, ids, ids.clone()
 
 
 @functools.lru_cache(maxsize=None)
-def analysed(name: str):
+def analysed(row: Run | str):
     """(graph, ModelAnalysis) of the row's GPT, measured as ``partc.compile`` does."""
     from partc.passes.pipeline import analyze
 
-    run = run_named(name)
+    run = _run(row)
     model, ids, target = gpt(run)
     return analyze(model, (ids,), loss_fn=loss_fn, example_target=target,
                    name=f"mcore-gpt-{run.name}", attention="fused",
@@ -225,13 +269,13 @@ def published(run: Run, megatron_pipeline: bool = True,
 
 
 @functools.lru_cache(maxsize=None)
-def problem(name: str, flops_efficiency: float | None, own: bool = False,
+def problem(row: Run | str, flops_efficiency: float | None, own: bool = False,
             megatron_pipeline: bool = True,
             micro_batch_size: int | None = None) -> PlanningProblem:
     """The row's planning problem: its published mesh pinned (:func:`published`), or
     (``own``) nothing but the devices and the batch."""
-    run = run_named(name)
-    graph, analysis = analysed(name)
+    run = _run(row)
+    graph, analysis = analysed(run)
     constraints = partc.Constraints() if own else published(run, megatron_pipeline,
                                                             micro_batch_size)
     return build_problem(analysis, budget(run, flops_efficiency), train_spec(run),
@@ -265,11 +309,11 @@ def fit_efficiency(run: Run, problem: PlanningProblem, assignment: Assignment,
 
 
 @functools.lru_cache(maxsize=None)
-def fitted_efficiency() -> float:
-    """One H100 efficiency, fitted on :data:`FIT_RUN`'s published mesh as planned."""
-    fit_problem = problem(FIT_RUN.name, None)
+def fitted_efficiency(fit: Run = FIT_RUN) -> float:
+    """One efficiency, fitted on ``fit``'s published mesh as planned (:data:`FIT_RUN`)."""
+    fit_problem = problem(fit, None)
     fit_plan = plan(fit_problem)
-    return fit_efficiency(FIT_RUN, fit_problem, plan_assignment(fit_plan))
+    return fit_efficiency(fit, fit_problem, plan_assignment(fit_plan))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -287,14 +331,14 @@ class Prediction:
         return self.plan.predicted.peak_memory_bytes
 
 
-def predict(name: str, efficiency: float | None = None, own: bool = False,
+def predict(row: Run | str, efficiency: float | None = None, own: bool = False,
             megatron_pipeline: bool = True, micro_batch_size: int | None = None) -> Prediction:
     """partc's plan for the row (the published mesh pinned as :func:`published` pins it,
     or its own) at ``efficiency`` (the fitted one by default) and the TF/GPU it
     predicts."""
-    run = run_named(name)
+    run = _run(row)
     efficiency = fitted_efficiency() if efficiency is None else efficiency
-    result = plan(problem(name, efficiency, own, megatron_pipeline, micro_batch_size))
+    result = plan(problem(run, efficiency, own, megatron_pipeline, micro_batch_size))
     return Prediction(run=run, plan=result,
                       tflops_per_gpu=tflops_per_gpu(run, result.predicted.step_time_s))
 
@@ -309,15 +353,16 @@ class Interleaving:
     peak_bytes: int
 
 
-def megatron_interleavings(name: str, efficiency: float | None = None) -> list[Interleaving]:
+def megatron_interleavings(row: Run | str,
+                           efficiency: float | None = None) -> list[Interleaving]:
     """The row as :func:`predict` plans it, priced under each interleaving Megatron-Core
     r0.8.0 could have run instead: ``v`` chunks per rank of its even split for every
     ``v > 1`` that divides the blocks per stage, where the microbatches are a multiple of
     pp (its interleaved schedule requires it); micro-batch size, sequence parallelism and
     recompute as planned."""
-    run = run_named(name)
+    run = _run(row)
     efficiency = fitted_efficiency() if efficiency is None else efficiency
-    planned = predict(name, efficiency).plan
+    planned = predict(run, efficiency).plan
     base = plan_assignment(planned)
     per_stage = run.layers // run.pp
     if run.pp == 1 or planned.num_microbatches % run.pp:
@@ -330,7 +375,7 @@ def megatron_interleavings(name: str, efficiency: float | None = None) -> list[I
         runs = even_runs(run, names, run.pp * chunks)
         config = dataclasses.replace(base.config, schedule=INTERLEAVED, chunks=chunks)
         stage_of = tuple(j for j, members in enumerate(runs) for _ in members)
-        evaluation = price(problem(name, efficiency),
+        evaluation = price(problem(run, efficiency),
                            Assignment(config=config, stage_of=stage_of, modes=modes))
         tflops = tflops_per_gpu(run, step_seconds(evaluation))
         found.append(Interleaving(chunks=chunks, tflops_per_gpu=tflops,

@@ -17,6 +17,8 @@ names what the fitted constant absorbs (``mcore``'s docstring).
 from __future__ import annotations
 
 import dataclasses
+import json
+from pathlib import Path
 
 import pytest
 
@@ -185,3 +187,48 @@ def test_own_plan_is_at_least_as_fast_and_fits(name):
     own = mcore.predict(name, own=True)
     assert own.tflops_per_gpu >= published.tflops_per_gpu * (1 - 1e-9)
     assert own.peak_bytes <= mcore.DEVICE_BYTES
+
+
+def _table(tmp_path, rows, gpu="H100-80GB SXM", **common):
+    path = tmp_path / "table.json"
+    path.write_text(json.dumps({"hardware": {"gpu": gpu}, "common": common, "rows": rows}))
+    return path
+
+
+def test_a_published_table_loads_as_the_rows_it_holds(tmp_path):
+    """Another table in the schema of the shared json (``benchmarks/validation.py
+    --table``): the copied rows come back as they are, a table's own vocabulary,
+    sequence and GPU reach the model, its FLOPs and its budget, and a row lacking a
+    field or a GPU no preset names is refused with the reason."""
+    rows = [{key: getattr(run, key) for key in ("params_b", "heads", "hidden", "layers",
+                                                "tp", "pp", "dp", "gpus", "batch",
+                                                "tflops_per_gpu", "mfu")}
+            | {"note": "described, not read"} for run in mcore.RUNS]
+    loaded = mcore.load_runs(_table(tmp_path, rows, vocab_size=mcore.VOCAB,
+                                    seq_len=mcore.SEQ_LEN))
+    assert loaded == mcore.RUNS
+    other = mcore.load_runs(_table(tmp_path, rows[:1], gpu="A100 80GB", vocab_size=51200,
+                                   seq_len=2048))[0]
+    assert (other.device, other.vocab, other.seq_len) == ("A100-80GB", 51200, 2048)
+    assert mcore.budget(other).device == "A100-80GB"
+    model, ids, _ = mcore.gpt(other)
+    assert ids.shape == (1, 2048) and model.lm_head.weight.shape == (51200, other.hidden)
+    # Megatron's count: the FLOPs follow the sequence and vocabulary given.
+    ratio = mcore.step_flops(other) / mcore.step_flops(mcore.RUNS[0])
+    s, h, l = 2048, other.hidden, other.layers
+    assert ratio == pytest.approx(
+        s * (1 + s / (6 * h) + 51200 / (12 * l * h))
+        / (4096 * (1 + 4096 / (6 * h) + mcore.VOCAB / (12 * l * h))))
+    with pytest.raises(ValueError, match="lacks"):
+        mcore.load_runs(_table(tmp_path, [{k: v for k, v in rows[0].items() if k != "tp"}]))
+    with pytest.raises(ValueError, match="no device preset"):
+        mcore.load_runs(_table(tmp_path, rows, gpu="MI300X"))
+
+
+def test_the_shared_table_is_the_one_copied():
+    """The json beside the project, where this checkout has it: every row is in RUNS."""
+    shared = Path(__file__).resolve().parents[3] / "shared" / "validation" \
+        / "mcore_h100_weak_scaling.json"
+    if not shared.exists():
+        pytest.skip(f"{shared} is not on this machine")
+    assert set(mcore.load_runs(shared)) <= set(mcore.RUNS)
