@@ -68,6 +68,9 @@ class ScheduleTrial:
     result: ConfigResult | None = None
     step_ps: int | None = None
     why: str | None = None
+    # The split CP-SAT found by the closed form where ``result`` cut its layers into
+    # other runs that play out faster (``partc.planner.search.balanced_runs``).
+    solved: ConfigResult | None = None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -88,7 +91,10 @@ class PlannerResult:
     def searched(self) -> ConfigResult:
         """The closed-form search's plan, whose objective ``bound`` and ``gap`` are of
         (``best`` unless the automatic schedule choice found a faster schedule)."""
-        return self.schedule_trials[0].result if self.schedule_trials else self.best
+        if not self.schedule_trials:
+            return self.best
+        first = self.schedule_trials[0]
+        return first.solved or first.result
 
     @property
     def gap(self) -> float:

@@ -3,14 +3,18 @@ and no state kept between calls but the table cache a caller passes."""
 
 from __future__ import annotations
 
+import itertools
 import random
 import time
 
 import pytest
 
 from partc.compiler import plan_of, plan_problem
+from partc.costs import evaluate, simulated_step_ps
 from partc.errors import PlanInfeasibleError, PlanValidationError
 from partc.planner import solve
+from partc.planner.results import Assignment, ConfigResult
+from partc.planner.search import balanced_cut, balanced_runs
 from partc.problem import Pins, SharedParam
 from partc.validate import validate_plan
 
@@ -172,28 +176,36 @@ def _plan_and_oracle(prob):
     result = solve(prob)
     plan = plan_of(prob, result)
     validate_plan(prob, plan)
-    first = result.schedule_trials[0].result
+    first = result.searched
     _check_schedule_choice(prob, result, plan)
     return plan, first.evaluation, oracle
 
 
 def _check_schedule_choice(prob, result, plan) -> None:
     """The automatic choice tried exactly the schedules brute force enumerates on the
-    searched configuration, each with a brute-force-optimal split (the closed form), and
-    kept the one whose schedule plays out fastest; the plan reports that one."""
+    searched configuration, each with a brute-force-optimal split (the closed form; an
+    interleaved one re-cut into balanced runs only where those fit and play out
+    faster), and kept the one whose schedule plays out fastest; the plan reports that
+    one."""
     from partc.costs import PS_PER_S, simulated_step_ps
 
     trials = result.schedule_trials
     tried = {(t.config.schedule, t.config.chunks, t.config.zero_stage) for t in trials[1:]}
     assert tried == schedule_trials_expected(prob, trials[0].config)
+    for trial in trials:
+        if trial.solved is not None:   # re-cut into balanced runs: fits, plays faster
+            assert trial.config.chunks > 1 and trial.result.evaluation.fits
+            assert trial.step_ps < simulated_step_ps(trial.config, trial.solved.evaluation)[0]
+            assert trial.result.assignment.modes == trial.solved.assignment.modes
     for trial in trials[1:]:
         oracle = best_split_of(prob, trial.config)
         if oracle is None:
             assert trial.result is None and trial.why == "no split fits"
             continue
-        assert trial.result is not None and trial.result.status == "OPTIMAL"
-        assert trial.result.evaluation.step_ps >= oracle[0]
-        if trial.result.evaluation.step_ps > oracle[0]:   # memory units, as below
+        solved = trial.solved or trial.result
+        assert solved is not None and solved.status == "OPTIMAL"
+        assert solved.evaluation.step_ps >= oracle[0]
+        if solved.evaluation.step_ps > oracle[0]:   # memory units, as below
             assert _memory_slack_in_units(prob, oracle) < 4 * (prob.num_layers + 2)
         assert trial.step_ps == simulated_step_ps(trial.config, trial.result.evaluation)[0]
     fastest = min(t.step_ps for t in trials if t.step_ps is not None)
@@ -406,3 +418,44 @@ def test_same_problem_twice_gives_identical_plans_with_or_without_a_shared_table
         assert _plan(again) == _plan(alone)
         checked += 1
     assert checked >= 4
+
+
+def test_balanced_cut_is_the_least_largest_run():
+    """Every cut of up to 9 items into 1-5 non-empty runs, against brute force."""
+    rng = random.Random(7)
+    for _ in range(200):
+        work = [rng.choice([1, 2, 3, 10, 40]) for _ in range(rng.randint(1, 9))]
+        runs = rng.randint(1, 5)
+        cut = balanced_cut(work, runs)
+        if len(work) < runs:
+            assert cut is None
+            continue
+        assert list(cut) == sorted(cut) and set(cut) == set(range(runs))
+        largest = max(sum(w for w, j in zip(work, cut) if j == run) for run in range(runs))
+        best = min(max(sum(work[a:b]) for a, b in zip((0, *ends), (*ends, len(work))))
+                   for ends in itertools.combinations(range(1, len(work)), runs - 1))
+        assert largest == best, (work, runs, cut)
+
+
+def test_an_interleaved_split_is_recut_into_balanced_runs_when_they_play_faster():
+    """Eight equal layers on 2 ranks of 2 runs: runs of 1, 3, 3 and 1 layers give each
+    rank four, which the closed form prices as runs of two each, but the schedule plays
+    out slower (the long runs keep the other rank waiting); the planner's re-cut takes
+    the same modes into runs of two."""
+    layers = [layer(f"l{i}", saved=1e3) for i in range(8)]
+    prob = problem(layers, [0.0] * 7, devices(2, 10**9), batch=8, micro_batch_sizes=(1,),
+                   pins=Pins(pp=2, schedule="interleaved-1f1b", virtual_stages=2))
+    table = solve(prob).best.table
+    assert table.config.chunks == 2
+    modes = ("none",) * 8
+    uneven = (0, 1, 1, 1, 2, 2, 2, 3)
+    evaluation = evaluate(table, uneven, modes)
+    even = evaluate(table, (0, 0, 1, 1, 2, 2, 3, 3), modes)
+    assert evaluation.step_ps == even.step_ps          # the closed form cannot tell
+    result = ConfigResult(table=table, assignment=Assignment(stage_of=uneven, modes=modes),
+                          evaluation=evaluation, status="OPTIMAL", bound=0, solve_time_s=0.0)
+    recut, step = balanced_runs(prob, result)
+    assert recut.assignment == Assignment(stage_of=(0, 0, 1, 1, 2, 2, 3, 3), modes=modes)
+    assert step == simulated_step_ps(table.config, even)[0]
+    assert step < simulated_step_ps(table.config, evaluation)[0]
+    assert balanced_runs(prob, recut) == (recut, step)   # balanced already: kept

@@ -25,10 +25,10 @@ blocks, embeddings on the first stage, final norm, head and loss on the last
 ``--num-layers-per-virtual-pipeline-stage`` divides the blocks per stage, which the
 table does not give and which 119B's 23 and 462B's 7 blocks per stage allow only as
 one-block virtual stages; it has no zero-bubble schedule and no uneven split. Left to
-itself, partc's planner gives 70B a zero-bubble V schedule, 119B interleaved 1F1B over
-two chunks per rank of 9 to 12 blocks and 314B interleaved zero-bubble, and predicted
-119B's throughput 18% above the published one: its fill and drain are (p - 1) / (v m) =
-3/32 of the microbatches' time where Megatron-Core's 1F1B has 3/16. That is a schedule
+itself, partc's planner gives 70B and 119B interleaved zero-bubble over four chunks per
+rank and 314B over two, and predicts 119B's throughput 17% above that of the published
+schedule: interleaved, its fill and drain are (p - 1) / (v m) of the microbatches' time
+(3/64) where Megatron-Core's 1F1B has 3/16. That is a schedule
 partc can run and Megatron-Core r0.8.0 cannot, not a wrong price
 (``benchmarks/validation.py --only mcore`` shows both). Plain 1F1B is also what the
 published figures fit: under the interleavings r0.8.0 could have run (even splits, the
