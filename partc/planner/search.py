@@ -22,7 +22,8 @@ each solve from its earlier plan. ``partc.PlanCache`` keeps one per problem.
 
 With the schedule left to the planner ("auto"), the search above weighs 1F1B and GPipe
 by the closed form, which picks the mesh, batch split, ZeRO stage and tensor
-parallelism. Then every other schedule torch runs on that configuration
+parallelism. (A pinned schedule's virtual-stage counts are weighed so too.) Then every other
+schedule torch runs on that configuration
 (:func:`schedule_candidates`: interleaved 1F1B, looped BFS and interleaved zero-bubble
 with 2-4 virtual stages per rank, ZBV and DualPipeV with 2) is solved by CP-SAT in turn
 for its own stage split, recompute and memory (its activations in flight), and the plan
@@ -158,11 +159,17 @@ def schedule_candidates(problem: PlanningProblem, config: PipelineConfig
     microbatches (:func:`partc.schedules.refusal`) and every run holds a layer; with
     ``config``'s ZeRO stage, or where the runtime refuses the schedule with it
     (``feature_refusal``: a split backward under FSDP) with the highest one it runs
-    and the pins allow. None when the schedule or the stages are pinned, or with one
-    stage."""
+    and the pins allow. With the schedule pinned, it with each other virtual-stage
+    count the closed-form search weighed (:func:`_chunk_counts`): the closed form ranks
+    those by a fill and drain divided by ``v``, which the schedule played out need not
+    follow. None when the stages are pinned, or with one stage."""
     pins = problem.pins
-    if pins.schedule is not None or pins.stages is not None or config.pp == 1:
+    if pins.stages is not None or config.pp == 1:
         return []
+    if pins.schedule is not None:
+        return [dataclasses.replace(config, chunks=v) for v in _chunk_counts(
+                    problem, config.schedule, config.pp, config.num_microbatches)
+                if v != config.chunks]
     found = []
     for name in SCHEDULES:
         zero = _runnable_zero(problem, config, name)

@@ -228,10 +228,18 @@ def schedule_trials_expected(prob: PlanningProblem, config: PipelineConfig) -> s
     besides it, enumerated apart from the planner: every schedule the closed-form search
     does not weigh, with the virtual-stage counts it takes (2-4 for those taking any, or
     the pinned one), where torch runs it and every run gets a layer, at the ZeRO stage of
-    ``config`` or the highest lower one the runtime runs the schedule with;
-    none when the schedule or the stages are pinned, or with one stage."""
-    if prob.pins.schedule or prob.pins.stages is not None or config.pp == 1:
+    ``config`` or the highest lower one the runtime runs the schedule with; with the
+    schedule pinned, it with every other count it takes up to 8 (or none when that is
+    pinned); none when the stages are pinned, or with one stage."""
+    if prob.pins.stages is not None or config.pp == 1:
         return set()
+    if prob.pins.schedule:
+        info = schedule_info(config.schedule)
+        counts = [prob.pins.virtual_stages] if prob.pins.virtual_stages is not None \
+            else info.virtual_stages or range(2, 9)
+        return {(config.schedule, v, config.zero_stage) for v in counts
+                if v != config.chunks and config.pp * v <= prob.num_layers
+                and refusal(config.schedule, config.pp, v, config.num_microbatches) is None}
     expected = set()
     for name in SCHEDULES:
         # The configuration's ZeRO stage, or the highest lower one the runtime runs the
