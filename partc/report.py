@@ -557,8 +557,9 @@ def sections(plan: Plan, timeline: Timeline | None = None) -> list[Section]:
             notes=(f"Every pipeline schedule on this mesh ({plan.pp} stages, "
                    f"{_microbatches(plan.num_microbatches)}), each played out in its own "
                    f"order: the chosen plan first, then each other schedule with the "
-                   f"stage split the planner solved for it (when the schedule was left to "
-                   f"it; \"solved split\") or the greedy split of its virtual stages. "
+                   f"stage split the planner solved for it (when the schedule, or a "
+                   f"pinned schedule's virtual stages, were left to it; \"solved split\") "
+                   f"or the greedy split of its virtual stages. "
                    f"Export the chosen order in torch's pipelining "
                    f"CSV format with partc.timeline.csv_text (program.save writes "
                    f"schedule.csv).",),
