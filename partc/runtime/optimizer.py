@@ -91,23 +91,26 @@ class _Slot:
         start, end = self.ranges[rank]
         return region[self.offset:self.offset + end - start]
 
-    def pieces(self, regions: torch.Tensor,
+    def columns(self, regions: torch.Tensor) -> torch.Tensor:
+        """This parameter's place in every region of ``regions`` (a bucket's buffer
+        viewed as one row per region): one row per rank, ``width`` wide."""
+        return regions[:, self.offset:self.offset + self.width]
+
+    def pieces(self, columns: torch.Tensor,
                flat: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """This parameter's places in ``regions`` (a bucket's buffer viewed as one row
-        per region) paired with the same elements of ``flat`` (the parameter,
-        flattened), as at most two pairs of equal-shaped views: every rank's full chunk
-        at once, then the short last chunk. One kernel each, however many ranks (a
-        rank-by-rank loop would launch dp of them per parameter and microbatch). Not for
-        a 0-dim parameter held whole everywhere (``everywhere``)."""
-        at, width = self.offset, self.width
+        """``columns`` (one row per rank, ``width`` wide: :meth:`columns`, or an
+        all-gather of one parameter's shards) paired with the same elements of ``flat``
+        (the parameter, flattened), as at most two pairs of equal-shaped views: every
+        rank's full chunk at once, then the short last chunk. One kernel each, however
+        many ranks (a rank-by-rank loop would launch dp of them per parameter and
+        microbatch). Not for a 0-dim parameter held whole everywhere (``everywhere``)."""
         found = []
-        if self.whole and width:
-            found.append((regions[:self.whole, at:at + width],
-                          flat[:self.whole * width].view(self.whole, width)))
+        if self.whole and self.width:
+            found.append((columns[:self.whole],
+                          flat[:self.whole * self.width].view(self.whole, self.width)))
         if self.rest:
-            start = self.whole * width
-            found.append((regions[self.whole, at:at + self.rest],
-                          flat[start:start + self.rest]))
+            start = self.whole * self.width
+            found.append((columns[self.whole, :self.rest], flat[start:start + self.rest]))
         return found
 
 
@@ -267,11 +270,11 @@ class GradBuckets:
 
     def _add(self, bucket: _Bucket, slot: _Slot, grad: torch.Tensor) -> None:
         flat = grad.detach().reshape(-1)
-        regions = bucket.regions()
+        columns = slot.columns(bucket.regions())
         if slot.everywhere:  # a 0-dim parameter: whole in every region
-            regions[:, slot.offset:slot.offset + 1].add_(flat)
+            columns.add_(flat)
             return
-        for into, part in slot.pieces(regions, flat):
+        for into, part in slot.pieces(columns, flat):
             into.add_(part)
 
     def _take_the_rest(self) -> None:
@@ -464,11 +467,12 @@ class GradBuckets:
         regions = bucket.regions(out)
         for slot in bucket.slots:
             flat = slot.param.detach().reshape(-1)
+            columns = slot.columns(regions)
             if slot.everywhere:  # whole on every rank, as this rank stepped it
                 if self.master_of(slot.param) is not None:
-                    flat.copy_(regions[bucket.rank, slot.offset:slot.offset + 1])
+                    flat.copy_(columns[bucket.rank])
                 continue
-            for into, part in slot.pieces(regions, flat):
+            for into, part in slot.pieces(columns, flat):
                 part.copy_(into)
 
     def full_master(self, param: nn.Parameter) -> torch.Tensor:
@@ -488,10 +492,9 @@ class GradBuckets:
         else:
             out.copy_(mine)
         whole = torch.empty(param.shape, dtype=master.dtype, device=master.device)
-        flat = whole.reshape(-1)
-        for other in range(bucket.shards):
-            start, end = slot.ranges[other]
-            flat[start:end].copy_(out[other * slot.width:other * slot.width + end - start])
+        for gathered, part in slot.pieces(out.view(bucket.shards, slot.width),
+                                          whole.reshape(-1)):
+            part.copy_(gathered)
         return whole
 
     @torch.no_grad()
