@@ -18,7 +18,7 @@ SCHEDULES: tuple[str, ...] = ("gpipe", "1f1b", "interleaved-1f1b", "looped-bfs",
                               "interleaved-zero-bubble", "zbv-zero-bubble", "dualpipev")
 
 # What a tensor-parallel sharding is chosen for: the fastest, or the fewest parameter
-# bytes (then the fastest).
+# bytes (then, with sequence parallelism, activation bytes; then the fastest).
 TP_OBJECTIVES: tuple[str, ...] = ("time", "memory")
 
 # Bytes of optimizer state per parameter, kept in fp32 whatever the compute dtype.

@@ -318,7 +318,8 @@ def _tp_layer_rows(plan: Plan) -> list[list[str]]:
 def _tp_lines(plan: Plan) -> list[str]:
     section = plan.tensor_parallel
     sp = "on" if section.sequence_parallel else "off"
-    objective = {"time": "fastest", "memory": "fewest parameter bytes"}.get(
+    objective = {"time": "fastest", "memory": "fewest parameter bytes" + (
+        ", then activation bytes" if section.sequence_parallel else "")}.get(
         section.objective, section.objective)
     partial = section.partial_grad_params
     summed = (f"; {len(partial)} replicated parameters (biases after a row-parallel split, "

@@ -236,7 +236,8 @@ class Constraints:
     ``tp`` pins the tensor-parallel degree (it must divide the devices of a node);
     ``sequence_parallel`` pins Megatron-style sequence parallelism on or off;
     ``tp_objective`` keeps only the per-layer shardings chosen for ``"time"`` (fastest)
-    or ``"memory"`` (fewest parameter bytes, then fastest). ``zero2_grad_sync`` pins
+    or ``"memory"`` (fewest parameter bytes, then with sequence parallelism fewest
+    activation bytes, then fastest). ``zero2_grad_sync`` pins
     when ZeRO-2 reduce-scatters gradients: after every microbatch (``"microbatch"``:
     sharded gradients, one reduce-scatter per microbatch) or once per step (``"step"``:
     a whole fp32 gradient accumulated over the microbatches, one reduce-scatter);

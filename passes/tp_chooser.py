@@ -37,14 +37,29 @@ Parameters
     parameter ``a`` holds under ``s`` (a ``tp``-th when sharded), in per-mille of the
     layer's parameter bytes; with ``prefer="memory"`` 0 for vectors (biases and norm
     weights: counting them would trade a row-parallel layer for a column-parallel one).
+    ``K[v,s]``: what the unsharded layer keeps for backward of the storage ``v`` makes
+    (``NodeCost.saved_bytes``), a ``tp``-th when ``s`` shards it; ``G_u``: the same
+    bytes whole, for value ``u`` gathered from a shard for a reader that keeps its input
+    as read (every reader but a product that keeps the shard and gathers it again,
+    :func:`tp_rules.regathers`); both in per-mille of the layer's output bytes.
 Variables
     ``pick[n,s]``, boolean: node ``n`` runs strategy ``s``. ``move[r]``, boolean: move
-    ``r`` is made.
+    ``r`` is made. ``kept[u,p,q]``, boolean: ``u`` gathered from ``p`` to ``q`` is kept
+    whole.
 Objective
-    ``T = sum C[v,s] pick[v,s] + sum M_r move[r] + sum B[v,s] pick[v,s]`` and
-    ``W = sum W[a,s] pick[a,s]``. ``prefer="time"``: minimise ``1000 T + W`` (time first;
-    ``W``, about 1000 at most, tells apart picks within a picosecond of each other).
-    ``prefer="memory"``: minimise ``10^12 W + T`` (parameter bytes first, then time).
+    ``T = sum C[v,s] pick[v,s] + sum M_r move[r] + sum B[v,s] pick[v,s]``,
+    ``W = sum W[a,s] pick[a,s]`` and ``A = sum K[v,s] pick[v,s] + sum G_u kept[u,p,q]``.
+    ``prefer="time"``: minimise ``1000 T + W`` (time first; ``W``, about 1000 at most,
+    tells apart picks within a picosecond of each other). ``prefer="memory"``: minimise
+    ``(1 + A_max) W + A`` (``A_max``: all of ``A``'s terms, so parameter bytes first, then
+    activation bytes), then ``T`` with that held at its least (a second solve, from the
+    first one's pick). ``A`` counts only where the layer's values arrive and leave sequence-sharded
+    (sequence parallelism): between replicated boundaries, keeping fewer activations
+    means sharding values by the sequence inside the layer, which sequence parallelism
+    does with fewer collectives, so memory-first stays Megatron's tensor-parallel layout
+    there; under sequence parallelism the fastest pick can keep a narrow layer's norms,
+    dropouts and residuals whole (three collectives beat four), and memory-first keeps
+    them sharded.
 Constraints
     (1) one strategy per node: ``sum_s pick[n,s] = 1`` for ``n`` in ``N``;
     (2) pins: a parameter pinned to placement ``p`` (see below) makes ``p``:
@@ -57,7 +72,10 @@ Constraints
         and pair of strategies that needs move ``r`` (``not pick[v,s] or move[r]`` from
         outside);
     (5) outputs reach their boundary placement: ``pick[v,s] = 0`` for ``v`` in ``O``
-        where no collectives bring ``s.out`` to ``b_v``.
+        where no collectives bring ``s.out`` to ``b_v``;
+    (6) a gathered copy that is kept is counted: ``not pick[u,t] or not pick[v,s] or
+        kept[u,p,q]`` for each edge and pair of strategies whose move gathers a value
+        ``G_u`` counts for (memory first, sequence-parallel boundaries).
 
 Every layer has a solution without pins (all replicated). CP-SAT runs under
 :class:`partc.options.ShardingOptions` (time limit, workers, seed; the seed settles which
@@ -259,8 +277,8 @@ def _layer_problems(gm: fx.GraphModule, tp: int, link: Link, sequence_parallel: 
     result.boundary = boundaries(gm, tp, sequence_parallel)
     grads = carries_grad(gm)
     hints = ChunkHints.of(gm)
-    problems = [_LayerProblem(gm, info, tp, link, result.boundary, grads, hints)
-                for info in meta.layers(gm)]
+    problems = [_LayerProblem(gm, info, tp, link, result.boundary, grads, hints,
+                              sequence_parallel) for info in meta.layers(gm)]
     return result, problems, grads
 
 
@@ -270,8 +288,9 @@ class _LayerProblem:
 
     def __init__(self, gm: fx.GraphModule, info: meta.LayerInfo, tp: int, link: Link,
                  boundary: dict[fx.Node, Placement], grads: set[fx.Node],
-                 hints: ChunkHints) -> None:
+                 hints: ChunkHints, sequence_parallel: bool = False) -> None:
         self.info, self.tp, self.link = info, tp, link
+        self.sequence_parallel = sequence_parallel
         self.boundary, self.grads = boundary, grads
         nodes = layer_nodes(gm, info)
         members = set(nodes)
@@ -320,6 +339,20 @@ class _LayerProblem:
         if node.op == "get_attr" and meta.params(node):
             return pins.get(meta.params(node)[0])
         return None
+
+    def keeps_gathered(self, producer: fx.Node, consumer: fx.Node, position: int,
+                       src: Placement, dst: Placement, consumer_out: Placement) -> float:
+        """The bytes of ``producer``'s value gathered whole for input ``position`` of
+        ``consumer`` that stay kept for backward: a value the layer keeps
+        (:func:`_saved_bytes` of the storage it views), gathered from a shard for a
+        reader that keeps its input as read, not the shard to gather again
+        (:func:`tp_rules.regathers`). 0 otherwise."""
+        if not (src.kind == "S" and dst.kind == "R") or producer.op == "get_attr":
+            return 0.0
+        grad_partial = consumer_out.kind != "R" and producer in self.grads
+        if regathers(consumer, position, src, dst, grad_partial):
+            return 0.0
+        return _saved_bytes(_storage_of(producer))
 
     def edge_moves(self, producer: fx.Node, src: Placement, dst: Placement,
                    consumer_out: Placement) -> tuple | None:
@@ -383,6 +416,27 @@ def _moves_seconds(moves: tuple, nbytes: float, link: Link) -> float:
     return sum(by_phase.values())
 
 
+# How far apart a memory-first objective's parts lie in its value (a layer's picoseconds
+# and per-milles stay below it), so that layers' values add up part by part.
+_GOAL_SCALE = 10 ** 18
+
+
+def _saved_bytes(node: fx.Node) -> float:
+    """What the unsharded layer keeps for backward of the storage ``node`` makes."""
+    cost = meta.cost(node) if node.op != "get_attr" else None
+    return float(cost.saved_bytes) if cost is not None else 0.0
+
+
+def _storage_of(node: fx.Node) -> fx.Node:
+    """The node whose storage ``node``'s value is (through views of its first input)."""
+    while node.op == "call_function" and node.args and isinstance(node.args[0], fx.Node):
+        cost = meta.cost(node)
+        if cost is None or not cost.is_view:
+            break
+        node = node.args[0]
+    return node
+
+
 def _param_share(node: fx.Node, placement: Placement, tp: int) -> float:
     """The bytes of parameter ``node`` one rank holds under ``placement``."""
     nbytes = meta.output_bytes(node)
@@ -391,12 +445,14 @@ def _param_share(node: fx.Node, placement: Placement, tp: int) -> float:
 
 class _Objective:
     """The objective's terms, each cost scaled to an integer here and only here: time in
-    picoseconds (:func:`partc.costs.to_ps`), parameter bytes in per-mille of the layer's."""
+    picoseconds (:func:`partc.costs.to_ps`), parameter bytes in per-mille of the layer's,
+    activation bytes in per-mille of the layer's outputs made whole."""
 
-    def __init__(self, param_bytes: int) -> None:
-        self.param_bytes = param_bytes
+    def __init__(self, param_bytes: int, output_bytes: int) -> None:
+        self.param_bytes, self.output_bytes = param_bytes, output_bytes
         self.time_terms: list[tuple[int, cp_model.IntVar]] = []    # (picoseconds, var): T
         self.memory_terms: list[tuple[int, cp_model.IntVar]] = []  # (per-mille, var): W
+        self.activation_terms: list[tuple[int, cp_model.IntVar]] = []  # (per-mille, var): A
 
     def add_time(self, seconds: float, literal: cp_model.IntVar) -> None:
         self.time_terms.append((to_ps(seconds), literal))
@@ -404,11 +460,30 @@ class _Objective:
     def add_memory(self, nbytes: float, literal: cp_model.IntVar) -> None:
         self.memory_terms.append((int(round(1000 * nbytes / self.param_bytes)), literal))
 
-    def expression(self, prefer: str) -> cp_model.LinearExprT:
+    def add_activations(self, nbytes: float, literal: cp_model.IntVar) -> None:
+        self.activation_terms.append((int(round(1000 * nbytes / self.output_bytes)), literal))
+
+    def goals(self, prefer: str) -> list[cp_model.LinearExprT]:
+        """What is minimised, most important first (:meth:`_LayerModel.solve`)."""
         time = sum(c * literal for c, literal in self.time_terms if c)
         memory = sum(c * literal for c, literal in self.memory_terms if c)
         if prefer == "memory":
-            return memory * (10 ** 12) + time
+            activations = sum(c * literal for c, literal in self.activation_terms if c)
+            most = sum(c for c, _ in self.activation_terms if c > 0)
+            return [memory * (most + 1) + activations, time]
+        return [time * 1000 + memory]
+
+    def value(self, prefer: str, solver: cp_model.CpSolver) -> int:
+        """The solved pick's objective as one integer that layers' values add up in:
+        ``1000 T + W``; with prefer="memory" ``W``, ``A`` and ``T`` each
+        :data:`_GOAL_SCALE` apart."""
+        def total(terms: list[tuple[int, cp_model.IntVar]]) -> int:
+            return sum(c for c, literal in terms if c and solver.boolean_value(literal))
+
+        time, memory = total(self.time_terms), total(self.memory_terms)
+        if prefer == "memory":
+            activations = total(self.activation_terms)
+            return (memory * _GOAL_SCALE + activations) * _GOAL_SCALE + time
         return time * 1000 + memory
 
 
@@ -423,8 +498,14 @@ class _LayerModel:
         self.pick = {n: [self.model.new_bool_var(f"pick[{n.name},{i}:{s.name}]")
                          for i, s in enumerate(problem.options[n])] for n in problem.items}
         self.move: dict[tuple, cp_model.IntVar] = {}
-        self.objective = _Objective(sum(meta.output_bytes(n) for n in problem.items
-                                        if n.op == "get_attr") or 1)
+        self.kept: dict[tuple, cp_model.IntVar] = {}
+        self.prefer = prefer
+        # A (activation bytes) is a goal where memory comes first and the layer's values
+        # arrive and leave sequence-sharded; see the module docstring.
+        self.weighs_activations = prefer == "memory" and problem.sequence_parallel
+        self.objective = _Objective(
+            sum(meta.output_bytes(n) for n in problem.items if n.op == "get_attr") or 1,
+            sum(meta.output_bytes(n) for n in problem.computed) or 1)
         for node in problem.items:
             self._one_strategy(node, problem.pin(node, pins))
         for node in problem.computed:
@@ -436,7 +517,25 @@ class _LayerModel:
             if node in problem.boundary:
                 self._boundary(node)
         self._param_bytes(prefer)
-        self.model.minimize(self.objective.expression(prefer))
+        if self.weighs_activations:
+            self._activation_bytes()
+
+    def solve(self, solver: cp_model.CpSolver) -> tuple[int, int]:
+        """Minimise the objective's goals in turn, each held at its best while the next
+        is minimised (from the last solution). The last solve's status and the pick's
+        :meth:`_Objective.value`."""
+        goals = self.objective.goals(self.prefer)
+        for i, goal in enumerate(goals):
+            self.model.minimize(goal)
+            status = solver.solve(self.model)
+            if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
+                return status, 0
+            if i + 1 < len(goals):
+                self.model.add(goal <= round(solver.objective_value))
+                self.model.clear_hints()
+                for var in (v for picks in self.pick.values() for v in picks):
+                    self.model.add_hint(var, solver.boolean_value(var))
+        return status, self.objective.value(self.prefer, solver)
 
     def _one_strategy(self, node: fx.Node, pin: Placement | None) -> None:
         # (1) exactly one strategy per node.
@@ -469,6 +568,11 @@ class _LayerModel:
                     seconds = _moves_seconds(moves, nbytes, problem.link)
                     move = self._move(producer, made.out, need, moves, seconds)
                     self.model.add_bool_or([~lit for lit in both] + [move])
+                    kept = self.weighs_activations and problem.keeps_gathered(
+                        producer, consumer, position, made.out, need, chosen.out)
+                    if kept:
+                        self.model.add_bool_or([~lit for lit in both] + [
+                            self._kept_whole(producer, made.out, need, kept)])
 
     def _move(self, value: fx.Node, src: Placement, dst: Placement, moves: tuple,
               seconds: float) -> cp_model.IntVar:
@@ -501,6 +605,29 @@ class _LayerModel:
                 self.objective.add_memory(share, var)
 
 
+    def _activation_bytes(self) -> None:
+        """``A``'s part for the values the layer makes: what the unsharded layer keeps
+        of each for backward (``NodeCost.saved_bytes``), a ``tp``-th where the value is
+        sharded."""
+        for node in self.problem.computed:
+            nbytes = _saved_bytes(node)
+            if not nbytes:
+                continue
+            for var, chosen in zip(self.pick[node], self.problem.options[node]):
+                self.objective.add_activations(
+                    nbytes / self.problem.tp if chosen.out.is_shard else nbytes, var)
+
+    def _kept_whole(self, producer: fx.Node, src: Placement, dst: Placement,
+                    nbytes: float) -> cp_model.IntVar:
+        """``kept[u, p, q]``: a kept value gathered whole for a reader that keeps the
+        gathered copy (``A``'s other part, its bytes once however many readers keep it)."""
+        key = (producer, src, dst)
+        if key not in self.kept:
+            self.kept[key] = self.model.new_bool_var(f"kept[{producer.name},{src}->{dst}]")
+            self.objective.add_activations(nbytes, self.kept[key])
+        return self.kept[key]
+
+
 def _solve_layer(problem: _LayerProblem, pins: dict[str, Placement], prefer: str,
                  options: ShardingOptions) -> tuple[dict[fx.Node, int], int]:
     """One layer's pick (node → strategy index) and its objective value."""
@@ -509,7 +636,7 @@ def _solve_layer(problem: _LayerProblem, pins: dict[str, Placement], prefer: str
     solver.parameters.max_time_in_seconds = options.time_limit_s
     solver.parameters.num_workers = options.num_workers
     solver.parameters.random_seed = options.seed
-    status = solver.solve(layer.model)
+    status, value = layer.solve(solver)
     if status == cp_model.FEASIBLE:
         log.warning("layer %s: the sharding search stopped at its %.0f s limit; keeping "
                     "the best pick found", problem.info.name, options.time_limit_s)
@@ -523,7 +650,7 @@ def _solve_layer(problem: _LayerProblem, pins: dict[str, Placement], prefer: str
                     "layer stays replicated", problem.info.name, options.time_limit_s,
                     solver.status_name(status))
         return _solve_replicated(problem, pins, prefer)
-    return _picked(problem, layer, solver)
+    return _picked(problem, layer, solver), value
 
 
 def _solve_replicated(problem: _LayerProblem, pins: dict[str, Placement], prefer: str
@@ -536,21 +663,20 @@ def _solve_replicated(problem: _LayerProblem, pins: dict[str, Placement], prefer
             layer.model.add(layer.pick[node][index] == 1)
     solver = cp_model.CpSolver()
     solver.parameters.num_workers = 1
-    status = solver.solve(layer.model)
+    status, value = layer.solve(solver)
     if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
         raise PinInfeasible(f"layer {problem.info.name}: replicated does not meet its "
                             f"boundary placements and pins ({solver.status_name(status)})")
-    return _picked(problem, layer, solver)
+    return _picked(problem, layer, solver), value
 
 
 # ------------------------------------------------------------------------ the result
 
 def _picked(problem: _LayerProblem, layer: _LayerModel, solver: cp_model.CpSolver
-            ) -> tuple[dict[fx.Node, int], int]:
-    """The solved layer's pick (node → strategy index) and its objective value."""
-    choice = {n: next(i for i, var in enumerate(layer.pick[n]) if solver.boolean_value(var))
-              for n in problem.items}
-    return choice, int(solver.objective_value)
+            ) -> dict[fx.Node, int]:
+    """The solved layer's pick (node → strategy index)."""
+    return {n: next(i for i, var in enumerate(layer.pick[n]) if solver.boolean_value(var))
+            for n in problem.items}
 
 
 def _apply_choices(gm: fx.GraphModule, result: Sharding, problems: list[_LayerProblem],

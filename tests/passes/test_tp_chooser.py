@@ -16,7 +16,7 @@ from partc.options import ShardingOptions
 from partc.passes import tp_chooser
 from partc.passes.graph import tensor_inputs
 from partc.passes.tp_chooser import Link, apply, choose
-from partc.passes.tp_rules import redistribute
+from partc.passes.tp_rules import redistribute, regathers
 from partc.placement import PARTIAL, REPLICATE, Shard
 
 # Slow arithmetic, a fast free link: splitting the work pays.
@@ -135,10 +135,11 @@ def test_a_pin_no_strategy_can_meet_names_the_layer():
                                 ShardingOptions())
 
 
+@pytest.mark.parametrize("sp", [False, True], ids=["", "sp"])
 @pytest.mark.parametrize("link", [FAST_LINK, SLOW_LINK], ids=["fast", "slow"])
 @pytest.mark.parametrize("prefer", ["time", "memory"])
-def test_the_model_finds_the_brute_force_optimum(link, prefer):
-    problem = layer_problem(mlp_layer(), link)
+def test_the_model_finds_the_brute_force_optimum(link, prefer, sp):
+    problem = layer_problem(mlp_layer(), link, sp)
     picks = [dict(zip(problem.items, indices)) for indices in itertools.product(
         *(range(len(problem.options[n])) for n in problem.items))]
     assert len(picks) == 3 * 2 * 3 * 3 * 3 * 2 * 3
@@ -149,8 +150,9 @@ def test_the_model_finds_the_brute_force_optimum(link, prefer):
     assert objective(problem, choice, prefer) == best
 
 
-def layer_problem(gm: fx.GraphModule, link: Link = FAST_LINK) -> tp_chooser._LayerProblem:
-    _, (problem,), _ = tp_chooser._layer_problems(gm, 2, link, sequence_parallel=False)
+def layer_problem(gm: fx.GraphModule, link: Link = FAST_LINK, sp: bool = False
+                  ) -> tp_chooser._LayerProblem:
+    _, (problem,), _ = tp_chooser._layer_problems(gm, 2, link, sequence_parallel=sp)
     return problem
 
 
@@ -164,7 +166,16 @@ def objective(problem: tp_chooser._LayerProblem, pick: dict[fx.Node, int],
         return to_ps(sum(collective_seconds(kind, nbytes, link.group)
                          for kind, _ in collectives))
 
-    time_ps, moves = 0, {}
+    time_ps, moves, kept = 0, {}, {}
+    outputs = sum(meta.output_bytes(v) for v in problem.computed)
+    # A (memory first, sequence-parallel boundaries): per-mille of the layer's outputs,
+    # what it keeps for backward of each value as placed (a tp-th where sharded), and of
+    # each kept value gathered whole for a reader that keeps it so (not a linear that
+    # keeps the shard to gather again: tp_rules.regathers).
+    weighs = prefer == "memory" and problem.sequence_parallel
+    activations = sum(round(1000 * (meta.cost(v).saved_bytes / tp if strategy[v].out.is_shard
+                                    else meta.cost(v).saved_bytes) / outputs)
+                      for v in problem.computed if meta.cost(v).saved_bytes) if weighs else 0
     for v in problem.computed:
         chosen, cost = strategy[v], meta.cost(v)
         # C[v,s]: forward and backward (twice forward), each at the roofline.
@@ -185,6 +196,9 @@ def objective(problem: tp_chooser._LayerProblem, pick: dict[fx.Node, int],
                 return None                                # (3)
             if collectives:                                # (4): M_r, once per move
                 moves[u, have, need, collectives] = move_ps(collectives, meta.output_bytes(u))
+                if weighs and have.is_shard and need == REPLICATE and meta.cost(u).saved_bytes \
+                        and not regathers(v, position, have, need, grad_partial):
+                    kept[u, have, need] = round(1000 * meta.cost(u).saved_bytes / outputs)
         if v in problem.boundary:
             collectives = redistribute(chosen.out, problem.boundary[v], False)
             if collectives is None:
@@ -199,7 +213,10 @@ def objective(problem: tp_chooser._LayerProblem, pick: dict[fx.Node, int],
     memory = sum(round(1000 * held[n] / total) for n in params
                  if prefer == "time" or len(n.meta["val"].shape) >= 2)
     assert all(s.out != PARTIAL for n, s in strategy.items() if n.op == "get_attr")
-    return memory * 10**12 + time_ps if prefer == "memory" else time_ps * 1000 + memory
+    if prefer == "memory":
+        scale = 10**18
+        return ((memory * scale) + activations + sum(kept.values())) * scale + time_ps
+    return time_ps * 1000 + memory
 
 
 def tied_layers(rows: int = 64, width: int = 3, batch: int = 4, seq: int = 8

@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 
 import partc
-from partc.compiler import build_problem
+from partc.compiler import build_problem, plan_problem
 from partc.problem import LayerCost
 
 GIB = 2**30
@@ -154,16 +154,36 @@ def analysed(config: Config | str):
 
 
 @functools.lru_cache(maxsize=None)
-def block(config: Config | str, tp: int, sequence_parallel: bool) -> LayerCost:
+def block(config: Config | str, tp: int, sequence_parallel: bool,
+          objective: str | None = None) -> LayerCost:
     """The first block's costs as one rank of a tensor-parallel group of ``tp`` keeps
-    them (Megatron's sharding: the planner's fastest, ``tp_objective="time"``)."""
+    them, sharded as the planner shards it (:func:`planned_objective`) or as
+    ``objective`` asks (``tp_objective``)."""
     config = _config(config)
     graph, analysis = analysed(config)
+    if tp == 1:
+        problem = build_problem(analysis, budget(config), train_spec(config),
+                                partc.Constraints(tp=1), graph)
+        return next(layer for layer in problem.layers if layer.name == BLOCK)
+    objective = objective or planned_objective(config, tp, sequence_parallel)
     problem = build_problem(analysis, budget(config), train_spec(config), partc.Constraints(
-        tp=tp, sequence_parallel=sequence_parallel if tp > 1 else None,
-        tp_objective="time" if tp > 1 else None), graph)
-    local = problem.variant(tp, sequence_parallel, "time") if tp > 1 else problem
+        tp=tp, sequence_parallel=sequence_parallel, tp_objective=objective), graph)
+    local = problem.variant(tp, sequence_parallel, objective)
     return next(layer for layer in local.layers if layer.name == BLOCK)
+
+
+@functools.lru_cache(maxsize=None)
+def planned_objective(config: Config | str, tp: int, sequence_parallel: bool) -> str:
+    """The sharding partc's planner runs the layers with on one group of ``tp`` H100s
+    (memory unbounded, so its fastest by the stage cost model) of those its chooser
+    offers: the fastest by the chooser's own estimate of each layer (``"time"``), and
+    the one that holds the fewest bytes (``"memory"``; equal for most widths)."""
+    config = _config(config)
+    graph, analysis = analysed(config)
+    devices = partc.DeviceBudget(num_devices=tp, device="H100-80GB", memory=2**50)
+    problem = build_problem(analysis, devices, train_spec(config), partc.Constraints(
+        tp=tp, sequence_parallel=sequence_parallel, pp=1, recompute="none"), graph)
+    return plan_problem(problem).tp_objective
 
 
 def estimate_bytes(config: Config, tp: int, sequence_parallel: bool, mode: str) -> float:
