@@ -414,7 +414,8 @@ def _pin_arguments(group) -> None:
                        help="Megatron-style sequence parallelism on or off")
     group.add_argument("--tp-objective", choices=TP_OBJECTIVES,
                        help="keep only the fastest shardings, or those of fewest "
-                            "parameter bytes")
+                            "parameter bytes (then, with sequence parallelism, "
+                            "activation bytes)")
     group.add_argument("--stage", type=STAGE, action="append", metavar="LAYERS",
                        help="one pipeline stage's layers, comma-separated, as the report "
                             "names them; once per stage, in order")

@@ -54,6 +54,11 @@ from torch import nn
 
 from .tp_rings import LinearReduceScatter, LinearsOfGathered
 
+# The single-tensor collectives (torch 2.13 names them ``*_single``; earlier releases have
+# only the older names).
+_GATHER_INTO = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_SCATTER_FROM = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
 
 class TensorParallelGroup(nn.Module):
     """The tensor-parallel group a stage's collectives run over: ``size`` ranks, this
@@ -79,6 +84,14 @@ class TensorParallelGroup(nn.Module):
         self.overlap = overlap
         self.ring_steps = 0  # exchanges with the ring's neighbours (not collectives)
         self._next = self._previous = None
+        # The blocking collectives that run over lists of tensors, not single-tensor.
+        # NCCL's list collectives stage through one flat buffer, copied out to (or in
+        # from) the list; gloo's single-tensor reduce-scatter is an all-reduce of a copy
+        # of the whole: so only gloo's reduce-scatter runs over a list
+        # (benchmarks/tp_collectives.py measures both forms).
+        self.listed: frozenset[str] = frozenset(
+            ("reduce_scatter",) if process_group is not None
+            and dist.get_backend(process_group) == "gloo" else ())
         if process_group is not None and size > 1:
             self._next = dist.get_global_rank(process_group, (self.rank + 1) % size)
             self._previous = dist.get_global_rank(process_group, (self.rank - 1) % size)
@@ -104,25 +117,56 @@ class TensorParallelGroup(nn.Module):
         return x
 
     def _all_gather(self, x: torch.Tensor, dim: int, chunks: int) -> torch.Tensor:
+        """The whole of ``x``'s ``Shard(dim, chunks)``. Single-tensor (one shard per
+        rank; :attr:`listed` not naming it): the shards gather into one buffer one
+        after another, viewed as the whole where they lie so (the first dim, or every
+        dim before ``dim`` of size one) and copied into place otherwise; else into one
+        tensor per rank, then concatenated. A stand-in makes the whole by that copy from its own
+        shard (every rank's, as it acts), which the estimate counts wherever the
+        runtime may copy: a batch of one sequence shard traces what larger batches
+        copy."""
         self.counts["all_gather"] += 1
         if self.process_group is None or self.size == 1:
-            parts = [x.contiguous()] * self.size
-        else:
+            return whole_of([x.contiguous()] * self.size, dim, chunks)
+        if chunks != 1 or not x.dim() or "all_gather" in self.listed:
             parts = [torch.empty_like(x, memory_format=torch.contiguous_format)
                      for _ in range(self.size)]
             dist.all_gather(parts, x.contiguous(), group=self.process_group)
-        return whole_of(parts, dim, chunks)
+            return whole_of(parts, dim, chunks)
+        # (gloo wants the ranks' shards stacked on their first dim)
+        gathered = x.new_empty((self.size * x.shape[0], *x.shape[1:]))
+        _GATHER_INTO(gathered, x.contiguous(), group=self.process_group)
+        dim = dim % x.dim()
+        return gathered.view(self.size, *x.shape).movedim(0, dim).flatten(dim, dim + 1)
 
     def _slice(self, x: torch.Tensor, dim: int, chunks: int) -> torch.Tensor:
         return shard_of(x, dim, chunks, self.rank, self.size).contiguous()
 
     def _reduce_scatter(self, x: torch.Tensor, dim: int) -> torch.Tensor:
+        """This rank's chunk of ``dim`` of the sum of ``x`` over the group. Single-tensor
+        (:attr:`listed` not naming it): the chunks are laid out one after another for one
+        reduce-scatter, a view where they lie so (the first dim, or every dim before
+        ``dim`` of size one), a copy of the whole otherwise; else each chunk made
+        contiguous (the same copy) for a reduce-scatter of the list. A stand-in copies
+        so wherever ``dim`` is not the first (what the estimate counts: a batch of one
+        traces what larger batches copy), then keeps a copy of its own chunk as the sum
+        (the collective's output)."""
         self.counts["reduce_scatter"] += 1
+        dim = dim % x.dim()
         if self.process_group is None or self.size == 1:
+            if dim and self.size > 1:
+                chunks = x.movedim(dim, 0).clone(memory_format=torch.contiguous_format)
+                return chunks.chunk(self.size, 0)[0].movedim(0, dim).clone(
+                    memory_format=torch.contiguous_format)
             return x.chunk(self.size, dim)[0].contiguous().clone()
-        parts = [p.contiguous() for p in x.chunk(self.size, dim)]
-        out = torch.empty_like(parts[0])
-        dist.reduce_scatter(out, parts, group=self.process_group)
+        if x.shape[dim] % self.size or "reduce_scatter" in self.listed:
+            parts = [p.contiguous() for p in x.chunk(self.size, dim)]
+            out = torch.empty_like(parts[0])
+            dist.reduce_scatter(out, parts, group=self.process_group)
+            return out
+        chunks = x.unflatten(dim, (self.size, -1)).movedim(dim, 0).contiguous()
+        out = x.new_empty(chunks.shape[1:])
+        _SCATTER_FROM(out, chunks.flatten(0, 1), group=self.process_group)
         return out
 
     def ring_exchange(self, send: torch.Tensor, receive: torch.Tensor, tag: int = 0):
