@@ -25,10 +25,10 @@ blocks, embeddings on the first stage, final norm, head and loss on the last
 ``--num-layers-per-virtual-pipeline-stage`` divides the blocks per stage, which the
 table does not give and which 119B's 23 and 462B's 7 blocks per stage allow only as
 one-block virtual stages; it has no zero-bubble schedule and no uneven split. Left to
-itself, partc's planner gives 70B and 119B interleaved zero-bubble over four chunks per
-rank and 314B over two, and predicts 119B's throughput 17% above that of the published
-schedule: interleaved, its fill and drain are (p - 1) / (v m) of the microbatches' time
-(3/64) where Megatron-Core's 1F1B has 3/16. That is a schedule
+itself, partc's planner gives 70B interleaved zero-bubble over four chunks per rank,
+119B over three and 314B over two, and predicts 119B's throughput 17% above that of the
+published schedule: interleaved, its fill and drain are (p - 1) / (v m) of the
+microbatches' time (3/48) where Megatron-Core's 1F1B has 3/16. That is a schedule
 partc can run and Megatron-Core r0.8.0 cannot, not a wrong price
 (``benchmarks/validation.py --only mcore`` shows both). Plain 1F1B is also what the
 published figures fit: under the interleavings r0.8.0 could have run (even splits, the
@@ -52,23 +52,23 @@ the pipelined rows so (b = 1, m = 4 pp; 70B b = 2). Without a pipeline partc pla
 microbatch of four sequences (b = 4, m = 1: 32B at 73.5 GiB), whose backward hides the
 whole fp32 reduce-scatter of ZeRO-1's gradients and whose forward the bf16 all-gather
 of its weights; as four microbatches of one, Megatron-Core overlaps them with the last
-microbatch's backward and the first one's forward only, and partc prices about 0.36 s
-of them exposed on 32B (0.38 s at 0.70). Fitted on the plan that hides them, the
-constant comes out at 0.60 of peak where an H100's bf16 linears measured 0.70
+microbatch's backward and the first one's forward only, and partc prices about 0.34 s
+of them exposed on 32B (0.36 s at 0.70). Fitted on the plan that hides them, the
+constant comes out at 0.62 of peak where an H100's bf16 linears measured 0.70
 (``partc calibrate``, :data:`MEASURED_EFFICIENCY`), and it prices the pipelined rows'
-matmuls that much slower: 0.77-0.82x (1.7B, planned as 32B is, inside at 1.12x:
+matmuls that much slower: 0.78-0.82x (1.7B, planned as 32B is, inside at 1.14x:
 ``test_mcore_scaling``'s OUTSIDE says why). At the measured 0.70 with micro-batches of
 one (:data:`MICROBATCH_OF_THE_BATCHES`), nothing fitted, the pipelined rows are
-predicted at 0.85-0.90x (70B at 0.849x, 0.889x as partc plans it, two sequences a
-microbatch) and the unpipelined ones at 0.71-1.10x. 16B and 32B, whose
-data-parallel groups hold two ranks and one rank per node (a NIC each), spend 0.16 and
-0.38 s on exposed data-parallel traffic that 0.85 and 0.89 s published steps leave no
+predicted at 0.84-0.89x (70B at 0.836x, 0.876x as partc plans it, two sequences a
+microbatch) and the unpipelined ones at 0.70-1.10x. 16B and 32B, whose
+data-parallel groups hold two ranks and one rank per node (a NIC each), spend 0.15 and
+0.36 s on exposed data-parallel traffic that 0.85 and 0.89 s published steps leave no
 room for at one sequence per microbatch: they likely ran larger microbatches, which the
-table does not say (partc's own, four sequences, predicts them at 1.09 and 1.11x
+table does not say (partc's own, four sequences, predicts them at 1.08 and 1.08x
 there). 1.7B and 7.1B run their rings over 8 and 4 NICs a node
-(:mod:`partc.collectives`), expose little and come out at 1.10 and 0.99x (1.22 and
-1.11x as partc plans them). At 0.70, rows as partc plans them, eight of the nine lie
-in the band (1.7B at 1.22x), but they span 0.86-1.22x, more than any one constant
+(:mod:`partc.collectives`), expose little and come out at 1.10 and 0.98x (1.22 and
+1.10x as partc plans them). At 0.70, rows as partc plans them, eight of the nine lie
+in the band (1.7B at 1.22x), but they span 0.85-1.22x, more than any one constant
 fitted on one row can bring inside: fitted on a pipelined row, the unpipelined ones
 leave it.
 """
