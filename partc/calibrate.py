@@ -82,6 +82,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 from .budget import PRESETS, PROFILE_SCHEMA, PROFILE_VERSION, step_links
 from .errors import PartcError
+from .runtime.topology import ALL_GATHER_SINGLE, REDUCE_SCATTER_SINGLE
 from .units import format_seconds
 
 log = logging.getLogger("partc.calibrate")
@@ -904,11 +905,9 @@ def _collective(kind: str, numel: int, rank: int, ranks: int, device: torch.devi
     if kind == "all_reduce":
         return lambda: dist.all_reduce(whole)
     if kind == "all_gather":
-        gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-        return lambda: gather(whole, part)
+        return lambda: ALL_GATHER_SINGLE(whole, part)
     if kind == "reduce_scatter":
-        scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-        return lambda: scatter(part, whole)
+        return lambda: REDUCE_SCATTER_SINGLE(part, whole)
     # send/recv: ranks 0 and 1 play ping-pong, the others wait.
     if rank > 1:
         return lambda: None

@@ -56,6 +56,7 @@ from partc.errors import PartcError
 from partc.problem import BUCKET_ELEMENTS
 
 from .parameters import dp_shard
+from .topology import ALL_GATHER_SINGLE, REDUCE_SCATTER_SINGLE
 
 
 class _Slot:
@@ -299,7 +300,7 @@ class GradBuckets:
             # Mixed precision alone, or experts no other rank holds: nothing to reduce.
             bucket.work = _Done()
         elif self.sharded:
-            bucket.work = dist.reduce_scatter_tensor(
+            bucket.work = REDUCE_SCATTER_SINGLE(
                 bucket.region_of(bucket.rank), bucket.buffer, group=group, async_op=True)
         else:
             bucket.work = dist.all_reduce(bucket.buffer, group=group, async_op=True)
@@ -436,7 +437,7 @@ class GradBuckets:
         if shards == 1:  # experts no other rank holds: stepped whole here
             return _Gather(mine, _Done())
         out = torch.empty(bucket.region * shards, dtype=dtype, device=device)
-        work = dist.all_gather_into_tensor(out, mine, group=group, async_op=True)
+        work = ALL_GATHER_SINGLE(out, mine, group=group, async_op=True)
         return _Gather(out, work)
 
     @property
@@ -488,7 +489,7 @@ class GradBuckets:
                           device=master.device)
         if bucket.shards > 1:
             group = self.group if bucket.group is None else bucket.group
-            dist.all_gather_into_tensor(out, mine, group=group)
+            ALL_GATHER_SINGLE(out, mine, group=group)
         else:
             out.copy_(mine)
         whole = torch.empty(param.shape, dtype=master.dtype, device=master.device)

@@ -22,6 +22,12 @@ from partc.plan import Plan
 
 T = TypeVar("T")
 
+# The single-tensor collectives: torch 2.13 names them ``*_single`` and deprecates the
+# older names, which earlier releases (2.11 on the GPU machines) have alone.
+ALL_GATHER_SINGLE = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+REDUCE_SCATTER_SINGLE = (getattr(dist, "reduce_scatter_single", None)
+                         or dist.reduce_scatter_tensor)
+
 
 @dataclass(frozen=True)
 class Topology:

@@ -52,12 +52,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from .topology import ALL_GATHER_SINGLE, REDUCE_SCATTER_SINGLE
 from .tp_rings import LinearReduceScatter, LinearsOfGathered
-
-# The single-tensor collectives (torch 2.13 names them ``*_single``; earlier releases have
-# only the older names).
-_GATHER_INTO = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_SCATTER_FROM = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
 class TensorParallelGroup(nn.Module):
@@ -135,7 +131,7 @@ class TensorParallelGroup(nn.Module):
             return whole_of(parts, dim, chunks)
         # (gloo wants the ranks' shards stacked on their first dim)
         gathered = x.new_empty((self.size * x.shape[0], *x.shape[1:]))
-        _GATHER_INTO(gathered, x.contiguous(), group=self.process_group)
+        ALL_GATHER_SINGLE(gathered, x.contiguous(), group=self.process_group)
         dim = dim % x.dim()
         return gathered.view(self.size, *x.shape).movedim(0, dim).flatten(dim, dim + 1)
 
@@ -166,7 +162,7 @@ class TensorParallelGroup(nn.Module):
             return out
         chunks = x.unflatten(dim, (self.size, -1)).movedim(dim, 0).contiguous()
         out = x.new_empty(chunks.shape[1:])
-        _SCATTER_FROM(out, chunks.flatten(0, 1), group=self.process_group)
+        REDUCE_SCATTER_SINGLE(out, chunks.flatten(0, 1), group=self.process_group)
         return out
 
     def ring_exchange(self, send: torch.Tensor, receive: torch.Tensor, tag: int = 0):
