@@ -81,7 +81,7 @@ from .context import Context
 from .graph import (carries_grad, dropout_args, fetch, is_dtype_check, layer_nodes,
                     param_usage)
 from .layers import crossing_bytes
-from .op_bytes import COPY_THEN_IN_PLACE, MovedBytes, nbytes
+from .op_bytes import COPY_THEN_IN_PLACE, IN_PLACE_FLOP_FORMULAS, MovedBytes, nbytes
 
 log = logging.getLogger("partc")
 
@@ -198,7 +198,8 @@ def _run_layer(gm: fx.GraphModule, nodes: list[fx.Node], setting: _Setting) -> _
                 run.inputs[node] = _bytes_as_made(node, setting.dtypes)
         return env[node]
 
-    counter = FlopCounterMode(display=False, custom_mapping=fuse_attention.FLOP_FORMULAS)
+    counter = FlopCounterMode(display=False, custom_mapping={
+        **fuse_attention.FLOP_FORMULAS, **IN_PLACE_FLOP_FORMULAS})
     # The kernels each node launches, paused with the casts while stand-ins are made.
     launched = MovedBytes(frozen, cuda=setting.runtime_device == "cuda")
     casts = _Casts(cuda=launched.cuda, launched=launched)
@@ -522,7 +523,9 @@ def _node_cost(node: fx.Node, args: tuple, kwargs: dict, result: Any, flops: int
     outputs = [t for t in pytree.tree_leaves(result) if isinstance(t, torch.Tensor)]
     input_storages = {StorageWeakRef(t.untyped_storage()) for t in inputs}
     out_bytes = sum(nbytes(t) for t in outputs)
-    is_view = node.op == "get_attr" or bool(outputs) and all(
+    # (An op with FLOPs that returns its input's storage is a product accumulating in
+    # place, ``c.addmm_(a, b)``: it reads and writes, as ``torch.addmm`` does.)
+    is_view = node.op == "get_attr" or not flops and bool(outputs) and all(
         StorageWeakRef(t.untyped_storage()) in input_storages for t in outputs)
     for tensor in outputs:
         producer.setdefault(StorageWeakRef(tensor.untyped_storage()), node)

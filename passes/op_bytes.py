@@ -12,6 +12,7 @@ nothing here: the roofline prices their FLOPs.
 from __future__ import annotations
 
 import contextlib
+from typing import Any
 
 import torch
 import torch.utils._pytree as pytree
@@ -27,9 +28,29 @@ COPY_THEN_IN_PLACE = frozenset(
                                                "masked_scatter", "index_add", "index_copy",
                                                "put"))
 
+
+
+def _same_flops_as(packet) -> Any:
+    """FlopCounterMode's formula for ``packet``, for an op of the same arguments."""
+    formula = flop_registry[packet]
+
+    def flops(*args: Any, **kwargs: Any) -> int:
+        return formula(*args, **kwargs)
+
+    flops._get_raw = True  # type: ignore[attr-defined]  # the formula reads the shapes
+    return flops
+
+
+# The in-place forms of the products FlopCounterMode counts (``c.addmm_(a, b)``,
+# ``c.baddbmm_(a, b)``: a matmul that accumulates into its output), which it has no
+# formula for: the out-of-place op's FLOPs (``passes.estimate`` counts them with these).
+IN_PLACE_FLOP_FORMULAS = {torch.ops.aten.addmm_: _same_flops_as(torch.ops.aten.addmm),
+                          torch.ops.aten.baddbmm_: _same_flops_as(torch.ops.aten.baddbmm)}
+
 # The ops the roofline prices by their FLOPs, forward and backward (matmuls,
-# convolutions, attention kernels): FlopCounterMode's, and CPU's fused attention.
-_HEAVY = frozenset(flop_registry) | {
+# convolutions, attention kernels): FlopCounterMode's, their in-place forms, and CPU's
+# fused attention.
+_HEAVY = frozenset(flop_registry) | frozenset(IN_PLACE_FLOP_FORMULAS) | {
     torch.ops.aten._scaled_dot_product_flash_attention_for_cpu,
     torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward}
 # Ops that write their output without reading it (the destination of a copy, a fill).

@@ -53,6 +53,43 @@ def test_mlp_costs_by_hand():
     assert fc2.kernels == {"forward": 1, "backward": 3, "recompute": {"none": 0, "full": 1}}
 
 
+class _Accumulating(nn.Module):
+    """A projection and a batched product accumulating into their outputs in place
+    (``out.addmm_``, ``out.baddbmm_``), or the same out of place."""
+
+    def __init__(self, in_place: bool) -> None:
+        super().__init__()
+        self.in_place = in_place
+        self.weight = nn.Parameter(torch.randn(16, 8))
+        self.bias = nn.Parameter(torch.randn(16))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        start = self.bias.expand(x.shape[0], 16).clone()
+        h = start.addmm_(x, self.weight.t()) if self.in_place \
+            else torch.addmm(start, x, self.weight.t())
+        pairs = h.view(-1, 4, 4)
+        start = pairs.clone()
+        return (start.baddbmm_(pairs, pairs) if self.in_place
+                else torch.baddbmm(start, pairs, pairs)).relu()
+
+
+def test_products_accumulating_in_place_are_counted_as_out_of_place():
+    """FlopCounterMode has no formula for ``addmm_``/``baddbmm_``: partc counts theirs
+    as the out-of-place ops', prices them as matmuls (not views that move nothing),
+    and their bytes read and write the accumulator."""
+    out_of_place = analyze(_Accumulating(False), (torch.randn(B, 8),))[1].layers
+    gm, analysis = analyze(_Accumulating(True), (torch.randn(B, 8),))
+    for layers in (out_of_place, analysis.layers):
+        assert sum(layer.fwd_flops for layer in layers) == 2 * 8 * 16 + 2 * 4 * 4 * 4
+        assert sum(len(layer.heavy_ops) for layer in layers) == 2
+    products = [meta.cost(n) for n in gm.graph.nodes if n.op.startswith("call_")
+                and str(n.target).endswith(("addmm_", "baddbmm_"))]
+    assert len(products) == 2
+    assert all(c.compute_heavy and not c.is_view for c in products)
+    # addmm_: x (8) and the accumulator (16) read, the accumulator written, per sample.
+    assert products[0].bytes_moved == B * (8 + 16 + 16) * 4
+
+
 class _ProjectedLoss(nn.Module):
     """A loss with parameters of its own: the loss layer is one ``call_module`` node."""
 
