@@ -9,8 +9,8 @@ each parameter. Placing a gradient rank by rank launches dp kernels per paramete
 microbatch (and dp per parameter per step for the all-gather's rows); the runtime now
 launches at most two (every full chunk as one strided view, then a short last chunk),
 which is what the cost model prices per parameter tensor. Printed per dp: the kernels
-(as the cost model's counter, ``MovedBytes``, counts them) per microbatch and parameter, and the median time of each, rounds
-interleaved, and their ratio. The model is the sample GPT (12 layers of width 768),
+(as the cost model's counter, ``MovedBytes``, counts them) per microbatch and
+parameter, and the median time of each, rounds interleaved, and their ratio. The model is the sample GPT (12 layers of width 768),
 with bf16 gradients (mixed precision) and fp32 ones.
 
 On a GPU each launch costs the device microseconds beyond its bytes

@@ -13,8 +13,9 @@ forms gather into one tensor per rank and concatenate them, and reduce-scatter a
 of chunks. NCCL's list collectives stage through one flat buffer (a copy out or in of
 the whole beside the transfer), so over NCCL the group runs both single-tensor; gloo's
 single-tensor reduce-scatter all-reduces a copy of the whole, so over gloo its
-reduce-scatter runs over the list (``TensorParallelGroup.listed``). Per shape of a batch-first activation (batch, sequence, hidden) and dim: the
-median of ``--rounds`` interleaved rounds of each form, and their ratio.
+reduce-scatter runs over the list (``TensorParallelGroup.listed``). Per shape of a
+batch-first activation (batch, sequence, hidden) and dim: the median of ``--rounds``
+interleaved rounds of each form, and their ratio.
 """
 
 from __future__ import annotations

@@ -79,9 +79,9 @@ from .attention_core import attention_cores, core_inputs
 from .autocast_policy import cuda_autocast
 from .context import Context
 from .graph import (carries_grad, dropout_args, fetch, is_dtype_check, layer_nodes,
-                    param_usage)
+                    param_usage, storage_of)
 from .layers import crossing_bytes
-from .op_bytes import COPY_THEN_IN_PLACE, IN_PLACE_FLOP_FORMULAS, MovedBytes, nbytes
+from .op_bytes import COPY_THEN_IN_PLACE, FLOP_FORMULAS, MovedBytes, nbytes
 
 log = logging.getLogger("partc")
 
@@ -198,8 +198,7 @@ def _run_layer(gm: fx.GraphModule, nodes: list[fx.Node], setting: _Setting) -> _
                 run.inputs[node] = _bytes_as_made(node, setting.dtypes)
         return env[node]
 
-    counter = FlopCounterMode(display=False, custom_mapping={
-        **fuse_attention.FLOP_FORMULAS, **IN_PLACE_FLOP_FORMULAS})
+    counter = FlopCounterMode(display=False, custom_mapping=FLOP_FORMULAS)
     # The kernels each node launches, paused with the casts while stand-ins are made.
     launched = MovedBytes(frozen, cuda=setting.runtime_device == "cuda")
     casts = _Casts(cuda=launched.cuda, launched=launched)
@@ -771,10 +770,7 @@ def _tp_call(gm: fx.GraphModule, node: fx.Node) -> bool:
 
 def _base(node: fx.Node, run: _LayerRun) -> fx.Node:
     """The node whose storage ``node``'s value is (through views of this layer)."""
-    while node in run.costs and run.costs[node].is_view and node.all_input_nodes \
-            and node.op != "get_attr":
-        node = node.all_input_nodes[0]
-    return node
+    return storage_of(node, lambda n: n in run.costs and run.costs[n].is_view)
 
 
 def _value_bytes(node: fx.Node, run: _LayerRun) -> float:

@@ -50,7 +50,6 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import fx
-from torch.utils.flop_counter import flop_registry
 
 from partc import meta
 
@@ -415,19 +414,6 @@ def _erase_dead(graph: fx.Graph, nodes: list[fx.Node]) -> None:
 
 
 # ----------------------------------------------------------------------- measuring
-
-def _cpu_kernel_flops(*args: Any, **kwargs: Any) -> int:
-    return flop_registry[torch.ops.aten._scaled_dot_product_flash_attention](*args, **kwargs)
-
-
-# Raw: the formula registered for the CUDA flash kernel takes the tensors themselves.
-_cpu_kernel_flops._get_raw = True  # type: ignore[attr-defined]
-
-# What FlopCounterMode lacks to count the fused kernel that fake CPU tensors dispatch to
-# (``_scaled_dot_product_flash_attention_for_cpu``; it counts none by default): the
-# same two products of (seq_q x seq_k) as the CUDA flash kernel and as the written ops.
-FLOP_FORMULAS = {torch.ops.aten._scaled_dot_product_flash_attention_for_cpu: _cpu_kernel_flops}
-
 
 def is_fused(node: fx.Node) -> bool:
     """Whether ``node`` calls ``scaled_dot_product_attention`` (this pass's calls, a

@@ -5,7 +5,7 @@ GraphModule and its ``node.meta``; nothing here changes a graph."""
 from __future__ import annotations
 
 import operator
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from torch import fx
@@ -160,6 +160,15 @@ def is_dtype_check(node: fx.Node) -> bool:
     """An exported graph's assertion of the dtype a tensor was traced with."""
     return node.op == "call_function" and \
         getattr(node.target, "__name__", "").startswith("_assert_tensor_metadata")
+
+
+def storage_of(node: fx.Node, is_view: Callable[[fx.Node], bool]) -> fx.Node:
+    """The node whose storage ``node``'s value is: through the views (``is_view``) of
+    each one's first input, up to a parameter fetch."""
+    while node.op != "get_attr" and node.all_input_nodes and is_view(node):
+        node = node.all_input_nodes[0]
+    return node
+
 
 def tensor_inputs(node: fx.Node) -> list[fx.Node]:
     return [a for a in node.all_input_nodes if is_tensorish(a)]

@@ -29,29 +29,33 @@ COPY_THEN_IN_PLACE = frozenset(
                                                "put"))
 
 
-
 def _same_flops_as(packet) -> Any:
-    """FlopCounterMode's formula for ``packet``, for an op of the same arguments."""
+    """FlopCounterMode's formula for ``packet``, for an op of the same arguments (raw:
+    the registered formula takes the tensors and reads their shapes itself)."""
     formula = flop_registry[packet]
 
     def flops(*args: Any, **kwargs: Any) -> int:
         return formula(*args, **kwargs)
 
-    flops._get_raw = True  # type: ignore[attr-defined]  # the formula reads the shapes
+    flops._get_raw = True  # type: ignore[attr-defined]
     return flops
 
 
-# The in-place forms of the products FlopCounterMode counts (``c.addmm_(a, b)``,
-# ``c.baddbmm_(a, b)``: a matmul that accumulates into its output), which it has no
-# formula for: the out-of-place op's FLOPs (``passes.estimate`` counts them with these).
-IN_PLACE_FLOP_FORMULAS = {torch.ops.aten.addmm_: _same_flops_as(torch.ops.aten.addmm),
-                          torch.ops.aten.baddbmm_: _same_flops_as(torch.ops.aten.baddbmm)}
+# What FlopCounterMode lacks (``passes.estimate`` counts with these): the fused kernel
+# that fake CPU tensors dispatch attention to, the same two products of (seq_q x seq_k)
+# as the CUDA flash kernel and the written ops; and the in-place forms of the products
+# (``c.addmm_(a, b)``, ``c.baddbmm_(a, b)``: a matmul accumulating into its output),
+# the out-of-place op's FLOPs.
+FLOP_FORMULAS = {
+    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu:
+        _same_flops_as(torch.ops.aten._scaled_dot_product_flash_attention),
+    torch.ops.aten.addmm_: _same_flops_as(torch.ops.aten.addmm),
+    torch.ops.aten.baddbmm_: _same_flops_as(torch.ops.aten.baddbmm)}
 
 # The ops the roofline prices by their FLOPs, forward and backward (matmuls,
-# convolutions, attention kernels): FlopCounterMode's, their in-place forms, and CPU's
-# fused attention.
-_HEAVY = frozenset(flop_registry) | frozenset(IN_PLACE_FLOP_FORMULAS) | {
-    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu,
+# convolutions, attention kernels): FlopCounterMode's, those above, and CPU's fused
+# attention's backward.
+_HEAVY = frozenset(flop_registry) | frozenset(FLOP_FORMULAS) | {
     torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward}
 # Ops that write their output without reading it (the destination of a copy, a fill).
 _WRITE_ONLY = frozenset((torch.ops.aten.copy_, torch.ops.aten.fill_, torch.ops.aten.zero_))

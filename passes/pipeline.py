@@ -303,10 +303,11 @@ def tensor_parallel_options(gm: fx.GraphModule, links: Sequence[Link],
     """For each group (``links``: one per tp degree), with and without sequence
     parallelism, fastest first and fewest bytes first (tp_chooser's objectives): choose
     the sharding, rewrite a copy of the graph for one rank, and measure it as
-    ``analyze`` measures the whole model. A memory-first sharding equal to the time-first one is not repeated.
-    ``options``: the chooser's CP-SAT limits (``PlannerOptions.sharding``).
-    ``gm`` is ``analyze``'s graph; where it holds representatives of repeated blocks,
-    each option is measured on it and expanded to the whole model.
+    ``analyze`` measures the whole model. A memory-first sharding equal to the
+    time-first one is not repeated. ``options``: the chooser's CP-SAT limits
+    (``PlannerOptions.sharding``). ``gm`` is ``analyze``'s graph; where it holds
+    representatives of repeated blocks, each option is measured on it and expanded to
+    the whole model.
     """
     ctx = gm.meta[meta.CONTEXT]
     try:

@@ -108,7 +108,8 @@ from partc.options import ShardingOptions
 from partc.placement import REPLICATE, Placement, Shard
 from partc.problem import HeavyOp
 
-from .graph import carries_grad, is_tensorish, layer_nodes, op_name, tensor_inputs
+from .graph import (carries_grad, is_tensorish, layer_nodes, op_name, storage_of,
+                    tensor_inputs)
 from .tp_rules import (NO_STRATEGY_OPS, ChunkHints, Collective, Strategy, divides,
                        output_shape, redistribute, regathers, strategies)
 
@@ -352,7 +353,7 @@ class _LayerProblem:
         grad_partial = consumer_out.kind != "R" and producer in self.grads
         if regathers(consumer, position, src, dst, grad_partial):
             return 0.0
-        return _saved_bytes(_storage_of(producer))
+        return _saved_bytes(storage_of(producer, _is_view))
 
     def edge_moves(self, producer: fx.Node, src: Placement, dst: Placement,
                    consumer_out: Placement) -> tuple | None:
@@ -421,20 +422,15 @@ def _moves_seconds(moves: tuple, nbytes: float, link: Link) -> float:
 _GOAL_SCALE = 10 ** 18
 
 
+def _is_view(node: fx.Node) -> bool:
+    cost = meta.cost(node)
+    return cost is not None and cost.is_view
+
+
 def _saved_bytes(node: fx.Node) -> float:
     """What the unsharded layer keeps for backward of the storage ``node`` makes."""
     cost = meta.cost(node) if node.op != "get_attr" else None
     return float(cost.saved_bytes) if cost is not None else 0.0
-
-
-def _storage_of(node: fx.Node) -> fx.Node:
-    """The node whose storage ``node``'s value is (through views of its first input)."""
-    while node.op == "call_function" and node.args and isinstance(node.args[0], fx.Node):
-        cost = meta.cost(node)
-        if cost is None or not cost.is_view:
-            break
-        node = node.args[0]
-    return node
 
 
 def _param_share(node: fx.Node, placement: Placement, tp: int) -> float:
@@ -603,7 +599,6 @@ class _LayerModel:
             for var, chosen in zip(self.pick[node], self.problem.options[node]):
                 share = _param_share(node, chosen.out, self.problem.tp)
                 self.objective.add_memory(share, var)
-
 
     def _activation_bytes(self) -> None:
         """``A``'s part for the values the layer makes: what the unsharded layer keeps

@@ -22,10 +22,10 @@ each solve from its earlier plan. ``partc.PlanCache`` keeps one per problem.
 
 With the schedule left to the planner ("auto"), the search above weighs 1F1B and GPipe
 by the closed form, which picks the mesh, batch split, ZeRO stage and tensor
-parallelism. (A pinned schedule's virtual-stage counts are weighed so too.) Then every other
-schedule torch runs on that configuration
-(:func:`schedule_candidates`: interleaved 1F1B, looped BFS and interleaved zero-bubble
-with 2-4 virtual stages per rank, ZBV and DualPipeV with 2) is solved by CP-SAT in turn
+parallelism. (A pinned schedule's virtual-stage counts are weighed so too.) Then every
+other schedule torch runs on that configuration (:func:`schedule_candidates`:
+interleaved 1F1B, looped BFS and interleaved zero-bubble with 2-4 virtual stages per
+rank, ZBV and DualPipeV with 2) is solved by CP-SAT in turn
 for its own stage split, recompute and memory (its activations in flight), and the plan
 whose schedule plays out fastest (:func:`~partc.costs.simulated_step_ps`, the per-rank
 event simulation) is kept (:func:`choose_schedule`). The closed form is no lower bound

@@ -117,8 +117,8 @@ class TensorParallelGroup(nn.Module):
         rank; :attr:`listed` not naming it): the shards gather into one buffer one
         after another, viewed as the whole where they lie so (the first dim, or every
         dim before ``dim`` of size one) and copied into place otherwise; else into one
-        tensor per rank, then concatenated. A stand-in makes the whole by that copy from its own
-        shard (every rank's, as it acts), which the estimate counts wherever the
+        tensor per rank, then concatenated. A stand-in makes the whole by that copy from
+        its own shard (every rank's, as it acts), which the estimate counts wherever the
         runtime may copy: a batch of one sequence shard traces what larger batches
         copy."""
         self.counts["all_gather"] += 1

@@ -161,14 +161,12 @@ def block(config: Config | str, tp: int, sequence_parallel: bool,
     ``objective`` asks (``tp_objective``)."""
     config = _config(config)
     graph, analysis = analysed(config)
-    if tp == 1:
-        problem = build_problem(analysis, budget(config), train_spec(config),
-                                partc.Constraints(tp=1), graph)
-        return next(layer for layer in problem.layers if layer.name == BLOCK)
-    objective = objective or planned_objective(config, tp, sequence_parallel)
+    if tp > 1:
+        objective = objective or planned_objective(config, tp, sequence_parallel)
     problem = build_problem(analysis, budget(config), train_spec(config), partc.Constraints(
-        tp=tp, sequence_parallel=sequence_parallel, tp_objective=objective), graph)
-    local = problem.variant(tp, sequence_parallel, objective)
+        tp=tp, sequence_parallel=sequence_parallel if tp > 1 else None,
+        tp_objective=objective if tp > 1 else None), graph)
+    local = problem.variant(tp, sequence_parallel, objective) if tp > 1 else problem
     return next(layer for layer in local.layers if layer.name == BLOCK)
 
 
