@@ -41,16 +41,50 @@ def _same_flops_as(packet) -> Any:
     return flops
 
 
+def _matrix_vector_flops(matrix: Any, vector: Any, *args: Any, **kwargs: Any) -> int:
+    """``mv(matrix, vector)``: a multiply and an add per element of the matrix."""
+    rows, columns = matrix
+    return 2 * rows * columns
+
+
+def _added_matrix_vector_flops(start: Any, matrix: Any, vector: Any, *args: Any,
+                               **kwargs: Any) -> int:
+    """``addmv(start, matrix, vector)``: the product's, the add is memory-bound."""
+    return _matrix_vector_flops(matrix, vector)
+
+
+def _added_batch_sum_flops(start: Any, first: Any, second: Any, *args: Any,
+                           **kwargs: Any) -> int:
+    """``addbmm(start, first, second)``: the batch of products (b x n x k by b x k x m),
+    summed into one n x m matrix (as ``baddbmm``'s products, the sum over the batch
+    folded in)."""
+    batch, rows, inner = first
+    return 2 * batch * rows * inner * second[-1]
+
+
+def _dot_flops(first: Any, second: Any, *args: Any, **kwargs: Any) -> int:
+    return 2 * first[0]
+
+
 # What FlopCounterMode lacks (``passes.estimate`` counts with these): the fused kernel
 # that fake CPU tensors dispatch attention to, the same two products of (seq_q x seq_k)
-# as the CUDA flash kernel and the written ops; and the in-place forms of the products
+# as the CUDA flash kernel and the written ops; the in-place forms of the products
 # (``c.addmm_(a, b)``, ``c.baddbmm_(a, b)``: a matmul accumulating into its output),
-# the out-of-place op's FLOPs.
+# the out-of-place op's FLOPs; and the products it has no formula for at all
+# (matrix-vector, the batch-summed ``addbmm``, dot products), in FlopCounterMode's unit
+# (a multiply-add is two).
 FLOP_FORMULAS = {
     torch.ops.aten._scaled_dot_product_flash_attention_for_cpu:
         _same_flops_as(torch.ops.aten._scaled_dot_product_flash_attention),
     torch.ops.aten.addmm_: _same_flops_as(torch.ops.aten.addmm),
-    torch.ops.aten.baddbmm_: _same_flops_as(torch.ops.aten.baddbmm)}
+    torch.ops.aten.baddbmm_: _same_flops_as(torch.ops.aten.baddbmm),
+    torch.ops.aten.mv: _matrix_vector_flops,
+    torch.ops.aten.addmv: _added_matrix_vector_flops,
+    torch.ops.aten.addmv_: _added_matrix_vector_flops,
+    torch.ops.aten.addbmm: _added_batch_sum_flops,
+    torch.ops.aten.addbmm_: _added_batch_sum_flops,
+    torch.ops.aten.dot: _dot_flops,
+    torch.ops.aten.vdot: _dot_flops}
 
 # The ops the roofline prices by their FLOPs, forward and backward (matmuls,
 # convolutions, attention kernels): FlopCounterMode's, those above, and CPU's fused

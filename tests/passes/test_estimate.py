@@ -90,6 +90,34 @@ def test_products_accumulating_in_place_are_counted_as_out_of_place():
     assert products[0].bytes_moved == B * (8 + 16 + 16) * 4
 
 
+class _VectorProducts(nn.Module):
+    """The products FlopCounterMode has no formula for: matrix-vector (``mv``,
+    ``addmv``), a batch summed into one matrix (``addbmm``) and a dot product."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.vector = nn.Parameter(torch.randn(8))
+        self.start = nn.Parameter(torch.randn(8))
+        self.corner = nn.Parameter(torch.randn(2, 2))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        scores = torch.mv(x, self.vector)                     # (B,): 2 B 8
+        pooled = torch.addmv(self.start, x.t(), scores)        # (8,): 2 8 B
+        pairs = x.view(x.shape[0], 2, 4)
+        summed = torch.addbmm(self.corner, pairs, pairs.transpose(1, 2))  # 2 B 2 4 2
+        return summed.sum() + torch.dot(pooled, self.vector)   # 2 8
+
+
+def test_vector_products_are_counted_as_matmuls():
+    gm, analysis = analyze(_VectorProducts(), (torch.randn(B, 8),))
+    flops = 2 * B * 8 + 2 * 8 * B + 2 * B * 2 * 4 * 2 + 2 * 8
+    assert sum(layer.fwd_flops for layer in analysis.layers) * B == flops
+    products = [meta.cost(n) for n in gm.graph.nodes if n.op == "call_function"
+                and getattr(n.target, "__name__", "") in ("mv", "addmv", "addbmm", "dot")]
+    assert len(products) == 4
+    assert all(c.compute_heavy and c.flops > 0 for c in products)
+
+
 class _ProjectedLoss(nn.Module):
     """A loss with parameters of its own: the loss layer is one ``call_module`` node."""
 
