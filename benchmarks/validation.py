@@ -8,11 +8,13 @@
 2. Megatron-Core's H100 weak scaling (Megatron-LM README, 2024): one H100 matmul
    efficiency fitted on the 32B row; partc's predicted TF/GPU for every published mesh
    (tp, pp, dp, batch and the distributed optimizer pinned, and a pipeline as
-   Megatron-Core r0.8.0 runs it: plain 1F1B over an even split of the blocks), its ratio
-   to the published one; under "partc schedule" the same mesh with the schedule and
-   stages left to the planner, and that prediction's ratio; the planner's own plan for
-   the same devices; and each step broken down by cause. With ``--interleavings``, the
-   pipelined rows priced under each interleaved 1F1B Megatron-Core could have run. With
+   Megatron-Core r0.8.0 can run it: plain 1F1B or interleaved 1F1B over an even split
+   of the blocks, the faster within 80 GB, under "schedule"; "1f1b" is plain 1F1B's
+   ratio), its ratio to the published one; under "partc schedule" the same mesh with
+   the schedule and stages left to the planner, and that prediction's ratio; the
+   planner's own plan for the same devices; and each step, as its schedule runs it,
+   broken down by cause. With ``--interleavings``, the pipelined rows priced under each
+   interleaved 1F1B Megatron-Core could have run. With
    ``--efficiency E``, the table at that matmul efficiency instead of the fitted one
    (0.70: an H100's bf16 linears as ``partc calibrate`` measured them); with
    ``--micro-batch B``, every row's micro-batch size pinned (each row's batch is 4 pp
@@ -45,6 +47,7 @@ sys.path.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from partc.presets import preset  # noqa: E402
 from tests.validation import korthikanti, mcore  # noqa: E402
+from tests.validation.mcore import tflops_per_gpu  # noqa: E402
 from tests.validation.megatron import breakdown, plan_assignment  # noqa: E402
 
 GIB = 2**30
@@ -130,7 +133,7 @@ def mcore_table(names: list[str], show_breakdown: bool, given: float | None = No
               f"at the preset's efficiency, {efficiency}")
     print(f"{'model':>5} {'tp':>3} {'pp':>3} {'dp':>3} {'published':>9} {'partc':>7} "
           f"{'ratio':>6} {'GiB':>5} {'b':>2} {'m':>3} {'sp':>3} {'recompute':>16} "
-          f"{'partc schedule':>30} {'own plan':>18}")
+          f"{'schedule':>12} {'1f1b':>6} {'partc schedule':>30} {'own plan':>18}")
     for run in runs:
         if names and run.name not in names:
             continue
@@ -139,19 +142,22 @@ def mcore_table(names: list[str], show_breakdown: bool, given: float | None = No
         plan = ours.plan
         modes = ",".join(sorted(set(plan.recompute.values())))
         mesh = f"{own.plan.tp}x{own.plan.pp}x{own.plan.dp} {own.tflops_per_gpu:.0f} TF"
-        chosen = "-"
+        chosen = plain = "-"
+        schedule = "-" if run.pp == 1 else \
+            "1f1b" if ours.chunks == 1 else f"i1f1b v={ours.chunks}"
         if run.pp > 1:
             free = mcore.predict(run, efficiency, megatron_pipeline=False,
                                  micro_batch_size=micro_batch_size)
             chosen = f"{free.plan.schedule} v={free.plan.chunks} {free.ratio:.3f}"
+            plain = f"{tflops_per_gpu(run, plan.predicted.step_time_s) / run.tflops_per_gpu:.3f}"
         print(f"{run.name:>5} {run.tp:>3} {run.pp:>3} {run.dp:>3} {run.tflops_per_gpu:>9.1f} "
               f"{ours.tflops_per_gpu:>7.1f} {ours.ratio:>6.3f} {ours.peak_bytes / GIB:>5.1f} "
               f"{plan.micro_batch_size:>2} {plan.num_microbatches:>3} "
-              f"{'on' if plan.sequence_parallel else '-':>3} {modes:>16} {chosen:>30} "
-              f"{mesh:>18}")
+              f"{'on' if plan.sequence_parallel else '-':>3} {modes:>16} {schedule:>12} "
+              f"{plain:>6} {chosen:>30} {mesh:>18}")
         if show_breakdown:
             problem = mcore.problem(run, efficiency, micro_batch_size=micro_batch_size)
-            parts = breakdown(problem, plan_assignment(plan))
+            parts = breakdown(problem, ours.assignment)
             print("      " + ", ".join(f"{k} {v:.3f}" for k, v in parts.terms.items())
                   + f" = {parts.step:.3f} s; published step "
                   + f"{mcore.step_flops(run) / (run.gpus * run.tflops_per_gpu * 1e12):.3f} s")

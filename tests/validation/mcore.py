@@ -18,26 +18,27 @@ positions), dropout 0.1 (Megatron's default), attention fused into one kernel ca
 (``TrainSpec(attention="fused")``: Megatron-Core runs flash attention), planned in bf16
 for the H100 preset. Pinned as published: tp, pp, dp, the global batch and the
 distributed optimizer (``zero_stage=1``). Free, as the issue asks: sequence parallelism,
-recompute per layer and the micro-batch size. Pinned as Megatron-Core r0.8.0 (the
-release the figures name) runs a pipelined row: plain 1F1B over its even split of the
-blocks, embeddings on the first stage, final norm, head and loss on the last
-(:data:`PUBLISHED_SCHEDULE`, :func:`published`). That release interleaves only when
-``--num-layers-per-virtual-pipeline-stage`` divides the blocks per stage, which the
-table does not give and which 119B's 23 and 462B's 7 blocks per stage allow only as
-one-block virtual stages; it has no zero-bubble schedule and no uneven split. Left to
-itself, partc's planner gives 70B interleaved zero-bubble over four chunks per rank,
-119B over three and 314B over two, and predicts 119B's throughput 17% above that of the
-published schedule: interleaved, its fill and drain are (p - 1) / (v m) of the
-microbatches' time (3/48) where Megatron-Core's 1F1B has 3/16. That is a schedule
-partc can run and Megatron-Core r0.8.0 cannot, not a wrong price
-(``benchmarks/validation.py --only mcore`` shows both). Plain 1F1B is also what the
-published figures fit: under the interleavings r0.8.0 could have run (even splits, the
-plan otherwise as pinned; :func:`megatron_interleavings`, ``--interleavings``) partc
-predicts 0.97-1.05x for 70B (v = 2 to 42), 1.11x for 119B (v = 23), 1.14-1.18x for 177B
-(v = 2 to 16), 1.08-1.11x for 314B (v = 2 to 12) and 462B at v = 7 needs 103 GiB, where
-plain 1F1B gives 0.99-1.07x across the five; partc's interleaved pricing itself is
-checked on the SC'21 runs that did interleave (``tests/validation/megatron.py``). The
-177B row (pp = 6) is in the README's table but not in the json; it is here.
+recompute per layer and the micro-batch size. A pipelined row runs a schedule
+Megatron-Core r0.8.0 (the release the figures name) can run over its even split of the
+blocks, embeddings on the first stage, final norm, head and loss on the last: plain
+1F1B (:data:`PUBLISHED_SCHEDULE`, what the planner plans the pinned mesh with:
+:func:`published`), or interleaved 1F1B over ``v`` chunks per rank, where ``v``
+divides the blocks per stage (``--num-layers-per-virtual-pipeline-stage``) and the
+microbatches are a multiple of pp (:func:`megatron_interleavings`: the plan's
+micro-batch size, sequence parallelism and recompute kept). The table gives neither the
+schedule nor the micro-batch size; its authors chose both for speed, and
+:func:`predict` takes the faster schedule within 80 GB. Under plain 1F1B the pipelined
+rows would be predicted at 0.78-0.82x (fitted, below), the interleavings' shorter fill
+and drain ((p - 1) / (v m) of the microbatches' time where 1F1B's is (p - 1) / m) put
+them at 0.88-0.96x. That release has no zero-bubble schedule and no uneven split: left
+to itself, partc's planner gives 70B interleaved zero-bubble over four chunks per rank
+(0.997x), a schedule partc can run and Megatron-Core r0.8.0 cannot
+(``benchmarks/validation.py --only mcore`` prints all three). The planner tries 2 to 4
+chunks per rank; on 177B, 314B and 462B Megatron's interleavings of 6 to 8 chunks are
+predicted faster than the planner's own schedule for the mesh. The 177B row (pp = 6)
+is in the README's table but not in the json; it is here. partc's interleaved pricing
+itself is checked on the SC'21 runs that did interleave
+(``tests/validation/megatron.py``).
 
 One H100 matmul efficiency is fitted on one row (:data:`FIT_RUN`), the rest predicted
 with it (``tests/validation/test_mcore_scaling.py``; ``benchmarks/validation.py`` prints
@@ -45,32 +46,24 @@ the table). Fused attention is not fitted: it runs at the H100 preset's attentio
 efficiency, 0.5 of peak (cuDNN's flash kernel, which Transformer Engine runs on Hopper,
 as the FlashAttention-3 paper measured it; ``partc/presets.py``).
 
-What the fitted constant absorbs. The table does not give the micro-batch size; every
-row's batch is 4 pp dp sequences, i.e. 4 pp microbatches of one sequence per replica,
-what 1F1B needs to keep its fill and drain under a quarter of the step, and partc plans
-the pipelined rows so (b = 1, m = 4 pp; 70B b = 2). Without a pipeline partc plans one
-microbatch of four sequences (b = 4, m = 1: 32B at 73.5 GiB), whose backward hides the
-whole fp32 reduce-scatter of ZeRO-1's gradients and whose forward the bf16 all-gather
-of its weights; as four microbatches of one, Megatron-Core overlaps them with the last
-microbatch's backward and the first one's forward only, and partc prices about 0.34 s
-of them exposed on 32B (0.36 s at 0.70). Fitted on the plan that hides them, the
-constant comes out at 0.62 of peak where an H100's bf16 linears measured 0.70
-(``partc calibrate``, :data:`MEASURED_EFFICIENCY`), and it prices the pipelined rows'
-matmuls that much slower: 0.78-0.82x (1.7B, planned as 32B is, inside at 1.14x:
-``test_mcore_scaling``'s OUTSIDE says why). At the measured 0.70 with micro-batches of
-one (:data:`MICROBATCH_OF_THE_BATCHES`), nothing fitted, the pipelined rows are
-predicted at 0.84-0.89x (70B at 0.836x, 0.876x as partc plans it, two sequences a
-microbatch) and the unpipelined ones at 0.70-1.10x. 16B and 32B, whose
+What the fitted constant absorbs. Without a pipeline partc plans one microbatch of four
+sequences (b = 4, m = 1: 32B at 73.5 GiB), whose backward hides the whole fp32
+reduce-scatter of ZeRO-1's gradients and whose forward the bf16 all-gather of its
+weights; as the four microbatches of one that the published batches (4 pp dp
+sequences) would also allow, Megatron-Core overlaps them with the last microbatch's
+backward and the first one's forward only, and partc prices about 0.34 s of them
+exposed on 32B (0.36 s at 0.70). Fitted on the plan that hides them, the constant comes
+out at 0.62 of peak where an H100's bf16 linears measured 0.70 (``partc calibrate``,
+:data:`MEASURED_EFFICIENCY`), and it prices the pipelined rows' matmuls that much
+slower. At the measured 0.70, nothing fitted, the pipelined rows are predicted at
+0.94-1.01x and the unpipelined ones at 1.08-1.22x as partc plans them; with
+micro-batches of one (:data:`MICROBATCH_OF_THE_BATCHES`) 16B and 32B, whose
 data-parallel groups hold two ranks and one rank per node (a NIC each), spend 0.15 and
 0.36 s on exposed data-parallel traffic that 0.85 and 0.89 s published steps leave no
-room for at one sequence per microbatch: they likely ran larger microbatches, which the
-table does not say (partc's own, four sequences, predicts them at 1.08 and 1.08x
-there). 1.7B and 7.1B run their rings over 8 and 4 NICs a node
-(:mod:`partc.collectives`), expose little and come out at 1.10 and 0.98x (1.22 and
-1.10x as partc plans them). At 0.70, rows as partc plans them, eight of the nine lie
-in the band (1.7B at 1.22x), but they span 0.85-1.22x, more than any one constant
-fitted on one row can bring inside: fitted on a pipelined row, the unpipelined ones
-leave it.
+room for: they likely ran larger microbatches, which the table does not say. 1.7B and
+7.1B run their rings over 8 and 4 NICs a node (:mod:`partc.collectives`) and expose
+little either way; 1.7B, planned as 32B is, is the one row outside the band at 0.70
+(1.22x) and inside fitted (1.14x).
 """
 
 from __future__ import annotations
@@ -104,8 +97,8 @@ DROPOUT = 0.1
 PEAK_TFLOPS = 989.4
 DEVICE = "H100-80GB"
 DEVICE_BYTES = 80 * 2**30
-# What Megatron-Core runs a pipeline with unless told to interleave (the table does
-# not say it was).
+# What the planner plans a pipelined row's mesh with: Megatron-Core's schedule unless
+# told to interleave (predict also prices the interleavings it can run).
 PUBLISHED_SCHEDULE = "1f1b"
 # bf16 linear layers' matmuls on one H100 SXM, as `partc calibrate` measured them
 # (0.697; square matmuls of 2048^3 and more 0.71-0.72): the efficiency a row is
@@ -318,9 +311,23 @@ def fitted_efficiency(fit: Run = FIT_RUN) -> float:
 
 @dataclass(frozen=True, kw_only=True)
 class Prediction:
+    """A row as partc predicts it: ``plan`` is the planner's (the published mesh pinned,
+    plain 1F1B on a pipelined row), ``chunks`` the virtual stages per rank of the
+    schedule predicted (1: the plan's own; more: Megatron-Core's interleaved 1F1B over
+    that many chunks of its even split, the plan's micro-batch size, sequence
+    parallelism and recompute kept), ``peak`` that schedule's peak bytes."""
+
     run: Run
     plan: partc.Plan
     tflops_per_gpu: float
+    chunks: int = 1
+    peak: int | None = None
+    interleaved: Assignment | None = None
+
+    @property
+    def assignment(self) -> Assignment:
+        """What was priced: the plan's, or its interleaving's."""
+        return plan_assignment(self.plan) if self.interleaved is None else self.interleaved
 
     @property
     def ratio(self) -> float:
@@ -328,19 +335,37 @@ class Prediction:
 
     @property
     def peak_bytes(self) -> int:
-        return self.plan.predicted.peak_memory_bytes
+        return self.plan.predicted.peak_memory_bytes if self.peak is None else self.peak
+
+    @property
+    def schedule(self) -> str:
+        return INTERLEAVED if self.chunks > 1 else self.plan.schedule
 
 
 def predict(row: Run | str, efficiency: float | None = None, own: bool = False,
             megatron_pipeline: bool = True, micro_batch_size: int | None = None) -> Prediction:
-    """partc's plan for the row (the published mesh pinned as :func:`published` pins it,
-    or its own) at ``efficiency`` (the fitted one by default) and the TF/GPU it
-    predicts."""
+    """partc's prediction of the row at ``efficiency`` (the fitted one by default): its
+    plan for the published mesh (pinned as :func:`published` pins it), or its own plan
+    (``own``). A pipelined row's schedule is the fastest of those Megatron-Core r0.8.0
+    could run on that plan within 80 GB: plain 1F1B or interleaved 1F1B
+    (:func:`megatron_interleavings`); the table does not say which ran, as it does not
+    give the micro-batch size, and its authors chose both for speed."""
     run = _run(row)
     efficiency = fitted_efficiency() if efficiency is None else efficiency
-    result = plan(problem(run, efficiency, own, megatron_pipeline, micro_batch_size))
-    return Prediction(run=run, plan=result,
-                      tflops_per_gpu=tflops_per_gpu(run, result.predicted.step_time_s))
+    pinned = problem(run, efficiency, own, megatron_pipeline, micro_batch_size)
+    result = plan(pinned)
+    planned = Prediction(run=run, plan=result,
+                         tflops_per_gpu=tflops_per_gpu(run, result.predicted.step_time_s))
+    if own or not megatron_pipeline or run.pp == 1:
+        return planned
+    fitting = [i for i in _interleavings(run, pinned, result)
+               if i.peak_bytes <= DEVICE_BYTES]
+    best = max(fitting, key=lambda i: i.tflops_per_gpu, default=None)
+    if best is None or best.tflops_per_gpu <= planned.tflops_per_gpu:
+        return planned
+    return dataclasses.replace(planned, tflops_per_gpu=best.tflops_per_gpu,
+                               chunks=best.chunks, peak=best.peak_bytes,
+                               interleaved=best.assignment)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -351,18 +376,24 @@ class Interleaving:
     tflops_per_gpu: float
     ratio: float
     peak_bytes: int
+    assignment: Assignment
 
 
 def megatron_interleavings(row: Run | str,
                            efficiency: float | None = None) -> list[Interleaving]:
-    """The row as :func:`predict` plans it, priced under each interleaving Megatron-Core
-    r0.8.0 could have run instead: ``v`` chunks per rank of its even split for every
-    ``v > 1`` that divides the blocks per stage, where the microbatches are a multiple of
-    pp (its interleaved schedule requires it); micro-batch size, sequence parallelism and
-    recompute as planned."""
+    """The row as the planner plans its published mesh (plain 1F1B), priced under each
+    interleaving Megatron-Core r0.8.0 could run instead: ``v`` chunks per rank of its
+    even split for every ``v > 1`` that divides the blocks per stage, where the
+    microbatches are a multiple of pp (its interleaved schedule requires it);
+    micro-batch size, sequence parallelism and recompute as planned."""
     run = _run(row)
     efficiency = fitted_efficiency() if efficiency is None else efficiency
-    planned = predict(run, efficiency).plan
+    pinned = problem(run, efficiency)
+    return _interleavings(run, pinned, plan(pinned))
+
+
+def _interleavings(run: Run, pinned: PlanningProblem,
+                   planned: partc.Plan) -> list[Interleaving]:
     base = plan_assignment(planned)
     per_stage = run.layers // run.pp
     if run.pp == 1 or planned.num_microbatches % run.pp:
@@ -375,11 +406,10 @@ def megatron_interleavings(row: Run | str,
         runs = even_runs(run, names, run.pp * chunks)
         config = dataclasses.replace(base.config, schedule=INTERLEAVED, chunks=chunks)
         stage_of = tuple(j for j, members in enumerate(runs) for _ in members)
-        evaluation = price(problem(run, efficiency),
-                           Assignment(config=config, stage_of=stage_of, modes=modes))
+        assignment = Assignment(config=config, stage_of=stage_of, modes=modes)
+        evaluation = price(pinned, assignment)
         tflops = tflops_per_gpu(run, step_seconds(evaluation))
         found.append(Interleaving(chunks=chunks, tflops_per_gpu=tflops,
                                   ratio=tflops / run.tflops_per_gpu,
-                                  peak_bytes=peak_bytes(evaluation)))
+                                  peak_bytes=peak_bytes(evaluation), assignment=assignment))
     return found
-
