@@ -29,7 +29,9 @@ Model (per pipeline stage ``s`` of ``p``, ``m`` microbatches of ``b`` samples):
   w.r.t. its input and its weight are two ops like it; a fused attention kernel's
   recomputed scores add FLOPs); the light ops' backward moves the bytes the estimate
   measured autograd's ops to move (``LayerCost.bwd_mem_bytes``); recompute replays its
-  ops at the same roofline (:func:`layer_work`);
+  ops at the same roofline (:func:`layer_work`). Sequence-parallel linears that run as
+  rings (``TrainSpec.tp_overlap``) add the kernels and bytes the estimate measured
+  their rings to add to the blocking program it runs (:func:`run_layer`);
 - ``t_s`` = compute of the stage's layers + send/recv of the activation crossing its
   outgoing cut (forward) and of its gradient (backward) over the link to the next stage;
 - pipeline time, in closed form for the planner's search: ``(m - 1) * max_s t_s +
@@ -764,8 +766,15 @@ def dispatched(compute: float, memory: float, dispatch: float,
     return compute, memory + dispatch
 
 
-def _layer_table(problem: PlanningProblem, config: PipelineConfig, index: int) -> LayerTable:
+def run_layer(problem: PlanningProblem, index: int) -> LayerCost:
+    """Layer ``index`` as the runtime runs it: its sequence-parallel linears as rings
+    where ``TrainSpec.tp_overlap`` has them so (:meth:`LayerCost.as_rings`)."""
     layer = problem.layers[index]
+    return layer.as_rings() if problem.train.tp_overlap else layer
+
+
+def _layer_table(problem: PlanningProblem, config: PipelineConfig, index: int) -> LayerTable:
+    layer = run_layer(problem, index)
     devices, train = problem.devices, problem.train
     b, scale = config.micro_batch_size, train.measured_scale
     work = layer_work(layer, devices, b, scale, train.compiled)
@@ -1006,7 +1015,8 @@ def _layer_key(layer) -> tuple:
             layer.fused_kernels, tuple(sorted(layer.recompute_nodes.items())),
             layer.param_tensors, layer.largest_param, layer.backward_mem_bytes,
             layer.forward_kernels, layer.backward_kernels,
-            tuple(sorted(layer.recompute_kernels.items())))
+            tuple(sorted(layer.recompute_kernels.items())),
+            tuple(sorted(layer.ring_kernels.items())), layer.ring_bwd_mem_bytes)
 
 
 def build_cost_table(problem: PlanningProblem, config: PipelineConfig,
@@ -1392,7 +1402,7 @@ def moe_layer_table(whole: MoECost, problem: PlanningProblem, config: PipelineCo
       of the experts over the expert-data-parallel group (:func:`expert_dp_config`):
       their ZeRO sharding, gradient reduction, gather and optimizer step.
     """
-    layer = problem.layers[index]
+    layer = run_layer(problem, index)
     devices, train = problem.devices, problem.train
     figures = moe_layer_figures(whole, layer, problem, config)
     expert_config = expert_dp_config(config)

@@ -245,6 +245,13 @@ class LayerCost:
     forward_kernels: int | None = None
     backward_kernels: int | None = None
     recompute_kernels: dict[str, int] = field(default_factory=dict)
+    # What the layer's sequence-parallel linears add when they run as rings beside their
+    # collectives (partc.runtime.tp_rings, TrainSpec.tp_overlap) to the program measured
+    # above, where they run blocking: kernels per microbatch ("forward", "backward": a
+    # matmul and a copy or an add per chunk where blocking runs one matmul) and bytes per
+    # sample the backward's memory-bound ops move. Empty and 0: no such linears.
+    ring_kernels: dict[str, int] = field(default_factory=dict)
+    ring_bwd_mem_bytes: float = 0.0
 
     def __post_init__(self) -> None:
         listed = sum(op.flops * op.count for op in self.heavy_ops)
@@ -286,6 +293,26 @@ class LayerCost:
         if self.backward_mem_bytes is not None:
             return self.backward_mem_bytes
         return 2.0 * self.fwd_mem_bytes
+
+    def as_rings(self) -> "LayerCost":
+        """The layer as it runs with its sequence-parallel linears as rings (itself where
+        it has none): the ring kernels and bytes added to its forward, backward and full
+        recompute (a replay of the forward)."""
+        if not self.ring_kernels and not self.ring_bwd_mem_bytes:
+            return self
+        forward, backward = self.ring_kernels.get("forward", 0), self.ring_kernels.get(
+            "backward", 0)
+        recompute = dict(self.recompute_kernels)
+        if "full" in recompute:
+            recompute["full"] += forward
+        return replace(
+            self, ring_kernels={}, ring_bwd_mem_bytes=0.0, recompute_kernels=recompute,
+            forward_kernels=None if self.forward_kernels is None
+            else self.forward_kernels + forward,
+            backward_kernels=None if self.backward_kernels is None
+            else self.backward_kernels + backward,
+            backward_mem_bytes=None if self.backward_mem_bytes is None
+            else self.backward_mem_bytes + self.ring_bwd_mem_bytes)
 
     @property
     def kernels(self) -> dict[str, Any]:

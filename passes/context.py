@@ -36,6 +36,10 @@ class Context:
     # The tensor-parallel sharding ``tp_rewrite`` applies, on this graph's nodes
     # (``partc.passes.tp_chooser.Sharding``); None before one is chosen.
     sharding: Any = None
+    # What ``estimate`` measured a ring to add to the blocking call it stands for, by the
+    # call's arguments (their shapes and dtypes): shared by the tensor-parallel variants
+    # measured from this context, whose layers repeat the same calls.
+    ring_work: dict = field(default_factory=dict)
 
 
 @dataclass(frozen=True, kw_only=True)

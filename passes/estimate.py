@@ -107,6 +107,10 @@ class _LayerRun:
     # measured), as :class:`MovedBytes` counts them.
     kernels: dict[fx.Node, int] = field(default_factory=dict)
     backward_kernels: int | None = None
+    # What its sequence-parallel linears add run as rings (:func:`_rehearsed_rings`):
+    # kernels by phase, and bytes its backward moves (whole traced batch).
+    ring_kernels: dict[str, int] = field(default_factory=dict)
+    ring_backward_bytes: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -125,6 +129,8 @@ class _Setting:
     # The device type the runtime trains on ("cuda" or "cpu", the budget's): which kernels
     # run (causal attention that skips masked blocks, dropout's fused kernel).
     runtime_device: str = "cuda"
+    # The rings measured so far (``Context.ring_work``, :func:`_rehearsed_ring`).
+    rings: dict = field(default_factory=dict)
 
 
 def estimate(gm: fx.GraphModule, ctx: Context) -> fx.GraphModule:
@@ -139,7 +145,7 @@ def estimate(gm: fx.GraphModule, ctx: Context) -> fx.GraphModule:
     setting = _Setting(fake_mode=FakeTensorMode(allow_non_fake_inputs=True),
                        with_grad=carries_grad(gm), autocast=ctx.autocast, dtypes={},
                        device="cpu" if ctx.autocast is not None and _on_meta(gm) else None,
-                       runtime_device=ctx.autocast_device)
+                       runtime_device=ctx.autocast_device, rings=ctx.ring_work)
     usage = param_usage(gm, ctx)
     shared = _shared_values(gm)
     measured: dict[tuple, tuple[meta.LayerInfo, _LayerRun]] = {}
@@ -198,6 +204,7 @@ def _run_layer(gm: fx.GraphModule, nodes: list[fx.Node], setting: _Setting) -> _
                 run.inputs[node] = _bytes_as_made(node, setting.dtypes)
         return env[node]
 
+    rings: list[tuple[fx.Node, tuple]] = []   # calls the runtime runs as rings
     counter = FlopCounterMode(display=False, custom_mapping=FLOP_FORMULAS)
     # The kernels each node launches, paused with the casts while stand-ins are made.
     launched = MovedBytes(frozen, cuda=setting.runtime_device == "cuda")
@@ -226,7 +233,10 @@ def _run_layer(gm: fx.GraphModule, nodes: list[fx.Node], setting: _Setting) -> _
             elif node.op == "call_module":
                 result = _call_module(gm, node, args, kwargs, setting, frozen, casts)
             else:
-                result = _call(gm, node, setting, *_moved(setting.device, args, kwargs))
+                moved = _moved(setting.device, args, kwargs)
+                result = _call(gm, node, setting, *moved)
+                if node.op == "call_method" and node.target in _RING_CALLS:
+                    rings.append((node, moved))
             env[node] = result
             run.kernels[node] = launched.kernels - kernels_before
             run.dtypes[node] = tuple(t.dtype for t in pytree.tree_leaves(result)
@@ -253,7 +263,74 @@ def _run_layer(gm: fx.GraphModule, nodes: list[fx.Node], setting: _Setting) -> _
     for node in run.inputs:
         run.storages[node] = _storages(env[node], frozen)
     _attribute_saved(run)
+    for node, (args, kwargs) in rings:
+        kernels, moved = _rehearsed_ring(gm, node, args, kwargs, setting, frozen)
+        for phase, count in kernels.items():
+            run.ring_kernels[phase] = run.ring_kernels.get(phase, 0) + count
+        run.ring_backward_bytes += moved
     return run
+
+
+# The calls the runtime runs as rings beside their collectives (passes/tp_rewrite.py).
+_RING_CALLS = frozenset(("linears_of_gathered", "linear_reduce_scatter"))
+
+
+def _rehearsed_ring(gm: fx.GraphModule, node: fx.Node, args: tuple, kwargs: dict,
+                    setting: _Setting, frozen: set) -> tuple[dict[str, int], float]:
+    """What ``node`` (a sequence-parallel linear the runtime runs as a ring beside its
+    collective, ``partc.runtime.tp_rings``: a matmul and a copy or an add per chunk) adds
+    to the blocking call the layer's run measured: the kernels forward and backward and
+    the bytes backward moves, as :class:`MovedBytes` counts them. Measured on the call
+    alone, run again on the values the layer's run gave it (detached: nothing joins the
+    layer's graph), blocking and with its stand-in group rehearsing the ring (each
+    exchange moving nothing); nothing where the group runs no rings."""
+    group = args[0]
+    if not (isinstance(group, TensorParallelGroup) and group.overlap and group.size > 1):
+        return {}, 0.0
+    key = (node.target, group.size, setting.autocast, setting.device, setting.runtime_device,
+           tuple((tuple(t.shape), t.stride(), t.dtype, t.requires_grad)
+                 if isinstance(t, torch.Tensor) else t
+                 for t in pytree.tree_leaves((args[1:], kwargs))))
+    if key not in setting.rings:
+        setting.rings[key] = _measured_ring(node, group, args, kwargs, setting, frozen)
+    return setting.rings[key]
+
+
+def _measured_ring(node: fx.Node, group: TensorParallelGroup, args: tuple, kwargs: dict,
+                   setting: _Setting, frozen: set) -> tuple[dict[str, int], float]:
+    cuda = setting.runtime_device == "cuda"
+
+    def leaf(value: Any) -> Any:
+        if isinstance(value, torch.Tensor):
+            return value.detach().requires_grad_(value.requires_grad)
+        return value
+
+    def counted(rehearsing: bool) -> tuple[int, int, float]:
+        group.rehearsing = rehearsing
+        try:
+            with contextlib.ExitStack() as scope:
+                scope.enter_context(setting.fake_mode)
+                scope.enter_context(torch.enable_grad())
+                inputs = pytree.tree_map(leaf, (args[1:], kwargs))
+                if setting.autocast is not None:
+                    scope.enter_context(_autocast(setting, [node]))
+                with MovedBytes(frozen, cuda) as forward:
+                    result = getattr(group, node.target)(*inputs[0], **inputs[1])
+            outputs = [t for t in pytree.tree_leaves(result)
+                       if isinstance(t, torch.Tensor) and t.grad_fn is not None]
+            with setting.fake_mode, torch.enable_grad(), MovedBytes(frozen, cuda) as back:
+                torch.autograd.backward(outputs, [torch.empty_like(t) for t in outputs])
+        finally:
+            group.rehearsing = False
+        return forward.kernels, back.kernels, back.moved
+
+    try:
+        blocking, ring = counted(False), counted(True)
+    except Exception as error:   # noqa: BLE001 - any op the stand-ins cannot run
+        log.debug("rings of %s not measured on fake tensors: %s", node.name, error)
+        return {}, 0.0
+    return ({"forward": ring[0] - blocking[0], "backward": ring[1] - blocking[1]},
+            ring[2] - blocking[2])
 
 
 def _backward_bytes(nodes: list[fx.Node], env: dict[fx.Node, Any], frozen: set,
@@ -578,7 +655,9 @@ def _copy_run(run: _LayerRun, source: list[fx.Node], target: list[fx.Node]) -> _
                        backward_bytes=run.backward_bytes,
                        kernels={mapping[node]: count for node, count in run.kernels.items()
                                 if node.op != "get_attr"},
-                       backward_kernels=run.backward_kernels)
+                       backward_kernels=run.backward_kernels,
+                       ring_kernels=run.ring_kernels,
+                       ring_backward_bytes=run.ring_backward_bytes)
     copied.costs = {mapping[node]: cost for node, cost in run.costs.items()
                     if node.op != "get_attr"}
     copied.costs.update({node: _FETCH_COST for node in fetches})
@@ -693,7 +772,8 @@ def _layer_cost(gm: fx.GraphModule, info: meta.LayerInfo, nodes: list[fx.Node], 
         num_nodes=sum(calls.values()),
         forward_kernels=rekernels["full"], backward_kernels=run.backward_kernels,
         recompute_kernels=rekernels,
-        fused_mem_bytes=fused_bytes * per, fused_kernels=fused_kernels)
+        fused_mem_bytes=fused_bytes * per, fused_kernels=fused_kernels,
+        ring_kernels=run.ring_kernels, ring_bwd_mem_bytes=run.ring_backward_bytes * per)
 
 
 def _kept_around(cores: list[tuple[fx.Node, ...]], run: _LayerRun,

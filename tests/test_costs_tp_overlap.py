@@ -111,3 +111,35 @@ def test_planner_validator_and_brute_force_agree_on_rings():
         validate_plan(prob, plan_of(prob, result))
         steps[rings] = result.best.evaluation.step_ps
     assert steps[True] < steps[False]
+
+
+def test_rings_local_work_is_priced_where_the_rings_run():
+    """A ring's own kernels and the bytes its backward moves beyond the blocking calls
+    (``LayerCost.ring_kernels``, ``ring_bwd_mem_bytes``, as the estimate measures them)
+    are charged only where the rings run, forward, backward and in a full recompute:
+    each kernel ``kernel_overhead_s``, each byte at the element-wise rate."""
+    def row(rings: bool, ring_work: bool):
+        prob = _problem([0.5], rings=rings)
+        option = prob.model.tensor_parallel[0]
+        layers = tuple(dataclasses.replace(
+            each, forward_kernels=10, backward_kernels=20, backward_mem_bytes=0.0,
+            recompute_kernels={"none": 0, "full": 10},
+            ring_kernels={"forward": 4, "backward": 6} if ring_work else {},
+            ring_bwd_mem_bytes=1e6 if ring_work else 0.0)
+            for each in option.model.layers)
+        option = dataclasses.replace(option, model=dataclasses.replace(option.model,
+                                                                        layers=layers))
+        prob = dataclasses.replace(
+            prob, devices=dataclasses.replace(prob.devices, kernel_overhead_s=1e-5),
+            model=dataclasses.replace(prob.model, tensor_parallel=(option,)))
+        return build_cost_table(prob, CONFIG).layers[0], prob.devices.light_op_bandwidth
+
+    (ring, bandwidth), (bare, _) = row(True, True), row(True, False)
+    assert ring.forward_ps - bare.forward_ps == pytest.approx(4e-5 * PS_PER_S, abs=2)
+    assert ring.backward_ps - bare.backward_ps == pytest.approx(
+        (6e-5 + CONFIG.micro_batch_size * 1e6 / bandwidth) * PS_PER_S, abs=2)
+    assert ring.recompute_ps["full"] - bare.recompute_ps["full"] == pytest.approx(
+        4e-5 * PS_PER_S, abs=2)
+    assert ring.recompute_ps["none"] == bare.recompute_ps["none"]
+    # Blocking (TrainSpec.tp_overlap off), the rings' work is no one's.
+    assert row(False, True)[0] == row(False, False)[0]

@@ -78,6 +78,10 @@ class TensorParallelGroup(nn.Module):
         # Sequence-parallel linears run their collectives as rings beside the matmuls
         # (:mod:`partc.runtime.tp_rings`); off: blocking (``TrainSpec.tp_overlap``).
         self.overlap = overlap
+        # The estimate's second measurement of a sequence-parallel layer
+        # (passes/estimate.py): a stand-in runs the rings its linears run on ranks,
+        # each exchange moving nothing (the shapes and the local work, not the data).
+        self.rehearsing = False
         self.ring_steps = 0  # exchanges with the ring's neighbours (not collectives)
         self._next = self._previous = None
         # The blocking collectives that run over lists of tensors, not single-tensor.
@@ -170,6 +174,8 @@ class TensorParallelGroup(nn.Module):
         previous one, without waiting: the returned handle's ``wait()`` does (a step of
         a ring in :mod:`partc.runtime.tp_rings`, not a collective of its own)."""
         self.ring_steps += 1
+        if self.process_group is None:   # a rehearsal (``rehearsing``)
+            return _Exchange([])
         ops = [dist.P2POp(dist.isend, send, self._next, self.process_group, tag),
                dist.P2POp(dist.irecv, receive, self._previous, self.process_group, tag)]
         return _Exchange(dist.batch_isend_irecv(ops))

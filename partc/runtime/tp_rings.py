@@ -29,8 +29,9 @@ call                       forward                          backward
 
 The results are those of the blocking calls up to the order of summation (a weight
 gradient summed over chunks, a partial sum over ranks in ring order). With
-``group.overlap`` off, and for a stand-in group (which moves no data), the same calls
-run blocking: the all-gather, then the matmuls; the matmul, then the reduce-scatter.
+``group.overlap`` off, and for a stand-in group (which moves no data) unless it
+rehearses the rings for the estimate (``group.rehearsing``), the same calls run
+blocking: the all-gather, then the matmuls; the matmul, then the reduce-scatter.
 Either way each call counts the collectives it stands for in ``group.counts``, as the
 blocking program runs them.
 
@@ -104,8 +105,10 @@ def _ring_sum(group: "TensorParallelGroup", partial: Callable[[int], torch.Tenso
 
 
 def _rings(group: "TensorParallelGroup") -> bool:
-    """Whether the group runs the ring (else the blocking collectives)."""
-    return group.overlap and group.process_group is not None and group.size > 1
+    """Whether the group runs the ring (else the blocking collectives): over a process
+    group, or a stand-in rehearsing them for the estimate."""
+    return group.overlap and group.size > 1 and (group.process_group is not None
+                                                 or group.rehearsing)
 
 
 class LinearsOfGathered(torch.autograd.Function):

@@ -381,3 +381,33 @@ def test_every_layer_of_a_transformer_has_its_backward_measured():
     block = blocks[0].kernels
     assert block["backward"] > block["forward"] > block["recompute"]["selective"] > 0
     assert block["recompute"]["full"] == block["forward"]
+
+
+def test_sequence_parallel_linears_measure_the_rings_local_work():
+    """Under sequence parallelism each block's column- and row-parallel linears run as
+    rings on ranks (a matmul and a copy or an add per chunk): the estimate measures what
+    that adds to the blocking stand-in (``LayerCost.ring_kernels``,
+    ``ring_bwd_mem_bytes``), which ``as_rings`` adds in; without sequence parallelism
+    there are no rings."""
+    import partc
+    from partc.compiler import build_problem
+
+    ids = torch.randint(0, 128, (B, 32))
+    graph, analysis = analyze(gpt_tiny(), (ids,), loss_fn=loss_fn, example_target=ids)
+    problem = build_problem(analysis, partc.DeviceBudget(num_devices=2, device="H100-80GB"),
+                            partc.TrainSpec(global_batch_size=B),
+                            partc.Constraints(tp=2), graph)
+    # The memory-first layout keeps the blocks' boundaries sharded and gathers just
+    # before the linears (the fastest one gathers this small model's blocks earlier).
+    blocks = [layer for layer in problem.variant(2, True, "memory").layers
+              if layer.name.startswith("blocks.")]
+    assert blocks and all(layer.ring_kernels["forward"] > 0 < layer.ring_kernels["backward"]
+                          for layer in blocks)
+    ringed = blocks[0].as_rings()
+    assert ringed.forward_kernels == blocks[0].forward_kernels + blocks[0].ring_kernels["forward"]
+    assert ringed.backward_kernels == \
+        blocks[0].backward_kernels + blocks[0].ring_kernels["backward"]
+    assert ringed.bwd_mem_bytes == blocks[0].bwd_mem_bytes + blocks[0].ring_bwd_mem_bytes
+    assert ringed.as_rings() == ringed
+    assert not any(layer.ring_kernels or layer.ring_bwd_mem_bytes
+                   for layer in problem.variant(2, False, "time").layers)

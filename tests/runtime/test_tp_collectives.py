@@ -1,7 +1,8 @@
 """The tensor-parallel group's blocking all-gather and reduce-scatter: single-tensor and
 over lists, on two gloo processes, against the collectives' definitions, for batch-first
-activations of one and more samples and every dim; and what a stand-in (the estimate's
-group) counts of them."""
+activations of one and more samples and every dim; what a stand-in (the estimate's
+group) counts of them; and a stand-in rehearsing the rings launches and moves what a
+rank running them does."""
 
 from __future__ import annotations
 
@@ -67,3 +68,48 @@ def test_a_stand_in_counts_the_copy_that_lays_chunks_out_for_a_reduce_scatter():
         assert torch.equal(out, x.chunk(2, dim)[0]) and out.is_contiguous()
         assert counter.moved == copied + 2 * shard, dim
     assert group.counts == {"all_gather": 1, "reduce_scatter": 4}
+
+
+def _sequence_parallel_block(group: TensorParallelGroup, samples: int):
+    """A column-parallel linear reading the gathered shard, then a row-parallel one
+    reduce-scattered back, forward and backward, counted as the estimate counts ops:
+    (bytes moved, kernels launched)."""
+    torch.manual_seed(0)
+    shard = torch.randn(samples, 3, 8, requires_grad=True)
+    up, bias = torch.randn(6, 8, requires_grad=True), torch.randn(6, requires_grad=True)
+    down = torch.randn(8, 6, requires_grad=True)
+    with MovedBytes(set(), cuda=False) as counted:
+        (hidden,) = group.linears_of_gathered(shard, (up,), (bias,), 1)
+        group.linear_reduce_scatter(hidden.relu(), down, None, 1).sum().backward()
+    return counted.moved, counted.kernels
+
+
+def _rings_worker(rank: int, world: int, path: str, found) -> None:
+    dist.init_process_group("gloo", init_method=f"file://{path}", rank=rank,
+                            world_size=world)
+    try:
+        for samples in (1, 2):
+            ring = TensorParallelGroup(world, dist.group.WORLD)
+            real = _sequence_parallel_block(ring, samples)
+            rehearsal = TensorParallelGroup(world)
+            rehearsal.rehearsing = True
+            found.append((rank, samples, real, _sequence_parallel_block(rehearsal, samples),
+                          _sequence_parallel_block(TensorParallelGroup(world), samples),
+                          ring.ring_steps, rehearsal.ring_steps, rehearsal.counts == ring.counts))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_rehearsing_stand_in_counts_what_a_ring_runs(tmp_path):
+    """The estimate prices the rings' local work (``LayerCost.ring_kernels``) by running
+    the layer again with its stand-in rehearsing them: the same ops as a rank of a real
+    ring, exchanges apart (communication is priced on its own)."""
+    found = mp.Manager().list()
+    mp.spawn(_rings_worker, args=(2, str(tmp_path / "store"), found), nprocs=2)
+    assert len(found) == 4
+    for rank, samples, real, rehearsed, blocking, steps, rehearsed_steps, same in found:
+        assert rehearsed == real, (rank, samples)
+        assert steps == rehearsed_steps > 0 and same
+        # Each ring runs a matmul and a copy or an add per chunk: more kernels than the
+        # blocking calls the stand-in runs otherwise.
+        assert rehearsed[1] > blocking[1], (rank, samples)

@@ -42,7 +42,7 @@ import partc
 from partc.compiler import build_problem, plan_problem
 from partc.costs import (PS_PER_S, Evaluation, PipelineConfig, build_cost_table, evaluate,
                          exposed_gather_ps, exposed_sync_ps, gradient_work_seconds,
-                         layer_work, roofline_seconds, tp_comm_seconds)
+                         layer_work, roofline_seconds, run_layer, tp_comm_seconds)
 from partc.problem import PlanningProblem
 from partc.spec import INTERLEAVED
 
@@ -405,7 +405,7 @@ def _work_seconds(problem: PlanningProblem, config: PipelineConfig,
     total = {"compute": 0.0, "attention": 0.0, "memory": 0.0, "tp": 0.0}
     b, scale = config.micro_batch_size, problem.train.measured_scale
     for index, mode in layers:
-        layer = problem.layers[index]
+        layer = run_layer(problem, index)
         work = layer_work(layer, problem.devices, b, scale)
         for compute, memory in (work["forward"], work["backward"], work["recompute"][mode]):
             total["compute"] += compute
