@@ -67,19 +67,78 @@ def _matrix(x: torch.Tensor) -> torch.Tensor:
     return x.reshape(-1, x.shape[-1])
 
 
+def _in_place(group: "TensorParallelGroup", place: torch.Tensor) -> bool:
+    """Whether a chunk can be received or written straight into ``place``: one contiguous
+    block (every dim before the chunked one of size one: one sample). A stand-in
+    rehearsing the rings for the estimate copies as a batch of more samples would (the
+    estimate measures one sample for every micro-batch size)."""
+    return place.is_contiguous() and not group.rehearsing
+
+
+def _same_dtype(place: torch.Tensor, *tensors: torch.Tensor | None) -> bool:
+    return all(t is None or t.dtype == place.dtype for t in tensors)
+
+
+def _linear_into(place: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
+                 bias: torch.Tensor | None, direct: bool) -> None:
+    """``place[...] = F.linear(x, weight, bias)``: the matmul writing straight into
+    ``place`` where it can (``direct``: :func:`_in_place`) and the dtypes agree, else
+    computed and copied there."""
+    if direct and _same_dtype(place, x, weight, bias):
+        if bias is None:
+            torch.mm(_matrix(x), weight.t(), out=_matrix(place))
+        else:
+            torch.addmm(bias, _matrix(x), weight.t(), out=_matrix(place))
+    else:
+        place.copy_(F.linear(x, weight, bias))
+
+
+def _matmul_into(place: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
+                 direct: bool) -> None:
+    """``place[...] = x @ weight``, into ``place`` as :func:`_linear_into` writes."""
+    if direct and _same_dtype(place, x, weight):
+        torch.mm(_matrix(x), weight, out=_matrix(place))
+    else:
+        place.copy_(x.matmul(weight))
+
+
+def _plus_matmul(total: torch.Tensor | None, x: torch.Tensor,
+                 weight: torch.Tensor) -> torch.Tensor:
+    """``total + x @ weight`` (``x @ weight`` for no ``total``: the input gradient of
+    linears reading one input, summed over them), the sum in the matmul's epilogue where
+    the dtypes agree (one kernel, ``total`` read once) rather than an add of its own."""
+    if total is None:
+        return x.matmul(weight)
+    if _same_dtype(total, x, weight):
+        return torch.addmm(_matrix(total), _matrix(x), weight).view(total.shape)
+    return total + x.matmul(weight)
+
+
 def _ring(group: "TensorParallelGroup", held: torch.Tensor,
-          visit: Callable[[int, torch.Tensor], None]) -> None:
+          visit: Callable[[int, torch.Tensor], None], whole: torch.Tensor | None = None,
+          dim: int = 0) -> None:
     """Pass ``held`` around the group: ``visit(rank, chunk)`` for every rank's chunk in
-    ring order, this rank's first, each while the next chunk is in flight."""
+    ring order, this rank's first, each while the next chunk is in flight. With
+    ``whole`` (room for every rank's chunk along ``dim``: :func:`_gathered`) each chunk
+    is also put in its place there, received straight into it where it can be
+    (:func:`_in_place`), else copied there."""
     size, rank = group.size, group.rank
+    rows = held.shape[dim]
+    if whole is not None:
+        _rows(whole, dim, rank, rows).copy_(held)
     for step in range(size):
-        exchange = None
+        exchange = place = None
         if step < size - 1:
-            arriving = torch.empty_like(held)
+            if whole is not None:
+                place = _rows(whole, dim, (rank - step - 1) % size, rows)
+            arriving = place if place is not None and _in_place(group, place) \
+                else torch.empty_like(held)
             exchange = group.ring_exchange(held, arriving)
         visit((rank - step) % size, held)
         if exchange is not None:
             exchange.wait()
+            if place is not None and arriving is not place:
+                place.copy_(arriving)
             held = arriving
 
 
@@ -88,7 +147,9 @@ def _ring_sum(group: "TensorParallelGroup", partial: Callable[[int], torch.Tenso
     """This rank's chunk of a sum over the group, each rank's ``partial(chunk)`` summed
     around the ring: at step ``s`` this rank computes its partial of chunk ``rank - s -
     1`` while the running sum of that chunk comes from the previous rank, adds it and
-    passes it on; after ``n - 1`` steps the sum of chunk ``rank`` is here."""
+    passes it on; after ``n - 1`` steps the sum of chunk ``rank`` is here. (The add
+    stays a kernel of its own: summing in the matmul's epilogue would wait for the
+    running sum before the matmul that should hide its transfer.)"""
     size, rank = group.size, group.rank
     exchange, arriving = None, None
     for step in range(size):
@@ -162,10 +223,13 @@ def _ring_linears(group: "TensorParallelGroup", shard: torch.Tensor, dim: int,
 
     def visit(rank: int, chunk: torch.Tensor) -> None:
         for index, (w, b) in enumerate(zip(weights, biases)):
-            part = F.linear(chunk, w, b)
-            if len(outs) <= index:
+            if len(outs) <= index:   # the first chunk's result gives the output's dtype
+                part = F.linear(chunk, w, b)
                 outs.append(_gathered(part, dim, group.size))
-            _rows(outs[index], dim, rank, rows).copy_(part)
+                _rows(outs[index], dim, rank, rows).copy_(part)
+            else:
+                place = _rows(outs[index], dim, rank, rows)
+                _linear_into(place, chunk, w, b, _in_place(group, place))
 
     _ring(group, shard.contiguous(), visit)
     return outs
@@ -184,16 +248,22 @@ def _ring_linears_backward(group: "TensorParallelGroup", shard: torch.Tensor, di
     whole = _gathered(shard, dim, group.size)
 
     def input_grad(chunk: int) -> torch.Tensor:
-        return sum(_rows(g, dim, chunk, rows).matmul(w) for g, w in zip(grads, weights))
+        total = None
+        for g, w in zip(grads, weights):
+            total = _plus_matmul(total, _rows(g, dim, chunk, rows), w)
+        return total
 
     # The two rings advance together: the input gradient's partial for the next rank
-    # runs while both rings' transfers are in flight.
+    # runs while both rings' transfers are in flight. The shard's chunks land in
+    # ``whole`` as _ring puts them (received in place where they can be).
     size, rank = group.size, group.rank
-    held, exchange, arriving = shard.contiguous(), None, None
+    held, exchange, arriving, place = shard.contiguous(), None, None, None
+    _rows(whole, dim, rank, rows).copy_(held)
     total, passing, incoming = None, None, None
     for step in range(size):
         if step < size - 1:
-            arriving = torch.empty_like(held)
+            place = _rows(whole, dim, (rank - step - 1) % size, rows)
+            arriving = place if _in_place(group, place) else torch.empty_like(held)
             exchange = group.ring_exchange(held, arriving)
         local = input_grad((rank - step - 1) % size)
         if passing is not None:
@@ -205,9 +275,10 @@ def _ring_linears_backward(group: "TensorParallelGroup", shard: torch.Tensor, di
             passing = group.ring_exchange(local, incoming, tag=1)
         else:
             total = local
-        _rows(whole, dim, (rank - step) % size, rows).copy_(held)
         if step < size - 1:
             exchange.wait()
+            if arriving is not place:
+                place.copy_(arriving)
             held = arriving
     return total, [_matrix(g).t().mm(_matrix(whole)) for g in grads]
 
@@ -242,12 +313,12 @@ class LinearReduceScatter(torch.autograd.Function):
             whole = _gathered(grad, dim, group.size)
 
             def visit(rank: int, chunk: torch.Tensor) -> None:
-                _rows(grad_x, dim, rank, rows).copy_(chunk.matmul(weight))
-                _rows(whole, dim, rank, rows).copy_(chunk)
+                place = _rows(grad_x, dim, rank, rows)
+                _matmul_into(place, chunk, weight, _in_place(group, place))
 
             # The weight's and bias's gradients as one product and one sum over the
             # gathered output gradient (see _ring_linears_backward).
-            _ring(group, grad.contiguous(), visit)
+            _ring(group, grad.contiguous(), visit, whole, dim)
             grad_weight = _matrix(whole).t().mm(_matrix(x))
             grad_bias = _matrix(whole).sum(0)
         else:
