@@ -37,8 +37,8 @@ _FAST = {"1.7B", "7.1B"}
 
 # Outside the band since the estimate prices the sequence-parallel rings' own kernels
 # and adds (LayerCost.ring_kernels): the fitted row (tp = 8) pays them, 1.7B (tp = 1)
-# does not, and the constant rose from 0.62 to 0.65 (mcore's docstring).
-OUTSIDE = {"1.7B": 1.18}
+# does not, and the constant rose from 0.62 to 0.63 (mcore's docstring).
+OUTSIDE = {"1.7B": 1.15}
 
 
 def _rows(names, within_target=False):
@@ -127,7 +127,7 @@ def _measured(name: str, micro_batch_size: int | None) -> mcore.Prediction:
 def test_pipelined_rows_within_target_at_the_measured_efficiency(name):
     """Nothing fitted: matmuls at an H100's measured share of peak, attention at the
     preset's, the micro-batch size partc plans (one sequence, 70B two) and the faster
-    schedule Megatron-Core can run (0.89-0.98x; plain 1F1B alone 0.83-0.86x)."""
+    schedule Megatron-Core can run (0.91-0.99x; plain 1F1B alone 0.84-0.87x)."""
     predicted = _measured(name, None)
     assert abs(predicted.ratio - 1) <= TARGET, f"{name}: {predicted.ratio:.3f}x"
     assert predicted.peak_bytes <= mcore.DEVICE_BYTES
