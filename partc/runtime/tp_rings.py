@@ -67,12 +67,13 @@ def _matrix(x: torch.Tensor) -> torch.Tensor:
     return x.reshape(-1, x.shape[-1])
 
 
-def _in_place(group: "TensorParallelGroup", place: torch.Tensor) -> bool:
-    """Whether a chunk can be received or written straight into ``place``: one contiguous
-    block (every dim before the chunked one of size one: one sample). A stand-in
-    rehearsing the rings for the estimate copies as a batch of more samples would (the
-    estimate measures one sample for every micro-batch size)."""
-    return place.is_contiguous() and not group.rehearsing
+def _in_place(group: "TensorParallelGroup", place: torch.Tensor, dim: int) -> bool:
+    """Whether a chunk of ``dim`` can be received or written straight into ``place``:
+    one contiguous block (``dim`` the first, or every dim before it of size one: one
+    sample). A stand-in rehearsing the rings for the estimate copies where ``dim`` is
+    not the first, as a batch of more samples would (the estimate measures one sample
+    for every micro-batch size)."""
+    return place.is_contiguous() and not (group.rehearsing and dim % place.dim() > 0)
 
 
 def _same_dtype(place: torch.Tensor, *tensors: torch.Tensor | None) -> bool:
@@ -131,7 +132,7 @@ def _ring(group: "TensorParallelGroup", held: torch.Tensor,
         if step < size - 1:
             if whole is not None:
                 place = _rows(whole, dim, (rank - step - 1) % size, rows)
-            arriving = place if place is not None and _in_place(group, place) \
+            arriving = place if place is not None and _in_place(group, place, dim) \
                 else torch.empty_like(held)
             exchange = group.ring_exchange(held, arriving)
         visit((rank - step) % size, held)
@@ -229,7 +230,7 @@ def _ring_linears(group: "TensorParallelGroup", shard: torch.Tensor, dim: int,
                 _rows(outs[index], dim, rank, rows).copy_(part)
             else:
                 place = _rows(outs[index], dim, rank, rows)
-                _linear_into(place, chunk, w, b, _in_place(group, place))
+                _linear_into(place, chunk, w, b, _in_place(group, place, dim))
 
     _ring(group, shard.contiguous(), visit)
     return outs
@@ -263,7 +264,7 @@ def _ring_linears_backward(group: "TensorParallelGroup", shard: torch.Tensor, di
     for step in range(size):
         if step < size - 1:
             place = _rows(whole, dim, (rank - step - 1) % size, rows)
-            arriving = place if _in_place(group, place) else torch.empty_like(held)
+            arriving = place if _in_place(group, place, dim) else torch.empty_like(held)
             exchange = group.ring_exchange(held, arriving)
         local = input_grad((rank - step - 1) % size)
         if passing is not None:
@@ -314,7 +315,7 @@ class LinearReduceScatter(torch.autograd.Function):
 
             def visit(rank: int, chunk: torch.Tensor) -> None:
                 place = _rows(grad_x, dim, rank, rows)
-                _matmul_into(place, chunk, weight, _in_place(group, place))
+                _matmul_into(place, chunk, weight, _in_place(group, place, dim))
 
             # The weight's and bias's gradients as one product and one sum over the
             # gathered output gradient (see _ring_linears_backward).

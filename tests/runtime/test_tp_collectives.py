@@ -6,6 +6,8 @@ rank running them does."""
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -70,32 +72,39 @@ def test_a_stand_in_counts_the_copy_that_lays_chunks_out_for_a_reduce_scatter():
     assert group.counts == {"all_gather": 1, "reduce_scatter": 4}
 
 
-def _sequence_parallel_block(group: TensorParallelGroup, samples: int):
+def _shard(samples: int, dim: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """A sequence shard of 3 positions: batch-first (sharded on dim 1) or sequence-first
+    (dim 0)."""
+    shape = (samples, 3, 8) if dim == 1 else (3, samples, 8)
+    return torch.randn(*shape, dtype=dtype, requires_grad=True)
+
+
+def _sequence_parallel_block(group: TensorParallelGroup, samples: int, dim: int):
     """A column-parallel linear reading the gathered shard, then a row-parallel one
     reduce-scattered back, forward and backward, counted as the estimate counts ops:
     (bytes moved, kernels launched)."""
     torch.manual_seed(0)
-    shard = torch.randn(samples, 3, 8, requires_grad=True)
+    shard = _shard(samples, dim)
     up, bias = torch.randn(6, 8, requires_grad=True), torch.randn(6, requires_grad=True)
     down = torch.randn(8, 6, requires_grad=True)
     with MovedBytes(set(), cuda=False) as counted:
-        (hidden,) = group.linears_of_gathered(shard, (up,), (bias,), 1)
-        group.linear_reduce_scatter(hidden.relu(), down, None, 1).sum().backward()
+        (hidden,) = group.linears_of_gathered(shard, (up,), (bias,), dim)
+        group.linear_reduce_scatter(hidden.relu(), down, None, dim).sum().backward()
     return counted.moved, counted.kernels
 
 
-def _values(group: TensorParallelGroup, samples: int, dtype: torch.dtype):
+def _values(group: TensorParallelGroup, samples: int, dim: int, dtype: torch.dtype):
     """The block's output and every gradient, on this rank's values."""
     torch.manual_seed(1 + dist.get_rank())
-    shard = torch.randn(samples, 3, 8, dtype=dtype, requires_grad=True)
+    shard = _shard(samples, dim, dtype)
     torch.manual_seed(0)   # the weights alike on every rank, as after a broadcast
     up = torch.randn(6, 8, dtype=dtype, requires_grad=True)
     gate = torch.randn(6, 8, dtype=dtype, requires_grad=True)
     bias = torch.randn(6, dtype=dtype, requires_grad=True)
     down = torch.randn(8, 6, dtype=dtype, requires_grad=True)
     downs_bias = torch.randn(8, dtype=dtype, requires_grad=True)
-    first, second = group.linears_of_gathered(shard, (up, gate), (bias, None), 1)
-    out = group.linear_reduce_scatter(first.relu() * second, down, downs_bias, 1)
+    first, second = group.linears_of_gathered(shard, (up, gate), (bias, None), dim)
+    out = group.linear_reduce_scatter(first.relu() * second, down, downs_bias, dim)
     (out * torch.arange(out.numel(), dtype=dtype).view_as(out)).sum().backward()
     return [out.detach()] + [t.grad for t in (shard, up, gate, bias, down, downs_bias)]
 
@@ -104,21 +113,24 @@ def _rings_worker(rank: int, world: int, path: str, found) -> None:
     dist.init_process_group("gloo", init_method=f"file://{path}", rank=rank,
                             world_size=world)
     try:
-        for samples in (1, 2):
-            # The rings compute what the blocking collectives do, a chunk of one sample
-            # received and written in place, of more copied.
+        for samples, dim in itertools.product((1, 2), (1, 0)):
+            # The rings compute what the blocking collectives do, a chunk received and
+            # written in place where it is contiguous (one sample, or sequence-first),
+            # else copied.
             for dtype, tolerance in ((torch.float32, 1e-5), (torch.float64, 1e-12)):
-                ring = _values(TensorParallelGroup(world, dist.group.WORLD), samples, dtype)
+                ring = _values(TensorParallelGroup(world, dist.group.WORLD), samples, dim,
+                               dtype)
                 blocking = _values(TensorParallelGroup(world, dist.group.WORLD,
-                                                       overlap=False), samples, dtype)
+                                                       overlap=False), samples, dim, dtype)
                 for got, want in zip(ring, blocking):
                     torch.testing.assert_close(got, want, rtol=tolerance, atol=tolerance)
             ring = TensorParallelGroup(world, dist.group.WORLD)
-            real = _sequence_parallel_block(ring, samples)
+            real = _sequence_parallel_block(ring, samples, dim)
             rehearsal = TensorParallelGroup(world)
             rehearsal.rehearsing = True
-            found.append((rank, samples, real, _sequence_parallel_block(rehearsal, samples),
-                          _sequence_parallel_block(TensorParallelGroup(world), samples),
+            found.append((rank, samples, dim, real,
+                          _sequence_parallel_block(rehearsal, samples, dim),
+                          _sequence_parallel_block(TensorParallelGroup(world), samples, dim),
                           ring.ring_steps, rehearsal.ring_steps, rehearsal.counts == ring.counts))
     finally:
         dist.destroy_process_group()
@@ -129,18 +141,19 @@ def test_rings_compute_what_blocking_does_and_a_rehearsal_counts_them(tmp_path):
     (a chunk of one sample written in place, of two copied), and the estimate, which
     prices the rings' local work (``LayerCost.ring_kernels``) by running each ring call
     again with its stand-in rehearsing them, counts the same ops as a rank of a real
-    ring of more than one sample, exchanges apart (communication is priced on its
-    own)."""
+    ring of more than one sample (sequence-first: of any), exchanges apart
+    (communication is priced on its own)."""
     found = mp.Manager().list()
     mp.spawn(_rings_worker, args=(2, str(tmp_path / "store"), found), nprocs=2)
-    assert len(found) == 4
-    for rank, samples, real, rehearsed, blocking, steps, rehearsed_steps, same in found:
-        if samples > 1:
-            assert rehearsed == real, (rank, samples)
+    assert len(found) == 8
+    for rank, samples, dim, real, rehearsed, blocking, steps, rehearsed_steps, same in found:
+        where = (rank, samples, dim)
+        if samples > 1 or dim == 0:
+            assert rehearsed == real, where
         else:   # one sample's chunks are received and written in place, which the
             # rehearsal copies as larger batches do (the estimate measures one sample)
-            assert rehearsed[0] > real[0] and rehearsed[1] > real[1], (rank, samples)
+            assert rehearsed[0] > real[0] and rehearsed[1] > real[1], where
         assert steps == rehearsed_steps > 0 and same
         # Each ring runs a matmul and a copy or an add per chunk: more kernels than the
         # blocking calls the stand-in runs otherwise.
-        assert rehearsed[1] > blocking[1], (rank, samples)
+        assert rehearsed[1] > blocking[1], where
