@@ -766,15 +766,16 @@ def dispatched(compute: float, memory: float, dispatch: float,
     return compute, memory + dispatch
 
 
-def run_layer(problem: PlanningProblem, index: int) -> LayerCost:
-    """Layer ``index`` as the runtime runs it: its sequence-parallel linears as rings
-    where ``TrainSpec.tp_overlap`` has them so (:meth:`LayerCost.as_rings`)."""
+def run_layer(problem: PlanningProblem, index: int, micro_batch: int) -> LayerCost:
+    """Layer ``index`` as the runtime runs it on microbatches of ``micro_batch`` samples:
+    its sequence-parallel linears as rings where ``TrainSpec.tp_overlap`` has them so
+    (:meth:`LayerCost.as_rings`)."""
     layer = problem.layers[index]
-    return layer.as_rings() if problem.train.tp_overlap else layer
+    return layer.as_rings(micro_batch) if problem.train.tp_overlap else layer
 
 
 def _layer_table(problem: PlanningProblem, config: PipelineConfig, index: int) -> LayerTable:
-    layer = run_layer(problem, index)
+    layer = run_layer(problem, index, config.micro_batch_size)
     devices, train = problem.devices, problem.train
     b, scale = config.micro_batch_size, train.measured_scale
     work = layer_work(layer, devices, b, scale, train.compiled)
@@ -1016,7 +1017,9 @@ def _layer_key(layer) -> tuple:
             layer.param_tensors, layer.largest_param, layer.backward_mem_bytes,
             layer.forward_kernels, layer.backward_kernels,
             tuple(sorted(layer.recompute_kernels.items())),
-            tuple(sorted(layer.ring_kernels.items())), layer.ring_bwd_mem_bytes)
+            tuple(sorted(layer.ring_kernels.items())), layer.ring_bwd_mem_bytes,
+            layer.ring_kernels_single and tuple(sorted(layer.ring_kernels_single.items())),
+            layer.ring_bwd_mem_bytes_single)
 
 
 def build_cost_table(problem: PlanningProblem, config: PipelineConfig,
@@ -1402,7 +1405,7 @@ def moe_layer_table(whole: MoECost, problem: PlanningProblem, config: PipelineCo
       of the experts over the expert-data-parallel group (:func:`expert_dp_config`):
       their ZeRO sharding, gradient reduction, gather and optimizer step.
     """
-    layer = run_layer(problem, index)
+    layer = run_layer(problem, index, config.micro_batch_size)
     devices, train = problem.devices, problem.train
     figures = moe_layer_figures(whole, layer, problem, config)
     expert_config = expert_dp_config(config)

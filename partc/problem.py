@@ -252,6 +252,11 @@ class LayerCost:
     # sample the backward's memory-bound ops move. Empty and 0: no such linears.
     ring_kernels: dict[str, int] = field(default_factory=dict)
     ring_bwd_mem_bytes: float = 0.0
+    # The same for a microbatch of one sample, whose chunks the rings receive and write
+    # in place where a batch-first activation's chunks of several samples are copied;
+    # None: no different.
+    ring_kernels_single: dict[str, int] | None = None
+    ring_bwd_mem_bytes_single: float = 0.0
 
     def __post_init__(self) -> None:
         listed = sum(op.flops * op.count for op in self.heavy_ops)
@@ -294,25 +299,29 @@ class LayerCost:
             return self.backward_mem_bytes
         return 2.0 * self.fwd_mem_bytes
 
-    def as_rings(self) -> "LayerCost":
+    def as_rings(self, micro_batch: int | None = None) -> "LayerCost":
         """The layer as it runs with its sequence-parallel linears as rings (itself where
-        it has none): the ring kernels and bytes added to its forward, backward and full
-        recompute (a replay of the forward)."""
+        it has none), on microbatches of ``micro_batch`` samples (None: several): the
+        ring kernels and bytes added to its forward, backward and full recompute (a
+        replay of the forward)."""
         if not self.ring_kernels and not self.ring_bwd_mem_bytes:
             return self
-        forward, backward = self.ring_kernels.get("forward", 0), self.ring_kernels.get(
-            "backward", 0)
+        kernels, moved = self.ring_kernels, self.ring_bwd_mem_bytes
+        if micro_batch == 1 and self.ring_kernels_single is not None:
+            kernels, moved = self.ring_kernels_single, self.ring_bwd_mem_bytes_single
+        forward, backward = kernels.get("forward", 0), kernels.get("backward", 0)
         recompute = dict(self.recompute_kernels)
         if "full" in recompute:
             recompute["full"] += forward
         return replace(
-            self, ring_kernels={}, ring_bwd_mem_bytes=0.0, recompute_kernels=recompute,
+            self, ring_kernels={}, ring_bwd_mem_bytes=0.0, ring_kernels_single=None,
+            ring_bwd_mem_bytes_single=0.0, recompute_kernels=recompute,
             forward_kernels=None if self.forward_kernels is None
             else self.forward_kernels + forward,
             backward_kernels=None if self.backward_kernels is None
             else self.backward_kernels + backward,
             backward_mem_bytes=None if self.backward_mem_bytes is None
-            else self.backward_mem_bytes + self.ring_bwd_mem_bytes)
+            else self.backward_mem_bytes + moved)
 
     @property
     def kernels(self) -> dict[str, Any]:

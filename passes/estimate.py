@@ -58,6 +58,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
+import inspect
 import logging
 from dataclasses import dataclass, field
 from typing import Any
@@ -73,6 +74,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from partc import meta
 from partc.problem import HeavyOp, LayerCost
 from partc.runtime.tp import TensorParallelGroup
+from partc.runtime.tp_rings import REHEARSE_BATCH, REHEARSE_SAMPLE
 
 from . import fuse_attention
 from .attention_core import attention_cores, core_inputs
@@ -107,10 +109,8 @@ class _LayerRun:
     # measured), as :class:`MovedBytes` counts them.
     kernels: dict[fx.Node, int] = field(default_factory=dict)
     backward_kernels: int | None = None
-    # What its sequence-parallel linears add run as rings (:func:`_rehearsed_rings`):
-    # kernels by phase, and bytes its backward moves (whole traced batch).
-    ring_kernels: dict[str, int] = field(default_factory=dict)
-    ring_backward_bytes: float = 0.0
+    # What its sequence-parallel linears add run as rings (:func:`_rehearsed_ring`).
+    rings: list = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -263,11 +263,8 @@ def _run_layer(gm: fx.GraphModule, nodes: list[fx.Node], setting: _Setting) -> _
     for node in run.inputs:
         run.storages[node] = _storages(env[node], frozen)
     _attribute_saved(run)
-    for node, (args, kwargs) in rings:
-        kernels, moved = _rehearsed_ring(gm, node, args, kwargs, setting, frozen)
-        for phase, count in kernels.items():
-            run.ring_kernels[phase] = run.ring_kernels.get(phase, 0) + count
-        run.ring_backward_bytes += moved
+    run.rings = [_rehearsed_ring(gm, node, args, kwargs, setting, frozen)
+                 for node, (args, kwargs) in rings]
     return run
 
 
@@ -276,17 +273,17 @@ _RING_CALLS = frozenset(("linears_of_gathered", "linear_reduce_scatter"))
 
 
 def _rehearsed_ring(gm: fx.GraphModule, node: fx.Node, args: tuple, kwargs: dict,
-                    setting: _Setting, frozen: set) -> tuple[dict[str, int], float]:
+                    setting: _Setting, frozen: set) -> _RingWork:
     """What ``node`` (a sequence-parallel linear the runtime runs as a ring beside its
     collective, ``partc.runtime.tp_rings``: a matmul and a copy or an add per chunk) adds
-    to the blocking call the layer's run measured: the kernels forward and backward and
-    the bytes backward moves, as :class:`MovedBytes` counts them. Measured on the call
-    alone, run again on the values the layer's run gave it (detached: nothing joins the
-    layer's graph), blocking and with its stand-in group rehearsing the ring (each
-    exchange moving nothing); nothing where the group runs no rings."""
+    to the blocking call the layer's run measured (:class:`_RingWork`). Measured on the
+    call alone, run again on the values the layer's run gave it (detached: nothing joins
+    the layer's graph), blocking and with its stand-in group rehearsing the ring (each
+    exchange moving nothing); once per call shape (``Context.ring_work``). Nothing where
+    the group runs no rings."""
     group = args[0]
     if not (isinstance(group, TensorParallelGroup) and group.overlap and group.size > 1):
-        return {}, 0.0
+        return _RingWork()
     key = (node.target, group.size, setting.autocast, setting.device, setting.runtime_device,
            tuple((tuple(t.shape), t.stride(), t.dtype, t.requires_grad)
                  if isinstance(t, torch.Tensor) else t
@@ -296,26 +293,49 @@ def _rehearsed_ring(gm: fx.GraphModule, node: fx.Node, args: tuple, kwargs: dict
     return setting.rings[key]
 
 
-def _measured_ring(node: fx.Node, group: TensorParallelGroup, args: tuple, kwargs: dict,
-                   setting: _Setting, frozen: set) -> tuple[dict[str, int], float]:
-    cuda = setting.runtime_device == "cuda"
+@dataclass(frozen=True)
+class _RingWork:
+    """A ring's kernels (by phase, per microbatch) and backward bytes beyond the blocking
+    call's, for the traced batch as a batch of several samples runs it (chunks copied
+    into place where one sample's would not be), and for one sample (``single``: its
+    chunks received and written in place; None where that is the same)."""
 
-    def leaf(value: Any) -> Any:
+    kernels: dict = field(default_factory=dict)
+    backward_bytes: float = 0.0      # the whole traced batch's
+    single_kernels: dict | None = None
+    single_backward_bytes: float = 0.0   # one sample's
+
+
+def _measured_ring(node: fx.Node, group: TensorParallelGroup, args: tuple, kwargs: dict,
+                   setting: _Setting, frozen: set) -> _RingWork:
+    cuda = setting.runtime_device == "cuda"
+    call = getattr(group, node.target)
+    dim = inspect.signature(call).bind(*args[1:], **kwargs)
+    dim.apply_defaults()
+    # The batch-first activations a sequence shard's chunk of one sample is contiguous
+    # in (the runtime then receives and writes it in place, whatever the traced batch).
+    samples = [t for t in pytree.tree_leaves((args[1:], kwargs)) if isinstance(t, torch.Tensor)
+               and StorageWeakRef(t.untyped_storage()) not in frozen and t.dim() > 1]
+    by_sample = dim.arguments["dim"] % samples[0].dim() > 0 if samples else False
+
+    def leaf(value: Any, one: bool) -> Any:
         if isinstance(value, torch.Tensor):
+            if one and any(value is t for t in samples):
+                value = value[:1]
             return value.detach().requires_grad_(value.requires_grad)
         return value
 
-    def counted(rehearsing: bool) -> tuple[int, int, float]:
+    def counted(rehearsing: bool | str, one: bool = False) -> tuple[int, int, float]:
         group.rehearsing = rehearsing
         try:
             with contextlib.ExitStack() as scope:
                 scope.enter_context(setting.fake_mode)
                 scope.enter_context(torch.enable_grad())
-                inputs = pytree.tree_map(leaf, (args[1:], kwargs))
+                inputs = pytree.tree_map(lambda v: leaf(v, one), (args[1:], kwargs))
                 if setting.autocast is not None:
                     scope.enter_context(_autocast(setting, [node]))
                 with MovedBytes(frozen, cuda) as forward:
-                    result = getattr(group, node.target)(*inputs[0], **inputs[1])
+                    result = call(*inputs[0], **inputs[1])
             outputs = [t for t in pytree.tree_leaves(result)
                        if isinstance(t, torch.Tensor) and t.grad_fn is not None]
             with setting.fake_mode, torch.enable_grad(), MovedBytes(frozen, cuda) as back:
@@ -324,13 +344,25 @@ def _measured_ring(node: fx.Node, group: TensorParallelGroup, args: tuple, kwarg
             group.rehearsing = False
         return forward.kernels, back.kernels, back.moved
 
+    def beyond(ring, blocking) -> tuple[dict[str, int], float]:
+        return ({"forward": ring[0] - blocking[0], "backward": ring[1] - blocking[1]},
+                ring[2] - blocking[2])
+
     try:
-        blocking, ring = counted(False), counted(True)
+        blocking = counted(False)
+        kernels, moved = beyond(counted(REHEARSE_BATCH), blocking)
+        # The stand-in's blocking calls copy alike for any batch (what larger batches
+        # copy): one sample launches the same kernels and moves its share of the bytes.
+        single = beyond(counted(REHEARSE_SAMPLE, True),
+                        (blocking[0], blocking[1], blocking[2] / samples[0].shape[0])) \
+            if by_sample else None
     except Exception as error:   # noqa: BLE001 - any op the stand-ins cannot run
         log.debug("rings of %s not measured on fake tensors: %s", node.name, error)
-        return {}, 0.0
-    return ({"forward": ring[0] - blocking[0], "backward": ring[1] - blocking[1]},
-            ring[2] - blocking[2])
+        return _RingWork()
+    if single is None:
+        return _RingWork(kernels=kernels, backward_bytes=moved)
+    return _RingWork(kernels=kernels, backward_bytes=moved, single_kernels=single[0],
+                     single_backward_bytes=single[1])
 
 
 def _backward_bytes(nodes: list[fx.Node], env: dict[fx.Node, Any], frozen: set,
@@ -656,8 +688,7 @@ def _copy_run(run: _LayerRun, source: list[fx.Node], target: list[fx.Node]) -> _
                        kernels={mapping[node]: count for node, count in run.kernels.items()
                                 if node.op != "get_attr"},
                        backward_kernels=run.backward_kernels,
-                       ring_kernels=run.ring_kernels,
-                       ring_backward_bytes=run.ring_backward_bytes)
+                       rings=run.rings)
     copied.costs = {mapping[node]: cost for node, cost in run.costs.items()
                     if node.op != "get_attr"}
     copied.costs.update({node: _FETCH_COST for node in fetches})
@@ -773,7 +804,27 @@ def _layer_cost(gm: fx.GraphModule, info: meta.LayerInfo, nodes: list[fx.Node], 
         forward_kernels=rekernels["full"], backward_kernels=run.backward_kernels,
         recompute_kernels=rekernels,
         fused_mem_bytes=fused_bytes * per, fused_kernels=fused_kernels,
-        ring_kernels=run.ring_kernels, ring_bwd_mem_bytes=run.ring_backward_bytes * per)
+        **_ring_fields(run.rings, per))
+
+
+def _ring_fields(rings: list[_RingWork], per: float) -> dict[str, Any]:
+    """The layer's rings (:class:`_RingWork`, one per call) as ``LayerCost`` fields, per
+    sample."""
+    if not rings:
+        return {}
+
+    def total(which: list[dict]) -> dict[str, int]:
+        return {phase: sum(k.get(phase, 0) for k in which) for phase in ("forward", "backward")}
+
+    fields = {"ring_kernels": total([r.kernels for r in rings]),
+              "ring_bwd_mem_bytes": sum(r.backward_bytes for r in rings) * per}
+    if any(r.single_kernels is not None for r in rings):
+        fields["ring_kernels_single"] = total(
+            [r.kernels if r.single_kernels is None else r.single_kernels for r in rings])
+        fields["ring_bwd_mem_bytes_single"] = sum(
+            r.backward_bytes * per if r.single_kernels is None else r.single_backward_bytes
+            for r in rings)
+    return fields
 
 
 def _kept_around(cores: list[tuple[fx.Node, ...]], run: _LayerRun,

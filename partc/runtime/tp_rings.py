@@ -67,13 +67,21 @@ def _matrix(x: torch.Tensor) -> torch.Tensor:
     return x.reshape(-1, x.shape[-1])
 
 
+# How a stand-in rehearses the rings for the estimate (TensorParallelGroup.rehearsing):
+# its chunks copied into place wherever a batch of several samples copies them, or
+# received and written in place wherever its own shapes allow (one sample's).
+REHEARSE_BATCH = "batch"
+REHEARSE_SAMPLE = "sample"
+
+
 def _in_place(group: "TensorParallelGroup", place: torch.Tensor, dim: int) -> bool:
     """Whether a chunk of ``dim`` can be received or written straight into ``place``:
     one contiguous block (``dim`` the first, or every dim before it of size one: one
-    sample). A stand-in rehearsing the rings for the estimate copies where ``dim`` is
-    not the first, as a batch of more samples would (the estimate measures one sample
-    for every micro-batch size)."""
-    return place.is_contiguous() and not (group.rehearsing and dim % place.dim() > 0)
+    sample). A stand-in rehearsing a batch (:data:`REHEARSE_BATCH`) copies wherever
+    ``dim`` is not the first, as a batch of several samples does whatever shapes it
+    traced."""
+    return place.is_contiguous() and not (group.rehearsing == REHEARSE_BATCH
+                                          and dim % place.dim() > 0)
 
 
 def _same_dtype(place: torch.Tensor, *tensors: torch.Tensor | None) -> bool:

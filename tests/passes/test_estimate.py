@@ -403,11 +403,16 @@ def test_sequence_parallel_linears_measure_the_rings_local_work():
               if layer.name.startswith("blocks.")]
     assert blocks and all(layer.ring_kernels["forward"] > 0 < layer.ring_kernels["backward"]
                           for layer in blocks)
-    ringed = blocks[0].as_rings()
-    assert ringed.forward_kernels == blocks[0].forward_kernels + blocks[0].ring_kernels["forward"]
-    assert ringed.backward_kernels == \
-        blocks[0].backward_kernels + blocks[0].ring_kernels["backward"]
-    assert ringed.bwd_mem_bytes == blocks[0].bwd_mem_bytes + blocks[0].ring_bwd_mem_bytes
-    assert ringed.as_rings() == ringed
+    block = blocks[0]
+    ringed = block.as_rings(B)
+    assert ringed.forward_kernels == block.forward_kernels + block.ring_kernels["forward"]
+    assert ringed.backward_kernels == block.backward_kernels + block.ring_kernels["backward"]
+    assert ringed.bwd_mem_bytes == block.bwd_mem_bytes + block.ring_bwd_mem_bytes
+    assert ringed.as_rings(B) == ringed
+    # One sample's chunks are received and written in place: fewer kernels and bytes.
+    single = block.as_rings(1)
+    assert single.forward_kernels < ringed.forward_kernels
+    assert single.backward_kernels < ringed.backward_kernels
+    assert single.bwd_mem_bytes < ringed.bwd_mem_bytes
     assert not any(layer.ring_kernels or layer.ring_bwd_mem_bytes
                    for layer in problem.variant(2, False, "time").layers)

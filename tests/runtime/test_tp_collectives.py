@@ -14,6 +14,7 @@ import torch.multiprocessing as mp
 
 from partc.passes.op_bytes import MovedBytes
 from partc.runtime.tp import TensorParallelGroup
+from partc.runtime.tp_rings import REHEARSE_BATCH, REHEARSE_SAMPLE
 
 SHAPES = ((1, 6, 4), (3, 6, 4), (2, 4, 6))
 
@@ -126,10 +127,11 @@ def _rings_worker(rank: int, world: int, path: str, found) -> None:
                     torch.testing.assert_close(got, want, rtol=tolerance, atol=tolerance)
             ring = TensorParallelGroup(world, dist.group.WORLD)
             real = _sequence_parallel_block(ring, samples, dim)
-            rehearsal = TensorParallelGroup(world)
-            rehearsal.rehearsing = True
+            rehearsal, as_is = TensorParallelGroup(world), TensorParallelGroup(world)
+            rehearsal.rehearsing, as_is.rehearsing = REHEARSE_BATCH, REHEARSE_SAMPLE
             found.append((rank, samples, dim, real,
                           _sequence_parallel_block(rehearsal, samples, dim),
+                          _sequence_parallel_block(as_is, samples, dim),
                           _sequence_parallel_block(TensorParallelGroup(world), samples, dim),
                           ring.ring_steps, rehearsal.ring_steps, rehearsal.counts == ring.counts))
     finally:
@@ -141,17 +143,20 @@ def test_rings_compute_what_blocking_does_and_a_rehearsal_counts_them(tmp_path):
     (a chunk of one sample written in place, of two copied), and the estimate, which
     prices the rings' local work (``LayerCost.ring_kernels``) by running each ring call
     again with its stand-in rehearsing them, counts the same ops as a rank of a real
-    ring of more than one sample (sequence-first: of any), exchanges apart
-    (communication is priced on its own)."""
+    ring of more than one sample (sequence-first: of any) rehearsing a batch, and of its
+    own shapes rehearsing them as they are, exchanges apart (communication is priced on
+    its own)."""
     found = mp.Manager().list()
     mp.spawn(_rings_worker, args=(2, str(tmp_path / "store"), found), nprocs=2)
     assert len(found) == 8
-    for rank, samples, dim, real, rehearsed, blocking, steps, rehearsed_steps, same in found:
+    for (rank, samples, dim, real, rehearsed, as_is, blocking, steps, rehearsed_steps,
+         same) in found:
         where = (rank, samples, dim)
+        assert as_is == real, where
         if samples > 1 or dim == 0:
             assert rehearsed == real, where
-        else:   # one sample's chunks are received and written in place, which the
-            # rehearsal copies as larger batches do (the estimate measures one sample)
+        else:   # one sample's chunks are received and written in place, which a batch's
+            # rehearsal copies as batches of several samples do
             assert rehearsed[0] > real[0] and rehearsed[1] > real[1], where
         assert steps == rehearsed_steps > 0 and same
         # Each ring runs a matmul and a copy or an add per chunk: more kernels than the

@@ -28,9 +28,9 @@ microbatches are a multiple of pp (:func:`megatron_interleavings`: the plan's
 micro-batch size, sequence parallelism and recompute kept). The table gives neither the
 schedule nor the micro-batch size; its authors chose both for speed, and
 :func:`predict` takes the faster schedule within 80 GB. Under plain 1F1B the pipelined
-rows would be predicted at 0.78-0.82x (fitted, below), the interleavings' shorter fill
+rows would be predicted at 0.81-0.84x (fitted, below), the interleavings' shorter fill
 and drain ((p - 1) / (v m) of the microbatches' time where 1F1B's is (p - 1) / m) put
-them at 0.86-0.95x. That release has no zero-bubble schedule and no uneven split: left
+them at 0.90-0.95x. That release has no zero-bubble schedule and no uneven split: left
 to itself, partc's planner gives 70B interleaved zero-bubble over four chunks per rank
 (0.997x), a schedule partc can run and Megatron-Core r0.8.0 cannot
 (``benchmarks/validation.py --only mcore`` prints all three). The planner tries 2 to 4
@@ -56,7 +56,7 @@ exposed on 32B (0.36 s at 0.70). Fitted on the plan that hides them, the constan
 out at 0.63 of peak where an H100's bf16 linears measured 0.70 (``partc calibrate``,
 :data:`MEASURED_EFFICIENCY`), and it prices the pipelined rows' matmuls that much
 slower. At the measured 0.70, nothing fitted, the pipelined rows are predicted at
-0.91-0.99x and the unpipelined ones at 1.07-1.22x as partc plans them; with
+0.95-1.00x and the unpipelined ones at 1.07-1.22x as partc plans them; with
 micro-batches of one (:data:`MICROBATCH_OF_THE_BATCHES`) 16B and 32B, whose
 data-parallel groups hold two ranks and one rank per node (a NIC each), spend 0.15 and
 0.36 s on exposed data-parallel traffic that 0.85 and 0.89 s published steps leave no
@@ -65,10 +65,11 @@ room for: they likely ran larger microbatches, which the table does not say. 1.7
 little either way. 1.7B, planned as 32B is, is the one row outside the band: 1.22x at
 0.70 and 1.15x fitted. It runs without tensor parallelism, where the fitted row's
 sequence-parallel rings cost kernels and adds of their own (``LayerCost.ring_kernels``:
-132 more kernels per block and microbatch at tp = 8, 3 us each on the H100 preset, an
-estimate not yet measured on a GPU), which the constant absorbs; and the 0.22 s of
-data-parallel traffic its backward and forward hide are priced as costing their compute
-nothing (the preset's ``comm_overlap`` of 1, also not measured on a GPU).
+132 more kernels per block and microbatch of several samples at tp = 8, 3 us each on
+the H100 preset, an estimate not yet measured on a GPU), which the constant absorbs;
+and the 0.22 s of data-parallel traffic its backward and forward hide are priced as
+costing their compute nothing (the preset's ``comm_overlap`` of 1, also not measured
+on a GPU).
 """
 
 from __future__ import annotations

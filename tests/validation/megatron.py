@@ -405,7 +405,7 @@ def _work_seconds(problem: PlanningProblem, config: PipelineConfig,
     total = {"compute": 0.0, "attention": 0.0, "memory": 0.0, "tp": 0.0}
     b, scale = config.micro_batch_size, problem.train.measured_scale
     for index, mode in layers:
-        layer = run_layer(problem, index)
+        layer = run_layer(problem, index, b)
         work = layer_work(layer, problem.devices, b, scale)
         for compute, memory in (work["forward"], work["backward"], work["recompute"][mode]):
             total["compute"] += compute
