@@ -113,28 +113,36 @@ def test_planner_validator_and_brute_force_agree_on_rings():
     assert steps[True] < steps[False]
 
 
+def _with_ring_work(rings: bool = True, **work):
+    """``_problem([0.5])`` (rings run or not) whose layers launch 10 kernels forward and
+    20 backward, move nothing else, and have the ring ``work`` given (LayerCost fields);
+    each kernel costs 1e-5 s."""
+    prob = _problem([0.5], rings=rings)
+    option = prob.model.tensor_parallel[0]
+    layers = tuple(dataclasses.replace(
+        each, forward_kernels=10, backward_kernels=20, backward_mem_bytes=0.0,
+        recompute_kernels={"none": 0, "full": 10}, **work)
+        for each in option.model.layers)
+    option = dataclasses.replace(option, model=dataclasses.replace(option.model,
+                                                                    layers=layers))
+    return dataclasses.replace(
+        prob, devices=dataclasses.replace(prob.devices, kernel_overhead_s=1e-5),
+        model=dataclasses.replace(prob.model, tensor_parallel=(option,)))
+
+
 def test_rings_local_work_is_priced_where_the_rings_run():
     """A ring's own kernels and the bytes its backward moves beyond the blocking calls
     (``LayerCost.ring_kernels``, ``ring_bwd_mem_bytes``, as the estimate measures them)
     are charged only where the rings run, forward, backward and in a full recompute:
     each kernel ``kernel_overhead_s``, each byte at the element-wise rate."""
-    def row(rings: bool, ring_work: bool):
-        prob = _problem([0.5], rings=rings)
-        option = prob.model.tensor_parallel[0]
-        layers = tuple(dataclasses.replace(
-            each, forward_kernels=10, backward_kernels=20, backward_mem_bytes=0.0,
-            recompute_kernels={"none": 0, "full": 10},
-            ring_kernels={"forward": 4, "backward": 6} if ring_work else {},
-            ring_bwd_mem_bytes=1e6 if ring_work else 0.0)
-            for each in option.model.layers)
-        option = dataclasses.replace(option, model=dataclasses.replace(option.model,
-                                                                        layers=layers))
-        prob = dataclasses.replace(
-            prob, devices=dataclasses.replace(prob.devices, kernel_overhead_s=1e-5),
-            model=dataclasses.replace(prob.model, tensor_parallel=(option,)))
-        return build_cost_table(prob, CONFIG).layers[0], prob.devices.light_op_bandwidth
+    work = {"ring_kernels": {"forward": 4, "backward": 6}, "ring_bwd_mem_bytes": 1e6}
 
-    (ring, bandwidth), (bare, _) = row(True, True), row(True, False)
+    def row(rings: bool, ring_work: bool):
+        return build_cost_table(_with_ring_work(rings, **(work if ring_work else {})),
+                                CONFIG).layers[0]
+
+    ring, bare = row(True, True), row(True, False)
+    bandwidth = _with_ring_work().devices.light_op_bandwidth
     assert ring.forward_ps - bare.forward_ps == pytest.approx(4e-5 * PS_PER_S, abs=2)
     assert ring.backward_ps - bare.backward_ps == pytest.approx(
         (6e-5 + CONFIG.micro_batch_size * 1e6 / bandwidth) * PS_PER_S, abs=2)
@@ -142,36 +150,23 @@ def test_rings_local_work_is_priced_where_the_rings_run():
         4e-5 * PS_PER_S, abs=2)
     assert ring.recompute_ps["none"] == bare.recompute_ps["none"]
     # Blocking (TrainSpec.tp_overlap off), the rings' work is no one's.
-    assert row(False, True)[0] == row(False, False)[0]
+    assert row(False, True) == row(False, False)
 
 
 def test_a_microbatch_of_one_sample_is_charged_its_own_ring_work():
     """One sample's chunks are received and written in place (``ring_kernels_single``,
     ``ring_bwd_mem_bytes_single``); a microbatch of several samples pays the copies."""
-    prob = _problem([0.5])
-    option = prob.model.tensor_parallel[0]
-    layers = tuple(dataclasses.replace(
-        each, forward_kernels=10, backward_kernels=20, backward_mem_bytes=0.0,
-        ring_kernels={"forward": 4, "backward": 6}, ring_bwd_mem_bytes=1e6,
-        ring_kernels_single={"forward": 1, "backward": 2}, ring_bwd_mem_bytes_single=1e5)
-        for each in option.model.layers)
-    option = dataclasses.replace(option, model=dataclasses.replace(option.model,
-                                                                    layers=layers))
-    prob = dataclasses.replace(
-        prob, devices=dataclasses.replace(prob.devices, kernel_overhead_s=1e-5),
-        model=dataclasses.replace(prob.model, tensor_parallel=(option,)))
+    prob = _with_ring_work(ring_kernels={"forward": 4, "backward": 6},
+                           ring_bwd_mem_bytes=1e6,
+                           ring_kernels_single={"forward": 1, "backward": 2},
+                           ring_bwd_mem_bytes_single=1e5)
     layer = prob.variant(2, True).layers[0]
     assert layer.as_rings(1).forward_kernels == 11 and layer.as_rings(2).forward_kernels == 14
     assert layer.as_rings(1).bwd_mem_bytes == 1e5 and layer.as_rings(2).bwd_mem_bytes == 1e6
     two = dataclasses.replace(CONFIG, micro_batch_size=2, num_microbatches=1)
-    one, several = (build_cost_table(prob, config).layers[0] for config in (CONFIG, two))
-    # The same problem without the rings' work: each microbatch pays its own.
-    bare = dataclasses.replace(prob, model=dataclasses.replace(prob.model, tensor_parallel=(
-        dataclasses.replace(option, model=dataclasses.replace(option.model, layers=tuple(
-            dataclasses.replace(each, ring_kernels={}, ring_bwd_mem_bytes=0.0,
-                                ring_kernels_single=None, ring_bwd_mem_bytes_single=0.0)
-            for each in option.model.layers))),)))
-    base_one, base_two = (build_cost_table(bare, config).layers[0]
-                          for config in (CONFIG, two))
-    assert one.forward_ps - base_one.forward_ps == pytest.approx(1e-5 * PS_PER_S, abs=2)
-    assert several.forward_ps - base_two.forward_ps == pytest.approx(4e-5 * PS_PER_S, abs=2)
+    bare = _with_ring_work()   # the same without the rings' work
+    for config, kernels in ((CONFIG, 1), (two, 4)):
+        # Each microbatch size pays its own ring kernels forward.
+        assert (build_cost_table(prob, config).layers[0].forward_ps
+                - build_cost_table(bare, config).layers[0].forward_ps) == pytest.approx(
+            kernels * 1e-5 * PS_PER_S, abs=2)
