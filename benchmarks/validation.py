@@ -47,7 +47,6 @@ sys.path.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from partc.presets import preset  # noqa: E402
 from tests.validation import korthikanti, mcore  # noqa: E402
-from tests.validation.mcore import tflops_per_gpu  # noqa: E402
 from tests.validation.megatron import breakdown, plan_assignment  # noqa: E402
 
 GIB = 2**30
@@ -149,7 +148,7 @@ def mcore_table(names: list[str], show_breakdown: bool, given: float | None = No
             free = mcore.predict(run, efficiency, megatron_pipeline=False,
                                  micro_batch_size=micro_batch_size)
             chosen = f"{free.plan.schedule} v={free.plan.chunks} {free.ratio:.3f}"
-            plain = f"{tflops_per_gpu(run, plan.predicted.step_time_s) / run.tflops_per_gpu:.3f}"
+            plain = f"{ours.planned_tflops_per_gpu / run.tflops_per_gpu:.3f}"
         print(f"{run.name:>5} {run.tp:>3} {run.pp:>3} {run.dp:>3} {run.tflops_per_gpu:>9.1f} "
               f"{ours.tflops_per_gpu:>7.1f} {ours.ratio:>6.3f} {ours.peak_bytes / GIB:>5.1f} "
               f"{plan.micro_batch_size:>2} {plan.num_microbatches:>3} "

@@ -84,6 +84,7 @@ from .graph import (carries_grad, dropout_args, fetch, is_dtype_check, layer_nod
                     param_usage, storage_of)
 from .layers import crossing_bytes
 from .op_bytes import COPY_THEN_IN_PLACE, FLOP_FORMULAS, MovedBytes, nbytes
+from .tp_rewrite import RING_CALLS
 
 log = logging.getLogger("partc")
 
@@ -235,7 +236,7 @@ def _run_layer(gm: fx.GraphModule, nodes: list[fx.Node], setting: _Setting) -> _
             else:
                 moved = _moved(setting.device, args, kwargs)
                 result = _call(gm, node, setting, *moved)
-                if node.op == "call_method" and node.target in _RING_CALLS:
+                if node.op == "call_method" and node.target in RING_CALLS:
                     rings.append((node, moved))
             env[node] = result
             run.kernels[node] = launched.kernels - kernels_before
@@ -263,17 +264,13 @@ def _run_layer(gm: fx.GraphModule, nodes: list[fx.Node], setting: _Setting) -> _
     for node in run.inputs:
         run.storages[node] = _storages(env[node], frozen)
     _attribute_saved(run)
-    run.rings = [_rehearsed_ring(gm, node, args, kwargs, setting, frozen)
+    run.rings = [_rehearsed_ring(node, args, kwargs, setting, frozen)
                  for node, (args, kwargs) in rings]
     return run
 
 
-# The calls the runtime runs as rings beside their collectives (passes/tp_rewrite.py).
-_RING_CALLS = frozenset(("linears_of_gathered", "linear_reduce_scatter"))
-
-
-def _rehearsed_ring(gm: fx.GraphModule, node: fx.Node, args: tuple, kwargs: dict,
-                    setting: _Setting, frozen: set) -> _RingWork:
+def _rehearsed_ring(node: fx.Node, args: tuple, kwargs: dict, setting: _Setting,
+                    frozen: set) -> _RingWork:
     """What ``node`` (a sequence-parallel linear the runtime runs as a ring beside its
     collective, ``partc.runtime.tp_rings``: a matmul and a copy or an add per chunk) adds
     to the blocking call the layer's run measured (:class:`_RingWork`). Measured on the
@@ -310,13 +307,13 @@ def _measured_ring(node: fx.Node, group: TensorParallelGroup, args: tuple, kwarg
                    setting: _Setting, frozen: set) -> _RingWork:
     cuda = setting.runtime_device == "cuda"
     call = getattr(group, node.target)
-    dim = inspect.signature(call).bind(*args[1:], **kwargs)
-    dim.apply_defaults()
+    bound = inspect.signature(call).bind(*args[1:], **kwargs)
+    bound.apply_defaults()
     # The batch-first activations a sequence shard's chunk of one sample is contiguous
     # in (the runtime then receives and writes it in place, whatever the traced batch).
     samples = [t for t in pytree.tree_leaves((args[1:], kwargs)) if isinstance(t, torch.Tensor)
                and StorageWeakRef(t.untyped_storage()) not in frozen and t.dim() > 1]
-    by_sample = dim.arguments["dim"] % samples[0].dim() > 0 if samples else False
+    by_sample = bound.arguments["dim"] % samples[0].dim() > 0 if samples else False
 
     def leaf(value: Any, one: bool) -> Any:
         if isinstance(value, torch.Tensor):
@@ -325,7 +322,7 @@ def _measured_ring(node: fx.Node, group: TensorParallelGroup, args: tuple, kwarg
             return value.detach().requires_grad_(value.requires_grad)
         return value
 
-    def counted(rehearsing: bool | str, one: bool = False) -> tuple[int, int, float]:
+    def counted(rehearsing: str | None, one: bool = False) -> tuple[int, int, float]:
         group.rehearsing = rehearsing
         try:
             with contextlib.ExitStack() as scope:
@@ -341,7 +338,7 @@ def _measured_ring(node: fx.Node, group: TensorParallelGroup, args: tuple, kwarg
             with setting.fake_mode, torch.enable_grad(), MovedBytes(frozen, cuda) as back:
                 torch.autograd.backward(outputs, [torch.empty_like(t) for t in outputs])
         finally:
-            group.rehearsing = False
+            group.rehearsing = None
         return forward.kernels, back.kernels, back.moved
 
     def beyond(ring, blocking) -> tuple[dict[str, int], float]:
@@ -349,7 +346,7 @@ def _measured_ring(node: fx.Node, group: TensorParallelGroup, args: tuple, kwarg
                 ring[2] - blocking[2])
 
     try:
-        blocking = counted(False)
+        blocking = counted(None)
         kernels, moved = beyond(counted(REHEARSE_BATCH), blocking)
         # The stand-in's blocking calls copy alike for any batch (what larger batches
         # copy): one sample launches the same kernels and moves its share of the bytes.

@@ -24,6 +24,7 @@ from .context import Context
 from .graph import fetch, param_usage
 from .layers import crossing_bytes, crossing_tensors
 from .moe import MoERegion, expert_nodes, recognize
+from .tp_rewrite import LINEAR_REDUCE_SCATTER, LINEARS_OF_GATHERED
 
 if TYPE_CHECKING:
     from .tp_chooser import Sharding
@@ -92,11 +93,11 @@ def _rings(local: fx.GraphModule, tp: int) -> dict[int, list[tuple[str, str, int
         if node.op != "call_method" or meta.cost(node) is None:
             continue
         flops = meta.cost(node).flops
-        if node.target == "linears_of_gathered":
+        if node.target == LINEARS_OF_GATHERED:
             whole = meta.run_bytes(node.args[1]) * tp
             moves = [("all_gather", "forward", flops), ("all_gather", "backward", flops),
                      ("reduce_scatter", "backward", flops)]
-        elif node.target == "linear_reduce_scatter":
+        elif node.target == LINEAR_REDUCE_SCATTER:
             whole = meta.run_bytes(node) * tp
             moves = [("reduce_scatter", "forward", flops), ("all_gather", "backward", 2 * flops)]
         else:

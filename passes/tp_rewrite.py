@@ -62,6 +62,12 @@ from .graph import carries_grad, op_name, tensor_inputs
 from .tp_chooser import Sharding
 from .tp_rules import flattened_for_addmm, redistribute, regathers
 
+# The group's calls the runtime runs as rings beside their collectives
+# (partc.runtime.tp_rings): the column-parallel linears reading one gathered shard, and a
+# row-parallel linear reduce-scattered.
+LINEARS_OF_GATHERED, LINEAR_REDUCE_SCATTER = "linears_of_gathered", "linear_reduce_scatter"
+RING_CALLS = frozenset((LINEARS_OF_GATHERED, LINEAR_REDUCE_SCATTER))
+
 LocalParam = Callable[[str, torch.Tensor, Placement], torch.Tensor]
 
 GROUP = "tp"  # the group's attribute on the rewritten module
@@ -407,7 +413,7 @@ def _fuse_gathered_linears(gm: fx.GraphModule, gather: fx.Node,
         first.prepend(fetched)
     group, shard, dim = first.args[0], first.args[2], first.args[5]
     with gm.graph.inserting_before(first):
-        fused = gm.graph.call_method("linears_of_gathered", (
+        fused = gm.graph.call_method(LINEARS_OF_GATHERED, (
             group, shard, tuple(r.args[3] for r in readers),
             tuple(r.args[4] for r in readers), dim))
     _set_layer(fused, first)
@@ -428,7 +434,7 @@ def _fuse_linear_reduce_scatter(scatter: fx.Node, order: dict[fx.Node, int]) -> 
                        for i, k in enumerate(names)]
     if order[group] > order[linear]:   # the layer's group was first read after the linear
         linear.prepend(group)
-    linear.op, linear.target = "call_method", "linear_reduce_scatter"
+    linear.op, linear.target = "call_method", LINEAR_REDUCE_SCATTER
     linear.args, linear.kwargs = (group, x, weight, bias, dim), {}
     scatter.replace_all_uses_with(linear)
     scatter.graph.erase_node(scatter)

@@ -80,9 +80,9 @@ class TensorParallelGroup(nn.Module):
         self.overlap = overlap
         # The estimate's measurement of the rings (passes/estimate.py): a stand-in runs
         # the rings its linears run on ranks, each exchange moving nothing (the shapes
-        # and the local work, not the data). False, or REHEARSE_BATCH (copying chunks
+        # and the local work, not the data). None, or REHEARSE_BATCH (copying chunks
         # as a batch of several samples does) or REHEARSE_SAMPLE (as the shapes allow).
-        self.rehearsing: bool | str = False
+        self.rehearsing: str | None = None
         self.ring_steps = 0  # exchanges with the ring's neighbours (not collectives)
         self._next = self._previous = None
         # The blocking collectives that run over lists of tensors, not single-tensor.

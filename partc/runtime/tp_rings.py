@@ -178,7 +178,7 @@ def _rings(group: "TensorParallelGroup") -> bool:
     """Whether the group runs the ring (else the blocking collectives): over a process
     group, or a stand-in rehearsing them for the estimate."""
     return group.overlap and group.size > 1 and (group.process_group is not None
-                                                 or group.rehearsing)
+                                                 or group.rehearsing is not None)
 
 
 class LinearsOfGathered(torch.autograd.Function):
@@ -262,19 +262,15 @@ def _ring_linears_backward(group: "TensorParallelGroup", shard: torch.Tensor, di
             total = _plus_matmul(total, _rows(g, dim, chunk, rows), w)
         return total
 
-    # The two rings advance together: the input gradient's partial for the next rank
-    # runs while both rings' transfers are in flight. The shard's chunks land in
-    # ``whole`` as _ring puts them (received in place where they can be).
-    size, rank = group.size, group.rank
-    held, exchange, arriving, place = shard.contiguous(), None, None, None
-    _rows(whole, dim, rank, rows).copy_(held)
-    total, passing, incoming = None, None, None
-    for step in range(size):
-        if step < size - 1:
-            place = _rows(whole, dim, (rank - step - 1) % size, rows)
-            arriving = place if _in_place(group, place, dim) else torch.empty_like(held)
-            exchange = group.ring_exchange(held, arriving)
-        local = input_grad((rank - step - 1) % size)
+    # The two rings advance together: at each step of the shard's all-gather (_ring:
+    # its chunks land in ``whole``) the input gradient's partial for the next rank runs
+    # while both rings' transfers are in flight.
+    size = group.size
+    step, total, passing, incoming = 0, None, None, None
+
+    def visit(owner: int, _chunk: torch.Tensor) -> None:
+        nonlocal step, total, passing, incoming
+        local = input_grad((owner - 1) % size)
         if passing is not None:
             passing.wait()
             local = local + incoming
@@ -284,11 +280,9 @@ def _ring_linears_backward(group: "TensorParallelGroup", shard: torch.Tensor, di
             passing = group.ring_exchange(local, incoming, tag=1)
         else:
             total = local
-        if step < size - 1:
-            exchange.wait()
-            if arriving is not place:
-                place.copy_(arriving)
-            held = arriving
+        step += 1
+
+    _ring(group, shard.contiguous(), visit, whole, dim)
     return total, [_matrix(g).t().mm(_matrix(whole)) for g in grads]
 
 

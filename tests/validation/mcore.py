@@ -340,6 +340,11 @@ class Prediction:
         return self.tflops_per_gpu / self.run.tflops_per_gpu
 
     @property
+    def planned_tflops_per_gpu(self) -> float:
+        """The plan's own schedule's TF/GPU (a pipelined row's plain 1F1B)."""
+        return tflops_per_gpu(self.run, self.plan.predicted.step_time_s)
+
+    @property
     def peak_bytes(self) -> int:
         return self.plan.predicted.peak_memory_bytes if self.peak is None else self.peak
 

@@ -160,7 +160,7 @@ def test_a_pipelined_row_runs_a_schedule_megatron_can_run(name):
     1F1B's plan."""
     run = run_named(name)
     predicted = mcore.predict(name)
-    plain = mcore.tflops_per_gpu(run, predicted.plan.predicted.step_time_s)
+    plain = predicted.planned_tflops_per_gpu
     assert predicted.plan.schedule == "1f1b"
     assert predicted.tflops_per_gpu >= plain * (1 - 1e-9)
     found = [i for i in mcore.megatron_interleavings(name)
