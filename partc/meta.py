@@ -48,6 +48,9 @@ LAYER_COSTS = "partc.layer_costs"
 TIMINGS = "partc.pass_seconds"
 CONTEXT = "partc.context"  # on gm.meta: the trace Context the passes share
 LOSS_USES = "partc.loss_uses"  # on the loss node: which of its inputs the loss reads
+# On the loss node: per tensor-parallel degree, the input the loss can read sharded by its
+# last (class) dim (a vocab-parallel cross entropy, partc.runtime.tp_loss), or none.
+VOCAB_SHARDED = "partc.vocab_sharded"
 FSDP_UNITS = "partc.fsdp_units"  # on a stage's gm.meta: submodule paths of its FSDP units
 
 # Roles: a plain model node has no role.
@@ -194,6 +197,22 @@ def loss_uses(node: fx.Node) -> tuple[bool, ...] | None:
     """Per input of the loss node, whether the loss's value depends on it (``None``:
     not measured, assume all)."""
     return node.meta.get(LOSS_USES)
+
+
+def set_vocab_sharded(node: fx.Node, tp: int, position: int | None) -> None:
+    probed = dict(node.meta.get(VOCAB_SHARDED, ()))
+    probed[tp] = position
+    _set(node, VOCAB_SHARDED, tuple(sorted(probed.items())))
+
+
+def vocab_sharded(node: fx.Node, tp: int) -> int | None:
+    """The input of the loss node the loss reads sharded ``tp`` ways by its class dim
+    (an index into ``node.args``), if any; ``tp`` not probed: none."""
+    return dict(node.meta.get(VOCAB_SHARDED, ())).get(tp)
+
+
+def vocab_probed(node: fx.Node, tp: int) -> bool:
+    return tp in dict(node.meta.get(VOCAB_SHARDED, ()))
 
 
 def set_layer(node: fx.Node, ref: LayerRef) -> None:

@@ -107,11 +107,12 @@ from partc.costs import collectives_seconds, op_step_seconds, to_ps
 from partc.options import ShardingOptions
 from partc.placement import REPLICATE, Placement, Shard
 from partc.problem import HeavyOp
+from partc.runtime.tp_loss import runs_sharded
 
 from .graph import (carries_grad, is_tensorish, layer_nodes, op_name, storage_of,
                     tensor_inputs)
 from .tp_rules import (NO_STRATEGY_OPS, ChunkHints, Collective, Strategy, divides,
-                       output_shape, redistribute, regathers, strategies)
+                       loss_statistics, output_shape, redistribute, regathers, strategies)
 
 log = logging.getLogger("partc")
 
@@ -181,11 +182,34 @@ def sequence_length(gm: fx.GraphModule) -> int:
     return 0
 
 
+def probe_loss(gm: fx.GraphModule, tp: int) -> fx.Node | None:
+    """Whether the loss can read one of its inputs sharded ``tp`` ways by the class dim
+    (``partc.runtime.tp_loss.runs_sharded``, each floating input in turn), recorded on
+    the loss node (``meta.VOCAB_SHARDED``); the logits it reads so, if any."""
+    loss = next((n for n in gm.graph.nodes if meta.role(n) == meta.ROLE_LOSS
+                 and n.op == "call_module"), None)
+    if loss is None or tp == 1:
+        return None
+    if not meta.vocab_probed(loss, tp):
+        values = [a.meta.get("val") if isinstance(a, fx.Node) else a for a in loss.args]
+        call = gm.get_submodule(str(loss.target))
+        position = next((i for i, a in enumerate(loss.args[:-1])
+                         if isinstance(a, fx.Node) and isinstance(values[i], torch.Tensor)
+                         and values[i].dim() >= 2 and divides(values[i].shape[-1], tp)
+                         and runs_sharded(call, values, i, tp)), None)
+        meta.set_vocab_sharded(loss, tp, position)
+    position = meta.vocab_sharded(loss, tp)
+    return loss.args[position] if position is not None else None
+
+
 def boundaries(gm: fx.GraphModule, tp: int, sequence_parallel: bool) -> dict[fx.Node, Placement]:
-    """The placement of every value that crosses from one layer to another."""
+    """The placement of every value that crosses from one layer to another: replicated,
+    or sharded by the sequence (sequence parallelism's hidden states), or, for logits the
+    loss alone reads and reads vocab-parallel (:func:`probe_loss`), by their classes."""
     grads = carries_grad(gm)
     seq = sequence_length(gm) if sequence_parallel else 0
     loss_layers = {info.index for info in meta.layers(gm) if info.is_loss}
+    logits = probe_loss(gm, tp)
     result = {}
     for node in gm.graph.nodes:
         if node.op in ("output", "get_attr") or not is_tensorish(node):
@@ -201,6 +225,9 @@ def boundaries(gm: fx.GraphModule, tp: int, sequence_parallel: bool) -> dict[fx.
                   and int(value.shape[1]) == seq and divides(seq, tp)
                   and not any(u.op == "output" or meta.layer(u).index in loss_layers
                               for u in crossing))
+        if node is logits and all(meta.role(u) == meta.ROLE_LOSS for u in crossing):
+            result[node] = Shard(value.dim() - 1)
+            continue
         result[node] = Shard(1) if hidden else REPLICATE
     return result
 
@@ -407,6 +434,9 @@ def _compute_seconds(node: fx.Node, chosen: Strategy, link: Link) -> float:
                  weight_bytes=cost.weight_bytes)
     seconds = op_step_seconds(op, link.flops, link.hbm_bandwidth)
     sharded = chosen.out.kind != "R" or any(p.kind != "R" for p in chosen.ins)
+    if chosen.name == "vocab-parallel" and node.op == "call_module":
+        seconds += sum(_moves_seconds(((c.kind, c.phase),), c.bytes, link)
+                       for c in loss_statistics(node, link.tp))
     return seconds / link.tp if sharded else seconds
 
 
@@ -714,6 +744,8 @@ def _apply_choices(gm: fx.GraphModule, result: Sharding, problems: list[_LayerPr
             if v in result.boundary:
                 moves = redistribute(chosen.out, result.boundary[v], False) or ()
                 collectives += [Collective(k, ph, meta.run_bytes(v)) for k, ph in moves]
+            if chosen.name == "vocab-parallel" and v.op == "call_module":
+                collectives += loss_statistics(v, problem.tp)
         own = tuple((meta.params(n)[0], str(result.strategy[n].out)) for n in problem.items
                     if n.op == "get_attr" and n in problem.members and meta.params(n))
         layers.append(LayerSharding(

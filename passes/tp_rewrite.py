@@ -20,6 +20,8 @@ chooser or rebuilt from a plan by ``tp_chooser.apply``):
 - a row-parallel linear adds ``bias / tp`` on each rank (the sum over ranks adds it once);
 - a vocabulary-parallel embedding looks up only the rows this rank holds, and dropout
   of a shard keeps its part of the whole tensor's mask (``tp.dropout``);
+- a vocabulary-parallel loss runs the user's loss on this rank's slice of the logits'
+  classes (``partc.runtime.tp_loss.VocabParallelLoss``, the loss node's new target);
 - a linear reading a sequence-parallel shard gathered whole (``tp_rules.regathers``)
   becomes ``tp.linear_of_gathered``, and an ``addmm`` reading it flattened (GPT-2's
   ``Conv1D``) ``tp.addmm_of_gathered``: they keep the shard, not the whole, for
@@ -56,6 +58,7 @@ from torch import fx
 from partc import meta
 from partc.placement import Placement
 from partc.runtime.tp import ShardedDropout, TensorParallelGroup
+from partc.runtime.tp_loss import VocabParallelLoss
 
 from .context import Context
 from .graph import carries_grad, op_name, tensor_inputs
@@ -303,6 +306,8 @@ class _Rewriter:
                 node.replace_input_with(bias, share)
         elif name in ("dropout", "native_dropout") and out.kind == "S":
             self._sharded_dropout(node, out)
+        elif node.op == "call_module" and chosen.name == "vocab-parallel":
+            self._vocab_parallel_loss(node)
         elif name == "embedding" and chosen.name == "vocab-parallel":
             if isinstance(node.target, torch._ops.OpOverload):
                 weight, ids = node.args[:2]
@@ -312,6 +317,16 @@ class _Rewriter:
                 padding = node.args[2] if len(node.args) > 2 else node.kwargs.get("padding_idx")
             self.to_method(node, "vocab_parallel_embedding",
                            (ids, weight, -1 if padding is None else int(padding)))
+
+    def _vocab_parallel_loss(self, node: fx.Node) -> None:
+        """The loss reads its logits as this rank's slice of the classes: the user's loss
+        run under ``partc.runtime.tp_loss.VocabParallelLoss``."""
+        name = f"{node.target}_vocab_parallel"
+        if name not in dict(self.gm.named_modules()):
+            self.gm.add_submodule(name, VocabParallelLoss(
+                self.gm.get_submodule(GROUP), self.gm.get_submodule(str(node.target)),
+                meta.vocab_sharded(node, self.tp)))
+        node.target = name
 
     def _sharded_dropout(self, node: fx.Node, out: Placement) -> None:
         """Dropout on a shard draws the whole tensor's mask and keeps its own part: the

@@ -16,7 +16,10 @@ no table of module names:
 - a reduction, softmax, slice or layer norm keeps shards off the dims it works along;
 - attention (``scaled_dot_product_attention``) is split by heads;
 - an embedding can be vocabulary-parallel (table ``Shard(0)``, output ``Partial()``) or
-  split by columns.
+  split by columns;
+- the loss (the user's, a ``call_module``) can read its logits sharded by their class dim
+  where a probe found it computes a vocab-parallel cross entropy
+  (``partc.runtime.tp_loss``; its own all-reduces: :func:`loss_statistics`).
 
 Dim 0 (the batch) is never sharded: tensor-parallel ranks see the same samples.
 ``Shard(d, chunks=k)`` shards each of ``k`` equal pieces of dim ``d`` (a fused QKV
@@ -26,7 +29,8 @@ values are split so, and the rules offer those shards too.
 :func:`redistribute` says which collectives move a value from the placement its producer
 made to the one a consumer needs, and which its gradient needs on the way back.
 
-Everything here is a pure function of a node, its ``node.meta["val"]`` and the hints; the
+Everything here is a pure function of a node, its ``node.meta["val"]`` (and, for the loss,
+the probe's finding) and the hints; the
 chooser (:mod:`partc.passes.tp_chooser`) picks among the strategies and the rewrite
 (:mod:`partc.passes.shard`) carries out the pick.
 """
@@ -40,6 +44,7 @@ from typing import Any, Callable, Iterable, Mapping
 import torch
 from torch import fx
 
+from partc import meta
 from partc.placement import PARTIAL, REPLICATE, Placement, Shard
 
 from .graph import is_tensorish, op_name, tensor_inputs
@@ -209,6 +214,8 @@ def strategies(node: fx.Node, tp: int, hints: ChunkHints) -> list[Strategy]:
     """Every way ``node`` can run on a group of ``tp``; the first is always replicated."""
     inputs = tensor_inputs(node)
     replicated = Strategy("replicate", REPLICATE, tuple(REPLICATE for _ in inputs))
+    if node.op == "call_module" and meta.role(node) == meta.ROLE_LOSS:
+        return [replicated] + _vocab_parallel_loss(node, inputs, tp)
     if node.op != "call_function" and node.op != "call_method":
         return [replicated]
     name = op_name(node)
@@ -565,6 +572,32 @@ def _embedding(node: fx.Node, inputs: list[fx.Node], tp: int, hints: ChunkHints)
         result.append(Strategy("column-parallel", Shard(_ndim(node) - 1),
                                tuple(Shard(1) if a is w else REPLICATE for a in inputs)))
     return result
+
+
+def _vocab_parallel_loss(node: fx.Node, inputs: list[fx.Node], tp: int) -> list[Strategy]:
+    """The loss reading its logits sharded by their last (class) dim, where the probe
+    found it computes a vocab-parallel cross entropy so (``meta.vocab_sharded``)."""
+    position = meta.vocab_sharded(node, tp)
+    if position is None:
+        return []
+    logits = node.args[position]
+    return [Strategy("vocab-parallel", REPLICATE, tuple(
+        Shard(_ndim(a) - 1) if a is logits else REPLICATE for a in inputs))]
+
+
+def loss_statistics(node: fx.Node, tp: int) -> tuple[Collective, ...]:
+    """The all-reduces a vocab-parallel loss runs in forward: each position's maximum,
+    then its sum of exponentials and target logit (fp32; a third number per position
+    with label smoothing, not counted); nothing in backward."""
+    position = meta.vocab_sharded(node, tp)
+    if position is None:
+        return ()
+    logits = output_shape(node.args[position])
+    positions = 1
+    for size in logits[:-1]:
+        positions *= size
+    return (Collective("all_reduce", "forward", 4 * positions),
+            Collective("all_reduce", "forward", 8 * positions))
 
 
 _RULES: dict[str, Rule] = {

@@ -816,6 +816,8 @@ def build(plan: Plan, topology: Topology,
                         if plan.tensor_parallel is not None else ())
     partial = [p for name, p in whole.named_parameters()
                if partial_names & set(aliases.get(name, (name,)))]
+    if programs[0].loss is not None:   # a vocab-parallel loss meets the other tp ranks
+        tp_ops.bind_group(programs[0].loss, tp_group)
     loss = _Loss(programs[0].loss, programs[0].loss_recompute,
                  mixed=compute_dtype != torch.float32)
     grad_sync = None

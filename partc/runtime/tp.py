@@ -108,13 +108,15 @@ class TensorParallelGroup(nn.Module):
 
     # ------------------------------------------------------------------------ primitives
 
-    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
-        """The sum of ``x`` over the group, as a new tensor (no autograd conjugate: for
-        the runtime's gradient sums; the emitted code calls ``reduce_from_tp``)."""
+    def all_reduce(self, x: torch.Tensor, op: str = "sum") -> torch.Tensor:
+        """The sum (or, ``op="max"``, the maximum) of ``x`` over the group, as a new
+        tensor (no autograd conjugate: for the runtime's gradient sums and the
+        vocab-parallel loss's statistics; the emitted code calls ``reduce_from_tp``)."""
         self.counts["all_reduce"] += 1
         x = x.contiguous().clone()
         if self.process_group is not None and self.size > 1:
-            dist.all_reduce(x, group=self.process_group)
+            reduce = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}[op]
+            dist.all_reduce(x, op=reduce, group=self.process_group)
         return x
 
     def _all_gather(self, x: torch.Tensor, dim: int, chunks: int) -> torch.Tensor:

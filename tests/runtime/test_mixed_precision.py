@@ -19,7 +19,7 @@ import pytest
 from .test_parity import launched
 
 TWO = ["gpt-dp2-bf16", "gpt2-dp2-zero1-bf16", "gpt-dp2-zero3-bf16", "llama-pp2-bf16"]
-FOUR = ["llama-pp2-dp2-zero2-bf16"]
+FOUR = ["llama-pp2-dp2-zero2-bf16", "llama-dp2-tp2-sp-zero1-vocab-bf16"]
 LOSS_RTOL, PARAM_RTOL = 1e-3, 2e-2
 
 bf16_two = launched("bf16_two", 2, TWO)
@@ -50,6 +50,9 @@ def _check(ranks: list[dict], name: str) -> None:
                          + [("bf16_four", n) for n in FOUR])
 def test_bf16_trains_like_fp32(request, launch, name):
     _check(request.getfixturevalue(launch), name)
+    if "vocab" in name:   # the loss a vocab-parallel cross entropy of the head's shards
+        for results in request.getfixturevalue(launch):
+            assert results[name]["layer_collectives"]["loss"] == [["all_reduce", "forward"]] * 2
 
 
 @pytest.mark.slow

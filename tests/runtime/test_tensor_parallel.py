@@ -31,9 +31,11 @@ DROPOUT_TWO = ["gpt-tp2-dropout", "gpt-tp2-sp-dropout", "gpt2-tp2-dropout",
 BLOCKING_TWO = ["gpt-tp2-sp-blocking"]
 SLOW_BLOCKING = {2: ["llama-tp2-sp-blocking"],
                  4: ["gpt-pp2-tp2-sp-blocking", "llama-pp2-tp2-sp-blocking"]}
+# "-vocab": 2048 classes, the loss a vocab-parallel cross entropy on the head's shards.
+VOCAB_TWO, VOCAB_FOUR = ["gpt-tp2-sp-vocab", "llama-tp2-vocab"], ["gpt2-pp2-tp2-sp-vocab"]
 TWO = ([f"{m}-tp2{s}" for m in MODELS for s in ("", "-sp")] + RECOMPUTE_TWO + DROPOUT_TWO
-       + BLOCKING_TWO)
-FOUR = [f"{m}-pp2-tp2{s}" for m in MODELS for s in ("", "-sp")] + RECOMPUTE_FOUR
+       + BLOCKING_TWO + VOCAB_TWO)
+FOUR = [f"{m}-pp2-tp2{s}" for m in MODELS for s in ("", "-sp")] + RECOMPUTE_FOUR + VOCAB_FOUR
 
 
 tp_two = launched("tp_two", 2, TWO)
@@ -63,6 +65,20 @@ def test_tp2_matches_one_process(tp_two, name):
 @pytest.mark.parametrize("name", FOUR)
 def test_pp2_tp2_matches_one_process(tp_four, name):
     _check(tp_four, name, tp=2, pp=2)
+
+
+@pytest.mark.parametrize("name", VOCAB_TWO + VOCAB_FOUR)
+def test_the_loss_reads_the_heads_shards_by_class_with_two_all_reduces(tp_two, tp_four,
+                                                                       name):
+    """Megatron's vocab-parallel cross entropy: no gather of the logits anywhere, the
+    loss's two forward all-reduces (maxima; sums of exponentials and target logits)."""
+    ranks = tp_two if name in VOCAB_TWO else tp_four
+    for results in ranks:
+        layers = results[name]["layer_collectives"]
+        assert layers["loss"] == [["all_reduce", "forward"]] * 2, layers["loss"]
+        # The head gathers its input's sequence shards under sequence parallelism only.
+        gathers = [phase for kind, phase in layers["lm_head"] if kind == "all_gather"]
+        assert gathers.count("forward") == (1 if "-sp" in name else 0), layers["lm_head"]
 
 
 @pytest.mark.parametrize("name", [f"{m}-tp2" for m in MODELS])

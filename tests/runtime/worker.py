@@ -163,6 +163,20 @@ for _name, (_build, _data, _loss) in _TP_MODELS.items():
         CASES[f"{_name}-tp2{_suffix}"] = Case(_build, _data, _loss, dict(pp=1, **_tp))
         CASES[f"{_name}-pp2-tp2{_suffix}"] = Case(_build, _data, _loss,
                                                  dict(pp=2, schedule="1f1b", **_tp))
+# A vocabulary large enough that the LM head's logits stay sharded by class into a
+# vocab-parallel cross entropy (partc.runtime.tp_loss): a CPU group gathers the logits of
+# the tiny models' 128 classes sooner than it runs two all-reduces.
+_VOCAB = 2048
+CASES["gpt-tp2-sp-vocab"] = Case(lambda: gpt.gpt_tiny(vocab_size=_VOCAB), "tokens",
+                                 gpt.loss_fn, dict(pp=1, tp=2, sequence_parallel=True,
+                                                   tp_objective="memory", recompute="none"))
+CASES["llama-tp2-vocab"] = Case(lambda: models.llama(vocab=_VOCAB), "tokens",
+                                models.causal_lm_loss,
+                                dict(pp=1, tp=2, tp_objective="memory", recompute="none"))
+CASES["gpt2-pp2-tp2-sp-vocab"] = Case(lambda: models.gpt2(vocab=_VOCAB, dropout=0.0),
+                                      "tokens", models.causal_lm_loss,
+                                      dict(pp=2, schedule="1f1b", tp=2, sequence_parallel=True,
+                                           tp_objective="memory", recompute="none"))
 # Sequence parallelism with its collectives blocking (TrainSpec.tp_overlap=False); the
 # "-sp" cases above run them as rings beside the linears' matmuls.
 for _name in ("gpt", "llama"):
@@ -289,6 +303,11 @@ CASES["llama-pp2-dp2-zero2-bf16"] = Case(models.llama, "tokens", models.causal_l
                                          dict(pp=2, dp=2, tp=1, schedule="1f1b",
                                               zero_stage=2),
                                          **_BF16)
+# dp=2 x tp=2 with sequence parallelism, ZeRO-1, the loss vocab-parallel (2048 classes).
+CASES["llama-dp2-tp2-sp-zero1-vocab-bf16"] = Case(
+    lambda: models.llama(vocab=_VOCAB), "tokens", models.causal_lm_loss,
+    dict(pp=1, dp=2, tp=2, sequence_parallel=True, tp_objective="memory",
+         recompute="none", zero_stage=1), **_BF16)
 CASES["bert-dp2"] = Case(lambda: models.bert(dropout=0.0), "hidden", _hidden_mse,
                         dict(pp=1, dp=2, tp=1))  # the pooler gets no gradient
 CASES["gpt-tp2-sp-recompute"] = Case(gpt.gpt_tiny, "tokens", gpt.loss_fn,

@@ -1,0 +1,147 @@
+"""The loss over vocabulary-sharded logits (``partc.runtime.tp_loss``): on gloo ranks, each
+rank holding its slice of the classes, the user's loss gives the value torch gives on the
+whole logits and each rank the gradient of its slice, for the losses language models
+write (a GPT's flattened cross entropy, Hugging Face's shifted sum, ``nn.CrossEntropyLoss``
+with label smoothing over classes in dim 1, ignored positions, every reduction) and for a
+loss the mode cannot follow (it gathers and stays right); what the probe accepts."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+import pytest
+from torch import nn
+
+from partc.runtime.tp import TensorParallelGroup
+from partc.runtime.tp_loss import (ShardedLossError, VocabParallelLoss, _index_keeps,
+                                   _local_sizes, runs_sharded)
+
+VOCAB = 48
+
+
+class Call(nn.Module):
+    """Stands for ``passes/trace.LossCall``: the loss of one output leaf and the target."""
+
+    def __init__(self, fn) -> None:
+        super().__init__()
+        self.fn = fn
+
+    def forward(self, logits, target):
+        return self.fn(logits, target)
+
+
+def gpt(logits, target):
+    return F.cross_entropy(logits.reshape(-1, logits.size(-1)), target.reshape(-1))
+
+
+def hugging_face(logits, target):
+    shifted = target[:, 1:]
+    count = (shifted != -100).sum()
+    return F.cross_entropy(logits[:, :-1].float().reshape(-1, VOCAB), shifted.reshape(-1),
+                           ignore_index=-100, reduction="sum") / count
+
+
+def smoothed(logits, target):
+    return nn.CrossEntropyLoss(label_smoothing=0.1, ignore_index=3)(
+        (logits * 0.5).transpose(1, 2), target.masked_fill(target == -100, 3))
+
+
+def per_position(logits, target):
+    return F.cross_entropy(logits.flatten(0, 1), target.flatten(), reduction="none").sum()
+
+
+def entropy_too(logits, target):
+    """A loss the mode cannot follow all the way: the entropy term gathers the logits."""
+    probs = logits.softmax(-1)
+    return gpt(logits, target) - 0.01 * (probs * probs.clamp_min(1e-9).log()).sum(-1).mean()
+
+
+LOSSES = {"gpt": gpt, "hugging_face": hugging_face, "smoothed": smoothed,
+          "per_position": per_position, "entropy_too": entropy_too}
+
+
+def _cases(dtype):
+    torch.manual_seed(0)
+    logits = torch.randn(3, 5, VOCAB, dtype=dtype) * 3
+    target = torch.randint(0, VOCAB, (3, 5))
+    target[0, 2] = -100
+    target[1, 4] = 3
+    return logits, target
+
+
+def _worker(rank: int, world: int, path: str, failures) -> None:
+    dist.init_process_group("gloo", init_method=f"file://{path}", rank=rank,
+                            world_size=world)
+    try:
+        group = TensorParallelGroup(world, dist.group.WORLD)
+        for dtype, tolerance in ((torch.float32, 1e-5), (torch.float64, 1e-12)):
+            for name, fn in LOSSES.items():
+                logits, target = _cases(dtype)
+                whole = logits.clone().requires_grad_()
+                expected = fn(whole, target)
+                expected.backward()
+                width = VOCAB // world
+                part = logits[..., rank * width:(rank + 1) * width].clone().requires_grad_()
+                # Hugging Face's loss computes in fp32 whatever comes in.
+                close = max(tolerance, 1e-5) if name == "hugging_face" else tolerance
+                loss = VocabParallelLoss(group, Call(fn), 0)
+                got = loss(part, target)
+                got.backward()
+                torch.testing.assert_close(got, expected, rtol=close, atol=close)
+                torch.testing.assert_close(
+                    part.grad, whole.grad[..., rank * width:(rank + 1) * width],
+                    rtol=close, atol=close)
+                gathered = 1 if name == "entropy_too" else 0
+                assert (loss.gathered, loss.cross_entropies) == (gathered, 1), name
+    except AssertionError as error:
+        failures.append(f"rank {rank}: {error!r}")
+        raise
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_the_sharded_loss_equals_the_whole_one_with_each_rank_its_slice_of_the_gradient(
+        tmp_path, world):
+    failures = mp.Manager().list()
+    mp.spawn(_worker, args=(world, str(tmp_path / "store"), failures), nprocs=world)
+    assert not failures
+
+
+def test_the_probe_accepts_losses_it_follows_to_a_cross_entropy_and_nothing_else():
+    shapes = [torch.empty(3, 5, VOCAB), torch.zeros(3, 5, dtype=torch.long)]
+    for name in ("gpt", "hugging_face", "smoothed", "per_position"):
+        assert runs_sharded(Call(LOSSES[name]), shapes, 0, 4), name
+    assert not runs_sharded(Call(entropy_too), shapes, 0, 4)
+    assert not runs_sharded(Call(gpt), shapes, 0, 5)          # 48 classes, not in 5
+    assert not runs_sharded(Call(lambda x, t: (x - t).pow(2).mean()), shapes, 0, 2)
+    weighted = lambda x, t: F.cross_entropy(x.reshape(-1, VOCAB), t.reshape(-1),  # noqa: E731
+                                            weight=torch.ones(VOCAB))
+    assert not runs_sharded(Call(weighted), shapes, 0, 2)
+
+
+def test_a_loss_that_changes_its_slice_in_place_is_refused():
+    def masks_in_place(logits, target):
+        logits[..., 0] = -1e4
+        return gpt(logits, target)
+
+    loss = VocabParallelLoss(TensorParallelGroup(2), Call(masks_in_place), 0)
+    with pytest.raises(ShardedLossError, match="in place"):
+        loss(torch.randn(3, 5, VOCAB // 2), torch.zeros(3, 5, dtype=torch.long))
+    assert not runs_sharded(Call(masks_in_place), [torch.empty(3, 5, VOCAB),
+                                                   torch.zeros(3, 5, dtype=torch.long)], 0, 2)
+
+
+def test_reshapes_and_indexing_keep_the_class_dim_only_where_it_stays_whole():
+    whole = torch.Size([2, 5, 48])
+    assert _local_sizes(whole, 2, [-1, 48], 4) == ([10, 12], 1)
+    assert _local_sizes(whole, 2, [2, 5, 6, 8], 4) is None     # the classes split
+    assert _local_sizes(whole, 2, [2, 240], 4) is None         # merged with positions
+    assert _local_sizes(torch.Size([2, 48, 5]), 1, [2, 48, 5], 4) == ([2, 12, 5], 1)
+    assert _index_keeps((slice(None), slice(None, -1)), 2, 3) == 2
+    assert _index_keeps((Ellipsis, 0, slice(None)), 2, 3) == 1
+    assert _index_keeps((None, 0), 2, 3) == 2
+    assert _index_keeps((Ellipsis, slice(0, 3)), 2, 3) is None
+    assert _index_keeps((slice(None), torch.tensor([0])), 2, 3) is None
