@@ -28,11 +28,11 @@ microbatches are a multiple of pp (:func:`megatron_interleavings`: the plan's
 micro-batch size, sequence parallelism and recompute kept). The table gives neither the
 schedule nor the micro-batch size; its authors chose both for speed, and
 :func:`predict` takes the faster schedule within 80 GB. Under plain 1F1B the pipelined
-rows would be predicted at 0.81-0.84x (fitted, below), the interleavings' shorter fill
+rows would be predicted at 0.79-0.84x (fitted, below), the interleavings' shorter fill
 and drain ((p - 1) / (v m) of the microbatches' time where 1F1B's is (p - 1) / m) put
 them at 0.90-0.95x. That release has no zero-bubble schedule and no uneven split: left
 to itself, partc's planner gives 70B interleaved zero-bubble over four chunks per rank
-(0.997x), a schedule partc can run and Megatron-Core r0.8.0 cannot
+(0.971x), a schedule partc can run and Megatron-Core r0.8.0 cannot
 (``benchmarks/validation.py --only mcore`` prints all three). The planner tries 2 to 4
 chunks per rank; on 177B, 314B and 462B Megatron's interleavings of 6 to 8 chunks are
 predicted faster than the planner's own schedule for the mesh. The 177B row (pp = 6)
@@ -47,29 +47,31 @@ efficiency, 0.5 of peak (cuDNN's flash kernel, which Transformer Engine runs on 
 as the FlashAttention-3 paper measured it; ``partc/presets.py``).
 
 What the fitted constant absorbs. Without a pipeline partc plans one microbatch of four
-sequences (b = 4, m = 1: 32B at 73.5 GiB), whose backward hides the whole fp32
+sequences (b = 4, m = 1: 32B at 49 GiB), whose backward hides the whole fp32
 reduce-scatter of ZeRO-1's gradients and whose forward the bf16 all-gather of its
 weights; as the four microbatches of one that the published batches (4 pp dp
 sequences) would also allow, Megatron-Core overlaps them with the last microbatch's
-backward and the first one's forward only, and partc prices about 0.33 s of them
-exposed on 32B (0.36 s at 0.70). Fitted on the plan that hides them, the constant comes
-out at 0.63 of peak where an H100's bf16 linears measured 0.70 (``partc calibrate``,
+backward and the first one's forward only, and partc prices about 0.35 s of them
+exposed on 32B. Fitted on the plan that hides them, the constant comes out at 0.59 of
+peak where an H100's bf16 linears measured 0.70 (``partc calibrate``,
 :data:`MEASURED_EFFICIENCY`), and it prices the pipelined rows' matmuls that much
 slower. At the measured 0.70, nothing fitted, the pipelined rows are predicted at
-0.95-1.00x and the unpipelined ones at 1.07-1.22x as partc plans them; with
+0.96-1.03x and the unpipelined ones at 1.12-1.22x as partc plans them; with
 micro-batches of one (:data:`MICROBATCH_OF_THE_BATCHES`) 16B and 32B, whose
 data-parallel groups hold two ranks and one rank per node (a NIC each), spend 0.15 and
 0.36 s on exposed data-parallel traffic that 0.85 and 0.89 s published steps leave no
 room for: they likely ran larger microbatches, which the table does not say. 1.7B and
 7.1B run their rings over 8 and 4 NICs a node (:mod:`partc.collectives`) and expose
-little either way. 1.7B, planned as 32B is, is the one row outside the band: 1.22x at
-0.70 and 1.15x fitted. It runs without tensor parallelism, where the fitted row's
-sequence-parallel rings cost kernels and adds of their own (``LayerCost.ring_kernels``:
-132 more kernels per block and microbatch of several samples at tp = 8, 3 us each on
-the H100 preset, an estimate not yet measured on a GPU), which the constant absorbs;
-and the 0.22 s of data-parallel traffic its backward and forward hide are priced as
-costing their compute nothing (the preset's ``comm_overlap`` of 1, also not measured
-on a GPU).
+little either way. 1.7B (1.11x fitted, 1.22x at 0.70) is the row furthest above: the one
+without tensor parallelism, where the fitted row's sequence-parallel rings cost kernels
+and adds of their own (``LayerCost.ring_kernels``: 132 more kernels per block and
+microbatch of several samples at tp = 8, 3 us each on the H100 preset, an estimate not
+yet measured on a GPU), which the constant absorbs; and the 0.22 s of data-parallel
+traffic its backward and forward hide are priced as costing their compute nothing (the
+preset's ``comm_overlap`` of 1, also not measured on a GPU). Its loss runs on the
+whole vocabulary, where the tensor-parallel rows' run Megatron's vocab-parallel cross
+entropy on a tp-th of it (``partc.runtime.tp_loss``; before it, each rank of 32B ran the
+whole loss, and 1.7B was predicted at 1.15x).
 """
 
 from __future__ import annotations
