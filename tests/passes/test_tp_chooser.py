@@ -288,3 +288,56 @@ def test_a_layer_whose_search_finds_nothing_in_time_stays_replicated(monkeypatch
     sharding = choose(mlp_layer(), 2, FAST_LINK, options=limit)
     assert {out for _, out in picked(sharding).values()} == {"Replicate()"}
     assert sharding.layers[0].collectives == ()
+
+
+def _gpt_with_loss(loss_fn, vocab: int = 256):
+    from partc.passes.pipeline import analyze
+    from samples.gpt import GPT, GPTConfig
+
+    model = GPT(GPTConfig(n_layer=1, n_head=2, n_embd=16, vocab_size=vocab, block_size=8))
+    ids = torch.zeros(2, 8, dtype=torch.long)
+    gm, _ = analyze(model, (ids,), loss_fn=loss_fn, example_target=ids.clone(), name="gpt")
+    return gm
+
+
+def _loss_node(gm: fx.GraphModule) -> fx.Node:
+    return next(n for n in gm.graph.nodes if meta.role(n) == meta.ROLE_LOSS)
+
+
+def test_the_loss_reads_the_heads_class_shards_where_it_is_a_cross_entropy():
+    from samples.gpt import loss_fn
+
+    gm = _gpt_with_loss(loss_fn)
+    sharding = choose(gm, 2, FAST_LINK)
+    loss = _loss_node(gm)
+    logits = loss.args[0]
+    assert meta.vocab_sharded(loss, 2) == 0
+    assert sharding.boundary[logits] == Shard(2)
+    assert sharding.strategy[loss].name == "vocab-parallel"
+    assert sharding.strategy[loss].ins == (Shard(2), REPLICATE)
+    (layer,) = [layer for layer in sharding.layers if layer.name == "loss"]
+    # Its two forward all-reduces (per position: the maximum; the sum of exponentials and
+    # the target's logit), and no gather of the logits anywhere.
+    assert [(c.kind, c.phase, c.bytes) for c in layer.collectives] == [
+        ("all_reduce", "forward", 4 * 16), ("all_reduce", "forward", 8 * 16)]
+    assert not any(c.kind == "all_gather" and c.bytes == meta.run_bytes(logits)
+                   for layer in sharding.layers for c in layer.collectives)
+
+
+def test_a_loss_that_is_no_plain_cross_entropy_gets_the_logits_whole():
+    def entropy_bonus(logits, target):
+        probs = logits.softmax(-1)
+        return F.cross_entropy(logits.reshape(-1, logits.size(-1)), target.reshape(-1)) \
+            + (probs * probs.log()).sum(-1).mean()
+
+    gm = _gpt_with_loss(entropy_bonus)
+    sharding = choose(gm, 2, FAST_LINK)
+    loss = _loss_node(gm)
+    assert meta.vocab_probed(loss, 2) and meta.vocab_sharded(loss, 2) is None
+    assert sharding.boundary[loss.args[0]] == REPLICATE
+    assert [s.name for s in tp_chooser._LayerProblem(
+        gm, meta.layers(gm)[meta.layer(loss).index], 2, FAST_LINK, sharding.boundary,
+        set(), tp_chooser.ChunkHints.of(gm)).options[loss]] == ["replicate"]
+    # 256 classes do not split 3 ways: no probe can accept them.
+    assert tp_chooser.probe_loss(_gpt_with_loss(lambda x, t: F.cross_entropy(
+        x.flatten(0, 1), t.flatten())), 3) is None
