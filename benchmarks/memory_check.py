@@ -185,6 +185,12 @@ CASES: tuple[Case, ...] = (
     Case(name="gpt-pp2-1f1b-m4-full-bf16-vocab", model="gpt", world=2, ranks=(0, 1),
          dtype=torch.bfloat16, batch=16, seq=128, layers=2, width=128, vocab=16384,
          constraints=dict(pp=2, **ONE_F_ONE_B, recompute="full")),
+    # The same vocabulary at tp=2, in bf16 with sequence parallelism: the loss a
+    # vocab-parallel cross entropy on each rank's half of the classes.
+    Case(name="gpt-tp2-sp-bf16-vocab", model="gpt", world=2, ranks=(0, 1),
+         dtype=torch.bfloat16, batch=16, seq=128, layers=2, width=128, vocab=16384,
+         constraints=dict(pp=1, tp=2, sequence_parallel=True, num_microbatches=4,
+                          recompute="none")),
 )
 
 

@@ -74,6 +74,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from partc import meta
 from partc.problem import HeavyOp, LayerCost
 from partc.runtime.tp import TensorParallelGroup
+from partc.runtime.tp_loss import VocabParallelLoss
 from partc.runtime.tp_rings import REHEARSE_BATCH, REHEARSE_SAMPLE
 
 from . import fuse_attention
@@ -723,6 +724,11 @@ def _shared_values(gm: fx.GraphModule) -> set[fx.Node]:
     return shared
 
 
+def _vocab_parallel(gm: fx.GraphModule, nodes: list[fx.Node]) -> bool:
+    return any(n.op == "call_module" and isinstance(gm.get_submodule(str(n.target)),
+                                                    VocabParallelLoss) for n in nodes)
+
+
 def _layer_cost(gm: fx.GraphModule, info: meta.LayerInfo, nodes: list[fx.Node], run: _LayerRun,
                 usage: dict, batch: int, shared: set[fx.Node],
                 dtypes: dict[fx.Node, tuple[torch.dtype, ...]]) -> LayerCost:
@@ -764,7 +770,10 @@ def _layer_cost(gm: fx.GraphModule, info: meta.LayerInfo, nodes: list[fx.Node], 
                          for key, size in run.storages.get(node, ()) if key not in own)
         largest = max((size for size, node in run.saved.values() if node not in shared),
                       default=0.0)
-        workspace = max(workspace, largest + held_input / 2)
+        # A vocab-parallel loss (partc.runtime.tp_loss) makes one gradient the size of
+        # its saved softmax, working in place from there, where cross entropy makes two.
+        made = largest if _vocab_parallel(gm, nodes) else 2 * largest
+        workspace = max(workspace, (made + held_input) / 2)
     saved = {"none": saved_all, "full": held + input_bytes}
     rec_flops = {"none": 0.0, "full": flops}
     rec_bytes = {"none": 0.0, "full": light_bytes}

@@ -24,7 +24,8 @@ partc's loss is the user's Python (``passes/trace.LossCall``), never traced into
   indexing that takes all of it (``logits[:, :-1]``), dtype casts, ``contiguous``,
   ``clone``, ``detach``, scaling by a number, ``tanh`` (soft-capping);
 - a size asked of the slice is the whole tensor's (``logits.size(-1)`` is the
-  vocabulary), so that the loss's arithmetic on sizes keeps its meaning;
+  vocabulary), so that the loss's arithmetic on sizes keeps its meaning; what autograd
+  and memory tools ask of a tensor (hooks, storages, strides, bytes) is the slice's;
 - anything else first gathers the slice whole (an all-gather whose backward keeps this
   rank's part) and runs as written: slower, never different. An in-place change of the
   slice is refused: the gathered copy would take it, not the values the loss reads next.
@@ -123,7 +124,17 @@ _CROSS_ENTROPY = inspect.signature(F.cross_entropy)
 _AS_IS = {torch.Tensor.dim, torch.Tensor.is_floating_point, torch.Tensor.is_complex,
           torch.Tensor.element_size, torch.Tensor.get_device}
 _AS_IS_ATTRIBUTES = {"ndim", "dtype", "device", "requires_grad", "is_cuda", "is_meta",
-                     "layout", "is_leaf", "grad_fn", "is_sparse", "is_quantized"}
+                     "layout", "is_leaf", "grad_fn", "is_sparse", "is_quantized", "grad",
+                     "itemsize", "nbytes", "_version", "output_nr", "_base", "is_nested",
+                     "names"}
+# What autograd, memory trackers and the runtime's own machinery ask of the tensor they
+# are handed (hooks, storages, strides): the slice, as it is. Gathering for them would
+# hook or measure a copy.
+_MACHINERY = {torch.Tensor.register_hook, torch.Tensor.register_post_accumulate_grad_hook,
+              torch.Tensor.retain_grad, torch.Tensor.requires_grad_,
+              torch.Tensor.untyped_storage, torch.Tensor.data_ptr,
+              torch.Tensor.storage_offset, torch.Tensor.stride, torch.Tensor.is_contiguous,
+              torch.Tensor.is_pinned, torch.Tensor.__hash__}
 # The slice in, the slice out, its class dim where it was.
 _KEEP = {torch.Tensor.float, torch.Tensor.half, torch.Tensor.bfloat16, torch.Tensor.double,
          torch.Tensor.to, torch.Tensor.type_as, torch.Tensor.contiguous,
@@ -181,7 +192,7 @@ class _ShardedVocab(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         leaves = pytree.tree_leaves((args, kwargs))
-        if not any(self.dim_of(leaf) is not None for leaf in leaves):
+        if func in _MACHINERY or not any(self.dim_of(leaf) is not None for leaf in leaves):
             return func(*args, **kwargs)
         if _in_place(func, kwargs):
             raise ShardedLossError(
@@ -201,6 +212,8 @@ class _ShardedVocab(TorchFunctionMode):
         if attribute is not None:
             if attribute == "shape" and dim is not None:
                 return self.global_shape(x, dim)
+            if attribute == "data" and dim is not None:
+                return self.follow(func(*args, **kwargs), dim)
             return func(*args, **kwargs) if attribute in _AS_IS_ATTRIBUTES else NotImplemented
         if func is F.cross_entropy:
             return self._cross_entropy(args, kwargs)

@@ -145,3 +145,20 @@ def test_reshapes_and_indexing_keep_the_class_dim_only_where_it_stays_whole():
     assert _index_keeps((None, 0), 2, 3) == 2
     assert _index_keeps((Ellipsis, slice(0, 3)), 2, 3) is None
     assert _index_keeps((slice(None), torch.tensor([0])), 2, 3) is None
+
+
+def test_hooks_and_storages_asked_of_the_slice_are_the_slices():
+    """What autograd and memory tools ask inside the loss (a module hook registering a
+    gradient hook, a tracker reading storages) is the slice's: nothing is gathered."""
+    seen = []
+
+    def hooked(logits, target):
+        logits.register_hook(lambda grad: seen.append(tuple(grad.shape)))
+        seen.append(logits.untyped_storage().nbytes())
+        return gpt(logits, target)
+
+    loss = VocabParallelLoss(TensorParallelGroup(2), Call(hooked), 0)
+    part = torch.randn(3, 5, VOCAB // 2, requires_grad=True)
+    loss(part, torch.zeros(3, 5, dtype=torch.long)).backward()
+    assert (loss.gathered, loss.cross_entropies) == (0, 1)
+    assert seen == [part.untyped_storage().nbytes(), (3, 5, VOCAB // 2)]
