@@ -16,6 +16,9 @@ Node keys:
 - :data:`RUN_DTYPES` (``partc.run_dtypes``): the dtypes of the node's tensors as the
   runtime makes them (under autocast, where ``estimate`` ran it so), which may differ
   from the traced ones in :data:`TENSORS`; read through :func:`run_bytes`.
+- :data:`LOSS_USES` (``partc.loss_uses``), on the loss node: which of its inputs it reads.
+- :data:`VOCAB_SHARDED` (``partc.vocab_sharded``), on the loss node: per tensor-parallel
+  degree, the input it can read sharded by class (``tp_chooser.probe_loss``), or none.
 
 Graph keys (on ``gm.meta``): :data:`TRACE` (how the model was captured) and
 :data:`LAYERS` (the layers in order, with their nodes and signatures) and :data:`CUTS`
