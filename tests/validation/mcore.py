@@ -56,7 +56,7 @@ exposed on 32B. Fitted on the plan that hides them, the constant comes out at 0.
 peak where an H100's bf16 linears measured 0.70 (``partc calibrate``,
 :data:`MEASURED_EFFICIENCY`), and it prices the pipelined rows' matmuls that much
 slower. At the measured 0.70, nothing fitted, the pipelined rows are predicted at
-0.96-1.03x and the unpipelined ones at 1.12-1.22x as partc plans them; with
+0.98-1.05x and the unpipelined ones at 1.12-1.22x as partc plans them; with
 micro-batches of one (:data:`MICROBATCH_OF_THE_BATCHES`) 16B and 32B, whose
 data-parallel groups hold two ranks and one rank per node (a NIC each), spend 0.15 and
 0.36 s on exposed data-parallel traffic that 0.85 and 0.89 s published steps leave no

@@ -112,7 +112,7 @@ def _measured(name: str, micro_batch_size: int | None) -> mcore.Prediction:
 def test_pipelined_rows_within_target_at_the_measured_efficiency(name):
     """Nothing fitted: matmuls at an H100's measured share of peak, attention at the
     preset's, the micro-batch size partc plans (one sequence, 70B two) and the faster
-    schedule Megatron-Core can run (0.95-1.00x; plain 1F1B alone 0.86-0.90x)."""
+    schedule Megatron-Core can run (0.98-1.05x; plain 1F1B alone 0.88-0.94x)."""
     predicted = _measured(name, None)
     assert abs(predicted.ratio - 1) <= TARGET, f"{name}: {predicted.ratio:.3f}x"
     assert predicted.peak_bytes <= mcore.DEVICE_BYTES
