@@ -31,8 +31,10 @@ DROPOUT_TWO = ["gpt-tp2-dropout", "gpt-tp2-sp-dropout", "gpt2-tp2-dropout",
 BLOCKING_TWO = ["gpt-tp2-sp-blocking"]
 SLOW_BLOCKING = {2: ["llama-tp2-sp-blocking"],
                  4: ["gpt-pp2-tp2-sp-blocking", "llama-pp2-tp2-sp-blocking"]}
-# "-vocab": 2048 classes, the loss a vocab-parallel cross entropy on the head's shards.
-VOCAB_TWO, VOCAB_FOUR = ["gpt-tp2-sp-vocab", "llama-tp2-vocab"], ["gpt2-pp2-tp2-sp-vocab"]
+# "-vocab": 2048 classes, the loss a vocab-parallel cross entropy on the head's shards
+# (recomputed in backward too: its all-reduces run again, as the plan counts).
+VOCAB_TWO = ["gpt-tp2-sp-vocab", "gpt-tp2-sp-vocab-recompute", "llama-tp2-vocab"]
+VOCAB_FOUR = ["gpt2-pp2-tp2-sp-vocab"]
 TWO = ([f"{m}-tp2{s}" for m in MODELS for s in ("", "-sp")] + RECOMPUTE_TWO + DROPOUT_TWO
        + BLOCKING_TWO + VOCAB_TWO)
 FOUR = [f"{m}-pp2-tp2{s}" for m in MODELS for s in ("", "-sp")] + RECOMPUTE_FOUR + VOCAB_FOUR

@@ -170,6 +170,10 @@ _VOCAB = 2048
 CASES["gpt-tp2-sp-vocab"] = Case(lambda: gpt.gpt_tiny(vocab_size=_VOCAB), "tokens",
                                  gpt.loss_fn, dict(pp=1, tp=2, sequence_parallel=True,
                                                    tp_objective="memory", recompute="none"))
+CASES["gpt-tp2-sp-vocab-recompute"] = Case(lambda: gpt.gpt_tiny(vocab_size=_VOCAB), "tokens",
+                                           gpt.loss_fn,
+                                           dict(pp=1, tp=2, sequence_parallel=True,
+                                                tp_objective="memory", recompute="full"))
 CASES["llama-tp2-vocab"] = Case(lambda: models.llama(vocab=_VOCAB), "tokens",
                                 models.causal_lm_loss,
                                 dict(pp=1, tp=2, tp_objective="memory", recompute="none"))
