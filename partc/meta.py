@@ -18,7 +18,8 @@ Node keys:
   from the traced ones in :data:`TENSORS`; read through :func:`run_bytes`.
 - :data:`LOSS_USES` (``partc.loss_uses``), on the loss node: which of its inputs it reads.
 - :data:`VOCAB_SHARDED` (``partc.vocab_sharded``), on the loss node: per tensor-parallel
-  degree, the input it can read sharded by class (``tp_chooser.probe_loss``), or none.
+  degree, the input it can read sharded by class and the collectives it then runs
+  (``tp_chooser.probe_loss``), or none.
 
 Graph keys (on ``gm.meta``): :data:`TRACE` (how the model was captured) and
 :data:`LAYERS` (the layers in order, with their nodes and signatures) and :data:`CUTS`
@@ -202,16 +203,24 @@ def loss_uses(node: fx.Node) -> tuple[bool, ...] | None:
     return node.meta.get(LOSS_USES)
 
 
-def set_vocab_sharded(node: fx.Node, tp: int, position: int | None) -> None:
+def set_vocab_sharded(node: fx.Node, tp: int, position: int | None,
+                      collectives: tuple[tuple[str, str, int], ...] = ()) -> None:
     probed = dict(node.meta.get(VOCAB_SHARDED, ()))
-    probed[tp] = position
+    probed[tp] = None if position is None else (position, tuple(collectives))
     _set(node, VOCAB_SHARDED, tuple(sorted(probed.items())))
 
 
 def vocab_sharded(node: fx.Node, tp: int) -> int | None:
     """The input of the loss node the loss reads sharded ``tp`` ways by its class dim
     (an index into ``node.args``), if any; ``tp`` not probed: none."""
-    return dict(node.meta.get(VOCAB_SHARDED, ())).get(tp)
+    found = dict(node.meta.get(VOCAB_SHARDED, ())).get(tp)
+    return found[0] if found is not None else None
+
+
+def vocab_collectives(node: fx.Node, tp: int) -> tuple[tuple[str, str, int], ...]:
+    """The collectives (kind, phase, bytes of the traced batch) that loss runs so."""
+    found = dict(node.meta.get(VOCAB_SHARDED, ())).get(tp)
+    return found[1] if found is not None else ()
 
 
 def vocab_probed(node: fx.Node, tp: int) -> bool:

@@ -107,7 +107,7 @@ from partc.costs import collectives_seconds, op_step_seconds, to_ps
 from partc.options import ShardingOptions
 from partc.placement import REPLICATE, Placement, Shard
 from partc.problem import HeavyOp
-from partc.runtime.tp_loss import runs_sharded
+from partc.runtime.tp_loss import probe
 
 from .graph import (carries_grad, is_tensorish, layer_nodes, op_name, storage_of,
                     tensor_inputs)
@@ -184,8 +184,9 @@ def sequence_length(gm: fx.GraphModule) -> int:
 
 def probe_loss(gm: fx.GraphModule, tp: int) -> fx.Node | None:
     """Whether the loss can read one of its inputs sharded ``tp`` ways by the class dim
-    (``partc.runtime.tp_loss.runs_sharded``, each floating input in turn), recorded on
-    the loss node (``meta.VOCAB_SHARDED``); the logits it reads so, if any."""
+    (``partc.runtime.tp_loss.probe``, each floating input in turn), recorded on the loss
+    node with the collectives it then runs (``meta.VOCAB_SHARDED``); the logits it reads
+    so, if any."""
     loss = next((n for n in gm.graph.nodes if meta.role(n) == meta.ROLE_LOSS
                  and n.op == "call_module"), None)
     if loss is None or tp == 1:
@@ -193,11 +194,16 @@ def probe_loss(gm: fx.GraphModule, tp: int) -> fx.Node | None:
     if not meta.vocab_probed(loss, tp):
         values = [a.meta.get("val") if isinstance(a, fx.Node) else a for a in loss.args]
         call = gm.get_submodule(str(loss.target))
-        position = next((i for i, a in enumerate(loss.args[:-1])
-                         if isinstance(a, fx.Node) and isinstance(values[i], torch.Tensor)
-                         and values[i].dim() >= 2 and divides(values[i].shape[-1], tp)
-                         and runs_sharded(call, values, i, tp)), None)
-        meta.set_vocab_sharded(loss, tp, position)
+        meta.set_vocab_sharded(loss, tp, None)
+        for i, arg in enumerate(loss.args[:-1]):
+            value = values[i]
+            if not (isinstance(arg, fx.Node) and isinstance(value, torch.Tensor)
+                    and value.dim() >= 2 and divides(value.shape[-1], tp)):
+                continue
+            collectives = probe(call, values, i, tp)
+            if collectives is not None:
+                meta.set_vocab_sharded(loss, tp, i, collectives)
+                break
     position = meta.vocab_sharded(loss, tp)
     return loss.args[position] if position is not None else None
 

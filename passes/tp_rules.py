@@ -586,18 +586,11 @@ def _vocab_parallel_loss(node: fx.Node, inputs: list[fx.Node], tp: int) -> list[
 
 
 def loss_statistics(node: fx.Node, tp: int) -> tuple[Collective, ...]:
-    """The all-reduces a vocab-parallel loss runs in forward: each position's maximum,
-    then its sum of exponentials and target logit (fp32; a third number per position
-    with label smoothing, not counted); nothing in backward."""
-    position = meta.vocab_sharded(node, tp)
-    if position is None:
-        return ()
-    logits = output_shape(node.args[position])
-    positions = 1
-    for size in logits[:-1]:
-        positions *= size
-    return (Collective("all_reduce", "forward", 4 * positions),
-            Collective("all_reduce", "forward", 8 * positions))
+    """The all-reduces a vocab-parallel loss runs, as its probe counted them (per cross
+    entropy, in forward: each position's maximum, then its sum of exponentials and
+    target logit); nothing in backward."""
+    return tuple(Collective(kind, phase, nbytes)
+                 for kind, phase, nbytes in meta.vocab_collectives(node, tp))
 
 
 _RULES: dict[str, Rule] = {

@@ -30,10 +30,11 @@ partc's loss is the user's Python (``passes/trace.LossCall``), never traced into
   rank's part) and runs as written: slower, never different. An in-place change of the
   slice is refused: the gathered copy would take it, not the values the loss reads next.
 
-The compiler uses it only where a probe (:func:`runs_sharded`: the loss run once on meta
+The compiler uses it only where a probe (:func:`probe`: the loss run once on meta
 tensors, the slice at its local size, over a stand-in group) found the loss to compute a
-vocab-parallel cross entropy with nothing gathered; the planner prices what that run
-moved and launched.
+vocab-parallel cross entropy with nothing gathered; the plan counts the all-reduces that
+run made (two per cross entropy, the second of two or, with label smoothing, three
+numbers a position), and the planner prices what it moved and launched.
 """
 
 from __future__ import annotations
@@ -167,6 +168,8 @@ class _ShardedVocab(TorchFunctionMode):
         self.dims: dict[int, tuple[torch.Tensor, int]] = {}  # id → (the slice, class dim)
         self.gathered = 0          # slices gathered whole for an op not followed
         self.cross_entropies = 0   # vocab-parallel cross entropies run
+        # Their all-reduces, as (kind, phase, bytes): what a plan counts of this loss.
+        self.collectives: list[tuple[str, str, int]] = []
 
     def follow(self, tensor: torch.Tensor, dim: int) -> torch.Tensor:
         self.dims[id(tensor)] = (tensor, dim % tensor.dim())
@@ -307,6 +310,13 @@ class _ShardedVocab(TorchFunctionMode):
         if dim != classes or not plain:
             return NotImplemented
         self.cross_entropies += 1
+        # Per position: the maximum, then the sum of exponentials and the target's logit
+        # (and, smoothing, the sum of the logits), in the dtype it computes in.
+        positions = logits.numel() // max(logits.shape[classes], 1)
+        width = torch.promote_types(logits.dtype, torch.float32).itemsize * positions
+        sums = 3 if given["label_smoothing"] else 2
+        self.collectives += [("all_reduce", "forward", width),
+                             ("all_reduce", "forward", sums * width)]
         return vocab_parallel_cross_entropy(self.group, logits, target, given["ignore_index"],
                                             given["reduction"], given["label_smoothing"])
 
@@ -380,8 +390,11 @@ class VocabParallelLoss(nn.Module):
         self.tp = group
         self.loss_call = loss_call
         self.position = position
-        self.gathered = 0         # what the last call gathered whole (the probe reads it)
-        self.cross_entropies = 0  # and the vocab-parallel cross entropies it ran
+        # What the last call gathered whole, the vocab-parallel cross entropies it ran
+        # and their collectives (the probe reads them).
+        self.gathered = 0
+        self.cross_entropies = 0
+        self.collectives: tuple[tuple[str, str, int], ...] = ()
 
     def forward(self, *leaves_and_target: Any) -> Any:
         mode = _ShardedVocab(self.tp)
@@ -391,16 +404,19 @@ class VocabParallelLoss(nn.Module):
         # A slice the loss returns as it is leaves whole.
         result = pytree.tree_map(mode.whole, result)
         self.gathered, self.cross_entropies = mode.gathered, mode.cross_entropies
+        self.collectives = tuple(mode.collectives)
         return result
 
     def extra_repr(self) -> str:
         return f"input={self.position}, sharded by its last dim"
 
 
-def runs_sharded(loss_call: nn.Module, inputs: list[Any], position: int, tp: int) -> bool:
-    """Whether ``loss_call`` on ``inputs`` (tensors' shapes and dtypes, the whole values)
-    with input ``position`` sharded ``tp`` ways by its last dim computes a vocab-parallel
-    cross entropy and gathers nothing: run once on meta tensors over a stand-in group."""
+def probe(loss_call: nn.Module, inputs: list[Any], position: int, tp: int
+          ) -> tuple[tuple[str, str, int], ...] | None:
+    """The collectives (kind, phase, bytes) ``loss_call`` runs on ``inputs`` (tensors'
+    shapes and dtypes, the whole values) with input ``position`` sharded ``tp`` ways by
+    its last dim, where it computes a vocab-parallel cross entropy and gathers nothing;
+    else None. Run once on meta tensors over a stand-in group."""
     def on_meta(value: Any) -> Any:
         return torch.empty(value.shape, dtype=value.dtype, device="meta") \
             if isinstance(value, torch.Tensor) else value
@@ -409,12 +425,12 @@ def runs_sharded(loss_call: nn.Module, inputs: list[Any], position: int, tp: int
     sharded = values[position]
     if not (isinstance(sharded, torch.Tensor) and sharded.is_floating_point()
             and sharded.dim() >= 1 and sharded.shape[-1] % tp == 0):
-        return False
+        return None
     values[position] = sharded.narrow(-1, 0, sharded.shape[-1] // tp)
-    probe = VocabParallelLoss(TensorParallelGroup(tp), loss_call, position)
+    run = VocabParallelLoss(TensorParallelGroup(tp), loss_call, position)
     try:
         with torch.no_grad():
-            probe(*values)
+            run(*values)
     except Exception:   # any loss the probe cannot run stays unsharded: never wrong
-        return False
-    return probe.cross_entropies > 0 and probe.gathered == 0
+        return None
+    return run.collectives if run.cross_entropies and not run.gathered else None

@@ -16,7 +16,7 @@ from torch import nn
 
 from partc.runtime.tp import TensorParallelGroup
 from partc.runtime.tp_loss import (ShardedLossError, VocabParallelLoss, _index_keeps,
-                                   _local_sizes, runs_sharded)
+                                   _local_sizes, probe)
 
 VOCAB = 48
 
@@ -112,14 +112,23 @@ def test_the_sharded_loss_equals_the_whole_one_with_each_rank_its_slice_of_the_g
 
 def test_the_probe_accepts_losses_it_follows_to_a_cross_entropy_and_nothing_else():
     shapes = [torch.empty(3, 5, VOCAB), torch.zeros(3, 5, dtype=torch.long)]
-    for name in ("gpt", "hugging_face", "smoothed", "per_position"):
-        assert runs_sharded(Call(LOSSES[name]), shapes, 0, 4), name
-    assert not runs_sharded(Call(entropy_too), shapes, 0, 4)
-    assert not runs_sharded(Call(gpt), shapes, 0, 5)          # 48 classes, not in 5
-    assert not runs_sharded(Call(lambda x, t: (x - t).pow(2).mean()), shapes, 0, 2)
+    # Per cross entropy two all-reduces: the maximum of each of the 15 positions (fp32),
+    # then the sums of exponentials and the target logits (and, smoothing, of the logits).
+    plain = (("all_reduce", "forward", 4 * 15), ("all_reduce", "forward", 8 * 15))
+    for name in ("gpt", "per_position"):
+        assert probe(Call(LOSSES[name]), shapes, 0, 4) == plain, name
+    shifted = (("all_reduce", "forward", 4 * 12), ("all_reduce", "forward", 8 * 12))
+    assert probe(Call(hugging_face), shapes, 0, 4) == shifted
+    assert probe(Call(smoothed), shapes, 0, 4) == (("all_reduce", "forward", 4 * 15),
+                                                   ("all_reduce", "forward", 12 * 15))
+    twice = lambda x, t: gpt(x, t) + gpt(x[:, 1:], t[:, 1:])  # noqa: E731
+    assert len(probe(Call(twice), shapes, 0, 4)) == 4
+    assert probe(Call(entropy_too), shapes, 0, 4) is None
+    assert probe(Call(gpt), shapes, 0, 5) is None          # 48 classes, not in 5
+    assert probe(Call(lambda x, t: (x - t).pow(2).mean()), shapes, 0, 2) is None
     weighted = lambda x, t: F.cross_entropy(x.reshape(-1, VOCAB), t.reshape(-1),  # noqa: E731
                                             weight=torch.ones(VOCAB))
-    assert not runs_sharded(Call(weighted), shapes, 0, 2)
+    assert probe(Call(weighted), shapes, 0, 2) is None
 
 
 def test_a_loss_that_changes_its_slice_in_place_is_refused():
@@ -130,8 +139,8 @@ def test_a_loss_that_changes_its_slice_in_place_is_refused():
     loss = VocabParallelLoss(TensorParallelGroup(2), Call(masks_in_place), 0)
     with pytest.raises(ShardedLossError, match="in place"):
         loss(torch.randn(3, 5, VOCAB // 2), torch.zeros(3, 5, dtype=torch.long))
-    assert not runs_sharded(Call(masks_in_place), [torch.empty(3, 5, VOCAB),
-                                                   torch.zeros(3, 5, dtype=torch.long)], 0, 2)
+    assert probe(Call(masks_in_place), [torch.empty(3, 5, VOCAB),
+                                        torch.zeros(3, 5, dtype=torch.long)], 0, 2) is None
 
 
 def test_reshapes_and_indexing_keep_the_class_dim_only_where_it_stays_whole():
