@@ -19,6 +19,8 @@ partc's loss is the user's Python (``passes/trace.LossCall``), never traced into
   target, no class weights: the vocab-parallel cross entropy
   (:func:`vocab_parallel_cross_entropy`; ``ignore_index``, ``label_smoothing`` and the
   three reductions as torch has them);
+- ``logsumexp`` over the classes (PaLM's z-loss): each rank's maximum and sum of
+  exponentials, all-reduced;
 - ops that keep the class dim whole and move it: reshapes and views that keep it a dim
   of its own (``logits.view(-1, vocab)``), ``flatten``, transposes and permutes,
   indexing that takes all of it (``logits[:, :-1]``), dtype casts, ``contiguous``,
@@ -168,6 +170,7 @@ class _ShardedVocab(TorchFunctionMode):
         self.dims: dict[int, tuple[torch.Tensor, int]] = {}  # id → (the slice, class dim)
         self.gathered = 0          # slices gathered whole for an op not followed
         self.cross_entropies = 0   # vocab-parallel cross entropies run
+        self.vocab_parallel_ops = 0   # those and the vocab-parallel logsumexps
         # Their all-reduces, as (kind, phase, bytes): what a plan counts of this loss.
         self.collectives: list[tuple[str, str, int]] = []
 
@@ -220,6 +223,8 @@ class _ShardedVocab(TorchFunctionMode):
             return func(*args, **kwargs) if attribute in _AS_IS_ATTRIBUTES else NotImplemented
         if func is F.cross_entropy:
             return self._cross_entropy(args, kwargs)
+        if func in (torch.logsumexp, torch.Tensor.logsumexp) and dim is not None:
+            return self._logsumexp(x, dim, args[1:], kwargs)
         if dim is None:
             return NotImplemented
         if func in _AS_IS:
@@ -310,6 +315,7 @@ class _ShardedVocab(TorchFunctionMode):
         if dim != classes or not plain:
             return NotImplemented
         self.cross_entropies += 1
+        self.vocab_parallel_ops += 1
         # Per position: the maximum, then the sum of exponentials and the target's logit
         # (and, smoothing, the sum of the logits), in the dtype it computes in.
         positions = logits.numel() // max(logits.shape[classes], 1)
@@ -319,6 +325,26 @@ class _ShardedVocab(TorchFunctionMode):
                              ("all_reduce", "forward", sums * width)]
         return vocab_parallel_cross_entropy(self.group, logits, target, given["ignore_index"],
                                             given["reduction"], given["label_smoothing"])
+
+
+    def _logsumexp(self, x: torch.Tensor, dim: int, rest: tuple, kwargs: dict) -> Any:
+        """``logsumexp`` over the class dim: the maximum and the sum of exponentials
+        all-reduced. What reads the result is replicated, so each rank's gradient of it is
+        whole: the sum's all-reduce needs none in backward."""
+        over = rest[0] if rest else kwargs.get("dim")
+        keep = rest[1] if len(rest) > 1 else kwargs.get("keepdim", False)
+        over = over[0] if isinstance(over, (tuple, list)) and len(over) == 1 else over
+        if not isinstance(over, int) or over % x.dim() != dim or len(rest) > 2 or \
+                set(kwargs) - {"dim", "keepdim"}:
+            return NotImplemented
+        self.vocab_parallel_ops += 1
+        wide = x.to(torch.promote_types(x.dtype, torch.float32))
+        top = self.group.all_reduce(wide.detach().amax(dim, keepdim=True), op="max")
+        total = self.group.reduce_from_tp((wide - top).exp().sum(dim, keepdim=True))
+        nbytes = top.numel() * top.element_size()
+        self.collectives += [("all_reduce", "forward", nbytes)] * 2
+        result = (top + total.log()).to(x.dtype)
+        return result if keep else result.squeeze(dim)
 
 
 def _local_sizes(whole: torch.Size, dim: int, sizes: list[int], tp: int
@@ -390,10 +416,11 @@ class VocabParallelLoss(nn.Module):
         self.tp = group
         self.loss_call = loss_call
         self.position = position
-        # What the last call gathered whole, the vocab-parallel cross entropies it ran
-        # and their collectives (the probe reads them).
+        # What the last call gathered whole, the vocab-parallel cross entropies (and
+        # logsumexps) it ran and their collectives (the probe reads them).
         self.gathered = 0
         self.cross_entropies = 0
+        self.vocab_parallel_ops = 0
         self.collectives: tuple[tuple[str, str, int], ...] = ()
 
     def forward(self, *leaves_and_target: Any) -> Any:
@@ -404,6 +431,7 @@ class VocabParallelLoss(nn.Module):
         # A slice the loss returns as it is leaves whole.
         result = pytree.tree_map(mode.whole, result)
         self.gathered, self.cross_entropies = mode.gathered, mode.cross_entropies
+        self.vocab_parallel_ops = mode.vocab_parallel_ops
         self.collectives = tuple(mode.collectives)
         return result
 
@@ -415,8 +443,8 @@ def probe(loss_call: nn.Module, inputs: list[Any], position: int, tp: int
           ) -> tuple[tuple[str, str, int], ...] | None:
     """The collectives (kind, phase, bytes) ``loss_call`` runs on ``inputs`` (tensors'
     shapes and dtypes, the whole values) with input ``position`` sharded ``tp`` ways by
-    its last dim, where it computes a vocab-parallel cross entropy and gathers nothing;
-    else None. Run once on meta tensors over a stand-in group."""
+    its last dim, where it computes a vocab-parallel cross entropy (or logsumexp) and
+    gathers nothing; else None. Run once on meta tensors over a stand-in group."""
     def on_meta(value: Any) -> Any:
         return torch.empty(value.shape, dtype=value.dtype, device="meta") \
             if isinstance(value, torch.Tensor) else value
@@ -433,4 +461,4 @@ def probe(loss_call: nn.Module, inputs: list[Any], position: int, tp: int
             run(*values)
     except Exception:   # any loss the probe cannot run stays unsharded: never wrong
         return None
-    return run.collectives if run.cross_entropies and not run.gathered else None
+    return run.collectives if run.vocab_parallel_ops and not run.gathered else None

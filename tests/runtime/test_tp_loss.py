@@ -2,7 +2,8 @@
 rank holding its slice of the classes, the user's loss gives the value torch gives on the
 whole logits and each rank the gradient of its slice, for the losses language models
 write (a GPT's flattened cross entropy, Hugging Face's shifted sum, ``nn.CrossEntropyLoss``
-with label smoothing over classes in dim 1, ignored positions, every reduction) and for a
+with label smoothing over classes in dim 1, ignored positions, every reduction, PaLM's
+z-loss beside a cross entropy) and for a
 loss the mode cannot follow (it gathers and stays right); what the probe accepts."""
 
 from __future__ import annotations
@@ -52,6 +53,11 @@ def per_position(logits, target):
     return F.cross_entropy(logits.flatten(0, 1), target.flatten(), reduction="none").sum()
 
 
+def z_loss(logits, target):
+    """PaLM's auxiliary loss beside the cross entropy: the log-partition squared."""
+    return gpt(logits, target) + 1e-2 * logits.float().logsumexp(-1).pow(2).mean()
+
+
 def entropy_too(logits, target):
     """A loss the mode cannot follow all the way: the entropy term gathers the logits."""
     probs = logits.softmax(-1)
@@ -59,7 +65,7 @@ def entropy_too(logits, target):
 
 
 LOSSES = {"gpt": gpt, "hugging_face": hugging_face, "smoothed": smoothed,
-          "per_position": per_position, "entropy_too": entropy_too}
+          "per_position": per_position, "z_loss": z_loss, "entropy_too": entropy_too}
 
 
 def _cases(dtype):
@@ -84,8 +90,9 @@ def _worker(rank: int, world: int, path: str, failures) -> None:
                 expected.backward()
                 width = VOCAB // world
                 part = logits[..., rank * width:(rank + 1) * width].clone().requires_grad_()
-                # Hugging Face's loss computes in fp32 whatever comes in.
-                close = max(tolerance, 1e-5) if name == "hugging_face" else tolerance
+                # Hugging Face's loss and the z-loss compute in fp32 whatever comes in.
+                close = max(tolerance, 1e-5) if name in ("hugging_face", "z_loss") \
+                    else tolerance
                 loss = VocabParallelLoss(group, Call(fn), 0)
                 got = loss(part, target)
                 got.backward()
@@ -121,6 +128,8 @@ def test_the_probe_accepts_losses_it_follows_to_a_cross_entropy_and_nothing_else
     assert probe(Call(hugging_face), shapes, 0, 4) == shifted
     assert probe(Call(smoothed), shapes, 0, 4) == (("all_reduce", "forward", 4 * 15),
                                                    ("all_reduce", "forward", 12 * 15))
+    # The z-loss's logsumexp: each position's maximum, then its sum of exponentials.
+    assert probe(Call(z_loss), shapes, 0, 4) == plain + (("all_reduce", "forward", 60),) * 2
     twice = lambda x, t: gpt(x, t) + gpt(x[:, 1:], t[:, 1:])  # noqa: E731
     assert len(probe(Call(twice), shapes, 0, 4)) == 4
     assert probe(Call(entropy_too), shapes, 0, 4) is None
