@@ -20,7 +20,9 @@ partc's loss is the user's Python (``passes/trace.LossCall``), never traced into
   (:func:`vocab_parallel_cross_entropy`; ``ignore_index``, ``label_smoothing`` and the
   three reductions as torch has them);
 - ``logsumexp`` over the classes (PaLM's z-loss): each rank's maximum and sum of
-  exponentials, all-reduced;
+  exponentials, all-reduced; ``log_softmax`` over them likewise, its output a slice
+  (the sum's gradient all-reduced in backward); ``F.nll_loss`` of a slice: the target's
+  entry picked where the rank holds it, all-reduced;
 - ops that keep the class dim whole and move it: reshapes and views that keep it a dim
   of its own (``logits.view(-1, vocab)``), ``flatten``, transposes and permutes,
   indexing that takes all of it (``logits[:, :-1]``), dtype casts, ``contiguous``,
@@ -123,6 +125,7 @@ def vocab_parallel_cross_entropy(group: TensorParallelGroup, logits: torch.Tenso
 # ------------------------------------------------------------- following the slice
 
 _CROSS_ENTROPY = inspect.signature(F.cross_entropy)
+_NLL_LOSS = inspect.signature(F.nll_loss)
 # Reads of a tensor's metadata that do not depend on its sizes: as they are.
 _AS_IS = {torch.Tensor.dim, torch.Tensor.is_floating_point, torch.Tensor.is_complex,
           torch.Tensor.element_size, torch.Tensor.get_device}
@@ -225,6 +228,11 @@ class _ShardedVocab(TorchFunctionMode):
             return self._cross_entropy(args, kwargs)
         if func in (torch.logsumexp, torch.Tensor.logsumexp) and dim is not None:
             return self._logsumexp(x, dim, args[1:], kwargs)
+        if func in (F.log_softmax, torch.log_softmax, torch.Tensor.log_softmax) \
+                and dim is not None:
+            return self._log_softmax(x, dim, args[1:], kwargs)
+        if func is F.nll_loss:
+            return self._nll_loss(args, kwargs)
         if dim is None:
             return NotImplemented
         if func in _AS_IS:
@@ -345,6 +353,53 @@ class _ShardedVocab(TorchFunctionMode):
         self.collectives += [("all_reduce", "forward", nbytes)] * 2
         result = (top + total.log()).to(x.dtype)
         return result if keep else result.squeeze(dim)
+
+
+    def _log_softmax(self, x: torch.Tensor, dim: int, rest: tuple, kwargs: dict) -> Any:
+        """``log_softmax`` over the class dim, as this rank's slice: ``x`` less the
+        all-reduced log-partition. What reads the slice leaves each rank part of the
+        log-partition's gradient: summed over the group in backward."""
+        over = rest[0] if rest else kwargs.get("dim")
+        dtype = rest[1] if len(rest) > 1 else kwargs.get("dtype")
+        if not isinstance(over, int) or over % x.dim() != dim or len(rest) > 2 or \
+                set(kwargs) - {"dim", "dtype", "_stacklevel"}:
+            return NotImplemented
+        self.vocab_parallel_ops += 1
+        wide = x.to(torch.promote_types(dtype or x.dtype, torch.float32))
+        top = self.group.all_reduce(wide.detach().amax(dim, keepdim=True), op="max")
+        total = self.group.reduce_from_tp((wide - top).exp().sum(dim, keepdim=True),
+                                          grad_partial=True)
+        nbytes = top.numel() * top.element_size()
+        self.collectives += [("all_reduce", "forward", nbytes)] * 2 + [
+            ("all_reduce", "backward", nbytes)]
+        return self.follow((wide - top - total.log()).to(dtype or x.dtype), dim)
+
+    def _nll_loss(self, args, kwargs) -> Any:
+        bound = _NLL_LOSS.bind(*args, **kwargs)
+        bound.apply_defaults()
+        given = bound.arguments
+        scores, target = given["input"], given["target"]
+        classes = 1 if scores.dim() > 1 else 0
+        plain = (given["weight"] is None and given["size_average"] is None
+                 and given["reduce"] is None and isinstance(target, torch.Tensor)
+                 and not target.is_floating_point() and self.dim_of(target) is None)
+        reduction = given["reduction"]
+        if self.dim_of(scores) != classes or not plain or \
+                reduction not in ("mean", "sum", "none"):
+            return NotImplemented
+        self.vocab_parallel_ops += 1
+        width = scores.shape[classes]
+        local = target - self.group.rank * width
+        owned = (local >= 0) & (local < width)
+        index = local.masked_fill(~owned, 0).unsqueeze(classes)
+        picked = scores.gather(classes, index).squeeze(classes).masked_fill(~owned, 0.0)
+        total = self.group.reduce_from_tp(picked)
+        self.collectives.append(("all_reduce", "forward", total.numel() * total.element_size()))
+        per = (-total).masked_fill(target == given["ignore_index"], 0.0)
+        if reduction == "none":
+            return per
+        return per.sum() if reduction == "sum" else \
+            per.sum() / (target != given["ignore_index"]).sum()
 
 
 def _local_sizes(whole: torch.Size, dim: int, sizes: list[int], tp: int

@@ -3,7 +3,7 @@ rank holding its slice of the classes, the user's loss gives the value torch giv
 whole logits and each rank the gradient of its slice, for the losses language models
 write (a GPT's flattened cross entropy, Hugging Face's shifted sum, ``nn.CrossEntropyLoss``
 with label smoothing over classes in dim 1, ignored positions, every reduction, PaLM's
-z-loss beside a cross entropy) and for a
+z-loss beside a cross entropy, ``nll_loss`` of ``log_softmax``) and for a
 loss the mode cannot follow (it gathers and stays right); what the probe accepts."""
 
 from __future__ import annotations
@@ -58,6 +58,12 @@ def z_loss(logits, target):
     return gpt(logits, target) + 1e-2 * logits.float().logsumexp(-1).pow(2).mean()
 
 
+def nll_of_log_softmax(logits, target):
+    """The older spelling, classes in dim 1: log-probabilities, then their negative pick."""
+    scores = F.log_softmax(logits.transpose(1, 2), dim=1)
+    return F.nll_loss(scores, target, reduction="sum") / target.numel()
+
+
 def entropy_too(logits, target):
     """A loss the mode cannot follow all the way: the entropy term gathers the logits."""
     probs = logits.softmax(-1)
@@ -65,7 +71,8 @@ def entropy_too(logits, target):
 
 
 LOSSES = {"gpt": gpt, "hugging_face": hugging_face, "smoothed": smoothed,
-          "per_position": per_position, "z_loss": z_loss, "entropy_too": entropy_too}
+          "per_position": per_position, "z_loss": z_loss,
+          "nll_of_log_softmax": nll_of_log_softmax, "entropy_too": entropy_too}
 
 
 def _cases(dtype):
@@ -101,7 +108,8 @@ def _worker(rank: int, world: int, path: str, failures) -> None:
                     part.grad, whole.grad[..., rank * width:(rank + 1) * width],
                     rtol=close, atol=close)
                 gathered = 1 if name == "entropy_too" else 0
-                assert (loss.gathered, loss.cross_entropies) == (gathered, 1), name
+                cross_entropies = 0 if name == "nll_of_log_softmax" else 1
+                assert (loss.gathered, loss.cross_entropies) == (gathered, cross_entropies), name
     except AssertionError as error:
         failures.append(f"rank {rank}: {error!r}")
         raise
@@ -130,6 +138,11 @@ def test_the_probe_accepts_losses_it_follows_to_a_cross_entropy_and_nothing_else
                                                    ("all_reduce", "forward", 12 * 15))
     # The z-loss's logsumexp: each position's maximum, then its sum of exponentials.
     assert probe(Call(z_loss), shapes, 0, 4) == plain + (("all_reduce", "forward", 60),) * 2
+    # log_softmax: the maximum and the sum forward, the sum's gradient backward; then the
+    # picked log-probability of each position.
+    assert probe(Call(nll_of_log_softmax), shapes, 0, 4) == (
+        ("all_reduce", "forward", 60), ("all_reduce", "forward", 60),
+        ("all_reduce", "backward", 60), ("all_reduce", "forward", 60))
     twice = lambda x, t: gpt(x, t) + gpt(x[:, 1:], t[:, 1:])  # noqa: E731
     assert len(probe(Call(twice), shapes, 0, 4)) == 4
     assert probe(Call(entropy_too), shapes, 0, 4) is None
