@@ -173,7 +173,7 @@ class _ShardedVocab(TorchFunctionMode):
         self.dims: dict[int, tuple[torch.Tensor, int]] = {}  # id → (the slice, class dim)
         self.gathered = 0          # slices gathered whole for an op not followed
         self.cross_entropies = 0   # vocab-parallel cross entropies run
-        self.vocab_parallel_ops = 0   # those and the vocab-parallel logsumexps
+        self.vocab_parallel_ops = 0   # those and the logsumexps, log-softmaxes, nll losses
         # Their all-reduces, as (kind, phase, bytes): what a plan counts of this loss.
         self.collectives: list[tuple[str, str, int]] = []
 
@@ -471,8 +471,8 @@ class VocabParallelLoss(nn.Module):
         self.tp = group
         self.loss_call = loss_call
         self.position = position
-        # What the last call gathered whole, the vocab-parallel cross entropies (and
-        # logsumexps) it ran and their collectives (the probe reads them).
+        # What the last call gathered whole, the vocab-parallel cross entropies and other
+        # vocab-parallel ops it ran, and their collectives (the probe reads them).
         self.gathered = 0
         self.cross_entropies = 0
         self.vocab_parallel_ops = 0
@@ -498,8 +498,9 @@ def probe(loss_call: nn.Module, inputs: list[Any], position: int, tp: int
           ) -> tuple[tuple[str, str, int], ...] | None:
     """The collectives (kind, phase, bytes) ``loss_call`` runs on ``inputs`` (tensors'
     shapes and dtypes, the whole values) with input ``position`` sharded ``tp`` ways by
-    its last dim, where it computes a vocab-parallel cross entropy (or logsumexp) and
-    gathers nothing; else None. Run once on meta tensors over a stand-in group."""
+    its last dim, where it runs some vocab-parallel op (a cross entropy, logsumexp,
+    log-softmax, nll loss) and gathers nothing; else None. Run once on meta tensors over
+    a stand-in group."""
     def on_meta(value: Any) -> Any:
         return torch.empty(value.shape, dtype=value.dtype, device="meta") \
             if isinstance(value, torch.Tensor) else value
