@@ -53,7 +53,7 @@ TIMINGS = "partc.pass_seconds"
 CONTEXT = "partc.context"  # on gm.meta: the trace Context the passes share
 LOSS_USES = "partc.loss_uses"  # on the loss node: which of its inputs the loss reads
 # On the loss node: per tensor-parallel degree, the input the loss can read sharded by its
-# last (class) dim (a vocab-parallel cross entropy, partc.runtime.tp_loss), or none.
+# last (class) dim (partc.runtime.tp_loss) and the collectives it then runs, or none.
 VOCAB_SHARDED = "partc.vocab_sharded"
 FSDP_UNITS = "partc.fsdp_units"  # on a stage's gm.meta: submodule paths of its FSDP units
 

@@ -112,7 +112,8 @@ from partc.runtime.tp_loss import probe
 from .graph import (carries_grad, is_tensorish, layer_nodes, op_name, storage_of,
                     tensor_inputs)
 from .tp_rules import (NO_STRATEGY_OPS, ChunkHints, Collective, Strategy, divides,
-                       loss_statistics, output_shape, redistribute, regathers, strategies)
+                       output_shape, own_collectives, redistribute, regathers,
+                       strategies)
 
 log = logging.getLogger("partc")
 
@@ -440,9 +441,8 @@ def _compute_seconds(node: fx.Node, chosen: Strategy, link: Link) -> float:
                  weight_bytes=cost.weight_bytes)
     seconds = op_step_seconds(op, link.flops, link.hbm_bandwidth)
     sharded = chosen.out.kind != "R" or any(p.kind != "R" for p in chosen.ins)
-    if chosen.name == "vocab-parallel" and node.op == "call_module":
-        seconds += sum(_moves_seconds(((c.kind, c.phase),), c.bytes, link)
-                       for c in loss_statistics(node, link.tp))
+    seconds += sum(_moves_seconds(((c.kind, c.phase),), c.bytes, link)
+                   for c in own_collectives(node, chosen, link.tp))
     return seconds / link.tp if sharded else seconds
 
 
@@ -750,8 +750,7 @@ def _apply_choices(gm: fx.GraphModule, result: Sharding, problems: list[_LayerPr
             if v in result.boundary:
                 moves = redistribute(chosen.out, result.boundary[v], False) or ()
                 collectives += [Collective(k, ph, meta.run_bytes(v)) for k, ph in moves]
-            if chosen.name == "vocab-parallel" and v.op == "call_module":
-                collectives += loss_statistics(v, problem.tp)
+            collectives += own_collectives(v, chosen, problem.tp)
         own = tuple((meta.params(n)[0], str(result.strategy[n].out)) for n in problem.items
                     if n.op == "get_attr" and n in problem.members and meta.params(n))
         layers.append(LayerSharding(

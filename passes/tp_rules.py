@@ -19,7 +19,7 @@ no table of module names:
   split by columns;
 - the loss (the user's, a ``call_module``) can read its logits sharded by their class dim
   where a probe found it computes a vocab-parallel cross entropy
-  (``partc.runtime.tp_loss``; its own all-reduces: :func:`loss_statistics`).
+  (``partc.runtime.tp_loss``; its own all-reduces: :func:`own_collectives`).
 
 Dim 0 (the batch) is never sharded: tensor-parallel ranks see the same samples.
 ``Shard(d, chunks=k)`` shards each of ``k`` equal pieces of dim ``d`` (a fused QKV
@@ -585,10 +585,13 @@ def _vocab_parallel_loss(node: fx.Node, inputs: list[fx.Node], tp: int) -> list[
         Shard(_ndim(a) - 1) if a is logits else REPLICATE for a in inputs))]
 
 
-def loss_statistics(node: fx.Node, tp: int) -> tuple[Collective, ...]:
-    """The all-reduces a vocab-parallel loss runs, as its probe counted them (per cross
-    entropy, in forward: each position's maximum, then its sum of exponentials and
-    target logit); nothing in backward."""
+def own_collectives(node: fx.Node, chosen: Strategy, tp: int) -> tuple[Collective, ...]:
+    """The collectives ``node`` runs itself under ``chosen``, beyond the moves of its
+    inputs and output: a vocab-parallel loss's all-reduces, as its probe counted them
+    (per cross entropy, in forward, each position's maximum, then its sum of
+    exponentials and target logit); none for any other strategy."""
+    if chosen.name != "vocab-parallel" or node.op != "call_module":
+        return ()
     return tuple(Collective(kind, phase, nbytes)
                  for kind, phase, nbytes in meta.vocab_collectives(node, tp))
 

@@ -114,12 +114,17 @@ def vocab_parallel_cross_entropy(group: TensorParallelGroup, logits: torch.Tenso
         raise ValueError(f"{reduction} is not a valid value for reduction")
     x = logits.movedim(1 if logits.dim() > 1 else 0, -1)
     per = _VocabParallelCrossEntropy.apply(x, target, group, ignore_index, label_smoothing)
+    return _reduced(per, target, ignore_index, reduction).to(logits.dtype)
+
+
+def _reduced(per: torch.Tensor, target: torch.Tensor, ignore_index: int, reduction: str
+             ) -> torch.Tensor:
+    """Per-position losses reduced as torch's class-index losses reduce them: a mean is
+    over the positions not ignored."""
     if reduction == "none":
-        return per.to(logits.dtype)
+        return per
     total = per.sum()
-    if reduction == "mean":
-        total = total / (target != ignore_index).sum()
-    return total.to(logits.dtype)
+    return total / (target != ignore_index).sum() if reduction == "mean" else total
 
 
 # ------------------------------------------------------------- following the slice
@@ -315,12 +320,8 @@ class _ShardedVocab(TorchFunctionMode):
         bound.apply_defaults()
         given = bound.arguments
         logits, target = given["input"], given["target"]
-        dim = self.dim_of(logits)
         classes = 1 if logits.dim() > 1 else 0
-        plain = (given["weight"] is None and given["size_average"] is None
-                 and given["reduce"] is None and isinstance(target, torch.Tensor)
-                 and not target.is_floating_point() and self.dim_of(target) is None)
-        if dim != classes or not plain:
+        if not self._class_indices(given):
             return NotImplemented
         self.cross_entropies += 1
         self.vocab_parallel_ops += 1
@@ -334,7 +335,6 @@ class _ShardedVocab(TorchFunctionMode):
         return vocab_parallel_cross_entropy(self.group, logits, target, given["ignore_index"],
                                             given["reduction"], given["label_smoothing"])
 
-
     def _logsumexp(self, x: torch.Tensor, dim: int, rest: tuple, kwargs: dict) -> Any:
         """``logsumexp`` over the class dim: the maximum and the sum of exponentials
         all-reduced. What reads the result is replicated, so each rank's gradient of it is
@@ -345,15 +345,10 @@ class _ShardedVocab(TorchFunctionMode):
         if not isinstance(over, int) or over % x.dim() != dim or len(rest) > 2 or \
                 set(kwargs) - {"dim", "keepdim"}:
             return NotImplemented
-        self.vocab_parallel_ops += 1
-        wide = x.to(torch.promote_types(x.dtype, torch.float32))
-        top = self.group.all_reduce(wide.detach().amax(dim, keepdim=True), op="max")
-        total = self.group.reduce_from_tp((wide - top).exp().sum(dim, keepdim=True))
-        nbytes = top.numel() * top.element_size()
-        self.collectives += [("all_reduce", "forward", nbytes)] * 2
+        top, total = self._log_partition(x.to(torch.promote_types(x.dtype, torch.float32)),
+                                         dim, grad_partial=False)
         result = (top + total.log()).to(x.dtype)
         return result if keep else result.squeeze(dim)
-
 
     def _log_softmax(self, x: torch.Tensor, dim: int, rest: tuple, kwargs: dict) -> Any:
         """``log_softmax`` over the class dim, as this rank's slice: ``x`` less the
@@ -364,14 +359,8 @@ class _ShardedVocab(TorchFunctionMode):
         if not isinstance(over, int) or over % x.dim() != dim or len(rest) > 2 or \
                 set(kwargs) - {"dim", "dtype", "_stacklevel"}:
             return NotImplemented
-        self.vocab_parallel_ops += 1
         wide = x.to(torch.promote_types(dtype or x.dtype, torch.float32))
-        top = self.group.all_reduce(wide.detach().amax(dim, keepdim=True), op="max")
-        total = self.group.reduce_from_tp((wide - top).exp().sum(dim, keepdim=True),
-                                          grad_partial=True)
-        nbytes = top.numel() * top.element_size()
-        self.collectives += [("all_reduce", "forward", nbytes)] * 2 + [
-            ("all_reduce", "backward", nbytes)]
+        top, total = self._log_partition(wide, dim, grad_partial=True)
         return self.follow((wide - top - total.log()).to(dtype or x.dtype), dim)
 
     def _nll_loss(self, args, kwargs) -> Any:
@@ -380,12 +369,7 @@ class _ShardedVocab(TorchFunctionMode):
         given = bound.arguments
         scores, target = given["input"], given["target"]
         classes = 1 if scores.dim() > 1 else 0
-        plain = (given["weight"] is None and given["size_average"] is None
-                 and given["reduce"] is None and isinstance(target, torch.Tensor)
-                 and not target.is_floating_point() and self.dim_of(target) is None)
-        reduction = given["reduction"]
-        if self.dim_of(scores) != classes or not plain or \
-                reduction not in ("mean", "sum", "none"):
+        if not self._class_indices(given) or given["reduction"] not in ("mean", "sum", "none"):
             return NotImplemented
         self.vocab_parallel_ops += 1
         width = scores.shape[classes]
@@ -396,10 +380,30 @@ class _ShardedVocab(TorchFunctionMode):
         total = self.group.reduce_from_tp(picked)
         self.collectives.append(("all_reduce", "forward", total.numel() * total.element_size()))
         per = (-total).masked_fill(target == given["ignore_index"], 0.0)
-        if reduction == "none":
-            return per
-        return per.sum() if reduction == "sum" else \
-            per.sum() / (target != given["ignore_index"]).sum()
+        return _reduced(per, target, given["ignore_index"], given["reduction"])
+
+    def _class_indices(self, given: dict) -> bool:
+        """Whether a cross entropy's or nll loss's bound arguments are ours to run: its
+        input a slice by the class dim, class indices as target, no weights, no legacy
+        reduction flags."""
+        scores, target = given["input"], given["target"]
+        return (self.dim_of(scores) == (1 if scores.dim() > 1 else 0)
+                and given["weight"] is None and given["size_average"] is None
+                and given["reduce"] is None and isinstance(target, torch.Tensor)
+                and not target.is_floating_point() and self.dim_of(target) is None)
+
+    def _log_partition(self, wide: torch.Tensor, dim: int, grad_partial: bool
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each position's maximum over the classes and its sum of exponentials below
+        it, both all-reduced (the sum's gradient too where ``grad_partial``)."""
+        self.vocab_parallel_ops += 1
+        top = self.group.all_reduce(wide.detach().amax(dim, keepdim=True), op="max")
+        total = self.group.reduce_from_tp((wide - top).exp().sum(dim, keepdim=True),
+                                          grad_partial=grad_partial)
+        nbytes = top.numel() * top.element_size()
+        self.collectives += [("all_reduce", "forward", nbytes)] * 2 + (
+            [("all_reduce", "backward", nbytes)] if grad_partial else [])
+        return top, total
 
 
 def _local_sizes(whole: torch.Size, dim: int, sizes: list[int], tp: int

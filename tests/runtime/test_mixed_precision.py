@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import pytest
 
-from .test_parity import launched
+from .test_parity import assert_vocab_parallel_loss, launched
 
 TWO = ["gpt-dp2-bf16", "gpt2-dp2-zero1-bf16", "gpt-dp2-zero3-bf16", "llama-pp2-bf16"]
 FOUR = ["llama-pp2-dp2-zero2-bf16", "llama-dp2-tp2-sp-zero1-vocab-bf16"]
@@ -50,9 +50,9 @@ def _check(ranks: list[dict], name: str) -> None:
                          + [("bf16_four", n) for n in FOUR])
 def test_bf16_trains_like_fp32(request, launch, name):
     _check(request.getfixturevalue(launch), name)
-    if "vocab" in name:   # the loss a vocab-parallel cross entropy of the head's shards
+    if "vocab" in name:
         for results in request.getfixturevalue(launch):
-            assert results[name]["layer_collectives"]["loss"] == [["all_reduce", "forward"]] * 2
+            assert_vocab_parallel_loss(results[name])
 
 
 @pytest.mark.slow

@@ -50,6 +50,14 @@ def launched(name: str, nproc: int, cases: list[str]):
     return fixture
 
 
+def assert_vocab_parallel_loss(result: dict) -> None:
+    """The case's loss ran Megatron's vocab-parallel cross entropy on the head's class
+    shards: its layer's collectives are the two forward all-reduces (maxima; sums of
+    exponentials and target logits), no gather of the logits."""
+    loss = result["layer_collectives"]["loss"]
+    assert loss == [["all_reduce", "forward"]] * 2, loss
+
+
 def assert_trains_like_one_process(rank: int, result: dict) -> None:
     """The case ran, and its losses and parameters match one process within RTOL."""
     assert "error" not in result, f"rank {rank}: {result.get('traceback', result.get('error'))}"
