@@ -316,13 +316,11 @@ class _ShardedVocab(TorchFunctionMode):
         return None
 
     def _cross_entropy(self, args, kwargs) -> Any:
-        bound = _CROSS_ENTROPY.bind(*args, **kwargs)
-        bound.apply_defaults()
-        given = bound.arguments
+        given = self._class_indices(_CROSS_ENTROPY, args, kwargs)
+        if given is None:
+            return NotImplemented
         logits, target = given["input"], given["target"]
         classes = 1 if logits.dim() > 1 else 0
-        if not self._class_indices(given):
-            return NotImplemented
         self.cross_entropies += 1
         self.vocab_parallel_ops += 1
         # Per position: the maximum, then the sum of exponentials and the target's logit
@@ -364,13 +362,11 @@ class _ShardedVocab(TorchFunctionMode):
         return self.follow((wide - top - total.log()).to(dtype or x.dtype), dim)
 
     def _nll_loss(self, args, kwargs) -> Any:
-        bound = _NLL_LOSS.bind(*args, **kwargs)
-        bound.apply_defaults()
-        given = bound.arguments
+        given = self._class_indices(_NLL_LOSS, args, kwargs)
+        if given is None or given["reduction"] not in ("mean", "sum", "none"):
+            return NotImplemented
         scores, target = given["input"], given["target"]
         classes = 1 if scores.dim() > 1 else 0
-        if not self._class_indices(given) or given["reduction"] not in ("mean", "sum", "none"):
-            return NotImplemented
         self.vocab_parallel_ops += 1
         width = scores.shape[classes]
         local = target - self.group.rank * width
@@ -382,15 +378,19 @@ class _ShardedVocab(TorchFunctionMode):
         per = (-total).masked_fill(target == given["ignore_index"], 0.0)
         return _reduced(per, target, given["ignore_index"], given["reduction"])
 
-    def _class_indices(self, given: dict) -> bool:
-        """Whether a cross entropy's or nll loss's bound arguments are ours to run: its
-        input a slice by the class dim, class indices as target, no weights, no legacy
-        reduction flags."""
+    def _class_indices(self, signature: inspect.Signature, args, kwargs) -> dict | None:
+        """A cross entropy's or nll loss's arguments, bound by ``signature``, where the
+        call is ours to run: its input a slice by the class dim, class indices as target,
+        no weights, no legacy reduction flags; else None."""
+        bound = signature.bind(*args, **kwargs)
+        bound.apply_defaults()
+        given = bound.arguments
         scores, target = given["input"], given["target"]
-        return (self.dim_of(scores) == (1 if scores.dim() > 1 else 0)
+        ours = (self.dim_of(scores) == (1 if scores.dim() > 1 else 0)
                 and given["weight"] is None and given["size_average"] is None
                 and given["reduce"] is None and isinstance(target, torch.Tensor)
                 and not target.is_floating_point() and self.dim_of(target) is None)
+        return given if ours else None
 
     def _log_partition(self, wide: torch.Tensor, dim: int, grad_partial: bool
                        ) -> tuple[torch.Tensor, torch.Tensor]:
