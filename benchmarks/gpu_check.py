@@ -582,7 +582,7 @@ def predicted_parts(program: Any) -> dict[str, float]:
     backward and recompute together; the kernels the estimate counts them launching
     (the gradients' adds into their buckets among them: one per parameter tensor and
     microbatch), and their device time; and the tail."""
-    from partc.costs import layer_work
+    from partc.cost.model import layer_work
 
     problem, plan = program.problem, program.plan
     stage = plan.stages[0]

@@ -36,7 +36,7 @@ sys.path.insert(0, str(ROOT / "samples"))
 import torch  # noqa: E402
 
 from gpt import GPT, GPTConfig  # noqa: E402
-from partc.passes.op_bytes import MovedBytes  # noqa: E402
+from partc.passes.helpers.op_bytes import MovedBytes  # noqa: E402
 from partc.runtime.optimizer import GradBuckets  # noqa: E402
 
 

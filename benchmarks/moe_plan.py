@@ -61,7 +61,7 @@ from partc.passes.pipeline import analyze  # noqa: E402
 from partc.plan import BudgetInfo  # noqa: E402
 from partc.planner import PlannerOptions  # noqa: E402
 from partc.problem import LayerCost, ModelAnalysis, MoECost, PlanningProblem  # noqa: E402
-from partc.report import sections  # noqa: E402
+from partc.report.text import sections  # noqa: E402
 from partc.units import format_bytes, format_seconds  # noqa: E402
 
 

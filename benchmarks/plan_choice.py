@@ -89,7 +89,7 @@ SCHEDULE_MESH = dict(pp=2, dp=1, tp=1, num_microbatches=4, recompute="none")
 
 
 def schedule_variants() -> dict[str, dict]:
-    from partc.schedules import SCHEDULE_TABLE, refusal
+    from partc.cost.schedules import SCHEDULE_TABLE, refusal
 
     found = {}
     for name, info in SCHEDULE_TABLE.items():

@@ -33,7 +33,7 @@ from partc.compiler import autocast_dtype, build_problem, plan_problem  # noqa: 
 from partc.passes.pipeline import analyze  # noqa: E402
 from partc.plan import BudgetInfo  # noqa: E402
 from partc.planner import PlannerOptions  # noqa: E402
-from partc.schedules import SCHEDULE_TABLE  # noqa: E402
+from partc.cost.schedules import SCHEDULE_TABLE  # noqa: E402
 from partc.units import format_bytes, format_seconds  # noqa: E402
 
 LLAMA3_405B = dict(hidden_size=16384, intermediate_size=53248, num_hidden_layers=126,

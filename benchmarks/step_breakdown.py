@@ -58,7 +58,7 @@ import torch.distributed as dist  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
 
 import partc  # noqa: E402
-from partc import calibrate  # noqa: E402
+from partc.calibrate import run as calibrate  # noqa: E402
 from benchmarks.plan_choice import batch, loss_fn, model  # noqa: E402
 
 CPU = torch.device("cpu")

@@ -45,7 +45,7 @@ from pathlib import Path
 
 sys.path.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from partc.presets import preset  # noqa: E402
+from partc.device.presets import preset  # noqa: E402
 from tests.validation import korthikanti, mcore  # noqa: E402
 from tests.validation.megatron import breakdown, plan_assignment  # noqa: E402
 
@@ -84,8 +84,9 @@ def block_breakdown(config: korthikanti.Config, tp: int, sequence_parallel: bool
     """What the first block keeps, node by node, for one rank (s*b*h units)."""
     from partc import meta
     from partc.compiler import device_numbers, tensor_parallel_links
-    from partc.passes import pipeline, tp_chooser
-    from partc.passes.tp_rewrite import copy_module
+    from partc.passes import pipeline
+    from partc.passes.tp import chooser as tp_chooser
+    from partc.passes.tp.rewrite import copy_module
 
     name = config.name
     graph, _ = korthikanti.analysed(config)

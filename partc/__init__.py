@@ -24,7 +24,7 @@ if not os.path.isdir(os.path.join(_HERE, "passes")) and os.path.isfile(
 # do, does not import torch; ``from partc import compile`` and ``partc.compile`` work as
 # if they were imported here.
 _EXPORTS = {
-    "PRESETS": "budget", "DeviceBudget": "budget",
+    "PRESETS": "device.budget", "DeviceBudget": "device.budget",
     "PlanCache": "cache",
     "build_problem": "compiler", "compile": "compiler", "plan_problem": "compiler",
     "CheckpointError": "errors", "PartcError": "errors", "PlanFileError": "errors",
@@ -35,24 +35,24 @@ _EXPORTS = {
     "PlannerOptions": "options", "ShardingOptions": "options",
     "Program": "program", "load": "program",
     "Constraints": "spec", "TrainSpec": "spec",
-    "validate_plan": "validate",
+    "validate_plan": "planner.validate",
     "on_meta": "weights",
 }
 
 __all__ = sorted(_EXPORTS)
 
 if TYPE_CHECKING:   # what static tools and IDEs read
-    from .budget import PRESETS, DeviceBudget
-    from .cache import PlanCache
-    from .compiler import build_problem, compile, plan_problem
-    from .errors import (CheckpointError, PartcError, PlanFileError, PlanInfeasibleError,
+    from partc.device.budget import PRESETS, DeviceBudget
+    from partc.cache import PlanCache
+    from partc.compiler import build_problem, compile, plan_problem
+    from partc.errors import (CheckpointError, PartcError, PlanFileError, PlanInfeasibleError,
                          PlanMismatchError, PlanSchemaError, PlanValidationError, TraceError)
-    from .options import PlannerOptions, ShardingOptions
-    from .plan import Plan
-    from .program import Program, load
-    from .spec import Constraints, TrainSpec
-    from .validate import validate_plan
-    from .weights import on_meta
+    from partc.options import PlannerOptions, ShardingOptions
+    from partc.plan import Plan
+    from partc.program import Program, load
+    from partc.spec import Constraints, TrainSpec
+    from partc.planner.validate import validate_plan
+    from partc.weights import on_meta
 
 
 def __getattr__(name: str) -> Any:

@@ -23,7 +23,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from .errors import PartcError
+from partc.errors import PartcError
 
 log = logging.getLogger("partc.batch_coupling")
 

@@ -18,21 +18,21 @@ from typing import Any, Callable
 
 import torch
 
-from .assemble import alternative, make_plan
-from .baselines import baselines
-from .budget import DeviceBudget
-from .cache import DEFAULT as DEFAULT_CACHE
-from .cache import PlanCache, model_key
-from .collectives import Group
-from .errors import PartcError
-from .costs import TableCache
-from .planner import PlannerOptions, PlannerResult, divisors, schedule_options, solve
-from .planner.pins import check_pins
-from .plan import BudgetInfo, Plan, SolverStats
-from .problem import DeviceNumbers, ModelAnalysis, Pins, PlanningProblem, TrainNumbers
-from .program import Program
-from .spec import Constraints, TrainSpec, dtype_bytes
-from .validate import validate_plan
+from partc.planner.assemble import alternative, make_plan
+from partc.planner.baselines import baselines
+from partc.device.budget import DeviceBudget
+from partc.cache import DEFAULT as DEFAULT_CACHE
+from partc.cache import PlanCache, model_key
+from partc.cost.collectives import Group
+from partc.errors import PartcError
+from partc.cost.model import TableCache
+from partc.planner import PlannerOptions, PlannerResult, divisors, schedule_options, solve
+from partc.planner.pins import check_pins
+from partc.plan import BudgetInfo, Plan, SolverStats
+from partc.problem import DeviceNumbers, ModelAnalysis, Pins, PlanningProblem, TrainNumbers
+from partc.program import Program
+from partc.spec import Constraints, TrainSpec, dtype_bytes
+from partc.planner.validate import validate_plan
 
 log = logging.getLogger("partc")
 
@@ -81,9 +81,9 @@ def tp_degrees(devices: DeviceNumbers, constraints: Constraints) -> list[int]:
 
 
 def tensor_parallel_links(devices: DeviceNumbers, degrees: list[int]) -> list:
-    from .passes.tp_chooser import Link
+    from partc.passes.tp.chooser import Link
 
-    # A tensor-parallel group of t spans t consecutive ranks, as partc.costs prices it.
+    # A tensor-parallel group of t spans t consecutive ranks, as partc.cost.model prices it.
     return [Link(group=Group.over(devices, t, t),
                  flops=devices.peak_flops * devices.flops_efficiency,
                  hbm_bandwidth=devices.hbm_bandwidth) for t in degrees]
@@ -137,7 +137,7 @@ def build_problem(analysis: ModelAnalysis, budget: DeviceBudget, train: TrainSpe
         else tuple(divisors(train.global_batch_size))
     degrees = tp_degrees(devices, constraints)
     if graph is not None and degrees:
-        from .passes.pipeline import tensor_parallel_options
+        from partc.passes.pipeline import tensor_parallel_options
 
         sp = (constraints.sequence_parallel,) if constraints.sequence_parallel is not None \
             else (False, True)
@@ -172,7 +172,7 @@ def problem_for_plan(plan: Plan, model: torch.nn.Module, *, loss_fn: Callable | 
     the recorded input shapes, under the plan's training setup, on the plan's budget,
     with the plan's tensor-parallel degree (and sequence parallelism, objective)
     measured. No pins: ``validate_plan`` then checks the plan's own decisions."""
-    from .passes.pipeline import analyze
+    from partc.passes.pipeline import analyze
 
     train = plan.train
     budget = budget_from_info(plan.budget)
@@ -192,7 +192,7 @@ def problem_for_plan(plan: Plan, model: torch.nn.Module, *, loss_fn: Callable | 
 def budget_from_info(info: BudgetInfo) -> DeviceBudget:
     """A DeviceBudget with the numbers a plan recorded (its preset for the device type,
     when it names one)."""
-    from .budget import preset
+    from partc.device.budget import preset
 
     def preset_named(name: str | None) -> str | None:
         try:
@@ -309,8 +309,8 @@ def compile(model: torch.nn.Module, example_inputs: tuple | torch.Tensor, *,
     ``None``: none) keeps measured models and plans: compiling the same model again
     with another budget or batch skips tracing and measuring, and an unchanged problem
     returns its plan at once (validated again)."""
-    from .identity import behaviour_digest, model_hash
-    from .passes.pipeline import analyze
+    from partc.identity import behaviour_digest, model_hash
+    from partc.passes.pipeline import analyze
 
     if isinstance(example_inputs, torch.Tensor):
         example_inputs = (example_inputs,)
@@ -370,7 +370,7 @@ def _whole_batch_loss(model: torch.nn.Module, example_inputs: tuple, loss_fn: Ca
     """A model whose mixture-of-experts router feeds a load-balancing loss that couples
     the batch's samples plans one replica and one microbatch, unless the training setup
     declares each microbatch's loss its own (:mod:`partc.batch_coupling`)."""
-    from .batch_coupling import couples_samples, restrict
+    from partc.batch_coupling import couples_samples, restrict
 
     if train.loss_per_microbatch or not any(
             layer.moe is not None and layer.moe.aux_loss for layer in analysis.layers):

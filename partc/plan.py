@@ -37,11 +37,11 @@ from typing import Any, Iterable, Mapping
 
 import torch
 
-from .errors import PlanSchemaError
-from .placement import REPLICATE, Placement
-from .problem import effective_zero_stage, reduces_once_per_step
-from .spec import TrainSpec, dtype_name, dtype_named
-from .units import format_bytes
+from partc.errors import PlanSchemaError
+from partc.placement import REPLICATE, Placement
+from partc.problem import effective_zero_stage, reduces_once_per_step
+from partc.spec import TrainSpec, dtype_name, dtype_named
+from partc.units import format_bytes
 
 SCHEMA_VERSION = 2
 
@@ -110,10 +110,10 @@ class StageMemory:
     optimizer: int
     activations: int
     transient: int   # the largest working set of one layer
-    # The pipeline's receive buffer for a gradient, one per run (partc.costs.receive_bytes);
+    # The pipeline's receive buffer for a gradient, one per run (partc.cost.model.receive_bytes);
     # plans written before it was counted read as 0.
     receive: int = 0
-    # The optimizer step's temporaries (partc.costs.step_bytes); plans written before
+    # The optimizer step's temporaries (partc.cost.model.step_bytes); plans written before
     # they were counted read as 0.
     step: int = 0
     peak: int
@@ -438,7 +438,7 @@ class Predicted:
     tail_time_s: float
     tokens_per_s: float | None = None   # when a sample is a sequence
     # The planner's closed form of the step (what the search minimises; the step time
-    # above is the schedule played out, partc.timeline).
+    # above is the schedule played out, partc.cost.timeline).
     closed_form_step_s: float | None = None
 
 
@@ -479,7 +479,7 @@ class Alternative:
 @dataclass(frozen=True, kw_only=True)
 class ScheduleOption:
     """One pipeline schedule priced on the plan's mesh, microbatches and ZeRO stage: its
-    step time and bubble as the schedule plays out (:mod:`partc.timeline`), for the
+    step time and bubble as the schedule plays out (:mod:`partc.cost.timeline`), for the
     plan's own split (``how`` "chosen"), the split the automatic schedule choice solved
     for it ("solved split"), the greedy split of its virtual stages ("greedy split"), or
     why there is none (``how`` "no split fits" or torch's refusal)."""
@@ -602,11 +602,11 @@ class Plan:
     @property
     def runs(self) -> tuple[tuple[str, ...], ...]:
         """The contiguous runs of layers in model order: run ``j`` (virtual stage ``j``)
-        is on the rank ``partc.schedules.rank_of(schedule, pp, chunks, j)`` says, which
+        is on the rank ``partc.cost.schedules.rank_of(schedule, pp, chunks, j)`` says, which
         lists its runs in model order."""
         if self.chunks == 1:
             return tuple(stage.layers for stage in self.stages)
-        from .schedules import SCHEDULE_TABLE, stages_of_rank
+        from partc.cost.schedules import SCHEDULE_TABLE, stages_of_rank
 
         pp, v = len(self.stages), self.chunks
         name = self.schedule if self.schedule in SCHEDULE_TABLE else "interleaved-1f1b"
@@ -630,8 +630,8 @@ class Plan:
     def predicted_save_s(self) -> float:
         """Seconds to write a checkpoint: :attr:`checkpoint_bytes_per_rank` over the
         budget's disk bandwidth (``DeviceBudget.disk_bandwidth``, or its default)."""
-        from .budget import DEFAULT_DISK_BANDWIDTH
-        from .units import parse_rate
+        from partc.device.budget import DEFAULT_DISK_BANDWIDTH
+        from partc.units import parse_rate
 
         rate = self.budget.disk_bandwidth or parse_rate(DEFAULT_DISK_BANDWIDTH)
         return self.checkpoint_bytes_per_rank / rate

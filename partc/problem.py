@@ -22,8 +22,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from .placement import Placement
-from .presets import OVERHEAD_FIELDS, RATE_FIELDS
+from partc.placement import Placement
+from partc.device.presets import OVERHEAD_FIELDS, RATE_FIELDS
 
 RECOMPUTE_MODES: tuple[str, ...] = ("none", "selective", "full")
 
@@ -87,7 +87,7 @@ class Precision:
     3       16/d                   16/d, and the layers gathered in bf16 as they run
     ======  =====================  ===============================================
 
-    (the ZeRO paper's 2 + 2 + 12, :attr:`zero_paper_bytes`; ``partc.costs`` applies the
+    (the ZeRO paper's 2 + 2 + 12, :attr:`zero_paper_bytes`; ``partc.cost.model`` applies the
     sharding). Under ZeRO-1 in mixed precision the runtime is Megatron's distributed
     optimizer: the weights are kept in the compute dtype and each rank holds the fp32
     master of its dp shard only (checkpoints and ``full_state_dict`` read the masters).
@@ -97,7 +97,7 @@ class Precision:
     optimizer_state_bytes: float    # the optimizer's own state, fp32 (Adam: 8, SGD: 0)
     # fp32 copies of the stepped weights torch's step makes beside them, over the whole
     # list in its foreach form (Adam: sqrt(v); SGD, momentum or not: none); torch's
-    # per-tensor loop makes twice as many of one tensor at a time (partc.costs.step_bytes).
+    # per-tensor loop makes twice as many of one tensor at a time (partc.cost.model.step_bytes).
     step_copies: float = 0.0
 
     @property
@@ -211,7 +211,7 @@ class LayerCost:
     # dispatch per tensor: DeviceNumbers.fsdp_step_overhead_s); 0: not counted, one.
     param_tensors: int = 0
     # Elements of the largest of those tensors (an optimizer stepping one tensor at a
-    # time makes its temporaries that size: partc.costs.step_bytes); 0: not counted.
+    # time makes its temporaries that size: partc.cost.model.step_bytes); 0: not counted.
     largest_param: int = 0
     # Tensor-parallel collectives per sample: (kind, "forward"/"backward", bytes of the
     # whole tensor). Empty without tensor parallelism.
@@ -325,7 +325,7 @@ class LayerCost:
 
     @property
     def kernels(self) -> dict[str, Any]:
-        """Kernels per microbatch by phase, as :func:`partc.costs.layer_work` splits its
+        """Kernels per microbatch by phase, as :func:`partc.cost.model.layer_work` splits its
         time: forward, backward and per recompute mode (full: the forward's; selective:
         its attention cores'); all 0 where they were not counted."""
         forward = self.forward_kernels or 0
@@ -425,7 +425,7 @@ class DeviceNumbers:
     link_latency_s: float                       # per step of a collective between nodes
     intra_node_latency_s: float | None = None   # inside a node; None: link_latency_s
     # Inside a node, each collective kind's own link numbers where calibration fitted them:
-    # (kind, latency per step, bandwidth per link), kinds of partc.collectives.KINDS.
+    # (kind, latency per step, bandwidth per link), kinds of partc.cost.collectives.KINDS.
     # A kind not listed takes intra_node_latency_s and intra_node_bandwidth.
     intra_node_links: tuple[tuple[str, float, float], ...] = ()
     # Fixed time per op per microbatch (dispatch, kernel launch), forward and backward:
@@ -448,7 +448,7 @@ class DeviceNumbers:
     # per-op time op_overhead_s holds.
     kernel_overhead_s: float = 0.0
     # ZeRO-2/3 as FSDP2 runs it, per unit (a layer) and microbatch, beyond the collectives
-    # (partc.collectives prices those): its forward hooks (``fsdp_unit_overhead_s``) and
+    # (partc.cost.collectives prices those): its forward hooks (``fsdp_unit_overhead_s``) and
     # backward hooks (``..._backward_s``: gradient accumulation and state), and per
     # all-gather and per reduce-scatter the unit runs its own work around the collective
     # (``fsdp_gather_overhead_s``: copy-in, copy-out into the unsharded parameters,
@@ -482,7 +482,7 @@ class DeviceNumbers:
     # loop on a CPU) makes several passes and pays dispatch per tensor (calibrated).
     optimizer_bandwidth: float | None = None
     # The rate FSDP copies bytes into and out of its collectives' buffers (read and
-    # written, counted as :func:`partc.costs._zero_overhead_seconds` counts them). None:
+    # written, counted as :func:`partc.cost.model._zero_overhead_seconds` counts them). None:
     # ``hbm_bandwidth``; a CPU thread splitting a gathered buffer into the parameters
     # runs below its copy rate (calibrated).
     fsdp_copy_bandwidth: float | None = None

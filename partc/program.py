@@ -11,13 +11,13 @@ from typing import Any, Callable, Mapping, Sequence
 import torch
 from torch import nn
 
-from .codec import CodecError, check
-from .errors import (PartcError, PlanFileError, PlanMismatchError, PlanSchemaError,
+from partc.codec import CodecError, check
+from partc.errors import (PartcError, PlanFileError, PlanMismatchError, PlanSchemaError,
                      PlanValidationError)
-from .plan import Plan
-from .problem import PlanningProblem
-from .report import render
-from .spec import dtype_name
+from partc.plan import Plan
+from partc.problem import PlanningProblem
+from partc.report.text import render
+from partc.spec import dtype_name
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -39,8 +39,8 @@ class Program:
         its own: FSDP's units under ZeRO-2/3, under ZeRO-1 where each layer waits for
         its parameters' overlapped all-gather).
         ``only``: the virtual stages to finish (all by default)."""
-        from .passes.context import Lowering
-        from .passes.pipeline import lower
+        from partc.passes.context import Lowering
+        from partc.passes.pipeline import lower
 
         self._need_model("lower the plan")
         plan = self.plan
@@ -68,7 +68,7 @@ class Program:
 
     def code(self) -> dict[str, str]:
         """Readable Python source of each stage, keyed by file name (``stage_<k>.py``)."""
-        from .passes.codegen import codegen
+        from partc.passes.codegen import codegen
 
         lowered = self.lower()
         shared = {" = ".join(key): list(indices) for key, indices in lowered.holders.items()
@@ -92,7 +92,7 @@ class Program:
             for name, source in self.code().items():
                 (code_dir / name).write_text(source)
         # schedule.csv: the pipeline order, as torch's pipelining reads it (_load_csv).
-        from .timeline import plan_csv
+        from partc.cost.timeline import plan_csv
         (out / "schedule.csv").write_text(plan_csv(self.plan))
         return out
 
@@ -103,7 +103,7 @@ class Program:
         Checks the world size against the plan, joins the process group (gloo on CPU,
         NCCL on CUDA with the device from ``LOCAL_RANK``), checks that every rank has the
         same plan and model, lowers this rank's virtual stages (one, or the ``v`` that
-        ``partc.schedules.stages_of_rank`` gives it), and keeps only this rank's
+        ``partc.cost.schedules.stages_of_rank`` gives it), and keeps only this rank's
         parameters: copied from the model, or — for a model on the meta device — loaded
         from ``state_dict``: a mapping such as ``model.state_dict()``, or the path of a
         Hugging Face checkpoint (``*.safetensors``) or a ``torch.distributed.checkpoint``
@@ -111,9 +111,9 @@ class Program:
         (``partc/weights.py``; non-persistent buffers come from the model: build
         it under ``partc.on_meta()``). Returns a ``partc.runtime.DistributedModule``.
         """
-        from .runtime import StageProgram, build, connect
-        from .schedules import stages_of_rank
-        from .weights import open_weights
+        from partc.runtime import StageProgram, build, connect
+        from partc.cost.schedules import stages_of_rank
+        from partc.weights import open_weights
 
         self._need_model("build")
         if isinstance(state_dict, (str, Path)):
@@ -145,8 +145,8 @@ def load(directory: str | Path, model: nn.Module, *, loss_fn: Callable | None = 
     values against the model measured again as ``compile`` measures it, under the plan's
     budget and training setup (``validate_plan``, no solver: else
     :class:`PlanValidationError` listing every violation)."""
-    from .compiler import budget_from_info, problem_for_plan
-    from .identity import model_hash
+    from partc.compiler import budget_from_info, problem_for_plan
+    from partc.identity import model_hash
 
     path = Path(directory) / "plan.json"
     if not path.exists():
@@ -176,7 +176,7 @@ def load(directory: str | Path, model: nn.Module, *, loss_fn: Callable | None = 
 def _validate_file(path: Path, problem: PlanningProblem, plan: Plan) -> None:
     """``validate_plan``, its error saying which of the file's sections the problem was
     measured again from (an edited dtype or budget shows as numbers that differ)."""
-    from .validate import validate_plan
+    from partc.planner.validate import validate_plan
 
     try:
         validate_plan(problem, plan)

@@ -11,8 +11,8 @@ from typing import Any, Mapping
 
 import torch
 
-from .choices import ATTENTION, OPTIMIZER_STATE_BYTES, SCHEDULES, TP_OBJECTIVES
-from .problem import BUCKET_ELEMENTS, RECOMPUTE_MODES, ZERO2_GRAD_SYNCS, ZERO_STAGES, Precision
+from partc.cli.choices import ATTENTION, OPTIMIZER_STATE_BYTES, SCHEDULES, TP_OBJECTIVES
+from partc.problem import BUCKET_ELEMENTS, RECOMPUTE_MODES, ZERO2_GRAD_SYNCS, ZERO_STAGES, Precision
 
 # What the planner's closed-form search weighs when the schedule is "auto"; it chooses
 # the mesh, and every other schedule of SCHEDULES is then solved on that mesh and the
@@ -292,7 +292,7 @@ class Constraints:
         if self.schedule is not None and self.schedule not in SCHEDULES:
             raise ValueError(f"schedule must be one of {SCHEDULES}, got {self.schedule!r}")
         if self.schedule is not None and self.virtual_stages is not None:
-            from .schedules import refusal
+            from partc.cost.schedules import refusal
             refused = refusal(self.schedule, 1, self.virtual_stages, 10**9)
             if refused:
                 raise ValueError(f"Constraints: {refused}")

@@ -28,7 +28,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .errors import PartcError
+from partc.errors import PartcError
 
 
 # A tensor-parallel shard to read: (dim, chunks, tp_rank, tp), laid out as the runtime's

@@ -3,6 +3,6 @@
 Installed as ``partc.passes`` (see pyproject.toml); the repository folder is ``passes/``.
 """
 
-from .pipeline import analyze
+from partc.passes.pipeline import analyze
 
 __all__ = ["analyze"]

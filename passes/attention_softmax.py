@@ -3,7 +3,7 @@ its output for backward in the autocast dtype (Megatron's fused softmax keeps 16
 autocast's fp32 softmax would keep 32: see that module).
 
 Only the softmax between an attention core's two products
-(:func:`partc.passes.attention_core.attention_cores`) is rewritten (its ``dtype``
+(:func:`partc.passes.helpers.attention_core.attention_cores`) is rewritten (its ``dtype``
 argument kept, as Llama's fp32 softmax has one): a router's scores or a loss's
 log-softmax are left alone. Where the second product is the probabilities' only reader
 (directly or through a dropout of probability 0) it becomes
@@ -18,9 +18,9 @@ from torch import fx
 
 from partc.runtime.softmax import softmax, softmax_for_product
 
-from .attention_core import attention_cores
-from .context import Context
-from .graph import dropout_args, op_name
+from partc.passes.helpers.attention_core import attention_cores
+from partc.passes.context import Context
+from partc.passes.helpers.graph import dropout_args, op_name
 
 # Products autocast computes in its low dtype (it casts their floating inputs to it).
 _LOW_PRECISION_PRODUCTS = frozenset({"matmul", "bmm"})

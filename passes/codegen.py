@@ -27,11 +27,11 @@ from torch import fx
 
 from partc import meta
 from partc.placement import REPLICATE
-from partc.schedules import rank_of
+from partc.cost.schedules import rank_of
 from partc.plan import Plan
 from partc.units import format_bytes
 
-from .split import StageGraph
+from partc.passes.split import StageGraph
 
 _NODE_LINE = re.compile(r"^(\s+)(\w+)(?::| =)")
 _NOISE = re.compile(r"^\s*# (No stacktrace found|File: |Stack trace)")

@@ -22,7 +22,7 @@ class Context:
     batch_size: int
     param_fqns: dict[int, tuple[str, ...]] = field(default_factory=dict)  # id → all FQNs
     # How the traced layers stand for the whole model's, when ``analyze`` traced one
-    # block per repeated structure (``partc.passes.dedupe.Expansion``); None otherwise.
+    # block per repeated structure (``partc.passes.helpers.dedupe.Expansion``); None otherwise.
     expansion: Any = None
     # The dtype training computes in under autocast (mixed precision), which ``estimate``
     # measures the layers in; None: the model's own.
@@ -34,7 +34,7 @@ class Context:
     # What the lowering passes apply (the plan's decisions); None while analysing.
     lowering: Lowering | None = None
     # The tensor-parallel sharding ``tp_rewrite`` applies, on this graph's nodes
-    # (``partc.passes.tp_chooser.Sharding``); None before one is chosen.
+    # (``partc.passes.tp.chooser.Sharding``); None before one is chosen.
     sharding: Any = None
     # What ``estimate`` measured a ring to add to the blocking call it stands for, by the
     # call's arguments (their shapes and dtypes): shared by the tensor-parallel variants

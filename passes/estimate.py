@@ -6,7 +6,7 @@ One fx interpreter loop per layer runs under ``FakeTensorMode`` (no memory),
 tensors are deduplicated by storage, parameters and buffers are left out, and each saved
 storage is attributed to the node that *produced* it. Selective recompute is costed as
 the runtime runs it (Megatron's): each attention core
-(:func:`partc.passes.attention_core.attention_cores`) is rerun in backward, so what only
+(:func:`partc.passes.helpers.attention_core.attention_cores`) is rerun in backward, so what only
 its nodes save is dropped and its inputs are kept instead; everything else the layer
 saves is kept. A layer without an attention core has no selective mode.
 
@@ -14,7 +14,7 @@ In mixed precision (``Context.autocast``) the layers run as the runtime runs the
 their floating parameters in the compute dtype (``partc.runtime.precision``'s copies,
 ZeRO-1's bf16 parameters, FSDP's ``MixedPrecisionPolicy``; buffers keep their dtype)
 under ``torch.autocast`` with CUDA's policy, which the runtime applies on CPU ranks too
-(applied to the CPU stand-ins by :mod:`partc.passes.autocast_policy`): matmuls compute
+(applied to the CPU stand-ins by :mod:`partc.autocast_policy`): matmuls compute
 in the compute dtype and the ops it lists as fp32 (softmax, norms, losses) cast their
 inputs to fp32, so what a norm saves is an fp32 copy of its input, while the residual
 stream is in the dtype the graph makes it (the compute dtype, unless the traced graph
@@ -77,15 +77,15 @@ from partc.runtime.tp import TensorParallelGroup
 from partc.runtime.tp_loss import VocabParallelLoss
 from partc.runtime.tp_rings import REHEARSE_BATCH, REHEARSE_SAMPLE
 
-from . import fuse_attention
-from .attention_core import attention_cores, core_inputs
-from .autocast_policy import cuda_autocast
-from .context import Context
-from .graph import (carries_grad, dropout_args, fetch, is_dtype_check, layer_nodes,
+from partc.passes import fuse_attention
+from partc.passes.helpers.attention_core import attention_cores, core_inputs
+from partc.autocast_policy import cuda_autocast
+from partc.passes.context import Context
+from partc.passes.helpers.graph import (carries_grad, dropout_args, fetch, is_dtype_check, layer_nodes,
                     param_usage, storage_of)
-from .layers import crossing_bytes
-from .op_bytes import COPY_THEN_IN_PLACE, FLOP_FORMULAS, MovedBytes, nbytes
-from .tp_rewrite import RING_CALLS
+from partc.passes.layers import crossing_bytes
+from partc.passes.helpers.op_bytes import COPY_THEN_IN_PLACE, FLOP_FORMULAS, MovedBytes, nbytes
+from partc.passes.tp.rewrite import RING_CALLS
 
 log = logging.getLogger("partc")
 
@@ -712,7 +712,7 @@ def _shared_values(gm: fx.GraphModule) -> set[fx.Node]:
     made by the first layer). A stage holds such a value once whichever of its layers
     keep it, so it is charged to its maker alone: exact for the stage that makes it; a
     later stage that reads it holds it in the pipeline's receive buffers while its
-    microbatch is in flight (``partc.costs.receive_bytes`` takes those for the first
+    microbatch is in flight (``partc.cost.model.receive_bytes`` takes those for the first
     layer's saved inputs: short by them here)."""
     shared = set()
     for node in gm.graph.nodes:
@@ -780,7 +780,7 @@ def _layer_cost(gm: fx.GraphModule, info: meta.LayerInfo, nodes: list[fx.Node], 
     rerun = {"none": 0, "full": sum(calls.values())}
     kernels = {node: run.kernels.get(node, 0) for node in nodes}
     rekernels = {"none": 0, "full": sum(kernels.values())}
-    # Selective recompute as the runtime does it (passes/recompute.py): the attention
+    # Selective recompute as the runtime does it (passes/recompute_layers.py): the attention
     # cores are rerun, everything else is kept.
     cores = attention_cores(nodes)
     inside = {node for core in cores for node in core}

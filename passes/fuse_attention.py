@@ -53,8 +53,8 @@ from torch import fx
 
 from partc import meta
 
-from .context import Context
-from .graph import is_dtype_check
+from partc.passes.context import Context
+from partc.passes.helpers.graph import is_dtype_check
 
 log = logging.getLogger("partc")
 

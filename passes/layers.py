@@ -26,8 +26,8 @@ from torch import fx, nn
 from partc import meta
 from partc.errors import TraceError
 
-from .context import Context
-from .graph import carries_grad, mutated_inputs, op_name
+from partc.passes.context import Context
+from partc.passes.helpers.graph import carries_grad, mutated_inputs, op_name
 
 ROOT_LAYER = "root"
 OUTPUT_LAYER = "output"

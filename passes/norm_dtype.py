@@ -30,8 +30,8 @@ from torch import fx
 from partc.autocast_policy import LOWER_PRECISION
 from partc.runtime.norm import layer_norm
 
-from .context import Context
-from .graph import op_name
+from partc.passes.context import Context
+from partc.passes.helpers.graph import op_name
 
 
 def norm_dtype(gm: fx.GraphModule, ctx: Context) -> fx.GraphModule:

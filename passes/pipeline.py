@@ -33,25 +33,25 @@ from partc.errors import TraceError
 from partc.options import ShardingOptions
 from partc.problem import ModelAnalysis, TPOption
 
-from . import dedupe, verify
-from . import tp_chooser
-from .attention_softmax import attention_softmax
-from .context import Context, Lowering
-from .estimate import estimate
-from .fuse_attention import fuse_attention
-from .graph import param_usage
-from .layers import layers
-from .moe import lower_experts
-from .norm_dtype import norm_dtype
-from .portable import device_from_inputs, drop_assertions, unpin_dtypes
-from .propagate import propagate
-from .recompute import recompute
-from .tp_chooser import Link
-from .split import StageGraph, parameter_holders, split
-from .summarize import summarize, tp_option
-from .tp_rewrite import copy_module, tp_rewrite
-from .trace import trace
-from .units import fsdp_units
+from partc.passes.helpers import dedupe, verify
+from partc.passes.tp import chooser as tp_chooser
+from partc.passes.attention_softmax import attention_softmax
+from partc.passes.context import Context, Lowering
+from partc.passes.estimate import estimate
+from partc.passes.fuse_attention import fuse_attention
+from partc.passes.helpers.graph import param_usage
+from partc.passes.layers import layers
+from partc.passes.moe import lower_experts
+from partc.passes.norm_dtype import norm_dtype
+from partc.passes.portable import device_from_inputs, drop_assertions, unpin_dtypes
+from partc.passes.propagate import propagate
+from partc.passes.recompute_layers import recompute
+from partc.passes.tp.chooser import Link
+from partc.passes.split import StageGraph, parameter_holders, split
+from partc.passes.helpers.summarize import summarize, tp_option
+from partc.passes.tp.rewrite import copy_module, tp_rewrite
+from partc.passes.trace import trace
+from partc.passes.fsdp_units import fsdp_units
 
 log = logging.getLogger("partc")
 
@@ -218,7 +218,7 @@ def analyze(model: nn.Module, example_inputs: Any, *, loss_fn: Callable | None =
     ``target``) and the :class:`partc.problem.ModelAnalysis` the planner reads.
 
     Repeated blocks (a ``ModuleList`` or ``Sequential`` of like children) are traced once
-    per structure and the analysis expanded to every block (:mod:`partc.passes.dedupe`);
+    per structure and the analysis expanded to every block (:mod:`partc.passes.helpers.dedupe`);
     the GraphModule is then that of the shorter model, for ``tensor_parallel_options``
     (which expands its options the same way). Where the traced blocks cannot stand for
     the rest, the whole model is traced, and the log says why. ``full_trace=True`` (or

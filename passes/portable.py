@@ -26,7 +26,7 @@ from typing import Any, Iterator, Mapping
 import torch
 from torch import fx
 
-from .context import Context
+from partc.passes.context import Context
 
 DEVICE_NODE = "input_device"
 

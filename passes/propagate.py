@@ -21,8 +21,8 @@ from torch._subclasses.fake_tensor import (DataDependentOutputException,
 from partc import meta
 from partc.errors import TraceError
 
-from .context import Context
-from .graph import fetch, op_name
+from partc.passes.context import Context
+from partc.passes.helpers.graph import fetch, op_name
 
 
 def propagate(gm: fx.GraphModule, ctx: Context) -> fx.GraphModule:

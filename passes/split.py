@@ -34,7 +34,7 @@ from torch import fx
 from partc import meta
 from partc.errors import PlanMismatchError
 
-from .graph import carries_grad, has_side_effects
+from partc.passes.helpers.graph import carries_grad, has_side_effects
 
 
 @dataclass(frozen=True)

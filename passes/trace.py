@@ -27,7 +27,7 @@ from partc import meta
 from partc.errors import TraceError
 from partc.identity import param_fqns
 
-from .context import Context
+from partc.passes.context import Context
 
 LOSS_MODULE = "loss"
 

@@ -166,7 +166,7 @@ def test_memory_units_are_explicit():
 def test_bad_profile_numbers_are_refused(tmp_path):
     import json
 
-    from partc.budget import PROFILE_SCHEMA, PROFILE_VERSION, ProfileError
+    from partc.device.budget import PROFILE_SCHEMA, PROFILE_VERSION, ProfileError
 
     numbers = {"flops_efficiency": 0.5, "hbm_bandwidth": float("nan"), "devices_per_node": 1,
                "intra_node_bandwidth": None, "inter_node_bandwidth": None,

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import partc
-from partc.budget import preset
+from partc.device.budget import preset
 from partc.cache import problem_key
 from partc.identity import model_hash
 from samples.gpt import gpt_tiny, loss_fn

@@ -21,11 +21,11 @@ import pytest
 import torch
 
 import partc
-from partc.budget import PROFILE_SCHEMA, PROFILE_VERSION, ProfileError, load_profile
-from partc.calibrate import (BETWEEN_COMPUTE_S, COLLECTIVES, FSDP_FIGURES, SIZES,
+from partc.device.budget import PROFILE_SCHEMA, PROFILE_VERSION, ProfileError, load_profile
+from partc.calibrate.run import (BETWEEN_COMPUTE_S, COLLECTIVES, FSDP_FIGURES, SIZES,
                              CalibrationError, CalibrationOptions, LinkFit, fit_link,
                              ring_factor, ring_steps, summary)
-from partc.cli import main
+from partc.cli.main import main
 from tests import models
 
 BUDGET_NUMBERS = ("peak_flops", "flops_efficiency", "hbm_bandwidth", "devices_per_node",
@@ -315,7 +315,7 @@ def test_each_collective_kind_and_the_overheads_reach_the_cost_model(calibrated,
     "send"); the op and matmul overheads reach DeviceNumbers. A profile written before
     these keys existed still loads: its fits come from its measurements, its overheads
     from the preset."""
-    from partc.collectives import Group, collective_seconds
+    from partc.cost.collectives import Group, collective_seconds
     from partc.compiler import device_numbers
 
     path = calibrated[0]
@@ -493,7 +493,7 @@ def test_median_seconds_times_by_the_sizes_clock():
     import dataclasses
     import itertools
 
-    from partc.calibrate import median_seconds
+    from partc.calibrate.run import median_seconds
 
     readings = itertools.count(0.0, 0.5)
     sizes = dataclasses.replace(SIZES["cpu", True], clock=lambda: next(readings))
@@ -509,7 +509,7 @@ def test_a_rank_lost_after_the_measurements_leaves_them_whole(monkeypatch, caplo
     that is still a failure."""
     import torch.multiprocessing as mp
 
-    import partc.calibrate as calibrate
+    import partc.calibrate.run as calibrate
 
     truth = LinkFit(latency_s=50e-6, bandwidth=2e9)
     sizes = (2**12, 2**16, 2**20, 2**24)
@@ -533,7 +533,7 @@ def test_a_rank_lost_after_the_measurements_leaves_them_whole(monkeypatch, caplo
         with pytest.raises(CalibrationError, match="collective measurement failed"):
             calibrate.measure_collectives(options)
         return
-    with caplog.at_level("WARNING", logger="partc.calibrate"):
+    with caplog.at_level("WARNING", logger="partc.calibrate.run"):
         result = calibrate.measure_collectives(options)
     assert "ended abnormally after the measurements were done" in caplog.text
     fit = result["joint_fit"]

@@ -16,9 +16,9 @@ import pytest
 
 import partc
 from partc import progress
-from partc.choices import REPORT_FORMATS
-from partc.cli import BUDGET_FLAGS, PIN_FLAGS, TRAIN_FLAGS, _parser, main
-from partc.cli import _budget, _constraints, _top_level_names
+from partc.cli.choices import REPORT_FORMATS
+from partc.cli.main import BUDGET_FLAGS, PIN_FLAGS, TRAIN_FLAGS, _parser, main
+from partc.cli.main import _budget, _constraints, _top_level_names
 
 ROOT = Path(__file__).resolve().parents[1]
 FACTORY = ("import torch\n"
@@ -39,7 +39,7 @@ def factory(tmp_path_factory) -> Path:
 
 def test_help_and_version_import_no_torch():
     script = ("import sys\n"
-              "from partc.cli import main\n"
+              "from partc.cli.main import main\n"
               "for argv in (['--help'], ['plan', '--help'], ['report', '--help'], "
               "['--version']):\n"
               "    try:\n"
@@ -87,7 +87,7 @@ def test_every_field_has_a_flag(cls, flags):
 
 
 def test_report_formats_are_the_renderers():
-    from partc.report import FORMATS
+    from partc.report.text import FORMATS
     assert FORMATS == REPORT_FORMATS
 
 
@@ -165,7 +165,7 @@ def test_names_a_module_may_bind_unseen():
 def planned(factory, tmp_path_factory):
     """``partc plan --progress`` on a tiny GPT: its exit code, what it wrote to stdout and
     stderr, the progress events it drew, the --out directory."""
-    from partc.cli import _Bars
+    from partc.cli.main import _Bars
 
     out, captured, events = tmp_path_factory.mktemp("planned"), {}, []
 
@@ -175,7 +175,7 @@ def planned(factory, tmp_path_factory):
             super().__call__(event)
 
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr("partc.cli._Bars", Recording)
+        patch.setattr("partc.cli.main._Bars", Recording)
         patch.setattr(sys, "stderr", _Capture(captured, "err"))
         patch.setattr(sys, "stdout", _Capture(captured, "out"))
         code = main(["plan", f"{factory}:make", "--devices", "2", "--device", "CPU",
@@ -224,7 +224,7 @@ def test_plan_draws_progress_and_prints_the_report(planned):
 
 
 def test_the_search_bar_shows_the_incumbent_and_the_gap():
-    from partc.cli import _postfix
+    from partc.cli.main import _postfix
 
     event = progress.Event(phase="search", done=3, total=9, detail="pp=2 dp=1 tp=1",
                            incumbent_s=0.1, bound_s=0.08)
@@ -232,7 +232,7 @@ def test_the_search_bar_shows_the_incumbent_and_the_gap():
 
 
 def test_report_renders_a_saved_plan(planned, capsys, tmp_path):
-    from partc.report import FORMATS
+    from partc.report.text import FORMATS
 
     out = planned[3]
     assert main(["report", str(out), "--format", "markdown"]) == 0
@@ -253,11 +253,11 @@ def test_report_renders_a_saved_plan(planned, capsys, tmp_path):
 
 def test_train_goes_to_the_launcher(monkeypatch, capsys):
     seen = []
-    launcher = types.ModuleType("partc.launcher")
+    launcher = types.ModuleType("partc.cli.launcher")
     launcher.main = lambda argv: seen.append(argv) or 7
-    monkeypatch.setitem(sys.modules, "partc.launcher", launcher)
+    monkeypatch.setitem(sys.modules, "partc.cli.launcher", launcher)
     assert main(["train", "x.py:f", "--steps", "3", "--help"]) == 7
     assert seen == [["x.py:f", "--steps", "3", "--help"]]
-    monkeypatch.setitem(sys.modules, "partc.launcher", None)   # as if it were missing
+    monkeypatch.setitem(sys.modules, "partc.cli.launcher", None)   # as if it were missing
     assert main(["train", "--help"]) == 2
     assert "has no launcher" in capsys.readouterr().err

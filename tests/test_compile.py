@@ -12,11 +12,11 @@ import torch
 import torch.nn.functional as F
 
 import partc
-from partc.runtime.pipeline import runtime_refusal
+from partc.runtime.pipeline_schedule import runtime_refusal
 from partc.plan import Plan
 from partc.planner import solve
 from partc.problem import Pins
-from partc.report import render
+from partc.report.text import render
 from samples.gpt import gpt_small, gpt_tiny, loss_fn
 from tests import models
 
@@ -125,8 +125,8 @@ def test_infeasible_under_pinned_recompute_names_memory_not_solver_time():
     # say memory (what the pins leave), not that a plan fits but the solver ran out.
     from dataclasses import replace
 
-    from partc.costs import build_cost_table
-    from partc.explain import tightest_split
+    from partc.cost.model import build_cost_table
+    from partc.report.explain import tightest_split
     from partc.planner import candidate_configs
 
     # The problem of a plan with the device's whole memory (settled at once): the
@@ -206,7 +206,7 @@ def test_save_round_trips_plan_and_report(tmp_path):
 
 
 def test_cli_plans_and_writes(tmp_path, capsys):
-    from partc.cli import main
+    from partc.cli.main import main
 
     factory = tmp_path / "work.py"
     factory.write_text(

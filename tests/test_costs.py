@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import partc
-from partc.costs import PS_PER_S, PipelineConfig, build_cost_table, roofline_seconds
+from partc.cost.model import PS_PER_S, PipelineConfig, build_cost_table, roofline_seconds
 from partc.problem import HeavyOp
 from samples.gpt import gpt_tiny, loss_fn
 from tests.planner import instances
@@ -211,7 +211,7 @@ def test_the_gpu_presets_no_longer_tie_microbatch_splits():
 def test_each_collective_kind_is_priced_by_its_own_link():
     """ZeRO-3 over dp=2 inside a node: the all-gather and reduce-scatter take their own
     fits, the other kinds the joint numbers (1e9 bytes/s, no latency)."""
-    from partc.collectives import Group, collective_seconds
+    from partc.cost.collectives import Group, collective_seconds
 
     numbers = dataclasses.replace(
         instances.devices(2, 10**12), intra_node_links=(
@@ -241,7 +241,7 @@ def test_a_group_spanning_nodes_drives_the_nics_of_its_members_in_each_node():
     a data-parallel group of 48 over 6 nodes of 8 (tp = 1) moves bytes at 8 NICs' rate
     per rank, beside tp = 2 at 4 NICs', beside tp = 8 (one member per node) at one NIC's;
     never above NVLink's; a pipeline send crosses one NIC."""
-    from partc.collectives import Group, collective_seconds, members_per_node
+    from partc.cost.collectives import Group, collective_seconds, members_per_node
 
     numbers = dataclasses.replace(instances.devices(8, 10**12), devices_per_node=8,
                                   intra_node_bandwidth=450e9, inter_node_bandwidth=50e9,
@@ -267,7 +267,7 @@ def test_a_pipeline_transfer_costs_its_receiver_what_compute_does_not_hide():
     on the cores both ranks compute on (a CPU's overlap is about 0.2), NCCL's kernels run
     beside the receiver's compute (overlap 1: nothing). The V schedules' turn, two runs
     on one rank, passes the tensors on without a transfer."""
-    from partc.costs import evaluate
+    from partc.cost.model import evaluate
 
     layer = instances.layer("block", flops=1e9)
 

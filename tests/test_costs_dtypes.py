@@ -21,7 +21,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import partc
 from partc import meta
 from partc.autocast_policy import cuda_autocast
-from partc.passes.tp_rewrite import GROUP
+from partc.passes.tp.rewrite import GROUP
 from samples.gpt import gpt_tiny, loss_fn
 
 BATCH, SEQ = 4, 32

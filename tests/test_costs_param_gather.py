@@ -23,7 +23,7 @@ from dataclasses import replace
 
 import pytest
 
-from partc.costs import PS_PER_S, PipelineConfig, build_cost_table, evaluate, exposed_gather_ps
+from partc.cost.model import PS_PER_S, PipelineConfig, build_cost_table, evaluate, exposed_gather_ps
 
 from .planner.instances import devices, layer, problem
 

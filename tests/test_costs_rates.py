@@ -14,7 +14,7 @@ import torch
 
 import partc
 from partc.compiler import budget_from_info, device_numbers
-from partc.costs import PS_PER_S, PipelineConfig, build_cost_table
+from partc.cost.model import PS_PER_S, PipelineConfig, build_cost_table
 from partc.plan import BudgetInfo
 from partc.problem import HeavyOp
 from tests.planner import instances

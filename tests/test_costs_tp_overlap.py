@@ -13,12 +13,12 @@ import dataclasses
 
 import pytest
 
-from partc.collectives import Group, collective_seconds
+from partc.cost.collectives import Group, collective_seconds
 from partc.compiler import plan_of
-from partc.costs import PS_PER_S, PipelineConfig, build_cost_table, tp_comm_seconds
+from partc.cost.model import PS_PER_S, PipelineConfig, build_cost_table, tp_comm_seconds
 from partc.planner import solve
 from partc.problem import LayerCost, Pins, TPOption
-from partc.validate import validate_plan
+from partc.planner.validate import validate_plan
 from tests.planner.instances import best_split_of, devices, layer, problem
 
 NBYTES = 4e6

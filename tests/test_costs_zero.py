@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import partc
-from partc.costs import zero_state_bytes
+from partc.cost.model import zero_state_bytes
 
 PSI, ND = 7.5e9, 64
 PUBLISHED_GB = {0: 120, 1: 31.4, 2: 16.6, 3: 1.88}  # rounded as printed in the paper
@@ -132,7 +132,7 @@ def test_dp_all_reduce_is_charged_only_past_the_last_backward(bandwidth):
     latency."""
     from dataclasses import replace
 
-    from partc.costs import PipelineConfig, build_cost_table, evaluate
+    from partc.cost.model import PipelineConfig, build_cost_table, evaluate
 
     problem = _dp_program("1GiB", zero_stage=0).problem
     problem = replace(problem, devices=replace(problem.devices,
@@ -167,7 +167,7 @@ def test_comm_overlap_hides_only_its_share(overlap):
     behind it."""
     from dataclasses import replace
 
-    from partc.costs import PS_PER_S, PipelineConfig, build_cost_table, evaluate, overlapped
+    from partc.cost.model import PS_PER_S, PipelineConfig, build_cost_table, evaluate, overlapped
 
     base = _small_buckets(_dp_program("1GiB", zero_stage=0).problem)
     whole = replace(base, devices=replace(base.devices, intra_node_bandwidth=300e9))
@@ -218,10 +218,10 @@ def _fsdp_instance(work: dict):
 def test_fsdp_work_is_charged_per_unit_and_microbatch_and_reaches_the_step(zero):
     """ZeRO-2/3's FSDP work (hooks, fixed work and copies of each all-gather and
     reduce-scatter, the optimizer step's dispatch over DTensors) as
-    :func:`partc.costs._zero_overhead_seconds` says: per unit in every microbatch's
+    :func:`partc.cost.model._zero_overhead_seconds` says: per unit in every microbatch's
     forward and backward, once per step in the tail (the step's dispatch per tensor),
     and m times in the step time."""
-    from partc.costs import PipelineConfig, build_cost_table, evaluate, to_ps
+    from partc.cost.model import PipelineConfig, build_cost_table, evaluate, to_ps
 
     config = PipelineConfig(pp=1, dp=2, micro_batch_size=1, num_microbatches=4,
                             schedule="1f1b", zero_stage=zero)
@@ -256,7 +256,7 @@ def test_fsdp_work_is_charged_per_unit_and_microbatch_and_reaches_the_step(zero)
 
 
 def test_fsdp_work_is_no_part_of_zero_0_or_1_and_gpus_run_it_ahead():
-    from partc.costs import PipelineConfig, build_cost_table
+    from partc.cost.model import PipelineConfig, build_cost_table
 
     for zero in (0, 1):
         config = PipelineConfig(pp=1, dp=2, micro_batch_size=1, num_microbatches=4,

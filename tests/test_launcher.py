@@ -11,9 +11,9 @@ import re
 import pytest
 import torch
 
-from partc import launcher, train_config
-from partc.choices import OPTIMIZER_STATE_BYTES
-from partc.cli import (
+from partc.cli import launcher, config as train_config
+from partc.cli.choices import OPTIMIZER_STATE_BYTES
+from partc.cli.main import (
     BUDGET_FLAGS,
     PIN_FLAGS,
     TRAIN_FLAGS,
@@ -21,9 +21,9 @@ from partc.cli import (
     _constraints,
     _parser,
 )
-from partc.train_config import (TrainConfig, learning_rate, parse_config,
+from partc.cli.config import (TrainConfig, learning_rate, parse_config,
                                 read_config_file)
-from partc.presets import DEFAULT_DEVICE
+from partc.device.presets import DEFAULT_DEVICE
 
 
 def _toml(tmp_path, text: str) -> str:

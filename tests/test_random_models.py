@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from hypothesis import HealthCheck, Phase, given, settings
 
 import partc
-from partc.validate import validate_plan
+from partc.planner.validate import validate_plan
 from tests import random_models
 from tests.random_models import Case
 from tests.runtime.random_worker import compile_case

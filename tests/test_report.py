@@ -7,7 +7,7 @@ import dataclasses
 
 from partc.compiler import plan_problem
 from partc.problem import Pins
-from partc.report import readable, render
+from partc.report.text import readable, render
 
 from .planner.instances import devices, layer, problem
 

@@ -15,7 +15,7 @@ from partc.compiler import plan_problem
 from partc.placement import Placement
 from partc.plan import Plan, TensorParallelPlan, TPCollective
 from partc.problem import Pins
-from partc.report import render, sections
+from partc.report.text import render, sections
 
 from .planner.instances import devices, layer, problem
 

@@ -11,8 +11,8 @@ from partc.compiler import plan_problem
 from partc.placement import Placement
 from partc.plan import TensorParallelPlan, TPCollective
 from partc.problem import Pins
-from partc.schedules import SCHEDULE_TABLE, schedule, stages_of_rank
-from partc.timeline import (KINDS, Op, StageSeconds, csv_text, play, schedule_order,
+from partc.cost.schedules import SCHEDULE_TABLE, schedule, stages_of_rank
+from partc.cost.timeline import (KINDS, Op, StageSeconds, csv_text, play, schedule_order,
                             simulate, text_lines, torch_order)
 
 from .planner.instances import devices, layer, problem

@@ -12,23 +12,23 @@ a caller passes to :func:`solve`.
   objective, numbered constraints.
 - ``bounds.py``: what is known without the solver: the lower bound on a configuration's
   step time (min-max split, recompute knapsack) and the greedy plan CP-SAT starts from.
-- ``experts.py``: the expert-parallel degree of mixture-of-experts layers: the degrees
-  each configuration allows (:func:`~.experts.expand`), the ``ep`` pin's refusals, and
+- ``expert_parallel.py``: the expert-parallel degree of mixture-of-experts layers: the degrees
+  each configuration allows (:func:`~.expert_parallel.expand`), the ``ep`` pin's refusals, and
   the plan's expert section.
 - ``meshes.py``: what the search learnt about each ``(pp, dp, tp)`` factorisation, for
   the report.
 - ``results.py``: the outputs, frozen dataclasses.
 """
 
-from ..options import PlannerOptions
-from .bounds import balanced_split, incumbent, lower_bound
-from .meshes import mesh_results
-from .results import (MESH_OUTCOMES, Assignment, ConfigResult, MeshResult, PlannerResult,
+from partc.options import PlannerOptions
+from partc.planner.bounds import balanced_split, incumbent, lower_bound
+from partc.planner.meshes import mesh_results
+from partc.planner.results import (MESH_OUTCOMES, Assignment, ConfigResult, MeshResult, PlannerResult,
                       ScheduleTrial)
-from .search import (AUTO_VIRTUAL_STAGES, MAX_CHUNKS, candidate_configs, choose_schedule,
+from partc.planner.search import (AUTO_VIRTUAL_STAGES, MAX_CHUNKS, candidate_configs, choose_schedule,
                      divisors, schedule_candidates, schedule_options, solve, solve_config,
                      tp_choices)
-from .stage_model import segments
+from partc.planner.stage_model import segments
 
 __all__ = [
     "AUTO_VIRTUAL_STAGES", "MAX_CHUNKS", "schedule_options", "MESH_OUTCOMES", "Assignment",

@@ -17,9 +17,9 @@ import bisect
 import math
 from typing import Any, Sequence
 
-from ..costs import CostTable, Evaluation, TableCache, evaluate, receive_bytes
-from ..problem import RECOMPUTE_MODES, PlanningProblem
-from .results import Assignment
+from partc.cost.model import CostTable, Evaluation, TableCache, evaluate, receive_bytes
+from partc.problem import RECOMPUTE_MODES, PlanningProblem
+from partc.planner.results import Assignment
 
 
 def lower_bound(table: CostTable, cache: TableCache | None = None) -> float:

@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import math
 
-from ..costs import CostTable
-from ..explain import tightest_split
-from ..problem import PlanningProblem
-from .results import ConfigResult, MeshResult
+from partc.cost.model import CostTable
+from partc.report.explain import tightest_split
+from partc.problem import PlanningProblem
+from partc.planner.results import ConfigResult, MeshResult
 
 # The report lists meshes in this order; unsettled ones together, by their bound.
 _MESH_ORDER = {"solved": 0, "time limit": 1, "pruned": 1, "infeasible": 2}

@@ -13,8 +13,8 @@ Pins that contradict each other whatever the model (``pp`` and the number of pin
 
 from __future__ import annotations
 
-from ..errors import PlanInfeasibleError
-from ..problem import DeviceNumbers, Pins
+from partc.errors import PlanInfeasibleError
+from partc.problem import DeviceNumbers, Pins
 
 
 def _refuse(pin: str, message: str) -> PlanInfeasibleError:

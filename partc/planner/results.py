@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..costs import CostTable, Evaluation, PipelineConfig
+from partc.cost.model import CostTable, Evaluation, PipelineConfig
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -27,7 +27,7 @@ other schedule torch runs on that configuration (:func:`schedule_candidates`:
 interleaved 1F1B, looped BFS and interleaved zero-bubble with 2-4 virtual stages per
 rank, ZBV and DualPipeV with 2) is solved by CP-SAT in turn
 for its own stage split, recompute and memory (its activations in flight), and the plan
-whose schedule plays out fastest (:func:`~partc.costs.simulated_step_ps`, the per-rank
+whose schedule plays out fastest (:func:`~partc.cost.model.simulated_step_ps`, the per-rank
 event simulation) is kept (:func:`choose_schedule`). The closed form is no lower bound
 on the simulation, so it cannot prune these; searching them on the chosen mesh only
 keeps the search's cost close to one configuration's per schedule. Nor does the closed
@@ -46,24 +46,24 @@ from typing import Callable
 
 from ortools.sat.python import cp_model
 
-from .. import progress
-from ..choices import SCHEDULES
-from ..costs import (PS_PER_S, CostTable, Evaluation, PipelineConfig, TableCache,
+from partc import progress
+from partc.cli.choices import SCHEDULES
+from partc.cost.model import (PS_PER_S, CostTable, Evaluation, PipelineConfig, TableCache,
                      build_cost_table, evaluate, simulated_step_ps)
-from ..errors import PlanInfeasibleError
-from ..explain import explain_infeasible
-from ..options import PlannerOptions
-from ..plan import ScheduleOption
-from ..problem import ZERO2_GRAD_SYNCS, PlanningProblem, effective_zero_stage
-from ..schedules import feature_refusal, refusal
-from ..schedules import schedule as schedule_info
-from ..spec import AUTO_SCHEDULES
-from .bounds import incumbent, lower_bound, starting_point
-from .experts import expand as expand_ep
-from .meshes import mesh_results
-from .pins import check_pins
-from .results import Assignment, ConfigResult, PlannerResult, ScheduleTrial
-from .stage_model import StageModel
+from partc.errors import PlanInfeasibleError
+from partc.report.explain import explain_infeasible
+from partc.options import PlannerOptions
+from partc.plan import ScheduleOption
+from partc.problem import ZERO2_GRAD_SYNCS, PlanningProblem, effective_zero_stage
+from partc.cost.schedules import feature_refusal, refusal
+from partc.cost.schedules import schedule as schedule_info
+from partc.spec import AUTO_SCHEDULES
+from partc.planner.bounds import incumbent, lower_bound, starting_point
+from partc.planner.expert_parallel import expand as expand_ep
+from partc.planner.meshes import mesh_results
+from partc.planner.pins import check_pins
+from partc.planner.results import Assignment, ConfigResult, PlannerResult, ScheduleTrial
+from partc.planner.stage_model import StageModel
 
 
 def divisors(n: int) -> list[int]:
@@ -156,7 +156,7 @@ def schedule_candidates(problem: PlanningProblem, config: PipelineConfig
     under every schedule of ``SCHEDULES`` the closed-form search does not weigh, with
     each virtual-stage count the schedule allows (``AUTO_VIRTUAL_STAGES`` for those that
     take any, or the pinned one), where torch runs it on ``config``'s ranks and
-    microbatches (:func:`partc.schedules.refusal`) and every run holds a layer; with
+    microbatches (:func:`partc.cost.schedules.refusal`) and every run holds a layer; with
     ``config``'s ZeRO stage, or where the runtime refuses the schedule with it
     (``feature_refusal``: a split backward under FSDP) with the highest one it runs
     and the pins allow. With the schedule pinned, it with each other virtual-stage
@@ -323,10 +323,10 @@ MAX_CHUNKS = 8
 
 
 def _chunk_counts(problem: PlanningProblem, schedule: str, pp: int, m: int) -> list[int]:
-    """Virtual stages per rank the schedule runs (:mod:`partc.schedules`): 1 for GPipe
+    """Virtual stages per rank the schedule runs (:mod:`partc.cost.schedules`): 1 for GPipe
     and 1F1B; for the others every ``v`` the schedule allows up to ``MAX_CHUNKS`` (or the
     pinned one) with a layer for each of the ``pp * v`` runs, where torch's schedule takes
-    ``pp`` ranks and ``m`` microbatches (:func:`partc.schedules.refusal`), pp > 1 and
+    ``pp`` ranks and ``m`` microbatches (:func:`partc.cost.schedules.refusal`), pp > 1 and
     the stages are not pinned."""
     info = schedule_info(schedule)
     pinned = problem.pins.virtual_stages

@@ -1,9 +1,9 @@
 """Running a plan: one process per device under torchrun (gloo on CPU, NCCL on CUDA)."""
 
-from .module import DistributedModule, build, connect
-from .recompute import checkpoint_layer
-from .stage import StageProgram
-from .topology import Topology
+from partc.runtime.module import DistributedModule, build, connect
+from partc.runtime.recompute import checkpoint_layer
+from partc.runtime.stage import StageProgram
+from partc.runtime.topology import Topology
 
 __all__ = ["DistributedModule", "StageProgram", "Topology", "build", "checkpoint_layer",
            "connect"]

@@ -74,13 +74,13 @@ import torch.distributed as dist
 
 from partc.errors import CheckpointError
 
-from .checkpoint_chunks import (Chunks, CpuStaged, held_tensors, hyperparameters,
+from partc.runtime.checkpoint_chunks import (Chunks, CpuStaged, held_tensors, hyperparameters,
                                 initialise_state, inner_optimizer, model_tensors,
                                 needs_state, optimizer_class, optimizer_params,
                                 optimizer_state, planners, restore_hyperparameters, to_cpu)
 
 if TYPE_CHECKING:
-    from .module import DistributedModule
+    from partc.runtime.module import DistributedModule
 
 log = logging.getLogger("partc.runtime")
 

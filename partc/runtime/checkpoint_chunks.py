@@ -26,11 +26,11 @@ from torch.distributed.tensor import DTensor
 
 from partc.errors import PartcError
 
-from . import tp as tp_ops
-from .parameters import dp_shard
+from partc.runtime import tp as tp_ops
+from partc.runtime.parameters import dp_shard
 
 if TYPE_CHECKING:
-    from .module import DistributedModule
+    from partc.runtime.module import DistributedModule
 
 
 # -- what a rank holds of a tensor ------------------------------------------------------

@@ -35,10 +35,10 @@ import functools
 import torch
 from torch import fx, nn
 
-from ..errors import PartcError
-from ..plan import Plan
-from .recompute import checkpoint_layer
-from .tp import TensorParallelGroup
+from partc.errors import PartcError
+from partc.plan import Plan
+from partc.runtime.recompute import checkpoint_layer
+from partc.runtime.tp import TensorParallelGroup
 
 # What the compiled stage's kernels are asked to keep as eager mode has it: dropout and
 # every random op draw from torch's generator, so masks equal one process's.

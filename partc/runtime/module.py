@@ -60,26 +60,26 @@ from partc.identity import model_hash
 from partc.placement import Placement
 from partc.plan import InputSpec, Plan
 from partc.problem import SMALL_UNITS_SHARE
-from partc.schedules import schedule as schedule_facts
+from partc.cost.schedules import schedule as schedule_facts
 
-from . import experts
-from . import tp as tp_ops
-from .compiled import compile_stage
-from .data import DataSampler
-from .recompute import checkpoint_layer
-from .parameters import (aliases_of, dp_shard, local_part, own_parameters,
+from partc.runtime import experts
+from partc.runtime import tp as tp_ops
+from partc.runtime.compiled import compile_stage
+from partc.runtime.data import DataSampler
+from partc.runtime.recompute import checkpoint_layer
+from partc.runtime.parameters import (aliases_of, dp_shard, local_part, own_parameters,
                          shard_plan)
-from .optimizer import DistributedOptimizer, GradBuckets, wait_in_forward
-from .pipeline import (RankStages, make_schedule, runtime_refusal, share_local_ties,
+from partc.runtime.optimizer import DistributedOptimizer, GradBuckets, wait_in_forward
+from partc.runtime.pipeline_schedule import (RankStages, make_schedule, runtime_refusal, share_local_ties,
                        tied_elsewhere, tied_groups)
-from .pipeline_stage import CountingStage, contiguous_transfers
-from .precision import ComputeCopies
-from .stage import StageProgram
-from .suspend import StopFlag
-from .telemetry import StepRecord, Telemetry, resident_bytes
-from .topology import Topology, init
-from .watchdog import IDLE, Watchdog
-from .watchdog import start as start_watchdog
+from partc.runtime.pipeline_stage import CountingStage, contiguous_transfers
+from partc.runtime.precision import ComputeCopies
+from partc.runtime.stage import StageProgram
+from partc.runtime.suspend import StopFlag
+from partc.runtime.telemetry import StepRecord, Telemetry, resident_bytes
+from partc.runtime.topology import Topology, init
+from partc.runtime.watchdog import IDLE, Watchdog
+from partc.runtime.watchdog import start as start_watchdog
 
 # Newer torch schedules can drop the last stage's outputs instead of returning them.
 _STEP_TAKES_RETURN_OUTPUTS = "return_outputs" in inspect.signature(
@@ -359,7 +359,7 @@ class DistributedModule:
     def _check_step_temporaries(self, defaults: Mapping[str, Any]) -> None:
         """Warn where ``foreach=True`` makes the optimizer step's fp32 temporaries for all
         of the rank's weights at once although the plan priced torch's default for them,
-        one tensor at a time (CPU weights; :func:`partc.costs.step_bytes`): the step then
+        one tensor at a time (CPU weights; :func:`partc.cost.model.step_bytes`): the step then
         needs more than the plan's peak says. ``fused=True`` and ``foreach=False`` need
         less, and ZeRO-1's sharded step was priced whole."""
         stage = self.plan.stages[self.stage_index]
@@ -419,7 +419,7 @@ class DistributedModule:
         write them in the background (``wait_checkpoint`` finishes it). ``keep``: keep
         only the newest ``keep`` checkpoints. Raises :class:`partc.CheckpointError` on
         every rank if any rank cannot save; earlier checkpoints stay as they were."""
-        from . import checkpoint
+        from partc.runtime import checkpoint
         self.wait_param_gathers()
         return checkpoint.save(self, directory, optimizer=optimizer, step=step, extra=extra,
                                async_save=async_save, keep=keep)
@@ -431,14 +431,14 @@ class DistributedModule:
         state; returns ``(step, extra)``. Collective. Raises :class:`partc.CheckpointError`
         on every rank, before any tensor changes, for a partial checkpoint or one of
         another model or shapes."""
-        from . import checkpoint
+        from partc.runtime import checkpoint
         self.wait_param_gathers()  # one finished later would overwrite what is loaded
         return checkpoint.load(self, directory, optimizer=optimizer)
 
     def wait_checkpoint(self) -> Path | None:
         """Finish the asynchronous save under way, if any (collective); returns its
         directory. Raises :class:`partc.CheckpointError` on every rank if it failed."""
-        from . import checkpoint
+        from partc.runtime import checkpoint
         return checkpoint.wait(self)
 
     def close(self) -> None:
@@ -753,7 +753,7 @@ def build(plan: Plan, topology: Topology,
           state_dict: Mapping[str, torch.Tensor] | None = None) -> DistributedModule:
     """This rank's :class:`DistributedModule`: ``programs`` (this rank's virtual stages,
     lowered by ``partc.Program``: one, or the ``plan.chunks`` that
-    ``partc.schedules.stages_of_rank`` places on it) with this rank's parameters, each
+    ``partc.cost.schedules.stages_of_rank`` places on it) with this rank's parameters, each
     wrapped as a pipeline stage, and the planned schedule over them. Parameters are
     copied from ``model`` or, for a model on the meta device, from ``state_dict``.
 

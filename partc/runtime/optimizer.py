@@ -55,8 +55,8 @@ from torch import nn
 from partc.errors import PartcError
 from partc.problem import BUCKET_ELEMENTS
 
-from .parameters import dp_shard
-from .topology import ALL_GATHER_SINGLE, REDUCE_SCATTER_SINGLE
+from partc.runtime.parameters import dp_shard
+from partc.runtime.topology import ALL_GATHER_SINGLE, REDUCE_SCATTER_SINGLE
 
 
 class _Slot:
@@ -515,7 +515,7 @@ def wait_in_forward(buckets: GradBuckets, stage: nn.Module, units: Sequence[str]
     buckets' all-gathers in flight (:attr:`GradBuckets.defer_gathers`) and forward
     pre-hooks finish each just before its parameters are first read. ``units``:
     submodule paths of ``stage`` that forward calls as modules, each holding its layer's
-    parameters (``partc.passes.units``); each waits for the buckets holding its
+    parameters (``partc.passes.fsdp_units``); each waits for the buckets holding its
     parameters, and ``stage`` itself, before it runs, for those holding the parameters
     outside units. The rest of the stage's forward overlaps the gathers still in flight.
     (Under pipelining the next step's first microbatch meets the waits; a rank's

@@ -13,8 +13,8 @@ from partc.errors import PartcError
 from partc.identity import param_fqns
 from partc.plan import Plan
 
-from . import tp as tp_ops
-from .topology import Topology
+from partc.runtime import tp as tp_ops
+from partc.runtime.topology import Topology
 
 
 def local_part(tensor: torch.Tensor) -> torch.Tensor:

@@ -29,8 +29,8 @@ from torch.distributed.tensor import DTensor
 
 from partc.errors import PartcError
 
-from .optimizer import GradBuckets
-from .watchdog import Watchdog
+from partc.runtime.optimizer import GradBuckets
+from partc.runtime.watchdog import Watchdog
 
 try:  # private to torch: without it the stage keeps torch's buffers (see _ReceiveBuffers)
     from torch.distributed.pipelining.stage import _RecvInfo

@@ -34,7 +34,7 @@ from torch import nn
 
 from partc.autocast_policy import cuda_policy
 
-from .optimizer import GradBuckets
+from partc.runtime.optimizer import GradBuckets
 
 
 class ComputeCopies:

@@ -52,8 +52,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .topology import ALL_GATHER_SINGLE, REDUCE_SCATTER_SINGLE
-from .tp_rings import LinearReduceScatter, LinearsOfGathered
+from partc.runtime.topology import ALL_GATHER_SINGLE, REDUCE_SCATTER_SINGLE
+from partc.runtime.tp_rings import LinearReduceScatter, LinearsOfGathered
 
 
 class TensorParallelGroup(nn.Module):

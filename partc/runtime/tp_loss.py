@@ -52,7 +52,7 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 from torch.utils import _pytree as pytree
 
-from .tp import TensorParallelGroup
+from partc.runtime.tp import TensorParallelGroup
 
 
 class ShardedLossError(RuntimeError):

@@ -47,7 +47,7 @@ import torch
 import torch.nn.functional as F
 
 if TYPE_CHECKING:
-    from .tp import TensorParallelGroup
+    from partc.runtime.tp import TensorParallelGroup
 
 
 def _rows(x: torch.Tensor, dim: int, index: int, size: int) -> torch.Tensor:

@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch import fx, nn
 
-from partc.passes.attention_core import attention_cores, core_inputs
+from partc.passes.helpers.attention_core import attention_cores, core_inputs
 
 
 class Attention(nn.Module):

@@ -7,7 +7,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from partc import meta
 from partc.passes import analyze
-from partc.passes.autocast_policy import cuda_autocast, cuda_policy, policy_ops
+from partc.autocast_policy import cuda_autocast, cuda_policy, policy_ops
 from partc.runtime.softmax import softmax as attention_softmax
 from samples.gpt import gpt_tiny, loss_fn
 from tests import models

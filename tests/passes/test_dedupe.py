@@ -9,10 +9,10 @@ from torch import nn
 
 import partc
 from partc import meta
-from partc.collectives import Group
-from partc.passes import dedupe
+from partc.cost.collectives import Group
+from partc.passes.helpers import dedupe
 from partc.passes.pipeline import analyze, tensor_parallel_options
-from partc.passes.tp_chooser import Link
+from partc.passes.tp.chooser import Link
 from samples import gpt
 from tests import models
 

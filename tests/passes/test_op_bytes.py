@@ -4,7 +4,7 @@ nothing for views, allocations and matmuls, and no leaf's gradient copy."""
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from partc.passes.op_bytes import MovedBytes
+from partc.passes.helpers.op_bytes import MovedBytes
 
 N = 64   # elements of each fp32 tensor: 256 bytes
 

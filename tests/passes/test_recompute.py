@@ -9,11 +9,11 @@ import pytest
 import torch
 
 from partc import meta
-from partc.passes import verify
+from partc.passes.helpers import verify
 from partc.passes.context import Lowering
-from partc.passes.graph import op_name
+from partc.passes.helpers.graph import op_name
 from partc.passes.pipeline import analyze
-from partc.passes.recompute import recompute, recompute_layers
+from partc.passes.recompute_layers import recompute, recompute_layers
 from partc.passes.split import StageGraph, split
 from partc.runtime.recompute import checkpoint_layer
 from tests import models

@@ -10,7 +10,7 @@ import torch
 from partc import meta
 from partc.errors import PlanMismatchError
 from partc.identity import param_fqns
-from partc.passes import verify
+from partc.passes.helpers import verify
 from partc.passes.split import parameter_holders, split
 from tests.passes.tiny_graphs import (HALVES_LAYERS, Halves, hand_built, tiny_graph,
                                       tokens, with_loss)

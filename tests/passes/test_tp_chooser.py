@@ -10,13 +10,13 @@ import torch.nn.functional as F
 from torch import fx, nn
 
 from partc import meta
-from partc.collectives import Group, collective_seconds
-from partc.costs import to_ps
+from partc.cost.collectives import Group, collective_seconds
+from partc.cost.model import to_ps
 from partc.options import ShardingOptions
-from partc.passes import tp_chooser
-from partc.passes.graph import tensor_inputs
-from partc.passes.tp_chooser import Link, apply, choose
-from partc.passes.tp_rules import redistribute, regathers
+from partc.passes.tp import chooser as tp_chooser
+from partc.passes.helpers.graph import tensor_inputs
+from partc.passes.tp.chooser import Link, apply, choose
+from partc.passes.tp.rules import redistribute, regathers
 from partc.placement import PARTIAL, REPLICATE, Shard
 
 # Slow arithmetic, a fast free link: splitting the work pays.

@@ -13,12 +13,12 @@ import torch
 from torch import fx, nn
 
 from partc import meta
-from partc.collectives import Group
-from partc.passes import tp_chooser
+from partc.cost.collectives import Group
+from partc.passes.tp import chooser as tp_chooser
 from partc.passes.estimate import estimate
 from partc.passes.layers import layers
 from partc.passes.propagate import propagate
-from partc.passes.tp_rewrite import GROUP, copy_module, tp_rewrite
+from partc.passes.tp.rewrite import GROUP, copy_module, tp_rewrite
 from partc.passes.trace import trace
 from partc.runtime.tp import TensorParallelGroup, bind_group
 from tests import models

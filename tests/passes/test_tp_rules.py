@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch import fx
 
-from partc.passes.tp_rules import ChunkHints, Strategy, redistribute, strategies
+from partc.passes.tp.rules import ChunkHints, Strategy, redistribute, strategies
 from partc.placement import PARTIAL, REPLICATE, Shard
 
 R, P = REPLICATE, PARTIAL

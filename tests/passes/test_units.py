@@ -11,7 +11,7 @@ import partc
 from partc import meta
 from partc.passes.context import Lowering
 from partc.passes.pipeline import analyze, lower
-from partc.passes.units import units
+from partc.passes.fsdp_units import units
 from samples import gpt
 from tests import models
 

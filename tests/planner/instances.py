@@ -7,10 +7,10 @@ import random
 from dataclasses import replace
 
 from partc.spec import AUTO_SCHEDULES
-from partc.costs import PipelineConfig, build_cost_table, evaluate
-from partc.choices import SCHEDULES
-from partc.schedules import feature_refusal, refusal
-from partc.schedules import schedule as schedule_info
+from partc.cost.model import PipelineConfig, build_cost_table, evaluate
+from partc.cli.choices import SCHEDULES
+from partc.cost.schedules import feature_refusal, refusal
+from partc.cost.schedules import schedule as schedule_info
 from partc.problem import (DeviceNumbers, HeavyOp, LayerCost, ModelAnalysis, ModelSummary,
                            Pins, PlanningProblem, Precision, SharedParam, TrainNumbers)
 

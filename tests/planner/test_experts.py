@@ -13,14 +13,14 @@ import pytest
 import torch
 
 from partc.compiler import plan_problem
-from partc.costs import (PipelineConfig, all_to_all_seconds, build_cost_table,
+from partc.cost.model import (PipelineConfig, all_to_all_seconds, build_cost_table,
                          moe_worst_factor)
 from partc.errors import PlanInfeasibleError, PlanValidationError
 from partc.plan import Plan
 from partc.planner import solve
-from partc.planner.experts import ep_choices
+from partc.planner.expert_parallel import ep_choices
 from partc.problem import MoECost, Pins
-from partc.validate import validate_plan
+from partc.planner.validate import validate_plan
 
 from .instances import _best_split, devices, layer, problem, schedule_choices
 
@@ -248,7 +248,7 @@ def test_expert_section_round_trips_and_the_validator_checks_it():
 
 
 def test_report_shows_placement_all_to_alls_and_memory_past_the_imbalance():
-    from partc.report import render
+    from partc.report.text import render
 
     plan = plan_problem(moe_problem(pins=Pins(ep=2, pp=2), num_devices=4, memory=1_500_000,
                                     experts=8, imbalance=1.5))
@@ -267,7 +267,7 @@ def test_report_shows_placement_all_to_alls_and_memory_past_the_imbalance():
 
 def test_flags_reach_the_ep_pin_and_the_routing_assumptions():
     import partc
-    from partc.cli import _constraints, _parser, _train
+    from partc.cli.main import _constraints, _parser, _train
 
     args = _parser().parse_args(["plan", "x.py:f", "--devices", "8", "--ep", "4",
                                  "--moe-imbalance", "1.5", "--moe-capacity-factor", "1.25"])
@@ -350,7 +350,7 @@ def test_module_list_plan_equals_brute_force(seed):
 
 
 def test_report_says_why_ep_stays_1():
-    from partc.report import render
+    from partc.report.text import render
 
     plan = plan_problem(_as_module_list(_ep_wins()))
     text = render(plan)

@@ -17,13 +17,13 @@ import pytest
 import torch
 
 import partc
-from partc.assemble import mesh_summary
+from partc.planner.assemble import mesh_summary
 from partc.compiler import plan_problem
-from partc.costs import PS_PER_S, build_cost_table
-from partc.explain import tightest_split
+from partc.cost.model import PS_PER_S, build_cost_table
+from partc.report.explain import tightest_split
 from partc.plan import Mesh, MeshOutcome, Plan
 from partc.planner import ConfigResult, candidate_configs, lower_bound, mesh_results, solve
-from partc.report import render
+from partc.report.text import render
 from partc.units import format_bytes, format_seconds
 from samples.gpt import gpt_tiny, loss_fn
 from tests.test_compile import check

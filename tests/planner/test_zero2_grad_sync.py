@@ -17,12 +17,12 @@ from dataclasses import replace
 
 import pytest
 
-from partc.costs import (PipelineConfig, build_cost_table, evaluate, exposed_sync_ps,
+from partc.cost.model import (PipelineConfig, build_cost_table, evaluate, exposed_sync_ps,
                          to_ps)
 from partc.errors import PlanValidationError
 from partc.compiler import plan_problem
 from partc.problem import Pins
-from partc.validate import validate_plan
+from partc.planner.validate import validate_plan
 
 from .instances import devices, layer, problem
 from .test_search import _memory_slack_in_units, _plan_and_oracle

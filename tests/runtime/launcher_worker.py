@@ -27,7 +27,7 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from partc import launcher, train_config  # noqa: E402
+from partc.cli import launcher, config as train_config  # noqa: E402
 from samples import gpt  # noqa: E402
 
 STEPS = 5

@@ -39,7 +39,7 @@ import torch.distributed as dist  # noqa: E402
 
 import partc  # noqa: E402
 from partc.plan import StagePlan  # noqa: E402
-from partc.schedules import SCHEDULE_TABLE, schedule, stages_of_rank  # noqa: E402
+from partc.cost.schedules import SCHEDULE_TABLE, schedule, stages_of_rank  # noqa: E402
 from samples import gpt  # noqa: E402
 from tests import models  # noqa: E402
 from tests.runtime import worker  # noqa: E402
@@ -144,7 +144,7 @@ def pinned_program(name: str, model: torch.nn.Module, world: int) -> partc.Progr
 
 def not_planned(name: str) -> str | None:
     """Why the planner cannot make case ``name``'s ``planned`` plan (None if it can)."""
-    from partc.choices import SCHEDULES as PLANNED
+    from partc.cli.choices import SCHEDULES as PLANNED
 
     _, schedule_name, combination = parse(name)
     if combination == "planned" and schedule_name not in PLANNED:

@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from partc.passes.op_bytes import MovedBytes
+from partc.passes.helpers.op_bytes import MovedBytes
 from partc.runtime.optimizer import GradBuckets
 
 from .test_parity import launch as launch_worker

@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from partc.passes.autocast_policy import cuda_autocast
+from partc.autocast_policy import cuda_autocast
 from partc.runtime.norm import layer_norm
 from tests.runtime.test_softmax import _kept   # what autograd keeps, and the output
 

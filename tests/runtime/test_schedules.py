@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from partc.schedules import SCHEDULE_TABLE, schedule, stages_of_rank
+from partc.cost.schedules import SCHEDULE_TABLE, schedule, stages_of_rank
 
 from .schedule_worker import (COMBINATIONS, MODELS, not_planned, parse, processes,
                               virtual_stages)

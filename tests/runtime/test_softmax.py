@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from partc.passes.autocast_policy import cuda_autocast
+from partc.autocast_policy import cuda_autocast
 from partc.runtime.softmax import softmax
 
 

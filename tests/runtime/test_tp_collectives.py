@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from partc.passes.op_bytes import MovedBytes
+from partc.passes.helpers.op_bytes import MovedBytes
 from partc.runtime.tp import TensorParallelGroup
 from partc.runtime.tp_rings import REHEARSE_BATCH, REHEARSE_SAMPLE
 

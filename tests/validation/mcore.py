@@ -44,7 +44,7 @@ One H100 matmul efficiency is fitted on one row (:data:`FIT_RUN`), the rest pred
 with it (``tests/validation/test_mcore_scaling.py``; ``benchmarks/validation.py`` prints
 the table). Fused attention is not fitted: it runs at the H100 preset's attention
 efficiency, 0.5 of peak (cuDNN's flash kernel, which Transformer Engine runs on Hopper,
-as the FlashAttention-3 paper measured it; ``partc/presets.py``).
+as the FlashAttention-3 paper measured it; ``partc/device/presets.py``).
 
 What the fitted constant absorbs. Without a pipeline partc plans one microbatch of four
 sequences (b = 4, m = 1: 32B at 49 GiB), whose backward hides the whole fp32
@@ -61,7 +61,7 @@ micro-batches of one (:data:`MICROBATCH_OF_THE_BATCHES`) 16B and 32B, whose
 data-parallel groups hold two ranks and one rank per node (a NIC each), spend 0.15 and
 0.36 s on exposed data-parallel traffic that 0.85 and 0.89 s published steps leave no
 room for: they likely ran larger microbatches, which the table does not say. 1.7B and
-7.1B run their rings over 8 and 4 NICs a node (:mod:`partc.collectives`) and expose
+7.1B run their rings over 8 and 4 NICs a node (:mod:`partc.cost.collectives`) and expose
 little either way. 1.7B (1.11x fitted, 1.22x at 0.70) is the row furthest above: the one
 without tensor parallelism, where the fitted row's sequence-parallel rings cost kernels
 and adds of their own (``LayerCost.ring_kernels``: 132 more kernels per block and
@@ -87,7 +87,7 @@ import torch
 
 import partc
 from partc.compiler import build_problem, plan_problem
-from partc.presets import PRESETS
+from partc.device.presets import PRESETS
 from partc.problem import PlanningProblem
 from partc.spec import INTERLEAVED
 from tests.validation.megatron import (Assignment, even_runs, even_stages, layer_names,

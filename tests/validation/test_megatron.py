@@ -18,7 +18,7 @@ import functools
 import pytest
 
 import partc
-from partc.costs import PS_PER_S, simulated_step_ps
+from partc.cost.model import PS_PER_S, simulated_step_ps
 from tests.validation import megatron
 from tests.validation.megatron import FIT_RUN, run_named
 

@@ -1,0 +1,41 @@
+"""The names a user picks among, in one torch-free module.
+
+``partc --help`` lists them and the command line checks them before it imports torch;
+:mod:`partc.spec` validates TrainSpec and Constraints against the same tuples. Device
+presets are in :mod:`partc.device.presets`; recompute modes and ZeRO stages in
+:mod:`partc.problem` (both torch-free too).
+"""
+
+from __future__ import annotations
+
+# How attention runs: as the model writes it, or as one fused kernel call
+# (``scaled_dot_product_attention``) wherever partc proves it computes the same.
+ATTENTION: tuple[str, ...] = ("as_written", "fused")
+
+# The pipeline schedules (partc.cost.schedules holds what each needs of a plan; a test holds
+# the two together).
+SCHEDULES: tuple[str, ...] = ("gpipe", "1f1b", "interleaved-1f1b", "looped-bfs",
+                              "interleaved-zero-bubble", "zbv-zero-bubble", "dualpipev")
+
+# What a tensor-parallel sharding is chosen for: the fastest, or the fewest parameter
+# bytes (then, with sequence parallelism, activation bytes; then the fastest).
+TP_OBJECTIVES: tuple[str, ...] = ("time", "memory")
+
+# Bytes of optimizer state per parameter, kept in fp32 whatever the compute dtype.
+OPTIMIZER_STATE_BYTES: dict[str, float] = {
+    "sgd": 0.0,
+    "sgd-momentum": 4.0,
+    "adam": 8.0,
+    "adamw": 8.0,
+}
+
+# The training dtypes by the names the command line takes, each to torch's name for it.
+DTYPE_NAMES: dict[str, str] = {
+    "float32": "float32", "fp32": "float32",
+    "bfloat16": "bfloat16", "bf16": "bfloat16",
+    "float16": "float16", "fp16": "float16",
+}
+
+# The formats of the report (what partc.report.text.render writes; a test holds the two
+# together).
+REPORT_FORMATS: tuple[str, ...] = ("text", "markdown", "json", "html")

@@ -1,0 +1,378 @@
+"""``partc train``: compile a model, build this rank's part and train it, with telemetry
+and checkpoints.
+
+    torchrun --standalone --nproc-per-node=2 -m partc train samples/gpt.py:factory \\
+        --steps 20 --memory 10MiB --checkpoint-dir out/ckpt --resume
+    torchrun --standalone --nproc-per-node=2 -m partc.cli.launcher samples/gpt.py:factory \\
+        --steps 20 --config train.toml
+
+The factory is a function of no arguments, as for ``partc plan`` (a dict with ``model``,
+``example_inputs`` and optionally ``loss_fn``, ``example_target``, ``train`` — a
+TrainSpec — and ``name``), plus the data:
+
+- ``data``: a callable ``data(step) -> (inputs, target)`` returning the *global* batch for
+  optimizer step ``step`` (0, 1, ..., steps - 1); ``inputs`` a tensor or a tuple of
+  tensors as ``example_inputs`` but with the plan's global batch size in dim 0. Every
+  rank calls it with the same step and must get the same batch (seed by the step); each
+  rank keeps the rows its data-parallel replica reads. ``data(-1)`` is the held-out
+  batch that ``--eval-every`` evaluates, unless the factory gives
+- ``eval_data`` (optional): the held-out ``(inputs, target)``, or a callable of no
+  arguments returning it.
+
+The budget, pin and training flags are ``partc plan``'s (:mod:`partc.cli.main` builds both
+commands' flags, checks them before the model is built and reads them into the
+DeviceBudget, Constraints and TrainSpec), except ``--devices``: the number of devices is
+the launch's world size, and without ``--device`` or ``--profile`` a run on a machine
+whose torch sees no GPU plans for the ``CPU`` preset. Every rank seeds torch with ``--seed`` before calling the
+factory, so that every rank builds the same initial weights, then compiles (the planner
+is deterministic and ranks compare plan hashes), builds, and trains ``--steps``
+optimizer steps: the learning rate rises linearly over ``--warmup-steps`` to ``--lr``,
+then falls on a cosine to ``--min-lr`` at the end; gradients are clipped to
+``--max-grad-norm`` (planned, as ``TrainSpec.max_grad_norm``); telemetry
+(``partc/runtime/telemetry.py``) prints a line per step on rank 0 and, with
+``--log-dir``, writes JSON lines per rank (and TensorBoard events with
+``--tensorboard``). ``--out DIR``: rank 0 saves the program there (plan.json, report.md,
+report.html, code/).
+
+Checkpoints (``partc/runtime/checkpoint.py``): with ``--checkpoint-dir D`` every rank
+saves every ``--checkpoint-every N`` steps and after the last (``--keep K``: only the
+newest K; ``--async-save``: written in the background while training goes on).
+``--resume`` continues from D's latest complete checkpoint when there is one and starts
+afresh when there is none, so the same command serves the first launch, a relaunch
+after a suspend and torchrun's ``--max-restarts``; the plan is made again for this
+launch's world size and pins and the checkpoint resharded into it. The learning rate
+and the data are functions of the step, so the resumed run continues as an
+uninterrupted one would (the learning rate follows this run's ``--steps``, so resuming
+with more steps than the first launch continues a constant schedule exactly and a
+cosine one on the new horizon). The checkpoint records ``--seed``, ``--steps``, the
+schedule and a digest of the last batch it trained on; a resume whose seed or data
+differs is refused. Only with ``--checkpoint-dir`` does the launcher listen for stop
+signals (``module.stop_requested()``, once per step on every rank: one small
+collective): on SIGTERM or SIGUSR1 every rank finishes its step, saves it and exits with
+``partc.runtime.suspend.SUSPEND_EXIT_CODE`` (86). Without a checkpoint directory there
+is nothing to save, and a signal ends the job as it would any program.
+
+``--config file.toml`` gives the same settings as a flat TOML table, keys named as the
+flags (``max_grad_norm = 1.0`` or ``max-grad-norm = 1.0``; ``target`` too; sizes as
+strings, ``memory = "10MiB"``; a repeatable flag as a list, ``stage = ["a,b", "c"]``;
+``zero = 1``); each value is read as its flag is, flags given on the command line win
+over the file, and an unknown key is refused.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+from partc.cli import main as cli
+from partc.cli.config import COMMAND, TrainConfig, learning_rate, parse_config
+
+HELD_OUT_STEP = -1
+# The preset a run without a GPU plans for when neither --device nor --profile is given
+# (with a GPU: partc's default preset, as for partc plan).
+CPU_PRESET = "CPU"
+
+log = logging.getLogger("partc")
+
+
+# -- the run ---------------------------------------------------------------------------------
+
+def _batch(made: Any, what: str) -> tuple[tuple, Any]:
+    if not (isinstance(made, (tuple, list)) and len(made) == 2):
+        raise ValueError(f"{what} must return (inputs, target), got {type(made).__name__}")
+    inputs, target = made
+    return (tuple(inputs) if isinstance(inputs, (tuple, list)) else (inputs,)), target
+
+
+def _held_out(workload: dict[str, Any]) -> tuple[tuple, Any]:
+    source = workload.get("eval_data")
+    if source is None:
+        return _batch(workload["data"](HELD_OUT_STEP), f"data({HELD_OUT_STEP})")
+    return _batch(source() if callable(source) else source, "eval_data")
+
+
+def _optimizer(module: Any, config: TrainConfig) -> Any:
+    import torch
+
+    if config.optimizer.startswith("sgd"):
+        return module.optimizer(torch.optim.SGD, lr=config.lr, momentum=config.momentum,
+                                weight_decay=config.weight_decay)
+    cls = torch.optim.AdamW if config.optimizer == "adamw" else torch.optim.Adam
+    return module.optimizer(cls, lr=config.lr, weight_decay=config.weight_decay)
+
+
+def check(config: TrainConfig, world_size: int) -> tuple[Any, Any]:
+    """What can be checked before the model is built, as ``partc plan`` checks it: the
+    factory's file, the flags together, the budget and the pins. Returns ``(budget,
+    constraints)``; raises :class:`partc.cli.main.UsageError` or ValueError naming the
+    problem."""
+    args = config.plan_arguments()
+    cli.check_flags(args, world_size, COMMAND)
+    cli.check_target(config.target, COMMAND)
+    if config.out is not None and Path(config.out).exists() and not Path(config.out).is_dir():
+        raise cli._refused(f"--out {config.out} is a file, not a directory", COMMAND)
+    fixed: dict[str, Any] = {"num_devices": world_size}
+    if args.device is None and args.profile is None and not _has_gpu():
+        fixed["device"] = CPU_PRESET   # plan for the devices that train
+    return cli._budget(args, **fixed), cli._constraints(args)
+
+
+def _has_gpu() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def compile_workload(config: TrainConfig, workload: dict[str, Any], world_size: int, *,
+                     checked: tuple[Any, Any] | None = None) -> Any:
+    """The Program for ``workload`` on ``world_size`` devices as ``config`` says (the
+    budget and constraints :func:`check` gave, or made again)."""
+    from partc.compiler import compile
+    from partc.options import PlannerOptions
+
+    budget, constraints = checked or check(config, world_size)
+    return compile(workload["model"], workload["example_inputs"], budget=budget,
+                   train=cli._train(config.plan_arguments(), workload),
+                   loss_fn=workload.get("loss_fn"),
+                   example_target=workload.get("example_target"), constraints=constraints,
+                   name=workload.get("name"),
+                   options=PlannerOptions(time_limit_s=config.time_limit))
+
+
+def train(module: Any, optimizer: Any, workload: dict[str, Any], config: TrainConfig, *,
+          telemetry: Any = None, start_step: int = 0,
+          after_step: Callable[[int], bool | None] | None = None) -> list[float]:
+    """Steps ``start_step`` .. ``config.steps - 1``; returns their losses.
+
+    ``after_step(n)`` runs on every rank after the n-th optimizer step (n counts from 1)
+    and its evaluation: where a checkpoint is written; returning True stops training
+    there (a requested stop). Resuming is loading the checkpoint and passing its step as
+    ``start_step``: the learning rate and the data are functions of the step."""
+    data: Callable[[int], Any] = workload["data"]
+    held_out = _held_out(workload) if config.eval_every else None
+    losses = []
+    for step in range(start_step, config.steps):
+        lr = learning_rate(step, config)
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+        inputs, target = _batch(data(step), f"data({step})")
+        loss = module.forward_backward(*inputs, target=target)
+        if telemetry is not None:
+            telemetry.note(lr=lr)
+        optimizer.step()   # ends the step's telemetry record
+        optimizer.zero_grad(set_to_none=True)
+        losses.append(float(loss))
+        done = step + 1
+        if held_out is not None and done % config.eval_every == 0:
+            evaluated = float(module.evaluate(*held_out[0], target=held_out[1]))
+            if telemetry is not None:
+                telemetry.log_eval(done, evaluated)
+        if after_step is not None and after_step(done):
+            break
+    return losses
+
+
+def prepare(config: TrainConfig) -> tuple[Any, Any, Any, dict[str, Any]]:
+    """Check, seed, make the workload, compile, build this rank's module, turn its
+    telemetry on and make the optimizer: ``(module, optimizer, telemetry, workload)``.
+    Under torchrun (or as one process). Rank 0 prints the report and, with ``out``,
+    saves the program."""
+    import torch
+
+    from partc.runtime.topology import world_size_from_env
+
+    world = world_size_from_env()
+    checked = check(config, world)   # before the model is built
+    torch.manual_seed(config.seed)   # every rank builds the same initial weights
+    workload = cli.load_factory(config.target)
+    if not callable(workload.get("data")):
+        raise ValueError(f"{config.target} must return a dict with a 'data' key: a callable "
+                         "data(step) -> (inputs, target) giving the global batch of a step")
+    program = compile_workload(config, workload, world, checked=checked)
+    module = program.build()
+    if module.topology.rank == 0:
+        if not config.quiet:
+            print(program.report(), flush=True)
+        if config.out is not None:
+            out = program.save(config.out)
+            (out / "report.html").write_text(program.report("html"))
+            print(f"program saved to {out} (plan.json, report.md, report.html, code/)",
+                  flush=True)
+    telemetry = module.telemetry(jsonl_dir=config.log_dir, console=not config.quiet,
+                                 tensorboard_dir=(Path(config.log_dir) / "tensorboard"
+                                                  if config.tensorboard else None),
+                                 warn_ratio=config.warn_ratio)
+    return module, _optimizer(module, config), telemetry, workload
+
+
+# -- checkpoints ------------------------------------------------------------------------------
+
+def data_digest(workload: dict[str, Any], step: int) -> str:
+    """A digest of ``data(step)``'s batch (shapes, dtypes and bytes): a resumed run whose
+    data differs from the checkpoint's reads another batch at the checkpoint's last step."""
+    import torch
+
+    digest = hashlib.sha256()
+    inputs, target = _batch(workload["data"](step), f"data({step})")
+    for value in (*inputs, target):
+        if isinstance(value, torch.Tensor):
+            flat = value.detach().cpu().contiguous().reshape(-1)
+            digest.update(f"{value.dtype}{tuple(value.shape)}".encode())
+            digest.update(flat.view(torch.uint8).numpy().tobytes())
+        else:
+            digest.update(repr(value).encode())
+    return digest.hexdigest()
+
+
+def _record(config: TrainConfig, workload: dict[str, Any], step: int) -> dict[str, Any]:
+    """What a checkpoint of ``step`` keeps of the launcher's settings (its ``extra``)."""
+    return {"launcher": {"seed": config.seed, "steps": config.steps,
+                         "lr": config.lr, "min_lr": config.min_lr,
+                         "warmup_steps": config.warmup_steps, "target": config.target,
+                         "data": {"step": step - 1, "sha256": data_digest(workload, step - 1)}}}
+
+
+def check_resume(extra: dict[str, Any], config: TrainConfig, workload: dict[str, Any],
+                 step: int, where: Any) -> None:
+    """Refuse to continue a checkpoint whose data order this run would not follow: another
+    seed, or another batch at the checkpoint's last step. Another ``steps`` (or schedule)
+    is allowed and logged: the learning rate from here follows this run's."""
+    saved = extra.get("launcher")
+    if saved is None:
+        raise ValueError(f"the checkpoint at {where} was not written by partc train (its "
+                         "extra has no 'launcher' record): resume it with the program that "
+                         "wrote it")
+    if saved["seed"] != config.seed:
+        raise ValueError(f"the checkpoint at {where} was trained with --seed "
+                         f"{saved['seed']}, this run has --seed {config.seed}: resume with "
+                         f"--seed {saved['seed']}")
+    if step > 0 and data_digest(workload, saved["data"]["step"]) != saved["data"]["sha256"]:
+        raise ValueError(f"the checkpoint at {where} read another batch at step "
+                         f"{saved['data']['step'] + 1} than data({saved['data']['step']}) "
+                         f"of {config.target} gives now: its data order differs (another "
+                         "data set, batch size or factory argument); resume with the data "
+                         "it was trained on")
+    schedule = ("steps", "lr", "min_lr", "warmup_steps")
+    changed = [f"{k} {saved[k]} -> {getattr(config, k)}" for k in schedule
+               if saved[k] != getattr(config, k)]
+    if changed:
+        log.info("resuming with another schedule (%s): the learning rate from step %d "
+                 "follows this run's", ", ".join(changed), step + 1)
+
+
+class _Checkpoints:
+    """``after_step`` for :func:`train`: saves every ``checkpoint_every`` steps and after
+    the last, and on a stop signal saves the step and asks training to stop."""
+
+    def __init__(self, module: Any, optimizer: Any, workload: dict[str, Any],
+                 config: TrainConfig) -> None:
+        self.module, self.optimizer, self.workload = module, optimizer, workload
+        self.config = config
+        self.directory = Path(config.checkpoint_dir)
+        self.stopped = False
+
+    def save(self, step: int, *, async_save: bool) -> None:
+        path = self.module.save_checkpoint(
+            self.directory, optimizer=self.optimizer, step=step,
+            extra=_record(self.config, self.workload, step), async_save=async_save,
+            keep=self.config.keep)
+        if self.module.topology.rank == 0 and not self.config.quiet:
+            print(f"checkpoint: step {step} {'saving' if async_save else 'saved'} to {path}",
+                  flush=True)
+
+    def __call__(self, done: int) -> bool:
+        if self.module.stop_requested():   # every rank, the same step
+            self.save(done, async_save=False)
+            self.stopped = True
+            return True
+        every = self.config.checkpoint_every
+        if done == self.config.steps or (every and done % every == 0):
+            self.save(done, async_save=self.config.async_save)
+        return False
+
+
+@dataclass
+class Outcome:
+    """What :func:`execute` did: the exit status, the first step trained (0-based: the
+    resumed checkpoint's step) and the steps' losses."""
+
+    status: int
+    start_step: int
+    losses: list[float]
+
+
+def execute(config: TrainConfig) -> Outcome:
+    """Prepare, resume if asked, train with checkpoints; the process group stays (:func:`run`
+    leaves it). ``status`` is 0, or SUSPEND_EXIT_CODE when a stop signal ended training
+    after saving its step."""
+    from partc.runtime import checkpoint
+    from partc.runtime.suspend import SUSPEND_EXIT_CODE
+
+    module, optimizer, telemetry, workload = prepare(config)
+    try:
+        start = 0
+        saver = None
+        if config.checkpoint_dir is not None:
+            saver = _Checkpoints(module, optimizer, workload, config)
+            found = checkpoint.latest(config.checkpoint_dir) if config.resume else None
+            if found is not None:
+                # Checked before any tensor is read (every rank reads the same manifest).
+                manifest = checkpoint.read_manifest(found)
+                check_resume(manifest["extra"], config, workload, manifest["step"], found)
+                start, _ = module.load_checkpoint(found, optimizer=optimizer)
+                if module.topology.rank == 0 and not config.quiet:
+                    print(f"resumed from {found} at step {start} on "
+                          f"{module.topology.world_size} processes", flush=True)
+            # Installs the signal handlers before the first step; a signal during the
+            # build stops here, with nothing new to save.
+            if module.stop_requested():
+                return Outcome(SUSPEND_EXIT_CODE, start, [])
+        if start >= config.steps and module.topology.rank == 0:
+            print(f"nothing to train: the checkpoint is at step {start}, --steps is "
+                  f"{config.steps}", flush=True)
+        losses = train(module, optimizer, workload, config, telemetry=telemetry,
+                       start_step=start, after_step=saver)
+        if saver is not None:
+            module.wait_checkpoint()   # an asynchronous save under way ends before exit
+            if saver.stopped:
+                if module.topology.rank == 0:
+                    print(f"stopped on a signal at step {start + len(losses)}, saved; "
+                          f"exiting with {SUSPEND_EXIT_CODE}", flush=True)
+                return Outcome(SUSPEND_EXIT_CODE, start, losses)
+        return Outcome(0, start, losses)
+    finally:
+        module.close()
+
+
+def run(config: TrainConfig) -> int:
+    """:func:`execute`, then leave the process group; returns the exit status."""
+    import torch.distributed as dist
+
+    outcome = execute(config)
+    if outcome.status == 0:
+        dist.barrier()
+    dist.destroy_process_group()
+    return outcome.status
+
+
+def main(argv: list[str]) -> int:
+    """``partc train ...``: returns the exit status (2 for bad input, named)."""
+    try:
+        config = parse_config(argv)
+    except cli.UsageError as error:   # a bad flag, one line naming it
+        print(error, file=sys.stderr)
+        return 2
+    except ValueError as error:
+        print(f"partc train: {error}", file=sys.stderr)
+        return 2
+    except SystemExit as exit_:   # argparse: --help (0)
+        return exit_.code if isinstance(exit_.code, int) else 2
+    return cli.run_reported(lambda: run(config), f"partc {COMMAND}", quiet=config.quiet)
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

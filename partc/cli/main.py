@@ -1,0 +1,790 @@
+"""Command line: ``partc plan path/to/file.py:factory --devices N --device H100-80GB``.
+
+- ``partc plan``: trace, measure and plan a model; print the report, write the plan.
+- ``partc report plan.json --format html``: render a saved plan again.
+- ``partc train file.py:factory ...``: train under torchrun (:mod:`partc.cli.launcher`).
+- ``partc calibrate --out profile.json``: measure this machine's devices and write a
+  profile; ``partc plan ... --profile profile.json`` plans with its numbers.
+
+The factory is a function of no arguments in that file. It returns either a dict with
+keys ``model`` and ``example_inputs`` (optional: ``loss_fn``, ``example_target``,
+``train`` — a TrainSpec — and ``name``), or a tuple ``(model, example_inputs[, loss_fn])``.
+Command-line flags override the factory's TrainSpec field by field.
+
+Everything the command line can check without the model is checked before the model is
+built, each error one line and exit status 2: device names (with the closest presets),
+sizes and rates (:mod:`partc.units`), the factory's file and function, pins that
+contradict each other. This module imports no torch: ``--help`` and ``--version`` answer
+at once, and each command imports what it needs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import difflib
+import importlib
+import importlib.util
+import logging
+import math
+import sys
+import time
+from contextlib import ExitStack, contextmanager
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+from partc.cli.choices import (ATTENTION, DTYPE_NAMES, OPTIMIZER_STATE_BYTES, REPORT_FORMATS,
+                      SCHEDULES, TP_OBJECTIVES)
+from partc.cost.collectives import KINDS as COLLECTIVE_KINDS
+from partc.errors import PartcError
+from partc.device.presets import DEFAULT_DEVICE, PRESETS, preset
+from partc.problem import RECOMPUTE_MODES, ZERO2_GRAD_SYNCS, ZERO_STAGES
+from partc.units import format_seconds, parse_bytes, parse_rate
+
+# The flag for each field of Constraints, TrainSpec and DeviceBudget: a test fails when one
+# of those classes gains a field that has no flag here.
+PIN_FLAGS = {
+    "pp": "--pp", "dp": "--dp", "tp": "--tp", "sequence_parallel": "--sequence-parallel",
+    "tp_objective": "--tp-objective", "stages": "--stage", "recompute": "--recompute",
+    "num_microbatches": "--microbatches", "micro_batch_size": "--micro-batch",
+    "schedule": "--schedule", "zero_stage": "--zero", "ep": "--ep",
+    "virtual_stages": "--virtual-stages", "zero2_grad_sync": "--zero2-grad-sync",
+}
+TRAIN_FLAGS = {
+    "global_batch_size": "--global-batch", "micro_batch_size": "--micro-batch",
+    "dtype": "--dtype", "optimizer": "--optimizer", "schedule": "--schedule",
+    "max_grad_norm": "--max-grad-norm", "attention": "--attention",
+    "moe_imbalance": "--moe-imbalance", "moe_capacity_factor": "--moe-capacity-factor",
+    "compile": "--compile", "loss_per_microbatch": "--loss-per-microbatch",
+    "tp_overlap": "--no-tp-overlap", "overlap_param_gather": "--no-param-gather-overlap",
+    "bucket_elements": "--bucket-elements",
+}
+BUDGET_FLAGS = {
+    "num_devices": "--devices", "device": "--device", "profile": "--profile",
+    "memory": "--memory", "peak_flops": "--peak-tflops",
+    "flops_efficiency": "--flops-efficiency", "hbm_bandwidth": "--hbm-bandwidth",
+    "devices_per_node": "--devices-per-node",
+    "intra_node_bandwidth": "--intra-node-bandwidth",
+    "inter_node_bandwidth": "--inter-node-bandwidth",
+    "link_latency_s": "--link-latency", "intra_node_latency_s": "--intra-node-latency",
+    "disk_bandwidth": "--disk-bandwidth", "collective_links": "--collective-link",
+    "op_overhead_s": "--op-overhead", "op_overhead_backward_s": "--op-overhead-backward",
+    "matmul_overhead_s": "--matmul-overhead", "comm_overlap": "--comm-overlap",
+    "kernel_overhead_s": "--kernel-overhead",
+    "fsdp_unit_overhead_s": "--fsdp-unit-overhead",
+    "fsdp_unit_overhead_backward_s": "--fsdp-unit-overhead-backward",
+    "fsdp_gather_overhead_s": "--fsdp-gather-overhead",
+    "fsdp_scatter_overhead_s": "--fsdp-scatter-overhead",
+    "fsdp_step_overhead_s": "--fsdp-step-overhead",
+    "split_backward_factor": "--split-backward-factor",
+    "elementwise_bandwidth": "--elementwise-bandwidth",
+    "optimizer_bandwidth": "--optimizer-bandwidth",
+    "fsdp_copy_bandwidth": "--fsdp-copy-bandwidth",
+    "attention_efficiency": "--attention-efficiency",
+}
+
+UNITS = """\
+sizes and rates take an explicit unit: binary KiB MiB GiB TiB (80GiB = 80 x 2**30
+bytes, as nvidia-smi and torch count memory) or decimal kB MB GB TB (80GB = 80 x 10**9
+bytes, as vendors quote); a bare prefix such as 40G, and Gb (bits), are refused as
+ambiguous; a plain number is bytes. Rates append /s: 900GB/s."""
+
+
+class UsageError(Exception):
+    """A command line that cannot run: printed as one line, exit status 2."""
+
+
+def _refused(message: str, command: str = "plan") -> UsageError:
+    return UsageError(f"partc {command}: error: {message}")
+
+
+def _dest(flag: str) -> str:
+    return flag.lstrip("-").replace("-", "_")
+
+
+# ------------------------------------------------------------------------ argument types
+# Each reads one argument or raises ArgumentTypeError with what to write instead; argparse
+# prefixes the flag.
+
+def _argument(read: Callable[[str], Any], name: str) -> Callable[[str], Any]:
+    def checked(text: str) -> Any:
+        try:
+            return read(text)
+        except ValueError as error:
+            raise argparse.ArgumentTypeError(str(error)) from None
+    checked.__name__ = name   # what argparse calls the type in its messages
+    return checked
+
+
+def _number(text: str, read: Callable[[str], float], allowed: Callable[[float], bool],
+            what: str) -> float:
+    try:
+        value = read(text)
+    except ValueError:
+        value = None
+    if value is None or not math.isfinite(value) or not allowed(value):
+        raise ValueError(f"must be {what}, got {text!r}")
+    return value
+
+
+def _count(text: str) -> int:
+    return _number(text, int, lambda n: n >= 1, "a positive whole number")
+
+
+def _whole(text: str) -> int:
+    return _number(text, int, lambda n: n >= 0, "a whole number, 0 or more")
+
+
+def _non_negative(text: str) -> float:
+    return _number(text, float, lambda x: x >= 0, "a number, 0 or more")
+
+
+def _positive(text: str) -> float:
+    return _number(text, float, lambda x: x > 0, "a positive number")
+
+
+def _fraction(text: str) -> float:
+    return _number(text, float, lambda x: 0 < x <= 1, "a number in (0, 1]")
+
+
+def _share(text: str) -> float:
+    return _number(text, float, lambda x: 0 <= x <= 1, "a number in [0, 1]")
+
+
+def _seconds(text: str) -> float:
+    return _number(text, float, lambda x: x >= 0, "a number of seconds, 0 or more")
+
+
+def _size(text: str) -> int:
+    size = parse_bytes(text)
+    if size <= 0:
+        raise ValueError(f"a memory size must be above 0, got {text!r}")
+    return size
+
+
+def _sizes(text: str) -> int | tuple[int, ...]:
+    sizes = tuple(_size(part.strip()) for part in text.split(","))
+    return sizes[0] if len(sizes) == 1 else sizes
+
+
+def _rate(text: str) -> float:
+    rate = parse_rate(text)
+    if rate <= 0:
+        raise ValueError(f"a rate must be above 0, got {text!r}")
+    return rate
+
+
+def _device(text: str) -> str:
+    return preset(text).name
+
+
+def _layer_mode(text: str) -> tuple[str, str]:
+    layer, sep, mode = text.rpartition("=")
+    if not sep or not layer:
+        raise ValueError(f"write LAYER=MODE, e.g. h.3={RECOMPUTE_MODES[-1]}, got {text!r}")
+    if mode not in RECOMPUTE_MODES:
+        raise ValueError(f"{mode!r} is not a recompute mode; use one of "
+                         f"{', '.join(RECOMPUTE_MODES)}")
+    return layer, mode
+
+
+def _collective_link(text: str) -> tuple[str, dict[str, float]]:
+    kind, sep, numbers = text.partition("=")
+    latency, comma, rate = numbers.partition(",")
+    if not sep or not comma:
+        raise ValueError(f"write KIND=LATENCY,RATE, e.g. all_gather=20e-6,5GB/s, got {text!r}")
+    if kind not in COLLECTIVE_KINDS:
+        raise ValueError(f"{kind!r} is not a collective; use one of "
+                         f"{', '.join(COLLECTIVE_KINDS)}")
+    return kind, {"latency_s": _seconds(latency), "bandwidth": _rate(rate)}
+
+
+def _stage(text: str) -> tuple[str, ...]:
+    names = tuple(name.strip() for name in text.split(","))
+    if not all(names):
+        raise ValueError(f"a stage is a comma-separated list of layer names, got {text!r}")
+    return names
+
+
+COUNT, POSITIVE = _argument(_count, "count"), _argument(_positive, "number")
+WHOLE, NON_NEGATIVE = _argument(_whole, "count"), _argument(_non_negative, "number")
+FRACTION, SECONDS = _argument(_fraction, "fraction"), _argument(_seconds, "seconds")
+SHARE = _argument(_share, "share")
+SIZES, RATE = _argument(_sizes, "size"), _argument(_rate, "rate")
+DEVICE, LAYER_MODE = _argument(_device, "device"), _argument(_layer_mode, "LAYER=MODE")
+STAGE, LINK = _argument(_stage, "stage"), _argument(_collective_link, "KIND=LATENCY,RATE")
+
+
+# -------------------------------------------------------------------------------- parser
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):   # one line, not the usage: the flags are many
+        raise UsageError(f"{self.prog}: error: {message} (see {self.prog} --help)")
+
+
+class _Version(argparse.Action):
+    """``--version``: the installed distribution's version, read only when asked."""
+
+    def __init__(self, option_strings, dest, **kwargs):
+        super().__init__(option_strings, dest, nargs=0, help="print partc's version and exit")
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        from importlib.metadata import PackageNotFoundError, version
+
+        try:
+            found = version("partc")
+        except PackageNotFoundError:
+            found = "(not installed: running from a source tree)"
+        print(f"partc {found}")
+        parser.exit()
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="partc", description="partc: plan how to train a PyTorch model on "
+                     "many devices (pipeline, data and tensor parallelism, ZeRO, recompute), "
+                     "and train it.")
+    parser.add_argument("--version", action=_Version)
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    _plan_arguments(commands.add_parser(
+        "plan", help="trace, measure and plan a model; print the report, write the plan",
+        description="Trace, measure and plan a model; print the report, write the plan.",
+        epilog=UNITS, formatter_class=argparse.RawDescriptionHelpFormatter))
+    report = commands.add_parser("report", help="render a saved plan (plan.json) again",
+                                 description="Render a plan that partc plan --out saved.")
+    report.add_argument("plan", type=Path, help="plan.json, or the directory holding it")
+    report.add_argument("--format", choices=REPORT_FORMATS, default="text",
+                        help="html: one self-contained file with the pictures (default text)")
+    report.add_argument("--out", type=Path, help="write the report here (default: print it)")
+    commands.add_parser("train", add_help=False,
+                        help="train a model under torchrun: partc train --help says how")
+    _calibrate_arguments(commands.add_parser(
+        "calibrate", help="measure this machine's devices; write a profile that "
+        "--profile and DeviceBudget load"))
+    return parser
+
+
+def _plan_arguments(plan: argparse.ArgumentParser) -> None:
+    plan.add_argument("target", help="path/to/file.py:factory")
+    _budget_arguments(plan.add_argument_group("devices (sizes and rates: see the end)"))
+    _pin_arguments(plan.add_argument_group(
+        "pins (the planner decides what is not pinned)"))
+    _training_arguments(plan.add_argument_group(
+        "training (overrides the factory's TrainSpec)"))
+    out = plan.add_argument_group("planner and output")
+    out.add_argument("--time-limit", type=POSITIVE, default=30.0, metavar="SECONDS",
+                     help="seconds for the stage planner's search (default 30)")
+    out.add_argument("--report", "--format", dest="report", choices=REPORT_FORMATS,
+                     default="text", help="the report's format (default text); with --out, "
+                     "html is written to DIR/report.html instead of printed")
+    out.add_argument("--out", type=Path, metavar="DIR",
+                     help="write plan.json, report.md and the stages' code here")
+    shown = out.add_mutually_exclusive_group()
+    shown.add_argument("-q", "--quiet", action="store_true",
+                       help="no progress bars or progress lines")
+    shown.add_argument("--progress", action="store_true",
+                       help="progress bars on stderr even when it is not a terminal "
+                            "(they are drawn by default on a terminal)")
+
+
+def _training_arguments(train) -> None:
+    """The TrainSpec fields (``partc plan`` and ``partc train`` alike)."""
+    train.add_argument("--global-batch", type=COUNT, metavar="N",
+                       help="samples per optimizer step")
+    train.add_argument("--micro-batch", type=COUNT, metavar="N",
+                       help="samples per microbatch (also pins it for the planner)")
+    train.add_argument("--dtype", choices=sorted(DTYPE_NAMES),
+                       help="compute dtype; bf16/fp16 train in mixed precision")
+    train.add_argument("--optimizer", choices=sorted(OPTIMIZER_STATE_BYTES))
+    train.add_argument("--max-grad-norm", type=POSITIVE, metavar="NORM",
+                       help="clip the global gradient norm to this")
+    train.add_argument("--attention", choices=ATTENTION,
+                       help="run attention as written, or fused into one kernel call")
+    train.add_argument("--moe-imbalance", type=POSITIVE, metavar="FACTOR",
+                       help="mixture-of-experts: the busiest expert's tokens over its "
+                            "balanced share that memory is budgeted for (default 2, at "
+                            "least 1)")
+    train.add_argument("--moe-capacity-factor", type=POSITIVE, metavar="FACTOR",
+                       help="mixture-of-experts: cap each expert's tokens at FACTOR x its "
+                            "balanced share, dropping the rest (default: dropless)")
+    train.add_argument("--loss-per-microbatch", action="store_true",
+                       help="each microbatch's loss is its own, where the model's loss "
+                            "couples a batch's samples (a router's load-balancing loss "
+                            "over the batch); without it such a model is planned with one "
+                            "replica and one microbatch")
+    train.add_argument("--no-tp-overlap", action="store_true",
+                       help="run the sequence-parallel all-gathers and reduce-scatters "
+                            "blocking, not as rings beside their linears' matmuls")
+    train.add_argument("--no-param-gather-overlap", action="store_true",
+                       help="ZeRO-1: finish the all-gather of the updated parameters in "
+                            "the optimizer step, not beside the next forward")
+    train.add_argument("--bucket-elements", type=COUNT, metavar="N",
+                       help="ZeRO 0/1: reduce gradients over the replicas in buckets of up "
+                            "to N elements (default 25000000); the plan prices them")
+    train.add_argument("--compile", action="store_true",
+                       help="run each stage through torch.compile (fused element-wise ops; "
+                            "the plan prices the fused bytes)")
+
+
+def _budget_arguments(group, *, devices: bool = True) -> None:
+    """The DeviceBudget fields; ``devices=False`` leaves out ``--devices`` (``partc
+    train`` plans for the launch's world size)."""
+    if devices:
+        group.add_argument("--devices", type=COUNT, metavar="N", required=True,
+                           help="number of devices")
+    group.add_argument("--device", type=DEVICE, help=f"a preset: {', '.join(PRESETS)} "
+                       f"(default {DEFAULT_DEVICE}, or the profile's)")
+    group.add_argument("--profile", type=Path, metavar="FILE",
+                       help="device profile from partc calibrate")
+    group.add_argument("--memory", type=SIZES, metavar="SIZE",
+                       help="memory per device, e.g. 40GiB, or one size per device, "
+                            "comma-separated (default: the preset's)")
+    group.add_argument("--devices-per-node", type=COUNT, metavar="N")
+    group.add_argument("--peak-tflops", type=POSITIVE, metavar="TFLOPS",
+                       help="peak TFLOP/s of one device in the training dtype")
+    group.add_argument("--flops-efficiency", type=FRACTION, metavar="FRACTION",
+                       help="the fraction of peak large matmuls reach")
+    group.add_argument("--hbm-bandwidth", type=RATE, metavar="RATE", help="e.g. 3350GB/s")
+    group.add_argument("--intra-node-bandwidth", type=RATE, metavar="RATE",
+                       help="per device and direction, e.g. 450GB/s")
+    group.add_argument("--inter-node-bandwidth", type=RATE, metavar="RATE",
+                       help="per device and direction, e.g. 50GB/s")
+    group.add_argument("--link-latency", type=SECONDS, metavar="SECONDS",
+                       help="per collective step between nodes, e.g. 8e-6")
+    group.add_argument("--intra-node-latency", type=SECONDS, metavar="SECONDS",
+                       help="per collective step inside a node")
+    group.add_argument("--collective-link", type=LINK, action="append",
+                       metavar="KIND=LATENCY,RATE",
+                       help="one collective's own link inside a node (repeatable), e.g. "
+                            "all_gather=20e-6,5GB/s (default: the profile's fits)")
+    group.add_argument("--op-overhead", type=SECONDS, metavar="SECONDS",
+                       help="fixed time per op and microbatch in forward")
+    group.add_argument("--op-overhead-backward", type=SECONDS, metavar="SECONDS",
+                       help="fixed time per forward op in backward")
+    group.add_argument("--matmul-overhead", type=SECONDS, metavar="SECONDS",
+                       help="time per matmul call beyond its FLOPs")
+    group.add_argument("--kernel-overhead", type=SECONDS, metavar="SECONDS",
+                       help="device time per kernel beyond its bytes and FLOPs (a GPU's "
+                            "launch, ramp-up and tail)")
+    group.add_argument("--fsdp-unit-overhead", type=SECONDS, metavar="SECONDS",
+                       help="ZeRO-2/3: FSDP's forward hooks per unit and microbatch")
+    group.add_argument("--fsdp-unit-overhead-backward", type=SECONDS, metavar="SECONDS",
+                       help="ZeRO-2/3: FSDP's backward hooks per unit and microbatch")
+    group.add_argument("--fsdp-gather-overhead", type=SECONDS, metavar="SECONDS",
+                       help="ZeRO-2/3: FSDP's own work per unit all-gather beyond the "
+                            "collective (copies in and out, bookkeeping)")
+    group.add_argument("--fsdp-scatter-overhead", type=SECONDS, metavar="SECONDS",
+                       help="ZeRO-2/3: FSDP's own work per unit gradient reduce-scatter "
+                            "beyond the collective")
+    group.add_argument("--fsdp-step-overhead", type=SECONDS, metavar="SECONDS",
+                       help="ZeRO-2/3: the optimizer step's excess per sharded parameter "
+                            "tensor (a DTensor) over the plain step")
+    group.add_argument("--comm-overlap", type=SHARE, metavar="SHARE",
+                       help="the share (0 to 1) of a collective's time that compute "
+                            "running beside it hides (default: the profile's, else 1 on "
+                            "GPUs and 0 on CPUs)")
+    group.add_argument("--split-backward-factor", type=POSITIVE, metavar="FACTOR",
+                       help="a backward run as input then weight gradients (zero-bubble "
+                            "schedules) over one pass (default: the profile's, else 1 on "
+                            "GPUs, 1.25 on CPUs)")
+    group.add_argument("--elementwise-bandwidth", type=RATE, metavar="RATE",
+                       help="the rate memory-bound ops (all but matmuls and attention) "
+                            "move their bytes at (default: the profile's, else the HBM "
+                            "bandwidth)")
+    group.add_argument("--optimizer-bandwidth", type=RATE, metavar="RATE",
+                       help="the rate the optimizer step moves the bytes it touches "
+                            "(default: the profile's, else the HBM bandwidth)")
+    group.add_argument("--fsdp-copy-bandwidth", type=RATE, metavar="RATE",
+                       help="ZeRO-2/3: the rate FSDP copies weights and gradients in and "
+                            "out of its collectives at (default: the profile's, else the "
+                            "HBM bandwidth)")
+    group.add_argument("--attention-efficiency", type=FRACTION, metavar="FRACTION",
+                       help="the share of peak fused attention kernels reach (default: "
+                            "the preset's, else the matmuls' --flops-efficiency)")
+    group.add_argument("--disk-bandwidth", type=RATE, metavar="RATE",
+                       help="checkpoint write rate per rank, e.g. 2GB/s (the report's "
+                            "predicted save time)")
+
+
+def _pin_arguments(group) -> None:
+    group.add_argument("--pp", type=COUNT, metavar="N", help="pipeline stages")
+    group.add_argument("--dp", type=COUNT, metavar="N", help="data-parallel replicas")
+    group.add_argument("--tp", type=COUNT, metavar="N",
+                       help="tensor-parallel degree (divides a node)")
+    group.add_argument("--sequence-parallel", action=argparse.BooleanOptionalAction,
+                       help="Megatron-style sequence parallelism on or off")
+    group.add_argument("--tp-objective", choices=TP_OBJECTIVES,
+                       help="keep only the fastest shardings, or those of fewest "
+                            "parameter bytes (then, with sequence parallelism, "
+                            "activation bytes)")
+    group.add_argument("--stage", type=STAGE, action="append", metavar="LAYERS",
+                       help="one pipeline stage's layers, comma-separated, as the report "
+                            "names them; once per stage, in order")
+    recompute = group.add_mutually_exclusive_group()
+    recompute.add_argument("--recompute", choices=RECOMPUTE_MODES,
+                           help="one recompute mode for every layer")
+    recompute.add_argument("--recompute-layer", type=LAYER_MODE, action="append",
+                           metavar="LAYER=MODE", help="one layer's recompute mode; "
+                           "repeat for more layers (the others are left to the planner)")
+    group.add_argument("--microbatches", type=COUNT, metavar="N", help="microbatches per step")
+    group.add_argument("--schedule", choices=SCHEDULES, help="the pipeline schedule")
+    group.add_argument("--virtual-stages", type=COUNT, metavar="V",
+                       help="virtual stages (runs of layers) per pipeline rank: 2 or more "
+                            "for the interleaved, looped and 'V' schedules")
+    group.add_argument("--zero", type=int, choices=ZERO_STAGES,
+                       help="ZeRO stage: 1 shards optimizer state over dp, 2 gradients "
+                            "too, 3 parameters too")
+    group.add_argument("--zero2-grad-sync", choices=ZERO2_GRAD_SYNCS,
+                       help="when ZeRO-2 reduce-scatters gradients: after every "
+                            "microbatch, or once per step (accumulated whole)")
+    group.add_argument("--ep", type=COUNT, metavar="N",
+                       help="expert-parallel degree of mixture-of-experts layers (divides "
+                            "dp x tp and the expert count)")
+
+
+def _calibrate_arguments(calibrate: argparse.ArgumentParser) -> None:
+    calibrate.add_argument("--out", type=Path, default=Path("profile.json"),
+                           help="where to write the profile (default: profile.json)")
+    calibrate.add_argument("--device", choices=("cpu", "cuda"),
+                           help="default: cuda when torch sees a GPU, else cpu")
+    calibrate.add_argument("--processes", type=COUNT, metavar="N",
+                           help="ranks for the collectives (default: one per GPU; 2 on CPU, "
+                                "where a device is one process)")
+    calibrate.add_argument("--quick", action="store_true",
+                           help="small sizes, few repeats: seconds, rough figures")
+    calibrate.add_argument("-q", "--quiet", action="store_true", help="no progress lines")
+
+
+# ------------------------------------------------------------- checks before any import
+
+def _check_plan(args: argparse.Namespace) -> None:
+    """What the flags say together, and the files they name: before torch is imported."""
+    check_flags(args, args.devices)
+    if args.out is not None and args.out.exists() and not args.out.is_dir():
+        raise _refused(f"--out {args.out} is a file, not a directory")
+    check_target(args.target)
+
+
+def check_flags(args: argparse.Namespace, devices: int, command: str = "plan") -> None:
+    """What the budget, pin and training flags (as :func:`_budget_arguments`,
+    :func:`_pin_arguments` and :func:`_training_arguments` read them) say together on
+    ``devices`` devices; a flag not in ``args`` counts as not given."""
+    memory = getattr(args, "memory", None)
+    if isinstance(memory, tuple) and len(memory) != devices:
+        raise _refused(f"--memory lists {len(memory)} sizes for "
+                       f"{devices} devices: give one size, or one per device", command)
+    layers = [layer for layer, _ in getattr(args, "recompute_layer", None) or ()]
+    twice = sorted({layer for layer in layers if layers.count(layer) > 1})
+    if twice:
+        raise _refused(f"--recompute-layer names {', '.join(twice)} "
+                       f"more than once", command)
+    global_batch = getattr(args, "global_batch", None)
+    micro_batch = getattr(args, "micro_batch", None)
+    if global_batch and micro_batch and global_batch % micro_batch:
+        raise _refused(f"--micro-batch {micro_batch} does not "
+                       f"divide --global-batch {global_batch}", command)
+    profile = getattr(args, "profile", None)
+    if profile is not None and not Path(profile).is_file():
+        raise _refused(f"no device profile at {profile}; write one "
+                       f"with `partc calibrate --out {profile}`", command)
+
+
+def check_target(target: str, command: str = "plan") -> None:
+    """``file.py:factory``: the file exists, parses, and defines (or imports) ``factory``
+    at its top level, unless it makes names in ways a reader cannot see."""
+    path, _, name = target.rpartition(":")
+    if not path or not name:
+        raise _refused(f"expected path/to/file.py:factory, got {target!r}", command)
+    file = Path(path)
+    if not file.is_file():
+        raise _refused(f"no such file: {file}", command)
+    try:
+        tree = ast.parse(file.read_bytes(), filename=str(file))
+    except (SyntaxError, ValueError) as error:
+        raise _refused(f"{file} does not parse: {error}", command) from None
+    names, dynamic = _top_level_names(tree.body)
+    if name not in names and not dynamic:
+        close = difflib.get_close_matches(name, sorted(names), n=3)
+        hint = f" (did you mean {' or '.join(map(repr, close))}?)" if close else ""
+        raise _refused(f"{file} has no function {name!r}{hint}", command)
+
+
+def _top_level_names(body: list[ast.stmt]) -> tuple[set[str], bool]:
+    """The names a module's top level binds (inside if/try/with/for blocks too), and
+    whether it may bind others a reader cannot see (``import *``, ``globals()``, a module
+    ``__getattr__``, ``match``)."""
+    names, dynamic = set(), False
+    for statement in body:
+        if isinstance(statement, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.add(statement.name)
+            continue
+        if isinstance(statement, (ast.Import, ast.ImportFrom)):
+            for alias in statement.names:
+                dynamic |= alias.name == "*"
+                names.add(alias.asname or alias.name.split(".")[0])
+            continue
+        dynamic |= type(statement).__name__ == "Match" or any(
+            isinstance(n, ast.Name) and n.id in ("globals", "setattr", "exec")
+            for n in ast.walk(statement))
+        names.update(n.id for n in ast.walk(statement)
+                     if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store))
+        for block in ("body", "orelse", "finalbody", "handlers"):
+            inner, unseen = _top_level_names(getattr(statement, block, []))
+            names |= inner
+            dynamic |= unseen
+    return names, dynamic or "__getattr__" in names
+
+
+def _check_report(args: argparse.Namespace) -> None:
+    if not args.plan.exists():
+        raise _refused(f"no such file or directory: {args.plan}", "report")
+    if args.plan.is_dir() and not (args.plan / "plan.json").is_file():
+        raise _refused(f"{args.plan} holds no plan.json", "report")
+
+
+CHECKS = {"plan": _check_plan, "report": _check_report}
+
+
+# ---------------------------------------------------------------------------- the plan
+
+def load_factory(target: str) -> dict[str, Any]:
+    """Import ``file.py:function`` and call it; normalise what it returns to a dict."""
+    path, _, name = target.rpartition(":")
+    file = Path(path)
+    spec = importlib.util.spec_from_file_location(file.stem, file)
+    module = importlib.util.module_from_spec(spec)
+    # Registered before running, as an import would: dataclasses and pickling look it up.
+    sys.modules[spec.name] = module
+    sys.path.insert(0, str(file.parent.resolve()))
+    spec.loader.exec_module(module)
+    if not callable(getattr(module, name, None)):
+        raise _refused(f"{file} has no function {name!r}")
+    made = getattr(module, name)()
+    if isinstance(made, dict):
+        if "model" not in made or "example_inputs" not in made:
+            raise _refused(f"{target} must return a dict with 'model' "
+                           f"and 'example_inputs'")
+        return made
+    if isinstance(made, tuple) and len(made) in (2, 3):
+        return dict(zip(("model", "example_inputs", "loss_fn"), made))
+    raise _refused(f"{target} returned {type(made).__name__}; expected "
+                   f"a dict or a tuple (model, example_inputs[, loss_fn])")
+
+
+def _flagged(args: argparse.Namespace, flags: dict[str, str], **read: Any) -> dict[str, Any]:
+    """The fields whose flag was given, each read by ``read[field]`` when there is one."""
+    given = {}
+    for name, flag in flags.items():
+        value = getattr(args, _dest(flag), None)   # absent: a command without the flag
+        if value is not None:
+            given[name] = read[name](value) if name in read else value
+    return given
+
+
+def _constraints(args: argparse.Namespace):
+    from partc.spec import Constraints
+
+    given = _flagged(args, PIN_FLAGS)
+    if getattr(args, "recompute_layer", None):
+        given["recompute"] = dict(args.recompute_layer)
+    return Constraints(**given)
+
+
+def _budget(args: argparse.Namespace, **fixed: Any):
+    """The DeviceBudget the flags give; ``fixed`` fields (``num_devices`` for ``partc
+    train``: the launch's world size) are not flags."""
+    from partc.device.budget import DeviceBudget
+
+    return DeviceBudget(**_flagged(args, BUDGET_FLAGS, peak_flops=lambda tflops: tflops * 1e12,
+                                   collective_links=dict), **fixed)
+
+
+def _train(args: argparse.Namespace, workload: dict[str, Any]):
+    from dataclasses import replace
+
+    from partc.spec import TrainSpec, dtype_named
+
+    inputs = workload["example_inputs"]
+    first = inputs[0] if isinstance(inputs, (tuple, list)) else inputs
+    train = workload.get("train") or TrainSpec(global_batch_size=int(first.shape[0]))
+    return replace(train, **_flagged(args, TRAIN_FLAGS,
+                                     dtype=lambda name: dtype_named(DTYPE_NAMES[name]),
+                                     tp_overlap=lambda blocking: not blocking,
+                                     overlap_param_gather=lambda blocking: not blocking))
+
+
+def plan_command(args: argparse.Namespace) -> int:
+    start = time.perf_counter()
+    # Pins and budget before the model: a contradiction costs no model build.
+    constraints, budget = _constraints(args), _budget(args)
+    from partc.compiler import compile
+    from partc.options import PlannerOptions
+
+    workload = load_factory(args.target)
+    with _progress_bars(args.progress or (not args.quiet and sys.stderr.isatty())):
+        program = compile(workload["model"], workload["example_inputs"], budget=budget,
+                          train=_train(args, workload), loss_fn=workload.get("loss_fn"),
+                          example_target=workload.get("example_target"),
+                          constraints=constraints, name=workload.get("name"),
+                          options=PlannerOptions(time_limit_s=args.time_limit))
+    report = program.report(args.report)
+    if args.out is not None:
+        program.save(args.out)
+        written = [args.out / "plan.json", args.out / "report.md"]
+        if args.report == "html":
+            written.append(args.out / "report.html")
+            written[-1].write_text(report)
+        print(f"wrote {', '.join(map(str, written))} and the stages' code in "
+              f"{args.out / 'code'}", file=sys.stderr)
+    if args.out is None or args.report != "html":
+        print(report)
+    logging.getLogger("partc").info("done in %.2f s", time.perf_counter() - start)
+    return 0
+
+
+# ----------------------------------------------------------------------------- progress
+
+class _Bars:
+    """Draws each phase :mod:`partc.progress` reports as a tqdm bar on stderr."""
+
+    UNITS = {"trace": "step", "tensor parallelism": "option", "search": "config",
+             "schedules": "schedule"}
+
+    def __init__(self) -> None:
+        from tqdm import tqdm
+
+        self._tqdm = tqdm
+        self._bars: dict[str, Any] = {}
+
+    def __call__(self, event) -> None:
+        bar = self._bars.get(event.phase)
+        if bar is not None and event.done < bar.n:   # the phase started again
+            bar.close()
+            bar = None
+        if bar is None:
+            bar = self._bars[event.phase] = self._tqdm(
+                total=event.total, desc=event.phase, unit=self.UNITS.get(event.phase, "step"),
+                file=sys.stderr, leave=False, dynamic_ncols=True)
+        bar.total = event.total
+        # A step done is drawn by update, at most every tqdm's mininterval, so that fast
+        # phases stay cheap; a new detail in the same step (rare) at once.
+        bar.set_postfix_str(_postfix(event), refresh=event.done == bar.n)
+        bar.update(event.done - bar.n)
+        if event.done >= event.total:
+            self._bars.pop(event.phase).close()
+
+    def close(self) -> None:
+        for bar in self._bars.values():
+            bar.close()
+        self._bars.clear()
+
+
+def _postfix(event) -> str:
+    parts = [event.detail] if event.detail else []
+    if event.incumbent_s is not None:
+        parts.append(f"best {format_seconds(event.incumbent_s)}")
+    if event.bound_s is not None:
+        parts.append(f"bound {format_seconds(event.bound_s)}")
+    if event.gap is not None:
+        parts.append(f"gap {event.gap:.1%}")
+    return ", ".join(parts)
+
+
+@contextmanager
+def _progress_bars(shown: bool) -> Iterator[None]:
+    """Progress bars for everything run inside, when ``shown``; log lines are written
+    above the bars meanwhile."""
+    if not shown:
+        yield
+        return
+    from tqdm.contrib.logging import logging_redirect_tqdm
+
+    from partc import progress
+
+    bars = _Bars()
+    with ExitStack() as stack:
+        stack.callback(bars.close)
+        stack.enter_context(logging_redirect_tqdm())
+        stack.enter_context(progress.listening(bars))
+        yield
+
+
+# ----------------------------------------------------------------- the other commands
+
+def report_command(args: argparse.Namespace) -> int:
+    from partc.program import read_plan_file
+    from partc.report.text import render
+
+    path = args.plan / "plan.json" if args.plan.is_dir() else args.plan
+    report = render(read_plan_file(path), args.format)
+    if args.out is None:
+        print(report)
+        return 0
+    args.out.write_text(report if report.endswith("\n") else report + "\n")
+    print(f"wrote {args.out}", file=sys.stderr)
+    return 0
+
+
+def train_command(argv: list[str]) -> int:
+    """``partc train ...``: the launcher's own command line, imported only now."""
+    try:
+        launcher = importlib.import_module(f"{__package__}.launcher")
+    except ModuleNotFoundError as error:
+        if error.name != f"{__package__}.launcher":   # not a module the launcher needs
+            raise
+        print("partc train: error: this partc has no launcher (partc/cli/launcher.py)",
+              file=sys.stderr)
+        return 2
+    return launcher.main(argv)
+
+
+def calibrate_command(args: argparse.Namespace) -> int:
+    import torch
+
+    from partc.calibrate.run import CalibrationOptions, calibrate, summary, write_profile
+
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    processes = args.processes or (torch.cuda.device_count() if device == "cuda" else 2)
+    options = CalibrationOptions(device=device, processes=processes, quick=args.quick)
+    profile = calibrate(options)
+    write_profile(profile, args.out)
+    print(summary(profile))
+    print(f"wrote {args.out}; plan with it: partc plan ... --profile {args.out}",
+          file=sys.stderr)
+    return 0
+
+
+COMMANDS = {"plan": plan_command, "report": report_command, "calibrate": calibrate_command}
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["train"]:   # its flags are the launcher's own
+        return train_command(argv[1:])
+    try:
+        args = _parser().parse_args(argv)
+        CHECKS.get(args.command, lambda args: None)(args)
+    except UsageError as error:
+        print(error, file=sys.stderr)
+        return 2
+    return run_reported(lambda: COMMANDS[args.command](args), "partc",
+                        quiet=getattr(args, "quiet", False))
+
+
+def run_reported(command: Callable[[], int], prefix: str, *, quiet: bool) -> int:
+    """Run a command with partc's log lines on stderr; bad input (a usage error, a
+    PartcError, a ValueError) is one line there, ``prefix`` first, and exit status 2."""
+    logging.basicConfig(level=logging.WARNING if quiet else logging.INFO,
+                        format="partc: %(message)s", stream=sys.stderr)
+    try:
+        return command()
+    except UsageError as error:
+        print(error, file=sys.stderr)
+    except PartcError as error:
+        print(f"{prefix}: {type(error).__name__}: {error}", file=sys.stderr)
+    except ValueError as error:
+        print(f"{prefix}: invalid input: {error}", file=sys.stderr)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,443 @@
+"""One training step as each pipeline rank spends it, simulated event by event.
+
+The one simulator that prices every schedule partc runs (:mod:`partc.cost.schedules`): the
+cost model (:mod:`partc.cost.model`) calls it for a configuration's step time, the report
+draws what it returns. Inputs are per virtual stage and per microbatch (the model is cut
+into ``pp * v`` virtual stages; see :mod:`partc.cost.schedules`):
+
+- the order each rank runs its operations in is the schedule's own: torch's
+  ``pipeline_order`` for the schedule class (:func:`torch_order`), so what is priced is
+  what ``torch.distributed.pipelining`` runs. An operation is a forward ``F``, a full
+  backward ``B``, or, under the zero-bubble schedules, a backward split into its
+  input-gradient part ``I`` and its weight-gradient part ``W``; DualPipeV's overlapped
+  forward-backward pairs are played as their forward then their backward;
+- an operation starts when its rank is free and its input is there: a forward needs the
+  previous virtual stage's forward of the same microbatch, a backward (``B`` or ``I``)
+  the next virtual stage's backward or, on the model's last virtual stage, its own
+  forward; ``W`` follows its own ``I`` on the same rank;
+- durations (:class:`StageSeconds`): a forward is its compute, then the send of its
+  activation when the next virtual stage is on another rank; a backward is the receipt
+  of its output's gradient (from another rank), the recompute, then the backward; under
+  a split backward ``I`` carries the recompute and the input-gradient part and ``W`` the
+  weight-gradient part. Tensor-parallel collectives are inside the forward and backward
+  figures and drawn as communication;
+- after its last operation each rank runs its tail: what the gradient sync and ZeRO-1's
+  weight all-gather leave exposed (the all-gather runs beside the next step's forward;
+  drawn here, as priced, after this step's), and the optimizer step.
+
+Each row stands for every rank of a stage (its dp x tp ranks run alike).
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+from dataclasses import dataclass
+from functools import cached_property, lru_cache
+
+from partc.cost.schedules import SCHEDULE_TABLE, rank_of, schedule as schedule_info, stages_of_rank
+
+#: Kinds of :class:`Block`, in the order pictures list them.
+KINDS = ("forward", "backward", "weight", "recompute", "collective", "p2p", "tail")
+COMPUTE_KINDS = ("forward", "backward", "weight", "recompute")
+COMM_KINDS = ("collective", "p2p")
+
+#: The share of a layer's backward that is its weight gradient when a schedule splits
+#: backward: the cost model prices backward as twice forward op by op, a heavy op's
+#: input-gradient and weight-gradient matmuls alike, so half.
+WEIGHT_SHARE = 0.5
+
+
+@dataclass(frozen=True, kw_only=True)
+class Block:
+    """One stretch of a rank's step: ``kind`` (one of :data:`KINDS`) from ``start_s`` to
+    ``end_s``; ``microbatch`` and ``chunk`` (the position among the rank's virtual
+    stages, 0 with one) name the operation it belongs to, None for the tail;
+    ``stage`` is the virtual stage (model order)."""
+
+    rank: int
+    kind: str
+    start_s: float
+    end_s: float
+    microbatch: int | None = None
+    chunk: int = 0
+    stage: int | None = None
+
+    @property
+    def seconds(self) -> float:
+        return self.end_s - self.start_s
+
+
+@dataclass(frozen=True, kw_only=True)
+class Op:
+    """One operation of a rank: ``phase`` "forward", "backward" (full), "input" or
+    "weight" (a split backward's parts), of ``microbatch`` through virtual ``stage``."""
+
+    phase: str
+    microbatch: int
+    stage: int
+
+
+@dataclass(frozen=True, kw_only=True)
+class StageSeconds:
+    """Seconds of one microbatch through one virtual stage."""
+
+    forward: float
+    backward: float              # input + weight gradients
+    recompute: float = 0.0
+    collective_forward: float = 0.0   # part of ``forward`` spent in tp collectives
+    collective_backward: float = 0.0  # part of ``backward``
+    send: float = 0.0            # each way across the cut after this virtual stage
+    # Each way across the cut before it: the receiving end's share of that transfer
+    # (partc.cost.model.receive_ps), paid on receipt of the activation and on sending its
+    # gradient back.
+    receive: float = 0.0
+    weight_share: float = WEIGHT_SHARE
+
+
+@dataclass(frozen=True, kw_only=True)
+class Timeline:
+    schedule: str
+    num_ranks: int
+    num_microbatches: int
+    chunks: int
+    blocks: tuple[Block, ...]
+    peak_inflight: tuple[int, ...] = ()   # per rank: (microbatch, virtual stage) pairs held
+
+    @property
+    def step_s(self) -> float:
+        return max((b.end_s for b in self.blocks), default=0.0)
+
+    @property
+    def pipeline_s(self) -> float:
+        """When the last backward ends (before the tails)."""
+        return max((b.end_s for b in self.blocks if b.kind != "tail"), default=0.0)
+
+    @cached_property
+    def _totals(self) -> dict[tuple[int, str], float]:
+        totals: dict[tuple[int, str], float] = {}
+        for b in self.blocks:
+            totals[(b.rank, b.kind)] = totals.get((b.rank, b.kind), 0.0) + b.seconds
+        return totals
+
+    def seconds(self, rank: int, kinds: tuple[str, ...] = KINDS) -> float:
+        """Seconds rank ``rank`` spends in blocks of ``kinds``."""
+        return sum(self._totals.get((rank, kind), 0.0) for kind in kinds)
+
+    def idle_s(self, rank: int) -> float:
+        """Time the rank waits within the step."""
+        return self.step_s - self.seconds(rank)
+
+    @property
+    def bubble_fraction(self) -> float:
+        """The share of the pipeline's rank-time (before the tails) no rank computes or
+        communicates in."""
+        span = self.pipeline_s * self.num_ranks
+        if span <= 0:
+            return 0.0
+        work = sum(b.seconds for b in self.blocks if b.kind != "tail")
+        return max(0.0, 1 - work / span)
+
+
+# ------------------------------------------------------------------ the orders
+
+_PHASES = {"F": "forward", "B": "backward", "I": "input", "W": "weight"}
+
+
+@lru_cache(maxsize=512)
+def torch_order(name: str, pp: int, v: int, m: int) -> tuple[tuple[Op, ...], ...]:
+    """Per rank, the compute operations torch's schedule ``name`` runs for ``pp`` ranks
+    of ``v`` virtual stages over ``m`` microbatches, in order (its ``pipeline_order``,
+    built without a process group from stand-in stages)."""
+    import types
+    from unittest import mock
+
+    import torch
+    from torch.distributed.pipelining import schedules as torch_schedules
+
+    refused = _refusal(name, pp, v, m)
+    if refused:
+        raise ValueError(refused)
+    if v == 1:
+        return tuple(_single_stage_order(name, rank, pp, m) for rank in range(pp))
+    cls = getattr(torch_schedules, schedule_info(name).torch_class)
+    module = torch.nn.Module()
+
+    def stage(index: int):
+        return types.SimpleNamespace(num_stages=pp * v, group_size=pp, group_rank=0,
+                                     stage_index=index, is_first=index == 0,
+                                     is_last=index == pp * v - 1, submod=module)
+
+    # The compute order is all that is read here. Lowering it to the runtime's actions
+    # adds FSDP's unshard and reshard around them, quadratic in the actions (22 s of
+    # 256 microbatches over two ranks in torch 2.13): skipped.
+    with mock.patch.object(torch_schedules, "_add_unshard_reshard",
+                           lambda actions, *args, **kwargs: [a for a in actions
+                                                             if a is not None],
+                           create=True):
+        built = cls([stage(j) for j in stages_of_rank(name, pp, v, 0)], m, loss_fn=_loss)
+    orders = []
+    for rank in range(pp):
+        ops: list[Op] = []
+        for action in built.pipeline_order.get(rank, ()):
+            if action is None:
+                continue
+            for part in (action.sub_actions or (action,)):
+                phase = _PHASES.get(part.computation_type.value)
+                if phase is not None:
+                    ops.append(Op(phase=phase, microbatch=part.microbatch_index,
+                                  stage=part.stage_index))
+        orders.append(tuple(ops))
+    return tuple(orders)
+
+
+def _single_stage_order(name: str, rank: int, pp: int, m: int) -> tuple[Op, ...]:
+    """GPipe and 1F1B (one stage per rank), as torch's single-stage schedules run them:
+    GPipe all forwards then all backwards; 1F1B ``pp - rank - 1`` warm-up forwards, then
+    one forward and one backward in turn, then the remaining backwards. (Written here:
+    the ``pipeline_order`` torch builds for these two is informational only and, for
+    1F1B's last rank, off by one microbatch in torch 2.13.)"""
+    forwards = [Op(phase="forward", microbatch=i, stage=rank) for i in range(m)]
+    backwards = [Op(phase="backward", microbatch=i, stage=rank) for i in range(m)]
+    if name == "gpipe":
+        return tuple(forwards + backwards)
+    warmup = min(pp - rank - 1, m)
+    order = forwards[:warmup]
+    for i in range(m - warmup):
+        order += [forwards[warmup + i], backwards[i]]
+    return tuple(order + backwards[m - warmup:])
+
+
+def _loss(output, target):   # stands in for the loss; the order only needs one
+    return output
+
+
+def _refusal(name: str, pp: int, v: int, m: int) -> str | None:
+    from partc.cost.schedules import refusal
+    return refusal(name, pp, v, m)
+
+
+def schedule_order(schedule: str, rank: int, pp: int, microbatches: int,
+                   chunks: int = 1) -> list[Op]:
+    """The operations rank ``rank`` of ``pp`` runs, in order."""
+    return list(torch_order(schedule, pp, chunks, microbatches)[rank])
+
+
+def csv_rows(name: str, pp: int, v: int, m: int) -> list[list[str]]:
+    """The schedule in torch's pipelining CSV format (one row per rank, one action per
+    cell: virtual stage, ``F``/``B``/``I``/``W``, microbatch), as
+    ``_PipelineScheduleRuntime._load_csv`` reads it (compute only)."""
+    letters = {v_: k for k, v_ in _PHASES.items()}
+    return [[f"{op.stage}{letters[op.phase]}{op.microbatch}" for op in ops]
+            for ops in torch_order(name, pp, v, m)]
+
+
+def csv_text(name: str, pp: int, v: int, m: int) -> str:
+    out = io.StringIO()
+    csv.writer(out, lineterminator="\n").writerows(csv_rows(name, pp, v, m))
+    return out.getvalue()
+
+
+def plan_csv(plan) -> str:
+    """The plan's schedule in torch's pipelining CSV format (:func:`csv_rows`)."""
+    return csv_text(plan.schedule, len(plan.stages), plan.chunks, plan.num_microbatches)
+
+
+# ------------------------------------------------------------------ the simulation
+
+def play(schedule: str, pp: int, v: int, m: int, stages: list[StageSeconds],
+         tails: list[float] | None = None) -> Timeline:
+    """Play ``schedule`` out: ``stages`` gives each of the ``pp * v`` virtual stages'
+    seconds per microbatch (model order), ``tails`` each rank's tail."""
+    if len(stages) != pp * v:
+        raise ValueError(f"{len(stages)} virtual stages given, {pp} x {v} expected")
+    split = schedule_info(schedule).split_backward
+    orders = torch_order(schedule, pp, v, m)
+    runs = pp * v
+    rank = [rank_of(schedule, pp, v, j) for j in range(runs)]
+    chunk_of = {j: stages_of_rank(schedule, pp, v, rank[j]).index(j) for j in range(runs)}
+    # Sends cross ranks only: the cut after virtual stage j, to j + 1.
+    crosses = [j < runs - 1 and rank[j] != rank[j + 1] for j in range(runs)]
+    done: dict[tuple[str, int, int], float] = {}   # (phase, microbatch, stage) -> ready at
+    clock, position = [0.0] * pp, [0] * pp
+    holding, peak = [0] * pp, [0] * pp
+    blocks: list[Block] = []
+    remaining = sum(len(order) for order in orders)
+    while remaining:
+        progressed = False
+        for r in range(pp):
+            order = orders[r]
+            while position[r] < len(order):
+                op = order[position[r]]
+                j, mb = op.stage, op.microbatch
+                if op.phase == "forward":
+                    needs = ("forward", mb, j - 1) if j > 0 else None
+                elif op.phase == "weight":
+                    needs = ("input", mb, j)
+                else:
+                    needs = (("grad", mb, j + 1) if j < runs - 1 else ("forward", mb, j))
+                if needs is not None and needs not in done:
+                    break
+                start = max(clock[r], done[needs] if needs is not None else 0.0)
+                for kind, seconds in _parts(op, stages[j], crosses, split):
+                    if seconds > 0:
+                        blocks.append(Block(rank=r, kind=kind, start_s=start,
+                                            end_s=start + seconds, microbatch=mb,
+                                            chunk=chunk_of[j], stage=j))
+                    start += seconds
+                clock[r] = start
+                done[(op.phase, mb, j)] = start
+                if op.phase in ("backward", "input"):
+                    done[("grad", mb, j)] = start
+                if op.phase == "forward":
+                    holding[r] += 1
+                    peak[r] = max(peak[r], holding[r])
+                elif op.phase in ("backward", "weight"):
+                    holding[r] -= 1
+                position[r] += 1
+                remaining -= 1
+                progressed = True
+        if not progressed:
+            raise RuntimeError(f"internal error: the {schedule} order deadlocks at "
+                               f"positions {position}")
+    for r, tail in enumerate(tails or ()):
+        if tail > 0:
+            blocks.append(Block(rank=r, kind="tail", start_s=clock[r], end_s=clock[r] + tail))
+    return Timeline(schedule=schedule, num_ranks=pp, num_microbatches=m, chunks=v,
+                    blocks=tuple(blocks), peak_inflight=tuple(peak))
+
+
+def _parts(op: Op, t: StageSeconds, crosses: list[bool], split: bool
+           ) -> list[tuple[str, float]]:
+    j = op.stage
+    if op.phase == "forward":
+        return [("p2p", t.receive), ("forward", t.forward - t.collective_forward),
+                ("collective", t.collective_forward),
+                ("p2p", t.send if crosses[j] else 0.0)]
+    receive = t.send if crosses[j] else 0.0
+    weight = t.backward * t.weight_share
+    if op.phase == "weight":
+        return [("weight", weight)]
+    backward = t.backward - weight if op.phase == "input" else t.backward
+    collective = min(t.collective_backward, backward)
+    return [("p2p", receive), ("recompute", t.recompute),
+            ("backward", backward - collective), ("collective", collective),
+            ("p2p", t.receive)]
+
+
+@lru_cache(maxsize=4096)
+def held_per_run(schedule: str, pp: int, v: int, m: int
+                 ) -> tuple[tuple[tuple[int, ...], ...], ...]:
+    """Per rank, the microbatches it holds activations of, per run (its virtual stages
+    in model order), at each moment of the schedule's order that no other moment
+    exceeds in every run: the peak of a rank whose runs save ``a_j`` bytes per
+    microbatch is the largest ``sum_j h_j a_j`` over these vectors ``h``. A run's
+    microbatch is held from its forward until its backward, or under a split backward
+    until its weight gradient."""
+    result = []
+    for rank, ops in enumerate(torch_order(schedule, pp, v, m)):
+        numbers = stages_of_rank(schedule, pp, v, rank) if v > 1 else (rank,)
+        index = {j: i for i, j in enumerate(numbers)}
+        holding = [0] * len(numbers)
+        moments = set()
+        for op in ops:
+            if op.phase == "forward":
+                holding[index[op.stage]] += 1
+                moments.add(tuple(holding))
+            elif op.phase in ("backward", "weight"):
+                holding[index[op.stage]] -= 1
+        result.append(tuple(sorted(
+            h for h in moments
+            if not any(g != h and all(a >= b for a, b in zip(g, h)) for g in moments))))
+    return tuple(result)
+
+
+# ------------------------------------------------------------------ from a plan
+
+def stage_seconds(plan) -> list[StageSeconds]:
+    """Per virtual stage of ``plan``, the seconds of one microbatch: each rank's figures
+    (``StageTime`` over the microbatches) shared among its virtual stages by their
+    layers' count, tensor-parallel collectives split between the phases by bytes."""
+    pp, v, m = len(plan.stages), plan.chunks, plan.num_microbatches
+    name = plan.schedule
+    result: list[StageSeconds | None] = [None] * (pp * v)
+    for stage in plan.stages:
+        t = stage.time_s
+        held = stages_of_rank(name, pp, v, stage.index) if v > 1 else (stage.index,)
+        runs = stage.runs if v > 1 and stage.runs else (stage.layers,)
+        sizes = [max(len(run), 1) for run in runs]
+        total = sum(sizes)
+        sending = sum(1 for j in held if j < pp * v - 1
+                      and (v == 1 or rank_of(name, pp, v, j) != rank_of(name, pp, v, j + 1)))
+        for j, run, size in zip(held, runs, sizes):
+            share = size / total / m
+            forward_tp, backward_tp = _collective_seconds(plan, run)
+            result[j] = StageSeconds(
+                forward=t.forward * share, backward=t.backward * share,
+                recompute=t.recompute * share,
+                collective_forward=min(forward_tp, t.forward * share),
+                collective_backward=min(backward_tp, t.backward * share),
+                send=t.comm / (m * sending) / 2 if sending else 0.0)
+    return result  # type: ignore[return-value]
+
+
+def _collective_seconds(plan, layers) -> tuple[float, float]:
+    """Seconds per microbatch of the layers' tp collectives in forward and in backward,
+    the layer's time split between its phases by their bytes."""
+    section = plan.tensor_parallel
+    if section is None:
+        return 0.0, 0.0
+    forward = backward = 0.0
+    for layer in layers:
+        moves = section.collectives.get(layer, ())
+        total = sum(move.nbytes for move in moves)
+        if not total:
+            continue
+        seconds = section.collective_seconds.get(layer, 0.0)
+        share = sum(move.nbytes for move in moves if move.phase == "forward") / total
+        forward += seconds * share
+        backward += seconds * (1 - share)
+    return forward, backward
+
+
+def simulate(plan, schedule: str | None = None) -> Timeline:
+    """The plan's step played out rank by rank (see the module docstring); a rank per
+    stage the plan lists. ``schedule`` plays another schedule over the same virtual
+    stages (one placement and count of virtual stages)."""
+    pp, m, v = len(plan.stages), plan.num_microbatches, plan.chunks
+    return play(schedule or plan.schedule, pp, v, m, stage_seconds(plan),
+                [stage.time_s.tail for stage in plan.stages])
+
+
+_LETTERS = {"forward": "F", "backward": "B", "weight": "W", "recompute": "R",
+            "collective": "c", "p2p": "c", "tail": "T"}
+
+
+def text_lines(timeline: Timeline, width: int = 72) -> list[str]:
+    """The timeline as one line of ``width`` characters per rank: in each column the
+    letter of what fills most of it (F forward, B backward, W weight gradient, R
+    recompute, c communication, T tail), ``.`` where the rank mostly waits."""
+    step = timeline.step_s
+    if step <= 0:
+        return []
+    column = step / width
+    filled_by_rank = [[{} for _ in range(width)] for _ in range(timeline.num_ranks)]
+    for block in timeline.blocks:
+        filled = filled_by_rank[block.rank]
+        letter = _LETTERS[block.kind]
+        first = min(int(block.start_s / column), width - 1)
+        last = min(int(block.end_s / column), width - 1)
+        for col in range(first, last + 1):
+            overlap = min(block.end_s, (col + 1) * column) - max(block.start_s, col * column)
+            filled[col][letter] = filled[col].get(letter, 0.0) + max(overlap, 0.0)
+    lines = []
+    for rank, filled in enumerate(filled_by_rank):
+        row = "".join(max(cell, key=cell.get) if cell and sum(cell.values()) >= column / 2
+                      else "." for cell in filled)
+        lines.append(f"stage {rank:>{len(str(timeline.num_ranks - 1))}} |{row}|")
+    return lines
+
+
+__all__ = ["Block", "KINDS", "Op", "SCHEDULE_TABLE", "StageSeconds", "Timeline",
+           "csv_rows", "csv_text", "held_per_run", "plan_csv", "play",
+           "schedule_order", "simulate", "stage_seconds", "text_lines", "torch_order"]

@@ -1,0 +1,222 @@
+"""The device presets: each device's vendor figures and usual node shape, by name.
+
+Torch-free, so that the command line can list and check device names before it imports
+torch; :mod:`partc.device.budget` builds a DeviceBudget on them. Bandwidths are per device and
+per direction (NVLink 4 on H100: 900 GB/s bidirectional = 450 GB/s each way; one 400 Gb/s
+NIC per GPU = 50 GB/s). ``flops_efficiency`` is the fraction of peak that large matmuls
+reach in practice: measured on an H100 for the Hopper presets (_HOPPER_MATMULS), a guess
+for the others.
+"""
+
+from __future__ import annotations
+
+import difflib
+from dataclasses import dataclass
+
+TFLOPS = 1e12
+GB = 1e9
+
+
+# The measured fixed times (seconds, 0 or more) and rates (bytes/s, None: HBM bandwidth)
+# of DevicePreset, DeviceBudget and DeviceNumbers, by field name.
+OVERHEAD_FIELDS = ("op_overhead_s", "op_overhead_backward_s", "matmul_overhead_s",
+                   "kernel_overhead_s",
+                   "fsdp_unit_overhead_s", "fsdp_unit_overhead_backward_s",
+                   "fsdp_gather_overhead_s", "fsdp_scatter_overhead_s",
+                   "fsdp_step_overhead_s")
+RATE_FIELDS = ("elementwise_bandwidth", "optimizer_bandwidth", "fsdp_copy_bandwidth")
+
+# Eager dispatch per op on a GPU's host, forward and backward (see DevicePreset).
+_GPU_DISPATCH_S = 8.5e-6
+_GPU_DISPATCH_BACKWARD_S = 18e-6
+# A GPU's own time per kernel beyond its bytes and FLOPs (launch, ramp-up, tail), which
+# dispatching ahead does not hide: 3 us, from two `benchmarks/gpu_check.py` profiles of
+# a 419M GPT on an H100 (torch 2.11). Measured kernel time = a x priced + t x kernels over
+# the full-recompute step (2368 kernels) and the step of 8 microbatches (11220) gives t =
+# 2.6 us; the 8-microbatch step measured 44 ms above the one-microbatch step where the
+# cost model without it priced 14 ms: 3.8 us over the 7868 more kernels it counts.
+# Not yet measured directly; `partc calibrate` on a GPU does, and its profile replaces it.
+_GPU_KERNEL_S = 3e-6
+
+
+@dataclass(frozen=True, kw_only=True)
+class DevicePreset:
+    name: str
+    peak_flops: dict[str, float]
+    memory: int
+    hbm_bandwidth: float
+    devices_per_node: int
+    intra_node_bandwidth: float
+    inter_node_bandwidth: float
+    link_latency_s: float          # per collective step between nodes
+    intra_node_latency_s: float    # per collective step inside a node
+    flops_efficiency: float
+    # The torch device type it runs as: its autocast policy is that device's.
+    device_type: str = "cuda"
+    # Fixed time per op and microbatch, forward and backward (per forward op), and per
+    # matmul call beyond its FLOPs (DeviceNumbers). On a GPU the host dispatches ahead of
+    # the kernels (DeviceNumbers.dispatch_ahead), so the op overhead is a floor under a
+    # layer's time, not added to it: eager PyTorch's dispatch, about 8.5 us per op
+    # forward and 18 us backward, as `partc calibrate` measured it on an H100's host
+    # (torch 2.11). A 12-layer GPT split into microbatches of one sequence ran at that
+    # pace there. The GPUs' matmul overhead stays 0; a profile measured on the machine
+    # replaces all three.
+    op_overhead_s: float = _GPU_DISPATCH_S
+    op_overhead_backward_s: float = _GPU_DISPATCH_BACKWARD_S
+    matmul_overhead_s: float = 0.0
+    # Device time per kernel beyond its bytes and FLOPs (DeviceNumbers.kernel_overhead_s):
+    # a GPU's launch, ramp-up and tail, paid once per kernel whatever its size
+    # (_GPU_KERNEL_S). A CPU: 0, op_overhead_s holds its per-op time.
+    kernel_overhead_s: float = _GPU_KERNEL_S
+    # FSDP2's own work under ZeRO-2/3 per unit and microbatch (DeviceNumbers.
+    # fsdp_unit_overhead_s, ...). GPUs 0: its hooks, bookkeeping and copy kernels'
+    # launches run on the host ahead of the GPU's kernels (not measured on one; a profile
+    # measured on the machine replaces them).
+    fsdp_unit_overhead_s: float = 0.0
+    fsdp_unit_overhead_backward_s: float = 0.0
+    fsdp_gather_overhead_s: float = 0.0
+    fsdp_scatter_overhead_s: float = 0.0
+    fsdp_step_overhead_s: float = 0.0
+    # The share of a collective's time that compute running beside it hides (see
+    # DeviceNumbers.comm_overlap). GPUs 1: NCCL runs on its own SMs and copy engines. A
+    # CPU 0: gloo's threads need the cores that the ranks' compute already fills, so a
+    # collective "overlapping" backward delays it as much as it would run alone.
+    comm_overlap: float = 1.0
+    # A layer's backward run as two autograd passes (input gradient, then weight
+    # gradient: the zero-bubble schedules) over one: autograd walks the graph twice.
+    # GPUs 1 (not measured: the walk hides behind queued kernels); a CPU pays it.
+    split_backward_factor: float = 1.0
+    # The rates memory-bound ops and the optimizer step move their bytes at
+    # (DeviceNumbers.elementwise_bandwidth, optimizer_bandwidth). None: hbm_bandwidth (the
+    # GPU presets price the optimizer below it, _GPU_ADAMW_SHARE, and Hopper's the
+    # element-wise kernels too, _GPU_ELEMENTWISE_SHARE); a profile measures both.
+    elementwise_bandwidth: float | None = None
+    optimizer_bandwidth: float | None = None
+    # FSDP's copies in and out of its collectives (DeviceNumbers.fsdp_copy_bandwidth).
+    # None: hbm_bandwidth, a GPU's copy kernels'; a profile measures a CPU's.
+    fsdp_copy_bandwidth: float | None = None
+    # The share of peak fused attention (flash) kernels reach, forward and backward
+    # (DeviceNumbers.attention_efficiency). None: flops_efficiency, the matmuls' share.
+    attention_efficiency: float | None = None
+
+
+# Hopper's attention: Transformer Engine runs it on cuDNN's fused flash kernel there
+# (preferred over FlashAttention-2 on Hopper since TE 1.x), and the FlashAttention-3
+# paper (Shah et al. 2024, figs. 5-6: H100 80GB SXM5, bf16, head dim 128, 4k tokens)
+# measured cuDNN at 518 TFLOP/s forward with a causal mask and 499 backward: 0.50-0.52
+# of the 989.4 dense peak, where large bf16 matmuls reach about 0.7 (partc calibrate
+# measured 0.70 on an H100). FlashAttention-2 measured 0.32-0.37 there.
+_HOPPER_ATTENTION = 0.5
+
+# Hopper's bf16 matmuls: `partc calibrate` on an H100 SXM (torch 2.11, cuBLAS) measured
+# linear layers' shapes at 0.697 of the dense peak and square ones of 2048^3 and more at
+# 0.71-0.72. The Hopper presets' flops_efficiency. (A training step runs somewhat below
+# both rates: `benchmarks/gpu_check.py`'s full-recompute step spent 563 ms in its matmul
+# and memory-bound kernels where they price 493; docs/calibrate.md.)
+_HOPPER_MATMULS = 0.70
+
+# torch's AdamW on a GPU (its default, the foreach form: several passes over the state)
+# steps at this share of the GPU's memory bandwidth, in the bytes the cost model charges
+# a step (Precision.step_bytes, 28 per fp32 parameter): `partc calibrate` on an H100
+# (torch 2.11) measured 927 GB/s against 3036 GB/s for a plain copy. The GPU presets'
+# optimizer_bandwidth.
+_GPU_ADAMW_SHARE = 0.3
+
+# A GPU's element-wise kernels (norms, activations, softmax, masks, casts, copies, forward
+# and backward) move the bytes the estimate counts for them at this share of the GPU's
+# nominal memory bandwidth: on an H100 (torch 2.11) `partc calibrate`'s mix of them ran
+# at 2.50 TB/s (its forward and measured backward bytes over its time) of a nominal
+# 3.35, a plain copy at 3.04. Below a copy: kernels that broadcast an input run
+# unvectorized (masked_fill with a (seq, seq) mask, 1.4 TB/s), row reductions over a
+# wide vocabulary (log_softmax, 1.5 TB/s). The Hopper presets' elementwise_bandwidth
+# (the H200's kernels are Hopper's); the A100s', not measured, stay at HBM bandwidth.
+_GPU_ELEMENTWISE_SHARE = 0.75
+
+PRESETS: dict[str, DevicePreset] = {
+    preset.name: preset
+    for preset in (
+        DevicePreset(
+            name="A100-40GB",
+            peak_flops={"float32": 19.5 * TFLOPS, "tf32": 156 * TFLOPS,
+                        "bfloat16": 312 * TFLOPS, "float16": 312 * TFLOPS},
+            memory=40 * 2**30, hbm_bandwidth=1555 * GB, devices_per_node=8,
+            optimizer_bandwidth=_GPU_ADAMW_SHARE * 1555 * GB,
+            intra_node_bandwidth=300 * GB, inter_node_bandwidth=25 * GB,
+            link_latency_s=10e-6, intra_node_latency_s=2e-6, flops_efficiency=0.6),
+        DevicePreset(
+            name="A100-80GB",
+            peak_flops={"float32": 19.5 * TFLOPS, "tf32": 156 * TFLOPS,
+                        "bfloat16": 312 * TFLOPS, "float16": 312 * TFLOPS},
+            memory=80 * 2**30, hbm_bandwidth=2039 * GB, devices_per_node=8,
+            optimizer_bandwidth=_GPU_ADAMW_SHARE * 2039 * GB,
+            intra_node_bandwidth=300 * GB, inter_node_bandwidth=25 * GB,
+            link_latency_s=10e-6, intra_node_latency_s=2e-6, flops_efficiency=0.6),
+        DevicePreset(
+            name="H100-80GB",
+            peak_flops={"float32": 67 * TFLOPS, "tf32": 494.7 * TFLOPS,
+                        "bfloat16": 989.4 * TFLOPS, "float16": 989.4 * TFLOPS},
+            memory=80 * 2**30, hbm_bandwidth=3350 * GB, devices_per_node=8,
+            elementwise_bandwidth=_GPU_ELEMENTWISE_SHARE * 3350 * GB,
+            optimizer_bandwidth=_GPU_ADAMW_SHARE * 3350 * GB,
+            intra_node_bandwidth=450 * GB, inter_node_bandwidth=50 * GB,
+            link_latency_s=8e-6, intra_node_latency_s=2e-6, flops_efficiency=_HOPPER_MATMULS,
+            attention_efficiency=_HOPPER_ATTENTION),
+        DevicePreset(
+            name="H200",
+            peak_flops={"float32": 67 * TFLOPS, "tf32": 494.7 * TFLOPS,
+                        "bfloat16": 989.4 * TFLOPS, "float16": 989.4 * TFLOPS},
+            memory=141 * 10**9, hbm_bandwidth=4800 * GB, devices_per_node=8,
+            elementwise_bandwidth=_GPU_ELEMENTWISE_SHARE * 4800 * GB,
+            optimizer_bandwidth=_GPU_ADAMW_SHARE * 4800 * GB,
+            intra_node_bandwidth=450 * GB, inter_node_bandwidth=50 * GB,
+            link_latency_s=8e-6, intra_node_latency_s=2e-6, flops_efficiency=_HOPPER_MATMULS,
+            attention_efficiency=_HOPPER_ATTENTION),
+        DevicePreset(
+            name="CPU",
+            peak_flops={"float32": 0.2 * TFLOPS, "bfloat16": 0.2 * TFLOPS,
+                        "float16": 0.1 * TFLOPS},
+            memory=16 * 2**30, hbm_bandwidth=20 * GB, devices_per_node=64,
+            intra_node_bandwidth=5 * GB, inter_node_bandwidth=1.25 * GB,
+            link_latency_s=50e-6, intra_node_latency_s=50e-6,
+            flops_efficiency=0.5, device_type="cpu",
+            # Eager PyTorch's dispatch on one CPU thread: about 10 us per op forward and
+            # twice that in backward (autograd's node plus the gradient kernels), which the
+            # op's own work does not hide on a CPU; 2 us per matmul call beyond its FLOPs.
+            # Round figures of what `partc calibrate` measured on a shared 2-core x86
+            # machine (14 and 30 us per op, 0-3 us per matmul).
+            op_overhead_s=10e-6, op_overhead_backward_s=20e-6, matmul_overhead_s=2e-6,
+            kernel_overhead_s=0.0,
+            # FSDP2 under ZeRO-2/3, per unit (a transformer block's 12 tensors) and
+            # microbatch: its hooks, and its own work around each all-gather and
+            # reduce-scatter, its copies apart, which run at 6 GB/s; AdamW's step over
+            # DTensors, per tensor. Round figures of `partc calibrate --quick` on the same
+            # machine (2 gloo ranks: 135-195 and 105-140 us of hooks forward and
+            # backward, 550-640 us per all-gather, 430-490 us per reduce-scatter, copies
+            # at 4.9-6.9 GB/s, 135-145 us per tensor's step).
+            fsdp_unit_overhead_s=150e-6, fsdp_unit_overhead_backward_s=120e-6,
+            fsdp_gather_overhead_s=600e-6, fsdp_scatter_overhead_s=450e-6,
+            fsdp_step_overhead_s=140e-6, fsdp_copy_bandwidth=6 * GB,
+            comm_overlap=0.0, split_backward_factor=1.25),
+    )
+}
+_ALIASES = {"A100": "A100-80GB", "H100": "H100-80GB", "H200-141GB": "H200", "cpu": "CPU"}
+
+
+DEFAULT_DEVICE = "H100-80GB"
+
+
+def preset(name: str) -> DevicePreset:
+    """The preset called ``name`` (case-insensitive, or an alias such as "H100"); a
+    ValueError naming the closest names otherwise."""
+    key = {alias.lower(): n for alias, n in _ALIASES.items()}.get(str(name).lower(), name)
+    matches = [p for n, p in PRESETS.items() if n.lower() == str(key).lower()]
+    if not matches:
+        raise ValueError(f"unknown device {name!r}{_did_you_mean(str(name))}; "
+                         f"presets: {', '.join(PRESETS)}")
+    return matches[0]
+
+
+def _did_you_mean(name: str) -> str:
+    names = {n.lower(): n for n in (*PRESETS, *_ALIASES)}
+    close = difflib.get_close_matches(name.lower(), names, n=3, cutoff=0.6)
+    return f" (did you mean {' or '.join(repr(names[c]) for c in close)}?)" if close else ""

@@ -1,0 +1,229 @@
+"""validate_plan: check a plan against its problem without the solver.
+
+Recomputes the cost tables from the problem and re-evaluates the plan's assignment, then
+checks structure (every layer once, in order, contiguous non-empty stages), batch
+arithmetic, recompute modes, pins, memory against every stage's limit, and that the
+plan's recorded memory and predicted step time are what the cost model says.
+"""
+
+from __future__ import annotations
+
+import math
+
+from partc.cost.model import (PS_PER_S, Evaluation, PipelineConfig, build_cost_table, evaluate,
+                    simulated_step_ps)
+from partc.errors import PlanValidationError
+from partc.plan import Plan, StageMemory
+from partc.cost.schedules import feature_refusal, refusal
+from partc.spec import SCHEDULES
+from partc.problem import ZERO2_GRAD_SYNCS, PlanningProblem
+
+
+def _structure(problem: PlanningProblem, plan: Plan, errors: list[str]) -> None:
+    mesh, tp = plan.mesh, plan.tp
+    section = plan.tensor_parallel
+    degree = section.degree if section is not None else 1
+    if degree != tp:
+        errors.append(f"tp={tp} but the plan's tensor_parallel has degree {degree}")
+    elif tp != 1:
+        option = problem.tp_option(tp, section.sequence_parallel, section.objective)
+        if option is None:
+            errors.append(f"tp={tp} was not measured for this problem")
+        elif problem.devices.devices_per_node % tp:
+            errors.append(f"tp={tp} does not divide the {problem.devices.devices_per_node} "
+                          "devices of a node")
+        elif dict(option.placements) != section.params:
+            errors.append("parameter placements differ from the measured sharding")
+    if mesh.size != problem.devices.num_devices:
+        errors.append(f"mesh {mesh} does not use {problem.devices.num_devices} devices")
+    if len(plan.stages) != mesh.pp:
+        errors.append(f"{len(plan.stages)} stages for pp={mesh.pp}")
+    if [s.index for s in plan.stages] != list(range(len(plan.stages))):
+        errors.append("stage indices are not 0..pp-1 in order")
+    if any(not run for run in plan.runs):
+        errors.append("a stage has no layers")
+    names = [layer.name for layer in problem.layers]
+    if list(plan.layer_names) != names:
+        errors.append(f"stages do not cover the layers once in order: {list(plan.layer_names)}")
+    batch = mesh.dp * plan.micro_batch_size * plan.num_microbatches
+    if batch != problem.train.global_batch_size:
+        errors.append(f"dp x micro-batch size x microbatches = {batch}, "
+                      f"global batch is {problem.train.global_batch_size}")
+    if plan.zero2_grad_sync not in ZERO2_GRAD_SYNCS:
+        errors.append(f"unknown zero2_grad_sync {plan.zero2_grad_sync!r} (one of "
+                      f"{ZERO2_GRAD_SYNCS})")
+    if plan.schedule not in SCHEDULES:
+        errors.append(f"unknown schedule {plan.schedule!r}")
+    else:
+        _placement(plan, errors)
+
+
+def _placement(plan: Plan, errors: list[str]) -> None:
+    """Torch runs the schedule with these ranks, virtual stages and microbatches, each
+    rank holding ``v`` runs (:mod:`partc.cost.schedules`)."""
+    pp, v = len(plan.stages), plan.chunks
+    refused = (refusal(plan.schedule, pp, v, plan.num_microbatches)
+               or feature_refusal(plan.schedule, plan.effective_zero_stage,
+                                  plan.train.compile))
+    if refused:
+        errors.append(f"schedule refused: {refused}")
+        return
+    if v > 1 and any(len(s.runs) != v for s in plan.stages):
+        errors.append(f"runs of layers per stage are uneven: "
+                      f"{[len(s.runs) for s in plan.stages]} (want {v} each)")
+        return
+    # The layers read in the placement's order (plan.runs) must be the model's: checked
+    # with the stages' cover above.
+
+
+def _modes(problem: PlanningProblem, plan: Plan, errors: list[str]) -> None:
+    recompute = plan.recompute
+    key = (plan.tp, plan.sequence_parallel, plan.tp_objective)
+    if plan.tp > 1 and problem.tp_option(*key) is None:
+        return   # _structure says so
+    local = problem.variant(*key)
+    for layer in local.layers:   # a sharded layer may allow modes the whole one does not
+        mode = recompute.get(layer.name)
+        if mode not in layer.modes:
+            errors.append(f"layer {layer.name}: recompute {mode!r} not among {layer.modes}")
+        pinned = problem.pins.recompute.get(layer.name)
+        if pinned is not None and mode != pinned and not (
+                pinned == "selective" and "selective" not in layer.modes and mode == "none"):
+            errors.append(f"layer {layer.name}: recompute pinned to {pinned}, plan has {mode}")
+
+
+def _pins(problem: PlanningProblem, plan: Plan, errors: list[str]) -> None:
+    pins = problem.pins
+    checks = {"pp": (pins.pp, plan.pp), "dp": (pins.dp, plan.dp), "tp": (pins.tp, plan.tp),
+              "num_microbatches": (pins.num_microbatches, plan.num_microbatches),
+              "micro_batch_size": (pins.micro_batch_size, plan.micro_batch_size),
+              "schedule": (pins.schedule, plan.schedule),
+              "virtual_stages": (pins.virtual_stages, plan.chunks),
+              "zero_stage": (pins.zero_stage, plan.zero_stage),
+              "zero2_grad_sync": (pins.zero2_grad_sync, plan.zero2_grad_sync)}
+    for name, (pinned, actual) in checks.items():
+        if pinned is not None and pinned != actual:
+            errors.append(f"{name} pinned to {pinned}, plan has {actual}")
+    if pins.stages is not None and [tuple(s.layers) for s in plan.stages] != list(pins.stages):
+        errors.append("stage boundaries differ from the pinned stages")
+
+
+def _costs(problem: PlanningProblem, plan: Plan, errors: list[str]) -> Evaluation | None:
+    config = PipelineConfig(pp=plan.pp, dp=plan.dp, micro_batch_size=plan.micro_batch_size,
+                            num_microbatches=plan.num_microbatches, schedule=plan.schedule,
+                            tp=plan.tp, sequence_parallel=plan.sequence_parallel,
+                            tp_objective=plan.tp_objective, zero_stage=plan.zero_stage,
+                            chunks=plan.chunks, ep=plan.mesh.ep,
+                            zero2_grad_sync=plan.zero2_grad_sync)
+    stage_of = [j for j, run in enumerate(plan.runs) for _ in run]
+    modes = [plan.recompute[layer.name] for layer in problem.layers]
+    evaluation = evaluate(build_cost_table(problem, config), stage_of, modes)
+    for stage, cost in zip(plan.stages, evaluation.stages):
+        if cost.memory["peak"] > cost.limit:
+            errors.append(f"stage {stage.index} needs {cost.memory['peak']} bytes, "
+                          f"limit {cost.limit}")
+        if stage.memory_bytes != StageMemory(**cost.memory):
+            errors.append(f"stage {stage.index} records memory {stage.memory_bytes}, "
+                          f"the cost model gives {cost.memory}")
+        if stage.limit_bytes != cost.limit:
+            errors.append(f"stage {stage.index} records limit {stage.limit_bytes}, "
+                          f"devices give {cost.limit}")
+    if plan.mesh.ep > 1:
+        from partc.planner.expert_parallel import expert_parallel_section
+
+        modes_t = tuple(modes)
+        if expert_parallel_section(problem, config, evaluation, modes_t) \
+                != plan.expert_parallel:
+            errors.append("the plan's expert_parallel section differs from the cost model's")
+    step = simulated_step_ps(config, evaluation)[0] / PS_PER_S
+    recorded = plan.predicted.step_time_s
+    if not math.isclose(recorded, step, rel_tol=1e-9, abs_tol=1e-15):
+        errors.append(f"predicted step time {recorded} s, the cost model gives {step} s")
+    return evaluation
+
+
+def _experts(problem: PlanningProblem, plan: Plan, errors: list[str]) -> None:
+    """Expert parallelism: the degree divides each stage's dp x tp ranks and every
+    mixture-of-experts layer's experts (with tp > 1, under sequence parallelism); the
+    plan's expert section says so, and its per-layer placement, parameters and
+    all-to-alls are what the layers' MoE figures give, by plain arithmetic."""
+    ep, section = plan.mesh.ep, plan.expert_parallel
+    moe = [(layer.name, layer.moe) for layer in problem.layers if layer.moe is not None]
+    if problem.pins.ep is not None and problem.pins.ep != ep:
+        errors.append(f"ep pinned to {problem.pins.ep}, plan has {ep}")
+    listed = tuple(name for name, cost in moe if cost.expert_form == "module-list")
+    if plan.module_list_experts != listed:
+        errors.append(f"the plan names {list(plan.module_list_experts)} as layers whose "
+                      f"experts are a module list, the model's are {list(listed)}")
+    if ep > 1 and listed:
+        errors.append(f"ep={ep} but the experts of layers {list(listed)} are a module "
+                      f"list, which the runtime does not split")
+    if ep == 1:
+        if section is not None:
+            errors.append("the plan has an expert_parallel section but ep=1")
+        return
+    if not moe:
+        errors.append(f"ep={ep} but the model has no mixture-of-experts layer")
+        return
+    if (plan.dp * plan.tp) % ep:
+        errors.append(f"ep={ep} does not divide dp x tp = {plan.dp * plan.tp}")
+    if plan.tp > 1 and not plan.sequence_parallel:
+        errors.append(f"ep={ep} with tp={plan.tp} needs sequence parallelism")
+    for name, cost in moe:
+        if cost.num_experts % ep:
+            errors.append(f"layer {name}: ep={ep} does not divide its {cost.num_experts} "
+                          f"experts")
+    if section is None:
+        errors.append(f"ep={ep} but the plan has no expert_parallel section")
+        return
+    if section.ep != ep or section.expert_dp * ep != plan.dp * plan.tp:
+        errors.append(f"expert_parallel says ep={section.ep}, expert_dp={section.expert_dp} "
+                      f"for mesh {plan.mesh}")
+    recorded = {layer.name: layer for layer in section.layers}
+    if set(recorded) != {name for name, _ in moe}:
+        errors.append(f"expert_parallel lists layers {sorted(recorded)}, the model's "
+                      f"mixture-of-experts layers are {[name for name, _ in moe]}")
+        return
+    m, b = plan.num_microbatches, plan.micro_batch_size
+    key = (plan.tp, plan.sequence_parallel, plan.tp_objective)
+    local = {layer.name: layer.moe for layer in problem.variant(*key).layers} \
+        if plan.tp > 1 and problem.tp_option(*key) is not None else {}
+    for name, cost in moe:
+        layer = recorded[name]
+        # A rank dispatches its own tokens: all of them, or with tensor parallelism its
+        # share (sequence parallelism: 1/tp, unless the variant's figures say otherwise).
+        rank = local.get(name)
+        tokens_share = 1.0 if plan.tp == 1 else (
+            rank.tokens_per_sample / cost.tokens_per_sample if rank is not None
+            else 1 / plan.tp)
+        calls = m * (4 + (2 if plan.recompute[name] != "none" else 0))
+        nbytes = calls * b * cost.dispatch_bytes * tokens_share * problem.train.measured_scale
+        if layer.local_experts * ep != cost.num_experts \
+                or layer.expert_params != cost.expert_param_count // ep:
+            errors.append(f"layer {name}: {layer.local_experts} experts of "
+                          f"{layer.expert_params} parameters per rank, not "
+                          f"{cost.num_experts} / ep={ep}")
+        if layer.all_to_alls != calls or abs(layer.all_to_all_bytes - nbytes) > 1 + 1e-9 * nbytes:
+            errors.append(f"layer {name}: {layer.all_to_alls} all-to-alls of "
+                          f"{layer.all_to_all_bytes} bytes per step recorded, its figures "
+                          f"give {calls} of {nbytes:.0f}")
+        bound = section.imbalance if section.capacity_factor is None \
+            else min(section.imbalance, section.capacity_factor)
+        if layer.worst_factor > bound + 1e-12:
+            errors.append(f"layer {name}: memory budgeted at {layer.worst_factor}x the "
+                          f"balanced routing, above the {bound}x assumed")
+
+
+def validate_plan(problem: PlanningProblem, plan: Plan) -> Evaluation:
+    """Raise PlanValidationError listing every violation; return the re-evaluation."""
+    errors: list[str] = []
+    _structure(problem, plan, errors)
+    _modes(problem, plan, errors)
+    _pins(problem, plan, errors)
+    _experts(problem, plan, errors)
+    evaluation = None
+    if not errors:
+        evaluation = _costs(problem, plan, errors)
+    if errors:
+        raise PlanValidationError("invalid plan:\n  " + "\n  ".join(errors))
+    return evaluation

@@ -1,0 +1,643 @@
+"""The plan report: what a person checks before spending a GPU-hour.
+
+Rendered from the Plan alone (so a saved plan.json renders the same report): the chosen
+mesh and schedule, predicted step time, throughput, MFU and bubble; the chosen mesh against
+every other (pp, dp, tp) factorisation of the devices; per-stage time by kind and memory
+per rank by category against its limit; the step played out per stage
+(:mod:`partc.cost.timeline`); the solver's statistics and how the search settled the plan; and
+the obvious alternatives under the same cost model with why the plan beats them.
+
+:func:`sections` holds that content as data; :func:`render` lays it out as text or
+markdown, writes the plan as JSON, or (``"html"``) hands it to :mod:`partc.report.html`
+for one self-contained page with pictures.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+from partc.cli.choices import REPORT_FORMATS
+from partc.placement import REPLICATE
+from partc.plan import MeshOutcome, Plan
+from partc.spec import dtype_name
+from partc.cost.timeline import Timeline, simulate, text_lines
+from partc.units import format_bytes, format_count, format_seconds
+
+FORMATS = REPORT_FORMATS
+
+
+def plural(n: int, noun: str, nouns: str | None = None) -> str:
+    """``1 microbatch``, ``16 microbatches``."""
+    return f"{n} {noun if n == 1 else nouns or noun + 's'}"
+
+
+def _microbatches(n: int) -> str:
+    return plural(n, "microbatch", "microbatches")
+
+
+def readable(n: float) -> str:
+    """A rate for people: three significant digits and a K/M/B/T suffix (42.7M)."""
+    for unit, size in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if abs(n) >= size * 0.9995:
+            return f"{n / size:.3g}{unit}"
+    return f"{n:.3g}"
+
+
+def _table(header: list[str], rows: list[list[str]], markdown: bool) -> list[str]:
+    if markdown:
+        lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+        return lines + ["| " + " | ".join(row) + " |" for row in rows]
+    widths = [max(len(str(c)) for c in col) for col in zip(header, *rows)]
+    fmt = "  ".join(f"{{:<{w}}}" for w in widths)
+    return [fmt.format(*header), fmt.format(*("-" * w for w in widths))] + [
+        fmt.format(*row) for row in rows]
+
+
+def _span(layers: tuple[str, ...] | list[str]) -> str:
+    return layers[0] if len(layers) == 1 else f"{layers[0]} .. {layers[-1]} ({len(layers)})"
+
+
+def _recompute_summary(recompute: dict[str, str]) -> str:
+    counts = {}
+    for mode in recompute.values():
+        counts[mode] = counts.get(mode, 0) + 1
+    return ", ".join(f"{mode} x{n}" for mode, n in sorted(counts.items()))
+
+
+_ATTENTION = {"as_written": "as the model writes it",
+              "fused": "fused (scaled_dot_product_attention where provably equal)"}
+
+
+def _headline(plan: Plan) -> list[str]:
+    p, model, budget, train = plan.predicted, plan.model, plan.budget, plan.train
+    zero = plan.effective_zero_stage
+    lines = [
+        f"model: {model.name}, {format_count(model.num_params)} parameters, "
+        f"{model.num_layers} layers (traced with {model.tracer})",
+        f"budget: {budget.num_devices} x {budget.device} "
+        f"({budget.memory} each, {budget.devices_per_node} per node)",
+        f"training: global batch {train.global_batch_size}, {dtype_name(train.dtype)}, "
+        f"{_optimizer(train.optimizer)}, attention {_ATTENTION[train.attention]}",
+        f"plan: {plan.mesh}"
+        + (f" (ZeRO-{zero}: {_zero_sharding(plan)})" if zero else "") + ", "
+        f"{plan.schedule}, {_microbatches(plan.num_microbatches)} of "
+        f"{plural(plan.micro_batch_size, 'sample')}",
+        f"predicted: step {format_seconds(p.step_time_s)}, "
+        f"{p.samples_per_s:.2f} samples/s"
+        + (f", {readable(p.tokens_per_s)} tokens/s" if p.tokens_per_s is not None else "")
+        + f", MFU {100 * p.mfu:.1f}%, bubble {100 * p.bubble_fraction:.1f}%, "
+        f"peak memory {format_bytes(p.peak_memory_bytes)}",
+        _checkpoint_line(plan),
+    ]
+    if train.loss_per_microbatch:
+        lines.append(f"loss: each microbatch's loss is its own (declared: "
+                     f"loss_per_microbatch), the mean of {plan.dp * plan.num_microbatches} "
+                     f"microbatches of {plural(plan.micro_batch_size, 'sample')}: a loss "
+                     f"that couples the samples of a batch differs from one device's "
+                     f"whole-batch loss")
+    return lines
+
+
+def _checkpoint_line(plan: Plan) -> str:
+    """The predicted save time, to check against a cluster's grace period on suspend."""
+    size, seconds = plan.checkpoint_bytes_per_rank, plan.predicted_save_s
+    rate = size / seconds / 1e9 if seconds else 0.0
+    return (f"checkpoint: {format_bytes(size)} per rank, saved in {format_seconds(seconds)} "
+            f"at {rate:g} GB/s (DeviceBudget.disk_bandwidth)")
+
+
+def _optimizer(optimizer: str | float) -> str:
+    if isinstance(optimizer, str):
+        return optimizer
+    return f"{optimizer:g} bytes of state per parameter"
+
+
+def _stage_rows(plan: Plan) -> list[list[str]]:
+    rows = []
+    for s in plan.stages:
+        t = s.time_s
+        rows.append([
+            str(s.index), " + ".join(_span(run) for run in s.runs) if s.runs else _span(s.layers),
+            format_count(s.param_count),
+            format_seconds(t.forward), format_seconds(t.backward),
+            format_seconds(t.recompute), format_seconds(t.comm),
+            f"{s.p2p.sends}/{s.p2p.recvs}" if s.p2p is not None else "-",
+            _recompute_summary(s.recompute),
+        ])
+    return rows
+
+
+# "step": the optimizer step's temporaries, held after the activations are gone (the
+# peak takes the larger of them and activations + transient + receive).
+_MEMORY_KINDS = ("params", "grads", "optimizer", "activations", "transient", "receive",
+                 "step")
+
+
+def _memory_rows(plan: Plan) -> list[list[str]]:
+    rows = []
+    for s in plan.stages:
+        mem = s.memory_bytes
+        rows.append([str(s.index)] + [format_bytes(getattr(mem, kind)) for kind in _MEMORY_KINDS]
+                    + [f"{format_bytes(mem.peak)} / {format_bytes(s.limit_bytes)} "
+                       f"({100 * mem.peak / s.limit_bytes:.0f}%)"])
+    return rows
+
+
+def _zero_sharding(plan: Plan) -> str:
+    """What the plan's ZeRO stage shards over dp, and when ZeRO-2 reduces gradients."""
+    zero = plan.effective_zero_stage
+    if plan.reduces_once:
+        return (f"{_ZERO_SHARDS[1]} sharded over dp, gradients accumulated whole over "
+                f"the {plan.num_microbatches} microbatches and reduce-scattered once per step")
+    return f"{_ZERO_SHARDS[zero]} sharded over dp"
+
+
+def _memory_lines(plan: Plan) -> list[str]:
+    stage = plan.effective_zero_stage
+    sharded = _ZERO_SHARDS.get(1 if plan.reduces_once else stage)
+    zero = f"; ZeRO-{stage} keeps 1/{plan.dp} of the {sharded}" if sharded else ""
+    if plan.reduces_once:
+        zero += " and the whole fp32 gradient, accumulated until the step's last backward"
+    gathered = {2: " (and the weights gathered for the step beside their shards)",
+                3: " (and, as transient, one layer's gathered weights and the next's)"
+                }.get(stage, "")
+    return [f"Every rank of a stage holds the same: its layers' weights, gradients and "
+            f"optimizer state{zero}{gathered}; the activations saved for the microbatches "
+            f"in flight; the largest working set of one layer (transient); the pipeline's "
+            f"receive buffer for the gradient coming back to the backward being run "
+            f"(receive; the activations coming in are the saved inputs). The optimizer "
+            f"step's temporaries (step) come once the activations are gone: the peak is "
+            f"the state and the larger of the two."]
+
+
+_ZERO_SHARDS = {1: "optimizer state", 2: "gradients and optimizer state",
+                3: "weights, gradients and optimizer state"}
+
+
+def _is_chosen(plan: Plan, outcome: MeshOutcome) -> bool:
+    # A factorisation (pp, dp, tp): the expert-parallel degree is one of its choices.
+    return (outcome.pp, outcome.dp, outcome.tp) == (plan.pp, plan.dp, plan.tp)
+
+
+def _mesh_config(mesh: MeshOutcome) -> str:
+    return (f"{mesh.micro_batch_size} x {mesh.num_microbatches}, {mesh.schedule}, "
+            f"ZeRO-{mesh.zero_stage}"
+            + (" (once per step)" if mesh.zero2_grad_sync == "step" else "")
+            + (", sequence parallel" if mesh.sequence_parallel else "")
+            + (f", ep={mesh.ep}" if mesh.ep and mesh.ep > 1 else ""))
+
+
+def _mesh_chosen(plan: Plan) -> str:
+    sp = ", sequence parallel" if plan.sequence_parallel else ""
+    once = " (gradients reduce-scattered once per step)" if plan.reduces_once else ""
+    return (f"chosen: {plan.mesh}, ZeRO-{plan.zero_stage}{once}, "
+            f"{plan.schedule}, b x m = {plan.micro_batch_size} x {plan.num_microbatches}{sp}")
+
+
+def _ranking_step(plan: Plan) -> float:
+    """The step time meshes were ranked by: the closed form of the search's plan on the
+    chosen mesh (``solver.objective``; the plan's own step is its schedule played out, and
+    the automatic schedule choice may have run another schedule on that mesh)."""
+    return (plan.solver.objective or plan.predicted.closed_form_step_s
+            or plan.predicted.step_time_s)
+
+
+def _mesh_why(plan: Plan) -> str:
+    """One line: what the chosen mesh beats, by how much, or why it is the only one."""
+    step = _ranking_step(plan)
+    others = [m for m in plan.meshes if not _is_chosen(plan, m)]
+    solved = [m for m in others if m.outcome == "solved"]
+    unsettled = [m for m in others if m.outcome in ("pruned", "time limit")]
+    unfit = len(others) - len(solved) - len(unsettled)
+    timed_out = sum(m.outcome == "time limit" for m in others)
+    low = min(unsettled, key=lambda m: m.bound_s, default=None)
+    if solved:
+        runner = solved[0]
+        why = (f"fastest predicted step; the runner-up, {runner.mesh}, takes "
+               f"{format_seconds(runner.step_time_s)} ({runner.step_time_s / step:.2f}x)")
+    elif low is not None and low.bound_s >= step:
+        why = (f"no other factorisation can beat it: the lowest bound among the rest is "
+               f"{low.mesh}'s, {format_seconds(low.bound_s)} "
+               f"({low.bound_s / step:.2f}x)" + (f"; {unfit} do not fit" if unfit else ""))
+    elif low is not None:
+        why = (f"the best found; {low.mesh} was not settled within the solver's "
+               f"time limit and might be faster (bound {format_seconds(low.bound_s)})")
+        timed_out = 0
+    elif others:
+        why = f"the only factorisation that fits ({unfit} others do not)"
+    else:
+        why = "the only factorisation the device count, the pins and the batch allow"
+    if timed_out:
+        why += f"; {timed_out} not settled within the solver's time limit"
+    return "why: " + why
+
+
+def _mesh_rows(plan: Plan) -> list[list[str]]:
+    # Meshes are ranked by the planner's closed-form step (the plan's own step is the
+    # schedule played out): ratios against the chosen mesh's closed form, like for like.
+    step = _ranking_step(plan)
+    rows = []
+    for mesh in plan.meshes:
+        axes = [str(mesh.pp), str(mesh.dp), str(mesh.tp)]
+        if mesh.outcome == "solved":
+            notes = ["chosen"] if _is_chosen(plan, mesh) else []
+            # Its other configurations were pruned against the chosen plan, or cut short.
+            if mesh.bound_s < 0.995 * mesh.step_time_s:
+                notes.append(f"best found (bound {format_seconds(mesh.bound_s)})")
+            rows.append(axes + [_mesh_config(mesh), format_seconds(mesh.step_time_s),
+                                f"{mesh.step_time_s / step:.2f}x", "; ".join(notes)])
+            continue
+        rows.append(axes + ["-", "-", "-", _no_plan_reason(mesh, step)])
+    return rows
+
+
+def _no_plan_reason(mesh: MeshOutcome, step: float) -> str:
+    if mesh.outcome == "infeasible":
+        if mesh.need_bytes is None:
+            return "does not fit under the pins"
+        return (f"does not fit: needs {format_bytes(mesh.need_bytes)} of "
+                f"{format_bytes(mesh.limit_bytes)} per device")
+    bound = f"bound >= {format_seconds(mesh.bound_s)} ({mesh.bound_s / step:.2f}x)"
+    return f"pruned: {bound}" if mesh.outcome == "pruned" else f"time limit: {bound}"
+
+
+def _alternative_rows(plan: Plan) -> list[list[str]]:
+    step = plan.predicted.step_time_s
+    rows = [["partc plan", format_seconds(step), "1.00x", "yes",
+             format_bytes(plan.predicted.peak_memory_bytes),
+             " / ".join(str(len(run)) for run in plan.runs)]]
+    for alt in plan.alternatives:
+        rows.append([
+            alt.name, format_seconds(alt.step_time_s), f"{alt.step_time_s / step:.2f}x",
+            "yes" if alt.fits else f"no (stage {alt.worst_stage})",
+            format_bytes(alt.peak_memory_bytes),
+            " / ".join(str(len(s)) for s in alt.stages) + f", recompute {alt.recompute}",
+        ])
+    return rows
+
+
+_SHORT = {"all_reduce": "AR", "all_gather": "AG", "reduce_scatter": "RS"}
+
+
+def _tp_layer_rows(plan: Plan) -> list[list[str]]:
+    """Per layer (consecutive layers alike in one row): its sharded parameters, its
+    collectives per microbatch, their bytes per step, and why it stays replicated."""
+    section, tp = plan.tensor_parallel, plan.tp
+    steps = plan.num_microbatches
+    rows, last_key = [], None
+    for layer in plan.layer_names:
+        prefix = layer + "."
+        sharded = sorted(f"{fqn[len(prefix):]} {placement}"
+                         for fqn, placement in section.params.items()
+                         if fqn.startswith(prefix) and placement != REPLICATE)
+        moves = section.collectives.get(layer, ())
+        counts: dict[str, int] = {}
+        for move in moves:
+            phase = "fwd" if move.phase == "forward" else "bwd"
+            label = f"{_SHORT.get(move.kind, move.kind)} {phase}"
+            counts[label] = counts.get(label, 0) + 1
+        tensor_bytes = sum(move.nbytes for move in moves) * steps
+        seconds = section.collective_seconds.get(layer, 0.0) * steps
+        sent = sum(move.nbytes * (2 if move.kind == "all_reduce" else 1) * (tp - 1) / tp
+                   for move in moves) * steps
+        key = (tuple(s.split(".", 1)[-1] for s in sharded),
+               tuple(sorted(counts.items())), tensor_bytes, section.notes.get(layer, ""))
+        if key == last_key:
+            rows[-1][0].append(layer)
+            continue
+        last_key = key
+        rows.append([[layer], ", ".join(sharded) or "-",
+                     ", ".join(f"{n} {label}" for label, n in sorted(counts.items())) or "-",
+                     format_bytes(tensor_bytes) if moves else "-",
+                     format_bytes(sent) if moves else "-",
+                     format_seconds(seconds) if moves else "-", key[3] or ""])
+    return [[_span(row[0])] + row[1:] for row in rows]
+
+
+def _tp_lines(plan: Plan) -> list[str]:
+    section = plan.tensor_parallel
+    sp = "on" if section.sequence_parallel else "off"
+    objective = {"time": "fastest", "memory": "fewest parameter bytes" + (
+        ", then activation bytes" if section.sequence_parallel else "")}.get(
+        section.objective, section.objective)
+    partial = section.partial_grad_params
+    summed = (f"; {len(partial)} replicated parameters (biases after a row-parallel split, "
+              f"norms on sequence shards) get partial gradients, summed across the group "
+              f"once per step" if partial else "")
+    return [f"tp={section.degree} within a node, sequence parallelism {sp}, sharding chosen "
+            f"for {objective} first{summed}. Collectives are per "
+            f"microbatch; bytes and time are per step "
+            f"({_microbatches(plan.num_microbatches)}): the tensors' size, what each rank "
+            f"sends in a ring, and the time the collectives take (counted in the stages' "
+            f"forward and backward)."]
+
+
+def _expert_rows(plan: Plan) -> list[list[str]]:
+    """Per mixture-of-experts layer (consecutive layers alike in one row): its stage,
+    the experts each rank holds, their parameters per rank, its all-to-alls per step
+    and the routing its memory was budgeted for."""
+    section = plan.expert_parallel
+    rows, last_key = [], None
+    for layer in section.layers:
+        key = (layer.stage, layer.num_experts, layer.top_k, layer.local_experts,
+               layer.expert_params, layer.all_to_alls, layer.all_to_all_bytes,
+               layer.all_to_all_s, layer.worst_factor)
+        if key == last_key:
+            rows[-1][0].append(layer.name)
+            continue
+        last_key = key
+        rows.append([[layer.name], str(layer.stage),
+                     f"{layer.local_experts} of {layer.num_experts} (top-{layer.top_k}): "
+                     f"rank e holds e*{layer.local_experts}..e*{layer.local_experts}"
+                     f"+{layer.local_experts - 1}",
+                     format_count(layer.expert_params), str(layer.all_to_alls),
+                     format_bytes(layer.all_to_all_bytes), format_seconds(layer.all_to_all_s),
+                     f"{layer.worst_factor:g}x"])
+    return [[_span(row[0])] + row[1:] for row in rows]
+
+
+def _expert_lines(plan: Plan) -> list[str]:
+    section = plan.expert_parallel
+    where = "over the network (a group spans nodes)" if section.crosses_nodes \
+        else "over NVLink (each group inside a node)"
+    routing = "dropless" if section.capacity_factor is None else (
+        f"capacity factor {section.capacity_factor:g} (tokens beyond it dropped)")
+    busiest = max(range(len(section.stage_all_to_all_s)),
+                  key=lambda s: section.stage_all_to_all_s[s])
+    return [f"ep={section.ep}: each stage's dp x tp = {plan.dp * plan.tp} ranks form groups "
+            f"of {section.ep} consecutive ranks splitting every mixture-of-experts layer's "
+            f"experts; "
+            + (f"the {section.expert_dp} ranks holding the same experts reduce their "
+               f"gradients." if section.expert_dp > 1 else
+               "no other rank holds the same experts (no expert gradient reduction).")
+            + f" Tokens move by all-to-all {where}, {routing}.",
+            f"All-to-all per step on a rank of stage {busiest} (the busiest): "
+            f"{format_bytes(section.stage_all_to_all_bytes[busiest])} in "
+            f"{format_seconds(section.stage_all_to_all_s[busiest])} (counted in the "
+            f"stages' forward, backward and recompute, not overlapped with compute).",
+            f"Time is priced at balanced routing; memory at {section.imbalance:g}x the "
+            f"balanced tokens per expert (TrainSpec.moe_imbalance)"
+            + (f", at most the capacity factor {section.capacity_factor:g}"
+               if section.capacity_factor is not None else "") + "."]
+
+
+def _module_list_line(plan: Plan) -> str:
+    """Why ep stays 1: the model's experts are a module list, which the runtime does not
+    split."""
+    layers = plan.module_list_experts
+    names = ", ".join(layers) if len(layers) <= 4 else f"{layers[0]} .. {layers[-1]}"
+    return (f"ep=1: the experts of {plural(len(layers), 'mixture-of-experts layer')} "
+            f"({names}) are an nn.ModuleList called one by one, and expert "
+            f"parallelism needs batched expert weights (one parameter per projection "
+            f"with a leading experts dimension, run over the tokens sorted by expert, as "
+            f"Hugging Face's current MoE models hold them). Every rank holds every "
+            f"expert; hold the experts as batched weights to let the planner split them.")
+
+
+def _expert_overflow(plan: Plan) -> list[str]:
+    """What happens to memory if routing is worse than budgeted: per stage holding
+    experts, its need at twice the budgeted routing, and where it runs out."""
+    section = plan.expert_parallel
+    if section.capacity_factor is not None and section.capacity_factor <= section.imbalance:
+        return [f"Routing cannot exceed the budget: an expert takes at most "
+                f"{section.capacity_factor:g}x its balanced share, the rest is dropped."]
+    lines = []
+    for stage in plan.stages:
+        extra = section.stage_expert_activation_bytes[stage.index]
+        mine = [l for l in section.layers if l.stage == stage.index]
+        if not extra or not mine:
+            continue
+        factor = max(l.worst_factor for l in mine)
+        # The most a rank's experts can receive: every token of the group, each to
+        # min(top-k, its experts) of them.
+        ceiling = min(section.ep * min(l.top_k, l.local_experts) / l.top_k for l in mine)
+        doubled = min(2 * factor, ceiling)
+        need = stage.memory_bytes.peak + int(extra * (doubled / factor - 1))
+        verdict = "fits" if need <= stage.limit_bytes else "does not fit"
+        slack = stage.limit_bytes - stage.memory_bytes.peak
+        limit_factor = factor * (1 + slack / extra)
+        runs_out = (f"it runs out of memory above {limit_factor:.3g}x balanced routing"
+                    if limit_factor < ceiling else
+                    f"it fits even when routing sends its experts all it can ({ceiling:g}x)")
+        lines.append(f"At 2x the assumed imbalance ({doubled:g}x balanced"
+                     + (", the most routing can send" if doubled < 2 * factor else "")
+                     + f") stage {stage.index} needs {format_bytes(need)} of "
+                     f"{format_bytes(stage.limit_bytes)} ({verdict}); {runs_out}.")
+    return lines
+
+
+def _why(plan: Plan) -> list[str]:
+    step = plan.predicted.step_time_s
+    lines = []
+    for alt in plan.alternatives:
+        if not alt.fits:
+            lines.append(f"- {alt.name} ({alt.description}) does not fit: stage "
+                         f"{alt.worst_stage} needs {format_bytes(alt.worst_need_bytes)} "
+                         f"against {format_bytes(alt.worst_limit_bytes)}.")
+            continue
+        saving = 100 * (1 - step / alt.step_time_s)
+        verdict = (f"the plan is {saving:.1f}% faster" if saving >= 0.05
+                   else "the plan ties with it")
+        lines.append(
+            f"- {alt.name} ({alt.description}, recompute {alt.recompute}): "
+            f"{format_seconds(alt.step_time_s)} per step; {verdict} "
+            f"(slowest stage {format_seconds(alt.bottleneck_s)} per microbatch vs "
+            f"{format_seconds(plan.predicted.bottleneck_s)}).")
+    return lines
+
+
+_STATUS = {
+    "OPTIMAL": "no configuration can beat this plan under the cost model",
+    "FEASIBLE": "the best plan found within the time limit; none can beat the bound",
+}
+
+
+def _solver(plan: Plan) -> list[str]:
+    """What the search settled and how: a plan is OPTIMAL when each configuration was
+    either solved (CP-SAT to its optimum, or until its proven bound reached the best plan)
+    or ruled out by its lower bound without a solve."""
+    s = plan.solver
+    verdict = _STATUS.get(s.status, s.status)
+    lines = [f"solver: {s.status} ({verdict}): step {format_seconds(s.objective)}, bound "
+             f"{format_seconds(s.bound)}, gap {100 * s.gap:.2f}%, {s.solve_time_s:.2f} s"]
+    if not s.configs_total:   # a plan saved before partc counted configurations
+        return lines
+    how = (f"search: {plural(s.configs_total, 'configuration')} (mesh, micro-batch size, "
+           f"schedule, ZeRO stage); ")
+    if s.configs_solved:
+        how += (f"{s.configs_solved} searched with CP-SAT (to the optimum, or until the "
+                f"bound it proved reached the best plan's step time); the other "
+                f"{s.configs_pruned} ruled out without a solve: their lower bound was no "
+                f"better than the best plan's step time (or showed they cannot fit)")
+    else:
+        how += ("none needed CP-SAT: the greedy starting plan meets its own "
+                "configuration's lower bound, and no other configuration's bound is lower")
+    unsettled = s.configs_total - s.configs_solved - s.configs_pruned
+    if unsettled > 0:
+        how += f"; {unsettled} not reached within the time limit"
+    solved = [o for o in plan.schedules if o.how.startswith("solved split")]
+    if solved:
+        how += (f". The step and bound above are the closed form's (1F1B, GPipe), which "
+                f"chose the mesh; then {plural(len(solved), 'other schedule')} were solved "
+                f"on it and the one whose order plays out fastest kept ({plan.schedule}; "
+                f"see Schedules)")
+    return lines + [how]
+
+
+def _timeline_lines(plan: Plan, timeline: Timeline) -> list[str]:
+    virtual = f", {plan.chunks} virtual stages per rank" if plan.chunks > 1 else ""
+    closed = plan.predicted.closed_form_step_s
+    return [f"One step per pipeline stage ({plan.schedule}{virtual}, "
+            f"{_microbatches(plan.num_microbatches)}), in the schedule's own order, played "
+            f"out from the stage times above: F forward, B backward (its input-gradient "
+            f"part under a zero-bubble schedule), W weight gradient, R recompute, "
+            f"c communication (sends, tensor-parallel collectives), T tail (the exposed "
+            f"part of the gradient sync and of ZeRO-1's weight all-gather, the optimizer "
+            f"step), . waiting. Simulated step "
+            f"{format_seconds(timeline.step_s)}, bubble "
+            f"{100 * timeline.bubble_fraction:.1f}%"
+            + (f" (the planner's closed form: {format_seconds(closed)})" if closed else "")
+            + "."]
+
+
+def _schedule_rows(plan: Plan) -> list[list[str]]:
+    step = plan.predicted.step_time_s
+    rows = []
+    for option in plan.schedules:
+        if option.step_time_s is None:
+            rows.append([option.schedule, str(option.virtual_stages), "-", "-", "-", "-",
+                         option.how])
+            continue
+        rows.append([option.schedule, str(option.virtual_stages),
+                     format_seconds(option.step_time_s),
+                     f"{option.step_time_s / step:.2f}x" if step else "-",
+                     f"{100 * (option.bubble_fraction or 0.0):.1f}%",
+                     format_bytes(option.peak_memory_bytes or 0), option.how])
+    return rows
+
+
+@dataclass(frozen=True, kw_only=True)
+class Section:
+    """One part of the report, for every format: its ``title`` (None: none), lines (a
+    bullet each in markdown, ``notes`` plain paragraphs), an optional table, a block of
+    ``preformatted`` lines, and ``after``: lines after the table."""
+
+    key: str
+    title: str | None
+    bullets: tuple[str, ...] = ()
+    notes: tuple[str, ...] = ()
+    header: tuple[str, ...] = ()
+    rows: tuple[tuple[str, ...], ...] = ()
+    preformatted: tuple[str, ...] = ()
+    after: tuple[str, ...] = ()
+
+
+def sections(plan: Plan, timeline: Timeline | None = None) -> list[Section]:
+    """The report's content, in order; :func:`render` and the HTML report lay it out.
+    ``timeline``: the plan's :func:`partc.cost.timeline.simulate`, when the caller has it."""
+    timeline = timeline if timeline is not None else simulate(plan)
+    out = [Section(key="plan", title=None, bullets=tuple(_headline(plan)))]
+    mesh = (_mesh_chosen(plan),) + ((_mesh_why(plan),) if plan.meshes else ())
+    out.append(Section(
+        key="mesh", title="Mesh", bullets=mesh,
+        header=("pp", "dp", "tp", "best config (b x m, schedule, ZeRO)",
+                "step time (planner's closed form)", "vs chosen", "note")
+        if plan.meshes else (),
+        rows=_rows(_mesh_rows(plan)) if plan.meshes else ()))
+    out.append(Section(
+        key="stages", title="Stages",
+        header=("stage", "layers", "params", "forward", "backward", "recompute", "comm",
+                "p2p send/recv", "recompute modes"), rows=_rows(_stage_rows(plan))))
+    out.append(Section(key="timeline", title="Timeline",
+                       notes=tuple(_timeline_lines(plan, timeline)),
+                       preformatted=tuple(text_lines(timeline))))
+    if plan.schedules:
+        out.append(Section(
+            key="schedules", title="Schedules",
+            notes=(f"Every pipeline schedule on this mesh ({plan.pp} stages, "
+                   f"{_microbatches(plan.num_microbatches)}), each played out in its own "
+                   f"order: the chosen plan first, then each other schedule with the "
+                   f"stage split the planner solved for it (when the schedule, or a "
+                   f"pinned schedule's virtual stages, were left to it; \"solved split\") "
+                   f"or the greedy split of its virtual stages. "
+                   f"Export the chosen order in torch's pipelining "
+                   f"CSV format with partc.cost.timeline.csv_text (program.save writes "
+                   f"schedule.csv).",),
+            header=("schedule", "v", "step time", "vs chosen", "bubble", "peak memory",
+                    "split"),
+            rows=_rows(_schedule_rows(plan))))
+    out.append(Section(key="memory", title="Memory per rank", notes=tuple(_memory_lines(plan)),
+                       header=("stage", *_MEMORY_KINDS, "peak / limit"),
+                       rows=_rows(_memory_rows(plan))))
+    if plan.tp > 1 and plan.tensor_parallel is not None:
+        out.append(Section(
+            key="tensor_parallel", title="Tensor parallelism", notes=tuple(_tp_lines(plan)),
+            header=("layers", "sharded parameters", "collectives per microbatch",
+                    "bytes per step", "sent per rank", "time per step", "why replicated"),
+            rows=_rows(_tp_layer_rows(plan))))
+    if plan.expert_parallel is not None:
+        out.append(Section(
+            key="expert_parallel", title="Expert parallelism", notes=tuple(_expert_lines(plan)),
+            header=("layers", "stage", "experts per rank", "expert params per rank",
+                    "all-to-alls per step", "bytes per step", "time per step",
+                    "memory budgeted for"),
+            rows=_rows(_expert_rows(plan)), after=tuple(_expert_overflow(plan))))
+    elif plan.module_list_experts:
+        out.append(Section(key="expert_parallel", title="Expert parallelism",
+                           notes=(_module_list_line(plan),)))
+    out.append(Section(
+        key="alternatives", title="Against the obvious alternatives",
+        header=("plan", "step time", "vs plan", "fits", "peak memory", "layers per stage"),
+        rows=_rows(_alternative_rows(plan)), after=tuple(_why(plan))))
+    out.append(Section(key="solver", title=None, bullets=tuple(_solver(plan))))
+    return out
+
+
+def _rows(rows: list[list[str]]) -> tuple[tuple[str, ...], ...]:
+    return tuple(tuple(row) for row in rows)
+
+
+_TEXT_TITLES = {"Against the obvious alternatives": "Alternatives"}
+
+
+def _lay_out(section: Section, md: bool) -> list[str]:
+    out = []
+    if section.title is not None:
+        title = section.title if md else _TEXT_TITLES.get(section.title, section.title)
+        out += ["", f"## {title}" if md else f"{title}:", ""]
+    else:
+        out += [""] if section.key != "plan" else []
+    out += [("- " if md else "") + line for line in section.bullets]
+    out += list(section.notes)
+    if section.preformatted:
+        block = list(section.preformatted)
+        out += [""] + (["```", *block, "```"] if md else block)
+    if section.header:
+        out += ([""] if section.bullets or section.notes else [])
+        out += _table(list(section.header), [list(r) for r in section.rows], md)
+    if section.after:
+        out += [""] + list(section.after)
+    return out
+
+
+def render(plan: Plan, format: str = "text") -> str:
+    """The report as ``format``: one of :data:`FORMATS` ("html": one self-contained page
+    with pictures, :mod:`partc.report.html`)."""
+    if format not in FORMATS:
+        raise ValueError(f"report format must be one of {FORMATS}, got {format!r}")
+    if format == "json":
+        return json.dumps(plan.to_dict(), indent=2)
+    if format == "html":
+        from partc.report.html import render_html   # matplotlib: imported only for pictures
+
+        return render_html(plan)
+    return lay_out(sections(plan), markdown=format == "markdown")
+
+
+def lay_out(content: list[Section], *, markdown: bool = False) -> str:
+    """The report's sections as text or markdown."""
+    out = ["# partc plan", ""] if markdown else ["partc plan", "=========="]
+    for section in content:
+        out += _lay_out(section, markdown)
+    return "\n".join(out + [""])

@@ -1,0 +1,215 @@
+"""What a forward runs around each repeated block, recorded without tracing.
+
+:mod:`partc.passes.helpers.dedupe` traces a model that holds a few representatives of each
+repeated container and copies their layers to the blocks they stand for. That is right
+only if the whole model runs, around every block it does not trace, exactly what it runs
+around the block standing for it. A block's class and parameters do not show that: the
+model's own forward may treat blocks apart (``if i == 4: x = x + skip``), and a block may
+read state that is the same object in every block (``config.layer_types[self.layer_idx]``).
+
+So the forward is run once, eagerly, on fake tensors (no real compute, no state written:
+parameters and buffers are fakes passed through ``torch.func.functional_call``), under a
+``TorchFunctionMode`` that records every torch call the model's Python makes (``linear``,
+``Tensor.add``, ``Tensor.view`` …; calls made inside another recorded call are not
+seen). A hook on each block starts a new *segment* when the block is entered, so a
+block's segment holds its own ops and all the model's code after it up to the next
+block: everything the ``layers`` pass can put in the block's layer, and more.
+
+Each recorded call is described by its function, its plain arguments (numbers, shapes,
+dtypes, slices) by value, its tensor arguments by where they come from, and the shapes,
+dtypes and gradient flags of what it returns. A tensor comes from a model input, from a
+parameter or buffer (named relative to its block), or from an earlier call, named by the
+segment that made it and the call's position there. Segments are named as the block that
+opens them, relative to the block that reads them within one container (``-1``: the
+previous block, whatever its index) and through a caller-given mapping otherwise (dedupe
+maps each block to the representative that stands for it): equal descriptions mean that
+the layer graphs, the code between blocks included, are the same up to block indices.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import enum
+from dataclasses import dataclass, field
+from typing import Any, Callable, Hashable, Iterator
+
+import torch
+import torch.utils._pytree as pytree
+from torch import nn
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.overrides import TorchFunctionMode
+
+PREFIX = None  # the segment before the first block of any container
+
+Segment = tuple[int, int] | None  # (container number, block position) or PREFIX
+
+
+@dataclass
+class Recording:
+    """One forward's calls, per segment, with the order in which blocks were entered."""
+
+    containers: tuple[str, ...]
+    entered: list[tuple[int, int]] = field(default_factory=list)
+    calls: dict[Segment, list[tuple]] = field(default_factory=dict)
+    params: dict[str, tuple[Segment, str]] = field(default_factory=dict)  # fqn → owner
+
+    def describe(self, segment: Segment, rep: Callable[[int, int], Hashable]) -> tuple:
+        """The calls of ``segment``, every reference to another segment made relative
+        (same container) or mapped by ``rep(container, position)`` (any other)."""
+        def place(other: Segment) -> Hashable:
+            if other is PREFIX:
+                return "prefix"
+            if segment is not PREFIX and other[0] == segment[0]:
+                return ("relative", other[1] - segment[1])
+            return ("block", other[0], rep(*other))
+
+        def resolve(value: Any) -> Any:
+            if isinstance(value, _Ref):
+                return ("value", place(value.segment), value.call, value.leaf, value.kind)
+            if isinstance(value, _Param):
+                owner, name = self.params[value.fqn]
+                where = value.fqn if owner is PREFIX else place(owner)
+                return ("param", where, name, value.kind)
+            if isinstance(value, tuple):
+                return tuple(resolve(v) for v in value)
+            return value
+
+        return tuple(resolve(call) for call in self.calls.get(segment, []))
+
+
+@dataclass(frozen=True)
+class _Ref:
+    segment: Segment
+    call: int
+    leaf: int
+    kind: tuple  # shape, dtype, requires_grad
+
+
+@dataclass(frozen=True)
+class _Param:
+    fqn: str
+    kind: tuple
+
+
+class _Recorder(TorchFunctionMode):
+    def __init__(self, recording: Recording, fqns: dict[int, str], inputs: dict[int, int]):
+        super().__init__()
+        self.recording, self.fqns, self.inputs = recording, fqns, inputs
+        self.segment: Segment = PREFIX
+        self.made: dict[int, _Ref] = {}
+        self.alive: list[Any] = []  # keeps ids unique while recording
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        calls = self.recording.calls.setdefault(self.segment, [])
+        calls.append((_name(func), self._arg(args), self._arg(kwargs), _kind(out)))
+        leaves = [v for v in pytree.tree_leaves(out) if isinstance(v, torch.Tensor)]
+        for leaf, tensor in enumerate(leaves):
+            self.made[id(tensor)] = _Ref(self.segment, len(calls) - 1, leaf, _kind(tensor))
+        self.alive.append(out)
+        return out
+
+    def _arg(self, value: Any) -> Any:
+        if isinstance(value, torch.Tensor):
+            key = id(value)
+            if key in self.fqns:
+                return _Param(self.fqns[key], _kind(value))
+            if key in self.made:
+                return self.made[key]
+            if key in self.inputs:
+                return ("input", self.inputs[key], _kind(value))
+            return ("tensor", _kind(value))  # made outside any torch call seen here
+        if isinstance(value, (tuple, list)):
+            return (type(value).__name__,) + tuple(self._arg(v) for v in value)
+        if isinstance(value, dict):
+            return ("dict",) + tuple((k, self._arg(v)) for k, v in value.items())
+        if isinstance(value, slice):
+            return ("slice", self._arg(value.start), self._arg(value.stop),
+                    self._arg(value.step))
+        return _plain(value)
+
+    def enter(self, container: int, position: int) -> None:
+        self.segment = (container, position)
+        self.recording.entered.append(self.segment)
+
+
+def _name(func: Any) -> str:
+    return f"{getattr(func, '__module__', None)}.{getattr(func, '__qualname__', repr(func))}"
+
+
+def _kind(value: Any) -> tuple:
+    if isinstance(value, torch.Tensor):
+        return ("T", tuple(value.shape), str(value.dtype), value.requires_grad)
+    if isinstance(value, (tuple, list)):
+        return tuple(_kind(v) for v in value)
+    return _plain(value)
+
+
+def _plain(value: Any) -> Any:
+    if value is None or isinstance(value, (bool, int, float, complex, str, bytes,
+                                           torch.dtype, torch.device, torch.Size,
+                                           torch.memory_format, torch.layout, enum.Enum)):
+        return (type(value).__name__, repr(value))
+    return ("object", type(value).__qualname__)  # by type: its content is not compared
+
+
+def record(model: nn.Module, containers: tuple[str, ...], args: tuple, kwargs: dict
+           ) -> Recording:
+    """Run ``model`` on fakes of ``args``/``kwargs``, its parameters and buffers fakes
+    too, recording each segment of the blocks of ``containers`` (as they hold now)."""
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    recording = Recording(containers=containers)
+    named = dict(model.named_parameters(remove_duplicate=False))
+    named.update(model.named_buffers(remove_duplicate=False))
+    device = next(iter(named.values())).device if named else torch.device("cpu")
+    with mode:
+        fakes_by_id: dict[int, torch.Tensor] = {}
+        for tensor in named.values():
+            if id(tensor) not in fakes_by_id:
+                fake = torch.empty_strided(tuple(tensor.shape), tuple(tensor.stride()),
+                                           dtype=tensor.dtype, device=tensor.device)
+                fakes_by_id[id(tensor)] = fake.requires_grad_(tensor.requires_grad)
+        fake_args, fake_kwargs = pytree.tree_map_only(
+            torch.Tensor, lambda t: torch.empty_strided(
+                tuple(t.shape), tuple(t.stride()), dtype=t.dtype, device=device),
+            (args, kwargs))
+    fakes = {fqn: fakes_by_id[id(t)] for fqn, t in named.items()}
+    fqns = {id(fake): fqn for fqn, fake in reversed(list(fakes.items()))}
+    _owners(model, containers, recording, named)
+    inputs = {id(t): i for i, t in enumerate(pytree.tree_leaves((fake_args, fake_kwargs)))
+              if isinstance(t, torch.Tensor)}
+    recorder = _Recorder(recording, fqns, inputs)
+    with _entry_hooks(model, containers, recorder), mode, recorder:
+        torch.func.functional_call(model, fakes, fake_args, fake_kwargs, tie_weights=False)
+    return recording
+
+
+def _owners(model: nn.Module, containers: tuple[str, ...], recording: Recording,
+            named: dict[str, torch.Tensor]) -> None:
+    """Each parameter's block (or PREFIX: outside every block) and name within it."""
+    for fqn in named:
+        recording.params[fqn] = (PREFIX, fqn)
+        for number, container in enumerate(containers):
+            prefix = f"{container}." if container else ""
+            rest = fqn[len(prefix):] if fqn.startswith(prefix) else None
+            position, _, name = (rest or "").partition(".")
+            if rest and position.isdigit() and \
+                    int(position) < len(model.get_submodule(container)._modules):
+                recording.params[fqn] = ((number, int(position)), name)
+
+
+@contextlib.contextmanager
+def _entry_hooks(model: nn.Module, containers: tuple[str, ...], recorder: _Recorder
+                 ) -> Iterator[None]:
+    handles = []
+    try:
+        for number, container in enumerate(containers):
+            for position, block in enumerate(model.get_submodule(container)._modules.values()):
+                def hook(module, inputs, number=number, position=position):
+                    recorder.enter(number, position)
+                handles.append(block.register_forward_pre_hook(hook))
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()

@@ -1,0 +1,1 @@
+"""Tensor parallelism on the graph: per-op strategy rules, the CP-SAT chooser of one strategy per node, and the rewrite that applies a choice."""
