@@ -26,7 +26,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from partc.errors import PartcError
 
@@ -102,7 +105,7 @@ class SafetensorsWeights(Mapping):
     """Tensors of safetensors files, each read from its file on first access."""
 
     def __init__(self, files: list[Path], index: Path | None = None) -> None:
-        try:
+        try:   # an optional dependency: only a model read from safetensors files needs it
             from safetensors import safe_open
         except ImportError:
             raise PartcError("reading *.safetensors needs the safetensors package "
@@ -160,9 +163,6 @@ class DcpWeights(Mapping):
     this process alone (no collective: ranks ask for different tensors)."""
 
     def __init__(self, directory: Path) -> None:
-        from torch.distributed.checkpoint import FileSystemReader
-        from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-
         self.directory = directory
         self._reader = FileSystemReader(str(directory))
         metadata = self._reader.read_metadata().state_dict_metadata
@@ -177,8 +177,6 @@ class DcpWeights(Mapping):
     def read_tensors(self, cuts: Mapping[str, Cut | None]) -> dict[str, torch.Tensor]:
         """The tensors ``cuts`` names in one load (DCP reads every saved chunk of them
         back, whichever plan wrote them), then cut where a cut is given."""
-        import torch.distributed.checkpoint as dcp
-
         values = {name: torch.empty(self._tensors[name].size,
                                     dtype=self._tensors[name].properties.dtype)
                   for name in cuts}

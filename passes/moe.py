@@ -32,6 +32,7 @@ from torch import fx
 
 from partc import meta
 from partc.errors import PartcError
+from partc.runtime.experts import ExpertParallel
 
 from partc.passes.context import Context
 from partc.passes.helpers.graph import op_name
@@ -431,8 +432,6 @@ def _body_module(gm: fx.GraphModule, call: _ExpertsCall,
 
 
 def _replace(gm: fx.GraphModule, region: MoERegion, call: _ExpertsCall, ctx: Context) -> None:
-    from partc.runtime.experts import ExpertParallel
-
     lowering = ctx.lowering
     experts = ExpertParallel(
         _body_module(gm, call, region.expert_params), num_experts=region.num_experts,

@@ -57,6 +57,11 @@ flags (``max_grad_norm = 1.0`` or ``max-grad-norm = 1.0``; ``target`` too; sizes
 strings, ``memory = "10MiB"``; a repeatable flag as a list, ``stage = ["a,b", "c"]``;
 ``zero = 1``); each value is read as its flag is, flags given on the command line win
 over the file, and an unknown key is refused.
+
+The command line imports this module only when ``partc train`` runs, and this module
+imports torch, the compiler and the runtime inside the functions that use them: reading
+the flags and the config file, and refusing a mistake in them, happen before torch
+loads (about two seconds).
 """
 
 from __future__ import annotations

@@ -32,10 +32,15 @@ from __future__ import annotations
 
 import csv
 import io
+import types
 from dataclasses import dataclass
 from functools import cached_property, lru_cache
+from unittest import mock
 
-from partc.cost.schedules import SCHEDULE_TABLE, rank_of, schedule as schedule_info, stages_of_rank
+import torch
+from torch.distributed.pipelining import schedules as torch_schedules
+
+from partc.cost.schedules import SCHEDULE_TABLE, rank_of, refusal, schedule as schedule_info, stages_of_rank
 
 #: Kinds of :class:`Block`, in the order pictures list them.
 KINDS = ("forward", "backward", "weight", "recompute", "collective", "p2p", "tail")
@@ -149,13 +154,7 @@ def torch_order(name: str, pp: int, v: int, m: int) -> tuple[tuple[Op, ...], ...
     """Per rank, the compute operations torch's schedule ``name`` runs for ``pp`` ranks
     of ``v`` virtual stages over ``m`` microbatches, in order (its ``pipeline_order``,
     built without a process group from stand-in stages)."""
-    import types
-    from unittest import mock
-
-    import torch
-    from torch.distributed.pipelining import schedules as torch_schedules
-
-    refused = _refusal(name, pp, v, m)
+    refused = refusal(name, pp, v, m)
     if refused:
         raise ValueError(refused)
     if v == 1:
@@ -210,11 +209,6 @@ def _single_stage_order(name: str, rank: int, pp: int, m: int) -> tuple[Op, ...]
 
 def _loss(output, target):   # stands in for the loss; the order only needs one
     return output
-
-
-def _refusal(name: str, pp: int, v: int, m: int) -> str | None:
-    from partc.cost.schedules import refusal
-    return refusal(name, pp, v, m)
 
 
 def schedule_order(schedule: str, rank: int, pp: int, microbatches: int,

@@ -8,6 +8,7 @@ from partc.cost.model import PS_PER_S, Evaluation, PipelineConfig, simulated_ste
 from partc.plan import (Alternative, BudgetInfo, InputSpec, Mesh, MeshOutcome, ModelInfo,
                    P2PMessages, Plan, Predicted, SolverStats, StageMemory, StagePlan,
                    StageTime, TensorParallelPlan, TPCollective)
+from partc.planner.expert_parallel import expert_parallel_section
 from partc.problem import PlanningProblem
 from partc.spec import TrainSpec, dtype_named
 
@@ -134,7 +135,6 @@ def _expert_parallel(problem: PlanningProblem, config: PipelineConfig,
     """The plan's ``expert_parallel`` (:mod:`partc.planner.expert_parallel`), None without it."""
     if config.ep == 1:
         return None
-    from partc.planner.expert_parallel import expert_parallel_section
 
     return expert_parallel_section(problem, config, evaluation, tuple(modes))
 

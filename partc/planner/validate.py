@@ -14,6 +14,7 @@ from partc.cost.model import (PS_PER_S, Evaluation, PipelineConfig, build_cost_t
                     simulated_step_ps)
 from partc.errors import PlanValidationError
 from partc.plan import Plan, StageMemory
+from partc.planner.expert_parallel import expert_parallel_section
 from partc.cost.schedules import feature_refusal, refusal
 from partc.spec import SCHEDULES
 from partc.problem import ZERO2_GRAD_SYNCS, PlanningProblem
@@ -129,7 +130,6 @@ def _costs(problem: PlanningProblem, plan: Plan, errors: list[str]) -> Evaluatio
             errors.append(f"stage {stage.index} records limit {stage.limit_bytes}, "
                           f"devices give {cost.limit}")
     if plan.mesh.ep > 1:
-        from partc.planner.expert_parallel import expert_parallel_section
 
         modes_t = tuple(modes)
         if expert_parallel_section(problem, config, evaluation, modes_t) \

@@ -19,6 +19,10 @@ import html
 import io
 import re
 
+from matplotlib import rc_context
+from matplotlib.figure import Figure
+from matplotlib.patches import Patch
+
 from partc.placement import REPLICATE
 from partc.plan import Plan
 from partc.report.text import Section, lay_out, plural, sections
@@ -48,8 +52,6 @@ WIDTH_IN = 11.0
 
 
 def render_html(plan: Plan) -> str:
-    from matplotlib import rc_context
-
     timeline = simulate(plan)
     with rc_context(_RC):
         figures = [("timeline", _timeline_caption(plan, timeline), timeline_svg(plan, timeline)),
@@ -185,9 +187,6 @@ def _timeline_caption(plan: Plan, timeline: Timeline) -> str:
 
 
 def timeline_svg(plan: Plan, timeline: Timeline) -> str:
-    from matplotlib.figure import Figure
-    from matplotlib.patches import Patch
-
     ranks = timeline.num_ranks
     scale, unit = _seconds_axis(max(timeline.step_s, plan.predicted.step_time_s))
     row = 0.42 if ranks <= 16 else max(0.16, 6.7 / ranks)
@@ -266,8 +265,6 @@ def _bytes_axis(n: float) -> tuple[float, str]:
 
 
 def memory_svg(plan: Plan) -> str:
-    from matplotlib.figure import Figure
-
     stages = plan.stages
     size, unit = _bytes_axis(max(max(s.limit_bytes, s.memory_bytes.peak) for s in stages))
     row = 0.45 if len(stages) <= 16 else max(0.16, 7.2 / len(stages))
@@ -312,9 +309,6 @@ def _mesh_caption(plan: Plan) -> str:
 
 
 def mesh_svg(plan: Plan) -> str:
-    from matplotlib.figure import Figure
-    from matplotlib.patches import Patch
-
     meshes = plan.meshes
     times = [(m.step_time_s if m.outcome == "solved" else m.bound_s) or None for m in meshes]
     known = [t for t in times if t]

@@ -629,7 +629,9 @@ def render(plan: Plan, format: str = "text") -> str:
     if format == "json":
         return json.dumps(plan.to_dict(), indent=2)
     if format == "html":
-        from partc.report.html import render_html   # matplotlib: imported only for pictures
+        # Here, not at the top: html imports this module's sections (a cycle), and
+        # matplotlib (half a second) is needed only for the page's pictures.
+        from partc.report.html import render_html
 
         return render_html(plan)
     return lay_out(sections(plan), markdown=format == "markdown")
