@@ -22,14 +22,15 @@ not the time slices other processes took from it; ``--wall`` times by wall clock
 Collectives and pipeline bubbles are outside it: ``plan_choice.py`` times whole steps.
 
 ``--zero`` checks ZeRO-2/3 instead: two gloo processes first measure FSDP's own work
-(``calibrate.measure_fsdp``), then the parent plans the sample GPT on dp=2 at each ZeRO
-stage (one microbatch, no recompute; the links made free, so that the prediction holds
-what the rank's thread computes and no collective), once with FSDP's figures and once
-without (as the cost model priced ZeRO-2/3 before them), and the two processes build it
-with ``partc.load`` and time, by their thread's CPU time, the stage module's forward with
-the loss, its backward (FSDP's hooks, copies and reduce-scatters included, the waits
-for the collectives not) and the tail: ``AdamW.step`` over the rank's shards, and under
-ZeRO-2 the all-gather of the stepped weights before the next forward.
+(``partc.calibrate.fsdp_overheads.measure_fsdp``), then the parent plans the sample GPT
+on dp=2 at each ZeRO stage (one microbatch, no recompute; the links made free, so that
+the prediction holds what the rank's thread computes and no collective), once with
+FSDP's figures and once without (as the cost model priced ZeRO-2/3 before them), and the
+two processes build it with ``partc.load`` and time, by their thread's CPU time, the
+stage module's forward with the loss, its backward (FSDP's hooks, copies and
+reduce-scatters included, the waits for the collectives not) and the tail:
+``AdamW.step`` over the rank's shards, and under ZeRO-2 the all-gather of the stepped
+weights before the next forward.
 
 ``--steps`` does the same for whole steps as the runtime runs them
 (``forward_backward`` with its schedule, buckets and collectives, then ``AdamW.step``)
@@ -58,26 +59,31 @@ import torch.distributed as dist  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
 
 import partc  # noqa: E402
-from partc.calibrate import run as calibrate  # noqa: E402
+from partc.calibrate.calibration_options import SIZES, Sizes  # noqa: E402
+from partc.calibrate.fsdp_overheads import FSDP_FIGURES, measure_fsdp  # noqa: E402
+from partc.calibrate.matmuls import measure_linear, measure_matmul  # noqa: E402
+from partc.calibrate.memory_rates import (measure_elementwise, measure_memory,  # noqa: E402
+                                          measure_optimizer)
+from partc.calibrate.overheads import measure_op_overhead  # noqa: E402
+from partc.calibrate.stopwatch import median_seconds, slowest_rank_seconds  # noqa: E402
 from benchmarks.plan_choice import batch, loss_fn, model  # noqa: E402
 
 CPU = torch.device("cpu")
 
 
-def device_numbers(sizes: calibrate.Sizes) -> dict:
+def device_numbers(sizes: Sizes) -> dict:
     """DeviceBudget fields from calibrate's measurements under ``sizes.clock``."""
-    matmul = calibrate.measure_matmul(CPU, ("float32",), sizes)["float32"]
-    linear = calibrate.measure_linear(CPU, ("float32",), sizes)["float32"]["flops_per_s"]
-    memory = calibrate.measure_memory(CPU, sizes)["best_bytes_per_s"]
-    overhead = calibrate.measure_op_overhead(CPU, sizes)
-    best = matmul["best_flops_per_s"]
+    matmul = measure_matmul(CPU, ("float32",), sizes)["float32"]
+    linear = measure_linear(CPU, ("float32",), sizes)["float32"].flops_per_s
+    memory = measure_memory(CPU, sizes).best_bytes_per_s
+    overhead = measure_op_overhead(CPU, sizes)
+    best = matmul.best_flops_per_s
     return dict(
         peak_flops={"float32": best}, flops_efficiency=min(1.0, linear / best),
-        hbm_bandwidth=memory, op_overhead_s=overhead["forward_s"],
-        op_overhead_backward_s=overhead["backward_s"], matmul_overhead_s=matmul["overhead_s"],
-        elementwise_bandwidth=calibrate.measure_elementwise(CPU, sizes,
-                                                           overhead)["bytes_per_s"],
-        optimizer_bandwidth=calibrate.measure_optimizer(CPU, sizes)["bytes_per_s"])
+        hbm_bandwidth=memory, op_overhead_s=overhead.forward_s,
+        op_overhead_backward_s=overhead.backward_s, matmul_overhead_s=matmul.overhead_s,
+        elementwise_bandwidth=measure_elementwise(CPU, sizes, overhead).bytes_per_s,
+        optimizer_bandwidth=measure_optimizer(CPU, sizes).bytes_per_s)
 
 
 def predicted(numbers: dict, b: int) -> tuple[float, float, float]:
@@ -92,7 +98,7 @@ def predicted(numbers: dict, b: int) -> tuple[float, float, float]:
     return time_s.forward, time_s.backward, time_s.tail
 
 
-def measured(b: int, sizes: calibrate.Sizes) -> tuple[float, float, float]:
+def measured(b: int, sizes: Sizes) -> tuple[float, float, float]:
     """(forward, backward, AdamW step) seconds of the eager model on a batch of ``b``."""
     gpt = model()
     ids, target = batch()
@@ -105,9 +111,9 @@ def measured(b: int, sizes: calibrate.Sizes) -> tuple[float, float, float]:
     def both() -> None:
         forward().backward()
 
-    forward_s = calibrate.median_seconds(forward, CPU, sizes)
-    both_s = calibrate.median_seconds(both, CPU, sizes)
-    return forward_s, both_s - forward_s, calibrate.median_seconds(optimizer.step, CPU, sizes)
+    forward_s = median_seconds(forward, CPU, sizes)
+    both_s = median_seconds(both, CPU, sizes)
+    return forward_s, both_s - forward_s, median_seconds(optimizer.step, CPU, sizes)
 
 
 RANKS = 2
@@ -129,10 +135,10 @@ def _rank_worker(rank: int, store: str, job: dict) -> None:
     dist.init_process_group("gloo", store=dist.FileStore(store, RANKS), rank=rank,
                             world_size=RANKS, timeout=timedelta(minutes=10))
     # By the thread's CPU time: what the rank computes, not gloo's threads' waits.
-    sizes = dataclasses.replace(calibrate.SIZES["cpu", True], clock=time.thread_time)
+    sizes = dataclasses.replace(SIZES["cpu", True], clock=time.thread_time)
     try:
         if job["measure"]:
-            result = calibrate.measure_fsdp(CPU, sizes)
+            result = measure_fsdp(CPU, sizes).to_dict()
         elif job.get("whole"):
             result = {folder: _step_phases(folder, sizes) for folder in job["programs"]}
         else:
@@ -144,7 +150,7 @@ def _rank_worker(rank: int, store: str, job: dict) -> None:
         dist.destroy_process_group()
 
 
-def _zero_phases(folder: str, sizes: calibrate.Sizes) -> tuple[float, float, float]:
+def _zero_phases(folder: str, sizes: Sizes) -> tuple[float, float, float]:
     """(forward, backward, tail) thread CPU seconds of the program saved in ``folder``,
     each phase the slowest rank's median, as the runtime runs one microbatch."""
     from torch.distributed.fsdp import FSDPModule
@@ -174,12 +180,12 @@ def _zero_phases(folder: str, sizes: calibrate.Sizes) -> tuple[float, float, flo
             for unit in units:
                 unit.unshard()
 
-    timed = [calibrate._collective_seconds(fn, CPU, sizes)
+    timed = [slowest_rank_seconds(fn, CPU, sizes)
              for fn in (forward, both, tail)]
     return timed[0], timed[1] - timed[0], timed[2]
 
 
-def _step_phases(folder: str, sizes: calibrate.Sizes) -> tuple[float, float]:
+def _step_phases(folder: str, sizes: Sizes) -> tuple[float, float]:
     """(forward + backward, tail) thread CPU seconds of the program saved in ``folder``
     as the runtime runs a step, each the slowest rank's median."""
     module = partc.load(folder, model(), loss_fn=loss_fn).build()
@@ -193,16 +199,16 @@ def _step_phases(folder: str, sizes: calibrate.Sizes) -> tuple[float, float]:
     def step() -> None:
         module.forward_backward(ids, target=target)
 
-    work = calibrate._collective_seconds(step, CPU, sizes)
-    return work, calibrate._collective_seconds(optimizer.step, CPU, sizes)
+    work = slowest_rank_seconds(step, CPU, sizes)
+    return work, slowest_rank_seconds(optimizer.step, CPU, sizes)
 
 
 def steps_main(names: list[str], batches: list[int]) -> None:
     """Whole steps of the named plans against their predictions (free links)."""
-    sizes = dataclasses.replace(calibrate.SIZES["cpu", True], clock=time.thread_time)
+    sizes = dataclasses.replace(SIZES["cpu", True], clock=time.thread_time)
     numbers = device_numbers(sizes) | FREE_LINKS
     fsdp = _spawn({"measure": True})
-    numbers |= {name: fsdp[key] for name, key in calibrate.FSDP_FIGURES.items()}
+    numbers |= {name: fsdp[key] for name, key in FSDP_FIGURES.items()}
     ids, _ = batch()
     rows = []
     with tempfile.TemporaryDirectory(prefix="step-breakdown-plans-") as folder:
@@ -241,16 +247,16 @@ def _spawn(job: dict) -> object:
 
 def zero_main(stages: list[int], batches: list[int]) -> None:
     """ZeRO-2/3's phases on dp=2 against the plan's, with and without FSDP's figures."""
-    sizes = dataclasses.replace(calibrate.SIZES["cpu", True], clock=time.thread_time)
+    sizes = dataclasses.replace(SIZES["cpu", True], clock=time.thread_time)
     numbers = device_numbers(sizes) | FREE_LINKS
     fsdp = _spawn({"measure": True})
-    with_fsdp = numbers | {name: fsdp[key] for name, key in calibrate.FSDP_FIGURES.items()}
+    with_fsdp = numbers | {name: fsdp[key] for name, key in FSDP_FIGURES.items()}
     # Before the figures: no FSDP work but the collectives (its copies free).
     without = numbers | {name: 1e18 if name.endswith("bandwidth") else 0.0
-                         for name in calibrate.FSDP_FIGURES}
+                         for name in FSDP_FIGURES}
     print("FSDP per unit and microbatch: " + ", ".join(
         f"{name} {fsdp[key] / 1e9:.2f}GB/s" if name.endswith("bandwidth") else
-        f"{name} {fsdp[key] * 1e6:.0f}us" for name, key in calibrate.FSDP_FIGURES.items()))
+        f"{name} {fsdp[key] * 1e6:.0f}us" for name, key in FSDP_FIGURES.items()))
     ids, _ = batch()
     rows, plans = [], {}
     with tempfile.TemporaryDirectory(prefix="step-breakdown-plans-") as folder:
@@ -308,7 +314,7 @@ def main() -> None:
         steps_main(args.steps, args.batches)
         return
     clock = time.perf_counter if args.wall else time.thread_time
-    sizes = dataclasses.replace(calibrate.SIZES["cpu", True], clock=clock)
+    sizes = dataclasses.replace(SIZES["cpu", True], clock=clock)
     numbers = device_numbers(sizes)
     hbm = numbers | {"elementwise_bandwidth": None, "optimizer_bandwidth": None}
     print(f"clock: {'wall' if args.wall else 'thread CPU time'}; "

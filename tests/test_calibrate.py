@@ -22,9 +22,12 @@ import torch
 
 import partc
 from partc.device.budget import PROFILE_SCHEMA, PROFILE_VERSION, ProfileError, load_profile
-from partc.calibrate.run import (BETWEEN_COMPUTE_S, COLLECTIVES, FSDP_FIGURES, SIZES,
-                             CalibrationError, CalibrationOptions, LinkFit, fit_link,
-                             ring_factor, ring_steps, summary)
+from partc.calibrate.calibration_options import SIZES, CalibrationError, CalibrationOptions
+from partc.calibrate.collective_fits import (COLLECTIVES, LinkFit, fit_link, ring_factor,
+                                             ring_steps)
+from partc.calibrate.collective_ranks import BETWEEN_COMPUTE_S
+from partc.calibrate.fsdp_overheads import FSDP_FIGURES
+from partc.calibrate.profile_summary import summary
 from partc.cli.main import main
 from tests import models
 
@@ -246,13 +249,14 @@ def test_each_fit_is_the_least_squares_optimum_of_its_samples(calibrated):
 
 
 def _check_optimal(record: dict, samples, ranks: int) -> None:
-    fit = LinkFit(record["latency_s"], record["bandwidth"])
+    fit = LinkFit(latency_s=record["latency_s"], bandwidth=record["bandwidth"])
     errors = [abs(fit.predict(kind, nbytes, ranks) - t) / t for kind, nbytes, t in samples]
     assert max(errors) == pytest.approx(record["max_rel_error"])
     assert statistics.median(errors) == pytest.approx(record["median_rel_error"])
     best = _squared_relative_error(fit, samples, ranks)
     for scale_latency, scale_bandwidth in ((1.01, 1), (0.99, 1), (1, 1.01), (1, 0.99)):
-        nearby = LinkFit(fit.latency_s * scale_latency, fit.bandwidth * scale_bandwidth)
+        nearby = LinkFit(latency_s=fit.latency_s * scale_latency,
+                         bandwidth=fit.bandwidth * scale_bandwidth)
         assert _squared_relative_error(nearby, samples, ranks) >= best * (1 - 1e-9)
 
 
@@ -493,7 +497,7 @@ def test_median_seconds_times_by_the_sizes_clock():
     import dataclasses
     import itertools
 
-    from partc.calibrate.run import median_seconds
+    from partc.calibrate.stopwatch import median_seconds
 
     readings = itertools.count(0.0, 0.5)
     sizes = dataclasses.replace(SIZES["cpu", True], clock=lambda: next(readings))
@@ -507,35 +511,49 @@ def test_a_rank_lost_after_the_measurements_leaves_them_whole(monkeypatch, caplo
     an active exception", seen once in the suite): once any rank is past the workers' last
     barrier every figure is written, so calibrate keeps them and warns; a rank lost before
     that is still a failure."""
+    import pickle
+    from pathlib import Path
+
     import torch.multiprocessing as mp
 
-    import partc.calibrate.run as calibrate
+    from partc.calibrate import collective_ranks
+    from partc.calibrate.collective_fits import CollectiveSample
+    from partc.calibrate.memory_rates import ElementwiseRate, OptimizerRate
 
     truth = LinkFit(latency_s=50e-6, bandwidth=2e9)
     sizes = (2**12, 2**16, 2**20, 2**24)
-    timed = {kind: [{"bytes": m, "seconds": truth.predict(kind, m, 2)} for m in sizes]
-             for kind in COLLECTIVES}
-    timed["overlap"] = {"bytes": 2**24, "all_reduce_s": 1e-2, "compute_s": 1e-2,
-                        "both_s": 1.5e-2, "overlap": 0.5}
+    timed = collective_ranks.RankTimings(
+        back_to_back={kind: tuple(CollectiveSample(nbytes=m, seconds=truth.predict(kind, m, 2))
+                                  for m in sizes) for kind in COLLECTIVES},
+        between_compute=None,
+        overlap=collective_ranks.Overlap(nbytes=2**24, all_reduce_s=1e-2, compute_s=1e-2,
+                                         both_s=1.5e-2),
+        linear_all_busy={},
+        elementwise_all_busy=ElementwiseRate(shape=(4, 4), ops=6, forward_bytes=1,
+                                             backward_bytes=1, forward_s=1.0,
+                                             forward_backward_s=2.0, bytes_per_s=1.0),
+        optimizer_all_busy=OptimizerRate(optimizer="AdamW", tensors=1, params=1, seconds=1.0,
+                                         bytes_counted=28),
+        fsdp=None)
 
     def spawn(worker, nprocs, join, args):
-        out = args[-1]
-        with open(out, "w") as file:   # rank 0's output, then rank 1 passes the barrier
-            json.dump(timed, file)
+        out = Path(args[-1])
+        out.write_bytes(pickle.dumps(timed))   # rank 0's output, then rank 1 passes the barrier
         if finished:
-            open(out.replace("collectives.json", f"{calibrate.DONE_MARKER}1"), "w").close()
+            out.with_name(f"{collective_ranks.DONE_MARKER}1").touch()
         raise mp.ProcessExitedException("process 0 terminated with signal SIGABRT", 0,
                                         1234, -6, "SIGABRT")
 
-    monkeypatch.setattr(calibrate.mp, "spawn", spawn)
+    monkeypatch.setattr(collective_ranks.mp, "spawn", spawn)
     options = CalibrationOptions(processes=2)
     if not finished:
         with pytest.raises(CalibrationError, match="collective measurement failed"):
-            calibrate.measure_collectives(options)
+            collective_ranks.measure_collectives(options)
         return
-    with caplog.at_level("WARNING", logger="partc.calibrate.run"):
-        result = calibrate.measure_collectives(options)
+    with caplog.at_level("WARNING", logger="partc.calibrate.collective_ranks"):
+        result = collective_ranks.measure_collectives(options)
     assert "ended abnormally after the measurements were done" in caplog.text
-    fit = result["joint_fit"]
-    assert fit["latency_s"] == pytest.approx(50e-6, rel=1e-6)
-    assert fit["bandwidth"] == pytest.approx(2e9, rel=1e-6)
+    fit = result.back_to_back.joint_fit
+    assert fit.latency_s == pytest.approx(50e-6, rel=1e-6)
+    assert fit.bandwidth == pytest.approx(2e9, rel=1e-6)
+    assert result.overlap.overlap == pytest.approx(0.5)

@@ -740,7 +740,10 @@ def train_command(argv: list[str]) -> int:
 def calibrate_command(args: argparse.Namespace) -> int:
     import torch
 
-    from partc.calibrate.run import CalibrationOptions, calibrate, summary, write_profile
+    from partc.calibrate.calibration import calibrate
+    from partc.calibrate.calibration_options import CalibrationOptions
+    from partc.calibrate.profile_summary import summary
+    from partc.calibrate.profile_writer import write_profile
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     processes = args.processes or (torch.cuda.device_count() if device == "cuda" else 2)
