@@ -4,12 +4,13 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from partc.codec import dtype_named
 from partc.cost.model import PS_PER_S, Evaluation, PipelineConfig, simulated_step_ps, tp_comm_seconds
 from partc.plan import (Alternative, BudgetInfo, InputSpec, Mesh, MeshOutcome, ModelInfo,
                    P2PMessages, Plan, Predicted, SolverStats, StageMemory, StagePlan,
                    StageTime, TensorParallelPlan, TPCollective)
 from partc.problem import PlanningProblem
-from partc.spec import TrainSpec, dtype_named
+from partc.spec import TrainSpec
 
 if TYPE_CHECKING:     # the planner needs OR-Tools; assembling a plan does not
     from partc.planner import MeshResult
