@@ -522,7 +522,7 @@ class Plan:
         from partc.cost.schedules import SCHEDULE_TABLE, stages_of_rank
 
         pp, v = len(self.stages), self.chunks
-        name = self.schedule if self.schedule in SCHEDULE_TABLE else "interleaved-1f1b"
+        name = self.schedule if self.schedule in SCHEDULE_TABLE else Schedule.INTERLEAVED_1F1B
         runs: dict[int, tuple[str, ...]] = {}
         for stage in self.stages:
             for j, run in zip(stages_of_rank(name, pp, v, stage.index), stage.runs):

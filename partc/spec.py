@@ -13,14 +13,15 @@ import torch
 
 from partc.cli.choices import ATTENTION, OPTIMIZER_STATE_BYTES, SCHEDULES, TP_OBJECTIVES
 from partc.codec import UNLESS_DEFAULT
+from partc.names import Schedule
 from partc.problem import BUCKET_ELEMENTS, RECOMPUTE_MODES, ZERO2_GRAD_SYNCS, ZERO_STAGES, Precision
 
 # What the planner's closed-form search weighs when the schedule is "auto"; it chooses
 # the mesh, and every other schedule of SCHEDULES is then solved on that mesh and the
 # fastest played out kept (partc.planner.choose_schedule). Every schedule is planned
 # when pinned (Constraints.schedule, virtual_stages).
-AUTO_SCHEDULES: tuple[str, ...] = ("1f1b", "gpipe")
-INTERLEAVED = "interleaved-1f1b"
+AUTO_SCHEDULES: tuple[Schedule, ...] = (Schedule.ONE_F_ONE_B, Schedule.GPIPE)
+INTERLEAVED = Schedule.INTERLEAVED_1F1B
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # The busiest expert's tokens over the balanced share a plan budgets memory for by
 # default (TrainSpec's docstring gives the sources).

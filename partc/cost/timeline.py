@@ -35,6 +35,7 @@ import io
 from dataclasses import dataclass
 from functools import cached_property, lru_cache
 
+from partc.names import Schedule
 from partc.cost.schedules import SCHEDULE_TABLE, rank_of, schedule as schedule_info, stages_of_rank
 
 #: Kinds of :class:`Block`, in the order pictures list them.
@@ -199,7 +200,7 @@ def _single_stage_order(name: str, rank: int, pp: int, m: int) -> tuple[Op, ...]
     1F1B's last rank, off by one microbatch in torch 2.13.)"""
     forwards = [Op(phase="forward", microbatch=i, stage=rank) for i in range(m)]
     backwards = [Op(phase="backward", microbatch=i, stage=rank) for i in range(m)]
-    if name == "gpipe":
+    if name == Schedule.GPIPE:
         return tuple(forwards + backwards)
     warmup = min(pp - rank - 1, m)
     order = forwards[:warmup]

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from partc.codec import dtype_named
+from partc.names import Phase, Recompute, Schedule
 from partc.cost.model import PS_PER_S, Evaluation, PipelineConfig, simulated_step_ps, tp_comm_seconds
 from partc.plan import (Alternative, BudgetInfo, InputSpec, Mesh, MeshOutcome, ModelInfo,
                    P2PMessages, Plan, Predicted, SolverStats, StageMemory, StagePlan,
@@ -57,7 +58,7 @@ def stage_plans(problem: PlanningProblem, config: PipelineConfig, evaluation: Ev
         StagePlan(
             index=index,
             layers=tuple(names[l] for l in stage.layers),
-            recompute={names[l]: modes[l] for l in stage.layers},
+            recompute={names[l]: Recompute(modes[l]) for l in stage.layers},
             param_count=stage.param_count,
             memory_bytes=StageMemory(**stage.memory),
             limit_bytes=stage.limit,
@@ -106,7 +107,7 @@ def make_plan(problem: PlanningProblem, config: PipelineConfig, evaluation: Eval
     local = problem.variant(config.tp, config.sequence_parallel, config.tp_objective)
     return Plan(
         mesh=Mesh(pp=config.pp, dp=config.dp, tp=config.tp, ep=config.ep),
-        schedule=config.schedule,
+        schedule=Schedule(config.schedule),
         num_microbatches=config.num_microbatches,
         micro_batch_size=config.micro_batch_size,
         zero_stage=config.zero_stage,
@@ -148,7 +149,8 @@ def mesh_summary(mesh: MeshResult) -> MeshOutcome:
         config = mesh.config
         summary.update(step_time_s=mesh.step_ps / PS_PER_S, solver_status=mesh.status,
                        micro_batch_size=config.micro_batch_size,
-                       num_microbatches=config.num_microbatches, schedule=config.schedule,
+                       num_microbatches=config.num_microbatches,
+                       schedule=Schedule(config.schedule),
                        zero_stage=config.zero_stage,
                        sequence_parallel=config.sequence_parallel,
                        **({"ep": config.ep} if config.ep != 1 else {}),
@@ -176,7 +178,7 @@ def tensor_parallel_section(problem: PlanningProblem,
         params=dict(option.placements),
         partial_grad_params=tuple(option.partial_grad_params),
         choices={name: tuple(c) for name, c in option.choices},
-        collectives={layer.name: tuple(TPCollective(kind=kind, phase=phase,
+        collectives={layer.name: tuple(TPCollective(kind=kind, phase=Phase(phase),
                                                     nbytes=int(round(nbytes * scale)))
                                        for kind, phase, nbytes in layer.tp_comm)
                      for layer in moving},
