@@ -8,7 +8,7 @@ from partc.codec import dtype_named
 from partc.names import Phase, Recompute, Schedule
 from partc.cost.model import PS_PER_S, Evaluation, PipelineConfig, simulated_step_ps, tp_comm_seconds
 from partc.plan import (Alternative, BudgetInfo, InputSpec, Mesh, MeshOutcome, ModelInfo,
-                   P2PMessages, Plan, Predicted, SolverStats, StageMemory, StagePlan,
+                   P2PMessages, Plan, Predicted, SolverStats, StagePlan,
                    StageTime, TensorParallelPlan, TPCollective)
 from partc.problem import PlanningProblem
 from partc.spec import TrainSpec
@@ -41,7 +41,7 @@ def predicted(problem: PlanningProblem, config: PipelineConfig,
         mfu=model_flops_per_step(problem) / (step * devices.num_devices * devices.peak_flops)
         if step else 0.0,
         bubble_fraction=bubble,
-        peak_memory_bytes=max(s.memory["peak"] for s in evaluation.stages),
+        peak_memory_bytes=max(s.memory.peak for s in evaluation.stages),
         pipeline_time_s=pipeline_ps / PS_PER_S,
         closed_form_step_s=evaluation.step_ps / PS_PER_S,
         bottleneck_s=max(s.busy_ps for s in evaluation.stages) / PS_PER_S,
@@ -60,7 +60,7 @@ def stage_plans(problem: PlanningProblem, config: PipelineConfig, evaluation: Ev
             layers=tuple(names[l] for l in stage.layers),
             recompute={names[l]: Recompute(modes[l]) for l in stage.layers},
             param_count=stage.param_count,
-            memory_bytes=StageMemory(**stage.memory),
+            memory_bytes=stage.memory,
             limit_bytes=stage.limit,
             time_s=StageTime(forward=m * stage.forward_ps / PS_PER_S,
                              backward=m * stage.backward_ps / PS_PER_S,
@@ -200,9 +200,9 @@ def alternative(problem: PlanningProblem, name: str, description: str, recompute
         stages=tuple(tuple(names[l] for l in s.layers) for s in evaluation.stages),
         step_time_s=evaluation.step_ps / PS_PER_S,
         fits=evaluation.fits,
-        peak_memory_bytes=max(s.memory["peak"] for s in evaluation.stages),
+        peak_memory_bytes=max(s.memory.peak for s in evaluation.stages),
         worst_stage=evaluation.stages.index(worst),
-        worst_need_bytes=worst.memory["peak"],
+        worst_need_bytes=worst.memory.peak,
         worst_limit_bytes=worst.limit,
         bottleneck_s=max(s.busy_ps for s in evaluation.stages) / PS_PER_S,
     )

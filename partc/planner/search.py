@@ -649,7 +649,7 @@ def schedule_options(problem: PlanningProblem, chosen: ConfigResult,
     options = [ScheduleOption(schedule=Schedule(config.schedule), virtual_stages=config.chunks,
                               how="chosen", step_time_s=step / PS_PER_S,
                               bubble_fraction=bubble,
-                              peak_memory_bytes=max(s.memory["peak"]
+                              peak_memory_bytes=max(s.memory.peak
                                                     for s in chosen.evaluation.stages))]
     others = []
     local = problem.variant(config.tp, config.sequence_parallel, config.tp_objective)
@@ -671,7 +671,7 @@ def schedule_options(problem: PlanningProblem, chosen: ConfigResult,
                                           if zero != config.effective_zero_stage else ""),
                     step_time_s=trial.step_ps / PS_PER_S,
                     bubble_fraction=simulated_step_ps(trial.config, evaluation)[1],
-                    peak_memory_bytes=max(s.memory["peak"] for s in evaluation.stages)))
+                    peak_memory_bytes=max(s.memory.peak for s in evaluation.stages)))
                 continue
             if v > 1 and (config.pp == 1 or problem.pins.stages is not None
                           or config.pp * v > problem.num_layers):
@@ -694,6 +694,6 @@ def schedule_options(problem: PlanningProblem, chosen: ConfigResult,
             others.append(ScheduleOption(
                 schedule=name, virtual_stages=v, how="greedy split",
                 step_time_s=step / PS_PER_S, bubble_fraction=bubble,
-                peak_memory_bytes=max(s.memory["peak"] for s in evaluation.stages)))
+                peak_memory_bytes=max(s.memory.peak for s in evaluation.stages)))
     others.sort(key=lambda o: (o.step_time_s is None, o.step_time_s or 0.0))
     return options + others

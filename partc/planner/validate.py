@@ -13,7 +13,7 @@ import math
 from partc.cost.model import (PS_PER_S, Evaluation, PipelineConfig, build_cost_table, evaluate,
                     simulated_step_ps)
 from partc.errors import PlanValidationError
-from partc.plan import Plan, StageMemory
+from partc.plan import Plan
 from partc.cost.schedules import feature_refusal, refusal
 from partc.spec import SCHEDULES
 from partc.problem import ZERO2_GRAD_SYNCS, PlanningProblem
@@ -119,10 +119,10 @@ def _costs(problem: PlanningProblem, plan: Plan, errors: list[str]) -> Evaluatio
     modes = [plan.recompute[layer.name] for layer in problem.layers]
     evaluation = evaluate(build_cost_table(problem, config), stage_of, modes)
     for stage, cost in zip(plan.stages, evaluation.stages):
-        if cost.memory["peak"] > cost.limit:
-            errors.append(f"stage {stage.index} needs {cost.memory['peak']} bytes, "
+        if cost.memory.peak > cost.limit:
+            errors.append(f"stage {stage.index} needs {cost.memory.peak} bytes, "
                           f"limit {cost.limit}")
-        if stage.memory_bytes != StageMemory(**cost.memory):
+        if stage.memory_bytes != cost.memory:
             errors.append(f"stage {stage.index} records memory {stage.memory_bytes}, "
                           f"the cost model gives {cost.memory}")
         if stage.limit_bytes != cost.limit:
