@@ -165,7 +165,8 @@ def _header(stage: StageGraph, plan: Plan, shared: Mapping[str, Sequence[int]]) 
         f"(pp index {r}), on rank{'s' * (len(ranks) > 1)} "
         f"{', '.join(map(str, ranks))}.",
         f"# Schedule: {plan.schedule}, {m} microbatch{'es' * (m > 1)} of {b} "
-        f"(global batch {m * b * plan.dp}{f' over {plan.dp} replicas' if plan.dp > 1 else ''}).",
+        f"(global batch {plan.global_batch_size}"
+        f"{f' over {plan.dp} replicas' if plan.dp > 1 else ''}).",
         f"# Layers: {', '.join(stage.layers)}.",
         f"# Recompute: {', '.join(recomputed) if recomputed else 'none'}.",
     ]

@@ -126,7 +126,7 @@ def candidate_configs(problem: PlanningProblem) -> list[PipelineConfig]:
                                for schedule in schedules for zero in zero_stages
                                for sync in zero2_grad_syncs(problem, zero, dp, m)
                                if not _same_as_1f1b(schedule, pp, m, pins.schedule)
-                               and feature_refusal(schedule, zero if dp > 1 else 0,
+                               and feature_refusal(schedule, effective_zero_stage(zero, dp),
                                                    problem.train.compiled) is None
                                for chunks in _chunk_counts(problem, schedule, pp, m))
     return expand_ep(problem, configs)   # the expert-parallel degree (mixture-of-experts)
@@ -677,8 +677,7 @@ def schedule_options(problem: PlanningProblem, chosen: ConfigResult,
                           or config.pp * v > problem.num_layers):
                 continue
             refused = refusal(name, config.pp, v, config.num_microbatches) or (
-                feature_refusal(name, config.zero_stage if config.dp > 1 else 0,
-                                problem.train.compiled))
+                feature_refusal(name, config.effective_zero_stage, problem.train.compiled))
             if refused:
                 others.append(ScheduleOption(schedule=name, virtual_stages=v, how=refused))
                 continue

@@ -45,9 +45,8 @@ def _structure(problem: PlanningProblem, plan: Plan, errors: list[str]) -> None:
     names = [layer.name for layer in problem.layers]
     if list(plan.layer_names) != names:
         errors.append(f"stages do not cover the layers once in order: {list(plan.layer_names)}")
-    batch = mesh.dp * plan.micro_batch_size * plan.num_microbatches
-    if batch != problem.train.global_batch_size:
-        errors.append(f"dp x micro-batch size x microbatches = {batch}, "
+    if plan.global_batch_size != problem.train.global_batch_size:
+        errors.append(f"dp x micro-batch size x microbatches = {plan.global_batch_size}, "
                       f"global batch is {problem.train.global_batch_size}")
     if plan.zero2_grad_sync not in ZERO2_GRAD_SYNCS:
         errors.append(f"unknown zero2_grad_sync {plan.zero2_grad_sync!r} (one of "
