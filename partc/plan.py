@@ -6,6 +6,7 @@ stored once, and what follows from decisions is a property computed in one place
 
 - ``mesh`` (:class:`Mesh`): pp, dp, tp; ``zero_stage`` as chosen, and
   :attr:`Plan.effective_zero_stage`, the one that runs (0 with one replica);
+  :attr:`Plan.global_batch_size`, microbatches x their size x replicas;
   ``zero2_grad_sync``, when ZeRO-2 reduce-scatters gradients ("microbatch" or "step",
   :data:`partc.problem.ZERO2_GRAD_SYNCS`), and :attr:`Plan.reduces_once`, whether it
   does so once per step (plans written before it read as "microbatch");
@@ -20,8 +21,10 @@ stored once, and what follows from decisions is a property computed in one place
   (:class:`Predicted`), ``solver`` (:class:`SolverStats`), ``alternatives``
   (:class:`Alternative`) and ``meshes`` (:class:`MeshOutcome`).
 
-``to_dict``/``to_json`` write schema version :data:`SCHEMA_VERSION`, and
-``from_dict``/``from_json`` read it back equal. Version 1 (untyped sections) still loads:
+``to_dict``/``to_json`` write schema version :data:`SCHEMA_VERSION` through
+:mod:`partc.codec` (each section from its annotations; field metadata keep the form
+older files have), and ``from_dict``/``from_json`` read it back equal. Version 1
+(untyped sections) still loads:
 :func:`migrate_v1` maps it to version 2, which differs only in the ``train`` section
 (version 1 could hold "4-byte weights" where a dtype name belongs, and derived
 ``bytes_per_param``) and in ``p2p`` (``{}`` where version 2 writes ``null``).
