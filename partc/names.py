@@ -55,7 +55,11 @@ class Outcome(Name):
 
 
 class Phase(Name):
-    """The half of a training step a collective runs in."""
+    """Where in a microbatch's pass an operation runs: its forward or its backward (a
+    tensor-parallel collective, a pipeline operation), or one of the two parts of a
+    split backward (input gradient, then weight gradient)."""
 
     FORWARD = "forward"
     BACKWARD = "backward"
+    INPUT = "input"
+    WEIGHT = "weight"

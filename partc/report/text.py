@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 from partc.cli.choices import REPORT_FORMATS
 from partc.codec import dtype_name
-from partc.names import Outcome
+from partc.names import Outcome, Phase
 from partc.placement import REPLICATE
 from partc.plan import MeshOutcome, Plan
 from partc.cost.timeline import Timeline, simulate, text_lines
@@ -295,7 +295,7 @@ def _tp_layer_rows(plan: Plan) -> list[list[str]]:
         moves = section.collectives.get(layer, ())
         counts: dict[str, int] = {}
         for move in moves:
-            phase = "fwd" if move.phase == "forward" else "bwd"
+            phase = "fwd" if move.phase == Phase.FORWARD else "bwd"
             label = f"{_SHORT.get(move.kind, move.kind)} {phase}"
             counts[label] = counts.get(label, 0) + 1
         tensor_bytes = sum(move.nbytes for move in moves) * steps
