@@ -375,7 +375,7 @@ class Alternative:
 
     name: str
     description: str
-    recompute: str
+    recompute: Recompute   # every layer's (the "none" of a layer that has no other)
     stages: tuple[tuple[str, ...], ...]
     step_time_s: float
     fits: bool

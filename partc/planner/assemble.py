@@ -196,7 +196,7 @@ def alternative(problem: PlanningProblem, name: str, description: str, recompute
     return Alternative(
         name=name,
         description=description,
-        recompute=recompute,
+        recompute=Recompute(recompute),
         stages=tuple(tuple(names[l] for l in s.layers) for s in evaluation.stages),
         step_time_s=evaluation.step_ps / PS_PER_S,
         fits=evaluation.fits,
