@@ -191,7 +191,7 @@ def _step_phases(folder: str, sizes: Sizes) -> tuple[float, float]:
     module = partc.load(folder, model(), loss_fn=loss_fn).build()
     optimizer = torch.optim.AdamW(module.parameters(), lr=1e-4)
     ids, target = batch()
-    size = module.plan.micro_batch_size * module.plan.num_microbatches * module.plan.dp
+    size = module.plan.global_batch_size
     ids, target = ids[:size], target[:size]
 
     # The step over the gradients the last step's backward left (zeroed, the step

@@ -6,6 +6,7 @@ stored once, and what follows from decisions is a property computed in one place
 
 - ``mesh`` (:class:`Mesh`): pp, dp, tp; ``zero_stage`` as chosen, and
   :attr:`Plan.effective_zero_stage`, the one that runs (0 with one replica);
+  :attr:`Plan.global_batch_size`, microbatches x their size x replicas;
   ``zero2_grad_sync``, when ZeRO-2 reduce-scatters gradients ("microbatch" or "step",
   :data:`partc.problem.ZERO2_GRAD_SYNCS`), and :attr:`Plan.reduces_once`, whether it
   does so once per step (plans written before it read as "microbatch");
@@ -20,8 +21,10 @@ stored once, and what follows from decisions is a property computed in one place
   (:class:`Predicted`), ``solver`` (:class:`SolverStats`), ``alternatives``
   (:class:`Alternative`) and ``meshes`` (:class:`MeshOutcome`).
 
-``to_dict``/``to_json`` write schema version :data:`SCHEMA_VERSION`, and
-``from_dict``/``from_json`` read it back equal. Version 1 (untyped sections) still loads:
+``to_dict``/``to_json`` write schema version :data:`SCHEMA_VERSION` through
+:mod:`partc.codec` (each section from its annotations; field metadata keep the form
+older files have), and ``from_dict``/``from_json`` read it back equal. Version 1
+(untyped sections) still loads:
 :func:`migrate_v1` maps it to version 2, which differs only in the ``train`` section
 (version 1 could hold "4-byte weights" where a dtype name belongs, and derived
 ``bytes_per_param``) and in ``p2p`` (``{}`` where version 2 writes ``null``).
@@ -37,17 +40,21 @@ from typing import Any, Iterable, Mapping
 
 import torch
 
+from partc.codec import (NONE_AS_EMPTY, UNLESS_DEFAULT, CodecError, as_list, from_data,
+                         own_form, to_data)
 from partc.errors import PlanSchemaError
+from partc.names import Outcome, Phase, Recompute, Schedule
 from partc.placement import REPLICATE, Placement
 from partc.problem import effective_zero_stage, reduces_once_per_step
-from partc.spec import TrainSpec, dtype_name, dtype_named
+from partc.spec import TrainSpec
 from partc.units import format_bytes
 
 SCHEMA_VERSION = 2
 
 
 def _scalars(record: Any) -> dict[str, Any]:
-    """A flat dataclass as JSON data, fields that are ``None`` left out."""
+    """A flat dataclass as JSON data, fields that are ``None`` left out (the budget
+    section's own form)."""
     return {f.name: getattr(record, f.name) for f in fields(record)
             if getattr(record, f.name) is not None}
 
@@ -77,7 +84,7 @@ class Mesh:
     pp: int
     dp: int
     tp: int = 1
-    ep: int = 1
+    ep: int = field(default=1, metadata=UNLESS_DEFAULT)
 
     @property
     def size(self) -> int:
@@ -88,10 +95,6 @@ class Mesh:
         """Ranks holding the same experts in a stage (their gradients are reduced over
         them): dp x tp / ep."""
         return self.dp * self.tp // self.ep
-
-    def to_dict(self) -> dict[str, int]:
-        return {"pp": self.pp, "dp": self.dp, "tp": self.tp,
-                **({"ep": self.ep} if self.ep != 1 else {})}
 
     def __str__(self) -> str:
         return f"pp={self.pp} dp={self.dp} tp={self.tp}" + (
@@ -145,7 +148,7 @@ class P2PMessages:
 class StagePlan:
     index: int
     layers: tuple[str, ...]
-    recompute: dict[str, str]   # layer -> "none" | "selective" | "full"
+    recompute: dict[str, Recompute]
     param_count: int
     memory_bytes: StageMemory
     limit_bytes: int
@@ -155,37 +158,16 @@ class StagePlan:
     # empty otherwise (``layers`` is then one run).
     runs: tuple[tuple[str, ...], ...] = ()
 
-    def to_dict(self) -> dict[str, Any]:
-        return {"index": self.index, "layers": list(self.layers),
-                "recompute": dict(self.recompute), "param_count": self.param_count,
-                "memory_bytes": _scalars(self.memory_bytes), "limit_bytes": self.limit_bytes,
-                "time_s": _scalars(self.time_s),
-                "p2p": _scalars(self.p2p) if self.p2p is not None else None,
-                "runs": [list(run) for run in self.runs]}
 
-    @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> "StagePlan":
-        where = f"stages[{data.get('index')}]"
-        p2p = data.get("p2p")
-        return _read(cls, data, where, layers=tuple(data.get("layers", ())),
-                     recompute=dict(data.get("recompute", {})),
-                     memory_bytes=_read(StageMemory, data.get("memory_bytes", {}),
-                                        where + ".memory_bytes"),
-                     time_s=_read(StageTime, data.get("time_s", {}), where + ".time_s"),
-                     p2p=_read(P2PMessages, p2p, where + ".p2p") if p2p is not None else None,
-                     runs=tuple(tuple(run) for run in data.get("runs", ())))
-
-
+@as_list
 @dataclass(frozen=True, kw_only=True)
 class TPCollective:
-    """One tensor-parallel collective of a layer per microbatch."""
+    """One tensor-parallel collective of a layer per microbatch (written as ``[kind,
+    phase, nbytes]``)."""
 
     kind: str     # "all_reduce" | "all_gather" | "reduce_scatter"
-    phase: str    # "forward" | "backward"
+    phase: Phase
     nbytes: int   # of the whole tensor
-
-    def to_list(self) -> list:
-        return [self.kind, self.phase, self.nbytes]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -212,35 +194,6 @@ class TensorParallelPlan:
     def placement(self, names: Iterable[str]) -> Placement:
         """How a parameter known under ``names`` (all its FQNs) is placed."""
         return next((self.params[n] for n in names if n in self.params), REPLICATE)
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"degree": self.degree, "sequence_parallel": self.sequence_parallel,
-                "objective": self.objective,
-                "params": {fqn: str(p) for fqn, p in self.params.items()},
-                "partial_grad_params": list(self.partial_grad_params),
-                "choices": {layer: list(c) for layer, c in self.choices.items()},
-                "collectives": {layer: [c.to_list() for c in moves]
-                                for layer, moves in self.collectives.items()},
-                "collective_seconds": dict(self.collective_seconds),
-                "notes": dict(self.notes)}
-
-    @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> "TensorParallelPlan":
-        def collective(move: list) -> TPCollective:
-            kind, phase, nbytes = move
-            return TPCollective(kind=kind, phase=phase, nbytes=nbytes)
-
-        try:
-            params = {fqn: Placement.parse(p) for fqn, p in data.get("params", {}).items()}
-        except ValueError as error:
-            raise PlanSchemaError(f"plan section tensor_parallel.params: {error}") from None
-        return _read(cls, data, "tensor_parallel", params=params,
-                     partial_grad_params=tuple(data.get("partial_grad_params", ())),
-                     choices={layer: tuple(c) for layer, c in data.get("choices", {}).items()},
-                     collectives={layer: tuple(collective(m) for m in moves)
-                                  for layer, moves in data.get("collectives", {}).items()},
-                     collective_seconds=dict(data.get("collective_seconds", {})),
-                     notes=dict(data.get("notes", {})))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -303,26 +256,6 @@ class ExpertParallelPlan:
     def all_to_all_s(self) -> float:
         return max(self.stage_all_to_all_s, default=0.0)
 
-    def to_dict(self) -> dict[str, Any]:
-        return {"ep": self.ep, "expert_dp": self.expert_dp, "imbalance": self.imbalance,
-                "capacity_factor": self.capacity_factor,
-                "layers": [_scalars(layer) for layer in self.layers],
-                "stage_all_to_all_bytes": list(self.stage_all_to_all_bytes),
-                "stage_all_to_all_s": list(self.stage_all_to_all_s),
-                "stage_expert_activation_bytes": list(self.stage_expert_activation_bytes),
-                "crosses_nodes": self.crosses_nodes}
-
-    @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> "ExpertParallelPlan":
-        where = "expert_parallel"
-        return _read(cls, data, where,
-                     layers=tuple(_read(ExpertLayer, layer, where + ".layers")
-                                  for layer in data.get("layers", ())),
-                     stage_all_to_all_bytes=tuple(data.get("stage_all_to_all_bytes", ())),
-                     stage_all_to_all_s=tuple(data.get("stage_all_to_all_s", ())),
-                     stage_expert_activation_bytes=tuple(
-                         data.get("stage_expert_activation_bytes", ())))
-
 
 @dataclass(frozen=True, kw_only=True)
 class InputSpec:
@@ -332,18 +265,6 @@ class InputSpec:
     name: str
     shape: tuple[int, ...]
     dtype: torch.dtype
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"name": self.name, "shape": list(self.shape), "dtype": dtype_name(self.dtype)}
-
-    @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> "InputSpec":
-        try:
-            dtype = dtype_named(data.get("dtype"))
-        except ValueError as error:
-            raise PlanSchemaError(f"plan section model.inputs: {error}") from None
-        return _read(cls, data, "model.inputs", shape=tuple(data.get("shape", ())),
-                     dtype=dtype)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -356,17 +277,10 @@ class ModelInfo:
     inputs: tuple[InputSpec, ...] = ()   # empty: written before partc recorded them
     # The batch the model was traced and measured at (per-sample numbers depend on it a
     # little): partc.load measures again at this one. None: written before it was recorded.
-    traced_batch_size: int | None = None
-
-    def to_dict(self) -> dict[str, Any]:
-        return {**_scalars(self), "inputs": [spec.to_dict() for spec in self.inputs]}
-
-    @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> "ModelInfo":
-        return _read(cls, data, "model",
-                     inputs=tuple(InputSpec.from_dict(s) for s in data.get("inputs", ())))
+    traced_batch_size: int | None = field(default=None, metadata=UNLESS_DEFAULT)
 
 
+@own_form
 @dataclass(frozen=True, kw_only=True)
 class BudgetInfo:
     """The device budget the plan was made for (``DeviceBudget.to_dict``'s numbers)."""
@@ -436,10 +350,11 @@ class Predicted:
     pipeline_time_s: float
     bottleneck_s: float   # the slowest stage, per microbatch
     tail_time_s: float
-    tokens_per_s: float | None = None   # when a sample is a sequence
+    tokens_per_s: float | None = field(default=None, metadata=UNLESS_DEFAULT)   # when a
+    # sample is a sequence.
     # The planner's closed form of the step (what the search minimises; the step time
     # above is the schedule played out, partc.cost.timeline).
-    closed_form_step_s: float | None = None
+    closed_form_step_s: float | None = field(default=None, metadata=UNLESS_DEFAULT)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -460,7 +375,7 @@ class Alternative:
 
     name: str
     description: str
-    recompute: str
+    recompute: Recompute   # every layer's (the "none" of a layer that has no other)
     stages: tuple[tuple[str, ...], ...]
     step_time_s: float
     fits: bool
@@ -469,11 +384,6 @@ class Alternative:
     worst_need_bytes: int
     worst_limit_bytes: int
     bottleneck_s: float
-
-    @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> "Alternative":
-        return _read(cls, data, "alternatives",
-                     stages=tuple(tuple(s) for s in data.get("stages", ())))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -484,12 +394,12 @@ class ScheduleOption:
     for it ("solved split"), the greedy split of its virtual stages ("greedy split"), or
     why there is none (``how`` "no split fits" or torch's refusal)."""
 
-    schedule: str
+    schedule: Schedule
     virtual_stages: int
     how: str
-    step_time_s: float | None = None
-    bubble_fraction: float | None = None
-    peak_memory_bytes: int | None = None
+    step_time_s: float | None = field(default=None, metadata=UNLESS_DEFAULT)
+    bubble_fraction: float | None = field(default=None, metadata=UNLESS_DEFAULT)
+    peak_memory_bytes: int | None = field(default=None, metadata=UNLESS_DEFAULT)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -501,20 +411,23 @@ class MeshOutcome:
     pp: int
     dp: int
     tp: int
-    outcome: str
-    step_time_s: float | None = None
-    solver_status: str | None = None
-    micro_batch_size: int | None = None
-    num_microbatches: int | None = None
-    schedule: str | None = None
-    zero_stage: int | None = None
-    sequence_parallel: bool | None = None
-    bound_s: float | None = None
-    need_bytes: int | None = None    # infeasible: the tightest split's need per device
-    limit_bytes: int | None = None
-    ep: int | None = None            # its best configuration's expert-parallel degree
-    # "step" where its best configuration's ZeRO-2 reduces once per step (else absent)
-    zero2_grad_sync: str | None = None
+    outcome: Outcome
+    # The rest is absent where it does not apply (the file leaves out what is None).
+    step_time_s: float | None = field(default=None, metadata=UNLESS_DEFAULT)
+    solver_status: str | None = field(default=None, metadata=UNLESS_DEFAULT)
+    micro_batch_size: int | None = field(default=None, metadata=UNLESS_DEFAULT)
+    num_microbatches: int | None = field(default=None, metadata=UNLESS_DEFAULT)
+    schedule: Schedule | None = field(default=None, metadata=UNLESS_DEFAULT)
+    zero_stage: int | None = field(default=None, metadata=UNLESS_DEFAULT)
+    sequence_parallel: bool | None = field(default=None, metadata=UNLESS_DEFAULT)
+    bound_s: float | None = field(default=None, metadata=UNLESS_DEFAULT)
+    # infeasible: the tightest split's need per device
+    need_bytes: int | None = field(default=None, metadata=UNLESS_DEFAULT)
+    limit_bytes: int | None = field(default=None, metadata=UNLESS_DEFAULT)
+    # its best configuration's expert-parallel degree
+    ep: int | None = field(default=None, metadata=UNLESS_DEFAULT)
+    # "step" where its best configuration's ZeRO-2 reduces once per step
+    zero2_grad_sync: str | None = field(default=None, metadata=UNLESS_DEFAULT)
 
     @property
     def mesh(self) -> Mesh:
@@ -523,33 +436,36 @@ class MeshOutcome:
 
 @dataclass(frozen=True, kw_only=True)
 class Plan:
+    """The plan; its fields in the order plan.json writes its sections."""
+
     mesh: Mesh
-    schedule: str
+    schedule: Schedule
     num_microbatches: int
     micro_batch_size: int
     zero_stage: int   # as chosen or pinned; see effective_zero_stage
+    # ZeRO-2: reduce-scatter gradients after every microbatch's backward, or accumulate
+    # them whole and reduce-scatter once per "step" (see reduces_once).
+    zero2_grad_sync: str = "microbatch"
     stages: tuple[StagePlan, ...]
     predicted: Predicted
     solver: SolverStats
     budget: BudgetInfo
     train: TrainSpec
     model: ModelInfo
-    tensor_parallel: TensorParallelPlan | None = None
+    # None when tp = 1, written as {} (as plans always wrote it).
+    tensor_parallel: TensorParallelPlan | None = field(default=None, metadata=NONE_AS_EMPTY)
     alternatives: tuple[Alternative, ...] = ()
     # Every (pp, dp, tp) factorisation the planner considered, best first.
     meshes: tuple[MeshOutcome, ...] = ()
+    # Every schedule priced on the plan's mesh (the chosen one first, then fastest first).
+    schedules: tuple[ScheduleOption, ...] = ()
     # Mixture-of-experts layers split over expert-parallel groups (mesh.ep > 1); None
-    # without expert parallelism.
-    expert_parallel: ExpertParallelPlan | None = None
+    # without expert parallelism, and then not written.
+    expert_parallel: ExpertParallelPlan | None = field(default=None, metadata=UNLESS_DEFAULT)
     # Mixture-of-experts layers whose routed experts are an nn.ModuleList called one by
     # one: the runtime splits batched experts only, so these keep ep = 1 (the report
     # says so). Written only when there are some.
-    module_list_experts: tuple[str, ...] = ()
-    # Every schedule priced on the plan's mesh (the chosen one first, then fastest first).
-    schedules: tuple[ScheduleOption, ...] = ()
-    # ZeRO-2: reduce-scatter gradients after every microbatch's backward, or accumulate
-    # them whole and reduce-scatter once per "step" (see reduces_once).
-    zero2_grad_sync: str = "microbatch"
+    module_list_experts: tuple[str, ...] = field(default=(), metadata=UNLESS_DEFAULT)
 
     @property
     def pp(self) -> int:
@@ -609,7 +525,7 @@ class Plan:
         from partc.cost.schedules import SCHEDULE_TABLE, stages_of_rank
 
         pp, v = len(self.stages), self.chunks
-        name = self.schedule if self.schedule in SCHEDULE_TABLE else "interleaved-1f1b"
+        name = self.schedule if self.schedule in SCHEDULE_TABLE else Schedule.INTERLEAVED_1F1B
         runs: dict[int, tuple[str, ...]] = {}
         for stage in self.stages:
             for j, run in zip(stages_of_rank(name, pp, v, stage.index), stage.runs):
@@ -639,86 +555,76 @@ class Plan:
     @property
     def hash(self) -> str:
         """Hash of the decisions (not of timings): ranks compare it before running."""
-        decisions = {
-            "mesh": self.mesh.to_dict(), "schedule": self.schedule,
-            "num_microbatches": self.num_microbatches,
-            "micro_batch_size": self.micro_batch_size, "zero_stage": self.zero_stage,
-            # Written only where it differs from the default: older plans keep their hash.
-            **({"zero2_grad_sync": self.zero2_grad_sync}
-               if self.zero2_grad_sync != "microbatch" else {}),
-            "stages": [[list(s.layers), s.recompute] for s in self.stages],
-            **({"runs": [list(r) for r in self.runs]} if self.chunks > 1 else {}),
-            "tensor_parallel": self._tensor_parallel_dict(), "model": self.model.hash,
-            **({"expert_parallel": {"ep": self.mesh.ep,
-                                    "capacity_factor": self.expert_parallel.capacity_factor}}
-               if self.expert_parallel is not None else {}),
-        }
-        return hashlib.sha256(json.dumps(decisions, sort_keys=True).encode()).hexdigest()[:16]
+        text = json.dumps(decisions(self), sort_keys=True)
+        return hashlib.sha256(text.encode()).hexdigest()[:16]
 
-    def _tensor_parallel_dict(self) -> dict[str, Any]:
-        return self.tensor_parallel.to_dict() if self.tensor_parallel is not None else {}
+    @property
+    def global_batch_size(self) -> int:
+        """Samples per optimizer step: microbatches x their size x replicas."""
+        return self.num_microbatches * self.micro_batch_size * self.dp
 
     def to_dict(self) -> dict[str, Any]:
-        return {
-            "schema_version": SCHEMA_VERSION,
-            "mesh": self.mesh.to_dict(), "schedule": self.schedule,
-            "num_microbatches": self.num_microbatches,
-            "micro_batch_size": self.micro_batch_size, "zero_stage": self.zero_stage,
-            "zero2_grad_sync": self.zero2_grad_sync,
-            "stages": [stage.to_dict() for stage in self.stages],
-            "predicted": _scalars(self.predicted), "solver": _scalars(self.solver),
-            "budget": self.budget.to_dict(), "train": self.train.to_dict(),
-            "model": self.model.to_dict(), "tensor_parallel": self._tensor_parallel_dict(),
-            "alternatives": [{**_scalars(a), "stages": [list(s) for s in a.stages]}
-                             for a in self.alternatives],
-            "meshes": [_scalars(m) for m in self.meshes],
-            "schedules": [_scalars(o) for o in self.schedules],
-            **({"expert_parallel": self.expert_parallel.to_dict()}
-               if self.expert_parallel is not None else {}),
-            **({"module_list_experts": list(self.module_list_experts)}
-               if self.module_list_experts else {}),
-        }
+        """The plan as JSON data (:mod:`partc.codec`), with its schema version."""
+        return {"schema_version": SCHEMA_VERSION, **to_data(self)}
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), indent=2, sort_keys=False)
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> "Plan":
-        """A plan from ``to_dict``'s data, of this schema version or version 1."""
-        version = data.get("schema_version", 1)
-        if version == 1:
-            data = migrate_v1(data)
-        elif version != SCHEMA_VERSION:
-            raise PlanSchemaError(
-                f"plan schema version {version} is not one this partc reads (1 and "
-                f"{SCHEMA_VERSION}): it was written by another version of partc; compile "
-                "the model again with this one (partc.compile or `partc plan`)")
-        sections = {k: v for k, v in data.items() if k != "schema_version"}
-        get = sections.get
-        tp = get("tensor_parallel") or None
-        experts = get("expert_parallel") or None
+        """A plan from ``to_dict``'s data, of this schema version or an older one; a
+        :class:`PlanSchemaError` naming the section otherwise."""
         try:
-            train = TrainSpec.from_dict(get("train", {}))
-        except (TypeError, ValueError) as error:
-            raise PlanSchemaError(f"plan section train: {error}") from None
-        return _read(
-            cls, sections, "plan", mesh=_read(Mesh, get("mesh", {}), "mesh"),
-            stages=tuple(StagePlan.from_dict(s) for s in get("stages", ())),
-            predicted=_read(Predicted, get("predicted", {}), "predicted"),
-            solver=_read(SolverStats, get("solver", {}), "solver"),
-            budget=BudgetInfo.from_dict(get("budget", {})), train=train,
-            model=ModelInfo.from_dict(get("model", {})),
-            tensor_parallel=TensorParallelPlan.from_dict(tp) if tp else None,
-            alternatives=tuple(Alternative.from_dict(a) for a in get("alternatives", ())),
-            meshes=tuple(_read(MeshOutcome, m, "meshes") for m in get("meshes", ())),
-            schedules=tuple(_read(ScheduleOption, o, "schedules")
-                            for o in get("schedules", ())),
-            expert_parallel=ExpertParallelPlan.from_dict(experts) if experts else None,
-            module_list_experts=tuple(get("module_list_experts", ())))
+            return plan_from_data(data)
+        except CodecError as error:
+            raise PlanSchemaError(f"plan section {error}") from None
 
     @classmethod
     def from_json(cls, text: str) -> "Plan":
         return cls.from_dict(json.loads(text))
+
+
+def plan_from_data(data: Mapping[str, Any]) -> Plan:
+    """A plan from JSON data of this schema version or version 1 (migrated); a
+    :class:`~partc.codec.CodecError` naming the field where the data is not a plan."""
+    version = data.get("schema_version", 1)
+    if version == 1:
+        data = migrate_v1(data)
+    elif version != SCHEMA_VERSION:
+        raise PlanSchemaError(
+            f"plan schema version {version} is not one this partc reads (1 and "
+            f"{SCHEMA_VERSION}): it was written by another version of partc; compile "
+            "the model again with this one (partc.compile or `partc plan`)")
+    return from_data(Plan, {k: v for k, v in data.items() if k != "schema_version"})
+
+
+# The plan's fields that are decisions, which its hash covers, and those that are not
+# (what the plan was made for, what the cost model and the solver said of it); a test
+# holds the two to Plan's fields, so that a new field is one or the other.
+DECIDED = ("mesh", "schedule", "num_microbatches", "micro_batch_size", "zero_stage",
+           "zero2_grad_sync", "stages", "tensor_parallel", "model", "expert_parallel")
+NOT_DECIDED = ("predicted", "solver", "budget", "train", "alternatives", "meshes",
+               "schedules", "module_list_experts")
+
+
+def decisions(plan: Plan) -> dict[str, Any]:
+    """The plan's :data:`DECIDED` sections as the codec writes them, in the form the
+    first plans hashed them, so that hashes already written (in emitted code, in saved
+    programs) stay valid: a stage as its layers and recompute modes, the model as its
+    hash, the runs in model order only when interleaved, expert parallelism as its
+    degree and capacity factor, and ZeRO-2's gradient sync only when it is "step"."""
+    data = to_data(plan)
+    decided = {name: data[name] for name in DECIDED if name in data}
+    decided["stages"] = [[stage["layers"], stage["recompute"]] for stage in data["stages"]]
+    decided["model"] = plan.model.hash
+    if plan.zero2_grad_sync == "microbatch":
+        del decided["zero2_grad_sync"]
+    if plan.chunks > 1:
+        decided["runs"] = to_data(plan.runs)
+    if plan.expert_parallel is not None:
+        decided["expert_parallel"] = {"ep": plan.mesh.ep,
+                                      "capacity_factor": plan.expert_parallel.capacity_factor}
+    return decided
 
 
 _V1_WEIGHTS = re.compile(r"^(\d+(?:\.\d+)?)-byte weights$")

@@ -22,10 +22,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from partc.placement import Placement
 from partc.device.presets import OVERHEAD_FIELDS, RATE_FIELDS
+from partc.names import Recompute
+from partc.placement import Placement
 
-RECOMPUTE_MODES: tuple[str, ...] = ("none", "selective", "full")
+RECOMPUTE_MODES: tuple[str, ...] = tuple(mode.value for mode in Recompute)
 
 # 0: plain data parallelism; 1: optimizer state sharded over dp; 2: gradients too;
 # 3: weights too.

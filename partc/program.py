@@ -11,13 +11,12 @@ from typing import Any, Callable, Mapping, Sequence
 import torch
 from torch import nn
 
-from partc.codec import CodecError, check
+from partc.codec import CodecError, check, dtype_name
 from partc.errors import (PartcError, PlanFileError, PlanMismatchError, PlanSchemaError,
                      PlanValidationError)
-from partc.plan import Plan
+from partc.plan import Plan, plan_from_data
 from partc.problem import PlanningProblem
 from partc.report.text import render
-from partc.spec import dtype_name
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -202,7 +201,7 @@ def read_plan_file(path: str | Path) -> Plan:
         raise PlanFileError(f"{path} holds a {type(data).__name__}, not a plan",
                             path=str(path))
     try:
-        plan = Plan.from_dict(data)
+        plan = plan_from_data(data)
         check(plan, Plan)
     except CodecError as error:
         raise PlanFileError(f"{path}: field {error}", path=str(path),

@@ -12,14 +12,16 @@ from typing import Any, Mapping
 import torch
 
 from partc.cli.choices import ATTENTION, OPTIMIZER_STATE_BYTES, SCHEDULES, TP_OBJECTIVES
+from partc.codec import UNLESS_DEFAULT
+from partc.names import Schedule
 from partc.problem import BUCKET_ELEMENTS, RECOMPUTE_MODES, ZERO2_GRAD_SYNCS, ZERO_STAGES, Precision
 
 # What the planner's closed-form search weighs when the schedule is "auto"; it chooses
 # the mesh, and every other schedule of SCHEDULES is then solved on that mesh and the
 # fastest played out kept (partc.planner.choose_schedule). Every schedule is planned
 # when pinned (Constraints.schedule, virtual_stages).
-AUTO_SCHEDULES: tuple[str, ...] = ("1f1b", "gpipe")
-INTERLEAVED = "interleaved-1f1b"
+AUTO_SCHEDULES: tuple[Schedule, ...] = (Schedule.ONE_F_ONE_B, Schedule.GPIPE)
+INTERLEAVED = Schedule.INTERLEAVED_1F1B
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # The busiest expert's tokens over the balanced share a plan budgets memory for by
 # default (TrainSpec's docstring gives the sources).
@@ -28,19 +30,6 @@ DEFAULT_MOE_IMBALANCE = 2.0
 
 def dtype_bytes(dtype: torch.dtype) -> int:
     return torch.empty((), dtype=dtype).element_size()
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    """``torch.bfloat16`` -> ``"bfloat16"``: how plans write a dtype."""
-    return str(dtype).removeprefix("torch.")
-
-
-def dtype_named(name: str) -> torch.dtype:
-    """The inverse of :func:`dtype_name`."""
-    dtype = getattr(torch, str(name), None)
-    if not isinstance(dtype, torch.dtype):
-        raise ValueError(f"not a torch dtype: {name!r}")
-    return dtype
 
 
 def _is_real(value: Any, *, minimum: float | None = None, above: float | None = None) -> bool:
@@ -123,10 +112,11 @@ class TrainSpec:
     moe_imbalance: float = DEFAULT_MOE_IMBALANCE
     moe_capacity_factor: float | None = None
     compile: bool = False
-    loss_per_microbatch: bool = False
-    tp_overlap: bool = True
-    overlap_param_gather: bool = True
-    bucket_elements: int = BUCKET_ELEMENTS
+    # Written to a plan only when declared: plans without them read back unchanged.
+    loss_per_microbatch: bool = field(default=False, metadata=UNLESS_DEFAULT)
+    tp_overlap: bool = field(default=True, metadata=UNLESS_DEFAULT)
+    overlap_param_gather: bool = field(default=True, metadata=UNLESS_DEFAULT)
+    bucket_elements: int = field(default=BUCKET_ELEMENTS, metadata=UNLESS_DEFAULT)
 
     def __post_init__(self) -> None:
         _check_positive_int("TrainSpec.global_batch_size", self.global_batch_size)
@@ -196,35 +186,6 @@ class TrainSpec:
     @property
     def optimizer_bytes(self) -> float:
         return self.precision.zero_paper_bytes[2]
-
-    def to_dict(self) -> dict[str, Any]:
-        """The plan's ``train`` section (JSON scalars; the dtype by its name)."""
-        return {
-            "global_batch_size": self.global_batch_size,
-            "micro_batch_size": self.micro_batch_size,
-            "dtype": dtype_name(self.dtype),
-            "optimizer": self.optimizer,
-            "schedule": self.schedule,
-            "max_grad_norm": self.max_grad_norm,
-            "attention": self.attention,
-            "moe_imbalance": self.moe_imbalance,
-            "moe_capacity_factor": self.moe_capacity_factor,
-            "compile": self.compile,
-            # Written only when declared: plans without it read back unchanged.
-            **({"loss_per_microbatch": True} if self.loss_per_microbatch else {}),
-            **({"tp_overlap": False} if not self.tp_overlap else {}),
-            **({"overlap_param_gather": False} if not self.overlap_param_gather else {}),
-            **({"bucket_elements": self.bucket_elements}
-               if self.bucket_elements != BUCKET_ELEMENTS else {}),
-        }
-
-    @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> "TrainSpec":
-        """The inverse of :meth:`to_dict`."""
-        fields = dict(data)
-        if "dtype" in fields:
-            fields["dtype"] = dtype_named(fields["dtype"])
-        return cls(**fields)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -26,6 +26,7 @@ import torch
 from torch import fx
 
 from partc import meta
+from partc.names import Phase
 from partc.placement import REPLICATE
 from partc.cost.schedules import rank_of
 from partc.plan import Plan
@@ -165,7 +166,8 @@ def _header(stage: StageGraph, plan: Plan, shared: Mapping[str, Sequence[int]]) 
         f"(pp index {r}), on rank{'s' * (len(ranks) > 1)} "
         f"{', '.join(map(str, ranks))}.",
         f"# Schedule: {plan.schedule}, {m} microbatch{'es' * (m > 1)} of {b} "
-        f"(global batch {m * b * plan.dp}{f' over {plan.dp} replicas' if plan.dp > 1 else ''}).",
+        f"(global batch {plan.global_batch_size}"
+        f"{f' over {plan.dp} replicas' if plan.dp > 1 else ''}).",
         f"# Layers: {', '.join(stage.layers)}.",
         f"# Recompute: {', '.join(recomputed) if recomputed else 'none'}.",
     ]
@@ -197,8 +199,8 @@ def _header(stage: StageGraph, plan: Plan, shared: Mapping[str, Sequence[int]]) 
                      f"{', sequence parallel' if section.sequence_parallel else ''}; "
                      f"each rank runs this code on its shards ({len(mine)} sharded parameters) "
                      f"and meets the other ranks through its group, self.tp (partc.runtime.tp): "
-                     f"{sum(m.phase == 'forward' for m in moves)} collectives forward and "
-                     f"{sum(m.phase == 'backward' for m in moves)} backward per microbatch "
+                     f"{sum(m.phase == Phase.FORWARD for m in moves)} collectives forward and "
+                     f"{sum(m.phase == Phase.BACKWARD for m in moves)} backward per microbatch "
                      f"(the backward ones are the autograd conjugates of the calls below).")
         partial = [f for f in section.partial_grad_params
                    if any(f.startswith(layer + ".") for layer in stage.layers)]

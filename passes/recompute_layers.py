@@ -98,7 +98,8 @@ def _wrap(module: fx.GraphModule, region: list[fx.Node], name: str, mode: str) -
     with graph.inserting_before(region[-1].next):
         fetch = graph.get_attr(name)
         options = {"written": written} if written else {}
-        call = graph.call_function(checkpoint_layer, (fetch, mode, *inputs), options)
+        # The mode as a plain string (a Recompute member is one): the code prints a literal.
+        call = graph.call_function(checkpoint_layer, (fetch, str(mode), *inputs), options)
         results = [graph.call_function(operator.getitem, (call, i)) for i in range(len(outputs))]
     for node in (fetch, call, *results):
         meta.set_layer(node, ref)

@@ -4,6 +4,7 @@ import pytest
 import torch
 
 import partc
+from partc.codec import from_data, to_data
 from partc.units import format_bytes, parse_bytes
 
 
@@ -49,16 +50,16 @@ def test_train_spec_bytes_per_parameter():
         partc.TrainSpec(global_batch_size=8, optimizer="lion")
     with pytest.raises(ValueError, match="max_grad_norm must be positive"):
         partc.TrainSpec(global_batch_size=8, max_grad_norm=0.0)
-    assert partc.TrainSpec(global_batch_size=8, max_grad_norm=1.0).to_dict()["max_grad_norm"] == 1.0
+    assert to_data(partc.TrainSpec(global_batch_size=8, max_grad_norm=1.0))["max_grad_norm"] == 1.0
     # Written only when off: plans from before it read back unchanged.
-    assert "overlap_param_gather" not in partc.TrainSpec(global_batch_size=8).to_dict()
+    assert "overlap_param_gather" not in to_data(partc.TrainSpec(global_batch_size=8))
     blocking = partc.TrainSpec(global_batch_size=8, overlap_param_gather=False)
-    assert partc.TrainSpec.from_dict(blocking.to_dict()) == blocking
+    assert from_data(partc.TrainSpec, to_data(blocking)) == blocking
     with pytest.raises(ValueError, match="overlap_param_gather"):
         partc.TrainSpec(global_batch_size=8, overlap_param_gather="no")
-    assert "bucket_elements" not in partc.TrainSpec(global_batch_size=8).to_dict()
+    assert "bucket_elements" not in to_data(partc.TrainSpec(global_batch_size=8))
     small = partc.TrainSpec(global_batch_size=8, bucket_elements=4096)
-    assert partc.TrainSpec.from_dict(small.to_dict()) == small
+    assert from_data(partc.TrainSpec, to_data(small)) == small
     for bad in (0, 2.5, True):
         with pytest.raises(ValueError, match="bucket_elements"):
             partc.TrainSpec(global_batch_size=8, bucket_elements=bad)

@@ -8,14 +8,15 @@ presets are in :mod:`partc.device.presets`; recompute modes and ZeRO stages in
 
 from __future__ import annotations
 
+from partc.names import Schedule
+
 # How attention runs: as the model writes it, or as one fused kernel call
 # (``scaled_dot_product_attention``) wherever partc proves it computes the same.
 ATTENTION: tuple[str, ...] = ("as_written", "fused")
 
-# The pipeline schedules (partc.cost.schedules holds what each needs of a plan; a test holds
-# the two together).
-SCHEDULES: tuple[str, ...] = ("gpipe", "1f1b", "interleaved-1f1b", "looped-bfs",
-                              "interleaved-zero-bubble", "zbv-zero-bubble", "dualpipev")
+# The pipeline schedules' names (:class:`partc.names.Schedule`; partc.cost.schedules holds
+# what each needs of a plan, and a test holds the two together).
+SCHEDULES: tuple[str, ...] = tuple(name.value for name in Schedule)
 
 # What a tensor-parallel sharding is chosen for: the fastest, or the fewest parameter
 # bytes (then, with sequence parallelism, activation bytes; then the fastest).

@@ -601,7 +601,8 @@ def _budget(args: argparse.Namespace, **fixed: Any):
 def _train(args: argparse.Namespace, workload: dict[str, Any]):
     from dataclasses import replace
 
-    from partc.spec import TrainSpec, dtype_named
+    from partc.codec import dtype_named
+    from partc.spec import TrainSpec
 
     inputs = workload["example_inputs"]
     first = inputs[0] if isinstance(inputs, (tuple, list)) else inputs

@@ -92,6 +92,7 @@ from typing import Any, Iterable, Sequence
 
 from partc.cost.collectives import Group, collective_seconds
 from partc.cost.schedules import schedule as schedule_info
+from partc.plan import StageMemory
 from partc.problem import (SMALL_UNITS_SHARE, ZERO_STAGES, DeviceNumbers,
                       HeavyOp, LayerCost, MoECost, PlanningProblem, effective_zero_stage,
                       reduces_once_per_step)
@@ -1063,8 +1064,7 @@ class StageCost:
     comm_ps: int
     tail_ps: int
     param_count: int
-    # params, grads, optimizer, activations, transient, receive (buffers), peak
-    memory: dict[str, int]
+    memory: StageMemory
     limit: int
     runs: tuple[tuple[int, ...], ...] = ()   # interleaved: the rank's runs of layers
     # Per run of the rank (model order): forward, backward, recompute, the send of its
@@ -1087,11 +1087,11 @@ class Evaluation:
 
     @property
     def fits(self) -> bool:
-        return all(s.memory["peak"] <= s.limit for s in self.stages)
+        return all(s.memory.peak <= s.limit for s in self.stages)
 
     @property
     def worst_stage(self) -> StageCost:
-        return max(self.stages, key=lambda s: s.memory["peak"] / max(s.limit, 1))
+        return max(self.stages, key=lambda s: s.memory.peak / max(s.limit, 1))
 
 
 def exposed_sync_ps(sync_ps: int, backward_ps: int, overlap_permille: int = 1000,
@@ -1201,9 +1201,10 @@ def _stage_cost(table: CostTable, stage: int, runs: list[list[int]], modes: Sequ
             forward, table.first_gather_ps, table.overlap_permille),
         param_count=sum(r.param_count for r in rows)
         + sum(table.shared[g].param_count for g in held),
-        memory={**state, "activations": activations, "transient": transient,
-                "receive": receive, "step": step,
-                "peak": sum(state.values()) + max(activations + transient + receive, step)},
+        memory=StageMemory(**state, activations=activations, transient=transient,
+                           receive=receive, step=step,
+                           peak=sum(state.values()) + max(activations + transient + receive,
+                                                          step)),
         limit=table.limits[stage],
         runs=tuple(tuple(run) for run in runs) if config.chunks > 1 else (),
     )

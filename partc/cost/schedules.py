@@ -17,12 +17,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from partc.names import Schedule
+
 
 @dataclass(frozen=True)
-class Schedule:
+class ScheduleInfo:
     """One schedule: its name, torch's class, and what it needs of a plan."""
 
-    name: str
+    name: Schedule
     torch_class: str                 # in torch.distributed.pipelining.schedules
     placement: str                   # "loop" or "v"
     virtual_stages: tuple[int, ...]  # allowed v; () means any v >= 2
@@ -34,21 +36,21 @@ class Schedule:
         return v in self.virtual_stages if self.virtual_stages else v >= 2
 
 
-SCHEDULE_TABLE: dict[str, Schedule] = {s.name: s for s in (
-    Schedule("gpipe", "ScheduleGPipe", "loop", (1,), False),
-    Schedule("1f1b", "Schedule1F1B", "loop", (1,), False),
-    Schedule("interleaved-1f1b", "ScheduleInterleaved1F1B", "loop", (), False,
-             rounds_divide=True),
-    Schedule("looped-bfs", "ScheduleLoopedBFS", "loop", (), False),
-    Schedule("interleaved-zero-bubble", "ScheduleInterleavedZeroBubble", "loop", (), True,
-             rounds_divide=True),
-    Schedule("zbv-zero-bubble", "ScheduleZBVZeroBubble", "v", (2,), True),
-    Schedule("dualpipev", "ScheduleDualPipeV", "v", (2,), True,
-             min_microbatches_per_stage=1),
+SCHEDULE_TABLE: dict[Schedule, ScheduleInfo] = {s.name: s for s in (
+    ScheduleInfo(Schedule.GPIPE, "ScheduleGPipe", "loop", (1,), False),
+    ScheduleInfo(Schedule.ONE_F_ONE_B, "Schedule1F1B", "loop", (1,), False),
+    ScheduleInfo(Schedule.INTERLEAVED_1F1B, "ScheduleInterleaved1F1B", "loop", (), False,
+                 rounds_divide=True),
+    ScheduleInfo(Schedule.LOOPED_BFS, "ScheduleLoopedBFS", "loop", (), False),
+    ScheduleInfo(Schedule.INTERLEAVED_ZERO_BUBBLE, "ScheduleInterleavedZeroBubble", "loop",
+                 (), True, rounds_divide=True),
+    ScheduleInfo(Schedule.ZBV_ZERO_BUBBLE, "ScheduleZBVZeroBubble", "v", (2,), True),
+    ScheduleInfo(Schedule.DUALPIPEV, "ScheduleDualPipeV", "v", (2,), True,
+                 min_microbatches_per_stage=1),
 )}
 
 
-def schedule(name: str) -> Schedule:
+def schedule(name: str) -> ScheduleInfo:
     try:
         return SCHEDULE_TABLE[name]
     except KeyError:

@@ -40,6 +40,7 @@ from unittest import mock
 import torch
 from torch.distributed.pipelining import schedules as torch_schedules
 
+from partc.names import Phase, Schedule
 from partc.cost.schedules import SCHEDULE_TABLE, rank_of, refusal, schedule as schedule_info, stages_of_rank
 
 #: Kinds of :class:`Block`, in the order pictures list them.
@@ -75,10 +76,10 @@ class Block:
 
 @dataclass(frozen=True, kw_only=True)
 class Op:
-    """One operation of a rank: ``phase`` "forward", "backward" (full), "input" or
-    "weight" (a split backward's parts), of ``microbatch`` through virtual ``stage``."""
+    """One operation of a rank: ``phase`` forward, backward (full), input or weight (a
+    split backward's parts), of ``microbatch`` through virtual ``stage``."""
 
-    phase: str
+    phase: Phase
     microbatch: int
     stage: int
 
@@ -146,7 +147,7 @@ class Timeline:
 
 # ------------------------------------------------------------------ the orders
 
-_PHASES = {"F": "forward", "B": "backward", "I": "input", "W": "weight"}
+_PHASES = {"F": Phase.FORWARD, "B": Phase.BACKWARD, "I": Phase.INPUT, "W": Phase.WEIGHT}
 
 
 @lru_cache(maxsize=512)
@@ -196,9 +197,9 @@ def _single_stage_order(name: str, rank: int, pp: int, m: int) -> tuple[Op, ...]
     one forward and one backward in turn, then the remaining backwards. (Written here:
     the ``pipeline_order`` torch builds for these two is informational only and, for
     1F1B's last rank, off by one microbatch in torch 2.13.)"""
-    forwards = [Op(phase="forward", microbatch=i, stage=rank) for i in range(m)]
-    backwards = [Op(phase="backward", microbatch=i, stage=rank) for i in range(m)]
-    if name == "gpipe":
+    forwards = [Op(phase=Phase.FORWARD, microbatch=i, stage=rank) for i in range(m)]
+    backwards = [Op(phase=Phase.BACKWARD, microbatch=i, stage=rank) for i in range(m)]
+    if name == Schedule.GPIPE:
         return tuple(forwards + backwards)
     warmup = min(pp - rank - 1, m)
     order = forwards[:warmup]
@@ -264,9 +265,9 @@ def play(schedule: str, pp: int, v: int, m: int, stages: list[StageSeconds],
             while position[r] < len(order):
                 op = order[position[r]]
                 j, mb = op.stage, op.microbatch
-                if op.phase == "forward":
+                if op.phase == Phase.FORWARD:
                     needs = ("forward", mb, j - 1) if j > 0 else None
-                elif op.phase == "weight":
+                elif op.phase == Phase.WEIGHT:
                     needs = ("input", mb, j)
                 else:
                     needs = (("grad", mb, j + 1) if j < runs - 1 else ("forward", mb, j))
@@ -281,12 +282,12 @@ def play(schedule: str, pp: int, v: int, m: int, stages: list[StageSeconds],
                     start += seconds
                 clock[r] = start
                 done[(op.phase, mb, j)] = start
-                if op.phase in ("backward", "input"):
+                if op.phase in (Phase.BACKWARD, Phase.INPUT):
                     done[("grad", mb, j)] = start
-                if op.phase == "forward":
+                if op.phase == Phase.FORWARD:
                     holding[r] += 1
                     peak[r] = max(peak[r], holding[r])
-                elif op.phase in ("backward", "weight"):
+                elif op.phase in (Phase.BACKWARD, Phase.WEIGHT):
                     holding[r] -= 1
                 position[r] += 1
                 remaining -= 1
@@ -304,15 +305,15 @@ def play(schedule: str, pp: int, v: int, m: int, stages: list[StageSeconds],
 def _parts(op: Op, t: StageSeconds, crosses: list[bool], split: bool
            ) -> list[tuple[str, float]]:
     j = op.stage
-    if op.phase == "forward":
+    if op.phase == Phase.FORWARD:
         return [("p2p", t.receive), ("forward", t.forward - t.collective_forward),
                 ("collective", t.collective_forward),
                 ("p2p", t.send if crosses[j] else 0.0)]
     receive = t.send if crosses[j] else 0.0
     weight = t.backward * t.weight_share
-    if op.phase == "weight":
+    if op.phase == Phase.WEIGHT:
         return [("weight", weight)]
-    backward = t.backward - weight if op.phase == "input" else t.backward
+    backward = t.backward - weight if op.phase == Phase.INPUT else t.backward
     collective = min(t.collective_backward, backward)
     return [("p2p", receive), ("recompute", t.recompute),
             ("backward", backward - collective), ("collective", collective),
@@ -335,10 +336,10 @@ def held_per_run(schedule: str, pp: int, v: int, m: int
         holding = [0] * len(numbers)
         moments = set()
         for op in ops:
-            if op.phase == "forward":
+            if op.phase == Phase.FORWARD:
                 holding[index[op.stage]] += 1
                 moments.add(tuple(holding))
-            elif op.phase in ("backward", "weight"):
+            elif op.phase in (Phase.BACKWARD, Phase.WEIGHT):
                 holding[index[op.stage]] -= 1
         result.append(tuple(sorted(
             h for h in moments
@@ -388,7 +389,7 @@ def _collective_seconds(plan, layers) -> tuple[float, float]:
         if not total:
             continue
         seconds = section.collective_seconds.get(layer, 0.0)
-        share = sum(move.nbytes for move in moves if move.phase == "forward") / total
+        share = sum(move.nbytes for move in moves if move.phase == Phase.FORWARD) / total
         forward += seconds * share
         backward += seconds * (1 - share)
     return forward, backward

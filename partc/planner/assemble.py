@@ -4,13 +4,15 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from partc.codec import dtype_named
+from partc.names import Phase, Recompute, Schedule
 from partc.cost.model import PS_PER_S, Evaluation, PipelineConfig, simulated_step_ps, tp_comm_seconds
 from partc.plan import (Alternative, BudgetInfo, InputSpec, Mesh, MeshOutcome, ModelInfo,
-                   P2PMessages, Plan, Predicted, SolverStats, StageMemory, StagePlan,
+                   P2PMessages, Plan, Predicted, SolverStats, StagePlan,
                    StageTime, TensorParallelPlan, TPCollective)
 from partc.planner.expert_parallel import expert_parallel_section
 from partc.problem import PlanningProblem
-from partc.spec import TrainSpec, dtype_named
+from partc.spec import TrainSpec
 
 if TYPE_CHECKING:     # the planner needs OR-Tools; assembling a plan does not
     from partc.planner import MeshResult
@@ -40,7 +42,7 @@ def predicted(problem: PlanningProblem, config: PipelineConfig,
         mfu=model_flops_per_step(problem) / (step * devices.num_devices * devices.peak_flops)
         if step else 0.0,
         bubble_fraction=bubble,
-        peak_memory_bytes=max(s.memory["peak"] for s in evaluation.stages),
+        peak_memory_bytes=max(s.memory.peak for s in evaluation.stages),
         pipeline_time_s=pipeline_ps / PS_PER_S,
         closed_form_step_s=evaluation.step_ps / PS_PER_S,
         bottleneck_s=max(s.busy_ps for s in evaluation.stages) / PS_PER_S,
@@ -57,9 +59,9 @@ def stage_plans(problem: PlanningProblem, config: PipelineConfig, evaluation: Ev
         StagePlan(
             index=index,
             layers=tuple(names[l] for l in stage.layers),
-            recompute={names[l]: modes[l] for l in stage.layers},
+            recompute={names[l]: Recompute(modes[l]) for l in stage.layers},
             param_count=stage.param_count,
-            memory_bytes=StageMemory(**stage.memory),
+            memory_bytes=stage.memory,
             limit_bytes=stage.limit,
             time_s=StageTime(forward=m * stage.forward_ps / PS_PER_S,
                              backward=m * stage.backward_ps / PS_PER_S,
@@ -106,7 +108,7 @@ def make_plan(problem: PlanningProblem, config: PipelineConfig, evaluation: Eval
     local = problem.variant(config.tp, config.sequence_parallel, config.tp_objective)
     return Plan(
         mesh=Mesh(pp=config.pp, dp=config.dp, tp=config.tp, ep=config.ep),
-        schedule=config.schedule,
+        schedule=Schedule(config.schedule),
         num_microbatches=config.num_microbatches,
         micro_batch_size=config.micro_batch_size,
         zero_stage=config.zero_stage,
@@ -147,7 +149,8 @@ def mesh_summary(mesh: MeshResult) -> MeshOutcome:
         config = mesh.config
         summary.update(step_time_s=mesh.step_ps / PS_PER_S, solver_status=mesh.status,
                        micro_batch_size=config.micro_batch_size,
-                       num_microbatches=config.num_microbatches, schedule=config.schedule,
+                       num_microbatches=config.num_microbatches,
+                       schedule=Schedule(config.schedule),
                        zero_stage=config.zero_stage,
                        sequence_parallel=config.sequence_parallel,
                        **({"ep": config.ep} if config.ep != 1 else {}),
@@ -175,7 +178,7 @@ def tensor_parallel_section(problem: PlanningProblem,
         params=dict(option.placements),
         partial_grad_params=tuple(option.partial_grad_params),
         choices={name: tuple(c) for name, c in option.choices},
-        collectives={layer.name: tuple(TPCollective(kind=kind, phase=phase,
+        collectives={layer.name: tuple(TPCollective(kind=kind, phase=Phase(phase),
                                                     nbytes=int(round(nbytes * scale)))
                                        for kind, phase, nbytes in layer.tp_comm)
                      for layer in moving},
@@ -193,13 +196,13 @@ def alternative(problem: PlanningProblem, name: str, description: str, recompute
     return Alternative(
         name=name,
         description=description,
-        recompute=recompute,
+        recompute=Recompute(recompute),
         stages=tuple(tuple(names[l] for l in s.layers) for s in evaluation.stages),
         step_time_s=evaluation.step_ps / PS_PER_S,
         fits=evaluation.fits,
-        peak_memory_bytes=max(s.memory["peak"] for s in evaluation.stages),
+        peak_memory_bytes=max(s.memory.peak for s in evaluation.stages),
         worst_stage=evaluation.stages.index(worst),
-        worst_need_bytes=worst.memory["peak"],
+        worst_need_bytes=worst.memory.peak,
         worst_limit_bytes=worst.limit,
         bottleneck_s=max(s.busy_ps for s in evaluation.stages) / PS_PER_S,
     )

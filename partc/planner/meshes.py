@@ -7,16 +7,18 @@ from __future__ import annotations
 import math
 
 from partc.cost.model import CostTable
+from partc.names import Outcome
 from partc.report.explain import tightest_split
 from partc.problem import PlanningProblem
 from partc.planner.results import ConfigResult, MeshResult
 
 # The report lists meshes in this order; unsettled ones together, by their bound.
-_MESH_ORDER = {"solved": 0, "time limit": 1, "pruned": 1, "infeasible": 2}
+_MESH_ORDER = {Outcome.SOLVED: 0, Outcome.TIME_LIMIT: 1, Outcome.PRUNED: 1,
+               Outcome.INFEASIBLE: 2}
 
 
 def mesh_results(problem: PlanningProblem, tables: list[CostTable], floors: list[float],
-                 outcomes: list[ConfigResult | str],
+                 outcomes: list[ConfigResult | Outcome],
                  best: ConfigResult) -> tuple[MeshResult, ...]:
     """One MeshResult per (pp, dp, tp) among the configurations, best first: solved by
     step time (the chosen mesh first), then unsettled by bound, then infeasible.
@@ -32,8 +34,8 @@ def mesh_results(problem: PlanningProblem, tables: list[CostTable], floors: list
 
     def rank(mesh: MeshResult) -> tuple:
         is_chosen = (mesh.pp, mesh.dp, mesh.tp) == (chosen.pp, chosen.dp, chosen.tp)
-        value = mesh.step_ps if mesh.outcome == "solved" else mesh.bound_ps
-        if mesh.outcome == "infeasible":
+        value = mesh.step_ps if mesh.outcome == Outcome.SOLVED else mesh.bound_ps
+        if mesh.outcome == Outcome.INFEASIBLE:
             value = mesh.need_bytes / mesh.limit_bytes if mesh.need_bytes else math.inf
         return (_MESH_ORDER[mesh.outcome], value, not is_chosen, mesh.pp, mesh.dp, mesh.tp)
 
@@ -42,25 +44,25 @@ def mesh_results(problem: PlanningProblem, tables: list[CostTable], floors: list
 
 def _mesh_result(problem: PlanningProblem, mesh: tuple[int, int, int],
                  tables: list[CostTable], floors: list[float],
-                 outcomes: list[ConfigResult | str], best: ConfigResult) -> MeshResult:
+                 outcomes: list[ConfigResult | Outcome], best: ConfigResult) -> MeshResult:
     pp, dp, tp = mesh
     results = [o for o in outcomes if isinstance(o, ConfigResult)]
     # A solved configuration can do no better than CP-SAT's bound, an unsolved one than
     # its lower bound; infeasible ones do not count.
     bounds = [r.bound for r in results] + [
-        floor for floor, o in zip(floors, outcomes) if o in ("pruned", "time limit")]
+        floor for floor, o in zip(floors, outcomes) if o in (Outcome.PRUNED, Outcome.TIME_LIMIT)]
     bound = int(min(bounds)) if bounds else None
     if results:
         top = best if any(r is best for r in results) else min(
             results, key=lambda r: r.evaluation.step_ps)
-        return MeshResult(pp=pp, dp=dp, tp=tp, outcome="solved", bound_ps=bound,
+        return MeshResult(pp=pp, dp=dp, tp=tp, outcome=Outcome.SOLVED, bound_ps=bound,
                           config=top.table.config, step_ps=top.evaluation.step_ps,
                           status=top.status)
     if bound is not None:
-        outcome = "time limit" if "time limit" in outcomes else "pruned"
+        outcome = Outcome.TIME_LIMIT if Outcome.TIME_LIMIT in outcomes else Outcome.PRUNED
         return MeshResult(pp=pp, dp=dp, tp=tp, outcome=outcome, bound_ps=bound)
     need, limit = _memory_need(problem, tables)
-    return MeshResult(pp=pp, dp=dp, tp=tp, outcome="infeasible", need_bytes=need,
+    return MeshResult(pp=pp, dp=dp, tp=tp, outcome=Outcome.INFEASIBLE, need_bytes=need,
                       limit_bytes=limit)
 
 

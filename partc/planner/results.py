@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from partc.cost.model import CostTable, Evaluation, PipelineConfig
+from partc.names import Outcome
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -32,7 +33,7 @@ class ConfigResult:
     solve_time_s: float
 
 
-MESH_OUTCOMES = ("solved", "time limit", "pruned", "infeasible")
+MESH_OUTCOMES: tuple[Outcome, ...] = tuple(Outcome)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -50,7 +51,7 @@ class MeshResult:
     pp: int
     dp: int
     tp: int
-    outcome: str
+    outcome: Outcome
     bound_ps: int | None = None
     config: PipelineConfig | None = None
     step_ps: int | None = None

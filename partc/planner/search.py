@@ -47,10 +47,10 @@ from typing import Callable
 from ortools.sat.python import cp_model
 
 from partc import progress
-from partc.cli.choices import SCHEDULES
 from partc.cost.model import (PS_PER_S, CostTable, Evaluation, PipelineConfig, TableCache,
                      build_cost_table, evaluate, simulated_step_ps)
 from partc.errors import PlanInfeasibleError
+from partc.names import Outcome, Schedule
 from partc.report.explain import explain_infeasible
 from partc.options import PlannerOptions
 from partc.plan import ScheduleOption
@@ -126,7 +126,7 @@ def candidate_configs(problem: PlanningProblem) -> list[PipelineConfig]:
                                for schedule in schedules for zero in zero_stages
                                for sync in zero2_grad_syncs(problem, zero, dp, m)
                                if not _same_as_1f1b(schedule, pp, m, pins.schedule)
-                               and feature_refusal(schedule, zero if dp > 1 else 0,
+                               and feature_refusal(schedule, effective_zero_stage(zero, dp),
                                                    problem.train.compiled) is None
                                for chunks in _chunk_counts(problem, schedule, pp, m))
     return expand_ep(problem, configs)   # the expert-parallel degree (mixture-of-experts)
@@ -153,8 +153,8 @@ AUTO_VIRTUAL_STAGES: tuple[int, ...] = (2, 3, 4)
 def schedule_candidates(problem: PlanningProblem, config: PipelineConfig
                         ) -> list[PipelineConfig]:
     """The configurations :func:`choose_schedule` solves besides ``config``: ``config``
-    under every schedule of ``SCHEDULES`` the closed-form search does not weigh, with
-    each virtual-stage count the schedule allows (``AUTO_VIRTUAL_STAGES`` for those that
+    under every schedule (:class:`~partc.names.Schedule`) the closed-form search does
+    not weigh, with each virtual-stage count the schedule allows (``AUTO_VIRTUAL_STAGES`` for those that
     take any, or the pinned one), where torch runs it on ``config``'s ranks and
     microbatches (:func:`partc.cost.schedules.refusal`) and every run holds a layer; with
     ``config``'s ZeRO stage, or where the runtime refuses the schedule with it
@@ -171,7 +171,7 @@ def schedule_candidates(problem: PlanningProblem, config: PipelineConfig
                     problem, config.schedule, config.pp, config.num_microbatches)
                 if v != config.chunks]
     found = []
-    for name in SCHEDULES:
+    for name in Schedule:
         zero = _runnable_zero(problem, config, name)
         if name in AUTO_SCHEDULES or zero is None:
             continue
@@ -208,7 +208,7 @@ def choose_schedule(problem: PlanningProblem, best: ConfigResult, options: Plann
     """The plan whose schedule plays out fastest among ``best`` and each of
     :func:`schedule_candidates` solved by CP-SAT (a time share each, until ``deadline``
     on ``time.perf_counter``): (that plan, every trial in order, whether each solve
-    finished). Ties keep the earlier: ``best`` first, then ``SCHEDULES``' order."""
+    finished). Ties keep the earlier: ``best`` first, then the schedules' order."""
     trials = [_played(problem, best)]
     chosen, chosen_step, finished = trials[0].result, trials[0].step_ps, True
     candidates = schedule_candidates(problem, best.table.config)
@@ -316,7 +316,7 @@ def _same_as_1f1b(schedule: str, pp: int, m: int, pinned: str | None) -> bool:
     """GPipe with one stage or one microbatch costs what 1F1B does or more (the same
     time; with one stage it keeps every microbatch's activations, 1F1B one): left out
     unless pinned."""
-    return schedule == "gpipe" and pinned != "gpipe" and (pp == 1 or m == 1)
+    return schedule == Schedule.GPIPE and pinned != Schedule.GPIPE and (pp == 1 or m == 1)
 
 
 MAX_CHUNKS = 8
@@ -520,8 +520,8 @@ def solve(problem: PlanningProblem, options: PlannerOptions = PlannerOptions(),
     order = sorted(range(len(tables)),
                    key=lambda i: (tables[i].config != cache.best_config, floors[i], i))
     bound, solved, pruned, all_optimal = None, 0, 0, True
-    # Per configuration: its ConfigResult, or why it has none (a MESH_OUTCOMES word).
-    outcomes: list[ConfigResult | str] = ["infeasible"] * len(tables)
+    # Per configuration: its ConfigResult, or why it has none.
+    outcomes: list[ConfigResult | Outcome] = [Outcome.INFEASIBLE] * len(tables)
     best = None if pinned is not None else _seed(problem, tables, floors, order, cache)
     if best is not None:   # solved first: CP-SAT improves the seed while its bound is fresh
         seed = tables.index(best.table)
@@ -541,13 +541,13 @@ def solve(problem: PlanningProblem, options: PlannerOptions = PlannerOptions(),
         seeded = isinstance(outcomes[i], ConfigResult)   # the greedy seed's configuration
         if best is not None and floor >= best.evaluation.step_ps:
             pruned += 1
-            outcomes[i] = outcomes[i] if seeded else "pruned"
+            outcomes[i] = outcomes[i] if seeded else Outcome.PRUNED
             bound = floor if bound is None else min(bound, floor)
             continue
         remaining = options.time_limit_s - (time.perf_counter() - start)
         if remaining <= 0 and best is not None:
             all_optimal = False
-            outcomes[i] = outcomes[i] if seeded else "time limit"
+            outcomes[i] = outcomes[i] if seeded else Outcome.TIME_LIMIT
             bound = floor if bound is None else min(bound, floor)
             continue
         cutoff = best.evaluation.step_ps if best is not None else None
@@ -558,12 +558,12 @@ def solve(problem: PlanningProblem, options: PlannerOptions = PlannerOptions(),
         solved += 1
         if result is None:
             if status == "BEATEN":  # proven no better than the best plan
-                outcomes[i] = outcomes[i] if seeded else "pruned"
+                outcomes[i] = outcomes[i] if seeded else Outcome.PRUNED
                 floors[i] = max(floor, math.ceil(proven))
                 bound = floors[i] if bound is None else min(bound, floors[i])
             elif status == "UNKNOWN":
                 all_optimal = False
-                outcomes[i] = outcomes[i] if seeded else "time limit"
+                outcomes[i] = outcomes[i] if seeded else Outcome.TIME_LIMIT
                 bound = floor if bound is None else min(bound, floor)
             continue
         if result.bound < floor:   # CP-SAT proved less than the lower bound knows
@@ -646,14 +646,14 @@ def schedule_options(problem: PlanningProblem, chosen: ConfigResult,
     config = chosen.table.config
     solved = {(t.config.schedule, t.config.chunks): t for t in trials}
     step, bubble = simulated_step_ps(config, chosen.evaluation)
-    options = [ScheduleOption(schedule=config.schedule, virtual_stages=config.chunks,
+    options = [ScheduleOption(schedule=Schedule(config.schedule), virtual_stages=config.chunks,
                               how="chosen", step_time_s=step / PS_PER_S,
                               bubble_fraction=bubble,
-                              peak_memory_bytes=max(s.memory["peak"]
+                              peak_memory_bytes=max(s.memory.peak
                                                     for s in chosen.evaluation.stages))]
     others = []
     local = problem.variant(config.tp, config.sequence_parallel, config.tp_objective)
-    for name in SCHEDULES:
+    for name in Schedule:
         counts = schedule_info(name).virtual_stages or AUTO_VIRTUAL_STAGES
         for v in counts:
             if (name, v) == (config.schedule, config.chunks):
@@ -671,14 +671,13 @@ def schedule_options(problem: PlanningProblem, chosen: ConfigResult,
                                           if zero != config.effective_zero_stage else ""),
                     step_time_s=trial.step_ps / PS_PER_S,
                     bubble_fraction=simulated_step_ps(trial.config, evaluation)[1],
-                    peak_memory_bytes=max(s.memory["peak"] for s in evaluation.stages)))
+                    peak_memory_bytes=max(s.memory.peak for s in evaluation.stages)))
                 continue
             if v > 1 and (config.pp == 1 or problem.pins.stages is not None
                           or config.pp * v > problem.num_layers):
                 continue
             refused = refusal(name, config.pp, v, config.num_microbatches) or (
-                feature_refusal(name, config.zero_stage if config.dp > 1 else 0,
-                                problem.train.compiled))
+                feature_refusal(name, config.effective_zero_stage, problem.train.compiled))
             if refused:
                 others.append(ScheduleOption(schedule=name, virtual_stages=v, how=refused))
                 continue
@@ -694,6 +693,6 @@ def schedule_options(problem: PlanningProblem, chosen: ConfigResult,
             others.append(ScheduleOption(
                 schedule=name, virtual_stages=v, how="greedy split",
                 step_time_s=step / PS_PER_S, bubble_fraction=bubble,
-                peak_memory_bytes=max(s.memory["peak"] for s in evaluation.stages)))
+                peak_memory_bytes=max(s.memory.peak for s in evaluation.stages)))
     others.sort(key=lambda o: (o.step_time_s is None, o.step_time_s or 0.0))
     return options + others

@@ -13,7 +13,7 @@ import math
 from partc.cost.model import (PS_PER_S, Evaluation, PipelineConfig, build_cost_table, evaluate,
                     simulated_step_ps)
 from partc.errors import PlanValidationError
-from partc.plan import Plan, StageMemory
+from partc.plan import Plan
 from partc.planner.expert_parallel import expert_parallel_section
 from partc.cost.schedules import feature_refusal, refusal
 from partc.spec import SCHEDULES
@@ -46,9 +46,8 @@ def _structure(problem: PlanningProblem, plan: Plan, errors: list[str]) -> None:
     names = [layer.name for layer in problem.layers]
     if list(plan.layer_names) != names:
         errors.append(f"stages do not cover the layers once in order: {list(plan.layer_names)}")
-    batch = mesh.dp * plan.micro_batch_size * plan.num_microbatches
-    if batch != problem.train.global_batch_size:
-        errors.append(f"dp x micro-batch size x microbatches = {batch}, "
+    if plan.global_batch_size != problem.train.global_batch_size:
+        errors.append(f"dp x micro-batch size x microbatches = {plan.global_batch_size}, "
                       f"global batch is {problem.train.global_batch_size}")
     if plan.zero2_grad_sync not in ZERO2_GRAD_SYNCS:
         errors.append(f"unknown zero2_grad_sync {plan.zero2_grad_sync!r} (one of "
@@ -120,10 +119,10 @@ def _costs(problem: PlanningProblem, plan: Plan, errors: list[str]) -> Evaluatio
     modes = [plan.recompute[layer.name] for layer in problem.layers]
     evaluation = evaluate(build_cost_table(problem, config), stage_of, modes)
     for stage, cost in zip(plan.stages, evaluation.stages):
-        if cost.memory["peak"] > cost.limit:
-            errors.append(f"stage {stage.index} needs {cost.memory['peak']} bytes, "
+        if cost.memory.peak > cost.limit:
+            errors.append(f"stage {stage.index} needs {cost.memory.peak} bytes, "
                           f"limit {cost.limit}")
-        if stage.memory_bytes != StageMemory(**cost.memory):
+        if stage.memory_bytes != cost.memory:
             errors.append(f"stage {stage.index} records memory {stage.memory_bytes}, "
                           f"the cost model gives {cost.memory}")
         if stage.limit_bytes != cost.limit:

@@ -14,6 +14,7 @@ from dataclasses import dataclass, replace
 
 from partc.cost.model import CostTable, PipelineConfig, build_cost_table, step_total
 from partc.errors import PlanInfeasibleError
+from partc.names import Schedule
 from partc.problem import PlanningProblem
 from partc.units import format_bytes
 
@@ -113,7 +114,7 @@ def _fewest_stages_that_fit(problem: PlanningProblem, micro_batch_size: int,
     for pp in range(start, problem.num_layers + 1):
         devices = replace(problem.devices, num_devices=pp, memory_bytes=(memory,) * pp)
         config = PipelineConfig(
-            pp=pp, dp=1, micro_batch_size=micro_batch_size, schedule="1f1b",
+            pp=pp, dp=1, micro_batch_size=micro_batch_size, schedule=Schedule.ONE_F_ONE_B,
             num_microbatches=problem.train.global_batch_size // micro_batch_size)
         problem_pp = replace(problem, devices=devices)
         if tightest_split(build_cost_table(problem_pp, config), problem_pp).ratio <= 1:

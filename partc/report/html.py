@@ -23,6 +23,7 @@ from matplotlib import rc_context
 from matplotlib.figure import Figure
 from matplotlib.patches import Patch
 
+from partc.names import Outcome
 from partc.placement import REPLICATE
 from partc.plan import Plan
 from partc.report.text import Section, lay_out, plural, sections
@@ -310,7 +311,8 @@ def _mesh_caption(plan: Plan) -> str:
 
 def mesh_svg(plan: Plan) -> str:
     meshes = plan.meshes
-    times = [(m.step_time_s if m.outcome == "solved" else m.bound_s) or None for m in meshes]
+    times = [(m.step_time_s if m.outcome == Outcome.SOLVED else m.bound_s) or None
+             for m in meshes]
     known = [t for t in times if t]
     scale, unit = _seconds_axis(max(known))
     row = 0.3 if len(meshes) <= 30 else max(0.14, 9 / len(meshes))
@@ -320,7 +322,7 @@ def mesh_svg(plan: Plan) -> str:
     right = max(known) * scale * (3 if log else 1.3)
     for i, (mesh, seconds) in enumerate(zip(meshes, times)):
         chosen = mesh.mesh == plan.mesh
-        if mesh.outcome == "solved":
+        if mesh.outcome == Outcome.SOLVED:
             axes.barh(i, seconds * scale, height=0.7,
                       color="#1f4e79" if chosen else "#7aa6d6")
             note = format_seconds(seconds) + (" (chosen)" if chosen else "")
@@ -348,10 +350,10 @@ def mesh_svg(plan: Plan) -> str:
     outcomes = {m.outcome for m in meshes if m.mesh != plan.mesh}
     _legend(figure, [Patch(facecolor="#1f4e79", label="chosen")]
             + ([Patch(facecolor="#7aa6d6", label="best plan of that mesh")]
-               if "solved" in outcomes else [])
+               if Outcome.SOLVED in outcomes else [])
             + ([Patch(facecolor="white", edgecolor="#999", hatch="///",
                       label="lower bound (not solved)")]
-               if outcomes & {"pruned", "time limit"} else []))
+               if outcomes & {Outcome.PRUNED, Outcome.TIME_LIMIT} else []))
     return _svg(figure, "Mesh factorisations and their predicted step times")
 
 

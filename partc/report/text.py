@@ -18,9 +18,10 @@ import json
 from dataclasses import dataclass
 
 from partc.cli.choices import REPORT_FORMATS
+from partc.codec import dtype_name
+from partc.names import Outcome, Phase
 from partc.placement import REPLICATE
 from partc.plan import MeshOutcome, Plan
-from partc.spec import dtype_name
 from partc.cost.timeline import Timeline, simulate, text_lines
 from partc.units import format_bytes, format_count, format_seconds
 
@@ -207,10 +208,10 @@ def _mesh_why(plan: Plan) -> str:
     """One line: what the chosen mesh beats, by how much, or why it is the only one."""
     step = _ranking_step(plan)
     others = [m for m in plan.meshes if not _is_chosen(plan, m)]
-    solved = [m for m in others if m.outcome == "solved"]
-    unsettled = [m for m in others if m.outcome in ("pruned", "time limit")]
+    solved = [m for m in others if m.outcome == Outcome.SOLVED]
+    unsettled = [m for m in others if m.outcome in (Outcome.PRUNED, Outcome.TIME_LIMIT)]
     unfit = len(others) - len(solved) - len(unsettled)
-    timed_out = sum(m.outcome == "time limit" for m in others)
+    timed_out = sum(m.outcome == Outcome.TIME_LIMIT for m in others)
     low = min(unsettled, key=lambda m: m.bound_s, default=None)
     if solved:
         runner = solved[0]
@@ -240,7 +241,7 @@ def _mesh_rows(plan: Plan) -> list[list[str]]:
     rows = []
     for mesh in plan.meshes:
         axes = [str(mesh.pp), str(mesh.dp), str(mesh.tp)]
-        if mesh.outcome == "solved":
+        if mesh.outcome == Outcome.SOLVED:
             notes = ["chosen"] if _is_chosen(plan, mesh) else []
             # Its other configurations were pruned against the chosen plan, or cut short.
             if mesh.bound_s < 0.995 * mesh.step_time_s:
@@ -253,13 +254,13 @@ def _mesh_rows(plan: Plan) -> list[list[str]]:
 
 
 def _no_plan_reason(mesh: MeshOutcome, step: float) -> str:
-    if mesh.outcome == "infeasible":
+    if mesh.outcome == Outcome.INFEASIBLE:
         if mesh.need_bytes is None:
             return "does not fit under the pins"
         return (f"does not fit: needs {format_bytes(mesh.need_bytes)} of "
                 f"{format_bytes(mesh.limit_bytes)} per device")
     bound = f"bound >= {format_seconds(mesh.bound_s)} ({mesh.bound_s / step:.2f}x)"
-    return f"pruned: {bound}" if mesh.outcome == "pruned" else f"time limit: {bound}"
+    return f"pruned: {bound}" if mesh.outcome == Outcome.PRUNED else f"time limit: {bound}"
 
 
 def _alternative_rows(plan: Plan) -> list[list[str]]:
@@ -294,7 +295,7 @@ def _tp_layer_rows(plan: Plan) -> list[list[str]]:
         moves = section.collectives.get(layer, ())
         counts: dict[str, int] = {}
         for move in moves:
-            phase = "fwd" if move.phase == "forward" else "bwd"
+            phase = "fwd" if move.phase == Phase.FORWARD else "bwd"
             label = f"{_SHORT.get(move.kind, move.kind)} {phase}"
             counts[label] = counts.get(label, 0) + 1
         tensor_bytes = sum(move.nbytes for move in moves) * steps

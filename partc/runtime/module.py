@@ -864,7 +864,7 @@ def build(plan: Plan, topology: Topology,
         state_keys=set(model.state_dict(keep_vars=True)),
         tied_elsewhere=tied_elsewhere(holders, whole, plan, topology.pp_rank),
         tp=tp_group, watchdog=start_watchdog(topology.rank, topology.world_size),
-        global_batch_size=plan.num_microbatches * plan.micro_batch_size * plan.dp,
+        global_batch_size=plan.global_batch_size,
         model_tensors={name: (tuple(t.shape), t.dtype)
                        for name, t in model.state_dict(keep_vars=True).items()})
     distributed.memory_baseline = baseline

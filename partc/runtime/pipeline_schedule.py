@@ -20,6 +20,7 @@ from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe
 from torch.distributed.pipelining import schedules as torch_schedules
 
 from partc.errors import PartcError
+from partc.names import Schedule
 from partc.plan import Plan
 from partc.cost.schedules import feature_refusal, rank_of, refusal
 from partc.cost.schedules import schedule as schedule_facts
@@ -98,7 +99,7 @@ def make_schedule(plan: Plan, stages: list[CountingStage], loss: Callable) -> An
     facts = schedule_facts(plan.schedule)
     if facts.virtual_stages == (1,):
         schedule_type = ScheduleGPipe
-        if plan.schedule == "1f1b" and plan.num_microbatches >= plan.pp:
+        if plan.schedule == Schedule.ONE_F_ONE_B and plan.num_microbatches >= plan.pp:
             schedule_type = Schedule1F1B  # with fewer microbatches than stages, 1F1B is GPipe
         return schedule_type(stages[0], plan.num_microbatches, loss_fn=loss,
                              scale_grads=True)

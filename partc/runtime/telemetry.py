@@ -302,7 +302,7 @@ class Telemetry:
     def _record(self, pending: dict[str, Any], seconds: float, memory: int,
                 optimizer_stepped: bool) -> StepRecord:
         plan = self.plan
-        batch = plan.num_microbatches * plan.micro_batch_size * plan.dp
+        batch = plan.global_batch_size
         tokens = tokens_per_sample(plan)
         seconds = max(seconds, 1e-9)
         grad_norm = pending["grad_norm"]

@@ -11,6 +11,8 @@ shallow case ``gpt-pp2-1f1b-m32-shallow``.
 
 from __future__ import annotations
 
+from dataclasses import asdict
+
 import pytest
 
 from partc.compiler import plan_problem
@@ -41,13 +43,13 @@ def test_receive_buffers_by_hand():
         first, later = evaluate(table, [0, 1, 1], ["none"] * 3).stages
         # The first stage holds the gradient coming back for the backward it runs,
         # whatever the microbatches.
-        assert first.memory["receive"] == CUT
+        assert first.memory.receive == CUT
         # The later one the activations coming in, each the input its first layer
         # saves while its microbatch is in flight, counted in its activations.
-        assert later.memory["receive"] == 0
+        assert later.memory.receive == 0
         for stage in (first, later):
-            assert stage.memory["peak"] == sum(
-                v for k, v in stage.memory.items() if k != "peak")
+            assert stage.memory.peak == sum(
+                v for k, v in asdict(stage.memory).items() if k != "peak")
 
 
 def test_a_stage_pays_for_its_gradient_buffer_when_it_recomputes():
@@ -62,8 +64,8 @@ def test_a_stage_pays_for_its_gradient_buffer_when_it_recomputes():
     # 232,200. (Two layers on the first stage hold 400,000 of activations: no fit
     # either way.)
     stages = evaluate(table, [0, 1, 1], ["none"] * 3).stages
-    assert [s.memory["peak"] for s in stages] == [246_200, 232_200]
-    assert all(s.memory["peak"] - s.memory["receive"] <= limit for s in stages)
+    assert [s.memory.peak for s in stages] == [246_200, 232_200]
+    assert all(s.memory.peak - s.memory.receive <= limit for s in stages)
     assert not evaluate(table, [0, 0, 1], ["none"] * 3).fits
     plan = plan_problem(prob)
     assert (plan.pp, plan.num_microbatches, plan.schedule) == (2, 4, "1f1b")

@@ -368,7 +368,7 @@ def _memory_slack_in_units(prob, oracle) -> float:
     _, config, stage_of, modes = oracle
     table = build_cost_table(prob, config)
     stages = evaluate(table, stage_of, modes).stages
-    return min(s.limit - s.memory["peak"] for s in stages) / memory_unit(table)
+    return min(s.limit - s.memory.peak for s in stages) / memory_unit(table)
 
 
 @pytest.mark.parametrize("seed", [0, 1])

@@ -41,6 +41,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 import partc  # noqa: E402
+from partc.codec import to_data  # noqa: E402
 from samples import gpt, moe  # noqa: E402
 from tests import hf_families, models  # noqa: E402
 from tests.runtime.worker import BATCH, Case, batch  # noqa: E402
@@ -167,7 +168,7 @@ def run(out: Path, phase: str, name: str) -> dict[str, Any]:
     opt = module.optimizer(torch.optim.AdamW, **ADAMW)
     directory = out / name.replace(":", "_").replace(">", "_to_") / "ckpt"
     start = 0
-    result: dict[str, Any] = {"plan": plan, "mesh": program.plan.mesh.to_dict(),
+    result: dict[str, Any] = {"plan": plan, "mesh": to_data(program.plan.mesh),
                               "zero_stage": program.plan.effective_zero_stage}
     if phase == "resume":
         start, extra = module.load_checkpoint(directory, optimizer=opt)

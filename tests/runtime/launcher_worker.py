@@ -27,6 +27,7 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
+from partc.codec import to_data  # noqa: E402
 from partc.cli import launcher, config as train_config  # noqa: E402
 from samples import gpt  # noqa: E402
 
@@ -84,7 +85,7 @@ def _run(argv: list[str], *, evaluate_first: bool = False) -> dict:
     losses = launcher.train(module, optimizer, workload, config, telemetry=telemetry)
     results = {"losses": losses, "ref_losses": reference, "evaluations": [
         e for e in (first, _evaluate(module, *held_out)) if e is not None],
-        "stage": module.stage_index, "mesh": module.plan.mesh.to_dict()}
+        "stage": module.stage_index, "mesh": to_data(module.plan.mesh)}
     module.close()
     return results
 

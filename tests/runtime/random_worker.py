@@ -30,6 +30,7 @@ import torch.distributed as dist  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 import partc  # noqa: E402
+from partc.codec import to_data  # noqa: E402
 from tests import random_models  # noqa: E402
 from tests.random_models import BATCH, STEPS, Case  # noqa: E402
 
@@ -107,7 +108,7 @@ def train(case: Case) -> dict[str, Any]:
             "exact_errors": {n: relative(full[n], exact[n]) for n in common},
             "ref_exact_errors": {n: relative(expected[n], exact[n]) for n in common},
             "state_keys_differ": sorted(set(full) ^ set(expected)),
-            "mesh": plan.mesh.to_dict(), "stages": [s.layers for s in plan.stages],
+            "mesh": to_data(plan.mesh), "stages": [s.layers for s in plan.stages],
             "num_microbatches": microbatches, "recompute": plan.recompute,
             "sharded": sorted(name for name, placement in (
                 plan.tensor_parallel.params if plan.tensor_parallel else {}).items()

@@ -96,7 +96,7 @@ EDITS = {
                  partc.PlanFileError, r"stages\[0\]\.time_s\.forward: expected float"),
     "max_grad_norm -1": (lambda d: d["train"].update(max_grad_norm=-1),
                          partc.PlanFileError, "max_grad_norm must be positive"),
-    "schedule foo": (lambda d: d.update(schedule="foo"), partc.PlanValidationError,
+    "schedule foo": (lambda d: d.update(schedule="foo"), partc.PlanFileError,
                      "unknown schedule 'foo'"),
     "memory too small": (lambda d: d["budget"].update(memory_bytes=2**20),
                          partc.PlanValidationError, "(?s)memory_bytes.*stage 0 needs"),

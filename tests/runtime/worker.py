@@ -34,6 +34,7 @@ from torch.distributed.tensor import DTensor  # noqa: E402
 import torch.distributed.fsdp._fully_shard._fsdp_param_group as fsdp_param_group  # noqa: E402
 
 import partc  # noqa: E402
+from partc.codec import to_data  # noqa: E402
 from partc.passes.fuse_attention import count_fused  # noqa: E402
 from partc.runtime import tp as tp_ops  # noqa: E402
 from samples import gpt  # noqa: E402
@@ -501,7 +502,7 @@ def train_case(built: Built) -> dict[str, Any]:
     p2p = plan.stages[module.stage_index].p2p
     return {"losses": losses, "ref_losses": ref_losses, "param_errors": errors,
             "messages": messages, "predicted": asdict(p2p) if p2p else {},
-            "stage": module.stage_index, "mesh": plan.mesh.to_dict(), "schedule": plan.schedule,
+            "stage": module.stage_index, "mesh": to_data(plan.mesh), "schedule": plan.schedule,
             "recompute": plan.stages[module.stage_index].recompute,
             "num_params": len(errors), "own_params": own_params,
             "full_state_keys": sorted(set(full) ^ set(ref_state)),

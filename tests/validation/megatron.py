@@ -301,7 +301,7 @@ def peak_bytes(evaluation: Evaluation) -> int:
     as Megatron-LM does, each made for its microbatch and freed after its backward (a
     gradient's for the backward being run; an activation's is the input the stage
     saves), so the plan's peak is Megatron's too."""
-    return max(stage.memory["peak"] for stage in evaluation.stages)
+    return max(stage.memory.peak for stage in evaluation.stages)
 
 
 def fit_efficiency(run: Run, problem: PlanningProblem, assignment: Assignment,

@@ -1,0 +1,65 @@
+"""The closed sets of names a plan holds, as string enums (torch-free).
+
+Each member *is* its string (``Schedule.ONE_F_ONE_B == "1f1b"``), so plan.json, the
+command line's choices, ``Constraints(schedule="1f1b")`` and code comparing with strings
+keep working, while the plan's own fields say which set a name belongs to. The codec
+writes a member as its value and reads the value back as the member.
+"""
+
+from __future__ import annotations
+
+import enum
+
+
+class Name(str, enum.Enum):
+    """A string enum that prints and formats as its value (as ``enum.StrEnum`` does from
+    Python 3.11; partc runs on 3.10 too)."""
+
+    def __str__(self) -> str:
+        return self.value
+
+    def __format__(self, spec: str) -> str:
+        return format(self.value, spec)
+
+
+class Schedule(Name):
+    """The pipeline schedules (:mod:`partc.cost.schedules` holds what each needs of a
+    plan; a test holds the two together)."""
+
+    GPIPE = "gpipe"
+    ONE_F_ONE_B = "1f1b"
+    INTERLEAVED_1F1B = "interleaved-1f1b"
+    LOOPED_BFS = "looped-bfs"
+    INTERLEAVED_ZERO_BUBBLE = "interleaved-zero-bubble"
+    ZBV_ZERO_BUBBLE = "zbv-zero-bubble"
+    DUALPIPEV = "dualpipev"
+
+
+class Recompute(Name):
+    """What a layer keeps for backward: everything, its cheap-to-recompute part
+    recomputed ("selective"), or only its input ("full")."""
+
+    NONE = "none"
+    SELECTIVE = "selective"
+    FULL = "full"
+
+
+class Outcome(Name):
+    """What became of one (pp, dp, tp) factorisation the planner weighed
+    (:class:`partc.planner.results.MeshResult` says what each means)."""
+
+    SOLVED = "solved"
+    TIME_LIMIT = "time limit"
+    PRUNED = "pruned"
+    INFEASIBLE = "infeasible"
+
+
+class Phase(Name):
+    """Where in a microbatch's pass an operation runs: its forward or its backward (a
+    tensor-parallel collective, a pipeline operation), or one of the two parts of a
+    split backward (input gradient, then weight gradient)."""
+
+    FORWARD = "forward"
+    BACKWARD = "backward"
+    INPUT = "input"
+    WEIGHT = "weight"
