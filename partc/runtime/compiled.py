@@ -34,6 +34,7 @@ import functools
 
 import torch
 from torch import fx, nn
+from torch._inductor import cpp_builder
 
 from partc.errors import PartcError
 from partc.plan import Plan
@@ -63,8 +64,6 @@ def refusal(plan: Plan, device: torch.device) -> str | None:
 @functools.cache
 def _no_cpu_compiler() -> str | None:
     """Inductor's CPU kernels are C++ built on the fly: why they cannot be (None: they can)."""
-    from torch._inductor import cpp_builder
-
     try:
         cpp_builder.get_cpp_compiler()
     except Exception as error:  # noqa: BLE001 - any failure to find one is the reason

@@ -46,7 +46,7 @@ from typing import TYPE_CHECKING, Callable, Sequence
 import torch
 import torch.nn.functional as F
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # a cycle: partc.runtime.tp imports this module for its rings
     from partc.runtime.tp import TensorParallelGroup
 
 
