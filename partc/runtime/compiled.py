@@ -45,7 +45,8 @@ from partc.runtime.tp import TensorParallelGroup
 # every random op draw from torch's generator, so masks equal one process's.
 INDUCTOR_OPTIONS = {"fallback_random": True}
 # The group's methods the emitted code calls (collectives, sharded embedding and
-# dropout, the regathering linear): each one runs eagerly.
+# dropout, the regathering linear) and the primitives they are made of: each one runs
+# eagerly.
 COLLECTIVES = tuple(name for name, value in vars(TensorParallelGroup).items()
                     if callable(value) and not name.startswith("_") and name != "extra_repr")
 
