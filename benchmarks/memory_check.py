@@ -456,7 +456,7 @@ def measure_rank(program: partc.Program, inputs: tuple[torch.Tensor, ...],
         microbatch = tuple(t[:program.plan.micro_batch_size] for t in inputs)
         on_gpu = module.topology.device.type == "cuda"
         if program.plan.pp > 1:
-            for stage in module._stages:   # the rank's virtual stages
+            for stage in module.parts.stages:   # the rank's virtual stages
                 answer_shape_inference(program, stage, microbatch)
                 zero_integer_receives(stage)
         optimizer = module.optimizer(torch.optim.AdamW, lr=1e-3)
@@ -476,7 +476,7 @@ def measure_rank(program: partc.Program, inputs: tuple[torch.Tensor, ...],
         tracker = StepTracker()
         # ZeRO-1's optimizer keeps its state in the local optimizer it wraps.
         tracker.track_external(module.module, getattr(optimizer, "optim", optimizer))
-        for stage in module._stages:
+        for stage in module.parts.stages:
             track_receive_buffers(stage, tracker)
         with tracker:
             tracker.start_window()

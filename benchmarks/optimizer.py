@@ -25,6 +25,7 @@ which the plan budgets; ZeRO-3: the root unit's) are FSDP's own storage, not cou
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import statistics
 import sys
 import time
@@ -39,6 +40,7 @@ import torch.distributed as dist  # noqa: E402
 from torch import nn  # noqa: E402
 
 import partc  # noqa: E402
+from partc.runtime import DistributedModule  # noqa: E402
 from benchmarks.torchrun_launch import run_under_torchrun  # noqa: E402
 from samples.gpt import gpt_tiny, loss_fn  # noqa: E402
 
@@ -122,17 +124,19 @@ def _build(args: argparse.Namespace, zero: int, dtype: torch.dtype = torch.float
     return program, program.build()
 
 
-def _previous(module, zero: int) -> torch.optim.Optimizer:
+def _previous(built, zero: int) -> tuple[Any, torch.optim.Optimizer]:
     """The previous runtime on a ZeRO-0 module: per-parameter all-reduce, and under
-    ZeRO-1 torch's ZeroRedundancyOptimizer."""
-    stage = module._stages[0]
-    stage.grad_sync = OverlappedAllReduce(module.module, module.topology.dp_group, 2)
-    module._buckets = None
+    ZeRO-1 torch's ZeroRedundancyOptimizer. Returns the module (``built``'s stage, its
+    gradients synced by the stage instead of the buckets) and the optimizer."""
+    stage = built.parts.stages[0]
+    stage.grad_sync = OverlappedAllReduce(built.module, built.topology.dp_group, 2)
+    module = DistributedModule(dataclasses.replace(built.parts, buckets=None))
     if zero == 0:
-        return torch.optim.Adam(module.parameters(), lr=1e-3)
+        return module, torch.optim.Adam(module.parameters(), lr=1e-3)
     from torch.distributed.optim import ZeroRedundancyOptimizer
-    return ZeroRedundancyOptimizer(module.parameters(), optimizer_class=torch.optim.Adam,
-                                   process_group=module.topology.dp_group, lr=1e-3)
+    return module, ZeroRedundancyOptimizer(
+        module.parameters(), optimizer_class=torch.optim.Adam,
+        process_group=module.topology.dp_group, lr=1e-3)
 
 
 def step_times(args: argparse.Namespace) -> dict[str, float]:
@@ -141,7 +145,7 @@ def step_times(args: argparse.Namespace) -> dict[str, float]:
         _, new = _build(args, zero)
         variants[f"zero{zero}-buckets"] = (new, new.optimizer(torch.optim.Adam, lr=1e-3))
         _, old = _build(args, 0)
-        variants[f"zero{zero}-previous"] = (old, _previous(old, zero))
+        variants[f"zero{zero}-previous"] = _previous(old, zero)
     times: dict[str, list[float]] = {name: [] for name in variants}
     losses: dict[str, list[float]] = {name: [] for name in variants}
     for step in range(args.warmup + args.steps):
@@ -191,9 +195,9 @@ def _allocated(module, opt) -> dict[str, int]:
         return t.to_local() if hasattr(t, "to_local") else t
     params = list({id(p): p for p in module.parameters()}.values())
     weights = sum(local(p).numel() * p.element_size() for p in params)
-    copies = getattr(module, "_copies", None)
+    copies = module.parts.copies
     weights += copies.last_bytes if copies is not None else 0
-    buckets = getattr(module, "_buckets", None)
+    buckets = module.parts.buckets
     if buckets is not None:
         grads = sum(b.buffer.numel() * b.buffer.element_size() for b in buckets.buckets)
     else:

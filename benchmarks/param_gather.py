@@ -111,7 +111,7 @@ def report(args, programs, times, losses) -> None:
     measured = {name: statistics.median(t) for name, t in times.items()}
     predicted = {name: program.plan.predicted.step_time_s
                  for name, (program, _, _) in programs.items()}
-    buckets = len(programs["overlapped"][1]._buckets.buckets)
+    buckets = len(programs["overlapped"][1].parts.buckets.buckets)
     load = ", ".join(f"{x:.2f}" for x in os.getloadavg())
     print(f"GPT {args.layers} layers x {args.width} wide, seq {args.seq}, batch {args.batch}, "
           f"dp={dist.get_world_size()} ZeRO-1 {args.dtype} Adam, {buckets} buckets of "

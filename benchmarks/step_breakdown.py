@@ -156,7 +156,7 @@ def _zero_phases(folder: str, sizes: Sizes) -> tuple[float, float, float]:
     from torch.distributed.fsdp import FSDPModule
 
     module = partc.load(folder, model(), loss_fn=loss_fn).build()
-    stage = module._stages[0].submod
+    stage = module.parts.stages[0].submod
     units = [m for m in stage.modules() if isinstance(m, FSDPModule)]
     zero = module.plan.zero_stage
     stage.set_requires_gradient_sync(True)

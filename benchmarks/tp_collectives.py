@@ -5,9 +5,9 @@ collectives against the same over lists of tensors, side by side.
     torchrun --standalone --nproc-per-node=2 benchmarks/tp_collectives.py [--rounds 30]
     python benchmarks/tp_collectives.py --backend nccl   # on 2 GPUs
 
-``TensorParallelGroup._all_gather`` run single-tensor gathers the ranks' shards into one
+``TensorParallelGroup.all_gather`` run single-tensor gathers the ranks' shards into one
 buffer and views it as the whole where the shards lie one after another (a sequence
-shard of one sample), copying it into place otherwise; ``_reduce_scatter`` lays the
+shard of one sample), copying it into place otherwise; ``reduce_scatter`` lays the
 chunks out one after another (a view, or one copy) for one reduce-scatter. The list
 forms gather into one tensor per rank and concatenate them, and reduce-scatter a list
 of chunks. NCCL's list collectives stage through one flat buffer (a copy out or in of
@@ -84,8 +84,8 @@ def main() -> None:
             for name in ("all-gather", "reduce-scatter"):
                 def run(form: str, name: str = name, dim: int = dim) -> torch.Tensor:
                     if name == "all-gather":
-                        return forms[form]._all_gather(shard, dim, 1)
-                    return forms[form]._reduce_scatter(whole, dim)
+                        return forms[form].all_gather(shard, dim, 1)
+                    return forms[form].reduce_scatter(whole, dim)
 
                 assert torch.equal(run("single"), run("listed"))
                 times: dict[str, list[float]] = {"single": [], "listed": []}

@@ -46,7 +46,7 @@ BUCKET_ELEMENTS = 25_000_000
 # may hold for them not to be FSDP units of their own under ZeRO-2/3: each unit costs an
 # all-gather and a reduce-scatter per microbatch (two all-gathers under ZeRO-3), whose
 # latency and FSDP's work a layer of a few thousand parameters does not repay in memory.
-# The runtime joins them to the next unit (``partc.runtime.module._unit_groups``); the
+# The runtime joins them to the next unit (``partc.runtime.fsdp_shard.unit_groups``); the
 # cost model charges them no unit's work of their own.
 SMALL_UNITS_SHARE = 0.01
 

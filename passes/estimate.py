@@ -537,9 +537,10 @@ def _call_module(gm: fx.GraphModule, node: fx.Node, args: tuple, kwargs: dict,
 
 def _loss_in_fp32(gm: fx.GraphModule, node: fx.Node, args: tuple, setting: _Setting,
                   frozen: set, nodes: list[fx.Node], casts: _Casts) -> Any:
-    """The loss as the runtime computes it in mixed precision (``partc.runtime.module``'s
-    ``_Loss``): on the model's floating outputs cast to fp32 (the target as it is),
-    outside autocast. The casts save nothing; the loss keeps what it keeps in fp32."""
+    """The loss as the runtime computes it in mixed precision
+    (``partc.runtime.rank_build.PlannedLoss``): on the model's floating outputs cast to
+    fp32 (the target as it is), outside autocast. The casts save nothing; the loss keeps
+    what it keeps in fp32."""
     outputs = pytree.tree_map_only(
         torch.Tensor, lambda t: t.float() if t.is_floating_point() else t, tuple(args[:-1]))
     where = setting.device or _device_type(nodes)

@@ -83,7 +83,7 @@ def test_units_round_trip():
 
 
 def test_float16_plans_but_the_runtime_asks_for_bfloat16():
-    from partc.runtime.module import _compute_dtype
+    from partc.runtime.precision import compute_dtype
 
     train = partc.TrainSpec(global_batch_size=8, dtype=torch.float16)
     assert train.weight_bytes == 2  # planning in fp16 is fine
@@ -92,9 +92,9 @@ def test_float16_plans_but_the_runtime_asks_for_bfloat16():
         train = partc.TrainSpec(global_batch_size=8, dtype=torch.float16)
 
     with pytest.raises(partc.PartcError, match="bfloat16"):
-        _compute_dtype(_Plan())
+        compute_dtype(_Plan())
     _Plan.train = partc.TrainSpec(global_batch_size=8, dtype=torch.bfloat16)
-    assert _compute_dtype(_Plan()) == torch.bfloat16
+    assert compute_dtype(_Plan()) == torch.bfloat16
 
 
 NAN, INF = float("nan"), float("inf")

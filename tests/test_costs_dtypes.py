@@ -77,10 +77,10 @@ def test_tensor_parallel_collectives_are_priced_in_the_dtypes_they_move():
         return run
 
     group.all_reduce = counting("all_reduce", group.all_reduce, lambda x: x.numel())
-    group._all_gather = counting("all_gather", group._all_gather,
-                                 lambda x: x.numel() * group.size)
-    group._reduce_scatter = counting("reduce_scatter", group._reduce_scatter,
-                                     lambda x: x.numel())
+    group.all_gather = counting("all_gather", group.all_gather,
+                                lambda x: x.numel() * group.size)
+    group.reduce_scatter = counting("reduce_scatter", group.reduce_scatter,
+                                    lambda x: x.numel())
     ids = torch.randint(0, 128, (plan.micro_batch_size, SEQ))
     with cuda_autocast(torch.bfloat16):
         logits, = _in_bf16(stage.module)(ids)

@@ -21,7 +21,7 @@ from partc.plan import (DECIDED, NOT_DECIDED, SCHEMA_VERSION, BudgetInfo, Mesh, 
                         TensorParallelPlan, migrate_v1)
 from partc.program import read_plan_file
 from partc.problem import Precision, effective_zero_stage
-from partc.runtime.module import _compute_dtype
+from partc.runtime.precision import compute_dtype
 from samples.gpt import gpt_tiny, loss_fn
 from tests.planner.instances import devices, layer, problem
 
@@ -237,7 +237,7 @@ def test_mixed_precision_state_is_what_the_runtime_holds():
 
 def test_the_runtime_reads_the_real_dtype(programs):
     plan = programs["zero3_bf16"].plan
-    assert plan.train.dtype is torch.bfloat16 and _compute_dtype(plan) is torch.bfloat16
+    assert plan.train.dtype is torch.bfloat16 and compute_dtype(plan) is torch.bfloat16
     assert plan.to_dict()["train"]["dtype"] == "bfloat16"
     assert programs["pp2"].plan.train.dtype is torch.float32
 

@@ -67,20 +67,23 @@ import time
 import uuid
 from concurrent.futures import Future
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.api import CheckpointException
 
 from partc.errors import CheckpointError
 
-from partc.runtime.checkpoint_chunks import (Chunks, CpuStaged, held_tensors, hyperparameters,
-                                initialise_state, inner_optimizer, model_tensors,
-                                needs_state, optimizer_class, optimizer_params,
-                                optimizer_state, planners, restore_hyperparameters, to_cpu)
-
-if TYPE_CHECKING:
-    from partc.runtime.module import DistributedModule
+from partc.runtime.checkpoint_chunks import (ChunkLoadPlanner, Chunks, ChunkSavePlanner,
+                                             CpuStaged, held_tensors, hyperparameters,
+                                             initialise_state, inner_optimizer,
+                                             model_tensors, needs_state, optimizer_class,
+                                             optimizer_params, optimizer_state,
+                                             restore_hyperparameters, to_cpu)
+from partc.runtime.rank_state import RankState
 
 log = logging.getLogger("partc.runtime")
 
@@ -124,8 +127,6 @@ def _agree(problem: str | CheckpointError | None, what: str, *,
 
 
 def _problem(error: BaseException) -> str:
-    from torch.distributed.checkpoint.api import CheckpointException
-
     if isinstance(error, CheckpointException):  # DCP's: every failing rank's exception
         return "; ".join(f"DCP on rank {rank}: {type(exc).__name__}: {exc}"
                          for rank, (exc, _) in sorted(error.failures.items()))
@@ -134,7 +135,6 @@ def _problem(error: BaseException) -> str:
 
 def _failures() -> tuple[type[BaseException], ...]:
     """What a failed DCP call raises: DCP's CheckpointException is a BaseException."""
-    from torch.distributed.checkpoint.api import CheckpointException
     return (Exception, CheckpointException)
 
 
@@ -152,25 +152,41 @@ class _Pending:
     commit_error: str | None = None
 
 
-def save(module: "DistributedModule", directory: str | os.PathLike, *,
+class BackgroundSave:
+    """A module's asynchronous save: the one under way (the next save or load waits for
+    it first), and the gloo group of every rank DCP's background collectives run over
+    (made once, by all, at the first asynchronous save)."""
+
+    def __init__(self) -> None:
+        self.pending: _Pending | None = None
+        self.group: dist.ProcessGroup | None = None
+
+    def process_group(self) -> dist.ProcessGroup:
+        if self.group is None:
+            self.group = dist.new_group(backend="gloo")
+        return self.group
+
+
+def save(rank_state: RankState, saves: BackgroundSave, directory: str | os.PathLike, *,
          optimizer: torch.optim.Optimizer | None, step: int, extra: dict | None,
          async_save: bool, keep: int | None) -> Path:
     """``module.save_checkpoint``: collect, make the temporary directory, write, commit;
     each step agreed by every rank before the next."""
-    wait(module)
+    wait(saves)
     root = Path(directory)
-    state, manifest = _collect(module, optimizer, step, extra, keep, root)
+    state, manifest = _collect(rank_state, optimizer, step, extra, keep, root)
     tmp = _temporary(root, step)
     final = root / step_name(step)
     if async_save:
-        _write_in_background(module, state, tmp, final, step,
-                             commit=lambda: _commit(root, tmp, final, module, manifest, keep))
+        _write_in_background(
+            saves, state, tmp, final, step,
+            commit=lambda: _commit(root, tmp, final, rank_state, manifest, keep))
         return final
     _write(state, tmp, step)
     problem = None
     if dist.get_rank() == 0:
         try:
-            _commit(root, tmp, final, module, manifest, keep)
+            _commit(root, tmp, final, rank_state, manifest, keep)
         except Exception as error:
             problem = _problem(error)
             shutil.rmtree(tmp, ignore_errors=True)
@@ -179,7 +195,7 @@ def save(module: "DistributedModule", directory: str | os.PathLike, *,
     return final
 
 
-def _collect(module: "DistributedModule", optimizer: torch.optim.Optimizer | None,
+def _collect(rank_state: RankState, optimizer: torch.optim.Optimizer | None,
              step: int, extra: dict | None, keep: int | None, root: Path
              ) -> tuple[dict[str, Any], dict[str, Any]]:
     """This rank's state dict for DCP and the manifest, or an error on every rank before
@@ -198,14 +214,14 @@ def _collect(module: "DistributedModule", optimizer: torch.optim.Optimizer | Non
         except (TypeError, ValueError) as error:
             raise CheckpointError(f"extra must be JSON (dicts, lists, numbers, strings): "
                                   f"{error}") from None
-        state = {h.fqn: h.chunks() for h in held_tensors(module)}
+        state = {h.fqn: h.chunks() for h in held_tensors(rank_state)}
         if optimizer is not None:
-            state.update(optimizer_state(module, optimizer))
+            state.update(optimizer_state(rank_state, optimizer))
         rank = dist.get_rank()
         state[f"rng.cpu.rank{rank}"] = torch.get_rng_state()
         if torch.cuda.is_available() and torch.cuda.is_initialized():
             state[f"rng.cuda.rank{rank}"] = torch.cuda.get_rng_state()
-        manifest = _manifest(module, optimizer, step, extra)
+        manifest = _manifest(rank_state, optimizer, step, extra)
     except Exception as error:
         problem = error if isinstance(error, CheckpointError) else _problem(error)
     _agree(problem, f"cannot save a checkpoint of step {step} under {root}", path=root)
@@ -233,13 +249,10 @@ def _temporary(root: Path, step: int) -> Path:
 def _write(state: dict[str, Any], tmp: Path, step: int) -> None:
     """DCP writes every rank's part; on any failure every rank raises and the temporary
     directory goes."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint import FileSystemWriter
-
-    save_planner, _ = planners()
     problem = None
     try:
-        dcp.save(state, storage_writer=FileSystemWriter(str(tmp)), planner=save_planner())
+        dcp.save(state, storage_writer=FileSystemWriter(str(tmp)),
+                 planner=ChunkSavePlanner())
     except _failures() as error:
         problem = _problem(error)
     _agree(problem, f"saving the checkpoint of step {step} to {tmp} failed; the previous "
@@ -247,20 +260,16 @@ def _write(state: dict[str, Any], tmp: Path, step: int) -> None:
            cleanup=lambda: shutil.rmtree(tmp, ignore_errors=True))
 
 
-def _write_in_background(module: "DistributedModule", state: dict[str, Any], tmp: Path,
+def _write_in_background(saves: BackgroundSave, state: dict[str, Any], tmp: Path,
                          final: Path, step: int, commit: Callable[[], None]) -> None:
     """Copy this rank's tensors to CPU memory (the pause), then DCP writes them in a
     thread over the module's gloo group; rank 0 commits when every rank's part is
     written. ``wait`` reports the outcome."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint import FileSystemWriter
-
-    save_planner, _ = planners()
-    group = _async_group(module)
+    group = saves.process_group()
     problem, future = None, None
     try:
         future = dcp.async_save(to_cpu(state), storage_writer=FileSystemWriter(str(tmp)),
-                                planner=save_planner(), process_group=group,
+                                planner=ChunkSavePlanner(), process_group=group,
                                 async_stager=CpuStaged())
     except _failures() as error:
         problem = _problem(error)
@@ -268,25 +277,18 @@ def _write_in_background(module: "DistributedModule", state: dict[str, Any], tmp
     pending = _Pending(future, step, final)
     if dist.get_rank() == 0:
         future.add_done_callback(lambda done: _commit_after(done, pending, tmp, commit))
-    module._checkpoint_pending = pending
+    saves.pending = pending
 
 
-def _async_group(module: "DistributedModule") -> Any:
-    """A gloo group of every rank for DCP's background collectives (made once, by all)."""
-    if module._checkpoint_group is None:
-        module._checkpoint_group = dist.new_group(backend="gloo")
-    return module._checkpoint_group
-
-
-def _manifest(module: "DistributedModule", optimizer: torch.optim.Optimizer | None,
+def _manifest(rank_state: RankState, optimizer: torch.optim.Optimizer | None,
               step: int, extra: dict) -> dict[str, Any]:
-    topo = module.topology
+    topo = rank_state.topology
     return {
         "format": FORMAT, "version": VERSION, "step": step, "extra": extra,
         "world": {"size": topo.world_size, "pp": topo.pp, "dp": topo.dp, "tp": topo.tp},
-        "zero_stage": module.plan.effective_zero_stage,
-        "plan_hash": module.plan.hash, "model_hash": module.plan.model.hash,
-        "tensors": model_tensors(module),
+        "zero_stage": rank_state.plan.effective_zero_stage,
+        "plan_hash": rank_state.plan.hash, "model_hash": rank_state.plan.model.hash,
+        "tensors": model_tensors(rank_state),
         "optimizer": None if optimizer is None else {
             "class": optimizer_class(optimizer),
             "param_groups": hyperparameters(optimizer)},
@@ -303,10 +305,10 @@ def _fsync_write(path: Path, text: str) -> None:
         os.fsync(handle.fileno())
 
 
-def _commit(root: Path, tmp: Path, final: Path, module: "DistributedModule",
+def _commit(root: Path, tmp: Path, final: Path, rank_state: RankState,
             manifest: dict[str, Any], keep: int | None) -> None:
     """Rank 0, after every rank's write: manifest, rename, ``latest``."""
-    _fsync_write(tmp / PLAN, module.plan.to_json() + "\n")
+    _fsync_write(tmp / PLAN, rank_state.plan.to_json() + "\n")
     manifest = dict(manifest, files={f.name: f.stat().st_size for f in sorted(tmp.iterdir())
                                      if f.is_file()})
     _fsync_write(tmp / MANIFEST, json.dumps(manifest, indent=1) + "\n")
@@ -365,13 +367,13 @@ def _remove_stale(root: Path) -> None:
                 path.unlink(missing_ok=True)
 
 
-def wait(module: "DistributedModule") -> Path | None:
+def wait(saves: BackgroundSave) -> Path | None:
     """Finish the asynchronous save under way, if any: on every rank, raising
     CheckpointError on every rank if any rank's write or the commit failed."""
-    pending = module._checkpoint_pending
+    pending = saves.pending
     if pending is None:
         return None
-    module._checkpoint_pending = None
+    saves.pending = None
     problem = None
     try:
         pending.future.result()
@@ -433,12 +435,10 @@ def read_manifest(path: Path) -> dict[str, Any]:
     return manifest
 
 
-def _check(module: "DistributedModule", path: Path, manifest: dict[str, Any],
+def _check(rank_state: RankState, path: Path, manifest: dict[str, Any],
            optimizer: torch.optim.Optimizer | None) -> Any:
     """Everything that can be wrong with the checkpoint, before any tensor changes;
     returns DCP's metadata."""
-    from torch.distributed.checkpoint import FileSystemReader
-
     for name, size in manifest["files"].items():
         file = path / name
         if not file.is_file():
@@ -449,7 +449,7 @@ def _check(module: "DistributedModule", path: Path, manifest: dict[str, Any],
                                   f"says {size}: the file is truncated or was changed",
                                   path=str(file))
     manifest_file = str(path / MANIFEST)
-    ours, theirs = model_tensors(module), manifest["tensors"]
+    ours, theirs = model_tensors(rank_state), manifest["tensors"]
     missing = sorted(set(ours) - set(theirs))
     unknown = sorted(set(theirs) - set(ours))
     if missing or unknown:
@@ -513,27 +513,27 @@ def _check_state_keys(state: dict[str, Any], metadata: Any, path: Path) -> None:
                                   path=str(path / ".metadata"), tensor=key)
 
 
-def load(module: "DistributedModule", directory: str | os.PathLike, *,
+def load(rank_state: RankState, saves: BackgroundSave, directory: str | os.PathLike, *,
          optimizer: torch.optim.Optimizer | None) -> tuple[int, dict]:
     """``module.load_checkpoint``: check, make the optimizer's state, read, restore;
     each step agreed by every rank before the next, every check before any tensor
-    changes."""
-    wait(module)
-    path, manifest, metadata = _checked(module, directory, optimizer)
+    changes. Returns the checkpoint's step and ``extra``."""
+    wait(saves)
+    path, manifest, metadata = _checked(rank_state, directory, optimizer)
     if optimizer is not None:
         # The optimizer's state must exist to be read into: made by its own first step,
         # on every rank if on any (a ZeRO-1 step is collective).
-        need = torch.tensor([int(needs_state(module, optimizer))])
+        need = torch.tensor([int(needs_state(rank_state, optimizer))])
         dist.all_reduce(need, op=dist.ReduceOp.MAX)
         if need.item():
-            initialise_state(module, optimizer)
+            initialise_state(rank_state, optimizer)
             # Its ZeRO-1 step left the parameters' all-gather in flight, from the rows
             # before loading: finished now, before a tensor is read into.
-            module.wait_param_gathers()
-    state, stateless = _targets(module, optimizer, path, manifest, metadata)
+            rank_state.wait_param_gathers()
+    state, stateless = _targets(rank_state, optimizer, path, manifest, metadata)
     _read(state, path)
     # ZeRO-1 in mixed precision read fp32 masters: the compute-dtype parameters follow.
-    module.refresh_from_masters()
+    rank_state.refresh_from_masters()
     if optimizer is not None:
         # A parameter without state in the checkpoint had not been stepped: it has none,
         # as before its first step.
@@ -549,11 +549,10 @@ def load(module: "DistributedModule", directory: str | os.PathLike, *,
     else:
         log.info("checkpoint %s was written by %d processes, this run has %d: RNG states "
                  "are not restored", path, manifest["world"]["size"], dist.get_world_size())
-    module.step = int(manifest["step"])
     return int(manifest["step"]), manifest["extra"]
 
 
-def _checked(module: "DistributedModule", directory: str | os.PathLike,
+def _checked(rank_state: RankState, directory: str | os.PathLike,
              optimizer: torch.optim.Optimizer | None) -> tuple[Path, dict[str, Any], Any]:
     """The checkpoint directory, its manifest and DCP's metadata, checked against the
     module on every rank; any rank's problem raises on all."""
@@ -564,7 +563,7 @@ def _checked(module: "DistributedModule", directory: str | os.PathLike,
     try:
         path = resolve(directory)
         manifest = read_manifest(path)
-        metadata = _check(module, path, manifest, optimizer)
+        metadata = _check(rank_state, path, manifest, optimizer)
     except CheckpointError as error:
         problem = error
     except Exception as error:
@@ -573,7 +572,7 @@ def _checked(module: "DistributedModule", directory: str | os.PathLike,
     return path, manifest, metadata
 
 
-def _targets(module: "DistributedModule", optimizer: torch.optim.Optimizer | None,
+def _targets(rank_state: RankState, optimizer: torch.optim.Optimizer | None,
              path: Path, manifest: dict[str, Any], metadata: Any
              ) -> tuple[dict[str, Any], list[torch.Tensor]]:
     """What DCP reads into on this rank (its chunks of every tensor, its optimizer state,
@@ -583,13 +582,14 @@ def _targets(module: "DistributedModule", optimizer: torch.optim.Optimizer | Non
     state: dict[str, Any] = {}
     stateless: list[torch.Tensor] = []
     try:
-        state = {h.fqn: h.chunks() for h in held_tensors(module)}
+        state = {h.fqn: h.chunks() for h in held_tensors(rank_state)}
         if optimizer is not None:
             stored = {key.rsplit(".", 1)[0] for key in metadata.state_dict_metadata
                       if key.startswith("optim.")}
-            stateless = [p for h, p in optimizer_params(module, optimizer)
+            stateless = [p for h, p in optimizer_params(rank_state, optimizer)
                          if f"optim.{h.fqn}" not in stored]
-            state.update({key: value for key, value in optimizer_state(module, optimizer).items()
+            state.update({key: value
+                          for key, value in optimizer_state(rank_state, optimizer).items()
                           if key.rsplit(".", 1)[0] in stored})
         rank = dist.get_rank()
         if manifest["world"]["size"] == dist.get_world_size():
@@ -606,14 +606,11 @@ def _targets(module: "DistributedModule", optimizer: torch.optim.Optimizer | Non
 
 
 def _read(state: dict[str, Any], path: Path) -> None:
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint import FileSystemReader
-
-    _, load_planner = planners()
     problem = None
     try:
         with torch.no_grad():
-            dcp.load(state, storage_reader=FileSystemReader(str(path)), planner=load_planner())
+            dcp.load(state, storage_reader=FileSystemReader(str(path)),
+                     planner=ChunkLoadPlanner())
     except _failures() as error:
         problem = _problem(error)
     _agree(problem, f"reading the checkpoint at {path} failed (this rank's tensors may be "

@@ -19,18 +19,24 @@ from __future__ import annotations
 import dataclasses
 import itertools
 from collections import OrderedDict
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
+from torch.distributed.checkpoint import DefaultLoadPlanner, DefaultSavePlanner
+from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, MetadataIndex,
+                                                   TensorProperties)
+from torch.distributed.checkpoint.planner import (LoadPlan, SavePlan, TensorWriteData,
+                                                  WriteItem, WriteItemType)
+from torch.distributed.checkpoint.planner_helpers import (
+    _create_read_items, _create_write_items, create_read_items_for_chunk_list)
+from torch.distributed.checkpoint.utils import find_tensor_shard
 from torch.distributed.tensor import DTensor
 
 from partc.errors import PartcError
 
 from partc.runtime import tp as tp_ops
 from partc.runtime.parameters import dp_shard
-
-if TYPE_CHECKING:
-    from partc.runtime.module import DistributedModule
+from partc.runtime.rank_state import RankState
 
 
 # -- what a rank holds of a tensor ------------------------------------------------------
@@ -38,8 +44,8 @@ if TYPE_CHECKING:
 
 class Chunks:
     """The parts of one whole tensor (``size``) this rank holds: views of its own tensor
-    with their offsets in the whole. DCP reads and writes them through the planners of
-    :func:`planners`."""
+    with their offsets in the whole. DCP reads and writes them through
+    :class:`ChunkSavePlanner` and :class:`ChunkLoadPlanner`."""
 
     def __init__(self, size: tuple[int, ...], parts: list[tuple[tuple[int, ...], torch.Tensor]]
                  ) -> None:
@@ -50,15 +56,10 @@ class Chunks:
         return self.whole
 
     def storage(self) -> list:
-        from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
         return [ChunkStorageMetadata(offsets=offsets, sizes=view.size())
                 for offsets, view in self.parts.items()]
 
     def write_items(self, fqn: str) -> list:
-        from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata,
-                                                           MetadataIndex, TensorProperties)
-        from torch.distributed.checkpoint.planner import (TensorWriteData, WriteItem,
-                                                          WriteItemType)
         return [WriteItem(index=MetadataIndex(fqn, offsets), type=WriteItemType.SHARD,
                           tensor_data=TensorWriteData(
                               chunk=ChunkStorageMetadata(offsets=offsets, sizes=view.size()),
@@ -85,7 +86,7 @@ def _runs(index: torch.Tensor) -> list[tuple[int, int, int]]:
     return [(s, int(index[s]), e - s) for s, e in zip(starts, ends)]
 
 
-def _index_maps(module: "DistributedModule", name: str, whole: tuple[int, ...],
+def _index_maps(rank_state: RankState, name: str, whole: tuple[int, ...],
                 local: torch.Tensor, fsdp: tuple[int, int] | None, expert: bool = False
                 ) -> list[torch.Tensor]:
     """For each dim of this rank's ``local`` part of tensor ``name``, the whole tensor's
@@ -93,11 +94,11 @@ def _index_maps(module: "DistributedModule", name: str, whole: tuple[int, ...],
     weight's experts ``[ep_rank * E/ep, (ep_rank+1) * E/ep)`` (``expert``), the plan's
     tensor-parallel placement (``tp.shard_of``), then FSDP's shard of dim 0 (``fsdp``:
     its mesh's size and this rank's place in it)."""
-    topo = module.topology
+    topo = rank_state.topology
     maps = [torch.arange(n) for n in whole]
     if expert and whole:
         maps[0] = maps[0].chunk(topo.ep)[topo.ep_rank]
-    placement = module._placement(name)
+    placement = rank_state.placement(name)
     if placement.kind == "S" and whole:
         dim = placement.dim % len(whole)
         maps[dim] = tp_ops.shard_of(maps[dim], 0, placement.chunks, topo.tp_rank, topo.tp)
@@ -151,38 +152,34 @@ class _Held:
         return _chunks(self.maps, self.whole, self.local if local is None else local)
 
 
-def canonical(module: "DistributedModule", name: str) -> str:
-    return module._aliases.get(name, (name,))[0]
-
-
-def model_tensors(module: "DistributedModule") -> dict[str, dict[str, Any]]:
+def model_tensors(rank_state: RankState) -> dict[str, dict[str, Any]]:
     """The whole model's checkpointed tensors (parameters and persistent buffers), each
     once under its canonical FQN: shape and dtype."""
-    shapes = module._model_tensors
-    return {canonical(module, name): {"shape": list(shape), "dtype": str(dtype)}
+    shapes = rank_state.model_tensors
+    return {rank_state.canonical(name): {"shape": list(shape), "dtype": str(dtype)}
             for name, (shape, dtype) in shapes.items()}
 
 
-def held_tensors(module: "DistributedModule") -> list[_Held]:
+def held_tensors(rank_state: RankState) -> list[_Held]:
     """This rank's parameters and persistent buffers, once each."""
-    whole = model_tensors(module)
-    experts = {id(p) for p in module.expert_params}
+    whole = model_tensors(rank_state)
     seen: set[int] = set()
     held = []
-    named = list(module.module.named_parameters()) + list(module.module.named_buffers())
+    named = list(rank_state.named_parameters()) + list(rank_state.named_buffers())
     for name, tensor in named:
-        fqn = canonical(module, name)
+        fqn = rank_state.canonical(name)
         if id(tensor) in seen or fqn not in whole:  # a non-persistent buffer
             continue
         seen.add(id(tensor))
         local, fsdp = _local(tensor)
-        master = module.master_of(tensor) if isinstance(tensor, torch.nn.Parameter) else None
+        master = (rank_state.master_of(tensor) if isinstance(tensor, torch.nn.Parameter)
+                  else None)
         if master is not None:  # ZeRO-1 in mixed precision: the fp32 master shard is saved
-            local, fsdp = master, module._buckets.shards_of(tensor)
+            local, fsdp = master, rank_state.master_shards(tensor)
         shape = tuple(whole[fqn]["shape"])
         held.append(_Held(fqn, name, tensor, shape,
-                          _index_maps(module, name, shape, local, fsdp,
-                                      id(tensor) in experts), local))
+                          _index_maps(rank_state, name, shape, local, fsdp,
+                                      rank_state.is_expert(tensor)), local))
     return held
 
 
@@ -196,11 +193,11 @@ def inner_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
     return inner if isinstance(inner, torch.optim.Optimizer) else optimizer
 
 
-def optimizer_params(module: "DistributedModule", optimizer: torch.optim.Optimizer
+def optimizer_params(rank_state: RankState, optimizer: torch.optim.Optimizer
                      ) -> list[tuple[_Held, torch.nn.Parameter]]:
     """The parameters whose state this rank's optimizer keeps, with what this rank holds
     of each (a placeholder parameter of an empty stage is none of the module's)."""
-    by_id = {id(h.tensor): h for h in held_tensors(module)}
+    by_id = {id(h.tensor): h for h in held_tensors(rank_state)}
     # ZeRO-1's distributed optimizer steps dp shards of the parameters (``param_of``).
     param_of = getattr(optimizer, "param_of", {})
     return [(by_id[id(param_of.get(id(p), p))], p)
@@ -246,16 +243,16 @@ def restore_hyperparameters(optimizer: torch.optim.Optimizer,
                     group[key] = value
 
 
-def needs_state(module: "DistributedModule", optimizer: torch.optim.Optimizer) -> bool:
+def needs_state(rank_state: RankState, optimizer: torch.optim.Optimizer) -> bool:
     state = inner_optimizer(optimizer).state
     return any(p.requires_grad and not state.get(p) for _, p in
-               optimizer_params(module, optimizer))
+               optimizer_params(rank_state, optimizer))
 
 
 _STEP_HOOKS = ("_optimizer_step_pre_hooks", "_optimizer_step_post_hooks")
 
 
-def initialise_state(module: "DistributedModule", optimizer: torch.optim.Optimizer) -> None:
+def initialise_state(rank_state: RankState, optimizer: torch.optim.Optimizer) -> None:
     """Create the optimizer's state the way its own first step does, changing no
     parameter: one step with zero gradients at learning rate 0 (collective under ZeRO-1,
     which broadcasts the stepped parameters). Gradients the user had are kept."""
@@ -285,19 +282,19 @@ def initialise_state(module: "DistributedModule", optimizer: torch.optim.Optimiz
             p.grad = None
 
 
-def optimizer_state(module: "DistributedModule", optimizer: torch.optim.Optimizer
+def optimizer_state(rank_state: RankState, optimizer: torch.optim.Optimizer
                     ) -> dict[str, Any]:
     """``optim.<fqn>.<name>`` → this rank's part of each state tensor it keeps."""
     state = inner_optimizer(optimizer).state
     out: dict[str, Any] = {}
     sharding = getattr(optimizer, "sharding", lambda _: None)
-    for held, param in optimizer_params(module, optimizer):
+    for held, param in optimizer_params(rank_state, optimizer):
         maps = held.maps
         # ZeRO-1's: this rank's shard of the parameter, over dp or an expert weight's
         # expert-data-parallel group (already so when the held tensor is the fp32 master
         # shard, in mixed precision).
         cut = sharding(param)
-        if cut is not None and module.master_of(held.tensor) is None:
+        if cut is not None and rank_state.master_of(held.tensor) is None:
             maps = [dp_shard(maps[0], *cut), *maps[1:]]
         for key, value in state.get(param, {}).items():
             if not isinstance(value, torch.Tensor):
@@ -313,64 +310,56 @@ def optimizer_state(module: "DistributedModule", optimizer: torch.optim.Optimize
 # -- DCP planners --------------------------------------------------------------------------
 
 
-def planners() -> tuple[type, type]:
-    from torch.distributed.checkpoint import DefaultLoadPlanner, DefaultSavePlanner
-    from torch.distributed.checkpoint.planner import LoadPlan, SavePlan
-    from torch.distributed.checkpoint.planner_helpers import (
-        _create_read_items, _create_write_items, create_read_items_for_chunk_list)
-    from torch.distributed.checkpoint.utils import find_tensor_shard
+class ChunkSavePlanner(DefaultSavePlanner):
+    """DCP's default save planner, which also writes :class:`Chunks`."""
 
-    class SavePlanner(DefaultSavePlanner):
-        """DCP's default save planner, which also writes :class:`Chunks`."""
+    def __init__(self) -> None:
+        super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
 
-        def __init__(self) -> None:
-            super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
+    def create_local_plan(self) -> SavePlan:
+        items = []
+        for fqn, obj in self.state_dict.items():
+            items += (obj.write_items(fqn) if isinstance(obj, Chunks)
+                      else _create_write_items(fqn, obj))
+        self.plan = SavePlan(items)
+        return self.plan
 
-        def create_local_plan(self) -> SavePlan:
-            items = []
-            for fqn, obj in self.state_dict.items():
-                items += (obj.write_items(fqn) if isinstance(obj, Chunks)
-                          else _create_write_items(fqn, obj))
-            self.plan = SavePlan(items)
-            return self.plan
+    def lookup_object(self, index: Any) -> Any:
+        obj = self.state_dict[index.fqn]
+        if isinstance(obj, Chunks):
+            view = obj.parts[index.offset]
+            # torch.save writes a view's whole storage: write the part alone.
+            if view.untyped_storage().nbytes() != view.numel() * view.element_size():
+                view = view.clone()
+            return view.contiguous()
+        return find_tensor_shard(obj, index)
 
-        def lookup_object(self, index: Any) -> Any:
-            obj = self.state_dict[index.fqn]
-            if isinstance(obj, Chunks):
-                view = obj.parts[index.offset]
-                # torch.save writes a view's whole storage: write the part alone.
-                if view.untyped_storage().nbytes() != view.numel() * view.element_size():
-                    view = view.clone()
-                return view.contiguous()
-            return find_tensor_shard(obj, index)
 
-    class LoadPlanner(DefaultLoadPlanner):
-        """DCP's default load planner, which also reads into :class:`Chunks`."""
+class ChunkLoadPlanner(DefaultLoadPlanner):
+    """DCP's default load planner, which also reads into :class:`Chunks`."""
 
-        def __init__(self) -> None:
-            super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
+    def __init__(self) -> None:
+        super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
 
-        def set_up_planner(self, state_dict: dict, metadata: Any = None,
-                           is_coordinator: bool = False) -> None:
-            self.original_state_dict = self.state_dict = state_dict
-            self.metadata = metadata
-            self.is_coordinator = is_coordinator
+    def set_up_planner(self, state_dict: dict, metadata: Any = None,
+                       is_coordinator: bool = False) -> None:
+        self.original_state_dict = self.state_dict = state_dict
+        self.metadata = metadata
+        self.is_coordinator = is_coordinator
 
-        def create_local_plan(self) -> LoadPlan:
-            items = []
-            for fqn, obj in self.state_dict.items():
-                stored = self.metadata.state_dict_metadata[fqn]
-                items += (create_read_items_for_chunk_list(fqn, stored, obj.storage())
-                          if isinstance(obj, Chunks) else _create_read_items(fqn, stored, obj))
-            return LoadPlan(items)
+    def create_local_plan(self) -> LoadPlan:
+        items = []
+        for fqn, obj in self.state_dict.items():
+            stored = self.metadata.state_dict_metadata[fqn]
+            items += (create_read_items_for_chunk_list(fqn, stored, obj.storage())
+                      if isinstance(obj, Chunks) else _create_read_items(fqn, stored, obj))
+        return LoadPlan(items)
 
-        def lookup_tensor(self, index: Any) -> torch.Tensor:
-            obj = self.state_dict[index.fqn]
-            if isinstance(obj, Chunks):
-                return obj.parts[index.offset]
-            return find_tensor_shard(obj, index)
-
-    return SavePlanner, LoadPlanner
+    def lookup_tensor(self, index: Any) -> torch.Tensor:
+        obj = self.state_dict[index.fqn]
+        if isinstance(obj, Chunks):
+            return obj.parts[index.offset]
+        return find_tensor_shard(obj, index)
 
 
 class CpuStaged:

@@ -34,6 +34,7 @@ import functools
 
 import torch
 from torch import fx, nn
+from torch._inductor import cpp_builder
 
 from partc.errors import PartcError
 from partc.plan import Plan
@@ -44,7 +45,8 @@ from partc.runtime.tp import TensorParallelGroup
 # every random op draw from torch's generator, so masks equal one process's.
 INDUCTOR_OPTIONS = {"fallback_random": True}
 # The group's methods the emitted code calls (collectives, sharded embedding and
-# dropout, the regathering linear): each one runs eagerly.
+# dropout, the regathering linear) and the primitives they are made of: each one runs
+# eagerly.
 COLLECTIVES = tuple(name for name, value in vars(TensorParallelGroup).items()
                     if callable(value) and not name.startswith("_") and name != "extra_repr")
 
@@ -63,8 +65,6 @@ def refusal(plan: Plan, device: torch.device) -> str | None:
 @functools.cache
 def _no_cpu_compiler() -> str | None:
     """Inductor's CPU kernels are C++ built on the fly: why they cannot be (None: they can)."""
-    from torch._inductor import cpp_builder
-
     try:
         cpp_builder.get_cpp_compiler()
     except Exception as error:  # noqa: BLE001 - any failure to find one is the reason

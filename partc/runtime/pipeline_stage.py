@@ -6,7 +6,7 @@ checked against them), tells the watchdog of each microbatch, runs pipelining's
 first-step shape inference on zeros and without touching written buffers, holds each
 receive buffer only while its microbatch needs it (:class:`_ReceiveBuffers`), and under
 ZeRO-2/3 reduce-scatters gradients after every microbatch, or, for a ZeRO-2 plan that
-reduces once per step, after the stage's last one (see :mod:`.module`).
+reduces once per step, after the stage's last one (see :mod:`.rank_build`).
 :class:`partc.runtime.optimizer.GradBuckets` (ZeRO 0/1's bucketed gradient reduction,
 overlapping the last backward) is armed here; :func:`contiguous_transfers` makes what
 crosses a stage boundary contiguous.
@@ -47,6 +47,9 @@ class CountingStage(PipelineStage):
     the module's doc)."""
 
     def __init__(self, *args: Any, zero_stage: int = 0, reduce_once: bool = False,
+                 grad_sync: Any = None, compute_copies: Any = None,
+                 watchdog: Watchdog | None = None,
+                 scaled_elsewhere: frozenset[int] = frozenset(),
                  **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.messages: Counter[str] = Counter()
@@ -54,12 +57,12 @@ class CountingStage(PipelineStage):
         self.reduce_once = reduce_once
         # ZeRO 0/1 with dp > 1 or mixed precision: GradBuckets (any object with its
         # begin/end/finish calls: benchmarks/optimizer.py measures another against it)
-        self.grad_sync: Any = None
-        self.compute_copies: Any = None  # mixed precision under ZeRO 0/1 (precision.py)
-        self.watchdog: Watchdog | None = None  # told of each microbatch's start
+        self.grad_sync = grad_sync
+        self.compute_copies = compute_copies  # mixed precision under ZeRO 0/1 (precision.py)
+        self.watchdog = watchdog  # told of each microbatch's start
         # Parameters (ids) another stage of this rank holds too and scales: a tied
         # weight is one parameter of both, divided by the microbatches once.
-        self.scaled_elsewhere: set[int] = set()
+        self.scaled_elsewhere = scaled_elsewhere
         # The receive buffers' shapes, per microbatch (see _ReceiveBuffers)
         self.activation_buffers = _ReceiveBuffers("activation")
         self.gradient_buffers = _ReceiveBuffers("gradient")
@@ -164,7 +167,7 @@ class CountingStage(PipelineStage):
     def perform_reduce_grad(self, grad_scale_factor: int) -> None:
         if isinstance(self.grad_sync, GradBuckets):
             # The rank's buckets (over all its virtual stages) are reduced and scaled
-            # once, after the schedule (DistributedModule._forward_backward).
+            # once, after the schedule (ScheduleRun.train).
             grad_scale_factor = 1
         elif self.grad_sync is not None:
             self.grad_sync.finish(grad_scale_factor)

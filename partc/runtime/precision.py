@@ -33,8 +33,20 @@ import torch
 from torch import nn
 
 from partc.autocast_policy import cuda_policy
+from partc.errors import PartcError
+from partc.plan import Plan
 
 from partc.runtime.optimizer import GradBuckets
+
+
+def compute_dtype(plan: Plan) -> torch.dtype:
+    """The dtype the stages compute in: the plan's training dtype (float32 runs without
+    mixed precision)."""
+    dtype = plan.train.dtype
+    if dtype == torch.float16:
+        raise PartcError("training in float16 needs loss scaling, which partc's runtime "
+                         "does not do: train in bfloat16 (plans for float16 are fine)")
+    return dtype
 
 
 class ComputeCopies:

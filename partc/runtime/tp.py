@@ -107,6 +107,8 @@ class TensorParallelGroup(nn.Module):
         return f"size={self.size}, {where}" + ("" if self.overlap else ", blocking")
 
     # ------------------------------------------------------------------------ primitives
+    # Collectives without autograd, each counted in ``counts``: the autograd functions
+    # below and the rings of partc/runtime/tp_rings.py are made of them.
 
     def all_reduce(self, x: torch.Tensor, op: str = "sum") -> torch.Tensor:
         """The sum (or, ``op="max"``, the maximum) of ``x`` over the group, as a new
@@ -119,7 +121,7 @@ class TensorParallelGroup(nn.Module):
             dist.all_reduce(x, op=reduce, group=self.process_group)
         return x
 
-    def _all_gather(self, x: torch.Tensor, dim: int, chunks: int) -> torch.Tensor:
+    def all_gather(self, x: torch.Tensor, dim: int, chunks: int) -> torch.Tensor:
         """The whole of ``x``'s ``Shard(dim, chunks)``. Single-tensor (one shard per
         rank; :attr:`listed` not naming it): the shards gather into one buffer one
         after another, viewed as the whole where they lie so (the first dim, or every
@@ -142,10 +144,11 @@ class TensorParallelGroup(nn.Module):
         dim = dim % x.dim()
         return gathered.view(self.size, *x.shape).movedim(0, dim).flatten(dim, dim + 1)
 
-    def _slice(self, x: torch.Tensor, dim: int, chunks: int) -> torch.Tensor:
+    def own_shard(self, x: torch.Tensor, dim: int, chunks: int) -> torch.Tensor:
+        """This rank's ``Shard(dim, chunks)`` of the whole ``x`` (no communication)."""
         return shard_of(x, dim, chunks, self.rank, self.size).contiguous()
 
-    def _reduce_scatter(self, x: torch.Tensor, dim: int) -> torch.Tensor:
+    def reduce_scatter(self, x: torch.Tensor, dim: int) -> torch.Tensor:
         """This rank's chunk of ``dim`` of the sum of ``x`` over the group. Single-tensor
         (:attr:`listed` not naming it): the chunks are laid out one after another for one
         reduce-scatter, a view where they lie so (the first dim, or every dim before
@@ -368,7 +371,7 @@ class _Regathered:
 
     def take(self, group: TensorParallelGroup, shard: torch.Tensor, dim: int
              ) -> torch.Tensor:
-        whole = self.whole if self.whole is not None else group._all_gather(shard, dim, 1)
+        whole = self.whole if self.whole is not None else group.all_gather(shard, dim, 1)
         self.whole = whole
         self.release()
         return whole
@@ -455,18 +458,18 @@ class _GatherFromTP(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group, dim, chunks, grad_partial):
         ctx.group, ctx.dim, ctx.chunks, ctx.grad_partial = group, dim, chunks, grad_partial
-        return group._all_gather(x, dim, chunks)
+        return group.all_gather(x, dim, chunks)
 
     @staticmethod
     def backward(ctx, grad):
         group = ctx.group
         if ctx.grad_partial:
             if ctx.chunks != 1:
-                grad = group._slice(group.all_reduce(grad), ctx.dim, ctx.chunks)
+                grad = group.own_shard(group.all_reduce(grad), ctx.dim, ctx.chunks)
             else:
-                grad = group._reduce_scatter(grad, ctx.dim)
+                grad = group.reduce_scatter(grad, ctx.dim)
         else:
-            grad = group._slice(grad, ctx.dim, ctx.chunks)
+            grad = group.own_shard(grad, ctx.dim, ctx.chunks)
         return grad, None, None, None, None
 
 
@@ -474,22 +477,22 @@ class _ScatterToTP(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group, dim, chunks):
         ctx.group, ctx.dim, ctx.chunks = group, dim, chunks
-        return group._slice(x, dim, chunks)
+        return group.own_shard(x, dim, chunks)
 
     @staticmethod
     def backward(ctx, grad):
-        return ctx.group._all_gather(grad, ctx.dim, ctx.chunks), None, None, None
+        return ctx.group.all_gather(grad, ctx.dim, ctx.chunks), None, None, None
 
 
 class _ReduceScatterToTP(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group, dim):
         ctx.group, ctx.dim = group, dim
-        return group._reduce_scatter(x, dim)
+        return group.reduce_scatter(x, dim)
 
     @staticmethod
     def backward(ctx, grad):
-        return ctx.group._all_gather(grad, ctx.dim, 1), None, None
+        return ctx.group.all_gather(grad, ctx.dim, 1), None, None
 
 
 # ------------------------------------------------------------------------ layouts

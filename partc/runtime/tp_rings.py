@@ -46,7 +46,7 @@ from typing import TYPE_CHECKING, Callable, Sequence
 import torch
 import torch.nn.functional as F
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # a cycle: partc.runtime.tp imports this module for its rings
     from partc.runtime.tp import TensorParallelGroup
 
 
@@ -192,7 +192,7 @@ class LinearsOfGathered(torch.autograd.Function):
             group.counts["all_gather"] += 1
             outs = _ring_linears(group, shard, dim, weights, biases)
         else:
-            whole = group._all_gather(shard, dim, 1)
+            whole = group.all_gather(shard, dim, 1)
             outs = [F.linear(whole, w, b) for w, b in zip(weights, biases)]
         ctx.group, ctx.dim, ctx.count = group, dim, count
         ctx.dtypes = (shard.dtype, tuple(w.dtype for w in weights),
@@ -214,9 +214,9 @@ class LinearsOfGathered(torch.autograd.Function):
             grad_shard, grad_weights = _ring_linears_backward(group, shard.to(compute), dim,
                                                               weights, grads)
         else:
-            whole = _matrix(group._all_gather(shard, dim, 1).to(compute))
+            whole = _matrix(group.all_gather(shard, dim, 1).to(compute))
             grad_whole = sum(g.matmul(w) for g, w in zip(grads, weights))
-            grad_shard = group._reduce_scatter(grad_whole, dim)
+            grad_shard = group.reduce_scatter(grad_whole, dim)
             grad_weights = [_matrix(g).t().mm(whole) for g in grads]
         grad_biases = [None if dtype is None else _matrix(g).sum(0).to(dtype)
                        for g, dtype in zip(grads, bias_dtypes)]
@@ -297,7 +297,7 @@ class LinearReduceScatter(torch.autograd.Function):
             rows = x.shape[dim] // group.size
             out = _ring_sum(group, lambda c: F.linear(_rows(x, dim, c, rows), weight, bias))
         else:
-            out = group._reduce_scatter(F.linear(x, weight, bias), dim)
+            out = group.reduce_scatter(F.linear(x, weight, bias), dim)
         ctx.group, ctx.dim, ctx.compute = group, dim, out.dtype
         ctx.dtypes = (x.dtype, weight.dtype, None if bias is None else bias.dtype)
         ctx.save_for_backward(x, weight)
@@ -325,7 +325,7 @@ class LinearReduceScatter(torch.autograd.Function):
             grad_weight = _matrix(whole).t().mm(_matrix(x))
             grad_bias = _matrix(whole).sum(0)
         else:
-            whole = group._all_gather(grad, dim, 1)
+            whole = group.all_gather(grad, dim, 1)
             grad_x = whole.matmul(weight)
             grad_weight = _matrix(whole).t().mm(_matrix(x))
             grad_bias = _matrix(whole).sum(0)

@@ -84,8 +84,8 @@ def test_gpt_computes_attention_probabilities_in_fp32_and_keeps_them_in_bf16():
     4096), which it hands the next matmul as its input (the one copy both keep; a
     separate bf16 cast of the fp32 output for the matmul would keep 2048 more); GELU its bf16
     input (8192) and c_proj GELU's bf16 output (8192). The loss runs outside autocast
-    on the logits cast to fp32 (partc.runtime.module's _Loss): log_softmax keeps its
-    fp32 output (4 bytes a logit), nll_loss the int64 target and its fp32 total weight
+    on the logits cast to fp32 (partc.runtime.rank_build.PlannedLoss): log_softmax keeps
+    its fp32 output (4 bytes a logit), nll_loss the int64 target and its fp32 total weight
     (4 bytes per batch)."""
     _, cuda = _measure(gpt_tiny, loss_fn, "cuda")
     _, cpu = _measure(gpt_tiny, loss_fn, "cpu")

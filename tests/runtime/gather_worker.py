@@ -77,7 +77,7 @@ def _build(case: Case, pp: int, v: int, dtype: torch.dtype, overlap: bool):
 def _record_waits(module: Any) -> list:
     """The bucket indices of every wait made while all-gathers were in flight (None: all
     of them, a wait outside forward's hooks)."""
-    buckets, seen = module._buckets, []
+    buckets, seen = module.parts.buckets, []
     wait = buckets.wait_gathers
 
     def recorded(indices=None):
@@ -105,7 +105,7 @@ def _train(case: Case, pp: int, v: int, dtype: torch.dtype, overlap: bool) -> di
         waits.clear()
         losses.append(_step(module, opt, case, model, step))
         hooked.append(list(waits))
-        pending.append(list(module._buckets.pending_gathers))
+        pending.append(list(module.parts.buckets.pending_gathers))
     # Read without waiting (the stage's own parameters), then finish the all-gathers.
     stale = {n: p.detach().clone() for n, p in module.module.named_parameters()}
     waits.clear()
@@ -113,7 +113,7 @@ def _train(case: Case, pp: int, v: int, dtype: torch.dtype, overlap: bool) -> di
     changed = sum(not torch.equal(stale[n], fresh[n].detach()) for n in stale)
     full = module.full_state_dict()
     return {"losses": losses, "full": full, "pending": pending, "hook_waits": hooked,
-            "buckets": len(module._buckets.buckets), "changed_by_wait": changed,
+            "buckets": len(module.parts.buckets.buckets), "changed_by_wait": changed,
             "waits_outside": waits.count(None), "virtual_stages": len(module.virtual_stages)}
 
 
@@ -125,7 +125,7 @@ def _resumed(case: Case, pp: int, v: int, dtype: torch.dtype, out: Path) -> dict
     for step in range(STEPS):
         losses.append(_step(module, opt, case, model, step))
         if step == SAVE_AT:
-            pending_at_save = list(module._buckets.pending_gathers)
+            pending_at_save = list(module.parts.buckets.pending_gathers)
             module.save_checkpoint(out, optimizer=opt, step=step + 1)
     full = module.full_state_dict()
     model, again, opt = _build(case, pp, v, dtype, True)

@@ -170,9 +170,9 @@ def _measured_bytes(module: Any, opt: torch.optim.Optimizer) -> dict[str, int]:
     params = list({id(p): p for p in module.parameters()}.values())
     local = [p.to_local() if hasattr(p, "to_local") else p for p in params]
     weights = sum(p.numel() * p.element_size() for p in local)
-    copies = getattr(module, "_copies", None)
+    copies = module.parts.copies
     weights += copies.last_bytes if copies is not None else 0
-    buckets = getattr(module, "_buckets", None)
+    buckets = module.parts.buckets
     # ZeRO-1 in mixed precision: the fp32 masters of this rank's shards.
     weights += sum(module.master_of(p).numel() * 4 for p in params
                    if module.master_of(p) is not None)

@@ -105,25 +105,23 @@ def test_the_report_gives_the_save_time_at_the_budgets_disk_bandwidth():
 
 
 def test_forward_backward_takes_the_global_batch_or_the_replicas_slice_only():
-    """The batch-size check on a module's dp=2 view (the torchrun run in
-    test_suspend_resume.py trains on slices)."""
-    from types import SimpleNamespace
-
+    """The batch-size check of a dp=2 rank (the torchrun run in test_suspend_resume.py
+    trains on slices)."""
     from partc.plan import InputSpec
-    from partc.runtime.module import DistributedModule
+    from partc.runtime.batch_check import BatchCheck
 
-    module = object.__new__(DistributedModule)
-    module.topology = SimpleNamespace(dp=2)
-    module.global_batch_size = 8
-    module._inputs = [InputSpec(name="idx", shape=(16,), dtype=torch.int64)]
-    module._target = InputSpec(name="target", shape=(16,), dtype=torch.int64)
+    batches = BatchCheck(inputs=(InputSpec(name="idx", shape=(16,), dtype=torch.int64),),
+                         target=InputSpec(name="target", shape=(16,), dtype=torch.int64),
+                         global_batch_size=8, dp=2, dp_rank=1)
     for rows in (8, 4):
         ids = torch.zeros(rows, 16, dtype=torch.int64)
-        assert module._batch_size((ids,), ids) == rows
-        module._check_batch((ids,), ids, rows)
+        assert batches.size((ids,), ids) == rows
+        batches.check((ids,), ids, rows)
+    whole = torch.zeros(8, 16, dtype=torch.int64)
+    assert batches.rows((whole,), whole) == slice(4, 8)  # this replica's rows of 8
     ids = torch.zeros(3, 16, dtype=torch.int64)
     with pytest.raises(partc.PlanMismatchError,
                        match=r"idx has shape \(3, 16\), the plan's is \(8, 16\).*or give "
                              r"this rank's data-parallel slice: dim 0 of 4, global batch 8 "
                              r"over dp 2"):
-        module._check_batch((ids,), ids, module._batch_size((ids,), ids))
+        batches.check((ids,), ids, batches.size((ids,), ids))

@@ -186,7 +186,7 @@ def test_a_recomputed_loss_keeps_the_outputs_as_they_came(mode):
     fp32 log-softmax. The loss and its gradient are the same either way."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    from partc.runtime.module import _Loss
+    from partc.runtime.rank_build import PlannedLoss
 
     logits = torch.randn(4, 16, 64, dtype=torch.bfloat16, requires_grad=True)
     target = torch.randint(0, 64, (4, 16))
@@ -204,7 +204,7 @@ def test_a_recomputed_loss_keeps_the_outputs_as_they_came(mode):
         return F.cross_entropy(output.reshape(-1, output.size(-1)), labels.reshape(-1))
 
     with Watch():
-        loss = _Loss(loss_call, mode, mixed=True)(logits, target)
+        loss = PlannedLoss(loss_call, mode, mixed=True)(logits, target)
     alive = sum(not ref.expired() for ref in made)
     assert alive == (0 if mode == "full" else 1)
     grad, = torch.autograd.grad(loss, logits)

@@ -76,7 +76,7 @@ def _run_rank(schedule: str, rank: int, monkeypatch) -> tuple:
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=2)
     try:
         module = program.build()
-        stage = module._stages[0]
+        stage = module.parts.stages[0]
         microbatch = tuple(t[:program.plan.micro_batch_size] for t in inputs)
         stage._recv_meta = neighbour_messages(program, stage, microbatch)
         module.forward_backward(*inputs, target=target)     # shape inference
@@ -149,7 +149,7 @@ def test_an_interleaved_rank_holds_its_runs_as_the_plan_counts(monkeypatch):
     try:
         module = program.build()
         microbatch = tuple(t[:program.plan.micro_batch_size] for t in inputs)
-        runs = [stage.stage_index for stage in module._stages]
+        runs = [stage.stage_index for stage in module.parts.stages]
         holding = dict.fromkeys(runs, 0)
         moments, excess = set(), []
 
@@ -167,7 +167,7 @@ def test_an_interleaved_rank_holds_its_runs_as_the_plan_counts(monkeypatch):
                 return result
             setattr(stage, name, watched)
 
-        for stage in module._stages:
+        for stage in module.parts.stages:
             run_of[id(stage.args_recv_info)] = stage.stage_index
             stage._recv_meta = neighbour_messages(program, stage, microbatch)
             zero_integer_receives(stage)    # positions: the fake group moves nothing

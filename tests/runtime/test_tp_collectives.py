@@ -36,12 +36,12 @@ def _worker(rank: int, world: int, path: str, failures) -> None:
                     x = torch.randn(*shape)
                     parts = [torch.empty_like(x) for _ in range(world)]
                     dist.all_gather(parts, x)
-                    gathered = group._all_gather(x, dim, 1)
+                    gathered = group.all_gather(x, dim, 1)
                     assert gathered.is_contiguous() and torch.equal(
                         gathered, torch.cat(parts, dim)), (listed, shape, dim)
                     total = x.clone()
                     dist.all_reduce(total)
-                    scattered = group._reduce_scatter(x, dim)
+                    scattered = group.reduce_scatter(x, dim)
                     assert scattered.is_contiguous(), (listed, shape, dim)
                     torch.testing.assert_close(scattered, total.chunk(world, dim)[rank])
     except AssertionError as error:
@@ -63,11 +63,11 @@ def test_a_stand_in_counts_the_copy_that_lays_chunks_out_for_a_reduce_scatter():
     # first (a batch of one traces what larger batches copy).
     group = TensorParallelGroup(2)
     x = torch.arange(48.0).view(2, 6, 4)
-    assert torch.equal(group._all_gather(x, 1, 1), torch.cat([x, x], 1))
+    assert torch.equal(group.all_gather(x, 1, 1), torch.cat([x, x], 1))
     whole, shard = x.numel() * 4, x.numel() * 4 / 2
     for dim, copied in ((0, 0.0), (1, 2 * whole), (2, 2 * whole), (-1, 2 * whole)):
         with MovedBytes(set(), cuda=False) as counter:
-            out = group._reduce_scatter(x, dim)
+            out = group.reduce_scatter(x, dim)
         assert torch.equal(out, x.chunk(2, dim)[0]) and out.is_contiguous()
         assert counter.moved == copied + 2 * shard, dim
     assert group.counts == {"all_gather": 1, "reduce_scatter": 4}

@@ -557,7 +557,7 @@ def _master_or_whole(module: Any, param: torch.Tensor) -> torch.Tensor:
     """A parameter as its tp rank holds it, in fp32: from the dp ranks' masters under
     ZeRO-1 in mixed precision (collective), else :func:`_whole_over_dp`."""
     if module.master_of(param) is not None:
-        return module._buckets.full_master(param)
+        return module.parts.buckets.full_master(param)
     return _whole_over_dp(param)
 
 

@@ -1,0 +1,107 @@
+"""A batch against the plan, on every rank, before any message is sent.
+
+``forward_backward`` and ``evaluate`` take the global batch (dim 0 the global batch
+size, every rank passing the same) or only this data-parallel replica's rows (dim 0 the
+global batch over dp); every other dimension and every dtype are the plan's
+(``plan.model.inputs``). A batch that differs raises :class:`partc.PlanMismatchError`
+naming each difference: pipelining fixes shapes at the first step, and a different
+shape later would fail on one rank with a dropped connection on the others.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+import torch.utils._pytree as pytree
+
+from partc.errors import PlanMismatchError
+from partc.plan import InputSpec, Plan
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class BatchCheck:
+    """The plan's inputs and target, and how the global batch splits over dp."""
+
+    inputs: tuple[InputSpec, ...]
+    target: InputSpec | None
+    global_batch_size: int
+    dp: int
+    dp_rank: int
+
+    @classmethod
+    def of(cls, plan: Plan, dp_rank: int) -> "BatchCheck":
+        specs = plan.model.inputs
+        return cls(inputs=tuple(s for s in specs if s.name != "target"),
+                   target=next((s for s in specs if s.name == "target"), None),
+                   global_batch_size=plan.global_batch_size,
+                   dp=plan.dp, dp_rank=dp_rank)
+
+    @property
+    def share(self) -> int:
+        """One data-parallel replica's rows of the global batch."""
+        return self.global_batch_size // self.dp
+
+    def rows(self, inputs: tuple, target: Any) -> slice:
+        """This replica's rows of the batch given, after checking it."""
+        given = self.size(inputs, target)  # the global batch, or this replica's rows
+        self.check(inputs, target, given)
+        if given == self.share:
+            return slice(None)
+        return slice(self.dp_rank * self.share, (self.dp_rank + 1) * self.share)
+
+    def size(self, inputs: tuple, target: Any) -> int:
+        """The batch given: the global batch or this replica's slice of it (its dp
+        share), read from the first tensor's dim 0; for any other size the global batch,
+        which :meth:`check` then reports the shapes against."""
+        first = next((t for t in (*inputs, *pytree.tree_leaves(target))
+                      if isinstance(t, torch.Tensor) and t.dim() > 0), None)
+        if first is not None and first.shape[0] == self.share:
+            return self.share
+        return self.global_batch_size
+
+    def check(self, inputs: tuple, target: Any, batch: int | None = None) -> None:
+        """Shapes and dtypes against the plan for a batch of ``batch`` rows (the global
+        batch by default)."""
+        batch = self.global_batch_size if batch is None else batch
+        problems = []
+        if len(inputs) != len(self.inputs):
+            problems.append(f"{len(inputs)} inputs given, the plan has {len(self.inputs)} "
+                            f"({', '.join(s.name for s in self.inputs)})")
+        for given, spec in zip(inputs, self.inputs):
+            problems += _mismatch(spec, given, batch)
+        if self.target is not None:
+            if target is None:
+                problems.append("no target given; the plan's loss needs one")
+            else:
+                problems += _mismatch(self.target, target, batch)
+        if problems:
+            if self.dp > 1:
+                problems.append(self._other_size(batch))
+            raise PlanMismatchError(
+                "this batch does not match the plan: " + "; ".join(problems) +
+                ". The plan fixes the global batch, micro-batch size and every other "
+                "dimension; compile again for new shapes")
+
+    def _other_size(self, batch: int) -> str:
+        """The other batch size ``forward_backward`` takes, than the ``batch`` checked."""
+        if batch != self.global_batch_size:
+            other, size = "global batch", self.global_batch_size
+        else:
+            other, size = "data-parallel slice", self.share
+        return (f"(or give this rank's {other}: dim 0 of {size}, "
+                f"global batch {self.global_batch_size} over dp {self.dp})")
+
+
+def _mismatch(spec: InputSpec, given: Any, batch: int) -> list[str]:
+    expected = (batch, *spec.shape)
+    if not isinstance(given, torch.Tensor):
+        return [f"{spec.name} is a {type(given).__name__}, not a tensor"]
+    problems = []
+    if tuple(given.shape) != expected:
+        problems.append(f"{spec.name} has shape {tuple(given.shape)}, "
+                        f"the plan's is {expected}")
+    if given.dtype != spec.dtype:
+        problems.append(f"{spec.name} is {given.dtype}, the plan's is {spec.dtype}")
+    return problems

@@ -1,0 +1,94 @@
+"""The planned pipeline schedule over one global batch, on this rank.
+
+Stage 0's ranks read the inputs and the last stage's ranks the target, each
+data-parallel replica its own rows (:class:`partc.runtime.batch_check.BatchCheck`); the
+schedule (``torch.distributed.pipelining``, :mod:`.pipeline_schedule`) runs every
+microbatch's forward and backward, or forward only for an evaluation; the last stage
+collects each microbatch's loss, and the mean over the global batch is all-reduced so
+that every rank returns it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.utils._pytree as pytree
+from torch.distributed.pipelining.schedules import PipelineScheduleSingle
+
+from partc.runtime.batch_check import BatchCheck
+from partc.runtime.rank_parts import RankParts
+
+# Newer torch schedules can drop the last stage's outputs instead of returning them.
+_STEP_TAKES_RETURN_OUTPUTS = "return_outputs" in inspect.signature(
+    PipelineScheduleSingle.step).parameters
+
+
+class ScheduleRun:
+    """Runs this rank's stages under the planned schedule, a global batch at a time."""
+
+    def __init__(self, parts: RankParts, batches: BatchCheck) -> None:
+        self._parts = parts
+        self._batches = batches
+
+    def arguments(self, inputs: tuple, target: Any, losses: list[torch.Tensor]
+                  ) -> tuple[tuple, dict[str, Any]]:
+        """The schedule's arguments on this rank: its dp replica's rows of the inputs
+        (first stage) and of the target (last stage), after checking the batch; the
+        last stage appends each microbatch's loss to ``losses``."""
+        rows = self._batches.rows(inputs, target)
+        device = self._parts.topology.device
+        stages = self._parts.stages
+        args = tuple(t[rows].to(device) for t in inputs) \
+            if any(s.is_first for s in stages) else ()
+        kwargs: dict[str, Any] = {}
+        if any(s.is_last for s in stages):
+            kwargs = {"target": pytree.tree_map_only(
+                torch.Tensor, lambda t: t[rows].to(device), target), "losses": losses}
+        if _STEP_TAKES_RETURN_OUTPUTS:
+            # The outputs are the loss's inputs (the logits): returned, torch keeps every
+            # microbatch's until the step ends; partc only needs the losses.
+            kwargs["return_outputs"] = False
+        return args, kwargs
+
+    def train(self, args: tuple, kwargs: dict[str, Any]) -> dict[str, int]:
+        """Every microbatch's forward and backward; returns the point-to-point messages
+        this rank's stages posted (``sends``, ``recvs``)."""
+        parts = self._parts
+        for stage in parts.stages:
+            stage.messages.clear()
+        copies = parts.copies
+        with copies.step() if copies is not None else contextlib.nullcontext():
+            parts.schedule.step(*args, **kwargs)
+            if parts.buckets is not None:
+                # Reduce what the last backward left (split backwards' weight gradients,
+                # weights two virtual stages share) while the compute copies still hold
+                # their gradients; the mean over dp and the microbatches.
+                parts.buckets.finish(parts.plan.num_microbatches)
+        return {kind: sum(s.messages[kind] for s in parts.stages)
+                for kind in ("sends", "recvs")}
+
+    def evaluate(self, args: tuple, kwargs: dict[str, Any]) -> None:
+        """Every microbatch's forward, without gradients and in eval mode (dropout off,
+        normalisation statistics read, not updated)."""
+        module = self._parts.module
+        was_training = module.training
+        module.eval()
+        try:
+            with torch.no_grad():
+                self._parts.schedule.eval(*args, **kwargs)
+        finally:
+            module.train(was_training)
+
+    def mean_loss(self, losses: list[torch.Tensor]) -> torch.Tensor:
+        """The global batch's mean loss from the last stage's microbatch losses, on
+        every rank (collective)."""
+        topo = self._parts.topology
+        total = torch.zeros((), device=topo.device)
+        if losses:
+            total = torch.stack(losses).sum().detach().to(torch.float32)
+        dist.all_reduce(total)  # only the last stage's ranks contribute, tp copies alike
+        return total / (self._parts.plan.num_microbatches * topo.dp * topo.tp)

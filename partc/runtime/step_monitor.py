@@ -1,0 +1,88 @@
+"""What watches this rank's steps: the watchdog and the telemetry, told of each phase.
+
+With more than one rank the watchdog (``partc/runtime/watchdog.py``) hears the step
+(``DistributedModule.step``, the ``forward_backward`` calls so far) and phase; a rank
+that stops or stays in one phase for ``PARTC_WATCHDOG_S`` s (default 60) is reported on
+every other rank, which exit with ``watchdog.EXIT_CODE``. Telemetry
+(``partc/runtime/telemetry.py``), once turned on, measures every step from
+``forward_backward`` to the optimizer's step (or ``end_step``) against the plan.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any, Callable
+
+import torch
+
+from partc.runtime.rank_parts import RankParts
+from partc.runtime.telemetry import StepRecord, Telemetry
+from partc.runtime.watchdog import IDLE
+
+
+class StepMonitor:
+    """This rank's watchdog (None with one process) and telemetry (None until turned
+    on)."""
+
+    def __init__(self, parts: RankParts) -> None:
+        self._parts = parts
+        self.watchdog = parts.watchdog
+        self.telemetry: Telemetry | None = None
+        if self.watchdog is not None:
+            weakref.finalize(self, self.watchdog.stop)  # also at interpreter exit
+
+    def mark(self, phase: str, step: int | None = None) -> None:
+        if self.watchdog is not None:
+            self.watchdog.mark(phase, step)
+
+    def start_telemetry(self, **options: Any) -> Telemetry:
+        """A new telemetry (the previous one closed), with ``options`` as
+        ``DistributedModule.telemetry`` takes them."""
+        if self.telemetry is not None:
+            self.telemetry.close()
+        parts, topo = self._parts, self._parts.topology
+        self.telemetry = Telemetry(
+            parts.plan, rank=topo.rank, stage=topo.pp_rank, device=topo.device,
+            leads_stage=topo.dp_rank == 0 and topo.tp_rank == 0,
+            memory_baseline=parts.memory_baseline, **options)
+        return self.telemetry
+
+    def begin(self, step: int) -> None:
+        """``forward_backward`` of ``step`` starts."""
+        self.mark("forward_backward", step)
+        if self.telemetry is not None:
+            self.telemetry.begin(step)
+
+    def measured(self, loss: torch.Tensor, clipped_norm: torch.Tensor | None,
+                 grad_norm: Callable[[], torch.Tensor]) -> None:
+        """``forward_backward`` returned ``loss``. The step's gradient norm is the
+        clipped one when the plan clips, else ``grad_norm()`` (collective: telemetry is
+        on for every rank or none) unless telemetry was asked not to measure it."""
+        if self.telemetry is None:
+            return
+        if self._parts.plan.train.max_grad_norm is not None:
+            norm = clipped_norm
+        else:
+            norm = grad_norm() if self.telemetry.grad_norm else None
+        self.telemetry.measured(loss, norm)
+
+    def end(self, *, optimizer_stepped: bool = True) -> StepRecord | None:
+        if self.telemetry is None:
+            return None
+        return self.telemetry.end(optimizer_stepped=optimizer_stepped)
+
+    def watch(self, optimizer: torch.optim.Optimizer, end_step: Callable[[], Any]) -> None:
+        """The watchdog hears ``optimizer``'s steps, and each ends the step under way
+        for telemetry (``end_step``: held weakly by the caller, so that the optimizer
+        does not keep the module alive)."""
+        if self.watchdog is not None:
+            watchdog = self.watchdog
+            optimizer.register_step_pre_hook(lambda *_: watchdog.mark("optimizer step"))
+            optimizer.register_step_post_hook(lambda *_: watchdog.mark(IDLE))
+        optimizer.register_step_post_hook(lambda *_: end_step())
+
+    def close(self) -> None:
+        if self.watchdog is not None:
+            self.watchdog.stop()
+        if self.telemetry is not None:
+            self.telemetry.close()
