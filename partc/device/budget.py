@@ -96,11 +96,12 @@ def _profile_from_dict(data: dict, where: str) -> DeviceProfile:
     known = device.get("preset")
     if known is not None and known not in PRESETS:
         raise ProfileError(f"{where}: device.preset {known!r} is not one of {', '.join(PRESETS)}")
-    figures = {spec.name: _profile_figure(budget, spec.name, where) for spec in FIGURES}
-    figures["peak_flops"] = _table(budget, "peak_flops", where)
-    figures["collective_links"] = _collective_links(data, where) or None
+    figures = {spec.name: _profile_figure(budget, spec.name, where) for spec in FIGURES
+               if spec.name not in ("peak_flops", "collective_links")}
     return DeviceProfile(path=where, name=str(device.get("name") or "unnamed device"),
-                         preset=known, figures=DeviceFigures(**figures),
+                         preset=known, figures=DeviceFigures(
+                             **figures, peak_flops=_table(budget, "peak_flops", where),
+                             collective_links=_collective_links(data, where) or None),
                          flops_efficiency_by_dtype=_table(budget, "flops_efficiency_by_dtype",
                                                           where))
 
@@ -116,8 +117,7 @@ def _profile_figure(budget: dict, key: str, where: str) -> Any:
         raise ProfileError(f"{where} has no budget.{key}; re-run partc calibrate, "
                            f"or edit the file")
     value = budget.get(key)
-    if value is None and key not in _REQUIRED_NUMBERS or key in ("peak_flops",
-                                                                "collective_links"):
+    if value is None and key not in _REQUIRED_NUMBERS:
         return None
     unit = unit_of(key).name
     if unit in _MEASURED_RANGES:
@@ -229,12 +229,15 @@ class DeviceBudget(FigureOverrides):
         memory = self._memory_given()
         given = read_figures({spec.name: getattr(self, spec.name) for spec in FIGURES
                               if spec.name != "memory"}, "DeviceBudget")
-        object.__setattr__(self, "_given", replace(given, memory=memory and min(memory)))
+        # The smallest device's memory stands for a list (memory_bytes keeps each).
+        smallest = None if memory is None else min(memory)
+        object.__setattr__(self, "_given", replace(given, memory=smallest))
         figures = resolve(*self._layers())
         # Every figure resolves now, so a gap in a profile fails here and not in the planner.
-        for name in missing(figures):
-            raise ValueError(f"profile {self._profile.path} has no {name} (not measured) "
-                             f"and names no preset; pass {name}=... to DeviceBudget")
+        gaps = missing(figures)
+        if gaps:
+            raise ValueError(f"profile {self._profile.path} has no {gaps[0]} (not measured) "
+                             f"and names no preset; pass {gaps[0]}=... to DeviceBudget")
         object.__setattr__(self, "_figures", figures)
 
     def _memory_given(self) -> tuple[int, ...] | None:

@@ -311,17 +311,12 @@ class DeviceFigures:
         return data
 
 
-FIGURES = tuple(spec for spec in fields(DeviceFigures))
+FIGURES = fields(DeviceFigures)
 FIGURE_NAMES = frozenset(spec.name for spec in FIGURES)
 
 
 def unit_of(name: str) -> Unit:
     return DeviceFigures.__dataclass_fields__[name].metadata["unit"]
-
-
-def metadata(name: str) -> Any:
-    """The figure ``name``'s metadata: unit, flag, help, unset."""
-    return DeviceFigures.__dataclass_fields__[name].metadata
 
 
 def read_figures(given: dict[str, Any], owner: str) -> DeviceFigures:
