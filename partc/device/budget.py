@@ -240,6 +240,14 @@ class DeviceBudget(FigureOverrides):
                              f"and names no preset; pass {gaps[0]}=... to DeviceBudget")
         object.__setattr__(self, "_figures", figures)
 
+    def __repr__(self) -> str:
+        """What was given: the figures left to the profile and the preset are not shown."""
+        given = {"num_devices": self.num_devices, "device": self.device,
+                 "profile": self.profile, **{spec.name: getattr(self, spec.name)
+                                             for spec in FIGURES}}
+        return "DeviceBudget(" + ", ".join(f"{name}={value!r}" for name, value in given.items()
+                                           if value is not None) + ")"
+
     def _memory_given(self) -> tuple[int, ...] | None:
         """The memory sizes given, one or one per device."""
         if self.memory is None:
