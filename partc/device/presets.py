@@ -1,11 +1,11 @@
-"""The device presets: each device's vendor figures and usual node shape, by name.
+"""The device presets: each device's figures (vendor figures, the usual node shape and
+partc's measurements), by name.
 
-Torch-free, so that the command line can list and check device names before it imports
-torch; :mod:`partc.device.budget` builds a DeviceBudget on them. Bandwidths are per device and
-per direction (NVLink 4 on H100: 900 GB/s bidirectional = 450 GB/s each way; one 400 Gb/s
-NIC per GPU = 50 GB/s). ``flops_efficiency`` is the fraction of peak that large matmuls
-reach in practice: measured on an H100 for the Hopper presets (_HOPPER_MATMULS), a guess
-for the others.
+A preset is a :class:`partc.device.figures.DeviceFigures`, which says what each figure is
+and in what unit, under a name and the torch device type it runs as. Torch-free, so that
+the command line can list and check device names before it imports torch;
+:mod:`partc.device.budget` builds a DeviceBudget on them. ``flops_efficiency`` is
+measured on an H100 for the Hopper presets (_HOPPER_MATMULS), a guess for the others.
 """
 
 from __future__ import annotations
