@@ -235,7 +235,7 @@ def planned(shape: MoEShape, problem: PlanningProblem, options: PlannerOptions,
 
 
 def tflops_per_gpu(plan: partc.Plan) -> float:
-    return plan.predicted.mfu * plan.budget.peak_flops / 1e12
+    return plan.predicted.mfu * plan.budget.figures.peak_flops / 1e12
 
 
 def describe(plan: partc.Plan) -> list[str]:
@@ -332,7 +332,7 @@ def run(shape: MoEShape, args) -> None:
           f"{pinned.chunks} (pipeline bubble "
           f"{100 * pinned.predicted.bubble_fraction:.1f}% here); (3) "
           f"partc's H100 matmul efficiency is a preset guess "
-          f"({pinned.budget.flops_efficiency}), not fitted to grouped-GEMM experts; (4) the "
+          f"({pinned.budget.figures.flops_efficiency}), not fitted to grouped-GEMM experts; (4) the "
           f"stand-in model leaves out Qwen3's query/key norms and the router's softmax and "
           f"permutation work, and the published run's batch is not known.")
 

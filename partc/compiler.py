@@ -21,6 +21,7 @@ import torch
 from partc.planner.assemble import alternative, make_plan
 from partc.planner.baselines import baselines
 from partc.device.budget import DeviceBudget
+from partc.device.figures import FIGURE_NAMES, DeviceFigures
 from partc.cache import DEFAULT as DEFAULT_CACHE
 from partc.cache import PlanCache, model_key
 from partc.cost.collectives import Group
@@ -38,35 +39,13 @@ log = logging.getLogger("partc")
 
 
 def device_numbers(budget: DeviceBudget, dtype: torch.dtype) -> DeviceNumbers:
-    return DeviceNumbers(
-        num_devices=budget.num_devices,
-        memory_bytes=budget.memory_bytes,
-        peak_flops=budget.peak_flops_for(dtype),
-        flops_efficiency=budget.efficiency_for(dtype),
-        hbm_bandwidth=budget.hbm_bytes_per_s,
-        devices_per_node=budget.node_size,
-        intra_node_bandwidth=budget.intra_node_bytes_per_s,
-        inter_node_bandwidth=budget.inter_node_bytes_per_s,
-        link_latency_s=budget.latency_s,
-        intra_node_latency_s=budget.intra_latency_s,
-        intra_node_links=budget.link_numbers,
-        op_overhead_s=budget.overhead("op_overhead_s"),
-        op_overhead_backward_s=budget.overhead("op_overhead_backward_s"),
-        dispatch_ahead=budget.device_type != "cpu",
-        matmul_overhead_s=budget.overhead("matmul_overhead_s"),
-        kernel_overhead_s=budget.overhead("kernel_overhead_s"),
-        fsdp_unit_overhead_s=budget.overhead("fsdp_unit_overhead_s"),
-        fsdp_unit_overhead_backward_s=budget.overhead("fsdp_unit_overhead_backward_s"),
-        fsdp_gather_overhead_s=budget.overhead("fsdp_gather_overhead_s"),
-        fsdp_scatter_overhead_s=budget.overhead("fsdp_scatter_overhead_s"),
-        fsdp_step_overhead_s=budget.overhead("fsdp_step_overhead_s"),
-        comm_overlap=budget.overhead("comm_overlap"),
-        split_backward_factor=budget.overhead("split_backward_factor"),
-        elementwise_bandwidth=budget.rate("elementwise_bandwidth"),
-        optimizer_bandwidth=budget.rate("optimizer_bandwidth"),
-        fsdp_copy_bandwidth=budget.rate("fsdp_copy_bandwidth"),
-        attention_efficiency=budget.attention_share,
-    )
+    """The cost model's numbers: the budget's figures for ``dtype``, each under its name."""
+    figures = budget.figures_for(dtype)
+    known = {spec.name for spec in dataclasses.fields(DeviceNumbers)} & FIGURE_NAMES
+    return DeviceNumbers(num_devices=budget.num_devices, memory_bytes=budget.memory_bytes,
+                         intra_node_links=figures.collective_links or (),
+                         dispatch_ahead=budget.device_type != "cpu",
+                         **{name: getattr(figures, name) for name in known})
 
 
 def tp_degrees(devices: DeviceNumbers, constraints: Constraints) -> list[int]:
@@ -190,8 +169,8 @@ def problem_for_plan(plan: Plan, model: torch.nn.Module, *, loss_fn: Callable | 
 
 
 def budget_from_info(info: BudgetInfo) -> DeviceBudget:
-    """A DeviceBudget with the numbers a plan recorded (its preset for the device type,
-    when it names one)."""
+    """A DeviceBudget with the figures a plan recorded (its preset for the device type,
+    and for what an older plan did not record, when it names one)."""
     from partc.device.budget import preset
 
     def preset_named(name: str | None) -> str | None:
@@ -201,28 +180,9 @@ def budget_from_info(info: BudgetInfo) -> DeviceBudget:
             return None
 
     device = preset_named(info.preset) or preset_named(info.device)
-    return DeviceBudget(
-        num_devices=info.num_devices, device=device, memory=tuple(info.memory_bytes),
-        peak_flops=info.peak_flops, flops_efficiency=info.flops_efficiency,
-        hbm_bandwidth=info.hbm_bandwidth, devices_per_node=info.devices_per_node,
-        intra_node_bandwidth=info.intra_node_bandwidth,
-        inter_node_bandwidth=info.inter_node_bandwidth, link_latency_s=info.link_latency_s,
-        intra_node_latency_s=info.intra_node_latency_s,
-        collective_links=info.collective_links, op_overhead_s=info.op_overhead_s,
-        op_overhead_backward_s=info.op_overhead_backward_s,
-        matmul_overhead_s=info.matmul_overhead_s, comm_overlap=info.comm_overlap,
-        kernel_overhead_s=info.kernel_overhead_s,
-        fsdp_unit_overhead_s=info.fsdp_unit_overhead_s,
-        fsdp_unit_overhead_backward_s=info.fsdp_unit_overhead_backward_s,
-        fsdp_gather_overhead_s=info.fsdp_gather_overhead_s,
-        fsdp_scatter_overhead_s=info.fsdp_scatter_overhead_s,
-        fsdp_step_overhead_s=info.fsdp_step_overhead_s,
-        split_backward_factor=info.split_backward_factor,
-        elementwise_bandwidth=info.elementwise_bandwidth,
-        optimizer_bandwidth=info.optimizer_bandwidth,
-        fsdp_copy_bandwidth=info.fsdp_copy_bandwidth,
-        attention_efficiency=info.attention_efficiency,
-        disk_bandwidth=info.disk_bandwidth)
+    return DeviceBudget(num_devices=info.num_devices, device=device,
+                        **info.figures.to_dict(),
+                        memory=tuple(info.memory_bytes))
 
 
 def autocast_dtype(train: TrainSpec) -> torch.dtype | None:
@@ -273,8 +233,9 @@ def plan_of(problem: PlanningProblem, result: PlannerResult, *,
 def _budget_info(devices: DeviceNumbers) -> BudgetInfo:
     """The budget as the plan records it, when only the numbers are known."""
     return BudgetInfo(device="custom", num_devices=devices.num_devices,
-                      memory_bytes=devices.memory_bytes, peak_flops=devices.peak_flops,
-                      devices_per_node=devices.devices_per_node)
+                      memory_bytes=devices.memory_bytes,
+                      figures=DeviceFigures(peak_flops=devices.peak_flops,
+                                            devices_per_node=devices.devices_per_node))
 
 
 def _train_spec(train: TrainNumbers) -> TrainSpec:

@@ -42,6 +42,7 @@ import torch
 
 from partc.codec import (NONE_AS_EMPTY, UNLESS_DEFAULT, CodecError, as_list, from_data,
                          own_form, to_data)
+from partc.device.figures import FIGURE_NAMES, DeviceFigures
 from partc.errors import PlanSchemaError
 from partc.names import Outcome, Phase, Recompute, Schedule
 from partc.placement import REPLICATE, Placement
@@ -50,13 +51,6 @@ from partc.spec import TrainSpec
 from partc.units import format_bytes
 
 SCHEMA_VERSION = 2
-
-
-def _scalars(record: Any) -> dict[str, Any]:
-    """A flat dataclass as JSON data, fields that are ``None`` left out (the budget
-    section's own form)."""
-    return {f.name: getattr(record, f.name) for f in fields(record)
-            if getattr(record, f.name) is not None}
 
 
 def _read(cls: type, data: Mapping[str, Any], where: str, **converted: Any) -> Any:
@@ -283,38 +277,14 @@ class ModelInfo:
 @own_form
 @dataclass(frozen=True, kw_only=True)
 class BudgetInfo:
-    """The device budget the plan was made for (``DeviceBudget.to_dict``'s numbers)."""
+    """The device budget the plan was made for: its figures as resolved for the plan's
+    dtype (``DeviceBudget.to_dict``), written flat beside the device's name. ``None``
+    where an older plan recorded none (the preset's then, as ``partc.load`` reads it)."""
 
     device: str
     num_devices: int
     memory_bytes: tuple[int, ...]   # per device
-    peak_flops: float
-    devices_per_node: int
-    flops_efficiency: float | None = None
-    hbm_bandwidth: float | None = None
-    intra_node_bandwidth: float | None = None
-    inter_node_bandwidth: float | None = None
-    link_latency_s: float | None = None
-    intra_node_latency_s: float | None = None
-    disk_bandwidth: float | None = None   # checkpoint write rate per rank, bytes/s
-    # Each collective kind's own link inside a node, {kind: {latency_s, bandwidth}}, and
-    # the fixed overheads per op and matmul (DeviceBudget's); absent in older plans.
-    collective_links: dict[str, dict[str, float]] | None = None
-    op_overhead_s: float | None = None
-    op_overhead_backward_s: float | None = None
-    matmul_overhead_s: float | None = None
-    kernel_overhead_s: float | None = None   # absent in older plans: the preset's
-    fsdp_unit_overhead_s: float | None = None            # absent in older plans: 0
-    fsdp_unit_overhead_backward_s: float | None = None
-    fsdp_gather_overhead_s: float | None = None
-    fsdp_scatter_overhead_s: float | None = None
-    fsdp_step_overhead_s: float | None = None
-    comm_overlap: float | None = None   # absent in older plans: the device's default
-    split_backward_factor: float | None = None   # likewise
-    elementwise_bandwidth: float | None = None   # None: the cost model used hbm_bandwidth
-    optimizer_bandwidth: float | None = None     # likewise
-    fsdp_copy_bandwidth: float | None = None     # likewise
-    attention_efficiency: float | None = None    # None: fused attention at flops_efficiency
+    figures: DeviceFigures          # memory None: memory_bytes holds it
     source: str | None = None    # "profile" when a calibration profile gave the numbers
     profile: str | None = None   # its path
     preset: str | None = None    # the preset it overrides
@@ -326,8 +296,11 @@ class BudgetInfo:
 
     def to_dict(self) -> dict[str, Any]:
         memory = self.memory_bytes
-        return {**_scalars(self), "memory": self.memory,
-                "memory_bytes": memory[0] if len(set(memory)) == 1 else list(memory)}
+        return {"device": self.device, "num_devices": self.num_devices,
+                "memory_bytes": memory[0] if len(set(memory)) == 1 else list(memory),
+                "memory": self.memory, **self.figures.to_dict(),
+                **{key: getattr(self, key) for key in ("source", "profile", "preset")
+                   if getattr(self, key) is not None}}
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> "BudgetInfo":
@@ -335,7 +308,13 @@ class BudgetInfo:
         memory = data.get("memory_bytes", ())
         if isinstance(memory, (int, float)):
             memory = (memory,) * data.get("num_devices", 1)
-        return _read(cls, data, "budget", memory_bytes=tuple(memory))
+        named = {key: value for key, value in data.items() if key not in FIGURE_NAMES}
+        try:
+            figures = DeviceFigures(**{key: value for key, value in data.items()
+                                       if key in FIGURE_NAMES and key != "memory"})
+        except (TypeError, ValueError) as error:
+            raise PlanSchemaError(f"plan section budget: {error}") from None
+        return _read(cls, named, "budget", memory_bytes=tuple(memory), figures=figures)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -549,7 +528,7 @@ class Plan:
         from partc.device.budget import DEFAULT_DISK_BANDWIDTH
         from partc.units import parse_rate
 
-        rate = self.budget.disk_bandwidth or parse_rate(DEFAULT_DISK_BANDWIDTH)
+        rate = self.budget.figures.disk_bandwidth or parse_rate(DEFAULT_DISK_BANDWIDTH)
         return self.checkpoint_bytes_per_rank / rate
 
     @property

@@ -19,10 +19,10 @@ front half of the compiler (``partc.passes``) produces a :class:`ModelAnalysis`;
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
-from partc.device.presets import OVERHEAD_FIELDS, RATE_FIELDS
+from partc.device.figures import FIGURE_NAMES, unit_of
 from partc.names import Recompute
 from partc.placement import Placement
 
@@ -413,11 +413,15 @@ class TPOption:
 
 @dataclass(frozen=True, kw_only=True)
 class DeviceNumbers:
-    """The budget as the cost model uses it (SI units: bytes, FLOP/s, bytes/s, seconds)."""
+    """The budget as the cost model uses it (SI units: bytes, FLOP/s, bytes/s, seconds):
+    the resolved figures of the training dtype, by the names of
+    :class:`partc.device.figures.DeviceFigures`, which says what each is, and what the
+    cost model needs beside them. Defaults: a GPU's where a figure has one, for problems
+    built by hand."""
 
     num_devices: int
-    memory_bytes: tuple[int, ...]
-    peak_flops: float
+    memory_bytes: tuple[int, ...]   # one limit per device
+    peak_flops: float               # in the training dtype
     flops_efficiency: float
     hbm_bandwidth: float
     devices_per_node: int
@@ -425,12 +429,8 @@ class DeviceNumbers:
     inter_node_bandwidth: float
     link_latency_s: float                       # per step of a collective between nodes
     intra_node_latency_s: float | None = None   # inside a node; None: link_latency_s
-    # Inside a node, each collective kind's own link numbers where calibration fitted them:
-    # (kind, latency per step, bandwidth per link), kinds of partc.cost.collectives.KINDS.
-    # A kind not listed takes intra_node_latency_s and intra_node_bandwidth.
+    # DeviceFigures.collective_links: (kind, latency per step, bandwidth per link).
     intra_node_links: tuple[tuple[str, float, float], ...] = ()
-    # Fixed time per op per microbatch (dispatch, kernel launch), forward and backward:
-    # eager execution pays it whatever the op's size.
     op_overhead_s: float = 0.0
     op_overhead_backward_s: float = 0.0
     # Whether the host dispatches ops ahead of the device (a GPU's launch queue): then a
@@ -438,83 +438,33 @@ class DeviceNumbers:
     # is a floor, reached when the kernels are too small to hide it); False (a CPU, where
     # the same thread dispatches and computes): the overhead adds to every op.
     dispatch_ahead: bool = False
-    # Matmul efficiency by size: a compute-heavy op of f FLOPs takes f / (peak *
-    # flops_efficiency) + matmul_overhead_s, i.e. it reaches flops_efficiency * f / (f +
-    # matmul_overhead_s * peak * flops_efficiency) of peak: small matmuls run below it.
     matmul_overhead_s: float = 0.0
-    # Device time per kernel beyond what its bytes and FLOPs take (a GPU's launch,
-    # ramp-up and tail: small kernels run below the rates), paid for each kernel a layer
-    # launches per microbatch (LayerCost.kernels); unlike op_overhead_s it is the
-    # device's own time, which dispatching ahead does not hide. 0 on a CPU, whose
-    # per-op time op_overhead_s holds.
     kernel_overhead_s: float = 0.0
-    # ZeRO-2/3 as FSDP2 runs it, per unit (a layer) and microbatch, beyond the collectives
-    # (partc.cost.collectives prices those): its forward hooks (``fsdp_unit_overhead_s``) and
-    # backward hooks (``..._backward_s``: gradient accumulation and state), and per
-    # all-gather and per reduce-scatter the unit runs its own work around the collective
-    # (``fsdp_gather_overhead_s``: copy-in, copy-out into the unsharded parameters,
-    # DTensor bookkeeping, freeing them again; ``fsdp_scatter_overhead_s``: copying the
-    # gradients into the reduce-scatter input, the sharded gradients out of it). Host
-    # work: hidden behind a GPU's kernels, it is eager dispatch on a CPU (calibrated).
     fsdp_unit_overhead_s: float = 0.0
     fsdp_unit_overhead_backward_s: float = 0.0
     fsdp_gather_overhead_s: float = 0.0
     fsdp_scatter_overhead_s: float = 0.0
-    # The optimizer step over sharded parameters (DTensors: dispatch per tensor and op)
-    # beyond the step over plain tensors, per parameter tensor and step.
     fsdp_step_overhead_s: float = 0.0
-    # The share of a collective's time hidden by compute running beside it (0 to 1): a
-    # collective of c seconds overlapping compute of t seconds costs c + t - comm_overlap
-    # * min(c, t). 1 where the collective has its own engine (NCCL on a GPU); on a CPU
-    # whose cores the ranks' compute fills, gloo's threads compete for them (calibrated).
     comm_overlap: float = 1.0
-    # A layer's backward as two autograd passes (input, then weight gradients: the
-    # zero-bubble schedules) over one pass; calibrated on a CPU.
     split_backward_factor: float = 1.0
-    # The rate the memory-bound ops (all but the matmuls and attention) move their bytes
-    # at, counted as ``passes/estimate`` counts them (inputs read, outputs written;
-    # backward twice forward's). None: ``hbm_bandwidth``, as a GPU's element-wise kernels
-    # stream; one CPU thread computing exp, erf and masks runs them well below its copy
-    # bandwidth (calibrated).
-    elementwise_bandwidth: float | None = None
-    # The optimizer step's rate in the bytes the cost model counts for it (gradients and
-    # state read, weights and state written once: :attr:`Precision.step_bytes`).
-    # None: ``hbm_bandwidth``, a fused step's; an unfused step (torch's per-parameter
-    # loop on a CPU) makes several passes and pays dispatch per tensor (calibrated).
-    optimizer_bandwidth: float | None = None
-    # The rate FSDP copies bytes into and out of its collectives' buffers (read and
-    # written, counted as :func:`partc.cost.model._zero_overhead_seconds` counts them). None:
-    # ``hbm_bandwidth``; a CPU thread splitting a gathered buffer into the parameters
-    # runs below its copy rate (calibrated).
-    fsdp_copy_bandwidth: float | None = None
-    # The share of peak a fused attention kernel reaches, forward and backward together
-    # (HeavyOp.attention). None: flops_efficiency, the matmuls' share. Flash kernels
-    # interleave a softmax between two products of small head dimension and keep
-    # below the large matmuls' share (presets).
-    attention_efficiency: float | None = None
+    elementwise_bandwidth: float | None = None   # None: hbm_bandwidth
+    optimizer_bandwidth: float | None = None     # None: hbm_bandwidth
+    fsdp_copy_bandwidth: float | None = None     # None: hbm_bandwidth
+    attention_efficiency: float | None = None    # None: flops_efficiency
 
     def __post_init__(self) -> None:
         if len(self.memory_bytes) != self.num_devices:
             raise ValueError("one memory limit per device is needed")
-        for name in RATE_FIELDS:
-            value = getattr(self, name)
-            if value is not None and not 0 < value < float("inf"):
-                raise ValueError(f"DeviceNumbers.{name} must be None or a positive rate, "
-                                 f"got {value!r}")
-        for name in OVERHEAD_FIELDS:
-            value = getattr(self, name)
-            if not value >= 0:
-                raise ValueError(f"DeviceNumbers.{name} must be 0 or more, got {value!r}")
-        if not self.split_backward_factor >= 1.0:
-            raise ValueError(f"DeviceNumbers.split_backward_factor must be 1 or more, got "
-                             f"{self.split_backward_factor!r}")
-        if not 0.0 <= self.comm_overlap <= 1.0:
-            raise ValueError(f"DeviceNumbers.comm_overlap must be in [0, 1], got "
-                             f"{self.comm_overlap!r}")
-        share = self.attention_efficiency
-        if share is not None and not 0.0 < share <= 1.0:
-            raise ValueError(f"DeviceNumbers.attention_efficiency must be None or in "
-                             f"(0, 1], got {share!r}")
+        for spec in fields(self):
+            value = getattr(self, spec.name)
+            if spec.name not in FIGURE_NAMES or value is None and spec.default is None:
+                continue
+            try:
+                unit_of(spec.name).read(value, spec.name)
+            except ValueError:
+                either = "None or " if spec.default is None else ""
+                raise ValueError(f"DeviceNumbers.{spec.name} must be {either}"
+                                 f"{unit_of(spec.name).allowed}, got {value!r}") from None
 
     @property
     def intra_latency_s(self) -> float:

@@ -12,14 +12,14 @@ def test_presets_carry_numbers_and_accept_overrides():
     for name in ("A100-40GB", "A100-80GB", "H100-80GB", "H200", "CPU"):
         budget = partc.DeviceBudget(num_devices=2, device=name)
         assert budget.peak_flops_for(torch.bfloat16) > 0
-        assert budget.hbm_bytes_per_s > 0 and budget.memory_bytes[0] > 0
+        assert budget.figures.hbm_bandwidth > 0 and budget.memory_bytes[0] > 0
         # Whose autocast policy mixed precision is measured under.
         assert budget.device_type == ("cpu" if name == "CPU" else "cuda")
     budget = partc.DeviceBudget(num_devices=4, device="A100-80GB", memory="70GiB",
                                 devices_per_node=2, inter_node_bandwidth="10GB/s",
                                 peak_flops={"bfloat16": 100e12})
     assert budget.memory_bytes == (70 * 2**30,) * 4
-    assert budget.node_size == 2 and budget.inter_node_bytes_per_s == 10e9
+    assert budget.figures.devices_per_node == 2 and budget.figures.inter_node_bandwidth == 10e9
     assert budget.peak_flops_for(torch.bfloat16) == 100e12
     assert budget.peak_flops_for(torch.float32) == 19.5e12
 
@@ -161,7 +161,7 @@ def test_memory_units_are_explicit():
     assert parse_bytes("80GB") == 80 * 10**9 and parse_bytes("5kB") == 5000
     assert parse_bytes("1024") == parse_bytes("1024B") == parse_bytes(1024.0) == 1024
     assert partc.DeviceBudget(num_devices=1, inter_node_bandwidth="50GB/s"
-                              ).inter_node_bytes_per_s == 50e9
+                              ).figures.inter_node_bandwidth == 50e9
 
 
 def test_bad_profile_numbers_are_refused(tmp_path):

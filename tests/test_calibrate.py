@@ -294,12 +294,13 @@ def test_profile_drives_the_budget(calibrated):
     assert budget.device == "CPU" and budget.name == _read(path)["device"]["name"]
     assert budget.peak_flops_for(torch.float32) == budget_numbers["peak_flops"]["float32"]
     # Rates are whole bytes per second (partc.units.parse_rate).
-    assert budget.hbm_bytes_per_s == int(budget_numbers["hbm_bandwidth"])
-    assert budget.intra_node_bytes_per_s == int(budget_numbers["intra_node_bandwidth"])
-    assert budget.intra_latency_s == budget_numbers["intra_node_latency_s"]
-    assert budget.node_size == 2 and budget.memory_bytes == (budget_numbers["memory"],) * 2
+    assert budget.figures.hbm_bandwidth == int(budget_numbers["hbm_bandwidth"])
+    assert budget.figures.intra_node_bandwidth == int(budget_numbers["intra_node_bandwidth"])
+    assert budget.figures.intra_node_latency_s == budget_numbers["intra_node_latency_s"]
+    assert budget.figures.devices_per_node == 2
+    assert budget.memory_bytes == (budget_numbers["memory"],) * 2
     # Not measurable on one machine: the preset's.
-    assert budget.inter_node_bytes_per_s == partc.PRESETS["CPU"].inter_node_bandwidth
+    assert budget.figures.inter_node_bandwidth == partc.PRESETS["CPU"].inter_node_bandwidth
     with pytest.raises(ValueError, match="no peak FLOP/s for float16"):
         budget.peak_flops_for(torch.float16)
     data = budget.to_dict()
@@ -308,7 +309,7 @@ def test_profile_drives_the_budget(calibrated):
     # Fields given to DeviceBudget win over the profile.
     pinned = partc.DeviceBudget(num_devices=2, profile=path, hbm_bandwidth="1GB/s",
                                 flops_efficiency=0.5, memory="1GiB", device="cpu")
-    assert pinned.hbm_bytes_per_s == 1e9 and pinned.efficiency_for(torch.bfloat16) == 0.5
+    assert pinned.figures.hbm_bandwidth == 1e9 and pinned.efficiency_for(torch.bfloat16) == 0.5
     assert pinned.memory_bytes == (2**30,) * 2
     # The preset path is unchanged.
     assert "source" not in partc.DeviceBudget(num_devices=2, device="CPU").to_dict()
@@ -400,8 +401,8 @@ def test_compile_uses_the_profile_numbers(calibrated, tmp_path):
     profile = _read(path)
     plan = _mlp_plan(partc.DeviceBudget(num_devices=1, profile=path))
     assert plan.budget.source == "profile"
-    assert plan.budget.peak_flops == profile["budget"]["peak_flops"]["float32"]
-    assert plan.budget.hbm_bandwidth == int(profile["budget"]["hbm_bandwidth"])
+    assert plan.budget.figures.peak_flops == profile["budget"]["peak_flops"]["float32"]
+    assert plan.budget.figures.hbm_bandwidth == int(profile["budget"]["hbm_bandwidth"])
     # Twice the FLOP/s and memory bandwidth: every layer's time halves.
     faster = profile | {"budget": profile["budget"] | {
         "peak_flops": {k: 2 * v for k, v in profile["budget"]["peak_flops"].items()},
@@ -478,7 +479,7 @@ def test_bad_profiles_say_what_is_wrong(calibrated, tmp_path):
                            intra_node_bandwidth="2GB/s")
     assert partc.DeviceBudget(num_devices=2, profile=no_link, inter_node_bandwidth="1GB/s",
                               intra_node_bandwidth="2GB/s",
-                              link_latency_s=1e-5).intra_node_bytes_per_s == 2e9
+                              link_latency_s=1e-5).figures.intra_node_bandwidth == 2e9
 
 
 def test_options_are_checked():

@@ -110,7 +110,7 @@ def test_flags_reach_the_pins_and_the_budget():
                            "--hbm-bandwidth", "1TB/s", "--peak-tflops", "100",
                            "--link-latency", "1e-5"))
     assert budget.device == "A100-80GB" and budget.memory_bytes == (40 * 2**30, 40 * 10**9)
-    assert budget.hbm_bytes_per_s == 1e12 and budget.latency_s == 1e-5
+    assert budget.figures.hbm_bandwidth == 1e12 and budget.figures.link_latency_s == 1e-5
     assert budget.peak_flops_for(partc.TrainSpec(global_batch_size=1).dtype) == 100e12
 
 

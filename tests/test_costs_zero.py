@@ -264,9 +264,9 @@ def test_fsdp_work_is_no_part_of_zero_0_or_1_and_gpus_run_it_ahead():
         assert build_cost_table(_fsdp_instance({}), config).layers == \
             build_cost_table(_fsdp_instance(FSDP_WORK), config).layers
     for name in ("H100", "A100-80GB", "H200"):
-        numbers = partc.DeviceBudget(num_devices=8, device=name)
-        assert all(numbers.overhead(key) == 0.0 for key in FSDP_WORK if key.endswith("_s"))
-        assert numbers.rate("fsdp_copy_bandwidth") is None   # HBM bandwidth
+        figures = partc.DeviceBudget(num_devices=8, device=name).figures
+        assert all(getattr(figures, key) == 0.0 for key in FSDP_WORK if key.endswith("_s"))
+        assert figures.fsdp_copy_bandwidth is None   # HBM bandwidth
 
 
 def test_the_cpu_preset_prices_fsdp_in_a_planned_zero3_step():

@@ -37,6 +37,7 @@ from partc.cli.choices import (ATTENTION, DTYPE_NAMES, OPTIMIZER_STATE_BYTES, RE
                       SCHEDULES, TP_OBJECTIVES)
 from partc.cost.collectives import KINDS as COLLECTIVE_KINDS
 from partc.errors import PartcError
+from partc.device.figures import FIGURES
 from partc.device.presets import DEFAULT_DEVICE, PRESETS, preset
 from partc.problem import RECOMPUTE_MODES, ZERO2_GRAD_SYNCS, ZERO_STAGES
 from partc.units import format_seconds, parse_bytes, parse_rate
@@ -59,29 +60,9 @@ TRAIN_FLAGS = {
     "tp_overlap": "--no-tp-overlap", "overlap_param_gather": "--no-param-gather-overlap",
     "bucket_elements": "--bucket-elements",
 }
-BUDGET_FLAGS = {
-    "num_devices": "--devices", "device": "--device", "profile": "--profile",
-    "memory": "--memory", "peak_flops": "--peak-tflops",
-    "flops_efficiency": "--flops-efficiency", "hbm_bandwidth": "--hbm-bandwidth",
-    "devices_per_node": "--devices-per-node",
-    "intra_node_bandwidth": "--intra-node-bandwidth",
-    "inter_node_bandwidth": "--inter-node-bandwidth",
-    "link_latency_s": "--link-latency", "intra_node_latency_s": "--intra-node-latency",
-    "disk_bandwidth": "--disk-bandwidth", "collective_links": "--collective-link",
-    "op_overhead_s": "--op-overhead", "op_overhead_backward_s": "--op-overhead-backward",
-    "matmul_overhead_s": "--matmul-overhead", "comm_overlap": "--comm-overlap",
-    "kernel_overhead_s": "--kernel-overhead",
-    "fsdp_unit_overhead_s": "--fsdp-unit-overhead",
-    "fsdp_unit_overhead_backward_s": "--fsdp-unit-overhead-backward",
-    "fsdp_gather_overhead_s": "--fsdp-gather-overhead",
-    "fsdp_scatter_overhead_s": "--fsdp-scatter-overhead",
-    "fsdp_step_overhead_s": "--fsdp-step-overhead",
-    "split_backward_factor": "--split-backward-factor",
-    "elementwise_bandwidth": "--elementwise-bandwidth",
-    "optimizer_bandwidth": "--optimizer-bandwidth",
-    "fsdp_copy_bandwidth": "--fsdp-copy-bandwidth",
-    "attention_efficiency": "--attention-efficiency",
-}
+# A figure's flag is in its metadata (partc.device.figures).
+BUDGET_FLAGS = {"num_devices": "--devices", "device": "--device", "profile": "--profile",
+                **{spec.name: spec.metadata["flag"] for spec in FIGURES}}
 
 UNITS = """\
 sizes and rates take an explicit unit: binary KiB MiB GiB TiB (80GiB = 80 x 2**30
@@ -213,6 +194,11 @@ SHARE = _argument(_share, "share")
 SIZES, RATE = _argument(_sizes, "size"), _argument(_rate, "rate")
 DEVICE, LAYER_MODE = _argument(_device, "device"), _argument(_layer_mode, "LAYER=MODE")
 STAGE, LINK = _argument(_stage, "stage"), _argument(_collective_link, "KIND=LATENCY,RATE")
+# The reader of each unit of DeviceFigures (their flags: _budget_arguments). A factor is
+# read as a positive number; DeviceBudget says why one below 1 is refused.
+_UNIT_TYPES = {"bytes": SIZES, "count": COUNT, "FLOP/s": POSITIVE, "bytes/s": RATE,
+               "seconds": SECONDS, "fraction": FRACTION, "share": SHARE, "factor": POSITIVE,
+               "links": LINK}
 
 
 # -------------------------------------------------------------------------------- parser
@@ -335,74 +321,11 @@ def _budget_arguments(group, *, devices: bool = True) -> None:
                        f"(default {DEFAULT_DEVICE}, or the profile's)")
     group.add_argument("--profile", type=Path, metavar="FILE",
                        help="device profile from partc calibrate")
-    group.add_argument("--memory", type=SIZES, metavar="SIZE",
-                       help="memory per device, e.g. 40GiB, or one size per device, "
-                            "comma-separated (default: the preset's)")
-    group.add_argument("--devices-per-node", type=COUNT, metavar="N")
-    group.add_argument("--peak-tflops", type=POSITIVE, metavar="TFLOPS",
-                       help="peak TFLOP/s of one device in the training dtype")
-    group.add_argument("--flops-efficiency", type=FRACTION, metavar="FRACTION",
-                       help="the fraction of peak large matmuls reach")
-    group.add_argument("--hbm-bandwidth", type=RATE, metavar="RATE", help="e.g. 3350GB/s")
-    group.add_argument("--intra-node-bandwidth", type=RATE, metavar="RATE",
-                       help="per device and direction, e.g. 450GB/s")
-    group.add_argument("--inter-node-bandwidth", type=RATE, metavar="RATE",
-                       help="per device and direction, e.g. 50GB/s")
-    group.add_argument("--link-latency", type=SECONDS, metavar="SECONDS",
-                       help="per collective step between nodes, e.g. 8e-6")
-    group.add_argument("--intra-node-latency", type=SECONDS, metavar="SECONDS",
-                       help="per collective step inside a node")
-    group.add_argument("--collective-link", type=LINK, action="append",
-                       metavar="KIND=LATENCY,RATE",
-                       help="one collective's own link inside a node (repeatable), e.g. "
-                            "all_gather=20e-6,5GB/s (default: the profile's fits)")
-    group.add_argument("--op-overhead", type=SECONDS, metavar="SECONDS",
-                       help="fixed time per op and microbatch in forward")
-    group.add_argument("--op-overhead-backward", type=SECONDS, metavar="SECONDS",
-                       help="fixed time per forward op in backward")
-    group.add_argument("--matmul-overhead", type=SECONDS, metavar="SECONDS",
-                       help="time per matmul call beyond its FLOPs")
-    group.add_argument("--kernel-overhead", type=SECONDS, metavar="SECONDS",
-                       help="device time per kernel beyond its bytes and FLOPs (a GPU's "
-                            "launch, ramp-up and tail)")
-    group.add_argument("--fsdp-unit-overhead", type=SECONDS, metavar="SECONDS",
-                       help="ZeRO-2/3: FSDP's forward hooks per unit and microbatch")
-    group.add_argument("--fsdp-unit-overhead-backward", type=SECONDS, metavar="SECONDS",
-                       help="ZeRO-2/3: FSDP's backward hooks per unit and microbatch")
-    group.add_argument("--fsdp-gather-overhead", type=SECONDS, metavar="SECONDS",
-                       help="ZeRO-2/3: FSDP's own work per unit all-gather beyond the "
-                            "collective (copies in and out, bookkeeping)")
-    group.add_argument("--fsdp-scatter-overhead", type=SECONDS, metavar="SECONDS",
-                       help="ZeRO-2/3: FSDP's own work per unit gradient reduce-scatter "
-                            "beyond the collective")
-    group.add_argument("--fsdp-step-overhead", type=SECONDS, metavar="SECONDS",
-                       help="ZeRO-2/3: the optimizer step's excess per sharded parameter "
-                            "tensor (a DTensor) over the plain step")
-    group.add_argument("--comm-overlap", type=SHARE, metavar="SHARE",
-                       help="the share (0 to 1) of a collective's time that compute "
-                            "running beside it hides (default: the profile's, else 1 on "
-                            "GPUs and 0 on CPUs)")
-    group.add_argument("--split-backward-factor", type=POSITIVE, metavar="FACTOR",
-                       help="a backward run as input then weight gradients (zero-bubble "
-                            "schedules) over one pass (default: the profile's, else 1 on "
-                            "GPUs, 1.25 on CPUs)")
-    group.add_argument("--elementwise-bandwidth", type=RATE, metavar="RATE",
-                       help="the rate memory-bound ops (all but matmuls and attention) "
-                            "move their bytes at (default: the profile's, else the HBM "
-                            "bandwidth)")
-    group.add_argument("--optimizer-bandwidth", type=RATE, metavar="RATE",
-                       help="the rate the optimizer step moves the bytes it touches "
-                            "(default: the profile's, else the HBM bandwidth)")
-    group.add_argument("--fsdp-copy-bandwidth", type=RATE, metavar="RATE",
-                       help="ZeRO-2/3: the rate FSDP copies weights and gradients in and "
-                            "out of its collectives at (default: the profile's, else the "
-                            "HBM bandwidth)")
-    group.add_argument("--attention-efficiency", type=FRACTION, metavar="FRACTION",
-                       help="the share of peak fused attention kernels reach (default: "
-                            "the preset's, else the matmuls' --flops-efficiency)")
-    group.add_argument("--disk-bandwidth", type=RATE, metavar="RATE",
-                       help="checkpoint write rate per rank, e.g. 2GB/s (the report's "
-                            "predicted save time)")
+    for spec in FIGURES:
+        unit = spec.metadata["unit"]
+        group.add_argument(spec.metadata["flag"], type=_UNIT_TYPES[unit.name],
+                           metavar=unit.metavar, help=spec.metadata["help"],
+                           **({"action": "append"} if unit.name == "links" else {}))
 
 
 def _pin_arguments(group) -> None:

@@ -1,15 +1,13 @@
 """DeviceBudget: how many devices, of what kind, with how much memory, how connected.
 
-Presets carry the vendor's dense peak FLOP/s per dtype, memory, HBM bandwidth and the
-usual node shape; every field can be overridden. Bandwidths are per device and per
-direction (NVLink 4 on H100: 900 GB/s bidirectional = 450 GB/s each way; one 400 Gb/s NIC
-per GPU = 50 GB/s). ``flops_efficiency`` is the fraction of peak that large matmuls reach
-in practice; the presets guess it.
-
-A device profile written by ``partc calibrate`` replaces the guesses with what was
-measured on the machine (``DeviceBudget(num_devices=8, profile="profile.json")``). Each
-number is taken from the first of: the field given to DeviceBudget, the profile, the
-preset the profile names (or ``device``). ``docs/calibrate.md`` describes the file.
+A budget names a preset (:mod:`partc.device.presets`: the vendor's peak FLOP/s per
+dtype, memory, HBM bandwidth, the usual node shape and partc's measurements), and every
+figure of :class:`partc.device.figures.DeviceFigures` can be overridden by the keyword of
+its name. A device profile written by ``partc calibrate`` replaces the guesses with what
+was measured on the machine (``DeviceBudget(num_devices=8, profile="profile.json")``).
+Each figure is taken from the first of: the field given to DeviceBudget, the profile, the
+preset the profile names (or ``device``) — :func:`partc.device.figures.resolve`.
+``docs/calibrate.md`` describes the profile file.
 """
 
 from __future__ import annotations
@@ -17,14 +15,17 @@ from __future__ import annotations
 import json
 import math
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, make_dataclass, replace
 from pathlib import Path
+from typing import Any
 
 import torch
 
-from partc.device.presets import (DEFAULT_DEVICE, OVERHEAD_FIELDS, PRESETS, RATE_FIELDS, DevicePreset,
-                      preset)
-from partc.units import format_bytes, parse_bytes, parse_rate
+from partc.device.figures import (COUNT, FIGURES, DeviceFigures, missing, read_figures,
+                                  resolve, unit_of, without)
+from partc.device.presets import DEFAULT_DEVICE, PRESETS, DevicePreset, preset
+from partc.units import format_bytes, parse_rate
+
 
 def dtype_key(dtype: torch.dtype) -> str:
     return {torch.float32: "float32", torch.bfloat16: "bfloat16",
@@ -35,11 +36,17 @@ def dtype_key(dtype: torch.dtype) -> str:
 
 PROFILE_SCHEMA = "partc-device-profile"
 PROFILE_VERSION = 1
-# Numbers one machine may be unable to measure (a single GPU has no link; no machine sees
-# the network between nodes): the profile holds null and the preset or the user fills in.
+# The file's form (docs/calibrate.md): these it always holds, positive; these it holds as
+# null where one machine cannot measure them (a single GPU has no link; no machine sees
+# the network between nodes), and the preset or the user fills in. Other figures are
+# absent from older profiles, or null where not measured.
+_REQUIRED_NUMBERS = ("flops_efficiency", "hbm_bandwidth", "devices_per_node")
 _OPTIONAL_NUMBERS = ("intra_node_bandwidth", "inter_node_bandwidth", "link_latency_s",
                      "intra_node_latency_s", "memory")
-_REQUIRED_NUMBERS = ("flops_efficiency", "hbm_bandwidth", "devices_per_node")
+# What a profile's measured figure may be, by unit (the others: a positive number).
+_MEASURED_RANGES = {"seconds": (0.0, math.inf, "a number of seconds, 0 or more"),
+                    "share": (0.0, 1.0, "a number in [0, 1]"),
+                    "factor": (1.0, math.inf, "a number of at least 1")}
 
 
 class ProfileError(ValueError):
@@ -48,47 +55,19 @@ class ProfileError(ValueError):
 
 @dataclass(frozen=True, kw_only=True)
 class DeviceProfile:
-    """The ``budget`` section of a profile file: the numbers DeviceBudget needs."""
+    """A profile file as DeviceBudget uses it: the figures measured (``None``: not
+    measured), and the matmuls' share of peak in each dtype measured."""
 
     path: str
     name: str
     preset: str | None
-    peak_flops: dict[str, float]
-    flops_efficiency: float
+    figures: DeviceFigures
     flops_efficiency_by_dtype: dict[str, float]
-    memory: int | None
-    hbm_bandwidth: float
-    devices_per_node: int
-    intra_node_bandwidth: float | None
-    inter_node_bandwidth: float | None
-    link_latency_s: float | None
-    intra_node_latency_s: float | None = None
-    # Each collective kind's own fit inside a node: (kind, latency per step, bandwidth),
-    # kinds as partc.cost.collectives names them ("send" for send/recv).
-    collective_links: tuple[tuple[str, float, float], ...] = ()
-    op_overhead_s: float | None = None
-    op_overhead_backward_s: float | None = None
-    matmul_overhead_s: float | None = None
-    kernel_overhead_s: float | None = None
-    comm_overlap: float | None = None
-    split_backward_factor: float | None = None
-    elementwise_bandwidth: float | None = None
-    optimizer_bandwidth: float | None = None
-    fsdp_unit_overhead_s: float | None = None
-    fsdp_unit_overhead_backward_s: float | None = None
-    fsdp_gather_overhead_s: float | None = None
-    fsdp_scatter_overhead_s: float | None = None
-    fsdp_step_overhead_s: float | None = None
-    fsdp_copy_bandwidth: float | None = None
 
 
 # Calibration's collective names -> the cost model's.
 _COLLECTIVE_KINDS = {"all_reduce": "all_reduce", "all_gather": "all_gather",
                      "reduce_scatter": "reduce_scatter", "send_recv": "send"}
-# Measured numbers resolved like the overheads (given, else the profile's, else the
-# preset's): the overheads and the share of a collective compute hides.
-_MEASURED = OVERHEAD_FIELDS + ("comm_overlap", "split_backward_factor")
-# The rates (RATE_FIELDS) are resolved the same way, None where neither knows them.
 
 
 def load_profile(path) -> DeviceProfile:
@@ -114,69 +93,56 @@ def _profile_from_dict(data: dict, where: str) -> DeviceProfile:
     budget, device = data.get("budget"), data.get("device")
     if not isinstance(budget, dict) or not isinstance(device, dict):
         raise ProfileError(f"{where} has no 'budget' or 'device' section")
+    known = device.get("preset")
+    if known is not None and known not in PRESETS:
+        raise ProfileError(f"{where}: device.preset {known!r} is not one of {', '.join(PRESETS)}")
+    figures = {spec.name: _profile_figure(budget, spec.name, where) for spec in FIGURES
+               if spec.name not in ("peak_flops", "collective_links")}
+    return DeviceProfile(path=where, name=str(device.get("name") or "unnamed device"),
+                         preset=known, figures=DeviceFigures(
+                             **figures, peak_flops=_table(budget, "peak_flops", where),
+                             collective_links=_collective_links(data, where) or None),
+                         flops_efficiency_by_dtype=_table(budget, "flops_efficiency_by_dtype",
+                                                          where))
 
-    def number(key: str, optional: bool = False) -> float | None:
-        if key not in budget:
-            raise ProfileError(f"{where} has no budget.{key}; re-run partc calibrate, "
-                               f"or edit the file")
-        value = budget[key]
-        if value is None and optional:
-            return None
-        if isinstance(value, bool) or not isinstance(value, (int, float)) \
-                or not math.isfinite(value) or value <= 0:
-            raise ProfileError(f"{where}: budget.{key} must be a positive number (and "
-                               f"finite), got {value!r}")
-        return float(value)
 
-    def table(key: str) -> dict[str, float]:
-        value = budget.get(key)
-        if not isinstance(value, dict) or not value:
-            raise ProfileError(f"{where} has no budget.{key} table (dtype -> number)")
-        for dtype, entry in value.items():
-            if isinstance(entry, bool) or not isinstance(entry, (int, float)) \
-                    or not math.isfinite(entry) or entry <= 0:
-                raise ProfileError(f"{where}: budget.{key}.{dtype} must be a positive number "
-                                   f"(and finite), got {entry!r}")
-        return {dtype: float(entry) for dtype, entry in value.items()}
+def _positive(value: Any) -> bool:
+    return not isinstance(value, bool) and isinstance(value, (int, float)) \
+        and math.isfinite(value) and value > 0
 
-    def measured(key: str, low: float, high: float, expected: str) -> float | None:
-        """Written since profiles measure it; absent (an older profile) or null: None."""
-        value = budget.get(key)
-        if value is None:
-            return None
+
+def _profile_figure(budget: dict, key: str, where: str) -> Any:
+    """``budget[key]`` checked as the file's form says (see _REQUIRED_NUMBERS)."""
+    if key in _REQUIRED_NUMBERS + _OPTIONAL_NUMBERS and key not in budget:
+        raise ProfileError(f"{where} has no budget.{key}; re-run partc calibrate, "
+                           f"or edit the file")
+    value = budget.get(key)
+    if value is None and key not in _REQUIRED_NUMBERS:
+        return None
+    unit = unit_of(key).name
+    if unit in _MEASURED_RANGES:
+        low, high, expected = _MEASURED_RANGES[unit]
         if isinstance(value, bool) or not isinstance(value, (int, float)) \
                 or not low <= value <= high:   # NaN fails the comparison
             raise ProfileError(f"{where}: budget.{key} must be {expected}, got {value!r}")
         return float(value)
+    if not _positive(value):
+        raise ProfileError(f"{where}: budget.{key} must be a positive number (and "
+                           f"finite), got {value!r}")
+    if unit == "fraction" and value > 1:
+        raise ProfileError(f"{where}: budget.{key} must be in (0, 1]")
+    return int(value) if unit in ("count", "bytes") else float(value)
 
-    def overhead(key: str) -> float | None:
-        return measured(key, 0.0, math.inf, "a number of seconds, 0 or more")
 
-    required = {key: number(key) for key in _REQUIRED_NUMBERS}
-    optional = {key: number(key, optional=True) for key in _OPTIONAL_NUMBERS}
-    if required["flops_efficiency"] > 1:
-        raise ProfileError(f"{where}: budget.flops_efficiency must be in (0, 1]")
-    known = device.get("preset")
-    if known is not None and known not in PRESETS:
-        raise ProfileError(f"{where}: device.preset {known!r} is not one of {', '.join(PRESETS)}")
-    return DeviceProfile(
-        path=where, name=str(device.get("name") or "unnamed device"), preset=known,
-        peak_flops=table("peak_flops"),
-        flops_efficiency_by_dtype=table("flops_efficiency_by_dtype"),
-        flops_efficiency=required["flops_efficiency"],
-        hbm_bandwidth=required["hbm_bandwidth"],
-        devices_per_node=int(required["devices_per_node"]),
-        memory=None if optional["memory"] is None else int(optional["memory"]),
-        intra_node_bandwidth=optional["intra_node_bandwidth"],
-        inter_node_bandwidth=optional["inter_node_bandwidth"],
-        link_latency_s=optional["link_latency_s"],
-        intra_node_latency_s=optional["intra_node_latency_s"],
-        collective_links=_collective_links(data, where),
-        **{key: overhead(key) for key in OVERHEAD_FIELDS},
-        comm_overlap=measured("comm_overlap", 0.0, 1.0, "a number in [0, 1]"),
-        split_backward_factor=measured("split_backward_factor", 1.0, math.inf,
-                                       "a number of at least 1"),
-        **{key: None if budget.get(key) is None else number(key) for key in RATE_FIELDS})
+def _table(budget: dict, key: str, where: str) -> dict[str, float]:
+    value = budget.get(key)
+    if not isinstance(value, dict) or not value:
+        raise ProfileError(f"{where} has no budget.{key} table (dtype -> number)")
+    for dtype, entry in value.items():
+        if not _positive(entry):
+            raise ProfileError(f"{where}: budget.{key}.{dtype} must be a positive number "
+                               f"(and finite), got {entry!r}")
+    return {dtype: float(entry) for dtype, entry in value.items()}
 
 
 def step_links(collectives: dict) -> dict:
@@ -219,168 +185,91 @@ def _collective_links(data: dict, where: str) -> tuple[tuple[str, float, float],
 
 # ---------------------------------------------------------------------------- the budget
 
-# Every check names the field, the value and what is allowed: a bad number fails here, not
-# as a ZeroDivisionError or an overflow deep in the cost model.
-
-
-def _check_count(name: str, value) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"DeviceBudget.{name} must be a positive int, got {value!r}")
-
-
-def _check_fraction(name: str, value) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) \
-            or not 0 < value <= 1:  # NaN fails the comparison
-        raise ValueError(f"DeviceBudget.{name} must be a number in (0, 1], got {value!r}")
-
-
-def _check_share(name: str, value) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) \
-            or not 0 <= value <= 1:
-        raise ValueError(f"DeviceBudget.{name} must be a number in [0, 1], got {value!r}")
-
-
-def _check_latency(name: str, value) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) \
-            or not math.isfinite(value) or value < 0:
-        raise ValueError(f"DeviceBudget.{name} must be a finite number of seconds, 0 or "
-                         f"more, got {value!r}")
-
-
-def _check_amount(name: str, value, parse, example: str | None = None) -> float:
-    """A size or rate: parses (finite, not negative) and, given ``example``, is above 0."""
-    try:
-        amount = parse(value)
-    except (TypeError, ValueError) as error:
-        raise ValueError(f"DeviceBudget.{name}: {error}") from None
-    if example is not None and amount <= 0:
-        raise ValueError(f"DeviceBudget.{name} must be above 0 ({example}), got {value!r}")
-    return amount
-
-
 # A rank's write rate to a checkpoint directory when the budget names none: a local
 # NVMe drive, or a parallel file system's share per rank, are of this order.
 DEFAULT_DISK_BANDWIDTH = "2GB/s"
 
+# How a user may write each unit's figure to DeviceBudget (its annotations).
+_GIVEN_TYPES = {"bytes": "int | str | tuple[int | str, ...] | list[int | str] | None",
+                "bytes/s": "float | str | None", "count": "int | None",
+                "FLOP/s": "dict[str, float] | float | None",
+                "links": "dict[str, dict[str, float]] | None"}
+
+# One keyword per figure, None (not given) by default: DeviceBudget's overrides.
+FigureOverrides = make_dataclass(
+    "FigureOverrides",
+    [(spec.name, _GIVEN_TYPES.get(unit_of(spec.name).name, "float | None"),
+      field(default=None, metadata=spec.metadata)) for spec in FIGURES],
+    frozen=True, kw_only=True)
+FigureOverrides.__doc__ = ("Each figure of DeviceFigures as a user may give it to "
+                           "DeviceBudget: a number, or a string like '80GiB' or '900GB/s'.")
+
 
 @dataclass(frozen=True, kw_only=True)
-class DeviceBudget:
-    """The devices a job may use. ``memory`` may be one size or one per device.
-
-    ``device`` names a preset (default H100-80GB, or the preset a ``profile`` names);
-    ``profile`` is a file written by ``partc calibrate`` (or a loaded DeviceProfile).
+class DeviceBudget(FigureOverrides):
+    """The devices a job may use: ``num_devices`` of the preset ``device`` (default
+    H100-80GB, or the preset a ``profile`` names), or as measured by ``partc calibrate``
+    (``profile``: its file, or a loaded DeviceProfile); and any figure of DeviceFigures
+    given by its name, which wins over the profile's and the preset's. ``memory`` may be
+    one size or one per device; ``peak_flops`` one FLOP/s or a table by dtype, whose
+    dtypes replace those of the preset's (or the profile's) table.
     """
 
     num_devices: int
     device: str | None = None
     profile: str | os.PathLike | DeviceProfile | None = None
-    memory: int | str | tuple[int | str, ...] | list[int | str] | None = None
-    peak_flops: dict[str, float] | float | None = None
-    flops_efficiency: float | None = None
-    hbm_bandwidth: float | str | None = None
-    devices_per_node: int | None = None
-    intra_node_bandwidth: float | str | None = None
-    inter_node_bandwidth: float | str | None = None
-    link_latency_s: float | None = None
-    intra_node_latency_s: float | None = None
-    # Each rank's write rate to the checkpoint directory: the plan's report divides a
-    # rank's checkpoint bytes by it (the predicted save time, for a grace period).
-    disk_bandwidth: float | str | None = None
-    # Per collective kind inside a node, {kind: {"latency_s": ..., "bandwidth": ...}}
-    # (kinds of partc.cost.collectives.KINDS); and the fixed overheads per op and per matmul
-    # (partc.problem.DeviceNumbers). By default the profile's, else the preset's.
-    collective_links: dict[str, dict[str, float]] | None = None
-    op_overhead_s: float | None = None
-    op_overhead_backward_s: float | None = None
-    matmul_overhead_s: float | None = None
-    # Device time per kernel (DeviceNumbers.kernel_overhead_s): the profile's, else the
-    # preset's.
-    kernel_overhead_s: float | None = None
-    # FSDP2's own work per unit and microbatch under ZeRO-2/3 (DeviceNumbers.
-    # fsdp_unit_overhead_s, ...): by default the profile's, else the preset's.
-    fsdp_unit_overhead_s: float | None = None
-    fsdp_unit_overhead_backward_s: float | None = None
-    fsdp_gather_overhead_s: float | None = None
-    fsdp_scatter_overhead_s: float | None = None
-    fsdp_step_overhead_s: float | None = None
-    # The rate FSDP copies a unit's weights and gradients in and out of its collectives
-    # at (DeviceNumbers.fsdp_copy_bandwidth): the profile's, else hbm_bandwidth.
-    fsdp_copy_bandwidth: float | str | None = None
-    # The share of a collective's time that compute beside it hides (DeviceNumbers.
-    # comm_overlap): by default the profile's, else the preset's.
-    comm_overlap: float | None = None
-    # A backward run as input then weight gradients over one pass
-    # (DeviceNumbers.split_backward_factor): by default the profile's, else the preset's.
-    split_backward_factor: float | None = None
-    # The rates memory-bound ops and the optimizer step move their bytes at
-    # (DeviceNumbers.elementwise_bandwidth, optimizer_bandwidth): by default the
-    # profile's, else the preset's, else hbm_bandwidth.
-    elementwise_bandwidth: float | str | None = None
-    optimizer_bandwidth: float | str | None = None
-    # The share of peak fused attention kernels reach (DeviceNumbers.
-    # attention_efficiency): by default the preset's; None there: flops_efficiency.
-    attention_efficiency: float | None = None
     _preset: DevicePreset | None = field(init=False, repr=False, compare=False)
     _profile: DeviceProfile | None = field(init=False, repr=False, compare=False)
+    _given: DeviceFigures = field(init=False, repr=False, compare=False)
+    _figures: DeviceFigures = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        _check_count("num_devices", self.num_devices)
-        if self.devices_per_node is not None:
-            _check_count("devices_per_node", self.devices_per_node)
+        COUNT.read(self.num_devices, "DeviceBudget.num_devices")
         self._resolve_device()
-        for size in self._memory_fields():
-            if _check_amount("memory", size, parse_bytes) <= 0:
-                raise ValueError(f"every device needs a positive memory size: "
-                                 f"DeviceBudget.memory got {size!r} (write e.g. '80GiB')")
-        self._check_flops()
-        # Every number resolves now, so a gap in a profile fails here and not in the planner.
-        _check_fraction("flops_efficiency", self._pick("flops_efficiency"))
-        _check_count("devices_per_node", self._pick("devices_per_node"))
-        for name in ("hbm_bandwidth", "intra_node_bandwidth", "inter_node_bandwidth"):
-            _check_amount(name, self._pick(name), parse_rate, "a rate like '900GB/s'")
-        for name in RATE_FIELDS:
-            if getattr(self, name) is not None:
-                _check_amount(name, getattr(self, name), parse_rate, "a rate like '8GB/s'")
-        _check_amount("disk_bandwidth", DEFAULT_DISK_BANDWIDTH if self.disk_bandwidth is None
-                      else self.disk_bandwidth, parse_rate,
-                      "a rate like '2GB/s'")
-        _check_latency("link_latency_s", self._pick("link_latency_s"))
-        if self.intra_node_latency_s is not None:
-            _check_latency("intra_node_latency_s", self.intra_node_latency_s)
-        for name in OVERHEAD_FIELDS:
-            if getattr(self, name) is not None:
-                _check_latency(name, getattr(self, name))
-        if self.comm_overlap is not None:
-            _check_share("comm_overlap", self.comm_overlap)
-        if self.attention_efficiency is not None:
-            _check_fraction("attention_efficiency", self.attention_efficiency)
-        if self.split_backward_factor is not None and (
-                isinstance(self.split_backward_factor, bool)
-                or not isinstance(self.split_backward_factor, (int, float))
-                or not self.split_backward_factor >= 1):
-            raise ValueError(f"DeviceBudget.split_backward_factor must be a number of at "
-                             f"least 1, got {self.split_backward_factor!r}")
-        if self.collective_links is not None:
-            self._given_links()
+        memory = self._memory_given()
+        given = read_figures({spec.name: getattr(self, spec.name) for spec in FIGURES
+                              if spec.name != "memory"}, "DeviceBudget")
+        # The smallest device's memory stands for a list (memory_bytes keeps each).
+        smallest = None if memory is None else min(memory)
+        object.__setattr__(self, "_given", replace(given, memory=smallest))
+        figures = resolve(*self._layers())
+        # Every figure resolves now, so a gap in a profile fails here and not in the planner.
+        gaps = missing(figures)
+        if gaps:
+            raise ValueError(f"profile {self._profile.path} has no {gaps[0]} (not measured) "
+                             f"and names no preset; pass {gaps[0]}=... to DeviceBudget")
+        object.__setattr__(self, "_figures", figures)
 
-    def _memory_fields(self) -> tuple:
-        if isinstance(self.memory, (list, tuple)):
-            if len(self.memory) != self.num_devices:
-                raise ValueError(f"DeviceBudget.memory: {len(self.memory)} memory sizes "
-                                 f"given for {self.num_devices} devices")
-            return tuple(self.memory)
-        return (self._pick("memory"),)
+    def __repr__(self) -> str:
+        """What was given: the figures left to the profile and the preset are not shown."""
+        given = {"num_devices": self.num_devices, "device": self.device,
+                 "profile": self.profile, **{spec.name: getattr(self, spec.name)
+                                             for spec in FIGURES}}
+        return "DeviceBudget(" + ", ".join(f"{name}={value!r}" for name, value in given.items()
+                                           if value is not None) + ")"
 
-    def _check_flops(self) -> None:
-        if self.peak_flops is None:
-            return
-        table = self.peak_flops if isinstance(self.peak_flops, dict) else {"": self.peak_flops}
-        for dtype, value in table.items():
-            name = f"peak_flops[{dtype!r}]" if dtype else "peak_flops"
-            if isinstance(value, bool) or not isinstance(value, (int, float)) \
-                    or not math.isfinite(value) or value <= 0:
-                raise ValueError(f"DeviceBudget.{name} must be a finite number of FLOP/s "
-                                 f"above 0, got {value!r}")
+    def _memory_given(self) -> tuple[int, ...] | None:
+        """The memory sizes given, one or one per device."""
+        if self.memory is None:
+            return None
+        sizes = self.memory if isinstance(self.memory, (list, tuple)) else (self.memory,)
+        if isinstance(self.memory, (list, tuple)) and len(sizes) != self.num_devices:
+            raise ValueError(f"DeviceBudget.memory: {len(sizes)} memory sizes "
+                             f"given for {self.num_devices} devices")
+        return tuple(unit_of("memory").read(size, "DeviceBudget.memory") for size in sizes)
+
+    def _layers(self) -> tuple[DeviceFigures | None, ...]:
+        """The given figures, the profile's, the preset's: first wins."""
+        given, measured = self._given, self._profile and self._profile.figures
+        base = (measured or self._preset).peak_flops
+        if isinstance(given.peak_flops, dict):
+            given = replace(given, peak_flops={**base, **given.peak_flops})
+        if measured is not None and (given.intra_node_bandwidth is not None
+                                     or given.intra_node_latency_s is not None):
+            # A link number given prices every collective kind: the profile's per-kind
+            # fits were measured with its own.
+            measured = without(measured, "collective_links")
+        return given, measured, self._preset
 
     def _resolve_device(self) -> None:
         profile = self.profile
@@ -399,17 +288,25 @@ class DeviceBudget:
         object.__setattr__(self, "_preset", None if device is None else preset(device))
 
     @property
+    def figures(self) -> DeviceFigures:
+        """Every figure resolved: given, else the profile's, else the preset's, else its
+        ``unset`` value. ``peak_flops`` is the table (or the one number given)."""
+        return self._figures
+
+    def figures_for(self, dtype: torch.dtype) -> DeviceFigures:
+        """The figures as training in ``dtype`` meets them: its peak FLOP/s and matmul share."""
+        return replace(self._figures, peak_flops=self.peak_flops_for(dtype),
+                       flops_efficiency=self.efficiency_for(dtype))
+
+    @property
     def memory_bytes(self) -> tuple[int, ...]:
-        sizes = tuple(parse_bytes(m) for m in self._memory_fields())
+        sizes = self._memory_given() or (self._figures.memory,)
         return sizes if len(sizes) == self.num_devices else sizes * self.num_devices
 
     def peak_flops_for(self, dtype: torch.dtype) -> float:
-        if isinstance(self.peak_flops, (int, float)):
-            return float(self.peak_flops)
-        # A profile's table replaces the preset's: a measured device has no vendor figures
-        # for the dtypes it was not measured in.
-        base = self._profile.peak_flops if self._profile else self._preset.peak_flops
-        table = {**base, **(self.peak_flops or {})}
+        table = self._figures.peak_flops
+        if not isinstance(table, dict):
+            return table
         key = dtype_key(dtype)
         if key not in table:
             raise ValueError(f"device {self.name} has no peak FLOP/s for {key}; "
@@ -417,23 +314,13 @@ class DeviceBudget:
         return table[key]
 
     def efficiency_for(self, dtype: torch.dtype) -> float:
-        """The fraction of ``peak_flops_for(dtype)`` that matmuls reach in this dtype."""
-        if self.flops_efficiency is None and self._profile is not None:
+        """The fraction of ``peak_flops_for(dtype)`` that matmuls reach in this dtype: the
+        one given, else the profile's for the dtype where it measured it."""
+        if self._given.flops_efficiency is None and self._profile is not None:
             by_dtype = self._profile.flops_efficiency_by_dtype
             if dtype_key(dtype) in by_dtype:
                 return by_dtype[dtype_key(dtype)]
-        return self.efficiency
-
-    def _pick(self, name: str):
-        value = getattr(self, name)
-        if value is not None:
-            return value
-        if self._profile is not None and getattr(self._profile, name) is not None:
-            return getattr(self._profile, name)
-        if self._preset is not None:
-            return getattr(self._preset, name)
-        raise ValueError(f"profile {self._profile.path} has no {name} (not measured) and "
-                         f"names no preset; pass {name}=... to DeviceBudget")
+        return self._figures.flops_efficiency
 
     @property
     def device_type(self) -> str:
@@ -447,136 +334,21 @@ class DeviceBudget:
         return self._profile.name if self._profile is not None else self._preset.name
 
     @property
-    def efficiency(self) -> float:
-        return self._pick("flops_efficiency")
-
-    @property
-    def attention_share(self) -> float | None:
-        """The share of peak fused attention kernels reach: the field given, else the
-        preset's; None (the matmuls' ``flops_efficiency``) where neither gives one."""
-        if self.attention_efficiency is not None:
-            return float(self.attention_efficiency)
-        return self._preset.attention_efficiency if self._preset is not None else None
-
-    @property
-    def hbm_bytes_per_s(self) -> float:
-        return parse_rate(self._pick("hbm_bandwidth"))
-
-    @property
-    def node_size(self) -> int:
-        return self._pick("devices_per_node")
-
-    @property
-    def intra_node_bytes_per_s(self) -> float:
-        return parse_rate(self._pick("intra_node_bandwidth"))
-
-    @property
-    def inter_node_bytes_per_s(self) -> float:
-        return parse_rate(self._pick("inter_node_bandwidth"))
-
-    @property
     def disk_bytes_per_s(self) -> float:
         """Checkpoint write rate per rank: ``disk_bandwidth``, else DEFAULT_DISK_BANDWIDTH."""
-        return parse_rate(self.disk_bandwidth if self.disk_bandwidth is not None
-                          else DEFAULT_DISK_BANDWIDTH)
-
-    @property
-    def latency_s(self) -> float:
-        """Per collective step between nodes."""
-        return self._pick("link_latency_s")
-
-    @property
-    def intra_latency_s(self) -> float:
-        """Per collective step inside a node (NVLink); where neither the profile nor a
-        preset knows it, the one latency there is."""
-        try:
-            return self._pick("intra_node_latency_s")
-        except ValueError:
-            return self.latency_s
-
-    def _given_links(self) -> tuple[tuple[str, float, float], ...]:
-        from partc.cost.collectives import KINDS
-
-        found = []
-        for kind, fit in self.collective_links.items():
-            if kind not in KINDS or not isinstance(fit, dict) \
-                    or set(fit) != {"latency_s", "bandwidth"}:
-                raise ValueError(f"DeviceBudget.collective_links[{kind!r}] must be "
-                                 f"{{'latency_s': ..., 'bandwidth': ...}} for a kind of "
-                                 f"{KINDS}, got {fit!r}")
-            _check_latency(f"collective_links[{kind!r}].latency_s", fit["latency_s"])
-            bandwidth = _check_amount(f"collective_links[{kind!r}].bandwidth",
-                                      fit["bandwidth"], parse_rate, "a rate")
-            if isinstance(fit["bandwidth"], (int, float)):
-                bandwidth = fit["bandwidth"]   # as fitted: a profile's and a plan's agree
-            found.append((kind, float(fit["latency_s"]), float(bandwidth)))
-        return tuple(sorted(found))
-
-    @property
-    def link_numbers(self) -> tuple[tuple[str, float, float], ...]:
-        """Inside a node, each collective kind's own (kind, latency per step, bandwidth):
-        ``collective_links`` where given, else the profile's per-collective fits; none
-        where a link number was given to DeviceBudget (it then prices every kind)."""
-        if self.collective_links is not None:
-            return self._given_links()
-        if self._profile is None or self.intra_node_bandwidth is not None \
-                or self.intra_node_latency_s is not None:
-            return ()
-        return self._profile.collective_links
-
-    def overhead(self, name: str) -> float:
-        """``op_overhead_s``, ``op_overhead_backward_s``, ``matmul_overhead_s``,
-        ``kernel_overhead_s``, the
-        ``fsdp_*_overhead_s``, or
-        ``comm_overlap`` or ``split_backward_factor``: the field given, else the
-        profile's where it measured it, else the preset's (without a preset: 0, a whole
-        overlap and a factor of 1, as for a GPU)."""
-        if name not in _MEASURED:
-            raise ValueError(f"no overhead {name!r}; one of {_MEASURED}")
-        if getattr(self, name) is not None:
-            return float(getattr(self, name))
-        if self._profile is not None and getattr(self._profile, name) is not None:
-            return getattr(self._profile, name)
-        if self._preset is not None:
-            return getattr(self._preset, name)
-        return 1.0 if name in ("comm_overlap", "split_backward_factor") else 0.0
-
-    def rate(self, name: str) -> float | None:
-        """``elementwise_bandwidth``, ``optimizer_bandwidth`` or ``fsdp_copy_bandwidth``
-        in bytes per second: the
-        field given, else the profile's, else the preset's; None where none knows it (the
-        cost model then uses ``hbm_bandwidth``)."""
-        if name not in RATE_FIELDS:
-            raise ValueError(f"no rate {name!r}; one of {RATE_FIELDS}")
-        for source in (self, self._profile, self._preset):
-            value = getattr(source, name, None) if source is not None else None
-            if value is not None:
-                return parse_rate(value)
-        return None
+        return self._figures.disk_bandwidth or parse_rate(DEFAULT_DISK_BANDWIDTH)
 
     def to_dict(self, dtype: torch.dtype = torch.float32) -> dict:
+        """The budget as a plan records it (``partc.plan.BudgetInfo``): the figures for
+        ``dtype`` and, from a profile, which file and preset."""
         memory = self.memory_bytes
         data = {
             "device": self.name,
             "num_devices": self.num_devices,
             "memory_bytes": memory[0] if len(set(memory)) == 1 else list(memory),
             "memory": format_bytes(min(memory)),
-            "peak_flops": self.peak_flops_for(dtype),
-            "flops_efficiency": self.efficiency_for(dtype),
-            "hbm_bandwidth": self.hbm_bytes_per_s,
-            "devices_per_node": self.node_size,
-            "intra_node_bandwidth": self.intra_node_bytes_per_s,
-            "inter_node_bandwidth": self.inter_node_bytes_per_s,
-            "link_latency_s": self.latency_s,
-            "intra_node_latency_s": self.intra_latency_s,
-            "collective_links": {kind: {"latency_s": latency, "bandwidth": bandwidth}
-                                 for kind, latency, bandwidth in self.link_numbers} or None,
-            **{name: self.overhead(name) for name in _MEASURED},
-            **{name: self.rate(name) for name in RATE_FIELDS},
-            "attention_efficiency": self.attention_share,
+            **without(self.figures_for(dtype), "memory").to_dict(),
         }
-        if self.disk_bandwidth is not None:  # else plans record none and use the default
-            data["disk_bandwidth"] = self.disk_bytes_per_s
         if self._profile is not None:
             # Fields given to DeviceBudget still win over the profile's numbers.
             data.update(source="profile", profile=self._profile.path,

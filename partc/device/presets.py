@@ -1,11 +1,11 @@
-"""The device presets: each device's vendor figures and usual node shape, by name.
+"""The device presets: each device's figures (vendor figures, the usual node shape and
+partc's measurements), by name.
 
-Torch-free, so that the command line can list and check device names before it imports
-torch; :mod:`partc.device.budget` builds a DeviceBudget on them. Bandwidths are per device and
-per direction (NVLink 4 on H100: 900 GB/s bidirectional = 450 GB/s each way; one 400 Gb/s
-NIC per GPU = 50 GB/s). ``flops_efficiency`` is the fraction of peak that large matmuls
-reach in practice: measured on an H100 for the Hopper presets (_HOPPER_MATMULS), a guess
-for the others.
+A preset is a :class:`partc.device.figures.DeviceFigures`, which says what each figure is
+and in what unit, under a name and the torch device type it runs as. Torch-free, so that
+the command line can list and check device names before it imports torch;
+:mod:`partc.device.budget` builds a DeviceBudget on them. ``flops_efficiency`` is
+measured on an H100 for the Hopper presets (_HOPPER_MATMULS), a guess for the others.
 """
 
 from __future__ import annotations
@@ -13,20 +13,13 @@ from __future__ import annotations
 import difflib
 from dataclasses import dataclass
 
+from partc.device.figures import DeviceFigures, missing
+
 TFLOPS = 1e12
 GB = 1e9
 
 
-# The measured fixed times (seconds, 0 or more) and rates (bytes/s, None: HBM bandwidth)
-# of DevicePreset, DeviceBudget and DeviceNumbers, by field name.
-OVERHEAD_FIELDS = ("op_overhead_s", "op_overhead_backward_s", "matmul_overhead_s",
-                   "kernel_overhead_s",
-                   "fsdp_unit_overhead_s", "fsdp_unit_overhead_backward_s",
-                   "fsdp_gather_overhead_s", "fsdp_scatter_overhead_s",
-                   "fsdp_step_overhead_s")
-RATE_FIELDS = ("elementwise_bandwidth", "optimizer_bandwidth", "fsdp_copy_bandwidth")
-
-# Eager dispatch per op on a GPU's host, forward and backward (see DevicePreset).
+# Eager dispatch per op on a GPU's host, forward and backward (see _GPU_HOST).
 _GPU_DISPATCH_S = 8.5e-6
 _GPU_DISPATCH_BACKWARD_S = 18e-6
 # A GPU's own time per kernel beyond its bytes and FLOPs (launch, ramp-up, tail), which
@@ -38,66 +31,39 @@ _GPU_DISPATCH_BACKWARD_S = 18e-6
 # Not yet measured directly; `partc calibrate` on a GPU does, and its profile replaces it.
 _GPU_KERNEL_S = 3e-6
 
+# What every GPU preset's host and links do (DeviceFigures says what each figure is):
+# - the op overheads: the host dispatches ahead of the kernels, so they are a floor under
+#   a layer's time, not added to it: eager PyTorch's dispatch, about 8.5 us per op
+#   forward and 18 us backward, as `partc calibrate` measured it on an H100's host
+#   (torch 2.11). A 12-layer GPT split into microbatches of one sequence ran at that
+#   pace there. The matmul overhead stays 0;
+# - the kernel overhead, _GPU_KERNEL_S;
+# - FSDP2's own work under ZeRO-2/3: 0, its hooks, bookkeeping and copy kernels' launches
+#   run on the host ahead of the GPU's kernels (not measured on one);
+# - comm_overlap 1: NCCL runs on its own SMs and copy engines;
+# - split_backward_factor 1 (not measured: the second autograd walk hides behind queued
+#   kernels).
+# A profile measured on the machine replaces them all.
+_GPU_HOST = dict(op_overhead_s=_GPU_DISPATCH_S, op_overhead_backward_s=_GPU_DISPATCH_BACKWARD_S,
+                 matmul_overhead_s=0.0, kernel_overhead_s=_GPU_KERNEL_S,
+                 fsdp_unit_overhead_s=0.0, fsdp_unit_overhead_backward_s=0.0,
+                 fsdp_gather_overhead_s=0.0, fsdp_scatter_overhead_s=0.0,
+                 fsdp_step_overhead_s=0.0, comm_overlap=1.0, split_backward_factor=1.0)
+
 
 @dataclass(frozen=True, kw_only=True)
-class DevicePreset:
+class DevicePreset(DeviceFigures):
+    """A device's figures under its name, and the torch device type it runs as (whose
+    autocast policy is that device's). Every figure a device must have is given;
+    ``None`` where a figure falls back (elementwise_bandwidth: HBM bandwidth, ...)."""
+
     name: str
-    peak_flops: dict[str, float]
-    memory: int
-    hbm_bandwidth: float
-    devices_per_node: int
-    intra_node_bandwidth: float
-    inter_node_bandwidth: float
-    link_latency_s: float          # per collective step between nodes
-    intra_node_latency_s: float    # per collective step inside a node
-    flops_efficiency: float
-    # The torch device type it runs as: its autocast policy is that device's.
     device_type: str = "cuda"
-    # Fixed time per op and microbatch, forward and backward (per forward op), and per
-    # matmul call beyond its FLOPs (DeviceNumbers). On a GPU the host dispatches ahead of
-    # the kernels (DeviceNumbers.dispatch_ahead), so the op overhead is a floor under a
-    # layer's time, not added to it: eager PyTorch's dispatch, about 8.5 us per op
-    # forward and 18 us backward, as `partc calibrate` measured it on an H100's host
-    # (torch 2.11). A 12-layer GPT split into microbatches of one sequence ran at that
-    # pace there. The GPUs' matmul overhead stays 0; a profile measured on the machine
-    # replaces all three.
-    op_overhead_s: float = _GPU_DISPATCH_S
-    op_overhead_backward_s: float = _GPU_DISPATCH_BACKWARD_S
-    matmul_overhead_s: float = 0.0
-    # Device time per kernel beyond its bytes and FLOPs (DeviceNumbers.kernel_overhead_s):
-    # a GPU's launch, ramp-up and tail, paid once per kernel whatever its size
-    # (_GPU_KERNEL_S). A CPU: 0, op_overhead_s holds its per-op time.
-    kernel_overhead_s: float = _GPU_KERNEL_S
-    # FSDP2's own work under ZeRO-2/3 per unit and microbatch (DeviceNumbers.
-    # fsdp_unit_overhead_s, ...). GPUs 0: its hooks, bookkeeping and copy kernels'
-    # launches run on the host ahead of the GPU's kernels (not measured on one; a profile
-    # measured on the machine replaces them).
-    fsdp_unit_overhead_s: float = 0.0
-    fsdp_unit_overhead_backward_s: float = 0.0
-    fsdp_gather_overhead_s: float = 0.0
-    fsdp_scatter_overhead_s: float = 0.0
-    fsdp_step_overhead_s: float = 0.0
-    # The share of a collective's time that compute running beside it hides (see
-    # DeviceNumbers.comm_overlap). GPUs 1: NCCL runs on its own SMs and copy engines. A
-    # CPU 0: gloo's threads need the cores that the ranks' compute already fills, so a
-    # collective "overlapping" backward delays it as much as it would run alone.
-    comm_overlap: float = 1.0
-    # A layer's backward run as two autograd passes (input gradient, then weight
-    # gradient: the zero-bubble schedules) over one: autograd walks the graph twice.
-    # GPUs 1 (not measured: the walk hides behind queued kernels); a CPU pays it.
-    split_backward_factor: float = 1.0
-    # The rates memory-bound ops and the optimizer step move their bytes at
-    # (DeviceNumbers.elementwise_bandwidth, optimizer_bandwidth). None: hbm_bandwidth (the
-    # GPU presets price the optimizer below it, _GPU_ADAMW_SHARE, and Hopper's the
-    # element-wise kernels too, _GPU_ELEMENTWISE_SHARE); a profile measures both.
-    elementwise_bandwidth: float | None = None
-    optimizer_bandwidth: float | None = None
-    # FSDP's copies in and out of its collectives (DeviceNumbers.fsdp_copy_bandwidth).
-    # None: hbm_bandwidth, a GPU's copy kernels'; a profile measures a CPU's.
-    fsdp_copy_bandwidth: float | None = None
-    # The share of peak fused attention (flash) kernels reach, forward and backward
-    # (DeviceNumbers.attention_efficiency). None: flops_efficiency, the matmuls' share.
-    attention_efficiency: float | None = None
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if missing(self):
+            raise ValueError(f"preset {self.name} lacks {', '.join(missing(self))}")
 
 
 # Hopper's attention: Transformer Engine runs it on cuDNN's fused flash kernel there
@@ -136,7 +102,7 @@ PRESETS: dict[str, DevicePreset] = {
     preset.name: preset
     for preset in (
         DevicePreset(
-            name="A100-40GB",
+            name="A100-40GB", **_GPU_HOST,
             peak_flops={"float32": 19.5 * TFLOPS, "tf32": 156 * TFLOPS,
                         "bfloat16": 312 * TFLOPS, "float16": 312 * TFLOPS},
             memory=40 * 2**30, hbm_bandwidth=1555 * GB, devices_per_node=8,
@@ -144,7 +110,7 @@ PRESETS: dict[str, DevicePreset] = {
             intra_node_bandwidth=300 * GB, inter_node_bandwidth=25 * GB,
             link_latency_s=10e-6, intra_node_latency_s=2e-6, flops_efficiency=0.6),
         DevicePreset(
-            name="A100-80GB",
+            name="A100-80GB", **_GPU_HOST,
             peak_flops={"float32": 19.5 * TFLOPS, "tf32": 156 * TFLOPS,
                         "bfloat16": 312 * TFLOPS, "float16": 312 * TFLOPS},
             memory=80 * 2**30, hbm_bandwidth=2039 * GB, devices_per_node=8,
@@ -152,7 +118,7 @@ PRESETS: dict[str, DevicePreset] = {
             intra_node_bandwidth=300 * GB, inter_node_bandwidth=25 * GB,
             link_latency_s=10e-6, intra_node_latency_s=2e-6, flops_efficiency=0.6),
         DevicePreset(
-            name="H100-80GB",
+            name="H100-80GB", **_GPU_HOST,
             peak_flops={"float32": 67 * TFLOPS, "tf32": 494.7 * TFLOPS,
                         "bfloat16": 989.4 * TFLOPS, "float16": 989.4 * TFLOPS},
             memory=80 * 2**30, hbm_bandwidth=3350 * GB, devices_per_node=8,
@@ -162,7 +128,7 @@ PRESETS: dict[str, DevicePreset] = {
             link_latency_s=8e-6, intra_node_latency_s=2e-6, flops_efficiency=_HOPPER_MATMULS,
             attention_efficiency=_HOPPER_ATTENTION),
         DevicePreset(
-            name="H200",
+            name="H200", **_GPU_HOST,
             peak_flops={"float32": 67 * TFLOPS, "tf32": 494.7 * TFLOPS,
                         "bfloat16": 989.4 * TFLOPS, "float16": 989.4 * TFLOPS},
             memory=141 * 10**9, hbm_bandwidth=4800 * GB, devices_per_node=8,

@@ -77,7 +77,7 @@ def _headline(plan: Plan) -> list[str]:
         f"model: {model.name}, {format_count(model.num_params)} parameters, "
         f"{model.num_layers} layers (traced with {model.tracer})",
         f"budget: {budget.num_devices} x {budget.device} "
-        f"({budget.memory} each, {budget.devices_per_node} per node)",
+        f"({budget.memory} each, {budget.figures.devices_per_node} per node)",
         f"training: global batch {train.global_batch_size}, {dtype_name(train.dtype)}, "
         f"{_optimizer(train.optimizer)}, attention {_ATTENTION[train.attention]}",
         f"plan: {plan.mesh}"

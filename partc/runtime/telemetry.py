@@ -69,12 +69,12 @@ def flops_per_step(plan: Plan) -> float:
     predicted MFU, step time and the budget's devices."""
     predicted = plan.predicted
     return (predicted.mfu * predicted.step_time_s * plan.budget.num_devices
-            * plan.budget.peak_flops)
+            * plan.budget.figures.peak_flops)
 
 
 def achieved_mfu(plan: Plan, seconds: float) -> float:
     """Model FLOPs utilisation of a step that took ``seconds``."""
-    return flops_per_step(plan) / (seconds * plan.budget.num_devices * plan.budget.peak_flops)
+    return flops_per_step(plan) / (seconds * plan.budget.num_devices * plan.budget.figures.peak_flops)
 
 
 def tokens_per_sample(plan: Plan) -> float | None:

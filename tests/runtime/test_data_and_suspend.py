@@ -101,7 +101,7 @@ def test_the_report_gives_the_save_time_at_the_budgets_disk_bandwidth():
     assert plan.checkpoint_bytes_per_rank == memory.params + memory.optimizer > 0
     assert plan.predicted_save_s == pytest.approx(plan.checkpoint_bytes_per_rank / 1e6)
     assert "checkpoint: " in partc.Program(plan=plan).report()
-    assert plan.budget.disk_bandwidth == 1e6
+    assert plan.budget.figures.disk_bandwidth == 1e6
 
 
 def test_forward_backward_takes_the_global_batch_or_the_replicas_slice_only():

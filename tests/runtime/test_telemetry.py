@@ -25,7 +25,7 @@ def plan() -> Plan:
     """The tiny GPT's pp=2 plan (2 devices of 2e11 FLOP/s, global batch 4 of 16 tokens),
     with round predictions: 10 ms a step at 40% MFU."""
     loaded = Plan.from_json(PLAN_FILE.read_text())
-    assert (loaded.budget.num_devices, loaded.budget.peak_flops) == (2, 2e11)
+    assert (loaded.budget.num_devices, loaded.budget.figures.peak_flops) == (2, 2e11)
     predicted = replace(loaded.predicted, step_time_s=0.01, mfu=0.4, samples_per_s=400.0,
                         tokens_per_s=6400.0)
     return replace(loaded, predicted=predicted)
