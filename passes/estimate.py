@@ -712,7 +712,7 @@ def _shared_values(gm: fx.GraphModule) -> set[fx.Node]:
     made by the first layer). A stage holds such a value once whichever of its layers
     keep it, so it is charged to its maker alone: exact for the stage that makes it; a
     later stage that reads it holds it in the pipeline's receive buffers while its
-    microbatch is in flight (``partc.cost.model.receive_bytes`` takes those for the first
+    microbatch is in flight (``partc.cost.evaluate.receive_bytes`` takes those for the first
     layer's saved inputs: short by them here)."""
     shared = set()
     for node in gm.graph.nodes:

@@ -12,7 +12,7 @@ import torch
 
 import partc
 from partc.compiler import plan_problem
-from partc.cost.model import PipelineConfig
+from partc.cost.pipeline_config import PipelineConfig
 from partc.errors import PlanSchemaError
 from partc.placement import REPLICATE, Placement
 from partc.plan import (SCHEMA_VERSION, BudgetInfo, Mesh, ModelInfo, P2PMessages, Plan,
