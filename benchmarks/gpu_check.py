@@ -65,6 +65,8 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
+from partc.cost.layer_compute import layer_work  # noqa: E402
+
 PARTS = ("parity", "train", "memory", "calibrate", "profile")
 SMOKE = os.environ.get("PARTC_GPU_CHECK_SMOKE") == "1"
 # The train part's model and batch: layers, width, heads, sequence, global batch, vocab.
@@ -582,8 +584,6 @@ def predicted_parts(program: Any) -> dict[str, float]:
     backward and recompute together; the kernels the estimate counts them launching
     (the gradients' adds into their buckets among them: one per parameter tensor and
     microbatch), and their device time; and the tail."""
-    from partc.cost.model import layer_work
-
     problem, plan = program.problem, program.plan
     stage = plan.stages[0]
     count, micro = plan.num_microbatches, plan.micro_batch_size

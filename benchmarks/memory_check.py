@@ -39,7 +39,7 @@ their ratio; on the "peak" row, ok or OFF against ±10% and the phase the peak c
 Parameters, gradients and optimizer state are MemTracker's own categories (buffers count
 as parameters); receive is the pipeline's gradient receive buffers (given to MemTracker
 as the stage makes them, which counts them as "Other": one per run while its backward
-runs; ``partc.cost.model.receive_bytes``; a received activation is the stage's
+runs; ``partc.cost.evaluate.receive_bytes``; a received activation is the stage's
 input, among the activations); activations are what was allocated outside
 backward and the optimizer step (saved tensors, a stage's outputs), transient what
 backward allocated (gradients of activations, recomputed tensors, weight gradients

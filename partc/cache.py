@@ -13,7 +13,7 @@ Two levels, both keyed by content, never by object identity:
   budget's numbers, the training numbers and the pins). A hit returns the stored plan,
   which the caller validates again.
 
-Besides, in memory only, the planner's cost-table caches (``partc.cost.model.TableCache``) of
+Besides, in memory only, the planner's cost-table caches (``partc.cost.tables.TableCache``) of
 the few latest problems, keyed by the problem with the devices' memory left out: a
 problem that changed only in memory (re-planning after a budget change) reuses the rows
 of its tables and starts its search from the plans found before.
@@ -42,7 +42,7 @@ from typing import Any, Callable
 import torch
 
 from partc.codec import check, from_data, to_data
-from partc.cost.model import TableCache
+from partc.cost.tables import TableCache
 from partc.errors import PlanValidationError
 from partc.plan import Plan
 from partc.problem import ModelAnalysis, PlanningProblem

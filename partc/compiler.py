@@ -26,7 +26,7 @@ from partc.cache import DEFAULT as DEFAULT_CACHE
 from partc.cache import PlanCache, model_key
 from partc.cost.collectives import Group
 from partc.errors import PartcError
-from partc.cost.model import TableCache
+from partc.cost.tables import TableCache
 from partc.planner import PlannerOptions, PlannerResult, divisors, schedule_options, solve
 from partc.planner.pins import check_pins
 from partc.plan import BudgetInfo, Plan, SolverStats
@@ -62,7 +62,7 @@ def tp_degrees(devices: DeviceNumbers, constraints: Constraints) -> list[int]:
 def tensor_parallel_links(devices: DeviceNumbers, degrees: list[int]) -> list:
     from partc.passes.tp.chooser import Link
 
-    # A tensor-parallel group of t spans t consecutive ranks, as partc.cost.model prices it.
+    # A tensor-parallel group of t spans t consecutive ranks, as partc.cost prices it.
     return [Link(group=Group.over(devices, t, t),
                  flops=devices.peak_flops * devices.flops_efficiency,
                  hbm_bandwidth=devices.hbm_bandwidth) for t in degrees]

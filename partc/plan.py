@@ -107,10 +107,10 @@ class StageMemory:
     optimizer: int
     activations: int
     transient: int   # the largest working set of one layer
-    # The pipeline's receive buffer for a gradient, one per run (partc.cost.model.receive_bytes);
+    # The pipeline's receive buffer for a gradient, one per run (partc.cost.evaluate.receive_bytes);
     # plans written before it was counted read as 0.
     receive: int = 0
-    # The optimizer step's temporaries (partc.cost.model.step_bytes); plans written before
+    # The optimizer step's temporaries (partc.cost.state_bytes.step_bytes); plans written before
     # they were counted read as 0.
     step: int = 0
     peak: int

@@ -88,7 +88,7 @@ class Precision:
     3       16/d                   16/d, and the layers gathered in bf16 as they run
     ======  =====================  ===============================================
 
-    (the ZeRO paper's 2 + 2 + 12, :attr:`zero_paper_bytes`; ``partc.cost.model`` applies the
+    (the ZeRO paper's 2 + 2 + 12, :attr:`zero_paper_bytes`; ``partc.cost.state_bytes`` applies the
     sharding). Under ZeRO-1 in mixed precision the runtime is Megatron's distributed
     optimizer: the weights are kept in the compute dtype and each rank holds the fp32
     master of its dp shard only (checkpoints and ``full_state_dict`` read the masters).
@@ -98,7 +98,7 @@ class Precision:
     optimizer_state_bytes: float    # the optimizer's own state, fp32 (Adam: 8, SGD: 0)
     # fp32 copies of the stepped weights torch's step makes beside them, over the whole
     # list in its foreach form (Adam: sqrt(v); SGD, momentum or not: none); torch's
-    # per-tensor loop makes twice as many of one tensor at a time (partc.cost.model.step_bytes).
+    # per-tensor loop makes twice as many of one tensor at a time (partc.cost.state_bytes.step_bytes).
     step_copies: float = 0.0
 
     @property
@@ -212,7 +212,7 @@ class LayerCost:
     # dispatch per tensor: DeviceNumbers.fsdp_step_overhead_s); 0: not counted, one.
     param_tensors: int = 0
     # Elements of the largest of those tensors (an optimizer stepping one tensor at a
-    # time makes its temporaries that size: partc.cost.model.step_bytes); 0: not counted.
+    # time makes its temporaries that size: partc.cost.state_bytes.step_bytes); 0: not counted.
     largest_param: int = 0
     # Tensor-parallel collectives per sample: (kind, "forward"/"backward", bytes of the
     # whole tensor). Empty without tensor parallelism.
@@ -326,7 +326,7 @@ class LayerCost:
 
     @property
     def kernels(self) -> dict[str, Any]:
-        """Kernels per microbatch by phase, as :func:`partc.cost.model.layer_work` splits its
+        """Kernels per microbatch by phase, as :func:`partc.cost.layer_compute.layer_work` splits its
         time: forward, backward and per recompute mode (full: the forward's; selective:
         its attention cores'); all 0 where they were not counted."""
         forward = self.forward_kernels or 0

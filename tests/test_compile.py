@@ -6,16 +6,19 @@ import dataclasses
 import functools
 import json
 import logging
+from dataclasses import replace
 
 import pytest
 import torch
 import torch.nn.functional as F
 
 import partc
+from partc.cost.tables import build_cost_table
 from partc.runtime.pipeline_schedule import runtime_refusal
 from partc.plan import Plan
-from partc.planner import solve
+from partc.planner import candidate_configs, solve
 from partc.problem import Pins
+from partc.report.explain import tightest_split
 from partc.report.text import render
 from samples.gpt import gpt_small, gpt_tiny, loss_fn
 from tests import models
@@ -113,7 +116,6 @@ def test_infeasible_budget_names_stage_need_limit_and_fix_fast():
     # in benchmarks/plan_time.py, not asserted here. (The problem is taken from a plan
     # with the device's whole memory, which the planner settles at once.)
     program = _gpt_124m_on("40GiB")
-    from dataclasses import replace
     tight = replace(program.problem, devices=replace(program.problem.devices,
                                                      memory_bytes=(2**30,) * 4))
     with pytest.raises(partc.PlanInfeasibleError):
@@ -123,12 +125,6 @@ def test_infeasible_budget_names_stage_need_limit_and_fix_fast():
 def test_infeasible_under_pinned_recompute_names_memory_not_solver_time():
     # Recompute would make the model fit; pinned to "none" nothing does. The error must
     # say memory (what the pins leave), not that a plan fits but the solver ran out.
-    from dataclasses import replace
-
-    from partc.cost.model import build_cost_table
-    from partc.report.explain import tightest_split
-    from partc.planner import candidate_configs
-
     # The problem of a plan with the device's whole memory (settled at once): the
     # memory is set below.
     problem = _gpt_124m_on("40GiB").problem

@@ -9,7 +9,10 @@ import pytest
 import torch
 
 import partc
-from partc.cost.model import PS_PER_S, PipelineConfig, build_cost_table, roofline_seconds
+from partc.cost.evaluate import evaluate
+from partc.cost.layer_compute import roofline_seconds
+from partc.cost.pipeline_config import PS_PER_S, PipelineConfig
+from partc.cost.tables import build_cost_table
 from partc.problem import HeavyOp
 from samples.gpt import gpt_tiny, loss_fn
 from tests.planner import instances
@@ -267,8 +270,6 @@ def test_a_pipeline_transfer_costs_its_receiver_what_compute_does_not_hide():
     on the cores both ranks compute on (a CPU's overlap is about 0.2), NCCL's kernels run
     beside the receiver's compute (overlap 1: nothing). The V schedules' turn, two runs
     on one rank, passes the tensors on without a transfer."""
-    from partc.cost.model import evaluate
-
     layer = instances.layer("block", flops=1e9)
 
     def comm_ms(overlap: float, schedule: str = "1f1b", chunks: int = 1):

@@ -23,7 +23,9 @@ from dataclasses import replace
 
 import pytest
 
-from partc.cost.model import PS_PER_S, PipelineConfig, build_cost_table, evaluate, exposed_gather_ps
+from partc.cost.evaluate import evaluate, exposed_gather_ps
+from partc.cost.pipeline_config import PS_PER_S, PipelineConfig
+from partc.cost.tables import build_cost_table
 
 from .planner.instances import devices, layer, problem
 

@@ -14,7 +14,8 @@ import torch
 
 import partc
 from partc.compiler import budget_from_info, device_numbers
-from partc.cost.model import PS_PER_S, PipelineConfig, build_cost_table
+from partc.cost.pipeline_config import PS_PER_S, PipelineConfig
+from partc.cost.tables import build_cost_table
 from partc.plan import BudgetInfo
 from partc.problem import HeavyOp
 from tests.planner import instances

@@ -15,7 +15,9 @@ import pytest
 
 from partc.cost.collectives import Group, collective_seconds
 from partc.compiler import plan_of
-from partc.cost.model import PS_PER_S, PipelineConfig, build_cost_table, tp_comm_seconds
+from partc.cost.communication import tp_comm_seconds
+from partc.cost.pipeline_config import PS_PER_S, PipelineConfig
+from partc.cost.tables import build_cost_table
 from partc.planner import solve
 from partc.problem import LayerCost, Pins, TPOption
 from partc.planner.validate import validate_plan

@@ -15,7 +15,10 @@ import pytest
 import torch
 
 import partc
-from partc.cost.model import zero_state_bytes
+from partc.cost.evaluate import evaluate
+from partc.cost.pipeline_config import PS_PER_S, PipelineConfig, overlapped, to_ps
+from partc.cost.state_bytes import zero_state_bytes
+from partc.cost.tables import build_cost_table
 
 PSI, ND = 7.5e9, 64
 PUBLISHED_GB = {0: 120, 1: 31.4, 2: 16.6, 3: 1.88}  # rounded as printed in the paper
@@ -130,10 +133,6 @@ def test_dp_all_reduce_is_charged_only_past_the_last_backward(bandwidth):
     """The dp all-reduce overlaps the last microbatch's backward bucket by bucket, but the
     last bucket's starts as backward ends: charged whole, once a step, in the tail
     latency."""
-    from dataclasses import replace
-
-    from partc.cost.model import PipelineConfig, build_cost_table, evaluate
-
     problem = _dp_program("1GiB", zero_stage=0).problem
     problem = replace(problem, devices=replace(problem.devices,
                                                intra_node_bandwidth=bandwidth))
@@ -165,10 +164,6 @@ def test_comm_overlap_hides_only_its_share(overlap):
     (gloo on a CPU), the last backward hides only that share of the dp all-reduce, and a
     ZeRO-3 layer's gathers and reduce-scatters add to its compute instead of hiding
     behind it."""
-    from dataclasses import replace
-
-    from partc.cost.model import PS_PER_S, PipelineConfig, build_cost_table, evaluate, overlapped
-
     base = _small_buckets(_dp_program("1GiB", zero_stage=0).problem)
     whole = replace(base, devices=replace(base.devices, intra_node_bandwidth=300e9))
     partial = replace(whole, devices=replace(whole.devices, comm_overlap=overlap))
@@ -218,11 +213,9 @@ def _fsdp_instance(work: dict):
 def test_fsdp_work_is_charged_per_unit_and_microbatch_and_reaches_the_step(zero):
     """ZeRO-2/3's FSDP work (hooks, fixed work and copies of each all-gather and
     reduce-scatter, the optimizer step's dispatch over DTensors) as
-    :func:`partc.cost.model._zero_overhead_seconds` says: per unit in every microbatch's
-    forward and backward, once per step in the tail (the step's dispatch per tensor),
-    and m times in the step time."""
-    from partc.cost.model import PipelineConfig, build_cost_table, evaluate, to_ps
-
+    :func:`partc.cost.communication.zero_overhead_seconds` says: per unit in every
+    microbatch's forward and backward, once per step in the tail (the step's dispatch per
+    tensor), and m times in the step time."""
     config = PipelineConfig(pp=1, dp=2, micro_batch_size=1, num_microbatches=4,
                             schedule="1f1b", zero_stage=zero)
     # Before: no FSDP work, copies free.
@@ -256,8 +249,6 @@ def test_fsdp_work_is_charged_per_unit_and_microbatch_and_reaches_the_step(zero)
 
 
 def test_fsdp_work_is_no_part_of_zero_0_or_1_and_gpus_run_it_ahead():
-    from partc.cost.model import PipelineConfig, build_cost_table
-
     for zero in (0, 1):
         config = PipelineConfig(pp=1, dp=2, micro_batch_size=1, num_microbatches=4,
                                 schedule="1f1b", zero_stage=zero)

@@ -13,7 +13,7 @@ import torch
 import partc
 from partc.codec import check
 from partc.compiler import plan_problem
-from partc.cost.model import PipelineConfig
+from partc.cost.pipeline_config import PipelineConfig
 from partc.device.figures import DeviceFigures
 from partc.errors import PlanSchemaError
 from partc.placement import REPLICATE, Placement

@@ -1,9 +1,9 @@
 """One training step as each pipeline rank spends it, simulated event by event.
 
 The one simulator that prices every schedule partc runs (:mod:`partc.cost.schedules`): the
-cost model (:mod:`partc.cost.model`) calls it for a configuration's step time, the report
-draws what it returns. Inputs are per virtual stage and per microbatch (the model is cut
-into ``pp * v`` virtual stages; see :mod:`partc.cost.schedules`):
+cost model (:func:`partc.cost.evaluate.simulate`) calls it for a configuration's step time,
+the report draws what it returns. Inputs are per virtual stage and per microbatch (the model
+is cut into ``pp * v`` virtual stages; see :mod:`partc.cost.schedules`):
 
 - the order each rank runs its operations in is the schedule's own: torch's
   ``pipeline_order`` for the schedule class (:func:`torch_order`), so what is priced is
@@ -95,7 +95,7 @@ class StageSeconds:
     collective_backward: float = 0.0  # part of ``backward``
     send: float = 0.0            # each way across the cut after this virtual stage
     # Each way across the cut before it: the receiving end's share of that transfer
-    # (partc.cost.model.receive_ps), paid on receipt of the activation and on sending its
+    # (partc.cost.evaluate.receive_ps), paid on receipt of the activation and on sending its
     # gradient back.
     receive: float = 0.0
     weight_share: float = WEIGHT_SHARE

@@ -6,7 +6,9 @@ from typing import TYPE_CHECKING
 
 from partc.codec import dtype_named
 from partc.names import Phase, Recompute, Schedule
-from partc.cost.model import PS_PER_S, Evaluation, PipelineConfig, simulated_step_ps, tp_comm_seconds
+from partc.cost.communication import tp_comm_seconds
+from partc.cost.evaluate import Evaluation, simulated_step_ps
+from partc.cost.pipeline_config import PS_PER_S, PipelineConfig
 from partc.plan import (Alternative, BudgetInfo, InputSpec, Mesh, MeshOutcome, ModelInfo,
                    P2PMessages, Plan, Predicted, SolverStats, StagePlan,
                    StageTime, TensorParallelPlan, TPCollective)
@@ -28,7 +30,8 @@ def model_flops_per_step(problem: PlanningProblem) -> float:
 
 def predicted(problem: PlanningProblem, config: PipelineConfig,
               evaluation: Evaluation) -> Predicted:
-    # The schedule played out (costs.simulated_step_ps), not the planner's closed form.
+    # The schedule played out (partc.cost.evaluate.simulated_step_ps), not the planner's
+    # closed form.
     step_ps, bubble = simulated_step_ps(config, evaluation)
     step = step_ps / PS_PER_S
     pipeline_ps = step_ps - evaluation.tail_ps - evaluation.tie_ps

@@ -13,7 +13,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from partc.cost.model import CostTable, Evaluation, evaluate
+from partc.cost.evaluate import Evaluation, evaluate
+from partc.cost.tables import CostTable
 from partc.problem import PlanningProblem
 
 

@@ -17,7 +17,8 @@ import bisect
 import math
 from typing import Any, Sequence
 
-from partc.cost.model import CostTable, Evaluation, TableCache, evaluate, receive_bytes
+from partc.cost.evaluate import Evaluation, evaluate, receive_bytes
+from partc.cost.tables import CostTable, TableCache
 from partc.problem import RECOMPUTE_MODES, PlanningProblem
 from partc.planner.results import Assignment
 

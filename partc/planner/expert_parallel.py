@@ -1,25 +1,27 @@
 """The expert-parallel dimension: which degrees ``ep`` the search tries, and what the plan
 records of the one it chose.
 
-Mixture-of-experts layers (``LayerCost.moe``) may split their routed experts over groups
-of ``ep`` ranks folded over each stage's dp x tp ranks (Megatron's "parallel folding",
-expert tensor parallelism 1; :mod:`partc.cost.model` prices it, :func:`partc.cost.model.
-moe_layer_table`). The search enumerates ``ep`` jointly with the rest of a pipeline
-configuration (:func:`expand`): every ``ep`` dividing dp x tp and every MoE layer's
-expert count, the pinned one only when ``Constraints.ep`` is given. The runtime splits
-only experts held as batched weights (``MoECost.expert_form``): a model with a layer
-whose experts are a module list keeps ep = 1, and an ep > 1 pin on it is refused (so is
-a capacity factor, which the runtime applies to batched experts only). With tensor
-parallelism, expert parallelism needs sequence parallelism (each tensor-parallel rank
-then dispatches its own share of the tokens; without it the ranks of a group hold the
-same tokens and would send them twice), as Megatron requires.
+Mixture-of-experts layers (``LayerCost.moe``) may split their routed experts over groups of
+``ep`` ranks folded over each stage's dp x tp ranks (Megatron's "parallel folding", expert
+tensor parallelism 1; :mod:`partc.cost.experts_cost` prices it,
+:func:`partc.cost.tables.moe_layer_table`). The search enumerates ``ep`` jointly with the
+rest of a pipeline configuration (:func:`expand`): every ``ep`` dividing dp x tp and every
+MoE layer's expert count, the pinned one only when ``Constraints.ep`` is given. The runtime
+splits only experts held as batched weights (``MoECost.expert_form``): a model with a layer
+whose experts are a module list keeps ep = 1, and an ep > 1 pin on it is refused (so is a
+capacity factor, which the runtime applies to batched experts only). With tensor
+parallelism, expert parallelism needs sequence parallelism (each tensor-parallel rank then
+dispatches its own share of the tokens; without it the ranks of a group hold the same tokens
+and would send them twice), as Megatron requires.
 """
 
 from __future__ import annotations
 
 import dataclasses
 
-from partc.cost.model import Evaluation, PipelineConfig, ep_ranks_cross_nodes, moe_layer_figures
+from partc.cost.evaluate import Evaluation
+from partc.cost.experts_cost import ep_ranks_cross_nodes, moe_layer_figures
+from partc.cost.pipeline_config import PipelineConfig
 from partc.errors import PlanInfeasibleError
 from partc.plan import ExpertLayer, ExpertParallelPlan
 from partc.problem import PlanningProblem
@@ -36,7 +38,7 @@ def ep_choices(problem: PlanningProblem, config: PipelineConfig) -> list[int]:
     sequence parallelism; only when every MoE layer's experts are batched weights, the
     form the runtime splits); the pinned one alone when ``ep`` is pinned. Under ZeRO the
     experts' weights, gradients and optimizer state are sharded over the
-    expert-data-parallel group (:func:`partc.cost.model.expert_dp_config`)."""
+    expert-data-parallel group (:func:`partc.cost.experts_cost.expert_dp_config`)."""
     counts = expert_counts(problem)
     width = config.dp * config.tp
     allowed = [1] + ([ep for ep in range(2, width + 1)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import math
 
-from partc.cost.model import CostTable
+from partc.cost.tables import CostTable
 from partc.names import Outcome
 from partc.report.explain import tightest_split
 from partc.problem import PlanningProblem

@@ -6,7 +6,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from partc.cost.model import CostTable, Evaluation, PipelineConfig
+from partc.cost.evaluate import Evaluation
+from partc.cost.pipeline_config import PipelineConfig
+from partc.cost.tables import CostTable
 from partc.names import Outcome
 
 

@@ -27,7 +27,7 @@ other schedule torch runs on that configuration (:func:`schedule_candidates`:
 interleaved 1F1B, looped BFS and interleaved zero-bubble with 2-4 virtual stages per
 rank, ZBV and DualPipeV with 2) is solved by CP-SAT in turn
 for its own stage split, recompute and memory (its activations in flight), and the plan
-whose schedule plays out fastest (:func:`~partc.cost.model.simulated_step_ps`, the per-rank
+whose schedule plays out fastest (:func:`~partc.cost.evaluate.simulated_step_ps`, the per-rank
 event simulation) is kept (:func:`choose_schedule`). The closed form is no lower bound
 on the simulation, so it cannot prune these; searching them on the chosen mesh only
 keeps the search's cost close to one configuration's per schedule. Nor does the closed
@@ -47,8 +47,9 @@ from typing import Callable
 from ortools.sat.python import cp_model
 
 from partc import progress
-from partc.cost.model import (PS_PER_S, CostTable, Evaluation, PipelineConfig, TableCache,
-                     build_cost_table, evaluate, simulated_step_ps)
+from partc.cost.evaluate import Evaluation, evaluate, simulated_step_ps
+from partc.cost.pipeline_config import PS_PER_S, PipelineConfig
+from partc.cost.tables import CostTable, TableCache, build_cost_table
 from partc.errors import PlanInfeasibleError
 from partc.names import Outcome, Schedule
 from partc.report.explain import explain_infeasible

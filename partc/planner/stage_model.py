@@ -2,7 +2,7 @@
 and in which recompute mode, for the least step time under each stage's memory limit.
 
 The configuration ``(tp, pp, dp, b, m, schedule, ZeRO stage, chunks v)`` is fixed here
-(:mod:`.search` enumerates them); all costs come from :mod:`partc.cost.model`'s table of it.
+(:mod:`.search` enumerates them); all costs come from its :mod:`partc.cost.tables` table.
 
 Sets
     layers ``l = 0..L-1`` in topological order; runs ``j = 0..pv-1`` (contiguous groups
@@ -25,7 +25,7 @@ Parameters
     ``H_s`` the schedule's peaks on stage ``s``: vectors ``h`` of microbatches in
     flight per run ``j ~ s`` (1F1B one, ``min(m, p - s)``; an interleaved stage holds
     its first run's warm-up forwards more often than its later runs',
-    :meth:`partc.cost.model.PipelineConfig.held`); ``R_k`` / ``Q_k`` bytes crossing a
+    :meth:`partc.cost.pipeline_config.PipelineConfig.held`); ``R_k`` / ``Q_k`` bytes crossing a
     cut inside segment ``k`` / right after it, per microbatch (one receive buffer);
     ``M_s`` memory limit; ``S_g`` tied-gradient sync.
 Variables
@@ -44,7 +44,7 @@ Objective
     sum_k (I_k[j] (started[k,j] - finished[k,j]) + E_k[j] (finished[k,j] -
     started[k+1,j]))`` plus, for the boundary into each run ``j ~ s, j > 0``, the same
     sum at ``j - 1`` over the receiving end's share of ``I`` and ``E``
-    (:func:`partc.cost.model.receive_ps`: ``(1000 - O) / 1000`` of it).
+    (:func:`partc.cost.evaluate.receive_ps`: ``(1000 - O) / 1000`` of it).
 Constraints
     (1) every layer has exactly one mode: ``sum_r n[k,s,r] = N[k,s]``, ``n[k,s,r] <= n_k
         u[k,s,r]``;
@@ -79,11 +79,12 @@ Constraints
         (finished[k,j] - started[k+1,j]))`` are the bytes crossing the boundary ``j ->
         j+1`` (as (3)): the pipeline's receive buffers, one per run for the gradient
         coming back while its backward runs; the activations coming in are the runs'
-        saved inputs, already in ``A`` (:func:`partc.cost.model.receive_bytes`); and at the
-        optimizer step, the activations gone: ``sum_k W_k N[k,s] + sum_g W_g h[g,s] +
+        saved inputs, already in ``A`` (:func:`partc.cost.evaluate.receive_bytes`); and at
+        the optimizer step, the activations gone: ``sum_k W_k N[k,s] + sum_g W_g h[g,s] +
         step[s] <= M_s``, ``step[s]`` the step's temporaries ``T_k``, ``T_g`` of the
         stage's layers and groups summed (torch's foreach step) or their largest (one
-        tensor at a time: ``step[s] >= T_k u[k,s,r]``) (:func:`partc.cost.model.step_bytes`);
+        tensor at a time: ``step[s] >= T_k u[k,s,r]``)
+        (:func:`partc.cost.state_bytes.step_bytes`);
     (9) pins: pinned stages fix ``P``, pinned recompute leaves one mode (segments never
         straddle a change of either).
 
@@ -120,7 +121,8 @@ from typing import Any
 
 from ortools.sat.python import cp_model
 
-from partc.cost.model import CostTable, receive_ps
+from partc.cost.evaluate import receive_ps
+from partc.cost.tables import CostTable
 from partc.problem import RECOMPUTE_MODES, PlanningProblem
 from partc.planner.results import Assignment
 
@@ -378,7 +380,7 @@ class StageModel:
 
     def receive_boundary_ps(self, run: int):
         """(3) The receiving end's share of the boundary ``run -> run + 1``
-        (:func:`partc.cost.model.receive_ps`), charged to ``run + 1``'s rank."""
+        (:func:`partc.cost.evaluate.receive_ps`), charged to ``run + 1``'s rank."""
         return self._at_boundary(run, lambda cut: receive_ps(self.table, cut, run))
 
     def boundary_units(self, run: int):

@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import math
 
-from partc.cost.model import (PS_PER_S, Evaluation, PipelineConfig, build_cost_table, evaluate,
-                    simulated_step_ps)
+from partc.cost.evaluate import Evaluation, evaluate, simulated_step_ps
+from partc.cost.pipeline_config import PS_PER_S, PipelineConfig
+from partc.cost.tables import build_cost_table
 from partc.errors import PlanValidationError
 from partc.plan import Plan
 from partc.planner.expert_parallel import expert_parallel_section

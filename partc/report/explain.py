@@ -12,7 +12,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from partc.cost.model import CostTable, PipelineConfig, build_cost_table, step_total
+from partc.cost.pipeline_config import PipelineConfig
+from partc.cost.state_bytes import step_total
+from partc.cost.tables import CostTable, build_cost_table
 from partc.errors import PlanInfeasibleError
 from partc.names import Schedule
 from partc.problem import PlanningProblem
@@ -59,7 +61,7 @@ def _shared_need(table: CostTable, first: int, last: int) -> tuple[int, list[int
 
 def _receive_need(table: CostTable, stage: int, first: int, last: int) -> int:
     """The receive buffers of stage ``stage`` holding layers ``first..last``
-    (:func:`partc.cost.model.receive_bytes`): the gradient crossing its last cut."""
+    (:func:`partc.cost.evaluate.receive_bytes`): the gradient crossing its last cut."""
     return table.cut_bytes[last] if stage < table.config.pp - 1 else 0
 
 

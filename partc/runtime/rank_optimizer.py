@@ -48,7 +48,7 @@ def check_step_temporaries(parts: RankParts, state: RankState,
                            defaults: Mapping[str, Any]) -> None:
     """Warn where ``foreach=True`` makes the optimizer step's fp32 temporaries for all
     of the rank's weights at once although the plan priced torch's default for them,
-    one tensor at a time (CPU weights; :func:`partc.cost.model.step_bytes`): the step then
+    one tensor at a time (CPU weights; :func:`partc.cost.state_bytes.step_bytes`): the step then
     needs more than the plan's peak says. ``fused=True`` and ``foreach=False`` need
     less, and ZeRO-1's sharded step was priced whole."""
     plan, topo = parts.plan, parts.topology

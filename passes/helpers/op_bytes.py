@@ -103,7 +103,7 @@ def _accumulating() -> bool:
     """Whether autograd is storing a leaf's gradient (its copy of a gradient it cannot
     take over): the stand-ins' inputs are leaves where the runtime's are the previous
     layer's outputs, and the runtime's adds into its gradient buckets are priced apart
-    (``partc.cost.model.gradient_work_seconds``)."""
+    (``partc.cost.communication.gradient_work_seconds``)."""
     node = _current_autograd_node()
     return node is not None and node.name().endswith("AccumulateGrad")
 

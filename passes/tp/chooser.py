@@ -10,7 +10,7 @@ into it: attention split by heads (QKV column-parallel, output projection row-pa
 the MLP column-then-row, the embedding vocabulary-parallel, the LM head column-parallel
 followed by a gather.
 
-Model, for one layer (costs from :mod:`partc.cost.model`, scaled to integers by
+Model, for one layer (costs from :mod:`partc.cost`, scaled to integers by
 :class:`_Objective`):
 
 Sets
@@ -29,14 +29,15 @@ Sets
     (:mod:`partc.passes.shard`) emits it once.
 Parameters
     ``C[v,s]``: compute of ``v`` under ``s``, its forward and backward at the roofline
-    (:func:`partc.cost.model.op_step_seconds`; unlike the stage cost model, light ops and
-    their parameters are priced so too), a ``tp``-th of it when ``s`` shards an input or
-    the output. ``M_r``: move ``r``'s collectives over the group, forward and backward
-    (:func:`partc.cost.model.collectives_seconds`). ``B[v,s]``: the same for bringing ``v``'s
-    output from ``s``'s placement to ``b_v``. Times in picoseconds. ``W[a,s]``: the bytes
-    parameter ``a`` holds under ``s`` (a ``tp``-th when sharded), in per-mille of the
-    layer's parameter bytes; with ``prefer="memory"`` 0 for vectors (biases and norm
-    weights: counting them would trade a row-parallel layer for a column-parallel one).
+    (:func:`partc.cost.layer_compute.op_step_seconds`; unlike the stage cost model, light
+    ops and their parameters are priced so too), a ``tp``-th of it when ``s`` shards an
+    input or the output. ``M_r``: move ``r``'s collectives over the group, forward and
+    backward (:func:`partc.cost.communication.collectives_seconds`). ``B[v,s]``: the same
+    for bringing ``v``'s output from ``s``'s placement to ``b_v``. Times in picoseconds.
+    ``W[a,s]``: the bytes parameter ``a`` holds under ``s`` (a ``tp``-th when sharded), in
+    per-mille of the layer's parameter bytes; with ``prefer="memory"`` 0 for vectors (biases
+    and norm weights: counting them would trade a row-parallel layer for a column-parallel
+    one).
     ``K[v,s]``: what the unsharded layer keeps for backward of the storage ``v`` makes
     (``NodeCost.saved_bytes``), a ``tp``-th when ``s`` shards it; ``G_u``: the same
     bytes whole, for value ``u`` gathered from a shard for a reader that keeps its input
@@ -103,7 +104,9 @@ from torch import fx
 
 from partc import meta
 from partc.cost.collectives import Group
-from partc.cost.model import collectives_seconds, op_step_seconds, to_ps
+from partc.cost.communication import collectives_seconds
+from partc.cost.layer_compute import op_step_seconds
+from partc.cost.pipeline_config import to_ps
 from partc.options import ShardingOptions
 from partc.placement import REPLICATE, Placement, Shard
 from partc.problem import HeavyOp
@@ -477,8 +480,8 @@ def _param_share(node: fx.Node, placement: Placement, tp: int) -> float:
 
 class _Objective:
     """The objective's terms, each cost scaled to an integer here and only here: time in
-    picoseconds (:func:`partc.cost.model.to_ps`), parameter bytes in per-mille of the layer's,
-    activation bytes in per-mille of the layer's outputs made whole."""
+    picoseconds (:func:`partc.cost.pipeline_config.to_ps`), parameter bytes in per-mille of
+    the layer's, activation bytes in per-mille of the layer's outputs made whole."""
 
     def __init__(self, param_bytes: int, output_bytes: int) -> None:
         self.param_bytes, self.output_bytes = param_bytes, output_bytes

@@ -11,7 +11,7 @@ from torch import fx, nn
 
 from partc import meta
 from partc.cost.collectives import Group, collective_seconds
-from partc.cost.model import to_ps
+from partc.cost.pipeline_config import to_ps
 from partc.options import ShardingOptions
 from partc.passes.tp import chooser as tp_chooser
 from partc.passes.helpers.graph import tensor_inputs

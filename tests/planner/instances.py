@@ -7,7 +7,9 @@ import random
 from dataclasses import replace
 
 from partc.spec import AUTO_SCHEDULES
-from partc.cost.model import PipelineConfig, build_cost_table, evaluate
+from partc.cost.evaluate import evaluate
+from partc.cost.pipeline_config import PipelineConfig
+from partc.cost.tables import build_cost_table
 from partc.cli.choices import SCHEDULES
 from partc.cost.schedules import feature_refusal, refusal
 from partc.cost.schedules import schedule as schedule_info

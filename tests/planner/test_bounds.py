@@ -5,7 +5,8 @@ from __future__ import annotations
 import itertools
 import random
 
-from partc.cost.model import build_cost_table, evaluate
+from partc.cost.evaluate import evaluate
+from partc.cost.tables import build_cost_table
 from partc.planner.bounds import balanced_split, lower_bound, min_max_split
 from partc.planner.search import candidate_configs
 

@@ -13,8 +13,9 @@ import pytest
 import torch
 
 from partc.compiler import plan_problem
-from partc.cost.model import (PipelineConfig, all_to_all_seconds, build_cost_table,
-                         moe_worst_factor)
+from partc.cost.experts_cost import all_to_all_seconds, moe_worst_factor
+from partc.cost.pipeline_config import PipelineConfig
+from partc.cost.tables import build_cost_table
 from partc.errors import PlanInfeasibleError, PlanValidationError
 from partc.plan import Plan
 from partc.planner import solve

@@ -19,7 +19,8 @@ import torch
 import partc
 from partc.planner.assemble import mesh_summary
 from partc.compiler import plan_problem
-from partc.cost.model import PS_PER_S, build_cost_table
+from partc.cost.pipeline_config import PS_PER_S
+from partc.cost.tables import build_cost_table
 from partc.report.explain import tightest_split
 from partc.plan import Mesh, MeshOutcome, Plan
 from partc.planner import ConfigResult, candidate_configs, lower_bound, mesh_results, solve

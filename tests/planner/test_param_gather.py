@@ -1,6 +1,6 @@
 """The planner with ZeRO-1's weight all-gather overlapped with the next forward
 (``TrainNumbers.param_gather_overlap``) or blocking: its plans equal the brute-force
-optimum of :func:`partc.cost.model.evaluate` (the validator's figures), on instances where
+optimum of :func:`partc.cost.evaluate.evaluate` (the validator's figures), on instances where
 the all-gather is large against the forward (30M-parameter layers over 1-10 GB/s links),
 so that how much of it a stage's forward hides decides the split."""
 

@@ -4,7 +4,7 @@ partc's pipeline stage makes a microbatch's receive buffers when their receive i
 and lets them go after its backward (``partc.runtime.pipeline_stage``): a buffer of
 activations is the stage's input, which its first layer saves while its microbatch is in
 flight, and a buffer of gradients lives through one backward of a run at a time
-(``partc.cost.model.receive_bytes``). ``benchmarks/memory_check.py`` measures
+(``partc.cost.evaluate.receive_bytes``). ``benchmarks/memory_check.py`` measures
 them (MemTracker's "Other": the gradient buffers as the stage makes them), e.g. the
 shallow case ``gpt-pp2-1f1b-m32-shallow``.
 """
@@ -16,7 +16,9 @@ from dataclasses import asdict
 import pytest
 
 from partc.compiler import plan_problem
-from partc.cost.model import PS_PER_S, PipelineConfig, build_cost_table, evaluate
+from partc.cost.evaluate import evaluate
+from partc.cost.pipeline_config import PS_PER_S, PipelineConfig
+from partc.cost.tables import build_cost_table
 from partc.problem import Pins
 
 from .instances import best_split_of, devices, layer, problem

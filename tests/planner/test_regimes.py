@@ -48,7 +48,7 @@ where, and why in the cost model's own figures (``python benchmarks/regimes.py
 - at 0.65 GiB tensor parallelism is picked, with a pipeline beside it: pp=2 x dp=4 x tp=2
   (2814 ms) by 0.2% over pp=1 x dp=8 x tp=2 (2820 ms). A pipeline's receive buffers are
   only those of the microbatches in flight, as in Megatron
-  (``partc.cost.model.receive_bytes``), so a stage holds half the layers' state and saved
+  (``partc.cost.evaluate.receive_bytes``), so a stage holds half the layers' state and saved
   activations for little more, and the planner takes the memory that frees for less
   recompute. Megatron's rule of thumb puts the pipeline last for its bubble, which the
   cost model finds about as large here as the recompute it saves.

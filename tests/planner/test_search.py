@@ -10,10 +10,13 @@ import time
 import pytest
 
 from partc.compiler import plan_of, plan_problem
-from partc.cost.model import evaluate, simulated_step_ps
+from partc.cost.evaluate import evaluate, simulated_step_ps
+from partc.cost.pipeline_config import PS_PER_S
+from partc.cost.tables import TableCache, build_cost_table
 from partc.errors import PlanInfeasibleError, PlanValidationError
 from partc.planner import solve
 from partc.planner.results import Assignment, ConfigResult
+from partc.planner.stage_model import memory_unit
 from partc.planner.search import balanced_cut, balanced_runs
 from partc.problem import Pins, SharedParam
 from partc.planner.validate import validate_plan
@@ -187,8 +190,6 @@ def _check_schedule_choice(prob, result, plan) -> None:
     interleaved one re-cut into balanced runs only where those fit and play out
     faster), and kept the one whose schedule plays out fastest; the plan reports that
     one."""
-    from partc.cost.model import PS_PER_S, simulated_step_ps
-
     trials = result.schedule_trials
     tried = {(t.config.schedule, t.config.chunks, t.config.zero_stage) for t in trials[1:]}
     assert tried == schedule_trials_expected(prob, trials[0].config)
@@ -362,9 +363,6 @@ def test_interleaving_divides_the_bubble():
 
 
 def _memory_slack_in_units(prob, oracle) -> float:
-    from partc.cost.model import build_cost_table, evaluate
-    from partc.planner.stage_model import memory_unit
-
     _, config, stage_of, modes = oracle
     table = build_cost_table(prob, config)
     stages = evaluate(table, stage_of, modes).stages
@@ -400,8 +398,6 @@ def test_same_problem_twice_gives_identical_plans_with_or_without_a_shared_table
     solve repeats the first exactly. A shared TableCache may only change how the search
     gets there (it starts from the first solve's best configuration and plans), never
     the plan."""
-    from partc.cost.model import TableCache
-
     rng = random.Random(300 + seed)
     checked = 0
     for _ in range(8):

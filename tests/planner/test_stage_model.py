@@ -5,7 +5,8 @@ from __future__ import annotations
 import re
 
 from partc.compiler import plan_problem
-from partc.cost.model import PipelineConfig, build_cost_table
+from partc.cost.pipeline_config import PipelineConfig
+from partc.cost.tables import build_cost_table
 from partc.planner.stage_model import StageModel, memory_unit, segments
 from partc.problem import Pins, SharedParam
 

@@ -17,8 +17,9 @@ from dataclasses import replace
 
 import pytest
 
-from partc.cost.model import (PipelineConfig, build_cost_table, evaluate, exposed_sync_ps,
-                         to_ps)
+from partc.cost.evaluate import evaluate, exposed_sync_ps
+from partc.cost.pipeline_config import PipelineConfig, to_ps
+from partc.cost.tables import build_cost_table
 from partc.errors import PlanValidationError
 from partc.compiler import plan_problem
 from partc.problem import Pins

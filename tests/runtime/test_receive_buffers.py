@@ -23,7 +23,7 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from benchmarks.memory_check import (Case, compile_case, neighbour_messages,
                                       zero_integer_receives)
-from partc.cost.model import PipelineConfig
+from partc.cost.pipeline_config import PipelineConfig
 from partc.runtime import pipeline_stage
 from partc.runtime.pipeline_stage import _ReceiveBuffers
 

@@ -40,9 +40,11 @@ import torch
 
 import partc
 from partc.compiler import build_problem, plan_problem
-from partc.cost.model import (PS_PER_S, Evaluation, PipelineConfig, build_cost_table, evaluate,
-                         exposed_gather_ps, exposed_sync_ps, gradient_work_seconds,
-                         layer_work, roofline_seconds, run_layer, tp_comm_seconds)
+from partc.cost.communication import gradient_work_seconds, tp_comm_seconds
+from partc.cost.evaluate import Evaluation, evaluate, exposed_gather_ps, exposed_sync_ps
+from partc.cost.layer_compute import layer_work, roofline_seconds, run_layer
+from partc.cost.pipeline_config import PS_PER_S, PipelineConfig
+from partc.cost.tables import build_cost_table
 from partc.problem import PlanningProblem
 from partc.spec import INTERLEAVED
 
@@ -228,7 +230,7 @@ def even_runs(run, layers: tuple[str, ...], count: int) -> list[list[int]]:
 @dataclass(frozen=True, kw_only=True)
 class Assignment:
     """A configuration with every layer placed (its run: its stage unless interleaved)
-    and its recompute mode: what ``partc.cost.model.evaluate`` prices."""
+    and its recompute mode: what ``partc.cost.evaluate.evaluate`` prices."""
 
     config: PipelineConfig
     stage_of: tuple[int, ...]
@@ -401,7 +403,7 @@ def _work_seconds(problem: PlanningProblem, config: PipelineConfig,
                   layers: list[tuple[int, str]]) -> dict[str, float]:
     """One microbatch's forward, backward and recompute of ``layers`` (index, mode), split
     into compute-bound ops (of which ``attention``: fused attention kernels), memory-bound
-    ops and tensor-parallel collectives, as ``partc.cost.model`` charges them."""
+    ops and tensor-parallel collectives, as ``partc.cost`` charges them."""
     total = {"compute": 0.0, "attention": 0.0, "memory": 0.0, "tp": 0.0}
     b, scale = config.micro_batch_size, problem.train.measured_scale
     for index, mode in layers:

@@ -18,7 +18,8 @@ import functools
 import pytest
 
 import partc
-from partc.cost.model import PS_PER_S, simulated_step_ps
+from partc.cost.evaluate import simulated_step_ps
+from partc.cost.pipeline_config import PS_PER_S
 from tests.validation import megatron
 from tests.validation.megatron import FIT_RUN, run_named
 

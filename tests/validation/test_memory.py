@@ -16,9 +16,14 @@ from dataclasses import asdict
 from types import SimpleNamespace
 
 import pytest
+import torch
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from benchmarks.memory_check import (TOLERANCE, Measured, case_named, compile_case,
                                      measure_rank, stage_of_rank)
+from partc.cost.state_bytes import step_bytes
+from partc.problem import Precision
 
 
 @functools.lru_cache(maxsize=None)
@@ -146,17 +151,10 @@ def test_stages_hold_receive_buffers_only_for_the_microbatches_running():
 @pytest.mark.parametrize("foreach", [False, True])
 def test_the_optimizer_steps_temporaries_are_step_bytes(foreach):
     """torch's AdamW step makes temporaries beside the state, which the plan counts at
-    the step (``partc.cost.model.step_bytes``): in its foreach form (torch's default for
+    the step (``partc.cost.state_bytes.step_bytes``): in its foreach form (torch's default for
     weights on a GPU) one fp32 copy of every weight it steps, at once; one tensor at a
     time (on a CPU) two copies of the largest. Measured here on CPU weights with both
     forms: the step's peak of new storages."""
-    import torch
-    from torch.multiprocessing.reductions import StorageWeakRef
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    from partc.cost.model import step_bytes
-    from partc.problem import Precision
-
     shapes = [(512, 64), (64,), (256, 64), (64, 64)]
     weights = [torch.nn.Parameter(torch.randn(shape)) for shape in shapes]
     for weight in weights:

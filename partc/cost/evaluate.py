@@ -1,0 +1,229 @@
+"""An assignment of layers to runs and recompute modes, evaluated from a
+:class:`~partc.cost.tables.CostTable` independently of any solver: each rank's time and
+memory (:class:`StageCost`), the step in closed form, as the planner's search prices it
+(:func:`evaluate`, :func:`pipeline_ps`), and the step a plan reports, its schedule played
+out by :mod:`partc.cost.timeline` (:func:`simulated_step_ps`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+from partc.cost.pipeline_config import PipelineConfig
+from partc.cost.state_bytes import step_total
+from partc.cost.tables import CostTable
+from partc.cost.timeline import StageSeconds, play
+from partc.plan import StageMemory
+
+
+@dataclass(frozen=True, kw_only=True)
+class StageCost:
+    layers: tuple[int, ...]
+    compute_ps: int
+    forward_ps: int
+    backward_ps: int
+    recompute_ps: int
+    comm_ps: int
+    tail_ps: int
+    param_count: int
+    memory: StageMemory
+    limit: int
+    runs: tuple[tuple[int, ...], ...] = ()   # interleaved: the rank's runs of layers
+    # Per run of the rank (model order): forward, backward, recompute, the send of its
+    # cut (both ways) and its share of the cut into it (:func:`receive_ps`), per
+    # microbatch; what the simulation plays.
+    run_ps: tuple[tuple[int, int, int, int, int], ...] = ()
+
+    @property
+    def busy_ps(self) -> int:
+        return self.compute_ps + self.comm_ps
+
+
+@dataclass(frozen=True, kw_only=True)
+class Evaluation:
+    stages: tuple[StageCost, ...]
+    pipeline_ps: int
+    tail_ps: int
+    tie_ps: int
+    step_ps: int
+
+    @property
+    def fits(self) -> bool:
+        return all(s.memory.peak <= s.limit for s in self.stages)
+
+    @property
+    def worst_stage(self) -> StageCost:
+        return max(self.stages, key=lambda s: s.memory.peak / max(s.limit, 1))
+
+
+def exposed_sync_ps(sync_ps: int, backward_ps: int, overlap_permille: int = 1000,
+                    last_ps: int = 0) -> int:
+    """What is left of a stage's dp gradient all-reduce once the last microbatch's
+    backward (``backward_ps``, which it overlaps bucket by bucket) is done: all but the
+    share ``overlap_permille`` / 1000 of the shorter of the two
+    (:func:`partc.cost.pipeline_config.overlapped`), rounded up; ``max(0, sync -
+    backward)`` at a whole overlap. The last bucket's reduction (``last_ps``: it starts as
+    backward ends, and is charged whole in ``CostTable.tail_latency_ps``) is not counted
+    here."""
+    sync_ps = max(0, sync_ps - last_ps)
+    hidden = overlap_permille * min(sync_ps, backward_ps)
+    return -(-(1000 * sync_ps - hidden) // 1000)
+
+
+def exposed_gather_ps(gather_ps: int, forward_ps: int, first_ps: int,
+                      overlap_permille: int = 1000) -> int:
+    """What is left of a stage's ZeRO-1 weight all-gather (``gather_ps``, overlapping
+    the next step's forward) beyond the first bucket's (``first_ps``, which the first
+    layer waits for before any runs: charged whole in ``CostTable.tail_latency_ps``):
+    what a microbatch's forward of the stage (``forward_ps``; the first microbatch's
+    meets the waits) does not hide of the rest, as :func:`exposed_sync_ps`."""
+    return exposed_sync_ps(max(0, gather_ps - first_ps), forward_ps, overlap_permille)
+
+
+def _holders(table: CostTable, stage_of: Sequence[int]) -> list[set[int]]:
+    """Per shared group, the ranks holding it (``stage_of`` gives runs, see
+    :attr:`PipelineConfig.virtual_stages`)."""
+    config = table.config
+    return [{config.rank_of(stage_of[l]) for l in group.layers} for group in table.shared]
+
+
+def receive_bytes(table: CostTable, runs: Sequence[Sequence[int]],
+                  numbers: Sequence[int]) -> int:
+    """The receive buffers of the rank whose runs ``numbers`` hold the layers ``runs``:
+    the gradient crossing the cut after each run but the model's last.
+
+    partc's stage (:class:`partc.runtime.pipeline_stage.CountingStage`) makes a
+    microbatch's buffers when their receive is posted and lets them go after its
+    backward, as Megatron does. A buffer of activations is the stage's input itself,
+    which its first layer saves for backward while its microbatch is in flight: counted
+    in :meth:`PipelineConfig.activations`, nothing more here. A buffer of gradients
+    lives from just before a run's backward to its end: one per run at a time, the bytes
+    crossing out once. (What crosses a cut is counted whole, though a value without a
+    gradient, a mask or the positions, gets no gradient buffer; and a value read by
+    several layers, charged to the layer that makes it, is not among the first layer's
+    saved inputs.) ``benchmarks/memory_check.py`` measures it."""
+    last = table.config.virtual_stages - 1
+    return sum(table.cut_bytes[run[-1]] for j, run in zip(numbers, runs)
+               if run and j < last)
+
+
+def receive_ps(table: CostTable, cut: int, boundary: int) -> int:
+    """The receiving end's share of cut ``cut``'s transfers as the boundary ``boundary ->
+    boundary + 1`` (both ways: the activation in, its gradient back out), charged to
+    the run after the boundary beside the sender's whole ``cut_ps``: all but the share
+    ``comm_overlap`` of it. A transfer costs its sender the send and its receiver the
+    receipt; NCCL's kernels run beside the receiver's compute (overlap 1: nothing), gloo's
+    threads on the cores the receiver computes on (a CPU's calibrated overlap, about
+    0.2), so both ends lose it there."""
+    return table.cut_ps[cut][boundary] * (1000 - table.overlap_permille) // 1000
+
+
+def _stage_cost(table: CostTable, stage: int, runs: list[list[int]], modes: Sequence[str],
+                held: list[int], numbers: Sequence[int] = ()) -> StageCost:
+    """Rank ``stage``'s costs; ``runs`` are its runs of layers (one unless interleaved),
+    each sending to the next run's rank unless it is the model's last."""
+    config = table.config
+    members = sorted(l for run in runs for l in run)
+    rows = [table.layers[l] for l in members]
+    state = {k: sum(r.state_bytes[k] for r in rows)
+             + sum(table.shared[g].state_bytes[k] for g in held)
+             for k in ("params", "grads", "optimizer")}
+    saved = [sum(table.layers[l].saved_bytes[modes[l]] for l in run) for run in runs]
+    activations = config.activations(stage, saved)
+    transient = max(table.layers[l].transient_bytes[modes[l]] for l in members)
+    step = step_total([r.step_bytes for r in rows] + [table.shared[g].step_bytes for g in held],
+                      table.step_sums)
+    forward = sum(r.forward_ps for r in rows)
+    backward = sum(r.backward_ps for r in rows)
+    recompute = sum(table.layers[l].recompute_ps[modes[l]] for l in members)
+    numbers = numbers or config.runs_of(stage)
+    receive = receive_bytes(table, runs, numbers)
+    sent = [table.cut_ps[run[-1]][j] if run and j < config.virtual_stages - 1 else 0
+            for j, run in zip(numbers, runs)]
+    # Runs are contiguous in model order: the cut into run j is its first layer's - 1.
+    received = [receive_ps(table, run[0] - 1, j - 1) if run and j > 0 else 0
+                for j, run in zip(numbers, runs)]
+    comm = sum(sent) + sum(received)
+    run_ps = tuple(
+        (sum(table.layers[l].forward_ps for l in run),
+         sum(table.layers[l].backward_ps for l in run),
+         sum(table.layers[l].recompute_ps[modes[l]] for l in run), out, into)
+        for run, out, into in zip(runs, sent, received))
+    return StageCost(
+        run_ps=run_ps,
+        layers=tuple(members),
+        compute_ps=forward + backward + recompute,
+        forward_ps=forward, backward_ps=backward, recompute_ps=recompute, comm_ps=comm,
+        tail_ps=exposed_sync_ps(
+            sum(r.sync_ps for r in rows) + sum(table.shared[g].sync_ps for g in held),
+            backward, table.overlap_permille, table.last_sync_ps)
+        + sum(r.tail_ps for r in rows)
+        + sum(table.shared[g].tail_ps for g in held)
+        + exposed_gather_ps(
+            sum(r.gather_ps for r in rows) + sum(table.shared[g].gather_ps for g in held),
+            forward, table.first_gather_ps, table.overlap_permille),
+        param_count=sum(r.param_count for r in rows)
+        + sum(table.shared[g].param_count for g in held),
+        memory=StageMemory(**state, activations=activations, transient=transient,
+                           receive=receive, step=step,
+                           peak=sum(state.values()) + max(activations + transient + receive,
+                                                          step)),
+        limit=table.limits[stage],
+        runs=tuple(tuple(run) for run in runs) if config.chunks > 1 else (),
+    )
+
+
+def pipeline_ps(config: PipelineConfig, busy: Sequence[int]) -> int:
+    """Forward and backward of all microbatches, ``busy`` per rank and microbatch: every
+    microbatch passes the bottleneck rank, and the first one passes every rank once;
+    interleaving divides that fill-and-drain by the chunks (Megatron: ``(m + (p - 1) / v)
+    t`` for equal ranks)."""
+    peak = max(busy)
+    return config.num_microbatches * peak + (sum(busy) - peak) // config.fill_divisor
+
+
+def simulate(config: PipelineConfig, evaluation: Evaluation, schedule: str | None = None):
+    """The configuration's step played out by :func:`partc.cost.timeline.play` from the
+    evaluation's figures per run and microbatch, in picoseconds (a ``Timeline`` whose
+    seconds are picoseconds; the tails are the ranks' own). ``schedule`` plays another
+    schedule of the same placement and virtual stages."""
+    name = schedule or config.schedule
+    runs: list[StageSeconds | None] = [None] * config.virtual_stages
+    for s, stage in enumerate(evaluation.stages):
+        for j, (forward, backward, recompute, cut, into) in zip(config.runs_of(s),
+                                                                 stage.run_ps):
+            runs[j] = StageSeconds(forward=forward, backward=backward, recompute=recompute,
+                                   send=cut / 2, receive=into / 2)
+    return play(name, config.pp, config.chunks, config.num_microbatches, runs,
+                [stage.tail_ps for stage in evaluation.stages])
+
+
+def simulated_step_ps(config: PipelineConfig, evaluation: Evaluation) -> tuple[int, float]:
+    """The step time the plan reports, in picoseconds: the simulated pipeline
+    (:func:`simulate`) then the slowest tail and the tied-weight syncs, as
+    :func:`evaluate` adds them to the closed form; and the simulation's bubble."""
+    timeline = simulate(config, evaluation)
+    return (round(timeline.pipeline_s) + evaluation.tail_ps + evaluation.tie_ps,
+            timeline.bubble_fraction)
+
+
+def evaluate(table: CostTable, stage_of: Sequence[int], modes: Sequence[str]) -> Evaluation:
+    """Step time and memory of one assignment; independent of any solver. ``stage_of``
+    gives each layer's run (its rank unless interleaved: run ``j`` is on rank ``j % pp``)."""
+    config = table.config
+    pp = config.pp
+    runs: list[list[int]] = [[] for _ in range(config.virtual_stages)]
+    for layer, run in enumerate(stage_of):
+        runs[run].append(layer)
+    holders = _holders(table, stage_of)
+    stages = tuple(
+        _stage_cost(table, s, [runs[j] for j in config.runs_of(s)], modes,
+                    [g for g, held in enumerate(holders) if s in held], config.runs_of(s))
+        for s in range(pp)
+    )
+    pipeline = pipeline_ps(config, [s.busy_ps for s in stages])
+    tail = max(s.tail_ps for s in stages) + table.tail_latency_ps
+    tie = sum(group.tie_sync_ps * (len(held) - 1)
+              for group, held in zip(table.shared, holders))
+    return Evaluation(stages=stages, pipeline_ps=pipeline, tail_ps=tail, tie_ps=tie,
+                      step_ps=pipeline + tail + tie)

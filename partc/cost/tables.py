@@ -1,0 +1,402 @@
+"""The integer tables the planner, the brute-force oracle, the validator and the report
+read (:mod:`partc.cost` says what they price): per layer a :class:`LayerTable` row (a
+mixture-of-experts layer's under expert parallelism: :func:`moe_layer_table`), per tied
+weight a :class:`SharedTable`, the sends across each cut and each stage's memory limit, in
+the :class:`CostTable` :func:`build_cost_table` makes; and the :class:`TableCache` that
+shares rows between the configurations of one problem."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from partc.cost.collectives import Group, collective_seconds
+from partc.cost.communication import (bucket_latency_seconds, cut_bytes, cut_table,
+                                      first_gather_ps, gather_ps, last_sync_ps,
+                                      shared_tail_ps, sync_ps, tail_ps,
+                                      tp_comm_seconds, zero_comm_seconds,
+                                      zero_overhead_seconds)
+from partc.cost.experts_cost import expert_dp_config, moe_layer_figures
+from partc.cost.layer_compute import layer_work, run_layer
+from partc.cost.pipeline_config import (PipelineConfig, overlapped, permille, split_factor,
+                                        stage_ranks, to_ps)
+from partc.cost.schedules import schedule as schedule_info
+from partc.cost.state_bytes import (state_bytes, step_bytes, step_total, steps_whole_list,
+                                    zero_transient)
+from partc.problem import MoECost, PlanningProblem
+
+
+@dataclass(frozen=True, kw_only=True)
+class LayerTable:
+    """One layer's integer costs per microbatch, per recompute mode."""
+
+    forward_ps: int
+    backward_ps: int
+    recompute_ps: dict[str, int]
+    saved_bytes: dict[str, int]
+    transient_bytes: dict[str, int]
+    param_count: int
+    state_bytes: dict[str, int]   # params / grads / optimizer of the layer's own parameters
+    tail_ps: int                  # optimizer step (ZeRO-1: and the weight gather), per step
+    sync_ps: int = 0              # dp gradient all-reduce (ZeRO 0/1), overlapping backward
+    # ZeRO-1's weight all-gather when it overlaps the next forward (then not in tail_ps)
+    gather_ps: int = 0
+    step_bytes: int = 0           # the optimizer step's temporaries (:func:`step_bytes`)
+
+    def compute_ps(self, mode: str) -> int:
+        return self.forward_ps + self.backward_ps + self.recompute_ps[mode]
+
+    @property
+    def state_total(self) -> int:
+        return sum(self.state_bytes.values())
+
+
+@dataclass(frozen=True, kw_only=True)
+class SharedTable:
+    layers: tuple[int, ...]
+    param_count: int
+    state_bytes: dict[str, int]
+    tail_ps: int
+    tie_sync_ps: int              # per extra stage holding it
+    sync_ps: int = 0
+    gather_ps: int = 0
+    step_bytes: int = 0
+
+    @property
+    def state_total(self) -> int:
+        return sum(self.state_bytes.values())
+
+
+@dataclass(frozen=True, kw_only=True)
+class CostTable:
+    config: PipelineConfig
+    layers: tuple[LayerTable, ...]
+    shared: tuple[SharedTable, ...]
+    cut_ps: tuple[tuple[int, ...], ...]   # [cut l][run j]: cut l as the boundary j -> j+1
+    cut_bytes: tuple[int, ...]   # [cut l]: bytes crossing it per microbatch (each way)
+    limits: tuple[int, ...]               # per stage
+    tail_latency_ps: int
+    # DeviceNumbers.comm_overlap in thousandths: how much of the dp gradient reduction
+    # the last microbatch's backward hides (:func:`partc.cost.evaluate.exposed_sync_ps`).
+    overlap_permille: int = 1000
+    # ZeRO-1 with its weight all-gather overlapped: one bucket's all-gather, which the
+    # first layer waits for before any forward runs: in tail_latency_ps, and taken off
+    # what forward may hide (:func:`partc.cost.evaluate.exposed_gather_ps`).
+    first_gather_ps: int = 0
+    # ZeRO 0/1 over dp: the last bucket's gradient reduction, which starts as the step's
+    # backward ends and so overlaps none of it: in tail_latency_ps, and taken off what
+    # backward may hide (:func:`partc.cost.evaluate.exposed_sync_ps`).
+    last_sync_ps: int = 0
+    # Whether a rank's step temporaries are the sum of its rows' step_bytes (torch's
+    # foreach step, over the whole list) or the largest of them (one tensor at a time).
+    step_sums: bool = True
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layers)
+
+
+def _layer_table(problem: PlanningProblem, config: PipelineConfig, index: int) -> LayerTable:
+    layer = run_layer(problem, index, config.micro_batch_size)
+    devices, train = problem.devices, problem.train
+    b, scale = config.micro_batch_size, train.measured_scale
+    work = layer_work(layer, devices, b, scale, train.compiled)
+    saved = {m: int(round(b * scale * v)) for m, v in layer.saved_bytes.items()}
+    workspace = int(round(2 * b * scale * layer.workspace_bytes))
+    gathered, gradient = zero_transient(problem, config, layer.param_count)
+    comm = tp_comm_seconds(problem, config, layer)
+    zero = zero_comm_seconds(problem, config, layer.param_count)
+    own = zero_overhead_seconds(problem, config, layer.param_count, layer.param_tensors)
+    # Full recompute replays the layer's forward, collectives included; selective
+    # replays the attention cores, which hold none (heads are split over the group).
+    # ZeRO-3 gathers the layer once for its backward, recompute included.
+    rerun = {m: comm["forward"] if m == "full" else 0.0 for m in layer.modes}
+    forward = sum(work["forward"]) + comm["forward"] + own["forward"]
+    backward = (split_factor(problem, config) * sum(work["backward"]) + comm["backward"]
+                + own["backward"])
+    return LayerTable(
+        forward_ps=to_ps(overlapped(forward, zero["forward"], devices.comm_overlap)),
+        backward_ps=to_ps(overlapped(backward, zero["backward"], devices.comm_overlap)),
+        recompute_ps={m: to_ps(sum(work["recompute"][m]) + rerun[m]) for m in layer.modes},
+        saved_bytes=saved,
+        # ZeRO-2/3: the unit's whole gradient is made as its backward ends, when the
+        # backward's working set and this microbatch's saved tensors of it are freed.
+        transient_bytes={m: gathered + max(saved["none"] - saved[m] + workspace,
+                                           gradient - saved[m]) for m in layer.modes},
+        param_count=layer.param_count,
+        state_bytes=state_bytes(problem, config, layer.param_count),
+        tail_ps=tail_ps(problem, config, layer.param_count, max(1, layer.param_tensors)),
+        sync_ps=sync_ps(problem, config, layer.param_count),
+        gather_ps=gather_ps(problem, config, layer.param_count),
+        step_bytes=step_bytes(problem, config, layer.param_count, layer.largest_param),
+    )
+
+
+def _shared_tables(problem: PlanningProblem, config: PipelineConfig) -> tuple[SharedTable, ...]:
+    devices = problem.devices
+    return tuple(
+        SharedTable(
+            layers=group.layers,
+            param_count=group.param_count,
+            state_bytes=state_bytes(problem, config, group.param_count, gathered=True),
+            tail_ps=shared_tail_ps(problem, config, group.param_count),
+            # ZeRO-2's once-per-step reduce-scatter of the root unit is in its tail.
+            sync_ps=0 if config.reduces_once else sync_ps(problem, config,
+                                                          group.param_count),
+            gather_ps=gather_ps(problem, config, group.param_count),
+            step_bytes=step_bytes(problem, config, group.param_count, group.param_count),
+            # fp32 gradients between the stages holding it (first and last, usually):
+            # over the network unless the whole pipeline fits in one node.
+            tie_sync_ps=to_ps(collective_seconds(
+                "send", group.param_count * problem.train.precision.master_bytes,
+                Group.over(devices, 2, devices.num_devices))),
+        )
+        for group in problem.model.shared
+    )
+
+
+class TableCache:
+    """Rows of cost tables shared between the configurations of one problem.
+
+    A layer's row depends on the layer's numbers and on the configuration's micro-batch
+    size, dp, tensor-parallel variant and ZeRO stage, never on its name, pp or schedule;
+    the 80 identical blocks of a 70B model thus share one row per configuration family,
+    and the many configurations of a search share rows and cut tables. Nothing but the
+    limits depends on the devices' memory, so problems that differ only in memory
+    (re-planning after a budget change) may share a cache too.
+
+    The caller owns it: ``partc.planner.solve`` takes one (a fresh one by default) and
+    ``partc.PlanCache.table_cache`` keeps one per problem, memory aside.
+    """
+
+    def __init__(self) -> None:
+        self._tables: dict[tuple, tuple] = {}   # rows, cut and shared tables, limits
+        self.distinct: dict[int, tuple] = {}   # per rows tuple: planner's row summary
+        self.splits: dict[tuple, int] = {}     # planner's min-max splits of layer costs
+        # What the planner learnt from earlier problems (memory aside, the same): the
+        # assignment it chose for each configuration it solved, and the best configuration.
+        self.solutions: dict[PipelineConfig, Any] = {}
+        self.best_config: PipelineConfig | None = None
+        self._groups: dict[int, tuple[Any, list[int], list[int]]] = {}
+
+    def rows(self, problem: PlanningProblem, config: PipelineConfig) -> tuple[LayerTable, ...]:
+        """One row per layer; layers with equal numbers share one row object."""
+        family = (config.micro_batch_size, config.dp, config.tp, config.sequence_parallel,
+                  config.tp_objective, config.zero_stage, config.reduces_once,
+                  schedule_info(config.schedule).split_backward)
+        known = self._tables.get(("rows", family, id(problem.model)))
+        if known is not None:
+            return known
+        group_of, representatives = self._layer_groups(problem)
+        built = [_layer_table(problem, config, index) for index in representatives]
+        rows = self._tables["rows", family, id(problem.model)] = tuple(
+            built[group] for group in group_of)
+        return rows
+
+    def _layer_groups(self, problem: PlanningProblem) -> tuple[list[int], list[int]]:
+        """Per layer, the index of its group of equal layers; each group's first layer."""
+        model = problem.model
+        known = self._groups.get(id(model))
+        if known is None or known[0] is not model:
+            keys: dict[tuple, int] = {}
+            group_of, representatives = [], []
+            for index, layer in enumerate(model.layers):
+                group = keys.setdefault(_layer_key(layer), len(keys))
+                if group == len(representatives):
+                    representatives.append(index)
+                group_of.append(group)
+            known = self._groups[id(model)] = (model, group_of, representatives)
+        return known[1], known[2]
+
+    def shared(self, problem: PlanningProblem,
+               config: PipelineConfig) -> tuple[SharedTable, ...]:
+        key = ("shared", config.micro_batch_size, config.num_microbatches, config.dp,
+               config.tp, config.sequence_parallel, config.tp_objective, config.zero_stage,
+               config.reduces_once)
+        if key not in self._tables:
+            self._tables[key] = _shared_tables(problem, config)
+        return self._tables[key]
+
+    def limits(self, problem: PlanningProblem, config: PipelineConfig) -> tuple[int, ...]:
+        key = ("limits", config.pp, problem.devices.memory_bytes)
+        if key not in self._tables:
+            self._tables[key] = tuple(
+                min(problem.devices.memory_bytes[r] for r in stage_ranks(problem, config, s))
+                for s in range(config.pp))
+        return self._tables[key]
+
+    def cuts(self, problem: PlanningProblem,
+             config: PipelineConfig) -> tuple[tuple[int, ...], ...]:
+        placement = config.chunks > 1 and schedule_info(config.schedule).placement
+        key = ("cuts", config.micro_batch_size, config.pp, config.chunks, placement,
+               config.tp, config.sequence_parallel, config.tp_objective)
+        cuts = self._tables.get(key)
+        if cuts is None:
+            cuts = self._tables[key] = cut_table(problem, config)
+        return cuts
+
+
+def _layer_key(layer) -> tuple:
+    """Every number of a LayerCost a row depends on (not its name or signature)."""
+    return (layer.fwd_flops, layer.heavy_ops, layer.fwd_mem_bytes, layer.param_count,
+            layer.param_bytes, tuple(sorted(layer.saved_bytes.items())),
+            tuple(sorted(layer.recompute_flops.items())),
+            tuple(sorted(layer.recompute_mem_bytes.items())), layer.workspace_bytes,
+            layer.tp_comm, layer.tp_overlap_flops, layer.num_nodes, layer.fused_mem_bytes,
+            layer.fused_kernels, tuple(sorted(layer.recompute_nodes.items())),
+            layer.param_tensors, layer.largest_param, layer.backward_mem_bytes,
+            layer.forward_kernels, layer.backward_kernels,
+            tuple(sorted(layer.recompute_kernels.items())),
+            tuple(sorted(layer.ring_kernels.items())), layer.ring_bwd_mem_bytes,
+            layer.ring_kernels_single and tuple(sorted(layer.ring_kernels_single.items())),
+            layer.ring_bwd_mem_bytes_single)
+
+
+def build_cost_table(problem: PlanningProblem, config: PipelineConfig,
+                     cache: TableCache | None = None) -> CostTable:
+    """The integer tables of ``config``; ``cache`` shares rows with other configurations
+    of the same problem (a cache must not outlive its problem: rows are keyed by layer
+    numbers, not by the devices and training numbers they were computed with)."""
+    cache = cache or TableCache()
+    whole, problem = problem, problem.variant(config.tp, config.sequence_parallel,
+                                              config.tp_objective)
+    devices = problem.devices
+    if devices.num_devices != config.pp * config.dp * config.tp:
+        raise ValueError(f"pp={config.pp} x dp={config.dp} x tp={config.tp} does not use "
+                         f"{devices.num_devices} devices")
+    shared = cache.shared(problem, config)
+    limits = cache.limits(problem, config)
+    latency = bucket_latency_seconds(problem, config)
+    first_gather = first_gather_ps(problem, config)
+    last_sync = last_sync_ps(whole, problem, config)
+    return CostTable(
+        config=config,
+        layers=moe_rows(whole, problem, config, cache.rows(problem, config), cache),
+        shared=shared,
+        cut_ps=cache.cuts(problem, config),
+        limits=limits,
+        tail_latency_ps=to_ps(latency) + first_gather + last_sync,
+        overlap_permille=permille(devices.comm_overlap),
+        first_gather_ps=first_gather, last_sync_ps=last_sync,
+        cut_bytes=cut_bytes(problem, config),
+        step_sums=steps_whole_list(problem, config),
+    )
+
+
+def moe_layer_table(whole: MoECost, problem: PlanningProblem, config: PipelineConfig,
+                    index: int) -> LayerTable:
+    """A mixture-of-experts layer's row under expert parallelism (``config.ep > 1``):
+
+    - compute: the layer's own figures (experts included as one process runs them: at
+      balanced routing a rank's experts do the FLOPs of its own tokens, whatever ep),
+      plus the FLOPs whole experts add where the variant split them over tp, at the
+      device's matmul rate; plus two all-to-alls forward (dispatch, combine), two
+      backward, and two more in a recomputed forward;
+    - memory: the experts' saved activations at the worst routing the plan allows
+      (:func:`partc.cost.experts_cost.moe_worst_factor`) instead of the balanced ones, for
+      every microbatch in flight;
+    - parameters: the layer's other parameters as usual (over dp), the rank's ``1 / ep``
+      of the experts over the expert-data-parallel group (:func:`expert_dp_config`):
+      their ZeRO sharding, gradient reduction, gather and optimizer step.
+    """
+    layer = run_layer(problem, index, config.micro_batch_size)
+    devices, train = problem.devices, problem.train
+    figures = moe_layer_figures(whole, layer, problem, config)
+    expert_config = expert_dp_config(config)
+    b, scale = config.micro_batch_size, train.measured_scale
+    rate = devices.peak_flops * devices.flops_efficiency
+    work = layer_work(layer, devices, b, scale)
+    comm = tp_comm_seconds(problem, config, layer)
+    extra = b * figures.flops_delta / rate
+    a2a = 2 * figures.all_to_all_s
+    dense, experts = figures.dense_params, figures.expert_params
+    zero_dense = zero_comm_seconds(problem, config, dense)
+    zero_experts = zero_comm_seconds(problem, expert_config, experts)
+    own = {phase: zero_overhead_seconds(problem, config, dense)[phase]
+           + zero_overhead_seconds(problem, expert_config, experts)[phase]
+           for phase in ("forward", "backward")}
+    forward = sum(work["forward"]) + comm["forward"] + extra + a2a + own["forward"]
+    backward = (split_factor(problem, config) * (sum(work["backward"]) + 2 * extra)
+                + comm["backward"] + a2a + own["backward"])
+    replayed = {m: layer.recompute_flops[m] / layer.fwd_flops if layer.fwd_flops else 0.0
+                for m in layer.modes}
+    # Selective recompute reruns the attention cores: no expert, no collective.
+    recompute = {m: sum(work["recompute"][m]) + (
+        comm["forward"] + replayed[m] * extra + a2a if m == "full" else 0.0)
+        for m in layer.modes}
+    expert_share = dict(layer.moe.expert_saved_bytes) if layer.moe is not None else {
+        m: v / config.tp for m, v in whole.expert_saved_bytes.items()}
+    saved = {m: int(round(b * scale * (v - expert_share.get(m, 0.0)
+                                       + figures.expert_saved[m])))
+             for m, v in layer.saved_bytes.items()}
+    # In mixed precision the compute-dtype weights are state, made once per step
+    # (state_bytes), not copies kept per microbatch.
+    workspace = int(round(2 * b * scale * layer.workspace_bytes))
+    gathered_d, gradient_d = zero_transient(problem, config, dense)
+    gathered_e, gradient_e = zero_transient(problem, expert_config, experts)
+    gathered, gradient = gathered_d + gathered_e, gradient_d + gradient_e
+    state_d = state_bytes(problem, config, dense)
+    state_e = state_bytes(problem, expert_config, experts)
+    return LayerTable(
+        forward_ps=to_ps(overlapped(forward, zero_dense["forward"] + zero_experts["forward"],
+                                    problem.devices.comm_overlap)),
+        backward_ps=to_ps(overlapped(backward,
+                                     zero_dense["backward"] + zero_experts["backward"],
+                                     problem.devices.comm_overlap)),
+        recompute_ps={m: to_ps(v) for m, v in recompute.items()},
+        saved_bytes=saved,
+        transient_bytes={m: gathered + max(saved["none"] - saved[m] + workspace,
+                                           gradient - saved[m]) for m in layer.modes},
+        param_count=dense + experts,
+        state_bytes={k: state_d[k] + state_e[k] for k in state_d},
+        tail_ps=tail_ps(problem, config, dense, max(1, layer.param_tensors))
+        + tail_ps(problem, expert_config, experts),
+        sync_ps=sync_ps(problem, config, dense) + sync_ps(problem, expert_config, experts),
+        gather_ps=gather_ps(problem, config, dense)
+        + gather_ps(problem, expert_config, experts),
+        # The experts as one grouped tensor, the rank's share of them.
+        step_bytes=step_total((step_bytes(problem, config, dense, layer.largest_param),
+                               step_bytes(problem, expert_config, experts, experts)),
+                              steps_whole_list(problem, config)),
+    )
+
+
+def moe_rows(whole: PlanningProblem, problem: PlanningProblem, config: PipelineConfig,
+             rows: tuple[LayerTable, ...], cache: "TableCache") -> tuple[LayerTable, ...]:
+    """``rows`` with each mixture-of-experts layer's row priced under the configuration's
+    expert parallelism (:func:`moe_layer_table`); ``rows`` themselves when ``ep`` is 1 or
+    the model has no such layer. ``whole`` is the problem before its tensor-parallel
+    variant (the experts' whole figures); equal layers share one row, and the tuple is
+    kept in ``cache`` (the planner's bounds key rows by identity)."""
+    if config.ep == 1 or not any(layer.moe for layer in whole.layers):
+        return rows
+    key = ("moe rows", config.micro_batch_size, config.dp, config.tp,
+           config.sequence_parallel, config.tp_objective, config.zero_stage, config.ep,
+           config.reduces_once, schedule_info(config.schedule).split_backward,
+           id(problem.model))
+    known = cache._tables.get(key)
+    if known is not None and known[0] is problem.model:
+        return known[1]
+    built: dict[tuple, LayerTable] = {}
+    result = []
+    for index, row in enumerate(rows):
+        moe = whole.layers[index].moe
+        if moe is None:
+            result.append(row)
+            continue
+        same = (id(row), _moe_key(moe), _moe_key(problem.layers[index].moe))
+        if same not in built:
+            built[same] = moe_layer_table(moe, problem, config, index)
+        result.append(built[same])
+    cache._tables[key] = (problem.model, tuple(result))
+    return cache._tables[key][1]
+
+
+def _moe_key(moe: MoECost | None) -> tuple | None:
+    """Every field of a MoECost (its dict of saved bytes as sorted items)."""
+    if moe is None:
+        return None
+    return (moe.num_experts, moe.top_k, moe.hidden, moe.tokens_per_sample,
+            moe.expert_param_count, moe.expert_param_bytes, moe.expert_fwd_flops,
+            tuple(sorted(moe.expert_saved_bytes.items())), moe.dispatch_bytes,
+            moe.capacity_factor, moe.aux_loss, moe.expert_form)
