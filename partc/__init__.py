@@ -33,7 +33,7 @@ _EXPORTS = {
     "PlanValidationError": "errors", "TraceError": "errors",
     "Plan": "plan",
     "PlannerOptions": "options", "ShardingOptions": "options",
-    "Program": "program", "load": "program",
+    "Program": "program", "load": "compiler",
     "Constraints": "spec", "TrainSpec": "spec",
     "validate_plan": "planner.validate",
     "on_meta": "weights",
@@ -44,12 +44,12 @@ __all__ = sorted(_EXPORTS)
 if TYPE_CHECKING:   # what static tools and IDEs read
     from partc.device.budget import PRESETS, DeviceBudget
     from partc.cache import PlanCache
-    from partc.compiler import build_problem, compile, plan_problem
+    from partc.compiler import build_problem, compile, load, plan_problem
     from partc.errors import (CheckpointError, PartcError, PlanFileError, PlanInfeasibleError,
                          PlanMismatchError, PlanSchemaError, PlanValidationError, TraceError)
     from partc.options import PlannerOptions, ShardingOptions
     from partc.plan import Plan
-    from partc.program import Program, load
+    from partc.program import Program
     from partc.spec import Constraints, TrainSpec
     from partc.planner.validate import validate_plan
     from partc.weights import on_meta

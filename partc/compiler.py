@@ -7,6 +7,9 @@ The steps, in order:
 3. solve it (``partc.planner``) — or raise PlanInfeasibleError with a way out;
 4. turn the best assignment into a Plan, with the baselines beside it;
 5. check the Plan with ``validate_plan``, which does not use the solver.
+
+``partc.load`` is here too: a saved plan read back for a model is measured again as
+``compile`` measures it and validated, without the solver (:func:`load`).
 """
 
 from __future__ import annotations
@@ -14,26 +17,33 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
+from pathlib import Path
 from typing import Any, Callable
 
 import torch
+from torch import nn
 
-from partc.planner.assemble import alternative, make_plan
-from partc.planner.baselines import baselines
-from partc.device.budget import DeviceBudget
-from partc.device.figures import FIGURE_NAMES, DeviceFigures
+from partc.batch_coupling import couples_samples, restrict
 from partc.cache import DEFAULT as DEFAULT_CACHE
 from partc.cache import PlanCache, model_key
+from partc.codec import dtype_name
 from partc.cost.collectives import Group
-from partc.errors import PartcError
 from partc.cost.tables import TableCache
-from partc.planner import PlannerOptions, PlannerResult, divisors, schedule_options, solve
-from partc.planner.pins import check_pins
+from partc.device.budget import DeviceBudget, preset
+from partc.device.figures import FIGURE_NAMES, DeviceFigures
+from partc.errors import PartcError, PlanFileError, PlanMismatchError, PlanValidationError
+from partc.identity import behaviour_digest, model_hash
+from partc.passes.pipeline import analyze, tensor_parallel_options
+from partc.passes.tp.chooser import Link
 from partc.plan import BudgetInfo, Plan, SolverStats
-from partc.problem import DeviceNumbers, ModelAnalysis, Pins, PlanningProblem, TrainNumbers
-from partc.program import Program
-from partc.spec import Constraints, TrainSpec, dtype_bytes
+from partc.planner import PlannerOptions, PlannerResult, divisors, schedule_options, solve
+from partc.planner.assemble import alternative, make_plan
+from partc.planner.baselines import baselines
+from partc.planner.pins import check_pins
 from partc.planner.validate import validate_plan
+from partc.problem import DeviceNumbers, ModelAnalysis, Pins, PlanningProblem, TrainNumbers
+from partc.program import Program, read_plan_file
+from partc.spec import Constraints, TrainSpec, dtype_bytes
 
 log = logging.getLogger("partc")
 
@@ -60,8 +70,6 @@ def tp_degrees(devices: DeviceNumbers, constraints: Constraints) -> list[int]:
 
 
 def tensor_parallel_links(devices: DeviceNumbers, degrees: list[int]) -> list:
-    from partc.passes.tp.chooser import Link
-
     # A tensor-parallel group of t spans t consecutive ranks, as partc.cost prices it.
     return [Link(group=Group.over(devices, t, t),
                  flops=devices.peak_flops * devices.flops_efficiency,
@@ -116,8 +124,6 @@ def build_problem(analysis: ModelAnalysis, budget: DeviceBudget, train: TrainSpe
         else tuple(divisors(train.global_batch_size))
     degrees = tp_degrees(devices, constraints)
     if graph is not None and degrees:
-        from partc.passes.pipeline import tensor_parallel_options
-
         sp = (constraints.sequence_parallel,) if constraints.sequence_parallel is not None \
             else (False, True)
         start = time.perf_counter()
@@ -151,8 +157,6 @@ def problem_for_plan(plan: Plan, model: torch.nn.Module, *, loss_fn: Callable | 
     the recorded input shapes, under the plan's training setup, on the plan's budget,
     with the plan's tensor-parallel degree (and sequence parallelism, objective)
     measured. No pins: ``validate_plan`` then checks the plan's own decisions."""
-    from partc.passes.pipeline import analyze
-
     train = plan.train
     budget = budget_from_info(plan.budget)
     batch = plan.model.traced_batch_size or train.global_batch_size
@@ -171,8 +175,6 @@ def problem_for_plan(plan: Plan, model: torch.nn.Module, *, loss_fn: Callable | 
 def budget_from_info(info: BudgetInfo) -> DeviceBudget:
     """A DeviceBudget with the figures a plan recorded (its preset for the device type,
     and for what an older plan did not record, when it names one)."""
-    from partc.device.budget import preset
-
     def preset_named(name: str | None) -> str | None:
         try:
             return preset(name).name if name else None
@@ -270,9 +272,6 @@ def compile(model: torch.nn.Module, example_inputs: tuple | torch.Tensor, *,
     ``None``: none) keeps measured models and plans: compiling the same model again
     with another budget or batch skips tracing and measuring, and an unchanged problem
     returns its plan at once (validated again)."""
-    from partc.identity import behaviour_digest, model_hash
-    from partc.passes.pipeline import analyze
-
     if isinstance(example_inputs, torch.Tensor):
         example_inputs = (example_inputs,)
     # A view (``ids[:, :-1]``) would be measured with its whole storage, which the plan
@@ -331,8 +330,6 @@ def _whole_batch_loss(model: torch.nn.Module, example_inputs: tuple, loss_fn: Ca
     """A model whose mixture-of-experts router feeds a load-balancing loss that couples
     the batch's samples plans one replica and one microbatch, unless the training setup
     declares each microbatch's loss its own (:mod:`partc.batch_coupling`)."""
-    from partc.batch_coupling import couples_samples, restrict
-
     if train.loss_per_microbatch or not any(
             layer.moe is not None and layer.moe.aux_loss for layer in analysis.layers):
         return constraints
@@ -374,3 +371,52 @@ def _measured_for(budget: DeviceBudget, devices: DeviceNumbers, constraints: Con
     return (train.attention, str(autocast), budget.device_type if autocast else None,
             tuple(tensor_parallel_links(devices, degrees)),
             constraints.sequence_parallel, constraints.tp_objective, options.sharding)
+
+
+def load(directory: str | Path, model: nn.Module, *, loss_fn: Callable | None = None) -> Program:
+    """The program saved in ``directory`` for ``model``, without planning again.
+
+    plan.json is data, checked in full before anything runs: its schema (JSON, every key
+    known and present, every value of its type: else :class:`PlanFileError` naming the
+    field), that it was made for ``model`` (else :class:`PlanMismatchError`), then its
+    values against the model measured again as ``compile`` measures it, under the plan's
+    budget and training setup (``validate_plan``, no solver: else
+    :class:`PlanValidationError` listing every violation)."""
+    path = Path(directory) / "plan.json"
+    if not path.exists():
+        raise FileNotFoundError(f"no plan.json in {directory}: save a program there first "
+                                "(program.save(directory) or `partc plan ... --out`)")
+    plan = read_plan_file(path)
+    if plan.model.hash != model_hash(model):
+        raise PlanMismatchError(f"{path}: the model (hash {model_hash(model)}) is not the "
+                                f"one the plan was made for (hash {plan.model.hash}); "
+                                "compile this model")
+    if not plan.model.inputs:
+        raise PlanFileError(f"{path}: model.inputs is empty (a plan saved before partc "
+                            "recorded its inputs): compile the model again",
+                            path=str(path), field="model.inputs")
+    if loss_fn is None and "loss" in plan.layer_names:
+        raise PartcError(f"{path}: the plan trains with a loss (its last layer, 'loss'): "
+                         "pass the same loss_fn to partc.load as to partc.compile")
+    try:
+        budget_from_info(plan.budget)
+    except ValueError as error:
+        raise PlanFileError(f"{path}: budget: {error}", path=str(path), field="budget") from None
+    problem = problem_for_plan(plan, model, loss_fn=loss_fn)
+    _validate_file(path, problem, plan)
+    return Program(plan=plan, problem=problem, model=model, loss_fn=loss_fn)
+
+
+def _validate_file(path: Path, problem: PlanningProblem, plan: Plan) -> None:
+    """``validate_plan``, its error saying which of the file's sections the problem was
+    measured again from (an edited dtype or budget shows as numbers that differ)."""
+    try:
+        validate_plan(problem, plan)
+    except PlanValidationError as error:
+        train = plan.train
+        raise PlanValidationError(
+            f"{path} does not hold for this model, measured again with the plan's train "
+            f"(dtype {dtype_name(train.dtype)}, optimizer {train.optimizer}, attention "
+            f"{train.attention}) and budget ({plan.budget.device}, memory_bytes "
+            f"{list(plan.budget.memory_bytes)}); was it edited? Compile again rather than "
+            f"edit a plan.\n{error}") from None

@@ -11,12 +11,18 @@ from typing import Any, Callable, Mapping, Sequence
 import torch
 from torch import nn
 
-from partc.codec import CodecError, check, dtype_name
-from partc.errors import (PartcError, PlanFileError, PlanMismatchError, PlanSchemaError,
-                     PlanValidationError)
+from partc.codec import CodecError, check
+from partc.cost.schedules import stages_of_rank
+from partc.cost.timeline import plan_csv
+from partc.errors import PartcError, PlanFileError, PlanSchemaError
+from partc.passes.codegen import codegen
+from partc.passes.context import Lowering
+from partc.passes.pipeline import lower
 from partc.plan import Plan, plan_from_data
 from partc.problem import PlanningProblem
 from partc.report.text import render
+from partc.runtime import StageProgram, build, connect
+from partc.weights import open_weights
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -38,9 +44,6 @@ class Program:
         its own: FSDP's units under ZeRO-2/3, under ZeRO-1 where each layer waits for
         its parameters' overlapped all-gather).
         ``only``: the virtual stages to finish (all by default)."""
-        from partc.passes.context import Lowering
-        from partc.passes.pipeline import lower
-
         self._need_model("lower the plan")
         plan = self.plan
         example = {spec.name: torch.empty((plan.micro_batch_size, *spec.shape),
@@ -67,8 +70,6 @@ class Program:
 
     def code(self) -> dict[str, str]:
         """Readable Python source of each stage, keyed by file name (``stage_<k>.py``)."""
-        from partc.passes.codegen import codegen
-
         lowered = self.lower()
         shared = {" = ".join(key): list(indices) for key, indices in lowered.holders.items()
                   if len(indices) > 1}
@@ -91,7 +92,6 @@ class Program:
             for name, source in self.code().items():
                 (code_dir / name).write_text(source)
         # schedule.csv: the pipeline order, as torch's pipelining reads it (_load_csv).
-        from partc.cost.timeline import plan_csv
         (out / "schedule.csv").write_text(plan_csv(self.plan))
         return out
 
@@ -110,10 +110,6 @@ class Program:
         (``partc/weights.py``; non-persistent buffers come from the model: build
         it under ``partc.on_meta()``). Returns a ``partc.runtime.DistributedModule``.
         """
-        from partc.runtime import StageProgram, build, connect
-        from partc.cost.schedules import stages_of_rank
-        from partc.weights import open_weights
-
         self._need_model("build")
         if isinstance(state_dict, (str, Path)):
             state_dict = open_weights(state_dict)
@@ -133,60 +129,6 @@ class Program:
         if self.model is None:
             raise PartcError(f"this Program has no model to {what} from: use "
                              "partc.compile(model, ...) or partc.load(directory, model)")
-
-
-def load(directory: str | Path, model: nn.Module, *, loss_fn: Callable | None = None) -> Program:
-    """The program saved in ``directory`` for ``model``, without planning again.
-
-    plan.json is data, checked in full before anything runs: its schema (JSON, every key
-    known and present, every value of its type: else :class:`PlanFileError` naming the
-    field), that it was made for ``model`` (else :class:`PlanMismatchError`), then its
-    values against the model measured again as ``compile`` measures it, under the plan's
-    budget and training setup (``validate_plan``, no solver: else
-    :class:`PlanValidationError` listing every violation)."""
-    from partc.compiler import budget_from_info, problem_for_plan
-    from partc.identity import model_hash
-
-    path = Path(directory) / "plan.json"
-    if not path.exists():
-        raise FileNotFoundError(f"no plan.json in {directory}: save a program there first "
-                                "(program.save(directory) or `partc plan ... --out`)")
-    plan = read_plan_file(path)
-    if plan.model.hash != model_hash(model):
-        raise PlanMismatchError(f"{path}: the model (hash {model_hash(model)}) is not the "
-                                f"one the plan was made for (hash {plan.model.hash}); "
-                                "compile this model")
-    if not plan.model.inputs:
-        raise PlanFileError(f"{path}: model.inputs is empty (a plan saved before partc "
-                            "recorded its inputs): compile the model again",
-                            path=str(path), field="model.inputs")
-    if loss_fn is None and "loss" in plan.layer_names:
-        raise PartcError(f"{path}: the plan trains with a loss (its last layer, 'loss'): "
-                         "pass the same loss_fn to partc.load as to partc.compile")
-    try:
-        budget_from_info(plan.budget)
-    except ValueError as error:
-        raise PlanFileError(f"{path}: budget: {error}", path=str(path), field="budget") from None
-    problem = problem_for_plan(plan, model, loss_fn=loss_fn)
-    _validate_file(path, problem, plan)
-    return Program(plan=plan, problem=problem, model=model, loss_fn=loss_fn)
-
-
-def _validate_file(path: Path, problem: PlanningProblem, plan: Plan) -> None:
-    """``validate_plan``, its error saying which of the file's sections the problem was
-    measured again from (an edited dtype or budget shows as numbers that differ)."""
-    from partc.planner.validate import validate_plan
-
-    try:
-        validate_plan(problem, plan)
-    except PlanValidationError as error:
-        train = plan.train
-        raise PlanValidationError(
-            f"{path} does not hold for this model, measured again with the plan's train "
-            f"(dtype {dtype_name(train.dtype)}, optimizer {train.optimizer}, attention "
-            f"{train.attention}) and budget ({plan.budget.device}, memory_bytes "
-            f"{list(plan.budget.memory_bytes)}); was it edited? Compile again rather than "
-            f"edit a plan.\n{error}") from None
 
 
 def read_plan_file(path: str | Path) -> Plan:

@@ -16,11 +16,13 @@ from __future__ import annotations
 
 import pytest
 
+from tests import tolerances
+
 from .test_parity import assert_vocab_parallel_loss, launched
 
 TWO = ["gpt-dp2-bf16", "gpt2-dp2-zero1-bf16", "gpt-dp2-zero3-bf16", "llama-pp2-bf16"]
 FOUR = ["llama-pp2-dp2-zero2-bf16", "llama-dp2-tp2-sp-zero1-vocab-bf16"]
-LOSS_RTOL, PARAM_RTOL = 1e-3, 2e-2
+LOSS_RTOL, PARAM_RTOL = tolerances.BF16, 2e-2
 
 bf16_two = launched("bf16_two", 2, TWO)
 bf16_four = launched("bf16_four", 4, FOUR)
