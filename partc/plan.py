@@ -43,12 +43,14 @@ import torch
 from partc.codec import (NONE_AS_EMPTY, UNLESS_DEFAULT, CodecError, as_list, from_data,
                          own_form, to_data)
 from partc.device.figures import FIGURE_NAMES, DeviceFigures
+from partc.cost.schedules import SCHEDULE_TABLE, stages_of_rank
+from partc.device.budget import DEFAULT_DISK_BANDWIDTH
 from partc.errors import PlanSchemaError
 from partc.names import Outcome, Phase, Recompute, Schedule
 from partc.placement import REPLICATE, Placement
 from partc.problem import effective_zero_stage, reduces_once_per_step
 from partc.spec import TrainSpec
-from partc.units import format_bytes
+from partc.units import format_bytes, parse_rate
 
 SCHEMA_VERSION = 2
 
@@ -501,8 +503,6 @@ class Plan:
         lists its runs in model order."""
         if self.chunks == 1:
             return tuple(stage.layers for stage in self.stages)
-        from partc.cost.schedules import SCHEDULE_TABLE, stages_of_rank
-
         pp, v = len(self.stages), self.chunks
         name = self.schedule if self.schedule in SCHEDULE_TABLE else Schedule.INTERLEAVED_1F1B
         runs: dict[int, tuple[str, ...]] = {}
@@ -525,9 +525,6 @@ class Plan:
     def predicted_save_s(self) -> float:
         """Seconds to write a checkpoint: :attr:`checkpoint_bytes_per_rank` over the
         budget's disk bandwidth (``DeviceBudget.disk_bandwidth``, or its default)."""
-        from partc.device.budget import DEFAULT_DISK_BANDWIDTH
-        from partc.units import parse_rate
-
         rate = self.budget.figures.disk_bandwidth or parse_rate(DEFAULT_DISK_BANDWIDTH)
         return self.checkpoint_bytes_per_rank / rate
 

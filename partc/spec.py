@@ -13,6 +13,7 @@ import torch
 
 from partc.cli.choices import ATTENTION, OPTIMIZER_STATE_BYTES, SCHEDULES, TP_OBJECTIVES
 from partc.codec import UNLESS_DEFAULT
+from partc.cost.schedules import refusal
 from partc.names import Schedule
 from partc.problem import BUCKET_ELEMENTS, RECOMPUTE_MODES, ZERO2_GRAD_SYNCS, ZERO_STAGES, Precision
 
@@ -253,7 +254,6 @@ class Constraints:
         if self.schedule is not None and self.schedule not in SCHEDULES:
             raise ValueError(f"schedule must be one of {SCHEDULES}, got {self.schedule!r}")
         if self.schedule is not None and self.virtual_stages is not None:
-            from partc.cost.schedules import refusal
             refused = refusal(self.schedule, 1, self.virtual_stages, 10**9)
             if refused:
                 raise ValueError(f"Constraints: {refused}")
