@@ -300,9 +300,10 @@ class BudgetInfo:
         memory = self.memory_bytes
         return {"device": self.device, "num_devices": self.num_devices,
                 "memory_bytes": memory[0] if len(set(memory)) == 1 else list(memory),
-                "memory": self.memory, **self.figures.to_dict(),
+                **self.figures.to_dict(),
                 **{key: getattr(self, key) for key in ("source", "profile", "preset")
-                   if getattr(self, key) is not None}}
+                   if getattr(self, key) is not None},
+                "memory": self.memory}
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> "BudgetInfo":

@@ -174,16 +174,18 @@ def figure(unit: Unit, flag: str, help: str, *, unset: Any = REQUIRED) -> Any:
 @dataclass(frozen=True, kw_only=True)
 class DeviceFigures:
     """A device's numbers; ``None``: this holder does not know it (see the module
-    docstring). Every field is a :func:`figure`."""
+    docstring). Every field is a :func:`figure`. Their order is the order plan.json has
+    written the budget's figures in since version 2 (a plan written back is the same
+    text)."""
 
     memory: int | None = figure(
         BYTES, "--memory", "memory per device, e.g. 40GiB, or one size per device, "
         "comma-separated (default: the preset's)")
-    devices_per_node: int | None = figure(COUNT, "--devices-per-node",
-                                          "devices per node (default: the preset's)")
     # Dense peak per dtype name ("float32", "bfloat16", ...), or one for every dtype.
     peak_flops: float | dict[str, float] | None = figure(
         FLOPS, "--peak-tflops", "peak TFLOP/s of one device in the training dtype")
+    devices_per_node: int | None = figure(COUNT, "--devices-per-node",
+                                          "devices per node (default: the preset's)")
     # The fraction of peak large matmuls reach in practice.
     flops_efficiency: float | None = figure(
         FRACTION, "--flops-efficiency", "the fraction of peak large matmuls reach")
@@ -197,6 +199,11 @@ class DeviceFigures:
     intra_node_latency_s: float | None = figure(
         SECONDS, "--intra-node-latency", "per collective step inside a node",
         unset=Like("link_latency_s"))
+    # Each rank's write rate to the checkpoint directory: the report divides a rank's
+    # checkpoint bytes by it (the predicted save time). None: DEFAULT_DISK_BANDWIDTH.
+    disk_bandwidth: float | None = figure(
+        rate("2GB/s"), "--disk-bandwidth", "checkpoint write rate per rank, e.g. 2GB/s "
+        "(the report's predicted save time)", unset=None)
     # Inside a node, each collective kind's own link where calibration fitted them:
     # (kind, latency per step, bandwidth per link), kinds of partc.cost.collectives.KINDS.
     # A kind not listed takes intra_node_latency_s and intra_node_bandwidth.
@@ -282,11 +289,6 @@ class DeviceFigures:
     attention_efficiency: float | None = figure(
         FRACTION, "--attention-efficiency", "the share of peak fused attention kernels "
         "reach (default: the preset's, else the matmuls' --flops-efficiency)", unset=None)
-    # Each rank's write rate to the checkpoint directory: the report divides a rank's
-    # checkpoint bytes by it (the predicted save time). None: DEFAULT_DISK_BANDWIDTH.
-    disk_bandwidth: float | None = figure(
-        rate("2GB/s"), "--disk-bandwidth", "checkpoint write rate per rank, e.g. 2GB/s "
-        "(the report's predicted save time)", unset=None)
 
     def __post_init__(self) -> None:
         # Held as read: rates in whole bytes per second (partc.units.parse_rate), times
