@@ -19,7 +19,7 @@ Node keys:
 - :data:`LOSS_USES` (``partc.loss_uses``), on the loss node: which of its inputs it reads.
 - :data:`VOCAB_SHARDED` (``partc.vocab_sharded``), on the loss node: per tensor-parallel
   degree, the input it can read sharded by class and the collectives it then runs
-  (``tp_chooser.probe_loss``), or none.
+  (``partc.passes.tp.chooser.probe_loss``), or none.
 
 Graph keys (on ``gm.meta``): :data:`TRACE` (how the model was captured) and
 :data:`LAYERS` (the layers in order, with their nodes and signatures) and :data:`CUTS`

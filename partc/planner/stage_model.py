@@ -199,7 +199,7 @@ class StageModel:
         self._add_memory(held, step)                 # (7), (8)
         tie = sum(g.tie_sync_ps * (sum(held[gi]) - 1) for gi, g in enumerate(table.shared))
         m, v = table.config.num_microbatches, table.config.fill_divisor
-        # Objective: v times the step time (see costs.pipeline_ps, v its fill divisor):
+        # Objective: v times the step time (see partc.cost.evaluate.pipeline_ps, v its fill divisor):
         # the fill-and-drain term is divided by v, the rest multiplied, so that the
         # objective stays integral.
         self.model.minimize(v * m * self.peak_busy + sum(busy) - self.peak_busy
@@ -466,7 +466,7 @@ class StageModel:
         """(6) ``exposed[s]``: the dp all-reduce beyond the last bucket's ``D_last``
         (a constant of the step: ``CostTable.tail_latency_ps``) left after the last
         microbatch's backward, all but the hidden share O/1000 of min(sync, backward)
-        (costs.exposed_sync_ps)."""
+        (partc.cost.evaluate.exposed_sync_ps)."""
         top = sum(r.sync_ps for r in (*self.table.layers, *self.table.shared))
         if not top:
             return 0
@@ -482,7 +482,7 @@ class StageModel:
     def _exposed_gather(self, stage: int, held: list[list]) -> Any:
         """(6) ``gathered[s]``: ZeRO-1's weight all-gather beyond the first bucket's,
         ``G_s - G_first``, left exposed by the next step's forward ``F_s`` (one
-        microbatch's), as (6) for the all-reduce (costs.exposed_gather_ps)."""
+        microbatch's), as (6) for the all-reduce (partc.cost.evaluate.exposed_gather_ps)."""
         top = sum(r.gather_ps for r in (*self.table.layers, *self.table.shared))
         if not top:
             return 0

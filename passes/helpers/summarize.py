@@ -81,7 +81,7 @@ def tp_option(ctx: Context, base: ModelAnalysis, usage: dict, local: fx.GraphMod
 
 
 def _rings(local: fx.GraphModule, tp: int) -> dict[int, list[tuple[str, str, int, float]]]:
-    """Per layer, the collectives its rings run beside matmuls (``tp_rewrite.fuse_rings``):
+    """Per layer, the collectives its rings run beside matmuls (``partc.passes.tp.rewrite.fuse_rings``):
     (kind, phase, bytes of the whole tensor, FLOPs of the matmuls beside it). The
     gathered linears: the forward all-gather beside their forward, the backward
     all-gather of the shard beside the input gradients, the input gradient's

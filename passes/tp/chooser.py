@@ -17,14 +17,14 @@ Sets
     ``V``: the layer's computed nodes (ops that make a tensor, but size queries and
     metadata checks, :data:`tp_rules.NO_STRATEGY_OPS`); ``A``: the parameters they read
     (``get_attr`` nodes, the layer's own and those fetched in another layer);
-    ``N = V + A``. ``S_n``: the strategies of node ``n`` (:func:`tp_rules.strategies`;
+    ``N = V + A``. ``S_n``: the strategies of node ``n`` (:func:`~partc.passes.tp.rules.strategies`;
     for a parameter, one per placement its consumers here need, ``Replicate()`` always,
     ``Partial()`` never). Edges ``(u, v, i)``: ``u`` is the ``i``-th tensor input of
     ``v`` in ``V``, either a node of ``N`` or a value made outside the layer, which
     arrives in its boundary placement ``b_u``. ``O``: the nodes of ``V`` whose values
     leave the layer, in boundary placement ``b_v``. Moves ``r = (u, p, q, c)``: value
     ``u`` brought from placement ``p`` to placement ``q`` by the collectives ``c`` of
-    :func:`tp_rules.redistribute` (which depend on whether the consumer leaves a partial
+    :func:`~partc.passes.tp.rules.redistribute` (which depend on whether the consumer leaves a partial
     gradient to sum); consumers that need the same move share it, as the rewrite
     (:mod:`partc.passes.shard`) emits it once.
 Parameters
@@ -42,7 +42,7 @@ Parameters
     (``NodeCost.saved_bytes``), a ``tp``-th when ``s`` shards it; ``G_u``: the same
     bytes whole, for value ``u`` gathered from a shard for a reader that keeps its input
     as read (every reader but a product that keeps the shard and gathers it again,
-    :func:`tp_rules.regathers`); both in per-mille of the layer's output bytes.
+    :func:`~partc.passes.tp.rules.regathers`); both in per-mille of the layer's output bytes.
 Variables
     ``pick[n,s]``, boolean: node ``n`` runs strategy ``s``. ``move[r]``, boolean: move
     ``r`` is made. ``kept[u,p,q]``, boolean: ``u`` gathered from ``p`` to ``q`` is kept
@@ -384,7 +384,7 @@ class _LayerProblem:
         ``consumer`` that stay kept for backward: a value the layer keeps
         (:func:`_saved_bytes` of the storage it views), gathered from a shard for a
         reader that keeps its input as read, not the shard to gather again
-        (:func:`tp_rules.regathers`). 0 otherwise."""
+        (:func:`~partc.passes.tp.rules.regathers`). 0 otherwise."""
         if not (src.kind == "S" and dst.kind == "R") or producer.op == "get_attr":
             return 0.0
         grad_partial = consumer_out.kind != "R" and producer in self.grads

@@ -2,7 +2,7 @@
 a tensor-parallel group runs, on local parameter shards, with the collectives inserted.
 
 Given a :class:`partc.passes.tp.chooser.Sharding` (a strategy for every node, from the
-chooser or rebuilt from a plan by ``tp_chooser.apply``):
+chooser or rebuilt from a plan by ``chooser.apply``):
 
 - the group: a :class:`partc.runtime.tp.TensorParallelGroup` of ``tp`` ranks becomes the
   module's submodule ``tp``: a stand-in that moves no data (the shapes are right, which
@@ -22,7 +22,7 @@ chooser or rebuilt from a plan by ``tp_chooser.apply``):
   of a shard keeps its part of the whole tensor's mask (``tp.dropout``);
 - a vocabulary-parallel loss runs the user's loss on this rank's slice of the logits'
   classes (``partc.runtime.tp_loss.VocabParallelLoss``, the loss node's new target);
-- a linear reading a sequence-parallel shard gathered whole (``tp_rules.regathers``)
+- a linear reading a sequence-parallel shard gathered whole (``rules.regathers``)
   becomes ``tp.linear_of_gathered``, and an ``addmm`` reading it flattened (GPT-2's
   ``Conv1D``) ``tp.addmm_of_gathered``: they keep the shard, not the whole, for
   backward and gather it again there;
@@ -230,7 +230,7 @@ class _Rewriter:
 
     def _linear_of_gathered(self, node: fx.Node) -> None:
         """A product reading a gathered shard keeps the shard for backward and gathers it
-        again there (:func:`tp_rules.regathers`): ``tp.linear_of_gathered``, or
+        again there (:func:`~partc.passes.tp.rules.regathers`): ``tp.linear_of_gathered``, or
         ``tp.addmm_of_gathered`` for an ``addmm`` of the flattened gathered value."""
         if node not in self.regather:
             return

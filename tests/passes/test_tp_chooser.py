@@ -1,6 +1,6 @@
 """The tensor-parallel chooser on a hand-built layer: the pick it makes, pins, and its
 CP-SAT model's optimum against a brute-force enumeration of every pick, priced by an
-objective written here from the formulation (partc/passes/tp_chooser.py's docstring)."""
+objective written here from the formulation (passes/tp/chooser.py's docstring)."""
 
 import itertools
 
