@@ -155,10 +155,10 @@ def schedule_candidates(problem: PlanningProblem, config: PipelineConfig
                         ) -> list[PipelineConfig]:
     """The configurations :func:`choose_schedule` solves besides ``config``: ``config``
     under every schedule (:class:`~partc.names.Schedule`) the closed-form search does
-    not weigh, with each virtual-stage count the schedule allows (``AUTO_VIRTUAL_STAGES`` for those that
-    take any, or the pinned one), where torch runs it on ``config``'s ranks and
-    microbatches (:func:`partc.cost.schedules.refusal`) and every run holds a layer; with
-    ``config``'s ZeRO stage, or where the runtime refuses the schedule with it
+    not weigh, with each virtual-stage count the schedule allows (``AUTO_VIRTUAL_STAGES``
+    for those that take any, or the pinned one), where torch runs it on ``config``'s ranks
+    and microbatches (:func:`partc.cost.schedules.refusal`) and every run holds a layer;
+    with ``config``'s ZeRO stage, or where the runtime refuses the schedule with it
     (``feature_refusal``: a split backward under FSDP) with the highest one it runs
     and the pins allow. With the schedule pinned, it with each other virtual-stage
     count the closed-form search weighed (:func:`_chunk_counts`): the closed form ranks

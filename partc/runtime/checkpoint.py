@@ -473,7 +473,8 @@ def _check(rank_state: RankState, path: Path, manifest: dict[str, Any],
         saved = manifest["optimizer"]
         if saved is None:
             raise CheckpointError(f"{manifest_file}: the checkpoint holds no optimizer state "
-                                  "(saved without optimizer=); load without one", path=manifest_file)
+                                  "(saved without optimizer=); load without one",
+                                  path=manifest_file)
         if saved["class"] != optimizer_class(optimizer):
             raise CheckpointError(f"{manifest_file}: the optimizer state is {saved['class']}'s, "
                                   f"this optimizer is a {optimizer_class(optimizer)}",

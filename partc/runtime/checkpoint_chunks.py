@@ -9,9 +9,9 @@ its own tensor with their offsets in the whole tensor, cut exactly as the runtim
 tensor-parallel placement, ``Shard(dim, chunks=k)`` being k chunks per rank, then FSDP2's
 shard of dim 0 under ZeRO-2/3, over the DTensor's own mesh: dp, or for a routed expert
 weight the expert-data-parallel group). Ranks holding the same chunk (replicas, the
-expert-data-parallel group) name it alike, and DCP writes it once. DCP names each chunk by its offsets, so
-a checkpoint written under one cut reads back under any other (resharding by FQN);
-optimizer state shaped like its parameter is cut the same way.
+expert-data-parallel group) name it alike, and DCP writes it once. DCP names each chunk by
+its offsets, so a checkpoint written under one cut reads back under any other (resharding by
+FQN); optimizer state shaped like its parameter is cut the same way.
 """
 
 from __future__ import annotations
