@@ -27,13 +27,12 @@ import torch
 from torch import fx
 
 from partc import meta
-from partc.names import Phase
-from partc.placement import REPLICATE
 from partc.cost.schedules import rank_of
+from partc.names import Phase
+from partc.passes.split import StageGraph
+from partc.placement import REPLICATE
 from partc.plan import Plan
 from partc.units import format_bytes
-
-from partc.passes.split import StageGraph
 
 _NODE_LINE = re.compile(r"^(\s+)(\w+)(?::| =)")
 _NOISE = re.compile(r"^\s*# (No stacktrace found|File: |Stack trace)")

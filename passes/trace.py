@@ -26,7 +26,6 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from partc import meta
 from partc.errors import TraceError
 from partc.identity import param_fqns
-
 from partc.passes.context import Context
 
 LOSS_MODULE = "loss"

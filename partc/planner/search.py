@@ -49,22 +49,22 @@ from ortools.sat.python import cp_model
 from partc import progress
 from partc.cost.evaluate import Evaluation, evaluate, simulated_step_ps
 from partc.cost.pipeline_config import PS_PER_S, PipelineConfig
+from partc.cost.schedules import feature_refusal, refusal
+from partc.cost.schedules import schedule as schedule_info
 from partc.cost.tables import CostTable, TableCache, build_cost_table
 from partc.errors import PlanInfeasibleError
 from partc.names import Outcome, Schedule
-from partc.report.explain import explain_infeasible
 from partc.options import PlannerOptions
 from partc.plan import ScheduleOption
-from partc.problem import ZERO2_GRAD_SYNCS, PlanningProblem, effective_zero_stage
-from partc.cost.schedules import feature_refusal, refusal
-from partc.cost.schedules import schedule as schedule_info
-from partc.spec import AUTO_SCHEDULES
 from partc.planner.bounds import incumbent, lower_bound, starting_point
 from partc.planner.expert_parallel import expand as expand_ep
 from partc.planner.meshes import mesh_results
 from partc.planner.pins import check_pins
 from partc.planner.results import Assignment, ConfigResult, PlannerResult, ScheduleTrial
 from partc.planner.stage_model import StageModel
+from partc.problem import ZERO2_GRAD_SYNCS, PlanningProblem, effective_zero_stage
+from partc.report.explain import explain_infeasible
+from partc.spec import AUTO_SCHEDULES
 
 
 def divisors(n: int) -> list[int]:

@@ -123,8 +123,8 @@ from ortools.sat.python import cp_model
 
 from partc.cost.evaluate import receive_ps
 from partc.cost.tables import CostTable
-from partc.problem import RECOMPUTE_MODES, PlanningProblem
 from partc.planner.results import Assignment
+from partc.problem import RECOMPUTE_MODES, PlanningProblem
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -76,7 +76,6 @@ from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
 
 from partc.errors import CheckpointError
-
 from partc.runtime.checkpoint_chunks import (ChunkLoadPlanner, Chunks, ChunkSavePlanner,
                                              CpuStaged, held_tensors, hyperparameters,
                                              initialise_state, inner_optimizer,

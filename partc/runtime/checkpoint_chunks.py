@@ -27,13 +27,12 @@ from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, Metadat
                                                    TensorProperties)
 from torch.distributed.checkpoint.planner import (LoadPlan, SavePlan, TensorWriteData,
                                                   WriteItem, WriteItemType)
-from torch.distributed.checkpoint.planner_helpers import (
-    _create_read_items, _create_write_items, create_read_items_for_chunk_list)
+from torch.distributed.checkpoint.planner_helpers import (_create_read_items, _create_write_items,
+                                                          create_read_items_for_chunk_list)
 from torch.distributed.checkpoint.utils import find_tensor_shard
 from torch.distributed.tensor import DTensor
 
 from partc.errors import PartcError
-
 from partc.runtime import tp as tp_ops
 from partc.runtime.parameters import dp_shard
 from partc.runtime.rank_state import RankState

@@ -16,15 +16,14 @@ from torch import fx, nn
 
 from partc import meta
 from partc.identity import model_hash
-from partc.placement import REPLICATE
-from partc.problem import (HeavyOp, ModelAnalysis, ModelSummary, MoECost, SharedParam,
-                           TPOption)
-
 from partc.passes.context import Context
 from partc.passes.helpers.graph import fetch, param_usage
 from partc.passes.layers import crossing_bytes, crossing_tensors
 from partc.passes.moe import MoERegion, expert_nodes, recognize
 from partc.passes.tp.rewrite import LINEAR_REDUCE_SCATTER, LINEARS_OF_GATHERED
+from partc.placement import REPLICATE
+from partc.problem import (HeavyOp, ModelAnalysis, ModelSummary, MoECost, SharedParam,
+                           TPOption)
 
 if TYPE_CHECKING:
     from partc.passes.tp.chooser import Sharding

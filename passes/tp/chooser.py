@@ -108,15 +108,14 @@ from partc.cost.communication import collectives_seconds
 from partc.cost.layer_compute import op_step_seconds
 from partc.cost.pipeline_config import to_ps
 from partc.options import ShardingOptions
-from partc.placement import REPLICATE, Placement, Shard
-from partc.problem import HeavyOp
-from partc.runtime.tp_loss import probe
-
 from partc.passes.helpers.graph import (carries_grad, is_tensorish, layer_nodes, op_name,
                                         storage_of, tensor_inputs)
 from partc.passes.tp.rules import (NO_STRATEGY_OPS, ChunkHints, Collective, Strategy, divides,
-                       output_shape, own_collectives, redistribute, regathers,
-                       strategies)
+                                   output_shape, own_collectives, redistribute, regathers,
+                                   strategies)
+from partc.placement import REPLICATE, Placement, Shard
+from partc.problem import HeavyOp
+from partc.runtime.tp_loss import probe
 
 log = logging.getLogger("partc")
 
