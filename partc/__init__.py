@@ -42,16 +42,16 @@ _EXPORTS = {
 __all__ = sorted(_EXPORTS)
 
 if TYPE_CHECKING:   # what static tools and IDEs read
-    from partc.device.budget import PRESETS, DeviceBudget
     from partc.cache import PlanCache
     from partc.compiler import build_problem, compile, load, plan_problem
+    from partc.device.budget import PRESETS, DeviceBudget
     from partc.errors import (CheckpointError, PartcError, PlanFileError, PlanInfeasibleError,
-                         PlanMismatchError, PlanSchemaError, PlanValidationError, TraceError)
+                              PlanMismatchError, PlanSchemaError, PlanValidationError, TraceError)
     from partc.options import PlannerOptions, ShardingOptions
     from partc.plan import Plan
+    from partc.planner.validate import validate_plan
     from partc.program import Program
     from partc.spec import Constraints, TrainSpec
-    from partc.planner.validate import validate_plan
     from partc.weights import on_meta
 
 

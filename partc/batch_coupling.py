@@ -7,9 +7,10 @@ losses: the fraction of the batch's tokens each expert takes times its mean rout
 probability, a product of batch means) is not. For a model whose mixture-of-experts
 layers feed such a loss (``partc.passes.moe`` recognises it), :func:`couples_samples`
 compares the loss of the example batch with the mean of its halves' losses, on the real
-weights (a float64 copy of a small model), without changing them. Where the loss couples samples, :func:`restrict` plans
-one replica and one microbatch, or refuses pins that split the batch, unless
-``TrainSpec(loss_per_microbatch=True)`` declares each microbatch's loss its own.
+weights (a float64 copy of a small model), without changing them. Where the loss couples
+samples, :func:`restrict` plans one replica and one microbatch, or refuses pins that
+split the batch, unless ``TrainSpec(loss_per_microbatch=True)`` declares each
+microbatch's loss its own.
 """
 
 from __future__ import annotations

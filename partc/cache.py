@@ -45,8 +45,8 @@ from partc.codec import check, from_data, to_data
 from partc.cost.tables import TableCache
 from partc.errors import PlanValidationError
 from partc.plan import Plan
-from partc.problem import ModelAnalysis, PlanningProblem
 from partc.planner.validate import validate_plan
+from partc.problem import ModelAnalysis, PlanningProblem
 
 log = logging.getLogger("partc")
 

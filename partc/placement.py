@@ -24,7 +24,8 @@ class Placement:
             return "Partial()"
         if self.kind == "*":
             return "Any()"
-        return f"Shard({self.dim})" if self.chunks == 1 else f"Shard({self.dim}, chunks={self.chunks})"
+        return (f"Shard({self.dim})" if self.chunks == 1
+                else f"Shard({self.dim}, chunks={self.chunks})")
 
     @property
     def is_shard(self) -> bool:

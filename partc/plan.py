@@ -42,9 +42,9 @@ import torch
 
 from partc.codec import (NONE_AS_EMPTY, UNLESS_DEFAULT, CodecError, as_list, from_data,
                          own_form, to_data)
-from partc.device.figures import FIGURE_NAMES, DeviceFigures
 from partc.cost.schedules import SCHEDULE_TABLE, stages_of_rank
 from partc.device.budget import DEFAULT_DISK_BANDWIDTH
+from partc.device.figures import FIGURE_NAMES, DeviceFigures
 from partc.errors import PlanSchemaError
 from partc.names import Outcome, Phase, Recompute, Schedule
 from partc.placement import REPLICATE, Placement

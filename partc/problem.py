@@ -96,9 +96,9 @@ class Precision:
 
     compute_bytes: float            # a weight as the layers compute with it: 4 fp32, 2 bf16
     optimizer_state_bytes: float    # the optimizer's own state, fp32 (Adam: 8, SGD: 0)
-    # fp32 copies of the stepped weights torch's step makes beside them, over the whole
-    # list in its foreach form (Adam: sqrt(v); SGD, momentum or not: none); torch's
-    # per-tensor loop makes twice as many of one tensor at a time (partc.cost.state_bytes.step_bytes).
+    # fp32 copies of the stepped weights torch's step makes beside them, over the whole list
+    # in its foreach form (Adam: sqrt(v); SGD, momentum or not: none); torch's per-tensor
+    # loop makes twice as many of one tensor at a time (partc.cost.state_bytes.step_bytes).
     step_copies: float = 0.0
 
     @property
@@ -170,7 +170,8 @@ class MoECost:
     expert_param_bytes: int
     expert_fwd_flops: float         # all routed experts' forward FLOPs per sample
     expert_saved_bytes: dict[str, float]   # by recompute mode, like LayerCost.saved_bytes
-    dispatch_bytes: float           # one all-to-all's payload per sample (tokens x top_k x hidden x dtype)
+    dispatch_bytes: float           # one all-to-all's payload per sample
+                                    # (tokens x top_k x hidden x dtype)
     capacity_factor: float | None = None   # None: dropless
     aux_loss: bool = False          # the model adds a load-balancing loss
     expert_form: str = "batched"    # batched | module-list (see EXPERT_FORMS)
@@ -326,9 +327,9 @@ class LayerCost:
 
     @property
     def kernels(self) -> dict[str, Any]:
-        """Kernels per microbatch by phase, as :func:`partc.cost.layer_compute.layer_work` splits its
-        time: forward, backward and per recompute mode (full: the forward's; selective:
-        its attention cores'); all 0 where they were not counted."""
+        """Kernels per microbatch by phase, as :func:`partc.cost.layer_compute.layer_work`
+        splits its time: forward, backward and per recompute mode (full: the forward's;
+        selective: its attention cores'); all 0 where they were not counted."""
         forward = self.forward_kernels or 0
         backward = self.backward_kernels if self.backward_kernels is not None else 2 * forward
         recompute = {m: self.recompute_kernels.get(m, 0 if m == "none" else forward)

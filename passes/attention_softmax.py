@@ -16,11 +16,10 @@ from __future__ import annotations
 import torch
 from torch import fx
 
-from partc.runtime.softmax import softmax, softmax_for_product
-
-from partc.passes.helpers.attention_core import attention_cores
 from partc.passes.context import Context
+from partc.passes.helpers.attention_core import attention_cores
 from partc.passes.helpers.graph import dropout_args, op_name
+from partc.runtime.softmax import softmax, softmax_for_product
 
 # Products autocast computes in its low dtype (it casts their floating inputs to it).
 _LOW_PRECISION_PRODUCTS = frozenset({"matmul", "bmm"})

@@ -9,10 +9,11 @@ so the files can be diffed and kept as golden copies.
 A stage file imports on its own and names only what it defines or imports (pyflakes
 finds no undefined name): lowering dropped export's metadata assertions and made device
 literals of the planning machine read the device of the stage's input instead
-(``passes/portable.py``, run on every stage the runtime runs); fx's string annotations (``"f32[2, 16]"``, which are not
-Python names) become comments, and fx's ``wrap(...)`` registrations (needed only to
-trace the code again, and refused inside a class body) are left out. The file defines
-the stage's class; running it needs the model's parameters at the FQNs it reads.
+(``passes/portable.py``, run on every stage the runtime runs); fx's string annotations
+(``"f32[2, 16]"``, which are not Python names) become comments, and fx's ``wrap(...)``
+registrations (needed only to trace the code again, and refused inside a class body) are
+left out. The file defines the stage's class; running it needs the model's parameters at
+the FQNs it reads.
 """
 
 from __future__ import annotations
@@ -26,13 +27,12 @@ import torch
 from torch import fx
 
 from partc import meta
-from partc.names import Phase
-from partc.placement import REPLICATE
 from partc.cost.schedules import rank_of
+from partc.names import Phase
+from partc.passes.split import StageGraph
+from partc.placement import REPLICATE
 from partc.plan import Plan
 from partc.units import format_bytes
-
-from partc.passes.split import StageGraph
 
 _NODE_LINE = re.compile(r"^(\s+)(\w+)(?::| =)")
 _NOISE = re.compile(r"^\s*# (No stacktrace found|File: |Stack trace)")

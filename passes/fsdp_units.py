@@ -28,7 +28,6 @@ from typing import Any
 from torch import fx, nn
 
 from partc import meta
-
 from partc.passes.context import Context
 
 

@@ -52,7 +52,6 @@ import torch.nn.functional as F
 from torch import fx
 
 from partc import meta
-
 from partc.passes.context import Context
 from partc.passes.helpers.graph import is_dtype_check
 

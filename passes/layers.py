@@ -25,7 +25,6 @@ from torch import fx, nn
 
 from partc import meta
 from partc.errors import TraceError
-
 from partc.passes.context import Context
 from partc.passes.helpers.graph import carries_grad, mutated_inputs, op_name
 

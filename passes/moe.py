@@ -32,10 +32,9 @@ from torch import fx
 
 from partc import meta
 from partc.errors import PartcError
-from partc.runtime.experts import ExpertParallel
-
 from partc.passes.context import Context
 from partc.passes.helpers.graph import op_name
+from partc.runtime.experts import ExpertParallel
 
 # Ops a router's score may pass through between the gate and the top-k.
 _SCORE_OPS = {"softmax", "_softmax", "sigmoid", "to", "_to_copy", "type", "float", "add",

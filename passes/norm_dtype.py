@@ -28,10 +28,9 @@ import torch.nn.functional as F
 from torch import fx
 
 from partc.autocast_policy import LOWER_PRECISION
-from partc.runtime.norm import layer_norm
-
 from partc.passes.context import Context
 from partc.passes.helpers.graph import op_name
+from partc.runtime.norm import layer_norm
 
 
 def norm_dtype(gm: fx.GraphModule, ctx: Context) -> fx.GraphModule:

@@ -31,27 +31,26 @@ from torch import fx, nn
 from partc import meta, progress
 from partc.errors import TraceError
 from partc.options import ShardingOptions
-from partc.problem import ModelAnalysis, TPOption
-
-from partc.passes.helpers import dedupe, verify
-from partc.passes.tp import chooser as tp_chooser
 from partc.passes.attention_softmax import attention_softmax
 from partc.passes.context import Context, Lowering
 from partc.passes.estimate import estimate
+from partc.passes.fsdp_units import fsdp_units
 from partc.passes.fuse_attention import fuse_attention
+from partc.passes.helpers import dedupe, verify
 from partc.passes.helpers.graph import param_usage
+from partc.passes.helpers.summarize import summarize, tp_option
 from partc.passes.layers import layers
 from partc.passes.moe import lower_experts
 from partc.passes.norm_dtype import norm_dtype
 from partc.passes.portable import device_from_inputs, drop_assertions, unpin_dtypes
 from partc.passes.propagate import propagate
 from partc.passes.recompute_layers import recompute
-from partc.passes.tp.chooser import Link
 from partc.passes.split import StageGraph, parameter_holders, split
-from partc.passes.helpers.summarize import summarize, tp_option
+from partc.passes.tp import chooser as tp_chooser
+from partc.passes.tp.chooser import Link
 from partc.passes.tp.rewrite import copy_module, tp_rewrite
 from partc.passes.trace import trace
-from partc.passes.fsdp_units import fsdp_units
+from partc.problem import ModelAnalysis, TPOption
 
 log = logging.getLogger("partc")
 

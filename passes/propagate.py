@@ -20,7 +20,6 @@ from torch._subclasses.fake_tensor import (DataDependentOutputException,
 
 from partc import meta
 from partc.errors import TraceError
-
 from partc.passes.context import Context
 from partc.passes.helpers.graph import fetch, op_name
 

@@ -25,11 +25,10 @@ from typing import Mapping
 from torch import fx
 
 from partc import meta
-from partc.runtime.recompute import RECOMPUTED_MODES, checkpoint_layer
-
-from partc.passes.helpers.attention_core import attention_cores
 from partc.passes.context import Context
+from partc.passes.helpers.attention_core import attention_cores
 from partc.passes.helpers.graph import mutated_inputs
+from partc.runtime.recompute import RECOMPUTED_MODES, checkpoint_layer
 
 
 def recompute(module: fx.GraphModule, ctx: Context) -> fx.GraphModule:

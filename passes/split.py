@@ -33,7 +33,6 @@ from torch import fx
 
 from partc import meta
 from partc.errors import PlanMismatchError
-
 from partc.passes.helpers.graph import carries_grad, has_side_effects
 
 

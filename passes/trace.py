@@ -26,7 +26,6 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from partc import meta
 from partc.errors import TraceError
 from partc.identity import param_fqns
-
 from partc.passes.context import Context
 
 LOSS_MODULE = "loss"
@@ -336,5 +335,6 @@ def _append_loss(gm: fx.GraphModule, loss_fn: Callable, out_spec: pytree.TreeSpe
         loss = gm.graph.call_module(name, tuple(leaves) + (target,))
     meta.set_role(loss, meta.ROLE_LOSS)
     meta.set_module_path(loss, name)
-    meta.set_params(loss, tuple(f"{name}.{n}" for n, _ in gm.get_submodule(name).named_parameters()))
+    meta.set_params(loss, tuple(f"{name}.{n}"
+                                for n, _ in gm.get_submodule(name).named_parameters()))
     output.args = (loss,)

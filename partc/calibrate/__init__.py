@@ -1,1 +1,4 @@
-"""``partc calibrate``: measure this machine's devices and write the profile a DeviceBudget loads."""
+"""``partc calibrate``: measure this machine's devices.
+
+It writes the profile a DeviceBudget loads.
+"""

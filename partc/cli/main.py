@@ -34,11 +34,11 @@ from pathlib import Path
 from typing import Any, Callable, Iterator
 
 from partc.cli.choices import (ATTENTION, DTYPE_NAMES, OPTIMIZER_STATE_BYTES, REPORT_FORMATS,
-                      SCHEDULES, TP_OBJECTIVES)
+                               SCHEDULES, TP_OBJECTIVES)
 from partc.cost.collectives import KINDS as COLLECTIVE_KINDS
-from partc.errors import PartcError
 from partc.device.figures import FIGURES
 from partc.device.presets import DEFAULT_DEVICE, PRESETS, preset
+from partc.errors import PartcError
 from partc.problem import RECOMPUTE_MODES, ZERO2_GRAD_SYNCS, ZERO_STAGES
 from partc.units import format_seconds, parse_bytes, parse_rate
 

@@ -55,8 +55,8 @@ def zero_overhead_seconds(problem: PlanningProblem, config: PipelineConfig,
     reduce-scatter the whole gradient in and the shard out (fp32), each byte read and
     written (at :attr:`DeviceNumbers.fsdp_copy_rate`). ZeRO-2 reducing once per step
     accumulates every microbatch's whole fp32 gradient instead of copying it out, about
-    as many bytes, a kernel per parameter tensor. It runs on the rank's own thread beside its compute: none of it
-    overlaps.
+    as many bytes, a kernel per parameter tensor. It runs on the rank's own thread
+    beside its compute: none of it overlaps.
 
     A layer too small to be a unit of its own (under ``SMALL_UNITS_SHARE`` of a stage's
     parameters, about 1/pp of the model's: the runtime joins it to the next unit) adds

@@ -40,8 +40,9 @@ from unittest import mock
 import torch
 from torch.distributed.pipelining import schedules as torch_schedules
 
+from partc.cost.schedules import (SCHEDULE_TABLE, rank_of, refusal, schedule as schedule_info,
+                                  stages_of_rank)
 from partc.names import Phase, Schedule
-from partc.cost.schedules import SCHEDULE_TABLE, rank_of, refusal, schedule as schedule_info, stages_of_rank
 
 #: Kinds of :class:`Block`, in the order pictures list them.
 KINDS = ("forward", "backward", "weight", "recompute", "collective", "p2p", "tail")

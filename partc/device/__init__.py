@@ -1,1 +1,4 @@
-"""The devices planned for: presets by name, profiles measured by ``partc calibrate``, and the budget a user declares (torch-free up to the budget)."""
+"""The devices planned for (torch-free up to the budget).
+
+Presets by name, profiles measured by ``partc calibrate``, and the budget a user declares.
+"""

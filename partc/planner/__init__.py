@@ -23,11 +23,11 @@ a caller passes to :func:`solve`.
 from partc.options import PlannerOptions
 from partc.planner.bounds import balanced_split, incumbent, lower_bound
 from partc.planner.meshes import mesh_results
-from partc.planner.results import (MESH_OUTCOMES, Assignment, ConfigResult, MeshResult, PlannerResult,
-                      ScheduleTrial)
-from partc.planner.search import (AUTO_VIRTUAL_STAGES, MAX_CHUNKS, candidate_configs, choose_schedule,
-                     divisors, schedule_candidates, schedule_options, solve, solve_config,
-                     tp_choices)
+from partc.planner.results import (MESH_OUTCOMES, Assignment, ConfigResult, MeshResult,
+                                   PlannerResult, ScheduleTrial)
+from partc.planner.search import (AUTO_VIRTUAL_STAGES, MAX_CHUNKS, candidate_configs,
+                                  choose_schedule, divisors, schedule_candidates, schedule_options,
+                                  solve, solve_config, tp_choices)
 from partc.planner.stage_model import segments
 
 __all__ = [

@@ -5,13 +5,13 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from partc.codec import dtype_named
-from partc.names import Phase, Recompute, Schedule
 from partc.cost.communication import tp_comm_seconds
 from partc.cost.evaluate import Evaluation, simulated_step_ps
 from partc.cost.pipeline_config import PS_PER_S, PipelineConfig
+from partc.names import Phase, Recompute, Schedule
 from partc.plan import (Alternative, BudgetInfo, InputSpec, Mesh, MeshOutcome, ModelInfo,
-                   P2PMessages, Plan, Predicted, SolverStats, StagePlan,
-                   StageTime, TensorParallelPlan, TPCollective)
+                        P2PMessages, Plan, Predicted, SolverStats, StagePlan, StageTime,
+                        TensorParallelPlan, TPCollective)
 from partc.planner.expert_parallel import expert_parallel_section
 from partc.problem import PlanningProblem
 from partc.spec import TrainSpec

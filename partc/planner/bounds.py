@@ -19,8 +19,8 @@ from typing import Any, Sequence
 
 from partc.cost.evaluate import Evaluation, evaluate, receive_bytes
 from partc.cost.tables import CostTable, TableCache
-from partc.problem import RECOMPUTE_MODES, PlanningProblem
 from partc.planner.results import Assignment
+from partc.problem import RECOMPUTE_MODES, PlanningProblem
 
 
 def lower_bound(table: CostTable, cache: TableCache | None = None) -> float:

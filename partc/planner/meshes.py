@@ -8,9 +8,9 @@ import math
 
 from partc.cost.tables import CostTable
 from partc.names import Outcome
-from partc.report.explain import tightest_split
-from partc.problem import PlanningProblem
 from partc.planner.results import ConfigResult, MeshResult
+from partc.problem import PlanningProblem
+from partc.report.explain import tightest_split
 
 # The report lists meshes in this order; unsettled ones together, by their bound.
 _MESH_ORDER = {Outcome.SOLVED: 0, Outcome.TIME_LIMIT: 1, Outcome.PRUNED: 1,

@@ -49,22 +49,22 @@ from ortools.sat.python import cp_model
 from partc import progress
 from partc.cost.evaluate import Evaluation, evaluate, simulated_step_ps
 from partc.cost.pipeline_config import PS_PER_S, PipelineConfig
+from partc.cost.schedules import feature_refusal, refusal
+from partc.cost.schedules import schedule as schedule_info
 from partc.cost.tables import CostTable, TableCache, build_cost_table
 from partc.errors import PlanInfeasibleError
 from partc.names import Outcome, Schedule
-from partc.report.explain import explain_infeasible
 from partc.options import PlannerOptions
 from partc.plan import ScheduleOption
-from partc.problem import ZERO2_GRAD_SYNCS, PlanningProblem, effective_zero_stage
-from partc.cost.schedules import feature_refusal, refusal
-from partc.cost.schedules import schedule as schedule_info
-from partc.spec import AUTO_SCHEDULES
 from partc.planner.bounds import incumbent, lower_bound, starting_point
 from partc.planner.expert_parallel import expand as expand_ep
 from partc.planner.meshes import mesh_results
 from partc.planner.pins import check_pins
 from partc.planner.results import Assignment, ConfigResult, PlannerResult, ScheduleTrial
 from partc.planner.stage_model import StageModel
+from partc.problem import ZERO2_GRAD_SYNCS, PlanningProblem, effective_zero_stage
+from partc.report.explain import explain_infeasible
+from partc.spec import AUTO_SCHEDULES
 
 
 def divisors(n: int) -> list[int]:
@@ -155,10 +155,10 @@ def schedule_candidates(problem: PlanningProblem, config: PipelineConfig
                         ) -> list[PipelineConfig]:
     """The configurations :func:`choose_schedule` solves besides ``config``: ``config``
     under every schedule (:class:`~partc.names.Schedule`) the closed-form search does
-    not weigh, with each virtual-stage count the schedule allows (``AUTO_VIRTUAL_STAGES`` for those that
-    take any, or the pinned one), where torch runs it on ``config``'s ranks and
-    microbatches (:func:`partc.cost.schedules.refusal`) and every run holds a layer; with
-    ``config``'s ZeRO stage, or where the runtime refuses the schedule with it
+    not weigh, with each virtual-stage count the schedule allows (``AUTO_VIRTUAL_STAGES``
+    for those that take any, or the pinned one), where torch runs it on ``config``'s ranks
+    and microbatches (:func:`partc.cost.schedules.refusal`) and every run holds a layer;
+    with ``config``'s ZeRO stage, or where the runtime refuses the schedule with it
     (``feature_refusal``: a split backward under FSDP) with the highest one it runs
     and the pins allow. With the schedule pinned, it with each other virtual-stage
     count the closed-form search weighed (:func:`_chunk_counts`): the closed form ranks

@@ -123,8 +123,8 @@ from ortools.sat.python import cp_model
 
 from partc.cost.evaluate import receive_ps
 from partc.cost.tables import CostTable
-from partc.problem import RECOMPUTE_MODES, PlanningProblem
 from partc.planner.results import Assignment
+from partc.problem import RECOMPUTE_MODES, PlanningProblem
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -199,9 +199,9 @@ class StageModel:
         self._add_memory(held, step)                 # (7), (8)
         tie = sum(g.tie_sync_ps * (sum(held[gi]) - 1) for gi, g in enumerate(table.shared))
         m, v = table.config.num_microbatches, table.config.fill_divisor
-        # Objective: v times the step time (see partc.cost.evaluate.pipeline_ps, v its fill divisor):
-        # the fill-and-drain term is divided by v, the rest multiplied, so that the
-        # objective stays integral.
+        # Objective: v times the step time (see partc.cost.evaluate.pipeline_ps, v its fill
+        # divisor): the fill-and-drain term is divided by v, the rest multiplied, so that
+        # the objective stays integral.
         self.model.minimize(v * m * self.peak_busy + sum(busy) - self.peak_busy
                             + v * (tail + tie + table.tail_latency_ps))
 

@@ -12,13 +12,13 @@ import math
 
 from partc.cost.evaluate import Evaluation, evaluate, simulated_step_ps
 from partc.cost.pipeline_config import PS_PER_S, PipelineConfig
+from partc.cost.schedules import feature_refusal, refusal
 from partc.cost.tables import build_cost_table
 from partc.errors import PlanValidationError
 from partc.plan import Plan
 from partc.planner.expert_parallel import expert_parallel_section
-from partc.cost.schedules import feature_refusal, refusal
-from partc.spec import SCHEDULES
 from partc.problem import ZERO2_GRAD_SYNCS, PlanningProblem
+from partc.spec import SCHEDULES
 
 
 def _structure(problem: PlanningProblem, plan: Plan, errors: list[str]) -> None:

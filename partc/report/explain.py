@@ -150,7 +150,8 @@ def explain_infeasible(problem: PlanningProblem, tables: list[CostTable]) -> Pla
         f"{format_bytes(min(problem.devices.memory_bytes))}: even the tightest split "
         f"(pp={config.pp}{f' x tp={config.tp}' if config.tp > 1 else ''}, micro-batch size "
         f"{config.micro_batch_size}, {config.schedule}, recompute where it saves memory) "
-        f"needs {format_bytes(need)} of memory on stage {stage} ({span}) against a limit of {format_bytes(limit)}. It would fit with "
+        f"needs {format_bytes(need)} of memory on stage {stage} ({span}) against a limit of "
+        f"{format_bytes(limit)}. It would fit with "
         + " or with ".join(fixes) + ".")
     return PlanInfeasibleError(message, stage=stage, resource="memory", need_bytes=need,
                                limit_bytes=limit, suggestion="; ".join(fixes))

@@ -23,11 +23,11 @@ from matplotlib import rc_context
 from matplotlib.figure import Figure
 from matplotlib.patches import Patch
 
+from partc.cost.timeline import COMM_KINDS, COMPUTE_KINDS, KINDS, Timeline, simulate
 from partc.names import Outcome
 from partc.placement import REPLICATE
 from partc.plan import Plan
 from partc.report.text import Section, lay_out, plural, sections
-from partc.cost.timeline import COMM_KINDS, COMPUTE_KINDS, KINDS, Timeline, simulate
 from partc.units import format_bytes, format_seconds
 
 COLOURS = {"forward": "#4c78a8", "backward": "#f58518", "weight": "#eeca3b",

@@ -19,10 +19,10 @@ from dataclasses import dataclass
 
 from partc.cli.choices import REPORT_FORMATS
 from partc.codec import dtype_name
+from partc.cost.timeline import Timeline, simulate, text_lines
 from partc.names import Outcome, Phase
 from partc.placement import REPLICATE
 from partc.plan import MeshOutcome, Plan
-from partc.cost.timeline import Timeline, simulate, text_lines
 from partc.units import format_bytes, format_count, format_seconds
 
 FORMATS = REPORT_FORMATS

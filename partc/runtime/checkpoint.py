@@ -76,7 +76,6 @@ from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
 
 from partc.errors import CheckpointError
-
 from partc.runtime.checkpoint_chunks import (ChunkLoadPlanner, Chunks, ChunkSavePlanner,
                                              CpuStaged, held_tensors, hyperparameters,
                                              initialise_state, inner_optimizer,
@@ -473,7 +472,8 @@ def _check(rank_state: RankState, path: Path, manifest: dict[str, Any],
         saved = manifest["optimizer"]
         if saved is None:
             raise CheckpointError(f"{manifest_file}: the checkpoint holds no optimizer state "
-                                  "(saved without optimizer=); load without one", path=manifest_file)
+                                  "(saved without optimizer=); load without one",
+                                  path=manifest_file)
         if saved["class"] != optimizer_class(optimizer):
             raise CheckpointError(f"{manifest_file}: the optimizer state is {saved['class']}'s, "
                                   f"this optimizer is a {optimizer_class(optimizer)}",

@@ -9,9 +9,9 @@ its own tensor with their offsets in the whole tensor, cut exactly as the runtim
 tensor-parallel placement, ``Shard(dim, chunks=k)`` being k chunks per rank, then FSDP2's
 shard of dim 0 under ZeRO-2/3, over the DTensor's own mesh: dp, or for a routed expert
 weight the expert-data-parallel group). Ranks holding the same chunk (replicas, the
-expert-data-parallel group) name it alike, and DCP writes it once. DCP names each chunk by its offsets, so
-a checkpoint written under one cut reads back under any other (resharding by FQN);
-optimizer state shaped like its parameter is cut the same way.
+expert-data-parallel group) name it alike, and DCP writes it once. DCP names each chunk by
+its offsets, so a checkpoint written under one cut reads back under any other (resharding by
+FQN); optimizer state shaped like its parameter is cut the same way.
 """
 
 from __future__ import annotations
@@ -27,13 +27,12 @@ from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, Metadat
                                                    TensorProperties)
 from torch.distributed.checkpoint.planner import (LoadPlan, SavePlan, TensorWriteData,
                                                   WriteItem, WriteItemType)
-from torch.distributed.checkpoint.planner_helpers import (
-    _create_read_items, _create_write_items, create_read_items_for_chunk_list)
+from torch.distributed.checkpoint.planner_helpers import (_create_read_items, _create_write_items,
+                                                          create_read_items_for_chunk_list)
 from torch.distributed.checkpoint.utils import find_tensor_shard
 from torch.distributed.tensor import DTensor
 
 from partc.errors import PartcError
-
 from partc.runtime import tp as tp_ops
 from partc.runtime.parameters import dp_shard
 from partc.runtime.rank_state import RankState

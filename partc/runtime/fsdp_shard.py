@@ -21,7 +21,6 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
 from partc.errors import PartcError
 from partc.problem import SMALL_UNITS_SHARE
-
 from partc.runtime import experts
 from partc.runtime.topology import Topology
 

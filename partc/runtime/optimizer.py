@@ -54,7 +54,6 @@ from torch import nn
 
 from partc.errors import PartcError
 from partc.problem import BUCKET_ELEMENTS
-
 from partc.runtime.parameters import dp_shard
 from partc.runtime.topology import ALL_GATHER_SINGLE, REDUCE_SCATTER_SINGLE
 

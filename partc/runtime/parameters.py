@@ -12,7 +12,6 @@ from torch.distributed.tensor import DTensor
 from partc.errors import PartcError
 from partc.identity import param_fqns
 from partc.plan import Plan
-
 from partc.runtime import tp as tp_ops
 from partc.runtime.topology import Topology
 

@@ -19,12 +19,11 @@ from torch import nn
 from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe
 from torch.distributed.pipelining import schedules as torch_schedules
 
+from partc.cost.schedules import feature_refusal, rank_of, refusal
+from partc.cost.schedules import schedule as schedule_facts
 from partc.errors import PartcError
 from partc.names import Schedule
 from partc.plan import Plan
-from partc.cost.schedules import feature_refusal, rank_of, refusal
-from partc.cost.schedules import schedule as schedule_facts
-
 from partc.runtime.pipeline_stage import CountingStage
 from partc.runtime.topology import Topology, group_of
 

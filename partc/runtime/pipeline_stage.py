@@ -28,7 +28,6 @@ from torch.distributed.pipelining._backward import stage_backward
 from torch.distributed.tensor import DTensor
 
 from partc.errors import PartcError
-
 from partc.runtime.optimizer import GradBuckets
 from partc.runtime.watchdog import Watchdog
 

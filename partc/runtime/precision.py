@@ -35,7 +35,6 @@ from torch import nn
 from partc.autocast_policy import cuda_policy
 from partc.errors import PartcError
 from partc.plan import Plan
-
 from partc.runtime.optimizer import GradBuckets
 
 

@@ -18,7 +18,6 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
 from partc.plan import Plan
-
 from partc.runtime.optimizer import GradBuckets
 from partc.runtime.pipeline_stage import CountingStage
 from partc.runtime.precision import ComputeCopies

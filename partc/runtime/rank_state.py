@@ -22,7 +22,6 @@ from torch.distributed.tensor import DTensor
 
 from partc.placement import Placement
 from partc.plan import Plan
-
 from partc.runtime import tp as tp_ops
 from partc.runtime.parameters import dp_shard, local_part
 from partc.runtime.rank_parts import RankParts

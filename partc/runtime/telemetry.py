@@ -74,7 +74,8 @@ def flops_per_step(plan: Plan) -> float:
 
 def achieved_mfu(plan: Plan, seconds: float) -> float:
     """Model FLOPs utilisation of a step that took ``seconds``."""
-    return flops_per_step(plan) / (seconds * plan.budget.num_devices * plan.budget.figures.peak_flops)
+    return flops_per_step(plan) / (seconds * plan.budget.num_devices
+                                   * plan.budget.figures.peak_flops)
 
 
 def tokens_per_sample(plan: Plan) -> float | None:

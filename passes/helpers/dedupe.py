@@ -62,11 +62,10 @@ import torch
 from torch import fx, nn
 
 from partc import meta
-from partc.problem import ModelAnalysis, TPOption
-
 from partc.passes.helpers import segments
 from partc.passes.helpers.graph import carries_grad, op_name, param_usage
 from partc.passes.layers import crossing_users, cut_counts, cut_sums, is_repeated
+from partc.problem import ModelAnalysis, TPOption
 
 
 class Mismatch(Exception):

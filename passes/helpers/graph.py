@@ -11,7 +11,6 @@ import torch
 from torch import fx
 
 from partc import meta
-
 from partc.passes.context import Context
 
 

@@ -16,15 +16,14 @@ from torch import fx, nn
 
 from partc import meta
 from partc.identity import model_hash
-from partc.placement import REPLICATE
-from partc.problem import (HeavyOp, ModelAnalysis, ModelSummary, MoECost, SharedParam,
-                           TPOption)
-
 from partc.passes.context import Context
 from partc.passes.helpers.graph import fetch, param_usage
 from partc.passes.layers import crossing_bytes, crossing_tensors
 from partc.passes.moe import MoERegion, expert_nodes, recognize
 from partc.passes.tp.rewrite import LINEAR_REDUCE_SCATTER, LINEARS_OF_GATHERED
+from partc.placement import REPLICATE
+from partc.problem import (HeavyOp, ModelAnalysis, ModelSummary, MoECost, SharedParam,
+                           TPOption)
 
 if TYPE_CHECKING:
     from partc.passes.tp.chooser import Sharding
@@ -81,13 +80,13 @@ def tp_option(ctx: Context, base: ModelAnalysis, usage: dict, local: fx.GraphMod
 
 
 def _rings(local: fx.GraphModule, tp: int) -> dict[int, list[tuple[str, str, int, float]]]:
-    """Per layer, the collectives its rings run beside matmuls (``partc.passes.tp.rewrite.fuse_rings``):
-    (kind, phase, bytes of the whole tensor, FLOPs of the matmuls beside it). The
-    gathered linears: the forward all-gather beside their forward, the backward
-    all-gather of the shard beside the input gradients, the input gradient's
-    reduce-scatter beside the weight gradients (equal FLOPs each). The reduce-scattered
-    linear: the forward beside its forward, the output gradient's all-gather beside its
-    input and weight gradients."""
+    """Per layer, the collectives its rings run beside matmuls
+    (``partc.passes.tp.rewrite.fuse_rings``): (kind, phase, bytes of the whole tensor, FLOPs
+    of the matmuls beside it). The gathered linears: the forward all-gather beside their
+    forward, the backward all-gather of the shard beside the input gradients, the input
+    gradient's reduce-scatter beside the weight gradients (equal FLOPs each). The
+    reduce-scattered linear: the forward beside its forward, the output gradient's
+    all-gather beside its input and weight gradients."""
     rings: dict[int, list[tuple[str, str, int, float]]] = {}
     for node in local.graph.nodes:
         if node.op != "call_method" or meta.cost(node) is None:

@@ -11,7 +11,6 @@ from typing import Callable
 from torch import fx
 
 from partc import meta
-
 from partc.passes.portable import is_assertion
 
 NodeCheck = Callable[[fx.Node], str]

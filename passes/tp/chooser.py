@@ -24,8 +24,8 @@ Sets
     arrives in its boundary placement ``b_u``. ``O``: the nodes of ``V`` whose values
     leave the layer, in boundary placement ``b_v``. Moves ``r = (u, p, q, c)``: value
     ``u`` brought from placement ``p`` to placement ``q`` by the collectives ``c`` of
-    :func:`~partc.passes.tp.rules.redistribute` (which depend on whether the consumer leaves a partial
-    gradient to sum); consumers that need the same move share it, as the rewrite
+    :func:`~partc.passes.tp.rules.redistribute` (which depend on whether the consumer leaves
+    a partial gradient to sum); consumers that need the same move share it, as the rewrite
     (:mod:`partc.passes.shard`) emits it once.
 Parameters
     ``C[v,s]``: compute of ``v`` under ``s``, its forward and backward at the roofline
@@ -108,15 +108,14 @@ from partc.cost.communication import collectives_seconds
 from partc.cost.layer_compute import op_step_seconds
 from partc.cost.pipeline_config import to_ps
 from partc.options import ShardingOptions
+from partc.passes.helpers.graph import (carries_grad, is_tensorish, layer_nodes, op_name,
+                                        storage_of, tensor_inputs)
+from partc.passes.tp.rules import (NO_STRATEGY_OPS, ChunkHints, Collective, Strategy, divides,
+                                   output_shape, own_collectives, redistribute, regathers,
+                                   strategies)
 from partc.placement import REPLICATE, Placement, Shard
 from partc.problem import HeavyOp
 from partc.runtime.tp_loss import probe
-
-from partc.passes.helpers.graph import (carries_grad, is_tensorish, layer_nodes, op_name, storage_of,
-                    tensor_inputs)
-from partc.passes.tp.rules import (NO_STRATEGY_OPS, ChunkHints, Collective, Strategy, divides,
-                       output_shape, own_collectives, redistribute, regathers,
-                       strategies)
 
 log = logging.getLogger("partc")
 

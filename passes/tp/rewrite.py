@@ -56,14 +56,13 @@ import torch
 from torch import fx
 
 from partc import meta
-from partc.placement import Placement
-from partc.runtime.tp import ShardedDropout, TensorParallelGroup
-from partc.runtime.tp_loss import VocabParallelLoss
-
 from partc.passes.context import Context
 from partc.passes.helpers.graph import carries_grad, op_name, tensor_inputs
 from partc.passes.tp.chooser import Sharding
 from partc.passes.tp.rules import flattened_for_addmm, redistribute, regathers
+from partc.placement import Placement
+from partc.runtime.tp import ShardedDropout, TensorParallelGroup
+from partc.runtime.tp_loss import VocabParallelLoss
 
 # The group's calls the runtime runs as rings beside their collectives
 # (partc.runtime.tp_rings): the column-parallel linears reading one gathered shard, and a

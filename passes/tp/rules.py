@@ -45,9 +45,8 @@ import torch
 from torch import fx
 
 from partc import meta
-from partc.placement import PARTIAL, REPLICATE, Placement, Shard
-
 from partc.passes.helpers.graph import is_tensorish, op_name, tensor_inputs
+from partc.placement import PARTIAL, REPLICATE, Placement, Shard
 
 
 ANY = Placement("*")  # x.new_ones(...) reads x's dtype and device: any placement will do
