@@ -28,7 +28,10 @@ factory, so that every rank builds the same initial weights, then compiles (the 
 is deterministic and ranks compare plan hashes), builds, and trains ``--steps``
 optimizer steps: the learning rate rises linearly over ``--warmup-steps`` to ``--lr``,
 then falls on a cosine to ``--min-lr`` at the end; gradients are clipped to
-``--max-grad-norm`` (planned, as ``TrainSpec.max_grad_norm``); telemetry
+``--max-grad-norm`` (planned, as ``TrainSpec.max_grad_norm``); a step whose loss or
+gradient norm is inf or NaN raises ``partc.NonFiniteError`` naming it before the
+optimizer steps (the run ends, its last checkpoint finite), or with ``--on-nonfinite
+skip`` is skipped, logged and counted (``TrainSpec.on_nonfinite``); telemetry
 (``partc/runtime/telemetry.py``) prints a line per step on rank 0 and, with
 ``--log-dir``, writes JSON lines per rank (and TensorBoard events with
 ``--tensorboard``). ``--out DIR``: rank 0 saves the program there (plan.json, report.md,
@@ -341,6 +344,9 @@ def execute(config: TrainConfig) -> Outcome:
                   f"{config.steps}", flush=True)
         losses = train(module, optimizer, workload, config, telemetry=telemetry,
                        start_step=start, after_step=saver)
+        if module.skipped_steps and module.topology.rank == 0:
+            print(f"{module.skipped_steps} of {len(losses)} steps skipped: their loss or "
+                  "gradient norm was inf or NaN (--on-nonfinite skip)", flush=True)
         if saver is not None:
             module.wait_checkpoint()   # an asynchronous save under way ends before exit
             if saver.stopped:
