@@ -32,6 +32,7 @@ checkpoints (:mod:`.checkpoint`), data (:mod:`.data`) and stop signals (:mod:`.s
 
 from __future__ import annotations
 
+import math
 import weakref
 from pathlib import Path
 from typing import Any, Iterator, Mapping
@@ -169,11 +170,23 @@ class DistributedModule:
         ``directory/latest`` at it; returns that directory. Collective: every rank calls
         it. ``async_save``: return once this rank's tensors are copied to CPU memory and
         write them in the background (``wait_checkpoint`` finishes it). ``keep``: keep
-        only the newest ``keep`` checkpoints. Raises :class:`partc.CheckpointError` on
+        only the newest ``keep`` checkpoints, and the newest whose state is finite (the
+        manifest records it, with the last step's loss and norm). Raises :class:`partc.CheckpointError` on
         every rank if any rank cannot save; earlier checkpoints stay as they were."""
         self.state.wait_param_gathers()
         return checkpoint.save(self.state, self._saves, directory, optimizer=optimizer,
-                               step=step, extra=extra, async_save=async_save, keep=keep)
+                               step=step, extra=extra, async_save=async_save, keep=keep,
+                               last_step=self._last_step_finite())
+
+    def _last_step_finite(self) -> dict[str, Any]:
+        """What a checkpoint records of the last step's numbers (None: not measured)."""
+        numbers = self.last_numbers
+        if numbers is None:
+            return {}
+        return {"loss": math.isfinite(numbers.loss_value),
+                "grad_norm": None if numbers.grad_norm_value is None
+                else math.isfinite(numbers.grad_norm_value),
+                "skipped": self.last_step_skipped}
 
     def load_checkpoint(self, directory: str | Path, *,
                         optimizer: torch.optim.Optimizer | None = None) -> tuple[int, dict]:
