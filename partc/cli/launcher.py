@@ -39,7 +39,8 @@ report.html, code/).
 
 Checkpoints (``partc/runtime/checkpoint.py``): with ``--checkpoint-dir D`` every rank
 saves every ``--checkpoint-every N`` steps and after the last (``--keep K``: only the
-newest K, and the newest whose state is finite; ``--async-save``: written in the background while training goes on).
+newest K, and the newest whose state is finite; ``--async-save``: written in the
+background while training goes on).
 ``--resume`` continues from D's latest complete checkpoint when there is one and starts
 afresh when there is none, so the same command serves the first launch, a relaunch
 after a suspend and torchrun's ``--max-restarts``; the plan is made again for this

@@ -171,8 +171,9 @@ class DistributedModule:
         it. ``async_save``: return once this rank's tensors are copied to CPU memory and
         write them in the background (``wait_checkpoint`` finishes it). ``keep``: keep
         only the newest ``keep`` checkpoints, and the newest whose state is finite (the
-        manifest records it, with the last step's loss and norm). Raises :class:`partc.CheckpointError` on
-        every rank if any rank cannot save; earlier checkpoints stay as they were."""
+        manifest records it, with the last step's loss and norm). Raises
+        :class:`partc.CheckpointError` on every rank if any rank cannot save; earlier
+        checkpoints stay as they were."""
         self.state.wait_param_gathers()
         return checkpoint.save(self.state, self._saves, directory, optimizer=optimizer,
                                step=step, extra=extra, async_save=async_save, keep=keep,

@@ -100,14 +100,18 @@ class StepCheck:
         dist.all_reduce(vector)  # only the last stage's ranks add losses, tp copies alike
         values = vector.tolist()
         scale = parts.plan.num_microbatches * topo.dp * topo.tp
-        norm = self._gradients.norm_of(vector[1]) if self.measures_norm else None
+        norm = norm_value = None
+        if self.measures_norm:
+            norm = self._gradients.norm_of(vector[1])
+            # From the host's copy: no second wait for the device.
+            norm_value = float(self._gradients.norm_of(torch.tensor(values[1])))
         pp = topo.pp
         loss_stages = tuple(round(v) for v in values[2:2 + pp])
         grad_stages = tuple(round(v) for v in values[2 + pp:2 + 2 * pp])
         return StepNumbers(
             step=step, loss=vector[0] / scale, grad_norm=norm,
             loss_value=values[0] / scale,
-            grad_norm_value=float(norm) if norm is not None else None,
+            grad_norm_value=norm_value,
             loss_stages=loss_stages, grad_stages=grad_stages,
             loss_rank=round(values[2 * pp]) if sum(loss_stages) == 1 else None,
             grad_rank=round(values[2 * pp + 1]) if sum(grad_stages) == 1 else None)
