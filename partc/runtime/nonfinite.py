@@ -113,8 +113,8 @@ class StepCheck:
             loss_value=values[0] / scale,
             grad_norm_value=norm_value,
             loss_stages=loss_stages, grad_stages=grad_stages,
-            loss_rank=round(values[2 * pp]) if sum(loss_stages) == 1 else None,
-            grad_rank=round(values[2 * pp + 1]) if sum(grad_stages) == 1 else None)
+            loss_rank=round(values[2 + 2 * pp]) if sum(loss_stages) == 1 else None,
+            grad_rank=round(values[3 + 2 * pp]) if sum(grad_stages) == 1 else None)
 
     def judge(self, numbers: StepNumbers) -> bool:
         """Whether the step is to be skipped: False when its numbers are finite (or the

@@ -225,7 +225,7 @@ def run_nonfinite_case(name: str) -> dict[str, Any]:
         x, y = _batch(model, step)
         if step == POISONED:
             y = y.clone()
-            y[BATCH - 1, 0] = poison   # the last microbatch, on the last dp replica
+            y[0, 0] = poison   # the first microbatch, on the first dp replica
         before, steps_before = _snapshot(module, opt)
         try:
             loss = module.forward_backward(x, target=y)

@@ -113,8 +113,11 @@ POISONED_STEP = 3   # module.step of the poisoned batch (optimizer_worker.POISON
 @pytest.mark.parametrize("name", [n for n in NONFINITE_CASES if n.endswith("-raise")])
 def test_nonfinite_step_raises_before_any_parameter_changes(ranks, name):
     """Every rank raises NonFiniteError at the poisoned step, naming it, what was
-    non-finite, the loss's stage and rank (the last replica's last microbatch); the
-    parameters and Adam's state are those of the step before."""
+    non-finite, the loss's stage and rank (the first replica's first microbatch: rank 0,
+    or under pp the last stage's rank); the parameters and Adam's state are those of the
+    step before."""
+    pipelined = "-pp2-" in name
+    loss_rank = len(ranks) - 1 if pipelined else 0
     for rank, results in enumerate(ranks):
         seen = results[name]
         assert "traceback" not in seen, f"rank {rank}: {seen['traceback']}"
@@ -122,12 +125,14 @@ def test_nonfinite_step_raises_before_any_parameter_changes(ranks, name):
         assert error is not None, f"rank {rank}: no error"
         assert error["step"] == POISONED_STEP and f"step {POISONED_STEP}:" in error["message"]
         assert error["what"] == ["loss", "gradient norm"]
-        assert error["ranks"] == [len(ranks) - 1], error["message"]
+        assert error["ranks"] == [loss_rank], error["message"]
+        stage = len(ranks) - 1 if pipelined else 0
+        assert f"the loss on stage {stage} (rank {loss_rank})" in error["message"]
         assert "no parameter has changed" in error["message"]
         assert error["unchanged"], f"rank {rank}: the state changed at the raising step"
         assert error["parameters"], "the rank's non-finite gradients are named"
         assert seen["changed"] == [True] * (POISONED_STEP - 1)   # trained until then
-    if "-pp2-" in name:
+    if pipelined:
         assert ranks[0][name]["error"]["stages"] == [0, 1]
 
 
