@@ -64,3 +64,25 @@ class CheckpointError(PartcError):
         super().__init__(message)
         self.path = path
         self.tensor = tensor
+
+
+class NonFiniteError(PartcError):
+    """A training step whose loss or gradient norm is inf or NaN, found before the
+    optimizer stepped (``TrainSpec.on_nonfinite="raise"``, the default): no parameter
+    changed. Raised on every rank alike. ``step``: the step (``module.step``, counting
+    from 1); ``what``: ``"loss"`` and/or ``"gradient norm"``; ``loss``, ``grad_norm``:
+    the values every rank saw; ``stages``: the pipeline stages where a rank's part was
+    non-finite; ``ranks``: those ranks where known; ``parameters``: this rank's
+    parameters whose gradient is non-finite (FQNs)."""
+
+    def __init__(self, message: str, *, step: int, what: tuple[str, ...], loss: float,
+                 grad_norm: float | None, stages: tuple[int, ...] = (),
+                 ranks: tuple[int, ...] = (), parameters: tuple[str, ...] = ()) -> None:
+        super().__init__(message)
+        self.step = step
+        self.what = what
+        self.loss = loss
+        self.grad_norm = grad_norm
+        self.stages = stages
+        self.ranks = ranks
+        self.parameters = parameters

@@ -11,7 +11,8 @@ from typing import Any, Mapping
 
 import torch
 
-from partc.cli.choices import ATTENTION, OPTIMIZER_STATE_BYTES, SCHEDULES, TP_OBJECTIVES
+from partc.cli.choices import (ATTENTION, ON_NONFINITE, OPTIMIZER_STATE_BYTES, SCHEDULES,
+                               TP_OBJECTIVES)
 from partc.codec import UNLESS_DEFAULT
 from partc.cost.schedules import refusal
 from partc.names import Schedule
@@ -100,6 +101,15 @@ class TrainSpec:
     the last bucket's reduction after the step's last backward. Smaller buckets start
     reducing sooner and pay more latencies; the default is 25M (100 MB of fp32
     gradients, Megatron's order of size).
+    ``on_nonfinite``: every step the runtime checks the mean loss and the global
+    gradient norm for inf and NaN, on every rank, in the all-reduce that already sums the
+    loss (:mod:`partc.runtime.nonfinite`). ``"raise"`` (the default, as Megatron-Core's
+    ``check_for_nan_in_loss_and_grad``) raises :class:`partc.NonFiniteError` naming the
+    step, the stages and ranks and what was non-finite, before the optimizer steps: no
+    parameter has changed. ``"skip"`` drops the step's gradients instead (the optimizer's
+    next step does nothing, ZeRO-1's distributed optimizer and FSDP2's alike), counts it
+    in telemetry and trains on. ``"ignore"`` turns the check off (the step is taken
+    whatever its numbers).
     """
 
     global_batch_size: int
@@ -118,6 +128,7 @@ class TrainSpec:
     tp_overlap: bool = field(default=True, metadata=UNLESS_DEFAULT)
     overlap_param_gather: bool = field(default=True, metadata=UNLESS_DEFAULT)
     bucket_elements: int = field(default=BUCKET_ELEMENTS, metadata=UNLESS_DEFAULT)
+    on_nonfinite: str = field(default="raise", metadata=UNLESS_DEFAULT)
 
     def __post_init__(self) -> None:
         _check_positive_int("TrainSpec.global_batch_size", self.global_batch_size)
@@ -159,6 +170,10 @@ class TrainSpec:
         if not isinstance(self.loss_per_microbatch, bool):
             raise ValueError(f"TrainSpec.loss_per_microbatch must be True or False, got "
                              f"{self.loss_per_microbatch!r}")
+        if self.on_nonfinite not in ON_NONFINITE:
+            raise ValueError(f"TrainSpec.on_nonfinite must be one of {ON_NONFINITE} (what a "
+                             f"step with an inf or NaN loss or gradient norm does), got "
+                             f"{self.on_nonfinite!r}")
         if self.schedule not in ("auto", *SCHEDULES):
             raise ValueError(f"schedule must be 'auto' or one of {SCHEDULES}, "
                              f"got {self.schedule!r}")

@@ -65,6 +65,19 @@ def test_train_spec_bytes_per_parameter():
             partc.TrainSpec(global_batch_size=8, bucket_elements=bad)
 
 
+def test_on_nonfinite_is_a_choice_written_only_when_not_the_default():
+    """TrainSpec.on_nonfinite: raise (default), skip or ignore; plan.json carries it only
+    when it is not the default, so plans written before it read back the same."""
+    spec = partc.TrainSpec
+    assert spec(global_batch_size=4).on_nonfinite == "raise"
+    assert "on_nonfinite" not in to_data(spec(global_batch_size=4))
+    skip = spec(global_batch_size=4, on_nonfinite="skip")
+    assert to_data(skip)["on_nonfinite"] == "skip"
+    assert from_data(spec, to_data(skip)) == skip
+    with pytest.raises(ValueError, match="on_nonfinite must be one of"):
+        spec(global_batch_size=4, on_nonfinite="warn")
+
+
 def test_constraints_validate_pins():
     pins = partc.Constraints(recompute={"h.0": "full"}, stages=[["a"], ["b"]])
     assert pins.effective_pp == 2 and pins.stages == (("a",), ("b",))

@@ -20,6 +20,7 @@ from partc.cli.main import (
     _budget,
     _constraints,
     _parser,
+    _train,
 )
 from partc.cli.config import (TrainConfig, learning_rate, parse_config,
                                 read_config_file)
@@ -120,6 +121,18 @@ def test_the_file_is_read_as_the_flags(tmp_path):
                        ("stage = [1]\n", "stage must be a string or a list of strings")):
         with pytest.raises(ValueError, match=re.escape(says)):
             read_config_file(_toml(tmp_path, text))
+
+
+def test_on_nonfinite_reaches_the_train_spec(tmp_path, capsys):
+    """--on-nonfinite (or the file's key) becomes TrainSpec.on_nonfinite; raise by default."""
+    workload = {"example_inputs": torch.zeros(4, 3)}
+    file = _toml(tmp_path, 'target = "m.py:f"\nsteps = 1\non-nonfinite = "skip"\n')
+    for argv in (["m.py:f", "--steps", "1", "--on-nonfinite", "skip"], ["--config", file]):
+        assert _train(parse_config(argv).plan_arguments(), workload).on_nonfinite == "skip"
+    default = parse_config(["m.py:f", "--steps", "1"]).plan_arguments()
+    assert _train(default, workload).on_nonfinite == "raise"
+    assert launcher.main(["m.py:f", "--steps", "1", "--on-nonfinite", "never"]) == 2
+    assert "invalid choice: 'never'" in capsys.readouterr().err
 
 
 def test_unknown_key_is_refused_by_name(tmp_path):

@@ -22,6 +22,11 @@ SCHEDULES: tuple[str, ...] = tuple(name.value for name in Schedule)
 # bytes (then, with sequence parallelism, activation bytes; then the fastest).
 TP_OBJECTIVES: tuple[str, ...] = ("time", "memory")
 
+# What a training step with an inf or NaN loss or gradient norm does: raise a
+# partc.NonFiniteError before the optimizer steps, skip the step (gradients dropped, the
+# optimizer not stepped, counted in telemetry), or go on as if nothing happened.
+ON_NONFINITE: tuple[str, ...] = ("raise", "skip", "ignore")
+
 # Bytes of optimizer state per parameter, kept in fp32 whatever the compute dtype.
 OPTIMIZER_STATE_BYTES: dict[str, float] = {
     "sgd": 0.0,

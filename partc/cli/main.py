@@ -33,8 +33,8 @@ from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
-from partc.cli.choices import (ATTENTION, DTYPE_NAMES, OPTIMIZER_STATE_BYTES, REPORT_FORMATS,
-                               SCHEDULES, TP_OBJECTIVES)
+from partc.cli.choices import (ATTENTION, DTYPE_NAMES, ON_NONFINITE, OPTIMIZER_STATE_BYTES,
+                               REPORT_FORMATS, SCHEDULES, TP_OBJECTIVES)
 from partc.cost.collectives import KINDS as COLLECTIVE_KINDS
 from partc.device.figures import FIGURES
 from partc.device.presets import DEFAULT_DEVICE, PRESETS, preset
@@ -58,7 +58,7 @@ TRAIN_FLAGS = {
     "moe_imbalance": "--moe-imbalance", "moe_capacity_factor": "--moe-capacity-factor",
     "compile": "--compile", "loss_per_microbatch": "--loss-per-microbatch",
     "tp_overlap": "--no-tp-overlap", "overlap_param_gather": "--no-param-gather-overlap",
-    "bucket_elements": "--bucket-elements",
+    "bucket_elements": "--bucket-elements", "on_nonfinite": "--on-nonfinite",
 }
 # A figure's flag is in its metadata (partc.device.figures).
 BUDGET_FLAGS = {"num_devices": "--devices", "device": "--device", "profile": "--profile",
@@ -306,6 +306,10 @@ def _training_arguments(train) -> None:
     train.add_argument("--bucket-elements", type=COUNT, metavar="N",
                        help="ZeRO 0/1: reduce gradients over the replicas in buckets of up "
                             "to N elements (default 25000000); the plan prices them")
+    train.add_argument("--on-nonfinite", choices=ON_NONFINITE,
+                       help="a step whose loss or gradient norm is inf or NaN: raise "
+                            "before the optimizer steps (default), skip it (gradients "
+                            "dropped, counted in telemetry), or ignore it")
     train.add_argument("--compile", action="store_true",
                        help="run each stage through torch.compile (fused element-wise ops; "
                             "the plan prices the fused bytes)")

@@ -23,7 +23,14 @@ What is stored, all under the model's own FQNs (a tied weight under its first FQ
 - each rank's RNG states (``rng.cpu.rank<r>``, ``rng.cuda.rank<r>``): restored rank by rank
   when the checkpoint was written by as many processes, otherwise left as they are (the
   ranks of another mesh draw other streams whatever one restored);
-- the step, ``extra`` (JSON) and the plan (``plan.json``).
+- the step, ``extra`` (JSON) and the plan (``plan.json``);
+- in the manifest, ``finite``: whether every tensor saved is finite (``state``, agreed
+  over the ranks) and whether the last step's loss and gradient norm were (``loss``,
+  ``grad_norm``: None where not measured; ``skipped``: that step was skipped as
+  non-finite, ``partc/runtime/nonfinite.py``, so the state is the step before's).
+  Retention (``keep``) never removes the newest checkpoint that :func:`holds_finite`
+  says is finite, even beyond the newest ``keep``: a run that went non-finite keeps the
+  state to go back to.
 
 Layout under the root::
 
@@ -168,12 +175,16 @@ class BackgroundSave:
 
 def save(rank_state: RankState, saves: BackgroundSave, directory: str | os.PathLike, *,
          optimizer: torch.optim.Optimizer | None, step: int, extra: dict | None,
-         async_save: bool, keep: int | None) -> Path:
+         async_save: bool, keep: int | None, last_step: dict | None = None) -> Path:
     """``module.save_checkpoint``: collect, make the temporary directory, write, commit;
-    each step agreed by every rank before the next."""
+    each step agreed by every rank before the next. ``last_step``: the finiteness of the
+    last step's numbers (``loss``, ``grad_norm``, ``skipped``), for the manifest."""
     wait(saves)
     root = Path(directory)
     state, manifest = _collect(rank_state, optimizer, step, extra, keep, root)
+    manifest["finite"] = {"state": _all_finite(state, rank_state),
+                          "loss": None, "grad_norm": None, "skipped": False,
+                          **(last_step or {})}
     tmp = _temporary(root, step)
     final = root / step_name(step)
     if async_save:
@@ -225,6 +236,32 @@ def _collect(rank_state: RankState, optimizer: torch.optim.Optimizer | None,
         problem = error if isinstance(error, CheckpointError) else _problem(error)
     _agree(problem, f"cannot save a checkpoint of step {step} under {root}", path=root)
     return state, manifest
+
+
+def _all_finite(state: dict[str, Any], rank_state: RankState) -> bool:
+    """Whether every floating-point tensor every rank saves is finite (collective: one
+    small all-reduce; one pass over what the save copies anyway)."""
+    tensors = [view for value in state.values()
+               for view in (value.parts.values() if isinstance(value, Chunks) else [value])
+               if isinstance(view, torch.Tensor) and view.is_floating_point()]
+    device = rank_state.topology.device
+    flag = torch.zeros((), device=device)
+    if tensors:
+        flag += ~torch.stack([torch.isfinite(t).all().to(device) for t in tensors]).all()
+    dist.all_reduce(flag)
+    return not flag.item()
+
+
+def holds_finite(manifest: dict[str, Any]) -> bool:
+    """Whether a checkpoint's manifest says its state is finite: every tensor finite, and
+    the last step's loss and gradient norm finite or that step skipped. A manifest
+    written before partc recorded it counts as finite."""
+    finite = manifest.get("finite")
+    if finite is None:
+        return True
+    numbers_finite = finite.get("loss") is not False and finite.get("grad_norm") is not False
+    return finite.get("state") is not False and (bool(finite.get("skipped"))
+                                                 or numbers_finite)
 
 
 def _temporary(root: Path, step: int) -> Path:
@@ -323,11 +360,29 @@ def _commit(root: Path, tmp: Path, final: Path, rank_state: RankState,
     os.replace(pointer, root / LATEST)
     _fsync_dir(root)
     if keep is not None:
-        steps = sorted(p for p in root.iterdir() if p.is_dir() and p.name.startswith("step-")
-                       and (p / MANIFEST).exists())
-        for old in steps[:-keep]:
-            if old.name != final.name:
-                shutil.rmtree(old, ignore_errors=True)
+        for old in _retired(root, final, manifest, keep):
+            shutil.rmtree(old, ignore_errors=True)
+
+
+def _retired(root: Path, final: Path, manifest: dict[str, Any], keep: int) -> list[Path]:
+    """The checkpoints beyond the newest ``keep`` that a save of ``final`` removes: all
+    but the newest whose state is finite (:func:`holds_finite`)."""
+    steps = listed(root)
+    kept = holds_finite(manifest) and final
+    if not kept:
+        kept = next((p for p in reversed(steps) if p != final and _finite_at(p)), None)
+        log.warning("checkpoint %s holds non-finite values (%s); %s", final,
+                    json.dumps(manifest.get("finite")),
+                    f"{kept.name}, the newest finite one, is kept whatever keep={keep} says"
+                    if kept else "no earlier checkpoint is finite")
+    return [p for p in steps[:-keep] if p != final and p != kept]
+
+
+def _finite_at(path: Path) -> bool:
+    try:
+        return holds_finite(json.loads((path / MANIFEST).read_text()))
+    except (OSError, ValueError):
+        return False   # a manifest that does not read holds nothing to go back to
 
 
 def _fsync_dir(path: Path) -> None:

@@ -76,29 +76,54 @@ class GradientSync:
     def norm(self, norm_type: float = 2.0) -> torch.Tensor:
         """The whole model's gradient norm, each parameter counted once (the module's
         doc); the same on every rank. Collective."""
-        parts, topo = self._parts, self._parts.topology
-        buckets = parts.buckets
-        grads = [g for name, p in parts.module.named_parameters()
-                 if not self._state.is_expert(p) and (g := self.grad_of(p)) is not None
-                 and self._counts_norm(name)
-                 and (buckets is None or buckets.counted_once(p))]
-        # This rank's routed experts: held by dp x tp / ep ranks of the stage, any tp rank
-        # (under ZeRO each of them a shard).
-        expert_grads = [g for p in parts.expert_params if (g := self.grad_of(p)) is not None]
-        zero = torch.zeros((), device=topo.device)
         if norm_type == float("inf"):
-            local = max((g.detach().abs().max() for g in grads + expert_grads),
-                        default=zero).to(torch.float32)
+            grads = self._counted() + self._expert_grads()
+            local = max((g.detach().abs().max() for g in grads),
+                        default=torch.zeros((), device=self._parts.topology.device)
+                        ).to(torch.float32)
             dist.all_reduce(local, op=dist.ReduceOp.MAX)
             return local
-        local = sum((_power(g, norm_type) for g in grads), zero)
+        total = self.local_power(norm_type)
+        dist.all_reduce(total)  # dp replicas add the same sum; dp shards, parts of it
+        return self.norm_of(total, norm_type)
+
+    def local_power(self, norm_type: float = 2.0) -> torch.Tensor:
+        """This rank's part of the norm's ``norm_type``-th power (fp32, 0-dim): summed
+        over every rank, :meth:`norm_of` makes it the norm. inf or NaN in any gradient
+        counted makes it non-finite. Local: no collective."""
+        topo = self._parts.topology
+        zero = torch.zeros((), device=topo.device)
+        local = sum((_power(g, norm_type) for g in self._counted()), zero)
         # Each expert once overall: a shard on each rank of its expert-data-parallel
-        # group under ZeRO; else whole on each, dp x tp / ep times, divided by dp below.
-        sharded = parts.sharded_grads
-        weight = 1.0 if sharded else topo.ep / topo.tp
-        local = local + weight * sum((_power(g, norm_type) for g in expert_grads), zero)
-        dist.all_reduce(local)  # dp replicas add the same sum; dp shards, parts of it
-        return (local / (1 if sharded else topo.dp)) ** (1.0 / norm_type)
+        # group under ZeRO; else whole on each, dp x tp / ep times, divided by dp in
+        # norm_of.
+        weight = 1.0 if self._parts.sharded_grads else topo.ep / topo.tp
+        return local + weight * sum((_power(g, norm_type) for g in self._expert_grads()),
+                                    zero)
+
+    def norm_of(self, total: torch.Tensor, norm_type: float = 2.0) -> torch.Tensor:
+        """The norm from every rank's :meth:`local_power` summed."""
+        dp = 1 if self._parts.sharded_grads else self._parts.topology.dp
+        return (total / dp) ** (1.0 / norm_type)
+
+    def _counted(self) -> list[torch.Tensor]:
+        parts, buckets = self._parts, self._parts.buckets
+        return [g for name, p in parts.module.named_parameters()
+                if not self._state.is_expert(p) and (g := self.grad_of(p)) is not None
+                and self._counts_norm(name)
+                and (buckets is None or buckets.counted_once(p))]
+
+    def _expert_grads(self) -> list[torch.Tensor]:
+        # This rank's routed experts: held by dp x tp / ep ranks of the stage, any tp
+        # rank (under ZeRO each of them a shard).
+        return [g for p in self._parts.expert_params if (g := self.grad_of(p)) is not None]
+
+    def nonfinite_parameters(self) -> list[str]:
+        """The FQNs of this rank's parameters whose gradient holds inf or NaN (what a
+        non-finite step names; one pass over the gradients)."""
+        return [name for name, p in self._parts.module.named_parameters()
+                if (g := self.grad_of(p)) is not None
+                and not bool(torch.isfinite(g.detach()).all())]
 
     def _counts_norm(self, name: str) -> bool:
         if name in self._parts.tied_elsewhere:
@@ -109,12 +134,17 @@ class GradientSync:
         """Scale every rank's gradients so that the whole model's norm is at most
         ``max_norm``; returns that norm (the same on every rank). Collective."""
         total = self.norm(norm_type)
+        self.scale_to(max_norm, total)
+        return total
+
+    def scale_to(self, max_norm: float, total: torch.Tensor) -> None:
+        """Scale every rank's gradients by ``max_norm / total`` where that is below 1
+        (``total``: the whole model's norm, the same on every rank). Local."""
         coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
         for p in {id(p): p for p in self._parts.module.parameters()}.values():
             grad = self.grad_of(p)
             if grad is not None:
                 grad.mul_(coef.to(grad.dtype))
-        return total
 
     def zero(self, set_to_none: bool = True) -> None:
         self._parts.module.zero_grad(set_to_none=set_to_none)

@@ -12,8 +12,13 @@ all microbatches of the global batch (:mod:`.schedule_run`), then:
    as soon as the last microbatch's backward has filled it
    (``partc/runtime/optimizer.py``); under ZeRO-2/3 FSDP2 reduce-scatters them, each
    replica keeping the mean gradient of its shard (:mod:`.fsdp_shard`);
-3. clips them when the plan says so (``TrainSpec.max_grad_norm``);
-4. returns the mean loss of the global batch, the same on every rank.
+3. reduces the mean loss and the global gradient norm in one all-reduce and checks
+   them for inf and NaN (:mod:`.nonfinite`): by default a non-finite step raises
+   :class:`partc.NonFiniteError` before the optimizer steps; with
+   ``TrainSpec(on_nonfinite="skip")`` its gradients are dropped, so that the optimizer's
+   next step changes nothing, and it is counted (``skipped_steps``, telemetry);
+4. clips the gradients when the plan says so (``TrainSpec.max_grad_norm``), by that norm;
+5. returns the mean loss of the global batch, the same on every rank.
 
 Gradients are those of the mean loss over the whole global batch, as on one device, so
 any ``torch.optim`` optimizer over ``module.parameters()`` trains the same model.
@@ -27,6 +32,7 @@ checkpoints (:mod:`.checkpoint`), data (:mod:`.data`) and stop signals (:mod:`.s
 
 from __future__ import annotations
 
+import math
 import weakref
 from pathlib import Path
 from typing import Any, Iterator, Mapping
@@ -38,6 +44,7 @@ from partc.runtime import checkpoint
 from partc.runtime.batch_check import BatchCheck
 from partc.runtime.data import DataSampler
 from partc.runtime.gradients import GradientSync
+from partc.runtime.nonfinite import StepCheck, StepNumbers
 from partc.runtime.rank_optimizer import make_optimizer
 from partc.runtime.rank_parts import RankParts
 from partc.runtime.rank_state import RankState
@@ -71,11 +78,17 @@ class DistributedModule:
         self.virtual_stages = parts.virtual_stages
         self.step = 0  # forward_backward calls so far
         self.last_grad_norm: torch.Tensor | None = None
+        # The last step's reduced numbers (loss, gradient norm, what was non-finite),
+        # whether it was skipped, and the steps skipped so far (on_nonfinite="skip").
+        self.last_numbers: StepNumbers | None = None
+        self.last_step_skipped = False
+        self.skipped_steps = 0
         self.last_messages: dict[str, int] = {"sends": 0, "recvs": 0}
         self._batches = BatchCheck.of(parts.plan, parts.topology.dp_rank)
         self.global_batch_size = self._batches.global_batch_size
         self._gradients = GradientSync(parts, self.state)
         self._run = ScheduleRun(parts, self._batches)
+        self._check = StepCheck(parts, self._gradients)
         self._monitor = StepMonitor(parts)
         self._saves = checkpoint.BackgroundSave()
         self._stop = StopFlag()  # stop_requested()'s: set by a stop signal
@@ -157,11 +170,24 @@ class DistributedModule:
         ``directory/latest`` at it; returns that directory. Collective: every rank calls
         it. ``async_save``: return once this rank's tensors are copied to CPU memory and
         write them in the background (``wait_checkpoint`` finishes it). ``keep``: keep
-        only the newest ``keep`` checkpoints. Raises :class:`partc.CheckpointError` on
-        every rank if any rank cannot save; earlier checkpoints stay as they were."""
+        only the newest ``keep`` checkpoints, and the newest whose state is finite (the
+        manifest records it, with the last step's loss and norm). Raises
+        :class:`partc.CheckpointError` on every rank if any rank cannot save; earlier
+        checkpoints stay as they were."""
         self.state.wait_param_gathers()
         return checkpoint.save(self.state, self._saves, directory, optimizer=optimizer,
-                               step=step, extra=extra, async_save=async_save, keep=keep)
+                               step=step, extra=extra, async_save=async_save, keep=keep,
+                               last_step=self._last_step_finite())
+
+    def _last_step_finite(self) -> dict[str, Any]:
+        """What a checkpoint records of the last step's numbers (None: not measured)."""
+        numbers = self.last_numbers
+        if numbers is None:
+            return {}
+        return {"loss": math.isfinite(numbers.loss_value),
+                "grad_norm": None if numbers.grad_norm_value is None
+                else math.isfinite(numbers.grad_norm_value),
+                "skipped": self.last_step_skipped}
 
     def load_checkpoint(self, directory: str | Path, *,
                         optimizer: torch.optim.Optimizer | None = None) -> tuple[int, dict]:
@@ -224,28 +250,46 @@ class DistributedModule:
         """
         self.step += 1
         self._monitor.begin(self.step)
+        self.last_step_skipped = False
         try:
             loss = self._train(inputs, target)
-            self._monitor.measured(loss, self.last_grad_norm, self.grad_norm)
+            self._monitor.measured(loss, self.last_grad_norm, self.grad_norm,
+                                   skipped=self.last_step_skipped)
             return loss
         finally:
             # Returned or raised, the user's code runs next: not judged by the watchdog.
             self._monitor.mark(IDLE)
 
     def _train(self, inputs: tuple, target: Any) -> torch.Tensor:
-        """Steps 1-4 of the module's doc, each a phase the watchdog hears."""
+        """Steps 1-5 of the module's doc, each a phase the watchdog hears."""
         losses: list[torch.Tensor] = []
         args, kwargs = self._run.arguments(inputs, target, losses)
         self._monitor.mark("schedule")
         self.last_messages = self._run.train(args, kwargs)
         self._monitor.mark("gradient sync")
         self._gradients.sync()
+        self._monitor.mark("loss all-reduce")
+        numbers = self._check.reduce(self.step, losses)
+        self.last_numbers = numbers
+        self.last_grad_norm = numbers.grad_norm
+        if self._check.judge(numbers):  # raises, unless the plan skips such steps
+            self._skip_step()
+            return numbers.loss
         max_norm = self.plan.train.max_grad_norm
         if max_norm is not None:
             self._monitor.mark("clip")
-            self.last_grad_norm = self.clip_grad_norm_(max_norm)
-        self._monitor.mark("loss all-reduce")
-        return self._run.mean_loss(losses)
+            self._gradients.scale_to(max_norm, numbers.grad_norm)
+        return numbers.loss
+
+    def _skip_step(self) -> None:
+        """Drop the step's gradients: set to None (any torch optimizer's step then leaves
+        every parameter and its state alone) and, under ZeRO-1, the distributed
+        optimizer's next step skipped."""
+        self._gradients.zero(set_to_none=True)
+        if self.parts.buckets is not None:
+            self.parts.buckets.skip_step = True
+        self.last_step_skipped = True
+        self.skipped_steps += 1
 
     def evaluate(self, *inputs: torch.Tensor, target: Any = None) -> torch.Tensor:
         """The mean loss of a global batch, forward only: the same on every rank.

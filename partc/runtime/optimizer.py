@@ -178,6 +178,10 @@ class GradBuckets:
         # The optimizer leaves the all-gathers in flight, for forward to finish: set by
         # wait_in_forward, which registers the hooks that do.
         self.defer_gathers = False
+        # The step's gradients were dropped (a non-finite step skipped,
+        # partc/runtime/nonfinite.py): DistributedOptimizer's next step does nothing.
+        # Cleared by that step or the next step's first backward.
+        self.skip_step = False
         # Shared weights last, in buckets of their own that never count as ready.
         # Expert weights in buckets of their own per group, after the others.
         self._late = {id(p) for p in params if id(p) in at_end}
@@ -242,6 +246,7 @@ class GradBuckets:
         """Before one of the schedule's backwards. Under ZeRO-0 ``.grad`` is a view of the
         bucket after a step: kept as the gradient so far if still that view, zeroed where
         it was set to None (``zero_grad``), taken over if the user assigned another."""
+        self.skip_step = False
         if not self._in_step and not self.sharded:
             for bucket in self.buckets:
                 for slot in bucket.slots:
@@ -618,6 +623,11 @@ class DistributedOptimizer(torch.optim.Optimizer):
     @torch.no_grad()
     def step(self, closure: Any = None) -> Any:
         loss = closure() if closure is not None else None
+        if self.buckets.skip_step:
+            # A skipped step (partc/runtime/nonfinite.py): no shard, no state and no
+            # all-gather changes; every rank agreed, so every rank returns here.
+            self.buckets.skip_step = False
+            return loss
         for group in self.param_groups:
             for shard in group["params"]:
                 grad = self.buckets.grad_of(self.param_of[id(shard)])

@@ -53,18 +53,18 @@ class StepMonitor:
         if self.telemetry is not None:
             self.telemetry.begin(step)
 
-    def measured(self, loss: torch.Tensor, clipped_norm: torch.Tensor | None,
-                 grad_norm: Callable[[], torch.Tensor]) -> None:
-        """``forward_backward`` returned ``loss``. The step's gradient norm is the
-        clipped one when the plan clips, else ``grad_norm()`` (collective: telemetry is
-        on for every rank or none) unless telemetry was asked not to measure it."""
+    def measured(self, loss: torch.Tensor, norm: torch.Tensor | None,
+                 grad_norm: Callable[[], torch.Tensor], *, skipped: bool = False) -> None:
+        """``forward_backward`` returned ``loss``; ``skipped``: its step was skipped (a
+        non-finite loss or gradient norm). The step's gradient norm is ``norm`` when
+        the step measured it (the non-finite check, or clipping), else ``grad_norm()``
+        (collective: telemetry is on for every rank or none) unless telemetry was asked
+        not to measure it."""
         if self.telemetry is None:
             return
-        if self._parts.plan.train.max_grad_norm is not None:
-            norm = clipped_norm
-        else:
-            norm = grad_norm() if self.telemetry.grad_norm else None
-        self.telemetry.measured(loss, norm)
+        if norm is None and self.telemetry.grad_norm:
+            norm = grad_norm()
+        self.telemetry.measured(loss, norm, skipped=skipped)
 
     def end(self, *, optimizer_stepped: bool = True) -> StepRecord | None:
         if self.telemetry is None:

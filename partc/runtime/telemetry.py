@@ -17,8 +17,12 @@ yields one :class:`StepRecord` per rank:
 - ``memory_bytes``: this rank's peak memory during the step (``memory_measure`` names
   what was measured, :data:`MEMORY_MEASURES` says what that is) beside
   ``predicted_memory_bytes``, the plan's peak for this rank's stage;
-- ``grad_norm``: the global gradient 2-norm (the clipping norm when the plan clips,
-  computed otherwise unless ``grad_norm=False``).
+- ``grad_norm``: the global gradient 2-norm (the one the step's non-finite check and
+  clipping read; with that check off and no clipping, computed unless
+  ``grad_norm=False``);
+- ``skipped``: the step was skipped, its loss or gradient norm inf or NaN
+  (``TrainSpec.on_nonfinite="skip"``, :mod:`partc.runtime.nonfinite`); the console line
+  says so, and ``Telemetry.skipped_steps`` counts them.
 
 Rank 0 prints one line per step; with ``jsonl_dir`` every rank appends its records to
 ``<jsonl_dir>/rank<k>.jsonl`` (one JSON object a line, ``"event": "step"`` or
@@ -112,6 +116,7 @@ class StepRecord:
     predicted_memory_bytes: int
     memory_measure: str
     grad_norm: float | None
+    skipped: bool = False   # a non-finite step, skipped: the optimizer did not step
     notes: dict[str, Any] = field(default_factory=dict)   # e.g. the launcher's lr
 
     @property
@@ -140,6 +145,8 @@ class StepRecord:
                  f"{format_bytes(self.predicted_memory_bytes)}, stage {self.stage})"]
         if self.grad_norm is not None:
             parts.append(f"grad norm {self.grad_norm:.3g}")
+        if self.skipped:
+            parts.append("SKIPPED (non-finite)")
         parts += [f"{key} {value:.3g}" if isinstance(value, float) else f"{key} {value}"
                   for key, value in self.notes.items()]
         return "  ".join(parts)
@@ -224,7 +231,7 @@ _SCALARS = {"loss": "train/loss", "step_time_s": "time/step_s",
             "samples_per_s": "speed/samples_per_s", "mfu": "speed/mfu",
             "memory_bytes": "memory/peak_bytes",
             "predicted_memory_bytes": "memory/predicted_peak_bytes",
-            "grad_norm": "train/grad_norm"}
+            "grad_norm": "train/grad_norm", "skipped": "train/skipped"}
 
 
 # -- the telemetry of one rank -------------------------------------------------------------
@@ -259,6 +266,7 @@ class Telemetry:
         self._pending: dict[str, Any] | None = None
         self.records: list[StepRecord] = []
         self.last: StepRecord | None = None
+        self.skipped_steps = 0   # steps skipped as non-finite since telemetry began
 
     # -- the step's phases, called by the module --------------------------------------------
 
@@ -271,12 +279,14 @@ class Telemetry:
         self._meter.reset()
         self._pending = {"step": step, "notes": {}, "start": time.perf_counter()}
 
-    def measured(self, loss: torch.Tensor, grad_norm: torch.Tensor | None) -> None:
-        """``forward_backward`` returned ``loss``; ``grad_norm`` is the step's or None."""
+    def measured(self, loss: torch.Tensor, grad_norm: torch.Tensor | None, *,
+                 skipped: bool = False) -> None:
+        """``forward_backward`` returned ``loss``; ``grad_norm`` is the step's or None;
+        ``skipped``: the step was skipped as non-finite."""
         if self._pending is None:
             return
         self._meter.sync()
-        self._pending.update(loss=loss, grad_norm=grad_norm,
+        self._pending.update(loss=loss, grad_norm=grad_norm, skipped=skipped,
                              fb_end=time.perf_counter(), fb_peak=self._meter.peak())
 
     def note(self, **fields: Any) -> None:
@@ -320,13 +330,14 @@ class Telemetry:
             predicted_memory_bytes=plan.stages[self.stage].memory_bytes.peak,
             memory_measure=self._measure,
             grad_norm=float(grad_norm) if grad_norm is not None else None,
-            notes=dict(pending["notes"]))
+            skipped=pending.get("skipped", False), notes=dict(pending["notes"]))
 
     # -- output ------------------------------------------------------------------------------
 
     def _publish(self, record: StepRecord) -> None:
         self.records.append(record)
         self.last = record
+        self.skipped_steps += record.skipped
         if self.console:
             print(record.console_line(), flush=True)
         self._write({k: _plain(v) for k, v in record.to_json().items()})

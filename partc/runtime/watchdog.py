@@ -57,7 +57,7 @@ EXIT_CODE = 75  # EX_TEMPFAIL: the job may succeed when launched again
 IDLE = "between steps"
 PUBLISH_GAP_S = 0.1  # the least time between two beats a rank publishes
 # partc's phases in the order one step runs them; (step, phase) orders ranks' progress.
-PHASES = ("forward_backward", "schedule", "gradient sync", "clip", "loss all-reduce",
+PHASES = ("forward_backward", "schedule", "gradient sync", "loss all-reduce", "clip",
           "optimizer step", IDLE)
 
 

@@ -7,7 +7,10 @@ was seen to ``<out>/rank<k>.json``.
 A case is ``<model>[-pp<p>][-ep<e>]-zero<k>-<dtype>[-clip]``: model ``gpt`` (the sample
 GPT), ``gpt2`` (Hugging Face GPT-2 from a config) or ``moe`` (the sample
 mixture-of-experts GPT), pp stages (1F1B), dp = the other ranks, experts split over
-``e`` of them. In fp32 the reference is
+``e`` of them. A case ending ``-nan-<mode>`` or ``-gradnan-<mode>`` (``mode``: raise or
+skip, ``TrainSpec.on_nonfinite``) poisons the batch of step ``POISONED``: the loss and
+every gradient NaN, or (``gradnan``) the gradients alone (:func:`run_nonfinite_case`).
+In fp32 the reference is
 ``torch.optim.Adam`` on one process; in bf16 it runs the same recipe on one process:
 each step, bf16 copies of the fp32 parameters compute every microbatch under autocast
 (CUDA's rules, as the runtime's CPU ranks), their gradients summed in fp32 into the fp32
@@ -109,6 +112,8 @@ def _reference_step(model: nn.Module, loss_fn: Any, x: torch.Tensor, y: torch.Te
 
 
 def run_case(name: str) -> dict[str, Any]:
+    if name.split("-")[-2] in POISONS:
+        return run_nonfinite_case(name)
     parts = name.split("-")
     build, loss_fn = MODELS[parts[0]]
     pp = int(parts.pop(1).removeprefix("pp")) if parts[1].startswith("pp") else 1
@@ -160,6 +165,99 @@ def run_case(name: str) -> dict[str, Any]:
             "planned": {"params": stage.memory_bytes.params, "grads": stage.memory_bytes.grads,
                         "optimizer": stage.memory_bytes.optimizer},
             "param_count": stage.param_count}
+
+
+# -- non-finite steps -------------------------------------------------------------------
+
+NONFINITE_STEPS = 5
+POISONED = 2   # the 0-based data step whose batch is poisoned: module.step 3
+# A target row starting with the marker poisons the loss: -1 multiplies it by NaN (the
+# loss and every gradient NaN), -2 by sqrt(0 x loss): a finite loss (0) whose gradient
+# is NaN (0 x inf). Unpoisoned, the factor is sqrt(1): the loss and gradient exact.
+POISONS = {"nan": -1, "gradnan": -2}
+
+
+def _poisonable(loss_fn: Callable) -> Callable:
+    def loss(output: Any, target: torch.Tensor) -> torch.Tensor:
+        value = loss_fn(output, target.clamp(min=0))
+        value = value * torch.where((target == -1).any(), float("nan"), 1.0)
+        flag = (target == -2).any().float()
+        return value * torch.sqrt(1 - flag + flag * 0 * value)
+    return loss
+
+
+def _snapshot(module: Any, opt: torch.optim.Optimizer) -> tuple[dict, list[float]]:
+    """The whole model (collective) and the optimizer's step counts on this rank."""
+    state = getattr(opt, "optim", opt).state
+    return module.full_state_dict(), sorted(float(s["step"]) for s in state.values())
+
+
+def run_nonfinite_case(name: str) -> dict[str, Any]:
+    """Train ``NONFINITE_STEPS`` steps with step ``POISONED``'s batch poisoned; record, per
+    step, whether the parameters or the optimizer's state changed, and the error or the
+    skip. The reference is Adam on one process over the other batches."""
+    parts = name.split("-")
+    mode, poison = parts[-1], POISONS[parts[-2]]
+    build, loss_fn = MODELS[parts[0]]
+    pp = int(parts.pop(1).removeprefix("pp")) if parts[1].startswith("pp") else 1
+    zero = int(parts[1].removeprefix("zero"))
+    world = dist.get_world_size()
+    torch.manual_seed(0)
+    model = build()
+    reference = copy.deepcopy(model)
+    x, y = _batch(model, 0)
+    program = partc.compile(
+        model, (x,), loss_fn=_poisonable(loss_fn), example_target=y,
+        budget=partc.DeviceBudget(num_devices=world, device="CPU"),
+        train=partc.TrainSpec(global_batch_size=BATCH, optimizer="adam",
+                              bucket_elements=BUCKET_ELEMENTS, on_nonfinite=mode),
+        constraints=partc.Constraints(pp=pp, dp=world // pp, zero_stage=zero,
+                                      recompute="none",
+                                      schedule="1f1b" if pp > 1 else None,
+                                      num_microbatches=MICROBATCHES // (world // pp)))
+    module = program.build()
+    telemetry = module.telemetry(console=False)
+    opt = module.optimizer(torch.optim.Adam, **ADAM)
+    ref_opt = torch.optim.Adam(reference.parameters(), **ADAM)
+    seen: dict[str, Any] = {"losses": [], "ref_losses": [], "changed": [], "stepped": [],
+                            "skipped": [], "error": None}
+    for step in range(NONFINITE_STEPS):
+        x, y = _batch(model, step)
+        if step == POISONED:
+            y = y.clone()
+            y[0, 0] = poison   # the first microbatch, on the first dp replica
+        before, steps_before = _snapshot(module, opt)
+        try:
+            loss = module.forward_backward(x, target=y)
+        except partc.NonFiniteError as error:
+            after, steps_after = _snapshot(module, opt)
+            seen["error"] = {"message": str(error), "step": error.step, "what": error.what,
+                             "stages": error.stages, "ranks": error.ranks,
+                             "parameters": error.parameters,
+                             "unchanged": all(torch.equal(before[k], after[k]) for k in before)
+                             and steps_before == steps_after}
+            break
+        opt.step()
+        after, steps_after = _snapshot(module, opt)
+        opt.zero_grad()
+        seen["losses"].append(loss.item())
+        seen["skipped"].append(module.last_step_skipped)
+        seen["changed"].append(not all(torch.equal(before[k], after[k]) for k in before))
+        seen["stepped"].append(steps_before != steps_after)
+        if step != POISONED:
+            seen["ref_losses"].append(_reference_step(reference, loss_fn, x, y, torch.float32))
+            ref_opt.step()
+            ref_opt.zero_grad()
+    full, ref_state = module.full_state_dict(), reference.state_dict()
+    seen["param_errors"] = {k: ((full[k] - v).norm() / max(v.norm().item(), 1e-3)).item()
+                            for k, v in ref_state.items()
+                            if k in full and v.is_floating_point()}
+    seen["skipped_steps"] = module.skipped_steps
+    seen["telemetry_skipped"] = telemetry.skipped_steps
+    seen["telemetry_flags"] = [r.skipped for r in telemetry.records]
+    seen["stage"] = module.stage_index
+    module.close()
+    return seen
 
 
 def _measured_bytes(module: Any, opt: torch.optim.Optimizer) -> dict[str, int]:

@@ -13,6 +13,7 @@ the sample GPT, Hugging Face Llama and GPT-2.
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import shutil
@@ -172,6 +173,40 @@ def test_a_failing_save_raises_and_keeps_the_previous_checkpoint(program, tmp_pa
     for step in (4, 5, 6):
         module.save_checkpoint(tmp_path, step=step, keep=2)
     assert [p.name for p in checkpoint.listed(tmp_path)] == ["step-00000005", "step-00000006"]
+
+
+def test_retention_keeps_the_newest_finite_checkpoint(tmp_path):
+    """A run that goes non-finite with the check off (on_nonfinite="ignore": AdamW steps
+    with NaN gradients) saves checkpoints whose manifest says so; keep=1 then keeps the
+    last finite one besides the newest, until a finite one follows."""
+    torch.manual_seed(0)
+    x, y = tokens(0)
+    module = partc.compile(
+        gpt_tiny(), (x,), loss_fn=loss_fn, example_target=y,
+        budget=partc.DeviceBudget(num_devices=1, device="CPU"),
+        train=partc.TrainSpec(global_batch_size=B, on_nonfinite="ignore"),
+        constraints=partc.Constraints(num_microbatches=2)).build()
+    opt = torch.optim.AdamW(module.parameters(), **ADAMW)
+    train(module, opt, range(2))
+    module.save_checkpoint(tmp_path, optimizer=opt, step=2, keep=1)
+    finite = json.loads((tmp_path / "step-00000002" / "manifest.json").read_text())["finite"]
+    assert finite == {"state": True, "loss": True, "grad_norm": None, "skipped": False}
+    with torch.no_grad():
+        dict(module.named_parameters())["ln_f.weight"][0] = float("inf")
+    assert math.isnan(train(module, opt, range(2, 3))[0])
+    for step in (3, 4):
+        module.save_checkpoint(tmp_path, optimizer=opt, step=step, keep=1)
+        manifest = json.loads((tmp_path / checkpoint.step_name(step) / "manifest.json")
+                              .read_text())
+        assert manifest["finite"]["state"] is False and not checkpoint.holds_finite(manifest)
+        assert [p.name for p in checkpoint.listed(tmp_path)] == [
+            "step-00000002", checkpoint.step_name(step)]
+    # Back to the finite state: the next save is finite, and keep=1 means one again.
+    module.load_checkpoint(tmp_path / "step-00000002", optimizer=opt)
+    train(module, opt, range(2, 3))
+    module.save_checkpoint(tmp_path, optimizer=opt, step=5, keep=1)
+    assert [p.name for p in checkpoint.listed(tmp_path)] == ["step-00000005"]
+    assert checkpoint.holds_finite({"step": 1})   # a manifest from before the record
 
 
 def test_checkpoints_of_other_models_or_partial_ones_are_refused_before_any_change(

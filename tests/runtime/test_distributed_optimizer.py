@@ -33,6 +33,12 @@ CASES = ["gpt-zero0-fp32", "gpt-zero1-fp32", "gpt2-zero1-fp32-clip", "gpt-zero0-
          "gpt-zero1-bf16-clip", "gpt-zero3-bf16", "moe-ep2-zero1-bf16-clip"]
 SLOW_CASES = ["gpt2-zero0-fp32-clip", "gpt-zero2-fp32", "gpt-zero3-fp32", "gpt2-zero1-bf16",
               "gpt2-zero2-bf16", "moe-ep2-zero1-fp32", "moe-ep2-zero3-bf16"]
+# A batch poisoned at step 3 (optimizer_worker.run_nonfinite_case): the default raises,
+# "skip" skips; under ZeRO-1's distributed optimizer over dp=2, a pipeline of 2 stages
+# and FSDP2 (ZeRO-3).
+NONFINITE_CASES = ["gpt-zero1-fp32-nan-raise", "gpt-zero1-fp32-nan-skip",
+                   "gpt-pp2-zero0-fp32-nan-raise", "gpt-pp2-zero0-fp32-gradnan-skip",
+                   "gpt-zero3-fp32-nan-skip"]
 FOUR_CASES = ["gpt-pp2-zero1-fp32", "gpt-pp2-zero0-bf16", "gpt-pp2-zero1-bf16-clip",
               "gpt2-pp2-zero1-fp32-clip"]  # pp=2 x dp=2
 RTOL = {"fp32": (tolerances.FP32, tolerances.FP32),   # (losses and norms, parameters)
@@ -45,7 +51,7 @@ def _launch(cases: list[str], out: Path, nproc: int = 2) -> list[dict]:
 
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory) -> list[dict]:
-    return _launch(CASES, tmp_path_factory.mktemp("optimizer"))
+    return _launch(CASES + NONFINITE_CASES, tmp_path_factory.mktemp("optimizer"))
 
 
 @pytest.fixture(scope="module")
@@ -97,6 +103,58 @@ def test_trains_like_one_process_slow(slow_ranks, name):
 @pytest.mark.parametrize("name", FOUR_CASES)
 def test_pipeline_trains_like_one_process(four_ranks, name):
     _check(four_ranks, name)
+
+
+# -- non-finite steps ----------------------------------------------------------------------
+
+POISONED_STEP = 3   # module.step of the poisoned batch (optimizer_worker.POISONED + 1)
+
+
+@pytest.mark.parametrize("name", [n for n in NONFINITE_CASES if n.endswith("-raise")])
+def test_nonfinite_step_raises_before_any_parameter_changes(ranks, name):
+    """Every rank raises NonFiniteError at the poisoned step, naming it, what was
+    non-finite, the loss's stage and rank (the first replica's first microbatch: rank 0,
+    or under pp the last stage's rank); the parameters and Adam's state are those of the
+    step before."""
+    pipelined = "-pp2-" in name
+    loss_rank = len(ranks) - 1 if pipelined else 0
+    for rank, results in enumerate(ranks):
+        seen = results[name]
+        assert "traceback" not in seen, f"rank {rank}: {seen['traceback']}"
+        error = seen["error"]
+        assert error is not None, f"rank {rank}: no error"
+        assert error["step"] == POISONED_STEP and f"step {POISONED_STEP}:" in error["message"]
+        assert error["what"] == ["loss", "gradient norm"]
+        assert error["ranks"] == [loss_rank], error["message"]
+        stage = len(ranks) - 1 if pipelined else 0
+        assert f"the loss on stage {stage} (rank {loss_rank})" in error["message"]
+        assert "no parameter has changed" in error["message"]
+        assert error["unchanged"], f"rank {rank}: the state changed at the raising step"
+        assert error["parameters"], "the rank's non-finite gradients are named"
+        assert seen["changed"] == [True] * (POISONED_STEP - 1)   # trained until then
+    if pipelined:
+        assert ranks[0][name]["error"]["stages"] == [0, 1]
+
+
+@pytest.mark.parametrize("name", [n for n in NONFINITE_CASES if n.endswith("-skip")])
+def test_nonfinite_step_is_skipped_on_every_rank(ranks, name):
+    """With on_nonfinite="skip" the poisoned step changes no parameter and no optimizer
+    state on any rank, is counted once (module and telemetry), and training goes on
+    finite, as one process trained on the other batches."""
+    poisoned = POISONED_STEP - 1
+    for rank, results in enumerate(ranks):
+        seen = results[name]
+        assert "traceback" not in seen, f"rank {rank}: {seen['traceback']}"
+        assert seen["error"] is None
+        assert seen["skipped"] == [step == poisoned for step in range(len(seen["skipped"]))]
+        assert seen["changed"] == seen["stepped"] == [not s for s in seen["skipped"]]
+        assert seen["skipped_steps"] == seen["telemetry_skipped"] == 1
+        assert seen["telemetry_flags"] == seen["skipped"]
+        finite = seen["losses"][:poisoned] + seen["losses"][poisoned + 1:]
+        for ours, ref in zip(finite, seen["ref_losses"], strict=True):
+            assert ours == pytest.approx(ref, rel=tolerances.FP32)
+        worst = max(seen["param_errors"].items(), key=lambda item: item[1])
+        assert worst[1] < tolerances.FP32, f"rank {rank}: {worst}"
 
 
 # -- the buckets' layout, in one process ------------------------------------------------

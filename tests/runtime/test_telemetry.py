@@ -126,6 +126,24 @@ def test_without_an_optimizer_step_the_step_ends_with_forward_backward(plan, mon
     assert {r.timed for r in telemetry.records} == {"forward_backward"}
 
 
+def test_a_skipped_step_is_marked_and_counted(plan, monkeypatch, tmp_path, capsys):
+    """A step skipped as non-finite: its record, console line and JSON line say so, and
+    the telemetry counts it."""
+    telemetry, clock, meter = _telemetry(plan, monkeypatch, jsonl_dir=tmp_path)
+    _step(telemetry, clock, meter, 1, 0.02, 10)
+    telemetry.begin(2)
+    telemetry.measured(torch.tensor(float("nan")), torch.tensor(float("nan")), skipped=True)
+    record = telemetry.end(optimizer_stepped=True)
+    _step(telemetry, clock, meter, 3, 0.02, 10)
+    telemetry.close()
+    assert record.skipped and telemetry.skipped_steps == 1
+    assert [r.skipped for r in telemetry.records] == [False, True, False]
+    lines = capsys.readouterr().out.splitlines()
+    assert "SKIPPED (non-finite)" in lines[1] and "SKIPPED" not in lines[0] + lines[2]
+    written = [json.loads(x) for x in (tmp_path / "rank0.jsonl").read_text().splitlines()]
+    assert [x["skipped"] for x in written] == [False, True, False]
+
+
 def test_departures_warn_once_per_kind_after_the_first_step(plan, monkeypatch, caplog):
     telemetry, clock, meter = _telemetry(plan, monkeypatch, console=False, warn_ratio=0.25)
     peak = plan.stages[1].memory_bytes.peak
