@@ -53,6 +53,7 @@ ADAM = dict(lr=1e-2, betas=(0.9, 0.95), eps=1e-3, weight_decay=0.0)
 # parameter before its gradient is read.
 PLAIN = {"sgd": (torch.optim.SGD, dict(lr=1e-1, momentum=0.9)),
          "adamw": (torch.optim.AdamW, dict(ADAM, weight_decay=0.1))}
+PRICED = {"sgd": "sgd-momentum", "adamw": "adamw"}  # TrainSpec.optimizer: its state's bytes
 
 
 def _gpt2() -> nn.Module:
@@ -137,7 +138,8 @@ def run_case(name: str) -> dict[str, Any]:
     program = partc.compile(
         model, (x,), loss_fn=loss_fn, example_target=y,
         budget=partc.DeviceBudget(num_devices=world, device="CPU"),
-        train=partc.TrainSpec(global_batch_size=BATCH, optimizer="adam", dtype=dtype,
+        train=partc.TrainSpec(global_batch_size=BATCH, optimizer=PRICED.get(plain, "adam"),
+                              dtype=dtype,
                               max_grad_norm=clip, bucket_elements=BUCKET_ELEMENTS),
         constraints=partc.Constraints(pp=pp, dp=dp, ep=ep, zero_stage=zero, recompute="none",
                                       schedule="1f1b" if pp > 1 else None,

@@ -46,6 +46,14 @@ SLOW_CASES = ["gpt2-zero0-fp32-clip", "gpt-zero2-fp32", "gpt-zero3-fp32", "gpt2-
               "gpt2-zero2-bf16", "moe-ep2-zero1-fp32", "moe-ep2-zero3-bf16"]
 FOUR_CASES = ["gpt-pp2-zero1-fp32", "gpt-pp2-zero0-bf16", "gpt-pp2-zero1-bf16-clip",
               "gpt2-pp2-zero1-fp32-clip"]  # pp=2 x dp=2
+# The plain loop under every ZeRO stage: dp=2 (with the 2-rank slow cases), pp=2 x dp=2
+# and the MoE at ep=2 x pp=2 (a launch of their own: with FOUR_CASES it would outlast
+# the launch's time limit on 2 cores).
+_STAGES_AND_OPTIMIZERS = [f"zero{zero}-fp32-{name}" for zero in range(4)
+                          for name in ("sgd", "adamw")]
+SLOW_CASES += [f"qwen2-{case}" for case in _STAGES_AND_OPTIMIZERS] + ["gpt-zero1-bf16-sgd"]
+PLAIN_FOUR_CASES = [f"{mesh}-{case}" for mesh in ("qwen2-pp2", "qwen3moe-pp2-ep2")
+                    for case in _STAGES_AND_OPTIMIZERS]
 RTOL = {"fp32": (tolerances.FP32, tolerances.FP32),   # (losses and norms, parameters)
         "bf16": (tolerances.BF16, 5e-2)}
 
@@ -67,6 +75,11 @@ def slow_ranks(tmp_path_factory) -> list[dict]:
 @pytest.fixture(scope="module")
 def four_ranks(tmp_path_factory) -> list[dict]:
     return _launch(FOUR_CASES, tmp_path_factory.mktemp("optimizer_four"), nproc=4)
+
+
+@pytest.fixture(scope="module")
+def plain_four_ranks(tmp_path_factory) -> list[dict]:
+    return _launch(PLAIN_FOUR_CASES, tmp_path_factory.mktemp("optimizer_plain"), nproc=4)
 
 
 # The sample MoE's top-1 router is discontinuous: a bf16 rounding that moves a near-tied
@@ -127,6 +140,12 @@ def test_trains_like_one_process_slow(slow_ranks, name):
 @pytest.mark.parametrize("name", FOUR_CASES)
 def test_pipeline_trains_like_one_process(four_ranks, name):
     _check(four_ranks, name)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", PLAIN_FOUR_CASES)
+def test_plain_optimizer_trains_like_one_process_or_is_refused(plain_four_ranks, name):
+    _check(plain_four_ranks, name)
 
 
 # -- the buckets' layout, in one process ------------------------------------------------
