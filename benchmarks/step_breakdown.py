@@ -189,7 +189,8 @@ def _step_phases(folder: str, sizes: Sizes) -> tuple[float, float]:
     """(forward + backward, tail) thread CPU seconds of the program saved in ``folder``
     as the runtime runs a step, each the slowest rank's median."""
     module = partc.load(folder, model(), loss_fn=loss_fn).build()
-    optimizer = torch.optim.AdamW(module.parameters(), lr=1e-4)
+    # As the plan holds its state: under ZeRO-1 (plan dp1) a plain AdamW is refused.
+    optimizer = module.optimizer(torch.optim.AdamW, lr=1e-4)
     ids, target = batch()
     size = module.plan.global_batch_size
     ids, target = ids[:size], target[:size]

@@ -31,7 +31,9 @@ class PlanInfeasibleError(PartcError):
 
 
 class PlanMismatchError(PartcError):
-    """The running job does not match the plan (world size, plan hash, model hash, shapes)."""
+    """The running job does not match the plan (world size, plan hash, model hash, shapes,
+    or under ZeRO-1 an optimizer other than ``module.optimizer(...)``'s stepping the
+    rank's parameters)."""
 
 
 class PlanValidationError(PartcError):

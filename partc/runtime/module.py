@@ -21,7 +21,10 @@ all microbatches of the global batch (:mod:`.schedule_run`), then:
 5. returns the mean loss of the global batch, the same on every rank.
 
 Gradients are those of the mean loss over the whole global batch, as on one device, so
-any ``torch.optim`` optimizer over ``module.parameters()`` trains the same model.
+under ZeRO 0/2/3 any ``torch.optim`` optimizer over ``module.parameters()`` trains the
+same model. Under ZeRO-1 they are each rank's shards in the buckets: only the optimizer
+``module.optimizer(...)`` makes steps them, and a plain one's step is refused before it
+changes anything (:mod:`.rank_optimizer`).
 
 The class is a facade: each concern lives in a module of its own, over the frozen
 :class:`.RankParts` that ``build`` made — state dicts and the view checkpoints read
@@ -45,7 +48,7 @@ from partc.runtime.batch_check import BatchCheck
 from partc.runtime.data import DataSampler
 from partc.runtime.gradients import GradientSync
 from partc.runtime.nonfinite import StepCheck, StepNumbers
-from partc.runtime.rank_optimizer import make_optimizer
+from partc.runtime.rank_optimizer import make_optimizer, refuse_plain_steps
 from partc.runtime.rank_parts import RankParts
 from partc.runtime.rank_state import RankState
 from partc.runtime.schedule_run import ScheduleRun
@@ -92,6 +95,7 @@ class DistributedModule:
         self._monitor = StepMonitor(parts)
         self._saves = checkpoint.BackgroundSave()
         self._stop = StopFlag()  # stop_requested()'s: set by a stop signal
+        refuse_plain_steps(self, parts, self.state)  # ZeRO-1: module.optimizer's alone
 
     # -- parameters and state (partc/runtime/rank_state.py) -----------------------------
 

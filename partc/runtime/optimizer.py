@@ -13,9 +13,10 @@ gradient, so it overlaps the rest of that backward:
   region holds, for each of the bucket's parameters, its dp shard (FSDP's: rows
   ``chunk(dp)[r]`` of dim 0, padded to the chunk size; a 0-dim parameter in every
   region), so after the reduce-scatter each rank holds the summed gradient of its
-  shards. :class:`DistributedOptimizer` steps those shards with the user's optimizer
-  class and all-gathers the updated rows bucket by bucket, every bucket's all-gather
-  issued before the first is waited for. In fp32 its parameters are views of this
+  shards (``.grad`` stays None: a plain optimizer's step is refused,
+  ``partc/runtime/rank_optimizer.py``). :class:`DistributedOptimizer` steps those shards
+  with the user's optimizer class and all-gathers the updated rows bucket by bucket,
+  every bucket's all-gather issued before the first is waited for. In fp32 its parameters are views of this
   rank's rows of the module's parameters (which are their own master). In mixed
   precision it is Megatron's distributed optimizer: this rank's rows are an fp32 master
   of their own, the module's parameters are kept in the compute dtype (the stage

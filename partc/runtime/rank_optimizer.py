@@ -5,16 +5,39 @@ of its dp shard (rows ``chunk(dp)[rank]`` of each parameter), steps it with the
 reduce-scattered gradients and all-gathers the updated shards, bucket by bucket
 (:class:`partc.runtime.optimizer.DistributedOptimizer`); otherwise it is the user's
 optimizer class over the rank's parameters.
+
+Under ZeRO-1 no other optimizer may step the rank's parameters: their reduced gradients
+are shards in the buckets, never in ``.grad``, so a ``torch.optim`` optimizer built over
+``module.parameters()`` (the loop people write) would find no gradient and leave the
+model as it was, step after step, with no error. Making it train alike instead was
+weighed and not done: ``.grad`` would need every rank's reduced shards (an all-gather of
+the gradients each step, beyond the plan's collectives), and the optimizer would keep
+state for every row of each parameter where the plan priced 1/dp of it, so the plan's
+time and memory would no longer hold. Such a step is refused instead, before it changes
+anything, naming ``module.optimizer`` (:data:`PLAIN_STEPS`). Under ZeRO 0/2/3 a plain
+optimizer is what :func:`make_optimizer` builds anyway, and trains as on one device.
+
+torch offers no hook on an optimizer partc did not make, so the refusal is one
+process-wide optimizer step pre-hook (``torch.optim.optimizer.
+register_optimizer_step_pre_hook``), installed when the first ZeRO-1 module is built. It
+checks an optimizer about to step against the parameters of the ZeRO-1 modules alive;
+one over other parameters (the shards :class:`DistributedOptimizer` steps, the
+placeholder of a stage without parameters, a model partc never saw) passes, and is
+remembered as passed with its parameter count: its later steps cost one dictionary
+look-up, and with no ZeRO-1 module alive the hook returns at once.
 """
 
 from __future__ import annotations
 
 import logging
-from typing import Any, Mapping
+import weakref
+from typing import Any, Iterable, Mapping
 
 import torch
 from torch import nn
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 
+from partc.errors import PlanMismatchError
 from partc.runtime.optimizer import DistributedOptimizer
 from partc.runtime.rank_parts import RankParts
 from partc.runtime.rank_state import RankState
@@ -68,3 +91,78 @@ def check_step_temporaries(parts: RankParts, state: RankState,
                     "may exceed its planned %.1f MiB. Leave foreach to torch, or plan "
                     "with more memory headroom", topo.rank, f"{weights:,}",
                     whole / 2**20, priced / 2**20, stage.memory_bytes.peak / 2**20)
+
+
+class PlainStepGuard:
+    """Refuses an optimizer's step over parameters of a live ZeRO-1 module (the module's
+    doc): one process-wide step pre-hook, installed at the first :meth:`watch`."""
+
+    def __init__(self) -> None:
+        # owner (a DistributedModule) -> (its parameters' names by id, where it runs);
+        # the owner holds the parameters, so their ids stay theirs while it lives.
+        self._watched: weakref.WeakKeyDictionary[Any, tuple[dict[int, str], str]] = \
+            weakref.WeakKeyDictionary()
+        # optimizer -> (generation, parameter count) when it last passed.
+        self._passed: weakref.WeakKeyDictionary[torch.optim.Optimizer, tuple[int, int]] = \
+            weakref.WeakKeyDictionary()
+        self._generation = 0  # a new watch: every optimizer is checked again
+        self._handle: Any = None
+
+    def watch(self, owner: Any, named: Iterable[tuple[str, nn.Parameter]],
+              where: str) -> None:
+        """Refuse any optimizer but ``owner``'s own that steps one of ``named``'s
+        parameters, for as long as ``owner`` (which holds them) lives; ``where``: the
+        rank and stage, for the message."""
+        self._watched[owner] = ({id(p): name for name, p in named}, where)
+        self._generation += 1
+        if self._handle is None:
+            self._handle = register_optimizer_step_pre_hook(self._before_step)
+
+    def _before_step(self, optimizer: torch.optim.Optimizer, *_: Any) -> None:
+        if not self._watched:
+            return
+        groups = optimizer.param_groups
+        seen = (self._generation, sum(len(group["params"]) for group in groups))
+        if self._passed.get(optimizer) == seen:
+            return
+        for owner, (names, where) in list(self._watched.items()):
+            held = [names[id(p)] for group in groups for p in group["params"]
+                    if id(p) in names]
+            if held:
+                raise PlanMismatchError(_refusal(optimizer, held, where,
+                                                 getattr(owner, "step", None)))
+        self._passed[optimizer] = seen
+
+
+def _refusal(optimizer: torch.optim.Optimizer, held: list[str], where: str,
+             step: int | None) -> str:
+    kind = type(optimizer)
+    name = (f"torch.optim.{kind.__qualname__}" if kind.__module__.startswith("torch.optim")
+            else kind.__qualname__)
+    more = f" and {len(held) - 1} more" if len(held) > 1 else ""
+    at = f" at step {step}" if step else ""
+    return (f"{where}: {name}.step(){at} would update {held[0]!r}{more} of a ZeRO-1 "
+            f"plan; refused before it changed any parameter. Under ZeRO-1 each "
+            f"data-parallel rank holds the reduced gradient of its 1/dp shard of every "
+            f"parameter in partc's buckets, not in .grad, and the plan prices optimizer "
+            f"state for that shard only: an optimizer over module.parameters() finds no "
+            f"gradient and would leave the model as it was. Build it with "
+            f"module.optimizer({name}, <the same arguments>), which steps this rank's "
+            f"shards and all-gathers them, or plan with Constraints(zero_stage=0) or 2, "
+            f"under which a plain torch optimizer over module.parameters() trains as on "
+            f"one device")
+
+
+# The one guard of the process: see the module's doc.
+PLAIN_STEPS = PlainStepGuard()
+
+
+def refuse_plain_steps(owner: Any, parts: RankParts, state: RankState) -> None:
+    """Under ZeRO-1, refuse any optimizer's step over this rank's parameters but that of
+    :func:`make_optimizer` (:data:`PLAIN_STEPS`), while ``owner`` lives."""
+    buckets, topo = parts.buckets, parts.topology
+    if buckets is None or not buckets.sharded:
+        return
+    where = (f"rank {topo.rank} (stage {topo.pp_rank}, data-parallel rank {topo.dp_rank} "
+             f"of {topo.dp})")
+    PLAIN_STEPS.watch(owner, state.named_parameters(), where)

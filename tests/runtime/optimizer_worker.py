@@ -4,14 +4,19 @@ was seen to ``<out>/rank<k>.json``.
 
     torchrun --standalone --nproc-per-node=2 tests/runtime/optimizer_worker.py OUT CASE ...
 
-A case is ``<model>[-pp<p>][-ep<e>]-zero<k>-<dtype>[-clip]``: model ``gpt`` (the sample
-GPT), ``gpt2`` (Hugging Face GPT-2 from a config) or ``moe`` (the sample
-mixture-of-experts GPT), pp stages (1F1B), dp = the other ranks, experts split over
-``e`` of them. A case ending ``-nan-<mode>`` or ``-gradnan-<mode>`` (``mode``: raise or
-skip, ``TrainSpec.on_nonfinite``) poisons the batch of step ``POISONED``: the loss and
-every gradient NaN, or (``gradnan``) the gradients alone (:func:`run_nonfinite_case`).
-In fp32 the reference is
-``torch.optim.Adam`` on one process; in bf16 it runs the same recipe on one process:
+A case is ``<model>[-pp<p>][-ep<e>]-zero<k>-<dtype>[-clip][-sgd|-adamw]``: model ``gpt``
+(the sample GPT), ``gpt2`` (Hugging Face GPT-2 from a config), ``moe`` (the sample
+mixture-of-experts GPT), ``qwen2`` or ``qwen3moe`` (``tests/hf_families.py``'s tiny
+configs), pp stages (1F1B), dp = the other ranks, experts split over ``e`` of them.
+Without an optimizer named, Adam through ``module.optimizer``; ``sgd`` (with momentum)
+or ``adamw`` (with weight decay): a plain ``torch.optim`` optimizer over
+``module.parameters()``, the loop people write, which must train the same or be
+refused (a typed error at its first ``step()``, no parameter changed: ``refused``).
+A case ending ``-nan-<mode>`` or ``-gradnan-<mode>`` (``mode``: raise or skip,
+``TrainSpec.on_nonfinite``) poisons the batch of step ``POISONED``: the loss and every
+gradient NaN, or (``gradnan``) the gradients alone (:func:`run_nonfinite_case`).
+In fp32 the reference is the same ``torch.optim`` class on one process; in bf16 it runs
+the same recipe on one process:
 each step, bf16 copies of the fp32 parameters compute every microbatch under autocast
 (CUDA's rules, as the runtime's CPU ranks), their gradients summed in fp32 into the fp32
 parameters' ``.grad``, Adam stepping the fp32 parameters.
@@ -37,7 +42,7 @@ from torch import nn  # noqa: E402
 import partc  # noqa: E402
 from partc.autocast_policy import cuda_autocast  # noqa: E402
 from samples import gpt, moe  # noqa: E402
-from tests import models  # noqa: E402
+from tests import hf_families, models  # noqa: E402
 
 BATCH, SEQ, STEPS, MICROBATCHES = 8, 16, 3, 4
 # Gradient buckets of this many elements (TrainSpec.bucket_elements): every model spans
@@ -47,6 +52,11 @@ BUCKET_ELEMENTS = 4096
 # mathematically zero (softmax ignores a shift of every key alike), and Adam would turn
 # its noise (~1e-9, different on every mesh) into steps of lr either way.
 ADAM = dict(lr=1e-2, betas=(0.9, 0.95), eps=1e-3, weight_decay=0.0)
+# The plain optimizers: state (momentum), and AdamW's decoupled decay, which changes a
+# parameter before its gradient is read.
+PLAIN = {"sgd": (torch.optim.SGD, dict(lr=1e-1, momentum=0.9)),
+         "adamw": (torch.optim.AdamW, dict(ADAM, weight_decay=0.1))}
+PRICED = {"sgd": "sgd-momentum", "adamw": "adamw"}  # TrainSpec.optimizer: its state's bytes
 
 
 def _gpt2() -> nn.Module:
@@ -54,7 +64,9 @@ def _gpt2() -> nn.Module:
 
 
 MODELS = {"gpt": (gpt.gpt_tiny, gpt.loss_fn), "gpt2": (_gpt2, models.causal_lm_loss),
-          "moe": (moe.moe_tiny, moe.loss_fn)}
+          "moe": (moe.moe_tiny, moe.loss_fn),
+          "qwen2": (hf_families.FAMILIES["qwen2"].build, hf_families.causal_lm_loss),
+          "qwen3moe": (hf_families.FAMILIES["qwen3-moe"].build, hf_families.causal_lm_loss)}
 
 
 def _batch(model: nn.Module, step: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -121,6 +133,7 @@ def run_case(name: str) -> dict[str, Any]:
     zero = int(parts[1].removeprefix("zero"))
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[parts[2]]
     clip = 1.0 if "clip" in parts else None
+    plain = parts[-1] if parts[-1] in PLAIN else None
     world = dist.get_world_size()
     dp = world // pp
     torch.manual_seed(0)
@@ -130,21 +143,34 @@ def run_case(name: str) -> dict[str, Any]:
     program = partc.compile(
         model, (x,), loss_fn=loss_fn, example_target=y,
         budget=partc.DeviceBudget(num_devices=world, device="CPU"),
-        train=partc.TrainSpec(global_batch_size=BATCH, optimizer="adam", dtype=dtype,
+        train=partc.TrainSpec(global_batch_size=BATCH, optimizer=PRICED.get(plain, "adam"),
+                              dtype=dtype,
                               max_grad_norm=clip, bucket_elements=BUCKET_ELEMENTS),
         constraints=partc.Constraints(pp=pp, dp=dp, ep=ep, zero_stage=zero, recompute="none",
                                       schedule="1f1b" if pp > 1 else None,
                                       num_microbatches=MICROBATCHES // dp))
     module = program.build()
-    opt = module.optimizer(torch.optim.Adam, **ADAM)
-    ref_opt = torch.optim.Adam(reference.parameters(), **ADAM)
+    if plain is None:
+        opt = module.optimizer(torch.optim.Adam, **ADAM)
+        ref_opt = torch.optim.Adam(reference.parameters(), **ADAM)
+    else:
+        optimizer_class, settings = PLAIN[plain]
+        opt = optimizer_class(module.parameters(), **settings)
+        ref_opt = optimizer_class(reference.parameters(), **settings)
     losses, ref_losses, norms, ref_norms = [], [], [], []
     for step in range(STEPS):
         x, y = _batch(model, step)
         losses.append(module.forward_backward(x, target=y).item())
         if clip is not None:
             norms.append(module.last_grad_norm.item())
-        opt.step()
+        before = [p.detach().clone() for p in module.parameters()]
+        try:
+            opt.step()
+        except partc.PartcError as error:
+            changed = [not torch.equal(b, p.detach())
+                       for b, p in zip(before, module.parameters(), strict=True)]
+            return {"refused": f"{type(error).__name__}: {error}", "step": step,
+                    "changed": sum(changed), "zero_stage": program.plan.effective_zero_stage}
         if step == STEPS - 1:
             measured = _measured_bytes(module, opt)
         opt.zero_grad()

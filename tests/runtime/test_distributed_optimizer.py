@@ -13,24 +13,35 @@ up to 2.7e-2 on GPT-2's attention output bias, which starts at zero and stays sm
 under ZeRO 0/1, 2e-3 under ZeRO-2/3). Under ZeRO 0/1 the bytes this rank allocates
 for weights, gradients and optimizer state are those the plan's ``Precision`` prices,
 within 5% (ZeRO-1's buckets pad each parameter's dp shard to whole rows).
+
+Cases ending ``-sgd`` or ``-adamw`` run the loop people write instead: a plain
+``torch.optim`` optimizer over ``module.parameters()``. Under ZeRO 0/2/3 it trains as on
+one process; under ZeRO-1 its first ``step()`` is refused on every rank with a
+:class:`partc.PlanMismatchError` naming ``module.optimizer``, before any parameter
+changed.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
+import gc
+
 import pytest
 import torch
 
+from partc.errors import PlanMismatchError
 from partc.passes.helpers.op_bytes import MovedBytes
 from partc.runtime.optimizer import GradBuckets
+from partc.runtime.rank_optimizer import PLAIN_STEPS
 from tests import tolerances
 
 from .test_parity import launch as launch_worker
 
 WORKER = Path(__file__).with_name("optimizer_worker.py")
 CASES = ["gpt-zero0-fp32", "gpt-zero1-fp32", "gpt2-zero1-fp32-clip", "gpt-zero0-bf16",
-         "gpt-zero1-bf16-clip", "gpt-zero3-bf16", "moe-ep2-zero1-bf16-clip"]
+         "gpt-zero1-bf16-clip", "gpt-zero3-bf16", "moe-ep2-zero1-bf16-clip",
+         "gpt-zero1-fp32-adamw"]
 SLOW_CASES = ["gpt2-zero0-fp32-clip", "gpt-zero2-fp32", "gpt-zero3-fp32", "gpt2-zero1-bf16",
               "gpt2-zero2-bf16", "moe-ep2-zero1-fp32", "moe-ep2-zero3-bf16"]
 # A batch poisoned at step 3 (optimizer_worker.run_nonfinite_case): the default raises,
@@ -41,6 +52,14 @@ NONFINITE_CASES = ["gpt-zero1-fp32-nan-raise", "gpt-zero1-fp32-nan-skip",
                    "gpt-zero3-fp32-nan-skip"]
 FOUR_CASES = ["gpt-pp2-zero1-fp32", "gpt-pp2-zero0-bf16", "gpt-pp2-zero1-bf16-clip",
               "gpt2-pp2-zero1-fp32-clip"]  # pp=2 x dp=2
+# The plain loop under every ZeRO stage: dp=2 (with the 2-rank slow cases), pp=2 x dp=2
+# and the MoE at ep=2 x pp=2 (a launch of their own: with FOUR_CASES it would outlast
+# the launch's time limit on 2 cores).
+_STAGES_AND_OPTIMIZERS = [f"zero{zero}-fp32-{name}" for zero in range(4)
+                          for name in ("sgd", "adamw")]
+SLOW_CASES += [f"qwen2-{case}" for case in _STAGES_AND_OPTIMIZERS] + ["gpt-zero1-bf16-sgd"]
+PLAIN_FOUR_CASES = [f"{mesh}-{case}" for mesh in ("qwen2-pp2", "qwen3moe-pp2-ep2")
+                    for case in _STAGES_AND_OPTIMIZERS]
 RTOL = {"fp32": (tolerances.FP32, tolerances.FP32),   # (losses and norms, parameters)
         "bf16": (tolerances.BF16, 5e-2)}
 
@@ -64,19 +83,33 @@ def four_ranks(tmp_path_factory) -> list[dict]:
     return _launch(FOUR_CASES, tmp_path_factory.mktemp("optimizer_four"), nproc=4)
 
 
+@pytest.fixture(scope="module")
+def plain_four_ranks(tmp_path_factory) -> list[dict]:
+    return _launch(PLAIN_FOUR_CASES, tmp_path_factory.mktemp("optimizer_plain"), nproc=4)
+
+
 # The sample MoE's top-1 router is discontinuous: a bf16 rounding that moves a near-tied
 # token to another expert moves that token's gradient with it, which the near-zero norm
 # biases feel most (seen: 7e-2 on a LayerNorm bias after 3 steps, losses within 3e-5).
 MOE_BF16_PARAM_RTOL = 1e-1
 
 
+PLAIN = ("sgd", "adamw")  # a case's last word: a plain torch optimizer
+
+
 def _check(ranks: list[dict], name: str) -> None:
-    rtol, param_rtol = RTOL[name.split("-")[-2 if name.endswith("clip") else -1]]
+    words = name.split("-")
+    dtype = next(word for word in words if word in RTOL)
+    rtol, param_rtol = RTOL[dtype]
     if name.startswith("moe-") and "-bf16" in name:
         param_rtol = MOE_BF16_PARAM_RTOL
     for rank, results in enumerate(ranks):
         seen = results[name]
         assert "error" not in seen, f"rank {rank}: {seen['traceback']}"
+        if words[-1] in PLAIN and seen["zero_stage"] == 1:
+            _check_refused(seen, rank)
+            continue
+        assert "refused" not in seen, f"rank {rank}: {seen}"
         for ours, ref in zip(seen["losses"], seen["ref_losses"], strict=True):
             assert ours == pytest.approx(ref, rel=rtol)
         for ours, ref in zip(seen["grad_norms"], seen["ref_grad_norms"], strict=True):
@@ -86,6 +119,16 @@ def _check(ranks: list[dict], name: str) -> None:
         if seen["zero_stage"] < 2:  # FSDP's allocations are its own
             for kind, planned in seen["planned"].items():
                 assert seen["measured"][kind] == pytest.approx(planned, rel=0.05), (kind, seen)
+
+
+def _check_refused(seen: dict, rank: int) -> None:
+    """A plain optimizer under ZeRO-1: refused at its first step, on this rank, naming
+    the fix, with every parameter as it was."""
+    assert "refused" in seen, f"rank {rank} trained on: {seen}"
+    assert seen["step"] == 0 and seen["changed"] == 0, (rank, seen)
+    assert seen["refused"].startswith("PlanMismatchError: "), seen["refused"]
+    assert f"rank {rank} " in seen["refused"] and "module.optimizer(torch.optim." \
+        in seen["refused"], seen["refused"]
 
 
 @pytest.mark.parametrize("name", CASES)
@@ -103,6 +146,12 @@ def test_trains_like_one_process_slow(slow_ranks, name):
 @pytest.mark.parametrize("name", FOUR_CASES)
 def test_pipeline_trains_like_one_process(four_ranks, name):
     _check(four_ranks, name)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", PLAIN_FOUR_CASES)
+def test_plain_optimizer_trains_like_one_process_or_is_refused(plain_four_ranks, name):
+    _check(plain_four_ranks, name)
 
 
 # -- non-finite steps ----------------------------------------------------------------------
@@ -205,3 +254,53 @@ def test_buckets_take_each_rank_its_rows(dp):
             buckets._scatter_rows(bucket, bucket.buffer / 2)
         for name, p in module.named_parameters():
             torch.testing.assert_close(p.detach(), before[name], rtol=0, atol=0)
+
+
+# -- a plain optimizer under ZeRO-1, in one process ---------------------------------------
+
+class _Stage(torch.nn.Module):
+    """Stands for a ZeRO-1 DistributedModule: it holds the parameters the guard watches,
+    and counts steps."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = torch.nn.Linear(4, 3)
+        self.step = 2
+
+
+def test_plain_optimizer_over_zero1_parameters_is_refused_before_it_steps():
+    """Every torch optimizer stepping a watched parameter is refused before it changes
+    any (AdamW's decoupled decay would change one before reading its gradient); one over
+    other parameters, or over new parameters viewing the same rows as
+    DistributedOptimizer's shards do, steps; an optimizer that passed is checked again
+    once a watched parameter joins it; nothing is refused once the module is gone."""
+    stage = _Stage()
+    PLAIN_STEPS.watch(stage, stage.named_parameters(), "rank 3 (stage 1)")
+    for param in stage.parameters():
+        param.grad = torch.ones_like(param)
+    before = [p.detach().clone() for p in stage.parameters()]
+    for optimizer in (torch.optim.SGD(stage.parameters(), lr=0.1, momentum=0.9),
+                      torch.optim.AdamW([stage.proj.bias], lr=0.1, weight_decay=0.1)):
+        with pytest.raises(PlanMismatchError) as refused:
+            optimizer.step()
+        name = type(optimizer).__name__
+        assert str(refused.value).startswith(f"rank 3 (stage 1): torch.optim.{name}.step() "
+                                             f"at step 2 would update 'proj.")
+        assert f"module.optimizer(torch.optim.{name}, " in str(refused.value)
+        assert all(torch.equal(b, p) for b, p in zip(before, stage.parameters()))
+    other = torch.nn.Linear(2, 2)
+    shards = [torch.nn.Parameter(p.detach().view(-1)[:2]) for p in stage.parameters()]
+    for params in (other.parameters(), shards):
+        params = list(params)
+        for param in params:
+            param.grad = torch.ones_like(param)
+        passing = torch.optim.SGD(params, lr=0.1)
+        passing.step()
+        passing.step()
+    passing.add_param_group({"params": [stage.proj.weight]})
+    with pytest.raises(PlanMismatchError, match="would update 'proj.weight'"):
+        passing.step()
+    kept = stage.proj.weight
+    del stage, passing, refused  # the traceback's frames hold the stage too
+    gc.collect()
+    torch.optim.SGD([kept], lr=0.1).step()
