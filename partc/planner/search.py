@@ -14,6 +14,14 @@ stage model (:mod:`.stage_model`, :func:`solve_config`), which stops as soon as 
 bound reaches the best plan's step time. What the search learnt about each mesh
 factorisation ``(pp, dp, tp)`` is kept for the report (:mod:`.meshes`).
 
+Every limit is work, never wall-clock time (:mod:`partc.cp_sat`): each solve gets a
+share of ``PlannerOptions.work_limit`` (``per_config_work``) in CP-SAT's deterministic
+seconds, and the search stops solving when the deterministic seconds its solves spent
+reach the limit (configurations not reached are "work limit" in the report, and the plan
+FEASIBLE). The Python around the solves is not counted: it is bounded by the
+configurations. So a plan is a function of its inputs, the same on every rank and on a
+busier machine.
+
 Nothing is kept between calls but what the caller passes: ``solve(..., table_cache=...)``
 builds the cost tables with the caller's ``TableCache`` and records there the plan of
 each configuration it solved and the best configuration; a later solve of the same problem
