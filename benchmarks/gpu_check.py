@@ -280,7 +280,7 @@ def run_train(out: Path, prepare: bool = False) -> dict[str, Any]:
     for name, flags in TRAIN_PLANS:
         directory = out / "train" / name
         directory.mkdir(parents=True, exist_ok=True)
-        common = ["--device", _preset(), "--dtype", "bf16", "--time-limit", "20", "-q",
+        common = ["--device", _preset(), "--dtype", "bf16", "-q",
                   *_plan_flags(flags)]
         if prepare:
             command = [sys.executable, "-m", "partc", "plan", target, "--devices", "1",
@@ -436,7 +436,7 @@ def run_calibrate(out: Path, trained: dict[str, Any]) -> dict[str, Any]:
             pins += ["--recompute", recompute]
         directory = out / "calibrated" / name
         command = [sys.executable, "-m", "partc", "plan", target, "--devices", "1",
-                   "--profile", str(profile), "--dtype", "bf16", "--time-limit", "20", "-q", *pins,
+                   "--profile", str(profile), "--dtype", "bf16", "-q", *pins,
                    "--out", str(directory)]
         (out / "calibrated").mkdir(parents=True, exist_ok=True)
         _run(command, 300, out / "calibrated" / f"{name}.log")

@@ -24,7 +24,7 @@ tensor parallelism and plan. The big rows trace 100+ layer GPTs on the meta devi
 plan thousands of devices: expect minutes in all on a small machine.
 
     python benchmarks/megatron.py [--rows 1.7B,18.4B] [--fit 18.4B] [--no-own-plan]
-        [--time-limit 60]
+        [--work-limit 8]
 """
 
 from __future__ import annotations
@@ -109,8 +109,9 @@ def main() -> None:
     parser.add_argument("--fit", default=megatron.FIT_RUN.name)
     parser.add_argument("--no-own-plan", action="store_true",
                         help="only predict the published configurations")
-    parser.add_argument("--time-limit", type=float, default=60.0,
-                        help="planner time limit per row, seconds")
+    parser.add_argument("--work-limit", type=float, default=2 * partc.PlannerOptions().work_limit,
+                        help="the planner's work limit per row, deterministic seconds of "
+                             "CP-SAT work (default twice the planner's)")
     args = parser.parse_args()
     fit_run = megatron.run_named(args.fit)
     efficiency = fit(fit_run)
@@ -126,7 +127,7 @@ def main() -> None:
         own, plan_s = None, 0.0
         if own_problem is not None:
             start = time.perf_counter()
-            own = megatron.plan(own_problem, partc.PlannerOptions(time_limit_s=args.time_limit))
+            own = megatron.plan(own_problem, partc.PlannerOptions(work_limit=args.work_limit))
             plan_s = time.perf_counter() - start
         print(row_line(run, predicted, megatron.peak_bytes(evaluation), own,
                        (trace_s, measure_s, plan_s), run is fit_run), flush=True)
@@ -143,7 +144,7 @@ def main() -> None:
               "layers left to the planner):\n")
         print(pinned_header())
         for run, pinned, evaluation in interleaved:
-            print(pinned_line(run, pinned, evaluation, args.time_limit), flush=True)
+            print(pinned_line(run, pinned, evaluation, args.work_limit), flush=True)
 
 
 def pinned_header() -> str:
@@ -151,9 +152,9 @@ def pinned_header() -> str:
             "on rank 0, step s | planner / Megatron | solver | seconds |\n|" + "---|" * 6)
 
 
-def pinned_line(run: Run, pinned, evaluation, time_limit: float) -> str:
+def pinned_line(run: Run, pinned, evaluation, work_limit: float) -> str:
     start = time.perf_counter()
-    plan = megatron.plan(pinned, partc.PlannerOptions(time_limit_s=time_limit))
+    plan = megatron.plan(pinned, partc.PlannerOptions(work_limit=work_limit))
     seconds = time.perf_counter() - start
     runs = plan.stages[0].runs or (plan.stages[0].layers,)
     step = megatron.step_seconds(evaluation)

@@ -3,7 +3,7 @@
 jointly (pp, dp, tp, ep, ZeRO, recompute, microbatches, schedule); then Qwen3 pinned to
 its published Megatron-Core mesh, against the published throughput.
 
-    python benchmarks/moe_plan.py [--workloads deepseek-v3 qwen3-235b] [--time-limit 60]
+    python benchmarks/moe_plan.py [--workloads deepseek-v3 qwen3-235b] [--work-limit 8]
 
 For each workload it prints the time of each phase (trace + analyse, tensor-parallel
 options, the search), the chosen degrees, the predicted step time and TFLOP/s per GPU
@@ -284,7 +284,7 @@ def all_to_all_share(plan: partc.Plan) -> float:
 
 
 def run(shape: MoEShape, args) -> None:
-    options = PlannerOptions(time_limit_s=args.time_limit)
+    options = PlannerOptions(work_limit=args.work_limit)
     print(f"\n{shape.name}: {shape.devices} x H100-80GB (8 per node, 50 GB/s per GPU "
           f"between nodes), {shape.global_batch} sequences of {shape.seq} per step")
     times, problem = measured(shape, partc.Constraints())
@@ -358,8 +358,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--workloads", nargs="+", default=sorted(WORKLOADS),
                         choices=sorted(WORKLOADS))
-    parser.add_argument("--time-limit", type=float, default=60.0,
-                        help="the planner's time limit per search, seconds")
+    parser.add_argument("--work-limit", type=float, default=2 * PlannerOptions().work_limit,
+                        help="the planner's work limit per search, deterministic seconds of "
+                             "CP-SAT work (default twice the planner's)")
     args = parser.parse_args()
     for name in args.workloads:
         run(WORKLOADS[name], args)

@@ -49,9 +49,14 @@ class Outcome(Name):
     (:class:`partc.planner.results.MeshResult` says what each means)."""
 
     SOLVED = "solved"
-    TIME_LIMIT = "time limit"
+    WORK_LIMIT = "work limit"
     PRUNED = "pruned"
     INFEASIBLE = "infeasible"
+
+    @classmethod
+    def _missing_(cls, value: object) -> "Outcome | None":
+        # Plans written while the search's limit was wall-clock time say "time limit".
+        return cls.WORK_LIMIT if value == "time limit" else None
 
 
 class Phase(Name):

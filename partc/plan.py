@@ -387,7 +387,7 @@ class ScheduleOption:
 @dataclass(frozen=True, kw_only=True)
 class MeshOutcome:
     """One (pp, dp, tp) factorisation the planner weighed: its fastest configuration
-    and step time, or why it has none (``outcome``: "solved", "pruned", "time limit",
+    and step time, or why it has none (``outcome``: "solved", "pruned", "work limit",
     "infeasible")."""
 
     pp: int

@@ -83,9 +83,9 @@ def _gpt_124m_on(memory: str, tp: int | None = 1) -> partc.Program:
                          # Microbatches of one sequence are dispatch-bound on the A100
                          # (the GPU's launch floor), which leaves the layers' costs equal:
                          # proving the interleaved zero-bubble trial with 12 virtual
-                         # stages takes ~12 s on an idle core (CI's busy ones take twice
-                         # that), beyond the default share of 30 s / 8.
-                         options=partc.PlannerOptions(config_time_limit_s=45))
+                         # stages takes 4.8 deterministic seconds of CP-SAT work (~12 s
+                         # on an idle core), beyond the default share of 16 / 8.
+                         options=partc.PlannerOptions(config_work_limit=8))
 
 
 def test_50k_vocab_tight_budget_beats_both_baselines():

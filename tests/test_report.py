@@ -48,6 +48,6 @@ def test_solver_line_says_how_the_plan_was_found():
     text = render(searched)
     assert "593 configurations" in text and "3 searched with CP-SAT" in text
     assert "the other 588 ruled out without a solve" in text
-    assert "2 not reached within the time limit" in text
+    assert "2 not reached within the work limit" in text
     markdown = render(searched, "markdown")
     assert "- search: 593 configurations" in markdown and "```\nstage 0 |" in markdown

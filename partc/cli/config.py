@@ -22,6 +22,7 @@ else:   # pragma: no cover - Python 3.10: the same parser, as a package
 
 from partc.cli import main as cli
 from partc.cli.choices import OPTIMIZER_STATE_BYTES
+from partc.options import PlannerOptions
 
 DESCRIPTION = "compile a model, build this rank's part and train it, with telemetry"
 # The optimizers by TrainSpec's names (what the planner counts their state as).
@@ -38,7 +39,7 @@ class TrainConfig:
     # The budget, pins and TrainSpec flags, as partc.cli.main reads them (by argparse dest;
     # absent: not given). The number of devices is the launch's world size.
     plan: dict[str, Any] = field(default_factory=dict)
-    time_limit: float = 30.0
+    work_limit: float = PlannerOptions().work_limit
     # The optimizer and its learning-rate schedule.
     optimizer: str = "adamw"
     lr: float = 3e-4
@@ -72,7 +73,7 @@ class TrainConfig:
         for name in ("warmup_steps", "eval_every", "seed", "checkpoint_every"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must not be negative, got {getattr(self, name)}")
-        for name in ("lr", "warn_ratio", "time_limit"):
+        for name in ("lr", "warn_ratio", "work_limit"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         for name in ("min_lr", "weight_decay", "momentum"):
@@ -130,8 +131,8 @@ def parser() -> argparse.ArgumentParser:
     cli._training_arguments(p.add_argument_group(
         "training (overrides the factory's TrainSpec; --optimizer also picks the torch "
         "optimizer, default adamw)"))
-    p.add_argument("--time-limit", type=cli.POSITIVE, metavar="SECONDS",
-                   help="seconds for the stage planner's search (default 30)")
+    p.add_argument("--work-limit", type=cli.POSITIVE, metavar="WORK",
+                   help=cli.WORK_LIMIT_HELP)
     opt = p.add_argument_group("learning rate")
     opt.add_argument("--lr", type=cli.POSITIVE, help="peak learning rate (default 3e-4)")
     opt.add_argument("--min-lr", type=cli.NON_NEGATIVE, help="learning rate at the last step "

@@ -149,7 +149,7 @@ def compile_workload(config: TrainConfig, workload: dict[str, Any], world_size: 
                    loss_fn=workload.get("loss_fn"),
                    example_target=workload.get("example_target"), constraints=constraints,
                    name=workload.get("name"),
-                   options=PlannerOptions(time_limit_s=config.time_limit))
+                   options=PlannerOptions(work_limit=config.work_limit))
 
 
 def train(module: Any, optimizer: Any, workload: dict[str, Any], config: TrainConfig, *,

@@ -39,6 +39,7 @@ from partc.cost.collectives import KINDS as COLLECTIVE_KINDS
 from partc.device.figures import FIGURES
 from partc.device.presets import DEFAULT_DEVICE, PRESETS, preset
 from partc.errors import PartcError
+from partc.options import PlannerOptions
 from partc.problem import RECOMPUTE_MODES, ZERO2_GRAD_SYNCS, ZERO_STAGES
 from partc.units import format_seconds, parse_bytes, parse_rate
 
@@ -69,6 +70,10 @@ sizes and rates take an explicit unit: binary KiB MiB GiB TiB (80GiB = 80 x 2**3
 bytes, as nvidia-smi and torch count memory) or decimal kB MB GB TB (80GB = 80 x 10**9
 bytes, as vendors quote); a bare prefix such as 40G, and Gb (bits), are refused as
 ambiguous; a plain number is bytes. Rates append /s: 900GB/s."""
+
+WORK_LIMIT_HELP = (f"the stage planner's search limit, in deterministic seconds of CP-SAT work "
+                   f"(default {PlannerOptions().work_limit:g}): work, not wall-clock time, so "
+                   f"every rank and any machine plans alike")
 
 
 class UsageError(Exception):
@@ -257,8 +262,8 @@ def _plan_arguments(plan: argparse.ArgumentParser) -> None:
     _training_arguments(plan.add_argument_group(
         "training (overrides the factory's TrainSpec)"))
     out = plan.add_argument_group("planner and output")
-    out.add_argument("--time-limit", type=POSITIVE, default=30.0, metavar="SECONDS",
-                     help="seconds for the stage planner's search (default 30)")
+    out.add_argument("--work-limit", type=POSITIVE, default=PlannerOptions().work_limit,
+                     metavar="WORK", help=WORK_LIMIT_HELP)
     out.add_argument("--report", "--format", dest="report", choices=REPORT_FORMATS,
                      default="text", help="the report's format (default text); with --out, "
                      "html is written to DIR/report.html instead of printed")
@@ -545,7 +550,6 @@ def plan_command(args: argparse.Namespace) -> int:
     # Pins and budget before the model: a contradiction costs no model build.
     constraints, budget = _constraints(args), _budget(args)
     from partc.compiler import compile
-    from partc.options import PlannerOptions
 
     workload = load_factory(args.target)
     with _progress_bars(args.progress or (not args.quiet and sys.stderr.isatty())):
@@ -553,7 +557,7 @@ def plan_command(args: argparse.Namespace) -> int:
                           train=_train(args, workload), loss_fn=workload.get("loss_fn"),
                           example_target=workload.get("example_target"),
                           constraints=constraints, name=workload.get("name"),
-                          options=PlannerOptions(time_limit_s=args.time_limit))
+                          options=PlannerOptions(work_limit=args.work_limit))
     report = program.report(args.report)
     if args.out is not None:
         program.save(args.out)

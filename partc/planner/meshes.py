@@ -13,7 +13,7 @@ from partc.problem import PlanningProblem
 from partc.report.explain import tightest_split
 
 # The report lists meshes in this order; unsettled ones together, by their bound.
-_MESH_ORDER = {Outcome.SOLVED: 0, Outcome.TIME_LIMIT: 1, Outcome.PRUNED: 1,
+_MESH_ORDER = {Outcome.SOLVED: 0, Outcome.WORK_LIMIT: 1, Outcome.PRUNED: 1,
                Outcome.INFEASIBLE: 2}
 
 
@@ -50,7 +50,7 @@ def _mesh_result(problem: PlanningProblem, mesh: tuple[int, int, int],
     # A solved configuration can do no better than CP-SAT's bound, an unsolved one than
     # its lower bound; infeasible ones do not count.
     bounds = [r.bound for r in results] + [
-        floor for floor, o in zip(floors, outcomes) if o in (Outcome.PRUNED, Outcome.TIME_LIMIT)]
+        floor for floor, o in zip(floors, outcomes) if o in (Outcome.PRUNED, Outcome.WORK_LIMIT)]
     bound = int(min(bounds)) if bounds else None
     if results:
         top = best if any(r is best for r in results) else min(
@@ -59,7 +59,7 @@ def _mesh_result(problem: PlanningProblem, mesh: tuple[int, int, int],
                           config=top.table.config, step_ps=top.evaluation.step_ps,
                           status=top.status)
     if bound is not None:
-        outcome = Outcome.TIME_LIMIT if Outcome.TIME_LIMIT in outcomes else Outcome.PRUNED
+        outcome = Outcome.WORK_LIMIT if Outcome.WORK_LIMIT in outcomes else Outcome.PRUNED
         return MeshResult(pp=pp, dp=dp, tp=tp, outcome=outcome, bound_ps=bound)
     need, limit = _memory_need(problem, tables)
     return MeshResult(pp=pp, dp=dp, tp=tp, outcome=Outcome.INFEASIBLE, need_bytes=need,

@@ -43,7 +43,7 @@ class MeshResult:
     """What the search learnt about one ``(pp, dp, tp)`` factorisation of the devices.
 
     ``outcome`` is one of :data:`MESH_OUTCOMES`: "solved" (``config`` is its fastest plan
-    found, ``step_ps`` its step time), "time limit" (the search stopped before solving any
+    found, ``step_ps`` its step time), "work limit" (the search's work ran out before it solved any
     of its configurations), "pruned" (each configuration's lower bound was no better than
     the chosen plan) or "infeasible" (no configuration fits memory; ``need_bytes`` against
     ``limit_bytes`` on the stage of the tightest split, when known). ``bound_ps`` is a step

@@ -14,6 +14,14 @@ stage model (:mod:`.stage_model`, :func:`solve_config`), which stops as soon as 
 bound reaches the best plan's step time. What the search learnt about each mesh
 factorisation ``(pp, dp, tp)`` is kept for the report (:mod:`.meshes`).
 
+Every limit is work, never wall-clock time (:mod:`partc.cp_sat`): each solve gets a
+share of ``PlannerOptions.work_limit`` (``per_config_work``) in CP-SAT's deterministic
+seconds, and the search stops solving when the deterministic seconds its solves spent
+reach the limit (configurations not reached are "work limit" in the report, and the plan
+FEASIBLE). The Python around the solves is not counted: it is bounded by the
+configurations. So a plan is a function of its inputs, the same on every rank and on a
+busier machine.
+
 Nothing is kept between calls but what the caller passes: ``solve(..., table_cache=...)``
 builds the cost tables with the caller's ``TableCache`` and records there the plan of
 each configuration it solved and the best configuration; a later solve of the same problem
@@ -42,7 +50,7 @@ import dataclasses
 import itertools
 import math
 import time
-from typing import Callable
+from typing import Callable, NamedTuple
 
 from ortools.sat.python import cp_model
 
@@ -52,6 +60,7 @@ from partc.cost.pipeline_config import PS_PER_S, PipelineConfig
 from partc.cost.schedules import feature_refusal, refusal
 from partc.cost.schedules import schedule as schedule_info
 from partc.cost.tables import CostTable, TableCache, build_cost_table
+from partc.cp_sat import deterministic_solver, set_work, work_done
 from partc.errors import PlanInfeasibleError
 from partc.names import Outcome, Schedule
 from partc.options import PlannerOptions
@@ -203,13 +212,18 @@ def _runnable_zero(problem: PlanningProblem, config: PipelineConfig, name: str) 
     return None
 
 
+# Why a schedule trial has no plan when the search's work ran out before it.
+NOT_REACHED = "not reached (work limit)"
+
+
 def choose_schedule(problem: PlanningProblem, best: ConfigResult, options: PlannerOptions,
-                    cache: TableCache, deadline: float
+                    cache: TableCache, work: float
                     ) -> tuple[ConfigResult, tuple[ScheduleTrial, ...], bool]:
     """The plan whose schedule plays out fastest among ``best`` and each of
-    :func:`schedule_candidates` solved by CP-SAT (a time share each, until ``deadline``
-    on ``time.perf_counter``): (that plan, every trial in order, whether each solve
-    finished). Ties keep the earlier: ``best`` first, then the schedules' order."""
+    :func:`schedule_candidates` solved by CP-SAT (a configuration's share of the work
+    each, until ``work`` deterministic seconds are spent): (that plan, every trial in
+    order, whether each solve finished). Ties keep the earlier: ``best`` first, then the
+    schedules' order."""
     trials = [_played(problem, best)]
     chosen, chosen_step, finished = trials[0].result, trials[0].step_ps, True
     candidates = schedule_candidates(problem, best.table.config)
@@ -217,19 +231,19 @@ def choose_schedule(problem: PlanningProblem, best: ConfigResult, options: Plann
         progress.update("schedules", done, len(candidates),
                         f"{config.schedule}, v={config.chunks}",
                         incumbent_s=chosen_step / PS_PER_S)
-        remaining = deadline - time.perf_counter()
-        if remaining <= 0:
+        if work <= 0:
             finished = False
-            trials.append(ScheduleTrial(config=config, why="not reached (time limit)"))
+            trials.append(ScheduleTrial(config=config, why=NOT_REACHED))
             continue
         table = build_cost_table(problem, config, cache)
-        result, status, _ = solve_config(problem, table, options,
-                                         min(remaining, options.per_config_s), None,
-                                         None, cache.solutions.get(config), cache)
+        result, status, _, spent = solve_config(problem, table, options,
+                                                min(work, options.per_config_work), None,
+                                                None, cache.solutions.get(config), cache)
+        work -= spent
         if result is None:
             finished &= status != "UNKNOWN"
             trials.append(ScheduleTrial(config=config, why="no split fits" if status ==
-                                        "INFEASIBLE" else "time limit"))
+                                        "INFEASIBLE" else "work limit"))
             continue
         finished &= result.status == "OPTIMAL"
         trials.append(_played(problem, result))
@@ -363,22 +377,29 @@ _STATUS = {cp_model.OPTIMAL: "OPTIMAL", cp_model.FEASIBLE: "FEASIBLE",
            cp_model.UNKNOWN: "UNKNOWN"}
 
 
+class ConfigSolve(NamedTuple):
+    """What :func:`solve_config` found for one configuration."""
+    result: ConfigResult | None   # None when there is none
+    status: str                   # CP-SAT's, or "BEATEN" when stopped by the cutoff
+    proven: float                 # the step time CP-SAT's bound proves
+    work: float                   # CP-SAT's deterministic seconds spent
+
+
 def solve_config(problem: PlanningProblem, table: CostTable, options: PlannerOptions,
-                 time_limit_s: float, pinned: list[int] | None,
+                 work: float, pinned: list[int] | None,
                  cutoff: int | None = None, previous: Assignment | None = None,
-                 table_cache: TableCache | None = None
-                 ) -> tuple[ConfigResult | None, str, float]:
-    """Solve one configuration: its result (None when there is none), CP-SAT's status
-    ("BEATEN" when stopped by ``cutoff``) and the bound CP-SAT proved. ``previous`` (this
-    configuration's plan under another memory limit) is the hint when it still fits and
-    beats the greedy incumbent. ``table_cache`` is the one ``table`` was built with.
+                 table_cache: TableCache | None = None) -> ConfigSolve:
+    """Solve one configuration within ``work`` deterministic seconds of CP-SAT.
+    ``previous`` (this configuration's plan under another memory limit) is the hint when
+    it still fits and beats the greedy incumbent. ``table_cache`` is the one ``table``
+    was built with.
 
     ``cutoff`` (the best step time found elsewhere) is not a constraint: proving
     "nothing below the cutoff" was seen to take CP-SAT far longer than solving outright.
     Instead the search stops as soon as its proven bound reaches it, which is often long
     before the optimum of a losing configuration is proven.
     """
-    start = time.perf_counter()
+    start, spent = time.perf_counter(), 0.0
     problem = problem.variant(table.config.tp, table.config.sequence_parallel,
                               table.config.tp_objective)
     start_from = starting_point(problem, table, pinned, previous, table_cache)
@@ -391,29 +412,31 @@ def solve_config(problem: PlanningProblem, table: CostTable, options: PlannerOpt
         built = StageModel(problem, table, pinned, step=with_step)
         if start_from is not None:
             built.add_hint(start_from[0])
-        solver = _solver(options, time_limit_s - (time.perf_counter() - start))
-        status, proven = _run_solver(solver, built, cutoff, chunks)
+        solver = _solver(options)
+        status, proven, used = _run_solver(solver, built, cutoff, chunks, work - spent)
+        spent += used
         if with_step or status not in ("OPTIMAL", "FEASIBLE"):
             break
         assignment = built.assignment(solver)
         if evaluate(table, assignment.stage_of, assignment.modes).fits:
             break
-    return _result(built, solver, status, proven, table, start_from, cutoff, chunks, start)
+    result, status, proven = _result(built, solver, status, proven, table, start_from, cutoff,
+                                     chunks, start)
+    return ConfigSolve(result, status, proven, spent)
 
 
-def _solver(options: PlannerOptions, time_limit_s: float) -> cp_model.CpSolver:
-    solver = cp_model.CpSolver()
-    solver.parameters.max_time_in_seconds = max(time_limit_s, 0.01)
-    solver.parameters.num_workers = options.num_workers
-    solver.parameters.random_seed = options.seed
+def _solver(options: PlannerOptions) -> cp_model.CpSolver:
+    solver = deterministic_solver(0.0, options.num_workers, options.seed)
     solver.parameters.cp_model_presolve = options.presolve
     return solver
 
 
 def _run_solver(solver: cp_model.CpSolver, built: StageModel, cutoff: int | None,
-                chunks: int) -> tuple[str, int]:
-    """Solve ``built`` within the solver's time limit: CP-SAT's status by name and the
-    step time its bound proves. ``cutoff``: stop once the bound reaches it."""
+                chunks: int, work: float) -> tuple[str, int, float]:
+    """Solve ``built`` within ``work`` deterministic seconds: CP-SAT's status by name,
+    the step time its bound proves and the work spent. ``cutoff``: stop once the bound
+    reaches it (the callback runs on the one worker's thread, at a point of the search
+    that does not depend on the clock)."""
 
     def step_floor(objective_bound: float) -> int:
         """The least step time an objective bound allows (pipeline_ps floors its
@@ -425,10 +448,10 @@ def _run_solver(solver: cp_model.CpSolver, built: StageModel, cutoff: int | None
             if step_floor(bound) >= cutoff:
                 solver.stop_search()
         solver.best_bound_callback = stop_when_beaten
-    code = _solve(solver, built, solver.parameters.max_time_in_seconds,
-                  lambda: cutoff is not None
-                  and step_floor(solver.best_objective_bound) >= cutoff)
-    return _STATUS.get(code, "UNKNOWN"), step_floor(solver.best_objective_bound)
+    code, spent = _solve(solver, built, work,
+                         lambda: cutoff is not None
+                         and step_floor(solver.best_objective_bound) >= cutoff)
+    return _STATUS.get(code, "UNKNOWN"), step_floor(solver.best_objective_bound), spent
 
 
 def _result(built: StageModel, solver: cp_model.CpSolver, status: str, proven: int,
@@ -441,7 +464,7 @@ def _result(built: StageModel, solver: cp_model.CpSolver, status: str, proven: i
                            f"{built.model.validate()}")
     beaten = status == "UNKNOWN" and cutoff is not None and proven >= cutoff
     if status == "UNKNOWN" and start_from is not None and not beaten:
-        status = "FEASIBLE"   # CP-SAT found nothing in time: the incumbent still is a plan
+        status = "FEASIBLE"   # CP-SAT found nothing in its work: the incumbent still is a plan
         assignment, evaluation = start_from
     elif status not in ("OPTIMAL", "FEASIBLE"):
         return None, "BEATEN" if beaten else status, proven
@@ -456,8 +479,8 @@ def _result(built: StageModel, solver: cp_model.CpSolver, status: str, proven: i
                                f"({evaluation.step_ps}) for {table.config}")
         if status == "FEASIBLE" and start_from is not None \
                 and start_from[1].step_ps < evaluation.step_ps:
-            # Stopped by the time limit: never worse than the plan it started from
-            # (CP-SAT may drop a hint it cannot complete in time).
+            # Stopped by the work limit: never worse than the plan it started from
+            # (CP-SAT may drop a hint it cannot complete within it).
             assignment, evaluation = start_from
     bound = min(proven, evaluation.step_ps) if status == "FEASIBLE" else evaluation.step_ps
     return ConfigResult(table=table, assignment=assignment, evaluation=evaluation,
@@ -468,33 +491,32 @@ def _result(built: StageModel, solver: cp_model.CpSolver, status: str, proven: i
 _FULLER_LP_WORK = 1.0
 
 
-def _solve(solver: cp_model.CpSolver, built: StageModel, time_limit_s: float,
-           settled: Callable[[], bool]) -> int:
-    """CP-SAT's status code on ``built``. Where memory is weighed per run
-    (``StageModel.splits_runs``) neither of CP-SAT's linearizations proves every model
-    quickly on one worker: the default one leaves the bound of the 124M GPT's
-    interleaved 1F1B at 1.5 GiB 17% below its optimum (20 s), where the fuller one
-    proves it in 0.7 s and fails on interleaved zero-bubble, which the default proves
-    in 1.7 s. So the fuller one runs first, for a quarter of the time or
-    ``_FULLER_LP_WORK`` of CP-SAT's deterministic time (it proves the first in 0.3), and
-    unless it settles the model (``settled``: its bound reached the cutoff) the default
-    one runs the rest, from the same hint (the fuller one's plans, where it fails, are
+def _solve(solver: cp_model.CpSolver, built: StageModel, work: float,
+           settled: Callable[[], bool]) -> tuple[int, float]:
+    """CP-SAT's status code on ``built`` within ``work`` deterministic seconds, and the
+    work spent. Where memory is weighed per run (``StageModel.splits_runs``) neither of
+    CP-SAT's linearizations proves every model quickly on one worker: the default one
+    leaves the bound of the 124M GPT's interleaved 1F1B at 1.5 GiB 17% below its optimum
+    (20 s), where the fuller one proves it in 0.7 s and fails on interleaved
+    zero-bubble, which the default proves in 1.7 s. So the fuller one runs first, for a
+    quarter of the work or ``_FULLER_LP_WORK`` (it proves the first in 0.3), and unless
+    it settles the model (``settled``: its bound reached the cutoff) the default one
+    runs the rest, from the same hint (the fuller one's plans, where it fails, are
     poor)."""
     if not built.splits_runs:
-        return solver.solve(built.model)
-    first = time.perf_counter()
+        set_work(solver, work)
+        return solver.solve(built.model), work_done(solver)
     solver.parameters.linearization_level = 2
-    solver.parameters.max_time_in_seconds = max(time_limit_s / 4, 0.01)
-    solver.parameters.max_deterministic_time = _FULLER_LP_WORK
+    set_work(solver, min(work / 4, _FULLER_LP_WORK))
     code = solver.solve(built.model)
-    solver.parameters.max_deterministic_time = math.inf
-    left = time_limit_s - (time.perf_counter() - first)
+    spent = work_done(solver)
     if code in (cp_model.OPTIMAL, cp_model.INFEASIBLE, cp_model.MODEL_INVALID) \
-            or left <= 0 or settled():
-        return code
+            or spent >= work or settled():
+        return code, spent
     solver.parameters.linearization_level = 1
-    solver.parameters.max_time_in_seconds = max(left, 0.01)
-    return solver.solve(built.model)
+    set_work(solver, work - spent)
+    code = solver.solve(built.model)
+    return code, spent + work_done(solver)
 
 
 def solve(problem: PlanningProblem, options: PlannerOptions = PlannerOptions(),
@@ -521,6 +543,7 @@ def solve(problem: PlanningProblem, options: PlannerOptions = PlannerOptions(),
     order = sorted(range(len(tables)),
                    key=lambda i: (tables[i].config != cache.best_config, floors[i], i))
     bound, solved, pruned, all_optimal = None, 0, 0, True
+    spent = 0.0   # CP-SAT's deterministic seconds: the search's budget is work, not time
     # Per configuration: its ConfigResult, or why it has none.
     outcomes: list[ConfigResult | Outcome] = [Outcome.INFEASIBLE] * len(tables)
     best = None if pinned is not None else _seed(problem, tables, floors, order, cache)
@@ -545,17 +568,17 @@ def solve(problem: PlanningProblem, options: PlannerOptions = PlannerOptions(),
             outcomes[i] = outcomes[i] if seeded else Outcome.PRUNED
             bound = floor if bound is None else min(bound, floor)
             continue
-        remaining = options.time_limit_s - (time.perf_counter() - start)
+        remaining = options.work_limit - spent
         if remaining <= 0 and best is not None:
             all_optimal = False
-            outcomes[i] = outcomes[i] if seeded else Outcome.TIME_LIMIT
+            outcomes[i] = outcomes[i] if seeded else Outcome.WORK_LIMIT
             bound = floor if bound is None else min(bound, floor)
             continue
         cutoff = best.evaluation.step_ps if best is not None else None
-        result, status, proven = solve_config(problem, table, options,
-                                              min(remaining, options.per_config_s), pinned,
-                                              cutoff, cache.solutions.get(table.config),
-                                              cache)
+        result, status, proven, used = solve_config(
+            problem, table, options, min(remaining, options.per_config_work), pinned, cutoff,
+            cache.solutions.get(table.config), cache)
+        spent += used
         solved += 1
         if result is None:
             if status == "BEATEN":  # proven no better than the best plan
@@ -564,7 +587,7 @@ def solve(problem: PlanningProblem, options: PlannerOptions = PlannerOptions(),
                 bound = floors[i] if bound is None else min(bound, floors[i])
             elif status == "UNKNOWN":
                 all_optimal = False
-                outcomes[i] = outcomes[i] if seeded else Outcome.TIME_LIMIT
+                outcomes[i] = outcomes[i] if seeded else Outcome.WORK_LIMIT
                 bound = floor if bound is None else min(bound, floor)
             continue
         if result.bound < floor:   # CP-SAT proved less than the lower bound knows
@@ -583,13 +606,13 @@ def solve(problem: PlanningProblem, options: PlannerOptions = PlannerOptions(),
     meshes = mesh_results(problem, tables, floors, outcomes, best)
     bound = min(bound, best.evaluation.step_ps)
     chosen, trials, finished = choose_schedule(problem, best, options, cache,
-                                               start + options.time_limit_s)
+                                               options.work_limit - spent)
     return PlannerResult(
         best=chosen, status="OPTIMAL" if all_optimal and finished else "FEASIBLE",
         bound=bound,
         solve_time_s=time.perf_counter() - start,
         configs_total=len(configs) + len(trials) - 1,
-        configs_solved=solved + sum(t.why != "not reached (time limit)" for t in trials[1:]),
+        configs_solved=solved + sum(t.why != NOT_REACHED for t in trials[1:]),
         configs_pruned=pruned, meshes=meshes, schedule_trials=trials)
 
 

@@ -110,7 +110,8 @@ Names
     bounds that leave a variable one value make it a constant instead.
 
 CP-SAT starts from a hint (:func:`~.bounds.incumbent`, :meth:`StageModel.add_hint`), so
-it holds a plan at once.
+it holds a plan at once, and it is stopped by work (deterministic seconds,
+:mod:`partc.cp_sat`), never by the clock, so where it stops is the same on any machine.
 """
 
 from __future__ import annotations

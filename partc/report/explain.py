@@ -136,9 +136,10 @@ def explain_infeasible(problem: PlanningProblem, tables: list[CostTable]) -> Pla
     config = tight.config
     if tight.ratio <= 1:
         return PlanInfeasibleError(
-            f"the solver found no plan within its time limit, although one fits "
+            f"the solver found no plan within its work limit, although one fits "
             f"(pp={config.pp}, micro-batch size {config.micro_batch_size}); raise "
-            f"PlannerOptions.time_limit_s", stage=stage, resource="solver time")
+            f"PlannerOptions.work_limit (deterministic seconds of CP-SAT work)",
+            stage=stage, resource="solver work")
     fixes = [f"{format_bytes(max(tight.stage_need))} per device"]
     fewest = _fewest_stages_that_fit(problem, config.micro_batch_size,
                                      max(c.pp for c in (s.config for s in splits)) + 1)

@@ -353,7 +353,7 @@ def mesh_svg(plan: Plan) -> str:
                if Outcome.SOLVED in outcomes else [])
             + ([Patch(facecolor="white", edgecolor="#999", hatch="///",
                       label="lower bound (not solved)")]
-               if outcomes & {Outcome.PRUNED, Outcome.TIME_LIMIT} else []))
+               if outcomes & {Outcome.PRUNED, Outcome.WORK_LIMIT} else []))
     return _svg(figure, "Mesh factorisations and their predicted step times")
 
 

@@ -209,9 +209,9 @@ def _mesh_why(plan: Plan) -> str:
     step = _ranking_step(plan)
     others = [m for m in plan.meshes if not _is_chosen(plan, m)]
     solved = [m for m in others if m.outcome == Outcome.SOLVED]
-    unsettled = [m for m in others if m.outcome in (Outcome.PRUNED, Outcome.TIME_LIMIT)]
+    unsettled = [m for m in others if m.outcome in (Outcome.PRUNED, Outcome.WORK_LIMIT)]
     unfit = len(others) - len(solved) - len(unsettled)
-    timed_out = sum(m.outcome == Outcome.TIME_LIMIT for m in others)
+    timed_out = sum(m.outcome == Outcome.WORK_LIMIT for m in others)
     low = min(unsettled, key=lambda m: m.bound_s, default=None)
     if solved:
         runner = solved[0]
@@ -223,14 +223,14 @@ def _mesh_why(plan: Plan) -> str:
                f"({low.bound_s / step:.2f}x)" + (f"; {unfit} do not fit" if unfit else ""))
     elif low is not None:
         why = (f"the best found; {low.mesh} was not settled within the solver's "
-               f"time limit and might be faster (bound {format_seconds(low.bound_s)})")
+               f"work limit and might be faster (bound {format_seconds(low.bound_s)})")
         timed_out = 0
     elif others:
         why = f"the only factorisation that fits ({unfit} others do not)"
     else:
         why = "the only factorisation the device count, the pins and the batch allow"
     if timed_out:
-        why += f"; {timed_out} not settled within the solver's time limit"
+        why += f"; {timed_out} not settled within the solver's work limit"
     return "why: " + why
 
 
@@ -260,7 +260,7 @@ def _no_plan_reason(mesh: MeshOutcome, step: float) -> str:
         return (f"does not fit: needs {format_bytes(mesh.need_bytes)} of "
                 f"{format_bytes(mesh.limit_bytes)} per device")
     bound = f"bound >= {format_seconds(mesh.bound_s)} ({mesh.bound_s / step:.2f}x)"
-    return f"pruned: {bound}" if mesh.outcome == Outcome.PRUNED else f"time limit: {bound}"
+    return f"pruned: {bound}" if mesh.outcome == Outcome.PRUNED else f"work limit: {bound}"
 
 
 def _alternative_rows(plan: Plan) -> list[list[str]]:
@@ -450,7 +450,7 @@ def _why(plan: Plan) -> list[str]:
 
 _STATUS = {
     "OPTIMAL": "no configuration can beat this plan under the cost model",
-    "FEASIBLE": "the best plan found within the time limit; none can beat the bound",
+    "FEASIBLE": "the best plan found within the work limit; none can beat the bound",
 }
 
 
@@ -476,7 +476,7 @@ def _solver(plan: Plan) -> list[str]:
                 "configuration's lower bound, and no other configuration's bound is lower")
     unsettled = s.configs_total - s.configs_solved - s.configs_pruned
     if unsettled > 0:
-        how += f"; {unsettled} not reached within the time limit"
+        how += f"; {unsettled} not reached within the work limit (PlannerOptions.work_limit)"
     solved = [o for o in plan.schedules if o.how.startswith("solved split")]
     if solved:
         how += (f". The step and bound above are the closed form's (1F1B, GPipe), which "

@@ -79,7 +79,8 @@ Constraints
         ``G_u`` counts for (memory first, sequence-parallel boundaries).
 
 Every layer has a solution without pins (all replicated). CP-SAT runs under
-:class:`partc.options.ShardingOptions` (time limit, workers, seed; the seed settles which
+:class:`partc.options.ShardingOptions` (a work limit in CP-SAT's deterministic seconds,
+never wall-clock, so every rank and machine picks alike; workers; seed: it settles which
 of equally good picks is returned). Layers with the same signature and boundary
 placements share one solve, their nodes matched in one order (a parameter just before
 its first consumer, whether the layer fetches it itself or reads one fetched in an
@@ -88,7 +89,7 @@ parameter that several layers use (a tied embedding) gets one placement for all 
 where the layers' picks disagree, each placement they picked, and ``Replicate()``, is
 tried as a pin (2) on every layer, and the one with the smallest summed objective kept
 among those every layer can meet, one parameter at a time (until none disagree). So the
-search never fails a plan: a layer whose search finds no pick in its time limit stays
+search never fails a plan: a layer whose search finds no pick in its work limit stays
 replicated (with a warning), and replicated meets every layer.
 """
 
@@ -96,6 +97,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -107,6 +109,7 @@ from partc.cost.collectives import Group
 from partc.cost.communication import collectives_seconds
 from partc.cost.layer_compute import op_step_seconds
 from partc.cost.pipeline_config import to_ps
+from partc.cp_sat import deterministic_solver
 from partc.options import ShardingOptions
 from partc.passes.helpers.graph import (carries_grad, is_tensorish, layer_nodes, op_name,
                                         storage_of, tensor_inputs)
@@ -559,17 +562,20 @@ class _LayerModel:
         is minimised (from the last solution). The last solve's status and the pick's
         :meth:`_Objective.value`."""
         goals = self.objective.goals(self.prefer)
+        settled = True   # every earlier goal proven at its best
         for i, goal in enumerate(goals):
             self.model.minimize(goal)
             status = solver.solve(self.model)
             if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
                 return status, 0
+            settled &= status == cp_model.OPTIMAL
             if i + 1 < len(goals):
                 self.model.add(goal <= round(solver.objective_value))
                 self.model.clear_hints()
                 for var in (v for picks in self.pick.values() for v in picks):
                     self.model.add_hint(var, solver.boolean_value(var))
-        return status, self.objective.value(self.prefer, solver)
+        return (status if settled else cp_model.FEASIBLE), self.objective.value(self.prefer,
+                                                                                solver)
 
     def _one_strategy(self, node: fx.Node, pin: Placement | None) -> None:
         # (1) exactly one strategy per node.
@@ -665,22 +671,24 @@ def _solve_layer(problem: _LayerProblem, pins: dict[str, Placement], prefer: str
                  options: ShardingOptions) -> tuple[dict[fx.Node, int], int]:
     """One layer's pick (node → strategy index) and its objective value."""
     layer = _LayerModel(problem, pins, prefer)
-    solver = cp_model.CpSolver()
-    solver.parameters.max_time_in_seconds = options.time_limit_s
-    solver.parameters.num_workers = options.num_workers
-    solver.parameters.random_seed = options.seed
+    solver = deterministic_solver(options.work_limit, options.num_workers, options.seed)
     status, value = layer.solve(solver)
     if status == cp_model.FEASIBLE:
-        log.warning("layer %s: the sharding search stopped at its %.0f s limit; keeping "
-                    "the best pick found", problem.info.name, options.time_limit_s)
+        # The same pick on every rank and machine (the limit is work): a warning, as it
+        # may not be the best one.
+        log.warning("layer %s: the sharding search stopped at its work limit "
+                    "(ShardingOptions.work_limit, %g deterministic s) before proving its "
+                    "pick the best; keeping the best pick found", problem.info.name,
+                    options.work_limit)
     elif status == cp_model.INFEASIBLE:
         pinned = {fqn: str(p) for fqn, p in pins.items()
                   if any(problem.pin(n, {fqn: p}) is not None for n in problem.items)}
         raise PinInfeasible(f"layer {problem.info.name}: no strategy per node meets the "
                             f"layer's boundary placements and pins {pinned}")
     elif status != cp_model.OPTIMAL:
-        log.warning("layer %s: the sharding search found no pick in %.0f s (%s); the "
-                    "layer stays replicated", problem.info.name, options.time_limit_s,
+        log.warning("layer %s: the sharding search found no pick within its work limit "
+                    "(ShardingOptions.work_limit, %g deterministic s; %s); the layer stays "
+                    "replicated", problem.info.name, options.work_limit,
                     solver.status_name(status))
         return _solve_replicated(problem, pins, prefer)
     return _picked(problem, layer, solver), value
@@ -694,8 +702,9 @@ def _solve_replicated(problem: _LayerProblem, pins: dict[str, Placement], prefer
         if problem.pin(node, pins) is None:
             index = next(i for i, s in enumerate(problem.options[node]) if s.out == REPLICATE)
             layer.model.add(layer.pick[node][index] == 1)
-    solver = cp_model.CpSolver()
-    solver.parameters.num_workers = 1
+    # No limit: the layer's picks are fixed, so this prices them rather than searching.
+    # (Seed 1 is CP-SAT's default, with which this has always run.)
+    solver = deterministic_solver(math.inf, 1, 1)
     status, value = layer.solve(solver)
     if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
         raise PinInfeasible(f"layer {problem.info.name}: replicated does not meet its "

@@ -275,16 +275,16 @@ def test_a_shared_parameter_takes_a_placement_every_layer_can_meet():
     assert alone == {"head": (("w", "Replicate()"),), "scaled": (("w", "Replicate()"),)}
 
 
-def test_a_layer_whose_search_finds_nothing_in_time_stays_replicated(monkeypatch):
-    limit = ShardingOptions(time_limit_s=7.0)
+def test_a_layer_whose_search_finds_nothing_in_its_work_stays_replicated(monkeypatch):
+    limit = ShardingOptions(work_limit=7.0)
 
-    class OutOfTime(tp_chooser.cp_model.CpSolver):
+    class OutOfWork(tp_chooser.cp_model.CpSolver):
         def solve(self, model, *args):
-            if self.parameters.max_time_in_seconds == limit.time_limit_s:
+            if self.parameters.max_deterministic_time == limit.work_limit:
                 return tp_chooser.cp_model.UNKNOWN
             return super().solve(model, *args)
 
-    monkeypatch.setattr(tp_chooser.cp_model, "CpSolver", OutOfTime)
+    monkeypatch.setattr(tp_chooser.cp_model, "CpSolver", OutOfWork)
     sharding = choose(mlp_layer(), 2, FAST_LINK, options=limit)
     assert {out for _, out in picked(sharding).values()} == {"Replicate()"}
     assert sharding.layers[0].collectives == ()

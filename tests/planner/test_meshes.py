@@ -31,7 +31,7 @@ from tests.test_compile import check
 
 MiB = 2**20
 DEVICES = 4
-OUTCOMES = {"solved", "pruned", "time limit", "infeasible"}
+OUTCOMES = {"solved", "pruned", "work limit", "infeasible"}
 
 
 @pytest.fixture(scope="module")
@@ -214,16 +214,16 @@ def test_why_names_the_runner_up_and_its_ratio(roomy, best_and_runner_up):
             f"({runner.evaluation.step_ps / step:.2f}x)") in text
 
 
-def test_meshes_the_time_limit_left_unsettled_are_not_claimed_beaten(roomy,
+def test_meshes_the_work_limit_left_unsettled_are_not_claimed_beaten(roomy,
                                                                    best_and_runner_up):
-    # As if the time limit struck after solving one configuration of a slower mesh: the
+    # As if the work limit struck after solving one configuration of a slower mesh: the
     # optimum's own configurations have lower bounds below it, and the report must say so.
     best, slower = best_and_runner_up
     assert slower.evaluation.step_ps > best.evaluation.step_ps
-    text, meshes = _render_history(roomy, slower, (slower,), "time limit")
-    assert "was not settled within the solver's time limit and might be faster" in text
-    unsettled = sum(m.outcome == "time limit" for m in meshes)
-    assert "can beat it" not in text and text.count("time limit: bound >= ") == unsettled > 0
+    text, meshes = _render_history(roomy, slower, (slower,), "work limit")
+    assert "was not settled within the solver's work limit and might be faster" in text
+    unsettled = sum(m.outcome == "work limit" for m in meshes)
+    assert "can beat it" not in text and text.count("work limit: bound >= ") == unsettled > 0
 
 
 @pytest.mark.parametrize("format", ["text", "markdown"])

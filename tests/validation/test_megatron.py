@@ -7,7 +7,7 @@ direct evaluation of Megatron's assignment does, fit it in 80 GiB, and find a pl
 its own that is at least as fast. Every row is predicted here (each traces and
 measures in about a second); partc's own plan is searched on three rows (no tensor
 parallelism, the fitted row, a pipeline), as planning more than a thousand devices
-runs into the planner's time limit today. ``benchmarks/megatron.py`` prints all ten
+runs into the planner's work limit today. ``benchmarks/megatron.py`` prints all ten
 with their own plans and the step broken down by cause.
 """
 
@@ -133,7 +133,7 @@ def test_own_plan_is_at_least_as_fast_and_fits(name):
     published = megatron.tflops_per_gpu(run, megatron.step_seconds(evaluation))
     assert megatron.tflops_per_gpu(run, own.predicted.step_time_s) >= published
     assert own.predicted.peak_memory_bytes <= own_problem.devices.memory_bytes[0]
-    assert own.solver.status == "OPTIMAL"   # settled, not stopped by the time limit
+    assert own.solver.status == "OPTIMAL"   # settled, not stopped by the work limit
 
 
 @pytest.mark.slow
