@@ -33,7 +33,7 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from partc.errors import PartcError
+from partc.errors import CheckpointError, PartcError
 from partc.runtime.checkpoint_files import METADATA, SafeReader, check_files, read_metadata
 
 
@@ -211,7 +211,13 @@ class DcpWeights(Mapping):
         files = {info.relative_path for index, info in self._metadata.storage_data.items()
                  if index.fqn in names} - self._checked
         if self._files:
-            check_files(self.directory, {name: self._files.get(name, -1) for name in files})
+            unlisted = sorted(files - set(self._files))
+            if unlisted:
+                raise CheckpointError(f"{self.directory / unlisted[0]} holds tensors but "
+                                      f"is not in {self.directory / 'manifest.json'}: the "
+                                      "checkpoint was changed after its save",
+                                      path=str(self.directory / unlisted[0]))
+            check_files(self.directory, {name: self._files[name] for name in files})
         self._checked |= files
 
     def __contains__(self, name: object) -> bool:

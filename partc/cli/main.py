@@ -692,7 +692,7 @@ def calibrate_command(args: argparse.Namespace) -> int:
 
 def checkpoint_command(args: argparse.Namespace) -> int:
     """``partc checkpoint verify DIR``: one line per bad file on stdout, status 1 if any."""
-    from partc.runtime.checkpoint import MANIFEST, read_manifest
+    from partc.runtime.checkpoint import LATEST, MANIFEST, read_manifest
     from partc.runtime.checkpoint_files import verify
 
     root = args.directory
@@ -703,6 +703,11 @@ def checkpoint_command(args: argparse.Namespace) -> int:
         raise PartcError(f"no checkpoint at {root}: neither {root / MANIFEST} nor step-* "
                          "directories")
     bad = 0
+    pointer = root / LATEST
+    if pointer.is_file() and not (root / pointer.read_text().strip() / MANIFEST).is_file():
+        print(f"{pointer} names {pointer.read_text().strip()!r}, which is no complete "
+              "checkpoint under it")
+        bad += 1
     for step in steps:
         try:
             problems = verify(step, read_manifest(step))

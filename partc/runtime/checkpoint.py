@@ -191,10 +191,11 @@ def save(rank_state: RankState, saves: BackgroundSave, directory: str | os.PathL
             commit=lambda: _commit(root, tmp, final, rank_state, manifest, keep))
         return final
     _write(state, tmp, step)
+    digested = _digest_own_files(tmp, step)
     problem = None
     if dist.get_rank() == 0:
         try:
-            _commit(root, tmp, final, rank_state, manifest, keep)
+            _commit(root, tmp, final, rank_state, manifest, keep, digested)
         except Exception as error:
             problem = _problem(error)
             shutil.rmtree(tmp, ignore_errors=True)
@@ -269,6 +270,22 @@ def _write(state: dict[str, Any], tmp: Path, step: int) -> None:
            cleanup=lambda: shutil.rmtree(tmp, ignore_errors=True))
 
 
+def _digest_own_files(tmp: Path, step: int) -> dict[str, Any]:
+    """Every rank hashes the files it wrote (DCP names them ``__<rank>_*``), so the
+    save's pause grows by one rank's share, not the whole; rank 0 receives them all."""
+    problem, digests = None, {}
+    try:
+        digests = describe(tmp, [f.name for f in tmp.iterdir()
+                                 if f.name.startswith(f"__{dist.get_rank()}_")])
+    except Exception as error:
+        problem = _problem(error)
+    _agree(problem, f"hashing the files of the checkpoint of step {step} in {tmp} failed",
+           path=tmp, cleanup=lambda: shutil.rmtree(tmp, ignore_errors=True))
+    everyone: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, digests)
+    return {name: info for part in everyone for name, info in part.items()}
+
+
 def _write_in_background(saves: BackgroundSave, state: dict[str, Any], tmp: Path,
                          final: Path, step: int, commit: Callable[[], None]) -> None:
     """Copy this rank's tensors to CPU memory (the pause), then DCP writes them in a
@@ -315,11 +332,15 @@ def _fsync_write(path: Path, text: str) -> None:
 
 
 def _commit(root: Path, tmp: Path, final: Path, rank_state: RankState,
-            manifest: dict[str, Any], keep: int | None) -> None:
-    """Rank 0, after every rank's write: manifest, rename, ``latest``."""
+            manifest: dict[str, Any], keep: int | None,
+            digested: dict[str, Any] | None = None) -> None:
+    """Rank 0, after every rank's write: manifest (every file's size and digest: those
+    the ranks ``digested``, the rest hashed here), rename, ``latest``."""
     _fsync_write(tmp / PLAN, rank_state.plan.to_json() + "\n")
-    manifest = dict(manifest, files=describe(tmp, [f.name for f in tmp.iterdir()
-                                                   if f.is_file()]))
+    digested = digested or {}
+    files = {**digested, **describe(tmp, [f.name for f in tmp.iterdir()
+                                          if f.is_file() and f.name not in digested])}
+    manifest = dict(manifest, files=dict(sorted(files.items())))
     _fsync_write(tmp / MANIFEST, json.dumps(manifest, indent=1) + "\n")
     if final.exists():  # the same step saved again: the new one replaces it
         old = root / temporary_name(f"old-{final.name}")
