@@ -7,6 +7,9 @@ Face checkpoint directory (``*.safetensors``, sharded with ``model.safetensors.
 index.json`` or not) or a ``torch.distributed.checkpoint`` directory of tensors by FQN
 (``module.save_checkpoint``'s included: any plan's shards read back whole).
 The files are opened lazily: a rank reads the tensors its stage holds and no others.
+A DCP directory's ``.metadata`` is unpickled admitting only DCP's metadata classes
+(partc/runtime/checkpoint_files.py); in one ``module.save_checkpoint`` wrote, each file
+is checked against the manifest's size and digest before the first read from it.
 
 Non-persistent buffers (rotary frequencies, causal masks) are not in any state dict:
 their values are what the model's constructor computed. A model built under
@@ -28,10 +31,10 @@ from typing import Any
 import torch
 import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from partc.errors import PartcError
+from partc.errors import CheckpointError, PartcError
+from partc.runtime.checkpoint_files import METADATA, SafeReader, check_files, read_metadata
 
 
 # A tensor-parallel shard to read: (dim, chunks, tp_rank, tp), laid out as the runtime's
@@ -164,9 +167,21 @@ class DcpWeights(Mapping):
 
     def __init__(self, directory: Path) -> None:
         self.directory = directory
-        self._reader = FileSystemReader(str(directory))
-        metadata = self._reader.read_metadata().state_dict_metadata
-        self._tensors = {name: meta for name, meta in metadata.items()
+        self._reader = SafeReader(str(directory))
+        manifest = directory / "manifest.json"
+        # partc's checkpoints record every file's digest: checked before it is read.
+        self._files: dict[str, Any] = {}
+        if manifest.is_file():
+            try:
+                self._files = json.loads(manifest.read_text())["files"]
+            except (OSError, ValueError, KeyError, TypeError) as error:
+                raise PartcError(f"{manifest} does not read: {error}") from None
+            check_files(directory, {METADATA: self._files[METADATA]}
+                        if METADATA in self._files else {})
+        self._metadata = read_metadata(directory / METADATA)
+        self._checked: set[str] = set()
+        self._tensors = {name: meta for name, meta
+                         in self._metadata.state_dict_metadata.items()
                          if isinstance(meta, TensorStorageMetadata)}
 
     def __getitem__(self, name: str) -> torch.Tensor:
@@ -181,6 +196,7 @@ class DcpWeights(Mapping):
                                     dtype=self._tensors[name].properties.dtype)
                   for name in cuts}
         if values:
+            self._check_files_of(values)
             dcp.load(values, storage_reader=self._reader, no_dist=True)
         for name, cut in cuts.items():
             if cut is not None:
@@ -189,6 +205,20 @@ class DcpWeights(Mapping):
                 values[name] = torch.cat([values[name].narrow(dim, start, stop - start)
                                           for start, stop in ranges], dim)
         return values
+
+    def _check_files_of(self, names: Mapping[str, Any]) -> None:
+        """The files holding ``names``' chunks, each checked against the manifest once."""
+        files = {info.relative_path for index, info in self._metadata.storage_data.items()
+                 if index.fqn in names} - self._checked
+        if self._files:
+            unlisted = sorted(files - set(self._files))
+            if unlisted:
+                raise CheckpointError(f"{self.directory / unlisted[0]} holds tensors but "
+                                      f"is not in {self.directory / 'manifest.json'}: the "
+                                      "checkpoint was changed after its save",
+                                      path=str(self.directory / unlisted[0]))
+            check_files(self.directory, {name: self._files[name] for name in files})
+        self._checked |= files
 
     def __contains__(self, name: object) -> bool:
         return name in self._tensors

@@ -5,8 +5,14 @@ tests/runtime/test_launcher_run.py, under torchrun.)"""
 from __future__ import annotations
 
 import itertools
+import json
 import math
+import os
 import re
+import socket
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -25,6 +31,9 @@ from partc.cli.main import (
 from partc.cli.config import (TrainConfig, learning_rate, parse_config,
                                 read_config_file)
 from partc.device.presets import DEFAULT_DEVICE
+from partc.runtime import checkpoint_lock
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def _toml(tmp_path, text: str) -> str:
@@ -257,3 +266,54 @@ def test_a_resume_whose_data_or_seed_differs_is_refused(caplog):
     with caplog.at_level("INFO", logger="partc"):   # more steps: allowed, said
         launcher.check_resume(extra, TrainConfig(target="m.py:f", steps=9), workload, 4, "c")
     assert "steps 6 -> 9" in caplog.text
+
+
+HOLD = """
+import sys, time
+from partc.runtime.checkpoint_lock import acquire
+lock = acquire(sys.argv[1])
+print("held", flush=True)
+time.sleep(120)
+"""
+
+
+def test_a_second_job_on_a_checkpoint_directory_is_refused_naming_the_holder(tmp_path,
+                                                                            capsys):
+    directory = tmp_path / "ckpt"
+    holder = subprocess.Popen([sys.executable, "-c", HOLD, str(directory)],
+                              stdout=subprocess.PIPE, text=True,
+                              env={**os.environ, "PYTHONPATH": str(ROOT)})
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        # Refused at start-up: the factory (which does not exist) is never read.
+        argv = ["nowhere.py:factory", "--steps", "1", "--checkpoint-dir", str(directory)]
+        assert launcher.main(argv) == 2
+        error = capsys.readouterr().err
+        assert (f"CheckpointError: {directory} is in use by another job: "
+                f"{directory / '.lock'} names host {socket.gethostname()} pid "
+                f"{holder.pid}") in error
+    finally:
+        holder.kill()
+        holder.wait()
+    # Its holder gone, the lock is stale: taken over, and released again.
+    lock = checkpoint_lock.acquire(directory)
+    assert json.loads((directory / ".lock").read_text())["pid"] == os.getpid()
+    lock.release()
+    assert not (directory / ".lock").exists()
+
+
+@pytest.mark.parametrize("case", ["under a file", "read-only"])
+def test_an_unwritable_checkpoint_directory_is_refused_at_start_up(tmp_path, capsys, case):
+    if case == "under a file":
+        (tmp_path / "file").write_text("")
+        directory = tmp_path / "file" / "ckpt"
+    else:
+        if os.geteuid() == 0:
+            pytest.skip("root writes into a read-only directory")
+        directory = tmp_path / "ro"
+        directory.mkdir()
+        directory.chmod(0o555)
+    argv = ["nowhere.py:factory", "--steps", "1", "--checkpoint-dir", str(directory)]
+    assert launcher.main(argv) == 2
+    assert (f"CheckpointError: the checkpoint directory {directory} is not writable"
+            in capsys.readouterr().err)

@@ -56,6 +56,13 @@ collective): on SIGTERM or SIGUSR1 every rank finishes its step, saves it and ex
 ``partc.runtime.suspend.SUSPEND_EXIT_CODE`` (86). Without a checkpoint directory there
 is nothing to save, and a signal ends the job as it would any program.
 
+The checkpoint directory is checked at start-up, before the model is built: every rank
+checks it is writable, and rank 0 takes its lock (``D/.lock``, naming its host and pid:
+partc/runtime/checkpoint_lock.py), released when the run ends; a second job on the
+same directory is refused, naming the holder. Without ``D/latest``, ``--resume``
+continues from the newest complete ``step-*`` with a warning, and refuses to start
+afresh over step directories none of which is complete.
+
 ``--config file.toml`` gives the same settings as a flat TOML table, keys named as the
 flags (``max_grad_norm = 1.0`` or ``max-grad-norm = 1.0``; ``target`` too; sizes as
 strings, ``memory = "10MiB"``; a repeatable flag as a list, ``stage = ["a,b", "c"]``;
@@ -314,10 +321,35 @@ class Outcome:
     losses: list[float]
 
 
+def claim_checkpoint_dir(config: TrainConfig) -> Any:
+    """At start-up, before the model is built: every rank checks the checkpoint
+    directory is writable and rank 0 takes its lock (None without a directory, or on
+    the other ranks); raises CheckpointError naming the directory or the lock's holder."""
+    import os
+
+    from partc.runtime import checkpoint_lock
+
+    if config.checkpoint_dir is None:
+        return None
+    if int(os.environ.get("RANK", "0")) != 0:
+        checkpoint_lock.check_writable(Path(config.checkpoint_dir))
+        return None
+    return checkpoint_lock.acquire(config.checkpoint_dir)
+
+
 def execute(config: TrainConfig) -> Outcome:
     """Prepare, resume if asked, train with checkpoints; the process group stays (:func:`run`
     leaves it). ``status`` is 0, or SUSPEND_EXIT_CODE when a stop signal ended training
     after saving its step."""
+    lock = claim_checkpoint_dir(config)
+    try:
+        return _execute(config)
+    finally:
+        if lock is not None:
+            lock.release()
+
+
+def _execute(config: TrainConfig) -> Outcome:
     from partc.runtime import checkpoint
     from partc.runtime.suspend import SUSPEND_EXIT_CODE
 

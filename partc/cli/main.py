@@ -5,6 +5,9 @@
 - ``partc train file.py:factory ...``: train under torchrun (:mod:`partc.cli.launcher`).
 - ``partc calibrate --out profile.json``: measure this machine's devices and write a
   profile; ``partc plan ... --profile profile.json`` plans with its numbers.
+- ``partc checkpoint verify DIR``: check a checkpoint's files against its manifest's
+  sizes and digests and its ``.metadata`` as data (every step of a root, or one step
+  directory); one line per bad file, exit status 1 when there is one.
 
 The factory is a function of no arguments in that file. It returns either a dict with
 keys ``model`` and ``example_inputs`` (optional: ``loss_fn``, ``example_target``,
@@ -251,6 +254,13 @@ def _parser() -> argparse.ArgumentParser:
     _calibrate_arguments(commands.add_parser(
         "calibrate", help="measure this machine's devices; write a profile that "
         "--profile and DeviceBudget load"))
+    checkpoint = commands.add_parser("checkpoint", help="inspect checkpoints that partc "
+                                     "train or module.save_checkpoint wrote")
+    actions = checkpoint.add_subparsers(dest="action", required=True, metavar="ACTION")
+    verify = actions.add_parser("verify", help="check every file against the manifest's "
+                                "size and SHA-256, and .metadata as data; exit 1 if any is bad")
+    verify.add_argument("directory", type=Path,
+                        help="a checkpoint root (every step-* under it) or one step directory")
     return parser
 
 
@@ -688,7 +698,39 @@ def calibrate_command(args: argparse.Namespace) -> int:
     return 0
 
 
-COMMANDS = {"plan": plan_command, "report": report_command, "calibrate": calibrate_command}
+def checkpoint_command(args: argparse.Namespace) -> int:
+    """``partc checkpoint verify DIR``: one line per bad file on stdout, status 1 if any."""
+    from partc.runtime.checkpoint import LATEST, MANIFEST, read_manifest
+    from partc.runtime.checkpoint_files import verify
+
+    root = args.directory
+    steps = ([root] if (root / MANIFEST).is_file() else
+             sorted(p for p in root.iterdir() if p.is_dir() and p.name.startswith("step-"))
+             if root.is_dir() else [])
+    if not steps:
+        raise PartcError(f"no checkpoint at {root}: neither {root / MANIFEST} nor step-* "
+                         "directories")
+    bad = 0
+    pointer = root / LATEST
+    if pointer.is_file() and not (root / pointer.read_text().strip() / MANIFEST).is_file():
+        print(f"{pointer} names {pointer.read_text().strip()!r}, which is no complete "
+              "checkpoint under it")
+        bad += 1
+    for step in steps:
+        try:
+            problems = verify(step, read_manifest(step))
+        except PartcError as error:
+            problems = [str(error)]
+        for problem in problems:
+            print(problem)
+        bad += len(problems)
+        if not problems:
+            print(f"ok {step}", file=sys.stderr)
+    return 1 if bad else 0
+
+
+COMMANDS = {"plan": plan_command, "report": report_command, "calibrate": calibrate_command,
+            "checkpoint": checkpoint_command}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -38,17 +38,23 @@ Layout under the root::
     root/latest             "step-00000003": the checkpoint that loads
     root/.tmp-step-...      a save in progress, or one that died
 
-A save writes everything under a temporary name; when every rank's DCP write succeeded
-(agreed by a collective), rank 0 writes the manifest (step, world, plan hash, every tensor
-with its shape, every file with its size), renames the directory to its step name and
-replaces ``latest`` atomically (``os.replace``). A save killed before that leaves the
+A save writes everything under a temporary name owned by its process
+(partc/runtime/checkpoint_lock.py: a save removes its own and those of saves that died,
+never another live job's); when every rank's DCP write succeeded (agreed by a
+collective), rank 0 writes the manifest (step, world, plan hash, every tensor with its
+shape, every file with its size and SHA-256: partc/runtime/checkpoint_files.py), renames
+the directory to its step name and replaces ``latest`` atomically (``os.replace``). A save killed before that leaves the
 previous checkpoint as the one that loads; a failed save (disk full, permission) raises
 :class:`partc.CheckpointError` on every rank and leaves earlier checkpoints as they were.
 
 A load checks the checkpoint against the module first (manifest present, every file
-present at its size, the same tensors with the same shapes, the same optimizer class) and
-agrees on the result across ranks, so a checkpoint of another model, of other shapes, or
-a partial one raises :class:`partc.CheckpointError` on every rank before any tensor changes.
+present at its size and digest, the ranks sharing the hashing; ``.metadata`` unpickled
+admitting only DCP's metadata classes; the same tensors with the same shapes, the same
+optimizer class) and agrees on the result across ranks, so a checkpoint of another
+model, of other shapes, a partial, damaged or planted one raises
+:class:`partc.CheckpointError` on every rank before any tensor changes. Without
+``latest`` (deleted, or a save killed between its rename and the pointer) the root's
+newest complete ``step-*`` (manifest and digests check) loads, with a warning.
 
 ``async_save=True`` copies this rank's tensors to CPU memory (the training pause) and
 writes them in a background thread over a gloo process group of its own (DCP's
@@ -71,7 +77,6 @@ import os
 import shutil
 import threading
 import time
-import uuid
 from concurrent.futures import Future
 from pathlib import Path
 from typing import Any, Callable
@@ -79,7 +84,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
 
 from partc.errors import CheckpointError
@@ -89,16 +94,19 @@ from partc.runtime.checkpoint_chunks import (ChunkLoadPlanner, Chunks, ChunkSave
                                              model_tensors, needs_state, optimizer_class,
                                              optimizer_params, optimizer_state,
                                              restore_hyperparameters, to_cpu)
+from partc.runtime.checkpoint_files import (METADATA, SafeReader, check_files, describe,
+                                            read_metadata)
+from partc.runtime.checkpoint_lock import check_not_foreign, remove_stale, temporary_name
 from partc.runtime.rank_state import RankState
 
 log = logging.getLogger("partc.runtime")
 
 FORMAT = "partc-checkpoint"
-VERSION = 1
+VERSION = 2     # files: {name: {"bytes", "sha256"}}; version 1 recorded sizes only
+READS = (1, 2)
 MANIFEST = "manifest.json"
 LATEST = "latest"
 PLAN = "plan.json"
-_TMP = ".tmp-"
 
 
 def step_name(step: int) -> str:
@@ -193,10 +201,11 @@ def save(rank_state: RankState, saves: BackgroundSave, directory: str | os.PathL
             commit=lambda: _commit(root, tmp, final, rank_state, manifest, keep))
         return final
     _write(state, tmp, step)
+    digested = _digest_own_files(tmp, step)
     problem = None
     if dist.get_rank() == 0:
         try:
-            _commit(root, tmp, final, rank_state, manifest, keep)
+            _commit(root, tmp, final, rank_state, manifest, keep, digested)
         except Exception as error:
             problem = _problem(error)
             shutil.rmtree(tmp, ignore_errors=True)
@@ -265,14 +274,15 @@ def holds_finite(manifest: dict[str, Any]) -> bool:
 
 
 def _temporary(root: Path, step: int) -> Path:
-    """Rank 0 makes the save's temporary directory (clearing those of saves that died)
-    and tells the others its name."""
+    """Rank 0 makes the save's temporary directory (clearing those of saves that died,
+    refusing a directory another live job holds) and tells the others its name."""
     made: list[Any] = [(None, None)]
     if dist.get_rank() == 0:
         try:
             root.mkdir(parents=True, exist_ok=True)
-            _remove_stale(root)
-            tmp = root / f"{_TMP}{step_name(step)}-{uuid.uuid4().hex[:8]}"
+            check_not_foreign(root)
+            remove_stale(root)
+            tmp = root / temporary_name(step_name(step))
             tmp.mkdir()
             made = [(str(tmp), None)]
         except Exception as error:
@@ -294,6 +304,22 @@ def _write(state: dict[str, Any], tmp: Path, step: int) -> None:
     _agree(problem, f"saving the checkpoint of step {step} to {tmp} failed; the previous "
            "checkpoint is unchanged", path=tmp,
            cleanup=lambda: shutil.rmtree(tmp, ignore_errors=True))
+
+
+def _digest_own_files(tmp: Path, step: int) -> dict[str, Any]:
+    """Every rank hashes the files it wrote (DCP names them ``__<rank>_*``), so the
+    save's pause grows by one rank's share, not the whole; rank 0 receives them all."""
+    problem, digests = None, {}
+    try:
+        digests = describe(tmp, [f.name for f in tmp.iterdir()
+                                 if f.name.startswith(f"__{dist.get_rank()}_")])
+    except Exception as error:
+        problem = _problem(error)
+    _agree(problem, f"hashing the files of the checkpoint of step {step} in {tmp} failed",
+           path=tmp, cleanup=lambda: shutil.rmtree(tmp, ignore_errors=True))
+    everyone: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, digests)
+    return {name: info for part in everyone for name, info in part.items()}
 
 
 def _write_in_background(saves: BackgroundSave, state: dict[str, Any], tmp: Path,
@@ -342,20 +368,24 @@ def _fsync_write(path: Path, text: str) -> None:
 
 
 def _commit(root: Path, tmp: Path, final: Path, rank_state: RankState,
-            manifest: dict[str, Any], keep: int | None) -> None:
-    """Rank 0, after every rank's write: manifest, rename, ``latest``."""
+            manifest: dict[str, Any], keep: int | None,
+            digested: dict[str, Any] | None = None) -> None:
+    """Rank 0, after every rank's write: manifest (every file's size and digest: those
+    the ranks ``digested``, the rest hashed here), rename, ``latest``."""
     _fsync_write(tmp / PLAN, rank_state.plan.to_json() + "\n")
-    manifest = dict(manifest, files={f.name: f.stat().st_size for f in sorted(tmp.iterdir())
-                                     if f.is_file()})
+    digested = digested or {}
+    files = {**digested, **describe(tmp, [f.name for f in tmp.iterdir()
+                                          if f.is_file() and f.name not in digested])}
+    manifest = dict(manifest, files=dict(sorted(files.items())))
     _fsync_write(tmp / MANIFEST, json.dumps(manifest, indent=1) + "\n")
     if final.exists():  # the same step saved again: the new one replaces it
-        old = root / f"{_TMP}old-{final.name}-{uuid.uuid4().hex[:8]}"
+        old = root / temporary_name(f"old-{final.name}")
         os.replace(final, old)
         os.replace(tmp, final)
         shutil.rmtree(old, ignore_errors=True)
     else:
         os.replace(tmp, final)
-    pointer = root / f"{_TMP}{LATEST}-{uuid.uuid4().hex[:8]}"
+    pointer = root / temporary_name(LATEST)
     _fsync_write(pointer, final.name + "\n")
     os.replace(pointer, root / LATEST)
     _fsync_dir(root)
@@ -411,16 +441,6 @@ def _commit_after(done: Future, pending: _Pending, tmp: Path,
         pending.committed.set()
 
 
-def _remove_stale(root: Path) -> None:
-    """Temporary directories of saves that died (only one save runs at a time)."""
-    for path in root.iterdir():
-        if path.name.startswith(_TMP):
-            if path.is_dir():
-                shutil.rmtree(path, ignore_errors=True)
-            else:
-                path.unlink(missing_ok=True)
-
-
 def wait(saves: BackgroundSave) -> Path | None:
     """Finish the asynchronous save under way, if any: on every rank, raising
     CheckpointError on every rank if any rank's write or the commit failed."""
@@ -446,7 +466,8 @@ def wait(saves: BackgroundSave) -> Path | None:
 
 def resolve(directory: str | os.PathLike) -> Path:
     """The committed checkpoint ``directory`` names: ``latest`` under a root, or a step
-    directory itself."""
+    directory itself; under a root without ``latest``, its newest complete ``step-*``
+    (with a warning)."""
     root = Path(directory)
     pointer = root / LATEST
     if pointer.is_file():
@@ -457,6 +478,9 @@ def resolve(directory: str | os.PathLike) -> Path:
         return root / name
     if (root / MANIFEST).is_file():
         return root
+    found = newest_complete(root)
+    if found is not None:
+        return found
     if (root / ".metadata").is_file():
         raise CheckpointError(f"{root / MANIFEST} is missing: {root} is a partial checkpoint "
                               "(its save did not finish)", path=str(root / MANIFEST))
@@ -483,9 +507,12 @@ def read_manifest(path: Path) -> dict[str, Any]:
         raise CheckpointError(f"{file} is not a partc checkpoint manifest"
                               + (f" (it lacks {', '.join(missing)})" if missing else ""),
                               path=str(file))
-    if manifest["version"] != VERSION:
+    if manifest["version"] not in READS:
         raise CheckpointError(f"{file} has format version {manifest['version']}; this partc "
-                              f"reads version {VERSION}", path=str(file))
+                              f"reads versions {', '.join(map(str, READS))}", path=str(file))
+    if manifest["version"] == 1:
+        log.warning("%s records file sizes only (a checkpoint of an earlier partc): its "
+                    "files' bytes cannot be verified", file)
     return manifest
 
 
@@ -493,15 +520,8 @@ def _check(rank_state: RankState, path: Path, manifest: dict[str, Any],
            optimizer: torch.optim.Optimizer | None) -> Any:
     """Everything that can be wrong with the checkpoint, before any tensor changes;
     returns DCP's metadata."""
-    for name, size in manifest["files"].items():
-        file = path / name
-        if not file.is_file():
-            raise CheckpointError(f"{file} is missing: {path} is a partial checkpoint",
-                                  path=str(file))
-        if file.stat().st_size != size:
-            raise CheckpointError(f"{file} has {file.stat().st_size} bytes, the manifest "
-                                  f"says {size}: the file is truncated or was changed",
-                                  path=str(file))
+    # Each rank hashes its share of the files; _checked agrees on the outcome.
+    check_files(path, manifest["files"], (dist.get_rank(), dist.get_world_size()))
     manifest_file = str(path / MANIFEST)
     ours, theirs = model_tensors(rank_state), manifest["tensors"]
     missing = sorted(set(ours) - set(theirs))
@@ -537,11 +557,7 @@ def _check(rank_state: RankState, path: Path, manifest: dict[str, Any],
             raise CheckpointError(f"{manifest_file}: the optimizer had "
                                   f"{len(saved['param_groups'])} param groups, this one has "
                                   f"{len(optimizer.param_groups)}", path=manifest_file)
-    try:
-        metadata = FileSystemReader(str(path)).read_metadata()
-    except Exception as error:
-        raise CheckpointError(f"{path / '.metadata'} does not read: {_problem(error)}",
-                              path=str(path / ".metadata")) from None
+    metadata = read_metadata(path / METADATA)
     stored = metadata.state_dict_metadata
     for fqn, info in ours.items():
         md = stored.get(fqn)
@@ -664,7 +680,7 @@ def _read(state: dict[str, Any], path: Path) -> None:
     problem = None
     try:
         with torch.no_grad():
-            dcp.load(state, storage_reader=FileSystemReader(str(path)),
+            dcp.load(state, storage_reader=SafeReader(str(path)),
                      planner=ChunkLoadPlanner())
     except _failures() as error:
         problem = _problem(error)
@@ -673,12 +689,42 @@ def _read(state: dict[str, Any], path: Path) -> None:
 
 
 def latest(directory: str | os.PathLike) -> Path | None:
-    """The checkpoint ``directory/latest`` names, or None when no save has committed
-    there yet (what a ``--resume`` that may start fresh asks first)."""
+    """The checkpoint ``directory/latest`` names, else the newest complete ``step-*``
+    (with a warning), or None when no save has committed there yet (what a ``--resume``
+    that may start fresh asks first). Step directories none of which is complete raise
+    CheckpointError: starting afresh would overwrite them."""
     pointer = Path(directory) / LATEST
     if not pointer.is_file():
-        return None
+        return newest_complete(Path(directory))
     return resolve(directory)
+
+
+def newest_complete(root: Path) -> Path | None:
+    """Without ``latest``: the newest ``step-*`` whose manifest reads and whose files
+    match their sizes and digests, with a warning; None when there is no ``step-*``;
+    CheckpointError when there are some and none is complete."""
+    if (root / LATEST).is_file() or not root.is_dir():
+        return None
+    steps = sorted((p for p in root.iterdir() if p.is_dir() and p.name.startswith("step-")),
+                   reverse=True)
+    problems = []
+    for path in steps:
+        try:
+            check_files(path, read_manifest(path)["files"])
+        except CheckpointError as error:
+            problems.append(str(error))
+            continue
+        log.warning("%s is missing: resuming from %s, the newest complete checkpoint "
+                    "there%s", root / LATEST, path.name,
+                    f" (newer, incomplete: {'; '.join(problems)})" if problems else "")
+        return path
+    if steps:
+        raise CheckpointError(f"{root / LATEST} is missing and none of the {len(steps)} "
+                              f"step directories under {root} is complete "
+                              f"({'; '.join(problems[:3])}): refusing to start afresh over "
+                              "them; restore one, or give another checkpoint directory",
+                              path=str(root / LATEST))
+    return None
 
 
 def listed(directory: str | os.PathLike) -> list[Path]:

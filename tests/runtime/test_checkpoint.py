@@ -12,11 +12,13 @@ the sample GPT, Hugging Face Llama and GPT-2.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import os
 import re
 import shutil
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -26,7 +28,9 @@ import torch
 import torch.distributed as dist
 
 import partc
+from partc.cli.main import main as cli_main
 from partc.runtime import checkpoint
+from partc.weights import open_weights
 from samples.gpt import gpt_tiny, loss_fn
 
 from .ckpt_worker import SAVE_AT, STEPS
@@ -260,6 +264,157 @@ def test_an_asynchronous_save_writes_what_the_step_had(program, tmp_path):
     resumed, resumed_opt = fresh(program)
     assert resumed.load_checkpoint(tmp_path, optimizer=resumed_opt)[0] == 1
     assert all(torch.equal(v, params(resumed)[k]) for k, v in saved.items())
+
+
+# -- checkpoints are data: digests, metadata, ``latest`` ------------------------------------
+
+
+def _saved(program, root: Path):
+    module, opt = fresh(program)
+    train(module, opt, range(1))
+    module.save_checkpoint(root, optimizer=opt, step=1)
+    return module, opt, checkpoint.resolve(root)
+
+
+def _verify(directory: Path, capsys) -> tuple[int, list[str]]:
+    status = cli_main(["checkpoint", "verify", str(directory)])
+    return status, capsys.readouterr().out.splitlines()
+
+
+def test_a_flipped_byte_is_refused_before_any_parameter_changes(program, tmp_path, capsys):
+    module, opt, step_dir = _saved(program, tmp_path)
+    assert _verify(tmp_path, capsys) == (0, [])
+    train(module, opt, range(1, 2))
+    before = params(module)
+    data = next(step_dir.glob("*.distcp"))
+    content = bytearray(data.read_bytes())
+    content[len(content) // 2] ^= 0x01   # one bit, in a tensor's bytes
+    data.write_bytes(bytes(content))
+    with pytest.raises(partc.CheckpointError, match=f"{data} does not match its sha256 "
+                       "in the manifest.*restore it from a copy") as caught:
+        module.load_checkpoint(tmp_path, optimizer=opt)
+    assert caught.value.path == str(data)
+    assert all(torch.equal(v, params(module)[k]) for k, v in before.items())
+    status, lines = _verify(tmp_path, capsys)
+    assert status == 1 and len(lines) == 1 and lines[0].startswith(str(data))
+    # Truncated: refused by its size, named by the command too.
+    data.write_bytes(bytes(content[:100]))
+    with pytest.raises(partc.CheckpointError, match="has 100 bytes, the manifest says"):
+        module.load_checkpoint(tmp_path, optimizer=opt)
+    assert _verify(step_dir, capsys)[0] == 1
+
+
+PLANTED = """
+import pickle, sys
+
+class Payload:
+    def __reduce__(self):
+        return (exec, ("open({marker!r}, 'w').write('ran')",))
+
+data = pickle.dumps(Payload(), protocol=4)
+size = int(sys.argv[1])
+sys.stdout.buffer.write(data + b" " * max(0, size - len(data)))
+"""
+
+
+def _plant(step_dir: Path, marker: Path, *, rewrite_manifest: bool) -> None:
+    """Replace .metadata with a pickle that would write ``marker``, padded to the size
+    the manifest records (and, where asked, the manifest's digest made to match)."""
+    metadata = step_dir / ".metadata"
+    script = PLANTED.format(marker=str(marker))
+    made = subprocess.run([sys.executable, "-c", script, str(metadata.stat().st_size)],
+                          capture_output=True, check=True).stdout
+    metadata.write_bytes(made)
+    if rewrite_manifest:
+        manifest_file = step_dir / "manifest.json"
+        manifest = json.loads(manifest_file.read_text())
+        manifest["files"][".metadata"] = {"bytes": len(made),
+                                          "sha256": hashlib.sha256(made).hexdigest()}
+        manifest_file.write_text(json.dumps(manifest))
+
+
+def test_a_planted_metadata_pickle_is_refused_and_runs_nothing(program, tmp_path, capsys):
+    module, opt, step_dir = _saved(program, tmp_path)
+    marker = tmp_path / "marker"
+    _plant(step_dir, marker, rewrite_manifest=False)
+    with pytest.raises(partc.CheckpointError, match=r"\.metadata does not match its sha256"):
+        module.load_checkpoint(tmp_path, optimizer=opt)
+    # With the manifest's digest made to match, the unpickler refuses the global itself.
+    _plant(step_dir, marker, rewrite_manifest=True)
+    with pytest.raises(partc.CheckpointError, match=r"references builtins\.exec, which "
+                       r"DCP's metadata never holds.*no code in it ran") as caught:
+        module.load_checkpoint(tmp_path, optimizer=opt)
+    assert caught.value.path == str(step_dir / ".metadata")
+    status, lines = _verify(tmp_path, capsys)
+    assert status == 1 and "builtins.exec" in lines[0]
+    # build(state_dict=<the directory>) reads .metadata through the same unpickler.
+    with pytest.raises(partc.CheckpointError, match="builtins.exec"):
+        open_weights(step_dir)
+    (step_dir / "manifest.json").unlink()   # a plain DCP directory: no digests to check
+    with pytest.raises(partc.CheckpointError, match="builtins.exec"):
+        open_weights(step_dir)
+    assert not marker.exists()
+
+
+def test_weights_from_a_checkpoint_check_the_files_they_read(program, tmp_path):
+    _, _, step_dir = _saved(program, tmp_path)
+    weights = open_weights(tmp_path)
+    assert weights["tok_emb.weight"].shape == (128, 64)
+    data = next(step_dir.glob("*.distcp"))
+    content = bytearray(data.read_bytes())
+    content[-10] ^= 0xFF
+    data.write_bytes(bytes(content))
+    with pytest.raises(partc.CheckpointError, match="does not match its sha256"):
+        open_weights(tmp_path)["tok_emb.weight"]
+
+
+def test_without_latest_the_newest_complete_step_resumes(program, tmp_path, caplog):
+    module, opt = fresh(program)
+    for step in (1, 2, 3):
+        train(module, opt, range(step - 1, step))
+        module.save_checkpoint(tmp_path, optimizer=opt, step=step)
+    (tmp_path / "latest").unlink()
+    with caplog.at_level("WARNING", logger="partc.runtime"):
+        assert checkpoint.latest(tmp_path) == tmp_path / "step-00000003"
+    assert "resuming from step-00000003" in caplog.text
+    # The newest is damaged: the one before it, naming why.
+    data = next((tmp_path / "step-00000003").glob("*.distcp"))
+    data.write_bytes(data.read_bytes()[:-1])
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="partc.runtime"):
+        assert checkpoint.latest(tmp_path) == tmp_path / "step-00000002"
+    assert "newer, incomplete" in caplog.text and str(data) in caplog.text
+    resumed, resumed_opt = fresh(program)
+    assert resumed.load_checkpoint(tmp_path, optimizer=resumed_opt)[0] == 2
+    # None complete: refused, never a fresh start over them.
+    for step in (1, 2):
+        (tmp_path / checkpoint.step_name(step) / "manifest.json").unlink()
+    with pytest.raises(partc.CheckpointError, match="none of the 3 step directories .* is "
+                       "complete.*refusing to start afresh"):
+        checkpoint.latest(tmp_path)
+
+
+def test_a_save_leaves_another_live_jobs_temporary_directory(program, tmp_path):
+    module, opt = fresh(program)
+    host = socket.gethostname()
+    alive = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    dead = subprocess.run([sys.executable, "-c", "pass"])
+    try:
+        theirs = tmp_path / f".tmp-step-00000009+{host}+{alive.pid}+0badc0de"
+        died = tmp_path / f".tmp-step-00000009+{host}+{2 ** 22 + 17}+0badc0de"
+        theirs.mkdir(parents=True)
+        died.mkdir()
+        module.save_checkpoint(tmp_path, optimizer=opt, step=1)
+        assert theirs.is_dir() and not died.exists()
+        # A directory a live job has locked is refused to a save from elsewhere.
+        (tmp_path / ".lock").write_text(json.dumps({"host": host, "pid": alive.pid}))
+        with pytest.raises(partc.CheckpointError, match=f"in use by another job .* pid "
+                           f"{alive.pid}"):
+            module.save_checkpoint(tmp_path, optimizer=opt, step=2)
+    finally:
+        alive.kill()
+        alive.wait()
+    assert dead.returncode == 0
 
 
 # -- resume parity under torchrun ---------------------------------------------------------
