@@ -27,7 +27,8 @@ whose torch sees no GPU plans for the ``CPU`` preset. Every rank seeds torch wit
 ``--seed`` before calling the factory, so that every rank builds the same initial
 weights, then compiles (the planner is deterministic and ranks compare plan hashes),
 builds, and trains ``--steps`` optimizer steps: the learning rate rises linearly over
-``--warmup-steps`` to ``--lr``, then falls on a cosine to ``--min-lr`` at the end; gradients are clipped to
+``--warmup-steps`` to ``--lr``, then falls on a cosine to ``--min-lr`` at the end;
+gradients are clipped to
 ``--max-grad-norm`` (planned, as ``TrainSpec.max_grad_norm``); a step whose loss or
 gradient norm is inf or NaN raises ``partc.NonFiniteError`` naming it before the
 optimizer steps (the run ends, its last checkpoint finite), or with ``--on-nonfinite
