@@ -28,8 +28,7 @@ whose torch sees no GPU plans for the ``CPU`` preset. Every rank seeds torch wit
 weights, then compiles (the planner is deterministic and ranks compare plan hashes),
 builds, and trains ``--steps`` optimizer steps: the learning rate rises linearly over
 ``--warmup-steps`` to ``--lr``, then falls on a cosine to ``--min-lr`` at the end;
-gradients are clipped to
-``--max-grad-norm`` (planned, as ``TrainSpec.max_grad_norm``); a step whose loss or
+gradients are clipped to ``--max-grad-norm`` (planned, as ``TrainSpec.max_grad_norm``); a step whose loss or
 gradient norm is inf or NaN raises ``partc.NonFiniteError`` naming it before the
 optimizer steps (the run ends, its last checkpoint finite), or with ``--on-nonfinite
 skip`` is skipped, logged and counted (``TrainSpec.on_nonfinite``); telemetry

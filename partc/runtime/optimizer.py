@@ -17,9 +17,8 @@ gradient, so it overlaps the rest of that backward:
   ``partc/runtime/rank_optimizer.py``). :class:`DistributedOptimizer` steps those shards
   with the user's optimizer class and all-gathers the updated rows bucket by bucket,
   every bucket's all-gather issued before the first is waited for. In fp32 its
-  parameters are views of this rank's rows of the module's parameters (which are their own
-  master). In mixed
-  precision it is Megatron's distributed optimizer: this rank's rows are an fp32 master
+  parameters are views of this rank's rows of the module's parameters (which are their
+  own master). In mixed precision it is Megatron's distributed optimizer: this rank's rows are an fp32 master
   of their own, the module's parameters are kept in the compute dtype (the stage
   computes with them, with no per-step copy), and the all-gather moves compute-dtype
   rows, cast from the masters.
