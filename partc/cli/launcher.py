@@ -24,18 +24,17 @@ commands' flags, checks them before the model is built and reads them into the
 DeviceBudget, Constraints and TrainSpec), except ``--devices``: the number of devices is
 the launch's world size, and without ``--device`` or ``--profile`` a run on a machine
 whose torch sees no GPU plans for the ``CPU`` preset. Every rank seeds torch with
-``--seed`` before calling the factory, so that every rank builds the same initial
-weights, then compiles (the planner is deterministic and ranks compare plan hashes),
-builds, and trains ``--steps`` optimizer steps: the learning rate rises linearly over
+``--seed`` before calling the factory, so that every rank builds the same initial weights,
+then compiles (the planner is deterministic and ranks compare plan hashes), builds, and
+trains ``--steps`` optimizer steps: the learning rate rises linearly over
 ``--warmup-steps`` to ``--lr``, then falls on a cosine to ``--min-lr`` at the end;
-gradients are clipped to ``--max-grad-norm`` (planned, as ``TrainSpec.max_grad_norm``); a step whose loss or
-gradient norm is inf or NaN raises ``partc.NonFiniteError`` naming it before the
-optimizer steps (the run ends, its last checkpoint finite), or with ``--on-nonfinite
-skip`` is skipped, logged and counted (``TrainSpec.on_nonfinite``); telemetry
-(``partc/runtime/telemetry.py``) prints a line per step on rank 0 and, with
-``--log-dir``, writes JSON lines per rank (and TensorBoard events with
-``--tensorboard``). ``--out DIR``: rank 0 saves the program there (plan.json, report.md,
-report.html, code/).
+gradients are clipped to ``--max-grad-norm`` (planned, as ``TrainSpec.max_grad_norm``); a
+step whose loss or gradient norm is inf or NaN raises ``partc.NonFiniteError`` naming it
+before the optimizer steps (the run ends, its last checkpoint finite), or with
+``--on-nonfinite skip`` is skipped, logged and counted (``TrainSpec.on_nonfinite``);
+telemetry (``partc/runtime/telemetry.py``) prints a line per step on rank 0 and, with
+``--log-dir``, writes JSON lines per rank (and TensorBoard events with ``--tensorboard``).
+``--out DIR``: rank 0 saves the program there (plan.json, report.md, report.html, code/).
 
 Checkpoints (``partc/runtime/checkpoint.py``): with ``--checkpoint-dir D`` every rank
 saves every ``--checkpoint-every N`` steps and after the last (``--keep K``: only the

@@ -40,12 +40,13 @@ Layout under the root::
 
 A save writes everything under a temporary name owned by its process
 (partc/runtime/checkpoint_lock.py: a save removes its own and those of saves that died,
-never another live job's); when every rank's DCP write succeeded (agreed by a
-collective), rank 0 writes the manifest (step, world, plan hash, every tensor with its
-shape, every file with its size and SHA-256: partc/runtime/checkpoint_files.py), renames
-the directory to its step name and replaces ``latest`` atomically (``os.replace``). A
-save killed before that leaves the previous checkpoint as the one that loads; a failed
-save (disk full, permission) raises :class:`partc.CheckpointError` on every rank and leaves earlier checkpoints as they were.
+never another live job's); when every rank's DCP write succeeded (agreed by a collective),
+rank 0 writes the manifest (step, world, plan hash, every tensor with its shape, every
+file with its size and SHA-256: partc/runtime/checkpoint_files.py), renames the directory
+to its step name and replaces ``latest`` atomically (``os.replace``). A save killed before
+that leaves the previous checkpoint as the one that loads; a failed save (disk full,
+permission) raises :class:`partc.CheckpointError` on every rank and leaves earlier
+checkpoints as they were.
 
 A load checks the checkpoint against the module first (manifest present, every file
 present at its size and digest, the ranks sharing the hashing; ``.metadata`` unpickled

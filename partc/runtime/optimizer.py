@@ -11,17 +11,16 @@ gradient, so it overlaps the rest of that backward:
   any ``torch.optim`` optimizer over ``module.parameters()`` steps as on one device;
 - ZeRO-1: the bucket is reduce-scattered. A bucket is laid out rank by rank: rank r's
   region holds, for each of the bucket's parameters, its dp shard (FSDP's: rows
-  ``chunk(dp)[r]`` of dim 0, padded to the chunk size; a 0-dim parameter in every
-  region), so after the reduce-scatter each rank holds the summed gradient of its
-  shards (``.grad`` stays None: a plain optimizer's step is refused,
-  ``partc/runtime/rank_optimizer.py``). :class:`DistributedOptimizer` steps those shards
-  with the user's optimizer class and all-gathers the updated rows bucket by bucket,
-  every bucket's all-gather issued before the first is waited for. In fp32 its
-  parameters are views of this rank's rows of the module's parameters (which are their
-  own master). In mixed precision it is Megatron's distributed optimizer: this rank's rows are an fp32 master
-  of their own, the module's parameters are kept in the compute dtype (the stage
-  computes with them, with no per-step copy), and the all-gather moves compute-dtype
-  rows, cast from the masters.
+  ``chunk(dp)[r]`` of dim 0, padded to the chunk size; a 0-dim parameter in every region),
+  so after the reduce-scatter each rank holds the summed gradient of its shards (``.grad``
+  stays None: a plain optimizer's step is refused, ``partc/runtime/rank_optimizer.py``).
+  :class:`DistributedOptimizer` steps those shards with the user's optimizer class and
+  all-gathers the updated rows bucket by bucket, every bucket's all-gather issued before
+  the first is waited for. In fp32 its parameters are views of this rank's rows of the
+  module's parameters (which are their own master). In mixed precision it is Megatron's
+  distributed optimizer: this rank's rows are an fp32 master of their own, the module's
+  parameters are kept in the compute dtype (the stage computes with them, with no per-step
+  copy), and the all-gather moves compute-dtype rows, cast from the masters.
 
   As Megatron's ``overlap_param_gather`` (``TrainSpec.overlap_param_gather``, on by
   default), ``step()`` returns with those all-gathers in flight, issued in the order
