@@ -218,7 +218,7 @@ def peak_rss() -> int:
 # -- writers -------------------------------------------------------------------------------
 
 def _tensorboard_writer(directory: Path) -> Any:
-    try:
+    try:   # here: tensorboard is optional, and only --tensorboard needs it
         from torch.utils.tensorboard import SummaryWriter
     except ImportError as error:   # torch's module imports the tensorboard package
         raise PartcError("TensorBoard logging needs the tensorboard package: pip install "
