@@ -228,10 +228,7 @@ def compile_case(case: Case) -> tuple[partc.Program, tuple[torch.Tensor, ...], t
     program = partc.compile(
         model, (ids,), loss_fn=loss_fn, example_target=target,
         budget=partc.DeviceBudget(num_devices=case.world, device=case.device),
-        # A fake group delivers nothing: what a stage receives is uninitialised memory, so
-        # its loss and gradients may be anything. Memory is what is measured here.
-        train=partc.TrainSpec(global_batch_size=case.batch, dtype=case.dtype,
-                              on_nonfinite="ignore"),
+        train=partc.TrainSpec(global_batch_size=case.batch, dtype=case.dtype),
         constraints=partc.Constraints(**case.constraints), name=case.name)
     return program, (ids,), target
 
