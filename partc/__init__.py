@@ -31,6 +31,7 @@ _EXPORTS = {
     "NonFiniteError": "errors", "PlanInfeasibleError": "errors",
     "PlanMismatchError": "errors", "PlanSchemaError": "errors",
     "PlanValidationError": "errors", "TraceError": "errors",
+    "DataError": "errors",
     "Plan": "plan",
     "PlannerOptions": "options", "ShardingOptions": "options",
     "Program": "program", "load": "compiler",
@@ -45,9 +46,9 @@ if TYPE_CHECKING:   # what static tools and IDEs read
     from partc.cache import PlanCache
     from partc.compiler import build_problem, compile, load, plan_problem
     from partc.device.budget import PRESETS, DeviceBudget
-    from partc.errors import (CheckpointError, NonFiniteError, PartcError, PlanFileError,
-                              PlanInfeasibleError, PlanMismatchError, PlanSchemaError,
-                              PlanValidationError, TraceError)
+    from partc.errors import (CheckpointError, DataError, NonFiniteError, PartcError,
+                              PlanFileError, PlanInfeasibleError, PlanMismatchError,
+                              PlanSchemaError, PlanValidationError, TraceError)
     from partc.options import PlannerOptions, ShardingOptions
     from partc.plan import Plan
     from partc.planner.validate import validate_plan

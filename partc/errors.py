@@ -88,3 +88,17 @@ class NonFiniteError(PartcError):
         self.stages = stages
         self.ranks = ranks
         self.parameters = parameters
+
+
+class DataError(PartcError, ValueError):
+    """Training data that cannot be read as asked (``partc train --data``): a missing or
+    damaged token file, a text with fewer tokens than one sequence, a token id the model's
+    vocabulary does not hold, a tokenizer or data set library that is not installed.
+    ``path``: the file or directory at fault; ``step``: the step whose batch it was, when
+    one was being read."""
+
+    def __init__(self, message: str, *, path: str | None = None,
+                 step: int | None = None) -> None:
+        super().__init__(message)
+        self.path = path
+        self.step = step

@@ -45,3 +45,8 @@ DTYPE_NAMES: dict[str, str] = {
 # The formats of the report (what partc.report.text.render writes; a test holds the two
 # together).
 REPORT_FORMATS: tuple[str, ...] = ("text", "markdown", "json", "html")
+
+# The dtypes of a token file (``partc train --data train.bin --data-dtype ...``): its ids
+# as a flat array of unsigned ints, nanoGPT's uint16 or, for vocabularies above 65,536
+# ids, uint32.
+TOKEN_DTYPES: tuple[str, ...] = ("uint16", "uint32")

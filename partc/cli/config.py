@@ -21,7 +21,7 @@ else:   # pragma: no cover - Python 3.10: the same parser, as a package
     import tomli as tomllib
 
 from partc.cli import main as cli
-from partc.cli.choices import OPTIMIZER_STATE_BYTES
+from partc.cli.choices import OPTIMIZER_STATE_BYTES, TOKEN_DTYPES
 from partc.options import PlannerOptions
 
 DESCRIPTION = "compile a model, build this rank's part and train it, with telemetry"
@@ -47,6 +47,11 @@ class TrainConfig:
     warmup_steps: int = 0
     weight_decay: float = 0.0
     momentum: float = 0.0   # sgd and sgd-momentum only
+    # The data from a file (partc.corpus) instead of the factory's data(step).
+    data: str | None = None
+    data_dtype: str | None = None   # a .bin token file's; uint16 when not given
+    tokenizer: str | None = None    # a Hugging Face tokenizer's directory, for text
+    eval_data: str | None = None    # the held-out batch's file, in --data's forms
     # Evaluation, logging, reproducibility, output.
     eval_every: int = 0     # 0: never
     log_dir: str | None = None
@@ -88,6 +93,16 @@ class TrainConfig:
             raise ValueError(f"momentum is for sgd; {self.optimizer} has its own betas")
         if self.optimizer == "sgd-momentum" and not self.momentum:
             raise ValueError("sgd-momentum needs --momentum above 0")
+        if self.data is None:
+            given = [f"--{name.replace('_', '-')}" for name in ("data_dtype", "tokenizer",
+                                                               "eval_data")
+                     if getattr(self, name) is not None]
+            if given:
+                raise ValueError(f"{', '.join(given)} need{'s' if len(given) == 1 else ''} "
+                                 "--data")
+        if self.data_dtype is not None and self.data_dtype not in TOKEN_DTYPES:
+            raise ValueError(f"data_dtype must be one of {', '.join(TOKEN_DTYPES)}, got "
+                             f"{self.data_dtype!r}")
         if self.tensorboard and self.log_dir is None:
             raise ValueError("tensorboard needs log_dir: events go to <log_dir>/tensorboard")
         if self.keep is not None and self.keep < 1:
@@ -142,6 +157,20 @@ def parser() -> argparse.ArgumentParser:
     opt.add_argument("--weight-decay", type=cli.NON_NEGATIVE, help="default 0")
     opt.add_argument("--momentum", type=cli.NON_NEGATIVE,
                      help="sgd's momentum (default 0; above 0 plans sgd-momentum)")
+    data = p.add_argument_group(
+        "data from a file, instead of the factory's data(step) (packed into sequences of "
+        "the example inputs' length; each step's samples fixed by --seed and the step)")
+    data.add_argument("--data", metavar="PATH",
+                      help="a token file (.bin: flat ids, nanoGPT's; .npy), a UTF-8 text "
+                           "file, or a directory a datasets data set was saved to")
+    data.add_argument("--data-dtype", choices=TOKEN_DTYPES,
+                      help="a .bin token file's id type (default uint16)")
+    data.add_argument("--tokenizer", metavar="DIR",
+                      help="a Hugging Face tokenizer saved in DIR, for text (default: "
+                           "byte-level, 256 ids)")
+    data.add_argument("--eval-data", metavar="PATH",
+                      help="held-out data in --data's forms: --eval-every evaluates its "
+                           "first global batch")
     run = p.add_argument_group("evaluation, logging and output")
     run.add_argument("--eval-every", type=cli.WHOLE, metavar="K",
                      help="evaluate the held-out batch every K steps")

@@ -19,6 +19,17 @@ TrainSpec — and ``name``), plus the data:
 - ``eval_data`` (optional): the held-out ``(inputs, target)``, or a callable of no
   arguments returning it.
 
+Or the data comes from a file (``partc/corpus/``): ``--data PATH``, a token file
+(``.bin``, flat uint16 ids as nanoGPT writes them, or uint32 with ``--data-dtype``;
+``.npy``), a UTF-8 text file or a directory a ``datasets`` data set was saved to, the
+last two tokenized by ``--tokenizer DIR`` (a Hugging Face tokenizer saved there) or the
+byte-level tokenizer (256 ids). Its ids are packed into samples of the factory's example
+inputs' sequence length (inputs and next-token targets); step ``s`` reads the samples
+``partc.runtime.data.DataSampler`` gives for ``(--seed, s)``, and each rank only its
+data-parallel replica's rows of them (``rank_data(step)``, beside the global
+``data(step)``). ``--eval-data PATH``: the held-out batch is that file's first. The
+factory then needs no ``data``.
+
 The budget, pin and training flags are ``partc plan``'s (:mod:`partc.cli.main` builds both
 commands' flags, checks them before the model is built and reads them into the
 DeviceBudget, Constraints and TrainSpec), except ``--devices``: the number of devices is
@@ -167,7 +178,7 @@ def train(module: Any, optimizer: Any, workload: dict[str, Any], config: TrainCo
     and its evaluation: where a checkpoint is written; returning True stops training
     there (a requested stop). Resuming is loading the checkpoint and passing its step as
     ``start_step``: the learning rate and the data are functions of the step."""
-    data: Callable[[int], Any] = workload["data"]
+    data: Callable[[int], Any] = workload.get("rank_data", workload["data"])
     held_out = _held_out(workload) if config.eval_every else None
     losses = []
     for step in range(start_step, config.steps):
@@ -204,11 +215,16 @@ def prepare(config: TrainConfig) -> tuple[Any, Any, Any, dict[str, Any]]:
     checked = check(config, world)   # before the model is built
     torch.manual_seed(config.seed)   # every rank builds the same initial weights
     workload = cli.load_factory(config.target)
-    if not callable(workload.get("data")):
+    files = open_data(config, workload)   # before the plan: a bad file fails fast
+    if files is None and not callable(workload.get("data")):
         raise ValueError(f"{config.target} must return a dict with a 'data' key: a callable "
-                         "data(step) -> (inputs, target) giving the global batch of a step")
+                         "data(step) -> (inputs, target) giving the global batch of a step "
+                         "(or train on a file: --data PATH)")
     program = compile_workload(config, workload, world, checked=checked)
     module = program.build()
+    if files is not None:
+        feed(workload, files, config, global_batch_size=module.global_batch_size,
+             dp=module.topology.dp, dp_rank=module.topology.dp_rank)
     if module.topology.rank == 0:
         if not config.quiet:
             print(program.report(), flush=True)
@@ -222,6 +238,58 @@ def prepare(config: TrainConfig) -> tuple[Any, Any, Any, dict[str, Any]]:
                                                   if config.tensorboard else None),
                                  warn_ratio=config.warn_ratio)
     return module, _optimizer(module, config), telemetry, workload
+
+
+# -- data from a file ------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class DataFiles:
+    """What ``--data`` and ``--eval-data`` opened (partc.corpus), and the model's
+    vocabulary that every batch is checked against (None: no embedding to check)."""
+
+    corpus: Any
+    held_out: Any
+    vocab_size: int | None
+
+
+def open_data(config: TrainConfig, workload: dict[str, Any]) -> DataFiles | None:
+    """``--data`` (and ``--eval-data``) packed into sequences of the factory's example
+    inputs' length; None without ``--data``. Raises :class:`partc.DataError` naming the
+    file (or the flags) before the model is planned."""
+    if config.data is None:
+        return None
+    from partc.corpus import model_vocab_size, open_corpus, sequence_length
+    from partc.errors import DataError
+
+    if config.eval_every and config.eval_data is None and "eval_data" not in workload:
+        raise DataError(f"--eval-every with --data evaluates a held-out batch: give "
+                        f"--eval-data PATH (or an 'eval_data' from {config.target})")
+    seq_len = sequence_length(workload["example_inputs"], config.target)
+    vocab = model_vocab_size(workload["model"])
+    opened = [None if path is None else
+              open_corpus(path, seq_len=seq_len, tokenizer=config.tokenizer,
+                          dtype=config.data_dtype, vocab_size=vocab)
+              for path in (config.data, config.eval_data)]
+    return DataFiles(corpus=opened[0], held_out=opened[1], vocab_size=vocab)
+
+
+def feed(workload: dict[str, Any], files: DataFiles, config: TrainConfig, *,
+         global_batch_size: int, dp: int, dp_rank: int) -> None:
+    """Make ``files`` the workload's data: ``data(step)`` the global batch of a step (the
+    batch a checkpoint's data digest reads), ``rank_data(step)`` this rank's replica's
+    rows of it (what it trains on), ``eval_data`` the held-out file's first global batch.
+    The order is ``--seed``'s and the step's (partc.corpus.StepBatches)."""
+    from partc.corpus import StepBatches
+
+    def batches(corpus: Any) -> Any:
+        return StepBatches(corpus, global_batch_size=global_batch_size, seed=config.seed,
+                           vocab_size=files.vocab_size)
+
+    workload["data"] = batches(files.corpus)
+    workload["rank_data"] = workload["data"].for_replica(dp, dp_rank)
+    if files.held_out is not None:
+        held_out = batches(files.held_out)
+        workload["eval_data"] = lambda: held_out(0)
 
 
 # -- checkpoints ------------------------------------------------------------------------------
