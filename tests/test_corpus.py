@@ -53,6 +53,9 @@ def test_replicas_read_their_rows_of_the_global_batch_and_resume_reads_the_next(
     resumed = StepBatches(corpus, global_batch_size=8, seed=3).for_replica(2, 1)
     assert torch.equal(resumed(25)[0], run[25][0][4:])
     assert not torch.equal(run[25][0], run[26][0])
+    with pytest.raises(DataError, match="no held-out batch of its own; give one with "
+                                        "--eval-data"):
+        whole(-1)
     other_seed = StepBatches(corpus, global_batch_size=8, seed=4)
     assert not torch.equal(other_seed(0)[0], run[0][0])
     assert whole.state_dict() == {"num_samples": 124, "global_batch_size": 8, "seed": 3,

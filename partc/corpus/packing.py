@@ -83,6 +83,10 @@ class StepBatches:
 
     def __call__(self, step: int) -> Batch:
         """The global batch of step ``step`` (0-based)."""
+        if isinstance(step, int) and step < 0:
+            raise DataError(f"{self.corpus.source}: step {step} asked of training data: a "
+                            "file's data has no held-out batch of its own; give one with "
+                            "--eval-data PATH", path=self.corpus.source, step=step)
         return self.corpus.samples(self._sampler.global_indices(step),
                                    vocab_size=self.vocab_size, step=step)
 

@@ -12,12 +12,16 @@ the pp=2 run and after each, ``module.evaluate`` on the held-out batch is compar
 process on the whole model (its weights gathered with ``full_state_dict``), and
 parameters and gradients are checked unchanged by it; the training losses are compared
 with the same AdamW, learning rates and data in one process. The dp=2 run shards with
-ZeRO-3 (FSDP), whose units gather their parameters for the forward.
+ZeRO-3 (FSDP), whose units gather their parameters for the forward. Then dp=2 for 5
+steps on the sample text as a token file (``--data``; the text itself held out,
+``--eval-data``): each rank trains on its replica's rows, with the losses of one process
+on the whole batches.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -29,6 +33,7 @@ import torch.distributed as dist  # noqa: E402
 
 from partc.codec import to_data  # noqa: E402
 from partc.cli import launcher, config as train_config  # noqa: E402
+from partc.corpus import ByteTokenizer, write_token_file  # noqa: E402
 from samples import gpt  # noqa: E402
 
 STEPS = 5
@@ -86,6 +91,8 @@ def _run(argv: list[str], *, evaluate_first: bool = False) -> dict:
     results = {"losses": losses, "ref_losses": reference, "evaluations": [
         e for e in (first, _evaluate(module, *held_out)) if e is not None],
         "stage": module.stage_index, "mesh": to_data(module.plan.mesh)}
+    if "rank_data" in workload:   # --data: the rows this rank trained on, and the step's
+        results["rows"] = [len(workload["rank_data"](0)[0]), len(workload["data"](0)[0])]
     module.close()
     return results
 
@@ -120,6 +127,13 @@ def _checkpoint_and_resume(out: Path) -> dict:
             "other_seed": other_seed}
 
 
+def _token_file(out: Path) -> Path:
+    """The sample text as a token file of byte ids (each rank writes its own copy)."""
+    text = (ROOT / "samples" / "declaration.txt").read_text()
+    return write_token_file(ByteTokenizer().encode(text),
+                            out / f"declaration-{os.environ['RANK']}.bin")
+
+
 def main(out: Path) -> None:
     results = {
         "pp2": _run(["--steps", str(STEPS), "--pp", "2", "--lr", "3e-3", "--warmup-steps",
@@ -127,6 +141,9 @@ def main(out: Path) -> None:
                     evaluate_first=True),
         "dp2": _run(["--steps", "1", "--dp", "2", "--zero", "3", "--lr", "3e-3", "-q"]),
         "resume": _checkpoint_and_resume(out),
+        "data": _run(["--steps", str(STEPS), "--dp", "2", "--data", str(_token_file(out)),
+                      "--eval-data", str(ROOT / "samples" / "declaration.txt"), "--lr",
+                      "3e-3", "-q"]),
     }
     (out / f"rank{dist.get_rank()}.json").write_text(json.dumps(results))
     dist.barrier()

@@ -4,7 +4,8 @@ and cosine), and ``module.evaluate`` gives the loss of one process on the same w
 through a pipeline (pp=2, before training too) and over data-parallel replicas (dp=2,
 ZeRO-3), changing nothing. Checkpoints: 4 steps on pp=2 saved every 2, resumed with
 ``--resume --steps 6`` on dp=2, continue at step 5 with the losses of 6 uninterrupted
-steps; a resume with another seed is refused."""
+steps; a resume with another seed is refused. ``--data``: a token file on dp=2, each rank
+reading its replica's rows, with one process's losses."""
 
 from __future__ import annotations
 
@@ -67,6 +68,19 @@ def test_the_loss_falls_as_in_one_process(launched):
             seen = results[case]
             assert seen["losses"] == pytest.approx(seen["ref_losses"], rel=RTOL), case
     losses = launched[0][0]["pp2"]["losses"]
+    assert losses[-1] < losses[0] - 0.3, losses
+
+
+def test_training_on_a_token_file_reads_each_replicas_rows_as_in_one_process(launched):
+    """``--data`` on dp=2: each rank trains on half of each step's samples (rows 4 of 8),
+    and the losses are one process's on the whole batches, falling."""
+    for results in launched[0]:
+        seen = results["data"]
+        assert seen["mesh"] == {"pp": 1, "dp": 2, "tp": 1} and seen["rows"] == [4, 8]
+        assert seen["losses"] == pytest.approx(seen["ref_losses"], rel=RTOL)
+        evaluation = seen["evaluations"][0]   # --eval-data: the text's first batch
+        assert evaluation["loss"] == pytest.approx(evaluation["reference"], rel=RTOL)
+    losses = launched[0][0]["data"]["losses"]
     assert losses[-1] < losses[0] - 0.3, losses
 
 
