@@ -225,3 +225,4 @@ def test_the_launcher_trains_a_replica_on_its_rows_and_resumes_where_it_stopped(
     held = _fed(TrainConfig(target="m.py:f", steps=4, data=str(TEXT), eval_every=2,
                             eval_data=str(TEXT)), 1, 0)
     assert torch.equal(held["eval_data"]()[0], held["data"](0)[0])
+

@@ -56,6 +56,7 @@ class TrainConfig:
     eval_every: int = 0     # 0: never
     log_dir: str | None = None
     tensorboard: bool = False
+    wandb: str | None = None   # a Weights & Biases project rank 0 logs to
     warn_ratio: float = 0.25
     seed: int = 0
     quiet: bool = False
@@ -177,6 +178,9 @@ def parser() -> argparse.ArgumentParser:
     run.add_argument("--log-dir", help="directory for rank<k>.jsonl telemetry")
     run.add_argument("--tensorboard", action="store_true",
                      help="also write TensorBoard events under <log-dir>/tensorboard")
+    run.add_argument("--wandb", metavar="PROJECT",
+                     help="also log rank 0's figures to Weights & Biases project PROJECT "
+                          "(needs the wandb package; WANDB_MODE=offline keeps it local)")
     run.add_argument("--warn-ratio", type=cli.POSITIVE, metavar="RATIO",
                      help="warn when time or memory departs from the plan by more (0.25)")
     run.add_argument("--seed", type=cli.WHOLE, help="torch seed before the factory (default 0)")

@@ -44,7 +44,8 @@ step whose loss or gradient norm is inf or NaN raises ``partc.NonFiniteError`` n
 before the optimizer steps (the run ends, its last checkpoint finite), or with
 ``--on-nonfinite skip`` is skipped, logged and counted (``TrainSpec.on_nonfinite``);
 telemetry (``partc/runtime/telemetry.py``) prints a line per step on rank 0 and, with
-``--log-dir``, writes JSON lines per rank (and TensorBoard events with ``--tensorboard``).
+``--log-dir``, writes JSON lines per rank (and TensorBoard events with ``--tensorboard``;
+``--wandb PROJECT``: rank 0 logs the same figures to Weights & Biases).
 ``--out DIR``: rank 0 saves the program there (plan.json, report.md, report.html, code/).
 
 Checkpoints (``partc/runtime/checkpoint.py``): with ``--checkpoint-dir D`` every rank
@@ -236,8 +237,22 @@ def prepare(config: TrainConfig) -> tuple[Any, Any, Any, dict[str, Any]]:
     telemetry = module.telemetry(jsonl_dir=config.log_dir, console=not config.quiet,
                                  tensorboard_dir=(Path(config.log_dir) / "tensorboard"
                                                   if config.tensorboard else None),
-                                 warn_ratio=config.warn_ratio)
+                                 warn_ratio=config.warn_ratio,
+                                 wandb=_wandb_settings(config, module))
     return module, _optimizer(module, config), telemetry, workload
+
+
+def _wandb_settings(config: TrainConfig, module: Any) -> dict[str, Any] | None:
+    """``wandb.init``'s arguments for ``--wandb PROJECT``: the run's flags and mesh as its
+    config, its files beside the telemetry's when there is a log directory."""
+    if config.wandb is None:
+        return None
+    flags = {k: v for k, v in vars(config).items()
+             if isinstance(v, (bool, int, float, str)) and k != "wandb"}
+    mesh = module.plan.mesh
+    return {"project": config.wandb, "dir": config.log_dir,
+            "config": {**flags, **config.plan, "pp": mesh.pp, "dp": mesh.dp, "tp": mesh.tp,
+                       "global_batch_size": module.global_batch_size}}
 
 
 # -- data from a file ------------------------------------------------------------------------

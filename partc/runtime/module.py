@@ -146,17 +146,18 @@ class DistributedModule:
 
     def telemetry(self, *, jsonl_dir: str | None = None, console: bool = True,
                   tensorboard_dir: str | None = None, warn_ratio: float = 0.25,
-                  grad_norm: bool = True) -> Telemetry:
+                  grad_norm: bool = True, wandb: dict | None = None) -> Telemetry:
         """Report every step from now on against the plan (``partc/runtime/telemetry.py``):
         loss, step time, tokens/s, MFU, peak memory, gradient norm; printed on rank 0,
         appended to ``<jsonl_dir>/rank<k>.jsonl``, written to TensorBoard under
-        ``tensorboard_dir``; a warning when time or memory departs from the prediction
+        ``tensorboard_dir``, logged by rank 0 to a Weights & Biases run made with
+        ``wandb.init(**wandb)``; a warning when time or memory departs from the prediction
         by more than ``warn_ratio``. A step ends with the step of an optimizer from
         :meth:`optimizer`, or :meth:`end_step`. ``grad_norm=False`` skips the norm's
         all-reduce when the plan does not clip. Call it on every rank."""
         return self._monitor.start_telemetry(
             jsonl_dir=jsonl_dir, console=console, tensorboard_dir=tensorboard_dir,
-            warn_ratio=warn_ratio, grad_norm=grad_norm)
+            warn_ratio=warn_ratio, grad_norm=grad_norm, wandb=wandb)
 
     def end_step(self, *, optimizer_stepped: bool = True) -> StepRecord | None:
         """End the step under way for telemetry (after an optimizer step that

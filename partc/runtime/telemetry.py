@@ -28,7 +28,10 @@ Rank 0 prints one line per step; with ``jsonl_dir`` every rank appends its recor
 ``<jsonl_dir>/rank<k>.jsonl`` (one JSON object a line, ``"event": "step"`` or
 ``"eval"``); with ``tensorboard_dir`` every rank writes scalars under
 ``<tensorboard_dir>/rank<k>`` (needs the ``tensorboard`` package: ``pip install
-'partc[tensorboard]'``). After the first step (which also learns shapes and allocates
+'partc[tensorboard]'``); with ``wandb`` (``wandb.init``'s keyword arguments: ``project``,
+``name``, ``dir``, ``config``, ...) rank 0 logs the same scalars to a Weights & Biases run,
+as torchtitan does (needs the ``wandb`` package, checked on every rank so that all fail
+alike; ``WANDB_MODE=offline`` keeps the run on disk). After the first step (which also learns shapes and allocates
 optimizer state), a step whose time or memory departs from the prediction by more than
 ``warn_ratio`` is logged as a warning naming the stage and the figures, once per stage and
 kind, by the stage's first rank.
@@ -226,6 +229,16 @@ def _tensorboard_writer(directory: Path) -> Any:
     return SummaryWriter(log_dir=str(directory))
 
 
+def _wandb_run(settings: dict[str, Any], rank: int) -> Any:
+    """Rank 0's Weights & Biases run (None on the other ranks)."""
+    try:   # here: wandb is optional, and only asking for it needs it
+        import wandb
+    except ImportError as error:
+        raise PartcError("Weights & Biases logging needs the wandb package: pip install "
+                         f"wandb (or leave --wandb out) ({error})") from None
+    return wandb.init(**settings) if rank == 0 else None
+
+
 _SCALARS = {"loss": "train/loss", "step_time_s": "time/step_s",
             "predicted_step_time_s": "time/predicted_step_s", "tokens_per_s": "speed/tokens_per_s",
             "samples_per_s": "speed/samples_per_s", "mfu": "speed/mfu",
@@ -244,7 +257,7 @@ class Telemetry:
                  device: torch.device, memory_baseline: int = 0,
                  jsonl_dir: str | Path | None = None, console: bool = True,
                  tensorboard_dir: str | Path | None = None, warn_ratio: float = 0.25,
-                 grad_norm: bool = True) -> None:
+                 grad_norm: bool = True, wandb: dict[str, Any] | None = None) -> None:
         if not warn_ratio > 0:
             raise ValueError(f"warn_ratio must be positive, got {warn_ratio!r}")
         self.plan, self.rank, self.stage = plan, rank, stage
@@ -262,6 +275,7 @@ class Telemetry:
             self._jsonl = open(Path(jsonl_dir) / f"rank{rank}.jsonl", "a", encoding="utf-8")
         self._tensorboard = (_tensorboard_writer(Path(tensorboard_dir) / f"rank{rank}")
                              if tensorboard_dir is not None else None)
+        self._wandb = _wandb_run(wandb, rank) if wandb is not None else None
         self._warned: set[str] = set()
         self._pending: dict[str, Any] | None = None
         self.records: list[StepRecord] = []
@@ -341,11 +355,15 @@ class Telemetry:
         if self.console:
             print(record.console_line(), flush=True)
         self._write({k: _plain(v) for k, v in record.to_json().items()})
+        scalars = {tag: getattr(record, key) for key, tag in _SCALARS.items()
+                   if getattr(record, key) is not None}
         if self._tensorboard is not None:
-            for key, tag in _SCALARS.items():
-                value = getattr(record, key)
-                if value is not None:
-                    self._tensorboard.add_scalar(tag, value, record.step)
+            for tag, value in scalars.items():
+                self._tensorboard.add_scalar(tag, value, record.step)
+        if self._wandb is not None:
+            self._wandb.log({**scalars, **{f"train/{k}": v for k, v in record.notes.items()
+                                           if isinstance(v, (int, float))}},
+                            step=record.step)
         if record.step > WARMUP_STEPS:
             self._warn(record)
 
@@ -373,6 +391,8 @@ class Telemetry:
                      "eval_loss": loss})
         if self._tensorboard is not None:
             self._tensorboard.add_scalar("eval/loss", loss, step)
+        if self._wandb is not None:
+            self._wandb.log({"eval/loss": loss}, step=step)
 
     def _write(self, line: dict[str, Any]) -> None:
         if self._jsonl is not None:
@@ -389,6 +409,9 @@ class Telemetry:
         if self._tensorboard is not None:
             self._tensorboard.close()
             self._tensorboard = None
+        if self._wandb is not None:
+            self._wandb.finish()
+            self._wandb = None
 
 
 def _percent(fraction: float) -> str:

@@ -201,3 +201,48 @@ def test_tensorboard_scalars(plan, monkeypatch, tmp_path):
     assert [(e.step, e.value) for e in events.Scalars("train/loss")] == [(1, 3.0), (2, 2.5)]
     assert [e.value for e in events.Scalars("speed/mfu")] == pytest.approx([0.2, 0.2])
     assert [e.value for e in events.Scalars("eval/loss")] == [2.25]
+
+
+class _WandbRun:
+    def __init__(self, **settings) -> None:
+        self.settings, self.logged, self.finished = settings, [], False
+
+    def log(self, values: dict, step: int) -> None:
+        self.logged.append((step, values))
+
+    def finish(self) -> None:
+        self.finished = True
+
+
+def test_wandb_logs_rank_0s_scalars_and_is_refused_clearly_when_absent(plan, monkeypatch):
+    """``wandb`` stood in by a module whose ``init`` makes a recording run: rank 0 logs
+    each step's scalars (the launcher's lr too) and evaluations, then finishes; another
+    rank makes no run; without the package every rank is refused by name."""
+    runs: list[_WandbRun] = []
+    fake = type(sys)("wandb")
+    fake.init = lambda **settings: runs.append(_WandbRun(**settings)) or runs[-1]
+    monkeypatch.setitem(sys.modules, "wandb", fake)
+    telemetry, clock, meter = _telemetry(plan, monkeypatch, console=False,
+                                         wandb={"project": "p", "config": {"lr": 0.1}})
+    for step, loss in ((1, 3.0), (2, 2.5)):
+        telemetry.begin(step)
+        telemetry.note(lr=0.1)
+        clock.now += 0.02
+        telemetry.measured(torch.tensor(loss), torch.tensor(1.5))
+        telemetry.end(optimizer_stepped=True)
+    telemetry.log_eval(2, 2.25)
+    telemetry.close()
+    (run,) = runs
+    assert run.settings == {"project": "p", "config": {"lr": 0.1}} and run.finished
+    assert [(step, values["train/loss"]) for step, values in run.logged[:2]] == [(1, 3.0),
+                                                                               (2, 2.5)]
+    assert run.logged[0][1]["speed/mfu"] == pytest.approx(0.2)
+    assert run.logged[0][1]["train/lr"] == 0.1
+    assert run.logged[2] == (2, {"eval/loss": 2.25})
+    tm.Telemetry(plan, rank=1, stage=0, leads_stage=True, device=torch.device("cpu"),
+                 wandb={"project": "p"}).close()
+    assert len(runs) == 1   # rank 1: none
+    monkeypatch.setitem(sys.modules, "wandb", None)   # not installed
+    with pytest.raises(PartcError, match="needs the wandb package: pip install wandb"):
+        tm.Telemetry(plan, rank=1, stage=0, leads_stage=True, device=torch.device("cpu"),
+                     wandb={"project": "p"})
