@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import sys
 import types
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -16,6 +17,7 @@ import torch
 
 from partc.cli import launcher
 from partc.cli.config import TrainConfig, parse_config
+from partc.cli.main import UsageError
 from partc.corpus import (ByteTokenizer, StepBatches, TokenCorpus, load_tokenizer,
                           model_vocab_size, open_corpus, read_token_file, sequence_length,
                           write_token_file)
@@ -164,6 +166,10 @@ def test_the_flags_need_data_and_name_the_dtypes():
     assert (config.data, config.data_dtype, config.eval_data) == ("t.bin", "uint32", "v.bin")
     with pytest.raises(ValueError, match="--tokenizer, --eval-data need --data"):
         TrainConfig(target="m.py:f", steps=1, tokenizer="tok", eval_data="v.bin")
+    # A missing file is refused with the flags, before torch or the model.
+    with pytest.raises(UsageError, match="--eval-data v.bin does not exist"):
+        launcher.check(replace(config, target=f"{ROOT / 'samples' / 'gpt.py'}:factory",
+                               data=str(TEXT)), 1)
 
 
 class _Module:

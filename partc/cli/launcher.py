@@ -142,6 +142,10 @@ def check(config: TrainConfig, world_size: int) -> tuple[Any, Any]:
     cli.check_target(config.target, COMMAND)
     if config.out is not None and Path(config.out).exists() and not Path(config.out).is_dir():
         raise cli._refused(f"--out {config.out} is a file, not a directory", COMMAND)
+    for flag, path in (("--data", config.data), ("--eval-data", config.eval_data),
+                       ("--tokenizer", config.tokenizer)):
+        if path is not None and not Path(path).exists():
+            raise cli._refused(f"{flag} {path} does not exist", COMMAND)
     fixed: dict[str, Any] = {"num_devices": world_size}
     if args.device is None and args.profile is None and not _has_gpu():
         fixed["device"] = CPU_PRESET   # plan for the devices that train
