@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from partc.cli import launcher
-from partc.cli.config import TrainConfig, parse_config
+from partc.cli.config import TrainConfig, parse_config, read_config_file
 from partc.cli.main import UsageError
 from partc.corpus import (ByteTokenizer, StepBatches, TokenCorpus, load_tokenizer,
                           model_vocab_size, open_corpus, read_token_file, sequence_length,
@@ -160,10 +160,16 @@ def test_the_sequence_length_is_the_example_inputs_and_the_vocabulary_the_embedd
     assert model_vocab_size(torch.nn.Linear(2, 2)) is None
 
 
-def test_the_flags_need_data_and_name_the_dtypes():
+def test_the_flags_need_data_and_name_the_dtypes(tmp_path):
     config = parse_config(["m.py:f", "--steps", "2", "--data", "t.bin", "--data-dtype",
                            "uint32", "--eval-data", "v.bin"])
     assert (config.data, config.data_dtype, config.eval_data) == ("t.bin", "uint32", "v.bin")
+    (tmp_path / "train.toml").write_text('data = "t.bin"\ndata-dtype = "uint32"\n')
+    assert read_config_file(tmp_path / "train.toml") == {"data": "t.bin",
+                                                         "data_dtype": "uint32"}
+    (tmp_path / "bad.toml").write_text('data-dtype = "int8"\n')
+    with pytest.raises(ValueError, match="invalid choice: 'int8'"):
+        read_config_file(tmp_path / "bad.toml")
     with pytest.raises(ValueError, match="--tokenizer, --eval-data need --data"):
         TrainConfig(target="m.py:f", steps=1, tokenizer="tok", eval_data="v.bin")
     # A missing file is refused with the flags, before torch or the model.
