@@ -31,7 +31,9 @@ from partc.cost.schedules import rank_of
 from partc.names import Phase
 from partc.passes.split import StageGraph
 from partc.placement import REPLICATE
+from partc.errors import PartcError
 from partc.plan import Plan
+from partc.safe_text import identifier, one_line
 from partc.units import format_bytes
 
 _NODE_LINE = re.compile(r"^(\s+)(\w+)(?::| =)")
@@ -41,6 +43,9 @@ _WRAP = re.compile(r'^\s*(torch\.fx\._symbolic_trace\.)?wrap\("\w+"\)$')
 _ANNOTATED = re.compile(r'^(\s+)(\w+): "([^"]*)" = (.*)$')
 _DEF = re.compile(r"^(\s*)def forward\(self((?:, \w+(?:: \"[^\"]*\")?)*)\):$")
 _PARAM = re.compile(r'(\w+)(?:: "([^"]*)")?')
+# fx names a class after the module's attribute (``0`` in an ``nn.Sequential``), which
+# need not be a Python identifier.
+_CLASS = re.compile(r"^(\s*)class (.+)\(torch\.nn\.Module\):$")
 # fx's own names for a few values, and how a file gets them (``torch.fx.graph``'s list)
 _FX_BUILTINS = {"inf": "inf = float('inf')", "nan": "nan = float('nan')",
                 "NoneType": "NoneType = type(None)", "device": "from torch import device",
@@ -65,8 +70,32 @@ def codegen(stage: StageGraph, plan: Plan,
     # (``blocks.3`` of a ModuleList) follow it.
     nested = [path for path in meta.fsdp_units(module) if "." in path]
     body = "\n\n\n".join([body.rstrip(), *(_unit_source(module, path) for path in nested)])
-    return "\n".join(_header(stage, plan, shared or {}) + [""] + _imports(module, body) +
-                     ["", ""] + [body.rstrip(), ""])
+    # Names the user chose (the model's, its modules') stay inside their comment lines.
+    header = [one_line(line) for line in _header(stage, plan, shared or {})]
+    source = "\n".join(header + [""] + _imports(module, body) + ["", ""] + [body.rstrip(), ""])
+    _check_only_definitions(source, stage.index)
+    return source
+
+
+def _check_only_definitions(source: str, index: int) -> None:
+    """Refuse source that would do anything at import but import and define: the
+    file is for reading, and a name that escaped its comment or string must not run."""
+    try:
+        tree = ast.parse(source)
+    except SyntaxError as error:
+        raise PartcError(f"the emitted code of stage {index} is not valid Python "
+                         f"(line {error.lineno}: {error.msg}); this is a partc bug: "
+                         "report it with the model's module names") from None
+    allowed = (ast.Import, ast.ImportFrom, ast.ClassDef)
+    for statement in tree.body:
+        fx_name = (isinstance(statement, ast.Assign) and len(statement.targets) == 1
+                   and isinstance(statement.targets[0], ast.Name)
+                   and statement.targets[0].id in _FX_BUILTINS)
+        if not isinstance(statement, allowed) and not fx_name:
+            raise PartcError(f"the emitted code of stage {index} would run line "
+                             f"{statement.lineno} at import ({ast.unparse(statement)[:60]!r}), "
+                             "not only define its classes; this is a partc bug: report it "
+                             "with the model's module names")
 
 
 def _tidy(module: fx.GraphModule) -> fx.GraphModule:
@@ -86,7 +115,8 @@ def _graph_modules(module: fx.GraphModule) -> list[fx.GraphModule]:
 def _unit_source(module: fx.GraphModule, path: str) -> str:
     """An FSDP unit's code (the stage calls it as a module at the layer's own path)."""
     unit = module.get_submodule(path)
-    return (f"# FSDP unit {path}: layer {path} with its own parameters, gathered over the "
+    return (f"# FSDP unit {one_line(path)}: layer {one_line(path)} with its own parameters, "
+            "gathered over the "
             "data-parallel group before it runs\n"
             + _plain_python(unit.print_readable(print_output=False)).rstrip())
 
@@ -101,7 +131,10 @@ def _plain_python(body: str) -> str:
         if not line.strip() and out and out[-1].lstrip().startswith("class "):
             continue
         annotated, signature = _ANNOTATED.match(line), _DEF.match(line)
-        if annotated:
+        named = _CLASS.match(line)
+        if named:
+            line = f"{named.group(1)}class {identifier(named.group(2))}(torch.nn.Module):"
+        elif annotated:
             indent, name, shape, value = annotated.groups()
             line = f"{indent}{name} = {value}  # {shape}"
         elif signature:
@@ -249,7 +282,7 @@ def _annotate_layers(body: str, module: fx.GraphModule, modes: Mapping[str, str]
             if name != current:
                 mode = modes.get(name, "none")
                 note = f" (recompute: {mode})" if mode != "none" else ""
-                out.append(f"{found.group(1)}# layer {name}{note}")
+                out.append(f"{found.group(1)}# layer {one_line(name)}{note}")
                 current = name
         out.append(line.rstrip())
     return "\n".join(out)

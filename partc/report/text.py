@@ -24,6 +24,7 @@ from partc.cost.timeline import Timeline, simulate, text_lines
 from partc.names import Outcome, Phase
 from partc.placement import REPLICATE
 from partc.plan import MeshOutcome, Plan
+from partc.safe_text import one_line
 from partc.units import format_bytes, format_count, format_seconds
 
 FORMATS = REPORT_FORMATS
@@ -46,26 +47,17 @@ def readable(n: float) -> str:
     return f"{n:.3g}"
 
 
-# Characters that would start a new line, move the cursor or colour a terminal, as they
-# may come in a module's, layer's or model's name: printed as Python escapes instead.
-_CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f\u2028\u2029]")
 # Markdown's inline syntax: ``<`` opens raw HTML and autolinks, ``[`` ``]`` links,
 # `` ` `` code, ``*`` ``~`` emphasis, ``|`` a table cell, ``\`` an escape; ``_`` only where
 # it can open or close emphasis (not inside a word, as in ``tok_emb``).
 _MARKDOWN = re.compile(r"[\\`*~\[\]<|]|(?<![A-Za-z0-9])_|_(?![A-Za-z0-9])")
 
 
-def printable(text: str) -> str:
-    """``text`` on one line: control characters (a newline in a factory's name, a
-    terminal's escape sequence) written as their Python escapes (``\\n``, ``\\x1b``)."""
-    return _CONTROL.sub(lambda found: repr(found.group())[1:-1], str(text))
-
-
 def markdown_text(text: str) -> str:
     """``text`` as Markdown that renders it literally: on one line, every character of
     Markdown's inline syntax backslash-escaped, so a name such as ``<img src=x>`` or
     ``a|b`` is shown as written, never as raw HTML, a link or a table cell."""
-    return _MARKDOWN.sub(lambda found: "\\" + found.group(), printable(text))
+    return _MARKDOWN.sub(lambda found: "\\" + found.group(), one_line(text))
 
 
 def _table(header: list[str], rows: list[list[str]], markdown: bool) -> list[str]:
@@ -73,7 +65,7 @@ def _table(header: list[str], rows: list[list[str]], markdown: bool) -> list[str
         lines = ["| " + " | ".join(map(markdown_text, header)) + " |",
                  "|" + "---|" * len(header)]
         return lines + ["| " + " | ".join(map(markdown_text, row)) + " |" for row in rows]
-    header, rows = list(map(printable, header)), [list(map(printable, r)) for r in rows]
+    header, rows = list(map(one_line, header)), [list(map(one_line, r)) for r in rows]
     widths = [max(len(str(c)) for c in col) for col in zip(header, *rows)]
     fmt = "  ".join(f"{{:<{w}}}" for w in widths)
     return [fmt.format(*header), fmt.format(*("-" * w for w in widths))] + [
@@ -630,9 +622,9 @@ _TEXT_TITLES = {"Against the obvious alternatives": "Alternatives"}
 def _lay_out(section: Section, md: bool) -> list[str]:
     """One section's lines. Every line may carry a name the user chose (the model's, a
     layer's): in markdown each is escaped (:func:`markdown_text`), in text each is kept
-    on its line (:func:`printable`)."""
+    on its line (:func:`partc.safe_text.one_line`)."""
     out = []
-    escape = markdown_text if md else printable
+    escape = markdown_text if md else one_line
     if section.title is not None:
         title = section.title if md else _TEXT_TITLES.get(section.title, section.title)
         out += ["", f"## {title}" if md else f"{title}:", ""]
@@ -641,7 +633,7 @@ def _lay_out(section: Section, md: bool) -> list[str]:
     out += [("- " if md else "") + escape(line) for line in section.bullets]
     out += [escape(line) for line in section.notes]
     if section.preformatted:
-        block = [printable(line) for line in section.preformatted]
+        block = [one_line(line) for line in section.preformatted]
         out += [""] + (["```", *block, "```"] if md else block)
     if section.header:
         out += ([""] if section.bullets or section.notes else [])

@@ -199,3 +199,33 @@ def test_exported_model_reads_the_device_of_its_input(emitted):
     assert "# layer model.layers.0" in first and "# layer model.rotary_emb" in first
     for source in code.values():
         assert undefined_names(source) == set()
+
+
+def test_user_names_cannot_write_live_code():
+    """A model name with a newline stays inside the header's comment, and a layer named
+    as nn.Sequential names them ("0") gets a class name Python accepts."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 8))
+    x = torch.randn(4, 8)
+    program = partc.compile(model, (x,), loss_fn=lambda out, target: out.pow(2).mean(),
+                            example_target=x, name="odd\nimport os  # <b>",
+                            budget=partc.DeviceBudget(num_devices=2, device="CPU"),
+                            train=partc.TrainSpec(global_batch_size=4),
+                            constraints=partc.Constraints(dp=2, zero_stage=3))
+    source = program.code()["stage_0.py"]
+    assert "for odd\\nimport os  # <b> (model hash" in source
+    assert "\nimport os" not in source and "class _0(torch.nn.Module):" in source
+    tree = ast.parse(source)
+    assert {type(s).__name__ for s in tree.body} <= {"Import", "ImportFrom", "ClassDef",
+                                                     "Assign"}
+    assert undefined_names(source) == set()
+
+
+def test_emitted_code_that_would_run_is_refused():
+    from passes.codegen import _check_only_definitions
+
+    _check_only_definitions("import torch\ninf = float('inf')\nclass A:\n    pass\n", 0)
+    with pytest.raises(partc.PartcError, match="stage 3 would run line 2 at import"):
+        _check_only_definitions("import torch\nimport os; os.getcwd()\n", 3)
+    with pytest.raises(partc.PartcError, match="stage 1 is not valid Python"):
+        _check_only_definitions("class 0(torch.nn.Module):\n    pass\n", 1)
