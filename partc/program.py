@@ -19,6 +19,7 @@ from partc.passes.codegen import codegen
 from partc.passes.context import Lowering
 from partc.passes.pipeline import lower
 from partc.plan import Plan, plan_from_data
+from partc.planner.validate import field_conflicts
 from partc.problem import PlanningProblem
 from partc.report.text import render
 from partc.runtime import StageProgram, build, connect
@@ -132,8 +133,9 @@ class Program:
 
 
 def read_plan_file(path: str | Path) -> Plan:
-    """The plan in ``path``, its schema checked in full; :class:`PlanFileError` naming
-    the file and the field otherwise."""
+    """The plan in ``path``, its schema checked in full and its fields against each other
+    (:func:`partc.planner.validate.field_conflicts`); :class:`PlanFileError` naming the
+    file and the field otherwise."""
     path = Path(path)
     try:
         data = json.loads(path.read_text())
@@ -152,6 +154,12 @@ def read_plan_file(path: str | Path) -> Plan:
         section = re.match(r"plan section (\S+?):", str(error))
         raise PlanFileError(f"{path}: {error}", path=str(path),
                             field=section.group(1) if section else None) from None
+    conflicts = field_conflicts(plan)
+    if conflicts:
+        listed = "\n  ".join(f"{field}: {what}" for field, what in conflicts)
+        raise PlanFileError(f"{path}: fields that contradict each other (was it edited? "
+                            f"compile again rather than edit a plan):\n  {listed}",
+                            path=str(path), field=conflicts[0][0])
     return plan
 
 
