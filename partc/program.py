@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import re
 from dataclasses import dataclass, field
+from os import PathLike
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
@@ -14,7 +15,7 @@ from torch import nn
 from partc.codec import CodecError, check
 from partc.cost.schedules import stages_of_rank
 from partc.cost.timeline import plan_csv
-from partc.errors import PartcError, PlanFileError, PlanSchemaError
+from partc.errors import PartcError, PlanFileError, PlanSchemaError, check_argument
 from partc.passes.codegen import codegen
 from partc.passes.context import Lowering
 from partc.passes.pipeline import lower
@@ -112,7 +113,13 @@ class Program:
         it under ``partc.on_meta()``). Returns a ``partc.runtime.DistributedModule``.
         """
         self._need_model("build")
-        if isinstance(state_dict, (str, Path)):
+        check_argument("Program.build", "state_dict", state_dict,
+                       (Mapping, str, PathLike, type(None)),
+                       "a mapping of tensors by FQN, a checkpoint path (str or os.PathLike) "
+                       "or None")
+        check_argument("Program.build", "device", device, (torch.device, str, type(None)),
+                       "a torch.device, a device string ('cuda:0') or None")
+        if isinstance(state_dict, (str, PathLike)):
             state_dict = open_weights(state_dict)
         topology = connect(self.plan, self.model, self.loss_fn, device=device)
         plan = self.plan
