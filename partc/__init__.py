@@ -47,8 +47,9 @@ if TYPE_CHECKING:   # what static tools and IDEs read
     from partc.compiler import build_problem, compile, load, plan_problem
     from partc.device.budget import PRESETS, DeviceBudget
     from partc.errors import (ArgumentTypeError, CheckpointError, NonFiniteError,
-                              PartcError, PlanFileError, PlanInfeasibleError, PlanMismatchError, PlanSchemaError,
-                              PlanValidationError, TraceError)
+                              PartcError, PlanFileError, PlanInfeasibleError,
+                              PlanMismatchError, PlanSchemaError, PlanValidationError,
+                              TraceError)
     from partc.options import PlannerOptions, ShardingOptions
     from partc.plan import Plan
     from partc.planner.validate import validate_plan
