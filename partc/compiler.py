@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
+from os import PathLike
 from pathlib import Path
 from typing import Any, Callable
 
@@ -31,7 +32,8 @@ from partc.cost.collectives import Group
 from partc.cost.tables import TableCache
 from partc.device.budget import DeviceBudget, preset
 from partc.device.figures import FIGURE_NAMES, DeviceFigures
-from partc.errors import PartcError, PlanFileError, PlanMismatchError, PlanValidationError
+from partc.errors import (PartcError, PlanFileError, PlanMismatchError, PlanValidationError,
+                          check_argument)
 from partc.identity import behaviour_digest, model_hash
 from partc.passes.pipeline import analyze, tensor_parallel_options
 from partc.passes.tp.chooser import Link
@@ -273,6 +275,7 @@ def compile(model: torch.nn.Module, example_inputs: tuple | torch.Tensor, *,
     ``None``: none) keeps measured models and plans: compiling the same model again
     with another budget or batch skips tracing and measuring, and an unchanged problem
     returns its plan at once (validated again)."""
+    _check_compile_arguments(model, budget, train, loss_fn, constraints, options, name, cache)
     if isinstance(example_inputs, torch.Tensor):
         example_inputs = (example_inputs,)
     # A view (``ids[:, :-1]``) would be measured with its whole storage, which the plan
@@ -323,6 +326,33 @@ def compile(model: torch.nn.Module, example_inputs: tuple | torch.Tensor, *,
             cache.put_plan(problem, plan)
     log.info("planned in %.2f s: %s", time.perf_counter() - start, plan.solver.status)
     return Program(plan=plan, problem=problem, graph=graph, model=model, loss_fn=loss_fn)
+
+
+def _check_compile_arguments(model: Any, budget: Any, train: Any, loss_fn: Any,
+                             constraints: Any, options: Any, name: Any, cache: Any) -> None:
+    """Each of ``compile``'s arguments of the type it takes, or an ArgumentTypeError
+    naming it (``example_inputs`` is checked where it is read)."""
+    where, none = "partc.compile", type(None)
+    check_argument(where, "model", model, (nn.Module,), "a torch.nn.Module")
+    check_argument(where, "budget", budget, (DeviceBudget,), "a partc.DeviceBudget",
+                   _keywords_hint("DeviceBudget", budget)
+                   or "e.g. partc.DeviceBudget(num_devices=8, device='H100-80GB')")
+    check_argument(where, "train", train, (TrainSpec, none), "a partc.TrainSpec or None",
+                   _keywords_hint("TrainSpec", train))
+    check_argument(where, "constraints", constraints, (Constraints, none),
+                   "a partc.Constraints or None", _keywords_hint("Constraints", constraints))
+    check_argument(where, "options", options, (PlannerOptions, none),
+                   "a partc.PlannerOptions or None", _keywords_hint("PlannerOptions", options))
+    check_argument(where, "name", name, (str, none), "a str or None")
+    check_argument(where, "cache", cache, (PlanCache, none), "a partc.PlanCache or None")
+    if loss_fn is not None and not callable(loss_fn):
+        check_argument(where, "loss_fn", loss_fn, (none,),
+                       "a callable loss_fn(output, target) or None")
+
+
+def _keywords_hint(cls: str, value: Any) -> str:
+    """For a dict given where a spec class is wanted: how to make one of it."""
+    return f"pass partc.{cls}(**that_dict)" if isinstance(value, dict) else ""
 
 
 def _whole_batch_loss(model: torch.nn.Module, example_inputs: tuple, loss_fn: Callable | None,
@@ -383,6 +413,12 @@ def load(directory: str | Path, model: nn.Module, *, loss_fn: Callable | None = 
     values against the model measured again as ``compile`` measures it, under the plan's
     budget and training setup (``validate_plan``, no solver: else
     :class:`PlanValidationError` listing every violation)."""
+    check_argument("partc.load", "directory", directory, (str, PathLike),
+                   "a directory path (str or os.PathLike)")
+    check_argument("partc.load", "model", model, (nn.Module,), "a torch.nn.Module")
+    if loss_fn is not None and not callable(loss_fn):
+        check_argument("partc.load", "loss_fn", loss_fn, (type(None),),
+                       "a callable loss_fn(output, target) or None")
     path = Path(directory) / "plan.json"
     if not path.exists():
         raise FileNotFoundError(f"no plan.json in {directory}: save a program there first "

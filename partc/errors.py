@@ -102,3 +102,29 @@ class DataError(PartcError, ValueError):
         super().__init__(message)
         self.path = path
         self.step = step
+
+
+class ArgumentTypeError(PartcError, TypeError):
+    """A public function (``partc.compile``, ``partc.load``, ``Program.build``) was given
+    an argument of the wrong type. ``argument``: its name; ``expected``: what it takes;
+    ``got``: the type given."""
+
+    def __init__(self, message: str, *, argument: str, expected: str, got: str) -> None:
+        super().__init__(message)
+        self.argument = argument
+        self.expected = expected
+        self.got = got
+
+
+def check_argument(function: str, argument: str, value: object, types: tuple[type, ...],
+                   expected: str, hint: str = "") -> None:
+    """Raise :class:`ArgumentTypeError` unless ``value`` is one of ``types`` (``None``
+    among them: ``type(None)``), naming ``function``'s ``argument``, the type given and
+    ``expected``, in words the user reads (``"partc.Constraints or None"``)."""
+    if isinstance(value, types):
+        return
+    got = "None" if value is None else type(value).__name__
+    shown = "" if value is None else f" {value!r:.60}"
+    raise ArgumentTypeError(f"{function}({argument}=...): expected {expected}, got "
+                            f"{got}{shown}" + (f"; {hint}" if hint else ""),
+                            argument=argument, expected=expected, got=got)

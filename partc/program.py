@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import re
 from dataclasses import dataclass, field
+from os import PathLike
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
@@ -14,11 +15,12 @@ from torch import nn
 from partc.codec import CodecError, check
 from partc.cost.schedules import stages_of_rank
 from partc.cost.timeline import plan_csv
-from partc.errors import PartcError, PlanFileError, PlanSchemaError
+from partc.errors import PartcError, PlanFileError, PlanSchemaError, check_argument
 from partc.passes.codegen import codegen
 from partc.passes.context import Lowering
 from partc.passes.pipeline import lower
 from partc.plan import Plan, plan_from_data
+from partc.planner.validate import field_conflicts
 from partc.problem import PlanningProblem
 from partc.report.text import render
 from partc.runtime import StageProgram, build, connect
@@ -111,7 +113,13 @@ class Program:
         it under ``partc.on_meta()``). Returns a ``partc.runtime.DistributedModule``.
         """
         self._need_model("build")
-        if isinstance(state_dict, (str, Path)):
+        check_argument("Program.build", "state_dict", state_dict,
+                       (Mapping, str, PathLike, type(None)),
+                       "a mapping of tensors by FQN, a checkpoint path (str or os.PathLike) "
+                       "or None")
+        check_argument("Program.build", "device", device, (torch.device, str, type(None)),
+                       "a torch.device, a device string ('cuda:0') or None")
+        if isinstance(state_dict, (str, PathLike)):
             state_dict = open_weights(state_dict)
         topology = connect(self.plan, self.model, self.loss_fn, device=device)
         plan = self.plan
@@ -132,8 +140,9 @@ class Program:
 
 
 def read_plan_file(path: str | Path) -> Plan:
-    """The plan in ``path``, its schema checked in full; :class:`PlanFileError` naming
-    the file and the field otherwise."""
+    """The plan in ``path``, its schema checked in full and its fields against each other
+    (:func:`partc.planner.validate.field_conflicts`); :class:`PlanFileError` naming the
+    file and the field otherwise."""
     path = Path(path)
     try:
         data = json.loads(path.read_text())
@@ -152,6 +161,12 @@ def read_plan_file(path: str | Path) -> Plan:
         section = re.match(r"plan section (\S+?):", str(error))
         raise PlanFileError(f"{path}: {error}", path=str(path),
                             field=section.group(1) if section else None) from None
+    conflicts = field_conflicts(plan)
+    if conflicts:
+        listed = "\n  ".join(f"{field}: {what}" for field, what in conflicts)
+        raise PlanFileError(f"{path}: fields that contradict each other (was it edited? "
+                            f"compile again rather than edit a plan):\n  {listed}",
+                            path=str(path), field=conflicts[0][0])
     return plan
 
 

@@ -4,7 +4,10 @@ The code is the stage's own fx-generated ``forward`` (what the runtime executes)
 each layer introduced by a comment line naming it and its recompute mode, the shapes of
 values as trailing comments, and the recomputed layers as nested modules called through
 ``checkpoint_layer``. Formatting is stable: the same plan and model give the same text,
-so the files can be diffed and kept as golden copies.
+so the files can be diffed and kept as golden copies. A file stays readable at scale:
+the header gives the stage's ranks as ranges (``0-1023``, ``3-1023 step 4``), and an FSDP
+unit that runs another unit's code (the like blocks of a transformer under ZeRO-3) is named
+under the first such unit instead of printed again.
 
 A stage file imports on its own and names only what it defines or imports (pyflakes
 finds no undefined name): lowering dropped export's metadata assertions and made device
@@ -20,6 +23,7 @@ from __future__ import annotations
 
 import ast
 import re
+import textwrap
 import types
 from typing import Any, Mapping, Sequence
 
@@ -31,7 +35,9 @@ from partc.cost.schedules import rank_of
 from partc.names import Phase
 from partc.passes.split import StageGraph
 from partc.placement import REPLICATE
+from partc.errors import PartcError
 from partc.plan import Plan
+from partc.safe_text import identifier, one_line
 from partc.units import format_bytes
 
 _NODE_LINE = re.compile(r"^(\s+)(\w+)(?::| =)")
@@ -41,6 +47,9 @@ _WRAP = re.compile(r'^\s*(torch\.fx\._symbolic_trace\.)?wrap\("\w+"\)$')
 _ANNOTATED = re.compile(r'^(\s+)(\w+): "([^"]*)" = (.*)$')
 _DEF = re.compile(r"^(\s*)def forward\(self((?:, \w+(?:: \"[^\"]*\")?)*)\):$")
 _PARAM = re.compile(r'(\w+)(?:: "([^"]*)")?')
+# fx names a class after the module's attribute (``0`` in an ``nn.Sequential``), which
+# need not be a Python identifier.
+_CLASS = re.compile(r"^(\s*)class (.+)\(torch\.nn\.Module\):$")
 # fx's own names for a few values, and how a file gets them (``torch.fx.graph``'s list)
 _FX_BUILTINS = {"inf": "inf = float('inf')", "nan": "nan = float('nan')",
                 "NoneType": "NoneType = type(None)", "device": "from torch import device",
@@ -64,9 +73,33 @@ def codegen(stage: StageGraph, plan: Plan,
     # fx prints a unit that is a direct child inside the stage's class; the others
     # (``blocks.3`` of a ModuleList) follow it.
     nested = [path for path in meta.fsdp_units(module) if "." in path]
-    body = "\n\n\n".join([body.rstrip(), *(_unit_source(module, path) for path in nested)])
-    return "\n".join(_header(stage, plan, shared or {}) + [""] + _imports(module, body) +
-                     ["", ""] + [body.rstrip(), ""])
+    body = "\n\n\n".join([body.rstrip(), *_units_source(module, nested)])
+    # Names the user chose (the model's, its modules') stay inside their comment lines.
+    header = [one_line(line) for line in _header(stage, plan, shared or {})]
+    source = "\n".join(header + [""] + _imports(module, body) + ["", ""] + [body.rstrip(), ""])
+    _check_only_definitions(source, stage.index)
+    return source
+
+
+def _check_only_definitions(source: str, index: int) -> None:
+    """Refuse source that would do anything at import but import and define: the
+    file is for reading, and a name that escaped its comment or string must not run."""
+    try:
+        tree = ast.parse(source)
+    except SyntaxError as error:
+        raise PartcError(f"the emitted code of stage {index} is not valid Python "
+                         f"(line {error.lineno}: {error.msg}); this is a partc bug: "
+                         "report it with the model's module names") from None
+    allowed = (ast.Import, ast.ImportFrom, ast.ClassDef)
+    for statement in tree.body:
+        fx_name = (isinstance(statement, ast.Assign) and len(statement.targets) == 1
+                   and isinstance(statement.targets[0], ast.Name)
+                   and statement.targets[0].id in _FX_BUILTINS)
+        if not isinstance(statement, allowed) and not fx_name:
+            raise PartcError(f"the emitted code of stage {index} would run line "
+                             f"{statement.lineno} at import ({ast.unparse(statement)[:60]!r}), "
+                             "not only define its classes; this is a partc bug: report it "
+                             "with the model's module names")
 
 
 def _tidy(module: fx.GraphModule) -> fx.GraphModule:
@@ -83,11 +116,50 @@ def _graph_modules(module: fx.GraphModule) -> list[fx.GraphModule]:
     return [m for m in module.modules() if isinstance(m, fx.GraphModule)]
 
 
-def _unit_source(module: fx.GraphModule, path: str) -> str:
+def _units_source(module: fx.GraphModule, paths: Sequence[str]) -> list[str]:
+    """Each distinct FSDP unit's code once: a unit whose code is another's but for its
+    values' names (the 79 blocks after a Llama's first) is named under the first unit
+    that runs that code, not printed again, so a stage file grows with the kinds of
+    layer it holds, not with their number."""
+    first_of: dict[str, str] = {}
+    same: dict[str, list[str]] = {}
+    for path in paths:
+        unit = module.get_submodule(path)
+        key = _canonical(unit, _plain_python(unit.print_readable(print_output=False)))
+        if key in first_of:
+            same[first_of[key]].append(path)
+        else:
+            first_of[key] = path
+            same[path] = []
+    return [_unit_source(module, path, same[path]) for path in same]
+
+
+_WORD = re.compile(r"(?<![\w.])[A-Za-z_]\w*")   # a name, not an attribute (".view")
+
+
+def _canonical(unit: fx.GraphModule, source: str) -> str:
+    """A unit's code with its values named by their order of appearance and its class
+    line left out: equal for units that run the same code on other parameters."""
+    names = {node.name for node in unit.graph.nodes}
+    order: dict[str, str] = {}
+    body = source.split("\n", 1)[1] if "\n" in source else ""
+    return _WORD.sub(lambda found: order.setdefault(found.group(), f"_v{len(order)}")
+                     if found.group() in names else found.group(), body)
+
+
+def _unit_source(module: fx.GraphModule, path: str, same: Sequence[str] = ()) -> str:
     """An FSDP unit's code (the stage calls it as a module at the layer's own path)."""
     unit = module.get_submodule(path)
-    return (f"# FSDP unit {path}: layer {path} with its own parameters, gathered over the "
-            "data-parallel group before it runs\n"
+    also = ""
+    if same:
+        count = f" ({len(same)})" if len(same) > 1 else ""
+        listed = textwrap.wrap(f"The same code runs as FSDP unit{'s' * (len(same) > 1)} "
+                               f"{one_line(name_runs(same))}{count}, each with its own "
+                               "parameters.", 96, break_long_words=False,
+                               break_on_hyphens=False)
+        also = "".join(f"# {line}\n" for line in listed)
+    return (f"# FSDP unit {one_line(path)}: layer {one_line(path)} with its own parameters, "
+            "gathered over the data-parallel group before it runs\n" + also
             + _plain_python(unit.print_readable(print_output=False)).rstrip())
 
 
@@ -101,7 +173,10 @@ def _plain_python(body: str) -> str:
         if not line.strip() and out and out[-1].lstrip().startswith("class "):
             continue
         annotated, signature = _ANNOTATED.match(line), _DEF.match(line)
-        if annotated:
+        named = _CLASS.match(line)
+        if named:
+            line = f"{named.group(1)}class {identifier(named.group(2))}(torch.nn.Module):"
+        elif annotated:
             indent, name, shape, value = annotated.groups()
             line = f"{indent}{name} = {value}  # {shape}"
         elif signature:
@@ -163,12 +238,13 @@ def _header(stage: StageGraph, plan: Plan, shared: Mapping[str, Sequence[int]]) 
         f" (model hash {plan.model.hash}). Do not edit: compile again.",
         "#",
         f"# {'Virtual stage' if plan.chunks > 1 else 'Stage'} {k} of {stage.num_stages} "
-        f"(pp index {r}), on rank{'s' * (len(ranks) > 1)} "
-        f"{', '.join(map(str, ranks))}.",
+        f"(pp index {r}), on rank{'s' * (len(ranks) > 1)} {rank_ranges(ranks)}"
+        f"{f' ({len(ranks):,} ranks)' if len(ranks) > 3 else ''}.",
+        *_group_lines(ranks, plan.dp, plan.tp),
         f"# Schedule: {plan.schedule}, {m} microbatch{'es' * (m > 1)} of {b} "
         f"(global batch {plan.global_batch_size}"
         f"{f' over {plan.dp} replicas' if plan.dp > 1 else ''}).",
-        f"# Layers: {', '.join(stage.layers)}.",
+        f"# Layers: {name_runs(stage.layers)}.",
         f"# Recompute: {', '.join(recomputed) if recomputed else 'none'}.",
     ]
     if k == 0:
@@ -212,6 +288,54 @@ def _header(stage: StageGraph, plan: Plan, shared: Mapping[str, Sequence[int]]) 
     return lines
 
 
+def rank_ranges(ranks: Sequence[int]) -> str:
+    """Sorted ranks as arithmetic runs, readable at any count: ``0-127`` (consecutive),
+    ``3-1023 step 4``, single ranks listed (``0, 1``); a run needs three ranks."""
+    parts, i = [], 0
+    while i < len(ranks):
+        end = i
+        if i + 2 < len(ranks):
+            stride = ranks[i + 1] - ranks[i]
+            while end + 1 < len(ranks) and ranks[end + 1] - ranks[end] == stride:
+                end += 1
+        if end - i >= 2:
+            parts.append(f"{ranks[i]}-{ranks[end]}" + (f" step {stride}" if stride != 1 else ""))
+            i = end + 1
+        else:
+            parts.append(str(ranks[i]))
+            i += 1
+    return ", ".join(parts)
+
+
+_NUMBERED = re.compile(r"^(.*?)(\d+)$")
+
+
+def name_runs(names: Sequence[str]) -> str:
+    """Names in order, numbered runs shortened: ``model.layers.0 .. model.layers.79``
+    for three or more names that differ only in a number counting up by one."""
+    parts, i = [], 0
+    while i < len(names):
+        found, end = _NUMBERED.match(names[i]), i
+        if found:
+            prefix, number = found.group(1), int(found.group(2))
+            while end + 1 < len(names) and names[end + 1] == f"{prefix}{number + end + 1 - i}":
+                end += 1
+        parts.append(f"{names[i]} .. {names[end]}" if end - i >= 2 else names[i])
+        i = end + 1 if end - i >= 2 else i + 1
+    return ", ".join(parts)
+
+
+def _group_lines(ranks: Sequence[int], dp: int, tp: int) -> list[str]:
+    """Which of the stage's ranks meet in which group, when it has both kinds (ranks
+    are numbered (pp index x dp + replica) x tp + tp rank)."""
+    if dp == 1 or tp == 1:
+        return []
+    first = ranks[0]
+    return [f"# Groups: tensor parallel, {tp} consecutive ranks ({rank_ranges(ranks[:tp])}, "
+            f"...); data parallel, the {dp} ranks of one tp rank "
+            f"({rank_ranges(range(first, first + dp * tp, tp))}, ...)."]
+
+
 def _outputs(module: fx.GraphModule, names: Sequence[str]) -> dict[str, fx.Node]:
     """The stage's returned nodes under the names of the values they send (a recomputed
     layer's output is read back through a ``getitem`` of another name)."""
@@ -249,7 +373,7 @@ def _annotate_layers(body: str, module: fx.GraphModule, modes: Mapping[str, str]
             if name != current:
                 mode = modes.get(name, "none")
                 note = f" (recompute: {mode})" if mode != "none" else ""
-                out.append(f"{found.group(1)}# layer {name}{note}")
+                out.append(f"{found.group(1)}# layer {one_line(name)}{note}")
                 current = name
         out.append(line.rstrip())
     return "\n".join(out)

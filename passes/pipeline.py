@@ -18,12 +18,13 @@ next one runs.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import os
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 from torch import fx, nn
@@ -53,6 +54,8 @@ from partc.passes.trace import trace
 from partc.problem import ModelAnalysis, TPOption
 
 log = logging.getLogger("partc")
+# The logger of torch's fake tensors (torch/_subclasses/fake_tensor.py)
+FAKE_TENSOR_LOGGER = "torch._subclasses.fake_tensor"
 
 Transform = Callable[[fx.GraphModule, Context], fx.GraphModule]
 
@@ -167,14 +170,49 @@ def run_passes(passes: Sequence[Pass], gm: fx.GraphModule, ctx: Context) -> fx.G
 
 
 def named(pass_name: str, thunk: Callable[[], Any]) -> Any:
-    """``thunk()``, with a note on any exception naming the pass and the node it was at."""
+    """``thunk()``, with a note on any exception naming the pass and the node it was at;
+    torch's fake-tensor error logs held to debug meanwhile (:func:`fake_errors_at_debug`)."""
     try:
-        return thunk()
+        with fake_errors_at_debug():
+            return thunk()
     except Exception as error:
         node = _failing_node(error)
         where = f" at node {node.name!r} ({node.format_node()})" if node is not None else ""
         error.add_note(f"partc: raised in pass {pass_name!r}{where}")
         raise
+
+
+class _FakeErrorsAtDebug(logging.Filter):
+    """Drops torch's fake-tensor error records, logging each at debug under partc's
+    logger instead."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.levelno < logging.ERROR:
+            return True
+        failure = record.exc_info[1] if record.exc_info else None
+        log.debug("torch's fake tensors: %s%s", record.getMessage(),
+                  f" ({type(failure).__name__}: {failure})" if failure is not None else "")
+        return False
+
+
+@contextlib.contextmanager
+def fake_errors_at_debug() -> Iterator[None]:
+    """Within: torch's fake tensors log a meta kernel's failure at debug, not as an error.
+
+    An op that fails on fake tensors (``torch._grouped_mm`` on float32: "Expected inputs
+    of BF16 type") is logged by torch at error level with its traceback, and raised. A
+    model may catch that and run another way, and partc's passes turn what they do not
+    handle into an error of their own: either way the log line, which a user reads as
+    the run failing, says nothing the run does not. Scoped to partc's passes (the
+    filter is removed on the way out), so the user's own fake-tensor work logs as
+    torch does."""
+    fake_log = logging.getLogger(FAKE_TENSOR_LOGGER)
+    quiet = _FakeErrorsAtDebug()
+    fake_log.addFilter(quiet)
+    try:
+        yield
+    finally:
+        fake_log.removeFilter(quiet)
 
 
 def _failing_node(error: BaseException) -> fx.Node | None:

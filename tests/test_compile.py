@@ -375,3 +375,47 @@ def test_data_dependent_experts_loop_is_refused_by_compile_naming_op_and_module(
         partc.compile(models.ListMoEModel(dispatch="indexed"), ids, loss_fn=models.token_loss,
                       example_target=ids, budget=partc.DeviceBudget(num_devices=2, device="CPU"),
                       train=partc.TrainSpec(global_batch_size=8))
+
+
+WRONG_ARGUMENTS = [
+    # (call, argument, type given, words of the type expected)
+    (dict(constraints={"pp": 2}), "constraints", "dict", "partc.Constraints or None"),
+    (dict(budget=None), "budget", "None", "partc.DeviceBudget"),
+    (dict(train={"global_batch_size": 2}), "train", "dict", "partc.TrainSpec or None"),
+    (dict(options=5), "options", "int", "partc.PlannerOptions or None"),
+    (dict(name=3), "name", "int", "a str or None"),
+    (dict(cache="here"), "cache", "str", "partc.PlanCache or None"),
+    (dict(loss_fn="mse"), "loss_fn", "str", "a callable"),
+    (dict(model=torch.zeros(2)), "model", "Tensor", "a torch.nn.Module"),
+]
+
+
+@pytest.mark.parametrize("change, argument, got, expected", WRONG_ARGUMENTS,
+                         ids=[case[1] for case in WRONG_ARGUMENTS])
+def test_a_wrong_argument_type_is_named_before_anything_runs(change, argument, got,
+                                                             expected):
+    arguments = dict(model=torch.nn.Linear(4, 4), example_inputs=(torch.zeros(2, 4),),
+                     budget=partc.DeviceBudget(num_devices=2, device="CPU"), **{})
+    arguments.update(change)
+    with pytest.raises(partc.ArgumentTypeError) as refused:
+        partc.compile(arguments.pop("model"), arguments.pop("example_inputs"), **arguments)
+    error = refused.value
+    assert isinstance(error, TypeError) and isinstance(error, partc.PartcError)
+    assert (error.argument, error.got) == (argument, got)
+    assert f"partc.compile({argument}=...)" in str(error) and expected in str(error)
+
+
+def test_load_and_build_name_a_wrong_argument_type(tmp_path):
+    model = torch.nn.Linear(4, 4)
+    with pytest.raises(partc.ArgumentTypeError, match=r"partc.load\(directory=...\)"):
+        partc.load(3, model)
+    with pytest.raises(partc.ArgumentTypeError, match=r"partc.load\(model=...\): expected "
+                                                      r"a torch.nn.Module, got dict"):
+        partc.load(tmp_path, {"weight": torch.zeros(4, 4)})
+    from tests.test_report import _plan
+
+    program = partc.Program(plan=_plan(), model=model)
+    with pytest.raises(partc.ArgumentTypeError, match=r"Program.build\(state_dict=...\)"):
+        program.build(state_dict=[torch.zeros(4, 4)])
+    with pytest.raises(partc.ArgumentTypeError, match=r"Program.build\(device=...\)"):
+        program.build(device=0)

@@ -15,11 +15,12 @@ from partc.codec import check
 from partc.compiler import plan_problem
 from partc.cost.pipeline_config import PipelineConfig
 from partc.device.figures import DeviceFigures
-from partc.errors import PlanSchemaError
+from partc.errors import PlanFileError, PlanSchemaError
 from partc.placement import REPLICATE, Placement
 from partc.plan import (DECIDED, NOT_DECIDED, SCHEMA_VERSION, BudgetInfo, Mesh, ModelInfo,
                         P2PMessages, Plan, Predicted, StageMemory, StageTime,
                         TensorParallelPlan, migrate_v1)
+from partc.planner.validate import field_conflicts
 from partc.program import read_plan_file
 from partc.problem import Precision, effective_zero_stage
 from partc.runtime.precision import compute_dtype
@@ -254,3 +255,43 @@ def test_placements_are_typed(programs):
     assert plan.to_dict()["tensor_parallel"]["params"][fqn] == str(placement)
     assert programs["pp2"].plan.tensor_parallel is None
     assert programs["pp2"].plan.to_dict()["tensor_parallel"] == {}
+
+
+def _edit(data: dict, change) -> dict:
+    data = json.loads(json.dumps(data))
+    change(data)
+    return data
+
+
+EDITS = {
+    # a stage's layers contradicting its runs (what lowering reads)
+    "stages[0].layers": lambda d: d["stages"][0].update(
+        layers=d["stages"][0]["layers"][::-1]),
+    "zero_stage": lambda d: d.update(zero_stage=1),                         # with dp=1
+    "zero2_grad_sync": lambda d: d.update(zero2_grad_sync="step"),          # not ZeRO-2
+    "stages[1].index": lambda d: d["stages"][1].update(index=0),
+    "stages[0].recompute": lambda d: d["stages"][0]["recompute"].popitem(),
+    "model.num_layers": lambda d: d["model"].update(num_layers=d["model"]["num_layers"] + 1),
+    "train.global_batch_size": lambda d: d["train"].update(global_batch_size=16),
+    "mesh": lambda d: d["budget"].update(num_devices=4),
+}
+
+
+@pytest.mark.parametrize("field", sorted(EDITS))
+def test_fields_that_contradict_each_other_are_refused_naming_the_field(programs, tmp_path,
+                                                                         field):
+    plan = programs["interleaved"].plan
+    assert plan.chunks == 2 and plan.dp == 1
+    path = tmp_path / "plan.json"
+    path.write_text(json.dumps(_edit(plan.to_dict(), EDITS[field])))
+    with pytest.raises(PlanFileError) as refused:
+        read_plan_file(path)
+    assert refused.value.field == field and "contradict" in str(refused.value)
+
+
+def test_plans_the_planner_writes_agree_with_themselves(programs):
+    for program in programs.values():
+        assert field_conflicts(program.plan) == []
+    # ZeRO pinned, one replica chosen: the plan records what runs (no ZeRO).
+    pinned = _compile(2, dict(pp=2, zero_stage=1), torch.float32)
+    assert pinned.plan.dp == 1 and pinned.plan.zero_stage == 0

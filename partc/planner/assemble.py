@@ -13,7 +13,7 @@ from partc.plan import (Alternative, BudgetInfo, InputSpec, Mesh, MeshOutcome, M
                         P2PMessages, Plan, Predicted, SolverStats, StagePlan, StageTime,
                         TensorParallelPlan, TPCollective)
 from partc.planner.expert_parallel import expert_parallel_section
-from partc.problem import PlanningProblem
+from partc.problem import ZERO2_GRAD_SYNCS, PlanningProblem, effective_zero_stage
 from partc.spec import TrainSpec
 
 if TYPE_CHECKING:     # the planner needs OR-Tools; assembling a plan does not
@@ -114,8 +114,12 @@ def make_plan(problem: PlanningProblem, config: PipelineConfig, evaluation: Eval
         schedule=Schedule(config.schedule),
         num_microbatches=config.num_microbatches,
         micro_batch_size=config.micro_batch_size,
-        zero_stage=config.zero_stage,
-        zero2_grad_sync=config.zero2_grad_sync,
+        # What runs: no ZeRO without replicas to shard over, no once-per-step sync but
+        # ZeRO-2's (a pin of either holds for every mesh the search tries).
+        zero_stage=effective_zero_stage(config.zero_stage, config.dp),
+        zero2_grad_sync=(config.zero2_grad_sync
+                         if effective_zero_stage(config.zero_stage, config.dp) == 2
+                         else ZERO2_GRAD_SYNCS[0]),
         stages=stage_plans(local, config, evaluation, modes),
         predicted=predicted(problem, config, evaluation),
         solver=solver,

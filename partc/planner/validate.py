@@ -17,7 +17,7 @@ from partc.cost.tables import build_cost_table
 from partc.errors import PlanValidationError
 from partc.plan import Plan
 from partc.planner.expert_parallel import expert_parallel_section
-from partc.problem import ZERO2_GRAD_SYNCS, PlanningProblem
+from partc.problem import ZERO2_GRAD_SYNCS, PlanningProblem, effective_zero_stage
 from partc.spec import SCHEDULES
 
 
@@ -100,8 +100,13 @@ def _pins(problem: PlanningProblem, plan: Plan, errors: list[str]) -> None:
               "micro_batch_size": (pins.micro_batch_size, plan.micro_batch_size),
               "schedule": (pins.schedule, plan.schedule),
               "virtual_stages": (pins.virtual_stages, plan.chunks),
-              "zero_stage": (pins.zero_stage, plan.zero_stage),
-              "zero2_grad_sync": (pins.zero2_grad_sync, plan.zero2_grad_sync)}
+              # A pinned ZeRO stage is what runs where there are replicas to shard
+              # over; a pinned gradient sync where ZeRO-2 runs (the plan records both so).
+              "zero_stage": (None if pins.zero_stage is None
+                             else effective_zero_stage(pins.zero_stage, plan.dp),
+                             plan.zero_stage),
+              "zero2_grad_sync": (pins.zero2_grad_sync if plan.effective_zero_stage == 2
+                                  else None, plan.zero2_grad_sync)}
     for name, (pinned, actual) in checks.items():
         if pinned is not None and pinned != actual:
             errors.append(f"{name} pinned to {pinned}, plan has {actual}")
@@ -214,9 +219,77 @@ def _experts(problem: PlanningProblem, plan: Plan, errors: list[str]) -> None:
                           f"balanced routing, above the {bound}x assumed")
 
 
+def field_conflicts(plan: Plan) -> list[tuple[str, str]]:
+    """The plan's fields that contradict each other, as (field, what is wrong): what a
+    plan says twice must agree, whatever the model. Needs no problem, so that
+    ``partc.load`` refuses an edited plan.json naming the field before it measures the
+    model (:func:`partc.program.read_plan_file`)."""
+    found: list[tuple[str, str]] = []
+    mesh = plan.mesh
+    for axis in ("pp", "dp", "tp", "ep"):
+        if getattr(mesh, axis) < 1:
+            found.append((f"mesh.{axis}", f"{getattr(mesh, axis)}: a mesh axis is at least 1"))
+    if mesh.size != plan.budget.num_devices:
+        found.append(("mesh", f"{mesh} uses {mesh.size} devices, the budget has "
+                              f"{plan.budget.num_devices}"))
+    if plan.zero_stage not in (0, 1, 2, 3):
+        found.append(("zero_stage", f"{plan.zero_stage}: one of 0, 1, 2, 3"))
+    elif plan.zero_stage and mesh.dp == 1:
+        found.append(("zero_stage", f"ZeRO-{plan.zero_stage} with mesh.dp=1: there is no "
+                                    "data-parallel replica to shard over (0 runs)"))
+    if plan.zero2_grad_sync == "step" and plan.effective_zero_stage != 2:
+        found.append(("zero2_grad_sync", f"'step' is ZeRO-2's, the plan runs "
+                                         f"ZeRO-{plan.effective_zero_stage}"))
+    if plan.num_microbatches < 1 or plan.micro_batch_size < 1:
+        found.append(("num_microbatches" if plan.num_microbatches < 1 else "micro_batch_size",
+                      "at least 1"))
+    elif plan.train.global_batch_size != plan.global_batch_size:
+        found.append(("train.global_batch_size",
+                      f"{plan.train.global_batch_size}, but dp x micro_batch_size x "
+                      f"num_microbatches = {plan.global_batch_size}"))
+    found += _stage_conflicts(plan)
+    section = plan.tensor_parallel
+    if (section.degree if section is not None else 1) != mesh.tp:
+        found.append(("tensor_parallel", f"degree {section.degree if section else 1} "
+                                         f"(none written: 1), mesh.tp={mesh.tp}"))
+    experts = plan.expert_parallel
+    if (experts.ep if experts is not None else 1) != mesh.ep:
+        found.append(("expert_parallel", f"ep {experts.ep if experts else 1} (none "
+                                         f"written: 1), mesh.ep={mesh.ep}"))
+    return found
+
+
+def _stage_conflicts(plan: Plan) -> list[tuple[str, str]]:
+    """Each stage's index, layers, recompute modes and runs against each other."""
+    found: list[tuple[str, str]] = []
+    if len(plan.stages) != plan.mesh.pp:
+        found.append(("stages", f"{len(plan.stages)} stages, mesh.pp={plan.mesh.pp}"))
+    chunks = {len(stage.runs) for stage in plan.stages}
+    if len(chunks) > 1:
+        found.append(("stages", f"runs per stage differ: {[len(s.runs) for s in plan.stages]}"))
+    for k, stage in enumerate(plan.stages):
+        where = f"stages[{k}]"
+        if stage.index != k:
+            found.append((f"{where}.index", f"{stage.index}, at position {k}"))
+        if stage.runs and tuple(n for run in stage.runs for n in run) != stage.layers:
+            found.append((f"{where}.layers", f"{list(stage.layers)}, its runs hold "
+                                             f"{[list(run) for run in stage.runs]}"))
+        if set(stage.recompute) != set(stage.layers):
+            found.append((f"{where}.recompute", f"modes for {sorted(stage.recompute)}, "
+                                                f"the stage's layers are {list(stage.layers)}"))
+    names = [name for stage in plan.stages for name in stage.layers]   # not plan.runs,
+    # which reads the stages' indices
+    if len(set(names)) != len(names):
+        found.append(("stages", "a layer is in more than one stage or run"))
+    if plan.model.num_layers != len(names):
+        found.append(("model.num_layers", f"{plan.model.num_layers}, the stages hold "
+                                          f"{len(names)} layers"))
+    return found
+
+
 def validate_plan(problem: PlanningProblem, plan: Plan) -> Evaluation:
     """Raise PlanValidationError listing every violation; return the re-evaluation."""
-    errors: list[str] = []
+    errors: list[str] = [f"{field}: {what}" for field, what in field_conflicts(plan)]
     _structure(problem, plan, errors)
     _modes(problem, plan, errors)
     _pins(problem, plan, errors)

@@ -15,6 +15,7 @@ for one self-contained page with pictures.
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 
 from partc.cli.choices import REPORT_FORMATS
@@ -23,6 +24,7 @@ from partc.cost.timeline import Timeline, simulate, text_lines
 from partc.names import Outcome, Phase
 from partc.placement import REPLICATE
 from partc.plan import MeshOutcome, Plan
+from partc.safe_text import one_line
 from partc.units import format_bytes, format_count, format_seconds
 
 FORMATS = REPORT_FORMATS
@@ -45,10 +47,25 @@ def readable(n: float) -> str:
     return f"{n:.3g}"
 
 
+# Markdown's inline syntax: ``<`` opens raw HTML and autolinks, ``[`` ``]`` links,
+# `` ` `` code, ``*`` ``~`` emphasis, ``|`` a table cell, ``\`` an escape; ``_`` only where
+# it can open or close emphasis (not inside a word, as in ``tok_emb``).
+_MARKDOWN = re.compile(r"[\\`*~\[\]<|]|(?<![A-Za-z0-9])_|_(?![A-Za-z0-9])")
+
+
+def markdown_text(text: str) -> str:
+    """``text`` as Markdown that renders it literally: on one line, every character of
+    Markdown's inline syntax backslash-escaped, so a name such as ``<img src=x>`` or
+    ``a|b`` is shown as written, never as raw HTML, a link or a table cell."""
+    return _MARKDOWN.sub(lambda found: "\\" + found.group(), one_line(text))
+
+
 def _table(header: list[str], rows: list[list[str]], markdown: bool) -> list[str]:
     if markdown:
-        lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-        return lines + ["| " + " | ".join(row) + " |" for row in rows]
+        lines = ["| " + " | ".join(map(markdown_text, header)) + " |",
+                 "|" + "---|" * len(header)]
+        return lines + ["| " + " | ".join(map(markdown_text, row)) + " |" for row in rows]
+    header, rows = list(map(one_line, header)), [list(map(one_line, r)) for r in rows]
     widths = [max(len(str(c)) for c in col) for col in zip(header, *rows)]
     fmt = "  ".join(f"{{:<{w}}}" for w in widths)
     return [fmt.format(*header), fmt.format(*("-" * w for w in widths))] + [
@@ -603,22 +620,28 @@ _TEXT_TITLES = {"Against the obvious alternatives": "Alternatives"}
 
 
 def _lay_out(section: Section, md: bool) -> list[str]:
+    """One section's lines. Every line may carry a name the user chose (the model's, a
+    layer's): in markdown each is escaped (:func:`markdown_text`), in text each is kept
+    on its line (:func:`partc.safe_text.one_line`)."""
     out = []
+    escape = markdown_text if md else one_line
     if section.title is not None:
         title = section.title if md else _TEXT_TITLES.get(section.title, section.title)
         out += ["", f"## {title}" if md else f"{title}:", ""]
     else:
         out += [""] if section.key != "plan" else []
-    out += [("- " if md else "") + line for line in section.bullets]
-    out += list(section.notes)
+    out += [("- " if md else "") + escape(line) for line in section.bullets]
+    out += [escape(line) for line in section.notes]
     if section.preformatted:
-        block = list(section.preformatted)
+        block = [one_line(line) for line in section.preformatted]
         out += [""] + (["```", *block, "```"] if md else block)
     if section.header:
         out += ([""] if section.bullets or section.notes else [])
         out += _table(list(section.header), [list(r) for r in section.rows], md)
     if section.after:
-        out += [""] + list(section.after)
+        # "- " opens a bullet of the alternatives' list: markup of the report's own.
+        out += [""] + [("- " + escape(line[2:])) if md and line.startswith("- ")
+                       else escape(line) for line in section.after]
     return out
 
 

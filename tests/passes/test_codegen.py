@@ -199,3 +199,68 @@ def test_exported_model_reads_the_device_of_its_input(emitted):
     assert "# layer model.layers.0" in first and "# layer model.rotary_emb" in first
     for source in code.values():
         assert undefined_names(source) == set()
+
+
+def test_user_names_cannot_write_live_code():
+    """A model name with a newline stays inside the header's comment, and a layer named
+    as nn.Sequential names them ("0") gets a class name Python accepts."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 8))
+    x = torch.randn(4, 8)
+    program = partc.compile(model, (x,), loss_fn=lambda out, target: out.pow(2).mean(),
+                            example_target=x, name="odd\nimport os  # <b>",
+                            budget=partc.DeviceBudget(num_devices=2, device="CPU"),
+                            train=partc.TrainSpec(global_batch_size=4),
+                            constraints=partc.Constraints(dp=2, zero_stage=3))
+    source = program.code()["stage_0.py"]
+    assert "for odd\\nimport os  # <b> (model hash" in source
+    assert "\nimport os" not in source and "class _0(torch.nn.Module):" in source
+    tree = ast.parse(source)
+    assert {type(s).__name__ for s in tree.body} <= {"Import", "ImportFrom", "ClassDef",
+                                                     "Assign"}
+    assert undefined_names(source) == set()
+
+
+def test_emitted_code_that_would_run_is_refused():
+    from passes.codegen import _check_only_definitions
+
+    _check_only_definitions("import torch\ninf = float('inf')\nclass A:\n    pass\n", 0)
+    with pytest.raises(partc.PartcError, match="stage 3 would run line 2 at import"):
+        _check_only_definitions("import torch\nimport os; os.getcwd()\n", 3)
+    with pytest.raises(partc.PartcError, match="stage 1 is not valid Python"):
+        _check_only_definitions("class 0(torch.nn.Module):\n    pass\n", 1)
+
+
+def test_rank_ranges_read_at_any_count():
+    from passes.codegen import _group_lines, name_runs, rank_ranges
+
+    assert rank_ranges([0, 1]) == "0, 1"
+    assert rank_ranges(list(range(1024))) == "0-1023"
+    assert rank_ranges(list(range(3, 1024, 4))) == "3-1023 step 4"
+    assert rank_ranges([0, 1, 2, 5, 9, 13, 20]) == "0-2, 5-13 step 4, 20"
+    assert _group_lines(list(range(128, 256)), dp=16, tp=8) == [
+        "# Groups: tensor parallel, 8 consecutive ranks (128-135, ...); data parallel, "
+        "the 16 ranks of one tp rank (128-248 step 8, ...)."]
+    assert name_runs(["embed", "layers.0", "layers.1", "layers.2", "norm"]) == \
+        "embed, layers.0 .. layers.2, norm"
+    assert name_runs(["blocks.0", "blocks.1", "l1", "l3"]) == "blocks.0, blocks.1, l1, l3"
+
+
+def test_a_large_plan_emits_short_files():
+    """1,024 ranks in the header as one range; six like blocks under ZeRO-3 printed once."""
+    torch.manual_seed(0)
+    model = gpt_tiny(n_layer=6)
+    ids, targets = example_inputs(model, batch=1024, seq=16)
+    program = partc.compile(model, (ids,), loss_fn=loss_fn, example_target=targets,
+                            budget=partc.DeviceBudget(num_devices=1024, device="CPU"),
+                            train=partc.TrainSpec(global_batch_size=1024),
+                            constraints=partc.Constraints(pp=1, dp=1024, zero_stage=3))
+    source = program.code()["stage_0.py"]
+    assert "on ranks 0-1023 (1,024 ranks)." in source
+    assert max(len(line) for line in source.splitlines()[:20]) < 200
+    assert source.count("class blocks_") == 1
+    assert "# Layers: tok_emb, pos_emb, drop, blocks.0 .. blocks.5, ln_f, lm_head, loss." \
+        in source
+    assert "# The same code runs as FSDP units blocks.1 .. blocks.5 (5), each with its own " \
+           "parameters.\nclass blocks_0(torch.nn.Module):" in source
+    assert undefined_names(source) == set()

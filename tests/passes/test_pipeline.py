@@ -1,14 +1,16 @@
 """analyze() on real models: layer names, signatures, parameter counts and FLOPs; and the
 pass runner on a tiny hand-built graph: timed, named in errors, verified."""
 
+import logging
 import os
 
 import pytest
 import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
 
 from partc import meta
 from partc.passes import analyze
-from partc.passes.pipeline import Pass, run_pass
+from partc.passes.pipeline import FAKE_TENSOR_LOGGER, Pass, named, run_pass
 from partc.identity import model_hash
 from samples.gpt import gpt_small, gpt_tiny, loss_fn
 from tests import models
@@ -180,3 +182,48 @@ def test_verify_catches_a_pass_that_breaks_an_invariant(monkeypatch):
     assert run_pass(broken, gm, context(model, (tokens(),), target=target)) is gm
     assert [n.name for n in gm.graph.nodes][:4] == ["tokens", "embed_weight", "embedding",
                                                     "target"]
+
+
+class _Records(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.DEBUG)
+        self.records: list[logging.LogRecord] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.records.append(record)
+
+
+def _failing_meta_kernel() -> None:
+    """An op whose meta kernel refuses float32 (torch logs that at error level)."""
+    with FakeTensorMode():
+        torch._grouped_mm(torch.randn(8, 16), torch.randn(2, 16, 4),
+                          torch.tensor([4, 8], dtype=torch.int32))
+
+
+def test_fake_tensor_error_logs_are_debug_inside_passes_only():
+    fake_log, partc_log = logging.getLogger(FAKE_TENSOR_LOGGER), logging.getLogger("partc")
+    seen, debug = _Records(), _Records()
+    fake_log.addHandler(seen)
+    partc_log.addHandler(debug)
+    level = partc_log.level
+    partc_log.setLevel(logging.DEBUG)
+    filters = list(fake_log.filters)
+    try:
+        with pytest.raises(RuntimeError, match="Expected inputs of BF16 type"):
+            _failing_meta_kernel()
+        assert [r.levelno for r in seen.records] == [logging.ERROR]   # torch's own way
+        seen.records.clear()
+        with pytest.raises(RuntimeError, match="BF16") as raised:
+            named("estimate", _failing_meta_kernel)
+        assert seen.records == []          # no error-level line for the user to read
+        assert "partc: raised in pass 'estimate'" in raised.value.__notes__[0]
+        assert any("Expected inputs of BF16 type" in r.getMessage()
+                   and r.levelno == logging.DEBUG for r in debug.records)
+        assert fake_log.filters == filters   # restored on the way out
+        with pytest.raises(RuntimeError):
+            _failing_meta_kernel()
+        assert [r.levelno for r in seen.records] == [logging.ERROR]
+    finally:
+        fake_log.removeHandler(seen)
+        partc_log.removeHandler(debug)
+        partc_log.setLevel(level)
