@@ -106,7 +106,7 @@ def test_flags_reach_the_pins_and_the_budget():
         stages=(("a", "b"), ("c",)), recompute={"a": "full", "c": "selective"},
         num_microbatches=4, micro_batch_size=2, schedule="gpipe", zero_stage=1)
     assert _constraints(_args("--devices", "2", "--recompute", "full")).recompute == "full"
-    budget = _budget(_args("--devices", "2", "--device", "a100", "--memory", "40GiB,40GB",
+    budget = _budget(_args("--devices", "2", "--device", "a100-80gb", "--memory", "40GiB,40GB",
                            "--hbm-bandwidth", "1TB/s", "--peak-tflops", "100",
                            "--link-latency", "1e-5"))
     assert budget.device == "A100-80GB" and budget.memory_bytes == (40 * 2**30, 40 * 10**9)
@@ -116,6 +116,7 @@ def test_flags_reach_the_pins_and_the_budget():
 
 @pytest.mark.parametrize("argv, says", [
     (["--device", "H100-80G"], "did you mean 'H100-80GB'"),
+    (["--device", "a100"], "a100 is ambiguous: A100-40GB, A100-80GB"),
     (["--memory", "40G"], "'40G' is ambiguous: write '40GiB'"),
     (["--memory", "40Gb"], "reads as bits"),
     (["--memory", "40GiB,40GiB,40GiB"], "3 sizes for 2 devices"),

@@ -65,7 +65,7 @@ def test_the_plan_flags_are_partc_plans():
     argv = ["--pp", "2", "--dp", "2", "--no-sequence-parallel", "--tp-objective", "memory",
             "--stage", "a,b", "--stage", "c", "--recompute-layer", "a=full",
             "--microbatches", "4", "--micro-batch", "2", "--schedule", "gpipe", "--zero", "1",
-            "--memory", "40GiB,40GB", "--hbm-bandwidth", "1TB/s", "--device", "a100"]
+            "--memory", "40GiB,40GB", "--hbm-bandwidth", "1TB/s", "--device", "a100-80gb"]
     config = parse_config([f"{__file__}:never", "--steps", "1", *argv])
     budget, constraints = launcher.check(config, 2)
     args = _parser().parse_args(["plan", "m.py:f", "--devices", "2", *argv])
