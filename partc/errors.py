@@ -88,3 +88,10 @@ class NonFiniteError(PartcError):
         self.stages = stages
         self.ranks = ranks
         self.parameters = parameters
+
+
+class FactoryError(PartcError):
+    """The user's factory, or a function it returned (``data(step)``, ``eval_data``),
+    raised or returned what partc cannot use. The message names the function, the step
+    and the exception with the file and line it came from; ``__cause__`` is the
+    exception."""

@@ -262,3 +262,27 @@ def test_train_goes_to_the_launcher(monkeypatch, capsys):
     monkeypatch.setitem(sys.modules, "partc.cli.launcher", None)   # as if it were missing
     assert main(["train", "--help"]) == 2
     assert "has no launcher" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("command", ["plan", "train"])
+def test_help_is_short_with_examples_and_help_all_has_every_flag(capsys, command):
+    """``--help``: the common flags and examples, in under 80 lines; ``--help-all``: every
+    flag, each cost-model figure's among them. Every flag parses either way."""
+    def shown(flag: str) -> str:
+        if command == "train":
+            assert main(["train", flag]) == 0
+        else:
+            with pytest.raises(SystemExit) as done:
+                main([command, flag])
+            assert done.value.code == 0
+        return capsys.readouterr().out
+
+    short, everything = shown("--help"), shown("--help-all")
+    assert len(short.splitlines()) < 80 and "examples:" in short and "--help-all" in short
+    figures = [flag for name, flag in BUDGET_FLAGS.items()
+               if name not in ("num_devices", "device", "profile", "memory")]
+    assert not [flag for flag in figures if flag in short]
+    assert not [flag for flag in figures if flag not in everything]
+    default = "default CPU where torch sees no GPU" if command == "train" else \
+        "default H100-80GB"
+    assert default in short and default in everything
