@@ -83,10 +83,10 @@ PLAN_COMMON = frozenset({
 PLAN_EXAMPLES = """\
 examples:
   partc plan samples/gpt.py:factory --devices 2 --device CPU --memory 10MiB
-  partc plan samples/plan_llama.py:workload --devices 64 --device H100-80GB --dtype bf16 \\
+  partc plan samples/plan_llama.py:workload --devices 8 --device H100-80GB \\
       --out out/llama                # plan.json, report.md and each stage's code
-  partc plan samples/gpt.py:workload --devices 8 --device A100-40GB --tp 2 --zero 1 \\
-      --report html --out out/gpt    # pin what you know, the planner does the rest
+  partc plan samples/gpt.py:factory --devices 4 --device CPU --memory 10MiB --pp 2 \\
+      --zero 1 --report html --out out/gpt   # pin what you know; the planner does the rest
 
 Sizes and rates take a unit: 40GiB (binary) or 40GB (decimal), 900GB/s. --help-all: every
 flag, with each cost-model figure of the device (a preset's or a profile's) it overrides."""
