@@ -121,3 +121,35 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+@pytest.mark.parametrize("exitcode, status, says", [
+    (6, 6, ""),                                    # the rank said why
+    (-9, 137, "partc train: rank 1 was killed by SIGKILL (pid 42; SIGKILL is often the "
+              "out-of-memory killer) [exit 137]\n")])
+def test_the_standalone_launch_ends_with_the_failing_ranks_status(monkeypatch, capsys,
+                                                                   exitcode, status, says):
+    """``--nproc-per-node``: torchrun's launch in this process; its failure report becomes
+    the first failing rank's exit status, and a line only where the rank could say
+    nothing (killed by a signal)."""
+    import torch.distributed.run as torchrun
+    from torch.distributed.elastic.multiprocessing.errors import (ChildFailedError,
+                                                                  ProcessFailure)
+
+    from partc.cli import standalone
+
+    def failed(args):
+        assert args.standalone and args.nproc_per_node == "2"
+        assert args.training_script_args == ["train", "m.py:f", "--steps", "1"]
+        raise ChildFailedError("partc", {1: ProcessFailure(local_rank=1, pid=42,
+                                                           exitcode=exitcode,
+                                                           error_file="<N/A>")})
+
+    monkeypatch.setattr(torchrun, "run", failed)
+    assert standalone.launch(2, ["m.py:f", "--steps", "1"]) == status
+    assert capsys.readouterr().err == says
+
+
+def test_each_rank_is_started_without_the_launch_flag():
+    argv = ["m.py:f", "--nproc-per-node", "2", "--steps", "3", "--nproc-per-node=2", "-q"]
+    assert launcher._without_nproc(argv) == ["m.py:f", "--steps", "3", "-q"]

@@ -68,6 +68,15 @@ strings, ``memory = "10MiB"``; a repeatable flag as a list, ``stage = ["a,b", "c
 ``zero = 1``); each value is read as its flag is, flags given on the command line win
 over the file, and an unknown key is refused.
 
+A failure ends the run with one line on stderr, from the first rank to fail, and an exit
+status that says what kind of failure it was (partc/cli/failures.py: 2 bad input, 3 no
+plan, 4 plan mismatch, 5 non-finite, 6 checkpoint, 75 hang, 1 a bug); what the factory
+or its ``data`` raise is a ``partc.FactoryError`` naming the step and the line.
+``--nproc-per-node N`` starts N processes on this machine itself (partc/cli/standalone.py),
+so that the failing rank's line and status end the run, not torchrun's report.
+``--resume`` with the checkpoint already at ``--steps`` says so from its manifest, before
+torch loads.
+
 The command line imports this module only when ``partc train`` runs, and this module
 imports torch, the compiler and the runtime inside the functions that use them: reading
 the flags and the config file, and refusing a mistake in them, happen before torch
