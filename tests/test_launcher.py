@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from partc.cli import failures, launcher, config as train_config
+from partc.cli import failures, launcher, standalone, config as train_config
 from partc.cli.choices import OPTIMIZER_STATE_BYTES
 from partc.cli.main import (
     BUDGET_FLAGS,
@@ -294,6 +294,15 @@ def test_a_second_job_on_a_checkpoint_directory_is_refused_naming_the_holder(tmp
         assert (f"CheckpointError: {directory} is in use by another job: "
                 f"{directory / '.lock'} names host {socket.gethostname()} pid "
                 f"{holder.pid}") in error
+        # --nproc-per-node: refused before any process starts (the factory is real: the
+        # lock is what stops it)
+        gpt = ["samples/gpt.py:factory", "--steps", "1", "--checkpoint-dir", str(directory),
+               "--nproc-per-node", "2"]
+        with pytest.MonkeyPatch.context() as patch:
+            patch.chdir(ROOT)
+            patch.setattr(standalone, "launch", lambda *a, **k: pytest.fail("launched"))
+            assert launcher.main(gpt) == failures.CHECKPOINT
+        assert "is in use by another job" in capsys.readouterr().err
     finally:
         holder.kill()
         holder.wait()

@@ -100,6 +100,7 @@ from partc.cli import main as cli
 from partc.cli.config import (COMMAND, CPU_PRESET, TrainConfig, learning_rate,
                               parse_config)
 from partc.errors import FactoryError, PartcError
+from partc.runtime import checkpoint_lock
 
 HELD_OUT_STEP = -1
 
@@ -366,10 +367,6 @@ def claim_checkpoint_dir(config: TrainConfig) -> Any:
     """At start-up, before the model is built: every rank checks the checkpoint
     directory is writable and rank 0 takes its lock (None without a directory, or on
     the other ranks); raises CheckpointError naming the directory or the lock's holder."""
-    import os
-
-    from partc.runtime import checkpoint_lock
-
     if config.checkpoint_dir is None:
         return None
     if int(os.environ.get("RANK", "0")) != 0:
@@ -433,11 +430,12 @@ def _execute(config: TrainConfig) -> Outcome:
         module.close()
 
 
-def run(config: TrainConfig) -> int:
-    """:func:`execute`, then leave the process group; returns the exit status."""
+def run(config: TrainConfig, *, claimed: bool = False) -> int:
+    """:func:`execute` (without claiming the checkpoint directory again when ``claimed``),
+    then leave the process group; returns the exit status."""
     import torch.distributed as dist
 
-    outcome = execute(config)
+    outcome = _execute(config) if claimed else execute(config)
     if outcome.status == 0:
         dist.barrier()
     dist.destroy_process_group()
@@ -500,17 +498,24 @@ def main(argv: list[str]) -> int:
     if config.nproc_per_node is not None and "TORCHELASTIC_RUN_ID" not in os.environ:
         from partc.cli import standalone
 
-        try:   # a typo costs no launch
+        try:   # a typo or a busy checkpoint directory costs no launch
             cli.check_target(config.target, COMMAND)
-        except cli.UsageError as error:
+            if config.checkpoint_dir is not None:
+                checkpoint_lock.check_free(config.checkpoint_dir)
+        except (cli.UsageError, PartcError) as error:
             return failures.report(error, prefix)
         return standalone.launch(config.nproc_per_node, _without_nproc(argv), prefix=prefix)
     logging.basicConfig(level=logging.WARNING if config.quiet else logging.INFO,
                         format="partc: %(message)s", stream=sys.stderr)
+    lock = None
     try:
-        return run(config)
+        lock = claim_checkpoint_dir(config)   # before torch loads: a refusal costs seconds
+        return run(config, claimed=True)
     except Exception as error:
         return failures.report(error, prefix)
+    finally:
+        if lock is not None:
+            lock.release()
 
 
 if __name__ == "__main__":
