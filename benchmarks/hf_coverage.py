@@ -10,10 +10,10 @@ For every family of ``tests/hf_families.py`` (tiny configs of the installed tran
   parameter within 1e-5 relative (against the parameter's norm, floored at 1e-3).
 
 A failed cell shows the first line of its error. Prints a Markdown table and how many
-families pass each column; ``--readme`` also writes the table into README.md between
+families pass each column; ``--write`` also writes the table into docs/guide.md between
 its coverage markers.
 
-    python benchmarks/hf_coverage.py [--families llama,opt] [--readme]
+    python benchmarks/hf_coverage.py [--families llama,opt] [--write]
 """
 
 from __future__ import annotations
@@ -124,20 +124,21 @@ def table(rows: dict[str, dict[str, str]]) -> str:
     return "\n".join(lines)
 
 
-def write_readme(text: str) -> None:
-    readme = ROOT / "README.md"
+def write_table(text: str) -> None:
+    guide = ROOT / "docs" / "guide.md"
     start, end = MARKERS
-    body = readme.read_text()
+    body = guide.read_text()
     if start not in body:
-        raise SystemExit(f"README.md has no {start} marker")
+        raise SystemExit(f"docs/guide.md has no {start} marker")
     pattern = re.compile(re.escape(start) + ".*?" + re.escape(end), re.S)
-    readme.write_text(pattern.sub(lambda _: f"{start}\n{text}\n{end}", body))
+    guide.write_text(pattern.sub(lambda _: f"{start}\n{text}\n{end}", body))
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--families", help="comma-separated (default: all)")
-    parser.add_argument("--readme", action="store_true", help="write the table into README.md")
+    parser.add_argument("--write", action="store_true",
+                        help="write the table into docs/guide.md")
     args = parser.parse_args()
     families = args.families.split(",") if args.families else list(hf_families.FAMILIES)
     unknown = sorted(set(families) - set(hf_families.FAMILIES))
@@ -157,8 +158,8 @@ def main() -> None:
     text = table(rows)
     print()
     print(text)
-    if args.readme:
-        write_readme(text)
+    if args.write:
+        write_table(text)
 
 
 if __name__ == "__main__":

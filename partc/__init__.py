@@ -28,7 +28,8 @@ _EXPORTS = {
     "PlanCache": "cache",
     "build_problem": "compiler", "compile": "compiler", "plan_problem": "compiler",
     "ArgumentTypeError": "errors",
-    "CheckpointError": "errors", "PartcError": "errors", "PlanFileError": "errors",
+    "CheckpointError": "errors", "FactoryError": "errors", "PartcError": "errors",
+    "PlanFileError": "errors",
     "NonFiniteError": "errors", "PlanInfeasibleError": "errors",
     "PlanMismatchError": "errors", "PlanSchemaError": "errors",
     "PlanValidationError": "errors", "TraceError": "errors",
@@ -47,8 +48,8 @@ if TYPE_CHECKING:   # what static tools and IDEs read
     from partc.cache import PlanCache
     from partc.compiler import build_problem, compile, load, plan_problem
     from partc.device.budget import PRESETS, DeviceBudget
-    from partc.errors import (ArgumentTypeError, CheckpointError, DataError, NonFiniteError,
-                              PartcError, PlanFileError, PlanInfeasibleError,
+    from partc.errors import (ArgumentTypeError, CheckpointError, DataError, FactoryError,
+                              NonFiniteError, PartcError, PlanFileError, PlanInfeasibleError,
                               PlanMismatchError, PlanSchemaError, PlanValidationError,
                               TraceError)
     from partc.options import PlannerOptions, ShardingOptions

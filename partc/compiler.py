@@ -268,7 +268,7 @@ def compile(model: torch.nn.Module, example_inputs: tuple | torch.Tensor, *,
             constraints: Constraints | None = None,
             options: PlannerOptions | None = None, name: str | None = None,
             cache: PlanCache | None = DEFAULT_CACHE) -> Program:
-    """Plan how to train ``model`` on ``budget``; see docs/architecture.md and the README
+    """Plan how to train ``model`` on ``budget``; see docs/architecture.md and docs/guide.md
     for the contract.
 
     ``cache`` (by default one in memory, persisted under ``PARTC_CACHE_DIR`` when set;

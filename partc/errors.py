@@ -128,3 +128,10 @@ def check_argument(function: str, argument: str, value: object, types: tuple[typ
     raise ArgumentTypeError(f"{function}({argument}=...): expected {expected}, got "
                             f"{got}{shown}" + (f"; {hint}" if hint else ""),
                             argument=argument, expected=expected, got=got)
+
+
+class FactoryError(PartcError):
+    """The user's factory, or a function it returned (``data(step)``, ``eval_data``),
+    raised or returned what partc cannot use. The message names the function, the step
+    and the exception with the file and line it came from; ``__cause__`` is the
+    exception."""

@@ -246,7 +246,7 @@ def block_specs(draw: st.DrawFn, width: int, fan_in: int, batchnorm: bool,
 def cases(draw: st.DrawFn, meshes: tuple[str, ...] = MESHES) -> Case:
     mesh = draw(st.sampled_from(meshes))
     # BatchNorm's running statistics would drift apart over dp replicas: partc refuses
-    # it under dp > 1 (README, "Side effects").
+    # it under dp > 1 (docs/guide.md, "Side effects").
     model = draw(model_specs(batchnorm=mesh != "dp2"))
     microbatches = (2, 4) if mesh == "pp2" else (1, 2)
     return Case(model=model, mesh=mesh,

@@ -5,6 +5,7 @@ import torch
 
 import partc
 from partc.codec import from_data, to_data
+from partc.device.presets import preset
 from partc.units import format_bytes, parse_bytes
 
 
@@ -31,6 +32,12 @@ def test_per_device_memory_and_errors():
         partc.DeviceBudget(num_devices=3, memory=["1GiB", "2GiB"])
     with pytest.raises(ValueError, match="unknown device"):
         partc.DeviceBudget(num_devices=1, device="TPU")
+    # A name two presets share is refused with both, not read as one of them; exact
+    # names and single-preset aliases read in any case.
+    with pytest.raises(ValueError, match="a100 is ambiguous: A100-40GB, A100-80GB"):
+        partc.DeviceBudget(num_devices=1, device="a100")
+    assert [preset(name).name for name in ("a100-40gb", "A100-80GB", "h100", "cpu")] == \
+        ["A100-40GB", "A100-80GB", "H100-80GB", "CPU"]
     with pytest.raises(ValueError, match="cannot read"):
         partc.DeviceBudget(num_devices=1, memory="lots")
     with pytest.raises(ValueError, match="positive int"):

@@ -106,7 +106,7 @@ def test_flags_reach_the_pins_and_the_budget():
         stages=(("a", "b"), ("c",)), recompute={"a": "full", "c": "selective"},
         num_microbatches=4, micro_batch_size=2, schedule="gpipe", zero_stage=1)
     assert _constraints(_args("--devices", "2", "--recompute", "full")).recompute == "full"
-    budget = _budget(_args("--devices", "2", "--device", "a100", "--memory", "40GiB,40GB",
+    budget = _budget(_args("--devices", "2", "--device", "a100-80gb", "--memory", "40GiB,40GB",
                            "--hbm-bandwidth", "1TB/s", "--peak-tflops", "100",
                            "--link-latency", "1e-5"))
     assert budget.device == "A100-80GB" and budget.memory_bytes == (40 * 2**30, 40 * 10**9)
@@ -116,6 +116,7 @@ def test_flags_reach_the_pins_and_the_budget():
 
 @pytest.mark.parametrize("argv, says", [
     (["--device", "H100-80G"], "did you mean 'H100-80GB'"),
+    (["--device", "a100"], "a100 is ambiguous: A100-40GB, A100-80GB"),
     (["--memory", "40G"], "'40G' is ambiguous: write '40GiB'"),
     (["--memory", "40Gb"], "reads as bits"),
     (["--memory", "40GiB,40GiB,40GiB"], "3 sizes for 2 devices"),
@@ -261,3 +262,27 @@ def test_train_goes_to_the_launcher(monkeypatch, capsys):
     monkeypatch.setitem(sys.modules, "partc.cli.launcher", None)   # as if it were missing
     assert main(["train", "--help"]) == 2
     assert "has no launcher" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("command", ["plan", "train"])
+def test_help_is_short_with_examples_and_help_all_has_every_flag(capsys, command):
+    """``--help``: the common flags and examples, in under 80 lines; ``--help-all``: every
+    flag, each cost-model figure's among them. Every flag parses either way."""
+    def shown(flag: str) -> str:
+        if command == "train":
+            assert main(["train", flag]) == 0
+        else:
+            with pytest.raises(SystemExit) as done:
+                main([command, flag])
+            assert done.value.code == 0
+        return capsys.readouterr().out
+
+    short, everything = shown("--help"), shown("--help-all")
+    assert len(short.splitlines()) < 80 and "examples:" in short and "--help-all" in short
+    figures = [flag for name, flag in BUDGET_FLAGS.items()
+               if name not in ("num_devices", "device", "profile", "memory")]
+    assert not [flag for flag in figures if flag in short]
+    assert not [flag for flag in figures if flag not in everything]
+    default = "default CPU where torch sees no GPU" if command == "train" else \
+        "default H100-80GB"
+    assert default in short and default in everything

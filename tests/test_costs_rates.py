@@ -138,7 +138,7 @@ def test_the_budget_resolves_the_rates_and_a_plan_keeps_them():
     assert h100.light_op_bandwidth == h100.elementwise_bandwidth \
         == pytest.approx(0.75 * h100.hbm_bandwidth)
     assert h100.optimizer_step_bandwidth == pytest.approx(0.3 * h100.hbm_bandwidth)
-    a100 = device_numbers(partc.DeviceBudget(num_devices=8, device="A100"), torch.bfloat16)
+    a100 = device_numbers(partc.DeviceBudget(num_devices=8, device="A100-80GB"), torch.bfloat16)
     assert a100.elementwise_bandwidth is None and a100.light_op_bandwidth == a100.hbm_bandwidth
 
 

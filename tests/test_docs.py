@@ -87,3 +87,32 @@ def test_the_process_wide_state_is_listed_once():
     assert sorted(listed) == sorted(process_wide_state()), (
         "docs/architecture.md's process-wide state differs from the source's: "
         f"listed {sorted(listed)}, found {sorted(process_wide_state())}")
+
+
+def test_the_readme_starts_with_the_two_commands_and_stays_short():
+    """The README: the two commands (.ci/run runs the second), a tour, pointers to docs/;
+    the rest lives in docs/guide.md and docs/gpu.md."""
+    readme = (ROOT / "README.md").read_text()
+    ci = (ROOT / ".ci" / "run").read_text().strip().splitlines()[-1]
+    first_block = readme.split("```bash\n", 1)[1].split("```", 1)[0]
+    assert ci in first_block and "torchrun --standalone --nproc-per-node=2 -m partc train" \
+        in first_block
+    assert len(readme.split()) < 800
+    for doc in ("docs/guide.md", "docs/gpu.md", "docs/calibrate.md", "docs/architecture.md"):
+        assert f"`{doc}`" in readme and (ROOT / doc).is_file(), doc
+
+
+def test_the_guide_lists_the_exit_statuses_the_launcher_uses():
+    from partc.cli.failures import EXIT_STATUSES
+
+    guide = (ROOT / "docs" / "guide.md").read_text()
+    section = guide.split("## How a failure ends\n", 1)[1].split("\n## ", 1)[0]
+    rows = [row[:2] for row in _table_rows(section)]
+    assert [(int(code), kind) for code, kind in rows] == list(EXIT_STATUSES)
+
+
+def test_the_gpu_guide_names_the_nccl_settings_and_a_slurm_script():
+    gpu = (ROOT / "docs" / "gpu.md").read_text()
+    for name in ("NCCL_SOCKET_IFNAME", "NCCL_IB_HCA", "NCCL_DEBUG",
+                 "TORCH_NCCL_ASYNC_ERROR_HANDLING", "#SBATCH", "srun", "--rdzv-endpoint"):
+        assert name in gpu, name

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from partc.cli import launcher, config as train_config
+from partc.cli import failures, launcher, standalone, config as train_config
 from partc.cli.choices import OPTIMIZER_STATE_BYTES
 from partc.cli.main import (
     BUDGET_FLAGS,
@@ -31,6 +31,7 @@ from partc.cli.main import (
 from partc.cli.config import (TrainConfig, learning_rate, parse_config,
                                 read_config_file)
 from partc.device.presets import DEFAULT_DEVICE
+from partc.errors import FactoryError
 from partc.runtime import checkpoint_lock
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -65,7 +66,7 @@ def test_the_plan_flags_are_partc_plans():
     argv = ["--pp", "2", "--dp", "2", "--no-sequence-parallel", "--tp-objective", "memory",
             "--stage", "a,b", "--stage", "c", "--recompute-layer", "a=full",
             "--microbatches", "4", "--micro-batch", "2", "--schedule", "gpipe", "--zero", "1",
-            "--memory", "40GiB,40GB", "--hbm-bandwidth", "1TB/s", "--device", "a100"]
+            "--memory", "40GiB,40GB", "--hbm-bandwidth", "1TB/s", "--device", "a100-80gb"]
     config = parse_config([f"{__file__}:never", "--steps", "1", *argv])
     budget, constraints = launcher.check(config, 2)
     args = _parser().parse_args(["plan", "m.py:f", "--devices", "2", *argv])
@@ -236,7 +237,8 @@ def test_eval_data_replaces_the_held_out_step():
     launcher.train(module, _Optimizer(module), workload, config)
     assert module.calls[-1] == ("evaluate", 99, "held")
     bad = {"data": lambda step: torch.tensor([step])}
-    with pytest.raises(ValueError, match=r"data\(-1\) must return \(inputs, target\)"):
+    with pytest.raises(FactoryError, match=r"data\(-1\) of the factory must return "
+                                           r"\(inputs, target\)"):
         launcher.train(module, _Optimizer(module), bad, config)
 
 
@@ -287,11 +289,20 @@ def test_a_second_job_on_a_checkpoint_directory_is_refused_naming_the_holder(tmp
         assert holder.stdout.readline().strip() == "held"
         # Refused at start-up: the factory (which does not exist) is never read.
         argv = ["nowhere.py:factory", "--steps", "1", "--checkpoint-dir", str(directory)]
-        assert launcher.main(argv) == 2
+        assert launcher.main(argv) == failures.CHECKPOINT
         error = capsys.readouterr().err
         assert (f"CheckpointError: {directory} is in use by another job: "
                 f"{directory / '.lock'} names host {socket.gethostname()} pid "
                 f"{holder.pid}") in error
+        # --nproc-per-node: refused before any process starts (the factory is real: the
+        # lock is what stops it)
+        gpt = ["samples/gpt.py:factory", "--steps", "1", "--checkpoint-dir", str(directory),
+               "--nproc-per-node", "2"]
+        with pytest.MonkeyPatch.context() as patch:
+            patch.chdir(ROOT)
+            patch.setattr(standalone, "launch", lambda *a, **k: pytest.fail("launched"))
+            assert launcher.main(gpt) == failures.CHECKPOINT
+        assert "is in use by another job" in capsys.readouterr().err
     finally:
         holder.kill()
         holder.wait()
@@ -314,6 +325,6 @@ def test_an_unwritable_checkpoint_directory_is_refused_at_start_up(tmp_path, cap
         directory.mkdir()
         directory.chmod(0o555)
     argv = ["nowhere.py:factory", "--steps", "1", "--checkpoint-dir", str(directory)]
-    assert launcher.main(argv) == 2
+    assert launcher.main(argv) == failures.CHECKPOINT
     assert (f"CheckpointError: the checkpoint directory {directory} is not writable"
             in capsys.readouterr().err)

@@ -22,9 +22,28 @@ else:   # pragma: no cover - Python 3.10: the same parser, as a package
 
 from partc.cli import main as cli
 from partc.cli.choices import OPTIMIZER_STATE_BYTES, TOKEN_DTYPES
+from partc.device.presets import DEFAULT_DEVICE
 from partc.options import PlannerOptions
 
 DESCRIPTION = "compile a model, build this rank's part and train it, with telemetry"
+# The preset a run without a GPU plans for when neither --device nor --profile is given
+# (with a GPU: partc's default preset, as for partc plan).
+CPU_PRESET = "CPU"
+# The flags --help shows (every flag parses; --help-all shows them all).
+COMMON = (cli.PLAN_COMMON - {"--devices", "--report"}) | {
+    "--config", "--steps", "--nproc-per-node", "--lr", "--warmup-steps", "--max-grad-norm",
+    "--eval-every", "--log-dir", "--seed", "--checkpoint-dir", "--checkpoint-every",
+    "--resume"}
+EXAMPLES = """\
+examples:
+  partc train samples/gpt.py:factory --nproc-per-node 2 --memory 10MiB --steps 8 --lr 3e-3
+  torchrun --standalone --nproc-per-node=2 -m partc train samples/gpt.py:factory \\
+      --memory 10MiB --steps 8 --checkpoint-dir out/ckpt --checkpoint-every 4 --resume
+  partc train samples/gpt.py:factory --nproc-per-node 2 --config train.toml --steps 100
+
+Run it under torchrun, or give --nproc-per-node to start the processes on this machine.
+Sizes take a unit: 40GiB (binary) or 40GB (decimal). --help-all: every flag, with each
+cost-model figure of the device that a flag overrides."""
 # The optimizers by TrainSpec's names (what the planner counts their state as).
 OPTIMIZERS = tuple(sorted(OPTIMIZER_STATE_BYTES))
 COMMAND = "train"
@@ -67,6 +86,8 @@ class TrainConfig:
     keep: int | None = None
     resume: bool = False
     async_save: bool = False
+    # Launch: processes to start on this machine (partc.cli.standalone); None: as started.
+    nproc_per_node: int | None = None
 
     def __post_init__(self) -> None:
         if self.target is None:
@@ -131,18 +152,24 @@ class TrainConfig:
 
 # -- the command line and the config file -----------------------------------------------------
 
-def parser() -> argparse.ArgumentParser:
-    """The flags; each defaults to absent, so that the config file fills what is not given."""
+def parser(*, full: bool = False) -> argparse.ArgumentParser:
+    """The flags; each defaults to absent, so that the config file fills what is not given.
+    ``--help`` shows the common ones (:data:`COMMON`) unless ``full``."""
     p = cli._Parser(prog="partc train", description=DESCRIPTION,
-                    argument_default=argparse.SUPPRESS, epilog=cli.UNITS,
+                    argument_default=argparse.SUPPRESS,
+                    epilog=cli.UNITS if full else EXAMPLES,
                     allow_abbrev=False,   # --devices must not read as --devices-per-node
                     formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("target", nargs="?", help="path/to/file.py:factory")
     p.add_argument("--config", help="TOML file with these settings (flags win over it)")
     p.add_argument("--steps", type=cli.COUNT, metavar="N", help="optimizer steps to train")
+    p.add_argument("--nproc-per-node", type=cli.COUNT, metavar="N",
+                   help="start N processes on this machine, as torchrun --standalone; a "
+                        "failure ends with the failing rank's line and exit status")
     cli._budget_arguments(p.add_argument_group(
         "devices, as partc plan (the number of devices is the launch's world size)"),
-        devices=False)
+        devices=False, default_device=f"default {CPU_PRESET} where torch sees no GPU, else "
+                                      f"{DEFAULT_DEVICE}; or the profile's")
     cli._pin_arguments(p.add_argument_group("pins (the planner decides what is not pinned)"))
     cli._training_arguments(p.add_argument_group(
         "training (overrides the factory's TrainSpec; --optimizer also picks the torch "
@@ -175,7 +202,7 @@ def parser() -> argparse.ArgumentParser:
     run = p.add_argument_group("evaluation, logging and output")
     run.add_argument("--eval-every", type=cli.WHOLE, metavar="K",
                      help="evaluate the held-out batch every K steps")
-    run.add_argument("--log-dir", help="directory for rank<k>.jsonl telemetry")
+    run.add_argument("--log-dir", metavar="DIR", help="directory for rank<k>.jsonl telemetry")
     run.add_argument("--tensorboard", action="store_true",
                      help="also write TensorBoard events under <log-dir>/tensorboard")
     run.add_argument("--wandb", metavar="PROJECT",
@@ -200,7 +227,10 @@ def parser() -> argparse.ArgumentParser:
                             "there is one, else start afresh")
     saved.add_argument("--async-save", action="store_true",
                        help="write checkpoints in the background while training goes on")
-    return p
+    if full:
+        return p
+    p.usage = "%(prog)s TARGET --steps N [--nproc-per-node N] [flags]"
+    return cli.shorten(p, COMMON, lambda: parser(full=True))
 
 
 _PLAN_GROUPS = ("devices, as", "pins", "training")
@@ -277,7 +307,7 @@ def read_config_file(path: str | Path) -> dict[str, Any]:
         raise ValueError(f"config file {path} is not valid TOML: {error}") from None
     p = parser()
     actions = {action.dest: action for action in p._actions
-               if action.dest not in ("help", "config")}
+               if action.dest not in ("help", "config", argparse.SUPPRESS)}
     words: list[str] = []
     for raw_key, value in data.items():
         key = raw_key.replace("-", "_")

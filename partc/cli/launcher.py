@@ -80,6 +80,15 @@ strings, ``memory = "10MiB"``; a repeatable flag as a list, ``stage = ["a,b", "c
 ``zero = 1``); each value is read as its flag is, flags given on the command line win
 over the file, and an unknown key is refused.
 
+A failure ends the run with one line on stderr, from the first rank to fail, and an exit
+status that says what kind of failure it was (partc/cli/failures.py: 2 bad input, 3 no
+plan, 4 plan mismatch, 5 non-finite, 6 checkpoint, 75 hang, 1 a bug); what the factory
+or its ``data`` raise is a ``partc.FactoryError`` naming the step and the line.
+``--nproc-per-node N`` starts N processes on this machine itself (partc/cli/standalone.py),
+so that the failing rank's line and status end the run, not torchrun's report.
+``--resume`` with the checkpoint already at ``--steps`` says so from its manifest, before
+torch loads.
+
 The command line imports this module only when ``partc train`` runs, and this module
 imports torch, the compiler and the runtime inside the functions that use them: reading
 the flags and the config file, and refusing a mistake in them, happen before torch
@@ -89,37 +98,73 @@ loads (about two seconds).
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
+import os
 import sys
+import traceback
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
+from partc.cli import failures
 from partc.cli import main as cli
-from partc.cli.config import COMMAND, TrainConfig, learning_rate, parse_config
+from partc.cli.config import (COMMAND, CPU_PRESET, TrainConfig, learning_rate,
+                              parse_config)
+from partc.errors import FactoryError, PartcError
+from partc.runtime import checkpoint_lock
 
 HELD_OUT_STEP = -1
-# The preset a run without a GPU plans for when neither --device nor --profile is given
-# (with a GPU: partc's default preset, as for partc plan).
-CPU_PRESET = "CPU"
 
 log = logging.getLogger("partc")
 
 
 # -- the run ---------------------------------------------------------------------------------
 
+def called(function: Callable[..., Any], what: str, *args: Any) -> Any:
+    """``function(*args)``, the user's code (``what`` names it: ``data(3) of
+    file.py:factory``); what it raises becomes a FactoryError naming it, the exception and
+    the line it came from."""
+    try:
+        return function(*args)
+    except (PartcError, cli.UsageError):
+        raise
+    except Exception as error:
+        raise FactoryError(f"{what} raised {type(error).__name__}{_where(error)}: "
+                           f"{error}") from error
+
+
+def _where(error: BaseException) -> str:
+    """`` at file.py:line``: the innermost frame of the user's own code that ``error``
+    passed through (not partc's, the standard library's or an installed package's)."""
+    others = (str(Path(__file__).parents[1]), str(Path(os.__file__).parent), "site-packages")
+    frames = traceback.extract_tb(error.__traceback__)
+    own = [f for f in frames if not any(o in f.filename for o in others)] or frames[-1:]
+    return f" at {Path(own[-1].filename).name}:{own[-1].lineno}" if own else ""
+
+
 def _batch(made: Any, what: str) -> tuple[tuple, Any]:
     if not (isinstance(made, (tuple, list)) and len(made) == 2):
-        raise ValueError(f"{what} must return (inputs, target), got {type(made).__name__}")
+        raise FactoryError(f"{what} must return (inputs, target), got {type(made).__name__}")
     inputs, target = made
     return (tuple(inputs) if isinstance(inputs, (tuple, list)) else (inputs,)), target
+
+
+def data_batch(workload: dict[str, Any], step: int, *,
+               rows: bool = False) -> tuple[tuple, Any]:
+    """The global batch of ``step``, from the factory's ``data``; with ``rows``, this
+    rank's replica's rows of it (``rank_data``, what ``--data`` feeds)."""
+    key = "rank_data" if rows else "data"
+    what = f"{key}({step}) of {workload.get('target', 'the factory')}"
+    return _batch(called(workload[key], what, step), what)
 
 
 def _held_out(workload: dict[str, Any]) -> tuple[tuple, Any]:
     source = workload.get("eval_data")
     if source is None:
-        return _batch(workload["data"](HELD_OUT_STEP), f"data({HELD_OUT_STEP})")
-    return _batch(source() if callable(source) else source, "eval_data")
+        return data_batch(workload, HELD_OUT_STEP)
+    what = f"eval_data of {workload.get('target', 'the factory')}"
+    return _batch(called(source, what) if callable(source) else source, what)
 
 
 def _optimizer(module: Any, config: TrainConfig) -> Any:
@@ -183,14 +228,13 @@ def train(module: Any, optimizer: Any, workload: dict[str, Any], config: TrainCo
     and its evaluation: where a checkpoint is written; returning True stops training
     there (a requested stop). Resuming is loading the checkpoint and passing its step as
     ``start_step``: the learning rate and the data are functions of the step."""
-    data: Callable[[int], Any] = workload.get("rank_data", workload["data"])
     held_out = _held_out(workload) if config.eval_every else None
     losses = []
     for step in range(start_step, config.steps):
         lr = learning_rate(step, config)
         for group in optimizer.param_groups:
             group["lr"] = lr
-        inputs, target = _batch(data(step), f"data({step})")
+        inputs, target = data_batch(workload, step, rows="rank_data" in workload)
         loss = module.forward_backward(*inputs, target=target)
         if telemetry is not None:
             telemetry.note(lr=lr)
@@ -219,12 +263,13 @@ def prepare(config: TrainConfig) -> tuple[Any, Any, Any, dict[str, Any]]:
     world = world_size_from_env()
     checked = check(config, world)   # before the model is built
     torch.manual_seed(config.seed)   # every rank builds the same initial weights
-    workload = cli.load_factory(config.target)
+    workload = called(cli.load_factory, config.target, config.target)
     files = open_data(config, workload)   # before the plan: a bad file fails fast
     if files is None and not callable(workload.get("data")):
-        raise ValueError(f"{config.target} must return a dict with a 'data' key: a callable "
-                         "data(step) -> (inputs, target) giving the global batch of a step "
-                         "(or train on a file: --data PATH)")
+        raise FactoryError(f"{config.target} must return a dict with a 'data' key: a "
+                           "callable data(step) -> (inputs, target) giving the global batch "
+                           "of a step (or train on a file: --data PATH)")
+    workload = {**workload, "target": config.target}   # what its errors name
     program = compile_workload(config, workload, world, checked=checked)
     module = program.build()
     if files is not None:
@@ -319,7 +364,7 @@ def data_digest(workload: dict[str, Any], step: int) -> str:
     import torch
 
     digest = hashlib.sha256()
-    inputs, target = _batch(workload["data"](step), f"data({step})")
+    inputs, target = data_batch(workload, step)
     for value in (*inputs, target):
         if isinstance(value, torch.Tensor):
             flat = value.detach().cpu().contiguous().reshape(-1)
@@ -411,10 +456,6 @@ def claim_checkpoint_dir(config: TrainConfig) -> Any:
     """At start-up, before the model is built: every rank checks the checkpoint
     directory is writable and rank 0 takes its lock (None without a directory, or on
     the other ranks); raises CheckpointError naming the directory or the lock's holder."""
-    import os
-
-    from partc.runtime import checkpoint_lock
-
     if config.checkpoint_dir is None:
         return None
     if int(os.environ.get("RANK", "0")) != 0:
@@ -478,30 +519,92 @@ def _execute(config: TrainConfig) -> Outcome:
         module.close()
 
 
-def run(config: TrainConfig) -> int:
-    """:func:`execute`, then leave the process group; returns the exit status."""
+def run(config: TrainConfig, *, claimed: bool = False) -> int:
+    """:func:`execute` (without claiming the checkpoint directory again when ``claimed``),
+    then leave the process group; returns the exit status."""
     import torch.distributed as dist
 
-    outcome = execute(config)
+    outcome = _execute(config) if claimed else execute(config)
     if outcome.status == 0:
         dist.barrier()
     dist.destroy_process_group()
     return outcome.status
 
 
+# partc.runtime.checkpoint's names, read here without importing torch (a test holds them
+# equal).
+LATEST, MANIFEST = "latest", "manifest.json"
+
+
+def finished_step(config: TrainConfig) -> int | None:
+    """With ``--resume``: the step of the checkpoint it would continue from, when that is
+    already ``--steps`` or more and the checkpoint was trained with this ``--seed``, read
+    without torch (so that a job with nothing left to do says so at once); None when there
+    is training to do, or anything about the checkpoint to check that needs torch."""
+    if not config.resume or config.checkpoint_dir is None:
+        return None
+    root = Path(config.checkpoint_dir)
+    try:
+        name = (root / LATEST).read_text().strip()
+        manifest = json.loads((root / name / MANIFEST).read_text())
+        step, seed = manifest["step"], manifest["extra"]["launcher"]["seed"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    if not name or "/" in name or name.startswith(".") or not isinstance(step, int):
+        return None
+    return step if step >= config.steps and seed == config.seed else None
+
+
+def _without_nproc(argv: list[str]) -> list[str]:
+    """``argv`` less ``--nproc-per-node N``: what each rank is started with."""
+    out, skip = [], False
+    for word in argv:
+        if skip:
+            skip = False
+        elif word == "--nproc-per-node":
+            skip = True
+        elif not word.startswith("--nproc-per-node="):
+            out.append(word)
+    return out
+
+
 def main(argv: list[str]) -> int:
-    """``partc train ...``: returns the exit status (2 for bad input, named)."""
+    """``partc train ...``: returns the exit status (:mod:`partc.cli.failures`: 0 done, 2
+    bad input, ...); a failure is one line on stderr, from the first rank to fail."""
+    prefix = f"partc {COMMAND}"
     try:
         config = parse_config(argv)
-    except cli.UsageError as error:   # a bad flag, one line naming it
-        print(error, file=sys.stderr)
-        return 2
-    except ValueError as error:
-        print(f"partc train: {error}", file=sys.stderr)
-        return 2
     except SystemExit as exit_:   # argparse: --help (0)
         return exit_.code if isinstance(exit_.code, int) else 2
-    return cli.run_reported(lambda: run(config), f"partc {COMMAND}", quiet=config.quiet)
+    except (cli.UsageError, ValueError) as error:   # a bad flag, one line naming it
+        return failures.report(error, prefix)
+    done = finished_step(config)
+    if done is not None:
+        if int(os.environ.get("RANK", "0")) == 0:
+            print(f"nothing to train: the checkpoint is at step {done}, --steps is "
+                  f"{config.steps}", flush=True)
+        return 0
+    if config.nproc_per_node is not None and "TORCHELASTIC_RUN_ID" not in os.environ:
+        from partc.cli import standalone
+
+        try:   # a typo or a busy checkpoint directory costs no launch
+            cli.check_target(config.target, COMMAND)
+            if config.checkpoint_dir is not None:
+                checkpoint_lock.check_free(config.checkpoint_dir)
+        except (cli.UsageError, PartcError) as error:
+            return failures.report(error, prefix)
+        return standalone.launch(config.nproc_per_node, _without_nproc(argv), prefix=prefix)
+    logging.basicConfig(level=logging.WARNING if config.quiet else logging.INFO,
+                        format="partc: %(message)s", stream=sys.stderr)
+    lock = None
+    try:
+        lock = claim_checkpoint_dir(config)   # before torch loads: a refusal costs seconds
+        return run(config, claimed=True)
+    except Exception as error:
+        return failures.report(error, prefix)
+    finally:
+        if lock is not None:
+            lock.release()
 
 
 if __name__ == "__main__":

@@ -74,6 +74,23 @@ bytes, as nvidia-smi and torch count memory) or decimal kB MB GB TB (80GB = 80 x
 bytes, as vendors quote); a bare prefix such as 40G, and Gb (bits), are refused as
 ambiguous; a plain number is bytes. Rates append /s: 900GB/s."""
 
+# The flags ``--help`` shows (every flag parses; ``--help-all`` shows them all, with every
+# cost-model figure a flag overrides).
+PLAN_COMMON = frozenset({
+    "--devices", "--device", "--profile", "--memory", "--pp", "--dp", "--tp", "--zero",
+    "--recompute", "--microbatches", "--schedule", "--global-batch", "--micro-batch",
+    "--dtype", "--optimizer", "--out", "--report", "--quiet"})
+PLAN_EXAMPLES = """\
+examples:
+  partc plan samples/gpt.py:factory --devices 2 --device CPU --memory 10MiB
+  partc plan samples/plan_llama.py:workload --devices 8 --device H100-80GB \\
+      --out out/llama                # plan.json, report.md and each stage's code
+  partc plan samples/gpt.py:factory --devices 4 --device CPU --memory 10MiB --pp 2 \\
+      --zero 1 --report html --out out/gpt   # pin what you know; the planner does the rest
+
+Sizes and rates take a unit: 40GiB (binary) or 40GB (decimal), 900GB/s. --help-all: every
+flag, with each cost-model figure of the device (a preset's or a profile's) it overrides."""
+
 WORK_LIMIT_HELP = (f"the stage planner's search limit, in deterministic seconds of CP-SAT work "
                    f"(default {PlannerOptions().work_limit:g}): work, not wall-clock time, so "
                    f"every rank and any machine plans alike")
@@ -233,16 +250,55 @@ class _Version(argparse.Action):
         parser.exit()
 
 
+class _HelpAll(argparse.Action):
+    """``--help-all``: the help of the parser ``full()`` makes, with every flag."""
+
+    def __init__(self, option_strings, dest, full: Callable[[], argparse.ArgumentParser],
+                 **kwargs):
+        super().__init__(option_strings, argparse.SUPPRESS, nargs=0,
+                         help="show every flag, with each cost-model figure, and exit")
+        self.full = full
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        self.full().print_help()
+        parser.exit()
+
+
+def shorten(parser: argparse.ArgumentParser, common: frozenset[str],
+            full: Callable[[], argparse.ArgumentParser]) -> argparse.ArgumentParser:
+    """``parser`` with ``--help`` showing only the flags in ``common`` (the others still
+    parse) and a ``--help-all`` that prints ``full()``'s help."""
+    for action in parser._actions:
+        if action.option_strings and not common & set(action.option_strings) \
+                and not isinstance(action, argparse._HelpAction):
+            action.help = argparse.SUPPRESS
+    parser.add_argument("--help-all", action=_HelpAll, full=full)
+    return parser
+
+
+def plan_parser(parser: argparse.ArgumentParser | None = None, *,
+                full: bool = False) -> argparse.ArgumentParser:
+    """``partc plan``'s flags on ``parser`` (a new one by default); ``--help`` shows the
+    common ones unless ``full``."""
+    parser = parser or _Parser(prog="partc plan")
+    parser.description = "Trace, measure and plan a model; print the report, write the plan."
+    parser.epilog = UNITS if full else PLAN_EXAMPLES
+    parser.formatter_class = argparse.RawDescriptionHelpFormatter
+    _plan_arguments(parser)
+    if full:
+        return parser
+    parser.usage = "%(prog)s TARGET --devices N [--device NAME] [flags]"
+    return shorten(parser, PLAN_COMMON, lambda: plan_parser(full=True))
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="partc", description="partc: plan how to train a PyTorch model on "
                      "many devices (pipeline, data and tensor parallelism, ZeRO, recompute), "
                      "and train it.")
     parser.add_argument("--version", action=_Version)
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    _plan_arguments(commands.add_parser(
-        "plan", help="trace, measure and plan a model; print the report, write the plan",
-        description="Trace, measure and plan a model; print the report, write the plan.",
-        epilog=UNITS, formatter_class=argparse.RawDescriptionHelpFormatter))
+    plan_parser(commands.add_parser(
+        "plan", help="trace, measure and plan a model; print the report, write the plan"))
     report = commands.add_parser("report", help="render a saved plan (plan.json) again",
                                  description="Render a plan that partc plan --out saved.")
     report.add_argument("plan", type=Path, help="plan.json, or the directory holding it")
@@ -266,7 +322,7 @@ def _parser() -> argparse.ArgumentParser:
 
 def _plan_arguments(plan: argparse.ArgumentParser) -> None:
     plan.add_argument("target", help="path/to/file.py:factory")
-    _budget_arguments(plan.add_argument_group("devices (sizes and rates: see the end)"))
+    _budget_arguments(plan.add_argument_group("devices"))
     _pin_arguments(plan.add_argument_group(
         "pins (the planner decides what is not pinned)"))
     _training_arguments(plan.add_argument_group(
@@ -330,14 +386,17 @@ def _training_arguments(train) -> None:
                             "the plan prices the fused bytes)")
 
 
-def _budget_arguments(group, *, devices: bool = True) -> None:
+def _budget_arguments(group, *, devices: bool = True,
+                      default_device: str = f"default {DEFAULT_DEVICE}, or the profile's"
+                      ) -> None:
     """The DeviceBudget fields; ``devices=False`` leaves out ``--devices`` (``partc
-    train`` plans for the launch's world size)."""
+    train`` plans for the launch's world size); ``default_device`` says what runs without
+    ``--device``."""
     if devices:
         group.add_argument("--devices", type=COUNT, metavar="N", required=True,
                            help="number of devices")
-    group.add_argument("--device", type=DEVICE, help=f"a preset: {', '.join(PRESETS)} "
-                       f"(default {DEFAULT_DEVICE}, or the profile's)")
+    group.add_argument("--device", type=DEVICE, metavar="NAME",
+                       help=f"a preset: {', '.join(PRESETS)} ({default_device})")
     group.add_argument("--profile", type=Path, metavar="FILE",
                        help="device profile from partc calibrate")
     for spec in FIGURES:

@@ -165,7 +165,9 @@ PRESETS: dict[str, DevicePreset] = {
             comm_overlap=0.0, split_backward_factor=1.25),
     )
 }
-_ALIASES = {"A100": "A100-80GB", "H100": "H100-80GB", "H200-141GB": "H200", "cpu": "CPU"}
+# Other names of one preset. A family name that several presets share ("A100": the 40 GB
+# and the 80 GB card) is no alias: preset() refuses it with the choices.
+_ALIASES = {"H100": "H100-80GB", "H200-141GB": "H200"}
 
 
 DEFAULT_DEVICE = "H100-80GB"
@@ -173,16 +175,24 @@ DEFAULT_DEVICE = "H100-80GB"
 
 def preset(name: str) -> DevicePreset:
     """The preset called ``name`` (case-insensitive, or an alias such as "H100"); a
-    ValueError naming the closest names otherwise."""
+    ValueError naming the choices when several presets share the name ("A100": 40 or 80
+    GB), or the closest names when none has it."""
     key = {alias.lower(): n for alias, n in _ALIASES.items()}.get(str(name).lower(), name)
     matches = [p for n, p in PRESETS.items() if n.lower() == str(key).lower()]
-    if not matches:
-        raise ValueError(f"unknown device {name!r}{_did_you_mean(str(name))}; "
-                         f"presets: {', '.join(PRESETS)}")
-    return matches[0]
+    if matches:
+        return matches[0]
+    family = [n for n in PRESETS if n.lower().split("-")[0] == str(name).lower()]
+    if len(family) > 1:
+        raise ValueError(f"{name} is ambiguous: {', '.join(family)}")
+    raise ValueError(f"unknown device {name!r}{_did_you_mean(str(name))}; "
+                     f"presets: {', '.join(PRESETS)}")
 
 
 def _did_you_mean(name: str) -> str:
-    names = {n.lower(): n for n in (*PRESETS, *_ALIASES)}
+    names = {n.lower(): (n,) for n in (*PRESETS, *_ALIASES)}
+    for n in PRESETS:   # a family name stands for each of its presets
+        family = n.lower().split("-")[0]
+        names[family] = names.get(family, ()) + (n,) if family != n.lower() else (n,)
     close = difflib.get_close_matches(name.lower(), names, n=3, cutoff=0.6)
-    return f" (did you mean {' or '.join(repr(names[c]) for c in close)}?)" if close else ""
+    shown = dict.fromkeys(repr(n) for c in close for n in names[c])
+    return f" (did you mean {' or '.join(shown)}?)" if shown else ""

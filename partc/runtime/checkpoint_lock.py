@@ -111,13 +111,7 @@ def acquire(root: str | os.PathLike) -> DirectoryLock:
             if holder == {}:
                 continue   # released between our attempt and the read
             if holder is not None and not _holder_gone(holder):
-                raise CheckpointError(
-                    f"{root} is in use by another job: {file} names host "
-                    f"{holder.get('host')} pid {holder.get('pid')} (since "
-                    f"{time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(holder.get('since', 0)))}"
-                    "); one job per checkpoint directory: give this one another "
-                    f"--checkpoint-dir, or remove {file} if that job is gone",
-                    path=str(file))
+                raise _in_use(root, holder)
             file.unlink(missing_ok=True)   # stale: its holder is gone from this host
             continue
         with os.fdopen(fd, "w") as handle:
@@ -125,6 +119,24 @@ def acquire(root: str | os.PathLike) -> DirectoryLock:
         remove_stale(root)
         return DirectoryLock(root)
     raise CheckpointError(f"could not take {file}: it keeps changing", path=str(file))
+
+
+def check_free(root: str | os.PathLike) -> None:
+    """Refuse, as :func:`acquire` would, a directory that another live job holds; takes
+    nothing (a launcher's check before it starts the ranks that take it)."""
+    holder = read_holder(Path(root) / LOCK)
+    if holder and not _holder_gone(holder):
+        raise _in_use(Path(root), holder)
+
+
+def _in_use(root: Path, holder: dict[str, Any]) -> CheckpointError:
+    file = root / LOCK
+    since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(holder.get("since", 0)))
+    return CheckpointError(f"{root} is in use by another job: {file} names host "
+                           f"{holder.get('host')} pid {holder.get('pid')} (since {since}); "
+                           "one job per checkpoint directory: give this one another "
+                           f"--checkpoint-dir, or remove {file} if that job is gone",
+                           path=str(file))
 
 
 def read_holder(file: Path) -> dict[str, Any] | None:

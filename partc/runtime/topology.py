@@ -121,7 +121,7 @@ def init(plan: Plan, device: torch.device | str | None = None) -> Topology:
     device = torch.device(device) if device is not None else _default_device()
     if not dist.is_initialized():
         backend = "nccl" if device.type == "cuda" else "gloo"
-        # PARTC_TIMEOUT_S (README): how long a collective waits before failing. A hung
+        # PARTC_TIMEOUT_S (docs/guide.md): how long a collective waits before failing. A hung
         # peer is reported long before by the watchdog (PARTC_WATCHDOG_S, watchdog.py).
         timeout = datetime.timedelta(seconds=float(os.environ.get("PARTC_TIMEOUT_S", "600")))
         if "MASTER_ADDR" not in os.environ and world_size_from_env() == 1:

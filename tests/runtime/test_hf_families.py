@@ -1,6 +1,6 @@
 """Hugging Face families as users bring them (tests/hf_families.py) train like one
 process under torchrun: a few in the default profile, one per kind of fix they needed;
-``benchmarks/hf_coverage.py`` runs every family under pp=2 and tp=2 (README's table).
+``benchmarks/hf_coverage.py`` runs every family under pp=2 and tp=2 (docs/guide.md's table).
 
 - T5 (pp=2): an encoder-decoder with two inputs, and a learned relative position bias
   passed to SDPA as its mask (a mask that needs a gradient);

@@ -166,3 +166,22 @@ def test_a_rank_that_dies_restarts_the_job_from_its_checkpoint(tmp_path):
     assert "at step 2 on 2 processes" in done.stdout         # resumed after the restart
     assert done.stdout.count("step 2  loss") == 1            # not trained again
     assert "step 4  loss" in done.stdout and "checkpoint: step 4 saved" in done.stdout
+
+
+def test_a_failure_on_every_rank_is_one_line_and_its_exit_status(tmp_path):
+    """``partc train --nproc-per-node 2`` with a factory that raises on every rank: one
+    line on stderr, from the first rank to fail, naming the error, its file and line;
+    none of torchrun's log; the exit status says bad input (partc/cli/failures.py)."""
+    factory = tmp_path / "broken.py"
+    factory.write_text("def f():\n    raise RuntimeError('no tokens at /data/shard-0')\n")
+    env = {**os.environ, "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
+    done = subprocess.run([sys.executable, "-m", "partc", "train", f"{factory}:f",
+                           "--steps", "1", "--nproc-per-node", "2"], capture_output=True,
+                          text=True, timeout=240, env=env, cwd=tmp_path)
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.count("\n") == 1, done.stderr
+    assert done.stderr.startswith(f"partc train: FactoryError: {factory}:f raised "
+                                  "RuntimeError at broken.py:2: no tokens at /data/shard-0 "
+                                  "[rank "), done.stderr
+    assert done.stderr.endswith("; exit 2: bad input]\n")
