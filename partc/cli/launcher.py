@@ -76,6 +76,7 @@ loads (about two seconds).
 
 from __future__ import annotations
 
+import argparse
 import hashlib
 import logging
 import sys
@@ -203,7 +204,9 @@ def prepare(config: TrainConfig) -> tuple[Any, Any, Any, dict[str, Any]]:
     world = world_size_from_env()
     checked = check(config, world)   # before the model is built
     torch.manual_seed(config.seed)   # every rank builds the same initial weights
-    workload = cli.load_factory(config.target)
+    workload = cli.load_model(config.target, argparse.Namespace(
+        hf_config=config.hf_config, seq_len=config.seq_len,
+        global_batch=config.plan.get("global_batch")))
     if not callable(workload.get("data")):
         raise ValueError(f"{config.target} must return a dict with a 'data' key: a callable "
                          "data(step) -> (inputs, target) giving the global batch of a step")
@@ -230,10 +233,11 @@ def data_digest(workload: dict[str, Any], step: int) -> str:
     """A digest of ``data(step)``'s batch (shapes, dtypes and bytes): a resumed run whose
     data differs from the checkpoint's reads another batch at the checkpoint's last step."""
     import torch
+    import torch.utils._pytree as pytree
 
     digest = hashlib.sha256()
     inputs, target = _batch(workload["data"](step), f"data({step})")
-    for value in (*inputs, target):
+    for value in pytree.tree_leaves((inputs, target)):   # a batch by name too
         if isinstance(value, torch.Tensor):
             flat = value.detach().cpu().contiguous().reshape(-1)
             digest.update(f"{value.dtype}{tuple(value.shape)}".encode())
