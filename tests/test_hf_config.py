@@ -54,6 +54,9 @@ def test_train_makes_a_model_type_with_random_tokens_and_compiles_it():
     first, again = workload["data"](3), workload["data"](3)
     assert first[1] is None and torch.equal(first[0]["input_ids"], again[0]["input_ids"])
     assert first[0]["input_ids"].shape == (4, 16)
+    # A resumed run checks it reads the checkpoint's batches: a dict batch is digested.
+    assert launcher.data_digest(workload, 3) == launcher.data_digest(workload, 3) \
+        != launcher.data_digest(workload, 4)
     config = TrainConfig(target="llama", steps=1, plan={"global_batch": 4})
     program = launcher.compile_workload(config, workload, 1)
     assert program.plan.global_batch_size == 4 and program.plan.model.own_loss == "shifted"

@@ -233,11 +233,13 @@ def data_digest(workload: dict[str, Any], step: int) -> str:
     """A digest of ``data(step)``'s batch (shapes, dtypes and bytes): a resumed run whose
     data differs from the checkpoint's reads another batch at the checkpoint's last step."""
     import torch
-    import torch.utils._pytree as pytree
 
     digest = hashlib.sha256()
     inputs, target = _batch(workload["data"](step), f"data({step})")
-    for value in pytree.tree_leaves((inputs, target)):   # a batch by name too
+    # A batch by name (a dict of inputs) is digested value by value, in its order.
+    values = [v for item in (*inputs, target)
+              for v in (item.values() if isinstance(item, dict) else (item,))]
+    for value in values:
         if isinstance(value, torch.Tensor):
             flat = value.detach().cpu().contiguous().reshape(-1)
             digest.update(f"{value.dtype}{tuple(value.shape)}".encode())
