@@ -166,6 +166,8 @@ def model_key(model_identity: str, example_inputs: tuple, example_target: Any,
             return ("tensor", tuple(value.shape), str(value.dtype))
         if isinstance(value, (tuple, list)):
             return tuple(spec(v) for v in value)
+        if isinstance(value, dict):   # inputs by keyword
+            return ("keywords", tuple((key, spec(v)) for key, v in value.items()))
         return repr(value)
 
     loss = None if loss_fn is None else (getattr(loss_fn, "__module__", ""),

@@ -19,7 +19,7 @@ import logging
 import time
 from os import PathLike
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 import torch
 from torch import nn
@@ -33,7 +33,7 @@ from partc.cost.tables import TableCache
 from partc.device.budget import DeviceBudget, preset
 from partc.device.figures import FIGURE_NAMES, DeviceFigures
 from partc.errors import (PartcError, PlanFileError, PlanMismatchError, PlanValidationError,
-                          check_argument)
+                          TraceError, check_argument)
 from partc.identity import behaviour_digest, model_hash
 from partc.passes.pipeline import analyze, tensor_parallel_options
 from partc.passes.tp.chooser import Link
@@ -162,10 +162,8 @@ def problem_for_plan(plan: Plan, model: torch.nn.Module, *, loss_fn: Callable | 
     train = plan.train
     budget = budget_from_info(plan.budget)
     batch = plan.model.traced_batch_size or train.global_batch_size
-    example = {spec.name: torch.empty((batch, *spec.shape), dtype=spec.dtype, device="meta")
-               for spec in plan.model.inputs}
-    target = example.pop("target", None)
-    graph, analysis = analyze(model, tuple(example.values()), loss_fn=loss_fn,
+    args, kwargs, target = plan.model.meta_batch(batch)
+    graph, analysis = analyze(model, args, kwargs=kwargs, loss_fn=loss_fn,
                               example_target=target, name=plan.model.name,
                               attention=train.attention, autocast=autocast_dtype(train),
                               autocast_device=budget.device_type)
@@ -262,7 +260,37 @@ def _compact(value: Any) -> Any:
     return value
 
 
-def compile(model: torch.nn.Module, example_inputs: tuple | torch.Tensor, *,
+def model_inputs(example_inputs: Any) -> tuple[tuple, dict[str, torch.Tensor]]:
+    """``example_inputs`` as (positional tensors, keyword tensors): a tensor, a tuple of
+    tensors, or a mapping of names to tensors (a batch the model is called with as
+    ``model(**batch)``, a tokenizer's ``BatchEncoding``); anything else is refused."""
+    if isinstance(example_inputs, torch.Tensor):
+        return (example_inputs,), {}
+    if isinstance(example_inputs, Mapping):
+        args, kwargs = (), {str(k): v for k, v in example_inputs.items() if v is not None}
+    elif isinstance(example_inputs, (tuple, list)):
+        args, kwargs = tuple(example_inputs), {}
+    else:
+        raise TraceError(f"example_inputs is a {type(example_inputs).__name__}: give a "
+                         "tensor, a tuple of tensors (the forward's positional inputs) or a "
+                         "dict of tensors by name (the model called as model(**batch))")
+    named = [(f"example_inputs[{i}]", v) for i, v in enumerate(args)]
+    named += [(f"example_inputs[{k!r}]", v) for k, v in kwargs.items()]
+    for where, value in named:
+        if not isinstance(value, torch.Tensor):
+            raise TraceError(
+                f"{where} is a {type(value).__name__}, not a tensor: partc takes the "
+                "model's inputs as tensors, by position (a tuple) or by name (a dict: "
+                "example_inputs={'input_ids': ids, ...}, the model called as "
+                "model(**batch)); pass a dict's tensors by name, and settings such as "
+                "use_cache=False in the model's config")
+    if not named:
+        raise TraceError("example_inputs is empty: give the tensors of one batch")
+    return args, kwargs
+
+
+def compile(model: torch.nn.Module,
+            example_inputs: tuple | torch.Tensor | Mapping[str, torch.Tensor], *,
             budget: DeviceBudget, train: TrainSpec | None = None,
             loss_fn: Callable | None = None, example_target: Any = None,
             constraints: Constraints | None = None,
@@ -276,15 +304,16 @@ def compile(model: torch.nn.Module, example_inputs: tuple | torch.Tensor, *,
     with another budget or batch skips tracing and measuring, and an unchanged problem
     returns its plan at once (validated again)."""
     _check_compile_arguments(model, budget, train, loss_fn, constraints, options, name, cache)
-    if isinstance(example_inputs, torch.Tensor):
-        example_inputs = (example_inputs,)
+    example_inputs, kwargs = model_inputs(example_inputs)
     # A view (``ids[:, :-1]``) would be measured with its whole storage, which the plan
     # file's inputs (described by shape and dtype only) do not have: measure compact
     # copies, the same values.
     example_inputs = tuple(_compact(t) for t in example_inputs)
+    kwargs = {key: _compact(t) for key, t in kwargs.items()}
     example_target = _compact(example_target)
     if train is None:
-        train = TrainSpec(global_batch_size=int(example_inputs[0].shape[0]))
+        first = next(iter((*example_inputs, *kwargs.values())))
+        train = TrainSpec(global_batch_size=int(first.shape[0]))
     constraints = _one_replica_for_running_stats(model, constraints or Constraints())
     options = options or PlannerOptions()
     devices = device_numbers(budget, train.dtype)
@@ -293,13 +322,13 @@ def compile(model: torch.nn.Module, example_inputs: tuple | torch.Tensor, *,
     # The structure and the behaviour: models of one shape but other forwards (another
     # activation, an untied weight) are traced and measured apart.
     identity = f"{model_hash(model)}-{behaviour_digest(model)}"
-    key = model_key(identity, example_inputs, example_target, loss_fn, name,
-                    measured_for) if cache is not None else None
+    key = model_key(identity, (example_inputs, kwargs) if kwargs else example_inputs,
+                    example_target, loss_fn, name, measured_for) if cache is not None else None
     analysis = cache.analysis(key) if cache is not None else None
     graph = None
     if analysis is None:
         start = time.perf_counter()
-        graph, analysis = analyze(model, example_inputs, loss_fn=loss_fn,
+        graph, analysis = analyze(model, example_inputs, kwargs=kwargs, loss_fn=loss_fn,
                                   example_target=example_target, name=name,
                                   attention=train.attention,
                                   autocast=autocast_dtype(train),
@@ -432,7 +461,7 @@ def load(directory: str | Path, model: nn.Module, *, loss_fn: Callable | None = 
         raise PlanFileError(f"{path}: model.inputs is empty (a plan saved before partc "
                             "recorded its inputs): compile the model again",
                             path=str(path), field="model.inputs")
-    if loss_fn is None and "loss" in plan.layer_names:
+    if loss_fn is None and "loss" in plan.layer_names and plan.model.own_loss is None:
         raise PartcError(f"{path}: the plan trains with a loss (its last layer, 'loss'): "
                          "pass the same loss_fn to partc.load as to partc.compile")
     try:

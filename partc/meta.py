@@ -125,6 +125,11 @@ class TraceInfo:
     out_spec: Any  # torch.utils._pytree.TreeSpec of the model's output, or None
     has_loss: bool
     batch_size: int
+    # The inputs given by keyword (the last placeholders before the target, in order).
+    keywords: tuple[str, ...] = ()
+    # The model's own loss is the loss: which labels it averages over
+    # (``partc.passes.trace.counted_labels``); None: the user's loss_fn, or none.
+    own_loss: str | None = None
 
 
 @dataclass(frozen=True)

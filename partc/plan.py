@@ -261,6 +261,8 @@ class InputSpec:
     name: str
     shape: tuple[int, ...]
     dtype: torch.dtype
+    # Given by keyword (``model(**batch)``, ``forward_backward(**batch)``), by its name.
+    keyword: bool = field(default=False, metadata=UNLESS_DEFAULT)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -274,6 +276,22 @@ class ModelInfo:
     # The batch the model was traced and measured at (per-sample numbers depend on it a
     # little): partc.load measures again at this one. None: written before it was recorded.
     traced_batch_size: int | None = field(default=None, metadata=UNLESS_DEFAULT)
+    # The loss is the model's own (no loss_fn: a Hugging Face model given ``labels``),
+    # a mean over these labels: "shifted" (a causal LM's: ``labels[:, 1:]`` not -100),
+    # "tokens" (``labels`` not -100) or "samples"; the target is then one weight per
+    # sample, made by the runtime (``partc.runtime.label_weights``). None: loss_fn's.
+    own_loss: str | None = field(default=None, metadata=UNLESS_DEFAULT)
+
+    def meta_batch(self, batch: int) -> tuple[tuple, dict[str, torch.Tensor], Any]:
+        """Meta tensors of the recorded inputs for a batch of ``batch`` rows, as the
+        model is traced: (positional, by keyword, the target or None)."""
+        def empty(spec: InputSpec) -> torch.Tensor:
+            return torch.empty((batch, *spec.shape), dtype=spec.dtype, device="meta")
+
+        given = [spec for spec in self.inputs if spec.name != "target"]
+        target = next((empty(s) for s in self.inputs if s.name == "target"), None)
+        return (tuple(empty(s) for s in given if not s.keyword),
+                {s.name: empty(s) for s in given if s.keyword}, target)
 
 
 @own_form

@@ -359,6 +359,11 @@ class ModelSummary:
     tracer: str
     # (name, shape without the batch dimension, dtype name) of each input, target last
     inputs: tuple[tuple[str, tuple[int, ...], str], ...] = ()
+    # The inputs given by keyword (``model(**batch)``), in the order of ``inputs``.
+    keywords: tuple[str, ...] = ()
+    # The model's own loss is trained on: which labels it averages over ("shifted",
+    # "tokens", "samples": ``partc.passes.trace.counted_labels``); "": the user's loss_fn.
+    own_loss: str = ""
     # The dtype autocast computed in while the layers were measured ("bfloat16"); "": none,
     # the layers' numbers are in the traced dtype.
     autocast: str = ""

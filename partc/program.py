@@ -48,10 +48,7 @@ class Program:
         ``only``: the virtual stages to finish (all by default)."""
         self._need_model("lower the plan")
         plan = self.plan
-        example = {spec.name: torch.empty((plan.micro_batch_size, *spec.shape),
-                                          dtype=spec.dtype, device="meta")
-                   for spec in plan.model.inputs}
-        target = example.pop("target", None)
+        args, kwargs, target = plan.model.meta_batch(plan.micro_batch_size)
         tensor_parallel = plan.tensor_parallel
         lowering = Lowering(
             stages=plan.runs,  # one per virtual stage (pp x v), in model order
@@ -62,7 +59,7 @@ class Program:
             attention=plan.train.attention,
             ep=plan.mesh.ep, capacity_factor=plan.train.moe_capacity_factor,
             mixed=plan.train.dtype != torch.float32)
-        return lower(self.model, tuple(example.values()), lowering, loss_fn=self.loss_fn,
+        return lower(self.model, args, lowering, kwargs=kwargs, loss_fn=self.loss_fn,
                      example_target=target, only=only)
 
     def stages(self) -> list:

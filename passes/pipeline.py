@@ -415,16 +415,17 @@ class Lowered:
 
 
 def lower(model: nn.Module, example_inputs: tuple, lowering: Lowering, *,
-          loss_fn: Callable | None = None, example_target: Any = None,
-          only: Sequence[int] | None = None) -> Lowered:
+          kwargs: dict | None = None, loss_fn: Callable | None = None,
+          example_target: Any = None, only: Sequence[int] | None = None) -> Lowered:
     """The back half: ``model`` traced at the micro-batch size, cut into the plan's
     stages; ``stage_passes`` run on the stages in ``only`` (all by default: a rank
     needs its own stage, the emitted code every stage).
 
-    ``example_inputs`` (and ``example_target``) must have the micro-batch size in dim 0:
-    the graph's view shapes are those of one microbatch.
+    ``example_inputs`` (and ``kwargs``, ``example_target``) must have the micro-batch
+    size in dim 0: the graph's view shapes are those of one microbatch.
     """
-    gm, ctx = _trace(model, example_inputs, loss_fn=loss_fn, example_target=example_target)
+    gm, ctx = _trace(model, example_inputs, kwargs=kwargs, loss_fn=loss_fn,
+                     example_target=example_target)
     ctx = dataclasses.replace(ctx, lowering=lowering)
     gm = run_passes(lowering_passes(lowering), gm, ctx)
     stages = _split(gm, lowering.stages)

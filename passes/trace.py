@@ -8,6 +8,14 @@ tracer sees them, so no real activation is computed and a model on the meta devi
 The loss, when given, is appended as one ``call_module`` node whose module calls the
 user's ``loss_fn`` on the model's output rebuilt in its original structure; it is never
 traced into, so any Python loss works as long as it runs on fake tensors.
+
+Inputs are positional tensors, keyword tensors (``model(**batch)``: kept in the order of
+the forward's parameters, so a batch's key order does not change the graph), or both.
+Without ``loss_fn``, a model whose output holds a ``loss`` (a Hugging Face model given
+``labels``) trains on that loss: traced with the rest of the forward, it becomes the
+loss layer's input, and the loss layer weighs each microbatch's mean by its share of the
+batch's counted labels (:func:`weighted_own_loss`; ``partc.runtime.label_weights`` makes
+the weights), so that the step's loss is the whole batch's mean, as on one device.
 """
 
 from __future__ import annotations
@@ -29,6 +37,11 @@ from partc.identity import param_fqns
 from partc.passes.context import Context
 
 LOSS_MODULE = "loss"
+# What transformers' loss functions, by ``model.loss_type``, average over: "shifted" the
+# labels after the first position not -100 (a causal LM predicts the next token),
+# "tokens" every label not -100; any other model's loss is taken as a mean over samples.
+_COUNTED_LABELS = {"ForCausalLM": "shifted", "ForMaskedLM": "tokens",
+                   "ForTokenClassification": "tokens"}
 
 
 class LossCall(nn.Module):
@@ -44,6 +57,14 @@ class LossCall(nn.Module):
         return self.loss_fn(pytree.tree_unflatten(leaves, self.out_spec), target)
 
 
+def weighted_own_loss(loss: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """The model's own loss of one microbatch, a mean over its counted labels, times the
+    sum of its rows' weights: its count of labels over the batch's, times the number of
+    microbatches and replicas the runtime averages over (1 per microbatch for a mean
+    over samples)."""
+    return loss * weights.sum()
+
+
 def trace(model: nn.Module, example_inputs: Any, *, kwargs: dict | None = None,
           loss_fn: Callable | None = None, example_target: Any = None,
           name: str | None = None) -> tuple[fx.GraphModule, Context]:
@@ -51,13 +72,17 @@ def trace(model: nn.Module, example_inputs: Any, *, kwargs: dict | None = None,
 
     Reads: nothing. Writes: ``meta.PARAMS``, ``meta.MODULE_PATH``, ``meta.ROLE`` on nodes,
     ``meta.TRACE`` on the graph module.
-    Requires: ``example_inputs`` a tensor or tuple (dim 0 of the first is the batch).
-    Ensures: placeholders first (model inputs in order, then ``target`` when there is a
-    loss), each get_attr right before its first user, get_attr targets are the model's
-    own parameter FQNs, the output is the loss or the model's flattened output.
+    Requires: ``example_inputs`` a tensor or tuple and ``kwargs`` tensors by name (dim 0
+    of the first is the batch).
+    Ensures: placeholders first (positional inputs in order, then keyword inputs in the
+    forward's order, then ``target`` when there is a loss), each get_attr right before
+    its first user, get_attr targets are the model's own parameter FQNs, the output is
+    the loss or the model's flattened output. Without ``loss_fn``, an output holding a
+    ``loss`` makes the loss layer :func:`weighted_own_loss` of it, with a target of one
+    float weight per sample (``TraceInfo.own_loss`` says which labels it counts).
     """
     args = example_inputs if isinstance(example_inputs, tuple) else (example_inputs,)
-    kwargs = dict(kwargs or {})
+    kwargs = in_signature_order(model, dict(kwargs or {}))
     fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
     device = _model_device(model)
     fake_args, fake_kwargs = pytree.tree_map_only(
@@ -73,20 +98,62 @@ def trace(model: nn.Module, example_inputs: Any, *, kwargs: dict | None = None,
     _record_params(gm, model)
     inputs = [a for a in pytree.tree_leaves((fake_args, fake_kwargs))
               if isinstance(a, torch.Tensor)]
+    batch = int(inputs[0].shape[0]) if inputs and inputs[0].dim() else 1
+    own_loss = _own_loss_leaf(out_spec) if loss_fn is None else None
+    if own_loss is not None:
+        if example_target is None:
+            example_target = torch.empty(batch, dtype=torch.float32, device="meta")
+        loss_fn = weighted_own_loss
     target = pytree.tree_map_only(
         torch.Tensor, lambda t: _fake_like(fake_mode, t, device), example_target)
     if loss_fn is not None:
-        _append_loss(gm, loss_fn, out_spec)
+        _append_loss(gm, loss_fn, out_spec, only=own_loss)
     gm.recompile()
-    batch = int(inputs[0].shape[0]) if inputs and inputs[0].dim() else 1
     names = tuple(n.name for n in gm.graph.nodes if n.op == "placeholder")
     meta.set_trace_info(gm, meta.TraceInfo(
         tracer=tracer, num_inputs=len(names) - (loss_fn is not None), input_names=names,
-        out_spec=out_spec, has_loss=loss_fn is not None, batch_size=batch))
+        out_spec=out_spec, has_loss=loss_fn is not None, batch_size=batch,
+        keywords=tuple(kwargs),
+        own_loss=None if own_loss is None else counted_labels(model, kwargs)))
     ctx = Context(model=model, name=name or type(model).__name__, fake_mode=fake_mode,
                   fake_inputs=tuple(inputs), fake_target=target, batch_size=batch,
                   param_fqns=param_fqns(model))
     return gm, ctx
+
+
+def in_signature_order(model: nn.Module, kwargs: dict[str, Any]) -> dict[str, Any]:
+    """``kwargs`` in the order of the forward's parameters (names it takes through
+    ``**kwargs`` after them, as given)."""
+    try:
+        order = list(inspect.signature(model.forward).parameters)
+    except (TypeError, ValueError):
+        return kwargs
+    position = {name: i for i, name in enumerate(order)}
+    return dict(sorted(kwargs.items(), key=lambda item: position.get(item[0], len(order))))
+
+
+def counted_labels(model: nn.Module, kwargs: dict[str, Any]) -> str:
+    """Which labels the model's own loss averages over (see ``_COUNTED_LABELS``):
+    "shifted", "tokens", or "samples" (a mean over the batch's samples)."""
+    if "labels" not in kwargs:
+        return "samples"
+    return _COUNTED_LABELS.get(getattr(model, "loss_type", None) or "", "samples")
+
+
+def _own_loss_leaf(out_spec: pytree.TreeSpec) -> int | None:
+    """The position of ``loss`` among the output's leaves, if the output (a mapping, a
+    Hugging Face ``ModelOutput``) holds one directly."""
+    keys = out_spec.context if out_spec.num_children and isinstance(
+        out_spec.context, (list, tuple)) else ()
+    if "loss" not in keys:
+        return None
+    position = list(keys).index("loss")
+    # torch < 2.9 has no ``children()``; later ones deprecate ``children_specs``.
+    children = list(out_spec.children() if hasattr(out_spec, "children")
+                    else out_spec.children_specs)
+    if not children[position].is_leaf():
+        return None
+    return sum(child.num_leaves for child in children[:position])
 
 
 def _model_device(model: nn.Module) -> torch.device:
@@ -322,11 +389,16 @@ def _record_params(gm: fx.GraphModule, model: nn.Module) -> None:
             meta.set_params(node, tuple(names))
 
 
-def _append_loss(gm: fx.GraphModule, loss_fn: Callable, out_spec: pytree.TreeSpec) -> None:
+def _append_loss(gm: fx.GraphModule, loss_fn: Callable, out_spec: pytree.TreeSpec,
+                 only: int | None = None) -> None:
+    """The loss call after the model's outputs; ``only``: it reads that output leaf
+    alone (the model's own loss), the others are no longer outputs."""
     name = LOSS_MODULE if not hasattr(gm, LOSS_MODULE) else "partc_loss"
-    gm.add_submodule(name, LossCall(loss_fn, out_spec))
     output = _output(gm)
     leaves = list(output.args[0]) if isinstance(output.args[0], tuple) else [output.args[0]]
+    if only is not None:
+        leaves, out_spec = [leaves[only]], pytree.tree_flatten(0)[1]
+    gm.add_submodule(name, LossCall(loss_fn, out_spec))
     last_input = [n for n in gm.graph.nodes if n.op == "placeholder"][-1]
     with gm.graph.inserting_after(last_input):
         target = gm.graph.placeholder("target")

@@ -185,6 +185,23 @@ def hidden_mse(output, target: torch.Tensor) -> torch.Tensor:
     return F.mse_loss(output.last_hidden_state, target)
 
 
+def padded_batch(model: nn.Module, batch_size: int, seq: int,
+                 generator: torch.Generator) -> dict[str, torch.Tensor]:
+    """A causal LM's batch as a tokenizer pads it and a user calls ``model(**batch)``:
+    ``input_ids``, ``attention_mask`` (0 after each row's length, lengths from 2 to
+    ``seq``: microbatches count different numbers of labels), ``position_ids``, and
+    ``labels`` (the ids, -100 under padding)."""
+    vocab = getattr(model.config, "vocab_size", VOCAB)
+    ids = torch.randint(1, vocab, (batch_size, seq), generator=generator)
+    lengths = torch.randint(2, seq + 1, (batch_size,), generator=generator)
+    lengths[0] = seq
+    mask = (torch.arange(seq) < lengths[:, None]).long()
+    ids = ids.masked_fill(mask == 0, getattr(model.config, "pad_token_id", 0) or 0)
+    return {"input_ids": ids, "attention_mask": mask,
+            "position_ids": torch.arange(seq).expand(batch_size, seq).contiguous(),
+            "labels": ids.masked_fill(mask == 0, -100)}
+
+
 def batch(data: str, model: nn.Module, batch_size: int, seq: int,
           generator: torch.Generator) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
     """One batch of ``data``'s kind for ``model``: (inputs, target)."""

@@ -53,7 +53,9 @@ COMMAND = "train"
 class TrainConfig:
     """Everything ``partc train`` is told, from flags and the config file."""
 
-    target: str | None = None   # path/to/file.py:factory
+    target: str | None = None   # path/to/file.py:factory, or a Hugging Face config
+    hf_config: list[str] | None = None   # KEY=VALUE overrides of that config
+    seq_len: int | None = None           # its example batch's tokens per sample
     steps: int | None = None
     # The budget, pins and TrainSpec flags, as partc.cli.main reads them (by argparse dest;
     # absent: not given). The number of devices is the launch's world size.
@@ -91,8 +93,8 @@ class TrainConfig:
 
     def __post_init__(self) -> None:
         if self.target is None:
-            raise ValueError("no target: give path/to/file.py:factory (or target = ... in "
-                             "the config file)")
+            raise ValueError("no target: give path/to/file.py:factory or a Hugging Face "
+                             "config (or target = ... in the config file)")
         if self.steps is None:
             raise ValueError("--steps is required (or steps = ... in the config file)")
         if self.steps < 1:
@@ -160,12 +162,13 @@ def parser(*, full: bool = False) -> argparse.ArgumentParser:
                     epilog=cli.UNITS if full else EXAMPLES,
                     allow_abbrev=False,   # --devices must not read as --devices-per-node
                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("target", nargs="?", help="path/to/file.py:factory")
+    p.add_argument("target", nargs="?", help=cli.TARGET_HELP)
     p.add_argument("--config", help="TOML file with these settings (flags win over it)")
     p.add_argument("--steps", type=cli.COUNT, metavar="N", help="optimizer steps to train")
     p.add_argument("--nproc-per-node", type=cli.COUNT, metavar="N",
                    help="start N processes on this machine, as torchrun --standalone; a "
                         "failure ends with the failing rank's line and exit status")
+    cli._config_arguments(p.add_argument_group("a model by Hugging Face config"))
     cli._budget_arguments(p.add_argument_group(
         "devices, as partc plan (the number of devices is the launch's world size)"),
         devices=False, default_device=f"default {CPU_PRESET} where torch sees no GPU, else "

@@ -97,6 +97,7 @@ loads (about two seconds).
 
 from __future__ import annotations
 
+import argparse
 import hashlib
 import json
 import logging
@@ -263,7 +264,9 @@ def prepare(config: TrainConfig) -> tuple[Any, Any, Any, dict[str, Any]]:
     world = world_size_from_env()
     checked = check(config, world)   # before the model is built
     torch.manual_seed(config.seed)   # every rank builds the same initial weights
-    workload = called(cli.load_factory, config.target, config.target)
+    workload = called(cli.load_model, config.target, config.target, argparse.Namespace(
+        hf_config=config.hf_config, seq_len=config.seq_len,
+        global_batch=config.plan.get("global_batch")))
     files = open_data(config, workload)   # before the plan: a bad file fails fast
     if files is None and not callable(workload.get("data")):
         raise FactoryError(f"{config.target} must return a dict with a 'data' key: a "
@@ -365,7 +368,10 @@ def data_digest(workload: dict[str, Any], step: int) -> str:
 
     digest = hashlib.sha256()
     inputs, target = data_batch(workload, step)
-    for value in (*inputs, target):
+    # A batch by name (a dict of inputs) is digested value by value, in its order.
+    values = [v for item in (*inputs, target)
+              for v in (item.values() if isinstance(item, dict) else (item,))]
+    for value in values:
         if isinstance(value, torch.Tensor):
             flat = value.detach().cpu().contiguous().reshape(-1)
             digest.update(f"{value.dtype}{tuple(value.shape)}".encode())

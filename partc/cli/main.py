@@ -3,6 +3,9 @@
 - ``partc plan``: trace, measure and plan a model; print the report, write the plan.
 - ``partc report plan.json --format html``: render a saved plan again.
 - ``partc train file.py:factory ...``: train under torchrun (:mod:`partc.cli.launcher`).
+- A model may be named by its Hugging Face config instead of a factory: a directory
+  with ``config.json`` or a model type transformers ships (``partc plan llama
+  --hf-config num_hidden_layers=2``; :mod:`partc.cli.hf_config`).
 - ``partc calibrate --out profile.json``: measure this machine's devices and write a
   profile; ``partc plan ... --profile profile.json`` plans with its numbers.
 - ``partc checkpoint verify DIR``: check a checkpoint's files against its manifest's
@@ -36,6 +39,7 @@ from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
+from partc.cli import hf_config
 from partc.cli.choices import (ATTENTION, DTYPE_NAMES, ON_NONFINITE, OPTIMIZER_STATE_BYTES,
                                REPORT_FORMATS, SCHEDULES, TP_OBJECTIVES)
 from partc.cost.collectives import KINDS as COLLECTIVE_KINDS
@@ -320,8 +324,13 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+TARGET_HELP = ("path/to/file.py:factory, or a Hugging Face config: a model directory "
+               "(config.json) or a model type such as llama")
+
+
 def _plan_arguments(plan: argparse.ArgumentParser) -> None:
-    plan.add_argument("target", help="path/to/file.py:factory")
+    plan.add_argument("target", help=TARGET_HELP)
+    _config_arguments(plan.add_argument_group("a model by Hugging Face config"))
     _budget_arguments(plan.add_argument_group("devices"))
     _pin_arguments(plan.add_argument_group(
         "pins (the planner decides what is not pinned)"))
@@ -341,6 +350,17 @@ def _plan_arguments(plan: argparse.ArgumentParser) -> None:
     shown.add_argument("--progress", action="store_true",
                        help="progress bars on stderr even when it is not a terminal "
                             "(they are drawn by default on a terminal)")
+
+
+def _config_arguments(group) -> None:
+    """How a model named by its Hugging Face config is made (``partc plan``, ``partc
+    train``): :mod:`partc.cli.hf_config`."""
+    group.add_argument("--hf-config", action="append", metavar="KEY=VALUE",
+                       help="set a config field (repeat for more): --hf-config "
+                            "num_hidden_layers=2")
+    group.add_argument("--seq-len", type=COUNT, metavar="N",
+                       help="tokens per sample (default: max_position_embeddings, at most "
+                            "2048)")
 
 
 def _training_arguments(train) -> None:
@@ -491,7 +511,14 @@ def check_flags(args: argparse.Namespace, devices: int, command: str = "plan") -
 
 def check_target(target: str, command: str = "plan") -> None:
     """``file.py:factory``: the file exists, parses, and defines (or imports) ``factory``
-    at its top level, unless it makes names in ways a reader cannot see."""
+    at its top level, unless it makes names in ways a reader cannot see. A Hugging Face
+    config's directory holds config.json (a model type is checked when it is read)."""
+    if hf_config.is_config_target(target):
+        try:
+            hf_config.config_file(target)
+        except ValueError as error:
+            raise _refused(str(error), command) from None
+        return
     path, _, name = target.rpartition(":")
     if not path or not name:
         raise _refused(f"expected path/to/file.py:factory, got {target!r}", command)
@@ -546,6 +573,21 @@ CHECKS = {"plan": _check_plan, "report": _check_report}
 
 
 # ---------------------------------------------------------------------------- the plan
+
+def load_model(target: str, args: argparse.Namespace | None = None, *,
+               meta: bool = False) -> dict[str, Any]:
+    """What ``target`` names, as a factory's dict: the factory's, or a Hugging Face
+    config's causal LM (``meta``: on the meta device) with its example batch and data
+    (``args``: its --hf-config, --seq-len and --global-batch)."""
+    if not hf_config.is_config_target(target):
+        return load_factory(target)
+    try:
+        return hf_config.workload(target, getattr(args, "hf_config", None),
+                                  batch=getattr(args, "global_batch", None),
+                                  seq_len=getattr(args, "seq_len", None), meta=meta)
+    except ValueError as error:
+        raise _refused(str(error)) from None
+
 
 def load_factory(target: str) -> dict[str, Any]:
     """Import ``file.py:function`` and call it; normalise what it returns to a dict."""
@@ -606,7 +648,8 @@ def _train(args: argparse.Namespace, workload: dict[str, Any]):
     from partc.spec import TrainSpec
 
     inputs = workload["example_inputs"]
-    first = inputs[0] if isinstance(inputs, (tuple, list)) else inputs
+    first = inputs[0] if isinstance(inputs, (tuple, list)) else \
+        next(iter(inputs.values())) if isinstance(inputs, dict) else inputs
     train = workload.get("train") or TrainSpec(global_batch_size=int(first.shape[0]))
     return replace(train, **_flagged(args, TRAIN_FLAGS,
                                      dtype=lambda name: dtype_named(DTYPE_NAMES[name]),
@@ -620,7 +663,7 @@ def plan_command(args: argparse.Namespace) -> int:
     constraints, budget = _constraints(args), _budget(args)
     from partc.compiler import compile
 
-    workload = load_factory(args.target)
+    workload = load_model(args.target, args, meta=True)
     with _progress_bars(args.progress or (not args.quiet and sys.stderr.isatty())):
         program = compile(workload["model"], workload["example_inputs"], budget=budget,
                           train=_train(args, workload), loss_fn=workload.get("loss_fn"),

@@ -129,8 +129,10 @@ def make_plan(problem: PlanningProblem, config: PipelineConfig, evaluation: Eval
                         tracer=summary.tracer, num_layers=problem.num_layers,
                         traced_batch_size=summary.traced_batch_size,
                         inputs=tuple(InputSpec(name=name, shape=tuple(shape),
-                                               dtype=dtype_named(dtype))
-                                     for name, shape, dtype in summary.inputs)),
+                                               dtype=dtype_named(dtype),
+                                               keyword=name in summary.keywords)
+                                     for name, shape, dtype in summary.inputs),
+                        own_loss=summary.own_loss or None),
         tensor_parallel=tensor_parallel_section(problem, config),
         alternatives=alternatives,
         meshes=tuple(mesh_summary(mesh) for mesh in meshes),

@@ -6,12 +6,17 @@ global batch over dp); every other dimension and every dtype are the plan's
 (``plan.model.inputs``). A batch that differs raises :class:`partc.PlanMismatchError`
 naming each difference: pipelining fixes shapes at the first step, and a different
 shape later would fail on one rank with a dropped connection on the others.
+
+Inputs come as the model was traced: by position, by keyword (``forward_backward(**batch)``),
+or as one mapping (``forward_backward(batch)``); :meth:`BatchCheck.ordered` puts them in
+the plan's order (a positional input may also be given by its name). A plan on the
+model's own loss (``plan.model.own_loss``) takes no target: its labels are an input.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, Mapping
 
 import torch
 import torch.utils._pytree as pytree
@@ -29,14 +34,57 @@ class BatchCheck:
     global_batch_size: int
     dp: int
     dp_rank: int
+    own_loss: str | None = None   # ``plan.model.own_loss``: the target is made, not given
 
     @classmethod
     def of(cls, plan: Plan, dp_rank: int) -> "BatchCheck":
         specs = plan.model.inputs
+        own_loss = plan.model.own_loss
         return cls(inputs=tuple(s for s in specs if s.name != "target"),
-                   target=next((s for s in specs if s.name == "target"), None),
+                   target=None if own_loss else next(
+                       (s for s in specs if s.name == "target"), None),
                    global_batch_size=plan.global_batch_size,
-                   dp=plan.dp, dp_rank=dp_rank)
+                   dp=plan.dp, dp_rank=dp_rank, own_loss=own_loss)
+
+    def ordered(self, inputs: tuple, named: Mapping[str, Any], target: Any) -> tuple:
+        """The model's inputs in the plan's order, from those given by position and by
+        name (one mapping given alone counts as by name); PlanMismatchError naming what
+        is missing, unknown or not a tensor."""
+        if len(inputs) == 1 and isinstance(inputs[0], Mapping) and not named:
+            inputs, named = (), inputs[0]
+        named = {key: value for key, value in named.items() if value is not None}
+        positional = [s for s in self.inputs if not s.keyword]
+        problems = []
+        if len(inputs) > len(positional):
+            problems.append(f"{len(inputs)} inputs given by position, the plan takes "
+                            f"{len(positional)} ({_names(positional) or 'none'}) "
+                            f"and {_names(self.inputs, keyword=True)} by name")
+        by_position = dict(zip((s.name for s in positional), inputs))
+        twice = sorted(set(by_position) & set(named))
+        if twice:
+            problems.append(f"{', '.join(twice)} given both by position and by name")
+        given = {**named, **by_position}
+        missing = [s.name for s in self.inputs if s.name not in given]
+        unknown = sorted(set(given) - {s.name for s in self.inputs})
+        if missing:
+            problems.append(f"missing {', '.join(missing)}")
+        if unknown:
+            problems.append(f"{', '.join(unknown)} not among the model's inputs as traced "
+                            f"({_names(self.inputs)})")
+        if self.own_loss and target is not None:
+            problems.append("a target given, but the plan trains on the model's own loss: "
+                            "give its labels among the inputs")
+        if problems:
+            raise PlanMismatchError("this batch does not match the plan: " +
+                                    "; ".join(problems) + ". Pass the inputs the model was "
+                                    "compiled with, or compile again")
+        return tuple(given[s.name] for s in self.inputs)
+
+    def labels(self, inputs: tuple) -> torch.Tensor:
+        """The labels the model's own loss counts (``labels``; for a mean over samples,
+        the first input, whose rows are the samples)."""
+        names = [s.name for s in self.inputs]
+        return inputs[names.index("labels")] if "labels" in names else inputs[0]
 
     @property
     def share(self) -> int:
@@ -92,6 +140,10 @@ class BatchCheck:
             other, size = "data-parallel slice", self.share
         return (f"(or give this rank's {other}: dim 0 of {size}, "
                 f"global batch {self.global_batch_size} over dp {self.dp})")
+
+
+def _names(specs: Any, keyword: bool | None = None) -> str:
+    return ", ".join(s.name for s in specs if keyword is None or s.keyword == keyword)
 
 
 def _mismatch(spec: InputSpec, given: Any, batch: int) -> list[str]:

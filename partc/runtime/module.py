@@ -243,21 +243,26 @@ class DistributedModule:
 
     # -- one step ------------------------------------------------------------------------
 
-    def forward_backward(self, *inputs: torch.Tensor, target: Any = None) -> torch.Tensor:
+    def forward_backward(self, *inputs: Any, target: Any = None,
+                         **named: torch.Tensor) -> torch.Tensor:
         """Forward and backward over the whole global batch; returns its mean loss.
 
         Every rank passes the same global batch (``inputs`` with dim 0 the global batch
         size, and ``target``), each data-parallel replica taking its own rows, or only
         its replica's rows (dim 0 the global batch over dp, e.g. the samples of
         ``data_sampler().indices(step)``); stage 0 reads the inputs and the last stage
-        the target. Gradients accumulate into ``.grad`` like ``loss.backward()``: zero
-        them between steps.
+        the target. Inputs come as the model was compiled: by position, by name
+        (``forward_backward(**batch)``) or as one mapping (``forward_backward(batch)``);
+        a plan on the model's own loss takes no target, its labels being an input, and
+        returns the mean over the whole batch's counted labels, as one device's
+        ``model(**batch).loss`` (:mod:`.label_weights`). Gradients accumulate into
+        ``.grad`` like ``loss.backward()``: zero them between steps.
         """
         self.step += 1
         self._monitor.begin(self.step)
         self.last_step_skipped = False
         try:
-            loss = self._train(inputs, target)
+            loss = self._train(inputs, named, target)
             self._monitor.measured(loss, self.last_grad_norm, self.grad_norm,
                                    skipped=self.last_step_skipped)
             return loss
@@ -265,10 +270,10 @@ class DistributedModule:
             # Returned or raised, the user's code runs next: not judged by the watchdog.
             self._monitor.mark(IDLE)
 
-    def _train(self, inputs: tuple, target: Any) -> torch.Tensor:
+    def _train(self, inputs: tuple, named: dict[str, Any], target: Any) -> torch.Tensor:
         """Steps 1-5 of the module's doc, each a phase the watchdog hears."""
         losses: list[torch.Tensor] = []
-        args, kwargs = self._run.arguments(inputs, target, losses)
+        args, kwargs = self._run.arguments(inputs, named, target, losses)
         self._monitor.mark("schedule")
         self.last_messages = self._run.train(args, kwargs)
         self._monitor.mark("gradient sync")
@@ -296,7 +301,8 @@ class DistributedModule:
         self.last_step_skipped = True
         self.skipped_steps += 1
 
-    def evaluate(self, *inputs: torch.Tensor, target: Any = None) -> torch.Tensor:
+    def evaluate(self, *inputs: Any, target: Any = None,
+                 **named: torch.Tensor) -> torch.Tensor:
         """The mean loss of a global batch, forward only: the same on every rank.
 
         As ``forward_backward`` takes them (every rank passes the same global batch),
@@ -306,7 +312,7 @@ class DistributedModule:
         before training or between steps.
         """
         losses: list[torch.Tensor] = []
-        args, kwargs = self._run.arguments(inputs, target, losses)
+        args, kwargs = self._run.arguments(inputs, named, target, losses)
         self.state.wait_param_gathers()  # an evaluation has no step to overlap them with
         self._run.evaluate(args, kwargs)
         return self._run.mean_loss(losses)

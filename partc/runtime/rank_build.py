@@ -91,8 +91,10 @@ def connect(plan: Plan, model: nn.Module, loss_fn: Callable | None, *,
     if not plan.model.inputs:
         raise PartcError("the plan records no input shapes; compile it again with this "
                          "version of partc")
-    if loss_fn is None:
-        raise PartcError("training needs a loss: pass loss_fn to partc.compile/partc.load")
+    if loss_fn is None and plan.model.own_loss is None:
+        raise PartcError("training needs a loss: pass loss_fn to partc.compile/partc.load "
+                         "(or, for a model that returns its own loss, labels among the "
+                         "example inputs)")
     why = runtime_refusal(plan)
     if why is not None:
         raise PartcError(f"this plan cannot run: {why}")

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
-from typing import Any
+from typing import Any, Mapping
 
 import torch
 import torch.distributed as dist
@@ -20,6 +20,7 @@ import torch.utils._pytree as pytree
 from torch.distributed.pipelining.schedules import PipelineScheduleSingle
 
 from partc.runtime.batch_check import BatchCheck
+from partc.runtime.label_weights import label_counts, sample_weights
 from partc.runtime.rank_parts import RankParts
 
 # Newer torch schedules can drop the last stage's outputs instead of returning them.
@@ -34,12 +35,17 @@ class ScheduleRun:
         self._parts = parts
         self._batches = batches
 
-    def arguments(self, inputs: tuple, target: Any, losses: list[torch.Tensor]
-                  ) -> tuple[tuple, dict[str, Any]]:
+    def arguments(self, inputs: tuple, named: Mapping[str, Any], target: Any,
+                  losses: list[torch.Tensor]) -> tuple[tuple, dict[str, Any]]:
         """The schedule's arguments on this rank: its dp replica's rows of the inputs
-        (first stage) and of the target (last stage), after checking the batch; the
-        last stage appends each microbatch's loss to ``losses``."""
-        rows = self._batches.rows(inputs, target)
+        (given by position and by name; first stage) and of the target (last stage; for
+        the model's own loss, the samples' weights made from its labels), after checking
+        the batch; the last stage appends each microbatch's loss to ``losses``."""
+        batches = self._batches
+        inputs = batches.ordered(inputs, named, target)
+        rows = batches.rows(inputs, target)
+        if batches.own_loss:
+            target = self._label_weights(inputs, rows)  # the rows given, as the inputs
         device = self._parts.topology.device
         stages = self._parts.stages
         args = tuple(t[rows].to(device) for t in inputs) \
@@ -53,6 +59,17 @@ class ScheduleRun:
             # microbatch's until the step ends; partc only needs the losses.
             kwargs["return_outputs"] = False
         return args, kwargs
+
+    def _label_weights(self, inputs: tuple, rows: slice) -> torch.Tensor:
+        """The model's own loss: each sample's weight, of the batch given (the global
+        batch, or this replica's rows: collective over dp)."""
+        batches, topo = self._batches, self._parts.topology
+        counts = label_counts(batches.labels(inputs).cpu(), batches.own_loss)
+        # rows: all of them when this replica's rows were given (or there is one replica).
+        replicas = topo.dp if rows != slice(None) or topo.dp == 1 else 1
+        return sample_weights(counts, microbatches=self._parts.plan.num_microbatches,
+                              dp=topo.dp, replicas=replicas, device=topo.device,
+                              dp_group=topo.dp_group if replicas < topo.dp else None)
 
     def train(self, args: tuple, kwargs: dict[str, Any]) -> dict[str, int]:
         """Every microbatch's forward and backward; returns the point-to-point messages

@@ -129,7 +129,7 @@ def summarize(gm: fx.GraphModule, ctx: Context) -> ModelAnalysis:
             name=ctx.name, num_params=_num_params(ctx.model), hash=model_hash(ctx.model),
             tokens_per_sample=_tokens_per_sample(ctx), traced_batch_size=ctx.batch_size,
             traced_dtype_bytes=_dtype_bytes(ctx.model), tracer=info.tracer,
-            inputs=input_specs(gm),
+            inputs=input_specs(gm), keywords=info.keywords, own_loss=info.own_loss or "",
             autocast=str(ctx.autocast).removeprefix("torch.") if ctx.autocast else ""),
         layers=_with_experts(gm, ctx, meta.layer_costs(gm)),
         cut_bytes=tuple(c * per_sample for c in meta.cut_bytes(gm)),
@@ -139,13 +139,20 @@ def summarize(gm: fx.GraphModule, ctx: Context) -> ModelAnalysis:
 
 
 def input_specs(gm: fx.GraphModule) -> tuple[tuple[str, tuple[int, ...], str], ...]:
-    """Name, per-sample shape and dtype of each placeholder (the target last)."""
+    """Name, per-sample shape and dtype of each placeholder (the target last); inputs
+    given by keyword are named by their keyword."""
+    info = meta.trace_info(gm)
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    names = {node: node.name for node in placeholders}
+    model_inputs = [n for n in placeholders if meta.role(n) != meta.ROLE_TARGET]
+    if info.keywords:
+        names.update(zip(model_inputs[-len(info.keywords):], info.keywords))
     specs = []
-    for node in gm.graph.nodes:
-        if node.op != "placeholder" or not isinstance(node.meta.get("val"), torch.Tensor):
+    for node in placeholders:
+        if not isinstance(node.meta.get("val"), torch.Tensor):
             continue
         value = node.meta["val"]
-        specs.append((node.name, tuple(int(d) for d in value.shape[1:]),
+        specs.append((names[node], tuple(int(d) for d in value.shape[1:]),
                       str(value.dtype).removeprefix("torch.")))
     return tuple(specs)
 

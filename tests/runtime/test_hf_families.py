@@ -8,16 +8,23 @@ process under torchrun: a few in the default profile, one per kind of fix they n
   alternating with global ones;
 - Mixtral (pp=2): mixture-of-experts routing through transformers' grouped matmul;
 - Falcon (pp=2): constants torch.export lifts out of the forward, positions sent between
-  stages.
+  stages;
+- Llama called as people call it (pp=2): ``model(**batch)`` with ``input_ids``,
+  ``attention_mask`` (rows padded to different lengths), ``position_ids`` and
+  ``labels`` (-100 under padding), no loss_fn: trained on its own loss, the mean over the
+  whole batch's labels although each microbatch counts another number of them
+  (tp=2 and dp=2 too, with ``-m slow``).
 """
 
 from __future__ import annotations
 
 import pytest
 
-from .test_parity import assert_trains_like_one_process, launched
+from .test_parity import assert_trains_like_one_process, launch, launched
 
-CASES = ["hf-t5-pp2", "hf-gemma2-tp2", "hf-mixtral-pp2", "hf-falcon-pp2"]
+CASES = ["hf-t5-pp2", "hf-gemma2-tp2", "hf-mixtral-pp2", "hf-falcon-pp2",
+         "hf-llama-own-loss-pp2"]
+OWN_LOSS_SLOW = ["hf-llama-own-loss-tp2", "hf-llama-own-loss-dp2"]
 
 families = launched("families", 2, CASES)
 
@@ -28,4 +35,13 @@ def test_family_trains_like_one_process(families, name):
         assert_trains_like_one_process(rank, results[name])
     mesh = families[0][name]["mesh"]
     assert (mesh["pp"], mesh["tp"]) == ((2, 1) if name.endswith("pp2") else (1, 2))
+
+
+@pytest.mark.slow
+def test_own_loss_trains_like_one_process_under_tp_and_dp(tmp_path):
+    ranks = launch(2, OWN_LOSS_SLOW, tmp_path)
+    for name in OWN_LOSS_SLOW:
+        for rank, results in enumerate(ranks):
+            assert_trains_like_one_process(rank, results[name])
+    assert ranks[0]["hf-llama-own-loss-dp2"]["mesh"]["dp"] == 2
 

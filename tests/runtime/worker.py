@@ -347,10 +347,22 @@ for _family, _spec in hf_families.FAMILIES.items():
                                                  recompute="none"))
 
 
+# A Hugging Face model as people call it: model(**batch) with padding and labels, trained
+# on its own loss (no loss_fn), the mean over the whole batch's counted labels.
+for _mesh, _pins in (("pp2", dict(pp=2, schedule="1f1b")), ("tp2", dict(pp=1, tp=2)),
+                     ("dp2", dict(pp=1))):
+    CASES[f"hf-llama-own-loss-{_mesh}"] = Case(hf_families.FAMILIES["llama"].build,
+                                                "hf:padded", None,
+                                                dict(_pins, recompute="none"))
+
+
 def batch(case: Case, model: torch.nn.Module, step: int,
-          seq: int = SEQ) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
-    """Step ``step``'s batch: (the model's inputs, the loss's target)."""
+          seq: int = SEQ) -> tuple[Any, Any]:
+    """Step ``step``'s batch: (the model's inputs, the loss's target); for the model's
+    own loss, (its keyword inputs, None)."""
     g = torch.Generator().manual_seed(1000 + step)
+    if case.data == "hf:padded":
+        return hf_families.padded_batch(model, BATCH, seq, g), None
     if case.data.startswith("hf:"):
         return hf_families.batch(case.data[3:], model, BATCH, seq, g)
     x, y = _one_input_batch(case, model, g, seq)
@@ -449,7 +461,11 @@ def train_case(built: Built) -> dict[str, Any]:
             module.tp.ring_steps = 0
         state = torch.get_rng_state()
         before = FSDP_REDUCES[0]
-        losses.append(module.forward_backward(*x, target=y).item())
+        if isinstance(x, dict):  # by keyword, then as one mapping
+            loss = module.forward_backward(**x) if step % 2 else module.forward_backward(x)
+        else:
+            loss = module.forward_backward(*x, target=y)
+        losses.append(loss.item())
         reduces.append(FSDP_REDUCES[0] - before)
         messages.append(dict(module.last_messages))
         opt.step()
@@ -460,6 +476,8 @@ def train_case(built: Built) -> dict[str, Any]:
             pieces = zip(*(t.chunk(m) for t in x), y.chunk(m))
             ref_loss = sum(_backward(case.loss_fn(reference(*p[:-1]), p[-1]) / m)
                            for p in pieces)
+        elif isinstance(x, dict):
+            ref_loss = _backward(reference(**x).loss)
         else:
             ref_loss = _backward(case.loss_fn(reference(*x), y))
         if case.clip is not None:

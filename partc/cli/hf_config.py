@@ -1,0 +1,120 @@
+"""A model named by its Hugging Face config, for ``partc plan`` and ``partc train``:
+``partc plan llama --hf-config num_hidden_layers=2 --seq-len 512`` or ``partc plan
+path/to/model`` (a directory with ``config.json``, or that file).
+
+A target that is not ``file.py:factory`` is a config: a local directory (or its
+``config.json``), read by ``AutoConfig.from_pretrained`` with local files only, or a model
+type that transformers ships (``llama``, ``qwen2``, ``mistral``, ...:
+``AutoConfig.for_model``), each with the ``--hf-config KEY=VALUE`` overrides (values read
+as JSON where they parse: ``2``, ``true``, ``[1, 2]``; else strings). Nothing is
+downloaded. The model is the config's causal LM (``AutoModelForCausalLM.from_config``, no
+KV cache), built on the meta device for ``partc plan`` (nothing allocated: a 70B config
+plans on a laptop) and with the seed's random weights for ``partc train``. Its example
+batch is what a tokenizer gives and the model is called with, ``model(**batch)``:
+``input_ids``, ``attention_mask`` and ``labels`` of ``--global-batch`` (default 8) by
+``--seq-len`` (default the config's ``max_position_embeddings``, at most 2048); with
+``labels`` and no ``loss_fn`` the model trains on its own loss (``partc.runtime.label_weights``).
+
+Until a data flag gives real text, ``partc train`` feeds such a model random tokens,
+the same for a step on every rank and every run (``data(step)``, seeded by the step).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import difflib
+import json
+import re
+from pathlib import Path
+from typing import Any, Sequence
+
+DEFAULT_BATCH = 8
+MAX_DEFAULT_SEQ = 2048
+_FACTORY = re.compile(r"\.py:[A-Za-z_][A-Za-z0-9_]*$")
+
+
+def is_config_target(target: str) -> bool:
+    """A target that names a Hugging Face config, not ``file.py:factory``."""
+    return not _FACTORY.search(target) and not target.endswith(".py")
+
+
+def config_file(target: str) -> Path | None:
+    """The ``config.json`` a local target names, None for a model type's name; raises
+    ValueError for a path without one."""
+    path = Path(target)
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise ValueError(f"{target} holds no config.json: give a Hugging Face model "
+                             "directory, a model type such as llama, or file.py:factory")
+        return path / "config.json"
+    if path.suffix == ".json" or "/" in target or "\\" in target:
+        if not path.is_file():
+            raise ValueError(f"no such file or directory: {target}")
+        return path
+    return None
+
+
+def overrides(pairs: Sequence[str] | None) -> dict[str, Any]:
+    """``KEY=VALUE`` words as config fields: VALUE read as JSON where it parses."""
+    fields: dict[str, Any] = {}
+    for pair in pairs or ():
+        key, equals, value = pair.partition("=")
+        if not equals or not key.strip():
+            raise ValueError(f"--hf-config takes KEY=VALUE, got {pair!r}")
+        try:
+            fields[key.strip()] = json.loads(value)
+        except json.JSONDecodeError:
+            fields[key.strip()] = value
+    return fields
+
+
+def load_config(target: str, pairs: Sequence[str] | None = None) -> Any:
+    """The transformers config ``target`` names, with the overrides and no KV cache."""
+    from transformers import CONFIG_MAPPING, AutoConfig
+
+    fields = {**overrides(pairs), "use_cache": False}
+    file = config_file(target)
+    if file is not None:
+        return AutoConfig.from_pretrained(str(file), local_files_only=True, **fields)
+    if target not in CONFIG_MAPPING:
+        close = difflib.get_close_matches(target, list(CONFIG_MAPPING.keys()), n=3)
+        hint = f" (did you mean {' or '.join(close)}?)" if close else ""
+        raise ValueError(f"{target!r} is no model type transformers knows{hint}, no "
+                         "directory with config.json and no file.py:factory")
+    return AutoConfig.for_model(target, **fields)
+
+
+def workload(target: str, pairs: Sequence[str] | None = None, *, batch: int | None = None,
+             seq_len: int | None = None, meta: bool = False) -> dict[str, Any]:
+    """What a factory returns, for the causal LM of ``target``'s config: ``model``,
+    ``example_inputs`` (keyword tensors, labels among them), ``name`` and ``data``."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    config = load_config(target, pairs)
+    try:
+        with torch.device("meta") if meta else contextlib.nullcontext():
+            model = AutoModelForCausalLM.from_config(config)
+    except ValueError as error:
+        raise ValueError(f"{target}: {type(config).__name__} has no causal LM in "
+                         f"transformers ({str(error).splitlines()[0]}); write a factory "
+                         "(file.py:factory) for other models") from None
+    batch = batch or DEFAULT_BATCH
+    seq_len = seq_len or min(getattr(config, "max_position_embeddings", MAX_DEFAULT_SEQ),
+                             MAX_DEFAULT_SEQ)
+    vocab = config.vocab_size
+
+    def data(step: int) -> tuple[dict[str, torch.Tensor], None]:
+        generator = torch.Generator().manual_seed(step)
+        return token_batch(torch.randint(0, vocab, (batch, seq_len), generator=generator)), None
+
+    return {"model": model, "name": f"{type(model).__name__} ({Path(target).name})",
+            "example_inputs": token_batch(torch.zeros(batch, seq_len, dtype=torch.long)),
+            "data": data}
+
+
+def token_batch(ids: Any) -> dict[str, Any]:
+    """A causal LM's batch of unpadded token rows: ids, a mask of ones, labels the ids."""
+    import torch
+
+    return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids}

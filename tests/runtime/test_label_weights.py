@@ -1,0 +1,121 @@
+"""A Hugging Face model as people call it, on one process: compiled from a dict of
+keyword inputs with no loss_fn, trained on its own loss through the runtime over
+microbatches that count different numbers of labels (padding), and the weights that
+make the step's loss the whole batch's mean (partc/runtime/label_weights.py). Parity
+under torchrun (pp=2, tp=2): ``hf-llama-own-loss-*`` in tests/runtime/test_hf_families.py.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import partc
+from partc.runtime import label_weights
+from tests import hf_families
+from tests.tolerances import FP32
+
+B, T, MICROBATCHES = 8, 16, 4
+
+
+def padded(step: int, model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return hf_families.padded_batch(model, B, T, torch.Generator().manual_seed(step))
+
+
+@pytest.fixture(scope="module")
+def llama_program():
+    torch.manual_seed(0)
+    model = hf_families.FAMILIES["llama"].build()
+    reference = copy.deepcopy(model)
+    program = partc.compile(model, example_inputs=padded(0, model),
+                            budget=partc.DeviceBudget(num_devices=1, device="CPU"),
+                            train=partc.TrainSpec(global_batch_size=B),
+                            constraints=partc.Constraints(num_microbatches=MICROBATCHES))
+    module = program.build()
+    yield program, module, reference
+    module.close()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def test_the_plan_records_keyword_inputs_and_the_models_own_loss(llama_program):
+    program, _, _ = llama_program
+    model = program.plan.model
+    assert [(s.name, s.keyword) for s in model.inputs] == [
+        ("input_ids", True), ("attention_mask", True), ("position_ids", True),
+        ("labels", True), ("target", False)]
+    assert model.own_loss == "shifted"   # LlamaForCausalLM: next-token labels
+
+
+def test_a_saved_own_loss_plan_loads_without_a_loss_fn(llama_program, tmp_path):
+    program, _, reference = llama_program
+    program.save(tmp_path, code=False)
+    loaded = partc.load(tmp_path, reference)   # measured again from keyword inputs
+    assert loaded.plan.hash == program.plan.hash and loaded.plan.model == program.plan.model
+
+
+def test_forward_backward_by_keyword_and_by_mapping_equals_one_process(llama_program):
+    _, module, reference = llama_program
+    for step in range(2):
+        batch = padded(step, reference)
+        module.zero_grad()
+        loss = module.forward_backward(**batch) if step else module.forward_backward(batch)
+        reference.zero_grad()
+        expected = reference(**batch).loss
+        expected.backward()
+        assert loss.item() == pytest.approx(expected.item(), rel=FP32)
+        # The mean of the microbatches' means is another number: the weights matter.
+        with torch.no_grad():
+            means = [reference(**{k: v.chunk(MICROBATCHES)[i] for k, v in batch.items()})
+                     .loss.item() for i in range(MICROBATCHES)]
+        assert abs(sum(means) / MICROBATCHES - expected.item()) > 10 * FP32 * expected.item()
+        grads = dict(reference.named_parameters())
+        for name, param in module.named_parameters():
+            want = grads[name].grad
+            assert (param.grad - want).norm() <= FP32 * max(want.norm(), 1e-3), name
+
+
+def test_a_batch_unlike_the_compiled_one_is_refused_by_name(llama_program):
+    _, module, reference = llama_program
+    batch = padded(0, reference)
+    with pytest.raises(partc.PlanMismatchError, match="missing labels"):
+        module.forward_backward(**{k: v for k, v in batch.items() if k != "labels"})
+    with pytest.raises(partc.PlanMismatchError, match="token_type_ids not among"):
+        module.forward_backward(**batch, token_type_ids=batch["input_ids"])
+    with pytest.raises(partc.PlanMismatchError, match="own loss: give its labels"):
+        module.forward_backward(**batch, target=batch["labels"])
+
+
+def test_counts_follow_the_models_loss():
+    labels = torch.tensor([[5, 6, -100, -100], [-100, 1, 2, 3]])
+    assert label_weights.label_counts(labels, "shifted").tolist() == [1, 3]
+    assert label_weights.label_counts(labels, "tokens").tolist() == [2, 3]
+    assert label_weights.label_counts(labels, "samples").tolist() == [1, 1]
+
+
+def test_weights_make_the_microbatch_losses_average_to_the_batch_mean():
+    counts = torch.tensor([4.0, 0.0, 1.0, 1.0, 2.0, 2.0])   # 3 microbatches of 2
+    weights = label_weights.sample_weights(counts, microbatches=3, dp=1, replicas=1)
+    per_microbatch = weights.reshape(3, 2).sum(1)
+    # w_m = n_m * M * dp / N: the runtime's mean over microbatches of w_m * S_m / n_m.
+    assert per_microbatch.tolist() == pytest.approx([4 * 3 / 10, 2 * 3 / 10, 4 * 3 / 10])
+
+
+def test_a_replicas_rows_are_weighed_by_the_whole_batchs_count(monkeypatch):
+    # This replica's rows only: the batch's total comes from the other replica (an
+    # all-reduce over dp, here the other replica's numbers added).
+    other = torch.tensor([6.0, 0.0], dtype=torch.float64)
+    monkeypatch.setattr(label_weights.dist, "all_reduce",
+                        lambda numbers, group=None: numbers.add_(other))
+    mine = torch.tensor([1.0, 3.0])
+    weights = label_weights.sample_weights(mine, microbatches=2, dp=2, replicas=1)
+    assert weights.tolist() == pytest.approx([1 * 4 / 10, 3 * 4 / 10])
+
+
+def test_a_microbatch_without_labels_is_refused():
+    counts = torch.tensor([3.0, 2.0, 0.0, 0.0])
+    with pytest.raises(partc.PartcError, match="1 of the step's 2 microbatches count no label"):
+        label_weights.sample_weights(counts, microbatches=2, dp=1, replicas=1)

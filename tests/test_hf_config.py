@@ -1,0 +1,82 @@
+"""``partc plan`` and ``partc train`` take a model by its Hugging Face config
+(partc/cli/hf_config.py): a local directory or a model type transformers ships, with
+overrides; planned on the meta device, trained on its own loss from keyword inputs."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from partc.cli import hf_config, launcher
+from partc.cli.config import TrainConfig
+from partc.cli.main import main
+
+TINY = ["hidden_size=64", "intermediate_size=128", "num_attention_heads=4",
+        "num_key_value_heads=2", "vocab_size=128", "num_hidden_layers=1"]
+
+
+@pytest.fixture(scope="module")
+def config_dir(tmp_path_factory):
+    """A model directory as a user has one: config.json only (no weights, no network)."""
+    from transformers import LlamaConfig
+
+    path = tmp_path_factory.mktemp("tiny-llama")
+    LlamaConfig(hidden_size=64, intermediate_size=128, num_attention_heads=4,
+                num_key_value_heads=2, vocab_size=128, num_hidden_layers=2,
+                max_position_embeddings=16).save_pretrained(path)
+    return path
+
+
+def test_plan_takes_a_model_directory(config_dir, capsys):
+    code = main(["plan", str(config_dir), "--hf-config", "num_hidden_layers=1",
+                 "--global-batch", "4", "--devices", "1", "--device", "CPU", "-q",
+                 "--format", "json"])
+    assert code == 0
+    plan = json.loads(capsys.readouterr().out)
+    model = plan["model"]
+    assert model["name"] == "LlamaForCausalLM (tiny-llama0)"
+    # The example batch is a tokenizer's, by keyword; the loss is the model's own.
+    assert [(s["name"], s["shape"], s.get("keyword", False)) for s in model["inputs"]] == [
+        ("input_ids", [16], True), ("attention_mask", [16], True), ("labels", [16], True),
+        ("target", [], False)]   # max_position_embeddings: the sequence length
+    assert model["own_loss"] == "shifted"
+    # num_hidden_layers=1 overrode the file's 2: one decoder layer was planned.
+    layers = [layer for stage in plan["stages"] for layer in stage["layers"]]
+    assert "model.layers.0" in layers and "model.layers.1" not in layers
+
+
+def test_train_makes_a_model_type_with_random_tokens_and_compiles_it():
+    workload = hf_config.workload("llama", TINY, batch=4, seq_len=16)
+    model = workload["model"]
+    assert not any(p.is_meta for p in model.parameters()) and not model.config.use_cache
+    first, again = workload["data"](3), workload["data"](3)
+    assert first[1] is None and torch.equal(first[0]["input_ids"], again[0]["input_ids"])
+    assert first[0]["input_ids"].shape == (4, 16)
+    # A resumed run checks it reads the checkpoint's batches: a dict batch is digested.
+    assert launcher.data_digest(workload, 3) == launcher.data_digest(workload, 3) \
+        != launcher.data_digest(workload, 4)
+    config = TrainConfig(target="llama", steps=1, plan={"global_batch": 4})
+    program = launcher.compile_workload(config, workload, 1)
+    assert program.plan.global_batch_size == 4 and program.plan.model.own_loss == "shifted"
+
+
+@pytest.mark.parametrize("target, says", [
+    ("lama", "'lama' is no model type transformers knows (did you mean llama"),
+    ("{missing}", "holds no config.json"),
+    ("no/such/dir", "no such file or directory: no/such/dir"),
+])
+def test_a_config_that_is_not_there_is_refused_in_one_line(tmp_path, capsys, target, says):
+    code = main(["plan", target.format(missing=tmp_path), "--devices", "1", "-q"])
+    err = capsys.readouterr().err
+    assert code == 2 and says in err and err.count("\n") == 1, err
+
+
+def test_overrides_read_json_values():
+    assert hf_config.overrides(["a=2", "b=true", "c=silu", "d=[1, 2]"]) == {
+        "a": 2, "b": True, "c": "silu", "d": [1, 2]}
+    with pytest.raises(ValueError, match="KEY=VALUE"):
+        hf_config.overrides(["num_hidden_layers"])
+    assert hf_config.is_config_target("llama") and hf_config.is_config_target("models/x")
+    assert not hf_config.is_config_target("samples/gpt.py:factory")
