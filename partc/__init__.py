@@ -27,8 +27,8 @@ _EXPORTS = {
     "PRESETS": "device.budget", "DeviceBudget": "device.budget",
     "PlanCache": "cache",
     "build_problem": "compiler", "compile": "compiler", "plan_problem": "compiler",
-    "CheckpointError": "errors", "PartcError": "errors", "PlanFileError": "errors",
-    "NonFiniteError": "errors", "PlanInfeasibleError": "errors",
+    "BatchMismatchError": "errors", "CheckpointError": "errors", "PartcError": "errors",
+    "PlanFileError": "errors", "NonFiniteError": "errors", "PlanInfeasibleError": "errors",
     "PlanMismatchError": "errors", "PlanSchemaError": "errors",
     "PlanValidationError": "errors", "TraceError": "errors",
     "Plan": "plan",
@@ -45,9 +45,10 @@ if TYPE_CHECKING:   # what static tools and IDEs read
     from partc.cache import PlanCache
     from partc.compiler import build_problem, compile, load, plan_problem
     from partc.device.budget import PRESETS, DeviceBudget
-    from partc.errors import (CheckpointError, NonFiniteError, PartcError, PlanFileError,
-                              PlanInfeasibleError, PlanMismatchError, PlanSchemaError,
-                              PlanValidationError, TraceError)
+    from partc.errors import (BatchMismatchError, CheckpointError, NonFiniteError,
+                              PartcError, PlanFileError, PlanInfeasibleError,
+                              PlanMismatchError, PlanSchemaError, PlanValidationError,
+                              TraceError)
     from partc.options import PlannerOptions, ShardingOptions
     from partc.plan import Plan
     from partc.planner.validate import validate_plan

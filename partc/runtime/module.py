@@ -13,7 +13,10 @@ all microbatches of the global batch (:mod:`.schedule_run`), then:
    (``partc/runtime/optimizer.py``); under ZeRO-2/3 FSDP2 reduce-scatters them, each
    replica keeping the mean gradient of its shard (:mod:`.fsdp_shard`);
 3. reduces the mean loss and the global gradient norm in one all-reduce and checks
-   them for inf and NaN (:mod:`.nonfinite`): by default a non-finite step raises
+   them for inf and NaN (:mod:`.nonfinite`), and in the same all-reduce compares a
+   digest of the batch over the ranks that must train on the same one
+   (:mod:`.batch_digest`: :class:`partc.BatchMismatchError` names two that do not;
+   ``TrainSpec.batch_check_every``); by default a non-finite step raises
    :class:`partc.NonFiniteError` before the optimizer steps; with
    ``TrainSpec(on_nonfinite="skip")`` its gradients are dropped, so that the optimizer's
    next step changes nothing, and it is counted (``skipped_steps``, telemetry);
@@ -91,7 +94,7 @@ class DistributedModule:
         self.global_batch_size = self._batches.global_batch_size
         self._gradients = GradientSync(parts, self.state)
         self._run = ScheduleRun(parts, self._batches)
-        self._check = StepCheck(parts, self._gradients)
+        self._check = StepCheck(parts, self._gradients, self._batches)
         self._monitor = StepMonitor(parts)
         self._saves = checkpoint.BackgroundSave()
         self._stop = StopFlag()  # stop_requested()'s: set by a stop signal
@@ -268,12 +271,13 @@ class DistributedModule:
         """Steps 1-5 of the module's doc, each a phase the watchdog hears."""
         losses: list[torch.Tensor] = []
         args, kwargs = self._run.arguments(inputs, target, losses)
+        digests = self._check.digests.measure(self.step, inputs, target)
         self._monitor.mark("schedule")
         self.last_messages = self._run.train(args, kwargs)
         self._monitor.mark("gradient sync")
         self._gradients.sync()
         self._monitor.mark("loss all-reduce")
-        numbers = self._check.reduce(self.step, losses)
+        numbers = self._check.reduce(self.step, losses, digests)
         self.last_numbers = numbers
         self.last_grad_norm = numbers.grad_norm
         if self._check.judge(numbers):  # raises, unless the plan skips such steps
