@@ -19,7 +19,7 @@ expert-parallel ranks inside it. Hence:
 Ranks of different replicas given their own rows legitimately see different data (a
 loader that shards samples over replicas, ``data_sampler().indices(step)``): nothing
 compares them. The expert-parallel all-to-all crosses replicas by design. partc has no
-context parallelism.
+context parallelism. ``evaluate``'s batch is not checked: it changes no parameter.
 
 The digests. Each is BLAKE2b (``hashlib``, 48 bits) over tensors' dtypes, shapes and
 bytes: the inputs, then the target's tensors.
