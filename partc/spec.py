@@ -116,8 +116,8 @@ class TrainSpec:
     that same all-reduce (:mod:`partc.runtime.batch_digest`): a batch that differs
     raises :class:`partc.BatchMismatchError` naming two ranks and the step, before the
     optimizer steps. N checks steps 1, 1 + N, 1 + 2N, ...; the default, 1, checks every
-    step, for the cost of hashing the rank's share of the batch (about 1 ns per byte) and
-    four floats per rank in the all-reduce; 0 turns the check off.
+    step, for the cost of hashing the rank's share of the batch (about 1 ns per byte on
+    an idle core) and four floats per rank in the all-reduce; 0 turns the check off.
     """
 
     global_batch_size: int
