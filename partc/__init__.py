@@ -27,7 +27,7 @@ _EXPORTS = {
     "PRESETS": "device.budget", "DeviceBudget": "device.budget",
     "PlanCache": "cache",
     "build_problem": "compiler", "compile": "compiler", "plan_problem": "compiler",
-    "ArgumentTypeError": "errors",
+    "ArgumentTypeError": "errors", "BatchMismatchError": "errors",
     "CheckpointError": "errors", "FactoryError": "errors", "PartcError": "errors",
     "PlanFileError": "errors",
     "NonFiniteError": "errors", "PlanInfeasibleError": "errors",
@@ -48,8 +48,9 @@ if TYPE_CHECKING:   # what static tools and IDEs read
     from partc.cache import PlanCache
     from partc.compiler import build_problem, compile, load, plan_problem
     from partc.device.budget import PRESETS, DeviceBudget
-    from partc.errors import (ArgumentTypeError, CheckpointError, DataError, FactoryError,
-                              NonFiniteError, PartcError, PlanFileError, PlanInfeasibleError,
+    from partc.errors import (ArgumentTypeError, BatchMismatchError, CheckpointError,
+                              DataError, FactoryError, NonFiniteError, PartcError,
+                              PlanFileError, PlanInfeasibleError,
                               PlanMismatchError, PlanSchemaError, PlanValidationError,
                               TraceError)
     from partc.options import PlannerOptions, ShardingOptions

@@ -68,6 +68,19 @@ class CheckpointError(PartcError):
         self.tensor = tensor
 
 
+class BatchMismatchError(PartcError):
+    """Ranks that must train on the same batch were given different ones (the ranks of
+    one data-parallel replica, or ranks given the global batch), found by the batch
+    digest before the optimizer stepped (``TrainSpec.batch_check_every``): no parameter
+    changed. Raised on every rank alike. ``step``: the step (``module.step``, counting
+    from 1); ``ranks``: two ranks that disagree."""
+
+    def __init__(self, message: str, *, step: int, ranks: tuple[int, int]) -> None:
+        super().__init__(message)
+        self.step = step
+        self.ranks = ranks
+
+
 class NonFiniteError(PartcError):
     """A training step whose loss or gradient norm is inf or NaN, found before the
     optimizer stepped (``TrainSpec.on_nonfinite="raise"``, the default): no parameter

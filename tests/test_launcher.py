@@ -4,6 +4,7 @@ tests/runtime/test_launcher_run.py, under torchrun.)"""
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import json
 import math
@@ -187,10 +188,17 @@ def test_learning_rate_warms_up_then_falls_on_a_cosine():
 
 
 class _Module:
-    """What train() uses of a DistributedModule, recording the calls."""
+    """What train() uses of a DistributedModule, recording the calls and the steps whose
+    data calls the watchdog was told of."""
 
     def __init__(self) -> None:
         self.calls: list[tuple] = []
+        self.watched: list[int] = []
+
+    @contextlib.contextmanager
+    def watch_data(self, step):
+        self.watched.append(step)
+        yield
 
     def forward_backward(self, *inputs, target):
         self.calls.append(("forward_backward", inputs[0].item(), target))
@@ -227,6 +235,7 @@ def test_the_loop_steps_evaluates_resumes_and_stops():
         ("forward_backward", 3, "t3"), ("step", learning_rate(3, config)),
         ("evaluate", -1, "t-1"),        # after the 4th step: the held-out batch
         ("forward_backward", 4, "t4"), ("step", learning_rate(4, config))]
+    assert module.watched == [-1, 2, 3, 4]   # every data call, the held-out one first
 
 
 def test_eval_data_replaces_the_held_out_step():

@@ -47,6 +47,13 @@ telemetry (``partc/runtime/telemetry.py``) prints a line per step on rank 0 and,
 ``--log-dir``, writes JSON lines per rank (and TensorBoard events with ``--tensorboard``;
 ``--wandb PROJECT``: rank 0 logs the same figures to Weights & Biases).
 ``--out DIR``: rank 0 saves the program there (plan.json, report.md, report.html, code/).
+With more than one rank the watchdog (``partc/runtime/watchdog.py``) also watches every
+``data(step)`` call and every checkpoint save and load, each against a limit of its own
+(``PARTC_WATCHDOG_DATA_S``, ``PARTC_WATCHDOG_SAVE_S``, ``PARTC_WATCHDOG_LOAD_S``; by
+default 0.9 of the collective timeout ``PARTC_TIMEOUT_S``): a rank that stays there while
+the others wait for it is named on every rank (``rank 1 spent 540.2 s in data(step=12)
+while other ranks waited for it``) and the job ends with exit code 75, not at the
+collective timeout with no rank named.
 
 Checkpoints (``partc/runtime/checkpoint.py``): with ``--checkpoint-dir D`` every rank
 saves every ``--checkpoint-every N`` steps and after the last (``--keep K``: only the
@@ -229,13 +236,17 @@ def train(module: Any, optimizer: Any, workload: dict[str, Any], config: TrainCo
     and its evaluation: where a checkpoint is written; returning True stops training
     there (a requested stop). Resuming is loading the checkpoint and passing its step as
     ``start_step``: the learning rate and the data are functions of the step."""
-    held_out = _held_out(workload) if config.eval_every else None
+    held_out = None
+    if config.eval_every:
+        with module.watch_data(HELD_OUT_STEP):
+            held_out = _held_out(workload)
     losses = []
     for step in range(start_step, config.steps):
         lr = learning_rate(step, config)
         for group in optimizer.param_groups:
             group["lr"] = lr
-        inputs, target = data_batch(workload, step, rows="rank_data" in workload)
+        with module.watch_data(step):   # the watchdog names a rank stuck here
+            inputs, target = data_batch(workload, step, rows="rank_data" in workload)
         loss = module.forward_backward(*inputs, target=target)
         if telemetry is not None:
             telemetry.note(lr=lr)
@@ -429,10 +440,11 @@ class _Checkpoints:
         self.stopped = False
 
     def save(self, step: int, *, async_save: bool) -> None:
+        with self.module.watch_data(step - 1):   # the record reads that step's batch again
+            extra = _record(self.config, self.workload, step)
         path = self.module.save_checkpoint(
-            self.directory, optimizer=self.optimizer, step=step,
-            extra=_record(self.config, self.workload, step), async_save=async_save,
-            keep=self.config.keep)
+            self.directory, optimizer=self.optimizer, step=step, extra=extra,
+            async_save=async_save, keep=self.config.keep)
         if self.module.topology.rank == 0 and not self.config.quiet:
             print(f"checkpoint: step {step} {'saving' if async_save else 'saved'} to {path}",
                   flush=True)
@@ -496,7 +508,9 @@ def _execute(config: TrainConfig) -> Outcome:
             if found is not None:
                 # Checked before any tensor is read (every rank reads the same manifest).
                 manifest = checkpoint.read_manifest(found)
-                check_resume(manifest["extra"], config, workload, manifest["step"], found)
+                with module.watch_data(manifest["step"] - 1):   # reads that step's batch
+                    check_resume(manifest["extra"], config, workload, manifest["step"],
+                                 found)
                 start, _ = module.load_checkpoint(found, optimizer=optimizer)
                 if module.topology.rank == 0 and not config.quiet:
                     print(f"resumed from {found} at step {start} on "

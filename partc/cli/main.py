@@ -67,6 +67,7 @@ TRAIN_FLAGS = {
     "compile": "--compile", "loss_per_microbatch": "--loss-per-microbatch",
     "tp_overlap": "--no-tp-overlap", "overlap_param_gather": "--no-param-gather-overlap",
     "bucket_elements": "--bucket-elements", "on_nonfinite": "--on-nonfinite",
+    "batch_check_every": "--batch-check-every",
 }
 # A figure's flag is in its metadata (partc.device.figures).
 BUDGET_FLAGS = {"num_devices": "--devices", "device": "--device", "profile": "--profile",
@@ -401,6 +402,9 @@ def _training_arguments(train) -> None:
                        help="a step whose loss or gradient norm is inf or NaN: raise "
                             "before the optimizer steps (default), skip it (gradients "
                             "dropped, counted in telemetry), or ignore it")
+    train.add_argument("--batch-check-every", type=WHOLE, metavar="N",
+                       help="compare a digest of the batch over the ranks that must train "
+                            "on the same one every N steps (default 1; 0: never)")
     train.add_argument("--compile", action="store_true",
                        help="run each stage through torch.compile (fused element-wise ops; "
                             "the plan prices the fused bytes)")

@@ -99,6 +99,7 @@ from partc.runtime.checkpoint_files import (METADATA, SafeReader, check_files, d
                                             read_metadata)
 from partc.runtime.checkpoint_lock import check_not_foreign, remove_stale, temporary_name
 from partc.runtime.rank_state import RankState
+from partc.runtime.watchdog import PhaseMarks, at_work
 
 log = logging.getLogger("partc.runtime")
 
@@ -184,11 +185,14 @@ class BackgroundSave:
 
 def save(rank_state: RankState, saves: BackgroundSave, directory: str | os.PathLike, *,
          optimizer: torch.optim.Optimizer | None, step: int, extra: dict | None,
-         async_save: bool, keep: int | None, last_step: dict | None = None) -> Path:
+         async_save: bool, keep: int | None, last_step: dict | None = None,
+         marks: PhaseMarks | None = None) -> Path:
     """``module.save_checkpoint``: collect, make the temporary directory, write, commit;
     each step agreed by every rank before the next. ``last_step``: the finiteness of the
-    last step's numbers (``loss``, ``grad_norm``, ``skipped``), for the manifest."""
-    wait(saves)
+    last step's numbers (``loss``, ``grad_norm``, ``skipped``), for the manifest;
+    ``marks``: the watchdog hears the storage work (writing, hashing) apart from the
+    rest, where the ranks done with theirs wait."""
+    wait(saves, marks=marks)
     root = Path(directory)
     state, manifest = _collect(rank_state, optimizer, step, extra, keep, root)
     manifest["finite"] = {"state": _all_finite(state, rank_state),
@@ -201,12 +205,13 @@ def save(rank_state: RankState, saves: BackgroundSave, directory: str | os.PathL
             saves, state, tmp, final, step,
             commit=lambda: _commit(root, tmp, final, rank_state, manifest, keep))
         return final
-    _write(state, tmp, step)
-    digested = _digest_own_files(tmp, step)
+    _write(state, tmp, step, marks)
+    digested = _digest_own_files(tmp, step, marks)
     problem = None
     if dist.get_rank() == 0:
         try:
-            _commit(root, tmp, final, rank_state, manifest, keep, digested)
+            with at_work(marks, "writing"):
+                _commit(root, tmp, final, rank_state, manifest, keep, digested)
         except Exception as error:
             problem = _problem(error)
             shutil.rmtree(tmp, ignore_errors=True)
@@ -293,12 +298,25 @@ def _temporary(root: Path, step: int) -> Path:
     return Path(made[0][0])
 
 
-def _write(state: dict[str, Any], tmp: Path, step: int) -> None:
+class _WatchedWriter(FileSystemWriter):
+    """DCP's file-system writer whose writing of this rank's files the watchdog hears as
+    storage work (the rest of ``dcp.save`` is planning and collectives)."""
+
+    def __init__(self, path: str, marks: PhaseMarks | None) -> None:
+        super().__init__(path)
+        self._marks = marks
+
+    def write_data(self, *args: Any, **kwargs: Any) -> Any:
+        with at_work(self._marks, "writing"):
+            return super().write_data(*args, **kwargs)
+
+
+def _write(state: dict[str, Any], tmp: Path, step: int, marks: PhaseMarks | None) -> None:
     """DCP writes every rank's part; on any failure every rank raises and the temporary
     directory goes."""
     problem = None
     try:
-        dcp.save(state, storage_writer=FileSystemWriter(str(tmp)),
+        dcp.save(state, storage_writer=_WatchedWriter(str(tmp), marks),
                  planner=ChunkSavePlanner())
     except _failures() as error:
         problem = _problem(error)
@@ -307,13 +325,14 @@ def _write(state: dict[str, Any], tmp: Path, step: int) -> None:
            cleanup=lambda: shutil.rmtree(tmp, ignore_errors=True))
 
 
-def _digest_own_files(tmp: Path, step: int) -> dict[str, Any]:
+def _digest_own_files(tmp: Path, step: int, marks: PhaseMarks | None) -> dict[str, Any]:
     """Every rank hashes the files it wrote (DCP names them ``__<rank>_*``), so the
     save's pause grows by one rank's share, not the whole; rank 0 receives them all."""
     problem, digests = None, {}
     try:
-        digests = describe(tmp, [f.name for f in tmp.iterdir()
-                                 if f.name.startswith(f"__{dist.get_rank()}_")])
+        with at_work(marks, "hashing"):
+            digests = describe(tmp, [f.name for f in tmp.iterdir()
+                                     if f.name.startswith(f"__{dist.get_rank()}_")])
     except Exception as error:
         problem = _problem(error)
     _agree(problem, f"hashing the files of the checkpoint of step {step} in {tmp} failed",
@@ -442,7 +461,7 @@ def _commit_after(done: Future, pending: _Pending, tmp: Path,
         pending.committed.set()
 
 
-def wait(saves: BackgroundSave) -> Path | None:
+def wait(saves: BackgroundSave, marks: PhaseMarks | None = None) -> Path | None:
     """Finish the asynchronous save under way, if any: on every rank, raising
     CheckpointError on every rank if any rank's write or the commit failed."""
     pending = saves.pending
@@ -450,12 +469,13 @@ def wait(saves: BackgroundSave) -> Path | None:
         return None
     saves.pending = None
     problem = None
-    try:
-        pending.future.result()
-    except _failures() as error:
-        problem = _problem(error)
-    if dist.get_rank() == 0:
-        pending.committed.wait()
+    with at_work(marks, "writing"):   # this rank's background write, rank 0's commit
+        try:
+            pending.future.result()
+        except _failures() as error:
+            problem = _problem(error)
+        if dist.get_rank() == 0:
+            pending.committed.wait()
         problem = problem or pending.commit_error
     _agree(problem, f"the asynchronous save of step {pending.step} to {pending.final} failed; "
            f"the previous checkpoint is unchanged", path=pending.final)
@@ -586,12 +606,14 @@ def _check_state_keys(state: dict[str, Any], metadata: Any, path: Path) -> None:
 
 
 def load(rank_state: RankState, saves: BackgroundSave, directory: str | os.PathLike, *,
-         optimizer: torch.optim.Optimizer | None) -> tuple[int, dict]:
+         optimizer: torch.optim.Optimizer | None, marks: PhaseMarks | None = None
+         ) -> tuple[int, dict]:
     """``module.load_checkpoint``: check, make the optimizer's state, read, restore;
     each step agreed by every rank before the next, every check before any tensor
-    changes. Returns the checkpoint's step and ``extra``."""
-    wait(saves)
-    path, manifest, metadata = _checked(rank_state, directory, optimizer)
+    changes. Returns the checkpoint's step and ``extra``. ``marks``: the watchdog hears
+    the storage work (checking and reading files) apart from the rest."""
+    wait(saves, marks=marks)
+    path, manifest, metadata = _checked(rank_state, directory, optimizer, marks)
     if optimizer is not None:
         # The optimizer's state must exist to be read into: made by its own first step,
         # on every rank if on any (a ZeRO-1 step is collective).
@@ -603,7 +625,7 @@ def load(rank_state: RankState, saves: BackgroundSave, directory: str | os.PathL
             # before loading: finished now, before a tensor is read into.
             rank_state.wait_param_gathers()
     state, stateless = _targets(rank_state, optimizer, path, manifest, metadata)
-    _read(state, path)
+    _read(state, path, marks)
     # ZeRO-1 in mixed precision read fp32 masters: the compute-dtype parameters follow.
     rank_state.refresh_from_masters()
     if optimizer is not None:
@@ -625,7 +647,8 @@ def load(rank_state: RankState, saves: BackgroundSave, directory: str | os.PathL
 
 
 def _checked(rank_state: RankState, directory: str | os.PathLike,
-             optimizer: torch.optim.Optimizer | None) -> tuple[Path, dict[str, Any], Any]:
+             optimizer: torch.optim.Optimizer | None, marks: PhaseMarks | None
+             ) -> tuple[Path, dict[str, Any], Any]:
     """The checkpoint directory, its manifest and DCP's metadata, checked against the
     module on every rank; any rank's problem raises on all."""
     path = Path(directory)
@@ -633,9 +656,10 @@ def _checked(rank_state: RankState, directory: str | os.PathLike,
     manifest: dict[str, Any] = {}
     metadata = None
     try:
-        path = resolve(directory)
-        manifest = read_manifest(path)
-        metadata = _check(rank_state, path, manifest, optimizer)
+        with at_work(marks, "reading"):
+            path = resolve(directory)
+            manifest = read_manifest(path)
+            metadata = _check(rank_state, path, manifest, optimizer)
     except CheckpointError as error:
         problem = error
     except Exception as error:
@@ -677,11 +701,24 @@ def _targets(rank_state: RankState, optimizer: torch.optim.Optimizer | None,
     return state, stateless
 
 
-def _read(state: dict[str, Any], path: Path) -> None:
+class _WatchedReader(SafeReader):
+    """partc's DCP reader whose reading of this rank's chunks the watchdog hears as
+    storage work (the rest of ``dcp.load`` is planning and collectives)."""
+
+    def __init__(self, path: str, marks: PhaseMarks | None) -> None:
+        super().__init__(path)
+        self._marks = marks
+
+    def read_data(self, *args: Any, **kwargs: Any) -> Any:
+        with at_work(self._marks, "reading"):
+            return super().read_data(*args, **kwargs)
+
+
+def _read(state: dict[str, Any], path: Path, marks: PhaseMarks | None) -> None:
     problem = None
     try:
         with torch.no_grad():
-            dcp.load(state, storage_reader=SafeReader(str(path)),
+            dcp.load(state, storage_reader=_WatchedReader(str(path), marks),
                      planner=ChunkLoadPlanner())
     except _failures() as error:
         problem = _problem(error)

@@ -13,7 +13,10 @@ all microbatches of the global batch (:mod:`.schedule_run`), then:
    (``partc/runtime/optimizer.py``); under ZeRO-2/3 FSDP2 reduce-scatters them, each
    replica keeping the mean gradient of its shard (:mod:`.fsdp_shard`);
 3. reduces the mean loss and the global gradient norm in one all-reduce and checks
-   them for inf and NaN (:mod:`.nonfinite`): by default a non-finite step raises
+   them for inf and NaN (:mod:`.nonfinite`), and in the same all-reduce compares a
+   digest of the batch over the ranks that must train on the same one
+   (:mod:`.batch_digest`: :class:`partc.BatchMismatchError` names two that do not;
+   ``TrainSpec.batch_check_every``); by default a non-finite step raises
    :class:`partc.NonFiniteError` before the optimizer steps; with
    ``TrainSpec(on_nonfinite="skip")`` its gradients are dropped, so that the optimizer's
    next step changes nothing, and it is counted (``skipped_steps``, telemetry);
@@ -38,7 +41,7 @@ from __future__ import annotations
 import math
 import weakref
 from pathlib import Path
-from typing import Any, Iterator, Mapping
+from typing import Any, ContextManager, Iterator, Mapping
 
 import torch
 from torch import nn
@@ -55,7 +58,7 @@ from partc.runtime.schedule_run import ScheduleRun
 from partc.runtime.step_monitor import StepMonitor
 from partc.runtime.suspend import StopFlag
 from partc.runtime.telemetry import StepRecord, Telemetry
-from partc.runtime.watchdog import IDLE
+from partc.runtime.watchdog import DATA, IDLE, LOAD, SAVE
 
 
 class DistributedModule:
@@ -91,7 +94,7 @@ class DistributedModule:
         self.global_batch_size = self._batches.global_batch_size
         self._gradients = GradientSync(parts, self.state)
         self._run = ScheduleRun(parts, self._batches)
-        self._check = StepCheck(parts, self._gradients)
+        self._check = StepCheck(parts, self._gradients, self._batches)
         self._monitor = StepMonitor(parts)
         self._saves = checkpoint.BackgroundSave()
         self._stop = StopFlag()  # stop_requested()'s: set by a stop signal
@@ -179,10 +182,11 @@ class DistributedModule:
         manifest records it, with the last step's loss and norm). Raises
         :class:`partc.CheckpointError` on every rank if any rank cannot save; earlier
         checkpoints stay as they were."""
-        self.state.wait_param_gathers()
-        return checkpoint.save(self.state, self._saves, directory, optimizer=optimizer,
-                               step=step, extra=extra, async_save=async_save, keep=keep,
-                               last_step=self._last_step_finite())
+        with self._monitor.during(f"{SAVE}(step={step})") as marks:
+            self.state.wait_param_gathers()
+            return checkpoint.save(self.state, self._saves, directory, optimizer=optimizer,
+                                   step=step, extra=extra, async_save=async_save, keep=keep,
+                                   last_step=self._last_step_finite(), marks=marks)
 
     def _last_step_finite(self) -> dict[str, Any]:
         """What a checkpoint records of the last step's numbers (None: not measured)."""
@@ -201,17 +205,29 @@ class DistributedModule:
         state; returns ``(step, extra)``. Collective. Raises :class:`partc.CheckpointError`
         on every rank, before any tensor changes, for a partial checkpoint or one of
         another model or shapes."""
-        self.state.wait_param_gathers()  # one finished later would overwrite what is loaded
-        self.step, extra = checkpoint.load(self.state, self._saves, directory,
-                                           optimizer=optimizer)
+        with self._monitor.during(LOAD) as marks:
+            self.state.wait_param_gathers()  # one finished later would overwrite the load
+            step, extra = checkpoint.load(self.state, self._saves, directory,
+                                          optimizer=optimizer, marks=marks)
+        self.step = step
+        self._monitor.mark(IDLE, step)
         return self.step, extra
 
     def wait_checkpoint(self) -> Path | None:
         """Finish the asynchronous save under way, if any (collective); returns its
         directory. Raises :class:`partc.CheckpointError` on every rank if it failed."""
-        return checkpoint.wait(self._saves)
+        with self._monitor.during(f"{SAVE}(finishing)") as marks:
+            return checkpoint.wait(self._saves, marks=marks)
 
     # -- data, stop signals, closing --------------------------------------------------
+
+    def watch_data(self, step: int) -> ContextManager[Any]:
+        """``with module.watch_data(step): batch = data(step)``: the watchdog judges the
+        block as phase ``data(step=N)`` against its own limit (``PARTC_WATCHDOG_DATA_S``,
+        by default 0.9 of the collective timeout): a rank that spends longer there while
+        other ranks wait for it is named, ``rank 1 spent 540.2 s in data(step=12)``,
+        and the job ends (:mod:`.watchdog`). ``partc train`` wraps its ``data(step)``."""
+        return self._monitor.during(f"{DATA}(step={step})")
 
     def data_sampler(self, num_samples: int, *, seed: int = 0) -> DataSampler:
         """The sample indices this rank reads each step (``sampler.indices(step)``, step
@@ -274,12 +290,16 @@ class DistributedModule:
         """Steps 1-5 of the module's doc, each a phase the watchdog hears."""
         losses: list[torch.Tensor] = []
         args, kwargs = self._run.arguments(inputs, named, target, losses)
+        # Inputs by keyword are digested in their names' order, whatever order each rank
+        # passed them in.
+        given = (*inputs, *(named[key] for key in sorted(named)))
+        digests = self._check.digests.measure(self.step, given, target)
         self._monitor.mark("schedule")
         self.last_messages = self._run.train(args, kwargs)
         self._monitor.mark("gradient sync")
         self._gradients.sync()
         self._monitor.mark("loss all-reduce")
-        numbers = self._check.reduce(self.step, losses)
+        numbers = self._check.reduce(self.step, losses, digests)
         self.last_numbers = numbers
         self.last_grad_norm = numbers.grad_norm
         if self._check.judge(numbers):  # raises, unless the plan skips such steps

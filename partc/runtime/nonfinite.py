@@ -11,7 +11,11 @@ all-reduce over the world sums it (:meth:`StepCheck.reduce`):
   plan clips: clipping then scales by this norm with no collective of its own;
 - per pipeline stage, how many of its ranks had a non-finite loss and how many a
   non-finite gradient part, and the sums of those ranks' indices (with one such rank,
-  its index).
+  its index);
+- on a step whose batch is checked (``TrainSpec.batch_check_every``), four slots per
+  rank holding that rank's digests of its batch (:mod:`.batch_digest`): every rank
+  reads every rank's, and a batch that differs between ranks that must agree raises
+  :class:`partc.BatchMismatchError` before the non-finite verdict.
 
 inf and NaN propagate through the sums, so every rank reads the same verdict from the
 same numbers, and raises or skips alike: no rank can be left waiting in a collective.
@@ -23,7 +27,8 @@ collective more; reading the verdict is one device-to-host copy of that vector (
 host-device sync reading the loss would be). ``benchmarks/nonfinite_check.py`` measures
 it. With ``on_nonfinite="ignore"`` and no clipping the vector carries the loss alone and
 no gradient is read; under torch's fake process group, which moves no data (memory
-measurements run under it), the check is off whatever the plan says.
+measurements run under it), the check is off whatever the plan says, and so is the
+batch digest.
 
 Megatron-Core checks the same two numbers (``check_for_nan_in_loss_and_grad``, on by
 default) and raises.
@@ -40,6 +45,8 @@ import torch.distributed as dist
 
 from partc.errors import NonFiniteError
 
+from partc.runtime.batch_check import BatchCheck
+from partc.runtime.batch_digest import BatchDigests
 from partc.runtime.gradients import GradientSync
 from partc.runtime.rank_parts import RankParts
 
@@ -65,6 +72,9 @@ class StepNumbers:
     grad_stages: tuple[int, ...]
     loss_rank: int | None
     grad_rank: int | None
+    # Every rank's batch digests (batch_digest.SLOTS_PER_RANK floats per rank), on a
+    # step whose batch is checked; else empty.
+    digests: tuple[float, ...] = ()
 
     @property
     def nonfinite(self) -> tuple[str, ...]:
@@ -78,18 +88,24 @@ class StepNumbers:
 class StepCheck:
     """This rank's reduction of the step's numbers and the check on them."""
 
-    def __init__(self, parts: RankParts, gradients: GradientSync) -> None:
+    def __init__(self, parts: RankParts, gradients: GradientSync, batches: BatchCheck
+                 ) -> None:
         self._parts = parts
         self._gradients = gradients
         train = parts.plan.train
         # torch's fake process group moves no data (memory is measured under it): what a
         # stage receives there is whatever its buffers held, so its numbers mean nothing.
-        self.mode = "ignore" if dist.get_backend() == "fake" else train.on_nonfinite
+        fake = dist.get_backend() == "fake"
+        self.mode = "ignore" if fake else train.on_nonfinite
         self.measures_norm = self.mode != "ignore" or train.max_grad_norm is not None
+        self.digests = BatchDigests(parts.topology, batches, train.batch_check_every,
+                                    enabled=not fake)
 
-    def reduce(self, step: int, losses: list[torch.Tensor]) -> StepNumbers:
-        """The step's numbers from the last stage's microbatch ``losses`` and this rank's
-        gradients (collective: one all-reduce over the world)."""
+    def reduce(self, step: int, losses: list[torch.Tensor],
+               digests: torch.Tensor | None = None) -> StepNumbers:
+        """The step's numbers from the last stage's microbatch ``losses``, this rank's
+        gradients and its batch ``digests`` (``self.digests.measure``'s; None on a step
+        not checked): collective, one all-reduce over the world."""
         parts, topo = self._parts, self._parts.topology
         zero = torch.zeros((), device=topo.device)
         loss = torch.stack(losses).sum().detach().to(torch.float32) if losses else zero
@@ -99,7 +115,8 @@ class StepCheck:
             bad = torch.stack([~torch.isfinite(loss), ~torch.isfinite(power)]).float()
             flags[[topo.pp_rank, topo.pp + topo.pp_rank]] = bad
             flags[2 * topo.pp:] = bad * topo.rank
-        vector = torch.cat([torch.stack([loss, power]), flags])
+        vector = torch.cat([torch.stack([loss, power]), flags]
+                           + ([] if digests is None else [digests]))
         dist.all_reduce(vector)  # only the last stage's ranks add losses, tp copies alike
         values = vector.tolist()
         scale = parts.plan.num_microbatches * topo.dp * topo.tp
@@ -117,12 +134,17 @@ class StepCheck:
             grad_norm_value=norm_value,
             loss_stages=loss_stages, grad_stages=grad_stages,
             loss_rank=round(values[2 + 2 * pp]) if sum(loss_stages) == 1 else None,
-            grad_rank=round(values[3 + 2 * pp]) if sum(grad_stages) == 1 else None)
+            grad_rank=round(values[3 + 2 * pp]) if sum(grad_stages) == 1 else None,
+            digests=tuple(values[4 + 2 * pp:]))
 
     def judge(self, numbers: StepNumbers) -> bool:
         """Whether the step is to be skipped: False when its numbers are finite (or the
         check is off); with ``"raise"`` a :class:`partc.NonFiniteError` on every rank;
-        with ``"skip"`` True, after a warning on rank 0."""
+        with ``"skip"`` True, after a warning on rank 0. First, whatever the mode, a
+        :class:`partc.BatchMismatchError` on every rank when the batch was checked and
+        ranks that must agree on it did not."""
+        if numbers.digests:
+            self.digests.judge(numbers.step, numbers.digests)
         if self.mode == "ignore" or not numbers.nonfinite:
             return False
         parameters = tuple(self._gradients.nonfinite_parameters())

@@ -3,21 +3,24 @@
 With more than one rank the watchdog (``partc/runtime/watchdog.py``) hears the step
 (``DistributedModule.step``, the ``forward_backward`` calls so far) and phase; a rank
 that stops or stays in one phase for ``PARTC_WATCHDOG_S`` s (default 60) is reported on
-every other rank, which exit with ``watchdog.EXIT_CODE``. Telemetry
+every other rank, which exit with ``watchdog.EXIT_CODE``. Between steps it hears the
+data call (:meth:`StepMonitor.during` ``data(step=N)``) and checkpoints' saves and loads,
+each judged against a limit of its own. Telemetry
 (``partc/runtime/telemetry.py``), once turned on, measures every step from
 ``forward_backward`` to the optimizer's step (or ``end_step``) against the plan.
 """
 
 from __future__ import annotations
 
+import contextlib
 import weakref
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 
 from partc.runtime.rank_parts import RankParts
 from partc.runtime.telemetry import StepRecord, Telemetry
-from partc.runtime.watchdog import IDLE
+from partc.runtime.watchdog import IDLE, PhaseMarks
 
 
 class StepMonitor:
@@ -34,6 +37,17 @@ class StepMonitor:
     def mark(self, phase: str, step: int | None = None) -> None:
         if self.watchdog is not None:
             self.watchdog.mark(phase, step)
+
+    @contextlib.contextmanager
+    def during(self, phase: str) -> Iterator[PhaseMarks | None]:
+        """The main thread is in ``phase`` (between steps: ``data(step=3)``, ``checkpoint
+        save(step=3)``) for the block, whose marks (None without a watchdog) tell its
+        storage work apart; then between steps again."""
+        self.mark(phase)
+        try:
+            yield None if self.watchdog is None else PhaseMarks(self.watchdog.mark, phase)
+        finally:
+            self.mark(IDLE)
 
     def start_telemetry(self, **options: Any) -> Telemetry:
         """A new telemetry (the previous one closed), with ``options`` as

@@ -17,8 +17,19 @@ may have blocked), and reads every other rank's.
 - **stuck in a phase**: a rank's main thread has been in one of partc's phases
   (``PHASES``) for ``limit`` s. Every rank waiting on a hung peer is stuck too, so the
   ranks reported are those stuck at the earliest (step, phase) of all ranks: the ones the
-  others wait on. Time between steps (``IDLE``: the user's optimizer, data loading,
-  evaluation, checkpointing) is never judged, nor are ranks that wait on a rank there.
+  others wait on.
+- **at work too long**: between steps, a rank has been in the data call
+  (``module.watch_data(step)``: ``partc train``'s ``data(step)``), or at a checkpoint's
+  storage work (writing or hashing its files in a save, reading or checking them in a
+  load: ``"checkpoint save(step=12): writing"``), for longer than that phase's own limit
+  (``PHASE_LIMIT_ENV``) while another rank waits (is in a partc phase, a collective's
+  side of a save or load included). While a rank is at such work the previous verdict
+  waits: the ranks in partc's phases may be waiting for it. Ranks all at such work at
+  once (a slow loader on every rank) wait for no one and are not judged: no collective
+  would time out either.
+
+Other time between steps (``IDLE``: the user's optimizer, evaluation, anything partc is
+not told of) is never judged, nor are ranks that wait on a rank there.
 
 A rank that sees either logs an error naming the stuck rank(s), the step and the phase
 each was in (as last published: each change is, at most ``PUBLISH_GAP_S`` late) and its
@@ -33,6 +44,11 @@ verdict, which names the stopped rank rather than the ranks waiting on it.
 ``PARTC_WATCHDOG_S`` sets the limit (default ``DEFAULT_LIMIT_S`` = 60 s, well under the
 collective timeout; ``0`` turns the watchdog off). A single phase that legitimately takes
 longer than the limit (one very long microbatch on a slow device) needs a larger limit.
+The data call, saves and loads have limits of their own, ``PARTC_WATCHDOG_DATA_S``,
+``PARTC_WATCHDOG_SAVE_S`` and ``PARTC_WATCHDOG_LOAD_S`` (``0``: that phase not judged), by
+default ``SHARE_OF_TIMEOUT`` of the collective timeout (540 s of 600): a rank is named
+before the collective timeout would end the ranks waiting for it without a name, and
+nothing that timeout would have let finish is ended much sooner.
 """
 
 from __future__ import annotations
@@ -45,7 +61,8 @@ import sys
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping
+import contextlib
+from typing import Any, Callable, Iterator, Mapping
 
 import torch.distributed as dist
 
@@ -56,21 +73,40 @@ ENV_LIMIT = "PARTC_WATCHDOG_S"
 EXIT_CODE = 75  # EX_TEMPFAIL: the job may succeed when launched again
 IDLE = "between steps"
 PUBLISH_GAP_S = 0.1  # the least time between two beats a rank publishes
+# Between steps: the data call and a checkpoint's save and load, each with its limit.
+DATA, SAVE, LOAD = "data", "checkpoint save", "checkpoint load"
+PHASE_LIMIT_ENV = {DATA: "PARTC_WATCHDOG_DATA_S", SAVE: "PARTC_WATCHDOG_SAVE_S",
+                   LOAD: "PARTC_WATCHDOG_LOAD_S"}
+ENV_COLLECTIVE_TIMEOUT = "PARTC_TIMEOUT_S"   # topology.init's; 600 s by default
+SHARE_OF_TIMEOUT = 0.9
+# A save's or load's storage work ("checkpoint save(step=3): writing"); the rest of it
+# is bookkeeping and collectives, where the ranks done with their files wait.
+AT_WORK = ("writing", "reading", "hashing")
 # partc's phases in the order one step runs them; (step, phase) orders ranks' progress.
 PHASES = ("forward_backward", "schedule", "gradient sync", "loss all-reduce", "clip",
-          "optimizer step", IDLE)
+          "optimizer step", IDLE, SAVE, LOAD, DATA)
 
 
-def limit_from_env() -> float:
-    """The watchdog's limit in seconds from ``PARTC_WATCHDOG_S``; 0 means off."""
-    raw = os.environ.get(ENV_LIMIT, "")
+def limit_from_env(name: str = ENV_LIMIT, default: float = DEFAULT_LIMIT_S) -> float:
+    """A limit in seconds from the environment variable ``name`` (the watchdog's,
+    ``PARTC_WATCHDOG_S``, by default); 0 means off."""
+    raw = os.environ.get(name, "")
     try:
-        limit = float(raw) if raw else DEFAULT_LIMIT_S
+        limit = float(raw) if raw else default
     except ValueError:
-        raise ValueError(f"{ENV_LIMIT}={raw!r} is not a number of seconds") from None
+        raise ValueError(f"{name}={raw!r} is not a number of seconds") from None
     if not limit >= 0 or limit == float("inf"):
-        raise ValueError(f"{ENV_LIMIT}={raw!r}: give a finite number of seconds, 0 for off")
+        raise ValueError(f"{name}={raw!r}: give a finite number of seconds, 0 for off")
     return limit
+
+
+def phase_limits_from_env() -> dict[str, float]:
+    """The data call's, saves' and loads' limits (``PHASE_LIMIT_ENV``), by default
+    ``SHARE_OF_TIMEOUT`` of the collective timeout; a phase set to 0 is left out."""
+    timeout = limit_from_env(ENV_COLLECTIVE_TIMEOUT, 600.0)
+    limits = {phase: limit_from_env(name, SHARE_OF_TIMEOUT * timeout)
+              for phase, name in PHASE_LIMIT_ENV.items()}
+    return {phase: limit for phase, limit in limits.items() if limit > 0}
 
 
 @dataclass(frozen=True)
@@ -90,9 +126,24 @@ class Beat:
         return Beat(**json.loads(text))
 
     @property
+    def base(self) -> str:
+        """The phase's name: "schedule: backward, microbatch 3" is "schedule",
+        "data(step=12)" is "data"."""
+        return self.phase.partition(":")[0].partition("(")[0].strip()
+
+    @property
+    def at_work(self) -> bool:
+        """In the data call, or at a save's or load's storage work."""
+        return self.base == DATA or self.phase.partition(":")[2].strip() in AT_WORK
+
+    @property
+    def waits(self) -> bool:
+        """In partc's own phases (collectives), or a save's or load's other part."""
+        return self.phase != IDLE and not self.at_work
+
+    @property
     def position(self) -> tuple[int, int]:
-        base = self.phase.split(":")[0]  # "schedule: backward, microbatch 3" is "schedule"
-        return self.step, PHASES.index(base) if base in PHASES else 0
+        return self.step, PHASES.index(self.base) if self.base in PHASES else 0
 
 
 @dataclass(frozen=True)
@@ -100,9 +151,14 @@ class Stuck:
     rank: int
     beat: Beat
     seconds: float
-    why: str  # "no heartbeat" or "stuck in a phase"
+    why: str  # "no heartbeat", "stuck in a phase" or "at work" (too long)
+    limit: float | None = None  # the limit it went over, when the phase has its own
 
     def describe(self) -> str:
+        if self.why == "at work":
+            return (f"rank {self.rank} spent {self.seconds:.1f} s in {self.beat.phase} while "
+                    f"other ranks waited for it (the limit: {self.limit:g} s, "
+                    f"{PHASE_LIMIT_ENV[self.beat.base]})")
         what = ("no heartbeat (the process is stopped or frozen)" if self.why == "no heartbeat"
                 else "its main thread did not leave the phase")
         return (f"rank {self.rank} made no progress for {self.seconds:.1f} s: {what}; "
@@ -117,9 +173,12 @@ class Seen:
 
 
 def stuck_ranks(seen: Mapping[int, Seen], now: float, limit: float,
-                grace: float = 2.0) -> list[Stuck]:
+                grace: float = 2.0, limits: Mapping[str, float] | None = None
+                ) -> list[Stuck]:
     """The ranks to report, from what one rank has seen of all (itself included).
-    ``grace``: how late a heartbeat may be (a few intervals) before it is suspect."""
+    ``grace``: how late a heartbeat may be (a few intervals) before it is suspect;
+    ``limits``: the phases with a limit of their own (``phase_limits_from_env``)."""
+    limits = limits or {}
     live = {rank: s for rank, s in seen.items() if not s.beat.closed}
     stopped = [Stuck(rank, s.beat, now - s.changed_at, "no heartbeat")
                for rank, s in sorted(live.items()) if now - s.changed_at > limit]
@@ -129,13 +188,23 @@ def stuck_ranks(seen: Mapping[int, Seen], now: float, limit: float,
         # A rank whose heartbeat is late may be stopped: the ranks waiting on it are
         # stuck in their phase too; the heartbeat verdict, due soon, names the right one.
         return []
+
+    def in_phase(s: Seen) -> float:
+        return s.beat.in_phase_s + (now - s.changed_at)
+
+    if any(s.beat.at_work for s in live.values()):
+        # The ranks in partc's phases may be waiting for one at work: only those at work
+        # are judged, and only while someone waits.
+        if not any(s.beat.waits for s in live.values()):
+            return []
+        return [Stuck(rank, s.beat, in_phase(s), "at work", limits[s.beat.base])
+                for rank, s in sorted(live.items()) if s.beat.at_work
+                and s.beat.base in limits and in_phase(s) > limits[s.beat.base]]
     earliest = min(s.beat.position for s in live.values())
-    found = []
-    for rank, s in sorted(live.items()):
-        in_phase = s.beat.in_phase_s + (now - s.changed_at)
-        if s.beat.position == earliest and s.beat.phase != IDLE and in_phase > limit:
-            found.append(Stuck(rank, s.beat, in_phase, "stuck in a phase"))
-    return found
+    return [Stuck(rank, s.beat, in_phase(s), "stuck in a phase")
+            for rank, s in sorted(live.items())
+            if s.beat.position == earliest and s.beat.phase != IDLE
+            and in_phase(s) > limits.get(s.beat.base, limit)]
 
 
 class Watchdog:
@@ -144,11 +213,13 @@ class Watchdog:
     and ``on_stuck`` (default: log and ``os._exit``) are there for tests."""
 
     def __init__(self, store: Any, *, rank: int, world_size: int, limit: float,
+                 limits: Mapping[str, float] | None = None,
                  prefix: str = "partc/watchdog", clock: Callable[[], float] = time.monotonic,
                  on_stuck: Callable[[str], None] | None = None) -> None:
         self.store, self.rank, self.world_size, self.limit = store, rank, world_size, limit
+        self.limits = dict(limits or {})  # the phases with a limit of their own
         self.clock = clock
-        self.interval = min(1.0, limit / 5)
+        self.interval = min(1.0, min([limit, *self.limits.values()]) / 5)
         self.on_stuck = on_stuck or _exit
         # Every rank builds its modules in the same order: the nth build's keys match.
         generation = store.add(f"{prefix}/builds/{rank}", 1)
@@ -232,7 +303,8 @@ class Watchdog:
             if old is None or old.beat.beat != beat.beat or beat.closed:
                 self._seen[rank] = Seen(beat, now)
         self._seen[self.rank] = Seen(self._current(), now)
-        stuck = stuck_ranks(self._seen, now, self.limit, grace=2.5 * self.interval)
+        stuck = stuck_ranks(self._seen, now, self.limit, grace=2.5 * self.interval,
+                            limits=self.limits)
         if len(self._seen) < self.world_size:
             # A rank not heard of yet may be the one this rank waits on: no phase verdict.
             stuck = [s for s in stuck if s.why == "no heartbeat"]
@@ -265,6 +337,29 @@ class Watchdog:
         return "\n".join(lines)
 
 
+class PhaseMarks:
+    """The parts of one phase between steps (a checkpoint's save or load) as the
+    watchdog hears them: ``with marks.at_work("writing"):`` marks the block
+    ``"<phase>: writing"``, storage work that ranks done with theirs wait for; outside
+    such blocks the rank is in ``phase`` itself (bookkeeping and collectives)."""
+
+    def __init__(self, mark: Callable[[str], None], phase: str) -> None:
+        self._mark, self.phase = mark, phase
+
+    @contextlib.contextmanager
+    def at_work(self, what: str) -> Iterator[None]:
+        self._mark(f"{self.phase}: {what}")
+        try:
+            yield
+        finally:
+            self._mark(self.phase)
+
+
+def at_work(marks: PhaseMarks | None, what: str) -> contextlib.AbstractContextManager:
+    """``marks.at_work(what)``, or nothing without marks (no watchdog listening)."""
+    return marks.at_work(what) if marks is not None else contextlib.nullcontext()
+
+
 def _exit(message: str) -> None:
     log.error("%s", message)
     sys.stderr.write(message + "\n")
@@ -290,4 +385,4 @@ def start(rank: int, world_size: int) -> Watchdog | None:
     run = f"{os.environ.get('TORCHELASTIC_RUN_ID', 'run')}/" \
           f"{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
     return Watchdog(store, rank=rank, world_size=world_size, limit=limit,
-                    prefix=f"partc/watchdog/{run}").start()
+                    limits=phase_limits_from_env(), prefix=f"partc/watchdog/{run}").start()

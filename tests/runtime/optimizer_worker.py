@@ -14,7 +14,9 @@ or ``adamw`` (with weight decay): a plain ``torch.optim`` optimizer over
 refused (a typed error at its first ``step()``, no parameter changed: ``refused``).
 A case ending ``-nan-<mode>`` or ``-gradnan-<mode>`` (``mode``: raise or skip,
 ``TrainSpec.on_nonfinite``) poisons the batch of step ``POISONED``: the loss and every
-gradient NaN, or (``gradnan``) the gradients alone (:func:`run_nonfinite_case`).
+gradient NaN, or (``gradnan``) the gradients alone; ``-rankbatch-raise`` gives the last
+rank another target at that step, as a loader seeded by the rank would
+(:func:`run_nonfinite_case`).
 In fp32 the reference is the same ``torch.optim`` class on one process; in bf16 it runs
 the same recipe on one process:
 each step, bf16 copies of the fp32 parameters compute every microbatch under autocast
@@ -200,7 +202,7 @@ POISONED = 2   # the 0-based data step whose batch is poisoned: module.step 3
 # A target row starting with the marker poisons the loss: -1 multiplies it by NaN (the
 # loss and every gradient NaN), -2 by sqrt(0 x loss): a finite loss (0) whose gradient
 # is NaN (0 x inf). Unpoisoned, the factor is sqrt(1): the loss and gradient exact.
-POISONS = {"nan": -1, "gradnan": -2}
+POISONS = {"nan": -1, "gradnan": -2, "rankbatch": None}
 
 
 def _poisonable(loss_fn: Callable) -> Callable:
@@ -249,17 +251,22 @@ def run_nonfinite_case(name: str) -> dict[str, Any]:
                             "skipped": [], "error": None}
     for step in range(NONFINITE_STEPS):
         x, y = _batch(model, step)
-        if step == POISONED:
+        if step == POISONED and poison is not None:
             y = y.clone()
             y[0, 0] = poison   # the first microbatch, on the first dp replica
+        given = y
+        if step == POISONED and poison is None and dist.get_rank() == world - 1:
+            given = (y + 1) % 128   # the last stage reads another batch's targets
         before, steps_before = _snapshot(module, opt)
         try:
-            loss = module.forward_backward(x, target=y)
-        except partc.NonFiniteError as error:
+            loss = module.forward_backward(x, target=given)
+        except (partc.NonFiniteError, partc.BatchMismatchError) as error:
             after, steps_after = _snapshot(module, opt)
-            seen["error"] = {"message": str(error), "step": error.step, "what": error.what,
-                             "stages": error.stages, "ranks": error.ranks,
-                             "parameters": error.parameters,
+            seen["error"] = {"message": str(error), "step": error.step,
+                             "type": type(error).__name__,
+                             "what": getattr(error, "what", None),
+                             "stages": getattr(error, "stages", None), "ranks": error.ranks,
+                             "parameters": getattr(error, "parameters", None),
                              "unchanged": all(torch.equal(before[k], after[k]) for k in before)
                              and steps_before == steps_after}
             break

@@ -30,6 +30,7 @@ import torch.distributed as dist
 import partc
 from partc.cli.main import main as cli_main
 from partc.runtime import checkpoint
+from partc.runtime.watchdog import PhaseMarks
 from partc.weights import open_weights
 from samples.gpt import gpt_tiny, loss_fn
 
@@ -119,6 +120,27 @@ def test_a_resumed_run_is_the_uninterrupted_one(program, tmp_path):
     for p, q in zip(module.parameters(), resumed.parameters()):
         assert opt.state[p].keys() == resumed_opt.state[q].keys()
         assert all(torch.equal(opt.state[p][k], resumed_opt.state[q][k]) for k in opt.state[p])
+
+
+def test_the_watchdog_hears_a_saves_and_a_loads_file_work_apart(program, tmp_path):
+    """A save's and a load's storage work (writing, hashing, reading files) is marked
+    apart from the rest, where ranks done with theirs wait: the watchdog judges only
+    that work against the save's or load's own limit (partc/runtime/watchdog.py)."""
+    module, opt = fresh(program)
+    train(module, opt, range(1))
+    heard: list[str] = []
+    checkpoint.save(module.state, checkpoint.BackgroundSave(), tmp_path, optimizer=opt,
+                    step=1, extra=None, async_save=False, keep=None,
+                    marks=PhaseMarks(heard.append, "checkpoint save(step=1)"))
+    assert [m for m in heard if ":" in m] == ["checkpoint save(step=1): writing",
+                                              "checkpoint save(step=1): hashing",
+                                              "checkpoint save(step=1): writing"]  # commit
+    assert heard[-1] == "checkpoint save(step=1)"
+    heard.clear()
+    checkpoint.load(module.state, checkpoint.BackgroundSave(), tmp_path, optimizer=opt,
+                    marks=PhaseMarks(heard.append, "checkpoint load"))
+    assert [m for m in heard if ":" in m] == ["checkpoint load: reading"] * 2  # check, read
+    assert heard[-1] == "checkpoint load"
 
 
 def test_a_save_killed_before_its_commit_leaves_the_previous_checkpoint(program, tmp_path,

@@ -50,6 +50,9 @@ SLOW_CASES = ["gpt2-zero0-fp32-clip", "gpt-zero2-fp32", "gpt-zero3-fp32", "gpt2-
 NONFINITE_CASES = ["gpt-zero1-fp32-nan-raise", "gpt-zero1-fp32-nan-skip",
                    "gpt-pp2-zero0-fp32-nan-raise", "gpt-pp2-zero0-fp32-gradnan-skip",
                    "gpt-zero3-fp32-nan-skip"]
+# At step 3 the last stage is given another batch's targets (a loader seeded by rank):
+# refused by the batch digest (partc/runtime/batch_digest.py).
+BATCH_CASE = "gpt-pp2-zero0-fp32-rankbatch-raise"
 FOUR_CASES = ["gpt-pp2-zero1-fp32", "gpt-pp2-zero0-bf16", "gpt-pp2-zero1-bf16-clip",
               "gpt2-pp2-zero1-fp32-clip"]  # pp=2 x dp=2
 # The plain loop under every ZeRO stage: dp=2 (with the 2-rank slow cases), pp=2 x dp=2
@@ -70,7 +73,8 @@ def _launch(cases: list[str], out: Path, nproc: int = 2) -> list[dict]:
 
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory) -> list[dict]:
-    return _launch(CASES + NONFINITE_CASES, tmp_path_factory.mktemp("optimizer"))
+    return _launch(CASES + NONFINITE_CASES + [BATCH_CASE],
+                   tmp_path_factory.mktemp("optimizer"))
 
 
 @pytest.fixture(scope="module")
@@ -204,6 +208,22 @@ def test_nonfinite_step_is_skipped_on_every_rank(ranks, name):
             assert ours == pytest.approx(ref, rel=tolerances.FP32)
         worst = max(seen["param_errors"].items(), key=lambda item: item[1])
         assert worst[1] < tolerances.FP32, f"rank {rank}: {worst}"
+
+
+def test_a_stage_given_another_batch_is_refused_naming_both_ranks_and_the_step(ranks):
+    """pp=2: the last stage's targets are another batch's at step 3. Every rank raises
+    BatchMismatchError naming ranks 0 and 1 and the step, before the optimizer stepped;
+    steps 1 and 2, the same batch on both, trained."""
+    for rank, results in enumerate(ranks):
+        seen = results[BATCH_CASE]
+        assert "traceback" not in seen, f"rank {rank}: {seen['traceback']}"
+        error = seen["error"]
+        assert error is not None and error["type"] == "BatchMismatchError", seen
+        assert error["step"] == POISONED_STEP and error["ranks"] == [0, 1]
+        assert error["message"].startswith(
+            f"step {POISONED_STEP}: rank 0 (stage 0) and rank 1 (stage 1) were given "
+            "different batches"), error["message"]
+        assert error["unchanged"] and seen["changed"] == [True] * (POISONED_STEP - 1)
 
 
 # -- the buckets' layout, in one process ------------------------------------------------

@@ -1,5 +1,7 @@
-"""The watchdog (partc/runtime/watchdog.py): the verdict on a fake store and clock, and
-end to end: a rank stopped by SIGSTOP ends the job within the limit, reported by name."""
+"""The watchdog (partc/runtime/watchdog.py): the verdict on a fake store and clock; a
+rank stuck in partc train's data(step) named by its phase, on real threads and clock;
+and end to end: a rank stopped by SIGSTOP ends the job within the limit, reported by
+name."""
 
 from __future__ import annotations
 
@@ -8,13 +10,19 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
-from partc.runtime.watchdog import (EXIT_CODE, IDLE, Beat, Seen, Watchdog, limit_from_env,
-                                    stuck_ranks)
+from partc.cli import launcher
+from partc.cli.config import TrainConfig
+from partc.runtime.module import DistributedModule
+from partc.runtime.step_monitor import StepMonitor
+from partc.runtime.watchdog import (DATA, EXIT_CODE, IDLE, SAVE, Beat, Seen, Watchdog,
+                                    limit_from_env, phase_limits_from_env, stuck_ranks)
 
 LIMIT = 5.0
 
@@ -51,9 +59,10 @@ class Clock:
         return self.now
 
 
-def ranks(n: int, store: FakeStore, clock: Clock) -> tuple[list[Watchdog], list[str]]:
+def ranks(n: int, store: FakeStore, clock: Clock, limits=None
+          ) -> tuple[list[Watchdog], list[str]]:
     reports: list[str] = []
-    dogs = [Watchdog(store, rank=r, world_size=n, limit=LIMIT, clock=clock,
+    dogs = [Watchdog(store, rank=r, world_size=n, limit=LIMIT, limits=limits, clock=clock,
                      on_stuck=reports.append) for r in range(n)]
     return dogs, reports
 
@@ -141,6 +150,109 @@ def test_ranks_not_yet_published_are_not_judged_and_phases_order_progress():
     assert [s.rank for s in stuck_ranks(seen, clock.now, LIMIT)] == [0]
     seen[2] = Seen(Beat(1, 1, IDLE, 100.0), clock.now)  # behind, between steps
     assert stuck_ranks(seen, clock.now, LIMIT) == []
+
+
+def test_a_rank_in_data_is_judged_by_the_data_limit_while_others_wait_for_it():
+    """Rank 2 is in data(step=4) (the user's loader); ranks 0 and 1 wait in step 5's
+    schedule. Past the general limit nothing is said (the waiting ranks are not the
+    ones stuck); past the data limit, rank 2 is named with its phase."""
+    store, clock = FakeStore(), Clock()
+    dogs, reports = ranks(3, store, clock, limits={DATA: 3 * LIMIT})
+    dogs[0].mark("schedule", step=5), dogs[1].mark("schedule", step=5)
+    dogs[2].mark("data(step=4)", step=4)
+    run_for(3 * LIMIT - 1, dogs, clock)
+    assert reports == []
+    run_for(3, dogs, clock)
+    assert len(reports) == 3
+    assert all(re.search(r"rank 2 spent 1[5-7]\.0 s in data\(step=4\) while other ranks "
+                         r"waited for it \(the limit: 15 s, PARTC_WATCHDOG_DATA_S\)", r)
+               for r in reports), reports
+    assert not any(re.search(r"rank [01] (spent|made)", r) for r in reports)
+
+
+def test_a_rank_still_writing_its_checkpoint_is_named_not_those_waiting_in_the_save():
+    store, clock = FakeStore(), Clock()
+    dogs, reports = ranks(2, store, clock, limits={SAVE: LIMIT})
+    dogs[0].mark("checkpoint save(step=3)", step=3)   # its files written: in a collective
+    dogs[1].mark("checkpoint save(step=3): writing", step=3)
+    run_for(LIMIT + 2, dogs, clock)
+    assert len(reports) == 2 and all(
+        "rank 1 spent" in r and "in checkpoint save(step=3): writing while other ranks "
+        "waited for it (the limit: 5 s, PARTC_WATCHDOG_SAVE_S)" in r for r in reports)
+    assert not any("rank 0 spent" in r or "rank 0 made" in r for r in reports)
+
+
+def test_ranks_all_in_data_wait_for_no_one_and_are_not_judged():
+    """A slow loader on every rank: no collective waits, so no verdict however long."""
+    store, clock = FakeStore(), Clock()
+    dogs, reports = ranks(2, store, clock, limits={DATA: LIMIT})
+    for dog in dogs:
+        dog.mark("data(step=0)")
+    run_for(10 * LIMIT, dogs, clock)
+    assert reports == []
+    assert Beat(1, 0, "checkpoint load: reading", 0.0).at_work
+    assert not Beat(1, 0, "checkpoint load", 0.0).at_work
+    assert Beat(1, 0, "checkpoint load", 0.0).waits and not Beat(1, 0, IDLE, 0.0).waits
+
+
+class _Rank:
+    """What partc train's loop uses of a DistributedModule, with the real watch_data."""
+
+    watch_data = DistributedModule.watch_data
+
+    def __init__(self, watchdog: Watchdog) -> None:
+        self._monitor = StepMonitor(SimpleNamespace(watchdog=watchdog))
+
+
+def test_partc_trains_data_call_stuck_on_one_rank_is_named_on_every_rank():
+    """Real threads, store client and clock: rank 1's data(0) under partc train's loop
+    hangs (until the watchdog speaks) while rank 0 waits in step 1's schedule; with a
+    data limit of 0.5 s both watchdogs name rank 1 and data(step=0) within about a
+    second. The general limit (60 s) plays no part."""
+    store, said = FakeStore(), threading.Event()
+    reports: list[str] = []
+
+    def on_stuck(message: str) -> None:
+        reports.append(message)
+        said.set()
+
+    dogs = [Watchdog(store, rank=r, world_size=2, limit=60.0, limits={DATA: 0.5},
+                     on_stuck=on_stuck) for r in range(2)]
+    dogs[0].mark("schedule", step=1)
+
+    def data(step: int):
+        said.wait(timeout=30)   # a loader that hangs
+        raise RuntimeError("the loader gave up")
+
+    start = time.monotonic()
+    try:
+        for dog in dogs:
+            dog.start()
+        with pytest.raises(RuntimeError, match="the loader gave up"):
+            launcher.train(_Rank(dogs[1]), SimpleNamespace(param_groups=[]),
+                           {"data": data}, TrainConfig(target="m.py:f", steps=2))
+    finally:
+        for dog in dogs:
+            dog.stop()
+    elapsed = time.monotonic() - start
+    assert reports and all(re.search(r"rank 1 spent 0\.[5-9]\d* s in data\(step=0\) while "
+                                     r"other ranks waited for it", r) for r in reports), reports
+    assert 0.5 < elapsed < 5, elapsed
+
+
+def test_phase_limits_default_under_the_collective_timeout(monkeypatch):
+    for name in ("PARTC_TIMEOUT_S", "PARTC_WATCHDOG_DATA_S", "PARTC_WATCHDOG_SAVE_S",
+                 "PARTC_WATCHDOG_LOAD_S"):
+        monkeypatch.delenv(name, raising=False)
+    assert phase_limits_from_env() == {"data": 540.0, "checkpoint save": 540.0,
+                                       "checkpoint load": 540.0}
+    monkeypatch.setenv("PARTC_TIMEOUT_S", "100")
+    monkeypatch.setenv("PARTC_WATCHDOG_DATA_S", "7")
+    monkeypatch.setenv("PARTC_WATCHDOG_LOAD_S", "0")   # loads not judged
+    assert phase_limits_from_env() == {"data": 7.0, "checkpoint save": 90.0}
+    monkeypatch.setenv("PARTC_WATCHDOG_SAVE_S", "soon")
+    with pytest.raises(ValueError, match="PARTC_WATCHDOG_SAVE_S"):
+        phase_limits_from_env()
 
 
 def test_the_limit_comes_from_the_environment(monkeypatch):
