@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import pytest
 
-from .test_parity import assert_trains_like_one_process, launched
+from .test_parity import assert_trains_like_one_process, launched, matrix
 
 TWO = ["gpt-dp2-clip", "gpt2-pp2-clip", "gpt-tp2-sp-clip"]
 FOUR = ["llama-pp2-tp2-clip", "gpt-pp2-dp2-clip"]
@@ -32,7 +32,16 @@ def _check(ranks: list[dict], name: str) -> None:
             assert ours == pytest.approx(ref, rel=1e-5)
 
 
-@pytest.mark.parametrize("launch, name", [("clip2", n) for n in TWO]
-                         + [("clip4", n) for n in FOUR])
-def test_clipping_matches_one_process(request, launch, name):
-    _check(request.getfixturevalue(launch), name)
+# The default profile clips across pipeline stages and tensor-parallel shards (across
+# data-parallel replicas: test_zero's "-clip" case); the rest -m slow.
+DEFAULT = {"gpt2-pp2-clip", "gpt-tp2-sp-clip"}
+
+
+@pytest.mark.parametrize("name", matrix(TWO, DEFAULT))
+def test_clipping_matches_one_process(clip2, name):
+    _check(clip2, name)
+
+
+@pytest.mark.parametrize("name", matrix(FOUR, set()))
+def test_clipping_on_four_processes_matches_one_process(clip4, name):
+    _check(clip4, name)

@@ -37,6 +37,7 @@ from partc.runtime.rank_optimizer import PLAIN_STEPS
 from tests import tolerances
 
 from .test_parity import launch as launch_worker
+from .test_parity import matrix, wanted
 
 WORKER = Path(__file__).with_name("optimizer_worker.py")
 CASES = ["gpt-zero0-fp32", "gpt-zero1-fp32", "gpt2-zero1-fp32-clip", "gpt-zero0-bf16",
@@ -63,6 +64,10 @@ _STAGES_AND_OPTIMIZERS = [f"zero{zero}-fp32-{name}" for zero in range(4)
 SLOW_CASES += [f"qwen2-{case}" for case in _STAGES_AND_OPTIMIZERS] + ["gpt-zero1-bf16-sgd"]
 PLAIN_FOUR_CASES = [f"{mesh}-{case}" for mesh in ("qwen2-pp2", "qwen3moe-pp2-ep2")
                     for case in _STAGES_AND_OPTIMIZERS]
+# The default profile: ZeRO-0, 1 and 3, bf16 and fp32, clipping, AdamW, the MoE's
+# expert-dp shards; the rest -m slow.
+DEFAULT = {"gpt-zero0-bf16", "gpt-zero1-bf16-clip", "moe-ep2-zero1-bf16-clip",
+           "gpt-zero1-fp32-adamw", "gpt-zero3-bf16"}
 RTOL = {"fp32": (tolerances.FP32, tolerances.FP32),   # (losses and norms, parameters)
         "bf16": (tolerances.BF16, 5e-2)}
 
@@ -72,8 +77,8 @@ def _launch(cases: list[str], out: Path, nproc: int = 2) -> list[dict]:
 
 
 @pytest.fixture(scope="module")
-def ranks(tmp_path_factory) -> list[dict]:
-    return _launch(CASES + NONFINITE_CASES + [BATCH_CASE],
+def ranks(request, tmp_path_factory) -> list[dict]:
+    return _launch(wanted(request, CASES + NONFINITE_CASES + [BATCH_CASE]),
                    tmp_path_factory.mktemp("optimizer"))
 
 
@@ -135,7 +140,7 @@ def _check_refused(seen: dict, rank: int) -> None:
         in seen["refused"], seen["refused"]
 
 
-@pytest.mark.parametrize("name", CASES)
+@pytest.mark.parametrize("name", matrix(CASES, DEFAULT & set(CASES)))
 def test_trains_like_one_process(ranks, name):
     _check(ranks, name)
 
@@ -163,7 +168,8 @@ def test_plain_optimizer_trains_like_one_process_or_is_refused(plain_four_ranks,
 POISONED_STEP = 3   # module.step of the poisoned batch (optimizer_worker.POISONED + 1)
 
 
-@pytest.mark.parametrize("name", [n for n in NONFINITE_CASES if n.endswith("-raise")])
+@pytest.mark.parametrize("name", matrix([n for n in NONFINITE_CASES if n.endswith("-raise")],
+                                        {"gpt-zero1-fp32-nan-raise"}))
 def test_nonfinite_step_raises_before_any_parameter_changes(ranks, name):
     """Every rank raises NonFiniteError at the poisoned step, naming it, what was
     non-finite, the loss's stage and rank (the first replica's first microbatch: rank 0,
@@ -189,7 +195,9 @@ def test_nonfinite_step_raises_before_any_parameter_changes(ranks, name):
         assert ranks[0][name]["error"]["stages"] == [0, 1]
 
 
-@pytest.mark.parametrize("name", [n for n in NONFINITE_CASES if n.endswith("-skip")])
+@pytest.mark.parametrize("name", matrix([n for n in NONFINITE_CASES if n.endswith("-skip")],
+                                        {"gpt-pp2-zero0-fp32-gradnan-skip",
+                                         "gpt-zero3-fp32-nan-skip"}))
 def test_nonfinite_step_is_skipped_on_every_rank(ranks, name):
     """With on_nonfinite="skip" the poisoned step changes no parameter and no optimizer
     state on any rank, is counted once (module and telemetry), and training goes on
@@ -210,6 +218,7 @@ def test_nonfinite_step_is_skipped_on_every_rank(ranks, name):
         assert worst[1] < tolerances.FP32, f"rank {rank}: {worst}"
 
 
+@pytest.mark.reads(BATCH_CASE)
 def test_a_stage_given_another_batch_is_refused_naming_both_ranks_and_the_step(ranks):
     """pp=2: the last stage's targets are another batch's at step 3. Every rank raises
     BatchMismatchError naming ranks 0 and 1 and the step, before the optimizer stepped;

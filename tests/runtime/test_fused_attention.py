@@ -7,7 +7,9 @@ under torchrun with gloo. Every block runs one ``scaled_dot_product_attention``.
 
 from __future__ import annotations
 
-from .test_parity import assert_trains_like_one_process, launched
+import pytest
+
+from .test_parity import assert_trains_like_one_process, launched, matrix
 
 CASES = {"llama-tp2-fused": {"pp": 1, "dp": 1, "tp": 2},
          "gpt-tp2-sp-fused": {"pp": 1, "dp": 1, "tp": 2},
@@ -16,11 +18,15 @@ CASES = {"llama-tp2-fused": {"pp": 1, "dp": 1, "tp": 2},
 fused_two = launched("fused_two", 2, list(CASES))
 
 
-def test_fused_attention_trains_like_one_process(fused_two: list[dict]) -> None:
-    for name, mesh in CASES.items():
-        for rank, results in enumerate(fused_two):
-            result = results[name]
-            assert_trains_like_one_process(rank, result)
-            assert result["mesh"] == mesh
-            # Both blocks of the 2-layer model on a tp rank; one per pipeline stage.
-            assert result["fused_attention"] == 2 // mesh["pp"], (name, rank)
+# The default profile: fused attention under sequence parallelism and under pp with
+# recompute; Llama's grouped-query attention -m slow.
+@pytest.mark.parametrize("name", matrix(list(CASES), {"gpt-tp2-sp-fused",
+                                                      "gpt2-pp2-fused-recompute"}))
+def test_fused_attention_trains_like_one_process(fused_two: list[dict], name: str) -> None:
+    mesh = CASES[name]
+    for rank, results in enumerate(fused_two):
+        result = results[name]
+        assert_trains_like_one_process(rank, result)
+        assert result["mesh"] == mesh
+        # Both blocks of the 2-layer model on a tp rank; one per pipeline stage.
+        assert result["fused_attention"] == 2 // mesh["pp"], (name, rank)

@@ -18,7 +18,7 @@ import pytest
 
 from tests import tolerances
 
-from .test_parity import assert_vocab_parallel_loss, launched
+from .test_parity import assert_vocab_parallel_loss, launched, matrix
 
 TWO = ["gpt-dp2-bf16", "gpt2-dp2-zero1-bf16", "gpt-dp2-zero3-bf16", "llama-pp2-bf16"]
 FOUR = ["llama-pp2-dp2-zero2-bf16", "llama-dp2-tp2-sp-zero1-vocab-bf16"]
@@ -48,13 +48,27 @@ def _check(ranks: list[dict], name: str) -> None:
         assert result["compute_param_dtypes"] == held
 
 
-@pytest.mark.parametrize("launch, name", [("bf16_two", n) for n in TWO]
-                         + [("bf16_four", n) for n in FOUR])
-def test_bf16_trains_like_fp32(request, launch, name):
-    _check(request.getfixturevalue(launch), name)
+# The default profile's cases: ZeRO-1's fp32 master shards, ZeRO-3, pp, and dp x tp with
+# sequence parallelism and the vocab-parallel loss; the rest -m slow.
+DEFAULT = {"gpt2-dp2-zero1-bf16", "gpt-dp2-zero3-bf16", "llama-pp2-bf16",
+           "llama-dp2-tp2-sp-zero1-vocab-bf16"}
+
+
+def _check_bf16(ranks: list[dict], name: str) -> None:
+    _check(ranks, name)
     if "vocab" in name:
-        for results in request.getfixturevalue(launch):
+        for results in ranks:
             assert_vocab_parallel_loss(results[name])
+
+
+@pytest.mark.parametrize("name", matrix(TWO, DEFAULT & set(TWO)))
+def test_bf16_trains_like_fp32(bf16_two, name):
+    _check_bf16(bf16_two, name)
+
+
+@pytest.mark.parametrize("name", matrix(FOUR, DEFAULT & set(FOUR)))
+def test_bf16_on_four_processes_trains_like_fp32(bf16_four, name):
+    _check_bf16(bf16_four, name)
 
 
 @pytest.mark.slow

@@ -19,8 +19,8 @@ WORKER = Path(__file__).with_name("moe_worker.py")
 RTOL = 1e-5
 # ZeRO with expert parallelism: experts sharded over their expert-data-parallel group
 # (2 ranks in dp4-ep2), clipped by the global gradient norm.
-DEFAULT = ["moe-dp4-ep4", "moe-pp2-dp2-ep2", "moe-dp2-tp2-ep2-clip", "moe-dp4-ep2-zero3"]
-SLOW_FOUR = ["moe-dp2-tp2-ep2", "moe-dp4-ep2", "qwen2-moe-dp4-ep4", "qwen3-moe-pp2-dp2-ep2", "mixtral-dp2-tp2-ep2",
+DEFAULT = ["moe-pp2-dp2-ep2", "moe-dp2-tp2-ep2-clip", "moe-dp4-ep2-zero3"]
+SLOW_FOUR = ["moe-dp4-ep4", "moe-dp2-tp2-ep2", "moe-dp4-ep2", "qwen2-moe-dp4-ep4", "qwen3-moe-pp2-dp2-ep2", "mixtral-dp2-tp2-ep2",
              "mixtral-dp2-tp2-ep4-capacity", "moe-dp4-ep2-zero1", "mixtral-dp4-ep2-zero1",
              "moe-dp2-tp2-ep2-zero1", "moe-dp2-tp2-ep2-zero3", "moe-pp2-dp2-ep2-zero2",
              "moe-dp4-ep2-zero2-step"]

@@ -20,9 +20,14 @@ from .worker import CASES, STEPS
 WORKER = Path(__file__).with_name("worker.py")
 TWO = ["gpt-pp2-1f1b", "gpt-pp2-gpipe-recompute", "gpt2-pp2-1f1b-recompute", "gpt2-pp2-gpipe",
        "llama-pp2-gpipe-recompute", "llama-pp2-1f1b", "llama-pp2-1f1b-loaded", "skip-pp2-1f1b",
-       "handoff-pp2", "gpt-dp2", "bert-dp2", "mismatch"]
+       "handoff-pp2", "gpt-dp2", "bert-dp2", "mismatch", "gpt-pp2-loss-alone"]
 FOUR = ["gpt-pp4-1f1b-recompute", "gpt-pp4-gpipe", "gpt2-pp4-gpipe-recompute", "llama-pp4-1f1b",
         "skip-pp4-gpipe", "gpt-pp2-dp2"]
+# The default profile's cases: each schedule, recompute, the three Hugging Face models,
+# loaded weights, skips across stages, a hand-off layer, dp and pp x dp; the rest -m slow.
+DEFAULT_TWO = ["gpt2-pp2-1f1b-recompute", "llama-pp2-1f1b-loaded", "skip-pp2-1f1b",
+               "handoff-pp2", "bert-dp2"]
+DEFAULT_FOUR = ["gpt-pp4-gpipe", "gpt-pp2-dp2"]
 RTOL = 1e-5
 
 
@@ -43,11 +48,42 @@ def launch(nproc: int, cases: list[str], out: Path, *, worker: Path = WORKER,
 
 
 def launched(name: str, nproc: int, cases: list[str]):
-    """A module-scoped fixture ``name``: the per-rank results of one torchrun of ``cases``."""
+    """A module-scoped fixture ``name``: the per-rank results of one torchrun of the
+    ``cases`` that this session's selected tests read (:func:`wanted`)."""
     @pytest.fixture(scope="module", name=name)
-    def fixture(tmp_path_factory) -> list[dict]:
-        return launch(nproc, cases, tmp_path_factory.mktemp(name))
+    def fixture(request, tmp_path_factory) -> list[dict]:
+        return launch(nproc, wanted(request, cases), tmp_path_factory.mktemp(name))
     return fixture
+
+
+def wanted(request: pytest.FixtureRequest, cases: list[str]) -> list[str]:
+    """The ``cases`` that the selected tests of the requesting module read through this
+    fixture: a test parametrized by case names reads those, a test marked
+    ``@pytest.mark.reads(case, ...)`` the cases it names, any other test reads them all. So a case whose tests are all deselected (``slow`` ones in the default profile,
+    see :func:`matrix`) is not run."""
+    names: set[str] = set()
+    for item in request.session.items:
+        if item.module is not request.module or request.fixturename not in item.fixturenames:
+            continue
+        params = getattr(item, "callspec", None)
+        read = {v for v in (params.params.values() if params else ())
+                if isinstance(v, str) and v in cases}
+        marker = item.get_closest_marker("reads")
+        read |= set(marker.args) if marker else set()
+        if not read:
+            return list(cases)
+        names |= read
+    return [case for case in cases if case in names] or list(cases)
+
+
+def matrix(cases: list[str], default: list[str] | set[str]) -> list:
+    """``cases`` as parameters, those not in ``default`` marked ``slow``: the default
+    profile keeps one case per feature, ``-m slow`` runs the rest."""
+    unknown = set(default) - set(cases)
+    assert not unknown, f"default cases not in the matrix: {sorted(unknown)}"
+    return [pytest.param(case, id=case,
+                         marks=() if case in default else pytest.mark.slow)
+            for case in cases]
 
 
 def assert_vocab_parallel_loss(result: dict) -> None:
@@ -93,16 +129,17 @@ def check_parity(ranks: list[dict], name: str) -> None:
         assert ranks[0][name]["schedule"] == constraints["schedule"]
 
 
-@pytest.mark.parametrize("name", [n for n in TWO if n != "mismatch"])
+@pytest.mark.parametrize("name", matrix(TWO[:-2], DEFAULT_TWO))
 def test_two_processes_match_one(two, name):
     check_parity(two, name)
 
 
-@pytest.mark.parametrize("name", FOUR)
+@pytest.mark.parametrize("name", matrix(FOUR, DEFAULT_FOUR))
 def test_four_processes_match_one(four, name):
     check_parity(four, name)
 
 
+@pytest.mark.reads("gpt-pp4-gpipe")
 def test_every_rank_parameter_is_held_once_per_stage(four):
     """Across the 4 stages of GPT (4 blocks) every parameter is somewhere; only the tied
     embedding/head weight is on two stages."""
@@ -115,12 +152,14 @@ def test_every_rank_parameter_is_held_once_per_stage(four):
     assert len(held) == 4 * 12 + 3  # 12 tensors per block; pos_emb and ln_f's two
 
 
+@pytest.mark.reads("mismatch")
 def test_ranks_with_different_plans_refuse_to_run(two):
     for rank, results in enumerate(two):
         message = results["mismatch"]["different-plans"]
         assert message.startswith("ranks disagree on the plan"), (rank, message)
 
 
+@pytest.mark.reads("mismatch")
 def test_batches_of_other_shapes_are_refused_then_training_goes_on(two):
     for results in two:
         seen = results["mismatch"]
@@ -129,10 +168,11 @@ def test_batches_of_other_shapes_are_refused_then_training_goes_on(two):
         assert seen["loss-after"] > 0
 
 
-def test_a_stage_without_parameters_trains(tmp_path):
+@pytest.mark.reads("gpt-pp2-loss-alone")
+def test_a_stage_without_parameters_trains(two):
     # The loss alone on the last stage: that rank holds no parameter, and the README's
     # loop (module.optimizer, forward_backward, step, zero_grad) still trains.
-    results = launch(2, ["gpt-pp2-loss-alone"], tmp_path)
+    results = two
     for rank, result in enumerate(results):
         assert_trains_like_one_process(rank, result["gpt-pp2-loss-alone"])
     last = results[1]["gpt-pp2-loss-alone"]

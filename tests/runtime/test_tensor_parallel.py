@@ -16,7 +16,7 @@ from __future__ import annotations
 import pytest
 
 from .test_parity import (assert_trains_like_one_process, assert_vocab_parallel_loss,
-                          launched)
+                          launched, matrix)
 
 MODELS = ["gpt", "gpt2", "llama", "bert"]
 # "-recompute": one block fully recomputed, one selectively; its forward collectives run
@@ -39,6 +39,17 @@ VOCAB_FOUR = ["gpt2-pp2-tp2-sp-vocab"]
 TWO = ([f"{m}-tp2{s}" for m in MODELS for s in ("", "-sp")] + RECOMPUTE_TWO + DROPOUT_TWO
        + BLOCKING_TWO + VOCAB_TWO)
 FOUR = [f"{m}-pp2-tp2{s}" for m in MODELS for s in ("", "-sp")] + RECOMPUTE_FOUR + VOCAB_FOUR
+# The default profile's cases: plain tp (all-reduces) and sequence parallelism on each
+# model family's own path (GPT-2's Conv1D, Llama's grouped-query attention, BERT's last
+# block), recompute with rings, dropout, blocking collectives, the vocab-parallel loss,
+# and pp x tp; the rest -m slow.
+DEFAULT = {"gpt2-tp2-sp", "llama-tp2", "bert-tp2-sp", "llama-tp2-sp-recompute",
+           "gpt-tp2-sp-dropout", "gpt-tp2-sp-blocking", "gpt-tp2-sp-vocab-recompute",
+           "gpt2-pp2-tp2-sp-vocab"}
+
+
+def cases(names: list[str]) -> list:
+    return matrix(names, DEFAULT & set(names))
 
 
 tp_two = launched("tp_two", 2, TWO)
@@ -60,17 +71,17 @@ def _check(ranks: list[dict], name: str, tp: int, pp: int) -> None:
         assert result["collectives"] == result["planned_collectives"], (rank, result)
 
 
-@pytest.mark.parametrize("name", TWO)
+@pytest.mark.parametrize("name", cases(TWO))
 def test_tp2_matches_one_process(tp_two, name):
     _check(tp_two, name, tp=2, pp=1)
 
 
-@pytest.mark.parametrize("name", FOUR)
+@pytest.mark.parametrize("name", cases(FOUR))
 def test_pp2_tp2_matches_one_process(tp_four, name):
     _check(tp_four, name, tp=2, pp=2)
 
 
-@pytest.mark.parametrize("name", VOCAB_TWO + VOCAB_FOUR)
+@pytest.mark.parametrize("name", cases(VOCAB_TWO + VOCAB_FOUR))
 def test_the_loss_reads_the_heads_shards_by_class_with_two_all_reduces(tp_two, tp_four,
                                                                        name):
     ranks = tp_two if name in VOCAB_TWO else tp_four
@@ -82,7 +93,7 @@ def test_the_loss_reads_the_heads_shards_by_class_with_two_all_reduces(tp_two, t
         assert gathers.count("forward") == (1 if "-sp" in name else 0), layers["lm_head"]
 
 
-@pytest.mark.parametrize("name", [f"{m}-tp2" for m in MODELS])
+@pytest.mark.parametrize("name", cases([f"{m}-tp2" for m in MODELS]))
 def test_all_reduces_equal_the_plan_without_sequence_parallelism(tp_two, name):
     # Megatron's count: two all-reduces forward and two backward per block, plus one
     # all-reduce of partial gradients (row-parallel biases) per step. BERT's pooler gets
@@ -104,7 +115,7 @@ def _blocks(result: dict) -> list[str]:
             or layer.startswith("blocks.")]
 
 
-@pytest.mark.parametrize("name", [f"{m}-tp2-sp" for m in MODELS])
+@pytest.mark.parametrize("name", cases([f"{m}-tp2-sp" for m in MODELS]))
 def test_sequence_parallel_blocks_use_gathers_and_reduce_scatters(tp_two, name):
     # Megatron-SP per block: before each of attention and MLP an all-gather of the
     # sequence shards (reduce-scatter backward), after each a reduce-scatter (all-gather
@@ -134,8 +145,8 @@ def test_sequence_parallel_blocks_use_gathers_and_reduce_scatters(tp_two, name):
             assert moves == megatron, (layer, moves)
 
 
-@pytest.mark.parametrize("name", ["gpt-tp2-sp", "llama-tp2-sp", "gpt-tp2-sp-recompute",
-                                  "llama-tp2-sp-recompute"] + BLOCKING_TWO)
+@pytest.mark.parametrize("name", cases(["gpt-tp2-sp", "llama-tp2-sp", "gpt-tp2-sp-recompute",
+                                        "llama-tp2-sp-recompute"] + BLOCKING_TWO))
 def test_sequence_parallel_linears_run_their_collectives_as_rings(tp_two, name):
     # Per block, the gathers before attention and MLP and the reduce-scatters after them
     # run as rings (one exchange per step, tp - 1 steps): forward the gathered linears'

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import pytest
 
-from .test_parity import assert_trains_like_one_process, launched
+from .test_parity import assert_trains_like_one_process, launched, matrix
 
 STAGES = (1, 2, 3)
 TWO = [f"{case}-zero{z}{suffix}" for z in STAGES
@@ -79,10 +79,21 @@ def _check_reductions(result: dict, name: str) -> None:
         result["fsdp_reduces"]), (result["fsdp_reduces"], result["fsdp_units"])
 
 
-@pytest.mark.parametrize("launch, name", [("zero2", n) for n in TWO]
-                         + [("zero4", n) for n in FOUR])
-def test_zero_matches_one_process(request, launch, name):
-    _check(request.getfixturevalue(launch), name)
+# The default profile's cases: each stage once (ZeRO-3 with clipping), ZeRO-2 reducing per
+# microbatch and per step, pp x dp under ZeRO-1 (the planner's default there) and
+# ZeRO-3 under tensor parallelism; the rest -m slow.
+DEFAULT = {"gpt-dp2-zero1", "gpt2-dp2-zero3-clip", "gpt-dp2-zero2-step",
+           "gpt-dp2-zero2-microbatch", "gpt-pp2-dp2-zero1", "llama-dp2-tp2-zero3"}
+
+
+@pytest.mark.parametrize("name", matrix(TWO, DEFAULT & set(TWO)))
+def test_zero_matches_one_process(zero2, name):
+    _check(zero2, name)
+
+
+@pytest.mark.parametrize("name", matrix(FOUR, DEFAULT & set(FOUR)))
+def test_zero_on_four_processes_matches_one_process(zero4, name):
+    _check(zero4, name)
 
 
 @pytest.mark.slow
