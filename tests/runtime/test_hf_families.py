@@ -8,7 +8,12 @@ process under torchrun: a few in the default profile, one per kind of fix they n
   alternating with global ones;
 - Mixtral (pp=2): mixture-of-experts routing through transformers' grouped matmul;
 - Falcon (pp=2): constants torch.export lifts out of the forward, positions sent between
-  stages.
+  stages;
+- DeBERTa-v2 (pp=2, zero-bubble "V" schedule): stages that send views on, and normed
+  relative embeddings that one stage makes from its weights alone and sends to the next
+  (the split backward's weight gradients, ``partc/runtime/split_backward.py``);
+- ELECTRA (tp=2): a masked-LM head narrower than the encoder whose output is
+  reduce-scattered by class: no ring along the features a linear maps.
 """
 
 from __future__ import annotations
@@ -17,7 +22,8 @@ import pytest
 
 from .test_parity import assert_trains_like_one_process, launched
 
-CASES = ["hf-t5-pp2", "hf-gemma2-tp2", "hf-mixtral-pp2", "hf-falcon-pp2"]
+CASES = ["hf-t5-pp2", "hf-gemma2-tp2", "hf-mixtral-pp2", "hf-falcon-pp2",
+         "hf-deberta-v2-pp2-zbv", "hf-electra-tp2"]
 
 families = launched("families", 2, CASES)
 
@@ -27,5 +33,7 @@ def test_family_trains_like_one_process(families, name):
     for rank, results in enumerate(families):
         assert_trains_like_one_process(rank, results[name])
     mesh = families[0][name]["mesh"]
-    assert (mesh["pp"], mesh["tp"]) == ((2, 1) if name.endswith("pp2") else (1, 2))
+    assert (mesh["pp"], mesh["tp"]) == ((1, 2) if name.endswith("tp2") else (2, 1))
+    if name.endswith("zbv"):
+        assert families[0][name]["schedule"] == "zbv-zero-bubble"
 
