@@ -72,9 +72,9 @@ def input_grads(outputs: Sequence[torch.Tensor], output_grads: Sequence[Any] | N
                 ) -> tuple[tuple[torch.Tensor | None, ...], SplitState]:
     """The gradients of ``inputs`` (None for those that need none), and the state
     :func:`weight_grads` finishes from. ``output_grads`` None: ``outputs`` is the loss
-    (its gradient one). The outputs are detached in place afterwards, as torch's split
-    does, so that only the graph the weight gradients need stays alive (views cannot be:
-    :func:`partc.runtime.pipeline_stage.not_a_view` makes sure a stage sends none)."""
+    (its gradient one). The outputs the weight pass cannot need (:func:`_detachable`:
+    the loss, most stage outputs) are detached in place afterwards, as torch's split
+    does, so that only the graph the weight gradients need stays alive."""
     pairs = [(t, torch.ones_like(t) if output_grads is None else output_grads[i])
              for i, t in enumerate(outputs)
              if isinstance(t, torch.Tensor) and (t.requires_grad or t.grad_fn is not None)]
@@ -95,10 +95,9 @@ def input_grads(outputs: Sequence[torch.Tensor], output_grads: Sequence[Any] | N
     finally:
         for handle in handles:
             handle.remove()
+    done = set(frontier)
     for t, _ in pairs:
-        # Not a leaf (a weight or an input sent on as it is would stop requiring
-        # gradients), nor a view, which autograd cannot detach in place (see not_a_view).
-        if t.grad_fn is not None and not t._is_view():
+        if _detachable(t, consumers, input_side, done):
             t.detach_()
     found = iter(grads)
     result = tuple(next(found) if isinstance(t, torch.Tensor) and t.requires_grad else None
@@ -202,6 +201,19 @@ def _groups(weights: list[torch.Tensor], consumers: dict[Node, list[Node]],
     for node in frontier:
         groups.members[groups.owner[node]].frontier.append(node)
     return groups, list(frontier)
+
+
+def _detachable(t: torch.Tensor, consumers: dict[Node, list[Node]], input_side: set[Node],
+                frontier: set[Node]) -> bool:
+    """Whether output ``t`` can be detached in place: no node the weight pass may run
+    keeps it. Not a leaf (a weight or an input sent on as it is would stop requiring
+    gradients), nor a view (autograd cannot: see ``not_a_view``); and its node is one
+    the weight pass never runs (input side, no frontier node) and nothing in the stage
+    reads it (a node reading it may keep it, as ``tanh`` keeps its result)."""
+    if t.grad_fn is None or t._is_view():
+        return False
+    node = get_gradient_edge(t).node
+    return node in input_side and node not in frontier and not consumers.get(node)
 
 
 def _consumers(roots: list[Node]) -> dict[Node, list[Node]]:

@@ -96,6 +96,7 @@ def train(case: Case) -> dict[str, Any]:
             opt.step()
             opt.zero_grad()
         full = module.full_state_dict()
+        ring_steps = module.tp.ring_steps   # tp2 linears run as rings, if any
     finally:
         module.close()
     microbatches = program.plan.num_microbatches
@@ -110,6 +111,7 @@ def train(case: Case) -> dict[str, Any]:
             "state_keys_differ": sorted(set(full) ^ set(expected)),
             "mesh": to_data(plan.mesh), "stages": [s.layers for s in plan.stages],
             "num_microbatches": microbatches, "recompute": plan.recompute,
+            "schedule": plan.schedule, "ring_steps": ring_steps,
             "sharded": sorted(name for name, placement in (
                 plan.tensor_parallel.params if plan.tensor_parallel else {}).items()
                 if placement.kind == "S")}

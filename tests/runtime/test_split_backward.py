@@ -2,7 +2,8 @@
 then weight gradients, as the zero-bubble schedules run it) gives the gradients of one
 whole backward, on one process, for the graphs torch's own split gets wrong: a weight
 whose value leaves the stage without meeting its inputs (DeBERTa's normed relative
-embeddings), a weight read at two depths, weights that share a node. End to end under
+embeddings), a weight read at two depths, weights that share a node, an output a node
+of the weight pass keeps. End to end under
 torchrun: ``hf-deberta-v2-pp2-zbv`` in ``tests/runtime/test_hf_families.py``."""
 
 from __future__ import annotations
@@ -45,9 +46,15 @@ def _weight_sent_on(x, w):  # a weight sent on as it is
     return x @ w[0], w[1]
 
 
+def _kept_output(x, w):  # an output tanh keeps, read again by a weight at two depths
+    h = torch.tanh(x @ w[0])
+    return torch.tanh(h @ w[1]) @ w[0], h
+
+
 GRAPHS: dict[str, tuple[Callable, int]] = {
     "chain": (_chain, 2), "sent-on": (_sent_on, 3), "two-depths": (_two_depths, 2),
-    "shared-node": (_shared_node, 3), "weight-sent-on": (_weight_sent_on, 2)}
+    "shared-node": (_shared_node, 3), "weight-sent-on": (_weight_sent_on, 2),
+    "kept-output": (_kept_output, 2)}
 
 
 @pytest.mark.parametrize("name", GRAPHS)
@@ -86,7 +93,19 @@ def test_a_stage_of_integer_inputs_takes_every_gradient_in_the_second_half():
     expected = torch.autograd.grad(loss, params)
     loss = linear(embedding(ids)).square().mean()   # the last stage: the loss alone
     (grad_ids,), state = split_backward.input_grads([loss], None, [ids], params)
-    assert grad_ids is None and loss.grad_fn is None   # detached: its graph is the state's
+    assert grad_ids is None
     split_backward.weight_grads(state)
     for param, want in zip(params, expected):
         torch.testing.assert_close(param.grad, want, rtol=FP32, atol=1e-7)
+
+
+def test_the_loss_is_detached_after_the_input_half():
+    # Its graph (a cross entropy keeps the softmax) is not the weight pass's to keep.
+    torch.manual_seed(0)
+    linear = nn.Linear(4, 3)
+    x = torch.randn(5, 4, requires_grad=True)
+    loss = F.cross_entropy(linear(x), torch.tensor([0, 1, 2, 0, 1]))
+    _, state = split_backward.input_grads([loss], None, [x], linear.parameters())
+    assert loss.grad_fn is None
+    split_backward.weight_grads(state)
+    assert linear.weight.grad is not None
