@@ -34,6 +34,8 @@ from hypothesis import seed as hypothesis_seed
 from hypothesis import strategies as st
 from torch import nn
 
+from partc.cost.schedules import refusal
+
 ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "tanh": torch.tanh, "gelu": F.gelu, "relu": torch.relu, "silu": F.silu}
 # Activations that keep their input, not their output, for backward: an in-place op may
@@ -279,14 +281,22 @@ def cases(draw: st.DrawFn, meshes: tuple[str, ...] = MESHES,
     # BatchNorm's running statistics would drift apart over dp replicas: partc refuses
     # it under dp > 1 (README, "Side effects").
     model = draw(model_specs(batchnorm=mesh != "dp2" and not sequence_parallel,
-                             min_depth=MIN_DEPTH_VIRTUAL if schedule not in ("gpipe", "1f1b")
-                             else 2, seq=SEQ if sequence_parallel else 0))
-    microbatches = (2, 4) if mesh == "pp2" else (1, 2)
+                             min_depth=MIN_DEPTH_VIRTUAL if _virtual(schedule) else 2,
+                             seq=SEQ if sequence_parallel else 0))
+    # What the schedule can run over 2 ranks (DualPipeV: a microbatch per virtual stage).
+    microbatches = tuple(m for m in (2, 4) if refusal(schedule, 2, 2 if _virtual(schedule)
+                                                      else 1, m) is None) \
+        if mesh == "pp2" else (1, 2)
     return Case(model=model, mesh=mesh, schedule=schedule,
                 recompute=draw(st.sampled_from(("none", "selective", "full"))),
                 num_microbatches=draw(st.sampled_from(microbatches)),
                 zero_stage=draw(st.integers(0, 3)) if mesh == "dp2" else 0,
                 sequence_parallel=sequence_parallel)
+
+
+def _virtual(schedule: str) -> bool:
+    """Whether ``schedule`` runs several stages per rank."""
+    return schedule not in ("gpipe", "1f1b")
 
 
 def draw_cases(count: int, seed: int = 0, meshes: tuple[str, ...] = MESHES,

@@ -70,7 +70,8 @@ def train_reference(case: Case, dtype: torch.dtype, microbatches: int
     opt = torch.optim.SGD(reference.parameters(), **OPTIMIZER)
     losses = []
     for step in range(STEPS):
-        x, y = (t.to(dtype) for t in random_models.batch(case, step))
+        x, y = (t.to(dtype) if t.is_floating_point() else t
+                for t in random_models.batch(case, step))
         losses.append(reference_step(case, reference, x, y, microbatches))
         opt.step()
         opt.zero_grad()
