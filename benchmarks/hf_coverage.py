@@ -7,7 +7,9 @@ For every family of ``tests/hf_families.py`` (tiny configs of the installed tran
   tensor-parallel pair on a 2-process CPU budget;
 - parity pp2 / parity tp2: that program trained 3 SGD steps under ``torchrun`` with
   gloo on 2 processes, against the model trained on one process: every loss and every
-  parameter within 1e-5 relative (against the parameter's norm, floored at 1e-3).
+  parameter within 1e-5 relative (against the parameter's norm, floored at 1e-3);
+- parity pp2 zbv: the same under the zero-bubble "V" schedule (two virtual stages per
+  rank, backward split into input and weight gradients).
 
 A failed cell shows the first line of its error. Prints a Markdown table and how many
 families pass each column; ``--write`` also writes the table into docs/guide.md between
@@ -37,7 +39,8 @@ import torch  # noqa: E402
 from tests import hf_families  # noqa: E402
 from tests.runtime import worker  # noqa: E402
 
-COLUMNS = ["trace", "plan pp2", "plan tp2", "parity pp2", "parity tp2"]
+COLUMNS = ["trace", "plan pp2", "plan tp2", "parity pp2", "parity tp2", "parity pp2 zbv"]
+PARITY = {"parity pp2": "pp2", "parity tp2": "tp2", "parity pp2 zbv": "pp2-zbv"}
 RTOL = 1e-5
 MARKERS = ("<!-- hf-coverage:start -->", "<!-- hf-coverage:end -->")
 
@@ -72,10 +75,10 @@ def one_process(family: str) -> dict[str, str]:
 
 
 def parity(family: str, out: Path) -> dict[str, str]:
-    """Train the family's pp2 and tp2 cases, each in its own torchrun on 2 processes (a
-    rank that dies in one case would otherwise fail the other)."""
-    return {f"parity {mode}": _parity_run(f"hf-{family}-{mode}", out / mode)
-            for mode in ("pp2", "tp2")}
+    """Train the family's pp2, tp2 and pp2-zbv cases, each in its own torchrun on 2
+    processes (a rank that dies in one case would otherwise fail the others)."""
+    return {column: _parity_run(f"hf-{family}-{mode}", out / mode)
+            for column, mode in PARITY.items()}
 
 
 def _parity_run(case: str, out: Path) -> str:

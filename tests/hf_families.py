@@ -141,6 +141,23 @@ FAMILIES: dict[str, Family] = {
                       dict(hidden_size=HIDDEN, num_attention_heads=HEADS,
                            num_hidden_layers=LAYERS, intermediate_size=2 * HIDDEN,
                            vocab_size=VOCAB, max_position_embeddings=POSITIONS, pad_token_id=1)),
+    # DeBERTa-v3's attention: disentangled relative positions (content-to-position and
+    # position-to-content scores), shared keys, normed relative embeddings.
+    "deberta-v2": Family("DebertaV2Config", "DebertaV2Model", "hidden",
+                         dict(hidden_size=HIDDEN, num_attention_heads=HEADS,
+                              num_hidden_layers=LAYERS, intermediate_size=2 * HIDDEN,
+                              vocab_size=VOCAB, max_position_embeddings=POSITIONS,
+                              pad_token_id=0, relative_attention=True,
+                              pos_att_type=["p2c", "c2p"], position_buckets=16,
+                              max_relative_positions=POSITIONS, norm_rel_ebd="layer_norm",
+                              share_att_key=True)),
+    # Embeddings narrower than the encoder: a projection widens them, and the masked-LM
+    # head narrows the hidden state back to the (tied) embedding's width.
+    "electra": Family("ElectraConfig", "ElectraForMaskedLM", "tokens",
+                      dict(embedding_size=HIDDEN // 2, hidden_size=HIDDEN,
+                           num_attention_heads=HEADS, num_hidden_layers=LAYERS,
+                           intermediate_size=2 * HIDDEN, vocab_size=VOCAB,
+                           max_position_embeddings=POSITIONS, pad_token_id=0)),
     "vit": Family("ViTConfig", "ViTModel", "pixels",
                   dict(hidden_size=HIDDEN, num_attention_heads=HEADS, num_hidden_layers=LAYERS,
                        intermediate_size=2 * HIDDEN, image_size=32, patch_size=8,

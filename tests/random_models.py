@@ -5,6 +5,10 @@ A ``ModelSpec`` is data (frozen dataclasses, JSON both ways), so that a torchrun
 can receive a list of them and a failure can be replayed from its printed spec alone;
 ``build(spec)`` makes the same weights every time (they come from ``spec.seed``).
 
+Under pp=2 a case draws one of every schedule torch runs (zero-bubble ones included);
+under tp=2, sequence parallelism pinned on (its linears run as rings) or left to the
+planner.
+
 The model: blocks of ``Linear`` → [``BatchNorm1d``] → [in-place op] → activation →
 [in-place op] → [``* buffer``], each block's output optionally receiving the input of a
 block 1-3 blocks back (through a ``Linear`` where the widths differ), a block's weight
@@ -30,16 +34,26 @@ from hypothesis import seed as hypothesis_seed
 from hypothesis import strategies as st
 from torch import nn
 
+from partc.cost.schedules import refusal
+
 ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "tanh": torch.tanh, "gelu": F.gelu, "relu": torch.relu, "silu": F.silu}
 # Activations that keep their input, not their output, for backward: an in-place op may
 # follow them.
 KEEP_INPUT = ("gelu", "silu")
 IN_PLACE = ("none", "mul_", "clamp_", "relu_", "ReLU(inplace=True)")
+# Every schedule torch runs: one stage per rank, then several (looped and "V" placement),
+# the zero-bubble ones splitting backward in two (partc/runtime/split_backward.py).
+SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "looped-bfs", "interleaved-zero-bubble",
+             "zbv-zero-bubble", "dualpipev")
+ZERO_BUBBLE = ("interleaved-zero-bubble", "zbv-zero-bubble", "dualpipev")
+# Virtual stages need layers: 2 ranks of 2 stages, each at least one block.
+MIN_DEPTH_VIRTUAL = 4
 BUFFERS = ("none", "persistent", "non-persistent")
 WIDTHS = (4, 6, 8, 12, 16)
 MESHES = ("pp2", "tp2", "dp2")
 BATCH, STEPS = 8, 3
+SEQ, VOCAB = 4, 16  # a sequence-parallel model's tokens per sample, and its words
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -67,6 +81,10 @@ class ModelSpec:
     skips: tuple[Skip, ...] = ()
     tied_head: bool = False  # the head is the first block's weight, transposed
     seed: int = 0
+    # Tokens per sample, or 0: with tokens the model reads (batch, seq) ids through an
+    # embedding of VOCAB words d_in wide, else (batch, d_in) floats. Sequence parallelism
+    # shards the tokens: no BatchNorm then (it would normalise dim 1, the positions).
+    seq: int = 0
 
     @property
     def batchnorm(self) -> bool:
@@ -85,6 +103,9 @@ class Case:
     recompute: str = "none"
     num_microbatches: int = 1
     zero_stage: int = 0
+    # tp2: sequence parallelism pinned on (its linears run as rings beside their
+    # collectives, TrainSpec.tp_overlap), else the planner's choice.
+    sequence_parallel: bool = False
 
     def constraints(self) -> dict[str, Any]:
         pins: dict[str, Any] = dict(pp=1, dp=1, tp=1, recompute=self.recompute,
@@ -94,6 +115,8 @@ class Case:
         elif self.mesh == "tp2":
             # The fewest parameter bytes: tiny layers on a CPU budget would stay replicated.
             pins.update(tp=2, tp_objective="memory")
+            if self.sequence_parallel:
+                pins.update(sequence_parallel=True)
         else:
             pins.update(dp=2, zero_stage=self.zero_stage)
         return pins
@@ -157,6 +180,7 @@ class RandomBlock(nn.Module):
 class RandomModel(nn.Module):
     def __init__(self, spec: ModelSpec) -> None:
         super().__init__()
+        self.embedding = nn.Embedding(VOCAB, spec.d_in) if spec.seq else None
         self.blocks = nn.ModuleList(RandomBlock(block, spec.fan_in(i))
                                     for i, block in enumerate(spec.blocks))
         for block, block_spec in zip(self.blocks, spec.blocks):
@@ -174,6 +198,8 @@ class RandomModel(nn.Module):
         self.tied_head = spec.tied_head
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.embedding is not None:
+            x = self.embedding(x)
         inputs = []
         for index, block in enumerate(self.blocks):
             inputs.append(x)
@@ -199,6 +225,9 @@ def build(spec: ModelSpec) -> RandomModel:
 
 def batch(case: Case, step: int) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(case.model.seed * 100 + step)
+    if case.model.seq:
+        return (torch.randint(0, VOCAB, (BATCH, case.model.seq), generator=g),
+                torch.randn(BATCH, case.model.seq, case.model.d_out, generator=g))
     return (torch.randn(BATCH, case.model.d_in, generator=g),
             torch.randn(BATCH, case.model.d_out, generator=g))
 
@@ -207,8 +236,9 @@ def batch(case: Case, step: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 @st.composite
-def model_specs(draw: st.DrawFn, *, batchnorm: bool = True) -> ModelSpec:
-    depth = draw(st.integers(2, 6))
+def model_specs(draw: st.DrawFn, *, batchnorm: bool = True, min_depth: int = 2,
+                seq: int = 0) -> ModelSpec:
+    depth = draw(st.integers(min_depth, 6))
     widths = draw(st.lists(st.sampled_from(WIDTHS), min_size=depth, max_size=depth))
     d_in = draw(st.sampled_from(WIDTHS))
     tied_head = draw(st.booleans())
@@ -226,7 +256,7 @@ def model_specs(draw: st.DrawFn, *, batchnorm: bool = True) -> ModelSpec:
     skips = draw(st.lists(spans, max_size=3, unique=True))
     return ModelSpec(d_in=d_in, d_out=d_out, blocks=tuple(blocks),
                      skips=tuple(Skip(start=a, span=b) for a, b in sorted(skips)),
-                     tied_head=tied_head, seed=draw(st.integers(0, 2**16)))
+                     tied_head=tied_head, seed=draw(st.integers(0, 2**16)), seq=seq)
 
 
 @st.composite
@@ -243,20 +273,34 @@ def block_specs(draw: st.DrawFn, width: int, fan_in: int, batchnorm: bool,
 
 
 @st.composite
-def cases(draw: st.DrawFn, meshes: tuple[str, ...] = MESHES) -> Case:
+def cases(draw: st.DrawFn, meshes: tuple[str, ...] = MESHES,
+          schedules: tuple[str, ...] = SCHEDULES) -> Case:
     mesh = draw(st.sampled_from(meshes))
+    schedule = draw(st.sampled_from(schedules)) if mesh == "pp2" else "1f1b"
+    sequence_parallel = mesh == "tp2" and draw(st.booleans())
     # BatchNorm's running statistics would drift apart over dp replicas: partc refuses
     # it under dp > 1 (docs/guide.md, "Side effects").
-    model = draw(model_specs(batchnorm=mesh != "dp2"))
-    microbatches = (2, 4) if mesh == "pp2" else (1, 2)
-    return Case(model=model, mesh=mesh,
-                schedule=draw(st.sampled_from(("gpipe", "1f1b"))) if mesh == "pp2" else "1f1b",
+    model = draw(model_specs(batchnorm=mesh != "dp2" and not sequence_parallel,
+                             min_depth=MIN_DEPTH_VIRTUAL if _virtual(schedule) else 2,
+                             seq=SEQ if sequence_parallel else 0))
+    # What the schedule can run over 2 ranks (DualPipeV: a microbatch per virtual stage).
+    microbatches = tuple(m for m in (2, 4) if refusal(schedule, 2, 2 if _virtual(schedule)
+                                                      else 1, m) is None) \
+        if mesh == "pp2" else (1, 2)
+    return Case(model=model, mesh=mesh, schedule=schedule,
                 recompute=draw(st.sampled_from(("none", "selective", "full"))),
                 num_microbatches=draw(st.sampled_from(microbatches)),
-                zero_stage=draw(st.integers(0, 3)) if mesh == "dp2" else 0)
+                zero_stage=draw(st.integers(0, 3)) if mesh == "dp2" else 0,
+                sequence_parallel=sequence_parallel)
 
 
-def draw_cases(count: int, seed: int = 0, meshes: tuple[str, ...] = MESHES) -> list[Case]:
+def _virtual(schedule: str) -> bool:
+    """Whether ``schedule`` runs several stages per rank."""
+    return schedule not in ("gpipe", "1f1b")
+
+
+def draw_cases(count: int, seed: int = 0, meshes: tuple[str, ...] = MESHES,
+               schedules: tuple[str, ...] = SCHEDULES) -> list[Case]:
     """``count`` distinct cases drawn by hypothesis from ``seed``: the same list for the
     same arguments. (Drawn ahead of time so that one torchrun launch trains them all.)"""
     drawn: list[Case] = []
@@ -264,7 +308,7 @@ def draw_cases(count: int, seed: int = 0, meshes: tuple[str, ...] = MESHES) -> l
     # Hypothesis may draw a case twice: ask for more, keep the first ``count`` distinct.
     @hypothesis_seed(seed)
     @settings(max_examples=3 * count, phases=[Phase.generate], database=None, deadline=None)
-    @given(cases(meshes))
+    @given(cases(meshes, schedules))
     def collect(case: Case) -> None:
         if case not in drawn and len(drawn) < count:
             drawn.append(case)

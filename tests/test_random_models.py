@@ -1,7 +1,9 @@
 """Property-based tests on one process (issue 16, item 7): every random model
-(``tests/random_models.py``) compiles for 2 devices under its mesh, its plan passes the
-solver-independent validator, and every stage's code is generated. The models train
-against one process under torchrun in ``tests/runtime/test_random_models.py``.
+(``tests/random_models.py``) compiles for 2 devices under its mesh (every pipeline
+schedule, zero-bubble ones included; sequence parallelism pinned on or not), its plan
+passes the solver-independent validator and keeps the pins, and every stage's code is
+generated. The models train against one process under torchrun in
+``tests/runtime/test_random_models.py``.
 """
 
 from __future__ import annotations
@@ -31,9 +33,13 @@ def test_every_random_model_compiles_and_its_stages_generate(case: Case) -> None
     plan = program.plan
     pins = case.constraints()
     assert (plan.mesh.pp, plan.mesh.dp, plan.mesh.tp) == (pins["pp"], pins["dp"], pins["tp"])
+    if case.mesh == "pp2":
+        assert plan.schedule == case.schedule
+    if case.sequence_parallel:
+        assert plan.sequence_parallel
     validate_plan(program.problem, plan)
     code = program.code()
-    assert len(code) == plan.mesh.pp
+    assert len(code) == sum(len(stage.runs) or 1 for stage in plan.stages)  # virtual ones
     for source in code.values():
         compile(source, "<stage>", "exec")  # the emitted code is Python
     # In-place ops nobody reads are still in the program.

@@ -28,6 +28,7 @@ from torch.distributed.pipelining._backward import stage_backward
 from torch.distributed.tensor import DTensor
 
 from partc.errors import PartcError
+from partc.runtime import split_backward
 from partc.runtime.optimizer import GradBuckets
 from partc.runtime.watchdog import Watchdog
 
@@ -177,13 +178,11 @@ class CountingStage(PipelineStage):
         if self.grad_sync is not None:
             self.grad_sync.begin(last=last_backward)
             try:
-                return super().backward_maybe_with_nosync(backward_type, bwd_kwargs,
-                                                          last_backward)
+                return self._backward(backward_type, bwd_kwargs, last_backward)
             finally:
                 self.grad_sync.end()
         if self.zero_stage < 2 or not isinstance(self.submod, FSDPModule):
-            return super().backward_maybe_with_nosync(backward_type, bwd_kwargs,
-                                                      last_backward)
+            return self._backward(backward_type, bwd_kwargs, last_backward)
         if backward_type != "full":
             raise PartcError(f"ZeRO-{self.zero_stage} supports full backward only, "
                              f"not {backward_type!r}")
@@ -196,6 +195,18 @@ class CountingStage(PipelineStage):
         grads = stage_backward(bwd_kwargs["stage_output"], bwd_kwargs["output_grads"],
                                bwd_kwargs["input_values"])
         return grads, None
+
+    def _backward(self, backward_type: str, bwd_kwargs: dict, last_backward: bool) -> tuple:
+        """A zero-bubble schedule's split backward by :mod:`.split_backward` (torch's
+        loses or double-counts gradients on some graphs); a full one by torch."""
+        if backward_type == "input":
+            return split_backward.input_grads(
+                bwd_kwargs["stage_output"], bwd_kwargs["output_grads"],
+                bwd_kwargs["input_values"], self.submod.parameters())
+        if backward_type == "weight":
+            split_backward.weight_grads(bwd_kwargs["param_groups"])
+            return (), None
+        return super().backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward)
 
     def _count(self, kind: str, ops: list) -> list:
         self.messages[kind] += len(ops)
@@ -304,22 +315,37 @@ def _spec(info: Any) -> _BufferSpec | None:
 
 
 def contiguous_transfers(module: nn.Module, *, first: bool, last: bool) -> None:
-    """Make every tensor that crosses a stage boundary contiguous, both ways.
+    """Make every tensor that crosses a stage boundary contiguous, both ways, and no
+    output a view.
 
     Pipelining sends a stage's outputs and its inputs' gradients as they are, and makes
     the receiving buffers with the strides it saw on the first step; point-to-point
     sends need contiguous tensors, but a stage may end on a view (a transpose, an
     ``expand``ed mask) and a gradient may come back strided the same way. Outputs are
     made contiguous after the stage's forward (not the last stage's: they go to the
-    loss); inputs pass through :class:`_ContiguousGrad`, whose backward makes their
-    gradients contiguous before they are sent back."""
+    loss), and those that are still views of another tensor (a reshape, or a stage
+    input passed on to a later stage: a skip across blocks) become :func:`not_a_view`:
+    a zero-bubble schedule's split backward detaches each output in place, which
+    autograd refuses for a view. Inputs pass through :class:`_ContiguousGrad`, whose
+    backward makes their gradients contiguous before they are sent back."""
     if not last:
         module.register_forward_hook(lambda _module, _args, output: pytree.tree_map_only(
-            torch.Tensor, torch.Tensor.contiguous, output))
+            torch.Tensor, lambda t: not_a_view(t.contiguous()), output))
     if not first:
         module.register_forward_pre_hook(lambda _module, args: tuple(
             _ContiguousGrad.apply(a) if isinstance(a, torch.Tensor) and a.requires_grad
             else a for a in args))
+
+
+def not_a_view(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` itself, or where it is a view the same values under a tensor of its
+    own: the same storage, no copy, its gradient passed straight through
+    (:class:`_Alias`). Torch's split backward (``stage_backward_input``) ends with
+    ``detach_()`` on every stage output and on the loss, and autograd cannot detach a
+    view in place."""
+    if not tensor._is_view():
+        return tensor
+    return _Alias.apply(tensor) if tensor.requires_grad else tensor.detach()
 
 
 class _ContiguousGrad(torch.autograd.Function):
@@ -332,3 +358,17 @@ class _ContiguousGrad(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
         return grad.contiguous()
+
+
+class _Alias(torch.autograd.Function):
+    """The identity, whose output is no view: ``detach`` shares the storage (and the
+    version counter, so autograd still sees an in-place write to either) without the
+    view's link to its base."""
+
+    @staticmethod
+    def forward(ctx: Any, tensor: torch.Tensor) -> torch.Tensor:
+        return tensor.detach()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        return grad

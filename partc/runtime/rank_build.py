@@ -46,7 +46,7 @@ from partc.runtime.optimizer import GradBuckets, wait_in_forward
 from partc.runtime.parameters import aliases_of, own_parameters, shard_plan
 from partc.runtime.pipeline_schedule import (RankStages, make_schedule, runtime_refusal,
                                              share_local_ties, tied_elsewhere, tied_groups)
-from partc.runtime.pipeline_stage import CountingStage, contiguous_transfers
+from partc.runtime.pipeline_stage import CountingStage, contiguous_transfers, not_a_view
 from partc.runtime.precision import ComputeCopies, compute_dtype
 from partc.runtime.rank_parts import RankParts
 from partc.runtime.recompute import checkpoint_layer
@@ -70,11 +70,16 @@ class PlannedLoss:
     def __call__(self, output: Any, target: Any) -> torch.Tensor:
         leaves = tuple(output) if isinstance(output, (tuple, list)) else (output,)
         if self.mode == "none":
-            return self._widened(*leaves, target)
-        # The fp32 copies are made inside the checkpoint, so that it keeps the outputs
-        # as they came (the schedule holds them until this backward anyway) and not
-        # copies twice their size (the estimate's "full" keeps the loss's inputs only).
-        return checkpoint_layer(self._widened, self.mode, *leaves, target)
+            loss = self._widened(*leaves, target)
+        else:
+            # The fp32 copies are made inside the checkpoint, so that it keeps the
+            # outputs as they came (the schedule holds them until this backward anyway)
+            # and not copies twice their size (the estimate's "full" keeps the loss's
+            # inputs only).
+            loss = checkpoint_layer(self._widened, self.mode, *leaves, target)
+        # A loss that is a view (``losses[0]``, ``loss.view(())``) is detached in place
+        # by a split backward, as stage outputs are.
+        return not_a_view(loss) if isinstance(loss, torch.Tensor) else loss
 
     def _widened(self, *args: Any) -> torch.Tensor:
         *leaves, target = args

@@ -63,6 +63,14 @@ def _gathered(chunk: torch.Tensor, dim: int, size: int) -> torch.Tensor:
     return chunk.new_empty(shape)
 
 
+def _own(x: torch.Tensor) -> torch.Tensor:
+    """``x``, no view: a linear over a batch of sequences returns its matrix product
+    reshaped, a view of a temporary, and a custom Function's output that is a view
+    cannot be written in place after it (a ReLU(inplace=True) on a projection). The
+    same storage, no copy (what ``matmul`` itself returns)."""
+    return torch.ops.aten._unsafe_view(x, x.shape) if x._is_view() else x
+
+
 def _matrix(x: torch.Tensor) -> torch.Tensor:
     return x.reshape(-1, x.shape[-1])
 
@@ -193,7 +201,7 @@ class LinearsOfGathered(torch.autograd.Function):
             outs = _ring_linears(group, shard, dim, weights, biases)
         else:
             whole = group.all_gather(shard, dim, 1)
-            outs = [F.linear(whole, w, b) for w, b in zip(weights, biases)]
+            outs = [_own(F.linear(whole, w, b)) for w, b in zip(weights, biases)]
         ctx.group, ctx.dim, ctx.count = group, dim, count
         ctx.dtypes = (shard.dtype, tuple(w.dtype for w in weights),
                       tuple(None if b is None else b.dtype for b in biases))

@@ -416,7 +416,7 @@ def _fuse_gathered_linears(gm: fx.GraphModule, gather: fx.Node,
     layer = meta.layer(gather).index
     if not readers or any(r.op != "call_method" or r.target != "linear_of_gathered"
                           or r.args[1] is not gather or meta.layer(r).index != layer
-                          for r in readers):
+                          or not _cuts_rows(r, r.args[5]) for r in readers):
         return
     first = min(readers, key=order.__getitem__)
     params = [a for r in readers for a in r.args[3:5] if isinstance(a, fx.Node)]
@@ -441,7 +441,8 @@ def _fuse_linear_reduce_scatter(scatter: fx.Node, order: dict[fx.Node, int]) -> 
     group, linear, dim = scatter.args
     if (linear.op != "call_function" or op_name(linear) != "linear"
             or len(linear.users) != 1 or group.op != "get_attr"
-            or meta.layer(linear).index != meta.layer(scatter).index):
+            or meta.layer(linear).index != meta.layer(scatter).index
+            or not _cuts_rows(linear, dim)):
         return
     names = ("input", "weight", "bias")
     x, weight, bias = [linear.args[i] if len(linear.args) > i else linear.kwargs.get(k)
@@ -452,6 +453,17 @@ def _fuse_linear_reduce_scatter(scatter: fx.Node, order: dict[fx.Node, int]) -> 
     linear.args, linear.kwargs = (group, x, weight, bias, dim), {}
     scatter.replace_all_uses_with(linear)
     scatter.graph.erase_node(scatter)
+
+
+def _cuts_rows(linear: fx.Node, dim: int) -> bool:
+    """Whether ``dim`` of a linear's input and output (``linear``'s value, as traced) is
+    one of rows (batch, sequence) and not the features it maps: a ring cuts the matmul
+    into chunks of rows, so a linear reduce-scattered along its output features (a
+    vocabulary-parallel head), or reading its input gathered along its input features,
+    keeps its blocking collective."""
+    value = linear.meta.get("val")
+    return isinstance(value, torch.Tensor) and value.dim() > 1 \
+        and dim % value.dim() != value.dim() - 1
 
 
 def _collective(have: Placement, need: Placement, grad_partial: bool

@@ -18,7 +18,7 @@ from partc.passes.tp import chooser as tp_chooser
 from partc.passes.estimate import estimate
 from partc.passes.layers import layers
 from partc.passes.propagate import propagate
-from partc.passes.tp.rewrite import GROUP, copy_module, tp_rewrite
+from partc.passes.tp.rewrite import GROUP, copy_module, fuse_rings, tp_rewrite
 from partc.passes.trace import trace
 from partc.runtime.tp import TensorParallelGroup, bind_group
 from tests import models
@@ -253,3 +253,32 @@ def test_sequence_parallel_collectives_are_fused_with_the_linears_beside_them():
         scattered = nodes[out]
         assert scattered.target == "linear_reduce_scatter"
         assert scattered.meta["val"].shape == (2, 4, 16)
+
+
+def _scattered_head(dim: int) -> fx.GraphModule:
+    """A linear (8 → 16 features on (2, 8, 8) inputs) reduce-scattered along ``dim``, as
+    the rewrite leaves it before fusing: the sequence (1) or the features (2, -1: a
+    vocabulary-parallel head's output)."""
+    root = nn.Module()
+    root.add_module(GROUP, TensorParallelGroup(2))
+    root.weight = nn.Parameter(torch.randn(16, 8))
+    graph = fx.Graph()
+    x = graph.placeholder("x")
+    group, weight = graph.get_attr(GROUP), graph.get_attr("weight")
+    linear = graph.call_function(torch.nn.functional.linear, (x, weight))
+    scattered = graph.call_method("reduce_scatter_to_tp", (group, linear, dim))
+    graph.output(scattered)
+    linear.meta["val"] = torch.empty(2, 8, 16, device="meta")
+    for node in (linear, scattered):
+        meta.set_layer(node, meta.LayerRef(0, "head"))
+    return fx.GraphModule(root, graph)
+
+
+@pytest.mark.parametrize("dim, fused", [(1, True), (2, False), (-1, False)])
+def test_a_ring_cuts_rows_never_the_features_a_linear_maps(dim, fused):
+    # ELECTRA's masked-LM head reduce-scattered by class ran as a ring that cut its
+    # input's features: "mat1 and mat2 shapes cannot be multiplied".
+    gm = _scattered_head(dim)
+    fuse_rings(gm)
+    targets = [n.target for n in gm.graph.nodes if n.op == "call_method"]
+    assert targets == (["linear_reduce_scatter"] if fused else ["reduce_scatter_to_tp"])

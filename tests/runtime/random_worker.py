@@ -70,7 +70,8 @@ def train_reference(case: Case, dtype: torch.dtype, microbatches: int
     opt = torch.optim.SGD(reference.parameters(), **OPTIMIZER)
     losses = []
     for step in range(STEPS):
-        x, y = (t.to(dtype) for t in random_models.batch(case, step))
+        x, y = (t.to(dtype) if t.is_floating_point() else t
+                for t in random_models.batch(case, step))
         losses.append(reference_step(case, reference, x, y, microbatches))
         opt.step()
         opt.zero_grad()
@@ -96,6 +97,7 @@ def train(case: Case) -> dict[str, Any]:
             opt.step()
             opt.zero_grad()
         full = module.full_state_dict()
+        ring_steps = module.tp.ring_steps   # tp2 linears run as rings, if any
     finally:
         module.close()
     microbatches = program.plan.num_microbatches
@@ -110,6 +112,7 @@ def train(case: Case) -> dict[str, Any]:
             "state_keys_differ": sorted(set(full) ^ set(expected)),
             "mesh": to_data(plan.mesh), "stages": [s.layers for s in plan.stages],
             "num_microbatches": microbatches, "recompute": plan.recompute,
+            "schedule": plan.schedule, "ring_steps": ring_steps,
             "sharded": sorted(name for name, placement in (
                 plan.tensor_parallel.params if plan.tensor_parallel else {}).items()
                 if placement.kind == "S")}

@@ -14,6 +14,11 @@ process under torchrun: a few in the default profile, one per kind of fix they n
   ``labels`` (-100 under padding), no loss_fn: trained on its own loss, the mean over the
   whole batch's labels although each microbatch counts another number of them
   (tp=2 and dp=2 too, with ``-m slow``).
+- DeBERTa-v2 (pp=2, zero-bubble "V" schedule): stages that send views on, and normed
+  relative embeddings that one stage makes from its weights alone and sends to the next
+  (the split backward's weight gradients, ``partc/runtime/split_backward.py``);
+- ELECTRA (tp=2): a masked-LM head narrower than the encoder whose output is
+  reduce-scattered by class: no ring along the features a linear maps.
 """
 
 from __future__ import annotations
@@ -23,7 +28,7 @@ import pytest
 from .test_parity import assert_trains_like_one_process, launch, launched
 
 CASES = ["hf-t5-pp2", "hf-gemma2-tp2", "hf-mixtral-pp2", "hf-falcon-pp2",
-         "hf-llama-own-loss-pp2"]
+         "hf-llama-own-loss-pp2", "hf-deberta-v2-pp2-zbv", "hf-electra-tp2"]
 OWN_LOSS_SLOW = ["hf-llama-own-loss-tp2", "hf-llama-own-loss-dp2"]
 
 families = launched("families", 2, CASES)
@@ -34,7 +39,9 @@ def test_family_trains_like_one_process(families, name):
     for rank, results in enumerate(families):
         assert_trains_like_one_process(rank, results[name])
     mesh = families[0][name]["mesh"]
-    assert (mesh["pp"], mesh["tp"]) == ((2, 1) if name.endswith("pp2") else (1, 2))
+    assert (mesh["pp"], mesh["tp"]) == ((1, 2) if name.endswith("tp2") else (2, 1))
+    if name.endswith("zbv"):
+        assert families[0][name]["schedule"] == "zbv-zero-bubble"
 
 
 @pytest.mark.slow

@@ -1,15 +1,16 @@
 """Property-based parity (issue 16, item 7): random models (``tests/random_models.py``)
 compiled for 2 processes under pp=2, tp=2 and dp=2 train like one process — losses,
 every parameter and buffer, rtol 1e-5 — in one torchrun launch
-(``random_worker.py``). The quick profile; ``python benchmarks/property_models.py``
-runs the long one.
+(``random_worker.py``). The quick profile; ``pytest -m slow`` adds a matrix of
+zero-bubble schedules (a split backward) and of sequence-parallel tp=2 (linears run as
+rings); ``python benchmarks/property_models.py`` runs the long one.
 """
 
 from __future__ import annotations
 
 import pytest
 
-from tests.random_models import draw_cases
+from tests.random_models import ZERO_BUBBLE, draw_cases
 
 from .random_worker import failure, launch
 
@@ -18,6 +19,13 @@ from .random_worker import failure, launch
 PER_MESH = 3
 CASES = [case for seed, mesh in enumerate(("pp2", "tp2", "dp2"))
          for case in draw_cases(PER_MESH, seed=seed, meshes=(mesh,))]
+# The slow matrix: each zero-bubble schedule, and tp=2 with sequence parallelism on.
+PER_KIND = 3
+SLOW_CASES = ([case for seed, schedule in enumerate(ZERO_BUBBLE, start=10)
+               for case in draw_cases(PER_KIND, seed=seed, meshes=("pp2",),
+                                      schedules=(schedule,))]
+              + [case for case in draw_cases(4 * PER_KIND, seed=20, meshes=("tp2",))
+                 if case.sequence_parallel][:2 * PER_KIND])
 
 
 @pytest.fixture(scope="module")
@@ -30,3 +38,28 @@ def results(tmp_path_factory) -> list[list[dict]]:
 def test_random_model_trains_like_one_process(results, index):
     message = failure(results[index])
     assert message is None, f"{message}\nreplay: {CASES[index]}"
+
+
+@pytest.fixture(scope="module")
+def slow_results(tmp_path_factory) -> list[list[dict]]:
+    return launch(SLOW_CASES, tmp_path_factory.mktemp("random-slow"))
+
+
+# Found by this matrix, not fixed yet: a token model with a tied head and in-place ops
+# under sequence parallelism trains with a loss 5e-5 off one process's at step 0 (the
+# same before the split backward and the ring fixes; benchmarks/property_models.py
+# --meshes tp2 shows it too).
+KNOWN_DIFFERENT = {12: "sequence-parallel tied-head model: loss 5e-5 off one process"}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("index", [
+    pytest.param(i, marks=pytest.mark.xfail(reason=KNOWN_DIFFERENT[i], strict=True))
+    if i in KNOWN_DIFFERENT else i for i in range(len(SLOW_CASES))],
+    ids=[f"{c.schedule if c.mesh == 'pp2' else 'tp2-sp'}-{i}"
+         for i, c in enumerate(SLOW_CASES)])
+def test_zero_bubble_and_ring_models_train_like_one_process(slow_results, index):
+    message = failure(slow_results[index])
+    assert message is None, f"{message}\nreplay: {SLOW_CASES[index]}"
+    if SLOW_CASES[index].mesh == "tp2":
+        assert slow_results[index][0]["ring_steps"] > 0, "no linear ran as a ring"

@@ -14,6 +14,7 @@ from torch import nn
 from torch.distributed.pipelining._utils import extract_tensor_meta
 
 from partc.runtime.pipeline_stage import CountingStage, contiguous_transfers
+from partc.runtime.rank_build import PlannedLoss
 
 
 class Strided(nn.Module):
@@ -63,6 +64,50 @@ def test_what_a_stage_sends_is_contiguous(first, last):
     torch.testing.assert_close(grad, ref_grad, rtol=0, atol=0)
     torch.testing.assert_close(wrapped.linear.weight.grad, plain.linear.weight.grad,
                                rtol=0, atol=0)
+
+
+class PassOn(nn.Module):
+    """Sends on what it received (a skip across its blocks) and a reshape of its own
+    result: both views."""
+
+    def __init__(self, width: int = 6) -> None:
+        super().__init__()
+        self.linear = nn.Linear(width, width)
+
+    def forward(self, h: torch.Tensor, skip: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return self.linear(h).view(-1), skip
+
+
+def test_no_stage_output_is_a_view():
+    # A zero-bubble schedule's split backward detaches every output in place, which
+    # autograd refuses for a view ("Can't detach views in-place").
+    torch.manual_seed(0)
+    plain = PassOn()
+    wrapped = PassOn()
+    wrapped.load_state_dict(plain.state_dict())
+    contiguous_transfers(wrapped, first=False, last=False)
+    h, skip = torch.randn(2, 6, requires_grad=True), torch.randn(2, 6, requires_grad=True)
+    outputs = wrapped(h, skip)
+    ref_outputs = plain(h, skip)
+    assert ref_outputs[0]._is_view() and not any(t._is_view() for t in outputs)
+    grads = [torch.randn_like(t) for t in outputs]
+    got = torch.autograd.grad(outputs, [h, skip, wrapped.linear.weight], grads)
+    want = torch.autograd.grad(ref_outputs, [h, skip, plain.linear.weight], grads)
+    for ours, theirs in zip(got, want):
+        torch.testing.assert_close(ours, theirs, rtol=0, atol=0)
+    for t in outputs:
+        t.detach_()
+
+
+def test_a_loss_that_is_a_view_is_not_one_for_the_schedule():
+    # ``losses[0]``: the split backward of the last stage detaches the loss in place.
+    loss = PlannedLoss(lambda out, target: ((out - target) ** 2).mean(0)[:1].view(()),
+                       "none")
+    out = torch.randn(4, 3, requires_grad=True)
+    value = loss(out, torch.zeros(4, 3))
+    assert not value._is_view()
+    value.backward()
+    assert out.grad is not None
 
 
 @pytest.fixture

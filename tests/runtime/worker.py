@@ -339,10 +339,13 @@ CASES["shared-embedding-tp2"] = Case(models.SharedEmbedding, "tokens", gpt.loss_
                                           recompute="none"))
 
 # Hugging Face families from tiny configs (tests/hf_families.py), as users bring them:
-# benchmarks/hf_coverage.py runs every one; the suite runs a few.
+# benchmarks/hf_coverage.py runs every one; the suite runs a few. ``-pp2-zbv``: the
+# zero-bubble "V" schedule, whose backward is split in two (input, then weights).
 for _family, _spec in hf_families.FAMILIES.items():
     _hf = (_spec.build, f"hf:{_spec.data}", hf_families.loss_for(_spec.data))
     CASES[f"hf-{_family}-pp2"] = Case(*_hf, dict(pp=2, schedule="1f1b", recompute="none"))
+    CASES[f"hf-{_family}-pp2-zbv"] = Case(*_hf, dict(pp=2, schedule="zbv-zero-bubble",
+                                                     recompute="none"))
     CASES[f"hf-{_family}-tp2"] = Case(*_hf, dict(pp=1, tp=2, tp_objective="memory",
                                                  recompute="none"))
 
