@@ -4,8 +4,10 @@ solver line that says how the plan was found."""
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 
 from partc.compiler import plan_problem
+from partc.plan import Plan, TPCollective
 from partc.problem import Pins
 from partc.report.text import readable, render
 
@@ -51,3 +53,29 @@ def test_solver_line_says_how_the_plan_was_found():
     assert "2 not reached within the work limit" in text
     markdown = render(searched, "markdown")
     assert "- search: 593 configurations" in markdown and "```\nstage 0 |" in markdown
+
+
+def test_the_tensor_parallel_layout_is_named_for_what_the_layers_run():
+    # The flag alone does not name the layout: a plan whose layers reduce-scatter partial
+    # sums runs sequence parallelism whatever sequence_parallel says, and the report says
+    # so, naming the layers; plain tensor parallelism (all-reduces) is named as such.
+    plan = Plan.from_json((Path(__file__).parent / "data" / "plan_v2_tp2_sp.json").read_text())
+    section = plan.tensor_parallel
+
+    def tp_line(section) -> str:
+        text = render(dataclasses.replace(plan, tensor_parallel=section))
+        return next(line for line in text.splitlines() if line.startswith("tp=2 "))
+
+    assert "sequence parallelism on (the hidden states between layers on sequence shards" \
+        in tp_line(section)
+    off = dataclasses.replace(section, sequence_parallel=False)
+    assert "sequence parallelism off in name only: tok_emb .. blocks.1 (4) reduce-scatter " \
+           "partial sums" in tp_line(off)
+    all_reduced = {layer: tuple(TPCollective(kind="all_reduce", phase=move.phase,
+                                             nbytes=move.nbytes)
+                                for move in moves if move.kind == "reduce_scatter")
+                   for layer, moves in section.collectives.items()}
+    plain = tp_line(dataclasses.replace(off, collectives=all_reduced, partial_grad_params=()))
+    assert "sequence parallelism off: Megatron's plain tensor parallelism (each row-parallel " \
+           "output all-reduced; norms, residuals and dropout whole on every rank)" in plain
+    assert "in name only" not in plain and "sequence shards" not in plain
