@@ -55,15 +55,13 @@ GIB = 2**30
 def korthikanti_table(show_breakdown: bool, configs: tuple = korthikanti.CONFIGS) -> None:
     print("Korthikanti et al.: activation bytes per layer and rank (GiB), partc vs paper")
     print(f"{'model':>5} {'tp':>3} {'sp':>3} {'recompute':>10} {'partc':>8} {'paper':>8} "
-          f"{'ratio':>6}  outside ±15% because")
+          f"{'ratio':>6}")
     for config in configs:
         for row in korthikanti.rows(config):
-            why = "" if abs(row.ratio - 1) <= 0.15 else ", ".join(korthikanti.causes(row))
+            outside = "" if abs(row.ratio - 1) <= 0.15 else "  outside ±15%"
             print(f"{row.config:>5} {row.tp:>3} {'on' if row.sequence_parallel else '-':>3} "
                   f"{row.mode:>10} {row.estimate / GIB:>8.3f} {row.equation / GIB:>8.3f} "
-                  f"{row.ratio:>6.2f}  {why}")
-    for cause, text in korthikanti.CAUSES.items():
-        print(f"  {cause}: {text}")
+                  f"{row.ratio:>6.2f}{outside}")
     print("\nVerdicts: first pipeline stage, 16 bytes of state per parameter, 80 GB")
     print(f"{'model':>5} {'setting':>22} {'partc GB':>9} {'paper GB':>9} {'fits':>11}")
     for config in configs:

@@ -225,7 +225,10 @@ class Constraints:
     ``stages`` lists, per pipeline stage, the names of its layers (the names in the
     report); ``recompute`` is one mode for every layer or a mapping layer → mode.
     ``tp`` pins the tensor-parallel degree (it must divide the devices of a node);
-    ``sequence_parallel`` pins Megatron-style sequence parallelism on or off;
+    ``sequence_parallel`` pins Megatron-style sequence parallelism on (norms,
+    residuals and dropout on sequence shards, an all-gather before each tensor-parallel
+    region and a reduce-scatter after) or off (Megatron's plain tensor parallelism: each
+    row-parallel output all-reduced, norms, residuals and dropout replicated);
     ``tp_objective`` keeps only the per-layer shardings chosen for ``"time"`` (fastest)
     or ``"memory"`` (fewest parameter bytes, then with sequence parallelism fewest
     activation bytes, then fastest). ``zero2_grad_sync`` pins

@@ -100,6 +100,7 @@ def test_tensor_parallel_layers_are_tabled(plan):
                                   mesh=dataclasses.replace(plan.mesh, dp=1, tp=2))
     page = render(tp_plan, "html")
     assert "<h2>Tensor parallelism</h2>" in page
+    assert "sequence parallelism off: Megatron&#x27;s plain tensor parallelism" in page
     layers = page[page.index('<section id="layers">'):]
     row = re.search(r"<tr><td>l1</td>.*?</tr>", layers).group(0)
     assert "<td>weight Shard(0)</td>" in row

@@ -23,7 +23,7 @@ from partc.codec import dtype_name
 from partc.cost.timeline import Timeline, simulate, text_lines
 from partc.names import Outcome, Phase
 from partc.placement import REPLICATE
-from partc.plan import MeshOutcome, Plan
+from partc.plan import MeshOutcome, Plan, TensorParallelPlan
 from partc.safe_text import one_line
 from partc.units import format_bytes, format_count, format_seconds
 
@@ -333,17 +333,40 @@ def _tp_layer_rows(plan: Plan) -> list[list[str]]:
     return [[_span(row[0])] + row[1:] for row in rows]
 
 
+def _sequence_sharded(section: TensorParallelPlan) -> list[str]:
+    """The layers that reduce-scatter a partial sum in forward: what follows runs on
+    sequence shards (sequence parallelism, whatever the plan's flag says)."""
+    return [layer for layer, moves in section.collectives.items()
+            if any(m.kind == "reduce_scatter" and m.phase == "forward" for m in moves)]
+
+
+def _tp_layout(section: TensorParallelPlan) -> str:
+    """The layout in words, from what the layers run, not from the flag alone."""
+    if section.sequence_parallel:
+        return ("sequence parallelism on (the hidden states between layers on sequence "
+                "shards: gathered for each tensor-parallel region, reduce-scattered after)")
+    scattered = _sequence_sharded(section)
+    if not scattered:
+        return ("sequence parallelism off: Megatron's plain tensor parallelism (each "
+                "row-parallel output all-reduced; norms, residuals and dropout whole on "
+                "every rank)")
+    return (f"sequence parallelism off in name only: {_span(scattered)} reduce-scatter "
+            f"partial sums and run what follows on sequence shards, gathered again "
+            f"(compile again for plain tensor parallelism)")
+
+
 def _tp_lines(plan: Plan) -> list[str]:
     section = plan.tensor_parallel
-    sp = "on" if section.sequence_parallel else "off"
     objective = {"time": "fastest", "memory": "fewest parameter bytes" + (
         ", then activation bytes" if section.sequence_parallel else "")}.get(
         section.objective, section.objective)
     partial = section.partial_grad_params
-    summed = (f"; {len(partial)} replicated parameters (biases after a row-parallel split, "
-              f"norms on sequence shards) get partial gradients, summed across the group "
+    norms = ", norms on sequence shards" if section.sequence_parallel \
+        or _sequence_sharded(section) else ""
+    summed = (f"; {len(partial)} replicated parameters (biases after a row-parallel "
+              f"split{norms}) get partial gradients, summed across the group "
               f"once per step" if partial else "")
-    return [f"tp={section.degree} within a node, sequence parallelism {sp}, sharding chosen "
+    return [f"tp={section.degree} within a node, {_tp_layout(section)}, sharding chosen "
             f"for {objective} first{summed}. Collectives are per "
             f"microbatch; bytes and time are per step "
             f"({_microbatches(plan.num_microbatches)}): the tensors' size, what each rank "

@@ -56,9 +56,8 @@ Objective
     activation bytes), then ``T`` with that held at its least (a second solve, from the
     first one's pick). ``A`` counts only where the layer's values arrive and leave sequence-sharded
     (sequence parallelism): between replicated boundaries, keeping fewer activations
-    means sharding values by the sequence inside the layer, which sequence parallelism
-    does with fewer collectives, so memory-first stays Megatron's tensor-parallel layout
-    there; under sequence parallelism the fastest pick can keep a narrow layer's norms,
+    means sharding values by the sequence inside the layer, which (7) forbids there;
+    under sequence parallelism the fastest pick can keep a narrow layer's norms,
     dropouts and residuals whole (three collectives beat four), and memory-first keeps
     them sharded.
 Constraints
@@ -76,7 +75,17 @@ Constraints
         where no collectives bring ``s.out`` to ``b_v``;
     (6) a gathered copy that is kept is counted: ``not pick[u,t] or not pick[v,s] or
         kept[u,p,q]`` for each edge and pair of strategies whose move gathers a value
-        ``G_u`` counts for (memory first, sequence-parallel boundaries).
+        ``G_u`` counts for (memory first, sequence-parallel boundaries);
+    (7) without sequence parallelism, Megatron's plain tensor parallelism: no move
+        shards a value outside a tensor-parallel region
+        (:meth:`_LayerProblem.leaves_plain_tp`): a partial sum is all-reduced, never
+        reduce-scattered (nor at the layer's boundary); a value that carries a gradient
+        is sliced from its replicated copy only into a row-parallel linear; any other
+        value is not sliced along a dim as long as the sequence. Norms, residuals and
+        dropout between the regions then run whole, as the plan's
+        ``sequence_parallel=False`` says, even where a fast link would make their
+        sequence shards faster (reduce-scatter and all-gather cost what one all-reduce
+        does in a ring, and the shards do a ``tp``-th of the work).
 
 Every layer has a solution without pins (all replicated). CP-SAT runs under
 :class:`partc.options.ShardingOptions` (a work limit in CP-SAT's deterministic seconds,
@@ -331,6 +340,7 @@ class _LayerProblem:
                  hints: ChunkHints, sequence_parallel: bool = False) -> None:
         self.info, self.tp, self.link = info, tp, link
         self.sequence_parallel = sequence_parallel
+        self.sequence = sequence_length(gm)  # tokens per sample; 0: not a token model
         self.boundary, self.grads = boundary, grads
         nodes = layer_nodes(gm, info)
         members = set(nodes)
@@ -394,14 +404,40 @@ class _LayerProblem:
             return 0.0
         return _saved_bytes(storage_of(producer, _is_view))
 
+    def leaves_plain_tp(self, value: fx.Node, src: Placement, dst: Placement,
+                        reader: Strategy | None) -> bool:
+        """Whether bringing ``value`` from ``src`` to ``dst`` for a reader running
+        ``reader`` shards it outside a tensor-parallel region, as only sequence
+        parallelism does (constraint (7)): a partial sum reduce-scattered rather than
+        all-reduced; a value that carries a gradient (a residual, a norm's input) sliced
+        from its replicated copy, but for a row-parallel linear's input (Megatron's
+        scatter to the region); a value without one (positions, masks) sliced along a
+        dim as long as the sequence. ``reader`` None: a layer's output brought to its
+        boundary placement (replicated, or by class for a vocabulary-parallel loss)."""
+        if self.sequence_parallel or dst.kind != "S":
+            return False
+        if src.kind == "P":
+            return True
+        if src.kind != "R" or reader is None or value.op == "get_attr":
+            return False
+        if value in self.grads:
+            return reader.name != "row-parallel"
+        made = value.meta.get("val")
+        return (self.sequence > 0 and isinstance(made, torch.Tensor) and made.dim() > 0
+                and int(made.shape[dst.dim % made.dim()]) == self.sequence)
+
     def edge_moves(self, producer: fx.Node, src: Placement, dst: Placement,
                    consumer_out: Placement) -> tuple | None:
         """The collectives that bring ``producer``'s value from ``src`` to ``dst`` for a
-        consumer making ``consumer_out`` (None: unsupported)."""
+        consumer making ``consumer_out`` (None: unsupported). A value that carries no
+        gradient has no backward: a slice of it is free (no all-gather of a gradient)."""
         if producer.op == "get_attr" or not isinstance(producer.meta.get("val"), torch.Tensor):
             return () if src == dst or dst.kind == "*" else None
         grad_partial = dst.kind == "R" and consumer_out.kind != "R" and producer in self.grads
-        return redistribute(src, dst, grad_partial)
+        moves = redistribute(src, dst, grad_partial)
+        if moves and producer not in self.grads:
+            return tuple(move for move in moves if move[1] != "backward")
+        return moves
 
 
 def _solve_all(problems: list[_LayerProblem], pins: dict[str, Placement], prefer: str,
@@ -599,6 +635,8 @@ class _LayerModel:
             need = chosen.ins[position]
             for source_var, made in sources:
                 moves = problem.edge_moves(producer, made.out, need, chosen.out)
+                if problem.leaves_plain_tp(producer, made.out, need, chosen):
+                    moves = None  # (7) plain tensor parallelism
                 both = [var] + ([source_var] if source_var is not None else [])
                 if moves is None:
                     # (3) no strategy pair whose edge needs an unsupported move.
@@ -629,8 +667,9 @@ class _LayerModel:
         nbytes = float(meta.run_bytes(node))
         for var, chosen in zip(self.pick[node], problem.options[node]):
             moves = redistribute(chosen.out, problem.boundary[node], False)
-            if moves is None:
-                # (5) the output can reach its boundary placement.
+            if moves is None or problem.leaves_plain_tp(node, chosen.out,
+                                                        problem.boundary[node], None):
+                # (5) the output can reach its boundary placement; (7).
                 self.model.add(var == 0)
             elif moves:
                 self.objective.add_time(_moves_seconds(moves, nbytes, problem.link), var)

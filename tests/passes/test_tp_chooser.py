@@ -118,14 +118,17 @@ def test_on_a_slow_link_the_layer_stays_replicated_and_says_why():
 def test_a_pinned_parameter_keeps_its_placement():
     problem = layer_problem(mlp_layer())
     # up.weight replicated: the first linear cannot split (both of its splits shard the
-    # weight); its output is sliced for free (gathered in backward), so that the ReLU and
-    # the second linear still run split.
+    # weight); its output is sliced for free (gathered in backward) into the second
+    # linear, which still runs row-parallel (Megatron's scatter to the region). The ReLU
+    # before it stays whole: without sequence parallelism a value that carries a
+    # gradient is sliced only for a row-parallel linear (constraint (7)).
     choice, _ = tp_chooser._solve_layer(problem, {"up.weight": REPLICATE}, "time",
                                         ShardingOptions())
     chosen = {n.name: problem.options[n][i] for n, i in choice.items()}
     assert chosen["up_weight"].out == REPLICATE
     assert chosen["linear"].name == "replicate"
-    assert (chosen["relu"].out, chosen["linear_1"].name) == (Shard(2), "row-parallel")
+    assert (chosen["relu"].out, chosen["linear_1"].name) == (REPLICATE, "row-parallel")
+    assert chosen["linear_1"].ins[0] == Shard(2)
 
 
 def test_a_pin_no_strategy_can_meet_names_the_layer():

@@ -16,6 +16,7 @@ from partc import meta
 from partc.cost.collectives import Group
 from partc.passes.tp import chooser as tp_chooser
 from partc.passes.estimate import estimate
+from partc.passes.helpers.graph import op_name
 from partc.passes.layers import layers
 from partc.passes.propagate import propagate
 from partc.passes.tp.rewrite import GROUP, copy_module, fuse_rings, tp_rewrite
@@ -282,3 +283,29 @@ def test_a_ring_cuts_rows_never_the_features_a_linear_maps(dim, fused):
     fuse_rings(gm)
     targets = [n.target for n in gm.graph.nodes if n.op == "call_method"]
     assert targets == (["linear_reduce_scatter"] if fused else ["reduce_scatter_to_tp"])
+
+
+def test_without_sequence_parallelism_norms_and_residuals_stay_whole():
+    # Megatron's plain tensor parallelism: each block's row-parallel output is
+    # all-reduced and its norm and residual run on the whole sequence. On a fast link the
+    # fastest pick would otherwise reduce-scatter the output, run the residual and norm
+    # on sequence shards and gather them again: sequence parallelism inside the layer,
+    # under a plan that says it is off.
+    torch.manual_seed(0)
+    fast = tp_chooser.Link(group=Group(ranks=2, bandwidth=1e12, latency_s=1e-7),
+                           flops=1e12, hbm_bandwidth=1e11)
+    gm, ctx = trace(GatedStack(), (torch.randint(0, 32, (2, 64)),))
+    for run in (propagate, layers, estimate):
+        gm = run(gm, ctx)
+    chosen = tp_chooser.choose(gm, 2, fast, sequence_parallel=False, prefer="time")
+    blocks = {layer.name: sorted((c.kind, c.phase) for c in layer.collectives)
+              for layer in chosen.layers if layer.name.startswith("blocks.")}
+    assert blocks == {name: [("all_reduce", "backward"), ("all_reduce", "forward")]
+                      for name in ("blocks.0", "blocks.1")}
+    local, moved = copy_module(gm, chosen)
+    tp_rewrite(local, dataclasses.replace(ctx, sharding=moved))
+    propagate(local, ctx)
+    assert "reduce_scatter_to_tp" not in local.code and "scatter_to_tp" not in local.code
+    assert local.code.count(".reduce_from_tp(") == 2  # the all-reduces, one per block
+    norms = [n for n in local.graph.nodes if op_name(n) == "layer_norm"]
+    assert len(norms) == 2 and all(n.meta["val"].shape == (2, 64, 16) for n in norms)

@@ -4,7 +4,9 @@ Each case trains 3 SGD steps with partc's tp=2 program (2 processes) or pp=2 x t
 (4 processes) and on one process, on Hugging Face GPT-2, Llama (grouped-query
 attention), BERT and the sample GPT, with sequence parallelism on and off; under
 sequence parallelism with the collectives next to the linears run as rings (the
-default) and blocking ("-blocking", ``TrainSpec.tp_overlap=False``). Checks:
+default) and blocking ("-blocking", ``TrainSpec.tp_overlap=False``); without sequence
+parallelism, the fastest sharding planned for a link fast enough that norms on sequence
+shards would be faster ("-fast-link": still all-reduces, norms whole). Checks:
 losses and every rank's parameter shards within 1e-5 relative; parameters held per rank
 equal the plan's count; the collectives run (all-reduces, all-gathers, reduce-scatters)
 equal the plan's (per layer per microbatch, times microbatches, plus the partial-gradient
@@ -36,14 +38,17 @@ SLOW_BLOCKING = {2: ["llama-tp2-sp-blocking"],
 # (recomputed in backward too: its all-reduces run again, as the plan counts).
 VOCAB_TWO = ["gpt-tp2-sp-vocab", "gpt-tp2-sp-vocab-recompute", "llama-tp2-vocab"]
 VOCAB_FOUR = ["gpt2-pp2-tp2-sp-vocab"]
+# Sequence parallelism off on a link fast enough that the fastest pick would otherwise
+# shard norms and residuals over the sequence: Megatron's plain tensor parallelism.
+PLAIN_TWO = ["llama-tp2-fast-link"]
 TWO = ([f"{m}-tp2{s}" for m in MODELS for s in ("", "-sp")] + RECOMPUTE_TWO + DROPOUT_TWO
-       + BLOCKING_TWO + VOCAB_TWO)
+       + BLOCKING_TWO + VOCAB_TWO + PLAIN_TWO)
 FOUR = [f"{m}-pp2-tp2{s}" for m in MODELS for s in ("", "-sp")] + RECOMPUTE_FOUR + VOCAB_FOUR
-# The default profile's cases: plain tp (all-reduces) and sequence parallelism on each
+# The default profile's cases: plain tp (all-reduces, on a fast link) and sequence parallelism on each
 # model family's own path (GPT-2's Conv1D, Llama's grouped-query attention, BERT's last
 # block), recompute with rings, dropout, blocking collectives, the vocab-parallel loss,
 # and pp x tp; the rest -m slow.
-DEFAULT = {"gpt2-tp2-sp", "llama-tp2", "bert-tp2-sp", "llama-tp2-sp-recompute",
+DEFAULT = {"gpt2-tp2-sp", "llama-tp2-fast-link", "bert-tp2-sp", "llama-tp2-sp-recompute",
            "gpt-tp2-sp-dropout", "gpt-tp2-sp-blocking", "gpt-tp2-sp-vocab-recompute",
            "gpt2-pp2-tp2-sp-vocab"}
 
@@ -93,7 +98,7 @@ def test_the_loss_reads_the_heads_shards_by_class_with_two_all_reduces(tp_two, t
         assert gathers.count("forward") == (1 if "-sp" in name else 0), layers["lm_head"]
 
 
-@pytest.mark.parametrize("name", cases([f"{m}-tp2" for m in MODELS]))
+@pytest.mark.parametrize("name", cases([f"{m}-tp2" for m in MODELS] + PLAIN_TWO))
 def test_all_reduces_equal_the_plan_without_sequence_parallelism(tp_two, name):
     # Megatron's count: two all-reduces forward and two backward per block, plus one
     # all-reduce of partial gradients (row-parallel biases) per step. BERT's pooler gets

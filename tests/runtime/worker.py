@@ -72,6 +72,8 @@ class Case:
     attention: str = "as_written"  # TrainSpec.attention; the reference runs it as written
     compile: bool = False  # TrainSpec.compile; the reference runs eagerly
     tp_overlap: bool = True  # TrainSpec.tp_overlap: sequence-parallel rings or blocking
+    # DeviceFigures overriding the CPU preset's in the budget planned for (a faster link).
+    figures: dict[str, Any] = field(default_factory=dict)
 
 
 def _tokens(model: torch.nn.Module) -> int:
@@ -182,6 +184,13 @@ CASES["gpt2-pp2-tp2-sp-vocab"] = Case(lambda: models.gpt2(vocab=_VOCAB, dropout=
                                       "tokens", models.causal_lm_loss,
                                       dict(pp=2, schedule="1f1b", tp=2, sequence_parallel=True,
                                            tp_objective="memory", recompute="none"))
+# Plain tensor parallelism (sequence_parallel=False), the fastest sharding planned for a
+# link fast enough that, left free, the chooser would reduce-scatter each block's output
+# and run its norms and residuals on sequence shards: all-reduces, norms whole.
+CASES["llama-tp2-fast-link"] = Case(
+    models.llama, "tokens", models.causal_lm_loss,
+    dict(pp=1, tp=2, sequence_parallel=False, tp_objective="time", recompute="none"),
+    figures=dict(intra_node_bandwidth=1e12, intra_node_latency_s=1e-7, collective_links=()))
 # Sequence parallelism with its collectives blocking (TrainSpec.tp_overlap=False); the
 # "-sp" cases above run them as rings beside the linears' matmuls.
 for _name in ("gpt", "llama"):
@@ -400,7 +409,8 @@ def compile_case(case: Case, model: torch.nn.Module, world: int) -> partc.Progra
     constraints.setdefault("dp", world // (constraints["pp"] * constraints.get("tp", 1)))
     constraints.setdefault("num_microbatches", 4 // constraints["dp"])
     return partc.compile(model, x, loss_fn=case.loss_fn, example_target=y,
-                         budget=partc.DeviceBudget(num_devices=world, device="CPU"),
+                         budget=partc.DeviceBudget(num_devices=world, device="CPU",
+                                                   **case.figures),
                          train=partc.TrainSpec(global_batch_size=BATCH, optimizer="sgd",
                                                max_grad_norm=case.clip, dtype=case.dtype,
                                                attention=case.attention,
