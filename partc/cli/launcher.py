@@ -78,6 +78,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -131,9 +132,27 @@ def check(config: TrainConfig, world_size: int) -> tuple[Any, Any]:
     if config.out is not None and Path(config.out).exists() and not Path(config.out).is_dir():
         raise cli._refused(f"--out {config.out} is a file, not a directory", COMMAND)
     fixed: dict[str, Any] = {"num_devices": world_size}
-    if args.device is None and args.profile is None and not _has_gpu():
+    if config.calibrate:
+        fixed["profile"] = str(_calibrated(args, world_size))
+    elif args.device is None and args.profile is None and not _has_gpu():
         fixed["device"] = CPU_PRESET   # plan for the devices that train
     return cli._budget(args, **fixed), cli._constraints(args)
+
+
+def _calibrated(args: Any, world_size: int) -> Path:
+    """This machine's kept CPU profile for the launch's ranks on a node, measured by the
+    node's local rank 0 if there is none yet (``--calibrate``)."""
+    from partc.calibrate.cached_profile import cpu_profile
+
+    if args.device is not None or args.profile is not None:
+        raise cli._refused("--calibrate measures this machine's CPU: give it without "
+                           "--device and --profile", COMMAND)
+    if _has_gpu():
+        raise cli._refused("--calibrate measures a CPU; on GPUs run partc calibrate "
+                           "--device cuda --out profile.json once, then --profile "
+                           "profile.json", COMMAND)
+    ranks = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+    return cpu_profile(ranks, measure=int(os.environ.get("LOCAL_RANK", "0")) == 0)
 
 
 def _has_gpu() -> bool:
@@ -324,8 +343,6 @@ def claim_checkpoint_dir(config: TrainConfig) -> Any:
     """At start-up, before the model is built: every rank checks the checkpoint
     directory is writable and rank 0 takes its lock (None without a directory, or on
     the other ranks); raises CheckpointError naming the directory or the lock's holder."""
-    import os
-
     from partc.runtime import checkpoint_lock
 
     if config.checkpoint_dir is None:
