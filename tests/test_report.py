@@ -88,8 +88,8 @@ def test_one_step_time_in_the_report():
     chosen = next(line for line in text.splitlines() if line.endswith(" chosen")
                   or "chosen;" in line)
     assert step in chosen
-    assert f"closed-form estimate before simulation: {format_seconds(p.closed_form_step_s)}" \
-        in text
+    assert f"closed-form estimate of it before simulation: " \
+           f"{format_seconds(p.closed_form_step_s)}" in text
     # The alternatives are played out as the plan is, like for like.
     assert all(a.step_time_s >= p.step_time_s * (1 - 1e-9) for a in plan.alternatives)
 

@@ -611,7 +611,7 @@ def _timeline_lines(plan: Plan, timeline: Timeline) -> list[str]:
             f"all-gather, the optimizer step), . waiting. The step: "
             f"{format_seconds(p.step_time_s)}, bubble {100 * p.bubble_fraction:.1f}% "
             f"(the predicted step above, this simulation)"
-            + (f"; the planner's closed-form estimate before simulation: "
+            + (f"; the planner's closed-form estimate of it before simulation: "
                f"{format_seconds(closed)}" if closed else "")
             + "."]
 

@@ -234,7 +234,10 @@ class _LiveTensors(TorchDispatchMode):
         return out
 
     def _track(self, tensor: torch.Tensor) -> None:
-        storage = tensor.untyped_storage()
+        try:
+            storage = tensor.untyped_storage()
+        except (RuntimeError, NotImplementedError):   # sparse, nested: no one storage
+            return
         if storage in self._seen or storage.device.type == "meta":
             return
         size = storage.nbytes()
