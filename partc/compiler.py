@@ -220,7 +220,8 @@ def plan_of(problem: PlanningProblem, result: PlannerResult, *,
         configs_total=result.configs_total, configs_solved=result.configs_solved,
         configs_pruned=result.configs_pruned)
     alternatives = tuple(
-        alternative(problem, b.name, b.description, b.recompute, b.stage_of, b.evaluation)
+        alternative(problem, b.name, b.description, b.recompute, b.stage_of, b.evaluation,
+                    best.table.config)
         for b in baselines(problem, best.table))
     plan = make_plan(problem, best.table.config, best.evaluation, best.assignment.modes,
                      stats, budget=budget or _budget_info(problem.devices),

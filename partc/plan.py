@@ -43,7 +43,7 @@ import torch
 from partc.codec import (NONE_AS_EMPTY, UNLESS_DEFAULT, CodecError, as_list, from_data,
                          own_form, to_data)
 from partc.cost.schedules import SCHEDULE_TABLE, stages_of_rank
-from partc.device.budget import DEFAULT_DISK_BANDWIDTH
+from partc.device.budget import DEFAULT_DISK_BANDWIDTH, DEFAULT_STORAGE_BANDWIDTH
 from partc.device.figures import FIGURE_NAMES, DeviceFigures
 from partc.errors import PlanSchemaError
 from partc.names import Outcome, Phase, Recompute, Schedule
@@ -140,6 +140,22 @@ class P2PMessages:
     recvs: int
 
 
+@as_list
+@dataclass(frozen=True, kw_only=True)
+class RunTime:
+    """Seconds of one microbatch through one run of a stage's layers (its virtual stage),
+    as the cost model plays the schedule out (:func:`partc.cost.evaluate.simulate`):
+    forward, backward and recompute, ``send``: each way across the cut after it,
+    ``receive``: the receiving end's share of the cut before it, each way (written as
+    ``[forward, backward, recompute, send, receive]``)."""
+
+    forward: float
+    backward: float
+    recompute: float
+    send: float
+    receive: float
+
+
 @dataclass(frozen=True, kw_only=True)
 class StagePlan:
     index: int
@@ -153,6 +169,10 @@ class StagePlan:
     # Interleaved 1F1B: the stage's runs of layers (it holds runs index, index + pp, ...);
     # empty otherwise (``layers`` is then one run).
     runs: tuple[tuple[str, ...], ...] = ()
+    # Per run (model order), what the simulation of the plan's step plays, so that the
+    # report's timeline is the step the plan predicts; empty in plans written before it
+    # (the timeline then shares the stage's times among its runs by their layers).
+    run_times: tuple[RunTime, ...] = field(default=(), metadata=UNLESS_DEFAULT)
 
 
 @as_list
@@ -251,6 +271,59 @@ class ExpertParallelPlan:
     @property
     def all_to_all_s(self) -> float:
         return max(self.stage_all_to_all_s, default=0.0)
+
+
+@as_list
+@dataclass(frozen=True, kw_only=True)
+class DPCollective:
+    """One kind of data-parallel collective a rank of a stage runs, per step (written as
+    ``[kind, when, nbytes, seconds, exposed_s]``): ``kind`` all_gather, reduce_scatter or
+    all_reduce; ``when`` it runs (:data:`DP_WHEN`); the bytes of the whole tensors it
+    moves; the collectives' own time; and ``exposed_s``, what the step pays of that time:
+    the rest is assumed hidden behind the compute it runs beside
+    (``DeviceFigures.comm_overlap`` of the shorter of the two)."""
+
+    kind: str
+    when: str
+    nbytes: int
+    seconds: float
+    exposed_s: float
+
+    @property
+    def hidden_s(self) -> float:
+        return max(0.0, self.seconds - self.exposed_s)
+
+
+#: When a data-parallel collective runs, as :class:`DPCollective` names it.
+DP_WHEN = {"forward": "beside each microbatch's forward",
+           "backward": "beside each microbatch's backward",
+           "last backward": "beside the last microbatch's backward",
+           "step": "after the pipeline drains (the optimizer step's)",
+           "next forward": "beside the next step's forward"}
+
+
+@dataclass(frozen=True, kw_only=True)
+class DataParallelPlan:
+    """The data-parallel traffic of the plan (dp > 1): per stage, what one of its ranks
+    runs per step over its dp group (:class:`DPCollective`), and the share of the
+    shorter of a collective and the compute beside it assumed hidden (``overlap``,
+    ``DeviceFigures.comm_overlap``). ZeRO-0/1 reduce the gradients beside the last
+    backward (the last bucket after it), ZeRO-1 all-gathers the stepped weights (beside
+    the next forward, or after the step); ZeRO-2 reduce-scatters each microbatch's
+    gradients (or once per step) and gathers the weights after the step; ZeRO-3 gathers
+    each layer's weights for its forward and its backward and reduce-scatters its
+    gradients, every microbatch (:func:`partc.planner.data_parallel.data_parallel_section`)."""
+
+    dp: int
+    zero_stage: int   # the effective one
+    overlap: float
+    stages: tuple[tuple[DPCollective, ...], ...]
+
+    def seconds(self, stage: int) -> float:
+        return sum(c.seconds for c in self.stages[stage])
+
+    def exposed_s(self, stage: int) -> float:
+        return sum(c.exposed_s for c in self.stages[stage])
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -466,6 +539,9 @@ class Plan:
     # one: the runtime splits batched experts only, so these keep ep = 1 (the report
     # says so). Written only when there are some.
     module_list_experts: tuple[str, ...] = field(default=(), metadata=UNLESS_DEFAULT)
+    # The data-parallel collectives per stage and what of them is assumed hidden; None
+    # with one replica, and in plans written before it (not written then).
+    data_parallel: DataParallelPlan | None = field(default=None, metadata=UNLESS_DEFAULT)
 
     @property
     def pp(self) -> int:
@@ -541,11 +617,28 @@ class Plan:
         return max(s.memory_bytes.params + s.memory_bytes.optimizer for s in self.stages)
 
     @property
+    def save_rate(self) -> float:
+        """Bytes per second a rank writes a checkpoint at: the budget's disk bandwidth
+        per rank (``DeviceBudget.disk_bandwidth``, or its default), or, when lower, its
+        share of the storage's aggregate bandwidth (``DeviceBudget.storage_bandwidth``,
+        or its default) with every rank writing at once."""
+        per_rank, storage = self.write_bandwidths
+        return min(per_rank, storage / self.budget.num_devices)
+
+    @property
+    def write_bandwidths(self) -> tuple[float, float]:
+        """The checkpoint's write rates in bytes per second: one rank's alone
+        (``disk_bandwidth``) and the storage's aggregate (``storage_bandwidth``), the
+        budget's or their defaults."""
+        figures = self.budget.figures
+        return (figures.disk_bandwidth or parse_rate(DEFAULT_DISK_BANDWIDTH),
+                figures.storage_bandwidth or parse_rate(DEFAULT_STORAGE_BANDWIDTH))
+
+    @property
     def predicted_save_s(self) -> float:
-        """Seconds to write a checkpoint: :attr:`checkpoint_bytes_per_rank` over the
-        budget's disk bandwidth (``DeviceBudget.disk_bandwidth``, or its default)."""
-        rate = self.budget.figures.disk_bandwidth or parse_rate(DEFAULT_DISK_BANDWIDTH)
-        return self.checkpoint_bytes_per_rank / rate
+        """Seconds to write a checkpoint: :attr:`checkpoint_bytes_per_rank` at
+        :attr:`save_rate`."""
+        return self.checkpoint_bytes_per_rank / self.save_rate
 
     @property
     def hash(self) -> str:
@@ -599,7 +692,7 @@ def plan_from_data(data: Mapping[str, Any]) -> Plan:
 DECIDED = ("mesh", "schedule", "num_microbatches", "micro_batch_size", "zero_stage",
            "zero2_grad_sync", "stages", "tensor_parallel", "model", "expert_parallel")
 NOT_DECIDED = ("predicted", "solver", "budget", "train", "alternatives", "meshes",
-               "schedules", "module_list_experts")
+               "schedules", "module_list_experts", "data_parallel")
 
 
 def decisions(plan: Plan) -> dict[str, Any]:

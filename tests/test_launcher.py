@@ -337,3 +337,45 @@ def test_an_unwritable_checkpoint_directory_is_refused_at_start_up(tmp_path, cap
     assert launcher.main(argv) == failures.CHECKPOINT
     assert (f"CheckpointError: the checkpoint directory {directory} is not writable"
             in capsys.readouterr().err)
+
+
+def test_calibrate_measures_this_cpu_once_and_keeps_it(tmp_path, monkeypatch):
+    """--calibrate plans with a profile of this machine, measured by local rank 0 the first
+    time (here a stand-in for the quick calibration) and read from the cache after; the
+    other ranks wait for the file; with --device it is refused."""
+    from partc.calibrate import cached_profile
+    from partc.device.budget import PROFILE_SCHEMA, PROFILE_VERSION
+
+    calls = []
+
+    def measured(options):
+        calls.append(options)
+        return {"schema": PROFILE_SCHEMA, "schema_version": PROFILE_VERSION,
+                "device": {"name": "this CPU", "preset": "CPU"},
+                "budget": {"peak_flops": {"float32": 1e11}, "flops_efficiency": 0.25,
+                           "flops_efficiency_by_dtype": {"float32": 0.25},
+                           "hbm_bandwidth": 1e10, "devices_per_node": 2,
+                           **dict.fromkeys(("intra_node_bandwidth", "inter_node_bandwidth",
+                                            "link_latency_s", "intra_node_latency_s",
+                                            "memory"))}}
+
+    monkeypatch.setenv("PARTC_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(cached_profile, "calibrate", measured)
+    monkeypatch.setattr(launcher, "_has_gpu", lambda: False)
+    path = cached_profile.profile_path(2)
+    with pytest.raises(cached_profile.CalibrationError, match="local rank 0"):
+        cached_profile.cpu_profile(2, measure=False, wait_s=0.0)   # nobody measured
+    config = parse_config([f"{__file__}:never", "--steps", "1", "--calibrate",
+                           "--memory", "10MiB"])
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    budget, _ = launcher.check(config, 2)
+    assert path.exists() and path.parent == tmp_path / "profiles"
+    assert [(o.device, o.processes, o.quick) for o in calls] == [("cpu", 2, True)]
+    assert budget.figures.flops_efficiency == 0.25   # the machine's, not the preset's
+    assert budget.memory_bytes == (10 * 2**20,) * 2   # a flag still wins over the profile
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    assert launcher.check(config, 2)[0] == budget and len(calls) == 1   # read, not measured
+    with pytest.raises(Exception, match="--calibrate measures this machine's CPU"):
+        launcher.check(parse_config([f"{__file__}:never", "--steps", "1", "--calibrate",
+                                     "--device", "CPU"]), 2)

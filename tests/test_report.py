@@ -7,6 +7,8 @@ import dataclasses
 import re
 from pathlib import Path
 
+import pytest
+
 from partc.compiler import plan_problem
 from partc.plan import Plan, TPCollective
 from partc.problem import Pins
@@ -58,3 +60,94 @@ def test_solver_line_says_how_the_plan_was_found():
 
 import re
 from pathlib import Path
+
+
+def _dp_plan(zero_stage: int, pp: int = 1, schedule: str | None = None):
+    """Layers with parameters on 2 x pp devices of a slow link, so that the gradient
+    sync and ZeRO's collectives cost something and a step has a shared tail."""
+    from partc.problem import Pins
+
+    layers = [layer(f"l{i}", params=10**6) for i in range(4)]
+    prob = problem(layers, [1e6] * 3, devices(2 * pp, 10**10, bandwidth=1e9, latency=1e-5),
+                   batch=8, micro_batch_sizes=(1,))
+    pins = Pins(pp=pp, dp=2, tp=1, zero_stage=zero_stage, schedule=schedule)
+    return dataclasses.replace(prob, pins=pins), plan_problem(dataclasses.replace(
+        prob, pins=pins))
+
+
+def test_one_step_time_in_the_report():
+    # Two stages under ZBV (closed form and simulation differ) with dp = 2 (a step-wide
+    # tail: the last gradient bucket's reduction): the timeline plays the plan's own
+    # figures and tails, so it ends where the predicted step does.
+    from partc.cost.timeline import simulate
+    from partc.units import format_seconds
+
+    _, plan = _dp_plan(1, pp=2, schedule="zbv-zero-bubble")
+    p = plan.predicted
+    assert p.closed_form_step_s != pytest.approx(p.step_time_s, rel=1e-6)
+    timeline = simulate(plan)
+    assert timeline.step_s == pytest.approx(p.step_time_s, rel=1e-9)
+    assert timeline.bubble_fraction == pytest.approx(p.bubble_fraction, rel=1e-9)
+    text = render(plan)
+    step = format_seconds(p.step_time_s)
+    assert f"predicted: step {step}," in text and f"The step: {step}," in text
+    assert "Simulated step" not in text
+    chosen = next(line for line in text.splitlines() if line.endswith(" chosen")
+                  or "chosen;" in line)
+    assert step in chosen
+    assert f"closed-form estimate of it before simulation: " \
+           f"{format_seconds(p.closed_form_step_s)}" in text
+    # The alternatives are played out as the plan is, like for like.
+    assert all(a.step_time_s >= p.step_time_s * (1 - 1e-9) for a in plan.alternatives)
+
+
+@pytest.mark.parametrize("zero_stage", [1, 3])
+def test_data_parallel_traffic_and_what_is_assumed_hidden(zero_stage):
+    from partc.cost.timeline import simulate
+    from partc.errors import PlanValidationError
+    from partc.planner.validate import validate_plan
+    from partc.units import format_seconds
+
+    prob, plan = _dp_plan(zero_stage)
+    section = plan.data_parallel
+    assert section.dp == 2 and section.zero_stage == zero_stage and section.overlap == 1.0
+    rows = {(c.kind, c.when): c for c in section.stages[0]}
+    expected = ({("all_gather", "forward"), ("all_gather", "backward"),
+                 ("reduce_scatter", "backward")} if zero_stage == 3 else
+                {("reduce_scatter", "last backward"), ("all_gather", "next forward")})
+    assert set(rows) == expected
+    for c in rows.values():
+        assert c.nbytes > 0 and c.seconds > 0 and 0 <= c.exposed_s <= c.seconds
+        assert c.hidden_s + c.exposed_s == pytest.approx(c.seconds)
+    if zero_stage == 3:   # each microbatch gathers 4 x 10^6 fp32 parameters
+        assert plan.num_microbatches == 4
+        assert rows["all_gather", "forward"].nbytes == 4 * 4 * 10**6 * 4
+        assert section.seconds(0) > section.exposed_s(0)   # some hidden: say so
+        # What forward and backward leave exposed is drawn as communication.
+        exposed = sum(c.exposed_s for c in section.stages[0] if c.when != "step")
+        assert simulate(plan).seconds(0, ("collective",)) == pytest.approx(exposed)
+    text = render(plan)
+    assert "Data parallelism:" in text and "assumed hidden" in text
+    hidden = format_seconds(section.seconds(0) - section.exposed_s(0))
+    assert f"assumes {hidden} of the {format_seconds(section.seconds(0))} of " \
+           f"data-parallel collectives per step" in text
+    tampered = dataclasses.replace(plan, data_parallel=dataclasses.replace(
+        section, overlap=0.5))
+    with pytest.raises(PlanValidationError, match="data_parallel"):
+        validate_plan(prob, tampered)
+
+
+def test_checkpoint_time_shares_the_storages_bandwidth():
+    _, plan = _dp_plan(1)
+    size = plan.checkpoint_bytes_per_rank
+    figures = dataclasses.replace(plan.budget.figures, disk_bandwidth=2e9,
+                                  storage_bandwidth=None)
+    small = dataclasses.replace(plan, budget=dataclasses.replace(plan.budget, figures=figures))
+    assert small.predicted_save_s == pytest.approx(size / 2e9)   # 2 ranks: their own rate
+    big = dataclasses.replace(plan, budget=dataclasses.replace(
+        plan.budget, figures=figures, num_devices=1024))
+    assert big.predicted_save_s == pytest.approx(size / (100e9 / 1024))   # the default
+    assert "1024 ranks sharing the storage's 100 GB/s" in render(big)
+    given = dataclasses.replace(big, budget=dataclasses.replace(
+        big.budget, figures=dataclasses.replace(figures, storage_bandwidth=4e12)))
+    assert given.predicted_save_s == pytest.approx(size / 2e9)

@@ -82,6 +82,8 @@ class TrainConfig:
     seed: int = 0
     quiet: bool = False
     out: str | None = None
+    # Plan with this machine's CPU measured once and kept (partc/calibrate/cached_profile.py).
+    calibrate: bool = False
     # Checkpoints.
     checkpoint_dir: str | None = None
     checkpoint_every: int = 0   # 0: only after the last step (and on a stop signal)
@@ -217,6 +219,10 @@ def parser(*, full: bool = False) -> argparse.ArgumentParser:
     run.add_argument("--out", metavar="DIR", help="rank 0 saves the program here: plan.json, "
                      "report.md, report.html and the stages' code")
     run.add_argument("-q", "--quiet", action="store_true", help="no report, no progress lines")
+    run.add_argument("--calibrate", action="store_true",
+                     help="on CPU: plan with this machine's own figures, measured by a quick "
+                          "partc calibrate the first time (about a minute) and kept under "
+                          "$PARTC_CACHE_DIR or ~/.cache/partc")
     saved = p.add_argument_group("checkpoints")
     saved.add_argument("--checkpoint-dir", metavar="DIR",
                        help="save checkpoints here (every --checkpoint-every steps, after "

@@ -200,9 +200,27 @@ def check(config: TrainConfig, world_size: int) -> tuple[Any, Any]:
         if path is not None and not Path(path).exists():
             raise cli._refused(f"{flag} {path} does not exist", COMMAND)
     fixed: dict[str, Any] = {"num_devices": world_size}
-    if args.device is None and args.profile is None and not _has_gpu():
+    if config.calibrate:
+        fixed["profile"] = str(_calibrated(args, world_size))
+    elif args.device is None and args.profile is None and not _has_gpu():
         fixed["device"] = CPU_PRESET   # plan for the devices that train
     return cli._budget(args, **fixed), cli._constraints(args)
+
+
+def _calibrated(args: Any, world_size: int) -> Path:
+    """This machine's kept CPU profile for the launch's ranks on a node, measured by the
+    node's local rank 0 if there is none yet (``--calibrate``)."""
+    from partc.calibrate.cached_profile import cpu_profile
+
+    if args.device is not None or args.profile is not None:
+        raise cli._refused("--calibrate measures this machine's CPU: give it without "
+                           "--device and --profile", COMMAND)
+    if _has_gpu():
+        raise cli._refused("--calibrate measures a CPU; on GPUs run partc calibrate "
+                           "--device cuda --out profile.json once, then --profile "
+                           "profile.json", COMMAND)
+    ranks = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+    return cpu_profile(ranks, measure=int(os.environ.get("LOCAL_RANK", "0")) == 0)
 
 
 def _has_gpu() -> bool:

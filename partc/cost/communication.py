@@ -193,6 +193,14 @@ def _gather_seconds(problem: PlanningProblem, config: PipelineConfig, params: fl
     return (config.dp - 1) / config.dp * params * moved / bandwidth
 
 
+def stepped_gather_seconds(problem: PlanningProblem, config: PipelineConfig,
+                           params: float) -> float:
+    """ZeRO-1's all-gather of ``params`` stepped weights after the optimizer step (in
+    :func:`tail_ps` where it does not overlap the next forward), bandwidth only; its
+    latencies are :func:`bucket_latency_seconds`."""
+    return _gather_seconds(problem, config, params)
+
+
 def gather_ps(problem: PlanningProblem, config: PipelineConfig, params: int) -> int:
     """ZeRO-1's all-gather of ``params`` stepped weights where it overlaps the next
     step's forward (:func:`gather_overlaps`; what forward leaves exposed is

@@ -96,6 +96,40 @@ class CostTable:
         return len(self.layers)
 
 
+@dataclass(frozen=True, kw_only=True)
+class LayerPhases:
+    """A layer's forward and backward per microbatch in seconds before its ZeRO-2/3
+    collectives (compute, tensor-parallel collectives, the runtime's own work), and those
+    collectives by when they run (:func:`partc.cost.communication.zero_comm_seconds`'s
+    keys); the row's times are each phase with its collectives beside it
+    (:func:`partc.cost.pipeline_config.overlapped`)."""
+
+    forward_s: float
+    backward_s: float
+    zero: dict[str, float]
+
+
+def layer_phases(problem: PlanningProblem, config: PipelineConfig, index: int,
+                 layer=None, work=None, comm=None) -> LayerPhases:
+    """:class:`LayerPhases` of layer ``index`` of ``problem`` (a tensor-parallel variant,
+    as :func:`build_cost_table` makes it); ``layer``, ``work`` and ``comm`` where the caller
+    has them."""
+    devices, train = problem.devices, problem.train
+    if layer is None:
+        layer = run_layer(problem, index, config.micro_batch_size)
+    if work is None:
+        work = layer_work(layer, devices, config.micro_batch_size, train.measured_scale,
+                          train.compiled)
+    if comm is None:
+        comm = tp_comm_seconds(problem, config, layer)
+    zero = zero_comm_seconds(problem, config, layer.param_count)
+    own = zero_overhead_seconds(problem, config, layer.param_count, layer.param_tensors)
+    forward = sum(work["forward"]) + comm["forward"] + own["forward"]
+    backward = (split_factor(problem, config) * sum(work["backward"]) + comm["backward"]
+                + own["backward"])
+    return LayerPhases(forward_s=forward, backward_s=backward, zero=zero)
+
+
 def _layer_table(problem: PlanningProblem, config: PipelineConfig, index: int) -> LayerTable:
     layer = run_layer(problem, index, config.micro_batch_size)
     devices, train = problem.devices, problem.train
@@ -105,18 +139,16 @@ def _layer_table(problem: PlanningProblem, config: PipelineConfig, index: int) -
     workspace = int(round(2 * b * scale * layer.workspace_bytes))
     gathered, gradient = zero_transient(problem, config, layer.param_count)
     comm = tp_comm_seconds(problem, config, layer)
-    zero = zero_comm_seconds(problem, config, layer.param_count)
-    own = zero_overhead_seconds(problem, config, layer.param_count, layer.param_tensors)
+    phases = layer_phases(problem, config, index, layer, work, comm)
+    zero = phases.zero
     # Full recompute replays the layer's forward, collectives included; selective
     # replays the attention cores, which hold none (heads are split over the group).
     # ZeRO-3 gathers the layer once for its backward, recompute included.
     rerun = {m: comm["forward"] if m == "full" else 0.0 for m in layer.modes}
-    forward = sum(work["forward"]) + comm["forward"] + own["forward"]
-    backward = (split_factor(problem, config) * sum(work["backward"]) + comm["backward"]
-                + own["backward"])
     return LayerTable(
-        forward_ps=to_ps(overlapped(forward, zero["forward"], devices.comm_overlap)),
-        backward_ps=to_ps(overlapped(backward, zero["backward"], devices.comm_overlap)),
+        forward_ps=to_ps(overlapped(phases.forward_s, zero["forward"], devices.comm_overlap)),
+        backward_ps=to_ps(overlapped(phases.backward_s, zero["backward"],
+                                     devices.comm_overlap)),
         recompute_ps={m: to_ps(sum(work["recompute"][m]) + rerun[m]) for m in layer.modes},
         saved_bytes=saved,
         # ZeRO-2/3: the unit's whole gradient is made as its backward ends, when the
@@ -310,14 +342,10 @@ def moe_layer_table(whole: MoECost, problem: PlanningProblem, config: PipelineCo
     extra = b * figures.flops_delta / rate
     a2a = 2 * figures.all_to_all_s
     dense, experts = figures.dense_params, figures.expert_params
+    phases = moe_layer_phases(whole, problem, config, index, layer, work, comm)
+    forward, backward = phases.forward_s, phases.backward_s
     zero_dense = zero_comm_seconds(problem, config, dense)
     zero_experts = zero_comm_seconds(problem, expert_config, experts)
-    own = {phase: zero_overhead_seconds(problem, config, dense)[phase]
-           + zero_overhead_seconds(problem, expert_config, experts)[phase]
-           for phase in ("forward", "backward")}
-    forward = sum(work["forward"]) + comm["forward"] + extra + a2a + own["forward"]
-    backward = (split_factor(problem, config) * (sum(work["backward"]) + 2 * extra)
-                + comm["backward"] + a2a + own["backward"])
     replayed = {m: layer.recompute_flops[m] / layer.fwd_flops if layer.fwd_flops else 0.0
                 for m in layer.modes}
     # Selective recompute reruns the attention cores: no expert, no collective.
@@ -359,6 +387,37 @@ def moe_layer_table(whole: MoECost, problem: PlanningProblem, config: PipelineCo
                                step_bytes(problem, expert_config, experts, experts)),
                               steps_whole_list(problem, config)),
     )
+
+
+def moe_layer_phases(whole: MoECost, problem: PlanningProblem, config: PipelineConfig,
+                     index: int, layer=None, work=None, comm=None) -> LayerPhases:
+    """:class:`LayerPhases` of a mixture-of-experts layer under expert parallelism
+    (:func:`moe_layer_table`): its dense parameters' ZeRO collectives over dp and its
+    experts' over the expert-data-parallel group, summed by when they run."""
+    devices = problem.devices
+    if layer is None:
+        layer = run_layer(problem, index, config.micro_batch_size)
+    if work is None:
+        work = layer_work(layer, devices, config.micro_batch_size,
+                          problem.train.measured_scale)
+    if comm is None:
+        comm = tp_comm_seconds(problem, config, layer)
+    figures = moe_layer_figures(whole, layer, problem, config)
+    expert_config = expert_dp_config(config)
+    extra = config.micro_batch_size * figures.flops_delta / (
+        devices.peak_flops * devices.flops_efficiency)
+    a2a = 2 * figures.all_to_all_s
+    dense, experts = figures.dense_params, figures.expert_params
+    zero_dense = zero_comm_seconds(problem, config, dense)
+    zero_experts = zero_comm_seconds(problem, expert_config, experts)
+    own = {phase: zero_overhead_seconds(problem, config, dense)[phase]
+           + zero_overhead_seconds(problem, expert_config, experts)[phase]
+           for phase in ("forward", "backward")}
+    forward = sum(work["forward"]) + comm["forward"] + extra + a2a + own["forward"]
+    backward = (split_factor(problem, config) * (sum(work["backward"]) + 2 * extra)
+                + comm["backward"] + a2a + own["backward"])
+    return LayerPhases(forward_s=forward, backward_s=backward,
+                       zero={key: zero_dense[key] + zero_experts[key] for key in zero_dense})
 
 
 def moe_rows(whole: PlanningProblem, problem: PlanningProblem, config: PipelineConfig,

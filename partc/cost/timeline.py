@@ -23,7 +23,8 @@ is cut into ``pp * v`` virtual stages; see :mod:`partc.cost.schedules`):
   figures and drawn as communication;
 - after its last operation each rank runs its tail: what the gradient sync and ZeRO-1's
   weight all-gather leave exposed (the all-gather runs beside the next step's forward;
-  drawn here, as priced, after this step's), and the optimizer step.
+  drawn here, as priced, after this step's), and the optimizer step. A plan's timeline
+  (:func:`simulate`) starts the tails when the pipeline drains, as its step is priced.
 
 Each row stands for every rank of a stage (its dp x tp ranks run alike).
 """
@@ -351,9 +352,12 @@ def held_per_run(schedule: str, pp: int, v: int, m: int
 # ------------------------------------------------------------------ from a plan
 
 def stage_seconds(plan) -> list[StageSeconds]:
-    """Per virtual stage of ``plan``, the seconds of one microbatch: each rank's figures
-    (``StageTime`` over the microbatches) shared among its virtual stages by their
-    layers' count, tensor-parallel collectives split between the phases by bytes."""
+    """Per virtual stage of ``plan``, the seconds of one microbatch: the figures the cost
+    model played (``StagePlan.run_times``), or in a plan written before them each rank's
+    figures (``StageTime`` over the microbatches) shared among its virtual stages by their
+    layers' count; tensor-parallel collectives split between the phases by bytes, and the
+    exposed part of the data-parallel ones that run beside the phases (ZeRO-2/3,
+    ``Plan.data_parallel``) shared among the runs by their time."""
     pp, v, m = len(plan.stages), plan.chunks, plan.num_microbatches
     name = plan.schedule
     result: list[StageSeconds | None] = [None] * (pp * v)
@@ -365,16 +369,39 @@ def stage_seconds(plan) -> list[StageSeconds]:
         total = sum(sizes)
         sending = sum(1 for j in held if j < pp * v - 1
                       and (v == 1 or rank_of(name, pp, v, j) != rank_of(name, pp, v, j + 1)))
-        for j, run, size in zip(held, runs, sizes):
+        played = stage.run_times if len(stage.run_times) == len(held) else None
+        dp_forward, dp_backward = _dp_exposed(plan, stage.index)
+        for index, (j, run, size) in enumerate(zip(held, runs, sizes)):
             share = size / total / m
+            if played is not None:
+                own = played[index]
+                forward, backward, recompute = own.forward, own.backward, own.recompute
+                send, receive = own.send, own.receive
+            else:
+                forward, backward = t.forward * share, t.backward * share
+                recompute, receive = t.recompute * share, 0.0
+                send = t.comm / (m * sending) / 2 if sending else 0.0
             forward_tp, backward_tp = _collective_seconds(plan, run)
+            forward_tp += dp_forward * forward / t.forward * m if t.forward else 0.0
+            backward_tp += dp_backward * backward / t.backward * m if t.backward else 0.0
             result[j] = StageSeconds(
-                forward=t.forward * share, backward=t.backward * share,
-                recompute=t.recompute * share,
-                collective_forward=min(forward_tp, t.forward * share),
-                collective_backward=min(backward_tp, t.backward * share),
-                send=t.comm / (m * sending) / 2 if sending else 0.0)
+                forward=forward, backward=backward, recompute=recompute,
+                collective_forward=min(forward_tp, forward),
+                collective_backward=min(backward_tp, backward),
+                send=send, receive=receive)
     return result  # type: ignore[return-value]
+
+
+def _dp_exposed(plan, stage: int) -> tuple[float, float]:
+    """Seconds per microbatch of stage ``stage``'s data-parallel collectives that its
+    forward and its backward leave exposed (inside those figures)."""
+    section = getattr(plan, "data_parallel", None)
+    if section is None:
+        return 0.0, 0.0
+    m = plan.num_microbatches
+    rows = section.stages[stage]
+    return (sum(c.exposed_s for c in rows if c.when == "forward") / m,
+            sum(c.exposed_s for c in rows if c.when == "backward") / m)
 
 
 def _collective_seconds(plan, layers) -> tuple[float, float]:
@@ -399,10 +426,28 @@ def _collective_seconds(plan, layers) -> tuple[float, float]:
 def simulate(plan, schedule: str | None = None) -> Timeline:
     """The plan's step played out rank by rank (see the module docstring); a rank per
     stage the plan lists. ``schedule`` plays another schedule over the same virtual
-    stages (one placement and count of virtual stages)."""
+    stages (one placement and count of virtual stages).
+
+    The tails are drawn as the step prices them (:func:`partc.cost.evaluate.simulated_step_ps`):
+    from when the pipeline drains (the last backward of any rank), each rank's own tail,
+    then the step's shared one (``Predicted.tail_time_s`` beyond the slowest rank's: the
+    last gradient bucket's reduction, the first weight bucket's gather, the tied weights'
+    sync), so that the step drawn is the plan's predicted step."""
     pp, m, v = len(plan.stages), plan.num_microbatches, plan.chunks
-    return play(schedule or plan.schedule, pp, v, m, stage_seconds(plan),
-                [stage.time_s.tail for stage in plan.stages])
+    played = play(schedule or plan.schedule, pp, v, m, stage_seconds(plan))
+    tails = [stage.time_s.tail for stage in plan.stages]
+    slowest = max(tails, default=0.0)
+    shared = max(0.0, (plan.predicted.tail_time_s or 0.0) - slowest)
+    drained = played.pipeline_s
+    blocks = list(played.blocks)
+    for rank, tail in enumerate(tails):
+        if tail > 0:
+            blocks.append(Block(rank=rank, kind="tail", start_s=drained, end_s=drained + tail))
+        if shared > 0:
+            blocks.append(Block(rank=rank, kind="tail", start_s=drained + slowest,
+                                end_s=drained + slowest + shared))
+    return Timeline(schedule=played.schedule, num_ranks=pp, num_microbatches=m, chunks=v,
+                    blocks=tuple(blocks), peak_inflight=played.peak_inflight)
 
 
 _LETTERS = {"forward": "F", "backward": "B", "weight": "W", "recompute": "R",

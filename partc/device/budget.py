@@ -188,6 +188,9 @@ def _collective_links(data: dict, where: str) -> tuple[tuple[str, float, float],
 # A rank's write rate to a checkpoint directory when the budget names none: a local
 # NVMe drive, or a parallel file system's share per rank, are of this order.
 DEFAULT_DISK_BANDWIDTH = "2GB/s"
+# The storage's aggregate write rate when the budget names none: a parallel file system
+# of a few dozen storage servers is of this order; every rank writing at once shares it.
+DEFAULT_STORAGE_BANDWIDTH = "100GB/s"
 
 # How a user may write each unit's figure to DeviceBudget (its annotations).
 _GIVEN_TYPES = {"bytes": "int | str | tuple[int | str, ...] | list[int | str] | None",

@@ -204,6 +204,14 @@ class DeviceFigures:
     disk_bandwidth: float | None = figure(
         rate("2GB/s"), "--disk-bandwidth", "checkpoint write rate per rank, e.g. 2GB/s "
         "(the report's predicted save time)", unset=None)
+    # The checkpoint storage's aggregate write rate, shared by every rank writing at once
+    # (a parallel file system's, or a node's local drives' together): a rank writes at
+    # the smaller of disk_bandwidth and its share of this. None:
+    # DEFAULT_STORAGE_BANDWIDTH.
+    storage_bandwidth: float | None = figure(
+        rate("100GB/s"), "--storage-bandwidth", "the checkpoint storage's aggregate write "
+        "rate, shared by all ranks, e.g. 100GB/s (the report's predicted save time)",
+        unset=None)
     # Inside a node, each collective kind's own link where calibration fitted them:
     # (kind, latency per step, bandwidth per link), kinds of partc.cost.collectives.KINDS.
     # A kind not listed takes intra_node_latency_s and intra_node_bandwidth.

@@ -10,8 +10,9 @@ from partc.cost.evaluate import Evaluation, simulated_step_ps
 from partc.cost.pipeline_config import PS_PER_S, PipelineConfig
 from partc.names import Phase, Recompute, Schedule
 from partc.plan import (Alternative, BudgetInfo, InputSpec, Mesh, MeshOutcome, ModelInfo,
-                        P2PMessages, Plan, Predicted, SolverStats, StagePlan, StageTime,
+                        P2PMessages, Plan, Predicted, RunTime, SolverStats, StagePlan, StageTime,
                         TensorParallelPlan, TPCollective)
+from partc.planner.data_parallel import data_parallel_section
 from partc.planner.expert_parallel import expert_parallel_section
 from partc.problem import ZERO2_GRAD_SYNCS, PlanningProblem, effective_zero_stage
 from partc.spec import TrainSpec
@@ -73,6 +74,12 @@ def stage_plans(problem: PlanningProblem, config: PipelineConfig, evaluation: Ev
                              tail=stage.tail_ps / PS_PER_S),
             p2p=p2p_messages(problem, evaluation, index, m, config),
             runs=tuple(tuple(names[l] for l in run) for run in stage.runs),
+            # evaluate.simulate plays each run's send and receive as half of the cut's
+            # two-way figure.
+            run_times=tuple(RunTime(forward=f / PS_PER_S, backward=b / PS_PER_S,
+                                    recompute=r / PS_PER_S, send=cut / 2 / PS_PER_S,
+                                    receive=into / 2 / PS_PER_S)
+                            for f, b, r, cut, into in stage.run_ps),
         )
         for index, stage in enumerate(evaluation.stages)
     )
@@ -138,6 +145,7 @@ def make_plan(problem: PlanningProblem, config: PipelineConfig, evaluation: Eval
         meshes=tuple(mesh_summary(mesh) for mesh in meshes),
         expert_parallel=_expert_parallel(problem, config, evaluation, modes),
         module_list_experts=problem.module_list_experts,
+        data_parallel=data_parallel_section(problem, config, evaluation),
     )
 
 
@@ -198,8 +206,11 @@ def tensor_parallel_section(problem: PlanningProblem,
 
 
 def alternative(problem: PlanningProblem, name: str, description: str, recompute: str,
-                stage_of: tuple[int, ...], evaluation: Evaluation) -> Alternative:
-    """An alternative plan's summary, as the report shows it."""
+                stage_of: tuple[int, ...], evaluation: Evaluation,
+                config: PipelineConfig) -> Alternative:
+    """An alternative plan's summary, as the report shows it: its step played out as the
+    plan's own is (:func:`simulated_step_ps` on the plan's configuration), so that the two
+    compare like for like."""
     names = [layer.name for layer in problem.layers]
     worst = evaluation.worst_stage
     return Alternative(
@@ -207,7 +218,7 @@ def alternative(problem: PlanningProblem, name: str, description: str, recompute
         description=description,
         recompute=Recompute(recompute),
         stages=tuple(tuple(names[l] for l in s.layers) for s in evaluation.stages),
-        step_time_s=evaluation.step_ps / PS_PER_S,
+        step_time_s=simulated_step_ps(config, evaluation)[0] / PS_PER_S,
         fits=evaluation.fits,
         peak_memory_bytes=max(s.memory.peak for s in evaluation.stages),
         worst_stage=evaluation.stages.index(worst),

@@ -16,6 +16,7 @@ from partc.cost.schedules import feature_refusal, refusal
 from partc.cost.tables import build_cost_table
 from partc.errors import PlanValidationError
 from partc.plan import Plan
+from partc.planner.data_parallel import data_parallel_section
 from partc.planner.expert_parallel import expert_parallel_section
 from partc.problem import ZERO2_GRAD_SYNCS, PlanningProblem, effective_zero_stage
 from partc.spec import SCHEDULES
@@ -140,6 +141,9 @@ def _costs(problem: PlanningProblem, plan: Plan, errors: list[str]) -> Evaluatio
         if expert_parallel_section(problem, config, evaluation, modes_t) \
                 != plan.expert_parallel:
             errors.append("the plan's expert_parallel section differs from the cost model's")
+    if plan.data_parallel is not None and \
+            data_parallel_section(problem, config, evaluation) != plan.data_parallel:
+        errors.append("the plan's data_parallel section differs from the cost model's")
     step = simulated_step_ps(config, evaluation)[0] / PS_PER_S
     recorded = plan.predicted.step_time_s
     if not math.isclose(recorded, step, rel_tol=1e-9, abs_tol=1e-15):

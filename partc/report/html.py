@@ -35,7 +35,7 @@ COLOURS = {"forward": "#4c78a8", "backward": "#f58518", "weight": "#eeca3b",
            "collective": "#54a24b", "p2p": "#2a7a2a", "tail": "#b279a2"}
 LABELS = {"forward": "forward", "backward": "backward (input gradient when split)",
           "weight": "weight gradient", "recompute": "recompute",
-          "collective": "tensor-parallel collectives", "p2p": "send / receive (p2p)",
+          "collective": "collectives (tensor-parallel; data-parallel's exposed part)", "p2p": "send / receive (p2p)",
           "tail": "tail: gradient sync, optimizer step"}
 MEMORY_COLOURS = {"params": "#4c78a8", "grads": "#72b7b2", "optimizer": "#54a24b",
                   "activations": "#f58518", "transient": "#e45756", "receive": "#9d755d"}
@@ -179,9 +179,9 @@ def _timeline_caption(plan: Plan, timeline: Timeline) -> str:
     return (f"Schedule {_esc(plan.schedule)}, "
             f"{plural(plan.num_microbatches, 'microbatch', 'microbatches')}; each row "
             f"stands for the {ranks} of a stage. Played out from the cost "
-            f"model's stage times: simulated step {_esc(format_seconds(timeline.step_s))}, "
-            f"the cost model's {_esc(format_seconds(plan.predicted.step_time_s))} (dashed "
-            f"line). Over the stages: compute {100 * min(busy) / step:.0f}-"
+            f"model's stage times: the step, "
+            f"{_esc(format_seconds(plan.predicted.step_time_s))} (dashed line), is the "
+            f"plan's predicted step. Over the stages: compute {100 * min(busy) / step:.0f}-"
             f"{100 * max(busy) / step:.0f}%, communication {100 * min(comm) / step:.0f}-"
             f"{100 * max(comm) / step:.0f}%, idle {100 * min(idle) / step:.0f}-"
             f"{100 * max(idle) / step:.0f}% of the step.")
@@ -303,15 +303,17 @@ def memory_svg(plan: Plan) -> str:
 # -- mesh alternatives ----------------------------------------------------------------------
 
 def _mesh_caption(plan: Plan) -> str:
-    return ("Every (pp, dp, tp) factorisation the planner weighed: the predicted step time "
-            "of each one's best configuration (solid; the chosen one dark), or the lower "
+    return ("Every (pp, dp, tp) factorisation the planner weighed: the chosen one's "
+            "predicted step (dark, the plan's), each other one's best configuration in the "
+            "planner's closed-form estimate before simulation (solid), or the lower "
             "bound that ruled it out without a solve (hatched: it cannot be faster than "
             "that), or why it has no plan.")
 
 
 def mesh_svg(plan: Plan) -> str:
     meshes = plan.meshes
-    times = [(m.step_time_s if m.outcome == Outcome.SOLVED else m.bound_s) or None
+    times = [(plan.predicted.step_time_s if m.mesh == plan.mesh and m.outcome == Outcome.SOLVED
+              else m.step_time_s if m.outcome == Outcome.SOLVED else m.bound_s) or None
              for m in meshes]
     known = [t for t in times if t]
     scale, unit = _seconds_axis(max(known))

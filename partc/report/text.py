@@ -23,7 +23,7 @@ from partc.codec import dtype_name
 from partc.cost.timeline import Timeline, simulate, text_lines
 from partc.names import Outcome, Phase
 from partc.placement import REPLICATE
-from partc.plan import MeshOutcome, Plan, TensorParallelPlan
+from partc.plan import DP_WHEN, MeshOutcome, Plan, TensorParallelPlan
 from partc.safe_text import one_line
 from partc.units import format_bytes, format_count, format_seconds
 
@@ -106,6 +106,7 @@ def _headline(plan: Plan) -> list[str]:
         + (f", {readable(p.tokens_per_s)} tokens/s" if p.tokens_per_s is not None else "")
         + f", MFU {100 * p.mfu:.1f}%, bubble {100 * p.bubble_fraction:.1f}%, "
         f"peak memory {format_bytes(p.peak_memory_bytes)}",
+        _mfu_line(plan),
         _checkpoint_line(plan),
     ]
     if train.loss_per_microbatch:
@@ -117,12 +118,60 @@ def _headline(plan: Plan) -> list[str]:
     return lines
 
 
+def _dp_busiest(plan: Plan) -> int | None:
+    """The stage with the most data-parallel collective time per step; None without."""
+    section = plan.data_parallel
+    if section is None or not any(section.stages):
+        return None
+    return max(range(len(section.stages)), key=section.seconds)
+
+
+def _mfu_line(plan: Plan) -> str:
+    """What the MFU above assumes: the FLOPs it counts, the peak, the matmuls' efficiency
+    and the data-parallel collectives taken as hidden behind compute."""
+    p, figures = plan.predicted, plan.budget.figures
+    devices = plan.budget.num_devices
+    peak = (f" x {figures.peak_flops / 1e12:.4g} TFLOP/s peak"
+            if isinstance(figures.peak_flops, (int, float)) else " x their peak")
+    line = (f"MFU: the model's FLOPs per step (forward and backward, recompute not counted) "
+            f"over step x {devices} devices{peak}"
+            + (f"; the step prices matmuls at {figures.flops_efficiency:g} of peak "
+               f"(flops_efficiency)" if figures.flops_efficiency is not None else ""))
+    stage = _dp_busiest(plan)
+    if stage is None:
+        return line + (", with no data-parallel traffic" if plan.dp == 1 else "")
+    section = plan.data_parallel
+    total, exposed = section.seconds(stage), section.exposed_s(stage)
+    hidden = max(0.0, total - exposed)
+    line += (f", and assumes {format_seconds(hidden)} of the "
+             f"{format_seconds(total)} of data-parallel collectives per step"
+             + (f" (stage {stage})" if plan.pp > 1 else "")
+             + f" hidden behind compute (comm_overlap {section.overlap:g}; exposed "
+             f"{format_seconds(exposed)})")
+    if hidden > 0 and p.step_time_s:
+        slower = p.step_time_s + hidden
+        line += (f"; none hidden: about {format_seconds(slower)} a step, MFU "
+                 f"{100 * p.mfu * p.step_time_s / slower:.1f}%")
+    return line
+
+
 def _checkpoint_line(plan: Plan) -> str:
-    """The predicted save time, to check against a cluster's grace period on suspend."""
+    """The predicted save time, to check against a cluster's grace period on suspend:
+    each rank at the smaller of its own write rate and its share of the storage's."""
     size, seconds = plan.checkpoint_bytes_per_rank, plan.predicted_save_s
-    rate = size / seconds / 1e9 if seconds else 0.0
+    ranks = plan.budget.num_devices
+    per_rank, storage = plan.write_bandwidths
+    if per_rank <= storage / ranks:
+        why = (f"{per_rank / 1e9:.3g} GB/s per rank (DeviceBudget.disk_bandwidth; "
+               f"{plural(ranks, 'rank')} together under the storage's "
+               f"{storage / 1e9:.3g} GB/s, DeviceBudget.storage_bandwidth)")
+    else:
+        why = (f"{storage / ranks / 1e9:.3g} GB/s per rank: {plural(ranks, 'rank')} "
+               f"sharing the storage's {storage / 1e9:.3g} GB/s "
+               f"(DeviceBudget.storage_bandwidth; each alone could write "
+               f"{per_rank / 1e9:.3g} GB/s, DeviceBudget.disk_bandwidth)")
     return (f"checkpoint: {format_bytes(size)} per rank, saved in {format_seconds(seconds)} "
-            f"at {rate:g} GB/s (DeviceBudget.disk_bandwidth)")
+            f"at {why}")
 
 
 def _optimizer(optimizer: str | float) -> str:
@@ -206,6 +255,14 @@ def _mesh_config(mesh: MeshOutcome) -> str:
             + (f", ep={mesh.ep}" if mesh.ep and mesh.ep > 1 else ""))
 
 
+def _plan_config(plan: Plan) -> str:
+    """The plan's own configuration as the mesh table writes one."""
+    return (f"{plan.micro_batch_size} x {plan.num_microbatches}, {plan.schedule}, "
+            f"ZeRO-{plan.zero_stage}" + (" (once per step)" if plan.reduces_once else "")
+            + (", sequence parallel" if plan.sequence_parallel else "")
+            + (f", ep={plan.mesh.ep}" if plan.mesh.ep > 1 else ""))
+
+
 def _mesh_chosen(plan: Plan) -> str:
     sp = ", sequence parallel" if plan.sequence_parallel else ""
     once = " (gradients reduce-scattered once per step)" if plan.reduces_once else ""
@@ -221,6 +278,16 @@ def _ranking_step(plan: Plan) -> float:
             or plan.predicted.step_time_s)
 
 
+def _ranked_as(plan: Plan) -> str:
+    """The configuration the search ranked the chosen mesh by, when the schedule chosen
+    afterwards differs from it: `` as 1f1b``."""
+    chosen = next((m for m in plan.meshes if _is_chosen(plan, m)
+                   and m.outcome == Outcome.SOLVED), None)
+    if chosen is None or chosen.schedule in (None, plan.schedule):
+        return ""
+    return f" as {chosen.schedule}"
+
+
 def _mesh_why(plan: Plan) -> str:
     """One line: what the chosen mesh beats, by how much, or why it is the only one."""
     step = _ranking_step(plan)
@@ -230,14 +297,18 @@ def _mesh_why(plan: Plan) -> str:
     unfit = len(others) - len(solved) - len(unsettled)
     timed_out = sum(m.outcome == Outcome.WORK_LIMIT for m in others)
     low = min(unsettled, key=lambda m: m.bound_s, default=None)
+    estimate = (f"the chosen mesh's closed-form estimate before simulation, "
+                f"{format_seconds(step)}{_ranked_as(plan)}")
     if solved:
         runner = solved[0]
         why = (f"fastest predicted step; the runner-up, {runner.mesh}, takes "
-               f"{format_seconds(runner.step_time_s)} ({runner.step_time_s / step:.2f}x)")
+               f"{format_seconds(runner.step_time_s)} in closed form "
+               f"({runner.step_time_s / step:.2f}x {estimate})")
     elif low is not None and low.bound_s >= step:
         why = (f"no other factorisation can beat it: the lowest bound among the rest is "
                f"{low.mesh}'s, {format_seconds(low.bound_s)} "
-               f"({low.bound_s / step:.2f}x)" + (f"; {unfit} do not fit" if unfit else ""))
+               f"({low.bound_s / step:.2f}x {estimate})"
+               + (f"; {unfit} do not fit" if unfit else ""))
     elif low is not None:
         why = (f"the best found; {low.mesh} was not settled within the solver's "
                f"work limit and might be faster (bound {format_seconds(low.bound_s)})")
@@ -254,17 +325,26 @@ def _mesh_why(plan: Plan) -> str:
 def _mesh_rows(plan: Plan) -> list[list[str]]:
     # Meshes are ranked by the planner's closed-form step (the plan's own step is the
     # schedule played out): ratios against the chosen mesh's closed form, like for like.
+    # The chosen row shows the plan itself: its configuration and its step, the one the
+    # report predicts everywhere.
     step = _ranking_step(plan)
     rows = []
     for mesh in plan.meshes:
         axes = [str(mesh.pp), str(mesh.dp), str(mesh.tp)]
         if mesh.outcome == Outcome.SOLVED:
-            notes = ["chosen"] if _is_chosen(plan, mesh) else []
+            chosen = _is_chosen(plan, mesh)
+            shown = plan.predicted.step_time_s if chosen else mesh.step_time_s
+            same = (format_seconds(shown) == format_seconds(mesh.step_time_s)
+                    and not _ranked_as(plan))
+            notes = ([] if not chosen else ["chosen"] if same else
+                     [f"chosen; closed-form estimate before simulation "
+                      f"{format_seconds(mesh.step_time_s)}{_ranked_as(plan)}"])
             # Its other configurations were pruned against the chosen plan, or cut short.
             if mesh.bound_s < 0.995 * mesh.step_time_s:
                 notes.append(f"best found (bound {format_seconds(mesh.bound_s)})")
-            rows.append(axes + [_mesh_config(mesh), format_seconds(mesh.step_time_s),
-                                f"{mesh.step_time_s / step:.2f}x", "; ".join(notes)])
+            rows.append(axes + [_plan_config(plan) if chosen else _mesh_config(mesh),
+                                format_seconds(shown), f"{mesh.step_time_s / step:.2f}x",
+                                "; ".join(notes)])
             continue
         rows.append(axes + ["-", "-", "-", _no_plan_reason(mesh, step)])
     return rows
@@ -296,6 +376,36 @@ def _alternative_rows(plan: Plan) -> list[list[str]]:
 
 
 _SHORT = {"all_reduce": "AR", "all_gather": "AG", "reduce_scatter": "RS"}
+
+
+def _dp_rows(plan: Plan) -> list[list[str]]:
+    """Per stage and kind of collective: when it runs, its bytes, time, and what of it is
+    assumed hidden and exposed, per step on one rank."""
+    section = plan.data_parallel
+    rows = []
+    for stage, collectives in enumerate(section.stages):
+        for c in collectives:
+            rows.append([str(stage), c.kind.replace("_", "-"), DP_WHEN.get(c.when, c.when),
+                         format_bytes(c.nbytes), format_seconds(c.seconds),
+                         format_seconds(c.hidden_s), format_seconds(c.exposed_s)])
+    return rows
+
+
+def _dp_lines(plan: Plan) -> list[str]:
+    section = plan.data_parallel
+    zero = {0: "plain data parallelism: gradients all-reduced",
+            1: "ZeRO-1: gradients reduce-scattered, the stepped weights all-gathered",
+            2: "ZeRO-2: gradients reduce-scattered, the stepped weights all-gathered",
+            3: "ZeRO-3: each layer's weights all-gathered for its forward and again for "
+               "its backward, its gradients reduce-scattered, every microbatch"}
+    where = ("in the stages' forward and backward above" if section.zero_stage >= 2
+             else "in the tail (T in the timeline)")
+    return [f"dp={section.dp}, {zero[section.zero_stage]}. Per step on one rank of each "
+            f"stage: the tensors' bytes and the collectives' time over its {section.dp} "
+            f"replicas. A collective runs beside compute where it can; the cost model "
+            f"assumes the share {section.overlap:g} (DeviceBudget.comm_overlap) of the "
+            f"shorter of the two hidden, and the step pays the rest (exposed: "
+            f"{where}; after the pipeline drains, in the tail)."]
 
 
 def _tp_layer_rows(plan: Plan) -> list[list[str]]:
@@ -500,7 +610,8 @@ def _solver(plan: Plan) -> list[str]:
     or ruled out by its lower bound without a solve."""
     s = plan.solver
     verdict = _STATUS.get(s.status, s.status)
-    lines = [f"solver: {s.status} ({verdict}): step {format_seconds(s.objective)}, bound "
+    lines = [f"solver: {s.status} ({verdict}): closed-form estimate before simulation "
+             f"{format_seconds(s.objective)}{_ranked_as(plan)}, bound "
              f"{format_seconds(s.bound)}, gap {100 * s.gap:.2f}%, {s.solve_time_s:.2f} s"]
     if not s.configs_total:   # a plan saved before partc counted configurations
         return lines
@@ -519,7 +630,7 @@ def _solver(plan: Plan) -> list[str]:
         how += f"; {unsettled} not reached within the work limit (PlannerOptions.work_limit)"
     solved = [o for o in plan.schedules if o.how.startswith("solved split")]
     if solved:
-        how += (f". The step and bound above are the closed form's (1F1B, GPipe), which "
+        how += (f". The estimate and bound above are the closed form's (1F1B, GPipe), which "
                 f"chose the mesh; then {plural(len(solved), 'other schedule')} were solved "
                 f"on it and the one whose order plays out fastest kept ({plan.schedule}; "
                 f"see Schedules)")
@@ -529,16 +640,19 @@ def _solver(plan: Plan) -> list[str]:
 def _timeline_lines(plan: Plan, timeline: Timeline) -> list[str]:
     virtual = f", {plan.chunks} virtual stages per rank" if plan.chunks > 1 else ""
     closed = plan.predicted.closed_form_step_s
+    p = plan.predicted
     return [f"One step per pipeline stage ({plan.schedule}{virtual}, "
             f"{_microbatches(plan.num_microbatches)}), in the schedule's own order, played "
             f"out from the stage times above: F forward, B backward (its input-gradient "
             f"part under a zero-bubble schedule), W weight gradient, R recompute, "
-            f"c communication (sends, tensor-parallel collectives), T tail (the exposed "
-            f"part of the gradient sync and of ZeRO-1's weight all-gather, the optimizer "
-            f"step), . waiting. Simulated step "
-            f"{format_seconds(timeline.step_s)}, bubble "
-            f"{100 * timeline.bubble_fraction:.1f}%"
-            + (f" (the planner's closed form: {format_seconds(closed)})" if closed else "")
+            f"c communication (sends, tensor-parallel collectives, what ZeRO-2/3's "
+            f"collectives leave exposed), T tail (from when the "
+            f"pipeline drains: the exposed part of the gradient sync and of ZeRO-1's weight "
+            f"all-gather, the optimizer step), . waiting. The step: "
+            f"{format_seconds(p.step_time_s)}, bubble {100 * p.bubble_fraction:.1f}% "
+            f"(the predicted step above, this simulation)"
+            + (f"; the planner's closed-form estimate of it before simulation: "
+               f"{format_seconds(closed)}" if closed else "")
             + "."]
 
 
@@ -583,7 +697,8 @@ def sections(plan: Plan, timeline: Timeline | None = None) -> list[Section]:
     out.append(Section(
         key="mesh", title="Mesh", bullets=mesh,
         header=("pp", "dp", "tp", "best config (b x m, schedule, ZeRO)",
-                "step time (planner's closed form)", "vs chosen", "note")
+                "step time (chosen: the plan's; others: closed form)",
+                "vs chosen (closed form)", "note")
         if plan.meshes else (),
         rows=_rows(_mesh_rows(plan)) if plan.meshes else ()))
     out.append(Section(
@@ -611,6 +726,12 @@ def sections(plan: Plan, timeline: Timeline | None = None) -> list[Section]:
     out.append(Section(key="memory", title="Memory per rank", notes=tuple(_memory_lines(plan)),
                        header=("stage", *_MEMORY_KINDS, "peak / limit"),
                        rows=_rows(_memory_rows(plan))))
+    if plan.data_parallel is not None:
+        out.append(Section(
+            key="data_parallel", title="Data parallelism", notes=tuple(_dp_lines(plan)),
+            header=("stage", "collective", "when", "bytes per step", "time per step",
+                    "assumed hidden", "exposed (in the step)"),
+            rows=_rows(_dp_rows(plan))))
     if plan.tp > 1 and plan.tensor_parallel is not None:
         out.append(Section(
             key="tensor_parallel", title="Tensor parallelism", notes=tuple(_tp_lines(plan)),

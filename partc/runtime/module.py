@@ -96,6 +96,7 @@ class DistributedModule:
         self._run = ScheduleRun(parts, self._batches)
         self._check = StepCheck(parts, self._gradients, self._batches)
         self._monitor = StepMonitor(parts)
+        self._optimizers: weakref.WeakSet = weakref.WeakSet()   # from optimizer()
         self._saves = checkpoint.BackgroundSave()
         self._stop = StopFlag()  # stop_requested()'s: set by a stop signal
         refuse_plain_steps(self, parts, self.state)  # ZeRO-1: module.optimizer's alone
@@ -137,6 +138,7 @@ class DistributedModule:
         (ZeRO-1: each dp rank its shard's, :mod:`.rank_optimizer`); its steps are heard
         by the watchdog and end the step for telemetry."""
         optimizer = make_optimizer(self.parts, self.state, optimizer_class, defaults)
+        self._optimizers.add(optimizer)   # its state is held memory (telemetry)
         this = weakref.ref(self)  # the optimizer must not keep the module alive
 
         def end_step() -> None:  # the step's telemetry includes the optimizer's
@@ -160,7 +162,21 @@ class DistributedModule:
         all-reduce when the plan does not clip. Call it on every rank."""
         return self._monitor.start_telemetry(
             jsonl_dir=jsonl_dir, console=console, tensorboard_dir=tensorboard_dir,
-            warn_ratio=warn_ratio, grad_norm=grad_norm, wandb=wandb)
+            warn_ratio=warn_ratio, grad_norm=grad_norm, wandb=wandb,
+            held=self._held_tensors)
+
+    def _held_tensors(self) -> list[torch.Tensor]:
+        """What this rank holds from step to step, as the plan counts it: its parameters,
+        their gradients, and the state of the optimizers :meth:`optimizer` made."""
+        held = []
+        for parameter in self.parameters():
+            held.append(parameter)
+            if parameter.grad is not None:
+                held.append(parameter.grad)
+        for optimizer in list(self._optimizers):
+            for state in optimizer.state.values():
+                held += [v for v in state.values() if isinstance(v, torch.Tensor)]
+        return held
 
     def end_step(self, *, optimizer_stepped: bool = True) -> StepRecord | None:
         """End the step under way for telemetry (after an optimizer step that

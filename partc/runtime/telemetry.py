@@ -16,7 +16,14 @@ yields one :class:`StepRecord` per rank:
   beside ``predicted_mfu``;
 - ``memory_bytes``: this rank's peak memory during the step (``memory_measure`` names
   what was measured, :data:`MEMORY_MEASURES` says what that is) beside
-  ``predicted_memory_bytes``, the plan's peak for this rank's stage;
+  ``predicted_memory_bytes``, the plan's peak for this rank's stage. On a GPU, the
+  caching allocator's peak. On CPU, where no allocator keeps one, memory as the plan
+  counts it: the peak bytes of live tensors (the rank's parameters, gradients and
+  optimizer state, and what the step's ops allocate), counted on the first step this
+  telemetry records (``memory_step``; counting runs every op through Python, so that
+  step is slower, and it is not judged against the plan) and reported with each later
+  step, beside ``rss_bytes``, the step's own peak RSS growth, which also holds allocator
+  slack, communication buffers and libraries;
 - ``grad_norm``: the global gradient 2-norm (the one the step's non-finite check and
   clipping read; with that check off and no clipping, computed unless
   ``grad_norm=False``);
@@ -44,11 +51,15 @@ import logging
 import resource
 import sys
 import time
+import weakref
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, TextIO
+from typing import Any, Callable, Iterable, TextIO
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+from torch.utils.weak import WeakIdKeyDictionary
 
 from partc.errors import PartcError
 from partc.plan import Plan
@@ -66,6 +77,12 @@ MEMORY_MEASURES = {
     # libraries loaded late, which the plan does not count
     "host_peak_rss_growth": ("peak RSS during the step (VmHWM, reset each step) above "
                              "the RSS at build"),
+    # on CPU, as the plan counts memory: the bytes of the tensors alive at once, at their
+    # peak during the step: the rank's parameters, gradients and optimizer state held
+    # from step to step, and every tensor the step's ops make while it lives
+    "live_tensor_bytes": ("peak bytes of live tensors during the step: the rank's "
+                          "parameters, gradients and optimizer state, and every tensor "
+                          "the step's ops allocate while it lives"),
 }
 
 
@@ -119,6 +136,10 @@ class StepRecord:
     predicted_memory_bytes: int
     memory_measure: str
     grad_norm: float | None
+    # On CPU with live tensors counted: the step they were counted in (memory_bytes is
+    # that step's peak), and this step's peak RSS growth beside it.
+    memory_step: int | None = None
+    rss_bytes: int | None = None
     skipped: bool = False   # a non-finite step, skipped: the optimizer did not step
     notes: dict[str, Any] = field(default_factory=dict)   # e.g. the launcher's lr
 
@@ -144,8 +165,13 @@ class StepRecord:
                  f"{format_seconds(self.predicted_step_time_s)}, {self.time_departure:+.0%})",
                  rate,
                  f"MFU {_percent(self.mfu)} (plan {_percent(self.predicted_mfu)})",
-                 f"mem {format_bytes(self.memory_bytes)} (plan "
-                 f"{format_bytes(self.predicted_memory_bytes)}, stage {self.stage})"]
+                 f"mem {format_bytes(self.memory_bytes)}"
+                 + (" tensors" + (f" at step {self.memory_step}"
+                                  if self.memory_step != self.step else "")
+                    if self.memory_step is not None else "")
+                 + f" (plan {format_bytes(self.predicted_memory_bytes)}, stage {self.stage})"
+                 + (f", RSS +{format_bytes(self.rss_bytes)}"
+                    if self.rss_bytes is not None else "")]
         if self.grad_norm is not None:
             parts.append(f"grad norm {self.grad_norm:.3g}")
         if self.skipped:
@@ -192,6 +218,83 @@ class _HostMemory:
 
     def peak(self) -> int:
         return max(0, peak_rss() - self.baseline)
+
+
+class _LiveTensors(TorchDispatchMode):
+    """Counts the bytes of the tensors the ops under it make while they live (each
+    storage once, from its op's return to its release), and their peak."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.live = self.peak = 0
+        self._seen: WeakIdKeyDictionary = WeakIdKeyDictionary()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for value in tree_leaves(out):
+            if type(value) in (torch.Tensor, torch.nn.Parameter):
+                self._track(value)
+        return out
+
+    def _track(self, tensor: torch.Tensor) -> None:
+        try:
+            storage = tensor.untyped_storage()
+        except (RuntimeError, NotImplementedError):   # sparse, nested: no one storage
+            return
+        if storage in self._seen or storage.device.type == "meta":
+            return
+        size = storage.nbytes()
+        self._seen[storage] = size
+        self.live += size
+        self.peak = max(self.peak, self.live)
+        weakref.finalize(storage, self._release, size)
+
+    def _release(self, size: int) -> None:
+        self.live -= size
+
+
+def held_bytes(tensors) -> int:
+    """The bytes of ``tensors``' storages, each storage once."""
+    seen: dict[int, int] = {}
+    for tensor in tensors:
+        if isinstance(tensor, torch.Tensor) and tensor.device.type != "meta":
+            storage = tensor.untyped_storage()
+            seen[storage.data_ptr()] = storage.nbytes()
+    return sum(seen.values())
+
+
+class _TensorMemory:
+    """Peak bytes of live tensors during one step, as the plan counts memory: what the
+    rank holds from step to step (``held()``: its parameters, their gradients and the
+    optimizer state), read as the step begins, plus every tensor the step's ops allocate
+    while it lives (:class:`_LiveTensors`, over the thread that runs the step: forward,
+    backward and the optimizer step). Counting runs every op through Python, which slows
+    the step: telemetry counts one step, its first (see the module docstring)."""
+
+    def __init__(self, held: Callable[[], Iterable[torch.Tensor]]) -> None:
+        self._held = held
+        self._mode: _LiveTensors | None = None
+        self._base = 0
+
+    @property
+    def counting(self) -> bool:
+        return self._mode is not None
+
+    def start(self) -> None:
+        self._base = held_bytes(self._held())
+        self._mode = _LiveTensors()
+        self._mode.__enter__()
+
+    def peak(self) -> int:
+        return self._base + (self._mode.peak if self._mode is not None else 0)
+
+    def stop(self) -> int:
+        """Stop counting; the step's peak."""
+        peak = self.peak()
+        if self._mode is not None:
+            self._mode.__exit__(None, None, None)
+            self._mode = None
+        return peak
 
 
 def _status_bytes(key: str) -> int | None:
@@ -244,7 +347,8 @@ _SCALARS = {"loss": "train/loss", "step_time_s": "time/step_s",
             "samples_per_s": "speed/samples_per_s", "mfu": "speed/mfu",
             "memory_bytes": "memory/peak_bytes",
             "predicted_memory_bytes": "memory/predicted_peak_bytes",
-            "grad_norm": "train/grad_norm", "skipped": "train/skipped"}
+            "grad_norm": "train/grad_norm", "skipped": "train/skipped",
+            "rss_bytes": "memory/rss_growth_bytes"}
 
 
 # -- the telemetry of one rank -------------------------------------------------------------
@@ -257,7 +361,8 @@ class Telemetry:
                  device: torch.device, memory_baseline: int = 0,
                  jsonl_dir: str | Path | None = None, console: bool = True,
                  tensorboard_dir: str | Path | None = None, warn_ratio: float = 0.25,
-                 grad_norm: bool = True, wandb: dict[str, Any] | None = None) -> None:
+                 grad_norm: bool = True, wandb: dict[str, Any] | None = None,
+                 held: Callable[[], Iterable[torch.Tensor]] | None = None) -> None:
         if not warn_ratio > 0:
             raise ValueError(f"warn_ratio must be positive, got {warn_ratio!r}")
         self.plan, self.rank, self.stage = plan, rank, stage
@@ -267,7 +372,13 @@ class Telemetry:
         self._leads_stage = leads_stage
         self._meter = (_CudaMemory(device) if device.type == "cuda"
                        else _HostMemory(memory_baseline))
+        # On CPU, given what the rank holds, live tensors as the plan counts them (RSS
+        # beside them).
+        self._tensors = (_TensorMemory(held) if device.type != "cuda" and held is not None
+                         else None)
+        self._tensor_peak: tuple[int, int] | None = None   # (step, bytes)
         self._measure = ("cuda_max_allocated" if device.type == "cuda"
+                         else "live_tensor_bytes" if self._tensors is not None
                          else "host_peak_rss_growth")
         self._jsonl: TextIO | None = None
         if jsonl_dir is not None:
@@ -291,6 +402,8 @@ class Telemetry:
             self.end()
         self._meter.sync()
         self._meter.reset()
+        if self._tensors is not None and self._tensor_peak is None:
+            self._tensors.start()
         self._pending = {"step": step, "notes": {}, "start": time.perf_counter()}
 
     def measured(self, loss: torch.Tensor, grad_norm: torch.Tensor | None, *,
@@ -302,6 +415,8 @@ class Telemetry:
         self._meter.sync()
         self._pending.update(loss=loss, grad_norm=grad_norm, skipped=skipped,
                              fb_end=time.perf_counter(), fb_peak=self._meter.peak())
+        if self._tensors is not None and self._tensors.counting:
+            self._pending["fb_tensors"] = self._tensors.peak()
 
     def note(self, **fields: Any) -> None:
         """Add figures to the step under way's record (the launcher adds ``lr``)."""
@@ -312,6 +427,8 @@ class Telemetry:
         """The step is over: measure, write and return its record (None if none began
         or ``forward_backward`` did not return)."""
         pending, self._pending = self._pending, None
+        counted = (self._tensors.stop() if self._tensors is not None
+                   and self._tensors.counting else None)
         if pending is None or "loss" not in pending:
             return None
         self._meter.sync()
@@ -320,6 +437,9 @@ class Telemetry:
             memory = max(pending["fb_peak"], self._meter.peak())
         else:
             seconds, memory = pending["fb_end"] - pending["start"], pending["fb_peak"]
+            counted = pending.get("fb_tensors", counted)
+        if counted is not None:
+            self._tensor_peak = (pending["step"], counted)
         record = self._record(pending, seconds, memory, optimizer_stepped)
         self._publish(record)
         return record
@@ -331,6 +451,9 @@ class Telemetry:
         tokens = tokens_per_sample(plan)
         seconds = max(seconds, 1e-9)
         grad_norm = pending["grad_norm"]
+        rss, counted = None, self._tensor_peak
+        if counted is not None:   # live tensors are the memory, RSS beside them
+            rss, memory = memory, counted[1]
         return StepRecord(
             step=pending["step"], rank=self.rank, stage=self.stage,
             loss=float(pending["loss"]), step_time_s=seconds,
@@ -344,6 +467,7 @@ class Telemetry:
             predicted_memory_bytes=plan.stages[self.stage].memory_bytes.peak,
             memory_measure=self._measure,
             grad_norm=float(grad_norm) if grad_norm is not None else None,
+            memory_step=counted[0] if counted is not None else None, rss_bytes=rss,
             skipped=pending.get("skipped", False), notes=dict(pending["notes"]))
 
     # -- output ------------------------------------------------------------------------------
@@ -364,7 +488,9 @@ class Telemetry:
             self._wandb.log({**scalars, **{f"train/{k}": v for k, v in record.notes.items()
                                            if isinstance(v, (int, float))}},
                             step=record.step)
-        if record.step > WARMUP_STEPS:
+        # The first step this telemetry sees learns shapes, allocates the optimizer's
+        # state and, on CPU, counts live tensors (slower): its time is not judged.
+        if record.step > WARMUP_STEPS and len(self.records) > 1:
             self._warn(record)
 
     def _warn(self, record: StepRecord) -> None:
@@ -403,6 +529,8 @@ class Telemetry:
         """End a step still open, then close the files."""
         if self._pending is not None:
             self.end()
+        if self._tensors is not None:
+            self._tensors.stop()
         if self._jsonl is not None:
             self._jsonl.close()
             self._jsonl = None

@@ -246,3 +246,35 @@ def test_wandb_logs_rank_0s_scalars_and_is_refused_clearly_when_absent(plan, mon
     with pytest.raises(PartcError, match="needs the wandb package: pip install wandb"):
         tm.Telemetry(plan, rank=1, stage=0, leads_stage=True, device=torch.device("cpu"),
                      wandb={"project": "p"})
+
+
+def test_on_cpu_memory_is_live_tensors_as_the_plan_counts_them(plan, monkeypatch, capsys):
+    # A linear layer, its gradient and Adam's state: held from step to step (the
+    # parameters before the first step, the rest made during it), and the step's own
+    # activations while they live. RSS is reported beside it.
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(256, 256)
+    optimizer = torch.optim.Adam(layer.parameters())
+    held = lambda: list(layer.parameters()) + [p.grad for p in layer.parameters()  # noqa: E731
+                                               if p.grad is not None]
+    telemetry = tm.Telemetry(plan, rank=0, stage=1, leads_stage=True,
+                             device=torch.device("cpu"), held=held)
+    params = sum(p.numel() * 4 for p in layer.parameters())
+    x = torch.randn(64, 256)
+    for step in (1, 2):
+        telemetry.begin(step)
+        layer(x).square().sum().backward()
+        telemetry.measured(torch.tensor(1.0), None)
+        optimizer.step()
+        optimizer.zero_grad()
+        record = telemetry.end(optimizer_stepped=True)
+    first, second = telemetry.records
+    assert first.memory_measure == "live_tensor_bytes" and first.memory_step == 1
+    # Parameters, gradients, Adam's two moments: 4 x the parameters, and at least the
+    # 64 x 256 output and its square while backward runs; far less than a megabyte more.
+    assert 4 * params + 2 * 64 * 256 * 4 <= first.memory_bytes <= 4 * params + 2**20
+    assert second.memory_bytes == first.memory_bytes and second.memory_step == 1
+    assert record.rss_bytes is not None
+    assert not telemetry._tensors.counting   # counted one step only
+    telemetry.close()
+    assert "tensors at step 1" in capsys.readouterr().out.splitlines()[-1]
