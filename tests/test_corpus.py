@@ -6,6 +6,7 @@ tests/runtime/launcher_worker.py.)"""
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import types
 from dataclasses import replace
@@ -187,6 +188,10 @@ class _Module:
     def forward_backward(self, inputs, target):
         self.seen.append(inputs)
         return torch.tensor(1.0)
+
+    @contextlib.contextmanager
+    def watch_data(self, step: int):
+        yield
 
 
 class _Optimizer:

@@ -57,6 +57,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterable, TextIO
 
 import torch
+from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 from torch.utils.weak import WeakIdKeyDictionary
@@ -254,12 +255,20 @@ class _LiveTensors(TorchDispatchMode):
 
 
 def held_bytes(tensors) -> int:
-    """The bytes of ``tensors``' storages, each storage once."""
+    """The bytes of ``tensors``' storages, each storage once. A sharded parameter
+    (FSDP's DTensor, ZeRO-2/3) counts its local shard; a tensor subclass with no storage
+    of its own is skipped."""
     seen: dict[int, int] = {}
     for tensor in tensors:
-        if isinstance(tensor, torch.Tensor) and tensor.device.type != "meta":
+        if isinstance(tensor, DTensor):
+            tensor = tensor.to_local()
+        if not isinstance(tensor, torch.Tensor) or tensor.device.type == "meta":
+            continue
+        try:
             storage = tensor.untyped_storage()
             seen[storage.data_ptr()] = storage.nbytes()
+        except RuntimeError:   # "invalid python storage": a wrapper without one
+            continue
     return sum(seen.values())
 
 

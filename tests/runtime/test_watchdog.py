@@ -19,6 +19,7 @@ import pytest
 
 from partc.cli import launcher
 from partc.cli.config import TrainConfig
+from partc.errors import FactoryError
 from partc.runtime.module import DistributedModule
 from partc.runtime.step_monitor import StepMonitor
 from partc.runtime.watchdog import (DATA, EXIT_CODE, IDLE, SAVE, Beat, Seen, Watchdog,
@@ -228,7 +229,7 @@ def test_partc_trains_data_call_stuck_on_one_rank_is_named_on_every_rank():
     try:
         for dog in dogs:
             dog.start()
-        with pytest.raises(RuntimeError, match="the loader gave up"):
+        with pytest.raises(FactoryError, match="the loader gave up"):
             launcher.train(_Rank(dogs[1]), SimpleNamespace(param_groups=[]),
                            {"data": data}, TrainConfig(target="m.py:f", steps=2))
     finally:
