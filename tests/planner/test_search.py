@@ -214,7 +214,10 @@ def _check_schedule_choice(prob, result, plan) -> None:
     assert plan.predicted.step_time_s == pytest.approx(fastest / PS_PER_S, rel=1e-9)
 
 
-@pytest.mark.parametrize("seed, scale", [(0, 1), (1, 1), (2, 1), (3, 1), (4, 2**16)])
+# Two seeds (one at real models' sizes) in the default profile; -m slow draws more.
+@pytest.mark.parametrize("seed, scale", [(0, 1), pytest.param(1, 1, marks=pytest.mark.slow),
+                                         (2, 1), pytest.param(3, 1, marks=pytest.mark.slow),
+                                         (4, 2**16)])
 def test_plan_equals_brute_force(seed, scale):
     """63 random instances each of <= 6 layers x <= 3 stages, recompute and memory
     limits; at scale 2^16 the sizes are those of real models (GB), where byte-sized
@@ -239,7 +242,7 @@ def _matches_oracle(prob) -> bool:
     return True
 
 
-@pytest.mark.parametrize("seed", [0, 1])
+@pytest.mark.parametrize("seed", [0, pytest.param(1, marks=pytest.mark.slow)])
 def test_interleaved_plan_equals_brute_force(seed):
     """Interleaved 1F1B pinned: 5-7 layers on 2 ranks of 2-3 runs each, against every
     split into runs and every recompute mode."""
@@ -369,7 +372,7 @@ def _memory_slack_in_units(prob, oracle) -> float:
     return min(s.limit - s.memory.peak for s in stages) / memory_unit(table)
 
 
-@pytest.mark.parametrize("seed", [0, 1])
+@pytest.mark.parametrize("seed", [0, pytest.param(1, marks=pytest.mark.slow)])
 def test_repeated_blocks_plan_equals_brute_force(seed):
     """Models of equal blocks (the planner counts them per segment instead of placing
     each): its plan equals the per-layer brute-force optimum, with blocks broken by a

@@ -322,6 +322,10 @@ CASES["llama-dp2-tp2-sp-zero1-vocab-bf16"] = Case(
     lambda: models.llama(vocab=_VOCAB), "tokens", models.causal_lm_loss,
     dict(pp=1, dp=2, tp=2, sequence_parallel=True, tp_objective="memory",
          recompute="none", zero_stage=1), **_BF16)
+# tp=2 with sequence parallelism and the vocab-parallel loss in bf16, on 2 processes.
+CASES["llama-tp2-sp-vocab-bf16"] = Case(
+    lambda: models.llama(vocab=_VOCAB), "tokens", models.causal_lm_loss,
+    dict(pp=1, dp=1, tp=2, sequence_parallel=True, recompute="none"), **_BF16)
 CASES["bert-dp2"] = Case(lambda: models.bert(dropout=0.0), "hidden", _hidden_mse,
                         dict(pp=1, dp=2, tp=1))  # the pooler gets no gradient
 CASES["gpt-tp2-sp-recompute"] = Case(gpt.gpt_tiny, "tokens", gpt.loss_fn,
