@@ -22,6 +22,7 @@ import torch
 
 from partc.calibrate.calibration import calibrate
 from partc.calibrate.calibration_options import CalibrationError, CalibrationOptions
+from partc.calibrate.machine import device_name
 from partc.calibrate.profile_writer import write_profile
 
 WAIT_S = 3600.0   # how long a rank waits for local rank 0's calibration
@@ -34,19 +35,9 @@ def profiles_dir() -> Path:
     return Path(root) / "profiles"
 
 
-def _processor() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
 def profile_path(processes: int) -> Path:
     """The kept profile of this machine's CPU for ``processes`` ranks."""
-    machine = "|".join((platform.node(), _processor(), str(os.cpu_count()),
+    machine = "|".join((platform.node(), device_name("cpu"), str(os.cpu_count()),
                         torch.__version__, str(processes)))
     digest = hashlib.sha256(machine.encode()).hexdigest()[:16]
     return profiles_dir() / f"cpu-{processes}p-{digest}.json"
