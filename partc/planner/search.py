@@ -368,8 +368,51 @@ def _no_config_message(problem: PlanningProblem) -> str:
             f"micro-batch sizes {list(train.micro_batch_sizes)}, pins pp={pins.pp} "
             f"dp={pins.dp} microbatches={pins.num_microbatches} "
             f"micro_batch_size={pins.micro_batch_size}, {problem.num_layers} layers. "
-            f"pp must divide the device count and be at most the number of layers, and "
-            f"dp x micro-batch size x microbatches must equal the global batch.")
+            + (" ".join(_why_no_config(problem)) or
+               "pp must divide the device count and be at most the number of layers, and "
+               "dp x micro-batch size x microbatches must equal the global batch."))
+
+
+def _why_no_config(problem: PlanningProblem) -> list[str]:
+    """What rules every configuration out, where it is a pin other than the mesh's and
+    the batch's: a tensor-parallel layout no measured variant has, or a schedule that
+    cannot run any mesh and batch split the other pins leave."""
+    pins = problem.pins
+    if not tp_choices(problem):
+        measured = ", ".join(sorted({
+            f"tp={o.tp} {'with' if o.sequence_parallel else 'without'} sequence parallelism"
+            for o in problem.model.tensor_parallel})) or "none"
+        return [f"No measured tensor-parallel layout matches the pins tp={pins.tp}, "
+                f"sequence_parallel={pins.sequence_parallel}, tp_objective="
+                f"{pins.tp_objective} (measured for this model: {measured})."]
+    if pins.schedule is None:
+        return []
+    free = candidate_configs(dataclasses.replace(
+        problem, pins=dataclasses.replace(pins, schedule=None)))
+    reasons: set[str] = set()
+    for config in free:
+        zero = effective_zero_stage(config.zero_stage, config.dp)
+        feature = feature_refusal(pins.schedule, zero, problem.train.compiled)
+        if feature is not None:
+            reasons.add(feature)
+            continue
+        counts = schedule_info(pins.schedule).virtual_stages or range(2, MAX_CHUNKS + 1)
+        if tuple(counts) != (1,) and (config.pp == 1 or pins.stages is not None):
+            reasons.add(f"{pins.schedule} runs several virtual stages per rank: it needs "
+                        f"more than one pipeline stage and the stages not pinned")
+            continue
+        for v in counts:
+            refused = refusal(pins.schedule, config.pp, v, config.num_microbatches)
+            if refused is None and config.pp * v > problem.num_layers:
+                refused = (f"{pins.schedule} with {v} virtual stages per rank over "
+                           f"pp={config.pp} needs {config.pp * v} layers or more")
+            if refused is not None:
+                reasons.add(refused)
+    if not reasons:
+        return []
+    shown = sorted(reasons)
+    return [f"The pinned schedule runs on none of the meshes and batch splits the other "
+            f"pins leave: {'; '.join(shown[:3])}" + (" ..." if len(shown) > 3 else "") + "."]
 
 
 _STATUS = {cp_model.OPTIMAL: "OPTIMAL", cp_model.FEASIBLE: "FEASIBLE",

@@ -458,3 +458,21 @@ def test_an_interleaved_split_is_recut_into_balanced_runs_when_they_play_faster(
     assert step == simulated_step_ps(table.config, even)[0]
     assert step < simulated_step_ps(table.config, evaluation)[0]
     assert balanced_runs(prob, recut) == (recut, step)   # balanced already: kept
+
+
+def test_a_schedule_no_mesh_can_run_is_refused_with_its_reason():
+    # DualPipeV runs a microbatch per virtual stage: 2 ranks of 2 need 4, the batch gives 2.
+    layers = [layer(f"l{i}") for i in range(4)]
+    prob = problem(layers, [0.0] * 3, devices(2, 10**9), batch=2, micro_batch_sizes=(1,),
+                   pins=Pins(pp=2, schedule="dualpipev"))
+    with pytest.raises(PlanInfeasibleError, match="needs at least 4 microbatches"):
+        solve(prob)
+
+
+def test_a_sequence_parallel_pin_no_variant_has_is_refused_naming_what_was_measured():
+    prob = problem([layer("a"), layer("b")], [0.0], devices(2, 10**9),
+                   pins=Pins(tp=2, sequence_parallel=True))
+    with pytest.raises(PlanInfeasibleError,
+                       match=r"No measured tensor-parallel layout .* \(measured for this "
+                             r"model: none\)"):
+        solve(prob)
