@@ -58,8 +58,63 @@ def test_solver_line_says_how_the_plan_was_found():
     assert "- search: 593 configurations" in markdown and "```\nstage 0 |" in markdown
 
 
-import re
-from pathlib import Path
+def test_the_tensor_parallel_layout_is_named_for_what_the_layers_run():
+    # The flag alone does not name the layout: a plan whose layers reduce-scatter partial
+    # sums runs sequence parallelism whatever sequence_parallel says, and the report says
+    # so, naming the layers; plain tensor parallelism (all-reduces) is named as such.
+    plan = Plan.from_json((Path(__file__).parent / "data" / "plan_v2_tp2_sp.json").read_text())
+    section = plan.tensor_parallel
+
+    def tp_line(section) -> str:
+        text = render(dataclasses.replace(plan, tensor_parallel=section))
+        return next(line for line in text.splitlines() if line.startswith("tp=2 "))
+
+    assert "sequence parallelism on (the hidden states between layers on sequence shards" \
+        in tp_line(section)
+    off = dataclasses.replace(section, sequence_parallel=False)
+    assert "sequence parallelism off in name only: tok_emb .. blocks.1 (4) reduce-scatter " \
+           "partial sums" in tp_line(off)
+    all_reduced = {layer: tuple(TPCollective(kind="all_reduce", phase=move.phase,
+                                             nbytes=move.nbytes)
+                                for move in moves if move.kind == "reduce_scatter")
+                   for layer, moves in section.collectives.items()}
+    plain = tp_line(dataclasses.replace(off, collectives=all_reduced, partial_grad_params=()))
+    assert "sequence parallelism off: Megatron's plain tensor parallelism (each row-parallel " \
+           "output all-reduced; norms, residuals and dropout whole on every rank)" in plain
+    assert "in name only" not in plain and "sequence shards" not in plain
+
+
+HOSTILE = "<img src=x onerror=alert(1)>|[link](http://x)\nimport os"
+
+
+def _hostile_plan():
+    """A plan whose model and layer names carry HTML, Markdown and a newline."""
+    layers = [layer(f"{HOSTILE}{i}", params=0) for i in range(4)]
+    plan = plan_problem(problem(layers, [0.0] * 3, devices(2, 10**9), batch=2,
+                                micro_batch_sizes=(1,), pins=Pins(pp=2)))
+    return dataclasses.replace(plan, model=dataclasses.replace(plan.model, name=HOSTILE))
+
+
+def test_markdown_report_shows_names_literally():
+    markdown = render(_hostile_plan(), "markdown")
+    assert not re.search(r"(?<!\\)<img", markdown)   # raw HTML only behind a backslash
+    assert "\\<img src=x onerror=alert(1)>" in markdown
+    assert "\\[link\\](http://x)" in markdown and "\nimport os" not in markdown
+    assert "\\\\nimport os" in markdown   # renders as the two characters \n
+    # every table row keeps its columns: a name's "|" is escaped, not a cell border
+    for table in ("| stage | layers |",):
+        header = next(line for line in markdown.splitlines() if line.startswith(table))
+        rows = [line for line in markdown.splitlines()
+                if line.startswith("| 0 |") or line.startswith("| 1 |")]
+        columns = header.count(" | ")
+        assert rows and all(row.replace("\\|", "").count(" | ") == columns for row in rows)
+    text = render(_hostile_plan())
+    assert "\nimport os" not in text and "\\nimport os" in text
+
+
+def test_html_report_escapes_names():
+    page = render(_hostile_plan(), "html")
+    assert "<img" not in page and "&lt;img src=x onerror=alert(1)&gt;" in page
 
 
 def _dp_plan(zero_stage: int, pp: int = 1, schedule: str | None = None):
