@@ -38,6 +38,8 @@ def launch(nproc: int, cases: list[str], out: Path, *, worker: Path = WORKER,
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
                f"--nproc-per-node={nproc}", str(worker), str(out), *cases]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PARTC_TIMEOUT_S": "120", **(env or {})}
+    if "PARTC_TEST_LAUNCH_CACHE" in os.environ and "PARTC_CACHE_DIR" not in env:
+        env["PARTC_CACHE_DIR"] = os.environ["PARTC_TEST_LAUNCH_CACHE"]  # tests/conftest.py
     done = subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=env)
     files = [out / f"rank{r}.json" for r in range(nproc)]
     if done.returncode != 0 or not all(f.exists() for f in files):
