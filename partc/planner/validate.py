@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import math
 
+from partc.cost.cp_attention import all_to_all_fits, context_parallel_refusal
 from partc.cost.evaluate import Evaluation, evaluate, simulated_step_ps
 from partc.cost.pipeline_config import PS_PER_S, PipelineConfig
 from partc.cost.schedules import feature_refusal, refusal
 from partc.cost.tables import build_cost_table
 from partc.errors import PlanValidationError
+from partc.names import CpKind
 from partc.plan import Plan
 from partc.planner.data_parallel import data_parallel_section
 from partc.planner.expert_parallel import expert_parallel_section
@@ -39,6 +41,7 @@ def _structure(problem: PlanningProblem, plan: Plan, errors: list[str]) -> None:
             errors.append("parameter placements differ from the measured sharding")
     if mesh.size != problem.devices.num_devices:
         errors.append(f"mesh {mesh} does not use {problem.devices.num_devices} devices")
+    _context_parallel(problem, plan, errors)
     if len(plan.stages) != mesh.pp:
         errors.append(f"{len(plan.stages)} stages for pp={mesh.pp}")
     if [s.index for s in plan.stages] != list(range(len(plan.stages))):
@@ -58,6 +61,26 @@ def _structure(problem: PlanningProblem, plan: Plan, errors: list[str]) -> None:
         errors.append(f"unknown schedule {plan.schedule!r}")
     else:
         _placement(plan, errors)
+
+
+def _context_parallel(problem: PlanningProblem, plan: Plan, errors: list[str]) -> None:
+    """Context parallelism runs on this model: its sequence splits into 2 x cp chunks,
+    nothing outside attention reads along it, and all-to-all's heads divide by cp."""
+    if plan.cp == 1:
+        return
+    why = context_parallel_refusal(problem, plan.cp)
+    if why is not None:
+        errors.append(f"cp={plan.cp}: {why}")
+    if plan.cp_kind == CpKind.ALL_TO_ALL:
+        local = problem.variant(plan.tp, plan.sequence_parallel, plan.tp_objective) \
+            if plan.tp > 1 else problem
+        for layer in local.layers:
+            if layer.attention is not None and not all_to_all_fits(layer.attention, plan.cp):
+                errors.append(f"cp={plan.cp} all-to-all: layer {layer.name} has "
+                              f"{layer.attention.heads} heads and {layer.attention.kv_heads} "
+                              f"key/value heads per tensor-parallel rank, not both "
+                              f"divisible by cp")
+                return
 
 
 def _placement(plan: Plan, errors: list[str]) -> None:
@@ -97,6 +120,7 @@ def _modes(problem: PlanningProblem, plan: Plan, errors: list[str]) -> None:
 def _pins(problem: PlanningProblem, plan: Plan, errors: list[str]) -> None:
     pins = problem.pins
     checks = {"pp": (pins.pp, plan.pp), "dp": (pins.dp, plan.dp), "tp": (pins.tp, plan.tp),
+              "cp": (pins.cp, plan.cp), "cp_kind": (pins.cp_kind, plan.cp_kind),
               "num_microbatches": (pins.num_microbatches, plan.num_microbatches),
               "micro_batch_size": (pins.micro_batch_size, plan.micro_batch_size),
               "schedule": (pins.schedule, plan.schedule),
@@ -116,7 +140,8 @@ def _pins(problem: PlanningProblem, plan: Plan, errors: list[str]) -> None:
 
 
 def _costs(problem: PlanningProblem, plan: Plan, errors: list[str]) -> Evaluation | None:
-    config = PipelineConfig(pp=plan.pp, dp=plan.dp, micro_batch_size=plan.micro_batch_size,
+    config = PipelineConfig(pp=plan.pp, dp=plan.dp, cp=plan.cp, cp_kind=plan.cp_kind,
+                            micro_batch_size=plan.micro_batch_size,
                             num_microbatches=plan.num_microbatches, schedule=plan.schedule,
                             tp=plan.tp, sequence_parallel=plan.sequence_parallel,
                             tp_objective=plan.tp_objective, zero_stage=plan.zero_stage,
@@ -230,7 +255,7 @@ def field_conflicts(plan: Plan) -> list[tuple[str, str]]:
     model (:func:`partc.program.read_plan_file`)."""
     found: list[tuple[str, str]] = []
     mesh = plan.mesh
-    for axis in ("pp", "dp", "tp", "ep"):
+    for axis in ("pp", "dp", "cp", "tp", "ep"):
         if getattr(mesh, axis) < 1:
             found.append((f"mesh.{axis}", f"{getattr(mesh, axis)}: a mesh axis is at least 1"))
     if mesh.size != plan.budget.num_devices:
@@ -252,6 +277,7 @@ def field_conflicts(plan: Plan) -> list[tuple[str, str]]:
                       f"{plan.train.global_batch_size}, but dp x micro_batch_size x "
                       f"num_microbatches = {plan.global_batch_size}"))
     found += _stage_conflicts(plan)
+    found += cp_conflicts(plan)
     section = plan.tensor_parallel
     if (section.degree if section is not None else 1) != mesh.tp:
         found.append(("tensor_parallel", f"degree {section.degree if section else 1} "
@@ -261,6 +287,24 @@ def field_conflicts(plan: Plan) -> list[tuple[str, str]]:
         found.append(("expert_parallel", f"ep {experts.ep if experts else 1} (none "
                                          f"written: 1), mesh.ep={mesh.ep}"))
     return found
+
+
+def cp_conflicts(plan: Plan) -> list[tuple[str, str]]:
+    """Context parallelism's fields against each other and the model's sequence: a kind
+    exactly when cp > 1, and a sequence that splits into ``2 * cp`` equal chunks (the
+    load-balanced causal split gives rank ``i`` chunks ``i`` and ``2cp-1-i``)."""
+    mesh = plan.mesh
+    if mesh.cp > 1 and mesh.cp_kind is None:
+        return [("mesh.cp_kind", f"none with mesh.cp={mesh.cp}: one of "
+                                 f"{[kind.value for kind in CpKind]}")]
+    if mesh.cp == 1 and mesh.cp_kind is not None:
+        return [("mesh.cp_kind", f"{mesh.cp_kind} with mesh.cp=1: no context parallelism "
+                                 "to run (write none)")]
+    sequence = plan.model.sequence_length
+    if mesh.cp > 1 and sequence is not None and sequence % (2 * mesh.cp):
+        return [("mesh.cp", f"{mesh.cp}: the sequence of {sequence} tokens does not split "
+                            f"into 2 x cp = {2 * mesh.cp} equal chunks")]
+    return []
 
 
 def _stage_conflicts(plan: Plan) -> list[tuple[str, str]]:
