@@ -63,3 +63,9 @@ class Lowering:
     # (None: dropless); with either, the experts run as ``partc.runtime.experts``.
     ep: int = 1
     capacity_factor: float | None = None
+    # Context parallelism: the sequence split over ``cp`` ranks, the attention run as
+    # ``cp_kind`` ("ring" or "all-to-all"); ``attention_masks``: each attention call's
+    # mask as read at the whole sequence's length (``pipeline.lower`` fills it).
+    cp: int = 1
+    cp_kind: str = "ring"
+    attention_masks: tuple = ()

@@ -336,6 +336,16 @@ class _NotConstant(Exception):
     pass
 
 
+def constant_value(node: fx.Node) -> torch.Tensor | None:
+    """``node``'s value computed on CPU when it depends on shapes only (a mask made
+    from ``arange`` and the sizes), else None."""
+    try:
+        value = _evaluate(node, {})
+    except _NotConstant:
+        return None
+    return value if isinstance(value, torch.Tensor) else None
+
+
 # Methods and ops whose tensor argument gives only a dtype and device, not values.
 _LIKE = ("new_ones", "new_zeros", "new_full", "new_empty")
 
