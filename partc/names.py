@@ -59,6 +59,17 @@ class Outcome(Name):
         return cls.WORK_LIMIT if value == "time limit" else None
 
 
+class CpKind(Name):
+    """How context-parallel attention exchanges the sequence shards of a cp group: a
+    ring passing key/value blocks from rank to rank, each step beside the attention of
+    the block it holds (any head count), or all-to-alls re-sharding queries, keys,
+    values and output from the sequence to the heads around the attention core
+    (DeepSpeed-Ulysses: the heads and key/value heads must divide by cp x tp)."""
+
+    RING = "ring"
+    ALL_TO_ALL = "all-to-all"
+
+
 class Phase(Name):
     """Where in a microbatch's pass an operation runs: its forward or its backward (a
     tensor-parallel collective, a pipeline operation), or one of the two parts of a

@@ -4,7 +4,7 @@ A Plan names layers, never fx nodes, so it can be saved, diffed, reviewed and lo
 again without tracing the model. Each section is a frozen dataclass; each decision is
 stored once, and what follows from decisions is a property computed in one place:
 
-- ``mesh`` (:class:`Mesh`): pp, dp, tp; ``zero_stage`` as chosen, and
+- ``mesh`` (:class:`Mesh`): pp, dp, cp (and its kind), tp; ``zero_stage`` as chosen, and
   :attr:`Plan.effective_zero_stage`, the one that runs (0 with one replica);
   :attr:`Plan.global_batch_size`, microbatches x their size x replicas;
   ``zero2_grad_sync``, when ZeRO-2 reduce-scatters gradients ("microbatch" or "step",
@@ -46,7 +46,7 @@ from partc.cost.schedules import SCHEDULE_TABLE, stages_of_rank
 from partc.device.budget import DEFAULT_DISK_BANDWIDTH, DEFAULT_STORAGE_BANDWIDTH
 from partc.device.figures import FIGURE_NAMES, DeviceFigures
 from partc.errors import PlanSchemaError
-from partc.names import Outcome, Phase, Recompute, Schedule
+from partc.names import CpKind, Outcome, Phase, Recompute, Schedule
 from partc.placement import REPLICATE, Placement
 from partc.problem import effective_zero_stage, reduces_once_per_step
 from partc.spec import TrainSpec
@@ -72,7 +72,12 @@ def _read(cls: type, data: Mapping[str, Any], where: str, **converted: Any) -> A
 
 @dataclass(frozen=True, kw_only=True)
 class Mesh:
-    """Devices as a (pp, dp, tp) grid; ranks are ordered with tp innermost. ``ep``: the
+    """Devices as a (pp, dp, cp, tp) grid; ranks are ordered with tp innermost, cp next
+    (Megatron-Core's order; :mod:`partc.rank_grid` gives each rank's coordinates and
+    groups). ``cp``: the context-parallel degree, each sequence split over ``cp`` ranks
+    that also reduce gradients with the dp replicas; ``cp_kind``: how their attention
+    exchanges the shards (:class:`~partc.names.CpKind`), ``None`` when cp = 1. Both are
+    written only when set (plans without them read as cp = 1). ``ep``: the
     expert-parallel degree of mixture-of-experts layers, folded over each stage's dp x tp
     ranks (groups of ``ep`` consecutive ranks; see :class:`ExpertParallelPlan`); 1
     without expert parallelism, and then not written (plans without it read as before)."""
@@ -81,10 +86,12 @@ class Mesh:
     dp: int
     tp: int = 1
     ep: int = field(default=1, metadata=UNLESS_DEFAULT)
+    cp: int = field(default=1, metadata=UNLESS_DEFAULT)
+    cp_kind: CpKind | None = field(default=None, metadata=UNLESS_DEFAULT)
 
     @property
     def size(self) -> int:
-        return self.pp * self.dp * self.tp
+        return self.pp * self.dp * self.cp * self.tp
 
     @property
     def expert_dp(self) -> int:
@@ -93,7 +100,8 @@ class Mesh:
         return self.dp * self.tp // self.ep
 
     def __str__(self) -> str:
-        return f"pp={self.pp} dp={self.dp} tp={self.tp}" + (
+        cp = f" cp={self.cp} ({self.cp_kind})" if self.cp != 1 else ""
+        return f"pp={self.pp} dp={self.dp}{cp} tp={self.tp}" + (
             f" ep={self.ep}" if self.ep != 1 else "")
 
 
@@ -355,6 +363,13 @@ class ModelInfo:
     # sample, made by the runtime (``partc.runtime.label_weights``). None: loss_fn's.
     own_loss: str | None = field(default=None, metadata=UNLESS_DEFAULT)
 
+    @property
+    def sequence_length(self) -> int | None:
+        """Tokens per sample: the first input's leading dimension (after the batch);
+        None where no input was recorded or the first has no such dimension."""
+        given = [spec for spec in self.inputs if spec.name != "target"]
+        return given[0].shape[0] if given and given[0].shape else None
+
     def meta_batch(self, batch: int) -> tuple[tuple, dict[str, torch.Tensor], Any]:
         """Meta tensors of the recorded inputs for a batch of ``batch`` rows, as the
         model is traced: (positional, by keyword, the target or None)."""
@@ -477,7 +492,7 @@ class ScheduleOption:
 
 @dataclass(frozen=True, kw_only=True)
 class MeshOutcome:
-    """One (pp, dp, tp) factorisation the planner weighed: its fastest configuration
+    """One (pp, dp, cp, tp) factorisation the planner weighed: its fastest configuration
     and step time, or why it has none (``outcome``: "solved", "pruned", "work limit",
     "infeasible")."""
 
@@ -501,10 +516,14 @@ class MeshOutcome:
     ep: int | None = field(default=None, metadata=UNLESS_DEFAULT)
     # "step" where its best configuration's ZeRO-2 reduces once per step
     zero2_grad_sync: str | None = field(default=None, metadata=UNLESS_DEFAULT)
+    # The context-parallel degree (1: none, not written) and its best configuration's kind
+    cp: int = field(default=1, metadata=UNLESS_DEFAULT)
+    cp_kind: CpKind | None = field(default=None, metadata=UNLESS_DEFAULT)
 
     @property
     def mesh(self) -> Mesh:
-        return Mesh(pp=self.pp, dp=self.dp, tp=self.tp, ep=self.ep or 1)
+        return Mesh(pp=self.pp, dp=self.dp, tp=self.tp, ep=self.ep or 1, cp=self.cp,
+                    cp_kind=self.cp_kind)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -554,6 +573,14 @@ class Plan:
     @property
     def tp(self) -> int:
         return self.mesh.tp
+
+    @property
+    def cp(self) -> int:
+        return self.mesh.cp
+
+    @property
+    def cp_kind(self) -> CpKind | None:
+        return self.mesh.cp_kind
 
     @property
     def effective_zero_stage(self) -> int:

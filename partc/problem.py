@@ -544,6 +544,8 @@ class Pins:
     zero_stage: int | None = None
     zero2_grad_sync: str | None = None   # one of ZERO2_GRAD_SYNCS
     ep: int | None = None   # expert-parallel degree of mixture-of-experts layers
+    cp: int | None = None   # context-parallel degree (sequence shards)
+    cp_kind: str | None = None   # one of partc.cli.choices.CP_KINDS
 
 
 @dataclass(frozen=True, kw_only=True)

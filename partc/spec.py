@@ -11,7 +11,7 @@ from typing import Any, Mapping
 
 import torch
 
-from partc.cli.choices import (ATTENTION, ON_NONFINITE, OPTIMIZER_STATE_BYTES, SCHEDULES,
+from partc.cli.choices import (ATTENTION, CP_KINDS, ON_NONFINITE, OPTIMIZER_STATE_BYTES, SCHEDULES,
                                TP_OBJECTIVES)
 from partc.codec import UNLESS_DEFAULT
 from partc.cost.schedules import refusal
@@ -236,6 +236,12 @@ class Constraints:
     sharded gradients, one reduce-scatter per microbatch) or once per step (``"step"``:
     a whole fp32 gradient accumulated over the microbatches, one reduce-scatter);
     with one microbatch, or another ZeRO stage, it changes nothing.
+    ``cp`` pins the context-parallel degree: each sequence is split over ``cp`` ranks
+    (load-balanced for causal masks: rank ``i`` holds chunks ``i`` and ``2cp-1-i`` of
+    ``2cp``), which also reduce gradients together with the data-parallel replicas
+    (the mesh is pp x dp x cp x tp, tp innermost, as Megatron-Core places it);
+    ``cp_kind`` pins how attention exchanges the shards (:data:`CP_KINDS`: ``"ring"``
+    or ``"all-to-all"``), meaningful only with cp > 1.
 
     Pins that contradict each other whatever the model are a ValueError here; pins that
     cannot hold for a model, budget and batch raise ``PlanInfeasibleError`` naming the
@@ -256,10 +262,12 @@ class Constraints:
     zero_stage: int | None = None
     zero2_grad_sync: str | None = None
     ep: int | None = None
+    cp: int | None = None
+    cp_kind: str | None = None
     _recompute_map: dict[str, str] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        for name in ("pp", "dp", "tp", "num_microbatches", "micro_batch_size", "ep",
+        for name in ("pp", "dp", "tp", "cp", "num_microbatches", "micro_batch_size", "ep",
                      "virtual_stages"):
             if getattr(self, name) is not None:
                 _check_positive_int(f"Constraints.{name}", getattr(self, name), "None or ")
@@ -271,6 +279,14 @@ class Constraints:
                              f"got {self.tp_objective!r}")
         if self.sequence_parallel and self.tp == 1:
             raise ValueError("sequence parallelism needs tensor parallelism: tp=1 was pinned")
+        if self.cp_kind is not None and self.cp_kind not in CP_KINDS:
+            raise ValueError(f"Constraints.cp_kind must be None or one of {CP_KINDS} (how "
+                             f"context-parallel attention exchanges sequence shards), got "
+                             f"{self.cp_kind!r}")
+        if self.cp_kind is not None and self.cp == 1:
+            raise ValueError(f"Constraints.cp_kind={self.cp_kind!r} needs context "
+                             f"parallelism, but cp=1 was pinned: pin cp > 1, or drop "
+                             f"cp_kind")
         if self.zero_stage is not None and (isinstance(self.zero_stage, bool)
                                             or self.zero_stage not in ZERO_STAGES):
             raise ValueError(f"zero_stage must be 0 (plain data parallelism), 1 (optimizer "

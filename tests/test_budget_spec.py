@@ -97,6 +97,18 @@ def test_constraints_validate_pins():
         partc.Constraints(recompute="sometimes")
 
 
+def test_constraints_validate_context_parallel_pins():
+    assert partc.Constraints(cp=4, cp_kind="all-to-all").cp_kind == "all-to-all"
+    assert partc.Constraints(cp_kind="ring").cp is None   # the degree left to the planner
+    with pytest.raises(ValueError, match="Constraints.cp must be None or a positive int"):
+        partc.Constraints(cp=0)
+    with pytest.raises(ValueError, match=r"cp_kind must be None or one of \('ring', "
+                                         r"'all-to-all'\)"):
+        partc.Constraints(cp=2, cp_kind="ulysses")
+    with pytest.raises(ValueError, match="cp=1 was pinned: pin cp > 1, or drop cp_kind"):
+        partc.Constraints(cp=1, cp_kind="ring")
+
+
 def test_units_round_trip():
     assert parse_bytes("1.5GiB") == 3 * 2**29 and parse_bytes("40GB") == 40 * 10**9
     assert format_bytes(3 * 2**29) == "1.50 GiB"

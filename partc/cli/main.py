@@ -40,7 +40,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterator
 
 from partc.cli import hf_config
-from partc.cli.choices import (ATTENTION, DTYPE_NAMES, ON_NONFINITE, OPTIMIZER_STATE_BYTES,
+from partc.cli.choices import (ATTENTION, CP_KINDS, DTYPE_NAMES, ON_NONFINITE, OPTIMIZER_STATE_BYTES,
                                REPORT_FORMATS, SCHEDULES, TP_OBJECTIVES)
 from partc.cost.collectives import KINDS as COLLECTIVE_KINDS
 from partc.device.figures import FIGURES
@@ -58,6 +58,7 @@ PIN_FLAGS = {
     "num_microbatches": "--microbatches", "micro_batch_size": "--micro-batch",
     "schedule": "--schedule", "zero_stage": "--zero", "ep": "--ep",
     "virtual_stages": "--virtual-stages", "zero2_grad_sync": "--zero2-grad-sync",
+    "cp": "--cp", "cp_kind": "--cp-kind",
 }
 TRAIN_FLAGS = {
     "global_batch_size": "--global-batch", "micro_batch_size": "--micro-batch",
@@ -435,6 +436,11 @@ def _pin_arguments(group) -> None:
     group.add_argument("--dp", type=COUNT, metavar="N", help="data-parallel replicas")
     group.add_argument("--tp", type=COUNT, metavar="N",
                        help="tensor-parallel degree (divides a node)")
+    group.add_argument("--cp", type=COUNT, metavar="N",
+                       help="context-parallel degree: each sequence split over N ranks")
+    group.add_argument("--cp-kind", choices=CP_KINDS,
+                       help="how context-parallel attention exchanges sequence shards: a "
+                            "ring of key/value blocks, or all-to-alls to heads (Ulysses)")
     group.add_argument("--sequence-parallel", action=argparse.BooleanOptionalAction,
                        help="Megatron-style sequence parallelism on or off")
     group.add_argument("--tp-objective", choices=TP_OBJECTIVES,

@@ -36,18 +36,28 @@ def _check_mesh(pins: Pins, devices: DeviceNumbers) -> None:
     if pins.tp is not None and pins.tp > 1 and (node % pins.tp or n % pins.tp):
         raise _refuse("tp", f"tp={pins.tp} must divide the {node} devices of a node and "
                             f"the {n} devices (a tensor-parallel group stays inside a node)")
-    tp = pins.tp or 1
+    tp, cp = pins.tp or 1, pins.cp or 1
+    if pins.cp is not None and (n // tp) % cp:
+        within = f"the {n} devices" + (f" / tp={tp}" if tp > 1 else "")
+        raise _refuse("cp", f"cp={cp} does not divide {within}")
     for name in ("pp", "dp"):
         value = getattr(pins, name)
-        if value is not None and (n // tp) % value:
-            within = f"the {n} devices" + (f" / tp={tp}" if tp > 1 else "")
+        if value is not None and (n // (tp * cp)) % value:
+            within = f"the {n} devices" + (f" / tp={tp}" if tp > 1 else "") + (
+                f" / cp={cp}" if cp > 1 else "")
             raise _refuse(name, f"{name}={value} does not divide {within}")
     if pins.pp is not None and pins.dp is not None and pins.tp is not None \
-            and pins.pp * pins.dp * pins.tp != n:
+            and pins.cp is not None and pins.pp * pins.dp * pins.cp * pins.tp != n:
+        raise _refuse("pp x dp x cp x tp",
+                      f"pp={pins.pp} x dp={pins.dp} x cp={pins.cp} x tp={pins.tp} = "
+                      f"{pins.pp * pins.dp * pins.cp * pins.tp}, not the {n} devices")
+    if pins.pp is not None and pins.dp is not None and pins.tp is not None \
+            and pins.cp is None and pins.pp * pins.dp * pins.tp != n:
         raise _refuse("pp x dp x tp", f"pp={pins.pp} x dp={pins.dp} x tp={pins.tp} = "
                                       f"{pins.pp * pins.dp * pins.tp}, not the {n} devices")
-    if pins.pp is not None and pins.dp is not None and n % (pins.pp * pins.dp):
-        raise _refuse("pp x dp", f"pp={pins.pp} x dp={pins.dp} does not divide the {n} devices")
+    if pins.pp is not None and pins.dp is not None and n % (pins.pp * pins.dp * cp):
+        raise _refuse("pp x dp", f"pp={pins.pp} x dp={pins.dp}" + (
+            f" x cp={cp}" if cp > 1 else "") + f" does not divide the {n} devices")
 
 
 def _check_batch(pins: Pins, batch: int) -> None:

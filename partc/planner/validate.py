@@ -15,6 +15,7 @@ from partc.cost.pipeline_config import PS_PER_S, PipelineConfig
 from partc.cost.schedules import feature_refusal, refusal
 from partc.cost.tables import build_cost_table
 from partc.errors import PlanValidationError
+from partc.names import CpKind
 from partc.plan import Plan
 from partc.planner.data_parallel import data_parallel_section
 from partc.planner.expert_parallel import expert_parallel_section
@@ -97,6 +98,7 @@ def _modes(problem: PlanningProblem, plan: Plan, errors: list[str]) -> None:
 def _pins(problem: PlanningProblem, plan: Plan, errors: list[str]) -> None:
     pins = problem.pins
     checks = {"pp": (pins.pp, plan.pp), "dp": (pins.dp, plan.dp), "tp": (pins.tp, plan.tp),
+              "cp": (pins.cp, plan.cp), "cp_kind": (pins.cp_kind, plan.cp_kind),
               "num_microbatches": (pins.num_microbatches, plan.num_microbatches),
               "micro_batch_size": (pins.micro_batch_size, plan.micro_batch_size),
               "schedule": (pins.schedule, plan.schedule),
@@ -230,7 +232,7 @@ def field_conflicts(plan: Plan) -> list[tuple[str, str]]:
     model (:func:`partc.program.read_plan_file`)."""
     found: list[tuple[str, str]] = []
     mesh = plan.mesh
-    for axis in ("pp", "dp", "tp", "ep"):
+    for axis in ("pp", "dp", "cp", "tp", "ep"):
         if getattr(mesh, axis) < 1:
             found.append((f"mesh.{axis}", f"{getattr(mesh, axis)}: a mesh axis is at least 1"))
     if mesh.size != plan.budget.num_devices:
@@ -252,6 +254,7 @@ def field_conflicts(plan: Plan) -> list[tuple[str, str]]:
                       f"{plan.train.global_batch_size}, but dp x micro_batch_size x "
                       f"num_microbatches = {plan.global_batch_size}"))
     found += _stage_conflicts(plan)
+    found += cp_conflicts(plan)
     section = plan.tensor_parallel
     if (section.degree if section is not None else 1) != mesh.tp:
         found.append(("tensor_parallel", f"degree {section.degree if section else 1} "
@@ -261,6 +264,24 @@ def field_conflicts(plan: Plan) -> list[tuple[str, str]]:
         found.append(("expert_parallel", f"ep {experts.ep if experts else 1} (none "
                                          f"written: 1), mesh.ep={mesh.ep}"))
     return found
+
+
+def cp_conflicts(plan: Plan) -> list[tuple[str, str]]:
+    """Context parallelism's fields against each other and the model's sequence: a kind
+    exactly when cp > 1, and a sequence that splits into ``2 * cp`` equal chunks (the
+    load-balanced causal split gives rank ``i`` chunks ``i`` and ``2cp-1-i``)."""
+    mesh = plan.mesh
+    if mesh.cp > 1 and mesh.cp_kind is None:
+        return [("mesh.cp_kind", f"none with mesh.cp={mesh.cp}: one of "
+                                 f"{[kind.value for kind in CpKind]}")]
+    if mesh.cp == 1 and mesh.cp_kind is not None:
+        return [("mesh.cp_kind", f"{mesh.cp_kind} with mesh.cp=1: no context parallelism "
+                                 "to run (write none)")]
+    sequence = plan.model.sequence_length
+    if mesh.cp > 1 and sequence is not None and sequence % (2 * mesh.cp):
+        return [("mesh.cp", f"{mesh.cp}: the sequence of {sequence} tokens does not split "
+                            f"into 2 x cp = {2 * mesh.cp} equal chunks")]
+    return []
 
 
 def _stage_conflicts(plan: Plan) -> list[tuple[str, str]]:
