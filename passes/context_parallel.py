@@ -266,19 +266,26 @@ def _like(node: fx.Node, like: fx.Node) -> None:
 
 
 def _erase_unused(graph: fx.Graph, nodes: list[fx.Node]) -> None:
-    """Erase ``nodes``, then whatever only they read (a mask made from shapes)."""
-    pending = list(nodes)
-    while pending:
-        node = pending.pop(0)
-        if node.op in ("placeholder", "output", "get_attr") or node.graph is not graph:
-            continue
-        for user in [u for u in node.users if is_dtype_check(u)]:
-            graph.erase_node(user)
-        if node.users or (node not in nodes and node.is_impure()):
-            continue
-        inputs = node.all_input_nodes
-        graph.erase_node(node)
-        pending.extend(inputs)
+    """Erase ``nodes``, then whatever only they read (a mask made from shapes), until
+    nothing more goes."""
+    order = {node: i for i, node in enumerate(graph.nodes)}
+    candidates, first = set(nodes), set(nodes)
+    while candidates:
+        gone = set()
+        for node in sorted(candidates, key=order.__getitem__, reverse=True):
+            if node.op in ("placeholder", "output", "get_attr"):
+                continue
+            for user in [u for u in node.users if is_dtype_check(u)]:
+                graph.erase_node(user)
+            if node.users or (node not in first and node.is_impure()):
+                continue
+            gone |= set(node.all_input_nodes)
+            graph.erase_node(node)
+            gone.discard(node)
+        candidates = {n for n in gone if n.graph is graph and n in order and not n.users
+                      and n not in first}
+        order = {node: i for i, node in enumerate(graph.nodes)}
+        candidates = {n for n in candidates if n in order}
 
 
 def _relayer(gm: fx.GraphModule) -> None:
