@@ -5,7 +5,7 @@ load-balanced layout of ``partc.runtime.cp_layout``), so every op already has th
 shard's shapes; what reads across tokens must change:
 
 - each attention core (an SDPA call: the model's own, or written-out attention that
-  ``fuse_attention`` turned into one) becomes ``context_parallel.attention(cp, q, k, v,
+  ``fuse_attention`` turned into one under ``TrainSpec(attention="fused")``) becomes ``context_parallel.attention(cp, q, k, v,
   scale=..., mask=..., window=...)``: the ring or the all-to-all, as the plan's kind
   says. Its mask is read where it means what it means, on a trace at the whole
   sequence's length (:func:`attention_masks`): ``"none"``, ``"causal"`` or
@@ -232,9 +232,12 @@ def _refuse_sequence_ops(gm: fx.GraphModule, seq_local: int) -> None:
             continue
         dims = _reduced_dims(node, value.dim())
         if any(value.shape[d] == seq_local and d != 0 for d in dims):
+            fix = ("attention written out is split only once fused: train with "
+                   "TrainSpec(attention='fused'), or the model's SDPA attention"
+                   if "softmax" in op_name(node) else "plan it with cp=1")
             raise _refusal(node, f"{op_name(node)} reads along the sequence (dim of "
                            f"{seq_local} tokens, this rank's shard), which context "
-                           "parallelism splits; plan it with cp=1")
+                           f"parallelism splits; {fix}")
 
 
 def _reduced_dims(node: fx.Node, rank: int) -> list[int]:

@@ -118,8 +118,7 @@ def lowering_passes(lowering: Lowering) -> tuple[Pass, ...]:
         Pass("drop_assertions", drop_assertions),
         Pass("propagate", propagate),
         *((Pass("unpin_dtypes", unpin_dtypes),) if lowering.mixed else ()),
-        # Context parallelism replaces SDPA calls: written-out attention is fused first.
-        *_attention_passes("fused" if lowering.cp > 1 else lowering.attention),
+        *_attention_passes(lowering.attention),
         Pass("attention_softmax", attention_softmax),
         # Before tp_rewrite: a sequence-parallel all-gather after the norm moves bf16.
         *((Pass("norm_dtype", norm_dtype),) if lowering.mixed else ()),
@@ -435,7 +434,7 @@ def lower(model: nn.Module, example_inputs: tuple, lowering: Lowering, *,
     """
     if lowering.cp > 1:
         lowering = dataclasses.replace(lowering, attention_masks=_whole_length_masks(
-            model, example_inputs, kwargs=kwargs, loss_fn=loss_fn,
+            model, example_inputs, lowering.attention, kwargs=kwargs, loss_fn=loss_fn,
             example_target=example_target))
         example_inputs, kwargs, example_target = (
             sequence_shard(example_inputs, lowering.cp), sequence_shard(kwargs, lowering.cp),
@@ -452,14 +451,15 @@ def lower(model: nn.Module, example_inputs: tuple, lowering: Lowering, *,
                    holders=parameter_holders(stages, ctx.param_fqns))
 
 
-def _whole_length_masks(model: nn.Module, example_inputs: tuple, **trace_args: Any
-                        ) -> tuple:
+def _whole_length_masks(model: nn.Module, example_inputs: tuple, attention: str,
+                        **trace_args: Any) -> tuple:
     """Each attention call's mask, on a trace at the whole sequence's length (where a
-    sliding window longer than a shard still shows)."""
+    sliding window longer than a shard still shows), attention fused as lowering fuses
+    it (``attention``)."""
     gm, ctx = _trace(model, example_inputs, **trace_args)
-    for name, transform in (("drop_assertions", drop_assertions), ("propagate", propagate),
-                            ("fuse_attention", fuse_attention)):
-        gm = run_pass(Pass(name, transform), gm, ctx)
+    for graph_pass in (Pass("drop_assertions", drop_assertions),
+                       Pass("propagate", propagate), *_attention_passes(attention)):
+        gm = run_pass(graph_pass, gm, ctx)
     return named("context_parallel", lambda: attention_masks(gm))
 
 
