@@ -46,6 +46,7 @@ from partc import meta
 from partc.errors import ContextParallelError
 from partc.passes.context import Context
 from partc.passes.fuse_attention import constant_value
+from partc.passes.helpers.mask_rows import BLOCK_ELEMENTS, RowBlocks
 from partc.passes.helpers.graph import is_dtype_check, op_name
 from partc.runtime import context_parallel as cp_runtime
 from partc.runtime.context_parallel import ContextParallelGroup
@@ -91,23 +92,33 @@ def _mask_of(call: fx.Node) -> AttentionMask:
         raise _refusal(call, "its attention mask depends on the batch (padding, a "
                        "document mask): only masks made from the shapes (none, causal, a "
                        "sliding window) follow the sequence's shards")
-    keep = value if value.dtype == torch.bool else value == 0
-    keep = keep.reshape(-1, *keep.shape[-2:])
-    if not bool((keep == keep[0]).all()):
-        raise _refusal(call, "its attention mask differs between samples or heads")
-    return _kind_of(call, keep[0])
-
-
-def _kind_of(call: fx.Node, keep: torch.Tensor) -> AttentionMask:
-    seq = keep.shape[-1]
+    seq = value.shape[-1]
+    if value.shape[-2] != seq:
+        raise _refusal(call, "its attention mask is not square (queries and keys differ)")
+    # The last query row keeps the window (causal: every key); each block of rows is
+    # then checked against it, so the host holds a few rows, never (seq x seq).
+    last = _keeps(value, seq - 1, seq)[0, 0]
+    window = int(last.sum())
+    candidate = (AttentionMask(NONE) if bool(last.all()) and bool(_keeps(value, 0, 1).all())
+                 else AttentionMask(CAUSAL) if window >= seq else AttentionMask(SLIDING, window))
     every = torch.arange(seq)
-    if bool(keep.all()):
-        return AttentionMask(NONE)
-    window = int(keep.sum(-1).max())
-    candidate = AttentionMask(CAUSAL) if window >= seq else AttentionMask(SLIDING, window)
-    if keep.shape[0] != seq or not torch.equal(candidate.keeps(every, every), keep):
-        raise _refusal(call, "its attention mask is neither causal nor a sliding window")
+    step = max(1, BLOCK_ELEMENTS // max(1, value.shape.numel() // seq))
+    for start in range(0, seq, step):
+        stop = min(seq, start + step)
+        rows = _keeps(value, start, stop)
+        if not bool((rows == candidate.keeps(torch.arange(start, stop), every)).all()):
+            raise _refusal(call, "its attention mask is neither causal nor a sliding "
+                           "window, or differs between samples or heads")
     return candidate
+
+
+def _keeps(value: torch.Tensor | RowBlocks, start: int, stop: int) -> torch.Tensor:
+    """Rows ``start:stop`` of a mask as (samples x heads, rows, keys) bool, True kept
+    (SDPA's bool masks keep True; an additive one keeps 0)."""
+    rows = value.rows(start, stop) if isinstance(value, RowBlocks) \
+        else value[..., start:stop, :]
+    keep = rows if rows.dtype == torch.bool else rows == 0
+    return keep.reshape(-1, *keep.shape[-2:])
 
 
 # ---------------------------------------------------------------------------- the pass
@@ -223,7 +234,7 @@ def _refuse_sequence_ops(gm: fx.GraphModule, seq_local: int) -> None:
     reaches, outside the loss: refused (the module's doc)."""
     reached = _batch_reaches(gm)
     for node in gm.graph.nodes:
-        if node not in reached or node.op != "call_function" or \
+        if node not in reached or node.op not in ("call_function", "call_method") or \
                 op_name(node) not in _ALONG or meta.role(node) == meta.ROLE_LOSS:
             continue
         source = node.args[0] if node.args else None
