@@ -44,7 +44,7 @@ import partc  # noqa: E402
 from partc.codec import to_data  # noqa: E402
 from samples import gpt, moe  # noqa: E402
 from tests import hf_families, models  # noqa: E402
-from tests.runtime.worker import BATCH, Case, batch  # noqa: E402
+from tests.runtime.worker import BATCH, Case, batch, with_context_parallel  # noqa: E402
 
 STEPS, SAVE_AT = 6, 3
 ADAMW = dict(lr=1e-3, weight_decay=0.1, eps=1e-6)
@@ -96,6 +96,9 @@ PLANS: dict[str, tuple[int, dict[str, Any]]] = {
     "dp4-ep2-zero1": (4, dict(pp=1, dp=4, tp=1, ep=2, zero_stage=1, recompute="none")),
     "dp4-ep2-zero2": (4, dict(pp=1, dp=4, tp=1, ep=2, zero_stage=2, recompute="none")),
     "dp4-ep2-zero3": (4, dict(pp=1, dp=4, tp=1, ep=2, zero_stage=3, recompute="none")),
+    # Context parallelism: each sequence over 2 ranks, which hold the whole model.
+    "cp2-ring": (2, dict(pp=1, dp=1, tp=1, cp=2, cp_kind="ring", recompute="none")),
+    "cp2-a2a": (2, dict(pp=1, dp=1, tp=1, cp=2, cp_kind="all-to-all", recompute="none")),
 }
 
 
@@ -118,14 +121,17 @@ class Move:
 def compile_plan(case: Case, model: torch.nn.Module, plan: str) -> partc.Program:
     world, constraints = PLANS[plan]
     constraints = dict(constraints)
+    cp, cp_kind = constraints.pop("cp", 1), constraints.pop("cp_kind", None)
     constraints.setdefault("num_microbatches", 4 // constraints["dp"])
     x, y = batch(case, model, 0)
-    return partc.compile(model, x, loss_fn=case.loss_fn, example_target=y,
-                         budget=partc.DeviceBudget(num_devices=world, device="CPU"),
-                         train=partc.TrainSpec(global_batch_size=BATCH, optimizer="adamw",
-                                               dtype=torch.bfloat16 if plan.endswith("-bf16")
-                                               else torch.float32),
-                         constraints=partc.Constraints(**constraints))
+    program = partc.compile(model, x, loss_fn=case.loss_fn, example_target=y,
+                            budget=partc.DeviceBudget(num_devices=world // cp,
+                                                      device="CPU"),
+                            train=partc.TrainSpec(global_batch_size=BATCH, optimizer="adamw",
+                                                  dtype=torch.bfloat16 if plan.endswith("-bf16")
+                                                  else torch.float32),
+                            constraints=partc.Constraints(**constraints))
+    return with_context_parallel(program, cp, cp_kind) if cp > 1 else program
 
 
 def reference_run(case: Case, model: torch.nn.Module) -> tuple[list[float], dict]:

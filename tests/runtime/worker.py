@@ -446,10 +446,10 @@ def compile_case(case: Case, model: torch.nn.Module, world: int) -> partc.Progra
                                                   compile=case.compile,
                                                   tp_overlap=case.tp_overlap),
                             constraints=partc.Constraints(**constraints))
-    return _with_context_parallel(program, cp, cp_kind) if cp > 1 else program
+    return with_context_parallel(program, cp, cp_kind) if cp > 1 else program
 
 
-def _with_context_parallel(program: partc.Program, cp: int, kind: str) -> partc.Program:
+def with_context_parallel(program: partc.Program, cp: int, kind: str) -> partc.Program:
     """``program``'s plan with each sequence split over ``cp`` ranks: the same stages,
     shardings and batch on ``cp`` times the ranks (cp adds ranks and shards no
     parameter), as the runtime and lowering run it whatever chose it."""
