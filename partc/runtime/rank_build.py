@@ -101,6 +101,9 @@ def connect(plan: Plan, model: nn.Module, loss_fn: Callable | None, *,
         raise PartcError("training needs a loss: pass loss_fn to partc.compile/partc.load "
                          "(or, for a model that returns its own loss, labels among the "
                          "example inputs)")
+    if plan.cp > 1 and plan.mesh.ep > 1:
+        raise ContextParallelError("context parallelism beside expert parallelism is not "
+                                   "supported yet: plan cp=1 or ep=1")
     if plan.cp > 1 and plan.model.own_loss is not None:
         raise ContextParallelError(
             "context parallelism splits each sequence over its cp ranks, and the model's "
