@@ -22,7 +22,8 @@ WORKER = Path(__file__).with_name("worker.py")
 # then training, each family under both kinds; four processes put cp=2 beside pp=2,
 # tp=2 and dp=2 with ZeRO-3.
 CP_FAMILIES = ["llama", "qwen2", "mistral", "gpt2"]
-CP_TWO = [f"hf-{family}-cp2-{kind}" for family in CP_FAMILIES for kind in ("ring", "a2a")]
+CP_TWO = [f"hf-{family}-cp2-{kind}" for family in CP_FAMILIES
+          for kind in ("ring", "a2a")] + ["hf-llama-cp2-ring-recompute"]
 CP_FOUR = [f"hf-{family}-cp2-{kind}-{mesh}" for family in CP_FAMILIES
            for kind in ("ring", "a2a") for mesh in ("pp2", "tp2", "dp2-zero3")]
 DEFAULT_CP_TWO = ["hf-llama-cp2-ring", "hf-qwen2-cp2-a2a"]
