@@ -183,6 +183,34 @@ class MoECost:
 
 
 @dataclass(frozen=True, kw_only=True)
+class AttentionCost:
+    """A layer's attention cores (:mod:`partc.passes.helpers.attention_core`) as context
+    parallelism prices them, per sample as traced (one rank's share of the heads under
+    tensor parallelism): ``cores`` of them, each over ``tokens`` query and key positions
+    with ``heads`` query heads and ``kv_heads`` key/value heads (fewer under grouped-query
+    attention, counted before any repeat) of ``head_dim``; ``flops``: the cores' forward
+    FLOPs, all of them (as measured: a causal kernel that skips masked blocks counts
+    half its (seq x seq) products)."""
+
+    cores: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    tokens: int
+    flops: float
+
+    def kv_elements(self, cp: int) -> float:
+        """Elements of the keys and values one of ``cp`` ranks holds, per sample: the
+        block a ring step passes on."""
+        return self.cores * 2 * self.kv_heads * self.head_dim * self.tokens / cp
+
+    def qkvo_elements(self, cp: int) -> float:
+        """Elements of queries, keys, values and output one of ``cp`` ranks holds per
+        sample: what the all-to-alls around the cores move."""
+        return self.cores * 2 * (self.heads + self.kv_heads) * self.head_dim * self.tokens / cp
+
+
+@dataclass(frozen=True, kw_only=True)
 class LayerCost:
     """What one layer costs, per sample of the batch, in the dtype it was measured in
     (the traced one, or the autocast dtype in ``ModelSummary.autocast``).
@@ -259,6 +287,8 @@ class LayerCost:
     # None: no different.
     ring_kernels_single: dict[str, int] | None = None
     ring_bwd_mem_bytes_single: float = 0.0
+    # The layer's attention cores as context parallelism prices them; None: it has none.
+    attention: AttentionCost | None = None
 
     def __post_init__(self) -> None:
         listed = sum(op.flops * op.count for op in self.heavy_ops)
@@ -367,6 +397,10 @@ class ModelSummary:
     # The dtype autocast computed in while the layers were measured ("bfloat16"); "": none,
     # the layers' numbers are in the traced dtype.
     autocast: str = ""
+    # Why the sequence cannot be split over context-parallel ranks: the first op outside
+    # the attention cores that mixes positions of the sequence (a scan, a reduction or a
+    # product over it), named with its layer; "": none does.
+    context_parallel_blocker: str = ""
 
 
 @dataclass(frozen=True, kw_only=True)

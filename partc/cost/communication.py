@@ -296,7 +296,8 @@ def tp_comm_seconds(problem: PlanningProblem, config: PipelineConfig,
     share ``DeviceNumbers.comm_overlap`` of ``min(c, t)`` is hidden."""
     devices = problem.devices
     group = Group.over(devices, config.tp, config.tp)
-    scale = config.micro_batch_size * problem.train.measured_scale
+    samples = config.micro_batch_size * config.tokens_share   # a cp rank's tokens
+    scale = samples * problem.train.measured_scale
     beside = layer.tp_overlap_flops if problem.train.tp_overlap else ()
     rate = devices.peak_flops * devices.flops_efficiency
     share = (config.tp - 1) / config.tp
@@ -304,7 +305,7 @@ def tp_comm_seconds(problem: PlanningProblem, config: PipelineConfig,
     for index, (kind, phase, nbytes) in enumerate(layer.tp_comm):
         seconds = collective_seconds(kind, nbytes * scale, group)
         if beside and beside[index]:
-            matmul = share * beside[index] * config.micro_batch_size / rate
+            matmul = share * beside[index] * samples / rate
             seconds = exposed_seconds(seconds, matmul, devices.comm_overlap)
         result[phase] += seconds
     return result
@@ -335,7 +336,8 @@ def cut_table(problem: PlanningProblem, config: PipelineConfig) -> tuple[tuple[i
     """[cut l][boundary j]: the sends of cut ``l`` as the boundary ``j -> j + 1``, both
     ways; 0 where both runs are on one rank (the V schedules' turn), which passes the
     tensors on without a send."""
-    scale = problem.train.measured_scale * config.micro_batch_size
+    # A sequence-sharded rank (context parallelism) sends its share of the tokens.
+    scale = problem.train.measured_scale * config.micro_batch_size * config.tokens_share
     links = [None if config.rank_of(j) == config.rank_of(j + 1)
              else _p2p_link(problem, config, j) for j in range(config.virtual_stages - 1)]
     rows: dict[float, tuple[int, ...]] = {}   # equal cuts (between blocks) share a row
@@ -349,5 +351,6 @@ def cut_table(problem: PlanningProblem, config: PipelineConfig) -> tuple[tuple[i
 
 def cut_bytes(problem: PlanningProblem, config: PipelineConfig) -> tuple[int, ...]:
     """Bytes crossing each cut per microbatch, in the training dtype."""
-    scale = problem.train.measured_scale * config.micro_batch_size
+    # A sequence-sharded rank (context parallelism) sends its share of the tokens.
+    scale = problem.train.measured_scale * config.micro_batch_size * config.tokens_share
     return tuple(math.ceil(scale * crossing) for crossing in problem.model.cut_bytes)

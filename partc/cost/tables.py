@@ -16,10 +16,11 @@ from partc.cost.communication import (bucket_latency_seconds, cut_bytes, cut_tab
                                       shared_tail_ps, sync_ps, tail_ps,
                                       tp_comm_seconds, zero_comm_seconds,
                                       zero_overhead_seconds)
+from partc.cost.cp_attention import cp_seconds, cp_transient_bytes
 from partc.cost.experts_cost import expert_dp_config, moe_layer_figures
 from partc.cost.layer_compute import layer_work, run_layer
-from partc.cost.pipeline_config import (PipelineConfig, overlapped, permille, split_factor,
-                                        stage_ranks, to_ps)
+from partc.cost.pipeline_config import (PipelineConfig, grad_config, overlapped, permille,
+                                        split_factor, stage_ranks, to_ps)
 from partc.cost.schedules import schedule as schedule_info
 from partc.cost.state_bytes import (state_bytes, step_bytes, step_total, steps_whole_list,
                                     zero_transient)
@@ -118,33 +119,43 @@ def layer_phases(problem: PlanningProblem, config: PipelineConfig, index: int,
     if layer is None:
         layer = run_layer(problem, index, config.micro_batch_size)
     if work is None:
-        work = layer_work(layer, devices, config.micro_batch_size, train.measured_scale,
-                          train.compiled)
+        work = layer_work(layer, devices, config.micro_batch_size * config.tokens_share,
+                          train.measured_scale, train.compiled)
     if comm is None:
         comm = tp_comm_seconds(problem, config, layer)
-    zero = zero_comm_seconds(problem, config, layer.param_count)
-    own = zero_overhead_seconds(problem, config, layer.param_count, layer.param_tensors)
-    forward = sum(work["forward"]) + comm["forward"] + own["forward"]
+    params = grad_config(config)   # the parameters' replicas: dp x cp
+    zero = zero_comm_seconds(problem, params, layer.param_count)
+    own = zero_overhead_seconds(problem, params, layer.param_count, layer.param_tensors)
+    context = cp_seconds(problem, config, layer)
+    forward = sum(work["forward"]) + comm["forward"] + own["forward"] + context["forward"]
     backward = (split_factor(problem, config) * sum(work["backward"]) + comm["backward"]
-                + own["backward"])
+                + own["backward"] + context["backward"])
     return LayerPhases(forward_s=forward, backward_s=backward, zero=zero)
 
 
 def _layer_table(problem: PlanningProblem, config: PipelineConfig, index: int) -> LayerTable:
     layer = run_layer(problem, index, config.micro_batch_size)
     devices, train = problem.devices, problem.train
-    b, scale = config.micro_batch_size, train.measured_scale
+    # A context-parallel rank runs its share of each sequence: per-token work and
+    # activations scale with it (partc.cost.cp_attention); the parameters are the
+    # dp x cp group's (grad_config).
+    b, scale = config.micro_batch_size * config.tokens_share, train.measured_scale
+    params = grad_config(config)
     work = layer_work(layer, devices, b, scale, train.compiled)
     saved = {m: int(round(b * scale * v)) for m, v in layer.saved_bytes.items()}
-    workspace = int(round(2 * b * scale * layer.workspace_bytes))
-    gathered, gradient = zero_transient(problem, config, layer.param_count)
+    workspace = int(round(2 * b * scale * layer.workspace_bytes)) \
+        + cp_transient_bytes(problem, config, layer)
+    gathered, gradient = zero_transient(problem, params, layer.param_count)
     comm = tp_comm_seconds(problem, config, layer)
     phases = layer_phases(problem, config, index, layer, work, comm)
     zero = phases.zero
     # Full recompute replays the layer's forward, collectives included; selective
-    # replays the attention cores, which hold none (heads are split over the group).
+    # replays the attention cores, which hold no tensor-parallel one (heads are split
+    # over the group) but, under context parallelism, their exchange of the sequence.
     # ZeRO-3 gathers the layer once for its backward, recompute included.
-    rerun = {m: comm["forward"] if m == "full" else 0.0 for m in layer.modes}
+    context = cp_seconds(problem, config, layer)["forward"]
+    rerun = {m: (comm["forward"] if m == "full" else 0.0) + (context if m != "none" else 0.0)
+             for m in layer.modes}
     return LayerTable(
         forward_ps=to_ps(overlapped(phases.forward_s, zero["forward"], devices.comm_overlap)),
         backward_ps=to_ps(overlapped(phases.backward_s, zero["backward"],
@@ -156,16 +167,17 @@ def _layer_table(problem: PlanningProblem, config: PipelineConfig, index: int) -
         transient_bytes={m: gathered + max(saved["none"] - saved[m] + workspace,
                                            gradient - saved[m]) for m in layer.modes},
         param_count=layer.param_count,
-        state_bytes=state_bytes(problem, config, layer.param_count),
-        tail_ps=tail_ps(problem, config, layer.param_count, max(1, layer.param_tensors)),
-        sync_ps=sync_ps(problem, config, layer.param_count),
-        gather_ps=gather_ps(problem, config, layer.param_count),
-        step_bytes=step_bytes(problem, config, layer.param_count, layer.largest_param),
+        state_bytes=state_bytes(problem, params, layer.param_count),
+        tail_ps=tail_ps(problem, params, layer.param_count, max(1, layer.param_tensors)),
+        sync_ps=sync_ps(problem, params, layer.param_count),
+        gather_ps=gather_ps(problem, params, layer.param_count),
+        step_bytes=step_bytes(problem, params, layer.param_count, layer.largest_param),
     )
 
 
 def _shared_tables(problem: PlanningProblem, config: PipelineConfig) -> tuple[SharedTable, ...]:
     devices = problem.devices
+    config = grad_config(config)   # tied weights reduce over dp x cp too
     return tuple(
         SharedTable(
             layers=group.layers,
@@ -215,7 +227,7 @@ class TableCache:
         """One row per layer; layers with equal numbers share one row object."""
         family = (config.micro_batch_size, config.dp, config.tp, config.sequence_parallel,
                   config.tp_objective, config.zero_stage, config.reduces_once,
-                  schedule_info(config.schedule).split_backward)
+                  schedule_info(config.schedule).split_backward, config.cp, config.cp_kind)
         known = self._tables.get(("rows", family, id(problem.model)))
         if known is not None:
             return known
@@ -244,7 +256,7 @@ class TableCache:
                config: PipelineConfig) -> tuple[SharedTable, ...]:
         key = ("shared", config.micro_batch_size, config.num_microbatches, config.dp,
                config.tp, config.sequence_parallel, config.tp_objective, config.zero_stage,
-               config.reduces_once)
+               config.reduces_once, config.cp)
         if key not in self._tables:
             self._tables[key] = _shared_tables(problem, config)
         return self._tables[key]
@@ -261,7 +273,7 @@ class TableCache:
              config: PipelineConfig) -> tuple[tuple[int, ...], ...]:
         placement = config.chunks > 1 and schedule_info(config.schedule).placement
         key = ("cuts", config.micro_batch_size, config.pp, config.chunks, placement,
-               config.tp, config.sequence_parallel, config.tp_objective)
+               config.tp, config.sequence_parallel, config.tp_objective, config.cp)
         cuts = self._tables.get(key)
         if cuts is None:
             cuts = self._tables[key] = cut_table(problem, config)
@@ -281,7 +293,7 @@ def _layer_key(layer) -> tuple:
             tuple(sorted(layer.recompute_kernels.items())),
             tuple(sorted(layer.ring_kernels.items())), layer.ring_bwd_mem_bytes,
             layer.ring_kernels_single and tuple(sorted(layer.ring_kernels_single.items())),
-            layer.ring_bwd_mem_bytes_single)
+            layer.ring_bwd_mem_bytes_single, layer.attention)
 
 
 def build_cost_table(problem: PlanningProblem, config: PipelineConfig,
@@ -293,14 +305,15 @@ def build_cost_table(problem: PlanningProblem, config: PipelineConfig,
     whole, problem = problem, problem.variant(config.tp, config.sequence_parallel,
                                               config.tp_objective)
     devices = problem.devices
-    if devices.num_devices != config.pp * config.dp * config.tp:
-        raise ValueError(f"pp={config.pp} x dp={config.dp} x tp={config.tp} does not use "
-                         f"{devices.num_devices} devices")
+    if devices.num_devices != config.pp * config.dp * config.cp * config.tp:
+        raise ValueError(f"pp={config.pp} x dp={config.dp} x cp={config.cp} x tp={config.tp} "
+                         f"does not use {devices.num_devices} devices")
     shared = cache.shared(problem, config)
     limits = cache.limits(problem, config)
-    latency = bucket_latency_seconds(problem, config)
-    first_gather = first_gather_ps(problem, config)
-    last_sync = last_sync_ps(whole, problem, config)
+    params = grad_config(config)   # gradients reduce over dp x cp
+    latency = bucket_latency_seconds(problem, params)
+    first_gather = first_gather_ps(problem, params)
+    last_sync = last_sync_ps(whole, problem, params)
     return CostTable(
         config=config,
         layers=moe_rows(whole, problem, config, cache.rows(problem, config), cache),
@@ -311,7 +324,7 @@ def build_cost_table(problem: PlanningProblem, config: PipelineConfig,
         overlap_permille=permille(devices.comm_overlap),
         first_gather_ps=first_gather, last_sync_ps=last_sync,
         cut_bytes=cut_bytes(problem, config),
-        step_sums=steps_whole_list(problem, config),
+        step_sums=steps_whole_list(problem, params),
     )
 
 

@@ -8,7 +8,7 @@ from partc.codec import dtype_named
 from partc.cost.communication import tp_comm_seconds
 from partc.cost.evaluate import Evaluation, simulated_step_ps
 from partc.cost.pipeline_config import PS_PER_S, PipelineConfig
-from partc.names import Phase, Recompute, Schedule
+from partc.names import CpKind, Phase, Recompute, Schedule
 from partc.plan import (Alternative, BudgetInfo, InputSpec, Mesh, MeshOutcome, ModelInfo,
                         P2PMessages, Plan, Predicted, RunTime, SolverStats, StagePlan, StageTime,
                         TensorParallelPlan, TPCollective)
@@ -117,7 +117,8 @@ def make_plan(problem: PlanningProblem, config: PipelineConfig, evaluation: Eval
     summary = problem.model.summary
     local = problem.variant(config.tp, config.sequence_parallel, config.tp_objective)
     return Plan(
-        mesh=Mesh(pp=config.pp, dp=config.dp, tp=config.tp, ep=config.ep),
+        mesh=Mesh(pp=config.pp, dp=config.dp, tp=config.tp, ep=config.ep, cp=config.cp,
+                  cp_kind=None if config.cp_kind is None else CpKind(config.cp_kind)),
         schedule=Schedule(config.schedule),
         num_microbatches=config.num_microbatches,
         micro_batch_size=config.micro_batch_size,
@@ -176,6 +177,8 @@ def mesh_summary(mesh: MeshResult) -> MeshOutcome:
         summary["bound_s"] = mesh.bound_ps / PS_PER_S
     if mesh.need_bytes is not None:
         summary.update(need_bytes=mesh.need_bytes, limit_bytes=mesh.limit_bytes)
+    if mesh.cp != 1:
+        summary.update(cp=mesh.cp, cp_kind=CpKind(mesh.cp_kind))
     return MeshOutcome(pp=mesh.pp, dp=mesh.dp, tp=mesh.tp, outcome=mesh.outcome, **summary)
 
 

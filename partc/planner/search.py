@@ -55,6 +55,8 @@ from typing import Callable, NamedTuple
 from ortools.sat.python import cp_model
 
 from partc import progress
+from partc.cost.cp_attention import (all_to_all_fits, context_parallel_refusal,
+                                     sequence_tokens)
 from partc.cost.evaluate import Evaluation, evaluate, simulated_step_ps
 from partc.cost.pipeline_config import PS_PER_S, PipelineConfig
 from partc.cost.schedules import feature_refusal, refusal
@@ -62,7 +64,7 @@ from partc.cost.schedules import schedule as schedule_info
 from partc.cost.tables import CostTable, TableCache, build_cost_table
 from partc.cp_sat import deterministic_solver, set_work, work_done
 from partc.errors import PlanInfeasibleError
-from partc.names import Outcome, Schedule
+from partc.names import CpKind, Outcome, Schedule
 from partc.options import PlannerOptions
 from partc.plan import ScheduleOption
 from partc.planner.bounds import incumbent, lower_bound, starting_point
@@ -98,13 +100,15 @@ def tp_choices(problem: PlanningProblem) -> list[tuple[int, bool, str]]:
 
 
 def candidate_configs(problem: PlanningProblem) -> list[PipelineConfig]:
-    """Every (tp, pp, dp, b, m, schedule, ZeRO stage) the pins and the batch allow
-    (ZeRO stages 1-3 only where there is more than one replica)."""
+    """Every (tp, cp, cp kind, pp, dp, b, m, schedule, ZeRO stage) the pins and the batch
+    allow (ZeRO stages 1-3 only where there is more than one replica)."""
     pins = problem.pins
     schedules = [pins.schedule] if pins.schedule else list(AUTO_SCHEDULES)
     configs = []
-    for tp, sp, objective in tp_choices(problem):
-        devices = problem.devices.num_devices // tp
+    for tp, sp, objective, cp, cp_kind in (
+            (tp, sp, objective, cp, kind) for tp, sp, objective in tp_choices(problem)
+            for cp, kind in cp_choices(problem, tp, sp, objective)):
+        devices = problem.devices.num_devices // (tp * cp)
         pp_options = [pins.pp] if pins.pp else [
             p for p in divisors(devices) if p <= problem.num_layers]
         for pp in pp_options:
@@ -132,7 +136,7 @@ def candidate_configs(problem: PlanningProblem) -> list[PipelineConfig]:
                                               num_microbatches=m, schedule=schedule, tp=tp,
                                               sequence_parallel=sp, tp_objective=objective,
                                               zero_stage=zero, chunks=chunks,
-                                              zero2_grad_sync=sync)
+                                              zero2_grad_sync=sync, cp=cp, cp_kind=cp_kind)
                                for schedule in schedules for zero in zero_stages
                                for sync in zero2_grad_syncs(problem, zero, dp, m)
                                if not _same_as_1f1b(schedule, pp, m, pins.schedule)
@@ -140,6 +144,63 @@ def candidate_configs(problem: PlanningProblem) -> list[PipelineConfig]:
                                                    problem.train.compiled) is None
                                for chunks in _chunk_counts(problem, schedule, pp, m))
     return expand_ep(problem, configs)   # the expert-parallel degree (mixture-of-experts)
+
+
+# A context-parallel degree the search tries unpinned leaves each of a rank's two
+# load-balanced chunks at least this many tokens: below it, the ring's per-step latency
+# and small attention kernels, which the cost model prices coarsely, would dominate
+# (Megatron-Core and torchtitan use cp for sequences of thousands of tokens per rank).
+MIN_CP_CHUNK_TOKENS = 256
+
+
+def cp_choices(problem: PlanningProblem, tp: int, sequence_parallel: bool = False,
+               objective: str = "time") -> list[tuple[int, str | None]]:
+    """(cp, kind) the pins and the model allow beside tensor parallelism ``tp``: cp = 1
+    (kind None), and each cp > 1 dividing the devices over tp whose ``2 cp`` chunks split
+    the sequence evenly (each at least :data:`MIN_CP_CHUNK_TOKENS` tokens unless cp is
+    pinned), for a model with attention cores and nothing else reading along the
+    sequence (:func:`check_context_parallel` refuses a pinned cp otherwise), as a ring
+    and, where every layer's heads and key/value heads divide by cp, as all-to-all."""
+    pins = problem.pins
+    tokens = sequence_tokens(problem)
+    devices = problem.devices.num_devices // tp
+    wanted = [pins.cp] if pins.cp is not None else divisors(devices)
+    layers = problem.variant(tp, sequence_parallel, objective).layers if tp > 1 \
+        else problem.layers
+    found: list[tuple[int, str | None]] = []
+    for cp in wanted:
+        if cp == 1:
+            found.append((1, None))
+            continue
+        if devices % cp or context_parallel_refusal(problem, cp) or (
+                pins.cp is None and tokens // (2 * cp) < MIN_CP_CHUNK_TOKENS):
+            continue
+        kinds = [CpKind.RING]
+        if all(all_to_all_fits(layer.attention, cp) for layer in layers
+               if layer.attention is not None):
+            kinds.append(CpKind.ALL_TO_ALL)
+        found += [(cp, kind) for kind in kinds if pins.cp_kind in (None, kind)]
+    return found
+
+
+def check_context_parallel(problem: PlanningProblem) -> None:
+    """A PlanInfeasibleError naming the pin, and the op where one is to blame, when the
+    pinned cp (or kind) cannot run on this model."""
+    pins = problem.pins
+    if pins.cp is None or pins.cp == 1:
+        return
+    why = context_parallel_refusal(problem, pins.cp)
+    if why is None and pins.cp_kind == CpKind.ALL_TO_ALL:
+        unfit = next((layer for layer in problem.layers if layer.attention is not None
+                      and not all_to_all_fits(layer.attention, pins.cp)), None)
+        if unfit is not None and (pins.tp in (None, 1)):
+            why = (f"all-to-all splits heads over cp: layer {unfit.name} has "
+                   f"{unfit.attention.heads} heads and {unfit.attention.kv_heads} key/value "
+                   f"heads, not both divisible by cp={pins.cp} (use cp_kind='ring')")
+    if why is not None:
+        raise PlanInfeasibleError(f"cannot hold the pin cp={pins.cp}: {why}",
+                                  resource="pin", pin="cp",
+                                  suggestion="drop the cp pin, or pin cp=1")
 
 
 def zero2_grad_syncs(problem: PlanningProblem, zero_stage: int, dp: int,
@@ -574,6 +635,7 @@ def solve(problem: PlanningProblem, options: PlannerOptions = PlannerOptions(),
     start = time.perf_counter()
     check_pins(problem.pins, problem.devices, problem.train.global_batch_size,
                tuple(layer.name for layer in problem.layers))
+    check_context_parallel(problem)
     pinned = pinned_stages(problem)
     configs = candidate_configs(problem)
     if not configs:
@@ -669,7 +731,7 @@ def _report(tables: list[CostTable], order: list[int], ahead: list[float], done:
     detail = ""
     if done < len(order):
         config = tables[order[done]].config
-        detail = (f"pp={config.pp} dp={config.dp} tp={config.tp}, "
+        detail = (f"pp={config.pp} dp={config.dp} cp={config.cp} tp={config.tp}, "
                   f"{config.micro_batch_size} x {config.num_microbatches}, {config.schedule}")
     progress.update("search", done, len(order), detail,
                     incumbent_s=None if incumbent is None else incumbent / 1e12,
@@ -684,7 +746,8 @@ def _seed(problem: PlanningProblem, tables: list[CostTable], floors: list[float]
     firsts: dict[tuple, int] = {}
     for i in order:
         config = tables[i].config
-        key = (config.pp, config.dp, config.tp, config.sequence_parallel, config.tp_objective)
+        key = (config.pp, config.dp, config.cp, config.cp_kind, config.tp,
+               config.sequence_parallel, config.tp_objective)
         if floors[i] < math.inf:
             firsts.setdefault(key, i)
     best = None

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 
+from partc.cost.cp_attention import all_to_all_fits, context_parallel_refusal
 from partc.cost.evaluate import Evaluation, evaluate, simulated_step_ps
 from partc.cost.pipeline_config import PS_PER_S, PipelineConfig
 from partc.cost.schedules import feature_refusal, refusal
@@ -40,6 +41,7 @@ def _structure(problem: PlanningProblem, plan: Plan, errors: list[str]) -> None:
             errors.append("parameter placements differ from the measured sharding")
     if mesh.size != problem.devices.num_devices:
         errors.append(f"mesh {mesh} does not use {problem.devices.num_devices} devices")
+    _context_parallel(problem, plan, errors)
     if len(plan.stages) != mesh.pp:
         errors.append(f"{len(plan.stages)} stages for pp={mesh.pp}")
     if [s.index for s in plan.stages] != list(range(len(plan.stages))):
@@ -59,6 +61,26 @@ def _structure(problem: PlanningProblem, plan: Plan, errors: list[str]) -> None:
         errors.append(f"unknown schedule {plan.schedule!r}")
     else:
         _placement(plan, errors)
+
+
+def _context_parallel(problem: PlanningProblem, plan: Plan, errors: list[str]) -> None:
+    """Context parallelism runs on this model: its sequence splits into 2 x cp chunks,
+    nothing outside attention reads along it, and all-to-all's heads divide by cp."""
+    if plan.cp == 1:
+        return
+    why = context_parallel_refusal(problem, plan.cp)
+    if why is not None:
+        errors.append(f"cp={plan.cp}: {why}")
+    if plan.cp_kind == CpKind.ALL_TO_ALL:
+        local = problem.variant(plan.tp, plan.sequence_parallel, plan.tp_objective) \
+            if plan.tp > 1 else problem
+        for layer in local.layers:
+            if layer.attention is not None and not all_to_all_fits(layer.attention, plan.cp):
+                errors.append(f"cp={plan.cp} all-to-all: layer {layer.name} has "
+                              f"{layer.attention.heads} heads and {layer.attention.kv_heads} "
+                              f"key/value heads per tensor-parallel rank, not both "
+                              f"divisible by cp")
+                return
 
 
 def _placement(plan: Plan, errors: list[str]) -> None:
@@ -118,7 +140,8 @@ def _pins(problem: PlanningProblem, plan: Plan, errors: list[str]) -> None:
 
 
 def _costs(problem: PlanningProblem, plan: Plan, errors: list[str]) -> Evaluation | None:
-    config = PipelineConfig(pp=plan.pp, dp=plan.dp, micro_batch_size=plan.micro_batch_size,
+    config = PipelineConfig(pp=plan.pp, dp=plan.dp, cp=plan.cp, cp_kind=plan.cp_kind,
+                            micro_batch_size=plan.micro_batch_size,
                             num_microbatches=plan.num_microbatches, schedule=plan.schedule,
                             tp=plan.tp, sequence_parallel=plan.sequence_parallel,
                             tp_objective=plan.tp_objective, zero_stage=plan.zero_stage,

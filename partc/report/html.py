@@ -175,7 +175,7 @@ def _timeline_caption(plan: Plan, timeline: Timeline) -> str:
     comm = [timeline.seconds(r, COMM_KINDS) for r in range(timeline.num_ranks)]
     idle = [timeline.idle_s(r) for r in range(timeline.num_ranks)]
     step = timeline.step_s or 1.0
-    ranks = plural(plan.dp * plan.tp, "rank")
+    ranks = plural(plan.dp * plan.cp * plan.tp, "rank")
     return (f"Schedule {_esc(plan.schedule)}, "
             f"{plural(plan.num_microbatches, 'microbatch', 'microbatches')}; each row "
             f"stands for the {ranks} of a stage. Played out from the cost "
@@ -346,7 +346,9 @@ def mesh_svg(plan: Plan) -> str:
         axes.set_xlim(0, right)
     axes.set_ylim(len(meshes) - 0.5, -0.5)
     axes.set_yticks(range(len(meshes)),
-                    [f"pp={m.pp} dp={m.dp} tp={m.tp}" for m in meshes], fontsize=8)
+                    [f"pp={m.pp} dp={m.dp} tp={m.tp}"
+                     + (f" cp={m.cp} {m.cp_kind}" if m.cp > 1 else "") for m in meshes],
+                    fontsize=8)
     axes.set_xlabel(f"predicted step time ({unit})" + (", log scale" if log else ""))
     axes.set_title("Mesh factorisations: predicted step time", loc="left", fontweight="bold")
     outcomes = {m.outcome for m in meshes if m.mesh != plan.mesh}

@@ -243,8 +243,15 @@ _ZERO_SHARDS = {1: "optimizer state", 2: "gradients and optimizer state",
 
 
 def _is_chosen(plan: Plan, outcome: MeshOutcome) -> bool:
-    # A factorisation (pp, dp, tp): the expert-parallel degree is one of its choices.
-    return (outcome.pp, outcome.dp, outcome.tp) == (plan.pp, plan.dp, plan.tp)
+    # A factorisation (pp, dp, cp, tp) with its cp kind: the expert-parallel degree is
+    # one of its choices.
+    return (outcome.pp, outcome.dp, outcome.tp, outcome.cp, outcome.cp_kind) == (
+        plan.pp, plan.dp, plan.tp, plan.cp, plan.cp_kind)
+
+
+def _has_cp(plan: Plan) -> bool:
+    """Whether the mesh table needs a cp column: some mesh weighed splits sequences."""
+    return plan.cp > 1 or any(mesh.cp > 1 for mesh in plan.meshes)
 
 
 def _mesh_config(mesh: MeshOutcome) -> str:
@@ -330,7 +337,9 @@ def _mesh_rows(plan: Plan) -> list[list[str]]:
     step = _ranking_step(plan)
     rows = []
     for mesh in plan.meshes:
-        axes = [str(mesh.pp), str(mesh.dp), str(mesh.tp)]
+        axes = [str(mesh.pp), str(mesh.dp)] + (
+            [f"{mesh.cp} ({mesh.cp_kind})" if mesh.cp > 1 else "1"] if _has_cp(plan)
+            else []) + [str(mesh.tp)]
         if mesh.outcome == Outcome.SOLVED:
             chosen = _is_chosen(plan, mesh)
             shown = plan.predicted.step_time_s if chosen else mesh.step_time_s
@@ -696,7 +705,8 @@ def sections(plan: Plan, timeline: Timeline | None = None) -> list[Section]:
     mesh = (_mesh_chosen(plan),) + ((_mesh_why(plan),) if plan.meshes else ())
     out.append(Section(
         key="mesh", title="Mesh", bullets=mesh,
-        header=("pp", "dp", "tp", "best config (b x m, schedule, ZeRO)",
+        header=("pp", "dp") + (("cp",) if _has_cp(plan) else ()) + (
+            "tp", "best config (b x m, schedule, ZeRO)",
                 "step time (chosen: the plan's; others: closed form)",
                 "vs chosen (closed form)", "note")
         if plan.meshes else (),

@@ -18,6 +18,7 @@ from partc.passes import fuse_attention
 from partc.passes.helpers.attention_core import attention_cores, core_inputs
 from partc.passes.helpers.graph import fetch, storage_of
 from partc.passes.helpers.layer_run import LayerRun, RingWork, bytes_as_made
+from partc.passes.helpers.sequence_facts import attention_cost
 from partc.problem import HeavyOp, LayerCost
 from partc.runtime.tp import TensorParallelGroup
 from partc.runtime.tp_loss import VocabParallelLoss
@@ -109,6 +110,7 @@ def layer_cost(gm: fx.GraphModule, info: meta.LayerInfo, nodes: list[fx.Node], r
         forward_kernels=rekernels["full"], backward_kernels=run.backward_kernels,
         recompute_kernels=rekernels,
         fused_mem_bytes=fused_bytes * per, fused_kernels=fused_kernels,
+        attention=attention_cost(nodes, lambda n: run.costs[n].flops, per),
         **_ring_fields(run.rings, per))
 
 
