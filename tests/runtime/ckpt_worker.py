@@ -44,7 +44,7 @@ import partc  # noqa: E402
 from partc.codec import to_data  # noqa: E402
 from samples import gpt, moe  # noqa: E402
 from tests import hf_families, models  # noqa: E402
-from tests.runtime.worker import BATCH, Case, batch, with_context_parallel  # noqa: E402
+from tests.runtime.worker import BATCH, Case, batch  # noqa: E402
 
 STEPS, SAVE_AT = 6, 3
 ADAMW = dict(lr=1e-3, weight_decay=0.1, eps=1e-6)
@@ -66,6 +66,9 @@ MODELS: dict[str, Case] = {
     "mixtral": Case(_mixtral, "tokens", models.causal_lm_loss),
     "llama": Case(models.llama, "tokens", models.causal_lm_loss),
     "gpt2": Case(_gpt2, "tokens", models.causal_lm_loss),
+    # Attention as SDPA calls (Hugging Face's default), which context parallelism splits.
+    "hf-llama": Case(hf_families.FAMILIES["llama"].build, "tokens", models.causal_lm_loss),
+    "hf-gpt2": Case(hf_families.FAMILIES["gpt2"].build, "tokens", models.causal_lm_loss),
 }
 
 _TP = dict(tp_objective="memory", recompute="none")
@@ -121,17 +124,14 @@ class Move:
 def compile_plan(case: Case, model: torch.nn.Module, plan: str) -> partc.Program:
     world, constraints = PLANS[plan]
     constraints = dict(constraints)
-    cp, cp_kind = constraints.pop("cp", 1), constraints.pop("cp_kind", None)
     constraints.setdefault("num_microbatches", 4 // constraints["dp"])
     x, y = batch(case, model, 0)
-    program = partc.compile(model, x, loss_fn=case.loss_fn, example_target=y,
-                            budget=partc.DeviceBudget(num_devices=world // cp,
-                                                      device="CPU"),
-                            train=partc.TrainSpec(global_batch_size=BATCH, optimizer="adamw",
-                                                  dtype=torch.bfloat16 if plan.endswith("-bf16")
-                                                  else torch.float32),
-                            constraints=partc.Constraints(**constraints))
-    return with_context_parallel(program, cp, cp_kind) if cp > 1 else program
+    return partc.compile(model, x, loss_fn=case.loss_fn, example_target=y,
+                         budget=partc.DeviceBudget(num_devices=world, device="CPU"),
+                         train=partc.TrainSpec(global_batch_size=BATCH, optimizer="adamw",
+                                               dtype=torch.bfloat16 if plan.endswith("-bf16")
+                                               else torch.float32),
+                         constraints=partc.Constraints(**constraints))
 
 
 def reference_run(case: Case, model: torch.nn.Module) -> tuple[list[float], dict]:

@@ -541,7 +541,7 @@ def test_a_zero3_expert_parallel_checkpoint_resumes_under_zero1_like_one_process
 
 # Context parallelism shards no parameter: a checkpoint of a cp=2 run resumes under
 # ZeRO-3 on dp=2 (cp=1), and one of ZeRO-1 under cp=2 of the other kind.
-CONTEXT_PARALLEL = ["llama:cp2-ring>dp2-zero3", "gpt2:dp2-zero1>cp2-a2a"]
+CONTEXT_PARALLEL = ["hf-llama:cp2-ring>dp2-zero3", "hf-gpt2:dp2-zero1>cp2-a2a"]
 
 
 @pytest.mark.slow

@@ -14,7 +14,6 @@ collectives).
 from __future__ import annotations
 
 import copy
-import dataclasses
 import json
 import os
 import sys
@@ -36,7 +35,6 @@ import torch.distributed.fsdp._fully_shard._fsdp_param_group as fsdp_param_group
 
 import partc  # noqa: E402
 from partc.codec import to_data  # noqa: E402
-from partc.program import Program  # noqa: E402
 from partc.runtime import cp_layout  # noqa: E402
 from partc.runtime.context_parallel import ContextParallelGroup, attention  # noqa: E402
 from partc.runtime.ring_attention import AttentionMask  # noqa: E402
@@ -439,31 +437,18 @@ def optimizer(params: Any) -> torch.optim.Optimizer:
 def compile_case(case: Case, model: torch.nn.Module, world: int) -> partc.Program:
     x, y = batch(case, model, 0)
     constraints = dict(case.constraints)
-    cp, cp_kind = constraints.pop("cp", 1), constraints.pop("cp_kind", None)
-    world //= cp
-    constraints.setdefault("dp", world // (constraints["pp"] * constraints.get("tp", 1)))
+    constraints.setdefault("dp", world // (constraints["pp"] * constraints.get("tp", 1)
+                                        * constraints.get("cp", 1)))
     constraints.setdefault("num_microbatches", 4 // constraints["dp"])
-    program = partc.compile(model, x, loss_fn=case.loss_fn, example_target=y,
-                            budget=partc.DeviceBudget(num_devices=world, device="CPU",
-                                                      **case.figures),
-                            train=partc.TrainSpec(global_batch_size=BATCH, optimizer="sgd",
-                                                  max_grad_norm=case.clip, dtype=case.dtype,
-                                                  attention=case.attention,
-                                                  compile=case.compile,
-                                                  tp_overlap=case.tp_overlap),
-                            constraints=partc.Constraints(**constraints))
-    return with_context_parallel(program, cp, cp_kind) if cp > 1 else program
-
-
-def with_context_parallel(program: partc.Program, cp: int, kind: str) -> partc.Program:
-    """``program``'s plan with each sequence split over ``cp`` ranks: the same stages,
-    shardings and batch on ``cp`` times the ranks (cp adds ranks and shards no
-    parameter), as the runtime and lowering run it whatever chose it."""
-    plan = program.plan
-    plan = dataclasses.replace(plan, mesh=dataclasses.replace(plan.mesh, cp=cp,
-                                                              cp_kind=kind))
-    return Program(plan=plan, problem=program.problem, model=program.model,
-                   loss_fn=program.loss_fn)
+    return partc.compile(model, x, loss_fn=case.loss_fn, example_target=y,
+                         budget=partc.DeviceBudget(num_devices=world, device="CPU",
+                                                   **case.figures),
+                         train=partc.TrainSpec(global_batch_size=BATCH, optimizer="sgd",
+                                               max_grad_norm=case.clip, dtype=case.dtype,
+                                               attention=case.attention,
+                                               compile=case.compile,
+                                               tp_overlap=case.tp_overlap),
+                         constraints=partc.Constraints(**constraints))
 
 
 @dataclass
