@@ -8,16 +8,14 @@ beside the plan's predicted step time.
 A small Llama (Hugging Face's, SDPA attention, grouped-query: 8 heads, 4 key/value
 heads) trains on one sequence split over the two ranks, each kind in turn, at each
 length: the median of ``--steps`` steps (``forward_backward`` and an SGD step) after
-one warm-up. The prediction is the plan's (``plan.predicted.step_time_s``) where the
-planner made a plan for ``Constraints(cp=2, cp_kind=...)``; where it made none, the
-column says so and the runtime runs the one-rank plan with its sequence split over two
-ranks (cp adds ranks and shards no parameter).
+one warm-up. The prediction is the plan's (``plan.predicted.step_time_s``) for
+``Constraints(cp=2, cp_kind=...)`` on a budget of 2 CPU devices (the preset's figures,
+or a calibration profile's with ``--profile``).
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import statistics
 import sys
 import time
@@ -32,7 +30,6 @@ import torch.nn.functional as F  # noqa: E402
 
 import partc  # noqa: E402
 from benchmarks.torchrun_launch import run_under_torchrun  # noqa: E402
-from partc.program import Program  # noqa: E402
 
 KINDS = ("ring", "all-to-all")
 
@@ -43,6 +40,8 @@ def arguments() -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--hidden", type=int, default=256)
     parser.add_argument("--layers", type=int, default=2)
+    parser.add_argument("--profile", default=None,
+                        help="a calibration profile (partc calibrate) for the budget")
     return parser.parse_args()
 
 
@@ -62,29 +61,18 @@ def loss_fn(output, target: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.reshape(-1, logits.size(-1)), target.reshape(-1))
 
 
-def program_for(model: torch.nn.Module, ids: torch.Tensor, kind: str
-                ) -> tuple[Program, float | None]:
-    """The cp=2 program of ``kind`` and the plan's predicted step time (None where the
-    planner made no cp plan: the one-rank plan, its sequence split over two ranks)."""
-    common = dict(loss_fn=loss_fn, example_target=ids,
-                  train=partc.TrainSpec(global_batch_size=1, optimizer="sgd"))
-    try:
-        program = partc.compile(model, ids, budget=partc.DeviceBudget(
-            num_devices=2, device="CPU"), constraints=partc.Constraints(
-            pp=1, cp=2, cp_kind=kind, recompute="none"), **common)
-        return program, program.plan.predicted.step_time_s
-    except partc.PartcError:
-        program = partc.compile(model, ids, budget=partc.DeviceBudget(
-            num_devices=1, device="CPU"), constraints=partc.Constraints(
-            pp=1, recompute="none"), **common)
-        plan = program.plan
-        plan = dataclasses.replace(plan, mesh=dataclasses.replace(plan.mesh, cp=2,
-                                                                  cp_kind=kind))
-        return Program(plan=plan, problem=program.problem, model=model,
-                       loss_fn=loss_fn), None
+def program_for(model: torch.nn.Module, ids: torch.Tensor, kind: str,
+                profile: str | None) -> partc.Program:
+    """The cp=2 program of ``kind``, planned for 2 CPU devices."""
+    budget = partc.DeviceBudget(num_devices=2, device="CPU", **(
+        {"profile": profile} if profile else {}))
+    return partc.compile(model, ids, loss_fn=loss_fn, example_target=ids, budget=budget,
+                         train=partc.TrainSpec(global_batch_size=1, optimizer="sgd"),
+                         constraints=partc.Constraints(pp=1, cp=2, cp_kind=kind,
+                                                       recompute="none"))
 
 
-def measure(program: Program, ids: torch.Tensor, steps: int) -> float:
+def measure(program: partc.Program, ids: torch.Tensor, steps: int) -> float:
     module = program.build()
     optimizer = torch.optim.SGD(module.parameters(), lr=0.01)
     times = []
@@ -108,8 +96,9 @@ def main() -> None:
     for seq in args.seqs:
         ids = torch.randint(1, 1024, (1, seq), generator=torch.Generator().manual_seed(seq))
         for kind in KINDS:
-            program, predicted = program_for(model, ids, kind)
-            rows.append((seq, kind, measure(program, ids, args.steps), predicted))
+            program = program_for(model, ids, kind, args.profile)
+            rows.append((seq, kind, measure(program, ids, args.steps),
+                         program.plan.predicted.step_time_s))
     if dist.get_rank() == 0:
         print(f"Llama hidden {args.hidden}, {args.layers} layers, 8 heads / 4 KV heads, one "
               f"sequence a step, cp=2 on 2 gloo CPU processes (1 thread each); median of "
@@ -118,7 +107,7 @@ def main() -> None:
               f"{'ring/a2a':>8s}")
         measured = {(seq, kind): t for seq, kind, t, _ in rows}
         for seq, kind, took, predicted in rows:
-            guess = f"{predicted * 1e3:7.1f} ms" if predicted is not None else "no cp plan"
+            guess = f"{predicted * 1e3:7.1f} ms"
             ratio = (f"{measured[(seq, 'ring')] / measured[(seq, 'all-to-all')]:8.2f}"
                      if kind == "all-to-all" else "")
             print(f"  {seq:6d} {kind:>10s} {took * 1e3:7.1f} ms {guess:>10s} {ratio}")
