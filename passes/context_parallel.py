@@ -36,7 +36,7 @@ that reads along the sequence is attention's or the loss's.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, Mapping
 
 import torch
 import torch.nn.functional as F
@@ -140,7 +140,7 @@ def context_parallel(gm: fx.GraphModule, ctx: Context) -> fx.GraphModule:
     for node in list(gm.graph.nodes):
         if _is_position_arange(node, seq_local):
             _replace_positions(gm, node, seq_local)
-    _refuse_sequence_ops(gm, seq_local)
+    _refuse_sequence_ops(gm, seq_local, lowering.whole_length_shapes)
     _relayer(gm)
     gm.graph.lint()
     gm.recompile()
@@ -229,20 +229,44 @@ def _replace_positions(gm: fx.GraphModule, arange: fx.Node, seq_local: int) -> N
     graph.erase_node(arange)
 
 
-def _refuse_sequence_ops(gm: fx.GraphModule, seq_local: int) -> None:
-    """An op of :data:`_ALONG` over a dim of the shard's length, on values the batch
-    reaches, outside the loss: refused (the module's doc)."""
+def reduced_shapes(gm: fx.GraphModule) -> dict[str, tuple[int, ...]]:
+    """The shape each op of :data:`_ALONG` reads, by node name (on the trace at the
+    whole length: a dim that is smaller on the shard's trace is the sequence)."""
+    shapes = {}
+    for node in gm.graph.nodes:
+        value = _reads(node)
+        if value is not None:
+            shapes[node.name] = tuple(value.shape)
+    return shapes
+
+
+def _reads(node: fx.Node) -> torch.Tensor | None:
+    """What an op of :data:`_ALONG` reduces (its first argument's value), else None."""
+    if node.op not in ("call_function", "call_method") or op_name(node) not in _ALONG:
+        return None
+    source = node.args[0] if node.args else None
+    value = source.meta.get("val") if isinstance(source, fx.Node) else None
+    return value if isinstance(value, torch.Tensor) and value.dim() >= 2 else None
+
+
+def _refuse_sequence_ops(gm: fx.GraphModule, seq_local: int,
+                         whole: Mapping[str, tuple[int, ...]]) -> None:
+    """An op of :data:`_ALONG` along the sequence, on values the batch reaches, outside
+    the loss: refused (the module's doc). The sequence's dims are those whose size
+    differs from the whole length's trace (``whole``); an op that trace lacks is judged
+    by size: a dim of the shard's length."""
     reached = _batch_reaches(gm)
     for node in gm.graph.nodes:
-        if node not in reached or node.op not in ("call_function", "call_method") or \
-                op_name(node) not in _ALONG or meta.role(node) == meta.ROLE_LOSS:
+        value = _reads(node)
+        if value is None or node not in reached or meta.role(node) == meta.ROLE_LOSS:
             continue
-        source = node.args[0] if node.args else None
-        value = source.meta.get("val") if isinstance(source, fx.Node) else None
-        if not isinstance(value, torch.Tensor) or value.dim() < 2:
-            continue
-        dims = _reduced_dims(node, value.dim())
-        if any(value.shape[d] == seq_local and d != 0 for d in dims):
+        dims = [d for d in _reduced_dims(node, value.dim()) if d != 0]
+        there = whole.get(node.name)
+        if there is not None and len(there) == value.dim():
+            along = [d for d in dims if there[d] != value.shape[d]]
+        else:
+            along = [d for d in dims if value.shape[d] == seq_local]
+        if along:
             fix = ("attention written out is split only once fused: train with "
                    "TrainSpec(attention='fused'), or the model's SDPA attention"
                    if "softmax" in op_name(node) else "plan it with cp=1")

@@ -35,7 +35,7 @@ from partc.errors import ContextParallelError, TraceError
 from partc.options import ShardingOptions
 from partc.passes.attention_softmax import attention_softmax
 from partc.passes.context import Context, Lowering
-from partc.passes.context_parallel import attention_masks, context_parallel
+from partc.passes.context_parallel import attention_masks, context_parallel, reduced_shapes
 from partc.passes.estimate import estimate
 from partc.passes.fsdp_units import fsdp_units
 from partc.passes.fuse_attention import fuse_attention
@@ -433,9 +433,11 @@ def lower(model: nn.Module, example_inputs: tuple, lowering: Lowering, *,
     share of it (:mod:`partc.passes.context_parallel`).
     """
     if lowering.cp > 1:
-        lowering = dataclasses.replace(lowering, attention_masks=_whole_length_masks(
-            model, example_inputs, lowering.attention, kwargs=kwargs, loss_fn=loss_fn,
-            example_target=example_target))
+        masks, shapes = _whole_length_facts(model, example_inputs, lowering.attention,
+                                            kwargs=kwargs, loss_fn=loss_fn,
+                                            example_target=example_target)
+        lowering = dataclasses.replace(lowering, attention_masks=masks,
+                                       whole_length_shapes=shapes)
         example_inputs, kwargs, example_target = (
             sequence_shard(example_inputs, lowering.cp), sequence_shard(kwargs, lowering.cp),
             sequence_shard(example_target, lowering.cp))
@@ -451,16 +453,17 @@ def lower(model: nn.Module, example_inputs: tuple, lowering: Lowering, *,
                    holders=parameter_holders(stages, ctx.param_fqns))
 
 
-def _whole_length_masks(model: nn.Module, example_inputs: tuple, attention: str,
-                        **trace_args: Any) -> tuple:
-    """Each attention call's mask, on a trace at the whole sequence's length (where a
-    sliding window longer than a shard still shows), attention fused as lowering fuses
-    it (``attention``)."""
+def _whole_length_facts(model: nn.Module, example_inputs: tuple, attention: str,
+                        **trace_args: Any) -> tuple[tuple, dict[str, tuple]]:
+    """On a trace at the whole sequence's length, attention fused as lowering fuses it
+    (``attention``): each attention call's mask (a sliding window longer than a shard
+    shows only there), and what each op that reduces along a dim reads
+    (:func:`partc.passes.context_parallel.reduced_shapes`)."""
     gm, ctx = _trace(model, example_inputs, **trace_args)
     for graph_pass in (Pass("drop_assertions", drop_assertions),
                        Pass("propagate", propagate), *_attention_passes(attention)):
         gm = run_pass(graph_pass, gm, ctx)
-    return named("context_parallel", lambda: attention_masks(gm))
+    return named("context_parallel", lambda: (attention_masks(gm), reduced_shapes(gm)))
 
 
 def sequence_shard(value: Any, cp: int) -> Any:

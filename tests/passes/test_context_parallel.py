@@ -11,7 +11,7 @@ from torch import nn
 from partc.errors import ContextParallelError
 from partc.passes.context import Lowering
 from partc.passes.context_parallel import attention_masks
-from partc.passes.pipeline import _whole_length_masks, lower
+from partc.passes.pipeline import _whole_length_facts, lower
 from partc.runtime import context_parallel as cp_runtime
 from partc.runtime.ring_attention import AttentionMask
 from tests.hf_families import FAMILIES, causal_lm_loss, logits_loss
@@ -29,17 +29,17 @@ def test_masks_are_read_at_the_whole_length(family, mask):
     # Mistral's window (8) is longer than a cp=4 shard (4 tokens): only the whole
     # length shows it.
     model = FAMILIES[family].build()
-    masks = _whole_length_masks(model, (_tokens(),), "as_written", loss_fn=causal_lm_loss,
-                                example_target=_tokens())
+    masks, _ = _whole_length_facts(model, (_tokens(),), "as_written",
+                                   loss_fn=causal_lm_loss, example_target=_tokens())
     assert masks == (mask,) * model.config.num_hidden_layers
 
 
-def _lowered(model: nn.Module, kind: str, cp: int = 2):
+def _lowered(model: nn.Module, kind: str, cp: int = 2, seq: int = SEQ):
     layers = ["model.embed_tokens", "model.rotary_emb", *(f"model.layers.{i}" for i in range(2)),
               "model.norm", "lm_head", "loss"]
     lowering = Lowering(stages=(tuple(layers),), recompute={}, cp=cp, cp_kind=kind)
-    return lower(model, (_tokens(),), lowering, loss_fn=causal_lm_loss,
-                 example_target=_tokens()).stages[0].module
+    return lower(model, (_tokens(seq=seq),), lowering, loss_fn=causal_lm_loss,
+                 example_target=_tokens(seq=seq)).stages[0].module
 
 
 def test_attention_and_positions_run_on_the_cp_group():
@@ -54,6 +54,13 @@ def test_attention_and_positions_run_on_the_cp_group():
     assert [n.args[1] for n in positions] == [SEQ // 2]
     assert not any("scaled_dot_product" in str(n.target) for n in calls)
     assert isinstance(module.cp, cp_runtime.ContextParallelGroup) and module.cp.size == 2
+
+
+def test_a_width_equal_to_the_shard_is_not_the_sequence():
+    # 128 tokens over cp=2: a shard of 64, Llama's width. Its norms' means over the
+    # width are 64 wide on the whole sequence's trace too: not along the sequence.
+    module = _lowered(FAMILIES["llama"].build(), "all-to-all", seq=128)
+    assert sum(n.target is cp_runtime.attention for n in module.graph.nodes) == 2
 
 
 class CumulativeMean(nn.Module):
