@@ -38,7 +38,7 @@ def arguments() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seqs", type=int, nargs="+", default=[256, 512, 1024])
     parser.add_argument("--steps", type=int, default=5)
-    parser.add_argument("--hidden", type=int, default=256)
+    parser.add_argument("--hidden", type=int, default=192)
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--profile", default=None,
                         help="a calibration profile (partc calibrate) for the budget")
@@ -50,7 +50,7 @@ def llama(hidden: int, layers: int) -> torch.nn.Module:
 
     torch.manual_seed(0)
     config = LlamaConfig(hidden_size=hidden, num_attention_heads=8, num_key_value_heads=4,
-                         intermediate_size=2 * hidden, vocab_size=1024,
+                         intermediate_size=2 * hidden, vocab_size=1000,
                          num_hidden_layers=layers, max_position_embeddings=8192,
                          use_cache=False, bos_token_id=0, eos_token_id=0, pad_token_id=0)
     return LlamaForCausalLM(config)
@@ -94,7 +94,7 @@ def main() -> None:
     model = llama(args.hidden, args.layers)
     rows = []
     for seq in args.seqs:
-        ids = torch.randint(1, 1024, (1, seq), generator=torch.Generator().manual_seed(seq))
+        ids = torch.randint(1, 1000, (1, seq), generator=torch.Generator().manual_seed(seq))
         for kind in KINDS:
             program = program_for(model, ids, kind, args.profile)
             rows.append((seq, kind, measure(program, ids, args.steps),
