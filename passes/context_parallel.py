@@ -5,19 +5,21 @@ load-balanced layout of ``partc.runtime.cp_layout``), so every op already has th
 shard's shapes; what reads across tokens must change:
 
 - each attention core (an SDPA call: the model's own, or written-out attention that
-  ``fuse_attention`` turned into one under ``TrainSpec(attention="fused")``) becomes ``context_parallel.attention(cp, q, k, v,
-  scale=..., mask=..., window=...)``: the ring or the all-to-all, as the plan's kind
+  ``fuse_attention`` turned into one under ``TrainSpec(attention="fused")``) becomes
+  ``partc.runtime.cp_group.attention(cp, q, k, v, scale=..., mask=..., window=...)``: the ring or the all-to-all, as the plan's kind
   says. Its mask is read where it means what it means, on a trace at the whole
   sequence's length (:func:`attention_masks`): ``"none"``, ``"causal"`` or
   ``"sliding"`` with its window (Mistral's). The mask's own nodes, made from shapes,
   then have no user and go. Grouped-query attention's ``repeat_kv`` (unsqueeze, expand,
   reshape) is looked through: the ring passes the key/value heads, not their copies;
 - each ``arange`` of the shard's length left (position ids, rotary angles, learned
-  position embeddings) becomes ``context_parallel.positions(cp, n)``: this rank's
+  position embeddings) becomes ``cp_group.positions(cp, n)``: this rank's
   tokens' places in the whole sequence;
 - an op outside attention and the loss that reads along the sequence (a cumulative
   sum, a sort, a mean or softmax over it) would compute on the shard what the model
-  means over the whole: refused, the op and its module named
+  means over the whole: refused, the op and its module named. The sequence's dims are
+  those whose size differs between the two traces (a width that equals the shard's
+  length is no sequence):
   (:class:`partc.ContextParallelError`); so is an attention whose mask depends on the
   batch, or one with dropout.
 
@@ -48,8 +50,8 @@ from partc.passes.context import Context
 from partc.passes.fuse_attention import constant_value
 from partc.passes.helpers.mask_rows import BLOCK_ELEMENTS, RowBlocks
 from partc.passes.helpers.graph import is_dtype_check, op_name
-from partc.runtime import context_parallel as cp_runtime
-from partc.runtime.context_parallel import ContextParallelGroup
+from partc.runtime import cp_group as cp_runtime
+from partc.runtime.cp_group import ContextParallelGroup
 from partc.runtime.ring_attention import CAUSAL, NONE, SLIDING, AttentionMask
 
 GROUP = "cp"  # the group's attribute on the rewritten module

@@ -37,7 +37,7 @@ from partc.cost.schedules import schedule as schedule_facts
 from partc.errors import ContextParallelError, PartcError, PlanMismatchError
 from partc.identity import model_hash
 from partc.plan import Plan
-from partc.runtime import context_parallel as cp_ops
+from partc.runtime import cp_group as cp_ops
 from partc.runtime import experts
 from partc.runtime import tp as tp_ops
 from partc.runtime.compiled import compile_stage

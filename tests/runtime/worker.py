@@ -36,7 +36,7 @@ import torch.distributed.fsdp._fully_shard._fsdp_param_group as fsdp_param_group
 import partc  # noqa: E402
 from partc.codec import to_data  # noqa: E402
 from partc.runtime import cp_layout  # noqa: E402
-from partc.runtime.context_parallel import ContextParallelGroup, attention  # noqa: E402
+from partc.runtime.cp_group import ContextParallelGroup, attention  # noqa: E402
 from partc.runtime.ring_attention import AttentionMask  # noqa: E402
 from partc.passes.fuse_attention import count_fused  # noqa: E402
 from partc.runtime import tp as tp_ops  # noqa: E402

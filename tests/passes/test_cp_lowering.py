@@ -12,7 +12,7 @@ from partc.errors import ContextParallelError
 from partc.passes.context import Lowering
 from partc.passes.context_parallel import attention_masks
 from partc.passes.pipeline import _whole_length_facts, lower
-from partc.runtime import context_parallel as cp_runtime
+from partc.runtime import cp_group as cp_runtime
 from partc.runtime.ring_attention import AttentionMask
 from tests.hf_families import FAMILIES, causal_lm_loss, logits_loss
 
