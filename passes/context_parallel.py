@@ -6,8 +6,8 @@ shard's shapes; what reads across tokens must change:
 
 - each attention core (an SDPA call: the model's own, or written-out attention that
   ``fuse_attention`` turned into one under ``TrainSpec(attention="fused")``) becomes
-  ``partc.runtime.cp_group.attention(cp, q, k, v, scale=..., mask=..., window=...)``: the ring or the all-to-all, as the plan's kind
-  says. Its mask is read where it means what it means, on a trace at the whole
+  ``partc.runtime.cp_group.attention(cp, q, k, v, scale=..., mask=..., window=...)``:
+  the ring or the all-to-all, as the plan's kind says. Its mask is read where it means what it means, on a trace at the whole
   sequence's length (:func:`attention_masks`): ``"none"``, ``"causal"`` or
   ``"sliding"`` with its window (Mistral's). The mask's own nodes, made from shapes,
   then have no user and go. Grouped-query attention's ``repeat_kv`` (unsqueeze, expand,
@@ -17,17 +17,16 @@ shard's shapes; what reads across tokens must change:
   tokens' places in the whole sequence;
 - an op outside attention and the loss that reads along the sequence (a cumulative
   sum, a sort, a mean or softmax over it) would compute on the shard what the model
-  means over the whole: refused, the op and its module named. The sequence's dims are
-  those whose size differs between the two traces (a width that equals the shard's
-  length is no sequence):
+  means over the whole: refused, the op and its module named
   (:class:`partc.ContextParallelError`); so is an attention whose mask depends on the
-  batch, or one with dropout.
+  batch, or one with dropout. The sequence's dims are those whose size differs between
+  the two traces (a width that equals the shard's length is no sequence).
 
 The loss runs on each rank's tokens; the runtime averages it over the cp group (the
 global token mean, each rank holding as many tokens), as it does the gradients.
 
 Reads: ``node.meta["val"]``, ``meta.LAYERS``, ``meta.LAYER``, ``meta.MODULE_PATH``,
-``ctx.lowering`` (``cp``, ``cp_kind``, ``attention_masks``).
+``ctx.lowering`` (``cp``, ``cp_kind``, ``attention_masks``, ``whole_length_shapes``).
 Writes: the submodule ``cp`` (a stand-in ``ContextParallelGroup`` the runtime binds);
 the attention and position calls, in their layers; ``meta.LAYERS``' node lists.
 Requires: ``layers``, and the graph traced at the shard's length (``pipeline.lower``).
