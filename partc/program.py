@@ -58,7 +58,8 @@ class Program:
             fsdp_units=plan.effective_zero_stage >= 2 or _gathers_wait_in_layers(plan),
             attention=plan.train.attention,
             ep=plan.mesh.ep, capacity_factor=plan.train.moe_capacity_factor,
-            mixed=plan.train.dtype != torch.float32)
+            mixed=plan.train.dtype != torch.float32,
+            cp=plan.cp, cp_kind=str(plan.cp_kind or "ring"))
         return lower(self.model, args, lowering, kwargs=kwargs, loss_fn=self.loss_fn,
                      example_target=target, only=only)
 

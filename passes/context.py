@@ -63,3 +63,12 @@ class Lowering:
     # (None: dropless); with either, the experts run as ``partc.runtime.experts``.
     ep: int = 1
     capacity_factor: float | None = None
+    # Context parallelism: the sequence split over ``cp`` ranks, the attention run as
+    # ``cp_kind`` ("ring" or "all-to-all"); ``attention_masks``: each attention call's
+    # mask as read at the whole sequence's length, and ``whole_length_shapes`` the shape
+    # each op that reduces along a dim reads there, by node name (``pipeline.lower``
+    # fills both): a dim whose size differs on the shard is the sequence.
+    cp: int = 1
+    cp_kind: str = "ring"
+    attention_masks: tuple = ()
+    whole_length_shapes: Mapping[str, tuple] = field(default_factory=dict)

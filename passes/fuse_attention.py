@@ -351,6 +351,18 @@ class _NotConstant(Exception):
     pass
 
 
+def constant_value(node: fx.Node) -> torch.Tensor | RowBlocks | None:
+    """``node``'s value computed on CPU when it depends on shapes only (a mask made
+    from ``arange`` and the sizes), else None; a long sequence's mask as
+    :class:`~partc.passes.helpers.mask_rows.RowBlocks`, to be read a block of query rows
+    at a time."""
+    try:
+        value = _evaluate(node, {})
+    except _NotConstant:
+        return None
+    return value if isinstance(value, (torch.Tensor, RowBlocks)) else None
+
+
 # Methods and ops whose tensor argument gives only a dtype and device, not values.
 _LIKE = ("new_ones", "new_zeros", "new_full", "new_empty")
 

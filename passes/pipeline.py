@@ -27,13 +27,15 @@ from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Sequence
 
 import torch
+import torch.utils._pytree as pytree
 from torch import fx, nn
 
 from partc import meta, progress
-from partc.errors import TraceError
+from partc.errors import ContextParallelError, TraceError
 from partc.options import ShardingOptions
 from partc.passes.attention_softmax import attention_softmax
 from partc.passes.context import Context, Lowering
+from partc.passes.context_parallel import attention_masks, context_parallel, reduced_shapes
 from partc.passes.estimate import estimate
 from partc.passes.fsdp_units import fsdp_units
 from partc.passes.fuse_attention import fuse_attention
@@ -126,6 +128,9 @@ def lowering_passes(lowering: Lowering) -> tuple[Pass, ...]:
         # sends and receives are the shapes one rank holds.
         *((Pass("tp_rewrite", _plan_sharding), Pass("propagate", propagate))
           if lowering.tp > 1 else ()),
+        # After tensor parallelism: the attention's heads are this rank's, which the
+        # all-to-all splits again over cp.
+        *((Pass("context_parallel", context_parallel),) if lowering.cp > 1 else ()),
         # Last before the cut: the expert-parallel call's shapes depend on the routing,
         # so no pass propagates fake values through it.
         *((Pass("lower_experts", lower_experts),)
@@ -422,8 +427,20 @@ def lower(model: nn.Module, example_inputs: tuple, lowering: Lowering, *,
     needs its own stage, the emitted code every stage).
 
     ``example_inputs`` (and ``kwargs``, ``example_target``) must have the micro-batch
-    size in dim 0: the graph's view shapes are those of one microbatch.
+    size in dim 0: the graph's view shapes are those of one microbatch. With context
+    parallelism (``lowering.cp > 1``) dim 1 of each is the sequence: the attention
+    masks are read on a trace at its whole length, and the graph traced at one rank's
+    share of it (:mod:`partc.passes.context_parallel`).
     """
+    if lowering.cp > 1:
+        masks, shapes = _whole_length_facts(model, example_inputs, lowering.attention,
+                                            kwargs=kwargs, loss_fn=loss_fn,
+                                            example_target=example_target)
+        lowering = dataclasses.replace(lowering, attention_masks=masks,
+                                       whole_length_shapes=shapes)
+        example_inputs, kwargs, example_target = (
+            sequence_shard(example_inputs, lowering.cp), sequence_shard(kwargs, lowering.cp),
+            sequence_shard(example_target, lowering.cp))
     gm, ctx = _trace(model, example_inputs, kwargs=kwargs, loss_fn=loss_fn,
                      example_target=example_target)
     ctx = dataclasses.replace(ctx, lowering=lowering)
@@ -434,6 +451,33 @@ def lower(model: nn.Module, example_inputs: tuple, lowering: Lowering, *,
         run_passes(stage_passes(lowering), stages[index].module, ctx)
     return Lowered(graph=gm, stages=tuple(stages),
                    holders=parameter_holders(stages, ctx.param_fqns))
+
+
+def _whole_length_facts(model: nn.Module, example_inputs: tuple, attention: str,
+                        **trace_args: Any) -> tuple[tuple, dict[str, tuple]]:
+    """On a trace at the whole sequence's length, attention fused as lowering fuses it
+    (``attention``): each attention call's mask (a sliding window longer than a shard
+    shows only there), and what each op that reduces along a dim reads
+    (:func:`partc.passes.context_parallel.reduced_shapes`)."""
+    gm, ctx = _trace(model, example_inputs, **trace_args)
+    for graph_pass in (Pass("drop_assertions", drop_assertions),
+                       Pass("propagate", propagate), *_attention_passes(attention)):
+        gm = run_pass(graph_pass, gm, ctx)
+    return named("context_parallel", lambda: (attention_masks(gm), reduced_shapes(gm)))
+
+
+def sequence_shard(value: Any, cp: int) -> Any:
+    """``value``'s tensors (meta or fake: shapes only) with dim 1, the sequence, cut to
+    one rank's ``1 / cp`` of it; tensors of fewer dims as they are."""
+    def cut(tensor: torch.Tensor) -> torch.Tensor:
+        if tensor.dim() < 2:
+            return tensor
+        if tensor.shape[1] % cp:
+            raise ContextParallelError(
+                f"an input of shape {tuple(tensor.shape)}: its sequence (dim 1) of "
+                f"{tensor.shape[1]} does not divide over cp={cp}")
+        return tensor.narrow(1, 0, tensor.shape[1] // cp)
+    return pytree.tree_map_only(torch.Tensor, cut, value)
 
 
 def _split(gm: fx.GraphModule, stages: Sequence[Sequence[str]]) -> list[StageGraph]:

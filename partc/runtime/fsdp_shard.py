@@ -36,8 +36,9 @@ def shard_over_dp(module: fx.GraphModule, unit_paths: tuple[str, ...], topology:
     would be gathered again at once, as torchtitan's ``apply_fsdp`` knows); the root
     keeps its own gathered until backward, as FSDP does. In mixed precision the fp32
     shards are the master weights, gathered as compute-dtype copies, and gradients are
-    reduce-scattered in fp32."""
-    mesh = topology.mesh["dp"]
+    reduce-scattered in fp32. With context parallelism the units shard over the dp x cp
+    ranks, which hold the same parameters (``Topology.grad_mesh``)."""
+    mesh = topology.grad_mesh
     policy = MixedPrecisionPolicy(
         param_dtype=None if compute_dtype == torch.float32 else compute_dtype,
         reduce_dtype=torch.float32)

@@ -103,7 +103,8 @@ class GradientSync:
 
     def norm_of(self, total: torch.Tensor, norm_type: float = 2.0) -> torch.Tensor:
         """The norm from every rank's :meth:`local_power` summed."""
-        dp = 1 if self._parts.sharded_grads else self._parts.topology.dp
+        # Reduced gradients are alike on every dp x cp rank (or each holds a shard).
+        dp = 1 if self._parts.sharded_grads else self._parts.topology.grad_replicas
         return (total / dp) ** (1.0 / norm_type)
 
     def _counted(self) -> list[torch.Tensor]:

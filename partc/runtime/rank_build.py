@@ -34,9 +34,10 @@ import torch.distributed as dist
 from torch import nn
 
 from partc.cost.schedules import schedule as schedule_facts
-from partc.errors import PartcError, PlanMismatchError
+from partc.errors import ContextParallelError, PartcError, PlanMismatchError
 from partc.identity import model_hash
 from partc.plan import Plan
+from partc.runtime import cp_group as cp_ops
 from partc.runtime import experts
 from partc.runtime import tp as tp_ops
 from partc.runtime.compiled import compile_stage
@@ -100,6 +101,14 @@ def connect(plan: Plan, model: nn.Module, loss_fn: Callable | None, *,
         raise PartcError("training needs a loss: pass loss_fn to partc.compile/partc.load "
                          "(or, for a model that returns its own loss, labels among the "
                          "example inputs)")
+    if plan.cp > 1 and plan.mesh.ep > 1:
+        raise ContextParallelError("context parallelism beside expert parallelism is not "
+                                   "supported yet: plan cp=1 or ep=1")
+    if plan.cp > 1 and plan.model.own_loss is not None:
+        raise ContextParallelError(
+            "context parallelism splits each sequence over its cp ranks, and the model's "
+            "own loss shifts its labels along the whole sequence: give partc.compile a "
+            "loss_fn on the logits and next-token targets, or plan cp=1")
     why = runtime_refusal(plan)
     if why is not None:
         raise PartcError(f"this plan cannot run: {why}")
@@ -186,8 +195,12 @@ def _own_parameters(modules: list[nn.Module], model: nn.Module,
     """Bind the stages to the tp group and give them this rank's parameters (its
     tensor-parallel shards); returns its slices of routed expert weights."""
     shard = shard_plan(plan, topology)
+    cp_group = cp_ops.ContextParallelGroup(topology.cp, str(plan.cp_kind or cp_ops.RING),
+                                           topology.cp_group) if topology.cp > 1 else None
     for module in modules:
         tp_ops.bind_group(module, tp_group)
+        if cp_group is not None:
+            cp_ops.bind_group(module, cp_group)
         own_parameters(module, model, state_dict, topology.device, shard)
     return [param for module in modules for param in experts.shard_experts(
         module, topology.ep_group, topology.ep, topology.ep_rank,
@@ -240,7 +253,7 @@ def _grad_buckets(plan: Plan, topology: Topology, whole: nn.Module, dtype: torch
     """ZeRO 0/1's fp32 gradient buckets for the rank, or None where there is nothing to
     reduce or widen (the module's doc)."""
     if plan.effective_zero_stage >= 2 or not (
-            topology.dp > 1 or dtype != torch.float32
+            topology.grad_replicas > 1 or dtype != torch.float32
             or topology.dp * topology.tp > topology.ep > 1):
         return None
     # Routed experts' gradients are summed over the ranks holding the same experts.
@@ -250,7 +263,8 @@ def _grad_buckets(plan: Plan, topology: Topology, whole: nn.Module, dtype: torch
     # both before it is reduced (after the schedule, by ``finish``), and a split
     # backward's weight gradients (made outside autograd's accumulation hooks) are taken
     # in there too, so neither overlaps the backward.
-    return GradBuckets(whole, topology.dp_group, topology.dp, topology.dp_rank,
+    # Over dp x cp: the cp ranks hold the same parameters and see other tokens.
+    return GradBuckets(whole, topology.grad_group, topology.grad_replicas, topology.grad_rank,
                        sharded=plan.effective_zero_stage == 1, at_end=set(scaled_once),
                        overlap=not schedule_facts(plan.schedule).split_backward,
                        groups=expert_groups, elements=plan.train.bucket_elements)

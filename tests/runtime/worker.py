@@ -35,6 +35,9 @@ import torch.distributed.fsdp._fully_shard._fsdp_param_group as fsdp_param_group
 
 import partc  # noqa: E402
 from partc.codec import to_data  # noqa: E402
+from partc.runtime import cp_layout  # noqa: E402
+from partc.runtime.cp_group import ContextParallelGroup, attention  # noqa: E402
+from partc.runtime.ring_attention import AttentionMask  # noqa: E402
 from partc.passes.fuse_attention import count_fused  # noqa: E402
 from partc.runtime import tp as tp_ops  # noqa: E402
 from samples import gpt  # noqa: E402
@@ -372,6 +375,30 @@ for _mesh, _pins in (("pp2", dict(pp=2, schedule="1f1b")), ("tp2", dict(pp=1, tp
                                                 dict(_pins, recompute="none"))
 
 
+# Context parallelism (each sequence split over 2 ranks, the ring or the all-to-all):
+# the four families issue 46 names, alone (2 processes) and beside pp, tp and dp with
+# ZeRO-3 (4 processes). SEQ (16) is longer than Mistral's window (8) and a shard (8)
+# is not: only the whole sequence's mask shows the window.
+_CP_KINDS = {"ring": "ring", "a2a": "all-to-all"}
+for _family in ("llama", "qwen2", "mistral", "gpt2"):
+    _spec = hf_families.FAMILIES[_family]
+    _hf = (_spec.build, f"hf:{_spec.data}", hf_families.loss_for(_spec.data))
+    for _short, _kind in _CP_KINDS.items():
+        _cp = dict(cp=2, cp_kind=_kind, recompute="none")
+        CASES[f"hf-{_family}-cp2-{_short}"] = Case(*_hf, dict(_cp, pp=1))
+        CASES[f"hf-{_family}-cp2-{_short}-pp2"] = Case(*_hf, dict(_cp, pp=2, schedule="1f1b"))
+        CASES[f"hf-{_family}-cp2-{_short}-tp2"] = Case(*_hf, dict(_cp, pp=1, tp=2,
+                                                                   tp_objective="memory"))
+        CASES[f"hf-{_family}-cp2-{_short}-dp2-zero3"] = Case(*_hf, dict(_cp, pp=1, dp=2,
+                                                                         zero_stage=3))
+
+# Recompute of a layer whose attention is the ring: full (the whole layer again, the ring
+# with it) and selective (the ring alone).
+CASES["hf-llama-cp2-ring-recompute"] = Case(
+    hf_families.FAMILIES["llama"].build, "hf:tokens", hf_families.loss_for("tokens"),
+    dict(cp=2, cp_kind="ring", pp=1, recompute=HF_MODES))
+
+
 def batch(case: Case, model: torch.nn.Module, step: int,
           seq: int = SEQ) -> tuple[Any, Any]:
     """Step ``step``'s batch: (the model's inputs, the loss's target); for the model's
@@ -410,7 +437,8 @@ def optimizer(params: Any) -> torch.optim.Optimizer:
 def compile_case(case: Case, model: torch.nn.Module, world: int) -> partc.Program:
     x, y = batch(case, model, 0)
     constraints = dict(case.constraints)
-    constraints.setdefault("dp", world // (constraints["pp"] * constraints.get("tp", 1)))
+    constraints.setdefault("dp", world // (constraints["pp"] * constraints.get("tp", 1)
+                                        * constraints.get("cp", 1)))
     constraints.setdefault("num_microbatches", 4 // constraints["dp"])
     return partc.compile(model, x, loss_fn=case.loss_fn, example_target=y,
                          budget=partc.DeviceBudget(num_devices=world, device="CPU",
@@ -670,6 +698,37 @@ def run_mismatch_cases() -> dict[str, Any]:
     return results
 
 
+def run_cp_attention() -> dict[str, float]:
+    """Context-parallel attention over every rank against plain attention on the whole
+    sequence (float64): for each kind and mask, the largest difference in this rank's
+    output and in its gradients of q, k and v (grouped-query: 4 heads, 2 key/value)."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    g = torch.Generator().manual_seed(0)
+    seq = 8 * world
+    q, dout = (torch.randn(2, 4, seq, 8, generator=g, dtype=torch.float64) for _ in "qo")
+    k, v = (torch.randn(2, 2, seq, 8, generator=g, dtype=torch.float64) for _ in "kv")
+    errors = {}
+    for kind in ("ring", "all-to-all"):
+        for mask in (AttentionMask("causal"), AttentionMask("none"),
+                     AttentionMask("sliding", 3), AttentionMask("sliding", seq // 2 + 1)):
+            whole = [t.clone().requires_grad_() for t in (q, k, v)]
+            every = torch.arange(seq)
+            expected = F.scaled_dot_product_attention(
+                whole[0], *(t.repeat_interleave(2, 1) for t in whole[1:]),
+                attn_mask=mask.keeps(every, every), scale=0.3)
+            expected.backward(dout)
+            mine = [cp_layout.shard(t, 2, world, rank).detach().requires_grad_()
+                    for t in (q, k, v)]
+            group = ContextParallelGroup(world, kind, dist.group.WORLD)
+            out = attention(group, *mine, scale=0.3, mask=mask.kind, window=mask.window)
+            out.backward(cp_layout.shard(dout, 2, world, rank))
+            pairs = [(out, expected)] + [(m.grad, w.grad) for m, w in zip(mine, whole)]
+            errors[f"{kind} {mask.kind} {mask.window}"] = max(
+                (ours - cp_layout.shard(theirs, 2, world, rank)).abs().max().item()
+                for ours, theirs in pairs)
+    return errors
+
+
 def main() -> None:
     out, names = Path(sys.argv[1]), sys.argv[2:]
     os.environ["PARTC_WORKER_OUT"] = str(out)
@@ -680,6 +739,8 @@ def main() -> None:
         try:
             if name == "mismatch":
                 results[name] = run_mismatch_cases()
+            elif name == "cp-attention":
+                results[name] = run_cp_attention()
             elif "+" in name:
                 results[name] = run_together(name.split("+"))
             else:
