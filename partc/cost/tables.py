@@ -215,7 +215,7 @@ class TableCache:
         """One row per layer; layers with equal numbers share one row object."""
         family = (config.micro_batch_size, config.dp, config.tp, config.sequence_parallel,
                   config.tp_objective, config.zero_stage, config.reduces_once,
-                  schedule_info(config.schedule).split_backward)
+                  schedule_info(config.schedule).split_backward, _offload_key(config))
         known = self._tables.get(("rows", family, id(problem.model)))
         if known is not None:
             return known
@@ -244,7 +244,7 @@ class TableCache:
                config: PipelineConfig) -> tuple[SharedTable, ...]:
         key = ("shared", config.micro_batch_size, config.num_microbatches, config.dp,
                config.tp, config.sequence_parallel, config.tp_objective, config.zero_stage,
-               config.reduces_once)
+               config.reduces_once, _offload_key(config))
         if key not in self._tables:
             self._tables[key] = _shared_tables(problem, config)
         return self._tables[key]
@@ -266,6 +266,13 @@ class TableCache:
         if cuts is None:
             cuts = self._tables[key] = cut_table(problem, config)
         return cuts
+
+
+def _offload_key(config: PipelineConfig) -> tuple:
+    """What of ``config`` offload's rows depend on (the microbatches: copies per step)."""
+    if not config.offload_optimizer:
+        return ()
+    return (config.offload_optimizer, config.offload_params, config.num_microbatches)
 
 
 def _layer_key(layer) -> tuple:
@@ -432,7 +439,7 @@ def moe_rows(whole: PlanningProblem, problem: PlanningProblem, config: PipelineC
     key = ("moe rows", config.micro_batch_size, config.dp, config.tp,
            config.sequence_parallel, config.tp_objective, config.zero_stage, config.ep,
            config.reduces_once, schedule_info(config.schedule).split_backward,
-           id(problem.model))
+           _offload_key(config), id(problem.model))
     known = cache._tables.get(key)
     if known is not None and known[0] is problem.model:
         return known[1]

@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 
 from partc.cost.evaluate import Evaluation, evaluate, simulated_step_ps
+from partc.cost.host_offload import host_bytes_per_node
 from partc.cost.pipeline_config import PS_PER_S, PipelineConfig
 from partc.cost.schedules import feature_refusal, refusal
 from partc.cost.tables import build_cost_table
@@ -123,7 +124,9 @@ def _costs(problem: PlanningProblem, plan: Plan, errors: list[str]) -> Evaluatio
                             tp=plan.tp, sequence_parallel=plan.sequence_parallel,
                             tp_objective=plan.tp_objective, zero_stage=plan.zero_stage,
                             chunks=plan.chunks, ep=plan.mesh.ep,
-                            zero2_grad_sync=plan.zero2_grad_sync)
+                            zero2_grad_sync=plan.zero2_grad_sync,
+                            offload_optimizer=plan.offload_optimizer,
+                            offload_params=plan.offload_params)
     stage_of = [j for j, run in enumerate(plan.runs) for _ in run]
     modes = [plan.recompute[layer.name] for layer in problem.layers]
     evaluation = evaluate(build_cost_table(problem, config), stage_of, modes)
@@ -146,6 +149,11 @@ def _costs(problem: PlanningProblem, plan: Plan, errors: list[str]) -> Evaluatio
     if plan.data_parallel is not None and \
             data_parallel_section(problem, config, evaluation) != plan.data_parallel:
         errors.append("the plan's data_parallel section differs from the cost model's")
+    local = problem.variant(plan.tp, plan.sequence_parallel, plan.tp_objective)
+    host = host_bytes_per_node(local, config, [s.param_count for s in evaluation.stages])
+    if host != plan.host_bytes_per_node:
+        errors.append(f"the plan records {plan.host_bytes_per_node} host bytes per node, "
+                      f"the cost model gives {host}")
     step = simulated_step_ps(config, evaluation)[0] / PS_PER_S
     recorded = plan.predicted.step_time_s
     if not math.isclose(recorded, step, rel_tol=1e-9, abs_tol=1e-15):
@@ -265,6 +273,9 @@ def field_conflicts(plan: Plan) -> list[tuple[str, str]]:
     if plan.zero2_grad_sync == "step" and plan.effective_zero_stage != 2:
         found.append(("zero2_grad_sync", f"'step' is ZeRO-2's, the plan runs "
                                          f"ZeRO-{plan.effective_zero_stage}"))
+    if plan.offload_params and not plan.offload_optimizer:
+        found.append(("offload_params", "parameter offload steps the optimizer on the "
+                                        "host: offload_optimizer must be on too"))
     if plan.offload_params and plan.effective_zero_stage != 3:
         found.append(("offload_params", f"parameter offload runs under ZeRO-3, the plan "
                                         f"runs ZeRO-{plan.effective_zero_stage}"))
