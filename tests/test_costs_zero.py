@@ -59,7 +59,8 @@ def _dp_program(memory: str, dtype: torch.dtype = torch.float32, **pins) -> part
                                                    memory=memory),
                          train=partc.TrainSpec(global_batch_size=8, optimizer="adamw",
                                                dtype=dtype),
-                         constraints=partc.Constraints(pp=1, tp=1, **pins))
+                         constraints=partc.Constraints(pp=1, tp=1, **{"offload": (),
+                                                                      **pins}))
 
 
 def test_bf16_zero1_holds_what_megatrons_distributed_optimizer_holds():
