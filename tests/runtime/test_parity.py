@@ -29,8 +29,8 @@ DEFAULT_TWO = ["gpt2-pp2-1f1b-recompute", "llama-pp2-1f1b-loaded", "skip-pp2-1f1
                "handoff-pp2", "bert-dp2"]
 DEFAULT_FOUR = ["gpt-pp4-gpipe", "gpt-pp2-dp2"]
 # Optimizer offload under each mesh (2 processes); the default profile runs ZeRO-1's.
-OFFLOAD = ["gpt-pp2-offload", "gpt-dp2-zero1-offload", "gpt-dp2-zero3-offload-params",
-           "gpt-tp2-offload"]
+OFFLOAD = ["gpt-pp2-offload", "gpt-dp2-offload", "gpt-dp2-zero1-offload",
+           "gpt-dp2-zero2-offload", "gpt-dp2-zero3-offload-params", "gpt-tp2-offload"]
 DEFAULT_OFFLOAD = ["gpt-dp2-zero1-offload"]
 RTOL = 1e-5
 

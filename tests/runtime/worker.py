@@ -246,7 +246,7 @@ CASES["gpt-pp2-dp2-zero1"] = Case(gpt.gpt_tiny, "tokens", gpt.loss_fn,
 CASES["llama-dp2-tp2-zero1"] = Case(models.llama, "tokens", models.causal_lm_loss,
                                     dict(pp=1, dp=2, tp=2, tp_objective="memory",
                                          recompute="none", zero_stage=1))
-# Optimizer offload: the masters, state and step on the host tier, under pp, ZeRO-1,
+# Optimizer offload: the masters, state and step on the host tier, under pp, ZeRO-0/1/2,
 # ZeRO-3 with the parameters offloaded too (FSDP2's CPU offload policy) and tp.
 _HOST = dict(figures=dict(host_memory="4GiB"))
 CASES["gpt-pp2-offload"] = Case(gpt.gpt_tiny, "tokens", gpt.loss_fn,
@@ -257,6 +257,11 @@ CASES["gpt-dp2-zero1-offload"] = Case(gpt.gpt_tiny, "tokens", gpt.loss_fn,
 CASES["gpt-dp2-zero3-offload-params"] = Case(
     gpt.gpt_tiny, "tokens", gpt.loss_fn,
     dict(pp=1, dp=2, zero_stage=3, offload=("optimizer", "params")), **_HOST)
+CASES["gpt-dp2-offload"] = Case(gpt.gpt_tiny, "tokens", gpt.loss_fn,
+                                dict(pp=1, dp=2, zero_stage=0, offload=("optimizer",)), **_HOST)
+CASES["gpt-dp2-zero2-offload"] = Case(gpt.gpt_tiny, "tokens", gpt.loss_fn,
+                                      dict(pp=1, dp=2, zero_stage=2, offload=("optimizer",)),
+                                      **_HOST)
 CASES["gpt-tp2-offload"] = Case(gpt.gpt_tiny, "tokens", gpt.loss_fn,
                                 dict(pp=1, tp=2, tp_objective="memory", recompute="none",
                                      offload=("optimizer",)), **_HOST)
