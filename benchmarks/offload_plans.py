@@ -14,7 +14,10 @@ the predicted step time and model TFLOP/s per GPU (6 x parameters x tokens plus
 attention, no recompute: the plan's MFU times the peak), device peak and host bytes per
 node.
 
-    python benchmarks/offload_plans.py [--only gpt13b,llama7b-1,...]
+3. ``--sweep``: Llama-2 7B on 2 H100s of ``--sweep-memory`` at several host link rates, nothing pinned:
+   which rates make the planner offload (and recompute less).
+
+    python benchmarks/offload_plans.py [--only gpt13b,llama7b-1,...] [--sweep 2GB/s,50GB/s]
 """
 
 from __future__ import annotations
@@ -108,12 +111,38 @@ def plan_case(name: str) -> None:
               flush=True)
 
 
+def sweep(rates: list[str], memory: str) -> None:
+    """Llama-2 7B on 2 H100s of ``memory`` at each host link rate (both ways): where offload's
+    copies are cheap the planner offloads and recomputes less; where they are dear it
+    keeps the state on the devices (ZeRO) and recomputes more."""
+    model, ids, loss = llama(LLAMA2_7B)
+    print(f"llama7b on 2 x H100 of {memory}, global batch 64 x 2048, by host link rate")
+    for entry in rates:   # LINK or LINK@ADAM_RATE
+        link, _, adam = entry.partition("@")
+        budget = partc.DeviceBudget(num_devices=2, device="H100", memory=memory,
+                                    host_to_device_bandwidth=link,
+                                    device_to_host_bandwidth=link,
+                                    host_adam_rate=float(adam) if adam else None)
+        program = partc.compile(model, (ids,), loss_fn=loss, example_target=ids,
+                                budget=budget,
+                                train=partc.TrainSpec(global_batch_size=64,
+                                                      dtype=torch.bfloat16, optimizer="adamw"),
+                                cache=None)
+        print(f"  {entry:>14}: {describe(program.plan)}", flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--only", default=",".join(CASES))
+    parser.add_argument("--sweep", default="", help="host link rates for the sweep, each with "
+                        "the host's Adam rate if not the preset's, e.g. "
+                        "2GB/s,50GB/s,50GB/s@4e10 (none: no sweep)")
+    parser.add_argument("--sweep-memory", default="64GiB")
     args = parser.parse_args()
-    for name in args.only.split(","):
+    for name in filter(None, args.only.split(",")):
         plan_case(name)
+    if args.sweep:
+        sweep(args.sweep.split(","), args.sweep_memory)
 
 
 if __name__ == "__main__":

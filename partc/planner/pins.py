@@ -57,7 +57,7 @@ def _check_host(pins: Pins, devices: DeviceNumbers) -> None:
     lacking = host_ready(devices)
     kinds = set(pins.offload or ()) & {Offload.OPTIMIZER, Offload.PARAMS}
     if kinds and lacking is not None:
-        raise _refuse("offload", f"offload={list(pins.offload)}: {lacking}")
+        raise _refuse("offload", f"offload={[str(k) for k in pins.offload]}: {lacking}")
 
 
 def _check_batch(pins: Pins, batch: int) -> None:

@@ -115,3 +115,12 @@ def test_the_host_adam_is_torch_adamw():
     for ours, theirs in zip(device, plain):
         assert torch.allclose(ours, theirs, rtol=FP32, atol=1e-7)
         assert torch.equal(host.master_of(ours), ours)   # fp32 both: copied back whole
+
+
+def test_offload_pinned_without_the_host_figures_says_which_to_give():
+    ids, _ = _batch(0)
+    with pytest.raises(partc.PlanInfeasibleError, match="--host-memory") as refused:
+        partc.compile(gpt_tiny(n_layer=1), (ids,), loss_fn=loss_fn, example_target=ids,
+                      budget=partc.DeviceBudget(num_devices=1, device="CPU"),
+                      constraints=partc.Constraints(offload=["optimizer"]), cache=None)
+    assert "offload=['optimizer']" in str(refused.value)
