@@ -20,9 +20,12 @@ all-gather copies its shard in, forward and backward, and each microbatch's redu
 gradient shard is copied out; the step runs on the host's shards, with nothing to copy
 back.
 
-Every copy is priced exposed, once per step in the tail, at the link's rate each way
-(``host_to_device_bandwidth``, ``device_to_host_bandwidth``): the runtime does not
-overlap them with compute. The host's step runs at ``host_adam_rate`` parameter updates
+Every copy is priced exposed at the link's rate each way (``host_to_device_bandwidth``,
+``device_to_host_bandwidth``): the runtime does not overlap them with compute. Those
+made every microbatch (gradients streamed out in backward; parameter shards in for
+forward and backward, gradient shards out) add to the layer's forward and backward
+(:func:`microbatch_seconds`); those made once per step (the reduced gradients out, the
+weights back) and the host's step are the step's tail (:func:`host_seconds`). The host's step runs at ``host_adam_rate`` parameter updates
 per second for the whole node, whose ranks step at once: a rank's share is the rate over
 the node's ranks.
 """
@@ -96,22 +99,52 @@ def host_traffic(problem: PlanningProblem, config: PipelineConfig,
     return stepped * master, stepped * master
 
 
+def _rates(problem: PlanningProblem) -> tuple[float, float]:
+    """The link's rates: (device to host, host to device)."""
+    devices = problem.devices
+    return (devices.device_to_host_bandwidth or devices.host_to_device_bandwidth,
+            devices.host_to_device_bandwidth)
+
+
+def microbatch_seconds(problem: PlanningProblem, config: PipelineConfig,
+                       params: float) -> tuple[float, float]:
+    """Seconds the copies of one microbatch add to the forward and the backward of a
+    layer of ``params`` parameters (the module's doc): (forward, backward)."""
+    if not config.offload_optimizer:
+        return 0.0, 0.0
+    out, back = _rates(problem)
+    precision = problem.train.precision
+    if config.offload_params:
+        shard = params * stepped_share(config) * precision.master_bytes
+        return shard / back, shard / back + shard / out
+    if streams_gradients(config):
+        return 0.0, params * precision.compute_bytes / out
+    return 0.0, 0.0
+
+
 def ranks_per_node(problem: PlanningProblem) -> int:
     devices = problem.devices
     return min(devices.devices_per_node, devices.num_devices)
 
 
 def host_seconds(problem: PlanningProblem, config: PipelineConfig, params: float) -> float:
-    """Seconds per step the offload of a rank's ``params`` parameters adds: its copies
-    each way at the link's rate, and its share of the node's host step (the module's
-    doc). 0 without offload."""
+    """Seconds per step the offload of a rank's ``params`` parameters adds in the tail:
+    the copies made once per step, each way at the link's rate, and its share of the
+    node's host step (the module's doc; the copies of each microbatch are
+    :func:`microbatch_seconds`). 0 without offload."""
     if not config.offload_optimizer:
         return 0.0
-    devices = problem.devices
-    out, back = host_traffic(problem, config, params)
-    to_host = devices.device_to_host_bandwidth or devices.host_to_device_bandwidth
-    step = params * stepped_share(config) * ranks_per_node(problem) / devices.host_adam_rate
-    return out / to_host + back / devices.host_to_device_bandwidth + step
+    out_rate, back_rate = _rates(problem)
+    precision = problem.train.precision
+    stepped = params * stepped_share(config)
+    if config.offload_params:
+        per_step = 0.0   # every copy is a microbatch's
+    elif streams_gradients(config):
+        per_step = params * precision.compute_bytes / back_rate   # the weights back
+    else:
+        per_step = stepped * precision.master_bytes * (1 / out_rate + 1 / back_rate)
+    step = stepped * ranks_per_node(problem) / problem.devices.host_adam_rate
+    return per_step + step
 
 
 def host_bytes_per_node(problem: PlanningProblem, config: PipelineConfig,

@@ -252,8 +252,10 @@ def _offload_lines(plan: Plan) -> list[str]:
     tail = max(stage.time_s.tail for stage in plan.stages)
     return [f"Offloaded to the host: {what}. The host holds "
             f"{format_bytes(plan.host_bytes_per_node)} per node; the device columns above "
-            f"leave it out. The copies over the host link and the host's step are in the "
-            f"step's tail ({format_seconds(tail)} on the busiest stage, exposed)."]
+            f"leave it out. The host's step and the copies made once per step are in the "
+            f"step's tail ({format_seconds(tail)} on the busiest stage); the copies of each "
+            f"microbatch (gradients streamed out, parameter shards in and out) in the layers' "
+            f"forward and backward; all exposed (not overlapped with compute)."]
 
 
 _ZERO_SHARDS = {1: "optimizer state", 2: "gradients and optimizer state",
