@@ -96,7 +96,8 @@ def pins_for(constraints: Constraints, train: TrainSpec,
                 virtual_stages=constraints.virtual_stages,
                 zero_stage=constraints.zero_stage,
                 zero2_grad_sync=constraints.zero2_grad_sync, ep=constraints.ep,
-                cp=constraints.cp, cp_kind=constraints.cp_kind)
+                cp=constraints.cp, cp_kind=constraints.cp_kind,
+                offload=constraints.offload)
 
 
 def build_problem(analysis: ModelAnalysis, budget: DeviceBudget, train: TrainSpec,

@@ -258,6 +258,18 @@ def test_placements_are_typed(programs):
     assert programs["pp2"].plan.to_dict()["tensor_parallel"] == {}
 
 
+def test_offload_is_written_only_when_on_and_older_plans_read_off(programs):
+    plan = programs["pp2"].plan
+    assert (plan.offload_optimizer, plan.offload_params, plan.host_bytes_per_node) == \
+        (False, False, 0) and plan.offload == ()
+    data = plan.to_dict()
+    assert not {"offload_optimizer", "offload_params", "host_bytes_per_node"} & set(data)
+    on = replace(plan, offload_optimizer=True, host_bytes_per_node=10**6)
+    assert on.offload == ("optimizer",)
+    assert Plan.from_dict(on.to_dict()) == on and on.hash != plan.hash
+    assert replace(plan, host_bytes_per_node=1).hash == plan.hash   # not a decision
+
+
 def _edit(data: dict, change) -> dict:
     data = json.loads(json.dumps(data))
     change(data)
@@ -279,6 +291,7 @@ EDITS = {
     # 16 tokens do not split into 2 x cp = 6 chunks (the budget grown to the mesh)
     "mesh.cp": lambda d: (d["mesh"].update(cp=3, cp_kind="all-to-all"),
                           d["budget"].update(num_devices=6)),
+    "offload_params": lambda d: d.update(offload_params=True),             # not ZeRO-3
 }
 
 

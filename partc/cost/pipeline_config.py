@@ -89,6 +89,10 @@ class PipelineConfig:
         """Ranks that hold the same parameters in a stage and reduce their gradients
         (and shard ZeRO state) together: dp x cp."""
         return self.dp * self.cp
+    # Offload (partc.cost.host_offload): the optimizer's state, masters and step on the
+    # host; under ZeRO-3 the parameter shards too (which implies the first).
+    offload_optimizer: bool = False
+    offload_params: bool = False
 
     @property
     def effective_zero_stage(self) -> int:

@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING
 from partc.codec import dtype_named
 from partc.cost.communication import tp_comm_seconds
 from partc.cost.evaluate import Evaluation, simulated_step_ps
+from partc.cost.host_offload import host_bytes_per_node
 from partc.cost.pipeline_config import PS_PER_S, PipelineConfig
 from partc.names import CpKind, Phase, Recompute, Schedule
 from partc.plan import (Alternative, BudgetInfo, InputSpec, Mesh, MeshOutcome, ModelInfo,
@@ -147,6 +148,10 @@ def make_plan(problem: PlanningProblem, config: PipelineConfig, evaluation: Eval
         expert_parallel=_expert_parallel(problem, config, evaluation, modes),
         module_list_experts=problem.module_list_experts,
         data_parallel=data_parallel_section(problem, config, evaluation),
+        offload_optimizer=config.offload_optimizer,
+        offload_params=config.offload_params,
+        host_bytes_per_node=host_bytes_per_node(
+            local, config, [stage.param_count for stage in evaluation.stages]),
     )
 
 

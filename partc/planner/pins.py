@@ -13,7 +13,9 @@ Pins that contradict each other whatever the model (``pp`` and the number of pin
 
 from __future__ import annotations
 
+from partc.cost.host_offload import host_ready
 from partc.errors import PlanInfeasibleError
+from partc.names import Offload
 from partc.problem import DeviceNumbers, Pins
 
 
@@ -27,6 +29,7 @@ def check_pins(pins: Pins, devices: DeviceNumbers, global_batch_size: int,
     """Raise PlanInfeasibleError for the first pin that no plan can satisfy."""
     _check_mesh(pins, devices)
     _check_batch(pins, global_batch_size)
+    _check_host(pins, devices)
     if layer_names is not None:
         _check_layers(pins, layer_names)
 
@@ -58,6 +61,13 @@ def _check_mesh(pins: Pins, devices: DeviceNumbers) -> None:
     if pins.pp is not None and pins.dp is not None and n % (pins.pp * pins.dp * cp):
         raise _refuse("pp x dp", f"pp={pins.pp} x dp={pins.dp}" + (
             f" x cp={cp}" if cp > 1 else "") + f" does not divide the {n} devices")
+
+
+def _check_host(pins: Pins, devices: DeviceNumbers) -> None:
+    lacking = host_ready(devices)
+    kinds = set(pins.offload or ()) & {Offload.OPTIMIZER, Offload.PARAMS}
+    if kinds and lacking is not None:
+        raise _refuse("offload", f"offload={[str(k) for k in pins.offload]}: {lacking}")
 
 
 def _check_batch(pins: Pins, batch: int) -> None:
