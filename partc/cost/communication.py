@@ -147,7 +147,8 @@ def tail_ps(problem: PlanningProblem, config: PipelineConfig, params: int,
             seconds += _gather_seconds(problem, config, params)
     # At the rate the device's optimizer moves the bytes a step touches (a fused step's
     # HBM bandwidth, or the calibrated rate of torch's unfused one).
-    seconds += stepped * problem.train.precision.step_bytes / devices.optimizer_step_bandwidth
+    seconds += stepped * problem.train.precision.step_bytes / devices.optimizer_step_bandwidth(
+        problem.train.fused_optimizer)
     return to_ps(seconds)
 
 

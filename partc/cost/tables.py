@@ -20,7 +20,7 @@ from partc.cost.experts_cost import expert_dp_config, moe_layer_figures
 from partc.cost.layer_compute import layer_work, run_layer
 from partc.cost.pipeline_config import (PipelineConfig, overlapped, permille, split_factor,
                                         stage_ranks, to_ps)
-from partc.cost.schedules import schedule as schedule_info
+from partc.cost.schedules import runs_compiled, schedule as schedule_info
 from partc.cost.state_bytes import (state_bytes, step_bytes, step_total, steps_whole_list,
                                     zero_transient)
 from partc.problem import MoECost, PlanningProblem
@@ -119,7 +119,7 @@ def layer_phases(problem: PlanningProblem, config: PipelineConfig, index: int,
         layer = run_layer(problem, index, config.micro_batch_size)
     if work is None:
         work = layer_work(layer, devices, config.micro_batch_size, train.measured_scale,
-                          train.compiled)
+                          runs_compiled(config.schedule, train.compiled))
     if comm is None:
         comm = tp_comm_seconds(problem, config, layer)
     zero = zero_comm_seconds(problem, config, layer.param_count)
@@ -134,7 +134,7 @@ def _layer_table(problem: PlanningProblem, config: PipelineConfig, index: int) -
     layer = run_layer(problem, index, config.micro_batch_size)
     devices, train = problem.devices, problem.train
     b, scale = config.micro_batch_size, train.measured_scale
-    work = layer_work(layer, devices, b, scale, train.compiled)
+    work = layer_work(layer, devices, b, scale, runs_compiled(config.schedule, train.compiled))
     saved = {m: int(round(b * scale * v)) for m, v in layer.saved_bytes.items()}
     workspace = int(round(2 * b * scale * layer.workspace_bytes))
     gathered, gradient = zero_transient(problem, config, layer.param_count)
