@@ -29,6 +29,7 @@ from partc.cache import DEFAULT as DEFAULT_CACHE
 from partc.cache import PlanCache, model_key
 from partc.codec import dtype_name
 from partc.cost.collectives import Group
+from partc.cost.compile_time import rank_compile_seconds
 from partc.cost.schedules import runs_compiled
 from partc.cost.tables import TableCache
 from partc.device.budget import DeviceBudget, preset
@@ -230,9 +231,22 @@ def plan_of(problem: PlanningProblem, result: PlannerResult, *,
                                           best.table.config.schedule),
                      alternatives=alternatives, meshes=result.meshes)
     plan = dataclasses.replace(plan, schedules=tuple(
-        schedule_options(problem, best, table_cache, result.schedule_trials)))
+        schedule_options(problem, best, table_cache, result.schedule_trials)),
+        predicted=dataclasses.replace(plan.predicted,
+                                      compile_time_s=compile_seconds(problem, plan)))
     validate_plan(problem, plan)
     return plan
+
+
+def compile_seconds(problem: PlanningProblem, plan: Plan) -> float | None:
+    """The first step's compile on the slowest pipeline rank (None: not compiled)."""
+    if not plan.train.compile:
+        return None
+    layers = {layer.name: layer for layer in problem.model.layers}
+    # dispatch_ahead: the device is a GPU (its host queues kernels ahead).
+    return max(rank_compile_seconds((layers[name] for name in stage.layers),
+                                    gpu=problem.devices.dispatch_ahead)
+               for stage in plan.stages)
 
 
 def chosen_kernels(train: TrainSpec, problem: PlanningProblem, schedule: str) -> TrainSpec:

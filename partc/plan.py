@@ -428,6 +428,9 @@ class Predicted:
     # The planner's closed form of the step (what the search minimises; the step time
     # above is the schedule played out, partc.cost.timeline).
     closed_form_step_s: float | None = field(default=None, metadata=UNLESS_DEFAULT)
+    # A compiled plan: the first step's torch.compile on the slowest rank, estimated
+    # (partc.cost.compile_time); None when nothing is compiled.
+    compile_time_s: float | None = field(default=None, metadata=UNLESS_DEFAULT)
 
 
 @dataclass(frozen=True, kw_only=True)

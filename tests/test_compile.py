@@ -365,12 +365,33 @@ def test_kernel_choices_default_to_the_fastest_on_a_gpu_and_eager_on_a_cpu():
     cpu = _tiny_plan("CPU")
     assert (cpu.train.compile, cpu.train.attention, cpu.train.fused_optimizer) \
         == (False, "as_written", False)
+    # The first step's compile, estimated, in the report beside what runs.
+    assert gpu.predicted.compile_time_s > 0 and cpu.predicted.compile_time_s is None
+    assert "kernels: compiled (torch.compile), attention fused, optimizer step fused; the " \
+        "first step compiles for about" in render(gpu)
+    assert "kernels: eager, attention as written, optimizer step unfused\n" in render(cpu)
     # The zero-bubble schedules split backward, which a compiled region cannot: left to
     # the planner they run eagerly; pinned on, compile refuses them.
     split = _tiny_plan("H100", schedule="zbv-zero-bubble")
     assert split.schedule == "zbv-zero-bubble" and split.train.compile is False
     with pytest.raises(partc.PlanInfeasibleError, match="compiled region"):
         _tiny_plan("H100", schedule="zbv-zero-bubble", compile=True)
+
+
+def test_compile_time_builds_a_repeated_block_once():
+    from partc.cost.compile_time import BUILD_S_PER_NODE, FIXED_S, TRACE_S_PER_NODE, \
+        rank_compile_seconds
+    from partc.problem import LayerCost
+
+    def layer(name: str, signature: str) -> LayerCost:
+        return LayerCost(name=name, signature=signature, fwd_flops=0.0, fwd_mem_bytes=0.0,
+                         param_count=0, param_bytes=0, saved_bytes={}, recompute_flops={},
+                         recompute_mem_bytes={}, workspace_bytes=0.0, num_nodes=10)
+
+    blocks = [layer(f"blocks.{i}", "block") for i in range(3)]
+    seconds = rank_compile_seconds(blocks, gpu=True)
+    assert seconds == pytest.approx(FIXED_S + 30 * TRACE_S_PER_NODE + 10 * BUILD_S_PER_NODE["gpu"])
+    assert rank_compile_seconds(blocks[:1], gpu=False) > rank_compile_seconds(blocks[:1], gpu=True)
 
 
 def test_a_plan_from_before_kernel_choices_loads_with_them_as_written():
