@@ -2,6 +2,7 @@
 Llama 3 405B, each on its published mesh.
 
     PYTHONPATH=. python benchmarks/kernel_defaults.py [--rows 177B,405B] [--switches]
+        [--comm-overlap 0.5]
 
 Each model is written as Hugging Face writes it (``GPT2LMHeadModel`` from a
 ``GPT2Config`` of the row's shape, its default attention and tied embeddings; Llama 3
@@ -12,7 +13,9 @@ and the kernel choices: ``torch.compile``, the attention kernel, the fused optim
 the planner's. Printed per row: the published step, partc's predicted step, their ratio,
 and what the planner chose. ``--switches`` adds the same plan with the kernel choices
 pinned off (``compile=False, attention="as_written", fused_optimizer=False``: the
-defaults before they were the planner's) and pinned on, side by side.
+defaults before they were the planner's) and pinned on, side by side. ``--comm-overlap``
+replaces the preset's share of a collective that hides behind compute (1: all of it,
+not measured on a GPU), to see how much of a row's prediction rests on it.
 
 Published steps: Megatron-Core's rows as ``tests/validation/mcore.py`` counts them
 (Megatron's model FLOPs over the published TF/GPU); Llama 3 405B from the Llama 3 paper
@@ -105,13 +108,13 @@ def _train(row: Row, kernels: dict) -> partc.TrainSpec | None:
     return partc.TrainSpec(global_batch_size=row.batch, dtype=torch.bfloat16, **kernels)
 
 
-def plan_row(row: Row, kernels: dict) -> partc.Plan | None:
+def plan_row(row: Row, kernels: dict, figures: dict) -> partc.Plan | None:
     train = _train(row, kernels)
     if train is None:
         return None
     model, ids, loss_fn = row.build()
-    return partc.compile(model, (ids,), loss_fn=loss_fn, example_target=ids,
-                         budget=partc.DeviceBudget(num_devices=row.gpus, device="H100-80GB"),
+    budget = partc.DeviceBudget(num_devices=row.gpus, device="H100-80GB", **figures)
+    return partc.compile(model, (ids,), loss_fn=loss_fn, example_target=ids, budget=budget,
                          train=train, constraints=partc.Constraints(**row.mesh),
                          name=f"bench-{row.name}").plan
 
@@ -129,7 +132,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rows", default="", help="e.g. 177B,405B (default: all)")
     parser.add_argument("--switches", action="store_true",
                         help="also the kernel choices pinned off and on")
+    parser.add_argument("--comm-overlap", type=float,
+                        help="the H100 preset's comm_overlap replaced (a diagnostic: the "
+                             "share of a collective beside compute that hides; preset 1)")
     args = parser.parse_args(argv)
+    figures = {} if args.comm_overlap is None else {"comm_overlap": args.comm_overlap}
     wanted = [n for n in args.rows.split(",") if n]
     settings = list(KERNELS) if args.switches else ["no switches"]
     print(f"{'row':>5} {'mesh':>14} {'published':>9} " + " ".join(
@@ -140,7 +147,7 @@ def main(argv: list[str] | None = None) -> int:
         start = time.perf_counter()
         cells, chosen = [], ""
         for label in settings:
-            plan = plan_row(row, KERNELS[label])
+            plan = plan_row(row, KERNELS[label], figures)
             if plan is None:
                 cells.append(f"{'-':>18}")
                 continue
