@@ -29,6 +29,8 @@ from partc.cache import DEFAULT as DEFAULT_CACHE
 from partc.cache import PlanCache, model_key
 from partc.codec import dtype_name
 from partc.cost.collectives import Group
+from partc.cost.compile_time import rank_compile_seconds
+from partc.cost.schedules import runs_compiled
 from partc.cost.tables import TableCache
 from partc.device.budget import DeviceBudget, preset
 from partc.device.figures import FIGURE_NAMES, DeviceFigures
@@ -108,10 +110,7 @@ def build_problem(analysis: ModelAnalysis, budget: DeviceBudget, train: TrainSpe
     running under ``options.sharding``."""
     names = tuple(layer.name for layer in analysis.layers)
     devices = device_numbers(budget, train.dtype)
-    if train.compile and (constraints.zero_stage or 0) >= 2:
-        raise ValueError(f"compile=True cannot run zero_stage={constraints.zero_stage}: "
-                         "FSDP2's gather and free hooks are not compiled "
-                         "(partc.runtime.compiled); pin zero_stage 0 or 1, or compile=False")
+    train = train.for_device(budget.device_type)
     # Before measuring tensor parallelism: a pin that cannot hold fails at once.
     check_pins(pins_for(constraints, train), devices, train.global_batch_size, names)
     pins = pins_for(constraints, train, names)
@@ -147,7 +146,8 @@ def build_problem(analysis: ModelAnalysis, budget: DeviceBudget, train: TrainSpe
             precision=train.precision,
             measured_scale=dtype_bytes(train.dtype) / _measured_dtype_bytes(analysis),
             moe_imbalance=train.moe_imbalance, moe_capacity_factor=train.moe_capacity_factor,
-            compiled=train.compile, tp_overlap=train.tp_overlap,
+            compiled=train.compile is not False, compile_pinned=train.compile is True,
+            fused_optimizer=bool(train.fused_optimizer), tp_overlap=train.tp_overlap,
             param_gather_overlap=train.overlap_param_gather,
             bucket_elements=train.bucket_elements),
         pins=pins,
@@ -161,7 +161,9 @@ def problem_for_plan(plan: Plan, model: torch.nn.Module, *, loss_fn: Callable | 
     the recorded input shapes, under the plan's training setup, on the plan's budget,
     with the plan's tensor-parallel degree (and sequence parallelism, objective)
     measured. No pins: ``validate_plan`` then checks the plan's own decisions."""
-    train = plan.train
+    # A plan written before the optimizer step was a kernel choice priced torch's
+    # unfused step, and its program runs that.
+    train = dataclasses.replace(plan.train, fused_optimizer=plan.train.fused_optimizer is True)
     budget = budget_from_info(plan.budget)
     batch = plan.model.traced_batch_size or train.global_batch_size
     args, kwargs, target = plan.model.meta_batch(batch)
@@ -227,12 +229,34 @@ def plan_of(problem: PlanningProblem, result: PlannerResult, *,
         for b in baselines(problem, best.table))
     plan = make_plan(problem, best.table.config, best.evaluation, best.assignment.modes,
                      stats, budget=budget or _budget_info(problem.devices),
-                     train=train or _train_spec(problem.train), alternatives=alternatives,
-                     meshes=result.meshes)
+                     train=chosen_kernels(train or _train_spec(problem.train), problem,
+                                          best.table.config.schedule),
+                     alternatives=alternatives, meshes=result.meshes)
     plan = dataclasses.replace(plan, schedules=tuple(
-        schedule_options(problem, best, table_cache, result.schedule_trials)))
+        schedule_options(problem, best, table_cache, result.schedule_trials)),
+        predicted=dataclasses.replace(plan.predicted,
+                                      compile_time_s=compile_seconds(problem, plan)))
     validate_plan(problem, plan)
     return plan
+
+
+def compile_seconds(problem: PlanningProblem, plan: Plan) -> float | None:
+    """The first step's compile on the slowest pipeline rank (None: not compiled)."""
+    if not plan.train.compile:
+        return None
+    layers = {layer.name: layer for layer in problem.model.layers}
+    # dispatch_ahead: the device is a GPU (its host queues kernels ahead).
+    return max(rank_compile_seconds((layers[name] for name in stage.layers),
+                                    gpu=problem.devices.dispatch_ahead)
+               for stage in plan.stages)
+
+
+def chosen_kernels(train: TrainSpec, problem: PlanningProblem, schedule: str) -> TrainSpec:
+    """``train`` as the plan records it: the kernel choices ``problem`` priced made
+    (compile wherever the planner may compile and ``schedule`` runs a whole backward;
+    the optimizer step fused or not; the attention was measured as ``train`` says)."""
+    return dataclasses.replace(train, compile=runs_compiled(schedule, problem.train.compiled),
+                               fused_optimizer=problem.train.fused_optimizer)
 
 
 def _budget_info(devices: DeviceNumbers) -> BudgetInfo:
@@ -251,8 +275,9 @@ def _train_spec(train: TrainNumbers) -> TrainSpec:
                      dtype=torch.bfloat16 if precision.mixed else torch.float32,
                      optimizer=precision.optimizer_state_bytes,
                      moe_imbalance=train.moe_imbalance,
-                     moe_capacity_factor=train.moe_capacity_factor,
-                     compile=train.compiled)
+                     moe_capacity_factor=train.moe_capacity_factor, attention="as_written",
+                     compile=True if train.compile_pinned else None if train.compiled
+                     else False, fused_optimizer=train.fused_optimizer)
 
 
 def _compact(value: Any) -> Any:
@@ -317,6 +342,7 @@ def compile(model: torch.nn.Module,
     if train is None:
         first = next(iter((*example_inputs, *kwargs.values())))
         train = TrainSpec(global_batch_size=int(first.shape[0]))
+    train = train.for_device(budget.device_type)   # the kernel choices the device makes
     constraints = _one_replica_for_running_stats(model, constraints or Constraints())
     options = options or PlannerOptions()
     devices = device_numbers(budget, train.dtype)
@@ -349,7 +375,8 @@ def compile(model: torch.nn.Module,
     if plan is not None:
         # The cache keys on what the planner reads; the rest of the setup (the runtime's
         # max_grad_norm, the budget's name) is this compile's, not the stored plan's.
-        plan = dataclasses.replace(plan, budget=recorded, train=train)
+        plan = dataclasses.replace(plan, budget=recorded,
+                                   train=chosen_kernels(train, problem, plan.schedule))
         validate_plan(problem, plan)
     else:
         plan = plan_problem(problem, budget=recorded, train=train, options=options,

@@ -443,6 +443,9 @@ class Predicted:
     # The planner's closed form of the step (what the search minimises; the step time
     # above is the schedule played out, partc.cost.timeline).
     closed_form_step_s: float | None = field(default=None, metadata=UNLESS_DEFAULT)
+    # A compiled plan: the first step's torch.compile on the slowest rank, estimated
+    # (partc.cost.compile_time); None when nothing is compiled.
+    compile_time_s: float | None = field(default=None, metadata=UNLESS_DEFAULT)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -786,6 +789,9 @@ def migrate_v1(data: Mapping[str, Any]) -> dict[str, Any]:
     if "global_batch_size" not in train and "mesh" in data:
         train["global_batch_size"] = (data["mesh"].get("dp", 1) * data.get("micro_batch_size", 0)
                                       * data.get("num_microbatches", 0))
+    # Version 1 ran every kernel as written: no compile, torch's unfused optimizer step.
+    train.setdefault("compile", False)
+    train.setdefault("fused_optimizer", False)
     data["train"] = train
     data["stages"] = [{**s, "p2p": s.get("p2p") or None} for s in data.get("stages", ())]
     return data

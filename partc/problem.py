@@ -528,10 +528,10 @@ class DeviceNumbers:
         """What memory-bound ops move bytes at: ``elementwise_bandwidth``, else HBM's."""
         return self.elementwise_bandwidth or self.hbm_bandwidth
 
-    @property
-    def optimizer_step_bandwidth(self) -> float:
-        """The optimizer step's rate: ``optimizer_bandwidth``, else HBM's."""
-        return self.optimizer_bandwidth or self.hbm_bandwidth
+    def optimizer_step_bandwidth(self, fused: bool = False) -> float:
+        """The optimizer step's rate: a fused step's (one kernel reading and writing each
+        byte once) HBM's; torch's unfused one's ``optimizer_bandwidth``, else HBM's."""
+        return self.hbm_bandwidth if fused else self.optimizer_bandwidth or self.hbm_bandwidth
 
     @property
     def fsdp_copy_rate(self) -> float:
@@ -554,8 +554,14 @@ class TrainNumbers:
     # share that memory is budgeted for, and the capacity factor (None: dropless).
     moe_imbalance: float = 2.0
     moe_capacity_factor: float | None = None
-    # Stages run through torch.compile: light ops priced by their fused bytes.
+    # Stages run through torch.compile wherever the schedule runs a whole backward
+    # (partc.cost.schedules.runs_compiled): light ops priced by their fused bytes.
     compiled: bool = False
+    # Compile pinned on (TrainSpec(compile=True)): a split-backward schedule is refused
+    # rather than planned eagerly.
+    compile_pinned: bool = False
+    # Torch's fused Adam/AdamW step (TrainSpec.fused_optimizer): one pass at HBM rate.
+    fused_optimizer: bool = False
     # Sequence-parallel collectives run as rings beside their linears' matmuls
     # (TrainSpec.tp_overlap): LayerCost.tp_overlap_flops price their exposed part only.
     tp_overlap: bool = True

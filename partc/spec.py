@@ -5,6 +5,7 @@ Every decision is ``"auto"``/``None`` (the planner decides) or a pinned value.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 from typing import Any, Mapping
@@ -62,18 +63,30 @@ class TrainSpec:
     ``max_grad_norm``: after each step's backward the runtime scales all gradients so
     that their global 2-norm (every parameter counted once, whatever holds it) is at
     most this, as ``torch.nn.utils.clip_grad_norm_`` does on one device.
+    The kernel choices (``attention``, ``compile``, ``fused_optimizer``) are partc's by
+    default (``"auto"``/``None``), the fastest that computes the same; each can be pinned,
+    and the plan records what was chosen (:meth:`for_device`, then the planner).
     ``attention="fused"`` runs attention written as matmul + softmax (with its scale,
     mask and dropout) as one ``torch.nn.functional.scaled_dot_product_attention`` call,
     which keeps q, k, v, the output and one log-sum-exp per row for backward instead of
-    the (seq x seq) probabilities of every head, and recomputes them in backward; a
-    model's own such call with a provably causal mask takes ``is_causal`` instead
-    (:mod:`partc.passes.fuse_attention` says which patterns and masks it rewrites). The
-    plan is costed, and the program runs, with the attention chosen here; the default,
-    ``"as_written"``, changes nothing.
+    the (seq x seq) probabilities of every head, and recomputes them in backward (flash,
+    cuDNN or memory-efficient kernels on a GPU); a model's own such call with a provably
+    causal mask takes ``is_causal`` instead (:mod:`partc.passes.fuse_attention` says which
+    patterns and masks it rewrites; any other attention stays as written). ``"as_written"``
+    changes nothing. ``"auto"`` (the default) is ``"fused"`` on a GPU and ``"as_written"``
+    on a CPU, whose plans tests and golden copies read.
     ``compile=True`` runs each stage through ``torch.compile`` (inductor), which fuses
     chains of element-wise ops between the heavy ones into single kernels; the plan is
     costed with those chains' fused bytes (:mod:`partc.runtime.compiled` says what is
-    compiled and what is refused).
+    compiled: the stage, or under ZeRO-2/3 each FSDP unit). ``None`` (the default): on a
+    GPU the planner compiles every plan whose schedule runs a whole backward (a split
+    backward, the zero-bubble schedules', cannot split a compiled region's) and prices
+    each schedule so; on a CPU, where inductor's C++ takes long to build, it does not.
+    ``True`` pins it on (refusing split-backward schedules), ``False`` off.
+    ``fused_optimizer``: torch's fused Adam/AdamW (one kernel over all of a rank's
+    tensors) for the optimizer :meth:`DistributedModule.optimizer` makes, priced at the
+    device's ``fused_optimizer_bandwidth``; ``None`` (the default): on for Adam and AdamW
+    on a GPU, off elsewhere (torch's CPU step is not the fused one's equal in speed).
     ``loss_per_microbatch=True`` declares that the loss of each microbatch is its own:
     needed only where the model's loss couples the samples of a batch (a load-balancing
     loss over the whole batch, as Mixtral's and Qwen-MoE's router losses are), so that
@@ -126,12 +139,13 @@ class TrainSpec:
     optimizer: str | float = "adamw"
     schedule: str = "auto"
     max_grad_norm: float | None = None  # clip the global gradient norm (2-norm) to this
-    attention: str = "as_written"
+    attention: str = "auto"
     # Mixture-of-experts (see the class docstring's last paragraph).
     moe_imbalance: float = DEFAULT_MOE_IMBALANCE
     moe_capacity_factor: float | None = None
-    compile: bool = False
+    compile: bool | None = None
     # Written to a plan only when declared: plans without them read back unchanged.
+    fused_optimizer: bool | None = field(default=None, metadata=UNLESS_DEFAULT)
     loss_per_microbatch: bool = field(default=False, metadata=UNLESS_DEFAULT)
     tp_overlap: bool = field(default=True, metadata=UNLESS_DEFAULT)
     overlap_param_gather: bool = field(default=True, metadata=UNLESS_DEFAULT)
@@ -167,8 +181,12 @@ class TrainSpec:
                              f"clipping), got {self.max_grad_norm!r}")
         if self.attention not in ATTENTION:
             raise ValueError(f"attention must be one of {ATTENTION}, got {self.attention!r}")
-        if not isinstance(self.compile, bool):
-            raise ValueError(f"TrainSpec.compile must be True or False, got {self.compile!r}")
+        if self.compile is not None and not isinstance(self.compile, bool):
+            raise ValueError(f"TrainSpec.compile must be None (partc decides), True or "
+                             f"False, got {self.compile!r}")
+        if self.fused_optimizer is not None and not isinstance(self.fused_optimizer, bool):
+            raise ValueError(f"TrainSpec.fused_optimizer must be None (partc decides), True "
+                             f"or False, got {self.fused_optimizer!r}")
         if not isinstance(self.tp_overlap, bool):
             raise ValueError(f"TrainSpec.tp_overlap must be True or False, got "
                              f"{self.tp_overlap!r}")
@@ -191,6 +209,25 @@ class TrainSpec:
         if self.schedule not in ("auto", *SCHEDULES):
             raise ValueError(f"schedule must be 'auto' or one of {SCHEDULES}, "
                              f"got {self.schedule!r}")
+
+    @property
+    def adam(self) -> bool:
+        """Adam or AdamW, by name (what torch's fused step exists for)."""
+        return self.optimizer in ("adam", "adamw")
+
+    def for_device(self, device_type: str) -> "TrainSpec":
+        """The kernel choices the device decides, made: attention ``"auto"`` fused on a
+        GPU, as written on a CPU; ``compile=None`` off on a CPU (on a GPU it stays the
+        planner's, per schedule); ``fused_optimizer=None`` on for Adam/AdamW on a GPU.
+        Pinned values are kept."""
+        gpu = device_type != "cpu"
+        return dataclasses.replace(
+            self,
+            attention=("fused" if gpu else "as_written") if self.attention == "auto"
+            else self.attention,
+            compile=False if self.compile is None and not gpu else self.compile,
+            fused_optimizer=(gpu and self.adam) if self.fused_optimizer is None
+            else self.fused_optimizer)
 
     @property
     def precision(self) -> Precision:

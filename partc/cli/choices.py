@@ -11,8 +11,9 @@ from __future__ import annotations
 from partc.names import CpKind, Schedule
 
 # How attention runs: as the model writes it, or as one fused kernel call
-# (``scaled_dot_product_attention``) wherever partc proves it computes the same.
-ATTENTION: tuple[str, ...] = ("as_written", "fused")
+# (``scaled_dot_product_attention``) wherever partc proves it computes the same; "auto":
+# fused on a GPU, as written on a CPU (TrainSpec.for_device).
+ATTENTION: tuple[str, ...] = ("auto", "as_written", "fused")
 
 # The pipeline schedules' names (:class:`partc.names.Schedule`; partc.cost.schedules holds
 # what each needs of a plan, and a test holds the two together).

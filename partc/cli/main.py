@@ -67,7 +67,8 @@ TRAIN_FLAGS = {
     "dtype": "--dtype", "optimizer": "--optimizer", "schedule": "--schedule",
     "max_grad_norm": "--max-grad-norm", "attention": "--attention",
     "moe_imbalance": "--moe-imbalance", "moe_capacity_factor": "--moe-capacity-factor",
-    "compile": "--compile", "loss_per_microbatch": "--loss-per-microbatch",
+    "compile": "--compile", "fused_optimizer": "--fused-optimizer",
+    "loss_per_microbatch": "--loss-per-microbatch",
     "tp_overlap": "--no-tp-overlap", "overlap_param_gather": "--no-param-gather-overlap",
     "bucket_elements": "--bucket-elements", "on_nonfinite": "--on-nonfinite",
     "batch_check_every": "--batch-check-every",
@@ -392,7 +393,8 @@ def _training_arguments(train) -> None:
     train.add_argument("--max-grad-norm", type=POSITIVE, metavar="NORM",
                        help="clip the global gradient norm to this")
     train.add_argument("--attention", choices=ATTENTION,
-                       help="run attention as written, or fused into one kernel call")
+                       help="run attention as written, or fused into one kernel call "
+                            "(default auto: fused on GPUs)")
     train.add_argument("--moe-imbalance", type=POSITIVE, metavar="FACTOR",
                        help="mixture-of-experts: the busiest expert's tokens over its "
                             "balanced share that memory is budgeted for (default 2, at "
@@ -421,9 +423,12 @@ def _training_arguments(train) -> None:
     train.add_argument("--batch-check-every", type=WHOLE, metavar="N",
                        help="compare a digest of the batch over the ranks that must train "
                             "on the same one every N steps (default 1; 0: never)")
-    train.add_argument("--compile", action="store_true",
-                       help="run each stage through torch.compile (fused element-wise ops; "
-                            "the plan prices the fused bytes)")
+    train.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
+                       help="pin torch.compile on or off (default: the planner's: on for "
+                            "GPUs where the schedule allows, off for CPUs)")
+    train.add_argument("--fused-optimizer", action=argparse.BooleanOptionalAction,
+                       default=None, help="pin torch's fused Adam/AdamW step on or off "
+                                          "(default: on for GPUs)")
 
 
 def _budget_arguments(group, *, devices: bool = True,

@@ -153,7 +153,7 @@ def tail_ps(problem: PlanningProblem, config: PipelineConfig, params: int,
         seconds += host_seconds(problem, config, params)
     else:
         seconds += stepped * problem.train.precision.step_bytes \
-            / devices.optimizer_step_bandwidth
+            / devices.optimizer_step_bandwidth(problem.train.fused_optimizer)
     return to_ps(seconds)
 
 

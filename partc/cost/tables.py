@@ -22,7 +22,7 @@ from partc.cost.host_offload import microbatch_seconds
 from partc.cost.layer_compute import layer_work, run_layer
 from partc.cost.pipeline_config import (PipelineConfig, grad_config, overlapped, permille,
                                         split_factor, stage_ranks, to_ps)
-from partc.cost.schedules import schedule as schedule_info
+from partc.cost.schedules import runs_compiled, schedule as schedule_info
 from partc.cost.state_bytes import (state_bytes, step_bytes, step_total, steps_whole_list,
                                     zero_transient)
 from partc.problem import MoECost, PlanningProblem
@@ -121,7 +121,7 @@ def layer_phases(problem: PlanningProblem, config: PipelineConfig, index: int,
         layer = run_layer(problem, index, config.micro_batch_size)
     if work is None:
         work = layer_work(layer, devices, config.micro_batch_size * config.tokens_share,
-                          train.measured_scale, train.compiled)
+                          train.measured_scale, runs_compiled(config.schedule, train.compiled))
     if comm is None:
         comm = tp_comm_seconds(problem, config, layer)
     params = grad_config(config)   # the parameters' replicas: dp x cp
@@ -142,7 +142,7 @@ def _layer_table(problem: PlanningProblem, config: PipelineConfig, index: int) -
     # dp x cp group's (grad_config).
     b, scale = config.micro_batch_size * config.tokens_share, train.measured_scale
     params = grad_config(config)
-    work = layer_work(layer, devices, b, scale, train.compiled)
+    work = layer_work(layer, devices, b, scale, runs_compiled(config.schedule, train.compiled))
     saved = {m: int(round(b * scale * v)) for m, v in layer.saved_bytes.items()}
     workspace = int(round(2 * b * scale * layer.workspace_bytes)) \
         + cp_transient_bytes(problem, config, layer)

@@ -131,8 +131,6 @@ def candidate_configs(problem: PlanningProblem) -> list[PipelineConfig]:
                     continue
                 zero_stages = [pins.zero_stage] if pins.zero_stage is not None else (
                     [0, 1, 2, 3] if dp > 1 else [0])
-                if problem.train.compiled:   # FSDP2 (ZeRO-2/3) does not run compiled
-                    zero_stages = [zero for zero in zero_stages if zero < 2]
                 configs.extend(PipelineConfig(pp=pp, dp=dp, micro_batch_size=b,
                                               num_microbatches=m, schedule=schedule, tp=tp,
                                               sequence_parallel=sp, tp_objective=objective,
@@ -145,7 +143,7 @@ def candidate_configs(problem: PlanningProblem) -> list[PipelineConfig]:
                                for offload in offload_choices(problem, zero, pp, dp, tp, m)
                                if not _same_as_1f1b(schedule, pp, m, pins.schedule)
                                and feature_refusal(schedule, effective_zero_stage(zero, dp),
-                                                   problem.train.compiled) is None
+                                                   problem.train.compile_pinned) is None
                                for chunks in _chunk_counts(problem, schedule, pp, m))
     return expand_ep(problem, configs)   # the expert-parallel degree (mixture-of-experts)
 
@@ -306,7 +304,7 @@ def schedule_candidates(problem: PlanningProblem, config: PipelineConfig
 def _runnable_zero(problem: PlanningProblem, config: PipelineConfig, name: str) -> int | None:
     """``config``'s ZeRO stage if the runtime runs ``name`` with it, else the highest
     lower one it runs (and the pins allow), else None."""
-    compiled = problem.train.compiled
+    compiled = problem.train.compile_pinned
     if config.dp == 1:
         return config.zero_stage if feature_refusal(name, 0, compiled) is None else None
     pinned = problem.pins.zero_stage
@@ -496,7 +494,7 @@ def _why_no_config(problem: PlanningProblem) -> list[str]:
     reasons: set[str] = set()
     for config in free:
         zero = effective_zero_stage(config.zero_stage, config.dp)
-        feature = feature_refusal(pins.schedule, zero, problem.train.compiled)
+        feature = feature_refusal(pins.schedule, zero, problem.train.compile_pinned)
         if feature is not None:
             reasons.add(feature)
             continue
@@ -855,7 +853,7 @@ def schedule_options(problem: PlanningProblem, chosen: ConfigResult,
                           or config.pp * v > problem.num_layers):
                 continue
             refused = refusal(name, config.pp, v, config.num_microbatches) or (
-                feature_refusal(name, config.effective_zero_stage, problem.train.compiled))
+                feature_refusal(name, config.effective_zero_stage, problem.train.compile_pinned))
             if refused:
                 others.append(ScheduleOption(schedule=name, virtual_stages=v, how=refused))
                 continue

@@ -87,6 +87,19 @@ _ATTENTION = {"as_written": "as the model writes it",
               "fused": "fused (scaled_dot_product_attention where provably equal)"}
 
 
+def _kernels_line(plan: Plan) -> str:
+    """The kernel choices the plan runs, and the first step's compile."""
+    train = plan.train
+    compiled = ("compiled (torch.compile" + (", each FSDP unit" if plan.effective_zero_stage >= 2
+                                             else "") + ")") if train.compile else "eager"
+    line = f"kernels: {compiled}, attention {train.attention.replace('_', ' ')}, " \
+           f"optimizer step {'fused' if train.fused_optimizer else 'unfused'}"
+    seconds = plan.predicted.compile_time_s
+    if seconds is not None:
+        line += f"; the first step compiles for about {format_seconds(seconds)} (estimated)"
+    return line
+
+
 def _headline(plan: Plan) -> list[str]:
     p, model, budget, train = plan.predicted, plan.model, plan.budget, plan.train
     zero = plan.effective_zero_stage
@@ -108,6 +121,7 @@ def _headline(plan: Plan) -> list[str]:
         f"peak memory {format_bytes(p.peak_memory_bytes)}",
         _mfu_line(plan),
         _checkpoint_line(plan),
+        _kernels_line(plan),
     ]
     if train.loss_per_microbatch:
         lines.append(f"loss: each microbatch's loss is its own (declared: "

@@ -246,7 +246,9 @@ def _prepare_modules(modules: list[nn.Module], programs: list[StageProgram], pla
             module.forward = torch.autocast(topology.device.type, dtype=dtype)(
                 module.forward)
         if plan.train.compile:
-            compile_stage(module, plan, topology.device)
+            # Under ZeRO-2/3 each unit, FSDP's gather and free hooks left eager
+            # around its compiled forward (as torchtitan compiles each block).
+            compile_stage(module, plan, topology.device, program.fsdp_units)
 
 
 def _grad_buckets(plan: Plan, topology: Topology, whole: nn.Module, dtype: torch.dtype,

@@ -56,7 +56,9 @@ def make_optimizer(parts: RankParts, state: RankState,
     stage when that is fastest). torch optimizers refuse an empty parameter list, so
     such a rank gets ``optimizer_class`` over one empty placeholder parameter that never
     has a gradient: ``step`` and ``zero_grad`` do nothing, and learning-rate schedulers,
-    ``state_dict`` and the README's loop work unchanged on every rank."""
+    ``state_dict`` and the README's loop work unchanged on every rank. Torch's fused
+    step where the plan chose it (:func:`fused_defaults`)."""
+    defaults = fused_defaults(parts, optimizer_class, defaults)
     check_step_temporaries(parts, state, defaults)
     buckets, copies = parts.buckets, parts.copies
     if not any(True for _ in state.parameters()):
@@ -103,6 +105,19 @@ def _offloaded(parts: RankParts, state: RankState,
                         param.data = param.data.to(copies.dtype)
         return optimizer
     return HostOptimizer(state.parameters(), optimizer_class, tier, **defaults)
+
+
+def fused_defaults(parts: RankParts, optimizer_class: type[torch.optim.Optimizer],
+                   defaults: Mapping[str, Any]) -> Mapping[str, Any]:
+    """``defaults`` with ``fused=True`` where the plan chose torch's fused step
+    (``TrainSpec.fused_optimizer``, priced at HBM rate), the optimizer is Adam or AdamW
+    and the rank's weights are on a GPU, unless the caller chose ``fused`` or
+    ``foreach`` itself."""
+    if parts.plan.train.fused_optimizer is not True or parts.topology.device.type == "cpu" \
+            or not issubclass(optimizer_class, (torch.optim.Adam, torch.optim.AdamW)) \
+            or "fused" in defaults or "foreach" in defaults:
+        return defaults
+    return {**defaults, "fused": True}
 
 
 def check_step_temporaries(parts: RankParts, state: RankState,

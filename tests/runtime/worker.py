@@ -295,8 +295,11 @@ CASES["gpt-tp2-sp-dropout-compiled"] = Case(
     reference="microbatches", **_COMPILED)
 CASES["llama-pp2-compiled"] = Case(models.llama, "tokens", models.causal_lm_loss,
                                    dict(pp=2, schedule="1f1b", recompute="none"), **_COMPILED)
+# Under ZeRO-2/3 each FSDP unit is compiled on its own, FSDP's hooks eager around it.
 CASES["gpt-dp2-zero2-compiled"] = Case(gpt.gpt_tiny, "tokens", gpt.loss_fn,
                                        dict(pp=1, dp=2, zero_stage=2), **_COMPILED)
+CASES["gpt-dp2-zero3-compiled"] = Case(gpt.gpt_tiny, "tokens", gpt.loss_fn,
+                                       dict(pp=1, dp=2, zero_stage=3), **_COMPILED)
 # ZeRO-2/3: FSDP2 shards gradients (and parameters) over dp, one unit per layer.
 for _zero in (2, 3):
     CASES[f"gpt-dp2-zero{_zero}"] = Case(gpt.gpt_tiny, "tokens", gpt.loss_fn,
