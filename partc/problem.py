@@ -457,6 +457,11 @@ class DeviceNumbers:
     optimizer_bandwidth: float | None = None     # None: hbm_bandwidth
     fsdp_copy_bandwidth: float | None = None     # None: hbm_bandwidth
     attention_efficiency: float | None = None    # None: flops_efficiency
+    # What a device holds beside the plan (partc.device.usable): 0 for problems built by
+    # hand, whose memory_bytes are then the limits themselves.
+    context_memory: int = 0
+    communicator_memory: int = 0
+    memory_fragmentation: float = 0.0
 
     def __post_init__(self) -> None:
         if len(self.memory_bytes) != self.num_devices:

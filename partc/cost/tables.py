@@ -19,7 +19,7 @@ from partc.cost.communication import (bucket_latency_seconds, cut_bytes, cut_tab
 from partc.cost.experts_cost import expert_dp_config, moe_layer_figures
 from partc.cost.layer_compute import layer_work, run_layer
 from partc.cost.pipeline_config import (PipelineConfig, overlapped, permille, split_factor,
-                                        stage_ranks, to_ps)
+                                        stage_limits, to_ps)
 from partc.cost.schedules import schedule as schedule_info
 from partc.cost.state_bytes import (state_bytes, step_bytes, step_total, steps_whole_list,
                                     zero_transient)
@@ -250,11 +250,12 @@ class TableCache:
         return self._tables[key]
 
     def limits(self, problem: PlanningProblem, config: PipelineConfig) -> tuple[int, ...]:
-        key = ("limits", config.pp, problem.devices.memory_bytes)
+        """Each stage's memory limit: what its smallest device leaves the plan
+        (:func:`stage_limits`)."""
+        key = ("limits", config.pp, config.dp, config.tp, config.ep,
+               problem.devices.memory_bytes)
         if key not in self._tables:
-            self._tables[key] = tuple(
-                min(problem.devices.memory_bytes[r] for r in stage_ranks(problem, config, s))
-                for s in range(config.pp))
+            self._tables[key] = stage_limits(problem, config)
         return self._tables[key]
 
     def cuts(self, problem: PlanningProblem,
