@@ -116,3 +116,17 @@ def test_the_reserves_are_flags_of_the_budget():
     figures = _budget(args).figures
     assert (figures.context_memory, figures.communicator_memory,
             figures.memory_fragmentation) == (0, 2**30, 0.1)
+
+
+def test_problems_that_differ_in_what_is_kept_back_share_their_cost_tables():
+    base = problem([layer("l0")], [], devices(2, 10**9))
+    kept = dataclasses.replace(base, devices=dataclasses.replace(
+        base.devices, context_memory=10**6, memory_fragmentation=0.1))
+    cache = partc.PlanCache()
+    tables = cache.table_cache(base)
+    assert cache.table_cache(kept) is tables
+    config = PipelineConfig(pp=1, dp=2, micro_batch_size=1, num_microbatches=1,
+                            schedule="1f1b")
+    # ... each with its own limits.
+    assert tables.limits(base, config) == (10**9,)
+    assert tables.limits(kept, config) == (math.floor((10**9 - 10**6) * 0.9),)

@@ -252,8 +252,10 @@ class TableCache:
     def limits(self, problem: PlanningProblem, config: PipelineConfig) -> tuple[int, ...]:
         """Each stage's memory limit: what its smallest device leaves the plan
         (:func:`stage_limits`)."""
-        key = ("limits", config.pp, config.dp, config.tp, config.ep,
-               problem.devices.memory_bytes)
+        devices = problem.devices
+        key = ("limits", config.pp, config.dp, config.tp, config.ep, devices.memory_bytes,
+               devices.context_memory, devices.communicator_memory,
+               devices.memory_fragmentation)
         if key not in self._tables:
             self._tables[key] = stage_limits(problem, config)
         return self._tables[key]
