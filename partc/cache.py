@@ -98,11 +98,12 @@ class PlanCache:
 
     def table_cache(self, problem: PlanningProblem) -> TableCache:
         """The cost-table cache to solve ``problem`` with (``partc.planner.solve``):
-        shared with the latest problem that differed only in the devices' memory, else
-        a new one."""
+        shared with the latest problem that differed only in the devices' memory (or what
+        of it is kept back), else a new one."""
         devices = problem.devices
         key = problem_key(replace(problem, devices=replace(
-            devices, memory_bytes=(0,) * devices.num_devices)))
+            devices, memory_bytes=(0,) * devices.num_devices, context_memory=0,
+            communicator_memory=0, memory_fragmentation=0.0)))
         cache = self._table_caches.pop(key, None)
         self._table_caches[key] = cache if cache is not None else TableCache()
         while len(self._table_caches) > self.TABLE_CACHES:

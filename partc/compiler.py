@@ -34,6 +34,7 @@ from partc.cost.schedules import runs_compiled
 from partc.cost.tables import TableCache
 from partc.device.budget import DeviceBudget, preset
 from partc.device.figures import FIGURE_NAMES, DeviceFigures
+from partc.device.usable import RESERVE_FIGURES
 from partc.errors import (PartcError, PlanFileError, PlanMismatchError, PlanValidationError,
                           TraceError, check_argument)
 from partc.identity import behaviour_digest, model_hash
@@ -186,8 +187,12 @@ def budget_from_info(info: BudgetInfo) -> DeviceBudget:
             return None
 
     device = preset_named(info.preset) or preset_named(info.device)
-    return DeviceBudget(num_devices=info.num_devices, device=device,
-                        **info.figures.to_dict(),
+    figures = info.figures.to_dict()
+    if not set(RESERVE_FIGURES) & figures.keys():
+        # Written before partc kept memory back for the context, NCCL and fragmentation
+        # (partc.device.usable): planned against the whole memory it records.
+        figures.update(context_memory=0, communicator_memory=0, memory_fragmentation=0.0)
+    return DeviceBudget(num_devices=info.num_devices, device=device, **figures,
                         memory=tuple(info.memory_bytes))
 
 

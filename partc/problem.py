@@ -497,6 +497,11 @@ class DeviceNumbers:
     host_to_device_bandwidth: float | None = None
     device_to_host_bandwidth: float | None = None
     host_adam_rate: float | None = None
+    # What a device holds beside the plan (partc.device.usable): 0 for problems built by
+    # hand, whose memory_bytes are then the limits themselves.
+    context_memory: int = 0
+    communicator_memory: int = 0
+    memory_fragmentation: float = 0.0
 
     def __post_init__(self) -> None:
         if len(self.memory_bytes) != self.num_devices:

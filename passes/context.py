@@ -33,6 +33,11 @@ class Context:
     autocast_device: str = "cuda"
     # What the lowering passes apply (the plan's decisions); None while analysing.
     lowering: Lowering | None = None
+    # Lowering: the graph the plan's sharding was chosen on (the model traced at the
+    # batch the planner measured, through the lowering passes up to ``layers``), made
+    # when asked; ``tp_rewrite`` asks where the trace at the micro-batch size took
+    # another branch of the model's code (``partc.passes.tp.carry``). None: not known.
+    sharding_graph: Any = None
     # The tensor-parallel sharding ``tp_rewrite`` applies, on this graph's nodes
     # (``partc.passes.tp.chooser.Sharding``); None before one is chosen.
     sharding: Any = None

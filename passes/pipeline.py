@@ -421,7 +421,8 @@ class Lowered:
 
 def lower(model: nn.Module, example_inputs: tuple, lowering: Lowering, *,
           kwargs: dict | None = None, loss_fn: Callable | None = None,
-          example_target: Any = None, only: Sequence[int] | None = None) -> Lowered:
+          example_target: Any = None, only: Sequence[int] | None = None,
+          planned_inputs: tuple[tuple, dict, Any] | None = None) -> Lowered:
     """The back half: ``model`` traced at the micro-batch size, cut into the plan's
     stages; ``stage_passes`` run on the stages in ``only`` (all by default: a rank
     needs its own stage, the emitted code every stage).
@@ -431,6 +432,9 @@ def lower(model: nn.Module, example_inputs: tuple, lowering: Lowering, *,
     parallelism (``lowering.cp > 1``) dim 1 of each is the sequence: the attention
     masks are read on a trace at its whole length, and the graph traced at one rank's
     share of it (:mod:`partc.passes.context_parallel`).
+    ``planned_inputs``: (inputs, keyword inputs, target) at the batch the plan's
+    tensor-parallel choices were made at, traced only where the model's code takes
+    another branch at the micro-batch size (``partc.passes.tp.carry``).
     """
     if lowering.cp > 1:
         masks, shapes = _whole_length_facts(model, example_inputs, lowering.attention,
@@ -443,7 +447,8 @@ def lower(model: nn.Module, example_inputs: tuple, lowering: Lowering, *,
             sequence_shard(example_target, lowering.cp))
     gm, ctx = _trace(model, example_inputs, kwargs=kwargs, loss_fn=loss_fn,
                      example_target=example_target)
-    ctx = dataclasses.replace(ctx, lowering=lowering)
+    ctx = dataclasses.replace(ctx, lowering=lowering, sharding_graph=planned_inputs and (
+        lambda: _planned_graph(model, planned_inputs, lowering, loss_fn)))
     gm = run_passes(lowering_passes(lowering), gm, ctx)
     stages = _split(gm, lowering.stages)
     wanted = range(len(stages)) if only is None else only
@@ -495,9 +500,21 @@ def _split(gm: fx.GraphModule, stages: Sequence[Sequence[str]]) -> list[StageGra
     return result
 
 
+def _planned_graph(model: nn.Module, inputs: tuple[tuple, dict, Any], lowering: Lowering,
+                   loss_fn: Callable | None) -> fx.GraphModule:
+    """``model`` traced at the batch of ``inputs`` and grouped into layers as lowering
+    groups it: the graph a plan's tensor-parallel choices were made on."""
+    args, kwargs, target = inputs
+    gm, ctx = _trace(model, args, kwargs=kwargs, loss_fn=loss_fn, example_target=target)
+    front = lowering_passes(lowering)
+    return run_passes(front[:[p.name for p in front].index("layers") + 1], gm,
+                      dataclasses.replace(ctx, lowering=lowering))
+
+
 def _plan_sharding(gm: fx.GraphModule, ctx: Context) -> fx.GraphModule:
     """The plan's sharding, rebuilt from its per-node choices, then one rank's graph."""
     lowering = ctx.lowering
     chosen = tp_chooser.apply(gm, lowering.tp, lowering.sequence_parallel,
-                                 {name: tuple(c) for name, c in lowering.tp_choices.items()})
+                              {name: tuple(c) for name, c in lowering.tp_choices.items()},
+                              made_on=ctx.sharding_graph)
     return tp_rewrite(gm, dataclasses.replace(ctx, sharding=chosen))

@@ -74,7 +74,8 @@ def test_mixed_precision_is_measured_apart_for_gpus_and_cpus():
     like_cpu = {name: getattr(cpu_preset, name) for name in (
         "peak_flops", "flops_efficiency", "hbm_bandwidth", "devices_per_node",
         "intra_node_bandwidth", "inter_node_bandwidth", "link_latency_s",
-        "intra_node_latency_s")}
+        "intra_node_latency_s", "context_memory", "communicator_memory",
+        "memory_fragmentation")}
     cache = partc.PlanCache()
     _compile(gpt_tiny(n_layer=2), cache)
     _compile(gpt_tiny(n_layer=2), cache, device="H100-80GB", **like_cpu)

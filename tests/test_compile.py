@@ -78,7 +78,7 @@ def _gpt_124m_on(memory: str, tp: int | None = 1) -> partc.Program:
     ids = torch.zeros(1, 1024, dtype=torch.long, device="meta")
     return partc.compile(model, (ids,), loss_fn=loss_fn, example_target=ids,
                          budget=partc.DeviceBudget(num_devices=4, device="A100-40GB",
-                                                   memory=memory),
+                                                   memory=memory, **models.WHOLE_MEMORY),
                          train=partc.TrainSpec(global_batch_size=32), name="gpt-124m",
                          constraints=partc.Constraints(tp=tp, zero_stage=0, offload=()),
                          # Microbatches of one sequence are dispatch-bound on the A100

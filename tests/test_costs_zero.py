@@ -19,6 +19,7 @@ from partc.cost.evaluate import evaluate
 from partc.cost.pipeline_config import PS_PER_S, PipelineConfig, overlapped, to_ps
 from partc.cost.state_bytes import zero_state_bytes
 from partc.cost.tables import build_cost_table
+from tests.models import WHOLE_MEMORY
 
 PSI, ND = 7.5e9, 64
 PUBLISHED_GB = {0: 120, 1: 31.4, 2: 16.6, 3: 1.88}  # rounded as printed in the paper
@@ -56,7 +57,7 @@ def _dp_program(memory: str, dtype: torch.dtype = torch.float32, **pins) -> part
     ids = torch.zeros(2, 32, dtype=torch.long)
     return partc.compile(model, (ids,), loss_fn=loss_fn, example_target=ids,
                          budget=partc.DeviceBudget(num_devices=2, device="A100-40GB",
-                                                   memory=memory),
+                                                   memory=memory, **WHOLE_MEMORY),
                          train=partc.TrainSpec(global_batch_size=8, optimizer="adamw",
                                                dtype=dtype),
                          constraints=partc.Constraints(pp=1, tp=1, **{"offload": (),

@@ -177,6 +177,13 @@ def _size(text: str) -> int:
     return size
 
 
+def _reserved(text: str) -> int:
+    size = parse_bytes(text)
+    if size < 0:
+        raise ValueError(f"a reserved memory size must be 0 or more, got {text!r}")
+    return size
+
+
 def _sizes(text: str) -> int | tuple[int, ...]:
     sizes = tuple(_size(part.strip()) for part in text.split(","))
     return sizes[0] if len(sizes) == 1 else sizes
@@ -239,13 +246,15 @@ WHOLE, NON_NEGATIVE = _argument(_whole, "count"), _argument(_non_negative, "numb
 FRACTION, SECONDS = _argument(_fraction, "fraction"), _argument(_seconds, "seconds")
 SHARE = _argument(_share, "share")
 SIZES, RATE = _argument(_sizes, "size"), _argument(_rate, "rate")
+RESERVED = _argument(_reserved, "size")
 DEVICE, LAYER_MODE = _argument(_device, "device"), _argument(_layer_mode, "LAYER=MODE")
 STAGE, LINK = _argument(_stage, "stage"), _argument(_collective_link, "KIND=LATENCY,RATE")
 # The reader of each unit of DeviceFigures (their flags: _budget_arguments). A factor is
 # read as a positive number; DeviceBudget says why one below 1 is refused.
 _UNIT_TYPES = {"bytes": SIZES, "count": COUNT, "FLOP/s": POSITIVE, "bytes/s": RATE,
                "seconds": SECONDS, "fraction": FRACTION, "share": SHARE, "factor": POSITIVE,
-               "links": LINK, "updates/s": POSITIVE}
+               "links": LINK, "updates/s": POSITIVE,
+               "reserved bytes": RESERVED}
 
 
 # -------------------------------------------------------------------------------- parser

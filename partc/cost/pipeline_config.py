@@ -15,6 +15,7 @@ from typing import Sequence
 from partc.cost.schedules import (SCHEDULE_TABLE, rank_of, schedule as schedule_info,
                                   stages_of_rank)
 from partc.cost.timeline import held_per_run
+from partc.device.usable import communicators, usable_memory
 from partc.problem import PlanningProblem, effective_zero_stage, reduces_once_per_step
 
 
@@ -184,3 +185,14 @@ _SPLIT = ("interleaved-zero-bubble", "zbv-zero-bubble", "dualpipev")
 def stage_ranks(problem: PlanningProblem, config: PipelineConfig, stage: int) -> range:
     width = problem.devices.num_devices // config.pp
     return range(stage * width, (stage + 1) * width)
+
+
+def stage_limits(problem: PlanningProblem, config: PipelineConfig) -> tuple[int, ...]:
+    """Each stage's memory limit: the least that a device of its ranks leaves the plan
+    beside the CUDA context, the NCCL communicators of ``config``'s mesh and the
+    allocator's fragmentation (:func:`partc.device.usable.usable_memory`, the one
+    place the limit is computed)."""
+    devices = problem.devices
+    groups = communicators(devices.num_devices, config.pp, config.dp, config.tp, config.ep)
+    return tuple(min(usable_memory(devices.memory_bytes[r], devices, groups)
+                     for r in stage_ranks(problem, config, s)) for s in range(config.pp))

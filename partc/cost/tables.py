@@ -21,7 +21,7 @@ from partc.cost.experts_cost import expert_dp_config, moe_layer_figures
 from partc.cost.host_offload import microbatch_seconds
 from partc.cost.layer_compute import layer_work, run_layer
 from partc.cost.pipeline_config import (PipelineConfig, grad_config, overlapped, permille,
-                                        split_factor, stage_ranks, to_ps)
+                                        split_factor, stage_limits, to_ps)
 from partc.cost.schedules import runs_compiled, schedule as schedule_info
 from partc.cost.state_bytes import (state_bytes, step_bytes, step_total, steps_whole_list,
                                     zero_transient)
@@ -270,11 +270,14 @@ class TableCache:
         return self._tables[key]
 
     def limits(self, problem: PlanningProblem, config: PipelineConfig) -> tuple[int, ...]:
-        key = ("limits", config.pp, problem.devices.memory_bytes)
+        """Each stage's memory limit: what its smallest device leaves the plan
+        (:func:`stage_limits`)."""
+        devices = problem.devices
+        key = ("limits", config.pp, config.dp, config.tp, config.ep, devices.memory_bytes,
+               devices.context_memory, devices.communicator_memory,
+               devices.memory_fragmentation)
         if key not in self._tables:
-            self._tables[key] = tuple(
-                min(problem.devices.memory_bytes[r] for r in stage_ranks(problem, config, s))
-                for s in range(config.pp))
+            self._tables[key] = stage_limits(problem, config)
         return self._tables[key]
 
     def cuts(self, problem: PlanningProblem,

@@ -51,6 +51,36 @@ _GPU_HOST = dict(op_overhead_s=_GPU_DISPATCH_S, op_overhead_backward_s=_GPU_DISP
                  fsdp_step_overhead_s=0.0, comm_overlap=1.0, split_backward_factor=1.0)
 
 
+# What a GPU's memory holds beside the plan's tensors (partc.device.usable takes it from
+# the total CUDA reports and plans against the rest):
+# - context_memory, 512 MiB: the CUDA context is about 300 MB since CUDA 11.7 loads
+#   kernels lazily (pytorch/pytorch#107667, a PyTorch maintainer; over 1 GB before), and
+#   cuBLAS's and cuDNN's workspaces come on top;
+# - communicator_memory, 688 MB per NCCL communicator a rank joins: on 4 A100s with NVLink,
+#   each process group of more than 2 GPUs added 688 MB, of 2 GPUs 544 MB, through
+#   PyTorch (NVIDIA/nccl#964); NCCL's maintainers (NVIDIA/nccl#986) say the memory grows
+#   with the channels (more to reach H100's NVLink bandwidth) and the connections, and
+#   stops growing beyond 2 nodes. Not measured on an H100;
+# - memory_fragmentation, 0.05: PyTorch's caching allocator rounds blocks and keeps
+#   segments that freed tensors leave in pieces; a share of a few percent of the memory
+#   is reserved but not allocated at a training step's peak. A guess, not measured here.
+# `benchmarks/gpu_check.py --part memory` on a GPU prints the total CUDA reports, the
+# context's size and the allocator's reserved-over-allocated at the step's peak.
+_GPU_MEMORY_RESERVE = dict(context_memory=512 * 2**20, communicator_memory=688 * 10**6,
+                           memory_fragmentation=0.05)
+
+# The memory each GPU reports to CUDA (torch.cuda.get_device_properties(i).total_memory),
+# below the vendor's nominal figure (the driver keeps the rest), as printed by torch or
+# deviceQuery on these GPUs in public logs:
+# - H100 80GB HBM3 (SXM): 85,029,158,912 bytes (79.19 GiB; torch 2.7 prints 81089 MiB);
+# - H200 (SXM, 141 GB): 143,156 MiB (139.8 GiB), torch's print on a Modal H200;
+# - A100-SXM4-80GB: 81,221.8 MiB (79.32 GiB), cudaGetDeviceProperties;
+# - A100-SXM4-40GB: 40,536 MiB (39.59 GiB), torch's (and Paddle's) print.
+# The driver's share varies a little by driver version: a profile or --memory replaces it.
+_REPORTED = {"H100-80GB": 85_029_158_912, "H200": 143_156 * 2**20,
+             "A100-80GB": 85_167_243_264, "A100-40GB": 40_536 * 2**20}
+
+
 @dataclass(frozen=True, kw_only=True)
 class DevicePreset(DeviceFigures):
     """A device's figures under its name, and the torch device type it runs as (whose
@@ -123,7 +153,8 @@ PRESETS: dict[str, DevicePreset] = {
             name="A100-40GB", **_GPU_HOST, **_AMPERE_HOST, host_memory=10**12,
             peak_flops={"float32": 19.5 * TFLOPS, "tf32": 156 * TFLOPS,
                         "bfloat16": 312 * TFLOPS, "float16": 312 * TFLOPS},
-            memory=40 * 2**30, hbm_bandwidth=1555 * GB, devices_per_node=8,
+            memory=_REPORTED["A100-40GB"], nominal_memory=40 * 2**30,
+            **_GPU_MEMORY_RESERVE, hbm_bandwidth=1555 * GB, devices_per_node=8,
             optimizer_bandwidth=_GPU_ADAMW_SHARE * 1555 * GB,
             intra_node_bandwidth=300 * GB, inter_node_bandwidth=25 * GB,
             link_latency_s=10e-6, intra_node_latency_s=2e-6, flops_efficiency=0.6),
@@ -131,7 +162,8 @@ PRESETS: dict[str, DevicePreset] = {
             name="A100-80GB", **_GPU_HOST, **_AMPERE_HOST, host_memory=2 * 10**12,
             peak_flops={"float32": 19.5 * TFLOPS, "tf32": 156 * TFLOPS,
                         "bfloat16": 312 * TFLOPS, "float16": 312 * TFLOPS},
-            memory=80 * 2**30, hbm_bandwidth=2039 * GB, devices_per_node=8,
+            memory=_REPORTED["A100-80GB"], nominal_memory=80 * 2**30,
+            **_GPU_MEMORY_RESERVE, hbm_bandwidth=2039 * GB, devices_per_node=8,
             optimizer_bandwidth=_GPU_ADAMW_SHARE * 2039 * GB,
             intra_node_bandwidth=300 * GB, inter_node_bandwidth=25 * GB,
             link_latency_s=10e-6, intra_node_latency_s=2e-6, flops_efficiency=0.6),
@@ -139,7 +171,8 @@ PRESETS: dict[str, DevicePreset] = {
             name="H100-80GB", **_GPU_HOST, **_HOPPER_HOST,
             peak_flops={"float32": 67 * TFLOPS, "tf32": 494.7 * TFLOPS,
                         "bfloat16": 989.4 * TFLOPS, "float16": 989.4 * TFLOPS},
-            memory=80 * 2**30, hbm_bandwidth=3350 * GB, devices_per_node=8,
+            memory=_REPORTED["H100-80GB"], nominal_memory=80 * 2**30,
+            **_GPU_MEMORY_RESERVE, hbm_bandwidth=3350 * GB, devices_per_node=8,
             elementwise_bandwidth=_GPU_ELEMENTWISE_SHARE * 3350 * GB,
             optimizer_bandwidth=_GPU_ADAMW_SHARE * 3350 * GB,
             intra_node_bandwidth=450 * GB, inter_node_bandwidth=50 * GB,
@@ -149,7 +182,8 @@ PRESETS: dict[str, DevicePreset] = {
             name="H200", **_GPU_HOST, **_HOPPER_HOST,
             peak_flops={"float32": 67 * TFLOPS, "tf32": 494.7 * TFLOPS,
                         "bfloat16": 989.4 * TFLOPS, "float16": 989.4 * TFLOPS},
-            memory=141 * 10**9, hbm_bandwidth=4800 * GB, devices_per_node=8,
+            memory=_REPORTED["H200"], nominal_memory=141 * 10**9,
+            **_GPU_MEMORY_RESERVE, hbm_bandwidth=4800 * GB, devices_per_node=8,
             elementwise_bandwidth=_GPU_ELEMENTWISE_SHARE * 4800 * GB,
             optimizer_bandwidth=_GPU_ADAMW_SHARE * 4800 * GB,
             intra_node_bandwidth=450 * GB, inter_node_bandwidth=50 * GB,
@@ -159,7 +193,9 @@ PRESETS: dict[str, DevicePreset] = {
             name="CPU",
             peak_flops={"float32": 0.2 * TFLOPS, "bfloat16": 0.2 * TFLOPS,
                         "float16": 0.1 * TFLOPS},
+            # Host memory: no context, gloo's buffers and malloc's slack are small.
             memory=16 * 2**30, hbm_bandwidth=20 * GB, devices_per_node=64,
+            context_memory=0, communicator_memory=0, memory_fragmentation=0.0,
             intra_node_bandwidth=5 * GB, inter_node_bandwidth=1.25 * GB,
             link_latency_s=50e-6, intra_node_latency_s=50e-6,
             flops_efficiency=0.5, device_type="cpu",

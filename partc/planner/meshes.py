@@ -38,7 +38,7 @@ def mesh_results(problem: PlanningProblem, tables: list[CostTable], floors: list
             chosen.pp, chosen.dp, chosen.tp, chosen.cp, chosen.cp_kind)
         value = mesh.step_ps if mesh.outcome == Outcome.SOLVED else mesh.bound_ps
         if mesh.outcome == Outcome.INFEASIBLE:
-            value = mesh.need_bytes / mesh.limit_bytes if mesh.need_bytes else math.inf
+            value = mesh.need_bytes / max(mesh.limit_bytes, 1) if mesh.need_bytes else math.inf
         return (_MESH_ORDER[mesh.outcome], value, not is_chosen, mesh.pp, mesh.dp, mesh.tp,
                 mesh.cp, mesh.cp_kind or "")
 

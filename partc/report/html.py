@@ -6,7 +6,8 @@ page needs no network, no script and no font download to be read:
 
 - the step timeline per pipeline stage (:mod:`partc.cost.timeline`): forward, backward,
   recompute, communication and the tail, idle where nothing is drawn;
-- memory per rank of each stage by category, against the device limit;
+- memory per rank of each stage by category, against the memory a device leaves the
+  plan (after the CUDA context, NCCL and fragmentation);
 - the mesh factorisations the planner weighed, with their predicted step times (or the
   bound that ruled them out, or why they do not fit).
 
@@ -252,7 +253,9 @@ def _label_microbatches(axes, timeline: Timeline, scale: float) -> None:
 
 def _memory_caption(plan: Plan) -> str:
     worst = max(plan.stages, key=lambda s: s.memory_bytes.peak / s.limit_bytes)
-    return (f"By category, against the device limit (red). The fullest is stage {worst.index}: "
+    return (f"By category, against the memory a device leaves the plan (red: what CUDA "
+            f"reports, less the reserves the memory section names). The fullest is stage "
+            f"{worst.index}: "
             f"{_esc(format_bytes(worst.memory_bytes.peak))} of "
             f"{_esc(format_bytes(worst.limit_bytes))} "
             f"({100 * worst.memory_bytes.peak / worst.limit_bytes:.0f}%).")
@@ -287,7 +290,7 @@ def memory_svg(plan: Plan) -> str:
             axes.text(max(left[i], limit) if near else left[i], i,
                       f" {100 * stage.memory_bytes.peak / stage.limit_bytes:.0f}%",
                       va="center", fontsize=8)
-    axes.plot([], [], color="#d62728", linewidth=2, label="device limit")
+    axes.plot([], [], color="#d62728", linewidth=2, label="usable memory")
     axes.set_ylim(len(stages) - 0.5, -0.5)
     step = max(1, len(stages) // 24)
     axes.set_yticks(range(0, len(stages), step),

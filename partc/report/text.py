@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from partc.cli.choices import REPORT_FORMATS
 from partc.codec import dtype_name
 from partc.cost.timeline import Timeline, simulate, text_lines
+from partc.device.usable import Headroom, communicators, headroom
 from partc.names import Outcome, Phase
 from partc.placement import REPLICATE
 from partc.plan import DP_WHEN, MeshOutcome, Plan, TensorParallelPlan
@@ -270,6 +271,36 @@ def _offload_lines(plan: Plan) -> list[str]:
             f"step's tail ({format_seconds(tail)} on the busiest stage); the copies of each "
             f"microbatch (gradients streamed out, parameter shards in and out) in the layers' "
             f"forward and backward; all exposed (not overlapped with compute)."]
+
+
+def plan_headroom(plan: Plan) -> Headroom:
+    """The plan's peak against its device's memory, from the vendor's figure down
+    (:func:`partc.device.usable.headroom`: the limits the planner planned against)."""
+    budget, mesh = plan.budget, plan.mesh
+    return headroom(reported=min(budget.memory_bytes), nominal=budget.figures.nominal_memory,
+                    figures=budget.figures, peak=plan.predicted.peak_memory_bytes,
+                    groups=communicators(budget.num_devices, mesh.pp, mesh.dp, mesh.tp,
+                                         mesh.ep))
+
+
+def _headroom_line(plan: Plan) -> str:
+    room = plan_headroom(plan)
+    nominal = (f", nominal {format_bytes(room.nominal)}" if room.nominal is not None
+               and room.nominal != room.reported else "")
+    taken = [f"{format_bytes(room.context)} for the CUDA context and workspaces"
+             if room.context else "",
+             f"{room.communicators} NCCL communicator{'s' if room.communicators != 1 else ''}"
+             f" x {format_bytes(room.per_communicator)}"
+             if room.communicators and room.per_communicator else "",
+             f"{100 * room.fragmentation:g}% for fragmentation "
+             f"({format_bytes(room.fragmentation_bytes)})" if room.fragmentation else ""]
+    taken = [t for t in taken if t]
+    less = ("; less " + ", ".join(taken) + " (DeviceBudget's context_memory, "
+            "communicator_memory, memory_fragmentation)") if taken else ""
+    return (f"Headroom: peak {format_bytes(room.peak)} of {format_bytes(room.usable)} usable "
+            f"({100 * room.peak / max(room.usable, 1):.1f}%, {format_bytes(room.left)} "
+            f"left); the device reports {format_bytes(room.reported)}{nominal}"
+            f"{less}.")
 
 
 _ZERO_SHARDS = {1: "optimizer state", 2: "gradients and optimizer state",
@@ -769,7 +800,8 @@ def sections(plan: Plan, timeline: Timeline | None = None) -> list[Section]:
             header=("schedule", "v", "step time", "vs chosen", "bubble", "peak memory",
                     "split"),
             rows=_rows(_schedule_rows(plan))))
-    out.append(Section(key="memory", title="Memory per rank", notes=tuple(_memory_lines(plan)),
+    out.append(Section(key="memory", title="Memory per rank",
+                       notes=(_headroom_line(plan), *_memory_lines(plan)),
                        header=("stage", *_MEMORY_KINDS, "peak / limit"),
                        rows=_rows(_memory_rows(plan))))
     if plan.data_parallel is not None:
