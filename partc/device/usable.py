@@ -69,9 +69,10 @@ def usable_memory(total: int, figures: Reserves, groups: int) -> int:
     return max(0, math.floor((total - fixed) * (1.0 - fragmentation)))
 
 
-def device_memory_for(usable: int, figures: Reserves, groups: int) -> int:
+def device_memory_for(usable: int, figures: Reserves, groups: int) -> float:
     """The smallest device total (as CUDA reports it) that leaves ``usable`` bytes: the
-    inverse of :func:`usable_memory`, for a fix a person can buy."""
+    inverse of :func:`usable_memory`, for a fix a person can buy (infinite where
+    fragmentation takes everything)."""
     fixed, fragmentation = _reserve(figures, groups)
     if fragmentation >= 1.0:
         return math.inf

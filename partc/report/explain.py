@@ -35,7 +35,8 @@ class TightestSplit:
 
     @property
     def worst(self) -> int:
-        return max(range(len(self.limits)), key=lambda s: self.stage_need[s] / self.limits[s])
+        return max(range(len(self.limits)),
+                   key=lambda s: self.stage_need[s] / max(self.limits[s], 1))
 
 
 def _layer_needs(table: CostTable, stage: int,
