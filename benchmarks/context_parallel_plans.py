@@ -88,7 +88,7 @@ def _describe(plan: partc.Plan | str) -> str:
     p = plan.predicted
     return (f"{plan.mesh}, ZeRO-{plan.zero_stage}, {plan.schedule} "
             f"{plan.micro_batch_size} x {plan.num_microbatches}, recompute "
-            f"{sorted(set(plan.recompute.values()))}: step {format_seconds(p.step_time_s)}, "
+            f"{'/'.join(sorted({str(mode) for mode in plan.recompute.values()}))}: step {format_seconds(p.step_time_s)}, "
             f"peak {format_bytes(p.peak_memory_bytes)}, MFU {100 * p.mfu:.1f}%")
 
 
@@ -99,17 +99,18 @@ def part_longest(model: str, seqs: list[int], work_limit: float) -> None:
     options = PlannerOptions(work_limit=work_limit)
     longest = {"cp=1": None, "cp free": None}
     for seq in seqs:
-        start = time.perf_counter()
+        start, cpu = time.perf_counter(), time.process_time()
         graph, analysis, budget, train = _analysis(shape, seq, devices, devices)
         traced = time.perf_counter() - start
-        print(f"{seq:>9,} tokens: traced and measured in {traced:.1f} s, host peak "
-              f"{max_rss()}")
+        print(f"{seq:>9,} tokens: traced and measured in {traced:.1f} s "
+              f"({time.process_time() - cpu:.1f} s of CPU), host peak {max_rss()}")
         for label, constraints in (("cp=1", partc.Constraints(cp=1)),
                                    ("cp free", partc.Constraints())):
-            start = time.perf_counter()
+            start, cpu = time.perf_counter(), time.process_time()
             plan = _plan(graph, analysis, budget, train, constraints, options)
             print(f"    {label:<8} planned in {time.perf_counter() - start:5.1f} s "
-                  f"(host peak {max_rss()}): {_describe(plan)}")
+                  f"({time.process_time() - cpu:.1f} s of CPU, host peak {max_rss()}): "
+                  f"{_describe(plan)}")
             if not isinstance(plan, str):
                 longest[label] = seq
         del graph, analysis
