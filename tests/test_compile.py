@@ -275,6 +275,9 @@ _LAYERS = ["tok_emb", "pos_emb", "drop", "blocks.0", "blocks.1", "ln_f", "lm_hea
     (2, 2, dict(stages=[_LAYERS[:3], _LAYERS[4:]]), "stages", "missing ['blocks.0']"),
     (2, 2, dict(recompute={"nope": "full"}), "recompute", "unknown layers ['nope']"),
     (4, 2, dict(tp=4), "tp", "tp=4 must divide the 2 devices of a node"),
+    (4, 4, dict(cp=3), "cp", "cp=3 does not divide the 4 devices"),
+    (4, 4, dict(cp=2, dp=4), "dp", "dp=4 does not divide the 4 devices / cp=2"),
+    (8, 8, dict(pp=2, dp=1, cp=2, tp=1), "pp x dp x cp x tp", "= 4, not the 8 devices"),
 ])
 def test_pins_that_cannot_hold_name_the_pin(devices, node, pins, pin, fragment):
     budget = partc.DeviceBudget(num_devices=devices, device="CPU", devices_per_node=node)

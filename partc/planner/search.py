@@ -156,7 +156,7 @@ MIN_CP_CHUNK_TOKENS = 256
 def cp_choices(problem: PlanningProblem, tp: int, sequence_parallel: bool = False,
                objective: str = "time") -> list[tuple[int, str | None]]:
     """(cp, kind) the pins and the model allow beside tensor parallelism ``tp``: cp = 1
-    (kind None), and each cp > 1 dividing the devices over tp whose ``2 cp`` chunks split
+    (kind None; not when a kind is pinned), and each cp > 1 dividing the devices over tp whose ``2 cp`` chunks split
     the sequence evenly (each at least :data:`MIN_CP_CHUNK_TOKENS` tokens unless cp is
     pinned), for a model with attention cores and nothing else reading along the
     sequence (:func:`check_context_parallel` refuses a pinned cp otherwise), as a ring
@@ -170,7 +170,8 @@ def cp_choices(problem: PlanningProblem, tp: int, sequence_parallel: bool = Fals
     found: list[tuple[int, str | None]] = []
     for cp in wanted:
         if cp == 1:
-            found.append((1, None))
+            if pins.cp_kind is None:   # a pinned kind asks for cp > 1
+                found.append((1, None))
             continue
         if devices % cp or context_parallel_refusal(problem, cp) or (
                 pins.cp is None and tokens // (2 * cp) < MIN_CP_CHUNK_TOKENS):

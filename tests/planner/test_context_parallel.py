@@ -87,6 +87,7 @@ def test_the_search_tries_cp_where_the_sequence_splits_and_attention_runs():
     assert cp_choices(_problem(attention=three_heads), 1) == [(1, None), (2, CpKind.RING)]
     pinned = _problem(tokens=16, pins=Pins(cp=2, cp_kind="all-to-all"))
     assert cp_choices(pinned, 1) == [(2, CpKind.ALL_TO_ALL)]
+    assert cp_choices(_problem(pins=Pins(cp_kind="ring")), 1) == [(2, CpKind.RING)]
     configs = candidate_configs(_problem(batch=2))
     assert {(c.pp, c.dp, c.cp, c.cp_kind) for c in configs} == {
         (1, 2, 1, None), (2, 1, 1, None), (1, 1, 2, CpKind.RING), (1, 1, 2, CpKind.ALL_TO_ALL)}
