@@ -32,8 +32,8 @@ from partc.cost.collectives import Group
 from partc.cost.tables import TableCache
 from partc.device.budget import DeviceBudget, preset
 from partc.device.figures import FIGURE_NAMES, DeviceFigures
-from partc.errors import (PartcError, PlanFileError, PlanMismatchError, PlanValidationError,
-                          TraceError, check_argument)
+from partc.errors import (PartcError, PlanFileError, PlanInfeasibleError, PlanMismatchError,
+                          PlanValidationError, TraceError, check_argument)
 from partc.identity import behaviour_digest, model_hash
 from partc.passes.pipeline import analyze, tensor_parallel_options
 from partc.passes.tp.chooser import Link
@@ -95,7 +95,8 @@ def pins_for(constraints: Constraints, train: TrainSpec,
                     None if train.schedule == "auto" else train.schedule),
                 virtual_stages=constraints.virtual_stages,
                 zero_stage=constraints.zero_stage,
-                zero2_grad_sync=constraints.zero2_grad_sync, ep=constraints.ep)
+                zero2_grad_sync=constraints.zero2_grad_sync, ep=constraints.ep,
+                fp8_linears=constraints.fp8_linears)
 
 
 def build_problem(analysis: ModelAnalysis, budget: DeviceBudget, train: TrainSpec,
@@ -110,6 +111,7 @@ def build_problem(analysis: ModelAnalysis, budget: DeviceBudget, train: TrainSpe
         raise ValueError(f"compile=True cannot run zero_stage={constraints.zero_stage}: "
                          "FSDP2's gather and free hooks are not compiled "
                          "(partc.runtime.compiled); pin zero_stage 0 or 1, or compile=False")
+    check_fp8(budget, devices, train, constraints)
     # Before measuring tensor parallelism: a pin that cannot hold fails at once.
     check_pins(pins_for(constraints, train), devices, train.global_batch_size, names)
     pins = pins_for(constraints, train, names)
@@ -147,9 +149,35 @@ def build_problem(analysis: ModelAnalysis, budget: DeviceBudget, train: TrainSpe
             moe_imbalance=train.moe_imbalance, moe_capacity_factor=train.moe_capacity_factor,
             compiled=train.compile, tp_overlap=train.tp_overlap,
             param_gather_overlap=train.overlap_param_gather,
-            bucket_elements=train.bucket_elements),
+            bucket_elements=train.bucket_elements,
+            fp8=train.fp8_recipe if train.fp8 else None),
         pins=pins,
     )
+
+
+def check_fp8(budget: DeviceBudget, devices: DeviceNumbers, train: TrainSpec,
+              constraints: Constraints) -> None:
+    """FP8 linears need a device with FP8 matmuls (an ``fp8_peak_flops``; the CPU
+    emulates them), ``TrainSpec.fp8`` to pin any, and no tensor parallelism to run in."""
+    pinned = constraints.fp8_linears not in (None, "none")
+    if pinned and not train.fp8:
+        raise ValueError(f"Constraints.fp8_linears={constraints.fp8_linears!r} pins FP8 "
+                         "linears, but TrainSpec.fp8 is off: pass TrainSpec(fp8=True)")
+    if not train.fp8:
+        return
+    if devices.fp8_peak_flops is None and budget.device_type != "cpu":
+        raise PlanInfeasibleError(
+            f"TrainSpec(fp8=True): {budget.name} has no FP8 matmuls (no fp8_peak_flops): "
+            "FP8 linears need a Hopper GPU (H100, H200) or newer; train without fp8, or "
+            "give the device's FP8 peak (DeviceBudget(fp8_peak_flops=...), "
+            "--fp8-peak-tflops)", resource="device")
+    if pinned and (constraints.tp or 1) > 1:
+        raise PlanInfeasibleError(
+            f"Constraints.fp8_linears={constraints.fp8_linears!r} with tp={constraints.tp}: "
+            "FP8 linears do not run under partc's tensor parallelism (its rewrite calls "
+            "its own collectives around plain linears); pin tp=1, or leave fp8_linears to "
+            "the planner, which prices tensor-parallel meshes without FP8",
+            resource="pin", pin="fp8_linears")
 
 
 def problem_for_plan(plan: Plan, model: torch.nn.Module, *, loss_fn: Callable | None = None,
@@ -238,6 +266,7 @@ def _budget_info(devices: DeviceNumbers) -> BudgetInfo:
     return BudgetInfo(device="custom", num_devices=devices.num_devices,
                       memory_bytes=devices.memory_bytes,
                       figures=DeviceFigures(peak_flops=devices.peak_flops,
+                                            fp8_peak_flops=devices.fp8_peak_flops,
                                             devices_per_node=devices.devices_per_node))
 
 
@@ -250,7 +279,8 @@ def _train_spec(train: TrainNumbers) -> TrainSpec:
                      optimizer=precision.optimizer_state_bytes,
                      moe_imbalance=train.moe_imbalance,
                      moe_capacity_factor=train.moe_capacity_factor,
-                     compile=train.compiled)
+                     compile=train.compiled, fp8=train.fp8 is not None,
+                     fp8_recipe=train.fp8 or "tensorwise")
 
 
 def _compact(value: Any) -> Any:

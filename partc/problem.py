@@ -142,6 +142,11 @@ class HeavyOp:
     count: int = 1
     bwd_extra_flops: float = 0.0
     attention: bool = False
+    # A linear (``aten.linear`` with a parameter for weight): its weight's (in, out)
+    # features, and the weights' FQNs of the ``count`` ops (the names FP8 linears go by,
+    # TrainSpec.fp8). None and (): another matmul.
+    linear: tuple[int, int] | None = None
+    linear_names: tuple[str, ...] = ()
 
 
 # How a mixture-of-experts layer holds its routed experts (passes/moe.py recognises both).
@@ -280,6 +285,12 @@ class LayerCost:
     @property
     def modes(self) -> tuple[str, ...]:
         return tuple(m for m in RECOMPUTE_MODES if m in self.saved_bytes)
+
+    def unnamed(self) -> "LayerCost":
+        """The layer's figures alone: without its name and its linears' weight names
+        (what blocks of one structure share)."""
+        return replace(self, name="", heavy_ops=tuple(replace(op, linear_names=())
+                                                      for op in self.heavy_ops))
 
     @property
     def bwd_extra_flops(self) -> float:
@@ -457,6 +468,7 @@ class DeviceNumbers:
     optimizer_bandwidth: float | None = None     # None: hbm_bandwidth
     fsdp_copy_bandwidth: float | None = None     # None: hbm_bandwidth
     attention_efficiency: float | None = None    # None: flops_efficiency
+    fp8_peak_flops: float | None = None          # None: no FP8 matmuls (emulated, if any)
 
     def __post_init__(self) -> None:
         if len(self.memory_bytes) != self.num_devices:
@@ -524,6 +536,9 @@ class TrainNumbers:
     param_gather_overlap: bool = True
     # Elements per gradient bucket under ZeRO 0/1 (TrainSpec.bucket_elements).
     bucket_elements: int = BUCKET_ELEMENTS
+    # TrainSpec.fp8_recipe where TrainSpec.fp8 is on: linears may run FP8
+    # (partc.cost.fp8_pricing); None: off.
+    fp8: str | None = None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -544,6 +559,9 @@ class Pins:
     zero_stage: int | None = None
     zero2_grad_sync: str | None = None   # one of ZERO2_GRAD_SYNCS
     ep: int | None = None   # expert-parallel degree of mixture-of-experts layers
+    # The linears (weight FQNs) that run FP8 under TrainSpec.fp8: "all", "none" or a
+    # tuple of names; None: each where it pays (partc.cost.fp8_pricing).
+    fp8_linears: tuple[str, ...] | str | None = None
 
 
 @dataclass(frozen=True, kw_only=True)

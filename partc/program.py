@@ -58,7 +58,9 @@ class Program:
             fsdp_units=plan.effective_zero_stage >= 2 or _gathers_wait_in_layers(plan),
             attention=plan.train.attention,
             ep=plan.mesh.ep, capacity_factor=plan.train.moe_capacity_factor,
-            mixed=plan.train.dtype != torch.float32)
+            mixed=plan.train.dtype != torch.float32,
+            fp8_linears=plan.fp8.linears if plan.fp8 is not None else (),
+            fp8_recipe=plan.train.fp8_recipe)
         return lower(self.model, args, lowering, kwargs=kwargs, loss_fn=self.loss_fn,
                      example_target=target, only=only)
 

@@ -11,8 +11,8 @@ from typing import Any, Mapping
 
 import torch
 
-from partc.cli.choices import (ATTENTION, ON_NONFINITE, OPTIMIZER_STATE_BYTES, SCHEDULES,
-                               TP_OBJECTIVES)
+from partc.cli.choices import (ATTENTION, FP8_RECIPES, ON_NONFINITE, OPTIMIZER_STATE_BYTES,
+                               SCHEDULES, TP_OBJECTIVES)
 from partc.codec import UNLESS_DEFAULT
 from partc.cost.schedules import refusal
 from partc.names import Schedule
@@ -74,6 +74,17 @@ class TrainSpec:
     chains of element-wise ops between the heavy ones into single kernels; the plan is
     costed with those chains' fused bytes (:mod:`partc.runtime.compiled` says what is
     compiled and what is refused).
+    ``fp8=True`` (opt-in: it changes the numerics) lets the planner run linears in FP8
+    with torchao's float8 training (``torchao.float8``: dynamic scaling of inputs,
+    weights and output gradients, e4m3 forward, e5m2 gradients), ``fp8_recipe``
+    ``"tensorwise"`` (one scale per tensor) or ``"rowwise"`` (one per row). Each linear
+    runs FP8 where it pays: its matmul at the device's ``fp8_peak_flops`` plus the casts'
+    bytes against the same matmul in the training dtype (:mod:`partc.cost.fp8_pricing`),
+    chosen for the configuration's micro-batch size; small linears stay as they are. The
+    plan names the FP8 linears (``plan.fp8``); ``Constraints.fp8_linears`` pins them. A
+    device without an FP8 peak (an A100) refuses it; the CPU preset emulates FP8
+    (torchao's ``emulate=True``, the same casts, the matmul in fp32), which never pays,
+    so there only pinned linears run FP8 (for testing). Not with tensor parallelism yet.
     ``loss_per_microbatch=True`` declares that the loss of each microbatch is its own:
     needed only where the model's loss couples the samples of a batch (a load-balancing
     loss over the whole batch, as Mixtral's and Qwen-MoE's router losses are), so that
@@ -131,6 +142,8 @@ class TrainSpec:
     moe_imbalance: float = DEFAULT_MOE_IMBALANCE
     moe_capacity_factor: float | None = None
     compile: bool = False
+    fp8: bool = field(default=False, metadata=UNLESS_DEFAULT)
+    fp8_recipe: str = field(default="tensorwise", metadata=UNLESS_DEFAULT)
     # Written to a plan only when declared: plans without them read back unchanged.
     loss_per_microbatch: bool = field(default=False, metadata=UNLESS_DEFAULT)
     tp_overlap: bool = field(default=True, metadata=UNLESS_DEFAULT)
@@ -169,6 +182,11 @@ class TrainSpec:
             raise ValueError(f"attention must be one of {ATTENTION}, got {self.attention!r}")
         if not isinstance(self.compile, bool):
             raise ValueError(f"TrainSpec.compile must be True or False, got {self.compile!r}")
+        if not isinstance(self.fp8, bool):
+            raise ValueError(f"TrainSpec.fp8 must be True or False, got {self.fp8!r}")
+        if self.fp8_recipe not in FP8_RECIPES:
+            raise ValueError(f"TrainSpec.fp8_recipe must be one of {FP8_RECIPES}, got "
+                             f"{self.fp8_recipe!r}")
         if not isinstance(self.tp_overlap, bool):
             raise ValueError(f"TrainSpec.tp_overlap must be True or False, got "
                              f"{self.tp_overlap!r}")
@@ -236,6 +254,9 @@ class Constraints:
     sharded gradients, one reduce-scatter per microbatch) or once per step (``"step"``:
     a whole fp32 gradient accumulated over the microbatches, one reduce-scatter);
     with one microbatch, or another ZeRO stage, it changes nothing.
+    ``fp8_linears`` (with ``TrainSpec(fp8=True)``) pins the linears that run FP8:
+    ``"all"``, ``"none"`` or their weights' FQNs (``"blocks.0.mlp.c_fc.weight"``, as the
+    plan's ``fp8`` section names them); None: each linear where it pays.
 
     Pins that contradict each other whatever the model are a ValueError here; pins that
     cannot hold for a model, budget and batch raise ``PlanInfeasibleError`` naming the
@@ -256,6 +277,7 @@ class Constraints:
     zero_stage: int | None = None
     zero2_grad_sync: str | None = None
     ep: int | None = None
+    fp8_linears: tuple[str, ...] | list[str] | str | None = None
     _recompute_map: dict[str, str] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -305,6 +327,16 @@ class Constraints:
             if self.pp is not None and self.pp != len(stages):
                 raise ValueError(f"pp={self.pp} but {len(stages)} stages were pinned")
             object.__setattr__(self, "stages", stages)
+        if self.fp8_linears is not None:
+            if isinstance(self.fp8_linears, str):
+                if self.fp8_linears not in ("all", "none"):
+                    raise ValueError(f"Constraints.fp8_linears must be 'all', 'none' or a "
+                                     f"list of linear weights' FQNs, got {self.fp8_linears!r}")
+            elif not all(isinstance(name, str) for name in self.fp8_linears):
+                raise ValueError(f"Constraints.fp8_linears must be 'all', 'none' or a list of "
+                                 f"linear weights' FQNs, got {self.fp8_linears!r}")
+            else:
+                object.__setattr__(self, "fp8_linears", tuple(self.fp8_linears))
         object.__setattr__(self, "_recompute_map", self._read_recompute())
 
     def _read_recompute(self) -> dict[str, str]:

@@ -63,3 +63,6 @@ class Lowering:
     # (None: dropless); with either, the experts run as ``partc.runtime.experts``.
     ep: int = 1
     capacity_factor: float | None = None
+    # FP8 linears (the plan's ``fp8``): their weights' FQNs and torchao's recipe.
+    fp8_linears: tuple[str, ...] = ()
+    fp8_recipe: str = "tensorwise"

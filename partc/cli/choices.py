@@ -18,6 +18,10 @@ ATTENTION: tuple[str, ...] = ("as_written", "fused")
 # what each needs of a plan, and a test holds the two together).
 SCHEDULES: tuple[str, ...] = tuple(name.value for name in Schedule)
 
+# How FP8 linears scale their operands (TrainSpec.fp8_recipe; torchao.float8's recipes):
+# one scale per tensor, or one per row (more accurate, slower casts).
+FP8_RECIPES: tuple[str, ...] = ("tensorwise", "rowwise")
+
 # What a tensor-parallel sharding is chosen for: the fastest, or the fewest parameter
 # bytes (then, with sequence parallelism, activation bytes; then the fastest).
 TP_OBJECTIVES: tuple[str, ...] = ("time", "memory")

@@ -7,7 +7,7 @@ shares rows between the configurations of one problem."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from partc.cost.collectives import Group, collective_seconds
@@ -17,6 +17,7 @@ from partc.cost.communication import (bucket_latency_seconds, cut_bytes, cut_tab
                                       tp_comm_seconds, zero_comm_seconds,
                                       zero_overhead_seconds)
 from partc.cost.experts_cost import expert_dp_config, moe_layer_figures
+from partc.cost.fp8_pricing import fp8_workspace_bytes, pricing
 from partc.cost.layer_compute import layer_work, run_layer
 from partc.cost.pipeline_config import (PipelineConfig, overlapped, permille, split_factor,
                                         stage_ranks, to_ps)
@@ -119,7 +120,7 @@ def layer_phases(problem: PlanningProblem, config: PipelineConfig, index: int,
         layer = run_layer(problem, index, config.micro_batch_size)
     if work is None:
         work = layer_work(layer, devices, config.micro_batch_size, train.measured_scale,
-                          train.compiled)
+                          train.compiled, pricing(problem, config.tp))
     if comm is None:
         comm = tp_comm_seconds(problem, config, layer)
     zero = zero_comm_seconds(problem, config, layer.param_count)
@@ -134,9 +135,12 @@ def _layer_table(problem: PlanningProblem, config: PipelineConfig, index: int) -
     layer = run_layer(problem, index, config.micro_batch_size)
     devices, train = problem.devices, problem.train
     b, scale = config.micro_batch_size, train.measured_scale
-    work = layer_work(layer, devices, b, scale, train.compiled)
+    fp8 = pricing(problem, config.tp)
+    work = layer_work(layer, devices, b, scale, train.compiled, fp8)
     saved = {m: int(round(b * scale * v)) for m, v in layer.saved_bytes.items()}
-    workspace = int(round(2 * b * scale * layer.workspace_bytes))
+    # FP8 linears hold their operands' FP8 copies and scales while they run.
+    workspace = int(round(2 * b * scale * layer.workspace_bytes
+                          + fp8_workspace_bytes(layer, fp8, devices, b, scale)))
     gathered, gradient = zero_transient(problem, config, layer.param_count)
     comm = tp_comm_seconds(problem, config, layer)
     phases = layer_phases(problem, config, index, layer, work, comm)
@@ -233,7 +237,8 @@ class TableCache:
             keys: dict[tuple, int] = {}
             group_of, representatives = [], []
             for index, layer in enumerate(model.layers):
-                group = keys.setdefault(_layer_key(layer), len(keys))
+                group = keys.setdefault(_layer_key(layer, problem.pins.fp8_linears),
+                                        len(keys))
                 if group == len(representatives):
                     representatives.append(index)
                 group_of.append(group)
@@ -268,9 +273,13 @@ class TableCache:
         return cuts
 
 
-def _layer_key(layer) -> tuple:
-    """Every number of a LayerCost a row depends on (not its name or signature)."""
-    return (layer.fwd_flops, layer.heavy_ops, layer.fwd_mem_bytes, layer.param_count,
+def _layer_key(layer, fp8_pins: Any = None) -> tuple:
+    """Every number of a LayerCost a row depends on (not its name or signature, nor its
+    linears' names unless FP8 is pinned on some of them by name: then which are)."""
+    pinned = fp8_pins if isinstance(fp8_pins, tuple) else ()
+    ops = tuple(replace(op, linear_names=tuple(name in pinned for name in op.linear_names))
+                for op in layer.heavy_ops)
+    return (layer.fwd_flops, ops, layer.fwd_mem_bytes, layer.param_count,
             layer.param_bytes, tuple(sorted(layer.saved_bytes.items())),
             tuple(sorted(layer.recompute_flops.items())),
             tuple(sorted(layer.recompute_mem_bytes.items())), layer.workspace_bytes,

@@ -98,6 +98,11 @@ _GPU_ADAMW_SHARE = 0.3
 # (the H200's kernels are Hopper's); the A100s', not measured, stay at HBM bandwidth.
 _GPU_ELEMENTWISE_SHARE = 0.75
 
+# Hopper's dense FP8 tensor-core peak (NVIDIA's H100 SXM and H200 datasheets: 3,958
+# TFLOP/s FP8 "with sparsity", half of it dense), twice the bf16 peak. The A100s have no
+# FP8 matmuls; the CPU preset none either (torchao emulates FP8 there, at fp32's rate).
+_HOPPER_FP8 = 1978.9 * TFLOPS
+
 PRESETS: dict[str, DevicePreset] = {
     preset.name: preset
     for preset in (
@@ -121,6 +126,7 @@ PRESETS: dict[str, DevicePreset] = {
             name="H100-80GB", **_GPU_HOST,
             peak_flops={"float32": 67 * TFLOPS, "tf32": 494.7 * TFLOPS,
                         "bfloat16": 989.4 * TFLOPS, "float16": 989.4 * TFLOPS},
+            fp8_peak_flops=_HOPPER_FP8,
             memory=80 * 2**30, hbm_bandwidth=3350 * GB, devices_per_node=8,
             elementwise_bandwidth=_GPU_ELEMENTWISE_SHARE * 3350 * GB,
             optimizer_bandwidth=_GPU_ADAMW_SHARE * 3350 * GB,
@@ -131,6 +137,7 @@ PRESETS: dict[str, DevicePreset] = {
             name="H200", **_GPU_HOST,
             peak_flops={"float32": 67 * TFLOPS, "tf32": 494.7 * TFLOPS,
                         "bfloat16": 989.4 * TFLOPS, "float16": 989.4 * TFLOPS},
+            fp8_peak_flops=_HOPPER_FP8,
             memory=141 * 10**9, hbm_bandwidth=4800 * GB, devices_per_node=8,
             elementwise_bandwidth=_GPU_ELEMENTWISE_SHARE * 4800 * GB,
             optimizer_bandwidth=_GPU_ADAMW_SHARE * 4800 * GB,
