@@ -20,8 +20,8 @@ from .worker import CASES, STEPS
 WORKER = Path(__file__).with_name("worker.py")
 TWO = ["gpt-pp2-1f1b", "gpt-pp2-gpipe-recompute", "gpt2-pp2-1f1b-recompute", "gpt2-pp2-gpipe",
        "llama-pp2-gpipe-recompute", "llama-pp2-1f1b", "llama-pp2-1f1b-loaded", "skip-pp2-1f1b",
-       "handoff-pp2", "gpt-dp2", "bert-dp2", "gpt-pp2-fp8", "gpt-dp2-fp8", "mismatch",
-       "gpt-pp2-loss-alone"]
+       "handoff-pp2", "gpt-dp2", "bert-dp2", "gpt-pp2-fp8", "gpt-dp2-fp8", "gpt-dp2-zero3-fp8",
+       "mismatch", "gpt-pp2-loss-alone"]
 FOUR = ["gpt-pp4-1f1b-recompute", "gpt-pp4-gpipe", "gpt2-pp4-gpipe-recompute", "llama-pp4-1f1b",
         "skip-pp4-gpipe", "gpt-pp2-dp2"]
 # The default profile's cases: each schedule, recompute, the three Hugging Face models,

@@ -286,6 +286,8 @@ CASES["gpt-pp2-fp8"] = Case(gpt.gpt_tiny, "tokens", gpt.loss_fn,
                             dict(pp=2, schedule="1f1b", fp8_linears="all"), **_FP8)
 CASES["gpt-dp2-fp8"] = Case(gpt.gpt_tiny, "tokens", gpt.loss_fn,
                             dict(pp=1, dp=2, fp8_linears="all"), **_FP8)
+CASES["gpt-dp2-zero3-fp8"] = Case(gpt.gpt_tiny, "tokens", gpt.loss_fn,
+                                  dict(pp=1, dp=2, zero_stage=3, fp8_linears="all"), **_FP8)
 # ZeRO-2/3: FSDP2 shards gradients (and parameters) over dp, one unit per layer.
 for _zero in (2, 3):
     CASES[f"gpt-dp2-zero{_zero}"] = Case(gpt.gpt_tiny, "tokens", gpt.loss_fn,
