@@ -60,6 +60,16 @@ def test_big_linears_run_fp8_on_an_h100_and_the_narrow_one_does_not(h100):
     assert "fp8: 2 linears run FP8 (tensorwise scaling" in fp8.report()
 
 
+def test_the_fp8_section_is_a_decision_written_and_read_back(h100):
+    plain, fp8 = h100
+    plan = fp8.plan
+    assert partc.Plan.from_json(plan.to_json()) == plan
+    assert "fp8" in plan.to_dict() and "fp8" not in plain.plan.to_dict()
+    fewer = dataclasses.replace(plan, fp8=dataclasses.replace(plan.fp8, linears=("0.weight",)))
+    assert fewer.hash != plan.hash   # ranks running other FP8 linears refuse to train
+    assert plan.budget.figures.fp8_peak_flops == 1978.9e12
+
+
 def test_the_fp8_copies_are_counted_in_memory(h100):
     plain, fp8 = h100
     # The largest FP8 linear's copies (input, weight, output gradient: one byte each).
