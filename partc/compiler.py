@@ -186,7 +186,9 @@ def problem_for_plan(plan: Plan, model: torch.nn.Module, *, loss_fn: Callable | 
     traced at the batch it was measured at (else the global batch) on meta tensors of
     the recorded input shapes, under the plan's training setup, on the plan's budget,
     with the plan's tensor-parallel degree (and sequence parallelism, objective)
-    measured. No pins: ``validate_plan`` then checks the plan's own decisions."""
+    measured. No pins but the FP8 linears (a plan may have had them pinned, and which
+    run FP8 is the plan's to say, as its stages are): ``validate_plan`` then checks the
+    plan's own decisions."""
     train = plan.train
     budget = budget_from_info(plan.budget)
     batch = plan.model.traced_batch_size or train.global_batch_size
@@ -197,6 +199,9 @@ def problem_for_plan(plan: Plan, model: torch.nn.Module, *, loss_fn: Callable | 
                               autocast_device=budget.device_type)
     constraints = Constraints(tp=plan.tp) if plan.tp == 1 else Constraints(
         tp=plan.tp, sequence_parallel=plan.sequence_parallel, tp_objective=plan.tp_objective)
+    if plan.fp8 is not None:
+        constraints = dataclasses.replace(constraints,
+                                          fp8_linears=plan.fp8.linears or "none")
     return build_problem(analysis, budget, train, constraints, graph, options)
 
 

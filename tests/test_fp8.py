@@ -105,7 +105,7 @@ def test_fp8_pinned_under_tensor_parallelism_is_refused():
                       constraints=partc.Constraints(tp=2, fp8_linears="all"), cache=None)
 
 
-def test_the_cpu_emulates_fp8_only_on_the_linears_pinned():
+def test_the_cpu_emulates_fp8_only_on_the_linears_pinned(tmp_path):
     torch.manual_seed(0)
     model = gpt.gpt_tiny()
     x = torch.randint(0, 128, (8, 16))
@@ -118,6 +118,9 @@ def test_the_cpu_emulates_fp8_only_on_the_linears_pinned():
     pinned = partc.compile(model, (x,), constraints=partc.Constraints(
         fp8_linears=["blocks.0.mlp.c_fc.weight", "blocks.1.mlp.c_fc.weight"]), **kwargs)
     assert pinned.plan.fp8.linears == ("blocks.0.mlp.c_fc.weight", "blocks.1.mlp.c_fc.weight")
+    # Saved and loaded: the pinned linears are the plan's (validated as its decisions).
+    pinned.save(tmp_path)
+    assert partc.load(tmp_path, model, loss_fn=gpt.loss_fn).plan.fp8 == pinned.plan.fp8
     # Lowered: those linears call torchao's float8 matmul, the others F.linear.
     code = "\n".join(pinned.code().values())
     assert code.count("partc_runtime_fp8_linear(") == 2
