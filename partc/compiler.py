@@ -29,6 +29,7 @@ from partc.cache import DEFAULT as DEFAULT_CACHE
 from partc.cache import PlanCache, model_key
 from partc.codec import dtype_name
 from partc.cost.collectives import Group
+from partc.cost.fp8_pricing import output_linears
 from partc.cost.tables import TableCache
 from partc.device.budget import DeviceBudget, preset
 from partc.device.figures import FIGURE_NAMES, DeviceFigures
@@ -150,7 +151,8 @@ def build_problem(analysis: ModelAnalysis, budget: DeviceBudget, train: TrainSpe
             compiled=train.compile, tp_overlap=train.tp_overlap,
             param_gather_overlap=train.overlap_param_gather,
             bucket_elements=train.bucket_elements,
-            fp8=train.fp8_recipe if train.fp8 else None),
+            fp8=train.fp8_recipe if train.fp8 else None,
+            fp8_kept=output_linears(analysis.layers) if train.fp8 else ()),
         pins=pins,
     )
 

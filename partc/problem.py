@@ -539,6 +539,9 @@ class TrainNumbers:
     # TrainSpec.fp8_recipe where TrainSpec.fp8 is on: linears may run FP8
     # (partc.cost.fp8_pricing); None: off.
     fp8: str | None = None
+    # The linears FP8 leaves in the training dtype unless pinned: the model's output
+    # layer (partc.cost.fp8_pricing.output_linears).
+    fp8_kept: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True, kw_only=True)

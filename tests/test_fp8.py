@@ -60,6 +60,23 @@ def test_big_linears_run_fp8_on_an_h100_and_the_narrow_one_does_not(h100):
     assert "fp8: 2 linears run FP8 (tensorwise scaling" in fp8.report()
 
 
+def test_the_output_layer_stays_in_the_training_dtype_unless_pinned():
+    with torch.device("meta"):
+        model = nn.Sequential(nn.Linear(WIDE, WIDE), nn.ReLU(), nn.Linear(WIDE, WIDE))
+    x = torch.empty(8, TOKENS, WIDE, device="meta")
+
+    def linears(**pins) -> tuple[str, ...]:
+        return partc.compile(model, (x,), loss_fn=F.mse_loss, example_target=x,
+                             budget=partc.DeviceBudget(num_devices=1, device="H100-80GB"),
+                             train=partc.TrainSpec(global_batch_size=8, dtype=torch.bfloat16,
+                                                   fp8=True),
+                             constraints=partc.Constraints(micro_batch_size=1, **pins),
+                             cache=None).plan.fp8.linears
+
+    assert linears() == ("0.weight",)   # the last, as big, pays as much: it is the output
+    assert linears(fp8_linears="all") == ("0.weight", "2.weight")
+
+
 def test_the_fp8_section_is_a_decision_written_and_read_back(h100):
     plain, fp8 = h100
     plan = fp8.plan

@@ -20,7 +20,10 @@ run at the device's ``fp8_peak_flops`` times the matmuls' share of peak
 FP8 tensor cores run at twice bf16's rate.
 
 A linear runs FP8 where that is faster, forward and backward together, on the
-configuration's microbatch (:func:`fp8_count`); its in and out features must be
+configuration's microbatch (:func:`fp8_count`), except the model's output layer (its
+last linear, :func:`output_linears`: the logits in e4m3's 3-bit mantissas learn visibly
+worse, benchmarks/fp8_curve.py; torchtitan keeps its output layer out of FP8 too),
+which runs FP8 only where pinned; its in and out features must be
 multiples of 16 (FP8 matmul kernels need it; torchao refuses others). Small linears lose
 to their casts and kernels: torchao's guidance that shapes below a few thousand do not
 gain follows from the same pricing. A device without an FP8 peak (the CPU preset:
@@ -37,6 +40,7 @@ While a linear runs, its FP8 copies are held beside it: the input's and the weig
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Sequence
 
 from partc.cost.roofline import op_seconds
 from partc.problem import DeviceNumbers, HeavyOp, LayerCost, PlanningProblem
@@ -61,6 +65,7 @@ class Fp8Pricing:
     element_bytes: float
     compiled: bool
     pinned: tuple[str, ...] | str | None = None
+    kept: tuple[str, ...] = ()    # left in the training dtype unless pinned
 
     @property
     def cast_bytes_per_element(self) -> float:
@@ -81,7 +86,17 @@ def pricing(problem: PlanningProblem, tp: int = 1) -> Fp8Pricing | None:
     speedup = devices.fp8_peak_flops / devices.peak_flops if devices.fp8_peak_flops else 1.0
     return Fp8Pricing(recipe=train.fp8, speedup=speedup,
                       element_bytes=train.precision.compute_bytes, compiled=train.compiled,
-                      pinned=problem.pins.fp8_linears)
+                      pinned=problem.pins.fp8_linears, kept=train.fp8_kept)
+
+
+def output_linears(layers: Sequence[LayerCost]) -> tuple[str, ...]:
+    """The model's output layer: the linears of the last layer that has any, the last of
+    them (an LM head; a tied one goes by its embedding's weight)."""
+    for layer in reversed(layers):
+        names = [name for op in layer.heavy_ops for name in op.linear_names]
+        if names:
+            return (names[-1],)
+    return ()
 
 
 def shape(op: HeavyOp) -> tuple[float, int, int]:
@@ -144,7 +159,9 @@ def fp8_count(op: HeavyOp, price: Fp8Pricing | None, devices: DeviceNumbers,
         return op.count
     if isinstance(price.pinned, tuple):
         return sum(1 for name in op.linear_names if name in price.pinned)
-    return op.count if pays(op, price, devices, micro_batch, scale) else 0
+    if not pays(op, price, devices, micro_batch, scale):
+        return 0
+    return op.count - sum(1 for name in op.linear_names if name in price.kept)
 
 
 def fp8_names(layer: LayerCost, price: Fp8Pricing | None, devices: DeviceNumbers,
@@ -156,7 +173,9 @@ def fp8_names(layer: LayerCost, price: Fp8Pricing | None, devices: DeviceNumbers
         if count == op.count:
             names.extend(op.linear_names)
         elif count:
-            names.extend(n for n in op.linear_names if n in price.pinned)
+            chosen = price.pinned if isinstance(price.pinned, tuple) else ()
+            names.extend(n for n in op.linear_names
+                         if n in chosen or (not chosen and n not in price.kept))
     return tuple(names)
 
 

@@ -237,8 +237,8 @@ class TableCache:
             keys: dict[tuple, int] = {}
             group_of, representatives = [], []
             for index, layer in enumerate(model.layers):
-                group = keys.setdefault(_layer_key(layer, problem.pins.fp8_linears),
-                                        len(keys))
+                group = keys.setdefault(_layer_key(layer, problem.pins.fp8_linears,
+                                                   problem.train.fp8_kept), len(keys))
                 if group == len(representatives):
                     representatives.append(index)
                 group_of.append(group)
@@ -273,11 +273,12 @@ class TableCache:
         return cuts
 
 
-def _layer_key(layer, fp8_pins: Any = None) -> tuple:
+def _layer_key(layer, fp8_pins: Any = None, fp8_kept: tuple[str, ...] = ()) -> tuple:
     """Every number of a LayerCost a row depends on (not its name or signature, nor its
-    linears' names unless FP8 is pinned on some of them by name: then which are)."""
+    linears' names: only which of them FP8 pins name, and which it keeps)."""
     pinned = fp8_pins if isinstance(fp8_pins, tuple) else ()
-    ops = tuple(replace(op, linear_names=tuple(name in pinned for name in op.linear_names))
+    ops = tuple(replace(op, linear_names=tuple((name in pinned, name in fp8_kept)
+                                               for name in op.linear_names))
                 for op in layer.heavy_ops)
     return (layer.fwd_flops, ops, layer.fwd_mem_bytes, layer.param_count,
             layer.param_bytes, tuple(sorted(layer.saved_bytes.items())),

@@ -134,7 +134,8 @@ def _fp8_line(plan: Plan) -> str:
     shown = ", ".join(section.linears[:3]) + (", ..." if len(section.linears) > 3 else "")
     return (f"fp8: {len(section.linears)} linears run FP8 ({section.recipe} scaling, "
             f"torchao float8), {how}: {shown}; the rest stay "
-            f"{dtype_name(plan.train.dtype)}, where the casts cost more than FP8 saves")
+            f"{dtype_name(plan.train.dtype)}: the output layer, unless pinned, and those "
+            f"whose casts cost more than FP8 saves")
 
 
 def _dp_busiest(plan: Plan) -> int | None:
