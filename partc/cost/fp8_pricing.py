@@ -151,8 +151,8 @@ def pays(op: HeavyOp, price: Fp8Pricing, devices: DeviceNumbers, micro_batch: in
 
 def fp8_count(op: HeavyOp, price: Fp8Pricing | None, devices: DeviceNumbers,
               micro_batch: int, scale: float) -> int:
-    """How many of ``op``'s ``count`` linears run FP8: the pinned ones, else all where it
-    pays, else none."""
+    """How many of ``op``'s ``count`` linears run FP8: the pinned ones, else where it
+    pays all but the output layer (``kept``), else none."""
     if price is None or op.linear is None or not op.linear_names:
         return 0
     if price.pinned == "all":
