@@ -30,13 +30,14 @@ from partc.cache import PlanCache, model_key
 from partc.codec import dtype_name
 from partc.cost.collectives import Group
 from partc.cost.compile_time import rank_compile_seconds
+from partc.cost.fp8_pricing import output_linears
 from partc.cost.schedules import runs_compiled
 from partc.cost.tables import TableCache
 from partc.device.budget import DeviceBudget, preset
 from partc.device.figures import FIGURE_NAMES, DeviceFigures
 from partc.device.usable import RESERVE_FIGURES
-from partc.errors import (PartcError, PlanFileError, PlanMismatchError, PlanValidationError,
-                          TraceError, check_argument)
+from partc.errors import (PartcError, PlanFileError, PlanInfeasibleError, PlanMismatchError,
+                          PlanValidationError, TraceError, check_argument)
 from partc.identity import behaviour_digest, model_hash
 from partc.passes.pipeline import analyze, tensor_parallel_options
 from partc.passes.tp.chooser import Link
@@ -100,7 +101,8 @@ def pins_for(constraints: Constraints, train: TrainSpec,
                 zero_stage=constraints.zero_stage,
                 zero2_grad_sync=constraints.zero2_grad_sync, ep=constraints.ep,
                 cp=constraints.cp, cp_kind=constraints.cp_kind,
-                offload=constraints.offload)
+                offload=constraints.offload,
+                fp8_linears=constraints.fp8_linears)
 
 
 def build_problem(analysis: ModelAnalysis, budget: DeviceBudget, train: TrainSpec,
@@ -112,6 +114,7 @@ def build_problem(analysis: ModelAnalysis, budget: DeviceBudget, train: TrainSpe
     names = tuple(layer.name for layer in analysis.layers)
     devices = device_numbers(budget, train.dtype)
     train = train.for_device(budget.device_type)
+    check_fp8(budget, devices, train, constraints)
     # Before measuring tensor parallelism: a pin that cannot hold fails at once.
     check_pins(pins_for(constraints, train), devices, train.global_batch_size, names)
     pins = pins_for(constraints, train, names)
@@ -150,9 +153,36 @@ def build_problem(analysis: ModelAnalysis, budget: DeviceBudget, train: TrainSpe
             compiled=train.compile is not False, compile_pinned=train.compile is True,
             fused_optimizer=bool(train.fused_optimizer), tp_overlap=train.tp_overlap,
             param_gather_overlap=train.overlap_param_gather,
-            bucket_elements=train.bucket_elements),
+            bucket_elements=train.bucket_elements,
+            fp8=train.fp8_recipe if train.fp8 else None,
+            fp8_kept=output_linears(analysis.layers) if train.fp8 else ()),
         pins=pins,
     )
+
+
+def check_fp8(budget: DeviceBudget, devices: DeviceNumbers, train: TrainSpec,
+              constraints: Constraints) -> None:
+    """FP8 linears need a device with FP8 matmuls (an ``fp8_peak_flops``; the CPU
+    emulates them), ``TrainSpec.fp8`` to pin any, and no tensor parallelism to run in."""
+    pinned = constraints.fp8_linears not in (None, "none")
+    if pinned and not train.fp8:
+        raise ValueError(f"Constraints.fp8_linears={constraints.fp8_linears!r} pins FP8 "
+                         "linears, but TrainSpec.fp8 is off: pass TrainSpec(fp8=True)")
+    if not train.fp8:
+        return
+    if devices.fp8_peak_flops is None and budget.device_type != "cpu":
+        raise PlanInfeasibleError(
+            f"TrainSpec(fp8=True): {budget.name} has no FP8 matmuls (no fp8_peak_flops): "
+            "FP8 linears need a Hopper GPU (H100, H200) or newer; train without fp8, or "
+            "give the device's FP8 peak (DeviceBudget(fp8_peak_flops=...), "
+            "--fp8-peak-tflops)", resource="device")
+    if pinned and (constraints.tp or 1) > 1:
+        raise PlanInfeasibleError(
+            f"Constraints.fp8_linears={constraints.fp8_linears!r} with tp={constraints.tp}: "
+            "FP8 linears do not run under partc's tensor parallelism (its rewrite calls "
+            "its own collectives around plain linears); pin tp=1, or leave fp8_linears to "
+            "the planner, which prices tensor-parallel meshes without FP8",
+            resource="pin", pin="fp8_linears")
 
 
 def problem_for_plan(plan: Plan, model: torch.nn.Module, *, loss_fn: Callable | None = None,
@@ -161,7 +191,9 @@ def problem_for_plan(plan: Plan, model: torch.nn.Module, *, loss_fn: Callable | 
     traced at the batch it was measured at (else the global batch) on meta tensors of
     the recorded input shapes, under the plan's training setup, on the plan's budget,
     with the plan's tensor-parallel degree (and sequence parallelism, objective)
-    measured. No pins: ``validate_plan`` then checks the plan's own decisions."""
+    measured. No pins but the FP8 linears (a plan may have had them pinned, and which
+    run FP8 is the plan's to say, as its stages are): ``validate_plan`` then checks the
+    plan's own decisions."""
     # A plan written before the optimizer step was a kernel choice priced torch's
     # unfused step, and its program runs that.
     train = dataclasses.replace(plan.train, fused_optimizer=plan.train.fused_optimizer is True)
@@ -174,6 +206,9 @@ def problem_for_plan(plan: Plan, model: torch.nn.Module, *, loss_fn: Callable | 
                               autocast_device=budget.device_type)
     constraints = Constraints(tp=plan.tp) if plan.tp == 1 else Constraints(
         tp=plan.tp, sequence_parallel=plan.sequence_parallel, tp_objective=plan.tp_objective)
+    if plan.fp8 is not None:
+        constraints = dataclasses.replace(constraints,
+                                          fp8_linears=plan.fp8.linears or "none")
     return build_problem(analysis, budget, train, constraints, graph, options)
 
 
@@ -269,6 +304,7 @@ def _budget_info(devices: DeviceNumbers) -> BudgetInfo:
     return BudgetInfo(device="custom", num_devices=devices.num_devices,
                       memory_bytes=devices.memory_bytes,
                       figures=DeviceFigures(peak_flops=devices.peak_flops,
+                                            fp8_peak_flops=devices.fp8_peak_flops,
                                             devices_per_node=devices.devices_per_node))
 
 
@@ -282,7 +318,8 @@ def _train_spec(train: TrainNumbers) -> TrainSpec:
                      moe_imbalance=train.moe_imbalance,
                      moe_capacity_factor=train.moe_capacity_factor, attention="as_written",
                      compile=True if train.compile_pinned else None if train.compiled
-                     else False, fused_optimizer=train.fused_optimizer)
+                     else False, fused_optimizer=train.fused_optimizer,
+                     fp8=train.fp8 is not None, fp8_recipe=train.fp8 or "tensorwise")
 
 
 def _compact(value: Any) -> Any:

@@ -248,6 +248,18 @@ class ExpertLayer:
 
 
 @dataclass(frozen=True, kw_only=True)
+class Fp8Plan:
+    """The linears that run FP8 (``TrainSpec.fp8``; :mod:`partc.cost.fp8_pricing` says
+    where it pays): their weights' FQNs, each run with torchao's float8 training under
+    ``recipe`` (``"tensorwise"`` or ``"rowwise"`` scaling). ``emulated``: the device has
+    no FP8 matmuls and torchao emulates them (the CPU: the same casts, matmuls in fp32)."""
+
+    recipe: str
+    emulated: bool
+    linears: tuple[str, ...]
+
+
+@dataclass(frozen=True, kw_only=True)
 class ExpertParallelPlan:
     """How the routed experts of mixture-of-experts layers are split (``ep`` > 1): within
     each pipeline stage the dp x tp ranks, in rank order (tp fastest), form groups of
@@ -564,6 +576,8 @@ class Plan:
     # The data-parallel collectives per stage and what of them is assumed hidden; None
     # with one replica, and in plans written before it (not written then).
     data_parallel: DataParallelPlan | None = field(default=None, metadata=UNLESS_DEFAULT)
+    # FP8 linears (TrainSpec.fp8); None with fp8 off (not written then).
+    fp8: Fp8Plan | None = field(default=None, metadata=UNLESS_DEFAULT)
     # Offload (ZeRO-Offload): the optimizer's state, fp32 master weights and step on the
     # host, gradients copied out and updated weights back each step; under ZeRO-3 the
     # parameter shards on the host too, copied in for each use (FSDP2's CPU offload).
@@ -737,7 +751,7 @@ def plan_from_data(data: Mapping[str, Any]) -> Plan:
 # holds the two to Plan's fields, so that a new field is one or the other.
 DECIDED = ("mesh", "schedule", "num_microbatches", "micro_batch_size", "zero_stage",
            "zero2_grad_sync", "stages", "tensor_parallel", "model", "expert_parallel",
-           "offload_optimizer", "offload_params")
+           "offload_optimizer", "offload_params", "fp8")
 NOT_DECIDED = ("predicted", "solver", "budget", "train", "alternatives", "meshes",
                "schedules", "module_list_experts", "data_parallel", "host_bytes_per_node")
 

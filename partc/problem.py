@@ -142,6 +142,11 @@ class HeavyOp:
     count: int = 1
     bwd_extra_flops: float = 0.0
     attention: bool = False
+    # A linear (``aten.linear`` with a parameter for weight): its weight's (in, out)
+    # features, and the weights' FQNs of the ``count`` ops (the names FP8 linears go by,
+    # TrainSpec.fp8). None and (): another matmul.
+    linear: tuple[int, int] | None = None
+    linear_names: tuple[str, ...] = ()
 
 
 # How a mixture-of-experts layer holds its routed experts (passes/moe.py recognises both).
@@ -310,6 +315,12 @@ class LayerCost:
     @property
     def modes(self) -> tuple[str, ...]:
         return tuple(m for m in RECOMPUTE_MODES if m in self.saved_bytes)
+
+    def unnamed(self) -> "LayerCost":
+        """The layer's figures alone: without its name and its linears' weight names
+        (what blocks of one structure share)."""
+        return replace(self, name="", heavy_ops=tuple(replace(op, linear_names=())
+                                                      for op in self.heavy_ops))
 
     @property
     def bwd_extra_flops(self) -> float:
@@ -502,6 +513,7 @@ class DeviceNumbers:
     context_memory: int = 0
     communicator_memory: int = 0
     memory_fragmentation: float = 0.0
+    fp8_peak_flops: float | None = None          # None: no FP8 matmuls (emulated, if any)
 
     def __post_init__(self) -> None:
         if len(self.memory_bytes) != self.num_devices:
@@ -575,6 +587,12 @@ class TrainNumbers:
     param_gather_overlap: bool = True
     # Elements per gradient bucket under ZeRO 0/1 (TrainSpec.bucket_elements).
     bucket_elements: int = BUCKET_ELEMENTS
+    # TrainSpec.fp8_recipe where TrainSpec.fp8 is on: linears may run FP8
+    # (partc.cost.fp8_pricing); None: off.
+    fp8: str | None = None
+    # The linears FP8 leaves in the training dtype unless pinned: the model's output
+    # layer (partc.cost.fp8_pricing.output_linears).
+    fp8_kept: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -600,6 +618,9 @@ class Pins:
     # What lives on the host (partc.names.Offload values): exactly these; None: the
     # planner chooses.
     offload: tuple[str, ...] | None = None
+    # The linears (weight FQNs) that run FP8 under TrainSpec.fp8: "all", "none" or a
+    # tuple of names; None: each where it pays (partc.cost.fp8_pricing).
+    fp8_linears: tuple[str, ...] | str | None = None
 
 
 @dataclass(frozen=True, kw_only=True)

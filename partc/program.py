@@ -59,7 +59,9 @@ class Program:
             attention=plan.train.attention,
             ep=plan.mesh.ep, capacity_factor=plan.train.moe_capacity_factor,
             mixed=plan.train.dtype != torch.float32,
-            cp=plan.cp, cp_kind=str(plan.cp_kind or "ring"))
+            cp=plan.cp, cp_kind=str(plan.cp_kind or "ring"),
+            fp8_linears=plan.fp8.linears if plan.fp8 is not None else (),
+            fp8_recipe=plan.train.fp8_recipe)
         traced = plan.model.traced_batch_size
         return lower(self.model, args, lowering, kwargs=kwargs, loss_fn=self.loss_fn,
                      example_target=target, only=only,

@@ -12,8 +12,8 @@ from typing import Any, Mapping
 
 import torch
 
-from partc.cli.choices import (ATTENTION, CP_KINDS, ON_NONFINITE, OPTIMIZER_STATE_BYTES, SCHEDULES,
-                               TP_OBJECTIVES)
+from partc.cli.choices import (ATTENTION, CP_KINDS, FP8_RECIPES, ON_NONFINITE,
+                               OPTIMIZER_STATE_BYTES, SCHEDULES, TP_OBJECTIVES)
 from partc.codec import UNLESS_DEFAULT
 from partc.cost.schedules import refusal
 from partc.names import Offload, Schedule
@@ -87,6 +87,17 @@ class TrainSpec:
     tensors) for the optimizer :meth:`DistributedModule.optimizer` makes, priced at the
     device's ``fused_optimizer_bandwidth``; ``None`` (the default): on for Adam and AdamW
     on a GPU, off elsewhere (torch's CPU step is not the fused one's equal in speed).
+    ``fp8=True`` (opt-in: it changes the numerics) lets the planner run linears in FP8
+    with torchao's float8 training (``torchao.float8``: dynamic scaling of inputs,
+    weights and output gradients, e4m3 forward, e5m2 gradients), ``fp8_recipe``
+    ``"tensorwise"`` (one scale per tensor) or ``"rowwise"`` (one per row). Each linear
+    runs FP8 where it pays: its matmul at the device's ``fp8_peak_flops`` plus the casts'
+    bytes against the same matmul in the training dtype (:mod:`partc.cost.fp8_pricing`),
+    chosen for the configuration's micro-batch size; small linears stay as they are. The
+    plan names the FP8 linears (``plan.fp8``); ``Constraints.fp8_linears`` pins them. A
+    device without an FP8 peak (an A100) refuses it; the CPU preset emulates FP8
+    (torchao's ``emulate=True``, the same casts, the matmul in fp32), which never pays,
+    so there only pinned linears run FP8 (for testing). Not with tensor parallelism yet.
     ``loss_per_microbatch=True`` declares that the loss of each microbatch is its own:
     needed only where the model's loss couples the samples of a batch (a load-balancing
     loss over the whole batch, as Mixtral's and Qwen-MoE's router losses are), so that
@@ -144,6 +155,8 @@ class TrainSpec:
     moe_imbalance: float = DEFAULT_MOE_IMBALANCE
     moe_capacity_factor: float | None = None
     compile: bool | None = None
+    fp8: bool = field(default=False, metadata=UNLESS_DEFAULT)
+    fp8_recipe: str = field(default="tensorwise", metadata=UNLESS_DEFAULT)
     # Written to a plan only when declared: plans without them read back unchanged.
     fused_optimizer: bool | None = field(default=None, metadata=UNLESS_DEFAULT)
     loss_per_microbatch: bool = field(default=False, metadata=UNLESS_DEFAULT)
@@ -187,6 +200,11 @@ class TrainSpec:
         if self.fused_optimizer is not None and not isinstance(self.fused_optimizer, bool):
             raise ValueError(f"TrainSpec.fused_optimizer must be None (partc decides), True "
                              f"or False, got {self.fused_optimizer!r}")
+        if not isinstance(self.fp8, bool):
+            raise ValueError(f"TrainSpec.fp8 must be True or False, got {self.fp8!r}")
+        if self.fp8_recipe not in FP8_RECIPES:
+            raise ValueError(f"TrainSpec.fp8_recipe must be one of {FP8_RECIPES}, got "
+                             f"{self.fp8_recipe!r}")
         if not isinstance(self.tp_overlap, bool):
             raise ValueError(f"TrainSpec.tp_overlap must be True or False, got "
                              f"{self.tp_overlap!r}")
@@ -284,6 +302,9 @@ class Constraints:
     parameters between uses, under ZeRO-3; "activations": saved activations), ``()``
     none; ``None`` leaves it to the planner. A comma-separated string is read as a
     list.
+    ``fp8_linears`` (with ``TrainSpec(fp8=True)``) pins the linears that run FP8:
+    ``"all"``, ``"none"`` or their weights' FQNs (``"blocks.0.mlp.c_fc.weight"``, as the
+    plan's ``fp8`` section names them); None: each linear where it pays.
 
     Pins that contradict each other whatever the model are a ValueError here; pins that
     cannot hold for a model, budget and batch raise ``PlanInfeasibleError`` naming the
@@ -307,6 +328,7 @@ class Constraints:
     cp: int | None = None
     cp_kind: str | None = None
     offload: tuple[str, ...] | None = None
+    fp8_linears: tuple[str, ...] | list[str] | str | None = None
     _recompute_map: dict[str, str] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -364,6 +386,16 @@ class Constraints:
             if self.pp is not None and self.pp != len(stages):
                 raise ValueError(f"pp={self.pp} but {len(stages)} stages were pinned")
             object.__setattr__(self, "stages", stages)
+        if self.fp8_linears is not None:
+            if isinstance(self.fp8_linears, str):
+                if self.fp8_linears not in ("all", "none"):
+                    raise ValueError(f"Constraints.fp8_linears must be 'all', 'none' or a "
+                                     f"list of linear weights' FQNs, got {self.fp8_linears!r}")
+            elif not all(isinstance(name, str) for name in self.fp8_linears):
+                raise ValueError(f"Constraints.fp8_linears must be 'all', 'none' or a list of "
+                                 f"linear weights' FQNs, got {self.fp8_linears!r}")
+            else:
+                object.__setattr__(self, "fp8_linears", tuple(self.fp8_linears))
         object.__setattr__(self, "_recompute_map", self._read_recompute())
         if self.offload is not None:
             object.__setattr__(self, "offload", self._read_offload())

@@ -77,3 +77,6 @@ class Lowering:
     cp_kind: str = "ring"
     attention_masks: tuple = ()
     whole_length_shapes: Mapping[str, tuple] = field(default_factory=dict)
+    # FP8 linears (the plan's ``fp8``): their weights' FQNs and torchao's recipe.
+    fp8_linears: tuple[str, ...] = ()
+    fp8_recipe: str = "tensorwise"

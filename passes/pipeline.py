@@ -37,6 +37,7 @@ from partc.passes.attention_softmax import attention_softmax
 from partc.passes.context import Context, Lowering
 from partc.passes.context_parallel import attention_masks, context_parallel, reduced_shapes
 from partc.passes.estimate import estimate
+from partc.passes.fp8_linears import fp8_linears
 from partc.passes.fsdp_units import fsdp_units
 from partc.passes.fuse_attention import fuse_attention
 from partc.passes.helpers import dedupe, verify
@@ -124,6 +125,8 @@ def lowering_passes(lowering: Lowering) -> tuple[Pass, ...]:
         *((Pass("norm_dtype", norm_dtype),) if lowering.mixed else ()),
         # The plan names layers: the graph must be grouped exactly as it was planned.
         Pass("layers", layers),
+        # FP8 linears are found by their weights, as layers grouped the graph planned.
+        *((Pass("fp8_linears", fp8_linears),) if lowering.fp8_linears else ()),
         # Tensor parallelism rewrites the whole graph before the cut, so that a stage's
         # sends and receives are the shapes one rank holds.
         *((Pass("tp_rewrite", _plan_sharding), Pass("propagate", propagate))

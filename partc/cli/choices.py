@@ -22,6 +22,10 @@ SCHEDULES: tuple[str, ...] = tuple(name.value for name in Schedule)
 # The kinds of context-parallel attention (:class:`partc.names.CpKind`).
 CP_KINDS: tuple[str, ...] = tuple(kind.value for kind in CpKind)
 
+# How FP8 linears scale their operands (TrainSpec.fp8_recipe; torchao.float8's recipes):
+# one scale per tensor, or one per row (more accurate, slower casts).
+FP8_RECIPES: tuple[str, ...] = ("tensorwise", "rowwise")
+
 # What a tensor-parallel sharding is chosen for: the fastest, or the fewest parameter
 # bytes (then, with sequence parallelism, activation bytes; then the fastest).
 TP_OBJECTIVES: tuple[str, ...] = ("time", "memory")

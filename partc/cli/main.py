@@ -40,8 +40,9 @@ from pathlib import Path
 from typing import Any, Callable, Iterator
 
 from partc.cli import hf_config
-from partc.cli.choices import (ATTENTION, CP_KINDS, DTYPE_NAMES, ON_NONFINITE, OPTIMIZER_STATE_BYTES,
-                               REPORT_FORMATS, SCHEDULES, TP_OBJECTIVES)
+from partc.cli.choices import (ATTENTION, CP_KINDS, DTYPE_NAMES, FP8_RECIPES, ON_NONFINITE,
+                               OPTIMIZER_STATE_BYTES, REPORT_FORMATS, SCHEDULES,
+                               TP_OBJECTIVES)
 from partc.cost.collectives import KINDS as COLLECTIVE_KINDS
 from partc.device.figures import FIGURES
 from partc.device.presets import DEFAULT_DEVICE, PRESETS, preset
@@ -61,6 +62,7 @@ PIN_FLAGS = {
     "virtual_stages": "--virtual-stages", "zero2_grad_sync": "--zero2-grad-sync",
     "cp": "--cp", "cp_kind": "--cp-kind",
     "offload": "--offload",
+    "fp8_linears": "--fp8-linears",
 }
 TRAIN_FLAGS = {
     "global_batch_size": "--global-batch", "micro_batch_size": "--micro-batch",
@@ -71,7 +73,7 @@ TRAIN_FLAGS = {
     "loss_per_microbatch": "--loss-per-microbatch",
     "tp_overlap": "--no-tp-overlap", "overlap_param_gather": "--no-param-gather-overlap",
     "bucket_elements": "--bucket-elements", "on_nonfinite": "--on-nonfinite",
-    "batch_check_every": "--batch-check-every",
+    "batch_check_every": "--batch-check-every", "fp8": "--fp8", "fp8_recipe": "--fp8-recipe",
 }
 # A figure's flag is in its metadata (partc.device.figures).
 BUDGET_FLAGS = {"num_devices": "--devices", "device": "--device", "profile": "--profile",
@@ -438,6 +440,12 @@ def _training_arguments(train) -> None:
     train.add_argument("--fused-optimizer", action=argparse.BooleanOptionalAction,
                        default=None, help="pin torch's fused Adam/AdamW step on or off "
                                           "(default: on for GPUs)")
+    train.add_argument("--fp8", action="store_true", default=None,
+                       help="let linears run FP8 where it pays (torchao's float8 training; "
+                            "needs an FP8 peak: H100, H200; emulated on the CPU preset)")
+    train.add_argument("--fp8-recipe", choices=FP8_RECIPES,
+                       help="FP8 scaling: one scale per tensor (tensorwise, default) or per "
+                            "row (rowwise)")
 
 
 def _budget_arguments(group, *, devices: bool = True,
@@ -493,6 +501,9 @@ def _pin_arguments(group) -> None:
     group.add_argument("--zero", type=int, choices=ZERO_STAGES,
                        help="ZeRO stage: 1 shards optimizer state over dp, 2 gradients "
                             "too, 3 parameters too")
+    group.add_argument("--fp8-linears", type=_fp8_linears, metavar="all|none|W,W",
+                       help="with --fp8: the linears that run FP8, all, none, or their "
+                            "weights' FQNs comma-separated (default: where it pays)")
     group.add_argument("--zero2-grad-sync", choices=ZERO2_GRAD_SYNCS,
                        help="when ZeRO-2 reduce-scatters gradients: after every "
                             "microbatch, or once per step (accumulated whole)")
@@ -657,6 +668,16 @@ def load_factory(target: str) -> dict[str, Any]:
                    f"a dict or a tuple (model, example_inputs[, loss_fn])")
 
 
+def _fp8_linears(text: str) -> str | tuple[str, ...]:
+    """``--fp8-linears``: "all", "none", or weight FQNs separated by commas."""
+    if text in ("all", "none"):
+        return text
+    names = tuple(name.strip() for name in text.split(",") if name.strip())
+    if not names:
+        raise argparse.ArgumentTypeError("give all, none or weights' FQNs, comma-separated")
+    return names
+
+
 def _flagged(args: argparse.Namespace, flags: dict[str, str], **read: Any) -> dict[str, Any]:
     """The fields whose flag was given, each read by ``read[field]`` when there is one."""
     given = {}
@@ -682,6 +703,7 @@ def _budget(args: argparse.Namespace, **fixed: Any):
     from partc.device.budget import DeviceBudget
 
     return DeviceBudget(**_flagged(args, BUDGET_FLAGS, peak_flops=lambda tflops: tflops * 1e12,
+                                   fp8_peak_flops=lambda tflops: tflops * 1e12,
                                    collective_links=dict), **fixed)
 
 

@@ -7,7 +7,7 @@ shares rows between the configurations of one problem."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from partc.cost.collectives import Group, collective_seconds
@@ -18,6 +18,7 @@ from partc.cost.communication import (bucket_latency_seconds, cut_bytes, cut_tab
                                       zero_overhead_seconds)
 from partc.cost.cp_attention import cp_seconds, cp_transient_bytes
 from partc.cost.experts_cost import expert_dp_config, moe_layer_figures
+from partc.cost.fp8_pricing import fp8_workspace_bytes, pricing
 from partc.cost.host_offload import microbatch_seconds
 from partc.cost.layer_compute import layer_work, run_layer
 from partc.cost.pipeline_config import (PipelineConfig, grad_config, overlapped, permille,
@@ -121,7 +122,8 @@ def layer_phases(problem: PlanningProblem, config: PipelineConfig, index: int,
         layer = run_layer(problem, index, config.micro_batch_size)
     if work is None:
         work = layer_work(layer, devices, config.micro_batch_size * config.tokens_share,
-                          train.measured_scale, runs_compiled(config.schedule, train.compiled))
+                          train.measured_scale, runs_compiled(config.schedule, train.compiled),
+                          pricing(problem, config.tp))
     if comm is None:
         comm = tp_comm_seconds(problem, config, layer)
     params = grad_config(config)   # the parameters' replicas: dp x cp
@@ -142,9 +144,13 @@ def _layer_table(problem: PlanningProblem, config: PipelineConfig, index: int) -
     # dp x cp group's (grad_config).
     b, scale = config.micro_batch_size * config.tokens_share, train.measured_scale
     params = grad_config(config)
-    work = layer_work(layer, devices, b, scale, runs_compiled(config.schedule, train.compiled))
+    fp8 = pricing(problem, config.tp)
+    work = layer_work(layer, devices, b, scale, runs_compiled(config.schedule, train.compiled),
+                      fp8)
     saved = {m: int(round(b * scale * v)) for m, v in layer.saved_bytes.items()}
-    workspace = int(round(2 * b * scale * layer.workspace_bytes)) \
+    # FP8 linears hold their operands' FP8 copies and scales while they run.
+    workspace = int(round(2 * b * scale * layer.workspace_bytes
+                          + fp8_workspace_bytes(layer, fp8, devices, b, scale))) \
         + cp_transient_bytes(problem, config, layer)
     gathered, gradient = zero_transient(problem, params, layer.param_count)
     comm = tp_comm_seconds(problem, config, layer)
@@ -253,7 +259,8 @@ class TableCache:
             keys: dict[tuple, int] = {}
             group_of, representatives = [], []
             for index, layer in enumerate(model.layers):
-                group = keys.setdefault(_layer_key(layer), len(keys))
+                group = keys.setdefault(_layer_key(layer, problem.pins.fp8_linears,
+                                                   problem.train.fp8_kept), len(keys))
                 if group == len(representatives):
                     representatives.append(index)
                 group_of.append(group)
@@ -297,9 +304,14 @@ def _offload_key(config: PipelineConfig) -> tuple:
         else ()
 
 
-def _layer_key(layer) -> tuple:
-    """Every number of a LayerCost a row depends on (not its name or signature)."""
-    return (layer.fwd_flops, layer.heavy_ops, layer.fwd_mem_bytes, layer.param_count,
+def _layer_key(layer, fp8_pins: Any = None, fp8_kept: tuple[str, ...] = ()) -> tuple:
+    """Every number of a LayerCost a row depends on (not its name or signature, nor its
+    linears' names: only which of them FP8 pins name, and which it keeps)."""
+    pinned = fp8_pins if isinstance(fp8_pins, tuple) else ()
+    ops = tuple(replace(op, linear_names=tuple((name in pinned, name in fp8_kept)
+                                               for name in op.linear_names))
+                for op in layer.heavy_ops)
+    return (layer.fwd_flops, ops, layer.fwd_mem_bytes, layer.param_count,
             layer.param_bytes, tuple(sorted(layer.saved_bytes.items())),
             tuple(sorted(layer.recompute_flops.items())),
             tuple(sorted(layer.recompute_mem_bytes.items())), layer.workspace_bytes,

@@ -314,6 +314,12 @@ class DeviceFigures:
     attention_efficiency: float | None = figure(
         FRACTION, "--attention-efficiency", "the share of peak fused attention kernels "
         "reach (default: the preset's, else the matmuls' --flops-efficiency)", unset=None)
+    # Dense FP8 (e4m3/e5m2) matmul peak, for TrainSpec(fp8=True)'s float8 linears
+    # (partc.cost.fp8_pricing). None: the device has no FP8 matmuls (an A100), and an
+    # FP8 plan for it is refused; the CPU emulates them (torchao's emulate=True).
+    fp8_peak_flops: float | None = figure(
+        FLOPS, "--fp8-peak-tflops", "dense FP8 peak TFLOP/s of one device (FP8 linears, "
+        "--fp8; default: the preset's, none on devices without FP8 matmuls)", unset=None)
 
     # The host beside the devices, for offload (ZeRO-Offload: optimizer state, master
     # weights and the step on the host; ZeRO-3's parameters too): its memory per node,

@@ -146,6 +146,11 @@ _HOPPER_HOST = dict(host_memory=2 * 10**12, host_to_device_bandwidth=50 * GB,
 _AMPERE_HOST = dict(host_to_device_bandwidth=25 * GB, device_to_host_bandwidth=25 * GB,
                     host_adam_rate=3e9)
 
+# Hopper's dense FP8 tensor-core peak (NVIDIA's H100 SXM and H200 datasheets: 3,958
+# TFLOP/s FP8 "with sparsity", half of it dense), twice the bf16 peak. The A100s have no
+# FP8 matmuls; the CPU preset none either (torchao emulates FP8 there, at fp32's rate).
+_HOPPER_FP8 = 1978.9 * TFLOPS
+
 PRESETS: dict[str, DevicePreset] = {
     preset.name: preset
     for preset in (
@@ -171,6 +176,7 @@ PRESETS: dict[str, DevicePreset] = {
             name="H100-80GB", **_GPU_HOST, **_HOPPER_HOST,
             peak_flops={"float32": 67 * TFLOPS, "tf32": 494.7 * TFLOPS,
                         "bfloat16": 989.4 * TFLOPS, "float16": 989.4 * TFLOPS},
+            fp8_peak_flops=_HOPPER_FP8,
             memory=_REPORTED["H100-80GB"], nominal_memory=80 * 2**30,
             **_GPU_MEMORY_RESERVE, hbm_bandwidth=3350 * GB, devices_per_node=8,
             elementwise_bandwidth=_GPU_ELEMENTWISE_SHARE * 3350 * GB,
@@ -182,6 +188,7 @@ PRESETS: dict[str, DevicePreset] = {
             name="H200", **_GPU_HOST, **_HOPPER_HOST,
             peak_flops={"float32": 67 * TFLOPS, "tf32": 494.7 * TFLOPS,
                         "bfloat16": 989.4 * TFLOPS, "float16": 989.4 * TFLOPS},
+            fp8_peak_flops=_HOPPER_FP8,
             memory=_REPORTED["H200"], nominal_memory=141 * 10**9,
             **_GPU_MEMORY_RESERVE, hbm_bandwidth=4800 * GB, devices_per_node=8,
             elementwise_bandwidth=_GPU_ELEMENTWISE_SHARE * 4800 * GB,

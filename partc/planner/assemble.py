@@ -7,10 +7,12 @@ from typing import TYPE_CHECKING
 from partc.codec import dtype_named
 from partc.cost.communication import tp_comm_seconds
 from partc.cost.evaluate import Evaluation, simulated_step_ps
+from partc.cost.fp8_pricing import fp8_names, pricing
 from partc.cost.host_offload import host_bytes_per_node
+from partc.cost.layer_compute import run_layer
 from partc.cost.pipeline_config import PS_PER_S, PipelineConfig
 from partc.names import CpKind, Phase, Recompute, Schedule
-from partc.plan import (Alternative, BudgetInfo, InputSpec, Mesh, MeshOutcome, ModelInfo,
+from partc.plan import (Alternative, BudgetInfo, Fp8Plan, InputSpec, Mesh, MeshOutcome, ModelInfo,
                         P2PMessages, Plan, Predicted, RunTime, SolverStats, StagePlan, StageTime,
                         TensorParallelPlan, TPCollective)
 from partc.planner.data_parallel import data_parallel_section
@@ -152,7 +154,26 @@ def make_plan(problem: PlanningProblem, config: PipelineConfig, evaluation: Eval
         offload_params=config.offload_params,
         host_bytes_per_node=host_bytes_per_node(
             local, config, [stage.param_count for stage in evaluation.stages]),
+        fp8=fp8_section(problem, config),
     )
+
+
+def fp8_section(problem: PlanningProblem, config: PipelineConfig) -> Fp8Plan | None:
+    """The plan's ``fp8``: the linears the configuration's cost tables priced in FP8
+    (:mod:`partc.cost.fp8_pricing`), in model order; None with ``TrainSpec.fp8`` off."""
+    if problem.train.fp8 is None:
+        return None
+    local = problem.variant(config.tp, config.sequence_parallel, config.tp_objective)
+    price = pricing(local, config.tp)
+    b, scale = config.micro_batch_size, local.train.measured_scale
+    linears = tuple(name for index, layer in enumerate(local.layers)
+                    # Mixture-of-experts layers under expert parallelism are priced
+                    # without FP8 (partc.cost.tables.moe_layer_table).
+                    if layer.moe is None or config.ep == 1
+                    for name in fp8_names(run_layer(local, index, b), price,
+                                          local.devices, b, scale))
+    return Fp8Plan(recipe=problem.train.fp8, emulated=not problem.devices.fp8_peak_flops,
+                   linears=linears)
 
 
 def _expert_parallel(problem: PlanningProblem, config: PipelineConfig,

@@ -19,6 +19,7 @@ from partc.cost.tables import build_cost_table
 from partc.errors import PlanValidationError
 from partc.names import CpKind, Offload
 from partc.plan import Plan
+from partc.planner.assemble import fp8_section
 from partc.planner.data_parallel import data_parallel_section
 from partc.planner.expert_parallel import expert_parallel_section
 from partc.problem import ZERO2_GRAD_SYNCS, PlanningProblem, effective_zero_stage
@@ -141,16 +142,20 @@ def _pins(problem: PlanningProblem, plan: Plan, errors: list[str]) -> None:
         errors.append("stage boundaries differ from the pinned stages")
 
 
+def plan_config(plan: Plan) -> PipelineConfig:
+    """The configuration a plan's decisions make, as the cost tables take it."""
+    return PipelineConfig(pp=plan.pp, dp=plan.dp, micro_batch_size=plan.micro_batch_size,
+                          num_microbatches=plan.num_microbatches, schedule=plan.schedule,
+                          tp=plan.tp, sequence_parallel=plan.sequence_parallel,
+                          tp_objective=plan.tp_objective, zero_stage=plan.zero_stage,
+                          chunks=plan.chunks, ep=plan.mesh.ep,
+                          zero2_grad_sync=plan.zero2_grad_sync, cp=plan.cp,
+                          cp_kind=plan.cp_kind, offload_optimizer=plan.offload_optimizer,
+                          offload_params=plan.offload_params)
+
+
 def _costs(problem: PlanningProblem, plan: Plan, errors: list[str]) -> Evaluation | None:
-    config = PipelineConfig(pp=plan.pp, dp=plan.dp, cp=plan.cp, cp_kind=plan.cp_kind,
-                            micro_batch_size=plan.micro_batch_size,
-                            num_microbatches=plan.num_microbatches, schedule=plan.schedule,
-                            tp=plan.tp, sequence_parallel=plan.sequence_parallel,
-                            tp_objective=plan.tp_objective, zero_stage=plan.zero_stage,
-                            chunks=plan.chunks, ep=plan.mesh.ep,
-                            zero2_grad_sync=plan.zero2_grad_sync,
-                            offload_optimizer=plan.offload_optimizer,
-                            offload_params=plan.offload_params)
+    config = plan_config(plan)
     stage_of = [j for j, run in enumerate(plan.runs) for _ in run]
     modes = [plan.recompute[layer.name] for layer in problem.layers]
     evaluation = evaluate(build_cost_table(problem, config), stage_of, modes)
@@ -371,6 +376,38 @@ def _stage_conflicts(plan: Plan) -> list[tuple[str, str]]:
     return found
 
 
+def _fp8(problem: PlanningProblem, plan: Plan, errors: list[str]) -> None:
+    """FP8 linears only with ``TrainSpec.fp8``, on a device with FP8 matmuls (or the
+    CPU's emulation), without tensor parallelism, and exactly the linears the cost
+    tables priced in FP8 for the plan's configuration (:func:`fp8_section`)."""
+    section, recipe = plan.fp8, problem.train.fp8
+    if section is None:
+        if recipe is not None:
+            errors.append("TrainSpec.fp8 is on but the plan has no fp8 section")
+        return
+    if recipe is None:
+        errors.append("the plan runs FP8 linears but TrainSpec.fp8 is off")
+        return
+    if section.recipe != recipe:
+        errors.append(f"fp8 recipe {section.recipe!r}, the training's is {recipe!r}")
+    emulated = not problem.devices.fp8_peak_flops
+    # The CPU, the one device that runs ops as it dispatches them, emulates FP8.
+    if section.linears and emulated and problem.devices.dispatch_ahead:
+        errors.append(f"FP8 linears on {plan.budget.device}, which has no FP8 matmuls "
+                      "(no fp8_peak_flops); only the CPU emulates them")
+    if section.emulated != emulated:
+        errors.append(f"fp8 emulated={section.emulated}, but the device "
+                      f"{'has no' if emulated else 'has'} FP8 matmuls")
+    if section.linears and plan.tp > 1:
+        errors.append(f"FP8 linears with tp={plan.tp}: not run under tensor parallelism")
+    expected = fp8_section(problem, plan_config(plan))
+    if expected is not None and expected.linears != section.linears:
+        extra = sorted(set(section.linears) - set(expected.linears))
+        missing = sorted(set(expected.linears) - set(section.linears))
+        errors.append(f"fp8 linears differ from what the cost tables price in FP8: "
+                      f"{extra[:3]} not priced so, {missing[:3]} missing")
+
+
 def validate_plan(problem: PlanningProblem, plan: Plan) -> Evaluation:
     """Raise PlanValidationError listing every violation; return the re-evaluation."""
     errors: list[str] = [f"{field}: {what}" for field, what in field_conflicts(plan)]
@@ -379,6 +416,7 @@ def validate_plan(problem: PlanningProblem, plan: Plan) -> Evaluation:
     _pins(problem, plan, errors)
     _experts(problem, plan, errors)
     _host(problem, plan, errors)
+    _fp8(problem, plan, errors)
     evaluation = None
     if not errors:
         evaluation = _costs(problem, plan, errors)

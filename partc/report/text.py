@@ -124,6 +124,8 @@ def _headline(plan: Plan) -> list[str]:
         _checkpoint_line(plan),
         _kernels_line(plan),
     ]
+    if plan.fp8 is not None:
+        lines.append(_fp8_line(plan))
     if train.loss_per_microbatch:
         lines.append(f"loss: each microbatch's loss is its own (declared: "
                      f"loss_per_microbatch), the mean of {plan.dp * plan.num_microbatches} "
@@ -131,6 +133,24 @@ def _headline(plan: Plan) -> list[str]:
                      f"that couples the samples of a batch differs from one device's "
                      f"whole-batch loss")
     return lines
+
+
+def _fp8_line(plan: Plan) -> str:
+    """Which linears run FP8 (TrainSpec.fp8), with what scaling, and why the others not."""
+    section = plan.fp8
+    how = ("emulated (no FP8 matmuls on this device: torchao's emulation, for testing)"
+           if section.emulated else
+           f"at {plan.budget.figures.fp8_peak_flops / 1e12:.4g} TFLOP/s FP8 peak")
+    if not section.linears:
+        why = ("none runs under tensor parallelism" if plan.tp > 1 else
+               "emulated FP8 never pays (pin Constraints.fp8_linears to run some)"
+               if section.emulated else "none pays for its casts at this micro-batch size")
+        return f"fp8: on ({section.recipe} scaling), no linear runs FP8: {why}"
+    shown = ", ".join(section.linears[:3]) + (", ..." if len(section.linears) > 3 else "")
+    return (f"fp8: {len(section.linears)} linears run FP8 ({section.recipe} scaling, "
+            f"torchao float8), {how}: {shown}; the rest stay "
+            f"{dtype_name(plan.train.dtype)}: the output layer, unless pinned, and those "
+            f"whose casts cost more than FP8 saves")
 
 
 def _dp_busiest(plan: Plan) -> int | None:

@@ -32,14 +32,16 @@ CP_FOUR = [f"hf-{family}-cp2-{kind}-{mesh}" for family in CP_FAMILIES
 DEFAULT_CP_TWO = ["hf-llama-cp2-ring", "hf-qwen2-cp2-a2a"]
 TWO = ["gpt-pp2-1f1b", "gpt-pp2-gpipe-recompute", "gpt2-pp2-1f1b-recompute", "gpt2-pp2-gpipe",
        "llama-pp2-gpipe-recompute", "llama-pp2-1f1b", "llama-pp2-1f1b-loaded", "skip-pp2-1f1b",
-       "handoff-pp2", "gpt-dp2", "bert-dp2", *CP_TWO, "cp-attention", "mismatch",
+       "handoff-pp2", "gpt-dp2", "bert-dp2", *CP_TWO, "cp-attention", "gpt-pp2-fp8",
+       "gpt-dp2-fp8", "gpt-dp2-zero3-fp8", "mismatch",
        "gpt-pp2-loss-alone"]
 FOUR = ["gpt-pp4-1f1b-recompute", "gpt-pp4-gpipe", "gpt2-pp4-gpipe-recompute", "llama-pp4-1f1b",
         "skip-pp4-gpipe", "gpt-pp2-dp2", *CP_FOUR]
 # The default profile's cases: each schedule, recompute, the three Hugging Face models,
-# loaded weights, skips across stages, a hand-off layer, dp and pp x dp; the rest -m slow.
+# loaded weights, skips across stages, a hand-off layer, FP8 linears, dp and pp x dp; the
+# rest -m slow.
 DEFAULT_TWO = ["gpt2-pp2-1f1b-recompute", "llama-pp2-1f1b-loaded", "skip-pp2-1f1b",
-               "handoff-pp2", "bert-dp2"]
+               "handoff-pp2", "bert-dp2", "gpt-pp2-fp8"]
 DEFAULT_FOUR = ["gpt-pp4-gpipe", "gpt-pp2-dp2"]
 # Optimizer offload under each mesh (2 processes); the default profile runs ZeRO-1's.
 OFFLOAD = ["gpt-pp2-offload", "gpt-dp2-offload", "gpt-dp2-zero1-offload",

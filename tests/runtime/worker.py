@@ -14,6 +14,7 @@ collectives).
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import os
 import sys
@@ -75,6 +76,9 @@ class Case:
     attention: str = "as_written"  # TrainSpec.attention; the reference runs it as written
     compile: bool = False  # TrainSpec.compile; the reference runs eagerly
     tp_overlap: bool = True  # TrainSpec.tp_overlap: sequence-parallel rings or blocking
+    # TrainSpec.fp8: the reference runs the plan's FP8 linears as torchao's Float8Linear
+    # modules (emulated), one microbatch after another (each casts with its own scales).
+    fp8: bool = False
     # DeviceFigures overriding the CPU preset's in the budget planned for (a faster link).
     figures: dict[str, Any] = field(default_factory=dict)
 
@@ -300,6 +304,15 @@ CASES["gpt-dp2-zero2-compiled"] = Case(gpt.gpt_tiny, "tokens", gpt.loss_fn,
                                        dict(pp=1, dp=2, zero_stage=2), **_COMPILED)
 CASES["gpt-dp2-zero3-compiled"] = Case(gpt.gpt_tiny, "tokens", gpt.loss_fn,
                                        dict(pp=1, dp=2, zero_stage=3), **_COMPILED)
+# FP8 linears (torchao's float8 training, emulated on CPU), every linear pinned, against
+# one process running the same linears as torchao's Float8Linear modules.
+_FP8 = dict(fp8=True, reference="microbatches")
+CASES["gpt-pp2-fp8"] = Case(gpt.gpt_tiny, "tokens", gpt.loss_fn,
+                            dict(pp=2, schedule="1f1b", fp8_linears="all"), **_FP8)
+CASES["gpt-dp2-fp8"] = Case(gpt.gpt_tiny, "tokens", gpt.loss_fn,
+                            dict(pp=1, dp=2, fp8_linears="all"), **_FP8)
+CASES["gpt-dp2-zero3-fp8"] = Case(gpt.gpt_tiny, "tokens", gpt.loss_fn,
+                                  dict(pp=1, dp=2, zero_stage=3, fp8_linears="all"), **_FP8)
 # ZeRO-2/3: FSDP2 shards gradients (and parameters) over dp, one unit per layer.
 for _zero in (2, 3):
     CASES[f"gpt-dp2-zero{_zero}"] = Case(gpt.gpt_tiny, "tokens", gpt.loss_fn,
@@ -468,7 +481,7 @@ def compile_case(case: Case, model: torch.nn.Module, world: int) -> partc.Progra
                          train=partc.TrainSpec(global_batch_size=BATCH, optimizer="sgd",
                                                max_grad_norm=case.clip, dtype=case.dtype,
                                                attention=case.attention,
-                                               compile=case.compile,
+                                               compile=case.compile, fp8=case.fp8,
                                                tp_overlap=case.tp_overlap),
                          constraints=partc.Constraints(**constraints))
 
@@ -490,6 +503,8 @@ def build_case(name: str) -> Built:
     model = case.build()
     reference = copy.deepcopy(model)
     program = compile_case(case, model, dist.get_world_size())
+    if case.fp8:
+        reference = float8_reference(reference, program.plan)
     if name.endswith("-loaded"):
         # Rank 0 saves the program; every rank loads plan.json and builds from it.
         directory = Path(os.environ["PARTC_WORKER_OUT"]) / name
@@ -498,6 +513,22 @@ def build_case(name: str) -> Built:
         dist.barrier()
         program = partc.load(directory, model, loss_fn=case.loss_fn)
     return Built(case, model, reference, program, program.build())
+
+
+def float8_reference(model: torch.nn.Module, plan: partc.Plan) -> torch.nn.Module:
+    """``model`` with the plan's FP8 linears as torchao's Float8Linear modules (emulated):
+    each ``nn.Linear`` whose weight is named, under any of its FQNs, in ``plan.fp8``."""
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+    aliases: dict[int, set[str]] = {}
+    for fqn, param in model.named_parameters(remove_duplicate=False):
+        aliases.setdefault(id(param), set()).add(fqn)
+    wanted = set(plan.fp8.linears)
+    config = dataclasses.replace(Float8LinearConfig.from_recipe_name(plan.fp8.recipe),
+                                 emulate=True)
+    return convert_to_float8_training(
+        model, config=config,
+        module_filter_fn=lambda module, fqn: bool(aliases[id(module.weight)] & wanted))
 
 
 def run_case(name: str) -> dict[str, Any]:
@@ -539,7 +570,8 @@ def train_case(built: Built) -> dict[str, Any]:
         opt.zero_grad()
         if case.reference == "microbatches":
             torch.set_rng_state(state)
-            m = program.plan.num_microbatches
+            # Every replica's microbatches, in the batch's order.
+            m = program.plan.num_microbatches * program.plan.dp
             pieces = zip(*(t.chunk(m) for t in x), y.chunk(m))
             ref_loss = sum(_backward(case.loss_fn(reference(*p[:-1]), p[-1]) / m)
                            for p in pieces)
