@@ -17,7 +17,11 @@ twice from the same initial weights and trained on the same batches with AdamW:
 
 It prints both curves every 20 steps, their final losses (the mean of the last 10
 steps) and the largest gap between them, and writes the plot (matplotlib) to ``--plot``.
-About 2 minutes on one core.
+About 2 minutes of CPU time (more where the cores are shared).
+
+Measured (200 steps, tensorwise): final loss bf16 2.783, FP8 blocks 2.974 (+6.9%),
+FP8 blocks and head 3.262 (+17.2%): at 128 wide, below the shapes FP8 is meant for,
+e4m3's 3-bit mantissas cost accuracy; the curves agree to 0.01 for the first 70 steps.
 """
 
 from __future__ import annotations
