@@ -151,8 +151,10 @@ def candidate_configs(problem: PlanningProblem) -> list[PipelineConfig]:
 # A context-parallel degree the search tries unpinned leaves each of a rank's two
 # load-balanced chunks at least this many tokens: below it, the ring's per-step latency
 # and small attention kernels, which the cost model prices coarsely, would dominate
-# (Megatron-Core and torchtitan use cp for sequences of thousands of tokens per rank).
-MIN_CP_CHUNK_TOKENS = 256
+# (Megatron-Core and torchtitan use cp for sequences of thousands of tokens per rank;
+# the Llama 3 405B long-context stage ran 8,192 per rank). A pinned cp is planned at
+# any length.
+MIN_CP_CHUNK_TOKENS = 1024
 
 
 def cp_choices(problem: PlanningProblem, tp: int, sequence_parallel: bool = False,

@@ -17,10 +17,10 @@ from partc.planner.validate import validate_plan
 from partc.problem import AttentionCost, Pins
 from tests.planner.instances import devices, layer, problem
 
-ATTENTION = AttentionCost(cores=1, heads=4, kv_heads=2, head_dim=16, tokens=1024, flops=4e8)
+ATTENTION = AttentionCost(cores=1, heads=4, kv_heads=2, head_dim=16, tokens=4096, flops=4e8)
 
 
-def _problem(*, tokens: int = 1024, attention: AttentionCost | None = ATTENTION,
+def _problem(*, tokens: int = 4096, attention: AttentionCost | None = ATTENTION,
              blocker: str = "", overlap: float = 1.0, num: int = 2, pins: Pins = Pins(),
              batch: int = 1):
     attention = attention and replace(attention, tokens=tokens)
@@ -45,9 +45,9 @@ def test_a_ring_step_charges_what_its_send_adds_beside_the_blocks_attention(over
     whole, ring = _row(prob, dp=2), _row(prob, cp=2, cp_kind=CpKind.RING)
     # Half of each sequence: half the layer's FLOPs (1e9 per sample at 1e12 FLOP/s).
     compute = 0.5 * 1e9 / 1e12
-    # One step passes keys and values of 512 tokens: 2 x 2 heads x 16 x 512 x 4 bytes
+    # One step passes keys and values of 2048 tokens: 2 x 2 heads x 16 x 2048 x 4 bytes
     # at 1e9 B/s, beside a quarter of the attention (4e8 / 2 ranks / 2 blocks).
-    send, step = 2 * 2 * 16 * 512 * 4 / 1e9, 4e8 / 4 / 1e12
+    send, step = 2 * 2 * 16 * 2048 * 4 / 1e9, 4e8 / 4 / 1e12
     exposed = send - overlap * min(send, step)
     assert whole.forward_ps == to_ps(1e9 / 1e12)
     assert ring.forward_ps == to_ps(compute + exposed)
@@ -56,16 +56,16 @@ def test_a_ring_step_charges_what_its_send_adds_beside_the_blocks_attention(over
     assert abs(ring.backward_ps - to_ps(2 * compute + 2 * exposed) - own) <= 1
     assert ring.saved_bytes["none"] == whole.saved_bytes["none"] // 2
     # Two key/value blocks in flight, and two of their gradients in backward.
-    assert ring.transient_bytes["none"] - whole.transient_bytes["none"] // 2 == 4 * 2 * 2 * 16 * 512 * 4
+    assert ring.transient_bytes["none"] - whole.transient_bytes["none"] // 2 == 4 * 2 * 2 * 16 * 2048 * 4
 
 
 def test_all_to_all_charges_four_exchanges_each_way_with_nothing_beside_them():
     prob = _problem()
     ulysses = _row(prob, cp=2, cp_kind=CpKind.ALL_TO_ALL)
     own = _row(prob, dp=2).backward_ps - to_ps(2e9 / 1e12)
-    # q, k, v and the output: 2 x (4 + 2) heads x 16 x 512 tokens x 4 bytes per rank,
+    # q, k, v and the output: 2 x (4 + 2) heads x 16 x 2048 tokens x 4 bytes per rank,
     # half of it leaving the rank, at 1e9 B/s.
-    moved = 0.5 * 2 * (4 + 2) * 16 * 512 * 4 / 1e9
+    moved = 0.5 * 2 * (4 + 2) * 16 * 2048 * 4 / 1e9
     assert ulysses.forward_ps == to_ps(0.5 * 1e9 / 1e12 + moved)
     assert abs(ulysses.backward_ps - to_ps(1e9 / 1e12 + moved) - own) <= 1
 
@@ -78,9 +78,9 @@ def test_gradients_reduce_over_dp_x_cp():
 
 def test_the_search_tries_cp_where_the_sequence_splits_and_attention_runs():
     assert cp_choices(_problem(), 1) == [(1, None), (2, CpKind.RING), (2, CpKind.ALL_TO_ALL)]
-    # 2 x cp chunks of at least 256 tokens when cp is left to the planner.
-    assert cp_choices(_problem(tokens=1000), 1) == [(1, None)]
-    assert cp_choices(_problem(tokens=512), 1) == [(1, None)]
+    # 2 x cp chunks of at least 1024 tokens when cp is left to the planner.
+    assert cp_choices(_problem(tokens=4000), 1) == [(1, None)]
+    assert cp_choices(_problem(tokens=2048), 1) == [(1, None)]
     assert cp_choices(_problem(attention=None), 1) == [(1, None)]
     assert cp_choices(_problem(blocker="cumsum (x, in layer l0)"), 1) == [(1, None)]
     three_heads = replace(ATTENTION, heads=3, kv_heads=1)
@@ -97,7 +97,7 @@ def test_the_search_tries_cp_where_the_sequence_splits_and_attention_runs():
     (dict(blocker="cumsum (cumsum, in layer l0)"),
      "cumsum (cumsum, in layer l0) reads along the sequence outside attention"),
     (dict(attention=None), "no attention core"),
-    (dict(tokens=1026), "1026 tokens does not split into 2 x cp = 4 equal chunks"),
+    (dict(tokens=4098), "4098 tokens does not split into 2 x cp = 4 equal chunks"),
     (dict(attention=replace(ATTENTION, heads=3, kv_heads=1), pins=Pins(cp=2, cp_kind="all-to-all")),
      "layer l0 has 3 heads and 1 key/value heads, not both divisible by cp=2"),
 ])
