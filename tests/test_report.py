@@ -226,7 +226,9 @@ def _qwen2_plan() -> Plan:
     return partc.compile(FAMILIES["qwen2"].build(), (ids,), loss_fn=loss_fn,
                          example_target=ids,
                          budget=partc.DeviceBudget(num_devices=4, device="H100-80GB"),
-                         train=partc.TrainSpec(global_batch_size=8),
+                         # Eager: a compiled stage runs no split backward, and the
+                         # zero-bubble schedules need one.
+                         train=partc.TrainSpec(global_batch_size=8, compile=False),
                          constraints=partc.Constraints(pp=2, dp=2)).plan
 
 
