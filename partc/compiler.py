@@ -95,7 +95,8 @@ def pins_for(constraints: Constraints, train: TrainSpec,
                     None if train.schedule == "auto" else train.schedule),
                 virtual_stages=constraints.virtual_stages,
                 zero_stage=constraints.zero_stage,
-                zero2_grad_sync=constraints.zero2_grad_sync, ep=constraints.ep)
+                zero2_grad_sync=constraints.zero2_grad_sync, ep=constraints.ep,
+                offload=constraints.offload)
 
 
 def build_problem(analysis: ModelAnalysis, budget: DeviceBudget, train: TrainSpec,

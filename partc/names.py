@@ -70,3 +70,14 @@ class Phase(Name):
     BACKWARD = "backward"
     INPUT = "input"
     WEIGHT = "weight"
+
+
+class Offload(Name):
+    """What may live on the host instead of the device: the optimizer's state, master
+    weights and step ("optimizer", ZeRO-Offload), the parameters between uses ("params",
+    under ZeRO-3), and a layer's saved activations between forward and backward
+    ("activations")."""
+
+    OPTIMIZER = "optimizer"
+    PARAMS = "params"
+    ACTIVATIONS = "activations"

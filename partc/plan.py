@@ -46,7 +46,7 @@ from partc.cost.schedules import SCHEDULE_TABLE, stages_of_rank
 from partc.device.budget import DEFAULT_DISK_BANDWIDTH, DEFAULT_STORAGE_BANDWIDTH
 from partc.device.figures import FIGURE_NAMES, DeviceFigures
 from partc.errors import PlanSchemaError
-from partc.names import Outcome, Phase, Recompute, Schedule
+from partc.names import Offload, Outcome, Phase, Recompute, Schedule
 from partc.placement import REPLICATE, Placement
 from partc.problem import effective_zero_stage, reduces_once_per_step
 from partc.spec import TrainSpec
@@ -542,6 +542,22 @@ class Plan:
     # The data-parallel collectives per stage and what of them is assumed hidden; None
     # with one replica, and in plans written before it (not written then).
     data_parallel: DataParallelPlan | None = field(default=None, metadata=UNLESS_DEFAULT)
+    # Offload (ZeRO-Offload): the optimizer's state, fp32 master weights and step on the
+    # host, gradients copied out and updated weights back each step; under ZeRO-3 the
+    # parameter shards on the host too, copied in for each use (FSDP2's CPU offload).
+    # Not written when off (older plans read as off).
+    offload_optimizer: bool = field(default=False, metadata=UNLESS_DEFAULT)
+    offload_params: bool = field(default=False, metadata=UNLESS_DEFAULT)
+    # Host memory per node the plan's offloaded state takes (every rank of the node's),
+    # which the validator holds to the budget's host_memory.
+    host_bytes_per_node: int = field(default=0, metadata=UNLESS_DEFAULT)
+
+    @property
+    def offload(self) -> tuple[Offload, ...]:
+        """The kinds of state the plan keeps on the host, in Offload's order (what
+        ``Constraints(offload=...)`` pins back)."""
+        on = {Offload.OPTIMIZER: self.offload_optimizer, Offload.PARAMS: self.offload_params}
+        return tuple(kind for kind, is_on in on.items() if is_on)
 
     @property
     def pp(self) -> int:
@@ -690,9 +706,10 @@ def plan_from_data(data: Mapping[str, Any]) -> Plan:
 # (what the plan was made for, what the cost model and the solver said of it); a test
 # holds the two to Plan's fields, so that a new field is one or the other.
 DECIDED = ("mesh", "schedule", "num_microbatches", "micro_batch_size", "zero_stage",
-           "zero2_grad_sync", "stages", "tensor_parallel", "model", "expert_parallel")
+           "zero2_grad_sync", "stages", "tensor_parallel", "model", "expert_parallel",
+           "offload_optimizer", "offload_params")
 NOT_DECIDED = ("predicted", "solver", "budget", "train", "alternatives", "meshes",
-               "schedules", "module_list_experts", "data_parallel")
+               "schedules", "module_list_experts", "data_parallel", "host_bytes_per_node")
 
 
 def decisions(plan: Plan) -> dict[str, Any]:
@@ -700,13 +717,17 @@ def decisions(plan: Plan) -> dict[str, Any]:
     first plans hashed them, so that hashes already written (in emitted code, in saved
     programs) stay valid: a stage as its layers and recompute modes, the model as its
     hash, the runs in model order only when interleaved, expert parallelism as its
-    degree and capacity factor, and ZeRO-2's gradient sync only when it is "step"."""
+    degree and capacity factor, ZeRO-2's gradient sync only when it is "step", and an
+    offload only when it is on."""
     data = to_data(plan)
     decided = {name: data[name] for name in DECIDED if name in data}
     decided["stages"] = [[stage["layers"], stage["recompute"]] for stage in data["stages"]]
     decided["model"] = plan.model.hash
     if plan.zero2_grad_sync == "microbatch":
         del decided["zero2_grad_sync"]
+    for name in ("offload_optimizer", "offload_params"):
+        if not getattr(plan, name):
+            decided.pop(name, None)
     if plan.chunks > 1:
         decided["runs"] = to_data(plan.runs)
     if plan.expert_parallel is not None:

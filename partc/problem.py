@@ -457,6 +457,12 @@ class DeviceNumbers:
     optimizer_bandwidth: float | None = None     # None: hbm_bandwidth
     fsdp_copy_bandwidth: float | None = None     # None: hbm_bandwidth
     attention_efficiency: float | None = None    # None: flops_efficiency
+    # The host, for offload (DeviceFigures says what each is); None: not known, and
+    # nothing is offloaded unless pinned.
+    host_memory: int | None = None
+    host_to_device_bandwidth: float | None = None
+    device_to_host_bandwidth: float | None = None
+    host_adam_rate: float | None = None
 
     def __post_init__(self) -> None:
         if len(self.memory_bytes) != self.num_devices:
@@ -544,6 +550,9 @@ class Pins:
     zero_stage: int | None = None
     zero2_grad_sync: str | None = None   # one of ZERO2_GRAD_SYNCS
     ep: int | None = None   # expert-parallel degree of mixture-of-experts layers
+    # What lives on the host (partc.names.Offload values): exactly these; None: the
+    # planner chooses.
+    offload: tuple[str, ...] | None = None
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -15,7 +15,7 @@ from partc.cli.choices import (ATTENTION, ON_NONFINITE, OPTIMIZER_STATE_BYTES, S
                                TP_OBJECTIVES)
 from partc.codec import UNLESS_DEFAULT
 from partc.cost.schedules import refusal
-from partc.names import Schedule
+from partc.names import Offload, Schedule
 from partc.problem import BUCKET_ELEMENTS, RECOMPUTE_MODES, ZERO2_GRAD_SYNCS, ZERO_STAGES, Precision
 
 # What the planner's closed-form search weighs when the schedule is "auto"; it chooses
@@ -235,7 +235,12 @@ class Constraints:
     when ZeRO-2 reduce-scatters gradients: after every microbatch (``"microbatch"``:
     sharded gradients, one reduce-scatter per microbatch) or once per step (``"step"``:
     a whole fp32 gradient accumulated over the microbatches, one reduce-scatter);
-    with one microbatch, or another ZeRO stage, it changes nothing.
+    with one microbatch, or another ZeRO stage, it changes nothing. ``offload`` pins
+    what lives on the host (:class:`partc.names.Offload`): exactly the kinds given are
+    on ("optimizer": state, master weights and the step, ZeRO-Offload; "params": the
+    parameters between uses, under ZeRO-3; "activations": saved activations), ``()``
+    none; ``None`` leaves it to the planner. A comma-separated string is read as a
+    list.
 
     Pins that contradict each other whatever the model are a ValueError here; pins that
     cannot hold for a model, budget and batch raise ``PlanInfeasibleError`` naming the
@@ -256,6 +261,7 @@ class Constraints:
     zero_stage: int | None = None
     zero2_grad_sync: str | None = None
     ep: int | None = None
+    offload: tuple[str, ...] | None = None
     _recompute_map: dict[str, str] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -306,6 +312,28 @@ class Constraints:
                 raise ValueError(f"pp={self.pp} but {len(stages)} stages were pinned")
             object.__setattr__(self, "stages", stages)
         object.__setattr__(self, "_recompute_map", self._read_recompute())
+        if self.offload is not None:
+            object.__setattr__(self, "offload", self._read_offload())
+
+    def _read_offload(self) -> tuple[Offload, ...]:
+        given = self.offload
+        if isinstance(given, str):
+            given = [name.strip() for name in given.split(",") if name.strip()]
+        names = [o.value for o in Offload]
+        if not isinstance(given, (tuple, list)) or not all(
+                isinstance(n, str) and n in names for n in given):
+            raise ValueError(f"Constraints.offload must be None (the planner chooses) or a "
+                             f"list of {names} (() for none), got {self.offload!r}")
+        if len(set(given)) != len(given):
+            raise ValueError(f"Constraints.offload names a kind twice: {self.offload!r}")
+        kinds = tuple(o for o in Offload if o.value in given)
+        if Offload.PARAMS in kinds and (self.zero_stage not in (None, 3) or self.dp == 1):
+            pinned = f"zero_stage={self.zero_stage}" if self.zero_stage not in (None, 3) \
+                else "dp=1"
+            raise ValueError(f"offload of params runs under ZeRO-3 (the parameters sharded "
+                             f"over data-parallel replicas), but {pinned} was pinned: pin "
+                             f"zero_stage=3 with dp > 1, or leave params out of offload")
+        return kinds
 
     def _read_recompute(self) -> dict[str, str]:
         if self.recompute is None or isinstance(self.recompute, str):

@@ -257,6 +257,18 @@ def test_placements_are_typed(programs):
     assert programs["pp2"].plan.to_dict()["tensor_parallel"] == {}
 
 
+def test_offload_is_written_only_when_on_and_older_plans_read_off(programs):
+    plan = programs["pp2"].plan
+    assert (plan.offload_optimizer, plan.offload_params, plan.host_bytes_per_node) == \
+        (False, False, 0) and plan.offload == ()
+    data = plan.to_dict()
+    assert not {"offload_optimizer", "offload_params", "host_bytes_per_node"} & set(data)
+    on = replace(plan, offload_optimizer=True, host_bytes_per_node=10**6)
+    assert on.offload == ("optimizer",)
+    assert Plan.from_dict(on.to_dict()) == on and on.hash != plan.hash
+    assert replace(plan, host_bytes_per_node=1).hash == plan.hash   # not a decision
+
+
 def _edit(data: dict, change) -> dict:
     data = json.loads(json.dumps(data))
     change(data)
@@ -274,6 +286,7 @@ EDITS = {
     "model.num_layers": lambda d: d["model"].update(num_layers=d["model"]["num_layers"] + 1),
     "train.global_batch_size": lambda d: d["train"].update(global_batch_size=16),
     "mesh": lambda d: d["budget"].update(num_devices=4),
+    "offload_params": lambda d: d.update(offload_params=True),             # not ZeRO-3
 }
 
 

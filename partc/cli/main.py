@@ -46,6 +46,7 @@ from partc.cost.collectives import KINDS as COLLECTIVE_KINDS
 from partc.device.figures import FIGURES
 from partc.device.presets import DEFAULT_DEVICE, PRESETS, preset
 from partc.errors import PartcError
+from partc.names import Offload
 from partc.options import PlannerOptions
 from partc.problem import RECOMPUTE_MODES, ZERO2_GRAD_SYNCS, ZERO_STAGES
 from partc.units import format_seconds, parse_bytes, parse_rate
@@ -58,6 +59,7 @@ PIN_FLAGS = {
     "num_microbatches": "--microbatches", "micro_batch_size": "--micro-batch",
     "schedule": "--schedule", "zero_stage": "--zero", "ep": "--ep",
     "virtual_stages": "--virtual-stages", "zero2_grad_sync": "--zero2-grad-sync",
+    "offload": "--offload",
 }
 TRAIN_FLAGS = {
     "global_batch_size": "--global-batch", "micro_batch_size": "--micro-batch",
@@ -218,6 +220,19 @@ def _stage(text: str) -> tuple[str, ...]:
 
 
 COUNT, POSITIVE = _argument(_count, "count"), _argument(_positive, "number")
+
+
+def _offload_kinds(text: str) -> tuple[str, ...]:
+    kinds = () if text.strip() == "none" else tuple(
+        k.strip() for k in text.split(",") if k.strip())
+    unknown = [k for k in kinds if k not in {o.value for o in Offload}]
+    if unknown:
+        raise ValueError(f"unknown offload kinds {unknown}: use "
+                         f"{', '.join(o.value for o in Offload)} or none")
+    return kinds
+
+
+OFFLOAD = _argument(_offload_kinds, "offload kinds")
 WHOLE, NON_NEGATIVE = _argument(_whole, "count"), _argument(_non_negative, "number")
 FRACTION, SECONDS = _argument(_fraction, "fraction"), _argument(_seconds, "seconds")
 SHARE = _argument(_share, "share")
@@ -228,7 +243,7 @@ STAGE, LINK = _argument(_stage, "stage"), _argument(_collective_link, "KIND=LATE
 # read as a positive number; DeviceBudget says why one below 1 is refused.
 _UNIT_TYPES = {"bytes": SIZES, "count": COUNT, "FLOP/s": POSITIVE, "bytes/s": RATE,
                "seconds": SECONDS, "fraction": FRACTION, "share": SHARE, "factor": POSITIVE,
-               "links": LINK}
+               "links": LINK, "updates/s": POSITIVE}
 
 
 # -------------------------------------------------------------------------------- parser
@@ -461,6 +476,11 @@ def _pin_arguments(group) -> None:
     group.add_argument("--zero2-grad-sync", choices=ZERO2_GRAD_SYNCS,
                        help="when ZeRO-2 reduce-scatters gradients: after every "
                             "microbatch, or once per step (accumulated whole)")
+    group.add_argument("--offload", type=OFFLOAD, metavar="KINDS",
+                       help="what lives on the host, comma-separated, exactly these: "
+                            "optimizer (state, master weights and step), params (ZeRO-3's "
+                            "parameters), activations; 'none' for nothing (default: the "
+                            "planner chooses)")
     group.add_argument("--ep", type=COUNT, metavar="N",
                        help="expert-parallel degree of mixture-of-experts layers (divides "
                             "dp x tp and the expert count)")

@@ -133,6 +133,9 @@ SHARE = Unit("share", "SHARE", "a number in [0, 1]",
 FACTOR = Unit("factor", "FACTOR", "a number of at least 1",
               lambda value, where: _number(value, where, lambda x: x >= 1,
                                            "a number of at least 1"))
+UPDATES = Unit("updates/s", "RATE", "parameter updates per second above 0",
+               lambda value, where: _number(value, where, lambda x: x > 0,
+                                            "parameter updates per second above 0"))
 LINKS = Unit("links", "KIND=LATENCY,RATE",
              "{kind: {'latency_s': ..., 'bandwidth': ...}} per collective kind", _links)
 
@@ -297,6 +300,26 @@ class DeviceFigures:
     attention_efficiency: float | None = figure(
         FRACTION, "--attention-efficiency", "the share of peak fused attention kernels "
         "reach (default: the preset's, else the matmuls' --flops-efficiency)", unset=None)
+
+    # The host beside the devices, for offload (ZeRO-Offload: optimizer state, master
+    # weights and the step on the host; ZeRO-3's parameters too): its memory per node,
+    # which offloaded state of all the node's ranks shares; the link each way per device
+    # (PCIe: every device has its own); and the rate the node's cores step Adam/AdamW
+    # (parameter updates per second, all the node's ranks' steps sharing the cores).
+    # None: not known; the planner then offloads nothing unless the user gives them.
+    host_memory: int | None = figure(
+        BYTES, "--host-memory", "host memory per node that offloaded optimizer state and "
+        "weights may use, e.g. 2TB (default: the preset's; none for a custom device)",
+        unset=None)
+    host_to_device_bandwidth: float | None = figure(
+        rate("50GB/s"), "--host-to-device-bandwidth", "per device, host to device (PCIe "
+        "Gen5 x16: about 50GB/s), e.g. 25GB/s", unset=None)
+    device_to_host_bandwidth: float | None = figure(
+        rate("50GB/s"), "--device-to-host-bandwidth", "per device, device to host "
+        "(default: --host-to-device-bandwidth)", unset=Like("host_to_device_bandwidth"))
+    host_adam_rate: float | None = figure(
+        UPDATES, "--host-adam-rate", "Adam/AdamW parameter updates per second of one "
+        "node's host cores (default: the profile's, else the preset's)", unset=None)
 
     def __post_init__(self) -> None:
         # Held as read: rates in whole bytes per second (partc.units.parse_rate), times

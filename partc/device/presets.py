@@ -98,11 +98,29 @@ _GPU_ADAMW_SHARE = 0.3
 # (the H200's kernels are Hopper's); the A100s', not measured, stay at HBM bandwidth.
 _GPU_ELEMENTWISE_SHARE = 0.75
 
+# The host of a GPU node, for offload (DeviceFigures.host_memory and the rest):
+# - memory per node, as NVIDIA ships its 8-GPU systems: DGX H100 and DGX H200 2 TB,
+#   DGX A100 640GB (the 80 GB cards) 2 TB, DGX A100 320GB (40 GB cards) 1 TB;
+# - the host link per GPU and direction: a PCIe Gen5 x16 slot carries 64 GB/s raw, and
+#   pinned copies measure about 50-55 GB/s on an H100 or H200 (CUDA's bandwidthTest),
+#   Gen4 x16 about 25 GB/s on an A100; 50 and 25 here, one GPU copying alone (where two
+#   GPUs share a switch's uplink, each gets less when both copy);
+# - the host's Adam: a guess of the order the ZeRO-Offload paper (Ren et al., 2021)
+#   reports for its vectorised CPU Adam on a two-socket Xeon host, a few billion
+#   parameter updates per second per node; the newer hosts of Hopper nodes (two 56-core
+#   Sapphire Rapids) are taken at 4e9, A100 nodes' (two 64-core EPYC Rome) at 3e9.
+#   `partc calibrate` measures the machine's own (benchmarks/host_adam.py compares it
+#   with torch's AdamW).
+_HOPPER_HOST = dict(host_memory=2 * 10**12, host_to_device_bandwidth=50 * GB,
+                    device_to_host_bandwidth=50 * GB, host_adam_rate=4e9)
+_AMPERE_HOST = dict(host_to_device_bandwidth=25 * GB, device_to_host_bandwidth=25 * GB,
+                    host_adam_rate=3e9)
+
 PRESETS: dict[str, DevicePreset] = {
     preset.name: preset
     for preset in (
         DevicePreset(
-            name="A100-40GB", **_GPU_HOST,
+            name="A100-40GB", **_GPU_HOST, **_AMPERE_HOST, host_memory=10**12,
             peak_flops={"float32": 19.5 * TFLOPS, "tf32": 156 * TFLOPS,
                         "bfloat16": 312 * TFLOPS, "float16": 312 * TFLOPS},
             memory=40 * 2**30, hbm_bandwidth=1555 * GB, devices_per_node=8,
@@ -110,7 +128,7 @@ PRESETS: dict[str, DevicePreset] = {
             intra_node_bandwidth=300 * GB, inter_node_bandwidth=25 * GB,
             link_latency_s=10e-6, intra_node_latency_s=2e-6, flops_efficiency=0.6),
         DevicePreset(
-            name="A100-80GB", **_GPU_HOST,
+            name="A100-80GB", **_GPU_HOST, **_AMPERE_HOST, host_memory=2 * 10**12,
             peak_flops={"float32": 19.5 * TFLOPS, "tf32": 156 * TFLOPS,
                         "bfloat16": 312 * TFLOPS, "float16": 312 * TFLOPS},
             memory=80 * 2**30, hbm_bandwidth=2039 * GB, devices_per_node=8,
@@ -118,7 +136,7 @@ PRESETS: dict[str, DevicePreset] = {
             intra_node_bandwidth=300 * GB, inter_node_bandwidth=25 * GB,
             link_latency_s=10e-6, intra_node_latency_s=2e-6, flops_efficiency=0.6),
         DevicePreset(
-            name="H100-80GB", **_GPU_HOST,
+            name="H100-80GB", **_GPU_HOST, **_HOPPER_HOST,
             peak_flops={"float32": 67 * TFLOPS, "tf32": 494.7 * TFLOPS,
                         "bfloat16": 989.4 * TFLOPS, "float16": 989.4 * TFLOPS},
             memory=80 * 2**30, hbm_bandwidth=3350 * GB, devices_per_node=8,
@@ -128,7 +146,7 @@ PRESETS: dict[str, DevicePreset] = {
             link_latency_s=8e-6, intra_node_latency_s=2e-6, flops_efficiency=_HOPPER_MATMULS,
             attention_efficiency=_HOPPER_ATTENTION),
         DevicePreset(
-            name="H200", **_GPU_HOST,
+            name="H200", **_GPU_HOST, **_HOPPER_HOST,
             peak_flops={"float32": 67 * TFLOPS, "tf32": 494.7 * TFLOPS,
                         "bfloat16": 989.4 * TFLOPS, "float16": 989.4 * TFLOPS},
             memory=141 * 10**9, hbm_bandwidth=4800 * GB, devices_per_node=8,
@@ -145,6 +163,12 @@ PRESETS: dict[str, DevicePreset] = {
             intra_node_bandwidth=5 * GB, inter_node_bandwidth=1.25 * GB,
             link_latency_s=50e-6, intra_node_latency_s=50e-6,
             flops_efficiency=0.5, device_type="cpu",
+            # Offload on a CPU moves state between tensors in the same memory: the link is
+            # a copy's rate (hbm_bandwidth's); the host memory is left to the user (the
+            # ranks' own memory is the same RAM). torch's fused AdamW stepped 1.7e8
+            # parameters per second on the shared 2-core machine (benchmarks/host_adam.py).
+            host_to_device_bandwidth=20 * GB, device_to_host_bandwidth=20 * GB,
+            host_adam_rate=1.5e8,
             # Eager PyTorch's dispatch on one CPU thread: about 10 us per op forward and
             # twice that in backward (autograd's node plus the gradient kernels), which the
             # op's own work does not hide on a CPU; 2 us per matmul call beyond its FLOPs.

@@ -15,11 +15,13 @@ from partc.cost.pipeline_config import PS_PER_S, PipelineConfig
 from partc.cost.schedules import feature_refusal, refusal
 from partc.cost.tables import build_cost_table
 from partc.errors import PlanValidationError
+from partc.names import Offload
 from partc.plan import Plan
 from partc.planner.data_parallel import data_parallel_section
 from partc.planner.expert_parallel import expert_parallel_section
 from partc.problem import ZERO2_GRAD_SYNCS, PlanningProblem, effective_zero_stage
 from partc.spec import SCHEDULES
+from partc.units import format_bytes
 
 
 def _structure(problem: PlanningProblem, plan: Plan, errors: list[str]) -> None:
@@ -223,6 +225,25 @@ def _experts(problem: PlanningProblem, plan: Plan, errors: list[str]) -> None:
                           f"balanced routing, above the {bound}x assumed")
 
 
+def _host(problem: PlanningProblem, plan: Plan, errors: list[str]) -> None:
+    """Offload: as pinned (the kinds a plan decides here: optimizer and params), and the
+    host memory a node's ranks take within the budget's host memory."""
+    pinned = problem.pins.offload
+    if pinned is not None:
+        for kind, on in ((Offload.OPTIMIZER, plan.offload_optimizer),
+                         (Offload.PARAMS, plan.offload_params)):
+            if (kind in pinned) != on:
+                errors.append(f"offload of {kind} pinned {'on' if kind in pinned else 'off'}"
+                              f", the plan has it {'on' if on else 'off'}")
+    limit = problem.devices.host_memory
+    if plan.host_bytes_per_node and limit is None:
+        errors.append(f"the plan puts {format_bytes(plan.host_bytes_per_node)} per node on "
+                      f"the host, but the budget gives no host memory (host_memory)")
+    elif limit is not None and plan.host_bytes_per_node > limit:
+        errors.append(f"the plan puts {format_bytes(plan.host_bytes_per_node)} per node on "
+                      f"the host, the budget's host memory is {format_bytes(limit)}")
+
+
 def field_conflicts(plan: Plan) -> list[tuple[str, str]]:
     """The plan's fields that contradict each other, as (field, what is wrong): what a
     plan says twice must agree, whatever the model. Needs no problem, so that
@@ -244,6 +265,11 @@ def field_conflicts(plan: Plan) -> list[tuple[str, str]]:
     if plan.zero2_grad_sync == "step" and plan.effective_zero_stage != 2:
         found.append(("zero2_grad_sync", f"'step' is ZeRO-2's, the plan runs "
                                          f"ZeRO-{plan.effective_zero_stage}"))
+    if plan.offload_params and plan.effective_zero_stage != 3:
+        found.append(("offload_params", f"parameter offload runs under ZeRO-3, the plan "
+                                        f"runs ZeRO-{plan.effective_zero_stage}"))
+    if plan.host_bytes_per_node < 0:
+        found.append(("host_bytes_per_node", f"{plan.host_bytes_per_node}: not negative"))
     if plan.num_microbatches < 1 or plan.micro_batch_size < 1:
         found.append(("num_microbatches" if plan.num_microbatches < 1 else "micro_batch_size",
                       "at least 1"))
@@ -298,6 +324,7 @@ def validate_plan(problem: PlanningProblem, plan: Plan) -> Evaluation:
     _modes(problem, plan, errors)
     _pins(problem, plan, errors)
     _experts(problem, plan, errors)
+    _host(problem, plan, errors)
     evaluation = None
     if not errors:
         evaluation = _costs(problem, plan, errors)
