@@ -119,7 +119,9 @@ def _wrap(module: fx.GraphModule, region: list[fx.Node], name: str, mode: str) -
             # Buffers written in place (``written``) are updated once: the forward
             # runs once, and what it saves is only moved.
             fetched.append(graph.get_attr(LEDGER))
-            call = graph.call_function(offload_layer, (fetched[1], fetch, *inputs))
+            held = tuple(i for i, arg in enumerate(inputs) if arg.op == "get_attr")
+            call = graph.call_function(offload_layer, (fetched[1], fetch, *inputs),
+                                       {"held": held} if held else {})
         else:
             options = {"written": written} if written else {}
             # The mode as a plain string (a Recompute member is one): the code prints a

@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
+from partc.cost.offload_time import host_bytes
 from partc.cost.pipeline_config import PipelineConfig
 from partc.cost.state_bytes import step_total
 from partc.cost.tables import CostTable
@@ -33,10 +34,18 @@ class StageCost:
     # cut (both ways) and its share of the cut into it (:func:`receive_ps`), per
     # microbatch; what the simulation plays.
     run_ps: tuple[tuple[int, int, int, int, int], ...] = ()
+    # Offloaded activations: bytes per microbatch copied to the host (and back), and the
+    # rank's share of its node's host memory (None: not known, no limit).
+    offload_bytes: int = 0
+    host_limit: int | None = None
 
     @property
     def busy_ps(self) -> int:
         return self.compute_ps + self.comm_ps
+
+    @property
+    def host_fits(self) -> bool:
+        return self.host_limit is None or self.memory.host <= self.host_limit
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -49,7 +58,7 @@ class Evaluation:
 
     @property
     def fits(self) -> bool:
-        return all(s.memory.peak <= s.limit for s in self.stages)
+        return all(s.memory.peak <= s.limit and s.host_fits for s in self.stages)
 
     @property
     def worst_stage(self) -> StageCost:
@@ -130,6 +139,9 @@ def _stage_cost(table: CostTable, stage: int, runs: list[list[int]], modes: Sequ
              for k in ("params", "grads", "optimizer")}
     saved = [sum(table.layers[l].saved_bytes[modes[l]] for l in run) for run in runs]
     activations = config.activations(stage, saved)
+    offloaded = [sum(host_bytes(table.layers[l].saved_bytes, modes[l]) for l in run)
+                 for run in runs]
+    host = config.activations(stage, offloaded)
     transient = max(table.layers[l].transient_bytes[modes[l]] for l in members)
     step = step_total([r.step_bytes for r in rows] + [table.shared[g].step_bytes for g in held],
                       table.step_sums)
@@ -167,8 +179,9 @@ def _stage_cost(table: CostTable, stage: int, runs: list[list[int]], modes: Sequ
         memory=StageMemory(**state, activations=activations, transient=transient,
                            receive=receive, step=step,
                            peak=sum(state.values()) + max(activations + transient + receive,
-                                                          step)),
+                                                          step), host=host),
         limit=table.limits[stage],
+        offload_bytes=sum(offloaded), host_limit=table.host_limit,
         runs=tuple(tuple(run) for run in runs) if config.chunks > 1 else (),
     )
 

@@ -18,8 +18,9 @@ from partc.cost.communication import (bucket_latency_seconds, cut_bytes, cut_tab
                                       zero_overhead_seconds)
 from partc.cost.experts_cost import expert_dp_config, moe_layer_figures
 from partc.cost.layer_compute import layer_work, run_layer
-from partc.cost.pipeline_config import (PipelineConfig, overlapped, permille, split_factor,
-                                        stage_ranks, to_ps)
+from partc.cost.offload_time import host_limit, in_flight_bytes, offload_entries
+from partc.cost.pipeline_config import (PS_PER_S, PipelineConfig, overlapped, permille,
+                                        split_factor, stage_ranks, to_ps)
 from partc.cost.schedules import schedule as schedule_info
 from partc.cost.state_bytes import (state_bytes, step_bytes, step_total, steps_whole_list,
                                     zero_transient)
@@ -28,7 +29,8 @@ from partc.problem import MoECost, PlanningProblem
 
 @dataclass(frozen=True, kw_only=True)
 class LayerTable:
-    """One layer's integer costs per microbatch, per recompute mode."""
+    """One layer's integer costs per microbatch, per recompute mode (``"offload"`` among
+    them where the host link is known: :mod:`partc.cost.offload_time`)."""
 
     forward_ps: int
     backward_ps: int
@@ -90,6 +92,9 @@ class CostTable:
     # Whether a rank's step temporaries are the sum of its rows' step_bytes (torch's
     # foreach step, over the whole list) or the largest of them (one tensor at a time).
     step_sums: bool = True
+    # A rank's share of its node's host memory for offloaded activations
+    # (:func:`partc.cost.offload_time.host_limit`); None: not known, no limit.
+    host_limit: int | None = None
 
     @property
     def num_layers(self) -> int:
@@ -145,16 +150,17 @@ def _layer_table(problem: PlanningProblem, config: PipelineConfig, index: int) -
     # replays the attention cores, which hold none (heads are split over the group).
     # ZeRO-3 gathers the layer once for its backward, recompute included.
     rerun = {m: comm["forward"] if m == "full" else 0.0 for m in layer.modes}
+    forward_ps = to_ps(overlapped(phases.forward_s, zero["forward"], devices.comm_overlap))
+    backward_ps = to_ps(overlapped(phases.backward_s, zero["backward"],
+                                   devices.comm_overlap))
+    recompute_ps = {m: to_ps(sum(work["recompute"][m]) + rerun[m]) for m in layer.modes}
+    with_offload(recompute_ps, saved, forward_ps, backward_ps, devices)
     return LayerTable(
-        forward_ps=to_ps(overlapped(phases.forward_s, zero["forward"], devices.comm_overlap)),
-        backward_ps=to_ps(overlapped(phases.backward_s, zero["backward"],
-                                     devices.comm_overlap)),
-        recompute_ps={m: to_ps(sum(work["recompute"][m]) + rerun[m]) for m in layer.modes},
+        forward_ps=forward_ps,
+        backward_ps=backward_ps,
+        recompute_ps=recompute_ps,
         saved_bytes=saved,
-        # ZeRO-2/3: the unit's whole gradient is made as its backward ends, when the
-        # backward's working set and this microbatch's saved tensors of it are freed.
-        transient_bytes={m: gathered + max(saved["none"] - saved[m] + workspace,
-                                           gradient - saved[m]) for m in layer.modes},
+        transient_bytes=transient(saved, workspace, gathered, gradient),
         param_count=layer.param_count,
         state_bytes=state_bytes(problem, config, layer.param_count),
         tail_ps=tail_ps(problem, config, layer.param_count, max(1, layer.param_tensors)),
@@ -162,6 +168,26 @@ def _layer_table(problem: PlanningProblem, config: PipelineConfig, index: int) -
         gather_ps=gather_ps(problem, config, layer.param_count),
         step_bytes=step_bytes(problem, config, layer.param_count, layer.largest_param),
     )
+
+
+def with_offload(recompute_ps: dict[str, int], saved: dict[str, int], forward_ps: int,
+                 backward_ps: int, devices) -> None:
+    """Add the offload mode to a row's recompute times and saved bytes, where the host
+    link is known (:func:`partc.cost.offload_time.offload_entries`)."""
+    entries = offload_entries(saved, forward_ps / PS_PER_S, backward_ps / PS_PER_S, devices)
+    if entries is not None:
+        recompute_ps["offload"], saved["offload"] = entries
+
+
+def transient(saved: dict[str, int], workspace: int, gathered: int,
+              gradient: int) -> dict[str, int]:
+    """A row's largest working set per mode: what its backward rematerialises (or, for
+    offload, brings back beside the next one's prefetch) and its workspace, or under
+    ZeRO-2/3 the unit's whole gradient, made as its backward ends, when the backward's
+    working set and this microbatch's saved tensors of it are freed; and the layer's
+    ZeRO-3 gathered weights."""
+    return {m: gathered + max(saved["none"] - saved[m] + in_flight_bytes(saved, m)
+                              + workspace, gradient - saved[m]) for m in saved}
 
 
 def _shared_tables(problem: PlanningProblem, config: PipelineConfig) -> tuple[SharedTable, ...]:
@@ -312,6 +338,7 @@ def build_cost_table(problem: PlanningProblem, config: PipelineConfig,
         first_gather_ps=first_gather, last_sync_ps=last_sync,
         cut_bytes=cut_bytes(problem, config),
         step_sums=steps_whole_list(problem, config),
+        host_limit=host_limit(devices),
     )
 
 
@@ -365,16 +392,18 @@ def moe_layer_table(whole: MoECost, problem: PlanningProblem, config: PipelineCo
     gathered, gradient = gathered_d + gathered_e, gradient_d + gradient_e
     state_d = state_bytes(problem, config, dense)
     state_e = state_bytes(problem, expert_config, experts)
+    forward_ps = to_ps(overlapped(forward, zero_dense["forward"] + zero_experts["forward"],
+                                  problem.devices.comm_overlap))
+    backward_ps = to_ps(overlapped(backward, zero_dense["backward"] + zero_experts["backward"],
+                                   problem.devices.comm_overlap))
+    recompute_ps = {m: to_ps(v) for m, v in recompute.items()}
+    with_offload(recompute_ps, saved, forward_ps, backward_ps, devices)
     return LayerTable(
-        forward_ps=to_ps(overlapped(forward, zero_dense["forward"] + zero_experts["forward"],
-                                    problem.devices.comm_overlap)),
-        backward_ps=to_ps(overlapped(backward,
-                                     zero_dense["backward"] + zero_experts["backward"],
-                                     problem.devices.comm_overlap)),
-        recompute_ps={m: to_ps(v) for m, v in recompute.items()},
+        forward_ps=forward_ps,
+        backward_ps=backward_ps,
+        recompute_ps=recompute_ps,
         saved_bytes=saved,
-        transient_bytes={m: gathered + max(saved["none"] - saved[m] + workspace,
-                                           gradient - saved[m]) for m in layer.modes},
+        transient_bytes=transient(saved, workspace, gathered, gradient),
         param_count=dense + experts,
         state_bytes={k: state_d[k] + state_e[k] for k in state_d},
         tail_ps=tail_ps(problem, config, dense, max(1, layer.param_tensors))

@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING
 from partc.codec import dtype_named
 from partc.cost.communication import tp_comm_seconds
 from partc.cost.evaluate import Evaluation, simulated_step_ps
+from partc.cost.offload_time import host_per_node
 from partc.cost.pipeline_config import PS_PER_S, PipelineConfig
 from partc.names import Phase, Recompute, Schedule
 from partc.plan import (Alternative, BudgetInfo, InputSpec, Mesh, MeshOutcome, ModelInfo,
@@ -80,6 +81,7 @@ def stage_plans(problem: PlanningProblem, config: PipelineConfig, evaluation: Ev
                                     recompute=r / PS_PER_S, send=cut / 2 / PS_PER_S,
                                     receive=into / 2 / PS_PER_S)
                             for f, b, r, cut, into in stage.run_ps),
+            host_traffic_bytes=m * stage.offload_bytes,
         )
         for index, stage in enumerate(evaluation.stages)
     )
@@ -146,7 +148,16 @@ def make_plan(problem: PlanningProblem, config: PipelineConfig, evaluation: Eval
         expert_parallel=_expert_parallel(problem, config, evaluation, modes),
         module_list_experts=problem.module_list_experts,
         data_parallel=data_parallel_section(problem, config, evaluation),
+        host_bytes_per_node=activations_per_node(problem, evaluation),
     )
+
+
+def activations_per_node(problem: PlanningProblem, evaluation: Evaluation) -> int:
+    """The host memory the busiest node's ranks take for offloaded activations
+    (:func:`partc.cost.offload_time.host_per_node`): their share of the plan's
+    ``host_bytes_per_node``."""
+    return max(host_per_node([stage.memory.host for stage in evaluation.stages],
+                             problem.devices))
 
 
 def _expert_parallel(problem: PlanningProblem, config: PipelineConfig,
