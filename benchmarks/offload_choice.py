@@ -1,7 +1,8 @@
 """Activation offload against recompute as the host link's bandwidth changes.
 
 A Llama-7B-shaped model (32 layers, hidden 4096, 32 heads, MLP 11008, vocabulary 32000,
-2048-token sequences; built on the meta device), bf16 AdamW, 64 sequences per step, on
+2048-token sequences; built on the meta device; attention fused unless ``--attention
+as_written``), bf16 AdamW, 64 sequences per step, on
 one node of 8 H100s with less memory per device than its activations need (``--memory``,
 default 20 GiB), the mesh pinned (pp=1, dp=8, ZeRO-3) so that only the per-layer choice
 and the microbatches move. For each host-to-device bandwidth (each way, per GPU) it plans
@@ -10,7 +11,8 @@ their activations, which layers offload, the host memory a node's ranks take, th
 predicted step time, and that step's cost over the plan with offload off
 (``Constraints(offload=())``) at the same bandwidth.
 
-    python benchmarks/offload_choice.py [--memory 20] [--bandwidths 5,10,...,100]
+    python benchmarks/offload_choice.py [--memory 20] [--bandwidths 5,10,...,450]
+                                        [--attention fused|as_written]
 """
 
 from __future__ import annotations
@@ -32,7 +34,9 @@ from tests.models import causal_lm_loss  # noqa: E402
 
 GB, GiB = 10**9, 2**30
 SEQ, BATCH, DEVICES = 2048, 64, 8
-BANDWIDTHS = (5, 10, 15, 20, 25, 30, 40, 50, 64, 100)   # GB/s each way per GPU
+# GB/s each way per GPU: PCIe 4 and 5 x16 (25, 50-64 in practice), and a Grace Hopper's
+# NVLink-C2C (450).
+BANDWIDTHS = (5, 10, 20, 25, 50, 64, 100, 200, 450)
 MODES = ("none", "selective", "full", "offload")
 
 
@@ -47,13 +51,14 @@ def llama_7b() -> torch.nn.Module:
         return LlamaForCausalLM(config)
 
 
-def base_problem(memory_gib: float):
+def base_problem(memory_gib: float, attention: str):
     ids = torch.zeros(1, SEQ, dtype=torch.long, device="meta")
     graph, analysis = analyze(llama_7b(), (ids,), loss_fn=causal_lm_loss, example_target=ids,
-                              name="llama-7b")
+                              name="llama-7b", attention=attention)
     budget = partc.DeviceBudget(num_devices=DEVICES, device="H100-80GB",
                                 memory=f"{memory_gib}GiB")
-    train = partc.TrainSpec(global_batch_size=BATCH, dtype=torch.bfloat16, optimizer="adamw")
+    train = partc.TrainSpec(global_batch_size=BATCH, dtype=torch.bfloat16, optimizer="adamw",
+                            attention=attention)
     return build_problem(analysis, budget, train,
                          partc.Constraints(pp=1, dp=DEVICES, zero_stage=3), graph)
 
@@ -75,10 +80,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--memory", type=float, default=20.0, help="GiB per device")
     parser.add_argument("--bandwidths", default=",".join(map(str, BANDWIDTHS)))
+    parser.add_argument("--attention", choices=("as_written", "fused"), default="fused",
+                        help="the attention as Hugging Face's eager code writes it (its "
+                             "probabilities saved), or fused (SDPA, flash-style)")
     args = parser.parse_args()
     start = time.perf_counter()
-    problem = base_problem(args.memory)
-    print(f"llama-7b shape, seq {SEQ}, batch {BATCH}, {DEVICES} x H100 at {args.memory} GiB, "
+    problem = base_problem(args.memory, args.attention)
+    print(f"llama-7b shape, seq {SEQ}, batch {BATCH}, attention {args.attention}, "
+          f"{DEVICES} x H100 at {args.memory} GiB, "
           f"pp=1 dp={DEVICES} ZeRO-3, bf16 AdamW; host memory per node "
           f"{problem.devices.host_memory / GiB:.0f} GiB; analysed in "
           f"{time.perf_counter() - start:.1f} s\n")

@@ -180,6 +180,9 @@ class StagePlan:
     # Bytes a rank of the stage copies to the host per step for its offloaded layers'
     # activations (and back: as many), every microbatch's; not written when 0.
     host_traffic_bytes: int = field(default=0, metadata=UNLESS_DEFAULT)
+    # Per run (as ``run_times``), the part of its recompute that is those copies' time
+    # compute does not hide (the timeline's host blocks); empty without offload.
+    run_host_s: tuple[float, ...] = field(default=(), metadata=UNLESS_DEFAULT)
 
     @property
     def offloaded(self) -> tuple[str, ...]:

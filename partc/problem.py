@@ -260,6 +260,11 @@ class LayerCost:
     # None: no different.
     ring_kernels_single: dict[str, int] | None = None
     ring_bwd_mem_bytes_single: float = 0.0
+    # What the layer's own ops save for backward per sample, by storage, parameters and
+    # buffers left out, whoever made it (``saved_bytes`` charges a value read by several
+    # layers to its maker): what offloading the layer moves to the host and back
+    # (partc.runtime.activation_offload). None: not measured, ``saved_bytes["none"]``.
+    offload_bytes: float | None = None
 
     def __post_init__(self) -> None:
         listed = sum(op.flops * op.count for op in self.heavy_ops)

@@ -38,6 +38,9 @@ class StageCost:
     # rank's share of its node's host memory (None: not known, no limit).
     offload_bytes: int = 0
     host_limit: int | None = None
+    # Per run, the part of its recompute that is offload's exposed copies (the timeline
+    # draws it as the host's).
+    run_host_ps: tuple[int, ...] = ()
 
     @property
     def busy_ps(self) -> int:
@@ -139,7 +142,7 @@ def _stage_cost(table: CostTable, stage: int, runs: list[list[int]], modes: Sequ
              for k in ("params", "grads", "optimizer")}
     saved = [sum(table.layers[l].saved_bytes[modes[l]] for l in run) for run in runs]
     activations = config.activations(stage, saved)
-    offloaded = [sum(host_bytes(table.layers[l].saved_bytes, modes[l]) for l in run)
+    offloaded = [sum(host_bytes(table.layers[l], modes[l]) for l in run)
                  for run in runs]
     host = config.activations(stage, offloaded)
     transient = max(table.layers[l].transient_bytes[modes[l]] for l in members)
@@ -182,6 +185,8 @@ def _stage_cost(table: CostTable, stage: int, runs: list[list[int]], modes: Sequ
                                                           step), host=host),
         limit=table.limits[stage],
         offload_bytes=sum(offloaded), host_limit=table.host_limit,
+        run_host_ps=tuple(sum(table.layers[l].recompute_ps[modes[l]] for l in run
+                              if modes[l] == "offload") for run in runs),
         runs=tuple(tuple(run) for run in runs) if config.chunks > 1 else (),
     )
 
@@ -203,10 +208,11 @@ def simulate(config: PipelineConfig, evaluation: Evaluation, schedule: str | Non
     name = schedule or config.schedule
     runs: list[StageSeconds | None] = [None] * config.virtual_stages
     for s, stage in enumerate(evaluation.stages):
-        for j, (forward, backward, recompute, cut, into) in zip(config.runs_of(s),
-                                                                 stage.run_ps):
+        host = stage.run_host_ps or (0,) * len(stage.run_ps)
+        for j, (forward, backward, recompute, cut, into), copies in zip(
+                config.runs_of(s), stage.run_ps, host):
             runs[j] = StageSeconds(forward=forward, backward=backward, recompute=recompute,
-                                   send=cut / 2, receive=into / 2)
+                                   host=copies, send=cut / 2, receive=into / 2)
     return play(name, config.pp, config.chunks, config.num_microbatches, runs,
                 [stage.tail_ps for stage in evaluation.stages])
 

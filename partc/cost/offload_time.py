@@ -1,11 +1,14 @@
 """Activation offload's price: what a layer whose saved tensors go to the host (recompute
 mode ``"offload"``, :mod:`partc.runtime.activation_offload`) costs per microbatch.
 
+- what moves: every storage the layer's own ops save for backward, parameters and
+  buffers aside (``LayerCost.offload_bytes``, the row's ``offload_bytes``: the layer's
+  inputs too, which its saved bytes charge to the layers that make them);
 - device memory: none of its saved bytes stay (``saved_bytes["offload"] = 0``), but a
   bounded window is in flight: while its backward runs, its own tensors are back and the
   next backward's are being fetched, and in forward the last layer's are still being
-  copied out beside it: its transient is two layers' saved bytes beside its working set
-  (the rule of :func:`partc.cost.tables.transient` with ``2 * saved["none"]``);
+  copied out beside it: its transient is twice what it moves beside its working set
+  (:func:`partc.cost.tables.transient`);
 - host memory: its saved bytes, for every microbatch the rank holds in flight
   (:meth:`partc.cost.pipeline_config.PipelineConfig.activations`), within the rank's
   share of its node's host memory (:func:`host_limit`);
@@ -44,24 +47,24 @@ def exposed_copy_seconds(saved_bytes: float, forward_s: float, backward_s: float
     return max(0.0, out - forward_s) + max(0.0, back - backward_s)
 
 
-def offload_entries(saved: dict[str, int], forward_s: float, backward_s: float,
+def offload_entries(moved: int, forward_s: float, backward_s: float,
                     devices: DeviceNumbers) -> tuple[int, int] | None:
-    """The offload mode's ``(recompute_ps, saved_bytes)`` for a row whose modes save
-    ``saved``; None where the host link is not known."""
+    """The offload mode's ``(recompute_ps, saved_bytes)`` for a row that moves
+    ``moved`` bytes; None where the host link is not known."""
     if not offload_known(devices):
         return None
-    return to_ps(exposed_copy_seconds(saved["none"], forward_s, backward_s, devices)), 0
+    return to_ps(exposed_copy_seconds(moved, forward_s, backward_s, devices)), 0
 
 
-def in_flight_bytes(saved: dict[str, int], mode: str) -> int:
-    """What an offloaded layer's window adds to its transient: the neighbour's saved
-    tensors in flight beside its own (0 for the other modes)."""
-    return saved["none"] if mode == OFFLOAD else 0
+def in_flight_bytes(moved: int, mode: str) -> int:
+    """What an offloaded layer holds on the device while its backward runs: its own
+    tensors back, and the next backward's being fetched (0 for the other modes)."""
+    return 2 * moved if mode == OFFLOAD else 0
 
 
-def host_bytes(saved: dict[str, int], mode: str) -> int:
-    """Bytes a layer in ``mode`` keeps on the host per microbatch in flight."""
-    return saved["none"] if mode == OFFLOAD else 0
+def host_bytes(row, mode: str) -> int:
+    """Bytes a layer's row in ``mode`` keeps on the host per microbatch in flight."""
+    return row.offload_bytes if mode == OFFLOAD else 0
 
 
 def host_limit(devices: DeviceNumbers) -> int | None:

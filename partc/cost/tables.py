@@ -44,6 +44,9 @@ class LayerTable:
     # ZeRO-1's weight all-gather when it overlaps the next forward (then not in tail_ps)
     gather_ps: int = 0
     step_bytes: int = 0           # the optimizer step's temporaries (:func:`step_bytes`)
+    # What offloading the layer moves to the host per microbatch (each way), and holds
+    # there (LayerCost.offload_bytes); 0 where offload is not priced.
+    offload_bytes: int = 0
 
     def compute_ps(self, mode: str) -> int:
         return self.forward_ps + self.backward_ps + self.recompute_ps[mode]
@@ -154,13 +157,15 @@ def _layer_table(problem: PlanningProblem, config: PipelineConfig, index: int) -
     backward_ps = to_ps(overlapped(phases.backward_s, zero["backward"],
                                    devices.comm_overlap))
     recompute_ps = {m: to_ps(sum(work["recompute"][m]) + rerun[m]) for m in layer.modes}
-    with_offload(recompute_ps, saved, forward_ps, backward_ps, devices)
+    moved = moved_bytes(layer, b * scale, saved)
+    with_offload(recompute_ps, saved, moved, forward_ps, backward_ps, devices)
     return LayerTable(
+        offload_bytes=moved if "offload" in saved else 0,
         forward_ps=forward_ps,
         backward_ps=backward_ps,
         recompute_ps=recompute_ps,
         saved_bytes=saved,
-        transient_bytes=transient(saved, workspace, gathered, gradient),
+        transient_bytes=transient(saved, moved, workspace, gathered, gradient),
         param_count=layer.param_count,
         state_bytes=state_bytes(problem, config, layer.param_count),
         tail_ps=tail_ps(problem, config, layer.param_count, max(1, layer.param_tensors)),
@@ -170,24 +175,32 @@ def _layer_table(problem: PlanningProblem, config: PipelineConfig, index: int) -
     )
 
 
-def with_offload(recompute_ps: dict[str, int], saved: dict[str, int], forward_ps: int,
-                 backward_ps: int, devices) -> None:
+def moved_bytes(layer, samples: float, saved: dict[str, int]) -> int:
+    """What offloading ``layer`` moves per microbatch of ``samples`` (scaled) samples:
+    its ops' saved storages as measured, else its saved bytes."""
+    if layer.offload_bytes is None:
+        return saved["none"]
+    return int(round(samples * layer.offload_bytes))
+
+
+def with_offload(recompute_ps: dict[str, int], saved: dict[str, int], moved: int,
+                 forward_ps: int, backward_ps: int, devices) -> None:
     """Add the offload mode to a row's recompute times and saved bytes, where the host
     link is known (:func:`partc.cost.offload_time.offload_entries`)."""
-    entries = offload_entries(saved, forward_ps / PS_PER_S, backward_ps / PS_PER_S, devices)
+    entries = offload_entries(moved, forward_ps / PS_PER_S, backward_ps / PS_PER_S, devices)
     if entries is not None:
         recompute_ps["offload"], saved["offload"] = entries
 
 
-def transient(saved: dict[str, int], workspace: int, gathered: int,
+def transient(saved: dict[str, int], moved: int, workspace: int, gathered: int,
               gradient: int) -> dict[str, int]:
     """A row's largest working set per mode: what its backward rematerialises (or, for
-    offload, brings back beside the next one's prefetch) and its workspace, or under
-    ZeRO-2/3 the unit's whole gradient, made as its backward ends, when the backward's
-    working set and this microbatch's saved tensors of it are freed; and the layer's
-    ZeRO-3 gathered weights."""
-    return {m: gathered + max(saved["none"] - saved[m] + in_flight_bytes(saved, m)
-                              + workspace, gradient - saved[m]) for m in saved}
+    offload, brings back, ``moved``, beside the next one's prefetch) and its workspace,
+    or under ZeRO-2/3 the unit's whole gradient, made as its backward ends, when the
+    backward's working set and this microbatch's saved tensors of it are freed; and the
+    layer's ZeRO-3 gathered weights."""
+    back = {m: in_flight_bytes(moved, m) or saved["none"] - saved[m] for m in saved}
+    return {m: gathered + max(back[m] + workspace, gradient - saved[m]) for m in saved}
 
 
 def _shared_tables(problem: PlanningProblem, config: PipelineConfig) -> tuple[SharedTable, ...]:
@@ -307,7 +320,7 @@ def _layer_key(layer) -> tuple:
             tuple(sorted(layer.recompute_kernels.items())),
             tuple(sorted(layer.ring_kernels.items())), layer.ring_bwd_mem_bytes,
             layer.ring_kernels_single and tuple(sorted(layer.ring_kernels_single.items())),
-            layer.ring_bwd_mem_bytes_single)
+            layer.ring_bwd_mem_bytes_single, layer.offload_bytes)
 
 
 def build_cost_table(problem: PlanningProblem, config: PipelineConfig,
@@ -397,13 +410,17 @@ def moe_layer_table(whole: MoECost, problem: PlanningProblem, config: PipelineCo
     backward_ps = to_ps(overlapped(backward, zero_dense["backward"] + zero_experts["backward"],
                                    problem.devices.comm_overlap))
     recompute_ps = {m: to_ps(v) for m, v in recompute.items()}
-    with_offload(recompute_ps, saved, forward_ps, backward_ps, devices)
+    # The experts' saved bytes at the worst routing beside the rest as measured.
+    moved = moved_bytes(layer, b * scale, saved) + saved["none"] - int(round(
+        b * scale * layer.saved_bytes["none"]))
+    with_offload(recompute_ps, saved, moved, forward_ps, backward_ps, devices)
     return LayerTable(
+        offload_bytes=moved if "offload" in saved else 0,
         forward_ps=forward_ps,
         backward_ps=backward_ps,
         recompute_ps=recompute_ps,
         saved_bytes=saved,
-        transient_bytes=transient(saved, workspace, gathered, gradient),
+        transient_bytes=transient(saved, moved, workspace, gathered, gradient),
         param_count=dense + experts,
         state_bytes={k: state_d[k] + state_e[k] for k in state_d},
         tail_ps=tail_ps(problem, config, dense, max(1, layer.param_tensors))

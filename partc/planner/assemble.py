@@ -82,6 +82,8 @@ def stage_plans(problem: PlanningProblem, config: PipelineConfig, evaluation: Ev
                                     receive=into / 2 / PS_PER_S)
                             for f, b, r, cut, into in stage.run_ps),
             host_traffic_bytes=m * stage.offload_bytes,
+            run_host_s=tuple(h / PS_PER_S for h in stage.run_host_ps)
+            if any(stage.run_host_ps) else (),
         )
         for index, stage in enumerate(evaluation.stages)
     )

@@ -541,8 +541,7 @@ class StageModel:
         table, units = self.table, self.memory_units
         if table.host_limit is None:
             return
-        host = {runs: sum(units(host_bytes(table.layers[self.segments[k].first].saved_bytes,
-                                           r)) * count
+        host = {runs: sum(units(host_bytes(table.layers[self.segments[k].first], r)) * count
                           for (k, r), count in self.unit_count[u].items() if r == "offload")
                 for u, (rank, runs) in enumerate(self.mode_units) if rank == stage}
         if not any(not isinstance(part, int) or part for part in host.values()):

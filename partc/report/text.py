@@ -666,6 +666,8 @@ def _timeline_lines(plan: Plan, timeline: Timeline) -> list[str]:
             f"{_microbatches(plan.num_microbatches)}), in the schedule's own order, played "
             f"out from the stage times above: F forward, B backward (its input-gradient "
             f"part under a zero-bubble schedule), W weight gradient, R recompute, "
+            f"H the copies of offloaded activations to and from the host that compute "
+            f"does not hide, "
             f"c communication (sends, tensor-parallel collectives, what ZeRO-2/3's "
             f"collectives leave exposed), T tail (from when the "
             f"pipeline drains: the exposed part of the gradient sync and of ZeRO-1's weight "

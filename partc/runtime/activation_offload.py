@@ -37,6 +37,7 @@ from typing import Any, Callable
 
 import torch
 from torch import nn
+from torch.multiprocessing.reductions import StorageWeakRef
 
 OFFLOADED_MODE = "offload"
 
@@ -61,16 +62,14 @@ class OffloadCounters:
 
 class _Saved:
     """One storage that saved tensors view, on the host: its copy, and on the way back
-    its device copy; ``source`` (weakly) a tensor viewing the original, while it lives."""
+    its device copy."""
 
-    __slots__ = ("host", "device", "nbytes", "origin", "source")
+    __slots__ = ("host", "device", "nbytes", "origin")
 
-    def __init__(self, host: torch.Tensor, nbytes: int, origin: torch.device,
-                 source: torch.Tensor) -> None:
+    def __init__(self, host: torch.Tensor, nbytes: int, origin: torch.device) -> None:
         self.host: torch.Tensor | None = host
         self.device: torch.Tensor | None = None
         self.nbytes, self.origin = nbytes, origin
-        self.source = weakref.ref(source)
 
     def view(self, dtype: torch.dtype, offset: int, shape: tuple, stride: tuple) -> torch.Tensor:
         """A saved tensor again: its view of the copy nearest the compute."""
@@ -90,7 +89,9 @@ class _Group:
         self._previous = weakref.ref(previous) if previous is not None else None
         self.held = held                  # the storages of the module's own tensors
         self.saved: list[_Saved] = []
-        self._latest: dict[tuple, _Saved] = {}   # per storage, its latest copy
+        # Per storage (held weakly: no other storage takes its place while the group
+        # lives, so views of one storage share one copy), its copy.
+        self._copies: dict[StorageWeakRef, _Saved] = {}
         # What autograd never unpacked leaves the host's count when the group goes.
         weakref.finalize(self, owner.forget, self.saved)
         self.copied_out: Any = None      # CUDA event: the copies to host are done
@@ -101,12 +102,10 @@ class _Group:
     def pack(self, tensor: torch.Tensor) -> Any:
         if not offloadable(tensor, self.held):
             return tensor
-        key = (tensor.untyped_storage().data_ptr(), tensor.device)
-        entry = self._latest.get(key)
-        # Views of one storage share one copy while a view seen lives (memory freed
-        # since and reused by another tensor is another storage).
-        if entry is None or entry.source() is None:
-            entry = self._latest[key] = self.owner.copy_out(tensor)
+        key = StorageWeakRef(tensor.untyped_storage())
+        entry = self._copies.get(key)
+        if entry is None:
+            entry = self._copies[key] = self.owner.copy_out(tensor)
             self.saved.append(entry)
         self.left += 1
         return (entry, tensor.dtype, tensor.storage_offset(), tuple(tensor.shape),
@@ -190,7 +189,7 @@ class ActivationOffload(nn.Module):
         counters.storages += 1
         counters.resident += nbytes
         counters.peak_resident = max(counters.peak_resident, counters.resident)
-        return _Saved(host, nbytes, tensor.device, tensor)
+        return _Saved(host, nbytes, tensor.device)
 
     # ------------------------------------------------------------- the backward side
 

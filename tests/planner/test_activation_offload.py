@@ -10,6 +10,8 @@ from dataclasses import replace
 import pytest
 
 from partc.compiler import plan_problem
+from partc.cost.timeline import simulate, text_lines
+from partc.report.text import render
 from partc.errors import PlanInfeasibleError
 from partc.problem import Pins
 
@@ -80,3 +82,16 @@ def test_plan_with_offload_equals_brute_force(seed, count):
     rng = random.Random(seed)
     feasible = sum(_matches_oracle(with_host(random_problem(rng), rng)) for _ in range(count))
     assert feasible >= count // 3
+
+
+def test_the_timeline_and_report_show_the_host_traffic():
+    """At 700 MB/s the copies out take 1.43 ms beside a 1 ms forward: 0.43 ms a layer and
+    microbatch left exposed, under the 1 ms recompute would cost, drawn as the host's
+    (H) in each backward; the report names the offloaded layers and the traffic."""
+    plan = plan_problem(_short_of_memory(7e8))
+    assert plan.stages[0].run_host_s == (pytest.approx(2 * (MB / 7e8 - 1e-3)),)
+    line = text_lines(simulate(plan))[0]
+    assert line.count("H") >= 4 and "R" not in line
+    report = render(plan)
+    assert "Activation offload" in report and "a .. b (2)" in report
+    assert "7.63 MiB" in report   # 2 layers x 4 microbatches x 1 MB, each way

@@ -144,11 +144,9 @@ def test_four_processes_match_one(four, name):
     check_parity(four, name)
 
 
-# An offloaded layer's hooks copy everything its ops save, its inputs too (the residual
-# stream, a Llama layer's rotary cos/sin and mask), which the estimate charges to the
-# layers that make them: the runtime moves at least what the plan says and up to this
-# much more (GPT 0.1%, Llama 17% at these tiny widths, where those inputs weigh most).
-OFFLOAD_EXCESS = 0.25
+# What the estimate measures a layer's ops saving (on fakes) and what the runtime's hooks
+# copy differ by the odd small storage (a mask: 1% of a tiny Llama layer's bytes).
+OFFLOAD_SLACK = 0.02
 
 
 def check_offload(ranks: list[dict], name: str) -> None:
@@ -162,8 +160,8 @@ def check_offload(ranks: list[dict], name: str) -> None:
         for step, (out, back, left, peak) in enumerate(seen["offloaded"][1:], 1):
             where = f"rank {rank} step {step}"
             assert out == back and left == 0, (where, out, back, left)
-            assert traffic <= out <= (1 + OFFLOAD_EXCESS) * traffic, (where, out, traffic)
-            assert host <= peak <= (1 + OFFLOAD_EXCESS) * host, (where, peak, host)
+            assert out == pytest.approx(traffic, rel=OFFLOAD_SLACK), (where, out, traffic)
+            assert peak == pytest.approx(host, rel=OFFLOAD_SLACK), (where, peak, host)
     assert any(results[name]["planned_offload"][0] for results in ranks)
 
 
