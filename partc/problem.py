@@ -604,11 +604,12 @@ class PlanningProblem:
     def offloads_activations(self) -> bool:
         """Whether layers may offload their saved activations (recompute mode
         "offload"): the host link (the cost tables price it) and the host memory (the
-        planner holds the copies within it) are known, and the pins leave it to the
+        planner holds the copies within it) are known, the training is not compiled
+        (``partc.runtime.compiled`` refuses offload), and the pins leave it to the
         planner or name activations (``Constraints.offload``)."""
         devices, kinds = self.devices, self.pins.offload
         if not (devices.host_to_device_bandwidth and devices.device_to_host_bandwidth
-                and devices.host_memory is not None):
+                and devices.host_memory is not None) or self.train.compiled:
             return False
         return kinds is None or "activations" in kinds
 

@@ -24,8 +24,9 @@ may take longer than the watchdog's limit (``PARTC_WATCHDOG_S``, a minute by def
 raise it for the first run, later ones read inductor's cache).
 
 Refused, with the reason, before anything runs: ZeRO-2/3 (FSDP2's hooks around a unit
-are not traced by dynamo here, and a graph over gathered parameters would not train alike)
-and a CPU run where inductor finds no C++ compiler.
+are not traced by dynamo here, and a graph over gathered parameters would not train alike),
+activation offload (its saved-tensor hooks, likewise; the planner offers no offload to a
+compiled training) and a CPU run where inductor finds no C++ compiler.
 """
 
 from __future__ import annotations
@@ -53,6 +54,11 @@ COLLECTIVES = tuple(name for name, value in vars(TensorParallelGroup).items()
 
 def refusal(plan: Plan, device: torch.device) -> str | None:
     """Why ``plan`` cannot train compiled on ``device`` (None: it can)."""
+    offloaded = [name for stage in plan.stages for name in stage.offloaded]
+    if offloaded:
+        return (f"compile=True with activation offload ({offloaded[0]}, ...): the "
+                "saved-tensor hooks that move a layer's activations are not traced by "
+                "dynamo here; recompute those layers instead, or train without compile")
     if plan.effective_zero_stage >= 2:
         return (f"compile=True with ZeRO-{plan.effective_zero_stage}: FSDP2 gathers and "
                 "frees each unit's parameters in hooks that partc does not compile; train "
