@@ -327,6 +327,10 @@ class Constraints:
         if len(set(given)) != len(given):
             raise ValueError(f"Constraints.offload names a kind twice: {self.offload!r}")
         kinds = tuple(o for o in Offload if o.value in given)
+        if Offload.PARAMS in kinds and Offload.OPTIMIZER not in kinds:
+            raise ValueError("offload of params steps the optimizer on the host too (the "
+                             "parameter shards live there): pin offload=('optimizer', "
+                             "'params')")
         if Offload.PARAMS in kinds and (self.zero_stage not in (None, 3) or self.dp == 1):
             pinned = f"zero_stage={self.zero_stage}" if self.zero_stage not in (None, 3) \
                 else "dp=1"

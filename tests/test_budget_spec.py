@@ -113,12 +113,14 @@ def test_the_host_is_in_the_budget_and_offload_is_a_pin():
     assert partc.Constraints().offload is None
     assert partc.Constraints(offload=()).offload == ()
     assert partc.Constraints(offload="params,optimizer", dp=2).offload == ("optimizer", "params")
+    with pytest.raises(ValueError, match="host too"):
+        partc.Constraints(offload=["params"])
     with pytest.raises(ValueError, match="list of"):
         partc.Constraints(offload=["gradients"])
     with pytest.raises(ValueError, match="twice"):
         partc.Constraints(offload=["optimizer", "optimizer"])
     with pytest.raises(ValueError, match="ZeRO-3"):
-        partc.Constraints(offload=["params"], zero_stage=2)
+        partc.Constraints(offload=["optimizer", "params"], zero_stage=2)
 
 
 def test_units_round_trip():

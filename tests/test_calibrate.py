@@ -34,7 +34,8 @@ from tests import models
 BUDGET_NUMBERS = ("peak_flops", "flops_efficiency", "hbm_bandwidth", "devices_per_node",
                   "intra_node_bandwidth", "intra_node_latency_s", "link_latency_s",
                   "inter_node_bandwidth", "comm_overlap", "split_backward_factor",
-                  "elementwise_bandwidth", "optimizer_bandwidth")
+                  "elementwise_bandwidth", "optimizer_bandwidth", "host_adam_rate",
+                  "host_memory", "host_to_device_bandwidth", "device_to_host_bandwidth")
 
 
 @pytest.fixture(scope="module")
@@ -66,7 +67,9 @@ def test_profile_schema_and_summary(calibrated):
     assert device["processes"] == 2 and device["threads_per_process"] >= 1
     assert set(profile["measurements"]) == {"matmul", "linear", "attention", "memory",
                                             "collectives", "op_overhead", "split_backward",
-                                            "elementwise", "optimizer"}
+                                            "elementwise", "optimizer", "host_adam"}
+    assert profile["budget"]["host_adam_rate"] > 0   # the host's step, for offload
+    assert profile["budget"]["host_to_device_bandwidth"] is None   # a CPU's host: itself
     assert set(profile["measurements"]["matmul"]) == {"float32", "bfloat16"}
     for key in BUDGET_NUMBERS:
         assert key in profile["budget"] and key in profile["sources"]
@@ -76,7 +79,7 @@ def test_profile_schema_and_summary(calibrated):
                  "all_reduce", "joint_fit", "budget number", "preset CPU", "hbm_bandwidth",
                  "element-wise ops fwd+bwd", "AdamW step", "elementwise_bandwidth",
                  "optimizer_bandwidth", "all_reduce, in a step", "joint_fit, in a step",
-                 "note: quick run"):
+                 "host AdamW step", "host_adam_rate", "note: quick run"):
         assert line in printed
 
 

@@ -70,8 +70,9 @@ def test_sample_gpt_plans_with_tied_embeddings(schedule):
 
 @functools.cache   # the tests read a program, never change it
 def _gpt_124m_on(memory: str, tp: int | None = 1) -> partc.Program:
-    # tp=1 and no ZeRO: these tests are about pipeline stages and recompute under a tight
-    # budget (ZeRO-3 over 4 replicas would fit it otherwise: tests/planner/test_regimes.py).
+    # tp=1, no ZeRO, no offload: these tests are about pipeline stages and recompute under
+    # a tight budget (ZeRO-3 over 4 replicas would fit it otherwise:
+    # tests/planner/test_regimes.py; so would offload, tests/runtime/test_offload.py).
     with torch.device("meta"):
         model = gpt_small()
     ids = torch.zeros(1, 1024, dtype=torch.long, device="meta")
@@ -79,7 +80,7 @@ def _gpt_124m_on(memory: str, tp: int | None = 1) -> partc.Program:
                          budget=partc.DeviceBudget(num_devices=4, device="A100-40GB",
                                                    memory=memory),
                          train=partc.TrainSpec(global_batch_size=32), name="gpt-124m",
-                         constraints=partc.Constraints(tp=tp, zero_stage=0),
+                         constraints=partc.Constraints(tp=tp, zero_stage=0, offload=()),
                          # Microbatches of one sequence are dispatch-bound on the A100
                          # (the GPU's launch floor), which leaves the layers' costs equal:
                          # proving the interleaved zero-bubble trial with 12 virtual

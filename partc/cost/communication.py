@@ -13,6 +13,7 @@ from typing import Iterable
 
 from partc.cost.collectives import Group, collective_seconds
 from partc.cost.experts_cost import moe_layer_figures
+from partc.cost.host_offload import host_seconds
 from partc.cost.pipeline_config import PipelineConfig, exposed_seconds, stage_ranks, to_ps
 from partc.problem import SMALL_UNITS_SHARE, PlanningProblem
 
@@ -130,7 +131,8 @@ def tail_ps(problem: PlanningProblem, config: PipelineConfig, params: int,
     """The optimizer step; under ZeRO-1 each rank steps 1/dp of the parameters, then the
     updated weights are all-gathered, bucket by bucket ((d-1)/d of the bytes; in the
     compute dtype, cast from the fp32 masters, in mixed precision), here unless that
-    all-gather overlaps the next forward (:func:`gather_ps`). Under
+    all-gather overlaps the next forward (:func:`gather_ps`). Offloaded, the step and
+    the copies to and from the host (:func:`partc.cost.host_offload.host_seconds`). Under
     ZeRO-2/3 gradients were reduce-scattered during backward: each rank steps its shard,
     and ZeRO-2 gathers the parameters once per step; FSDP's work on the ``tensors``
     parameter tensors then (:func:`zero_overhead_seconds`). (ZeRO 0/1's gradient
@@ -147,7 +149,11 @@ def tail_ps(problem: PlanningProblem, config: PipelineConfig, params: int,
             seconds += _gather_seconds(problem, config, params)
     # At the rate the device's optimizer moves the bytes a step touches (a fused step's
     # HBM bandwidth, or the calibrated rate of torch's unfused one).
-    seconds += stepped * problem.train.precision.step_bytes / devices.optimizer_step_bandwidth
+    if config.offload_optimizer:   # the step on the host, and the copies each way
+        seconds += host_seconds(problem, config, params)
+    else:
+        seconds += stepped * problem.train.precision.step_bytes \
+            / devices.optimizer_step_bandwidth
     return to_ps(seconds)
 
 

@@ -71,6 +71,10 @@ class PipelineConfig:
     # ZeRO-2: reduce-scatter gradients after every microbatch, or once per "step"
     # (partc.problem.ZERO2_GRAD_SYNCS)
     zero2_grad_sync: str = "microbatch"
+    # Offload (partc.cost.host_offload): the optimizer's state, masters and step on the
+    # host; under ZeRO-3 the parameter shards too (which implies the first).
+    offload_optimizer: bool = False
+    offload_params: bool = False
 
     @property
     def effective_zero_stage(self) -> int:

@@ -17,6 +17,7 @@ from partc.cost.communication import (bucket_latency_seconds, cut_bytes, cut_tab
                                       tp_comm_seconds, zero_comm_seconds,
                                       zero_overhead_seconds)
 from partc.cost.experts_cost import expert_dp_config, moe_layer_figures
+from partc.cost.host_offload import microbatch_seconds
 from partc.cost.layer_compute import layer_work, run_layer
 from partc.cost.offload_time import host_limit, in_flight_bytes, offload_entries
 from partc.cost.pipeline_config import (PS_PER_S, PipelineConfig, overlapped, permille,
@@ -149,13 +150,16 @@ def _layer_table(problem: PlanningProblem, config: PipelineConfig, index: int) -
     comm = tp_comm_seconds(problem, config, layer)
     phases = layer_phases(problem, config, index, layer, work, comm)
     zero = phases.zero
+    # Offload's copies of each microbatch (partc.cost.host_offload), exposed.
+    copy_forward, copy_backward = microbatch_seconds(problem, config, layer.param_count)
     # Full recompute replays the layer's forward, collectives included; selective
     # replays the attention cores, which hold none (heads are split over the group).
     # ZeRO-3 gathers the layer once for its backward, recompute included.
     rerun = {m: comm["forward"] if m == "full" else 0.0 for m in layer.modes}
-    forward_ps = to_ps(overlapped(phases.forward_s, zero["forward"], devices.comm_overlap))
-    backward_ps = to_ps(overlapped(phases.backward_s, zero["backward"],
-                                   devices.comm_overlap))
+    forward_ps = to_ps(overlapped(phases.forward_s, zero["forward"], devices.comm_overlap)
+                       + copy_forward)
+    backward_ps = to_ps(overlapped(phases.backward_s, zero["backward"], devices.comm_overlap)
+                        + copy_backward)
     recompute_ps = {m: to_ps(sum(work["recompute"][m]) + rerun[m]) for m in layer.modes}
     moved = moved_bytes(layer, b * scale, saved)
     with_offload(recompute_ps, saved, moved, forward_ps, backward_ps, devices)
@@ -210,7 +214,10 @@ def _shared_tables(problem: PlanningProblem, config: PipelineConfig) -> tuple[Sh
             layers=group.layers,
             param_count=group.param_count,
             state_bytes=state_bytes(problem, config, group.param_count, gathered=True),
-            tail_ps=shared_tail_ps(problem, config, group.param_count),
+            # Offload's copies of each microbatch too (no layer's phase holds them).
+            tail_ps=shared_tail_ps(problem, config, group.param_count) + to_ps(
+                config.num_microbatches
+                * sum(microbatch_seconds(problem, config, group.param_count))),
             # ZeRO-2's once-per-step reduce-scatter of the root unit is in its tail.
             sync_ps=0 if config.reduces_once else sync_ps(problem, config,
                                                           group.param_count),
@@ -254,7 +261,7 @@ class TableCache:
         """One row per layer; layers with equal numbers share one row object."""
         family = (config.micro_batch_size, config.dp, config.tp, config.sequence_parallel,
                   config.tp_objective, config.zero_stage, config.reduces_once,
-                  schedule_info(config.schedule).split_backward)
+                  schedule_info(config.schedule).split_backward, _offload_key(config))
         known = self._tables.get(("rows", family, id(problem.model)))
         if known is not None:
             return known
@@ -283,7 +290,7 @@ class TableCache:
                config: PipelineConfig) -> tuple[SharedTable, ...]:
         key = ("shared", config.micro_batch_size, config.num_microbatches, config.dp,
                config.tp, config.sequence_parallel, config.tp_objective, config.zero_stage,
-               config.reduces_once)
+               config.reduces_once, _offload_key(config))
         if key not in self._tables:
             self._tables[key] = _shared_tables(problem, config)
         return self._tables[key]
@@ -305,6 +312,12 @@ class TableCache:
         if cuts is None:
             cuts = self._tables[key] = cut_table(problem, config)
         return cuts
+
+
+def _offload_key(config: PipelineConfig) -> tuple:
+    """What of ``config`` offload's rows depend on."""
+    return (config.offload_optimizer, config.offload_params) if config.offload_optimizer \
+        else ()
 
 
 def _layer_key(layer) -> tuple:
@@ -405,10 +418,12 @@ def moe_layer_table(whole: MoECost, problem: PlanningProblem, config: PipelineCo
     gathered, gradient = gathered_d + gathered_e, gradient_d + gradient_e
     state_d = state_bytes(problem, config, dense)
     state_e = state_bytes(problem, expert_config, experts)
+    copies = [sum(pair) for pair in zip(microbatch_seconds(problem, config, dense),
+                                        microbatch_seconds(problem, expert_config, experts))]
     forward_ps = to_ps(overlapped(forward, zero_dense["forward"] + zero_experts["forward"],
-                                  problem.devices.comm_overlap))
+                                  problem.devices.comm_overlap) + copies[0])
     backward_ps = to_ps(overlapped(backward, zero_dense["backward"] + zero_experts["backward"],
-                                   problem.devices.comm_overlap))
+                                   problem.devices.comm_overlap) + copies[1])
     recompute_ps = {m: to_ps(v) for m, v in recompute.items()}
     # The experts' saved bytes at the worst routing beside the rest as measured.
     moved = moved_bytes(layer, b * scale, saved) + saved["none"] - int(round(
@@ -478,7 +493,7 @@ def moe_rows(whole: PlanningProblem, problem: PlanningProblem, config: PipelineC
     key = ("moe rows", config.micro_batch_size, config.dp, config.tp,
            config.sequence_parallel, config.tp_objective, config.zero_stage, config.ep,
            config.reduces_once, schedule_info(config.schedule).split_backward,
-           id(problem.model))
+           _offload_key(config), id(problem.model))
     known = cache._tables.get(key)
     if known is not None and known[0] is problem.model:
         return known[1]

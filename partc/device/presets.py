@@ -166,7 +166,8 @@ PRESETS: dict[str, DevicePreset] = {
             # Offload on a CPU moves state between tensors in the same memory: the link is
             # a copy's rate (hbm_bandwidth's); the host memory is left to the user (the
             # ranks' own memory is the same RAM). torch's fused AdamW stepped 1.7e8
-            # parameters per second on the shared 2-core machine (benchmarks/host_adam.py).
+            # parameters per second (4M of them, 2 threads) on the shared 2-core machine
+            # lightly loaded, 1.1e7 under a load of 27 (benchmarks/host_adam.py).
             host_to_device_bandwidth=20 * GB, device_to_host_bandwidth=20 * GB,
             host_adam_rate=1.5e8,
             # Eager PyTorch's dispatch on one CPU thread: about 10 us per op forward and

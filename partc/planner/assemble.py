@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING
 from partc.codec import dtype_named
 from partc.cost.communication import tp_comm_seconds
 from partc.cost.evaluate import Evaluation, simulated_step_ps
+from partc.cost.host_offload import host_bytes_per_node
 from partc.cost.offload_time import host_per_node
 from partc.cost.pipeline_config import PS_PER_S, PipelineConfig
 from partc.names import Phase, Recompute, Schedule
@@ -150,14 +151,18 @@ def make_plan(problem: PlanningProblem, config: PipelineConfig, evaluation: Eval
         expert_parallel=_expert_parallel(problem, config, evaluation, modes),
         module_list_experts=problem.module_list_experts,
         data_parallel=data_parallel_section(problem, config, evaluation),
-        host_bytes_per_node=activations_per_node(problem, evaluation),
+        offload_optimizer=config.offload_optimizer,
+        offload_params=config.offload_params,
+        host_bytes_per_node=host_bytes_per_node(
+            local, config, [stage.param_count for stage in evaluation.stages])
+        + activations_per_node(problem, evaluation),
     )
 
 
 def activations_per_node(problem: PlanningProblem, evaluation: Evaluation) -> int:
     """The host memory the busiest node's ranks take for offloaded activations
     (:func:`partc.cost.offload_time.host_per_node`): their share of the plan's
-    ``host_bytes_per_node``."""
+    ``host_bytes_per_node``, beside optimizer and parameter offload's."""
     return max(host_per_node([stage.memory.host for stage in evaluation.stages],
                              problem.devices))
 

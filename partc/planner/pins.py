@@ -13,7 +13,9 @@ Pins that contradict each other whatever the model (``pp`` and the number of pin
 
 from __future__ import annotations
 
+from partc.cost.host_offload import host_ready
 from partc.errors import PlanInfeasibleError
+from partc.names import Offload
 from partc.problem import DeviceNumbers, Pins
 
 
@@ -28,6 +30,7 @@ def check_pins(pins: Pins, devices: DeviceNumbers, global_batch_size: int,
     _check_mesh(pins, devices)
     _check_offload(pins, devices)
     _check_batch(pins, global_batch_size)
+    _check_host(pins, devices)
     if layer_names is not None:
         _check_layers(pins, layer_names)
 
@@ -71,6 +74,13 @@ def _check_offload(pins: Pins, devices: DeviceNumbers) -> None:
     if offloaded and pins.offload is not None and "activations" not in pins.offload:
         raise _refuse("offload", f"offload={list(pins.offload)} leaves activations on the "
                                  f"device, but {what} was pinned: add 'activations'")
+
+
+def _check_host(pins: Pins, devices: DeviceNumbers) -> None:
+    lacking = host_ready(devices)
+    kinds = set(pins.offload or ()) & {Offload.OPTIMIZER, Offload.PARAMS}
+    if kinds and lacking is not None:
+        raise _refuse("offload", f"offload={[str(k) for k in pins.offload]}: {lacking}")
 
 
 def _check_batch(pins: Pins, batch: int) -> None:

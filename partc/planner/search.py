@@ -56,6 +56,7 @@ from ortools.sat.python import cp_model
 
 from partc import progress
 from partc.cost.evaluate import Evaluation, evaluate, simulated_step_ps
+from partc.cost.host_offload import host_bytes_per_node, host_ready
 from partc.cost.pipeline_config import PS_PER_S, PipelineConfig
 from partc.cost.schedules import feature_refusal, refusal
 from partc.cost.schedules import schedule as schedule_info
@@ -132,14 +133,58 @@ def candidate_configs(problem: PlanningProblem) -> list[PipelineConfig]:
                                               num_microbatches=m, schedule=schedule, tp=tp,
                                               sequence_parallel=sp, tp_objective=objective,
                                               zero_stage=zero, chunks=chunks,
-                                              zero2_grad_sync=sync)
+                                              zero2_grad_sync=sync,
+                                              offload_optimizer=offload[0],
+                                              offload_params=offload[1])
                                for schedule in schedules for zero in zero_stages
                                for sync in zero2_grad_syncs(problem, zero, dp, m)
+                               for offload in offload_choices(problem, zero, pp, dp, tp, m)
                                if not _same_as_1f1b(schedule, pp, m, pins.schedule)
                                and feature_refusal(schedule, effective_zero_stage(zero, dp),
                                                    problem.train.compiled) is None
                                for chunks in _chunk_counts(problem, schedule, pp, m))
     return expand_ep(problem, configs)   # the expert-parallel degree (mixture-of-experts)
+
+
+def offload_choices(problem: PlanningProblem, zero_stage: int, pp: int, dp: int, tp: int,
+                    num_microbatches: int) -> list[tuple[bool, bool]]:
+    """(optimizer offload, parameter offload) a configuration may take: as pinned, else
+    none, and where the budget knows its host, the optimizer's and under ZeRO-3 the
+    parameters' too; none whose host bytes per node exceed the host's memory even with
+    the rank's parameters split evenly over the stages (a lower bound; the solved plan is
+    held to it exactly, :func:`host_fits`)."""
+    pinned, zero3 = problem.pins.offload, effective_zero_stage(zero_stage, dp) == 3
+    if pinned is not None:
+        kinds = ("optimizer" in pinned, "params" in pinned)
+        choices = [kinds] if zero3 or not kinds[1] else []
+    elif host_ready(problem.devices) is not None:
+        return [(False, False)]
+    else:
+        choices = [(False, False), (True, False)] + ([(True, True)] if zero3 else [])
+    even = sum(layer.param_count for layer in problem.layers) / (pp * tp)
+    found = []
+    for optimizer, params in choices:
+        config = PipelineConfig(pp=pp, dp=dp, tp=tp, micro_batch_size=1,
+                                num_microbatches=num_microbatches, schedule="1f1b",
+                                zero_stage=zero_stage, offload_optimizer=optimizer,
+                                offload_params=params)
+        if optimizer and host_bytes_per_node(problem, config, [even]) \
+                > problem.devices.host_memory:
+            continue
+        found.append((optimizer, params))
+    return found
+
+
+def host_fits(problem: PlanningProblem, result: "ConfigResult | None") -> bool:
+    """Whether a solved configuration's offloaded state fits the host's memory per
+    node (:func:`partc.cost.host_offload.host_bytes_per_node`)."""
+    if result is None or not result.table.config.offload_optimizer:
+        return True
+    local = problem.variant(result.table.config.tp, result.table.config.sequence_parallel,
+                            result.table.config.tp_objective)
+    need = host_bytes_per_node(local, result.table.config,
+                               [stage.param_count for stage in result.evaluation.stages])
+    return need <= problem.devices.host_memory
 
 
 def zero2_grad_syncs(problem: PlanningProblem, zero_stage: int, dp: int,
@@ -590,6 +635,8 @@ def solve(problem: PlanningProblem, options: PlannerOptions = PlannerOptions(),
     # Per configuration: its ConfigResult, or why it has none.
     outcomes: list[ConfigResult | Outcome] = [Outcome.INFEASIBLE] * len(tables)
     best = None if pinned is not None else _seed(problem, tables, floors, order, cache)
+    if not host_fits(problem, best):
+        best = None
     if best is not None:   # solved first: CP-SAT improves the seed while its bound is fresh
         seed = tables.index(best.table)
         outcomes[seed] = best
@@ -623,6 +670,9 @@ def solve(problem: PlanningProblem, options: PlannerOptions = PlannerOptions(),
             cache.solutions.get(table.config), cache)
         spent += used
         solved += 1
+        if not host_fits(problem, result):   # rare: the lower bound let it through
+            outcomes[i] = Outcome.INFEASIBLE
+            continue
         if result is None:
             if status == "BEATEN":  # proven no better than the best plan
                 outcomes[i] = outcomes[i] if seeded else Outcome.PRUNED

@@ -256,7 +256,27 @@ def _memory_lines(plan: Plan) -> list[str]:
             f"receive buffer for the gradient coming back to the backward being run "
             f"(receive; the activations coming in are the saved inputs). The optimizer "
             f"step's temporaries (step) come once the activations are gone: the peak is "
-            f"the state and the larger of the two."]
+            f"the state and the larger of the two."] + _offload_lines(plan)
+
+
+def _offload_lines(plan: Plan) -> list[str]:
+    """What the plan keeps on the host, and what that costs a step."""
+    if not plan.offload_optimizer:
+        return []
+    what = ("the parameter shards and their gradients (FSDP's CPU offload), the fp32 "
+            "masters and the optimizer state; the step runs on the host's cores"
+            if plan.offload_params else
+            "the fp32 master weights, a gradient copy and the optimizer state; the step "
+            "runs on the host's cores and the updated weights are copied back"
+            + (", every gradient streamed out as backward makes it (the host holds "
+               "the gradient buckets)" if plan.dp == 1 else ""))
+    tail = max(stage.time_s.tail for stage in plan.stages)
+    return [f"Offloaded to the host: {what}. The host holds "
+            f"{format_bytes(plan.host_bytes_per_node)} per node; the device columns above "
+            f"leave it out. The host's step and the copies made once per step are in the "
+            f"step's tail ({format_seconds(tail)} on the busiest stage); the copies of each "
+            f"microbatch (gradients streamed out, parameter shards in and out) in the layers' "
+            f"forward and backward; all exposed (not overlapped with compute)."]
 
 
 _ZERO_SHARDS = {1: "optimizer state", 2: "gradients and optimizer state",
@@ -287,8 +307,10 @@ def _plan_config(plan: Plan) -> str:
 def _mesh_chosen(plan: Plan) -> str:
     sp = ", sequence parallel" if plan.sequence_parallel else ""
     once = " (gradients reduce-scattered once per step)" if plan.reduces_once else ""
+    offload = (f", offload: {', '.join(plan.offload)}" if plan.offload else "")
     return (f"chosen: {plan.mesh}, ZeRO-{plan.zero_stage}{once}, "
-            f"{plan.schedule}, b x m = {plan.micro_batch_size} x {plan.num_microbatches}{sp}")
+            f"{plan.schedule}, b x m = {plan.micro_batch_size} x {plan.num_microbatches}{sp}"
+            f"{offload}")
 
 
 def _ranking_step(plan: Plan) -> float:

@@ -42,7 +42,7 @@ class GradientSync:
         """This rank's gradient of ``param``: its ``.grad`` (FSDP's local shard under
         ZeRO-2/3), or under ZeRO-1 the reduced gradient of its dp shard in the buckets."""
         buckets = self._parts.buckets
-        if buckets is not None and buckets.sharded:
+        if buckets is not None and buckets.holds_grads:
             return buckets.grad_of(param)
         return None if param.grad is None else local_part(param.grad)
 
@@ -56,7 +56,7 @@ class GradientSync:
         self._sum_partial()
         for params, group in parts.tied:
             for param in params:
-                if parts.buckets is not None and parts.buckets.sharded:
+                if parts.buckets is not None and parts.buckets.holds_grads:
                     dist.all_reduce(parts.buckets.grad_of(param), group=group)
                     continue
                 grad = param.grad if param.grad is not None else torch.zeros_like(param)

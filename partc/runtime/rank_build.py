@@ -42,6 +42,7 @@ from partc.runtime import tp as tp_ops
 from partc.runtime.compiled import compile_stage
 from partc.runtime.fsdp_shard import shard_over_dp
 from partc.runtime.module import DistributedModule
+from partc.runtime.offload import HostTier
 from partc.runtime.optimizer import GradBuckets, wait_in_forward
 from partc.runtime.parameters import aliases_of, own_parameters, shard_plan
 from partc.runtime.pipeline_schedule import (RankStages, make_schedule, runtime_refusal,
@@ -144,7 +145,8 @@ def build(plan: Plan, topology: Topology,
     tied = tied_groups(holders, whole, topology, plan)  # every rank makes every group
     scaled_once = frozenset(shared.values())
     loss = _planned_loss(programs[0], tp_group, dtype)
-    buckets = _grad_buckets(plan, topology, whole, dtype, scaled_once, expert_params)
+    host = HostTier(topology.device.type) if plan.offload_optimizer else None
+    buckets = _grad_buckets(plan, topology, whole, dtype, scaled_once, expert_params, host)
     if buckets is not None and buckets.sharded and plan.train.overlap_param_gather:
         # ZeRO-1's all-gather of the stepped parameters runs beside the next forward:
         # each layer (a unit lowering made) waits for its buckets before it runs.
@@ -172,7 +174,7 @@ def build(plan: Plan, topology: Topology,
         tied_elsewhere=frozenset(tied_elsewhere(holders, whole, plan, topology.pp_rank)),
         model_tensors=MappingProxyType({name: (tuple(t.shape), t.dtype)
                                         for name, t in model_state.items()}),
-        watchdog=watchdog, memory_baseline=baseline))
+        watchdog=watchdog, memory_baseline=baseline, host=host))
 
 
 def _tp_process_group(topology: Topology) -> dist.ProcessGroup | None:
@@ -220,7 +222,7 @@ def _prepare_modules(modules: list[nn.Module], programs: list[StageProgram], pla
                 plan.num_microbatches == 1
                 or (plan.schedule == "1f1b" and plan.num_microbatches >= plan.pp))
             shard_over_dp(module, program.fsdp_units, topology, zero_stage, dtype,
-                          backward_follows=follows)
+                          backward_follows=follows, offload_params=plan.offload_params)
         if dtype != torch.float32:
             # Mixed precision: the fp32 parameters are the master weights; the stage
             # computes with compute-dtype copies of them, cast once per step (ZeRO 0/1:
@@ -235,12 +237,16 @@ def _prepare_modules(modules: list[nn.Module], programs: list[StageProgram], pla
 
 
 def _grad_buckets(plan: Plan, topology: Topology, whole: nn.Module, dtype: torch.dtype,
-                  scaled_once: frozenset[int], expert_params: list[nn.Parameter]
-                  ) -> GradBuckets | None:
+                  scaled_once: frozenset[int], expert_params: list[nn.Parameter],
+                  host: HostTier | None) -> GradBuckets | None:
     """ZeRO 0/1's fp32 gradient buckets for the rank, or None where there is nothing to
-    reduce or widen (the module's doc)."""
+    reduce or widen (the module's doc). With optimizer offload and one replica they live
+    on the host (``host``): every gradient is streamed out as backward makes it
+    (``partc.cost.host_offload.streams_gradients``)."""
+    on_host = host if plan.offload_optimizer and not plan.offload_params \
+        and topology.dp == 1 else None
     if plan.effective_zero_stage >= 2 or not (
-            topology.dp > 1 or dtype != torch.float32
+            topology.dp > 1 or dtype != torch.float32 or on_host is not None
             or topology.dp * topology.tp > topology.ep > 1):
         return None
     # Routed experts' gradients are summed over the ranks holding the same experts.
@@ -253,7 +259,8 @@ def _grad_buckets(plan: Plan, topology: Topology, whole: nn.Module, dtype: torch
     return GradBuckets(whole, topology.dp_group, topology.dp, topology.dp_rank,
                        sharded=plan.effective_zero_stage == 1, at_end=set(scaled_once),
                        overlap=not schedule_facts(plan.schedule).split_backward,
-                       groups=expert_groups, elements=plan.train.bucket_elements)
+                       groups=expert_groups, elements=plan.train.bucket_elements,
+                       host=on_host)
 
 
 def _pipeline_stage(module: nn.Module, program: StageProgram, plan: Plan,

@@ -96,7 +96,8 @@ def regime_problem() -> PlanningProblem:
     budget = partc.DeviceBudget(num_devices=NODES * PER_NODE, device="H100-80GB",
                                 devices_per_node=PER_NODE)
     train = partc.TrainSpec(global_batch_size=2048, dtype=torch.bfloat16, optimizer="adamw")
-    return build_problem(analysis, budget, train, partc.Constraints(), graph)
+    # Without offload: these regimes are the device's (offload's are tests/test_offload.py's).
+    return build_problem(analysis, budget, train, partc.Constraints(offload=()), graph)
 
 
 def at_memory(gib: float, **pins) -> PlanningProblem:

@@ -33,6 +33,10 @@ FOUR = ["gpt-pp4-1f1b-recompute", "gpt-pp4-gpipe", "gpt2-pp4-gpipe-recompute", "
 DEFAULT_TWO = ["gpt2-pp2-1f1b-recompute", "llama-pp2-1f1b-loaded", "skip-pp2-1f1b",
                "handoff-pp2", "bert-dp2"]
 DEFAULT_FOUR = ["gpt-pp4-gpipe", "gpt-pp2-dp2"]
+# Optimizer offload under each mesh (2 processes); the default profile runs ZeRO-1's.
+OFFLOAD = ["gpt-pp2-offload", "gpt-dp2-offload", "gpt-dp2-zero1-offload",
+           "gpt-dp2-zero2-offload", "gpt-dp2-zero3-offload-params", "gpt-tp2-offload"]
+DEFAULT_OFFLOAD = ["gpt-dp2-zero1-offload"]
 RTOL = 1e-5
 
 
@@ -108,7 +112,7 @@ def assert_trains_like_one_process(rank: int, result: dict) -> None:
     assert worst < RTOL, f"rank {rank}: parameter error {worst}"
 
 
-two = launched("two", 2, TWO)
+two = launched("two", 2, TWO + OFFLOAD)
 four = launched("four", 4, FOUR)
 
 
@@ -215,3 +219,17 @@ def test_a_stage_without_parameters_trains(two):
     last = results[1]["gpt-pp2-loss-alone"]
     assert last["stage"] == 1 and last["own_params"] == 0 and last["planned_params"] == 0
     assert len(results[0]["gpt-pp2-loss-alone"]["param_errors"]) > 0
+
+
+@pytest.mark.parametrize("name", matrix(OFFLOAD, DEFAULT_OFFLOAD))
+def test_offloaded_optimizer_trains_as_one_process(two, name):
+    """The optimizer's state, masters and step on the host tier: the same losses and
+    parameters as one process, every step on the host (the exact bytes against the plan:
+    tests/runtime/test_offload.py)."""
+    check_parity(two, name)
+    for rank, results in enumerate(two):
+        seen = results[name]
+        assert "optimizer" in seen["offload"], rank
+        # Parameter offload: FSDP2's own copies, torch's optimizer over its host shards.
+        assert seen["host"]["steps"] == (0 if "params" in seen["offload"] else STEPS), rank
+        assert seen["host"]["host_resident"] > 0 and seen["planned_host_bytes_per_node"] > 0

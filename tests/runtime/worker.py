@@ -246,6 +246,25 @@ CASES["gpt-pp2-dp2-zero1"] = Case(gpt.gpt_tiny, "tokens", gpt.loss_fn,
 CASES["llama-dp2-tp2-zero1"] = Case(models.llama, "tokens", models.causal_lm_loss,
                                     dict(pp=1, dp=2, tp=2, tp_objective="memory",
                                          recompute="none", zero_stage=1))
+# Optimizer offload: the masters, state and step on the host tier, under pp, ZeRO-0/1/2,
+# ZeRO-3 with the parameters offloaded too (FSDP2's CPU offload policy) and tp.
+_HOST = dict(figures=dict(host_memory="4GiB"))
+CASES["gpt-pp2-offload"] = Case(gpt.gpt_tiny, "tokens", gpt.loss_fn,
+                                dict(pp=2, schedule="1f1b", offload=("optimizer",)), **_HOST)
+CASES["gpt-dp2-zero1-offload"] = Case(gpt.gpt_tiny, "tokens", gpt.loss_fn,
+                                      dict(pp=1, dp=2, zero_stage=1, offload=("optimizer",)),
+                                      **_HOST)
+CASES["gpt-dp2-zero3-offload-params"] = Case(
+    gpt.gpt_tiny, "tokens", gpt.loss_fn,
+    dict(pp=1, dp=2, zero_stage=3, offload=("optimizer", "params")), **_HOST)
+CASES["gpt-dp2-offload"] = Case(gpt.gpt_tiny, "tokens", gpt.loss_fn,
+                                dict(pp=1, dp=2, zero_stage=0, offload=("optimizer",)), **_HOST)
+CASES["gpt-dp2-zero2-offload"] = Case(gpt.gpt_tiny, "tokens", gpt.loss_fn,
+                                      dict(pp=1, dp=2, zero_stage=2, offload=("optimizer",)),
+                                      **_HOST)
+CASES["gpt-tp2-offload"] = Case(gpt.gpt_tiny, "tokens", gpt.loss_fn,
+                                dict(pp=1, tp=2, tp_objective="memory", recompute="none",
+                                     offload=("optimizer",)), **_HOST)
 # Fused attention (one scaled_dot_product_attention call per block) against the
 # attention the model writes, run on one process.
 CASES["llama-tp2-fused"] = Case(models.llama, "tokens", models.causal_lm_loss,
@@ -597,6 +616,11 @@ def train_case(built: Built) -> dict[str, Any]:
             "planned_params": plan.stages[module.stage_index].param_count,
             "collectives": dict(module.tp.counts),
             "ring_steps": module.tp.ring_steps,
+            # Offload: what the host tier holds and moved (None without), beside the plan.
+            "host": (asdict(module.parts.host.counters) if module.parts.host is not None
+                     else None),
+            "offload": [str(kind) for kind in plan.offload],
+            "planned_host_bytes_per_node": plan.host_bytes_per_node,
             "planned_collectives": _planned_collectives(plan, module.stage_index),
             "layer_collectives": {layer: [(move.kind, move.phase) for move in moves]
                                   for layer, moves in _tp_collectives(plan).items()}}
