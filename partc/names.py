@@ -37,11 +37,13 @@ class Schedule(Name):
 
 class Recompute(Name):
     """What a layer keeps for backward: everything, its cheap-to-recompute part
-    recomputed ("selective"), or only its input ("full")."""
+    recomputed ("selective"), only its input ("full"), or everything on the host,
+    copied out in forward and back before backward needs it ("offload")."""
 
     NONE = "none"
     SELECTIVE = "selective"
     FULL = "full"
+    OFFLOAD = "offload"
 
 
 class Outcome(Name):

@@ -124,6 +124,10 @@ class StageMemory:
     # they were counted read as 0.
     step: int = 0
     peak: int
+    # On the host, not in ``peak``: the saved activations of the stage's offloaded layers
+    # (recompute mode "offload") for the microbatches in flight at the schedule's peak
+    # (partc.cost.offload_time); not written when 0.
+    host: int = field(default=0, metadata=UNLESS_DEFAULT)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -181,6 +185,17 @@ class StagePlan:
     # report's timeline is the step the plan predicts; empty in plans written before it
     # (the timeline then shares the stage's times among its runs by their layers).
     run_times: tuple[RunTime, ...] = field(default=(), metadata=UNLESS_DEFAULT)
+    # Bytes a rank of the stage copies to the host per step for its offloaded layers'
+    # activations (and back: as many), every microbatch's; not written when 0.
+    host_traffic_bytes: int = field(default=0, metadata=UNLESS_DEFAULT)
+    # Per run (as ``run_times``), the part of its recompute that is those copies' time
+    # compute does not hide (the timeline's host blocks); empty without offload.
+    run_host_s: tuple[float, ...] = field(default=(), metadata=UNLESS_DEFAULT)
+
+    @property
+    def offloaded(self) -> tuple[str, ...]:
+        """The stage's layers whose saved activations go to the host."""
+        return tuple(name for name in self.layers if self.recompute.get(name) == "offload")
 
 
 @as_list

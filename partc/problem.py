@@ -10,7 +10,8 @@ Glossary (used across partc):
 - *recompute mode*: ``"none"`` keeps every tensor saved for backward; ``"selective"``
   reruns the layer's attention cores in backward (from the product of queries and keys
   to the product with the values, Megatron's selective recompute) and keeps the rest;
-  ``"full"`` keeps only the layer's inputs and reruns its forward in backward.
+  ``"full"`` keeps only the layer's inputs and reruns its forward in backward;
+  ``"offload"`` keeps everything, on the host (:mod:`partc.cost.offload_time`).
 
 Everything here is a frozen dataclass of plain numbers: no fx objects, no tensors. The
 front half of the compiler (``partc.passes``) produces a :class:`ModelAnalysis`;
@@ -294,6 +295,11 @@ class LayerCost:
     ring_bwd_mem_bytes_single: float = 0.0
     # The layer's attention cores as context parallelism prices them; None: it has none.
     attention: AttentionCost | None = None
+    # What the layer's own ops save for backward per sample, by storage, parameters and
+    # buffers left out, whoever made it (``saved_bytes`` charges a value read by several
+    # layers to its maker): what offloading the layer moves to the host and back
+    # (partc.runtime.activation_offload). None: not measured, ``saved_bytes["none"]``.
+    offload_bytes: float | None = None
 
     def __post_init__(self) -> None:
         listed = sum(op.flops * op.count for op in self.heavy_ops)
@@ -662,12 +668,31 @@ class PlanningProblem:
                      and o.sequence_parallel == sequence_parallel
                      and o.objective == objective), None)
 
+    @property
+    def offloads_activations(self) -> bool:
+        """Whether layers may offload their saved activations (recompute mode
+        "offload"): the host link (the cost tables price it) and the host memory (the
+        planner holds the copies within it) are known, the training is not compiled
+        (``partc.runtime.compiled`` refuses offload), and the pins leave it to the
+        planner or name activations (``Constraints.offload``)."""
+        devices, kinds = self.devices, self.pins.offload
+        if not (devices.host_to_device_bandwidth and devices.device_to_host_bandwidth
+                and devices.host_memory is not None) or self.train.compiled:
+            return False
+        return kinds is None or "activations" in kinds
+
+    def layer_modes(self, layer: int) -> tuple[str, ...]:
+        """The modes layer ``layer`` has: its measured recompute modes, and offload
+        where the problem allows it (:attr:`offloads_activations`)."""
+        modes = self.layers[layer].modes
+        return (*modes, "offload") if self.offloads_activations else modes
+
     def allowed_modes(self, layer: int) -> list[str]:
         """The recompute modes layer ``layer`` may take: its pinned one, else all it has."""
         cost = self.layers[layer]
         pinned = self.pins.recompute.get(cost.name)
         if pinned is None:
-            return list(cost.modes)
+            return list(self.layer_modes(layer))
         # A pinned "selective" on a layer without an attention core (or whose core keeps
         # nothing the rest does not) behaves as "none".
-        return [pinned if pinned in cost.modes else "none"]
+        return [pinned if pinned in cost.modes or pinned == "offload" else "none"]

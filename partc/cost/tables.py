@@ -21,8 +21,9 @@ from partc.cost.experts_cost import expert_dp_config, moe_layer_figures
 from partc.cost.fp8_pricing import fp8_workspace_bytes, pricing
 from partc.cost.host_offload import microbatch_seconds
 from partc.cost.layer_compute import layer_work, run_layer
-from partc.cost.pipeline_config import (PipelineConfig, grad_config, overlapped, permille,
-                                        split_factor, stage_limits, to_ps)
+from partc.cost.offload_time import host_limit, in_flight_bytes, offload_entries
+from partc.cost.pipeline_config import (PS_PER_S, PipelineConfig, grad_config, overlapped,
+                                        permille, split_factor, stage_limits, to_ps)
 from partc.cost.schedules import runs_compiled, schedule as schedule_info
 from partc.cost.state_bytes import (state_bytes, step_bytes, step_total, steps_whole_list,
                                     zero_transient)
@@ -31,7 +32,8 @@ from partc.problem import MoECost, PlanningProblem
 
 @dataclass(frozen=True, kw_only=True)
 class LayerTable:
-    """One layer's integer costs per microbatch, per recompute mode."""
+    """One layer's integer costs per microbatch, per recompute mode (``"offload"`` among
+    them where the host link is known: :mod:`partc.cost.offload_time`)."""
 
     forward_ps: int
     backward_ps: int
@@ -45,6 +47,9 @@ class LayerTable:
     # ZeRO-1's weight all-gather when it overlaps the next forward (then not in tail_ps)
     gather_ps: int = 0
     step_bytes: int = 0           # the optimizer step's temporaries (:func:`step_bytes`)
+    # What offloading the layer moves to the host per microbatch (each way), and holds
+    # there (LayerCost.offload_bytes); 0 where offload is not priced.
+    offload_bytes: int = 0
 
     def compute_ps(self, mode: str) -> int:
         return self.forward_ps + self.backward_ps + self.recompute_ps[mode]
@@ -93,6 +98,9 @@ class CostTable:
     # Whether a rank's step temporaries are the sum of its rows' step_bytes (torch's
     # foreach step, over the whole list) or the largest of them (one tensor at a time).
     step_sums: bool = True
+    # A rank's share of its node's host memory for offloaded activations
+    # (:func:`partc.cost.offload_time.host_limit`); None: not known, no limit.
+    host_limit: int | None = None
 
     @property
     def num_layers(self) -> int:
@@ -165,17 +173,20 @@ def _layer_table(problem: PlanningProblem, config: PipelineConfig, index: int) -
     context = cp_seconds(problem, config, layer)["forward"]
     rerun = {m: (comm["forward"] if m == "full" else 0.0) + (context if m != "none" else 0.0)
              for m in layer.modes}
+    forward_ps = to_ps(overlapped(phases.forward_s, zero["forward"], devices.comm_overlap)
+                       + copy_forward)
+    backward_ps = to_ps(overlapped(phases.backward_s, zero["backward"], devices.comm_overlap)
+                        + copy_backward)
+    recompute_ps = {m: to_ps(sum(work["recompute"][m]) + rerun[m]) for m in layer.modes}
+    moved = moved_bytes(layer, b * scale, saved)
+    with_offload(recompute_ps, saved, moved, forward_ps, backward_ps, devices)
     return LayerTable(
-        forward_ps=to_ps(overlapped(phases.forward_s, zero["forward"], devices.comm_overlap)
-                         + copy_forward),
-        backward_ps=to_ps(overlapped(phases.backward_s, zero["backward"],
-                                     devices.comm_overlap) + copy_backward),
-        recompute_ps={m: to_ps(sum(work["recompute"][m]) + rerun[m]) for m in layer.modes},
+        offload_bytes=moved if "offload" in saved else 0,
+        forward_ps=forward_ps,
+        backward_ps=backward_ps,
+        recompute_ps=recompute_ps,
         saved_bytes=saved,
-        # ZeRO-2/3: the unit's whole gradient is made as its backward ends, when the
-        # backward's working set and this microbatch's saved tensors of it are freed.
-        transient_bytes={m: gathered + max(saved["none"] - saved[m] + workspace,
-                                           gradient - saved[m]) for m in layer.modes},
+        transient_bytes=transient(saved, moved, workspace, gathered, gradient),
         param_count=layer.param_count,
         state_bytes=state_bytes(problem, params, layer.param_count),
         tail_ps=tail_ps(problem, params, layer.param_count, max(1, layer.param_tensors)),
@@ -183,6 +194,34 @@ def _layer_table(problem: PlanningProblem, config: PipelineConfig, index: int) -
         gather_ps=gather_ps(problem, params, layer.param_count),
         step_bytes=step_bytes(problem, params, layer.param_count, layer.largest_param),
     )
+
+
+def moved_bytes(layer, samples: float, saved: dict[str, int]) -> int:
+    """What offloading ``layer`` moves per microbatch of ``samples`` (scaled) samples:
+    its ops' saved storages as measured, else its saved bytes."""
+    if layer.offload_bytes is None:
+        return saved["none"]
+    return int(round(samples * layer.offload_bytes))
+
+
+def with_offload(recompute_ps: dict[str, int], saved: dict[str, int], moved: int,
+                 forward_ps: int, backward_ps: int, devices) -> None:
+    """Add the offload mode to a row's recompute times and saved bytes, where the host
+    link is known (:func:`partc.cost.offload_time.offload_entries`)."""
+    entries = offload_entries(moved, forward_ps / PS_PER_S, backward_ps / PS_PER_S, devices)
+    if entries is not None:
+        recompute_ps["offload"], saved["offload"] = entries
+
+
+def transient(saved: dict[str, int], moved: int, workspace: int, gathered: int,
+              gradient: int) -> dict[str, int]:
+    """A row's largest working set per mode: what its backward rematerialises (or, for
+    offload, brings back, ``moved``, beside the next one's prefetch) and its workspace,
+    or under ZeRO-2/3 the unit's whole gradient, made as its backward ends, when the
+    backward's working set and this microbatch's saved tensors of it are freed; and the
+    layer's ZeRO-3 gathered weights."""
+    back = {m: in_flight_bytes(moved, m) or saved["none"] - saved[m] for m in saved}
+    return {m: gathered + max(back[m] + workspace, gradient - saved[m]) for m in saved}
 
 
 def _shared_tables(problem: PlanningProblem, config: PipelineConfig) -> tuple[SharedTable, ...]:
@@ -322,7 +361,8 @@ def _layer_key(layer, fp8_pins: Any = None, fp8_kept: tuple[str, ...] = ()) -> t
             tuple(sorted(layer.recompute_kernels.items())),
             tuple(sorted(layer.ring_kernels.items())), layer.ring_bwd_mem_bytes,
             layer.ring_kernels_single and tuple(sorted(layer.ring_kernels_single.items())),
-            layer.ring_bwd_mem_bytes_single, layer.attention)
+            layer.ring_bwd_mem_bytes_single, layer.attention,
+            layer.offload_bytes)
 
 
 def build_cost_table(problem: PlanningProblem, config: PipelineConfig,
@@ -354,6 +394,7 @@ def build_cost_table(problem: PlanningProblem, config: PipelineConfig,
         first_gather_ps=first_gather, last_sync_ps=last_sync,
         cut_bytes=cut_bytes(problem, config),
         step_sums=steps_whole_list(problem, params),
+        host_limit=host_limit(devices),
     )
 
 
@@ -409,16 +450,22 @@ def moe_layer_table(whole: MoECost, problem: PlanningProblem, config: PipelineCo
     state_e = state_bytes(problem, expert_config, experts)
     copies = [sum(pair) for pair in zip(microbatch_seconds(problem, config, dense),
                                         microbatch_seconds(problem, expert_config, experts))]
+    forward_ps = to_ps(overlapped(forward, zero_dense["forward"] + zero_experts["forward"],
+                                  problem.devices.comm_overlap) + copies[0])
+    backward_ps = to_ps(overlapped(backward, zero_dense["backward"] + zero_experts["backward"],
+                                   problem.devices.comm_overlap) + copies[1])
+    recompute_ps = {m: to_ps(v) for m, v in recompute.items()}
+    # The experts' saved bytes at the worst routing beside the rest as measured.
+    moved = moved_bytes(layer, b * scale, saved) + saved["none"] - int(round(
+        b * scale * layer.saved_bytes["none"]))
+    with_offload(recompute_ps, saved, moved, forward_ps, backward_ps, devices)
     return LayerTable(
-        forward_ps=to_ps(overlapped(forward, zero_dense["forward"] + zero_experts["forward"],
-                                    problem.devices.comm_overlap) + copies[0]),
-        backward_ps=to_ps(overlapped(backward,
-                                     zero_dense["backward"] + zero_experts["backward"],
-                                     problem.devices.comm_overlap) + copies[1]),
-        recompute_ps={m: to_ps(v) for m, v in recompute.items()},
+        offload_bytes=moved if "offload" in saved else 0,
+        forward_ps=forward_ps,
+        backward_ps=backward_ps,
+        recompute_ps=recompute_ps,
         saved_bytes=saved,
-        transient_bytes={m: gathered + max(saved["none"] - saved[m] + workspace,
-                                           gradient - saved[m]) for m in layer.modes},
+        transient_bytes=transient(saved, moved, workspace, gathered, gradient),
         param_count=dense + experts,
         state_bytes={k: state_d[k] + state_e[k] for k in state_d},
         tail_ps=tail_ps(problem, config, dense, max(1, layer.param_tensors))

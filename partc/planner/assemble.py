@@ -10,6 +10,7 @@ from partc.cost.evaluate import Evaluation, simulated_step_ps
 from partc.cost.fp8_pricing import fp8_names, pricing
 from partc.cost.host_offload import host_bytes_per_node
 from partc.cost.layer_compute import run_layer
+from partc.cost.offload_time import host_per_node
 from partc.cost.pipeline_config import PS_PER_S, PipelineConfig
 from partc.names import CpKind, Phase, Recompute, Schedule
 from partc.plan import (Alternative, BudgetInfo, Fp8Plan, InputSpec, Mesh, MeshOutcome, ModelInfo,
@@ -83,6 +84,9 @@ def stage_plans(problem: PlanningProblem, config: PipelineConfig, evaluation: Ev
                                     recompute=r / PS_PER_S, send=cut / 2 / PS_PER_S,
                                     receive=into / 2 / PS_PER_S)
                             for f, b, r, cut, into in stage.run_ps),
+            host_traffic_bytes=m * stage.offload_bytes,
+            run_host_s=tuple(h / PS_PER_S for h in stage.run_host_ps)
+            if any(stage.run_host_ps) else (),
         )
         for index, stage in enumerate(evaluation.stages)
     )
@@ -153,7 +157,8 @@ def make_plan(problem: PlanningProblem, config: PipelineConfig, evaluation: Eval
         offload_optimizer=config.offload_optimizer,
         offload_params=config.offload_params,
         host_bytes_per_node=host_bytes_per_node(
-            local, config, [stage.param_count for stage in evaluation.stages]),
+            local, config, [stage.param_count for stage in evaluation.stages])
+        + activations_per_node(problem, evaluation),
         fp8=fp8_section(problem, config),
     )
 
@@ -174,6 +179,14 @@ def fp8_section(problem: PlanningProblem, config: PipelineConfig) -> Fp8Plan | N
                                           local.devices, b, scale))
     return Fp8Plan(recipe=problem.train.fp8, emulated=not problem.devices.fp8_peak_flops,
                    linears=linears)
+
+
+def activations_per_node(problem: PlanningProblem, evaluation: Evaluation) -> int:
+    """The host memory the busiest node's ranks take for offloaded activations
+    (:func:`partc.cost.offload_time.host_per_node`): their share of the plan's
+    ``host_bytes_per_node``, beside optimizer and parameter offload's."""
+    return max(host_per_node([stage.memory.host for stage in evaluation.stages],
+                             problem.devices))
 
 
 def _expert_parallel(problem: PlanningProblem, config: PipelineConfig,

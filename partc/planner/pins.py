@@ -28,6 +28,7 @@ def check_pins(pins: Pins, devices: DeviceNumbers, global_batch_size: int,
                layer_names: tuple[str, ...] | None = None) -> None:
     """Raise PlanInfeasibleError for the first pin that no plan can satisfy."""
     _check_mesh(pins, devices)
+    _check_offload(pins, devices)
     _check_batch(pins, global_batch_size)
     _check_host(pins, devices)
     if layer_names is not None:
@@ -61,6 +62,28 @@ def _check_mesh(pins: Pins, devices: DeviceNumbers) -> None:
     if pins.pp is not None and pins.dp is not None and n % (pins.pp * pins.dp * cp):
         raise _refuse("pp x dp", f"pp={pins.pp} x dp={pins.dp}" + (
             f" x cp={cp}" if cp > 1 else "") + f" does not divide the {n} devices")
+
+
+def _check_offload(pins: Pins, devices: DeviceNumbers) -> None:
+    """Layers pinned to offload their activations need the host link's bandwidth (to
+    price the copies), the host's memory (to hold them) and an offload pin that does
+    not leave activations out."""
+    offloaded = sorted(name for name, mode in pins.recompute.items() if mode == "offload")
+    if not offloaded and (pins.offload is None or "activations" not in pins.offload):
+        return
+    what = f"recompute='offload' for {offloaded}" if offloaded else "offload=activations"
+    if not (devices.host_to_device_bandwidth and devices.device_to_host_bandwidth):
+        raise _refuse("recompute" if offloaded else "offload",
+                      f"{what} needs the host link's bandwidth, which the budget does not "
+                      f"know: give DeviceBudget(host_to_device_bandwidth=..., "
+                      f"device_to_host_bandwidth=...)")
+    if devices.host_memory is None:
+        raise _refuse("recompute" if offloaded else "offload",
+                      f"{what} needs the host's memory, which the budget does not know: "
+                      f"give DeviceBudget(host_memory=...) (per node)")
+    if offloaded and pins.offload is not None and "activations" not in pins.offload:
+        raise _refuse("offload", f"offload={list(pins.offload)} leaves activations on the "
+                                 f"device, but {what} was pinned: add 'activations'")
 
 
 def _check_host(pins: Pins, devices: DeviceNumbers) -> None:

@@ -13,6 +13,7 @@ import math
 from partc.cost.cp_attention import all_to_all_fits, context_parallel_refusal
 from partc.cost.evaluate import Evaluation, evaluate, simulated_step_ps
 from partc.cost.host_offload import host_bytes_per_node
+from partc.cost.offload_time import host_per_node
 from partc.cost.pipeline_config import PS_PER_S, PipelineConfig
 from partc.cost.schedules import feature_refusal, refusal
 from partc.cost.tables import build_cost_table
@@ -110,11 +111,12 @@ def _modes(problem: PlanningProblem, plan: Plan, errors: list[str]) -> None:
     if plan.tp > 1 and problem.tp_option(*key) is None:
         return   # _structure says so
     local = problem.variant(*key)
-    for layer in local.layers:   # a sharded layer may allow modes the whole one does not
-        mode = recompute.get(layer.name)
-        if mode not in layer.modes:
-            errors.append(f"layer {layer.name}: recompute {mode!r} not among {layer.modes}")
+    for index, layer in enumerate(local.layers):   # a sharded layer may allow modes the
+        mode = recompute.get(layer.name)             # whole one does not
         pinned = problem.pins.recompute.get(layer.name)
+        modes = local.layer_modes(index)
+        if mode not in modes and not (mode == pinned == "offload"):
+            errors.append(f"layer {layer.name}: recompute {mode!r} not among {modes}")
         if pinned is not None and mode != pinned and not (
                 pinned == "selective" and "selective" not in layer.modes and mode == "none"):
             errors.append(f"layer {layer.name}: recompute pinned to {pinned}, plan has {mode}")
@@ -169,6 +171,7 @@ def _costs(problem: PlanningProblem, plan: Plan, errors: list[str]) -> Evaluatio
         if stage.limit_bytes != cost.limit:
             errors.append(f"stage {stage.index} records limit {stage.limit_bytes}, "
                           f"devices give {cost.limit}")
+    _offloaded_activations(problem, plan, evaluation, errors)
     if plan.mesh.ep > 1:
 
         modes_t = tuple(modes)
@@ -179,7 +182,10 @@ def _costs(problem: PlanningProblem, plan: Plan, errors: list[str]) -> Evaluatio
             data_parallel_section(problem, config, evaluation) != plan.data_parallel:
         errors.append("the plan's data_parallel section differs from the cost model's")
     local = problem.variant(plan.tp, plan.sequence_parallel, plan.tp_objective)
-    host = host_bytes_per_node(local, config, [s.param_count for s in evaluation.stages])
+    # Optimizer and parameter offload's bytes per node, and the busiest node's offloaded
+    # activations.
+    host = host_bytes_per_node(local, config, [s.param_count for s in evaluation.stages]) \
+        + max(host_per_node([s.memory.host for s in evaluation.stages], problem.devices))
     if host != plan.host_bytes_per_node:
         errors.append(f"the plan records {plan.host_bytes_per_node} host bytes per node, "
                       f"the cost model gives {host}")
@@ -188,6 +194,24 @@ def _costs(problem: PlanningProblem, plan: Plan, errors: list[str]) -> Evaluatio
     if not math.isclose(recorded, step, rel_tol=1e-9, abs_tol=1e-15):
         errors.append(f"predicted step time {recorded} s, the cost model gives {step} s")
     return evaluation
+
+
+def _offloaded_activations(problem: PlanningProblem, plan: Plan, evaluation: Evaluation,
+                           errors: list[str]) -> None:
+    """Offloaded activations: each stage's host bytes and traffic as recorded, and each
+    node's host holding its ranks' within the host memory (where it is known)."""
+    for stage, cost in zip(plan.stages, evaluation.stages):
+        traffic = cost.offload_bytes * plan.num_microbatches
+        if stage.host_traffic_bytes != traffic:
+            errors.append(f"stage {stage.index} records {stage.host_traffic_bytes} bytes "
+                          f"to the host per step, the cost model gives {traffic}")
+    limit = problem.devices.host_memory
+    nodes = host_per_node([cost.memory.host for cost in evaluation.stages], problem.devices)
+    if limit is not None:
+        for node, used in enumerate(nodes):
+            if used > limit:
+                errors.append(f"node {node}: offloaded activations take {used} bytes of "
+                              f"host memory, limit {limit}")
 
 
 def _experts(problem: PlanningProblem, plan: Plan, errors: list[str]) -> None:

@@ -32,10 +32,11 @@ from partc.report.text import Section, lay_out, plural, sections
 from partc.units import format_bytes, format_seconds
 
 COLOURS = {"forward": "#4c78a8", "backward": "#f58518", "weight": "#eeca3b",
-           "recompute": "#e45756",
+           "recompute": "#e45756", "host": "#ff9da6",
            "collective": "#54a24b", "p2p": "#2a7a2a", "tail": "#b279a2"}
 LABELS = {"forward": "forward", "backward": "backward (input gradient when split)",
           "weight": "weight gradient", "recompute": "recompute",
+          "host": "host copies (offloaded activations) not hidden by compute",
           "collective": "collectives (tensor-parallel; data-parallel's exposed part)", "p2p": "send / receive (p2p)",
           "tail": "tail: gradient sync, optimizer step"}
 MEMORY_COLOURS = {"params": "#4c78a8", "grads": "#72b7b2", "optimizer": "#54a24b",

@@ -246,6 +246,27 @@ def _memory_rows(plan: Plan) -> list[list[str]]:
     return rows
 
 
+def _offload_rows(plan: Plan) -> list[list[str]]:
+    """Per stage with offloaded layers: which, the host memory a rank holds for them
+    at its peak, and the bytes it copies each way per step."""
+    return [[str(s.index), _span(s.offloaded), format_bytes(s.memory_bytes.host),
+             format_bytes(s.host_traffic_bytes), format_bytes(s.host_traffic_bytes)]
+            for s in plan.stages if s.offloaded]
+
+
+def _offload_lines(plan: Plan) -> list[str]:
+    budget = plan.budget.figures
+    link = (f"{budget.device_to_host_bandwidth / 1e9:.3g} GB/s out, "
+            f"{budget.host_to_device_bandwidth / 1e9:.3g} GB/s back per device"
+            if budget.device_to_host_bandwidth and budget.host_to_device_bandwidth
+            else "bandwidth not known")
+    return [f"Offloaded layers (recompute mode offload) keep what they save for backward "
+            f"in the host's memory: copied out as their forward runs and back before "
+            f"their backward, on a copy stream beside the compute ({link}); the stages' "
+            f"recompute time holds the part of the copies compute does not hide, and "
+            f"their transient memory the copies in flight."]
+
+
 def _zero_sharding(plan: Plan) -> str:
     """What the plan's ZeRO stage shards over dp, and when ZeRO-2 reduces gradients."""
     zero = plan.effective_zero_stage
@@ -741,6 +762,8 @@ def _timeline_lines(plan: Plan, timeline: Timeline) -> list[str]:
             f"{_microbatches(plan.num_microbatches)}), in the schedule's own order, played "
             f"out from the stage times above: F forward, B backward (its input-gradient "
             f"part under a zero-bubble schedule), W weight gradient, R recompute, "
+            f"H the copies of offloaded activations to and from the host that compute "
+            f"does not hide, "
             f"c communication (sends, tensor-parallel collectives, what ZeRO-2/3's "
             f"collectives leave exposed), T tail (from when the "
             f"pipeline drains: the exposed part of the gradient sync and of ZeRO-1's weight "
@@ -824,6 +847,12 @@ def sections(plan: Plan, timeline: Timeline | None = None) -> list[Section]:
                        notes=(_headroom_line(plan), *_memory_lines(plan)),
                        header=("stage", *_MEMORY_KINDS, "peak / limit"),
                        rows=_rows(_memory_rows(plan))))
+    if any(s.offloaded for s in plan.stages):
+        out.append(Section(
+            key="activation_offload", title="Activation offload",
+            notes=tuple(_offload_lines(plan)),
+            header=("stage", "offloaded layers", "host memory per rank",
+                    "to host per step", "back per step"), rows=_rows(_offload_rows(plan))))
     if plan.data_parallel is not None:
         out.append(Section(
             key="data_parallel", title="Data parallelism", notes=tuple(_dp_lines(plan)),

@@ -32,8 +32,9 @@ may take longer than the watchdog's limit (``PARTC_WATCHDOG_S``, a minute by def
 raise it for the first run, later ones read inductor's cache). The plan estimates how
 long (:mod:`partc.cost.compile_time`).
 
-Refused, with the reason, before anything runs: a CPU run where inductor finds no C++
-compiler.
+Refused, with the reason, before anything runs: activation offload (its saved-tensor
+hooks are not traced by dynamo here; the planner offers no offload to a compiled
+training) and a CPU run where inductor finds no C++ compiler.
 """
 
 from __future__ import annotations
@@ -60,8 +61,16 @@ COLLECTIVES = tuple(name for name, value in vars(TensorParallelGroup).items()
                     if callable(value) and not name.startswith("_") and name != "extra_repr")
 
 
-def refusal(device: torch.device) -> str | None:
-    """Why a plan cannot train compiled on ``device`` (None: it can)."""
+def refusal(plan: Plan, device: torch.device, backend: str = "inductor") -> str | None:
+    """Why ``plan`` cannot train compiled on ``device`` with dynamo's ``backend`` (None:
+    it can)."""
+    offloaded = [name for stage in plan.stages for name in stage.offloaded]
+    if offloaded:
+        return (f"compile=True with activation offload ({offloaded[0]}, ...): the "
+                "saved-tensor hooks that move a layer's activations are not traced by "
+                "dynamo here; recompute those layers instead, or train without compile")
+    if backend != "inductor":
+        return None
     if device.type == "cpu":
         return _no_cpu_compiler()
     return None
@@ -85,7 +94,7 @@ def compile_stage(module: fx.GraphModule, plan: Plan, device: torch.device,
     on its own, before FSDP shards them; a :class:`PartcError` saying why where the plan
     cannot train compiled. ``backend``: dynamo's (``"inductor"``; tests give
     ``"aot_eager"`` to check what is compiled without building kernels)."""
-    reason = refusal(device) if backend == "inductor" else None
+    reason = refusal(plan, device, backend)
     if reason is not None:
         raise PartcError(reason)
     # On the instances: other stages and programs in the process are untouched.

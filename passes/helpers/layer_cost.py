@@ -109,6 +109,7 @@ def layer_cost(gm: fx.GraphModule, info: meta.LayerInfo, nodes: list[fx.Node], r
         num_nodes=sum(calls.values()),
         forward_kernels=rekernels["full"], backward_kernels=run.backward_kernels,
         recompute_kernels=rekernels,
+        offload_bytes=sum(size for size, _ in run.saved.values()) * per,
         fused_mem_bytes=fused_bytes * per, fused_kernels=fused_kernels,
         attention=attention_cost(nodes, lambda n: run.costs[n].flops, per),
         **_ring_fields(run.rings, per))

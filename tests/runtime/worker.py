@@ -40,7 +40,7 @@ from partc.runtime import cp_layout  # noqa: E402
 from partc.runtime.cp_group import ContextParallelGroup, attention  # noqa: E402
 from partc.runtime.ring_attention import AttentionMask  # noqa: E402
 from partc.passes.fuse_attention import count_fused  # noqa: E402
-from partc.runtime import tp as tp_ops  # noqa: E402
+from partc.runtime import activation_offload, tp as tp_ops  # noqa: E402
 from samples import gpt  # noqa: E402
 from tests import hf_families, models  # noqa: E402
 
@@ -376,6 +376,26 @@ CASES["gpt2-pp2-tp2-recompute"] = Case(_gpt2, "tokens", models.causal_lm_loss,
                                        dict(pp=2, schedule="1f1b", recompute=GPT2_MODES,
                                             **_TP_RECOMPUTE))
 
+# Activation offload (recompute mode "offload"): what offloaded layers save goes to the
+# host (a copy apart on CPU) and comes back for their backward; beside recompute, under
+# pp=2, dp=2 with ZeRO-1 and ZeRO-3, tp=2.
+LLAMA_OFFLOAD = {"model.layers.0": "offload", "model.layers.1": "full"}
+GPT_OFFLOAD = {"blocks.0": "offload", "blocks.1": "offload"}
+_ACT_HOST = dict(figures=dict(host_memory="1GiB"))   # the CPU preset knows no host memory
+CASES["llama-pp2-1f1b-offload"] = Case(models.llama, "tokens", models.causal_lm_loss,
+                                       dict(pp=2, schedule="1f1b", recompute=LLAMA_OFFLOAD),
+                                       **_ACT_HOST)
+for _zero in (1, 3):
+    CASES[f"gpt-dp2-zero{_zero}-act-offload"] = Case(
+        gpt.gpt_tiny, "tokens", gpt.loss_fn,
+        dict(pp=1, dp=2, zero_stage=_zero, recompute=GPT_OFFLOAD), **_ACT_HOST)
+CASES["gpt-tp2-act-offload"] = Case(
+    gpt.gpt_tiny, "tokens", gpt.loss_fn,
+    dict(pp=1, tp=2, tp_objective="memory", recompute=GPT_OFFLOAD), **_ACT_HOST)
+CASES["llama-pp2-tp2-offload"] = Case(models.llama, "tokens", models.causal_lm_loss,
+                                      dict(pp=2, tp=2, schedule="1f1b", tp_objective="memory",
+                                           recompute=LLAMA_OFFLOAD), **_ACT_HOST)
+
 # BatchNorm inside a tensor-parallel pair: both ranks update the same running statistics
 # from the same (replicated) activations, as one device running the microbatches in order.
 CASES["normed-tp2"] = Case(lambda: models.Normed(width=16, depth=2, d_out=16), "floats", _mse,
@@ -551,8 +571,11 @@ def train_case(built: Built) -> dict[str, Any]:
     opt = module.optimizer(torch.optim.SGD, **OPTIMIZER)  # ZeRO-1 where the plan says
     ref_opt = optimizer(reference.parameters())
     losses, ref_losses, messages, norms, ref_norms = [], [], [], [], []
-    reduces = []
+    reduces, offloaded = [], []
+    ledgers = activation_offload.ledgers(module.module)
     for step in range(STEPS):
+        for ledger in ledgers:
+            ledger.counters.reset()
         x, y = batch(case, model, step)
         if step == 1:
             module.tp.counts.clear()  # the first step also runs the schedule's shape inference
@@ -566,6 +589,8 @@ def train_case(built: Built) -> dict[str, Any]:
         losses.append(loss.item())
         reduces.append(FSDP_REDUCES[0] - before)
         messages.append(dict(module.last_messages))
+        offloaded.append([sum(getattr(ledger.counters, kind) for ledger in ledgers)
+                          for kind in ("to_host", "to_device", "resident", "peak_resident")])
         opt.step()
         opt.zero_grad()
         if case.reference == "microbatches":
@@ -621,6 +646,11 @@ def train_case(built: Built) -> dict[str, Any]:
             "messages": messages, "predicted": asdict(p2p) if p2p else {},
             "stage": module.stage_index, "mesh": to_data(plan.mesh), "schedule": plan.schedule,
             "recompute": plan.stages[module.stage_index].recompute,
+            # Activation offload per step: bytes to the host, back, left there, and the
+            # most held; beside the plan's traffic and host bytes for the stage.
+            "offloaded": offloaded,
+            "planned_offload": [plan.stages[module.stage_index].host_traffic_bytes,
+                                plan.stages[module.stage_index].memory_bytes.host],
             "num_params": len(errors), "own_params": own_params,
             "full_state_keys": sorted(set(full) ^ set(ref_state)),
             "full_state_error": full_error, "reloaded_unchanged": reloaded,
