@@ -626,7 +626,8 @@ def predicted_parts(program: Any) -> dict[str, float]:
             continue
         mode = stage.recompute.get(layer.name, "none")
         for devices, light in ((problem.devices, "light"), (undispatched, "light_bytes")):
-            work = layer_work(layer, devices, micro, problem.train.measured_scale)
+            work = layer_work(layer, devices, micro, problem.train.measured_scale,
+                              plan.train.compile)
             phases = (work["forward"], work["backward"], work["recompute"][mode])
             parts[light] += count * sum(memory for _, memory in phases)
         parts["heavy"] += count * sum(compute for compute, _ in phases)
