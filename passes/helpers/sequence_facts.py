@@ -130,7 +130,8 @@ def _reads_along_sequence(node: fx.Node, tokens: int, reached: set[fx.Node]) -> 
         if dims is None or not isinstance(dims, (int, list, tuple)):
             return False
         dims = [dims] if isinstance(dims, int) else list(dims)
-        return any(isinstance(d, int) and value.shape[d] == tokens for d in dims)
+        return any(isinstance(d, int) and -value.dim() <= d < value.dim()
+                   and value.shape[d] == tokens for d in dims)
     if name in _PRODUCTS and len(node.args) > 1 and isinstance(node.args[1], fx.Node):
         other = _val(node.args[1])
         return other is not None and other.dim() >= 2 and value.shape[-1] == tokens \

@@ -97,7 +97,9 @@ def regime_problem() -> PlanningProblem:
     # The regimes' memory is each device's limit, set by hand: nothing kept back.
     budget = partc.DeviceBudget(num_devices=NODES * PER_NODE, device="H100-80GB",
                                 devices_per_node=PER_NODE, **WHOLE_MEMORY)
-    train = partc.TrainSpec(global_batch_size=2048, dtype=torch.bfloat16, optimizer="adamw")
+    # Eager kernels, as the table was made: compiled kernels are tests/test_compile.py's.
+    train = partc.TrainSpec(global_batch_size=2048, dtype=torch.bfloat16, optimizer="adamw",
+                            compile=False, fused_optimizer=False)
     # Without offload: these regimes are the device's (offload's are tests/test_offload.py's).
     return build_problem(analysis, budget, train, partc.Constraints(offload=()), graph)
 
