@@ -61,18 +61,20 @@ COLLECTIVES = tuple(name for name, value in vars(TensorParallelGroup).items()
                     if callable(value) and not name.startswith("_") and name != "extra_repr")
 
 
-def refusal(plan: Plan, device: torch.device, backend: str = "inductor") -> str | None:
-    """Why ``plan`` cannot train compiled on ``device`` with dynamo's ``backend`` (None:
-    it can)."""
+def refusal(device: torch.device) -> str | None:
+    """Why a plan cannot train compiled by inductor on ``device`` (None: it can)."""
+    if device.type == "cpu":
+        return _no_cpu_compiler()
+    return None
+
+
+def offload_refusal(plan: Plan) -> str | None:
+    """Why ``plan`` cannot train compiled whatever the backend (None: it can)."""
     offloaded = [name for stage in plan.stages for name in stage.offloaded]
     if offloaded:
         return (f"compile=True with activation offload ({offloaded[0]}, ...): the "
                 "saved-tensor hooks that move a layer's activations are not traced by "
                 "dynamo here; recompute those layers instead, or train without compile")
-    if backend != "inductor":
-        return None
-    if device.type == "cpu":
-        return _no_cpu_compiler()
     return None
 
 
@@ -94,7 +96,7 @@ def compile_stage(module: fx.GraphModule, plan: Plan, device: torch.device,
     on its own, before FSDP shards them; a :class:`PartcError` saying why where the plan
     cannot train compiled. ``backend``: dynamo's (``"inductor"``; tests give
     ``"aot_eager"`` to check what is compiled without building kernels)."""
-    reason = refusal(plan, device, backend)
+    reason = offload_refusal(plan) or (refusal(device) if backend == "inductor" else None)
     if reason is not None:
         raise PartcError(reason)
     # On the instances: other stages and programs in the process are untouched.
