@@ -34,6 +34,7 @@ import hashlib
 import json
 import logging
 import os
+import tempfile
 from collections import OrderedDict
 from dataclasses import replace
 from pathlib import Path
@@ -138,9 +139,18 @@ class PlanCache:
         path = self._path(kind, key, suffix)
         if path is not None:
             path.parent.mkdir(parents=True, exist_ok=True)
-            partial = path.with_suffix(path.suffix + ".partial")
-            partial.write_bytes(data)
-            os.replace(partial, path)   # readers never see half a file
+            # Readers never see half a file, and writers never each other's: every rank
+            # of a node may write the same entry at once (one PARTC_CACHE_DIR per
+            # machine), each through a partial file of its own.
+            descriptor, partial = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".",
+                                                   suffix=".partial")
+            try:
+                with os.fdopen(descriptor, "wb") as file:
+                    file.write(data)
+                os.replace(partial, path)
+            except BaseException:
+                Path(partial).unlink(missing_ok=True)
+                raise
 
     def _remember(self, memory: OrderedDict, key: str, value: Any) -> None:
         memory[key] = value
