@@ -434,13 +434,13 @@ def _training_arguments(train) -> None:
     train.add_argument("--batch-check-every", type=WHOLE, metavar="N",
                        help="compare a digest of the batch over the ranks that must train "
                             "on the same one every N steps (default 1; 0: never)")
-    train.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
+    train.add_argument("--compile", action=argparse.BooleanOptionalAction,
                        help="pin torch.compile on or off (default: the planner's: on for "
                             "GPUs where the schedule allows, off for CPUs)")
     train.add_argument("--fused-optimizer", action=argparse.BooleanOptionalAction,
-                       default=None, help="pin torch's fused Adam/AdamW step on or off "
-                                          "(default: on for GPUs)")
-    train.add_argument("--fp8", action="store_true", default=None,
+                       help="pin torch's fused Adam/AdamW step on or off (default: on "
+                            "for GPUs)")
+    train.add_argument("--fp8", action="store_true",
                        help="let linears run FP8 where it pays (torchao's float8 training; "
                             "needs an FP8 peak: H100, H200; emulated on the CPU preset)")
     train.add_argument("--fp8-recipe", choices=FP8_RECIPES,
