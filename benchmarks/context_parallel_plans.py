@@ -36,21 +36,13 @@ sys.path.insert(0, str(ROOT / "samples"))
 sys.path.insert(0, str(ROOT))
 
 import partc  # noqa: E402
+from plan_llama import LLAMA3_8B, LLAMA3_70B, LLAMA3_405B  # noqa: E402
 from partc.compiler import autocast_dtype, build_problem, plan_problem  # noqa: E402
 from partc.passes.pipeline import analyze  # noqa: E402
 from partc.plan import BudgetInfo  # noqa: E402
 from partc.planner import PlannerOptions  # noqa: E402
 from partc.units import format_bytes, format_seconds  # noqa: E402
 
-LLAMA3_8B = dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
-                 num_attention_heads=32, num_key_value_heads=8, vocab_size=128256,
-                 rope_theta=500000.0, rms_norm_eps=1e-5)
-LLAMA3_70B = dict(hidden_size=8192, intermediate_size=28672, num_hidden_layers=80,
-                  num_attention_heads=64, num_key_value_heads=8, vocab_size=128256,
-                  rope_theta=500000.0, rms_norm_eps=1e-5)
-LLAMA3_405B = dict(hidden_size=16384, intermediate_size=53248, num_hidden_layers=126,
-                   num_attention_heads=128, num_key_value_heads=8, vocab_size=128000,
-                   rope_theta=500000.0, rms_norm_eps=1e-5)
 PUBLISHED_TFLOPS = 380.0   # Llama 3 paper, Table 4, the 131,072-token stage
 
 

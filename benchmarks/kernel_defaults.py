@@ -38,11 +38,9 @@ sys.path.insert(0, str(ROOT / "samples"))
 sys.path.insert(0, str(ROOT))
 
 import partc  # noqa: E402
+from plan_llama import LLAMA3_405B  # noqa: E402
 from tests.validation import mcore  # noqa: E402
 
-LLAMA3_405B = dict(hidden_size=16384, intermediate_size=53248, num_hidden_layers=126,
-                   num_attention_heads=128, num_key_value_heads=8, vocab_size=128000,
-                   max_position_embeddings=8192, rope_theta=500000.0, rms_norm_eps=1e-5)
 LLAMA3_405B_PARAMS = 405.8e9
 LLAMA3_405B_TFLOPS_PER_GPU = 430.0
 
