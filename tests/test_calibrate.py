@@ -54,6 +54,16 @@ def _read(path) -> dict:
     return json.loads(path.read_text())
 
 
+def _between_compute(collectives: dict) -> dict:
+    """The collectives timed between compute, which calibration leaves out where noise
+    hid their fit (``partc.calibrate.collective_ranks``): a machine too busy for the
+    measurement skips the checks that read it rather than failing them."""
+    if "between_compute" not in collectives:
+        pytest.skip("calibration left out the collectives timed between compute: noise "
+                    "hid their fit on this machine")
+    return collectives["between_compute"]
+
+
 def test_profile_schema_and_summary(calibrated):
     path, printed = calibrated
     profile = _read(path)
@@ -74,7 +84,8 @@ def test_profile_schema_and_summary(calibrated):
     for key in BUDGET_NUMBERS:
         assert key in profile["budget"] and key in profile["sources"]
     assert "one machine cannot measure" in profile["sources"]["inter_node_bandwidth"]
-    assert "ms of compute as in a step" in profile["sources"]["collective_links"]
+    if "between_compute" in profile["measurements"]["collectives"]:
+        assert "ms of compute as in a step" in profile["sources"]["collective_links"]
     for line in ("matmul float32", "attention float32_causal", "memory copy / add",
                  "all_reduce", "joint_fit", "budget number", "preset CPU", "hbm_bandwidth",
                  "element-wise ops fwd+bwd", "AdamW step", "elementwise_bandwidth",
@@ -133,7 +144,7 @@ def test_budget_numbers_follow_from_the_samples(calibrated):
     assert budget["hbm_bandwidth"] == max(memory["copy"]["bytes_per_s"],
                                           memory["add"]["bytes_per_s"]) > 0
     # The links as a step meets them: on a CPU the collectives timed between compute.
-    links = measured["collectives"]["between_compute"]
+    links = _between_compute(measured["collectives"])
     assert links["compute_s"] >= BETWEEN_COMPUTE_S / 2
     joint = links["joint_fit"]
     assert budget["intra_node_bandwidth"] == joint["bandwidth"] > 0
@@ -241,7 +252,7 @@ def test_each_fit_is_the_least_squares_optimum_of_its_samples(calibrated):
                                                             * entry["fit"]["latency_s"])
     _check_optimal(collectives["joint_fit"], everything, ranks)
     # The same collectives and sizes timed between compute, fitted alike.
-    between, everything = collectives["between_compute"], []
+    between, everything = _between_compute(collectives), []
     for kind in COLLECTIVES:
         samples = [(kind, s["bytes"], s["seconds"]) for s in between[kind]["samples"]]
         assert [s[1] for s in samples] == [s["bytes"] for s in collectives[kind]["samples"]]
