@@ -166,7 +166,9 @@ def test_an_analysis_and_a_plan_read_back_from_disk_are_equal(tmp_path):
     assert fresh.plan(first.problem) == first.plan
 
 
-@pytest.mark.parametrize("damage", ["truncated", "version", "schema", "invalid"])
+# A cut file and a foreign schema by default; -m slow an old version and an invalid plan.
+@pytest.mark.parametrize("damage", ["truncated", pytest.param("version", marks=pytest.mark.slow),
+                                    "schema", pytest.param("invalid", marks=pytest.mark.slow)])
 def test_a_bad_entry_is_discarded_with_a_warning_and_made_again(tmp_path, caplog, damage):
     first = _compile(gpt_tiny(n_layer=2), partc.PlanCache(tmp_path))
     plan_file = next(tmp_path.rglob("plan/*.json"))

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import importlib
 import json
 import os
 import sys
@@ -818,6 +819,14 @@ def run_cp_attention() -> dict[str, float]:
     return errors
 
 
+def run_elsewhere(worker: str, name: str) -> dict[str, Any]:
+    """Case ``name`` of the worker module ``worker`` (``tests/runtime/<worker>.py``), run
+    by its ``run_named`` (or ``run_case``) in this process: launches of several workers
+    share one torchrun."""
+    module = importlib.import_module(f"tests.runtime.{worker}")
+    return getattr(module, "run_named", module.run_case)(name)
+
+
 def main() -> None:
     out, names = Path(sys.argv[1]), sys.argv[2:]
     os.environ["PARTC_WORKER_OUT"] = str(out)
@@ -830,6 +839,8 @@ def main() -> None:
                 results[name] = run_mismatch_cases()
             elif name == "cp-attention":
                 results[name] = run_cp_attention()
+            elif "::" in name:  # another worker's case (test_parity.launched)
+                results[name] = run_elsewhere(*name.split("::", 1))
             elif "+" in name:
                 results[name] = run_together(name.split("+"))
             else:
@@ -844,5 +855,7 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    # The other workers import this module by name (run_elsewhere): one copy, one patch.
+    sys.modules.setdefault("tests.runtime.worker", sys.modules[__name__])
     os.environ.setdefault("PARTC_TIMEOUT_S", "120")
     main()
