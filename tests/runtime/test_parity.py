@@ -76,9 +76,9 @@ def launch(nproc: int, cases: list[str], out: Path, *, worker: Path = WORKER,
     return [json.loads(f.read_text()) for f in files]
 
 
-# Every launch declared with :func:`launched`: fixture name -> (its module, processes,
+# Every launch declared with :func:`launched`: (its module, fixture name) -> (processes,
 # cases). The launches of one process count share one torchrun (:func:`pooled`).
-LAUNCHES: dict[str, tuple[str, int, list[str]]] = {}
+LAUNCHES: dict[tuple[str, str], tuple[int, list[str]]] = {}
 
 
 def launched(name: str, nproc: int, cases: list[str], worker: str | None = None):
@@ -90,8 +90,7 @@ def launched(name: str, nproc: int, cases: list[str], worker: str | None = None)
     (:func:`pooled`): a launch's fixed cost (torchrun, and each rank importing torch,
     partc and transformers: about 70% of a two-case launch) is paid once."""
     module = sys._getframe(1).f_globals["__name__"]
-    assert LAUNCHES.get(name, (module,))[0] == module, f"two launches named {name}"
-    LAUNCHES[name] = (module, nproc, [pooled_name(case, worker) for case in cases])
+    LAUNCHES[module, name] = (nproc, [pooled_name(case, worker) for case in cases])
 
     @pytest.fixture(scope="module", name=name)
     def fixture(request, tmp_path_factory) -> list[dict]:
@@ -112,12 +111,19 @@ def pool(session: pytest.Session, nproc: int) -> list[str]:
     session's selected tests read, in declaration order. Every xdist worker collects the
     same items, so each computes the same pool."""
     cases: dict[str, None] = {}
-    for name, (module, n, declared) in LAUNCHES.items():
+    for (module, name), (n, declared) in LAUNCHES.items():
         if n == nproc:
             bare = [case.rpartition("::")[2] for case in declared]
             read = set(_wanted(session, module, name, bare))
             cases.update(dict.fromkeys(c for c, b in zip(declared, bare) if b in read))
     return list(cases)
+
+
+# A pooled launch may hold compiled cases (tests/runtime/test_compiled.py): inductor
+# compiles in the rank itself (a pool of compile processes costs more than it saves on
+# two cores), and a stage's first step compiles while its peers wait, longer than the
+# watchdog's default minute on a loaded machine (partc.runtime.compiled).
+POOL_ENV = {"TORCHINDUCTOR_COMPILE_THREADS": "1", "PARTC_WATCHDOG_S": "600"}
 
 
 def pooled(nproc: int, cases: list[str], tmp_path_factory) -> list[dict]:
@@ -135,7 +141,8 @@ def pooled(nproc: int, cases: list[str], tmp_path_factory) -> list[dict]:
             pytest.fail(failed.read_text())
         if not results.exists():
             try:
-                ranks = launch(nproc, cases, out, timeout=max(900, 120 * len(cases)))
+                ranks = launch(nproc, cases, out, env=POOL_ENV,
+                               timeout=max(900, 120 * len(cases)))
             except pytest.fail.Exception as error:
                 out.mkdir(parents=True, exist_ok=True)
                 failed.write_text(str(error))

@@ -567,6 +567,7 @@ def run_together(names: list[str]) -> dict[str, Any]:
 def train_case(built: Built) -> dict[str, Any]:
     case, model, reference = built.case, built.model, built.reference
     program, module = built.program, built.module
+    graphs_before = _compiled_graphs()  # stages compile at their first step
     module.tp.counts.clear()
     module.tp.ring_steps = 0
     opt = module.optimizer(torch.optim.SGD, **OPTIMIZER)  # ZeRO-1 where the plan says
@@ -665,7 +666,7 @@ def train_case(built: Built) -> dict[str, Any]:
             "fsdp_units": len({id(m._get_fsdp_state()._fsdp_param_group)
                                for m in module.module.modules() if isinstance(m, FSDPModule)
                                and m._get_fsdp_state()._fsdp_param_group is not None}),
-            "compiled_graphs": _compiled_graphs(),
+            "compiled_graphs": _compiled_graphs() - graphs_before,
             "fused_attention": sum(count_fused(m) for m in module.module.modules()
                                    if isinstance(m, torch.fx.GraphModule)),
             "optimizer_state_numel": sum(_numel_here(t) for state in getattr(opt, "optim", opt)
@@ -691,7 +692,7 @@ def train_case(built: Built) -> dict[str, Any]:
 
 
 def _compiled_graphs() -> int:
-    """Graphs torch.compile has made in this process so far."""
+    """Graphs torch.compile has made in this process so far (cases share a process)."""
     from torch._dynamo.utils import counters
     return int(counters["stats"]["unique_graphs"])
 
