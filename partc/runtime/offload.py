@@ -17,13 +17,26 @@ tensors (cast to their dtype). torch's Adam and AdamW run in their fused CPU for
 vectorised kernel over each tensor; ``benchmarks/host_adam.py`` measured it several
 times faster than the foreach form) unless the user chose a form. Its ``param_groups``
 are the device tensors' (learning-rate schedulers act on them as on any optimizer);
-their hyperparameters reach the host optimizer at every step.
+their hyperparameters reach the host optimizer at every step, and its ``state`` is the
+host optimizer's state of each master under the device tensor's key, so that
+checkpoints (``partc/runtime/checkpoint_chunks.py``) save and load the host's moments as
+any optimizer's, cut as the device tensor is.
+
+Checkpoints hold the weights at their full precision: where the device keeps a
+parameter in the compute dtype and the host its fp32 master (the gradient buckets on
+the host, mixed precision), the master is the weight a checkpoint saves and loads
+(:attr:`HostTier.weights`); elsewhere the device tensor is an exact copy of its master
+after every step, and is saved. After a load, :meth:`HostTier.after_load` brings the two
+together again (the master to the device where it was loaded, else the device's tensor
+to the master).
 """
 
 from __future__ import annotations
 
+import weakref
+from collections.abc import MutableMapping
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Iterator
 
 import torch
 from torch import nn
@@ -51,6 +64,17 @@ class HostTier:
 
     device_type: str
     counters: TierCounters = field(default_factory=TierCounters)
+    # id of a device parameter kept in the compute dtype -> its fp32 host master, the
+    # weight checkpoints and state dicts read and write (the module's doc).
+    weights: dict[int, torch.Tensor] = field(default_factory=dict)
+    # The host optimizers stepping this rank's tensors (held weakly).
+    optimizers: weakref.WeakSet = field(default_factory=weakref.WeakSet)
+
+    def after_load(self) -> None:
+        """After the rank's tensors were loaded (a checkpoint, a state dict): each host
+        optimizer's masters and the device tensors agree again (the module's doc)."""
+        for optimizer in list(self.optimizers):
+            optimizer.masters_from_device(skip=self.weights)
 
     @property
     def device(self) -> torch.device:
@@ -135,6 +159,20 @@ class HostOptimizer(torch.optim.Optimizer):
             groups.append({**{k: v for k, v in group.items() if k != "params"},
                            "params": masters})
         self.host = optimizer_class(groups, **host_kernel(optimizer_class, defaults))
+        self._device = {id(p): p for group in self.param_groups for p in group["params"]}
+        self.state = HostState(self)   # type: ignore[assignment]
+        tier.optimizers.add(self)
+
+    @torch.no_grad()
+    def masters_from_device(self, skip: dict[int, torch.Tensor]) -> None:
+        """Each master from its device tensor (after a load into the device's), or for a
+        parameter in ``skip`` (whose master was loaded) the device tensor from it."""
+        for key, param in self._device.items():
+            master = self._master[key]
+            if key in skip:
+                local_tensor(param).copy_(master)
+            else:
+                master.copy_(local_tensor(param).reshape(master.shape))
 
     def master_of(self, param: torch.Tensor) -> torch.Tensor:
         """The fp32 host master of ``param``."""
@@ -182,3 +220,38 @@ class HostOptimizer(torch.optim.Optimizer):
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.host.load_state_dict(state_dict)
+
+
+class HostState(MutableMapping):
+    """A :class:`HostOptimizer`'s ``state``: the host optimizer's state of each master,
+    keyed by the device tensor it stands for (what checkpoints read as any optimizer's
+    ``state``)."""
+
+    def __init__(self, optimizer: HostOptimizer) -> None:
+        self._optimizer = optimizer
+
+    def _master(self, param: torch.Tensor) -> torch.Tensor:
+        try:
+            return self._optimizer._master[id(param)]
+        except KeyError:
+            raise KeyError(param) from None
+
+    def __getitem__(self, param: torch.Tensor) -> dict[str, Any]:
+        master = self._master(param)
+        if master not in self._optimizer.host.state:
+            raise KeyError(param)
+        return self._optimizer.host.state[master]
+
+    def __setitem__(self, param: torch.Tensor, value: dict[str, Any]) -> None:
+        self._optimizer.host.state[self._master(param)] = value
+
+    def __delitem__(self, param: torch.Tensor) -> None:
+        del self._optimizer.host.state[self._master(param)]
+
+    def __iter__(self) -> Iterator[torch.Tensor]:
+        held = self._optimizer.host.state
+        return iter([p for key, p in self._optimizer._device.items()
+                     if self._optimizer._master[key] in held])
+
+    def __len__(self) -> int:
+        return sum(1 for _ in self)

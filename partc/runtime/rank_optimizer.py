@@ -101,8 +101,9 @@ def _offloaded(parts: RankParts, state: RankState,
         if copies is not None:   # the host holds the fp32 masters now
             with torch.no_grad():
                 for param in params:
-                    if param.is_floating_point():
+                    if param.is_floating_point() and param.dtype != copies.dtype:
                         param.data = param.data.to(copies.dtype)
+                        tier.weights[id(param)] = optimizer.master_of(param)
         return optimizer
     return HostOptimizer(state.parameters(), optimizer_class, tier, **defaults)
 

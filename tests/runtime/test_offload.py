@@ -12,6 +12,7 @@ tests/runtime/test_parity.py.
 from __future__ import annotations
 
 import copy
+import json
 
 import pytest
 import torch
@@ -19,7 +20,7 @@ import torch
 import partc
 from partc.cost.host_offload import host_traffic
 from partc.cost.pipeline_config import PipelineConfig
-from partc.errors import CheckpointError, PlanMismatchError
+from partc.errors import PlanMismatchError
 from partc.runtime.offload import HostOptimizer, HostTier
 from samples.gpt import gpt_tiny, loss_fn
 from tests.tolerances import FP32
@@ -33,18 +34,94 @@ def _batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
             torch.randint(0, VOCAB, (BATCH, SEQ), generator=g))
 
 
-def _compile(model: torch.nn.Module, offload: tuple[str, ...]) -> partc.Program:
+def _compile(model: torch.nn.Module, offload: tuple[str, ...], optimizer: str = "sgd-momentum",
+             dtype: torch.dtype = torch.float32) -> partc.Program:
     ids, _ = _batch(0)
     return partc.compile(model, (ids,), loss_fn=loss_fn, example_target=ids,
                          budget=partc.DeviceBudget(num_devices=1, device="CPU",
                                                    host_memory="1GiB"),
-                         train=partc.TrainSpec(global_batch_size=BATCH,
-                                               optimizer="sgd-momentum"),
+                         train=partc.TrainSpec(global_batch_size=BATCH, optimizer=optimizer,
+                                               dtype=dtype),
                          constraints=partc.Constraints(offload=offload, num_microbatches=2),
                          cache=None)
 
 
-def test_the_offloaded_step_trains_as_one_process_and_holds_what_the_plan_says(tmp_path):
+ADAMW = dict(lr=1e-2, weight_decay=0.1, eps=1e-6)
+
+
+def _train(module, optimizer, steps: range) -> list[float]:
+    losses = []
+    for step in steps:
+        ids, target = _batch(step)
+        losses.append(module.forward_backward(ids, target=target).item())
+        optimizer.step()
+        optimizer.zero_grad()
+    return losses
+
+
+def _weights(module) -> dict[str, torch.Tensor]:
+    return {name: tensor.detach().clone() for name, tensor in
+            module.state.full_state_dict().items()}
+
+
+def test_an_offloaded_bf16_run_resumes_bit_identically_from_the_hosts_masters(tmp_path):
+    """The host's fp32 masters and AdamW moments are the checkpoint's weights and
+    optimizer state (the device holds bf16 weights only): the resumed run is the
+    uninterrupted one, bit for bit."""
+    torch.manual_seed(0)
+    model = gpt_tiny(n_layer=1)
+    program = _compile(model, ("optimizer",), "adamw", torch.bfloat16)
+    module = program.build()
+    optimizer = module.optimizer(torch.optim.AdamW, **ADAMW)
+    _train(module, optimizer, range(1))
+    path = module.save_checkpoint(tmp_path, optimizer=optimizer, step=1)
+    # The weights saved are the fp32 masters, not the bf16 copies the device holds.
+    assert next(module.parameters()).dtype == torch.bfloat16
+    assert json.loads((path / "manifest.json").read_text())["optimizer"]["class"] == "AdamW"
+    losses = _train(module, optimizer, range(1, 2))
+    resumed = program.build()
+    resumed_optimizer = resumed.optimizer(torch.optim.AdamW, **ADAMW)
+    assert resumed.load_checkpoint(tmp_path, optimizer=resumed_optimizer)[0] == 1
+    assert _train(resumed, resumed_optimizer, range(1, 2)) == losses
+    ours, theirs = _weights(module), _weights(resumed)
+    assert all(torch.equal(ours[name], theirs[name]) for name in ours)
+    assert all(value.dtype == torch.float32 for value in ours.values())
+
+
+def test_checkpoints_move_between_plans_with_and_without_offload(tmp_path):
+    """Saved under optimizer offload and resumed without it, and the reverse: both train
+    as the uninterrupted one-process run does (fp32)."""
+    torch.manual_seed(0)
+    model = gpt_tiny(n_layer=1)
+    reference = copy.deepcopy(model)
+    reference_optimizer = torch.optim.AdamW(reference.parameters(), **ADAMW)
+    expected = []
+    for step in range(2):
+        ids, target = _batch(step)
+        loss = loss_fn(reference(ids), target)
+        loss.backward()
+        reference_optimizer.step()
+        reference_optimizer.zero_grad()
+        expected.append(loss.item())
+    plans = {kind: _compile(copy.deepcopy(model), kind, "adamw")
+             for kind in (("optimizer",), ())}
+    for before, after in ((("optimizer",), ()), ((), ("optimizer",))):
+        module = plans[before].build()
+        optimizer = module.optimizer(torch.optim.AdamW, **ADAMW)
+        losses = _train(module, optimizer, range(1))
+        module.save_checkpoint(tmp_path / str(before), optimizer=optimizer, step=1)
+        resumed = plans[after].build()
+        resumed_optimizer = resumed.optimizer(torch.optim.AdamW, **ADAMW)
+        resumed.load_checkpoint(tmp_path / str(before), optimizer=resumed_optimizer)
+        losses += _train(resumed, resumed_optimizer, range(1, 2))
+        assert losses == pytest.approx(expected, rel=FP32), (before, after)
+        ours = dict(resumed.named_parameters())
+        for name, param in reference.named_parameters():
+            error = (ours[name] - param).norm() / max(param.norm().item(), 1e-3)
+            assert error < FP32, (before, after, name)
+
+
+def test_the_offloaded_step_trains_as_one_process_and_holds_what_the_plan_says():
     torch.manual_seed(0)
     model = gpt_tiny(n_layer=2)
     reference = copy.deepcopy(model)
@@ -90,9 +167,6 @@ def test_the_offloaded_step_trains_as_one_process_and_holds_what_the_plan_says(t
     out, back = host_traffic(program.problem, config, params)
     assert (counters.to_host, counters.to_device) == (STEPS * out, STEPS * back)
     assert counters.steps == STEPS
-    # Checkpoints do not read the host's state yet: refused, not saved without it.
-    with pytest.raises(CheckpointError, match="offloaded"):
-        module.save_checkpoint(tmp_path, optimizer=optimizer, step=STEPS)
 
 
 def test_the_host_adam_is_torch_adamw():
