@@ -34,6 +34,7 @@ from __future__ import annotations
 
 from typing import Iterable
 
+from partc.cost.offload_time import host_per_node
 from partc.cost.pipeline_config import PipelineConfig
 from partc.problem import DeviceNumbers, PlanningProblem
 
@@ -67,14 +68,19 @@ def device_state(problem: PlanningProblem, config: PipelineConfig, params: float
     return state
 
 
-def host_bytes(problem: PlanningProblem, config: PipelineConfig, params: float) -> int:
-    """Host bytes a rank's ``params`` parameters take: for those it steps, the fp32
-    master, the fp32 gradient and the optimizer state (0 without offload)."""
+def host_bytes_per_param(problem: PlanningProblem, config: PipelineConfig) -> float:
+    """Host bytes per parameter a rank holds: for the share it steps, the fp32 master,
+    the fp32 gradient and the optimizer state (0 without offload)."""
     if not config.offload_optimizer:
-        return 0
+        return 0.0
     precision = problem.train.precision
     per_param = 2 * precision.master_bytes + precision.optimizer_state_bytes
-    return int(round(params * stepped_share(config) * per_param))
+    return stepped_share(config) * per_param
+
+
+def host_bytes(problem: PlanningProblem, config: PipelineConfig, params: float) -> int:
+    """Host bytes a rank's ``params`` parameters take (:func:`host_bytes_per_param`)."""
+    return int(round(params * host_bytes_per_param(problem, config)))
 
 
 def host_traffic(problem: PlanningProblem, config: PipelineConfig,
@@ -149,11 +155,23 @@ def host_seconds(problem: PlanningProblem, config: PipelineConfig, params: float
 
 def host_bytes_per_node(problem: PlanningProblem, config: PipelineConfig,
                         stage_params: Iterable[float]) -> int:
-    """Host bytes a node's ranks take, its busiest stage's rank's (``stage_params``: the
-    parameters a rank of each stage holds) times the ranks of a node: every rank of a
-    node may hold that stage (an upper bound where a node spans stages)."""
+    """Host bytes a node's ranks take for optimizer and parameter offload, its busiest
+    stage's rank's (``stage_params``: the parameters a rank of each stage holds) times
+    the ranks of a node: every rank of a node may hold that stage (an upper bound where
+    a node spans stages)."""
     worst = max((host_bytes(problem, config, params) for params in stage_params), default=0)
     return worst * ranks_per_node(problem)
+
+
+def node_host_bytes(problem: PlanningProblem, config: PipelineConfig,
+                    stage_params: Iterable[float], stage_activations: list[int]) -> int:
+    """All a node's host holds, the plan's ``host_bytes_per_node``: optimizer and
+    parameter offload's (:func:`host_bytes_per_node`) and the busiest node's offloaded
+    activations (``stage_activations``: a rank's of each stage,
+    :func:`partc.cost.offload_time.host_per_node`). The solve holds every node to the
+    host's memory in the same terms (``partc/planner/stage_model.py``, constraint 10)."""
+    return host_bytes_per_node(problem, config, stage_params) \
+        + max(host_per_node(stage_activations, problem.devices), default=0)
 
 
 def host_ready(devices: DeviceNumbers) -> str | None:
