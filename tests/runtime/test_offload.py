@@ -35,13 +35,13 @@ def _batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _compile(model: torch.nn.Module, offload: tuple[str, ...], optimizer: str = "sgd-momentum",
-             dtype: torch.dtype = torch.float32) -> partc.Program:
+             dtype: torch.dtype = torch.float32, **train) -> partc.Program:
     ids, _ = _batch(0)
     return partc.compile(model, (ids,), loss_fn=loss_fn, example_target=ids,
                          budget=partc.DeviceBudget(num_devices=1, device="CPU",
                                                    host_memory="1GiB"),
                          train=partc.TrainSpec(global_batch_size=BATCH, optimizer=optimizer,
-                                               dtype=dtype),
+                                               dtype=dtype, **train),
                          constraints=partc.Constraints(offload=offload, num_microbatches=2),
                          cache=None)
 
@@ -125,7 +125,8 @@ def test_the_offloaded_step_trains_as_one_process_and_holds_what_the_plan_says()
     torch.manual_seed(0)
     model = gpt_tiny(n_layer=2)
     reference = copy.deepcopy(model)
-    program = _compile(model, ("optimizer",))
+    # Buckets (and the host step's chunks) of 20k elements: the step runs in several.
+    program = _compile(model, ("optimizer",), bucket_elements=20_000)
     plan = program.plan
     memory = plan.stages[0].memory_bytes
     # The device holds the weights only: no optimizer state, no gradient (streamed out
@@ -145,9 +146,16 @@ def test_the_offloaded_step_trains_as_one_process_and_holds_what_the_plan_says()
     reference_optimizer = torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9)
     counters = module.parts.host.counters
     counters.reset()
+    config = PipelineConfig(pp=1, dp=1, micro_batch_size=plan.micro_batch_size,
+                            num_microbatches=plan.num_microbatches, schedule=plan.schedule,
+                            offload_optimizer=True)
+    out, back = host_traffic(program.problem, config, params)
     for step in range(STEPS):
         ids, target = _batch(step)
+        before = (counters.to_host, counters.to_device)
         loss = module.forward_backward(ids, target=target)
+        # Every gradient went out as backward made it, before the step.
+        assert (counters.to_host - before[0], counters.to_device) == (out, before[1])
         optimizer.step()
         optimizer.zero_grad()
         expected = loss_fn(reference(ids), target)
@@ -161,12 +169,14 @@ def test_the_offloaded_step_trains_as_one_process_and_holds_what_the_plan_says()
         assert error < FP32, name
     # What the host holds and what crossed the link each step: the plan's figures.
     assert counters.host_resident == plan.host_bytes_per_node
-    config = PipelineConfig(pp=1, dp=1, micro_batch_size=plan.micro_batch_size,
-                            num_microbatches=plan.num_microbatches, schedule=plan.schedule,
-                            offload_optimizer=True)
-    out, back = host_traffic(program.problem, config, params)
     assert (counters.to_host, counters.to_device) == (STEPS * out, STEPS * back)
     assert counters.steps == STEPS
+    # All of it streamed in backward; the weights back of every chunk but the last were
+    # copied while the host still stepped (what a GPU overlaps: partc.cost.host_offload).
+    chunks = optimizer.chunks
+    last = sum(p.numel() * p.element_size() for p in chunks[-1])
+    assert len(chunks) > 2 and counters.streamed == counters.to_host
+    assert counters.overlapped == STEPS * (back - last)
 
 
 def test_the_host_adam_is_torch_adamw():
