@@ -24,9 +24,11 @@ Copies run at the link's rate each way (``host_to_device_bandwidth``,
 ``device_to_host_bandwidth``). What the runtime overlaps, and so what is priced hidden:
 
 - the gradients streamed out in backward (one replica: the host buckets) go on a copy
-  stream beside the layer's backward; a microbatch's layer pays what its copy takes
-  beyond its backward, ``max(0, bytes / rate - backward)`` (:func:`streamed_exposed`),
-  as activation offload's copies (:mod:`partc.cost.offload_time`);
+  stream beside the layer's backward, and the host adds each into its bucket as it
+  lands (:func:`accumulate_seconds`); a microbatch's layer pays what the longer of the
+  two takes beyond its backward, ``max(0, max(copy, add) - backward)``
+  (:func:`streamed_exposed`), as activation offload's copies
+  (:mod:`partc.cost.offload_time`);
 - the step is pipelined in chunks of ``bucket_elements`` (``HostOptimizer``): the
   gradients out (where not streamed), the host's step and the weights back run as a
   three-stage pipeline, so the step's tail pays the busiest stage for every parameter
@@ -35,10 +37,9 @@ Copies run at the link's rate each way (``host_to_device_bandwidth``,
 
 Both only where the device copies on a stream of its own (``dispatch_ahead``: a GPU);
 on a CPU the host is the device and every copy and the step run one after another,
-priced whole. What is not hidden: the host's step itself never overlaps backward (it
-needs the whole step's gradients, their norm for clipping and the check for non-finite
-values first), the host's adds of each streamed gradient into its bucket are not priced
-(host memory bandwidth, beside the device's backward), parameter offload's copies are
+priced whole (the copy and the add). What is not hidden: the host's step itself never
+overlaps backward (it needs the whole step's gradients, their norm for clipping and the
+check for non-finite values first), parameter offload's copies are
 FSDP2's (its shards in for each all-gather, its gradient shards out) and stay priced
 exposed in the layer's forward and backward, and so do a tied weight's streamed
 gradients (:func:`microbatch_seconds`). The host's step runs at ``host_adam_rate``
@@ -143,17 +144,36 @@ def microbatch_seconds(problem: PlanningProblem, config: PipelineConfig,
         return shard / back, shard / back + shard / out
     if streams_gradients(config):
         copy = params * precision.compute_bytes / out
-        return 0.0, streamed_exposed(problem, copy, backward_s)
+        return 0.0, streamed_exposed(problem, copy, accumulate_seconds(problem, params),
+                                     backward_s)
     return 0.0, 0.0
 
 
-def streamed_exposed(problem: PlanningProblem, copy_s: float,
+# Bytes per parameter the host's fused AdamW step moves (fp32 parameter, its two
+# moments read and written, the gradient read) against an add of a gradient into an
+# fp32 bucket slot (the bucket read and written, the gradient read in the compute
+# dtype): both bound by the host's memory, the add runs that much faster than the step
+# ``host_adam_rate`` measures.
+ADAM_BYTES = 28
+
+
+def accumulate_seconds(problem: PlanningProblem, params: float) -> float:
+    """The host's adds of one microbatch's gradients of ``params`` parameters into the
+    host buckets, at the rank's share of the node's host rate (:data:`ADAM_BYTES`)."""
+    devices = problem.devices
+    added = 8 + problem.train.precision.compute_bytes
+    rate = devices.host_adam_rate * ADAM_BYTES / added / ranks_per_node(problem)
+    return params / rate
+
+
+def streamed_exposed(problem: PlanningProblem, copy_s: float, add_s: float,
                      backward_s: float | None) -> float:
-    """What a copy of ``copy_s`` streamed beside a ``backward_s`` backward leaves
-    exposed: its excess on a device with a copy stream, else all of it."""
+    """What gradients streamed beside a ``backward_s`` backward leave exposed, their
+    copy taking ``copy_s`` and the host's adds ``add_s``: the longer one's excess on a
+    device with a copy stream (the host adds while the device runs ahead), else both."""
     if backward_s is None or not problem.devices.dispatch_ahead:
-        return copy_s
-    return max(0.0, copy_s - backward_s)
+        return copy_s + add_s
+    return max(0.0, max(copy_s, add_s) - backward_s)
 
 
 def ranks_per_node(problem: PlanningProblem) -> int:
