@@ -1,12 +1,14 @@
 """Optimizer offload in one process: the step on the host tier trains as the optimizer on
-the device does, the host holds and moves the bytes the plan prices, and the host's Adam
-is torch's AdamW.
+the device does, the host holds and moves the bytes the plan prices (the gradients
+streamed in backward, the step pipelined in chunks), the host's Adam is torch's AdamW,
+and checkpoints of it resume bit-identically and on plans without offload (and back).
 
 On a CPU the host tier is the same memory as the "device", but its tensors (masters,
 gradient buckets, the optimizer's state) are its own and counted by the runtime
 (``partc.runtime.offload.TierCounters``), so the plan's figures are checked against what
 the runtime made. Parity under pp, dp (ZeRO-1, ZeRO-3 with parameter offload) and tp:
-tests/runtime/test_parity.py.
+tests/runtime/test_parity.py; checkpoints of those resumed across plans (-m slow):
+tests/runtime/test_checkpoint.py.
 """
 
 from __future__ import annotations
