@@ -19,9 +19,11 @@ from partc.cost.communication import (bucket_latency_seconds, cut_bytes, cut_tab
 from partc.cost.cp_attention import cp_seconds, cp_transient_bytes
 from partc.cost.experts_cost import expert_dp_config, moe_layer_figures
 from partc.cost.fp8_pricing import fp8_workspace_bytes, pricing
-from partc.cost.host_offload import microbatch_seconds
+from partc.cost.host_offload import (host_bytes_per_param, host_fill_seconds,
+                                     microbatch_seconds, ranks_per_node)
 from partc.cost.layer_compute import layer_work, run_layer
-from partc.cost.offload_time import host_limit, in_flight_bytes, offload_entries
+from partc.cost.offload_time import (host_limit, in_flight_bytes, offload_entries,
+                                     stages_per_node)
 from partc.cost.pipeline_config import (PS_PER_S, PipelineConfig, grad_config, overlapped,
                                         permille, split_factor, stage_limits, to_ps)
 from partc.cost.schedules import runs_compiled, schedule as schedule_info
@@ -101,6 +103,16 @@ class CostTable:
     # A rank's share of its node's host memory for offloaded activations
     # (:func:`partc.cost.offload_time.host_limit`); None: not known, no limit.
     host_limit: int | None = None
+    # A node's host memory (None: not known, no limit), the host bytes per parameter a
+    # rank keeps for optimizer and parameter offload
+    # (:func:`partc.cost.host_offload.host_bytes_per_param`), the ranks of a node, and
+    # per node how many of its ranks hold each stage
+    # (:func:`partc.cost.offload_time.stages_per_node`): what the solve holds every
+    # node's host to, as the validator counts it.
+    host_memory: int | None = None
+    host_per_param: float = 0.0
+    ranks_per_node: int = 1
+    host_nodes: tuple[tuple[int, ...], ...] = ()
 
     @property
     def num_layers(self) -> int:
@@ -164,8 +176,11 @@ def _layer_table(problem: PlanningProblem, config: PipelineConfig, index: int) -
     comm = tp_comm_seconds(problem, config, layer)
     phases = layer_phases(problem, config, index, layer, work, comm)
     zero = phases.zero
-    # Offload's copies of each microbatch (partc.cost.host_offload), exposed.
-    copy_forward, copy_backward = microbatch_seconds(problem, config, layer.param_count)
+    # Offload's copies of each microbatch (partc.cost.host_offload): what the backward
+    # they stream beside leaves exposed.
+    copy_forward, copy_backward = microbatch_seconds(
+        problem, config, layer.param_count,
+        overlapped(phases.backward_s, zero["backward"], devices.comm_overlap))
     # Full recompute replays the layer's forward, collectives included; selective
     # replays the attention cores, which hold no tensor-parallel one (heads are split
     # over the group) but, under context parallelism, their exchange of the sequence.
@@ -389,12 +404,17 @@ def build_cost_table(problem: PlanningProblem, config: PipelineConfig,
         shared=shared,
         cut_ps=cache.cuts(problem, config),
         limits=limits,
-        tail_latency_ps=to_ps(latency) + first_gather + last_sync,
+        tail_latency_ps=to_ps(latency + host_fill_seconds(problem, config)) + first_gather
+        + last_sync,
         overlap_permille=permille(devices.comm_overlap),
         first_gather_ps=first_gather, last_sync_ps=last_sync,
         cut_bytes=cut_bytes(problem, config),
         step_sums=steps_whole_list(problem, params),
         host_limit=host_limit(devices),
+        host_memory=devices.host_memory,
+        host_per_param=host_bytes_per_param(problem, config),
+        ranks_per_node=ranks_per_node(problem),
+        host_nodes=tuple(tuple(counts) for counts in stages_per_node(config.pp, devices)),
     )
 
 

@@ -8,9 +8,8 @@ from partc.codec import dtype_named
 from partc.cost.communication import tp_comm_seconds
 from partc.cost.evaluate import Evaluation, simulated_step_ps
 from partc.cost.fp8_pricing import fp8_names, pricing
-from partc.cost.host_offload import host_bytes_per_node
+from partc.cost.host_offload import node_host_bytes
 from partc.cost.layer_compute import run_layer
-from partc.cost.offload_time import host_per_node
 from partc.cost.pipeline_config import PS_PER_S, PipelineConfig
 from partc.names import CpKind, Phase, Recompute, Schedule
 from partc.plan import (Alternative, BudgetInfo, Fp8Plan, InputSpec, Mesh, MeshOutcome, ModelInfo,
@@ -156,9 +155,9 @@ def make_plan(problem: PlanningProblem, config: PipelineConfig, evaluation: Eval
         data_parallel=data_parallel_section(problem, config, evaluation),
         offload_optimizer=config.offload_optimizer,
         offload_params=config.offload_params,
-        host_bytes_per_node=host_bytes_per_node(
-            local, config, [stage.param_count for stage in evaluation.stages])
-        + activations_per_node(problem, evaluation),
+        host_bytes_per_node=node_host_bytes(
+            local, config, [stage.param_count for stage in evaluation.stages],
+            [stage.memory.host for stage in evaluation.stages]),
         fp8=fp8_section(problem, config),
     )
 
@@ -179,14 +178,6 @@ def fp8_section(problem: PlanningProblem, config: PipelineConfig) -> Fp8Plan | N
                                           local.devices, b, scale))
     return Fp8Plan(recipe=problem.train.fp8, emulated=not problem.devices.fp8_peak_flops,
                    linears=linears)
-
-
-def activations_per_node(problem: PlanningProblem, evaluation: Evaluation) -> int:
-    """The host memory the busiest node's ranks take for offloaded activations
-    (:func:`partc.cost.offload_time.host_per_node`): their share of the plan's
-    ``host_bytes_per_node``, beside optimizer and parameter offload's."""
-    return max(host_per_node([stage.memory.host for stage in evaluation.stages],
-                             problem.devices))
 
 
 def _expert_parallel(problem: PlanningProblem, config: PipelineConfig,

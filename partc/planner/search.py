@@ -58,7 +58,7 @@ from partc import progress
 from partc.cost.cp_attention import (all_to_all_fits, context_parallel_refusal,
                                      sequence_tokens)
 from partc.cost.evaluate import Evaluation, evaluate, simulated_step_ps
-from partc.cost.host_offload import host_bytes_per_node, host_ready
+from partc.cost.host_offload import host_bytes_per_node, host_ready, node_host_bytes
 from partc.cost.pipeline_config import PS_PER_S, PipelineConfig
 from partc.cost.schedules import feature_refusal, refusal
 from partc.cost.schedules import schedule as schedule_info
@@ -236,14 +236,15 @@ def offload_choices(problem: PlanningProblem, zero_stage: int, pp: int, dp: int,
 
 
 def host_fits(problem: PlanningProblem, result: "ConfigResult | None") -> bool:
-    """Whether a solved configuration's offloaded state fits the host's memory per
-    node (:func:`partc.cost.host_offload.host_bytes_per_node`)."""
-    if result is None or not result.table.config.offload_optimizer:
+    """Whether a solved configuration's offloaded state and activations fit the host's
+    memory per node (:func:`partc.cost.host_offload.node_host_bytes`)."""
+    if result is None or problem.devices.host_memory is None:
         return True
     local = problem.variant(result.table.config.tp, result.table.config.sequence_parallel,
                             result.table.config.tp_objective)
-    need = host_bytes_per_node(local, result.table.config,
-                               [stage.param_count for stage in result.evaluation.stages])
+    stages = result.evaluation.stages
+    need = node_host_bytes(local, result.table.config, [s.param_count for s in stages],
+                           [s.memory.host for s in stages])
     return need <= problem.devices.host_memory
 
 

@@ -89,10 +89,16 @@ Constraints
         (:func:`partc.cost.state_bytes.step_bytes`);
     (9) pins: pinned stages fix ``P``, pinned recompute leaves one mode (segments never
         straddle a change of either);
-    (10) host memory, at each peak ``h`` in ``H_s``: ``sum_{j ~ s} h_j sum_k O_k
-        n[k,j,offload] <= M^host``, ``O_k`` the bytes an offloaded layer of ``k`` keeps
-        on the host per microbatch (its saved bytes without recompute), ``M^host`` a
-        rank's share of its node's host memory (none where it is not known).
+    (10) host memory, per node ``c`` (none where the host's memory is not known):
+        ``R host_state + sum_s C[c,s] host_act[s] <= M^host``, ``M^host`` the node's
+        host memory, ``R`` its ranks, ``C[c,s]`` how many of them hold stage ``s``; with
+        ``host_state >= sum_k Y_k N[k,s] + sum_g Y_g h[g,s]`` for every stage, ``Y`` the
+        host bytes a rank keeps for a layer's parameters under optimizer and parameter
+        offload (fp32 master, gradient and optimizer state of its stepped share; as the
+        validator, the busiest stage's rank's counted for every rank of a node), and
+        ``host_act[s] >= sum_{j ~ s} h_j sum_k O_k n[k,j,offload]`` at each peak ``h``
+        in ``H_s``, ``O_k`` the bytes an offloaded layer of ``k`` keeps on the host per
+        microbatch (its saved bytes without recompute).
 
 The plan names each layer again: a segment's layers fill its runs in order, and on each
 stage (or run, where modes split per run) take their modes heaviest first (full,
@@ -122,6 +128,7 @@ it holds a plan at once, and it is stopped by work (deterministic seconds,
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 from dataclasses import dataclass
 from typing import Any
@@ -532,23 +539,44 @@ class StageModel:
                                <= limit)
             if step:
                 self.model.add(state + self._step(stage, held) <= limit)        # (8)
-            self._add_host(stage)                                               # (10)
+        self._add_host(held)                                                    # (10)
 
-    def _add_host(self, stage: int) -> None:
-        """(10) the offloaded layers' saved bytes on the host, at each of the stage's
-        peaks, within a rank's share of its node's host memory
-        (:func:`partc.cost.offload_time.host_limit`; none where it is not known)."""
+    def _add_host(self, held: list[list]) -> None:
+        """(10) every node's host: optimizer and parameter offload's bytes of the
+        busiest stage's rank for each of its ranks, and the offloaded layers' saved
+        bytes of each of its ranks at their stage's worst peak, within the node's host
+        memory (none where it is not known)."""
         table, units = self.table, self.memory_units
-        if table.host_limit is None:
+        if table.host_memory is None:
             return
+        limit = units(table.host_memory, limit=True)
+
+        def kept(row) -> int:   # Y: rounded up, as every size in units
+            return units(math.ceil(row.param_count * table.host_per_param))
+
+        state: Any = 0
+        if table.host_per_param:
+            state = self.model.new_int_var(0, limit, "host_state")
+            for stage in self.ranks:
+                self._require(state >= self._stage_sum(stage, held, kept))
+        activations = [self._host_activations(stage, limit) for stage in self.ranks]
+        for counts in table.host_nodes:
+            self._require(table.ranks_per_node * state + sum(
+                count * part for count, part in zip(counts, activations)) <= limit)
+
+    def _host_activations(self, stage: int, limit: int) -> Any:
+        """(10) ``host_act[s]``: the offloaded layers' saved bytes a rank of the stage
+        keeps on the host at its worst peak (0 where it offloads none)."""
+        table, units = self.table, self.memory_units
         host = {runs: sum(units(host_bytes(table.layers[self.segments[k].first], r)) * count
                           for (k, r), count in self.unit_count[u].items() if r == "offload")
                 for u, (rank, runs) in enumerate(self.mode_units) if rank == stage}
         if not any(not isinstance(part, int) or part for part in host.values()):
-            return
-        limit = units(table.host_limit, limit=True)
+            return 0
+        worst = self.model.new_int_var(0, limit, f"host_activations_stage{stage}")
         for count in self._peaks(stage):
-            self._require(sum(count[runs[0]] * part for runs, part in host.items()) <= limit)
+            self._require(worst >= sum(count[runs[0]] * part for runs, part in host.items()))
+        return worst
 
     def _step(self, stage: int, held: list[list]) -> Any:
         """(8) the optimizer step's temporaries on the stage: its rows' and shared

@@ -12,7 +12,7 @@ import math
 
 from partc.cost.cp_attention import all_to_all_fits, context_parallel_refusal
 from partc.cost.evaluate import Evaluation, evaluate, simulated_step_ps
-from partc.cost.host_offload import host_bytes_per_node
+from partc.cost.host_offload import node_host_bytes
 from partc.cost.offload_time import host_per_node
 from partc.cost.pipeline_config import PS_PER_S, PipelineConfig
 from partc.cost.schedules import feature_refusal, refusal
@@ -184,8 +184,8 @@ def _costs(problem: PlanningProblem, plan: Plan, errors: list[str]) -> Evaluatio
     local = problem.variant(plan.tp, plan.sequence_parallel, plan.tp_objective)
     # Optimizer and parameter offload's bytes per node, and the busiest node's offloaded
     # activations.
-    host = host_bytes_per_node(local, config, [s.param_count for s in evaluation.stages]) \
-        + max(host_per_node([s.memory.host for s in evaluation.stages], problem.devices))
+    host = node_host_bytes(local, config, [s.param_count for s in evaluation.stages],
+                           [s.memory.host for s in evaluation.stages])
     if host != plan.host_bytes_per_node:
         errors.append(f"the plan records {plan.host_bytes_per_node} host bytes per node, "
                       f"the cost model gives {host}")
