@@ -85,7 +85,11 @@ Constraints
         dropout between the regions then run whole, as the plan's
         ``sequence_parallel=False`` says, even where a fast link would make their
         sequence shards faster (reduce-scatter and all-gather cost what one all-reduce
-        does in a ring, and the shards do a ``tp``-th of the work).
+        does in a ring, and the shards do a ``tp``-th of the work);
+    (8) an in-place op writes the value it reads, not a moved copy: at an edge ``(u, v,
+        i)`` where ``v`` writes input ``i`` in place (``h.relu_()``), ``not pick[u,t] or
+        not pick[v,s]`` for each pair that needs any move (the write would land on the
+        copy, and ``u``'s other readers would miss it).
 
 Every layer has a solution without pins (all replicated). CP-SAT runs under
 :class:`partc.options.ShardingOptions` (a work limit in CP-SAT's deterministic seconds,
@@ -121,8 +125,9 @@ from partc.cost.layer_compute import op_step_seconds
 from partc.cost.pipeline_config import to_ps
 from partc.cp_sat import deterministic_solver
 from partc.options import ShardingOptions
-from partc.passes.helpers.graph import (carries_grad, is_tensorish, layer_nodes, op_name,
-                                        storage_of, tensor_inputs)
+from partc.passes.helpers.graph import (carries_grad, is_tensorish, layer_nodes,
+                                        mutated_inputs, op_name, storage_of,
+                                        tensor_inputs)
 from partc.passes.tp.carry import carried_choices
 from partc.passes.tp.rules import (NO_STRATEGY_OPS, ChunkHints, Collective, Strategy, divides,
                                    output_shape, own_collectives, redistribute, regathers,
@@ -641,12 +646,15 @@ class _LayerModel:
         else:  # made outside the layer: in its boundary placement
             outside = problem.boundary.get(producer, REPLICATE)
             sources = [(None, Strategy("boundary", outside, ()))]
+        written = producer in mutated_inputs(consumer)
         for var, chosen in zip(self.pick[consumer], problem.options[consumer]):
             need = chosen.ins[position]
             for source_var, made in sources:
                 moves = problem.edge_moves(producer, made.out, need, chosen.out)
                 if problem.leaves_plain_tp(producer, made.out, need, chosen):
                     moves = None  # (7) plain tensor parallelism
+                if moves and written:
+                    moves = None  # (8) an in-place write reads its value as made
                 both = [var] + ([source_var] if source_var is not None else [])
                 if moves is None:
                     # (3) no strategy pair whose edge needs an unsupported move.
