@@ -62,7 +62,7 @@ from partc import meta
 from partc.passes.context import Context
 from partc.passes.helpers.graph import (aliases_input, carries_grad, in_place_writers,
                                         mutated_inputs, op_name, storage_of,
-                                        tensor_inputs)
+                                        tensor_inputs, writes_read_later)
 from partc.passes.tp.chooser import Sharding
 from partc.passes.tp.rules import flattened_for_addmm, redistribute, regathers
 from partc.placement import Placement
@@ -158,6 +158,7 @@ class _Rewriter:
         self.order = {n: i for i, n in enumerate(gm.graph.nodes)}
         self.writers = in_place_writers(gm)  # storage → the nodes writing it, in order
         self.writes_seen: dict[fx.Node, int] = {}  # storage → its writers visited so far
+        self.writes_read_later = writes_read_later(gm)
 
     def group(self, first_use: fx.Node) -> fx.Node:
         """The node that reads the group in ``first_use``'s layer; made just before
@@ -232,7 +233,7 @@ class _Rewriter:
             if source is not producer:
                 node.replace_input_with(producer, source)
             return
-        if producer in mutated_inputs(node):
+        if (node, producer) in self.writes_read_later:
             # The chooser's constraint (8): the write would land on the moved copy.
             raise AssertionError(f"{node.name} writes {producer.name} in place but reads "
                                  f"it moved from {have} to {need}")

@@ -16,7 +16,8 @@ from partc import meta
 from partc.cost.collectives import Group
 from partc.passes.tp import chooser as tp_chooser
 from partc.passes.estimate import estimate
-from partc.passes.helpers.graph import aliases_input, op_name, storage_of
+from partc.passes.helpers.graph import (aliases_input, op_name, storage_of,
+                                        writes_read_later)
 from partc.passes.layers import layers
 from partc.passes.propagate import propagate
 from partc.passes.tp.rewrite import GROUP, copy_module, fuse_rings, tp_rewrite
@@ -424,3 +425,35 @@ def test_a_move_is_not_shared_across_an_in_place_write():
                  and getattr(n.args[0], "target", None) == GROUP
                  and n.args[1] is written.args[0]]
         assert sorted(order[n] > order[written] for n in moves) == [False, True], gm.code
+
+
+def _read_on(x: torch.Tensor) -> torch.Tensor:
+    h = torch.tanh(x)
+    h.relu_()
+    return h * 2
+
+
+def _result_read_on(x: torch.Tensor) -> torch.Tensor:
+    h = torch.tanh(x)
+    return nn.functional.relu(h, inplace=True) * 2
+
+
+def _view_read_on(x: torch.Tensor) -> torch.Tensor:
+    h = torch.tanh(x)
+    flat = h.view(-1)
+    h.relu_()
+    return flat * 2
+
+
+@pytest.mark.parametrize("forward, must_land", [
+    (_read_on, True), (_result_read_on, False), (_view_read_on, True)])
+def test_a_write_must_land_on_its_value_only_where_the_value_is_read_after_it(
+        forward, must_land):
+    # Where only the write's result is read on (nn.ReLU(inplace=True) as a random
+    # model's block has it), the chooser may move the value to the write: a write to
+    # the copy computes the same. Forbidding that too left a ring's output (a view a
+    # custom Function made) written in place, which autograd refuses.
+    gm = fx.symbolic_trace(forward)
+    found = {(writer.name, value.name) for writer, value in writes_read_later(gm)}
+    writer = next(n.name for n in gm.graph.nodes if "relu" in n.name)
+    assert found == ({(writer, "tanh")} if must_land else set())
