@@ -12,8 +12,11 @@ chooser or rebuilt from a plan by ``chooser.apply``):
 - a sharded parameter's attribute becomes a stand-in of this rank's shard;
 - where a value's placement differs from what its consumer needs, a collective moves it
   (``tp.reduce_from_tp(x)``, ``tp.gather_from_tp(x, dim)``, …), once per value and
-  target placement, shared by the consumers that need the same;
-- values that leave their layer are brought to the layer boundary's placement;
+  target placement, shared by the consumers that need the same (and made again for
+  those after an in-place write to the value: a moved value is a copy);
+- values that leave their layer are brought to the layer boundary's placement, after
+  the in-place writes their layer makes to them (``h = gelu(x); h.relu_()``: the later
+  layers read the written ``h``);
 - ops whose arguments hold sizes (``view``, ``reshape``, ``expand``, ``split``) get the
   local size of the dim they shard; ``x.size()`` of a sharded ``x`` asks for the global
   size (``tp.global_size``), so size arithmetic in the model's code keeps its meaning;
@@ -57,7 +60,9 @@ from torch import fx
 
 from partc import meta
 from partc.passes.context import Context
-from partc.passes.helpers.graph import carries_grad, op_name, tensor_inputs
+from partc.passes.helpers.graph import (aliases_input, carries_grad, in_place_writers,
+                                        mutated_inputs, op_name, storage_of,
+                                        tensor_inputs, writes_read_later)
 from partc.passes.tp.chooser import Sharding
 from partc.passes.tp.rules import flattened_for_addmm, redistribute, regathers
 from partc.placement import Placement
@@ -148,6 +153,12 @@ class _Rewriter:
         self.group_reads: dict[int, fx.Node] = {}  # layer index → its get_attr of the group
         # Linears reading a gathered shard → (the gathered node, the shard, its dim).
         self.regather: dict[fx.Node, tuple[fx.Node, fx.Node, int]] = {}
+        # In-place writes: a collective moves a copy, so one that reads a value must run
+        # after the writes its readers see (eager order), not right after the value.
+        self.order = {n: i for i, n in enumerate(gm.graph.nodes)}
+        self.writers = in_place_writers(gm)  # storage → the nodes writing it, in order
+        self.writes_seen: dict[fx.Node, int] = {}  # storage → its writers visited so far
+        self.writes_read_later = writes_read_later(gm)
 
     def group(self, first_use: fx.Node) -> fx.Node:
         """The node that reads the group in ``first_use``'s layer; made just before
@@ -195,6 +206,9 @@ class _Rewriter:
             self._global_sizes(node)
         if chosen is not None and node in self.s.boundary and node.op != "get_attr":
             self._to_boundary(node, chosen.out, self.s.boundary[node])
+        for written in mutated_inputs(node):
+            storage = storage_of(written, aliases_input)
+            self.writes_seen[storage] = self.writes_seen.get(storage, 0) + 1
 
     def _feed(self, node: fx.Node, producer: fx.Node, need: Placement, out: Placement,
               position: int) -> None:
@@ -219,6 +233,10 @@ class _Rewriter:
             if source is not producer:
                 node.replace_input_with(producer, source)
             return
+        if (node, producer) in self.writes_read_later:
+            # The chooser's constraint (8): the write would land on the moved copy.
+            raise AssertionError(f"{node.name} writes {producer.name} in place but reads "
+                                 f"it moved from {have} to {need}")
         moved = self._move(source, have, need, grad_partial, node)
         node.replace_input_with(producer, moved)
         if regathers(node, position, have, need, grad_partial):
@@ -251,7 +269,10 @@ class _Rewriter:
 
     def _move(self, source: fx.Node, have: Placement, need: Placement, grad_partial: bool,
               before: fx.Node) -> fx.Node:
-        key = (source, have, need, grad_partial)
+        # A move made before an in-place write to ``source`` holds the value before it:
+        # consumers after the write get their own.
+        writes = self.writes_seen.get(storage_of(source, aliases_input), 0)
+        key = (source, writes, have, need, grad_partial)
         if key in self.moved:
             return self.moved[key]
         if redistribute(have, need, grad_partial) is None:
@@ -275,10 +296,19 @@ class _Rewriter:
             return
         method, args = _collective(have, need, False)
         group = self.group(node)
-        with self.gm.graph.inserting_after(node):
+        with self.gm.graph.inserting_after(self._last_write(node)):
             moved = self.gm.graph.call_method(method, (group, node, *args))
         _set_layer(moved, node)
         self.at_boundary[node] = moved
+
+    def _last_write(self, node: fx.Node) -> fx.Node:
+        """The last node of ``node``'s layer that writes its value in place after it
+        (``h.relu_()`` after ``h = gelu(x)``), else ``node``: the value later layers read
+        is the one after those writes."""
+        layer = meta.layer(node).index
+        later = [w for w in self.writers.get(storage_of(node, aliases_input), ())
+                 if self.order[w] > self.order[node] and meta.layer(w).index == layer]
+        return later[-1] if later else node
 
     # ------------------------------------------------------------------ sizes
     def _local_sizes(self, node: fx.Node, chosen) -> None:
