@@ -262,8 +262,7 @@ def _stage_bucket(problem: PlanningProblem, params: int, config: PipelineConfig)
 
 def _rank_params(problem: PlanningProblem) -> int:
     """The parameters of the model (a tensor-parallel rank's, in its variant)."""
-    return sum(layer.param_count for layer in problem.layers) + sum(
-        shared.param_count for shared in problem.model.shared)
+    return problem.model.param_count
 
 
 def bucket_latency_seconds(problem: PlanningProblem, config: PipelineConfig) -> float:
