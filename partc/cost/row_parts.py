@@ -13,8 +13,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from partc.cost.communication import (gather_ps, sync_ps, tail_ps, tp_comm_seconds,
-                                      zero_comm_seconds, zero_overhead_seconds)
+from partc.cost.communication import (gather_ps, keeps_buckets, sync_ps, tail_ps,
+                                      tp_comm_seconds, zero_comm_seconds,
+                                      zero_overhead_seconds)
 from partc.cost.cp_attention import cp_seconds, cp_transient_bytes
 from partc.cost.fp8_pricing import fp8_workspace_bytes, pricing
 from partc.cost.host_offload import microbatch_seconds
@@ -118,14 +119,19 @@ def param_part(problem: PlanningProblem, config: PipelineConfig, layer: Any,
     dp x cp replicas) and as the microbatches' copies do, the layer's parameter counts
     and the tensor-parallel variant (whose parameters FSDP's units are sized against)."""
     count, tensors = layer.param_count, layer.param_tensors
-    key = ("params", id(problem.model), config.grad_dp, config.dp, config.tp, config.pp,
-           config.ep, config.num_microbatches, config.zero_stage, config.zero2_grad_sync,
+    params = grad_config(config)   # the parameters' replicas: dp x cp
+    # The microbatches count by number only where the host copies each one, or autograd
+    # accumulates into .grad; elsewhere as one or several (keeps_buckets, reduces_once).
+    microbatches = config.num_microbatches
+    if not config.offload_optimizer and keeps_buckets(problem, params):
+        microbatches = min(microbatches, 2)
+    key = ("params", id(problem.model), params.dp, config.dp, config.tp, config.pp,
+           config.ep, microbatches, config.zero_stage, config.zero2_grad_sync,
            config.offload_optimizer, config.offload_params, count, tensors,
            layer.largest_param)
     known = parts.get(key)
     if known is not None and known[0] is problem.model:
         return known[1]
-    params = grad_config(config)   # the parameters' replicas: dp x cp
     part = ParamPart(
         zero=zero_comm_seconds(problem, params, count),
         own=zero_overhead_seconds(problem, params, count, tensors),
