@@ -13,7 +13,13 @@ Targets on this 2-core machine: trace + plan under 10 s (median of 3) for Llama-
 re-plan after a memory change under 1 s, the plan feasible with its gap reported.
 
     python benchmarks/plan_time.py [--repeats 3] [--workloads llama3-70b gpt-1t llama3-8b]
-        [--work-limit W] [--profile]
+        [--work-limit W] [--profile] [--versus-export]
+
+``--versus-export``: instead, for each workload, one cold ``partc.compile`` (no cache)
+and one plain ``torch.export`` of the same model, each in a fresh process, in CPU
+seconds (the call alone, and the whole process with its imports and the model's
+building), side by side with their ratio: CPU time, which a busy machine inflates less
+than wall time.
 
 Workloads:
 
@@ -32,7 +38,9 @@ from __future__ import annotations
 import argparse
 import cProfile
 import pstats
+import resource
 import statistics
+import subprocess
 import sys
 import time
 from dataclasses import dataclass
@@ -161,6 +169,35 @@ def run(workload: Workload, args) -> None:
         print(f"    {what:<34} {seconds:6.2f} s   {describe(plan)}")
 
 
+def one_call(workload: Workload, what: str) -> None:
+    """In this process: one cold plan or one torch.export; prints the call's CPU s."""
+    work = workload.build()
+    start = time.process_time()
+    if what == "export":
+        torch.export.export(work["model"], work["example_inputs"], strict=False)
+    else:
+        partc.compile(work["model"], work["example_inputs"], budget=workload.budget(),
+                      train=work["train"], loss_fn=work["loss_fn"],
+                      example_target=work["example_target"], name=work["name"], cache=None)
+    print(f"{time.process_time() - start:.3f}")
+
+
+def versus_export(workload: Workload) -> None:
+    """One cold plan against one torch.export, each in a fresh process, in CPU s."""
+    figures = {}
+    for what in ("export", "plan"):
+        before = resource.getrusage(resource.RUSAGE_CHILDREN)
+        done = subprocess.run([sys.executable, __file__, "--one", what, "--workloads",
+                               workload.name], capture_output=True, text=True, check=True)
+        after = resource.getrusage(resource.RUSAGE_CHILDREN)
+        process = (after.ru_utime + after.ru_stime) - (before.ru_utime + before.ru_stime)
+        figures[what] = (float(done.stdout.split()[-1]), process)
+    (export_call, export_all), (plan_call, plan_all) = figures["export"], figures["plan"]
+    print(f"{workload.name}: cold plan {plan_call:.1f} CPU-s (process {plan_all:.1f}), "
+          f"torch.export {export_call:.1f} CPU-s (process {export_all:.1f}): "
+          f"{plan_call / export_call:.2f}x (process {plan_all / export_all:.2f}x)")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=3)
@@ -170,7 +207,17 @@ def main() -> None:
                         help="the planner's work limit, deterministic seconds of CP-SAT work")
     parser.add_argument("--profile", action="store_true",
                         help="cProfile the first workload's cold run")
+    parser.add_argument("--versus-export", action="store_true",
+                        help="CPU s of one cold plan against one torch.export, instead")
+    parser.add_argument("--one", choices=("plan", "export"), help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.one:
+        one_call(WORKLOADS[args.workloads[0]], args.one)
+        return
+    if args.versus_export:
+        for name in args.workloads:
+            versus_export(WORKLOADS[name])
+        return
     if args.profile:
         profile = cProfile.Profile()
         profile.runcall(cold_run, WORKLOADS[args.workloads[0]],

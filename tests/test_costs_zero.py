@@ -16,6 +16,7 @@ import torch
 
 import partc
 from partc.cost.evaluate import evaluate
+from partc.cost.layer_compute import layer_work
 from partc.cost.pipeline_config import PS_PER_S, PipelineConfig, overlapped, to_ps
 from partc.cost.state_bytes import zero_state_bytes
 from partc.cost.tables import build_cost_table
@@ -366,3 +367,29 @@ def test_offload_on_a_device_with_a_copy_stream_hides_what_the_runtime_overlaps(
     slow = replace(hand, devices=replace(hand.devices, device_to_host_bandwidth=5e8))
     exposed = build_cost_table(slow, offloaded).layers[0].backward_ps
     assert exposed / PS_PER_S == pytest.approx(4 * params / 5e8, rel=1e-6)
+def test_rows_share_their_parts_between_configurations_and_equal_rows_built_alone(
+        monkeypatch):
+    """A TableCache prices a layer's compute once per micro-batch size and schedule kind
+    (whatever dp, pp, ZeRO stage or offload), and its parameters' figures once per
+    data-parallel layout: every row still equals the row built without sharing."""
+    import partc.cost.row_parts as row_parts
+    import partc.cost.tables as tables
+
+    problem = _dp_program("1GiB", zero_stage=0).problem
+    configs = [PipelineConfig(pp=pp, dp=2 // pp, micro_batch_size=b,
+                              num_microbatches=8 // (b * (2 // pp)), schedule=schedule,
+                              chunks=chunks, zero_stage=zero, offload_optimizer=offload,
+                              offload_params=offload and zero == 3)
+               for pp in (1, 2) for b in (1, 2)
+               for schedule, chunks in (("1f1b", 1), ("zbv-zero-bubble", 2)) if chunks <= pp
+               for zero in range(4) for offload in (False, True)]
+    alone = [build_cost_table(problem, config).layers for config in configs]
+    priced = []
+    monkeypatch.setattr(row_parts, "layer_work",
+                        lambda *args, **kwargs: priced.append(1) or layer_work(*args, **kwargs))
+    cache = tables.TableCache()
+    shared = [build_cost_table(problem, config, cache).layers for config in configs]
+    assert shared == alone
+    kinds = {(c.micro_batch_size, c.schedule) for c in configs}   # 4 compute families
+    distinct = len(cache._layer_groups(problem)[1])
+    assert len(priced) == len(kinds) * distinct < len(configs) * distinct
