@@ -31,6 +31,8 @@ chooser or rebuilt from a plan by ``chooser.apply``):
   whose output only the reduce-scatter to the sequence shard reads becomes
   ``tp.linear_reduce_scatter``: the runtime runs each as a ring that hides the
   collective behind the matmuls (:mod:`partc.runtime.tp_rings`, :func:`fuse_rings`).
+  GPT-2's ``Conv1D`` products (``addmm`` over the flattened input, an (in, out)
+  weight) join them as the linears of the transposed weight they are.
 
 The graph is the same on every rank of the group (ranks differ only in which shard they
 hold, and the group knows its rank at run time), so one emitted file serves the group.
