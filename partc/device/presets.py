@@ -40,8 +40,7 @@ _GPU_KERNEL_S = 3e-6
 # - the kernel overhead, _GPU_KERNEL_S;
 # - FSDP2's own work under ZeRO-2/3: 0, its hooks, bookkeeping and copy kernels' launches
 #   run on the host ahead of the GPU's kernels (not measured on one);
-# - comm_overlap 1: NCCL runs on its own SMs and copy engines (the Hopper presets
-#   replace it with _HOPPER_COMM_OVERLAP, fitted);
+# - comm_overlap 1: NCCL runs on its own SMs and copy engines;
 # - split_backward_factor 1 (not measured: the second autograd walk hides behind queued
 #   kernels).
 # A profile measured on the machine replaces them all.
@@ -147,21 +146,6 @@ _HOPPER_HOST = dict(host_memory=2 * 10**12, host_to_device_bandwidth=50 * GB,
 _AMPERE_HOST = dict(host_to_device_bandwidth=25 * GB, device_to_host_bandwidth=25 * GB,
                     host_adam_rate=3e9)
 
-# Hopper's share of a collective that compute running beside it hides (comm_overlap):
-# NCCL's kernels take SMs and HBM bandwidth from the matmuls they run beside, so a
-# collective overlapped with compute still slows it. Not measured on a GPU here; fitted
-# on Megatron-Core's published H100 weak scaling (tests/validation/mcore.py's table) with
-# every other figure as it stands, the model as Hugging Face writes it and no switches
-# (benchmarks/kernel_defaults.py, which prints every row): on the two unpipelined rows
-# whose tensor-parallel rings and data-parallel traffic both run beside compute, 16B
-# (tp 4) and 32B (tp 8), the predicted step over the published one is 0.89x and 0.86x
-# at 1, 0.98x and 1.04x at 0.8; linear between the two, 16B is met at 0.76 and 32B at
-# 0.84. Their mean, to a tenth: 0.8. Held out, the other rows (1.7B to 462B, and Llama
-# 3 405B on its published mesh) are predicted at it (benchmarks/kernel_defaults.py
-# prints them). The A100 presets keep 1: nothing published here was run on them with
-# overlapped collectives to fit it on.
-_HOPPER_COMM_OVERLAP = 0.8
-
 # Hopper's dense FP8 tensor-core peak (NVIDIA's H100 SXM and H200 datasheets: 3,958
 # TFLOP/s FP8 "with sparsity", half of it dense), twice the bf16 peak. The A100s have no
 # FP8 matmuls; the CPU preset none either (torchao emulates FP8 there, at fp32's rate).
@@ -189,8 +173,7 @@ PRESETS: dict[str, DevicePreset] = {
             intra_node_bandwidth=300 * GB, inter_node_bandwidth=25 * GB,
             link_latency_s=10e-6, intra_node_latency_s=2e-6, flops_efficiency=0.6),
         DevicePreset(
-            name="H100-80GB", **(_GPU_HOST | dict(comm_overlap=_HOPPER_COMM_OVERLAP)),
-            **_HOPPER_HOST,
+            name="H100-80GB", **_GPU_HOST, **_HOPPER_HOST,
             peak_flops={"float32": 67 * TFLOPS, "tf32": 494.7 * TFLOPS,
                         "bfloat16": 989.4 * TFLOPS, "float16": 989.4 * TFLOPS},
             fp8_peak_flops=_HOPPER_FP8,
@@ -202,8 +185,7 @@ PRESETS: dict[str, DevicePreset] = {
             link_latency_s=8e-6, intra_node_latency_s=2e-6, flops_efficiency=_HOPPER_MATMULS,
             attention_efficiency=_HOPPER_ATTENTION),
         DevicePreset(
-            name="H200", **(_GPU_HOST | dict(comm_overlap=_HOPPER_COMM_OVERLAP)),
-            **_HOPPER_HOST,
+            name="H200", **_GPU_HOST, **_HOPPER_HOST,
             peak_flops={"float32": 67 * TFLOPS, "tf32": 494.7 * TFLOPS,
                         "bfloat16": 989.4 * TFLOPS, "float16": 989.4 * TFLOPS},
             fp8_peak_flops=_HOPPER_FP8,
