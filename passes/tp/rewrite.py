@@ -34,6 +34,8 @@ chooser or rebuilt from a plan by ``chooser.apply``):
   whose output only the reduce-scatter to the sequence shard reads becomes
   ``tp.linear_reduce_scatter``: the runtime runs each as a ring that hides the
   collective behind the matmuls (:mod:`partc.runtime.tp_rings`, :func:`fuse_rings`).
+  GPT-2's ``Conv1D`` products (``addmm`` over the flattened input, an (in, out)
+  weight) join them as the linears of the transposed weight they are.
 
 The graph is the same on every rank of the group (ranks differ only in which shard they
 hold, and the group knows its rank at run time), so one emitted file serves the group.
@@ -52,6 +54,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import math
 import operator
 from typing import Any, Callable
 
@@ -435,6 +438,7 @@ def fuse_rings(gm: fx.GraphModule) -> None:
         if node.op != "call_method":
             continue
         if node.target == "gather_from_tp":
+            _as_linears(gm, node, order)
             _fuse_gathered_linears(gm, node, order)
         elif node.target == "reduce_scatter_to_tp":
             _fuse_linear_reduce_scatter(node, order)
@@ -467,7 +471,111 @@ def _fuse_gathered_linears(gm: fx.GraphModule, gather: fx.Node,
     gm.graph.erase_node(gather)
 
 
+def _as_linears(gm: fx.GraphModule, gather: fx.Node, order: dict[fx.Node, int]) -> None:
+    """GPT-2's ``Conv1D`` reading a gathered shard, ``addmm_of_gathered(bias,
+    gathered.view(-1, in), weight)`` (through the ``copy_to_tp`` whose backward
+    all-reduces the flattened input's gradient), as the ``linear_of_gathered`` it is:
+    ``linear_of_gathered(gathered, weight.t(), bias).flatten(0, -2)``, so that
+    :func:`_fuse_gathered_linears` makes a ring of it as of a linear (whose backward
+    reduce-scatters the input's gradient where the copy all-reduced it and the gather
+    sliced it). Left as it is unless every reader of the gather is such a product of its
+    layer, cutting rows."""
+    layer = meta.layer(gather).index
+    local = gather.args[1].meta.get("val") if isinstance(gather.args[1], fx.Node) else None
+    products = []
+    for view in gather.users:
+        value = view.meta.get("val")
+        if (view.op != "call_function" or op_name(view) not in ("view", "reshape")
+                or len(view.users) != 1 or not isinstance(value, torch.Tensor)
+                or not isinstance(local, torch.Tensor) or value.dim() != 2
+                or local.dim() < 2 or value.shape[-1] != local.shape[-1]):
+            return
+        product = next(iter(view.users))
+        copy = None
+        if product.op == "call_method" and product.target == "copy_to_tp" \
+                and len(product.users) == 1:
+            copy, product = product, next(iter(product.users))
+        if (product.op != "call_method" or product.target != "addmm_of_gathered"
+                or product.args[2] is not (copy or view) or product.kwargs
+                or meta.layer(product).index != layer
+                or product.args[5] % local.dim() == local.dim() - 1):
+            return
+        products.append((view, copy, product))
+    if not products:
+        return
+    for view, copy, product in products:
+        group, bias, _matrix, weight, shard, dim = product.args
+        transposed = _transposed(weight, product, order)
+        with gm.graph.inserting_before(product):
+            linear = gm.graph.call_method("linear_of_gathered",
+                                          (group, gather, shard, transposed, bias, dim))
+            flat = gm.graph.call_function(torch.flatten, (linear, 0, -2))
+        # The gathered shape: the shard's, its rows as many as the flattened product's.
+        whole = list(local.shape)
+        whole[dim] = product.meta["val"].shape[0] * local.shape[dim] // math.prod(
+            local.shape[:-1])
+        whole[-1] = product.meta["val"].shape[-1]
+        linear.meta["val"] = local.new_empty(whole)
+        for node in (linear, flat):
+            _set_layer(node, product)
+            order[node] = order[product]
+        product.replace_all_uses_with(flat)
+        for dead in (product, copy, view):
+            if dead is not None:
+                gm.graph.erase_node(dead)
+
+
+def _transposed(weight: fx.Node, user: fx.Node, order: dict[fx.Node, int]) -> fx.Node:
+    """``weight.t()`` (a ``Conv1D``'s (in, out) weight as a linear's), right after the
+    weight, so that it is there before any ring its user joins."""
+    with weight.graph.inserting_after(weight):
+        transposed = weight.graph.call_function(torch.t, (weight,))
+    _set_layer(transposed, user)
+    order[transposed] = order[weight]
+    return transposed
+
+
+def _addmm_as_linear(scatter: fx.Node, order: dict[fx.Node, int]) -> None:
+    """GPT-2's row-parallel ``Conv1D`` before a reduce-scatter, ``addmm(bias,
+    x.view(-1, in), weight).view(..., out)``, as the linear it is, ``F.linear(x,
+    weight.t(), bias)``, for :func:`_fuse_linear_reduce_scatter` to make a ring of."""
+    unflat = scatter.args[1]
+    if unflat.op != "call_function" or op_name(unflat) not in ("view", "reshape") \
+            or len(unflat.users) != 1 or not isinstance(unflat.args[0], fx.Node):
+        return
+    product = unflat.args[0]
+    if product.op != "call_function" or op_name(product) != "addmm" \
+            or len(product.users) != 1 or product.kwargs or len(product.args) != 3:
+        return
+    bias, matrix, weight = product.args
+    if not isinstance(matrix, fx.Node) or matrix.op != "call_function" \
+            or op_name(matrix) not in ("view", "reshape") \
+            or not isinstance(matrix.args[0], fx.Node):
+        return
+    x = matrix.args[0]
+    values = [n.meta.get("val") for n in (x, matrix, unflat)]
+    if not all(isinstance(v, torch.Tensor) for v in values):
+        return
+    x_value, matrix_value, out_value = values
+    if matrix_value.dim() != 2 or x_value.shape[-1] != matrix_value.shape[-1] \
+            or tuple(out_value.shape[:-1]) != tuple(x_value.shape[:-1]):
+        return
+    transposed = _transposed(weight, product, order)
+    with product.graph.inserting_before(product):
+        linear = product.graph.call_function(torch.nn.functional.linear,
+                                             (x, transposed, bias))
+    linear.meta["val"] = out_value
+    _set_layer(linear, product)
+    order[linear] = order[product]
+    unflat.replace_all_uses_with(linear)
+    for dead in (unflat, product):
+        dead.graph.erase_node(dead)
+    if not matrix.users:
+        matrix.graph.erase_node(matrix)
+
+
 def _fuse_linear_reduce_scatter(scatter: fx.Node, order: dict[fx.Node, int]) -> None:
+    _addmm_as_linear(scatter, order)
     group, linear, dim = scatter.args
     if (linear.op != "call_function" or op_name(linear) != "linear"
             or len(linear.users) != 1 or group.op != "get_attr"

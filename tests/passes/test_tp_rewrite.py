@@ -457,3 +457,21 @@ def test_a_write_must_land_on_its_value_only_where_the_value_is_read_after_it(
     found = {(writer.name, value.name) for writer, value in writes_read_later(gm)}
     writer = next(n.name for n in gm.graph.nodes if "relu" in n.name)
     assert found == ({(writer, "tanh")} if must_land else set())
+def test_gpt2_conv1d_products_run_as_rings_like_linears():
+    # GPT-2's Conv1D is addmm(bias, x.view(-1, in), weight) with an (in, out) weight: as
+    # the linear it is (weight.t()), the gather before c_attn and c_fc and the
+    # reduce-scatter after each c_proj run as rings beside the matmuls; nothing of the
+    # block is gathered, copied (copy_to_tp's all-reduce) or reduce-scattered apart.
+    torch.manual_seed(0)
+    gm, _ = _rewritten(models.gpt2(n_layer=1, dropout=0.0), torch.randint(0, 64, (2, 16)),
+                       sequence_parallel=True)
+    in_block = [n for n in gm.graph.nodes if meta.LAYER in n.meta
+                and meta.layer(n).name.endswith("h.0") and n.op == "call_method"]
+    targets = [n.target for n in in_block]
+    assert targets.count("linears_of_gathered") == 2, targets
+    assert targets.count("linear_reduce_scatter") == 2, targets
+    assert not {"gather_from_tp", "copy_to_tp", "reduce_scatter_to_tp",
+                "addmm_of_gathered"} & set(targets)
+    weights = [w.args[0].target for n in in_block if n.target == "linears_of_gathered"
+               for w in n.args[2]]
+    assert [w.rsplit(".", 2)[-2] for w in weights] == ["c_attn", "c_fc"]
