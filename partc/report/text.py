@@ -254,7 +254,7 @@ def _offload_rows(plan: Plan) -> list[list[str]]:
             for s in plan.stages if s.offloaded]
 
 
-def _offload_lines(plan: Plan) -> list[str]:
+def _activation_offload_lines(plan: Plan) -> list[str]:
     budget = plan.budget.figures
     link = (f"{budget.device_to_host_bandwidth / 1e9:.3g} GB/s out, "
             f"{budget.host_to_device_bandwidth / 1e9:.3g} GB/s back per device"
@@ -311,7 +311,11 @@ def _offload_lines(plan: Plan) -> list[str]:
             f"leave it out. The host's step and the copies made once per step are in the "
             f"step's tail ({format_seconds(tail)} on the busiest stage); the copies of each "
             f"microbatch (gradients streamed out, parameter shards in and out) in the layers' "
-            f"forward and backward; all exposed (not overlapped with compute)."]
+            f"forward and backward. On a GPU, which copies on a stream of its own, a layer's "
+            f"backward pays only what its streamed gradients' copy and the host's adds take "
+            f"beyond it, and the host's step runs chunk by chunk with the weights copied "
+            f"back behind it (the tail pays the busiest of the three and one chunk's fill); "
+            f"FSDP's copies of parameter shards, and every copy on a CPU, are paid whole."]
 
 
 def plan_headroom(plan: Plan) -> Headroom:
@@ -850,7 +854,7 @@ def sections(plan: Plan, timeline: Timeline | None = None) -> list[Section]:
     if any(s.offloaded for s in plan.stages):
         out.append(Section(
             key="activation_offload", title="Activation offload",
-            notes=tuple(_offload_lines(plan)),
+            notes=tuple(_activation_offload_lines(plan)),
             header=("stage", "offloaded layers", "host memory per rank",
                     "to host per step", "back per step"), rows=_rows(_offload_rows(plan))))
     if plan.data_parallel is not None:

@@ -95,6 +95,8 @@ def test_the_timeline_and_report_show_the_host_traffic():
     report = render(plan)
     assert "Activation offload" in report and "a .. b (2)" in report
     assert "7.63 MiB" in report   # 2 layers x 4 microbatches x 1 MB, each way
+    # The section says how (optimizer offload's lines once hid these under one name).
+    assert "Offloaded layers (recompute mode offload)" in report
 
 
 def test_the_hosts_memory_holds_the_optimizer_beside_offloaded_activations():
