@@ -106,6 +106,11 @@ def pooled_name(case: str, worker: str | None) -> str:
     return f"{worker}::{case}" if worker else case
 
 
+def _launched_cases() -> set[str]:
+    """The case names of every launch declared with :func:`launched`."""
+    return {case.rpartition("::")[2] for _, cases in LAUNCHES.values() for case in cases}
+
+
 def pool(session: pytest.Session, nproc: int) -> list[str]:
     """The cases of every :func:`launched` launch of ``nproc`` processes that the
     session's selected tests read, in declaration order. Every xdist worker collects the
@@ -161,8 +166,9 @@ def wanted(request: pytest.FixtureRequest, cases: list[str]) -> list[str]:
 def _wanted(session: pytest.Session, module: str, fixture: str,
             cases: list[str]) -> list[str]:
     """The ``cases`` that the selected tests of ``module`` read through ``fixture``: a
-    test parametrized by case names reads those, a test marked
-    ``@pytest.mark.reads(case, ...)`` the cases it names, any other test reads them all.
+    test parametrized by case names reads those (none of ``fixture``'s, where they are
+    another launch's), a test marked ``@pytest.mark.reads(case, ...)`` the cases it
+    names, any other test reads them all.
     So a case whose tests are all deselected (``slow`` ones in the default profile, see
     :func:`matrix`) is not run; none when no selected test uses the fixture."""
     names: set[str] = set()
@@ -173,13 +179,13 @@ def _wanted(session: pytest.Session, module: str, fixture: str,
             continue
         used = True
         params = getattr(item, "callspec", None)
-        read = {v for v in (params.params.values() if params else ())
-                if isinstance(v, str) and v in cases}
+        named = {v for v in (params.params.values() if params else ())
+                 if isinstance(v, str) and v in _launched_cases()}
         marker = item.get_closest_marker("reads")
-        read |= set(marker.args) if marker else set()
-        if not read:
+        named |= set(marker.args) if marker else set()
+        if not named:   # a test that names no case reads them all
             return list(cases)
-        names |= read
+        names |= named & set(cases)   # (a test of another launch's case reads none here)
     return [case for case in cases if case in names] if used else []
 
 
