@@ -54,6 +54,27 @@ def all_to_all_fits(attention: AttentionCost, cp: int) -> bool:
     return attention.heads % cp == 0 and attention.kv_heads % cp == 0
 
 
+def all_to_all_refusal(layers: "tuple[LayerCost, ...] | list[LayerCost]", cp: int,
+                       tp: int = 1) -> str | None:
+    """Why the all-to-all kind cannot split these layers' heads over ``cp`` ranks beside
+    tensor parallelism ``tp`` (``layers`` as one tensor-parallel rank sees them: its share
+    of the heads), or None. Ulysses re-shards each rank's heads over the cp group, so
+    under tp the heads and key/value heads must divide by cp x tp."""
+    unfit = next((layer for layer in layers if layer.attention is not None
+                  and not all_to_all_fits(layer.attention, cp)), None)
+    if unfit is None:
+        return None
+    heads, kv_heads = unfit.attention.heads, unfit.attention.kv_heads
+    if tp == 1:
+        return (f"all-to-all splits heads over cp: layer {unfit.name} has {heads} heads "
+                f"and {kv_heads} key/value heads, not both divisible by cp={cp} "
+                f"(use cp_kind='ring')")
+    return (f"all-to-all splits each tensor-parallel rank's heads over cp: layer "
+            f"{unfit.name} has {heads} heads and {kv_heads} key/value heads per rank at "
+            f"tp={tp}, not both divisible by cp={cp} (its heads and key/value heads must "
+            f"divide by cp x tp = {cp * tp}; use cp_kind='ring', or a smaller tp or cp)")
+
+
 def cp_seconds(problem: PlanningProblem, config: PipelineConfig,
                layer: LayerCost) -> dict[str, float]:
     """What context parallelism adds to a layer's forward and backward per microbatch on

@@ -14,7 +14,7 @@ from partc.errors import PlanInfeasibleError
 from partc.names import CpKind
 from partc.planner.search import candidate_configs, cp_choices
 from partc.planner.validate import validate_plan
-from partc.problem import AttentionCost, Pins
+from partc.problem import AttentionCost, Pins, TPOption
 from tests.planner.instances import devices, layer, problem
 
 ATTENTION = AttentionCost(cores=1, heads=4, kv_heads=2, head_dim=16, tokens=4096, flops=4e8)
@@ -119,3 +119,29 @@ def test_a_cp_plan_validates_and_reduces_over_its_replicas(kind):
                                        else CpKind.ALL_TO_ALL))
     with pytest.raises(Exception, match="cp_kind pinned"):
         validate_plan(prob, wrong)
+
+
+def _with_tp2(prob):
+    """``prob`` with a measured tp=2 variant holding half of each layer's heads (the 2
+    key/value heads of ATTENTION leave one per tensor-parallel rank)."""
+    halves = tuple(replace(layer, attention=replace(layer.attention, heads=2, kv_heads=1))
+                   for layer in prob.model.layers)
+    option = TPOption(tp=2, sequence_parallel=False, choices=(), placements=(),
+                      model=replace(prob.model, layers=halves))
+    return replace(prob, model=replace(prob.model, tensor_parallel=(option,)))
+
+
+@pytest.mark.parametrize("pins", [Pins(tp=2, cp=2, cp_kind="all-to-all"),
+                                  Pins(tp=2, cp_kind="all-to-all")])
+def test_all_to_all_beside_tp_is_refused_for_its_kv_heads_and_unpinned_falls_back_to_ring(pins):
+    prob = _with_tp2(_problem(num=4, pins=pins))
+    with pytest.raises(PlanInfeasibleError) as refused:
+        plan_problem(prob)
+    says = str(refused.value)
+    assert "2 heads and 1 key/value heads per rank at tp=2" in says
+    assert "divide by cp x tp = 4" in says and "cp_kind='ring'" in says
+    # With the kind left to the planner, the same mesh runs the ring.
+    free = replace(prob, pins=replace(pins, cp=2, cp_kind=None))
+    assert cp_choices(free, 2) == [(2, CpKind.RING)]
+    plan = plan_problem(free)
+    assert (plan.tp, plan.cp, plan.cp_kind) == (2, 2, CpKind.RING)
