@@ -145,3 +145,32 @@ def test_all_to_all_beside_tp_is_refused_for_its_kv_heads_and_unpinned_falls_bac
     assert cp_choices(free, 2) == [(2, CpKind.RING)]
     plan = plan_problem(free)
     assert (plan.tp, plan.cp, plan.cp_kind) == (2, 2, CpKind.RING)
+
+
+def test_a_mask_crossing_a_cut_is_not_sent_under_cp():
+    # Three tensors cross the cut, one with a gradient, one a mask made from shapes.
+    prob = _problem(num=4, batch=4, pins=Pins(pp=2, num_microbatches=2))
+    prob = replace(prob, model=replace(prob.model, cut_tensors=((3, 1, 1),)))
+    sent = {}
+    for cp in (1, 2):
+        pins = replace(prob.pins, cp=cp, dp=2 // cp, cp_kind="ring" if cp > 1 else None)
+        plan = plan_problem(replace(prob, pins=pins))
+        sent[cp] = [(s.p2p.sends, s.p2p.recvs) for s in plan.stages]
+    assert sent == {1: [(2 * 3, 2 * 1), (2 * 1, 2 * 3)], 2: [(2 * 2, 2 * 1), (2 * 1, 2 * 2)]}
+
+
+def test_the_plan_and_report_show_gradients_reduced_over_dp_x_cp():
+    from partc.report.text import render
+    prob = _problem(num=4, batch=4)
+    by_mesh = {}
+    for dp, cp in ((4, 1), (2, 2), (1, 4)):
+        pins = Pins(pp=1, dp=dp, cp=cp, cp_kind="ring" if cp > 1 else None, zero_stage=0)
+        by_mesh[dp, cp] = plan_problem(replace(prob, pins=pins))
+    sections = {mesh: plan.data_parallel for mesh, plan in by_mesh.items()}
+    assert {mesh: (s.dp, s.cp, s.replicas) for mesh, s in sections.items()} == {
+        (4, 1): (4, 1, 4), (2, 2): (2, 2, 4), (1, 4): (1, 4, 4)}
+    # One all-reduce of the same gradients over four ranks, whatever their split.
+    assert sections[2, 2].stages == sections[4, 1].stages == sections[1, 4].stages
+    text = render(by_mesh[2, 2])
+    assert "dp=2 x cp=2 (the context-parallel ranks hold the same parameters" in text
+    assert "over its 4 replicas" in text
