@@ -127,6 +127,15 @@ def context_parallel_refusal(problem: PlanningProblem, cp: int) -> str | None:
                 f"attention: a sequence shard would see only its own positions")
     if not any(layer.attention is not None for layer in problem.layers):
         return "the model has no attention core to run context-parallel"
+    if summary.own_loss:
+        return (f"the model computes its own loss ({summary.own_loss}) from labels, "
+                f"shifting them by one position along the whole sequence, which a shard "
+                f"does not hold: give partc.compile a loss_fn on the logits and next-token "
+                f"targets (and no labels input) to split the sequence")
+    if problem.pins.ep is not None and problem.pins.ep > 1:
+        return (f"expert parallelism is pinned (ep={problem.pins.ep}), and the runtime "
+                f"does not run context parallelism beside it: pin ep=1 to split the "
+                f"sequence")
     tokens = sequence_tokens(problem)
     if tokens % (2 * cp):
         return (f"the sequence of {tokens} tokens does not split into 2 x cp = {2 * cp} "

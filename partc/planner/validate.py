@@ -75,6 +75,9 @@ def _context_parallel(problem: PlanningProblem, plan: Plan, errors: list[str]) -
     why = context_parallel_refusal(problem, plan.cp)
     if why is not None:
         errors.append(f"cp={plan.cp}: {why}")
+    if plan.mesh.ep > 1:
+        errors.append(f"cp={plan.cp} beside ep={plan.mesh.ep}: the runtime does not run "
+                      f"context parallelism beside expert parallelism")
     if plan.cp_kind == CpKind.ALL_TO_ALL:
         local = problem.variant(plan.tp, plan.sequence_parallel, plan.tp_objective)
         why = all_to_all_refusal(local.layers, plan.cp, plan.tp)

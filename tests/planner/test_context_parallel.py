@@ -174,3 +174,17 @@ def test_the_plan_and_report_show_gradients_reduced_over_dp_x_cp():
     text = render(by_mesh[2, 2])
     assert "dp=2 x cp=2 (the context-parallel ranks hold the same parameters" in text
     assert "over its 4 replicas" in text
+
+
+@pytest.mark.parametrize("own_loss, pins, says", [
+    ("ForCausalLMLoss", Pins(), "computes its own loss (ForCausalLMLoss) from labels"),
+    ("", Pins(ep=2), "expert parallelism is pinned (ep=2)")])
+def test_an_own_label_shifting_loss_or_pinned_ep_keeps_cp_1_and_a_cp_pin_is_refused(
+        own_loss, pins, says):
+    prob = _problem(pins=pins)
+    prob = replace(prob, model=replace(prob.model, summary=replace(
+        prob.model.summary, own_loss=own_loss)))
+    assert cp_choices(prob, 1) == [(1, None)]
+    with pytest.raises(PlanInfeasibleError, match="cannot hold the pin cp=2") as refused:
+        plan_problem(replace(prob, pins=replace(pins, cp=2)))
+    assert says in str(refused.value)
