@@ -429,9 +429,11 @@ class ModelAnalysis:
     layers: tuple[LayerCost, ...]
     cut_bytes: tuple[float, ...]
     shared: tuple[SharedParam, ...] = ()
-    # Per cut: tensors that cross it, and how many of them carry a gradient back (float
-    # tensors that depend on a parameter). One message each, per microbatch.
-    cut_tensors: tuple[tuple[int, int], ...] = ()
+    # Per cut: tensors that cross it, how many of them carry a gradient back (float
+    # tensors that depend on a parameter), and how many are attention masks made from
+    # shapes (context parallelism's lowering erases them: under cp they are not sent).
+    # One message each, per microbatch.
+    cut_tensors: tuple[tuple[int, int, int], ...] = ()
     # Tensor-parallel variants the planner may choose from (none: tp = 1 only).
     tensor_parallel: tuple["TPOption", ...] = ()
 

@@ -327,6 +327,27 @@ def _erase_unused(graph: fx.Graph, nodes: list[fx.Node]) -> None:
         candidates = {n for n in candidates if n in order}
 
 
+def shape_masks(gm: fx.GraphModule) -> set[fx.Node]:
+    """The nodes whose every use ends in an SDPA call's mask (a mask made from shapes and
+    what only it reads, dtype checks aside): what this pass erases with the calls, so
+    under cp none of them crosses a pipeline cut (``partc.planner.assemble`` counts the
+    messages without them)."""
+    found: set[fx.Node] = set()
+    for node in reversed(gm.graph.nodes):
+        if node.op in ("placeholder", "get_attr", "output") or node.is_impure():
+            continue
+        kept = [user for user in node.users if not is_dtype_check(user)]
+        if kept and all(user in found or _only_mask_of(user, node) for user in kept):
+            found.add(node)
+    return found
+
+
+def _only_mask_of(call: fx.Node, node: fx.Node) -> bool:
+    """Whether ``node`` is the mask of the SDPA ``call`` and none of its q, k, v."""
+    return is_attention_call(call) and _arg(call, 3, "attn_mask") is node and \
+        node not in [_arg(call, i, name) for i, name in enumerate(("query", "key", "value"))]
+
+
 def _relayer(gm: fx.GraphModule) -> None:
     """Each layer's node list again, in graph order, after nodes came and went."""
     members: dict[int, list[str]] = {info.index: [] for info in meta.layers(gm)}

@@ -94,7 +94,9 @@ def stage_plans(problem: PlanningProblem, config: PipelineConfig, evaluation: Ev
 def p2p_messages(problem: PlanningProblem, evaluation: Evaluation, index: int,
                  num_microbatches: int, config: PipelineConfig) -> P2PMessages | None:
     """Sends and receives per step on stage ``index``: each tensor crossing a boundary is
-    one message forward and, when it depends on a parameter, one gradient message back."""
+    one message forward and, when it depends on a parameter, one gradient message back;
+    under cp, attention masks made from shapes are not sent (the lowering erases them:
+    each rank's attention makes its own mask from its positions)."""
     counts = problem.model.cut_tensors
     if not counts:
         return None
@@ -106,7 +108,8 @@ def p2p_messages(problem: PlanningProblem, evaluation: Evaluation, index: int,
     def boundary(after_run: int) -> tuple[int, int]:
         if after_run < 0 or after_run >= len(runs) - 1:
             return (0, 0)
-        return counts[runs[after_run][-1]]
+        tensors, with_grad, masks = counts[runs[after_run][-1]]
+        return (tensors - masks if config.cp > 1 else tensors, with_grad)
 
     sends = recvs = 0
     for run in config.runs_of(index):   # each of the stage's runs

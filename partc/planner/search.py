@@ -55,8 +55,8 @@ from typing import Callable, NamedTuple
 from ortools.sat.python import cp_model
 
 from partc import progress
-from partc.cost.cp_attention import (all_to_all_fits, context_parallel_refusal,
-                                     sequence_tokens)
+from partc.cost.cp_attention import (all_to_all_fits, all_to_all_refusal,
+                                     context_parallel_refusal, sequence_tokens)
 from partc.cost.evaluate import Evaluation, evaluate, simulated_step_ps
 from partc.cost.host_offload import host_bytes_per_node, host_ready, node_host_bytes
 from partc.cost.pipeline_config import PS_PER_S, PipelineConfig
@@ -189,23 +189,31 @@ def cp_choices(problem: PlanningProblem, tp: int, sequence_parallel: bool = Fals
 
 
 def check_context_parallel(problem: PlanningProblem) -> None:
-    """A PlanInfeasibleError naming the pin, and the op where one is to blame, when the
-    pinned cp (or kind) cannot run on this model."""
+    """A PlanInfeasibleError naming the pin, and the op or the heads to blame, when the
+    pinned cp (or kind) cannot run on this model: all-to-all pinned where no
+    tensor-parallel degree the pins allow leaves each rank heads and key/value heads
+    that divide by cp."""
     pins = problem.pins
     if pins.cp is None or pins.cp == 1:
         return
     why = context_parallel_refusal(problem, pins.cp)
     if why is None and pins.cp_kind == CpKind.ALL_TO_ALL:
-        unfit = next((layer for layer in problem.layers if layer.attention is not None
-                      and not all_to_all_fits(layer.attention, pins.cp)), None)
-        if unfit is not None and (pins.tp in (None, 1)):
-            why = (f"all-to-all splits heads over cp: layer {unfit.name} has "
-                   f"{unfit.attention.heads} heads and {unfit.attention.kv_heads} key/value "
-                   f"heads, not both divisible by cp={pins.cp} (use cp_kind='ring')")
+        why = _all_to_all_why(problem, [pins.cp])
     if why is not None:
         raise PlanInfeasibleError(f"cannot hold the pin cp={pins.cp}: {why}",
                                   resource="pin", pin="cp",
                                   suggestion="drop the cp pin, or pin cp=1")
+
+
+def _all_to_all_why(problem: PlanningProblem, cps: list[int]) -> str | None:
+    """Why all-to-all fits none of ``cps`` beside any tensor-parallel degree the pins
+    allow (the first refusal, at the smallest such tp), or None where one fits."""
+    refusals = [all_to_all_refusal(problem.variant(tp, sp, objective).layers, cp, tp)
+                for tp, sp, objective in tp_choices(problem) for cp in cps
+                if (problem.devices.num_devices // tp) % cp == 0]
+    return refusals[0] if refusals and all(refusals) else None
+
+
 def offload_choices(problem: PlanningProblem, zero_stage: int, pp: int, dp: int, tp: int,
                     num_microbatches: int) -> list[tuple[bool, bool]]:
     """(optimizer offload, parameter offload) a configuration may take: as pinned, else
@@ -473,7 +481,8 @@ def _no_config_message(problem: PlanningProblem) -> str:
             f"{problem.devices.num_devices} devices, global batch {train.global_batch_size}, "
             f"micro-batch sizes {list(train.micro_batch_sizes)}, pins pp={pins.pp} "
             f"dp={pins.dp} microbatches={pins.num_microbatches} "
-            f"micro_batch_size={pins.micro_batch_size}, {problem.num_layers} layers. "
+            f"micro_batch_size={pins.micro_batch_size} cp={pins.cp} "
+            f"cp_kind={pins.cp_kind}, {problem.num_layers} layers. "
             + (" ".join(_why_no_config(problem)) or
                "pp must divide the device count and be at most the number of layers, and "
                "dp x micro-batch size x microbatches must equal the global batch."))
@@ -491,6 +500,12 @@ def _why_no_config(problem: PlanningProblem) -> list[str]:
         return [f"No measured tensor-parallel layout matches the pins tp={pins.tp}, "
                 f"sequence_parallel={pins.sequence_parallel}, tp_objective="
                 f"{pins.tp_objective} (measured for this model: {measured})."]
+    if pins.cp_kind == CpKind.ALL_TO_ALL and pins.cp is None:
+        tokens, whole = sequence_tokens(problem), problem.devices.num_devices
+        why = _all_to_all_why(problem, [cp for cp in divisors(whole)[1:]
+                                        if tokens % (2 * cp) == 0])
+        if why is not None:
+            return [f"The pinned cp_kind='all-to-all' fits no cp: {why}."]
     if pins.schedule is None:
         return []
     free = candidate_configs(dataclasses.replace(

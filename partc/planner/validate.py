@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 
-from partc.cost.cp_attention import all_to_all_fits, context_parallel_refusal
+from partc.cost.cp_attention import all_to_all_refusal, context_parallel_refusal
 from partc.cost.evaluate import Evaluation, evaluate, simulated_step_ps
 from partc.cost.host_offload import node_host_bytes
 from partc.cost.offload_time import host_per_node
@@ -75,16 +75,14 @@ def _context_parallel(problem: PlanningProblem, plan: Plan, errors: list[str]) -
     why = context_parallel_refusal(problem, plan.cp)
     if why is not None:
         errors.append(f"cp={plan.cp}: {why}")
+    if plan.mesh.ep > 1:
+        errors.append(f"cp={plan.cp} beside ep={plan.mesh.ep}: the runtime does not run "
+                      f"context parallelism beside expert parallelism")
     if plan.cp_kind == CpKind.ALL_TO_ALL:
-        local = problem.variant(plan.tp, plan.sequence_parallel, plan.tp_objective) \
-            if plan.tp > 1 else problem
-        for layer in local.layers:
-            if layer.attention is not None and not all_to_all_fits(layer.attention, plan.cp):
-                errors.append(f"cp={plan.cp} all-to-all: layer {layer.name} has "
-                              f"{layer.attention.heads} heads and {layer.attention.kv_heads} "
-                              f"key/value heads per tensor-parallel rank, not both "
-                              f"divisible by cp")
-                return
+        local = problem.variant(plan.tp, plan.sequence_parallel, plan.tp_objective)
+        why = all_to_all_refusal(local.layers, plan.cp, plan.tp)
+        if why is not None:
+            errors.append(f"cp={plan.cp}: {why}")
 
 
 def _placement(plan: Plan, errors: list[str]) -> None:

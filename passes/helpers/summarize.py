@@ -154,7 +154,7 @@ def summarize(gm: fx.GraphModule, ctx: Context) -> ModelAnalysis:
             traced_dtype_bytes=_dtype_bytes(ctx.model), tracer=info.tracer,
             inputs=input_specs(gm), keywords=info.keywords, own_loss=info.own_loss or "",
             autocast=str(ctx.autocast).removeprefix("torch.") if ctx.autocast else "",
-            context_parallel_blocker=context_parallel_blocker(gm, _sequence(gm, ctx))),
+            context_parallel_blocker=context_parallel_blocker(gm, sequence_length(gm, ctx))),
         layers=_with_experts(gm, ctx, meta.layer_costs(gm)),
         cut_bytes=tuple(c * per_sample for c in meta.cut_bytes(gm)),
         shared=_shared(gm, ctx),
@@ -194,7 +194,7 @@ def _dtype_bytes(model: nn.Module) -> int:
     return floats[0].element_size() if floats else 4
 
 
-def _sequence(gm: fx.GraphModule, ctx: Context) -> int:
+def sequence_length(gm: fx.GraphModule, ctx: Context) -> int:
     """Positions per sample that attention reads: its cores' (a model fed embeddings
     has no token ids), else the token ids'."""
     return next((cost.attention.tokens for cost in meta.layer_costs(gm)
