@@ -216,7 +216,8 @@ def _check_schedule_choice(prob, result, plan) -> None:
 
 # Two seeds (one at real models' sizes) in the default profile; -m slow draws more.
 @pytest.mark.parametrize("seed, scale", [(0, 1), pytest.param(1, 1, marks=pytest.mark.slow),
-                                         (2, 1), pytest.param(3, 1, marks=pytest.mark.slow),
+                                         pytest.param(2, 1, marks=pytest.mark.slow),
+                                         pytest.param(3, 1, marks=pytest.mark.slow),
                                          (4, 2**16)])
 def test_plan_equals_brute_force(seed, scale):
     """63 random instances each of <= 6 layers x <= 3 stages, recompute and memory
