@@ -1,6 +1,5 @@
 import gc
 import os
-import subprocess
 
 import pytest
 import torch.distributed as dist
@@ -47,22 +46,3 @@ def _one_plan_cache_for_every_launch(tmp_path_factory):
         root = root.parent
     os.environ["PARTC_TEST_LAUNCH_CACHE"] = str(root / "launch-plan-cache")
     yield
-
-
-@pytest.fixture(autouse=True, scope="session")
-def _pooled_launches_start_first(request, tmp_path_factory,
-                                 _one_plan_cache_for_every_launch):
-    """The session's pooled torchruns (``tests/runtime/test_parity.launched``) start in
-    the background before the first test, so that the workers run other tests while
-    they train rather than wait for them (a rank waiting for its peer, or for the plan
-    cache's lock, leaves a core idle when nothing else runs); their processes are reaped
-    at the end."""
-    from tests.runtime import test_parity
-
-    test_parity.start_pools(request.session, tmp_path_factory)
-    yield
-    for process in test_parity.STARTED:
-        try:
-            process.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            process.kill()

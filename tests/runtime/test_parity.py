@@ -12,7 +12,6 @@ import json
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import filelock
@@ -59,23 +58,16 @@ DEFAULT_OFFLOAD = ["gpt-dp2-zero1-offload"]
 RTOL = 1e-5
 
 
-def launch_env(env: dict[str, str] | None = None) -> dict[str, str]:
-    """A launch's environment: this one's, one thread per rank, a collective timeout of
-    two minutes, the session's shared plan cache (tests/conftest.py), then ``env``."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PARTC_TIMEOUT_S": "120", **(env or {})}
-    if "PARTC_TEST_LAUNCH_CACHE" in os.environ and "PARTC_CACHE_DIR" not in env:
-        env["PARTC_CACHE_DIR"] = os.environ["PARTC_TEST_LAUNCH_CACHE"]
-    return env
-
-
 def launch(nproc: int, cases: list[str], out: Path, *, worker: Path = WORKER,
            env: dict[str, str] | None = None, timeout: int = 900) -> list[dict]:
     """Run ``worker`` (a script writing ``<out>/rank<k>.json``) under torchrun with the
     cases named; return each rank's results (rank order). ``env``: extra variables."""
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
                f"--nproc-per-node={nproc}", str(worker), str(out), *cases]
-    done = subprocess.run(command, capture_output=True, text=True, timeout=timeout,
-                          env=launch_env(env))
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PARTC_TIMEOUT_S": "120", **(env or {})}
+    if "PARTC_TEST_LAUNCH_CACHE" in os.environ and "PARTC_CACHE_DIR" not in env:
+        env["PARTC_CACHE_DIR"] = os.environ["PARTC_TEST_LAUNCH_CACHE"]  # tests/conftest.py
+    done = subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=env)
     files = [out / f"rank{r}.json" for r in range(nproc)]
     if done.returncode != 0 or not all(f.exists() for f in files):
         # A crash at process exit (seen once under gloo) must read as a crash, not a flake.
@@ -139,68 +131,30 @@ def pool(session: pytest.Session, nproc: int) -> list[str]:
 POOL_ENV = {"TORCHINDUCTOR_COMPILE_THREADS": "1", "PARTC_WATCHDOG_S": "600"}
 
 
-def _pool_dir(nproc: int, cases: list[str], tmp_path_factory) -> Path:
+def pooled(nproc: int, cases: list[str], tmp_path_factory) -> list[dict]:
+    """One torchrun of ``cases`` per session, shared by the xdist workers: the first to
+    ask runs it under a file lock and keeps each rank's results; the others read them
+    (or the failure, reported again)."""
     root = tmp_path_factory.getbasetemp()
     if os.environ.get("PYTEST_XDIST_WORKER"):
         root = root.parent  # the session's directory, above each worker's
     digest = hashlib.sha256("\n".join(cases).encode()).hexdigest()[:12]
-    return root / f"launch-pool{nproc}-{digest}"
-
-
-def _pool_limit(cases: list[str]) -> int:
-    return max(900, 120 * len(cases))
-
-
-# The pooled torchruns this process started (:func:`start_pool`), reaped once they end.
-STARTED: list[subprocess.Popen] = []
-
-
-def start_pool(nproc: int, cases: list[str], tmp_path_factory) -> None:
-    """Start the one torchrun of ``cases`` of this session in the background, unless an
-    xdist worker has (a file lock decides): the workers go on with other tests while it
-    runs. Its exit status lands in ``status`` (``timeout`` ends it past its limit)."""
-    if not cases:
-        return
-    out = _pool_dir(nproc, cases, tmp_path_factory)
+    out = root / f"launch-pool{nproc}-{digest}"
+    results, failed = out / "results.json", out / "failed.txt"
     with filelock.FileLock(f"{out}.lock"):
-        if out.exists():
-            return
-        out.mkdir(parents=True)
-        command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-                   f"--nproc-per-node={nproc}", str(WORKER), str(out), *cases]
-        script = ('status=$1; limit=$2; shift 2; timeout -k 30 "$limit" "$@"; '
-                  'echo $? > "$status.partial" && mv "$status.partial" "$status"')
-        with open(out / "stdout", "w") as stdout, open(out / "stderr", "w") as stderr:
-            STARTED.append(subprocess.Popen(
-                ["sh", "-c", script, "sh", str(out / "status"), str(_pool_limit(cases)),
-                 *command], stdout=stdout, stderr=stderr, env=launch_env(POOL_ENV)))
-
-
-def pooled(nproc: int, cases: list[str], tmp_path_factory) -> list[dict]:
-    """Each rank's results of the session's one torchrun of ``cases`` (started by
-    :func:`start_pool`, here if no worker has yet), once it has ended."""
-    start_pool(nproc, cases, tmp_path_factory)
-    out = _pool_dir(nproc, cases, tmp_path_factory)
-    status, deadline = out / "status", time.monotonic() + _pool_limit(cases) + 60
-    while not status.exists():
-        if time.monotonic() > deadline:
-            pytest.fail(f"the pooled torchrun in {out} did not end")
-        time.sleep(0.5)
-    for process in STARTED:
-        process.poll()   # reaped (its children's CPU time counted for this process)
-    code = int(status.read_text())
-    files = [out / f"rank{r}.json" for r in range(nproc)]
-    if code != 0 or not all(f.exists() for f in files):
-        pytest.fail(f"torchrun exited with {code}; stderr tail:\n"
-                    f"{(out / 'stderr').read_text()[-4000:]}")
-    return [json.loads(f.read_text()) for f in files]
-
-
-def start_pools(session: pytest.Session, tmp_path_factory) -> None:
-    """Start every pooled torchrun the session's tests read (tests/conftest.py, at the
-    session's start)."""
-    for nproc in sorted({n for n, _ in LAUNCHES.values()}):
-        start_pool(nproc, pool(session, nproc), tmp_path_factory)
+        if failed.exists():
+            pytest.fail(failed.read_text())
+        if not results.exists():
+            try:
+                ranks = launch(nproc, cases, out, env=POOL_ENV,
+                               timeout=max(900, 120 * len(cases)))
+            except pytest.fail.Exception as error:
+                out.mkdir(parents=True, exist_ok=True)
+                failed.write_text(str(error))
+                raise
+            results.write_text(json.dumps(ranks))
+            return ranks
+    return json.loads(results.read_text())
 
 
 def wanted(request: pytest.FixtureRequest, cases: list[str]) -> list[str]:
