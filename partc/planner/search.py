@@ -605,7 +605,7 @@ def _run_solver(solver: cp_model.CpSolver, built: StageModel, cutoff: int | None
     def step_floor(objective_bound: float) -> int:
         """The least step time an objective bound allows (pipeline_ps floors its
         fill-and-drain term divided by the chunks)."""
-        return -(-(math.ceil(objective_bound - 1e-6) - chunks + 1) // chunks)
+        return -(-(built.step_ps(objective_bound, bound=True) - chunks + 1) // chunks)
 
     if cutoff is not None:
         def stop_when_beaten(bound: float) -> None:
@@ -637,7 +637,8 @@ def _result(built: StageModel, solver: cp_model.CpSolver, status: str, proven: i
         evaluation = evaluate(table, assignment.stage_of, assignment.modes)
         # The model over-approximates nothing at an optimum; a feasible incumbent may
         # carry slack in its auxiliary variables, so the evaluation can only be lower.
-        if chunks * evaluation.step_ps > round(solver.objective_value) or not evaluation.fits:
+        if chunks * evaluation.step_ps > built.step_ps(solver.objective_value) \
+                or not evaluation.fits:
             raise RuntimeError(f"internal error: CP-SAT objective {solver.objective_value} "
                                f"(x{chunks}) disagrees with the cost model "
                                f"({evaluation.step_ps}) for {table.config}")

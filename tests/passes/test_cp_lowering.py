@@ -35,6 +35,40 @@ def test_masks_are_read_at_the_whole_length(family, mask):
     assert masks == (mask,) * model.config.num_hidden_layers
 
 
+@pytest.mark.parametrize("family, mask", [("llama", AttentionMask("causal")),
+                                          ("mistral", AttentionMask("sliding", 8))])
+def test_a_long_mask_is_read_tile_by_tile(monkeypatch, family, mask):
+    """Above BLOCK_ELEMENTS a mask made from shapes is judged from its tiles' bounds:
+    two rows read (the first and the last, which name the kind and the window), then
+    only tiles mixing kept and dropped positions made (at most LEAF_SIDE a side), never
+    every row."""
+    from partc.passes.helpers import mask_rows
+
+    from partc.passes import context_parallel
+
+    made = {"rows": 0, "tiles": []}
+    keeps, tile = context_parallel._keeps, mask_rows.RowBlocks.tile
+
+    def counted_rows(value, start, stop):
+        made["rows"] += stop - start
+        return keeps(value, start, stop)
+
+    def counted_tile(self, along, across):
+        made["tiles"].append((along[1] - along[0]) * (across[1] - across[0]))
+        return tile(self, along, across)
+
+    monkeypatch.setattr(mask_rows, "BLOCK_ELEMENTS", 2 * SEQ)
+    monkeypatch.setattr(mask_rows, "LEAF_SIDE", 2)
+    monkeypatch.setattr(context_parallel, "_keeps", counted_rows)
+    monkeypatch.setattr(mask_rows.RowBlocks, "tile", counted_tile)
+    model = FAMILIES[family].build()
+    masks, _ = _whole_length_facts(model, (_tokens(),), "as_written",
+                                   loss_fn=causal_lm_loss, example_target=_tokens())
+    assert masks == (mask,) * model.config.num_hidden_layers
+    calls = model.config.num_hidden_layers
+    assert made["rows"] <= 2 * calls and max(made["tiles"]) <= 4
+
+
 LAYERS = ("model.embed_tokens", "model.rotary_emb", "model.layers.0", "model.layers.1",
           "model.norm", "lm_head", "loss")
 
