@@ -1,8 +1,9 @@
 """The emitted program trains exactly like one process: losses and parameters after
 several SGD steps, for real models, under torchrun with gloo on CPU.
 
-Each test module run launches torchrun twice (2 and 4 processes); every case runs on
-every rank (``worker.py``) and each rank reports what it saw.
+A session runs one torchrun of 2 processes and one of 4 for every module's cases
+(:func:`launched`, :func:`pooled`); every case runs on every rank (``worker.py``, which
+hands another worker's cases to it) and each rank reports what it saw.
 """
 
 from __future__ import annotations
