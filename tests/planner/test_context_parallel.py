@@ -188,3 +188,10 @@ def test_an_own_label_shifting_loss_or_pinned_ep_keeps_cp_1_and_a_cp_pin_is_refu
     with pytest.raises(PlanInfeasibleError, match="cannot hold the pin cp=2") as refused:
         plan_problem(replace(prob, pins=replace(pins, cp=2)))
     assert says in str(refused.value)
+
+
+def test_no_plan_fits_names_the_context_parallel_mesh_it_tried():
+    prob = _problem(num=2, pins=Pins(cp=2, cp_kind="ring"))
+    tiny = replace(prob, devices=replace(prob.devices, memory_bytes=(1000,) * 2))
+    with pytest.raises(PlanInfeasibleError, match=r"tightest split \(pp=1 x cp=2 \(ring\),"):
+        plan_problem(tiny)
