@@ -71,10 +71,12 @@ class GatedBlock(nn.Module):
 
 
 class GatedStack(nn.Module):
-    def __init__(self) -> None:
+    """An embedding, two ``block``s and a head."""
+
+    def __init__(self, block: type[nn.Module] = GatedBlock) -> None:
         super().__init__()
         self.emb = nn.Embedding(32, 16)
-        self.blocks = nn.ModuleList([GatedBlock() for _ in range(2)])
+        self.blocks = nn.ModuleList([block() for _ in range(2)])
         self.head = nn.Linear(16, 32)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
@@ -327,26 +329,12 @@ class WrittenBlock(nn.Module):
         return h
 
 
-class WrittenStack(nn.Module):
-    def __init__(self, block: type[nn.Module] = WrittenBlock) -> None:
-        super().__init__()
-        self.emb = nn.Embedding(32, 16)
-        self.blocks = nn.ModuleList([block() for _ in range(2)])
-        self.head = nn.Linear(16, 32)
-
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        x = self.emb(ids)
-        for block in self.blocks:
-            x = block(x)
-        return self.head(x)
-
-
 def test_a_value_leaves_its_layer_after_the_in_place_writes_to_it():
     # Under sequence parallelism the block's output is brought to its sequence shard by
     # a collective, a copy: made right after gelu, it held the value before relu_, and
     # every later layer trained on that (a random model's loss 5e-5 off one process).
     torch.manual_seed(0)
-    gm, _ = _rewritten(WrittenStack(), torch.randint(0, 32, (2, 8)), sequence_parallel=True)
+    gm, _ = _rewritten(GatedStack(WrittenBlock), torch.randint(0, 32, (2, 8)), sequence_parallel=True)
     order = {node: i for i, node in enumerate(gm.graph.nodes)}
     for index in range(2):
         block = f"blocks.{index}"
@@ -381,7 +369,7 @@ def test_an_in_place_op_writes_the_value_it_reads_never_a_moved_copy():
     # ``out``, and bring it whole (a gathered copy) to the add_ with the replicated
     # input: the sum would land on the copy and ``out`` would read fc's output without it.
     torch.manual_seed(0)
-    gm, chosen = _rewritten(WrittenStack(WrittenResidual), torch.randint(0, 32, (2, 8)),
+    gm, chosen = _rewritten(GatedStack(WrittenResidual), torch.randint(0, 32, (2, 8)),
                             sequence_parallel=True)
     writes = [n for n in chosen.strategy if op_name(n) == "add_"]
     assert len(writes) == 2
@@ -414,7 +402,7 @@ def test_a_move_is_not_shared_across_an_in_place_write():
     # features): one move would serve both but for relu_ between them, which the second
     # must see.
     torch.manual_seed(0)
-    gm, _ = _rewritten(WrittenStack(ReadBeforeAndAfter), torch.randint(0, 32, (2, 8)),
+    gm, _ = _rewritten(GatedStack(ReadBeforeAndAfter), torch.randint(0, 32, (2, 8)),
                        sequence_parallel=True)
     order = {node: i for i, node in enumerate(gm.graph.nodes)}
     for index in range(2):
