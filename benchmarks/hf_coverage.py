@@ -12,8 +12,9 @@ For every family of ``tests/hf_families.py`` (tiny configs of the installed tran
   rank, backward split into input and weight gradients).
 
 A failed cell shows the first line of its error. Prints a Markdown table and how many
-families pass each column; ``--write`` also writes the table into docs/guide.md between
-its coverage markers.
+families pass each column; ``--write`` also writes the families' rows into the table in
+docs/guide.md between its coverage markers, keeping the other families' rows, so the
+table can be made a few families at a time.
 
     python benchmarks/hf_coverage.py [--families llama,opt] [--write]
 """
@@ -127,21 +128,55 @@ def table(rows: dict[str, dict[str, str]]) -> str:
     return "\n".join(lines)
 
 
-def write_table(text: str) -> None:
+def guide_rows(body: str) -> dict[str, dict[str, str]]:
+    """The rows of the table docs/guide.md holds now, as ``table`` wrote them (a cell
+    "✓" is "ok", "✗ why" is why; a column the table lacks is not in the row)."""
+    start, end = MARKERS
+    found = re.search(re.escape(start) + "(.*?)" + re.escape(end), body, re.S)
+    lines = [line for line in (found.group(1) if found else "").splitlines()
+             if line.startswith("|")]
+    if len(lines) < 2:
+        return {}
+    header = _cells(lines[0])[1:]
+    rows: dict[str, dict[str, str]] = {}
+    for line in lines[2:]:
+        family, *cells = _cells(line)
+        if family.startswith("**"):
+            continue
+        rows[family] = {column: "ok" if cell == "✓" else cell.removeprefix("✗ ")
+                        for column, cell in zip(header, cells)}
+    return rows
+
+
+def _cells(line: str) -> list[str]:
+    parts = re.split(r"(?<!\\)\|", line.strip().strip("|"))
+    return [part.strip().replace("\\|", "|") for part in parts]
+
+
+def write_table(rows: dict[str, dict[str, str]]) -> str:
+    """Write ``rows`` into docs/guide.md over the rows of the same families, keeping the
+    others (so the table can be made a few families at a time); returns the table."""
     guide = ROOT / "docs" / "guide.md"
     start, end = MARKERS
     body = guide.read_text()
     if start not in body:
         raise SystemExit(f"docs/guide.md has no {start} marker")
+    merged = {**guide_rows(body), **rows}
+    order = list(hf_families.FAMILIES)
+    merged = dict(sorted(merged.items(),
+                         key=lambda kv: order.index(kv[0]) if kv[0] in order else len(order)))
+    text = table(merged)
     pattern = re.compile(re.escape(start) + ".*?" + re.escape(end), re.S)
     guide.write_text(pattern.sub(lambda _: f"{start}\n{text}\n{end}", body))
+    return text
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--families", help="comma-separated (default: all)")
     parser.add_argument("--write", action="store_true",
-                        help="write the table into docs/guide.md")
+                        help="write these families' rows into docs/guide.md's table, "
+                             "keeping the other families' rows")
     args = parser.parse_args()
     families = args.families.split(",") if args.families else list(hf_families.FAMILIES)
     unknown = sorted(set(families) - set(hf_families.FAMILIES))
@@ -162,7 +197,10 @@ def main() -> None:
     print()
     print(text)
     if args.write:
-        write_table(text)
+        merged = write_table(rows)
+        if merged != text:
+            print("\ndocs/guide.md now holds (the other families' rows kept):\n")
+            print(merged)
 
 
 if __name__ == "__main__":
