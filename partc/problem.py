@@ -53,18 +53,19 @@ BUCKET_ELEMENTS = 25_000_000
 SMALL_UNITS_SHARE = 0.01
 
 
-def effective_zero_stage(zero_stage: int, dp: int) -> int:
-    """The ZeRO stage that runs: with one data-parallel replica there is nothing to shard
-    over, whatever was chosen or pinned."""
-    return zero_stage if dp > 1 else 0
+def effective_zero_stage(zero_stage: int, replicas: int) -> int:
+    """The ZeRO stage that runs: with one rank in the gradient group (``replicas``, the
+    dp x cp ranks holding the same parameters) there is nothing to shard over, whatever
+    was chosen or pinned."""
+    return zero_stage if replicas > 1 else 0
 
 
-def reduces_once_per_step(zero_stage: int, dp: int, zero2_grad_sync: str,
+def reduces_once_per_step(zero_stage: int, replicas: int, zero2_grad_sync: str,
                           num_microbatches: int) -> bool:
     """Whether ZeRO-2 accumulates the step's gradients unsharded and reduce-scatters them
     once (``zero2_grad_sync`` "step"): only where ZeRO-2 runs and a step has several
     microbatches; with one, both ways are the same reduce-scatter."""
-    return (effective_zero_stage(zero_stage, dp) == 2 and zero2_grad_sync == "step"
+    return (effective_zero_stage(zero_stage, replicas) == 2 and zero2_grad_sync == "step"
             and num_microbatches > 1)
 
 

@@ -361,9 +361,10 @@ class Constraints:
             raise ValueError(f"zero2_grad_sync must be one of {ZERO2_GRAD_SYNCS} (ZeRO-2 "
                              f"reduce-scatters gradients after every microbatch, or once "
                              f"per step), got {self.zero2_grad_sync!r}")
-        if self.zero_stage and self.dp == 1:
-            raise ValueError(f"zero_stage={self.zero_stage} shards over data-parallel "
-                             f"replicas, but dp=1 was pinned: pin zero_stage=0, or dp > 1")
+        if self.zero_stage and self.dp == 1 and self.cp == 1:
+            raise ValueError(f"zero_stage={self.zero_stage} shards over the ranks holding "
+                             f"the same parameters (dp x cp), but dp=1 and cp=1 were "
+                             f"pinned: pin zero_stage=0, or dp > 1 or cp > 1")
         if self.schedule is not None and self.schedule not in SCHEDULES:
             raise ValueError(f"schedule must be one of {SCHEDULES}, got {self.schedule!r}")
         if self.schedule is not None and self.virtual_stages is not None:

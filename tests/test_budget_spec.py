@@ -199,7 +199,7 @@ BAD_INPUTS = [
     (lambda: pins(tp=2.0), "Constraints.tp must be None or a positive int"),
     (lambda: pins(num_microbatches=-1), "num_microbatches must be None or a positive int"),
     (lambda: pins(zero_stage=True), "zero_stage must be 0"),
-    (lambda: pins(zero_stage=2, dp=1), "zero_stage=2 shards over data-parallel replicas"),
+    (lambda: pins(zero_stage=2, dp=1, cp=1), "zero_stage=2 shards over the ranks holding"),
     (lambda: pins(sequence_parallel=1), "sequence_parallel must be None, True or False"),
     (lambda: pins(stages=["a", "b"]), "stages must be a list of stages"),
 ]

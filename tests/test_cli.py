@@ -132,7 +132,7 @@ def test_flags_reach_the_pins_and_the_budget():
     (["--tp", "1", "--sequence-parallel"], "sequence parallelism needs tensor parallelism"),
     (["--cp-kind", "zigzag"], "argument --cp-kind: invalid choice: 'zigzag'"),
     (["--cp", "1", "--cp-kind", "ring"], "cp_kind='ring' needs context parallelism"),
-    (["--dp", "1", "--zero", "3"], "dp=1 was pinned"),
+    (["--dp", "1", "--cp", "1", "--zero", "3"], "dp=1 and cp=1 were pinned"),
     (["--pp", "3", "--stage", "a", "--stage", "b"], "pp=3 but 2 stages"),
 ])
 def test_bad_arguments_fail_before_the_model_is_built(factory, capsys, argv, says):

@@ -98,13 +98,13 @@ class PipelineConfig:
     @property
     def effective_zero_stage(self) -> int:
         """The ZeRO stage that runs (0 with one replica): :func:`effective_zero_stage`."""
-        return effective_zero_stage(self.zero_stage, self.dp)
+        return effective_zero_stage(self.zero_stage, self.grad_dp)
 
     @property
     def reduces_once(self) -> bool:
         """ZeRO-2 reduce-scatters the step's accumulated gradients once
         (:func:`partc.problem.reduces_once_per_step`)."""
-        return reduces_once_per_step(self.zero_stage, self.dp, self.zero2_grad_sync,
+        return reduces_once_per_step(self.zero_stage, self.grad_dp, self.zero2_grad_sync,
                                      self.num_microbatches)
 
     @property

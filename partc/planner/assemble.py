@@ -133,9 +133,9 @@ def make_plan(problem: PlanningProblem, config: PipelineConfig, evaluation: Eval
         micro_batch_size=config.micro_batch_size,
         # What runs: no ZeRO without replicas to shard over, no once-per-step sync but
         # ZeRO-2's (a pin of either holds for every mesh the search tries).
-        zero_stage=effective_zero_stage(config.zero_stage, config.dp),
+        zero_stage=effective_zero_stage(config.zero_stage, config.grad_dp),
         zero2_grad_sync=(config.zero2_grad_sync
-                         if effective_zero_stage(config.zero_stage, config.dp) == 2
+                         if effective_zero_stage(config.zero_stage, config.grad_dp) == 2
                          else ZERO2_GRAD_SYNCS[0]),
         stages=stage_plans(local, config, evaluation, modes),
         predicted=predicted(problem, config, evaluation),

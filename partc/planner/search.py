@@ -130,7 +130,7 @@ def candidate_configs(problem: PlanningProblem) -> list[PipelineConfig]:
                 if pins.micro_batch_size is not None and b != pins.micro_batch_size:
                     continue
                 zero_stages = [pins.zero_stage] if pins.zero_stage is not None else (
-                    [0, 1, 2, 3] if dp > 1 else [0])
+                    [0, 1, 2, 3] if dp * cp > 1 else [0])
                 configs.extend(PipelineConfig(pp=pp, dp=dp, micro_batch_size=b,
                                               num_microbatches=m, schedule=schedule, tp=tp,
                                               sequence_parallel=sp, tp_objective=objective,
@@ -139,10 +139,11 @@ def candidate_configs(problem: PlanningProblem) -> list[PipelineConfig]:
                                               offload_optimizer=offload[0],
                                               offload_params=offload[1])
                                for schedule in schedules for zero in zero_stages
-                               for sync in zero2_grad_syncs(problem, zero, dp, m)
-                               for offload in offload_choices(problem, zero, pp, dp, tp, m)
+                               for sync in zero2_grad_syncs(problem, zero, dp * cp, m)
+                               for offload in offload_choices(problem, zero, pp, dp * cp, tp,
+                                                              m)
                                if not _same_as_1f1b(schedule, pp, m, pins.schedule)
-                               and feature_refusal(schedule, effective_zero_stage(zero, dp),
+                               and feature_refusal(schedule, effective_zero_stage(zero, dp * cp),
                                                    problem.train.compile_pinned) is None
                                for chunks in _chunk_counts(problem, schedule, pp, m))
     return expand_ep(problem, configs)   # the expert-parallel degree (mixture-of-experts)
@@ -160,7 +161,7 @@ MIN_CP_CHUNK_TOKENS = 1024
 def cp_choices(problem: PlanningProblem, tp: int, sequence_parallel: bool = False,
                objective: str = "time") -> list[tuple[int, str | None]]:
     """(cp, kind) the pins and the model allow beside tensor parallelism ``tp``: cp = 1
-    (kind None; not when a kind is pinned), and each cp > 1 dividing the devices over tp whose ``2 cp`` chunks split
+    (kind None; not when a kind is pinned, nor a ZeRO stage beside dp=1), and each cp > 1 dividing the devices over tp whose ``2 cp`` chunks split
     the sequence evenly (each at least :data:`MIN_CP_CHUNK_TOKENS` tokens unless cp is
     pinned), for a model with attention cores and nothing else reading along the
     sequence (:func:`check_context_parallel` refuses a pinned cp otherwise), as a ring
@@ -174,7 +175,9 @@ def cp_choices(problem: PlanningProblem, tp: int, sequence_parallel: bool = Fals
     found: list[tuple[int, str | None]] = []
     for cp in wanted:
         if cp == 1:
-            if pins.cp_kind is None:   # a pinned kind asks for cp > 1
+            # A pinned kind asks for cp > 1; so does a ZeRO stage pinned beside dp=1 (it
+            # shards over the cp ranks, which hold the same parameters).
+            if pins.cp_kind is None and not (pins.zero_stage and pins.dp == 1):
                 found.append((1, None))
             continue
         if devices % cp or context_parallel_refusal(problem, cp) or (
@@ -214,14 +217,15 @@ def _all_to_all_why(problem: PlanningProblem, cps: list[int]) -> str | None:
     return refusals[0] if refusals and all(refusals) else None
 
 
-def offload_choices(problem: PlanningProblem, zero_stage: int, pp: int, dp: int, tp: int,
-                    num_microbatches: int) -> list[tuple[bool, bool]]:
+def offload_choices(problem: PlanningProblem, zero_stage: int, pp: int, replicas: int,
+                    tp: int, num_microbatches: int) -> list[tuple[bool, bool]]:
     """(optimizer offload, parameter offload) a configuration may take: as pinned, else
     none, and where the budget knows its host, the optimizer's and under ZeRO-3 the
     parameters' too; none whose host bytes per node exceed the host's memory even with
     the rank's parameters split evenly over the stages (a lower bound; the solved plan is
-    held to it exactly, :func:`host_fits`)."""
-    pinned, zero3 = problem.pins.offload, effective_zero_stage(zero_stage, dp) == 3
+    held to it exactly, :func:`host_fits`). ``replicas``: the gradient group's ranks
+    (dp x cp), over which ZeRO shards the state."""
+    pinned, zero3 = problem.pins.offload, effective_zero_stage(zero_stage, replicas) == 3
     if pinned is not None:
         kinds = ("optimizer" in pinned, "params" in pinned)
         choices = [kinds] if zero3 or not kinds[1] else []
@@ -232,7 +236,7 @@ def offload_choices(problem: PlanningProblem, zero_stage: int, pp: int, dp: int,
     even = sum(layer.param_count for layer in problem.layers) / (pp * tp)
     found = []
     for optimizer, params in choices:
-        config = PipelineConfig(pp=pp, dp=dp, tp=tp, micro_batch_size=1,
+        config = PipelineConfig(pp=pp, dp=replicas, tp=tp, micro_batch_size=1,
                                 num_microbatches=num_microbatches, schedule="1f1b",
                                 zero_stage=zero_stage, offload_optimizer=optimizer,
                                 offload_params=params)
@@ -256,7 +260,7 @@ def host_fits(problem: PlanningProblem, result: "ConfigResult | None") -> bool:
     return need <= problem.devices.host_memory
 
 
-def zero2_grad_syncs(problem: PlanningProblem, zero_stage: int, dp: int,
+def zero2_grad_syncs(problem: PlanningProblem, zero_stage: int, replicas: int,
                      num_microbatches: int) -> list[str]:
     """The ZeRO-2 gradient syncs a configuration may take: the pinned one, else both
     where they differ (ZeRO-2 over several replicas, several microbatches), else the
@@ -264,7 +268,7 @@ def zero2_grad_syncs(problem: PlanningProblem, zero_stage: int, dp: int,
     pinned = problem.pins.zero2_grad_sync
     if pinned is not None:
         return [pinned]
-    if effective_zero_stage(zero_stage, dp) == 2 and num_microbatches > 1:
+    if effective_zero_stage(zero_stage, replicas) == 2 and num_microbatches > 1:
         return list(ZERO2_GRAD_SYNCS)
     return [ZERO2_GRAD_SYNCS[0]]
 
@@ -304,7 +308,7 @@ def schedule_candidates(problem: PlanningProblem, config: PipelineConfig
                   else list(info.virtual_stages) or list(AUTO_VIRTUAL_STAGES))
         # A lower ZeRO stage takes its own gradient sync (the pinned one, or the default).
         sync = config.zero2_grad_sync if zero == config.zero_stage else zero2_grad_syncs(
-            problem, zero, config.dp, config.num_microbatches)[0]
+            problem, zero, config.grad_dp, config.num_microbatches)[0]
         found += [dataclasses.replace(config, schedule=name, chunks=v, zero_stage=zero,
                                       zero2_grad_sync=sync)
                   for v in counts
@@ -506,13 +510,17 @@ def _why_no_config(problem: PlanningProblem) -> list[str]:
                                         if tokens % (2 * cp) == 0])
         if why is not None:
             return [f"The pinned cp_kind='all-to-all' fits no cp: {why}."]
+    if pins.zero_stage and pins.dp == 1 and pins.cp is None:
+        return [f"zero_stage={pins.zero_stage} with dp=1 pinned shards over the context-"
+                f"parallel ranks (dp x cp), and no cp > 1 fits this model and budget: pin "
+                f"zero_stage=0, or dp > 1."]
     if pins.schedule is None:
         return []
     free = candidate_configs(dataclasses.replace(
         problem, pins=dataclasses.replace(pins, schedule=None)))
     reasons: set[str] = set()
     for config in free:
-        zero = effective_zero_stage(config.zero_stage, config.dp)
+        zero = effective_zero_stage(config.zero_stage, config.grad_dp)
         feature = feature_refusal(pins.schedule, zero, problem.train.compile_pinned)
         if feature is not None:
             reasons.add(feature)

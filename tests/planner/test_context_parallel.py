@@ -195,3 +195,27 @@ def test_no_plan_fits_names_the_context_parallel_mesh_it_tried():
     tiny = replace(prob, devices=replace(prob.devices, memory_bytes=(1000,) * 2))
     with pytest.raises(PlanInfeasibleError, match=r"tightest split \(pp=1 x cp=2 \(ring\),"):
         plan_problem(tiny)
+
+
+@pytest.mark.parametrize("zero", [1, 2, 3])
+def test_zero_shards_over_the_cp_ranks_with_one_dp_replica(zero):
+    # dp=1 x cp=2: the pair holds the same parameters, so the pinned ZeRO stage runs over
+    # it (the state halved) where it used to be dropped as if nothing held them twice.
+    prob = _problem(num=2, pins=Pins(pp=1, dp=1, cp=2, cp_kind="ring"))
+    plans = {z: plan_problem(replace(prob, pins=replace(prob.pins, zero_stage=z)))
+             for z in (0, zero)}
+    sharded = plans[zero]
+    assert sharded.zero_stage == sharded.effective_zero_stage == zero
+    validate_plan(prob, sharded)   # raises on any violation
+    assert sharded.data_parallel.replicas == 2
+    held = {z: p.stages[0].memory_bytes.optimizer for z, p in plans.items()}
+    assert held[zero] * 2 == pytest.approx(held[0], rel=1e-6)
+    assert zero in {c.zero_stage for c in candidate_configs(replace(prob, pins=Pins(
+        pp=1, dp=1, cp=2, cp_kind="ring")))}
+
+
+def test_a_zero_stage_pinned_beside_dp_1_takes_cp_or_says_why_not():
+    plan = plan_problem(_problem(num=2, pins=Pins(dp=1, zero_stage=3)))
+    assert (plan.dp, plan.cp, plan.effective_zero_stage) == (1, 2, 3)
+    with pytest.raises(PlanInfeasibleError, match="no cp > 1 fits this model"):
+        plan_problem(_problem(num=2, attention=None, pins=Pins(dp=1, zero_stage=3)))

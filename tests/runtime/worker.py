@@ -448,6 +448,12 @@ for _family in ("llama", "qwen2", "mistral", "gpt2"):
         CASES[f"hf-{_family}-cp2-{_short}-dp2-zero3"] = Case(*_hf, dict(_cp, pp=1, dp=2,
                                                                          zero_stage=3))
 
+# ZeRO-3 with one dp replica: the state sharded over the cp pair, which holds the same
+# parameters.
+CASES["hf-llama-cp2-ring-zero3"] = Case(
+    hf_families.FAMILIES["llama"].build, "hf:tokens", hf_families.loss_for("tokens"),
+    dict(cp=2, cp_kind="ring", pp=1, dp=1, zero_stage=3, recompute="none"))
+
 # Recompute of a layer whose attention is the ring: full (the whole layer again, the ring
 # with it) and selective (the ring alone).
 CASES["hf-llama-cp2-ring-recompute"] = Case(
