@@ -84,20 +84,23 @@ def _describe(plan: partc.Plan | str) -> str:
             f"peak {format_bytes(p.peak_memory_bytes)}, MFU {100 * p.mfu:.1f}%")
 
 
-def part_longest(model: str, seqs: list[int], work_limit: float) -> None:
+def part_longest(model: str, seqs: list[int], work_limit: float,
+                 which: str = "both") -> None:
     shape, devices = (LLAMA3_8B, 8) if model == "8b" else (LLAMA3_70B, 64)
     print(f"== Llama-3-{model.upper()} on {devices} H100-80GB, bf16, fused attention, "
           f"{devices} sequences a step")
     options = PlannerOptions(work_limit=work_limit)
-    longest = {"cp=1": None, "cp free": None}
+    tried = {label: constraints for label, constraints, kind in (
+        ("cp=1", partc.Constraints(cp=1), "1"), ("cp free", partc.Constraints(), "free"))
+        if which in (kind, "both")}
+    longest = dict.fromkeys(tried)
     for seq in seqs:
         start, cpu = time.perf_counter(), time.process_time()
         graph, analysis, budget, train = _analysis(shape, seq, devices, devices)
         traced = time.perf_counter() - start
         print(f"{seq:>9,} tokens: traced and measured in {traced:.1f} s "
               f"({time.process_time() - cpu:.1f} s of CPU), host peak {max_rss()}")
-        for label, constraints in (("cp=1", partc.Constraints(cp=1)),
-                                   ("cp free", partc.Constraints())):
+        for label, constraints in tried.items():
             start, cpu = time.perf_counter(), time.process_time()
             plan = _plan(graph, analysis, budget, train, constraints, options)
             print(f"    {label:<8} planned in {time.perf_counter() - start:5.1f} s "
@@ -145,9 +148,11 @@ def main() -> None:
     parser.add_argument("--seqs", type=int, nargs="+",
                         default=[32768, 65536, 131072, 262144])
     parser.add_argument("--work-limit", type=float, default=PlannerOptions().work_limit)
+    parser.add_argument("--cp", choices=["1", "free", "both"], default="both",
+                        help="longest: plan with cp pinned to 1, left free, or both")
     args = parser.parse_args()
     if "longest" in args.parts:
-        part_longest(args.model, args.seqs, args.work_limit)
+        part_longest(args.model, args.seqs, args.work_limit, args.cp)
     if "405b" in args.parts:
         part_405b(args.work_limit)
 
