@@ -19,7 +19,11 @@ re-plan after a memory change under 1 s, the plan feasible with its gap reported
 and one plain ``torch.export`` of the same model, each in a fresh process, in CPU
 seconds (the call alone, and the whole process with its imports and the model's
 building), side by side with their ratio: CPU time, which a busy machine inflates less
-than wall time.
+than wall time. Then the cold plan's CPU seconds per phase as ``partc.progress`` names
+them: ``trace`` (finding the repeated blocks, tracing, the analysis passes),
+``tensor parallelism`` (choosing and measuring each variant), ``search`` (the cost
+tables, bounds and CP-SAT over every configuration), ``schedules`` (the other schedules
+on the chosen configuration, and the plan made from it).
 
 Workloads:
 
@@ -53,6 +57,7 @@ sys.path.insert(0, str(ROOT / "samples"))
 sys.path.insert(0, str(ROOT))
 
 import partc  # noqa: E402
+from partc import progress  # noqa: E402
 from plan_llama import LLAMA3_70B  # noqa: E402
 from partc.compiler import autocast_dtype, build_problem, plan_problem  # noqa: E402
 from partc.passes.pipeline import analyze  # noqa: E402
@@ -170,16 +175,47 @@ def run(workload: Workload, args) -> None:
 
 
 def one_call(workload: Workload, what: str) -> None:
-    """In this process: one cold plan or one torch.export; prints the call's CPU s."""
+    """In this process: one cold plan or one torch.export; prints the CPU s of each of
+    the plan's phases (as ``partc.progress`` names them), then the call's."""
     work = workload.build()
+    phases = PhaseClock()
     start = time.process_time()
     if what == "export":
         torch.export.export(work["model"], work["example_inputs"], strict=False)
     else:
-        partc.compile(work["model"], work["example_inputs"], budget=workload.budget(),
-                      train=work["train"], loss_fn=work["loss_fn"],
-                      example_target=work["example_target"], name=work["name"], cache=None)
+        with progress.listening(phases.event):
+            partc.compile(work["model"], work["example_inputs"], budget=workload.budget(),
+                          train=work["train"], loss_fn=work["loss_fn"],
+                          example_target=work["example_target"], name=work["name"],
+                          cache=None)
+    for phase, seconds in phases.stop().items():
+        print(f"phase\t{phase}\t{seconds:.3f}")
     print(f"{time.process_time() - start:.3f}")
+
+
+class PhaseClock:
+    """CPU seconds per phase of ``partc.compile``, from its progress events: the time up
+    to an event is its phase's, unless the phase before had ended (``done == total``):
+    then it is the next phase's work before its first report (the search builds every
+    configuration's cost table before it reports); after the last phase, "the rest"."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = {}
+        self.phase: str | None = None   # the phase under way; None: between phases
+        self.since = time.process_time()
+
+    def event(self, event: progress.Event) -> None:
+        self._charge(self.phase or event.phase)
+        self.phase = event.phase if event.done < event.total else None
+
+    def stop(self) -> dict[str, float]:
+        self._charge(self.phase or "the rest")
+        return self.seconds
+
+    def _charge(self, phase: str) -> None:
+        now = time.process_time()
+        self.seconds[phase] = self.seconds.get(phase, 0.0) + now - self.since
+        self.since = now
 
 
 def versus_export(workload: Workload) -> None:
@@ -191,11 +227,16 @@ def versus_export(workload: Workload) -> None:
                                workload.name], capture_output=True, text=True, check=True)
         after = resource.getrusage(resource.RUSAGE_CHILDREN)
         process = (after.ru_utime + after.ru_stime) - (before.ru_utime + before.ru_stime)
-        figures[what] = (float(done.stdout.split()[-1]), process)
-    (export_call, export_all), (plan_call, plan_all) = figures["export"], figures["plan"]
+        lines = done.stdout.split("\n")
+        figures[what] = (float(done.stdout.split()[-1]), process,
+                         [line.split("\t")[1:] for line in lines if line.startswith("phase\t")])
+    (export_call, export_all, _), (plan_call, plan_all, phases) = (figures["export"],
+                                                                   figures["plan"])
     print(f"{workload.name}: cold plan {plan_call:.1f} CPU-s (process {plan_all:.1f}), "
           f"torch.export {export_call:.1f} CPU-s (process {export_all:.1f}): "
           f"{plan_call / export_call:.2f}x (process {plan_all / export_all:.2f}x)")
+    print("  the plan's phases: " + ", ".join(
+        f"{phase} {float(seconds):.2f}" for phase, seconds in phases))
 
 
 def main() -> None:

@@ -370,8 +370,9 @@ def test_offload_on_a_device_with_a_copy_stream_hides_what_the_runtime_overlaps(
 def test_rows_share_their_parts_between_configurations_and_equal_rows_built_alone(
         monkeypatch):
     """A TableCache prices a layer's compute once per micro-batch size and schedule kind
-    (whatever dp, pp, ZeRO stage or offload), and its parameters' figures once per
-    data-parallel layout: every row still equals the row built without sharing."""
+    (whatever dp, pp, ZeRO stage or offload), its parameters' figures once per
+    data-parallel layout, and the ranks of each node per stage once per pipeline depth:
+    every row still equals the row built without sharing."""
     import partc.cost.row_parts as row_parts
     import partc.cost.tables as tables
 
@@ -383,13 +384,19 @@ def test_rows_share_their_parts_between_configurations_and_equal_rows_built_alon
                for pp in (1, 2) for b in (1, 2)
                for schedule, chunks in (("1f1b", 1), ("zbv-zero-bubble", 2)) if chunks <= pp
                for zero in range(4) for offload in (False, True)]
-    alone = [build_cost_table(problem, config).layers for config in configs]
-    priced = []
+    alone = [build_cost_table(problem, config) for config in configs]
+    priced, nodes_counted = [], []
     monkeypatch.setattr(row_parts, "layer_work",
                         lambda *args, **kwargs: priced.append(1) or layer_work(*args, **kwargs))
+    stages_per_node = tables.stages_per_node
+    monkeypatch.setattr(tables, "stages_per_node", lambda *args: nodes_counted.append(1)
+                        or stages_per_node(*args))
     cache = tables.TableCache()
-    shared = [build_cost_table(problem, config, cache).layers for config in configs]
-    assert shared == alone
+    shared = [build_cost_table(problem, config, cache) for config in configs]
+    assert [t.layers for t in shared] == [t.layers for t in alone]
     kinds = {(c.micro_batch_size, c.schedule) for c in configs}   # 4 compute families
     distinct = len(cache._layer_groups(problem)[1])
     assert len(priced) == len(kinds) * distinct < len(configs) * distinct
+    # Each node's ranks per stage: counted rank by rank once per pipeline depth.
+    assert [t.host_nodes for t in shared] == [t.host_nodes for t in alone]
+    assert len(nodes_counted) == len({c.pp for c in configs}) == 2

@@ -117,7 +117,7 @@ def param_part(problem: PlanningProblem, config: PipelineConfig, layer: Any,
     dp x cp replicas) and as the microbatches' copies do, the layer's parameter counts
     and the tensor-parallel variant (whose parameters FSDP's units are sized against)."""
     count, tensors = layer.param_count, layer.param_tensors
-    params = grad_config(config)   # the parameters' replicas: dp x cp
+    params = _replicas(config, parts)   # the parameters' replicas: dp x cp
     # The microbatches count by number only where the host copies each one, or autograd
     # accumulates into .grad; elsewhere as one or several (keeps_buckets, reduces_once).
     microbatches = config.num_microbatches
@@ -141,3 +141,15 @@ def param_part(problem: PlanningProblem, config: PipelineConfig, layer: Any,
         step_bytes=step_bytes(problem, params, count, layer.largest_param))
     parts[key] = (problem.model, part)
     return part
+
+
+def _replicas(config: PipelineConfig, parts: dict) -> PipelineConfig:
+    """:func:`grad_config` of ``config``, kept in ``parts``: a configuration's layers all
+    ask, and under context parallelism each answer is a new dataclass."""
+    if config.cp == 1:
+        return config
+    key = ("replicas", config)
+    known = parts.get(key)
+    if known is None:
+        known = parts[key] = grad_config(config)
+    return known

@@ -325,6 +325,14 @@ class TableCache:
             self._tables[key] = stage_limits(problem, config)
         return self._tables[key]
 
+    def host_nodes(self, pp: int, devices) -> tuple[tuple[int, ...], ...]:
+        """:func:`partc.cost.offload_time.stages_per_node`, once per pipeline depth: a
+        list per node, made rank by rank, which thousands of configurations share."""
+        key = ("host nodes", pp, devices.num_devices, devices.devices_per_node)
+        if key not in self._tables:
+            self._tables[key] = tuple(tuple(counts) for counts in stages_per_node(pp, devices))
+        return self._tables[key]
+
     def cut_bytes(self, problem: PlanningProblem, config: PipelineConfig) -> tuple[int, ...]:
         """:func:`partc.cost.communication.cut_bytes`, once per micro-batch size, cp and
         tensor-parallel variant."""
@@ -407,7 +415,7 @@ def build_cost_table(problem: PlanningProblem, config: PipelineConfig,
         host_memory=devices.host_memory,
         host_per_param=host_bytes_per_param(problem, config),
         ranks_per_node=ranks_per_node(problem),
-        host_nodes=tuple(tuple(counts) for counts in stages_per_node(config.pp, devices)),
+        host_nodes=cache.host_nodes(config.pp, devices),
     )
 
 
