@@ -1,0 +1,253 @@
+"""The schedules of every mesh: the second half of :func:`partc.planner.search.solve`.
+
+The closed-form search weighs 1F1B and GPipe (and a pinned schedule's virtual-stage
+counts) and picks, per mesh ``(pp, dp, tp, sequence parallelism, tensor-parallel
+objective, ep)``, its best configuration: batch split and ZeRO stage. A schedule played
+out (:func:`~partc.cost.evaluate.simulated_step_ps`, what a plan reports) may beat the
+closed form's fill and drain, so every mesh is then priced with every schedule and
+virtual-stage count its layers allow (:func:`~partc.planner.search.schedule_candidates`),
+and the plan that plays out fastest over all of them is kept (:func:`choose`):
+
+1. Each mesh gets a step time none of its plans plays out below, under any schedule
+   (:func:`~.bounds.played_floor` with ``any_schedule``: the least over its
+   configurations). Meshes are visited by that floor; once it reaches the fastest plan
+   played so far, no later mesh can win and the search stops.
+2. A mesh's configuration is the closed-form search's plan for it, or where that search
+   pruned the mesh (by the closed form, which is no bound here) the greedy plan
+   (:func:`~.bounds.incumbent`) of its configuration with the least floor.
+3. Each schedule and count of that configuration gets its own floor
+   (:func:`~.bounds.played_floor`: its recompute, its crossing sends) and is left out
+   where the floor reaches the fastest plan; else its greedy split is played out.
+4. CP-SAT then solves the schedules still in the running, fastest greedy split first
+   (the chosen mesh's before the others'), each from its greedy split and kept where it
+   plays out faster, while the work limit lasts; a trial whose floor reaches the
+   fastest plan by then is not solved.
+
+Every bound used is a lower bound on the step played out, so a plan left out is never
+faster than the one kept; the plan is OPTIMAL only when every trial in the running was
+solved to optimality (of the closed form, which each trial's CP-SAT minimises).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import NamedTuple
+
+from partc import progress
+from partc.cost.evaluate import evaluate
+from partc.cost.pipeline_config import PS_PER_S, PipelineConfig
+from partc.cost.tables import CostTable, TableCache, build_cost_table
+from partc.names import Outcome
+from partc.options import PlannerOptions
+from partc.planner.bounds import incumbent, played_floor
+from partc.planner.results import ConfigResult, MeshResult, ScheduleTrial
+from partc.problem import PlanningProblem
+
+# Why a trial has no plan: its floor reached the fastest plan played (before its greedy
+# split or before CP-SAT), or the work limit came first.
+PRUNED = "pruned (its bound)"
+NOT_REACHED = "not reached (work limit)"
+NO_SPLIT = "no split fits"
+
+
+def mesh_key(config: PipelineConfig) -> tuple:
+    """What a mesh is: the devices' factorisation and the tensor-parallel variant."""
+    return (config.pp, config.dp, config.tp, config.sequence_parallel, config.tp_objective,
+            config.ep)
+
+
+class Chosen(NamedTuple):
+    """What :func:`choose` found: the plan, every trial in order (the closed-form
+    search's plan first), whether every trial in the running was settled, and per mesh
+    (:func:`mesh_key`) its fastest plan played, with its step time."""
+
+    result: ConfigResult
+    trials: tuple[ScheduleTrial, ...]
+    finished: bool
+    per_mesh: dict[tuple, tuple[ConfigResult, int]]
+
+
+def choose(problem: PlanningProblem, tables: list[CostTable],
+           outcomes: list, best: ConfigResult, options: PlannerOptions,
+           cache: TableCache, work: float) -> Chosen:
+    """The plan that plays out fastest over every mesh and schedule (the module
+    docstring); ``tables`` and ``outcomes`` are the closed-form search's, ``best`` its
+    plan, ``work`` the deterministic seconds left for CP-SAT. The chosen mesh is priced
+    first, then the others by floor."""
+    from partc.planner.search import schedule_candidates
+
+    search = _Search(problem, cache)
+    search.add(mesh_key(best.table.config), best)
+    scale = min(1.0, problem.devices.split_backward_factor or 1.0)
+    meshes = _meshes(tables, outcomes, cache, scale, mesh_key(best.table.config))
+    for done, (floor, key, members, result) in enumerate(meshes):
+        progress.update("schedules", done, len(meshes), f"pp={key[0]} dp={key[1]} "
+                        f"tp={key[2]}", incumbent_s=search.step / PS_PER_S)
+        if floor >= search.step and done:   # the chosen mesh's trials are all listed
+            break
+        if key == mesh_key(best.table.config):
+            result = best   # not an equal plan CP-SAT found after the greedy seed
+        if result is None:
+            result = _greedy_result(problem, [tables[i] for i in members], cache)
+            if result is None:
+                continue
+        if result is not best:
+            search.add(key, result)
+        for config in schedule_candidates(problem, result.table.config):
+            search.price(key, config, first=not done)
+    progress.update("schedules", len(meshes), len(meshes),
+                    incumbent_s=search.step / PS_PER_S)
+    finished = search.solve_pending(options, work)
+    # Ties keep CP-SAT's plan over a greedy one, then the earlier.
+    fastest = min((t for t in search.trials if t.result is not None),
+                  key=lambda t: (t.step_ps, t.greedy))
+    return Chosen(fastest.result, tuple(search.trials), finished, search.per_mesh)
+
+
+class _Search:
+    """The trials so far, the fastest step played and each mesh's fastest plan, and
+    the trials CP-SAT may still improve (``pending``: whether of a mesh priced after
+    the first, greedy step, the trial, its floor)."""
+
+    def __init__(self, problem: PlanningProblem, cache: TableCache) -> None:
+        self.problem, self.cache = problem, cache
+        self.trials: list[ScheduleTrial] = []
+        self.step = math.inf
+        self.per_mesh: dict[tuple, tuple[ConfigResult, int]] = {}
+        self.pending: list[tuple[bool, float, ScheduleTrial, float]] = []
+
+    def add(self, key: tuple, result: ConfigResult) -> ScheduleTrial:
+        """``result`` played out, as a trial of mesh ``key``."""
+        trial = _played(self.problem, result)
+        self.trials.append(trial)
+        known = self.per_mesh.get(key)
+        if known is None or trial.step_ps < known[1]:
+            self.per_mesh[key] = (trial.result, trial.step_ps)
+        self.step = min(self.step, trial.step_ps)
+        return trial
+
+    def price(self, key: tuple, config: PipelineConfig, first: bool) -> None:
+        """``config`` (a schedule of mesh ``key``): pruned by its floor, or its greedy
+        split played out and left for CP-SAT."""
+        table = build_cost_table(self.problem, config, self.cache)
+        bound = played_floor(table, self.cache)
+        if bound >= self.step:
+            self.trials.append(ScheduleTrial(config=config, why=PRUNED))
+            return
+        greedy = _greedy_result(self.problem, [table], self.cache)
+        if greedy is None:
+            self.pending.append((not first, math.inf, ScheduleTrial(config=config,
+                                                                    why=NO_SPLIT), bound))
+            return
+        trial = dataclasses.replace(self.add(key, greedy), greedy=True)
+        self.trials[-1] = trial
+        self.pending.append((not first, trial.step_ps, trial, bound))
+
+    def solve_pending(self, options: PlannerOptions, work: float) -> bool:
+        """CP-SAT on each pending trial, the first mesh's first, then by greedy step,
+        from its greedy split, while ``work`` lasts and its floor is below the fastest
+        plan played; whether every one was settled."""
+        from partc.planner.search import solve_config
+
+        finished = True
+        for _, _, trial, bound in sorted(self.pending, key=lambda p: (p[0], p[1])):
+            config = trial.config
+            if bound >= self.step:
+                if trial.result is None:
+                    self.trials.append(dataclasses.replace(trial, why=PRUNED))
+                continue
+            if work <= 0:
+                finished = False
+                if trial.result is None:
+                    self.trials.append(dataclasses.replace(trial, why=NOT_REACHED))
+                continue
+            table = build_cost_table(self.problem, config, self.cache)
+            previous = self.cache.solutions.get(config)
+            result, status, _, spent = solve_config(
+                self.problem, table, options, min(work, options.per_config_work), None,
+                None, previous, self.cache)
+            work -= spent
+            if result is None:
+                finished &= status != "UNKNOWN"
+                if trial.result is None:
+                    self.trials.append(ScheduleTrial(
+                        config=config, why=NO_SPLIT if status == "INFEASIBLE" else
+                        "work limit"))
+                continue
+            finished &= result.status == "OPTIMAL"
+            solved = self.add(mesh_key(config), result)
+            self.cache.solutions[config] = solved.result.assignment
+        return finished
+
+
+def _meshes(tables: list[CostTable], outcomes: list, cache: TableCache, scale: float,
+            chosen: tuple) -> list[tuple[float, tuple, list[int], ConfigResult | None]]:
+    """Per mesh with a configuration that may fit: its floor under any schedule, its
+    key, its configurations (by floor) and the closed-form search's plan for it (or
+    None); the ``chosen`` mesh first, then by floor."""
+    groups: dict[tuple, list[int]] = {}
+    for i, table in enumerate(tables):
+        groups.setdefault(mesh_key(table.config), []).append(i)
+    meshes = []
+    for key, members in groups.items():
+        floors = {i: played_floor(tables[i], cache, any_schedule=True, backward_scale=scale)
+                  for i in members}
+        members = sorted((i for i in members if floors[i] < math.inf and
+                          outcomes[i] != Outcome.INFEASIBLE), key=lambda i: (floors[i], i))
+        if not members:
+            continue
+        results = [o for o in outcomes if isinstance(o, ConfigResult)
+                   and mesh_key(o.table.config) == key]
+        result = min(results, key=lambda r: r.evaluation.step_ps) if results else None
+        meshes.append((floors[members[0]], key, members, result))
+    meshes.sort(key=lambda mesh: (mesh[1] != chosen, mesh[0], mesh[1]))
+    return meshes
+
+
+def _greedy_result(problem: PlanningProblem, tables: list[CostTable],
+                   cache: TableCache) -> ConfigResult | None:
+    """The greedy plan (:func:`~.bounds.incumbent`) of the first of ``tables`` that has
+    one that fits, as a FEASIBLE result."""
+    for table in tables:
+        config = table.config
+        hint = incumbent(problem.variant(config.tp, config.sequence_parallel,
+                                         config.tp_objective), table, cache)
+        if hint is None:
+            continue
+        evaluation = evaluate(table, hint.stage_of, hint.modes)
+        return ConfigResult(table=table, assignment=hint, evaluation=evaluation,
+                            status="FEASIBLE", bound=0, solve_time_s=0.0)
+    return None
+
+
+def _played(problem: PlanningProblem, result: ConfigResult) -> ScheduleTrial:
+    from partc.planner.search import balanced_runs
+
+    played, step = balanced_runs(problem, result)
+    return ScheduleTrial(config=result.table.config, result=played, step_ps=step,
+                         solved=result if played is not result else None)
+
+
+def priced_meshes(meshes: tuple[MeshResult, ...], chosen: Chosen) -> tuple[MeshResult, ...]:
+    """The report's meshes (:func:`~.meshes.mesh_results`) each priced with its fastest
+    plan played out over every schedule the joint search tried (``chosen.per_mesh``);
+    the chosen mesh first, then the solved ones by that step time."""
+    fastest: dict[tuple, tuple[ConfigResult, int]] = {}
+    for key, (result, step) in chosen.per_mesh.items():
+        known = fastest.get(key[:3])
+        if known is None or step < known[1]:
+            fastest[key[:3]] = (result, step)
+    picked = mesh_key(chosen.result.table.config)[:3]
+    priced = []
+    for mesh in meshes:
+        found = fastest.get((mesh.pp, mesh.dp, mesh.tp))
+        if found is not None:
+            result, step = found
+            mesh = dataclasses.replace(mesh, outcome=Outcome.SOLVED, config=result.table.config,
+                                       step_ps=step, status=result.status)
+        priced.append(mesh)
+    order = {Outcome.SOLVED: 0, Outcome.WORK_LIMIT: 1, Outcome.PRUNED: 1, Outcome.INFEASIBLE: 2}
+    return tuple(sorted(priced, key=lambda m: (
+        (m.pp, m.dp, m.tp) != picked, order[m.outcome],
+        m.step_ps if m.outcome == Outcome.SOLVED else 0, m.pp, m.dp, m.tp)))
