@@ -13,7 +13,13 @@ Targets on this 2-core machine: trace + plan under 10 s (median of 3) for Llama-
 re-plan after a memory change under 1 s, the plan feasible with its gap reported.
 
     python benchmarks/plan_time.py [--repeats 3] [--workloads llama3-70b gpt-1t llama3-8b]
-        [--work-limit W] [--profile]
+        [--work-limit W] [--profile] [--no-replan]
+    python benchmarks/plan_time.py --export --workloads llama3-70b   # one torch.export
+
+``--export`` runs one plain ``torch.export.export`` of the first workload's model (on the
+meta device, ``strict=False``) and nothing else: the yardstick the planning time is
+quoted against, to time as a whole process beside ``--repeats 1 --no-replan`` (one cold
+plan), paired run by run on the same machine.
 
 Workloads:
 
@@ -148,6 +154,14 @@ def describe(plan: partc.Plan) -> str:
             f"{solver.configs_solved} solved, {solver.configs_pruned} pruned")
 
 
+def export_once(workload: Workload) -> None:
+    """One plain torch.export of the workload's model and loss, as a user would trace it."""
+    work = workload.build()
+    start = time.perf_counter()
+    torch.export.export(work["model"], work["example_inputs"], strict=False)
+    print(f"torch.export of {workload.name}: {time.perf_counter() - start:.2f} s")
+
+
 def run(workload: Workload, args) -> None:
     options = PlannerOptions(work_limit=args.work_limit)
     print(f"\n{workload.name}: {workload.devices} x {workload.device} (8 per node, "
@@ -158,6 +172,8 @@ def run(workload: Workload, args) -> None:
         print(f"  {phase:<26} median {statistics.median(values):7.2f} s   runs "
               + " ".join(f"{v:.2f}" for v in values))
     print(f"  plan: {describe(runs[-1][1])}")
+    if args.no_replan:
+        return
     print("  re-planning with a cache (partc.compile):")
     for what, seconds, plan in replans(workload, options):
         print(f"    {what:<34} {seconds:6.2f} s   {describe(plan)}")
@@ -172,7 +188,14 @@ def main() -> None:
                         help="the planner's work limit, deterministic seconds of CP-SAT work")
     parser.add_argument("--profile", action="store_true",
                         help="cProfile the first workload's cold run")
+    parser.add_argument("--no-replan", action="store_true",
+                        help="cold runs only, no re-planning with a cache")
+    parser.add_argument("--export", action="store_true",
+                        help="one plain torch.export of the first workload's model, only")
     args = parser.parse_args()
+    if args.export:
+        export_once(WORKLOADS[args.workloads[0]])
+        return
     if args.profile:
         profile = cProfile.Profile()
         profile.runcall(cold_run, WORKLOADS[args.workloads[0]],

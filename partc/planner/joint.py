@@ -14,10 +14,14 @@ and the plan that plays out fastest over all of them is kept (:func:`choose`):
    played so far, no later mesh can win and the search stops.
 2. A mesh's configuration is the closed-form search's plan for it, or where that search
    pruned the mesh (by the closed form, which is no bound here) the greedy plan
-   (:func:`~.bounds.incumbent`) of its configuration with the least floor.
+   (:func:`~.bounds.incumbent`) of its configuration with the least floor (CP-SAT's,
+   where no greedy plan fits). Its other batch splits and ZeRO stages are weighed by the
+   closed form only.
 3. Each schedule and count of that configuration gets its own floor
    (:func:`~.bounds.played_floor`: its recompute, its crossing sends) and is left out
-   where the floor reaches the fastest plan; else its greedy split is played out.
+   where the floor reaches the fastest plan; else its greedy split is played out (on
+   meshes other than the chosen one, within ``PlannerOptions.schedule_trial_ops``
+   operations played: the rest are not reached, and the plan FEASIBLE).
 4. CP-SAT then solves the schedules still in the running, fastest greedy split first
    (the chosen mesh's before the others'), each from its greedy split and kept where it
    plays out faster, while the work limit lasts; a trial whose floor reaches the
@@ -48,6 +52,7 @@ from partc.problem import PlanningProblem
 # split or before CP-SAT), or the work limit came first.
 PRUNED = "pruned (its bound)"
 NOT_REACHED = "not reached (work limit)"
+TRIAL_LIMIT = "not reached (schedule trials limit)"
 NO_SPLIT = "no split fits"
 
 
@@ -59,13 +64,15 @@ def mesh_key(config: PipelineConfig) -> tuple:
 
 class Chosen(NamedTuple):
     """What :func:`choose` found: the plan, every trial in order (the closed-form
-    search's plan first), whether every trial in the running was settled, and per mesh
-    (:func:`mesh_key`) its fastest plan played, with its step time."""
+    search's plan first), whether every trial in the running was settled, per mesh
+    (:func:`mesh_key`) its fastest plan played, with its step time, and its floor under
+    any schedule."""
 
     result: ConfigResult
     trials: tuple[ScheduleTrial, ...]
     finished: bool
     per_mesh: dict[tuple, tuple[ConfigResult, int]]
+    floors: dict[tuple, float]
 
 
 def choose(problem: PlanningProblem, tables: list[CostTable],
@@ -77,7 +84,7 @@ def choose(problem: PlanningProblem, tables: list[CostTable],
     first, then the others by floor."""
     from partc.planner.search import schedule_candidates
 
-    search = _Search(problem, cache)
+    search = _Search(problem, cache, work, options.schedule_trial_ops)
     search.add(mesh_key(best.table.config), best)
     scale = min(1.0, problem.devices.split_backward_factor or 1.0)
     meshes = _meshes(tables, outcomes, cache, scale, mesh_key(best.table.config))
@@ -90,6 +97,8 @@ def choose(problem: PlanningProblem, tables: list[CostTable],
             result = best   # not an equal plan CP-SAT found after the greedy seed
         if result is None:
             result = _greedy_result(problem, [tables[i] for i in members], cache)
+        if result is None:   # greedy fits none: CP-SAT may (its work counted)
+            result = search.solved_rep(options, [tables[i] for i in members])
             if result is None:
                 continue
         if result is not best:
@@ -98,11 +107,12 @@ def choose(problem: PlanningProblem, tables: list[CostTable],
             search.price(key, config, first=not done)
     progress.update("schedules", len(meshes), len(meshes),
                     incumbent_s=search.step / PS_PER_S)
-    finished = search.solve_pending(options, work)
+    finished = search.solve_pending(options) and not search.unsettled
     # Ties keep CP-SAT's plan over a greedy one, then the earlier.
     fastest = min((t for t in search.trials if t.result is not None),
                   key=lambda t: (t.step_ps, t.greedy))
-    return Chosen(fastest.result, tuple(search.trials), finished, search.per_mesh)
+    return Chosen(fastest.result, tuple(search.trials), finished, search.per_mesh,
+                  {key: floor for floor, key, _, _ in meshes})
 
 
 class _Search:
@@ -110,8 +120,11 @@ class _Search:
     the trials CP-SAT may still improve (``pending``: whether of a mesh priced after
     the first, greedy step, the trial, its floor)."""
 
-    def __init__(self, problem: PlanningProblem, cache: TableCache) -> None:
+    def __init__(self, problem: PlanningProblem, cache: TableCache, work: float,
+                 limit: int) -> None:
         self.problem, self.cache = problem, cache
+        self.work, self.limit = work, limit   # CP-SAT's work left, operations to play left
+        self.unsettled = False   # a mesh or trial left without a plan for want of either
         self.trials: list[ScheduleTrial] = []
         self.step = math.inf
         self.per_mesh: dict[tuple, tuple[ConfigResult, int]] = {}
@@ -135,6 +148,13 @@ class _Search:
         if bound >= self.step:
             self.trials.append(ScheduleTrial(config=config, why=PRUNED))
             return
+        # Its operations, and the greedy split's own work, about 100 per layer.
+        ops = 2 * config.num_microbatches * config.virtual_stages + 100 * table.num_layers
+        if not first and self.limit < ops:
+            self.unsettled = True
+            self.trials.append(ScheduleTrial(config=config, why=TRIAL_LIMIT))
+            return
+        self.limit -= 0 if first else ops
         greedy = _greedy_result(self.problem, [table], self.cache)
         if greedy is None:
             self.pending.append((not first, math.inf, ScheduleTrial(config=config,
@@ -144,7 +164,26 @@ class _Search:
         self.trials[-1] = trial
         self.pending.append((not first, trial.step_ps, trial, bound))
 
-    def solve_pending(self, options: PlannerOptions, work: float) -> bool:
+    def solved_rep(self, options: PlannerOptions, tables: list[CostTable]
+                   ) -> ConfigResult | None:
+        """CP-SAT's plan of the first of ``tables`` (a mesh's, by floor) that has one,
+        while the work lasts."""
+        from partc.planner.search import solve_config
+
+        for table in tables:
+            if self.work <= 0:
+                self.unsettled = True
+                return None
+            result, status, _, spent = solve_config(
+                self.problem, table, options, min(self.work, options.per_config_work), None,
+                None, self.cache.solutions.get(table.config), self.cache)
+            self.work -= spent
+            self.unsettled |= result is None and status == "UNKNOWN"
+            if result is not None:
+                return result
+        return None
+
+    def solve_pending(self, options: PlannerOptions) -> bool:
         """CP-SAT on each pending trial, the first mesh's first, then by greedy step,
         from its greedy split, while ``work`` lasts and its floor is below the fastest
         plan played; whether every one was settled."""
@@ -157,7 +196,7 @@ class _Search:
                 if trial.result is None:
                     self.trials.append(dataclasses.replace(trial, why=PRUNED))
                 continue
-            if work <= 0:
+            if self.work <= 0:
                 finished = False
                 if trial.result is None:
                     self.trials.append(dataclasses.replace(trial, why=NOT_REACHED))
@@ -165,9 +204,9 @@ class _Search:
             table = build_cost_table(self.problem, config, self.cache)
             previous = self.cache.solutions.get(config)
             result, status, _, spent = solve_config(
-                self.problem, table, options, min(work, options.per_config_work), None,
+                self.problem, table, options, min(self.work, options.per_config_work), None,
                 None, previous, self.cache)
-            work -= spent
+            self.work -= spent
             if result is None:
                 finished &= status != "UNKNOWN"
                 if trial.result is None:
@@ -231,21 +270,34 @@ def _played(problem: PlanningProblem, result: ConfigResult) -> ScheduleTrial:
 
 def priced_meshes(meshes: tuple[MeshResult, ...], chosen: Chosen) -> tuple[MeshResult, ...]:
     """The report's meshes (:func:`~.meshes.mesh_results`) each priced with its fastest
-    plan played out over every schedule the joint search tried (``chosen.per_mesh``);
-    the chosen mesh first, then the solved ones by that step time."""
+    plan played out over every schedule the joint search tried (``chosen.per_mesh``),
+    and bounded by its floor under any schedule (a mesh the joint search did not price
+    is pruned by it); the chosen mesh first, then the solved ones by that step time."""
     fastest: dict[tuple, tuple[ConfigResult, int]] = {}
     for key, (result, step) in chosen.per_mesh.items():
         known = fastest.get(key[:3])
         if known is None or step < known[1]:
             fastest[key[:3]] = (result, step)
+    floors: dict[tuple, float] = {}
+    for key, floor in chosen.floors.items():
+        floors[key[:3]] = min(floors.get(key[:3], math.inf), floor)
     picked = mesh_key(chosen.result.table.config)[:3]
+    chosen_step = min(step for _, step in chosen.per_mesh.values())
     priced = []
     for mesh in meshes:
         found = fastest.get((mesh.pp, mesh.dp, mesh.tp))
+        if mesh.outcome != Outcome.INFEASIBLE:   # a bound on the step played, not the closed form
+            mesh = dataclasses.replace(mesh, bound_ps=int(floors.get(
+                (mesh.pp, mesh.dp, mesh.tp), mesh.bound_ps)))
         if found is not None:
             result, step = found
             mesh = dataclasses.replace(mesh, outcome=Outcome.SOLVED, config=result.table.config,
                                        step_ps=step, status=result.status)
+        elif mesh.outcome != Outcome.INFEASIBLE:   # no plan played: pruned by its floor,
+            step = chosen_step                   # or else not settled
+            mesh = dataclasses.replace(
+                mesh, outcome=Outcome.PRUNED if mesh.bound_ps >= step else Outcome.WORK_LIMIT,
+                config=None, step_ps=None, status=None)
         priced.append(mesh)
     order = {Outcome.SOLVED: 0, Outcome.WORK_LIMIT: 1, Outcome.PRUNED: 1, Outcome.INFEASIBLE: 2}
     return tuple(sorted(priced, key=lambda m: (

@@ -123,7 +123,9 @@ def test_breakdown_adds_up_to_the_step():
     assert parts.compute > parts.memory > 0 and parts.tp > 0 and parts.dp_sync > 0
 
 
-@pytest.mark.parametrize("name", ["1.7B", "18.4B", "39.1B"])
+@pytest.mark.parametrize("name", ["1.7B", "18.4B", "39.1B"] + [
+    pytest.param(run.name, marks=pytest.mark.slow) for run in megatron.RUNS
+    if run.name not in ("1.7B", "18.4B", "39.1B")])
 def test_own_plan_is_at_least_as_fast_and_fits(name):
     run = run_named(name)
     graph, analysis = analysed(run.name)
