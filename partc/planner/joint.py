@@ -23,9 +23,9 @@ and the plan that plays out fastest over all of them is kept (:func:`choose`):
    meshes other than the chosen one, within ``PlannerOptions.schedule_trial_ops``
    operations played: the rest are not reached, and the plan FEASIBLE).
 4. CP-SAT then solves the schedules still in the running, fastest greedy split first
-   (the chosen mesh's before the others'), each from its greedy split and kept where it
-   plays out faster, while the work limit lasts; a trial whose floor reaches the
-   fastest plan by then is not solved.
+   (the chosen mesh's before the others', which share one configuration's work), each
+   from its greedy split and kept where it plays out faster, while the work limit
+   lasts; a trial whose floor reaches the fastest plan by then is not solved.
 
 Every bound used is a lower bound on the step played out, so a plan left out is never
 faster than the one kept; the plan is OPTIMAL only when every trial in the running was
@@ -190,23 +190,28 @@ class _Search:
         from partc.planner.search import solve_config
 
         finished = True
-        for _, _, trial, bound in sorted(self.pending, key=lambda p: (p[0], p[1])):
+        # Other meshes' schedules get one configuration's share of the work between them:
+        # their greedy splits are played already, and CP-SAT's work on each is what a
+        # cold plan of a 70B model was seen to spend most of its time on.
+        others = options.per_config_work
+        for later, _, trial, bound in sorted(self.pending, key=lambda p: (p[0], p[1])):
             config = trial.config
             if bound >= self.step:
                 if trial.result is None:
                     self.trials.append(dataclasses.replace(trial, why=PRUNED))
                 continue
-            if self.work <= 0:
+            if self.work <= 0 or later and others <= 0:
                 finished = False
                 if trial.result is None:
                     self.trials.append(dataclasses.replace(trial, why=NOT_REACHED))
                 continue
             table = build_cost_table(self.problem, config, self.cache)
             previous = self.cache.solutions.get(config)
-            result, status, _, spent = solve_config(
-                self.problem, table, options, min(self.work, options.per_config_work), None,
-                None, previous, self.cache)
+            share = min(self.work, options.per_config_work, others if later else math.inf)
+            result, status, _, spent = solve_config(self.problem, table, options, share, None,
+                                                    None, previous, self.cache)
             self.work -= spent
+            others -= spent if later else 0
             if result is None:
                 finished &= status != "UNKNOWN"
                 if trial.result is None:
