@@ -25,7 +25,9 @@ writing ``DIR/<part>.json`` and printing a table:
   rank at a time of plans for 2 or 4 GPUs (pipeline, ZeRO-1/3, tensor and sequence
   parallel, bf16 and fp32), joined to a fake process group (collectives move nothing;
   every tensor is allocated with its real shape): ``max_memory_allocated`` of a training
-  step against the plan's peak for that rank.
+  step against the plan's peak for that rank; and what ``partc.device.usable`` keeps
+  back, as the GPU shows it: the total CUDA reports, the context before the first
+  tensor, and the allocator's peak reserved against its peak allocated (fragmentation).
   With ``PARTC_GPU_SNAPSHOT=<case>``, that case's allocations are recorded with their
   Python stacks (``DIR/memory/<case>.pickle``, ``torch.cuda.memory._dump_snapshot``).
 - ``calibrate``: ``partc calibrate`` on this GPU, then the ``train`` part's plans
@@ -374,6 +376,7 @@ def memory_worker(out: Path, name: str, prepare: bool) -> None:
     if prepare:
         mc.compile_case(case)
         return
+    device = _device_memory_before()
     snapshot = torch.cuda.is_available() and os.environ.get("PARTC_GPU_SNAPSHOT") == name
     if snapshot:   # every allocation with its Python stack: what the peak holds
         torch.cuda.memory._record_memory_history(max_entries=400_000, stacks="python")
@@ -384,10 +387,32 @@ def memory_worker(out: Path, name: str, prepare: bool) -> None:
     result = [{"case": row.case, "rank": row.rank, "stage": row.stage,
                "predicted_peak": row.predicted["peak"], "tracked_peak": row.measured.peak,
                "cuda_peak": row.measured.cuda_peak, "phase": row.measured.phase,
-               "predicted": row.predicted, "tracked": row.measured.at_peak}
+               "predicted": row.predicted, "tracked": row.measured.at_peak,
+               "device": _device_memory_after(device)}
               for row in rows]
     (out / "memory" / f"{name}.json").write_text(json.dumps(result, indent=1))
     print(mc.table(rows))
+
+
+def _device_memory_before() -> dict[str, Any]:
+    """What partc.device.usable keeps back, as this GPU shows it: the total CUDA reports,
+    and what the context takes before the first tensor (total - free - reserved)."""
+    if not torch.cuda.is_available():
+        return {}
+    torch.cuda.init()
+    free, total = torch.cuda.mem_get_info()
+    return {"total_memory": torch.cuda.get_device_properties(0).total_memory,
+            "context": total - free - torch.cuda.memory_reserved()}
+
+
+def _device_memory_after(device: dict[str, Any]) -> dict[str, Any]:
+    """... and the allocator's peak reserved beside its peak allocated: the share lost
+    to fragmentation (one process: no NCCL communicator)."""
+    if not device:
+        return {}
+    reserved, allocated = torch.cuda.max_memory_reserved(), torch.cuda.max_memory_allocated()
+    return {**device, "max_reserved": reserved, "max_allocated": allocated,
+            "fragmentation": (reserved - allocated) / reserved if reserved else 0.0}
 
 
 def run_memory(out: Path, prepare: bool = False) -> dict[str, Any]:
@@ -412,6 +437,12 @@ def run_memory(out: Path, prepare: bool = False) -> dict[str, Any]:
                   f"{row['predicted_peak'] / 2**30:7.3f} GiB  {what} {measured / 2**30:7.3f} "
                   f"GiB  ratio {ratio:4.2f} {'ok' if abs(ratio - 1) <= 0.10 else 'OFF'}  "
                   f"(tracked {row['tracked_peak'] / 2**30:.3f}, peak in {row['phase']})")
+            if row.get("device"):
+                device = row["device"]
+                print(f"  {'':28s} CUDA reports {device['total_memory']:,} bytes; context "
+                      f"{device['context'] / 2**20:.0f} MiB; reserved/allocated at peak "
+                      f"{device['max_reserved'] / 2**30:.3f}/{device['max_allocated'] / 2**30:.3f}"
+                      f" GiB (fragmentation {100 * device['fragmentation']:.1f}%)")
     return results
 
 
@@ -595,7 +626,8 @@ def predicted_parts(program: Any) -> dict[str, float]:
             continue
         mode = stage.recompute.get(layer.name, "none")
         for devices, light in ((problem.devices, "light"), (undispatched, "light_bytes")):
-            work = layer_work(layer, devices, micro, problem.train.measured_scale)
+            work = layer_work(layer, devices, micro, problem.train.measured_scale,
+                              plan.train.compile)
             phases = (work["forward"], work["backward"], work["recompute"][mode])
             parts[light] += count * sum(memory for _, memory in phases)
         parts["heavy"] += count * sum(compute for compute, _ in phases)

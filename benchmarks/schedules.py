@@ -29,6 +29,7 @@ sys.path.insert(0, str(ROOT / "samples"))
 sys.path.insert(0, str(ROOT))
 
 import partc  # noqa: E402
+from plan_llama import LLAMA3_70B, LLAMA3_405B  # noqa: E402
 from partc.compiler import autocast_dtype, build_problem, plan_problem  # noqa: E402
 from partc.passes.pipeline import analyze  # noqa: E402
 from partc.plan import BudgetInfo  # noqa: E402
@@ -36,12 +37,6 @@ from partc.planner import PlannerOptions  # noqa: E402
 from partc.cost.schedules import SCHEDULE_TABLE  # noqa: E402
 from partc.units import format_bytes, format_seconds  # noqa: E402
 
-LLAMA3_405B = dict(hidden_size=16384, intermediate_size=53248, num_hidden_layers=126,
-                   num_attention_heads=128, num_key_value_heads=8, vocab_size=128000,
-                   max_position_embeddings=8192, rope_theta=500000.0, rms_norm_eps=1e-5)
-LLAMA3_70B = dict(hidden_size=8192, intermediate_size=28672, num_hidden_layers=80,
-                  num_attention_heads=64, num_key_value_heads=8, vocab_size=128256,
-                  max_position_embeddings=8192, rope_theta=500000.0, rms_norm_eps=1e-5)
 
 
 def virtual_stages(name: str, wanted: int = 2) -> int:

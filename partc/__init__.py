@@ -28,7 +28,8 @@ _EXPORTS = {
     "PlanCache": "cache",
     "build_problem": "compiler", "compile": "compiler", "plan_problem": "compiler",
     "ArgumentTypeError": "errors", "BatchMismatchError": "errors",
-    "CheckpointError": "errors", "FactoryError": "errors", "PartcError": "errors",
+    "CheckpointError": "errors", "ContextParallelError": "errors",
+    "FactoryError": "errors", "PartcError": "errors",
     "PlanFileError": "errors",
     "NonFiniteError": "errors", "PlanInfeasibleError": "errors",
     "PlanMismatchError": "errors", "PlanSchemaError": "errors",
@@ -49,7 +50,8 @@ if TYPE_CHECKING:   # what static tools and IDEs read
     from partc.compiler import build_problem, compile, load, plan_problem
     from partc.device.budget import PRESETS, DeviceBudget
     from partc.errors import (ArgumentTypeError, BatchMismatchError, CheckpointError,
-                              DataError, FactoryError, NonFiniteError, PartcError,
+                              ContextParallelError, DataError, FactoryError,
+                              NonFiniteError, PartcError,
                               PlanFileError, PlanInfeasibleError,
                               PlanMismatchError, PlanSchemaError, PlanValidationError,
                               TraceError)

@@ -34,6 +34,7 @@ import hashlib
 import json
 import logging
 import os
+import tempfile
 from collections import OrderedDict
 from dataclasses import replace
 from pathlib import Path
@@ -98,11 +99,12 @@ class PlanCache:
 
     def table_cache(self, problem: PlanningProblem) -> TableCache:
         """The cost-table cache to solve ``problem`` with (``partc.planner.solve``):
-        shared with the latest problem that differed only in the devices' memory, else
-        a new one."""
+        shared with the latest problem that differed only in the devices' memory (or what
+        of it is kept back), else a new one."""
         devices = problem.devices
         key = problem_key(replace(problem, devices=replace(
-            devices, memory_bytes=(0,) * devices.num_devices)))
+            devices, memory_bytes=(0,) * devices.num_devices, context_memory=0,
+            communicator_memory=0, memory_fragmentation=0.0)))
         cache = self._table_caches.pop(key, None)
         self._table_caches[key] = cache if cache is not None else TableCache()
         while len(self._table_caches) > self.TABLE_CACHES:
@@ -137,9 +139,18 @@ class PlanCache:
         path = self._path(kind, key, suffix)
         if path is not None:
             path.parent.mkdir(parents=True, exist_ok=True)
-            partial = path.with_suffix(path.suffix + ".partial")
-            partial.write_bytes(data)
-            os.replace(partial, path)   # readers never see half a file
+            # Readers never see half a file, and writers never each other's: every rank
+            # of a node may write the same entry at once (one PARTC_CACHE_DIR per
+            # machine), each through a partial file of its own.
+            descriptor, partial = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".",
+                                                   suffix=".partial")
+            try:
+                with os.fdopen(descriptor, "wb") as file:
+                    file.write(data)
+                os.replace(partial, path)
+            except BaseException:
+                Path(partial).unlink(missing_ok=True)
+                raise
 
     def _remember(self, memory: OrderedDict, key: str, value: Any) -> None:
         memory[key] = value

@@ -29,11 +29,15 @@ from partc.cache import DEFAULT as DEFAULT_CACHE
 from partc.cache import PlanCache, model_key
 from partc.codec import dtype_name
 from partc.cost.collectives import Group
+from partc.cost.compile_time import rank_compile_seconds
+from partc.cost.fp8_pricing import output_linears
+from partc.cost.schedules import runs_compiled
 from partc.cost.tables import TableCache
 from partc.device.budget import DeviceBudget, preset
 from partc.device.figures import FIGURE_NAMES, DeviceFigures
-from partc.errors import (PartcError, PlanFileError, PlanMismatchError, PlanValidationError,
-                          TraceError, check_argument)
+from partc.device.usable import RESERVE_FIGURES
+from partc.errors import (PartcError, PlanFileError, PlanInfeasibleError, PlanMismatchError,
+                          PlanValidationError, TraceError, check_argument)
 from partc.identity import behaviour_digest, model_hash
 from partc.passes.pipeline import analyze, tensor_parallel_options
 from partc.passes.tp.chooser import Link
@@ -95,7 +99,10 @@ def pins_for(constraints: Constraints, train: TrainSpec,
                     None if train.schedule == "auto" else train.schedule),
                 virtual_stages=constraints.virtual_stages,
                 zero_stage=constraints.zero_stage,
-                zero2_grad_sync=constraints.zero2_grad_sync, ep=constraints.ep)
+                zero2_grad_sync=constraints.zero2_grad_sync, ep=constraints.ep,
+                cp=constraints.cp, cp_kind=constraints.cp_kind,
+                offload=constraints.offload,
+                fp8_linears=constraints.fp8_linears)
 
 
 def build_problem(analysis: ModelAnalysis, budget: DeviceBudget, train: TrainSpec,
@@ -106,10 +113,8 @@ def build_problem(analysis: ModelAnalysis, budget: DeviceBudget, train: TrainSpe
     running under ``options.sharding``."""
     names = tuple(layer.name for layer in analysis.layers)
     devices = device_numbers(budget, train.dtype)
-    if train.compile and (constraints.zero_stage or 0) >= 2:
-        raise ValueError(f"compile=True cannot run zero_stage={constraints.zero_stage}: "
-                         "FSDP2's gather and free hooks are not compiled "
-                         "(partc.runtime.compiled); pin zero_stage 0 or 1, or compile=False")
+    train = train.for_device(budget.device_type)
+    check_fp8(budget, devices, train, constraints)
     # Before measuring tensor parallelism: a pin that cannot hold fails at once.
     check_pins(pins_for(constraints, train), devices, train.global_batch_size, names)
     pins = pins_for(constraints, train, names)
@@ -145,11 +150,39 @@ def build_problem(analysis: ModelAnalysis, budget: DeviceBudget, train: TrainSpe
             precision=train.precision,
             measured_scale=dtype_bytes(train.dtype) / _measured_dtype_bytes(analysis),
             moe_imbalance=train.moe_imbalance, moe_capacity_factor=train.moe_capacity_factor,
-            compiled=train.compile, tp_overlap=train.tp_overlap,
+            compiled=train.compile is not False, compile_pinned=train.compile is True,
+            fused_optimizer=bool(train.fused_optimizer), tp_overlap=train.tp_overlap,
             param_gather_overlap=train.overlap_param_gather,
-            bucket_elements=train.bucket_elements),
+            bucket_elements=train.bucket_elements,
+            fp8=train.fp8_recipe if train.fp8 else None,
+            fp8_kept=output_linears(analysis.layers) if train.fp8 else ()),
         pins=pins,
     )
+
+
+def check_fp8(budget: DeviceBudget, devices: DeviceNumbers, train: TrainSpec,
+              constraints: Constraints) -> None:
+    """FP8 linears need a device with FP8 matmuls (an ``fp8_peak_flops``; the CPU
+    emulates them), ``TrainSpec.fp8`` to pin any, and no tensor parallelism to run in."""
+    pinned = constraints.fp8_linears not in (None, "none")
+    if pinned and not train.fp8:
+        raise ValueError(f"Constraints.fp8_linears={constraints.fp8_linears!r} pins FP8 "
+                         "linears, but TrainSpec.fp8 is off: pass TrainSpec(fp8=True)")
+    if not train.fp8:
+        return
+    if devices.fp8_peak_flops is None and budget.device_type != "cpu":
+        raise PlanInfeasibleError(
+            f"TrainSpec(fp8=True): {budget.name} has no FP8 matmuls (no fp8_peak_flops): "
+            "FP8 linears need a Hopper GPU (H100, H200) or newer; train without fp8, or "
+            "give the device's FP8 peak (DeviceBudget(fp8_peak_flops=...), "
+            "--fp8-peak-tflops)", resource="device")
+    if pinned and (constraints.tp or 1) > 1:
+        raise PlanInfeasibleError(
+            f"Constraints.fp8_linears={constraints.fp8_linears!r} with tp={constraints.tp}: "
+            "FP8 linears do not run under partc's tensor parallelism (its rewrite calls "
+            "its own collectives around plain linears); pin tp=1, or leave fp8_linears to "
+            "the planner, which prices tensor-parallel meshes without FP8",
+            resource="pin", pin="fp8_linears")
 
 
 def problem_for_plan(plan: Plan, model: torch.nn.Module, *, loss_fn: Callable | None = None,
@@ -158,8 +191,12 @@ def problem_for_plan(plan: Plan, model: torch.nn.Module, *, loss_fn: Callable | 
     traced at the batch it was measured at (else the global batch) on meta tensors of
     the recorded input shapes, under the plan's training setup, on the plan's budget,
     with the plan's tensor-parallel degree (and sequence parallelism, objective)
-    measured. No pins: ``validate_plan`` then checks the plan's own decisions."""
-    train = plan.train
+    measured. No pins but the FP8 linears (a plan may have had them pinned, and which
+    run FP8 is the plan's to say, as its stages are): ``validate_plan`` then checks the
+    plan's own decisions."""
+    # A plan written before the optimizer step was a kernel choice priced torch's
+    # unfused step, and its program runs that.
+    train = dataclasses.replace(plan.train, fused_optimizer=plan.train.fused_optimizer is True)
     budget = budget_from_info(plan.budget)
     batch = plan.model.traced_batch_size or train.global_batch_size
     args, kwargs, target = plan.model.meta_batch(batch)
@@ -169,6 +206,9 @@ def problem_for_plan(plan: Plan, model: torch.nn.Module, *, loss_fn: Callable | 
                               autocast_device=budget.device_type)
     constraints = Constraints(tp=plan.tp) if plan.tp == 1 else Constraints(
         tp=plan.tp, sequence_parallel=plan.sequence_parallel, tp_objective=plan.tp_objective)
+    if plan.fp8 is not None:
+        constraints = dataclasses.replace(constraints,
+                                          fp8_linears=plan.fp8.linears or "none")
     return build_problem(analysis, budget, train, constraints, graph, options)
 
 
@@ -182,8 +222,12 @@ def budget_from_info(info: BudgetInfo) -> DeviceBudget:
             return None
 
     device = preset_named(info.preset) or preset_named(info.device)
-    return DeviceBudget(num_devices=info.num_devices, device=device,
-                        **info.figures.to_dict(),
+    figures = info.figures.to_dict()
+    if not set(RESERVE_FIGURES) & figures.keys():
+        # Written before partc kept memory back for the context, NCCL and fragmentation
+        # (partc.device.usable): planned against the whole memory it records.
+        figures.update(context_memory=0, communicator_memory=0, memory_fragmentation=0.0)
+    return DeviceBudget(num_devices=info.num_devices, device=device, **figures,
                         memory=tuple(info.memory_bytes))
 
 
@@ -225,12 +269,34 @@ def plan_of(problem: PlanningProblem, result: PlannerResult, *,
         for b in baselines(problem, best.table))
     plan = make_plan(problem, best.table.config, best.evaluation, best.assignment.modes,
                      stats, budget=budget or _budget_info(problem.devices),
-                     train=train or _train_spec(problem.train), alternatives=alternatives,
-                     meshes=result.meshes)
+                     train=chosen_kernels(train or _train_spec(problem.train), problem,
+                                          best.table.config.schedule),
+                     alternatives=alternatives, meshes=result.meshes)
     plan = dataclasses.replace(plan, schedules=tuple(
-        schedule_options(problem, best, table_cache, result.schedule_trials)))
+        schedule_options(problem, best, table_cache, result.schedule_trials)),
+        predicted=dataclasses.replace(plan.predicted,
+                                      compile_time_s=compile_seconds(problem, plan)))
     validate_plan(problem, plan)
     return plan
+
+
+def compile_seconds(problem: PlanningProblem, plan: Plan) -> float | None:
+    """The first step's compile on the slowest pipeline rank (None: not compiled)."""
+    if not plan.train.compile:
+        return None
+    layers = {layer.name: layer for layer in problem.model.layers}
+    # dispatch_ahead: the device is a GPU (its host queues kernels ahead).
+    return max(rank_compile_seconds((layers[name] for name in stage.layers),
+                                    gpu=problem.devices.dispatch_ahead)
+               for stage in plan.stages)
+
+
+def chosen_kernels(train: TrainSpec, problem: PlanningProblem, schedule: str) -> TrainSpec:
+    """``train`` as the plan records it: the kernel choices ``problem`` priced made
+    (compile wherever the planner may compile and ``schedule`` runs a whole backward;
+    the optimizer step fused or not; the attention was measured as ``train`` says)."""
+    return dataclasses.replace(train, compile=runs_compiled(schedule, problem.train.compiled),
+                               fused_optimizer=problem.train.fused_optimizer)
 
 
 def _budget_info(devices: DeviceNumbers) -> BudgetInfo:
@@ -238,6 +304,7 @@ def _budget_info(devices: DeviceNumbers) -> BudgetInfo:
     return BudgetInfo(device="custom", num_devices=devices.num_devices,
                       memory_bytes=devices.memory_bytes,
                       figures=DeviceFigures(peak_flops=devices.peak_flops,
+                                            fp8_peak_flops=devices.fp8_peak_flops,
                                             devices_per_node=devices.devices_per_node))
 
 
@@ -249,8 +316,10 @@ def _train_spec(train: TrainNumbers) -> TrainSpec:
                      dtype=torch.bfloat16 if precision.mixed else torch.float32,
                      optimizer=precision.optimizer_state_bytes,
                      moe_imbalance=train.moe_imbalance,
-                     moe_capacity_factor=train.moe_capacity_factor,
-                     compile=train.compiled)
+                     moe_capacity_factor=train.moe_capacity_factor, attention="as_written",
+                     compile=True if train.compile_pinned else None if train.compiled
+                     else False, fused_optimizer=train.fused_optimizer,
+                     fp8=train.fp8 is not None, fp8_recipe=train.fp8 or "tensorwise")
 
 
 def _compact(value: Any) -> Any:
@@ -315,6 +384,7 @@ def compile(model: torch.nn.Module,
     if train is None:
         first = next(iter((*example_inputs, *kwargs.values())))
         train = TrainSpec(global_batch_size=int(first.shape[0]))
+    train = train.for_device(budget.device_type)   # the kernel choices the device makes
     constraints = _one_replica_for_running_stats(model, constraints or Constraints())
     options = options or PlannerOptions()
     devices = device_numbers(budget, train.dtype)
@@ -347,7 +417,8 @@ def compile(model: torch.nn.Module,
     if plan is not None:
         # The cache keys on what the planner reads; the rest of the setup (the runtime's
         # max_grad_norm, the budget's name) is this compile's, not the stored plan's.
-        plan = dataclasses.replace(plan, budget=recorded, train=train)
+        plan = dataclasses.replace(plan, budget=recorded,
+                                   train=chosen_kernels(train, problem, plan.schedule))
         validate_plan(problem, plan)
     else:
         plan = plan_problem(problem, budget=recorded, train=train, options=options,

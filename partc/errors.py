@@ -36,6 +36,13 @@ class PlanMismatchError(PartcError):
     rank's parameters)."""
 
 
+class ContextParallelError(PartcError):
+    """A model that cannot run with its sequence split over context-parallel ranks: an
+    op outside attention that reads the whole sequence (a cumulative sum, a sort, a
+    mean over it), an attention whose mask depends on the batch, or one with dropout;
+    the message names the op and its module."""
+
+
 class PlanValidationError(PartcError):
     """A plan broke one of the invariants that validate_plan checks."""
 

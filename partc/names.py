@@ -37,11 +37,13 @@ class Schedule(Name):
 
 class Recompute(Name):
     """What a layer keeps for backward: everything, its cheap-to-recompute part
-    recomputed ("selective"), or only its input ("full")."""
+    recomputed ("selective"), only its input ("full"), or everything on the host,
+    copied out in forward and back before backward needs it ("offload")."""
 
     NONE = "none"
     SELECTIVE = "selective"
     FULL = "full"
+    OFFLOAD = "offload"
 
 
 class Outcome(Name):
@@ -59,6 +61,17 @@ class Outcome(Name):
         return cls.WORK_LIMIT if value == "time limit" else None
 
 
+class CpKind(Name):
+    """How context-parallel attention exchanges the sequence shards of a cp group: a
+    ring passing key/value blocks from rank to rank, each step beside the attention of
+    the block it holds (any head count), or all-to-alls re-sharding queries, keys,
+    values and output from the sequence to the heads around the attention core
+    (DeepSpeed-Ulysses: the heads and key/value heads must divide by cp x tp)."""
+
+    RING = "ring"
+    ALL_TO_ALL = "all-to-all"
+
+
 class Phase(Name):
     """Where in a microbatch's pass an operation runs: its forward or its backward (a
     tensor-parallel collective, a pipeline operation), or one of the two parts of a
@@ -68,3 +81,14 @@ class Phase(Name):
     BACKWARD = "backward"
     INPUT = "input"
     WEIGHT = "weight"
+
+
+class Offload(Name):
+    """What may live on the host instead of the device: the optimizer's state, master
+    weights and step ("optimizer", ZeRO-Offload), the parameters between uses ("params",
+    under ZeRO-3), and a layer's saved activations between forward and backward
+    ("activations")."""
+
+    OPTIMIZER = "optimizer"
+    PARAMS = "params"
+    ACTIVATIONS = "activations"

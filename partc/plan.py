@@ -4,7 +4,7 @@ A Plan names layers, never fx nodes, so it can be saved, diffed, reviewed and lo
 again without tracing the model. Each section is a frozen dataclass; each decision is
 stored once, and what follows from decisions is a property computed in one place:
 
-- ``mesh`` (:class:`Mesh`): pp, dp, tp; ``zero_stage`` as chosen, and
+- ``mesh`` (:class:`Mesh`): pp, dp, cp (and its kind), tp; ``zero_stage`` as chosen, and
   :attr:`Plan.effective_zero_stage`, the one that runs (0 with one replica);
   :attr:`Plan.global_batch_size`, microbatches x their size x replicas;
   ``zero2_grad_sync``, when ZeRO-2 reduce-scatters gradients ("microbatch" or "step",
@@ -46,7 +46,7 @@ from partc.cost.schedules import SCHEDULE_TABLE, stages_of_rank
 from partc.device.budget import DEFAULT_DISK_BANDWIDTH, DEFAULT_STORAGE_BANDWIDTH
 from partc.device.figures import FIGURE_NAMES, DeviceFigures
 from partc.errors import PlanSchemaError
-from partc.names import Outcome, Phase, Recompute, Schedule
+from partc.names import CpKind, Offload, Outcome, Phase, Recompute, Schedule
 from partc.placement import REPLICATE, Placement
 from partc.problem import effective_zero_stage, reduces_once_per_step
 from partc.spec import TrainSpec
@@ -72,7 +72,12 @@ def _read(cls: type, data: Mapping[str, Any], where: str, **converted: Any) -> A
 
 @dataclass(frozen=True, kw_only=True)
 class Mesh:
-    """Devices as a (pp, dp, tp) grid; ranks are ordered with tp innermost. ``ep``: the
+    """Devices as a (pp, dp, cp, tp) grid; ranks are ordered with tp innermost, cp next
+    (Megatron-Core's order; :mod:`partc.rank_grid` gives each rank's coordinates and
+    groups). ``cp``: the context-parallel degree, each sequence split over ``cp`` ranks
+    that also reduce gradients with the dp replicas; ``cp_kind``: how their attention
+    exchanges the shards (:class:`~partc.names.CpKind`), ``None`` when cp = 1. Both are
+    written only when set (plans without them read as cp = 1). ``ep``: the
     expert-parallel degree of mixture-of-experts layers, folded over each stage's dp x tp
     ranks (groups of ``ep`` consecutive ranks; see :class:`ExpertParallelPlan`); 1
     without expert parallelism, and then not written (plans without it read as before)."""
@@ -81,10 +86,12 @@ class Mesh:
     dp: int
     tp: int = 1
     ep: int = field(default=1, metadata=UNLESS_DEFAULT)
+    cp: int = field(default=1, metadata=UNLESS_DEFAULT)
+    cp_kind: CpKind | None = field(default=None, metadata=UNLESS_DEFAULT)
 
     @property
     def size(self) -> int:
-        return self.pp * self.dp * self.tp
+        return self.pp * self.dp * self.cp * self.tp
 
     @property
     def expert_dp(self) -> int:
@@ -93,7 +100,8 @@ class Mesh:
         return self.dp * self.tp // self.ep
 
     def __str__(self) -> str:
-        return f"pp={self.pp} dp={self.dp} tp={self.tp}" + (
+        cp = f" cp={self.cp} ({self.cp_kind})" if self.cp != 1 else ""
+        return f"pp={self.pp} dp={self.dp}{cp} tp={self.tp}" + (
             f" ep={self.ep}" if self.ep != 1 else "")
 
 
@@ -116,6 +124,10 @@ class StageMemory:
     # they were counted read as 0.
     step: int = 0
     peak: int
+    # On the host, not in ``peak``: the saved activations of the stage's offloaded layers
+    # (recompute mode "offload") for the microbatches in flight at the schedule's peak
+    # (partc.cost.offload_time); not written when 0.
+    host: int = field(default=0, metadata=UNLESS_DEFAULT)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -173,6 +185,17 @@ class StagePlan:
     # report's timeline is the step the plan predicts; empty in plans written before it
     # (the timeline then shares the stage's times among its runs by their layers).
     run_times: tuple[RunTime, ...] = field(default=(), metadata=UNLESS_DEFAULT)
+    # Bytes a rank of the stage copies to the host per step for its offloaded layers'
+    # activations (and back: as many), every microbatch's; not written when 0.
+    host_traffic_bytes: int = field(default=0, metadata=UNLESS_DEFAULT)
+    # Per run (as ``run_times``), the part of its recompute that is those copies' time
+    # compute does not hide (the timeline's host blocks); empty without offload.
+    run_host_s: tuple[float, ...] = field(default=(), metadata=UNLESS_DEFAULT)
+
+    @property
+    def offloaded(self) -> tuple[str, ...]:
+        """The stage's layers whose saved activations go to the host."""
+        return tuple(name for name in self.layers if self.recompute.get(name) == "offload")
 
 
 @as_list
@@ -237,6 +260,18 @@ class ExpertLayer:
     def experts_of(self, ep_rank: int) -> range:
         """The experts ep rank ``ep_rank`` holds."""
         return range(ep_rank * self.local_experts, (ep_rank + 1) * self.local_experts)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Fp8Plan:
+    """The linears that run FP8 (``TrainSpec.fp8``; :mod:`partc.cost.fp8_pricing` says
+    where it pays): their weights' FQNs, each run with torchao's float8 training under
+    ``recipe`` (``"tensorwise"`` or ``"rowwise"`` scaling). ``emulated``: the device has
+    no FP8 matmuls and torchao emulates them (the CPU: the same casts, matmuls in fp32)."""
+
+    recipe: str
+    emulated: bool
+    linears: tuple[str, ...]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -355,6 +390,13 @@ class ModelInfo:
     # sample, made by the runtime (``partc.runtime.label_weights``). None: loss_fn's.
     own_loss: str | None = field(default=None, metadata=UNLESS_DEFAULT)
 
+    @property
+    def sequence_length(self) -> int | None:
+        """Tokens per sample: the first input's leading dimension (after the batch);
+        None where no input was recorded or the first has no such dimension."""
+        given = [spec for spec in self.inputs if spec.name != "target"]
+        return given[0].shape[0] if given and given[0].shape else None
+
     def meta_batch(self, batch: int) -> tuple[tuple, dict[str, torch.Tensor], Any]:
         """Meta tensors of the recorded inputs for a batch of ``batch`` rows, as the
         model is traced: (positional, by keyword, the target or None)."""
@@ -428,6 +470,9 @@ class Predicted:
     # The planner's closed form of the step (what the search minimises; the step time
     # above is the schedule played out, partc.cost.timeline).
     closed_form_step_s: float | None = field(default=None, metadata=UNLESS_DEFAULT)
+    # A compiled plan: the first step's torch.compile on the slowest rank, estimated
+    # (partc.cost.compile_time); None when nothing is compiled.
+    compile_time_s: float | None = field(default=None, metadata=UNLESS_DEFAULT)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -477,7 +522,7 @@ class ScheduleOption:
 
 @dataclass(frozen=True, kw_only=True)
 class MeshOutcome:
-    """One (pp, dp, tp) factorisation the planner weighed: its fastest configuration
+    """One (pp, dp, cp, tp) factorisation the planner weighed: its fastest configuration
     and step time, or why it has none (``outcome``: "solved", "pruned", "work limit",
     "infeasible")."""
 
@@ -501,10 +546,14 @@ class MeshOutcome:
     ep: int | None = field(default=None, metadata=UNLESS_DEFAULT)
     # "step" where its best configuration's ZeRO-2 reduces once per step
     zero2_grad_sync: str | None = field(default=None, metadata=UNLESS_DEFAULT)
+    # The context-parallel degree (1: none, not written) and its best configuration's kind
+    cp: int = field(default=1, metadata=UNLESS_DEFAULT)
+    cp_kind: CpKind | None = field(default=None, metadata=UNLESS_DEFAULT)
 
     @property
     def mesh(self) -> Mesh:
-        return Mesh(pp=self.pp, dp=self.dp, tp=self.tp, ep=self.ep or 1)
+        return Mesh(pp=self.pp, dp=self.dp, tp=self.tp, ep=self.ep or 1, cp=self.cp,
+                    cp_kind=self.cp_kind)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -542,6 +591,24 @@ class Plan:
     # The data-parallel collectives per stage and what of them is assumed hidden; None
     # with one replica, and in plans written before it (not written then).
     data_parallel: DataParallelPlan | None = field(default=None, metadata=UNLESS_DEFAULT)
+    # FP8 linears (TrainSpec.fp8); None with fp8 off (not written then).
+    fp8: Fp8Plan | None = field(default=None, metadata=UNLESS_DEFAULT)
+    # Offload (ZeRO-Offload): the optimizer's state, fp32 master weights and step on the
+    # host, gradients copied out and updated weights back each step; under ZeRO-3 the
+    # parameter shards on the host too, copied in for each use (FSDP2's CPU offload).
+    # Not written when off (older plans read as off).
+    offload_optimizer: bool = field(default=False, metadata=UNLESS_DEFAULT)
+    offload_params: bool = field(default=False, metadata=UNLESS_DEFAULT)
+    # Host memory per node the plan's offloaded state takes (every rank of the node's),
+    # which the validator holds to the budget's host_memory.
+    host_bytes_per_node: int = field(default=0, metadata=UNLESS_DEFAULT)
+
+    @property
+    def offload(self) -> tuple[Offload, ...]:
+        """The kinds of state the plan keeps on the host, in Offload's order (what
+        ``Constraints(offload=...)`` pins back)."""
+        on = {Offload.OPTIMIZER: self.offload_optimizer, Offload.PARAMS: self.offload_params}
+        return tuple(kind for kind, is_on in on.items() if is_on)
 
     @property
     def pp(self) -> int:
@@ -554,6 +621,14 @@ class Plan:
     @property
     def tp(self) -> int:
         return self.mesh.tp
+
+    @property
+    def cp(self) -> int:
+        return self.mesh.cp
+
+    @property
+    def cp_kind(self) -> CpKind | None:
+        return self.mesh.cp_kind
 
     @property
     def effective_zero_stage(self) -> int:
@@ -690,9 +765,10 @@ def plan_from_data(data: Mapping[str, Any]) -> Plan:
 # (what the plan was made for, what the cost model and the solver said of it); a test
 # holds the two to Plan's fields, so that a new field is one or the other.
 DECIDED = ("mesh", "schedule", "num_microbatches", "micro_batch_size", "zero_stage",
-           "zero2_grad_sync", "stages", "tensor_parallel", "model", "expert_parallel")
+           "zero2_grad_sync", "stages", "tensor_parallel", "model", "expert_parallel",
+           "offload_optimizer", "offload_params", "fp8")
 NOT_DECIDED = ("predicted", "solver", "budget", "train", "alternatives", "meshes",
-               "schedules", "module_list_experts", "data_parallel")
+               "schedules", "module_list_experts", "data_parallel", "host_bytes_per_node")
 
 
 def decisions(plan: Plan) -> dict[str, Any]:
@@ -700,13 +776,17 @@ def decisions(plan: Plan) -> dict[str, Any]:
     first plans hashed them, so that hashes already written (in emitted code, in saved
     programs) stay valid: a stage as its layers and recompute modes, the model as its
     hash, the runs in model order only when interleaved, expert parallelism as its
-    degree and capacity factor, and ZeRO-2's gradient sync only when it is "step"."""
+    degree and capacity factor, ZeRO-2's gradient sync only when it is "step", and an
+    offload only when it is on."""
     data = to_data(plan)
     decided = {name: data[name] for name in DECIDED if name in data}
     decided["stages"] = [[stage["layers"], stage["recompute"]] for stage in data["stages"]]
     decided["model"] = plan.model.hash
     if plan.zero2_grad_sync == "microbatch":
         del decided["zero2_grad_sync"]
+    for name in ("offload_optimizer", "offload_params"):
+        if not getattr(plan, name):
+            decided.pop(name, None)
     if plan.chunks > 1:
         decided["runs"] = to_data(plan.runs)
     if plan.expert_parallel is not None:
@@ -738,6 +818,9 @@ def migrate_v1(data: Mapping[str, Any]) -> dict[str, Any]:
     if "global_batch_size" not in train and "mesh" in data:
         train["global_batch_size"] = (data["mesh"].get("dp", 1) * data.get("micro_batch_size", 0)
                                       * data.get("num_microbatches", 0))
+    # Version 1 ran every kernel as written: no compile, torch's unfused optimizer step.
+    train.setdefault("compile", False)
+    train.setdefault("fused_optimizer", False)
     data["train"] = train
     data["stages"] = [{**s, "p2p": s.get("p2p") or None} for s in data.get("stages", ())]
     return data

@@ -10,7 +10,8 @@ Glossary (used across partc):
 - *recompute mode*: ``"none"`` keeps every tensor saved for backward; ``"selective"``
   reruns the layer's attention cores in backward (from the product of queries and keys
   to the product with the values, Megatron's selective recompute) and keeps the rest;
-  ``"full"`` keeps only the layer's inputs and reruns its forward in backward.
+  ``"full"`` keeps only the layer's inputs and reruns its forward in backward;
+  ``"offload"`` keeps everything, on the host (:mod:`partc.cost.offload_time`).
 
 Everything here is a frozen dataclass of plain numbers: no fx objects, no tensors. The
 front half of the compiler (``partc.passes``) produces a :class:`ModelAnalysis`;
@@ -142,6 +143,11 @@ class HeavyOp:
     count: int = 1
     bwd_extra_flops: float = 0.0
     attention: bool = False
+    # A linear (``aten.linear`` with a parameter for weight): its weight's (in, out)
+    # features, and the weights' FQNs of the ``count`` ops (the names FP8 linears go by,
+    # TrainSpec.fp8). None and (): another matmul.
+    linear: tuple[int, int] | None = None
+    linear_names: tuple[str, ...] = ()
 
 
 # How a mixture-of-experts layer holds its routed experts (passes/moe.py recognises both).
@@ -180,6 +186,34 @@ class MoECost:
         if self.expert_form not in EXPERT_FORMS:
             raise ValueError(f"MoECost.expert_form must be one of {EXPERT_FORMS}, "
                              f"not {self.expert_form!r}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class AttentionCost:
+    """A layer's attention cores (:mod:`partc.passes.helpers.attention_core`) as context
+    parallelism prices them, per sample as traced (one rank's share of the heads under
+    tensor parallelism): ``cores`` of them, each over ``tokens`` query and key positions
+    with ``heads`` query heads and ``kv_heads`` key/value heads (fewer under grouped-query
+    attention, counted before any repeat) of ``head_dim``; ``flops``: the cores' forward
+    FLOPs, all of them (as measured: a causal kernel that skips masked blocks counts
+    half its (seq x seq) products)."""
+
+    cores: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    tokens: int
+    flops: float
+
+    def kv_elements(self, cp: int) -> float:
+        """Elements of the keys and values one of ``cp`` ranks holds, per sample: the
+        block a ring step passes on."""
+        return self.cores * 2 * self.kv_heads * self.head_dim * self.tokens / cp
+
+    def qkvo_elements(self, cp: int) -> float:
+        """Elements of queries, keys, values and output one of ``cp`` ranks holds per
+        sample: what the all-to-alls around the cores move."""
+        return self.cores * 2 * (self.heads + self.kv_heads) * self.head_dim * self.tokens / cp
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -259,6 +293,13 @@ class LayerCost:
     # None: no different.
     ring_kernels_single: dict[str, int] | None = None
     ring_bwd_mem_bytes_single: float = 0.0
+    # The layer's attention cores as context parallelism prices them; None: it has none.
+    attention: AttentionCost | None = None
+    # What the layer's own ops save for backward per sample, by storage, parameters and
+    # buffers left out, whoever made it (``saved_bytes`` charges a value read by several
+    # layers to its maker): what offloading the layer moves to the host and back
+    # (partc.runtime.activation_offload). None: not measured, ``saved_bytes["none"]``.
+    offload_bytes: float | None = None
 
     def __post_init__(self) -> None:
         listed = sum(op.flops * op.count for op in self.heavy_ops)
@@ -280,6 +321,12 @@ class LayerCost:
     @property
     def modes(self) -> tuple[str, ...]:
         return tuple(m for m in RECOMPUTE_MODES if m in self.saved_bytes)
+
+    def unnamed(self) -> "LayerCost":
+        """The layer's figures alone: without its name and its linears' weight names
+        (what blocks of one structure share)."""
+        return replace(self, name="", heavy_ops=tuple(replace(op, linear_names=())
+                                                      for op in self.heavy_ops))
 
     @property
     def bwd_extra_flops(self) -> float:
@@ -367,6 +414,10 @@ class ModelSummary:
     # The dtype autocast computed in while the layers were measured ("bfloat16"); "": none,
     # the layers' numbers are in the traced dtype.
     autocast: str = ""
+    # Why the sequence cannot be split over context-parallel ranks: the first op outside
+    # the attention cores that mixes positions of the sequence (a scan, a reduction or a
+    # product over it), named with its layer; "": none does.
+    context_parallel_blocker: str = ""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -457,6 +508,18 @@ class DeviceNumbers:
     optimizer_bandwidth: float | None = None     # None: hbm_bandwidth
     fsdp_copy_bandwidth: float | None = None     # None: hbm_bandwidth
     attention_efficiency: float | None = None    # None: flops_efficiency
+    # The host, for offload (DeviceFigures says what each is); None: not known, and
+    # nothing is offloaded unless pinned.
+    host_memory: int | None = None
+    host_to_device_bandwidth: float | None = None
+    device_to_host_bandwidth: float | None = None
+    host_adam_rate: float | None = None
+    # What a device holds beside the plan (partc.device.usable): 0 for problems built by
+    # hand, whose memory_bytes are then the limits themselves.
+    context_memory: int = 0
+    communicator_memory: int = 0
+    memory_fragmentation: float = 0.0
+    fp8_peak_flops: float | None = None          # None: no FP8 matmuls (emulated, if any)
 
     def __post_init__(self) -> None:
         if len(self.memory_bytes) != self.num_devices:
@@ -488,10 +551,10 @@ class DeviceNumbers:
         """What memory-bound ops move bytes at: ``elementwise_bandwidth``, else HBM's."""
         return self.elementwise_bandwidth or self.hbm_bandwidth
 
-    @property
-    def optimizer_step_bandwidth(self) -> float:
-        """The optimizer step's rate: ``optimizer_bandwidth``, else HBM's."""
-        return self.optimizer_bandwidth or self.hbm_bandwidth
+    def optimizer_step_bandwidth(self, fused: bool = False) -> float:
+        """The optimizer step's rate: a fused step's (one kernel reading and writing each
+        byte once) HBM's; torch's unfused one's ``optimizer_bandwidth``, else HBM's."""
+        return self.hbm_bandwidth if fused else self.optimizer_bandwidth or self.hbm_bandwidth
 
     @property
     def fsdp_copy_rate(self) -> float:
@@ -514,8 +577,14 @@ class TrainNumbers:
     # share that memory is budgeted for, and the capacity factor (None: dropless).
     moe_imbalance: float = 2.0
     moe_capacity_factor: float | None = None
-    # Stages run through torch.compile: light ops priced by their fused bytes.
+    # Stages run through torch.compile wherever the schedule runs a whole backward
+    # (partc.cost.schedules.runs_compiled): light ops priced by their fused bytes.
     compiled: bool = False
+    # Compile pinned on (TrainSpec(compile=True)): a split-backward schedule is refused
+    # rather than planned eagerly.
+    compile_pinned: bool = False
+    # Torch's fused Adam/AdamW step (TrainSpec.fused_optimizer): one pass at HBM rate.
+    fused_optimizer: bool = False
     # Sequence-parallel collectives run as rings beside their linears' matmuls
     # (TrainSpec.tp_overlap): LayerCost.tp_overlap_flops price their exposed part only.
     tp_overlap: bool = True
@@ -524,6 +593,12 @@ class TrainNumbers:
     param_gather_overlap: bool = True
     # Elements per gradient bucket under ZeRO 0/1 (TrainSpec.bucket_elements).
     bucket_elements: int = BUCKET_ELEMENTS
+    # TrainSpec.fp8_recipe where TrainSpec.fp8 is on: linears may run FP8
+    # (partc.cost.fp8_pricing); None: off.
+    fp8: str | None = None
+    # The linears FP8 leaves in the training dtype unless pinned: the model's output
+    # layer (partc.cost.fp8_pricing.output_linears).
+    fp8_kept: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -544,6 +619,14 @@ class Pins:
     zero_stage: int | None = None
     zero2_grad_sync: str | None = None   # one of ZERO2_GRAD_SYNCS
     ep: int | None = None   # expert-parallel degree of mixture-of-experts layers
+    cp: int | None = None   # context-parallel degree (sequence shards)
+    cp_kind: str | None = None   # one of partc.cli.choices.CP_KINDS
+    # What lives on the host (partc.names.Offload values): exactly these; None: the
+    # planner chooses.
+    offload: tuple[str, ...] | None = None
+    # The linears (weight FQNs) that run FP8 under TrainSpec.fp8: "all", "none" or a
+    # tuple of names; None: each where it pays (partc.cost.fp8_pricing).
+    fp8_linears: tuple[str, ...] | str | None = None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -585,12 +668,31 @@ class PlanningProblem:
                      and o.sequence_parallel == sequence_parallel
                      and o.objective == objective), None)
 
+    @property
+    def offloads_activations(self) -> bool:
+        """Whether layers may offload their saved activations (recompute mode
+        "offload"): the host link (the cost tables price it) and the host memory (the
+        planner holds the copies within it) are known, the training is not compiled
+        (``partc.runtime.compiled`` refuses offload), and the pins leave it to the
+        planner or name activations (``Constraints.offload``)."""
+        devices, kinds = self.devices, self.pins.offload
+        if not (devices.host_to_device_bandwidth and devices.device_to_host_bandwidth
+                and devices.host_memory is not None) or self.train.compiled:
+            return False
+        return kinds is None or "activations" in kinds
+
+    def layer_modes(self, layer: int) -> tuple[str, ...]:
+        """The modes layer ``layer`` has: its measured recompute modes, and offload
+        where the problem allows it (:attr:`offloads_activations`)."""
+        modes = self.layers[layer].modes
+        return (*modes, "offload") if self.offloads_activations else modes
+
     def allowed_modes(self, layer: int) -> list[str]:
         """The recompute modes layer ``layer`` may take: its pinned one, else all it has."""
         cost = self.layers[layer]
         pinned = self.pins.recompute.get(cost.name)
         if pinned is None:
-            return list(cost.modes)
+            return list(self.layer_modes(layer))
         # A pinned "selective" on a layer without an attention core (or whose core keeps
         # nothing the rest does not) behaves as "none".
-        return [pinned if pinned in cost.modes else "none"]
+        return [pinned if pinned in cost.modes or pinned == "offload" else "none"]

@@ -58,9 +58,14 @@ class Program:
             fsdp_units=plan.effective_zero_stage >= 2 or _gathers_wait_in_layers(plan),
             attention=plan.train.attention,
             ep=plan.mesh.ep, capacity_factor=plan.train.moe_capacity_factor,
-            mixed=plan.train.dtype != torch.float32)
+            mixed=plan.train.dtype != torch.float32,
+            cp=plan.cp, cp_kind=str(plan.cp_kind or "ring"),
+            fp8_linears=plan.fp8.linears if plan.fp8 is not None else (),
+            fp8_recipe=plan.train.fp8_recipe)
+        traced = plan.model.traced_batch_size
         return lower(self.model, args, lowering, kwargs=kwargs, loss_fn=self.loss_fn,
-                     example_target=target, only=only)
+                     example_target=target, only=only,
+                     planned_inputs=plan.model.meta_batch(traced) if traced else None)
 
     def stages(self) -> list:
         """One ``partc.passes.split.StageGraph`` per stage, lowered as ``build`` runs

@@ -5,17 +5,18 @@ Every decision is ``"auto"``/``None`` (the planner decides) or a pinned value.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 import torch
 
-from partc.cli.choices import (ATTENTION, ON_NONFINITE, OPTIMIZER_STATE_BYTES, SCHEDULES,
-                               TP_OBJECTIVES)
+from partc.cli.choices import (ATTENTION, CP_KINDS, FP8_RECIPES, ON_NONFINITE,
+                               OPTIMIZER_STATE_BYTES, SCHEDULES, TP_OBJECTIVES)
 from partc.codec import UNLESS_DEFAULT
 from partc.cost.schedules import refusal
-from partc.names import Schedule
+from partc.names import Offload, Schedule
 from partc.problem import BUCKET_ELEMENTS, RECOMPUTE_MODES, ZERO2_GRAD_SYNCS, ZERO_STAGES, Precision
 
 # What the planner's closed-form search weighs when the schedule is "auto"; it chooses
@@ -62,18 +63,41 @@ class TrainSpec:
     ``max_grad_norm``: after each step's backward the runtime scales all gradients so
     that their global 2-norm (every parameter counted once, whatever holds it) is at
     most this, as ``torch.nn.utils.clip_grad_norm_`` does on one device.
+    The kernel choices (``attention``, ``compile``, ``fused_optimizer``) are partc's by
+    default (``"auto"``/``None``), the fastest that computes the same; each can be pinned,
+    and the plan records what was chosen (:meth:`for_device`, then the planner).
     ``attention="fused"`` runs attention written as matmul + softmax (with its scale,
     mask and dropout) as one ``torch.nn.functional.scaled_dot_product_attention`` call,
     which keeps q, k, v, the output and one log-sum-exp per row for backward instead of
-    the (seq x seq) probabilities of every head, and recomputes them in backward; a
-    model's own such call with a provably causal mask takes ``is_causal`` instead
-    (:mod:`partc.passes.fuse_attention` says which patterns and masks it rewrites). The
-    plan is costed, and the program runs, with the attention chosen here; the default,
-    ``"as_written"``, changes nothing.
+    the (seq x seq) probabilities of every head, and recomputes them in backward (flash,
+    cuDNN or memory-efficient kernels on a GPU); a model's own such call with a provably
+    causal mask takes ``is_causal`` instead (:mod:`partc.passes.fuse_attention` says which
+    patterns and masks it rewrites; any other attention stays as written). ``"as_written"``
+    changes nothing. ``"auto"`` (the default) is ``"fused"`` on a GPU and ``"as_written"``
+    on a CPU, whose plans tests and golden copies read.
     ``compile=True`` runs each stage through ``torch.compile`` (inductor), which fuses
     chains of element-wise ops between the heavy ones into single kernels; the plan is
     costed with those chains' fused bytes (:mod:`partc.runtime.compiled` says what is
-    compiled and what is refused).
+    compiled: the stage, or under ZeRO-2/3 each FSDP unit). ``None`` (the default): on a
+    GPU the planner compiles every plan whose schedule runs a whole backward (a split
+    backward, the zero-bubble schedules', cannot split a compiled region's) and prices
+    each schedule so; on a CPU, where inductor's C++ takes long to build, it does not.
+    ``True`` pins it on (refusing split-backward schedules), ``False`` off.
+    ``fused_optimizer``: torch's fused Adam/AdamW (one kernel over all of a rank's
+    tensors) for the optimizer :meth:`DistributedModule.optimizer` makes, priced at the
+    device's ``fused_optimizer_bandwidth``; ``None`` (the default): on for Adam and AdamW
+    on a GPU, off elsewhere (torch's CPU step is not the fused one's equal in speed).
+    ``fp8=True`` (opt-in: it changes the numerics) lets the planner run linears in FP8
+    with torchao's float8 training (``torchao.float8``: dynamic scaling of inputs,
+    weights and output gradients, e4m3 forward, e5m2 gradients), ``fp8_recipe``
+    ``"tensorwise"`` (one scale per tensor) or ``"rowwise"`` (one per row). Each linear
+    runs FP8 where it pays: its matmul at the device's ``fp8_peak_flops`` plus the casts'
+    bytes against the same matmul in the training dtype (:mod:`partc.cost.fp8_pricing`),
+    chosen for the configuration's micro-batch size; small linears stay as they are. The
+    plan names the FP8 linears (``plan.fp8``); ``Constraints.fp8_linears`` pins them. A
+    device without an FP8 peak (an A100) refuses it; the CPU preset emulates FP8
+    (torchao's ``emulate=True``, the same casts, the matmul in fp32), which never pays,
+    so there only pinned linears run FP8 (for testing). Not with tensor parallelism yet.
     ``loss_per_microbatch=True`` declares that the loss of each microbatch is its own:
     needed only where the model's loss couples the samples of a batch (a load-balancing
     loss over the whole batch, as Mixtral's and Qwen-MoE's router losses are), so that
@@ -126,12 +150,15 @@ class TrainSpec:
     optimizer: str | float = "adamw"
     schedule: str = "auto"
     max_grad_norm: float | None = None  # clip the global gradient norm (2-norm) to this
-    attention: str = "as_written"
+    attention: str = "auto"
     # Mixture-of-experts (see the class docstring's last paragraph).
     moe_imbalance: float = DEFAULT_MOE_IMBALANCE
     moe_capacity_factor: float | None = None
-    compile: bool = False
+    compile: bool | None = None
+    fp8: bool = field(default=False, metadata=UNLESS_DEFAULT)
+    fp8_recipe: str = field(default="tensorwise", metadata=UNLESS_DEFAULT)
     # Written to a plan only when declared: plans without them read back unchanged.
+    fused_optimizer: bool | None = field(default=None, metadata=UNLESS_DEFAULT)
     loss_per_microbatch: bool = field(default=False, metadata=UNLESS_DEFAULT)
     tp_overlap: bool = field(default=True, metadata=UNLESS_DEFAULT)
     overlap_param_gather: bool = field(default=True, metadata=UNLESS_DEFAULT)
@@ -167,8 +194,17 @@ class TrainSpec:
                              f"clipping), got {self.max_grad_norm!r}")
         if self.attention not in ATTENTION:
             raise ValueError(f"attention must be one of {ATTENTION}, got {self.attention!r}")
-        if not isinstance(self.compile, bool):
-            raise ValueError(f"TrainSpec.compile must be True or False, got {self.compile!r}")
+        if self.compile is not None and not isinstance(self.compile, bool):
+            raise ValueError(f"TrainSpec.compile must be None (partc decides), True or "
+                             f"False, got {self.compile!r}")
+        if self.fused_optimizer is not None and not isinstance(self.fused_optimizer, bool):
+            raise ValueError(f"TrainSpec.fused_optimizer must be None (partc decides), True "
+                             f"or False, got {self.fused_optimizer!r}")
+        if not isinstance(self.fp8, bool):
+            raise ValueError(f"TrainSpec.fp8 must be True or False, got {self.fp8!r}")
+        if self.fp8_recipe not in FP8_RECIPES:
+            raise ValueError(f"TrainSpec.fp8_recipe must be one of {FP8_RECIPES}, got "
+                             f"{self.fp8_recipe!r}")
         if not isinstance(self.tp_overlap, bool):
             raise ValueError(f"TrainSpec.tp_overlap must be True or False, got "
                              f"{self.tp_overlap!r}")
@@ -191,6 +227,25 @@ class TrainSpec:
         if self.schedule not in ("auto", *SCHEDULES):
             raise ValueError(f"schedule must be 'auto' or one of {SCHEDULES}, "
                              f"got {self.schedule!r}")
+
+    @property
+    def adam(self) -> bool:
+        """Adam or AdamW, by name (what torch's fused step exists for)."""
+        return self.optimizer in ("adam", "adamw")
+
+    def for_device(self, device_type: str) -> "TrainSpec":
+        """The kernel choices the device decides, made: attention ``"auto"`` fused on a
+        GPU, as written on a CPU; ``compile=None`` off on a CPU (on a GPU it stays the
+        planner's, per schedule); ``fused_optimizer=None`` on for Adam/AdamW on a GPU.
+        Pinned values are kept."""
+        gpu = device_type != "cpu"
+        return dataclasses.replace(
+            self,
+            attention=("fused" if gpu else "as_written") if self.attention == "auto"
+            else self.attention,
+            compile=False if self.compile is None and not gpu else self.compile,
+            fused_optimizer=(gpu and self.adam) if self.fused_optimizer is None
+            else self.fused_optimizer)
 
     @property
     def precision(self) -> Precision:
@@ -236,6 +291,20 @@ class Constraints:
     sharded gradients, one reduce-scatter per microbatch) or once per step (``"step"``:
     a whole fp32 gradient accumulated over the microbatches, one reduce-scatter);
     with one microbatch, or another ZeRO stage, it changes nothing.
+    ``cp`` pins the context-parallel degree: each sequence is split over ``cp`` ranks
+    (load-balanced for causal masks: rank ``i`` holds chunks ``i`` and ``2cp-1-i`` of
+    ``2cp``), which also reduce gradients together with the data-parallel replicas
+    (the mesh is pp x dp x cp x tp, tp innermost, as Megatron-Core places it);
+    ``cp_kind`` pins how attention exchanges the shards (:data:`CP_KINDS`: ``"ring"``
+    or ``"all-to-all"``), meaningful only with cp > 1. ``offload`` pins
+    what lives on the host (:class:`partc.names.Offload`): exactly the kinds given are
+    on ("optimizer": state, master weights and the step, ZeRO-Offload; "params": the
+    parameters between uses, under ZeRO-3; "activations": saved activations), ``()``
+    none; ``None`` leaves it to the planner. A comma-separated string is read as a
+    list.
+    ``fp8_linears`` (with ``TrainSpec(fp8=True)``) pins the linears that run FP8:
+    ``"all"``, ``"none"`` or their weights' FQNs (``"blocks.0.mlp.c_fc.weight"``, as the
+    plan's ``fp8`` section names them); None: each linear where it pays.
 
     Pins that contradict each other whatever the model are a ValueError here; pins that
     cannot hold for a model, budget and batch raise ``PlanInfeasibleError`` naming the
@@ -256,10 +325,14 @@ class Constraints:
     zero_stage: int | None = None
     zero2_grad_sync: str | None = None
     ep: int | None = None
+    cp: int | None = None
+    cp_kind: str | None = None
+    offload: tuple[str, ...] | None = None
+    fp8_linears: tuple[str, ...] | list[str] | str | None = None
     _recompute_map: dict[str, str] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        for name in ("pp", "dp", "tp", "num_microbatches", "micro_batch_size", "ep",
+        for name in ("pp", "dp", "tp", "cp", "num_microbatches", "micro_batch_size", "ep",
                      "virtual_stages"):
             if getattr(self, name) is not None:
                 _check_positive_int(f"Constraints.{name}", getattr(self, name), "None or ")
@@ -271,6 +344,14 @@ class Constraints:
                              f"got {self.tp_objective!r}")
         if self.sequence_parallel and self.tp == 1:
             raise ValueError("sequence parallelism needs tensor parallelism: tp=1 was pinned")
+        if self.cp_kind is not None and self.cp_kind not in CP_KINDS:
+            raise ValueError(f"Constraints.cp_kind must be None or one of {CP_KINDS} (how "
+                             f"context-parallel attention exchanges sequence shards), got "
+                             f"{self.cp_kind!r}")
+        if self.cp_kind is not None and self.cp == 1:
+            raise ValueError(f"Constraints.cp_kind={self.cp_kind!r} needs context "
+                             f"parallelism, but cp=1 was pinned: pin cp > 1, or drop "
+                             f"cp_kind")
         if self.zero_stage is not None and (isinstance(self.zero_stage, bool)
                                             or self.zero_stage not in ZERO_STAGES):
             raise ValueError(f"zero_stage must be 0 (plain data parallelism), 1 (optimizer "
@@ -305,7 +386,43 @@ class Constraints:
             if self.pp is not None and self.pp != len(stages):
                 raise ValueError(f"pp={self.pp} but {len(stages)} stages were pinned")
             object.__setattr__(self, "stages", stages)
+        if self.fp8_linears is not None:
+            if isinstance(self.fp8_linears, str):
+                if self.fp8_linears not in ("all", "none"):
+                    raise ValueError(f"Constraints.fp8_linears must be 'all', 'none' or a "
+                                     f"list of linear weights' FQNs, got {self.fp8_linears!r}")
+            elif not all(isinstance(name, str) for name in self.fp8_linears):
+                raise ValueError(f"Constraints.fp8_linears must be 'all', 'none' or a list of "
+                                 f"linear weights' FQNs, got {self.fp8_linears!r}")
+            else:
+                object.__setattr__(self, "fp8_linears", tuple(self.fp8_linears))
         object.__setattr__(self, "_recompute_map", self._read_recompute())
+        if self.offload is not None:
+            object.__setattr__(self, "offload", self._read_offload())
+
+    def _read_offload(self) -> tuple[Offload, ...]:
+        given = self.offload
+        if isinstance(given, str):
+            given = [name.strip() for name in given.split(",") if name.strip()]
+        names = [o.value for o in Offload]
+        if not isinstance(given, (tuple, list)) or not all(
+                isinstance(n, str) and n in names for n in given):
+            raise ValueError(f"Constraints.offload must be None (the planner chooses) or a "
+                             f"list of {names} (() for none), got {self.offload!r}")
+        if len(set(given)) != len(given):
+            raise ValueError(f"Constraints.offload names a kind twice: {self.offload!r}")
+        kinds = tuple(o for o in Offload if o.value in given)
+        if Offload.PARAMS in kinds and Offload.OPTIMIZER not in kinds:
+            raise ValueError("offload of params steps the optimizer on the host too (the "
+                             "parameter shards live there): pin offload=('optimizer', "
+                             "'params')")
+        if Offload.PARAMS in kinds and (self.zero_stage not in (None, 3) or self.dp == 1):
+            pinned = f"zero_stage={self.zero_stage}" if self.zero_stage not in (None, 3) \
+                else "dp=1"
+            raise ValueError(f"offload of params runs under ZeRO-3 (the parameters sharded "
+                             f"over data-parallel replicas), but {pinned} was pinned: pin "
+                             f"zero_stage=3 with dp > 1, or leave params out of offload")
+        return kinds
 
     def _read_recompute(self) -> dict[str, str]:
         if self.recompute is None or isinstance(self.recompute, str):

@@ -33,6 +33,11 @@ class Context:
     autocast_device: str = "cuda"
     # What the lowering passes apply (the plan's decisions); None while analysing.
     lowering: Lowering | None = None
+    # Lowering: the graph the plan's sharding was chosen on (the model traced at the
+    # batch the planner measured, through the lowering passes up to ``layers``), made
+    # when asked; ``tp_rewrite`` asks where the trace at the micro-batch size took
+    # another branch of the model's code (``partc.passes.tp.carry``). None: not known.
+    sharding_graph: Any = None
     # The tensor-parallel sharding ``tp_rewrite`` applies, on this graph's nodes
     # (``partc.passes.tp.chooser.Sharding``); None before one is chosen.
     sharding: Any = None
@@ -63,3 +68,15 @@ class Lowering:
     # (None: dropless); with either, the experts run as ``partc.runtime.experts``.
     ep: int = 1
     capacity_factor: float | None = None
+    # Context parallelism: the sequence split over ``cp`` ranks, the attention run as
+    # ``cp_kind`` ("ring" or "all-to-all"); ``attention_masks``: each attention call's
+    # mask as read at the whole sequence's length, and ``whole_length_shapes`` the shape
+    # each op that reduces along a dim reads there, by node name (``pipeline.lower``
+    # fills both): a dim whose size differs on the shard is the sequence.
+    cp: int = 1
+    cp_kind: str = "ring"
+    attention_masks: tuple = ()
+    whole_length_shapes: Mapping[str, tuple] = field(default_factory=dict)
+    # FP8 linears (the plan's ``fp8``): their weights' FQNs and torchao's recipe.
+    fp8_linears: tuple[str, ...] = ()
+    fp8_recipe: str = "tensorwise"

@@ -54,6 +54,7 @@ from torch import fx
 from partc import meta
 from partc.passes.context import Context
 from partc.passes.helpers.graph import is_dtype_check
+from partc.passes.helpers.mask_rows import RowBlocks, blocks, deferred, whole
 
 log = logging.getLogger("partc")
 
@@ -310,30 +311,56 @@ def _mask_kind(mask: fx.Node, meaning: str) -> str:
     """``"causal"``, ``"none"`` (keeps every position) or ``"other"``: what ``mask`` is,
     found by evaluating it when it depends on shapes only. ``meaning``: ``"additive"``
     (0 keeps, the lowest float drops), ``"drops"`` (boolean, True drops: masked_fill's)
-    or ``"keeps"`` (boolean, True keeps: SDPA's)."""
+    or ``"keeps"`` (boolean, True keeps: SDPA's). A long sequence's mask is checked a
+    block of query rows at a time (:mod:`partc.passes.helpers.mask_rows`), so the host
+    holds a few rows of it, never the (seq x seq) whole."""
     try:
         value = _evaluate(mask, {})
     except _NotConstant:
         return "other"
-    if not isinstance(value, torch.Tensor) or value.dim() < 2:
+    if not isinstance(value, (torch.Tensor, RowBlocks)) or value.dim() < 2:
         return "other"
+    keeps_all, causal = True, True
+    for start, block in blocks(value):
+        keep = _kept(block, meaning)
+        if keep is None:
+            return "other"
+        rows, columns = keep.shape[-2:]
+        keeps_all = keeps_all and bool(keep.all())
+        # Causal: position j kept in row i exactly when j <= i (tril of the whole).
+        lower = torch.arange(columns)[None, :] <= torch.arange(start, start + rows)[:, None]
+        causal = causal and torch.equal(keep, lower.expand_as(keep))
+        if not (keeps_all or causal):
+            return "other"
+    return "none" if keeps_all else "causal" if causal else "other"
+
+
+def _kept(value: torch.Tensor, meaning: str) -> torch.Tensor | None:
+    """Which positions a (block of a) mask keeps; None where it is not a mask of that
+    meaning (an additive mask with a value other than 0 and the lowest)."""
     if meaning == "additive" and value.is_floating_point():
         keep = value == 0
         dropped = (value == -math.inf) | (value <= torch.finfo(value.dtype).min)
-        if not (keep | dropped).all():
-            return "other"
-    elif value.dtype == torch.bool and meaning != "additive":
-        keep = value if meaning == "keeps" else ~value
-    else:
-        return "other"
-    if keep.all():
-        return "none"
-    causal = torch.ones(keep.shape[-2:], dtype=torch.bool).tril()
-    return "causal" if torch.equal(keep, causal.expand_as(keep)) else "other"
+        return keep if bool((keep | dropped).all()) else None
+    if value.dtype == torch.bool and meaning != "additive":
+        return value if meaning == "keeps" else ~value
+    return None
 
 
 class _NotConstant(Exception):
     pass
+
+
+def constant_value(node: fx.Node) -> torch.Tensor | RowBlocks | None:
+    """``node``'s value computed on CPU when it depends on shapes only (a mask made
+    from ``arange`` and the sizes), else None; a long sequence's mask as
+    :class:`~partc.passes.helpers.mask_rows.RowBlocks`, to be read a block of query rows
+    at a time."""
+    try:
+        value = _evaluate(node, {})
+    except _NotConstant:
+        return None
+    return value if isinstance(value, (torch.Tensor, RowBlocks)) else None
 
 
 # Methods and ops whose tensor argument gives only a dtype and device, not values.
@@ -362,13 +389,20 @@ def _evaluate(node: Any, env: dict) -> Any:
         args[0] = torch.empty(0, dtype=like.dtype)
     args = [a if isinstance(a, torch.Tensor) else _evaluate(a, env) for a in args]
     kwargs = {k: _evaluate(v, env) for k, v in node.kwargs.items()}
-    if node.op == "call_method":
-        self_arg, *rest = args
-        result = getattr(self_arg, node.target)(*rest, **kwargs)
-    else:
-        result = node.target(*args, **kwargs)
+    run = (_method(node.target) if node.op == "call_method" else node.target)
+    # A large element-wise result is made a block of rows at a time, when read.
+    result = deferred(_name(node), run, args, kwargs, value.shape, value.dtype)
+    if result is None:
+        result = run(*whole(args), **{k: whole(v) for k, v in kwargs.items()})
     env[node] = result
     return result
+
+
+def _method(name: str):
+    """A call of method ``name`` on its first argument, as a function."""
+    def call(self_arg, *rest, **kwargs):
+        return getattr(self_arg, name)(*rest, **kwargs)
+    return call
 
 
 # ----------------------------------------------------------------------- rewriting

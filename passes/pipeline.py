@@ -27,14 +27,17 @@ from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Sequence
 
 import torch
+import torch.utils._pytree as pytree
 from torch import fx, nn
 
 from partc import meta, progress
-from partc.errors import TraceError
+from partc.errors import ContextParallelError, TraceError
 from partc.options import ShardingOptions
 from partc.passes.attention_softmax import attention_softmax
 from partc.passes.context import Context, Lowering
+from partc.passes.context_parallel import attention_masks, context_parallel, reduced_shapes
 from partc.passes.estimate import estimate
+from partc.passes.fp8_linears import fp8_linears
 from partc.passes.fsdp_units import fsdp_units
 from partc.passes.fuse_attention import fuse_attention
 from partc.passes.helpers import dedupe, verify
@@ -122,10 +125,15 @@ def lowering_passes(lowering: Lowering) -> tuple[Pass, ...]:
         *((Pass("norm_dtype", norm_dtype),) if lowering.mixed else ()),
         # The plan names layers: the graph must be grouped exactly as it was planned.
         Pass("layers", layers),
+        # FP8 linears are found by their weights, as layers grouped the graph planned.
+        *((Pass("fp8_linears", fp8_linears),) if lowering.fp8_linears else ()),
         # Tensor parallelism rewrites the whole graph before the cut, so that a stage's
         # sends and receives are the shapes one rank holds.
         *((Pass("tp_rewrite", _plan_sharding), Pass("propagate", propagate))
           if lowering.tp > 1 else ()),
+        # After tensor parallelism: the attention's heads are this rank's, which the
+        # all-to-all splits again over cp.
+        *((Pass("context_parallel", context_parallel),) if lowering.cp > 1 else ()),
         # Last before the cut: the expert-parallel call's shapes depend on the routing,
         # so no pass propagates fake values through it.
         *((Pass("lower_experts", lower_experts),)
@@ -416,17 +424,34 @@ class Lowered:
 
 def lower(model: nn.Module, example_inputs: tuple, lowering: Lowering, *,
           kwargs: dict | None = None, loss_fn: Callable | None = None,
-          example_target: Any = None, only: Sequence[int] | None = None) -> Lowered:
+          example_target: Any = None, only: Sequence[int] | None = None,
+          planned_inputs: tuple[tuple, dict, Any] | None = None) -> Lowered:
     """The back half: ``model`` traced at the micro-batch size, cut into the plan's
     stages; ``stage_passes`` run on the stages in ``only`` (all by default: a rank
     needs its own stage, the emitted code every stage).
 
     ``example_inputs`` (and ``kwargs``, ``example_target``) must have the micro-batch
-    size in dim 0: the graph's view shapes are those of one microbatch.
+    size in dim 0: the graph's view shapes are those of one microbatch. With context
+    parallelism (``lowering.cp > 1``) dim 1 of each is the sequence: the attention
+    masks are read on a trace at its whole length, and the graph traced at one rank's
+    share of it (:mod:`partc.passes.context_parallel`).
+    ``planned_inputs``: (inputs, keyword inputs, target) at the batch the plan's
+    tensor-parallel choices were made at, traced only where the model's code takes
+    another branch at the micro-batch size (``partc.passes.tp.carry``).
     """
+    if lowering.cp > 1:
+        masks, shapes = _whole_length_facts(model, example_inputs, lowering.attention,
+                                            kwargs=kwargs, loss_fn=loss_fn,
+                                            example_target=example_target)
+        lowering = dataclasses.replace(lowering, attention_masks=masks,
+                                       whole_length_shapes=shapes)
+        example_inputs, kwargs, example_target = (
+            sequence_shard(example_inputs, lowering.cp), sequence_shard(kwargs, lowering.cp),
+            sequence_shard(example_target, lowering.cp))
     gm, ctx = _trace(model, example_inputs, kwargs=kwargs, loss_fn=loss_fn,
                      example_target=example_target)
-    ctx = dataclasses.replace(ctx, lowering=lowering)
+    ctx = dataclasses.replace(ctx, lowering=lowering, sharding_graph=planned_inputs and (
+        lambda: _planned_graph(model, planned_inputs, lowering, loss_fn)))
     gm = run_passes(lowering_passes(lowering), gm, ctx)
     stages = _split(gm, lowering.stages)
     wanted = range(len(stages)) if only is None else only
@@ -434,6 +459,33 @@ def lower(model: nn.Module, example_inputs: tuple, lowering: Lowering, *,
         run_passes(stage_passes(lowering), stages[index].module, ctx)
     return Lowered(graph=gm, stages=tuple(stages),
                    holders=parameter_holders(stages, ctx.param_fqns))
+
+
+def _whole_length_facts(model: nn.Module, example_inputs: tuple, attention: str,
+                        **trace_args: Any) -> tuple[tuple, dict[str, tuple]]:
+    """On a trace at the whole sequence's length, attention fused as lowering fuses it
+    (``attention``): each attention call's mask (a sliding window longer than a shard
+    shows only there), and what each op that reduces along a dim reads
+    (:func:`partc.passes.context_parallel.reduced_shapes`)."""
+    gm, ctx = _trace(model, example_inputs, **trace_args)
+    for graph_pass in (Pass("drop_assertions", drop_assertions),
+                       Pass("propagate", propagate), *_attention_passes(attention)):
+        gm = run_pass(graph_pass, gm, ctx)
+    return named("context_parallel", lambda: (attention_masks(gm), reduced_shapes(gm)))
+
+
+def sequence_shard(value: Any, cp: int) -> Any:
+    """``value``'s tensors (meta or fake: shapes only) with dim 1, the sequence, cut to
+    one rank's ``1 / cp`` of it; tensors of fewer dims as they are."""
+    def cut(tensor: torch.Tensor) -> torch.Tensor:
+        if tensor.dim() < 2:
+            return tensor
+        if tensor.shape[1] % cp:
+            raise ContextParallelError(
+                f"an input of shape {tuple(tensor.shape)}: its sequence (dim 1) of "
+                f"{tensor.shape[1]} does not divide over cp={cp}")
+        return tensor.narrow(1, 0, tensor.shape[1] // cp)
+    return pytree.tree_map_only(torch.Tensor, cut, value)
 
 
 def _split(gm: fx.GraphModule, stages: Sequence[Sequence[str]]) -> list[StageGraph]:
@@ -451,9 +503,21 @@ def _split(gm: fx.GraphModule, stages: Sequence[Sequence[str]]) -> list[StageGra
     return result
 
 
+def _planned_graph(model: nn.Module, inputs: tuple[tuple, dict, Any], lowering: Lowering,
+                   loss_fn: Callable | None) -> fx.GraphModule:
+    """``model`` traced at the batch of ``inputs`` and grouped into layers as lowering
+    groups it: the graph a plan's tensor-parallel choices were made on."""
+    args, kwargs, target = inputs
+    gm, ctx = _trace(model, args, kwargs=kwargs, loss_fn=loss_fn, example_target=target)
+    front = lowering_passes(lowering)
+    return run_passes(front[:[p.name for p in front].index("layers") + 1], gm,
+                      dataclasses.replace(ctx, lowering=lowering))
+
+
 def _plan_sharding(gm: fx.GraphModule, ctx: Context) -> fx.GraphModule:
     """The plan's sharding, rebuilt from its per-node choices, then one rank's graph."""
     lowering = ctx.lowering
     chosen = tp_chooser.apply(gm, lowering.tp, lowering.sequence_parallel,
-                                 {name: tuple(c) for name, c in lowering.tp_choices.items()})
+                              {name: tuple(c) for name, c in lowering.tp_choices.items()},
+                              made_on=ctx.sharding_graph)
     return tp_rewrite(gm, dataclasses.replace(ctx, sharding=chosen))

@@ -14,6 +14,15 @@ the layer reads::
 
 A selectively recomputed layer without an attention core runs as without recompute
 (the planner offers it no selective mode; a pin of one behaves as ``"none"``).
+
+A layer the plan offloads (mode ``"offload"``) is wrapped the same way, as
+``offload_<layer>``, and called through
+:func:`partc.runtime.activation_offload.offload_layer` with the stage's ledger of
+offloaded tensors, one ``activation_offload`` module per stage::
+
+    offload_blocks_3 = self.offload_blocks_3
+    activation_offload = self.activation_offload
+    offload_layer = partc.runtime.activation_offload.offload_layer(activation_offload, offload_blocks_3, ...)
 """
 
 from __future__ import annotations
@@ -28,7 +37,10 @@ from partc import meta
 from partc.passes.context import Context
 from partc.passes.helpers.attention_core import attention_cores
 from partc.passes.helpers.graph import mutated_inputs
+from partc.runtime.activation_offload import OFFLOADED_MODE, ActivationOffload, offload_layer
 from partc.runtime.recompute import RECOMPUTED_MODES, checkpoint_layer
+
+LEDGER = "activation_offload"   # the stage's ActivationOffload submodule
 
 
 def recompute(module: fx.GraphModule, ctx: Context) -> fx.GraphModule:
@@ -39,7 +51,8 @@ def recompute(module: fx.GraphModule, ctx: Context) -> fx.GraphModule:
     Reads: ``meta.LAYER`` on nodes. Writes: a ``recompute_<layer>`` (or
     ``recompute_<layer>_attention``) submodule per region; ``meta.LAYER`` on the nodes
     that call it, and the values (``val``, ``meta.TENSORS``) of the region's outputs on
-    the nodes that now stand for them.
+    the nodes that now stand for them; with an ``"offload"`` layer, an
+    ``activation_offload`` submodule and an ``offload_<layer>`` one per such layer.
     Requires: ``split`` (one stage's graph; a layer's nodes are consecutive).
     Ensures: the stage computes the same values; its parameters are unchanged.
     """
@@ -53,11 +66,15 @@ def recompute_layers(module: fx.GraphModule, modes: Mapping[str, str]) -> fx.Gra
     for layer_name, mode in modes.items():
         if mode == "none":
             continue
-        if mode not in RECOMPUTED_MODES:
+        if mode not in RECOMPUTED_MODES and mode != OFFLOADED_MODE:
             raise ValueError(f"layer {layer_name}: unknown recompute mode {mode!r}")
         region = [n for n in graph.nodes if n.op not in ("placeholder", "get_attr", "output")
                   and meta.LAYER in n.meta and meta.layer(n).name == layer_name]
-        if mode == "full" and region:
+        if mode == OFFLOADED_MODE and region:
+            if not hasattr(module, LEDGER):
+                module.add_submodule(LEDGER, ActivationOffload())
+            _wrap(module, region, layer_name, mode)
+        elif mode == "full" and region:
             _wrap(module, region, layer_name, mode)
         elif mode == "selective":
             cores = attention_cores(region)
@@ -87,7 +104,8 @@ def _wrap(module: fx.GraphModule, region: list[fx.Node], name: str, mode: str) -
     for node in region:
         env[node] = sub.node_copy(node, env.__getitem__)
     sub.output(tuple(env[n] for n in outputs))
-    name = "recompute_" + re.sub(r"\W", "_", name)
+    prefix = "offload_" if mode == OFFLOADED_MODE else "recompute_"
+    name = prefix + re.sub(r"\W", "_", name)
     module.add_submodule(name, fx.GraphModule(module, sub, class_name=name))
 
     graph = module.graph
@@ -96,11 +114,22 @@ def _wrap(module: fx.GraphModule, region: list[fx.Node], name: str, mode: str) -
     # region's span) is defined by then, and every outside user comes later.
     with graph.inserting_before(region[-1].next):
         fetch = graph.get_attr(name)
-        options = {"written": written} if written else {}
-        # The mode as a plain string (a Recompute member is one): the code prints a literal.
-        call = graph.call_function(checkpoint_layer, (fetch, str(mode), *inputs), options)
+        fetched = [fetch]
+        if mode == OFFLOADED_MODE:
+            # Buffers written in place (``written``) are updated once: the forward
+            # runs once, and what it saves is only moved.
+            fetched.append(graph.get_attr(LEDGER))
+            held = tuple(i for i, arg in enumerate(inputs) if arg.op == "get_attr")
+            call = graph.call_function(offload_layer, (fetched[1], fetch, *inputs),
+                                       {"held": held} if held else {})
+        else:
+            options = {"written": written} if written else {}
+            # The mode as a plain string (a Recompute member is one): the code prints a
+            # literal.
+            call = graph.call_function(checkpoint_layer, (fetch, str(mode), *inputs),
+                                       options)
         results = [graph.call_function(operator.getitem, (call, i)) for i in range(len(outputs))]
-    for node in (fetch, call, *results):
+    for node in (*fetched, call, *results):
         meta.set_layer(node, ref)
     for node, result in zip(outputs, results):
         result.meta["val"] = node.meta.get("val")

@@ -20,6 +20,13 @@ import partc
 LLAMA3_8B = dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
                  num_attention_heads=32, num_key_value_heads=8, vocab_size=128256,
                  max_position_embeddings=8192, rope_theta=500000.0, rms_norm_eps=1e-5)
+# Llama 3's larger published shapes (Meta's configs), for the benchmarks that plan them.
+LLAMA3_70B = dict(hidden_size=8192, intermediate_size=28672, num_hidden_layers=80,
+                  num_attention_heads=64, num_key_value_heads=8, vocab_size=128256,
+                  max_position_embeddings=8192, rope_theta=500000.0, rms_norm_eps=1e-5)
+LLAMA3_405B = dict(hidden_size=16384, intermediate_size=53248, num_hidden_layers=126,
+                   num_attention_heads=128, num_key_value_heads=8, vocab_size=128000,
+                   max_position_embeddings=8192, rope_theta=500000.0, rms_norm_eps=1e-5)
 TINY = dict(hidden_size=64, intermediate_size=176, num_hidden_layers=4,
             num_attention_heads=4, num_key_value_heads=2, vocab_size=256,
             max_position_embeddings=128)

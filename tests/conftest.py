@@ -20,3 +20,18 @@ def _earlier_modules_objects_out_of_the_collectors_way():
     gc.collect()
     gc.freeze()
     yield
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _one_plan_cache_for_every_launch(tmp_path_factory):
+    """The torchrun launches of this session (``tests/runtime/test_parity.launch``) share
+    one plan cache directory (``PARTC_CACHE_DIR``), as a user's runs on one machine do:
+    a model the session already analysed (most cases train the same few models) is read
+    back rather than traced and measured again on every rank of every launch. Under
+    xdist the workers of one run share it (entries are written whole, then renamed, and
+    keyed by the source's digest)."""
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        root = root.parent
+    os.environ["PARTC_TEST_LAUNCH_CACHE"] = str(root / "launch-plan-cache")
+    yield

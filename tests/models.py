@@ -10,6 +10,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+# A budget whose memory is the plan's whole limit: no CUDA context, NCCL or fragmentation
+# kept back (partc.device.usable), for tests whose memory is a tight limit set by hand.
+WHOLE_MEMORY = dict(context_memory=0, communicator_memory=0, memory_fragmentation=0.0)
+
 
 def gpt2(n_layer: int = 2, n_embd: int = 64, vocab: int = 128, positions: int = 32,
          dropout: float = 0.1):

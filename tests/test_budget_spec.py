@@ -97,6 +97,42 @@ def test_constraints_validate_pins():
         partc.Constraints(recompute="sometimes")
 
 
+def test_constraints_validate_context_parallel_pins():
+    assert partc.Constraints(cp=4, cp_kind="all-to-all").cp_kind == "all-to-all"
+    assert partc.Constraints(cp_kind="ring").cp is None   # the degree left to the planner
+    with pytest.raises(ValueError, match="Constraints.cp must be None or a positive int"):
+        partc.Constraints(cp=0)
+    with pytest.raises(ValueError, match=r"cp_kind must be None or one of \('ring', "
+                                         r"'all-to-all'\)"):
+        partc.Constraints(cp=2, cp_kind="ulysses")
+    with pytest.raises(ValueError, match="cp=1 was pinned: pin cp > 1, or drop cp_kind"):
+        partc.Constraints(cp=1, cp_kind="ring")
+def test_the_host_is_in_the_budget_and_offload_is_a_pin():
+    hopper = partc.DeviceBudget(num_devices=8, device="H100").figures
+    assert hopper.host_memory == 2 * 10**12 and hopper.host_to_device_bandwidth == 50e9
+    assert hopper.device_to_host_bandwidth == 50e9 and hopper.host_adam_rate > 0
+    # A custom host; each direction its own figure.
+    custom = partc.DeviceBudget(num_devices=1, device="H100", memory="32GiB",
+                                host_memory="256GiB", host_to_device_bandwidth="12GB/s")
+    assert custom.figures.host_memory == 256 * 2**30
+    assert custom.figures.host_to_device_bandwidth == 12e9
+    assert custom.figures.device_to_host_bandwidth == 50e9
+    assert partc.DeviceBudget(num_devices=2, device="CPU").figures.host_memory is None
+    with pytest.raises(ValueError, match="host_adam_rate"):
+        partc.DeviceBudget(num_devices=1, device="H100", host_adam_rate=-1)
+    assert partc.Constraints().offload is None
+    assert partc.Constraints(offload=()).offload == ()
+    assert partc.Constraints(offload="params,optimizer", dp=2).offload == ("optimizer", "params")
+    with pytest.raises(ValueError, match="host too"):
+        partc.Constraints(offload=["params"])
+    with pytest.raises(ValueError, match="list of"):
+        partc.Constraints(offload=["gradients"])
+    with pytest.raises(ValueError, match="twice"):
+        partc.Constraints(offload=["optimizer", "optimizer"])
+    with pytest.raises(ValueError, match="ZeRO-3"):
+        partc.Constraints(offload=["optimizer", "params"], zero_stage=2)
+
+
 def test_units_round_trip():
     assert parse_bytes("1.5GiB") == 3 * 2**29 and parse_bytes("40GB") == 40 * 10**9
     assert format_bytes(3 * 2**29) == "1.50 GiB"

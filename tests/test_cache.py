@@ -22,7 +22,9 @@ def _compile(model, cache, memory="64MiB", batch=8, dtype=torch.float32, num_dev
     ids = torch.zeros(batch, 16, dtype=torch.long)
     return partc.compile(model, (ids,), budget=partc.DeviceBudget(
         num_devices=num_devices, memory=memory, **{"device": "CPU", **budget}), train=partc.TrainSpec(
-        global_batch_size=batch, dtype=dtype), loss_fn=loss_fn, example_target=ids,
+        # As written on every device (a GPU's default fuses the attention: another graph).
+        global_batch_size=batch, dtype=dtype, attention="as_written"), loss_fn=loss_fn,
+        example_target=ids,
         cache=cache)
 
 
@@ -74,7 +76,8 @@ def test_mixed_precision_is_measured_apart_for_gpus_and_cpus():
     like_cpu = {name: getattr(cpu_preset, name) for name in (
         "peak_flops", "flops_efficiency", "hbm_bandwidth", "devices_per_node",
         "intra_node_bandwidth", "inter_node_bandwidth", "link_latency_s",
-        "intra_node_latency_s")}
+        "intra_node_latency_s", "context_memory", "communicator_memory",
+        "memory_fragmentation")}
     cache = partc.PlanCache()
     _compile(gpt_tiny(n_layer=2), cache)
     _compile(gpt_tiny(n_layer=2), cache, device="H100-80GB", **like_cpu)
@@ -220,3 +223,31 @@ def test_models_of_one_shape_but_other_forwards_are_measured_apart():
     partc.compile(build(spec), (x,), budget=partc.DeviceBudget(num_devices=1, device="CPU"),
                   loss_fn=torch.nn.functional.mse_loss, example_target=x, cache=cache)
     assert cache.hits["analysis"] == 1  # the same model again: measured once
+
+
+def test_writers_of_one_entry_at_once_do_not_collide(tmp_path):
+    """Every rank of a node writes the same entry when they share PARTC_CACHE_DIR: each
+    through a partial file of its own (a shared partial name once made one rank's
+    rename fail, and that rank left its peers waiting in the next collective)."""
+    import threading
+
+    cache = partc.PlanCache(tmp_path)
+    plan = _compile(gpt_tiny(n_layer=2), cache).plan
+    errors, start = [], threading.Barrier(8)
+
+    def write():
+        start.wait()
+        try:
+            for _ in range(20):
+                cache._put(cache._plans, "same", plan, "json", plan.to_json().encode())
+        except Exception as error:  # noqa: BLE001 - collected for the assertion
+            errors.append(error)
+
+    threads = [threading.Thread(target=write) for _ in range(8)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert errors == []
+    assert [p.name for p in tmp_path.rglob("*.partial")] == []
+    assert len(list(tmp_path.rglob("same.json"))) == 1

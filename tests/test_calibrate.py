@@ -34,7 +34,8 @@ from tests import models
 BUDGET_NUMBERS = ("peak_flops", "flops_efficiency", "hbm_bandwidth", "devices_per_node",
                   "intra_node_bandwidth", "intra_node_latency_s", "link_latency_s",
                   "inter_node_bandwidth", "comm_overlap", "split_backward_factor",
-                  "elementwise_bandwidth", "optimizer_bandwidth")
+                  "elementwise_bandwidth", "optimizer_bandwidth", "host_adam_rate",
+                  "host_memory", "host_to_device_bandwidth", "device_to_host_bandwidth")
 
 
 @pytest.fixture(scope="module")
@@ -53,6 +54,16 @@ def _read(path) -> dict:
     return json.loads(path.read_text())
 
 
+def _between_compute(collectives: dict) -> dict:
+    """The collectives timed between compute, which calibration leaves out where noise
+    hid their fit (``partc.calibrate.collective_ranks``): a machine too busy for the
+    measurement skips the checks that read it rather than failing them."""
+    if "between_compute" not in collectives:
+        pytest.skip("calibration left out the collectives timed between compute: noise "
+                    "hid their fit on this machine")
+    return collectives["between_compute"]
+
+
 def test_profile_schema_and_summary(calibrated):
     path, printed = calibrated
     profile = _read(path)
@@ -66,17 +77,20 @@ def test_profile_schema_and_summary(calibrated):
     assert device["processes"] == 2 and device["threads_per_process"] >= 1
     assert set(profile["measurements"]) == {"matmul", "linear", "attention", "memory",
                                             "collectives", "op_overhead", "split_backward",
-                                            "elementwise", "optimizer"}
+                                            "elementwise", "optimizer", "host_adam"}
+    assert profile["budget"]["host_adam_rate"] > 0   # the host's step, for offload
+    assert profile["budget"]["host_to_device_bandwidth"] is None   # a CPU's host: itself
     assert set(profile["measurements"]["matmul"]) == {"float32", "bfloat16"}
     for key in BUDGET_NUMBERS:
         assert key in profile["budget"] and key in profile["sources"]
     assert "one machine cannot measure" in profile["sources"]["inter_node_bandwidth"]
-    assert "ms of compute as in a step" in profile["sources"]["collective_links"]
+    if "between_compute" in profile["measurements"]["collectives"]:
+        assert "ms of compute as in a step" in profile["sources"]["collective_links"]
     for line in ("matmul float32", "attention float32_causal", "memory copy / add",
                  "all_reduce", "joint_fit", "budget number", "preset CPU", "hbm_bandwidth",
                  "element-wise ops fwd+bwd", "AdamW step", "elementwise_bandwidth",
                  "optimizer_bandwidth", "all_reduce, in a step", "joint_fit, in a step",
-                 "note: quick run"):
+                 "host AdamW step", "host_adam_rate", "note: quick run"):
         assert line in printed
 
 
@@ -130,7 +144,7 @@ def test_budget_numbers_follow_from_the_samples(calibrated):
     assert budget["hbm_bandwidth"] == max(memory["copy"]["bytes_per_s"],
                                           memory["add"]["bytes_per_s"]) > 0
     # The links as a step meets them: on a CPU the collectives timed between compute.
-    links = measured["collectives"]["between_compute"]
+    links = _between_compute(measured["collectives"])
     assert links["compute_s"] >= BETWEEN_COMPUTE_S / 2
     joint = links["joint_fit"]
     assert budget["intra_node_bandwidth"] == joint["bandwidth"] > 0
@@ -238,7 +252,7 @@ def test_each_fit_is_the_least_squares_optimum_of_its_samples(calibrated):
                                                             * entry["fit"]["latency_s"])
     _check_optimal(collectives["joint_fit"], everything, ranks)
     # The same collectives and sizes timed between compute, fitted alike.
-    between, everything = collectives["between_compute"], []
+    between, everything = _between_compute(collectives), []
     for kind in COLLECTIVES:
         samples = [(kind, s["bytes"], s["seconds"]) for s in between[kind]["samples"]]
         assert [s[1] for s in samples] == [s["bytes"] for s in collectives[kind]["samples"]]

@@ -100,11 +100,12 @@ def test_flags_reach_the_pins_and_the_budget():
                  "--no-sequence-parallel", "--tp-objective", "memory", "--stage", "a,b",
                  "--stage", "c", "--recompute-layer", "a=full", "--recompute-layer",
                  "c=selective", "--microbatches", "4", "--micro-batch", "2",
-                 "--schedule", "gpipe", "--zero", "1")
+                 "--schedule", "gpipe", "--zero", "1", "--cp", "2", "--cp-kind", "ring")
     assert _constraints(args) == partc.Constraints(
         pp=2, dp=2, tp=2, sequence_parallel=False, tp_objective="memory",
         stages=(("a", "b"), ("c",)), recompute={"a": "full", "c": "selective"},
-        num_microbatches=4, micro_batch_size=2, schedule="gpipe", zero_stage=1)
+        num_microbatches=4, micro_batch_size=2, schedule="gpipe", zero_stage=1, cp=2,
+        cp_kind="ring")
     assert _constraints(_args("--devices", "2", "--recompute", "full")).recompute == "full"
     budget = _budget(_args("--devices", "2", "--device", "a100-80gb", "--memory", "40GiB,40GB",
                            "--hbm-bandwidth", "1TB/s", "--peak-tflops", "100",
@@ -129,6 +130,8 @@ def test_flags_reach_the_pins_and_the_budget():
     (["--global-batch", "6", "--micro-batch", "4"], "does not divide"),
     (["--profile", "missing.json"], "no device profile at missing.json"),
     (["--tp", "1", "--sequence-parallel"], "sequence parallelism needs tensor parallelism"),
+    (["--cp-kind", "zigzag"], "argument --cp-kind: invalid choice: 'zigzag'"),
+    (["--cp", "1", "--cp-kind", "ring"], "cp_kind='ring' needs context parallelism"),
     (["--dp", "1", "--zero", "3"], "dp=1 was pinned"),
     (["--pp", "3", "--stage", "a", "--stage", "b"], "pp=3 but 2 stages"),
 ])

@@ -70,16 +70,17 @@ def test_sample_gpt_plans_with_tied_embeddings(schedule):
 
 @functools.cache   # the tests read a program, never change it
 def _gpt_124m_on(memory: str, tp: int | None = 1) -> partc.Program:
-    # tp=1 and no ZeRO: these tests are about pipeline stages and recompute under a tight
-    # budget (ZeRO-3 over 4 replicas would fit it otherwise: tests/planner/test_regimes.py).
+    # tp=1, no ZeRO, no offload: these tests are about pipeline stages and recompute under
+    # a tight budget (ZeRO-3 over 4 replicas would fit it otherwise:
+    # tests/planner/test_regimes.py; so would offload, tests/runtime/test_offload.py).
     with torch.device("meta"):
         model = gpt_small()
     ids = torch.zeros(1, 1024, dtype=torch.long, device="meta")
     return partc.compile(model, (ids,), loss_fn=loss_fn, example_target=ids,
                          budget=partc.DeviceBudget(num_devices=4, device="A100-40GB",
-                                                   memory=memory),
+                                                   memory=memory, **models.WHOLE_MEMORY),
                          train=partc.TrainSpec(global_batch_size=32), name="gpt-124m",
-                         constraints=partc.Constraints(tp=tp, zero_stage=0),
+                         constraints=partc.Constraints(tp=tp, zero_stage=0, offload=()),
                          # Microbatches of one sequence are dispatch-bound on the A100
                          # (the GPU's launch floor), which leaves the layers' costs equal:
                          # proving the interleaved zero-bubble trial with 12 virtual
@@ -275,6 +276,9 @@ _LAYERS = ["tok_emb", "pos_emb", "drop", "blocks.0", "blocks.1", "ln_f", "lm_hea
     (2, 2, dict(stages=[_LAYERS[:3], _LAYERS[4:]]), "stages", "missing ['blocks.0']"),
     (2, 2, dict(recompute={"nope": "full"}), "recompute", "unknown layers ['nope']"),
     (4, 2, dict(tp=4), "tp", "tp=4 must divide the 2 devices of a node"),
+    (4, 4, dict(cp=3), "cp", "cp=3 does not divide the 4 devices"),
+    (4, 4, dict(cp=2, dp=4), "dp", "dp=4 does not divide the 4 devices / cp=2"),
+    (8, 8, dict(pp=2, dp=1, cp=2, tp=1), "pp x dp x cp x tp", "= 4, not the 8 devices"),
 ])
 def test_pins_that_cannot_hold_name_the_pin(devices, node, pins, pin, fragment):
     budget = partc.DeviceBudget(num_devices=devices, device="CPU", devices_per_node=node)
@@ -320,7 +324,7 @@ def test_a_fused_chain_moves_its_inputs_and_outputs_once():
     assert fc1.fused_mem_bytes == 3 * 16 * 4 and fc1.fused_kernels == 1
 
 
-def test_compiled_stages_are_priced_fused_and_never_planned_with_fsdp():
+def test_compiled_stages_are_priced_fused_under_every_zero_stage():
     model = gpt_tiny()
     ids, target = torch.randint(0, 128, (8, 16)), torch.randint(0, 128, (8, 16))
 
@@ -331,13 +335,78 @@ def test_compiled_stages_are_priced_fused_and_never_planned_with_fsdp():
                              constraints=partc.Constraints(pp=1, dp=2, **pins))
 
     fused, eager = check(compiled(True)), check(compiled(False))
-    assert fused.train.compile and fused.effective_zero_stage < 2
+    assert fused.train.compile and not eager.train.compile
     assert fused.predicted.step_time_s < eager.predicted.step_time_s
     assert Plan.from_json(fused.to_json()).train == fused.train
-    with pytest.raises(ValueError, match="compile=True cannot run zero_stage=2"):
-        compiled(True, zero_stage=2)
-    with pytest.raises(ValueError, match="TrainSpec.compile must be True or False"):
+    # FSDP2's units are compiled one by one (partc.runtime.compiled).
+    zero3, eager3 = check(compiled(True, zero_stage=3)), check(compiled(False, zero_stage=3))
+    assert zero3.train.compile and zero3.effective_zero_stage == 3
+    assert zero3.predicted.step_time_s < eager3.predicted.step_time_s
+    with pytest.raises(ValueError, match="TrainSpec.compile must be None"):
         partc.TrainSpec(global_batch_size=8, compile="yes")
+
+
+def _tiny_plan(device: str, **train) -> Plan:
+    ids = torch.randint(0, 128, (8, 16))
+    return check(partc.compile(
+        gpt_tiny(), (ids,), loss_fn=loss_fn, example_target=ids,
+        budget=partc.DeviceBudget(num_devices=2, device=device),
+        train=partc.TrainSpec(global_batch_size=8, dtype=torch.bfloat16, **train),
+        constraints=partc.Constraints(pp=2)))
+
+
+def test_kernel_choices_default_to_the_fastest_on_a_gpu_and_eager_on_a_cpu():
+    """No switches: a GPU preset's plan compiles, fuses attention and steps Adam fused
+    (each priced: faster than the same plan with them pinned off); the CPU preset's
+    runs as written. Pins are kept, and a split-backward schedule plans uncompiled."""
+    gpu = _tiny_plan("H100")
+    assert (gpu.train.compile, gpu.train.attention, gpu.train.fused_optimizer) \
+        == (True, "fused", True)
+    off = _tiny_plan("H100", compile=False, attention="as_written", fused_optimizer=False)
+    assert (off.train.compile, off.train.attention, off.train.fused_optimizer) \
+        == (False, "as_written", False)
+    assert gpu.predicted.step_time_s < off.predicted.step_time_s
+    cpu = _tiny_plan("CPU")
+    assert (cpu.train.compile, cpu.train.attention, cpu.train.fused_optimizer) \
+        == (False, "as_written", False)
+    # The first step's compile, estimated, in the report beside what runs.
+    assert gpu.predicted.compile_time_s > 0 and cpu.predicted.compile_time_s is None
+    assert "kernels: compiled (torch.compile), attention fused, optimizer step fused; the " \
+        "first step compiles for about" in render(gpu)
+    assert "kernels: eager, attention as written, optimizer step unfused\n" in render(cpu)
+    # The zero-bubble schedules split backward, which a compiled region cannot: left to
+    # the planner they run eagerly; pinned on, compile refuses them.
+    split = _tiny_plan("H100", schedule="zbv-zero-bubble")
+    assert split.schedule == "zbv-zero-bubble" and split.train.compile is False
+    with pytest.raises(partc.PlanInfeasibleError, match="compiled region"):
+        _tiny_plan("H100", schedule="zbv-zero-bubble", compile=True)
+
+
+def test_compile_time_builds_a_repeated_block_once():
+    from partc.cost.compile_time import BUILD_S_PER_NODE, FIXED_S, TRACE_S_PER_NODE, \
+        rank_compile_seconds
+    from types import SimpleNamespace
+
+    def layer(name: str, signature: str) -> SimpleNamespace:   # what it reads of a LayerCost
+        return SimpleNamespace(name=name, signature=signature, num_nodes=10)
+
+    blocks = [layer(f"blocks.{i}", "block") for i in range(3)]
+    seconds = rank_compile_seconds(blocks, gpu=True)
+    assert seconds == pytest.approx(FIXED_S + 30 * TRACE_S_PER_NODE + 10 * BUILD_S_PER_NODE["gpu"])
+    assert rank_compile_seconds(blocks[:1], gpu=False) > rank_compile_seconds(blocks[:1], gpu=True)
+
+
+def test_a_plan_from_before_kernel_choices_loads_with_them_as_written():
+    """plan.json files written when compile and attention were plain switches (and the
+    optimizer step was not a choice) read back with those values: nothing re-decided."""
+    from pathlib import Path
+
+    data = json.loads((Path(__file__).parent / "data" / "plan_v2_tp2_sp.json").read_text())
+    assert "fused_optimizer" not in data["train"]
+    plan = Plan.from_json(json.dumps(data))
+    assert plan.train.compile is False and plan.train.attention == "as_written"
+    assert plan.train.fused_optimizer is None
+    assert Plan.from_json(plan.to_json()) == plan
 
 
 def test_compiled_stages_are_refused_where_they_cannot_train(monkeypatch):
@@ -345,14 +414,8 @@ def test_compiled_stages_are_refused_where_they_cannot_train(monkeypatch):
 
     from partc.runtime import compiled
 
-    plan = check(partc.compile(gpt_tiny(), (torch.randint(0, 128, (8, 16)),), loss_fn=loss_fn,
-                               example_target=torch.randint(0, 128, (8, 16)),
-                               budget=partc.DeviceBudget(num_devices=2, device="CPU"),
-                               train=partc.TrainSpec(global_batch_size=8, compile=True),
-                               constraints=partc.Constraints(pp=1, dp=2, zero_stage=1)))
     cpu = torch.device("cpu")
-    assert compiled.refusal(plan, cpu) is None
-    assert "ZeRO-3" in compiled.refusal(dataclasses.replace(plan, zero_stage=3), cpu)
+    assert compiled.refusal(cpu) is None
 
     def no_compiler():
         raise RuntimeError("no g++")
@@ -360,8 +423,8 @@ def test_compiled_stages_are_refused_where_they_cannot_train(monkeypatch):
     monkeypatch.setattr(cpp_builder, "get_cpp_compiler", no_compiler)
     compiled._no_cpu_compiler.cache_clear()
     try:
-        assert "needs a C++ compiler" in compiled.refusal(plan, cpu)
-        assert compiled.refusal(plan, torch.device("cuda")) is None
+        assert "needs a C++ compiler" in compiled.refusal(cpu)
+        assert compiled.refusal(torch.device("cuda")) is None
     finally:
         compiled._no_cpu_compiler.cache_clear()
 

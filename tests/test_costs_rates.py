@@ -130,14 +130,16 @@ def test_the_budget_resolves_the_rates_and_a_plan_keeps_them():
                                 optimizer_bandwidth=2e9)
     numbers = device_numbers(budget, torch.float32)
     assert (numbers.elementwise_bandwidth, numbers.optimizer_bandwidth) == (8e9, 2e9)
-    assert numbers.light_op_bandwidth == 8e9 and numbers.optimizer_step_bandwidth == 2e9
+    assert numbers.light_op_bandwidth == 8e9 and numbers.optimizer_step_bandwidth() == 2e9
     again = budget_from_info(BudgetInfo.from_dict(budget.to_dict()))
     assert device_numbers(again, torch.float32) == numbers
     h100 = device_numbers(partc.DeviceBudget(num_devices=8, device="H100"), torch.bfloat16)
     assert h100.hbm_bandwidth == partc.PRESETS["H100-80GB"].hbm_bandwidth
     assert h100.light_op_bandwidth == h100.elementwise_bandwidth \
         == pytest.approx(0.75 * h100.hbm_bandwidth)
-    assert h100.optimizer_step_bandwidth == pytest.approx(0.3 * h100.hbm_bandwidth)
+    assert h100.optimizer_step_bandwidth() == pytest.approx(0.3 * h100.hbm_bandwidth)
+    # torch's fused AdamW reads and writes each byte once: at HBM bandwidth.
+    assert h100.optimizer_step_bandwidth(fused=True) == h100.hbm_bandwidth
     a100 = device_numbers(partc.DeviceBudget(num_devices=8, device="A100-80GB"), torch.bfloat16)
     assert a100.elementwise_bandwidth is None and a100.light_op_bandwidth == a100.hbm_bandwidth
 

@@ -19,6 +19,7 @@ from partc.cost.evaluate import evaluate
 from partc.cost.pipeline_config import PS_PER_S, PipelineConfig, overlapped, to_ps
 from partc.cost.state_bytes import zero_state_bytes
 from partc.cost.tables import build_cost_table
+from tests.models import WHOLE_MEMORY
 
 PSI, ND = 7.5e9, 64
 PUBLISHED_GB = {0: 120, 1: 31.4, 2: 16.6, 3: 1.88}  # rounded as printed in the paper
@@ -56,10 +57,11 @@ def _dp_program(memory: str, dtype: torch.dtype = torch.float32, **pins) -> part
     ids = torch.zeros(2, 32, dtype=torch.long)
     return partc.compile(model, (ids,), loss_fn=loss_fn, example_target=ids,
                          budget=partc.DeviceBudget(num_devices=2, device="A100-40GB",
-                                                   memory=memory),
+                                                   memory=memory, **WHOLE_MEMORY),
                          train=partc.TrainSpec(global_batch_size=8, optimizer="adamw",
                                                dtype=dtype),
-                         constraints=partc.Constraints(pp=1, tp=1, **pins))
+                         constraints=partc.Constraints(pp=1, tp=1, **{"offload": (),
+                                                                      **pins}))
 
 
 def test_bf16_zero1_holds_what_megatrons_distributed_optimizer_holds():
@@ -284,3 +286,43 @@ def _dp_program_on(budget: partc.DeviceBudget) -> partc.Program:
                          train=partc.TrainSpec(global_batch_size=8, optimizer="adamw"),
                          constraints=partc.Constraints(pp=1, tp=1, dp=2, zero_stage=3,
                                                        num_microbatches=2))
+
+
+def test_offload_moves_the_state_to_the_host_and_prices_its_copies():
+    """fp32 Adam, one device, 2 microbatches: offloaded, the device keeps the weights
+    only (gradients streamed out), the host the master, a gradient and the state; each
+    microbatch's backward streams its gradients out, the tail steps on the host and
+    copies the weights back; the planner takes it only where it must."""
+    from dataclasses import replace
+
+    from partc.compiler import plan_problem
+    from partc.cost.pipeline_config import PS_PER_S, PipelineConfig
+    from partc.cost.tables import build_cost_table
+    from tests.planner.instances import devices, layer, problem
+
+    params = 10**6
+    hand = problem([layer("a", params=params), layer("b", params=params)], [1.0],
+                   replace(devices(1, 10**9), host_memory=10**9,
+                           host_to_device_bandwidth=4e9, device_to_host_bandwidth=2e9,
+                           host_adam_rate=1e8), batch=2)
+    base = PipelineConfig(pp=1, dp=1, micro_batch_size=1, num_microbatches=2,
+                          schedule="1f1b")
+    plain, moved = (build_cost_table(hand, c).layers[0]
+                    for c in (base, replace(base, offload_optimizer=True)))
+    assert plain.state_bytes == {"params": 4 * params, "grads": 4 * params,
+                                 "optimizer": 8 * params}
+    assert moved.state_bytes == {"params": 4 * params, "grads": 0, "optimizer": 0}
+    assert (moved.backward_ps - plain.backward_ps) / PS_PER_S == pytest.approx(
+        4 * params / 2e9)
+    # The weights back and the host's step, beside the device's passes over the
+    # gradient buckets (microseconds at its 1 TB/s).
+    assert moved.tail_ps / PS_PER_S == pytest.approx(4 * params / 4e9 + params / 1e8,
+                                                     abs=2e-5)
+    # Room on the device: no offload (it only adds time); none: offload, within the host.
+    assert not plan_problem(hand).offload
+    tight = replace(hand, devices=replace(hand.devices, memory_bytes=(20 * params,)))
+    plan = plan_problem(tight)
+    assert plan.offload == ("optimizer",) and plan.host_bytes_per_node == 32 * params
+    small_host = replace(tight, devices=replace(tight.devices, host_memory=31 * params))
+    with pytest.raises(partc.PlanInfeasibleError):
+        plan_problem(small_host)

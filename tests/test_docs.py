@@ -19,7 +19,7 @@ DOC = (ROOT / "docs" / "architecture.md").read_text()
 # Every optional pass on: the lists' longest form, which the tables show (an optional
 # pass in brackets).
 _EVERYTHING = Lowering(stages=(), recompute={}, tp=2, fsdp_units=True, attention="fused",
-                       mixed=True, ep=2)
+                       mixed=True, ep=2, cp=2, fp8_linears=("w.weight",))
 LISTS = {
     "analysis": pipeline.analysis_passes("fused", mixed=True),
     "tp measurement": pipeline.tp_measurement_passes(),

@@ -16,6 +16,7 @@ from partc.compiler import plan_problem
 from partc.cost.pipeline_config import PipelineConfig
 from partc.device.figures import DeviceFigures
 from partc.errors import PlanFileError, PlanSchemaError
+from partc.names import CpKind
 from partc.placement import REPLICATE, Placement
 from partc.plan import (DECIDED, NOT_DECIDED, SCHEMA_VERSION, BudgetInfo, Mesh, ModelInfo,
                         P2PMessages, Plan, Predicted, StageMemory, StageTime,
@@ -177,8 +178,8 @@ def test_other_versions_and_damaged_files_are_refused_with_what_to_do(programs):
     lacking = {k: v for k, v in data.items() if k != "predicted"}
     with pytest.raises(PlanSchemaError, match="predicted"):
         Plan.from_dict({**lacking, "schema_version": 1})
-    with pytest.raises(PlanSchemaError, match="mesh.cp: unknown key"):
-        Plan.from_dict({**data, "mesh": {**data["mesh"], "cp": 2}})
+    with pytest.raises(PlanSchemaError, match="mesh.hp: unknown key"):
+        Plan.from_dict({**data, "mesh": {**data["mesh"], "hp": 2}})
 
 
 def test_effective_zero_stage_is_one_rule(programs):
@@ -257,6 +258,18 @@ def test_placements_are_typed(programs):
     assert programs["pp2"].plan.to_dict()["tensor_parallel"] == {}
 
 
+def test_offload_is_written_only_when_on_and_older_plans_read_off(programs):
+    plan = programs["pp2"].plan
+    assert (plan.offload_optimizer, plan.offload_params, plan.host_bytes_per_node) == \
+        (False, False, 0) and plan.offload == ()
+    data = plan.to_dict()
+    assert not {"offload_optimizer", "offload_params", "host_bytes_per_node"} & set(data)
+    on = replace(plan, offload_optimizer=True, host_bytes_per_node=10**6)
+    assert on.offload == ("optimizer",)
+    assert Plan.from_dict(on.to_dict()) == on and on.hash != plan.hash
+    assert replace(plan, host_bytes_per_node=1).hash == plan.hash   # not a decision
+
+
 def _edit(data: dict, change) -> dict:
     data = json.loads(json.dumps(data))
     change(data)
@@ -274,6 +287,11 @@ EDITS = {
     "model.num_layers": lambda d: d["model"].update(num_layers=d["model"]["num_layers"] + 1),
     "train.global_batch_size": lambda d: d["train"].update(global_batch_size=16),
     "mesh": lambda d: d["budget"].update(num_devices=4),
+    "mesh.cp_kind": lambda d: d["mesh"].update(cp_kind="ring"),             # with cp=1
+    # 16 tokens do not split into 2 x cp = 6 chunks (the budget grown to the mesh)
+    "mesh.cp": lambda d: (d["mesh"].update(cp=3, cp_kind="all-to-all"),
+                          d["budget"].update(num_devices=6)),
+    "offload_params": lambda d: d.update(offload_params=True),             # not ZeRO-3
 }
 
 
@@ -295,3 +313,26 @@ def test_plans_the_planner_writes_agree_with_themselves(programs):
     # ZeRO pinned, one replica chosen: the plan records what runs (no ZeRO).
     pinned = _compile(2, dict(pp=2, zero_stage=1), torch.float32)
     assert pinned.plan.dp == 1 and pinned.plan.zero_stage == 0
+
+
+def test_context_parallelism_round_trips_and_older_plans_read_cp_1(programs):
+    plan = programs["pp2"].plan
+    assert plan.cp == 1 and plan.cp_kind is None
+    assert "cp" not in plan.to_dict()["mesh"]   # plans without cp are written as before
+
+    def devices_(n: int) -> BudgetInfo:
+        return replace(plan.budget, num_devices=n, memory_bytes=plan.budget.memory_bytes[:1] * n)
+
+    cp_plan = replace(plan, mesh=replace(plan.mesh, cp=2, cp_kind=CpKind.RING),
+                      budget=devices_(4))
+    data = cp_plan.to_dict()
+    assert data["mesh"]["cp"] == 2 and data["mesh"]["cp_kind"] == "ring"
+    loaded = Plan.from_json(cp_plan.to_json())
+    assert loaded == cp_plan and loaded.cp_kind is CpKind.RING
+    assert loaded.mesh.size == 4 and loaded.hash != plan.hash
+    assert str(loaded.mesh) == "pp=2 dp=1 cp=2 (ring) tp=1"
+    assert field_conflicts(loaded) == []
+    assert field_conflicts(replace(loaded, budget=devices_(2))) == [
+        ("mesh", "pp=2 dp=1 cp=2 (ring) tp=1 uses 4 devices, the budget has 2")]
+    no_kind = replace(loaded, mesh=replace(loaded.mesh, cp_kind=None))
+    assert [f for f, _ in field_conflicts(no_kind)] == ["mesh.cp_kind"]

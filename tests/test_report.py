@@ -206,3 +206,124 @@ def test_checkpoint_time_shares_the_storages_bandwidth():
     given = dataclasses.replace(big, budget=dataclasses.replace(
         big.budget, figures=dataclasses.replace(figures, storage_bandwidth=4e12)))
     assert given.predicted_save_s == pytest.approx(size / 2e9)
+
+
+def _qwen2_plan() -> Plan:
+    """A tiny Qwen2 on 4 H100s, pp=2 x dp=2 pinned: the planner picks an interleaved
+    zero-bubble schedule over 1F1B, the mesh's closed-form ranking, and ZeRO-1."""
+    import torch
+    import torch.nn.functional as F
+
+    import partc
+    from tests.hf_families import FAMILIES
+
+    torch.manual_seed(0)
+    ids = torch.randint(0, 128, (8, 32))
+
+    def loss_fn(output, target):
+        return F.cross_entropy(output.logits.flatten(0, 1).float(), target.flatten())
+
+    return partc.compile(FAMILIES["qwen2"].build(), (ids,), loss_fn=loss_fn,
+                         example_target=ids,
+                         budget=partc.DeviceBudget(num_devices=4, device="H100-80GB"),
+                         # Eager: a compiled stage runs no split backward, and the
+                         # zero-bubble schedules need one.
+                         train=partc.TrainSpec(global_batch_size=8, compile=False),
+                         constraints=partc.Constraints(pp=2, dp=2)).plan
+
+
+def _table_of(section) -> list[dict[str, str]]:
+    return [dict(zip(section.header, row)) for row in section.rows]
+
+
+def _chosen_figures_agree(plan: Plan) -> list[str]:
+    """Every figure a table of the report prints for the chosen plan, checked against
+    the plan's own: its step time, peak memory, schedule, virtual stages, microbatches
+    and their size, ZeRO stage. Returns what disagrees."""
+    from partc.cost.timeline import simulate
+    from partc.report.text import plural, sections
+    from partc.units import format_bytes, format_seconds
+
+    p, zero = plan.predicted, plan.effective_zero_stage
+    step, peak = format_seconds(p.step_time_s), format_bytes(p.peak_memory_bytes)
+    config = f"{plan.micro_batch_size} x {plan.num_microbatches}, {plan.schedule}, ZeRO-{zero}"
+    found = {s.key: s for s in sections(plan)}
+    wrong = []
+
+    def expect(what: str, shown: str, truth: str) -> None:
+        if shown != truth:
+            wrong.append(f"{what}: {shown!r}, the plan's {truth!r}")
+
+    headline = found["plan"].bullets
+    line = next(b for b in headline if b.startswith("plan: "))
+    expect("headline mesh", line.split(",")[0].split(" (")[0], f"plan: {plan.mesh}")
+    expect("headline ZeRO", line.split(" (ZeRO-")[1][0] if " (ZeRO-" in line else "0",
+           str(zero))
+    expect("headline schedule and microbatches", line.split("), " if zero else ", ", 1)[1],
+           f"{plan.schedule}, {plural(plan.num_microbatches, 'microbatch', 'microbatches')}"
+           f" of {plural(plan.micro_batch_size, 'sample')}")
+    line = next(b for b in headline if b.startswith("predicted: "))
+    expect("headline step", line.split(",")[0], f"predicted: step {step}")
+    expect("headline peak", line.rsplit("peak memory ", 1)[1], peak)
+    mesh = found["mesh"]
+    expect("mesh bullet", mesh.bullets[0].split(", b x m")[0].split(", ")[-1], plan.schedule)
+    expect("mesh bullet ZeRO", mesh.bullets[0].split(", ")[1].split(" ")[0], f"ZeRO-{zero}")
+    chosen = [r for r in _table_of(mesh) if r["note"].startswith("chosen")]
+    expect("mesh rows marked chosen", str(len(chosen)), "1")
+    for row in chosen:
+        expect("mesh table config", row["best config (b x m, schedule, ZeRO)"][:len(config)],
+               config)
+        expect("mesh table step", row[mesh.header[4]], step)
+    schedules = [r for r in _table_of(found["schedules"]) if r["split"] == "chosen"]
+    expect("schedule rows marked chosen", str(len(schedules)), "1")
+    for row in schedules:
+        expect("schedules table schedule", row["schedule"], plan.schedule)
+        expect("schedules table v", row["v"], str(plan.chunks))
+        expect("schedules table step", row["step time"], step)
+        expect("schedules table bubble", row["bubble"], f"{100 * p.bubble_fraction:.1f}%")
+        expect("schedules table peak", row["peak memory"], peak)
+    timeline = simulate(plan)
+    expect("timeline step", format_seconds(timeline.step_s), step)
+    expect("timeline note", found["timeline"].notes[0].split("The step: ")[1].split(",")[0],
+           step)
+    shown = [r["peak / limit"].split(" / ")[0] for r in _table_of(found["memory"])]
+    fullest = max(range(len(plan.stages)), key=lambda i: plan.stages[i].memory_bytes.peak)
+    expect("memory table peak", shown[fullest], peak)
+    expect("memory headroom", found["memory"].notes[0].split("peak ")[1].split(" of ")[0], peak)
+    ours = next(r for r in _table_of(found["alternatives"]) if r["plan"] == "partc plan")
+    expect("alternatives step", ours["step time"], step)
+    expect("alternatives peak", ours["peak memory"], peak)
+    if "data_parallel" in found:
+        line = found["data_parallel"].notes[0]
+        expect("data-parallel ZeRO", line.split(", ")[1].split(":")[0],
+               f"ZeRO-{zero}" if zero else "plain data parallelism")
+    return wrong
+
+
+@pytest.mark.parametrize("case", ["qwen2 interleaved zero-bubble, ZeRO-1",
+                                  "zbv zero-bubble, ZeRO-1", "one stage, ZeRO-3"])
+def test_every_table_shows_the_chosen_plans_own_figures(case):
+    # The mesh table once showed the chosen mesh's closed-form configuration ("1f1b,
+    # ZeRO-2" at its closed-form step) beside a plan that runs another schedule.
+    plan = {"qwen2 interleaved zero-bubble, ZeRO-1": _qwen2_plan,
+            "zbv zero-bubble, ZeRO-1": lambda: _dp_plan(1, pp=2,
+                                                        schedule="zbv-zero-bubble")[1],
+            "one stage, ZeRO-3": lambda: _dp_plan(3)[1]}[case]()
+    if case.startswith("qwen2"):   # the closed form ranked the mesh by another schedule
+        assert "zero-bubble" in plan.schedule and plan.chunks > 1
+        assert plan.solver.objective != pytest.approx(plan.predicted.step_time_s)
+    assert plan.effective_zero_stage == int(case[-1])
+    assert _chosen_figures_agree(plan) == []
+    # The page: its mesh picture marks the plan's step as the chosen one's.
+    from partc.report.html import render_html
+    from partc.units import format_seconds
+
+    page = render_html(plan)
+    assert f"{format_seconds(plan.predicted.step_time_s)} (chosen)" in page
+
+
+def test_the_check_of_the_chosen_figures_finds_a_table_that_disagrees():
+    _, plan = _dp_plan(1, pp=2, schedule="zbv-zero-bubble")
+    other = dataclasses.replace(plan.schedules[0], step_time_s=plan.schedules[0].step_time_s * 2)
+    tampered = dataclasses.replace(plan, schedules=(other, *plan.schedules[1:]))
+    assert [w for w in _chosen_figures_agree(tampered) if w.startswith("schedules table step")]

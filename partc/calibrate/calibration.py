@@ -33,6 +33,7 @@ import torch
 
 from partc.calibrate.calibration_options import CalibrationOptions
 from partc.calibrate.collective_ranks import measure_collectives
+from partc.calibrate.host_rates import measure_host_adam, measure_host_link
 from partc.calibrate.machine import (Host, cores, device_name, load_average,
                                      threads_per_process)
 from partc.calibrate.matmuls import (measure_attention, measure_linear, measure_matmul,
@@ -80,7 +81,9 @@ def measure_one_process(device: torch.device, options: CalibrationOptions,
                             attention=attention, memory=memory, op_overhead=op_overhead,
                             kernel_overhead=kernel_overhead,
                             elementwise=measure_elementwise(device, sizes, op_overhead),
-                            optimizer=measure_optimizer(device, sizes))
+                            optimizer=measure_optimizer(device, sizes),
+                            host_adam=measure_host_adam(sizes),
+                            host_link=measure_host_link(device, sizes))
     finally:
         torch.set_num_threads(before)
 

@@ -37,6 +37,10 @@ def summary(profile: dict) -> str:
         if key in measured:
             lines.append(f"{what:<30}{format_rate(measured[key]['bytes_per_s'])} in the cost "
                          f"model's bytes")
+    if "host_adam" in measured:
+        adam = measured["host_adam"]
+        lines.append(f"{'host AdamW step':<30}{adam['updates_per_s']:.3g} parameters/s, "
+                     f"{adam['kernel']}, {adam['threads']} threads")
     collectives = measured.get("collectives", {})
     fits = {kind: collectives[kind]["fit"] for kind in COLLECTIVES if kind in collectives}
     if collectives:
@@ -69,7 +73,10 @@ def _budget_rows(profile: dict) -> list[str]:
                "matmul_overhead_s": format_seconds, "kernel_overhead_s": format_seconds,
                "comm_overlap": "{:.2f}".format,
                "split_backward_factor": "{:.2f}".format, "elementwise_bandwidth": format_rate,
-               "optimizer_bandwidth": format_rate} | {
+               "optimizer_bandwidth": format_rate,
+               "host_to_device_bandwidth": format_rate,
+               "device_to_host_bandwidth": format_rate,
+               "host_adam_rate": lambda rate: f"{rate:.3g}/s"} | {
                    name: format_rate if name.endswith("bandwidth") else format_seconds
                    for name in FSDP_FIGURES}
     for key, show in formats.items():

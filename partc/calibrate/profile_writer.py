@@ -24,6 +24,7 @@ from partc.calibrate.calibration_options import CalibrationOptions
 from partc.calibrate.collective_fits import COLLECTIVES
 from partc.calibrate.collective_ranks import BETWEEN_COMPUTE_S, CollectiveMeasurement
 from partc.calibrate.fsdp_overheads import FSDP_FIGURES, FSDP_UNITS
+from partc.calibrate.host_rates import HostAdamRate, HostLink
 from partc.calibrate.machine import Host, cores, device_memory, known_preset
 from partc.calibrate.matmuls import AttentionRates, LinearRate, MatmulRate, SplitBackward
 from partc.calibrate.memory_rates import ElementwiseRate, MemoryBandwidth, OptimizerRate
@@ -45,6 +46,8 @@ class Measurements:
     elementwise: ElementwiseRate
     optimizer: OptimizerRate
     collectives: CollectiveMeasurement | None = None   # with more than one process
+    host_adam: HostAdamRate | None = None    # the host's AdamW step (offload)
+    host_link: HostLink | None = None        # beside a GPU: pinned copies each way
 
     def to_dict(self) -> dict:
         measured = {"matmul": {key: rate.to_dict() for key, rate in self.matmul.items()},
@@ -58,6 +61,9 @@ class Measurements:
                      "optimizer": self.optimizer.to_dict()}
         if self.collectives is not None:
             measured["collectives"] = self.collectives.to_dict()
+        for name in ("host_adam", "host_link"):
+            if getattr(self, name) is not None:
+                measured[name] = getattr(self, name).to_dict()
         return measured
 
 
@@ -149,6 +155,12 @@ def _budget(options: CalibrationOptions, measured: Measurements, *,
         "split_backward_factor": measured.split_backward.factor,
         "elementwise_bandwidth": elementwise.bytes_per_s,
         "optimizer_bandwidth": optimizer.bytes_per_s,
+        "host_memory": None,   # the node's: not what one process may use
+        "host_to_device_bandwidth": (measured.host_link.to_device_bytes_per_s
+                                     if measured.host_link else None),
+        "device_to_host_bandwidth": (measured.host_link.to_host_bytes_per_s
+                                     if measured.host_link else None),
+        "host_adam_rate": measured.host_adam.updates_per_s if measured.host_adam else None,
         # FSDP's host work: measured on a CPU only, where ranks were spawned.
         **{name: getattr(fsdp, key) if cpu and fsdp else None
            for name, key in FSDP_FIGURES.items()},
@@ -214,6 +226,13 @@ def _sources(options: CalibrationOptions, preset_name: str | None, vendor: bool,
                                 f"block's parameters, in the bytes the cost model counts"
                                 + (f", every one of {ranks} computing at once"
                                    if linked else "")),
+        "host_memory": f"{fallback} (the node's host memory offload may use: give it)",
+        **{name: ("measured: pinned copies between the host and GPU 0"
+                  if options.device == "cuda" else
+                  f"{fallback} (a CPU's host is its own memory)")
+           for name in ("host_to_device_bandwidth", "device_to_host_bandwidth")},
+        "host_adam_rate": ("measured: torch's fused AdamW on the host's cores over fp32 "
+                           "tensors of a transformer block's shapes, parameters per second"),
         **{name: (f"measured: FSDP2 over {ranks} on {FSDP_UNITS} units of a transformer "
                   f"block's 12 tensors, ZeRO-2 accumulating, reducing and ZeRO-3, against "
                   f"the same modules without it, by the rank thread's CPU time, per unit "

@@ -8,15 +8,23 @@ presets are in :mod:`partc.device.presets`; recompute modes and ZeRO stages in
 
 from __future__ import annotations
 
-from partc.names import Schedule
+from partc.names import CpKind, Schedule
 
 # How attention runs: as the model writes it, or as one fused kernel call
-# (``scaled_dot_product_attention``) wherever partc proves it computes the same.
-ATTENTION: tuple[str, ...] = ("as_written", "fused")
+# (``scaled_dot_product_attention``) wherever partc proves it computes the same; "auto":
+# fused on a GPU, as written on a CPU (TrainSpec.for_device).
+ATTENTION: tuple[str, ...] = ("auto", "as_written", "fused")
 
 # The pipeline schedules' names (:class:`partc.names.Schedule`; partc.cost.schedules holds
 # what each needs of a plan, and a test holds the two together).
 SCHEDULES: tuple[str, ...] = tuple(name.value for name in Schedule)
+
+# The kinds of context-parallel attention (:class:`partc.names.CpKind`).
+CP_KINDS: tuple[str, ...] = tuple(kind.value for kind in CpKind)
+
+# How FP8 linears scale their operands (TrainSpec.fp8_recipe; torchao.float8's recipes):
+# one scale per tensor, or one per row (more accurate, slower casts).
+FP8_RECIPES: tuple[str, ...] = ("tensorwise", "rowwise")
 
 # What a tensor-parallel sharding is chosen for: the fastest, or the fewest parameter
 # bytes (then, with sequence parallelism, activation bytes; then the fastest).

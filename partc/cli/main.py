@@ -40,12 +40,14 @@ from pathlib import Path
 from typing import Any, Callable, Iterator
 
 from partc.cli import hf_config
-from partc.cli.choices import (ATTENTION, DTYPE_NAMES, ON_NONFINITE, OPTIMIZER_STATE_BYTES,
-                               REPORT_FORMATS, SCHEDULES, TP_OBJECTIVES)
+from partc.cli.choices import (ATTENTION, CP_KINDS, DTYPE_NAMES, FP8_RECIPES, ON_NONFINITE,
+                               OPTIMIZER_STATE_BYTES, REPORT_FORMATS, SCHEDULES,
+                               TP_OBJECTIVES)
 from partc.cost.collectives import KINDS as COLLECTIVE_KINDS
 from partc.device.figures import FIGURES
 from partc.device.presets import DEFAULT_DEVICE, PRESETS, preset
 from partc.errors import PartcError
+from partc.names import Offload
 from partc.options import PlannerOptions
 from partc.problem import RECOMPUTE_MODES, ZERO2_GRAD_SYNCS, ZERO_STAGES
 from partc.units import format_seconds, parse_bytes, parse_rate
@@ -58,16 +60,20 @@ PIN_FLAGS = {
     "num_microbatches": "--microbatches", "micro_batch_size": "--micro-batch",
     "schedule": "--schedule", "zero_stage": "--zero", "ep": "--ep",
     "virtual_stages": "--virtual-stages", "zero2_grad_sync": "--zero2-grad-sync",
+    "cp": "--cp", "cp_kind": "--cp-kind",
+    "offload": "--offload",
+    "fp8_linears": "--fp8-linears",
 }
 TRAIN_FLAGS = {
     "global_batch_size": "--global-batch", "micro_batch_size": "--micro-batch",
     "dtype": "--dtype", "optimizer": "--optimizer", "schedule": "--schedule",
     "max_grad_norm": "--max-grad-norm", "attention": "--attention",
     "moe_imbalance": "--moe-imbalance", "moe_capacity_factor": "--moe-capacity-factor",
-    "compile": "--compile", "loss_per_microbatch": "--loss-per-microbatch",
+    "compile": "--compile", "fused_optimizer": "--fused-optimizer",
+    "loss_per_microbatch": "--loss-per-microbatch",
     "tp_overlap": "--no-tp-overlap", "overlap_param_gather": "--no-param-gather-overlap",
     "bucket_elements": "--bucket-elements", "on_nonfinite": "--on-nonfinite",
-    "batch_check_every": "--batch-check-every",
+    "batch_check_every": "--batch-check-every", "fp8": "--fp8", "fp8_recipe": "--fp8-recipe",
 }
 # A figure's flag is in its metadata (partc.device.figures).
 BUDGET_FLAGS = {"num_devices": "--devices", "device": "--device", "profile": "--profile",
@@ -173,6 +179,13 @@ def _size(text: str) -> int:
     return size
 
 
+def _reserved(text: str) -> int:
+    size = parse_bytes(text)
+    if size < 0:
+        raise ValueError(f"a reserved memory size must be 0 or more, got {text!r}")
+    return size
+
+
 def _sizes(text: str) -> int | tuple[int, ...]:
     sizes = tuple(_size(part.strip()) for part in text.split(","))
     return sizes[0] if len(sizes) == 1 else sizes
@@ -218,17 +231,32 @@ def _stage(text: str) -> tuple[str, ...]:
 
 
 COUNT, POSITIVE = _argument(_count, "count"), _argument(_positive, "number")
+
+
+def _offload_kinds(text: str) -> tuple[str, ...]:
+    kinds = () if text.strip() == "none" else tuple(
+        k.strip() for k in text.split(",") if k.strip())
+    unknown = [k for k in kinds if k not in {o.value for o in Offload}]
+    if unknown:
+        raise ValueError(f"unknown offload kinds {unknown}: use "
+                         f"{', '.join(o.value for o in Offload)} or none")
+    return kinds
+
+
+OFFLOAD = _argument(_offload_kinds, "offload kinds")
 WHOLE, NON_NEGATIVE = _argument(_whole, "count"), _argument(_non_negative, "number")
 FRACTION, SECONDS = _argument(_fraction, "fraction"), _argument(_seconds, "seconds")
 SHARE = _argument(_share, "share")
 SIZES, RATE = _argument(_sizes, "size"), _argument(_rate, "rate")
+RESERVED = _argument(_reserved, "size")
 DEVICE, LAYER_MODE = _argument(_device, "device"), _argument(_layer_mode, "LAYER=MODE")
 STAGE, LINK = _argument(_stage, "stage"), _argument(_collective_link, "KIND=LATENCY,RATE")
 # The reader of each unit of DeviceFigures (their flags: _budget_arguments). A factor is
 # read as a positive number; DeviceBudget says why one below 1 is refused.
 _UNIT_TYPES = {"bytes": SIZES, "count": COUNT, "FLOP/s": POSITIVE, "bytes/s": RATE,
                "seconds": SECONDS, "fraction": FRACTION, "share": SHARE, "factor": POSITIVE,
-               "links": LINK}
+               "links": LINK, "updates/s": POSITIVE,
+               "reserved bytes": RESERVED}
 
 
 # -------------------------------------------------------------------------------- parser
@@ -376,7 +404,8 @@ def _training_arguments(train) -> None:
     train.add_argument("--max-grad-norm", type=POSITIVE, metavar="NORM",
                        help="clip the global gradient norm to this")
     train.add_argument("--attention", choices=ATTENTION,
-                       help="run attention as written, or fused into one kernel call")
+                       help="run attention as written, or fused into one kernel call "
+                            "(default auto: fused on GPUs)")
     train.add_argument("--moe-imbalance", type=POSITIVE, metavar="FACTOR",
                        help="mixture-of-experts: the busiest expert's tokens over its "
                             "balanced share that memory is budgeted for (default 2, at "
@@ -405,9 +434,18 @@ def _training_arguments(train) -> None:
     train.add_argument("--batch-check-every", type=WHOLE, metavar="N",
                        help="compare a digest of the batch over the ranks that must train "
                             "on the same one every N steps (default 1; 0: never)")
-    train.add_argument("--compile", action="store_true",
-                       help="run each stage through torch.compile (fused element-wise ops; "
-                            "the plan prices the fused bytes)")
+    train.add_argument("--compile", action=argparse.BooleanOptionalAction,
+                       help="pin torch.compile on or off (default: the planner's: on for "
+                            "GPUs where the schedule allows, off for CPUs)")
+    train.add_argument("--fused-optimizer", action=argparse.BooleanOptionalAction,
+                       help="pin torch's fused Adam/AdamW step on or off (default: on "
+                            "for GPUs)")
+    train.add_argument("--fp8", action="store_true",
+                       help="let linears run FP8 where it pays (torchao's float8 training; "
+                            "needs an FP8 peak: H100, H200; emulated on the CPU preset)")
+    train.add_argument("--fp8-recipe", choices=FP8_RECIPES,
+                       help="FP8 scaling: one scale per tensor (tensorwise, default) or per "
+                            "row (rowwise)")
 
 
 def _budget_arguments(group, *, devices: bool = True,
@@ -435,6 +473,11 @@ def _pin_arguments(group) -> None:
     group.add_argument("--dp", type=COUNT, metavar="N", help="data-parallel replicas")
     group.add_argument("--tp", type=COUNT, metavar="N",
                        help="tensor-parallel degree (divides a node)")
+    group.add_argument("--cp", type=COUNT, metavar="N",
+                       help="context-parallel degree: each sequence split over N ranks")
+    group.add_argument("--cp-kind", choices=CP_KINDS,
+                       help="how context-parallel attention exchanges sequence shards: a "
+                            "ring of key/value blocks, or all-to-alls to heads (Ulysses)")
     group.add_argument("--sequence-parallel", action=argparse.BooleanOptionalAction,
                        help="Megatron-style sequence parallelism on or off")
     group.add_argument("--tp-objective", choices=TP_OBJECTIVES,
@@ -458,9 +501,17 @@ def _pin_arguments(group) -> None:
     group.add_argument("--zero", type=int, choices=ZERO_STAGES,
                        help="ZeRO stage: 1 shards optimizer state over dp, 2 gradients "
                             "too, 3 parameters too")
+    group.add_argument("--fp8-linears", type=_fp8_linears, metavar="all|none|W,W",
+                       help="with --fp8: the linears that run FP8, all, none, or their "
+                            "weights' FQNs comma-separated (default: where it pays)")
     group.add_argument("--zero2-grad-sync", choices=ZERO2_GRAD_SYNCS,
                        help="when ZeRO-2 reduce-scatters gradients: after every "
                             "microbatch, or once per step (accumulated whole)")
+    group.add_argument("--offload", type=OFFLOAD, metavar="KINDS",
+                       help="what lives on the host, comma-separated, exactly these: "
+                            "optimizer (state, master weights and step), params (ZeRO-3's "
+                            "parameters), activations; 'none' for nothing (default: the "
+                            "planner chooses)")
     group.add_argument("--ep", type=COUNT, metavar="N",
                        help="expert-parallel degree of mixture-of-experts layers (divides "
                             "dp x tp and the expert count)")
@@ -617,6 +668,16 @@ def load_factory(target: str) -> dict[str, Any]:
                    f"a dict or a tuple (model, example_inputs[, loss_fn])")
 
 
+def _fp8_linears(text: str) -> str | tuple[str, ...]:
+    """``--fp8-linears``: "all", "none", or weight FQNs separated by commas."""
+    if text in ("all", "none"):
+        return text
+    names = tuple(name.strip() for name in text.split(",") if name.strip())
+    if not names:
+        raise argparse.ArgumentTypeError("give all, none or weights' FQNs, comma-separated")
+    return names
+
+
 def _flagged(args: argparse.Namespace, flags: dict[str, str], **read: Any) -> dict[str, Any]:
     """The fields whose flag was given, each read by ``read[field]`` when there is one."""
     given = {}
@@ -642,6 +703,7 @@ def _budget(args: argparse.Namespace, **fixed: Any):
     from partc.device.budget import DeviceBudget
 
     return DeviceBudget(**_flagged(args, BUDGET_FLAGS, peak_flops=lambda tflops: tflops * 1e12,
+                                   fp8_peak_flops=lambda tflops: tflops * 1e12,
                                    collective_links=dict), **fixed)
 
 

@@ -11,7 +11,11 @@ The modules, each one concern: :mod:`.pipeline_config` (the configuration and wh
 from it, the tables' units), :mod:`.layer_compute` (a layer's compute per microbatch),
 :mod:`.state_bytes` (what a rank holds of its parameters), :mod:`.collectives` (one
 collective or send over a group's link), :mod:`.communication` (ZeRO's, tensor-parallel and
-pipeline traffic, the step's tail), :mod:`.experts_cost` (expert parallelism's figures),
+pipeline traffic, the step's tail), :mod:`.experts_cost` (expert parallelism's figures), :mod:`.cp_attention` (context
+parallelism: a rank's share of each sequence, the exchange around each attention core),
+:mod:`.offload_time` (a
+layer's saved activations on the host: the copies' exposed time, their window, the host
+bytes),
 :mod:`.tables` (the rows, their cache and the table), :mod:`.evaluate` (an assignment's
 time and memory, the step in closed form and played out), :mod:`.schedules` (the
 schedules' facts) and :mod:`.timeline` (one step played out per rank).

@@ -13,6 +13,7 @@ from typing import Iterable
 
 from partc.cost.collectives import Group, collective_seconds
 from partc.cost.experts_cost import moe_layer_figures
+from partc.cost.host_offload import host_seconds
 from partc.cost.pipeline_config import PipelineConfig, exposed_seconds, stage_ranks, to_ps
 from partc.problem import SMALL_UNITS_SHARE, PlanningProblem
 
@@ -130,7 +131,8 @@ def tail_ps(problem: PlanningProblem, config: PipelineConfig, params: int,
     """The optimizer step; under ZeRO-1 each rank steps 1/dp of the parameters, then the
     updated weights are all-gathered, bucket by bucket ((d-1)/d of the bytes; in the
     compute dtype, cast from the fp32 masters, in mixed precision), here unless that
-    all-gather overlaps the next forward (:func:`gather_ps`). Under
+    all-gather overlaps the next forward (:func:`gather_ps`). Offloaded, the step and
+    the copies to and from the host (:func:`partc.cost.host_offload.host_seconds`). Under
     ZeRO-2/3 gradients were reduce-scattered during backward: each rank steps its shard,
     and ZeRO-2 gathers the parameters once per step; FSDP's work on the ``tensors``
     parameter tensors then (:func:`zero_overhead_seconds`). (ZeRO 0/1's gradient
@@ -147,7 +149,11 @@ def tail_ps(problem: PlanningProblem, config: PipelineConfig, params: int,
             seconds += _gather_seconds(problem, config, params)
     # At the rate the device's optimizer moves the bytes a step touches (a fused step's
     # HBM bandwidth, or the calibrated rate of torch's unfused one).
-    seconds += stepped * problem.train.precision.step_bytes / devices.optimizer_step_bandwidth
+    if config.offload_optimizer:   # the step on the host, and the copies each way
+        seconds += host_seconds(problem, config, params)
+    else:
+        seconds += stepped * problem.train.precision.step_bytes \
+            / devices.optimizer_step_bandwidth(problem.train.fused_optimizer)
     return to_ps(seconds)
 
 
@@ -296,7 +302,8 @@ def tp_comm_seconds(problem: PlanningProblem, config: PipelineConfig,
     share ``DeviceNumbers.comm_overlap`` of ``min(c, t)`` is hidden."""
     devices = problem.devices
     group = Group.over(devices, config.tp, config.tp)
-    scale = config.micro_batch_size * problem.train.measured_scale
+    samples = config.micro_batch_size * config.tokens_share   # a cp rank's tokens
+    scale = samples * problem.train.measured_scale
     beside = layer.tp_overlap_flops if problem.train.tp_overlap else ()
     rate = devices.peak_flops * devices.flops_efficiency
     share = (config.tp - 1) / config.tp
@@ -304,7 +311,7 @@ def tp_comm_seconds(problem: PlanningProblem, config: PipelineConfig,
     for index, (kind, phase, nbytes) in enumerate(layer.tp_comm):
         seconds = collective_seconds(kind, nbytes * scale, group)
         if beside and beside[index]:
-            matmul = share * beside[index] * config.micro_batch_size / rate
+            matmul = share * beside[index] * samples / rate
             seconds = exposed_seconds(seconds, matmul, devices.comm_overlap)
         result[phase] += seconds
     return result
@@ -335,7 +342,8 @@ def cut_table(problem: PlanningProblem, config: PipelineConfig) -> tuple[tuple[i
     """[cut l][boundary j]: the sends of cut ``l`` as the boundary ``j -> j + 1``, both
     ways; 0 where both runs are on one rank (the V schedules' turn), which passes the
     tensors on without a send."""
-    scale = problem.train.measured_scale * config.micro_batch_size
+    # A sequence-sharded rank (context parallelism) sends its share of the tokens.
+    scale = problem.train.measured_scale * config.micro_batch_size * config.tokens_share
     links = [None if config.rank_of(j) == config.rank_of(j + 1)
              else _p2p_link(problem, config, j) for j in range(config.virtual_stages - 1)]
     rows: dict[float, tuple[int, ...]] = {}   # equal cuts (between blocks) share a row
@@ -349,5 +357,6 @@ def cut_table(problem: PlanningProblem, config: PipelineConfig) -> tuple[tuple[i
 
 def cut_bytes(problem: PlanningProblem, config: PipelineConfig) -> tuple[int, ...]:
     """Bytes crossing each cut per microbatch, in the training dtype."""
-    scale = problem.train.measured_scale * config.micro_batch_size
+    # A sequence-sharded rank (context parallelism) sends its share of the tokens.
+    scale = problem.train.measured_scale * config.micro_batch_size * config.tokens_share
     return tuple(math.ceil(scale * crossing) for crossing in problem.model.cut_bytes)

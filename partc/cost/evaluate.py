@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
+from partc.cost.offload_time import host_bytes
 from partc.cost.pipeline_config import PipelineConfig
 from partc.cost.state_bytes import step_total
 from partc.cost.tables import CostTable
@@ -33,10 +34,21 @@ class StageCost:
     # cut (both ways) and its share of the cut into it (:func:`receive_ps`), per
     # microbatch; what the simulation plays.
     run_ps: tuple[tuple[int, int, int, int, int], ...] = ()
+    # Offloaded activations: bytes per microbatch copied to the host (and back), and the
+    # rank's share of its node's host memory (None: not known, no limit).
+    offload_bytes: int = 0
+    host_limit: int | None = None
+    # Per run, the part of its recompute that is offload's exposed copies (the timeline
+    # draws it as the host's).
+    run_host_ps: tuple[int, ...] = ()
 
     @property
     def busy_ps(self) -> int:
         return self.compute_ps + self.comm_ps
+
+    @property
+    def host_fits(self) -> bool:
+        return self.host_limit is None or self.memory.host <= self.host_limit
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -49,7 +61,7 @@ class Evaluation:
 
     @property
     def fits(self) -> bool:
-        return all(s.memory.peak <= s.limit for s in self.stages)
+        return all(s.memory.peak <= s.limit and s.host_fits for s in self.stages)
 
     @property
     def worst_stage(self) -> StageCost:
@@ -130,6 +142,9 @@ def _stage_cost(table: CostTable, stage: int, runs: list[list[int]], modes: Sequ
              for k in ("params", "grads", "optimizer")}
     saved = [sum(table.layers[l].saved_bytes[modes[l]] for l in run) for run in runs]
     activations = config.activations(stage, saved)
+    offloaded = [sum(host_bytes(table.layers[l], modes[l]) for l in run)
+                 for run in runs]
+    host = config.activations(stage, offloaded)
     transient = max(table.layers[l].transient_bytes[modes[l]] for l in members)
     step = step_total([r.step_bytes for r in rows] + [table.shared[g].step_bytes for g in held],
                       table.step_sums)
@@ -167,8 +182,11 @@ def _stage_cost(table: CostTable, stage: int, runs: list[list[int]], modes: Sequ
         memory=StageMemory(**state, activations=activations, transient=transient,
                            receive=receive, step=step,
                            peak=sum(state.values()) + max(activations + transient + receive,
-                                                          step)),
+                                                          step), host=host),
         limit=table.limits[stage],
+        offload_bytes=sum(offloaded), host_limit=table.host_limit,
+        run_host_ps=tuple(sum(table.layers[l].recompute_ps[modes[l]] for l in run
+                              if modes[l] == "offload") for run in runs),
         runs=tuple(tuple(run) for run in runs) if config.chunks > 1 else (),
     )
 
@@ -190,10 +208,11 @@ def simulate(config: PipelineConfig, evaluation: Evaluation, schedule: str | Non
     name = schedule or config.schedule
     runs: list[StageSeconds | None] = [None] * config.virtual_stages
     for s, stage in enumerate(evaluation.stages):
-        for j, (forward, backward, recompute, cut, into) in zip(config.runs_of(s),
-                                                                 stage.run_ps):
+        host = stage.run_host_ps or (0,) * len(stage.run_ps)
+        for j, (forward, backward, recompute, cut, into), copies in zip(
+                config.runs_of(s), stage.run_ps, host):
             runs[j] = StageSeconds(forward=forward, backward=backward, recompute=recompute,
-                                   send=cut / 2, receive=into / 2)
+                                   host=copies, send=cut / 2, receive=into / 2)
     return play(name, config.pp, config.chunks, config.num_microbatches, runs,
                 [stage.tail_ps for stage in evaluation.stages])
 

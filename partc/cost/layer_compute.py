@@ -7,41 +7,31 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
+from partc.cost.fp8_pricing import Fp8Pricing, fp8_count, fp8_op_seconds
+from partc.cost.roofline import op_seconds
 from partc.problem import DeviceNumbers, HeavyOp, LayerCost, PlanningProblem
 
 
 def roofline_seconds(ops: Sequence[HeavyOp], devices: DeviceNumbers, micro_batch: int,
-                     scale: float, backward: bool = False) -> tuple[float, float]:
+                     scale: float, backward: bool = False,
+                     fp8: Fp8Pricing | None = None) -> tuple[float, float]:
     """One microbatch of compute-heavy ``ops``, each at its roofline (:func:`op_seconds`)
     and its rate (a fused attention kernel at the device's attention share of peak, the
     matmuls at theirs: :meth:`DeviceNumbers.heavy_op_flops`), split into
-    (compute-bound, memory-bound) seconds."""
+    (compute-bound, memory-bound) seconds; the linears that run FP8 (``fp8``:
+    :func:`partc.cost.fp8_pricing.fp8_count`) at FP8's rate with their casts."""
     bound = {True: 0.0, False: 0.0}
     for op in ops:
         compute, memory = op_seconds(op, devices.heavy_op_flops(op), devices.hbm_bandwidth,
                                      micro_batch, scale, backward, devices.matmul_overhead_s)
-        bound[compute >= memory] += op.count * max(compute, memory)
+        in_fp8 = fp8_count(op, fp8, devices, micro_batch, scale)
+        bound[compute >= memory] += (op.count - in_fp8) * max(compute, memory)
+        if in_fp8:
+            compute_s, memory_s = fp8_op_seconds(op, fp8, devices, micro_batch, scale,
+                                                 backward)
+            bound[True] += in_fp8 * compute_s
+            bound[False] += in_fp8 * memory_s
     return bound[True], bound[False]
-
-
-def op_seconds(op: HeavyOp, rate: float, hbm_bandwidth: float, micro_batch: int = 1,
-               scale: float = 1.0, backward: bool = False,
-               overhead_s: float = 0.0) -> tuple[float, float]:
-    """One of ``op``'s equal ops on one microbatch as (compute, memory) seconds: its FLOPs
-    at ``rate`` (achievable FLOP/s) and its bytes at ``hbm_bandwidth``, with its weight
-    read once per microbatch; its time is the larger (the roofline). ``scale`` converts
-    the measured dtype's bytes to the training dtype's (``TrainNumbers.measured_scale``).
-    ``backward``: an op's gradients w.r.t. its input and its weight are two ops of its
-    FLOPs (plus what a fused kernel recomputes), each reading the output's gradient and
-    the weight or the input and writing the input's or the weight's gradient: its bytes
-    twice. ``overhead_s``: what each kernel call costs beyond its FLOPs at ``rate``
-    (:attr:`DeviceNumbers.matmul_overhead_s`: small matmuls run below the rate)."""
-    factor = 2 if backward else 1
-    flops = factor * op.flops + (op.bwd_extra_flops if backward else 0.0)
-    compute = micro_batch * flops / rate + factor * overhead_s
-    memory = factor * (micro_batch * op.activation_bytes + op.weight_bytes) * scale \
-        / hbm_bandwidth
-    return compute, memory
 
 
 def op_step_seconds(op: HeavyOp, rate: float, hbm_bandwidth: float) -> float:
@@ -52,7 +42,8 @@ def op_step_seconds(op: HeavyOp, rate: float, hbm_bandwidth: float) -> float:
 
 
 def layer_work(layer: LayerCost, devices: DeviceNumbers, micro_batch: int,
-               scale: float, compiled: bool = False) -> dict[str, Any]:
+               scale: float, compiled: bool = False,
+               fp8: Fp8Pricing | None = None) -> dict[str, Any]:
     """A layer's compute per microbatch as (compute-bound, memory-bound) seconds: forward,
     backward and, per recompute mode, the recomputed forward. Heavy ops by the roofline
     (:func:`roofline_seconds`); the other ops move their bytes at the device's
@@ -70,10 +61,14 @@ def layer_work(layer: LayerCost, devices: DeviceNumbers, micro_batch: int,
     run as fused kernels, moving ``fused_mem_bytes`` (twice in backward) and paying the
     overhead of ``fused_kernels`` calls; a recomputed layer runs eagerly inside the
     compiled stage (:mod:`partc.runtime.compiled`), so its recompute entry carries what
-    the unfused forward and backward cost beyond the fused ones."""
-    compute, memory = roofline_seconds(layer.heavy_ops, devices, micro_batch, scale)
+    the unfused forward and backward cost beyond the fused ones.
+
+    ``fp8`` (``TrainSpec.fp8``): the linears that run FP8 priced so
+    (:mod:`partc.cost.fp8_pricing`); a recompute replays them in FP8 too."""
+    compute, memory = roofline_seconds(layer.heavy_ops, devices, micro_batch, scale,
+                                       fp8=fp8)
     back_compute, back_memory = roofline_seconds(layer.heavy_ops, devices, micro_batch,
-                                                 scale, backward=True)
+                                                 scale, backward=True, fp8=fp8)
 
     def light(mem_bytes: float) -> float:
         return micro_batch * mem_bytes * scale / devices.light_op_bandwidth

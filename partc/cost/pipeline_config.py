@@ -4,16 +4,18 @@ chunks, ep) and what follows from it: the rank of each run, the microbatches eac
 holds at its schedule's peaks, the closed form's fill-and-drain divisor, a stage's ranks
 (:func:`stage_ranks`). And what every table shares: its units, picoseconds (:func:`to_ps`)
 and thousandths (:func:`permille`), and the rule for a collective beside compute
-(:func:`overlapped`)."""
+(:func:`overlapped`). :func:`grad_config` is the configuration a stage's parameters see
+under context parallelism."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Sequence
 
 from partc.cost.schedules import (SCHEDULE_TABLE, rank_of, schedule as schedule_info,
                                   stages_of_rank)
 from partc.cost.timeline import held_per_run
+from partc.device.usable import communicators, usable_memory
 from partc.problem import PlanningProblem, effective_zero_stage, reduces_once_per_step
 
 
@@ -71,6 +73,27 @@ class PipelineConfig:
     # ZeRO-2: reduce-scatter gradients after every microbatch, or once per "step"
     # (partc.problem.ZERO2_GRAD_SYNCS)
     zero2_grad_sync: str = "microbatch"
+    # Context parallelism: each sequence split over ``cp`` ranks (between dp and tp in
+    # rank order, partc.rank_grid), their attention run as ``cp_kind`` (partc.names.CpKind;
+    # None when cp = 1). Priced by partc.cost.cp_attention.
+    cp: int = 1
+    cp_kind: str | None = None
+
+    @property
+    def tokens_share(self) -> float:
+        """The share of each sequence a rank holds: its per-token work and activations
+        are the whole microbatch's times this (1 / cp)."""
+        return 1.0 / self.cp
+
+    @property
+    def grad_dp(self) -> int:
+        """Ranks that hold the same parameters in a stage and reduce their gradients
+        (and shard ZeRO state) together: dp x cp."""
+        return self.dp * self.cp
+    # Offload (partc.cost.host_offload): the optimizer's state, masters and step on the
+    # host; under ZeRO-3 the parameter shards too (which implies the first).
+    offload_optimizer: bool = False
+    offload_params: bool = False
 
     @property
     def effective_zero_stage(self) -> int:
@@ -146,9 +169,30 @@ class PipelineConfig:
                    for peak in self.held(stage))
 
 
+def grad_config(config: PipelineConfig) -> PipelineConfig:
+    """The configuration the parameters see: their gradients are reduced, and their ZeRO
+    state sharded, over the dp x cp ranks that hold them (Megatron-Core's data-parallel
+    group with context parallelism), as over ``dp x cp`` replicas; ``config`` itself
+    without context parallelism."""
+    if config.cp == 1:
+        return config
+    return replace(config, dp=config.grad_dp, cp=1, cp_kind=None)
+
+
 _SPLIT = ("interleaved-zero-bubble", "zbv-zero-bubble", "dualpipev")
 
 
 def stage_ranks(problem: PlanningProblem, config: PipelineConfig, stage: int) -> range:
     width = problem.devices.num_devices // config.pp
     return range(stage * width, (stage + 1) * width)
+
+
+def stage_limits(problem: PlanningProblem, config: PipelineConfig) -> tuple[int, ...]:
+    """Each stage's memory limit: the least that a device of its ranks leaves the plan
+    beside the CUDA context, the NCCL communicators of ``config``'s mesh and the
+    allocator's fragmentation (:func:`partc.device.usable.usable_memory`, the one
+    place the limit is computed)."""
+    devices = problem.devices
+    groups = communicators(devices.num_devices, config.pp, config.dp, config.tp, config.ep)
+    return tuple(min(usable_memory(devices.memory_bytes[r], devices, groups)
+                     for r in stage_ranks(problem, config, s)) for s in range(config.pp))

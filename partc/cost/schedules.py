@@ -91,12 +91,20 @@ def refusal(name: str, pp: int, v: int, num_microbatches: int) -> str | None:
     return None
 
 
+def runs_compiled(name: str, compiled: bool) -> bool:
+    """Whether the stages run under ``torch.compile`` with schedule ``name`` where the
+    planner may compile them (``compiled``, :attr:`partc.problem.TrainNumbers.compiled`):
+    wherever the schedule runs a whole backward (a compiled region's backward is one
+    autograd node, which a split backward cannot split)."""
+    return compiled and not schedule(name).split_backward
+
+
 def feature_refusal(name: str, zero_stage: int, compiled: bool) -> str | None:
     """Why partc's runtime cannot run schedule ``name`` with the other decisions alike to
     one process (None if it can): a split backward computes weight gradients with
     ``torch.autograd.grad`` outside FSDP's hooks, so ZeRO-2/3 (``zero_stage``, the
     effective one) would reduce-scatter nothing; and a compiled region's backward is
-    one autograd node, which cannot be split."""
+    one autograd node, which cannot be split (``compiled``: compile pinned on)."""
     if not schedule(name).split_backward:
         return None
     if zero_stage >= 2:

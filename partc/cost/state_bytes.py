@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
+from partc.cost.host_offload import device_state
 from partc.cost.pipeline_config import PipelineConfig
 from partc.problem import ZERO_STAGES, PlanningProblem
 
@@ -40,7 +41,8 @@ def state_bytes(problem: PlanningProblem, config: PipelineConfig, params: int,
     (Megatron's distributed optimizer). ZeRO-2 reducing once per step
     (:attr:`PipelineConfig.reduces_once`) holds the whole fp32 gradient the microbatches
     accumulate into until the last one's reduce-scatter; its sharded output replaces the
-    whole gradient unit by unit."""
+    whole gradient unit by unit. Offload takes what lives on the host out
+    (:func:`partc.cost.host_offload.device_state`)."""
     precision = problem.train.precision
     master = precision.master_bytes
     zero = config.effective_zero_stage
@@ -54,6 +56,7 @@ def state_bytes(problem: PlanningProblem, config: PipelineConfig, params: int,
         state["params"] = params * (master + precision.compute_bytes)
     if config.reduces_once:
         state["grads"] = params * master
+    state = device_state(problem, config, params, state, gathered)
     return {kind: int(round(nbytes)) for kind, nbytes in state.items()}
 
 
@@ -83,7 +86,7 @@ def step_bytes(problem: PlanningProblem, config: PipelineConfig, params: int,
     a plan of small activations (full recompute, microbatches of one) beside many
     weights peaks in the step (a tied 16384 x 128 embedding on CPU: 16.8 MB)."""
     precision = problem.train.precision
-    if not precision.step_copies:
+    if not precision.step_copies or config.offload_optimizer:   # offload: the host's
         return 0
     shard = config.dp if config.effective_zero_stage >= 1 else 1
     if steps_whole_list(problem, config):

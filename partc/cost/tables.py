@@ -7,7 +7,7 @@ shares rows between the configurations of one problem."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from partc.cost.collectives import Group, collective_seconds
@@ -16,11 +16,15 @@ from partc.cost.communication import (bucket_latency_seconds, cut_bytes, cut_tab
                                       shared_tail_ps, sync_ps, tail_ps,
                                       tp_comm_seconds, zero_comm_seconds,
                                       zero_overhead_seconds)
+from partc.cost.cp_attention import cp_seconds, cp_transient_bytes
 from partc.cost.experts_cost import expert_dp_config, moe_layer_figures
+from partc.cost.fp8_pricing import fp8_workspace_bytes, pricing
+from partc.cost.host_offload import microbatch_seconds
 from partc.cost.layer_compute import layer_work, run_layer
-from partc.cost.pipeline_config import (PipelineConfig, overlapped, permille, split_factor,
-                                        stage_ranks, to_ps)
-from partc.cost.schedules import schedule as schedule_info
+from partc.cost.offload_time import host_limit, in_flight_bytes, offload_entries
+from partc.cost.pipeline_config import (PS_PER_S, PipelineConfig, grad_config, overlapped,
+                                        permille, split_factor, stage_limits, to_ps)
+from partc.cost.schedules import runs_compiled, schedule as schedule_info
 from partc.cost.state_bytes import (state_bytes, step_bytes, step_total, steps_whole_list,
                                     zero_transient)
 from partc.problem import MoECost, PlanningProblem
@@ -28,7 +32,8 @@ from partc.problem import MoECost, PlanningProblem
 
 @dataclass(frozen=True, kw_only=True)
 class LayerTable:
-    """One layer's integer costs per microbatch, per recompute mode."""
+    """One layer's integer costs per microbatch, per recompute mode (``"offload"`` among
+    them where the host link is known: :mod:`partc.cost.offload_time`)."""
 
     forward_ps: int
     backward_ps: int
@@ -42,6 +47,9 @@ class LayerTable:
     # ZeRO-1's weight all-gather when it overlaps the next forward (then not in tail_ps)
     gather_ps: int = 0
     step_bytes: int = 0           # the optimizer step's temporaries (:func:`step_bytes`)
+    # What offloading the layer moves to the host per microbatch (each way), and holds
+    # there (LayerCost.offload_bytes); 0 where offload is not priced.
+    offload_bytes: int = 0
 
     def compute_ps(self, mode: str) -> int:
         return self.forward_ps + self.backward_ps + self.recompute_ps[mode]
@@ -90,6 +98,9 @@ class CostTable:
     # Whether a rank's step temporaries are the sum of its rows' step_bytes (torch's
     # foreach step, over the whole list) or the largest of them (one tensor at a time).
     step_sums: bool = True
+    # A rank's share of its node's host memory for offloaded activations
+    # (:func:`partc.cost.offload_time.host_limit`); None: not known, no limit.
+    host_limit: int | None = None
 
     @property
     def num_layers(self) -> int:
@@ -118,60 +129,113 @@ def layer_phases(problem: PlanningProblem, config: PipelineConfig, index: int,
     if layer is None:
         layer = run_layer(problem, index, config.micro_batch_size)
     if work is None:
-        work = layer_work(layer, devices, config.micro_batch_size, train.measured_scale,
-                          train.compiled)
+        work = layer_work(layer, devices, config.micro_batch_size * config.tokens_share,
+                          train.measured_scale, runs_compiled(config.schedule, train.compiled),
+                          pricing(problem, config.tp))
     if comm is None:
         comm = tp_comm_seconds(problem, config, layer)
-    zero = zero_comm_seconds(problem, config, layer.param_count)
-    own = zero_overhead_seconds(problem, config, layer.param_count, layer.param_tensors)
-    forward = sum(work["forward"]) + comm["forward"] + own["forward"]
+    params = grad_config(config)   # the parameters' replicas: dp x cp
+    zero = zero_comm_seconds(problem, params, layer.param_count)
+    own = zero_overhead_seconds(problem, params, layer.param_count, layer.param_tensors)
+    context = cp_seconds(problem, config, layer)
+    forward = sum(work["forward"]) + comm["forward"] + own["forward"] + context["forward"]
     backward = (split_factor(problem, config) * sum(work["backward"]) + comm["backward"]
-                + own["backward"])
+                + own["backward"] + context["backward"])
     return LayerPhases(forward_s=forward, backward_s=backward, zero=zero)
 
 
 def _layer_table(problem: PlanningProblem, config: PipelineConfig, index: int) -> LayerTable:
     layer = run_layer(problem, index, config.micro_batch_size)
     devices, train = problem.devices, problem.train
-    b, scale = config.micro_batch_size, train.measured_scale
-    work = layer_work(layer, devices, b, scale, train.compiled)
+    # A context-parallel rank runs its share of each sequence: per-token work and
+    # activations scale with it (partc.cost.cp_attention); the parameters are the
+    # dp x cp group's (grad_config).
+    b, scale = config.micro_batch_size * config.tokens_share, train.measured_scale
+    params = grad_config(config)
+    fp8 = pricing(problem, config.tp)
+    work = layer_work(layer, devices, b, scale, runs_compiled(config.schedule, train.compiled),
+                      fp8)
     saved = {m: int(round(b * scale * v)) for m, v in layer.saved_bytes.items()}
-    workspace = int(round(2 * b * scale * layer.workspace_bytes))
-    gathered, gradient = zero_transient(problem, config, layer.param_count)
+    # FP8 linears hold their operands' FP8 copies and scales while they run.
+    workspace = int(round(2 * b * scale * layer.workspace_bytes
+                          + fp8_workspace_bytes(layer, fp8, devices, b, scale))) \
+        + cp_transient_bytes(problem, config, layer)
+    gathered, gradient = zero_transient(problem, params, layer.param_count)
     comm = tp_comm_seconds(problem, config, layer)
     phases = layer_phases(problem, config, index, layer, work, comm)
     zero = phases.zero
+    # Offload's copies of each microbatch (partc.cost.host_offload), exposed.
+    copy_forward, copy_backward = microbatch_seconds(problem, config, layer.param_count)
     # Full recompute replays the layer's forward, collectives included; selective
-    # replays the attention cores, which hold none (heads are split over the group).
+    # replays the attention cores, which hold no tensor-parallel one (heads are split
+    # over the group) but, under context parallelism, their exchange of the sequence.
     # ZeRO-3 gathers the layer once for its backward, recompute included.
-    rerun = {m: comm["forward"] if m == "full" else 0.0 for m in layer.modes}
+    context = cp_seconds(problem, config, layer)["forward"]
+    rerun = {m: (comm["forward"] if m == "full" else 0.0) + (context if m != "none" else 0.0)
+             for m in layer.modes}
+    forward_ps = to_ps(overlapped(phases.forward_s, zero["forward"], devices.comm_overlap)
+                       + copy_forward)
+    backward_ps = to_ps(overlapped(phases.backward_s, zero["backward"], devices.comm_overlap)
+                        + copy_backward)
+    recompute_ps = {m: to_ps(sum(work["recompute"][m]) + rerun[m]) for m in layer.modes}
+    moved = moved_bytes(layer, b * scale, saved)
+    with_offload(recompute_ps, saved, moved, forward_ps, backward_ps, devices)
     return LayerTable(
-        forward_ps=to_ps(overlapped(phases.forward_s, zero["forward"], devices.comm_overlap)),
-        backward_ps=to_ps(overlapped(phases.backward_s, zero["backward"],
-                                     devices.comm_overlap)),
-        recompute_ps={m: to_ps(sum(work["recompute"][m]) + rerun[m]) for m in layer.modes},
+        offload_bytes=moved if "offload" in saved else 0,
+        forward_ps=forward_ps,
+        backward_ps=backward_ps,
+        recompute_ps=recompute_ps,
         saved_bytes=saved,
-        # ZeRO-2/3: the unit's whole gradient is made as its backward ends, when the
-        # backward's working set and this microbatch's saved tensors of it are freed.
-        transient_bytes={m: gathered + max(saved["none"] - saved[m] + workspace,
-                                           gradient - saved[m]) for m in layer.modes},
+        transient_bytes=transient(saved, moved, workspace, gathered, gradient),
         param_count=layer.param_count,
-        state_bytes=state_bytes(problem, config, layer.param_count),
-        tail_ps=tail_ps(problem, config, layer.param_count, max(1, layer.param_tensors)),
-        sync_ps=sync_ps(problem, config, layer.param_count),
-        gather_ps=gather_ps(problem, config, layer.param_count),
-        step_bytes=step_bytes(problem, config, layer.param_count, layer.largest_param),
+        state_bytes=state_bytes(problem, params, layer.param_count),
+        tail_ps=tail_ps(problem, params, layer.param_count, max(1, layer.param_tensors)),
+        sync_ps=sync_ps(problem, params, layer.param_count),
+        gather_ps=gather_ps(problem, params, layer.param_count),
+        step_bytes=step_bytes(problem, params, layer.param_count, layer.largest_param),
     )
+
+
+def moved_bytes(layer, samples: float, saved: dict[str, int]) -> int:
+    """What offloading ``layer`` moves per microbatch of ``samples`` (scaled) samples:
+    its ops' saved storages as measured, else its saved bytes."""
+    if layer.offload_bytes is None:
+        return saved["none"]
+    return int(round(samples * layer.offload_bytes))
+
+
+def with_offload(recompute_ps: dict[str, int], saved: dict[str, int], moved: int,
+                 forward_ps: int, backward_ps: int, devices) -> None:
+    """Add the offload mode to a row's recompute times and saved bytes, where the host
+    link is known (:func:`partc.cost.offload_time.offload_entries`)."""
+    entries = offload_entries(moved, forward_ps / PS_PER_S, backward_ps / PS_PER_S, devices)
+    if entries is not None:
+        recompute_ps["offload"], saved["offload"] = entries
+
+
+def transient(saved: dict[str, int], moved: int, workspace: int, gathered: int,
+              gradient: int) -> dict[str, int]:
+    """A row's largest working set per mode: what its backward rematerialises (or, for
+    offload, brings back, ``moved``, beside the next one's prefetch) and its workspace,
+    or under ZeRO-2/3 the unit's whole gradient, made as its backward ends, when the
+    backward's working set and this microbatch's saved tensors of it are freed; and the
+    layer's ZeRO-3 gathered weights."""
+    back = {m: in_flight_bytes(moved, m) or saved["none"] - saved[m] for m in saved}
+    return {m: gathered + max(back[m] + workspace, gradient - saved[m]) for m in saved}
 
 
 def _shared_tables(problem: PlanningProblem, config: PipelineConfig) -> tuple[SharedTable, ...]:
     devices = problem.devices
+    config = grad_config(config)   # tied weights reduce over dp x cp too
     return tuple(
         SharedTable(
             layers=group.layers,
             param_count=group.param_count,
             state_bytes=state_bytes(problem, config, group.param_count, gathered=True),
-            tail_ps=shared_tail_ps(problem, config, group.param_count),
+            # Offload's copies of each microbatch too (no layer's phase holds them).
+            tail_ps=shared_tail_ps(problem, config, group.param_count) + to_ps(
+                config.num_microbatches
+                * sum(microbatch_seconds(problem, config, group.param_count))),
             # ZeRO-2's once-per-step reduce-scatter of the root unit is in its tail.
             sync_ps=0 if config.reduces_once else sync_ps(problem, config,
                                                           group.param_count),
@@ -215,7 +279,8 @@ class TableCache:
         """One row per layer; layers with equal numbers share one row object."""
         family = (config.micro_batch_size, config.dp, config.tp, config.sequence_parallel,
                   config.tp_objective, config.zero_stage, config.reduces_once,
-                  schedule_info(config.schedule).split_backward)
+                  schedule_info(config.schedule).split_backward, config.cp, config.cp_kind,
+                  _offload_key(config))
         known = self._tables.get(("rows", family, id(problem.model)))
         if known is not None:
             return known
@@ -233,7 +298,8 @@ class TableCache:
             keys: dict[tuple, int] = {}
             group_of, representatives = [], []
             for index, layer in enumerate(model.layers):
-                group = keys.setdefault(_layer_key(layer), len(keys))
+                group = keys.setdefault(_layer_key(layer, problem.pins.fp8_linears,
+                                                   problem.train.fp8_kept), len(keys))
                 if group == len(representatives):
                     representatives.append(index)
                 group_of.append(group)
@@ -244,33 +310,47 @@ class TableCache:
                config: PipelineConfig) -> tuple[SharedTable, ...]:
         key = ("shared", config.micro_batch_size, config.num_microbatches, config.dp,
                config.tp, config.sequence_parallel, config.tp_objective, config.zero_stage,
-               config.reduces_once)
+               config.reduces_once, config.cp, _offload_key(config))
         if key not in self._tables:
             self._tables[key] = _shared_tables(problem, config)
         return self._tables[key]
 
     def limits(self, problem: PlanningProblem, config: PipelineConfig) -> tuple[int, ...]:
-        key = ("limits", config.pp, problem.devices.memory_bytes)
+        """Each stage's memory limit: what its smallest device leaves the plan
+        (:func:`stage_limits`)."""
+        devices = problem.devices
+        key = ("limits", config.pp, config.dp, config.tp, config.ep, devices.memory_bytes,
+               devices.context_memory, devices.communicator_memory,
+               devices.memory_fragmentation)
         if key not in self._tables:
-            self._tables[key] = tuple(
-                min(problem.devices.memory_bytes[r] for r in stage_ranks(problem, config, s))
-                for s in range(config.pp))
+            self._tables[key] = stage_limits(problem, config)
         return self._tables[key]
 
     def cuts(self, problem: PlanningProblem,
              config: PipelineConfig) -> tuple[tuple[int, ...], ...]:
         placement = config.chunks > 1 and schedule_info(config.schedule).placement
         key = ("cuts", config.micro_batch_size, config.pp, config.chunks, placement,
-               config.tp, config.sequence_parallel, config.tp_objective)
+               config.tp, config.sequence_parallel, config.tp_objective, config.cp)
         cuts = self._tables.get(key)
         if cuts is None:
             cuts = self._tables[key] = cut_table(problem, config)
         return cuts
 
 
-def _layer_key(layer) -> tuple:
-    """Every number of a LayerCost a row depends on (not its name or signature)."""
-    return (layer.fwd_flops, layer.heavy_ops, layer.fwd_mem_bytes, layer.param_count,
+def _offload_key(config: PipelineConfig) -> tuple:
+    """What of ``config`` offload's rows depend on."""
+    return (config.offload_optimizer, config.offload_params) if config.offload_optimizer \
+        else ()
+
+
+def _layer_key(layer, fp8_pins: Any = None, fp8_kept: tuple[str, ...] = ()) -> tuple:
+    """Every number of a LayerCost a row depends on (not its name or signature, nor its
+    linears' names: only which of them FP8 pins name, and which it keeps)."""
+    pinned = fp8_pins if isinstance(fp8_pins, tuple) else ()
+    ops = tuple(replace(op, linear_names=tuple((name in pinned, name in fp8_kept)
+                                               for name in op.linear_names))
+                for op in layer.heavy_ops)
+    return (layer.fwd_flops, ops, layer.fwd_mem_bytes, layer.param_count,
             layer.param_bytes, tuple(sorted(layer.saved_bytes.items())),
             tuple(sorted(layer.recompute_flops.items())),
             tuple(sorted(layer.recompute_mem_bytes.items())), layer.workspace_bytes,
@@ -281,7 +361,8 @@ def _layer_key(layer) -> tuple:
             tuple(sorted(layer.recompute_kernels.items())),
             tuple(sorted(layer.ring_kernels.items())), layer.ring_bwd_mem_bytes,
             layer.ring_kernels_single and tuple(sorted(layer.ring_kernels_single.items())),
-            layer.ring_bwd_mem_bytes_single)
+            layer.ring_bwd_mem_bytes_single, layer.attention,
+            layer.offload_bytes)
 
 
 def build_cost_table(problem: PlanningProblem, config: PipelineConfig,
@@ -293,14 +374,15 @@ def build_cost_table(problem: PlanningProblem, config: PipelineConfig,
     whole, problem = problem, problem.variant(config.tp, config.sequence_parallel,
                                               config.tp_objective)
     devices = problem.devices
-    if devices.num_devices != config.pp * config.dp * config.tp:
-        raise ValueError(f"pp={config.pp} x dp={config.dp} x tp={config.tp} does not use "
-                         f"{devices.num_devices} devices")
+    if devices.num_devices != config.pp * config.dp * config.cp * config.tp:
+        raise ValueError(f"pp={config.pp} x dp={config.dp} x cp={config.cp} x tp={config.tp} "
+                         f"does not use {devices.num_devices} devices")
     shared = cache.shared(problem, config)
     limits = cache.limits(problem, config)
-    latency = bucket_latency_seconds(problem, config)
-    first_gather = first_gather_ps(problem, config)
-    last_sync = last_sync_ps(whole, problem, config)
+    params = grad_config(config)   # gradients reduce over dp x cp
+    latency = bucket_latency_seconds(problem, params)
+    first_gather = first_gather_ps(problem, params)
+    last_sync = last_sync_ps(whole, problem, params)
     return CostTable(
         config=config,
         layers=moe_rows(whole, problem, config, cache.rows(problem, config), cache),
@@ -311,7 +393,8 @@ def build_cost_table(problem: PlanningProblem, config: PipelineConfig,
         overlap_permille=permille(devices.comm_overlap),
         first_gather_ps=first_gather, last_sync_ps=last_sync,
         cut_bytes=cut_bytes(problem, config),
-        step_sums=steps_whole_list(problem, config),
+        step_sums=steps_whole_list(problem, params),
+        host_limit=host_limit(devices),
     )
 
 
@@ -365,16 +448,24 @@ def moe_layer_table(whole: MoECost, problem: PlanningProblem, config: PipelineCo
     gathered, gradient = gathered_d + gathered_e, gradient_d + gradient_e
     state_d = state_bytes(problem, config, dense)
     state_e = state_bytes(problem, expert_config, experts)
+    copies = [sum(pair) for pair in zip(microbatch_seconds(problem, config, dense),
+                                        microbatch_seconds(problem, expert_config, experts))]
+    forward_ps = to_ps(overlapped(forward, zero_dense["forward"] + zero_experts["forward"],
+                                  problem.devices.comm_overlap) + copies[0])
+    backward_ps = to_ps(overlapped(backward, zero_dense["backward"] + zero_experts["backward"],
+                                   problem.devices.comm_overlap) + copies[1])
+    recompute_ps = {m: to_ps(v) for m, v in recompute.items()}
+    # The experts' saved bytes at the worst routing beside the rest as measured.
+    moved = moved_bytes(layer, b * scale, saved) + saved["none"] - int(round(
+        b * scale * layer.saved_bytes["none"]))
+    with_offload(recompute_ps, saved, moved, forward_ps, backward_ps, devices)
     return LayerTable(
-        forward_ps=to_ps(overlapped(forward, zero_dense["forward"] + zero_experts["forward"],
-                                    problem.devices.comm_overlap)),
-        backward_ps=to_ps(overlapped(backward,
-                                     zero_dense["backward"] + zero_experts["backward"],
-                                     problem.devices.comm_overlap)),
-        recompute_ps={m: to_ps(v) for m, v in recompute.items()},
+        offload_bytes=moved if "offload" in saved else 0,
+        forward_ps=forward_ps,
+        backward_ps=backward_ps,
+        recompute_ps=recompute_ps,
         saved_bytes=saved,
-        transient_bytes={m: gathered + max(saved["none"] - saved[m] + workspace,
-                                           gradient - saved[m]) for m in layer.modes},
+        transient_bytes=transient(saved, moved, workspace, gathered, gradient),
         param_count=dense + experts,
         state_bytes={k: state_d[k] + state_e[k] for k in state_d},
         tail_ps=tail_ps(problem, config, dense, max(1, layer.param_tensors))
@@ -432,7 +523,7 @@ def moe_rows(whole: PlanningProblem, problem: PlanningProblem, config: PipelineC
     key = ("moe rows", config.micro_batch_size, config.dp, config.tp,
            config.sequence_parallel, config.tp_objective, config.zero_stage, config.ep,
            config.reduces_once, schedule_info(config.schedule).split_backward,
-           id(problem.model))
+           config.cp, _offload_key(config), id(problem.model))
     known = cache._tables.get(key)
     if known is not None and known[0] is problem.model:
         return known[1]

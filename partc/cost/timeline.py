@@ -46,7 +46,7 @@ from partc.cost.schedules import (SCHEDULE_TABLE, rank_of, refusal, schedule as 
 from partc.names import Phase, Schedule
 
 #: Kinds of :class:`Block`, in the order pictures list them.
-KINDS = ("forward", "backward", "weight", "recompute", "collective", "p2p", "tail")
+KINDS = ("forward", "backward", "weight", "recompute", "host", "collective", "p2p", "tail")
 COMPUTE_KINDS = ("forward", "backward", "weight", "recompute")
 COMM_KINDS = ("collective", "p2p")
 
@@ -93,6 +93,9 @@ class StageSeconds:
     forward: float
     backward: float              # input + weight gradients
     recompute: float = 0.0
+    # Part of ``recompute``: the activation offload copies' time compute does not hide
+    # (partc.cost.offload_time), drawn as the host's.
+    host: float = 0.0
     collective_forward: float = 0.0   # part of ``forward`` spent in tp collectives
     collective_backward: float = 0.0  # part of ``backward``
     send: float = 0.0            # each way across the cut after this virtual stage
@@ -317,7 +320,8 @@ def _parts(op: Op, t: StageSeconds, crosses: list[bool], split: bool
         return [("weight", weight)]
     backward = t.backward - weight if op.phase == Phase.INPUT else t.backward
     collective = min(t.collective_backward, backward)
-    return [("p2p", receive), ("recompute", t.recompute),
+    host = min(t.host, t.recompute)
+    return [("p2p", receive), ("host", host), ("recompute", t.recompute - host),
             ("backward", backward - collective), ("collective", collective),
             ("p2p", t.receive)]
 
@@ -373,10 +377,13 @@ def stage_seconds(plan) -> list[StageSeconds]:
         dp_forward, dp_backward = _dp_exposed(plan, stage.index)
         for index, (j, run, size) in enumerate(zip(held, runs, sizes)):
             share = size / total / m
+            host = 0.0
             if played is not None:
                 own = played[index]
                 forward, backward, recompute = own.forward, own.backward, own.recompute
                 send, receive = own.send, own.receive
+                if len(stage.run_host_s) == len(held):
+                    host = stage.run_host_s[index]
             else:
                 forward, backward = t.forward * share, t.backward * share
                 recompute, receive = t.recompute * share, 0.0
@@ -385,7 +392,7 @@ def stage_seconds(plan) -> list[StageSeconds]:
             forward_tp += dp_forward * forward / t.forward * m if t.forward else 0.0
             backward_tp += dp_backward * backward / t.backward * m if t.backward else 0.0
             result[j] = StageSeconds(
-                forward=forward, backward=backward, recompute=recompute,
+                forward=forward, backward=backward, recompute=recompute, host=host,
                 collective_forward=min(forward_tp, forward),
                 collective_backward=min(backward_tp, backward),
                 send=send, receive=receive)
@@ -451,13 +458,14 @@ def simulate(plan, schedule: str | None = None) -> Timeline:
 
 
 _LETTERS = {"forward": "F", "backward": "B", "weight": "W", "recompute": "R",
-            "collective": "c", "p2p": "c", "tail": "T"}
+            "host": "H", "collective": "c", "p2p": "c", "tail": "T"}
 
 
 def text_lines(timeline: Timeline, width: int = 72) -> list[str]:
     """The timeline as one line of ``width`` characters per rank: in each column the
     letter of what fills most of it (F forward, B backward, W weight gradient, R
-    recompute, c communication, T tail), ``.`` where the rank mostly waits."""
+    recompute, H host copies of offloaded activations left exposed, c communication, T
+    tail), ``.`` where the rank mostly waits."""
     step = timeline.step_s
     if step <= 0:
         return []

@@ -195,6 +195,7 @@ DEFAULT_STORAGE_BANDWIDTH = "100GB/s"
 # How a user may write each unit's figure to DeviceBudget (its annotations).
 _GIVEN_TYPES = {"bytes": "int | str | tuple[int | str, ...] | list[int | str] | None",
                 "bytes/s": "float | str | None", "count": "int | None",
+                "reserved bytes": "int | str | None",
                 "FLOP/s": "dict[str, float] | float | None",
                 "links": "dict[str, dict[str, float]] | None"}
 

@@ -74,6 +74,17 @@ def _memory(value: Any, where: str) -> int:
     return size
 
 
+def _reserve(value: Any, where: str) -> int:
+    """A size held back from a device's memory: 0 or more bytes."""
+    try:
+        size = parse_bytes(value)
+    except (TypeError, ValueError) as error:
+        raise ValueError(f"{where}: {error}") from None
+    if size < 0:
+        raise ValueError(f"{where} must be 0 or more bytes (e.g. '512MiB'), got {value!r}")
+    return size
+
+
 def _count(value: Any, where: str) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f"{where} must be a positive int, got {value!r}")
@@ -119,6 +130,8 @@ def _links(value: Any, where: str) -> tuple[tuple[str, float, float], ...]:
 
 
 BYTES = Unit("bytes", "SIZE", "a memory size above 0, e.g. '80GiB'", _memory)
+RESERVE = Unit("reserved bytes", "SIZE", "a memory size, 0 or more, e.g. '512MiB'",
+               _reserve)
 COUNT = Unit("count", "N", "a positive int", _count)
 FLOPS = Unit("FLOP/s", "TFLOPS", "FLOP/s above 0, one number or a table by dtype", _flops)
 SECONDS = Unit("seconds", "SECONDS", "a finite number of seconds, 0 or more",
@@ -133,6 +146,9 @@ SHARE = Unit("share", "SHARE", "a number in [0, 1]",
 FACTOR = Unit("factor", "FACTOR", "a number of at least 1",
               lambda value, where: _number(value, where, lambda x: x >= 1,
                                            "a number of at least 1"))
+UPDATES = Unit("updates/s", "RATE", "parameter updates per second above 0",
+               lambda value, where: _number(value, where, lambda x: x > 0,
+                                            "parameter updates per second above 0"))
 LINKS = Unit("links", "KIND=LATENCY,RATE",
              "{kind: {'latency_s': ..., 'bandwidth': ...}} per collective kind", _links)
 
@@ -179,8 +195,9 @@ class DeviceFigures:
     text)."""
 
     memory: int | None = figure(
-        BYTES, "--memory", "memory per device, e.g. 40GiB, or one size per device, "
-        "comma-separated (default: the preset's)")
+        BYTES, "--memory", "memory per device as CUDA reports it (the device's total: the "
+        "context, NCCL and fragmentation reserves are taken from it), e.g. 40GiB, or one "
+        "size per device, comma-separated (default: the preset's)")
     # Dense peak per dtype name ("float32", "bfloat16", ...), or one for every dtype.
     peak_flops: float | dict[str, float] | None = figure(
         FLOPS, "--peak-tflops", "peak TFLOP/s of one device in the training dtype")
@@ -297,6 +314,51 @@ class DeviceFigures:
     attention_efficiency: float | None = figure(
         FRACTION, "--attention-efficiency", "the share of peak fused attention kernels "
         "reach (default: the preset's, else the matmuls' --flops-efficiency)", unset=None)
+    # Dense FP8 (e4m3/e5m2) matmul peak, for TrainSpec(fp8=True)'s float8 linears
+    # (partc.cost.fp8_pricing). None: the device has no FP8 matmuls (an A100), and an
+    # FP8 plan for it is refused; the CPU emulates them (torchao's emulate=True).
+    fp8_peak_flops: float | None = figure(
+        FLOPS, "--fp8-peak-tflops", "dense FP8 peak TFLOP/s of one device (FP8 linears, "
+        "--fp8; default: the preset's, none on devices without FP8 matmuls)", unset=None)
+
+    # The host beside the devices, for offload (ZeRO-Offload: optimizer state, master
+    # weights and the step on the host; ZeRO-3's parameters too): its memory per node,
+    # which offloaded state of all the node's ranks shares; the link each way per device
+    # (PCIe: every device has its own); and the rate the node's cores step Adam/AdamW
+    # (parameter updates per second, all the node's ranks' steps sharing the cores).
+    # None: not known; the planner then offloads nothing unless the user gives them.
+    host_memory: int | None = figure(
+        BYTES, "--host-memory", "host memory per node that offloaded optimizer state and "
+        "weights may use, e.g. 2TB (default: the preset's; none for a custom device)",
+        unset=None)
+    host_to_device_bandwidth: float | None = figure(
+        rate("50GB/s"), "--host-to-device-bandwidth", "per device, host to device (PCIe "
+        "Gen5 x16: about 50GB/s), e.g. 25GB/s", unset=None)
+    device_to_host_bandwidth: float | None = figure(
+        rate("50GB/s"), "--device-to-host-bandwidth", "per device, device to host "
+        "(default: --host-to-device-bandwidth)", unset=Like("host_to_device_bandwidth"))
+    host_adam_rate: float | None = figure(
+        UPDATES, "--host-adam-rate", "Adam/AdamW parameter updates per second of one "
+        "node's host cores (default: the profile's, else the preset's)", unset=None)
+    # --- what a device's memory holds beside the plan's tensors. ``memory`` is the total
+    # CUDA reports (torch.cuda.get_device_properties(i).total_memory, below the vendor's
+    # nominal figure); partc.device.usable takes these from it and plans against the rest
+    # (the presets' numbers and their sources: partc.device.presets). 0 on a CPU.
+    context_memory: int | None = figure(
+        RESERVE, "--context-memory", "memory per device the CUDA context and the "
+        "libraries' workspaces take beside the plan's tensors, e.g. 512MiB (default: "
+        "the preset's)", unset=0)
+    communicator_memory: int | None = figure(
+        RESERVE, "--communicator-memory", "memory NCCL's buffers take per communicator a "
+        "rank joins, e.g. 656MiB (default: the preset's)", unset=0)
+    memory_fragmentation: float | None = figure(
+        SHARE, "--memory-fragmentation", "the share (0 to 1) of the memory left after the "
+        "context and NCCL that the caching allocator loses to fragmentation (default: the "
+        "preset's)", unset=0.0)
+    # The vendor's figure ("80 GB"), shown beside the others in the report; None: unknown.
+    nominal_memory: int | None = figure(
+        BYTES, "--nominal-memory", "the device's memory as its vendor names it, for the "
+        "report (default: the preset's)", unset=None)
 
     def __post_init__(self) -> None:
         # Held as read: rates in whole bytes per second (partc.units.parse_rate), times

@@ -51,6 +51,36 @@ _GPU_HOST = dict(op_overhead_s=_GPU_DISPATCH_S, op_overhead_backward_s=_GPU_DISP
                  fsdp_step_overhead_s=0.0, comm_overlap=1.0, split_backward_factor=1.0)
 
 
+# What a GPU's memory holds beside the plan's tensors (partc.device.usable takes it from
+# the total CUDA reports and plans against the rest):
+# - context_memory, 512 MiB: the CUDA context is about 300 MB since CUDA 11.7 loads
+#   kernels lazily (pytorch/pytorch#107667, a PyTorch maintainer; over 1 GB before), and
+#   cuBLAS's and cuDNN's workspaces come on top;
+# - communicator_memory, 688 MB per NCCL communicator a rank joins: on 4 A100s with NVLink,
+#   each process group of more than 2 GPUs added 688 MB, of 2 GPUs 544 MB, through
+#   PyTorch (NVIDIA/nccl#964); NCCL's maintainers (NVIDIA/nccl#986) say the memory grows
+#   with the channels (more to reach H100's NVLink bandwidth) and the connections, and
+#   stops growing beyond 2 nodes. Not measured on an H100;
+# - memory_fragmentation, 0.05: PyTorch's caching allocator rounds blocks and keeps
+#   segments that freed tensors leave in pieces; a share of a few percent of the memory
+#   is reserved but not allocated at a training step's peak. A guess, not measured here.
+# `benchmarks/gpu_check.py --part memory` on a GPU prints the total CUDA reports, the
+# context's size and the allocator's reserved-over-allocated at the step's peak.
+_GPU_MEMORY_RESERVE = dict(context_memory=512 * 2**20, communicator_memory=688 * 10**6,
+                           memory_fragmentation=0.05)
+
+# The memory each GPU reports to CUDA (torch.cuda.get_device_properties(i).total_memory),
+# below the vendor's nominal figure (the driver keeps the rest), as printed by torch or
+# deviceQuery on these GPUs in public logs:
+# - H100 80GB HBM3 (SXM): 85,029,158,912 bytes (79.19 GiB; torch 2.7 prints 81089 MiB);
+# - H200 (SXM, 141 GB): 143,156 MiB (139.8 GiB), torch's print on a Modal H200;
+# - A100-SXM4-80GB: 81,221.8 MiB (79.32 GiB), cudaGetDeviceProperties;
+# - A100-SXM4-40GB: 40,536 MiB (39.59 GiB), torch's (and Paddle's) print.
+# The driver's share varies a little by driver version: a profile or --memory replaces it.
+_REPORTED = {"H100-80GB": 85_029_158_912, "H200": 143_156 * 2**20,
+             "A100-80GB": 85_167_243_264, "A100-40GB": 40_536 * 2**20}
+
+
 @dataclass(frozen=True, kw_only=True)
 class DevicePreset(DeviceFigures):
     """A device's figures under its name, and the torch device type it runs as (whose
@@ -98,40 +128,69 @@ _GPU_ADAMW_SHARE = 0.3
 # (the H200's kernels are Hopper's); the A100s', not measured, stay at HBM bandwidth.
 _GPU_ELEMENTWISE_SHARE = 0.75
 
+# The host of a GPU node, for offload (DeviceFigures.host_memory and the rest):
+# - memory per node, as NVIDIA ships its 8-GPU systems: DGX H100 and DGX H200 2 TB,
+#   DGX A100 640GB (the 80 GB cards) 2 TB, DGX A100 320GB (40 GB cards) 1 TB;
+# - the host link per GPU and direction: a PCIe Gen5 x16 slot carries 64 GB/s raw, and
+#   pinned copies measure about 50-55 GB/s on an H100 or H200 (CUDA's bandwidthTest),
+#   Gen4 x16 about 25 GB/s on an A100; 50 and 25 here, one GPU copying alone (where two
+#   GPUs share a switch's uplink, each gets less when both copy);
+# - the host's Adam: a guess of the order the ZeRO-Offload paper (Ren et al., 2021)
+#   reports for its vectorised CPU Adam on a two-socket Xeon host, a few billion
+#   parameter updates per second per node; the newer hosts of Hopper nodes (two 56-core
+#   Sapphire Rapids) are taken at 4e9, A100 nodes' (two 64-core EPYC Rome) at 3e9.
+#   `partc calibrate` measures the machine's own (benchmarks/host_adam.py compares it
+#   with torch's AdamW).
+_HOPPER_HOST = dict(host_memory=2 * 10**12, host_to_device_bandwidth=50 * GB,
+                    device_to_host_bandwidth=50 * GB, host_adam_rate=4e9)
+_AMPERE_HOST = dict(host_to_device_bandwidth=25 * GB, device_to_host_bandwidth=25 * GB,
+                    host_adam_rate=3e9)
+
+# Hopper's dense FP8 tensor-core peak (NVIDIA's H100 SXM and H200 datasheets: 3,958
+# TFLOP/s FP8 "with sparsity", half of it dense), twice the bf16 peak. The A100s have no
+# FP8 matmuls; the CPU preset none either (torchao emulates FP8 there, at fp32's rate).
+_HOPPER_FP8 = 1978.9 * TFLOPS
+
 PRESETS: dict[str, DevicePreset] = {
     preset.name: preset
     for preset in (
         DevicePreset(
-            name="A100-40GB", **_GPU_HOST,
+            name="A100-40GB", **_GPU_HOST, **_AMPERE_HOST, host_memory=10**12,
             peak_flops={"float32": 19.5 * TFLOPS, "tf32": 156 * TFLOPS,
                         "bfloat16": 312 * TFLOPS, "float16": 312 * TFLOPS},
-            memory=40 * 2**30, hbm_bandwidth=1555 * GB, devices_per_node=8,
+            memory=_REPORTED["A100-40GB"], nominal_memory=40 * 2**30,
+            **_GPU_MEMORY_RESERVE, hbm_bandwidth=1555 * GB, devices_per_node=8,
             optimizer_bandwidth=_GPU_ADAMW_SHARE * 1555 * GB,
             intra_node_bandwidth=300 * GB, inter_node_bandwidth=25 * GB,
             link_latency_s=10e-6, intra_node_latency_s=2e-6, flops_efficiency=0.6),
         DevicePreset(
-            name="A100-80GB", **_GPU_HOST,
+            name="A100-80GB", **_GPU_HOST, **_AMPERE_HOST, host_memory=2 * 10**12,
             peak_flops={"float32": 19.5 * TFLOPS, "tf32": 156 * TFLOPS,
                         "bfloat16": 312 * TFLOPS, "float16": 312 * TFLOPS},
-            memory=80 * 2**30, hbm_bandwidth=2039 * GB, devices_per_node=8,
+            memory=_REPORTED["A100-80GB"], nominal_memory=80 * 2**30,
+            **_GPU_MEMORY_RESERVE, hbm_bandwidth=2039 * GB, devices_per_node=8,
             optimizer_bandwidth=_GPU_ADAMW_SHARE * 2039 * GB,
             intra_node_bandwidth=300 * GB, inter_node_bandwidth=25 * GB,
             link_latency_s=10e-6, intra_node_latency_s=2e-6, flops_efficiency=0.6),
         DevicePreset(
-            name="H100-80GB", **_GPU_HOST,
+            name="H100-80GB", **_GPU_HOST, **_HOPPER_HOST,
             peak_flops={"float32": 67 * TFLOPS, "tf32": 494.7 * TFLOPS,
                         "bfloat16": 989.4 * TFLOPS, "float16": 989.4 * TFLOPS},
-            memory=80 * 2**30, hbm_bandwidth=3350 * GB, devices_per_node=8,
+            fp8_peak_flops=_HOPPER_FP8,
+            memory=_REPORTED["H100-80GB"], nominal_memory=80 * 2**30,
+            **_GPU_MEMORY_RESERVE, hbm_bandwidth=3350 * GB, devices_per_node=8,
             elementwise_bandwidth=_GPU_ELEMENTWISE_SHARE * 3350 * GB,
             optimizer_bandwidth=_GPU_ADAMW_SHARE * 3350 * GB,
             intra_node_bandwidth=450 * GB, inter_node_bandwidth=50 * GB,
             link_latency_s=8e-6, intra_node_latency_s=2e-6, flops_efficiency=_HOPPER_MATMULS,
             attention_efficiency=_HOPPER_ATTENTION),
         DevicePreset(
-            name="H200", **_GPU_HOST,
+            name="H200", **_GPU_HOST, **_HOPPER_HOST,
             peak_flops={"float32": 67 * TFLOPS, "tf32": 494.7 * TFLOPS,
                         "bfloat16": 989.4 * TFLOPS, "float16": 989.4 * TFLOPS},
-            memory=141 * 10**9, hbm_bandwidth=4800 * GB, devices_per_node=8,
+            fp8_peak_flops=_HOPPER_FP8,
+            memory=_REPORTED["H200"], nominal_memory=141 * 10**9,
+            **_GPU_MEMORY_RESERVE, hbm_bandwidth=4800 * GB, devices_per_node=8,
             elementwise_bandwidth=_GPU_ELEMENTWISE_SHARE * 4800 * GB,
             optimizer_bandwidth=_GPU_ADAMW_SHARE * 4800 * GB,
             intra_node_bandwidth=450 * GB, inter_node_bandwidth=50 * GB,
@@ -141,10 +200,19 @@ PRESETS: dict[str, DevicePreset] = {
             name="CPU",
             peak_flops={"float32": 0.2 * TFLOPS, "bfloat16": 0.2 * TFLOPS,
                         "float16": 0.1 * TFLOPS},
+            # Host memory: no context, gloo's buffers and malloc's slack are small.
             memory=16 * 2**30, hbm_bandwidth=20 * GB, devices_per_node=64,
+            context_memory=0, communicator_memory=0, memory_fragmentation=0.0,
             intra_node_bandwidth=5 * GB, inter_node_bandwidth=1.25 * GB,
             link_latency_s=50e-6, intra_node_latency_s=50e-6,
             flops_efficiency=0.5, device_type="cpu",
+            # Offload on a CPU moves state between tensors in the same memory: the link is
+            # a copy's rate (hbm_bandwidth's); the host memory is left to the user (the
+            # ranks' own memory is the same RAM). torch's fused AdamW stepped 1.7e8
+            # parameters per second (4M of them, 2 threads) on the shared 2-core machine
+            # lightly loaded, 1.1e7 under a load of 27 (benchmarks/host_adam.py).
+            host_to_device_bandwidth=20 * GB, device_to_host_bandwidth=20 * GB,
+            host_adam_rate=1.5e8,
             # Eager PyTorch's dispatch on one CPU thread: about 10 us per op forward and
             # twice that in backward (autograd's node plus the gradient kernels), which the
             # op's own work does not hide on a CPU; 2 us per matmul call beyond its FLOPs.

@@ -7,9 +7,13 @@ from typing import TYPE_CHECKING
 from partc.codec import dtype_named
 from partc.cost.communication import tp_comm_seconds
 from partc.cost.evaluate import Evaluation, simulated_step_ps
+from partc.cost.fp8_pricing import fp8_names, pricing
+from partc.cost.host_offload import host_bytes_per_node
+from partc.cost.layer_compute import run_layer
+from partc.cost.offload_time import host_per_node
 from partc.cost.pipeline_config import PS_PER_S, PipelineConfig
-from partc.names import Phase, Recompute, Schedule
-from partc.plan import (Alternative, BudgetInfo, InputSpec, Mesh, MeshOutcome, ModelInfo,
+from partc.names import CpKind, Phase, Recompute, Schedule
+from partc.plan import (Alternative, BudgetInfo, Fp8Plan, InputSpec, Mesh, MeshOutcome, ModelInfo,
                         P2PMessages, Plan, Predicted, RunTime, SolverStats, StagePlan, StageTime,
                         TensorParallelPlan, TPCollective)
 from partc.planner.data_parallel import data_parallel_section
@@ -80,6 +84,9 @@ def stage_plans(problem: PlanningProblem, config: PipelineConfig, evaluation: Ev
                                     recompute=r / PS_PER_S, send=cut / 2 / PS_PER_S,
                                     receive=into / 2 / PS_PER_S)
                             for f, b, r, cut, into in stage.run_ps),
+            host_traffic_bytes=m * stage.offload_bytes,
+            run_host_s=tuple(h / PS_PER_S for h in stage.run_host_ps)
+            if any(stage.run_host_ps) else (),
         )
         for index, stage in enumerate(evaluation.stages)
     )
@@ -117,7 +124,8 @@ def make_plan(problem: PlanningProblem, config: PipelineConfig, evaluation: Eval
     summary = problem.model.summary
     local = problem.variant(config.tp, config.sequence_parallel, config.tp_objective)
     return Plan(
-        mesh=Mesh(pp=config.pp, dp=config.dp, tp=config.tp, ep=config.ep),
+        mesh=Mesh(pp=config.pp, dp=config.dp, tp=config.tp, ep=config.ep, cp=config.cp,
+                  cp_kind=None if config.cp_kind is None else CpKind(config.cp_kind)),
         schedule=Schedule(config.schedule),
         num_microbatches=config.num_microbatches,
         micro_batch_size=config.micro_batch_size,
@@ -146,7 +154,39 @@ def make_plan(problem: PlanningProblem, config: PipelineConfig, evaluation: Eval
         expert_parallel=_expert_parallel(problem, config, evaluation, modes),
         module_list_experts=problem.module_list_experts,
         data_parallel=data_parallel_section(problem, config, evaluation),
+        offload_optimizer=config.offload_optimizer,
+        offload_params=config.offload_params,
+        host_bytes_per_node=host_bytes_per_node(
+            local, config, [stage.param_count for stage in evaluation.stages])
+        + activations_per_node(problem, evaluation),
+        fp8=fp8_section(problem, config),
     )
+
+
+def fp8_section(problem: PlanningProblem, config: PipelineConfig) -> Fp8Plan | None:
+    """The plan's ``fp8``: the linears the configuration's cost tables priced in FP8
+    (:mod:`partc.cost.fp8_pricing`), in model order; None with ``TrainSpec.fp8`` off."""
+    if problem.train.fp8 is None:
+        return None
+    local = problem.variant(config.tp, config.sequence_parallel, config.tp_objective)
+    price = pricing(local, config.tp)
+    b, scale = config.micro_batch_size, local.train.measured_scale
+    linears = tuple(name for index, layer in enumerate(local.layers)
+                    # Mixture-of-experts layers under expert parallelism are priced
+                    # without FP8 (partc.cost.tables.moe_layer_table).
+                    if layer.moe is None or config.ep == 1
+                    for name in fp8_names(run_layer(local, index, b), price,
+                                          local.devices, b, scale))
+    return Fp8Plan(recipe=problem.train.fp8, emulated=not problem.devices.fp8_peak_flops,
+                   linears=linears)
+
+
+def activations_per_node(problem: PlanningProblem, evaluation: Evaluation) -> int:
+    """The host memory the busiest node's ranks take for offloaded activations
+    (:func:`partc.cost.offload_time.host_per_node`): their share of the plan's
+    ``host_bytes_per_node``, beside optimizer and parameter offload's."""
+    return max(host_per_node([stage.memory.host for stage in evaluation.stages],
+                             problem.devices))
 
 
 def _expert_parallel(problem: PlanningProblem, config: PipelineConfig,
@@ -176,6 +216,8 @@ def mesh_summary(mesh: MeshResult) -> MeshOutcome:
         summary["bound_s"] = mesh.bound_ps / PS_PER_S
     if mesh.need_bytes is not None:
         summary.update(need_bytes=mesh.need_bytes, limit_bytes=mesh.limit_bytes)
+    if mesh.cp != 1:
+        summary.update(cp=mesh.cp, cp_kind=CpKind(mesh.cp_kind))
     return MeshOutcome(pp=mesh.pp, dp=mesh.dp, tp=mesh.tp, outcome=mesh.outcome, **summary)
 
 

@@ -57,9 +57,14 @@ NO_SPLIT = "no split fits"
 
 
 def mesh_key(config: PipelineConfig) -> tuple:
-    """What a mesh is: the devices' factorisation and the tensor-parallel variant."""
-    return (config.pp, config.dp, config.tp, config.sequence_parallel, config.tp_objective,
-            config.ep)
+    """What a mesh is: the devices' factorisation (:func:`mesh_axes` first) and the
+    tensor-parallel variant."""
+    return mesh_axes(config) + (config.sequence_parallel, config.tp_objective, config.ep)
+
+
+def mesh_axes(config: PipelineConfig | MeshResult) -> tuple:
+    """A mesh as the report lists it: ``(pp, dp, tp, cp, cp kind)``."""
+    return (config.pp, config.dp, config.tp, config.cp, config.cp_kind)
 
 
 class Chosen(NamedTuple):
@@ -90,7 +95,7 @@ def choose(problem: PlanningProblem, tables: list[CostTable],
     meshes = _meshes(tables, outcomes, cache, scale, mesh_key(best.table.config))
     for done, (floor, key, members, result) in enumerate(meshes):
         progress.update("schedules", done, len(meshes), f"pp={key[0]} dp={key[1]} "
-                        f"tp={key[2]}", incumbent_s=search.step / PS_PER_S)
+                        f"tp={key[2]} cp={key[3]}", incumbent_s=search.step / PS_PER_S)
         if floor >= search.step and done:   # the chosen mesh's trials are all listed
             break
         if key == mesh_key(best.table.config):
@@ -280,20 +285,20 @@ def priced_meshes(meshes: tuple[MeshResult, ...], chosen: Chosen) -> tuple[MeshR
     is pruned by it); the chosen mesh first, then the solved ones by that step time."""
     fastest: dict[tuple, tuple[ConfigResult, int]] = {}
     for key, (result, step) in chosen.per_mesh.items():
-        known = fastest.get(key[:3])
+        known = fastest.get(key[:5])
         if known is None or step < known[1]:
-            fastest[key[:3]] = (result, step)
+            fastest[key[:5]] = (result, step)
     floors: dict[tuple, float] = {}
     for key, floor in chosen.floors.items():
-        floors[key[:3]] = min(floors.get(key[:3], math.inf), floor)
-    picked = mesh_key(chosen.result.table.config)[:3]
+        floors[key[:5]] = min(floors.get(key[:5], math.inf), floor)
+    picked = mesh_axes(chosen.result.table.config)
     chosen_step = min(step for _, step in chosen.per_mesh.values())
     priced = []
     for mesh in meshes:
-        found = fastest.get((mesh.pp, mesh.dp, mesh.tp))
+        found = fastest.get(mesh_axes(mesh))
         if mesh.outcome != Outcome.INFEASIBLE:   # a bound on the step played, not the closed form
             mesh = dataclasses.replace(mesh, bound_ps=int(floors.get(
-                (mesh.pp, mesh.dp, mesh.tp), mesh.bound_ps)))
+                mesh_axes(mesh), mesh.bound_ps)))
         if found is not None:
             result, step = found
             mesh = dataclasses.replace(mesh, outcome=Outcome.SOLVED, config=result.table.config,
@@ -306,5 +311,6 @@ def priced_meshes(meshes: tuple[MeshResult, ...], chosen: Chosen) -> tuple[MeshR
         priced.append(mesh)
     order = {Outcome.SOLVED: 0, Outcome.WORK_LIMIT: 1, Outcome.PRUNED: 1, Outcome.INFEASIBLE: 2}
     return tuple(sorted(priced, key=lambda m: (
-        (m.pp, m.dp, m.tp) != picked, order[m.outcome],
-        m.step_ps if m.outcome == Outcome.SOLVED else 0, m.pp, m.dp, m.tp)))
+        mesh_axes(m) != picked, order[m.outcome],
+        m.step_ps if m.outcome == Outcome.SOLVED else 0, m.pp, m.dp, m.tp, m.cp,
+        m.cp_kind or "")))

@@ -40,7 +40,8 @@ MESH_OUTCOMES: tuple[Outcome, ...] = tuple(Outcome)
 
 @dataclass(frozen=True, kw_only=True)
 class MeshResult:
-    """What the search learnt about one ``(pp, dp, tp)`` factorisation of the devices.
+    """What the search learnt about one ``(pp, dp, cp, tp)`` factorisation of the devices
+    (with its context-parallel kind).
 
     ``outcome`` is one of :data:`MESH_OUTCOMES`: "solved" (``config`` is its fastest plan
     found, ``step_ps`` its step time), "work limit" (the search's work ran out before it solved any
@@ -54,6 +55,8 @@ class MeshResult:
     dp: int
     tp: int
     outcome: Outcome
+    cp: int = 1
+    cp_kind: str | None = None
     bound_ps: int | None = None
     config: PipelineConfig | None = None
     step_ps: int | None = None

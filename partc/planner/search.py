@@ -54,14 +54,17 @@ from typing import Callable, NamedTuple
 from ortools.sat.python import cp_model
 
 from partc import progress
+from partc.cost.cp_attention import (all_to_all_fits, context_parallel_refusal,
+                                     sequence_tokens)
 from partc.cost.evaluate import Evaluation, evaluate, simulated_step_ps
+from partc.cost.host_offload import host_bytes_per_node, host_ready
 from partc.cost.pipeline_config import PS_PER_S, PipelineConfig
 from partc.cost.schedules import feature_refusal, refusal
 from partc.cost.schedules import schedule as schedule_info
 from partc.cost.tables import CostTable, TableCache, build_cost_table
 from partc.cp_sat import deterministic_solver, set_work, work_done
 from partc.errors import PlanInfeasibleError
-from partc.names import Outcome, Schedule
+from partc.names import CpKind, Outcome, Schedule
 from partc.options import PlannerOptions
 from partc.plan import ScheduleOption
 from partc.planner import joint
@@ -98,13 +101,15 @@ def tp_choices(problem: PlanningProblem) -> list[tuple[int, bool, str]]:
 
 
 def candidate_configs(problem: PlanningProblem) -> list[PipelineConfig]:
-    """Every (tp, pp, dp, b, m, schedule, ZeRO stage) the pins and the batch allow
-    (ZeRO stages 1-3 only where there is more than one replica)."""
+    """Every (tp, cp, cp kind, pp, dp, b, m, schedule, ZeRO stage) the pins and the batch
+    allow (ZeRO stages 1-3 only where there is more than one replica)."""
     pins = problem.pins
     schedules = [pins.schedule] if pins.schedule else list(AUTO_SCHEDULES)
     configs = []
-    for tp, sp, objective in tp_choices(problem):
-        devices = problem.devices.num_devices // tp
+    for tp, sp, objective, cp, cp_kind in (
+            (tp, sp, objective, cp, kind) for tp, sp, objective in tp_choices(problem)
+            for cp, kind in cp_choices(problem, tp, sp, objective)):
+        devices = problem.devices.num_devices // (tp * cp)
         pp_options = [pins.pp] if pins.pp else [
             p for p in divisors(devices) if p <= problem.num_layers]
         for pp in pp_options:
@@ -126,20 +131,120 @@ def candidate_configs(problem: PlanningProblem) -> list[PipelineConfig]:
                     continue
                 zero_stages = [pins.zero_stage] if pins.zero_stage is not None else (
                     [0, 1, 2, 3] if dp > 1 else [0])
-                if problem.train.compiled:   # FSDP2 (ZeRO-2/3) does not run compiled
-                    zero_stages = [zero for zero in zero_stages if zero < 2]
                 configs.extend(PipelineConfig(pp=pp, dp=dp, micro_batch_size=b,
                                               num_microbatches=m, schedule=schedule, tp=tp,
                                               sequence_parallel=sp, tp_objective=objective,
                                               zero_stage=zero, chunks=chunks,
-                                              zero2_grad_sync=sync)
+                                              zero2_grad_sync=sync, cp=cp, cp_kind=cp_kind,
+                                              offload_optimizer=offload[0],
+                                              offload_params=offload[1])
                                for schedule in schedules for zero in zero_stages
                                for sync in zero2_grad_syncs(problem, zero, dp, m)
+                               for offload in offload_choices(problem, zero, pp, dp, tp, m)
                                if not _same_as_1f1b(schedule, pp, m, pins.schedule)
                                and feature_refusal(schedule, effective_zero_stage(zero, dp),
-                                                   problem.train.compiled) is None
+                                                   problem.train.compile_pinned) is None
                                for chunks in _chunk_counts(problem, schedule, pp, m))
     return expand_ep(problem, configs)   # the expert-parallel degree (mixture-of-experts)
+
+
+# A context-parallel degree the search tries unpinned leaves each of a rank's two
+# load-balanced chunks at least this many tokens: below it, the ring's per-step latency
+# and small attention kernels, which the cost model prices coarsely, would dominate
+# (Megatron-Core and torchtitan use cp for sequences of thousands of tokens per rank;
+# the Llama 3 405B long-context stage ran 8,192 per rank). A pinned cp is planned at
+# any length.
+MIN_CP_CHUNK_TOKENS = 1024
+
+
+def cp_choices(problem: PlanningProblem, tp: int, sequence_parallel: bool = False,
+               objective: str = "time") -> list[tuple[int, str | None]]:
+    """(cp, kind) the pins and the model allow beside tensor parallelism ``tp``: cp = 1
+    (kind None; not when a kind is pinned), and each cp > 1 dividing the devices over tp whose ``2 cp`` chunks split
+    the sequence evenly (each at least :data:`MIN_CP_CHUNK_TOKENS` tokens unless cp is
+    pinned), for a model with attention cores and nothing else reading along the
+    sequence (:func:`check_context_parallel` refuses a pinned cp otherwise), as a ring
+    and, where every layer's heads and key/value heads divide by cp, as all-to-all."""
+    pins = problem.pins
+    tokens = sequence_tokens(problem)
+    devices = problem.devices.num_devices // tp
+    wanted = [pins.cp] if pins.cp is not None else divisors(devices)
+    layers = problem.variant(tp, sequence_parallel, objective).layers if tp > 1 \
+        else problem.layers
+    found: list[tuple[int, str | None]] = []
+    for cp in wanted:
+        if cp == 1:
+            if pins.cp_kind is None:   # a pinned kind asks for cp > 1
+                found.append((1, None))
+            continue
+        if devices % cp or context_parallel_refusal(problem, cp) or (
+                pins.cp is None and tokens // (2 * cp) < MIN_CP_CHUNK_TOKENS):
+            continue
+        kinds = [CpKind.RING]
+        if all(all_to_all_fits(layer.attention, cp) for layer in layers
+               if layer.attention is not None):
+            kinds.append(CpKind.ALL_TO_ALL)
+        found += [(cp, kind) for kind in kinds if pins.cp_kind in (None, kind)]
+    return found
+
+
+def check_context_parallel(problem: PlanningProblem) -> None:
+    """A PlanInfeasibleError naming the pin, and the op where one is to blame, when the
+    pinned cp (or kind) cannot run on this model."""
+    pins = problem.pins
+    if pins.cp is None or pins.cp == 1:
+        return
+    why = context_parallel_refusal(problem, pins.cp)
+    if why is None and pins.cp_kind == CpKind.ALL_TO_ALL:
+        unfit = next((layer for layer in problem.layers if layer.attention is not None
+                      and not all_to_all_fits(layer.attention, pins.cp)), None)
+        if unfit is not None and (pins.tp in (None, 1)):
+            why = (f"all-to-all splits heads over cp: layer {unfit.name} has "
+                   f"{unfit.attention.heads} heads and {unfit.attention.kv_heads} key/value "
+                   f"heads, not both divisible by cp={pins.cp} (use cp_kind='ring')")
+    if why is not None:
+        raise PlanInfeasibleError(f"cannot hold the pin cp={pins.cp}: {why}",
+                                  resource="pin", pin="cp",
+                                  suggestion="drop the cp pin, or pin cp=1")
+def offload_choices(problem: PlanningProblem, zero_stage: int, pp: int, dp: int, tp: int,
+                    num_microbatches: int) -> list[tuple[bool, bool]]:
+    """(optimizer offload, parameter offload) a configuration may take: as pinned, else
+    none, and where the budget knows its host, the optimizer's and under ZeRO-3 the
+    parameters' too; none whose host bytes per node exceed the host's memory even with
+    the rank's parameters split evenly over the stages (a lower bound; the solved plan is
+    held to it exactly, :func:`host_fits`)."""
+    pinned, zero3 = problem.pins.offload, effective_zero_stage(zero_stage, dp) == 3
+    if pinned is not None:
+        kinds = ("optimizer" in pinned, "params" in pinned)
+        choices = [kinds] if zero3 or not kinds[1] else []
+    elif host_ready(problem.devices) is not None:
+        return [(False, False)]
+    else:
+        choices = [(False, False), (True, False)] + ([(True, True)] if zero3 else [])
+    even = sum(layer.param_count for layer in problem.layers) / (pp * tp)
+    found = []
+    for optimizer, params in choices:
+        config = PipelineConfig(pp=pp, dp=dp, tp=tp, micro_batch_size=1,
+                                num_microbatches=num_microbatches, schedule="1f1b",
+                                zero_stage=zero_stage, offload_optimizer=optimizer,
+                                offload_params=params)
+        if optimizer and host_bytes_per_node(problem, config, [even]) \
+                > problem.devices.host_memory:
+            continue
+        found.append((optimizer, params))
+    return found
+
+
+def host_fits(problem: PlanningProblem, result: "ConfigResult | None") -> bool:
+    """Whether a solved configuration's offloaded state fits the host's memory per
+    node (:func:`partc.cost.host_offload.host_bytes_per_node`)."""
+    if result is None or not result.table.config.offload_optimizer:
+        return True
+    local = problem.variant(result.table.config.tp, result.table.config.sequence_parallel,
+                            result.table.config.tp_objective)
+    need = host_bytes_per_node(local, result.table.config,
+                               [stage.param_count for stage in result.evaluation.stages])
+    return need <= problem.devices.host_memory
 
 
 def zero2_grad_syncs(problem: PlanningProblem, zero_stage: int, dp: int,
@@ -206,7 +311,7 @@ def schedule_candidates(problem: PlanningProblem, config: PipelineConfig
 def _runnable_zero(problem: PlanningProblem, config: PipelineConfig, name: str) -> int | None:
     """``config``'s ZeRO stage if the runtime runs ``name`` with it, else the highest
     lower one it runs (and the pins allow), else None."""
-    compiled = problem.train.compiled
+    compiled = problem.train.compile_pinned
     if config.dp == 1:
         return config.zero_stage if feature_refusal(name, 0, compiled) is None else None
     pinned = problem.pins.zero_stage
@@ -341,7 +446,7 @@ def _why_no_config(problem: PlanningProblem) -> list[str]:
     reasons: set[str] = set()
     for config in free:
         zero = effective_zero_stage(config.zero_stage, config.dp)
-        feature = feature_refusal(pins.schedule, zero, problem.train.compiled)
+        feature = feature_refusal(pins.schedule, zero, problem.train.compile_pinned)
         if feature is not None:
             reasons.add(feature)
             continue
@@ -524,6 +629,7 @@ def solve(problem: PlanningProblem, options: PlannerOptions = PlannerOptions(),
     start = time.perf_counter()
     check_pins(problem.pins, problem.devices, problem.train.global_batch_size,
                tuple(layer.name for layer in problem.layers))
+    check_context_parallel(problem)
     pinned = pinned_stages(problem)
     configs = candidate_configs(problem)
     if not configs:
@@ -540,6 +646,8 @@ def solve(problem: PlanningProblem, options: PlannerOptions = PlannerOptions(),
     # Per configuration: its ConfigResult, or why it has none.
     outcomes: list[ConfigResult | Outcome] = [Outcome.INFEASIBLE] * len(tables)
     best = None if pinned is not None else _seed(problem, tables, floors, order, cache)
+    if not host_fits(problem, best):
+        best = None
     if best is not None:   # solved first: CP-SAT improves the seed while its bound is fresh
         seed = tables.index(best.table)
         outcomes[seed] = best
@@ -573,6 +681,9 @@ def solve(problem: PlanningProblem, options: PlannerOptions = PlannerOptions(),
             cache.solutions.get(table.config), cache)
         spent += used
         solved += 1
+        if not host_fits(problem, result):   # rare: the lower bound let it through
+            outcomes[i] = Outcome.INFEASIBLE
+            continue
         if result is None:
             if status == "BEATEN":  # proven no better than the best plan
                 outcomes[i] = outcomes[i] if seeded else Outcome.PRUNED
@@ -623,7 +734,7 @@ def _report(tables: list[CostTable], order: list[int], ahead: list[float], done:
     detail = ""
     if done < len(order):
         config = tables[order[done]].config
-        detail = (f"pp={config.pp} dp={config.dp} tp={config.tp}, "
+        detail = (f"pp={config.pp} dp={config.dp} cp={config.cp} tp={config.tp}, "
                   f"{config.micro_batch_size} x {config.num_microbatches}, {config.schedule}")
     progress.update("search", done, len(order), detail,
                     incumbent_s=None if incumbent is None else incumbent / 1e12,
@@ -638,7 +749,8 @@ def _seed(problem: PlanningProblem, tables: list[CostTable], floors: list[float]
     firsts: dict[tuple, int] = {}
     for i in order:
         config = tables[i].config
-        key = (config.pp, config.dp, config.tp, config.sequence_parallel, config.tp_objective)
+        key = (config.pp, config.dp, config.cp, config.cp_kind, config.tp,
+               config.sequence_parallel, config.tp_objective)
         if floors[i] < math.inf:
             firsts.setdefault(key, i)
     best = None
@@ -699,7 +811,7 @@ def schedule_options(problem: PlanningProblem, chosen: ConfigResult,
                           or config.pp * v > problem.num_layers):
                 continue
             refused = refusal(name, config.pp, v, config.num_microbatches) or (
-                feature_refusal(name, config.effective_zero_stage, problem.train.compiled))
+                feature_refusal(name, config.effective_zero_stage, problem.train.compile_pinned))
             if refused:
                 others.append(ScheduleOption(schedule=name, virtual_stages=v, how=refused))
                 continue

@@ -27,7 +27,9 @@ Parameters
     its first run's warm-up forwards more often than its later runs',
     :meth:`partc.cost.pipeline_config.PipelineConfig.held`); ``R_k`` / ``Q_k`` bytes crossing a
     cut inside segment ``k`` / right after it, per microbatch (one receive buffer);
-    ``M_s`` memory limit; ``S_g`` tied-gradient sync.
+    ``M_s`` memory limit; ``S_g`` tied-gradient sync. The recompute modes ``r`` include
+    ``offload`` (:mod:`partc.cost.offload_time`: its ``C`` pays the copies' exposed
+    time, its ``A`` is 0, its ``X`` holds the window in flight).
 Variables
     ``P[k,j]`` in ``0..n_k``: layers of segment ``k`` in runs ``<= j`` (so ``c[k,j] =
     P[k,j] - P[k,j-1]`` sit in run ``j`` and ``N[k,s] = sum_{j ~ s} c[k,j]`` on stage
@@ -86,7 +88,11 @@ Constraints
         tensor at a time: ``step[s] >= T_k u[k,s,r]``)
         (:func:`partc.cost.state_bytes.step_bytes`);
     (9) pins: pinned stages fix ``P``, pinned recompute leaves one mode (segments never
-        straddle a change of either).
+        straddle a change of either);
+    (10) host memory, at each peak ``h`` in ``H_s``: ``sum_{j ~ s} h_j sum_k O_k
+        n[k,j,offload] <= M^host``, ``O_k`` the bytes an offloaded layer of ``k`` keeps
+        on the host per microbatch (its saved bytes without recompute), ``M^host`` a
+        rank's share of its node's host memory (none where it is not known).
 
 The plan names each layer again: a segment's layers fill its runs in order, and on each
 stage (or run, where modes split per run) take their modes heaviest first (full,
@@ -123,6 +129,7 @@ from typing import Any
 from ortools.sat.python import cp_model
 
 from partc.cost.evaluate import receive_ps
+from partc.cost.offload_time import host_bytes
 from partc.cost.tables import CostTable
 from partc.planner.results import Assignment
 from partc.problem import RECOMPUTE_MODES, PlanningProblem
@@ -525,6 +532,23 @@ class StageModel:
                                <= limit)
             if step:
                 self.model.add(state + self._step(stage, held) <= limit)        # (8)
+            self._add_host(stage)                                               # (10)
+
+    def _add_host(self, stage: int) -> None:
+        """(10) the offloaded layers' saved bytes on the host, at each of the stage's
+        peaks, within a rank's share of its node's host memory
+        (:func:`partc.cost.offload_time.host_limit`; none where it is not known)."""
+        table, units = self.table, self.memory_units
+        if table.host_limit is None:
+            return
+        host = {runs: sum(units(host_bytes(table.layers[self.segments[k].first], r)) * count
+                          for (k, r), count in self.unit_count[u].items() if r == "offload")
+                for u, (rank, runs) in enumerate(self.mode_units) if rank == stage}
+        if not any(not isinstance(part, int) or part for part in host.values()):
+            return
+        limit = units(table.host_limit, limit=True)
+        for count in self._peaks(stage):
+            self._require(sum(count[runs[0]] * part for runs, part in host.items()) <= limit)
 
     def _step(self, stage: int, held: list[list]) -> Any:
         """(8) the optimizer step's temporaries on the stage: its rows' and shared

@@ -10,16 +10,22 @@ from __future__ import annotations
 
 import math
 
+from partc.cost.cp_attention import all_to_all_fits, context_parallel_refusal
 from partc.cost.evaluate import Evaluation, evaluate, simulated_step_ps
+from partc.cost.host_offload import host_bytes_per_node
+from partc.cost.offload_time import host_per_node
 from partc.cost.pipeline_config import PS_PER_S, PipelineConfig
 from partc.cost.schedules import feature_refusal, refusal
 from partc.cost.tables import build_cost_table
 from partc.errors import PlanValidationError
+from partc.names import CpKind, Offload
 from partc.plan import Plan
+from partc.planner.assemble import fp8_section
 from partc.planner.data_parallel import data_parallel_section
 from partc.planner.expert_parallel import expert_parallel_section
 from partc.problem import ZERO2_GRAD_SYNCS, PlanningProblem, effective_zero_stage
 from partc.spec import SCHEDULES
+from partc.units import format_bytes
 
 
 def _structure(problem: PlanningProblem, plan: Plan, errors: list[str]) -> None:
@@ -39,6 +45,7 @@ def _structure(problem: PlanningProblem, plan: Plan, errors: list[str]) -> None:
             errors.append("parameter placements differ from the measured sharding")
     if mesh.size != problem.devices.num_devices:
         errors.append(f"mesh {mesh} does not use {problem.devices.num_devices} devices")
+    _context_parallel(problem, plan, errors)
     if len(plan.stages) != mesh.pp:
         errors.append(f"{len(plan.stages)} stages for pp={mesh.pp}")
     if [s.index for s in plan.stages] != list(range(len(plan.stages))):
@@ -58,6 +65,26 @@ def _structure(problem: PlanningProblem, plan: Plan, errors: list[str]) -> None:
         errors.append(f"unknown schedule {plan.schedule!r}")
     else:
         _placement(plan, errors)
+
+
+def _context_parallel(problem: PlanningProblem, plan: Plan, errors: list[str]) -> None:
+    """Context parallelism runs on this model: its sequence splits into 2 x cp chunks,
+    nothing outside attention reads along it, and all-to-all's heads divide by cp."""
+    if plan.cp == 1:
+        return
+    why = context_parallel_refusal(problem, plan.cp)
+    if why is not None:
+        errors.append(f"cp={plan.cp}: {why}")
+    if plan.cp_kind == CpKind.ALL_TO_ALL:
+        local = problem.variant(plan.tp, plan.sequence_parallel, plan.tp_objective) \
+            if plan.tp > 1 else problem
+        for layer in local.layers:
+            if layer.attention is not None and not all_to_all_fits(layer.attention, plan.cp):
+                errors.append(f"cp={plan.cp} all-to-all: layer {layer.name} has "
+                              f"{layer.attention.heads} heads and {layer.attention.kv_heads} "
+                              f"key/value heads per tensor-parallel rank, not both "
+                              f"divisible by cp")
+                return
 
 
 def _placement(plan: Plan, errors: list[str]) -> None:
@@ -84,11 +111,12 @@ def _modes(problem: PlanningProblem, plan: Plan, errors: list[str]) -> None:
     if plan.tp > 1 and problem.tp_option(*key) is None:
         return   # _structure says so
     local = problem.variant(*key)
-    for layer in local.layers:   # a sharded layer may allow modes the whole one does not
-        mode = recompute.get(layer.name)
-        if mode not in layer.modes:
-            errors.append(f"layer {layer.name}: recompute {mode!r} not among {layer.modes}")
+    for index, layer in enumerate(local.layers):   # a sharded layer may allow modes the
+        mode = recompute.get(layer.name)             # whole one does not
         pinned = problem.pins.recompute.get(layer.name)
+        modes = local.layer_modes(index)
+        if mode not in modes and not (mode == pinned == "offload"):
+            errors.append(f"layer {layer.name}: recompute {mode!r} not among {modes}")
         if pinned is not None and mode != pinned and not (
                 pinned == "selective" and "selective" not in layer.modes and mode == "none"):
             errors.append(f"layer {layer.name}: recompute pinned to {pinned}, plan has {mode}")
@@ -97,6 +125,7 @@ def _modes(problem: PlanningProblem, plan: Plan, errors: list[str]) -> None:
 def _pins(problem: PlanningProblem, plan: Plan, errors: list[str]) -> None:
     pins = problem.pins
     checks = {"pp": (pins.pp, plan.pp), "dp": (pins.dp, plan.dp), "tp": (pins.tp, plan.tp),
+              "cp": (pins.cp, plan.cp), "cp_kind": (pins.cp_kind, plan.cp_kind),
               "num_microbatches": (pins.num_microbatches, plan.num_microbatches),
               "micro_batch_size": (pins.micro_batch_size, plan.micro_batch_size),
               "schedule": (pins.schedule, plan.schedule),
@@ -115,13 +144,20 @@ def _pins(problem: PlanningProblem, plan: Plan, errors: list[str]) -> None:
         errors.append("stage boundaries differ from the pinned stages")
 
 
+def plan_config(plan: Plan) -> PipelineConfig:
+    """The configuration a plan's decisions make, as the cost tables take it."""
+    return PipelineConfig(pp=plan.pp, dp=plan.dp, micro_batch_size=plan.micro_batch_size,
+                          num_microbatches=plan.num_microbatches, schedule=plan.schedule,
+                          tp=plan.tp, sequence_parallel=plan.sequence_parallel,
+                          tp_objective=plan.tp_objective, zero_stage=plan.zero_stage,
+                          chunks=plan.chunks, ep=plan.mesh.ep,
+                          zero2_grad_sync=plan.zero2_grad_sync, cp=plan.cp,
+                          cp_kind=plan.cp_kind, offload_optimizer=plan.offload_optimizer,
+                          offload_params=plan.offload_params)
+
+
 def _costs(problem: PlanningProblem, plan: Plan, errors: list[str]) -> Evaluation | None:
-    config = PipelineConfig(pp=plan.pp, dp=plan.dp, micro_batch_size=plan.micro_batch_size,
-                            num_microbatches=plan.num_microbatches, schedule=plan.schedule,
-                            tp=plan.tp, sequence_parallel=plan.sequence_parallel,
-                            tp_objective=plan.tp_objective, zero_stage=plan.zero_stage,
-                            chunks=plan.chunks, ep=plan.mesh.ep,
-                            zero2_grad_sync=plan.zero2_grad_sync)
+    config = plan_config(plan)
     stage_of = [j for j, run in enumerate(plan.runs) for _ in run]
     modes = [plan.recompute[layer.name] for layer in problem.layers]
     evaluation = evaluate(build_cost_table(problem, config), stage_of, modes)
@@ -135,6 +171,7 @@ def _costs(problem: PlanningProblem, plan: Plan, errors: list[str]) -> Evaluatio
         if stage.limit_bytes != cost.limit:
             errors.append(f"stage {stage.index} records limit {stage.limit_bytes}, "
                           f"devices give {cost.limit}")
+    _offloaded_activations(problem, plan, evaluation, errors)
     if plan.mesh.ep > 1:
 
         modes_t = tuple(modes)
@@ -144,11 +181,37 @@ def _costs(problem: PlanningProblem, plan: Plan, errors: list[str]) -> Evaluatio
     if plan.data_parallel is not None and \
             data_parallel_section(problem, config, evaluation) != plan.data_parallel:
         errors.append("the plan's data_parallel section differs from the cost model's")
+    local = problem.variant(plan.tp, plan.sequence_parallel, plan.tp_objective)
+    # Optimizer and parameter offload's bytes per node, and the busiest node's offloaded
+    # activations.
+    host = host_bytes_per_node(local, config, [s.param_count for s in evaluation.stages]) \
+        + max(host_per_node([s.memory.host for s in evaluation.stages], problem.devices))
+    if host != plan.host_bytes_per_node:
+        errors.append(f"the plan records {plan.host_bytes_per_node} host bytes per node, "
+                      f"the cost model gives {host}")
     step = simulated_step_ps(config, evaluation)[0] / PS_PER_S
     recorded = plan.predicted.step_time_s
     if not math.isclose(recorded, step, rel_tol=1e-9, abs_tol=1e-15):
         errors.append(f"predicted step time {recorded} s, the cost model gives {step} s")
     return evaluation
+
+
+def _offloaded_activations(problem: PlanningProblem, plan: Plan, evaluation: Evaluation,
+                           errors: list[str]) -> None:
+    """Offloaded activations: each stage's host bytes and traffic as recorded, and each
+    node's host holding its ranks' within the host memory (where it is known)."""
+    for stage, cost in zip(plan.stages, evaluation.stages):
+        traffic = cost.offload_bytes * plan.num_microbatches
+        if stage.host_traffic_bytes != traffic:
+            errors.append(f"stage {stage.index} records {stage.host_traffic_bytes} bytes "
+                          f"to the host per step, the cost model gives {traffic}")
+    limit = problem.devices.host_memory
+    nodes = host_per_node([cost.memory.host for cost in evaluation.stages], problem.devices)
+    if limit is not None:
+        for node, used in enumerate(nodes):
+            if used > limit:
+                errors.append(f"node {node}: offloaded activations take {used} bytes of "
+                              f"host memory, limit {limit}")
 
 
 def _experts(problem: PlanningProblem, plan: Plan, errors: list[str]) -> None:
@@ -223,6 +286,25 @@ def _experts(problem: PlanningProblem, plan: Plan, errors: list[str]) -> None:
                           f"balanced routing, above the {bound}x assumed")
 
 
+def _host(problem: PlanningProblem, plan: Plan, errors: list[str]) -> None:
+    """Offload: as pinned (the kinds a plan decides here: optimizer and params), and the
+    host memory a node's ranks take within the budget's host memory."""
+    pinned = problem.pins.offload
+    if pinned is not None:
+        for kind, on in ((Offload.OPTIMIZER, plan.offload_optimizer),
+                         (Offload.PARAMS, plan.offload_params)):
+            if (kind in pinned) != on:
+                errors.append(f"offload of {kind} pinned {'on' if kind in pinned else 'off'}"
+                              f", the plan has it {'on' if on else 'off'}")
+    limit = problem.devices.host_memory
+    if plan.host_bytes_per_node and limit is None:
+        errors.append(f"the plan puts {format_bytes(plan.host_bytes_per_node)} per node on "
+                      f"the host, but the budget gives no host memory (host_memory)")
+    elif limit is not None and plan.host_bytes_per_node > limit:
+        errors.append(f"the plan puts {format_bytes(plan.host_bytes_per_node)} per node on "
+                      f"the host, the budget's host memory is {format_bytes(limit)}")
+
+
 def field_conflicts(plan: Plan) -> list[tuple[str, str]]:
     """The plan's fields that contradict each other, as (field, what is wrong): what a
     plan says twice must agree, whatever the model. Needs no problem, so that
@@ -230,7 +312,7 @@ def field_conflicts(plan: Plan) -> list[tuple[str, str]]:
     model (:func:`partc.program.read_plan_file`)."""
     found: list[tuple[str, str]] = []
     mesh = plan.mesh
-    for axis in ("pp", "dp", "tp", "ep"):
+    for axis in ("pp", "dp", "cp", "tp", "ep"):
         if getattr(mesh, axis) < 1:
             found.append((f"mesh.{axis}", f"{getattr(mesh, axis)}: a mesh axis is at least 1"))
     if mesh.size != plan.budget.num_devices:
@@ -244,6 +326,14 @@ def field_conflicts(plan: Plan) -> list[tuple[str, str]]:
     if plan.zero2_grad_sync == "step" and plan.effective_zero_stage != 2:
         found.append(("zero2_grad_sync", f"'step' is ZeRO-2's, the plan runs "
                                          f"ZeRO-{plan.effective_zero_stage}"))
+    if plan.offload_params and not plan.offload_optimizer:
+        found.append(("offload_params", "parameter offload steps the optimizer on the "
+                                        "host: offload_optimizer must be on too"))
+    if plan.offload_params and plan.effective_zero_stage != 3:
+        found.append(("offload_params", f"parameter offload runs under ZeRO-3, the plan "
+                                        f"runs ZeRO-{plan.effective_zero_stage}"))
+    if plan.host_bytes_per_node < 0:
+        found.append(("host_bytes_per_node", f"{plan.host_bytes_per_node}: not negative"))
     if plan.num_microbatches < 1 or plan.micro_batch_size < 1:
         found.append(("num_microbatches" if plan.num_microbatches < 1 else "micro_batch_size",
                       "at least 1"))
@@ -252,6 +342,7 @@ def field_conflicts(plan: Plan) -> list[tuple[str, str]]:
                       f"{plan.train.global_batch_size}, but dp x micro_batch_size x "
                       f"num_microbatches = {plan.global_batch_size}"))
     found += _stage_conflicts(plan)
+    found += cp_conflicts(plan)
     section = plan.tensor_parallel
     if (section.degree if section is not None else 1) != mesh.tp:
         found.append(("tensor_parallel", f"degree {section.degree if section else 1} "
@@ -261,6 +352,24 @@ def field_conflicts(plan: Plan) -> list[tuple[str, str]]:
         found.append(("expert_parallel", f"ep {experts.ep if experts else 1} (none "
                                          f"written: 1), mesh.ep={mesh.ep}"))
     return found
+
+
+def cp_conflicts(plan: Plan) -> list[tuple[str, str]]:
+    """Context parallelism's fields against each other and the model's sequence: a kind
+    exactly when cp > 1, and a sequence that splits into ``2 * cp`` equal chunks (the
+    load-balanced causal split gives rank ``i`` chunks ``i`` and ``2cp-1-i``)."""
+    mesh = plan.mesh
+    if mesh.cp > 1 and mesh.cp_kind is None:
+        return [("mesh.cp_kind", f"none with mesh.cp={mesh.cp}: one of "
+                                 f"{[kind.value for kind in CpKind]}")]
+    if mesh.cp == 1 and mesh.cp_kind is not None:
+        return [("mesh.cp_kind", f"{mesh.cp_kind} with mesh.cp=1: no context parallelism "
+                                 "to run (write none)")]
+    sequence = plan.model.sequence_length
+    if mesh.cp > 1 and sequence is not None and sequence % (2 * mesh.cp):
+        return [("mesh.cp", f"{mesh.cp}: the sequence of {sequence} tokens does not split "
+                            f"into 2 x cp = {2 * mesh.cp} equal chunks")]
+    return []
 
 
 def _stage_conflicts(plan: Plan) -> list[tuple[str, str]]:
@@ -291,6 +400,38 @@ def _stage_conflicts(plan: Plan) -> list[tuple[str, str]]:
     return found
 
 
+def _fp8(problem: PlanningProblem, plan: Plan, errors: list[str]) -> None:
+    """FP8 linears only with ``TrainSpec.fp8``, on a device with FP8 matmuls (or the
+    CPU's emulation), without tensor parallelism, and exactly the linears the cost
+    tables priced in FP8 for the plan's configuration (:func:`fp8_section`)."""
+    section, recipe = plan.fp8, problem.train.fp8
+    if section is None:
+        if recipe is not None:
+            errors.append("TrainSpec.fp8 is on but the plan has no fp8 section")
+        return
+    if recipe is None:
+        errors.append("the plan runs FP8 linears but TrainSpec.fp8 is off")
+        return
+    if section.recipe != recipe:
+        errors.append(f"fp8 recipe {section.recipe!r}, the training's is {recipe!r}")
+    emulated = not problem.devices.fp8_peak_flops
+    # The CPU, the one device that runs ops as it dispatches them, emulates FP8.
+    if section.linears and emulated and problem.devices.dispatch_ahead:
+        errors.append(f"FP8 linears on {plan.budget.device}, which has no FP8 matmuls "
+                      "(no fp8_peak_flops); only the CPU emulates them")
+    if section.emulated != emulated:
+        errors.append(f"fp8 emulated={section.emulated}, but the device "
+                      f"{'has no' if emulated else 'has'} FP8 matmuls")
+    if section.linears and plan.tp > 1:
+        errors.append(f"FP8 linears with tp={plan.tp}: not run under tensor parallelism")
+    expected = fp8_section(problem, plan_config(plan))
+    if expected is not None and expected.linears != section.linears:
+        extra = sorted(set(section.linears) - set(expected.linears))
+        missing = sorted(set(expected.linears) - set(section.linears))
+        errors.append(f"fp8 linears differ from what the cost tables price in FP8: "
+                      f"{extra[:3]} not priced so, {missing[:3]} missing")
+
+
 def validate_plan(problem: PlanningProblem, plan: Plan) -> Evaluation:
     """Raise PlanValidationError listing every violation; return the re-evaluation."""
     errors: list[str] = [f"{field}: {what}" for field, what in field_conflicts(plan)]
@@ -298,6 +439,8 @@ def validate_plan(problem: PlanningProblem, plan: Plan) -> Evaluation:
     _modes(problem, plan, errors)
     _pins(problem, plan, errors)
     _experts(problem, plan, errors)
+    _host(problem, plan, errors)
+    _fp8(problem, plan, errors)
     evaluation = None
     if not errors:
         evaluation = _costs(problem, plan, errors)

@@ -15,6 +15,7 @@ from dataclasses import dataclass, replace
 from partc.cost.pipeline_config import PipelineConfig
 from partc.cost.state_bytes import step_total
 from partc.cost.tables import CostTable, build_cost_table
+from partc.device.usable import communicators, device_memory_for
 from partc.errors import PlanInfeasibleError
 from partc.names import Schedule
 from partc.problem import PlanningProblem
@@ -30,11 +31,12 @@ class TightestSplit:
 
     @property
     def ratio(self) -> float:
-        return max(n / lim for n, lim in zip(self.stage_need, self.limits))
+        return max(n / max(lim, 1) for n, lim in zip(self.stage_need, self.limits))
 
     @property
     def worst(self) -> int:
-        return max(range(len(self.limits)), key=lambda s: self.stage_need[s] / self.limits[s])
+        return max(range(len(self.limits)),
+                   key=lambda s: self.stage_need[s] / max(self.limits[s], 1))
 
 
 def _layer_needs(table: CostTable, stage: int,
@@ -100,7 +102,7 @@ def tightest_split(table: CostTable, problem: PlanningProblem) -> TightestSplit:
                                     + _receive_need(table, stage, i, j),
                                     state[j + 1] - state[i] + at_step)
                 need_of[stage, i, j] = need
-                options.append((max(before, need / table.limits[stage]), split + ((i, j),)))
+                options.append((max(before, need / max(table.limits[stage], 1)), split + ((i, j),)))
             if options:
                 best[stage][j] = min(options, key=lambda o: o[0])
     _, split = best[pp - 1][layers - 1]
@@ -140,7 +142,11 @@ def explain_infeasible(problem: PlanningProblem, tables: list[CostTable]) -> Pla
             f"(pp={config.pp}, micro-batch size {config.micro_batch_size}); raise "
             f"PlannerOptions.work_limit (deterministic seconds of CP-SAT work)",
             stage=stage, resource="solver work")
-    fixes = [f"{format_bytes(max(tight.stage_need))} per device"]
+    devices = problem.devices
+    groups = communicators(devices.num_devices, config.pp, config.dp, config.tp, config.ep)
+    # A device total (as CUDA reports it) that leaves the need after the reserves.
+    fixes = [f"{format_bytes(device_memory_for(max(tight.stage_need), devices, groups))} "
+             f"per device"]
     fewest = _fewest_stages_that_fit(problem, config.micro_batch_size,
                                      max(c.pp for c in (s.config for s in splits)) + 1)
     if fewest is not None:
@@ -152,7 +158,15 @@ def explain_infeasible(problem: PlanningProblem, tables: list[CostTable]) -> Pla
         f"(pp={config.pp}{f' x tp={config.tp}' if config.tp > 1 else ''}, micro-batch size "
         f"{config.micro_batch_size}, {config.schedule}, recompute where it saves memory) "
         f"needs {format_bytes(need)} of memory on stage {stage} ({span}) against a limit of "
-        f"{format_bytes(limit)}. It would fit with "
+        f"{format_bytes(limit)}{_reserved(min(devices.memory_bytes), limit)}. It would fit with "
         + " or with ".join(fixes) + ".")
     return PlanInfeasibleError(message, stage=stage, resource="memory", need_bytes=need,
                                limit_bytes=limit, suggestion="; ".join(fixes))
+
+
+def _reserved(total: int, limit: int) -> str:
+    """What the limit leaves out of the device's memory, where anything."""
+    if total <= limit:
+        return ""
+    return (f" (what a device of {format_bytes(total)} leaves beside the CUDA context, "
+            f"NCCL's buffers and fragmentation: partc.device.usable)")

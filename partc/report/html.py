@@ -6,7 +6,8 @@ page needs no network, no script and no font download to be read:
 
 - the step timeline per pipeline stage (:mod:`partc.cost.timeline`): forward, backward,
   recompute, communication and the tail, idle where nothing is drawn;
-- memory per rank of each stage by category, against the device limit;
+- memory per rank of each stage by category, against the memory a device leaves the
+  plan (after the CUDA context, NCCL and fragmentation);
 - the mesh factorisations the planner weighed, with their predicted step times (or the
   bound that ruled them out, or why they do not fit).
 
@@ -31,10 +32,11 @@ from partc.report.text import Section, lay_out, plural, sections
 from partc.units import format_bytes, format_seconds
 
 COLOURS = {"forward": "#4c78a8", "backward": "#f58518", "weight": "#eeca3b",
-           "recompute": "#e45756",
+           "recompute": "#e45756", "host": "#ff9da6",
            "collective": "#54a24b", "p2p": "#2a7a2a", "tail": "#b279a2"}
 LABELS = {"forward": "forward", "backward": "backward (input gradient when split)",
           "weight": "weight gradient", "recompute": "recompute",
+          "host": "host copies (offloaded activations) not hidden by compute",
           "collective": "collectives (tensor-parallel; data-parallel's exposed part)", "p2p": "send / receive (p2p)",
           "tail": "tail: gradient sync, optimizer step"}
 MEMORY_COLOURS = {"params": "#4c78a8", "grads": "#72b7b2", "optimizer": "#54a24b",
@@ -175,7 +177,7 @@ def _timeline_caption(plan: Plan, timeline: Timeline) -> str:
     comm = [timeline.seconds(r, COMM_KINDS) for r in range(timeline.num_ranks)]
     idle = [timeline.idle_s(r) for r in range(timeline.num_ranks)]
     step = timeline.step_s or 1.0
-    ranks = plural(plan.dp * plan.tp, "rank")
+    ranks = plural(plan.dp * plan.cp * plan.tp, "rank")
     return (f"Schedule {_esc(plan.schedule)}, "
             f"{plural(plan.num_microbatches, 'microbatch', 'microbatches')}; each row "
             f"stands for the {ranks} of a stage. Played out from the cost "
@@ -252,7 +254,9 @@ def _label_microbatches(axes, timeline: Timeline, scale: float) -> None:
 
 def _memory_caption(plan: Plan) -> str:
     worst = max(plan.stages, key=lambda s: s.memory_bytes.peak / s.limit_bytes)
-    return (f"By category, against the device limit (red). The fullest is stage {worst.index}: "
+    return (f"By category, against the memory a device leaves the plan (red: what CUDA "
+            f"reports, less the reserves the memory section names). The fullest is stage "
+            f"{worst.index}: "
             f"{_esc(format_bytes(worst.memory_bytes.peak))} of "
             f"{_esc(format_bytes(worst.limit_bytes))} "
             f"({100 * worst.memory_bytes.peak / worst.limit_bytes:.0f}%).")
@@ -287,7 +291,7 @@ def memory_svg(plan: Plan) -> str:
             axes.text(max(left[i], limit) if near else left[i], i,
                       f" {100 * stage.memory_bytes.peak / stage.limit_bytes:.0f}%",
                       va="center", fontsize=8)
-    axes.plot([], [], color="#d62728", linewidth=2, label="device limit")
+    axes.plot([], [], color="#d62728", linewidth=2, label="usable memory")
     axes.set_ylim(len(stages) - 0.5, -0.5)
     step = max(1, len(stages) // 24)
     axes.set_yticks(range(0, len(stages), step),
@@ -345,7 +349,9 @@ def mesh_svg(plan: Plan) -> str:
         axes.set_xlim(0, right)
     axes.set_ylim(len(meshes) - 0.5, -0.5)
     axes.set_yticks(range(len(meshes)),
-                    [f"pp={m.pp} dp={m.dp} tp={m.tp}" for m in meshes], fontsize=8)
+                    [f"pp={m.pp} dp={m.dp} tp={m.tp}"
+                     + (f" cp={m.cp} {m.cp_kind}" if m.cp > 1 else "") for m in meshes],
+                    fontsize=8)
     axes.set_xlabel(f"predicted step time ({unit})" + (", log scale" if log else ""))
     axes.set_title("Mesh factorisations: predicted step time", loc="left", fontweight="bold")
     outcomes = {m.outcome for m in meshes if m.mesh != plan.mesh}

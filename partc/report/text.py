@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from partc.cli.choices import REPORT_FORMATS
 from partc.codec import dtype_name
 from partc.cost.timeline import Timeline, simulate, text_lines
+from partc.device.usable import Headroom, communicators, headroom
 from partc.names import Outcome, Phase
 from partc.placement import REPLICATE
 from partc.plan import DP_WHEN, MeshOutcome, Plan, TensorParallelPlan
@@ -87,6 +88,19 @@ _ATTENTION = {"as_written": "as the model writes it",
               "fused": "fused (scaled_dot_product_attention where provably equal)"}
 
 
+def _kernels_line(plan: Plan) -> str:
+    """The kernel choices the plan runs, and the first step's compile."""
+    train = plan.train
+    compiled = ("compiled (torch.compile" + (", each FSDP unit" if plan.effective_zero_stage >= 2
+                                             else "") + ")") if train.compile else "eager"
+    line = f"kernels: {compiled}, attention {train.attention.replace('_', ' ')}, " \
+           f"optimizer step {'fused' if train.fused_optimizer else 'unfused'}"
+    seconds = plan.predicted.compile_time_s
+    if seconds is not None:
+        line += f"; the first step compiles for about {format_seconds(seconds)} (estimated)"
+    return line
+
+
 def _headline(plan: Plan) -> list[str]:
     p, model, budget, train = plan.predicted, plan.model, plan.budget, plan.train
     zero = plan.effective_zero_stage
@@ -108,7 +122,10 @@ def _headline(plan: Plan) -> list[str]:
         f"peak memory {format_bytes(p.peak_memory_bytes)}",
         _mfu_line(plan),
         _checkpoint_line(plan),
+        _kernels_line(plan),
     ]
+    if plan.fp8 is not None:
+        lines.append(_fp8_line(plan))
     if train.loss_per_microbatch:
         lines.append(f"loss: each microbatch's loss is its own (declared: "
                      f"loss_per_microbatch), the mean of {plan.dp * plan.num_microbatches} "
@@ -116,6 +133,24 @@ def _headline(plan: Plan) -> list[str]:
                      f"that couples the samples of a batch differs from one device's "
                      f"whole-batch loss")
     return lines
+
+
+def _fp8_line(plan: Plan) -> str:
+    """Which linears run FP8 (TrainSpec.fp8), with what scaling, and why the others not."""
+    section = plan.fp8
+    how = ("emulated (no FP8 matmuls on this device: torchao's emulation, for testing)"
+           if section.emulated else
+           f"at {plan.budget.figures.fp8_peak_flops / 1e12:.4g} TFLOP/s FP8 peak")
+    if not section.linears:
+        why = ("none runs under tensor parallelism" if plan.tp > 1 else
+               "emulated FP8 never pays (pin Constraints.fp8_linears to run some)"
+               if section.emulated else "none pays for its casts at this micro-batch size")
+        return f"fp8: on ({section.recipe} scaling), no linear runs FP8: {why}"
+    shown = ", ".join(section.linears[:3]) + (", ..." if len(section.linears) > 3 else "")
+    return (f"fp8: {len(section.linears)} linears run FP8 ({section.recipe} scaling, "
+            f"torchao float8), {how}: {shown}; the rest stay "
+            f"{dtype_name(plan.train.dtype)}: the output layer, unless pinned, and those "
+            f"whose casts cost more than FP8 saves")
 
 
 def _dp_busiest(plan: Plan) -> int | None:
@@ -211,6 +246,27 @@ def _memory_rows(plan: Plan) -> list[list[str]]:
     return rows
 
 
+def _offload_rows(plan: Plan) -> list[list[str]]:
+    """Per stage with offloaded layers: which, the host memory a rank holds for them
+    at its peak, and the bytes it copies each way per step."""
+    return [[str(s.index), _span(s.offloaded), format_bytes(s.memory_bytes.host),
+             format_bytes(s.host_traffic_bytes), format_bytes(s.host_traffic_bytes)]
+            for s in plan.stages if s.offloaded]
+
+
+def _offload_lines(plan: Plan) -> list[str]:
+    budget = plan.budget.figures
+    link = (f"{budget.device_to_host_bandwidth / 1e9:.3g} GB/s out, "
+            f"{budget.host_to_device_bandwidth / 1e9:.3g} GB/s back per device"
+            if budget.device_to_host_bandwidth and budget.host_to_device_bandwidth
+            else "bandwidth not known")
+    return [f"Offloaded layers (recompute mode offload) keep what they save for backward "
+            f"in the host's memory: copied out as their forward runs and back before "
+            f"their backward, on a copy stream beside the compute ({link}); the stages' "
+            f"recompute time holds the part of the copies compute does not hide, and "
+            f"their transient memory the copies in flight."]
+
+
 def _zero_sharding(plan: Plan) -> str:
     """What the plan's ZeRO stage shards over dp, and when ZeRO-2 reduces gradients."""
     zero = plan.effective_zero_stage
@@ -235,7 +291,57 @@ def _memory_lines(plan: Plan) -> list[str]:
             f"receive buffer for the gradient coming back to the backward being run "
             f"(receive; the activations coming in are the saved inputs). The optimizer "
             f"step's temporaries (step) come once the activations are gone: the peak is "
-            f"the state and the larger of the two."]
+            f"the state and the larger of the two."] + _offload_lines(plan)
+
+
+def _offload_lines(plan: Plan) -> list[str]:
+    """What the plan keeps on the host, and what that costs a step."""
+    if not plan.offload_optimizer:
+        return []
+    what = ("the parameter shards and their gradients (FSDP's CPU offload), the fp32 "
+            "masters and the optimizer state; the step runs on the host's cores"
+            if plan.offload_params else
+            "the fp32 master weights, a gradient copy and the optimizer state; the step "
+            "runs on the host's cores and the updated weights are copied back"
+            + (", every gradient streamed out as backward makes it (the host holds "
+               "the gradient buckets)" if plan.dp == 1 else ""))
+    tail = max(stage.time_s.tail for stage in plan.stages)
+    return [f"Offloaded to the host: {what}. The host holds "
+            f"{format_bytes(plan.host_bytes_per_node)} per node; the device columns above "
+            f"leave it out. The host's step and the copies made once per step are in the "
+            f"step's tail ({format_seconds(tail)} on the busiest stage); the copies of each "
+            f"microbatch (gradients streamed out, parameter shards in and out) in the layers' "
+            f"forward and backward; all exposed (not overlapped with compute)."]
+
+
+def plan_headroom(plan: Plan) -> Headroom:
+    """The plan's peak against its device's memory, from the vendor's figure down
+    (:func:`partc.device.usable.headroom`: the limits the planner planned against)."""
+    budget, mesh = plan.budget, plan.mesh
+    return headroom(reported=min(budget.memory_bytes), nominal=budget.figures.nominal_memory,
+                    figures=budget.figures, peak=plan.predicted.peak_memory_bytes,
+                    groups=communicators(budget.num_devices, mesh.pp, mesh.dp, mesh.tp,
+                                         mesh.ep))
+
+
+def _headroom_line(plan: Plan) -> str:
+    room = plan_headroom(plan)
+    nominal = (f", nominal {format_bytes(room.nominal)}" if room.nominal is not None
+               and room.nominal != room.reported else "")
+    taken = [f"{format_bytes(room.context)} for the CUDA context and workspaces"
+             if room.context else "",
+             f"{room.communicators} NCCL communicator{'s' if room.communicators != 1 else ''}"
+             f" x {format_bytes(room.per_communicator)}"
+             if room.communicators and room.per_communicator else "",
+             f"{100 * room.fragmentation:g}% for fragmentation "
+             f"({format_bytes(room.fragmentation_bytes)})" if room.fragmentation else ""]
+    taken = [t for t in taken if t]
+    less = ("; less " + ", ".join(taken) + " (DeviceBudget's context_memory, "
+            "communicator_memory, memory_fragmentation)") if taken else ""
+    return (f"Headroom: peak {format_bytes(room.peak)} of {format_bytes(room.usable)} usable "
+            f"({100 * room.peak / max(room.usable, 1):.1f}%, {format_bytes(room.left)} "
+            f"left); the device reports {format_bytes(room.reported)}{nominal}"
+            f"{less}.")
 
 
 _ZERO_SHARDS = {1: "optimizer state", 2: "gradients and optimizer state",
@@ -243,8 +349,15 @@ _ZERO_SHARDS = {1: "optimizer state", 2: "gradients and optimizer state",
 
 
 def _is_chosen(plan: Plan, outcome: MeshOutcome) -> bool:
-    # A factorisation (pp, dp, tp): the expert-parallel degree is one of its choices.
-    return (outcome.pp, outcome.dp, outcome.tp) == (plan.pp, plan.dp, plan.tp)
+    # A factorisation (pp, dp, cp, tp) with its cp kind: the expert-parallel degree is
+    # one of its choices.
+    return (outcome.pp, outcome.dp, outcome.tp, outcome.cp, outcome.cp_kind) == (
+        plan.pp, plan.dp, plan.tp, plan.cp, plan.cp_kind)
+
+
+def _has_cp(plan: Plan) -> bool:
+    """Whether the mesh table needs a cp column: some mesh weighed splits sequences."""
+    return plan.cp > 1 or any(mesh.cp > 1 for mesh in plan.meshes)
 
 
 def _mesh_config(mesh: MeshOutcome) -> str:
@@ -266,8 +379,10 @@ def _plan_config(plan: Plan) -> str:
 def _mesh_chosen(plan: Plan) -> str:
     sp = ", sequence parallel" if plan.sequence_parallel else ""
     once = " (gradients reduce-scattered once per step)" if plan.reduces_once else ""
+    offload = (f", offload: {', '.join(plan.offload)}" if plan.offload else "")
     return (f"chosen: {plan.mesh}, ZeRO-{plan.zero_stage}{once}, "
-            f"{plan.schedule}, b x m = {plan.micro_batch_size} x {plan.num_microbatches}{sp}")
+            f"{plan.schedule}, b x m = {plan.micro_batch_size} x {plan.num_microbatches}{sp}"
+            f"{offload}")
 
 
 def _ranking_step(plan: Plan) -> float:
@@ -326,7 +441,9 @@ def _mesh_rows(plan: Plan) -> list[list[str]]:
     step = _ranking_step(plan)
     rows = []
     for mesh in plan.meshes:
-        axes = [str(mesh.pp), str(mesh.dp), str(mesh.tp)]
+        axes = [str(mesh.pp), str(mesh.dp)] + (
+            [f"{mesh.cp} ({mesh.cp_kind})" if mesh.cp > 1 else "1"] if _has_cp(plan)
+            else []) + [str(mesh.tp)]
         if mesh.outcome == Outcome.SOLVED:
             chosen = _is_chosen(plan, mesh)
             shown = plan.predicted.step_time_s if chosen else mesh.step_time_s
@@ -641,6 +758,8 @@ def _timeline_lines(plan: Plan, timeline: Timeline) -> list[str]:
             f"{_microbatches(plan.num_microbatches)}), in the schedule's own order, played "
             f"out from the stage times above: F forward, B backward (its input-gradient "
             f"part under a zero-bubble schedule), W weight gradient, R recompute, "
+            f"H the copies of offloaded activations to and from the host that compute "
+            f"does not hide, "
             f"c communication (sends, tensor-parallel collectives, what ZeRO-2/3's "
             f"collectives leave exposed), T tail (from when the "
             f"pipeline drains: the exposed part of the gradient sync and of ZeRO-1's weight "
@@ -692,9 +811,9 @@ def sections(plan: Plan, timeline: Timeline | None = None) -> list[Section]:
     mesh = (_mesh_chosen(plan),) + ((_mesh_why(plan),) if plan.meshes else ())
     out.append(Section(
         key="mesh", title="Mesh", bullets=mesh,
-        header=("pp", "dp", "tp", "best config (b x m, schedule, ZeRO)",
-                "step time (fastest schedule, played out)",
-                "vs chosen", "note")
+        header=("pp", "dp") + (("cp",) if _has_cp(plan) else ()) + (
+            "tp", "best config (b x m, schedule, ZeRO)",
+            "step time (fastest schedule, played out)", "vs chosen", "note")
         if plan.meshes else (),
         rows=_rows(_mesh_rows(plan)) if plan.meshes else ()))
     out.append(Section(
@@ -719,9 +838,16 @@ def sections(plan: Plan, timeline: Timeline | None = None) -> list[Section]:
             header=("schedule", "v", "step time", "vs chosen", "bubble", "peak memory",
                     "split"),
             rows=_rows(_schedule_rows(plan))))
-    out.append(Section(key="memory", title="Memory per rank", notes=tuple(_memory_lines(plan)),
+    out.append(Section(key="memory", title="Memory per rank",
+                       notes=(_headroom_line(plan), *_memory_lines(plan)),
                        header=("stage", *_MEMORY_KINDS, "peak / limit"),
                        rows=_rows(_memory_rows(plan))))
+    if any(s.offloaded for s in plan.stages):
+        out.append(Section(
+            key="activation_offload", title="Activation offload",
+            notes=tuple(_offload_lines(plan)),
+            header=("stage", "offloaded layers", "host memory per rank",
+                    "to host per step", "back per step"), rows=_rows(_offload_rows(plan))))
     if plan.data_parallel is not None:
         out.append(Section(
             key="data_parallel", title="Data parallelism", notes=tuple(_dp_lines(plan)),

@@ -155,7 +155,8 @@ class BatchDigests:
         sample = [_joined(*values[SLOTS_PER_RANK * r + 2:SLOTS_PER_RANK * (r + 1)])
                   for r in range(topo.world_size)]
         for replica in range(topo.dp):
-            members = [r for r in range(topo.world_size) if (r // topo.tp) % topo.dp == replica]
+            members = [r for r in range(topo.world_size)
+                       if (r // (topo.tp * topo.cp)) % topo.dp == replica]
             found = _first_difference(step, members, rows, ROWS, replica)
             if found is not None:
                 return found
@@ -187,7 +188,7 @@ def _first_difference(step: int, ranks: list[int], digests: list[int | None], wh
 
 def _place(rank: int, topo: Topology) -> str:
     """``rank 3 (stage 1, replica 0, tp rank 1)``."""
-    tp_rank, rest = rank % topo.tp, rank // topo.tp
+    tp_rank, rest = rank % topo.tp, rank // (topo.tp * topo.cp)
     dp_rank, pp_rank = rest % topo.dp, rest // topo.dp
     where = [f"stage {pp_rank}"]
     if topo.dp > 1:

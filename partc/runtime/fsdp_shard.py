@@ -17,7 +17,8 @@ import dataclasses
 import torch
 from torch import fx, nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import (CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy,
+                                    fully_shard)
 
 from partc.errors import PartcError
 from partc.problem import SMALL_UNITS_SHARE
@@ -27,7 +28,7 @@ from partc.runtime.topology import Topology
 
 def shard_over_dp(module: fx.GraphModule, unit_paths: tuple[str, ...], topology: Topology,
                    zero_stage: int, compute_dtype: torch.dtype, *,
-                   backward_follows: bool) -> None:
+                   backward_follows: bool, offload_params: bool = False) -> None:
     """ZeRO-2/3 by FSDP2 over the dp group: one unit per layer that owns its parameters
     (``unit_paths``; a small layer shares the next one's, see :func:`unit_groups`), the
     stage itself the root unit for the rest (tied weights, layers without a module of
@@ -36,26 +37,33 @@ def shard_over_dp(module: fx.GraphModule, unit_paths: tuple[str, ...], topology:
     would be gathered again at once, as torchtitan's ``apply_fsdp`` knows); the root
     keeps its own gathered until backward, as FSDP does. In mixed precision the fp32
     shards are the master weights, gathered as compute-dtype copies, and gradients are
-    reduce-scattered in fp32."""
-    mesh = topology.mesh["dp"]
+    reduce-scattered in fp32. With context parallelism the units shard over the dp x cp
+    ranks, which hold the same parameters (``Topology.grad_mesh``). ``offload_params``
+    (ZeRO-3): FSDP2's CPU offload policy, the shards and their gradients on the host,
+    copied in for each all-gather and out after each reduce-scatter; the optimizer then
+    steps them there."""
+    mesh = topology.grad_mesh
     policy = MixedPrecisionPolicy(
         param_dtype=None if compute_dtype == torch.float32 else compute_dtype,
         reduce_dtype=torch.float32)
+    offload = (dict(offload_policy=CPUOffloadPolicy(pin_memory=topology.device.type == "cuda"))
+               if offload_params else {})
     # Innermost first: the experts (lowering made each call hold its weights).
     for layer in experts.expert_modules(module):
         if layer.owned:
-            _shard_experts(layer, topology, zero_stage, policy)
+            _shard_experts(layer, topology, zero_stage, policy, offload)
     groups = unit_groups([module.get_submodule(path) for path in unit_paths],
                           sum(p.numel() for p in module.parameters()))
     for index, group in enumerate(groups):
         kept = backward_follows and index == len(groups) - 1
         fully_shard(group if len(group) > 1 else group[0], mesh=mesh, mp_policy=policy,
-                    reshard_after_forward=zero_stage >= 3 and not kept)
-    fully_shard(module, mesh=mesh, reshard_after_forward=zero_stage >= 3, mp_policy=policy)
+                    reshard_after_forward=zero_stage >= 3 and not kept, **offload)
+    fully_shard(module, mesh=mesh, reshard_after_forward=zero_stage >= 3, mp_policy=policy,
+                **offload)
 
 
 def _shard_experts(layer: experts.ExpertParallel, topology: Topology, zero_stage: int,
-                   policy: MixedPrecisionPolicy) -> None:
+                   policy: MixedPrecisionPolicy, offload: dict) -> None:
     """One mixture-of-experts layer's routed experts as an FSDP unit of their own over
     the expert-data-parallel group (the ranks holding the same experts; the dp group
     without expert parallelism). Their gradient is the sum over that group divided by
@@ -74,7 +82,8 @@ def _shard_experts(layer: experts.ExpertParallel, topology: Topology, zero_stage
     # device under autocast (FSDP would cast them to bf16 and the combine with them);
     # the experts' matmuls cast what they compute with, as autocast does.
     policy = dataclasses.replace(policy, cast_forward_inputs=False)
-    fully_shard(layer, mesh=mesh, reshard_after_forward=zero_stage >= 3, mp_policy=policy)
+    fully_shard(layer, mesh=mesh, reshard_after_forward=zero_stage >= 3, mp_policy=policy,
+                **offload)
     if mesh.size() != topology.dp:
         layer.set_gradient_divide_factor(topology.dp)
         if mesh.size() > 1:  # a sum then a division (gloo has no pre-multiplied sum)

@@ -42,7 +42,7 @@ class GradientSync:
         """This rank's gradient of ``param``: its ``.grad`` (FSDP's local shard under
         ZeRO-2/3), or under ZeRO-1 the reduced gradient of its dp shard in the buckets."""
         buckets = self._parts.buckets
-        if buckets is not None and buckets.sharded:
+        if buckets is not None and buckets.holds_grads:
             return buckets.grad_of(param)
         return None if param.grad is None else local_part(param.grad)
 
@@ -56,7 +56,7 @@ class GradientSync:
         self._sum_partial()
         for params, group in parts.tied:
             for param in params:
-                if parts.buckets is not None and parts.buckets.sharded:
+                if parts.buckets is not None and parts.buckets.holds_grads:
                     dist.all_reduce(parts.buckets.grad_of(param), group=group)
                     continue
                 grad = param.grad if param.grad is not None else torch.zeros_like(param)
@@ -103,7 +103,8 @@ class GradientSync:
 
     def norm_of(self, total: torch.Tensor, norm_type: float = 2.0) -> torch.Tensor:
         """The norm from every rank's :meth:`local_power` summed."""
-        dp = 1 if self._parts.sharded_grads else self._parts.topology.dp
+        # Reduced gradients are alike on every dp x cp rank (or each holds a shard).
+        dp = 1 if self._parts.sharded_grads else self._parts.topology.grad_replicas
         return (total / dp) ** (1.0 / norm_type)
 
     def _counted(self) -> list[torch.Tensor]:

@@ -119,7 +119,8 @@ class StepCheck:
                            + ([] if digests is None else [digests]))
         dist.all_reduce(vector)  # only the last stage's ranks add losses, tp copies alike
         values = vector.tolist()
-        scale = parts.plan.num_microbatches * topo.dp * topo.tp
+        # cp ranks each add their tokens' mean: as many tokens each, the mean of means.
+        scale = parts.plan.num_microbatches * topo.dp * topo.cp * topo.tp
         norm = norm_value = None
         if self.measures_norm:
             norm = self._gradients.norm_of(vector[1])

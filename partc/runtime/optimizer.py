@@ -54,6 +54,7 @@ from torch import nn
 
 from partc.errors import PartcError
 from partc.problem import BUCKET_ELEMENTS
+from partc.runtime.offload import HostTier
 from partc.runtime.parameters import dp_shard
 from partc.runtime.topology import ALL_GATHER_SINGLE, REDUCE_SCATTER_SINGLE
 
@@ -148,7 +149,8 @@ class GradBuckets:
     def __init__(self, module: nn.Module, group: dist.ProcessGroup, dp: int, dp_rank: int,
                  *, sharded: bool, elements: int | None = None,
                  at_end: set[int] = frozenset(), overlap: bool = True,
-                 groups: Mapping[int, Any] | None = None) -> None:
+                 groups: Mapping[int, Any] | None = None,
+                 host: HostTier | None = None) -> None:
         """``at_end``: ids of parameters whose gradient comes from several backwards of
         one microbatch (a weight two virtual stages of the rank share): their buckets
         are reduced in :meth:`finish` only. ``overlap`` False: every bucket is reduced
@@ -157,7 +159,11 @@ class GradBuckets:
         ``groups``: parameter id → the group its gradient is summed over instead of the
         dp group (a routed expert's weights: the expert-data-parallel group, whose ranks
         hold the same experts), in buckets of their own, still averaged over ``dp``;
-        ZeRO-1 shards them over that group (rows ``chunk(size)[rank in it]``)."""
+        ZeRO-1 shards them over that group (rows ``chunk(size)[rank in it]``).
+        ``host``: the buckets live on the host tier (optimizer offload with one replica,
+        ``partc/runtime/offload.py``): each gradient is copied out as backward makes it,
+        counted there, and stays in the buckets (``.grad`` is never set: the optimizer
+        reads :meth:`grad_of`)."""
         self.groups = dict(groups or {})
         self.group, self.dp, self.dp_rank, self.sharded = group, dp, dp_rank, sharded
         self.overlap = overlap
@@ -168,6 +174,9 @@ class GradBuckets:
         params = [p for p in {id(p): p for p in module.parameters()}.values()
                   if p.requires_grad]
         device = params[0].device if params else torch.device("cpu")
+        self.host = host
+        if host is not None:
+            device = host.device
         self.buckets: list[_Bucket] = []
         self._hooks: dict[int, Any] = {}  # on compute-dtype copies (stand_in)
         self._copies: dict[int, nn.Parameter] = {}
@@ -237,6 +246,8 @@ class GradBuckets:
         bucket = _Bucket(slots, shards if self.sharded else 1, rank,
                          self.groups.get(id(slots[0].param)), torch.float32, device)
         self.buckets.append(bucket)
+        if self.host is not None:
+            self.host.counters.host_resident += bucket.buffer.numel() * 4
         for slot in slots:
             self._slot[id(slot.param)] = (bucket, slot)
 
@@ -247,7 +258,7 @@ class GradBuckets:
         bucket after a step: kept as the gradient so far if still that view, zeroed where
         it was set to None (``zero_grad``), taken over if the user assigned another."""
         self.skip_step = False
-        if not self._in_step and not self.sharded:
+        if not self._in_step and not self.holds_grads:
             for bucket in self.buckets:
                 for slot in bucket.slots:
                     view = self._view(bucket, slot)
@@ -273,8 +284,16 @@ class GradBuckets:
             if bucket.ready == len(bucket.slots):
                 self._launch(bucket)
 
+    @property
+    def holds_grads(self) -> bool:
+        """Whether the reduced gradients stay in the buckets (:meth:`grad_of`), never in
+        ``.grad``: ZeRO-1's shards, or buckets on the host tier."""
+        return self.sharded or self.host is not None
+
     def _add(self, bucket: _Bucket, slot: _Slot, grad: torch.Tensor) -> None:
         flat = grad.detach().reshape(-1)
+        if self.host is not None:
+            flat = self.host.to_host(flat)
         columns = slot.columns(bucket.regions())
         if slot.everywhere:  # a 0-dim parameter: whole in every region
             columns.add_(flat)
@@ -291,7 +310,7 @@ class GradBuckets:
             if grad is None:
                 continue
             bucket, slot = self._slot[id(param)]
-            if not self.sharded and _same_view(grad, self._view(bucket, slot)):
+            if not self.holds_grads and _same_view(grad, self._view(bucket, slot)):
                 continue
             self._add(bucket, slot, grad)
             param.grad = None
@@ -328,7 +347,7 @@ class GradBuckets:
                 mine.div_(self.dp)
             if scale != 1:
                 mine.div_(scale)
-            if not self.sharded:
+            if not self.holds_grads:
                 for slot in bucket.slots:
                     slot.param.grad = self._view(bucket, slot).view_as(slot.param)
         self.end()
@@ -340,9 +359,9 @@ class GradBuckets:
         return slot.rank_view(bucket.region_of(0), 0)
 
     def grad_of(self, param: nn.Parameter) -> torch.Tensor | None:
-        """This rank's reduced gradient of ``param``: shaped as its dp shard (ZeRO-1) or
-        the parameter's ``.grad`` (ZeRO-0)."""
-        if not self.sharded:
+        """This rank's reduced gradient of ``param``: shaped as its dp shard (ZeRO-1),
+        its slots in host buckets, or the parameter's ``.grad`` (ZeRO-0)."""
+        if not self.holds_grads:
             return param.grad
         found = self._slot.get(id(param))
         if found is None:

@@ -141,10 +141,11 @@ def tied_groups(holders: Mapping[tuple[str, ...], tuple[int, ...]], module: nn.M
         if len(pp_ranks) < 2:
             continue
         for dp_rank in range(topology.dp):
-            for tp_rank in range(topology.tp):
-                ranks = [topology.rank_of(s, dp_rank, tp_rank) for s in pp_ranks]
-                group = group_of(ranks)
-                if topology.rank in ranks:
-                    params = [own[name] for name in key if name in own]
-                    result.append((params[:1], group))
+            for cp_rank in range(topology.cp):
+                for tp_rank in range(topology.tp):
+                    ranks = [topology.rank_of(s, dp_rank, tp_rank, cp_rank) for s in pp_ranks]
+                    group = group_of(ranks)
+                    if topology.rank in ranks:
+                        params = [own[name] for name in key if name in own]
+                        result.append((params[:1], group))
     return result

@@ -34,14 +34,16 @@ import torch.distributed as dist
 from torch import nn
 
 from partc.cost.schedules import schedule as schedule_facts
-from partc.errors import PartcError, PlanMismatchError
+from partc.errors import ContextParallelError, PartcError, PlanMismatchError
 from partc.identity import model_hash
 from partc.plan import Plan
+from partc.runtime import cp_group as cp_ops
 from partc.runtime import experts
 from partc.runtime import tp as tp_ops
 from partc.runtime.compiled import compile_stage
 from partc.runtime.fsdp_shard import shard_over_dp
 from partc.runtime.module import DistributedModule
+from partc.runtime.offload import HostTier
 from partc.runtime.optimizer import GradBuckets, wait_in_forward
 from partc.runtime.parameters import aliases_of, own_parameters, shard_plan
 from partc.runtime.pipeline_schedule import (RankStages, make_schedule, runtime_refusal,
@@ -100,6 +102,14 @@ def connect(plan: Plan, model: nn.Module, loss_fn: Callable | None, *,
         raise PartcError("training needs a loss: pass loss_fn to partc.compile/partc.load "
                          "(or, for a model that returns its own loss, labels among the "
                          "example inputs)")
+    if plan.cp > 1 and plan.mesh.ep > 1:
+        raise ContextParallelError("context parallelism beside expert parallelism is not "
+                                   "supported yet: plan cp=1 or ep=1")
+    if plan.cp > 1 and plan.model.own_loss is not None:
+        raise ContextParallelError(
+            "context parallelism splits each sequence over its cp ranks, and the model's "
+            "own loss shifts its labels along the whole sequence: give partc.compile a "
+            "loss_fn on the logits and next-token targets, or plan cp=1")
     why = runtime_refusal(plan)
     if why is not None:
         raise PartcError(f"this plan cannot run: {why}")
@@ -144,7 +154,8 @@ def build(plan: Plan, topology: Topology,
     tied = tied_groups(holders, whole, topology, plan)  # every rank makes every group
     scaled_once = frozenset(shared.values())
     loss = _planned_loss(programs[0], tp_group, dtype)
-    buckets = _grad_buckets(plan, topology, whole, dtype, scaled_once, expert_params)
+    host = HostTier(topology.device.type) if plan.offload_optimizer else None
+    buckets = _grad_buckets(plan, topology, whole, dtype, scaled_once, expert_params, host)
     if buckets is not None and buckets.sharded and plan.train.overlap_param_gather:
         # ZeRO-1's all-gather of the stepped parameters runs beside the next forward:
         # each layer (a unit lowering made) waits for its buckets before it runs.
@@ -172,7 +183,7 @@ def build(plan: Plan, topology: Topology,
         tied_elsewhere=frozenset(tied_elsewhere(holders, whole, plan, topology.pp_rank)),
         model_tensors=MappingProxyType({name: (tuple(t.shape), t.dtype)
                                         for name, t in model_state.items()}),
-        watchdog=watchdog, memory_baseline=baseline))
+        watchdog=watchdog, memory_baseline=baseline, host=host))
 
 
 def _tp_process_group(topology: Topology) -> dist.ProcessGroup | None:
@@ -186,8 +197,12 @@ def _own_parameters(modules: list[nn.Module], model: nn.Module,
     """Bind the stages to the tp group and give them this rank's parameters (its
     tensor-parallel shards); returns its slices of routed expert weights."""
     shard = shard_plan(plan, topology)
+    cp_group = cp_ops.ContextParallelGroup(topology.cp, str(plan.cp_kind or cp_ops.RING),
+                                           topology.cp_group) if topology.cp > 1 else None
     for module in modules:
         tp_ops.bind_group(module, tp_group)
+        if cp_group is not None:
+            cp_ops.bind_group(module, cp_group)
         own_parameters(module, model, state_dict, topology.device, shard)
     return [param for module in modules for param in experts.shard_experts(
         module, topology.ep_group, topology.ep, topology.ep_rank,
@@ -220,7 +235,7 @@ def _prepare_modules(modules: list[nn.Module], programs: list[StageProgram], pla
                 plan.num_microbatches == 1
                 or (plan.schedule == "1f1b" and plan.num_microbatches >= plan.pp))
             shard_over_dp(module, program.fsdp_units, topology, zero_stage, dtype,
-                          backward_follows=follows)
+                          backward_follows=follows, offload_params=plan.offload_params)
         if dtype != torch.float32:
             # Mixed precision: the fp32 parameters are the master weights; the stage
             # computes with compute-dtype copies of them, cast once per step (ZeRO 0/1:
@@ -231,16 +246,22 @@ def _prepare_modules(modules: list[nn.Module], programs: list[StageProgram], pla
             module.forward = torch.autocast(topology.device.type, dtype=dtype)(
                 module.forward)
         if plan.train.compile:
-            compile_stage(module, plan, topology.device)
+            # Under ZeRO-2/3 each unit, FSDP's gather and free hooks left eager
+            # around its compiled forward (as torchtitan compiles each block).
+            compile_stage(module, plan, topology.device, program.fsdp_units)
 
 
 def _grad_buckets(plan: Plan, topology: Topology, whole: nn.Module, dtype: torch.dtype,
-                  scaled_once: frozenset[int], expert_params: list[nn.Parameter]
-                  ) -> GradBuckets | None:
+                  scaled_once: frozenset[int], expert_params: list[nn.Parameter],
+                  host: HostTier | None) -> GradBuckets | None:
     """ZeRO 0/1's fp32 gradient buckets for the rank, or None where there is nothing to
-    reduce or widen (the module's doc)."""
+    reduce or widen (the module's doc). With optimizer offload and one replica they live
+    on the host (``host``): every gradient is streamed out as backward makes it
+    (``partc.cost.host_offload.streams_gradients``)."""
+    on_host = host if plan.offload_optimizer and not plan.offload_params \
+        and topology.grad_replicas == 1 else None
     if plan.effective_zero_stage >= 2 or not (
-            topology.dp > 1 or dtype != torch.float32
+            topology.grad_replicas > 1 or dtype != torch.float32 or on_host is not None
             or topology.dp * topology.tp > topology.ep > 1):
         return None
     # Routed experts' gradients are summed over the ranks holding the same experts.
@@ -250,10 +271,12 @@ def _grad_buckets(plan: Plan, topology: Topology, whole: nn.Module, dtype: torch
     # both before it is reduced (after the schedule, by ``finish``), and a split
     # backward's weight gradients (made outside autograd's accumulation hooks) are taken
     # in there too, so neither overlaps the backward.
-    return GradBuckets(whole, topology.dp_group, topology.dp, topology.dp_rank,
+    # Over dp x cp: the cp ranks hold the same parameters and see other tokens.
+    return GradBuckets(whole, topology.grad_group, topology.grad_replicas, topology.grad_rank,
                        sharded=plan.effective_zero_stage == 1, at_end=set(scaled_once),
                        overlap=not schedule_facts(plan.schedule).split_backward,
-                       groups=expert_groups, elements=plan.train.bucket_elements)
+                       groups=expert_groups, elements=plan.train.bucket_elements,
+                       host=on_host)
 
 
 def _pipeline_stage(module: nn.Module, program: StageProgram, plan: Plan,

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import logging
 import weakref
+from functools import partial
 from typing import Any, Iterable, Mapping
 
 import torch
@@ -38,6 +39,7 @@ from torch import nn
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from partc.errors import PlanMismatchError
+from partc.runtime.offload import HostOptimizer, host_kernel, local_tensor
 from partc.runtime.optimizer import DistributedOptimizer
 from partc.runtime.rank_parts import RankParts
 from partc.runtime.rank_state import RankState
@@ -54,17 +56,68 @@ def make_optimizer(parts: RankParts, state: RankState,
     stage when that is fastest). torch optimizers refuse an empty parameter list, so
     such a rank gets ``optimizer_class`` over one empty placeholder parameter that never
     has a gradient: ``step`` and ``zero_grad`` do nothing, and learning-rate schedulers,
-    ``state_dict`` and the README's loop work unchanged on every rank."""
+    ``state_dict`` and the README's loop work unchanged on every rank. Torch's fused
+    step where the plan chose it (:func:`fused_defaults`)."""
+    defaults = fused_defaults(parts, optimizer_class, defaults)
     check_step_temporaries(parts, state, defaults)
     buckets, copies = parts.buckets, parts.copies
     if not any(True for _ in state.parameters()):
         placeholder = nn.Parameter(torch.empty(0, device=parts.topology.device))
         return optimizer_class([placeholder], **defaults)
+    if parts.plan.offload_optimizer:
+        return _offloaded(parts, state, optimizer_class, defaults)
     if buckets is not None and buckets.sharded:
         return DistributedOptimizer(
             buckets, optimizer_class,
             compute_dtype=copies.dtype if copies is not None else None, **defaults)
     return optimizer_class(state.parameters(), **defaults)
+
+
+def _offloaded(parts: RankParts, state: RankState,
+               optimizer_class: type[torch.optim.Optimizer], defaults: Mapping[str, Any]
+               ) -> torch.optim.Optimizer:
+    """The step on the host (``partc/runtime/offload.py``): under ZeRO-3 with parameter
+    offload, the user's class over the host shards FSDP keeps (torch's fused kernel for
+    Adam and AdamW); under ZeRO-1 the distributed optimizer stepping its shards on the
+    host; with the gradient buckets on the host (one replica), fp32 host masters of the
+    parameters stepped with those buckets, the parameters kept in the compute dtype; else
+    host masters of the parameters (FSDP's local shards under ZeRO-2/3) stepped with
+    their gradients copied out."""
+    buckets, copies, tier = parts.buckets, parts.copies, parts.host
+    if parts.plan.offload_params:
+        params = list(state.parameters())
+        tier.counters.host_resident += 2 * sum(local_tensor(p).numel()
+                                               * local_tensor(p).element_size()
+                                               for p in params)   # shards and gradients
+        return optimizer_class(params, **host_kernel(optimizer_class, dict(defaults)))
+    if buckets is not None and buckets.sharded:
+        return DistributedOptimizer(
+            buckets, partial(HostOptimizer, optimizer_class=optimizer_class, tier=tier),
+            compute_dtype=copies.dtype if copies is not None else None, **defaults)
+    if buckets is not None and buckets.host is not None:
+        params = list(state.parameters())
+        optimizer = HostOptimizer(params, optimizer_class, tier, grad_of=buckets.grad_of,
+                                  grads_on_host=True, on_zero_grad=buckets.zero_, **defaults)
+        if copies is not None:   # the host holds the fp32 masters now
+            with torch.no_grad():
+                for param in params:
+                    if param.is_floating_point():
+                        param.data = param.data.to(copies.dtype)
+        return optimizer
+    return HostOptimizer(state.parameters(), optimizer_class, tier, **defaults)
+
+
+def fused_defaults(parts: RankParts, optimizer_class: type[torch.optim.Optimizer],
+                   defaults: Mapping[str, Any]) -> Mapping[str, Any]:
+    """``defaults`` with ``fused=True`` where the plan chose torch's fused step
+    (``TrainSpec.fused_optimizer``, priced at HBM rate), the optimizer is Adam or AdamW
+    and the rank's weights are on a GPU, unless the caller chose ``fused`` or
+    ``foreach`` itself."""
+    if parts.plan.train.fused_optimizer is not True or parts.topology.device.type == "cpu" \
+            or not issubclass(optimizer_class, (torch.optim.Adam, torch.optim.AdamW)) \
+            or "fused" in defaults or "foreach" in defaults:
+        return defaults
+    return {**defaults, "fused": True}
 
 
 def check_step_temporaries(parts: RankParts, state: RankState,
@@ -119,7 +172,7 @@ class PlainStepGuard:
             self._handle = register_optimizer_step_pre_hook(self._before_step)
 
     def _before_step(self, optimizer: torch.optim.Optimizer, *_: Any) -> None:
-        if not self._watched:
+        if not self._watched or isinstance(optimizer, HostOptimizer):   # partc's own
             return
         groups = optimizer.param_groups
         seen = (self._generation, sum(len(group["params"]) for group in groups))
@@ -141,6 +194,13 @@ def _refusal(optimizer: torch.optim.Optimizer, held: list[str], where: str,
             else kind.__qualname__)
     more = f" and {len(held) - 1} more" if len(held) > 1 else ""
     at = f" at step {step}" if step else ""
+    if where.endswith(_OFFLOADED):
+        return (f"{where.removesuffix(_OFFLOADED)}: {name}.step(){at} would update "
+                f"{held[0]!r}{more} of a plan that offloads the optimizer; refused before "
+                f"it changed any parameter. The plan keeps the optimizer's state and fp32 "
+                f"masters on the host and prices no state on the device: build it with "
+                f"module.optimizer({name}, <the same arguments>), which steps on the host, "
+                f"or plan with Constraints(offload=())")
     return (f"{where}: {name}.step(){at} would update {held[0]!r}{more} of a ZeRO-1 "
             f"plan; refused before it changed any parameter. Under ZeRO-1 each "
             f"data-parallel rank holds the reduced gradient of its 1/dp shard of every "
@@ -153,6 +213,10 @@ def _refusal(optimizer: torch.optim.Optimizer, held: list[str], where: str,
             f"one device")
 
 
+# Marks the place of a watched module whose plan offloads the optimizer.
+_OFFLOADED = " (optimizer offloaded)"
+
+
 # The one guard of the process: see the module's doc.
 PLAIN_STEPS = PlainStepGuard()
 
@@ -160,9 +224,10 @@ PLAIN_STEPS = PlainStepGuard()
 def refuse_plain_steps(owner: Any, parts: RankParts, state: RankState) -> None:
     """Under ZeRO-1, refuse any optimizer's step over this rank's parameters but that of
     :func:`make_optimizer` (:data:`PLAIN_STEPS`), while ``owner`` lives."""
-    buckets, topo = parts.buckets, parts.topology
-    if buckets is None or not buckets.sharded:
+    buckets, topo, plan = parts.buckets, parts.topology, parts.plan
+    offloaded = plan.offload_optimizer and not plan.offload_params
+    if not offloaded and (buckets is None or not buckets.sharded):
         return
     where = (f"rank {topo.rank} (stage {topo.pp_rank}, data-parallel rank {topo.dp_rank} "
-             f"of {topo.dp})")
+             f"of {topo.dp})") + (_OFFLOADED if offloaded else "")
     PLAIN_STEPS.watch(owner, state.named_parameters(), where)

@@ -18,6 +18,7 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
 from partc.plan import Plan
+from partc.runtime.offload import HostTier
 from partc.runtime.optimizer import GradBuckets
 from partc.runtime.pipeline_stage import CountingStage
 from partc.runtime.precision import ComputeCopies
@@ -69,6 +70,9 @@ class RankParts:
     watchdog: Watchdog | None
     # Host RSS before build copied parameters: telemetry's memory zero.
     memory_baseline: int
+    # Optimizer offload: the host beside the device and its counters
+    # (partc/runtime/offload.py); None without offload.
+    host: HostTier | None = None
 
     @property
     def virtual_stages(self) -> tuple[int, ...]:

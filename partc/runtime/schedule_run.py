@@ -19,6 +19,7 @@ import torch.distributed as dist
 import torch.utils._pytree as pytree
 from torch.distributed.pipelining.schedules import PipelineScheduleSingle
 
+from partc.runtime import cp_layout
 from partc.runtime.batch_check import BatchCheck
 from partc.runtime.label_weights import label_counts, sample_weights
 from partc.runtime.rank_parts import RankParts
@@ -48,17 +49,27 @@ class ScheduleRun:
             target = self._label_weights(inputs, rows)  # the rows given, as the inputs
         device = self._parts.topology.device
         stages = self._parts.stages
-        args = tuple(t[rows].to(device) for t in inputs) \
+        args = tuple(self._mine(t, rows) for t in inputs) \
             if any(s.is_first for s in stages) else ()
         kwargs: dict[str, Any] = {}
         if any(s.is_last for s in stages):
             kwargs = {"target": pytree.tree_map_only(
-                torch.Tensor, lambda t: t[rows].to(device), target), "losses": losses}
+                torch.Tensor, lambda t: self._mine(t, rows), target), "losses": losses}
         if _STEP_TAKES_RETURN_OUTPUTS:
             # The outputs are the loss's inputs (the logits): returned, torch keeps every
             # microbatch's until the step ends; partc only needs the losses.
             kwargs["return_outputs"] = False
         return args, kwargs
+
+    def _mine(self, tensor: torch.Tensor, rows: slice) -> torch.Tensor:
+        """This rank's part of a batch tensor: its replica's rows and, with context
+        parallelism, its tokens of each (dim 1, the load-balanced layout of
+        :mod:`.cp_layout`), on its device."""
+        topo = self._parts.topology
+        tensor = tensor[rows]
+        if topo.cp > 1 and tensor.dim() >= 2:
+            tensor = cp_layout.shard(tensor, 1, topo.cp, topo.cp_rank)
+        return tensor.to(topo.device)
 
     def _label_weights(self, inputs: tuple, rows: slice) -> torch.Tensor:
         """The model's own loss: each sample's weight, of the batch given (the global
@@ -108,4 +119,4 @@ class ScheduleRun:
         if losses:
             total = torch.stack(losses).sum().detach().to(torch.float32)
         dist.all_reduce(total)  # only the last stage's ranks contribute, tp copies alike
-        return total / (self._parts.plan.num_microbatches * topo.dp * topo.tp)
+        return total / (self._parts.plan.num_microbatches * topo.dp * topo.cp * topo.tp)

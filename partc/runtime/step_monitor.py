@@ -18,6 +18,7 @@ from typing import Any, Callable, Iterator
 
 import torch
 
+from partc.runtime.activation_offload import ledgers
 from partc.runtime.rank_parts import RankParts
 from partc.runtime.telemetry import StepRecord, Telemetry
 from partc.runtime.watchdog import IDLE, PhaseMarks
@@ -58,7 +59,8 @@ class StepMonitor:
         self.telemetry = Telemetry(
             parts.plan, rank=topo.rank, stage=topo.pp_rank, device=topo.device,
             leads_stage=topo.dp_rank == 0 and topo.tp_rank == 0,
-            memory_baseline=parts.memory_baseline, **options)
+            memory_baseline=parts.memory_baseline,
+            offload=[ledger.counters for ledger in ledgers(parts.module)], **options)
         return self.telemetry
 
     def begin(self, step: int) -> None:

@@ -24,6 +24,11 @@ yields one :class:`StepRecord` per rank:
   step is slower, and it is not judged against the plan) and reported with each later
   step, beside ``rss_bytes``, the step's own peak RSS growth, which also holds allocator
   slack, communication buffers and libraries;
+- ``host_activation_bytes`` / ``host_traffic_bytes``: with offloaded layers (recompute
+  mode "offload", :mod:`partc.runtime.activation_offload`), the most bytes of saved
+  activations the rank held on the host during the step and the bytes it copied there,
+  beside ``predicted_host_activation_bytes`` / ``predicted_host_traffic_bytes``, the
+  plan's (``StageMemory.host``, ``StagePlan.host_traffic_bytes``); None without;
 - ``grad_norm``: the global gradient 2-norm (the one the step's non-finite check and
   clipping read; with that check off and no clipping, computed unless
   ``grad_norm=False``);
@@ -54,7 +59,7 @@ import time
 import weakref
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterable, TextIO
+from typing import Any, Callable, Iterable, Sequence, TextIO
 
 import torch
 from torch.distributed.tensor import DTensor
@@ -64,6 +69,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from partc.errors import PartcError
 from partc.plan import Plan
+from partc.runtime.activation_offload import OffloadCounters
 from partc.units import format_bytes, format_seconds
 
 log = logging.getLogger("partc.runtime.telemetry")
@@ -142,6 +148,11 @@ class StepRecord:
     memory_step: int | None = None
     rss_bytes: int | None = None
     skipped: bool = False   # a non-finite step, skipped: the optimizer did not step
+    # Offloaded activations on the host (None: the stage offloads none).
+    host_activation_bytes: int | None = None
+    predicted_host_activation_bytes: int | None = None
+    host_traffic_bytes: int | None = None
+    predicted_host_traffic_bytes: int | None = None
     notes: dict[str, Any] = field(default_factory=dict)   # e.g. the launcher's lr
 
     @property
@@ -173,6 +184,9 @@ class StepRecord:
                  + f" (plan {format_bytes(self.predicted_memory_bytes)}, stage {self.stage})"
                  + (f", RSS +{format_bytes(self.rss_bytes)}"
                     if self.rss_bytes is not None else "")]
+        if self.host_activation_bytes is not None:
+            parts.append(f"host {format_bytes(self.host_activation_bytes)} (plan "
+                         f"{format_bytes(self.predicted_host_activation_bytes or 0)})")
         if self.grad_norm is not None:
             parts.append(f"grad norm {self.grad_norm:.3g}")
         if self.skipped:
@@ -371,10 +385,12 @@ class Telemetry:
                  jsonl_dir: str | Path | None = None, console: bool = True,
                  tensorboard_dir: str | Path | None = None, warn_ratio: float = 0.25,
                  grad_norm: bool = True, wandb: dict[str, Any] | None = None,
-                 held: Callable[[], Iterable[torch.Tensor]] | None = None) -> None:
+                 held: Callable[[], Iterable[torch.Tensor]] | None = None,
+                 offload: Sequence[OffloadCounters] = ()) -> None:
         if not warn_ratio > 0:
             raise ValueError(f"warn_ratio must be positive, got {warn_ratio!r}")
         self.plan, self.rank, self.stage = plan, rank, stage
+        self._offload = tuple(offload)   # the counters of the rank's offloaded layers
         self.console = console and rank == 0
         self.warn_ratio = warn_ratio
         self.grad_norm = grad_norm
@@ -413,6 +429,8 @@ class Telemetry:
         self._meter.reset()
         if self._tensors is not None and self._tensor_peak is None:
             self._tensors.start()
+        for counters in self._offload:
+            counters.reset()
         self._pending = {"step": step, "notes": {}, "start": time.perf_counter()}
 
     def measured(self, loss: torch.Tensor, grad_norm: torch.Tensor | None, *,
@@ -477,7 +495,18 @@ class Telemetry:
             memory_measure=self._measure,
             grad_norm=float(grad_norm) if grad_norm is not None else None,
             memory_step=counted[0] if counted is not None else None, rss_bytes=rss,
-            skipped=pending.get("skipped", False), notes=dict(pending["notes"]))
+            skipped=pending.get("skipped", False), notes=dict(pending["notes"]),
+            **self._host_figures())
+
+    def _host_figures(self) -> dict[str, int | None]:
+        """The step's offloaded activations on the host, beside the plan's."""
+        if not self._offload:
+            return {}
+        stage = self.plan.stages[self.stage]
+        return {"host_activation_bytes": sum(c.peak_resident for c in self._offload),
+                "predicted_host_activation_bytes": stage.memory_bytes.host,
+                "host_traffic_bytes": sum(c.to_host for c in self._offload),
+                "predicted_host_traffic_bytes": stage.host_traffic_bytes}
 
     # -- output ------------------------------------------------------------------------------
 

@@ -1,7 +1,10 @@
-"""Where this process sits: the process group, the device, and the (pp, dp, tp) mesh.
+"""Where this process sits: the process group, the device, and the (pp, dp, cp, tp) mesh.
 
-Ranks are laid out with pp outermost, dp inside it and tp innermost, so that a
-tensor-parallel group stays inside a node: rank = (pp_index * dp + dp_index) * tp + tp_index.
+Ranks are laid out with pp outermost, dp inside it, then cp, and tp innermost, so that a
+tensor-parallel group stays inside a node (:mod:`partc.rank_grid`):
+rank = ((pp_index * dp + dp_index) * cp + cp_index) * tp + tp_index. The cp ranks of a
+replica hold one sequence between them and reduce gradients with the dp replicas (the
+``dp_cp`` group); with cp = 1 the mesh is (pp, dp, tp) as it always was.
 Everything here that can fail without talking to other ranks does so before the first
 collective, so a wrong launch is an error on every rank, never a hang.
 """
@@ -19,6 +22,8 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from partc.errors import PlanMismatchError
 from partc.plan import Plan
+from partc.rank_grid import RankCoords, coordinates, rank_groups
+from partc.rank_grid import rank_of as grid_rank_of
 
 T = TypeVar("T")
 
@@ -48,10 +53,40 @@ class Topology:
     ep_rank: int = 0
     ep_group: dist.ProcessGroup | None = None
     expert_dp_group: dist.ProcessGroup | None = None
+    # Context parallelism: this rank's index among the ``cp`` ranks sharing a sequence,
+    # their group, and the dp x cp ranks that reduce gradients together (None: cp = 1,
+    # the dp group does).
+    cp: int = 1
+    cp_rank: int = 0
+    cp_group: dist.ProcessGroup | None = None
+    dp_cp_group: dist.ProcessGroup | None = None
 
     @property
     def pp_group(self) -> dist.ProcessGroup:
         return self.mesh.get_group("pp")
+
+    @property
+    def grad_replicas(self) -> int:
+        """The ranks that hold the same parameters and reduce their gradients: dp x cp."""
+        return self.dp * self.cp
+
+    @property
+    def grad_rank(self) -> int:
+        """This rank's index among them (rank order)."""
+        return self.dp_rank * self.cp + self.cp_rank
+
+    @property
+    def grad_group(self) -> dist.ProcessGroup:
+        """Their process group: the dp group, or with cp > 1 the dp x cp group."""
+        return self.dp_cp_group if self.dp_cp_group is not None else self.dp_group
+
+    @property
+    def grad_mesh(self) -> DeviceMesh:
+        """Their mesh (FSDP shards over it)."""
+        if self.cp == 1:
+            return self.mesh["dp"]
+        return DeviceMesh.from_group(self.grad_group, self.device.type,
+                                     mesh_dim_names=("dp_cp",))
 
     @property
     def dp_group(self) -> dist.ProcessGroup:
@@ -61,9 +96,10 @@ class Topology:
     def tp_group(self) -> dist.ProcessGroup:
         return self.mesh.get_group("tp")
 
-    def rank_of(self, pp_rank: int, dp_rank: int, tp_rank: int = 0) -> int:
-        """Ranks are ordered (pp, dp, tp), tp innermost: a tp group sits inside a node."""
-        return (pp_rank * self.dp + dp_rank) * self.tp + tp_rank
+    def rank_of(self, pp_rank: int, dp_rank: int, tp_rank: int = 0, cp_rank: int = 0) -> int:
+        """Ranks are ordered (pp, dp, cp, tp), tp innermost: a tp group sits inside a node."""
+        return grid_rank_of(RankCoords(pp=pp_rank, dp=dp_rank, cp=cp_rank, tp=tp_rank),
+                            pp=self.pp, dp=self.dp, cp=self.cp, tp=self.tp)
 
 
 class SharedGroups:
@@ -111,7 +147,7 @@ def check_world_size(plan: Plan) -> None:
     if actual != expected:
         raise PlanMismatchError(
             f"the plan needs {expected} processes (pp={plan.pp} × dp={plan.dp} × "
-            f"tp={plan.tp}) but {actual} were started: launch with "
+            f"{f'cp={plan.cp} × ' if plan.cp > 1 else ''}tp={plan.tp}) but {actual} were started: launch with "
             f"`torchrun --nproc-per-node={expected} ...`, or compile for {actual} devices")
 
 
@@ -137,17 +173,36 @@ def init(plan: Plan, device: torch.device | str | None = None) -> Topology:
     if device.type == "cuda":
         torch.cuda.set_device(device)
     rank = dist.get_rank()
-    tp = plan.tp
-    shape = (plan.pp, plan.dp, tp)
+    tp, cp = plan.tp, plan.cp
+    shape, names = (plan.pp, plan.dp, tp), ("pp", "dp", "tp")
+    if cp > 1:
+        shape, names = (plan.pp, plan.dp, cp, tp), ("pp", "dp", "cp", "tp")
     mesh = GROUPS.get(("mesh", device.type, shape), lambda: init_device_mesh(
-        device.type, shape, mesh_dim_names=("pp", "dp", "tp")))
+        device.type, shape, mesh_dim_names=names))
     ep = plan.mesh.ep
     ep_group, expert_dp_group = _expert_groups(plan.pp, plan.dp * tp, ep, rank)
+    where = coordinates(rank, pp=plan.pp, dp=plan.dp, cp=cp, tp=tp)
+    cp_group = mesh.get_group("cp") if cp > 1 else None
+    dp_cp_group = _gradient_group(plan, rank)
     return Topology(rank=rank, world_size=dist.get_world_size(), pp=plan.pp, dp=plan.dp,
-                    pp_rank=rank // (plan.dp * tp), dp_rank=rank // tp % plan.dp,
-                    device=device, mesh=mesh, tp=tp, tp_rank=rank % tp,
+                    pp_rank=where.pp, dp_rank=where.dp,
+                    device=device, mesh=mesh, tp=tp, tp_rank=where.tp,
                     ep=ep, ep_rank=rank % (plan.dp * tp) % ep, ep_group=ep_group,
-                    expert_dp_group=expert_dp_group)
+                    expert_dp_group=expert_dp_group, cp=cp, cp_rank=where.cp,
+                    cp_group=cp_group, dp_cp_group=dp_cp_group)
+
+
+def _gradient_group(plan: Plan, rank: int) -> dist.ProcessGroup | None:
+    """This rank's dp x cp group (every rank makes every group, in one order, as
+    ``new_group`` requires); None with cp = 1 (the dp group is it)."""
+    if plan.cp == 1:
+        return None
+    mine = None
+    for ranks in rank_groups(pp=plan.pp, dp=plan.dp, cp=plan.cp, tp=plan.tp).dp_cp:
+        group = group_of(ranks)
+        if rank in ranks:
+            mine = group
+    return mine
 
 
 def _expert_groups(pp: int, width: int, ep: int, rank: int

@@ -15,8 +15,9 @@ the graph a core is::
 
 and a core is every node on a path from the first product to the second, both included
 (the mask made outside it, from shapes or a buffer, is an input). A fused attention
-call (``scaled_dot_product_attention``) is a core by itself: recomputing it keeps q, k
-and v only.
+call (``scaled_dot_product_attention``, or context parallelism's
+``partc.runtime.cp_group.attention``) is a core by itself: recomputing it keeps
+q, k and v only.
 
 A candidate is a core only when nothing outside it reads a value made inside it but the
 second product's (or the fused call's) output: models that return the attention
@@ -31,6 +32,7 @@ from torch import fx
 
 from partc.passes.fuse_attention import is_fused
 from partc.passes.helpers.graph import is_dtype_check, op_name
+from partc.runtime import cp_group
 
 # The batched products an attention core starts and ends with.
 _PRODUCTS = frozenset({"matmul", "bmm", "baddbmm", "einsum"})
@@ -57,8 +59,10 @@ def attention_cores(nodes: list[fx.Node]) -> list[tuple[fx.Node, ...]]:
 
 
 def _is_fused_call(node: fx.Node) -> bool:
-    return is_fused(node) or (node.op == "call_function"
-                              and "scaled_dot_product" in op_name(node))
+    # Context-parallel attention (the ring or the all-to-all) is a fused call too: its
+    # recompute reruns the exchange.
+    return is_fused(node) or (node.op == "call_function" and (
+        "scaled_dot_product" in op_name(node) or node.target is cp_group.attention))
 
 
 def _is_product(node: fx.Node) -> bool:

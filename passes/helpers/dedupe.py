@@ -65,7 +65,7 @@ from partc import meta
 from partc.passes.helpers import segments
 from partc.passes.helpers.graph import carries_grad, op_name, param_usage
 from partc.passes.layers import crossing_users, cut_counts, cut_sums, is_repeated
-from partc.problem import ModelAnalysis, TPOption
+from partc.problem import LayerCost, ModelAnalysis, TPOption
 
 
 class Mismatch(Exception):
@@ -451,12 +451,12 @@ def _check_kinds(gm: fx.GraphModule, blocks: dict[int, _Block]) -> None:
         if key not in reference:
             reference[key] = own
             if block.position != len(repeat.kept) - 1:
-                between[key] = dataclasses.replace(costs[index], name="")
+                between[key] = costs[index].unnamed()
             continue
         if block.position == len(repeat.kept) - 1:
             alike = reference[key] == own
         else:
-            cost = dataclasses.replace(costs[index], name="")
+            cost = costs[index].unnamed()
             alike = between.setdefault(key, cost) == cost and reference[key] == own
         if not alike:
             raise Mismatch(f"blocks of one structure measure differently "
@@ -578,7 +578,7 @@ def expanded_cuts(gm: fx.GraphModule, expansion: Expansion, per_sample: float
 def expand_analysis(analysis: ModelAnalysis, gm: fx.GraphModule, expansion: Expansion,
                     per_sample: float) -> ModelAnalysis:
     """The whole model's analysis from the traced one (``gm``: its graph)."""
-    layers = tuple(dataclasses.replace(analysis.layers[s], name=name)
+    layers = tuple(_renamed_layer(analysis.layers[s], name)
                    for s, name in zip(expansion.source, expansion.names))
     cut_bytes, cut_tensors = expanded_cuts(gm, expansion, per_sample)
     shared = tuple(dataclasses.replace(
@@ -587,6 +587,21 @@ def expand_analysis(analysis: ModelAnalysis, gm: fx.GraphModule, expansion: Expa
         for group in analysis.shared)
     return dataclasses.replace(analysis, layers=layers, cut_bytes=cut_bytes,
                                cut_tensors=cut_tensors, shared=shared)
+
+
+def _renamed_layer(layer: LayerCost, name: str) -> LayerCost:
+    """``layer`` (a traced block) standing for the block ``name``: its linears' weight
+    FQNs under that block's prefix."""
+    if name == layer.name:
+        return layer
+    source = layer.name + "."
+
+    def moved(fqn: str) -> str:
+        return name + "." + fqn[len(source):] if fqn.startswith(source) else fqn
+
+    ops = tuple(dataclasses.replace(op, linear_names=tuple(moved(n) for n in op.linear_names))
+                if op.linear_names else op for op in layer.heavy_ops)
+    return dataclasses.replace(layer, name=name, heavy_ops=ops)
 
 
 def expand_option(option: TPOption, local: fx.GraphModule, expansion: Expansion,

@@ -214,3 +214,21 @@ def fetch(gm: fx.GraphModule, target: str) -> torch.Tensor:
     """The parameter, buffer or constant a ``get_attr`` target names."""
     owner, _, attr = target.rpartition(".")
     return getattr(gm.get_submodule(owner) if owner else gm, attr)
+
+
+# How a traced graph calls a linear: torch's function (export and fx keep it) or aten's.
+LINEARS = (torch._C._nn.linear, torch.ops.aten.linear.default)
+
+
+def linear_weight(node: fx.Node) -> tuple[tuple[int, int] | None, str]:
+    """A linear's weight (in, out) features and FQN, where ``node`` is ``aten.linear``
+    (:data:`LINEARS`) with a parameter (a ``get_attr``) for weight; else (None, "")."""
+    if node.op != "call_function" or node.target not in LINEARS or len(node.args) < 2:
+        return None, ""
+    weight = node.args[1]
+    value = weight.meta.get("val") if isinstance(weight, fx.Node) else None
+    if not isinstance(weight, fx.Node) or weight.op != "get_attr" or value is None \
+            or value.dim() != 2:
+        return None, ""
+    out_features, in_features = value.shape
+    return (int(in_features), int(out_features)), str(weight.target)

@@ -16,8 +16,9 @@ from torch import fx
 from partc import meta
 from partc.passes import fuse_attention
 from partc.passes.helpers.attention_core import attention_cores, core_inputs
-from partc.passes.helpers.graph import fetch, storage_of
+from partc.passes.helpers.graph import fetch, linear_weight, storage_of
 from partc.passes.helpers.layer_run import LayerRun, RingWork, bytes_as_made
+from partc.passes.helpers.sequence_facts import attention_cost
 from partc.problem import HeavyOp, LayerCost
 from partc.runtime.tp import TensorParallelGroup
 from partc.runtime.tp_loss import VocabParallelLoss
@@ -108,7 +109,9 @@ def layer_cost(gm: fx.GraphModule, info: meta.LayerInfo, nodes: list[fx.Node], r
         num_nodes=sum(calls.values()),
         forward_kernels=rekernels["full"], backward_kernels=run.backward_kernels,
         recompute_kernels=rekernels,
+        offload_bytes=sum(size for size, _ in run.saved.values()) * per,
         fused_mem_bytes=fused_bytes * per, fused_kernels=fused_kernels,
+        attention=attention_cost(nodes, lambda n: run.costs[n].flops, per),
         **_ring_fields(run.rings, per))
 
 
@@ -223,14 +226,20 @@ def _value_bytes(node: fx.Node, run: LayerRun) -> float:
 def _heavy_ops(nodes: list[fx.Node], run: LayerRun, per: float) -> tuple[HeavyOp, ...]:
     """The layer's compute-heavy ops for the roofline, equal ones counted together:
     FLOPs, activation bytes and extra backward FLOPs per sample, weight bytes per
-    microbatch, and whether the op is a fused attention kernel (priced at its own rate)."""
-    counts: dict[tuple[float, float, float, float, bool], int] = {}
+    microbatch, whether the op is a fused attention kernel (priced at its own rate), and
+    for a linear its weight's features and FQN (FP8 linears,
+    :func:`~partc.passes.helpers.graph.linear_weight`)."""
+    counts: dict[tuple, list[str]] = {}
     for node in nodes:
         cost = run.costs[node]
         extra = fuse_attention.backward_recompute_flops(node, cost.flops)
+        features, name = linear_weight(node)
         key = (cost.flops * per, cost.bytes_moved * per, cost.weight_bytes, extra * per,
-               fuse_attention.is_fused(node))
-        counts[key] = counts.get(key, 0) + 1
+               fuse_attention.is_fused(node), features)
+        counts.setdefault(key, []).append(name)
     return tuple(HeavyOp(flops=flops, activation_bytes=moved, weight_bytes=weight,
-                         bwd_extra_flops=extra, count=n, attention=attention)
-                 for (flops, moved, weight, extra, attention), n in counts.items())
+                         bwd_extra_flops=extra, count=len(names), attention=attention,
+                         linear=features,
+                         linear_names=tuple(names) if features is not None else ())
+                 for (flops, moved, weight, extra, attention, features), names
+                 in counts.items())

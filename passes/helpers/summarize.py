@@ -19,6 +19,7 @@ from partc.identity import model_hash
 from partc.passes.context import Context
 from partc.passes.helpers.graph import fetch, param_usage
 from partc.passes.layers import crossing_bytes, crossing_tensors
+from partc.passes.helpers.sequence_facts import context_parallel_blocker
 from partc.passes.moe import MoERegion, expert_nodes, recognize
 from partc.passes.tp.rewrite import LINEAR_REDUCE_SCATTER, LINEARS_OF_GATHERED
 from partc.placement import REPLICATE
@@ -130,7 +131,8 @@ def summarize(gm: fx.GraphModule, ctx: Context) -> ModelAnalysis:
             tokens_per_sample=_tokens_per_sample(ctx), traced_batch_size=ctx.batch_size,
             traced_dtype_bytes=_dtype_bytes(ctx.model), tracer=info.tracer,
             inputs=input_specs(gm), keywords=info.keywords, own_loss=info.own_loss or "",
-            autocast=str(ctx.autocast).removeprefix("torch.") if ctx.autocast else ""),
+            autocast=str(ctx.autocast).removeprefix("torch.") if ctx.autocast else "",
+            context_parallel_blocker=context_parallel_blocker(gm, _sequence(gm, ctx))),
         layers=_with_experts(gm, ctx, meta.layer_costs(gm)),
         cut_bytes=tuple(c * per_sample for c in meta.cut_bytes(gm)),
         shared=_shared(gm, ctx),
@@ -168,6 +170,13 @@ def _num_params(model: nn.Module) -> int:
 def _dtype_bytes(model: nn.Module) -> int:
     floats = [p for p in _unique_params(model) if p.is_floating_point()]
     return floats[0].element_size() if floats else 4
+
+
+def _sequence(gm: fx.GraphModule, ctx: Context) -> int:
+    """Positions per sample that attention reads: its cores' (a model fed embeddings
+    has no token ids), else the token ids'."""
+    return next((cost.attention.tokens for cost in meta.layer_costs(gm)
+                 if cost.attention is not None), _tokens_per_sample(ctx))
 
 
 def _tokens_per_sample(ctx: Context) -> int:

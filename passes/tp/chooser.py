@@ -108,6 +108,7 @@ import dataclasses
 import logging
 import math
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 from ortools.sat.python import cp_model
@@ -122,6 +123,7 @@ from partc.cp_sat import deterministic_solver
 from partc.options import ShardingOptions
 from partc.passes.helpers.graph import (carries_grad, is_tensorish, layer_nodes, op_name,
                                         storage_of, tensor_inputs)
+from partc.passes.tp.carry import carried_choices
 from partc.passes.tp.rules import (NO_STRATEGY_OPS, ChunkHints, Collective, Strategy, divides,
                                    output_shape, own_collectives, redistribute, regathers,
                                    strategies)
@@ -301,12 +303,20 @@ def choose(gm: fx.GraphModule, tp: int, link: Link, *, sequence_parallel: bool =
 
 
 def apply(gm: fx.GraphModule, tp: int, sequence_parallel: bool,
-          choices: dict[str, tuple[int, ...]]) -> Sharding:
-    """Rebuild a :class:`Sharding` from a plan's per-layer strategy indices."""
+          choices: dict[str, tuple[int, ...]],
+          made_on: Callable[[], fx.GraphModule] | None = None) -> Sharding:
+    """Rebuild a :class:`Sharding` from a plan's per-layer strategy indices. Where a
+    layer of ``gm`` has other nodes than the plan chose for (a trace at another batch
+    size that took another branch of the model's code), ``made_on()`` gives the graph
+    the plan chose on, and the choices are carried over (:mod:`partc.passes.tp.carry`)."""
     # Costs play no part in rebuilding: any link will do.
     link = Link(group=Group(ranks=tp, bandwidth=1.0, latency_s=0.0), flops=1.0,
                 hbm_bandwidth=1.0)
     result, problems, grads = _layer_problems(gm, tp, link, sequence_parallel)
+    if made_on is not None and any(len(choices.get(p.info.name, ())) != len(p.items)
+                                   for p in problems):
+        _, chosen_on, _ = _layer_problems(made_on(), tp, link, sequence_parallel)
+        choices = carried_choices(chosen_on, problems, choices)
     picked = []
     for problem in problems:
         indices = choices.get(problem.info.name)

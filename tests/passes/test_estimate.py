@@ -39,7 +39,8 @@ def test_mlp_costs_by_hand():
     assert costs["linear"].weight_bytes == (8 * 16 + 16) * 4
     assert costs["linear"].bytes_moved == B * (8 + 16) * 4
     assert fc1.heavy_ops == (HeavyOp(flops=2 * 8 * 16, activation_bytes=(8 + 16) * 4,
-                                     weight_bytes=(8 * 16 + 16) * 4),)
+                                     weight_bytes=(8 * 16 + 16) * 4, linear=(8, 16),
+                                     linear_names=("fc1.weight",)),)
     # Backward as autograd runs it, matmuls apart: relu's gradient reads the incoming
     # gradient and relu's output and writes one (3 x 16 floats a sample); a bias's
     # gradient sums the batch's output gradients (B x out read, out written). The input
@@ -206,7 +207,8 @@ def test_mixed_precision_is_measured_as_autocast_runs_it():
     assert fc1.workspace_bytes == 16 * 2
     # The matmul reads the bf16 copy of its weight and bias, the fp32 input, writes bf16.
     assert fc1.heavy_ops == (HeavyOp(flops=2 * 8 * 16, activation_bytes=8 * 4 + 16 * 2,
-                                     weight_bytes=(8 * 16 + 16) * 2),)
+                                     weight_bytes=(8 * 16 + 16) * 2, linear=(8, 16),
+                                     linear_names=("fc1.weight",)),)
 
 
 def test_a_model_on_the_meta_device_is_measured_under_autocast_as_on_cpu():

@@ -303,3 +303,60 @@ def test_a_mask_that_needs_a_gradient_is_measured_on_the_math_path() -> None:
     torch.testing.assert_close(ours_grad, theirs_grad)
     _, analysis = analyze(LearnedBias(), (torch.randn(BATCH, SEQ, 16),), full_trace=True)
     assert analysis.layers
+
+
+class WindowedCausal(nn.Module):
+    """Attention with a causal mask built from positions, as Hugging Face builds one, and
+    a sliding window (keeps j in i - window < j <= i)."""
+
+    def __init__(self, window: int, width: int = 8) -> None:
+        super().__init__()
+        self.window = window
+        self.qkv = nn.Linear(width, 3 * width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, width = x.shape
+        q, k, v = self.qkv(x).view(b, s, 3, 2, -1).permute(2, 0, 3, 1, 4)
+        i = torch.arange(s, device=x.device)
+        keep = (i[None, :] <= i[:, None]) & (i[:, None] - i[None, :] < self.window)
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=keep[None, None].expand(
+            b, 1, s, s))
+        return y.transpose(1, 2).reshape(b, s, width)
+
+
+@pytest.mark.parametrize("window, causal", [(SEQ, True), (SEQ // 2, False)])
+def test_a_long_mask_is_proved_a_block_of_rows_at_a_time(monkeypatch, window, causal):
+    """Above BLOCK_ELEMENTS a shapes-only mask is checked in blocks of query rows (host
+    memory linear in the sequence): the same verdict as whole, a window that bites only
+    in the last rows included."""
+    from partc.passes.helpers import mask_rows
+
+    x = torch.randn(BATCH, SEQ, 8)
+    made = []
+    original = mask_rows.blocks
+
+    def counted(value):
+        for start, block in original(value):
+            made.append(block.shape[-2])
+            yield start, block
+
+    monkeypatch.setattr(mask_rows, "BLOCK_ELEMENTS", 3 * SEQ)
+    monkeypatch.setattr("partc.passes.fuse_attention.blocks", counted)
+    gm = _fused(WindowedCausal(window), x)
+    assert [c.kwargs.get("is_causal", False) for c in gm.graph.nodes
+            if c.op == "call_function" and "scaled_dot_product" in str(c.target)] == [causal]
+    assert len(made) > 1 and max(made) < SEQ   # blocks of rows, never the whole mask
+    # Causal: every row read; the window's first dropped position (row 8) ends the check.
+    assert sum(made) == SEQ if causal else window < sum(made) < SEQ
+
+
+@pytest.mark.parametrize("name", ["llama", "gpt2"])
+def test_models_masks_read_in_blocks_fuse_as_whole(monkeypatch, name):
+    from partc.passes.helpers import mask_rows
+
+    ids = torch.randint(1, 128, (BATCH, SEQ))
+    whole = [c.kwargs for c in _calls(_fused(_build(name), ids))]
+    monkeypatch.setattr(mask_rows, "BLOCK_ELEMENTS", 2 * SEQ)
+    assert [c.kwargs for c in _calls(_fused(_build(name), ids))] == whole
+    sdpa = models.llama(attention="sdpa")
+    assert all(c.kwargs["is_causal"] for c in _calls(_fused(sdpa, ids)))

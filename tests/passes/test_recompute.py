@@ -15,6 +15,7 @@ from partc.passes.helpers.graph import op_name
 from partc.passes.pipeline import analyze
 from partc.passes.recompute_layers import recompute, recompute_layers
 from partc.passes.split import StageGraph, split
+from partc.runtime.activation_offload import ledgers
 from partc.runtime.recompute import checkpoint_layer
 from tests import models
 from tests.passes.tiny_graphs import TINY_LAYERS, context, tiny_graph, tokens
@@ -95,6 +96,32 @@ def test_values_and_gradients_equal_the_original(modes):
     assert grads.keys() == expected_grads.keys()
     for name, grad in expected_grads.items():
         torch.testing.assert_close(grads[name], grad, rtol=0, atol=0)
+
+
+def test_an_offloaded_layer_runs_under_the_stages_ledger_keeping_its_weights():
+    model, gm = tiny_graph()
+    expected, expected_grads = values_and_grads(model, gm)
+    model, gm = tiny_graph()
+    recompute_layers(gm, {"block": "offload"})
+    assert lines(gm)[4:9] == [
+        "block_weight = self.block.weight",
+        "block_bias = self.block.bias",
+        "offload_block = self.offload_block",
+        "activation_offload = self.activation_offload",
+        "offload_layer = partc_runtime_activation_offload_offload_layer(activation_offload, "
+        "offload_block, embedding, block_weight, block_bias, held = (1, 2))",
+    ]
+    assert list(gm.offload_block.parameters()) == []
+    verify.check("recompute", gm)
+    got, grads = values_and_grads(model, gm)
+    torch.testing.assert_close(got, expected, rtol=0, atol=0)
+    for name, grad in expected_grads.items():
+        torch.testing.assert_close(grads[name], grad, rtol=0, atol=0)
+    # The linear saves its input (2 x 3 x 8 floats: 192 bytes; its weight stays) and relu
+    # its output (as many): both out and back, none left on the host.
+    counters = ledgers(gm)[0].counters
+    assert (counters.to_host, counters.to_device, counters.resident,
+            counters.peak_resident) == (2 * 192, 2 * 192, 0, 2 * 192)
 
 
 @pytest.mark.parametrize("mode", ["none", "selective"])

@@ -156,13 +156,27 @@ def schedule_choices(prob: PlanningProblem, pp: int, dp: int, m: int):
                 yield schedule, zero, v, sync
 
 
-def _modes(prob: PlanningProblem, cost: LayerCost) -> tuple[str, ...]:
-    """The modes a layer may take: its own, or the pinned one ("none" for a pinned
-    "selective" on a layer without a selective mode)."""
+def _modes(prob: PlanningProblem, index: int) -> tuple[str, ...]:
+    """The modes a layer may take: its own (offload too where the problem allows it),
+    or the pinned one ("none" for a pinned "selective" on a layer without a selective
+    mode)."""
+    cost = prob.layers[index]
     pinned = prob.pins.recompute.get(cost.name)
     if pinned is None:
-        return cost.modes
-    return (pinned if pinned in cost.modes else "none",)
+        return prob.layer_modes(index)
+    return (pinned if pinned in cost.modes or pinned == "offload" else "none",)
+
+
+def with_host(prob: PlanningProblem, rng: random.Random) -> PlanningProblem:
+    """``prob`` with a host link that may price offload anywhere between free and
+    ruinous (its copy stream beside compute, or not) and a host memory that may bind."""
+    bandwidth = rng.choice([1e6, 1e8, 1e9, 1e11])
+    saved = sum(l.saved_bytes["none"] for l in prob.layers)
+    host = int(saved * rng.choice([0.5, 2.0, 8.0])) + 1
+    return replace(prob, devices=replace(
+        prob.devices, host_memory=host, host_to_device_bandwidth=bandwidth,
+        device_to_host_bandwidth=bandwidth * rng.choice([0.5, 1.0]),
+        dispatch_ahead=rng.random() < 0.7))
 
 
 def _best_split(prob: PlanningProblem, config: PipelineConfig, best):
@@ -171,7 +185,7 @@ def _best_split(prob: PlanningProblem, config: PipelineConfig, best):
     num_layers = prob.num_layers
     for starts in itertools.combinations(range(1, num_layers), config.virtual_stages - 1):
         stage_of = [sum(1 for s in starts if s <= l) for l in range(num_layers)]
-        for modes in itertools.product(*(_modes(prob, l) for l in prob.layers)):
+        for modes in itertools.product(*(_modes(prob, l) for l in range(num_layers))):
             ev = evaluate(table, stage_of, modes)
             if ev.fits and (best is None or ev.step_ps < best[0]):
                 best = (ev.step_ps, config, stage_of, list(modes))
@@ -186,7 +200,7 @@ def least_played(prob: PlanningProblem, config: PipelineConfig) -> int | None:
     best = None
     for starts in itertools.combinations(range(1, prob.num_layers), config.virtual_stages - 1):
         stage_of = [sum(1 for s in starts if s <= l) for l in range(prob.num_layers)]
-        for modes in itertools.product(*(_modes(prob, l) for l in prob.layers)):
+        for modes in itertools.product(*(_modes(prob, l) for l in range(prob.num_layers))):
             ev = evaluate(table, stage_of, modes)
             if ev.fits:
                 step = simulated_step_ps(config, ev)[0]

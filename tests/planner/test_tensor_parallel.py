@@ -15,6 +15,7 @@ import torch
 import partc
 from partc.placement import Shard
 from samples.gpt import gpt_small, loss_fn
+from tests.models import WHOLE_MEMORY
 from tests.test_compile import check
 
 
@@ -24,10 +25,13 @@ def _program(memory: str, *, tp: int | None = None, bandwidth: str | None = None
         model = gpt_small(n_layer=2, block_size=256)
     ids = torch.zeros(1, 256, dtype=torch.long, device="meta")
     budget = partc.DeviceBudget(num_devices=2, device="A100-40GB", memory=memory,
+                                **WHOLE_MEMORY,
                                 devices_per_node=2, intra_node_bandwidth=bandwidth)
     return partc.compile(model, (ids,), loss_fn=loss_fn, example_target=ids, budget=budget,
                          train=partc.TrainSpec(global_batch_size=batch),
-                         constraints=partc.Constraints(tp=tp), name="gpt-50k-2l")
+                         # The device's memory alone decides (offload would make
+                         # room on the host).
+                         constraints=partc.Constraints(tp=tp, offload=()), name="gpt-50k-2l")
 
 
 def test_tp_is_picked_when_a_layer_does_not_fit_one_device():

@@ -66,6 +66,9 @@ MODELS: dict[str, Case] = {
     "mixtral": Case(_mixtral, "tokens", models.causal_lm_loss),
     "llama": Case(models.llama, "tokens", models.causal_lm_loss),
     "gpt2": Case(_gpt2, "tokens", models.causal_lm_loss),
+    # Attention as SDPA calls (Hugging Face's default), which context parallelism splits.
+    "hf-llama": Case(hf_families.FAMILIES["llama"].build, "tokens", models.causal_lm_loss),
+    "hf-gpt2": Case(hf_families.FAMILIES["gpt2"].build, "tokens", models.causal_lm_loss),
 }
 
 _TP = dict(tp_objective="memory", recompute="none")
@@ -96,6 +99,9 @@ PLANS: dict[str, tuple[int, dict[str, Any]]] = {
     "dp4-ep2-zero1": (4, dict(pp=1, dp=4, tp=1, ep=2, zero_stage=1, recompute="none")),
     "dp4-ep2-zero2": (4, dict(pp=1, dp=4, tp=1, ep=2, zero_stage=2, recompute="none")),
     "dp4-ep2-zero3": (4, dict(pp=1, dp=4, tp=1, ep=2, zero_stage=3, recompute="none")),
+    # Context parallelism: each sequence over 2 ranks, which hold the whole model.
+    "cp2-ring": (2, dict(pp=1, dp=1, tp=1, cp=2, cp_kind="ring", recompute="none")),
+    "cp2-a2a": (2, dict(pp=1, dp=1, tp=1, cp=2, cp_kind="all-to-all", recompute="none")),
 }
 
 

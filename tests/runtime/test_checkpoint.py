@@ -539,6 +539,21 @@ def test_a_zero3_expert_parallel_checkpoint_resumes_under_zero1_like_one_process
     _resumes_like_one_process(first, after)
 
 
+# Context parallelism shards no parameter: a checkpoint of a cp=2 run resumes under
+# ZeRO-3 on dp=2 (cp=1), and one of ZeRO-1 under cp=2 of the other kind.
+CONTEXT_PARALLEL = ["hf-llama:cp2-ring>dp2-zero3", "hf-gpt2:dp2-zero1>cp2-a2a"]
+
+
+@pytest.mark.slow
+def test_context_parallel_checkpoints_resume_under_another_cp(tmp_path):
+    first = _by_move(launch(tmp_path, "first", CONTEXT_PARALLEL), CONTEXT_PARALLEL)
+    after = _by_move(launch(tmp_path, "resume", CONTEXT_PARALLEL), CONTEXT_PARALLEL)
+    for move in CONTEXT_PARALLEL:
+        _resumes_like_one_process(first[move], after[move])
+    assert first[CONTEXT_PARALLEL[0]][0]["mesh"]["cp"] == 2
+    assert after[CONTEXT_PARALLEL[1]][0]["mesh"]["cp"] == 2
+
+
 @pytest.mark.slow
 def test_expert_dp_sharded_checkpoints_resume_on_other_meshes(tmp_path):
     """Expert weights and their optimizer state cut over expert-dp (2 ranks) by ZeRO-1

@@ -13,7 +13,17 @@ compile thread): a pool of compile processes costs more than it saves on two cor
 
 from __future__ import annotations
 
+import functools
+
 import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed.fsdp import FSDPModule
+from torch.testing._internal.distributed.fake_pg import FakeStore
+
+import partc
+from partc.runtime import compiled, rank_build
+from samples.gpt import gpt_tiny, loss_fn
 
 from .test_parity import check_parity, launch
 
@@ -56,3 +66,42 @@ def test_compiled_stages_with_tensor_parallelism_and_llama(tmp_path):
     for rank in ranks:
         seen = rank["gpt-tp2-sp-dropout-compiled"]
         assert seen["collectives"] == seen["planned_collectives"]
+
+
+@pytest.mark.slow
+def test_compiled_fsdp_units_under_zero3_train_like_one_process(tmp_path):
+    ranks = _launch(2, ["gpt-dp2-zero3-compiled"], tmp_path)
+    check_parity(ranks, "gpt-dp2-zero3-compiled")
+    assert all(rank["gpt-dp2-zero3-compiled"]["compiled_graphs"] > 0 for rank in ranks)
+
+
+def test_zero3_compiles_each_fsdp_unit_not_the_stage(monkeypatch):
+    """Under ZeRO-3 (FSDP2) each unit's forward is compiled and the stage's own code,
+    with FSDP's gather and free hooks, stays eager; checked on one rank of two under a
+    fake process group, with dynamo's ``aot_eager`` backend (no kernels built), through
+    one step."""
+    ids = torch.randint(0, 128, (8, 16))
+    program = partc.compile(gpt_tiny(), (ids,), loss_fn=loss_fn, example_target=ids,
+                            budget=partc.DeviceBudget(num_devices=2, device="CPU"),
+                            train=partc.TrainSpec(global_batch_size=8, compile=True),
+                            constraints=partc.Constraints(pp=1, dp=2, zero_stage=3))
+    assert program.plan.train.compile and program.plan.effective_zero_stage == 3
+    monkeypatch.setattr(rank_build, "compile_stage",
+                        functools.partial(compiled.compile_stage, backend="aot_eager"))
+    torch._dynamo.reset()
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+    try:
+        module = program.build()
+        stage = module.parts.module
+        units = set(compiled.compiled_units(stage))
+        sharded = {path for path, sub in stage.named_modules()
+                   if isinstance(sub, FSDPModule) and sub is not stage}
+        # Every layer's module, each an FSDP unit (but the smallest, which join the
+        # root's: ln_f), and the root's own code eager.
+        assert sharded <= units and len(sharded) >= 2 and units - sharded == {"ln_f"}
+        assert isinstance(stage, FSDPModule) and "" not in units
+        module.forward_backward(ids[:4], target=ids[:4])
+        assert torch._dynamo.utils.counters["stats"]["unique_graphs"] >= len(units)
+    finally:
+        dist.destroy_process_group()
+        torch._dynamo.reset()

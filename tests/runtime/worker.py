@@ -14,6 +14,7 @@ collectives).
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import os
 import sys
@@ -35,8 +36,11 @@ import torch.distributed.fsdp._fully_shard._fsdp_param_group as fsdp_param_group
 
 import partc  # noqa: E402
 from partc.codec import to_data  # noqa: E402
+from partc.runtime import cp_layout  # noqa: E402
+from partc.runtime.cp_group import ContextParallelGroup, attention  # noqa: E402
+from partc.runtime.ring_attention import AttentionMask  # noqa: E402
 from partc.passes.fuse_attention import count_fused  # noqa: E402
-from partc.runtime import tp as tp_ops  # noqa: E402
+from partc.runtime import activation_offload, tp as tp_ops  # noqa: E402
 from samples import gpt  # noqa: E402
 from tests import hf_families, models  # noqa: E402
 
@@ -72,6 +76,9 @@ class Case:
     attention: str = "as_written"  # TrainSpec.attention; the reference runs it as written
     compile: bool = False  # TrainSpec.compile; the reference runs eagerly
     tp_overlap: bool = True  # TrainSpec.tp_overlap: sequence-parallel rings or blocking
+    # TrainSpec.fp8: the reference runs the plan's FP8 linears as torchao's Float8Linear
+    # modules (emulated), one microbatch after another (each casts with its own scales).
+    fp8: bool = False
     # DeviceFigures overriding the CPU preset's in the budget planned for (a faster link).
     figures: dict[str, Any] = field(default_factory=dict)
 
@@ -246,6 +253,25 @@ CASES["gpt-pp2-dp2-zero1"] = Case(gpt.gpt_tiny, "tokens", gpt.loss_fn,
 CASES["llama-dp2-tp2-zero1"] = Case(models.llama, "tokens", models.causal_lm_loss,
                                     dict(pp=1, dp=2, tp=2, tp_objective="memory",
                                          recompute="none", zero_stage=1))
+# Optimizer offload: the masters, state and step on the host tier, under pp, ZeRO-0/1/2,
+# ZeRO-3 with the parameters offloaded too (FSDP2's CPU offload policy) and tp.
+_HOST = dict(figures=dict(host_memory="4GiB"))
+CASES["gpt-pp2-offload"] = Case(gpt.gpt_tiny, "tokens", gpt.loss_fn,
+                                dict(pp=2, schedule="1f1b", offload=("optimizer",)), **_HOST)
+CASES["gpt-dp2-zero1-offload"] = Case(gpt.gpt_tiny, "tokens", gpt.loss_fn,
+                                      dict(pp=1, dp=2, zero_stage=1, offload=("optimizer",)),
+                                      **_HOST)
+CASES["gpt-dp2-zero3-offload-params"] = Case(
+    gpt.gpt_tiny, "tokens", gpt.loss_fn,
+    dict(pp=1, dp=2, zero_stage=3, offload=("optimizer", "params")), **_HOST)
+CASES["gpt-dp2-offload"] = Case(gpt.gpt_tiny, "tokens", gpt.loss_fn,
+                                dict(pp=1, dp=2, zero_stage=0, offload=("optimizer",)), **_HOST)
+CASES["gpt-dp2-zero2-offload"] = Case(gpt.gpt_tiny, "tokens", gpt.loss_fn,
+                                      dict(pp=1, dp=2, zero_stage=2, offload=("optimizer",)),
+                                      **_HOST)
+CASES["gpt-tp2-offload"] = Case(gpt.gpt_tiny, "tokens", gpt.loss_fn,
+                                dict(pp=1, tp=2, tp_objective="memory", recompute="none",
+                                     offload=("optimizer",)), **_HOST)
 # Fused attention (one scaled_dot_product_attention call per block) against the
 # attention the model writes, run on one process.
 CASES["llama-tp2-fused"] = Case(models.llama, "tokens", models.causal_lm_loss,
@@ -273,8 +299,20 @@ CASES["gpt-tp2-sp-dropout-compiled"] = Case(
     reference="microbatches", **_COMPILED)
 CASES["llama-pp2-compiled"] = Case(models.llama, "tokens", models.causal_lm_loss,
                                    dict(pp=2, schedule="1f1b", recompute="none"), **_COMPILED)
+# Under ZeRO-2/3 each FSDP unit is compiled on its own, FSDP's hooks eager around it.
 CASES["gpt-dp2-zero2-compiled"] = Case(gpt.gpt_tiny, "tokens", gpt.loss_fn,
                                        dict(pp=1, dp=2, zero_stage=2), **_COMPILED)
+CASES["gpt-dp2-zero3-compiled"] = Case(gpt.gpt_tiny, "tokens", gpt.loss_fn,
+                                       dict(pp=1, dp=2, zero_stage=3), **_COMPILED)
+# FP8 linears (torchao's float8 training, emulated on CPU), every linear pinned, against
+# one process running the same linears as torchao's Float8Linear modules.
+_FP8 = dict(fp8=True, reference="microbatches")
+CASES["gpt-pp2-fp8"] = Case(gpt.gpt_tiny, "tokens", gpt.loss_fn,
+                            dict(pp=2, schedule="1f1b", fp8_linears="all"), **_FP8)
+CASES["gpt-dp2-fp8"] = Case(gpt.gpt_tiny, "tokens", gpt.loss_fn,
+                            dict(pp=1, dp=2, fp8_linears="all"), **_FP8)
+CASES["gpt-dp2-zero3-fp8"] = Case(gpt.gpt_tiny, "tokens", gpt.loss_fn,
+                                  dict(pp=1, dp=2, zero_stage=3, fp8_linears="all"), **_FP8)
 # ZeRO-2/3: FSDP2 shards gradients (and parameters) over dp, one unit per layer.
 for _zero in (2, 3):
     CASES[f"gpt-dp2-zero{_zero}"] = Case(gpt.gpt_tiny, "tokens", gpt.loss_fn,
@@ -338,6 +376,26 @@ CASES["gpt2-pp2-tp2-recompute"] = Case(_gpt2, "tokens", models.causal_lm_loss,
                                        dict(pp=2, schedule="1f1b", recompute=GPT2_MODES,
                                             **_TP_RECOMPUTE))
 
+# Activation offload (recompute mode "offload"): what offloaded layers save goes to the
+# host (a copy apart on CPU) and comes back for their backward; beside recompute, under
+# pp=2, dp=2 with ZeRO-1 and ZeRO-3, tp=2.
+LLAMA_OFFLOAD = {"model.layers.0": "offload", "model.layers.1": "full"}
+GPT_OFFLOAD = {"blocks.0": "offload", "blocks.1": "offload"}
+_ACT_HOST = dict(figures=dict(host_memory="1GiB"))   # the CPU preset knows no host memory
+CASES["llama-pp2-1f1b-offload"] = Case(models.llama, "tokens", models.causal_lm_loss,
+                                       dict(pp=2, schedule="1f1b", recompute=LLAMA_OFFLOAD),
+                                       **_ACT_HOST)
+for _zero in (1, 3):
+    CASES[f"gpt-dp2-zero{_zero}-act-offload"] = Case(
+        gpt.gpt_tiny, "tokens", gpt.loss_fn,
+        dict(pp=1, dp=2, zero_stage=_zero, recompute=GPT_OFFLOAD), **_ACT_HOST)
+CASES["gpt-tp2-act-offload"] = Case(
+    gpt.gpt_tiny, "tokens", gpt.loss_fn,
+    dict(pp=1, tp=2, tp_objective="memory", recompute=GPT_OFFLOAD), **_ACT_HOST)
+CASES["llama-pp2-tp2-offload"] = Case(models.llama, "tokens", models.causal_lm_loss,
+                                      dict(pp=2, tp=2, schedule="1f1b", tp_objective="memory",
+                                           recompute=LLAMA_OFFLOAD), **_ACT_HOST)
+
 # BatchNorm inside a tensor-parallel pair: both ranks update the same running statistics
 # from the same (replicated) activations, as one device running the microbatches in order.
 CASES["normed-tp2"] = Case(lambda: models.Normed(width=16, depth=2, d_out=16), "floats", _mse,
@@ -370,6 +428,30 @@ for _mesh, _pins in (("pp2", dict(pp=2, schedule="1f1b")), ("tp2", dict(pp=1, tp
     CASES[f"hf-llama-own-loss-{_mesh}"] = Case(hf_families.FAMILIES["llama"].build,
                                                 "hf:padded", None,
                                                 dict(_pins, recompute="none"))
+
+
+# Context parallelism (each sequence split over 2 ranks, the ring or the all-to-all):
+# the four families issue 46 names, alone (2 processes) and beside pp, tp and dp with
+# ZeRO-3 (4 processes). SEQ (16) is longer than Mistral's window (8) and a shard (8)
+# is not: only the whole sequence's mask shows the window.
+_CP_KINDS = {"ring": "ring", "a2a": "all-to-all"}
+for _family in ("llama", "qwen2", "mistral", "gpt2"):
+    _spec = hf_families.FAMILIES[_family]
+    _hf = (_spec.build, f"hf:{_spec.data}", hf_families.loss_for(_spec.data))
+    for _short, _kind in _CP_KINDS.items():
+        _cp = dict(cp=2, cp_kind=_kind, recompute="none")
+        CASES[f"hf-{_family}-cp2-{_short}"] = Case(*_hf, dict(_cp, pp=1))
+        CASES[f"hf-{_family}-cp2-{_short}-pp2"] = Case(*_hf, dict(_cp, pp=2, schedule="1f1b"))
+        CASES[f"hf-{_family}-cp2-{_short}-tp2"] = Case(*_hf, dict(_cp, pp=1, tp=2,
+                                                                   tp_objective="memory"))
+        CASES[f"hf-{_family}-cp2-{_short}-dp2-zero3"] = Case(*_hf, dict(_cp, pp=1, dp=2,
+                                                                         zero_stage=3))
+
+# Recompute of a layer whose attention is the ring: full (the whole layer again, the ring
+# with it) and selective (the ring alone).
+CASES["hf-llama-cp2-ring-recompute"] = Case(
+    hf_families.FAMILIES["llama"].build, "hf:tokens", hf_families.loss_for("tokens"),
+    dict(cp=2, cp_kind="ring", pp=1, recompute=HF_MODES))
 
 
 def batch(case: Case, model: torch.nn.Module, step: int,
@@ -410,7 +492,8 @@ def optimizer(params: Any) -> torch.optim.Optimizer:
 def compile_case(case: Case, model: torch.nn.Module, world: int) -> partc.Program:
     x, y = batch(case, model, 0)
     constraints = dict(case.constraints)
-    constraints.setdefault("dp", world // (constraints["pp"] * constraints.get("tp", 1)))
+    constraints.setdefault("dp", world // (constraints["pp"] * constraints.get("tp", 1)
+                                        * constraints.get("cp", 1)))
     constraints.setdefault("num_microbatches", 4 // constraints["dp"])
     return partc.compile(model, x, loss_fn=case.loss_fn, example_target=y,
                          budget=partc.DeviceBudget(num_devices=world, device="CPU",
@@ -418,7 +501,7 @@ def compile_case(case: Case, model: torch.nn.Module, world: int) -> partc.Progra
                          train=partc.TrainSpec(global_batch_size=BATCH, optimizer="sgd",
                                                max_grad_norm=case.clip, dtype=case.dtype,
                                                attention=case.attention,
-                                               compile=case.compile,
+                                               compile=case.compile, fp8=case.fp8,
                                                tp_overlap=case.tp_overlap),
                          constraints=partc.Constraints(**constraints))
 
@@ -440,6 +523,8 @@ def build_case(name: str) -> Built:
     model = case.build()
     reference = copy.deepcopy(model)
     program = compile_case(case, model, dist.get_world_size())
+    if case.fp8:
+        reference = float8_reference(reference, program.plan)
     if name.endswith("-loaded"):
         # Rank 0 saves the program; every rank loads plan.json and builds from it.
         directory = Path(os.environ["PARTC_WORKER_OUT"]) / name
@@ -448,6 +533,22 @@ def build_case(name: str) -> Built:
         dist.barrier()
         program = partc.load(directory, model, loss_fn=case.loss_fn)
     return Built(case, model, reference, program, program.build())
+
+
+def float8_reference(model: torch.nn.Module, plan: partc.Plan) -> torch.nn.Module:
+    """``model`` with the plan's FP8 linears as torchao's Float8Linear modules (emulated):
+    each ``nn.Linear`` whose weight is named, under any of its FQNs, in ``plan.fp8``."""
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+    aliases: dict[int, set[str]] = {}
+    for fqn, param in model.named_parameters(remove_duplicate=False):
+        aliases.setdefault(id(param), set()).add(fqn)
+    wanted = set(plan.fp8.linears)
+    config = dataclasses.replace(Float8LinearConfig.from_recipe_name(plan.fp8.recipe),
+                                 emulate=True)
+    return convert_to_float8_training(
+        model, config=config,
+        module_filter_fn=lambda module, fqn: bool(aliases[id(module.weight)] & wanted))
 
 
 def run_case(name: str) -> dict[str, Any]:
@@ -470,8 +571,11 @@ def train_case(built: Built) -> dict[str, Any]:
     opt = module.optimizer(torch.optim.SGD, **OPTIMIZER)  # ZeRO-1 where the plan says
     ref_opt = optimizer(reference.parameters())
     losses, ref_losses, messages, norms, ref_norms = [], [], [], [], []
-    reduces = []
+    reduces, offloaded = [], []
+    ledgers = activation_offload.ledgers(module.module)
     for step in range(STEPS):
+        for ledger in ledgers:
+            ledger.counters.reset()
         x, y = batch(case, model, step)
         if step == 1:
             module.tp.counts.clear()  # the first step also runs the schedule's shape inference
@@ -485,11 +589,14 @@ def train_case(built: Built) -> dict[str, Any]:
         losses.append(loss.item())
         reduces.append(FSDP_REDUCES[0] - before)
         messages.append(dict(module.last_messages))
+        offloaded.append([sum(getattr(ledger.counters, kind) for ledger in ledgers)
+                          for kind in ("to_host", "to_device", "resident", "peak_resident")])
         opt.step()
         opt.zero_grad()
         if case.reference == "microbatches":
             torch.set_rng_state(state)
-            m = program.plan.num_microbatches
+            # Every replica's microbatches, in the batch's order.
+            m = program.plan.num_microbatches * program.plan.dp
             pieces = zip(*(t.chunk(m) for t in x), y.chunk(m))
             ref_loss = sum(_backward(case.loss_fn(reference(*p[:-1]), p[-1]) / m)
                            for p in pieces)
@@ -539,6 +646,11 @@ def train_case(built: Built) -> dict[str, Any]:
             "messages": messages, "predicted": asdict(p2p) if p2p else {},
             "stage": module.stage_index, "mesh": to_data(plan.mesh), "schedule": plan.schedule,
             "recompute": plan.stages[module.stage_index].recompute,
+            # Activation offload per step: bytes to the host, back, left there, and the
+            # most held; beside the plan's traffic and host bytes for the stage.
+            "offloaded": offloaded,
+            "planned_offload": [plan.stages[module.stage_index].host_traffic_bytes,
+                                plan.stages[module.stage_index].memory_bytes.host],
             "num_params": len(errors), "own_params": own_params,
             "full_state_keys": sorted(set(full) ^ set(ref_state)),
             "full_state_error": full_error, "reloaded_unchanged": reloaded,
@@ -567,6 +679,11 @@ def train_case(built: Built) -> dict[str, Any]:
             "planned_params": plan.stages[module.stage_index].param_count,
             "collectives": dict(module.tp.counts),
             "ring_steps": module.tp.ring_steps,
+            # Offload: what the host tier holds and moved (None without), beside the plan.
+            "host": (asdict(module.parts.host.counters) if module.parts.host is not None
+                     else None),
+            "offload": [str(kind) for kind in plan.offload],
+            "planned_host_bytes_per_node": plan.host_bytes_per_node,
             "planned_collectives": _planned_collectives(plan, module.stage_index),
             "layer_collectives": {layer: [(move.kind, move.phase) for move in moves]
                                   for layer, moves in _tp_collectives(plan).items()}}
@@ -670,6 +787,37 @@ def run_mismatch_cases() -> dict[str, Any]:
     return results
 
 
+def run_cp_attention() -> dict[str, float]:
+    """Context-parallel attention over every rank against plain attention on the whole
+    sequence (float64): for each kind and mask, the largest difference in this rank's
+    output and in its gradients of q, k and v (grouped-query: 4 heads, 2 key/value)."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    g = torch.Generator().manual_seed(0)
+    seq = 8 * world
+    q, dout = (torch.randn(2, 4, seq, 8, generator=g, dtype=torch.float64) for _ in "qo")
+    k, v = (torch.randn(2, 2, seq, 8, generator=g, dtype=torch.float64) for _ in "kv")
+    errors = {}
+    for kind in ("ring", "all-to-all"):
+        for mask in (AttentionMask("causal"), AttentionMask("none"),
+                     AttentionMask("sliding", 3), AttentionMask("sliding", seq // 2 + 1)):
+            whole = [t.clone().requires_grad_() for t in (q, k, v)]
+            every = torch.arange(seq)
+            expected = F.scaled_dot_product_attention(
+                whole[0], *(t.repeat_interleave(2, 1) for t in whole[1:]),
+                attn_mask=mask.keeps(every, every), scale=0.3)
+            expected.backward(dout)
+            mine = [cp_layout.shard(t, 2, world, rank).detach().requires_grad_()
+                    for t in (q, k, v)]
+            group = ContextParallelGroup(world, kind, dist.group.WORLD)
+            out = attention(group, *mine, scale=0.3, mask=mask.kind, window=mask.window)
+            out.backward(cp_layout.shard(dout, 2, world, rank))
+            pairs = [(out, expected)] + [(m.grad, w.grad) for m, w in zip(mine, whole)]
+            errors[f"{kind} {mask.kind} {mask.window}"] = max(
+                (ours - cp_layout.shard(theirs, 2, world, rank)).abs().max().item()
+                for ours, theirs in pairs)
+    return errors
+
+
 def main() -> None:
     out, names = Path(sys.argv[1]), sys.argv[2:]
     os.environ["PARTC_WORKER_OUT"] = str(out)
@@ -680,6 +828,8 @@ def main() -> None:
         try:
             if name == "mismatch":
                 results[name] = run_mismatch_cases()
+            elif name == "cp-attention":
+                results[name] = run_cp_attention()
             elif "+" in name:
                 results[name] = run_together(name.split("+"))
             else:

@@ -44,6 +44,7 @@ from partc.cost.communication import gradient_work_seconds, tp_comm_seconds
 from partc.cost.evaluate import Evaluation, evaluate, exposed_gather_ps, exposed_sync_ps
 from partc.cost.layer_compute import layer_work, roofline_seconds, run_layer
 from partc.cost.pipeline_config import PS_PER_S, PipelineConfig
+from partc.cost.schedules import runs_compiled
 from partc.cost.tables import build_cost_table
 from partc.problem import PlanningProblem
 from partc.spec import INTERLEAVED
@@ -408,7 +409,8 @@ def _work_seconds(problem: PlanningProblem, config: PipelineConfig,
     b, scale = config.micro_batch_size, problem.train.measured_scale
     for index, mode in layers:
         layer = run_layer(problem, index, b)
-        work = layer_work(layer, problem.devices, b, scale)
+        work = layer_work(layer, problem.devices, b, scale,
+                          runs_compiled(config.schedule, problem.train.compiled))
         for compute, memory in (work["forward"], work["backward"], work["recompute"][mode]):
             total["compute"] += compute
             total["memory"] += memory

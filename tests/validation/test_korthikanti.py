@@ -22,6 +22,7 @@ import pytest
 
 import partc
 from partc.compiler import build_problem, plan_problem
+from tests.models import WHOLE_MEMORY
 from tests.validation import korthikanti
 from tests.validation.korthikanti import CONFIGS, MODES, config_named
 
@@ -217,7 +218,8 @@ def test_the_planner_takes_the_memory_first_sharding_where_memory_binds():
     train = korthikanti.train_spec(OTHER_CONFIG)
 
     def plan(memory: int, objective: str | None = None) -> partc.Plan:
-        budget = partc.DeviceBudget(num_devices=8, device="H100-80GB", memory=memory)
+        budget = partc.DeviceBudget(num_devices=8, device="H100-80GB", memory=memory,
+                                    **WHOLE_MEMORY)
         return plan_problem(build_problem(analysis, budget, train, partc.Constraints(
             tp=8, sequence_parallel=True, pp=1, micro_batch_size=OTHER_CONFIG.micro_batch,
             recompute="none", tp_objective=objective), graph))

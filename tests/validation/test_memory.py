@@ -190,7 +190,7 @@ def test_the_optimizer_steps_temporaries_are_step_bytes(foreach):
     problem = SimpleNamespace(devices=SimpleNamespace(dispatch_ahead=foreach),
                               train=SimpleNamespace(precision=Precision(
                                   compute_bytes=4, optimizer_state_bytes=8, step_copies=1.0)))
-    config = SimpleNamespace(effective_zero_stage=0, dp=1)
+    config = SimpleNamespace(effective_zero_stage=0, dp=1, offload_optimizer=False)
     assert mode.peak == step_bytes(problem, config, params, largest)
 
 

@@ -1,0 +1,121 @@
+"""Context parallelism in the planner: pricing against hand-worked numbers, the search's
+cp choices and kinds, pins refused with the reason, plans that validate."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+from partc.compiler import plan_problem
+from partc.cost.pipeline_config import PipelineConfig, to_ps
+from partc.cost.tables import build_cost_table
+from partc.errors import PlanInfeasibleError
+from partc.names import CpKind
+from partc.planner.search import candidate_configs, cp_choices
+from partc.planner.validate import validate_plan
+from partc.problem import AttentionCost, Pins
+from tests.planner.instances import devices, layer, problem
+
+ATTENTION = AttentionCost(cores=1, heads=4, kv_heads=2, head_dim=16, tokens=4096, flops=4e8)
+
+
+def _problem(*, tokens: int = 4096, attention: AttentionCost | None = ATTENTION,
+             blocker: str = "", overlap: float = 1.0, num: int = 2, pins: Pins = Pins(),
+             batch: int = 1):
+    attention = attention and replace(attention, tokens=tokens)
+    layers = [replace(layer(f"l{i}", flops=1e9, params=1000), attention=attention)
+              for i in range(2)]
+    prob = problem(layers, [100.0], devices(num, 10**9, overlap=overlap), batch=batch,
+                   pins=pins)
+    summary = replace(prob.model.summary, tokens_per_sample=tokens,
+                      context_parallel_blocker=blocker)
+    return replace(prob, model=replace(prob.model, summary=summary))
+
+
+def _row(prob, **config):
+    config = PipelineConfig(**{"pp": 1, "dp": 1, "micro_batch_size": 1,
+                               "num_microbatches": 1, "schedule": "1f1b", **config})
+    return build_cost_table(prob, config).layers[0]
+
+
+@pytest.mark.parametrize("overlap", [0.0, 1.0])
+def test_a_ring_step_charges_what_its_send_adds_beside_the_blocks_attention(overlap):
+    prob = _problem(overlap=overlap)
+    whole, ring = _row(prob, dp=2), _row(prob, cp=2, cp_kind=CpKind.RING)
+    # Half of each sequence: half the layer's FLOPs (1e9 per sample at 1e12 FLOP/s).
+    compute = 0.5 * 1e9 / 1e12
+    # One step passes keys and values of 2048 tokens: 2 x 2 heads x 16 x 2048 x 4 bytes
+    # at 1e9 B/s, beside a quarter of the attention (4e8 / 2 ranks / 2 blocks).
+    send, step = 2 * 2 * 16 * 2048 * 4 / 1e9, 4e8 / 4 / 1e12
+    exposed = send - overlap * min(send, step)
+    assert whole.forward_ps == to_ps(1e9 / 1e12)
+    assert ring.forward_ps == to_ps(compute + exposed)
+    # Backward also adds the gradients into their buckets (dp x cp = 2 replicas).
+    own = whole.backward_ps - to_ps(2e9 / 1e12)
+    assert abs(ring.backward_ps - to_ps(2 * compute + 2 * exposed) - own) <= 1
+    assert ring.saved_bytes["none"] == whole.saved_bytes["none"] // 2
+    # Two key/value blocks in flight, and two of their gradients in backward.
+    assert ring.transient_bytes["none"] - whole.transient_bytes["none"] // 2 == 4 * 2 * 2 * 16 * 2048 * 4
+
+
+def test_all_to_all_charges_four_exchanges_each_way_with_nothing_beside_them():
+    prob = _problem()
+    ulysses = _row(prob, cp=2, cp_kind=CpKind.ALL_TO_ALL)
+    own = _row(prob, dp=2).backward_ps - to_ps(2e9 / 1e12)
+    # q, k, v and the output: 2 x (4 + 2) heads x 16 x 2048 tokens x 4 bytes per rank,
+    # half of it leaving the rank, at 1e9 B/s.
+    moved = 0.5 * 2 * (4 + 2) * 16 * 2048 * 4 / 1e9
+    assert ulysses.forward_ps == to_ps(0.5 * 1e9 / 1e12 + moved)
+    assert abs(ulysses.backward_ps - to_ps(1e9 / 1e12 + moved) - own) <= 1
+
+
+def test_gradients_reduce_over_dp_x_cp():
+    prob = _problem(num=4)
+    assert _row(prob, dp=4).sync_ps == _row(prob, dp=2, cp=2, cp_kind=CpKind.RING).sync_ps > 0
+    assert _row(prob, cp=4, cp_kind=CpKind.RING).sync_ps == _row(prob, dp=4).sync_ps
+
+
+def test_the_search_tries_cp_where_the_sequence_splits_and_attention_runs():
+    assert cp_choices(_problem(), 1) == [(1, None), (2, CpKind.RING), (2, CpKind.ALL_TO_ALL)]
+    # 2 x cp chunks of at least 1024 tokens when cp is left to the planner.
+    assert cp_choices(_problem(tokens=4000), 1) == [(1, None)]
+    assert cp_choices(_problem(tokens=2048), 1) == [(1, None)]
+    assert cp_choices(_problem(attention=None), 1) == [(1, None)]
+    assert cp_choices(_problem(blocker="cumsum (x, in layer l0)"), 1) == [(1, None)]
+    three_heads = replace(ATTENTION, heads=3, kv_heads=1)
+    assert cp_choices(_problem(attention=three_heads), 1) == [(1, None), (2, CpKind.RING)]
+    pinned = _problem(tokens=16, pins=Pins(cp=2, cp_kind="all-to-all"))
+    assert cp_choices(pinned, 1) == [(2, CpKind.ALL_TO_ALL)]
+    assert cp_choices(_problem(pins=Pins(cp_kind="ring")), 1) == [(2, CpKind.RING)]
+    configs = candidate_configs(_problem(batch=2))
+    assert {(c.pp, c.dp, c.cp, c.cp_kind) for c in configs} == {
+        (1, 2, 1, None), (2, 1, 1, None), (1, 1, 2, CpKind.RING), (1, 1, 2, CpKind.ALL_TO_ALL)}
+
+
+@pytest.mark.parametrize("change, says", [
+    (dict(blocker="cumsum (cumsum, in layer l0)"),
+     "cumsum (cumsum, in layer l0) reads along the sequence outside attention"),
+    (dict(attention=None), "no attention core"),
+    (dict(tokens=4098), "4098 tokens does not split into 2 x cp = 4 equal chunks"),
+    (dict(attention=replace(ATTENTION, heads=3, kv_heads=1), pins=Pins(cp=2, cp_kind="all-to-all")),
+     "layer l0 has 3 heads and 1 key/value heads, not both divisible by cp=2"),
+])
+def test_a_pinned_cp_the_model_cannot_run_is_refused_naming_why(change, says):
+    prob = _problem(**{"pins": Pins(cp=2), **change})
+    with pytest.raises(PlanInfeasibleError, match="cannot hold the pin cp=2") as refused:
+        plan_problem(prob)
+    assert says in str(refused.value)
+
+
+@pytest.mark.parametrize("kind", ["ring", "all-to-all"])
+def test_a_cp_plan_validates_and_reduces_over_its_replicas(kind):
+    prob = _problem(num=4, batch=2, pins=Pins(cp=2, cp_kind=kind))
+    plan = plan_problem(prob)
+    assert (plan.cp, plan.cp_kind, plan.mesh.size) == (2, kind, 4)
+    validate_plan(prob, plan)
+    assert plan.meshes and all(m.cp == 2 for m in plan.meshes)
+    wrong = replace(plan, mesh=replace(plan.mesh, cp_kind=CpKind.RING if kind != "ring"
+                                       else CpKind.ALL_TO_ALL))
+    with pytest.raises(Exception, match="cp_kind pinned"):
+        validate_plan(prob, wrong)
