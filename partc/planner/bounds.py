@@ -83,7 +83,8 @@ def _distinct(table: CostTable, cache: TableCache | None) -> tuple[dict, tuple]:
 
 
 def played_floor(table: CostTable, cache: TableCache | None = None, *,
-                 any_schedule: bool = False, backward_scale: float = 1.0) -> float:
+                 any_schedule: bool = False, backward_scale: float = 1.0,
+                 one_in_flight: bool = False) -> float:
     """A step time no plan of ``table``'s configuration plays out below
     (:func:`~partc.cost.evaluate.simulated_step_ps`); inf if nothing fits. With
     ``any_schedule``, one no plan of its mesh, batch split and ZeRO stage plays out below
@@ -98,8 +99,13 @@ def played_floor(table: CostTable, cache: TableCache | None = None, *,
     each. The busiest rank is at least their average, and busier than the heaviest
     layer's ``m`` runs. For its own schedule (not ``any_schedule``) the compute counts the
     least recompute that fits (:func:`_recompute_floor`) and the sends the cheapest cuts,
-    one per boundary between runs on two ranks (:func:`_cheapest_sends`). Then
-    the least tail (:func:`_tail_floor`)."""
+    one per boundary between runs on two ranks (:func:`_cheapest_sends`). With
+    ``any_schedule`` or ``one_in_flight`` the recompute is the least that fits with one
+    microbatch of every run in flight on each rank, which every schedule holds at once
+    (when a rank starts the first microbatch's backward, its forward has passed every
+    run of the rank and none of their activations is freed yet): a weaker floor that
+    needs no schedule's order (``one_in_flight`` prices a schedule's own floor cheaply,
+    before its order is played). Then the least tail (:func:`_tail_floor`)."""
     config = table.config
     pp, m = config.pp, config.num_microbatches
     distinct, knapsack = _distinct(table, cache)
@@ -107,13 +113,11 @@ def played_floor(table: CostTable, cache: TableCache | None = None, *,
     fastest = {key: row.forward_ps + math.floor(scale * row.backward_ps)
                + min(row.recompute_ps.values()) for key, (row, _) in distinct.items()}
     total = sum(fastest[key] * count for key, (_, count) in distinct.items())
-    comm = 0
-    if not any_schedule:
-        recompute = _recompute_floor(table, knapsack)
-        if recompute == math.inf:
-            return math.inf
-        total += recompute
-        comm = _cheapest_sends(table)
+    recompute = _recompute_floor(table, knapsack, any_schedule or one_in_flight)
+    if recompute == math.inf:
+        return math.inf
+    total += recompute
+    comm = 0 if any_schedule else _cheapest_sends(table)
     starts = sum(itertools.accumulate(table.layers[l].forward_ps
                                       for l in range(min(pp, table.num_layers) - 1)))
     busy = max(m * max(fastest.values()), -(-(m * (total + comm) + starts) // pp))
@@ -129,8 +133,11 @@ def _cheapest_sends(table: CostTable) -> int:
                   if config.rank_of(j) != config.rank_of(j + 1)]
     if not boundaries:
         return 0
-    cheapest = sorted(min(row[j] for j in boundaries)
-                      for row in table.cut_ps[:table.num_layers - 1])
+    rows = table.cut_ps[:table.num_layers - 1]
+    if len(boundaries) == config.virtual_stages - 1:   # every boundary crosses (a slice)
+        cheapest = sorted(min(row[:len(boundaries)]) for row in rows)
+    else:
+        cheapest = sorted(min(row[j] for j in boundaries) for row in rows)
     return sum(cheapest[:len(boundaries)])
 
 
@@ -193,11 +200,25 @@ def _least_largest_sum(costs: tuple[int, ...], parts: int) -> int:
     return low
 
 
-def _recompute_floor(table: CostTable, knapsack: tuple[int, int, list]) -> float:
+def _recompute_floor(table: CostTable, knapsack: tuple[int, int, list],
+                     one_in_flight: bool = False) -> float:
     config = table.config
     # Stage s holds at least f_s microbatches of its saved bytes A_s beside its state
     # W_s: A_s <= (M_s - W_s) / f_s, so sum_s A_s <= sum_s M_s / f_s - sum_s W_s / max f.
-    inflight = [config.held_at_least(stage) for stage in range(config.pp)]
+    # With f_s = 1, which every schedule holds: sum_s A_s <= sum_s M_s - W. Neither
+    # bound implies the other (the second divides the state by max f), so both count.
+    inflight = [1 if one_in_flight else config.held_at_least(stage)
+                for stage in range(config.pp)]
+    if not one_in_flight and any(f > 1 for f in inflight):
+        return max(_recompute_floor(table, knapsack, True),
+                   _knapsack_floor(table, knapsack, inflight))
+    return _knapsack_floor(table, knapsack, inflight)
+
+
+def _knapsack_floor(table: CostTable, knapsack: tuple[int, int, list],
+                    inflight: list[int]) -> float:
+    """The least recompute (LP relaxation) that brings the saved bytes under what the
+    limits leave with ``inflight`` microbatches held per stage."""
     if not all(inflight):
         return 0.0
     state, saved, ratios = knapsack

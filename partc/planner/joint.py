@@ -28,8 +28,17 @@ and the plan that plays out fastest over all of them is kept (:func:`choose`):
    lasts; a trial whose floor reaches the fastest plan by then is not solved.
 
 Every bound used is a lower bound on the step played out, so a plan left out is never
-faster than the one kept; the plan is OPTIMAL only when every trial in the running was
-solved to optimality (of the closed form, which each trial's CP-SAT minimises).
+faster than the one kept. In what sense the plan is OPTIMAL: the closed-form search
+proved its configuration optimal (of the closed form), and every schedule and count of
+every mesh was either proven no faster than the plan by its floor or played out with a
+split (CP-SAT's where its work reached it, else the greedy one); none was left for want
+of work or of operations to play. The splits of the schedules played are not proven
+optimal for the step played out (CP-SAT minimises the closed form), so OPTIMAL is
+exact over meshes and schedules, not over every split of each. The floors are a
+schedule's own (its recompute, sends) or, before its order is played, one that holds
+for one microbatch in flight (:func:`~.bounds.played_floor`'s ``one_in_flight``); a
+mesh's floor under any schedule counts its least recompute with one microbatch in
+flight too.
 """
 
 from __future__ import annotations
@@ -149,7 +158,11 @@ class _Search:
         """``config`` (a schedule of mesh ``key``): pruned by its floor, or its greedy
         split played out and left for CP-SAT."""
         table = build_cost_table(self.problem, config, self.cache)
-        bound = played_floor(table, self.cache)
+        # The floor without the schedule's order first: playing torch's order for the
+        # memory it holds is most of a trial's cost, and most trials are pruned without.
+        bound = played_floor(table, self.cache, one_in_flight=True)
+        if bound < self.step:
+            bound = played_floor(table, self.cache)
         if bound >= self.step:
             self.trials.append(ScheduleTrial(config=config, why=PRUNED))
             return
@@ -191,7 +204,10 @@ class _Search:
     def solve_pending(self, options: PlannerOptions) -> bool:
         """CP-SAT on each pending trial, the first mesh's first, then by greedy step,
         from its greedy split, while ``work`` lasts and its floor is below the fastest
-        plan played; whether every one was settled."""
+        plan played; whether every one was settled: played out with a split (greedy or
+        CP-SAT's) or proven to have none. A trial CP-SAT does not reach keeps its greedy
+        split: CP-SAT minimises the closed form, not the step played out, so even its
+        optimum proves nothing of the played step that the greedy split's does not."""
         from partc.planner.search import solve_config
 
         finished = True
@@ -206,8 +222,8 @@ class _Search:
                     self.trials.append(dataclasses.replace(trial, why=PRUNED))
                 continue
             if self.work <= 0 or later and others <= 0:
-                finished = False
                 if trial.result is None:
+                    finished = False
                     self.trials.append(dataclasses.replace(trial, why=NOT_REACHED))
                 continue
             table = build_cost_table(self.problem, config, self.cache)
@@ -218,13 +234,12 @@ class _Search:
             self.work -= spent
             others -= spent if later else 0
             if result is None:
-                finished &= status != "UNKNOWN"
                 if trial.result is None:
+                    finished &= status != "UNKNOWN"
                     self.trials.append(ScheduleTrial(
                         config=config, why=NO_SPLIT if status == "INFEASIBLE" else
                         "work limit"))
                 continue
-            finished &= result.status == "OPTIMAL"
             solved = self.add(mesh_key(config), result)
             self.cache.solutions[config] = solved.result.assignment
         return finished

@@ -712,8 +712,12 @@ def _why(plan: Plan) -> list[str]:
 
 
 _STATUS = {
-    "OPTIMAL": "no configuration can beat this plan under the cost model",
-    "FEASIBLE": "the best plan found within the work limit; none can beat the bound",
+    "OPTIMAL": "no configuration can beat this plan under the cost model: each was solved "
+               "or ruled out by a proven bound, and every schedule of every mesh played "
+               "out (with CP-SAT's split or the greedy one) or ruled out by a floor of "
+               "the step played",
+    "FEASIBLE": "the best plan found within the work limit (PlannerOptions.work_limit, "
+                "schedule_trial_ops); none can beat the bound",
 }
 
 

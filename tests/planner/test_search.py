@@ -210,12 +210,14 @@ def _check_schedule_choice(prob, result, plan) -> None:
             assert trial.result.assignment.modes == trial.solved.assignment.modes
         if trial.result is not None:
             assert trial.step_ps == simulated_step_ps(trial.config, trial.result.evaluation)[0]
-    assert base_floor <= trials[0].step_ps
+    assert all(base_floor <= t.step_ps for t in [trials[0], *mine] if t.step_ps is not None)
     for trial in mine:
         if trial.why == joint.PRUNED:   # rightly: no split plays out below its floor
             played = least_played(prob, trial.config)
             floor = played_floor(build_cost_table(prob, trial.config))
-            assert played is None or floor <= played and base_floor <= played
+            quick = played_floor(build_cost_table(prob, trial.config), one_in_flight=True)
+            assert played is None or max(floor, quick) <= played and base_floor <= played
+            assert quick <= floor
             assert floor >= fastest
             continue
         if trial.greedy:
