@@ -19,7 +19,9 @@ and the plan that plays out fastest over all of them is kept (:func:`choose`):
    closed form only.
 3. Each schedule and count of that configuration gets its own floor
    (:func:`~.bounds.played_floor`: its recompute, its crossing sends) and is left out
-   where the floor reaches the fastest plan; else its greedy split is played out (on
+   where the floor reaches the fastest plan; else its greedy split is played out
+   (:func:`~partc.planner.search.balanced_runs`: re-cut into runs of balanced compute,
+   and on the mesh priced first into Megatron's even runs, where faster; on
    meshes other than the chosen one, within ``PlannerOptions.schedule_trial_ops``
    operations played: the rest are not reached, and the plan FEASIBLE).
 4. CP-SAT then solves the schedules still in the running, fastest greedy split first
@@ -99,7 +101,7 @@ def choose(problem: PlanningProblem, tables: list[CostTable],
     from partc.planner.search import schedule_candidates
 
     search = _Search(problem, cache, work, options.schedule_trial_ops)
-    search.add(mesh_key(best.table.config), best)
+    search.add(mesh_key(best.table.config), best, first=True)
     scale = min(1.0, problem.devices.split_backward_factor or 1.0)
     meshes = _meshes(tables, outcomes, cache, scale, mesh_key(best.table.config))
     for done, (floor, key, members, result) in enumerate(meshes):
@@ -116,7 +118,7 @@ def choose(problem: PlanningProblem, tables: list[CostTable],
             if result is None:
                 continue
         if result is not best:
-            search.add(key, result)
+            search.add(key, result, first=not done)
         for config in schedule_candidates(problem, result.table.config):
             search.price(key, config, first=not done)
     progress.update("schedules", len(meshes), len(meshes),
@@ -144,9 +146,10 @@ class _Search:
         self.per_mesh: dict[tuple, tuple[ConfigResult, int]] = {}
         self.pending: list[tuple[bool, float, ScheduleTrial, float]] = []
 
-    def add(self, key: tuple, result: ConfigResult) -> ScheduleTrial:
-        """``result`` played out, as a trial of mesh ``key``."""
-        trial = _played(self.problem, result)
+    def add(self, key: tuple, result: ConfigResult, first: bool = False) -> ScheduleTrial:
+        """``result`` played out, as a trial of mesh ``key`` (``first``: of the mesh
+        priced first, whose trials are also played cut evenly, Megatron's way)."""
+        trial = _played(self.problem, result, first)
         self.trials.append(trial)
         known = self.per_mesh.get(key)
         if known is None or trial.step_ps < known[1]:
@@ -178,7 +181,7 @@ class _Search:
             self.pending.append((not first, math.inf, ScheduleTrial(config=config,
                                                                     why=NO_SPLIT), bound))
             return
-        trial = dataclasses.replace(self.add(key, greedy), greedy=True)
+        trial = dataclasses.replace(self.add(key, greedy, first), greedy=True)
         self.trials[-1] = trial
         self.pending.append((not first, trial.step_ps, trial, bound))
 
@@ -240,7 +243,7 @@ class _Search:
                         config=config, why=NO_SPLIT if status == "INFEASIBLE" else
                         "work limit"))
                 continue
-            solved = self.add(mesh_key(config), result)
+            solved = self.add(mesh_key(config), result, not later)
             self.cache.solutions[config] = solved.result.assignment
         return finished
 
@@ -285,10 +288,11 @@ def _greedy_result(problem: PlanningProblem, tables: list[CostTable],
     return None
 
 
-def _played(problem: PlanningProblem, result: ConfigResult) -> ScheduleTrial:
+def _played(problem: PlanningProblem, result: ConfigResult,
+            even: bool = False) -> ScheduleTrial:
     from partc.planner.search import balanced_runs
 
-    played, step = balanced_runs(problem, result)
+    played, step = balanced_runs(problem, result, even)
     return ScheduleTrial(config=result.table.config, result=played, step_ps=step,
                          solved=result if played is not result else None)
 

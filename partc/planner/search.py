@@ -321,11 +321,15 @@ def _runnable_zero(problem: PlanningProblem, config: PipelineConfig, name: str) 
     return None
 
 
-def balanced_runs(problem: PlanningProblem, result: ConfigResult) -> tuple[ConfigResult, int]:
+def balanced_runs(problem: PlanningProblem, result: ConfigResult,
+                  even: bool = False) -> tuple[ConfigResult, int]:
     """``result``, or where its configuration interleaves (several runs per rank) and no
     stages are pinned, the same layers and recompute modes cut into runs of balanced
     compute (:func:`balanced_cut`) where that fits and plays out faster; with its
-    simulated step time.
+    simulated step time. With ``even``, also cut into runs of equal layer counts, the
+    first layer with the first run and the last with the last (Megatron-Core's even
+    split of the blocks, the embedding and the head with the blocks beside them),
+    where that plays out faster still.
 
     The closed form CP-SAT minimises charges a rank its runs' sum, however unequal they
     are, but the interleaved schedules run a rank's runs in turn: a run much longer
@@ -339,17 +343,24 @@ def balanced_runs(problem: PlanningProblem, result: ConfigResult) -> tuple[Confi
         return result, step
     table, modes = result.table, result.assignment.modes
     work = [table.layers[l].compute_ps(mode) for l, mode in enumerate(modes)]
-    stage_of = balanced_cut(work, config.virtual_stages)
-    if stage_of is None or stage_of == result.assignment.stage_of:
-        return result, step
-    evaluation = evaluate(table, stage_of, modes)
-    if not evaluation.fits:
-        return result, step
-    balanced, _ = simulated_step_ps(config, evaluation)
-    if balanced >= step:
-        return result, step
-    return dataclasses.replace(result, assignment=Assignment(stage_of=stage_of, modes=modes),
-                               evaluation=evaluation), balanced
+    cuts = [balanced_cut(work, config.virtual_stages)]
+    if even and len(work) > 2:
+        cuts.append(balanced_cut([0] + [1] * (len(work) - 2) + [0], config.virtual_stages))
+    best = (result, step)
+    tried = {result.assignment.stage_of}
+    for stage_of in cuts:
+        if stage_of is None or stage_of in tried:
+            continue
+        tried.add(stage_of)
+        evaluation = evaluate(table, stage_of, modes)
+        if not evaluation.fits:
+            continue
+        played, _ = simulated_step_ps(config, evaluation)
+        if played < best[1]:
+            best = (dataclasses.replace(result, evaluation=evaluation,
+                                        assignment=Assignment(stage_of=stage_of, modes=modes)),
+                    played)
+    return best
 
 
 def balanced_cut(work: list[int], runs: int) -> tuple[int, ...] | None:
