@@ -71,7 +71,7 @@ def _plan(graph, analysis, budget, train, constraints, options) -> partc.Plan | 
         return plan_problem(problem, budget=BudgetInfo.from_dict(budget.to_dict(train.dtype)),
                             train=train, options=options)
     except (partc.PlanInfeasibleError, ValueError) as error:
-        return "no plan: " + " ".join(str(error).split())[:150]
+        return "no plan: " + " ".join(str(error).split())[:420]
 
 
 def _describe(plan: partc.Plan | str) -> str:

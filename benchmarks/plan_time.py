@@ -13,13 +13,13 @@ Targets on this 2-core machine: trace + plan under 10 s (median of 3) for Llama-
 re-plan after a memory change under 1 s, the plan feasible with its gap reported.
 
     python benchmarks/plan_time.py [--repeats 3] [--workloads llama3-70b gpt-1t llama3-8b]
-        [--work-limit W] [--profile] [--no-replan]
-    python benchmarks/plan_time.py --export --workloads llama3-70b   # one torch.export
+        [--work-limit W] [--profile] [--no-replan] [--versus-export]
 
-``--export`` runs one plain ``torch.export.export`` of the first workload's model (on the
-meta device, ``strict=False``) and nothing else: the yardstick the planning time is
-quoted against, to time as a whole process beside ``--repeats 1 --no-replan`` (one cold
-plan), paired run by run on the same machine.
+``--versus-export``: instead, for each workload, one cold ``partc.compile`` (no cache)
+and one plain ``torch.export`` of the same model, each in a fresh process, in CPU
+seconds (the call alone, and the whole process with its imports and the model's
+building), side by side with their ratio: CPU time, which a busy machine inflates less
+than wall time. ``--no-replan``: cold runs only, without the re-planning with a cache.
 
 Workloads:
 
@@ -38,7 +38,9 @@ from __future__ import annotations
 import argparse
 import cProfile
 import pstats
+import resource
 import statistics
+import subprocess
 import sys
 import time
 from dataclasses import dataclass
@@ -152,14 +154,6 @@ def describe(plan: partc.Plan) -> str:
             f"{solver.configs_solved} solved, {solver.configs_pruned} pruned")
 
 
-def export_once(workload: Workload) -> None:
-    """One plain torch.export of the workload's model and loss, as a user would trace it."""
-    work = workload.build()
-    start = time.perf_counter()
-    torch.export.export(work["model"], work["example_inputs"], strict=False)
-    print(f"torch.export of {workload.name}: {time.perf_counter() - start:.2f} s")
-
-
 def run(workload: Workload, args) -> None:
     options = PlannerOptions(work_limit=args.work_limit)
     print(f"\n{workload.name}: {workload.devices} x {workload.device} (8 per node, "
@@ -177,6 +171,35 @@ def run(workload: Workload, args) -> None:
         print(f"    {what:<34} {seconds:6.2f} s   {describe(plan)}")
 
 
+def one_call(workload: Workload, what: str) -> None:
+    """In this process: one cold plan or one torch.export; prints the call's CPU s."""
+    work = workload.build()
+    start = time.process_time()
+    if what == "export":
+        torch.export.export(work["model"], work["example_inputs"], strict=False)
+    else:
+        partc.compile(work["model"], work["example_inputs"], budget=workload.budget(),
+                      train=work["train"], loss_fn=work["loss_fn"],
+                      example_target=work["example_target"], name=work["name"], cache=None)
+    print(f"{time.process_time() - start:.3f}")
+
+
+def versus_export(workload: Workload) -> None:
+    """One cold plan against one torch.export, each in a fresh process, in CPU s."""
+    figures = {}
+    for what in ("export", "plan"):
+        before = resource.getrusage(resource.RUSAGE_CHILDREN)
+        done = subprocess.run([sys.executable, __file__, "--one", what, "--workloads",
+                               workload.name], capture_output=True, text=True, check=True)
+        after = resource.getrusage(resource.RUSAGE_CHILDREN)
+        process = (after.ru_utime + after.ru_stime) - (before.ru_utime + before.ru_stime)
+        figures[what] = (float(done.stdout.split()[-1]), process)
+    (export_call, export_all), (plan_call, plan_all) = figures["export"], figures["plan"]
+    print(f"{workload.name}: cold plan {plan_call:.1f} CPU-s (process {plan_all:.1f}), "
+          f"torch.export {export_call:.1f} CPU-s (process {export_all:.1f}): "
+          f"{plan_call / export_call:.2f}x (process {plan_all / export_all:.2f}x)")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=3)
@@ -188,11 +211,16 @@ def main() -> None:
                         help="cProfile the first workload's cold run")
     parser.add_argument("--no-replan", action="store_true",
                         help="cold runs only, no re-planning with a cache")
-    parser.add_argument("--export", action="store_true",
-                        help="one plain torch.export of the first workload's model, only")
+    parser.add_argument("--versus-export", action="store_true",
+                        help="CPU s of one cold plan against one torch.export, instead")
+    parser.add_argument("--one", choices=("plan", "export"), help=argparse.SUPPRESS)
     args = parser.parse_args()
-    if args.export:
-        export_once(WORKLOADS[args.workloads[0]])
+    if args.one:
+        one_call(WORKLOADS[args.workloads[0]], args.one)
+        return
+    if args.versus_export:
+        for name in args.workloads:
+            versus_export(WORKLOADS[name])
         return
     if args.profile:
         profile = cProfile.Profile()

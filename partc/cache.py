@@ -25,10 +25,15 @@ them. Entries on disk carry a digest of partc's own source, so a new version of 
 never reads what an old one wrote. An entry that cannot be read back (damaged, of
 another version, failing the classes' own checks, or a plan that fails validation) is
 removed with a warning and computed again.
+
+Processes that share a directory (the ranks of a node, one ``PARTC_CACHE_DIR``) make an
+entry once: while one computes it, under a file lock of its own (:meth:`PlanCache.computing`),
+the others wait, then read it. Eight ranks of a node trace and plan once, not eight times.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import json
@@ -38,8 +43,9 @@ import tempfile
 from collections import OrderedDict
 from dataclasses import replace
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
+import filelock
 import torch
 
 from partc.codec import check, from_data, to_data
@@ -60,6 +66,9 @@ class PlanCache:
     in memory."""
 
     TABLE_CACHES = 4   # each holds the rows of every configuration family of a problem
+    # The longest a process waits for another to make an entry (a wedged peer, storage
+    # without locks) before it makes the entry itself.
+    WAIT_S = 1800.0
 
     def __init__(self, directory: str | Path | None = None, capacity: int = 8) -> None:
         self.directory = Path(directory) if directory is not None else None
@@ -110,6 +119,30 @@ class PlanCache:
         while len(self._table_caches) > self.TABLE_CACHES:
             self._table_caches.popitem(last=False)
         return self._table_caches[key]
+
+    @contextlib.contextmanager
+    def computing(self, kind: str, key: str) -> Iterator[None]:
+        """Hold the lock of entry ``key`` of ``kind`` (``"analysis"`` or ``"plan"``) of
+        the directory for the block: look the entry up, make it and store it inside, and
+        a process that shares the directory waits, then finds it. In memory only, a
+        no-op. The lock goes with its process, should that die."""
+        path = self._path(kind, key, "lock")
+        if path is None:
+            yield
+            return
+        path.parent.mkdir(parents=True, exist_ok=True)
+        lock = filelock.FileLock(str(path))
+        try:
+            lock.acquire(timeout=self.WAIT_S)
+        except filelock.Timeout:
+            log.warning("waited %.0f s for another process to make %s; making it here",
+                        self.WAIT_S, path.with_suffix(""))
+            yield
+            return
+        try:
+            yield
+        finally:
+            lock.release()
 
     def _get(self, memory: OrderedDict, key: str, kind: str, suffix: str,
              read: Callable[[Path], Any]) -> Any:

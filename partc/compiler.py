@@ -14,6 +14,7 @@ The steps, in order:
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import time
@@ -26,7 +27,7 @@ from torch import nn
 
 from partc.batch_coupling import couples_samples, restrict
 from partc.cache import DEFAULT as DEFAULT_CACHE
-from partc.cache import PlanCache, model_key
+from partc.cache import PlanCache, model_key, problem_key
 from partc.codec import dtype_name
 from partc.cost.collectives import Group
 from partc.cost.compile_time import rank_compile_seconds
@@ -395,36 +396,41 @@ def compile(model: torch.nn.Module,
     identity = f"{model_hash(model)}-{behaviour_digest(model)}"
     key = model_key(identity, (example_inputs, kwargs) if kwargs else example_inputs,
                     example_target, loss_fn, name, measured_for) if cache is not None else None
-    analysis = cache.analysis(key) if cache is not None else None
-    graph = None
-    if analysis is None:
-        start = time.perf_counter()
-        graph, analysis = analyze(model, example_inputs, kwargs=kwargs, loss_fn=loss_fn,
-                                  example_target=example_target, name=name,
-                                  attention=train.attention,
-                                  autocast=autocast_dtype(train),
-                                  autocast_device=budget.device_type)
-        log.info("analysed %s: %d layers in %.2f s", analysis.summary.name,
-                 len(analysis.layers), time.perf_counter() - start)
-    constraints = _whole_batch_loss(model, example_inputs, loss_fn, example_target,
-                                    analysis, constraints, train)
-    problem = build_problem(analysis, budget, train, constraints, graph, options)
-    if cache is not None and graph is not None:
-        cache.put_analysis(key, problem.model)
+    with cache.computing("analysis", key) if cache is not None else contextlib.nullcontext():
+        analysis = cache.analysis(key) if cache is not None else None
+        graph = None
+        if analysis is None:
+            start = time.perf_counter()
+            graph, analysis = analyze(model, example_inputs, kwargs=kwargs, loss_fn=loss_fn,
+                                      example_target=example_target, name=name,
+                                      attention=train.attention,
+                                      autocast=autocast_dtype(train),
+                                      autocast_device=budget.device_type)
+            log.info("analysed %s: %d layers in %.2f s", analysis.summary.name,
+                     len(analysis.layers), time.perf_counter() - start)
+        constraints = _whole_batch_loss(model, example_inputs, loss_fn, example_target,
+                                        analysis, constraints, train)
+        problem = build_problem(analysis, budget, train, constraints, graph, options)
+        if cache is not None and graph is not None:
+            cache.put_analysis(key, problem.model)
     start = time.perf_counter()
     recorded = BudgetInfo.from_dict(budget.to_dict(train.dtype))
-    plan = cache.plan(problem) if cache is not None else None
-    if plan is not None:
-        # The cache keys on what the planner reads; the rest of the setup (the runtime's
-        # max_grad_norm, the budget's name) is this compile's, not the stored plan's.
-        plan = dataclasses.replace(plan, budget=recorded,
-                                   train=chosen_kernels(train, problem, plan.schedule))
-        validate_plan(problem, plan)
-    else:
-        plan = plan_problem(problem, budget=recorded, train=train, options=options,
-                            table_cache=cache.table_cache(problem) if cache is not None else None)
-        if cache is not None:
-            cache.put_plan(problem, plan)
+    with (cache.computing("plan", problem_key(problem)) if cache is not None
+          else contextlib.nullcontext()):
+        plan = cache.plan(problem) if cache is not None else None
+        if plan is not None:
+            # The cache keys on what the planner reads; the rest of the setup (the
+            # runtime's max_grad_norm, the budget's name) is this compile's, not the
+            # stored plan's.
+            plan = dataclasses.replace(plan, budget=recorded,
+                                       train=chosen_kernels(train, problem, plan.schedule))
+            validate_plan(problem, plan)
+        else:
+            plan = plan_problem(problem, budget=recorded, train=train, options=options,
+                                table_cache=(cache.table_cache(problem) if cache is not None
+                                             else None))
+            if cache is not None:
+                cache.put_plan(problem, plan)
     log.info("planned in %.2f s: %s", time.perf_counter() - start, plan.solver.status)
     return Program(plan=plan, problem=problem, graph=graph, model=model, loss_fn=loss_fn)
 

@@ -24,7 +24,8 @@ Node keys:
 Graph keys (on ``gm.meta``): :data:`TRACE` (how the model was captured) and
 :data:`LAYERS` (the layers in order, with their nodes and signatures) and :data:`CUTS`
 (bytes crossing each boundary between consecutive layers, for the whole traced batch),
-:data:`CUT_TENSORS` (how many tensors cross each boundary, and how many carry gradients),
+:data:`CUT_TENSORS` (how many tensors cross each boundary, how many carry gradients, and
+how many are attention masks made from shapes),
 :data:`LAYER_COSTS` (one ``partc.problem.LayerCost`` per layer, per sample) and
 :data:`TIMINGS` (seconds each pass took); on a stage, :data:`FSDP_UNITS` (its FSDP units).
 """
@@ -272,12 +273,13 @@ def cut_bytes(gm: fx.GraphModule) -> tuple[float, ...]:
     return gm.meta[CUTS]
 
 
-def set_cut_tensors(gm: fx.GraphModule, counts: tuple[tuple[int, int], ...]) -> None:
+def set_cut_tensors(gm: fx.GraphModule, counts: tuple[tuple[int, int, int], ...]) -> None:
     gm.meta[CUT_TENSORS] = tuple(counts)
 
 
-def cut_tensors(gm: fx.GraphModule) -> tuple[tuple[int, int], ...]:
-    """Per cut: (tensors crossing it, those among them whose gradients cross back)."""
+def cut_tensors(gm: fx.GraphModule) -> tuple[tuple[int, int, int], ...]:
+    """Per cut: (tensors crossing it, those among them whose gradients cross back, those
+    among them that are attention masks made from shapes)."""
     return gm.meta[CUT_TENSORS]
 
 

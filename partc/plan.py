@@ -339,8 +339,9 @@ DP_WHEN = {"forward": "beside each microbatch's forward",
 
 @dataclass(frozen=True, kw_only=True)
 class DataParallelPlan:
-    """The data-parallel traffic of the plan (dp > 1): per stage, what one of its ranks
-    runs per step over its dp group (:class:`DPCollective`), and the share of the
+    """The data-parallel traffic of the plan (dp x cp > 1): per stage, what one of its
+    ranks runs per step over its gradient group (the dp x cp ranks holding the same
+    parameters, :class:`DPCollective`), and the share of the
     shorter of a collective and the compute beside it assumed hidden (``overlap``,
     ``DeviceFigures.comm_overlap``). ZeRO-0/1 reduce the gradients beside the last
     backward (the last bucket after it), ZeRO-1 all-gathers the stepped weights (beside
@@ -350,9 +351,17 @@ class DataParallelPlan:
     gradients, every microbatch (:func:`partc.planner.data_parallel.data_parallel_section`)."""
 
     dp: int
+    # Context-parallel ranks: they hold the same parameters as their dp replicas and see
+    # other tokens, so the gradients are reduced (and ZeRO state sharded) over dp x cp.
+    cp: int = 1
     zero_stage: int   # the effective one
     overlap: float
     stages: tuple[tuple[DPCollective, ...], ...]
+
+    @property
+    def replicas(self) -> int:
+        """The ranks of a gradient group: dp x cp."""
+        return self.dp * self.cp
 
     def seconds(self, stage: int) -> float:
         return sum(c.seconds for c in self.stages[stage])

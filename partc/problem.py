@@ -20,6 +20,7 @@ front half of the compiler (``partc.passes``) produces a :class:`ModelAnalysis`;
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
@@ -428,9 +429,11 @@ class ModelAnalysis:
     layers: tuple[LayerCost, ...]
     cut_bytes: tuple[float, ...]
     shared: tuple[SharedParam, ...] = ()
-    # Per cut: tensors that cross it, and how many of them carry a gradient back (float
-    # tensors that depend on a parameter). One message each, per microbatch.
-    cut_tensors: tuple[tuple[int, int], ...] = ()
+    # Per cut: tensors that cross it, how many of them carry a gradient back (float
+    # tensors that depend on a parameter), and how many are attention masks made from
+    # shapes (context parallelism's lowering erases them: under cp they are not sent).
+    # One message each, per microbatch.
+    cut_tensors: tuple[tuple[int, int, int], ...] = ()
     # Tensor-parallel variants the planner may choose from (none: tp = 1 only).
     tensor_parallel: tuple["TPOption", ...] = ()
 
@@ -446,6 +449,13 @@ class ModelAnalysis:
             for layer in group.layers:
                 if not 0 <= layer < len(self.layers):
                     raise ValueError(f"shared parameter {group.name}: no layer {layer}")
+
+    @functools.cached_property
+    def param_count(self) -> int:
+        """The model's parameters (a tensor-parallel rank's, in a variant): its layers'
+        and the shared ones', counted once; the cost tables ask for it per row."""
+        return sum(layer.param_count for layer in self.layers) + sum(
+            shared.param_count for shared in self.shared)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -47,7 +47,7 @@ from partc import meta
 from partc.errors import ContextParallelError
 from partc.passes.context import Context
 from partc.passes.fuse_attention import constant_value
-from partc.passes.helpers.mask_rows import BLOCK_ELEMENTS, RowBlocks
+from partc.passes.helpers.mask_rows import BLOCK_ELEMENTS, RowBlocks, tiles
 from partc.passes.helpers.graph import is_dtype_check, op_name
 from partc.runtime import cp_group as cp_runtime
 from partc.runtime.cp_group import ContextParallelGroup
@@ -102,15 +102,52 @@ def _mask_of(call: fx.Node) -> AttentionMask:
     window = int(last.sum())
     candidate = (AttentionMask(NONE) if bool(last.all()) and bool(_keeps(value, 0, 1).all())
                  else AttentionMask(CAUSAL) if window >= seq else AttentionMask(SLIDING, window))
+    if not _matches(value, candidate):
+        raise _refusal(call, "its attention mask is neither causal nor a sliding "
+                       "window, or differs between samples or heads")
+    return candidate
+
+
+def _matches(value: torch.Tensor | RowBlocks, candidate: AttentionMask) -> bool:
+    """Whether the mask keeps what ``candidate`` keeps. A deferred one (a long mask made
+    from shapes) is judged tile by tile from its tiles' bounds
+    (:func:`partc.passes.helpers.mask_rows.tiles`), only the tiles mixing kept and
+    dropped positions made (the diagonal band: about seq x 256 elements, not seq x
+    seq); a tensor already whole is compared a block of rows at a time."""
+    seq = value.shape[-1]
+    if isinstance(value, RowBlocks):
+        def uniform(found: tuple[float, float], rows: tuple[int, int],
+                    cols: tuple[int, int]) -> bool | None:
+            want = candidate.visibility(range(*rows), range(*cols))
+            kept = _tile_kept(found, value.dtype)
+            return None if kept is None or want == "part" else kept == (want == "all")
+
+        def exact(tile: torch.Tensor, rows: tuple[int, int], cols: tuple[int, int]) -> bool:
+            keep = tile if tile.dtype == torch.bool else tile == 0
+            return bool((keep == candidate.keeps(torch.arange(*rows),
+                                                 torch.arange(*cols))).all())
+
+        return tiles(value, uniform, exact)
     every = torch.arange(seq)
     step = max(1, BLOCK_ELEMENTS // max(1, value.shape.numel() // seq))
     for start in range(0, seq, step):
         stop = min(seq, start + step)
         rows = _keeps(value, start, stop)
         if not bool((rows == candidate.keeps(torch.arange(start, stop), every)).all()):
-            raise _refusal(call, "its attention mask is neither causal nor a sliding "
-                           "window, or differs between samples or heads")
-    return candidate
+            return False
+    return True
+
+
+def _tile_kept(found: tuple[float, float], dtype: torch.dtype) -> bool | None:
+    """Whether a mask's tile whose elements lie in ``found`` is kept whole (True),
+    dropped whole (False) or either (None), as :func:`_keeps` reads it: a bool mask
+    keeps True, an additive one 0."""
+    low, high = found
+    if dtype == torch.bool:
+        return None if low != high else low == 1.0
+    if low == high == 0:
+        return True
+    return False if high < 0 or low > 0 else None
 
 
 def _keeps(value: torch.Tensor | RowBlocks, start: int, stop: int) -> torch.Tensor:
@@ -325,6 +362,27 @@ def _erase_unused(graph: fx.Graph, nodes: list[fx.Node]) -> None:
                       and n not in first}
         order = {node: i for i, node in enumerate(graph.nodes)}
         candidates = {n for n in candidates if n in order}
+
+
+def shape_masks(gm: fx.GraphModule) -> set[fx.Node]:
+    """The nodes whose every use ends in an SDPA call's mask (a mask made from shapes and
+    what only it reads, dtype checks aside): what this pass erases with the calls, so
+    under cp none of them crosses a pipeline cut (``partc.planner.assemble`` counts the
+    messages without them)."""
+    found: set[fx.Node] = set()
+    for node in reversed(gm.graph.nodes):
+        if node.op in ("placeholder", "get_attr", "output") or node.is_impure():
+            continue
+        kept = [user for user in node.users if not is_dtype_check(user)]
+        if kept and all(user in found or _only_mask_of(user, node) for user in kept):
+            found.add(node)
+    return found
+
+
+def _only_mask_of(call: fx.Node, node: fx.Node) -> bool:
+    """Whether ``node`` is the mask of the SDPA ``call`` and none of its q, k, v."""
+    return is_attention_call(call) and _arg(call, 3, "attn_mask") is node and \
+        node not in [_arg(call, i, name) for i, name in enumerate(("query", "key", "value"))]
 
 
 def _relayer(gm: fx.GraphModule) -> None:

@@ -54,7 +54,7 @@ from torch import fx
 from partc import meta
 from partc.passes.context import Context
 from partc.passes.helpers.graph import is_dtype_check
-from partc.passes.helpers.mask_rows import RowBlocks, blocks, deferred, whole
+from partc.passes.helpers.mask_rows import RowBlocks, blocks, deferred, tiles, whole
 
 log = logging.getLogger("partc")
 
@@ -320,6 +320,8 @@ def _mask_kind(mask: fx.Node, meaning: str) -> str:
         return "other"
     if not isinstance(value, (torch.Tensor, RowBlocks)) or value.dim() < 2:
         return "other"
+    if isinstance(value, RowBlocks):
+        return _tiled_mask_kind(value, meaning)
     keeps_all, causal = True, True
     for start, block in blocks(value):
         keep = _kept(block, meaning)
@@ -333,6 +335,53 @@ def _mask_kind(mask: fx.Node, meaning: str) -> str:
         if not (keeps_all or causal):
             return "other"
     return "none" if keeps_all else "causal" if causal else "other"
+
+
+def _tiled_mask_kind(value: RowBlocks, meaning: str) -> str:
+    """:func:`_mask_kind` of a long sequence's mask, judged tile by tile from the tiles'
+    bounds (:func:`partc.passes.helpers.mask_rows.tiles`: time about linear in the
+    sequence for a causal mask or one keeping everything)."""
+    for kind in ("none", "causal"):
+        def expected(rows: tuple[int, int], cols: tuple[int, int]) -> bool | None:
+            """Whether the kind keeps the whole tile (True), none of it (False), or some."""
+            if kind == "none" or cols[1] - 1 <= rows[0]:
+                return True
+            return False if cols[0] > rows[1] - 1 else None
+
+        def uniform(found, rows, cols) -> bool | None:
+            kept = _bounds_kept(found, meaning, value.dtype)
+            want = expected(rows, cols)
+            return None if kept is None or want is None else kept == want
+
+        def exact(tile: torch.Tensor, rows, cols) -> bool:
+            keep = _kept(tile, meaning)
+            if keep is None:
+                return False
+            lower = (torch.arange(cols[0], cols[1])[None, :]
+                     <= torch.arange(rows[0], rows[1])[:, None])
+            return bool(keep.all()) if kind == "none" else \
+                torch.equal(keep, lower.expand_as(keep))
+
+        if tiles(value, uniform, exact):
+            return kind
+    return "other"
+
+
+def _bounds_kept(found: tuple[float, float], meaning: str, dtype: torch.dtype
+                 ) -> bool | None:
+    """Whether a tile with these bounds is kept whole (True), dropped whole (False), or
+    either (None), as a mask of ``meaning``."""
+    lo, hi = found
+    if meaning == "additive":
+        if not dtype.is_floating_point:
+            return None
+        lowest = torch.finfo(dtype).min
+        if lo == hi == 0:
+            return True
+        return False if hi == -math.inf or hi <= lowest else None
+    if dtype != torch.bool or lo != hi:
+        return None
+    return (lo == 1.0) == (meaning == "keeps")
 
 
 def _kept(value: torch.Tensor, meaning: str) -> torch.Tensor | None:

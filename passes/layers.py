@@ -26,6 +26,7 @@ from torch import fx, nn
 from partc import meta
 from partc.errors import TraceError
 from partc.passes.context import Context
+from partc.passes.context_parallel import shape_masks
 from partc.passes.helpers.graph import carries_grad, mutated_inputs, op_name
 
 ROOT_LAYER = "root"
@@ -329,23 +330,28 @@ def cut_sums(spans: list[tuple[float, int, int]], num_layers: int) -> tuple[floa
     return tuple(cuts)
 
 
-def crossing_tensors(gm: fx.GraphModule, num_layers: int) -> tuple[tuple[int, int], ...]:
-    """Per cut l: how many tensor values cross it, and how many of those carry gradients.
+def crossing_tensors(gm: fx.GraphModule, num_layers: int) -> tuple[tuple[int, int, int], ...]:
+    """Per cut l: how many tensor values cross it, how many of those carry gradients, and
+    how many are attention masks made from shapes (context parallelism erases them).
 
     The same values as :func:`crossing_bytes`, counted the way a pipeline sends them:
     one message per tensor; a value that is not a single tensor (a size) is not sent.
     """
-    grads = carries_grad(gm)
-    return cut_counts([(node in grads, made, used) for node, made, used in _crossings(gm)
+    grads, masks = carries_grad(gm), shape_masks(gm)
+    return cut_counts([(node in grads, node in masks, made, used)
+                       for node, made, used in _crossings(gm)
                        if isinstance(node.meta.get("val"), torch.Tensor)], num_layers)
 
 
-def cut_counts(spans: list[tuple[bool, int, int]], num_layers: int
-               ) -> tuple[tuple[int, int], ...]:
-    """Per cut l: how many spans (with_grad, made, last used) cross it, and with grad."""
-    tensors = cut_sums([(1, made, used) for _, made, used in spans], num_layers)
-    with_grad = cut_sums([(1, made, used) for grad, made, used in spans if grad], num_layers)
-    return tuple((int(t), int(g)) for t, g in zip(tensors, with_grad))
+def cut_counts(spans: list[tuple[bool, bool, int, int]], num_layers: int
+               ) -> tuple[tuple[int, int, int], ...]:
+    """Per cut l: how many spans (with grad, a shape mask, made, last used) cross it,
+    how many with grad, how many shape masks."""
+    tensors = cut_sums([(1, made, used) for _, _, made, used in spans], num_layers)
+    with_grad = cut_sums([(1, made, used) for grad, _, made, used in spans if grad],
+                         num_layers)
+    masks = cut_sums([(1, made, used) for _, mask, made, used in spans if mask], num_layers)
+    return tuple((int(t), int(g), int(k)) for t, g, k in zip(tensors, with_grad, masks))
 
 
 def _signature(nodes: list[fx.Node], prefix: str) -> str:

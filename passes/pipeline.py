@@ -42,7 +42,8 @@ from partc.passes.fsdp_units import fsdp_units
 from partc.passes.fuse_attention import fuse_attention
 from partc.passes.helpers import dedupe, verify
 from partc.passes.helpers.graph import param_usage
-from partc.passes.helpers.summarize import summarize, tp_option
+from partc.passes.helpers.sequence_facts import context_parallel_blocker, input_shapes
+from partc.passes.helpers.summarize import sequence_length, summarize, tp_option
 from partc.passes.layers import layers
 from partc.passes.moe import lower_experts
 from partc.passes.norm_dtype import norm_dtype
@@ -303,10 +304,14 @@ def analyze(model: nn.Module, example_inputs: Any, *, loss_fn: Callable | None =
         log.warning("tracing the whole model, every block (recording its forward: %s: %s)",
                     type(error).__name__, error)
         repeats = ()
+    again = dict(example_inputs=example[0], kwargs=kwargs, loss_fn=loss_fn,
+                 example_target=example_target, name=name, attention=attention)
     if repeats:
         try:
             dedupe.prove(model, repeats, example)
-            return _analyze_blocks(model, repeats, front)
+            gm, analysis = _analyze_blocks(model, repeats, front)
+            with dedupe.shrunk(model, repeats):
+                return gm, _judged_blocker(model, gm, analysis, **again)
         except Exception as error:  # any failure: the whole model, as without repeats
             # Under PARTC_VERIFY (tests) an error other than a refused expansion or a
             # failed trace is a bug to see, not to step around.
@@ -315,7 +320,37 @@ def analyze(model: nn.Module, example_inputs: Any, *, loss_fn: Callable | None =
             log.warning("tracing the whole model, every block (%s: %s)",
                         type(error).__name__, error)
     gm, ctx = front()
-    return gm, summarize(gm, ctx)
+    return gm, _judged_blocker(model, gm, summarize(gm, ctx), **again)
+
+
+def _judged_blocker(model: nn.Module, gm: fx.GraphModule, analysis: ModelAnalysis, *,
+                    example_inputs: tuple, kwargs: dict | None, attention: str,
+                    **trace_args: Any) -> ModelAnalysis:
+    """``analysis`` with its context-parallel blocker judged as lowering judges one: the
+    sequence's dims are those whose size differs on a trace at half its length
+    (:func:`~partc.passes.helpers.sequence_facts.context_parallel_blocker`). The summary
+    guessed by size; only a guess that found an op costs this second trace (``model``
+    as ``gm`` was traced: its representatives alone when blocks were deduplicated)."""
+    summary = analysis.summary
+    tokens = sequence_length(gm, gm.meta[meta.CONTEXT])
+    if not summary.context_parallel_blocker or tokens % 2:
+        return analysis
+    try:
+        halves = {key: sequence_shard(value, 2) for key, value in trace_args.items()
+                  if key == "example_target"}
+        other, ctx = _trace(model, sequence_shard(example_inputs, 2),
+                            kwargs=sequence_shard(kwargs, 2),
+                            **{**trace_args, **halves})
+    except (ContextParallelError, TraceError) as error:   # the guess stands
+        log.info("the sequence check keeps its guess: no trace at half the length (%s)",
+                 error)
+        return analysis
+    for graph_pass in (Pass("drop_assertions", drop_assertions),
+                       Pass("propagate", propagate), *_attention_passes(attention)):
+        other = run_pass(graph_pass, other, ctx)
+    blocker = context_parallel_blocker(gm, tokens, input_shapes(other))
+    return dataclasses.replace(analysis, summary=dataclasses.replace(
+        summary, context_parallel_blocker=blocker))
 
 
 def _analyze_blocks(model: nn.Module, repeats: tuple[dedupe.Repeat, ...],

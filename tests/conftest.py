@@ -2,6 +2,7 @@ import gc
 import os
 
 import pytest
+import torch.distributed as dist
 
 # Every pass verifies its invariants in tests (docs/architecture.md, "The pass lists").
 os.environ.setdefault("PARTC_VERIFY", "1")
@@ -20,6 +21,16 @@ def _earlier_modules_objects_out_of_the_collectors_way():
     gc.collect()
     gc.freeze()
     yield
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _no_process_group_outlives_its_module():
+    """A module that leaves the default process group up (a program built in this
+    process joins or makes one) would make the next module's ``init_process_group``
+    fail, depending on which modules an xdist worker happens to run in a row."""
+    yield
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
 
 
 @pytest.fixture(autouse=True, scope="session")

@@ -295,7 +295,9 @@ def test_the_planner_refuses_pins_of_a_problem_built_by_hand():
     program = partc.compile(gpt_tiny(n_layer=2), (torch.zeros(4, 16, dtype=torch.long),),
                             loss_fn=loss_fn, budget=partc.DeviceBudget(num_devices=16,
                                                                        device="CPU"),
-                            train=partc.TrainSpec(global_batch_size=4), cache=None)
+                            train=partc.TrainSpec(global_batch_size=16), cache=None,
+                            # (pinned here only to keep the first plan quick)
+                            constraints=partc.Constraints(pp=1, tp=1))
     problem = dataclasses.replace(program.problem, pins=Pins(pp=16))
     with pytest.raises(partc.PlanInfeasibleError, match="pp=16 stages need at least 16"):
         solve(problem)

@@ -16,6 +16,7 @@ import torch
 
 import partc
 from partc.cost.evaluate import evaluate
+from partc.cost.layer_compute import layer_work
 from partc.cost.pipeline_config import PS_PER_S, PipelineConfig, overlapped, to_ps
 from partc.cost.state_bytes import zero_state_bytes
 from partc.cost.tables import build_cost_table
@@ -312,8 +313,10 @@ def test_offload_moves_the_state_to_the_host_and_prices_its_copies():
     assert plain.state_bytes == {"params": 4 * params, "grads": 4 * params,
                                  "optimizer": 8 * params}
     assert moved.state_bytes == {"params": 4 * params, "grads": 0, "optimizer": 0}
+    # Each microbatch's gradients out, and the host's adds into its buckets (at the
+    # host's Adam rate times 28 bytes an update over 12 an add), one after the other.
     assert (moved.backward_ps - plain.backward_ps) / PS_PER_S == pytest.approx(
-        4 * params / 2e9)
+        4 * params / 2e9 + params * 12 / (28 * 1e8))
     # The weights back and the host's step, beside the device's passes over the
     # gradient buckets (microseconds at its 1 TB/s).
     assert moved.tail_ps / PS_PER_S == pytest.approx(4 * params / 4e9 + params / 1e8,
@@ -326,3 +329,67 @@ def test_offload_moves_the_state_to_the_host_and_prices_its_copies():
     small_host = replace(tight, devices=replace(tight.devices, host_memory=31 * params))
     with pytest.raises(partc.PlanInfeasibleError):
         plan_problem(small_host)
+
+
+def test_offload_on_a_device_with_a_copy_stream_hides_what_the_runtime_overlaps():
+    """As above, on a device that copies on a stream of its own: each microbatch's
+    gradients (2 ms out, 0.86 ms of host adds) stream beside the layer's 2 ms backward,
+    hidden; the step runs pipelined in chunks, the host's step (2 ms a layer) hiding the
+    weights back (1 ms),
+    but for one chunk's copy back once per step (the pipeline's fill). On the CPU above,
+    every copy and add is paid."""
+    from dataclasses import replace
+
+    from partc.cost.host_offload import host_fill_seconds
+    from partc.cost.pipeline_config import PS_PER_S, PipelineConfig
+    from partc.cost.tables import build_cost_table
+    from tests.planner.instances import devices, layer, problem
+
+    params = 10**6
+    hand = problem([layer("a", params=params), layer("b", params=params)], [1.0],
+                   replace(devices(1, 10**9), host_memory=10**9, dispatch_ahead=True,
+                           host_to_device_bandwidth=4e9, device_to_host_bandwidth=2e9,
+                           host_adam_rate=5e8), batch=2)
+    base = PipelineConfig(pp=1, dp=1, micro_batch_size=1, num_microbatches=2,
+                          schedule="1f1b")
+    offloaded = replace(base, offload_optimizer=True)
+    plain, moved = (build_cost_table(hand, c) for c in (base, offloaded))
+    assert moved.layers[0].backward_ps == plain.layers[0].backward_ps   # hidden
+    assert moved.layers[0].tail_ps / PS_PER_S == pytest.approx(params / 5e8, abs=2e-5)
+    # The fill: one chunk's copy back, the chunk all the rank steps (2M < the bucket)...
+    assert (moved.tail_latency_ps - plain.tail_latency_ps) / PS_PER_S == pytest.approx(
+        2 * 4 * params / 4e9)
+    # ... or one bucket of 100k elements.
+    small = replace(hand, train=replace(hand.train, bucket_elements=10**5))
+    assert host_fill_seconds(small, offloaded) == pytest.approx(4 * 10**5 / 4e9)
+    # A slow link: the copy beyond the backward is paid (8 ms out against 2 ms): the
+    # backward lasts as long as the copy.
+    slow = replace(hand, devices=replace(hand.devices, device_to_host_bandwidth=5e8))
+    exposed = build_cost_table(slow, offloaded).layers[0].backward_ps
+    assert exposed / PS_PER_S == pytest.approx(4 * params / 5e8, rel=1e-6)
+def test_rows_share_their_parts_between_configurations_and_equal_rows_built_alone(
+        monkeypatch):
+    """A TableCache prices a layer's compute once per micro-batch size and schedule kind
+    (whatever dp, pp, ZeRO stage or offload), and its parameters' figures once per
+    data-parallel layout: every row still equals the row built without sharing."""
+    import partc.cost.row_parts as row_parts
+    import partc.cost.tables as tables
+
+    problem = _dp_program("1GiB", zero_stage=0).problem
+    configs = [PipelineConfig(pp=pp, dp=2 // pp, micro_batch_size=b,
+                              num_microbatches=8 // (b * (2 // pp)), schedule=schedule,
+                              chunks=chunks, zero_stage=zero, offload_optimizer=offload,
+                              offload_params=offload and zero == 3)
+               for pp in (1, 2) for b in (1, 2)
+               for schedule, chunks in (("1f1b", 1), ("zbv-zero-bubble", 2)) if chunks <= pp
+               for zero in range(4) for offload in (False, True)]
+    alone = [build_cost_table(problem, config).layers for config in configs]
+    priced = []
+    monkeypatch.setattr(row_parts, "layer_work",
+                        lambda *args, **kwargs: priced.append(1) or layer_work(*args, **kwargs))
+    cache = tables.TableCache()
+    shared = [build_cost_table(problem, config, cache).layers for config in configs]
+    assert shared == alone
+    kinds = {(c.micro_batch_size, c.schedule) for c in configs}   # 4 compute families
+    distinct = len(cache._layer_groups(problem)[1])
+    assert len(priced) == len(kinds) * distinct < len(configs) * distinct

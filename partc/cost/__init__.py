@@ -16,7 +16,9 @@ parallelism: a rank's share of each sequence, the exchange around each attention
 :mod:`.offload_time` (a
 layer's saved activations on the host: the copies' exposed time, their window, the host
 bytes),
-:mod:`.tables` (the rows, their cache and the table), :mod:`.evaluate` (an assignment's
+:mod:`.tables` (the rows, their cache and the table), :mod:`.row_parts` (a row's
+compute and its parameters' figures, each priced once for the configurations that share
+it), :mod:`.evaluate` (an assignment's
 time and memory, the step in closed form and played out), :mod:`.schedules` (the
 schedules' facts) and :mod:`.timeline` (one step played out per rank).
 

@@ -109,9 +109,8 @@ def gradient_work_seconds(problem: PlanningProblem, config: PipelineConfig,
     precision = problem.train.precision
     rate = problem.devices.light_op_bandwidth
     master, m = precision.master_bytes, config.num_microbatches
-    bucketed = config.dp > 1 or precision.mixed or config.dp * config.tp > config.ep > 1
     kernels = tensors * problem.devices.kernel_overhead_s
-    if bucketed:
+    if keeps_buckets(problem, config):
         added = precision.compute_bytes + 2 * master
         mine = params / config.dp if config.effective_zero_stage == 1 else params
         means = (config.dp > 1) + (m > 1)
@@ -119,6 +118,14 @@ def gradient_work_seconds(problem: PlanningProblem, config: PipelineConfig,
                 "step": (2 * master * means * mine + master * params) / rate}
     return {"backward": (m - 1) / m * (params * 3 * master / rate + kernels),
             "step": (m > 1) * params * 2 * master / rate}
+
+
+def keeps_buckets(problem: PlanningProblem, config: PipelineConfig) -> bool:
+    """Whether the runtime keeps fp32 gradient buckets under ZeRO 0/1 (dp > 1, mixed
+    precision, or experts folded over fewer ranks than dp x tp): then a step's
+    microbatches count only as one or several (:func:`gradient_work_seconds`)."""
+    return (config.dp > 1 or problem.train.precision.mixed
+            or config.dp * config.tp > config.ep > 1)
 
 
 def dp_group(problem: PlanningProblem, config: PipelineConfig) -> Group:
@@ -262,8 +269,7 @@ def _stage_bucket(problem: PlanningProblem, params: int, config: PipelineConfig)
 
 def _rank_params(problem: PlanningProblem) -> int:
     """The parameters of the model (a tensor-parallel rank's, in its variant)."""
-    return sum(layer.param_count for layer in problem.layers) + sum(
-        shared.param_count for shared in problem.model.shared)
+    return problem.model.param_count
 
 
 def bucket_latency_seconds(problem: PlanningProblem, config: PipelineConfig) -> float:

@@ -54,6 +54,27 @@ def all_to_all_fits(attention: AttentionCost, cp: int) -> bool:
     return attention.heads % cp == 0 and attention.kv_heads % cp == 0
 
 
+def all_to_all_refusal(layers: "tuple[LayerCost, ...] | list[LayerCost]", cp: int,
+                       tp: int = 1) -> str | None:
+    """Why the all-to-all kind cannot split these layers' heads over ``cp`` ranks beside
+    tensor parallelism ``tp`` (``layers`` as one tensor-parallel rank sees them: its share
+    of the heads), or None. Ulysses re-shards each rank's heads over the cp group, so
+    under tp the heads and key/value heads must divide by cp x tp."""
+    unfit = next((layer for layer in layers if layer.attention is not None
+                  and not all_to_all_fits(layer.attention, cp)), None)
+    if unfit is None:
+        return None
+    heads, kv_heads = unfit.attention.heads, unfit.attention.kv_heads
+    if tp == 1:
+        return (f"all-to-all splits heads over cp: layer {unfit.name} has {heads} heads "
+                f"and {kv_heads} key/value heads, not both divisible by cp={cp} "
+                f"(use cp_kind='ring')")
+    return (f"all-to-all splits each tensor-parallel rank's heads over cp: layer "
+            f"{unfit.name} has {heads} heads and {kv_heads} key/value heads per rank at "
+            f"tp={tp}, not both divisible by cp={cp} (its heads and key/value heads must "
+            f"divide by cp x tp = {cp * tp}; use cp_kind='ring', or a smaller tp or cp)")
+
+
 def cp_seconds(problem: PlanningProblem, config: PipelineConfig,
                layer: LayerCost) -> dict[str, float]:
     """What context parallelism adds to a layer's forward and backward per microbatch on
@@ -106,6 +127,15 @@ def context_parallel_refusal(problem: PlanningProblem, cp: int) -> str | None:
                 f"attention: a sequence shard would see only its own positions")
     if not any(layer.attention is not None for layer in problem.layers):
         return "the model has no attention core to run context-parallel"
+    if summary.own_loss:
+        return (f"the model computes its own loss ({summary.own_loss}) from labels, "
+                f"shifting them by one position along the whole sequence, which a shard "
+                f"does not hold: give partc.compile a loss_fn on the logits and next-token "
+                f"targets (and no labels input) to split the sequence")
+    if problem.pins.ep is not None and problem.pins.ep > 1:
+        return (f"expert parallelism is pinned (ep={problem.pins.ep}), and the runtime "
+                f"does not run context parallelism beside it: pin ep=1 to split the "
+                f"sequence")
     tokens = sequence_tokens(problem)
     if tokens % (2 * cp):
         return (f"the sequence of {tokens} tokens does not split into 2 x cp = {2 * cp} "

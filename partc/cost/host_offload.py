@@ -20,20 +20,38 @@ all-gather copies its shard in, forward and backward, and each microbatch's redu
 gradient shard is copied out; the step runs on the host's shards, with nothing to copy
 back.
 
-Every copy is priced exposed at the link's rate each way (``host_to_device_bandwidth``,
-``device_to_host_bandwidth``): the runtime does not overlap them with compute. Those
-made every microbatch (gradients streamed out in backward; parameter shards in for
-forward and backward, gradient shards out) add to the layer's forward and backward
-(:func:`microbatch_seconds`); those made once per step (the reduced gradients out, the
-weights back) and the host's step are the step's tail (:func:`host_seconds`). The host's step runs at ``host_adam_rate`` parameter updates
-per second for the whole node, whose ranks step at once: a rank's share is the rate over
-the node's ranks.
+Copies run at the link's rate each way (``host_to_device_bandwidth``,
+``device_to_host_bandwidth``). What the runtime overlaps, and so what is priced hidden:
+
+- the gradients streamed out in backward (one replica: the host buckets) go on a copy
+  stream beside the layer's backward, and the host adds each into its bucket as it
+  lands (:func:`accumulate_seconds`); a microbatch's layer pays what the longer of the
+  two takes beyond its backward, ``max(0, max(copy, add) - backward)``
+  (:func:`streamed_exposed`), as activation offload's copies
+  (:mod:`partc.cost.offload_time`);
+- the step is pipelined in chunks of ``bucket_elements`` (``HostOptimizer``): the
+  gradients out (where not streamed), the host's step and the weights back run as a
+  three-stage pipeline, so the step's tail pays the busiest stage for every parameter
+  (:func:`host_seconds`) and, once per step, the other stages of one chunk (the
+  pipeline's fill, :func:`host_fill_seconds`, in ``CostTable.tail_latency_ps``).
+
+Both only where the device copies on a stream of its own (``dispatch_ahead``: a GPU);
+on a CPU the host is the device and every copy and the step run one after another,
+priced whole (the copy and the add). What is not hidden: the host's step itself never
+overlaps backward (it needs the whole step's gradients, their norm for clipping and the
+check for non-finite values first), parameter offload's copies are
+FSDP2's (its shards in for each all-gather, its gradient shards out) and stay priced
+exposed in the layer's forward and backward, and so do a tied weight's streamed
+gradients (:func:`microbatch_seconds`). The host's step runs at ``host_adam_rate``
+parameter updates per second for the whole node, whose ranks step at once: a rank's
+share is the rate over the node's ranks.
 """
 
 from __future__ import annotations
 
 from typing import Iterable
 
+from partc.cost.offload_time import host_per_node
 from partc.cost.pipeline_config import PipelineConfig
 from partc.problem import DeviceNumbers, PlanningProblem
 
@@ -67,14 +85,19 @@ def device_state(problem: PlanningProblem, config: PipelineConfig, params: float
     return state
 
 
-def host_bytes(problem: PlanningProblem, config: PipelineConfig, params: float) -> int:
-    """Host bytes a rank's ``params`` parameters take: for those it steps, the fp32
-    master, the fp32 gradient and the optimizer state (0 without offload)."""
+def host_bytes_per_param(problem: PlanningProblem, config: PipelineConfig) -> float:
+    """Host bytes per parameter a rank holds: for the share it steps, the fp32 master,
+    the fp32 gradient and the optimizer state (0 without offload)."""
     if not config.offload_optimizer:
-        return 0
+        return 0.0
     precision = problem.train.precision
     per_param = 2 * precision.master_bytes + precision.optimizer_state_bytes
-    return int(round(params * stepped_share(config) * per_param))
+    return stepped_share(config) * per_param
+
+
+def host_bytes(problem: PlanningProblem, config: PipelineConfig, params: float) -> int:
+    """Host bytes a rank's ``params`` parameters take (:func:`host_bytes_per_param`)."""
+    return int(round(params * host_bytes_per_param(problem, config)))
 
 
 def host_traffic(problem: PlanningProblem, config: PipelineConfig,
@@ -107,9 +130,11 @@ def _rates(problem: PlanningProblem) -> tuple[float, float]:
 
 
 def microbatch_seconds(problem: PlanningProblem, config: PipelineConfig,
-                       params: float) -> tuple[float, float]:
+                       params: float, backward_s: float | None = None) -> tuple[float, float]:
     """Seconds the copies of one microbatch add to the forward and the backward of a
-    layer of ``params`` parameters (the module's doc): (forward, backward)."""
+    layer of ``params`` parameters (the module's doc): (forward, backward). The
+    gradients streamed out during a ``backward_s`` backward pay only what they take
+    beyond it (:func:`streamed_exposed`; without ``backward_s``, whole)."""
     if not config.offload_optimizer:
         return 0.0, 0.0
     out, back = _rates(problem)
@@ -118,8 +143,37 @@ def microbatch_seconds(problem: PlanningProblem, config: PipelineConfig,
         shard = params * stepped_share(config) * precision.master_bytes
         return shard / back, shard / back + shard / out
     if streams_gradients(config):
-        return 0.0, params * precision.compute_bytes / out
+        copy = params * precision.compute_bytes / out
+        return 0.0, streamed_exposed(problem, copy, accumulate_seconds(problem, params),
+                                     backward_s)
     return 0.0, 0.0
+
+
+# Bytes per parameter the host's fused AdamW step moves (fp32 parameter, its two
+# moments read and written, the gradient read) against an add of a gradient into an
+# fp32 bucket slot (the bucket read and written, the gradient read in the compute
+# dtype): both bound by the host's memory, the add runs that much faster than the step
+# ``host_adam_rate`` measures.
+ADAM_BYTES = 28
+
+
+def accumulate_seconds(problem: PlanningProblem, params: float) -> float:
+    """The host's adds of one microbatch's gradients of ``params`` parameters into the
+    host buckets, at the rank's share of the node's host rate (:data:`ADAM_BYTES`)."""
+    devices = problem.devices
+    added = 8 + problem.train.precision.compute_bytes
+    rate = devices.host_adam_rate * ADAM_BYTES / added / ranks_per_node(problem)
+    return params / rate
+
+
+def streamed_exposed(problem: PlanningProblem, copy_s: float, add_s: float,
+                     backward_s: float | None) -> float:
+    """What gradients streamed beside a ``backward_s`` backward leave exposed, their
+    copy taking ``copy_s`` and the host's adds ``add_s``: the longer one's excess on a
+    device with a copy stream (the host adds while the device runs ahead), else both."""
+    if backward_s is None or not problem.devices.dispatch_ahead:
+        return copy_s + add_s
+    return max(0.0, max(copy_s, add_s) - backward_s)
 
 
 def ranks_per_node(problem: PlanningProblem) -> int:
@@ -127,33 +181,67 @@ def ranks_per_node(problem: PlanningProblem) -> int:
     return min(devices.devices_per_node, devices.num_devices)
 
 
-def host_seconds(problem: PlanningProblem, config: PipelineConfig, params: float) -> float:
-    """Seconds per step the offload of a rank's ``params`` parameters adds in the tail:
-    the copies made once per step, each way at the link's rate, and its share of the
-    node's host step (the module's doc; the copies of each microbatch are
-    :func:`microbatch_seconds`). 0 without offload."""
-    if not config.offload_optimizer:
-        return 0.0
+def host_stages(problem: PlanningProblem, config: PipelineConfig,
+                params: float) -> tuple[float, float, float]:
+    """The step's host work for a rank's ``params`` parameters, in seconds: the
+    gradients out (none where they were streamed in backward, or with the parameters
+    offloaded), its share of the node's host step, the weights back (none with the
+    parameters offloaded: the step updates the host's shards)."""
     out_rate, back_rate = _rates(problem)
     precision = problem.train.precision
     stepped = params * stepped_share(config)
-    if config.offload_params:
-        per_step = 0.0   # every copy is a microbatch's
-    elif streams_gradients(config):
-        per_step = params * precision.compute_bytes / back_rate   # the weights back
-    else:
-        per_step = stepped * precision.master_bytes * (1 / out_rate + 1 / back_rate)
     step = stepped * ranks_per_node(problem) / problem.devices.host_adam_rate
-    return per_step + step
+    if config.offload_params:
+        return 0.0, step, 0.0
+    if streams_gradients(config):   # the weights back in the compute dtype
+        return 0.0, step, params * precision.compute_bytes / back_rate
+    return stepped * precision.master_bytes / out_rate, step, \
+        stepped * precision.master_bytes / back_rate
+
+
+def host_seconds(problem: PlanningProblem, config: PipelineConfig, params: float) -> float:
+    """Seconds per step the offload of a rank's ``params`` parameters adds in the tail
+    (the module's doc): the busiest of :func:`host_stages` where the device pipelines
+    them (its fill is :func:`host_fill_seconds`, once per step), else their sum. 0
+    without offload (the copies of each microbatch are :func:`microbatch_seconds`)."""
+    if not config.offload_optimizer:
+        return 0.0
+    stages = host_stages(problem, config, params)
+    return max(stages) if problem.devices.dispatch_ahead else sum(stages)
+
+
+def host_fill_seconds(problem: PlanningProblem, config: PipelineConfig) -> float:
+    """The pipelined step's fill, once per step: the stages other than the busiest of
+    one chunk (``bucket_elements`` stepped parameters, or all a rank steps of the
+    whole model where fewer). 0 where nothing is pipelined."""
+    if not config.offload_optimizer or not problem.devices.dispatch_ahead:
+        return 0.0
+    share = stepped_share(config)
+    whole = sum(layer.param_count for layer in problem.layers) * share
+    chunk = min(float(problem.train.bucket_elements), whole) / share
+    stages = host_stages(problem, config, chunk)
+    return sum(stages) - max(stages)
 
 
 def host_bytes_per_node(problem: PlanningProblem, config: PipelineConfig,
                         stage_params: Iterable[float]) -> int:
-    """Host bytes a node's ranks take, its busiest stage's rank's (``stage_params``: the
-    parameters a rank of each stage holds) times the ranks of a node: every rank of a
-    node may hold that stage (an upper bound where a node spans stages)."""
+    """Host bytes a node's ranks take for optimizer and parameter offload, its busiest
+    stage's rank's (``stage_params``: the parameters a rank of each stage holds) times
+    the ranks of a node: every rank of a node may hold that stage (an upper bound where
+    a node spans stages)."""
     worst = max((host_bytes(problem, config, params) for params in stage_params), default=0)
     return worst * ranks_per_node(problem)
+
+
+def node_host_bytes(problem: PlanningProblem, config: PipelineConfig,
+                    stage_params: Iterable[float], stage_activations: list[int]) -> int:
+    """All a node's host holds, the plan's ``host_bytes_per_node``: optimizer and
+    parameter offload's (:func:`host_bytes_per_node`) and the busiest node's offloaded
+    activations (``stage_activations``: a rank's of each stage,
+    :func:`partc.cost.offload_time.host_per_node`). The solve holds every node to the
+    host's memory in the same terms (``partc/planner/stage_model.py``, constraint 10)."""
+    return host_bytes_per_node(problem, config, stage_params) \
+        + max(host_per_node(stage_activations, problem.devices), default=0)
 
 
 def host_ready(devices: DeviceNumbers) -> str | None:

@@ -75,12 +75,23 @@ def host_limit(devices: DeviceNumbers) -> int | None:
     return devices.host_memory // max(1, min(devices.devices_per_node, devices.num_devices))
 
 
+def stages_per_node(pp: int, devices: DeviceNumbers) -> list[list[int]]:
+    """For each node, how many of its ranks hold each of the ``pp`` stages: ranks lie
+    ``(pp, dp, tp)`` with tp fastest, so stage ``s`` holds the ranks ``s * n / pp`` to
+    ``(s + 1) * n / pp - 1``, and node ``k`` ranks ``k * d`` to ``(k + 1) * d - 1``."""
+    n = devices.num_devices
+    width, per_node = max(1, n // pp), max(1, min(devices.devices_per_node, n))
+    nodes = []
+    for first in range(0, n, per_node):
+        counts = [0] * pp
+        for rank in range(first, min(n, first + per_node)):
+            counts[min(pp - 1, rank // width)] += 1
+        nodes.append(counts)
+    return nodes
+
+
 def host_per_node(stage_host: list[int], devices: DeviceNumbers) -> list[int]:
-    """Offloaded activations on each node's host, in bytes: ranks lie ``(pp, dp, tp)``
-    with tp fastest, so stage ``s`` of ``p`` holds the ranks ``s * n / p`` to ``(s + 1)
-    * n / p - 1``, and node ``k`` ranks ``k * d`` to ``(k + 1) * d - 1``; ``stage_host``
-    holds each stage's bytes per rank."""
-    n, pp = devices.num_devices, len(stage_host)
-    width, per_node = n // pp, max(1, min(devices.devices_per_node, n))
-    return [sum(stage_host[rank // width] for rank in range(first, min(n, first + per_node)))
-            for first in range(0, n, per_node)]
+    """Offloaded activations on each node's host, in bytes (:func:`stages_per_node`);
+    ``stage_host`` holds each stage's bytes per rank."""
+    return [sum(count * host for count, host in zip(counts, stage_host))
+            for counts in stages_per_node(len(stage_host), devices)]

@@ -16,14 +16,17 @@ from partc.cost.communication import (bucket_latency_seconds, cut_bytes, cut_tab
                                       shared_tail_ps, sync_ps, tail_ps,
                                       tp_comm_seconds, zero_comm_seconds,
                                       zero_overhead_seconds)
-from partc.cost.cp_attention import cp_seconds, cp_transient_bytes
+from partc.cost.cp_attention import cp_seconds
 from partc.cost.experts_cost import expert_dp_config, moe_layer_figures
-from partc.cost.fp8_pricing import fp8_workspace_bytes, pricing
-from partc.cost.host_offload import microbatch_seconds
+from partc.cost.fp8_pricing import pricing
+from partc.cost.host_offload import (host_bytes_per_param, host_fill_seconds,
+                                     microbatch_seconds, ranks_per_node)
 from partc.cost.layer_compute import layer_work, run_layer
-from partc.cost.offload_time import host_limit, in_flight_bytes, offload_entries
+from partc.cost.offload_time import (host_limit, in_flight_bytes, offload_entries,
+                                     stages_per_node)
 from partc.cost.pipeline_config import (PS_PER_S, PipelineConfig, grad_config, overlapped,
                                         permille, split_factor, stage_limits, to_ps)
+from partc.cost.row_parts import compute_part, moved_bytes, param_part
 from partc.cost.schedules import runs_compiled, schedule as schedule_info
 from partc.cost.state_bytes import (state_bytes, step_bytes, step_total, steps_whole_list,
                                     zero_transient)
@@ -101,6 +104,16 @@ class CostTable:
     # A rank's share of its node's host memory for offloaded activations
     # (:func:`partc.cost.offload_time.host_limit`); None: not known, no limit.
     host_limit: int | None = None
+    # A node's host memory (None: not known, no limit), the host bytes per parameter a
+    # rank keeps for optimizer and parameter offload
+    # (:func:`partc.cost.host_offload.host_bytes_per_param`), the ranks of a node, and
+    # per node how many of its ranks hold each stage
+    # (:func:`partc.cost.offload_time.stages_per_node`): what the solve holds every
+    # node's host to, as the validator counts it.
+    host_memory: int | None = None
+    host_per_param: float = 0.0
+    ranks_per_node: int = 1
+    host_nodes: tuple[tuple[int, ...], ...] = ()
 
     @property
     def num_layers(self) -> int:
@@ -144,41 +157,28 @@ def layer_phases(problem: PlanningProblem, config: PipelineConfig, index: int,
     return LayerPhases(forward_s=forward, backward_s=backward, zero=zero)
 
 
-def _layer_table(problem: PlanningProblem, config: PipelineConfig, index: int) -> LayerTable:
-    layer = run_layer(problem, index, config.micro_batch_size)
-    devices, train = problem.devices, problem.train
-    # A context-parallel rank runs its share of each sequence: per-token work and
-    # activations scale with it (partc.cost.cp_attention); the parameters are the
-    # dp x cp group's (grad_config).
-    b, scale = config.micro_batch_size * config.tokens_share, train.measured_scale
-    params = grad_config(config)
-    fp8 = pricing(problem, config.tp)
-    work = layer_work(layer, devices, b, scale, runs_compiled(config.schedule, train.compiled),
-                      fp8)
-    saved = {m: int(round(b * scale * v)) for m, v in layer.saved_bytes.items()}
-    # FP8 linears hold their operands' FP8 copies and scales while they run.
-    workspace = int(round(2 * b * scale * layer.workspace_bytes
-                          + fp8_workspace_bytes(layer, fp8, devices, b, scale))) \
-        + cp_transient_bytes(problem, config, layer)
-    gathered, gradient = zero_transient(problem, params, layer.param_count)
-    comm = tp_comm_seconds(problem, config, layer)
-    phases = layer_phases(problem, config, index, layer, work, comm)
-    zero = phases.zero
-    # Offload's copies of each microbatch (partc.cost.host_offload), exposed.
-    copy_forward, copy_backward = microbatch_seconds(problem, config, layer.param_count)
-    # Full recompute replays the layer's forward, collectives included; selective
-    # replays the attention cores, which hold no tensor-parallel one (heads are split
-    # over the group) but, under context parallelism, their exchange of the sequence.
-    # ZeRO-3 gathers the layer once for its backward, recompute included.
-    context = cp_seconds(problem, config, layer)["forward"]
-    rerun = {m: (comm["forward"] if m == "full" else 0.0) + (context if m != "none" else 0.0)
-             for m in layer.modes}
-    forward_ps = to_ps(overlapped(phases.forward_s, zero["forward"], devices.comm_overlap)
+def _layer_table(problem: PlanningProblem, config: PipelineConfig, index: int,
+                 parts: dict | None = None) -> LayerTable:
+    """Layer ``index``'s row under ``config``: its compute (:func:`~partc.cost.row_parts.compute_part`) beside
+    its parameters' state and collectives (:func:`~partc.cost.row_parts.param_part`), each kept in ``parts``
+    (a :class:`TableCache`'s) for the other configurations that share it."""
+    parts = {} if parts is None else parts
+    compute = compute_part(problem, config, index, parts)
+    layer, devices = compute.layer, problem.devices
+    state = param_part(problem, config, layer, parts)
+    zero = state.zero
+    forward = compute.forward_s + state.own["forward"] + compute.context["forward"]
+    backward = compute.backward_s + state.own["backward"] + compute.context["backward"]
+    backward = overlapped(backward, zero["backward"], devices.comm_overlap)
+    # Offload's copies of each microbatch (partc.cost.host_offload): what the backward
+    # they stream beside leaves exposed.
+    copy_forward, copy_backward = microbatch_seconds(problem, config, layer.param_count,
+                                                     backward)
+    forward_ps = to_ps(overlapped(forward, zero["forward"], devices.comm_overlap)
                        + copy_forward)
-    backward_ps = to_ps(overlapped(phases.backward_s, zero["backward"], devices.comm_overlap)
-                        + copy_backward)
-    recompute_ps = {m: to_ps(sum(work["recompute"][m]) + rerun[m]) for m in layer.modes}
-    moved = moved_bytes(layer, b * scale, saved)
+    backward_ps = to_ps(backward + copy_backward)
+    recompute_ps, saved = dict(compute.recompute_ps), dict(compute.saved)
+    moved = compute.moved
     with_offload(recompute_ps, saved, moved, forward_ps, backward_ps, devices)
     return LayerTable(
         offload_bytes=moved if "offload" in saved else 0,
@@ -186,22 +186,14 @@ def _layer_table(problem: PlanningProblem, config: PipelineConfig, index: int) -
         backward_ps=backward_ps,
         recompute_ps=recompute_ps,
         saved_bytes=saved,
-        transient_bytes=transient(saved, moved, workspace, gathered, gradient),
+        transient_bytes=transient(saved, moved, compute.workspace, *state.transient),
         param_count=layer.param_count,
-        state_bytes=state_bytes(problem, params, layer.param_count),
-        tail_ps=tail_ps(problem, params, layer.param_count, max(1, layer.param_tensors)),
-        sync_ps=sync_ps(problem, params, layer.param_count),
-        gather_ps=gather_ps(problem, params, layer.param_count),
-        step_bytes=step_bytes(problem, params, layer.param_count, layer.largest_param),
+        state_bytes=dict(state.state_bytes),
+        tail_ps=state.tail_ps,
+        sync_ps=state.sync_ps,
+        gather_ps=state.gather_ps,
+        step_bytes=state.step_bytes,
     )
-
-
-def moved_bytes(layer, samples: float, saved: dict[str, int]) -> int:
-    """What offloading ``layer`` moves per microbatch of ``samples`` (scaled) samples:
-    its ops' saved storages as measured, else its saved bytes."""
-    if layer.offload_bytes is None:
-        return saved["none"]
-    return int(round(samples * layer.offload_bytes))
 
 
 def with_offload(recompute_ps: dict[str, int], saved: dict[str, int], moved: int,
@@ -257,7 +249,10 @@ class TableCache:
     A layer's row depends on the layer's numbers and on the configuration's micro-batch
     size, dp, tensor-parallel variant and ZeRO stage, never on its name, pp or schedule;
     the 80 identical blocks of a 70B model thus share one row per configuration family,
-    and the many configurations of a search share rows and cut tables. Nothing but the
+    and the many configurations of a search share rows and cut tables. Rows of other
+    families share their parts: a layer's compute (:func:`~partc.cost.row_parts.compute_part`) whatever dp,
+    pp, ZeRO stage or offload, its parameters' figures (:func:`~partc.cost.row_parts.param_part`) whatever the
+    schedule or the layer's compute. Nothing but the
     limits depends on the devices' memory, so problems that differ only in memory
     (re-planning after a budget change) may share a cache too.
 
@@ -274,6 +269,9 @@ class TableCache:
         self.solutions: dict[PipelineConfig, Any] = {}
         self.best_config: PipelineConfig | None = None
         self._groups: dict[int, tuple[Any, list[int], list[int]]] = {}
+        # A row's parts (partc.cost.row_parts), shared by the rows
+        # of configurations that differ elsewhere.
+        self._parts: dict[tuple, tuple] = {}
 
     def rows(self, problem: PlanningProblem, config: PipelineConfig) -> tuple[LayerTable, ...]:
         """One row per layer; layers with equal numbers share one row object."""
@@ -285,7 +283,8 @@ class TableCache:
         if known is not None:
             return known
         group_of, representatives = self._layer_groups(problem)
-        built = [_layer_table(problem, config, index) for index in representatives]
+        built = [_layer_table(problem, config, index, self._parts)
+                 for index in representatives]
         rows = self._tables["rows", family, id(problem.model)] = tuple(
             built[group] for group in group_of)
         return rows
@@ -325,6 +324,15 @@ class TableCache:
         if key not in self._tables:
             self._tables[key] = stage_limits(problem, config)
         return self._tables[key]
+
+    def cut_bytes(self, problem: PlanningProblem, config: PipelineConfig) -> tuple[int, ...]:
+        """:func:`partc.cost.communication.cut_bytes`, once per micro-batch size, cp and
+        tensor-parallel variant."""
+        key = ("cut bytes", config.micro_batch_size, config.cp, id(problem.model))
+        known = self._tables.get(key)
+        if known is None or known[0] is not problem.model:
+            known = self._tables[key] = (problem.model, cut_bytes(problem, config))
+        return known[1]
 
     def cuts(self, problem: PlanningProblem,
              config: PipelineConfig) -> tuple[tuple[int, ...], ...]:
@@ -389,12 +397,17 @@ def build_cost_table(problem: PlanningProblem, config: PipelineConfig,
         shared=shared,
         cut_ps=cache.cuts(problem, config),
         limits=limits,
-        tail_latency_ps=to_ps(latency) + first_gather + last_sync,
+        tail_latency_ps=to_ps(latency + host_fill_seconds(problem, config)) + first_gather
+        + last_sync,
         overlap_permille=permille(devices.comm_overlap),
         first_gather_ps=first_gather, last_sync_ps=last_sync,
-        cut_bytes=cut_bytes(problem, config),
+        cut_bytes=cache.cut_bytes(problem, config),
         step_sums=steps_whole_list(problem, params),
         host_limit=host_limit(devices),
+        host_memory=devices.host_memory,
+        host_per_param=host_bytes_per_param(problem, config),
+        ranks_per_node=ranks_per_node(problem),
+        host_nodes=tuple(tuple(counts) for counts in stages_per_node(config.pp, devices)),
     )
 
 

@@ -8,9 +8,8 @@ from partc.codec import dtype_named
 from partc.cost.communication import tp_comm_seconds
 from partc.cost.evaluate import Evaluation, simulated_step_ps
 from partc.cost.fp8_pricing import fp8_names, pricing
-from partc.cost.host_offload import host_bytes_per_node
+from partc.cost.host_offload import node_host_bytes
 from partc.cost.layer_compute import run_layer
-from partc.cost.offload_time import host_per_node
 from partc.cost.pipeline_config import PS_PER_S, PipelineConfig
 from partc.names import CpKind, Phase, Recompute, Schedule
 from partc.plan import (Alternative, BudgetInfo, Fp8Plan, InputSpec, Mesh, MeshOutcome, ModelInfo,
@@ -95,7 +94,9 @@ def stage_plans(problem: PlanningProblem, config: PipelineConfig, evaluation: Ev
 def p2p_messages(problem: PlanningProblem, evaluation: Evaluation, index: int,
                  num_microbatches: int, config: PipelineConfig) -> P2PMessages | None:
     """Sends and receives per step on stage ``index``: each tensor crossing a boundary is
-    one message forward and, when it depends on a parameter, one gradient message back."""
+    one message forward and, when it depends on a parameter, one gradient message back;
+    under cp, attention masks made from shapes are not sent (the lowering erases them:
+    each rank's attention makes its own mask from its positions)."""
     counts = problem.model.cut_tensors
     if not counts:
         return None
@@ -107,7 +108,8 @@ def p2p_messages(problem: PlanningProblem, evaluation: Evaluation, index: int,
     def boundary(after_run: int) -> tuple[int, int]:
         if after_run < 0 or after_run >= len(runs) - 1:
             return (0, 0)
-        return counts[runs[after_run][-1]]
+        tensors, with_grad, masks = counts[runs[after_run][-1]]
+        return (tensors - masks if config.cp > 1 else tensors, with_grad)
 
     sends = recvs = 0
     for run in config.runs_of(index):   # each of the stage's runs
@@ -156,9 +158,9 @@ def make_plan(problem: PlanningProblem, config: PipelineConfig, evaluation: Eval
         data_parallel=data_parallel_section(problem, config, evaluation),
         offload_optimizer=config.offload_optimizer,
         offload_params=config.offload_params,
-        host_bytes_per_node=host_bytes_per_node(
-            local, config, [stage.param_count for stage in evaluation.stages])
-        + activations_per_node(problem, evaluation),
+        host_bytes_per_node=node_host_bytes(
+            local, config, [stage.param_count for stage in evaluation.stages],
+            [stage.memory.host for stage in evaluation.stages]),
         fp8=fp8_section(problem, config),
     )
 
@@ -179,14 +181,6 @@ def fp8_section(problem: PlanningProblem, config: PipelineConfig) -> Fp8Plan | N
                                           local.devices, b, scale))
     return Fp8Plan(recipe=problem.train.fp8, emulated=not problem.devices.fp8_peak_flops,
                    linears=linears)
-
-
-def activations_per_node(problem: PlanningProblem, evaluation: Evaluation) -> int:
-    """The host memory the busiest node's ranks take for offloaded activations
-    (:func:`partc.cost.offload_time.host_per_node`): their share of the plan's
-    ``host_bytes_per_node``, beside optimizer and parameter offload's."""
-    return max(host_per_node([stage.memory.host for stage in evaluation.stages],
-                             problem.devices))
 
 
 def _expert_parallel(problem: PlanningProblem, config: PipelineConfig,

@@ -1,5 +1,5 @@
 """What the plan records of its data-parallel traffic: per stage, each kind of collective a
-rank runs over its dp group in one step, its bytes and time, and how much of that time the
+rank runs over its gradient group (the dp x cp ranks holding the same parameters) in one step, its bytes and time, and how much of that time the
 cost model assumes hidden behind compute (:class:`partc.plan.DataParallelPlan`).
 
 The figures are the cost model's own (:mod:`partc.cost.communication`), split out of the
@@ -19,12 +19,15 @@ assume:
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from partc.cost.communication import (bucket_latency_seconds, first_gather_ps, gather_ps,
                                       last_sync_ps, stepped_gather_seconds, sync_ps,
                                       zero_comm_seconds)
 from partc.cost.evaluate import Evaluation, exposed_gather_ps, exposed_sync_ps
 from partc.cost.experts_cost import expert_dp_config, moe_layer_figures
-from partc.cost.pipeline_config import PS_PER_S, PipelineConfig, overlapped, permille
+from partc.cost.pipeline_config import (PS_PER_S, PipelineConfig, grad_config, overlapped,
+                                        permille)
 from partc.cost.tables import layer_phases, moe_layer_phases
 from partc.plan import DataParallelPlan, DPCollective
 from partc.problem import PlanningProblem
@@ -34,21 +37,27 @@ def data_parallel_section(problem: PlanningProblem, config: PipelineConfig,
                           evaluation: Evaluation) -> DataParallelPlan | None:
     """The plan's ``data_parallel`` for ``config`` and its evaluation; None with one
     replica."""
-    if config.dp == 1:
+    if config.grad_dp == 1:
         return None
     local = problem.variant(config.tp, config.sequence_parallel, config.tp_objective)
-    stages = tuple(_stage(problem, local, config, stage) for stage in evaluation.stages)
-    return DataParallelPlan(dp=config.dp, zero_stage=config.effective_zero_stage,
+    # The collectives run over the dp x cp ranks holding the same parameters (grad_config);
+    # the layers' phases they hide behind are the configuration's own.
+    grads = replace(grad_config(config), zero_stage=config.effective_zero_stage)
+    stages = tuple(_stage(problem, local, grads, stage, config) for stage in evaluation.stages)
+    return DataParallelPlan(dp=config.dp, cp=config.cp,
+                            zero_stage=config.effective_zero_stage,
                             overlap=local.devices.comm_overlap, stages=stages)
 
 
 def _stage(whole: PlanningProblem, local: PlanningProblem, config: PipelineConfig,
-           stage) -> tuple[DPCollective, ...]:
+           stage, as_run: PipelineConfig) -> tuple[DPCollective, ...]:
+    """Stage ``stage``'s rows: ``config`` the gradients' (dp x cp replicas), ``as_run``
+    the plan's configuration."""
     layers = set(stage.layers)
     params = [_params(whole, local, config, l) for l in stage.layers]
     groups = [g for g in local.model.shared if layers & set(g.layers)]
-    if config.effective_zero_stage >= 2:
-        rows = _sharded(whole, local, config, stage, groups)
+    if as_run.effective_zero_stage >= 2:
+        rows = _sharded(whole, local, config, stage, groups, as_run)
     else:
         rows = _replicated(whole, local, config, stage, params, groups)
     return tuple(row for row in rows if row.seconds > 0 or row.nbytes > 0)
@@ -93,7 +102,7 @@ def _row(kind: str, when: str, nbytes: float, seconds: float, exposed: float) ->
 
 
 def _sharded(whole: PlanningProblem, local: PlanningProblem, config: PipelineConfig,
-             stage, groups) -> list[DPCollective]:
+             stage, groups, as_run: PipelineConfig) -> list[DPCollective]:
     """ZeRO-2/3: per layer and microbatch, the phases' collectives and what the phase
     leaves exposed of them; ZeRO-2's weight gather once per step; tied weights' whole."""
     precision, m = local.train.precision, config.num_microbatches
@@ -110,8 +119,8 @@ def _sharded(whole: PlanningProblem, local: PlanningProblem, config: PipelineCon
 
     for index in stage.layers:
         moe = whole.layers[index].moe
-        phases = (moe_layer_phases(moe, local, config, index)
-                  if config.ep > 1 and moe is not None else layer_phases(local, config, index))
+        phases = (moe_layer_phases(moe, local, as_run, index)
+                  if config.ep > 1 and moe is not None else layer_phases(local, as_run, index))
         zero = phases.zero
         params = _params(whole, local, config, index)
         gathered, scattered = params * precision.compute_bytes, params * precision.master_bytes

@@ -41,10 +41,12 @@ def ep_choices(problem: PlanningProblem, config: PipelineConfig) -> list[int]:
     expert-data-parallel group (:func:`partc.cost.experts_cost.expert_dp_config`)."""
     counts = expert_counts(problem)
     width = config.dp * config.tp
+    # The runtime does not run expert parallelism beside context parallelism (a pinned
+    # ep refuses cp: partc.cost.cp_attention.context_parallel_refusal).
     allowed = [1] + ([ep for ep in range(2, width + 1)
                       if width % ep == 0 and all(e % ep == 0 for e in counts)]
                      if counts and (config.tp == 1 or config.sequence_parallel)
-                     and not problem.module_list_experts else [])
+                     and not problem.module_list_experts and config.cp == 1 else [])
     pinned = problem.pins.ep
     return [ep for ep in allowed if pinned is None or ep == pinned]
 

@@ -54,10 +54,10 @@ from typing import Callable, NamedTuple
 from ortools.sat.python import cp_model
 
 from partc import progress
-from partc.cost.cp_attention import (all_to_all_fits, context_parallel_refusal,
-                                     sequence_tokens)
+from partc.cost.cp_attention import (all_to_all_fits, all_to_all_refusal,
+                                     context_parallel_refusal, sequence_tokens)
 from partc.cost.evaluate import Evaluation, evaluate, simulated_step_ps
-from partc.cost.host_offload import host_bytes_per_node, host_ready
+from partc.cost.host_offload import host_bytes_per_node, host_ready, node_host_bytes
 from partc.cost.pipeline_config import PS_PER_S, PipelineConfig
 from partc.cost.schedules import feature_refusal, refusal
 from partc.cost.schedules import schedule as schedule_info
@@ -189,23 +189,31 @@ def cp_choices(problem: PlanningProblem, tp: int, sequence_parallel: bool = Fals
 
 
 def check_context_parallel(problem: PlanningProblem) -> None:
-    """A PlanInfeasibleError naming the pin, and the op where one is to blame, when the
-    pinned cp (or kind) cannot run on this model."""
+    """A PlanInfeasibleError naming the pin, and the op or the heads to blame, when the
+    pinned cp (or kind) cannot run on this model: all-to-all pinned where no
+    tensor-parallel degree the pins allow leaves each rank heads and key/value heads
+    that divide by cp."""
     pins = problem.pins
     if pins.cp is None or pins.cp == 1:
         return
     why = context_parallel_refusal(problem, pins.cp)
     if why is None and pins.cp_kind == CpKind.ALL_TO_ALL:
-        unfit = next((layer for layer in problem.layers if layer.attention is not None
-                      and not all_to_all_fits(layer.attention, pins.cp)), None)
-        if unfit is not None and (pins.tp in (None, 1)):
-            why = (f"all-to-all splits heads over cp: layer {unfit.name} has "
-                   f"{unfit.attention.heads} heads and {unfit.attention.kv_heads} key/value "
-                   f"heads, not both divisible by cp={pins.cp} (use cp_kind='ring')")
+        why = _all_to_all_why(problem, [pins.cp])
     if why is not None:
         raise PlanInfeasibleError(f"cannot hold the pin cp={pins.cp}: {why}",
                                   resource="pin", pin="cp",
                                   suggestion="drop the cp pin, or pin cp=1")
+
+
+def _all_to_all_why(problem: PlanningProblem, cps: list[int]) -> str | None:
+    """Why all-to-all fits none of ``cps`` beside any tensor-parallel degree the pins
+    allow (the first refusal, at the smallest such tp), or None where one fits."""
+    refusals = [all_to_all_refusal(problem.variant(tp, sp, objective).layers, cp, tp)
+                for tp, sp, objective in tp_choices(problem) for cp in cps
+                if (problem.devices.num_devices // tp) % cp == 0]
+    return refusals[0] if refusals and all(refusals) else None
+
+
 def offload_choices(problem: PlanningProblem, zero_stage: int, pp: int, dp: int, tp: int,
                     num_microbatches: int) -> list[tuple[bool, bool]]:
     """(optimizer offload, parameter offload) a configuration may take: as pinned, else
@@ -236,14 +244,15 @@ def offload_choices(problem: PlanningProblem, zero_stage: int, pp: int, dp: int,
 
 
 def host_fits(problem: PlanningProblem, result: "ConfigResult | None") -> bool:
-    """Whether a solved configuration's offloaded state fits the host's memory per
-    node (:func:`partc.cost.host_offload.host_bytes_per_node`)."""
-    if result is None or not result.table.config.offload_optimizer:
+    """Whether a solved configuration's offloaded state and activations fit the host's
+    memory per node (:func:`partc.cost.host_offload.node_host_bytes`)."""
+    if result is None or problem.devices.host_memory is None:
         return True
     local = problem.variant(result.table.config.tp, result.table.config.sequence_parallel,
                             result.table.config.tp_objective)
-    need = host_bytes_per_node(local, result.table.config,
-                               [stage.param_count for stage in result.evaluation.stages])
+    stages = result.evaluation.stages
+    need = node_host_bytes(local, result.table.config, [s.param_count for s in stages],
+                           [s.memory.host for s in stages])
     return need <= problem.devices.host_memory
 
 
@@ -432,7 +441,8 @@ def _no_config_message(problem: PlanningProblem) -> str:
             f"{problem.devices.num_devices} devices, global batch {train.global_batch_size}, "
             f"micro-batch sizes {list(train.micro_batch_sizes)}, pins pp={pins.pp} "
             f"dp={pins.dp} microbatches={pins.num_microbatches} "
-            f"micro_batch_size={pins.micro_batch_size}, {problem.num_layers} layers. "
+            f"micro_batch_size={pins.micro_batch_size} cp={pins.cp} "
+            f"cp_kind={pins.cp_kind}, {problem.num_layers} layers. "
             + (" ".join(_why_no_config(problem)) or
                "pp must divide the device count and be at most the number of layers, and "
                "dp x micro-batch size x microbatches must equal the global batch."))
@@ -450,6 +460,12 @@ def _why_no_config(problem: PlanningProblem) -> list[str]:
         return [f"No measured tensor-parallel layout matches the pins tp={pins.tp}, "
                 f"sequence_parallel={pins.sequence_parallel}, tp_objective="
                 f"{pins.tp_objective} (measured for this model: {measured})."]
+    if pins.cp_kind == CpKind.ALL_TO_ALL and pins.cp is None:
+        tokens, whole = sequence_tokens(problem), problem.devices.num_devices
+        why = _all_to_all_why(problem, [cp for cp in divisors(whole)[1:]
+                                        if tokens % (2 * cp) == 0])
+        if why is not None:
+            return [f"The pinned cp_kind='all-to-all' fits no cp: {why}."]
     if pins.schedule is None:
         return []
     free = candidate_configs(dataclasses.replace(
@@ -550,7 +566,7 @@ def _run_solver(solver: cp_model.CpSolver, built: StageModel, cutoff: int | None
     def step_floor(objective_bound: float) -> int:
         """The least step time an objective bound allows (pipeline_ps floors its
         fill-and-drain term divided by the chunks)."""
-        return -(-(math.ceil(objective_bound - 1e-6) - chunks + 1) // chunks)
+        return -(-(built.step_ps(objective_bound, bound=True) - chunks + 1) // chunks)
 
     if cutoff is not None:
         def stop_when_beaten(bound: float) -> None:
@@ -582,7 +598,8 @@ def _result(built: StageModel, solver: cp_model.CpSolver, status: str, proven: i
         evaluation = evaluate(table, assignment.stage_of, assignment.modes)
         # The model over-approximates nothing at an optimum; a feasible incumbent may
         # carry slack in its auxiliary variables, so the evaluation can only be lower.
-        if chunks * evaluation.step_ps > round(solver.objective_value) or not evaluation.fits:
+        if chunks * evaluation.step_ps > built.step_ps(solver.objective_value) \
+                or not evaluation.fits:
             raise RuntimeError(f"internal error: CP-SAT objective {solver.objective_value} "
                                f"(x{chunks}) disagrees with the cost model "
                                f"({evaluation.step_ps}) for {table.config}")

@@ -89,10 +89,16 @@ Constraints
         (:func:`partc.cost.state_bytes.step_bytes`);
     (9) pins: pinned stages fix ``P``, pinned recompute leaves one mode (segments never
         straddle a change of either);
-    (10) host memory, at each peak ``h`` in ``H_s``: ``sum_{j ~ s} h_j sum_k O_k
-        n[k,j,offload] <= M^host``, ``O_k`` the bytes an offloaded layer of ``k`` keeps
-        on the host per microbatch (its saved bytes without recompute), ``M^host`` a
-        rank's share of its node's host memory (none where it is not known).
+    (10) host memory, per node ``c`` (none where the host's memory is not known):
+        ``R host_state + sum_s C[c,s] host_act[s] <= M^host``, ``M^host`` the node's
+        host memory, ``R`` its ranks, ``C[c,s]`` how many of them hold stage ``s``; with
+        ``host_state >= sum_k Y_k N[k,s] + sum_g Y_g h[g,s]`` for every stage, ``Y`` the
+        host bytes a rank keeps for a layer's parameters under optimizer and parameter
+        offload (fp32 master, gradient and optimizer state of its stepped share; as the
+        validator, the busiest stage's rank's counted for every rank of a node), and
+        ``host_act[s] >= sum_{j ~ s} h_j sum_k O_k n[k,j,offload]`` at each peak ``h``
+        in ``H_s``, ``O_k`` the bytes an offloaded layer of ``k`` keeps on the host per
+        microbatch (its saved bytes without recompute).
 
 The plan names each layer again: a segment's layers fill its runs in order, and on each
 stage (or run, where modes split per run) take their modes heaviest first (full,
@@ -101,7 +107,10 @@ and the cuts inside it cost alike, so the model is exact: its optimum is the opt
 per-layer assignments.
 
 Integers
-    times are picoseconds, integers already in the cost table; bytes are scaled to units
+    times are picoseconds, integers already in the cost table, in units of
+    :func:`time_unit` of them (:meth:`StageModel.ticks`: one picosecond, unless the
+    objective could pass 2^53, where its double stops being exact, as a million-token
+    pipeline's does: then a coarser power of two, each time rounded up); bytes are scaled to units
     of about 2^-20 of the largest limit by one helper (:meth:`StageModel.memory_units`:
     sizes rounded up, limits down, so whatever fits in units fits in bytes). The
     objective is ``v`` times the step time so that it stays integral.
@@ -122,6 +131,7 @@ it holds a plan at once, and it is stopped by work (deterministic seconds,
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 from dataclasses import dataclass
 from typing import Any
@@ -197,6 +207,7 @@ class StageModel:
         self.model = cp_model.CpModel()
         self.segments = segments(problem, table, pinned)
         self.unit = memory_unit(table)
+        self.tick = time_unit(table)
         self.runs = range(table.config.virtual_stages)
         self.ranks = range(table.config.pp)
         self._add_runs(pinned)                       # (2), (9)
@@ -205,13 +216,14 @@ class StageModel:
         held = self._add_holders()                   # (5)
         tail = self._add_tail(held)                  # (6)
         self._add_memory(held, step)                 # (7), (8)
-        tie = sum(g.tie_sync_ps * (sum(held[gi]) - 1) for gi, g in enumerate(table.shared))
+        tie = sum(self.ticks(g.tie_sync_ps) * (sum(held[gi]) - 1)
+                  for gi, g in enumerate(table.shared))
         m, v = table.config.num_microbatches, table.config.fill_divisor
         # Objective: v times the step time (see partc.cost.evaluate.pipeline_ps, v its fill
         # divisor): the fill-and-drain term is divided by v, the rest multiplied, so that
         # the objective stays integral.
         self.model.minimize(v * m * self.peak_busy + sum(busy) - self.peak_busy
-                            + v * (tail + tie + table.tail_latency_ps))
+                            + v * (tail + tie + self.ticks(table.tail_latency_ps)))
 
     def _variable(self, low: int, high: int, name: str, boolean: bool = False):
         """A constant when ``low == high``, else a new integer (or boolean) variable."""
@@ -231,6 +243,23 @@ class StageModel:
         the model's integers: a size rounded up, a limit down, so whatever fits in units
         fits in bytes."""
         return nbytes // self.unit if limit else -(-nbytes // self.unit)
+
+    def ticks(self, ps: int) -> int:
+        """``ps`` picoseconds in units of :func:`time_unit` picoseconds, the one scaling
+        of times to the model's integers: rounded up (itself at one picosecond)."""
+        return -(-ps // self.tick)
+
+    def step_ps(self, objective: float, *, bound: bool = False) -> int:
+        """The objective (``v`` times the step time, in units) in picoseconds: at one
+        picosecond a unit, the integer itself; else its picoseconds give or take the
+        rounding of :meth:`ticks` (each coefficient up by under a unit, a few thousand
+        units in all against an objective kept near 2^52 units), so ``bound`` (a lower
+        bound) takes ``_ROUNDING`` of it off and a value adds it."""
+        value = round(objective) if not bound else math.ceil(objective - 1e-6)
+        if self.tick == 1:
+            return value
+        return math.floor(value * self.tick * (1 - _ROUNDING)) if bound \
+            else math.ceil(value * self.tick * (1 + _ROUNDING))
 
     def _add_runs(self, pinned: list[int] | None) -> None:
         """(2) contiguity of runs through the prefix counts ``P``, and (9) pinned
@@ -384,12 +413,12 @@ class StageModel:
 
     def boundary_ps(self, run: int):
         """(3) The send/recv time of the boundary ``run -> run + 1``."""
-        return self._at_boundary(run, lambda cut: self.table.cut_ps[cut][run])
+        return self._at_boundary(run, lambda cut: self.ticks(self.table.cut_ps[cut][run]))
 
     def receive_boundary_ps(self, run: int):
         """(3) The receiving end's share of the boundary ``run -> run + 1``
         (:func:`partc.cost.evaluate.receive_ps`), charged to ``run + 1``'s rank."""
-        return self._at_boundary(run, lambda cut: receive_ps(self.table, cut, run))
+        return self._at_boundary(run, lambda cut: self.ticks(receive_ps(self.table, cut, run)))
 
     def boundary_units(self, run: int):
         """(8) The bytes crossing the boundary ``run -> run + 1`` per microbatch, in
@@ -413,13 +442,14 @@ class StageModel:
     def _add_busy(self) -> list:
         """``busy_s`` of each rank (its compute and the boundaries (3) of its runs) and
         (4) ``peak_busy >= busy_s``."""
-        table, busy = self.table, []
-        horizon = sum(max(row.compute_ps(r) for r in row.recompute_ps) for row in table.layers)
-        horizon += 2 * sum(max(row, default=0) for row in table.cut_ps)
+        table, busy, ticks = self.table, [], self.ticks
+        horizon = sum(max(ticks(row.compute_ps(r)) for r in row.recompute_ps)
+                      for row in table.layers)
+        horizon += 2 * sum(ticks(max(row, default=0)) for row in table.cut_ps)
         self.peak_busy = self.model.new_int_var(0, horizon, "peak_busy")
         last_run = table.config.virtual_stages - 1
         for rank in self.ranks:
-            compute = sum(table.layers[self.segments[k].first].compute_ps(r) * count
+            compute = sum(ticks(table.layers[self.segments[k].first].compute_ps(r)) * count
                           for (k, r), count in self.count[rank].items())
             comm = sum(self.boundary_ps(run) for run in table.config.runs_of(rank)
                        if run < last_run)
@@ -454,13 +484,14 @@ class StageModel:
         """(6) the tail after the last microbatch: the optimizer step of each stage's
         layers and shared groups, the dp all-reduce its backward leaves exposed and
         ZeRO-1's weight all-gather the next forward leaves exposed."""
-        table = self.table
+        table, ticks = self.table, self.ticks
         rows = [*table.layers, *table.shared]
-        top = sum(r.tail_ps + r.sync_ps + r.gather_ps for r in rows)
+        top = sum(ticks(r.tail_ps) + ticks(r.sync_ps) + ticks(r.gather_ps) for r in rows)
         tail = self.model.new_int_var(0, top, "tail")
         for stage in self.ranks:
-            own = self._per_rank(stage, lambda row: row.tail_ps)
-            tied = sum(g.tail_ps * held[gi][stage] for gi, g in enumerate(table.shared))
+            own = self._per_rank(stage, lambda row: ticks(row.tail_ps))
+            tied = sum(ticks(g.tail_ps) * held[gi][stage]
+                       for gi, g in enumerate(table.shared))
             self.model.add(tail >= own + tied + self._exposed_sync(stage, held)
                            + self._exposed_gather(stage, held))
         return tail
@@ -475,13 +506,14 @@ class StageModel:
         (a constant of the step: ``CostTable.tail_latency_ps``) left after the last
         microbatch's backward, all but the hidden share O/1000 of min(sync, backward)
         (partc.cost.evaluate.exposed_sync_ps)."""
-        top = sum(r.sync_ps for r in (*self.table.layers, *self.table.shared))
+        ticks = self.ticks
+        top = sum(ticks(r.sync_ps) for r in (*self.table.layers, *self.table.shared))
         if not top:
             return 0
         exposed = self.model.new_int_var(0, top, f"exposed_sync_stage{stage}")
-        sync = self._stage_sum(stage, held, lambda row: row.sync_ps) \
-            - self.table.last_sync_ps
-        backward = self._per_rank(stage, lambda row: row.backward_ps)
+        sync = self._stage_sum(stage, held, lambda row: ticks(row.sync_ps)) \
+            - ticks(self.table.last_sync_ps)
+        backward = self._per_rank(stage, lambda row: ticks(row.backward_ps))
         hides = self.table.overlap_permille
         self.model.add(1000 * exposed >= 1000 * sync - hides * backward)
         self.model.add(1000 * exposed >= (1000 - hides) * sync)
@@ -491,13 +523,14 @@ class StageModel:
         """(6) ``gathered[s]``: ZeRO-1's weight all-gather beyond the first bucket's,
         ``G_s - G_first``, left exposed by the next step's forward ``F_s`` (one
         microbatch's), as (6) for the all-reduce (partc.cost.evaluate.exposed_gather_ps)."""
-        top = sum(r.gather_ps for r in (*self.table.layers, *self.table.shared))
+        ticks = self.ticks
+        top = sum(ticks(r.gather_ps) for r in (*self.table.layers, *self.table.shared))
         if not top:
             return 0
         exposed = self.model.new_int_var(0, top, f"exposed_gather_stage{stage}")
-        rest = self._stage_sum(stage, held, lambda row: row.gather_ps) \
-            - self.table.first_gather_ps
-        forward = self._per_rank(stage, lambda row: row.forward_ps)
+        rest = self._stage_sum(stage, held, lambda row: ticks(row.gather_ps)) \
+            - ticks(self.table.first_gather_ps)
+        forward = self._per_rank(stage, lambda row: ticks(row.forward_ps))
         hides = self.table.overlap_permille
         self.model.add(1000 * exposed >= 1000 * rest - hides * forward)
         self.model.add(1000 * exposed >= (1000 - hides) * rest)
@@ -532,23 +565,44 @@ class StageModel:
                                <= limit)
             if step:
                 self.model.add(state + self._step(stage, held) <= limit)        # (8)
-            self._add_host(stage)                                               # (10)
+        self._add_host(held)                                                    # (10)
 
-    def _add_host(self, stage: int) -> None:
-        """(10) the offloaded layers' saved bytes on the host, at each of the stage's
-        peaks, within a rank's share of its node's host memory
-        (:func:`partc.cost.offload_time.host_limit`; none where it is not known)."""
+    def _add_host(self, held: list[list]) -> None:
+        """(10) every node's host: optimizer and parameter offload's bytes of the
+        busiest stage's rank for each of its ranks, and the offloaded layers' saved
+        bytes of each of its ranks at their stage's worst peak, within the node's host
+        memory (none where it is not known)."""
         table, units = self.table, self.memory_units
-        if table.host_limit is None:
+        if table.host_memory is None:
             return
+        limit = units(table.host_memory, limit=True)
+
+        def kept(row) -> int:   # Y: rounded up, as every size in units
+            return units(math.ceil(row.param_count * table.host_per_param))
+
+        state: Any = 0
+        if table.host_per_param:
+            state = self.model.new_int_var(0, limit, "host_state")
+            for stage in self.ranks:
+                self._require(state >= self._stage_sum(stage, held, kept))
+        activations = [self._host_activations(stage, limit) for stage in self.ranks]
+        for counts in table.host_nodes:
+            self._require(table.ranks_per_node * state + sum(
+                count * part for count, part in zip(counts, activations)) <= limit)
+
+    def _host_activations(self, stage: int, limit: int) -> Any:
+        """(10) ``host_act[s]``: the offloaded layers' saved bytes a rank of the stage
+        keeps on the host at its worst peak (0 where it offloads none)."""
+        table, units = self.table, self.memory_units
         host = {runs: sum(units(host_bytes(table.layers[self.segments[k].first], r)) * count
                           for (k, r), count in self.unit_count[u].items() if r == "offload")
                 for u, (rank, runs) in enumerate(self.mode_units) if rank == stage}
         if not any(not isinstance(part, int) or part for part in host.values()):
-            return
-        limit = units(table.host_limit, limit=True)
+            return 0
+        worst = self.model.new_int_var(0, limit, f"host_activations_stage{stage}")
         for count in self._peaks(stage):
-            self._require(sum(count[runs[0]] * part for runs, part in host.items()) <= limit)
+            self._require(worst >= sum(count[runs[0]] * part for runs, part in host.items()))
+        return worst
 
     def _step(self, stage: int, held: list[list]) -> Any:
         """(8) the optimizer step's temporaries on the stage: its rows' and shared
@@ -658,3 +712,34 @@ def memory_unit(table: CostTable) -> int:
     (one byte below 1 MiB, 4 KiB at 4 GiB), so the rounding costs under a millionth of
     the limit per term."""
     return max(1, max(table.limits) >> 20)
+
+
+# The objective's largest value in units (CP-SAT reports it as a double, exact to 2^53)
+# and the largest of (6)'s permille constraints (CP-SAT's integers are 64-bit; it refuses
+# a constraint whose terms could pass 2^63: "Possible integer overflow").
+_OBJECTIVE_TOP = 2 ** 53
+_CONSTRAINT_TOP = 2 ** 62
+# What the rounding of times to units may move the objective by, relatively, at most
+# (see StageModel.step_ps).
+_ROUNDING = 1e-6
+
+
+def time_unit(table: CostTable) -> int:
+    """Picoseconds per unit of the model's times: one, unless the objective could pass
+    ``_OBJECTIVE_TOP`` or a constraint ``_CONSTRAINT_TOP`` (Llama-3-8B's pipeline at a
+    million tokens: seconds a layer, so 1e16 picoseconds and more a step): then the least
+    power of two that keeps both below, so the objective keeps about 2^52 units of
+    precision. Bounded from above: every layer's slowest mode and every boundary's
+    dearest cut (both ways, in each run) on one rank, ``v m`` times, plus every tail."""
+    config = table.config
+    busy = sum(max(row.compute_ps(r) for r in row.recompute_ps) for row in table.layers)
+    busy += 2 * config.virtual_stages * sum(max(row, default=0) for row in table.cut_ps)
+    rows = (*table.layers, *table.shared)
+    tail = sum(r.tail_ps + r.sync_ps + r.gather_ps for r in rows) + table.tail_latency_ps
+    tail += config.pp * sum(g.tie_sync_ps for g in table.shared)
+    objective = (config.fill_divisor * config.num_microbatches + config.pp) * busy \
+        + config.fill_divisor * tail
+    unit = 1
+    while objective > _OBJECTIVE_TOP * unit or 1000 * (busy + tail) > _CONSTRAINT_TOP * unit:
+        unit *= 2
+    return unit

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import math
 
-from partc.cost.cp_attention import all_to_all_fits, context_parallel_refusal
+from partc.cost.cp_attention import all_to_all_refusal, context_parallel_refusal
 from partc.cost.evaluate import Evaluation, evaluate, simulated_step_ps
-from partc.cost.host_offload import host_bytes_per_node
+from partc.cost.host_offload import node_host_bytes
 from partc.cost.offload_time import host_per_node
 from partc.cost.pipeline_config import PS_PER_S, PipelineConfig
 from partc.cost.schedules import feature_refusal, refusal
@@ -75,16 +75,14 @@ def _context_parallel(problem: PlanningProblem, plan: Plan, errors: list[str]) -
     why = context_parallel_refusal(problem, plan.cp)
     if why is not None:
         errors.append(f"cp={plan.cp}: {why}")
+    if plan.mesh.ep > 1:
+        errors.append(f"cp={plan.cp} beside ep={plan.mesh.ep}: the runtime does not run "
+                      f"context parallelism beside expert parallelism")
     if plan.cp_kind == CpKind.ALL_TO_ALL:
-        local = problem.variant(plan.tp, plan.sequence_parallel, plan.tp_objective) \
-            if plan.tp > 1 else problem
-        for layer in local.layers:
-            if layer.attention is not None and not all_to_all_fits(layer.attention, plan.cp):
-                errors.append(f"cp={plan.cp} all-to-all: layer {layer.name} has "
-                              f"{layer.attention.heads} heads and {layer.attention.kv_heads} "
-                              f"key/value heads per tensor-parallel rank, not both "
-                              f"divisible by cp")
-                return
+        local = problem.variant(plan.tp, plan.sequence_parallel, plan.tp_objective)
+        why = all_to_all_refusal(local.layers, plan.cp, plan.tp)
+        if why is not None:
+            errors.append(f"cp={plan.cp}: {why}")
 
 
 def _placement(plan: Plan, errors: list[str]) -> None:
@@ -184,8 +182,8 @@ def _costs(problem: PlanningProblem, plan: Plan, errors: list[str]) -> Evaluatio
     local = problem.variant(plan.tp, plan.sequence_parallel, plan.tp_objective)
     # Optimizer and parameter offload's bytes per node, and the busiest node's offloaded
     # activations.
-    host = host_bytes_per_node(local, config, [s.param_count for s in evaluation.stages]) \
-        + max(host_per_node([s.memory.host for s in evaluation.stages], problem.devices))
+    host = node_host_bytes(local, config, [s.param_count for s in evaluation.stages],
+                           [s.memory.host for s in evaluation.stages])
     if host != plan.host_bytes_per_node:
         errors.append(f"the plan records {plan.host_bytes_per_node} host bytes per node, "
                       f"the cost model gives {host}")

@@ -155,7 +155,8 @@ def explain_infeasible(problem: PlanningProblem, tables: list[CostTable]) -> Pla
     message = (
         f"no plan fits {problem.devices.num_devices} devices of "
         f"{format_bytes(min(problem.devices.memory_bytes))}: even the tightest split "
-        f"(pp={config.pp}{f' x tp={config.tp}' if config.tp > 1 else ''}, micro-batch size "
+        f"(pp={config.pp}{f' x cp={config.cp} ({config.cp_kind})' if config.cp > 1 else ''}"
+        f"{f' x tp={config.tp}' if config.tp > 1 else ''}, micro-batch size "
         f"{config.micro_batch_size}, {config.schedule}, recompute where it saves memory) "
         f"needs {format_bytes(need)} of memory on stage {stage} ({span}) against a limit of "
         f"{format_bytes(limit)}{_reserved(min(devices.memory_bytes), limit)}. It would fit with "

@@ -174,7 +174,7 @@ def _mfu_line(plan: Plan) -> str:
                f"(flops_efficiency)" if figures.flops_efficiency is not None else ""))
     stage = _dp_busiest(plan)
     if stage is None:
-        return line + (", with no data-parallel traffic" if plan.dp == 1 else "")
+        return line + (", with no data-parallel traffic" if plan.dp * plan.cp == 1 else "")
     section = plan.data_parallel
     total, exposed = section.seconds(stage), section.exposed_s(stage)
     hidden = max(0.0, total - exposed)
@@ -254,7 +254,7 @@ def _offload_rows(plan: Plan) -> list[list[str]]:
             for s in plan.stages if s.offloaded]
 
 
-def _offload_lines(plan: Plan) -> list[str]:
+def _activation_offload_lines(plan: Plan) -> list[str]:
     budget = plan.budget.figures
     link = (f"{budget.device_to_host_bandwidth / 1e9:.3g} GB/s out, "
             f"{budget.host_to_device_bandwidth / 1e9:.3g} GB/s back per device"
@@ -267,19 +267,25 @@ def _offload_lines(plan: Plan) -> list[str]:
             f"their transient memory the copies in flight."]
 
 
+def _gradient_group(plan: Plan) -> str:
+    """The ranks that reduce gradients and shard ZeRO state together, in words."""
+    return "dp" if plan.cp == 1 else f"dp x cp = {plan.dp * plan.cp} ranks"
+
+
 def _zero_sharding(plan: Plan) -> str:
-    """What the plan's ZeRO stage shards over dp, and when ZeRO-2 reduces gradients."""
-    zero = plan.effective_zero_stage
+    """What the plan's ZeRO stage shards over dp (x cp), and when ZeRO-2 reduces
+    gradients."""
+    zero, group = plan.effective_zero_stage, _gradient_group(plan)
     if plan.reduces_once:
-        return (f"{_ZERO_SHARDS[1]} sharded over dp, gradients accumulated whole over "
+        return (f"{_ZERO_SHARDS[1]} sharded over {group}, gradients accumulated whole over "
                 f"the {plan.num_microbatches} microbatches and reduce-scattered once per step")
-    return f"{_ZERO_SHARDS[zero]} sharded over dp"
+    return f"{_ZERO_SHARDS[zero]} sharded over {group}"
 
 
 def _memory_lines(plan: Plan) -> list[str]:
     stage = plan.effective_zero_stage
     sharded = _ZERO_SHARDS.get(1 if plan.reduces_once else stage)
-    zero = f"; ZeRO-{stage} keeps 1/{plan.dp} of the {sharded}" if sharded else ""
+    zero = f"; ZeRO-{stage} keeps 1/{plan.dp * plan.cp} of the {sharded}" if sharded else ""
     if plan.reduces_once:
         zero += " and the whole fp32 gradient, accumulated until the step's last backward"
     gathered = {2: " (and the weights gathered for the step beside their shards)",
@@ -311,7 +317,11 @@ def _offload_lines(plan: Plan) -> list[str]:
             f"leave it out. The host's step and the copies made once per step are in the "
             f"step's tail ({format_seconds(tail)} on the busiest stage); the copies of each "
             f"microbatch (gradients streamed out, parameter shards in and out) in the layers' "
-            f"forward and backward; all exposed (not overlapped with compute)."]
+            f"forward and backward. On a GPU, which copies on a stream of its own, a layer's "
+            f"backward pays only what its streamed gradients' copy and the host's adds take "
+            f"beyond it, and the host's step runs chunk by chunk with the weights copied "
+            f"back behind it (the tail pays the busiest of the three and one chunk's fill); "
+            f"FSDP's copies of parameter shards, and every copy on a CPU, are paid whole."]
 
 
 def plan_headroom(plan: Plan) -> Headroom:
@@ -513,9 +523,13 @@ def _dp_lines(plan: Plan) -> list[str]:
                "its backward, its gradients reduce-scattered, every microbatch"}
     where = ("in the stages' forward and backward above" if section.zero_stage >= 2
              else "in the tail (T in the timeline)")
-    return [f"dp={section.dp}, {zero[section.zero_stage]}. Per step on one rank of each "
-            f"stage: the tensors' bytes and the collectives' time over its {section.dp} "
-            f"replicas. A collective runs beside compute where it can; the cost model "
+    group = (f"dp={section.dp}" if section.cp == 1 else
+             f"dp={section.dp} x cp={section.cp} (the context-parallel ranks hold the same "
+             f"parameters and see other tokens: gradients reduce over all "
+             f"{section.replicas})")
+    return [f"{group}, {zero[section.zero_stage]}. Per step on one rank of each "
+            f"stage: the tensors' bytes and the collectives' time over its "
+            f"{section.replicas} replicas. A collective runs beside compute where it can; the cost model "
             f"assumes the share {section.overlap:g} (DeviceBudget.comm_overlap) of the "
             f"shorter of the two hidden, and the step pays the rest (exposed: "
             f"{where}; after the pipeline drains, in the tail)."]
@@ -849,7 +863,7 @@ def sections(plan: Plan, timeline: Timeline | None = None) -> list[Section]:
     if any(s.offloaded for s in plan.stages):
         out.append(Section(
             key="activation_offload", title="Activation offload",
-            notes=tuple(_offload_lines(plan)),
+            notes=tuple(_activation_offload_lines(plan)),
             header=("stage", "offloaded layers", "host memory per rank",
                     "to host per step", "back per step"), rows=_rows(_offload_rows(plan))))
     if plan.data_parallel is not None:

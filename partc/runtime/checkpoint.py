@@ -16,7 +16,8 @@ What is stored, all under the model's own FQNs (a tied weight under its first FQ
   Each chunk is named by its offsets in the whole tensor, so DCP reads any other cut of
   it back (resharding by FQN); replicas write one copy (DCP drops duplicates);
 - the optimizer state of every parameter this rank steps (all of its own, or under ZeRO-1
-  ``DistributedOptimizer``'s dp shard of each), as ``optim.<fqn>.<name>``: state shaped
+  ``DistributedOptimizer``'s dp shard of each; offloaded, the host's state and fp32
+  masters, ``partc/runtime/offload.py``), as ``optim.<fqn>.<name>``: state shaped
   like the parameter (Adam's moments, SGD's momentum) is cut as the parameter is, other
   state (Adam's ``step``) is stored whole; the param groups' hyper-parameters go in the
   manifest;
@@ -98,7 +99,6 @@ from partc.runtime.checkpoint_chunks import (ChunkLoadPlanner, Chunks, ChunkSave
 from partc.runtime.checkpoint_files import (METADATA, SafeReader, check_files, describe,
                                             read_metadata)
 from partc.runtime.checkpoint_lock import check_not_foreign, remove_stale, temporary_name
-from partc.runtime.offload import HostOptimizer
 from partc.runtime.rank_state import RankState
 from partc.runtime.watchdog import PhaseMarks, at_work
 
@@ -184,17 +184,6 @@ class BackgroundSave:
         return self.group
 
 
-def _refuse_offloaded(optimizer: torch.optim.Optimizer | None,
-                      directory: str | os.PathLike) -> None:
-    """An offloaded optimizer's state is the host's, which checkpoints do not read yet:
-    refused on every rank alike (each holds one) before anything is written or read."""
-    if optimizer is not None and isinstance(inner_optimizer(optimizer), HostOptimizer):
-        raise CheckpointError(
-            f"{directory}: the optimizer's state is offloaded to the host, which "
-            f"checkpoints do not save or load yet; save the weights alone "
-            f"(optimizer=None), or plan with Constraints(offload=())", path=str(directory))
-
-
 def save(rank_state: RankState, saves: BackgroundSave, directory: str | os.PathLike, *,
          optimizer: torch.optim.Optimizer | None, step: int, extra: dict | None,
          async_save: bool, keep: int | None, last_step: dict | None = None,
@@ -204,7 +193,6 @@ def save(rank_state: RankState, saves: BackgroundSave, directory: str | os.PathL
     last step's numbers (``loss``, ``grad_norm``, ``skipped``), for the manifest;
     ``marks``: the watchdog hears the storage work (writing, hashing) apart from the
     rest, where the ranks done with theirs wait."""
-    _refuse_offloaded(optimizer, directory)
     wait(saves, marks=marks)
     root = Path(directory)
     state, manifest = _collect(rank_state, optimizer, step, extra, keep, root)
@@ -625,7 +613,6 @@ def load(rank_state: RankState, saves: BackgroundSave, directory: str | os.PathL
     each step agreed by every rank before the next, every check before any tensor
     changes. Returns the checkpoint's step and ``extra``. ``marks``: the watchdog hears
     the storage work (checking and reading files) apart from the rest."""
-    _refuse_offloaded(optimizer, directory)
     wait(saves, marks=marks)
     path, manifest, metadata = _checked(rank_state, directory, optimizer, marks)
     if optimizer is not None:

@@ -11,7 +11,9 @@ shard of dim 0 under ZeRO-2/3, over the DTensor's own mesh: dp, or for a routed 
 weight the expert-data-parallel group). Ranks holding the same chunk (replicas, the
 expert-data-parallel group) name it alike, and DCP writes it once. DCP names each chunk by
 its offsets, so a checkpoint written under one cut reads back under any other (resharding by
-FQN); optimizer state shaped like its parameter is cut the same way.
+FQN); optimizer state shaped like its parameter is cut the same way. An offloaded
+optimizer's state is the host's, read through the same keys (``partc/runtime/offload.py``),
+and where the device keeps a weight in the compute dtype its fp32 host master is saved.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from torch.distributed.tensor import DTensor
 
 from partc.errors import PartcError
 from partc.runtime import tp as tp_ops
+from partc.runtime.offload import HostOptimizer
 from partc.runtime.parameters import dp_shard
 from partc.runtime.rank_state import RankState
 
@@ -173,7 +176,7 @@ def held_tensors(rank_state: RankState) -> list[_Held]:
         local, fsdp = _local(tensor)
         master = (rank_state.master_of(tensor) if isinstance(tensor, torch.nn.Parameter)
                   else None)
-        if master is not None:  # ZeRO-1 in mixed precision: the fp32 master shard is saved
+        if master is not None:  # in mixed precision the fp32 master (shard) is saved
             local, fsdp = master, rank_state.master_shards(tensor)
         shape = tuple(whole[fqn]["shape"])
         held.append(_Held(fqn, name, tensor, shape,
@@ -205,7 +208,10 @@ def optimizer_params(rank_state: RankState, optimizer: torch.optim.Optimizer
 
 
 def optimizer_class(optimizer: torch.optim.Optimizer) -> str:
-    return type(inner_optimizer(optimizer)).__name__
+    """The class stepping the state: an offloaded optimizer's is the host's (the user's
+    class), so that its checkpoint loads into a plan without offload and back."""
+    inner = inner_optimizer(optimizer)
+    return type(inner.host if isinstance(inner, HostOptimizer) else inner).__name__
 
 
 def _json_value(value: Any) -> Any:

@@ -177,6 +177,9 @@ class GradBuckets:
         self.host = host
         if host is not None:
             device = host.device
+        # Host buckets: gradients streamed out whose copies may be in flight (bucket,
+        # slot, host copy, its event), added in order (drain).
+        self._landing: list[tuple[_Bucket, _Slot, torch.Tensor, Any]] = []
         self.buckets: list[_Bucket] = []
         self._hooks: dict[int, Any] = {}  # on compute-dtype copies (stand_in)
         self._copies: dict[int, nn.Parameter] = {}
@@ -293,7 +296,29 @@ class GradBuckets:
     def _add(self, bucket: _Bucket, slot: _Slot, grad: torch.Tensor) -> None:
         flat = grad.detach().reshape(-1)
         if self.host is not None:
-            flat = self.host.to_host(flat)
+            # Streamed out as backward makes it (on a GPU on the host tier's copy
+            # stream, beside the rest of backward), added into the host bucket once
+            # there: the earliest copies landed are added at each later gradient, the
+            # rest before anything reads the buckets (drain).
+            staging, copied = self.host.stream_out(flat)
+            self.host.counters.streamed += flat.numel() * flat.element_size()
+            self._landing.append((bucket, slot, staging, copied))
+            self.drain(block=False)
+            return
+        self._add_into(bucket, slot, flat)
+
+    def drain(self, block: bool = True) -> None:
+        """Add the gradients streamed to the host into their buckets: those whose copy
+        has landed, or with ``block`` all of them (waiting for their copies)."""
+        while self._landing:
+            bucket, slot, staging, copied = self._landing[0]
+            if not block and copied is not None and not copied.query():
+                return
+            self._landing.pop(0)
+            self.host.wait(copied)
+            self._add_into(bucket, slot, staging)
+
+    def _add_into(self, bucket: _Bucket, slot: _Slot, flat: torch.Tensor) -> None:
         columns = slot.columns(bucket.regions())
         if slot.everywhere:  # a 0-dim parameter: whole in every region
             columns.add_(flat)
@@ -335,6 +360,8 @@ class GradBuckets:
         self.wait_gathers()  # of parameters no forward read: none in flight past a step
         if not self.overlap or self._late:
             self._take_the_rest()
+        if self.host is not None:
+            self.drain()   # every gradient streamed out is in its bucket
         for bucket in self.buckets:
             self._launch(bucket)
         for bucket in self.buckets:

@@ -84,6 +84,7 @@ def _offloaded(parts: RankParts, state: RankState,
     host masters of the parameters (FSDP's local shards under ZeRO-2/3) stepped with
     their gradients copied out."""
     buckets, copies, tier = parts.buckets, parts.copies, parts.host
+    chunk = parts.plan.train.bucket_elements   # the pipelined host step's chunks
     if parts.plan.offload_params:
         params = list(state.parameters())
         tier.counters.host_resident += 2 * sum(local_tensor(p).numel()
@@ -92,19 +93,23 @@ def _offloaded(parts: RankParts, state: RankState,
         return optimizer_class(params, **host_kernel(optimizer_class, dict(defaults)))
     if buckets is not None and buckets.sharded:
         return DistributedOptimizer(
-            buckets, partial(HostOptimizer, optimizer_class=optimizer_class, tier=tier),
+            buckets, partial(HostOptimizer, optimizer_class=optimizer_class, tier=tier,
+                             chunk_elements=chunk),
             compute_dtype=copies.dtype if copies is not None else None, **defaults)
     if buckets is not None and buckets.host is not None:
         params = list(state.parameters())
         optimizer = HostOptimizer(params, optimizer_class, tier, grad_of=buckets.grad_of,
-                                  grads_on_host=True, on_zero_grad=buckets.zero_, **defaults)
+                                  grads_on_host=True, on_zero_grad=buckets.zero_,
+                                  chunk_elements=chunk, **defaults)
         if copies is not None:   # the host holds the fp32 masters now
             with torch.no_grad():
                 for param in params:
-                    if param.is_floating_point():
+                    if param.is_floating_point() and param.dtype != copies.dtype:
                         param.data = param.data.to(copies.dtype)
+                        tier.weights[id(param)] = optimizer.master_of(param)
         return optimizer
-    return HostOptimizer(state.parameters(), optimizer_class, tier, **defaults)
+    return HostOptimizer(state.parameters(), optimizer_class, tier, chunk_elements=chunk,
+                         **defaults)
 
 
 def fused_defaults(parts: RankParts, optimizer_class: type[torch.optim.Optimizer],

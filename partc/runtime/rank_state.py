@@ -115,7 +115,9 @@ class RankState:
         experts and its tensor-parallel shards gathered (collective over those groups)."""
         topo = self.topology
         value = tensor.detach()
-        if self.master_of(tensor) is not None:   # fp32, from the dp ranks' masters
+        if self._host_weight(tensor) is not None:   # fp32, the host's master
+            value = self._host_weight(tensor).clone()
+        elif self.master_of(tensor) is not None:   # fp32, from the dp ranks' masters
             value = self._parts.buckets.full_master(tensor)
         if isinstance(value, DTensor):
             value = value.full_tensor()
@@ -145,6 +147,8 @@ class RankState:
             for name, source in sources.items():
                 if source is not None:
                     self._load(name, own[name], source)
+        if self._parts.host is not None:   # the host's masters from what was loaded
+            self._parts.host.after_load()
 
     def _load(self, name: str, tensor: torch.Tensor, source: torch.Tensor) -> None:
         """``source`` (this rank's own entry, or the whole tensor) into ``tensor``."""
@@ -165,6 +169,10 @@ class RankState:
         if isinstance(tensor, DTensor):  # whole over its mesh: this rank's shard
             mesh = tensor.device_mesh
             source = dp_shard(source, mesh.size(), mesh.get_local_rank())
+        if self._host_weight(tensor) is not None:
+            self._host_weight(tensor).copy_(source)
+            tensor.detach().copy_(source)
+            return
         if self.master_of(tensor) is not None:
             self._parts.buckets.load_whole(tensor, source)
             return
@@ -177,24 +185,39 @@ class RankState:
     # -- ZeRO-1's masters and all-gathers ------------------------------------------------
 
     def master_of(self, param: torch.Tensor) -> torch.Tensor | None:
-        """ZeRO-1 in mixed precision, once the module's ``optimizer()`` made it: this
-        rank's fp32 master of its dp shard of ``param`` (the parameter itself is then
-        kept in the compute dtype). None otherwise: the parameter is its own master."""
+        """In mixed precision, once the module's ``optimizer()`` made it: under ZeRO-1
+        this rank's fp32 master of its dp shard of ``param``, with the optimizer
+        offloaded and the gradient buckets on the host the fp32 host master of it (the
+        parameter itself is then kept in the compute dtype). None otherwise: the
+        parameter is its own master."""
+        host = self._host_weight(param)
+        if host is not None:
+            return host
         buckets = self._parts.buckets
         return None if buckets is None else buckets.master_of(param)
 
-    def master_shards(self, param: torch.Tensor) -> tuple[int, int]:
+    def _host_weight(self, param: torch.Tensor) -> torch.Tensor | None:
+        host = self._parts.host
+        return None if host is None else host.weights.get(id(param))
+
+    def master_shards(self, param: torch.Tensor) -> tuple[int, int] | None:
         """How ``param``'s master is cut (:meth:`master_of` not None): the size of the
         group sharding it and this rank's place in it (dp, or an expert weight's
-        expert-data-parallel group)."""
+        expert-data-parallel group); None for a host master, which is whole."""
+        if self._host_weight(param) is not None:
+            return None
         return self._parts.buckets.shards_of(param)
 
     def refresh_from_masters(self) -> None:
-        """The parameters again from the masters (after a checkpoint loaded into them).
-        Collective over the dp group; nothing without masters."""
+        """The parameters again from the masters (after a checkpoint loaded into them):
+        ZeRO-1's gathered (collective over the dp group), and with the optimizer
+        offloaded the host's masters and the device's tensors made to agree
+        (:meth:`partc.runtime.offload.HostTier.after_load`); nothing without masters."""
         buckets = self._parts.buckets
         if buckets is not None and buckets.has_masters:
             buckets.gather_params()
+        if self._parts.host is not None:
+            self._parts.host.after_load()
 
     def wait_param_gathers(self) -> None:
         """Finish ZeRO-1's all-gathers of the stepped parameters still in flight (the

@@ -62,6 +62,7 @@ import torch
 from torch import fx, nn
 
 from partc import meta
+from partc.passes.context_parallel import shape_masks
 from partc.passes.helpers import segments
 from partc.passes.helpers.graph import carries_grad, op_name, param_usage
 from partc.passes.layers import crossing_users, cut_counts, cut_sums, is_repeated
@@ -561,14 +562,15 @@ def _check_fan_out(node: fx.Node, users: set[int], blocks: dict[int, _Block],
 
 
 def expanded_cuts(gm: fx.GraphModule, expansion: Expansion, per_sample: float
-                  ) -> tuple[tuple[float, ...], tuple[tuple[int, int], ...]]:
+                  ) -> tuple[tuple[float, ...], tuple[tuple[int, int, int], ...]]:
     """The whole model's ``cut_bytes`` (per sample) and ``cut_tensors`` from ``gm``."""
     spans = _spans(gm, expansion)
     num_layers = len(expansion.names)
     grads = carries_grad(gm)
     cut_bytes = cut_sums([(meta.output_bytes(n), made, used) for n, made, used in spans],
                          num_layers)
-    cut_tensors = cut_counts([(n in grads, made, used) for n, made, used in spans
+    masks = shape_masks(gm)
+    cut_tensors = cut_counts([(n in grads, n in masks, made, used) for n, made, used in spans
                               if isinstance(n.meta.get("val"), torch.Tensor)], num_layers)
     return tuple(c * per_sample for c in cut_bytes), cut_tensors
 

@@ -120,6 +120,61 @@ def mutated_inputs(node: fx.Node) -> list[fx.Node]:
     return [v for v in found if isinstance(v, fx.Node)]
 
 
+# Ops whose result may share its input's storage: a write to either is seen in the
+# other (``h.view(-1).relu_()`` writes ``h``). Erring wide costs only order, never a value.
+_ALIASING = frozenset(("view", "view_as", "reshape", "_unsafe_view", "flatten", "unflatten",
+                       "transpose", "permute", "t", "movedim", "narrow", "select",
+                       "squeeze", "unsqueeze", "expand", "expand_as", "as_strided",
+                       "diagonal", "split", "chunk", "unbind", "getitem", "alias",
+                       "detach", "contiguous"))
+
+
+def aliases_input(node: fx.Node) -> bool:
+    """Whether ``node``'s value may be a view of its first input's storage."""
+    return node.op in ("call_function", "call_method") and op_name(node) in _ALIASING
+
+
+def in_place_writers(gm: fx.GraphModule) -> dict[fx.Node, list[fx.Node]]:
+    """The nodes that write each storage in place (:func:`mutated_inputs`), in graph
+    order, keyed by the node that makes the storage (:func:`storage_of` through
+    :func:`aliases_input`): after such a write, that node and every view of it hold the
+    written value, which is what a reader after the write must see."""
+    writers: dict[fx.Node, list[fx.Node]] = {}
+    for node in gm.graph.nodes:
+        for value in mutated_inputs(node):
+            writers.setdefault(storage_of(value, aliases_input), []).append(node)
+    return writers
+
+
+def writes_read_later(gm: fx.GraphModule) -> set[tuple[fx.Node, fx.Node]]:
+    """``(writer, value)`` where ``writer`` writes ``value`` in place and a later node
+    reads the written storage by another name than the writer's own result (``h`` or a
+    view of it after ``h.relu_()``): such a write must land on that storage. Where only
+    the writer's result is read on (``h = F.relu(h, inplace=True)``), writing a copy
+    computes the same."""
+    order = {node: i for i, node in enumerate(gm.graph.nodes)}
+    found: set[tuple[fx.Node, fx.Node]] = set()
+    for writer in gm.graph.nodes:
+        for value in mutated_inputs(writer):
+            names = _aliases(storage_of(value, aliases_input))
+            if any(order[user] > order[writer] for name in names for user in name.users
+                   if user is not writer):
+                found.add((writer, value))
+    return found
+
+
+def _aliases(storage: fx.Node) -> set[fx.Node]:
+    """``storage`` and every node that may view it (:func:`aliases_input`)."""
+    found, stack = {storage}, [storage]
+    while stack:
+        for user in stack.pop().users:
+            if user not in found and aliases_input(user) and user.all_input_nodes \
+                    and user.all_input_nodes[0] in found:
+                found.add(user)
+                stack.append(user)
+    return found
+
+
 def _schema_values(node: fx.Node, target: torch._ops.OpOverload) -> list[Any]:
     """The value of each argument of ``target``'s schema in ``node`` (None if not given)."""
     return [node.kwargs.get(a.name, node.args[i] if i < len(node.args) else None)

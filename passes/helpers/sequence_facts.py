@@ -16,6 +16,8 @@ loss is left out (its mean over tokens is reduced over the cp group).
 
 from __future__ import annotations
 
+from typing import Mapping
+
 import torch
 from torch import fx
 
@@ -100,10 +102,17 @@ def attention_cost(nodes: list[fx.Node], flops_of, per: float) -> AttentionCost 
                          head_dim=head_dim, tokens=tokens, flops=flops * per)
 
 
-def context_parallel_blocker(gm: fx.GraphModule, tokens: int) -> str:
+def context_parallel_blocker(gm: fx.GraphModule, tokens: int,
+                             other: Mapping[str, tuple] | None = None) -> str:
     """The first op outside the attention cores and the loss that reads along the
-    sequence (a dimension of ``tokens`` positions) of a value a parameter reaches, as
-    "op (in layer)"; "" when there is none."""
+    sequence of a value a parameter reaches, as "op (in layer)"; "" when there is none.
+
+    The sequence's dims are told as lowering tells them (``partc.passes.context_parallel``):
+    ``other`` (:func:`input_shapes` of a trace at another sequence length) holds each
+    op's inputs' shapes there, and a dim is the sequence where its size differs. Without
+    ``other``, or for an op that trace lacks, a dim of ``tokens`` positions is taken for
+    the sequence: a guess that also catches a width equal to the sequence's length, which
+    :func:`partc.passes.pipeline.analyze` then checks on a second trace."""
     if tokens <= 1:
         return ""
     reached = carries_grad(gm)
@@ -114,12 +123,31 @@ def context_parallel_blocker(gm: fx.GraphModule, tokens: int) -> str:
         inside = {n for core in attention_cores(nodes) for n in core}
         for node in nodes:
             if node.op in ("call_function", "call_method") and node not in inside \
-                    and _reads_along_sequence(node, tokens, reached):
+                    and _reads_along_sequence(node, tokens, reached, other):
                 return f"{op_name(node)} ({node.name}, in layer {info.name})"
     return ""
 
 
-def _reads_along_sequence(node: fx.Node, tokens: int, reached: set[fx.Node]) -> bool:
+def input_shapes(gm: fx.GraphModule) -> dict[str, tuple[tuple[int, ...] | None, ...]]:
+    """The shapes of each call's first two arguments (None: not a tensor), by node name."""
+    return {node.name: tuple(None if _val(a) is None else tuple(_val(a).shape)
+                             for a in node.args[:2])
+            for node in gm.graph.nodes if node.op in ("call_function", "call_method")}
+
+
+def _is_sequence(node: fx.Node, index: int, dim: int, value: torch.Tensor, tokens: int,
+                 other: Mapping[str, tuple] | None) -> bool:
+    """Whether dim ``dim`` of the value ``node`` reads as argument ``index`` is the
+    sequence (:func:`context_parallel_blocker`)."""
+    shapes = other.get(node.name) if other is not None else None
+    there = shapes[index] if shapes is not None and len(shapes) > index else None
+    if there is not None and len(there) == value.dim():
+        return there[dim] != value.shape[dim]
+    return value.shape[dim] == tokens
+
+
+def _reads_along_sequence(node: fx.Node, tokens: int, reached: set[fx.Node],
+                          other: Mapping[str, tuple] | None) -> bool:
     source = node.args[0] if node.args and isinstance(node.args[0], fx.Node) else None
     value = _val(source) if source is not None else None
     if source not in reached or value is None or value.dim() < 2:
@@ -131,11 +159,14 @@ def _reads_along_sequence(node: fx.Node, tokens: int, reached: set[fx.Node]) -> 
             return False
         dims = [dims] if isinstance(dims, int) else list(dims)
         return any(isinstance(d, int) and -value.dim() <= d < value.dim()
-                   and value.shape[d] == tokens for d in dims)
+                   and _is_sequence(node, 0, d % value.dim(), value, tokens, other)
+                   for d in dims)
     if name in _PRODUCTS and len(node.args) > 1 and isinstance(node.args[1], fx.Node):
-        other = _val(node.args[1])
-        return other is not None and other.dim() >= 2 and value.shape[-1] == tokens \
-            and other.shape[-2] == tokens
+        second = _val(node.args[1])
+        return second is not None and second.dim() >= 2 \
+            and _is_sequence(node, 0, value.dim() - 1, value, tokens, other) \
+            and _is_sequence(node, 1, second.dim() - 2, second, tokens, other)
     if name in _CONVOLUTIONS:
-        return value.dim() >= 3 and value.shape[-1] == tokens
+        return value.dim() >= 3 and _is_sequence(node, 0, value.dim() - 1, value, tokens,
+                                                 other)
     return False

@@ -56,8 +56,10 @@ def tp_option(ctx: Context, base: ModelAnalysis, usage: dict, local: fx.GraphMod
     rings = _rings(local, tp)
     for cost, sharded in zip(meta.layer_costs(local), chosen.layers):
         count, nbytes, largest = own.get(len(layers), (0, 0, 0))
-        comm = tuple((c.kind, c.phase, c.bytes * per_sample) for c in sharded.collectives)
-        beside = _overlap_flops(sharded.collectives, rings.get(len(layers), []))
+        ringed = rings.get(len(layers), [])
+        collectives = _as_ringed(sharded.collectives, ringed)
+        comm = tuple((c.kind, c.phase, c.bytes * per_sample) for c in collectives)
+        beside = _overlap_flops(collectives, ringed)
         layers.append(dataclasses.replace(
             cost, param_count=count, param_bytes=nbytes, largest_param=largest, tp_comm=comm,
             tp_overlap_flops=tuple(f * per_sample for f in beside) if any(beside) else ()))
@@ -107,6 +109,26 @@ def _rings(local: fx.GraphModule, tp: int) -> dict[int, list[tuple[str, str, int
     return rings
 
 
+def _as_ringed(collectives, rings: list[tuple[str, str, int, float]]) -> list:
+    """A layer's collectives (the chooser's, in its order) as its rings run them: a ring's
+    reduce-scatter of an input gradient that the chooser priced as an all-reduce (GPT-2's
+    ``Conv1D`` reads its gathered input flattened: the blocking form all-reduces the
+    flattened gradient and slices it, ``copy_to_tp`` then ``gather_from_tp``) takes the
+    unclaimed all-reduce of its phase nearest in bytes."""
+    found = list(collectives)
+    for kind, phase, nbytes, _flops in rings:
+        if kind != "reduce_scatter":
+            continue
+        same = [c for c in found if c.kind == kind and c.phase == phase]
+        if sum(1 for k, p, _b, _f in rings if (k, p) == (kind, phase)) <= len(same):
+            continue
+        free = [i for i, c in enumerate(found) if c.kind == "all_reduce" and c.phase == phase]
+        if free:
+            nearest = min(free, key=lambda i: abs(found[i].bytes - nbytes))
+            found[nearest] = dataclasses.replace(found[nearest], kind=kind)
+    return found
+
+
 def _overlap_flops(collectives, rings: list[tuple[str, str, int, float]]) -> list[float]:
     """Per collective of a layer (the chooser's, in its order), the FLOPs of the matmuls
     a ring runs beside it, 0 if none: each ring's collective taken by the unclaimed one
@@ -132,7 +154,7 @@ def summarize(gm: fx.GraphModule, ctx: Context) -> ModelAnalysis:
             traced_dtype_bytes=_dtype_bytes(ctx.model), tracer=info.tracer,
             inputs=input_specs(gm), keywords=info.keywords, own_loss=info.own_loss or "",
             autocast=str(ctx.autocast).removeprefix("torch.") if ctx.autocast else "",
-            context_parallel_blocker=context_parallel_blocker(gm, _sequence(gm, ctx))),
+            context_parallel_blocker=context_parallel_blocker(gm, sequence_length(gm, ctx))),
         layers=_with_experts(gm, ctx, meta.layer_costs(gm)),
         cut_bytes=tuple(c * per_sample for c in meta.cut_bytes(gm)),
         shared=_shared(gm, ctx),
@@ -172,7 +194,7 @@ def _dtype_bytes(model: nn.Module) -> int:
     return floats[0].element_size() if floats else 4
 
 
-def _sequence(gm: fx.GraphModule, ctx: Context) -> int:
+def sequence_length(gm: fx.GraphModule, ctx: Context) -> int:
     """Positions per sample that attention reads: its cores' (a model fed embeddings
     has no token ids), else the token ids'."""
     return next((cost.attention.tokens for cost in meta.layer_costs(gm)

@@ -85,7 +85,13 @@ Constraints
         dropout between the regions then run whole, as the plan's
         ``sequence_parallel=False`` says, even where a fast link would make their
         sequence shards faster (reduce-scatter and all-gather cost what one all-reduce
-        does in a ring, and the shards do a ``tp``-th of the work).
+        does in a ring, and the shards do a ``tp``-th of the work);
+    (8) an in-place op writes the value it reads, not a moved copy, where that value is
+        read after the write: at an edge ``(u, v, i)`` where ``v`` writes input ``i`` in
+        place (``h.relu_()``) and a later node reads ``u``'s storage
+        (:func:`~partc.passes.helpers.graph.writes_read_later`), ``not pick[u,t] or not
+        pick[v,s]`` for each pair that needs any move (the write would land on the copy,
+        and the later reader would miss it).
 
 Every layer has a solution without pins (all replicated). CP-SAT runs under
 :class:`partc.options.ShardingOptions` (a work limit in CP-SAT's deterministic seconds,
@@ -122,7 +128,7 @@ from partc.cost.pipeline_config import to_ps
 from partc.cp_sat import deterministic_solver
 from partc.options import ShardingOptions
 from partc.passes.helpers.graph import (carries_grad, is_tensorish, layer_nodes, op_name,
-                                        storage_of, tensor_inputs)
+                                        storage_of, tensor_inputs, writes_read_later)
 from partc.passes.tp.carry import carried_choices
 from partc.passes.tp.rules import (NO_STRATEGY_OPS, ChunkHints, Collective, Strategy, divides,
                                    output_shape, own_collectives, redistribute, regathers,
@@ -336,8 +342,9 @@ def _layer_problems(gm: fx.GraphModule, tp: int, link: Link, sequence_parallel: 
     result.boundary = boundaries(gm, tp, sequence_parallel)
     grads = carries_grad(gm)
     hints = ChunkHints.of(gm)
+    written = writes_read_later(gm)
     problems = [_LayerProblem(gm, info, tp, link, result.boundary, grads, hints,
-                              sequence_parallel) for info in meta.layers(gm)]
+                              sequence_parallel, written) for info in meta.layers(gm)]
     return result, problems, grads
 
 
@@ -347,8 +354,10 @@ class _LayerProblem:
 
     def __init__(self, gm: fx.GraphModule, info: meta.LayerInfo, tp: int, link: Link,
                  boundary: dict[fx.Node, Placement], grads: set[fx.Node],
-                 hints: ChunkHints, sequence_parallel: bool = False) -> None:
+                 hints: ChunkHints, sequence_parallel: bool = False,
+                 written_then_read: set[tuple[fx.Node, fx.Node]] = frozenset()) -> None:
         self.info, self.tp, self.link = info, tp, link
+        self.written_then_read = written_then_read  # constraint (8)
         self.sequence_parallel = sequence_parallel
         self.sequence = sequence_length(gm)  # tokens per sample; 0: not a token model
         self.boundary, self.grads = boundary, grads
@@ -641,12 +650,15 @@ class _LayerModel:
         else:  # made outside the layer: in its boundary placement
             outside = problem.boundary.get(producer, REPLICATE)
             sources = [(None, Strategy("boundary", outside, ()))]
+        written = (consumer, producer) in problem.written_then_read
         for var, chosen in zip(self.pick[consumer], problem.options[consumer]):
             need = chosen.ins[position]
             for source_var, made in sources:
                 moves = problem.edge_moves(producer, made.out, need, chosen.out)
                 if problem.leaves_plain_tp(producer, made.out, need, chosen):
                     moves = None  # (7) plain tensor parallelism
+                if moves and written:
+                    moves = None  # (8) an in-place write reads its value as made
                 both = [var] + ([source_var] if source_var is not None else [])
                 if moves is None:
                     # (3) no strategy pair whose edge needs an unsupported move.

@@ -12,8 +12,11 @@ chooser or rebuilt from a plan by ``chooser.apply``):
 - a sharded parameter's attribute becomes a stand-in of this rank's shard;
 - where a value's placement differs from what its consumer needs, a collective moves it
   (``tp.reduce_from_tp(x)``, ``tp.gather_from_tp(x, dim)``, …), once per value and
-  target placement, shared by the consumers that need the same;
-- values that leave their layer are brought to the layer boundary's placement;
+  target placement, shared by the consumers that need the same (and made again for
+  those after an in-place write to the value: a moved value is a copy);
+- values that leave their layer are brought to the layer boundary's placement, after
+  the in-place writes their layer makes to them (``h = gelu(x); h.relu_()``: the later
+  layers read the written ``h``);
 - ops whose arguments hold sizes (``view``, ``reshape``, ``expand``, ``split``) get the
   local size of the dim they shard; ``x.size()`` of a sharded ``x`` asks for the global
   size (``tp.global_size``), so size arithmetic in the model's code keeps its meaning;
@@ -31,6 +34,8 @@ chooser or rebuilt from a plan by ``chooser.apply``):
   whose output only the reduce-scatter to the sequence shard reads becomes
   ``tp.linear_reduce_scatter``: the runtime runs each as a ring that hides the
   collective behind the matmuls (:mod:`partc.runtime.tp_rings`, :func:`fuse_rings`).
+  GPT-2's ``Conv1D`` products (``addmm`` over the flattened input, an (in, out)
+  weight) join them as the linears of the transposed weight they are.
 
 The graph is the same on every rank of the group (ranks differ only in which shard they
 hold, and the group knows its rank at run time), so one emitted file serves the group.
@@ -49,6 +54,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import math
 import operator
 from typing import Any, Callable
 
@@ -57,7 +63,9 @@ from torch import fx
 
 from partc import meta
 from partc.passes.context import Context
-from partc.passes.helpers.graph import carries_grad, op_name, tensor_inputs
+from partc.passes.helpers.graph import (aliases_input, carries_grad, in_place_writers,
+                                        mutated_inputs, op_name, storage_of,
+                                        tensor_inputs, writes_read_later)
 from partc.passes.tp.chooser import Sharding
 from partc.passes.tp.rules import flattened_for_addmm, redistribute, regathers
 from partc.placement import Placement
@@ -148,6 +156,12 @@ class _Rewriter:
         self.group_reads: dict[int, fx.Node] = {}  # layer index → its get_attr of the group
         # Linears reading a gathered shard → (the gathered node, the shard, its dim).
         self.regather: dict[fx.Node, tuple[fx.Node, fx.Node, int]] = {}
+        # In-place writes: a collective moves a copy, so one that reads a value must run
+        # after the writes its readers see (eager order), not right after the value.
+        self.order = {n: i for i, n in enumerate(gm.graph.nodes)}
+        self.writers = in_place_writers(gm)  # storage → the nodes writing it, in order
+        self.writes_seen: dict[fx.Node, int] = {}  # storage → its writers visited so far
+        self.writes_read_later = writes_read_later(gm)
 
     def group(self, first_use: fx.Node) -> fx.Node:
         """The node that reads the group in ``first_use``'s layer; made just before
@@ -195,6 +209,9 @@ class _Rewriter:
             self._global_sizes(node)
         if chosen is not None and node in self.s.boundary and node.op != "get_attr":
             self._to_boundary(node, chosen.out, self.s.boundary[node])
+        for written in mutated_inputs(node):
+            storage = storage_of(written, aliases_input)
+            self.writes_seen[storage] = self.writes_seen.get(storage, 0) + 1
 
     def _feed(self, node: fx.Node, producer: fx.Node, need: Placement, out: Placement,
               position: int) -> None:
@@ -219,6 +236,10 @@ class _Rewriter:
             if source is not producer:
                 node.replace_input_with(producer, source)
             return
+        if (node, producer) in self.writes_read_later:
+            # The chooser's constraint (8): the write would land on the moved copy.
+            raise AssertionError(f"{node.name} writes {producer.name} in place but reads "
+                                 f"it moved from {have} to {need}")
         moved = self._move(source, have, need, grad_partial, node)
         node.replace_input_with(producer, moved)
         if regathers(node, position, have, need, grad_partial):
@@ -251,7 +272,10 @@ class _Rewriter:
 
     def _move(self, source: fx.Node, have: Placement, need: Placement, grad_partial: bool,
               before: fx.Node) -> fx.Node:
-        key = (source, have, need, grad_partial)
+        # A move made before an in-place write to ``source`` holds the value before it:
+        # consumers after the write get their own.
+        writes = self.writes_seen.get(storage_of(source, aliases_input), 0)
+        key = (source, writes, have, need, grad_partial)
         if key in self.moved:
             return self.moved[key]
         if redistribute(have, need, grad_partial) is None:
@@ -275,10 +299,19 @@ class _Rewriter:
             return
         method, args = _collective(have, need, False)
         group = self.group(node)
-        with self.gm.graph.inserting_after(node):
+        with self.gm.graph.inserting_after(self._last_write(node)):
             moved = self.gm.graph.call_method(method, (group, node, *args))
         _set_layer(moved, node)
         self.at_boundary[node] = moved
+
+    def _last_write(self, node: fx.Node) -> fx.Node:
+        """The last node of ``node``'s layer that writes its value in place after it
+        (``h.relu_()`` after ``h = gelu(x)``), else ``node``: the value later layers read
+        is the one after those writes."""
+        layer = meta.layer(node).index
+        later = [w for w in self.writers.get(storage_of(node, aliases_input), ())
+                 if self.order[w] > self.order[node] and meta.layer(w).index == layer]
+        return later[-1] if later else node
 
     # ------------------------------------------------------------------ sizes
     def _local_sizes(self, node: fx.Node, chosen) -> None:
@@ -405,6 +438,7 @@ def fuse_rings(gm: fx.GraphModule) -> None:
         if node.op != "call_method":
             continue
         if node.target == "gather_from_tp":
+            _as_linears(gm, node, order)
             _fuse_gathered_linears(gm, node, order)
         elif node.target == "reduce_scatter_to_tp":
             _fuse_linear_reduce_scatter(node, order)
@@ -437,7 +471,111 @@ def _fuse_gathered_linears(gm: fx.GraphModule, gather: fx.Node,
     gm.graph.erase_node(gather)
 
 
+def _as_linears(gm: fx.GraphModule, gather: fx.Node, order: dict[fx.Node, int]) -> None:
+    """GPT-2's ``Conv1D`` reading a gathered shard, ``addmm_of_gathered(bias,
+    gathered.view(-1, in), weight)`` (through the ``copy_to_tp`` whose backward
+    all-reduces the flattened input's gradient), as the ``linear_of_gathered`` it is:
+    ``linear_of_gathered(gathered, weight.t(), bias).flatten(0, -2)``, so that
+    :func:`_fuse_gathered_linears` makes a ring of it as of a linear (whose backward
+    reduce-scatters the input's gradient where the copy all-reduced it and the gather
+    sliced it). Left as it is unless every reader of the gather is such a product of its
+    layer, cutting rows."""
+    layer = meta.layer(gather).index
+    local = gather.args[1].meta.get("val") if isinstance(gather.args[1], fx.Node) else None
+    products = []
+    for view in gather.users:
+        value = view.meta.get("val")
+        if (view.op != "call_function" or op_name(view) not in ("view", "reshape")
+                or len(view.users) != 1 or not isinstance(value, torch.Tensor)
+                or not isinstance(local, torch.Tensor) or value.dim() != 2
+                or local.dim() < 2 or value.shape[-1] != local.shape[-1]):
+            return
+        product = next(iter(view.users))
+        copy = None
+        if product.op == "call_method" and product.target == "copy_to_tp" \
+                and len(product.users) == 1:
+            copy, product = product, next(iter(product.users))
+        if (product.op != "call_method" or product.target != "addmm_of_gathered"
+                or product.args[2] is not (copy or view) or product.kwargs
+                or meta.layer(product).index != layer
+                or product.args[5] % local.dim() == local.dim() - 1):
+            return
+        products.append((view, copy, product))
+    if not products:
+        return
+    for view, copy, product in products:
+        group, bias, _matrix, weight, shard, dim = product.args
+        transposed = _transposed(weight, product, order)
+        with gm.graph.inserting_before(product):
+            linear = gm.graph.call_method("linear_of_gathered",
+                                          (group, gather, shard, transposed, bias, dim))
+            flat = gm.graph.call_function(torch.flatten, (linear, 0, -2))
+        # The gathered shape: the shard's, its rows as many as the flattened product's.
+        whole = list(local.shape)
+        whole[dim] = product.meta["val"].shape[0] * local.shape[dim] // math.prod(
+            local.shape[:-1])
+        whole[-1] = product.meta["val"].shape[-1]
+        linear.meta["val"] = local.new_empty(whole)
+        for node in (linear, flat):
+            _set_layer(node, product)
+            order[node] = order[product]
+        product.replace_all_uses_with(flat)
+        for dead in (product, copy, view):
+            if dead is not None:
+                gm.graph.erase_node(dead)
+
+
+def _transposed(weight: fx.Node, user: fx.Node, order: dict[fx.Node, int]) -> fx.Node:
+    """``weight.t()`` (a ``Conv1D``'s (in, out) weight as a linear's), right after the
+    weight, so that it is there before any ring its user joins."""
+    with weight.graph.inserting_after(weight):
+        transposed = weight.graph.call_function(torch.t, (weight,))
+    _set_layer(transposed, user)
+    order[transposed] = order[weight]
+    return transposed
+
+
+def _addmm_as_linear(scatter: fx.Node, order: dict[fx.Node, int]) -> None:
+    """GPT-2's row-parallel ``Conv1D`` before a reduce-scatter, ``addmm(bias,
+    x.view(-1, in), weight).view(..., out)``, as the linear it is, ``F.linear(x,
+    weight.t(), bias)``, for :func:`_fuse_linear_reduce_scatter` to make a ring of."""
+    unflat = scatter.args[1]
+    if unflat.op != "call_function" or op_name(unflat) not in ("view", "reshape") \
+            or len(unflat.users) != 1 or not isinstance(unflat.args[0], fx.Node):
+        return
+    product = unflat.args[0]
+    if product.op != "call_function" or op_name(product) != "addmm" \
+            or len(product.users) != 1 or product.kwargs or len(product.args) != 3:
+        return
+    bias, matrix, weight = product.args
+    if not isinstance(matrix, fx.Node) or matrix.op != "call_function" \
+            or op_name(matrix) not in ("view", "reshape") \
+            or not isinstance(matrix.args[0], fx.Node):
+        return
+    x = matrix.args[0]
+    values = [n.meta.get("val") for n in (x, matrix, unflat)]
+    if not all(isinstance(v, torch.Tensor) for v in values):
+        return
+    x_value, matrix_value, out_value = values
+    if matrix_value.dim() != 2 or x_value.shape[-1] != matrix_value.shape[-1] \
+            or tuple(out_value.shape[:-1]) != tuple(x_value.shape[:-1]):
+        return
+    transposed = _transposed(weight, product, order)
+    with product.graph.inserting_before(product):
+        linear = product.graph.call_function(torch.nn.functional.linear,
+                                             (x, transposed, bias))
+    linear.meta["val"] = out_value
+    _set_layer(linear, product)
+    order[linear] = order[product]
+    unflat.replace_all_uses_with(linear)
+    for dead in (unflat, product):
+        dead.graph.erase_node(dead)
+    if not matrix.users:
+        matrix.graph.erase_node(matrix)
+
+
 def _fuse_linear_reduce_scatter(scatter: fx.Node, order: dict[fx.Node, int]) -> None:
+    _addmm_as_linear(scatter, order)
     group, linear, dim = scatter.args
     if (linear.op != "call_function" or op_name(linear) != "linear"
             or len(linear.users) != 1 or group.op != "get_attr"

@@ -58,7 +58,10 @@ def traced_both_ways(build, example, **kwargs):
     return (full_gm, full), (gm, analysis)
 
 
-@pytest.mark.parametrize("name", sorted(MODELS))
+# A Hugging Face decoder and the sample GPT by default; GPT-2 and BERT -m slow.
+@pytest.mark.parametrize("name", [pytest.param(name, marks=pytest.mark.slow)
+                                  if name in ("hf-gpt2", "hf-bert") else name
+                                  for name in sorted(MODELS)])
 def test_expanded_analysis_and_options_equal_a_full_trace(name):
     build, example, loss_fn, objectives = MODELS[name]
     (full_gm, full), (gm, analysis) = traced_both_ways(build, example, loss_fn=loss_fn)

@@ -325,29 +325,29 @@ class WindowedCausal(nn.Module):
 
 
 @pytest.mark.parametrize("window, causal", [(SEQ, True), (SEQ // 2, False)])
-def test_a_long_mask_is_proved_a_block_of_rows_at_a_time(monkeypatch, window, causal):
-    """Above BLOCK_ELEMENTS a shapes-only mask is checked in blocks of query rows (host
-    memory linear in the sequence): the same verdict as whole, a window that bites only
-    in the last rows included."""
+def test_a_long_mask_is_proved_tile_by_tile(monkeypatch, window, causal):
+    """Above BLOCK_ELEMENTS a shapes-only mask is judged from its tiles' bounds, and only
+    tiles that mix kept and dropped positions are made (at most LEAF_SIDE a side): the
+    same verdict as whole, a window that bites only in the last rows included, with
+    about seq x LEAF_SIDE elements made for a causal mask, not seq x seq."""
     from partc.passes.helpers import mask_rows
 
     x = torch.randn(BATCH, SEQ, 8)
     made = []
-    original = mask_rows.blocks
+    original = mask_rows.RowBlocks.tile
 
-    def counted(value):
-        for start, block in original(value):
-            made.append(block.shape[-2])
-            yield start, block
+    def counted(self, rows, cols):
+        made.append((rows[1] - rows[0]) * (cols[1] - cols[0]))
+        return original(self, rows, cols)
 
     monkeypatch.setattr(mask_rows, "BLOCK_ELEMENTS", 3 * SEQ)
-    monkeypatch.setattr("partc.passes.fuse_attention.blocks", counted)
+    monkeypatch.setattr(mask_rows, "LEAF_SIDE", 2)
+    monkeypatch.setattr(mask_rows.RowBlocks, "tile", counted)
     gm = _fused(WindowedCausal(window), x)
     assert [c.kwargs.get("is_causal", False) for c in gm.graph.nodes
             if c.op == "call_function" and "scaled_dot_product" in str(c.target)] == [causal]
-    assert len(made) > 1 and max(made) < SEQ   # blocks of rows, never the whole mask
-    # Causal: every row read; the window's first dropped position (row 8) ends the check.
-    assert sum(made) == SEQ if causal else window < sum(made) < SEQ
+    # The diagonal's tiles, 2 x 2 (twice: once disproving "keeps every position").
+    assert made and max(made) <= 4 and (sum(made) <= 2 * 2 * SEQ if causal else True)
 
 
 @pytest.mark.parametrize("name", ["llama", "gpt2"])

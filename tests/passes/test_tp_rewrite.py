@@ -16,7 +16,8 @@ from partc import meta
 from partc.cost.collectives import Group
 from partc.passes.tp import chooser as tp_chooser
 from partc.passes.estimate import estimate
-from partc.passes.helpers.graph import op_name
+from partc.passes.helpers.graph import (aliases_input, op_name, storage_of,
+                                        writes_read_later)
 from partc.passes.layers import layers
 from partc.passes.propagate import propagate
 from partc.passes.tp.rewrite import GROUP, copy_module, fuse_rings, tp_rewrite
@@ -70,10 +71,12 @@ class GatedBlock(nn.Module):
 
 
 class GatedStack(nn.Module):
-    def __init__(self) -> None:
+    """An embedding, two ``block``s and a head."""
+
+    def __init__(self, block: type[nn.Module] = GatedBlock) -> None:
         super().__init__()
         self.emb = nn.Embedding(32, 16)
-        self.blocks = nn.ModuleList([GatedBlock() for _ in range(2)])
+        self.blocks = nn.ModuleList([block() for _ in range(2)])
         self.head = nn.Linear(16, 32)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
@@ -309,3 +312,154 @@ def test_without_sequence_parallelism_norms_and_residuals_stay_whole():
     assert local.code.count(".reduce_from_tp(") == 2  # the all-reduces, one per block
     norms = [n for n in local.graph.nodes if op_name(n) == "layer_norm"]
     assert len(norms) == 2 and all(n.meta["val"].shape == (2, 64, 16) for n in norms)
+
+
+class WrittenBlock(nn.Module):
+    """A block whose activation is written in place before the block returns it (the
+    random models' ``gelu`` then ``relu_``): the value the next block reads is the
+    written one."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = nn.functional.gelu(self.fc(x))
+        h.relu_()
+        return h
+
+
+def test_a_value_leaves_its_layer_after_the_in_place_writes_to_it():
+    # Under sequence parallelism the block's output is brought to its sequence shard by
+    # a collective, a copy: made right after gelu, it held the value before relu_, and
+    # every later layer trained on that (a random model's loss 5e-5 off one process).
+    torch.manual_seed(0)
+    gm, _ = _rewritten(GatedStack(WrittenBlock), torch.randint(0, 32, (2, 8)), sequence_parallel=True)
+    order = {node: i for i, node in enumerate(gm.graph.nodes)}
+    for index in range(2):
+        block = f"blocks.{index}"
+        written = next(n for n in gm.graph.nodes if op_name(n) == "relu_"
+                       and meta.layer(n).name == block)
+        storage = storage_of(written.args[0], aliases_input)
+        leaving = {a for n in gm.graph.nodes if meta.LAYER in n.meta
+                   and meta.layer(n).name != block for a in n.all_input_nodes
+                   if meta.LAYER in a.meta and meta.layer(a).name == block}
+        assert leaving
+        for value in leaving:  # the written value itself, or what was made of it after
+            assert storage_of(value, aliases_input) is storage or order[value] > order[written], (
+                f"{value.name} leaves {block} before {written.name} writes it:\n{gm.code}")
+
+
+class WrittenResidual(nn.Module):
+    """A projection's output written in place by a sum with the block's input, then read
+    by a second projection: the write must land on the value the projection reads."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc, self.out = nn.Linear(16, 16), nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.fc(x)
+        h.add_(x)
+        return self.out(h)
+
+
+def test_an_in_place_op_writes_the_value_it_reads_never_a_moved_copy():
+    # Megatron's column-then-row pair would keep fc's output sharded by features for
+    # ``out``, and bring it whole (a gathered copy) to the add_ with the replicated
+    # input: the sum would land on the copy and ``out`` would read fc's output without it.
+    torch.manual_seed(0)
+    gm, chosen = _rewritten(GatedStack(WrittenResidual), torch.randint(0, 32, (2, 8)),
+                            sequence_parallel=True)
+    writes = [n for n in chosen.strategy if op_name(n) == "add_"]
+    assert len(writes) == 2
+    for node in writes:
+        producer = node.args[0]
+        assert chosen.strategy[node].ins[0] == chosen.placement(producer), node.name
+    local_writes = [n for n in gm.graph.nodes if op_name(n) == "add_"]
+    for node in local_writes:  # the rewritten add_ writes fc's value, read by ``out``
+        written = node.args[0]
+        assert written.op == "call_function" or written.target not in (
+            "gather_from_tp", "scatter_to_tp", "reduce_from_tp", "copy_to_tp"), gm.code
+
+
+class ReadBeforeAndAfter(nn.Module):
+    """A value read by one projection, written in place, then read by another."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.p, self.q = nn.Linear(16, 16), nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x * 2
+        y = self.p(h)
+        h.relu_()
+        return y + self.q(h)
+
+
+def test_a_move_is_not_shared_across_an_in_place_write():
+    # Both projections read ``h`` moved to the same placement (row-parallel: sliced by
+    # features): one move would serve both but for relu_ between them, which the second
+    # must see.
+    torch.manual_seed(0)
+    gm, _ = _rewritten(GatedStack(ReadBeforeAndAfter), torch.randint(0, 32, (2, 8)),
+                       sequence_parallel=True)
+    order = {node: i for i, node in enumerate(gm.graph.nodes)}
+    for index in range(2):
+        block = [n for n in gm.graph.nodes if meta.LAYER in n.meta
+                 and meta.layer(n).name == f"blocks.{index}"]
+        written = next(n for n in block if op_name(n) == "relu_")
+        moves = [n for n in block if n.op == "call_method" and len(n.args) > 1
+                 and getattr(n.args[0], "target", None) == GROUP
+                 and n.args[1] is written.args[0]]
+        assert sorted(order[n] > order[written] for n in moves) == [False, True], gm.code
+
+
+def _read_on(x: torch.Tensor) -> torch.Tensor:
+    h = torch.tanh(x)
+    h.relu_()
+    return h * 2
+
+
+def _result_read_on(x: torch.Tensor) -> torch.Tensor:
+    h = torch.tanh(x)
+    return nn.functional.relu(h, inplace=True) * 2
+
+
+def _view_read_on(x: torch.Tensor) -> torch.Tensor:
+    h = torch.tanh(x)
+    flat = h.view(-1)
+    h.relu_()
+    return flat * 2
+
+
+@pytest.mark.parametrize("forward, must_land", [
+    (_read_on, True), (_result_read_on, False), (_view_read_on, True)])
+def test_a_write_must_land_on_its_value_only_where_the_value_is_read_after_it(
+        forward, must_land):
+    # Where only the write's result is read on (nn.ReLU(inplace=True) as a random
+    # model's block has it), the chooser may move the value to the write: a write to
+    # the copy computes the same. Forbidding that too left a ring's output (a view a
+    # custom Function made) written in place, which autograd refuses.
+    gm = fx.symbolic_trace(forward)
+    found = {(writer.name, value.name) for writer, value in writes_read_later(gm)}
+    writer = next(n.name for n in gm.graph.nodes if "relu" in n.name)
+    assert found == ({(writer, "tanh")} if must_land else set())
+def test_gpt2_conv1d_products_run_as_rings_like_linears():
+    # GPT-2's Conv1D is addmm(bias, x.view(-1, in), weight) with an (in, out) weight: as
+    # the linear it is (weight.t()), the gather before c_attn and c_fc and the
+    # reduce-scatter after each c_proj run as rings beside the matmuls; nothing of the
+    # block is gathered, copied (copy_to_tp's all-reduce) or reduce-scattered apart.
+    torch.manual_seed(0)
+    gm, _ = _rewritten(models.gpt2(n_layer=1, dropout=0.0), torch.randint(0, 64, (2, 16)),
+                       sequence_parallel=True)
+    in_block = [n for n in gm.graph.nodes if meta.LAYER in n.meta
+                and meta.layer(n).name.endswith("h.0") and n.op == "call_method"]
+    targets = [n.target for n in in_block]
+    assert targets.count("linears_of_gathered") == 2, targets
+    assert targets.count("linear_reduce_scatter") == 2, targets
+    assert not {"gather_from_tp", "copy_to_tp", "reduce_scatter_to_tp",
+                "addmm_of_gathered"} & set(targets)
+    weights = [w.args[0].target for n in in_block if n.target == "linears_of_gathered"
+               for w in n.args[2]]
+    assert [w.rsplit(".", 2)[-2] for w in weights] == ["c_attn", "c_fc"]

@@ -95,3 +95,28 @@ def test_the_timeline_and_report_show_the_host_traffic():
     report = render(plan)
     assert "Activation offload" in report and "a .. b (2)" in report
     assert "7.63 MiB" in report   # 2 layers x 4 microbatches x 1 MB, each way
+    # The section says how (optimizer offload's lines once hid these under one name).
+    assert "Offloaded layers (recompute mode offload)" in report
+
+
+def test_the_hosts_memory_holds_the_optimizer_beside_offloaded_activations():
+    """With the optimizer offloaded too, its masters, gradients and state take the host
+    first: 6 MB would hold one offloaded layer's 4 microbatches (4 MB) alone, but not
+    beside the optimizer's 3 MB, so no layer is offloaded (two are recomputed); with 8 MB
+    one is. The solve counts every host byte per node as the validator does."""
+    kept = {}
+    for host, offloaded in ((6 * 10**6, 0), (8 * 10**6, 1)):
+        base = _short_of_memory(1e9, host_memory=host,
+                                offload=("optimizer", "activations"))
+        per_param = base.train.precision.master_bytes * 2 \
+            + base.train.precision.optimizer_state_bytes
+        params = int(MB / per_param)   # 1 MB on the host per layer
+        prob = replace(base, model=replace(base.model, layers=tuple(
+            replace(l, param_count=params, param_bytes=4 * params) for l in base.layers)),
+            devices=replace(base.devices, host_adam_rate=1e12))
+        plan = plan_problem(prob)   # validated: the host holds all it is given
+        assert plan.offload_optimizer
+        assert list(plan.recompute.values()).count("offload") == offloaded, host
+        assert plan.host_bytes_per_node <= host
+        kept[host] = plan.host_bytes_per_node
+    assert kept[8 * 10**6] - kept[6 * 10**6] == 4 * MB

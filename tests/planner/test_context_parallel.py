@@ -14,7 +14,7 @@ from partc.errors import PlanInfeasibleError
 from partc.names import CpKind
 from partc.planner.search import candidate_configs, cp_choices
 from partc.planner.validate import validate_plan
-from partc.problem import AttentionCost, Pins
+from partc.problem import AttentionCost, Pins, TPOption
 from tests.planner.instances import devices, layer, problem
 
 ATTENTION = AttentionCost(cores=1, heads=4, kv_heads=2, head_dim=16, tokens=4096, flops=4e8)
@@ -119,3 +119,79 @@ def test_a_cp_plan_validates_and_reduces_over_its_replicas(kind):
                                        else CpKind.ALL_TO_ALL))
     with pytest.raises(Exception, match="cp_kind pinned"):
         validate_plan(prob, wrong)
+
+
+def _with_tp2(prob):
+    """``prob`` with a measured tp=2 variant holding half of each layer's heads (the 2
+    key/value heads of ATTENTION leave one per tensor-parallel rank)."""
+    halves = tuple(replace(layer, attention=replace(layer.attention, heads=2, kv_heads=1))
+                   for layer in prob.model.layers)
+    option = TPOption(tp=2, sequence_parallel=False, choices=(), placements=(),
+                      model=replace(prob.model, layers=halves))
+    return replace(prob, model=replace(prob.model, tensor_parallel=(option,)))
+
+
+@pytest.mark.parametrize("pins", [Pins(tp=2, cp=2, cp_kind="all-to-all"),
+                                  Pins(tp=2, cp_kind="all-to-all")])
+def test_all_to_all_beside_tp_is_refused_for_its_kv_heads_and_unpinned_falls_back_to_ring(pins):
+    prob = _with_tp2(_problem(num=4, pins=pins))
+    with pytest.raises(PlanInfeasibleError) as refused:
+        plan_problem(prob)
+    says = str(refused.value)
+    assert "2 heads and 1 key/value heads per rank at tp=2" in says
+    assert "divide by cp x tp = 4" in says and "cp_kind='ring'" in says
+    # With the kind left to the planner, the same mesh runs the ring.
+    free = replace(prob, pins=replace(pins, cp=2, cp_kind=None))
+    assert cp_choices(free, 2) == [(2, CpKind.RING)]
+    plan = plan_problem(free)
+    assert (plan.tp, plan.cp, plan.cp_kind) == (2, 2, CpKind.RING)
+
+
+def test_a_mask_crossing_a_cut_is_not_sent_under_cp():
+    # Three tensors cross the cut, one with a gradient, one a mask made from shapes.
+    prob = _problem(num=4, batch=4, pins=Pins(pp=2, num_microbatches=2))
+    prob = replace(prob, model=replace(prob.model, cut_tensors=((3, 1, 1),)))
+    sent = {}
+    for cp in (1, 2):
+        pins = replace(prob.pins, cp=cp, dp=2 // cp, cp_kind="ring" if cp > 1 else None)
+        plan = plan_problem(replace(prob, pins=pins))
+        sent[cp] = [(s.p2p.sends, s.p2p.recvs) for s in plan.stages]
+    assert sent == {1: [(2 * 3, 2 * 1), (2 * 1, 2 * 3)], 2: [(2 * 2, 2 * 1), (2 * 1, 2 * 2)]}
+
+
+def test_the_plan_and_report_show_gradients_reduced_over_dp_x_cp():
+    from partc.report.text import render
+    prob = _problem(num=4, batch=4)
+    by_mesh = {}
+    for dp, cp in ((4, 1), (2, 2), (1, 4)):
+        pins = Pins(pp=1, dp=dp, cp=cp, cp_kind="ring" if cp > 1 else None, zero_stage=0)
+        by_mesh[dp, cp] = plan_problem(replace(prob, pins=pins))
+    sections = {mesh: plan.data_parallel for mesh, plan in by_mesh.items()}
+    assert {mesh: (s.dp, s.cp, s.replicas) for mesh, s in sections.items()} == {
+        (4, 1): (4, 1, 4), (2, 2): (2, 2, 4), (1, 4): (1, 4, 4)}
+    # One all-reduce of the same gradients over four ranks, whatever their split.
+    assert sections[2, 2].stages == sections[4, 1].stages == sections[1, 4].stages
+    text = render(by_mesh[2, 2])
+    assert "dp=2 x cp=2 (the context-parallel ranks hold the same parameters" in text
+    assert "over its 4 replicas" in text
+
+
+@pytest.mark.parametrize("own_loss, pins, says", [
+    ("ForCausalLMLoss", Pins(), "computes its own loss (ForCausalLMLoss) from labels"),
+    ("", Pins(ep=2), "expert parallelism is pinned (ep=2)")])
+def test_an_own_label_shifting_loss_or_pinned_ep_keeps_cp_1_and_a_cp_pin_is_refused(
+        own_loss, pins, says):
+    prob = _problem(pins=pins)
+    prob = replace(prob, model=replace(prob.model, summary=replace(
+        prob.model.summary, own_loss=own_loss)))
+    assert cp_choices(prob, 1) == [(1, None)]
+    with pytest.raises(PlanInfeasibleError, match="cannot hold the pin cp=2") as refused:
+        plan_problem(replace(prob, pins=replace(pins, cp=2)))
+    assert says in str(refused.value)
+
+
+def test_no_plan_fits_names_the_context_parallel_mesh_it_tried():
+    prob = _problem(num=2, pins=Pins(cp=2, cp_kind="ring"))
+    tiny = replace(prob, devices=replace(prob.devices, memory_bytes=(1000,) * 2))
+    with pytest.raises(PlanInfeasibleError, match=r"tightest split \(pp=1 x cp=2 \(ring\),"):
+        plan_problem(tiny)

@@ -205,6 +205,8 @@ def test_ep_choices_divide_dp_tp_and_the_experts_and_need_sequence_parallelism()
     assert ep_choices(prob, dataclasses.replace(base, dp=4, tp=2)) == [1]
     assert ep_choices(prob, dataclasses.replace(base, dp=4, tp=2,
                                                 sequence_parallel=True)) == [1, 2, 4]
+    # Not beside context parallelism, which the runtime does not run with it.
+    assert ep_choices(prob, dataclasses.replace(base, dp=4, cp=2, cp_kind="ring")) == [1]
     dense = problem([layer("a"), layer("b")], [1e3], devices(4, 10**9))
     assert ep_choices(dense, base) == [1]
 

@@ -99,6 +99,15 @@ PLANS: dict[str, tuple[int, dict[str, Any]]] = {
     "dp4-ep2-zero1": (4, dict(pp=1, dp=4, tp=1, ep=2, zero_stage=1, recompute="none")),
     "dp4-ep2-zero2": (4, dict(pp=1, dp=4, tp=1, ep=2, zero_stage=2, recompute="none")),
     "dp4-ep2-zero3": (4, dict(pp=1, dp=4, tp=1, ep=2, zero_stage=3, recompute="none")),
+    # Optimizer offload: the fp32 masters and AdamW's moments on the host, saved as the
+    # optimizer's state (ZeRO-1's shards of them; under ZeRO-3 with the parameters
+    # offloaded too, FSDP2's host shards); the host tier of one replica on a pipeline.
+    "dp2-zero1-offload": (2, dict(pp=1, dp=2, tp=1, zero_stage=1, recompute="none",
+                                  offload=("optimizer",))),
+    "dp2-zero3-offload-params": (2, dict(pp=1, dp=2, tp=1, zero_stage=3, recompute="none",
+                                         offload=("optimizer", "params"))),
+    "pp2-offload": (2, dict(pp=2, dp=1, tp=1, schedule="1f1b", recompute="none",
+                            offload=("optimizer",))),
     # Context parallelism: each sequence over 2 ranks, which hold the whole model.
     "cp2-ring": (2, dict(pp=1, dp=1, tp=1, cp=2, cp_kind="ring", recompute="none")),
     "cp2-a2a": (2, dict(pp=1, dp=1, tp=1, cp=2, cp_kind="all-to-all", recompute="none")),
@@ -127,7 +136,9 @@ def compile_plan(case: Case, model: torch.nn.Module, plan: str) -> partc.Program
     constraints.setdefault("num_microbatches", 4 // constraints["dp"])
     x, y = batch(case, model, 0)
     return partc.compile(model, x, loss_fn=case.loss_fn, example_target=y,
-                         budget=partc.DeviceBudget(num_devices=world, device="CPU"),
+                         budget=partc.DeviceBudget(num_devices=world, device="CPU",
+                                                   host_memory="4GiB" if "offload" in
+                                                   constraints else None),
                          train=partc.TrainSpec(global_batch_size=BATCH, optimizer="adamw",
                                                dtype=torch.bfloat16 if plan.endswith("-bf16")
                                                else torch.float32),

@@ -155,6 +155,11 @@ def run_case(name: str, out: Path) -> dict[str, Any]:
             "off_pending": off["pending"], "off_changed_by_wait": off["changed_by_wait"]}
 
 
+def run_named(name: str) -> dict[str, Any]:
+    """Case ``name`` in a launch of worker.py (its checkpoints under ``PARTC_WORKER_OUT``)."""
+    return run_case(name, Path(os.environ["PARTC_WORKER_OUT"]))
+
+
 def main() -> None:
     out = Path(sys.argv[1])
     run_cases(lambda name: run_case(name, out))

@@ -232,6 +232,13 @@ def time_case(name: str, steps: int) -> dict[str, Any]:
     return {"median_s": sorted(times[1:])[len(times[1:]) // 2], "steps": steps}
 
 
+def run_named(name: str) -> dict[str, Any]:
+    """Case ``name``: ``checkpoint:<case>`` or a schedule's case."""
+    if name.startswith("checkpoint:"):
+        return checkpoint_case(name.split(":", 1)[1])
+    return run_case(name)
+
+
 def main() -> None:
     out, names = Path(sys.argv[1]), sys.argv[2:]
     timing = int(os.environ.get("PARTC_SCHEDULE_TIMING_STEPS", "0"))
@@ -241,10 +248,7 @@ def main() -> None:
     results: dict[str, Any] = {}
     for name in names:
         try:
-            if name.startswith("checkpoint:"):
-                results[name] = checkpoint_case(name.split(":", 1)[1])
-            else:
-                results[name] = time_case(name, timing) if timing else run_case(name)
+            results[name] = time_case(name, timing) if timing else run_named(name)
         except Exception as error:  # recorded: the test reports it per case
             results[name] = {"error": f"{type(error).__name__}: {error}",
                              "traceback": traceback.format_exc()}

@@ -568,6 +568,30 @@ def test_expert_dp_sharded_checkpoints_resume_on_other_meshes(tmp_path):
     assert {r["zero_stage"] for r in after["moe:dp2-ep2>dp4-ep2-zero3"]} == {3}
 
 
+# Optimizer offload: ZeRO-1's host shards resumed bit-identically on the same plan; the
+# parameters offloaded too (FSDP2's host shards) resumed under ZeRO-1's offload; a
+# pipeline's host tier resumed without offload under tp, and ZeRO-2 without offload
+# resumed with the parameters offloaded. (One process, both ways between a plan with
+# offload and one without, in the default profile: tests/runtime/test_offload.py.)
+OFFLOAD_SAME = "gpt:dp2-zero1-offload>dp2-zero1-offload"
+OFFLOAD_MOVES = ["gpt:dp2-zero3-offload-params>dp2-zero1-offload", "gpt:pp2-offload>tp2",
+                 "gpt:dp2-zero2>dp2-zero3-offload-params"]
+
+
+@pytest.mark.slow
+def test_offloaded_checkpoints_resume_bit_identically_and_on_other_plans(tmp_path):
+    moves = [OFFLOAD_SAME, *OFFLOAD_MOVES]
+    first = _by_move(launch(tmp_path, "first", moves), moves)
+    after = _by_move(launch(tmp_path, "resume", moves), moves)
+    for before, now in zip(first[OFFLOAD_SAME], after[OFFLOAD_SAME]):
+        assert before["stopped_at"] == SAVE_AT and now["loaded"][0] == SAVE_AT
+        assert now["losses"] == before["losses"][SAVE_AT:]
+        assert now["max_abs_diff_to_first"] == 0.0
+    for move in OFFLOAD_MOVES:
+        _resumes_like_one_process(first[move], after[move])
+    assert [r["zero_stage"] for r in after[OFFLOAD_MOVES[2]]] == [3, 3]
+
+
 def _by_move(ranks: list[dict], moves: list[str]) -> dict[str, list[dict]]:
     return {move: _ran(ranks, move) for move in moves}
 

@@ -25,24 +25,17 @@ import partc
 from partc.runtime import compiled, rank_build
 from samples.gpt import gpt_tiny, loss_fn
 
-from .test_parity import check_parity, launch
+from .test_parity import POOL_ENV, check_parity, launch, launched
 
 DEFAULT = ["gpt-pp2-compiled", "gpt-dp2-compiled"]
 SLOW = ["gpt-tp2-sp-dropout-compiled", "llama-pp2-compiled"]
 
 
 def _launch(nproc: int, cases: list[str], out) -> list[dict]:
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("TORCHINDUCTOR_COMPILE_THREADS", "1")
-        # The first step compiles each stage while its peers wait: longer than the
-        # watchdog's default minute on a loaded machine (partc.runtime.compiled).
-        patch.setenv("PARTC_WATCHDOG_S", "600")
-        return launch(nproc, cases, out)
+    return launch(nproc, cases, out, env=POOL_ENV)
 
 
-@pytest.fixture(scope="module")
-def default(tmp_path_factory) -> list[dict]:
-    return _launch(2, DEFAULT, tmp_path_factory.mktemp("compiled"))
+default = launched("default", 2, DEFAULT)
 
 
 @pytest.mark.parametrize("name", DEFAULT)

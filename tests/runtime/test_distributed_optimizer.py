@@ -37,7 +37,7 @@ from partc.runtime.rank_optimizer import PLAIN_STEPS
 from tests import tolerances
 
 from .test_parity import launch as launch_worker
-from .test_parity import matrix, wanted
+from .test_parity import launched, matrix
 
 WORKER = Path(__file__).with_name("optimizer_worker.py")
 CASES = ["gpt-zero0-fp32", "gpt-zero1-fp32", "gpt2-zero1-fp32-clip", "gpt-zero0-bf16",
@@ -76,10 +76,7 @@ def _launch(cases: list[str], out: Path, nproc: int = 2) -> list[dict]:
     return launch_worker(nproc, cases, out, worker=WORKER)
 
 
-@pytest.fixture(scope="module")
-def ranks(request, tmp_path_factory) -> list[dict]:
-    return _launch(wanted(request, CASES + NONFINITE_CASES + [BATCH_CASE]),
-                   tmp_path_factory.mktemp("optimizer"))
+ranks = launched("ranks", 2, CASES + NONFINITE_CASES + [BATCH_CASE], worker="optimizer_worker")
 
 
 @pytest.fixture(scope="module")

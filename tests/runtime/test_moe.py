@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from .test_parity import launch as launch_worker
+from .test_parity import launched
 
 WORKER = Path(__file__).with_name("moe_worker.py")
 RTOL = 1e-5
@@ -63,9 +64,7 @@ def check(ranks: list[dict], name: str, split: bool = True) -> None:
         assert all(m == seen["expected_exchanges"] for m in seen["exchanges"][1:])
 
 
-@pytest.fixture(scope="module")
-def default_four(tmp_path_factory) -> list[dict]:
-    return launch(4, DEFAULT, tmp_path_factory.mktemp("moe4"))
+default_four = launched("default_four", 4, DEFAULT, worker="moe_worker")
 
 
 @pytest.mark.parametrize("name", DEFAULT)
@@ -73,9 +72,7 @@ def test_expert_parallel_trains_like_one_process(default_four, name):
     check(default_four, name)
 
 
-@pytest.fixture(scope="module")
-def default_two(tmp_path_factory) -> list[dict]:
-    return launch(2, AUX + MODULE_LIST, tmp_path_factory.mktemp("moe2"))
+default_two = launched("default_two", 2, AUX + MODULE_LIST, worker="moe_worker")
 
 
 def test_router_loss_over_the_batch_trains_per_microbatch_like_one_process(default_two):

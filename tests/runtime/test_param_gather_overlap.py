@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from .test_parity import launch, matrix, wanted
+from .test_parity import launch, launched, matrix
 
 WORKER = Path(__file__).with_name("gather_worker.py")
 CASES = ["gpt-fp32", "llama-bf16", "gpt-fp32-ckpt", "gpt-bf16-ckpt"]
@@ -34,9 +34,7 @@ def _launch(cases: list[str], out: Path, nproc: int) -> list[dict]:
     return launch(nproc, cases, out, worker=WORKER)
 
 
-@pytest.fixture(scope="module")
-def two(request, tmp_path_factory) -> list[dict]:
-    return _launch(wanted(request, CASES), tmp_path_factory.mktemp("gather"), 2)
+two = launched("two", 2, CASES, worker="gather_worker")
 
 
 @pytest.fixture(scope="module")

@@ -1,18 +1,21 @@
 """The emitted program trains exactly like one process: losses and parameters after
 several SGD steps, for real models, under torchrun with gloo on CPU.
 
-Each test module run launches torchrun twice (2 and 4 processes); every case runs on
-every rank (``worker.py``) and each rank reports what it saw.
+A session runs one torchrun of 2 processes and one of 4 for every module's cases
+(:func:`launched`, :func:`pooled`); every case runs on every rank (``worker.py``, which
+hands another worker's cases to it) and each rank reports what it saw.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import subprocess
 import sys
 from pathlib import Path
 
+import filelock
 import pytest
 
 from .worker import CASES, STEPS
@@ -74,33 +77,117 @@ def launch(nproc: int, cases: list[str], out: Path, *, worker: Path = WORKER,
     return [json.loads(f.read_text()) for f in files]
 
 
-def launched(name: str, nproc: int, cases: list[str]):
-    """A module-scoped fixture ``name``: the per-rank results of one torchrun of the
-    ``cases`` that this session's selected tests read (:func:`wanted`)."""
+# Every launch declared with :func:`launched`: (its module, fixture name) -> (processes,
+# cases). The launches of one process count share one torchrun (:func:`pooled`).
+LAUNCHES: dict[tuple[str, str], tuple[int, list[str]]] = {}
+
+
+def launched(name: str, nproc: int, cases: list[str], worker: str | None = None):
+    """A module-scoped fixture ``name``: the per-rank results of the ``cases`` that this
+    session's selected tests read (:func:`wanted`), each rank's results holding those
+    cases only. ``worker``: the module of ``tests/runtime`` whose ``run_case`` runs them
+    (``worker.py``'s own by default; ``worker.py`` hands ``<worker>::<case>`` over).
+    Every such launch of ``nproc`` processes in the session runs in one torchrun
+    (:func:`pooled`): a launch's fixed cost (torchrun, and each rank importing torch,
+    partc and transformers: about 70% of a two-case launch) is paid once."""
+    module = sys._getframe(1).f_globals["__name__"]
+    LAUNCHES[module, name] = (nproc, [pooled_name(case, worker) for case in cases])
+
     @pytest.fixture(scope="module", name=name)
     def fixture(request, tmp_path_factory) -> list[dict]:
-        return launch(nproc, wanted(request, cases), tmp_path_factory.mktemp(name))
+        mine = wanted(request, cases)
+        ranks = pooled(nproc, pool(request.session, nproc), tmp_path_factory)
+        return [{case: results[pooled_name(case, worker)] for case in mine}
+                for results in ranks]
     return fixture
+
+
+def pooled_name(case: str, worker: str | None) -> str:
+    """The name worker.py runs ``case`` of ``worker`` under."""
+    return f"{worker}::{case}" if worker else case
+
+
+def _launched_cases() -> set[str]:
+    """The case names of every launch declared with :func:`launched`."""
+    return {case.rpartition("::")[2] for _, cases in LAUNCHES.values() for case in cases}
+
+
+def pool(session: pytest.Session, nproc: int) -> list[str]:
+    """The cases of every :func:`launched` launch of ``nproc`` processes that the
+    session's selected tests read, in declaration order. Every xdist worker collects the
+    same items, so each computes the same pool."""
+    cases: dict[str, None] = {}
+    for (module, name), (n, declared) in LAUNCHES.items():
+        if n == nproc:
+            bare = [case.rpartition("::")[2] for case in declared]
+            read = set(_wanted(session, module, name, bare))
+            cases.update(dict.fromkeys(c for c, b in zip(declared, bare) if b in read))
+    return list(cases)
+
+
+# A pooled launch may hold compiled cases (tests/runtime/test_compiled.py): inductor
+# compiles in the rank itself (a pool of compile processes costs more than it saves on
+# two cores), and a stage's first step compiles while its peers wait, longer than the
+# watchdog's default minute on a loaded machine (partc.runtime.compiled).
+POOL_ENV = {"TORCHINDUCTOR_COMPILE_THREADS": "1", "PARTC_WATCHDOG_S": "600"}
+
+
+def pooled(nproc: int, cases: list[str], tmp_path_factory) -> list[dict]:
+    """One torchrun of ``cases`` per session, shared by the xdist workers: the first to
+    ask runs it under a file lock and keeps each rank's results; the others read them
+    (or the failure, reported again)."""
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        root = root.parent  # the session's directory, above each worker's
+    digest = hashlib.sha256("\n".join(cases).encode()).hexdigest()[:12]
+    out = root / f"launch-pool{nproc}-{digest}"
+    results, failed = out / "results.json", out / "failed.txt"
+    with filelock.FileLock(f"{out}.lock"):
+        if failed.exists():
+            pytest.fail(failed.read_text())
+        if not results.exists():
+            try:
+                ranks = launch(nproc, cases, out, env=POOL_ENV,
+                               timeout=max(900, 120 * len(cases)))
+            except pytest.fail.Exception as error:
+                out.mkdir(parents=True, exist_ok=True)
+                failed.write_text(str(error))
+                raise
+            results.write_text(json.dumps(ranks))
+            return ranks
+    return json.loads(results.read_text())
 
 
 def wanted(request: pytest.FixtureRequest, cases: list[str]) -> list[str]:
     """The ``cases`` that the selected tests of the requesting module read through this
-    fixture: a test parametrized by case names reads those, a test marked
-    ``@pytest.mark.reads(case, ...)`` the cases it names, any other test reads them all. So a case whose tests are all deselected (``slow`` ones in the default profile,
-    see :func:`matrix`) is not run."""
+    fixture (:func:`_wanted`)."""
+    return _wanted(request.session, request.module.__name__, request.fixturename, cases)
+
+
+def _wanted(session: pytest.Session, module: str, fixture: str,
+            cases: list[str]) -> list[str]:
+    """The ``cases`` that the selected tests of ``module`` read through ``fixture``: a
+    test parametrized by case names reads those (none of ``fixture``'s, where they are
+    another launch's), a test marked ``@pytest.mark.reads(case, ...)`` the cases it
+    names, any other test reads them all.
+    So a case whose tests are all deselected (``slow`` ones in the default profile, see
+    :func:`matrix`) is not run; none when no selected test uses the fixture."""
     names: set[str] = set()
-    for item in request.session.items:
-        if item.module is not request.module or request.fixturename not in item.fixturenames:
+    used = False
+    for item in session.items:
+        if (getattr(getattr(item, "module", None), "__name__", None) != module
+                or fixture not in item.fixturenames):
             continue
+        used = True
         params = getattr(item, "callspec", None)
-        read = {v for v in (params.params.values() if params else ())
-                if isinstance(v, str) and v in cases}
+        named = {v for v in (params.params.values() if params else ())
+                 if isinstance(v, str) and v in _launched_cases()}
         marker = item.get_closest_marker("reads")
-        read |= set(marker.args) if marker else set()
-        if not read:
+        named |= set(marker.args) if marker else set()
+        if not named:   # a test that names no case reads them all
             return list(cases)
-        names |= read
-    return [case for case in cases if case in names] or list(cases)
+        names |= named & set(cases)   # (a test of another launch's case reads none here)
+    return [case for case in cases if case in names] if used else []
 
 
 def matrix(cases: list[str], default: list[str] | set[str]) -> list:
@@ -175,9 +262,7 @@ def test_context_parallel_trains_like_one_process(two, name):
 @pytest.mark.slow
 @pytest.mark.parametrize("name", CP_FOUR)
 def test_context_parallel_composes_with_pp_tp_and_zero3(four, name):
-    # Under cp the attention masks made from shapes are gone from the lowered graph, so
-    # fewer tensors cross a pipeline cut than the cp=1 plan these cases run counts.
-    check_parity(four, name, messages=False)
+    check_parity(four, name)
     assert four[0][name]["mesh"]["cp"] == 2
 
 

@@ -21,6 +21,7 @@ TOGETHER = "+".join(PROGRAMS)
 together = launched("together", 2, [TOGETHER])
 
 
+@pytest.mark.reads(TOGETHER)   # (the programs' names are other launches' cases)
 @pytest.mark.parametrize("name", PROGRAMS)
 def test_each_program_trains_as_it_does_alone(together, name):
     ranks = []

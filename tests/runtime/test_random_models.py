@@ -45,19 +45,10 @@ def slow_results(tmp_path_factory) -> list[list[dict]]:
     return launch(SLOW_CASES, tmp_path_factory.mktemp("random-slow"))
 
 
-# Found by this matrix, not fixed yet: a token model with a tied head and in-place ops
-# under sequence parallelism trains with a loss 5e-5 off one process's at step 0 (the
-# same before the split backward and the ring fixes; benchmarks/property_models.py
-# --meshes tp2 shows it too).
-KNOWN_DIFFERENT = {12: "sequence-parallel tied-head model: loss 5e-5 off one process"}
-
-
 @pytest.mark.slow
-@pytest.mark.parametrize("index", [
-    pytest.param(i, marks=pytest.mark.xfail(reason=KNOWN_DIFFERENT[i], strict=True))
-    if i in KNOWN_DIFFERENT else i for i in range(len(SLOW_CASES))],
-    ids=[f"{c.schedule if c.mesh == 'pp2' else 'tp2-sp'}-{i}"
-         for i, c in enumerate(SLOW_CASES)])
+@pytest.mark.parametrize("index", range(len(SLOW_CASES)),
+                         ids=[f"{c.schedule if c.mesh == 'pp2' else 'tp2-sp'}-{i}"
+                              for i, c in enumerate(SLOW_CASES)])
 def test_zero_bubble_and_ring_models_train_like_one_process(slow_results, index):
     message = failure(slow_results[index])
     assert message is None, f"{message}\nreplay: {SLOW_CASES[index]}"

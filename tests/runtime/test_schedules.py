@@ -21,6 +21,7 @@ from .schedule_worker import (COMBINATIONS, MODELS, not_planned, parse, processe
                               virtual_stages)
 from .test_parity import assert_trains_like_one_process
 from .test_parity import launch as launch_worker
+from .test_parity import launched
 
 WORKER = Path(__file__).with_name("schedule_worker.py")
 DEFAULT = [
@@ -67,9 +68,7 @@ def check(ranks: list[dict], name: str) -> None:
             assert seen["fsdp_reduces"] == [seen["fsdp_units"]] * len(seen["fsdp_reduces"])
 
 
-@pytest.fixture(scope="module")
-def default_ranks(tmp_path_factory) -> list[dict]:
-    return run(DEFAULT, tmp_path_factory.mktemp("schedules"))
+default_ranks = launched("default_ranks", 4, DEFAULT, worker="schedule_worker")
 
 
 @pytest.mark.parametrize("name", [n for n in DEFAULT if not n.endswith("zbv-zero-bubble-dp2-zero2")])

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import importlib
 import json
 import os
 import sys
@@ -566,6 +567,7 @@ def run_together(names: list[str]) -> dict[str, Any]:
 def train_case(built: Built) -> dict[str, Any]:
     case, model, reference = built.case, built.model, built.reference
     program, module = built.program, built.module
+    graphs_before = _compiled_graphs()  # stages compile at their first step
     module.tp.counts.clear()
     module.tp.ring_steps = 0
     opt = module.optimizer(torch.optim.SGD, **OPTIMIZER)  # ZeRO-1 where the plan says
@@ -664,7 +666,7 @@ def train_case(built: Built) -> dict[str, Any]:
             "fsdp_units": len({id(m._get_fsdp_state()._fsdp_param_group)
                                for m in module.module.modules() if isinstance(m, FSDPModule)
                                and m._get_fsdp_state()._fsdp_param_group is not None}),
-            "compiled_graphs": _compiled_graphs(),
+            "compiled_graphs": _compiled_graphs() - graphs_before,
             "fused_attention": sum(count_fused(m) for m in module.module.modules()
                                    if isinstance(m, torch.fx.GraphModule)),
             "optimizer_state_numel": sum(_numel_here(t) for state in getattr(opt, "optim", opt)
@@ -690,7 +692,7 @@ def train_case(built: Built) -> dict[str, Any]:
 
 
 def _compiled_graphs() -> int:
-    """Graphs torch.compile has made in this process so far."""
+    """Graphs torch.compile has made in this process so far (cases share a process)."""
     from torch._dynamo.utils import counters
     return int(counters["stats"]["unique_graphs"])
 
@@ -818,6 +820,14 @@ def run_cp_attention() -> dict[str, float]:
     return errors
 
 
+def run_elsewhere(worker: str, name: str) -> dict[str, Any]:
+    """Case ``name`` of the worker module ``worker`` (``tests/runtime/<worker>.py``), run
+    by its ``run_named`` (or ``run_case``) in this process: launches of several workers
+    share one torchrun."""
+    module = importlib.import_module(f"tests.runtime.{worker}")
+    return getattr(module, "run_named", module.run_case)(name)
+
+
 def main() -> None:
     out, names = Path(sys.argv[1]), sys.argv[2:]
     os.environ["PARTC_WORKER_OUT"] = str(out)
@@ -830,6 +840,8 @@ def main() -> None:
                 results[name] = run_mismatch_cases()
             elif name == "cp-attention":
                 results[name] = run_cp_attention()
+            elif "::" in name:  # another worker's case (test_parity.launched)
+                results[name] = run_elsewhere(*name.split("::", 1))
             elif "+" in name:
                 results[name] = run_together(name.split("+"))
             else:
@@ -844,5 +856,7 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    # The other workers import this module by name (run_elsewhere): one copy, one patch.
+    sys.modules.setdefault("tests.runtime.worker", sys.modules[__name__])
     os.environ.setdefault("PARTC_TIMEOUT_S", "120")
     main()

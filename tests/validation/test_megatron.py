@@ -24,7 +24,11 @@ from tests.validation import megatron
 from tests.validation.megatron import FIT_RUN, run_named
 
 TARGET = 0.15
-OTHER_ROWS = tuple(run.name for run in megatron.RUNS if run is not FIT_RUN)
+# Every row is checked against the published figure -m slow; by default the smallest,
+# one in the middle and the largest.
+_DEFAULT_ROWS = {"3.6B", "76.1B", "1008B"}
+OTHER_ROWS = tuple(name if name in _DEFAULT_ROWS else pytest.param(name, marks=pytest.mark.slow)
+                   for name in (run.name for run in megatron.RUNS if run is not FIT_RUN))
 
 
 @functools.lru_cache(maxsize=None)
@@ -123,9 +127,11 @@ def test_breakdown_adds_up_to_the_step():
     assert parts.compute > parts.memory > 0 and parts.tp > 0 and parts.dp_sync > 0
 
 
-@pytest.mark.parametrize("name", ["1.7B", "18.4B", "39.1B"] + [
+# The smallest row by default (the same search as the larger ones, 14 s against 40 s);
+# -m slow the others.
+@pytest.mark.parametrize("name", ["1.7B"] + [
     pytest.param(run.name, marks=pytest.mark.slow) for run in megatron.RUNS
-    if run.name not in ("1.7B", "18.4B", "39.1B")])
+    if run.name != "1.7B"])
 def test_own_plan_is_at_least_as_fast_and_fits(name):
     run = run_named(name)
     graph, analysis = analysed(run.name)
