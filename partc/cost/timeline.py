@@ -249,6 +249,29 @@ def play(schedule: str, pp: int, v: int, m: int, stages: list[StageSeconds],
          tails: list[float] | None = None) -> Timeline:
     """Play ``schedule`` out: ``stages`` gives each of the ``pp * v`` virtual stages'
     seconds per microbatch (model order), ``tails`` each rank's tail."""
+    blocks: list[Block] = []
+    clock, peak, _ = _played(schedule, pp, v, m, stages, blocks)
+    for r, tail in enumerate(tails or ()):
+        if tail > 0:
+            blocks.append(Block(rank=r, kind="tail", start_s=clock[r], end_s=clock[r] + tail))
+    return Timeline(schedule=schedule, num_ranks=pp, num_microbatches=m, chunks=v,
+                    blocks=tuple(blocks), peak_inflight=tuple(peak))
+
+
+def played_span(schedule: str, pp: int, v: int, m: int,
+                stages: list[StageSeconds]) -> tuple[float, float]:
+    """:func:`play`'s ``pipeline_s`` and ``bubble_fraction`` (its tails aside), the same
+    numbers, without making the blocks: what pricing a plan needs of its timeline."""
+    _, _, (end, work) = _played(schedule, pp, v, m, stages, None)
+    span = end * pp
+    return end, (max(0.0, 1 - work / span) if span > 0 else 0.0)
+
+
+def _played(schedule: str, pp: int, v: int, m: int, stages: list[StageSeconds],
+            blocks: list[Block] | None) -> tuple[list[float], list[int], tuple[float, float]]:
+    """The simulation :func:`play` runs: each rank's clock and peak of microbatches held
+    at the end, and the last block's end and the blocks' seconds; the blocks appended to
+    ``blocks`` unless None."""
     if len(stages) != pp * v:
         raise ValueError(f"{len(stages)} virtual stages given, {pp} x {v} expected")
     split = schedule_info(schedule).split_backward
@@ -261,7 +284,7 @@ def play(schedule: str, pp: int, v: int, m: int, stages: list[StageSeconds],
     done: dict[tuple[str, int, int], float] = {}   # (phase, microbatch, stage) -> ready at
     clock, position = [0.0] * pp, [0] * pp
     holding, peak = [0] * pp, [0] * pp
-    blocks: list[Block] = []
+    end, work = 0.0, 0.0   # the blocks' last end and their seconds, in play's arithmetic
     remaining = sum(len(order) for order in orders)
     while remaining:
         progressed = False
@@ -281,9 +304,13 @@ def play(schedule: str, pp: int, v: int, m: int, stages: list[StageSeconds],
                 start = max(clock[r], done[needs] if needs is not None else 0.0)
                 for kind, seconds in _parts(op, stages[j], crosses, split):
                     if seconds > 0:
-                        blocks.append(Block(rank=r, kind=kind, start_s=start,
-                                            end_s=start + seconds, microbatch=mb,
-                                            chunk=chunk_of[j], stage=j))
+                        stop = start + seconds
+                        if blocks is not None:
+                            blocks.append(Block(rank=r, kind=kind, start_s=start,
+                                                end_s=stop, microbatch=mb,
+                                                chunk=chunk_of[j], stage=j))
+                        end = max(end, stop)
+                        work += stop - start
                     start += seconds
                 clock[r] = start
                 done[(op.phase, mb, j)] = start
@@ -300,11 +327,7 @@ def play(schedule: str, pp: int, v: int, m: int, stages: list[StageSeconds],
         if not progressed:
             raise RuntimeError(f"internal error: the {schedule} order deadlocks at "
                                f"positions {position}")
-    for r, tail in enumerate(tails or ()):
-        if tail > 0:
-            blocks.append(Block(rank=r, kind="tail", start_s=clock[r], end_s=clock[r] + tail))
-    return Timeline(schedule=schedule, num_ranks=pp, num_microbatches=m, chunks=v,
-                    blocks=tuple(blocks), peak_inflight=tuple(peak))
+    return clock, peak, (end, work)
 
 
 def _parts(op: Op, t: StageSeconds, crosses: list[bool], split: bool
