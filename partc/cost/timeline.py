@@ -174,12 +174,11 @@ def torch_order(name: str, pp: int, v: int, m: int) -> tuple[tuple[Op, ...], ...
                                      is_last=index == pp * v - 1, submod=module)
 
     # The compute order is all that is read here. Lowering it to the runtime's actions
-    # adds FSDP's unshard and reshard around them, quadratic in the actions (22 s of
-    # 256 microbatches over two ranks in torch 2.13): skipped.
-    with mock.patch.object(torch_schedules, "_add_unshard_reshard",
-                           lambda actions, *args, **kwargs: [a for a in actions
-                                                             if a is not None],
-                           create=True):
+    # (the sends and receives, FSDP's unshard and reshard, quadratic in the actions: 22 s
+    # of 256 microbatches over two ranks in torch 2.13) is skipped: each schedule class
+    # builds its compute order first and lowers it last, in _prepare_schedule_with_comms.
+    with mock.patch.object(torch_schedules._PipelineScheduleRuntime,
+                           "_prepare_schedule_with_comms", lambda self, *args, **kwargs: None):
         built = cls([stage(j) for j in stages_of_rank(name, pp, v, 0)], m, loss_fn=_loss)
     orders = []
     for rank in range(pp):
