@@ -277,13 +277,18 @@ def _played(schedule: str, pp: int, v: int, m: int, stages: list[StageSeconds],
     orders = torch_order(schedule, pp, v, m)
     runs = pp * v
     rank = [rank_of(schedule, pp, v, j) for j in range(runs)]
-    chunk_of = {j: stages_of_rank(schedule, pp, v, rank[j]).index(j) for j in range(runs)}
+    chunk_of, seen = [0] * runs, [0] * pp   # each run's place among its rank's
+    for j in range(runs):
+        chunk_of[j], seen[rank[j]] = seen[rank[j]], seen[rank[j]] + 1
     # Sends cross ranks only: the cut after virtual stage j, to j + 1.
     crosses = [j < runs - 1 and rank[j] != rank[j + 1] for j in range(runs)]
+    parts: dict[tuple[str, int], list[tuple[str, float]]] = {}   # per (phase, stage)
     done: dict[tuple[str, int, int], float] = {}   # (phase, microbatch, stage) -> ready at
     clock, position = [0.0] * pp, [0] * pp
     holding, peak = [0] * pp, [0] * pp
     end, work = 0.0, 0.0   # the blocks' last end and their seconds, in play's arithmetic
+    forward, weight, backward, input_ = (Phase.FORWARD, Phase.WEIGHT, Phase.BACKWARD,
+                                         Phase.INPUT)
     remaining = sum(len(order) for order in orders)
     while remaining:
         progressed = False
@@ -291,35 +296,45 @@ def _played(schedule: str, pp: int, v: int, m: int, stages: list[StageSeconds],
             order = orders[r]
             while position[r] < len(order):
                 op = order[position[r]]
-                j, mb = op.stage, op.microbatch
-                if op.phase == Phase.FORWARD:
+                phase, j, mb = op.phase, op.stage, op.microbatch
+                if phase == forward:
                     needs = ("forward", mb, j - 1) if j > 0 else None
-                elif op.phase == Phase.WEIGHT:
+                elif phase == weight:
                     needs = ("input", mb, j)
                 else:
                     needs = (("grad", mb, j + 1) if j < runs - 1 else ("forward", mb, j))
-                if needs is not None and needs not in done:
-                    break
-                start = max(clock[r], done[needs] if needs is not None else 0.0)
-                for kind, seconds in _parts(op, stages[j], crosses, split):
+                if needs is None:
+                    start = clock[r]
+                else:
+                    ready = done.get(needs)
+                    if ready is None:
+                        break
+                    start = clock[r] if clock[r] >= ready else ready
+                steps = parts.get((phase, j))
+                if steps is None:
+                    steps = parts[phase, j] = _parts(op, stages[j], crosses, split)
+                for kind, seconds in steps:
                     if seconds > 0:
                         stop = start + seconds
                         if blocks is not None:
                             blocks.append(Block(rank=r, kind=kind, start_s=start,
                                                 end_s=stop, microbatch=mb,
                                                 chunk=chunk_of[j], stage=j))
-                        end = max(end, stop)
+                        if stop > end:
+                            end = stop
                         work += stop - start
                     start += seconds
                 clock[r] = start
-                done[(op.phase, mb, j)] = start
-                if op.phase in (Phase.BACKWARD, Phase.INPUT):
-                    done[("grad", mb, j)] = start
-                if op.phase == Phase.FORWARD:
+                done[(phase, mb, j)] = start
+                if phase == forward:
                     holding[r] += 1
-                    peak[r] = max(peak[r], holding[r])
-                elif op.phase in (Phase.BACKWARD, Phase.WEIGHT):
-                    holding[r] -= 1
+                    if holding[r] > peak[r]:
+                        peak[r] = holding[r]
+                else:
+                    if phase != weight:   # backward or its input-gradient part
+                        done[("grad", mb, j)] = start
+                    if phase != input_:
+                        holding[r] -= 1
                 position[r] += 1
                 remaining -= 1
                 progressed = True
