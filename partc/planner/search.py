@@ -49,6 +49,7 @@ import dataclasses
 import itertools
 import math
 import time
+from collections import Counter
 from typing import Callable, NamedTuple
 
 from ortools.sat.python import cp_model
@@ -335,10 +336,11 @@ def balanced_runs(problem: PlanningProblem, result: ConfigResult,
     """``result``, or where its configuration interleaves (several runs per rank) and no
     stages are pinned, the same layers and recompute modes cut into runs of balanced
     compute (:func:`balanced_cut`) where that fits and plays out faster; with its
-    simulated step time. With ``even``, also cut into runs of equal layer counts, the
-    first layer with the first run and the last with the last (Megatron-Core's even
-    split of the blocks, the embedding and the head with the blocks beside them),
-    where that plays out faster still.
+    simulated step time. With ``even``, also cut into runs of equal counts of the
+    repeated block (the layers that share the most common row), the layers before the
+    first block with the first run and those after the last with the last
+    (Megatron-Core's even split of the blocks: the embeddings, final norm, head and loss
+    with the blocks beside them), where that plays out faster still.
 
     The closed form CP-SAT minimises charges a rank its runs' sum, however unequal they
     are, but the interleaved schedules run a rank's runs in turn: a run much longer
@@ -353,8 +355,12 @@ def balanced_runs(problem: PlanningProblem, result: ConfigResult,
     table, modes = result.table, result.assignment.modes
     work = [table.layers[l].compute_ps(mode) for l, mode in enumerate(modes)]
     cuts = [balanced_cut(work, config.virtual_stages)]
-    if even and len(work) > 2:
-        cuts.append(balanced_cut([0] + [1] * (len(work) - 2) + [0], config.virtual_stages))
+    if even:
+        shared = Counter(id(row) for row in table.layers)
+        block, count = shared.most_common(1)[0]
+        if count > 1:
+            cuts.append(balanced_cut([int(id(row) == block) for row in table.layers],
+                                     config.virtual_stages))
     best = (result, step)
     tried = {result.assignment.stage_of}
     for stage_of in cuts:

@@ -112,22 +112,25 @@ def test_the_mesh_table_prices_each_mesh_with_its_fastest_schedule(own):
 
 
 def test_the_chosen_meshs_interleavings_are_played_cut_evenly_too():
-    """Megatron's even split of the blocks (the embedding and the head with the blocks
-    beside them) is among the cuts the chosen mesh's interleaved plans are played with:
-    here a heavy head makes the cut of balanced compute play out slower than it."""
+    """Megatron's even split of the blocks (the layers before the first block and after
+    the last with the blocks beside them: here two embeddings, a final norm and the
+    head) is among the cuts the chosen mesh's interleaved plans are played with: here a
+    heavy head makes the cut of balanced compute play out slower than it."""
     blocks = 12
-    layers = [layer("emb", flops=1e8, params=8000, saved=2e3)]
+    layers = [layer("emb", flops=1e8, params=8000, saved=2e3),
+              layer("pos", flops=1e7, params=2000, saved=2e3)]
     layers += [layer(f"block{i}", flops=1e9, params=4000, saved=3e4, full=500.0,
                      signature="block") for i in range(blocks)]
-    layers.append(layer("head", flops=2e9, params=8000, saved=6e3))
-    prob = problem(layers, [1e4] * (blocks + 1), devices(2, 600_000, bandwidth=1e9, node=3),
+    layers += [layer("norm", flops=1e7, params=100, saved=2e3),
+               layer("head", flops=2e9, params=8000, saved=6e3)]
+    prob = problem(layers, [1e4] * (blocks + 3), devices(2, 1_500_000, bandwidth=1e9, node=3),
                    batch=12, micro_batch_sizes=(1,),
                    pins=Pins(pp=2, schedule=Schedule.INTERLEAVED_1F1B, virtual_stages=2))
     result = solve(prob)
     played = [t for t in result.schedule_trials if t.result is not None]
     assert played
     for trial in played:
-        stage_of = [0] + [block // 3 for block in range(blocks)] + [3]
+        stage_of = [0, 0] + [block // 3 for block in range(blocks)] + [3, 3]
         evaluation = evaluate(trial.result.table, stage_of, trial.result.assignment.modes)
         assert evaluation.fits
         assert trial.step_ps <= simulated_step_ps(trial.config, evaluation)[0]
