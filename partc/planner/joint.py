@@ -66,6 +66,12 @@ NOT_REACHED = "not reached (work limit)"
 TRIAL_LIMIT = "not reached (schedule trials limit)"
 NO_SPLIT = "no split fits"
 
+# How far above the fastest plan played a greedy split of a mesh other than the one
+# priced first may play out and still be handed to CP-SAT (a heuristic: CP-SAT's
+# objective is the closed form, so its split is no bound on the step played out either;
+# a greedy split further above is settled as played, and the plan stays OPTIMAL).
+NEAR = 0.02
+
 
 def mesh_key(config: PipelineConfig) -> tuple:
     """What a mesh is: the devices' factorisation (:func:`mesh_axes` first) and the
@@ -214,15 +220,18 @@ class _Search:
         from partc.planner.search import solve_config
 
         finished = True
-        # Other meshes' schedules get one configuration's share of the work between them:
-        # their greedy splits are played already, and CP-SAT's work on each is what a
-        # cold plan of a 70B model was seen to spend most of its time on.
+        # Other meshes' schedules get one configuration's share of the work between them,
+        # and only those whose greedy split played out within NEAR of the fastest plan:
+        # their greedy splits are played already (so settled), and CP-SAT's work on each
+        # is what a cold plan of a 70B model was seen to spend most of its time on.
         others = options.per_config_work
         for later, _, trial, bound in sorted(self.pending, key=lambda p: (p[0], p[1])):
             config = trial.config
             if bound >= self.step:
                 if trial.result is None:
                     self.trials.append(dataclasses.replace(trial, why=PRUNED))
+                continue
+            if later and trial.result is not None and trial.step_ps > self.step * (1 + NEAR):
                 continue
             if self.work <= 0 or later and others <= 0:
                 if trial.result is None:
