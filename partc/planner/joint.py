@@ -25,9 +25,10 @@ and the plan that plays out fastest over all of them is kept (:func:`choose`):
    meshes other than the chosen one, within ``PlannerOptions.schedule_trial_ops``
    operations played: the rest are not reached, and the plan FEASIBLE).
 4. CP-SAT then solves the schedules still in the running, fastest greedy split first
-   (the chosen mesh's before the others', which share one configuration's work), each
-   from its greedy split and kept where it plays out faster, while the work limit
-   lasts; a trial whose floor reaches the fastest plan by then is not solved.
+   (the chosen mesh's before the others', which share one configuration's work and
+   get it only where their greedy split played out within :data:`NEAR` of the fastest
+   plan), each from its greedy split and kept where it plays out faster, while the
+   work limit lasts; a trial whose floor reaches the fastest plan by then is not solved.
 
 Every bound used is a lower bound on the step played out, so a plan left out is never
 faster than the one kept. In what sense the plan is OPTIMAL: the closed-form search
