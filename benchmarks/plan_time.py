@@ -13,7 +13,7 @@ Targets on this 2-core machine: trace + plan under 10 s (median of 3) for Llama-
 re-plan after a memory change under 1 s, the plan feasible with its gap reported.
 
     python benchmarks/plan_time.py [--repeats 3] [--workloads llama3-70b gpt-1t llama3-8b]
-        [--work-limit W] [--profile] [--versus-export]
+        [--work-limit W] [--profile] [--no-replan] [--versus-export]
 
 ``--versus-export``: instead, for each workload, one cold ``partc.compile`` (no cache)
 and one plain ``torch.export`` of the same model, each in a fresh process, in CPU
@@ -23,7 +23,8 @@ than wall time. Then the cold plan's CPU seconds per phase as ``partc.progress``
 them: ``trace`` (finding the repeated blocks, tracing, the analysis passes),
 ``tensor parallelism`` (choosing and measuring each variant), ``search`` (the cost
 tables, bounds and CP-SAT over every configuration), ``schedules`` (the other schedules
-on the chosen configuration, and the plan made from it).
+on the chosen configuration, and the plan made from it). ``--no-replan``: cold runs
+only, without the re-planning with a cache.
 
 Workloads:
 
@@ -169,6 +170,8 @@ def run(workload: Workload, args) -> None:
         print(f"  {phase:<26} median {statistics.median(values):7.2f} s   runs "
               + " ".join(f"{v:.2f}" for v in values))
     print(f"  plan: {describe(runs[-1][1])}")
+    if args.no_replan:
+        return
     print("  re-planning with a cache (partc.compile):")
     for what, seconds, plan in replans(workload, options):
         print(f"    {what:<34} {seconds:6.2f} s   {describe(plan)}")
@@ -248,6 +251,8 @@ def main() -> None:
                         help="the planner's work limit, deterministic seconds of CP-SAT work")
     parser.add_argument("--profile", action="store_true",
                         help="cProfile the first workload's cold run")
+    parser.add_argument("--no-replan", action="store_true",
+                        help="cold runs only, no re-planning with a cache")
     parser.add_argument("--versus-export", action="store_true",
                         help="CPU s of one cold plan against one torch.export, instead")
     parser.add_argument("--one", choices=("plan", "export"), help=argparse.SUPPRESS)

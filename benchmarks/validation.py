@@ -14,7 +14,8 @@
    the schedule and stages left to the planner, and that prediction's ratio; the
    planner's own plan for the same devices; and each step, as its schedule runs it,
    broken down by cause. With ``--interleavings``, the pipelined rows priced under each
-   interleaved 1F1B Megatron-Core could have run. With
+   interleaved 1F1B Megatron-Core could have run, beside what partc's joint search
+   priced on the same mesh (each schedule's virtual-stage counts, the fastest). With
    ``--efficiency E``, the table at that matmul efficiency instead of the fitted one
    (0.70: an H100's bf16 linears as ``partc calibrate`` measured them); with
    ``--micro-batch B``, every row's micro-batch size pinned (each row's batch is 4 pp
@@ -173,6 +174,34 @@ def interleavings_table(names: list[str], runs: tuple = mcore.RUNS,
         print(f"{run.name:>5}: " + ("; ".join(
             f"v={i.chunks} {i.tflops_per_gpu:.1f} TF {i.ratio:.3f} "
             f"{i.peak_bytes / GIB:.1f} GiB" for i in found) or "none"))
+        fitting = [i for i in found if i.peak_bytes <= mcore.DEVICE_BYTES]
+        if fitting:
+            top = max(fitting, key=lambda i: i.tflops_per_gpu)
+            print(f"       Megatron's fastest that fits: v={top.chunks} "
+                  f"{mcore.step_flops(run) / (run.gpus * top.tflops_per_gpu * 1e12):.3f} s")
+        searched_table(run, efficiency)
+
+
+def searched_table(run: mcore.Run, efficiency: float) -> None:
+    """What partc's joint search priced on the row's mesh (tp, pp, dp and ZeRO-1 pinned,
+    the schedule, stages and micro-batch size its own): the plan, and per schedule the
+    virtual-stage counts priced and the fastest of them."""
+    free = mcore.predict(run, efficiency, megatron_pipeline=False)
+    plan = free.plan
+    print(f"       partc on the mesh: {plan.schedule} v={plan.chunks} "
+          f"{plan.predicted.step_time_s:.3f} s {free.tflops_per_gpu:.1f} TF "
+          f"{free.ratio:.3f} ({plan.solver.status})")
+    by_schedule: dict[str, list] = {}
+    for option in plan.schedules:
+        by_schedule.setdefault(option.schedule, []).append(option)
+    for name, options in by_schedule.items():
+        priced = [o for o in options if o.step_time_s is not None]
+        counts = sorted(o.virtual_stages for o in options)
+        best = min(priced, key=lambda o: o.step_time_s) if priced else None
+        print(f"         {name:<24} v {counts[0]}-{counts[-1]} ({len(options)} tried, "
+              f"{len(priced)} priced)" + (f": fastest v={best.virtual_stages} "
+                                         f"{best.step_time_s:.3f} s ({best.how})"
+                                         if best else ""))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -21,7 +21,7 @@ from partc.problem import BUCKET_ELEMENTS, RECOMPUTE_MODES, ZERO2_GRAD_SYNCS, ZE
 
 # What the planner's closed-form search weighs when the schedule is "auto"; it chooses
 # the mesh, and every other schedule of SCHEDULES is then solved on that mesh and the
-# fastest played out kept (partc.planner.choose_schedule). Every schedule is planned
+# fastest played out kept (partc.planner.joint.choose). Every schedule is planned
 # when pinned (Constraints.schedule, virtual_stages).
 AUTO_SCHEDULES: tuple[Schedule, ...] = (Schedule.ONE_F_ONE_B, Schedule.GPIPE)
 INTERLEAVED = Schedule.INTERLEAVED_1F1B

@@ -4,6 +4,7 @@ simulated step equals the cost model's, and the invariants every simulation keep
 from __future__ import annotations
 
 import dataclasses
+import random
 
 import pytest
 
@@ -12,8 +13,8 @@ from partc.placement import Placement
 from partc.plan import TensorParallelPlan, TPCollective
 from partc.problem import Pins
 from partc.cost.schedules import SCHEDULE_TABLE, schedule, stages_of_rank
-from partc.cost.timeline import (KINDS, Op, StageSeconds, csv_text, play, schedule_order,
-                            simulate, text_lines, torch_order)
+from partc.cost.timeline import (KINDS, Op, StageSeconds, csv_text, play, played_span,
+                            schedule_order, simulate, text_lines, torch_order)
 
 from .planner.instances import devices, layer, problem
 
@@ -63,6 +64,24 @@ def test_every_schedule_plays_out(name, v):
     if schedule(name).split_backward:   # the weight gradients fill the bubble
         assert timeline.bubble_fraction < 0.1
         assert 0 < timeline.seconds(0, ("weight",)) <= 8 * MS + 1e-12
+
+
+def test_the_span_alone_is_the_timelines():
+    """played_span (what pricing a plan reads, no blocks made) gives the timeline's own
+    pipeline end and bubble, to the bit, on unequal stages of every schedule."""
+    rng = random.Random(3)
+    for name in SCHEDULE_TABLE:
+        v = 1 if schedule(name).virtual_stages == (1,) else 2
+        for m in (3, 6):
+            if name == "dualpipev" and m < 3 * v:
+                continue
+            stages = [StageSeconds(forward=rng.choice([0.0, rng.random()]),
+                                   backward=rng.random(), recompute=0.1 * rng.random(),
+                                   send=0.01 * rng.random(), receive=0.001 * rng.random())
+                      for _ in range(3 * v)]
+            timeline = play(name, 3, v, m, stages, [1.0] * 3)
+            assert played_span(name, 3, v, m, stages) == (timeline.pipeline_s,
+                                                           timeline.bubble_fraction)
 
 
 @pytest.mark.parametrize("name", ["interleaved-1f1b", "zbv-zero-bubble"])

@@ -13,7 +13,7 @@ from partc.cost.offload_time import host_bytes
 from partc.cost.pipeline_config import PipelineConfig
 from partc.cost.state_bytes import step_total
 from partc.cost.tables import CostTable
-from partc.cost.timeline import StageSeconds, play
+from partc.cost.timeline import StageSeconds, play, played_span
 from partc.plan import StageMemory
 
 
@@ -205,7 +205,13 @@ def simulate(config: PipelineConfig, evaluation: Evaluation, schedule: str | Non
     evaluation's figures per run and microbatch, in picoseconds (a ``Timeline`` whose
     seconds are picoseconds; the tails are the ranks' own). ``schedule`` plays another
     schedule of the same placement and virtual stages."""
-    name = schedule or config.schedule
+    return play(schedule or config.schedule, config.pp, config.chunks,
+                config.num_microbatches, _run_seconds(config, evaluation),
+                [stage.tail_ps for stage in evaluation.stages])
+
+
+def _run_seconds(config: PipelineConfig, evaluation: Evaluation) -> list[StageSeconds]:
+    """Each run's figures per microbatch, as the simulation takes them."""
     runs: list[StageSeconds | None] = [None] * config.virtual_stages
     for s, stage in enumerate(evaluation.stages):
         host = stage.run_host_ps or (0,) * len(stage.run_ps)
@@ -213,17 +219,17 @@ def simulate(config: PipelineConfig, evaluation: Evaluation, schedule: str | Non
                 config.runs_of(s), stage.run_ps, host):
             runs[j] = StageSeconds(forward=forward, backward=backward, recompute=recompute,
                                    host=copies, send=cut / 2, receive=into / 2)
-    return play(name, config.pp, config.chunks, config.num_microbatches, runs,
-                [stage.tail_ps for stage in evaluation.stages])
+    return runs  # type: ignore[return-value]
 
 
 def simulated_step_ps(config: PipelineConfig, evaluation: Evaluation) -> tuple[int, float]:
     """The step time the plan reports, in picoseconds: the simulated pipeline
-    (:func:`simulate`) then the slowest tail and the tied-weight syncs, as
-    :func:`evaluate` adds them to the closed form; and the simulation's bubble."""
-    timeline = simulate(config, evaluation)
-    return (round(timeline.pipeline_s) + evaluation.tail_ps + evaluation.tie_ps,
-            timeline.bubble_fraction)
+    (:func:`simulate`, its span alone: :func:`~partc.cost.timeline.played_span`) then
+    the slowest tail and the tied-weight syncs, as :func:`evaluate` adds them to the
+    closed form; and the simulation's bubble."""
+    span, bubble = played_span(config.schedule, config.pp, config.chunks,
+                               config.num_microbatches, _run_seconds(config, evaluation))
+    return round(span) + evaluation.tail_ps + evaluation.tie_ps, bubble
 
 
 def evaluate(table: CostTable, stage_of: Sequence[int], modes: Sequence[str]) -> Evaluation:

@@ -84,8 +84,12 @@ def stages_per_node(pp: int, devices: DeviceNumbers) -> list[list[int]]:
     nodes = []
     for first in range(0, n, per_node):
         counts = [0] * pp
-        for rank in range(first, min(n, first + per_node)):
-            counts[min(pp - 1, rank // width)] += 1
+        rank, end = first, min(n, first + per_node)
+        while rank < end:   # the ranks of one stage on this node at once
+            stage = min(pp - 1, rank // width)
+            upto = end if stage == pp - 1 else min(end, (stage + 1) * width)
+            counts[stage] += upto - rank
+            rank = upto
         nodes.append(counts)
     return nodes
 

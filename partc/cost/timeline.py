@@ -174,12 +174,11 @@ def torch_order(name: str, pp: int, v: int, m: int) -> tuple[tuple[Op, ...], ...
                                      is_last=index == pp * v - 1, submod=module)
 
     # The compute order is all that is read here. Lowering it to the runtime's actions
-    # adds FSDP's unshard and reshard around them, quadratic in the actions (22 s of
-    # 256 microbatches over two ranks in torch 2.13): skipped.
-    with mock.patch.object(torch_schedules, "_add_unshard_reshard",
-                           lambda actions, *args, **kwargs: [a for a in actions
-                                                             if a is not None],
-                           create=True):
+    # (the sends and receives, FSDP's unshard and reshard, quadratic in the actions: 22 s
+    # of 256 microbatches over two ranks in torch 2.13) is skipped: each schedule class
+    # builds its compute order first and lowers it last, in _prepare_schedule_with_comms.
+    with mock.patch.object(torch_schedules._PipelineScheduleRuntime,
+                           "_prepare_schedule_with_comms", lambda self, *args, **kwargs: None):
         built = cls([stage(j) for j in stages_of_rank(name, pp, v, 0)], m, loss_fn=_loss)
     orders = []
     for rank in range(pp):
@@ -249,19 +248,47 @@ def play(schedule: str, pp: int, v: int, m: int, stages: list[StageSeconds],
          tails: list[float] | None = None) -> Timeline:
     """Play ``schedule`` out: ``stages`` gives each of the ``pp * v`` virtual stages'
     seconds per microbatch (model order), ``tails`` each rank's tail."""
+    blocks: list[Block] = []
+    clock, peak, _ = _played(schedule, pp, v, m, stages, blocks)
+    for r, tail in enumerate(tails or ()):
+        if tail > 0:
+            blocks.append(Block(rank=r, kind="tail", start_s=clock[r], end_s=clock[r] + tail))
+    return Timeline(schedule=schedule, num_ranks=pp, num_microbatches=m, chunks=v,
+                    blocks=tuple(blocks), peak_inflight=tuple(peak))
+
+
+def played_span(schedule: str, pp: int, v: int, m: int,
+                stages: list[StageSeconds]) -> tuple[float, float]:
+    """:func:`play`'s ``pipeline_s`` and ``bubble_fraction`` (its tails aside), the same
+    numbers, without making the blocks: what pricing a plan needs of its timeline."""
+    _, _, (end, work) = _played(schedule, pp, v, m, stages, None)
+    span = end * pp
+    return end, (max(0.0, 1 - work / span) if span > 0 else 0.0)
+
+
+def _played(schedule: str, pp: int, v: int, m: int, stages: list[StageSeconds],
+            blocks: list[Block] | None) -> tuple[list[float], list[int], tuple[float, float]]:
+    """The simulation :func:`play` runs: each rank's clock and peak of microbatches held
+    at the end, and the last block's end and the blocks' seconds; the blocks appended to
+    ``blocks`` unless None."""
     if len(stages) != pp * v:
         raise ValueError(f"{len(stages)} virtual stages given, {pp} x {v} expected")
     split = schedule_info(schedule).split_backward
     orders = torch_order(schedule, pp, v, m)
     runs = pp * v
     rank = [rank_of(schedule, pp, v, j) for j in range(runs)]
-    chunk_of = {j: stages_of_rank(schedule, pp, v, rank[j]).index(j) for j in range(runs)}
+    chunk_of, seen = [0] * runs, [0] * pp   # each run's place among its rank's
+    for j in range(runs):
+        chunk_of[j], seen[rank[j]] = seen[rank[j]], seen[rank[j]] + 1
     # Sends cross ranks only: the cut after virtual stage j, to j + 1.
     crosses = [j < runs - 1 and rank[j] != rank[j + 1] for j in range(runs)]
+    parts: dict[tuple[str, int], list[tuple[str, float]]] = {}   # per (phase, stage)
     done: dict[tuple[str, int, int], float] = {}   # (phase, microbatch, stage) -> ready at
     clock, position = [0.0] * pp, [0] * pp
     holding, peak = [0] * pp, [0] * pp
-    blocks: list[Block] = []
+    end, work = 0.0, 0.0   # the blocks' last end and their seconds, in play's arithmetic
+    forward, weight, backward, input_ = (Phase.FORWARD, Phase.WEIGHT, Phase.BACKWARD,
+                                         Phase.INPUT)
     remaining = sum(len(order) for order in orders)
     while remaining:
         progressed = False
@@ -269,42 +296,52 @@ def play(schedule: str, pp: int, v: int, m: int, stages: list[StageSeconds],
             order = orders[r]
             while position[r] < len(order):
                 op = order[position[r]]
-                j, mb = op.stage, op.microbatch
-                if op.phase == Phase.FORWARD:
+                phase, j, mb = op.phase, op.stage, op.microbatch
+                if phase == forward:
                     needs = ("forward", mb, j - 1) if j > 0 else None
-                elif op.phase == Phase.WEIGHT:
+                elif phase == weight:
                     needs = ("input", mb, j)
                 else:
                     needs = (("grad", mb, j + 1) if j < runs - 1 else ("forward", mb, j))
-                if needs is not None and needs not in done:
-                    break
-                start = max(clock[r], done[needs] if needs is not None else 0.0)
-                for kind, seconds in _parts(op, stages[j], crosses, split):
+                if needs is None:
+                    start = clock[r]
+                else:
+                    ready = done.get(needs)
+                    if ready is None:
+                        break
+                    start = clock[r] if clock[r] >= ready else ready
+                steps = parts.get((phase, j))
+                if steps is None:
+                    steps = parts[phase, j] = _parts(op, stages[j], crosses, split)
+                for kind, seconds in steps:
                     if seconds > 0:
-                        blocks.append(Block(rank=r, kind=kind, start_s=start,
-                                            end_s=start + seconds, microbatch=mb,
-                                            chunk=chunk_of[j], stage=j))
+                        stop = start + seconds
+                        if blocks is not None:
+                            blocks.append(Block(rank=r, kind=kind, start_s=start,
+                                                end_s=stop, microbatch=mb,
+                                                chunk=chunk_of[j], stage=j))
+                        if stop > end:
+                            end = stop
+                        work += stop - start
                     start += seconds
                 clock[r] = start
-                done[(op.phase, mb, j)] = start
-                if op.phase in (Phase.BACKWARD, Phase.INPUT):
-                    done[("grad", mb, j)] = start
-                if op.phase == Phase.FORWARD:
+                done[(phase, mb, j)] = start
+                if phase == forward:
                     holding[r] += 1
-                    peak[r] = max(peak[r], holding[r])
-                elif op.phase in (Phase.BACKWARD, Phase.WEIGHT):
-                    holding[r] -= 1
+                    if holding[r] > peak[r]:
+                        peak[r] = holding[r]
+                else:
+                    if phase != weight:   # backward or its input-gradient part
+                        done[("grad", mb, j)] = start
+                    if phase != input_:
+                        holding[r] -= 1
                 position[r] += 1
                 remaining -= 1
                 progressed = True
         if not progressed:
             raise RuntimeError(f"internal error: the {schedule} order deadlocks at "
                                f"positions {position}")
-    for r, tail in enumerate(tails or ()):
-        if tail > 0:
-            blocks.append(Block(rank=r, kind="tail", start_s=clock[r], end_s=clock[r] + tail))
-    return Timeline(schedule=schedule, num_ranks=pp, num_microbatches=m, chunks=v,
-                    blocks=tuple(blocks), peak_inflight=tuple(peak))
+    return clock, peak, (end, work)
 
 
 def _parts(op: Op, t: StageSeconds, crosses: list[bool], split: bool

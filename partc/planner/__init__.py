@@ -10,8 +10,11 @@ a caller passes to :func:`solve`.
 - ``stage_model.py``: the CP-SAT model of one configuration (layers into runs and
   recompute modes); its docstring is the formulation: sets, parameters, variables,
   objective, numbered constraints.
+- ``joint.py``: the second half of the search: every mesh priced with every schedule and
+  virtual-stage count, played out, pruned by floors valid for every schedule.
 - ``bounds.py``: what is known without the solver: the lower bound on a configuration's
-  step time (min-max split, recompute knapsack) and the greedy plan CP-SAT starts from.
+  step time (min-max split, recompute knapsack), the floor of its step played out under
+  any schedule, and the greedy plan CP-SAT starts from.
 - ``expert_parallel.py``: the expert-parallel degree of mixture-of-experts layers: the degrees
   each configuration allows (:func:`~.expert_parallel.expand`), the ``ep`` pin's refusals, and
   the plan's expert section.
@@ -25,15 +28,16 @@ from partc.planner.bounds import balanced_split, incumbent, lower_bound
 from partc.planner.meshes import mesh_results
 from partc.planner.results import (MESH_OUTCOMES, Assignment, ConfigResult, MeshResult,
                                    PlannerResult, ScheduleTrial)
-from partc.planner.search import (AUTO_VIRTUAL_STAGES, MAX_CHUNKS, candidate_configs,
-                                  choose_schedule, divisors, schedule_candidates, schedule_options,
-                                  solve, solve_config, tp_choices)
+from partc.planner.joint import choose as choose_schedules
+from partc.planner.search import (candidate_configs, divisors, schedule_candidates,
+                                  schedule_options, solve, solve_config, tp_choices,
+                                  virtual_stage_counts)
 from partc.planner.stage_model import segments
 
 __all__ = [
-    "AUTO_VIRTUAL_STAGES", "MAX_CHUNKS", "schedule_options", "MESH_OUTCOMES", "Assignment",
+    "schedule_options", "MESH_OUTCOMES", "Assignment",
     "ConfigResult", "MeshResult", "PlannerOptions", "PlannerResult", "ScheduleTrial",
-    "balanced_split", "candidate_configs", "choose_schedule", "divisors", "incumbent",
+    "balanced_split", "candidate_configs", "choose_schedules", "divisors", "incumbent",
     "lower_bound", "mesh_results", "schedule_candidates", "segments", "solve",
-    "solve_config", "tp_choices",
+    "solve_config", "tp_choices", "virtual_stage_counts",
 ]

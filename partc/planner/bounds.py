@@ -5,6 +5,12 @@
   least recompute that brings the saved activations under memory, the LP relaxation of
   the recompute knapsack). The search visits configurations in its order and prunes
   those whose bound is no better than the best plan found.
+- :func:`played_floor`: a step time no plan of a configuration plays out below
+  (:func:`~partc.cost.evaluate.simulated_step_ps`, what a plan reports), whatever its
+  schedule: the busiest rank's work, the first microbatch's way to each rank and the
+  tails. The closed form's :func:`lower_bound` is none: its fill and drain is the closed
+  form's, which a schedule played out may beat. The joint search over schedules
+  (:mod:`.joint`) prunes by it.
 - :func:`incumbent`: the greedy plan CP-SAT starts from: the fastest modes split evenly
   into runs (:func:`balanced_split`), then on each stage over its limit the cheapest
   recompute per byte saved until it fits, so a plan is in hand at once; if CP-SAT finds
@@ -14,6 +20,7 @@
 from __future__ import annotations
 
 import bisect
+import itertools
 import math
 from typing import Any, Sequence
 
@@ -34,13 +41,7 @@ def lower_bound(table: CostTable, cache: TableCache | None = None) -> float:
     relaxation of the recompute knapsack).
     """
     pp, m = table.config.pp, table.config.num_microbatches
-    if cache is None:
-        distinct, knapsack = _row_summary(table)
-    else:   # tables of one family share their rows tuple
-        known = cache.distinct.get(id(table.layers))
-        if known is None:
-            known = cache.distinct[id(table.layers)] = _row_summary(table)
-        distinct, knapsack = known
+    distinct, knapsack = _distinct(table, cache)   # tables of one family share their rows
     fastest = {key: min(row.compute_ps(r) for r in row.recompute_ps)
                for key, (row, _) in distinct.items()}
     recompute = _recompute_floor(table, knapsack)
@@ -55,12 +56,89 @@ def lower_bound(table: CostTable, cache: TableCache | None = None) -> float:
         peak_busy = max(-(-total // pp), min_max_split(best_compute, pp, splits))
     else:  # a rank's layers are not contiguous: only the even spread and one layer bound
         peak_busy = max(-(-total // pp), max(best_compute))
+    pipeline = m * peak_busy + (total - peak_busy) // table.config.fill_divisor  # pipeline_ps
+    return pipeline + _tail_floor(table, distinct)
+
+
+def _tail_floor(table: CostTable, distinct: dict[int, tuple[Any, int]]) -> int:
+    """The least tail (:attr:`~partc.cost.evaluate.Evaluation.tail_ps`) of any split: the
+    slowest rank's is at least an even share of the layers' own tails, and the largest
+    one layer's or shared group's; then the step's shared latency."""
+    pp = table.config.pp
     tails = [row.tail_ps * count for row, count in distinct.values()]
     tails += [g.tail_ps for g in table.shared]
     tail = max(-(-sum(tails) // pp), *(row.tail_ps for row, _ in distinct.values()),
                *(g.tail_ps for g in table.shared))
-    pipeline = m * peak_busy + (total - peak_busy) // table.config.fill_divisor  # pipeline_ps
-    return pipeline + tail + table.tail_latency_ps
+    return tail + table.tail_latency_ps
+
+
+def _distinct(table: CostTable, cache: TableCache | None) -> tuple[dict, tuple]:
+    """:func:`_row_summary` of ``table``, kept in ``cache`` per rows tuple."""
+    if cache is None:
+        return _row_summary(table)
+    known = cache.distinct.get(id(table.layers))
+    if known is None:
+        known = cache.distinct[id(table.layers)] = _row_summary(table)
+    return known
+
+
+def played_floor(table: CostTable, cache: TableCache | None = None, *,
+                 any_schedule: bool = False, backward_scale: float = 1.0,
+                 one_in_flight: bool = False) -> float:
+    """A step time no plan of ``table``'s configuration plays out below
+    (:func:`~partc.cost.evaluate.simulated_step_ps`); inf if nothing fits. With
+    ``any_schedule``, one no plan of its mesh, batch split and ZeRO stage plays out below
+    under any schedule and count of virtual stages (``backward_scale``: the least factor a
+    schedule's backward takes, :func:`~partc.cost.pipeline_config.split_factor`, at most 1).
+
+    The simulation runs each rank's operations one at a time, every microbatch through
+    each of its runs once, so a rank is busy ``m`` times its runs' compute and the sends
+    of the cuts after them that cross to another rank; and rank ``r`` starts when the
+    first microbatch's forward has passed the runs before its first, ``r`` of them (one
+    rank each, under every placement: :mod:`partc.cost.schedules`), a layer at least
+    each. The busiest rank is at least their average, and busier than the heaviest
+    layer's ``m`` runs. For its own schedule (not ``any_schedule``) the compute counts the
+    least recompute that fits (:func:`_recompute_floor`) and the sends the cheapest cuts,
+    one per boundary between runs on two ranks (:func:`_cheapest_sends`). With
+    ``any_schedule`` or ``one_in_flight`` the recompute is the least that fits with one
+    microbatch of every run in flight on each rank, which every schedule holds at once
+    (when a rank starts the first microbatch's backward, its forward has passed every
+    run of the rank and none of their activations is freed yet): a weaker floor that
+    needs no schedule's order (``one_in_flight`` prices a schedule's own floor cheaply,
+    before its order is played). Then the least tail (:func:`_tail_floor`)."""
+    config = table.config
+    pp, m = config.pp, config.num_microbatches
+    distinct, knapsack = _distinct(table, cache)
+    scale = min(1.0, backward_scale) if any_schedule else 1.0
+    fastest = {key: row.forward_ps + math.floor(scale * row.backward_ps)
+               + min(row.recompute_ps.values()) for key, (row, _) in distinct.items()}
+    total = sum(fastest[key] * count for key, (_, count) in distinct.items())
+    recompute = _recompute_floor(table, knapsack, any_schedule or one_in_flight)
+    if recompute == math.inf:
+        return math.inf
+    total += recompute
+    comm = 0 if any_schedule else _cheapest_sends(table)
+    starts = sum(itertools.accumulate(table.layers[l].forward_ps
+                                      for l in range(min(pp, table.num_layers) - 1)))
+    busy = max(m * max(fastest.values()), -(-(m * (total + comm) + starts) // pp))
+    return busy + _tail_floor(table, distinct)
+
+
+def _cheapest_sends(table: CostTable) -> int:
+    """The least the sends of ``table``'s configuration cost per microbatch, all ranks
+    together: its crossing boundaries, each at a different cut, each at the cheapest
+    any boundary pays there."""
+    config = table.config
+    boundaries = [j for j in range(config.virtual_stages - 1)
+                  if config.rank_of(j) != config.rank_of(j + 1)]
+    if not boundaries:
+        return 0
+    rows = table.cut_ps[:table.num_layers - 1]
+    if len(boundaries) == config.virtual_stages - 1:   # every boundary crosses (a slice)
+        cheapest = sorted(min(row[:len(boundaries)]) for row in rows)
+    else:
+        cheapest = sorted(min(row[j] for j in boundaries) for row in rows)
+    return sum(cheapest[:len(boundaries)])
 
 
 def _row_summary(table: CostTable) -> tuple[dict[int, tuple[Any, int]], tuple]:
@@ -122,11 +200,25 @@ def _least_largest_sum(costs: tuple[int, ...], parts: int) -> int:
     return low
 
 
-def _recompute_floor(table: CostTable, knapsack: tuple[int, int, list]) -> float:
+def _recompute_floor(table: CostTable, knapsack: tuple[int, int, list],
+                     one_in_flight: bool = False) -> float:
     config = table.config
     # Stage s holds at least f_s microbatches of its saved bytes A_s beside its state
     # W_s: A_s <= (M_s - W_s) / f_s, so sum_s A_s <= sum_s M_s / f_s - sum_s W_s / max f.
-    inflight = [config.held_at_least(stage) for stage in range(config.pp)]
+    # With f_s = 1, which every schedule holds: sum_s A_s <= sum_s M_s - W. Neither
+    # bound implies the other (the second divides the state by max f), so both count.
+    inflight = [1 if one_in_flight else config.held_at_least(stage)
+                for stage in range(config.pp)]
+    if not one_in_flight and any(f > 1 for f in inflight):
+        return max(_recompute_floor(table, knapsack, True),
+                   _knapsack_floor(table, knapsack, inflight))
+    return _knapsack_floor(table, knapsack, inflight)
+
+
+def _knapsack_floor(table: CostTable, knapsack: tuple[int, int, list],
+                    inflight: list[int]) -> float:
+    """The least recompute (LP relaxation) that brings the saved bytes under what the
+    limits leave with ``inflight`` microbatches held per stage."""
     if not all(inflight):
         return 0.0
     state, saved, ratios = knapsack

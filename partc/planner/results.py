@@ -67,8 +67,9 @@ class MeshResult:
 
 @dataclass(frozen=True, kw_only=True)
 class ScheduleTrial:
-    """One schedule weighed on the chosen configuration by the automatic choice: its
-    plan and simulated step time, or why it has none (``why``)."""
+    """One schedule weighed on a mesh's configuration by the joint search
+    (``partc.planner.joint``): its plan and simulated step time, or why it has none
+    (``why``)."""
 
     config: PipelineConfig
     result: ConfigResult | None = None
@@ -77,6 +78,8 @@ class ScheduleTrial:
     # The split CP-SAT found by the closed form where ``result`` cut its layers into
     # other runs that play out faster (``partc.planner.search.balanced_runs``).
     solved: ConfigResult | None = None
+    # ``result`` is the greedy split (``partc.planner.bounds.incumbent``), not CP-SAT's.
+    greedy: bool = False
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -28,20 +28,19 @@ each configuration it solved and the best configuration; a later solve of the sa
 (the devices' memory aside) with that cache visits that configuration first and starts
 each solve from its earlier plan. ``partc.PlanCache`` keeps one per problem.
 
-With the schedule left to the planner ("auto"), the search above weighs 1F1B and GPipe
-by the closed form, which picks the mesh, batch split, ZeRO stage and tensor
-parallelism. (A pinned schedule's virtual-stage counts are weighed so too.) Then every
-other schedule torch runs on that configuration (:func:`schedule_candidates`:
-interleaved 1F1B, looped BFS and interleaved zero-bubble with 2-4 virtual stages per
-rank, ZBV and DualPipeV with 2) is solved by CP-SAT in turn
-for its own stage split, recompute and memory (its activations in flight), and the plan
-whose schedule plays out fastest (:func:`~partc.cost.evaluate.simulated_step_ps`, the per-rank
-event simulation) is kept (:func:`choose_schedule`). The closed form is no lower bound
-on the simulation, so it cannot prune these; searching them on the chosen mesh only
-keeps the search's cost close to one configuration's per schedule. Nor does the closed
-form see how unequal a rank's runs are, which the interleaved schedules pay for every
-round: each interleaved plan is also played re-cut into runs of balanced compute, the
-same modes, and kept so where that fits and is faster (:func:`balanced_runs`).
+With the schedule left to the planner ("auto"), the search above weighs 1F1B and
+GPipe by the closed form, which picks each mesh's batch split, ZeRO stage and plan. (A
+pinned schedule's virtual-stage counts are weighed so too.) Then every mesh is priced
+with every other schedule torch runs on its configuration (:func:`schedule_candidates`:
+interleaved 1F1B, looped BFS and interleaved zero-bubble with 2 virtual stages per rank
+up to a layer per run, ZBV and DualPipeV with 2), each played out
+(:func:`~partc.cost.evaluate.simulated_step_ps`, the per-rank event simulation), and
+the plan that plays out fastest is kept (:func:`partc.planner.joint.choose`). The closed
+form is no lower bound on the simulation, so those are pruned by a floor that is
+(:func:`~.bounds.played_floor`). Nor does the closed form see how unequal a rank's runs
+are, which the interleaved schedules pay for every round: each interleaved plan is also
+played re-cut into runs of balanced compute, the same modes, and kept so where that fits
+and is faster (:func:`balanced_runs`).
 """
 
 from __future__ import annotations
@@ -50,6 +49,7 @@ import dataclasses
 import itertools
 import math
 import time
+from collections import Counter
 from typing import Callable, NamedTuple
 
 from ortools.sat.python import cp_model
@@ -68,6 +68,7 @@ from partc.errors import PlanInfeasibleError
 from partc.names import CpKind, Outcome, Schedule
 from partc.options import PlannerOptions
 from partc.plan import ScheduleOption
+from partc.planner import joint
 from partc.planner.bounds import incumbent, lower_bound, starting_point
 from partc.planner.expert_parallel import expand as expand_ep
 from partc.planner.meshes import mesh_results
@@ -273,17 +274,20 @@ def zero2_grad_syncs(problem: PlanningProblem, zero_stage: int, replicas: int,
     return [ZERO2_GRAD_SYNCS[0]]
 
 
-# Virtual stages per rank the automatic schedule choice tries where a schedule takes any
-# number (a pinned ``virtual_stages`` replaces them).
-AUTO_VIRTUAL_STAGES: tuple[int, ...] = (2, 3, 4)
+def virtual_stage_counts(problem: PlanningProblem, pp: int) -> range:
+    """Virtual stages per rank the search tries where a schedule takes any number (a
+    pinned ``virtual_stages`` replaces them): 2 up to the layers per rank, so that every
+    run holds a layer; Megatron's interleavings go as far as one block per run."""
+    return range(2, problem.num_layers // pp + 1)
 
 
 def schedule_candidates(problem: PlanningProblem, config: PipelineConfig
                         ) -> list[PipelineConfig]:
-    """The configurations :func:`choose_schedule` solves besides ``config``: ``config``
+    """The configurations the joint search (:func:`partc.planner.joint.choose`) prices
+    besides ``config``: ``config``
     under every schedule (:class:`~partc.names.Schedule`) the closed-form search does
-    not weigh, with each virtual-stage count the schedule allows (``AUTO_VIRTUAL_STAGES``
-    for those that take any, or the pinned one), where torch runs it on ``config``'s ranks
+    not weigh, with each virtual-stage count the schedule allows
+    (:func:`virtual_stage_counts` for those that take any, or the pinned one), where torch runs it on ``config``'s ranks
     and microbatches (:func:`partc.cost.schedules.refusal`) and every run holds a layer;
     with ``config``'s ZeRO stage, or where the runtime refuses the schedule with it
     (``feature_refusal``: a split backward under FSDP) with the highest one it runs
@@ -305,7 +309,8 @@ def schedule_candidates(problem: PlanningProblem, config: PipelineConfig
             continue
         info = schedule_info(name)
         counts = ([pins.virtual_stages] if pins.virtual_stages is not None
-                  else list(info.virtual_stages) or list(AUTO_VIRTUAL_STAGES))
+                  else list(info.virtual_stages)
+                  or list(virtual_stage_counts(problem, config.pp)))
         # A lower ZeRO stage takes its own gradient sync (the pinned one, or the default).
         sync = config.zero2_grad_sync if zero == config.zero_stage else zero2_grad_syncs(
             problem, zero, config.grad_dp, config.num_microbatches)[0]
@@ -330,63 +335,16 @@ def _runnable_zero(problem: PlanningProblem, config: PipelineConfig, name: str) 
     return None
 
 
-# Why a schedule trial has no plan when the search's work ran out before it.
-NOT_REACHED = "not reached (work limit)"
-
-
-def choose_schedule(problem: PlanningProblem, best: ConfigResult, options: PlannerOptions,
-                    cache: TableCache, work: float
-                    ) -> tuple[ConfigResult, tuple[ScheduleTrial, ...], bool]:
-    """The plan whose schedule plays out fastest among ``best`` and each of
-    :func:`schedule_candidates` solved by CP-SAT (a configuration's share of the work
-    each, until ``work`` deterministic seconds are spent): (that plan, every trial in
-    order, whether each solve finished). Ties keep the earlier: ``best`` first, then the
-    schedules' order."""
-    trials = [_played(problem, best)]
-    chosen, chosen_step, finished = trials[0].result, trials[0].step_ps, True
-    candidates = schedule_candidates(problem, best.table.config)
-    for done, config in enumerate(candidates):
-        progress.update("schedules", done, len(candidates),
-                        f"{config.schedule}, v={config.chunks}",
-                        incumbent_s=chosen_step / PS_PER_S)
-        if work <= 0:
-            finished = False
-            trials.append(ScheduleTrial(config=config, why=NOT_REACHED))
-            continue
-        table = build_cost_table(problem, config, cache)
-        result, status, _, spent = solve_config(problem, table, options,
-                                                min(work, options.per_config_work), None,
-                                                None, cache.solutions.get(config), cache)
-        work -= spent
-        if result is None:
-            finished &= status != "UNKNOWN"
-            trials.append(ScheduleTrial(config=config, why="no split fits" if status ==
-                                        "INFEASIBLE" else "work limit"))
-            continue
-        finished &= result.status == "OPTIMAL"
-        trials.append(_played(problem, result))
-        cache.solutions[config] = trials[-1].result.assignment
-        if trials[-1].step_ps < chosen_step:
-            chosen, chosen_step = trials[-1].result, trials[-1].step_ps
-    if candidates:
-        progress.update("schedules", len(candidates), len(candidates),
-                        incumbent_s=chosen_step / PS_PER_S)
-    return chosen, tuple(trials), finished
-
-
-def _played(problem: PlanningProblem, result: ConfigResult) -> ScheduleTrial:
-    """The trial of ``result``'s schedule: as played (:func:`balanced_runs`), with CP-SAT's
-    split kept as ``solved`` where the re-cut one plays faster."""
-    played, step = balanced_runs(problem, result)
-    return ScheduleTrial(config=result.table.config, result=played, step_ps=step,
-                         solved=result if played is not result else None)
-
-
-def balanced_runs(problem: PlanningProblem, result: ConfigResult) -> tuple[ConfigResult, int]:
+def balanced_runs(problem: PlanningProblem, result: ConfigResult,
+                  even: bool = False) -> tuple[ConfigResult, int]:
     """``result``, or where its configuration interleaves (several runs per rank) and no
     stages are pinned, the same layers and recompute modes cut into runs of balanced
     compute (:func:`balanced_cut`) where that fits and plays out faster; with its
-    simulated step time.
+    simulated step time. With ``even``, also cut into runs of equal counts of the
+    repeated block (the layers that share the most common row), the layers before the
+    first block with the first run and those after the last with the last
+    (Megatron-Core's even split of the blocks: the embeddings, final norm, head and loss
+    with the blocks beside them), where that plays out faster still.
 
     The closed form CP-SAT minimises charges a rank its runs' sum, however unequal they
     are, but the interleaved schedules run a rank's runs in turn: a run much longer
@@ -400,17 +358,28 @@ def balanced_runs(problem: PlanningProblem, result: ConfigResult) -> tuple[Confi
         return result, step
     table, modes = result.table, result.assignment.modes
     work = [table.layers[l].compute_ps(mode) for l, mode in enumerate(modes)]
-    stage_of = balanced_cut(work, config.virtual_stages)
-    if stage_of is None or stage_of == result.assignment.stage_of:
-        return result, step
-    evaluation = evaluate(table, stage_of, modes)
-    if not evaluation.fits:
-        return result, step
-    balanced, _ = simulated_step_ps(config, evaluation)
-    if balanced >= step:
-        return result, step
-    return dataclasses.replace(result, assignment=Assignment(stage_of=stage_of, modes=modes),
-                               evaluation=evaluation), balanced
+    cuts = [balanced_cut(work, config.virtual_stages)]
+    if even:
+        shared = Counter(id(row) for row in table.layers)
+        block, count = shared.most_common(1)[0]
+        if count > 1:
+            cuts.append(balanced_cut([int(id(row) == block) for row in table.layers],
+                                     config.virtual_stages))
+    best = (result, step)
+    tried = {result.assignment.stage_of}
+    for stage_of in cuts:
+        if stage_of is None or stage_of in tried:
+            continue
+        tried.add(stage_of)
+        evaluation = evaluate(table, stage_of, modes)
+        if not evaluation.fits:
+            continue
+        played, _ = simulated_step_ps(config, evaluation)
+        if played < best[1]:
+            best = (dataclasses.replace(result, evaluation=evaluation,
+                                        assignment=Assignment(stage_of=stage_of, modes=modes)),
+                    played)
+    return best
 
 
 def balanced_cut(work: list[int], runs: int) -> tuple[int, ...] | None:
@@ -452,19 +421,16 @@ def _same_as_1f1b(schedule: str, pp: int, m: int, pinned: str | None) -> bool:
     return schedule == Schedule.GPIPE and pinned != Schedule.GPIPE and (pp == 1 or m == 1)
 
 
-MAX_CHUNKS = 8
-
-
 def _chunk_counts(problem: PlanningProblem, schedule: str, pp: int, m: int) -> list[int]:
     """Virtual stages per rank the schedule runs (:mod:`partc.cost.schedules`): 1 for GPipe
-    and 1F1B; for the others every ``v`` the schedule allows up to ``MAX_CHUNKS`` (or the
-    pinned one) with a layer for each of the ``pp * v`` runs, where torch's schedule takes
+    and 1F1B; for the others every ``v`` of :func:`virtual_stage_counts` the schedule
+    allows (or the pinned one) with a layer for each of the ``pp * v`` runs, where torch's schedule takes
     ``pp`` ranks and ``m`` microbatches (:func:`partc.cost.schedules.refusal`), pp > 1 and
     the stages are not pinned."""
     info = schedule_info(schedule)
     pinned = problem.pins.virtual_stages
     counts = [pinned] if pinned is not None else (
-        list(info.virtual_stages) or list(range(2, MAX_CHUNKS + 1)))
+        list(info.virtual_stages) or list(virtual_stage_counts(problem, pp)))
     if counts != [1] and (pp == 1 or problem.pins.stages is not None):
         return []
     return [v for v in counts if pp * v <= problem.num_layers
@@ -525,7 +491,8 @@ def _why_no_config(problem: PlanningProblem) -> list[str]:
         if feature is not None:
             reasons.add(feature)
             continue
-        counts = schedule_info(pins.schedule).virtual_stages or range(2, MAX_CHUNKS + 1)
+        counts = (schedule_info(pins.schedule).virtual_stages
+                  or virtual_stage_counts(problem, config.pp))
         if tuple(counts) != (1,) and (config.pp == 1 or pins.stages is not None):
             reasons.add(f"{pins.schedule} runs several virtual stages per rank: it needs "
                         f"more than one pipeline stage and the stages not pinned")
@@ -782,17 +749,21 @@ def solve(problem: PlanningProblem, options: PlannerOptions = PlannerOptions(),
     if best is None:
         raise explain_infeasible(problem, tables)
     cache.best_config = best.table.config
-    meshes = mesh_results(problem, tables, floors, outcomes, best)
     bound = min(bound, best.evaluation.step_ps)
-    chosen, trials, finished = choose_schedule(problem, best, options, cache,
-                                               options.work_limit - spent)
+    chosen = joint.choose(problem, tables, outcomes, best, options, cache,
+                          options.work_limit - spent)
+    meshes = joint.priced_meshes(mesh_results(problem, tables, floors, outcomes, best),
+                                 chosen)
+    trials = chosen.trials
     return PlannerResult(
-        best=chosen, status="OPTIMAL" if all_optimal and finished else "FEASIBLE",
-        bound=bound,
+        best=chosen.result, status="OPTIMAL" if all_optimal and chosen.finished
+        else "FEASIBLE", bound=bound,
         solve_time_s=time.perf_counter() - start,
         configs_total=len(configs) + len(trials) - 1,
-        configs_solved=solved + sum(t.why != NOT_REACHED for t in trials[1:]),
-        configs_pruned=pruned, meshes=meshes, schedule_trials=trials)
+        configs_solved=solved + sum(t.result is not None and not t.greedy
+                                    for t in trials[1:]),
+        configs_pruned=pruned + sum(t.why == joint.PRUNED for t in trials),
+        meshes=meshes, schedule_trials=trials)
 
 
 def _report(tables: list[CostTable], order: list[int], ahead: list[float], done: int,
@@ -844,11 +815,12 @@ def schedule_options(problem: PlanningProblem, chosen: ConfigResult,
                      trials: tuple[ScheduleTrial, ...] = ()) -> list[ScheduleOption]:
     """Every schedule priced on the chosen configuration's mesh, microbatches and ZeRO
     stage: the chosen plan itself, then each other schedule and virtual-stage count
-    (the schedule's own, or 2, 3 and 4): the split the automatic choice solved for it
-    (``trials``, :func:`choose_schedule`), else the greedy split of its runs
-    (:func:`~.bounds.incumbent`), played out by the simulation; fastest first."""
+    (the schedule's own, or :func:`virtual_stage_counts`): the fastest split the joint
+    search played for it (``trials``, :func:`partc.planner.joint.choose`: CP-SAT's or
+    the greedy one), else the greedy split of its runs (:func:`~.bounds.incumbent`),
+    played out by the simulation; fastest first."""
     config = chosen.table.config
-    solved = {(t.config.schedule, t.config.chunks): t for t in trials}
+    solved = _trials_of(config, trials)
     step, bubble = simulated_step_ps(config, chosen.evaluation)
     options = [ScheduleOption(schedule=Schedule(config.schedule), virtual_stages=config.chunks,
                               how="chosen", step_time_s=step / PS_PER_S,
@@ -858,7 +830,7 @@ def schedule_options(problem: PlanningProblem, chosen: ConfigResult,
     others = []
     local = problem.variant(config.tp, config.sequence_parallel, config.tp_objective)
     for name in Schedule:
-        counts = schedule_info(name).virtual_stages or AUTO_VIRTUAL_STAGES
+        counts = schedule_info(name).virtual_stages or virtual_stage_counts(problem, config.pp)
         for v in counts:
             if (name, v) == (config.schedule, config.chunks):
                 continue
@@ -871,7 +843,7 @@ def schedule_options(problem: PlanningProblem, chosen: ConfigResult,
                 zero = trial.config.effective_zero_stage
                 others.append(ScheduleOption(
                     schedule=name, virtual_stages=v,
-                    how="solved split" + (f" (ZeRO-{zero})"
+                    how=("greedy split" if trial.greedy else "solved split") + (f" (ZeRO-{zero})"
                                           if zero != config.effective_zero_stage else ""),
                     step_time_s=trial.step_ps / PS_PER_S,
                     bubble_fraction=simulated_step_ps(trial.config, evaluation)[1],
@@ -900,3 +872,20 @@ def schedule_options(problem: PlanningProblem, chosen: ConfigResult,
                 peak_memory_bytes=max(s.memory.peak for s in evaluation.stages)))
     others.sort(key=lambda o: (o.step_time_s is None, o.step_time_s or 0.0))
     return options + others
+
+
+def _trials_of(config: PipelineConfig, trials: tuple[ScheduleTrial, ...]) -> dict:
+    """Per (schedule, v), the joint search's fastest trial on ``config``'s mesh and
+    batch split (any ZeRO stage), else one that says why it has no plan."""
+    found: dict[tuple, ScheduleTrial] = {}
+    for trial in trials:
+        other = trial.config
+        if (joint.mesh_key(other), other.micro_batch_size, other.num_microbatches) != (
+                joint.mesh_key(config), config.micro_batch_size, config.num_microbatches):
+            continue
+        key = (other.schedule, other.chunks)
+        known = found.get(key)
+        if known is None or known.result is None or trial.result is not None and (
+                (trial.step_ps, trial.greedy) < (known.step_ps, known.greedy)):
+            found[key] = trial if known is None or trial.result is not None else known
+    return found

@@ -308,10 +308,9 @@ def memory_svg(plan: Plan) -> str:
 
 def _mesh_caption(plan: Plan) -> str:
     return ("Every (pp, dp, tp) factorisation the planner weighed: the chosen one's "
-            "predicted step (dark, the plan's), each other one's best configuration in the "
-            "planner's closed-form estimate before simulation (solid), or the lower "
-            "bound that ruled it out without a solve (hatched: it cannot be faster than "
-            "that), or why it has no plan.")
+            "predicted step (dark, the plan's), each other one's fastest plan over every "
+            "schedule, played out (solid), or the lower bound on any schedule's step that "
+            "ruled it out (hatched: it cannot be faster than that), or why it has no plan.")
 
 
 def mesh_svg(plan: Plan) -> str:

@@ -396,11 +396,9 @@ def _mesh_chosen(plan: Plan) -> str:
 
 
 def _ranking_step(plan: Plan) -> float:
-    """The step time meshes were ranked by: the closed form of the search's plan on the
-    chosen mesh (``solver.objective``; the plan's own step is its schedule played out, and
-    the automatic schedule choice may have run another schedule on that mesh)."""
-    return (plan.solver.objective or plan.predicted.closed_form_step_s
-            or plan.predicted.step_time_s)
+    """The step time meshes were ranked by: each mesh's fastest schedule played out
+    (``partc.planner.joint``), the chosen mesh's the plan's own."""
+    return plan.predicted.step_time_s
 
 
 def _ranked_as(plan: Plan) -> str:
@@ -422,12 +420,11 @@ def _mesh_why(plan: Plan) -> str:
     unfit = len(others) - len(solved) - len(unsettled)
     timed_out = sum(m.outcome == Outcome.WORK_LIMIT for m in others)
     low = min(unsettled, key=lambda m: m.bound_s, default=None)
-    estimate = (f"the chosen mesh's closed-form estimate before simulation, "
-                f"{format_seconds(step)}{_ranked_as(plan)}")
+    estimate = f"the chosen plan's {format_seconds(step)}{_ranked_as(plan)}"
     if solved:
         runner = solved[0]
         why = (f"fastest predicted step; the runner-up, {runner.mesh}, takes "
-               f"{format_seconds(runner.step_time_s)} in closed form "
+               f"{format_seconds(runner.step_time_s)} with its fastest schedule "
                f"({runner.step_time_s / step:.2f}x {estimate})")
     elif low is not None and low.bound_s >= step:
         why = (f"no other factorisation can beat it: the lowest bound among the rest is "
@@ -448,8 +445,7 @@ def _mesh_why(plan: Plan) -> str:
 
 
 def _mesh_rows(plan: Plan) -> list[list[str]]:
-    # Meshes are ranked by the planner's closed-form step (the plan's own step is the
-    # schedule played out): ratios against the chosen mesh's closed form, like for like.
+    # Meshes are ranked by their fastest schedule played out, like the plan's own step.
     # The chosen row shows the plan itself: its configuration and its step, the one the
     # report predicts everywhere.
     step = _ranking_step(plan)
@@ -464,7 +460,7 @@ def _mesh_rows(plan: Plan) -> list[list[str]]:
             same = (format_seconds(shown) == format_seconds(mesh.step_time_s)
                     and not _ranked_as(plan))
             notes = ([] if not chosen else ["chosen"] if same else
-                     [f"chosen; closed-form estimate before simulation "
+                     [f"chosen; the mesh's fastest plan played "
                       f"{format_seconds(mesh.step_time_s)}{_ranked_as(plan)}"])
             # Its other configurations were pruned against the chosen plan, or cut short.
             if mesh.bound_s < 0.995 * mesh.step_time_s:
@@ -730,8 +726,12 @@ def _why(plan: Plan) -> list[str]:
 
 
 _STATUS = {
-    "OPTIMAL": "no configuration can beat this plan under the cost model",
-    "FEASIBLE": "the best plan found within the work limit; none can beat the bound",
+    "OPTIMAL": "no configuration can beat this plan under the cost model: each was solved "
+               "or ruled out by a proven bound, and every schedule of every mesh played "
+               "out (with CP-SAT's split or the greedy one) or ruled out by a floor of "
+               "the step played",
+    "FEASIBLE": "the best plan found within the work limit (PlannerOptions.work_limit, "
+                "schedule_trial_ops); none can beat the bound",
 }
 
 
@@ -831,8 +831,7 @@ def sections(plan: Plan, timeline: Timeline | None = None) -> list[Section]:
         key="mesh", title="Mesh", bullets=mesh,
         header=("pp", "dp") + (("cp",) if _has_cp(plan) else ()) + (
             "tp", "best config (b x m, schedule, ZeRO)",
-                "step time (chosen: the plan's; others: closed form)",
-                "vs chosen (closed form)", "note")
+            "step time (fastest schedule, played out)", "vs chosen", "note")
         if plan.meshes else (),
         rows=_rows(_mesh_rows(plan)) if plan.meshes else ()))
     out.append(Section(

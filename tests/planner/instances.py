@@ -7,7 +7,7 @@ import random
 from dataclasses import replace
 
 from partc.spec import AUTO_SCHEDULES
-from partc.cost.evaluate import evaluate
+from partc.cost.evaluate import evaluate, simulated_step_ps
 from partc.cost.pipeline_config import PipelineConfig
 from partc.cost.tables import build_cost_table
 from partc.cli.choices import SCHEDULES
@@ -192,6 +192,22 @@ def _best_split(prob: PlanningProblem, config: PipelineConfig, best):
     return best
 
 
+def least_played(prob: PlanningProblem, config: PipelineConfig) -> int | None:
+    """Brute force of the step played out (``simulated_step_ps``, what a plan reports):
+    its least over every split of the layers into the config's runs and every recompute
+    mode that fits; None when none fits."""
+    table = build_cost_table(prob, config)
+    best = None
+    for starts in itertools.combinations(range(1, prob.num_layers), config.virtual_stages - 1):
+        stage_of = [sum(1 for s in starts if s <= l) for l in range(prob.num_layers)]
+        for modes in itertools.product(*(_modes(prob, l) for l in range(prob.num_layers))):
+            ev = evaluate(table, stage_of, modes)
+            if ev.fits:
+                step = simulated_step_ps(config, ev)[0]
+                best = step if best is None else min(best, step)
+    return best
+
+
 def repeated_problem(rng: random.Random) -> PlanningProblem:
     """A model of equal blocks between an embedding and a head, as the planner's
     segments see real models: sometimes one block differs, one inner cut differs, a
@@ -245,14 +261,14 @@ def schedule_trials_expected(prob: PlanningProblem, config: PipelineConfig) -> s
     does not weigh, with the virtual-stage counts it takes (2-4 for those taking any, or
     the pinned one), where torch runs it and every run gets a layer, at the ZeRO stage of
     ``config`` or the highest lower one the runtime runs the schedule with; with the
-    schedule pinned, it with every other count it takes up to 8 (or none when that is
-    pinned); none when the stages are pinned, or with one stage."""
+    schedule pinned, it with every other count it takes (or none when that is pinned);
+    none when the stages are pinned, or with one stage. Counts go up to a layer per run."""
     if prob.pins.stages is not None or config.pp == 1:
         return set()
     if prob.pins.schedule:
         info = schedule_info(config.schedule)
         counts = [prob.pins.virtual_stages] if prob.pins.virtual_stages is not None \
-            else info.virtual_stages or range(2, 9)
+            else info.virtual_stages or range(2, prob.num_layers // config.pp + 1)
         return {(config.schedule, v, config.zero_stage) for v in counts
                 if v != config.chunks and config.pp * v <= prob.num_layers
                 and refusal(config.schedule, config.pp, v, config.num_microbatches) is None}
@@ -265,7 +281,7 @@ def schedule_trials_expected(prob: PlanningProblem, config: PipelineConfig) -> s
                  and (config.dp == 1 or prob.pins.zero_stage in (None, z))]
         if name in AUTO_SCHEDULES or not zeros:
             continue
-        counts = schedule_info(name).virtual_stages or (2, 3, 4)
+        counts = schedule_info(name).virtual_stages or range(2, prob.num_layers // config.pp + 1)
         if prob.pins.virtual_stages is not None:
             counts = [v for v in (prob.pins.virtual_stages,)
                       if schedule_info(name).allows_virtual_stages(v)]

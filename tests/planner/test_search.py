@@ -14,15 +14,16 @@ from partc.cost.evaluate import evaluate, simulated_step_ps
 from partc.cost.pipeline_config import PS_PER_S
 from partc.cost.tables import TableCache, build_cost_table
 from partc.errors import PlanInfeasibleError, PlanValidationError
-from partc.planner import solve
+from partc.planner import joint, solve
+from partc.planner.bounds import played_floor
 from partc.planner.results import Assignment, ConfigResult
 from partc.planner.stage_model import memory_unit
 from partc.planner.search import balanced_cut, balanced_runs
 from partc.problem import Pins, SharedParam
 from partc.planner.validate import validate_plan
 
-from .instances import (best_split_of, brute_force, devices, layer, problem, random_problem,
-                        repeated_problem, schedule_trials_expected)
+from .instances import (best_split_of, brute_force, devices, layer, least_played, problem,
+                        random_problem, repeated_problem, schedule_trials_expected)
 
 # peak 1e12 FLOP/s, efficiency 1: a layer of 1e9 forward FLOPs takes 1 ms forward and
 # 2 ms backward; the optimizer touches 2*4 + 4 + 2*8 = 28 bytes per parameter at 1 TB/s.
@@ -204,20 +205,42 @@ def _plan_and_oracle(prob):
 
 
 def _check_schedule_choice(prob, result, plan) -> None:
-    """The automatic choice tried exactly the schedules brute force enumerates on the
-    searched configuration, each with a brute-force-optimal split (the closed form; an
-    interleaved one re-cut into balanced runs only where those fit and play out
-    faster), and kept the one whose schedule plays out fastest; the plan reports that
-    one."""
+    """The joint search tried exactly the schedules brute force enumerates on the
+    searched configuration's mesh and batch split; each it solved has a
+    brute-force-optimal split (the closed form; an interleaved one re-cut into balanced
+    runs only where those fit and play out faster); each it left out has a floor no
+    split plays out below (brute force of the step played) and at least the plan's step;
+    every mesh's floor under any schedule lies below each of its schedules' plays; and
+    the plan is the fastest trial played, the one the plan reports."""
     trials = result.schedule_trials
-    tried = {(t.config.schedule, t.config.chunks, t.config.zero_stage) for t in trials[1:]}
-    assert tried == schedule_trials_expected(prob, trials[0].config)
+    searched = trials[0].config
+    mine = [t for t in trials[1:] if (joint.mesh_key(t.config), t.config.micro_batch_size,
+                                      t.config.num_microbatches) == (
+        joint.mesh_key(searched), searched.micro_batch_size, searched.num_microbatches)]
+    tried = {(t.config.schedule, t.config.chunks, t.config.zero_stage) for t in mine}
+    assert tried == schedule_trials_expected(prob, searched)
+    fastest = min(t.step_ps for t in trials if t.step_ps is not None)
+    base_floor = played_floor(build_cost_table(prob, searched), any_schedule=True,
+                              backward_scale=prob.devices.split_backward_factor or 1.0)
     for trial in trials:
         if trial.solved is not None:   # re-cut into balanced runs: fits, plays faster
             assert trial.config.chunks > 1 and trial.result.evaluation.fits
             assert trial.step_ps < simulated_step_ps(trial.config, trial.solved.evaluation)[0]
             assert trial.result.assignment.modes == trial.solved.assignment.modes
-    for trial in trials[1:]:
+        if trial.result is not None:
+            assert trial.step_ps == simulated_step_ps(trial.config, trial.result.evaluation)[0]
+    assert all(base_floor <= t.step_ps for t in [trials[0], *mine] if t.step_ps is not None)
+    for trial in mine:
+        if trial.why == joint.PRUNED:   # rightly: no split plays out below its floor
+            played = least_played(prob, trial.config)
+            floor = played_floor(build_cost_table(prob, trial.config))
+            quick = played_floor(build_cost_table(prob, trial.config), one_in_flight=True)
+            assert played is None or max(floor, quick) <= played and base_floor <= played
+            assert quick <= floor
+            assert floor >= fastest
+            continue
+        if trial.greedy:
+            continue
         oracle = best_split_of(prob, trial.config)
         if oracle is None:
             assert trial.result is None and trial.why == "no split fits"
@@ -227,9 +250,12 @@ def _check_schedule_choice(prob, result, plan) -> None:
         assert solved.evaluation.step_ps >= oracle[0]
         if solved.evaluation.step_ps > oracle[0]:   # memory units, as below
             assert _memory_slack_in_units(prob, oracle) < 4 * (prob.num_layers + 2)
-        assert trial.step_ps == simulated_step_ps(trial.config, trial.result.evaluation)[0]
-    fastest = min(t.step_ps for t in trials if t.step_ps is not None)
-    assert result.best is next(t.result for t in trials if t.step_ps == fastest)
+    # A greedy split is solved by CP-SAT after, unless its floor reached the plan by then.
+    assert all(any(t.config == trial.config and not t.greedy for t in mine)
+               or played_floor(build_cost_table(prob, trial.config)) >= fastest
+               for trial in mine if trial.greedy)
+    assert result.best is min((t for t in trials if t.step_ps is not None),
+                              key=lambda t: (t.step_ps, t.greedy)).result
     assert plan.predicted.step_time_s == pytest.approx(fastest / PS_PER_S, rel=1e-9)
 
 

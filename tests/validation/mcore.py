@@ -91,7 +91,8 @@ from partc.device.presets import PRESETS
 from partc.problem import PlanningProblem
 from partc.spec import INTERLEAVED
 from tests.validation.megatron import (Assignment, even_runs, even_stages, layer_names,
-                                       peak_bytes, plan_assignment, price, step_seconds)
+                                       peak_bytes, plan_assignment, played_seconds, price,
+                                       step_seconds)
 
 _SAMPLES = Path(__file__).resolve().parents[2] / "samples"
 if str(_SAMPLES) not in sys.path:
@@ -421,7 +422,7 @@ def _interleavings(run: Run, pinned: PlanningProblem,
         stage_of = tuple(j for j, members in enumerate(runs) for _ in members)
         assignment = Assignment(config=config, stage_of=stage_of, modes=modes)
         evaluation = price(pinned, assignment)
-        tflops = tflops_per_gpu(run, step_seconds(evaluation))
+        tflops = tflops_per_gpu(run, played_seconds(config, evaluation))
         found.append(Interleaving(chunks=chunks, tflops_per_gpu=tflops,
                                   ratio=tflops / run.tflops_per_gpu,
                                   peak_bytes=peak_bytes(evaluation), assignment=assignment))

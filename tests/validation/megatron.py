@@ -41,7 +41,8 @@ import torch
 import partc
 from partc.compiler import build_problem, plan_problem
 from partc.cost.communication import gradient_work_seconds, tp_comm_seconds
-from partc.cost.evaluate import Evaluation, evaluate, exposed_gather_ps, exposed_sync_ps
+from partc.cost.evaluate import (Evaluation, evaluate, exposed_gather_ps, exposed_sync_ps,
+                                 simulated_step_ps)
 from partc.cost.layer_compute import layer_work, roofline_seconds, run_layer
 from partc.cost.pipeline_config import PS_PER_S, PipelineConfig
 from partc.cost.schedules import runs_compiled
@@ -297,6 +298,14 @@ def price(problem: PlanningProblem, assignment: Assignment) -> Evaluation:
 
 def step_seconds(evaluation: Evaluation) -> float:
     return evaluation.step_ps / PS_PER_S
+
+
+def played_seconds(config: PipelineConfig, evaluation: Evaluation) -> float:
+    """The step a plan of ``evaluation`` reports: its schedule played out
+    (:func:`~partc.cost.evaluate.simulated_step_ps`), where :func:`step_seconds` is the
+    closed form the search weighs (Megatron's ``(m + (p - 1) / v) t`` for interleaving,
+    which the step played out need not equal)."""
+    return simulated_step_ps(config, evaluation)[0] / PS_PER_S
 
 
 def peak_bytes(evaluation: Evaluation) -> int:

@@ -220,3 +220,19 @@ def test_the_published_table_is_the_one_copied():
     the repository so that a fresh clone checks it): every row is in RUNS."""
     published = Path(__file__).resolve().parents[1] / "data" / "mcore_h100_weak_scaling.json"
     assert set(mcore.load_runs(published)) <= set(mcore.RUNS)
+
+
+@pytest.mark.parametrize("name", PIPELINED)
+def test_the_joint_search_is_at_least_as_fast_as_the_published_mesh_and_its_interleavings(name):
+    """partc's own plan (nothing pinned but the devices and batch) is never predicted
+    slower than its plan of the published mesh (tp, pp, dp, ZeRO-1 pinned, the
+    schedule its own), which is never slower than the published 1F1B split nor than any
+    interleaving of it Megatron-Core could run that fits."""
+    own = mcore.predict(name, own=True)
+    mesh = mcore.predict(name, megatron_pipeline=False)
+    published = mcore.predict(name)
+    assert own.plan.predicted.step_time_s <= mesh.plan.predicted.step_time_s * (1 + 1e-9)
+    assert mesh.plan.predicted.step_time_s <= published.plan.predicted.step_time_s * (1 + 1e-9)
+    fitting = [i for i in mcore.megatron_interleavings(name)
+               if i.peak_bytes <= mcore.DEVICE_BYTES]
+    assert all(mesh.tflops_per_gpu >= i.tflops_per_gpu * (1 - 1e-9) for i in fitting), name

@@ -1,0 +1,345 @@
+"""The schedules of every mesh: the second half of :func:`partc.planner.search.solve`.
+
+The closed-form search weighs 1F1B and GPipe (and a pinned schedule's virtual-stage
+counts) and picks, per mesh ``(pp, dp, tp, sequence parallelism, tensor-parallel
+objective, ep)``, its best configuration: batch split and ZeRO stage. A schedule played
+out (:func:`~partc.cost.evaluate.simulated_step_ps`, what a plan reports) may beat the
+closed form's fill and drain, so every mesh is then priced with every schedule and
+virtual-stage count its layers allow (:func:`~partc.planner.search.schedule_candidates`),
+and the plan that plays out fastest over all of them is kept (:func:`choose`):
+
+1. Each mesh gets a step time none of its plans plays out below, under any schedule
+   (:func:`~.bounds.played_floor` with ``any_schedule``: the least over its
+   configurations). Meshes are visited by that floor; once it reaches the fastest plan
+   played so far, no later mesh can win and the search stops.
+2. A mesh's configuration is the closed-form search's plan for it, or where that search
+   pruned the mesh (by the closed form, which is no bound here) the greedy plan
+   (:func:`~.bounds.incumbent`) of its configuration with the least floor (CP-SAT's,
+   where no greedy plan fits). Its other batch splits and ZeRO stages are weighed by the
+   closed form only.
+3. Each schedule and count of that configuration gets its own floor
+   (:func:`~.bounds.played_floor`: its recompute, its crossing sends) and is left out
+   where the floor reaches the fastest plan; else its greedy split is played out
+   (:func:`~partc.planner.search.balanced_runs`: re-cut into runs of balanced compute,
+   and on the mesh priced first into Megatron's even runs, where faster; on
+   meshes other than the chosen one, within ``PlannerOptions.schedule_trial_ops``
+   operations played: the rest are not reached, and the plan FEASIBLE).
+4. CP-SAT then solves the schedules still in the running, fastest greedy split first
+   (the chosen mesh's before the others', which share one configuration's work and
+   get it only where their greedy split played out within :data:`NEAR` of the fastest
+   plan), each from its greedy split and kept where it plays out faster, while the
+   work limit lasts; a trial whose floor reaches the fastest plan by then is not solved.
+
+Every bound used is a lower bound on the step played out, so a plan left out is never
+faster than the one kept. In what sense the plan is OPTIMAL: the closed-form search
+proved its configuration optimal (of the closed form), and every schedule and count of
+every mesh was either proven no faster than the plan by its floor or played out with a
+split (CP-SAT's where its work reached it, else the greedy one); none was left for want
+of work or of operations to play. The splits of the schedules played are not proven
+optimal for the step played out (CP-SAT minimises the closed form), so OPTIMAL is
+exact over meshes and schedules, not over every split of each. The floors are a
+schedule's own (its recompute, sends) or, before its order is played, one that holds
+for one microbatch in flight (:func:`~.bounds.played_floor`'s ``one_in_flight``); a
+mesh's floor under any schedule counts its least recompute with one microbatch in
+flight too.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import NamedTuple
+
+from partc import progress
+from partc.cost.evaluate import evaluate
+from partc.cost.pipeline_config import PS_PER_S, PipelineConfig
+from partc.cost.tables import CostTable, TableCache, build_cost_table
+from partc.names import Outcome
+from partc.options import PlannerOptions
+from partc.planner.bounds import incumbent, played_floor
+from partc.planner.results import ConfigResult, MeshResult, ScheduleTrial
+from partc.problem import PlanningProblem
+
+# Why a trial has no plan: its floor reached the fastest plan played (before its greedy
+# split or before CP-SAT), or the work limit came first.
+PRUNED = "pruned (its bound)"
+NOT_REACHED = "not reached (work limit)"
+TRIAL_LIMIT = "not reached (schedule trials limit)"
+NO_SPLIT = "no split fits"
+
+# How far above the fastest plan played a greedy split of a mesh other than the one
+# priced first may play out and still be handed to CP-SAT (a heuristic: CP-SAT's
+# objective is the closed form, so its split is no bound on the step played out either;
+# a greedy split further above is settled as played, and the plan stays OPTIMAL).
+NEAR = 0.02
+
+
+def mesh_key(config: PipelineConfig) -> tuple:
+    """What a mesh is: the devices' factorisation (:func:`mesh_axes` first) and the
+    tensor-parallel variant."""
+    return mesh_axes(config) + (config.sequence_parallel, config.tp_objective, config.ep)
+
+
+def mesh_axes(config: PipelineConfig | MeshResult) -> tuple:
+    """A mesh as the report lists it: ``(pp, dp, tp, cp, cp kind)``."""
+    return (config.pp, config.dp, config.tp, config.cp, config.cp_kind)
+
+
+class Chosen(NamedTuple):
+    """What :func:`choose` found: the plan, every trial in order (the closed-form
+    search's plan first), whether every trial in the running was settled, per mesh
+    (:func:`mesh_key`) its fastest plan played, with its step time, and its floor under
+    any schedule."""
+
+    result: ConfigResult
+    trials: tuple[ScheduleTrial, ...]
+    finished: bool
+    per_mesh: dict[tuple, tuple[ConfigResult, int]]
+    floors: dict[tuple, float]
+
+
+def choose(problem: PlanningProblem, tables: list[CostTable],
+           outcomes: list, best: ConfigResult, options: PlannerOptions,
+           cache: TableCache, work: float) -> Chosen:
+    """The plan that plays out fastest over every mesh and schedule (the module
+    docstring); ``tables`` and ``outcomes`` are the closed-form search's, ``best`` its
+    plan, ``work`` the deterministic seconds left for CP-SAT. The chosen mesh is priced
+    first, then the others by floor."""
+    from partc.planner.search import schedule_candidates
+
+    search = _Search(problem, cache, work, options.schedule_trial_ops)
+    search.add(mesh_key(best.table.config), best, first=True)
+    scale = min(1.0, problem.devices.split_backward_factor or 1.0)
+    meshes = _meshes(tables, outcomes, cache, scale, mesh_key(best.table.config))
+    for done, (floor, key, members, result) in enumerate(meshes):
+        progress.update("schedules", done, len(meshes), f"pp={key[0]} dp={key[1]} "
+                        f"tp={key[2]} cp={key[3]}", incumbent_s=search.step / PS_PER_S)
+        if floor >= search.step and done:   # the chosen mesh's trials are all listed
+            break
+        if key == mesh_key(best.table.config):
+            result = best   # not an equal plan CP-SAT found after the greedy seed
+        if result is None:
+            result = _greedy_result(problem, [tables[i] for i in members], cache)
+        if result is None:   # greedy fits none: CP-SAT may (its work counted)
+            result = search.solved_rep(options, [tables[i] for i in members])
+            if result is None:
+                continue
+        if result is not best:
+            search.add(key, result, first=not done)
+        for config in schedule_candidates(problem, result.table.config):
+            search.price(key, config, first=not done)
+    progress.update("schedules", len(meshes), len(meshes),
+                    incumbent_s=search.step / PS_PER_S)
+    finished = search.solve_pending(options) and not search.unsettled
+    # Ties keep CP-SAT's plan over a greedy one, then the earlier.
+    fastest = min((t for t in search.trials if t.result is not None),
+                  key=lambda t: (t.step_ps, t.greedy))
+    return Chosen(fastest.result, tuple(search.trials), finished, search.per_mesh,
+                  {key: floor for floor, key, _, _ in meshes})
+
+
+class _Search:
+    """The trials so far, the fastest step played and each mesh's fastest plan, and
+    the trials CP-SAT may still improve (``pending``: whether of a mesh priced after
+    the first, greedy step, the trial, its floor)."""
+
+    def __init__(self, problem: PlanningProblem, cache: TableCache, work: float,
+                 limit: int) -> None:
+        self.problem, self.cache = problem, cache
+        self.work, self.limit = work, limit   # CP-SAT's work left, operations to play left
+        self.unsettled = False   # a mesh or trial left without a plan for want of either
+        self.trials: list[ScheduleTrial] = []
+        self.step = math.inf
+        self.per_mesh: dict[tuple, tuple[ConfigResult, int]] = {}
+        self.pending: list[tuple[bool, float, ScheduleTrial, float]] = []
+
+    def add(self, key: tuple, result: ConfigResult, first: bool = False) -> ScheduleTrial:
+        """``result`` played out, as a trial of mesh ``key`` (``first``: of the mesh
+        priced first, whose trials are also played cut evenly, Megatron's way)."""
+        trial = _played(self.problem, result, first)
+        self.trials.append(trial)
+        known = self.per_mesh.get(key)
+        if known is None or trial.step_ps < known[1]:
+            self.per_mesh[key] = (trial.result, trial.step_ps)
+        self.step = min(self.step, trial.step_ps)
+        return trial
+
+    def price(self, key: tuple, config: PipelineConfig, first: bool) -> None:
+        """``config`` (a schedule of mesh ``key``): pruned by its floor, or its greedy
+        split played out and left for CP-SAT."""
+        table = build_cost_table(self.problem, config, self.cache)
+        # The floor without the schedule's order first: playing torch's order for the
+        # memory it holds is most of a trial's cost, and most trials are pruned without.
+        bound = played_floor(table, self.cache, one_in_flight=True)
+        if bound < self.step:
+            bound = played_floor(table, self.cache)
+        if bound >= self.step:
+            self.trials.append(ScheduleTrial(config=config, why=PRUNED))
+            return
+        # Its operations, and the greedy split's own work, about 100 per layer.
+        ops = 2 * config.num_microbatches * config.virtual_stages + 100 * table.num_layers
+        if not first and self.limit < ops:
+            self.unsettled = True
+            self.trials.append(ScheduleTrial(config=config, why=TRIAL_LIMIT))
+            return
+        self.limit -= 0 if first else ops
+        greedy = _greedy_result(self.problem, [table], self.cache)
+        if greedy is None:
+            self.pending.append((not first, math.inf, ScheduleTrial(config=config,
+                                                                    why=NO_SPLIT), bound))
+            return
+        trial = dataclasses.replace(self.add(key, greedy, first), greedy=True)
+        self.trials[-1] = trial
+        self.pending.append((not first, trial.step_ps, trial, bound))
+
+    def solved_rep(self, options: PlannerOptions, tables: list[CostTable]
+                   ) -> ConfigResult | None:
+        """CP-SAT's plan of the first of ``tables`` (a mesh's, by floor) that has one,
+        while the work lasts."""
+        from partc.planner.search import solve_config
+
+        for table in tables:
+            if self.work <= 0:
+                self.unsettled = True
+                return None
+            result, status, _, spent = solve_config(
+                self.problem, table, options, min(self.work, options.per_config_work), None,
+                None, self.cache.solutions.get(table.config), self.cache)
+            self.work -= spent
+            self.unsettled |= result is None and status == "UNKNOWN"
+            if result is not None:
+                return result
+        return None
+
+    def solve_pending(self, options: PlannerOptions) -> bool:
+        """CP-SAT on each pending trial, the first mesh's first, then by greedy step,
+        from its greedy split, while ``work`` lasts and its floor is below the fastest
+        plan played; whether every one was settled: played out with a split (greedy or
+        CP-SAT's) or proven to have none. A trial CP-SAT does not reach keeps its greedy
+        split: CP-SAT minimises the closed form, not the step played out, so even its
+        optimum proves nothing of the played step that the greedy split's does not."""
+        from partc.planner.search import solve_config
+
+        finished = True
+        # Other meshes' schedules get one configuration's share of the work between them,
+        # and only those whose greedy split played out within NEAR of the fastest plan:
+        # their greedy splits are played already (so settled), and CP-SAT's work on each
+        # is what a cold plan of a 70B model was seen to spend most of its time on.
+        others = options.per_config_work
+        for later, _, trial, bound in sorted(self.pending, key=lambda p: (p[0], p[1])):
+            config = trial.config
+            if bound >= self.step:
+                if trial.result is None:
+                    self.trials.append(dataclasses.replace(trial, why=PRUNED))
+                continue
+            if later and trial.result is not None and trial.step_ps > self.step * (1 + NEAR):
+                continue
+            if self.work <= 0 or later and others <= 0:
+                if trial.result is None:
+                    finished = False
+                    self.trials.append(dataclasses.replace(trial, why=NOT_REACHED))
+                continue
+            table = build_cost_table(self.problem, config, self.cache)
+            previous = self.cache.solutions.get(config)
+            share = min(self.work, options.per_config_work, others if later else math.inf)
+            result, status, _, spent = solve_config(self.problem, table, options, share, None,
+                                                    None, previous, self.cache)
+            self.work -= spent
+            others -= spent if later else 0
+            if result is None:
+                if trial.result is None:
+                    finished &= status != "UNKNOWN"
+                    self.trials.append(ScheduleTrial(
+                        config=config, why=NO_SPLIT if status == "INFEASIBLE" else
+                        "work limit"))
+                continue
+            solved = self.add(mesh_key(config), result, not later)
+            self.cache.solutions[config] = solved.result.assignment
+        return finished
+
+
+def _meshes(tables: list[CostTable], outcomes: list, cache: TableCache, scale: float,
+            chosen: tuple) -> list[tuple[float, tuple, list[int], ConfigResult | None]]:
+    """Per mesh with a configuration that may fit: its floor under any schedule, its
+    key, its configurations (by floor) and the closed-form search's plan for it (or
+    None); the ``chosen`` mesh first, then by floor."""
+    groups: dict[tuple, list[int]] = {}
+    for i, table in enumerate(tables):
+        groups.setdefault(mesh_key(table.config), []).append(i)
+    meshes = []
+    for key, members in groups.items():
+        floors = {i: played_floor(tables[i], cache, any_schedule=True, backward_scale=scale)
+                  for i in members}
+        members = sorted((i for i in members if floors[i] < math.inf and
+                          outcomes[i] != Outcome.INFEASIBLE), key=lambda i: (floors[i], i))
+        if not members:
+            continue
+        results = [o for o in outcomes if isinstance(o, ConfigResult)
+                   and mesh_key(o.table.config) == key]
+        result = min(results, key=lambda r: r.evaluation.step_ps) if results else None
+        meshes.append((floors[members[0]], key, members, result))
+    meshes.sort(key=lambda mesh: (mesh[1] != chosen, mesh[0], mesh[1]))
+    return meshes
+
+
+def _greedy_result(problem: PlanningProblem, tables: list[CostTable],
+                   cache: TableCache) -> ConfigResult | None:
+    """The greedy plan (:func:`~.bounds.incumbent`) of the first of ``tables`` that has
+    one that fits, as a FEASIBLE result."""
+    for table in tables:
+        config = table.config
+        hint = incumbent(problem.variant(config.tp, config.sequence_parallel,
+                                         config.tp_objective), table, cache)
+        if hint is None:
+            continue
+        evaluation = evaluate(table, hint.stage_of, hint.modes)
+        return ConfigResult(table=table, assignment=hint, evaluation=evaluation,
+                            status="FEASIBLE", bound=0, solve_time_s=0.0)
+    return None
+
+
+def _played(problem: PlanningProblem, result: ConfigResult,
+            even: bool = False) -> ScheduleTrial:
+    from partc.planner.search import balanced_runs
+
+    played, step = balanced_runs(problem, result, even)
+    return ScheduleTrial(config=result.table.config, result=played, step_ps=step,
+                         solved=result if played is not result else None)
+
+
+def priced_meshes(meshes: tuple[MeshResult, ...], chosen: Chosen) -> tuple[MeshResult, ...]:
+    """The report's meshes (:func:`~.meshes.mesh_results`) each priced with its fastest
+    plan played out over every schedule the joint search tried (``chosen.per_mesh``),
+    and bounded by its floor under any schedule (a mesh the joint search did not price
+    is pruned by it); the chosen mesh first, then the solved ones by that step time."""
+    fastest: dict[tuple, tuple[ConfigResult, int]] = {}
+    for key, (result, step) in chosen.per_mesh.items():
+        known = fastest.get(key[:5])
+        if known is None or step < known[1]:
+            fastest[key[:5]] = (result, step)
+    floors: dict[tuple, float] = {}
+    for key, floor in chosen.floors.items():
+        floors[key[:5]] = min(floors.get(key[:5], math.inf), floor)
+    picked = mesh_axes(chosen.result.table.config)
+    chosen_step = min(step for _, step in chosen.per_mesh.values())
+    priced = []
+    for mesh in meshes:
+        found = fastest.get(mesh_axes(mesh))
+        if mesh.outcome != Outcome.INFEASIBLE:   # a bound on the step played, not the closed form
+            mesh = dataclasses.replace(mesh, bound_ps=int(floors.get(
+                mesh_axes(mesh), mesh.bound_ps)))
+        if found is not None:
+            result, step = found
+            mesh = dataclasses.replace(mesh, outcome=Outcome.SOLVED, config=result.table.config,
+                                       step_ps=step, status=result.status)
+        elif mesh.outcome != Outcome.INFEASIBLE:   # no plan played: pruned by its floor,
+            step = chosen_step                   # or else not settled
+            mesh = dataclasses.replace(
+                mesh, outcome=Outcome.PRUNED if mesh.bound_ps >= step else Outcome.WORK_LIMIT,
+                config=None, step_ps=None, status=None)
+        priced.append(mesh)
+    order = {Outcome.SOLVED: 0, Outcome.WORK_LIMIT: 1, Outcome.PRUNED: 1, Outcome.INFEASIBLE: 2}
+    return tuple(sorted(priced, key=lambda m: (
+        mesh_axes(m) != picked, order[m.outcome],
+        m.step_ps if m.outcome == Outcome.SOLVED else 0, m.pp, m.dp, m.tp, m.cp,
+        m.cp_kind or "")))

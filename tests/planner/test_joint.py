@@ -1,0 +1,136 @@
+"""The joint search over meshes and schedules (``partc.planner.joint``): a pinned mesh
+or schedule is never predicted faster than the planner's own choice, and a mesh's plan
+is never slower than the best of Megatron's interleavings on it (an even split of the
+blocks, ``v`` chunks per rank for every ``v`` dividing the blocks per rank, the
+modes of the 1F1B plan). The default profile checks one hand-built instance; the
+validation rows (Megatron-Core's table, SC'21) are slow-marked.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from partc.compiler import plan_of, plan_problem
+from partc.cost.evaluate import evaluate, simulated_step_ps
+from partc.cost.pipeline_config import PS_PER_S
+from partc.cost.tables import build_cost_table
+from partc.errors import PlanInfeasibleError
+from partc.names import Outcome, Schedule
+from partc.planner import solve
+from partc.problem import Pins
+
+from tests.validation.megatron import plan_assignment
+
+from .instances import devices, layer, problem
+
+BLOCKS = 6
+
+
+def _instance(pins: Pins = Pins()):
+    """Eight equal blocks between an embedding and a head on 2 devices, 16 sequences:
+    one stage of two replicas or two stages, each with its batch splits; the memory
+    makes two stages the faster."""
+    layers = [layer("emb", flops=1e8, params=8000, saved=2e3)]
+    layers += [layer(f"block{i}", flops=1e9, params=4000, saved=3e4, full=500.0,
+                     signature="block") for i in range(BLOCKS)]
+    layers.append(layer("head", flops=2e9, params=8000, saved=6e3))
+    cuts = [1e4] * (BLOCKS + 1)
+    return problem(layers, cuts, devices(2, 600_000, bandwidth=1e9, node=2), batch=16,
+                   micro_batch_sizes=(1, 2), pins=pins)
+
+
+def _megatron_interleavings(prob, plan) -> list[float]:
+    """The step times of Megatron's interleavings of ``plan``'s mesh and batch split:
+    its layers (embedding with the first block, head with the last) cut evenly into
+    ``pp * v`` runs for each ``v > 1`` dividing the blocks per rank, the plan's modes;
+    those that fit."""
+    config = plan_assignment(plan).config
+    pp, per_rank = config.pp, BLOCKS // config.pp
+    modes = tuple(plan.recompute[name] for name in (l.name for l in prob.layers))
+    steps = []
+    for v in (v for v in range(2, per_rank + 1) if per_rank % v == 0):
+        interleaved = dataclasses.replace(config, schedule=Schedule.INTERLEAVED_1F1B, chunks=v)
+        size = BLOCKS // (pp * v)
+        stage_of = [0] + [block // size for block in range(BLOCKS)] + [pp * v - 1]
+        evaluation = evaluate(build_cost_table(prob, interleaved), stage_of, modes)
+        if evaluation.fits:
+            steps.append(simulated_step_ps(interleaved, evaluation)[0] / PS_PER_S)
+    return steps
+
+
+@pytest.fixture(scope="module")
+def own():
+    """The planner's own result for the instance, and its plan."""
+    prob = _instance()
+    result = solve(prob)
+    return result, plan_of(prob, result)
+
+
+def test_a_pinned_mesh_is_never_faster_than_the_planners_choice(own):
+    result, plan = own
+    meshes = [(m.pp, m.dp) for m in result.meshes if m.outcome != Outcome.INFEASIBLE]
+    assert len(meshes) == 2
+    for pp, dp in meshes:
+        pinned = plan_problem(_instance(Pins(pp=pp, dp=dp)))
+        assert plan.predicted.step_time_s <= pinned.predicted.step_time_s * (1 + 1e-12), (pp, dp)
+        for megatron in _megatron_interleavings(_instance(), pinned):
+            assert pinned.predicted.step_time_s <= megatron * (1 + 1e-12), (pp, dp)
+
+
+@pytest.mark.parametrize("name", [Schedule.INTERLEAVED_1F1B] + [
+    pytest.param(name, marks=pytest.mark.slow) for name in Schedule
+    if name != Schedule.INTERLEAVED_1F1B])
+def test_a_pinned_schedule_is_never_faster_than_the_planners_choice(own, name):
+    _, plan = own
+    try:
+        pinned = plan_problem(_instance(Pins(schedule=name)))
+    except PlanInfeasibleError:
+        return
+    assert plan.predicted.step_time_s <= pinned.predicted.step_time_s * (1 + 1e-12)
+
+
+def test_the_mesh_table_prices_each_mesh_with_its_fastest_schedule(own):
+    """Each solved mesh's step in the report is its fastest trial played out, and the
+    chosen mesh's is the plan's."""
+    result, _ = own
+    chosen = result.meshes[0]
+    best = result.best.table.config
+    assert (chosen.pp, chosen.dp, chosen.tp) == (best.pp, best.dp, best.tp)
+    assert chosen.step_ps == min(t.step_ps for t in result.schedule_trials
+                                 if t.step_ps is not None)
+    for mesh in result.meshes:
+        played = [t.step_ps for t in result.schedule_trials if t.step_ps is not None
+                  and (t.config.pp, t.config.dp, t.config.tp) == (mesh.pp, mesh.dp, mesh.tp)]
+        if played:
+            assert mesh.outcome == Outcome.SOLVED and mesh.step_ps == min(played)
+    # Interleavings beyond four chunks per rank are tried (up to a layer per run).
+    assert best.pp == 2
+    assert max(t.config.chunks for t in result.schedule_trials) == (BLOCKS + 2) // 2
+
+
+
+def test_the_chosen_meshs_interleavings_are_played_cut_evenly_too():
+    """Megatron's even split of the blocks (the layers before the first block and after
+    the last with the blocks beside them: here two embeddings, a final norm and the
+    head) is among the cuts the chosen mesh's interleaved plans are played with: here a
+    heavy head makes the cut of balanced compute play out slower than it."""
+    blocks = 12
+    layers = [layer("emb", flops=1e8, params=8000, saved=2e3),
+              layer("pos", flops=1e7, params=2000, saved=2e3)]
+    layers += [layer(f"block{i}", flops=1e9, params=4000, saved=3e4, full=500.0,
+                     signature="block") for i in range(blocks)]
+    layers += [layer("norm", flops=1e7, params=100, saved=2e3),
+               layer("head", flops=2e9, params=8000, saved=6e3)]
+    prob = problem(layers, [1e4] * (blocks + 3), devices(2, 1_500_000, bandwidth=1e9, node=3),
+                   batch=12, micro_batch_sizes=(1,),
+                   pins=Pins(pp=2, schedule=Schedule.INTERLEAVED_1F1B, virtual_stages=2))
+    result = solve(prob)
+    played = [t for t in result.schedule_trials if t.result is not None]
+    assert played
+    for trial in played:
+        stage_of = [0, 0] + [block // 3 for block in range(blocks)] + [3, 3]
+        evaluation = evaluate(trial.result.table, stage_of, trial.result.assignment.modes)
+        assert evaluation.fits
+        assert trial.step_ps <= simulated_step_ps(trial.config, evaluation)[0]
