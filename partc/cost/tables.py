@@ -327,7 +327,7 @@ class TableCache:
 
     def host_nodes(self, pp: int, devices) -> tuple[tuple[int, ...], ...]:
         """:func:`partc.cost.offload_time.stages_per_node`, once per pipeline depth: a
-        list per node, made rank by rank, which thousands of configurations share."""
+        list per node, which thousands of configurations share."""
         key = ("host nodes", pp, devices.num_devices, devices.devices_per_node)
         if key not in self._tables:
             self._tables[key] = tuple(tuple(counts) for counts in stages_per_node(pp, devices))
