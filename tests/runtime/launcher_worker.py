@@ -116,8 +116,10 @@ def _checkpoint_and_resume(out: Path) -> dict:
     ckpt = ["--checkpoint-dir", str(out / "ckpt")]
     first = _execute(["--steps", "4", "--pp", "2", *ckpt, "--checkpoint-every", "2",
                       "--keep", "1", "--resume", *common])
-    # (rank 0 may not have released the directory's .lock yet)
-    kept = sorted(p.name for p in (out / "ckpt").iterdir() if p.name != ".lock")
+    # (rank 0 may not have released the directory's .lock yet, and a rank already in
+    # the next launch may be probing that the directory is writable)
+    kept = sorted(p.name for p in (out / "ckpt").iterdir()
+                  if p.name != ".lock" and not p.name.startswith(".tmp-probe+"))
     resumed = _execute(["--steps", "6", "--dp", "2", *ckpt, "--resume", "--log-dir",
                         str(out / "resumed"), *common])
     whole = _execute(["--steps", "6", "--pp", "2", *common])
