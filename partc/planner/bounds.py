@@ -26,7 +26,7 @@ from typing import Any, Sequence
 
 from partc.cost.evaluate import Evaluation, evaluate, receive_bytes
 from partc.cost.tables import CostTable, TableCache
-from partc.planner.results import Assignment
+from partc.planner.results import Assignment, ConfigResult
 from partc.problem import RECOMPUTE_MODES, PlanningProblem
 
 
@@ -271,6 +271,20 @@ def balanced_split(costs: Sequence[int], parts: int,
         run_of.append(run)
         current += cost
     return run_of
+
+
+def greedy_result(problem: PlanningProblem, table: CostTable, cache: TableCache,
+                  bound: int = 0) -> ConfigResult | None:
+    """The greedy plan (:func:`incumbent`) of ``table``'s configuration, on the layers
+    of its tensor-parallel variant, as a FEASIBLE result; None when it does not fit."""
+    config = table.config
+    hint = incumbent(problem.variant(config.tp, config.sequence_parallel,
+                                     config.tp_objective), table, cache)
+    if hint is None:
+        return None
+    return ConfigResult(table=table, assignment=hint,
+                        evaluation=evaluate(table, hint.stage_of, hint.modes),
+                        status="FEASIBLE", bound=bound, solve_time_s=0.0)
 
 
 def incumbent(problem: PlanningProblem, table: CostTable,

@@ -51,12 +51,11 @@ import math
 from typing import NamedTuple
 
 from partc import progress
-from partc.cost.evaluate import evaluate
 from partc.cost.pipeline_config import PS_PER_S, PipelineConfig
 from partc.cost.tables import CostTable, TableCache, build_cost_table
 from partc.names import Outcome
 from partc.options import PlannerOptions
-from partc.planner.bounds import incumbent, played_floor
+from partc.planner.bounds import greedy_result, played_floor
 from partc.planner.results import ConfigResult, MeshResult, ScheduleTrial
 from partc.problem import PlanningProblem
 
@@ -286,16 +285,8 @@ def _greedy_result(problem: PlanningProblem, tables: list[CostTable],
                    cache: TableCache) -> ConfigResult | None:
     """The greedy plan (:func:`~.bounds.incumbent`) of the first of ``tables`` that has
     one that fits, as a FEASIBLE result."""
-    for table in tables:
-        config = table.config
-        hint = incumbent(problem.variant(config.tp, config.sequence_parallel,
-                                         config.tp_objective), table, cache)
-        if hint is None:
-            continue
-        evaluation = evaluate(table, hint.stage_of, hint.modes)
-        return ConfigResult(table=table, assignment=hint, evaluation=evaluation,
-                            status="FEASIBLE", bound=0, solve_time_s=0.0)
-    return None
+    return next((result for table in tables
+                 if (result := greedy_result(problem, table, cache)) is not None), None)
 
 
 def _played(problem: PlanningProblem, result: ConfigResult,

@@ -69,7 +69,7 @@ from partc.names import CpKind, Outcome, Schedule
 from partc.options import PlannerOptions
 from partc.plan import ScheduleOption
 from partc.planner import joint
-from partc.planner.bounds import incumbent, lower_bound, starting_point
+from partc.planner.bounds import greedy_result, incumbent, lower_bound, starting_point
 from partc.planner.expert_parallel import expand as expand_ep
 from partc.planner.meshes import mesh_results
 from partc.planner.pins import check_pins
@@ -797,16 +797,10 @@ def _seed(problem: PlanningProblem, tables: list[CostTable], floors: list[float]
             firsts.setdefault(key, i)
     best = None
     for i in firsts.values():
-        table = tables[i]
-        config = table.config
-        hint = incumbent(problem.variant(config.tp, config.sequence_parallel,
-                                         config.tp_objective), table, cache)
-        if hint is None:
-            continue
-        evaluation = evaluate(table, hint.stage_of, hint.modes)
-        if best is None or evaluation.step_ps < best.evaluation.step_ps:
-            best = ConfigResult(table=table, assignment=hint, evaluation=evaluation,
-                                status="FEASIBLE", bound=int(floors[i]), solve_time_s=0.0)
+        result = greedy_result(problem, tables[i], cache, int(floors[i]))
+        if result is not None and (best is None
+                                   or result.evaluation.step_ps < best.evaluation.step_ps):
+            best = result
     return best
 
 
