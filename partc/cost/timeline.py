@@ -287,8 +287,7 @@ def _played(schedule: str, pp: int, v: int, m: int, stages: list[StageSeconds],
     clock, position = [0.0] * pp, [0] * pp
     holding, peak = [0] * pp, [0] * pp
     end, work = 0.0, 0.0   # the blocks' last end and their seconds, in play's arithmetic
-    forward, weight, backward, input_ = (Phase.FORWARD, Phase.WEIGHT, Phase.BACKWARD,
-                                         Phase.INPUT)
+    forward, weight, input_ = Phase.FORWARD, Phase.WEIGHT, Phase.INPUT
     remaining = sum(len(order) for order in orders)
     while remaining:
         progressed = False
