@@ -33,9 +33,10 @@ and drain ((p - 1) / (v m) of the microbatches' time where 1F1B's is (p - 1) / m
 them at 0.90-0.95x. That release has no zero-bubble schedule and no uneven split: left
 to itself, partc's planner gives 70B interleaved zero-bubble over four chunks per rank
 (0.971x), a schedule partc can run and Megatron-Core r0.8.0 cannot
-(``benchmarks/validation.py --only mcore`` prints all three). The planner tries 2 to 4
-chunks per rank; on 177B, 314B and 462B Megatron's interleavings of 6 to 8 chunks are
-predicted faster than the planner's own schedule for the mesh. The 177B row (pp = 6)
+(``benchmarks/validation.py --only mcore`` prints all three). The planner prices every
+chunk count the blocks allow, played out (:mod:`partc.planner.joint`): on 177B, 314B and
+462B its plan for the published mesh equals Megatron's fastest interleaving (8, 6 and 7
+chunks per rank; ``--interleavings`` prints them side by side). The 177B row (pp = 6)
 is in the README's table but not in the json; it is here. partc's interleaved pricing
 itself is checked on the SC'21 runs that did interleave
 (``tests/validation/megatron.py``).
