@@ -383,10 +383,20 @@ def held_per_run(schedule: str, pp: int, v: int, m: int
                 moments.add(tuple(holding))
             elif op.phase in (Phase.BACKWARD, Phase.WEIGHT):
                 holding[index[op.stage]] -= 1
-        result.append(tuple(sorted(
-            h for h in moments
-            if not any(g != h and all(a >= b for a, b in zip(g, h)) for g in moments))))
+        result.append(_undominated(moments))
     return tuple(result)
+
+
+def _undominated(moments: set[tuple[int, ...]]) -> tuple[tuple[int, ...], ...]:
+    """The vectors of ``moments`` no other one reaches in every component, sorted.
+    One that does has a larger sum, and one dominated by a dominated vector is dominated
+    by what dominates that one: so, visited by falling sum, a vector is checked against
+    the undominated ones kept so far only."""
+    kept: list[tuple[int, ...]] = []
+    for h in sorted(moments, key=sum, reverse=True):
+        if not any(all(a >= b for a, b in zip(g, h)) for g in kept):
+            kept.append(h)
+    return tuple(sorted(kept))
 
 
 # ------------------------------------------------------------------ from a plan

@@ -207,8 +207,7 @@ def _recompute_floor(table: CostTable, knapsack: tuple[int, int, list],
     # W_s: A_s <= (M_s - W_s) / f_s, so sum_s A_s <= sum_s M_s / f_s - sum_s W_s / max f.
     # With f_s = 1, which every schedule holds: sum_s A_s <= sum_s M_s - W. Neither
     # bound implies the other (the second divides the state by max f), so both count.
-    inflight = [1 if one_in_flight else config.held_at_least(stage)
-                for stage in range(config.pp)]
+    inflight = [1] * config.pp if one_in_flight else config.least_held()
     if not one_in_flight and any(f > 1 for f in inflight):
         return max(_recompute_floor(table, knapsack, True),
                    _knapsack_floor(table, knapsack, inflight))
@@ -333,9 +332,13 @@ def _recompute_until_it_fits(table: CostTable, stage: int, runs: list[list[int]]
     for i, run in enumerate(runs):
         for l in run:
             groups.setdefault((i, id(rows[l]), modes[l], tuple(allowed[l])), []).append(l)
-    while state + config.activations(stage, saved) + transient + receive \
-            > table.limits[stage]:
-        peak = max(config.held(stage), key=lambda h: sum(n * a for n, a in zip(h, saved)))
+    held = config.held(stage)
+    while True:
+        # The peak holding the most (config.activations is its bytes).
+        peak = max(held, key=lambda h: sum(n * a for n, a in zip(h, saved)))
+        if state + sum(n * a for n, a in zip(peak, saved)) + transient + receive \
+                <= table.limits[stage]:
+            return
         best = None
         for (i, _, current, options), layers in groups.items():
             if not layers or not peak[i]:
