@@ -42,22 +42,49 @@ def lower_bound(table: CostTable, cache: TableCache | None = None) -> float:
     """
     pp, m = table.config.pp, table.config.num_microbatches
     distinct, knapsack = _distinct(table, cache)   # tables of one family share their rows
-    fastest = {key: min(row.compute_ps(r) for r in row.recompute_ps)
-               for key, (row, _) in distinct.items()}
     recompute = _recompute_floor(table, knapsack)
     if recompute == math.inf:
         return math.inf
-    total = sum(fastest[key] * count for key, (_, count) in distinct.items()) + recompute
+    best_compute, fastest_total = _fastest(table, cache)
+    total = fastest_total + recompute
     # Whole layers cannot split evenly: the best contiguous split of their fastest
     # compute into pp stages bounds the bottleneck stage from below too.
-    best_compute = tuple(fastest[id(row)] for row in table.layers)
     if table.config.chunks == 1:
-        splits = cache.splits if cache is not None else None
-        peak_busy = max(-(-total // pp), min_max_split(best_compute, pp, splits))
+        peak_busy = max(-(-total // pp), _least_largest_stage(table, best_compute, cache))
     else:  # a rank's layers are not contiguous: only the even spread and one layer bound
         peak_busy = max(-(-total // pp), max(best_compute))
     pipeline = m * peak_busy + (total - peak_busy) // table.config.fill_divisor  # pipeline_ps
     return pipeline + _tail_floor(table, distinct)
+
+
+def _fastest(table: CostTable, cache: TableCache | None) -> tuple[tuple[int, ...], int]:
+    """Each layer's compute in its fastest mode, and their sum; kept in ``cache`` per rows
+    tuple (the tables of one family share it)."""
+    key = ("fastest", id(table.layers))
+    known = cache.distinct.get(key) if cache is not None else None
+    if known is None:
+        distinct, _ = _distinct(table, cache)
+        fastest = {key: min(row.compute_ps(r) for r in row.recompute_ps)
+                   for key, (row, _) in distinct.items()}
+        best_compute = tuple(fastest[id(row)] for row in table.layers)
+        known = (best_compute, sum(fastest[key] * count for key, (_, count) in distinct.items()))
+        if cache is not None:
+            cache.distinct[key] = known
+    return known
+
+
+def _least_largest_stage(table: CostTable, best_compute: tuple[int, ...],
+                         cache: TableCache | None) -> int:
+    """:func:`min_max_split` of ``best_compute`` (``table``'s layers' fastest compute) into
+    its pp stages, kept in ``cache`` per rows tuple and pp too: the tuple is not hashed
+    again for every table of a family."""
+    if cache is None:
+        return min_max_split(best_compute, table.config.pp)
+    key = ("rows", id(table.layers), table.config.pp)
+    known = cache.splits.get(key)
+    if known is None:
+        known = cache.splits[key] = min_max_split(best_compute, table.config.pp, cache.splits)
+    return known
 
 
 def _tail_floor(table: CostTable, distinct: dict[int, tuple[Any, int]]) -> int:
