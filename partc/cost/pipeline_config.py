@@ -13,8 +13,8 @@ from dataclasses import dataclass, replace
 from functools import lru_cache
 from typing import Sequence
 
-from partc.cost.schedules import (SCHEDULE_TABLE, rank_of, schedule as schedule_info,
-                                  stages_of_rank)
+from partc.cost.schedules import (SCHEDULE_TABLE, crossing_runs, rank_of,
+                                  schedule as schedule_info, stages_of_rank)
 from partc.cost.timeline import held_per_run
 from partc.device.usable import communicators, usable_memory
 from partc.problem import PlanningProblem, effective_zero_stage, reduces_once_per_step
@@ -126,6 +126,10 @@ class PipelineConfig:
         if self.chunks == 1:
             return (stage,)
         return stages_of_rank(self.schedule, self.pp, self.chunks, stage)
+
+    def crossings(self) -> tuple[int, ...]:
+        """The runs whose cut to the next run crosses to another rank (:meth:`rank_of`)."""
+        return crossing_runs(self.schedule, self.pp, self.chunks)
 
     @property
     def fill_divisor(self) -> int:

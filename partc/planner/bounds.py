@@ -156,8 +156,7 @@ def _cheapest_sends(table: CostTable) -> int:
     together: its crossing boundaries, each at a different cut, each at the cheapest
     any boundary pays there."""
     config = table.config
-    boundaries = [j for j in range(config.virtual_stages - 1)
-                  if config.rank_of(j) != config.rank_of(j + 1)]
+    boundaries = config.crossings()
     if not boundaries:
         return 0
     rows = table.cut_ps[:table.num_layers - 1]
@@ -360,11 +359,12 @@ def _recompute_until_it_fits(table: CostTable, stage: int, runs: list[list[int]]
         for l in run:
             groups.setdefault((i, id(rows[l]), modes[l], tuple(allowed[l])), []).append(l)
     held = config.held(stage)
+    # Each peak's saved bytes (config.activations is the largest), kept as modes change.
+    at_peak = [sum(n * a for n, a in zip(h, saved)) for h in held]
     while True:
-        # The peak holding the most (config.activations is its bytes).
-        peak = max(held, key=lambda h: sum(n * a for n, a in zip(h, saved)))
-        if state + sum(n * a for n, a in zip(peak, saved)) + transient + receive \
-                <= table.limits[stage]:
+        top = max(range(len(held)), key=at_peak.__getitem__)   # the first of the largest
+        peak = held[top]
+        if state + at_peak[top] + transient + receive <= table.limits[stage]:
             return
         best = None
         for (i, _, current, options), layers in groups.items():
@@ -382,7 +382,10 @@ def _recompute_until_it_fits(table: CostTable, stage: int, runs: list[list[int]]
         if best is None:
             return
         _, layer, mode, i = best
-        saved[i] -= rows[layer].saved_bytes[modes[layer]] - rows[layer].saved_bytes[mode]
+        freed = rows[layer].saved_bytes[modes[layer]] - rows[layer].saved_bytes[mode]
+        saved[i] -= freed
+        for k, h in enumerate(held):
+            at_peak[k] -= h[i] * freed
         transient = max(transient, rows[layer].transient_bytes[mode])
         options = tuple(allowed[layer])
         groups[i, id(rows[layer]), modes[layer], options].pop(0)
