@@ -13,7 +13,8 @@ from partc.placement import Placement
 from partc.plan import TensorParallelPlan, TPCollective
 from partc.problem import Pins
 from partc.cost.schedules import SCHEDULE_TABLE, schedule, stages_of_rank
-from partc.cost.timeline import (KINDS, Op, StageSeconds, csv_text, play, played_span,
+from partc.cost.timeline import (KINDS, Op, StageSeconds, _undominated, csv_text, play,
+                                 played_span,
                             schedule_order, simulate, text_lines, torch_order)
 
 from .planner.instances import devices, layer, problem
@@ -214,3 +215,16 @@ def test_the_plan_prices_every_schedule_on_its_mesh():
     assert options[("1f1b", 1)].bubble_fraction == pytest.approx(3 / 11, abs=1e-3)
     assert chosen.step_time_s < options[("1f1b", 1)].step_time_s
     assert simulate(plan).step_s == pytest.approx(plan.predicted.step_time_s, rel=1e-6)
+
+
+def test_a_ranks_peaks_are_the_moments_no_other_reaches_everywhere():
+    """held_per_run keeps the moments of a rank no other moment reaches in every run:
+    its frontier check equals the pairwise definition."""
+    rng = random.Random(3)
+    for _ in range(400):
+        width = rng.randint(1, 4)
+        moments = {tuple(rng.randint(0, 5) for _ in range(width))
+                   for _ in range(rng.randint(1, 25))}
+        kept = tuple(sorted(h for h in moments if not any(
+            g != h and all(a >= b for a, b in zip(g, h)) for g in moments)))
+        assert _undominated(moments) == kept

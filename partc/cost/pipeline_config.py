@@ -10,10 +10,11 @@ under context parallelism."""
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from functools import lru_cache
 from typing import Sequence
 
-from partc.cost.schedules import (SCHEDULE_TABLE, rank_of, schedule as schedule_info,
-                                  stages_of_rank)
+from partc.cost.schedules import (SCHEDULE_TABLE, crossing_runs, rank_of,
+                                  schedule as schedule_info, stages_of_rank)
 from partc.cost.timeline import held_per_run
 from partc.device.usable import communicators, usable_memory
 from partc.problem import PlanningProblem, effective_zero_stage, reduces_once_per_step
@@ -126,6 +127,10 @@ class PipelineConfig:
             return (stage,)
         return stages_of_rank(self.schedule, self.pp, self.chunks, stage)
 
+    def crossings(self) -> tuple[int, ...]:
+        """The runs whose cut to the next run crosses to another rank (:meth:`rank_of`)."""
+        return crossing_runs(self.schedule, self.pp, self.chunks)
+
     @property
     def fill_divisor(self) -> int:
         """What the closed form :func:`partc.cost.evaluate.pipeline_ps` divides the
@@ -159,7 +164,11 @@ class PipelineConfig:
         """A count of microbatches rank ``stage`` holds of every run at once (at one
         of :meth:`held`'s peaks): its activations are at least that many times all its
         runs' saved bytes, whatever their split, a bound for relaxations."""
-        return max(min(h) for h in self.held(stage))
+        return self.least_held()[stage]
+
+    def least_held(self) -> tuple[int, ...]:
+        """:meth:`held_at_least` of every rank, in rank order (:func:`least_held`)."""
+        return least_held(self.schedule, self.pp, self.chunks, self.num_microbatches)
 
     def activations(self, stage: int, saved: Sequence[int]) -> int:
         """Bytes of saved activations on rank ``stage`` whose runs (:meth:`runs_of`'s
@@ -167,6 +176,17 @@ class PipelineConfig:
         peaks."""
         return max(sum(h * a for h, a in zip(peak, saved, strict=True))
                    for peak in self.held(stage))
+
+
+@lru_cache(maxsize=4096)
+def least_held(schedule: str, pp: int, chunks: int, m: int) -> tuple[int, ...]:
+    """Per rank, the microbatches it holds of every run at once at one of its peaks
+    (:meth:`PipelineConfig.held_at_least`): a pure function of the schedule's shape,
+    asked for by the bounds of every configuration the search weighs (thousands share
+    one)."""
+    config = PipelineConfig(pp=pp, dp=1, micro_batch_size=1, num_microbatches=m,
+                            schedule=schedule, chunks=chunks)
+    return tuple(max(min(h) for h in config.held(stage)) for stage in range(pp))
 
 
 def grad_config(config: PipelineConfig) -> PipelineConfig:

@@ -16,6 +16,7 @@ the virtual stages ``r`` and ``2 pp - 1 - r``, so the first and the last live on
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 
 from partc.names import Schedule
 
@@ -67,9 +68,19 @@ def rank_of(name: str, pp: int, v: int, virtual_stage: int) -> int:
     return virtual_stage % pp
 
 
+@lru_cache(maxsize=4096)
 def stages_of_rank(name: str, pp: int, v: int, rank: int) -> tuple[int, ...]:
-    """The virtual stages rank ``rank`` holds, in model order."""
+    """The virtual stages rank ``rank`` holds, in model order (a pure function of its
+    arguments, asked for by every evaluation of a plan)."""
     return tuple(j for j in range(pp * v) if rank_of(name, pp, v, j) == rank)
+
+
+@lru_cache(maxsize=4096)
+def crossing_runs(name: str, pp: int, v: int) -> tuple[int, ...]:
+    """The virtual stages ``j`` whose successor ``j + 1`` is on another rank: the
+    boundaries a microbatch's activation is sent across."""
+    return tuple(j for j in range(pp * v - 1)
+                 if rank_of(name, pp, v, j) != rank_of(name, pp, v, j + 1))
 
 
 def refusal(name: str, pp: int, v: int, num_microbatches: int) -> str | None:

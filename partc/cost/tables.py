@@ -318,12 +318,15 @@ class TableCache:
         """Each stage's memory limit: what its smallest device leaves the plan
         (:func:`stage_limits`)."""
         devices = problem.devices
-        key = ("limits", config.pp, config.dp, config.tp, config.ep, devices.memory_bytes,
-               devices.context_memory, devices.communicator_memory,
-               devices.memory_fragmentation)
-        if key not in self._tables:
-            self._tables[key] = stage_limits(problem, config)
-        return self._tables[key]
+        # The devices' memory by identity (a tuple per device: hashing it for every
+        # configuration costs more than the lookup), the tuple kept to check it.
+        key = ("limits", config.pp, config.dp, config.tp, config.ep,
+               id(devices.memory_bytes), devices.context_memory,
+               devices.communicator_memory, devices.memory_fragmentation)
+        known = self._tables.get(key)
+        if known is None or known[0] is not devices.memory_bytes:
+            known = self._tables[key] = (devices.memory_bytes, stage_limits(problem, config))
+        return known[1]
 
     def host_nodes(self, pp: int, devices) -> tuple[tuple[int, ...], ...]:
         """:func:`partc.cost.offload_time.stages_per_node`, once per pipeline depth: a

@@ -270,70 +270,54 @@ def _played(schedule: str, pp: int, v: int, m: int, stages: list[StageSeconds],
             blocks: list[Block] | None) -> tuple[list[float], list[int], tuple[float, float]]:
     """The simulation :func:`play` runs: each rank's clock and peak of microbatches held
     at the end, and the last block's end and the blocks' seconds; the blocks appended to
-    ``blocks`` unless None."""
+    ``blocks`` unless None. Each operation's wait and bookkeeping come from
+    :func:`_order_steps` (made once per schedule shape); its durations from
+    :func:`_parts`, once per (phase, virtual stage)."""
     if len(stages) != pp * v:
         raise ValueError(f"{len(stages)} virtual stages given, {pp} x {v} expected")
     split = schedule_info(schedule).split_backward
-    orders = torch_order(schedule, pp, v, m)
-    runs = pp * v
-    rank = [rank_of(schedule, pp, v, j) for j in range(runs)]
-    chunk_of, seen = [0] * runs, [0] * pp   # each run's place among its rank's
-    for j in range(runs):
-        chunk_of[j], seen[rank[j]] = seen[rank[j]], seen[rank[j]] + 1
-    # Sends cross ranks only: the cut after virtual stage j, to j + 1.
-    crosses = [j < runs - 1 and rank[j] != rank[j + 1] for j in range(runs)]
-    parts: dict[tuple[str, int], list[tuple[str, float]]] = {}   # per (phase, stage)
-    done: dict[tuple[str, int, int], float] = {}   # (phase, microbatch, stage) -> ready at
+    orders, chunk_of, crosses = _order_steps(schedule, pp, v, m)
+    parts: list[list[tuple[str, float]] | None] = [None] * (len(_PHASE_INDEX) * pp * v)
+    done: list[float | None] = [None] * (len(_EVENTS) * m * pp * v)   # event -> ready at
     clock, position = [0.0] * pp, [0] * pp
     holding, peak = [0] * pp, [0] * pp
     end, work = 0.0, 0.0   # the blocks' last end and their seconds, in play's arithmetic
-    forward, weight, input_ = Phase.FORWARD, Phase.WEIGHT, Phase.INPUT
     remaining = sum(len(order) for order in orders)
     while remaining:
         progressed = False
         for r in range(pp):
             order = orders[r]
             while position[r] < len(order):
-                op = order[position[r]]
-                phase, j, mb = op.phase, op.stage, op.microbatch
-                if phase == forward:
-                    needs = ("forward", mb, j - 1) if j > 0 else None
-                elif phase == weight:
-                    needs = ("input", mb, j)
-                else:
-                    needs = (("grad", mb, j + 1) if j < runs - 1 else ("forward", mb, j))
-                if needs is None:
+                op, part, needs, event, grad, held = order[position[r]]
+                if needs < 0:
                     start = clock[r]
                 else:
-                    ready = done.get(needs)
+                    ready = done[needs]
                     if ready is None:
                         break
                     start = clock[r] if clock[r] >= ready else ready
-                steps = parts.get((phase, j))
+                steps = parts[part]
                 if steps is None:
-                    steps = parts[phase, j] = _parts(op, stages[j], crosses, split)
+                    steps = parts[part] = _parts(op, stages[op.stage], crosses, split)
                 for kind, seconds in steps:
                     if seconds > 0:
                         stop = start + seconds
                         if blocks is not None:
                             blocks.append(Block(rank=r, kind=kind, start_s=start,
-                                                end_s=stop, microbatch=mb,
-                                                chunk=chunk_of[j], stage=j))
+                                                end_s=stop, microbatch=op.microbatch,
+                                                chunk=chunk_of[op.stage], stage=op.stage))
                         if stop > end:
                             end = stop
                         work += stop - start
                     start += seconds
                 clock[r] = start
-                done[(phase, mb, j)] = start
-                if phase == forward:
-                    holding[r] += 1
+                done[event] = start
+                if grad >= 0:
+                    done[grad] = start
+                if held:
+                    holding[r] += held
                     if holding[r] > peak[r]:
                         peak[r] = holding[r]
-                else:
-                    if phase != weight:   # backward or its input-gradient part
-                        done[("grad", mb, j)] = start
-                    if phase != input_:
-                        holding[r] -= 1
                 position[r] += 1
                 remaining -= 1
                 progressed = True
@@ -341,6 +325,50 @@ def _played(schedule: str, pp: int, v: int, m: int, stages: list[StageSeconds],
             raise RuntimeError(f"internal error: the {schedule} order deadlocks at "
                                f"positions {position}")
     return clock, peak, (end, work)
+
+
+# The events an operation waits for or marks, and the phases whose durations differ.
+_EVENTS = ("forward", "input", "backward", "weight", "grad")
+_PHASE_INDEX = {Phase.FORWARD: 0, Phase.BACKWARD: 1, Phase.INPUT: 2, Phase.WEIGHT: 3}
+
+
+@lru_cache(maxsize=512)
+def _order_steps(schedule: str, pp: int, v: int, m: int) -> tuple[tuple, list[int], list[bool]]:
+    """:func:`torch_order` as the simulation walks it, a pure function of its arguments:
+    per rank, per operation ``(op, its durations' index, the event it waits for (-1:
+    none), the event it marks, the gradient it passes back (-1: none), the change in
+    microbatches held)``; each run's place among its rank's; whether the cut after each
+    run crosses to another rank. A forward needs the previous run's forward of its
+    microbatch; a backward (or its input part) the next run's gradient or, on the last
+    run, its own forward; a weight part its own input part."""
+    runs = pp * v
+    rank = [rank_of(schedule, pp, v, j) for j in range(runs)]
+    chunk_of, seen = [0] * runs, [0] * pp   # each run's place among its rank's
+    for j in range(runs):
+        chunk_of[j], seen[rank[j]] = seen[rank[j]], seen[rank[j]] + 1
+    # Sends cross ranks only: the cut after virtual stage j, to j + 1.
+    crosses = [j < runs - 1 and rank[j] != rank[j + 1] for j in range(runs)]
+
+    def event(kind: str, mb: int, j: int) -> int:
+        return (_EVENTS.index(kind) * m + mb) * runs + j
+
+    orders = []
+    for ops in torch_order(schedule, pp, v, m):
+        steps = []
+        for op in ops:
+            phase, j, mb = op.phase, op.stage, op.microbatch
+            if phase == Phase.FORWARD:
+                needs = event("forward", mb, j - 1) if j > 0 else -1
+            elif phase == Phase.WEIGHT:
+                needs = event("input", mb, j)
+            else:
+                needs = event("grad", mb, j + 1) if j < runs - 1 else event("forward", mb, j)
+            grad = event("grad", mb, j) if phase in (Phase.BACKWARD, Phase.INPUT) else -1
+            held = 1 if phase == Phase.FORWARD else 0 if phase == Phase.INPUT else -1
+            steps.append((op, _PHASE_INDEX[phase] * runs + j, needs,
+                          event(str(phase.value), mb, j), grad, held))
+        orders.append(tuple(steps))
+    return tuple(orders), chunk_of, crosses
 
 
 def _parts(op: Op, t: StageSeconds, crosses: list[bool], split: bool
@@ -383,10 +411,20 @@ def held_per_run(schedule: str, pp: int, v: int, m: int
                 moments.add(tuple(holding))
             elif op.phase in (Phase.BACKWARD, Phase.WEIGHT):
                 holding[index[op.stage]] -= 1
-        result.append(tuple(sorted(
-            h for h in moments
-            if not any(g != h and all(a >= b for a, b in zip(g, h)) for g in moments))))
+        result.append(_undominated(moments))
     return tuple(result)
+
+
+def _undominated(moments: set[tuple[int, ...]]) -> tuple[tuple[int, ...], ...]:
+    """The vectors of ``moments`` no other one reaches in every component, sorted.
+    One that does has a larger sum, and one dominated by a dominated vector is dominated
+    by what dominates that one: so, visited by falling sum, a vector is checked against
+    the undominated ones kept so far only."""
+    kept: list[tuple[int, ...]] = []
+    for h in sorted(moments, key=sum, reverse=True):
+        if not any(all(a >= b for a, b in zip(g, h)) for g in kept):
+            kept.append(h)
+    return tuple(sorted(kept))
 
 
 # ------------------------------------------------------------------ from a plan

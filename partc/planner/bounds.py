@@ -42,22 +42,49 @@ def lower_bound(table: CostTable, cache: TableCache | None = None) -> float:
     """
     pp, m = table.config.pp, table.config.num_microbatches
     distinct, knapsack = _distinct(table, cache)   # tables of one family share their rows
-    fastest = {key: min(row.compute_ps(r) for r in row.recompute_ps)
-               for key, (row, _) in distinct.items()}
     recompute = _recompute_floor(table, knapsack)
     if recompute == math.inf:
         return math.inf
-    total = sum(fastest[key] * count for key, (_, count) in distinct.items()) + recompute
+    best_compute, fastest_total = _fastest(table, cache)
+    total = fastest_total + recompute
     # Whole layers cannot split evenly: the best contiguous split of their fastest
     # compute into pp stages bounds the bottleneck stage from below too.
-    best_compute = tuple(fastest[id(row)] for row in table.layers)
     if table.config.chunks == 1:
-        splits = cache.splits if cache is not None else None
-        peak_busy = max(-(-total // pp), min_max_split(best_compute, pp, splits))
+        peak_busy = max(-(-total // pp), _least_largest_stage(table, best_compute, cache))
     else:  # a rank's layers are not contiguous: only the even spread and one layer bound
         peak_busy = max(-(-total // pp), max(best_compute))
     pipeline = m * peak_busy + (total - peak_busy) // table.config.fill_divisor  # pipeline_ps
     return pipeline + _tail_floor(table, distinct)
+
+
+def _fastest(table: CostTable, cache: TableCache | None) -> tuple[tuple[int, ...], int]:
+    """Each layer's compute in its fastest mode, and their sum; kept in ``cache`` per rows
+    tuple (the tables of one family share it)."""
+    key = ("fastest", id(table.layers))
+    known = cache.distinct.get(key) if cache is not None else None
+    if known is None:
+        distinct, _ = _distinct(table, cache)
+        fastest = {key: min(row.compute_ps(r) for r in row.recompute_ps)
+                   for key, (row, _) in distinct.items()}
+        best_compute = tuple(fastest[id(row)] for row in table.layers)
+        known = (best_compute, sum(fastest[key] * count for key, (_, count) in distinct.items()))
+        if cache is not None:
+            cache.distinct[key] = known
+    return known
+
+
+def _least_largest_stage(table: CostTable, best_compute: tuple[int, ...],
+                         cache: TableCache | None) -> int:
+    """:func:`min_max_split` of ``best_compute`` (``table``'s layers' fastest compute) into
+    its pp stages, kept in ``cache`` per rows tuple and pp too: the tuple is not hashed
+    again for every table of a family."""
+    if cache is None:
+        return min_max_split(best_compute, table.config.pp)
+    key = ("rows", id(table.layers), table.config.pp)
+    known = cache.splits.get(key)
+    if known is None:
+        known = cache.splits[key] = min_max_split(best_compute, table.config.pp, cache.splits)
+    return known
 
 
 def _tail_floor(table: CostTable, distinct: dict[int, tuple[Any, int]]) -> int:
@@ -129,8 +156,7 @@ def _cheapest_sends(table: CostTable) -> int:
     together: its crossing boundaries, each at a different cut, each at the cheapest
     any boundary pays there."""
     config = table.config
-    boundaries = [j for j in range(config.virtual_stages - 1)
-                  if config.rank_of(j) != config.rank_of(j + 1)]
+    boundaries = config.crossings()
     if not boundaries:
         return 0
     rows = table.cut_ps[:table.num_layers - 1]
@@ -207,8 +233,7 @@ def _recompute_floor(table: CostTable, knapsack: tuple[int, int, list],
     # W_s: A_s <= (M_s - W_s) / f_s, so sum_s A_s <= sum_s M_s / f_s - sum_s W_s / max f.
     # With f_s = 1, which every schedule holds: sum_s A_s <= sum_s M_s - W. Neither
     # bound implies the other (the second divides the state by max f), so both count.
-    inflight = [1 if one_in_flight else config.held_at_least(stage)
-                for stage in range(config.pp)]
+    inflight = [1] * config.pp if one_in_flight else config.least_held()
     if not one_in_flight and any(f > 1 for f in inflight):
         return max(_recompute_floor(table, knapsack, True),
                    _knapsack_floor(table, knapsack, inflight))
@@ -333,9 +358,14 @@ def _recompute_until_it_fits(table: CostTable, stage: int, runs: list[list[int]]
     for i, run in enumerate(runs):
         for l in run:
             groups.setdefault((i, id(rows[l]), modes[l], tuple(allowed[l])), []).append(l)
-    while state + config.activations(stage, saved) + transient + receive \
-            > table.limits[stage]:
-        peak = max(config.held(stage), key=lambda h: sum(n * a for n, a in zip(h, saved)))
+    held = config.held(stage)
+    # Each peak's saved bytes (config.activations is the largest), kept as modes change.
+    at_peak = [sum(n * a for n, a in zip(h, saved)) for h in held]
+    while True:
+        top = max(range(len(held)), key=at_peak.__getitem__)   # the first of the largest
+        peak = held[top]
+        if state + at_peak[top] + transient + receive <= table.limits[stage]:
+            return
         best = None
         for (i, _, current, options), layers in groups.items():
             if not layers or not peak[i]:
@@ -352,7 +382,10 @@ def _recompute_until_it_fits(table: CostTable, stage: int, runs: list[list[int]]
         if best is None:
             return
         _, layer, mode, i = best
-        saved[i] -= rows[layer].saved_bytes[modes[layer]] - rows[layer].saved_bytes[mode]
+        freed = rows[layer].saved_bytes[modes[layer]] - rows[layer].saved_bytes[mode]
+        saved[i] -= freed
+        for k, h in enumerate(held):
+            at_peak[k] -= h[i] * freed
         transient = max(transient, rows[layer].transient_bytes[mode])
         options = tuple(allowed[layer])
         groups[i, id(rows[layer]), modes[layer], options].pop(0)

@@ -263,8 +263,12 @@ def _meshes(tables: list[CostTable], outcomes: list, cache: TableCache, scale: f
     key, its configurations (by floor) and the closed-form search's plan for it (or
     None); the ``chosen`` mesh first, then by floor."""
     groups: dict[tuple, list[int]] = {}
+    solved: dict[tuple, list[ConfigResult]] = {}   # per mesh, its results in order
     for i, table in enumerate(tables):
         groups.setdefault(mesh_key(table.config), []).append(i)
+    for o in outcomes:
+        if isinstance(o, ConfigResult):
+            solved.setdefault(mesh_key(o.table.config), []).append(o)
     meshes = []
     for key, members in groups.items():
         floors = {i: played_floor(tables[i], cache, any_schedule=True, backward_scale=scale)
@@ -273,8 +277,7 @@ def _meshes(tables: list[CostTable], outcomes: list, cache: TableCache, scale: f
                           outcomes[i] != Outcome.INFEASIBLE), key=lambda i: (floors[i], i))
         if not members:
             continue
-        results = [o for o in outcomes if isinstance(o, ConfigResult)
-                   and mesh_key(o.table.config) == key]
+        results = solved.get(key, [])
         result = min(results, key=lambda r: r.evaluation.step_ps) if results else None
         meshes.append((floors[members[0]], key, members, result))
     meshes.sort(key=lambda mesh: (mesh[1] != chosen, mesh[0], mesh[1]))

@@ -6,9 +6,10 @@ import itertools
 import random
 
 from partc.cost.evaluate import evaluate
-from partc.cost.tables import build_cost_table
-from partc.planner.bounds import balanced_split, lower_bound, min_max_split
-from partc.planner.search import candidate_configs
+from partc.cost.tables import TableCache, build_cost_table
+from partc.planner.bounds import (balanced_split, incumbent, lower_bound, min_max_split,
+                                  played_floor)
+from partc.planner.search import candidate_configs, schedule_candidates
 
 from .instances import random_problem
 
@@ -60,3 +61,24 @@ def test_balanced_split_reaches_the_min_max_split():
         assert run_of == sorted(run_of) and set(run_of) == set(range(parts))
         assert max(sum(c for c, r in zip(costs, run_of) if r == run)
                    for run in range(parts)) == min_max_split(tuple(costs), parts)
+
+
+def test_bounds_kept_in_a_table_cache_are_the_bounds_made_afresh():
+    """The bounds and greedy plans the search reads through one TableCache (each family's
+    fastest compute, its split and the schedules' least-held microbatches, kept once)
+    equal the same made without a cache, table by table, under every schedule."""
+    rng = random.Random(23)
+    checked = 0
+    for _ in range(25):
+        prob, cache = random_problem(rng), TableCache()   # a cache serves one problem
+        for config in candidate_configs(prob):
+            for other in [config] + schedule_candidates(prob, config):
+                kept, fresh = build_cost_table(prob, other, cache), build_cost_table(prob, other)
+                assert lower_bound(kept, cache) == lower_bound(fresh)
+                for flags in ({}, {"any_schedule": True}, {"one_in_flight": True}):
+                    assert played_floor(kept, cache, **flags) == played_floor(fresh, **flags)
+                assert incumbent(prob, kept, cache) == incumbent(prob, fresh)
+                assert other.least_held() == tuple(
+                    max(min(h) for h in other.held(s)) for s in range(other.pp))
+                checked += other.chunks > 1
+    assert checked > 20   # interleaved ones among them
