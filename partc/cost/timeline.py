@@ -383,10 +383,20 @@ def held_per_run(schedule: str, pp: int, v: int, m: int
                 moments.add(tuple(holding))
             elif op.phase in (Phase.BACKWARD, Phase.WEIGHT):
                 holding[index[op.stage]] -= 1
-        result.append(tuple(sorted(
-            h for h in moments
-            if not any(g != h and all(a >= b for a, b in zip(g, h)) for g in moments))))
+        result.append(tuple(sorted(_undominated(moments))))
     return tuple(result)
+
+
+def _undominated(moments: set[tuple[int, ...]]) -> list[tuple[int, ...]]:
+    """The vectors of ``moments`` (distinct) that no other one meets or exceeds in every
+    entry. Visited by decreasing sum, a vector exceeded by another comes after it, and
+    is exceeded by one already kept (the kept one above that, by transitivity): each is
+    checked against those kept only, not against all."""
+    kept: list[tuple[int, ...]] = []
+    for h in sorted(moments, key=lambda h: (-sum(h), h)):
+        if not any(all(a >= b for a, b in zip(g, h)) for g in kept):
+            kept.append(h)
+    return kept
 
 
 # ------------------------------------------------------------------ from a plan
