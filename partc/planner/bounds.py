@@ -133,11 +133,13 @@ def _cheapest_sends(table: CostTable) -> int:
                   if config.rank_of(j) != config.rank_of(j + 1)]
     if not boundaries:
         return 0
-    rows = table.cut_ps[:table.num_layers - 1]
-    if len(boundaries) == config.virtual_stages - 1:   # every boundary crosses (a slice)
-        cheapest = sorted(min(row[:len(boundaries)]) for row in rows)
-    else:
-        cheapest = sorted(min(row[j] for j in boundaries) for row in rows)
+    every = len(boundaries) == config.virtual_stages - 1   # every boundary crosses
+    least: dict[int, int] = {}   # per row: equal cuts (between blocks) share one
+    for row in table.cut_ps[:table.num_layers - 1]:
+        if id(row) not in least:
+            least[id(row)] = min(row[:len(boundaries)]) if every else min(
+                row[j] for j in boundaries)
+    cheapest = sorted(least[id(row)] for row in table.cut_ps[:table.num_layers - 1])
     return sum(cheapest[:len(boundaries)])
 
 
@@ -333,20 +335,29 @@ def _recompute_until_it_fits(table: CostTable, stage: int, runs: list[list[int]]
     for i, run in enumerate(runs):
         for l in run:
             groups.setdefault((i, id(rows[l]), modes[l], tuple(allowed[l])), []).append(l)
-    while state + config.activations(stage, saved) + transient + receive \
-            > table.limits[stage]:
-        peak = max(config.held(stage), key=lambda h: sum(n * a for n, a in zip(h, saved)))
+    held = config.held(stage)
+    changes: dict[tuple, list[tuple[str, int, int]]] = {}   # per group: its modes' changes
+    while True:
+        # The rank's activations (PipelineConfig.activations) and the first peak at them.
+        sums = [sum(n * a for n, a in zip(h, saved, strict=True)) for h in held]
+        if state + max(sums) + transient + receive <= table.limits[stage]:
+            return
+        peak = held[sums.index(max(sums))]
         best = None
-        for (i, _, current, options), layers in groups.items():
+        for key, layers in groups.items():
+            i = key[0]
             if not layers or not peak[i]:
                 continue
             l = layers[0]
-            for mode in options:
-                freed = rows[l].saved_bytes[current] - rows[l].saved_bytes[mode]
+            if key not in changes:
+                row, current = rows[l], key[2]
+                changes[key] = [(mode, row.compute_ps(mode) - row.compute_ps(current),
+                                 row.saved_bytes[current] - row.saved_bytes[mode])
+                                for mode in key[3]]
+            for mode, slower, freed in changes[key]:
                 if freed <= 0:
                     continue
-                ratio = (rows[l].compute_ps(mode) - rows[l].compute_ps(current)) \
-                    / (freed * peak[i])
+                ratio = slower / (freed * peak[i])
                 if best is None or (ratio, l) < best[:2]:
                     best = (ratio, l, mode, i)
         if best is None:
