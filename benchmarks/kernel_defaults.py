@@ -39,10 +39,7 @@ sys.path.insert(0, str(ROOT))
 
 import partc  # noqa: E402
 from plan_llama import LLAMA3_405B  # noqa: E402
-from tests.validation import mcore  # noqa: E402
-
-LLAMA3_405B_PARAMS = 405.8e9
-LLAMA3_405B_TFLOPS_PER_GPU = 430.0
+from tests.validation import llama3, mcore  # noqa: E402
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,7 +72,7 @@ def _llama405b():
     from plan_llama import build_llama
 
     model = build_llama(LLAMA3_405B)
-    ids = torch.zeros(1, 8192, dtype=torch.long, device="meta")
+    ids = torch.zeros(1, llama3.SEQ_LEN, dtype=torch.long, device="meta")
     return model, ids, _causal_lm_loss
 
 
@@ -84,11 +81,8 @@ def rows() -> list[Row]:
                  mesh=dict(tp=run.tp, pp=run.pp, dp=run.dp), gpus=run.gpus, batch=run.batch,
                  published_s=mcore.step_flops(run) / (run.gpus * run.tflops_per_gpu * 1e12))
              for run in mcore.RUNS]
-    shape, tokens = LLAMA3_405B, 2048 * 8192
-    flops = (6 * LLAMA3_405B_PARAMS * tokens + 12 * shape["num_hidden_layers"]
-             * shape["hidden_size"] * 8192 * tokens)
-    found.append(Row(name="405B", build=_llama405b, mesh=dict(tp=8, pp=16, dp=64), gpus=8192,
-                     batch=2048, published_s=flops / (8192 * LLAMA3_405B_TFLOPS_PER_GPU * 1e12)))
+    found.append(Row(name="405B", build=_llama405b, mesh=dict(llama3.MESH), gpus=llama3.GPUS,
+                     batch=llama3.BATCH, published_s=llama3.published_step_s()))
     return found
 
 

@@ -70,9 +70,14 @@ def rank_of(name: str, pp: int, v: int, virtual_stage: int) -> int:
 
 @lru_cache(maxsize=4096)
 def stages_of_rank(name: str, pp: int, v: int, rank: int) -> tuple[int, ...]:
-    """The virtual stages rank ``rank`` holds, in model order (a pure function of its
-    arguments, asked for by every evaluation of a plan)."""
-    return tuple(j for j in range(pp * v) if rank_of(name, pp, v, j) == rank)
+    """The virtual stages rank ``rank`` holds, in model order (those :func:`rank_of`
+    places on it, found without asking it of every virtual stage: the search asks this
+    of every rank of every configuration it prices)."""
+    if not 0 <= rank < pp:
+        return ()
+    if schedule(name).placement == "v":   # down the ranks, then back up
+        return tuple(j for j in (rank, 2 * pp - 1 - rank) if j < pp * v)
+    return tuple(range(rank, pp * v, pp))
 
 
 @lru_cache(maxsize=4096)

@@ -159,11 +159,13 @@ def _cheapest_sends(table: CostTable) -> int:
     boundaries = config.crossings()
     if not boundaries:
         return 0
-    rows = table.cut_ps[:table.num_layers - 1]
-    if len(boundaries) == config.virtual_stages - 1:   # every boundary crosses (a slice)
-        cheapest = sorted(min(row[:len(boundaries)]) for row in rows)
-    else:
-        cheapest = sorted(min(row[j] for j in boundaries) for row in rows)
+    every = len(boundaries) == config.virtual_stages - 1   # every boundary crosses
+    least: dict[int, int] = {}   # per row: equal cuts (between blocks) share one
+    for row in table.cut_ps[:table.num_layers - 1]:
+        if id(row) not in least:
+            least[id(row)] = min(row[:len(boundaries)]) if every else min(
+                row[j] for j in boundaries)
+    cheapest = sorted(least[id(row)] for row in table.cut_ps[:table.num_layers - 1])
     return sum(cheapest[:len(boundaries)])
 
 
@@ -361,22 +363,27 @@ def _recompute_until_it_fits(table: CostTable, stage: int, runs: list[list[int]]
     held = config.held(stage)
     # Each peak's saved bytes (config.activations is the largest), kept as modes change.
     at_peak = [sum(n * a for n, a in zip(h, saved)) for h in held]
+    changes: dict[tuple, list[tuple[str, int, int]]] = {}   # per group: its modes' changes
     while True:
         top = max(range(len(held)), key=at_peak.__getitem__)   # the first of the largest
         peak = held[top]
         if state + at_peak[top] + transient + receive <= table.limits[stage]:
             return
         best = None
-        for (i, _, current, options), layers in groups.items():
+        for key, layers in groups.items():
+            i = key[0]
             if not layers or not peak[i]:
                 continue
             l = layers[0]
-            for mode in options:
-                freed = rows[l].saved_bytes[current] - rows[l].saved_bytes[mode]
+            if key not in changes:
+                row, current = rows[l], key[2]
+                changes[key] = [(mode, row.compute_ps(mode) - row.compute_ps(current),
+                                 row.saved_bytes[current] - row.saved_bytes[mode])
+                                for mode in key[3]]
+            for mode, slower, freed in changes[key]:
                 if freed <= 0:
                     continue
-                ratio = (rows[l].compute_ps(mode) - rows[l].compute_ps(current)) \
-                    / (freed * peak[i])
+                ratio = slower / (freed * peak[i])
                 if best is None or (ratio, l) < best[:2]:
                     best = (ratio, l, mode, i)
         if best is None:

@@ -15,8 +15,10 @@ and the plan that plays out fastest over all of them is kept (:func:`choose`):
 2. A mesh's configuration is the closed-form search's plan for it, or where that search
    pruned the mesh (by the closed form, which is no bound here) the greedy plan
    (:func:`~.bounds.incumbent`) of its configuration with the least floor (CP-SAT's,
-   where no greedy plan fits). Its other batch splits and ZeRO stages are weighed by the
-   closed form only.
+   where no greedy plan fits, on its configurations by floor while that floor is below
+   the fastest plan played: a 1T GPT's tensor-unsharded meshes, none of which fits,
+   built hundreds of CP-SAT models to prove it). Its other batch splits and ZeRO stages
+   are weighed by the closed form only.
 3. Each schedule and count of that configuration gets its own floor
    (:func:`~.bounds.played_floor`: its recompute, its crossing sends) and is left out
    where the floor reaches the fastest plan; else its greedy split is played out
@@ -110,7 +112,8 @@ def choose(problem: PlanningProblem, tables: list[CostTable],
     search.add(mesh_key(best.table.config), best, first=True)
     scale = min(1.0, problem.devices.split_backward_factor or 1.0)
     meshes = _meshes(tables, outcomes, cache, scale, mesh_key(best.table.config))
-    for done, (floor, key, members, result) in enumerate(meshes):
+    floors = {key: floor for floor, key, _, _, _ in meshes}
+    for done, (floor, key, members, member_floors, result) in enumerate(meshes):
         progress.update("schedules", done, len(meshes), f"pp={key[0]} dp={key[1]} "
                         f"tp={key[2]} cp={key[3]}", incumbent_s=search.step / PS_PER_S)
         if floor >= search.step and done:   # the chosen mesh's trials are all listed
@@ -120,7 +123,8 @@ def choose(problem: PlanningProblem, tables: list[CostTable],
         if result is None:
             result = _greedy_result(problem, [tables[i] for i in members], cache)
         if result is None:   # greedy fits none: CP-SAT may (its work counted)
-            result = search.solved_rep(options, [tables[i] for i in members])
+            result, floors[key] = search.solved_rep(options, [tables[i] for i in members],
+                                                    member_floors)
             if result is None:
                 continue
         if result is not best:
@@ -133,8 +137,7 @@ def choose(problem: PlanningProblem, tables: list[CostTable],
     # Ties keep CP-SAT's plan over a greedy one, then the earlier.
     fastest = min((t for t in search.trials if t.result is not None),
                   key=lambda t: (t.step_ps, t.greedy))
-    return Chosen(fastest.result, tuple(search.trials), finished, search.per_mesh,
-                  {key: floor for floor, key, _, _ in meshes})
+    return Chosen(fastest.result, tuple(search.trials), finished, search.per_mesh, floors)
 
 
 class _Search:
@@ -191,24 +194,31 @@ class _Search:
         self.trials[-1] = trial
         self.pending.append((not first, trial.step_ps, trial, bound))
 
-    def solved_rep(self, options: PlannerOptions, tables: list[CostTable]
-                   ) -> ConfigResult | None:
-        """CP-SAT's plan of the first of ``tables`` (a mesh's, by floor) that has one,
-        while the work lasts."""
+    def solved_rep(self, options: PlannerOptions, tables: list[CostTable],
+                   floors: list[float]) -> tuple[ConfigResult | None, float]:
+        """CP-SAT's plan of the first of ``tables`` (a mesh's, by their ``floors``
+        under any schedule, ascending) that has one, while the work lasts and its floor
+        is below the fastest plan played (the later ones' too: none of their plans can
+        win); and the mesh's floor without the configurations CP-SAT proved have none."""
         from partc.planner.search import solve_config
 
-        for table in tables:
+        left = math.inf   # the least floor of the configurations not proven planless
+        for table, floor in zip(tables, floors):
+            if floor >= self.step:
+                return None, min(left, floor)
             if self.work <= 0:
                 self.unsettled = True
-                return None
+                return None, min(left, floor)
             result, status, _, spent = solve_config(
                 self.problem, table, options, min(self.work, options.per_config_work), None,
                 None, self.cache.solutions.get(table.config), self.cache)
             self.work -= spent
             self.unsettled |= result is None and status == "UNKNOWN"
             if result is not None:
-                return result
-        return None
+                return result, min(left, floor)
+            if status != "INFEASIBLE":
+                left = min(left, floor)
+        return None, left
 
     def solve_pending(self, options: PlannerOptions) -> bool:
         """CP-SAT on each pending trial, the first mesh's first, then by greedy step,
@@ -258,10 +268,11 @@ class _Search:
 
 
 def _meshes(tables: list[CostTable], outcomes: list, cache: TableCache, scale: float,
-            chosen: tuple) -> list[tuple[float, tuple, list[int], ConfigResult | None]]:
+            chosen: tuple) -> list[tuple[float, tuple, list[int], list[float],
+                                         ConfigResult | None]]:
     """Per mesh with a configuration that may fit: its floor under any schedule, its
-    key, its configurations (by floor) and the closed-form search's plan for it (or
-    None); the ``chosen`` mesh first, then by floor."""
+    key, its configurations (by floor) and their floors, and the closed-form search's
+    plan for it (or None); the ``chosen`` mesh first, then by floor."""
     groups: dict[tuple, list[int]] = {}
     solved: dict[tuple, list[ConfigResult]] = {}   # per mesh, its results in order
     for i, table in enumerate(tables):
@@ -279,7 +290,8 @@ def _meshes(tables: list[CostTable], outcomes: list, cache: TableCache, scale: f
             continue
         results = solved.get(key, [])
         result = min(results, key=lambda r: r.evaluation.step_ps) if results else None
-        meshes.append((floors[members[0]], key, members, result))
+        meshes.append((floors[members[0]], key, members, [floors[i] for i in members],
+                       result))
     meshes.sort(key=lambda mesh: (mesh[1] != chosen, mesh[0], mesh[1]))
     return meshes
 
@@ -319,9 +331,13 @@ def priced_meshes(meshes: tuple[MeshResult, ...], chosen: Chosen) -> tuple[MeshR
     priced = []
     for mesh in meshes:
         found = fastest.get(mesh_axes(mesh))
-        if mesh.outcome != Outcome.INFEASIBLE:   # a bound on the step played, not the closed form
-            mesh = dataclasses.replace(mesh, bound_ps=int(floors.get(
-                mesh_axes(mesh), mesh.bound_ps)))
+        floor = floors.get(mesh_axes(mesh), mesh.bound_ps)
+        if mesh.outcome != Outcome.INFEASIBLE and floor == math.inf:   # CP-SAT proved
+            mesh = dataclasses.replace(mesh, outcome=Outcome.INFEASIBLE,   # none fits
+                                       bound_ps=None, config=None, step_ps=None,
+                                       status=None)
+        elif mesh.outcome != Outcome.INFEASIBLE:   # a bound on the step played, not the
+            mesh = dataclasses.replace(mesh, bound_ps=int(floor))   # closed form
         if found is not None:
             result, step = found
             mesh = dataclasses.replace(mesh, outcome=Outcome.SOLVED, config=result.table.config,

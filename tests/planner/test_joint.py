@@ -134,3 +134,47 @@ def test_the_chosen_meshs_interleavings_are_played_cut_evenly_too():
         evaluation = evaluate(trial.result.table, stage_of, trial.result.assignment.modes)
         assert evaluation.fits
         assert trial.step_ps <= simulated_step_ps(trial.config, evaluation)[0]
+
+
+def test_a_mesh_no_greedy_split_fits_is_solved_only_below_the_fastest_plan(own, monkeypatch):
+    """Where no greedy split fits a mesh, CP-SAT looks for its plan only among its
+    configurations whose floor is below the fastest plan played; a mesh whose every
+    configuration CP-SAT proved planless is reported infeasible, not left to the work
+    limit."""
+    import math
+
+    from partc.cost.tables import TableCache
+    from partc.options import PlannerOptions
+    from partc.planner import joint, search as search_module
+
+    result, _ = own
+    prob = _instance()
+    cache = TableCache()
+    config = result.best.table.config
+    table = build_cost_table(prob, config, cache)
+    found = joint._Search(prob, cache, work=10.0, limit=10**6)
+    found.step = 1000
+    calls = []
+    real = search_module.solve_config
+    monkeypatch.setattr(search_module, "solve_config",
+                        lambda *args, **kwargs: calls.append(args) or real(*args, **kwargs))
+    assert found.solved_rep(PlannerOptions(), [table], [1000.0]) == (None, 1000.0)
+    assert not calls   # its floor reached the fastest plan: no model built
+    tight = dataclasses.replace(prob, devices=dataclasses.replace(
+        prob.devices, memory_bytes=(1_000,) * prob.devices.num_devices))
+    planless = joint._Search(tight, cache, work=10.0, limit=10**6)
+    assert planless.solved_rep(PlannerOptions(), [build_cost_table(tight, config)],
+                               [0.0]) == (None, math.inf)
+    assert len(calls) == 1 and not planless.unsettled
+    # The report: that mesh infeasible, the others as the search left them.
+    other = next(m for m in result.meshes if (m.pp, m.dp) != (config.pp, config.dp))
+    assert other.outcome != Outcome.INFEASIBLE
+    step = min(t.step_ps for t in result.schedule_trials if t.step_ps is not None)
+    chosen = joint.Chosen(result.best, result.schedule_trials, True,
+                          {joint.mesh_key(config): (result.best, step)},
+                          {joint.mesh_key(config): 0.0,
+                           joint.mesh_axes(other) + (False, None, 1): math.inf})
+    priced = {(m.pp, m.dp): m for m in joint.priced_meshes(result.meshes, chosen)}
+    assert priced[other.pp, other.dp].outcome == Outcome.INFEASIBLE
+    assert priced[other.pp, other.dp].bound_ps is None
+    assert priced[config.pp, config.dp].outcome == Outcome.SOLVED
