@@ -640,15 +640,21 @@ class Plan:
         return self.mesh.cp_kind
 
     @property
+    def grad_dp(self) -> int:
+        """The ranks holding the same parameters, over which gradients are reduced and
+        ZeRO shards the state: dp x cp."""
+        return self.dp * self.cp
+
+    @property
     def effective_zero_stage(self) -> int:
         """The ZeRO stage the runtime runs (:func:`partc.problem.effective_zero_stage`)."""
-        return effective_zero_stage(self.zero_stage, self.dp * self.cp)
+        return effective_zero_stage(self.zero_stage, self.grad_dp)
 
     @property
     def reduces_once(self) -> bool:
         """ZeRO-2 accumulates the step's gradients whole and reduce-scatters them in the
         last microbatch's backward (:func:`partc.problem.reduces_once_per_step`)."""
-        return reduces_once_per_step(self.zero_stage, self.dp * self.cp, self.zero2_grad_sync,
+        return reduces_once_per_step(self.zero_stage, self.grad_dp, self.zero2_grad_sync,
                                      self.num_microbatches)
 
     @property

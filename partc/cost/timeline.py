@@ -41,8 +41,8 @@ from unittest import mock
 import torch
 from torch.distributed.pipelining import schedules as torch_schedules
 
-from partc.cost.schedules import (SCHEDULE_TABLE, rank_of, refusal, schedule as schedule_info,
-                                  stages_of_rank)
+from partc.cost.schedules import (SCHEDULE_TABLE, crossing_runs, rank_of, refusal,
+                                  schedule as schedule_info, stages_of_rank)
 from partc.names import Phase, Schedule
 
 #: Kinds of :class:`Block`, in the order pictures list them.
@@ -347,7 +347,8 @@ def _order_steps(schedule: str, pp: int, v: int, m: int) -> tuple[tuple, list[in
     for j in range(runs):
         chunk_of[j], seen[rank[j]] = seen[rank[j]], seen[rank[j]] + 1
     # Sends cross ranks only: the cut after virtual stage j, to j + 1.
-    crosses = [j < runs - 1 and rank[j] != rank[j + 1] for j in range(runs)]
+    crossing = set(crossing_runs(schedule, pp, v))
+    crosses = [j in crossing for j in range(runs)]
 
     def event(kind: str, mb: int, j: int) -> int:
         return (_EVENTS.index(kind) * m + mb) * runs + j

@@ -131,7 +131,7 @@ def _pins(problem: PlanningProblem, plan: Plan, errors: list[str]) -> None:
               # A pinned ZeRO stage is what runs where there are replicas to shard
               # over; a pinned gradient sync where ZeRO-2 runs (the plan records both so).
               "zero_stage": (None if pins.zero_stage is None
-                             else effective_zero_stage(pins.zero_stage, plan.dp * plan.cp),
+                             else effective_zero_stage(pins.zero_stage, plan.grad_dp),
                              plan.zero_stage),
               "zero2_grad_sync": (pins.zero2_grad_sync if plan.effective_zero_stage == 2
                                   else None, plan.zero2_grad_sync)}
@@ -318,7 +318,7 @@ def field_conflicts(plan: Plan) -> list[tuple[str, str]]:
                               f"{plan.budget.num_devices}"))
     if plan.zero_stage not in (0, 1, 2, 3):
         found.append(("zero_stage", f"{plan.zero_stage}: one of 0, 1, 2, 3"))
-    elif plan.zero_stage and mesh.dp * mesh.cp == 1:
+    elif plan.zero_stage and plan.grad_dp == 1:
         found.append(("zero_stage", f"ZeRO-{plan.zero_stage} with mesh.dp x mesh.cp = 1: "
                                     "there is no other rank holding the parameters to shard "
                                     "over (0 runs)"))

@@ -174,7 +174,7 @@ def _mfu_line(plan: Plan) -> str:
                f"(flops_efficiency)" if figures.flops_efficiency is not None else ""))
     stage = _dp_busiest(plan)
     if stage is None:
-        return line + (", with no data-parallel traffic" if plan.dp * plan.cp == 1 else "")
+        return line + (", with no data-parallel traffic" if plan.grad_dp == 1 else "")
     section = plan.data_parallel
     total, exposed = section.seconds(stage), section.exposed_s(stage)
     hidden = max(0.0, total - exposed)
@@ -269,7 +269,7 @@ def _activation_offload_lines(plan: Plan) -> list[str]:
 
 def _gradient_group(plan: Plan) -> str:
     """The ranks that reduce gradients and shard ZeRO state together, in words."""
-    return "dp" if plan.cp == 1 else f"dp x cp = {plan.dp * plan.cp} ranks"
+    return "dp" if plan.cp == 1 else f"dp x cp = {plan.grad_dp} ranks"
 
 
 def _zero_sharding(plan: Plan) -> str:
@@ -285,7 +285,7 @@ def _zero_sharding(plan: Plan) -> str:
 def _memory_lines(plan: Plan) -> list[str]:
     stage = plan.effective_zero_stage
     sharded = _ZERO_SHARDS.get(1 if plan.reduces_once else stage)
-    zero = f"; ZeRO-{stage} keeps 1/{plan.dp * plan.cp} of the {sharded}" if sharded else ""
+    zero = f"; ZeRO-{stage} keeps 1/{plan.grad_dp} of the {sharded}" if sharded else ""
     if plan.reduces_once:
         zero += " and the whole fp32 gradient, accumulated until the step's last backward"
     gathered = {2: " (and the weights gathered for the step beside their shards)",
