@@ -24,6 +24,19 @@ opens them, relative to the block that reads them within one container (``-1``: 
 previous block, whatever its index) and through a caller-given mapping otherwise (dedupe
 maps each block to the representative that stands for it): equal descriptions mean that
 the layer graphs, the code between blocks included, are the same up to block indices.
+
+What it costs, and why it is not cheaper: the recording is one forward of the whole model
+(no backward), and nearly all of its time is the fake tensors' dispatch of each op (for
+Llama-3-70B, about 24,000 dispatches for 80 blocks: half of the trace phase of a cold
+plan). It runs on fake tensors with autograd on because that is what ``torch.export``
+runs on the representatives, and the recording must see what export would: on meta
+tensors Hugging Face's masks call ``.item()`` (its ``is_tracing`` holds for fakes only);
+without autograd, code that asks ``torch.is_grad_enabled()`` or a tensor's
+``requires_grad`` takes another branch, the same for every block (a loop that detaches
+one block's output when gradients are on would record it like the others), and the
+gradient flags that tell blocks after a detach from those before would all be off.
+Each call is described as it is recorded, so describing a segment afterwards costs
+nothing but the blocks of another container it names.
 """
 
 from __future__ import annotations
