@@ -44,6 +44,9 @@ def behaviour_digest(model: nn.Module) -> str:
     out; code outside the module classes (a function their forward calls) is not seen."""
     digest = hashlib.sha256()
     classes: dict[type, str] = {}
+    # One object held by many modules (a Hugging Face config, whose repr is its JSON) is
+    # described once: every value here is alive, so its id names it.
+    described: dict[int, str] = {}
     for fqn, module in model.named_modules(remove_duplicate=False):
         kind = type(module)
         if kind not in classes:
@@ -51,7 +54,10 @@ def behaviour_digest(model: nn.Module) -> str:
         digest.update(f"m {fqn} {classes[kind]}\n".encode())
         for name, value in sorted(vars(module).items()):
             if not name.startswith("_"):
-                digest.update(f"a {fqn}.{name} {_stable_repr(value)}\n".encode())
+                text = described.get(id(value))
+                if text is None:
+                    text = described[id(value)] = _stable_repr(value)
+                digest.update(f"a {fqn}.{name} {text}\n".encode())
     for fqns in sorted(param_fqns(model).values()):
         digest.update(f"t {' '.join(fqns)}\n".encode())
     return digest.hexdigest()[:16]

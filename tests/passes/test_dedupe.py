@@ -348,6 +348,35 @@ def test_the_skip_after_the_fifth_block_is_seen():
     dedupe.prove(scheduled(), (repeat,), example)
 
 
+class Frozen(Stack):
+    """Detaches the third block's output when gradients are on, as a fine-tuning loop
+    freezing the bottom of a stack does: the blocks are alike, and so is the code
+    around them unless autograd runs."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.stem(x)
+        for index, block in enumerate(self.blocks):
+            h = block(h)
+            if index == 2 and torch.is_grad_enabled():
+                h = h.detach()
+        return self.head(h)
+
+
+def test_the_forward_is_recorded_as_export_runs_it_with_gradients_on():
+    """The recording runs with autograd, as torch.export does: recorded without it, the
+    third block would look like the second and stand for it, detach and all."""
+    build = lambda: Frozen([Mlp(8, 8) for _ in range(8)], 8, 8)  # noqa: E731
+    example = ((torch.randn(2, 8),), {})
+    (repeat,) = dedupe.find_repeats(build(), example)
+    # The third block detaches, the fourth reads a value that needs no gradient.
+    assert repeat.kept == (0, 1, 2, 3, 7)
+    assert repeat.stands_for == (0, 1, 2, 3, 1, 1, 1, 4)
+    dedupe.prove(build(), (repeat,), example)
+    (_, full), (gm, analysis) = traced_both_ways(build, torch.randn(2, 8))
+    assert len(meta.layers(gm)) < len(full.layers)
+    assert_same_analysis(analysis, full)
+
+
 def test_the_skip_after_the_fifth_block_builds_under_tensor_parallelism():
     """The issue's report: the plan's sharding had 11 node choices for the fifth block,
     the traced layer 12, and the tp=2 stage failed to build."""
