@@ -25,6 +25,8 @@ import math
 from typing import Any, Sequence
 
 from partc.cost.evaluate import Evaluation, evaluate, receive_bytes
+from partc.cost.schedules import schedule as schedule_info
+from partc.cost.timeline import WEIGHT_SHARE
 from partc.cost.tables import CostTable, TableCache
 from partc.planner.results import Assignment, ConfigResult
 from partc.problem import RECOMPUTE_MODES, PlanningProblem
@@ -147,8 +149,25 @@ def played_floor(table: CostTable, cache: TableCache | None = None, *,
     comm = 0 if any_schedule else _cheapest_sends(table)
     starts = sum(itertools.accumulate(table.layers[l].forward_ps
                                       for l in range(min(pp, table.num_layers) - 1)))
-    busy = max(m * max(fastest.values()), -(-(m * (total + comm) + starts) // pp))
+    busy = max(m * max(fastest.values()), -(-(m * (total + comm) + starts) // pp),
+               _first_microbatch(table, distinct, scale, any_schedule) + recompute)
     return busy + _tail_floor(table, distinct)
+
+
+def _first_microbatch(table: CostTable, distinct: dict[int, tuple[Any, int]], scale: float,
+                      any_schedule: bool) -> int:
+    """The least time the first microbatch takes through every layer and back, its
+    least recompute aside: each layer's forward waits for the one before's, and its
+    backward (under a split backward its input gradient, the part the layer before
+    waits for: :data:`~partc.cost.timeline.WEIGHT_SHARE` of it is the weight's) for the
+    one after's, whatever the ranks; with ``any_schedule`` the least of these over
+    every schedule. Beyond the busiest rank's work where microbatches are few against
+    the ranks (one microbatch through four ranks takes all four's time)."""
+    split = any_schedule or schedule_info(table.config.schedule).split_backward
+    share = scale * (1 - WEIGHT_SHARE) if split else scale
+    return sum((row.forward_ps + math.floor(share * row.backward_ps)
+                + min(row.recompute_ps.values())) * count
+               for row, count in distinct.values())
 
 
 def _cheapest_sends(table: CostTable) -> int:
