@@ -7,8 +7,8 @@
   those whose bound is no better than the best plan found.
 - :func:`played_floor`: a step time no plan of a configuration plays out below
   (:func:`~partc.cost.evaluate.simulated_step_ps`, what a plan reports), whatever its
-  schedule: the busiest rank's work, the first microbatch's way to each rank and the
-  tails. The closed form's :func:`lower_bound` is none: its fill and drain is the closed
+  schedule: the busiest rank's work, the first microbatch's way to each rank (and
+  through every layer and back) and the tails. The closed form's :func:`lower_bound` is none: its fill and drain is the closed
   form's, which a schedule played out may beat. The joint search over schedules
   (:mod:`.joint`) prunes by it.
 - :func:`incumbent`: the greedy plan CP-SAT starts from: the fastest modes split evenly
@@ -134,7 +134,10 @@ def played_floor(table: CostTable, cache: TableCache | None = None, *,
     (when a rank starts the first microbatch's backward, its forward has passed every
     run of the rank and none of their activations is freed yet): a weaker floor that
     needs no schedule's order (``one_in_flight`` prices a schedule's own floor cheaply,
-    before its order is played). Then the least tail (:func:`_tail_floor`)."""
+    before its order is played). The span is also at least the first microbatch's way
+    through every layer and back (:func:`_first_microbatch`) with that recompute,
+    which binds where microbatches are few against the ranks. Then the least tail
+    (:func:`_tail_floor`)."""
     config = table.config
     pp, m = config.pp, config.num_microbatches
     distinct, knapsack = _distinct(table, cache)
