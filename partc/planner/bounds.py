@@ -134,10 +134,10 @@ def played_floor(table: CostTable, cache: TableCache | None = None, *,
     (when a rank starts the first microbatch's backward, its forward has passed every
     run of the rank and none of their activations is freed yet): a weaker floor that
     needs no schedule's order (``one_in_flight`` prices a schedule's own floor cheaply,
-    before its order is played). The span is also at least the first microbatch's way
-    through every layer and back (:func:`_first_microbatch`) with that recompute,
-    which binds where microbatches are few against the ranks. Then the least tail
-    (:func:`_tail_floor`)."""
+    before its order is played). For its own schedule the span is also at least the
+    first microbatch's way through every layer and back (:func:`_first_microbatch`)
+    with that recompute, which binds where microbatches are few against the ranks.
+    Then the least tail (:func:`_tail_floor`)."""
     config = table.config
     pp, m = config.pp, config.num_microbatches
     distinct, knapsack = _distinct(table, cache)
@@ -153,21 +153,24 @@ def played_floor(table: CostTable, cache: TableCache | None = None, *,
     starts = sum(itertools.accumulate(table.layers[l].forward_ps
                                       for l in range(min(pp, table.num_layers) - 1)))
     busy = max(m * max(fastest.values()), -(-(m * (total + comm) + starts) // pp),
-               _first_microbatch(table, distinct, scale, any_schedule) + recompute)
+               0 if any_schedule else _first_microbatch(table, distinct) + recompute)
     return busy + _tail_floor(table, distinct)
 
 
-def _first_microbatch(table: CostTable, distinct: dict[int, tuple[Any, int]], scale: float,
-                      any_schedule: bool) -> int:
+def _first_microbatch(table: CostTable, distinct: dict[int, tuple[Any, int]]) -> int:
     """The least time the first microbatch takes through every layer and back, its
     least recompute aside: each layer's forward waits for the one before's, and its
     backward (under a split backward its input gradient, the part the layer before
     waits for: :data:`~partc.cost.timeline.WEIGHT_SHARE` of it is the weight's) for the
-    one after's, whatever the ranks; with ``any_schedule`` the least of these over
-    every schedule. Beyond the busiest rank's work where microbatches are few against
-    the ranks (one microbatch through four ranks takes all four's time)."""
-    split = any_schedule or schedule_info(table.config.schedule).split_backward
-    share = scale * (1 - WEIGHT_SHARE) if split else scale
+    one after's, whatever the ranks. Beyond the busiest rank's work where microbatches
+    are few against the ranks (one microbatch through four ranks takes all four's time).
+
+    Not in the floor under any schedule: that floor orders the joint search's meshes,
+    and with this term in it Llama-3-70B's cold plan (1,024 H100) moved meshes of few
+    microbatches ahead and played 66 more trials (414 against 348) for the same plan,
+    two of its trials then left for want of CP-SAT work."""
+    split = schedule_info(table.config.schedule).split_backward
+    share = 1 - WEIGHT_SHARE if split else 1.0
     return sum((row.forward_ps + math.floor(share * row.backward_ps)
                 + min(row.recompute_ps.values())) * count
                for row, count in distinct.values())
