@@ -350,24 +350,27 @@ def _order_steps(schedule: str, pp: int, v: int, m: int) -> tuple[tuple, list[in
     crossing = set(crossing_runs(schedule, pp, v))
     crosses = [j in crossing for j in range(runs)]
 
-    def event(kind: str, mb: int, j: int) -> int:
-        return (_EVENTS.index(kind) * m + mb) * runs + j
-
+    # An event's number: (its kind's place in _EVENTS * m + microbatch) * runs + run.
+    block = m * runs   # the numbers of one kind
+    forward, input_, grad_ = (_EVENTS.index(kind) * block
+                              for kind in ("forward", "input", "grad"))
+    own = {phase: _EVENTS.index(str(phase.value)) * block for phase in _PHASE_INDEX}
     orders = []
     for ops in torch_order(schedule, pp, v, m):
         steps = []
         for op in ops:
-            phase, j, mb = op.phase, op.stage, op.microbatch
+            phase, j = op.phase, op.stage
+            at = op.microbatch * runs + j   # this microbatch's run j, within a kind
             if phase == Phase.FORWARD:
-                needs = event("forward", mb, j - 1) if j > 0 else -1
+                needs = forward + at - 1 if j > 0 else -1
             elif phase == Phase.WEIGHT:
-                needs = event("input", mb, j)
+                needs = input_ + at
             else:
-                needs = event("grad", mb, j + 1) if j < runs - 1 else event("forward", mb, j)
-            grad = event("grad", mb, j) if phase in (Phase.BACKWARD, Phase.INPUT) else -1
+                needs = grad_ + at + 1 if j < runs - 1 else forward + at
+            grad = grad_ + at if phase in (Phase.BACKWARD, Phase.INPUT) else -1
             held = 1 if phase == Phase.FORWARD else 0 if phase == Phase.INPUT else -1
-            steps.append((op, _PHASE_INDEX[phase] * runs + j, needs,
-                          event(str(phase.value), mb, j), grad, held))
+            steps.append((op, _PHASE_INDEX[phase] * runs + j, needs, own[phase] + at, grad,
+                          held))
         orders.append(tuple(steps))
     return tuple(orders), chunk_of, crosses
 

@@ -27,10 +27,11 @@ and the plan that plays out fastest over all of them is kept (:func:`choose`):
    meshes other than the chosen one, within ``PlannerOptions.schedule_trial_ops``
    operations played: the rest are not reached, and the plan FEASIBLE).
 4. CP-SAT then solves the schedules still in the running, fastest greedy split first
-   (the chosen mesh's before the others', which share one configuration's work and
-   get it only where their greedy split played out within :data:`NEAR` of the fastest
-   plan), each from its greedy split and kept where it plays out faster, while the
-   work limit lasts; a trial whose floor reaches the fastest plan by then is not solved.
+   (the chosen mesh's before the others', which share a quarter of one configuration's
+   work, :data:`LATER_SHARE`, and get it only where their greedy split played out
+   within :data:`NEAR` of the fastest plan), each from its greedy split and kept where
+   it plays out faster, while the work limit lasts; a trial whose floor reaches the
+   fastest plan by then is not solved.
 
 Every bound used is a lower bound on the step played out, so a plan left out is never
 faster than the one kept. In what sense the plan is OPTIMAL: the closed-form search
@@ -73,6 +74,12 @@ NO_SPLIT = "no split fits"
 # objective is the closed form, so its split is no bound on the step played out either;
 # a greedy split further above is settled as played, and the plan stays OPTIMAL).
 NEAR = 0.02
+# The share of one configuration's CP-SAT work that the schedules of meshes after the
+# first get between them. A whole one (2 deterministic s by default) cost Llama-3-70B's
+# cold plan on 1,024 H100 4.2 of its 15.4 CPU-s of planning, on two trials whose
+# greedy splits CP-SAT did not beat; at a quarter, that plan, the Megatron-Core rows'
+# and Llama 3 405B's pinned-against-unpinned checks are unchanged.
+LATER_SHARE = 0.25
 
 
 def mesh_key(config: PipelineConfig) -> tuple:
@@ -230,11 +237,11 @@ class _Search:
         from partc.planner.search import solve_config
 
         finished = True
-        # Other meshes' schedules get one configuration's share of the work between them,
-        # and only those whose greedy split played out within NEAR of the fastest plan:
-        # their greedy splits are played already (so settled), and CP-SAT's work on each
-        # is what a cold plan of a 70B model was seen to spend most of its time on.
-        others = options.per_config_work
+        # Other meshes' schedules get LATER_SHARE of one configuration's work between
+        # them, and only those whose greedy split played out within NEAR of the fastest
+        # plan: their greedy splits are played already (so settled), and CP-SAT's work on
+        # each is what a cold plan of a 70B model was seen to spend most of its time on.
+        others = options.per_config_work * LATER_SHARE
         for later, _, trial, bound in sorted(self.pending, key=lambda p: (p[0], p[1])):
             config = trial.config
             if bound >= self.step:

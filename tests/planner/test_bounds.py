@@ -11,7 +11,7 @@ from partc.planner.bounds import (balanced_split, incumbent, lower_bound, min_ma
                                   played_floor)
 from partc.planner.search import candidate_configs, schedule_candidates
 
-from .instances import random_problem
+from .instances import least_played, random_problem
 
 
 def test_lower_bound_never_exceeds_a_configurations_optimum():
@@ -82,3 +82,32 @@ def test_bounds_kept_in_a_table_cache_are_the_bounds_made_afresh():
                     max(min(h) for h in other.held(s)) for s in range(other.pp))
                 checked += other.chunks > 1
     assert checked > 20   # interleaved ones among them
+
+
+def test_the_played_floor_counts_the_first_microbatchs_way_through_every_layer():
+    """Where microbatches are few against the ranks, the floor on the step played is the
+    first microbatch's forward through every layer and its backward (its input gradient
+    under a split backward) back, not the busiest rank's share: never above the least
+    step any split plays (brute force), and at it or near where the pipeline holds one
+    microbatch."""
+    rng = random.Random(3)
+    checked = near = 0
+    for _ in range(24):
+        prob = random_problem(rng)
+        if prob.num_layers > 8:
+            continue
+        for config in candidate_configs(prob):
+            for trial in [config] + schedule_candidates(prob, config):
+                if trial.pp < 2 or trial.num_microbatches > 4 or trial.virtual_stages > 6:
+                    continue
+                played = least_played(prob, trial)
+                if played is None:
+                    continue
+                table = build_cost_table(prob, trial)
+                floors = [played_floor(table), played_floor(table, one_in_flight=True),
+                          played_floor(table, any_schedule=True, backward_scale=(
+                              prob.devices.split_backward_factor or 1.0))]
+                assert max(floors) <= played, trial
+                checked += 1
+                near += trial.num_microbatches == 1 and floors[0] >= 0.95 * played
+    assert checked > 40 and near > 5
