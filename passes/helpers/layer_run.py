@@ -26,7 +26,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import FlopCounterMode
 
 from partc import meta
-from partc.autocast_policy import cuda_autocast
+from partc.autocast_policy import cuda_autocast, cuda_policy
 from partc.passes import fuse_attention
 from partc.passes.helpers.graph import dropout_args, fetch, is_dtype_check
 from partc.passes.helpers.op_bytes import COPY_THEN_IN_PLACE, FLOP_FORMULAS, MovedBytes, nbytes
@@ -376,6 +376,17 @@ def _autocast(setting: Setting, nodes: list[fx.Node]) -> Any:
     if where == "cpu":
         return cuda_autocast(setting.autocast)
     return torch.autocast(where, dtype=setting.autocast)
+
+
+def autocast_rules(setting: Setting, layers: list[list[fx.Node]]) -> Any:
+    """CUDA's autocast rules installed for the runs of all of ``layers`` at once, where
+    some run under CPU autocast (:func:`_autocast`), rather than at each region a run
+    enters: an installation registers hundreds of kernels, and a block open inside
+    shares it (``cuda_policy``), so the runs compute the same either way."""
+    if setting.autocast is None or not any((setting.device or _device_type(nodes)) == "cpu"
+                                           for nodes in layers):
+        return contextlib.nullcontext()
+    return cuda_policy(setting.autocast)
 
 
 def _device_type(nodes: list[fx.Node]) -> str:
