@@ -64,6 +64,7 @@ from partc.passes.context import Context
 from partc.passes.helpers.graph import carries_grad, layer_nodes, param_usage
 from partc.passes.helpers.layer_cost import layer_cost
 from partc.passes.helpers.layer_run import LayerRun, Setting, autocast_rules, run_layer
+from partc.passes.helpers.run_memo import moved_run, run_key
 from partc.passes.layers import crossing_bytes
 
 
@@ -106,7 +107,7 @@ def _measure_layer(gm: fx.GraphModule, info: meta.LayerInfo, setting: Setting,
         first, run = measured[key]
         run = _copy_run(run, layer_nodes(gm, first), nodes)
     else:
-        run = run_layer(gm, nodes, setting)
+        run = _run_once(gm, nodes, setting, ctx.layer_runs)
         measured[key] = (info, run)
     setting.dtypes.update(run.dtypes)
     for node, node_cost in run.costs.items():
@@ -115,6 +116,21 @@ def _measure_layer(gm: fx.GraphModule, info: meta.LayerInfo, setting: Setting,
         if len(made) == len(meta.tensors(node)):
             meta.set_run_dtypes(node, made)
     return layer_cost(gm, info, nodes, run, usage, ctx.batch_size, shared, setting.dtypes)
+
+
+def _run_once(gm: fx.GraphModule, nodes: list[fx.Node], setting: Setting,
+              kept: dict[tuple, tuple[list[fx.Node], LayerRun]]) -> LayerRun:
+    """The run of ``nodes``, or of a layer of another graph measured from the same
+    context that reads all the same (``Context.layer_runs``), given to these nodes."""
+    key = run_key(gm, nodes, setting)
+    if key is None:
+        return run_layer(gm, nodes, setting)
+    if key in kept:
+        source, run = kept[key]
+        return moved_run(run, source, nodes)
+    run = run_layer(gm, nodes, setting)
+    kept[key] = (nodes, run)
+    return run
 
 
 def _on_meta(gm: fx.GraphModule) -> bool:
