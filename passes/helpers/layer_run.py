@@ -496,9 +496,22 @@ def _moved(device: str | None, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
     stand-ins' ``device`` (tensors made inside the layer, ``arange(device=...)``)."""
     if device is None:
         return args, kwargs
+    if not _names_device((args, kwargs)):   # most calls: nothing to replace
+        return tuple(args), dict(kwargs)
     return pytree.tree_map_only(
         torch.device, lambda d: torch.device(device) if d.type == "meta" else d,
         (tuple(args), dict(kwargs)))   # fx's immutable containers are leaves to pytree
+
+
+def _names_device(value: Any) -> bool:
+    """Whether a device is among ``value``'s items, at any depth of its containers."""
+    if isinstance(value, torch.device):
+        return True
+    if isinstance(value, (list, tuple)):
+        return any(_names_device(item) for item in value)
+    if isinstance(value, dict):
+        return any(_names_device(item) for item in value.values())
+    return False
 
 
 def _named_state(module: nn.Module) -> list[tuple[str, torch.Tensor]]:
