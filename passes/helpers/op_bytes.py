@@ -187,12 +187,28 @@ class _OpKind:
 
     def __init__(self, func: Any) -> None:
         packet = func.overloadpacket
-        self.moves_nothing = func.is_view or packet in _ALLOCATING
+        # (Queries that return no tensor, prim.device above all, are asked for each op
+        # autograd runs: answered without a look at their arguments.)
+        self.moves_nothing = func.is_view or packet in _ALLOCATING or not any(
+            _may_hold_tensor(result.type) for result in func._schema.returns)
         self.heavy = packet in _HEAVY
         self.mutable = func._schema.is_mutable
         self.write_only = packet in _WRITE_ONLY
         self.copy_then_in_place = packet in COPY_THEN_IN_PLACE
         self.softmax_backward = packet is torch.ops.aten._softmax_backward_data
+
+
+# Return types that hold no tensor (a schema's type kinds; lists are looked into).
+_NO_TENSOR_KINDS = frozenset(("DeviceObjType", "IntType", "FloatType", "BoolType", "NumberType",
+                              "SymIntType", "SymFloatType", "SymBoolType", "StringType",
+                              "ScalarTypeType", "LayoutType", "MemoryFormatType", "NoneType"))
+
+
+def _may_hold_tensor(kind: Any) -> bool:
+    """Whether an op's return of schema type ``kind`` may be or hold a tensor."""
+    if kind.kind() == "ListType":
+        return _may_hold_tensor(kind.getElementType())
+    return kind.kind() not in _NO_TENSOR_KINDS
 
 
 class _Storage:
