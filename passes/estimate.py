@@ -64,7 +64,7 @@ from partc.passes.context import Context
 from partc.passes.helpers.graph import carries_grad, layer_nodes, param_usage
 from partc.passes.helpers.layer_cost import layer_cost
 from partc.passes.helpers.layer_run import LayerRun, Setting, autocast_rules, run_layer
-from partc.passes.helpers.run_memo import moved_run, run_key
+from partc.passes.helpers.run_memo import given_run, kept_run, run_key
 from partc.passes.layers import crossing_bytes
 
 
@@ -119,18 +119,17 @@ def _measure_layer(gm: fx.GraphModule, info: meta.LayerInfo, setting: Setting,
 
 
 def _run_once(gm: fx.GraphModule, nodes: list[fx.Node], setting: Setting,
-              kept: dict[tuple, tuple[list[fx.Node], LayerRun]]) -> LayerRun:
+              kept: dict[tuple, LayerRun]) -> LayerRun:
     """The run of ``nodes``, or of a layer of another graph measured from the same
     context that reads all the same (``Context.layer_runs``), given to these nodes."""
     key = run_key(gm, nodes, setting)
     if key is None:
         return run_layer(gm, nodes, setting)
-    if key in kept:
-        source, run = kept[key]
-        return moved_run(run, source, nodes)
-    run = run_layer(gm, nodes, setting)
-    kept[key] = (nodes, run)
-    return run
+    if key not in kept:
+        run = run_layer(gm, nodes, setting)
+        kept[key] = kept_run(run, nodes)
+        return run
+    return given_run(kept[key], nodes)
 
 
 def _on_meta(gm: fx.GraphModule) -> bool:

@@ -8,8 +8,9 @@ reads of a layer — its nodes in order (op, callable, wiring, literal arguments
 traced tensors), the values it reads from outside (their fake values' shapes, strides and
 dtypes, the dtypes they were made in, whether they carry a gradient), its parameters'
 shapes, strides, dtypes and kinds, the modules it calls, and the setting's precision and
-devices — and :func:`moved_run` gives a kept run to the nodes of another layer of the
-same key, node for node: the same :class:`LayerRun` a run of that layer gives.
+devices — and a run kept (:func:`kept_run`, each node replaced by its place) is given to
+the nodes of another layer of the same key (:func:`given_run`): the same
+:class:`LayerRun` a run of that layer gives.
 
 A layer that reads a submodule other than through a module call (the tensor-parallel
 group, an exported subgraph) has no key: it is measured each time. So has a layer with an
@@ -19,7 +20,7 @@ devices and containers of them).
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.utils._pytree as pytree
@@ -110,23 +111,31 @@ def _outside(gm: fx.GraphModule, node: fx.Node, setting: Setting) -> tuple:
             meta.tensors(node) if meta.TENSORS in node.meta else None)
 
 
-def moved_run(run: LayerRun, source: list[fx.Node], target: list[fx.Node]) -> LayerRun:
-    """``run`` (of the layer of nodes ``source``) for the layer of nodes ``target`` with the
-    same :func:`run_key`: every node, its own and those it reads from outside, mapped to
-    the one in the same place."""
-    mapping = dict(zip(source, target))
-    mapping.update(zip(_outside_nodes(source), _outside_nodes(target)))
+def kept_run(run: LayerRun, nodes: list[fx.Node]) -> LayerRun:
+    """``run`` (of the layer of ``nodes``) to keep: each node, the layer's own and those it
+    reads from outside, replaced by its place (so that no graph is kept alive by it)."""
+    places = {node: place for place, node in enumerate(nodes + _outside_nodes(nodes))}
+    return _mapped(run, places.__getitem__)
 
-    def nodes(found: dict) -> dict:
-        return {mapping[node]: value for node, value in found.items()}
 
-    moved = LayerRun(costs=nodes(run.costs), inputs=nodes(run.inputs), dtypes=nodes(run.dtypes),
-                     backward_bytes=run.backward_bytes, kernels=nodes(run.kernels),
-                     backward_kernels=run.backward_kernels, rings=list(run.rings))
-    moved.saved = {key: (size, mapping[node]) for key, (size, node) in run.saved.items()}
-    moved.savers = {key: {mapping[node] for node in found} for key, found in run.savers.items()}
-    moved.storages = nodes(run.storages)
-    return moved
+def given_run(kept: LayerRun, nodes: list[fx.Node]) -> LayerRun:
+    """A :func:`kept_run` given to the layer of ``nodes`` (of the same :func:`run_key`):
+    each place back to the node in it, the same :class:`LayerRun` a run of the layer
+    gives."""
+    return _mapped(kept, (nodes + _outside_nodes(nodes)).__getitem__)
+
+
+def _mapped(run: LayerRun, to: Callable[[Any], Any]) -> LayerRun:
+    def keyed(found: dict) -> dict:
+        return {to(node): value for node, value in found.items()}
+
+    mapped = LayerRun(costs=keyed(run.costs), inputs=keyed(run.inputs), dtypes=keyed(run.dtypes),
+                      backward_bytes=run.backward_bytes, kernels=keyed(run.kernels),
+                      backward_kernels=run.backward_kernels, rings=list(run.rings))
+    mapped.saved = {key: (size, to(node)) for key, (size, node) in run.saved.items()}
+    mapped.savers = {key: {to(node) for node in found} for key, found in run.savers.items()}
+    mapped.storages = keyed(run.storages)
+    return mapped
 
 
 def _outside_nodes(nodes: list[fx.Node]) -> list[fx.Node]:
