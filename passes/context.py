@@ -45,6 +45,10 @@ class Context:
     # call's arguments (their shapes and dtypes): shared by the tensor-parallel variants
     # measured from this context, whose layers repeat the same calls.
     ring_work: dict = field(default_factory=dict)
+    # What ``estimate`` measured each layer's run to give, by all the run reads
+    # (``partc.passes.helpers.run_memo.run_key``): shared likewise, the variants' layers
+    # that the sharding leaves alone (a rotary table, a replicated loss) run once.
+    layer_runs: dict = field(default_factory=dict)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -63,7 +63,8 @@ from partc import meta
 from partc.passes.context import Context
 from partc.passes.helpers.graph import carries_grad, layer_nodes, param_usage
 from partc.passes.helpers.layer_cost import layer_cost
-from partc.passes.helpers.layer_run import LayerRun, Setting, run_layer
+from partc.passes.helpers.layer_run import LayerRun, Setting, autocast_rules, run_layer
+from partc.passes.helpers.run_memo import given_run, kept_run, run_key
 from partc.passes.layers import crossing_bytes
 
 
@@ -84,29 +85,51 @@ def estimate(gm: fx.GraphModule, ctx: Context) -> fx.GraphModule:
     shared = _shared_values(gm)
     measured: dict[tuple, tuple[meta.LayerInfo, LayerRun]] = {}
     costs = []
-    for info in meta.layers(gm):
-        nodes = layer_nodes(gm, info)
-        # Under autocast a layer like another may read values of other dtypes.
-        key = (info.signature, tuple(setting.dtypes.get(n) for n in _external_inputs(nodes)))
-        if key in measured:
-            first, run = measured[key]
-            run = _copy_run(run, layer_nodes(gm, first), nodes)
-        else:
-            run = run_layer(gm, nodes, setting)
-            measured[key] = (info, run)
-        setting.dtypes.update(run.dtypes)
-        for node, node_cost in run.costs.items():
-            meta.set_cost(node, node_cost)
-        for node, made in run.dtypes.items():
-            if len(made) == len(meta.tensors(node)):
-                meta.set_run_dtypes(node, made)
-        costs.append(layer_cost(gm, info, nodes, run, usage, ctx.batch_size, shared,
-                                setting.dtypes))
+    with autocast_rules(setting, [layer_nodes(gm, info) for info in meta.layers(gm)]):
+        for info in meta.layers(gm):
+            costs.append(_measure_layer(gm, info, setting, measured, usage, ctx, shared))
     meta.set_layer_costs(gm, tuple(costs))
     # What crosses each cut, in the dtypes the runtime sends it in (under autocast the
     # residual stream stays fp32 while matmul outputs are bf16).
     meta.set_cut_bytes(gm, crossing_bytes(gm, len(costs), size=meta.run_bytes))
     return gm
+
+
+def _measure_layer(gm: fx.GraphModule, info: meta.LayerInfo, setting: Setting,
+                   measured: dict[tuple, tuple[meta.LayerInfo, LayerRun]], usage: dict,
+                   ctx: Context, shared: set[fx.Node]) -> meta.LayerCost:
+    """One layer's costs, written on its nodes: run, or copied from a layer of the same
+    signature measured already (``measured``)."""
+    nodes = layer_nodes(gm, info)
+    # Under autocast a layer like another may read values of other dtypes.
+    key = (info.signature, tuple(setting.dtypes.get(n) for n in _external_inputs(nodes)))
+    if key in measured:
+        first, run = measured[key]
+        run = _copy_run(run, layer_nodes(gm, first), nodes)
+    else:
+        run = _run_once(gm, nodes, setting, ctx.layer_runs)
+        measured[key] = (info, run)
+    setting.dtypes.update(run.dtypes)
+    for node, node_cost in run.costs.items():
+        meta.set_cost(node, node_cost)
+    for node, made in run.dtypes.items():
+        if len(made) == len(meta.tensors(node)):
+            meta.set_run_dtypes(node, made)
+    return layer_cost(gm, info, nodes, run, usage, ctx.batch_size, shared, setting.dtypes)
+
+
+def _run_once(gm: fx.GraphModule, nodes: list[fx.Node], setting: Setting,
+              kept: dict[tuple, LayerRun]) -> LayerRun:
+    """The run of ``nodes``, or of a layer of another graph measured from the same
+    context that reads all the same (``Context.layer_runs``), given to these nodes."""
+    key = run_key(gm, nodes, setting)
+    if key is None:
+        return run_layer(gm, nodes, setting)
+    if key not in kept:
+        run = run_layer(gm, nodes, setting)
+        kept[key] = kept_run(run, nodes)
+        return run
+    return given_run(kept[key], nodes)
 
 
 def _on_meta(gm: fx.GraphModule) -> bool:

@@ -407,13 +407,21 @@ def _options(gm: fx.GraphModule, ctx: Context, links: Sequence[Link],
     combinations = [(link, sp, objective) for link in links
                     for sp in sequence_parallel for objective in objectives
                     if not sp or tp_chooser.sequence_length(gm)]
+    problems: dict[tuple[Link, bool], tp_chooser.LayerProblems] = {}
+
+    def problems_of(link: Link, sp: bool) -> tp_chooser.LayerProblems:
+        """The chooser's problems for a group, made once for both objectives."""
+        if (link, sp) not in problems:
+            problems[link, sp] = tp_chooser.layer_problems(gm, link.tp, link, sp)
+        return problems[link, sp]
+
     for done, (link, sp, objective) in enumerate(combinations):
         label = f"tp={link.tp}{' sp' if sp else ''}, {objective} first"
         progress.update("tensor parallelism", done, len(combinations), f"{label}: choosing")
         started = time.perf_counter()
         chosen = named("sharding", lambda: tp_chooser.choose(
             gm, link.tp, link, sequence_parallel=sp, prefer=objective,
-            options=sharding_options))
+            options=sharding_options, problems=problems_of(link, sp)))
         key = (link.tp, sp, tuple((layer.name, layer.choices) for layer in chosen.layers))
         same = [option for seen, option in measured if seen == key]
         if same:  # measured already: the same sharding under the other objective

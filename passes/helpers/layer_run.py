@@ -26,7 +26,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import FlopCounterMode
 
 from partc import meta
-from partc.autocast_policy import cuda_autocast
+from partc.autocast_policy import cuda_autocast, cuda_policy
 from partc.passes import fuse_attention
 from partc.passes.helpers.graph import dropout_args, fetch, is_dtype_check
 from partc.passes.helpers.op_bytes import COPY_THEN_IN_PLACE, FLOP_FORMULAS, MovedBytes, nbytes
@@ -378,6 +378,17 @@ def _autocast(setting: Setting, nodes: list[fx.Node]) -> Any:
     return torch.autocast(where, dtype=setting.autocast)
 
 
+def autocast_rules(setting: Setting, layers: list[list[fx.Node]]) -> Any:
+    """CUDA's autocast rules installed for the runs of all of ``layers`` at once, where
+    some run under CPU autocast (:func:`_autocast`), rather than at each region a run
+    enters: an installation registers hundreds of kernels, and a block open inside
+    shares it (``cuda_policy``), so the runs compute the same either way."""
+    if setting.autocast is None or not any((setting.device or _device_type(nodes)) == "cpu"
+                                           for nodes in layers):
+        return contextlib.nullcontext()
+    return cuda_policy(setting.autocast)
+
+
 def _device_type(nodes: list[fx.Node]) -> str:
     """Where autocast acts: the device of the layer's values (fake CUDA ones, or CPU)."""
     for node in nodes:
@@ -485,9 +496,22 @@ def _moved(device: str | None, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
     stand-ins' ``device`` (tensors made inside the layer, ``arange(device=...)``)."""
     if device is None:
         return args, kwargs
+    if not _names_device((args, kwargs)):   # most calls: nothing to replace
+        return tuple(args), dict(kwargs)
     return pytree.tree_map_only(
         torch.device, lambda d: torch.device(device) if d.type == "meta" else d,
         (tuple(args), dict(kwargs)))   # fx's immutable containers are leaves to pytree
+
+
+def _names_device(value: Any) -> bool:
+    """Whether a device is among ``value``'s items, at any depth of its containers."""
+    if isinstance(value, torch.device):
+        return True
+    if isinstance(value, (list, tuple)):
+        return any(_names_device(item) for item in value)
+    if isinstance(value, dict):
+        return any(_names_device(item) for item in value.values())
+    return False
 
 
 def _named_state(module: nn.Module) -> list[tuple[str, torch.Tensor]]:

@@ -15,8 +15,6 @@ import contextlib
 from typing import Any
 
 import torch
-import torch.utils._pytree as pytree
-from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import flop_registry
 
@@ -123,7 +121,12 @@ class MovedBytes(TorchDispatchMode):
     bytes or is heavy, two for a copy-then-in-place op, and on CUDA two for softmax's
     backward; views, allocations, queries and leaves' gradient copies launch none. (A
     GPU spends a few microseconds on each kernel whatever its size:
-    ``DeviceNumbers.kernel_overhead_s``.)"""
+    ``DeviceNumbers.kernel_overhead_s``.)
+
+    It runs for every op of every layer the estimate measures, forward and backward: what
+    it knows of each op is looked up once (:class:`_OpKind`), an op's tensors are walked
+    by hand rather than with pytree, and storages are told apart by the address of their
+    implementation (what ``StorageWeakRef`` compares) without taking a weak reference."""
 
     def __init__(self, frozen: set, cuda: bool) -> None:
         super().__init__()
@@ -132,6 +135,7 @@ class MovedBytes(TorchDispatchMode):
         self.moved = 0.0
         self.kernels = 0
         self._paused = False
+        self._kinds: dict[Any, _OpKind] = {}
 
     @contextlib.contextmanager
     def paused(self):
@@ -144,33 +148,98 @@ class MovedBytes(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        packet = func.overloadpacket
-        if self._paused or func.is_view or packet in _ALLOCATING or _accumulating():
+        kind = self._kinds.get(func)
+        if kind is None:
+            kind = self._kinds[func] = _OpKind(func)
+        if self._paused or kind.moves_nothing or _accumulating():
             return out
-        if packet in _HEAVY:
+        if kind.heavy:
             self.kernels += 1
             return out
-        outputs = [t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
-        tensors = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
-        read = {StorageWeakRef(t.untyped_storage()) for t in tensors}
-        if not outputs or not func._schema.is_mutable and all(
-                StorageWeakRef(t.untyped_storage()) in read for t in outputs):
+        outputs = _tensors(out, [])
+        tensors = _tensors(kwargs, _tensors(args, [])) if kwargs else _tensors(args, [])
+        read = {t.untyped_storage()._cdata for t in tensors}
+        if not outputs or not kind.mutable and all(
+                t.untyped_storage()._cdata in read for t in outputs):
             return out   # a query, or an alias the schema does not declare (_unsafe_view)
-        inputs = [t for t in tensors if StorageWeakRef(t.untyped_storage()) not in self.frozen]
-        if packet in _WRITE_ONLY:   # the destination is written (an output), not read
+        inputs = [t for t in tensors if _Storage(t) not in self.frozen]
+        if kind.write_only:   # the destination is written (an output), not read
             inputs = [t for t in inputs if t is not args[0]]
         self.moved += sum(nbytes(t) for t in inputs) + sum(nbytes(t) for t in outputs)
         self.kernels += 1
-        if packet in COPY_THEN_IN_PLACE:
+        if kind.copy_then_in_place:
             self.moved += 2.0 * sum(nbytes(t) for t in outputs)
             self.kernels += 1
-        if self.cuda and packet is torch.ops.aten._softmax_backward_data:
+        if self.cuda and kind.softmax_backward:
             # CUDA's kernel first multiplies the gradient by the output, a kernel of its
             # own (reads both, writes their product), then reduces and subtracts.
             grad, output = args[0], args[1]
             self.moved += nbytes(grad) + 2.0 * nbytes(output)
             self.kernels += 1
         return out
+
+
+class _OpKind:
+    """What :class:`MovedBytes` asks of an op, read off it once."""
+
+    __slots__ = ("moves_nothing", "heavy", "mutable", "write_only", "copy_then_in_place",
+                 "softmax_backward")
+
+    def __init__(self, func: Any) -> None:
+        packet = func.overloadpacket
+        # (Queries that return no tensor, prim.device above all, are asked for each op
+        # autograd runs: answered without a look at their arguments.)
+        self.moves_nothing = func.is_view or packet in _ALLOCATING or not any(
+            _may_hold_tensor(result.type) for result in func._schema.returns)
+        self.heavy = packet in _HEAVY
+        self.mutable = func._schema.is_mutable
+        self.write_only = packet in _WRITE_ONLY
+        self.copy_then_in_place = packet in COPY_THEN_IN_PLACE
+        self.softmax_backward = packet is torch.ops.aten._softmax_backward_data
+
+
+# Return types that hold no tensor (a schema's type kinds; lists are looked into).
+_NO_TENSOR_KINDS = frozenset(("DeviceObjType", "IntType", "FloatType", "BoolType", "NumberType",
+                              "SymIntType", "SymFloatType", "SymBoolType", "StringType",
+                              "ScalarTypeType", "LayoutType", "MemoryFormatType", "NoneType"))
+
+
+def _may_hold_tensor(kind: Any) -> bool:
+    """Whether an op's return of schema type ``kind`` may be or hold a tensor."""
+    if kind.kind() == "ListType":
+        return _may_hold_tensor(kind.getElementType())
+    return kind.kind() not in _NO_TENSOR_KINDS
+
+
+class _Storage:
+    """A live tensor's storage as a key equal to its ``StorageWeakRef`` (which hashes
+    and compares the address of the storage's implementation), without the weak
+    reference: the tensor keeps the storage alive while it is looked up."""
+
+    __slots__ = ("cdata",)
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self.cdata = tensor.untyped_storage()._cdata
+
+    def __hash__(self) -> int:
+        return self.cdata
+
+    def __eq__(self, other: object) -> bool:
+        return self.cdata == getattr(other, "cdata", None)
+
+
+def _tensors(value: Any, found: list) -> list:
+    """The tensors in an op's arguments or result (tensors, and lists, tuples and dicts
+    of them, as aten ops take and return them), appended to ``found``."""
+    if isinstance(value, torch.Tensor):
+        found.append(value)
+    elif isinstance(value, (list, tuple)):
+        for item in value:
+            _tensors(item, found)
+    elif isinstance(value, dict):
+        for item in value.values():
+            _tensors(item, found)
+    return found
 
 
 def nbytes(tensor: torch.Tensor) -> int:

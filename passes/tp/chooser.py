@@ -262,15 +262,20 @@ def boundaries(gm: fx.GraphModule, tp: int, sequence_parallel: bool) -> dict[fx.
 
 
 def choose(gm: fx.GraphModule, tp: int, link: Link, *, sequence_parallel: bool = False,
-           prefer: str = "time", options: ShardingOptions = ShardingOptions()) -> Sharding:
+           prefer: str = "time", options: ShardingOptions = ShardingOptions(),
+           problems: LayerProblems | None = None) -> Sharding:
     """Pick every node's strategy for a group of ``tp``, layer by layer.
 
     Reads ``meta.LAYERS``, ``meta.LAYER``, ``meta.COST``, ``node.meta["val"]``. Requires
     ``estimate``. ``prefer``: "time" or "memory" (the module docstring's objective).
-    ``options``: CP-SAT's limits, workers and seed. Returns a :class:`Sharding`; ``gm``
-    is not changed.
+    ``options``: CP-SAT's limits, workers and seed. ``problems``: this graph's
+    :func:`layer_problems` for the same group and sequence parallelism, made once for
+    both objectives (else made here). Returns a :class:`Sharding`; ``gm`` is not changed.
     """
-    result, problems, grads = _layer_problems(gm, tp, link, sequence_parallel)
+    shared = problems if problems is not None else layer_problems(gm, tp, link,
+                                                                   sequence_parallel)
+    result = Sharding(tp=tp, sequence_parallel=sequence_parallel, boundary=shared.boundary)
+    grads, problems = shared.grads, list(shared.layers)
     pins: dict[str, Placement] = {}
     # Solutions by layer key, shared by the trials: a pin changes only the keys of the
     # layers that use the pinned parameter.
@@ -334,18 +339,36 @@ def apply(gm: fx.GraphModule, tp: int, sequence_parallel: bool,
     return _apply_choices(gm, result, problems, picked, grads)
 
 
+@dataclass(frozen=True)
+class LayerProblems:
+    """What :func:`choose` solves on a graph for one group and sequence parallelism,
+    whatever it prefers: the boundary placements, one problem per layer, and the nodes
+    that carry gradients. Read only, so both objectives' searches can share it."""
+
+    boundary: dict[fx.Node, Placement]
+    layers: tuple[_LayerProblem, ...]
+    grads: set[fx.Node]
+
+
+def layer_problems(gm: fx.GraphModule, tp: int, link: Link, sequence_parallel: bool
+                   ) -> LayerProblems:
+    """The problems :func:`choose` solves on ``gm`` for a group of ``tp`` on ``link``."""
+    boundary = boundaries(gm, tp, sequence_parallel)
+    grads = carries_grad(gm)
+    hints = ChunkHints.of(gm)
+    written = writes_read_later(gm)
+    return LayerProblems(boundary, tuple(
+        _LayerProblem(gm, info, tp, link, boundary, grads, hints, sequence_parallel, written)
+        for info in meta.layers(gm)), grads)
+
+
 def _layer_problems(gm: fx.GraphModule, tp: int, link: Link, sequence_parallel: bool
                     ) -> tuple[Sharding, list[_LayerProblem], set[fx.Node]]:
     """An empty Sharding with its boundaries, one problem per layer, and the nodes that
     carry gradients."""
-    result = Sharding(tp=tp, sequence_parallel=sequence_parallel)
-    result.boundary = boundaries(gm, tp, sequence_parallel)
-    grads = carries_grad(gm)
-    hints = ChunkHints.of(gm)
-    written = writes_read_later(gm)
-    problems = [_LayerProblem(gm, info, tp, link, result.boundary, grads, hints,
-                              sequence_parallel, written) for info in meta.layers(gm)]
-    return result, problems, grads
+    problems = layer_problems(gm, tp, link, sequence_parallel)
+    result = Sharding(tp=tp, sequence_parallel=sequence_parallel, boundary=problems.boundary)
+    return result, list(problems.layers), problems.grads
 
 
 class _LayerProblem:

@@ -60,6 +60,7 @@ from typing import Any, Callable
 
 import torch
 from torch import fx
+from torch.fx._lazy_graph_module import _LazyGraphModule
 
 from partc import meta
 from partc.passes.context import Context
@@ -89,13 +90,16 @@ def narrow_param(fqn: str, tensor: torch.Tensor, placement: Placement, tp: int) 
 
 
 def copy_module(gm: fx.GraphModule, sharding: Sharding) -> tuple[fx.GraphModule, Sharding]:
-    """A copy of ``gm`` (sharing its tensors) and ``sharding`` moved onto its nodes."""
+    """A copy of ``gm`` (sharing its tensors) and ``sharding`` moved onto its nodes. Its
+    Python code is generated when first asked for (torch's lazy GraphModule): the copies
+    the tensor-parallel options measure are rewritten, then read node by node, never
+    called, so neither the copy nor the rewrite's recompile writes code no one runs."""
     graph = fx.Graph()
     mapping: dict[fx.Node, fx.Node] = {}
     out = graph.graph_copy(gm.graph, mapping)
     old_output = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
     graph.output(out).meta.update(old_output.meta)
-    copied = fx.GraphModule(gm, graph)
+    copied = _LazyGraphModule(gm, graph)
     copied.meta.update(gm.meta)
     moved = dataclasses.replace(
         sharding, strategy={mapping[n]: s for n, s in sharding.strategy.items()},

@@ -344,3 +344,15 @@ def test_a_loss_that_is_no_plain_cross_entropy_gets_the_logits_whole():
     # 256 classes do not split 3 ways: no probe can accept them.
     assert tp_chooser.probe_loss(_gpt_with_loss(lambda x, t: F.cross_entropy(
         x.flatten(0, 1), t.flatten())), 3) is None
+
+
+def test_both_objectives_can_share_the_layer_problems():
+    """The layer problems made once for a group (the pipeline's tensor-parallel options
+    make them once for both objectives) give each objective the pick it makes alone."""
+    gm = mlp_layer()
+    shared = tp_chooser.layer_problems(gm, 2, FAST_LINK, False)
+    for prefer in ("time", "memory"):
+        alone = choose(gm, 2, FAST_LINK, prefer=prefer)
+        reused = choose(gm, 2, FAST_LINK, prefer=prefer, problems=shared)
+        assert (reused.layers, reused.strategy, reused.boundary) == \
+            (alone.layers, alone.strategy, alone.boundary)
