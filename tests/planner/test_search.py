@@ -3,6 +3,7 @@ and no state kept between calls but the table cache a caller passes."""
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import random
 import time
@@ -18,7 +19,7 @@ from partc.planner import joint, solve
 from partc.planner.bounds import played_floor
 from partc.planner.results import Assignment, ConfigResult
 from partc.planner.stage_model import memory_unit
-from partc.planner.search import balanced_cut, balanced_runs
+from partc.planner.search import balanced_cut, balanced_runs, candidate_configs
 from partc.problem import Pins, SharedParam
 from partc.planner.validate import validate_plan
 
@@ -522,3 +523,29 @@ def test_a_sequence_parallel_pin_no_variant_has_is_refused_naming_what_was_measu
                        match=r"No measured tensor-parallel layout .* \(measured for this "
                              r"model: none\)"):
         solve(prob)
+
+
+def test_gpipe_is_weighed_only_where_pinned_as_1f1b_is_never_slower():
+    """The search leaves GPipe out unless pinned (``search._same_as_1f1b``): by brute
+    force over every split and mode, 1F1B's best plan of each configuration is as fast
+    as GPipe's or faster (and fits wherever GPipe's does), closed form and played out."""
+    rng = random.Random(17)
+    checked = 0
+    for _ in range(40):
+        prob = random_problem(rng)
+        assert all(c.schedule != "gpipe" for c in candidate_configs(prob))
+        for config in candidate_configs(prob):
+            if config.pp == 1 or config.num_microbatches == 1:
+                continue
+            gpipe = dataclasses.replace(config, schedule="gpipe")
+            slow = best_split_of(prob, gpipe)
+            if slow is None:
+                continue
+            fast = best_split_of(prob, config)
+            assert fast is not None and fast[0] <= slow[0]
+            assert least_played(prob, config) <= least_played(prob, gpipe)
+            checked += 1
+    assert checked > 10
+    pinned = problem([layer("a"), layer("b")], [1e4], devices(2, 10**9), batch=4,
+                     pins=Pins(schedule="gpipe"))
+    assert {c.schedule for c in candidate_configs(pinned)} == {"gpipe"}
