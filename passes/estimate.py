@@ -61,7 +61,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from partc import meta
 from partc.passes.context import Context
-from partc.passes.helpers.graph import carries_grad, layer_nodes, param_usage
+from partc.passes.helpers.graph import carries_grad, layer_nodes, outside_inputs, param_usage
 from partc.passes.helpers.layer_cost import layer_cost
 from partc.passes.helpers.layer_run import LayerRun, Setting, autocast_rules, run_layer
 from partc.passes.helpers.run_memo import given_run, kept_run, run_key
@@ -102,7 +102,7 @@ def _measure_layer(gm: fx.GraphModule, info: meta.LayerInfo, setting: Setting,
     signature measured already (``measured``)."""
     nodes = layer_nodes(gm, info)
     # Under autocast a layer like another may read values of other dtypes.
-    key = (info.signature, tuple(setting.dtypes.get(n) for n in _external_inputs(nodes)))
+    key = (info.signature, tuple(setting.dtypes.get(n) for n in outside_inputs(nodes)))
     if key in measured:
         first, run = measured[key]
         run = _copy_run(run, layer_nodes(gm, first), nodes)
@@ -150,7 +150,7 @@ def _copy_run(run: LayerRun, source: list[fx.Node], target: list[fx.Node]) -> La
     target = [node for node in target if node.op != "get_attr"]
     mapping = dict(zip(source, target))
     # Values from outside the layer map by order of first use (same signature, same order).
-    mapping.update(zip(_external_inputs(source), _external_inputs(target)))
+    mapping.update(zip(outside_inputs(source), outside_inputs(target)))
     copied = LayerRun(inputs={mapping[node]: size for node, size in run.inputs.items()},
                       dtypes={mapping[node]: d for node, d in run.dtypes.items()
                               if node.op != "get_attr"},
@@ -168,15 +168,6 @@ def _copy_run(run: LayerRun, source: list[fx.Node], target: list[fx.Node]) -> La
     copied.storages = {mapping.get(node, node): found for node, found in run.storages.items()
                        if node.op != "get_attr"}
     return copied
-
-
-def _external_inputs(nodes: list[fx.Node]) -> list[fx.Node]:
-    members, seen = set(nodes), {}
-    for node in nodes:
-        for arg in node.all_input_nodes:
-            if arg not in members:
-                seen.setdefault(arg, None)
-    return list(seen)
 
 
 def _shared_values(gm: fx.GraphModule) -> set[fx.Node]:

@@ -31,7 +31,7 @@ import operator
 from torch import fx
 
 from partc.passes.fuse_attention import is_fused
-from partc.passes.helpers.graph import is_dtype_check, op_name
+from partc.passes.helpers.graph import is_dtype_check, op_name, outside_inputs
 from partc.runtime import cp_group
 
 # The batched products an attention core starts and ends with.
@@ -123,10 +123,5 @@ def _closed(core: tuple[fx.Node, ...]) -> bool:
 def core_inputs(core: tuple[fx.Node, ...]) -> list[fx.Node]:
     """The values a core reads from outside it (what its checkpoint keeps), in order of
     first use."""
-    inside, seen = set(core), {}
-    for node in core:
-        for arg in node.all_input_nodes:
-            if arg not in inside:
-                seen.setdefault(arg, None)
-    return list(seen)
+    return outside_inputs(core)
 

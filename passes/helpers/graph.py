@@ -265,6 +265,16 @@ def param_usage(gm: fx.GraphModule, ctx: Context) -> dict:
     return {"layers": layers_of, "tensors": tensors, "own": own}
 
 
+def outside_inputs(nodes: list[fx.Node] | tuple[fx.Node, ...]) -> list[fx.Node]:
+    """The values ``nodes`` read from outside them, in order of first use."""
+    members, seen = set(nodes), {}
+    for node in nodes:
+        for value in node.all_input_nodes:
+            if value not in members:
+                seen.setdefault(value, None)
+    return list(seen)
+
+
 def fetch(gm: fx.GraphModule, target: str) -> torch.Tensor:
     """The parameter, buffer or constant a ``get_attr`` target names."""
     owner, _, attr = target.rpartition(".")

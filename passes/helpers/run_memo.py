@@ -27,7 +27,7 @@ import torch.utils._pytree as pytree
 from torch import fx, nn
 
 from partc import meta
-from partc.passes.helpers.graph import fetch
+from partc.passes.helpers.graph import fetch, outside_inputs
 from partc.passes.helpers.layer_run import LayerRun, Setting
 
 # Literal arguments compared by value (what an fx node's args hold besides nodes).
@@ -43,7 +43,7 @@ def run_key(gm: fx.GraphModule, nodes: list[fx.Node], setting: Setting) -> tuple
     """All a run of ``nodes`` reads, as a hashable value; None where something cannot be
     described so (the layer is then measured each time)."""
     members = {node: index for index, node in enumerate(nodes)}
-    outside = {node: index for index, node in enumerate(_outside_nodes(nodes))}
+    outside = {node: index for index, node in enumerate(outside_inputs(nodes))}
 
     def argument(value: Any) -> Any:
         if isinstance(value, fx.Node):
@@ -99,7 +99,8 @@ def _state(module: nn.Module) -> tuple:
 
 
 def _outside(gm: fx.GraphModule, node: fx.Node, setting: Setting) -> tuple:
-    """A value the layer reads from outside it, as its stand-in is made."""
+    """A value the layer reads from outside it (:func:`outside_inputs`, in their order),
+    as its stand-in is made."""
     if node.op == "get_attr":
         return ("attribute", _attribute(gm, node))
     leaves, spec = pytree.tree_flatten(node.meta.get("val"))
@@ -114,7 +115,7 @@ def _outside(gm: fx.GraphModule, node: fx.Node, setting: Setting) -> tuple:
 def kept_run(run: LayerRun, nodes: list[fx.Node]) -> LayerRun:
     """``run`` (of the layer of ``nodes``) to keep: each node, the layer's own and those it
     reads from outside, replaced by its place (so that no graph is kept alive by it)."""
-    places = {node: place for place, node in enumerate(nodes + _outside_nodes(nodes))}
+    places = {node: place for place, node in enumerate(nodes + outside_inputs(nodes))}
     return _mapped(run, places.__getitem__)
 
 
@@ -122,7 +123,7 @@ def given_run(kept: LayerRun, nodes: list[fx.Node]) -> LayerRun:
     """A :func:`kept_run` given to the layer of ``nodes`` (of the same :func:`run_key`):
     each place back to the node in it, the same :class:`LayerRun` a run of the layer
     gives."""
-    return _mapped(kept, (nodes + _outside_nodes(nodes)).__getitem__)
+    return _mapped(kept, (nodes + outside_inputs(nodes)).__getitem__)
 
 
 def _mapped(run: LayerRun, to: Callable[[Any], Any]) -> LayerRun:
@@ -137,13 +138,3 @@ def _mapped(run: LayerRun, to: Callable[[Any], Any]) -> LayerRun:
     mapped.storages = keyed(run.storages)
     return mapped
 
-
-def _outside_nodes(nodes: list[fx.Node]) -> list[fx.Node]:
-    """The values ``nodes`` read from outside them, in order of first use (as
-    :func:`run_key` numbers them)."""
-    members, seen = set(nodes), {}
-    for node in nodes:
-        for value in node.all_input_nodes:
-            if value not in members:
-                seen.setdefault(value, None)
-    return list(seen)
