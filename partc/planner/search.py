@@ -30,7 +30,7 @@ each solve from its earlier plan. ``partc.PlanCache`` keeps one per problem.
 
 With the schedule left to the planner ("auto"), the search above weighs 1F1B by the
 closed form (GPipe, which it prices as 1F1B holding every microbatch, only where
-pinned: :func:`_same_as_1f1b`), which picks each mesh's batch split, ZeRO stage and plan. (A
+pinned: :func:`candidate_configs`), which picks each mesh's batch split, ZeRO stage and plan. (A
 pinned schedule's virtual-stage counts are weighed so too.) Then every mesh is priced
 with every other schedule torch runs on its configuration (:func:`schedule_candidates`:
 interleaved 1F1B, looped BFS and interleaved zero-bubble with 2 virtual stages per rank
@@ -106,7 +106,12 @@ def candidate_configs(problem: PlanningProblem) -> list[PipelineConfig]:
     """Every (tp, cp, cp kind, pp, dp, b, m, schedule, ZeRO stage) the pins and the batch
     allow (ZeRO stages 1-3 only where there is more than one replica)."""
     pins = problem.pins
-    schedules = [pins.schedule] if pins.schedule else list(AUTO_SCHEDULES)
+    # Unpinned, 1F1B alone of the AUTO_SCHEDULES: the closed form gives GPipe the same time
+    # from the same rows, and GPipe keeps every microbatch's activations on every rank
+    # where 1F1B keeps ``min(m, pp - s)`` on rank ``s``, so whatever fits under GPipe
+    # fits under 1F1B as fast. GPipe was 45% of the configurations of Llama-3-70B on
+    # 1,024 H100, each with its cost table and bound, none ever chosen.
+    schedules = [pins.schedule] if pins.schedule else [Schedule.ONE_F_ONE_B]
     configs = []
     for tp, sp, objective, cp, cp_kind in (
             (tp, sp, objective, cp, kind) for tp, sp, objective in tp_choices(problem)
@@ -144,8 +149,7 @@ def candidate_configs(problem: PlanningProblem) -> list[PipelineConfig]:
                                for sync in zero2_grad_syncs(problem, zero, dp * cp, m)
                                for offload in offload_choices(problem, zero, pp, dp * cp, tp,
                                                               m)
-                               if not _same_as_1f1b(schedule, pp, m, pins.schedule)
-                               and feature_refusal(schedule, effective_zero_stage(zero, dp * cp),
+                               if feature_refusal(schedule, effective_zero_stage(zero, dp * cp),
                                                    problem.train.compile_pinned) is None
                                for chunks in _chunk_counts(problem, schedule, pp, m))
     return expand_ep(problem, configs)   # the expert-parallel degree (mixture-of-experts)
@@ -413,16 +417,6 @@ def balanced_cut(work: list[int], runs: int) -> tuple[int, ...] | None:
         at = max(i for i, size in enumerate(sizes) if size > 1)
         sizes[at:at + 1] = [sizes[at] - 1, 1]
     return tuple(j for j, size in enumerate(sizes) for _ in range(size))
-
-
-def _same_as_1f1b(schedule: str, pp: int, m: int, pinned: str | None) -> bool:
-    """GPipe costs what 1F1B does or more: the closed form gives both the same time
-    from the same rows, and GPipe keeps every microbatch's activations on every rank
-    where 1F1B keeps ``min(m, pp - s)`` on rank ``s``, so whatever fits under GPipe fits
-    under 1F1B as fast (and 1F1B, weighed first, keeps a tie). Left out unless pinned:
-    it was 45% of the configurations of Llama-3-70B on 1,024 H100, each with its cost
-    table and bound, none ever chosen."""
-    return schedule == Schedule.GPIPE and pinned != Schedule.GPIPE
 
 
 def _chunk_counts(problem: PlanningProblem, schedule: str, pp: int, m: int) -> list[int]:

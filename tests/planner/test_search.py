@@ -526,7 +526,7 @@ def test_a_sequence_parallel_pin_no_variant_has_is_refused_naming_what_was_measu
 
 
 def test_gpipe_is_weighed_only_where_pinned_as_1f1b_is_never_slower():
-    """The search leaves GPipe out unless pinned (``search._same_as_1f1b``): by brute
+    """The search leaves GPipe out unless pinned (``search.candidate_configs``): by brute
     force over every split and mode, 1F1B's best plan of each configuration is as fast
     as GPipe's or faster (and fits wherever GPipe's does), closed form and played out."""
     rng = random.Random(17)
