@@ -11,7 +11,9 @@ Two levels, both keyed by content, never by object identity:
   tracing and measuring are skipped.
 - *plans*: keyed by a digest of the whole ``PlanningProblem`` (the measured model, the
   budget's numbers, the training numbers and the pins). A hit returns the stored plan,
-  which the caller validates again.
+  which the caller validates again. Nothing in the problem follows trace order (a layer
+  is described by what it computes, ``LayerCost.signature``), so another process, whose
+  string hashing iterates a model's sets otherwise, finds the plan too.
 
 Besides, in memory only, the planner's cost-table caches (``partc.cost.tables.TableCache``) of
 the few latest problems, keyed by the problem with the devices' memory left out: a

@@ -140,6 +140,8 @@ class LayerInfo:
     index: int
     name: str
     key: str
+    # The ops in graph order (passes.layers._signature): layers of one signature pair node
+    # by node within one trace. Not LayerCost.signature, which holds in every trace.
     signature: str
     nodes: tuple[str, ...]
     is_loss: bool = False

@@ -233,6 +233,8 @@ class LayerCost:
     """
 
     name: str
+    # What the layer computes, in no trace order (passes.layers.canonical_signature):
+    # like blocks share it, and every process tracing the model gets the same one.
     signature: str
     fwd_flops: float
     fwd_mem_bytes: float

@@ -12,12 +12,21 @@ cut and layers recomputed at layer boundaries; the pass refuses any other in-pla
 
 Layers are runs of consecutive nodes in graph order, so their sequence is a topological
 order of the layer DAG by construction; the pass still checks it with networkx.
+
+A layer has two signatures. ``LayerInfo.signature`` (:func:`_signature`) lists its ops in
+graph order: layers of one such signature pair node by node, within one trace (estimate
+copies a measurement, the sharding chooser a solution). ``LayerCost.signature``
+(:func:`canonical_signature`) says what the layer computes, in no order: two traces of
+one model agree on it even where Python code iterates a set of strings, in an order that
+string hashing, seeded per process, decides (Gemma-3 computes its sliding-window and
+global rotary tables in ``set(layer_types)`` order). The plan cache's problem key reads
+it, so a new process finds the plan another one stored.
 """
 
 from __future__ import annotations
 
 import hashlib
-from typing import Any
+from typing import Any, Sequence
 
 import networkx as nx
 import torch
@@ -27,7 +36,7 @@ from partc import meta
 from partc.errors import TraceError
 from partc.passes.context import Context
 from partc.passes.context_parallel import shape_masks
-from partc.passes.helpers.graph import carries_grad, mutated_inputs, op_name
+from partc.passes.helpers.graph import attribute_key, carries_grad, mutated_inputs, op_name
 
 ROOT_LAYER = "root"
 OUTPUT_LAYER = "output"
@@ -355,7 +364,8 @@ def cut_counts(spans: list[tuple[bool, bool, int, int]], num_layers: int
 
 
 def _signature(nodes: list[fx.Node], prefix: str) -> str:
-    """Hash of a layer's ops, wiring, shapes and relative parameter names."""
+    """Hash of a layer's ops, wiring, shapes and relative parameter names, in graph order
+    (one trace's: layers of one signature pair node by node)."""
     # Parameters are named where they are used: a layer reusing another layer's weight
     # signs like the layer that fetched it first.
     nodes = [node for node in nodes if node.op != "get_attr"]
@@ -382,6 +392,62 @@ def _signature(nodes: list[fx.Node], prefix: str) -> str:
         shapes = tuple((t.shape, str(t.dtype)) for t in meta.tensors(node))
         items.append((node.op, target, arg_repr(node.args), arg_repr(node.kwargs), shapes))
     return hashlib.sha1(repr(items).encode()).hexdigest()[:16]
+
+
+def canonical_signature(gm: fx.GraphModule, nodes: Sequence[fx.Node], prefix: str) -> str:
+    """What a layer computes (``nodes``, in graph order), in a digest that neither trace
+    order nor node names enter. It hashes the sorted digests of the layer's values and,
+    per value read from outside the layer, the sorted places that read it (which of
+    those reads are of one value). A value's digest is that of its op, its shapes, how
+    many of the layer's nodes read it, whether a later layer does, and its arguments:
+    the layer's values by digest (recursively, as
+    :func:`~partc.passes.helpers.graph.expression_keys` describes a whole graph),
+    parameters by their name inside the layer (``prefix``), other attributes by content
+    (:func:`~partc.passes.helpers.graph.attribute_key`), values from outside by their
+    shapes. Like blocks sign alike wherever they sit, and two traces of one model alike
+    whatever order they ran in."""
+    inside = {node for node in nodes if node.op != "get_attr"}
+    keys: dict[fx.Node, str] = {}
+    reads: dict[fx.Node, list[str]] = {}   # value from outside -> where the layer reads it
+    for node in nodes:
+        if node in inside:
+            outside: list[tuple[fx.Node, tuple]] = []
+            what = _expression(gm, node, prefix, inside, keys, outside)
+            keys[node] = hashlib.sha1(repr(what).encode()).hexdigest()[:16]
+            for value, place in outside:
+                reads.setdefault(value, []).append(repr((keys[node], place)))
+    places = sorted(repr(sorted(found)) for found in reads.values())
+    return hashlib.sha1(repr((sorted(keys.values()), places)).encode()).hexdigest()[:16]
+
+
+def _expression(gm: fx.GraphModule, node: fx.Node, prefix: str, inside: set[fx.Node],
+                keys: dict[fx.Node, str], outside: list[tuple[fx.Node, tuple]]) -> tuple:
+    """``node`` as :func:`canonical_signature` describes it; appends to ``outside`` each
+    value from outside the layer it reads, with the place it reads it at."""
+    def arg(value: Any, place: tuple) -> Any:
+        if isinstance(value, fx.Node):
+            if value.op == "get_attr":
+                return ("p", _relative(str(value.target), prefix)) if meta.params(value) \
+                    else attribute_key(gm, value)
+            if value in inside:
+                return keys[value]
+            outside.append((value, place))
+            return ("in", _shapes(value))
+        if isinstance(value, (list, tuple)):
+            return tuple(arg(v, place + (i,)) for i, v in enumerate(value))
+        if isinstance(value, dict):
+            return tuple(sorted((str(k), arg(v, place + (str(k),))) for k, v in value.items()))
+        return repr(value)
+
+    target = _relative(str(node.target), prefix) if node.op == "call_module" \
+        else op_name(node)
+    readers = sum(1 for user in node.users if user in inside)
+    return (node.op, target, arg(node.args, ("args",)), arg(node.kwargs, ("kwargs",)),
+            _shapes(node), readers, readers < len(node.users))
+
+
+def _shapes(node: fx.Node) -> tuple:
+    return tuple((tuple(t.shape), str(t.dtype)) for t in meta.tensors(node))
 
 
 def _relative(fqn: str, prefix: str) -> str:

@@ -16,15 +16,15 @@ Every rank traces the model itself, and two processes need not trace it in the s
 order: Python code that iterates a set of strings runs in an order that string hashing,
 seeded per process, decides (Gemma-3 computes one rotary table per ``set(layer_types)``).
 Node names follow trace order, so the values crossing a cut are sent in the order of
-what they compute (:func:`_expression_keys`: ops, constants, parameter FQNs and model
-inputs, recursively), which every rank agrees on, and graph order only among equal
-expressions. Sent in graph order, one rank's sliding-window table arrived where the
-other expected the global one.
+what they compute (:func:`~partc.passes.helpers.graph.expression_keys`: ops,
+constants, parameter FQNs and model inputs, recursively), which every rank agrees on,
+and graph order only among equal expressions. Sent in graph order, one rank's
+sliding-window table arrived where the other expected the global one. (The plan cache's
+key meets the same order: :func:`partc.passes.layers.canonical_signature`.)
 """
 
 from __future__ import annotations
 
-import hashlib
 from dataclasses import dataclass
 from typing import Any, Sequence
 
@@ -33,7 +33,7 @@ from torch import fx
 
 from partc import meta
 from partc.errors import PlanMismatchError
-from partc.passes.helpers.graph import carries_grad, has_side_effects
+from partc.passes.helpers.graph import carries_grad, expression_keys, has_side_effects
 
 
 @dataclass(frozen=True)
@@ -101,7 +101,7 @@ def split(gm: fx.GraphModule, stages: Sequence[Sequence[str]]) -> list[StageGrap
                 crossing[boundary].append(node)
         elif used > made:
             _check_constant(node)
-    keys = _expression_keys(gm, nodes)
+    keys = expression_keys(gm, nodes)
     position = {node: i for i, node in enumerate(nodes)}
     for values in crossing:
         values.sort(key=lambda node: (keys[node], position[node]))
@@ -118,53 +118,6 @@ def split(gm: fx.GraphModule, stages: Sequence[Sequence[str]]) -> list[StageGrap
             grad_receives=0 if index == 0 else sum(n in grads for n in receives),
             grad_sends=0 if index == last else sum(n in grads for n in sends)))
     return result
-
-
-def _expression_keys(gm: fx.GraphModule, nodes: list[fx.Node]) -> dict[fx.Node, str]:
-    """Per node, a digest of what it computes, independent of names and trace order:
-    parameters and buffers by FQN, and what tracers name by count (a nested graph's
-    ``submod_1``, a lifted constant's ``lifted_tensor_0``) by content."""
-    keys: dict[fx.Node, str] = {}
-    inputs = 0
-
-    def arg(value: Any) -> Any:
-        if isinstance(value, fx.Node):
-            return keys[value]
-        if isinstance(value, (list, tuple)):
-            return tuple(arg(v) for v in value)
-        if isinstance(value, dict):
-            return tuple(sorted((str(k), arg(v)) for k, v in value.items()))
-        return repr(value)
-
-    for node in nodes:
-        if node.op == "placeholder":
-            what: Any = ("input", inputs)
-            inputs += 1
-        elif node.op == "get_attr":
-            what = _attribute_key(gm, node)
-        else:
-            target = node.target if isinstance(node.target, str) else \
-                getattr(node.target, "__qualname__", None) or str(node.target)
-            what = (node.op, str(target), arg(node.args), arg(node.kwargs))
-        keys[node] = hashlib.sha1(repr(what).encode()).hexdigest()
-    return keys
-
-
-def _attribute_key(gm: fx.GraphModule, node: fx.Node) -> Any:
-    value: Any = gm
-    for part in str(node.target).split("."):
-        value = getattr(value, part, None)
-    if isinstance(value, fx.GraphModule):
-        nodes = list(value.graph.nodes)
-        return ("graph", _expression_keys(value, nodes)[nodes[-1]])
-    if meta.params(node):
-        return ("param", meta.params(node)[0])
-    if isinstance(value, torch.Tensor):
-        small = value.numel() <= 4096 and value.device.type != "meta"
-        content = hashlib.sha1(value.detach().cpu().contiguous().view(-1).view(torch.uint8)
-                               .numpy().tobytes()).hexdigest() if small else ""
-        return ("tensor", tuple(value.shape), str(value.dtype), content)
-    return ("attribute", str(node.target))
 
 
 def _check_layers(infos: Sequence[meta.LayerInfo], stages: Sequence[Sequence[str]]) -> None:

@@ -5,6 +5,10 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -15,6 +19,8 @@ from partc.cache import problem_key
 from partc.identity import model_hash
 from samples.gpt import gpt_tiny, loss_fn
 from tests.random_models import BlockSpec, ModelSpec, build
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def _compile(model, cache, memory="64MiB", batch=8, dtype=torch.float32, num_devices=2,
@@ -282,3 +288,71 @@ def test_processes_sharing_a_directory_make_each_entry_once(tmp_path):
     assert errors == [] and len(set(plans.values())) == 1
     assert sum(cache.hits["analysis"] for cache in caches) == len(caches) - 1
     assert sum(cache.hits["plan"] for cache in caches) == len(caches) - 1
+
+
+
+def gemma3_key() -> tuple[list[str], str]:
+    """A tiny Gemma 3 (one sliding-window layer, one global), traced and measured: the
+    order ``set(layer_types)`` iterates in in this process, and its problem's key."""
+    from partc.compiler import build_problem
+    from partc.passes.pipeline import analyze
+    from tests.hf_families import FAMILIES
+
+    model = FAMILIES["gemma3"].build()
+    _, analysis = analyze(model, (torch.zeros(2, 8, dtype=torch.long),))
+    problem = build_problem(analysis, partc.DeviceBudget(num_devices=1, device="CPU"),
+                            partc.TrainSpec(global_batch_size=2), partc.Constraints())
+    return list(set(model.config.layer_types)), problem_key(problem)
+
+
+def test_the_problem_key_does_not_follow_the_order_set_iteration_traced_in(monkeypatch):
+    """Gemma 3 computes one rotary table per ``set(layer_types)``, so each process traces
+    its sliding-window and global tables in the order its string hashing decides (here
+    both orders, in one process: Gemma's ``set`` made to iterate sorted, then reversed).
+    The problem key, which the plan cache reads across processes, is the same: layers
+    are described by what they compute, not in trace order."""
+    from transformers.models.gemma3 import modeling_gemma3
+
+    keys, traced = [], []
+    for reverse in (False, True):
+        def ordered(names, reverse=reverse):
+            traced.append(tuple(sorted(frozenset(names), reverse=reverse)))
+            return traced[-1]
+        monkeypatch.setattr(modeling_gemma3, "set", ordered, raising=False)
+        keys.append(gemma3_key()[1])
+    assert set(traced) == {("full_attention", "sliding_attention"),
+                           ("sliding_attention", "full_attention")}
+    assert keys[0] == keys[1]
+
+
+def _hash_seed_iterating(names: list[str], other_than: list[str]) -> int:
+    """A PYTHONHASHSEED under which ``set(names)`` iterates in another order than
+    ``other_than`` (asked of bare interpreters: they start in milliseconds)."""
+    for seed in range(64):
+        done = subprocess.run(
+            [sys.executable, "-S", "-c", "import sys; print(*set(sys.argv[1:]))", *names],
+            env={**os.environ, "PYTHONHASHSEED": str(seed)}, capture_output=True,
+            text=True, check=True)
+        if done.stdout.split() != other_than:
+            return seed
+    raise AssertionError(f"no hash seed of 64 iterates {names} otherwise than {other_than}")
+
+
+@pytest.mark.slow   # a second process importing torch, partc and transformers: ~8 s CPU
+def test_a_new_process_finds_the_plan_whatever_order_its_string_hashing_traces_in():
+    """The same across processes, as the plan cache meets it: this one and another whose
+    PYTHONHASHSEED iterates Gemma 3's ``set(layer_types)`` the other way."""
+    from tests.hf_families import FAMILIES
+
+    order, key = gemma3_key()
+    seed = _hash_seed_iterating(FAMILIES["gemma3"].fields["layer_types"], other_than=order)
+    env = {**os.environ, "PYTHONHASHSEED": str(seed), "PYTHONPATH": os.pathsep.join(
+        [str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])}
+    done = subprocess.run(
+        [sys.executable, "-c", "import json, tests.test_cache as t; "
+         "print(json.dumps(t.gemma3_key()))"],
+        env=env, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    other_order, other_key = json.loads(done.stdout.strip().splitlines()[-1])
+    assert other_order != order   # the other process traced the tables the other way
+    assert other_key == key

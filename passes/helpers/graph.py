@@ -1,9 +1,11 @@
 """Graph queries several passes share: which values carry gradients, short op names,
-a layer's nodes, tensor inputs, parameter usage, side effects. Pure functions of a
+a layer's nodes, tensor inputs, parameter usage, side effects, what a value computes
+(:func:`expression_keys`, the same in every trace of one model). Pure functions of a
 GraphModule and its ``node.meta``; nothing here changes a graph."""
 
 from __future__ import annotations
 
+import hashlib
 import operator
 from typing import Any, Callable
 
@@ -297,3 +299,52 @@ def linear_weight(node: fx.Node) -> tuple[tuple[int, int] | None, str]:
         return None, ""
     out_features, in_features = value.shape
     return (int(in_features), int(out_features)), str(weight.target)
+
+
+def expression_keys(gm: fx.GraphModule, nodes: list[fx.Node]) -> dict[fx.Node, str]:
+    """Per node, a digest of what it computes, independent of names and trace order:
+    parameters and buffers by FQN, and what tracers name by count (a nested graph's
+    ``submod_1``, a lifted constant's ``lifted_tensor_0``) by content."""
+    keys: dict[fx.Node, str] = {}
+    inputs = 0
+
+    def arg(value: Any) -> Any:
+        if isinstance(value, fx.Node):
+            return keys[value]
+        if isinstance(value, (list, tuple)):
+            return tuple(arg(v) for v in value)
+        if isinstance(value, dict):
+            return tuple(sorted((str(k), arg(v)) for k, v in value.items()))
+        return repr(value)
+
+    for node in nodes:
+        if node.op == "placeholder":
+            what: Any = ("input", inputs)
+            inputs += 1
+        elif node.op == "get_attr":
+            what = attribute_key(gm, node)
+        else:
+            target = node.target if isinstance(node.target, str) else \
+                getattr(node.target, "__qualname__", None) or str(node.target)
+            what = (node.op, str(target), arg(node.args), arg(node.kwargs))
+        keys[node] = hashlib.sha1(repr(what).encode()).hexdigest()
+    return keys
+
+
+def attribute_key(gm: fx.GraphModule, node: fx.Node) -> Any:
+    """What a ``get_attr`` fetches: a parameter or buffer by FQN, a nested graph by what
+    it computes, a constant tensor by its shape, dtype and (when small) content."""
+    value: Any = gm
+    for part in str(node.target).split("."):
+        value = getattr(value, part, None)
+    if isinstance(value, fx.GraphModule):
+        nodes = list(value.graph.nodes)
+        return ("graph", expression_keys(value, nodes)[nodes[-1]])
+    if meta.params(node):
+        return ("param", meta.params(node)[0])
+    if isinstance(value, torch.Tensor):
+        small = value.numel() <= 4096 and value.device.type != "meta"
+        content = hashlib.sha1(value.detach().cpu().contiguous().view(-1).view(torch.uint8)
+                               .numpy().tobytes()).hexdigest() if small else ""
+        return ("tensor", tuple(value.shape), str(value.dtype), content)
+    return ("attribute", str(node.target))

@@ -19,6 +19,7 @@ from partc.passes.helpers.attention_core import attention_cores, core_inputs
 from partc.passes.helpers.graph import fetch, linear_weight, storage_of
 from partc.passes.helpers.layer_run import LayerRun, RingWork, bytes_as_made
 from partc.passes.helpers.sequence_facts import attention_cost
+from partc.passes.layers import canonical_signature
 from partc.problem import HeavyOp, LayerCost
 from partc.runtime.tp import TensorParallelGroup
 from partc.runtime.tp_loss import VocabParallelLoss
@@ -96,7 +97,7 @@ def layer_cost(gm: fx.GraphModule, info: meta.LayerInfo, nodes: list[fx.Node], r
     fused_bytes, fused_kernels = _fused(gm, nodes, run, heavy)
     return LayerCost(
         heavy_ops=_heavy_ops([n for n in nodes if n in heavy], run, per),
-        name=info.name, signature=info.signature, fwd_flops=flops * per,
+        name=info.name, signature=canonical_signature(gm, nodes, info.key), fwd_flops=flops * per,
         fwd_mem_bytes=light_bytes * per,
         backward_mem_bytes=None if run.backward_bytes is None else run.backward_bytes * per,
         param_count=count, param_bytes=nbytes,

@@ -113,3 +113,39 @@ def test_an_in_place_write_to_another_layers_value_is_refused():
     with pytest.raises(partc.TraceError, match=r"mul_ .* writes in place to linear, made "
                                                r"in layer blocks.0, not its own \(output\)"):
         analyze(_WritesBack(), (torch.randn(2, 8),))
+
+
+class _Tables(torch.nn.Module):
+    """A stem that makes a cosine and a sine table in the order ``order`` names them (as
+    code iterating a set of strings does, in the order its process's string hashing
+    decides), and a head whose ``mix`` reads them (or the cosine twice: ``same``)."""
+
+    def __init__(self, order: tuple[str, ...], same: bool = False) -> None:
+        super().__init__()
+        self.stem, self.mix = torch.nn.Linear(8, 8), _Mix()
+        self.order, self.same = order, same
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        tables = {name: torch.cos(x) if name == "cos" else torch.sin(x) for name in self.order}
+        h = self.stem(x)
+        return self.mix(h, tables["cos"], tables["cos" if self.same else "sin"])
+
+
+class _Mix(torch.nn.Module):
+    def forward(self, h: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        return h * a + b
+
+
+def test_the_signature_a_problem_holds_says_what_a_layer_computes_in_no_order():
+    """``LayerCost.signature`` (the plan cache's key reads it) is the same for two traces
+    of one model in two orders, where the graph-order signature layers pair by is not;
+    and it still tells apart a layer that reads one value twice from one reading two."""
+    traced = {order: analyze(_Tables(order), (torch.randn(2, 8),))
+              for order in (("cos", "sin"), ("sin", "cos"))}
+    (gm, one), (other_gm, other) = traced.values()
+    assert [info.name for info in meta.layers(gm)] == ["stem", "mix"]
+    assert meta.layers(gm)[0].signature != meta.layers(other_gm)[0].signature
+    assert [layer.signature for layer in one.layers] == \
+        [layer.signature for layer in other.layers]
+    _, twice = analyze(_Tables(("cos", "sin"), same=True), (torch.randn(2, 8),))
+    assert twice.layers[1].signature != one.layers[1].signature
