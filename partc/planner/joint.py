@@ -26,12 +26,12 @@ and the plan that plays out fastest over all of them is kept (:func:`choose`):
    and on the mesh priced first into Megatron's even runs, where faster; on
    meshes other than the chosen one, within ``PlannerOptions.schedule_trial_ops``
    operations played: the rest are not reached, and the plan FEASIBLE).
-4. CP-SAT then solves the schedules still in the running, fastest greedy split first
-   (the chosen mesh's before the others', which share a quarter of one configuration's
-   work, :data:`LATER_SHARE`, and get it only where their greedy split played out
-   within :data:`NEAR` of the fastest plan), each from its greedy split and kept where
-   it plays out faster, while the work limit lasts; a trial whose floor reaches the
-   fastest plan by then is not solved.
+4. CP-SAT then solves the schedules still in the running whose greedy split played out
+   within :data:`NEAR` of the fastest plan (or that have none), fastest greedy split
+   first (the chosen mesh's before the others', which share a quarter of one
+   configuration's work, :data:`LATER_SHARE`), each from its greedy split and kept
+   where it plays out faster, while the work limit lasts; a trial whose floor reaches
+   the fastest plan by then is not solved.
 
 Every bound used is a lower bound on the step played out, so a plan left out is never
 faster than the one kept. In what sense the plan is OPTIMAL: the closed-form search
@@ -69,8 +69,8 @@ NOT_REACHED = "not reached (work limit)"
 TRIAL_LIMIT = "not reached (schedule trials limit)"
 NO_SPLIT = "no split fits"
 
-# How far above the fastest plan played a greedy split of a mesh other than the one
-# priced first may play out and still be handed to CP-SAT (a heuristic: CP-SAT's
+# How far above the fastest plan played a greedy split may play out and still be
+# handed to CP-SAT (a heuristic: CP-SAT's
 # objective is the closed form, so its split is no bound on the step played out either;
 # a greedy split further above is settled as played, and the plan stays OPTIMAL).
 NEAR = 0.02
@@ -237,10 +237,15 @@ class _Search:
         from partc.planner.search import solve_config
 
         finished = True
-        # Other meshes' schedules get LATER_SHARE of one configuration's work between
-        # them, and only those whose greedy split played out within NEAR of the fastest
-        # plan: their greedy splits are played already (so settled), and CP-SAT's work on
-        # each is what a cold plan of a 70B model was seen to spend most of its time on.
+        # Only schedules whose greedy split played out within NEAR of the fastest plan
+        # are solved (their greedy splits are played already, so settled), and other
+        # meshes' get LATER_SHARE of one configuration's work between them: CP-SAT's work
+        # on each is what a cold plan of a 70B model was seen to spend most of its time
+        # on, and re-plans of it at 60 and 40 GiB most of theirs (41 and 72 CPU-s, on
+        # the interleaved 1F1B trials of the pp=4 mesh they chose), where none of 21
+        # CP-SAT splits played out faster than its greedy one and 9 played 25-71% slower
+        # (the closed form does not see that runs of 1 and 19 layers on one rank keep
+        # the next ranks waiting; balanced_runs' re-cut did not fit their memory).
         others = options.per_config_work * LATER_SHARE
         for later, _, trial, bound in sorted(self.pending, key=lambda p: (p[0], p[1])):
             config = trial.config
@@ -248,7 +253,7 @@ class _Search:
                 if trial.result is None:
                     self.trials.append(dataclasses.replace(trial, why=PRUNED))
                 continue
-            if later and trial.result is not None and trial.step_ps > self.step * (1 + NEAR):
+            if trial.result is not None and trial.step_ps > self.step * (1 + NEAR):
                 continue
             if self.work <= 0 or later and others <= 0:
                 if trial.result is None:
