@@ -75,8 +75,9 @@ class ScheduleTrial:
     result: ConfigResult | None = None
     step_ps: int | None = None
     why: str | None = None
-    # The split CP-SAT found by the closed form where ``result`` cut its layers into
-    # other runs that play out faster (``partc.planner.search.balanced_runs``).
+    # The split CP-SAT found by the closed form where ``result`` is another that plays
+    # out faster: its layers re-cut into balanced runs, or the greedy split
+    # (``partc.planner.search.balanced_runs``).
     solved: ConfigResult | None = None
     # ``result`` is the greedy split (``partc.planner.bounds.incumbent``), not CP-SAT's.
     greedy: bool = False

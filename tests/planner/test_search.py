@@ -16,7 +16,7 @@ from partc.cost.pipeline_config import PS_PER_S
 from partc.cost.tables import TableCache, build_cost_table
 from partc.errors import PlanInfeasibleError, PlanValidationError
 from partc.planner import joint, solve
-from partc.planner.bounds import played_floor
+from partc.planner.bounds import incumbent, played_floor
 from partc.planner.results import Assignment, ConfigResult
 from partc.planner.stage_model import memory_unit
 from partc.planner.search import balanced_cut, balanced_runs, candidate_configs
@@ -227,10 +227,13 @@ def _check_schedule_choice(prob, result, plan) -> None:
     base_floor = played_floor(build_cost_table(prob, searched), any_schedule=True,
                               backward_scale=prob.devices.split_backward_factor or 1.0)
     for trial in trials:
-        if trial.solved is not None:   # re-cut into balanced runs: fits, plays faster
-            assert trial.config.chunks > 1 and trial.result.evaluation.fits
+        if trial.solved is not None:   # re-cut into balanced runs, or the greedy split:
+            assert trial.config.chunks > 1 and trial.result.evaluation.fits   # fits, and
             assert trial.step_ps < simulated_step_ps(trial.config, trial.solved.evaluation)[0]
-            assert trial.result.assignment.modes == trial.solved.assignment.modes
+            assert trial.result.assignment.modes == trial.solved.assignment.modes or \
+                trial.result.assignment == incumbent(prob.variant(
+                    trial.config.tp, trial.config.sequence_parallel, trial.config.tp_objective),
+                    trial.result.table)   # plays out faster
         if trial.result is not None:
             assert trial.step_ps == simulated_step_ps(trial.config, trial.result.evaluation)[0]
     assert all(base_floor <= t.step_ps for t in [trials[0], *mine] if t.step_ps is not None)
@@ -510,6 +513,29 @@ def test_an_interleaved_split_is_recut_into_balanced_runs_when_they_play_faster(
     assert step == simulated_step_ps(table.config, even)[0]
     assert step < simulated_step_ps(table.config, evaluation)[0]
     assert balanced_runs(prob, recut) == (recut, step)   # balanced already: kept
+
+
+def test_an_interleaved_split_whose_balanced_cut_does_not_fit_gives_way_to_the_greedy_one():
+    """As above where memory is tight: runs of 1, 3, 3 and 1 layers fit without
+    recompute (the long runs are those that hold fewer microbatches in flight), the same
+    modes cut into runs of two do not, and the greedy split (runs of two, recompute
+    where a rank is over its memory) fits and plays out faster: it is kept."""
+    layers = [layer(f"l{i}", saved=1e6, selective=5e5, full=500.0, mem_bytes=1e6)
+              for i in range(8)]
+    prob = problem(layers, [0.0] * 7, devices(2, 10**7), batch=8, micro_batch_sizes=(1,),
+                   pins=Pins(pp=2, schedule="interleaved-1f1b", virtual_stages=2,
+                             zero_stage=0))
+    table = solve(prob).best.table
+    modes, uneven = ("none",) * 8, (0, 1, 1, 1, 2, 2, 2, 3)
+    evaluation = evaluate(table, uneven, modes)
+    assert evaluation.fits and not evaluate(table, (0, 0, 1, 1, 2, 2, 3, 3), modes).fits
+    result = ConfigResult(table=table, assignment=Assignment(stage_of=uneven, modes=modes),
+                          evaluation=evaluation, status="OPTIMAL", bound=0, solve_time_s=0.0)
+    played, step = balanced_runs(prob, result)
+    greedy = incumbent(prob, table)
+    assert played.assignment == greedy and greedy.stage_of == (0, 0, 1, 1, 2, 2, 3, 3)
+    assert step == simulated_step_ps(table.config, played.evaluation)[0] \
+        < simulated_step_ps(table.config, evaluation)[0]
 
 
 def test_a_schedule_no_mesh_can_run_is_refused_with_its_reason():
