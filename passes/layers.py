@@ -389,8 +389,8 @@ def _signature(nodes: list[fx.Node], prefix: str) -> str:
     for node in nodes:
         target = _relative(str(node.target), prefix) if node.op == "call_module" \
             else op_name(node)
-        shapes = tuple((t.shape, str(t.dtype)) for t in meta.tensors(node))
-        items.append((node.op, target, arg_repr(node.args), arg_repr(node.kwargs), shapes))
+        items.append((node.op, target, arg_repr(node.args), arg_repr(node.kwargs),
+                      _shapes(node)))
     return hashlib.sha1(repr(items).encode()).hexdigest()[:16]
 
 
