@@ -162,10 +162,12 @@ class _Search:
         self.per_mesh: dict[tuple, tuple[ConfigResult, int]] = {}
         self.pending: list[tuple[bool, float, ScheduleTrial, float]] = []
 
-    def add(self, key: tuple, result: ConfigResult, first: bool = False) -> ScheduleTrial:
+    def add(self, key: tuple, result: ConfigResult, first: bool = False,
+            greedy: bool = False) -> ScheduleTrial:
         """``result`` played out, as a trial of mesh ``key`` (``first``: of the mesh
-        priced first, whose trials are also played cut evenly, Megatron's way)."""
-        trial = _played(self.problem, result, first)
+        priced first, whose trials are also played cut evenly, Megatron's way;
+        ``greedy``: ``result`` is the greedy split)."""
+        trial = _played(self.problem, result, first, greedy)
         self.trials.append(trial)
         known = self.per_mesh.get(key)
         if known is None or trial.step_ps < known[1]:
@@ -197,7 +199,7 @@ class _Search:
             self.pending.append((not first, math.inf, ScheduleTrial(config=config,
                                                                     why=NO_SPLIT), bound))
             return
-        trial = dataclasses.replace(self.add(key, greedy, first), greedy=True)
+        trial = dataclasses.replace(self.add(key, greedy, first, greedy=True), greedy=True)
         self.trials[-1] = trial
         self.pending.append((not first, trial.step_ps, trial, bound))
 
@@ -317,11 +319,11 @@ def _greedy_result(problem: PlanningProblem, tables: list[CostTable],
                  if (result := greedy_result(problem, table, cache)) is not None), None)
 
 
-def _played(problem: PlanningProblem, result: ConfigResult,
-            even: bool = False) -> ScheduleTrial:
+def _played(problem: PlanningProblem, result: ConfigResult, even: bool = False,
+            greedy: bool = False) -> ScheduleTrial:
     from partc.planner.search import balanced_runs
 
-    played, step = balanced_runs(problem, result, even)
+    played, step = balanced_runs(problem, result, even, greedy)
     return ScheduleTrial(config=result.table.config, result=played, step_ps=step,
                          solved=result if played is not result else None)
 

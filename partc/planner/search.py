@@ -340,8 +340,8 @@ def _runnable_zero(problem: PlanningProblem, config: PipelineConfig, name: str) 
     return None
 
 
-def balanced_runs(problem: PlanningProblem, result: ConfigResult,
-                  even: bool = False) -> tuple[ConfigResult, int]:
+def balanced_runs(problem: PlanningProblem, result: ConfigResult, even: bool = False,
+                  greedy: bool = False) -> tuple[ConfigResult, int]:
     """``result``, or where its configuration interleaves (several runs per rank) and no
     stages are pinned, the same layers and recompute modes cut into runs of balanced
     compute (:func:`balanced_cut`) where that fits and plays out faster, or else the
@@ -351,7 +351,8 @@ def balanced_runs(problem: PlanningProblem, result: ConfigResult,
     repeated block (the layers that share the most common row), the layers before the
     first block with the first run and those after the last with the last
     (Megatron-Core's even split of the blocks: the embeddings, final norm, head and loss
-    with the blocks beside them), where that plays out faster still.
+    with the blocks beside them), where that plays out faster still. ``greedy``:
+    ``result`` is the greedy split already (the joint search's trials mostly are).
 
     The closed form CP-SAT minimises charges a rank its runs' sum, however unequal they
     are, but the interleaved schedules run a rank's runs in turn: a run much longer
@@ -378,11 +379,12 @@ def balanced_runs(problem: PlanningProblem, result: ConfigResult,
                                      config.virtual_stages))
     best = (result, step)
     splits = [Assignment(stage_of=cut, modes=modes) for cut in cuts if cut is not None]
-    greedy = incumbent(problem.variant(config.tp, config.sequence_parallel,
-                                       config.tp_objective), table)
+    if not greedy:
+        splits.append(incumbent(problem.variant(config.tp, config.sequence_parallel,
+                                                config.tp_objective), table))
     tried = {result.assignment}
-    for assignment in splits + ([greedy] if greedy is not None else []):
-        if assignment in tried:
+    for assignment in splits:
+        if assignment is None or assignment in tried:   # None: no greedy split fits
             continue
         tried.add(assignment)
         evaluation = evaluate(table, assignment.stage_of, assignment.modes)
