@@ -36,6 +36,7 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import partc  # noqa: E402
+from partc.runtime import topology  # noqa: E402
 from partc.runtime.suspend import SUSPEND_EXIT_CODE  # noqa: E402
 from samples.gpt import gpt_tiny, loss_fn  # noqa: E402
 
@@ -88,7 +89,8 @@ def batch(windows: torch.Tensor, indices: torch.Tensor) -> tuple[torch.Tensor, t
     return rows[:, :-1].contiguous(), rows[:, 1:].contiguous()
 
 
-def main() -> None:
+def main() -> int:
+    """Train; returns the exit status."""
     args = arguments()
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
@@ -143,13 +145,13 @@ def main() -> None:
                   f"{SUSPEND_EXIT_CODE}", flush=True)
             dist.destroy_process_group()
             module.close()  # last: until here a second signal only sets the flag again
-            sys.exit(SUSPEND_EXIT_CODE)
+            return SUSPEND_EXIT_CODE
         if checkpoints is not None and (done == args.steps or (
                 args.checkpoint_every and done % args.checkpoint_every == 0)):
             save(module, optimizer, sampler, checkpoints, done, rank)
     module.close()
     dist.barrier()
-    dist.destroy_process_group()
+    return 0
 
 
 def save(module, optimizer, sampler, directory: Path, step: int, rank: int) -> None:
@@ -164,4 +166,9 @@ def save(module, optimizer, sampler, directory: Path, step: int, rank: int) -> N
 
 
 if __name__ == "__main__":
-    main()
+    status = main()
+    # The module is released: leaving frees the process groups, their gloo threads
+    # joined before the interpreter shuts down (a thread still finishing the last
+    # collective then could abort the finished run).
+    topology.leave()
+    sys.exit(status)

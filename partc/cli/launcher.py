@@ -559,13 +559,17 @@ def _execute(config: TrainConfig) -> Outcome:
 
 def run(config: TrainConfig, *, claimed: bool = False) -> int:
     """:func:`execute` (without claiming the checkpoint directory again when ``claimed``),
-    then leave the process group; returns the exit status."""
+    then leave the process group (``topology.leave``: its gloo threads joined before the
+    interpreter shuts down, which could otherwise abort a finished run); returns the exit
+    status."""
     import torch.distributed as dist
+
+    from partc.runtime import topology
 
     outcome = _execute(config) if claimed else execute(config)
     if outcome.status == 0:
         dist.barrier()
-    dist.destroy_process_group()
+    topology.leave()   # the module _execute built is released: its groups go here
     return outcome.status
 
 

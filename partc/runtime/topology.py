@@ -12,6 +12,7 @@ collective, so a wrong launch is an error on every rank, never a hang.
 from __future__ import annotations
 
 import datetime
+import gc
 import os
 from dataclasses import dataclass
 from typing import Callable, Iterable, TypeVar
@@ -125,6 +126,12 @@ class SharedGroups:
             self._made[key] = make()
         return self._made[key]
 
+    def forget(self) -> None:
+        """Drop every entry (the world is being left): the groups go with their last
+        other reference."""
+        self._made = {}
+        self._world = None
+
 
 GROUPS = SharedGroups()   # the process's one registry
 
@@ -133,6 +140,28 @@ def group_of(ranks: Iterable[int]) -> dist.ProcessGroup:
     """The process group of ``ranks``, made once per world (``SharedGroups``)."""
     ranks = tuple(ranks)
     return GROUPS.get(("group", ranks), lambda: dist.new_group(list(ranks)))
+
+
+def leave() -> None:
+    """Leave the process group at the end of a run: ``destroy_process_group()``, then drop
+    the groups made of it (``GROUPS``) and collect, so that each gloo group is freed here,
+    its destructor joining its worker threads while the interpreter is whole. Call it
+    once every rank is past its last collective (after a barrier), with the modules built
+    on the groups released.
+
+    ``destroy_process_group`` alone leaves a gloo group's two worker threads running for
+    as long as anything refers to the group (``GROUPS``, a module's topology), that is
+    into interpreter shutdown. A worker drops the collective it ran, the final barrier
+    included, a moment after the caller has returned from it; the barrier's tensor has a
+    Python object, whose release takes the GIL. On a loaded machine that moment can fall
+    in shutdown, when CPython ends a thread that asks for the GIL (``pthread_exit``): the
+    exit unwinds through a C++ destructor and aborts the process ("terminate called
+    without an active exception", SIGABRT), failing a run that had finished. A group's
+    destructor lets go of the GIL while it joins, so the workers' releases finish first."""
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    GROUPS.forget()
+    gc.collect()
 
 
 def world_size_from_env() -> int:

@@ -34,6 +34,7 @@ import torch.distributed as dist  # noqa: E402
 from partc.codec import to_data  # noqa: E402
 from partc.cli import launcher, config as train_config  # noqa: E402
 from partc.corpus import ByteTokenizer, write_token_file  # noqa: E402
+from partc.runtime import topology  # noqa: E402
 from samples import gpt  # noqa: E402
 
 STEPS = 5
@@ -149,7 +150,7 @@ def main(out: Path) -> None:
     }
     (out / f"rank{dist.get_rank()}.json").write_text(json.dumps(results))
     dist.barrier()
-    dist.destroy_process_group()
+    topology.leave()   # as partc train leaves: no gloo thread left running into shutdown
 
 
 if __name__ == "__main__":
