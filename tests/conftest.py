@@ -4,6 +4,8 @@ import os
 import pytest
 import torch.distributed as dist
 
+from partc.runtime import topology
+
 # Every pass verifies its invariants in tests (docs/architecture.md, "The pass lists").
 os.environ.setdefault("PARTC_VERIFY", "1")
 
@@ -27,10 +29,12 @@ def _earlier_modules_objects_out_of_the_collectors_way():
 def _no_process_group_outlives_its_module():
     """A module that leaves the default process group up (a program built in this
     process joins or makes one) would make the next module's ``init_process_group``
-    fail, depending on which modules an xdist worker happens to run in a row."""
+    fail, depending on which modules an xdist worker happens to run in a row. It is
+    left as a run ends (``topology.leave``): the module's groups freed, their gloo
+    threads joined here rather than running on into the interpreter's shutdown."""
     yield
     if dist.is_available() and dist.is_initialized():
-        dist.destroy_process_group()
+        topology.leave()
 
 
 @pytest.fixture(autouse=True, scope="session")

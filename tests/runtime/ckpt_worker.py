@@ -42,6 +42,7 @@ import torch.distributed as dist  # noqa: E402
 
 import partc  # noqa: E402
 from partc.codec import to_data  # noqa: E402
+from partc.runtime import topology  # noqa: E402
 from samples import gpt, moe  # noqa: E402
 from tests import hf_families, models  # noqa: E402
 from tests.runtime.worker import BATCH, Case, batch  # noqa: E402
@@ -279,7 +280,7 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     (out / f"{phase}-rank{rank}.json").write_text(json.dumps(results, indent=1))
     dist.barrier()
-    dist.destroy_process_group()
+    topology.leave()   # no gloo thread left running into shutdown
 
 
 if __name__ == "__main__":

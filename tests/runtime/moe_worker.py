@@ -31,7 +31,7 @@ from torch.distributed.tensor import DTensor  # noqa: E402
 import partc  # noqa: E402
 from partc.passes.context import Lowering  # noqa: E402
 from partc.passes.pipeline import _trace, lowering_passes, run_passes  # noqa: E402
-from partc.runtime import tp as tp_ops  # noqa: E402
+from partc.runtime import topology, tp as tp_ops  # noqa: E402
 from partc.runtime.experts import expert_modules  # noqa: E402
 from samples import moe  # noqa: E402
 from tests import hf_families, models  # noqa: E402
@@ -247,7 +247,7 @@ def main() -> None:
     (out / f"rank{rank}.json").write_text(json.dumps(results))
     if dist.is_initialized():
         dist.barrier()
-        dist.destroy_process_group()
+        topology.leave()   # no gloo thread left running into shutdown
 
 
 if __name__ == "__main__":

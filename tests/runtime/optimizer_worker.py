@@ -43,6 +43,7 @@ from torch import nn  # noqa: E402
 
 import partc  # noqa: E402
 from partc.autocast_policy import cuda_autocast  # noqa: E402
+from partc.runtime import topology  # noqa: E402
 from samples import gpt, moe  # noqa: E402
 from tests import hf_families, models  # noqa: E402
 
@@ -334,7 +335,7 @@ def run_cases(run: Callable[[str], dict[str, Any]]) -> None:
     out.mkdir(parents=True, exist_ok=True)
     (out / f"rank{dist.get_rank()}.json").write_text(json.dumps(results))
     dist.barrier()
-    dist.destroy_process_group()
+    topology.leave()   # no gloo thread left running into shutdown
 
 
 def main() -> None:

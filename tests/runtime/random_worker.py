@@ -31,6 +31,7 @@ import torch.nn.functional as F  # noqa: E402
 
 import partc  # noqa: E402
 from partc.codec import to_data  # noqa: E402
+from partc.runtime import topology  # noqa: E402
 from tests import random_models  # noqa: E402
 from tests.random_models import BATCH, STEPS, Case  # noqa: E402
 
@@ -148,7 +149,7 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     dist.init_process_group("gloo")
     run(cases, out)
-    dist.destroy_process_group()
+    topology.leave()   # no gloo thread left running into shutdown
 
 
 # -- the parent's side ----------------------------------------------------------------

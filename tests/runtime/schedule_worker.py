@@ -39,6 +39,7 @@ import torch.distributed as dist  # noqa: E402
 
 import partc  # noqa: E402
 from partc.plan import StagePlan  # noqa: E402
+from partc.runtime import topology  # noqa: E402
 from partc.cost.schedules import SCHEDULE_TABLE, schedule, stages_of_rank  # noqa: E402
 from samples import gpt  # noqa: E402
 from tests import models  # noqa: E402
@@ -255,7 +256,7 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     (out / f"rank{rank}.json").write_text(json.dumps(results, indent=1))
     dist.barrier()
-    dist.destroy_process_group()
+    topology.leave()   # no gloo thread left running into shutdown
 
 
 if __name__ == "__main__":

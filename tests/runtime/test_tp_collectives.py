@@ -13,6 +13,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from partc.passes.helpers.op_bytes import MovedBytes
+from partc.runtime import topology
 from partc.runtime.tp import TensorParallelGroup
 from partc.runtime.tp_rings import REHEARSE_BATCH, REHEARSE_SAMPLE
 
@@ -23,32 +24,40 @@ def _worker(rank: int, world: int, path: str, failures) -> None:
     dist.init_process_group("gloo", init_method=f"file://{path}", rank=rank,
                             world_size=world)
     try:
-        group = TensorParallelGroup(world, dist.group.WORLD)
-        # Over gloo the reduce-scatter runs over a list, the all-gather single-tensor.
-        assert group.listed == frozenset(("reduce_scatter",))
-        torch.manual_seed(rank)
-        for listed in (frozenset(), frozenset(("all_gather", "reduce_scatter"))):
-            group.listed = listed
-            for shape in SHAPES:
-                for dim in (0, 1, 2, -1):
-                    if shape[dim] % world:
-                        continue
-                    x = torch.randn(*shape)
-                    parts = [torch.empty_like(x) for _ in range(world)]
-                    dist.all_gather(parts, x)
-                    gathered = group.all_gather(x, dim, 1)
-                    assert gathered.is_contiguous() and torch.equal(
-                        gathered, torch.cat(parts, dim)), (listed, shape, dim)
-                    total = x.clone()
-                    dist.all_reduce(total)
-                    scattered = group.reduce_scatter(x, dim)
-                    assert scattered.is_contiguous(), (listed, shape, dim)
-                    torch.testing.assert_close(scattered, total.chunk(world, dim)[rank])
+        _collectives_agree(rank, world)
     except AssertionError as error:
         failures.append(f"rank {rank}: {error!r}")
         raise
     finally:
-        dist.destroy_process_group()
+        # The groups went with the helper's frame: leaving joins their gloo
+        # threads before the interpreter shuts down.
+        topology.leave()
+
+
+def _collectives_agree(rank: int, world: int) -> None:
+    """``_worker``'s checks, in a frame of their own: the groups they hold go when it
+    returns."""
+    group = TensorParallelGroup(world, dist.group.WORLD)
+    # Over gloo the reduce-scatter runs over a list, the all-gather single-tensor.
+    assert group.listed == frozenset(("reduce_scatter",))
+    torch.manual_seed(rank)
+    for listed in (frozenset(), frozenset(("all_gather", "reduce_scatter"))):
+        group.listed = listed
+        for shape in SHAPES:
+            for dim in (0, 1, 2, -1):
+                if shape[dim] % world:
+                    continue
+                x = torch.randn(*shape)
+                parts = [torch.empty_like(x) for _ in range(world)]
+                dist.all_gather(parts, x)
+                gathered = group.all_gather(x, dim, 1)
+                assert gathered.is_contiguous() and torch.equal(
+                    gathered, torch.cat(parts, dim)), (listed, shape, dim)
+                total = x.clone()
+                dist.all_reduce(total)
+                scattered = group.reduce_scatter(x, dim)
+                assert scattered.is_contiguous(), (listed, shape, dim)
+                torch.testing.assert_close(scattered, total.chunk(world, dim)[rank])
 
 
 def test_single_tensor_and_listed_collectives_agree_with_their_definitions(tmp_path):
@@ -114,28 +123,36 @@ def _rings_worker(rank: int, world: int, path: str, found) -> None:
     dist.init_process_group("gloo", init_method=f"file://{path}", rank=rank,
                             world_size=world)
     try:
-        for samples, dim in itertools.product((1, 2), (1, 0)):
-            # The rings compute what the blocking collectives do, a chunk received and
-            # written in place where it is contiguous (one sample, or sequence-first),
-            # else copied.
-            for dtype, tolerance in ((torch.float32, 1e-5), (torch.float64, 1e-12)):
-                ring = _values(TensorParallelGroup(world, dist.group.WORLD), samples, dim,
-                               dtype)
-                blocking = _values(TensorParallelGroup(world, dist.group.WORLD,
-                                                       overlap=False), samples, dim, dtype)
-                for got, want in zip(ring, blocking):
-                    torch.testing.assert_close(got, want, rtol=tolerance, atol=tolerance)
-            ring = TensorParallelGroup(world, dist.group.WORLD)
-            real = _sequence_parallel_block(ring, samples, dim)
-            rehearsal, as_is = TensorParallelGroup(world), TensorParallelGroup(world)
-            rehearsal.rehearsing, as_is.rehearsing = REHEARSE_BATCH, REHEARSE_SAMPLE
-            found.append((rank, samples, dim, real,
-                          _sequence_parallel_block(rehearsal, samples, dim),
-                          _sequence_parallel_block(as_is, samples, dim),
-                          _sequence_parallel_block(TensorParallelGroup(world), samples, dim),
-                          ring.ring_steps, rehearsal.ring_steps, rehearsal.counts == ring.counts))
+        _rings_agree(rank, world, found)
     finally:
-        dist.destroy_process_group()
+        # The groups went with the helper's frame: leaving joins their gloo
+        # threads before the interpreter shuts down.
+        topology.leave()
+
+
+def _rings_agree(rank: int, world: int, found) -> None:
+    """``_rings_worker``'s checks, in a frame of their own: the groups they hold go when
+    it returns."""
+    for samples, dim in itertools.product((1, 2), (1, 0)):
+        # The rings compute what the blocking collectives do, a chunk received and
+        # written in place where it is contiguous (one sample, or sequence-first),
+        # else copied.
+        for dtype, tolerance in ((torch.float32, 1e-5), (torch.float64, 1e-12)):
+            ring = _values(TensorParallelGroup(world, dist.group.WORLD), samples, dim,
+                           dtype)
+            blocking = _values(TensorParallelGroup(world, dist.group.WORLD,
+                                                   overlap=False), samples, dim, dtype)
+            for got, want in zip(ring, blocking):
+                torch.testing.assert_close(got, want, rtol=tolerance, atol=tolerance)
+        ring = TensorParallelGroup(world, dist.group.WORLD)
+        real = _sequence_parallel_block(ring, samples, dim)
+        rehearsal, as_is = TensorParallelGroup(world), TensorParallelGroup(world)
+        rehearsal.rehearsing, as_is.rehearsing = REHEARSE_BATCH, REHEARSE_SAMPLE
+        found.append((rank, samples, dim, real,
+                      _sequence_parallel_block(rehearsal, samples, dim),
+                      _sequence_parallel_block(as_is, samples, dim),
+                      _sequence_parallel_block(TensorParallelGroup(world), samples, dim),
+                      ring.ring_steps, rehearsal.ring_steps, rehearsal.counts == ring.counts))
 
 
 def test_rings_compute_what_blocking_does_and_a_rehearsal_counts_them(tmp_path):

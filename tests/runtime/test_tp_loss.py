@@ -15,6 +15,7 @@ import torch.nn.functional as F
 import pytest
 from torch import nn
 
+from partc.runtime import topology
 from partc.runtime.tp import TensorParallelGroup
 from partc.runtime.tp_loss import (ShardedLossError, VocabParallelLoss, _index_keeps,
                                    _local_sizes, probe)
@@ -88,33 +89,41 @@ def _worker(rank: int, world: int, path: str, failures) -> None:
     dist.init_process_group("gloo", init_method=f"file://{path}", rank=rank,
                             world_size=world)
     try:
-        group = TensorParallelGroup(world, dist.group.WORLD)
-        for dtype, tolerance in ((torch.float32, 1e-5), (torch.float64, 1e-12)):
-            for name, fn in LOSSES.items():
-                logits, target = _cases(dtype)
-                whole = logits.clone().requires_grad_()
-                expected = fn(whole, target)
-                expected.backward()
-                width = VOCAB // world
-                part = logits[..., rank * width:(rank + 1) * width].clone().requires_grad_()
-                # Hugging Face's loss and the z-loss compute in fp32 whatever comes in.
-                close = max(tolerance, 1e-5) if name in ("hugging_face", "z_loss") \
-                    else tolerance
-                loss = VocabParallelLoss(group, Call(fn), 0)
-                got = loss(part, target)
-                got.backward()
-                torch.testing.assert_close(got, expected, rtol=close, atol=close)
-                torch.testing.assert_close(
-                    part.grad, whole.grad[..., rank * width:(rank + 1) * width],
-                    rtol=close, atol=close)
-                gathered = 1 if name == "entropy_too" else 0
-                cross_entropies = 0 if name == "nll_of_log_softmax" else 1
-                assert (loss.gathered, loss.cross_entropies) == (gathered, cross_entropies), name
+        _losses_agree(rank, world)
     except AssertionError as error:
         failures.append(f"rank {rank}: {error!r}")
         raise
     finally:
-        dist.destroy_process_group()
+        # The groups went with the helper's frame: leaving joins their gloo
+        # threads before the interpreter shuts down.
+        topology.leave()
+
+
+def _losses_agree(rank: int, world: int) -> None:
+    """``_worker``'s checks, in a frame of their own: the groups they hold go when it
+    returns."""
+    group = TensorParallelGroup(world, dist.group.WORLD)
+    for dtype, tolerance in ((torch.float32, 1e-5), (torch.float64, 1e-12)):
+        for name, fn in LOSSES.items():
+            logits, target = _cases(dtype)
+            whole = logits.clone().requires_grad_()
+            expected = fn(whole, target)
+            expected.backward()
+            width = VOCAB // world
+            part = logits[..., rank * width:(rank + 1) * width].clone().requires_grad_()
+            # Hugging Face's loss and the z-loss compute in fp32 whatever comes in.
+            close = max(tolerance, 1e-5) if name in ("hugging_face", "z_loss") \
+                else tolerance
+            loss = VocabParallelLoss(group, Call(fn), 0)
+            got = loss(part, target)
+            got.backward()
+            torch.testing.assert_close(got, expected, rtol=close, atol=close)
+            torch.testing.assert_close(
+                part.grad, whole.grad[..., rank * width:(rank + 1) * width],
+                rtol=close, atol=close)
+            gathered = 1 if name == "entropy_too" else 0
+            cross_entropies = 0 if name == "nll_of_log_softmax" else 1
+            assert (loss.gathered, loss.cross_entropies) == (gathered, cross_entropies), name
 
 
 @pytest.mark.parametrize("world", [2, 3])

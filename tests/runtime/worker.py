@@ -41,7 +41,7 @@ from partc.runtime import cp_layout  # noqa: E402
 from partc.runtime.cp_group import ContextParallelGroup, attention  # noqa: E402
 from partc.runtime.ring_attention import AttentionMask  # noqa: E402
 from partc.passes.fuse_attention import count_fused  # noqa: E402
-from partc.runtime import activation_offload, tp as tp_ops  # noqa: E402
+from partc.runtime import activation_offload, topology, tp as tp_ops  # noqa: E402
 from samples import gpt  # noqa: E402
 from tests import hf_families, models  # noqa: E402
 
@@ -858,7 +858,7 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     (out / f"rank{rank}.json").write_text(json.dumps(results, indent=1))
     dist.barrier()
-    dist.destroy_process_group()
+    topology.leave()   # no gloo thread left running into shutdown
 
 
 if __name__ == "__main__":
