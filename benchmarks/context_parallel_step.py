@@ -29,6 +29,7 @@ import torch.distributed as dist  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 import partc  # noqa: E402
+from partc.runtime import topology  # noqa: E402
 from benchmarks.torchrun_launch import run_under_torchrun  # noqa: E402
 
 KINDS = ("ring", "all-to-all")
@@ -112,7 +113,7 @@ def main() -> None:
                      if kind == "all-to-all" else "")
             print(f"  {seq:6d} {kind:>10s} {took * 1e3:7.1f} ms {guess:>10s} {ratio}")
     dist.barrier()
-    dist.destroy_process_group()
+    topology.leave()
 
 
 if __name__ == "__main__":

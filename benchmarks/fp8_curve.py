@@ -41,6 +41,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 import partc  # noqa: E402
+from partc.runtime import topology  # noqa: E402
 from samples.gpt import gpt_tiny, loss_fn  # noqa: E402
 from train_gpt import batch, corpus, samples  # noqa: E402
 
@@ -134,7 +135,7 @@ def main() -> None:
           f"fp8 {fp8[worst]:.4f})")
     plot(curves, Path(args.plot))
     print(f"plot written to {args.plot}")
-    dist.destroy_process_group()
+    topology.leave()
 
 
 if __name__ == "__main__":

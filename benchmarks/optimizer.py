@@ -40,7 +40,7 @@ import torch.distributed as dist  # noqa: E402
 from torch import nn  # noqa: E402
 
 import partc  # noqa: E402
-from partc.runtime import DistributedModule  # noqa: E402
+from partc.runtime import DistributedModule, topology  # noqa: E402
 from benchmarks.torchrun_launch import run_under_torchrun  # noqa: E402
 from samples.gpt import gpt_tiny, loss_fn  # noqa: E402
 
@@ -234,7 +234,7 @@ def main() -> None:
             print(f"  {dtype:9s} {zero:4d}   {cells}  {sum(measured):5.2f} / "
                   f"{sum(planned):5.2f}")
     dist.barrier()
-    dist.destroy_process_group()
+    topology.leave()
 
 
 if __name__ == "__main__":

@@ -66,6 +66,7 @@ from partc.calibrate.memory_rates import (measure_elementwise, measure_memory,  
                                           measure_optimizer)
 from partc.calibrate.overheads import measure_op_overhead  # noqa: E402
 from partc.calibrate.stopwatch import median_seconds, slowest_rank_seconds  # noqa: E402
+from partc.runtime import topology  # noqa: E402
 from benchmarks.plan_choice import batch, loss_fn, model  # noqa: E402
 
 CPU = torch.device("cpu")
@@ -147,7 +148,7 @@ def _rank_worker(rank: int, store: str, job: dict) -> None:
             Path(job["out"]).write_text(json.dumps(result))
         dist.barrier()
     finally:
-        dist.destroy_process_group()
+        topology.leave()
 
 
 def _zero_phases(folder: str, sizes: Sizes) -> tuple[float, float, float]:

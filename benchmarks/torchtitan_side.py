@@ -62,6 +62,7 @@ from torch.distributed.device_mesh import init_device_mesh  # noqa: E402
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard  # noqa: E402
 
 import partc  # noqa: E402
+from partc.runtime import topology  # noqa: E402
 from benchmarks.torchrun_launch import run_under_torchrun  # noqa: E402
 from samples.gpt import GPT, GPTConfig  # noqa: E402
 from tests import hf_families  # noqa: E402
@@ -306,7 +307,7 @@ def main() -> None:
     if dist.get_rank() == 0 and args.out:
         Path(args.out).write_text(json.dumps(results, indent=1))
     dist.barrier()
-    dist.destroy_process_group()
+    topology.leave()
 
 
 if __name__ == "__main__":

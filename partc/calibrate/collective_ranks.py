@@ -39,6 +39,7 @@ from partc.calibrate.memory_rates import (ElementwiseRate, OptimizerRate, measur
 from partc.calibrate.overheads import measure_op_overhead
 from partc.calibrate.stopwatch import (BUSY_SAMPLE_S, median_seconds, slowest,
                                        slowest_rank_seconds)
+from partc.runtime import topology
 from partc.runtime.topology import ALL_GATHER_SINGLE, REDUCE_SCATTER_SINGLE
 
 log = logging.getLogger(__name__)
@@ -203,28 +204,38 @@ def _collective_worker(rank: int, ranks: int, store: str, backend: str, sizes: S
     dist.init_process_group(backend, store=dist.FileStore(store, ranks), rank=rank,
                             world_size=ranks, timeout=timedelta(minutes=5))
     try:
-        # On a CPU each collective again as a step meets it (:class:`BetweenCompute`).
-        between = BetweenCompute(device, sizes) if device.type == "cpu" else None
-        back_to_back = _time_collectives(rank, ranks, device, sizes, between)
-        overlap = _overlap(ranks, device, sizes)
-        dist.barrier()   # every rank computes at once, as in training
-        busy = replace(sizes, min_sample_s=max(sizes.min_sample_s, BUSY_SAMPLE_S))
-        timed = RankTimings(
-            back_to_back=back_to_back,
-            between_compute=between.times() if between is not None else None,
-            overlap=overlap,
-            linear_all_busy=measure_linear(device, ("float32", "bfloat16"), busy),
-            elementwise_all_busy=measure_elementwise(device, busy,
-                                                     measure_op_overhead(device, busy)),
-            optimizer_all_busy=measure_optimizer(device, busy),
-            fsdp=measure_fsdp(device, sizes) if device.type == "cpu" else None)
-        if rank == 0:
-            Path(out).write_bytes(pickle.dumps(timed))
-        dist.barrier()
-        # Every rank is past the barrier, so rank 0 has written everything.
-        Path(out).with_name(f"{DONE_MARKER}{rank}").touch()
+        _measure_on_rank(rank, ranks, device, sizes, out)
     finally:
-        dist.destroy_process_group()
+        # The measurement's groups (FSDP's mesh) went with its frame: leaving joins their
+        # gloo threads before the interpreter shuts down, where one still finishing its
+        # last collective could abort the rank.
+        topology.leave()
+
+
+def _measure_on_rank(rank: int, ranks: int, device: torch.device, sizes: Sizes,
+                     out: str) -> None:
+    """What :func:`_collective_worker` measures on rank ``rank``, rank 0 writing it to
+    ``out``; each rank past the last barrier leaves its marker."""
+    # On a CPU each collective again as a step meets it (:class:`BetweenCompute`).
+    between = BetweenCompute(device, sizes) if device.type == "cpu" else None
+    back_to_back = _time_collectives(rank, ranks, device, sizes, between)
+    overlap = _overlap(ranks, device, sizes)
+    dist.barrier()   # every rank computes at once, as in training
+    busy = replace(sizes, min_sample_s=max(sizes.min_sample_s, BUSY_SAMPLE_S))
+    timed = RankTimings(
+        back_to_back=back_to_back,
+        between_compute=between.times() if between is not None else None,
+        overlap=overlap,
+        linear_all_busy=measure_linear(device, ("float32", "bfloat16"), busy),
+        elementwise_all_busy=measure_elementwise(device, busy,
+                                                 measure_op_overhead(device, busy)),
+        optimizer_all_busy=measure_optimizer(device, busy),
+        fsdp=measure_fsdp(device, sizes) if device.type == "cpu" else None)
+    if rank == 0:
+        Path(out).write_bytes(pickle.dumps(timed))
+    dist.barrier()
+    # Every rank is past the barrier, so rank 0 has written everything.
+    Path(out).with_name(f"{DONE_MARKER}{rank}").touch()
 
 
 def _time_collectives(rank: int, ranks: int, device: torch.device, sizes: Sizes,
