@@ -13,8 +13,8 @@ from partc.plan import Plan
 from partc.problem import Pins, PlanningProblem
 from tests.planner import instances
 
-# Small enough that CP-SAT is stopped before it proves the plan (the plan is FEASIBLE):
-# the limit binds, and where it stops must not depend on the machine.
+# Small enough that CP-SAT is stopped before it has solved every schedule it solves
+# unlimited: the limit binds, and where it stops must not depend on the machine.
 BINDING = PlannerOptions(work_limit=0.05, config_work_limit=0.05)
 
 

@@ -11,7 +11,7 @@ from partc.planner.bounds import (balanced_split, incumbent, lower_bound, min_ma
                                   played_floor)
 from partc.planner.search import candidate_configs, schedule_candidates
 
-from .instances import least_played, random_problem
+from .instances import devices, layer, least_played, problem, random_problem
 
 
 def test_lower_bound_never_exceeds_a_configurations_optimum():
@@ -111,3 +111,47 @@ def test_the_played_floor_counts_the_first_microbatchs_way_through_every_layer()
                 checked += 1
                 near += trial.num_microbatches == 1 and floors[0] >= 0.95 * played
     assert checked > 40 and near > 5
+
+
+def _pressed_pipeline(rng: random.Random):
+    """A pipeline of 4 to 6 layers on 2 or 4 ranks whose memory holds the layers' state
+    and, on the ranks 1F1B fills first, too few of their activations: the ranks that
+    hold more microbatches must recompute, or take fewer layers."""
+    num_layers, num_devices = rng.randint(4, 6), rng.choice([2, 4])
+    layers = [layer(f"layer{i}", flops=rng.choice([1e9, 2e9]), params=rng.choice([1000, 4000]),
+                    saved=rng.choice([2e4, 5e4]), full=500.0) for i in range(num_layers)]
+    state = sum(16 * l.param_count for l in layers) / num_devices
+    activations = sum(l.saved_bytes["none"] for l in layers) / num_devices
+    memory = int(state + rng.choice([1.0, 1.5, 2.0, 3.0]) * activations) + 4000
+    return problem(layers, [0.0] * (num_layers - 1), devices(num_devices, memory),
+                   batch=rng.choice([2, 4]), micro_batch_sizes=(1,))
+
+
+def test_the_played_floor_counts_the_busiest_ranks_recompute_that_memory_forces(monkeypatch):
+    """Under memory pressure the floor is the busiest rank's least compute over every
+    placement that fits each rank's limit with the microbatches it holds
+    (``_busiest_rank_floor``, a linear relaxation): where it raises the floor (the
+    ranks 1F1B fills first must recompute or take fewer layers), never above the least
+    step any split plays (brute force); elsewhere the floor is the one checked above."""
+    from partc.planner import bounds
+
+    rng = random.Random(17)
+    raised = 0
+    for _ in range(30):
+        prob = _pressed_pipeline(rng)
+        for config in candidate_configs(prob):
+            for trial in [config] + schedule_candidates(prob, config):
+                if trial.pp < 2 or trial.virtual_stages > 4:
+                    continue
+                table = build_cost_table(prob, trial)
+                floor = played_floor(table)
+                with monkeypatch.context() as patched:
+                    patched.setattr(bounds, "_busiest_rank_floor", lambda *_: 0.0)
+                    without = played_floor(table)
+                assert without <= floor, trial
+                if floor == without:
+                    continue
+                played = least_played(prob, trial)
+                assert played is None or floor <= played, trial
+                raised += played is not None
+    assert raised > 10, raised
