@@ -160,7 +160,7 @@ def played_floor(table: CostTable, cache: TableCache | None = None, *,
     busy = max(m * max(fastest.values()), -(-(m * (total + comm) + starts) // pp),
                0 if any_schedule else _first_microbatch(table, distinct) + recompute)
     if not (any_schedule or one_in_flight):
-        busiest = _kept_busiest_rank_floor(table, distinct, cache)
+        busiest = _kept_busiest_rank_floor(table, distinct, knapsack, cache)
         if busiest == math.inf:
             return math.inf
         busy = max(busy, m * busiest)
@@ -168,20 +168,22 @@ def played_floor(table: CostTable, cache: TableCache | None = None, *,
 
 
 def _kept_busiest_rank_floor(table: CostTable, distinct: dict[int, tuple[Any, int]],
+                             knapsack: tuple[int, int, list],
                              cache: TableCache | None) -> float:
     """:func:`_busiest_rank_floor`, kept in ``cache`` per rows tuple, held microbatches and
     limits: the schedules and batch splits of one mesh ask again with the same (a
     145.6B GPT's joint search asked 2,769 times for 300)."""
     if cache is None:
-        return _busiest_rank_floor(table, distinct)
+        return _busiest_rank_floor(table, distinct, knapsack)
     key = ("busiest", id(table.layers), table.config.least_held(), table.limits)
     known = cache.distinct.get(key)
     if known is None:
-        known = cache.distinct[key] = _busiest_rank_floor(table, distinct)
+        known = cache.distinct[key] = _busiest_rank_floor(table, distinct, knapsack)
     return known
 
 
-def _busiest_rank_floor(table: CostTable, distinct: dict[int, tuple[Any, int]]) -> float:
+def _busiest_rank_floor(table: CostTable, distinct: dict[int, tuple[Any, int]],
+                        knapsack: tuple[int, int, list]) -> float:
     """The least compute per microbatch of the busiest rank, over every placement of the
     layers on the ranks and every mode, where rank ``s`` holds its layers' state and
     ``least_held()[s]`` microbatches of their saved activations within its limit: the
@@ -190,17 +192,14 @@ def _busiest_rank_floor(table: CostTable, distinct: dict[int, tuple[Any, int]]) 
     microbatches (1F1B's first) must recompute more or hold fewer layers, which the
     knapsack floor, pooling every rank's memory, cannot see.
 
-    Skipped (0) where an even share of every layer in its fastest mode fits every rank:
-    then the relaxation's optimum is the even share of the compute, already in the
-    floor."""
+    Skipped (0) where an even share of every layer in its fastest mode (the state and
+    saved bytes of :func:`_knapsack`) fits every rank: then the relaxation's optimum is
+    the even share of the compute, already in the floor."""
     config = table.config
     if config.pp == 1:
         return 0.0
     held = config.least_held()
-    fastest = {key: min(row.recompute_ps, key=lambda r: (row.compute_ps(r), r))
-               for key, (row, _) in distinct.items()}
-    state = sum(row.state_total * count for row, count in distinct.values())
-    saved = sum(row.saved_bytes[fastest[key]] * count for key, (row, count) in distinct.items())
+    state, saved, _ = knapsack
     if all(state + f * saved <= config.pp * limit for f, limit in zip(held, table.limits)):
         return 0.0
     solver = pywraplp.Solver.CreateSolver("GLOP")
