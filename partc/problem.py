@@ -533,6 +533,7 @@ class DeviceNumbers:
     communicator_memory: int = 0
     memory_fragmentation: float = 0.0
     fp8_peak_flops: float | None = None          # None: no FP8 matmuls (emulated, if any)
+    fp8_efficiency: float | None = None          # None: flops_efficiency
 
     def __post_init__(self) -> None:
         if len(self.memory_bytes) != self.num_devices:

@@ -15,9 +15,11 @@ and casts them again there, so per microbatch a linear of ``m`` tokens, ``k`` in
 Each cast reads its operand twice in eager mode (the maximum, then the scaled cast) and
 writes one byte per element, 2e + 1 bytes per element of e bytes, two kernels; under
 ``torch.compile`` the two fuse into one pass, e + 1 bytes and one kernel. The matmuls
-run at the device's ``fp8_peak_flops`` times the matmuls' share of peak
-(``flops_efficiency``), against the training dtype's peak for the same share: Hopper's
-FP8 tensor cores run at twice bf16's rate.
+run at the device's ``fp8_peak_flops`` times FP8 matmuls' share of it
+(``fp8_efficiency``, else the matmuls' ``flops_efficiency``), against the training
+dtype's peak times ``flops_efficiency``: Hopper's FP8 tensor cores peak at twice bf16's
+rate, and its presets' FP8 matmuls reach 1.7 times bf16's (0.6 of the FP8 peak against
+0.7 of bf16's: the presets say where that comes from).
 
 A linear runs FP8 where that is faster, forward and backward together, on the
 configuration's microbatch (:func:`fp8_count`), except the model's output layer (its
@@ -83,10 +85,19 @@ def pricing(problem: PlanningProblem, tp: int = 1) -> Fp8Pricing | None:
     train, devices = problem.train, problem.devices
     if train.fp8 is None or tp > 1 or problem.pins.fp8_linears == "none":
         return None
-    speedup = devices.fp8_peak_flops / devices.peak_flops if devices.fp8_peak_flops else 1.0
-    return Fp8Pricing(recipe=train.fp8, speedup=speedup,
+    return Fp8Pricing(recipe=train.fp8, speedup=fp8_speedup(devices),
                       element_bytes=train.precision.compute_bytes, compiled=train.compiled,
                       pinned=problem.pins.fp8_linears, kept=train.fp8_kept)
+
+
+def fp8_speedup(devices: DeviceNumbers) -> float:
+    """FP8 matmuls' rate over the training dtype's: the FP8 peak at ``fp8_efficiency``
+    (else ``flops_efficiency``) over the peak at ``flops_efficiency``; 1 without an FP8
+    peak (emulated)."""
+    if not devices.fp8_peak_flops:
+        return 1.0
+    share = devices.fp8_efficiency or devices.flops_efficiency
+    return devices.fp8_peak_flops * share / (devices.peak_flops * devices.flops_efficiency)
 
 
 def output_linears(layers: Sequence[LayerCost]) -> tuple[str, ...]:

@@ -320,6 +320,11 @@ class DeviceFigures:
     fp8_peak_flops: float | None = figure(
         FLOPS, "--fp8-peak-tflops", "dense FP8 peak TFLOP/s of one device (FP8 linears, "
         "--fp8; default: the preset's, none on devices without FP8 matmuls)", unset=None)
+    # The share of that peak FP8 matmuls (torch._scaled_mm) reach. None:
+    # flops_efficiency, the training dtype's matmuls' share.
+    fp8_efficiency: float | None = figure(
+        FRACTION, "--fp8-efficiency", "the share of the FP8 peak FP8 matmuls reach "
+        "(default: the preset's, else the matmuls' --flops-efficiency)", unset=None)
 
     # The host beside the devices, for offload (ZeRO-Offload: optimizer state, master
     # weights and the step on the host; ZeRO-3's parameters too): its memory per node,
