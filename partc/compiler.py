@@ -286,9 +286,10 @@ def compile_seconds(problem: PlanningProblem, plan: Plan) -> float | None:
     if not plan.train.compile:
         return None
     layers = {layer.name: layer for layer in problem.model.layers}
+    fp8 = frozenset(plan.fp8.linears) if plan.fp8 is not None else frozenset()
     # dispatch_ahead: the device is a GPU (its host queues kernels ahead).
     return max(rank_compile_seconds((layers[name] for name in stage.layers),
-                                    gpu=problem.devices.dispatch_ahead)
+                                    gpu=problem.devices.dispatch_ahead, fp8_linears=fp8)
                for stage in plan.stages)
 
 

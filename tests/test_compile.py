@@ -385,17 +385,22 @@ def test_kernel_choices_default_to_the_fastest_on_a_gpu_and_eager_on_a_cpu():
 
 
 def test_compile_time_builds_a_repeated_block_once():
-    from partc.cost.compile_time import BUILD_S_PER_NODE, FIXED_S, TRACE_S_PER_NODE, \
-        rank_compile_seconds
+    from partc.cost.compile_time import BUILD_S_PER_NODE, FIXED_S, FP8_S_PER_LINEAR, \
+        TRACE_S_PER_NODE, rank_compile_seconds
     from types import SimpleNamespace
 
     def layer(name: str, signature: str) -> SimpleNamespace:   # what it reads of a LayerCost
-        return SimpleNamespace(name=name, signature=signature, num_nodes=10)
+        return SimpleNamespace(name=name, signature=signature, num_nodes=10, heavy_ops=(
+            SimpleNamespace(linear_names=(f"{name}.fc.weight",)),))
 
     blocks = [layer(f"blocks.{i}", "block") for i in range(3)]
     seconds = rank_compile_seconds(blocks, gpu=True)
     assert seconds == pytest.approx(FIXED_S + 30 * TRACE_S_PER_NODE + 10 * BUILD_S_PER_NODE["gpu"])
     assert rank_compile_seconds(blocks[:1], gpu=False) > rank_compile_seconds(blocks[:1], gpu=True)
+    # Each FP8 linear traces as torchao's subclasses: every one pays, repeated or not.
+    fp8 = rank_compile_seconds(blocks, gpu=True, fp8_linears={"blocks.0.fc.weight",
+                                                               "blocks.2.fc.weight"})
+    assert fp8 == pytest.approx(seconds + 2 * FP8_S_PER_LINEAR)
 
 
 def test_a_plan_from_before_kernel_choices_loads_with_them_as_written():
