@@ -251,8 +251,14 @@ def test_eval_data_replaces_the_held_out_step():
         launcher.train(module, _Optimizer(module), bad, config)
 
 
-def test_help_and_bad_flags_return_a_status(capsys):
+def test_help_and_bad_flags_return_a_status(capsys, monkeypatch):
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
     assert launcher.main(["--help"]) == 0
+    # A run takes partc's allocator settings, and keeps the user's own.
+    assert os.environ["PYTORCH_CUDA_ALLOC_CONF"] == launcher.ALLOCATOR_SETTINGS
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:512")
+    assert launcher.main(["--help"]) == 0
+    assert os.environ["PYTORCH_CUDA_ALLOC_CONF"] == "max_split_size_mb:512"
     assert "--max-grad-norm" in capsys.readouterr().out
     assert launcher.main(["m.py:f", "--steps", "two"]) == 2
 

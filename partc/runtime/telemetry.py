@@ -24,6 +24,9 @@ yields one :class:`StepRecord` per rank:
   step is slower, and it is not judged against the plan) and reported with each later
   step, beside ``rss_bytes``, the step's own peak RSS growth, which also holds allocator
   slack, communication buffers and libraries;
+- ``reserved_bytes``: on a GPU, the caching allocator's peak reserved during the step
+  (``torch.cuda.max_memory_reserved``): ``memory_bytes`` and the segments' free pieces,
+  what ``DeviceBudget.memory_fragmentation`` reserves for; None on CPU;
 - ``host_activation_bytes`` / ``host_traffic_bytes``: with offloaded layers (recompute
   mode "offload", :mod:`partc.runtime.activation_offload`), the most bytes of saved
   activations the rank held on the host during the step and the bytes it copied there,
@@ -57,7 +60,7 @@ import resource
 import sys
 import time
 import weakref
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable, Iterable, Sequence, TextIO
 
@@ -147,6 +150,9 @@ class StepRecord:
     # that step's peak), and this step's peak RSS growth beside it.
     memory_step: int | None = None
     rss_bytes: int | None = None
+    # On a GPU: the caching allocator's peak reserved during the step (its segments,
+    # what it took from the device, the tensors' memory_bytes and its fragmentation).
+    reserved_bytes: int | None = None
     skipped: bool = False   # a non-finite step, skipped: the optimizer did not step
     # Offloaded activations on the host (None: the stage offloads none).
     host_activation_bytes: int | None = None
@@ -213,6 +219,9 @@ class _CudaMemory:
     def peak(self) -> int:
         return int(torch.cuda.max_memory_allocated(self.device))
 
+    def reserved(self) -> int:
+        return int(torch.cuda.max_memory_reserved(self.device))
+
 
 class _HostMemory:
     """Peak resident set size during the step, above ``baseline`` (the RSS when the
@@ -221,6 +230,9 @@ class _HostMemory:
 
     def __init__(self, baseline: int) -> None:
         self.baseline = baseline
+
+    def reserved(self) -> None:   # no allocator keeps segments beside the tensors
+        return None
 
     def reset(self) -> None:
         try:
@@ -468,6 +480,7 @@ class Telemetry:
         if counted is not None:
             self._tensor_peak = (pending["step"], counted)
         record = self._record(pending, seconds, memory, optimizer_stepped)
+        record = replace(record, reserved_bytes=self._meter.reserved())
         self._publish(record)
         return record
 

@@ -54,6 +54,9 @@ class _Meter:
     def peak(self) -> int:
         return self.value
 
+    def reserved(self) -> int:   # the allocator's segments: the tensors and a free piece
+        return self.value + 1024
+
 
 def _telemetry(plan: Plan, monkeypatch, **kwargs) -> tuple[tm.Telemetry, _Clock, _Meter]:
     clock, meter = _Clock(), _Meter()
@@ -102,6 +105,7 @@ def test_a_step_record_against_the_plan(plan, monkeypatch, tmp_path, capsys):
     assert record.time_departure == pytest.approx(1.0)
     assert record.predicted_memory_bytes == stage_peak
     assert record.memory_departure == pytest.approx(-0.5, abs=1e-5)
+    assert record.reserved_bytes == stage_peak // 2 + 1024
     assert (record.loss, record.grad_norm, record.notes) == (3.0, 0.25, {"lr": 1e-3})
     line = capsys.readouterr().out
     assert line.startswith("step 1  loss 3.0000  20.00 ms (plan 10.00 ms, +100%)"), line
