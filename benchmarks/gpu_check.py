@@ -16,11 +16,14 @@ writing ``DIR/<part>.json`` and printing a table:
   how far bf16 moves the losses, not a parity).
 - ``train``: ``partc train`` under ``torchrun --nproc-per-node=1`` for a GPT of 12 layers
   1536 wide (about 0.4 B parameters), 32 sequences of 1024 tokens a step in bf16, as
-  partc plans it and pinned three ways (full recompute with one microbatch, no recompute
-  with 8 microbatches of 4, selective recompute with 4 of 8). Per plan: the median step
-  time after the first two steps against the plan's prediction, and the step's
+  partc plans it for the GPU's preset (compiled, the GPU default), pinned three ways
+  (full recompute with one microbatch, no recompute with 8 microbatches of 4, selective
+  recompute with 4 of 8), in eager mode (``--no-compile``) and with FP8 linears
+  (``--fp8``: torchao's float8, where the plan says they pay). Per plan: the median step
+  time after the first two steps against the plan's prediction, the step's
   ``torch.cuda.max_memory_allocated`` against the plan's peak (the telemetry's own
-  records, ``DIR/train/<plan>/rank0.jsonl``).
+  records, ``DIR/train/<plan>/rank0.jsonl``), and the first step (compiling) against
+  the plan's estimate of the compile. ``--plan NAME`` runs only the plans named.
 - ``memory``: ``benchmarks/memory_check.py``'s measurement at GPU sizes, on the GPU: one
   rank at a time of plans for 2 or 4 GPUs (pipeline, ZeRO-1/3, tensor and sequence
   parallel, bf16 and fp32), joined to a fake process group (collectives move nothing;
@@ -80,6 +83,10 @@ TRAIN_PLANS = (
     ("full-m1", ("--recompute", "full", "--micro-batch", "{batch}")),
     ("none-m8", ("--recompute", "none", "--micro-batch", "{batch8}")),
     ("selective-m4", ("--recompute", "selective", "--micro-batch", "{batch4}")),
+    # The kernel choices: the planner's pick in eager mode (compile is the GPU default),
+    # and with FP8 linears allowed (torchao float8, where the plan says they pay).
+    ("eager", ("--no-compile",)),
+    ("fp8", ("--fp8",)),
 )
 STEPS = 10
 
@@ -89,7 +96,18 @@ def _sizes() -> dict[str, int]:
 
 
 def _preset() -> str:
-    return "CPU" if SMOKE else "H100-80GB"
+    """The preset the plans are made for: the GPU's own (an H200 is planned as one), the
+    CPU's with --smoke; ``PARTC_GPU_CHECK_PRESET`` names another (--prepare on a machine
+    without the GPU); H100-80GB where none is known."""
+    from partc.calibrate.machine import known_preset
+
+    if SMOKE:
+        return "CPU"
+    if os.environ.get("PARTC_GPU_CHECK_PRESET"):
+        return os.environ["PARTC_GPU_CHECK_PRESET"]
+    if torch.cuda.is_available():
+        return known_preset("cuda", torch.cuda.get_device_name(0)) or "H100-80GB"
+    return "H100-80GB"
 
 
 def _env(**extra: str) -> dict[str, str]:
@@ -100,6 +118,7 @@ def _env(**extra: str) -> dict[str, str]:
 
 DEADLINE = [float("inf")]   # perf_counter time by which every part must end (--budget)
 CASES: list[str] = []       # --case: the memory and profile cases to run (empty: all)
+PLANS: list[str] = []       # --plan: the train part's plans to run (empty: all)
 
 
 def _wanted(name: str) -> bool:
@@ -280,6 +299,8 @@ def run_train(out: Path, prepare: bool = False) -> dict[str, Any]:
     results: dict[str, Any] = {}
     target = f"{Path(__file__)}:factory"
     for name, flags in TRAIN_PLANS:
+        if PLANS and name not in PLANS:
+            continue
         directory = out / "train" / name
         directory.mkdir(parents=True, exist_ok=True)
         common = ["--device", _preset(), "--dtype", "bf16", "-q",
@@ -309,13 +330,31 @@ def run_train(out: Path, prepare: bool = False) -> dict[str, Any]:
                          "predicted_memory_bytes": predicted_memory,
                          "memory_measure": timed[-1]["memory_measure"],
                          "losses": [r["loss"] for r in records], "plan": plan,
-                         "mfu": statistics.median(r["mfu"] for r in timed)}
+                         "mfu": statistics.median(r["mfu"] for r in timed),
+                         "first_step_s": records[0]["step_time_s"],
+                         "reserved_bytes": max(r.get("reserved_bytes") or 0 for r in timed)}
         print(f"  {name:14s} {plan.get('summary', ''):40s} step {measured_s * 1e3:7.1f} ms "
               f"(predicted {predicted_s * 1e3:7.1f}, ratio {predicted_s / measured_s:4.2f})  "
               f"peak {memory / 2**30:6.2f} GiB (predicted {predicted_memory / 2**30:6.2f}, "
               f"ratio {memory / predicted_memory:4.2f})  loss {records[0]['loss']:.3f} -> "
               f"{records[-1]['loss']:.3f}")
+        reserved = results[name]["reserved_bytes"]
+        if reserved:   # the allocator under partc train's setting (expandable segments)
+            print(f"  {'':14s} reserved {reserved / 2**30:6.2f} GiB at the peak: "
+                  f"{100 * (reserved - memory) / reserved:.1f}% beside the tensors "
+                  f"(the plan reserves {100 * _fragmentation():.0f}%)")
+        if plan.get("compile_time_s") is not None or plan.get("fp8"):
+            print(f"  {'':14s} first step {records[0]['step_time_s']:.1f} s (compiling: "
+                  f"estimated {plan.get('compile_time_s') or 0:.1f} s); FP8 linears "
+                  f"{plan.get('fp8', 0)}")
     return results
+
+
+def _fragmentation() -> float:
+    """The share of memory the preset keeps back for the allocator's fragmentation."""
+    from partc.device.budget import PRESETS
+
+    return PRESETS[_preset()].memory_fragmentation or 0.0
 
 
 def _plan_summary(path: Path) -> dict[str, Any]:
@@ -327,7 +366,10 @@ def _plan_summary(path: Path) -> dict[str, Any]:
     modes = sorted(set(recompute.values())) if isinstance(recompute, dict) else [recompute]
     micro = plan.get("micro_batch_size")
     count = plan.get("num_microbatches")
+    fp8 = plan.get("fp8")
     return {"microbatches": count, "micro_batch": micro, "recompute": modes,
+            "compile_time_s": (plan.get("predicted") or {}).get("compile_time_s"),
+            "fp8": len(fp8.get("linears", ())) if isinstance(fp8, dict) else len(fp8 or ()),
             "summary": f"{count} x {micro}, recompute {'/'.join(map(str, modes))}"}
 
 
@@ -343,7 +385,7 @@ def memory_cases() -> list[Any]:
         size = dict(batch=8, seq=32, layers=4, width=64, heads=4, vocab=128, device="CPU")
     else:
         size = dict(batch=16, seq=1024, layers=8, width=1024, heads=8, vocab=50304,
-                    device="H100-80GB")
+                    device=_preset())
     pipeline = dict(world=2, ranks=(0, 1), pp=2, schedule="1f1b", num_microbatches=4)
 
     def case(name: str, model: str = "gpt", **rest: Any) -> Any:
@@ -681,6 +723,7 @@ def environment() -> dict[str, Any]:
         info["gpu"] = torch.cuda.get_device_name(0)
         info["nccl"] = ".".join(map(str, torch.cuda.nccl.version()))
         info["gpu_memory"] = torch.cuda.get_device_properties(0).total_memory
+    info["preset"] = _preset()
     try:
         import ortools
         info["ortools"] = ortools.__version__
@@ -704,6 +747,8 @@ def main() -> None:
                         help=argparse.SUPPRESS)
     parser.add_argument("--case", action="append",
                         help="only this memory or profile case (repeatable)")
+    parser.add_argument("--plan", action="append", choices=[name for name, _ in TRAIN_PLANS],
+                        help="only this train plan (repeatable)")
     args = parser.parse_args()
     if args.smoke:
         os.environ["PARTC_GPU_CHECK_SMOKE"] = "1"
@@ -717,6 +762,7 @@ def main() -> None:
     if args.worker == "profile":
         return profile_worker(args.out, args.case[0], args.prepare)
     CASES[:] = args.case or []
+    PLANS[:] = args.plan or []
     if args.budget is not None:
         DEADLINE[0] = time.perf_counter() + args.budget
     info = environment()
