@@ -43,7 +43,10 @@ writing ``DIR/<part>.json`` and printing a table:
   profiler) against the time the GPU spent in
   kernels (their sum, and the union of their intervals), the number of kernels and of
   CPU-side aten calls, and the kernels that took longest: where a step's time goes that
-  the plan does not predict.
+  the plan does not predict. The attention kernels by backend (FlashAttention-2, cuDNN,
+  memory-efficient), and the 8 x 4 plan again with scaled_dot_product_attention
+  preferring cuDNN (``none-m8-cudnn``): its step and attention kernels, and its losses
+  beside the default's (the same weights and batches).
 
 ``--case NAME`` (repeatable) runs only those memory and profile cases.
 
@@ -529,7 +532,35 @@ def run_calibrate(out: Path, trained: dict[str, Any]) -> dict[str, Any]:
 PROFILE_PLANS = {"none-m8": dict(recompute="none", micro=8),
                  "full-m1": dict(recompute="full", micro=1),
                  # As `partc train` steps: telemetry's syncs and its gradient norm.
-                 "full-m1-telemetry": dict(recompute="full", micro=1, telemetry=True)}
+                 "full-m1-telemetry": dict(recompute="full", micro=1, telemetry=True),
+                 # none-m8 with scaled_dot_product_attention preferring cuDNN's kernel
+                 # (torch's default order tries FlashAttention-2 first; the Hopper
+                 # presets price cuDNN's rate): its speed, and its losses beside none-m8's.
+                 "none-m8-cudnn": dict(recompute="none", micro=8, cudnn=True)}
+# Attention kernels by the backend that launched them, by name: torch's
+# FlashAttention-2, cuDNN's fused attention, the memory-efficient (CUTLASS) kernels.
+ATTENTION_KERNELS = {"flash": ("flash_fwd", "flash_bwd", "flash::"),
+                     "cudnn": ("cudnn", "sdpa"),
+                     "efficient": ("fmha_cutlass", "efficient_attention")}
+
+
+def _attention_context(pins: dict[str, Any]) -> Any:
+    """cuDNN first where the case asks for it, torch's order otherwise."""
+    import contextlib
+
+    if not pins.get("cudnn"):
+        return contextlib.nullcontext()
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    order = [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION,
+             SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+    return sdpa_kernel(order, set_priority=True)
+
+
+def _attention_backend(name: str) -> str | None:
+    lowered = name.lower()
+    return next((backend for backend, keys in ATTENTION_KERNELS.items()
+                 if any(key in lowered for key in keys)), None)
 
 
 def profile_worker(out: Path, name: str, prepare: bool = False) -> None:
@@ -539,6 +570,7 @@ def profile_worker(out: Path, name: str, prepare: bool = False) -> None:
 
     import partc
 
+    torch.manual_seed(0)   # the same weights in every case: their losses compare
     workload = factory()
     pins = PROFILE_PLANS[name]
     batch = _sizes()["batch"]
@@ -556,9 +588,12 @@ def profile_worker(out: Path, name: str, prepare: bool = False) -> None:
     data = workload["data"]
     on_gpu = torch.cuda.is_available()
 
+    losses: list[float] = []
+
     def step(i: int) -> None:
         x, y = data(i)
-        module.forward_backward(x, target=y)
+        with _attention_context(pins):   # the first step compiles under it too
+            losses.append(float(module.forward_backward(x, target=y)))
         optimizer.step()
         optimizer.zero_grad()
 
@@ -599,8 +634,12 @@ def profile_worker(out: Path, name: str, prepare: bool = False) -> None:
         sort_by=sort, row_limit=40, max_name_column_width=40, max_shapes_column_width=80)
     launched_by = _optimizer_launches(events)
     heavy_s = light_s = optimizer_s = 0.0
+    attention_s: dict[str, float] = {}
     for kernel in kernels:
         seconds = kernel.time_range.elapsed_us() / 1e6 / steps
+        backend = _attention_backend(kernel.name)
+        if backend is not None:
+            attention_s[backend] = attention_s.get(backend, 0.0) + seconds
         if launched_by(kernel):
             optimizer_s += seconds
         elif _is_heavy_kernel(kernel.name):
@@ -614,7 +653,8 @@ def profile_worker(out: Path, name: str, prepare: bool = False) -> None:
               "predicted_step_s": program.plan.predicted.step_time_s,
               "measured_kernels_s": {"heavy": heavy_s, "light": light_s,
                                      "optimizer": optimizer_s},
-              "predicted_parts_s": predicted_parts(program)}
+              "predicted_parts_s": predicted_parts(program),
+              "attention_kernels_s": attention_s, "losses": losses}
     (out / f"profile-{name}.json").write_text(json.dumps(result, indent=1))
     (out / f"profile-{name}.txt").write_text(table + "\n\nby input shape\n" + shapes)
     module.close()
@@ -711,7 +751,22 @@ def run_profile(out: Path, prepare: bool = False) -> dict[str, Any]:
               f"memory-bound and dispatch; {parts['light_bytes'] * 1e3:.1f} without the "
               f"dispatch floor), optimizer {kernels['optimizer'] * 1e3:6.1f} ms "
               f"(tail priced {parts['tail'] * 1e3:6.1f})")
+        backends = ", ".join(f"{backend} {seconds * 1e3:.1f} ms"
+                             for backend, seconds in row.get("attention_kernels_s", {}).items())
+        print(f"  {'':10s} attention kernels: {backends or 'none found by name'}")
+    _compare_losses(results, "none-m8", "none-m8-cudnn")
     return results
+
+
+def _compare_losses(results: dict[str, Any], base: str, other: str) -> None:
+    """The same steps' losses of two cases (one attention kernel against another): their
+    largest relative difference, which bf16 rounding alone keeps near 1e-3."""
+    first, second = (results.get(name, {}).get("losses") for name in (base, other))
+    if not first or not second:
+        return
+    difference = max(abs(a - b) / max(abs(a), 1e-6) for a, b in zip(first, second))
+    results[f"{other}-vs-{base}"] = {"max_loss_rel_diff": difference}
+    print(f"  {other} against {base}: losses within {difference:.1e} over {len(first)} steps")
 
 
 # ---------------------------------------------------------------------------- main
