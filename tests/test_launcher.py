@@ -252,13 +252,19 @@ def test_eval_data_replaces_the_held_out_step():
 
 
 def test_help_and_bad_flags_return_a_status(capsys, monkeypatch):
-    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
+    for name in launcher.ALLOCATOR_VARIABLES:
+        monkeypatch.delenv(name, raising=False)
     assert launcher.main(["--help"]) == 0
-    # A run takes partc's allocator settings, and keeps the user's own.
+    # A run takes partc's allocator settings, and keeps the user's own under either
+    # name (torch reads PYTORCH_CUDA_ALLOC_CONF first: setting it would hide the other).
     assert os.environ["PYTORCH_CUDA_ALLOC_CONF"] == launcher.ALLOCATOR_SETTINGS
     monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:512")
     assert launcher.main(["--help"]) == 0
     assert os.environ["PYTORCH_CUDA_ALLOC_CONF"] == "max_split_size_mb:512"
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF")
+    monkeypatch.setenv("PYTORCH_ALLOC_CONF", "expandable_segments:False")
+    assert launcher.main(["--help"]) == 0
+    assert "PYTORCH_CUDA_ALLOC_CONF" not in os.environ
     assert "--max-grad-norm" in capsys.readouterr().out
     assert launcher.main(["m.py:f", "--steps", "two"]) == 2
 

@@ -128,8 +128,11 @@ HELD_OUT_STEP = -1
 # free pieces of fixed segments between them. Without them, gpu_check's cases on an H200
 # reserved 16% more than they allocated at the step's peak, with no memory pressure; the
 # plan keeps 5% back (DeviceBudget.memory_fragmentation). Read where CUDA starts, so it
-# is set before torch loads; the ranks partc starts inherit it.
+# is set before torch loads; the ranks partc starts inherit it. A user's own settings,
+# under any of the names torch reads (torch reads PYTORCH_CUDA_ALLOC_CONF before
+# PYTORCH_ALLOC_CONF, torchtitan's name), are left alone.
 ALLOCATOR_SETTINGS = "expandable_segments:True"
+ALLOCATOR_VARIABLES = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF", "PYTORCH_HIP_ALLOC_CONF")
 
 log = logging.getLogger("partc")
 
@@ -621,7 +624,8 @@ def main(argv: list[str]) -> int:
     """``partc train ...``: returns the exit status (:mod:`partc.cli.failures`: 0 done, 2
     bad input, ...); a failure is one line on stderr, from the first rank to fail."""
     prefix = f"partc {COMMAND}"
-    os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", ALLOCATOR_SETTINGS)
+    if not any(name in os.environ for name in ALLOCATOR_VARIABLES):
+        os.environ["PYTORCH_CUDA_ALLOC_CONF"] = ALLOCATOR_SETTINGS
     try:
         config = parse_config(argv)
     except SystemExit as exit_:   # argparse: --help (0)
