@@ -357,7 +357,8 @@ def _fragmentation() -> float:
     """The share of memory the preset keeps back for the allocator's fragmentation."""
     from partc.device.budget import PRESETS
 
-    return PRESETS[_preset()].memory_fragmentation or 0.0
+    preset = PRESETS.get(_preset())
+    return (preset.memory_fragmentation or 0.0) if preset is not None else 0.0
 
 
 def _plan_summary(path: Path) -> dict[str, Any]:
