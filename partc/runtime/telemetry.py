@@ -23,7 +23,8 @@ yields one :class:`StepRecord` per rank:
   telemetry records (``memory_step``; counting runs every op through Python, so that
   step is slower, and it is not judged against the plan) and reported with each later
   step, beside ``rss_bytes``, the step's own peak RSS growth, which also holds allocator
-  slack, communication buffers and libraries;
+  slack, communication buffers and libraries. A compiled stage runs that step eagerly
+  (dynamo traces nothing under the counting's dispatch mode) and compiles on the next;
 - ``reserved_bytes``: on a GPU, the caching allocator's peak reserved during the step
   (``torch.cuda.max_memory_reserved``): ``memory_bytes`` and the segments' free pieces,
   what ``DeviceBudget.memory_fragmentation`` reserves for; None on CPU;
@@ -47,9 +48,10 @@ Rank 0 prints one line per step; with ``jsonl_dir`` every rank appends its recor
 ``name``, ``dir``, ``config``, ...) rank 0 logs the same scalars to a Weights & Biases run,
 as torchtitan does (needs the ``wandb`` package, checked on every rank so that all fail
 alike; ``WANDB_MODE=offline`` keeps the run on disk). After the first step (which also learns shapes and allocates
-optimizer state), a step whose time or memory departs from the prediction by more than
-``warn_ratio`` is logged as a warning naming the stage and the figures, once per stage and
-kind, by the stage's first rank.
+optimizer state; on CPU with a compiled stage, after the second, which compiles it), a
+step whose time or memory departs from the prediction by more than ``warn_ratio`` is
+logged as a warning naming the stage and the figures, once per stage and kind, by the
+stage's first rank.
 """
 
 from __future__ import annotations
@@ -309,6 +311,7 @@ class _TensorMemory:
     def __init__(self, held: Callable[[], Iterable[torch.Tensor]]) -> None:
         self._held = held
         self._mode: _LiveTensors | None = None
+        self._stance: Any = None
         self._base = 0
 
     @property
@@ -317,6 +320,12 @@ class _TensorMemory:
 
     def start(self) -> None:
         self._base = held_bytes(self._held())
+        # Compiled stages run eagerly while counted: dynamo does not trace under a
+        # dispatch mode and, once it has skipped a frame, never traces it again, so a
+        # counted first call would leave the stage eager for the whole run. Eager, the
+        # step's tensors are the ones the plan counts; the next step compiles.
+        self._stance = _eager_stance()
+        self._stance.__enter__()
         self._mode = _LiveTensors()
         self._mode.__enter__()
 
@@ -329,7 +338,17 @@ class _TensorMemory:
         if self._mode is not None:
             self._mode.__exit__(None, None, None)
             self._mode = None
+            self._stance.__exit__(None, None, None)
         return peak
+
+
+def _eager_stance() -> Any:
+    """torch.compile's functions run eagerly under it, without being marked skipped
+    (``torch.compiler.set_stance``; a no-op on a torch without it)."""
+    import contextlib
+
+    stance = getattr(torch.compiler, "set_stance", None)
+    return stance("force_eager") if stance is not None else contextlib.nullcontext()
 
 
 def _status_bytes(key: str) -> int | None:
@@ -414,6 +433,7 @@ class Telemetry:
         self._tensors = (_TensorMemory(held) if device.type != "cuda" and held is not None
                          else None)
         self._tensor_peak: tuple[int, int] | None = None   # (step, bytes)
+        self._unjudged = 2 if self._tensors is not None and plan.train.compile else 1
         self._measure = ("cuda_max_allocated" if device.type == "cuda"
                          else "live_tensor_bytes" if self._tensors is not None
                          else "host_peak_rss_growth")
@@ -540,8 +560,9 @@ class Telemetry:
                                            if isinstance(v, (int, float))}},
                             step=record.step)
         # The first step this telemetry sees learns shapes, allocates the optimizer's
-        # state and, on CPU, counts live tensors (slower): its time is not judged.
-        if record.step > WARMUP_STEPS and len(self.records) > 1:
+        # state and, on CPU, counts live tensors (slower): its time is not judged; nor,
+        # where that step ran a compiled stage eagerly, the next, which compiles it.
+        if record.step > WARMUP_STEPS and len(self.records) > self._unjudged:
             self._warn(record)
 
     def _warn(self, record: StepRecord) -> None:

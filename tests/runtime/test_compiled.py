@@ -98,3 +98,34 @@ def test_zero3_compiles_each_fsdp_unit_not_the_stage(monkeypatch):
     finally:
         dist.destroy_process_group()
         torch._dynamo.reset()
+
+
+def test_a_compiled_stage_compiles_under_cpu_telemetry(monkeypatch):
+    """On CPU telemetry counts the first step's tensors under a dispatch mode, under which
+    dynamo traces nothing and marks the stage's frame skipped for good: that step runs
+    the compiled stage eagerly (torch.compiler.set_stance), the next compiles it, and
+    neither is judged against the plan. Dynamo's ``aot_eager`` backend, one rank."""
+    ids = torch.randint(0, 128, (8, 16))
+    program = partc.compile(gpt_tiny(), (ids,), loss_fn=loss_fn, example_target=ids,
+                            budget=partc.DeviceBudget(num_devices=1, device="CPU"),
+                            train=partc.TrainSpec(global_batch_size=8, compile=True))
+    monkeypatch.setattr(rank_build, "compile_stage",
+                        functools.partial(compiled.compile_stage, backend="aot_eager"))
+    torch._dynamo.reset()
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=1)
+    try:
+        module = program.build()
+        telemetry = module.telemetry(console=False)
+        stats = torch._dynamo.utils.counters["stats"]
+        before, graphs = stats["unique_graphs"], []
+        for _ in range(3):
+            module.forward_backward(ids, target=ids)
+            graphs.append(stats["unique_graphs"] - before)
+        telemetry.end()
+        assert graphs[0] == 0 and graphs[1] >= 1 and graphs[2] == graphs[1]
+        assert telemetry.records[0].memory_measure == "live_tensor_bytes"
+        assert telemetry.records[0].memory_step == 1 and len(telemetry.records) == 3
+        assert telemetry._unjudged == 2
+    finally:
+        dist.destroy_process_group()
+        torch._dynamo.reset()
