@@ -13,6 +13,7 @@ compile thread): a pool of compile processes costs more than it saves on two cor
 
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import pytest
@@ -68,6 +69,21 @@ def test_compiled_fsdp_units_under_zero3_train_like_one_process(tmp_path):
     assert all(rank["gpt-dp2-zero3-compiled"]["compiled_graphs"] > 0 for rank in ranks)
 
 
+@contextlib.contextmanager
+def _built_on_rank0(program: partc.Program, world: int, monkeypatch):
+    """Rank 0 of ``world`` under a fake process group, its stages compiled with dynamo's
+    ``aot_eager`` backend (no kernels built): the built module."""
+    monkeypatch.setattr(rank_build, "compile_stage",
+                        functools.partial(compiled.compile_stage, backend="aot_eager"))
+    torch._dynamo.reset()
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
+    try:
+        yield program.build()
+    finally:
+        dist.destroy_process_group()
+        torch._dynamo.reset()
+
+
 def test_zero3_compiles_each_fsdp_unit_not_the_stage(monkeypatch):
     """Under ZeRO-3 (FSDP2) each unit's forward is compiled and the stage's own code,
     with FSDP's gather and free hooks, stays eager; checked on one rank of two under a
@@ -79,12 +95,7 @@ def test_zero3_compiles_each_fsdp_unit_not_the_stage(monkeypatch):
                             train=partc.TrainSpec(global_batch_size=8, compile=True),
                             constraints=partc.Constraints(pp=1, dp=2, zero_stage=3))
     assert program.plan.train.compile and program.plan.effective_zero_stage == 3
-    monkeypatch.setattr(rank_build, "compile_stage",
-                        functools.partial(compiled.compile_stage, backend="aot_eager"))
-    torch._dynamo.reset()
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
-    try:
-        module = program.build()
+    with _built_on_rank0(program, 2, monkeypatch) as module:
         stage = module.parts.module
         units = set(compiled.compiled_units(stage))
         sharded = {path for path, sub in stage.named_modules()
@@ -95,9 +106,6 @@ def test_zero3_compiles_each_fsdp_unit_not_the_stage(monkeypatch):
         assert isinstance(stage, FSDPModule) and "" not in units
         module.forward_backward(ids[:4], target=ids[:4])
         assert torch._dynamo.utils.counters["stats"]["unique_graphs"] >= len(units)
-    finally:
-        dist.destroy_process_group()
-        torch._dynamo.reset()
 
 
 def test_a_compiled_stage_compiles_under_cpu_telemetry(monkeypatch):
@@ -109,12 +117,7 @@ def test_a_compiled_stage_compiles_under_cpu_telemetry(monkeypatch):
     program = partc.compile(gpt_tiny(), (ids,), loss_fn=loss_fn, example_target=ids,
                             budget=partc.DeviceBudget(num_devices=1, device="CPU"),
                             train=partc.TrainSpec(global_batch_size=8, compile=True))
-    monkeypatch.setattr(rank_build, "compile_stage",
-                        functools.partial(compiled.compile_stage, backend="aot_eager"))
-    torch._dynamo.reset()
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=1)
-    try:
-        module = program.build()
+    with _built_on_rank0(program, 1, monkeypatch) as module:
         telemetry = module.telemetry(console=False)
         stats = torch._dynamo.utils.counters["stats"]
         before, graphs = stats["unique_graphs"], []
@@ -126,6 +129,3 @@ def test_a_compiled_stage_compiles_under_cpu_telemetry(monkeypatch):
         assert telemetry.records[0].memory_measure == "live_tensor_bytes"
         assert telemetry.records[0].memory_step == 1 and len(telemetry.records) == 3
         assert telemetry._unjudged == 2
-    finally:
-        dist.destroy_process_group()
-        torch._dynamo.reset()
