@@ -62,7 +62,7 @@ import resource
 import sys
 import time
 import weakref
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterable, Sequence, TextIO
 
@@ -500,7 +500,6 @@ class Telemetry:
         if counted is not None:
             self._tensor_peak = (pending["step"], counted)
         record = self._record(pending, seconds, memory, optimizer_stepped)
-        record = replace(record, reserved_bytes=self._meter.reserved())
         self._publish(record)
         return record
 
@@ -528,6 +527,7 @@ class Telemetry:
             memory_measure=self._measure,
             grad_norm=float(grad_norm) if grad_norm is not None else None,
             memory_step=counted[0] if counted is not None else None, rss_bytes=rss,
+            reserved_bytes=self._meter.reserved(),
             skipped=pending.get("skipped", False), notes=dict(pending["notes"]),
             **self._host_figures())
 
