@@ -45,6 +45,7 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from partc.cost.roofline import op_seconds
+from partc.device.figures import DeviceFigures
 from partc.problem import DeviceNumbers, HeavyOp, LayerCost, PlanningProblem
 
 # FP8 matmul kernels (cuBLASLt's, through torch._scaled_mm) need both dimensions of the
@@ -96,8 +97,14 @@ def fp8_speedup(devices: DeviceNumbers) -> float:
     peak (emulated)."""
     if not devices.fp8_peak_flops:
         return 1.0
-    share = devices.fp8_efficiency or devices.flops_efficiency
-    return devices.fp8_peak_flops * share / (devices.peak_flops * devices.flops_efficiency)
+    return devices.fp8_peak_flops * fp8_share(devices) / (
+        devices.peak_flops * devices.flops_efficiency)
+
+
+def fp8_share(figures: DeviceNumbers | DeviceFigures) -> float:
+    """The share of the FP8 peak FP8 matmuls reach: ``fp8_efficiency``, else the
+    matmuls' ``flops_efficiency``."""
+    return figures.fp8_efficiency or figures.flops_efficiency
 
 
 def output_linears(layers: Sequence[LayerCost]) -> tuple[str, ...]:

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 from partc.cli.choices import REPORT_FORMATS
 from partc.codec import dtype_name
+from partc.cost.fp8_pricing import fp8_share
 from partc.cost.timeline import Timeline, simulate, text_lines
 from partc.device.usable import Headroom, communicators, headroom
 from partc.names import Outcome, Phase
@@ -141,7 +142,7 @@ def _fp8_line(plan: Plan) -> str:
     how = ("emulated (no FP8 matmuls on this device: torchao's emulation, for testing)"
            if section.emulated else
            f"at {plan.budget.figures.fp8_peak_flops / 1e12:.4g} TFLOP/s FP8 peak, matmuls "
-           f"at {_fp8_share(plan):.2g} of it")
+           f"at {fp8_share(plan.budget.figures):.2g} of it")
     if not section.linears:
         why = ("none runs under tensor parallelism" if plan.tp > 1 else
                "emulated FP8 never pays (pin Constraints.fp8_linears to run some)"
@@ -152,12 +153,6 @@ def _fp8_line(plan: Plan) -> str:
             f"torchao float8), {how}: {shown}; the rest stay "
             f"{dtype_name(plan.train.dtype)}: the output layer, unless pinned, and those "
             f"whose casts cost more than FP8 saves")
-
-
-def _fp8_share(plan: Plan) -> float:
-    """The share of the FP8 peak FP8 matmuls are priced at (fp8_pricing.fp8_speedup)."""
-    figures = plan.budget.figures
-    return figures.fp8_efficiency or figures.flops_efficiency
 
 
 def _dp_busiest(plan: Plan) -> int | None:
