@@ -4,6 +4,7 @@ simulated step equals the cost model's, and the invariants every simulation keep
 from __future__ import annotations
 
 import dataclasses
+import math
 import random
 
 import pytest
@@ -13,9 +14,11 @@ from partc.placement import Placement
 from partc.plan import TensorParallelPlan, TPCollective
 from partc.problem import Pins
 from partc.cost.schedules import SCHEDULE_TABLE, schedule, stages_of_rank
-from partc.cost.timeline import (KINDS, Op, StageSeconds, _undominated, csv_text, play,
-                                 played_span,
-                            schedule_order, simulate, text_lines, torch_order)
+from partc.cost.evaluate import exposed_sync_ps
+from partc.cost.timeline import (KINDS, ONE_STAGE_WINDOWS, WINDOW_STEPS, Op, StageSeconds,
+                                 Windows, _undominated, csv_text, overlap_windows, play,
+                                 played_span, schedule_order, simulate, text_lines,
+                                 torch_order)
 
 from .planner.instances import devices, layer, problem
 
@@ -228,3 +231,65 @@ def test_a_ranks_peaks_are_the_moments_no_other_reaches_everywhere():
         kept = tuple(sorted(h for h in moments if not any(
             g != h and all(a >= b for a, b in zip(g, h)) for g in moments)))
         assert _undominated(moments) == kept
+
+
+# -- what hides the data-parallel collectives ---------------------------------------------
+
+def test_overlap_windows_read_the_schedules_order():
+    """Interleaved 1F1B's cool-down runs each virtual stage's last ``pp`` backwards, so
+    the stage done ``j``-th from last has ``(j - 1) pp`` backwards after its own on every
+    rank; a split backward's last weight pass hides half a backward; one stage per rank
+    hides behind its last backward and its first forward. Forwards come ``pp`` per stage
+    in the warm-up."""
+    steps = WINDOW_STEPS
+    for rank in overlap_windows("interleaved-1f1b", 8, 6, 32):
+        assert rank.sync == tuple(steps * (1 + 8 * j) for j in range(6))
+        assert rank.gather == tuple(steps * (1 + 8 * j) for j in range(6))
+    for rank in overlap_windows("zbv-zero-bubble", 4, 2, 8):
+        assert rank.sync[0] == steps // 2 and rank.sync[1] >= steps
+    assert overlap_windows("1f1b", 4, 1, 8) == (Windows(*ONE_STAGE_WINDOWS),) * 4
+
+
+def _queued(done: list[float], share: float, end: float) -> float:
+    """What a serial link leaves after ``end`` of reductions of ``share`` seconds each,
+    released at ``done``: played out reduction by reduction."""
+    clock = -math.inf
+    for release in sorted(done):
+        clock = max(clock, release) + share
+    return max(0.0, clock - end)
+
+
+@pytest.mark.parametrize("name, pp, v, m", [("interleaved-1f1b", 4, 2, 8),
+                                            ("interleaved-1f1b", 2, 4, 4),
+                                            ("looped-bfs", 3, 3, 6),
+                                            ("interleaved-zero-bubble", 4, 2, 8),
+                                            ("zbv-zero-bubble", 4, 2, 8),
+                                            ("dualpipev", 2, 2, 4)])
+def test_exposed_sync_is_the_reductions_played_after_each_stage(name, pp, v, m):
+    """The closed form of a rank's exposed gradient reduction (at a whole overlap) is what
+    a serial link leaves when each virtual stage's ``v``-th of it starts as that stage's
+    last gradient-making op starts, the rank's ops run back to back at the windows'
+    durations (a backward one stage's ``B / v``, a split one's input and weight parts
+    their shares, forwards taking no time): the reductions played one by one."""
+    rng = random.Random(0)
+    for rank, windows in enumerate(overlap_windows(name, pp, v, m)):
+        for _ in range(20):
+            backward = rng.randint(1, 10**6) * v * WINDOW_STEPS
+            sync = rng.randint(0, 3 * backward)
+            one = backward // (v * WINDOW_STEPS)   # a window step, in picoseconds
+            done = [-k * one for k in windows.sync]   # each stage's start, the end at 0
+            expected = _queued(done, sync / v, 0.0)
+            assert exposed_sync_ps(sync, backward, 1000, 0, windows.sync) == \
+                pytest.approx(expected, abs=1)
+
+
+def test_more_stages_per_rank_hide_no_less():
+    """Against one stage per rank (the last microbatch's backward), a rank's stages done
+    early hide more of its reduction, never less, and at no overlap nothing hides."""
+    windows = overlap_windows("interleaved-1f1b", 4, 4, 16)[0]
+    for sync, backward in ((900, 100), (100, 900), (500, 500), (0, 10)):
+        one = exposed_sync_ps(sync, backward, 800)
+        many = exposed_sync_ps(sync, backward, 800, windows=windows.sync)
+        assert many <= one
+        assert exposed_sync_ps(sync, backward, 0, windows=windows.sync) == sync
+    assert exposed_sync_ps(1000, 100, 1000, windows=windows.sync) < 1000 - 100

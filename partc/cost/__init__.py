@@ -71,7 +71,9 @@ Model (per pipeline stage ``s`` of ``p``, ``m`` microbatches of ``b`` samples):
 - after the pipeline drains, ``max_s e_s`` where ``e_s`` is the exposed part of the
   data-parallel gradient all-reduce (ring; each gradient's all-reduce starts as soon as the
   last microbatch's backward has accumulated it, so ``max(0, all-reduce - that backward)``
-  is left) plus the optimizer step of the stage's parameters (the bytes a step touches,
+  is left with one virtual stage per rank; with several, each stage's share starts at its
+  own last backward and the rank's backwards after it hide it too, as the schedule's order
+  places them: :func:`~partc.cost.timeline.overlap_windows`) plus the optimizer step of the stage's parameters (the bytes a step touches,
   :attr:`~partc.problem.Precision.step_bytes`, at ``DeviceNumbers.optimizer_bandwidth``: HBM
   bandwidth unless calibrated), and the all-reduce of tied parameters' gradients among the
   stages that hold them;

@@ -13,7 +13,8 @@ from partc.cost.offload_time import host_bytes
 from partc.cost.pipeline_config import PipelineConfig
 from partc.cost.state_bytes import step_total
 from partc.cost.tables import CostTable
-from partc.cost.timeline import StageSeconds, play, played_span
+from partc.cost.timeline import (ONE_STAGE_WINDOWS, WINDOW_STEPS, StageSeconds, Windows,
+                                 overlap_windows, play, played_span)
 from partc.plan import StageMemory
 
 
@@ -69,27 +70,49 @@ class Evaluation:
 
 
 def exposed_sync_ps(sync_ps: int, backward_ps: int, overlap_permille: int = 1000,
-                    last_ps: int = 0) -> int:
-    """What is left of a stage's dp gradient all-reduce once the last microbatch's
-    backward (``backward_ps``, which it overlaps bucket by bucket) is done: all but the
-    share ``overlap_permille`` / 1000 of the shorter of the two
-    (:func:`partc.cost.pipeline_config.overlapped`), rounded up; ``max(0, sync -
-    backward)`` at a whole overlap. The last bucket's reduction (``last_ps``: it starts as
-    backward ends, and is charged whole in ``CostTable.tail_latency_ps``) is not counted
-    here."""
+                    last_ps: int = 0, windows: Sequence[int] = ONE_STAGE_WINDOWS[0]) -> int:
+    """What is left of a stage's dp gradient all-reduce once its backwards are done,
+    rounded up. The last bucket's reduction (``last_ps``: it starts as backward ends, and
+    is charged whole in ``CostTable.tail_latency_ps``) is not counted here.
+
+    The rank's ``v`` virtual stages (``len(windows)``) each reduce a ``v``-th of it,
+    bucket by bucket from their last backward on, one after the other over the network:
+    the reductions of the ``j`` stages finished last start no earlier than the ``j``-th
+    from last did, and what the rank's backward does after it (``windows[j - 1]`` in
+    :data:`~partc.cost.timeline.WINDOW_STEPS` of one stage's, a ``v``-th of
+    ``backward_ps``: :func:`~partc.cost.timeline.overlap_windows`) hides the share
+    ``overlap_permille`` / 1000 of them (:func:`partc.cost.pipeline_config.overlapped`);
+    what the worst ``j`` leaves is exposed. One stage per rank: all but the share of the
+    shorter of the reduction and the last microbatch's backward, ``max(0, sync -
+    backward)`` at a whole overlap."""
     sync_ps = max(0, sync_ps - last_ps)
-    hidden = overlap_permille * min(sync_ps, backward_ps)
-    return -(-(1000 * sync_ps - hidden) // 1000)
+    v, steps = len(windows), WINDOW_STEPS
+    worst = max(max(1000 * steps * j * sync_ps - overlap_permille * k * backward_ps
+                    for j, k in enumerate(windows, 1)),
+                (1000 - overlap_permille) * steps * v * sync_ps)
+    return max(0, -(-worst // (1000 * steps * v)))
 
 
 def exposed_gather_ps(gather_ps: int, forward_ps: int, first_ps: int,
-                      overlap_permille: int = 1000) -> int:
+                      overlap_permille: int = 1000,
+                      windows: Sequence[int] = ONE_STAGE_WINDOWS[1]) -> int:
     """What is left of a stage's ZeRO-1 weight all-gather (``gather_ps``, overlapping
     the next step's forward) beyond the first bucket's (``first_ps``, which the first
-    layer waits for before any runs: charged whole in ``CostTable.tail_latency_ps``):
-    what a microbatch's forward of the stage (``forward_ps``; the first microbatch's
-    meets the waits) does not hide of the rest, as :func:`exposed_sync_ps`."""
-    return exposed_sync_ps(max(0, gather_ps - first_ps), forward_ps, overlap_permille)
+    layer waits for before any runs: charged whole in ``CostTable.tail_latency_ps``): what
+    the forwards before each virtual stage's first and that one (``windows``, of a
+    ``v``-th of ``forward_ps``, one microbatch's; the first microbatch's meets the waits)
+    do not hide, the stages' gathers issued in the order forward reads them, as
+    :func:`exposed_sync_ps`."""
+    return exposed_sync_ps(max(0, gather_ps - first_ps), forward_ps, overlap_permille,
+                           windows=windows)
+
+
+def stage_windows(config: PipelineConfig, stage: int) -> Windows:
+    """Rank ``stage``'s :func:`~partc.cost.timeline.overlap_windows` under ``config``."""
+    if config.chunks == 1:
+        return Windows(*ONE_STAGE_WINDOWS)
+    return overlap_windows(config.schedule, config.pp, config.chunks,
+                           config.num_microbatches)[stage]
 
 
 def _holders(table: CostTable, stage_of: Sequence[int]) -> list[set[int]]:
@@ -152,6 +175,7 @@ def _stage_cost(table: CostTable, stage: int, runs: list[list[int]], modes: Sequ
     backward = sum(r.backward_ps for r in rows)
     recompute = sum(table.layers[l].recompute_ps[modes[l]] for l in members)
     numbers = numbers or config.runs_of(stage)
+    windows = stage_windows(config, stage)
     receive = receive_bytes(table, runs, numbers)
     sent = [table.cut_ps[run[-1]][j] if run and j < config.virtual_stages - 1 else 0
             for j, run in zip(numbers, runs)]
@@ -171,12 +195,12 @@ def _stage_cost(table: CostTable, stage: int, runs: list[list[int]], modes: Sequ
         forward_ps=forward, backward_ps=backward, recompute_ps=recompute, comm_ps=comm,
         tail_ps=exposed_sync_ps(
             sum(r.sync_ps for r in rows) + sum(table.shared[g].sync_ps for g in held),
-            backward, table.overlap_permille, table.last_sync_ps)
+            backward, table.overlap_permille, table.last_sync_ps, windows.sync)
         + sum(r.tail_ps for r in rows)
         + sum(table.shared[g].tail_ps for g in held)
         + exposed_gather_ps(
             sum(r.gather_ps for r in rows) + sum(table.shared[g].gather_ps for g in held),
-            forward, table.first_gather_ps, table.overlap_permille),
+            forward, table.first_gather_ps, table.overlap_permille, windows.gather),
         param_count=sum(r.param_count for r in rows)
         + sum(table.shared[g].param_count for g in held),
         memory=StageMemory(**state, activations=activations, transient=transient,

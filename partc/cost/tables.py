@@ -88,7 +88,7 @@ class CostTable:
     limits: tuple[int, ...]               # per stage
     tail_latency_ps: int
     # DeviceNumbers.comm_overlap in thousandths: how much of the dp gradient reduction
-    # the last microbatch's backward hides (:func:`partc.cost.evaluate.exposed_sync_ps`).
+    # the backwards hide (:func:`partc.cost.evaluate.exposed_sync_ps`).
     overlap_permille: int = 1000
     # ZeRO-1 with its weight all-gather overlapped: one bucket's all-gather, which the
     # first layer waits for before any forward runs: in tail_latency_ps, and taken off

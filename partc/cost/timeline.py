@@ -33,9 +33,12 @@ from __future__ import annotations
 
 import csv
 import io
+import itertools
+import math
 import types
 from dataclasses import dataclass
 from functools import cached_property, lru_cache
+from typing import NamedTuple
 from unittest import mock
 
 import torch
@@ -193,6 +196,64 @@ def torch_order(name: str, pp: int, v: int, m: int) -> tuple[tuple[Op, ...], ...
                                   stage=part.stage_index))
         orders.append(tuple(ops))
     return tuple(orders)
+
+
+#: The overlap windows' unit (:func:`overlap_windows`): this many steps to one virtual
+#: stage's backward (or forward) of one microbatch; a window is rounded down to whole steps.
+WINDOW_STEPS = 4
+#: One virtual stage's window per rank: no schedule order to read (one stage per rank).
+ONE_STAGE_WINDOWS = ((WINDOW_STEPS,), (WINDOW_STEPS,))
+
+
+class Windows(NamedTuple):
+    """What hides a rank's data-parallel collectives, per its virtual stages
+    (:func:`overlap_windows`), in :data:`WINDOW_STEPS` of one virtual stage's backward
+    (``sync``) or forward (``gather``) per microbatch: ``sync[j - 1]`` for the stage
+    whose weight gradients are complete ``j``-th from last, ``gather[j - 1]`` for the
+    ``j``-th stage to run its first forward."""
+
+    sync: tuple[int, ...]
+    gather: tuple[int, ...]
+
+
+@lru_cache(maxsize=1024)
+def overlap_windows(name: str, pp: int, v: int, m: int) -> tuple[Windows, ...]:
+    """Per rank, the windows its data-parallel collectives hide behind, read off the
+    schedule's order (:func:`torch_order`), as the runtime issues them: one set of gradient
+    buckets per rank, a bucket reduced as soon as a virtual stage's last backward (or
+    weight-gradient pass) has made all of its gradients (``GradBuckets``), so a stage that
+    is done early is reduced beside the rank's later backwards; and ZeRO-1's gathers of
+    the stepped weights issued in the order forward reads them, each virtual stage's
+    waited for by its first forward, so a stage whose first forward comes late hides its
+    gather behind the forwards before it.
+
+    ``sync[j - 1]``: the backward work from the start of the last gradient-making op of the
+    stage finished ``j``-th from last to the rank's end (a full backward one step's worth
+    of its stage, a split backward's input and weight parts their shares,
+    :data:`WEIGHT_SHARE`; forwards none). ``gather[j - 1]``: the ops before the ``j``-th
+    stage's first forward and that forward, each counted as one forward (a backward is
+    no shorter). Both are rounded down (:data:`WINDOW_STEPS`), so they never overstate
+    what hides. Where torch refuses the shape, or a rank holds one stage, the one-stage
+    windows (:data:`ONE_STAGE_WINDOWS`): the last backward, the first forward."""
+    if v == 1 or refusal(name, pp, v, m):
+        return (Windows(*ONE_STAGE_WINDOWS),) * pp
+    backward = {Phase.FORWARD: 0.0, Phase.BACKWARD: 1.0, Phase.INPUT: 1.0 - WEIGHT_SHARE,
+                Phase.WEIGHT: WEIGHT_SHARE}
+    ranks = []
+    for order in torch_order(name, pp, v, m):
+        last: dict[int, int] = {}    # stage -> index of its last gradient-making op
+        first: dict[int, int] = {}   # stage -> index of its first forward
+        for i, op in enumerate(order):
+            if op.phase in (Phase.BACKWARD, Phase.WEIGHT):
+                last[op.stage] = i
+            elif op.phase == Phase.FORWARD:
+                first.setdefault(op.stage, i)
+        after = list(itertools.accumulate(backward[op.phase] for op in reversed(order)))[::-1]
+        sync = tuple(math.floor(WINDOW_STEPS * after[i] + 1e-9)
+                     for i in sorted(last.values(), reverse=True))
+        gather = tuple(WINDOW_STEPS * (i + 1) for i in sorted(first.values()))
+        ranks.append(Windows(sync=sync or (WINDOW_STEPS,), gather=gather or (WINDOW_STEPS,)))
+    return tuple(ranks)
 
 
 def _single_stage_order(name: str, rank: int, pp: int, m: int) -> tuple[Op, ...]:

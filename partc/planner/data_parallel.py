@@ -11,10 +11,11 @@ assume:
   (:func:`partc.cost.pipeline_config.overlapped`) is in the stage's forward and backward.
   ZeRO-2's gather of the stepped weights (and a tied weight's collectives) is in the tail,
   exposed whole; ZeRO-2 reducing once per step reduce-scatters beside the last backward;
-- ZeRO-0/1: the gradient buckets' reduction beside the last microbatch's backward, the
-  last bucket's after it (:func:`partc.cost.evaluate.exposed_sync_ps`); ZeRO-1's gather of
-  the stepped weights beside the next forward (:func:`partc.cost.evaluate.exposed_gather_ps`)
-  or after the optimizer step.
+- ZeRO-0/1: the gradient buckets' reduction beside each virtual stage's last backward and
+  the rank's backwards after it, the last bucket's after them
+  (:func:`partc.cost.evaluate.exposed_sync_ps`); ZeRO-1's gather of the stepped weights
+  beside the next forwards (:func:`partc.cost.evaluate.exposed_gather_ps`) or after the
+  optimizer step.
 """
 
 from __future__ import annotations
@@ -24,11 +25,12 @@ from dataclasses import replace
 from partc.cost.communication import (bucket_latency_seconds, first_gather_ps, gather_ps,
                                       last_sync_ps, stepped_gather_seconds, sync_ps,
                                       zero_comm_seconds)
-from partc.cost.evaluate import Evaluation, exposed_gather_ps, exposed_sync_ps
+from partc.cost.evaluate import Evaluation, exposed_gather_ps, exposed_sync_ps, stage_windows
 from partc.cost.experts_cost import expert_dp_config, moe_layer_figures
 from partc.cost.pipeline_config import (PS_PER_S, PipelineConfig, grad_config, overlapped,
                                         permille)
 from partc.cost.tables import layer_phases, moe_layer_phases
+from partc.cost.timeline import Windows
 from partc.plan import DataParallelPlan, DPCollective
 from partc.problem import PlanningProblem
 
@@ -43,23 +45,24 @@ def data_parallel_section(problem: PlanningProblem, config: PipelineConfig,
     # The collectives run over the dp x cp ranks holding the same parameters (grad_config);
     # the layers' phases they hide behind are the configuration's own.
     grads = replace(grad_config(config), zero_stage=config.effective_zero_stage)
-    stages = tuple(_stage(problem, local, grads, stage, config) for stage in evaluation.stages)
+    stages = tuple(_stage(problem, local, grads, stage, config, stage_windows(config, index))
+                   for index, stage in enumerate(evaluation.stages))
     return DataParallelPlan(dp=config.dp, cp=config.cp,
                             zero_stage=config.effective_zero_stage,
                             overlap=local.devices.comm_overlap, stages=stages)
 
 
 def _stage(whole: PlanningProblem, local: PlanningProblem, config: PipelineConfig,
-           stage, as_run: PipelineConfig) -> tuple[DPCollective, ...]:
+           stage, as_run: PipelineConfig, windows: Windows) -> tuple[DPCollective, ...]:
     """Stage ``stage``'s rows: ``config`` the gradients' (dp x cp replicas), ``as_run``
     the plan's configuration."""
     layers = set(stage.layers)
     params = [_params(whole, local, config, l) for l in stage.layers]
     groups = [g for g in local.model.shared if layers & set(g.layers)]
     if as_run.effective_zero_stage >= 2:
-        rows = _sharded(whole, local, config, stage, groups, as_run)
+        rows = _sharded(whole, local, config, stage, groups, as_run, windows)
     else:
-        rows = _replicated(whole, local, config, stage, params, groups)
+        rows = _replicated(whole, local, config, stage, params, groups, windows)
     return tuple(row for row in rows if row.seconds > 0 or row.nbytes > 0)
 
 
@@ -102,7 +105,7 @@ def _row(kind: str, when: str, nbytes: float, seconds: float, exposed: float) ->
 
 
 def _sharded(whole: PlanningProblem, local: PlanningProblem, config: PipelineConfig,
-             stage, groups, as_run: PipelineConfig) -> list[DPCollective]:
+             stage, groups, as_run: PipelineConfig, windows: Windows) -> list[DPCollective]:
     """ZeRO-2/3: per layer and microbatch, the phases' collectives and what the phase
     leaves exposed of them; ZeRO-2's weight gather once per step; tied weights' whole."""
     precision, m = local.train.precision, config.num_microbatches
@@ -145,7 +148,7 @@ def _sharded(whole: PlanningProblem, local: PlanningProblem, config: PipelineCon
         # Beside the last backward, as the stage's tail prices it.
         synced = sum(_sync_ps(whole, local, config, l) for l in stage.layers)
         totals["scatter sync"][2] = exposed_sync_ps(
-            synced, stage.backward_ps, permille(overlap)) / PS_PER_S
+            synced, stage.backward_ps, permille(overlap), windows=windows.sync) / PS_PER_S
     for group in groups:   # the root unit's: every microbatch's, exposed (shared_tail_ps)
         zero = zero_comm_seconds(local, config, group.param_count)
         gathered = group.param_count * precision.compute_bytes
@@ -169,7 +172,7 @@ def _sharded(whole: PlanningProblem, local: PlanningProblem, config: PipelineCon
 
 
 def _replicated(whole: PlanningProblem, local: PlanningProblem, config: PipelineConfig,
-                stage, params: list[int], groups) -> list[DPCollective]:
+                stage, params: list[int], groups, windows: Windows) -> list[DPCollective]:
     """ZeRO-0/1: the gradient buckets' reduction and ZeRO-1's gather of the stepped
     weights, exposed as the stage's tail and the step's latencies price them."""
     precision = local.train.precision
@@ -181,7 +184,8 @@ def _replicated(whole: PlanningProblem, local: PlanningProblem, config: Pipeline
     last = last_sync_ps(whole, local, config)
     kind = "reduce_scatter" if config.effective_zero_stage == 1 else "all_reduce"
     rows = [_row(kind, "last backward", total * precision.master_bytes, synced / PS_PER_S,
-                 (exposed_sync_ps(synced, stage.backward_ps, overlap, last) + last)
+                 (exposed_sync_ps(synced, stage.backward_ps, overlap, last, windows.sync)
+                  + last)
                  / PS_PER_S)]
     if config.effective_zero_stage != 1:
         return rows
@@ -190,7 +194,8 @@ def _replicated(whole: PlanningProblem, local: PlanningProblem, config: Pipeline
         gather_ps(local, config, g.param_count) for g in groups)
     if overlapping:
         first = first_gather_ps(local, config)
-        exposed = exposed_gather_ps(overlapping, stage.forward_ps, first, overlap) + first
+        exposed = exposed_gather_ps(overlapping, stage.forward_ps, first, overlap,
+                                    windows.gather) + first
         rows.append(_row("all_gather", "next forward", gathered, overlapping / PS_PER_S,
                          exposed / PS_PER_S))
     else:

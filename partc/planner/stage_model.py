@@ -62,17 +62,22 @@ Constraints
     (4) ``peak_busy >= busy_s``;
     (5) ``n_k h[g,s] >= N[k,s]`` for segments ``k`` using ``g``;
     (6) ``tail >= sum_k T_k N[k,s] + sum_g T_g h[g,s] + exposed[s] + gathered[s]`` with
-        ``1000 exposed[s] >= 1000 (D_s - D_last) - O B_s`` and ``1000 exposed[s] >= (1000
-        - O) (D_s - D_last)`` where ``D_s = sum_k D_k N[k,s] + sum_g D_g h[g,s]`` and ``B_s
-        = sum_k B_k N[k,s]``: the dp all-reduce ``D`` (ZeRO 0/1) overlaps the last
-        microbatch's backward ``B`` of the stage, which hides ``O``/1000 of the shorter
-        (``comm_overlap``), all but the last bucket's ``D_last``, which starts as that
-        backward ends (a constant of the step: ``CostTable.tail_latency_ps``); likewise
-        ``1000 gathered[s] >= 1000 (G_s - G_first) - O F_s`` and ``1000 gathered[s] >=
-        (1000 - O) (G_s - G_first)``: ZeRO-1's weight all-gather ``G`` (``G_s`` summed as
-        ``D_s``) overlaps the next step's forward ``F_s = sum_k F_k N[k,s]`` of a
-        microbatch, all but the first bucket's ``G_first``, which the first layer waits
-        for before any runs (a constant of the step: ``CostTable.tail_latency_ps``);
+        ``4000 v exposed[s] >= 4000 j (D_s - D_last) - O K_j B_s`` for each ``j`` of
+        ``1 .. v`` and ``1000 exposed[s] >= (1000 - O) (D_s - D_last)`` where ``D_s =
+        sum_k D_k N[k,s] + sum_g D_g h[g,s]`` and ``B_s = sum_k B_k N[k,s]``: the dp
+        all-reduce ``D`` (ZeRO 0/1) of each of the rank's ``v`` virtual stages starts as
+        that stage's last backward does; the ``j`` finished last, ``j / v`` of ``D_s``,
+        are reduced beside what the rank's backwards do from the ``j``-th from last on,
+        ``K_j`` quarters of one stage's ``B_s / v`` (the schedule's order,
+        :func:`partc.cost.timeline.overlap_windows`; 4 for one stage per rank: the last
+        microbatch's backward), which hides ``O``/1000 of them (``comm_overlap``), all but
+        the last bucket's ``D_last``, which starts as that backward ends (a constant of
+        the step: ``CostTable.tail_latency_ps``); likewise ``gathered[s]`` for ZeRO-1's
+        weight all-gather ``G`` (``G_s`` summed as ``D_s``) beside the next step's forwards
+        ``F_s = sum_k F_k N[k,s]`` of a microbatch, the ``j``-th stage's waited for by its
+        first forward after ``K_j`` quarters of forwards, all but the first bucket's
+        ``G_first``, which the first layer waits for before any runs (a constant of the
+        step: ``CostTable.tail_latency_ps``);
     (7) ``transient[s] >= X[k,r] u[k,s,r]``;
     (8) memory, at each peak ``h`` in ``H_s``: ``sum_k W_k N[k,s] + sum_g W_g h[g,s] +
         transient[s] + sum_{j ~ s} h_j sum_{k,r} A[k,r] n[k,j,r] + sum_{j ~ s, j < pv-1}
@@ -138,9 +143,10 @@ from typing import Any
 
 from ortools.sat.python import cp_model
 
-from partc.cost.evaluate import receive_ps
+from partc.cost.evaluate import receive_ps, stage_windows
 from partc.cost.offload_time import host_bytes
 from partc.cost.tables import CostTable
+from partc.cost.timeline import WINDOW_STEPS
 from partc.planner.results import Assignment
 from partc.problem import RECOMPUTE_MODES, PlanningProblem
 
@@ -503,9 +509,11 @@ class StageModel:
 
     def _exposed_sync(self, stage: int, held: list[list]) -> Any:
         """(6) ``exposed[s]``: the dp all-reduce beyond the last bucket's ``D_last``
-        (a constant of the step: ``CostTable.tail_latency_ps``) left after the last
-        microbatch's backward, all but the hidden share O/1000 of min(sync, backward)
-        (partc.cost.evaluate.exposed_sync_ps)."""
+        (a constant of the step: ``CostTable.tail_latency_ps``) left after the rank's
+        backwards: for each ``j`` of its ``v`` virtual stages, ``j / v`` of it less the
+        hidden share O/1000 of the backward after the ``j``-th from last is done
+        (``K_j / (4 v)`` of one microbatch's, ``partc.cost.timeline.overlap_windows``),
+        and at least (1 - O/1000) of it (partc.cost.evaluate.exposed_sync_ps)."""
         ticks = self.ticks
         top = sum(ticks(r.sync_ps) for r in (*self.table.layers, *self.table.shared))
         if not top:
@@ -514,15 +522,15 @@ class StageModel:
         sync = self._stage_sum(stage, held, lambda row: ticks(row.sync_ps)) \
             - ticks(self.table.last_sync_ps)
         backward = self._per_rank(stage, lambda row: ticks(row.backward_ps))
-        hides = self.table.overlap_permille
-        self.model.add(1000 * exposed >= 1000 * sync - hides * backward)
-        self.model.add(1000 * exposed >= (1000 - hides) * sync)
+        self._exposed_beyond(exposed, sync, backward, stage_windows(self.table.config,
+                                                                     stage).sync)
         return exposed
 
     def _exposed_gather(self, stage: int, held: list[list]) -> Any:
         """(6) ``gathered[s]``: ZeRO-1's weight all-gather beyond the first bucket's,
-        ``G_s - G_first``, left exposed by the next step's forward ``F_s`` (one
-        microbatch's), as (6) for the all-reduce (partc.cost.evaluate.exposed_gather_ps)."""
+        ``G_s - G_first``, left exposed by the next step's forwards, as (6) for the
+        all-reduce, the windows before each virtual stage's first forward
+        (partc.cost.evaluate.exposed_gather_ps)."""
         ticks = self.ticks
         top = sum(ticks(r.gather_ps) for r in (*self.table.layers, *self.table.shared))
         if not top:
@@ -531,10 +539,20 @@ class StageModel:
         rest = self._stage_sum(stage, held, lambda row: ticks(row.gather_ps)) \
             - ticks(self.table.first_gather_ps)
         forward = self._per_rank(stage, lambda row: ticks(row.forward_ps))
-        hides = self.table.overlap_permille
-        self.model.add(1000 * exposed >= 1000 * rest - hides * forward)
-        self.model.add(1000 * exposed >= (1000 - hides) * rest)
+        self._exposed_beyond(exposed, rest, forward, stage_windows(self.table.config,
+                                                                    stage).gather)
         return exposed
+
+    def _exposed_beyond(self, exposed: Any, collective: Any, hiding: Any,
+                        windows: tuple[int, ...]) -> None:
+        """``exposed`` at least what ``hiding`` (a phase of the rank, one microbatch's)
+        leaves of ``collective`` through each of the rank's ``windows``, and the share it
+        never hides (partc.cost.evaluate.exposed_sync_ps, in integers)."""
+        hides, v, steps = self.table.overlap_permille, len(windows), WINDOW_STEPS
+        for j, k in enumerate(windows, 1):
+            self.model.add(1000 * steps * v * exposed
+                           >= 1000 * steps * j * collective - hides * k * hiding)
+        self.model.add(1000 * exposed >= (1000 - hides) * collective)
 
     def _add_memory(self, held: list[list], step: bool) -> None:
         """(7) the largest transient of each stage, (8) its memory at each of its
@@ -715,8 +733,9 @@ def memory_unit(table: CostTable) -> int:
 
 
 # The objective's largest value in units (CP-SAT reports it as a double, exact to 2^53)
-# and the largest of (6)'s permille constraints (CP-SAT's integers are 64-bit; it refuses
-# a constraint whose terms could pass 2^63: "Possible integer overflow").
+# and the largest of (6)'s constraints, times scaled by 1000 x WINDOW_STEPS x v (CP-SAT's
+# integers are 64-bit; it refuses a constraint whose terms could pass 2^63: "Possible
+# integer overflow").
 _OBJECTIVE_TOP = 2 ** 53
 _CONSTRAINT_TOP = 2 ** 62
 # What the rounding of times to units may move the objective by, relatively, at most
@@ -740,6 +759,8 @@ def time_unit(table: CostTable) -> int:
     objective = (config.fill_divisor * config.num_microbatches + config.pp) * busy \
         + config.fill_divisor * tail
     unit = 1
-    while objective > _OBJECTIVE_TOP * unit or 1000 * (busy + tail) > _CONSTRAINT_TOP * unit:
+    # The exposed collectives' constraints scale times by 1000 x the window steps x v.
+    scale = 1000 * WINDOW_STEPS * config.chunks
+    while objective > _OBJECTIVE_TOP * unit or scale * (busy + tail) > _CONSTRAINT_TOP * unit:
         unit *= 2
     return unit

@@ -154,8 +154,8 @@ class GradBuckets:
         """``at_end``: ids of parameters whose gradient comes from several backwards of
         one microbatch (a weight two virtual stages of the rank share): their buckets
         are reduced in :meth:`finish` only. ``overlap`` False: every bucket is reduced
-        in :meth:`finish` (a split backward makes weight gradients outside autograd's
-        accumulation hooks, so no bucket is known full during the last backward).
+        in :meth:`finish`. (A split backward's weight gradients, made outside autograd's
+        accumulation hooks, are handed over by :meth:`take`.)
         ``groups``: parameter id → the group its gradient is summed over instead of the
         dp group (a routed expert's weights: the expert-data-parallel group, whose ranks
         hold the same experts), in buckets of their own, still averaged over ``dp``;
@@ -167,6 +167,7 @@ class GradBuckets:
         self.groups = dict(groups or {})
         self.group, self.dp, self.dp_rank, self.sharded = group, dp, dp_rank, sharded
         self.overlap = overlap
+        self._taken = False   # gradients were handed over by take(): some may be left
         self.collecting = False  # inside one of the schedule's backwards
         self.armed = False  # inside the step's last backward: reduce full buckets
         self._in_step = False  # a backward of this step has begun
@@ -287,6 +288,16 @@ class GradBuckets:
             if bucket.ready == len(bucket.slots):
                 self._launch(bucket)
 
+    def take(self, params: Iterable[nn.Parameter]) -> None:
+        """The gradients just set on ``params`` outside autograd's accumulation hooks (a
+        split backward's weight pass, ``partc/runtime/split_backward.py``), taken as the
+        hook takes them: in the stage's last weight pass a bucket made full is reduced at
+        once, beside the rank's later backwards, as after a last full backward."""
+        self._taken = True
+        for param in params:
+            if id(param) in self._slot:
+                self._accumulate(param)
+
     @property
     def holds_grads(self) -> bool:
         """Whether the reduced gradients stay in the buckets (:meth:`grad_of`), never in
@@ -358,7 +369,7 @@ class GradBuckets:
         without a gradient this step), wait for all, take the mean over dp and divide by
         ``scale`` (the microbatches: the schedule's scaling of ``.grad``, done here)."""
         self.wait_gathers()  # of parameters no forward read: none in flight past a step
-        if not self.overlap or self._late:
+        if not self.overlap or self._late or self._taken:
             self._take_the_rest()
         if self.host is not None:
             self.drain()   # every gradient streamed out is in its bucket

@@ -204,7 +204,9 @@ class CountingStage(PipelineStage):
                 bwd_kwargs["stage_output"], bwd_kwargs["output_grads"],
                 bwd_kwargs["input_values"], self.submod.parameters())
         if backward_type == "weight":
-            split_backward.weight_grads(bwd_kwargs["param_groups"])
+            given = split_backward.weight_grads(bwd_kwargs["param_groups"])
+            if isinstance(self.grad_sync, GradBuckets):
+                self.grad_sync.take(given)
             return (), None
         return super().backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward)
 

@@ -33,7 +33,6 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from partc.cost.schedules import schedule as schedule_facts
 from partc.errors import ContextParallelError, PartcError, PlanMismatchError
 from partc.identity import model_hash
 from partc.plan import Plan
@@ -268,13 +267,13 @@ def _grad_buckets(plan: Plan, topology: Topology, whole: nn.Module, dtype: torch
     expert_groups = ({id(p): topology.expert_dp_group for p in expert_params}
                      if topology.ep > 1 else {})
     # One set of buckets for the rank: a weight two of its stages share is summed over
-    # both before it is reduced (after the schedule, by ``finish``), and a split
-    # backward's weight gradients (made outside autograd's accumulation hooks) are taken
-    # in there too, so neither overlaps the backward.
+    # both before it is reduced (after the schedule, by ``finish``); a split backward's
+    # weight gradients (made outside autograd's accumulation hooks) are handed over by
+    # each weight pass (``GradBuckets.take``), so the last one's reductions overlap the
+    # rank's later backwards as a full backward's do.
     # Over dp x cp: the cp ranks hold the same parameters and see other tokens.
     return GradBuckets(whole, topology.grad_group, topology.grad_replicas, topology.grad_rank,
                        sharded=plan.effective_zero_stage == 1, at_end=set(scaled_once),
-                       overlap=not schedule_facts(plan.schedule).split_backward,
                        groups=expert_groups, elements=plan.train.bucket_elements,
                        host=on_host)
 

@@ -105,8 +105,10 @@ def input_grads(outputs: Sequence[torch.Tensor], output_grads: Sequence[Any] | N
     return result, SplitState(groups.distinct(), recorded)
 
 
-def weight_grads(state: SplitState) -> None:
-    """Add each weight's gradient of the microbatch to its ``.grad``."""
+def weight_grads(state: SplitState) -> list[torch.Tensor]:
+    """Add each weight's gradient of the microbatch to its ``.grad``; the weights given
+    one."""
+    given = []
     for group in state.groups:
         roots, grads = [], []
         for node in group.frontier:
@@ -137,8 +139,10 @@ def weight_grads(state: SplitState) -> None:
                 weight.grad = grad
             else:   # in place: the gradient may be a view of a bucket (GradBuckets)
                 weight.grad += grad
+            given.append(weight)
     state.groups.clear()
     state.recorded.clear()
+    return given
 
 
 class _Groups:

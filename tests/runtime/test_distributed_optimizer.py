@@ -330,3 +330,26 @@ def test_plain_optimizer_over_zero1_parameters_is_refused_before_it_steps():
     del stage, passing, refused  # the traceback's frames hold the stage too
     gc.collect()
     torch.optim.SGD([kept], lr=0.1).step()
+
+
+def test_a_split_backwards_last_weight_pass_reduces_the_buckets_it_fills():
+    """A zero-bubble schedule's weight pass sets ``.grad`` outside autograd's accumulation
+    hooks; handed to the buckets (``take``), they are added as the hooks add them, and in
+    the stage's last weight pass a bucket made full is reduced at once, not left for
+    ``finish``: what lets the cost model hide the reduction behind the rank's later
+    backwards (``partc.cost.timeline.overlap_windows``)."""
+    torch.manual_seed(0)
+    module = _Shapes()
+    buckets = GradBuckets(module, None, 1, 0, sharded=False, elements=8)
+    params = list(module.parameters())
+    for last in (False, True):
+        buckets.begin(last=last)
+        for p in params:
+            p.grad = torch.ones_like(p)
+        buckets.take(params)
+        buckets.end()
+        assert all(p.grad is None for p in params)   # taken into the buckets
+        assert all((bucket.work is not None) == last for bucket in buckets.buckets)
+    buckets.finish(scale=2)
+    for p in params:   # two microbatches of ones, divided by the microbatches
+        torch.testing.assert_close(p.grad, torch.ones_like(p), rtol=0, atol=0)

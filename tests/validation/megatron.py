@@ -42,7 +42,7 @@ import partc
 from partc.compiler import build_problem, plan_problem
 from partc.cost.communication import gradient_work_seconds, tp_comm_seconds
 from partc.cost.evaluate import (Evaluation, evaluate, exposed_gather_ps, exposed_sync_ps,
-                                 simulated_step_ps)
+                                 simulated_step_ps, stage_windows)
 from partc.cost.layer_compute import layer_work, roofline_seconds, run_layer
 from partc.cost.pipeline_config import PS_PER_S, PipelineConfig
 from partc.cost.schedules import runs_compiled
@@ -386,15 +386,16 @@ def breakdown(problem: PlanningProblem, assignment: Assignment) -> Breakdown:
     no_latency = dataclasses.replace(local.devices, intra_node_latency_s=0.0)
     bandwidth = _work_seconds(dataclasses.replace(local, devices=no_latency), config,
                               layers)["tp"]
-    last = max(stages, key=lambda s: s.tail_ps)
+    index = max(range(len(stages)), key=lambda s: stages[s].tail_ps)
+    last, windows = stages[index], stage_windows(config, index)
     rows = [table.layers[l] for l in last.layers]
     held = [g for g in table.shared if any(l in last.layers for l in g.layers)]
     sync_ps = sum(r.sync_ps for r in rows) + sum(g.sync_ps for g in held)
     gather_ps = sum(r.gather_ps for r in rows) + sum(g.gather_ps for g in held)
     exposed = exposed_sync_ps(sync_ps, last.backward_ps, table.overlap_permille,
-                              table.last_sync_ps) + table.tail_latency_ps \
+                              table.last_sync_ps, windows.sync) + table.tail_latency_ps \
         + exposed_gather_ps(gather_ps, last.forward_ps, table.first_gather_ps,
-                            table.overlap_permille)
+                            table.overlap_permille, windows.gather)
     optimizer = sum(r.tail_ps for r in rows) + sum(g.tail_ps for g in held)
     fill_drain = evaluation.pipeline_ps - m * worst.busy_ps
     grads = m * sum(gradient_work_seconds(local, config, local.layers[l].param_count,
