@@ -9,7 +9,8 @@ key is a :class:`CodecError` naming the field, e.g. ``layers[3].saved_bytes.full
 What each annotation is written as:
 
 - a dataclass: a mapping of its fields in order; one marked :func:`as_list` (a small
-  record such as a collective), the list of its fields' values; one marked
+  record such as a collective), the list of its fields' values (its last
+  :data:`UNLESS_DEFAULT` fields left off while at their defaults); one marked
   :func:`own_form` (the plan's budget section), what its ``to_dict`` writes;
 - tuples: lists; ``dict[str, X]``: mappings; ``X | None``: X or null;
 - a string enum (:mod:`partc.names`): its value; ``torch.dtype``: its name
@@ -113,7 +114,13 @@ def _dataclass_data(value: Any) -> Any:
     if _writes_itself(cls):
         return value.to_dict()
     if _is_list_record(cls):
-        return [to_data(getattr(value, f.name)) for f in _init_fields(cls)]
+        fields = _init_fields(cls)
+        # Trailing UNLESS_DEFAULT fields at their defaults are left off (files written
+        # before they existed read as they did).
+        while fields and _policy(fields[-1]) == UNLESS_DEFAULT \
+                and getattr(value, fields[-1].name) == _default(fields[-1]):
+            fields.pop()
+        return [to_data(getattr(value, f.name)) for f in fields]
     data = {}
     for f in _init_fields(cls):
         item = getattr(value, f.name)
@@ -152,7 +159,8 @@ def _decode(annotation: Any, data: Any, field: str) -> Any:
         return _build(annotation.from_dict, data, field)
     known = {f.name: f for f in _init_fields(annotation)}
     if _is_list_record(annotation):
-        if not isinstance(data, (list, tuple)) or len(data) != len(known):
+        fewest = len(known) - sum(1 for f in known.values() if _policy(f) == UNLESS_DEFAULT)
+        if not isinstance(data, (list, tuple)) or not fewest <= len(data) <= len(known):
             raise CodecError(field, f"expected a list of {len(known)} items, got {_kind(data)}")
         data = dict(zip(known, data))
     if not isinstance(data, Mapping):

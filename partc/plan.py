@@ -157,15 +157,20 @@ class P2PMessages:
 class RunTime:
     """Seconds of one microbatch through one run of a stage's layers (its virtual stage),
     as the cost model plays the schedule out (:func:`partc.cost.evaluate.simulate`):
-    forward, backward and recompute, ``send``: each way across the cut after it,
-    ``receive``: the receiving end's share of the cut before it, each way (written as
-    ``[forward, backward, recompute, send, receive]``)."""
+    forward, backward and recompute, ``send``: this end's share of the transfer across
+    the cut after it, each way, ``receive``: its share of the cut before it, each way
+    (:func:`partc.cost.evaluate.end_share_ps`); ``send_delay`` and ``receive_delay``: what
+    of each of those transfers its end does not pay, which still delays the rank waiting
+    for it (written as ``[forward, backward, recompute, send, receive, send_delay,
+    receive_delay]``, the delays left off while 0)."""
 
     forward: float
     backward: float
     recompute: float
     send: float
     receive: float
+    send_delay: float = field(default=0.0, metadata=UNLESS_DEFAULT)
+    receive_delay: float = field(default=0.0, metadata=UNLESS_DEFAULT)
 
 
 @dataclass(frozen=True, kw_only=True)

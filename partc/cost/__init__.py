@@ -49,8 +49,11 @@ Model (per pipeline stage ``s`` of ``p``, ``m`` microbatches of ``b`` samples):
   linears that run as rings (``TrainSpec.tp_overlap``) add the kernels and bytes the
   estimate measured their rings to add to the blocking program it runs
   (:func:`~partc.cost.layer_compute.run_layer`);
-- ``t_s`` = compute of the stage's layers + send/recv of the activation crossing its
-  outgoing cut (forward) and of its gradient (backward) over the link to the next stage;
+- ``t_s`` = compute of the stage's layers + its end's share of the transfers across its
+  cuts (the activation forward, its gradient backward, over the link to the next stage):
+  all but ``comm_overlap`` of each, sender and receiver alike
+  (:func:`~partc.cost.evaluate.end_share_ps`); the transfer itself delays the stage that
+  waits for it, one at a time over each link, which the simulation plays;
 - pipeline time, in closed form for the planner's search: ``(m - 1) * max_s t_s + sum_s
   t_s``: every microbatch passes the bottleneck stage, and the first one passes every stage
   once (GPipe and 1F1B alike); under a zero-bubble schedule, which runs a layer's backward

@@ -31,10 +31,13 @@ class StageCost:
     memory: StageMemory
     limit: int
     runs: tuple[tuple[int, ...], ...] = ()   # interleaved: the rank's runs of layers
-    # Per run of the rank (model order): forward, backward, recompute, the send of its
-    # cut (both ways) and its share of the cut into it (:func:`receive_ps`), per
+    # Per run of the rank (model order): forward, backward, recompute, its share of the
+    # cut after it (both ways) and of the cut into it (:func:`end_share_ps`), per
     # microbatch; what the simulation plays.
     run_ps: tuple[tuple[int, int, int, int, int], ...] = ()
+    # Per run, the whole transfers across the cut after it and into it (both ways), which
+    # delay the operation on the other side (the simulation's); () where not known.
+    run_cut_ps: tuple[tuple[int, int], ...] = ()
     # Offloaded activations: bytes per microbatch copied to the host (and back), and the
     # rank's share of its node's host memory (None: not known, no limit).
     offload_bytes: int = 0
@@ -142,15 +145,22 @@ def receive_bytes(table: CostTable, runs: Sequence[Sequence[int]],
                if run and j < last)
 
 
+def end_share_ps(table: CostTable, transfer_ps: int) -> int:
+    """What one end of a pipeline transfer of ``transfer_ps`` (a cut's ``cut_ps``, both
+    ways) loses of its own time: all but the share ``comm_overlap`` of it, the sender
+    and the receiver alike. The transfer itself delays the operation waiting for it by
+    all of it (the simulation's, :func:`~partc.cost.timeline.play`). NCCL's send and
+    receive kernels run beside both ends' compute (overlap 1: nothing lost), gloo's
+    threads on the cores they compute on (a CPU's calibrated overlap, about 0.2), so
+    both ends lose it there."""
+    return transfer_ps * (1000 - table.overlap_permille) // 1000
+
+
 def receive_ps(table: CostTable, cut: int, boundary: int) -> int:
-    """The receiving end's share of cut ``cut``'s transfers as the boundary ``boundary ->
-    boundary + 1`` (both ways: the activation in, its gradient back out), charged to
-    the run after the boundary beside the sender's whole ``cut_ps``: all but the share
-    ``comm_overlap`` of it. A transfer costs its sender the send and its receiver the
-    receipt; NCCL's kernels run beside the receiver's compute (overlap 1: nothing), gloo's
-    threads on the cores the receiver computes on (a CPU's calibrated overlap, about
-    0.2), so both ends lose it there."""
-    return table.cut_ps[cut][boundary] * (1000 - table.overlap_permille) // 1000
+    """Either end's share (:func:`end_share_ps`) of cut ``cut``'s transfers as the
+    boundary ``boundary -> boundary + 1`` (both ways: the activation, its gradient
+    back), charged to the runs on both sides of the boundary."""
+    return end_share_ps(table, table.cut_ps[cut][boundary])
 
 
 def _stage_cost(table: CostTable, stage: int, runs: list[list[int]], modes: Sequence[str],
@@ -177,11 +187,15 @@ def _stage_cost(table: CostTable, stage: int, runs: list[list[int]], modes: Sequ
     numbers = numbers or config.runs_of(stage)
     windows = stage_windows(config, stage)
     receive = receive_bytes(table, runs, numbers)
-    sent = [table.cut_ps[run[-1]][j] if run and j < config.virtual_stages - 1 else 0
-            for j, run in zip(numbers, runs)]
+    # The whole transfers across the cut after each run and into it (the simulation's
+    # delays), and this rank's end's share of each (its time).
+    out_cut = [table.cut_ps[run[-1]][j] if run and j < config.virtual_stages - 1 else 0
+               for j, run in zip(numbers, runs)]
     # Runs are contiguous in model order: the cut into run j is its first layer's - 1.
-    received = [receive_ps(table, run[0] - 1, j - 1) if run and j > 0 else 0
+    into_cut = [table.cut_ps[run[0] - 1][j - 1] if run and j > 0 else 0
                 for j, run in zip(numbers, runs)]
+    sent = [end_share_ps(table, cut) for cut in out_cut]
+    received = [end_share_ps(table, cut) for cut in into_cut]
     comm = sum(sent) + sum(received)
     run_ps = tuple(
         (sum(table.layers[l].forward_ps for l in run),
@@ -190,6 +204,7 @@ def _stage_cost(table: CostTable, stage: int, runs: list[list[int]], modes: Sequ
         for run, out, into in zip(runs, sent, received))
     return StageCost(
         run_ps=run_ps,
+        run_cut_ps=tuple(zip(out_cut, into_cut)),
         layers=tuple(members),
         compute_ps=forward + backward + recompute,
         forward_ps=forward, backward_ps=backward, recompute_ps=recompute, comm_ps=comm,
@@ -215,13 +230,22 @@ def _stage_cost(table: CostTable, stage: int, runs: list[list[int]], modes: Sequ
     )
 
 
-def pipeline_ps(config: PipelineConfig, busy: Sequence[int]) -> int:
+def pipeline_ps(config: PipelineConfig, busy: Sequence[int], delays: int = 0) -> int:
     """Forward and backward of all microbatches, ``busy`` per rank and microbatch: every
-    microbatch passes the bottleneck rank, and the first one passes every rank once;
-    interleaving divides that fill-and-drain by the chunks (Megatron: ``(m + (p - 1) / v)
-    t`` for equal ranks)."""
+    microbatch passes the bottleneck rank, and the first one passes every rank once, and
+    every transfer between them (``delays``: what of each its ends do not pay, both
+    ways, :func:`transfer_delays_ps`); interleaving divides that fill-and-drain by the
+    chunks (Megatron: ``(m + (p - 1) / v) t`` for equal ranks)."""
     peak = max(busy)
-    return config.num_microbatches * peak + (sum(busy) - peak) // config.fill_divisor
+    return config.num_microbatches * peak + (sum(busy) - peak + delays) // config.fill_divisor
+
+
+def transfer_delays_ps(stages: Sequence[StageCost]) -> int:
+    """What of the pipeline's transfers, both ways across every cut between two ranks,
+    neither end pays (:func:`end_share_ps`): the time they still add to the first
+    microbatch's way through the pipeline and the last one's way back."""
+    return sum(whole - share for stage in stages
+               for (whole, _), (*_, share, _) in zip(stage.run_cut_ps, stage.run_ps))
 
 
 def simulate(config: PipelineConfig, evaluation: Evaluation, schedule: str | None = None):
@@ -239,10 +263,13 @@ def _run_seconds(config: PipelineConfig, evaluation: Evaluation) -> list[StageSe
     runs: list[StageSeconds | None] = [None] * config.virtual_stages
     for s, stage in enumerate(evaluation.stages):
         host = stage.run_host_ps or (0,) * len(stage.run_ps)
-        for j, (forward, backward, recompute, cut, into), copies in zip(
-                config.runs_of(s), stage.run_ps, host):
+        whole = stage.run_cut_ps or tuple((cut, into) for *_, cut, into in stage.run_ps)
+        for j, (forward, backward, recompute, cut, into), copies, (out_ps, in_ps) in zip(
+                config.runs_of(s), stage.run_ps, host, whole):
             runs[j] = StageSeconds(forward=forward, backward=backward, recompute=recompute,
-                                   host=copies, send=cut / 2, receive=into / 2)
+                                   host=copies, send=cut / 2, receive=into / 2,
+                                   send_delay=(out_ps - cut) / 2,
+                                   receive_delay=(in_ps - into) / 2)
     return runs  # type: ignore[return-value]
 
 
@@ -270,7 +297,7 @@ def evaluate(table: CostTable, stage_of: Sequence[int], modes: Sequence[str]) ->
                     [g for g, held in enumerate(holders) if s in held], config.runs_of(s))
         for s in range(pp)
     )
-    pipeline = pipeline_ps(config, [s.busy_ps for s in stages])
+    pipeline = pipeline_ps(config, [s.busy_ps for s in stages], transfer_delays_ps(stages))
     tail = max(s.tail_ps for s in stages) + table.tail_latency_ps
     tie = sum(group.tie_sync_ps * (len(held) - 1)
               for group, held in zip(table.shared, holders))

@@ -15,9 +15,15 @@ is cut into ``pp * v`` virtual stages; see :mod:`partc.cost.schedules`):
   previous virtual stage's forward of the same microbatch, a backward (``B`` or ``I``)
   the next virtual stage's backward or, on the model's last virtual stage, its own
   forward; ``W`` follows its own ``I`` on the same rank;
-- durations (:class:`StageSeconds`): a forward is its compute, then the send of its
-  activation when the next virtual stage is on another rank; a backward is the receipt
-  of its output's gradient (from another rank), the recompute, then the backward; under
+- durations (:class:`StageSeconds`): a forward is the receipt of its input (its end's
+  share of the transfer), its compute, then the send of its activation when the next
+  virtual stage is on another rank (likewise its share); a backward is the receipt of its
+  output's gradient (from another rank), the recompute, the backward, then the send of
+  its input's gradient. What an operation sends to another rank leaves as its compute
+  ends and arrives after the whole transfer, which runs on its link (one per boundary
+  and direction) one at a time: the rank waiting for it waits for that, while the
+  sender goes on beside it where its share is less than the transfer (NCCL's kernels
+  beside compute); under
   a split backward ``I`` carries the recompute and the input-gradient part and ``W`` the
   weight-gradient part. Tensor-parallel collectives are inside the forward and backward
   figures and drawn as communication;
@@ -101,11 +107,17 @@ class StageSeconds:
     host: float = 0.0
     collective_forward: float = 0.0   # part of ``forward`` spent in tp collectives
     collective_backward: float = 0.0  # part of ``backward``
-    send: float = 0.0            # each way across the cut after this virtual stage
-    # Each way across the cut before it: the receiving end's share of that transfer
-    # (partc.cost.evaluate.receive_ps), paid on receipt of the activation and on sending its
-    # gradient back.
+    # Each way across the cut after this virtual stage: this end's share of the transfer
+    # (partc.cost.evaluate.end_share_ps), paid on sending the activation and on receipt
+    # of its gradient; and what of the transfer it does not pay, which still delays the
+    # next stage's forward.
+    send: float = 0.0
+    send_delay: float = 0.0
+    # Each way across the cut before it: this end's share, paid on receipt of the
+    # activation and on sending its gradient back; and what the gradient's transfer
+    # delays the stage before's backward beyond it.
     receive: float = 0.0
+    receive_delay: float = 0.0
     weight_share: float = WEIGHT_SHARE
 
 
@@ -338,9 +350,12 @@ def _played(schedule: str, pp: int, v: int, m: int, stages: list[StageSeconds],
         raise ValueError(f"{len(stages)} virtual stages given, {pp} x {v} expected")
     split = schedule_info(schedule).split_backward
     orders, chunk_of, crosses = _order_steps(schedule, pp, v, m)
-    parts: list[list[tuple[str, float]] | None] = [None] * (len(_PHASE_INDEX) * pp * v)
+    parts: list[tuple[list[tuple[str, float]], float] | None] = \
+        [None] * (len(_PHASE_INDEX) * pp * v)
     done: list[float | None] = [None] * (len(_EVENTS) * m * pp * v)   # event -> ready at
     clock, position = [0.0] * pp, [0] * pp
+    runs = pp * v
+    free = [0.0] * (2 * runs)   # each link's next free moment: forward j, backward j
     holding, peak = [0] * pp, [0] * pp
     end, work = 0.0, 0.0   # the blocks' last end and their seconds, in play's arithmetic
     remaining = sum(len(order) for order in orders)
@@ -357,9 +372,10 @@ def _played(schedule: str, pp: int, v: int, m: int, stages: list[StageSeconds],
                     if ready is None:
                         break
                     start = clock[r] if clock[r] >= ready else ready
-                steps = parts[part]
-                if steps is None:
-                    steps = parts[part] = _parts(op, stages[op.stage], crosses, split)
+                found = parts[part]
+                if found is None:
+                    found = parts[part] = _parts(op, stages[op.stage], crosses, split)
+                steps, transfer = found
                 for kind, seconds in steps:
                     if seconds > 0:
                         stop = start + seconds
@@ -372,9 +388,18 @@ def _played(schedule: str, pp: int, v: int, m: int, stages: list[StageSeconds],
                         work += stop - start
                     start += seconds
                 clock[r] = start
-                done[event] = start
+                arrive = start
+                if transfer:
+                    # What it sends leaves as its compute ends (its end's share of the
+                    # send after it: the last step), one transfer at a time over the
+                    # link, and arrives when the transfer ends.
+                    link = op.stage if op.phase == Phase.FORWARD else runs + op.stage
+                    leaves = max(start - steps[-1][1], free[link])
+                    free[link] = leaves + transfer
+                    arrive = max(start, free[link])
+                done[event] = arrive if op.phase == Phase.FORWARD else start
                 if grad >= 0:
-                    done[grad] = start
+                    done[grad] = arrive
                 if held:
                     holding[r] += held
                     if holding[r] > peak[r]:
@@ -437,22 +462,25 @@ def _order_steps(schedule: str, pp: int, v: int, m: int) -> tuple[tuple, list[in
 
 
 def _parts(op: Op, t: StageSeconds, crosses: list[bool], split: bool
-           ) -> list[tuple[str, float]]:
+           ) -> tuple[list[tuple[str, float]], float]:
+    """An operation's durations on its rank, in order, and the transfer of what it sends
+    to another rank (0: none): its end's share of it is its last step."""
     j = op.stage
     if op.phase == Phase.FORWARD:
-        return [("p2p", t.receive), ("forward", t.forward - t.collective_forward),
-                ("collective", t.collective_forward),
-                ("p2p", t.send if crosses[j] else 0.0)]
+        return ([("p2p", t.receive), ("forward", t.forward - t.collective_forward),
+                 ("collective", t.collective_forward),
+                 ("p2p", t.send if crosses[j] else 0.0)],
+                t.send + t.send_delay if crosses[j] else 0.0)
     receive = t.send if crosses[j] else 0.0
     weight = t.backward * t.weight_share
     if op.phase == Phase.WEIGHT:
-        return [("weight", weight)]
+        return [("weight", weight)], 0.0
     backward = t.backward - weight if op.phase == Phase.INPUT else t.backward
     collective = min(t.collective_backward, backward)
     host = min(t.host, t.recompute)
-    return [("p2p", receive), ("host", host), ("recompute", t.recompute - host),
-            ("backward", backward - collective), ("collective", collective),
-            ("p2p", t.receive)]
+    return ([("p2p", receive), ("host", host), ("recompute", t.recompute - host),
+             ("backward", backward - collective), ("collective", collective),
+             ("p2p", t.receive)], t.receive + t.receive_delay)
 
 
 @lru_cache(maxsize=4096)
@@ -521,12 +549,14 @@ def stage_seconds(plan) -> list[StageSeconds]:
                 own = played[index]
                 forward, backward, recompute = own.forward, own.backward, own.recompute
                 send, receive = own.send, own.receive
+                send_delay, receive_delay = own.send_delay, own.receive_delay
                 if len(stage.run_host_s) == len(held):
                     host = stage.run_host_s[index]
             else:
                 forward, backward = t.forward * share, t.backward * share
                 recompute, receive = t.recompute * share, 0.0
                 send = t.comm / (m * sending) / 2 if sending else 0.0
+                send_delay = receive_delay = 0.0
             forward_tp, backward_tp = _collective_seconds(plan, run)
             forward_tp += dp_forward * forward / t.forward * m if t.forward else 0.0
             backward_tp += dp_backward * backward / t.backward * m if t.backward else 0.0
@@ -534,7 +564,8 @@ def stage_seconds(plan) -> list[StageSeconds]:
                 forward=forward, backward=backward, recompute=recompute, host=host,
                 collective_forward=min(forward_tp, forward),
                 collective_backward=min(backward_tp, backward),
-                send=send, receive=receive)
+                send=send, receive=receive, send_delay=send_delay,
+                receive_delay=receive_delay)
     return result  # type: ignore[return-value]
 
 

@@ -81,8 +81,11 @@ def stage_plans(problem: PlanningProblem, config: PipelineConfig, evaluation: Ev
             # two-way figure.
             run_times=tuple(RunTime(forward=f / PS_PER_S, backward=b / PS_PER_S,
                                     recompute=r / PS_PER_S, send=cut / 2 / PS_PER_S,
-                                    receive=into / 2 / PS_PER_S)
-                            for f, b, r, cut, into in stage.run_ps),
+                                    receive=into / 2 / PS_PER_S,
+                                    send_delay=(whole_out - cut) / 2 / PS_PER_S,
+                                    receive_delay=(whole_in - into) / 2 / PS_PER_S)
+                            for (f, b, r, cut, into), (whole_out, whole_in)
+                            in zip(stage.run_ps, stage.run_cut_ps)),
             host_traffic_bytes=m * stage.offload_bytes,
             run_host_s=tuple(h / PS_PER_S for h in stage.run_host_ps)
             if any(stage.run_host_ps) else (),

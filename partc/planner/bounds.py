@@ -29,7 +29,7 @@ from typing import Any, Sequence
 
 from ortools.linear_solver import pywraplp
 
-from partc.cost.evaluate import Evaluation, evaluate, receive_bytes
+from partc.cost.evaluate import Evaluation, end_share_ps, evaluate, receive_bytes
 from partc.cost.schedules import schedule as schedule_info
 from partc.cost.timeline import WEIGHT_SHARE
 from partc.cost.tables import CostTable, TableCache
@@ -252,9 +252,10 @@ def _first_microbatch(table: CostTable, distinct: dict[int, tuple[Any, int]]) ->
 
 
 def _cheapest_sends(table: CostTable) -> int:
-    """The least the sends of ``table``'s configuration cost per microbatch, all ranks
-    together: its crossing boundaries, each at a different cut, each at the cheapest
-    any boundary pays there."""
+    """The least the sends of ``table``'s configuration cost their senders per
+    microbatch, all ranks together: its crossing boundaries, each at a different cut,
+    each at the cheapest any boundary pays there (the sending end's share,
+    :func:`~partc.cost.evaluate.end_share_ps`)."""
     config = table.config
     boundaries = config.crossings()
     if not boundaries:
@@ -262,9 +263,9 @@ def _cheapest_sends(table: CostTable) -> int:
     every = len(boundaries) == config.virtual_stages - 1   # every boundary crosses
     least: dict[int, int] = {}   # per row: equal cuts (between blocks) share one
     for row in table.cut_ps[:table.num_layers - 1]:
-        if id(row) not in least:
-            least[id(row)] = min(row[:len(boundaries)]) if every else min(
-                row[j] for j in boundaries)
+        if id(row) not in least:   # the sending end's share (end_share_ps), monotone
+            least[id(row)] = end_share_ps(table, min(row[:len(boundaries)]) if every else min(
+                row[j] for j in boundaries))
     cheapest = sorted(least[id(row)] for row in table.cut_ps[:table.num_layers - 1])
     return sum(cheapest[:len(boundaries)])
 

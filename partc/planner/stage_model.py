@@ -40,13 +40,16 @@ Variables
     ``peak_busy``; ``tail``; ``transient[s]``. (A segment of one layer: ``P = started =
     finished`` is the boolean "the layer sits in a run ``<= j``" and ``n = u``.)
 Objective
-    minimise ``v m peak_busy + (sum_s busy_s - peak_busy) + v (tail + sum_g S_g (sum_s
-    h[g,s] - 1))``, ``v`` times the step time (``v = 1``: ``(m - 1) peak_busy + sum_s
+    minimise ``v m peak_busy + (sum_s busy_s - peak_busy + delays) + v (tail + sum_g S_g
+    (sum_s h[g,s] - 1))`` (``delays``: what of every boundary's transfers neither end
+    pays, the cut's ``I``/``E`` less one end's share, as ``busy_s`` sums them), ``v`` times
+    the step time (``v = 1``: ``(m - 1) peak_busy + sum_s
     busy_s + ...``), where ``busy_s = sum_{k,r} C[k,r] n[k,s,r] + sum_{j ~ s, j < pv-1}
     sum_k (I_k[j] (started[k,j] - finished[k,j]) + E_k[j] (finished[k,j] -
     started[k+1,j]))`` plus, for the boundary into each run ``j ~ s, j > 0``, the same
-    sum at ``j - 1`` over the receiving end's share of ``I`` and ``E``
-    (:func:`partc.cost.evaluate.receive_ps`: ``(1000 - O) / 1000`` of it).
+    sum at ``j - 1``, ``I`` and ``E`` each end's share of the cut's transfers
+    (:func:`partc.cost.evaluate.receive_ps`: ``(1000 - O) / 1000`` of them; the
+    transfers' delays are the simulation's, which the plan reports).
 Constraints
     (1) every layer has exactly one mode: ``sum_r n[k,s,r] = N[k,s]``, ``n[k,s,r] <= n_k
         u[k,s,r]``;
@@ -228,7 +231,8 @@ class StageModel:
         # Objective: v times the step time (see partc.cost.evaluate.pipeline_ps, v its fill
         # divisor): the fill-and-drain term is divided by v, the rest multiplied, so that
         # the objective stays integral.
-        self.model.minimize(v * m * self.peak_busy + sum(busy) - self.peak_busy
+        delays = sum(self.delay_boundary_ps(run) for run in range(len(self.runs) - 1))
+        self.model.minimize(v * m * self.peak_busy + sum(busy) - self.peak_busy + delays
                             + v * (tail + tie + self.ticks(table.tail_latency_ps)))
 
     def _variable(self, low: int, high: int, name: str, boolean: bool = False):
@@ -418,13 +422,23 @@ class StageModel:
         return [dict(zip(config.runs_of(rank), peak)) for peak in config.held(rank)]
 
     def boundary_ps(self, run: int):
-        """(3) The send/recv time of the boundary ``run -> run + 1``."""
-        return self._at_boundary(run, lambda cut: self.ticks(self.table.cut_ps[cut][run]))
+        """(3) Either end's share of the transfers at the boundary ``run -> run + 1``
+        (:func:`partc.cost.evaluate.receive_ps`), charged to both ``run``'s rank (it
+        sends the activation, receives the gradient) and ``run + 1``'s."""
+        return self._at_boundary(run, lambda cut: self.ticks(receive_ps(self.table, cut, run)))
+
+    def delay_boundary_ps(self, run: int):
+        """(3) What of the transfers at the boundary ``run -> run + 1`` neither end pays
+        (:func:`partc.cost.evaluate.transfer_delays_ps`): in the fill-and-drain."""
+        def delay(cut: int) -> int:
+            whole = self.table.cut_ps[cut][run]
+            return self.ticks(whole - receive_ps(self.table, cut, run))
+        return self._at_boundary(run, delay)
 
     def receive_boundary_ps(self, run: int):
-        """(3) The receiving end's share of the boundary ``run -> run + 1``
-        (:func:`partc.cost.evaluate.receive_ps`), charged to ``run + 1``'s rank."""
-        return self._at_boundary(run, lambda cut: self.ticks(receive_ps(self.table, cut, run)))
+        """(3) The receiving end's share of the boundary ``run -> run + 1``: the same as
+        the sending end's (:meth:`boundary_ps`)."""
+        return self.boundary_ps(run)
 
     def boundary_units(self, run: int):
         """(8) The bytes crossing the boundary ``run -> run + 1`` per microbatch, in
