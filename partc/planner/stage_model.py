@@ -128,7 +128,9 @@ Names
     / ``segment{k}_finished_by_run{j}``, ``n[k,s,r]`` ``segment{k}_rank{s}_{r}``
     (``n[k,j,r]`` ``segment{k}_rank{s}_run{j}_{r}``), ``u[k,s,r]``
     ``segment{k}_rank{s}_uses_{r}``, ``h[g,s]`` ``shared{g}_on_stage{s}``,
-    ``exposed[s]`` ``exposed_sync_stage{s}``, ``gathered[s]`` ``exposed_gather_stage{s}``,
+    ``exposed[s]`` ``exposed_sync_stage{s}``, ``gathered[s]`` ``exposed_gather_stage{s}``
+    (with several runs a rank, ``D_s - D_last`` and ``B_s`` as ``sync_stage{s}_collective``
+    and ``sync_stage{s}_hiding``, the gather's likewise),
     ``transient[s]`` ``transient_stage{s}``;
     bounds that leave a variable one value make it a constant instead.
 
@@ -144,12 +146,12 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Any
 
-from ortools.sat.python import cp_model
+from ortools.sat.python import cp_model, cp_model_helper
 
 from partc.cost.evaluate import receive_ps, stage_windows
 from partc.cost.offload_time import host_bytes
 from partc.cost.tables import CostTable
-from partc.cost.timeline import WINDOW_STEPS
+from partc.cost.timeline import WINDOW_STEPS, overlap_windows
 from partc.planner.results import Assignment
 from partc.problem import RECOMPUTE_MODES, PlanningProblem
 
@@ -537,7 +539,8 @@ class StageModel:
             - ticks(self.table.last_sync_ps)
         backward = self._per_rank(stage, lambda row: ticks(row.backward_ps))
         self._exposed_beyond(exposed, sync, backward, stage_windows(self.table.config,
-                                                                     stage).sync)
+                                                                     stage).sync,
+                             f"sync_stage{stage}")
         return exposed
 
     def _exposed_gather(self, stage: int, held: list[list]) -> Any:
@@ -554,15 +557,28 @@ class StageModel:
             - ticks(self.table.first_gather_ps)
         forward = self._per_rank(stage, lambda row: ticks(row.forward_ps))
         self._exposed_beyond(exposed, rest, forward, stage_windows(self.table.config,
-                                                                    stage).gather)
+                                                                    stage).gather,
+                             f"gather_stage{stage}")
         return exposed
 
     def _exposed_beyond(self, exposed: Any, collective: Any, hiding: Any,
-                        windows: tuple[int, ...]) -> None:
+                        windows: tuple[int, ...], name: str) -> None:
         """``exposed`` at least what ``hiding`` (a phase of the rank, one microbatch's)
         leaves of ``collective`` through each of the rank's ``windows``, and the share it
         never hides (partc.cost.evaluate.exposed_sync_ps, in integers)."""
         hides, v, steps = self.table.overlap_permille, len(windows), WINDOW_STEPS
+        if v > 1:
+            # The two sums as variables of their own, so that the windows' large
+            # coefficients multiply one bounded variable each, not every term of a sum
+            # over the rank's runs (CP-SAT refuses a constraint whose terms could pass
+            # 2^63; time_unit keeps these below it).
+            low, high = _bounds(self.model, collective)
+            total = self.model.new_int_var(low, high, f"{name}_collective")
+            self.model.add(total == collective)
+            low, high = _bounds(self.model, hiding)
+            phase = self.model.new_int_var(max(0, low), max(0, high), f"{name}_hiding")
+            self.model.add(phase == hiding)
+            collective, hiding = total, phase
         for j, k in enumerate(windows, 1):
             self.model.add(1000 * steps * v * exposed
                            >= 1000 * steps * j * collective - hides * k * hiding)
@@ -773,8 +789,28 @@ def time_unit(table: CostTable) -> int:
     objective = (config.fill_divisor * config.num_microbatches + config.pp) * busy \
         + config.fill_divisor * tail
     unit = 1
-    # The exposed collectives' constraints scale times by 1000 x the window steps x v.
-    scale = 1000 * WINDOW_STEPS * config.chunks
+    # The exposed collectives' constraints scale a rank's sums (each below busy + tail)
+    # by 1000 x the most of the window steps x v and of its windows.
+    scale = 1000
+    if config.chunks > 1:
+        scale *= max(WINDOW_STEPS * config.chunks, *(
+            max(*rank.sync, *rank.gather) for rank in overlap_windows(
+                config.schedule, config.pp, config.chunks, config.num_microbatches)))
     while objective > _OBJECTIVE_TOP * unit or scale * (busy + tail) > _CONSTRAINT_TOP * unit:
         unit *= 2
     return unit
+
+
+
+def _bounds(model: cp_model.CpModel, expression: Any) -> tuple[int, int]:
+    """The least and most a linear ``expression`` of ``model``'s variables (or an int)
+    can be, from their domains."""
+    if isinstance(expression, int):
+        return expression, expression
+    flat = cp_model_helper.FlatIntExpr(expression)
+    low = high = flat.offset
+    for var, coeff in zip(flat.vars, flat.coeffs):
+        domain = model.proto.variables[var.index].domain
+        low += min(coeff * domain[0], coeff * domain[-1])
+        high += max(coeff * domain[0], coeff * domain[-1])
+    return low, high

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import re
 
+import pytest
+
 from partc.compiler import plan_problem
 from partc.cost.pipeline_config import PipelineConfig
 from partc.cost.tables import build_cost_table
@@ -79,3 +81,21 @@ def test_memory_units_round_sizes_up_and_limits_down():
     assert built.unit == memory_unit(built.table) == 3 * 2**10
     assert built.memory_units(1) == 1 and built.memory_units(3 * 2**10 + 1) == 2
     assert built.memory_units(2 * 3 * 2**10 - 1, limit=True) == 1
+
+
+@pytest.mark.parametrize("zero_stage", [0, 1])
+def test_many_virtual_stages_of_long_layers_keep_the_model_within_its_integers(zero_stage):
+    """A rank's exposed gradient reduction and weight gather under a schedule of many
+    virtual stages (looped BFS, 6 a rank: windows of dozens of quarter-backwards, each a
+    large coefficient) on layers of seconds with tens of seconds of reduction each:
+    CP-SAT accepts the model (it refuses a constraint whose terms could pass 2^63, as a
+    Megatron-Core row's 42-stage trial once made it) and names its variables."""
+    layers = [layer(f"l{i}", flops=1e12, params=10**9) for i in range(24)]
+    prob = problem(layers, [1e7] * 23, devices(4, 10**13, bandwidth=1e8), batch=8,
+                   micro_batch_sizes=(1,))
+    config = PipelineConfig(pp=2, dp=2, micro_batch_size=1, num_microbatches=4,
+                            schedule="looped-bfs", chunks=6, zero_stage=zero_stage)
+    built = StageModel(prob, build_cost_table(prob, config), None)
+    assert built.model.validate() == ""
+    names = {re.sub(r"\d+", "#", v.name) for v in built.model.proto.variables}
+    assert {"sync_stage#_collective", "sync_stage#_hiding"} <= names
