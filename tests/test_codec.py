@@ -102,3 +102,20 @@ def test_check_wants_the_enum_not_its_string():
 def test_names_are_their_strings():
     assert Schedule.ONE_F_ONE_B == "1f1b" and f"{Schedule.GPIPE}" == str(Schedule.GPIPE) == "gpipe"
     assert {"full": 1}[Recompute.FULL] == 1 and Recompute("none") is Recompute.NONE
+
+
+def test_a_list_record_leaves_off_its_trailing_defaults_and_reads_without_them():
+    """A pipeline run's times (``RunTime``) gained two delays after plans were written:
+    at 0 they are left off, so such files read and write as before; a delay that is not
+    0 is written with whatever precedes it; fewer items than the fields without
+    defaults are refused."""
+    from partc.plan import RunTime
+
+    old = [1.0, 2.0, 0.0, 0.5, 0.25]
+    assert to_data(from_data(RunTime, old)) == old
+    delayed = RunTime(forward=1.0, backward=2.0, recompute=0.0, send=0.0, receive=0.0,
+                      receive_delay=0.5)
+    assert to_data(delayed) == [1.0, 2.0, 0.0, 0.0, 0.0, 0.0, 0.5]
+    assert from_data(RunTime, to_data(delayed)) == delayed
+    with pytest.raises(CodecError, match="expected a list of 7 items"):
+        from_data(RunTime, [1.0, 2.0])
