@@ -147,12 +147,13 @@ def test_own_plan_is_at_least_as_fast_and_fits(name):
 @pytest.mark.slow
 def test_planner_left_the_interleaved_runs_is_as_fast_as_megatrons_split():
     """76.1B, its interleaved 1F1B and every other decision pinned, the runs of layers
-    left to the planner (partc cannot pin them): its plan plays out as fast as
-    Megatron's even split of three runs per rank, priced directly, within 1%. The
-    closed form CP-SAT minimises cannot tell an unequal cut of a rank's runs from an
+    and their count left to the planner (partc cannot pin the runs): its plan plays out
+    as fast as Megatron's even split of three runs per rank, priced directly, within 1%.
+    The closed form CP-SAT minimises cannot tell an unequal cut of a rank's runs from an
     even one (it once chose runs of 1, 14 and 1 blocks, 1.52x Megatron's step); the
-    planner plays each interleaved plan re-cut to balanced runs too."""
+    planner plays each interleaved plan re-cut to balanced runs too. (With the sends
+    beside compute, as NCCL runs them, more runs a rank pay: it picks 15.)"""
     problem, _, evaluation = published_prediction("76.1B")
     plan = megatron.plan(problem)
-    assert plan.chunks == run_named("76.1B").virtual_stages
+    assert plan.schedule == "interleaved-1f1b" and plan.chunks > 1
     assert plan.predicted.step_time_s <= 1.01 * megatron.step_seconds(evaluation)
