@@ -23,9 +23,8 @@ is cut into ``pp * v`` virtual stages; see :mod:`partc.cost.schedules`):
   ends and arrives after the whole transfer, which runs on its link (one per boundary
   and direction) one at a time: the rank waiting for it waits for that, while the
   sender goes on beside it where its share is less than the transfer (NCCL's kernels
-  beside compute); under
-  a split backward ``I`` carries the recompute and the input-gradient part and ``W`` the
-  weight-gradient part. Tensor-parallel collectives are inside the forward and backward
+  beside compute). Under a split backward ``I`` carries the recompute and the
+  input-gradient part and ``W`` the weight-gradient part. Tensor-parallel collectives are inside the forward and backward
   figures and drawn as communication;
 - after its last operation each rank runs its tail: what the gradient sync and ZeRO-1's
   weight all-gather leave exposed (the all-gather runs beside the next step's forward;
