@@ -28,15 +28,20 @@ microbatches are a multiple of pp (:func:`megatron_interleavings`: the plan's
 micro-batch size, sequence parallelism and recompute kept). The table gives neither the
 schedule nor the micro-batch size; its authors chose both for speed, and
 :func:`predict` takes the faster schedule within 80 GB. Under plain 1F1B the pipelined
-rows would be predicted at 0.79-0.84x (fitted, below), the interleavings' shorter fill
+rows would be predicted at 0.71-0.81x (fitted, below), the interleavings' shorter fill
 and drain ((p - 1) / (v m) of the microbatches' time where 1F1B's is (p - 1) / m) put
-them at 0.90-0.95x. That release has no zero-bubble schedule and no uneven split: left
-to itself, partc's planner gives 70B interleaved zero-bubble over four chunks per rank
-(0.971x), a schedule partc can run and Megatron-Core r0.8.0 cannot
-(``benchmarks/validation.py --only mcore`` prints all three). The planner prices every
-chunk count the blocks allow, played out (:mod:`partc.planner.joint`): on 177B, 314B and
-462B its plan for the published mesh equals Megatron's fastest interleaving (8, 6 and 7
-chunks per rank; ``--interleavings`` prints them side by side). The 177B row (pp = 6)
+them at 0.86-1.03x: each virtual stage's gradient reduction hides behind the rank's
+backwards after its last (``partc.cost.timeline.overlap_windows``), and a pipeline send
+costs neither end beside NCCL's kernels, only the wait for it, so deep interleavings pay
+(314B 12 chunks a rank, 462B 7). That release has no zero-bubble schedule and no uneven
+split: left to itself on a published mesh, partc's planner may pick one Megatron-Core
+r0.8.0 cannot run (``benchmarks/validation.py --only mcore`` prints all three). The
+planner prices every chunk count the blocks allow, played out
+(:mod:`partc.planner.joint`; ``--interleavings`` prints them beside Megatron's). Its
+own plan of the devices, every mesh open, is not always as fast as its plan of the
+published mesh: on 314B and 462B the joint search prices a mesh's schedules only for the
+batch split the closed form (1F1B's fill) kept, and a pipeline of 16 stages of one
+sequence a microbatch, pruned by that closed form, plays out faster interleaved. The 177B row (pp = 6)
 is in the README's table but not in the json; it is here. partc's interleaved pricing
 itself is checked on the SC'21 runs that did interleave
 (``tests/validation/megatron.py``).
@@ -57,7 +62,10 @@ exposed on 32B. Fitted on the plan that hides them, the constant comes out at 0.
 peak where an H100's bf16 linears measured 0.70 (``partc calibrate``,
 :data:`MEASURED_EFFICIENCY`), and it prices the pipelined rows' matmuls that much
 slower. At the measured 0.70, nothing fitted, the pipelined rows are predicted at
-0.98-1.05x and the unpipelined ones at 1.12-1.22x as partc plans them; with
+1.17-1.38x (0.98-1.05x while the pipeline's sends and each stage's gradient reduction
+were priced exposed: those charges stood in for losses the model lacks, likely NCCL's
+contention with compute at ``comm_overlap`` 1, not measured on a GPU) and the
+unpipelined ones at 1.12-1.22x as partc plans them; with
 micro-batches of one (:data:`MICROBATCH_OF_THE_BATCHES`) 16B and 32B, whose
 data-parallel groups hold two ranks and one rank per node (a NIC each), spend 0.15 and
 0.36 s on exposed data-parallel traffic that 0.85 and 0.89 s published steps leave no
