@@ -36,7 +36,7 @@ class StageCost:
     # microbatch; what the simulation plays.
     run_ps: tuple[tuple[int, int, int, int, int], ...] = ()
     # Per run, the whole transfers across the cut after it and into it (both ways), which
-    # delay the operation on the other side (the simulation's); () where not known.
+    # delay the operation on the other side (the simulation's).
     run_cut_ps: tuple[tuple[int, int], ...] = ()
     # Offloaded activations: bytes per microbatch copied to the host (and back), and the
     # rank's share of its node's host memory (None: not known, no limit).
@@ -156,7 +156,7 @@ def end_share_ps(table: CostTable, transfer_ps: int) -> int:
     return transfer_ps * (1000 - table.overlap_permille) // 1000
 
 
-def receive_ps(table: CostTable, cut: int, boundary: int) -> int:
+def boundary_share_ps(table: CostTable, cut: int, boundary: int) -> int:
     """Either end's share (:func:`end_share_ps`) of cut ``cut``'s transfers as the
     boundary ``boundary -> boundary + 1`` (both ways: the activation, its gradient
     back), charged to the runs on both sides of the boundary."""
@@ -263,9 +263,8 @@ def _run_seconds(config: PipelineConfig, evaluation: Evaluation) -> list[StageSe
     runs: list[StageSeconds | None] = [None] * config.virtual_stages
     for s, stage in enumerate(evaluation.stages):
         host = stage.run_host_ps or (0,) * len(stage.run_ps)
-        whole = stage.run_cut_ps or tuple((cut, into) for *_, cut, into in stage.run_ps)
         for j, (forward, backward, recompute, cut, into), copies, (out_ps, in_ps) in zip(
-                config.runs_of(s), stage.run_ps, host, whole):
+                config.runs_of(s), stage.run_ps, host, stage.run_cut_ps):
             runs[j] = StageSeconds(forward=forward, backward=backward, recompute=recompute,
                                    host=copies, send=cut / 2, receive=into / 2,
                                    send_delay=(out_ps - cut) / 2,

@@ -48,7 +48,7 @@ Objective
     sum_k (I_k[j] (started[k,j] - finished[k,j]) + E_k[j] (finished[k,j] -
     started[k+1,j]))`` plus, for the boundary into each run ``j ~ s, j > 0``, the same
     sum at ``j - 1``, ``I`` and ``E`` each end's share of the cut's transfers
-    (:func:`partc.cost.evaluate.receive_ps`: ``(1000 - O) / 1000`` of them; the
+    (:func:`partc.cost.evaluate.boundary_share_ps`: ``(1000 - O) / 1000`` of them; the
     transfers' delays are the simulation's, which the plan reports).
 Constraints
     (1) every layer has exactly one mode: ``sum_r n[k,s,r] = N[k,s]``, ``n[k,s,r] <= n_k
@@ -148,7 +148,7 @@ from typing import Any
 
 from ortools.sat.python import cp_model, cp_model_helper
 
-from partc.cost.evaluate import receive_ps, stage_windows
+from partc.cost.evaluate import boundary_share_ps, stage_windows
 from partc.cost.offload_time import host_bytes
 from partc.cost.tables import CostTable
 from partc.cost.timeline import WINDOW_STEPS, overlap_windows
@@ -425,22 +425,18 @@ class StageModel:
 
     def boundary_ps(self, run: int):
         """(3) Either end's share of the transfers at the boundary ``run -> run + 1``
-        (:func:`partc.cost.evaluate.receive_ps`), charged to both ``run``'s rank (it
-        sends the activation, receives the gradient) and ``run + 1``'s."""
-        return self._at_boundary(run, lambda cut: self.ticks(receive_ps(self.table, cut, run)))
+        (:func:`partc.cost.evaluate.boundary_share_ps`), charged to both ``run``'s rank
+        (it sends the activation, receives the gradient) and ``run + 1``'s."""
+        return self._at_boundary(
+            run, lambda cut: self.ticks(boundary_share_ps(self.table, cut, run)))
 
     def delay_boundary_ps(self, run: int):
         """(3) What of the transfers at the boundary ``run -> run + 1`` neither end pays
         (:func:`partc.cost.evaluate.transfer_delays_ps`): in the fill-and-drain."""
         def delay(cut: int) -> int:
             whole = self.table.cut_ps[cut][run]
-            return self.ticks(whole - receive_ps(self.table, cut, run))
+            return self.ticks(whole - boundary_share_ps(self.table, cut, run))
         return self._at_boundary(run, delay)
-
-    def receive_boundary_ps(self, run: int):
-        """(3) The receiving end's share of the boundary ``run -> run + 1``: the same as
-        the sending end's (:meth:`boundary_ps`)."""
-        return self.boundary_ps(run)
 
     def boundary_units(self, run: int):
         """(8) The bytes crossing the boundary ``run -> run + 1`` per microbatch, in
@@ -475,7 +471,7 @@ class StageModel:
                           for (k, r), count in self.count[rank].items())
             comm = sum(self.boundary_ps(run) for run in table.config.runs_of(rank)
                        if run < last_run)
-            comm += sum(self.receive_boundary_ps(run - 1)
+            comm += sum(self.boundary_ps(run - 1)
                         for run in table.config.runs_of(rank) if run > 0)
             busy.append(compute + comm)
             self.model.add(self.peak_busy >= compute + comm)

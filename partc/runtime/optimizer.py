@@ -148,14 +148,13 @@ class GradBuckets:
 
     def __init__(self, module: nn.Module, group: dist.ProcessGroup, dp: int, dp_rank: int,
                  *, sharded: bool, elements: int | None = None,
-                 at_end: set[int] = frozenset(), overlap: bool = True,
+                 at_end: set[int] = frozenset(),
                  groups: Mapping[int, Any] | None = None,
                  host: HostTier | None = None) -> None:
         """``at_end``: ids of parameters whose gradient comes from several backwards of
         one microbatch (a weight two virtual stages of the rank share): their buckets
-        are reduced in :meth:`finish` only. ``overlap`` False: every bucket is reduced
-        in :meth:`finish`. (A split backward's weight gradients, made outside autograd's
-        accumulation hooks, are handed over by :meth:`take`.)
+        are reduced in :meth:`finish` only. (A split backward's weight gradients, made
+        outside autograd's accumulation hooks, are handed over by :meth:`take`.)
         ``groups``: parameter id → the group its gradient is summed over instead of the
         dp group (a routed expert's weights: the expert-data-parallel group, whose ranks
         hold the same experts), in buckets of their own, still averaged over ``dp``;
@@ -166,7 +165,6 @@ class GradBuckets:
         reads :meth:`grad_of`)."""
         self.groups = dict(groups or {})
         self.group, self.dp, self.dp_rank, self.sharded = group, dp, dp_rank, sharded
-        self.overlap = overlap
         self._taken = False   # gradients were handed over by take(): some may be left
         self.collecting = False  # inside one of the schedule's backwards
         self.armed = False  # inside the step's last backward: reduce full buckets
@@ -272,7 +270,7 @@ class GradBuckets:
                     elif not _same_view(grad, view):
                         view.copy_(grad.reshape(-1))
                     slot.param.grad = None
-        self.collecting, self.armed, self._in_step = True, last and self.overlap, True
+        self.collecting, self.armed, self._in_step = True, last, True
 
     def end(self) -> None:
         self.collecting = self.armed = False
@@ -369,7 +367,7 @@ class GradBuckets:
         without a gradient this step), wait for all, take the mean over dp and divide by
         ``scale`` (the microbatches: the schedule's scaling of ``.grad``, done here)."""
         self.wait_gathers()  # of parameters no forward read: none in flight past a step
-        if not self.overlap or self._late or self._taken:
+        if self._late or self._taken:
             self._take_the_rest()
         if self.host is not None:
             self.drain()   # every gradient streamed out is in its bucket
