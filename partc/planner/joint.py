@@ -17,15 +17,23 @@ and the plan that plays out fastest over all of them is kept (:func:`choose`):
    (:func:`~.bounds.incumbent`) of its configuration with the least floor (CP-SAT's,
    where no greedy plan fits, on its configurations by floor while that floor is below
    the fastest plan played: a 1T GPT's tensor-unsharded meshes, none of which fits,
-   built hundreds of CP-SAT models to prove it). Its other batch splits and ZeRO stages
-   are weighed by the closed form only.
+   built hundreds of CP-SAT models to prove it). The closed-form search solves a
+   configuration while its bound is below the best plan it has so far, so a mesh's plan
+   there may be one solved early, slower by the closed form than a sibling's bound that
+   was pruned later; then the sibling of least bound is taken where its greedy plan is
+   faster by the closed form (:func:`_closest`). The mesh's other batch splits and ZeRO
+   stages are weighed by the closed form only.
 3. Each schedule and count of that configuration gets its own floor
    (:func:`~.bounds.played_floor`: its recompute, its crossing sends) and is left out
    where the floor reaches the fastest plan; else its greedy split is played out
    (:func:`~partc.planner.search.balanced_runs`: re-cut into runs of balanced compute,
    and on the mesh priced first into Megatron's even runs, where faster; on
    meshes other than the chosen one, within ``PlannerOptions.schedule_trial_ops``
-   operations played: the rest are not reached, and the plan FEASIBLE).
+   operations played: the rest are not reached, and the plan FEASIBLE). A schedule of
+   a mesh after the first whose guess (:func:`_estimate`: the mesh's plan played under
+   1F1B, less the fill and drain its virtual stages save) is above the fastest plan
+   played waits until every mesh is visited, and the waiting ones are then priced by
+   that guess, so that the trials limit falls on those least likely to win.
 4. CP-SAT then solves the schedules still in the running whose greedy split played out
    within :data:`NEAR` of the fastest plan (or that have none), fastest greedy split
    first (the chosen mesh's before the others', which share a quarter of one
@@ -108,15 +116,20 @@ class Chosen(NamedTuple):
 
 def choose(problem: PlanningProblem, tables: list[CostTable],
            outcomes: list, best: ConfigResult, options: PlannerOptions,
-           cache: TableCache, work: float) -> Chosen:
+           cache: TableCache, work: float, closed: list[float]) -> Chosen:
     """The plan that plays out fastest over every mesh and schedule (the module
     docstring); ``tables`` and ``outcomes`` are the closed-form search's, ``best`` its
-    plan, ``work`` the deterministic seconds left for CP-SAT. The chosen mesh is priced
-    first, then the others by floor."""
+    plan, ``closed`` their closed form's lower bounds (:func:`~.bounds.lower_bound`, or
+    what CP-SAT proved), ``work`` the deterministic seconds left for CP-SAT. The chosen
+    mesh is priced first, then the others by floor."""
     from partc.planner.search import schedule_candidates
 
     search = _Search(problem, cache, work, options.schedule_trial_ops)
-    search.add(mesh_key(best.table.config), best, first=True)
+    # A configuration solved is known by its plan's closed form, not its bound.
+    closed = [o.evaluation.step_ps if isinstance(o, ConfigResult) else bound
+              for o, bound in zip(outcomes, closed)]
+    first_trial = search.add(mesh_key(best.table.config), best, first=True)
+    queued: list[tuple[float, int, tuple, PipelineConfig]] = []
     scale = min(1.0, problem.devices.split_backward_factor or 1.0)
     meshes = _meshes(tables, outcomes, cache, scale, mesh_key(best.table.config))
     floors = {key: floor for floor, key, _, _, _ in meshes}
@@ -127,6 +140,8 @@ def choose(problem: PlanningProblem, tables: list[CostTable],
             break
         if key == mesh_key(best.table.config):
             result = best   # not an equal plan CP-SAT found after the greedy seed
+        else:
+            result = _closest(problem, tables, members, closed, result, cache)
         if result is None:
             result = _greedy_result(problem, [tables[i] for i in members], cache)
         if result is None:   # greedy fits none: CP-SAT may (its work counted)
@@ -134,12 +149,17 @@ def choose(problem: PlanningProblem, tables: list[CostTable],
                                                     member_floors)
             if result is None:
                 continue
-        if result is not best:
-            search.add(key, result, first=not done)
+        trial = first_trial if result is best else search.add(key, result, first=not done)
         for config in schedule_candidates(problem, result.table.config):
-            search.price(key, config, first=not done)
+            guess = _estimate(trial.step_ps, config)
+            if done and guess > search.step:
+                queued.append((guess, len(queued), key, config))
+            else:
+                search.price(key, config, first=not done)
     progress.update("schedules", len(meshes), len(meshes),
                     incumbent_s=search.step / PS_PER_S)
+    for _, _, key, config in sorted(queued):
+        search.price(key, config, first=False)
     finished = search.solve_pending(options) and not search.unsettled
     # Ties keep CP-SAT's plan over a greedy one, then the earlier.
     fastest = min((t for t in search.trials if t.result is not None),
@@ -309,6 +329,37 @@ def _meshes(tables: list[CostTable], outcomes: list, cache: TableCache, scale: f
                        result))
     meshes.sort(key=lambda mesh: (mesh[1] != chosen, mesh[0], mesh[1]))
     return meshes
+
+
+def _estimate(step_ps: float, config: PipelineConfig) -> float:
+    """A guess at ``config``'s step (a schedule of a mesh whose closed-form plan played
+    out in ``step_ps`` under 1F1B), the order in which the other meshes' schedules are
+    priced: 1F1B's fill and drain, ``(pp - 1) / (m + pp - 1)`` of its step, divided by
+    the virtual stages per rank. Only an order: the trials limit then falls on the
+    schedules least likely to win, never on a bound."""
+    pp, m = config.pp, config.num_microbatches
+    fill = (pp - 1) / (m + pp - 1)
+    return step_ps * (1 - fill + fill / config.chunks)
+
+
+def _closest(problem: PlanningProblem, tables: list[CostTable], members: list[int],
+             closed: list[float], result: ConfigResult | None,
+             cache: TableCache) -> ConfigResult | None:
+    """A mesh's configuration by the closed form: ``result`` (the closed-form search's
+    plan, or None), or the greedy plan of the configuration of ``members`` with the
+    least closed-form bound where that plan is faster by the closed form. The search
+    solves configurations while their bound is below its best plan, so a mesh's plan may
+    be one solved early, far above a sibling pruned later (462B's pp = 16: 4 sequences a
+    microbatch at 27.5 s solved, one a microbatch, whose 1F1B fill is a quarter as long,
+    pruned at 17.2 s)."""
+    lead = min(members, key=lambda i: (closed[i], i))
+    if result is not None and closed[lead] >= result.evaluation.step_ps:
+        return result
+    greedy = greedy_result(problem, tables[lead], cache)
+    if greedy is None or (result is not None
+                          and greedy.evaluation.step_ps >= result.evaluation.step_ps):
+        return result
+    return greedy
 
 
 def _greedy_result(problem: PlanningProblem, tables: list[CostTable],

@@ -759,7 +759,7 @@ def solve(problem: PlanningProblem, options: PlannerOptions = PlannerOptions(),
     cache.best_config = best.table.config
     bound = min(bound, best.evaluation.step_ps)
     chosen = joint.choose(problem, tables, outcomes, best, options, cache,
-                          options.work_limit - spent)
+                          options.work_limit - spent, floors)
     meshes = joint.priced_meshes(mesh_results(problem, tables, floors, outcomes, best),
                                  chosen)
     trials = chosen.trials

@@ -14,11 +14,12 @@ import pytest
 
 from partc.compiler import plan_of, plan_problem
 from partc.cost.evaluate import evaluate, simulated_step_ps
-from partc.cost.pipeline_config import PS_PER_S
-from partc.cost.tables import build_cost_table
+from partc.cost.pipeline_config import PS_PER_S, PipelineConfig
+from partc.cost.tables import TableCache, build_cost_table
 from partc.errors import PlanInfeasibleError
 from partc.names import Outcome, Schedule
-from partc.planner import solve
+from partc.planner import joint, solve
+from partc.planner.bounds import greedy_result, lower_bound
 from partc.problem import Pins
 
 from tests.validation.megatron import plan_assignment
@@ -145,7 +146,7 @@ def test_a_mesh_no_greedy_split_fits_is_solved_only_below_the_fastest_plan(own, 
 
     from partc.cost.tables import TableCache
     from partc.options import PlannerOptions
-    from partc.planner import joint, search as search_module
+    from partc.planner import search as search_module
 
     result, _ = own
     prob = _instance()
@@ -178,3 +179,41 @@ def test_a_mesh_no_greedy_split_fits_is_solved_only_below_the_fastest_plan(own, 
     assert priced[other.pp, other.dp].outcome == Outcome.INFEASIBLE
     assert priced[other.pp, other.dp].bound_ps is None
     assert priced[config.pp, config.dp].outcome == Outcome.SOLVED
+
+
+def test_a_mesh_is_priced_from_its_split_fastest_by_the_closed_form():
+    """The closed-form search may have solved a mesh's slower batch split early and
+    pruned a faster one later: the joint search then prices the mesh from the split of
+    least closed-form bound, where its greedy plan is faster by the closed form
+    (``joint._closest``), and keeps the solved plan otherwise."""
+    prob, cache = _instance(), TableCache()
+    tables = [build_cost_table(prob, PipelineConfig(
+        pp=2, dp=1, micro_batch_size=b, num_microbatches=16 // b,
+        schedule=Schedule.ONE_F_ONE_B), cache) for b in (1, 2)]
+    plans = [greedy_result(prob, table, cache) for table in tables]
+    slow, fast = sorted(range(2), key=lambda i: plans[i].evaluation.step_ps)[::-1]
+    bounds = [lower_bound(table, cache) for table in tables]
+    assert bounds[fast] < plans[slow].evaluation.step_ps
+    closed = list(bounds)
+    closed[slow] = plans[slow].evaluation.step_ps   # solved: known by its plan
+    taken = joint._closest(prob, tables, [0, 1], closed, plans[slow], cache)
+    assert taken.table is tables[fast]
+    assert taken.evaluation.step_ps == plans[fast].evaluation.step_ps
+    # A solved plan no sibling's bound undercuts stays.
+    closed[fast] = plans[slow].evaluation.step_ps
+    assert joint._closest(prob, tables, [0, 1], closed, plans[slow], cache) is plans[slow]
+    # No plan from the closed-form search: the least bound's greedy plan.
+    assert joint._closest(prob, tables, [0, 1], bounds, None, cache).table is tables[fast]
+
+
+def test_a_schedules_guess_is_1f1bs_step_less_the_fill_its_chunks_save():
+    """``joint._estimate`` orders the other meshes' schedules: 1F1B's own step at one
+    chunk, less with each chunk more, never below the microbatches' share."""
+    def guess(chunks: int, m: int = 8) -> float:
+        return joint._estimate(1000.0, PipelineConfig(
+            pp=4, dp=1, micro_batch_size=1, num_microbatches=m,
+            schedule=Schedule.INTERLEAVED_1F1B, chunks=chunks))
+
+    assert guess(1) == pytest.approx(1000.0)
+    assert guess(1) > guess(2) > guess(4) > 1000.0 * 8 / 11
+    assert guess(2) == pytest.approx(1000.0 * (8 + 3 / 2) / 11)

@@ -104,17 +104,7 @@ UNPIPELINED = [pytest.param(run.name, marks=pytest.mark.slow) for run in mcore.R
                if run.pp == 1]
 
 
-# Open findings (slow profile), strict so that a fix shows. The joint search prices a
-# mesh's schedules only for the batch split its closed form (1F1B's fill) kept: on 314B
-# and 462B the published mesh, priced by itself, plays out faster than the planner's own
-# plan of the devices (mcore.py's docstring).
-_OWN_SLOWER = pytest.mark.xfail(strict=True, reason=(
-    "the joint search prices a mesh's schedules for the batch split the 1F1B closed form "
-    "kept; a 16-stage pipeline of one-sequence microbatches it pruned plays out faster "
-    "interleaved"))
-JOINT = [pytest.param(run.name, marks=[pytest.mark.slow] + (
-    [_OWN_SLOWER] if run.name in ("314B", "462B") else [])) for run in mcore.RUNS
-    if run.pp > 1]
+# Open finding (slow profile), strict so that a fix shows.
 # With the sends and each virtual stage's gradient reduction priced as the runtime runs
 # them, the measured efficiency predicts more than Megatron-Core reached (1.17-1.38x):
 # the charges removed had stood in for losses the model lacks (mcore.py's docstring).
@@ -243,7 +233,7 @@ def test_the_published_table_is_the_one_copied():
     assert set(mcore.load_runs(published)) <= set(mcore.RUNS)
 
 
-@pytest.mark.parametrize("name", JOINT)
+@pytest.mark.parametrize("name", PIPELINED)
 def test_the_joint_search_is_at_least_as_fast_as_the_published_mesh_and_its_interleavings(name):
     """partc's own plan (nothing pinned but the devices and batch) is never predicted
     slower than its plan of the published mesh (tp, pp, dp, ZeRO-1 pinned, the
