@@ -156,10 +156,10 @@ def choose(problem: PlanningProblem, tables: list[CostTable],
                 queued.append((guess, len(queued), key, config))
             else:
                 search.price(key, config, first=not done)
-    progress.update("schedules", len(meshes), len(meshes),
-                    incumbent_s=search.step / PS_PER_S)
     for _, _, key, config in sorted(queued):
         search.price(key, config, first=False)
+    progress.update("schedules", len(meshes), len(meshes),
+                    incumbent_s=search.step / PS_PER_S)
     finished = search.solve_pending(options) and not search.unsettled
     # Ties keep CP-SAT's plan over a greedy one, then the earlier.
     fastest = min((t for t in search.trials if t.result is not None),
