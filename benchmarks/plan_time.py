@@ -10,9 +10,10 @@ memory per device changes (80 GiB -> 60 GiB, then 40 GiB), which skips tracing a
 measuring; and once more with the first budget, which returns the stored plan.
 
 The target for Llama-3-70B, cold: at most half of one ``torch.export`` of the same model
-(``--versus-export``). Seen on a quiet 2-core machine: 17.4-17.8 CPU-s against 8.0-9.6
-(1.9-2.2x); the stored plan returned in 0.2-0.3 s; a re-plan after a memory change
-(which reuses the measured model) 16 s of wall at 60 GiB and 12 s at 40 GiB, where
+(``--versus-export``). Seen on a quiet 2-core machine: 17.3 CPU-s against 7.0 (2.5x,
+since the joint search prices each mesh from its split fastest by the closed form); the
+stored plan returned in 0.2-0.3 s; a re-plan after a memory change (which reuses the
+measured model) 16 s of wall at 60 GiB and 12 s at 40 GiB, where
 CP-SAT on every interleaved schedule of the pp=4 meshes those budgets choose had taken
 55 and 90 s (CP-SAT now solves only those whose greedy split plays out near the
 fastest plan: ``partc.planner.joint.NEAR``).
