@@ -332,9 +332,9 @@ def _meshes(tables: list[CostTable], outcomes: list, cache: TableCache, scale: f
 
 
 def _estimate(step_ps: float, config: PipelineConfig) -> float:
-    """A guess at ``config``'s step (a schedule of a mesh whose closed-form plan played
-    out in ``step_ps`` under 1F1B), the order in which the other meshes' schedules are
-    priced: 1F1B's fill and drain, ``(pp - 1) / (m + pp - 1)`` of its step, divided by
+    """A guess at ``config``'s step (a schedule of a mesh whose plan played out in
+    ``step_ps``, under 1F1B unless a schedule is pinned), the order in which the other
+    meshes' schedules are priced: 1F1B's fill and drain, ``(pp - 1) / (m + pp - 1)`` of its step, divided by
     the virtual stages per rank. Only an order: the trials limit then falls on the
     schedules least likely to win, never on a bound."""
     pp, m = config.pp, config.num_microbatches

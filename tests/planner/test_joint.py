@@ -144,7 +144,6 @@ def test_a_mesh_no_greedy_split_fits_is_solved_only_below_the_fastest_plan(own, 
     limit."""
     import math
 
-    from partc.cost.tables import TableCache
     from partc.options import PlannerOptions
     from partc.planner import search as search_module
 
