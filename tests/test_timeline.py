@@ -88,6 +88,33 @@ def test_the_span_alone_is_the_timelines():
                                                            timeline.bubble_fraction)
 
 
+def test_a_play_past_its_cutoff_stops_at_a_lower_bound():
+    """A play told a cutoff returns the span in full where it does not exceed it, and
+    where it does either the span in full or a lower bound on it above the cutoff and
+    no bubble; well below the span it stops, on every schedule, unequal stages."""
+    rng = random.Random(5)
+    stopped = set()
+    for name in SCHEDULE_TABLE:
+        v = 1 if schedule(name).virtual_stages == (1,) else 2
+        for m in (6, 12):
+            stages = [StageSeconds(forward=rng.random(), backward=2 * rng.random(),
+                                   recompute=0.1 * rng.random(), host=0.05 * rng.random(),
+                                   send=0.01 * rng.random(), send_delay=0.02 * rng.random(),
+                                   receive=0.01 * rng.random(),
+                                   receive_delay=0.02 * rng.random())
+                      for _ in range(3 * v)]
+            full = played_span(name, 3, v, m, stages)
+            for share in (0.3, 0.9, 0.999999, 1.0, 1.5):
+                cutoff = full[0] * share
+                span, bubble = played_span(name, 3, v, m, stages, cutoff)
+                if bubble is not None or full[0] <= cutoff:
+                    assert (span, bubble) == full, (name, m, share)
+                else:
+                    assert cutoff < span <= full[0] * (1 + 1e-12), (name, m, share)
+                    stopped.add((name, share))
+    assert {(name, 0.3) for name in SCHEDULE_TABLE} <= stopped
+
+
 @pytest.mark.parametrize("name", ["interleaved-1f1b", "zbv-zero-bubble"])
 def test_csv_export_loads_in_torch(name, tmp_path):
     """What partc writes, torch's own CSV loader reads back (and lowers with its sends and

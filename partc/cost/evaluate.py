@@ -6,6 +6,7 @@ out by :mod:`partc.cost.timeline` (:func:`simulated_step_ps`)."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -272,14 +273,19 @@ def _run_seconds(config: PipelineConfig, evaluation: Evaluation) -> list[StageSe
     return runs  # type: ignore[return-value]
 
 
-def simulated_step_ps(config: PipelineConfig, evaluation: Evaluation) -> tuple[int, float]:
+def simulated_step_ps(config: PipelineConfig, evaluation: Evaluation,
+                      cutoff: float = math.inf) -> tuple[int, float | None]:
     """The step time the plan reports, in picoseconds: the simulated pipeline
     (:func:`simulate`, its span alone: :func:`~partc.cost.timeline.played_span`) then
     the slowest tail and the tied-weight syncs, as :func:`evaluate` adds them to the
-    closed form; and the simulation's bubble."""
+    closed form; and the simulation's bubble. Where the step would exceed ``cutoff``,
+    the play may stop early: then a lower bound on the step, at least ``cutoff``, and
+    None for the bubble."""
+    extra = evaluation.tail_ps + evaluation.tie_ps
     span, bubble = played_span(config.schedule, config.pp, config.chunks,
-                               config.num_microbatches, _run_seconds(config, evaluation))
-    return round(span) + evaluation.tail_ps + evaluation.tie_ps, bubble
+                               config.num_microbatches, _run_seconds(config, evaluation),
+                               cutoff - extra)
+    return round(span) + extra, bubble
 
 
 def evaluate(table: CostTable, stage_of: Sequence[int], modes: Sequence[str]) -> Evaluation:

@@ -321,7 +321,7 @@ def play(schedule: str, pp: int, v: int, m: int, stages: list[StageSeconds],
     """Play ``schedule`` out: ``stages`` gives each of the ``pp * v`` virtual stages'
     seconds per microbatch (model order), ``tails`` each rank's tail."""
     blocks: list[Block] = []
-    clock, peak, _ = _played(schedule, pp, v, m, stages, blocks)
+    clock, peak, _, _ = _played(schedule, pp, v, m, stages, blocks)
     for r, tail in enumerate(tails or ()):
         if tail > 0:
             blocks.append(Block(rank=r, kind="tail", start_s=clock[r], end_s=clock[r] + tail))
@@ -329,31 +329,51 @@ def play(schedule: str, pp: int, v: int, m: int, stages: list[StageSeconds],
                     blocks=tuple(blocks), peak_inflight=tuple(peak))
 
 
-def played_span(schedule: str, pp: int, v: int, m: int,
-                stages: list[StageSeconds]) -> tuple[float, float]:
+def played_span(schedule: str, pp: int, v: int, m: int, stages: list[StageSeconds],
+                cutoff: float = math.inf) -> tuple[float, float | None]:
     """:func:`play`'s ``pipeline_s`` and ``bubble_fraction`` (its tails aside), the same
-    numbers, without making the blocks: what pricing a plan needs of its timeline."""
-    _, _, (end, work) = _played(schedule, pp, v, m, stages, None)
+    numbers, without making the blocks: what pricing a plan needs of its timeline. Where
+    the span would exceed ``cutoff`` the play may stop as soon as a rank's clock plus the
+    work it has left passes it: then a lower bound on the span above ``cutoff`` and None
+    for the bubble (what a search that only keeps faster plans needs of a slower one)."""
+    _, _, (end, work), bound = _played(schedule, pp, v, m, stages, None, cutoff)
+    if bound is not None:
+        return bound, None
     span = end * pp
     return end, (max(0.0, 1 - work / span) if span > 0 else 0.0)
 
 
 def _played(schedule: str, pp: int, v: int, m: int, stages: list[StageSeconds],
-            blocks: list[Block] | None) -> tuple[list[float], list[int], tuple[float, float]]:
+            blocks: list[Block] | None, cutoff: float = math.inf
+            ) -> tuple[list[float], list[int], tuple[float, float], float | None]:
     """The simulation :func:`play` runs: each rank's clock and peak of microbatches held
-    at the end, and the last block's end and the blocks' seconds; the blocks appended to
-    ``blocks`` unless None. Each operation's wait and bookkeeping come from
-    :func:`_order_steps` (made once per schedule shape); its durations from
-    :func:`_parts`, once per (phase, virtual stage)."""
+    at the end, the last block's end and the blocks' seconds, and None; the blocks
+    appended to ``blocks`` unless None. Each rank runs :func:`torch_order`'s operations
+    in turn, each when its input is there (:func:`_layout`'s events); their durations
+    come from :func:`_parts`, once per (phase, virtual stage).
+
+    ``cutoff``: once a rank's clock and the durations of its operations not yet run add
+    up to more (its waits only add to them, so the span does too), the play stops and
+    returns that sum, a lower bound on the span, in the last place."""
     if len(stages) != pp * v:
         raise ValueError(f"{len(stages)} virtual stages given, {pp} x {v} expected")
     split = schedule_info(schedule).split_backward
-    orders, chunk_of, crosses = _order_steps(schedule, pp, v, m)
-    parts: list[tuple[list[tuple[str, float]], float] | None] = \
-        [None] * (len(_PHASE_INDEX) * pp * v)
-    done: list[float | None] = [None] * (len(_EVENTS) * m * pp * v)   # event -> ready at
+    orders = torch_order(schedule, pp, v, m)
+    chunk_of, crosses, held_by, phases, (forward, input_, grad_) = _layout(schedule, pp, v, m)
+    runs, last = pp * v, pp * v - 1
+    parts = [_parts(Op(phase=phase, microbatch=0, stage=j), stages[j], crosses, split)
+             for phase in _PHASE_INDEX for j in range(runs)]
+    # Per part, the steps as the play without blocks walks them: zero ones dropped (they
+    # move nothing), and the sum of all. Each rank runs every microbatch's forward and
+    # backward (whole, or its input and weight parts, whose sum is the same) of each of
+    # its runs once: the work it has left to start with.
+    quick = [(tuple(seconds for _, seconds in steps if seconds != 0),
+              sum(seconds for _, seconds in steps)) for steps, _ in parts]
+    left = [m * sum(quick[j][1] + quick[runs + j][1] for j in held) for held in held_by]
+    # The margin covers the rounding of the running sums it is compared with.
+    limit = cutoff * (1 + 1e-9) if cutoff < math.inf else math.inf
+    done: list[float | None] = [None] * (len(_EVENTS) * m * runs)   # event -> ready at
     clock, position = [0.0] * pp, [0] * pp
-    runs = pp * v
     free = [0.0] * (2 * runs)   # each link's next free moment: forward j, backward j
     holding, peak = [0] * pp, [0] * pp
     end, work = 0.0, 0.0   # the blocks' last end and their seconds, in play's arithmetic
@@ -363,7 +383,19 @@ def _played(schedule: str, pp: int, v: int, m: int, stages: list[StageSeconds],
         for r in range(pp):
             order = orders[r]
             while position[r] < len(order):
-                op, part, needs, event, grad, held = order[position[r]]
+                op = order[position[r]]
+                j = op.stage
+                kind, first, own, passes, held = phases[op.phase]
+                at = op.microbatch * runs + j   # this microbatch's run j, within a kind
+                # A forward needs the previous run's forward of its microbatch; a weight
+                # part its own input part; a backward (or its input part) the next run's
+                # gradient or, on the last run, its own forward.
+                if kind == 0:
+                    needs = forward + at - 1 if j > 0 else -1
+                elif kind == 3:
+                    needs = input_ + at
+                else:
+                    needs = grad_ + at + 1 if j < last else forward + at
                 if needs < 0:
                     start = clock[r]
                 else:
@@ -371,34 +403,45 @@ def _played(schedule: str, pp: int, v: int, m: int, stages: list[StageSeconds],
                     if ready is None:
                         break
                     start = clock[r] if clock[r] >= ready else ready
-                found = parts[part]
-                if found is None:
-                    found = parts[part] = _parts(op, stages[op.stage], crosses, split)
-                steps, transfer = found
-                for kind, seconds in steps:
-                    if seconds > 0:
-                        stop = start + seconds
-                        if blocks is not None:
-                            blocks.append(Block(rank=r, kind=kind, start_s=start,
+                steps, transfer = parts[first + j]
+                if blocks is not None:
+                    for name, seconds in steps:
+                        if seconds > 0:
+                            stop = start + seconds
+                            blocks.append(Block(rank=r, kind=name, start_s=start,
                                                 end_s=stop, microbatch=op.microbatch,
-                                                chunk=chunk_of[op.stage], stage=op.stage))
-                        if stop > end:
-                            end = stop
-                        work += stop - start
-                    start += seconds
+                                                chunk=chunk_of[j], stage=j))
+                            if stop > end:
+                                end = stop
+                            work += stop - start
+                        start += seconds
+                else:
+                    moves, total = quick[first + j]
+                    for seconds in moves:
+                        if seconds > 0:
+                            stop = start + seconds
+                            if stop > end:
+                                end = stop
+                            work += stop - start
+                            start = stop
+                        else:
+                            start += seconds
+                    left[r] -= total
+                    if start + left[r] > limit:
+                        return clock, peak, (end, work), start + left[r]
                 clock[r] = start
                 arrive = start
                 if transfer:
                     # What it sends leaves as its compute ends (its end's share of the
                     # send after it: the last step), one transfer at a time over the
                     # link, and arrives when the transfer ends.
-                    link = op.stage if op.phase == Phase.FORWARD else runs + op.stage
+                    link = j if kind == 0 else runs + j
                     leaves = max(start - steps[-1][1], free[link])
                     free[link] = leaves + transfer
                     arrive = max(start, free[link])
-                done[event] = arrive if op.phase == Phase.FORWARD else start
-                if grad >= 0:
-                    done[grad] = arrive
+                done[own + at] = arrive if kind == 0 else start
+                if passes:
+                    done[grad_ + at] = arrive
                 if held:
                     holding[r] += held
                     if holding[r] > peak[r]:
@@ -409,7 +452,7 @@ def _played(schedule: str, pp: int, v: int, m: int, stages: list[StageSeconds],
         if not progressed:
             raise RuntimeError(f"internal error: the {schedule} order deadlocks at "
                                f"positions {position}")
-    return clock, peak, (end, work)
+    return clock, peak, (end, work), None
 
 
 # The events an operation waits for or marks, and the phases whose durations differ.
@@ -418,46 +461,30 @@ _PHASE_INDEX = {Phase.FORWARD: 0, Phase.BACKWARD: 1, Phase.INPUT: 2, Phase.WEIGH
 
 
 @lru_cache(maxsize=512)
-def _order_steps(schedule: str, pp: int, v: int, m: int) -> tuple[tuple, list[int], list[bool]]:
-    """:func:`torch_order` as the simulation walks it, a pure function of its arguments:
-    per rank, per operation ``(op, its durations' index, the event it waits for (-1:
-    none), the event it marks, the gradient it passes back (-1: none), the change in
-    microbatches held)``; each run's place among its rank's; whether the cut after each
-    run crosses to another rank. A forward needs the previous run's forward of its
-    microbatch; a backward (or its input part) the next run's gradient or, on the last
-    run, its own forward; a weight part its own input part."""
+def _layout(schedule: str, pp: int, v: int, m: int) -> tuple:
+    """What the simulation reads of a schedule's shape besides :func:`torch_order`: each
+    run's place among its rank's; whether the cut after each run crosses to another
+    rank; each rank's runs; per phase ``(its place in _PHASE_INDEX, its durations' first
+    index, the first number of the event it marks, whether it passes a gradient back, the
+    change in microbatches held)``; and the first numbers of the forward, input-part and
+    gradient events. An event's number: ``(its kind's place in _EVENTS * m +
+    microbatch) * runs + run``."""
     runs = pp * v
     rank = [rank_of(schedule, pp, v, j) for j in range(runs)]
-    chunk_of, seen = [0] * runs, [0] * pp   # each run's place among its rank's
+    chunk_of, held_by = [0] * runs, [[] for _ in range(pp)]
     for j in range(runs):
-        chunk_of[j], seen[rank[j]] = seen[rank[j]], seen[rank[j]] + 1
+        chunk_of[j] = len(held_by[rank[j]])
+        held_by[rank[j]].append(j)
     # Sends cross ranks only: the cut after virtual stage j, to j + 1.
     crossing = set(crossing_runs(schedule, pp, v))
     crosses = [j in crossing for j in range(runs)]
-
-    # An event's number: (its kind's place in _EVENTS * m + microbatch) * runs + run.
     block = m * runs   # the numbers of one kind
-    forward, input_, grad_ = (_EVENTS.index(kind) * block
-                              for kind in ("forward", "input", "grad"))
-    own = {phase: _EVENTS.index(str(phase.value)) * block for phase in _PHASE_INDEX}
-    orders = []
-    for ops in torch_order(schedule, pp, v, m):
-        steps = []
-        for op in ops:
-            phase, j = op.phase, op.stage
-            at = op.microbatch * runs + j   # this microbatch's run j, within a kind
-            if phase == Phase.FORWARD:
-                needs = forward + at - 1 if j > 0 else -1
-            elif phase == Phase.WEIGHT:
-                needs = input_ + at
-            else:
-                needs = grad_ + at + 1 if j < runs - 1 else forward + at
-            grad = grad_ + at if phase in (Phase.BACKWARD, Phase.INPUT) else -1
-            held = 1 if phase == Phase.FORWARD else 0 if phase == Phase.INPUT else -1
-            steps.append((op, _PHASE_INDEX[phase] * runs + j, needs, own[phase] + at, grad,
-                          held))
-        orders.append(tuple(steps))
-    return tuple(orders), chunk_of, crosses
+    phases = {phase: (index, index * runs, _EVENTS.index(str(phase.value)) * block,
+                      phase in (Phase.BACKWARD, Phase.INPUT),
+                      1 if phase == Phase.FORWARD else 0 if phase == Phase.INPUT else -1)
+              for phase, index in _PHASE_INDEX.items()}
+    firsts = tuple(_EVENTS.index(kind) * block for kind in ("forward", "input", "grad"))
+    return chunk_of, crosses, held_by, phases, firsts
 
 
 def _parts(op: Op, t: StageSeconds, crosses: list[bool], split: bool

@@ -29,7 +29,12 @@ and the plan that plays out fastest over all of them is kept (:func:`choose`):
    (:func:`~partc.planner.search.balanced_runs`: re-cut into runs of balanced compute,
    and on the mesh priced first into Megatron's even runs, where faster; on
    meshes other than the chosen one, within ``PlannerOptions.schedule_trial_ops``
-   operations played: the rest are not reached, and the plan FEASIBLE). A schedule of
+   operations played: the rest are not reached, and the plan FEASIBLE). A trial of a
+   mesh after the first stops playing once a rank's clock and the work it has left pass
+   both the fastest plan by :data:`NEAR` and its mesh's fastest so far
+   (:func:`~partc.cost.timeline.played_span`'s cutoff): a trial without a plan, bounded
+   there (:data:`PLAYED_PAST`); a mesh whose every trial was bounded is reported pruned
+   at the least of their bounds (:func:`_bounded`). A schedule of
    a mesh after the first whose guess (:func:`_estimate`: the mesh's plan played under
    1F1B, less the fill and drain its virtual stages save) is above the fastest plan
    played waits until every mesh is visited, and the waiting ones are then priced by
@@ -76,6 +81,9 @@ PRUNED = "pruned (its bound)"
 NOT_REACHED = "not reached (work limit)"
 TRIAL_LIMIT = "not reached (schedule trials limit)"
 NO_SPLIT = "no split fits"
+# A trial of a mesh after the first whose play stopped once it was sure to be slower
+# than both the fastest plan (by NEAR) and its own mesh's fastest so far.
+PLAYED_PAST = "played past the fastest plan"
 
 # How far above the fastest plan played a greedy split may play out and still be
 # handed to CP-SAT (a heuristic: CP-SAT's
@@ -151,7 +159,8 @@ def choose(problem: PlanningProblem, tables: list[CostTable],
                 continue
         trial = first_trial if result is best else search.add(key, result, first=not done)
         for config in schedule_candidates(problem, result.table.config):
-            guess = _estimate(trial.step_ps, config)
+            guess = _estimate(trial.step_ps if trial.result is not None else trial.bound_ps,
+                              config)
             if done and guess > search.step:
                 queued.append((guess, len(queued), key, config))
             else:
@@ -164,7 +173,8 @@ def choose(problem: PlanningProblem, tables: list[CostTable],
     # Ties keep CP-SAT's plan over a greedy one, then the earlier.
     fastest = min((t for t in search.trials if t.result is not None),
                   key=lambda t: (t.step_ps, t.greedy))
-    return Chosen(fastest.result, tuple(search.trials), finished, search.per_mesh, floors)
+    return Chosen(fastest.result, tuple(search.trials), finished, search.per_mesh,
+                  _bounded(floors, search.trials, search.per_mesh))
 
 
 class _Search:
@@ -185,11 +195,18 @@ class _Search:
     def add(self, key: tuple, result: ConfigResult, first: bool = False,
             greedy: bool = False) -> ScheduleTrial:
         """``result`` played out, as a trial of mesh ``key`` (``first``: of the mesh
-        priced first, whose trials are also played cut evenly, Megatron's way;
-        ``greedy``: ``result`` is the greedy split)."""
-        trial = _played(self.problem, result, first, greedy)
-        self.trials.append(trial)
+        priced first, whose trials are also played cut evenly, Megatron's way, and in
+        full; ``greedy``: ``result`` is the greedy split). Of another mesh, the play
+        stops once it is sure to be slower than both the fastest plan by :data:`NEAR`
+        (so what CP-SAT is handed is unchanged) and the mesh's fastest so far (so each
+        mesh's fastest plan played is too): then a trial without a plan, bounded."""
         known = self.per_mesh.get(key)
+        cutoff = math.inf if first else max(self.step * (1 + NEAR),
+                                            known[1] if known else 0)
+        trial = _played(self.problem, result, first, greedy, cutoff)
+        self.trials.append(trial)
+        if trial.result is None:
+            return trial
         if known is None or trial.step_ps < known[1]:
             self.per_mesh[key] = (trial.result, trial.step_ps)
         self.step = min(self.step, trial.step_ps)
@@ -205,7 +222,7 @@ class _Search:
         if bound < self.step:
             bound = played_floor(table, self.cache)
         if bound >= self.step:
-            self.trials.append(ScheduleTrial(config=config, why=PRUNED))
+            self.trials.append(ScheduleTrial(config=config, why=PRUNED, bound_ps=bound))
             return
         # Its operations, and the greedy split's own work, about 100 per layer.
         ops = 2 * config.num_microbatches * config.virtual_stages + 100 * table.num_layers
@@ -221,7 +238,8 @@ class _Search:
             return
         trial = dataclasses.replace(self.add(key, greedy, first, greedy=True), greedy=True)
         self.trials[-1] = trial
-        self.pending.append((not first, trial.step_ps, trial, bound))
+        if trial.result is not None:   # else slower than NEAR allows: settled
+            self.pending.append((not first, trial.step_ps, trial, bound))
 
     def solved_rep(self, options: PlannerOptions, tables: list[CostTable],
                    floors: list[float]) -> tuple[ConfigResult | None, float]:
@@ -274,7 +292,7 @@ class _Search:
             config = trial.config
             if bound >= self.step:
                 if trial.result is None:
-                    self.trials.append(dataclasses.replace(trial, why=PRUNED))
+                    self.trials.append(dataclasses.replace(trial, why=PRUNED, bound_ps=bound))
                 continue
             if trial.result is not None and trial.step_ps > self.step * (1 + NEAR):
                 continue
@@ -298,7 +316,8 @@ class _Search:
                         "work limit"))
                 continue
             solved = self.add(mesh_key(config), result, not later)
-            self.cache.solutions[config] = solved.result.assignment
+            if solved.result is not None:
+                self.cache.solutions[config] = solved.result.assignment
         return finished
 
 
@@ -371,12 +390,30 @@ def _greedy_result(problem: PlanningProblem, tables: list[CostTable],
 
 
 def _played(problem: PlanningProblem, result: ConfigResult, even: bool = False,
-            greedy: bool = False) -> ScheduleTrial:
+            greedy: bool = False, cutoff: float = math.inf) -> ScheduleTrial:
     from partc.planner.search import balanced_runs
 
-    played, step = balanced_runs(problem, result, even, greedy)
+    played, step = balanced_runs(problem, result, even, greedy, cutoff)
+    if played is None:
+        return ScheduleTrial(config=result.table.config, why=PLAYED_PAST, bound_ps=step)
     return ScheduleTrial(config=result.table.config, result=played, step_ps=step,
                          solved=result if played is not result else None)
+
+
+def _bounded(floors: dict[tuple, float], trials: list[ScheduleTrial],
+             per_mesh: dict[tuple, tuple[ConfigResult, int]]) -> dict[tuple, float]:
+    """``floors`` (per mesh, a step none of its plans plays out below, under any
+    schedule), raised for each mesh without a plan played to the least bound of its
+    trials (each pruned by its floor or played past the fastest plan): what the search
+    proved of it. A trial without a bound (not reached) leaves its mesh's floor."""
+    least: dict[tuple, float] = {}
+    for trial in trials:
+        key = mesh_key(trial.config)
+        if key in per_mesh or key not in floors or trial.why == NO_SPLIT:
+            continue   # a split may fit another configuration of the mesh
+        bound = trial.bound_ps if trial.bound_ps is not None else floors[key]
+        least[key] = min(least.get(key, math.inf), bound)
+    return {key: max(floor, least.get(key, floor)) for key, floor in floors.items()}
 
 
 def priced_meshes(meshes: tuple[MeshResult, ...], chosen: Chosen) -> tuple[MeshResult, ...]:

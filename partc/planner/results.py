@@ -81,6 +81,9 @@ class ScheduleTrial:
     solved: ConfigResult | None = None
     # ``result`` is the greedy split (``partc.planner.bounds.incumbent``), not CP-SAT's.
     greedy: bool = False
+    # Without a plan: a step its plans do not play out below, where one is known (its
+    # floor where it was pruned, or where its play stopped, past the fastest plan).
+    bound_ps: float | None = None
 
 
 @dataclass(frozen=True, kw_only=True)

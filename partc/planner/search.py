@@ -341,7 +341,8 @@ def _runnable_zero(problem: PlanningProblem, config: PipelineConfig, name: str) 
 
 
 def balanced_runs(problem: PlanningProblem, result: ConfigResult, even: bool = False,
-                  greedy: bool = False) -> tuple[ConfigResult, int]:
+                  greedy: bool = False, cutoff: float = math.inf
+                  ) -> tuple[ConfigResult | None, int]:
     """``result``, or where its configuration interleaves (several runs per rank) and no
     stages are pinned, the same layers and recompute modes cut into runs of balanced
     compute (:func:`balanced_cut`) where that fits and plays out faster, or else the
@@ -363,11 +364,16 @@ def balanced_runs(problem: PlanningProblem, result: ConfigResult, even: bool = F
     most microbatches in flight the fewest layers, to save recompute, and the balanced
     cut of its modes does not fit (seen: Llama-3-70B on 1,024 H100 at 40 GiB, pp=4 with
     interleaved 1F1B over 3 chunks pinned: runs of 1 to 19 layers, 0.9% faster by the
-    closed form and 37% slower played out than the greedy split)."""
+    closed form and 37% slower played out than the greedy split).
+
+    ``cutoff``: a search that keeps only plans faster than it. A play stops once it is
+    sure to reach it (:func:`~partc.cost.evaluate.simulated_step_ps`), and where every
+    split does, None and the least of their lower bounds come back instead."""
     config = result.table.config
-    step, _ = simulated_step_ps(config, result.evaluation)
+    step, bubble = simulated_step_ps(config, result.evaluation, cutoff)
+    best = (result if bubble is not None else None, step)
     if config.chunks == 1 or problem.pins.stages is not None:
-        return result, step
+        return best
     table, modes = result.table, result.assignment.modes
     work = [table.layers[l].compute_ps(mode) for l, mode in enumerate(modes)]
     cuts = [balanced_cut(work, config.virtual_stages)]
@@ -377,7 +383,6 @@ def balanced_runs(problem: PlanningProblem, result: ConfigResult, even: bool = F
         if count > 1:
             cuts.append(balanced_cut([int(id(row) == block) for row in table.layers],
                                      config.virtual_stages))
-    best = (result, step)
     splits = [Assignment(stage_of=cut, modes=modes) for cut in cuts if cut is not None]
     if not greedy:
         splits.append(incumbent(problem.variant(config.tp, config.sequence_parallel,
@@ -390,8 +395,12 @@ def balanced_runs(problem: PlanningProblem, result: ConfigResult, even: bool = F
         evaluation = evaluate(table, assignment.stage_of, assignment.modes)
         if not evaluation.fits:
             continue
-        played, _ = simulated_step_ps(config, evaluation)
-        if played < best[1]:
+        played, bubble = simulated_step_ps(
+            config, evaluation, cutoff if best[0] is None else min(cutoff, best[1]))
+        if bubble is None:   # played past the cutoff, or past the best split so far
+            if best[0] is None:
+                best = (None, min(best[1], played))
+        elif best[0] is None or played < best[1]:
             best = (dataclasses.replace(result, evaluation=evaluation, assignment=assignment),
                     played)
     return best
@@ -770,7 +779,7 @@ def solve(problem: PlanningProblem, options: PlannerOptions = PlannerOptions(),
         configs_total=len(configs) + len(trials) - 1,
         configs_solved=solved + sum(t.result is not None and not t.greedy
                                     for t in trials[1:]),
-        configs_pruned=pruned + sum(t.why == joint.PRUNED for t in trials),
+        configs_pruned=pruned + sum(t.why in (joint.PRUNED, joint.PLAYED_PAST) for t in trials),
         meshes=meshes, schedule_trials=trials)
 
 
@@ -820,7 +829,9 @@ def schedule_options(problem: PlanningProblem, chosen: ConfigResult,
     (the schedule's own, or :func:`virtual_stage_counts`): the fastest split the joint
     search played for it (``trials``, :func:`partc.planner.joint.choose`: CP-SAT's or
     the greedy one), else the greedy split of its runs (:func:`~.bounds.incumbent`),
-    played out by the simulation; fastest first."""
+    played out by the simulation (so too where the joint search stopped a play once it
+    was past the fastest plan, :data:`~partc.planner.joint.PLAYED_PAST`); fastest
+    first."""
     config = chosen.table.config
     solved = _trials_of(config, trials)
     step, bubble = simulated_step_ps(config, chosen.evaluation)
@@ -837,6 +848,8 @@ def schedule_options(problem: PlanningProblem, chosen: ConfigResult,
             if (name, v) == (config.schedule, config.chunks):
                 continue
             trial = solved.get((name, v))
+            if trial is not None and trial.why == joint.PLAYED_PAST:
+                trial = None   # its play stopped early: its greedy split played out below
             if trial is not None and trial.result is None:
                 others.append(ScheduleOption(schedule=name, virtual_stages=v, how=trial.why))
                 continue

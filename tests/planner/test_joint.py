@@ -112,6 +112,29 @@ def test_the_mesh_table_prices_each_mesh_with_its_fastest_schedule(own):
 
 
 
+def test_a_trial_played_past_the_fastest_plan_is_bounded_below_by_where_it_stopped(own):
+    """A trial of a mesh after the first whose play stopped past the fastest plan (by
+    ``NEAR``) and its mesh's fastest so far has no plan, and a bound no faster than
+    both; the same split played in full is no faster than that bound. The report's
+    schedules on the chosen mesh play such a trial in full."""
+    result, plan = own
+    prob = _instance()
+    cache = TableCache()
+    chosen = min(t.step_ps for t in result.schedule_trials if t.result is not None)
+    past = [t for t in result.schedule_trials if t.why == joint.PLAYED_PAST]
+    assert past
+    for trial in past:
+        assert trial.result is None and trial.bound_ps >= chosen * (1 + joint.NEAR) - 1
+        greedy = greedy_result(prob, build_cost_table(prob, trial.config, cache), cache)
+        if trial.greedy:   # a schedule's trial (not a mesh's first), its greedy split
+            assert simulated_step_ps(trial.config, greedy.evaluation)[0] >= trial.bound_ps
+    options = {(o.schedule, o.virtual_stages): o for o in plan.schedules}
+    for trial in past:
+        if joint.mesh_key(trial.config) == joint.mesh_key(result.best.table.config):
+            option = options[trial.config.schedule, trial.config.chunks]
+            assert option.step_time_s * PS_PER_S >= trial.bound_ps - 1
+
+
 def test_the_chosen_meshs_interleavings_are_played_cut_evenly_too():
     """Megatron's even split of the blocks (the layers before the first block and after
     the last with the blocks beside them: here two embeddings, a final norm and the
