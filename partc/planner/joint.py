@@ -29,12 +29,13 @@ and the plan that plays out fastest over all of them is kept (:func:`choose`):
    (:func:`~partc.planner.search.balanced_runs`: re-cut into runs of balanced compute,
    and on the mesh priced first into Megatron's even runs, where faster; on
    meshes other than the chosen one, within ``PlannerOptions.schedule_trial_ops``
-   operations played: the rest are not reached, and the plan FEASIBLE). A trial of a
-   mesh after the first stops playing once a rank's clock and the work it has left pass
-   both the fastest plan by :data:`NEAR` and its mesh's fastest so far
+   operations played: the rest are not reached, and the plan FEASIBLE). A schedule's
+   trial on a mesh after the first stops playing once a rank's clock and the work it
+   has left pass both the fastest plan by :data:`NEAR` and its mesh's fastest so far
    (:func:`~partc.cost.timeline.played_span`'s cutoff): a trial without a plan, bounded
-   there (:data:`PLAYED_PAST`); a mesh whose every trial was bounded is reported pruned
-   at the least of their bounds (:func:`_bounded`). A schedule of
+   there (:data:`PLAYED_PAST`), which changes neither the plan, nor what CP-SAT is
+   handed, nor any mesh's fastest plan played (each mesh's configuration is played in
+   full: its step orders the waiting schedules). A schedule of
    a mesh after the first whose guess (:func:`_estimate`: the mesh's plan played under
    1F1B, less the fill and drain its virtual stages save) is above the fastest plan
    played waits until every mesh is visited, and the waiting ones are then priced by
@@ -157,10 +158,10 @@ def choose(problem: PlanningProblem, tables: list[CostTable],
                                                     member_floors)
             if result is None:
                 continue
-        trial = first_trial if result is best else search.add(key, result, first=not done)
+        trial = first_trial if result is best else search.add(key, result, first=not done,
+                                                              whole=True)
         for config in schedule_candidates(problem, result.table.config):
-            guess = _estimate(trial.step_ps if trial.result is not None else trial.bound_ps,
-                              config)
+            guess = _estimate(trial.step_ps, config)
             if done and guess > search.step:
                 queued.append((guess, len(queued), key, config))
             else:
@@ -173,8 +174,7 @@ def choose(problem: PlanningProblem, tables: list[CostTable],
     # Ties keep CP-SAT's plan over a greedy one, then the earlier.
     fastest = min((t for t in search.trials if t.result is not None),
                   key=lambda t: (t.step_ps, t.greedy))
-    return Chosen(fastest.result, tuple(search.trials), finished, search.per_mesh,
-                  _bounded(floors, search.trials, search.per_mesh))
+    return Chosen(fastest.result, tuple(search.trials), finished, search.per_mesh, floors)
 
 
 class _Search:
@@ -193,16 +193,18 @@ class _Search:
         self.pending: list[tuple[bool, float, ScheduleTrial, float]] = []
 
     def add(self, key: tuple, result: ConfigResult, first: bool = False,
-            greedy: bool = False) -> ScheduleTrial:
+            greedy: bool = False, whole: bool = False) -> ScheduleTrial:
         """``result`` played out, as a trial of mesh ``key`` (``first``: of the mesh
         priced first, whose trials are also played cut evenly, Megatron's way, and in
-        full; ``greedy``: ``result`` is the greedy split). Of another mesh, the play
-        stops once it is sure to be slower than both the fastest plan by :data:`NEAR`
-        (so what CP-SAT is handed is unchanged) and the mesh's fastest so far (so each
-        mesh's fastest plan played is too): then a trial without a plan, bounded."""
+        full; ``greedy``: ``result`` is the greedy split; ``whole``: played in full, a
+        mesh's configuration, whose step orders its schedules' trials, :func:`_estimate`).
+        Else, of another mesh, the play stops once it is sure to be slower than both
+        the fastest plan by :data:`NEAR` (so what CP-SAT is handed is unchanged) and
+        the mesh's fastest so far (so each mesh's fastest plan played is too): then a
+        trial without a plan, bounded."""
         known = self.per_mesh.get(key)
-        cutoff = math.inf if first else max(self.step * (1 + NEAR),
-                                            known[1] if known else 0)
+        cutoff = math.inf if first or whole else max(self.step * (1 + NEAR),
+                                                     known[1] if known else 0)
         trial = _played(self.problem, result, first, greedy, cutoff)
         self.trials.append(trial)
         if trial.result is None:
@@ -398,22 +400,6 @@ def _played(problem: PlanningProblem, result: ConfigResult, even: bool = False,
         return ScheduleTrial(config=result.table.config, why=PLAYED_PAST, bound_ps=step)
     return ScheduleTrial(config=result.table.config, result=played, step_ps=step,
                          solved=result if played is not result else None)
-
-
-def _bounded(floors: dict[tuple, float], trials: list[ScheduleTrial],
-             per_mesh: dict[tuple, tuple[ConfigResult, int]]) -> dict[tuple, float]:
-    """``floors`` (per mesh, a step none of its plans plays out below, under any
-    schedule), raised for each mesh without a plan played to the least bound of its
-    trials (each pruned by its floor or played past the fastest plan): what the search
-    proved of it. A trial without a bound (not reached) leaves its mesh's floor."""
-    least: dict[tuple, float] = {}
-    for trial in trials:
-        key = mesh_key(trial.config)
-        if key in per_mesh or key not in floors or trial.why == NO_SPLIT:
-            continue   # a split may fit another configuration of the mesh
-        bound = trial.bound_ps if trial.bound_ps is not None else floors[key]
-        least[key] = min(least.get(key, math.inf), bound)
-    return {key: max(floor, least.get(key, floor)) for key, floor in floors.items()}
 
 
 def priced_meshes(meshes: tuple[MeshResult, ...], chosen: Chosen) -> tuple[MeshResult, ...]:
