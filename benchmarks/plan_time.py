@@ -1,22 +1,24 @@
 """Planning time of big models on the meta device: Llama-3-70B on 1024 H100s, a 1T GPT on
 3072 A100s (and Llama-3-8B on 64 H100s), everything decided jointly.
 
-For each workload, ``--repeats`` cold runs (no cache) print the time of each phase —
-trace + analyse, measuring the tensor-parallel options (tp 2, 4, 8 inside a node, with
-and without sequence parallelism), and the joint search over every (pp, dp, tp),
-micro-batch size, microbatch count, schedule and ZeRO stage — and their median. Then
-re-planning: ``partc.compile`` again with a cache holding the measured model, after the
-memory per device changes (80 GiB -> 60 GiB, then 40 GiB), which skips tracing and
-measuring; and once more with the first budget, which returns the stored plan.
+For each workload, ``--repeats`` cold runs (``partc.compile`` without a cache, as a user
+calls it) print the wall time of each of its phases as ``partc.progress`` names them —
+``trace`` (finding the repeated blocks, tracing, the analysis passes), ``tensor
+parallelism`` (measuring the options: tp 2, 4, 8 inside a node, with and without sequence
+parallelism), ``search`` (the joint search over every (pp, dp, tp), micro-batch size,
+microbatch count and ZeRO stage), ``schedules`` (every schedule of the meshes it keeps)
+— and their median. Then re-planning: ``partc.compile`` again with a cache holding the
+measured model, after the memory per device changes (80 GiB -> 60 GiB, then 40 GiB),
+which skips tracing and measuring; and once more with the first budget, which returns
+the stored plan.
 
 The target for Llama-3-70B, cold: at most half of one ``torch.export`` of the same model
-(``--versus-export``). Seen on a quiet 2-core machine: 17.3 CPU-s against 7.0 (2.5x,
-since the joint search prices each mesh from its split fastest by the closed form); the
-stored plan returned in 0.2-0.3 s; a re-plan after a memory change (which reuses the
-measured model) 16 s of wall at 60 GiB and 12 s at 40 GiB, where
-CP-SAT on every interleaved schedule of the pp=4 meshes those budgets choose had taken
-55 and 90 s (CP-SAT now solves only those whose greedy split plays out near the
-fastest plan: ``partc.planner.joint.NEAR``).
+(``--versus-export``). Seen on a quiet 2-core machine: 15.4 CPU-s against 6.7 (2.3x; 16.7
+against 6.9 before a schedule's trial on a later mesh stopped playing once past the
+fastest plan); the stored plan returned in 0.2 s; a re-plan after a memory change (which
+reuses the measured model) 10.6 s of wall at 60 GiB and 12.0 s at 40 GiB (38.6 and 30.0 s
+while CP-SAT re-solved every schedule of the chosen mesh whose greedy split played out
+near the fastest plan, with all the work left: ``partc.planner.joint.FIRST_SHARE``).
 
     python benchmarks/plan_time.py [--repeats 3] [--workloads llama3-70b gpt-1t llama3-8b]
         [--work-limit W] [--profile] [--no-replan] [--versus-export]
@@ -66,9 +68,6 @@ sys.path.insert(0, str(ROOT))
 import partc  # noqa: E402
 from partc import progress  # noqa: E402
 from plan_llama import LLAMA3_70B  # noqa: E402
-from partc.compiler import autocast_dtype, build_problem, plan_problem  # noqa: E402
-from partc.passes.pipeline import analyze  # noqa: E402
-from partc.plan import BudgetInfo  # noqa: E402
 from partc.planner import PlannerOptions  # noqa: E402
 
 
@@ -111,27 +110,22 @@ WORKLOADS = {
 
 
 def cold_run(workload: Workload, options: PlannerOptions) -> tuple[dict, partc.Plan]:
-    """One run without any cache: the seconds of each phase, and the plan."""
+    """One ``partc.compile`` without any cache, as a user calls it (the device's kernel
+    choices made, ``TrainSpec.for_device``): the wall seconds of building the model and
+    of each of the plan's phases (as ``partc.progress`` names them), and the plan."""
     times = {}
     start = time.perf_counter()
     work = workload.build()
     times["build model on meta"] = time.perf_counter() - start
-    budget = workload.budget()
-    start = time.perf_counter()
-    graph, analysis = analyze(work["model"], work["example_inputs"], loss_fn=work["loss_fn"],
-                              example_target=work["example_target"], name=work["name"],
-                              autocast=autocast_dtype(work["train"]),
-                              autocast_device=budget.device_type)
-    times["trace + analyse"] = time.perf_counter() - start
-    start = time.perf_counter()
-    problem = build_problem(analysis, budget, work["train"], partc.Constraints(), graph)
-    times["tensor-parallel options"] = time.perf_counter() - start
-    start = time.perf_counter()
-    recorded = BudgetInfo.from_dict(budget.to_dict(work["train"].dtype))
-    plan = plan_problem(problem, budget=recorded, train=work["train"], options=options)
-    times["plan"] = time.perf_counter() - start
+    phases = PhaseClock(time.perf_counter)
+    with progress.listening(phases.event):
+        program = partc.compile(work["model"], work["example_inputs"],
+                                budget=workload.budget(), train=work["train"],
+                                loss_fn=work["loss_fn"], example_target=work["example_target"],
+                                name=work["name"], options=options, cache=None)
+    times.update(phases.stop())
     times["trace + plan"] = sum(t for name, t in times.items() if name != "build model on meta")
-    return times, plan
+    return times, program.plan
 
 
 def replans(workload: Workload, options: PlannerOptions) -> list[tuple[str, float, partc.Plan]]:
@@ -203,15 +197,17 @@ def one_call(workload: Workload, what: str) -> None:
 
 
 class PhaseClock:
-    """CPU seconds per phase of ``partc.compile``, from its progress events: the time up
-    to an event is its phase's, unless the phase before had ended (``done == total``):
-    then it is the next phase's work before its first report (the search builds every
-    configuration's cost table before it reports); after the last phase, "the rest"."""
+    """Seconds per phase of ``partc.compile`` (CPU seconds, or those of ``clock``), from
+    its progress events: the time up to an event is its phase's, unless the phase before
+    had ended (``done == total``): then it is the next phase's work before its first
+    report (the search builds every configuration's cost table before it reports); after
+    the last phase, "the rest"."""
 
-    def __init__(self) -> None:
+    def __init__(self, clock=time.process_time) -> None:
+        self.clock = clock
         self.seconds: dict[str, float] = {}
         self.phase: str | None = None   # the phase under way; None: between phases
-        self.since = time.process_time()
+        self.since = clock()
 
     def event(self, event: progress.Event) -> None:
         self._charge(self.phase or event.phase)
@@ -222,7 +218,7 @@ class PhaseClock:
         return self.seconds
 
     def _charge(self, phase: str) -> None:
-        now = time.process_time()
+        now = self.clock()
         self.seconds[phase] = self.seconds.get(phase, 0.0) + now - self.since
         self.since = now
 
