@@ -203,6 +203,60 @@ def test_a_mesh_no_greedy_split_fits_is_solved_only_below_the_fastest_plan(own, 
     assert priced[config.pp, config.dp].outcome == Outcome.SOLVED
 
 
+def test_the_chosen_meshs_greedy_splits_share_one_configurations_work_to_improve(
+        monkeypatch):
+    """CP-SAT re-solves the chosen mesh's schedules whose greedy split is played (and
+    so settled) with one configuration's work between them (``FIRST_SHARE``), fastest
+    greedy split first, and none once it is spent; a trial without a split is still
+    solved with the work left."""
+    from partc.options import PlannerOptions
+    from partc.planner import search as search_module
+
+    prob, cache = _instance(), TableCache()
+    options = PlannerOptions(config_work_limit=0.5)
+    config = PipelineConfig(pp=2, dp=1, micro_batch_size=1, num_microbatches=16,
+                            schedule=Schedule.ONE_F_ONE_B)
+    planless = dataclasses.replace(config, schedule=Schedule.GPIPE)
+    real = search_module.solve_config
+
+    def pending(calls: list) -> tuple[joint._Search, set]:
+        found = joint._Search(prob, cache, work=100.0, limit=10**6)
+        key = joint.mesh_key(config)
+        found.add(key, greedy_result(prob, build_cost_table(prob, config, cache), cache),
+                  first=True)
+        found.step *= 2   # every schedule's greedy split near the fastest plan
+        for v in (2, 3, 4):
+            found.price(key, dataclasses.replace(config, schedule=Schedule.INTERLEAVED_1F1B,
+                                                 chunks=v), first=True)
+        greedy = {p[2].config for p in found.pending if p[2].result is not None}
+        found.pending.append((False, float("inf"),
+                              joint.ScheduleTrial(config=planless, why=joint.NO_SPLIT), 0.0))
+
+        def recorded(problem, table, options, work, *args):
+            outcome = real(problem, table, options, work, *args)
+            calls.append((table.config, work, outcome[3]))
+            return outcome
+
+        monkeypatch.setattr(search_module, "solve_config", recorded)
+        return found, greedy
+
+    calls: list = []
+    found, greedy = pending(calls)
+    assert len(greedy) == 3
+    found.solve_pending(options)
+    share = options.per_config_work * joint.FIRST_SHARE
+    improving = [(work, spent) for config, work, spent in calls if config in greedy]
+    assert improving and all(work <= share for work, _ in improving)
+    assert sum(spent for _, spent in improving[:-1]) < share   # none after it is spent
+    assert any(config == planless for config, _, _ in calls)
+
+    monkeypatch.setattr(joint, "FIRST_SHARE", 0.0)
+    calls.clear()
+    found, greedy = pending(calls)
+    found.solve_pending(options)
+    assert [config for config, _, _ in calls] == [planless]
+
+
 def test_a_mesh_is_priced_from_its_split_fastest_by_the_closed_form():
     """The closed-form search may have solved a mesh's slower batch split early and
     pruned a faster one later: the joint search then prices the mesh from the split of
