@@ -806,7 +806,8 @@ def _bounds(model: cp_model.CpModel, expression: Any) -> tuple[int, int]:
     flat = cp_model_helper.FlatIntExpr(expression)
     low = high = flat.offset
     for var, coeff in zip(flat.vars, flat.coeffs):
-        domain = model.proto.variables[var.index].domain
+        # A list first: OR-Tools 9.15's repeated field reads 0 at index -1, not the last.
+        domain = list(model.proto.variables[var.index].domain)
         low += min(coeff * domain[0], coeff * domain[-1])
         high += max(coeff * domain[0], coeff * domain[-1])
     return low, high

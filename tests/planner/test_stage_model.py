@@ -99,3 +99,46 @@ def test_many_virtual_stages_of_long_layers_keep_the_model_within_its_integers(z
     assert built.model.validate() == ""
     names = {re.sub(r"\d+", "#", v.name) for v in built.model.proto.variables}
     assert {"sync_stage#_collective", "sync_stage#_hiding"} <= names
+
+
+def test_a_linear_expressions_bounds_read_each_domain_to_its_end():
+    """``_bounds`` spans every value a sum can take: each variable's domain read to its
+    last value (OR-Tools 9.15's repeated field reads 0 at index -1, which once bounded a
+    negative coefficient's term by its low end and a positive one's by 0)."""
+    from ortools.sat.python import cp_model
+
+    from partc.planner.stage_model import _bounds
+
+    model = cp_model.CpModel()
+    a, b = model.new_int_var(2, 5, "a"), model.new_int_var(1, 4, "b")
+    assert _bounds(model, 3 * a - 2 * b + 7) == (3 * 2 - 2 * 4 + 7, 3 * 5 - 2 * 1 + 7)
+    assert _bounds(model, 11) == (11, 11)
+
+
+@pytest.mark.parametrize("schedule", ["interleaved-1f1b", "looped-bfs",
+                                      "interleaved-zero-bubble"])
+def test_an_interleaved_split_the_greedy_one_fits_is_not_proven_infeasible(schedule):
+    """Two ranks of two runs each over a tied embedding and head, the blocks between
+    them: the greedy split fits with room to spare, so CP-SAT finds a split too (the
+    helper variables of each rank's exposed collectives once had domains that left
+    none)."""
+    from partc.cost.tables import TableCache
+    from partc.options import PlannerOptions
+    from partc.planner.bounds import greedy_result
+    from partc.planner.search import solve_config
+
+    layers = [layer("emb", flops=1e8, params=8000, saved=2e3)]
+    layers += [layer(f"block{i}", flops=1e9, params=4000, saved=3e4, signature="block")
+               for i in range(5)]
+    layers.append(layer("head", flops=2e9, params=8000, saved=6e3))
+    prob = problem(layers, [1e4] * 6, devices(4, 10**8, bandwidth=1e9), batch=2,
+                   micro_batch_sizes=(1,),
+                   shared=(SharedParam(name="tied", fqns=("emb.weight", "head.weight"),
+                                       param_count=8000, param_bytes=32000,
+                                       layers=(0, len(layers) - 1)),))
+    config = PipelineConfig(pp=2, dp=2, micro_batch_size=1, num_microbatches=1,
+                            schedule=schedule, chunks=2, zero_stage=1)
+    table = build_cost_table(prob, config)
+    assert greedy_result(prob, table, TableCache()) is not None
+    result, status, _, _ = solve_config(prob, table, PlannerOptions(), 2.0, None)
+    assert result is not None and status == "OPTIMAL"
