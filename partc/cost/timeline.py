@@ -361,7 +361,7 @@ def _played(schedule: str, pp: int, v: int, m: int, stages: list[StageSeconds],
     orders = torch_order(schedule, pp, v, m)
     chunk_of, crosses, held_by, phases, (forward, input_, grad_) = _layout(schedule, pp, v, m)
     runs, last = pp * v, pp * v - 1
-    parts = [_parts(Op(phase=phase, microbatch=0, stage=j), stages[j], crosses, split)
+    parts = [_parts(phase, j, stages[j], crosses, split)
              for phase in _PHASE_INDEX for j in range(runs)]
     # Per part, the steps as the play without blocks walks them: zero ones dropped (they
     # move nothing), and the sum of all. Each rank runs every microbatch's forward and
@@ -487,21 +487,21 @@ def _layout(schedule: str, pp: int, v: int, m: int) -> tuple:
     return chunk_of, crosses, held_by, phases, firsts
 
 
-def _parts(op: Op, t: StageSeconds, crosses: list[bool], split: bool
+def _parts(phase: Phase, j: int, t: StageSeconds, crosses: list[bool], split: bool
            ) -> tuple[list[tuple[str, float]], float]:
-    """An operation's durations on its rank, in order, and the transfer of what it sends
-    to another rank (0: none): its end's share of it is its last step."""
-    j = op.stage
-    if op.phase == Phase.FORWARD:
+    """The durations of a ``phase`` operation of virtual stage ``j`` on its rank, in
+    order, and the transfer of what it sends to another rank (0: none): its end's share
+    of it is its last step."""
+    if phase == Phase.FORWARD:
         return ([("p2p", t.receive), ("forward", t.forward - t.collective_forward),
                  ("collective", t.collective_forward),
                  ("p2p", t.send if crosses[j] else 0.0)],
                 t.send + t.send_delay if crosses[j] else 0.0)
     receive = t.send if crosses[j] else 0.0
     weight = t.backward * t.weight_share
-    if op.phase == Phase.WEIGHT:
+    if phase == Phase.WEIGHT:
         return [("weight", weight)], 0.0
-    backward = t.backward - weight if op.phase == Phase.INPUT else t.backward
+    backward = t.backward - weight if phase == Phase.INPUT else t.backward
     collective = min(t.collective_backward, backward)
     host = min(t.host, t.recompute)
     return ([("p2p", receive), ("host", host), ("recompute", t.recompute - host),

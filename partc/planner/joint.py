@@ -231,7 +231,7 @@ class _Search:
         if bound < self.step:
             bound = played_floor(table, self.cache)
         if bound >= self.step:
-            self.trials.append(ScheduleTrial(config=config, why=PRUNED, bound_ps=bound))
+            self.trials.append(ScheduleTrial(config=config, why=PRUNED))
             return
         # Its operations, and the greedy split's own work, about 100 per layer.
         ops = 2 * config.num_microbatches * config.virtual_stages + 100 * table.num_layers
@@ -300,13 +300,14 @@ class _Search:
         improve = options.per_config_work * FIRST_SHARE
         for later, _, trial, bound in sorted(self.pending, key=lambda p: (p[0], p[1])):
             config = trial.config
+            improving = trial.result is not None and not later   # the chosen mesh's
             if bound >= self.step:
                 if trial.result is None:
-                    self.trials.append(dataclasses.replace(trial, why=PRUNED, bound_ps=bound))
+                    self.trials.append(dataclasses.replace(trial, why=PRUNED))
                 continue
             if trial.result is not None and trial.step_ps > self.step * (1 + NEAR):
                 continue
-            if trial.result is not None and not later and improve <= 0:
+            if improving and improve <= 0:
                 continue   # settled by its greedy split
             if self.work <= 0 or later and others <= 0:
                 if trial.result is None:
@@ -316,12 +317,12 @@ class _Search:
             table = build_cost_table(self.problem, config, self.cache)
             previous = self.cache.solutions.get(config)
             share = min(self.work, options.per_config_work, others if later else
-                        improve if trial.result is not None else math.inf)
+                        improve if improving else math.inf)
             result, status, _, spent = solve_config(self.problem, table, options, share, None,
                                                     None, previous, self.cache)
             self.work -= spent
             others -= spent if later else 0
-            improve -= spent if not later and trial.result is not None else 0
+            improve -= spent if improving else 0
             if result is None:
                 if trial.result is None:
                     finished &= status != "UNKNOWN"

@@ -81,8 +81,8 @@ class ScheduleTrial:
     solved: ConfigResult | None = None
     # ``result`` is the greedy split (``partc.planner.bounds.incumbent``), not CP-SAT's.
     greedy: bool = False
-    # Without a plan: a step its plans do not play out below, where one is known (its
-    # floor where it was pruned, or where its play stopped, past the fastest plan).
+    # Played past the fastest plan (partc.planner.joint.PLAYED_PAST): a step its split
+    # does not play out below, where its play stopped.
     bound_ps: float | None = None
 
 

@@ -848,8 +848,6 @@ def schedule_options(problem: PlanningProblem, chosen: ConfigResult,
             if (name, v) == (config.schedule, config.chunks):
                 continue
             trial = solved.get((name, v))
-            if trial is not None and trial.why == joint.PLAYED_PAST:
-                trial = None   # its play stopped early: its greedy split played out below
             if trial is not None and trial.result is None:
                 others.append(ScheduleOption(schedule=name, virtual_stages=v, how=trial.why))
                 continue
@@ -891,11 +889,14 @@ def schedule_options(problem: PlanningProblem, chosen: ConfigResult,
 
 def _trials_of(config: PipelineConfig, trials: tuple[ScheduleTrial, ...]) -> dict:
     """Per (schedule, v), the joint search's fastest trial on ``config``'s mesh and
-    batch split (any ZeRO stage), else one that says why it has no plan."""
+    batch split (any ZeRO stage), else one that says why it has no plan. A trial whose
+    play stopped past the fastest plan (``joint.PLAYED_PAST``) has no figure to show:
+    left out, its split is played in full instead."""
     found: dict[tuple, ScheduleTrial] = {}
     for trial in trials:
         other = trial.config
-        if (joint.mesh_key(other), other.micro_batch_size, other.num_microbatches) != (
+        if trial.why == joint.PLAYED_PAST or (
+                joint.mesh_key(other), other.micro_batch_size, other.num_microbatches) != (
                 joint.mesh_key(config), config.micro_batch_size, config.num_microbatches):
             continue
         key = (other.schedule, other.chunks)
