@@ -39,6 +39,7 @@ from partc.device.figures import FIGURE_NAMES, DeviceFigures
 from partc.device.usable import RESERVE_FIGURES
 from partc.errors import (PartcError, PlanFileError, PlanInfeasibleError, PlanMismatchError,
                           PlanValidationError, TraceError, check_argument)
+from partc.heap import young_collections_only
 from partc.identity import behaviour_digest, model_hash
 from partc.passes.pipeline import analyze, tensor_parallel_options
 from partc.passes.tp.chooser import Link
@@ -244,6 +245,7 @@ def _measured_dtype_bytes(analysis: ModelAnalysis) -> int:
         else analysis.summary.traced_dtype_bytes
 
 
+@young_collections_only()
 def plan_problem(problem: PlanningProblem, *, budget: BudgetInfo | None = None,
                  train: TrainSpec | None = None,
                  options: PlannerOptions = PlannerOptions(),
@@ -361,6 +363,7 @@ def model_inputs(example_inputs: Any) -> tuple[tuple, dict[str, torch.Tensor]]:
     return args, kwargs
 
 
+@young_collections_only()
 def compile(model: torch.nn.Module,
             example_inputs: tuple | torch.Tensor | Mapping[str, torch.Tensor], *,
             budget: DeviceBudget, train: TrainSpec | None = None,
@@ -512,6 +515,7 @@ def _measured_for(budget: DeviceBudget, devices: DeviceNumbers, constraints: Con
             constraints.sequence_parallel, constraints.tp_objective, options.sharding)
 
 
+@young_collections_only()
 def load(directory: str | Path, model: nn.Module, *, loss_fn: Callable | None = None) -> Program:
     """The program saved in ``directory`` for ``model``, without planning again.
 
