@@ -13,13 +13,14 @@ which skips tracing and measuring; and once more with the first budget, which re
 the stored plan.
 
 The target for Llama-3-70B, cold: at most half of one ``torch.export`` of the same model
-(``--versus-export``). Seen on a quiet 2-core machine: 16.2 CPU-s against 6.8 (2.4x; one
-run of each moves by about a CPU-second: paired whole-process runs took 6% less CPU once
-a schedule's trial on a later mesh stopped playing past the fastest plan); the stored
-plan returned in 0.2 s; a re-plan after a memory change (which reuses the measured model)
-10.4 s of wall at 60 GiB and 12.1 s at 40 GiB (38.6 and 30.0 s while CP-SAT re-solved
-every schedule of the chosen mesh whose greedy split played out near the fastest plan,
-with all the work left: ``partc.planner.joint.FIRST_SHARE``).
+(``--versus-export``). Seen on a quiet 2-core machine: 13.7-14.7 CPU-s against 6.7-6.8
+(2.1x; one run of each moves by about a CPU-second), 16.2-16.6 before Python's full
+garbage collections were held off while partc plans (``partc.heap``: eight of them
+walked its million live objects, 2.9 CPU-s; paired whole-process runs, 21.9 -> 20.0 CPU-s,
+a ratio of 0.918); the stored plan returned in 0.2 s; a re-plan after a memory change
+(which reuses the measured model) 9.3 s of wall at 60 GiB and 12.0 s at 40 GiB (38.6 and
+30.0 s while CP-SAT re-solved every schedule of the chosen mesh whose greedy split played
+out near the fastest plan, with all the work left: ``partc.planner.joint.FIRST_SHARE``).
 
     python benchmarks/plan_time.py [--repeats 3] [--workloads llama3-70b gpt-1t llama3-8b]
         [--work-limit W] [--profile] [--no-replan] [--versus-export]
