@@ -87,3 +87,25 @@ def test_compile_holds_full_collections(thresholds, monkeypatch):
                   cache=None)
     assert seen == [(700, 10, heap.HELD_THRESHOLD)]
     assert gc.get_threshold() == (700, 10, 10)
+
+
+def test_the_planner_holds_full_collections_when_called_alone(thresholds, monkeypatch):
+    """partc.planner.solve, called without partc.compile (as the validation rows call
+    it), plans with full collections held too."""
+    from partc.planner import search
+
+    seen = []
+    candidates = search.candidate_configs
+
+    def spy(problem):
+        seen.append(gc.get_threshold())
+        return candidates(problem)
+
+    monkeypatch.setattr(search, "candidate_configs", spy)
+    program = partc.compile(gpt_tiny(n_layer=2), (torch.zeros(2, 16, dtype=torch.long),),
+                            loss_fn=loss_fn, cache=None,
+                            budget=partc.DeviceBudget(num_devices=1, device="CPU"))
+    seen.clear()
+    search.solve(program.problem)
+    assert seen == [(700, 10, heap.HELD_THRESHOLD)]
+    assert gc.get_threshold() == (700, 10, 10)

@@ -66,6 +66,7 @@ from partc.cost.schedules import schedule as schedule_info
 from partc.cost.tables import CostTable, TableCache, build_cost_table
 from partc.cp_sat import deterministic_solver, set_work, work_done
 from partc.errors import PlanInfeasibleError
+from partc.heap import young_collections_only
 from partc.names import CpKind, Outcome, Schedule
 from partc.options import PlannerOptions
 from partc.plan import ScheduleOption
@@ -676,6 +677,7 @@ def _solve(solver: cp_model.CpSolver, built: StageModel, work: float,
     return code, spent + work_done(solver)
 
 
+@young_collections_only()
 def solve(problem: PlanningProblem, options: PlannerOptions = PlannerOptions(),
           table_cache: TableCache | None = None) -> PlannerResult:
     """The best plan over all configurations, or PlanInfeasibleError with a way out.
