@@ -23,6 +23,7 @@ from typing import Iterator
 #: generation before a full one (Python's default is 10), far more than one compile makes.
 HELD_THRESHOLD = 1_000_000
 
+
 class _Hold:
     """Who holds the full collections off: how many entries, and the thresholds to put
     back when the last leaves."""
