@@ -16,6 +16,7 @@ from partc.codec import CodecError, check
 from partc.cost.schedules import stages_of_rank
 from partc.cost.timeline import plan_csv
 from partc.errors import PartcError, PlanFileError, PlanSchemaError, check_argument
+from partc.heap import young_collections_only
 from partc.passes.codegen import codegen
 from partc.passes.context import Lowering
 from partc.passes.pipeline import lower
@@ -38,6 +39,7 @@ class Program:
     def report(self, format: str = "text") -> str:
         return render(self.plan, format)
 
+    @young_collections_only()
     def lower(self, only: Sequence[int] | None = None) -> Any:
         """The plan applied to the model (``partc.passes.pipeline.lower``): traced on meta
         tensors of one microbatch's shapes (exported graphs fix their view shapes), cut
@@ -72,6 +74,7 @@ class Program:
         them."""
         return list(self.lower().stages)
 
+    @young_collections_only()
     def code(self) -> dict[str, str]:
         """Readable Python source of each stage, keyed by file name (``stage_<k>.py``)."""
         lowered = self.lower()

@@ -109,3 +109,23 @@ def test_the_planner_holds_full_collections_when_called_alone(thresholds, monkey
     search.solve(program.problem)
     assert seen == [(700, 10, heap.HELD_THRESHOLD)]
     assert gc.get_threshold() == (700, 10, 10)
+
+
+def test_lowering_holds_full_collections(thresholds, monkeypatch):
+    """Program.lower (which build and code call) traces the whole model with them held."""
+    from partc import program as program_module
+
+    program = partc.compile(gpt_tiny(n_layer=2), (torch.zeros(2, 16, dtype=torch.long),),
+                            loss_fn=loss_fn, cache=None,
+                            budget=partc.DeviceBudget(num_devices=1, device="CPU"))
+    seen = []
+    lower = program_module.lower
+
+    def spy(*args, **kwargs):
+        seen.append(gc.get_threshold())
+        return lower(*args, **kwargs)
+
+    monkeypatch.setattr(program_module, "lower", spy)
+    assert set(program.code()) == {"stage_0.py"}
+    assert seen == [(700, 10, heap.HELD_THRESHOLD)]
+    assert gc.get_threshold() == (700, 10, 10)
