@@ -47,6 +47,24 @@ def test_plan_takes_a_model_directory(config_dir, capsys):
     assert "model.layers.0" in layers and "model.layers.1" not in layers
 
 
+def test_several_fields_after_one_flag(config_dir, capsys):
+    """``--hf-config a=1 b=2`` sets both, as repeating the flag does."""
+    code = main(["plan", str(config_dir), "--hf-config", "num_hidden_layers=1",
+                 "vocab_size=96", "--hf-config", "max_position_embeddings=8",
+                 "--global-batch", "4", "--devices", "1", "--device", "CPU", "-q",
+                 "--format", "json"])
+    assert code == 0
+    model = json.loads(capsys.readouterr().out)["model"]
+    assert [s["shape"] for s in model["inputs"]][0] == [8]
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig.from_pretrained(config_dir)
+    config.update({"num_hidden_layers": 1, "vocab_size": 96})
+    with torch.device("meta"):
+        expected = sum(p.numel() for p in LlamaForCausalLM(config).parameters())
+    assert model["num_params"] == expected
+
+
 def test_train_makes_a_model_type_with_random_tokens_and_compiles_it():
     workload = hf_config.workload("llama", TINY, batch=4, seq_len=16)
     model = workload["model"]

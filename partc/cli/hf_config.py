@@ -60,7 +60,9 @@ def overrides(pairs: Sequence[str] | None) -> dict[str, Any]:
     for pair in pairs or ():
         key, equals, value = pair.partition("=")
         if not equals or not key.strip():
-            raise ValueError(f"--hf-config takes KEY=VALUE, got {pair!r}")
+            raise ValueError(f"--hf-config takes KEY=VALUE words, got {pair!r} (the model "
+                             "goes before the flag: partc plan llama --hf-config "
+                             "num_hidden_layers=2)")
         try:
             fields[key.strip()] = json.loads(value)
         except json.JSONDecodeError:

@@ -384,9 +384,10 @@ def _plan_arguments(plan: argparse.ArgumentParser) -> None:
 def _config_arguments(group) -> None:
     """How a model named by its Hugging Face config is made (``partc plan``, ``partc
     train``): :mod:`partc.cli.hf_config`."""
-    group.add_argument("--hf-config", action="append", metavar="KEY=VALUE",
-                       help="set a config field (repeat for more): --hf-config "
-                            "num_hidden_layers=2")
+    # extend: "--hf-config a=1 b=2" and "--hf-config a=1 --hf-config b=2" alike.
+    group.add_argument("--hf-config", action="extend", nargs="+", metavar="KEY=VALUE",
+                       help="set config fields: --hf-config num_hidden_layers=2 "
+                            "hidden_size=512 (or repeat the flag)")
     group.add_argument("--seq-len", type=COUNT, metavar="N",
                        help="tokens per sample (default: max_position_embeddings, at most "
                             "2048)")
