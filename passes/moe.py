@@ -36,10 +36,12 @@ from partc.passes.context import Context
 from partc.passes.helpers.graph import op_name
 from partc.runtime.experts import ExpertParallel
 
-# Ops a router's score may pass through between the gate and the top-k.
+# Ops a router's score may pass through between the gate and the top-k; in a
+# tensor-parallel rank's graph also the all-reduce of a gate sharded along its input
+# (``reduce_from_tp``: the partial logits summed, the whole scores again).
 _SCORE_OPS = {"softmax", "_softmax", "sigmoid", "to", "_to_copy", "type", "float", "add",
               "masked_fill", "where", "mul", "div", "view", "reshape", "_unsafe_view",
-              "clone", "contiguous", "log_softmax"}
+              "clone", "contiguous", "log_softmax", "reduce_from_tp"}
 _GATE_OPS = {"linear", "matmul", "mm", "addmm", "t"}
 
 

@@ -299,7 +299,8 @@ def analyze(model: nn.Module, example_inputs: Any, *, loss_fn: Callable | None =
     example = (example_inputs if isinstance(example_inputs, tuple) else (example_inputs,),
                dict(kwargs or {}))
     try:
-        repeats = () if full_trace else dedupe.find_repeats(model, example)
+        with fake_errors_at_debug():
+            repeats = () if full_trace else dedupe.find_repeats(model, example)
     except Exception as error:  # the forward did not run eagerly on fakes: trace it all
         log.warning("tracing the whole model, every block (recording its forward: %s: %s)",
                     type(error).__name__, error)

@@ -138,7 +138,12 @@ def run_layer(gm: fx.GraphModule, nodes: list[fx.Node], setting: Setting) -> Lay
                 result = _call_module(gm, node, args, kwargs, setting, frozen, casts)
             else:
                 moved = _moved(setting.device, args, kwargs)
-                result = _call(gm, node, setting, *moved)
+                try:
+                    result = _call(gm, node, setting, *moved)
+                except RuntimeError:
+                    if setting.device is None:
+                        raise
+                    result = _as_traced(gm, node, setting, args, kwargs, launched, casts)
                 if node.op == "call_method" and node.target in RING_CALLS:
                     rings.append((node, moved))
             env[node] = result
@@ -527,6 +532,24 @@ def _call(gm: fx.GraphModule, node: fx.Node, setting: Setting, args: tuple,
         return fuse_attention.measured(node)(*args, **kwargs)
     self_arg, *rest = args
     return getattr(self_arg, node.target)(*rest, **kwargs)
+
+
+def _as_traced(gm: fx.GraphModule, node: fx.Node, setting: Setting, args: tuple,
+               kwargs: dict, launched: MovedBytes, casts: _Casts) -> Any:
+    """``node`` run on the meta device it was traced on, its result moved back to the
+    stand-ins' device: where the stand-ins' CPU kernels refuse what the trace (and the
+    GPU the runtime trains on) runs. A model traced on meta takes its GPU branches
+    (Hugging Face's mixture-of-experts layers count tokens per expert with ``histc`` on
+    int32, which CPU kernels do not have). The op's FLOPs and bytes are those of its
+    shapes either way; the moves are no work of the layer's."""
+    def to(device: str):
+        return lambda t: t.to(device)
+
+    with launched.paused(), casts.paused():
+        on_meta = pytree.tree_map_only(torch.Tensor, to("meta"), (args, kwargs))
+    result = _call(gm, node, setting, *on_meta)
+    with launched.paused(), casts.paused():
+        return pytree.tree_map_only(torch.Tensor, to(setting.device), result)
 
 
 def _fused_dropout(node: fx.Node) -> bool:

@@ -229,9 +229,23 @@ def record(model: nn.Module, containers: tuple[str, ...], args: tuple, kwargs: d
     inputs = {id(t): i for i, t in enumerate(pytree.tree_leaves((fake_args, fake_kwargs)))
               if isinstance(t, torch.Tensor)}
     recorder = _Recorder(recording, fqns, inputs)
-    with _entry_hooks(model, containers, recorder), mode, recorder:
+    with _entry_hooks(model, containers, recorder), _as_export_runs(), mode, recorder:
         torch.func.functional_call(model, fakes, fake_args, fake_kwargs, tie_weights=False)
     return recording
+
+
+def _as_export_runs() -> contextlib.AbstractContextManager:
+    """What ``torch.export(strict=False)`` runs the forward under: ``torch.compiler.
+    is_compiling()`` and ``is_exporting()`` True. Models branch on them (Hugging Face's
+    mixture-of-experts layers call ``torch._grouped_mm`` eagerly, which refuses float32
+    on the meta device, and a custom op of their own under export), so the recording
+    must take the branches the trace takes. torch keeps no public switch for it: its
+    export's own context, where this torch has one."""
+    try:
+        from torch._export.utils import _compiling_state_context
+    except ImportError:
+        return contextlib.nullcontext()
+    return _compiling_state_context()
 
 
 def _owners(model: nn.Module, containers: tuple[str, ...], recording: Recording,
