@@ -18,6 +18,7 @@ from partc.runtime.experts import expert_modules
 from samples import moe
 from tests import models
 from tests.hf_families import FAMILIES
+from tests.tolerances import FP32
 
 BATCH, SEQ = 2, 8
 # family: (MoE layers, top_k, scoring, shared expert parameters per layer)
@@ -116,7 +117,12 @@ def test_lowered_experts_compute_what_the_model_does(name):
     with torch.no_grad():
         ours, theirs = gm(_ids())[0], model(_ids())
     theirs = theirs[0] if isinstance(theirs, tuple) else theirs.logits
-    assert torch.equal(ours, theirs)
+    if name == "sample":   # the same ops in the same order
+        assert torch.equal(ours, theirs)
+    else:   # the same products, summed in another order where the model multiplies its
+        # experts' tokens as one grouped matmul (transformers 5 on CPU): fp32's oracle
+        torch.testing.assert_close(ours, theirs, rtol=FP32,
+                                   atol=FP32 * theirs.abs().max().item())
 
 
 def test_capacity_drops_per_sample():
