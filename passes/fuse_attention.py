@@ -533,8 +533,28 @@ def fused_kernel(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     if attn_mask is not None and attn_mask.requires_grad:
         return torch.ops.aten._scaled_dot_product_attention_math(
             query, key, value, attn_mask, 0.0, is_causal, scale=scale)[0]
+    if value.shape[-1] != query.shape[-1]:
+        return _unequal_heads_kernel(query, key, value, attn_mask, is_causal, scale)
     kernel = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
     return kernel(query, key, value, 0.0, is_causal, attn_mask=attn_mask, scale=scale)[0]
+
+
+def _unequal_heads_kernel(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                          attn_mask: torch.Tensor | None, is_causal: bool,
+                          scale: float | None) -> torch.Tensor:
+    """Attention whose values have another head size than queries and keys (DeepSeek's
+    multi-head latent attention: 192 against 128). The flash kernels take one head size
+    (the CPU one's fake output would have the queries'), so CUDA's SDPA runs the
+    memory-efficient kernel, which keeps for backward what flash keeps; its mask an
+    additive bias over every head, as SDPA makes it of a boolean one."""
+    bias = attn_mask
+    if bias is not None:
+        if bias.dtype == torch.bool:
+            bias = torch.zeros(bias.shape, dtype=query.dtype, device=bias.device) \
+                .masked_fill(~bias, float("-inf"))
+        bias = bias.to(query.dtype).expand(*query.shape[:-1], key.shape[-2])
+    kernel = torch.ops.aten._scaled_dot_product_efficient_attention
+    return kernel(query, key, value, bias, True, 0.0, is_causal, scale=scale)[0]
 
 
 def skips_masked_blocks(node: fx.Node, device: str) -> bool:

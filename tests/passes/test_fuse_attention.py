@@ -10,20 +10,25 @@ measures is what the fused kernel keeps, counted here by hand.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import logging
 
 import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.utils.flop_counter import FlopCounterMode
 
+import partc
 from partc import meta
-from partc.passes.fuse_attention import count_fused, fuse_attention, is_fused
+from partc.passes.fuse_attention import count_fused, fuse_attention, fused_kernel, is_fused
 from partc.passes.pipeline import analyze
 from partc.passes.propagate import propagate
 from partc.passes.trace import trace
 from samples import gpt
 from tests import models
+from tests.hf_families import FAMILIES
 
 BATCH, SEQ = 2, 16
 
@@ -360,3 +365,29 @@ def test_models_masks_read_in_blocks_fuse_as_whole(monkeypatch, name):
     assert [c.kwargs for c in _calls(_fused(_build(name), ids))] == whole
     sdpa = models.llama(attention="sdpa")
     assert all(c.kwargs["is_causal"] for c in _calls(_fused(sdpa, ids)))
+
+
+def test_values_of_another_head_size_are_measured_on_the_efficient_kernel() -> None:
+    """DeepSeek's latent attention: queries and keys of 24 per head, values of 16. The
+    measured kernel's output has the values' head size (the flash CPU kernel's fake would
+    have had the queries'), its products those of the written attention, and the whole
+    model plans, as published (192 against 128) it did not."""
+    b, h, s = 2, 4, 32
+    with FakeTensorMode():
+        q, k = torch.empty(b, h, s, 24), torch.empty(b, h, s, 24)
+        v = torch.empty(b, h, s, 16)
+        mask = torch.ones(b, 1, s, s, dtype=torch.bool).tril()
+        for kwargs in ({"is_causal": True}, {"attn_mask": mask}):
+            with FlopCounterMode(display=False) as counted:
+                out = fused_kernel(q, k, v, **kwargs)
+            assert out.shape == (b, h, s, 16)
+            assert counted.get_total_flops() == 2 * b * h * s * s * (24 + 16)
+
+    family = FAMILIES["deepseek-v3"]
+    family = dataclasses.replace(family, fields={**family.fields, "v_head_dim": 8})
+    ids = torch.randint(1, 128, (BATCH, SEQ))
+    program = partc.compile(family.build(), (ids,), loss_fn=lambda out, t: out.logits.mean(),
+                            example_target=ids, cache=None,
+                            budget=partc.DeviceBudget(num_devices=2, device="CPU"),
+                            constraints=partc.Constraints(pp=2))
+    partc.validate_plan(program.problem, program.plan)
