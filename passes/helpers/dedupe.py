@@ -19,8 +19,9 @@ Steps (``partc.passes.pipeline.analyze`` runs them):
    (:mod:`partc.passes.helpers.segments`) and blocks whose *segment* (the block's calls and the
    model's code after it, up to the next block) runs other code are of other kinds.
 2. Representatives: when the kinds repeat with a period ``p`` (uniform stacks: 1;
-   alternating attention: 2), the first two periods and the last period, so every kept
-   block stays in the phase it had; otherwise the first two blocks of each kind and the
+   alternating attention: 2), the first two periods and the blocks from the last whole
+   period's start (a period and what is left over), so every kept block stays in the
+   phase it had; otherwise the first two blocks of each kind and the
    last block. Every other block stands with the second kept block of its kind. The last
    block is always kept as itself, so the last representative is the last block.
 3. :func:`shrunk` swaps each container's children for the representatives (renumbered
@@ -295,9 +296,14 @@ def _representatives(kinds: list[int]) -> tuple[list[int], list[int]]:
     n = len(kinds)
     for period in range(1, n // 3 + 1):
         if all(kinds[i] == kinds[i + period] for i in range(n - period)):
-            kept = list(range(2 * period)) + list(range(n - period, n))
+            # The tail starts at a whole period, as the kept tail does in the shorter
+            # model (at 2 periods): a block read by its index there (Gemma 3's
+            # layer_types[i], five sliding-window layers to one global) keeps its phase
+            # when the stack is no whole number of periods (62 layers).
+            tail = (n - period) // period * period
+            kept = list(range(2 * period)) + list(range(tail, n))
             stands = [b if b < 2 * period else
-                      2 * period + b - (n - period) if b >= n - period else
+                      2 * period + b - tail if b >= tail else
                       period + b % period for b in range(n)]
             return kept, stands
     seen: dict[int, list[int]] = {}

@@ -172,6 +172,9 @@ def test_representatives_keep_the_phase_and_the_last_block():
     assert dedupe._representatives([0] * 6) == ([0, 1, 5], [0, 1, 1, 1, 1, 2])
     kept, stands = dedupe._representatives([0, 1] * 4)
     assert kept == [0, 1, 2, 3, 6, 7] and stands == [0, 1, 2, 3, 2, 3, 4, 5]
+    # 13 blocks of period 3: the tail from the last whole period's start, block 9.
+    assert dedupe._representatives([0, 0, 1] * 4 + [0]) == (
+        [0, 1, 2, 3, 4, 5, 9, 10, 11, 12], [0, 1, 2, 3, 4, 5, 3, 4, 5, 6, 7, 8, 9])
     kept, stands = dedupe._representatives([0, 0, 0, 1, 2, 2, 2, 2])
     assert kept == [0, 1, 3, 4, 5, 7] and stands == [0, 1, 1, 2, 3, 4, 4, 5]
 
@@ -408,4 +411,36 @@ def test_gemma3_hands_each_layer_its_mask_by_index():
     with pytest.raises(dedupe.Mismatch, match="model.layers.5"):
         dedupe.prove(family.build(), repeats, example)
     (_, full), (_, analysis) = traced_both_ways(family.build, ids, loss_fn=models.causal_lm_loss)
+    assert_same_analysis(analysis, full)
+
+
+# Every third position global, 14 blocks: no whole number of periods.
+PERIODIC = ["local", "local", "global"] * 4 + ["local", "local"]
+
+
+class Periodic(Stack):
+    """Hands each block a value by its position in the loop, from a schedule of period
+    three (as Gemma 3's model reads ``config.layer_types[i]``: five sliding-window layers
+    to one global, 62 of them)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.stem(x)
+        scales = {"local": h.new_ones(()), "global": h.new_full((), 2.0)}
+        for index, block in enumerate(self.blocks):
+            h = block(h) * scales[PERIODIC[index]]
+        return self.head(h)
+
+
+def test_a_stack_of_no_whole_number_of_periods_keeps_its_phase():
+    """The kept tail starts at a whole period, as it does in the shorter model: block
+    ``i`` of the shorter model gets ``PERIODIC[i]`` and runs what the block it stands
+    for runs (a tail of the last three blocks would put a local block where the shorter
+    model's loop multiplies: the whole model traced)."""
+    build = lambda: Periodic([Mlp(8, 8) for _ in range(len(PERIODIC))], 8, 8)  # noqa: E731
+    example = ((torch.randn(2, 8),), {})
+    (repeat,) = dedupe.find_repeats(build(), example)
+    assert repeat.kept == (0, 1, 2, 3, 4, 5, 9, 10, 11, 12, 13)
+    dedupe.prove(build(), (repeat,), example)
+    (full_gm, full), (gm, analysis) = traced_both_ways(build, torch.randn(2, 8))
+    assert len(meta.layers(gm)) == len(full.layers) - 3   # three blocks copied
     assert_same_analysis(analysis, full)
