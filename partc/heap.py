@@ -10,8 +10,9 @@ leaves the young generations' collections as they were, which reclaim the short-
 cycles (a fake tensor's, an fx node's); the thresholds are put back when the outermost
 entry leaves, and the next full collection runs as it would have. It is entered by
 ``partc.compile``, ``partc.load``, the planner's ``solve`` and ``plan_problem``, and by
-``Program.lower`` and ``code``, which trace the whole model again (emitting a 48-block
-Llama's four stages: two full collections, 0.56 of 6.2 CPU-seconds).
+``Program.lower`` (under ``build``, ``code`` and ``save``), which traces the whole model
+again (emitting a 48-block Llama's four stages: two full collections, 0.56 of 6.2
+CPU-seconds).
 """
 
 from __future__ import annotations

@@ -74,7 +74,6 @@ class Program:
         them."""
         return list(self.lower().stages)
 
-    @young_collections_only()
     def code(self) -> dict[str, str]:
         """Readable Python source of each stage, keyed by file name (``stage_<k>.py``)."""
         lowered = self.lower()

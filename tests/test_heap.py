@@ -72,19 +72,28 @@ def test_outermost_of_two_threads_puts_back(thresholds):
     assert gc.get_threshold() == (700, 10, 10)
 
 
-def test_compile_holds_full_collections(thresholds, monkeypatch):
-    """partc.compile traces and plans with full collections held, and puts them back."""
-    seen = []
-    solve = compiler.solve
+def _thresholds_seen(monkeypatch, module, name: str) -> list:
+    """The collector's thresholds at each call of ``module.name`` from now on."""
+    seen, real = [], getattr(module, name)
 
     def spy(*args, **kwargs):
         seen.append(gc.get_threshold())
-        return solve(*args, **kwargs)
+        return real(*args, **kwargs)
 
-    monkeypatch.setattr(compiler, "solve", spy)
-    partc.compile(gpt_tiny(n_layer=2), (torch.zeros(2, 16, dtype=torch.long),),
-                  loss_fn=loss_fn, budget=partc.DeviceBudget(num_devices=1, device="CPU"),
-                  cache=None)
+    monkeypatch.setattr(module, name, spy)
+    return seen
+
+
+def _compiled() -> partc.Program:
+    return partc.compile(gpt_tiny(n_layer=2), (torch.zeros(2, 16, dtype=torch.long),),
+                         loss_fn=loss_fn, cache=None,
+                         budget=partc.DeviceBudget(num_devices=1, device="CPU"))
+
+
+def test_compile_holds_full_collections(thresholds, monkeypatch):
+    """partc.compile traces and plans with full collections held, and puts them back."""
+    seen = _thresholds_seen(monkeypatch, compiler, "solve")
+    _compiled()
     assert seen == [(700, 10, heap.HELD_THRESHOLD)]
     assert gc.get_threshold() == (700, 10, 10)
 
@@ -94,18 +103,8 @@ def test_the_planner_holds_full_collections_when_called_alone(thresholds, monkey
     it), plans with full collections held too."""
     from partc.planner import search
 
-    seen = []
-    candidates = search.candidate_configs
-
-    def spy(problem):
-        seen.append(gc.get_threshold())
-        return candidates(problem)
-
-    monkeypatch.setattr(search, "candidate_configs", spy)
-    program = partc.compile(gpt_tiny(n_layer=2), (torch.zeros(2, 16, dtype=torch.long),),
-                            loss_fn=loss_fn, cache=None,
-                            budget=partc.DeviceBudget(num_devices=1, device="CPU"))
-    seen.clear()
+    program = _compiled()
+    seen = _thresholds_seen(monkeypatch, search, "candidate_configs")
     search.solve(program.problem)
     assert seen == [(700, 10, heap.HELD_THRESHOLD)]
     assert gc.get_threshold() == (700, 10, 10)
@@ -115,17 +114,8 @@ def test_lowering_holds_full_collections(thresholds, monkeypatch):
     """Program.lower (which build and code call) traces the whole model with them held."""
     from partc import program as program_module
 
-    program = partc.compile(gpt_tiny(n_layer=2), (torch.zeros(2, 16, dtype=torch.long),),
-                            loss_fn=loss_fn, cache=None,
-                            budget=partc.DeviceBudget(num_devices=1, device="CPU"))
-    seen = []
-    lower = program_module.lower
-
-    def spy(*args, **kwargs):
-        seen.append(gc.get_threshold())
-        return lower(*args, **kwargs)
-
-    monkeypatch.setattr(program_module, "lower", spy)
+    program = _compiled()
+    seen = _thresholds_seen(monkeypatch, program_module, "lower")
     assert set(program.code()) == {"stage_0.py"}
     assert seen == [(700, 10, heap.HELD_THRESHOLD)]
     assert gc.get_threshold() == (700, 10, 10)

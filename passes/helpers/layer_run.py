@@ -542,14 +542,11 @@ def _as_traced(gm: fx.GraphModule, node: fx.Node, setting: Setting, args: tuple,
     (Hugging Face's mixture-of-experts layers count tokens per expert with ``histc`` on
     int32, which CPU kernels do not have). The op's FLOPs and bytes are those of its
     shapes either way; the moves are no work of the layer's."""
-    def to(device: str):
-        return lambda t: t.to(device)
-
     with launched.paused(), casts.paused():
-        on_meta = pytree.tree_map_only(torch.Tensor, to("meta"), (args, kwargs))
+        on_meta = pytree.tree_map_only(torch.Tensor, lambda t: t.to("meta"), (args, kwargs))
     result = _call(gm, node, setting, *on_meta)
     with launched.paused(), casts.paused():
-        return pytree.tree_map_only(torch.Tensor, to(setting.device), result)
+        return pytree.tree_map_only(torch.Tensor, lambda t: t.to(setting.device), result)
 
 
 def _fused_dropout(node: fx.Node) -> bool:
