@@ -30,6 +30,7 @@ import torch
 import torch.utils._pytree as pytree
 from torch import fx, nn
 from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.overrides import TorchFunctionMode
 
 from partc import meta
 from partc.errors import TraceError
@@ -197,10 +198,51 @@ def _capture(model: nn.Module, args: tuple, kwargs: dict,
         except Exception as error:  # any failure sends the model to the second tracer
             fx_error = error
     try:
-        exported = torch.export.export(model, args, kwargs, strict=False)
+        with _IndexListsKept():
+            exported = torch.export.export(model, args, kwargs, strict=False)
         return exported.module(), "export"
     except Exception as export_error:
         raise TraceError(_trace_error_message(name, fx_error, export_error)) from export_error
+
+
+class _IndexListsKept(TorchFunctionMode):
+    """Indexing a meta tensor with a list of ints (Falcon's ``qkv[..., [-2]]``) indexes
+    with a tensor made from the list on the meta device, which drops its values, and
+    export lifts that tensor as a constant no one can read back
+    (:func:`_inline_constants`). Within, such a list is made a CPU tensor first, as the
+    model would index with ``torch.tensor([-2])``: the same elements, and export keeps
+    their values."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in (torch.Tensor.__getitem__, torch.Tensor.__setitem__) and len(args) > 1 \
+                and isinstance(args[0], torch.Tensor) and args[0].device.type == "meta":
+            args = (args[0], _index_lists_on_cpu(args[1]), *args[2:])
+        return func(*args, **kwargs)
+
+
+def _index_lists_on_cpu(index: Any) -> Any:
+    """``index`` (as ``Tensor.__getitem__`` takes it) with each list of ints or of bools
+    among its parts made a CPU tensor. A list as the whole index is taken so only when
+    flat: torch reads a list holding lists as a tuple of indices."""
+    if isinstance(index, tuple):
+        return tuple(_list_tensor(part, nested=True) for part in index)
+    return _list_tensor(index, nested=False)
+
+
+def _list_tensor(part: Any, nested: bool) -> Any:
+    if not isinstance(part, list) or not part:
+        return part
+    leaves = pytree.tree_leaves(part)
+    if not nested and len(leaves) != len(part):
+        return part
+    kinds = {type(leaf) for leaf in leaves}
+    if kinds not in ({int}, {bool}):
+        return part
+    try:
+        return torch.tensor(part, device="cpu")
+    except (TypeError, ValueError):   # ragged
+        return part
 
 
 def _defaults_not_given(model: nn.Module, args: tuple) -> dict[str, Any]:

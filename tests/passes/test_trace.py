@@ -1,3 +1,5 @@
+import copy
+
 import pytest
 import torch
 
@@ -175,3 +177,46 @@ def test_a_returned_mapping_keeps_its_class_for_the_loss():
     gm, _ = trace(model, (x,), loss_fn=loss_fn, example_target=y)
     assert meta.trace_info(gm).tracer == "export"
     assert meta.trace_info(gm).has_loss
+
+
+class _IndexWithLists(torch.nn.Module):
+    """Indexes with lists of ints, in a forward only torch.export captures (it branches
+    on a shape, as Falcon's does on its configuration)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = torch.nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dim() != 3:
+            raise ValueError("x must be (batch, sequence, 8)")
+        y = self.proj(x).view(x.shape[0], x.shape[1], 4, 2)
+        y[:, :, [0, 3]] = y[:, :, [1, 2]] * 2
+        return y[..., [-2]].sum(-1) + y[:, :, [[1], [2]]].sum((-1, -2, -3)).unsqueeze(-1)
+
+
+def test_lists_indexing_a_meta_model_keep_their_values():
+    """Seen before: Falcon-40B's shape (``new_decoder_architecture``) on meta failed with
+    "Cannot copy out of meta tensor; no data!": its ``qkv[..., [-2]]`` made the index on
+    the meta device, and export lifted it as a constant without values. The graph traced
+    on meta, given the real weights, computes what the model does."""
+    torch.manual_seed(0)
+    model = _IndexWithLists()
+    x = torch.randn(2, 3, 8)
+    gm, _ = trace(copy.deepcopy(model).to("meta"), (x.to("meta"),))
+    assert meta.trace_info(gm).tracer == "export"
+    gm.load_state_dict(model.state_dict(), strict=False, assign=True)
+    torch.testing.assert_close(gm(x), model(x), rtol=0, atol=0)
+
+
+def test_falcons_new_decoder_architecture_traces_on_meta():
+    from transformers import FalconConfig, FalconForCausalLM
+
+    config = FalconConfig(hidden_size=64, num_attention_heads=8, num_kv_heads=2,
+                          new_decoder_architecture=True, num_hidden_layers=2, vocab_size=128,
+                          use_cache=False)
+    with torch.device("meta"):
+        model = FalconForCausalLM(config)
+    gm, _ = trace(model, (torch.zeros(2, 16, dtype=torch.long, device="meta"),))
+    indices = [n for n in gm.graph.nodes if n.target is torch.tensor]
+    assert indices and all(n.args[0] in ([-2], [-1]) for n in indices)
