@@ -53,6 +53,7 @@ import contextlib
 import dataclasses
 import enum
 import functools
+import itertools
 import re
 import types
 from collections import Counter
@@ -140,16 +141,36 @@ def _absolute(container: int, position: int) -> int:
 def _refined(kinds: list[int], code: list[tuple]) -> list[int]:
     """Kinds split by the code each block's segment runs. The first and the last block
     stand only for themselves (their segments read the stack's input, or hold the code
-    after it): they take the kind of the first block between of their structure."""
+    after it): each takes the kind of a block between of its structure, the one that
+    lets the stack repeat with the shortest period (:func:`_period`). Exaone 4's stack
+    of three sliding-window layers to one global: a sliding layer after the global one
+    reads its output from another call than one after a sliding layer, so the first
+    block is like the fifth, not the second."""
     numbers: dict[tuple, int] = {}
     refined = list(kinds)
     for block in range(1, len(kinds) - 1):
         refined[block] = numbers.setdefault((kinds[block], code[block]), len(numbers))
-    for block in (0, len(kinds) - 1):
-        like = [refined[b] for b in range(1, len(kinds) - 1) if kinds[b] == kinds[block]]
-        refined[block] = like[0] if like else numbers.setdefault((kinds[block], block),
-                                                                 len(numbers))
+    ends = (0, len(kinds) - 1)
+    choices = []
+    for block in ends:
+        like = list(dict.fromkeys(refined[b] for b in range(1, len(kinds) - 1)
+                                  if kinds[b] == kinds[block]))
+        choices.append(like or [numbers.setdefault((kinds[block], block), len(numbers))])
+    best = None
+    for first, last in itertools.product(*choices):
+        refined[0], refined[-1] = first, last
+        period = _period(refined) or len(kinds)
+        if best is None or period < best[0]:
+            best = (period, first, last)
+    refined[0], refined[-1] = best[1], best[2]
     return refined
+
+
+def _period(kinds: list[int]) -> int | None:
+    """The shortest period of ``kinds`` that repeats at least three times, if any."""
+    n = len(kinds)
+    return next((period for period in range(1, n // 3 + 1)
+                 if all(kinds[i] == kinds[i + period] for i in range(n - period))), None)
 
 
 def prove(model: nn.Module, repeats: tuple[Repeat, ...], example: tuple[tuple, dict]) -> None:
@@ -294,18 +315,18 @@ def _labels(attributes: list[dict]) -> set:
 def _representatives(kinds: list[int]) -> tuple[list[int], list[int]]:
     """Blocks to trace, and per block the position of the one it copies."""
     n = len(kinds)
-    for period in range(1, n // 3 + 1):
-        if all(kinds[i] == kinds[i + period] for i in range(n - period)):
-            # The tail starts at a whole period, as the kept tail does in the shorter
-            # model (at 2 periods): a block read by its index there (Gemma 3's
-            # layer_types[i], five sliding-window layers to one global) keeps its phase
-            # when the stack is no whole number of periods (62 layers).
-            tail = (n - period) // period * period
-            kept = list(range(2 * period)) + list(range(tail, n))
-            stands = [b if b < 2 * period else
-                      2 * period + b - tail if b >= tail else
-                      period + b % period for b in range(n)]
-            return kept, stands
+    period = _period(kinds)
+    if period is not None:
+        # The tail starts at a whole period, as the kept tail does in the shorter
+        # model (at 2 periods): a block read by its index there (Gemma 3's
+        # layer_types[i], five sliding-window layers to one global) keeps its phase
+        # when the stack is no whole number of periods (62 layers).
+        tail = (n - period) // period * period
+        kept = list(range(2 * period)) + list(range(tail, n))
+        stands = [b if b < 2 * period else
+                  2 * period + b - tail if b >= tail else
+                  period + b % period for b in range(n)]
+        return kept, stands
     seen: dict[int, list[int]] = {}
     for block, kind in enumerate(kinds):
         seen.setdefault(kind, []).append(block)
@@ -443,7 +464,10 @@ def _check_kinds(gm: fx.GraphModule, blocks: dict[int, _Block]) -> None:
     to fp32). The last block stands only for itself too, and only the nodes each runs
     itself are compared with the second's: it may be followed by code of the model's
     own that joins its layer (a residual around the whole stack). The blocks between
-    are compared whole."""
+    are compared whole; of those the kept tail holds, which stand only for themselves,
+    the figures alone: their signatures may say that no later block reads a value (Llama
+    4's rotary table, which each rotary layer's ``.to`` hands on to the next one as the
+    same tensor, is read by none after the stack's last rotary layer)."""
     costs, infos = meta.layer_costs(gm), meta.layers(gm)
     seen: set[tuple] = set()
     reference: dict[tuple, list] = {}
@@ -464,7 +488,10 @@ def _check_kinds(gm: fx.GraphModule, blocks: dict[int, _Block]) -> None:
             alike = reference[key] == own
         else:
             cost = costs[index].unnamed()
-            alike = between.setdefault(key, cost) == cost and reference[key] == own
+            known = between.setdefault(key, cost)
+            if repeat.stands_for.count(block.position) == 1:
+                known = dataclasses.replace(known, signature=cost.signature)
+            alike = known == cost and reference[key] == own
         if not alike:
             raise Mismatch(f"blocks of one structure measure differently "
                            f"({costs[index].name})")
@@ -544,11 +571,17 @@ def _spans(gm: fx.GraphModule, expansion: Expansion) -> list[tuple[fx.Node, int,
                            max(t for u in users for t in targets[u])))
             continue
         last = block.position == len(block.repeat.kept) - 1
-        if not last and later != {made + 1}:
+        # A block's value read by later blocks of its stack (the next one, or further:
+        # Llama 4's rotary table skips each layer without rotary embeddings) is read as
+        # far on after each block it stands for: ``prove`` saw the blocks read each
+        # other's values at the same distances in the whole model.
+        if not last and not all(u > made and u in blocks and blocks[u].repeat is block.repeat
+                                for u in later):
             raise Mismatch(f"{node.name}, made in block {block.repeat.prefix(block.position)}, "
-                           "is used beyond the next layer")
+                           "is used beyond its stack")
         for own in targets[made]:
-            used = own + 1 if not last else max(t for u in later for t in targets[u])
+            used = own + max(later) - made if not last else \
+                max(t for u in later for t in targets[u])
             result.append((node, own, used))
     return result
 

@@ -1,5 +1,6 @@
 """Repeated blocks traced once: the expanded analysis equals a full trace's, exactly."""
 
+import dataclasses
 import functools
 import logging
 
@@ -444,3 +445,53 @@ def test_a_stack_of_no_whole_number_of_periods_keeps_its_phase():
     (full_gm, full), (gm, analysis) = traced_both_ways(build, torch.randn(2, 8))
     assert len(meta.layers(gm)) == len(full.layers) - 3   # three blocks copied
     assert_same_analysis(analysis, full)
+
+
+def test_the_first_block_takes_the_phase_that_repeats():
+    """A block after the odd one out of each period reads its input from another call
+    than one after a block like itself, so its segment differs: the first block (which
+    reads the stack's input) is like the first of each later period, not the second."""
+    kinds = [0, 0, 0, 1] * 4
+    code = [("after", kinds[b - 1]) if b else ("input",) for b in range(16)]
+    assert dedupe._refined(kinds, code) == [2, 0, 0, 1] * 4
+    assert dedupe._representatives([2, 0, 0, 1] * 4)[0] == [0, 1, 2, 3, 4, 5, 6, 7, 12, 13,
+                                                            14, 15]
+
+
+def test_exaone4_three_sliding_window_layers_to_one_global_repeat():
+    """Seen before: Exaone 4 (its global layers skip the rotary embedding) traced its
+    whole model ("block model.layers.3 and the code around it run differently")."""
+    from tests.hf_families import FAMILIES
+
+    family = FAMILIES["exaone4"]
+    family = dataclasses.replace(family, fields=dict(family.fields, num_hidden_layers=16))
+    assert family.build().config.layer_types[:4] == ["sliding_attention"] * 3 + [
+        "full_attention"]
+    build = family.build
+    ids = torch.randint(1, 128, (2, 16))
+    example = ((ids,), {})
+    (repeat,) = dedupe.find_repeats(build(), example)
+    assert repeat.kept == (0, 1, 2, 3, 4, 5, 6, 7, 12, 13, 14, 15)
+    dedupe.prove(build(), (repeat,), example)
+    (_, full), (_, analysis) = traced_both_ways(build, ids, loss_fn=models.causal_lm_loss)
+    assert_same_analysis(analysis, full)
+
+
+def test_llama4_rotary_table_skips_the_layers_without_rotary_embeddings():
+    """Seen before: Llama 4 (every fourth layer without rotary embeddings) traced its
+    whole model. Each rotary layer's ``freqs_cis.to(...)`` returns the tensor it was
+    given, so the trace hands the table from one rotary layer to the next, over the
+    layer between: a value read two layers on, and the stack's last rotary layer hands
+    it to none."""
+    from tests.hf_families import FAMILIES
+
+    family = FAMILIES["llama4"]
+    family = dataclasses.replace(family, fields=dict(family.fields, num_hidden_layers=16))
+    assert family.build().config.no_rope_layers[:4] == [1, 1, 1, 0]
+    ids = torch.randint(1, 128, (2, 16))
+    (full_gm, full), (gm, analysis) = traced_both_ways(family.build, ids,
+                                                       loss_fn=models.causal_lm_loss)
+    assert len(meta.layers(gm)) == len(full.layers) - 4
+    assert_same_analysis(analysis, full)
+    options = tensor_parallel_options(gm, [LINK], (False,), ("time",))
+    assert_same_options(options, tensor_parallel_options(full_gm, [LINK], (False,), ("time",)))
