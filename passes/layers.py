@@ -375,7 +375,7 @@ def _signature(nodes: list[fx.Node], prefix: str) -> str:
     def arg_repr(value: Any) -> Any:
         if isinstance(value, fx.Node):
             if value.op == "get_attr":
-                return ("p", _relative(str(value.target), prefix))
+                return _attribute(value, prefix)
             if value in local:
                 return ("n", local[value])
             return ("in", external.setdefault(value, len(external)))
@@ -427,8 +427,7 @@ def _expression(gm: fx.GraphModule, node: fx.Node, prefix: str, inside: set[fx.N
     def arg(value: Any, place: tuple) -> Any:
         if isinstance(value, fx.Node):
             if value.op == "get_attr":
-                return ("p", _relative(str(value.target), prefix)) if meta.params(value) \
-                    else attribute_key(gm, value)
+                return _attribute(value, prefix)
             if value in inside:
                 return keys[value]
             outside.append((value, place))
@@ -444,6 +443,18 @@ def _expression(gm: fx.GraphModule, node: fx.Node, prefix: str, inside: set[fx.N
     readers = sum(1 for user in node.users if user in inside)
     return (node.op, target, arg(node.args, ("args",)), arg(node.kwargs, ("kwargs",)),
             _shapes(node), readers, readers < len(node.users))
+
+
+def _attribute(node: fx.Node, prefix: str) -> Any:
+    """What a ``get_attr`` fetches, for a signature: a parameter or buffer by its name
+    inside the layer (``prefix``), anything else by content (a higher-order op's nested
+    graph, which export names by its count in the whole trace:
+    :func:`~partc.passes.helpers.graph.attribute_key`)."""
+    gm = node.graph.owning_module
+    if meta.params(node) and not isinstance(getattr(gm, str(node.target), None),
+                                            fx.GraphModule):
+        return ("p", _relative(str(node.target), prefix))
+    return attribute_key(gm, node)
 
 
 def _shapes(node: fx.Node) -> tuple:

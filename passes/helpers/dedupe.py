@@ -443,7 +443,7 @@ def _check_params(gm: fx.GraphModule, blocks: dict[int, _Block]) -> None:
     """A block's layer uses its own parameters only, and no other layer uses them."""
     prefixes = {index: b.repeat.prefix(b.position) + "." for index, b in blocks.items()}
     for node in gm.graph.nodes:
-        if node.op not in ("get_attr", "call_module"):
+        if node.op not in ("get_attr", "call_module") or _nested_graph(gm, node):
             continue
         users = node.users if node.op == "get_attr" else [node]
         for fqn in meta.params(node):
@@ -453,6 +453,15 @@ def _check_params(gm: fx.GraphModule, blocks: dict[int, _Block]) -> None:
                 if (index in blocks or owner is not None) and owner != index:
                     raise Mismatch(f"{fqn} is used outside its block (layer "
                                    f"{meta.layer(user).name})")
+
+
+def _nested_graph(gm: fx.GraphModule, node: fx.Node) -> bool:
+    """Whether ``node`` fetches a graph a higher-order op runs (PhiMoE's router runs
+    part of itself without gradients: ``wrap_with_set_grad_enabled`` and its
+    ``submod_<n>``), which holds no parameter: export numbers those graphs through the
+    whole model, so a block's is named by its place in the trace, not in the block."""
+    return node.op == "get_attr" and isinstance(
+        getattr(gm, str(node.target), None), fx.GraphModule)
 
 
 def _check_kinds(gm: fx.GraphModule, blocks: dict[int, _Block]) -> None:

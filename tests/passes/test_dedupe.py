@@ -495,3 +495,22 @@ def test_llama4_rotary_table_skips_the_layers_without_rotary_embeddings():
     assert_same_analysis(analysis, full)
     options = tensor_parallel_options(gm, [LINK], (False,), ("time",))
     assert_same_options(options, tensor_parallel_options(full_gm, [LINK], (False,), ("time",)))
+
+
+def test_phimoe_router_graphs_named_by_their_count_still_repeat():
+    """Seen before: PhiMoE traced its whole model ("submod_1 is used outside its
+    block"), measuring each block apart. Its router runs part of itself without
+    gradients, which export captures as a nested graph named by its count in the whole
+    trace (``submod_1``, ``submod_3`` …): the blocks are told apart by what those graphs
+    compute, not by their names."""
+    from transformers import PhimoeConfig, PhimoeForCausalLM
+
+    config = PhimoeConfig(hidden_size=64, num_hidden_layers=5, num_attention_heads=4,
+                          num_key_value_heads=2, intermediate_size=32, num_local_experts=4,
+                          num_experts_per_tok=2, vocab_size=128, use_cache=False)
+    build = lambda: PhimoeForCausalLM(config)  # noqa: E731
+    ids = torch.randint(1, 128, (2, 16))
+    (_, full), (gm, analysis) = traced_both_ways(build, ids, loss_fn=models.causal_lm_loss)
+    assert len(meta.layers(gm)) == len(full.layers) - 2
+    assert len({layer.signature for layer in full.layers if ".layers." in layer.name}) == 1
+    assert_same_analysis(analysis, full)
