@@ -29,7 +29,7 @@ from partc import meta
 from partc.autocast_policy import cuda_autocast, cuda_policy
 from partc.passes import fuse_attention
 from partc.passes.helpers.graph import dropout_args, fetch, is_dtype_check
-from partc.passes.helpers.op_bytes import COPY_THEN_IN_PLACE, FLOP_FORMULAS, MovedBytes, nbytes
+from partc.passes.helpers.op_bytes import COPY_THEN_IN_PLACE, MovedBytes, flop_formulas, nbytes
 from partc.passes.tp.rewrite import RING_CALLS
 from partc.runtime.tp import TensorParallelGroup
 from partc.runtime.tp_rings import REHEARSE_BATCH, REHEARSE_SAMPLE
@@ -109,7 +109,7 @@ def run_layer(gm: fx.GraphModule, nodes: list[fx.Node], setting: Setting) -> Lay
         return env[node]
 
     rings: list[tuple[fx.Node, tuple]] = []   # calls the runtime runs as rings
-    counter = FlopCounterMode(display=False, custom_mapping=FLOP_FORMULAS)
+    counter = FlopCounterMode(display=False, custom_mapping=flop_formulas())
     # The kernels each node launches, paused with the casts while stand-ins are made.
     launched = MovedBytes(frozen, cuda=setting.runtime_device == "cuda")
     casts = _Casts(cuda=launched.cuda, launched=launched)

@@ -12,6 +12,7 @@ nothing here: the roofline prices their FLOPs.
 from __future__ import annotations
 
 import contextlib
+import math
 from typing import Any
 
 import torch
@@ -64,6 +65,26 @@ def _dot_flops(first: Any, second: Any, *args: Any, **kwargs: Any) -> int:
     return 2 * first[0]
 
 
+def _grouped_flops(first: Any, second: Any, *args: Any, out_shape: Any = None,
+                   **kwargs: Any) -> int:
+    """A grouped matmul (a mixture of experts' routed tokens, each group by its own
+    expert's matrix): every output element is one row times one column of the inner
+    size, ``2 * outputs * inner``. Where both operands are 2-D the groups split the
+    inner size (a weight's gradient, one ``(m, n)`` per group), so the whole inner size
+    is summed over once."""
+    if len(first) == 2 and len(second) == 2:
+        return 2 * first[0] * first[1] * second[-1]
+    return 2 * math.prod(out_shape) * first[-1]
+
+
+def _grouped_backward_flops(first: Any, second: Any, offsets: Any, grad: Any, *args: Any,
+                            **kwargs: Any) -> int:
+    """The backward of a grouped matmul of ``first`` (tokens, k) by ``second`` (groups,
+    k, n): the input's gradient and the weights', each a grouped matmul as large as
+    the forward."""
+    return 2 * _grouped_flops(first, second, out_shape=grad)
+
+
 # What FlopCounterMode lacks (``passes.estimate`` counts with these): the fused kernel
 # that fake CPU tensors dispatch attention to, the same two products of (seq_q x seq_k)
 # as the CUDA flash kernel and the written ops; the in-place forms of the products
@@ -82,13 +103,40 @@ FLOP_FORMULAS = {
     torch.ops.aten.addbmm: _added_batch_sum_flops,
     torch.ops.aten.addbmm_: _added_batch_sum_flops,
     torch.ops.aten.dot: _dot_flops,
-    torch.ops.aten.vdot: _dot_flops}
+    torch.ops.aten.vdot: _dot_flops,
+    **({torch.ops.aten._grouped_mm: _grouped_flops}
+       if hasattr(torch.ops.aten, "_grouped_mm") else {})}
+# Grouped matmuls of libraries' own custom ops, by name (``namespace::op``): they are
+# registered when the library is imported, so they are looked up as a layer is
+# measured (:func:`flop_formulas`). Hugging Face's mixture-of-experts layers run their
+# experts on ``transformers::grouped_mm_fallback`` where ``torch._grouped_mm`` does not
+# take their dtype: without a formula a model whose router partc does not recognise
+# (PhiMoE's, which picks its experts by ``max``, not ``topk``) lost its experts' FLOPs.
+_CUSTOM_FORMULAS = {"transformers::grouped_mm_fallback": _grouped_flops,
+                    "transformers::grouped_mm_fallback_backward": _grouped_backward_flops}
 
 # The ops the roofline prices by their FLOPs, forward and backward (matmuls,
 # convolutions, attention kernels): FlopCounterMode's, those above, and CPU's fused
 # attention's backward.
 _HEAVY = frozenset(flop_registry) | frozenset(FLOP_FORMULAS) | {
     torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward}
+
+
+def flop_formulas() -> dict[Any, Any]:
+    """:data:`FLOP_FORMULAS` and those of :data:`_CUSTOM_FORMULAS` registered now."""
+    formulas = dict(FLOP_FORMULAS)
+    for name, formula in _CUSTOM_FORMULAS.items():
+        namespace, _, op = name.partition("::")
+        packet = getattr(getattr(torch.ops, namespace), op, None)
+        if packet is not None:
+            formulas[packet] = formula
+    return formulas
+
+
+def _is_heavy(packet: Any) -> bool:
+    return packet in _HEAVY or getattr(packet, "_qualified_op_name", None) in _CUSTOM_FORMULAS
+
+
 # Ops that write their output without reading it (the destination of a copy, a fill).
 _WRITE_ONLY = frozenset((torch.ops.aten.copy_, torch.ops.aten.fill_, torch.ops.aten.zero_))
 # Ops that allocate and move nothing.
@@ -191,7 +239,7 @@ class _OpKind:
         # autograd runs: answered without a look at their arguments.)
         self.moves_nothing = func.is_view or packet in _ALLOCATING or not any(
             _may_hold_tensor(result.type) for result in func._schema.returns)
-        self.heavy = packet in _HEAVY
+        self.heavy = _is_heavy(packet)
         self.mutable = func._schema.is_mutable
         self.write_only = packet in _WRITE_ONLY
         self.copy_then_in_place = packet in COPY_THEN_IN_PLACE

@@ -239,8 +239,11 @@ def _with_moe(cost, moe: MoECost, counted: float):
         return dataclasses.replace(cost, moe=moe)
     experts = HeavyOp(flops=missing, activation_bytes=2.0 * moe.dispatch_bytes,
                       weight_bytes=moe.expert_param_bytes)
+    recompute = {mode: flops + missing if mode == "full" else flops   # full recompute
+                 for mode, flops in cost.recompute_flops.items()}    # reruns the experts
     return dataclasses.replace(cost, moe=moe, fwd_flops=cost.fwd_flops + missing,
-                               heavy_ops=cost.heavy_ops + (experts,))
+                               heavy_ops=cost.heavy_ops + (experts,),
+                               recompute_flops=recompute)
 
 
 def _counted_flops(gm: fx.GraphModule, ctx: Context, region: MoERegion) -> float:

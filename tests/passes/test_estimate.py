@@ -418,3 +418,24 @@ def test_sequence_parallel_linears_measure_the_rings_local_work():
     assert single.bwd_mem_bytes < ringed.bwd_mem_bytes
     assert not any(layer.ring_kernels or layer.ring_bwd_mem_bytes
                    for layer in problem.variant(2, False, "time").layers)
+
+
+def test_experts_grouped_matmuls_are_counted_where_the_router_is_not_recognised():
+    """Seen before: PhiMoE, whose router picks its experts by ``max`` (no ``topk``, so
+    no mixture-of-experts layer is recognised), was measured without its experts'
+    FLOPs: Hugging Face runs them on its custom op ``transformers::grouped_mm_fallback``,
+    which FlopCounterMode does not know. Per sample of 16 tokens, each layer: q and o
+    (64 x 64) and k and v (64 x 32), 24,576 FLOPs a token; the router (64 x 4), 512;
+    two experts of a gate-and-up (64 x 64) and a down (32 x 64) projection, 24,576;
+    and attention's two products, 2 x 2 x 16 x 16 x 16 x 4 = 65,536."""
+    from transformers import PhimoeConfig, PhimoeForCausalLM
+
+    config = PhimoeConfig(hidden_size=64, num_hidden_layers=1, num_attention_heads=4,
+                          num_key_value_heads=2, intermediate_size=32, num_local_experts=4,
+                          num_experts_per_tok=2, vocab_size=128, use_cache=False)
+    ids = torch.randint(1, 128, (2, 16))
+    _, analysis = analyze(PhimoeForCausalLM(config), (ids,), loss_fn=models.causal_lm_loss,
+                          example_target=ids)
+    (layer,) = [layer for layer in analysis.layers if layer.name == "model.layers.0"]
+    assert layer.moe is None
+    assert layer.fwd_flops == 16 * (24576 + 512 + 24576) + 65536

@@ -198,6 +198,9 @@ def test_hf_experts_on_meta_in_mixed_precision_plan_with_every_variant_recognise
     problem = program.problem
     moe_layers = [layer for layer in problem.layers if layer.moe is not None]
     assert len(moe_layers) == 4
+    # Full recompute reruns the whole forward, the experts' grouped matmuls included
+    # (seen before: it reran all but them, so recomputing a MoE layer looked cheap).
+    assert all(layer.recompute_flops["full"] == layer.fwd_flops for layer in moe_layers)
     options = problem.model.tensor_parallel
     assert options
     sharded_gate = False

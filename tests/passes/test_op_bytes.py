@@ -4,7 +4,7 @@ nothing for views, allocations and matmuls, and no leaf's gradient copy."""
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from partc.passes.helpers.op_bytes import MovedBytes
+from partc.passes.helpers.op_bytes import MovedBytes, flop_formulas
 
 N = 64   # elements of each fp32 tensor: 256 bytes
 
@@ -79,3 +79,22 @@ def test_kernels_each_op_launches():
             a + b
         a * b
     assert counter.kernels == 1
+
+
+def test_grouped_matmuls_count_one_product_per_routed_row():
+    """torch's grouped matmul in its three forms (as FlopCounterMode hands a formula
+    the shapes): routed tokens by each group's matrix, a batch of groups, and a weight's
+    gradient (the groups split the inner size); and Hugging Face's custom op, forward
+    and backward (two grouped matmuls as large)."""
+    from torch.utils.flop_counter import FlopCounterMode
+    from transformers.integrations import moe  # noqa: F401  registers its custom ops
+
+    grouped = flop_formulas()[torch.ops.aten._grouped_mm]
+    assert grouped((12, 8), (4, 8, 6), out_shape=(12, 6)) == 2 * 12 * 8 * 6
+    assert grouped((4, 3, 8), (4, 8, 6), out_shape=(4, 3, 6)) == 2 * 4 * 3 * 8 * 6
+    assert grouped((6, 12), (12, 8), out_shape=(4, 6, 8)) == 2 * 6 * 12 * 8
+    tokens, weight = torch.randn(12, 8, requires_grad=True), torch.randn(4, 8, 6)
+    offsets = torch.tensor([3, 6, 9, 12], dtype=torch.int32)
+    with FlopCounterMode(display=False, custom_mapping=flop_formulas()) as counter:
+        torch.ops.transformers.grouped_mm_fallback(tokens, weight, offsets).sum().backward()
+    assert counter.get_total_flops() == 3 * 2 * 12 * 8 * 6
