@@ -92,6 +92,12 @@ FAMILIES: dict[str, Family] = {
     "falcon": Family("FalconConfig", "FalconForCausalLM", "tokens",
                      dict(hidden_size=HIDDEN, num_attention_heads=HEADS, vocab_size=VOCAB,
                           num_hidden_layers=LAYERS, **_COMMON)),
+    # Falcon-40B's and -180B's decoder: grouped KV heads in one fused projection, read
+    # out by list indexing (``qkv[..., [-2]]``), and two norms per block.
+    "falcon-new": Family("FalconConfig", "FalconForCausalLM", "tokens",
+                         dict(hidden_size=HIDDEN, num_attention_heads=HEADS,
+                              num_kv_heads=KV_HEADS, new_decoder_architecture=True,
+                              vocab_size=VOCAB, num_hidden_layers=LAYERS, **_COMMON)),
     "gpt-neox": Family("GPTNeoXConfig", "GPTNeoXForCausalLM", "tokens",
                        dict(_DECODER, rotary_pct=0.5)),
     "gpt-j": Family("GPTJConfig", "GPTJForCausalLM", "tokens",
