@@ -580,17 +580,27 @@ def _spans(gm: fx.GraphModule, expansion: Expansion) -> list[tuple[fx.Node, int,
                            max(t for u in users for t in targets[u])))
             continue
         last = block.position == len(block.repeat.kept) - 1
-        # A block's value read by later blocks of its stack (the next one, or further:
-        # Llama 4's rotary table skips each layer without rotary embeddings) is read as
-        # far on after each block it stands for: ``prove`` saw the blocks read each
-        # other's values at the same distances in the whole model.
-        if not last and not all(u > made and u in blocks and blocks[u].repeat is block.repeat
-                                for u in later):
-            raise Mismatch(f"{node.name}, made in block {block.repeat.prefix(block.position)}, "
-                           "is used beyond its stack")
+        # A value read by the next block is read by the next one after each block it
+        # stands for. One the block's own code makes may be read by one block further
+        # on in its stack (Llama 4's rotary table skips each layer without rotary
+        # embeddings): ``prove`` saw the blocks read each other's values at the same
+        # distances in the whole model. Values the recording does not see made by the
+        # block (export's lifted constants, which the trace puts before the first
+        # block), or that more blocks read, send the whole model to be traced.
+        prefix = block.repeat.prefix(block.position)
+        further = len(later) == 1 and all(
+            u > made and u in blocks and blocks[u].repeat is block.repeat for u in later) \
+            and (meta.module_path(node) + ".").startswith(prefix + ".")
+        if not last and later != {made + 1} and not further:
+            raise Mismatch(f"{node.name}, made in block {prefix}, is used beyond the next "
+                           "layer")
+        stack = {t for index, b in blocks.items() if b.repeat is block.repeat
+                 for t in targets[index]}
         for own in targets[made]:
             used = own + max(later) - made if not last else \
                 max(t for u in later for t in targets[u])
+            if not last and used not in stack:
+                raise Mismatch(f"{node.name}, made in block {prefix}, is read past its stack")
             result.append((node, own, used))
     return result
 
