@@ -98,3 +98,29 @@ def test_overrides_read_json_values():
         hf_config.overrides(["num_hidden_layers"])
     assert hf_config.is_config_target("llama") and hf_config.is_config_target("models/x")
     assert not hf_config.is_config_target("samples/gpt.py:factory")
+
+
+T5_TINY = ["d_model=32", "d_ff=64", "num_layers=1", "num_decoder_layers=1", "num_heads=2",
+           "d_kv=16", "vocab_size=128", "dropout_rate=0"]   # dropout off: one draw
+
+
+def test_an_encoder_decoder_is_its_sequence_to_sequence_lm(capsys):
+    """Seen before: ``partc plan t5`` was refused ("T5Config has no causal LM"). An
+    encoder-decoder type is planned as its conditional generation model on the same
+    batch (its bare config starts the decoder at the padding token), and trains on its
+    own loss as one device computes it."""
+    code = main(["plan", "t5", "--hf-config", *T5_TINY, "--seq-len", "8", "--global-batch",
+                 "4", "--devices", "1", "--device", "CPU", "-q", "--format", "json"])
+    assert code == 0
+    model = json.loads(capsys.readouterr().out)["model"]
+    assert model["name"] == "T5ForConditionalGeneration (t5)"
+    assert [s["name"] for s in model["inputs"]] == ["input_ids", "attention_mask", "labels",
+                                                    "target"]
+    torch.manual_seed(0)
+    workload = hf_config.workload("t5", T5_TINY, batch=4, seq_len=8)
+    batch, _ = workload["data"](0)
+    expected = workload["model"](**batch).loss
+    config = TrainConfig(target="t5", steps=1, plan={"global_batch": 4})
+    module = launcher.compile_workload(config, workload, 1).build()
+    torch.testing.assert_close(module.forward_backward(**batch), expected.detach(),
+                               rtol=1e-5, atol=1e-6)

@@ -8,8 +8,9 @@ type that transformers ships (``llama``, ``qwen2``, ``mistral``, ...:
 ``AutoConfig.for_model``), each with the ``--hf-config KEY=VALUE`` overrides (values read
 as JSON where they parse: ``2``, ``true``, ``[1, 2]``; else strings). Nothing is
 downloaded. The model is the config's causal LM (``AutoModelForCausalLM.from_config``, no
-KV cache), built on the meta device for ``partc plan`` (nothing allocated: a 70B config
-plans on a laptop) and with the seed's random weights for ``partc train``. Its example
+KV cache; an encoder-decoder's sequence-to-sequence LM, ``AutoModelForSeq2SeqLM``, whose
+decoder reads the labels shifted right), built on the meta device for ``partc plan``
+(nothing allocated: a 70B config plans on a laptop) and with the seed's random weights for ``partc train``. Its example
 batch is what a tokenizer gives and the model is called with, ``model(**batch)``:
 ``input_ids``, ``attention_mask`` and ``labels`` of ``--global-batch`` (default 8) by
 ``--seq-len`` (default the config's ``max_position_embeddings``, at most 2048); with
@@ -88,17 +89,27 @@ def load_config(target: str, pairs: Sequence[str] | None = None) -> Any:
 
 def workload(target: str, pairs: Sequence[str] | None = None, *, batch: int | None = None,
              seq_len: int | None = None, meta: bool = False) -> dict[str, Any]:
-    """What a factory returns, for the causal LM of ``target``'s config: ``model``,
+    """What a factory returns, for the causal (or sequence-to-sequence) LM of
+    ``target``'s config: ``model``,
     ``example_inputs`` (keyword tensors, labels among them), ``name`` and ``data``."""
     import torch
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, AutoModelForSeq2SeqLM
 
     config = load_config(target, pairs)
+    # An encoder-decoder (T5, BART) is its conditional generation model, fed the same
+    # batch: the decoder's inputs are the labels shifted right, as the model makes them.
+    seq2seq = bool(getattr(config, "is_encoder_decoder", False))
+    kind = "sequence-to-sequence LM" if seq2seq else "causal LM"
+    if seq2seq and getattr(config, "decoder_start_token_id", None) is None:
+        # A model type's bare config may lack it (T5's): the padding token, as T5 starts.
+        pad = getattr(config, "pad_token_id", None)
+        config.decoder_start_token_id = 0 if pad is None else pad
     try:
         with torch.device("meta") if meta else contextlib.nullcontext():
-            model = AutoModelForCausalLM.from_config(config)
+            model = (AutoModelForSeq2SeqLM if seq2seq else AutoModelForCausalLM
+                     ).from_config(config)
     except ValueError as error:
-        raise ValueError(f"{target}: {type(config).__name__} has no causal LM in "
+        raise ValueError(f"{target}: {type(config).__name__} has no {kind} in "
                          f"transformers ({str(error).splitlines()[0]}); write a factory "
                          "(file.py:factory) for other models") from None
     batch = batch or DEFAULT_BATCH
