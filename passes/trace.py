@@ -138,7 +138,26 @@ def counted_labels(model: nn.Module, kwargs: dict[str, Any]) -> str:
     "shifted", "tokens", or "samples" (a mean over the batch's samples)."""
     if "labels" not in kwargs:
         return "samples"
-    return _COUNTED_LABELS.get(getattr(model, "loss_type", None) or "", "samples")
+    loss_type = getattr(model, "loss_type", None) or ""
+    if loss_type == "ForConditionalGeneration":
+        # One name, two losses: transformers' mapping for it, a causal LM's (shifted),
+        # where the forward calls ``self.loss_function`` (LLaVA, Gemma 3, Qwen2-VL);
+        # an encoder-decoder's own cross-entropy over the labels as given otherwise
+        # (T5, BART, Whisper: their decoders read the labels shifted right).
+        if _calls_loss_function(model):
+            return "shifted"
+        if getattr(getattr(model, "config", None), "is_encoder_decoder", False):
+            return "tokens"
+    return _COUNTED_LABELS.get(loss_type, "samples")
+
+
+def _calls_loss_function(model: nn.Module) -> bool:
+    """Whether the model's forward, as written, calls ``self.loss_function``."""
+    try:
+        source = inspect.getsource(inspect.unwrap(type(model).forward))
+    except (OSError, TypeError):
+        return False
+    return "self.loss_function" in source
 
 
 def _own_loss_leaf(out_spec: pytree.TreeSpec) -> int | None:

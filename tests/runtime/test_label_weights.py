@@ -119,3 +119,27 @@ def test_a_microbatch_without_labels_is_refused():
     counts = torch.tensor([3.0, 2.0, 0.0, 0.0])
     with pytest.raises(partc.PartcError, match="1 of the step's 2 microbatches count no label"):
         label_weights.sample_weights(counts, microbatches=2, dp=1, replicas=1)
+
+
+@pytest.mark.parametrize("family", ["t5", "bart"])
+def test_an_encoder_decoders_own_loss_counts_its_labels_as_given(family):
+    """Seen before: a T5 or BART plan on its own loss weighed microbatches by their
+    samples ("ForConditionalGeneration" was no loss type partc knew), so labels padded
+    with -100 gave another loss than one device's. Their cross-entropy averages every
+    label not -100 (the decoder reads them shifted right, the loss does not)."""
+    torch.manual_seed(0)
+    model = hf_families.FAMILIES[family].build().model   # the model itself, by keyword
+    batch = padded(0, model)
+    del batch["position_ids"]
+    batch["decoder_attention_mask"] = batch["attention_mask"]
+    expected = model(**batch).loss.item()
+    program = partc.compile(model, example_inputs=batch,
+                            budget=partc.DeviceBudget(num_devices=1, device="CPU"),
+                            train=partc.TrainSpec(global_batch_size=B),
+                            constraints=partc.Constraints(num_microbatches=MICROBATCHES))
+    assert program.plan.model.own_loss == "tokens"
+    module = program.build()
+    try:
+        assert module.forward_backward(**batch).item() == pytest.approx(expected, rel=FP32)
+    finally:
+        module.close()
