@@ -382,10 +382,16 @@ def _inline_constants(gm: fx.GraphModule, model: nn.Module) -> None:
                 f"{value.numel()} elements ({node.target}, shape {tuple(value.shape)}) that "
                 "torch.export lifted out of the model: register it as a buffer of its "
                 "module so that each stage holds it")
-        with gm.graph.inserting_before(node):
+        # Made where it is first read, so it lies in the reader's layer: export puts its
+        # constants before everything, and one read by the fifth block would cross four.
+        order = {n: i for i, n in enumerate(gm.graph.nodes)}
+        first = min(node.users, key=order.__getitem__) if node.users else node
+        with gm.graph.inserting_before(first):
             call = gm.graph.call_function(torch.tensor, (value.tolist(),),
                                           {"dtype": value.dtype, "device": value.device})
         call.meta = dict(node.meta)
+        if "nn_module_stack" in first.meta:   # the reader's module, for its layer
+            call.meta["nn_module_stack"] = first.meta["nn_module_stack"]
         node.replace_all_uses_with(call)
         gm.graph.erase_node(node)
         delattr(gm.get_submodule(owner), attr)

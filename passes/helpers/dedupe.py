@@ -621,11 +621,14 @@ def _check_fan_out(node: fx.Node, users: set[int], blocks: dict[int, _Block],
 
 def expanded_cuts(gm: fx.GraphModule, expansion: Expansion, per_sample: float
                   ) -> tuple[tuple[float, ...], tuple[tuple[int, int, int], ...]]:
-    """The whole model's ``cut_bytes`` (per sample) and ``cut_tensors`` from ``gm``."""
+    """The whole model's ``cut_bytes`` (per sample) and ``cut_tensors`` from ``gm``: a
+    value's bytes in the dtype the runtime makes it in (:func:`partc.meta.run_bytes`), as
+    the whole model's trace counts them (under mixed precision the traced dtype is
+    float32: a 70B model's first cuts counted its bf16 hidden states twice over)."""
     spans = _spans(gm, expansion)
     num_layers = len(expansion.names)
     grads = carries_grad(gm)
-    cut_bytes = cut_sums([(meta.output_bytes(n), made, used) for n, made, used in spans],
+    cut_bytes = cut_sums([(meta.run_bytes(n), made, used) for n, made, used in spans],
                          num_layers)
     masks = shape_masks(gm)
     cut_tensors = cut_counts([(n in grads, n in masks, made, used) for n, made, used in spans

@@ -514,3 +514,33 @@ def test_phimoe_router_graphs_named_by_their_count_still_repeat():
     assert len(meta.layers(gm)) == len(full.layers) - 2
     assert len({layer.signature for layer in full.layers if ".layers." in layer.name}) == 1
     assert_same_analysis(analysis, full)
+
+
+def test_mixed_precision_cuts_expand_in_the_dtypes_the_runtime_sends():
+    """Seen before: under bf16 autocast on the meta device, the expanded first cuts
+    counted the embedding's bf16 output at its traced float32 bytes (Llama-3-70B's
+    first two cuts 1.8x the whole model's trace: a Falcon-40B plan 1% slower)."""
+    def build():
+        with torch.device("meta"):
+            return models.llama(n_layer=5)
+
+    ids = torch.zeros(2, 16, dtype=torch.long, device="meta")
+    _, full = analyze(build(), (ids,), loss_fn=models.causal_lm_loss, example_target=ids,
+                      full_trace=True, autocast=torch.bfloat16)
+    gm, analysis = analyze(build(), (ids,), loss_fn=models.causal_lm_loss,
+                           example_target=ids, autocast=torch.bfloat16)
+    assert len(meta.layers(gm)) < len(full.layers)
+    assert analysis.cut_bytes[0] < full.cut_bytes[-2]   # bf16 in, float32 residual later
+    assert_same_analysis(analysis, full)
+
+
+def test_a_constant_each_block_makes_stays_in_its_block():
+    """export lifts each block's constant (the 0 of ``y[:, 0] = 0``) and puts it before
+    every op; inlined where it is first read, it lies in its block's layer, so the
+    blocks repeat (they had been traced whole: each read a value made four layers
+    before) and a pipeline does not send it."""
+    build = lambda: models.SliceZero(width=16, depth=5, d_out=16)  # noqa: E731
+    (full_gm, full), (gm, analysis) = traced_both_ways(build, torch.randn(4, 16))
+    assert len(meta.layers(gm)) < len(full.layers)
+    assert [count for count, _, _ in full.cut_tensors] == [1] * len(full.cut_tensors)
+    assert_same_analysis(analysis, full)
