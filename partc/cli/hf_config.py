@@ -10,8 +10,8 @@ as JSON where they parse: ``2``, ``true``, ``[1, 2]``; else strings). Nothing is
 downloaded. The model is the config's causal LM (``AutoModelForCausalLM.from_config``, no
 KV cache; an encoder-decoder's sequence-to-sequence LM, ``AutoModelForSeq2SeqLM``, whose
 decoder reads the labels shifted right), built on the meta device for ``partc plan``
-(nothing allocated: a 70B config plans on a laptop) and with the seed's random weights for ``partc train``. Its example
-batch is what a tokenizer gives and the model is called with, ``model(**batch)``:
+(nothing allocated: a 70B config plans on a laptop) and with the seed's random weights
+for ``partc train``. Its example batch is what a tokenizer gives and the model is called with, ``model(**batch)``:
 ``input_ids``, ``attention_mask`` and ``labels`` of ``--global-batch`` (default 8) by
 ``--seq-len`` (default the config's ``max_position_embeddings``, at most 2048); with
 ``labels`` and no ``loss_fn`` the model trains on its own loss (``partc.runtime.label_weights``).
@@ -90,8 +90,8 @@ def load_config(target: str, pairs: Sequence[str] | None = None) -> Any:
 def workload(target: str, pairs: Sequence[str] | None = None, *, batch: int | None = None,
              seq_len: int | None = None, meta: bool = False) -> dict[str, Any]:
     """What a factory returns, for the causal (or sequence-to-sequence) LM of
-    ``target``'s config: ``model``,
-    ``example_inputs`` (keyword tensors, labels among them), ``name`` and ``data``."""
+    ``target``'s config: ``model``, ``example_inputs`` (keyword tensors, labels among
+    them), ``name`` and ``data``."""
     import torch
     from transformers import AutoModelForCausalLM, AutoModelForSeq2SeqLM
 
