@@ -11,10 +11,11 @@ downloaded. The model is the config's causal LM (``AutoModelForCausalLM.from_con
 KV cache; an encoder-decoder's sequence-to-sequence LM, ``AutoModelForSeq2SeqLM``, whose
 decoder reads the labels shifted right), built on the meta device for ``partc plan``
 (nothing allocated: a 70B config plans on a laptop) and with the seed's random weights
-for ``partc train``. Its example batch is what a tokenizer gives and the model is called with, ``model(**batch)``:
-``input_ids``, ``attention_mask`` and ``labels`` of ``--global-batch`` (default 8) by
-``--seq-len`` (default the config's ``max_position_embeddings``, at most 2048); with
-``labels`` and no ``loss_fn`` the model trains on its own loss (``partc.runtime.label_weights``).
+for ``partc train``. Its example batch is what a tokenizer gives and the model is
+called with, ``model(**batch)``: ``input_ids``, ``attention_mask`` and ``labels`` of
+``--global-batch`` (default 8) by ``--seq-len`` (default the config's
+``max_position_embeddings``, at most 2048); with ``labels`` and no ``loss_fn`` the model
+trains on its own loss (``partc.runtime.label_weights``).
 
 Until a data flag gives real text, ``partc train`` feeds such a model random tokens,
 the same for a step on every rank and every run (``data(step)``, seeded by the step).
