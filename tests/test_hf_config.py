@@ -91,6 +91,25 @@ def test_a_config_that_is_not_there_is_refused_in_one_line(tmp_path, capsys, tar
     assert code == 2 and says in err and err.count("\n") == 1, err
 
 
+def test_a_config_the_model_cannot_be_built_from_is_refused_in_one_line(capsys):
+    """Seen before: a traceback where some model types' bare configs leave a field
+    ``None`` that their code then multiplies (Ministral's ``head_dim``, dots.llm1's
+    ``n_shared_experts``). A model that cannot be built from the config, or a value the
+    config refuses: one line naming the error (and the flag), exit status 2."""
+    code = main(["plan", "llama", "--hf-config", *TINY, "hidden_act=no-such-activation",
+                 "--devices", "1", "-q"])
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1, err
+    assert "transformers could not build the model from this config (KeyError" in err
+    assert "--hf-config KEY=VALUE" in err
+    # A value the config's own checks refuse: one line too.
+    code = main(["plan", "llama", "--hf-config", *TINY, "intermediate_size=null",
+                 "--devices", "1", "-q"])
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1, err
+    assert "llama: transformers refused the config" in err
+
+
 def test_overrides_read_json_values():
     assert hf_config.overrides(["a=2", "b=true", "c=silu", "d=[1, 2]"]) == {
         "a": 2, "b": True, "c": "silu", "d": [1, 2]}

@@ -78,14 +78,19 @@ def load_config(target: str, pairs: Sequence[str] | None = None) -> Any:
 
     fields = {**overrides(pairs), "use_cache": False}
     file = config_file(target)
-    if file is not None:
-        return AutoConfig.from_pretrained(str(file), local_files_only=True, **fields)
-    if target not in CONFIG_MAPPING:
+    if file is None and target not in CONFIG_MAPPING:
         close = difflib.get_close_matches(target, list(CONFIG_MAPPING.keys()), n=3)
         hint = f" (did you mean {' or '.join(close)}?)" if close else ""
         raise ValueError(f"{target!r} is no model type transformers knows{hint}, no "
                          "directory with config.json and no file.py:factory")
-    return AutoConfig.for_model(target, **fields)
+    try:
+        if file is not None:
+            return AutoConfig.from_pretrained(str(file), local_files_only=True, **fields)
+        return AutoConfig.for_model(target, **fields)
+    except Exception as error:   # a field's value the config's own checks refuse
+        first = str(error).splitlines()[0] if str(error) else ""
+        raise ValueError(f"{target}: transformers refused the config "
+                         f"({type(error).__name__}: {first})") from error
 
 
 def workload(target: str, pairs: Sequence[str] | None = None, *, batch: int | None = None,
@@ -105,14 +110,18 @@ def workload(target: str, pairs: Sequence[str] | None = None, *, batch: int | No
         # A model type's bare config may lack it (T5's): the padding token, as T5 starts.
         pad = getattr(config, "pad_token_id", None)
         config.decoder_start_token_id = 0 if pad is None else pad
+    auto = AutoModelForSeq2SeqLM if seq2seq else AutoModelForCausalLM
+    if type(config) not in auto._model_mapping:
+        raise ValueError(f"{target}: {type(config).__name__} has no {kind} in "
+                         "transformers; write a factory (file.py:factory) for other models")
     try:
         with torch.device("meta") if meta else contextlib.nullcontext():
-            model = (AutoModelForSeq2SeqLM if seq2seq else AutoModelForCausalLM
-                     ).from_config(config)
-    except ValueError as error:
-        raise ValueError(f"{target}: {type(config).__name__} has no {kind} in "
-                         f"transformers ({str(error).splitlines()[0]}); write a factory "
-                         "(file.py:factory) for other models") from None
+            model = auto.from_config(config)
+    except Exception as error:   # the model's own code, on a config it does not expect
+        first = str(error).splitlines()[0] if str(error) else ""
+        raise ValueError(f"{target}: transformers could not build the model from this "
+                         f"config ({type(error).__name__}: {first}); a field its code "
+                         "reads may be unset: give it with --hf-config KEY=VALUE") from error
     batch = batch or DEFAULT_BATCH
     seq_len = seq_len or min(getattr(config, "max_position_embeddings", MAX_DEFAULT_SEQ),
                              MAX_DEFAULT_SEQ)
