@@ -36,7 +36,8 @@ from partc import meta
 from partc.errors import TraceError
 from partc.passes.context import Context
 from partc.passes.context_parallel import shape_masks
-from partc.passes.helpers.graph import attribute_key, carries_grad, mutated_inputs, op_name
+from partc.passes.helpers.graph import (attribute_key, carries_grad, mutated_inputs,
+                                         nested_graph, op_name)
 
 ROOT_LAYER = "root"
 OUTPUT_LAYER = "output"
@@ -451,8 +452,7 @@ def _attribute(node: fx.Node, prefix: str) -> Any:
     graph, which export names by its count in the whole trace:
     :func:`~partc.passes.helpers.graph.attribute_key`)."""
     gm = node.graph.owning_module
-    if meta.params(node) and not isinstance(getattr(gm, str(node.target), None),
-                                            fx.GraphModule):
+    if meta.params(node) and not nested_graph(gm, node):
         return ("p", _relative(str(node.target), prefix))
     return attribute_key(gm, node)
 

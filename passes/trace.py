@@ -371,6 +371,7 @@ def _inline_constants(gm: fx.GraphModule, model: nn.Module) -> None:
     """
     own = {name for name, _ in model.named_parameters(remove_duplicate=False)}
     own |= {name for name, _ in model.named_buffers(remove_duplicate=False)}
+    order = {n: i for i, n in enumerate(gm.graph.nodes)}   # the readers' places
     for node in [n for n in gm.graph.nodes if n.op == "get_attr" and n.target not in own]:
         owner, _, attr = str(node.target).rpartition(".")
         value = getattr(gm.get_submodule(owner), attr)
@@ -384,7 +385,6 @@ def _inline_constants(gm: fx.GraphModule, model: nn.Module) -> None:
                 "module so that each stage holds it")
         # Made where it is first read, so it lies in the reader's layer: export puts its
         # constants before everything, and one read by the fifth block would cross four.
-        order = {n: i for i, n in enumerate(gm.graph.nodes)}
         first = min(node.users, key=order.__getitem__) if node.users else node
         with gm.graph.inserting_before(first):
             call = gm.graph.call_function(torch.tensor, (value.tolist(),),

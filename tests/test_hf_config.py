@@ -12,6 +12,7 @@ import torch
 from partc.cli import hf_config, launcher
 from partc.cli.config import TrainConfig
 from partc.cli.main import main
+from tests.tolerances import FP32
 
 TINY = ["hidden_size=64", "intermediate_size=128", "num_attention_heads=4",
         "num_key_value_heads=2", "vocab_size=128", "num_hidden_layers=1"]
@@ -142,4 +143,4 @@ def test_an_encoder_decoder_is_its_sequence_to_sequence_lm(capsys):
     config = TrainConfig(target="t5", steps=1, plan={"global_batch": 4})
     module = launcher.compile_workload(config, workload, 1).build()
     torch.testing.assert_close(module.forward_backward(**batch), expected.detach(),
-                               rtol=1e-5, atol=1e-6)
+                               rtol=FP32, atol=0)

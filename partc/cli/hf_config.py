@@ -88,9 +88,14 @@ def load_config(target: str, pairs: Sequence[str] | None = None) -> Any:
             return AutoConfig.from_pretrained(str(file), local_files_only=True, **fields)
         return AutoConfig.for_model(target, **fields)
     except Exception as error:   # a field's value the config's own checks refuse
-        first = str(error).splitlines()[0] if str(error) else ""
         raise ValueError(f"{target}: transformers refused the config "
-                         f"({type(error).__name__}: {first})") from error
+                         f"({_first_line(error)})") from error
+
+
+def _first_line(error: Exception) -> str:
+    """``Type: first line of the message``, for a one-line error."""
+    lines = str(error).splitlines()
+    return f"{type(error).__name__}: {lines[0] if lines else ''}"
 
 
 def workload(target: str, pairs: Sequence[str] | None = None, *, batch: int | None = None,
@@ -118,9 +123,8 @@ def workload(target: str, pairs: Sequence[str] | None = None, *, batch: int | No
         with torch.device("meta") if meta else contextlib.nullcontext():
             model = auto.from_config(config)
     except Exception as error:   # the model's own code, on a config it does not expect
-        first = str(error).splitlines()[0] if str(error) else ""
         raise ValueError(f"{target}: transformers could not build the model from this "
-                         f"config ({type(error).__name__}: {first}); a field its code "
+                         f"config ({_first_line(error)}); a field its code "
                          "reads may be unset: give it with --hf-config KEY=VALUE") from error
     batch = batch or DEFAULT_BATCH
     seq_len = seq_len or min(getattr(config, "max_position_embeddings", MAX_DEFAULT_SEQ),

@@ -66,7 +66,7 @@ from torch import fx, nn
 from partc import meta
 from partc.passes.context_parallel import shape_masks
 from partc.passes.helpers import segments
-from partc.passes.helpers.graph import carries_grad, op_name, param_usage
+from partc.passes.helpers.graph import carries_grad, nested_graph, op_name, param_usage
 from partc.passes.layers import crossing_users, cut_counts, cut_sums, is_repeated
 from partc.problem import LayerCost, ModelAnalysis, TPOption
 
@@ -443,7 +443,7 @@ def _check_params(gm: fx.GraphModule, blocks: dict[int, _Block]) -> None:
     """A block's layer uses its own parameters only, and no other layer uses them."""
     prefixes = {index: b.repeat.prefix(b.position) + "." for index, b in blocks.items()}
     for node in gm.graph.nodes:
-        if node.op not in ("get_attr", "call_module") or _nested_graph(gm, node):
+        if node.op not in ("get_attr", "call_module") or nested_graph(gm, node):
             continue
         users = node.users if node.op == "get_attr" else [node]
         for fqn in meta.params(node):
@@ -453,15 +453,6 @@ def _check_params(gm: fx.GraphModule, blocks: dict[int, _Block]) -> None:
                 if (index in blocks or owner is not None) and owner != index:
                     raise Mismatch(f"{fqn} is used outside its block (layer "
                                    f"{meta.layer(user).name})")
-
-
-def _nested_graph(gm: fx.GraphModule, node: fx.Node) -> bool:
-    """Whether ``node`` fetches a graph a higher-order op runs (PhiMoE's router runs
-    part of itself without gradients: ``wrap_with_set_grad_enabled`` and its
-    ``submod_<n>``), which holds no parameter: export numbers those graphs through the
-    whole model, so a block's is named by its place in the trace, not in the block."""
-    return node.op == "get_attr" and isinstance(
-        getattr(gm, str(node.target), None), fx.GraphModule)
 
 
 def _check_kinds(gm: fx.GraphModule, blocks: dict[int, _Block]) -> None:
@@ -570,6 +561,9 @@ def _spans(gm: fx.GraphModule, expansion: Expansion) -> list[tuple[fx.Node, int,
     """Each crossing of the whole model: (traced node, layer made, last layer using)."""
     result = []
     blocks, targets = expansion.blocks, expansion.targets
+    stacks: dict[int, set[int]] = {}   # per repeat: the whole model's layers of its blocks
+    for index, b in blocks.items():
+        stacks.setdefault(id(b.repeat), set()).update(targets[index])
     for node, made, users in crossing_users(gm):
         block = blocks.get(made) if node.op != "placeholder" else None
         later = {u for u in users if u != made}
@@ -594,8 +588,7 @@ def _spans(gm: fx.GraphModule, expansion: Expansion) -> list[tuple[fx.Node, int,
         if not last and later != {made + 1} and not further:
             raise Mismatch(f"{node.name}, made in block {prefix}, is used beyond the next "
                            "layer")
-        stack = {t for index, b in blocks.items() if b.repeat is block.repeat
-                 for t in targets[index]}
+        stack = stacks[id(block.repeat)]
         for own in targets[made]:
             used = own + max(later) - made if not last else \
                 max(t for u in later for t in targets[u])

@@ -283,6 +283,13 @@ def fetch(gm: fx.GraphModule, target: str) -> torch.Tensor:
     return getattr(gm.get_submodule(owner) if owner else gm, attr)
 
 
+def nested_graph(gm: fx.GraphModule, node: fx.Node) -> bool:
+    """Whether ``node`` fetches a graph a higher-order op runs (export's ``submod_<n>``,
+    numbered through the whole trace: PhiMoE's router runs part of itself without
+    gradients in one), which is no parameter however ``meta.PARAMS`` lists it."""
+    return node.op == "get_attr" and isinstance(fetch(gm, str(node.target)), fx.GraphModule)
+
+
 # How a traced graph calls a linear: torch's function (export and fx keep it) or aten's.
 LINEARS = (torch._C._nn.linear, torch.ops.aten.linear.default)
 
