@@ -21,6 +21,7 @@ the weights), so that the step's loss is the whole batch's mean, as on one devic
 from __future__ import annotations
 
 import inspect
+import logging
 import operator
 import os
 import traceback
@@ -36,6 +37,9 @@ from partc import meta
 from partc.errors import TraceError
 from partc.identity import param_fqns
 from partc.passes.context import Context
+from partc.passes.helpers import loss_labels
+
+log = logging.getLogger("partc")
 
 LOSS_MODULE = "loss"
 # What transformers' loss functions, by ``model.loss_type``, average over: "shifted" the
@@ -115,7 +119,8 @@ def trace(model: nn.Module, example_inputs: Any, *, kwargs: dict | None = None,
         tracer=tracer, num_inputs=len(names) - (loss_fn is not None), input_names=names,
         out_spec=out_spec, has_loss=loss_fn is not None, batch_size=batch,
         keywords=tuple(kwargs),
-        own_loss=None if own_loss is None else counted_labels(model, kwargs)))
+        own_loss=None if own_loss is None else counted_labels(model, kwargs, gm,
+                                                              len(names) - len(kwargs) - 1)))
     ctx = Context(model=model, name=name or type(model).__name__, fake_mode=fake_mode,
                   fake_inputs=tuple(inputs), fake_target=target, batch_size=batch,
                   param_fqns=param_fqns(model))
@@ -133,11 +138,38 @@ def in_signature_order(model: nn.Module, kwargs: dict[str, Any]) -> dict[str, An
     return dict(sorted(kwargs.items(), key=lambda item: position.get(item[0], len(order))))
 
 
-def counted_labels(model: nn.Module, kwargs: dict[str, Any]) -> str:
-    """Which labels the model's own loss averages over (see ``_COUNTED_LABELS``):
-    "shifted", "tokens", or "samples" (a mean over the batch's samples)."""
+def counted_labels(model: nn.Module, kwargs: dict[str, Any],
+                   gm: fx.GraphModule | None = None, first_keyword: int = 0) -> str:
+    """Which labels the model's own loss averages over: "shifted", "tokens", or "samples"
+    (a mean over the batch's samples). Read from ``gm``'s graph where it shows
+    (:func:`~partc.passes.helpers.loss_labels.counted_in_graph`: the ops between the
+    ``labels`` input and the loss's cross-entropy; ``first_keyword`` is the position of
+    the first keyword input among the placeholders); else guessed from the model's
+    ``loss_type`` (see ``_COUNTED_LABELS``), with a warning that the guess may be wrong."""
     if "labels" not in kwargs:
         return "samples"
+    guess = _counted_by_name(model)
+    if gm is None:
+        return guess
+    loss = next(node for node in gm.graph.nodes if meta.role(node) == meta.ROLE_LOSS)
+    placeholders = [node for node in gm.graph.nodes if node.op == "placeholder"]
+    labels = placeholders[first_keyword + list(kwargs).index("labels")]
+    seen = loss_labels.counted_in_graph(gm, loss.args[0], labels,
+                                        tuple(kwargs["labels"].shape))
+    if seen.kind != "unknown":
+        return seen.kind
+    log.warning(
+        "%s's own loss: partc cannot tell which labels it averages over (%s); it "
+        "weighs microbatches as if %s, and the step's loss equals one device's only if "
+        "that is so. Give compile a loss_fn to be sure.", type(model).__name__, seen.why,
+        {"shifted": "a mean over labels[:, 1:] not -100",
+         "tokens": "a mean over the labels not -100",
+         "samples": "a mean over samples"}[guess])
+    return guess
+
+
+def _counted_by_name(model: nn.Module) -> str:
+    """What the model's ``loss_type`` says its loss averages over."""
     loss_type = getattr(model, "loss_type", None) or ""
     if loss_type == "ForConditionalGeneration":
         # One name, two losses: transformers' mapping for it, a causal LM's (shifted),

@@ -32,9 +32,9 @@ from partc.errors import PartcError
 def label_counts(labels: torch.Tensor, counted: str) -> torch.Tensor:
     """Per sample, the labels the loss averages over (float64; "samples": 1 each)."""
     if counted == "shifted":
-        return (labels[:, 1:] != -100).flatten(1).sum(1).double()
-    if counted == "tokens":
-        return (labels != -100).flatten(1).sum(1).double()
+        return (labels[:, 1:] != -100).reshape(len(labels), -1).sum(1).double()
+    if counted == "tokens":   # also one label per sample: (batch,)
+        return (labels != -100).reshape(len(labels), -1).sum(1).double()
     return torch.ones(labels.shape[0], dtype=torch.float64)
 
 

@@ -143,3 +143,61 @@ def test_an_encoder_decoders_own_loss_counts_its_labels_as_given(family):
         assert module.forward_backward(**batch).item() == pytest.approx(expected, rel=FP32)
     finally:
         module.close()
+
+
+def test_a_causal_lm_that_reads_its_labels_unshifted_counts_every_label():
+    """Seen before: ``BartForCausalLM`` is named a causal LM, so its labels were counted
+    shifted (``labels[:, 1:]``), but its cross-entropy reads them as given: a plan over
+    padded microbatches trained on another loss than one device's. Which labels count
+    is now read from the trace (partc/passes/helpers/loss_labels.py)."""
+    import transformers
+
+    torch.manual_seed(0)
+    config = transformers.BartConfig(
+        d_model=32, encoder_attention_heads=2, decoder_attention_heads=2, encoder_layers=1,
+        decoder_layers=2, encoder_ffn_dim=64, decoder_ffn_dim=64, vocab_size=hf_families.VOCAB,
+        max_position_embeddings=64, use_cache=False, dropout=0.0, attention_dropout=0.0,
+        activation_dropout=0.0, pad_token_id=0)
+    model = transformers.BartForCausalLM(config)
+    assert model.loss_type == "ForCausalLM"
+    batch = padded(0, model)
+    del batch["position_ids"]
+    expected = model(**batch).loss.item()
+    program = partc.compile(model, example_inputs=batch,
+                            budget=partc.DeviceBudget(num_devices=1, device="CPU"),
+                            train=partc.TrainSpec(global_batch_size=B),
+                            constraints=partc.Constraints(num_microbatches=MICROBATCHES))
+    assert program.plan.model.own_loss == "tokens"
+    module = program.build()
+    try:
+        assert module.forward_backward(**batch).item() == pytest.approx(expected, rel=FP32)
+    finally:
+        module.close()
+
+
+def test_a_loss_over_another_input_than_labels_is_said_not_guessed(caplog):
+    """BERT's pre-training loss adds a mean over masked tokens (``labels``) and one over
+    samples (``next_sentence_label``): no weight per microbatch makes that one device's
+    loss, and the log says so rather than weighing by one of them in silence."""
+    import transformers
+
+    from partc import meta
+    from partc.passes.trace import trace
+
+    config = transformers.BertConfig(hidden_size=32, num_attention_heads=2,
+                                     num_hidden_layers=1, intermediate_size=64,
+                                     vocab_size=hf_families.VOCAB)
+    ids = torch.randint(1, hf_families.VOCAB, (2, 8))
+    with caplog.at_level("WARNING", logger="partc"):
+        gm, _ = trace(transformers.BertForPreTraining(config), (),
+                      kwargs=dict(input_ids=ids, labels=ids,
+                                  next_sentence_label=torch.tensor([0, 1])))
+    assert "made from next_sentence_label, not from labels" in caplog.text
+    assert meta.trace_info(gm).own_loss == "samples"   # the name's guess, said
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="partc"):
+        gm, _ = trace(transformers.BertForSequenceClassification(config), (),
+                      kwargs=dict(input_ids=ids, labels=torch.tensor([0, 1])))
+    assert "cannot tell" not in caplog.text and meta.trace_info(gm).own_loss == "tokens"
+    # One label per sample, -100 not counted.
+    assert label_weights.label_counts(torch.tensor([3, -100]), "tokens").tolist() == [1, 0]
