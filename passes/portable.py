@@ -32,14 +32,26 @@ DEVICE_NODE = "input_device"
 
 
 def drop_assertions(gm: fx.GraphModule, ctx: Context | None = None) -> fx.GraphModule:
-    """Erase export's metadata assertions (``aten._assert_*`` calls nothing reads).
+    """Erase export's metadata assertions (``aten._assert_*`` calls nothing reads), and
+    what only they read: a check of the inputs' values (LLaVA's "as many image tokens as
+    image features": a sum, ``_is_all_true``, ``item``, a ``sym_ite``) would otherwise
+    ask fake tensors for a value they do not have.
 
     Reads: nothing. Writes: nothing.
-    Ensures: no ``aten._assert_*`` node without users in ``gm`` or its nested modules.
+    Ensures: no ``aten._assert_*`` node without users in ``gm`` or its nested modules,
+    nor a pure node whose only readers were such assertions.
     """
     for module in _graph_modules(gm):
+        read: list[fx.Node] = []
         for node in list(module.graph.nodes):
             if is_assertion(node) and not node.users:
+                read.extend(node.all_input_nodes)
+                module.graph.erase_node(node)
+        while read:
+            node = read.pop()
+            if node.graph is module.graph and not node.users \
+                    and node.op == "call_function" and not node.is_impure():
+                read.extend(node.all_input_nodes)
                 module.graph.erase_node(node)
         module.recompile()
     return gm

@@ -50,15 +50,22 @@ _COUNTED_LABELS = {"ForCausalLM": "shifted", "ForMaskedLM": "tokens",
 
 
 class LossCall(nn.Module):
-    """Calls ``loss_fn(output, target)`` with the model's output in its own structure."""
+    """Calls ``loss_fn(output, target)`` with the model's output in its own structure.
+    ``constants``: the output's leaves that are no traced value (a None field), by
+    position; the call is given the others, in order, then the target."""
 
-    def __init__(self, loss_fn: Callable, out_spec: pytree.TreeSpec) -> None:
+    def __init__(self, loss_fn: Callable, out_spec: pytree.TreeSpec,
+                 constants: dict[int, Any] | None = None) -> None:
         super().__init__()
         self.loss_fn = loss_fn
         self.out_spec = out_spec
+        self.constants = dict(constants or {})
 
     def forward(self, *leaves_and_target: Any) -> torch.Tensor:
-        *leaves, target = leaves_and_target
+        *given, target = leaves_and_target
+        values = iter(given)
+        leaves = [self.constants[i] if i in self.constants else next(values)
+                  for i in range(len(given) + len(self.constants))]
         return self.loss_fn(pytree.tree_unflatten(leaves, self.out_spec), target)
 
 
@@ -497,7 +504,9 @@ def _append_loss(gm: fx.GraphModule, loss_fn: Callable, out_spec: pytree.TreeSpe
     leaves = list(output.args[0]) if isinstance(output.args[0], tuple) else [output.args[0]]
     if only is not None:
         leaves, out_spec = [leaves[only]], pytree.tree_flatten(0)[1]
-    gm.add_submodule(name, LossCall(loss_fn, out_spec))
+    constants = {i: leaf for i, leaf in enumerate(leaves) if not isinstance(leaf, fx.Node)}
+    leaves = [leaf for leaf in leaves if isinstance(leaf, fx.Node)]
+    gm.add_submodule(name, LossCall(loss_fn, out_spec, constants))
     last_input = [n for n in gm.graph.nodes if n.op == "placeholder"][-1]
     with gm.graph.inserting_after(last_input):
         target = gm.graph.placeholder("target")

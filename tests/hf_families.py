@@ -9,7 +9,9 @@ inputs and loss are:
 - ``hidden``: an encoder, ``model(ids).last_hidden_state`` against a float target;
 - ``pixels``: a vision encoder, ``model(images).last_hidden_state`` likewise;
 - ``seq2seq``: an encoder-decoder, ``model(ids, decoder_ids).logits`` against tokens;
-- ``audio``: a speech encoder-decoder, ``model(features, decoder_ids).logits`` likewise.
+- ``audio``: a speech encoder-decoder, ``model(features, decoder_ids).logits`` likewise;
+- ``vlm``: a vision-language model, ``model(ids, images).logits`` against the next
+  tokens, each image's features in place of its image tokens.
 
 ``benchmarks/hf_coverage.py`` compiles and trains every family under pp=2 and tp=2;
 ``tests/runtime/worker.py`` registers them as cases ``hf-<family>-pp2`` / ``-tp2``.
@@ -212,6 +214,16 @@ FAMILIES: dict[str, Family] = {
                         decoder_ffn_dim=2 * HIDDEN, vocab_size=VOCAB,
                         max_position_embeddings=POSITIONS, decoder_start_token_id=0,
                         **_COMMON)),
+    # A CLIP vision tower and a projector feed a Llama: the image's features take the
+    # place of its tokens (a scatter by a mask of the ids), checked by a value assert.
+    "llava": Family("LlavaConfig", "LlavaForConditionalGeneration", "vlm",
+                    dict(vision_config=dict(model_type="clip_vision_model", hidden_size=32,
+                                            num_attention_heads=2, num_hidden_layers=LAYERS,
+                                            intermediate_size=HIDDEN, image_size=16,
+                                            patch_size=8, num_channels=3),
+                         text_config=dict(_DECODER, model_type="llama"),
+                         image_token_id=VOCAB - 1, vision_feature_layer=-1,
+                         vision_feature_select_strategy="full")),
     "t5": Family("T5Config", "T5ForConditionalGeneration", "seq2seq",
                  dict(d_model=HIDDEN, d_kv=16, d_ff=2 * HIDDEN, num_heads=HEADS,
                       num_layers=LAYERS, num_decoder_layers=LAYERS, vocab_size=VOCAB,
@@ -222,7 +234,7 @@ FAMILIES: dict[str, Family] = {
 
 def loss_for(data: str) -> Callable:
     return {"tokens": causal_lm_loss, "hidden": hidden_mse, "pixels": hidden_mse,
-            "seq2seq": logits_loss, "audio": logits_loss}[data]
+            "seq2seq": logits_loss, "audio": logits_loss, "vlm": causal_lm_loss}[data]
 
 
 def causal_lm_loss(output, target: torch.Tensor) -> torch.Tensor:
@@ -279,4 +291,12 @@ def batch(data: str, model: nn.Module, batch_size: int, seq: int,
         frames = 2 * config.max_source_positions  # the encoder's convolutions halve them
         features = torch.randn(batch_size, config.num_mel_bins, frames, generator=generator)
         return (features, ids), next_ids
+    if data == "vlm":
+        vision = config.vision_config
+        side = vision.image_size
+        images = torch.randn(batch_size, vision.num_channels, side, side, generator=generator)
+        features = (side // vision.patch_size) ** 2 + 1   # and the class token
+        ids = ids.masked_fill(ids == config.image_token_id, 1)   # image tokens: these alone
+        ids[:, 1:1 + features] = config.image_token_id
+        return (ids, images), next_ids
     raise ValueError(f"unknown data kind {data!r}")
