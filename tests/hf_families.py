@@ -27,8 +27,8 @@ import torch.nn.functional as F
 from torch import nn
 
 HIDDEN, HEADS, KV_HEADS, LAYERS, VOCAB, POSITIONS = 64, 4, 2, 2, 128, 64
-# Every key of a config that names a dropout probability.
-_DROPOUT_WORDS = ("dropout", "pdrop")
+# Every key of a config that names a dropout probability (stochastic depth's included).
+_DROPOUT_WORDS = ("dropout", "pdrop", "drop_path")
 
 
 @dataclass(frozen=True)
@@ -73,6 +73,9 @@ _DECODER = dict(hidden_size=HIDDEN, num_attention_heads=HEADS, num_key_value_hea
                 intermediate_size=2 * HIDDEN, vocab_size=VOCAB, num_hidden_layers=LAYERS,
                 max_position_embeddings=POSITIONS, **_COMMON)
 _MOE = dict(num_experts_per_tok=2, output_router_logits=False)
+_SIGLIP = dict(model_type="siglip_vision_model", hidden_size=32, num_attention_heads=2,
+               num_hidden_layers=LAYERS, intermediate_size=HIDDEN, image_size=16,
+               patch_size=8, num_channels=3)
 
 FAMILIES: dict[str, Family] = {
     "llama": Family("LlamaConfig", "LlamaForCausalLM", "tokens", _DECODER),
@@ -138,6 +141,30 @@ FAMILIES: dict[str, Family] = {
     "hunyuan": Family("HunYuanDenseV1Config", "HunYuanDenseV1ForCausalLM", "tokens",
                       dict(_DECODER, head_dim=16)),
     "bitnet": Family("BitNetConfig", "BitNetForCausalLM", "tokens", _DECODER),
+    # More decoders: multi-query attention (StarCoder 1), ALiBi (MPT), sinusoidal
+    # positions (XGLM), short convolutions (LFM2), differential attention (DiffLlama).
+    "gpt-bigcode": Family("GPTBigCodeConfig", "GPTBigCodeForCausalLM", "tokens",
+                          dict(n_embd=HIDDEN, n_head=HEADS, n_layer=LAYERS, vocab_size=VOCAB,
+                               n_positions=POSITIONS, multi_query=True, **_COMMON)),
+    "mpt": Family("MptConfig", "MptForCausalLM", "tokens",
+                  dict(d_model=HIDDEN, n_heads=HEADS, n_layers=LAYERS, vocab_size=VOCAB,
+                       max_seq_len=POSITIONS, **_COMMON)),
+    "codegen": Family("CodeGenConfig", "CodeGenForCausalLM", "tokens",
+                      dict(n_embd=HIDDEN, n_head=HEADS, n_layer=LAYERS, vocab_size=VOCAB,
+                           n_positions=POSITIONS, rotary_dim=8, n_ctx=POSITIONS, **_COMMON)),
+    "persimmon": Family("PersimmonConfig", "PersimmonForCausalLM", "tokens",
+                        dict(_DECODER, num_key_value_heads=HEADS)),
+    "xglm": Family("XGLMConfig", "XGLMForCausalLM", "tokens",
+                   dict(d_model=HIDDEN, attention_heads=HEADS, num_layers=LAYERS, ffn_dim=2 * HIDDEN,
+                        vocab_size=VOCAB, max_position_embeddings=POSITIONS, **_COMMON)),
+    "cohere2": Family("Cohere2Config", "Cohere2ForCausalLM", "tokens",
+                      dict(_DECODER, sliding_window=8)),
+    "lfm2": Family("Lfm2Config", "Lfm2ForCausalLM", "tokens", _DECODER),
+    "doge": Family("DogeConfig", "DogeForCausalLM", "tokens", _DECODER),
+    "vaultgemma": Family("VaultGemmaConfig", "VaultGemmaForCausalLM", "tokens",
+                         dict(_DECODER, head_dim=16, sliding_window=8)),
+    "diffllama": Family("DiffLlamaConfig", "DiffLlamaForCausalLM", "tokens", _DECODER),
+    "nanochat": Family("NanoChatConfig", "NanoChatForCausalLM", "tokens", _DECODER),
     "mixtral": Family("MixtralConfig", "MixtralForCausalLM", "tokens",
                       dict(_DECODER, num_local_experts=4, **_MOE)),
     "qwen2-moe": Family("Qwen2MoeConfig", "Qwen2MoeForCausalLM", "tokens",
@@ -168,6 +195,42 @@ FAMILIES: dict[str, Family] = {
     "llama4": Family("Llama4TextConfig", "Llama4ForCausalLM", "tokens",
                      dict(_DECODER, head_dim=16, num_local_experts=4,   # top-1, as Llama 4
                           intermediate_size_mlp=2 * HIDDEN, **dict(_MOE, num_experts_per_tok=1))),
+    # More mixture-of-experts models: shared experts (GLM-4.5, dots.llm1), dense first
+    # layers (ERNIE 4.5), a linear-attention layer beside a softmax one (MiniMax).
+    "ernie4_5-moe": Family("Ernie4_5_MoeConfig", "Ernie4_5_MoeForCausalLM", "tokens",
+                           dict(_DECODER, head_dim=16, moe_num_experts=4, moe_k=2,
+                                moe_intermediate_size=HIDDEN, moe_layer_start_index=1,
+                                output_router_logits=False)),
+    "glm4-moe": Family("Glm4MoeConfig", "Glm4MoeForCausalLM", "tokens",
+                       dict(_DECODER, head_dim=16, n_routed_experts=4, n_shared_experts=1,
+                            moe_intermediate_size=HIDDEN, first_k_dense_replace=1, n_group=1,
+                            topk_group=1, **_MOE)),
+    "dots1": Family("Dots1Config", "Dots1ForCausalLM", "tokens",
+                    dict(_DECODER, head_dim=16, n_routed_experts=4, n_shared_experts=1,
+                         moe_intermediate_size=HIDDEN, first_k_dense_replace=1, n_group=1,
+                         topk_group=1, **_MOE)),
+    "hunyuan-moe": Family("HunYuanMoEV1Config", "HunYuanMoEV1ForCausalLM", "tokens",
+                          dict(_DECODER, head_dim=16, num_experts=4, moe_topk=2)),
+    "minimax": Family("MiniMaxConfig", "MiniMaxForCausalLM", "tokens",
+                      dict(_DECODER, head_dim=16, num_local_experts=4, **_MOE)),
+    "minimax-m2": Family("MiniMaxM2Config", "MiniMaxM2ForCausalLM", "tokens",
+                         dict(_DECODER, head_dim=16, num_local_experts=4, **_MOE)),
+    "granitemoe-shared": Family("GraniteMoeSharedConfig", "GraniteMoeSharedForCausalLM", "tokens",
+                                dict(_DECODER, num_local_experts=4, shared_intermediate_size=HIDDEN, **_MOE)),
+    "flex-olmo": Family("FlexOlmoConfig", "FlexOlmoForCausalLM", "tokens",
+                        dict(_DECODER, num_experts=4, **_MOE)),
+    # Recurrent: RG-LRU blocks between local attention (RecurrentGemma), selective state
+    # spaces (Mamba, Mamba-2's chunked scan).
+    "recurrent-gemma": Family("RecurrentGemmaConfig", "RecurrentGemmaForCausalLM", "tokens",
+                              dict(hidden_size=HIDDEN, num_attention_heads=HEADS, num_key_value_heads=KV_HEADS,
+                                   intermediate_size=2 * HIDDEN, vocab_size=VOCAB, num_hidden_layers=3,
+                                   lru_width=HIDDEN, attention_window_size=8, **_COMMON)),
+    "mamba": Family("MambaConfig", "MambaForCausalLM", "tokens",
+                    dict(hidden_size=HIDDEN, state_size=8, num_hidden_layers=LAYERS, vocab_size=VOCAB,
+                         **_COMMON)),
+    "mamba2": Family("Mamba2Config", "Mamba2ForCausalLM", "tokens",
+                     dict(hidden_size=HIDDEN, state_size=8, num_heads=8, head_dim=16, n_groups=1,
+                          num_hidden_layers=LAYERS, vocab_size=VOCAB, chunk_size=8, **_COMMON)),
     # Not here: PhiMoE, whose router samples its experts in training (Gumbel noise and
     # a random midpoint mask): its runs draw other numbers than one process does.
     # Encoders, vision, encoder-decoders.
@@ -196,11 +259,38 @@ FAMILIES: dict[str, Family] = {
                            num_attention_heads=HEADS, num_hidden_layers=LAYERS,
                            intermediate_size=2 * HIDDEN, vocab_size=VOCAB,
                            max_position_embeddings=POSITIONS, pad_token_id=0)),
+    "albert": Family("AlbertConfig", "AlbertModel", "hidden",
+                     dict(embedding_size=32, hidden_size=HIDDEN, num_attention_heads=HEADS,
+                          num_hidden_layers=LAYERS, intermediate_size=2 * HIDDEN, vocab_size=VOCAB,
+                          max_position_embeddings=POSITIONS, pad_token_id=0)),
+    "distilbert": Family("DistilBertConfig", "DistilBertModel", "hidden",
+                         dict(dim=HIDDEN, n_heads=HEADS, n_layers=LAYERS, hidden_dim=2 * HIDDEN,
+                              vocab_size=VOCAB, max_position_embeddings=POSITIONS, pad_token_id=0)),
+    "modernbert": Family("ModernBertConfig", "ModernBertModel", "hidden",
+                         dict(hidden_size=HIDDEN, num_attention_heads=HEADS, num_hidden_layers=LAYERS,
+                              intermediate_size=2 * HIDDEN, vocab_size=VOCAB,
+                              max_position_embeddings=POSITIONS, pad_token_id=0, local_attention=8)),
+    "xlm-roberta": Family("XLMRobertaConfig", "XLMRobertaModel", "hidden",
+                          dict(hidden_size=HIDDEN, num_attention_heads=HEADS, num_hidden_layers=LAYERS,
+                               intermediate_size=2 * HIDDEN, vocab_size=VOCAB,
+                               max_position_embeddings=POSITIONS, pad_token_id=1)),
     "vit": Family("ViTConfig", "ViTModel", "pixels",
                   dict(hidden_size=HIDDEN, num_attention_heads=HEADS, num_hidden_layers=LAYERS,
                        intermediate_size=2 * HIDDEN, image_size=32, patch_size=8,
                        num_channels=3)),
-    "whisper": Family("WhisperConfig", "WhisperForConditionalGeneration", "audio",
+    # Vision encoders: layer scale (DINOv2), relative position biases (BEiT), shifted
+    # windows and patch merging (Swin), convolutions (ConvNeXt).
+    "dinov2": Family("Dinov2Config", "Dinov2Model", "pixels",
+                     dict(hidden_size=HIDDEN, num_attention_heads=HEADS, num_hidden_layers=LAYERS,
+                          mlp_ratio=2, image_size=32, patch_size=8, num_channels=3)),
+    "beit": Family("BeitConfig", "BeitModel", "pixels",
+                   dict(hidden_size=HIDDEN, num_attention_heads=HEADS, num_hidden_layers=LAYERS,
+                        intermediate_size=2 * HIDDEN, image_size=32, patch_size=8, num_channels=3)),
+    "swin": Family("SwinConfig", "SwinModel", "pixels",
+                   dict(embed_dim=16, depths=[2, 2], num_heads=[2, 4], image_size=32, patch_size=4,
+                        window_size=4, num_channels=3)),
+    "convnext": Family("ConvNextConfig", "ConvNextModel", "pixels",
+                       dict(hidden_sizes=[16, 32], depths=[2, 2], num_stages=2, image_size=32, num_channels=3)),    "whisper": Family("WhisperConfig", "WhisperForConditionalGeneration", "audio",
                       dict(d_model=HIDDEN, encoder_attention_heads=HEADS,
                            decoder_attention_heads=HEADS, encoder_layers=LAYERS,
                            decoder_layers=LAYERS, encoder_ffn_dim=2 * HIDDEN,
@@ -224,6 +314,31 @@ FAMILIES: dict[str, Family] = {
                          text_config=dict(_DECODER, model_type="llama"),
                          image_token_id=VOCAB - 1, vision_feature_layer=-1,
                          vision_feature_select_strategy="full")),
+    # Gemma 3 with its SigLIP tower: the image's features pooled to a few tokens, the
+    # text model's sliding-window and global layers.
+    "gemma3-vision": Family("Gemma3Config", "Gemma3ForConditionalGeneration", "vlm",
+                            dict(vision_config=_SIGLIP, mm_tokens_per_image=4,
+                                 text_config=dict(_DECODER, model_type="gemma3_text",
+                                                  head_dim=16, sliding_window=8),
+                                 image_token_index=VOCAB - 1, boi_token_index=VOCAB - 3,
+                                 eoi_token_index=VOCAB - 2)),
+    # Not here: PaliGemma, whose text model is bidirectional by config, yet whose eager
+    # attention without token_type_ids runs without a mask while a traced one gets a
+    # causal mask from transformers (it builds masks differently when traced).
+    "mbart": Family("MBartConfig", "MBartForConditionalGeneration", "seq2seq",
+                    dict(d_model=HIDDEN, encoder_attention_heads=HEADS, decoder_attention_heads=HEADS,
+                         encoder_layers=LAYERS, decoder_layers=LAYERS, encoder_ffn_dim=2 * HIDDEN,
+                         decoder_ffn_dim=2 * HIDDEN, vocab_size=VOCAB, max_position_embeddings=POSITIONS,
+                         decoder_start_token_id=0, **_COMMON)),
+    "pegasus": Family("PegasusConfig", "PegasusForConditionalGeneration", "seq2seq",
+                      dict(d_model=HIDDEN, encoder_attention_heads=HEADS, decoder_attention_heads=HEADS,
+                           encoder_layers=LAYERS, decoder_layers=LAYERS, encoder_ffn_dim=2 * HIDDEN,
+                           decoder_ffn_dim=2 * HIDDEN, vocab_size=VOCAB, max_position_embeddings=POSITIONS,
+                           decoder_start_token_id=0, **_COMMON)),
+    "mt5": Family("MT5Config", "MT5ForConditionalGeneration", "seq2seq",
+                  dict(d_model=HIDDEN, d_kv=16, d_ff=2 * HIDDEN, num_heads=HEADS, num_layers=LAYERS,
+                       num_decoder_layers=LAYERS, vocab_size=VOCAB, decoder_start_token_id=0,
+                       use_cache=False, pad_token_id=0, eos_token_id=1)),
     "t5": Family("T5Config", "T5ForConditionalGeneration", "seq2seq",
                  dict(d_model=HIDDEN, d_kv=16, d_ff=2 * HIDDEN, num_heads=HEADS,
                       num_layers=LAYERS, num_decoder_layers=LAYERS, vocab_size=VOCAB,
@@ -271,7 +386,8 @@ def batch(data: str, model: nn.Module, batch_size: int, seq: int,
           generator: torch.Generator) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
     """One batch of ``data``'s kind for ``model``: (inputs, target)."""
     config = model.config
-    vocab = getattr(config, "vocab_size", VOCAB)
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    vocab = getattr(text, "vocab_size", VOCAB)
     tokens = torch.randint(1, vocab, (batch_size, seq + 1), generator=generator)
     ids, next_ids = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
     if data == "tokens":
@@ -281,9 +397,9 @@ def batch(data: str, model: nn.Module, batch_size: int, seq: int,
     if data == "pixels":
         side, channels = config.image_size, config.num_channels
         images = torch.randn(batch_size, channels, side, side, generator=generator)
-        patches = (side // config.patch_size) ** 2 + 1  # and the class token
-        return (images,), torch.randn(batch_size, patches, config.hidden_size,
-                                      generator=generator)
+        with torch.no_grad():   # the encoder's output, whatever its tokens or maps
+            shape = model(images[:1]).last_hidden_state.shape[1:]
+        return (images,), torch.randn(batch_size, *shape, generator=generator)
     if data == "seq2seq":
         source = torch.randint(1, vocab, (batch_size, seq), generator=generator)
         return (source, ids), next_ids
@@ -295,8 +411,12 @@ def batch(data: str, model: nn.Module, batch_size: int, seq: int,
         vision = config.vision_config
         side = vision.image_size
         images = torch.randn(batch_size, vision.num_channels, side, side, generator=generator)
-        features = (side // vision.patch_size) ** 2 + 1   # and the class token
-        ids = ids.masked_fill(ids == config.image_token_id, 1)   # image tokens: these alone
-        ids[:, 1:1 + features] = config.image_token_id
+        with torch.no_grad():   # how many features an image makes, each one token's place
+            made = model.model.get_image_features(pixel_values=images[:1])
+        made = getattr(made, "pooler_output", made)
+        features = (made[0] if isinstance(made, (list, tuple)) else made).shape[-2]
+        image_token = getattr(config, "image_token_id", None) or config.image_token_index
+        ids = ids.masked_fill(ids == image_token, 1)   # image tokens: these alone
+        ids[:, 1:1 + features] = image_token
         return (ids, images), next_ids
     raise ValueError(f"unknown data kind {data!r}")
