@@ -30,6 +30,16 @@ A model's own SDPA call (Hugging Face's ``sdpa`` attention) whose mask is provab
 causal or keeps every position, by the same evaluation, loses the mask the same way:
 the flash kernels take ``is_causal`` but no mask, and a mask is kept for backward.
 
+Attention with sinks (gpt-oss) adds one logit per head to every row's softmax and drops
+its column after it: ``softmax(cat([scores + mask, sinks], -1))[..., :-1] @ v``. That is
+attention over one more key whose score is the sink's logit and whose value is zero,
+which SDPA computes exactly when each query gets one more feature, 1, each key a 0, and
+the extra key (first) is zero but for ``sink / scale`` there; the features are padded
+with zeros to a multiple of 8, the values get a zero row, and the mask, when there is
+one, a kept column. The sinks keep their gradients. A row's shift by its own maximum
+before the softmax (``x - x.max(-1, keepdim=True)``) changes nothing and is dropped,
+with or without sinks.
+
 Grouped-query attention's ``repeat_kv`` (expand + reshape of k and v) stays before the
 call: the kernel then sees as many key/value heads as query heads. Dropout inside the
 kernel draws its own mask, with the same distribution as the written dropout.
@@ -72,6 +82,11 @@ class Match:
     dropout_p: float
     chain: tuple[fx.Node, ...]  # the nodes the call replaces, the output product last
     enable_gqa: bool = False
+    # Attention sinks (gpt-oss): one more logit per head in each row's softmax, whose
+    # value is zero. ``sink`` its (..., heads, 1, 1) logits; ``sink_mask`` the additive
+    # mask as written (None without one), which the call extends by the sink's column.
+    sink: fx.Node | None = None
+    sink_mask: fx.Node | None = None
 
 
 class _NoMatch(Exception):
@@ -167,7 +182,10 @@ def _match(softmax: fx.Node, kinds: dict[fx.Node, str]) -> Match:
     if dtype not in (None, value.dtype, torch.float32):
         raise _NoMatch(f"softmax in {dtype}")
     chain = [softmax]
-    probs, dropout_p = _after_softmax(softmax, chain)
+    cut = _sink_cut(softmax)
+    if cut is not None:
+        chain.append(cut)
+    probs, dropout_p = _after_softmax(cut if cut is not None else softmax, chain)
     product = _users(probs)
     if len(product) > 1:
         raise _NoMatch(f"{probs.name} is used outside the attention (e.g. attention "
@@ -175,6 +193,11 @@ def _match(softmax: fx.Node, kinds: dict[fx.Node, str]) -> Match:
     if not product or not _is(product[0], "matmul") or product[0].args[0] is not probs:
         raise _NoMatch("softmax output is not multiplied by the values")
     chain.append(product[0])
+    scores = _unshifted(scores, chain)
+    sink = sink_mask = None
+    if cut is not None:
+        scores, sink = _sink_column(scores, chain)
+        sink_mask = _additive_mask(scores)
     mask, is_causal, logits = _mask(scores, chain, kinds)
     scale, qk = _scale(logits, chain)
     if not _is(qk, "matmul"):
@@ -194,6 +217,10 @@ def _match(softmax: fx.Node, kinds: dict[fx.Node, str]) -> Match:
     if is_causal and _val(query).shape[-2] != _val(key).shape[-2]:
         raise _NoMatch("causal mask with seq_q != seq_k")
     ordered = sorted(set(chain), key=_position(softmax.graph))
+    if sink is not None:   # the sink's column takes the mask's place: passed extended
+        return Match(query=query, key=key, value=v, scale=scale, mask=None,
+                     is_causal=False, dropout_p=dropout_p, chain=tuple(ordered),
+                     sink=sink, sink_mask=sink_mask)
     return Match(query=query, key=key, value=v, scale=scale, mask=mask,
                  is_causal=is_causal, dropout_p=dropout_p, chain=tuple(ordered))
 
@@ -250,6 +277,78 @@ def _after_softmax(softmax: fx.Node, chain: list[fx.Node]) -> tuple[fx.Node, flo
             return node, dropout_p
         chain.append(user)
         node = user
+
+
+def _sink_cut(softmax: fx.Node) -> fx.Node | None:
+    """The slice that drops the softmax's last column (an attention sink's), when that is
+    all the softmax's output is read through; else None."""
+    users = _users(softmax)
+    if len(users) != 1 or not _is(users[0], "slice") or users[0].args[0] is not softmax:
+        return None
+    cut, value = users[0], _val(softmax)
+    dim = _arg(cut, 1, "dim", 0)
+    start, end = _arg(cut, 2, "start", None), _arg(cut, 3, "end", None)
+    step = _arg(cut, 4, "step", 1)
+    columns = value.shape[-1]
+    if dim not in (-1, value.dim() - 1) or start not in (None, 0) or step != 1 \
+            or end not in (-1, columns - 1):
+        return None
+    return cut
+
+
+def _unshifted(scores: fx.Node, chain: list[fx.Node]) -> fx.Node:
+    """``scores`` without a subtraction of its own row maximum (``x - x.max(-1,
+    keepdim=True).values``), which changes no softmax."""
+    if not (_is(scores, "sub") and len(scores.args) == 2 and not scores.kwargs):
+        return scores
+    x, top = scores.args
+    if _is(top, "getitem") and top.args[1] == 0:
+        top_of = top.args[0]
+        if _is(top_of, "max", "amax") and top_of.args[0] is x \
+                and _arg(top_of, 1, "dim", None) in (-1, _val(x).dim() - 1) \
+                and _arg(top_of, 2, "keepdim", False):
+            # ``max`` also returns the indices, which nothing reads.
+            unread = [u for u in top_of.users if u is not top and not u.users]
+            chain.extend((scores, top, top_of, *unread))
+            return x
+    if _is(top, "amax") and top.args[0] is x \
+            and _arg(top, 1, "dim", None) in ([-1], (-1,), [_val(x).dim() - 1]) \
+            and _arg(top, 2, "keepdim", False):
+        chain.extend((scores, top))
+        return x
+    return scores
+
+
+def _sink_column(scores: fx.Node, chain: list[fx.Node]) -> tuple[fx.Node, fx.Node]:
+    """For a softmax whose last column is dropped: the scores before ``cat([scores,
+    sinks], -1)`` and the sinks, one logit per head for every row ((..., heads, 1, 1),
+    broadcast over the rows)."""
+    if not (_is(scores, "cat") and _arg(scores, 1, "dim", 0) in (-1, _val(scores).dim() - 1)
+            and len(scores.args[0]) == 2):
+        raise _NoMatch("the softmax's last column, dropped, is no concatenated sink")
+    real, sink = scores.args[0]
+    value = _val(sink)
+    if not isinstance(value, torch.Tensor) or value.shape[-1] != 1:
+        raise _NoMatch("the sink column is not one logit per row")
+    if value.shape[-2] != 1:   # expanded over the rows: the one per head it expands
+        base = sink.args[0] if _is(sink, "expand") else None
+        if base is None or _val(base).dim() != value.dim() or _val(base).shape[-2:] != (1, 1):
+            raise _NoMatch("the sink logits differ between rows")
+        if len(sink.users) == 1:
+            chain.append(sink)
+        sink = base
+    chain.append(scores)
+    return real, sink
+
+
+def _additive_mask(scores: fx.Node) -> fx.Node | None:
+    """The mask a sink attention adds to its scores, passed on as it is written."""
+    if _is(scores, "add") and len(scores.args) == 2 and not scores.kwargs:
+        left, right = scores.args
+        return right if _is(left, "mul", "div", "matmul") else left
+    if _is(scores, "masked_fill"):
+        raise _NoMatch("sink attention with a boolean mask")
+    return None
 
 
 def _mask(scores: fx.Node, chain: list[fx.Node], kinds: dict[fx.Node, str]
@@ -465,17 +564,60 @@ def _rewrite(gm: fx.GraphModule, match: Match, ctx: Context) -> None:
         kwargs = {"attn_mask": match.mask, **kwargs}
     if match.enable_gqa:
         kwargs["enable_gqa"] = True
+    args = (match.query, match.key, match.value)
+    if match.sink is not None:
+        args, mask = _with_sink(graph, match, output, ctx)
+        if mask is not None:
+            kwargs = {"attn_mask": mask, **kwargs}
     with graph.inserting_before(output):
-        call = graph.call_function(F.scaled_dot_product_attention,
-                                   (match.query, match.key, match.value), kwargs)
-    call.meta.update({k: v for k, v in output.meta.items()
-                      if k in ("nn_module_stack", meta.MODULE_PATH)})
-    with ctx.fake_mode:
-        fake = fx.node.map_arg(call.args, _val), fx.node.map_arg(call.kwargs, _val)
-        call.meta["val"] = F.scaled_dot_product_attention(*fake[0], **fake[1])
-    meta.set_tensors(call, (meta.TensorInfo.of(call.meta["val"]),))
+        call = graph.call_function(F.scaled_dot_product_attention, args, kwargs)
+    _measured_like(call, output, ctx)
     output.replace_all_uses_with(call)
     _erase_dead(graph, list(match.chain))
+
+
+def _measured_like(node: fx.Node, like: fx.Node, ctx: Context) -> None:
+    """``node``'s module path from ``like`` and its fake value and tensors."""
+    node.meta.update({k: v for k, v in like.meta.items()
+                      if k in ("nn_module_stack", meta.MODULE_PATH)})
+    run = node.target if node.op == "call_function" else _method(str(node.target))
+    with ctx.fake_mode:
+        fake = fx.node.map_arg(node.args, _val), fx.node.map_arg(node.kwargs, _val)
+        node.meta["val"] = run(*fake[0], **fake[1])
+    meta.set_tensors(node, (meta.TensorInfo.of(node.meta["val"]),))
+
+
+def _with_sink(graph: fx.Graph, match: Match, output: fx.Node, ctx: Context
+               ) -> tuple[tuple[fx.Node, fx.Node, fx.Node], fx.Node | None]:
+    """q, k, v and the mask of the SDPA call equal to attention with a sink: one more
+    key, first, whose score is the sink's logit and whose value is zero. Each query gets
+    one more feature, 1, and each key a 0, so that the sink's key, zero but for
+    ``sink / scale`` there, scores ``sink`` against every query and the other keys score
+    as before; the features are padded with zeros to a multiple of 8 (what the GPU
+    kernels align to). The mask, when there is one, keeps the sink's column."""
+    query, key, value = match.query, match.key, match.value
+    features = _val(query).shape[-1]
+    width = -(-(features + 1) // 8) * 8
+    scale = match.scale if match.scale is not None else features ** -0.5
+
+    def add(target: Any, args: tuple, kwargs: dict | None = None,
+            op: str = "call_function") -> fx.Node:
+        with graph.inserting_before(output):
+            node = graph.create_node(op, target, args, kwargs or {})
+        _measured_like(node, output, ctx)
+        return node
+
+    ones = add(F.pad, (query, [0, 1]), {"value": 1.0})
+    query = add(F.pad, (ones, [0, width - features - 1])) if width > features + 1 else ones
+    key = add(F.pad, (key, [0, width - features]))
+    logit = add(torch.mul, (match.sink, 1.0 / scale))
+    sink_key = add(F.pad, (logit, [features, width - features - 1]))
+    rows = [*_val(key).shape[:-2], 1, width]
+    sink_key = add("expand", (sink_key, rows), op="call_method")
+    key = add(torch.cat, ([sink_key, key], -2))
+    value = add(F.pad, (value, [0, 0, 1, 0]))
+    mask = add(F.pad, (match.sink_mask, [1, 0])) if match.sink_mask is not None else None
+    return (query, key, value), mask
 
 
 def _erase_dead(graph: fx.Graph, nodes: list[fx.Node]) -> None:

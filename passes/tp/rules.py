@@ -461,6 +461,14 @@ def _slice(node: fx.Node, inputs: list[fx.Node], tp: int, hints: ChunkHints) -> 
     return _keep_dims(node, inputs, tp, {dim}, keep)
 
 
+def _pad(node: fx.Node, inputs: list[fx.Node], tp: int, hints: ChunkHints) -> list[Strategy]:
+    """``F.pad`` / ``constant_pad_nd``: any dim it leaves unpadded may stay sharded."""
+    n = _ndim(inputs[0])
+    pads = list(_dim_arg(node, 1, "pad", ()))
+    padded = {n - 1 - i // 2 for i, amount in enumerate(pads) if amount}
+    return _keep_dims(node, inputs, tp, padded, True)
+
+
 def _cat(node: fx.Node, inputs: list[fx.Node], tp: int, hints: ChunkHints) -> list[Strategy]:
     n = _ndim(node)
     dim = int(_dim_arg(node, 1, "dim", 0)) % n
@@ -602,6 +610,7 @@ _RULES: dict[str, Rule] = {
     "expand": _expand, "split": _split, "chunk": _split, "getitem": _getitem,
     "mean": _reduction, "sum": _reduction, "softmax": _softmax, "log_softmax": _softmax,
     "_softmax": _softmax, "slice": _slice, "select": _slice, "narrow": _slice, "cat": _cat,
+    "pad": _pad, "constant_pad_nd": _pad,
     "layer_norm": _layer_norm, "linear": _linear, "addmm": _addmm, "matmul": _matmul,
     "scaled_dot_product_attention": _sdpa, "embedding": _embedding,
 }

@@ -29,6 +29,7 @@ from partc.passes.trace import trace
 from samples import gpt
 from tests import models
 from tests.hf_families import FAMILIES
+from tests.tolerances import FP32
 
 BATCH, SEQ = 2, 16
 
@@ -391,3 +392,38 @@ def test_values_of_another_head_size_are_measured_on_the_efficient_kernel() -> N
                             budget=partc.DeviceBudget(num_devices=2, device="CPU"),
                             constraints=partc.Constraints(pp=2))
     partc.validate_plan(program.problem, program.plan)
+
+
+def test_attention_with_sinks_is_one_call_with_one_more_key() -> None:
+    """gpt-oss's attention: a per-head sink logit joins each row's softmax and is dropped
+    after it (its value is zero), the rows shifted by their maximum first. It was left as
+    written (the (seq x seq) probabilities of every head kept; a 120B shape planned at
+    MFU 4%). The call gets the sink as one more key, first, and each query one more
+    feature, 1, padded to 8; the mask (full or sliding-window) keeps the sink's column.
+    The graph computes what the model does, with the sinks trained."""
+    torch.manual_seed(0)
+    model = FAMILIES["gpt-oss"].build()
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.sinks.normal_()
+    ids = torch.randint(1, 128, (BATCH, SEQ))
+    gm = _fused(model, ids)
+    calls = _calls(gm)
+    assert [model.config.layer_types[i] for i in range(2)] == ["sliding_attention",
+                                                               "full_attention"]
+    assert len(calls) == 2 and not any(n.target is torch.ops.aten.softmax.int
+                                       and "self_attn" in meta.module_path(n)
+                                       for n in gm.graph.nodes)
+    head = model.config.head_dim
+    for call in calls:
+        q, k, v = (call.args[i].meta["val"] for i in range(3))
+        assert q.shape[-1] == k.shape[-1] == -(-(head + 1) // 8) * 8
+        assert k.shape[-2] == v.shape[-2] == SEQ + 1 and v.shape[-1] == head
+        assert call.kwargs["attn_mask"].meta["val"].shape[-1] == SEQ + 1
+    expected = model(ids).logits
+    torch.testing.assert_close(_first(gm(ids)), expected, rtol=FP32, atol=FP32)
+    sinks = [layer.self_attn.sinks for layer in model.model.layers]
+    ours = torch.autograd.grad(_first(gm(ids)).square().mean(), sinks)
+    theirs = torch.autograd.grad(expected.square().mean(), sinks)
+    for a, b in zip(ours, theirs):
+        torch.testing.assert_close(a, b, rtol=FP32, atol=FP32)

@@ -89,6 +89,15 @@ def test_a_transpose_moves_the_shard_with_its_dim():
     assert ("shard dim 2", Shard(2), (Shard(1),)) in found
 
 
+def test_a_pad_keeps_a_shard_on_the_dims_it_leaves_alone():
+    g = Builder()
+    x = g.input("x", 4, 8, 6, 16)   # (batch, heads, seq, features)
+    padded = g.call(F.pad, x, [0, 8, 1, 0])   # features, then one row in front
+    found = placements(strategies(padded, 2, ChunkHints()))
+    assert ("shard dim 1", Shard(1), (Shard(1),)) in found
+    assert all(s.out not in (Shard(2), Shard(3)) for s in strategies(padded, 2, ChunkHints()))
+
+
 def test_an_embedding_can_be_vocabulary_parallel_or_split_by_columns():
     g = Builder()
     ids, table = g.input("ids", 4, 8, dtype=torch.long), g.param("table", 128, 16)

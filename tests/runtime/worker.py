@@ -284,6 +284,16 @@ CASES["gpt-tp2-sp-fused"] = Case(gpt.gpt_tiny, "tokens", gpt.loss_fn,
 CASES["gpt2-pp2-fused-recompute"] = Case(_gpt2, "tokens", models.causal_lm_loss,
                                          dict(pp=2, schedule="1f1b", recompute=GPT2_MODES),
                                          attention="fused")
+# gpt-oss's attention sinks (a per-head logit in every softmax, dropped after it): fused
+# as one more key and feature, sharded with its heads under tp; sliding-window and full
+# layers alternate.
+_OSS = hf_families.FAMILIES["gpt-oss"]
+CASES["hf-gpt-oss-tp2-fused"] = Case(_OSS.build, "hf:tokens", hf_families.causal_lm_loss,
+                                     dict(pp=1, tp=2, tp_objective="memory",
+                                          recompute="selective"), attention="fused")
+CASES["hf-gpt-oss-pp2-fused"] = Case(_OSS.build, "hf:tokens", hf_families.causal_lm_loss,
+                                     dict(pp=2, schedule="1f1b", recompute="none"),
+                                     attention="fused")
 # Stages run through torch.compile (inductor's CPU kernels) against one eager process;
 # recomputed layers stay eager inside the compiled stage.
 _COMPILED = dict(compile=True)
