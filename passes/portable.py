@@ -26,20 +26,25 @@ from typing import Any, Iterator, Mapping
 import torch
 from torch import fx
 
+from partc import meta
 from partc.passes.context import Context
+from partc.runtime.value_checks import value_check
 
 DEVICE_NODE = "input_device"
 
 
 def drop_assertions(gm: fx.GraphModule, ctx: Context | None = None) -> fx.GraphModule:
     """Erase export's metadata assertions (``aten._assert_*`` calls nothing reads), and
-    what only they read: a check of the inputs' values (LLaVA's "as many image tokens as
-    image features": a sum, ``_is_all_true``, ``item``, a ``sym_ite``) would otherwise
-    ask fake tensors for a value they do not have.
+    what only they read. A check of a tensor's values (``torch._check(cond.all())``:
+    ``_is_all_true``, ``item``, a ``sym_ite`` and assertions on it, LLaVA's count of
+    image tokens against image features) asks fake tensors for a value they do not
+    have: it becomes one :func:`partc.runtime.value_checks.value_check` of the same
+    condition, which checks real batches only.
 
-    Reads: nothing. Writes: nothing.
+    Reads: ``meta.MODULE_PATH``. Writes: the graph.
     Ensures: no ``aten._assert_*`` node without users in ``gm`` or its nested modules,
-    nor a pure node whose only readers were such assertions.
+    nor a pure node whose only readers were such assertions; no ``item`` of an
+    ``_is_all_true`` that only assertions read.
     """
     for module in _graph_modules(gm):
         read: list[fx.Node] = []
@@ -47,6 +52,9 @@ def drop_assertions(gm: fx.GraphModule, ctx: Context | None = None) -> fx.GraphM
             if is_assertion(node) and not node.users:
                 read.extend(node.all_input_nodes)
                 module.graph.erase_node(node)
+        for node in list(module.graph.nodes):
+            if _is_value_check(node):
+                _keep_checked(module.graph, node)
         while read:
             node = read.pop()
             if node.graph is module.graph and not node.users \
@@ -55,6 +63,38 @@ def drop_assertions(gm: fx.GraphModule, ctx: Context | None = None) -> fx.GraphM
                 module.graph.erase_node(node)
         module.recompile()
     return gm
+
+
+def _is_value_check(node: fx.Node) -> bool:
+    """``item(_is_all_true(cond))`` read by nothing but the symbolic numbers its
+    assertions compared (already erased: only those numbers remain)."""
+    if not (node.op == "call_function" and node.target is torch.ops.aten.item.default):
+        return False
+    source = node.args[0]
+    if not (isinstance(source, fx.Node)
+            and source.target is torch.ops.aten._is_all_true.default):
+        return False
+    pending, seen = list(node.users), set()
+    while pending:   # every reader a number made of it that nothing else reads
+        user = pending.pop()
+        if user in seen:
+            continue
+        seen.add(user)
+        if isinstance(user.meta.get("val"), torch.Tensor):
+            return False
+        pending.extend(user.users)
+    return True
+
+
+def _keep_checked(graph: fx.Graph, item: fx.Node) -> None:
+    """A :func:`value_check` of ``item``'s condition in its place."""
+    condition = item.args[0].args[0]
+    where = meta.module_path(item.args[0]) or ""
+    with graph.inserting_before(item):
+        check = graph.call_function(value_check, (condition, where))
+    check.meta.update({k: v for k, v in item.args[0].meta.items()
+                       if k in ("nn_module_stack", meta.MODULE_PATH, meta.LAYER)})
+    check.meta["val"] = None
 
 
 def is_assertion(node: fx.Node) -> bool:

@@ -23,6 +23,7 @@ from partc.runtime import cp_layout
 from partc.runtime.batch_check import BatchCheck
 from partc.runtime.label_weights import label_counts, sample_weights
 from partc.runtime.rank_parts import RankParts
+from partc.runtime.value_checks import ValueCheckError
 
 # Newer torch schedules can drop the last stage's outputs instead of returning them.
 _STEP_TAKES_RETURN_OUTPUTS = "return_outputs" in inspect.signature(
@@ -89,7 +90,8 @@ class ScheduleRun:
         for stage in parts.stages:
             stage.messages.clear()
         copies = parts.copies
-        with copies.step() if copies is not None else contextlib.nullcontext():
+        with copies.step() if copies is not None else contextlib.nullcontext(), \
+                model_errors():
             parts.schedule.step(*args, **kwargs)
             if parts.buckets is not None:
                 # Reduce what the last backward left (split backwards' weight gradients,
@@ -106,7 +108,7 @@ class ScheduleRun:
         was_training = module.training
         module.eval()
         try:
-            with torch.no_grad():
+            with torch.no_grad(), model_errors():
                 self._parts.schedule.eval(*args, **kwargs)
         finally:
             module.train(was_training)
@@ -120,3 +122,21 @@ class ScheduleRun:
             total = torch.stack(losses).sum().detach().to(torch.float32)
         dist.all_reduce(total)  # only the last stage's ranks contribute, tp copies alike
         return total / (self._parts.plan.num_microbatches * topo.dp * topo.cp * topo.tp)
+
+
+@contextlib.contextmanager
+def model_errors():
+    """Within: a :class:`~partc.runtime.value_checks.ValueCheckError` the model's code
+    raised in a stage is raised as itself, not as the pipelining stage's "failed to run
+    forward" that torch wraps it in (kept as its cause)."""
+    try:
+        yield
+    except Exception as error:
+        cause, seen = error.__cause__ or error.__context__, {id(error)}
+        while cause is not None and not isinstance(cause, ValueCheckError) \
+                and id(cause) not in seen:
+            seen.add(id(cause))
+            cause = cause.__cause__ or cause.__context__
+        if not isinstance(cause, ValueCheckError):
+            raise
+        raise cause from error
