@@ -126,7 +126,11 @@ def context_parallel_refusal(problem: PlanningProblem, cp: int) -> str | None:
         return (f"{summary.context_parallel_blocker} reads along the sequence outside "
                 f"attention: a sequence shard would see only its own positions")
     if not any(layer.attention is not None for layer in problem.layers):
-        return "the model has no attention core to run context-parallel"
+        return ("the model has no attention core to run context-parallel: no "
+                "scaled_dot_product_attention call (or written-out attention) over "
+                "(batch, heads, tokens, head_dim) queries whose keys and values are the "
+                "same tokens (attention written out is one such call under "
+                "TrainSpec(attention=\"fused\"); attention with sinks holds one more key)")
     if summary.own_loss:
         return (f"the model computes its own loss ({summary.own_loss}) from labels, "
                 f"shifting them by one position along the whole sequence, which a shard "
