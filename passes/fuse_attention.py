@@ -647,10 +647,26 @@ def is_fused(node: fx.Node) -> bool:
     ) and not node.kwargs.get("enable_gqa", False)
 
 
-def measured(node: fx.Node) -> Any:
-    """What the estimate calls to run ``node``: the node's own function, except for a
-    fused call, which it runs as :func:`fused_kernel`."""
-    return fused_kernel if is_fused(node) else node.target
+def measured(node: fx.Node, runtime_device: str = "cuda") -> Any:
+    """What the estimate calls to run ``node`` for a runtime on ``runtime_device``
+    ("cuda" or "cpu"): the node's own function, except for a fused call, which it runs
+    as :func:`fused_kernel`, or with dropout on a CPU as :func:`cpu_dropout_kernel`."""
+    if not is_fused(node):
+        return node.target
+    if runtime_device == "cpu" and _arg(node, 4, "dropout_p", 0.0):
+        return cpu_dropout_kernel
+    return fused_kernel
+
+
+def cpu_dropout_kernel(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                       attn_mask: torch.Tensor | None = None, dropout_p: float = 0.0,
+                       is_causal: bool = False, scale: float | None = None) -> torch.Tensor:
+    """``scaled_dot_product_attention`` with dropout as a CPU runs it: the CPU flash
+    kernel takes no dropout, so SDPA takes the math path, which keeps every head's
+    (seq x seq) probabilities and dropout mask for backward (GPT-BigCode's and GPT-2's
+    attention dropout, trained on a CPU: 8x the memory planned as the fused kernel)."""
+    return torch.ops.aten._scaled_dot_product_attention_math(
+        query, key, value, attn_mask, dropout_p, is_causal, scale=scale)[0]
 
 
 def fused_kernel(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -677,6 +693,11 @@ def fused_kernel(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
             query, key, value, attn_mask, 0.0, is_causal, scale=scale)[0]
     if value.shape[-1] != query.shape[-1]:
         return _unequal_heads_kernel(query, key, value, attn_mask, is_causal, scale)
+    if attn_mask is not None and attn_mask.dtype == torch.bool:
+        # SDPA turns a boolean mask into an additive one of the queries' dtype before
+        # any kernel runs, and the kernel keeps that copy for backward.
+        attn_mask = torch.zeros(attn_mask.shape, dtype=query.dtype, device=attn_mask.device
+                                ).masked_fill_(~attn_mask, float("-inf"))
     kernel = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
     return kernel(query, key, value, 0.0, is_causal, attn_mask=attn_mask, scale=scale)[0]
 

@@ -529,7 +529,7 @@ def _call(gm: fx.GraphModule, node: fx.Node, setting: Setting, args: tuple,
     if node.op == "call_function":
         if setting.runtime_device == "cuda" and _fused_dropout(node):
             return _native_dropout(*args, **kwargs)
-        return fuse_attention.measured(node)(*args, **kwargs)
+        return fuse_attention.measured(node, setting.runtime_device)(*args, **kwargs)
     self_arg, *rest = args
     return getattr(self_arg, node.target)(*rest, **kwargs)
 
