@@ -30,7 +30,7 @@ aten = torch.ops.aten
 _CROSS_ENTROPY_OPS = {
     aten.cross_entropy_loss.default, aten.nll_loss.default, aten.nll_loss_forward.default,
     aten.nll_loss2d.default, aten.nll_loss2d_forward.default, aten.nll_loss_nd.default,
-    F.cross_entropy, F.nll_loss, torch.nn.functional.cross_entropy,
+    F.cross_entropy, F.nll_loss,
 }
 _MEAN = (1, "mean")   # torch's Reduction.Mean, as aten and torch.nn.functional write it
 _IGNORED = -100       # what partc.runtime.label_weights counts labels against
