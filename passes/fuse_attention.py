@@ -110,7 +110,7 @@ def fuse_attention(gm: fx.GraphModule, ctx: Context) -> fx.GraphModule:
             if match is not None:
                 _rewrite(gm, match, ctx)
                 unmasked += 1
-        elif _is(node, "softmax", "_softmax"):
+        elif _is(node, "softmax", "_softmax") and _over_scores(node):
             try:
                 match = _match(node, kinds)
             except _NoMatch as why:
@@ -126,6 +126,14 @@ def fuse_attention(gm: fx.GraphModule, ctx: Context) -> fx.GraphModule:
         log.info("fused %d attentions into scaled_dot_product_attention; %d of the "
                  "model's own calls lost a causal or empty mask", fused, unmasked)
     return gm
+
+
+def _over_scores(softmax: fx.Node) -> bool:
+    """Whether ``softmax`` could be attention's: over a value of three dims or more
+    ((batch, [heads,] queries, keys)). A router's over (tokens, experts) is not, and is
+    passed over without a word in the log."""
+    value = _val(_arg(softmax, 0, "input"))
+    return isinstance(value, torch.Tensor) and value.dim() >= 3
 
 
 def count_fused(gm: fx.GraphModule) -> int:

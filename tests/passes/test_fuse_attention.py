@@ -403,7 +403,7 @@ def test_values_of_another_head_size_are_measured_on_the_efficient_kernel() -> N
     partc.validate_plan(program.problem, program.plan)
 
 
-def test_attention_with_sinks_is_one_call_with_one_more_key() -> None:
+def test_attention_with_sinks_is_one_call_with_one_more_key(caplog) -> None:
     """gpt-oss's attention: a per-head sink logit joins each row's softmax and is dropped
     after it (its value is zero), the rows shifted by their maximum first. It was left as
     written (the (seq x seq) probabilities of every head kept; a 120B shape planned at
@@ -416,7 +416,10 @@ def test_attention_with_sinks_is_one_call_with_one_more_key() -> None:
         for layer in model.model.layers:
             layer.self_attn.sinks.normal_()
     ids = torch.randint(1, 128, (BATCH, SEQ))
-    gm = _fused(model, ids)
+    with caplog.at_level("INFO", logger="partc"):
+        gm = _fused(model, ids)
+    # The router's softmax, over (tokens, experts), is no attention left as written.
+    assert "left as written" not in caplog.text
     calls = _calls(gm)
     assert [model.config.layer_types[i] for i in range(2)] == ["sliding_attention",
                                                                "full_attention"]
