@@ -20,6 +20,9 @@ Node keys:
 - :data:`VOCAB_SHARDED` (``partc.vocab_sharded``), on the loss node: per tensor-parallel
   degree, the input it can read sharded by class and the collectives it then runs
   (``partc.passes.tp.chooser.probe_loss``), or none.
+- :data:`ATTENTION_SINK` (``partc.attention_sink``), on a fused attention call: it holds
+  attention sinks as one more key (and query row), so its keys are not the sequence's
+  tokens alone (``partc.passes.fuse_attention``).
 
 Graph keys (on ``gm.meta``): :data:`TRACE` (how the model was captured) and
 :data:`LAYERS` (the layers in order, with their nodes and signatures) and :data:`CUTS`
@@ -57,6 +60,7 @@ LOSS_USES = "partc.loss_uses"  # on the loss node: which of its inputs the loss 
 # last (class) dim (partc.runtime.tp_loss) and the collectives it then runs, or none.
 VOCAB_SHARDED = "partc.vocab_sharded"
 FSDP_UNITS = "partc.fsdp_units"  # on a stage's gm.meta: submodule paths of its FSDP units
+ATTENTION_SINK = "partc.attention_sink"  # on a fused call holding attention sinks
 
 # Roles: a plain model node has no role.
 ROLE_LOSS = "loss"
@@ -233,6 +237,14 @@ def vocab_collectives(node: fx.Node, tp: int) -> tuple[tuple[str, str, int], ...
 
 def vocab_probed(node: fx.Node, tp: int) -> bool:
     return tp in dict(node.meta.get(VOCAB_SHARDED, ()))
+
+
+def set_attention_sink(node: fx.Node) -> None:
+    _set(node, ATTENTION_SINK, True)
+
+
+def attention_sink(node: fx.Node) -> bool:
+    return bool(node.meta.get(ATTENTION_SINK, False))
 
 
 def set_layer(node: fx.Node, ref: LayerRef) -> None:

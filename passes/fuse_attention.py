@@ -225,10 +225,10 @@ def _match(softmax: fx.Node, kinds: dict[fx.Node, str]) -> Match:
     if is_causal and _val(query).shape[-2] != _val(key).shape[-2]:
         raise _NoMatch("causal mask with seq_q != seq_k")
     ordered = sorted(set(chain), key=_position(softmax.graph))
-    if sink is not None:   # the sink's column takes the mask's place: passed extended
+    if sink is not None:   # causal: a square causal call; else the mask, extended
         return Match(query=query, key=key, value=v, scale=scale, mask=None,
-                     is_causal=False, dropout_p=dropout_p, chain=tuple(ordered),
-                     sink=sink, sink_mask=sink_mask)
+                     is_causal=is_causal, dropout_p=dropout_p, chain=tuple(ordered),
+                     sink=sink, sink_mask=None if is_causal else sink_mask)
     return Match(query=query, key=key, value=v, scale=scale, mask=mask,
                  is_causal=is_causal, dropout_p=dropout_p, chain=tuple(ordered))
 
@@ -580,8 +580,24 @@ def _rewrite(gm: fx.GraphModule, match: Match, ctx: Context) -> None:
     with graph.inserting_before(output):
         call = graph.call_function(F.scaled_dot_product_attention, args, kwargs)
     _measured_like(call, output, ctx)
-    output.replace_all_uses_with(call)
+    result = call
+    if match.sink is not None:
+        meta.set_attention_sink(call)
+        if match.is_causal:   # the first (made-up) row and the padded features dropped
+            rows, features = _val(output).shape[-2:]
+            result = _added(graph, output, ctx, torch.narrow, (call, -2, 1, rows))
+            result = _added(graph, output, ctx, torch.narrow, (result, -1, 0, features))
+    output.replace_all_uses_with(result)
     _erase_dead(graph, list(match.chain))
+
+
+def _added(graph: fx.Graph, output: fx.Node, ctx: Context, target: Any, args: tuple,
+           kwargs: dict | None = None, op: str = "call_function") -> fx.Node:
+    """A node computing ``target(*args)``, before ``output`` and measured as its kin."""
+    with graph.inserting_before(output):
+        node = graph.create_node(op, target, args, kwargs or {})
+    _measured_like(node, output, ctx)
+    return node
 
 
 def _measured_like(node: fx.Node, like: fx.Node, ctx: Context) -> None:
@@ -602,7 +618,11 @@ def _with_sink(graph: fx.Graph, match: Match, output: fx.Node, ctx: Context
     one more feature, 1, and each key a 0, so that the sink's key, zero but for
     ``sink / scale`` there, scores ``sink`` against every query and the other keys score
     as before; the features are padded with zeros to a multiple of 8 (what the GPU
-    kernels align to). The mask, when there is one, keeps the sink's column."""
+    kernels align to). Under a written mask, the mask keeps the sink's column. Under a
+    causal one, the queries get a made-up first row too and the call is square and
+    causal: row i + 1 (query i) sees the sink and keys 0..i, as written, and the kernel
+    skips the hidden half; the values are padded like the keys, and the caller drops
+    the first row and the padding of the call's output."""
     query, key, value = match.query, match.key, match.value
     features = _val(query).shape[-1]
     width = -(-(features + 1) // 8) * 8
@@ -610,20 +630,20 @@ def _with_sink(graph: fx.Graph, match: Match, output: fx.Node, ctx: Context
 
     def add(target: Any, args: tuple, kwargs: dict | None = None,
             op: str = "call_function") -> fx.Node:
-        with graph.inserting_before(output):
-            node = graph.create_node(op, target, args, kwargs or {})
-        _measured_like(node, output, ctx)
-        return node
+        return _added(graph, output, ctx, target, args, kwargs, op)
 
+    row = 1 if match.is_causal else 0   # the made-up first query row
     ones = add(F.pad, (query, [0, 1]), {"value": 1.0})
-    query = add(F.pad, (ones, [0, width - features - 1])) if width > features + 1 else ones
+    query = add(F.pad, (ones, [0, width - features - 1, row, 0])) \
+        if width > features + 1 or row else ones
     key = add(F.pad, (key, [0, width - features]))
     logit = add(torch.mul, (match.sink, 1.0 / scale))
     sink_key = add(F.pad, (logit, [features, width - features - 1]))
     rows = [*_val(key).shape[:-2], 1, width]
     sink_key = add("expand", (sink_key, rows), op="call_method")
     key = add(torch.cat, ([sink_key, key], -2))
-    value = add(F.pad, (value, [0, 0, 1, 0]))
+    value_width = width - _val(value).shape[-1] if match.is_causal else 0
+    value = add(F.pad, (value, [0, value_width, 1, 0]))
     mask = add(F.pad, (match.sink_mask, [1, 0])) if match.sink_mask is not None else None
     return (query, key, value), mask
 

@@ -83,7 +83,9 @@ def attention_cost(nodes: list[fx.Node], flops_of, per: float) -> AttentionCost 
     node's forward FLOPs; ``per``: one over the traced batch), or None when it has none
     or their shapes are not (batch, heads, tokens, head_dim)."""
     cores = attention_cores(nodes)
-    if not cores:
+    if not cores or any(meta.attention_sink(node) for core in cores for node in core):
+        # A call holding attention sinks holds one more key (and query row) than the
+        # sequence's tokens: no split of the sequence splits it.
         return None
     shapes = []
     for core in cores:

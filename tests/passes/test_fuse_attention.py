@@ -22,7 +22,8 @@ from torch.utils.flop_counter import FlopCounterMode
 
 import partc
 from partc import meta
-from partc.passes.fuse_attention import count_fused, fuse_attention, fused_kernel, is_fused
+from partc.passes.fuse_attention import (count_fused, fuse_attention, fused_kernel, is_fused,
+                                         skips_masked_blocks)
 from partc.passes.pipeline import analyze
 from partc.passes.propagate import propagate
 from partc.passes.trace import trace
@@ -411,7 +412,8 @@ def test_attention_with_sinks_is_one_call_with_one_more_key(caplog) -> None:
     feature, 1, padded to 8; the mask (full or sliding-window) keeps the sink's column.
     The graph computes what the model does, with the sinks trained."""
     torch.manual_seed(0)
-    model = FAMILIES["gpt-oss"].build()
+    family = FAMILIES["gpt-oss"]   # a window shorter than the sequence: not causal
+    model = dataclasses.replace(family, fields={**family.fields, "sliding_window": 8}).build()
     with torch.no_grad():
         for layer in model.model.layers:
             layer.self_attn.sinks.normal_()
@@ -427,11 +429,21 @@ def test_attention_with_sinks_is_one_call_with_one_more_key(caplog) -> None:
                                        and "self_attn" in meta.module_path(n)
                                        for n in gm.graph.nodes)
     head = model.config.head_dim
+    width = -(-(head + 1) // 8) * 8
+    sliding, full = calls
     for call in calls:
         q, k, v = (call.args[i].meta["val"] for i in range(3))
-        assert q.shape[-1] == k.shape[-1] == -(-(head + 1) // 8) * 8
-        assert k.shape[-2] == v.shape[-2] == SEQ + 1 and v.shape[-1] == head
-        assert call.kwargs["attn_mask"].meta["val"].shape[-1] == SEQ + 1
+        assert q.shape[-1] == k.shape[-1] == width and k.shape[-2] == v.shape[-2] == SEQ + 1
+        assert meta.attention_sink(call)
+    # The sliding window's mask keeps the sink's column; the causal layer's call is
+    # square and causal (a made-up first query row, dropped after), so that the kernel
+    # skips the half the mask hides, its values padded like its keys.
+    assert sliding.kwargs["attn_mask"].meta["val"].shape[-1] == SEQ + 1
+    assert not sliding.kwargs["is_causal"] and sliding.args[2].meta["val"].shape[-1] == head
+    assert full.kwargs["is_causal"] and "attn_mask" not in full.kwargs
+    assert full.args[0].meta["val"].shape[-2] == SEQ + 1
+    assert full.args[2].meta["val"].shape[-1] == width
+    assert skips_masked_blocks(full, "cuda") and not skips_masked_blocks(sliding, "cuda")
     expected = model(ids).logits
     torch.testing.assert_close(_first(gm(ids)), expected, rtol=FP32, atol=FP32)
     sinks = [layer.self_attn.sinks for layer in model.model.layers]
