@@ -121,6 +121,22 @@ def test_a_microbatch_without_labels_is_refused():
         label_weights.sample_weights(counts, microbatches=2, dp=1, replicas=1)
 
 
+def assert_own_loss_like_one_device(model: torch.nn.Module, batch: dict, counted: str) -> None:
+    """``model`` compiled on ``batch`` (keyword inputs, labels among them, no loss_fn)
+    counts ``counted`` labels, and its microbatches' step loss is one device's."""
+    expected = model(**batch).loss.item()
+    program = partc.compile(model, example_inputs=batch,
+                            budget=partc.DeviceBudget(num_devices=1, device="CPU"),
+                            train=partc.TrainSpec(global_batch_size=B),
+                            constraints=partc.Constraints(num_microbatches=MICROBATCHES))
+    assert program.plan.model.own_loss == counted
+    module = program.build()
+    try:
+        assert module.forward_backward(**batch).item() == pytest.approx(expected, rel=FP32)
+    finally:
+        module.close()
+
+
 @pytest.mark.parametrize("family", ["t5", "bart"])
 def test_an_encoder_decoders_own_loss_counts_its_labels_as_given(family):
     """Seen before: a T5 or BART plan on its own loss weighed microbatches by their
@@ -132,17 +148,7 @@ def test_an_encoder_decoders_own_loss_counts_its_labels_as_given(family):
     batch = padded(0, model)
     del batch["position_ids"]
     batch["decoder_attention_mask"] = batch["attention_mask"]
-    expected = model(**batch).loss.item()
-    program = partc.compile(model, example_inputs=batch,
-                            budget=partc.DeviceBudget(num_devices=1, device="CPU"),
-                            train=partc.TrainSpec(global_batch_size=B),
-                            constraints=partc.Constraints(num_microbatches=MICROBATCHES))
-    assert program.plan.model.own_loss == "tokens"
-    module = program.build()
-    try:
-        assert module.forward_backward(**batch).item() == pytest.approx(expected, rel=FP32)
-    finally:
-        module.close()
+    assert_own_loss_like_one_device(model, batch, counted="tokens")
 
 
 def test_a_causal_lm_that_reads_its_labels_unshifted_counts_every_label():
@@ -162,17 +168,7 @@ def test_a_causal_lm_that_reads_its_labels_unshifted_counts_every_label():
     assert model.loss_type == "ForCausalLM"
     batch = padded(0, model)
     del batch["position_ids"]
-    expected = model(**batch).loss.item()
-    program = partc.compile(model, example_inputs=batch,
-                            budget=partc.DeviceBudget(num_devices=1, device="CPU"),
-                            train=partc.TrainSpec(global_batch_size=B),
-                            constraints=partc.Constraints(num_microbatches=MICROBATCHES))
-    assert program.plan.model.own_loss == "tokens"
-    module = program.build()
-    try:
-        assert module.forward_backward(**batch).item() == pytest.approx(expected, rel=FP32)
-    finally:
-        module.close()
+    assert_own_loss_like_one_device(model, batch, counted="tokens")
 
 
 def test_a_loss_over_another_input_than_labels_is_said_not_guessed(caplog):
