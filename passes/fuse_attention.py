@@ -51,6 +51,7 @@ it is and the log says why, once per reason.
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import operator
@@ -84,7 +85,8 @@ class Match:
     enable_gqa: bool = False
     # Attention sinks (gpt-oss): one more logit per head in each row's softmax, whose
     # value is zero. ``sink`` its (..., heads, 1, 1) logits; ``sink_mask`` the additive
-    # mask as written (None without one), which the call extends by the sink's column.
+    # mask to pass (None when causal or keeping all), which the call extends by the
+    # sink's column.
     sink: fx.Node | None = None
     sink_mask: fx.Node | None = None
 
@@ -202,10 +204,9 @@ def _match(softmax: fx.Node, kinds: dict[fx.Node, str]) -> Match:
         raise _NoMatch("softmax output is not multiplied by the values")
     chain.append(product[0])
     scores = _unshifted(scores, chain)
-    sink = sink_mask = None
+    sink = None
     if cut is not None:
         scores, sink = _sink_column(scores, chain)
-        sink_mask = _additive_mask(scores)
     mask, is_causal, logits = _mask(scores, chain, kinds)
     scale, qk = _scale(logits, chain)
     if not _is(qk, "matmul"):
@@ -228,7 +229,7 @@ def _match(softmax: fx.Node, kinds: dict[fx.Node, str]) -> Match:
     if sink is not None:   # causal: a square causal call; else the mask, extended
         return Match(query=query, key=key, value=v, scale=scale, mask=None,
                      is_causal=is_causal, dropout_p=dropout_p, chain=tuple(ordered),
-                     sink=sink, sink_mask=None if is_causal else sink_mask)
+                     sink=sink, sink_mask=mask)
     return Match(query=query, key=key, value=v, scale=scale, mask=mask,
                  is_causal=is_causal, dropout_p=dropout_p, chain=tuple(ordered))
 
@@ -347,16 +348,6 @@ def _sink_column(scores: fx.Node, chain: list[fx.Node]) -> tuple[fx.Node, fx.Nod
         sink = base
     chain.append(scores)
     return real, sink
-
-
-def _additive_mask(scores: fx.Node) -> fx.Node | None:
-    """The mask a sink attention adds to its scores, passed on as it is written."""
-    if _is(scores, "add") and len(scores.args) == 2 and not scores.kwargs:
-        left, right = scores.args
-        return right if _is(left, "mul", "div", "matmul") else left
-    if _is(scores, "masked_fill"):
-        raise _NoMatch("sink attention with a boolean mask")
-    return None
 
 
 def _mask(scores: fx.Node, chain: list[fx.Node], kinds: dict[fx.Node, str]
@@ -628,10 +619,7 @@ def _with_sink(graph: fx.Graph, match: Match, output: fx.Node, ctx: Context
     width = -(-(features + 1) // 8) * 8
     scale = match.scale if match.scale is not None else features ** -0.5
 
-    def add(target: Any, args: tuple, kwargs: dict | None = None,
-            op: str = "call_function") -> fx.Node:
-        return _added(graph, output, ctx, target, args, kwargs, op)
-
+    add = functools.partial(_added, graph, output, ctx)
     row = 1 if match.is_causal else 0   # the made-up first query row
     ones = add(F.pad, (query, [0, 1]), {"value": 1.0})
     query = add(F.pad, (ones, [0, width - features - 1, row, 0])) \

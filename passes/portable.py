@@ -93,7 +93,7 @@ def _keep_checked(graph: fx.Graph, item: fx.Node) -> None:
     with graph.inserting_before(item):
         check = graph.call_function(value_check, (condition, where))
     check.meta.update({k: v for k, v in item.args[0].meta.items()
-                       if k in ("nn_module_stack", meta.MODULE_PATH, meta.LAYER)})
+                       if k in ("nn_module_stack", meta.MODULE_PATH)})
     check.meta["val"] = None
 
 

@@ -140,11 +140,9 @@ def _check_layers(infos: Sequence[meta.LayerInfo], stages: Sequence[Sequence[str
 
 
 def _final_values(loss: fx.Node | None, output: fx.Node) -> list[fx.Node]:
-    """What the last stage returns: the loss's inputs (without the target) or the output
-    (an output leaf that is no tensor, a None field of a Hugging Face output, is none)."""
+    """What the last stage returns: the loss's inputs (without the target) or the output."""
     if loss is not None:
-        return [a for a in loss.args
-                if isinstance(a, fx.Node) and meta.role(a) != meta.ROLE_TARGET]
+        return [a for a in loss.args if meta.role(a) != meta.ROLE_TARGET]
     values = output.args[0]
     return list(values) if isinstance(values, (tuple, list)) else [values]
 

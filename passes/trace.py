@@ -145,8 +145,8 @@ def in_signature_order(model: nn.Module, kwargs: dict[str, Any]) -> dict[str, An
     return dict(sorted(kwargs.items(), key=lambda item: position.get(item[0], len(order))))
 
 
-def counted_labels(model: nn.Module, kwargs: dict[str, Any],
-                   gm: fx.GraphModule | None = None, first_keyword: int = 0) -> str:
+def counted_labels(model: nn.Module, kwargs: dict[str, Any], gm: fx.GraphModule,
+                   first_keyword: int) -> str:
     """Which labels the model's own loss averages over: "shifted", "tokens", or "samples"
     (a mean over the batch's samples). Read from ``gm``'s graph where it shows
     (:func:`~partc.passes.helpers.loss_labels.counted_in_graph`: the ops between the
@@ -155,9 +155,6 @@ def counted_labels(model: nn.Module, kwargs: dict[str, Any],
     ``loss_type`` (see ``_COUNTED_LABELS``), with a warning that the guess may be wrong."""
     if "labels" not in kwargs:
         return "samples"
-    guess = _counted_by_name(model)
-    if gm is None:
-        return guess
     loss = next(node for node in gm.graph.nodes if meta.role(node) == meta.ROLE_LOSS)
     placeholders = [node for node in gm.graph.nodes if node.op == "placeholder"]
     labels = placeholders[first_keyword + list(kwargs).index("labels")]
@@ -165,6 +162,7 @@ def counted_labels(model: nn.Module, kwargs: dict[str, Any],
                                         tuple(kwargs["labels"].shape))
     if seen.kind != "unknown":
         return seen.kind
+    guess = _counted_by_name(model)
     log.warning(
         "%s's own loss: partc cannot tell which labels it averages over (%s); it "
         "weighs microbatches as if %s, and the step's loss equals one device's only if "
