@@ -544,3 +544,44 @@ def test_a_constant_each_block_makes_stays_in_its_block():
     assert len(meta.layers(gm)) < len(full.layers)
     assert [count for count, _, _ in full.cut_tensors] == [1] * len(full.cut_tensors)
     assert_same_analysis(analysis, full)
+
+
+def _gemma3():
+    from tests.hf_families import _DECODER, Family
+
+    return Family("Gemma3TextConfig", "Gemma3ForCausalLM", "tokens",
+                  dict(_DECODER, head_dim=16, sliding_window=8, num_hidden_layers=6)).build()
+
+
+@pytest.mark.parametrize("build, example", [
+    (lambda: gpt.gpt_tiny(n_layer=4), torch.zeros(2, 8, dtype=torch.long)),
+    (lambda: models.llama(n_layer=4, attention="sdpa"), torch.zeros(2, 8, dtype=torch.long)),
+    (_gemma3, torch.zeros(2, 16, dtype=torch.long)),
+    (lambda: Frozen([Mlp(8, 8) for _ in range(8)], 8, 8), torch.zeros(2, 8)),
+    (lambda: Periodic([Mlp(8, 8) for _ in range(len(PERIODIC))], 8, 8), torch.zeros(2, 8)),
+    (models.SkipAfterFifth, torch.zeros(2, 8)),
+], ids=["samples.gpt", "hf-llama", "hf-gemma3", "frozen", "periodic", "skip-after-fifth"])
+def test_a_model_on_meta_records_on_meta_tensors_what_fakes_record(build, example,
+                                                                  monkeypatch):
+    """A model all on the meta device is recorded on meta tensors (a third of the fake
+    tensors' time on Llama-3-70B), and records exactly what fakes of it record: every
+    segment's calls, the blocks' order, the parameters' owners."""
+    from partc.passes.helpers import segments
+
+    with torch.device("meta"):
+        model = build()
+    example = ((example.to("meta"),), {})
+    containers = tuple(r.container for r in dedupe.find_repeats(model, None)) or ("blocks",)
+    modes = []
+    record = segments._record
+    monkeypatch.setattr(segments, "_record",
+                        lambda *args: modes.append(type(args[-1]).__name__) or record(*args))
+    on_meta = segments.record(model, containers, *example)
+    assert modes == ["nullcontext"]   # not on fakes: nothing failed on meta
+    on_fakes = record(model, containers, *example, dict(model.named_parameters(
+        remove_duplicate=False)) | dict(model.named_buffers(remove_duplicate=False)),
+        segments.FakeTensorMode(allow_non_fake_inputs=True))
+    assert on_meta.entered == on_fakes.entered
+    assert on_meta.params == on_fakes.params
+    assert on_meta.calls == on_fakes.calls
+    assert on_meta == on_fakes
