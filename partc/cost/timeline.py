@@ -84,10 +84,10 @@ class Block:
         return self.end_s - self.start_s
 
 
-@dataclass(frozen=True, kw_only=True)
-class Op:
+class Op(NamedTuple):
     """One operation of a rank: ``phase`` forward, backward (full), input or weight (a
-    split backward's parts), of ``microbatch`` through virtual ``stage``."""
+    split backward's parts), of ``microbatch`` through virtual ``stage``. A tuple: the
+    orders of a search's schedules hold hundreds of thousands."""
 
     phase: Phase
     microbatch: int
@@ -194,6 +194,9 @@ def torch_order(name: str, pp: int, v: int, m: int) -> tuple[tuple[Op, ...], ...
     with mock.patch.object(torch_schedules._PipelineScheduleRuntime,
                            "_prepare_schedule_with_comms", lambda self, *args, **kwargs: None):
         built = cls([stage(j) for j in stages_of_rank(name, pp, v, 0)], m, loss_fn=_loss)
+    # By the computation type itself: reading each action's ``.value`` cost more than the
+    # rest of the walk.
+    phases = {kind: _PHASES.get(kind.value) for kind in torch_schedules._ComputationType}
     orders = []
     for rank in range(pp):
         ops: list[Op] = []
@@ -201,10 +204,9 @@ def torch_order(name: str, pp: int, v: int, m: int) -> tuple[tuple[Op, ...], ...
             if action is None:
                 continue
             for part in (action.sub_actions or (action,)):
-                phase = _PHASES.get(part.computation_type.value)
+                phase = phases[part.computation_type]
                 if phase is not None:
-                    ops.append(Op(phase=phase, microbatch=part.microbatch_index,
-                                  stage=part.stage_index))
+                    ops.append(Op(phase, part.microbatch_index, part.stage_index))
         orders.append(tuple(ops))
     return tuple(orders)
 
@@ -358,17 +360,18 @@ def _played(schedule: str, pp: int, v: int, m: int, stages: list[StageSeconds],
     if len(stages) != pp * v:
         raise ValueError(f"{len(stages)} virtual stages given, {pp} x {v} expected")
     split = schedule_info(schedule).split_backward
-    orders = torch_order(schedule, pp, v, m)
-    chunk_of, crosses, held_by, phases, (forward, input_, grad_) = _layout(schedule, pp, v, m)
-    runs, last = pp * v, pp * v - 1
+    chunk_of, crosses, held_by, orders = _layout(schedule, pp, v, m)
+    runs = pp * v
     parts = [_parts(phase, j, stages[j], crosses, split)
              for phase in _PHASE_INDEX for j in range(runs)]
     # Per part, the steps as the play without blocks walks them: zero ones dropped (they
-    # move nothing), and the sum of all. Each rank runs every microbatch's forward and
-    # backward (whole, or its input and weight parts, whose sum is the same) of each of
-    # its runs once: the work it has left to start with.
+    # move nothing), the sum of all, the transfer after it and its end's share of that
+    # (the last step). Each rank runs every microbatch's forward and backward (whole, or
+    # its input and weight parts, whose sum is the same) of each of its runs once: the
+    # work it has left to start with.
     quick = [(tuple(seconds for _, seconds in steps if seconds != 0),
-              sum(seconds for _, seconds in steps)) for steps, _ in parts]
+              sum(seconds for _, seconds in steps), transfer, steps[-1][1])
+             for steps, transfer in parts]
     left = [m * sum(quick[j][1] + quick[runs + j][1] for j in held) for held in held_by]
     # The margin covers the rounding of the running sums it is compared with.
     limit = cutoff * (1 + 1e-9) if cutoff < math.inf else math.inf
@@ -381,42 +384,31 @@ def _played(schedule: str, pp: int, v: int, m: int, stages: list[StageSeconds],
     while remaining:
         progressed = False
         for r in range(pp):
-            order = orders[r]
-            while position[r] < len(order):
-                op = order[position[r]]
-                j = op.stage
-                kind, first, own, passes, held = phases[op.phase]
-                at = op.microbatch * runs + j   # this microbatch's run j, within a kind
-                # A forward needs the previous run's forward of its microbatch; a weight
-                # part its own input part; a backward (or its input part) the next run's
-                # gradient or, on the last run, its own forward.
-                if kind == 0:
-                    needs = forward + at - 1 if j > 0 else -1
-                elif kind == 3:
-                    needs = input_ + at
-                else:
-                    needs = grad_ + at + 1 if j < last else forward + at
+            order, at_r, now = orders[r], position[r], clock[r]
+            count = len(order)
+            while at_r < count:
+                needs, part, mark, grad, held, link, forward, j, microbatch = order[at_r]
+                # What it waits for (_layout): none, or the event that marks its input.
                 if needs < 0:
-                    start = clock[r]
+                    start = now
                 else:
                     ready = done[needs]
                     if ready is None:
                         break
-                    start = clock[r] if clock[r] >= ready else ready
-                steps, transfer = parts[first + j]
+                    start = now if now >= ready else ready
+                moves, total, transfer, last_step = quick[part]
                 if blocks is not None:
-                    for name, seconds in steps:
+                    for name, seconds in parts[part][0]:
                         if seconds > 0:
                             stop = start + seconds
                             blocks.append(Block(rank=r, kind=name, start_s=start,
-                                                end_s=stop, microbatch=op.microbatch,
+                                                end_s=stop, microbatch=microbatch,
                                                 chunk=chunk_of[j], stage=j))
                             if stop > end:
                                 end = stop
                             work += stop - start
                         start += seconds
                 else:
-                    moves, total = quick[first + j]
                     for seconds in moves:
                         if seconds > 0:
                             stop = start + seconds
@@ -428,27 +420,27 @@ def _played(schedule: str, pp: int, v: int, m: int, stages: list[StageSeconds],
                             start += seconds
                     left[r] -= total
                     if start + left[r] > limit:
+                        clock[r], position[r] = now, at_r
                         return clock, peak, (end, work), start + left[r]
-                clock[r] = start
-                arrive = start
+                now = arrive = start
                 if transfer:
                     # What it sends leaves as its compute ends (its end's share of the
                     # send after it: the last step), one transfer at a time over the
                     # link, and arrives when the transfer ends.
-                    link = j if kind == 0 else runs + j
-                    leaves = max(start - steps[-1][1], free[link])
+                    leaves = max(start - last_step, free[link])
                     free[link] = leaves + transfer
                     arrive = max(start, free[link])
-                done[own + at] = arrive if kind == 0 else start
-                if passes:
-                    done[grad_ + at] = arrive
+                done[mark] = arrive if forward else start
+                if grad >= 0:
+                    done[grad] = arrive
                 if held:
                     holding[r] += held
                     if holding[r] > peak[r]:
                         peak[r] = holding[r]
-                position[r] += 1
+                at_r += 1
                 remaining -= 1
                 progressed = True
+            clock[r], position[r] = now, at_r
         if not progressed:
             raise RuntimeError(f"internal error: the {schedule} order deadlocks at "
                                f"positions {position}")
@@ -462,13 +454,13 @@ _PHASE_INDEX = {Phase.FORWARD: 0, Phase.BACKWARD: 1, Phase.INPUT: 2, Phase.WEIGH
 
 @lru_cache(maxsize=512)
 def _layout(schedule: str, pp: int, v: int, m: int) -> tuple:
-    """What the simulation reads of a schedule's shape besides :func:`torch_order`: each
-    run's place among its rank's; whether the cut after each run crosses to another
-    rank; each rank's runs; per phase ``(its place in _PHASE_INDEX, its durations' first
-    index, the first number of the event it marks, whether it passes a gradient back, the
-    change in microbatches held)``; and the first numbers of the forward, input-part and
-    gradient events. An event's number: ``(its kind's place in _EVENTS * m +
-    microbatch) * runs + run``."""
+    """What the simulation reads of a schedule's shape: each run's place among its
+    rank's; whether the cut after each run crosses to another rank; each rank's runs;
+    and per rank :func:`torch_order`'s operations, each as ``(the event it waits for, -1
+    for none; its durations' index in _parts' order; the event it marks; the gradient
+    event it marks too, -1 for none; the change in microbatches held; the link its
+    transfer takes; whether it is a forward; its run; its microbatch)``. An event's
+    number: ``(its kind's place in _EVENTS * m + microbatch) * runs + run``."""
     runs = pp * v
     rank = [rank_of(schedule, pp, v, j) for j in range(runs)]
     chunk_of, held_by = [0] * runs, [[] for _ in range(pp)]
@@ -479,12 +471,33 @@ def _layout(schedule: str, pp: int, v: int, m: int) -> tuple:
     crossing = set(crossing_runs(schedule, pp, v))
     crosses = [j in crossing for j in range(runs)]
     block = m * runs   # the numbers of one kind
-    phases = {phase: (index, index * runs, _EVENTS.index(str(phase.value)) * block,
-                      phase in (Phase.BACKWARD, Phase.INPUT),
-                      1 if phase == Phase.FORWARD else 0 if phase == Phase.INPUT else -1)
-              for phase, index in _PHASE_INDEX.items()}
-    firsts = tuple(_EVENTS.index(kind) * block for kind in ("forward", "input", "grad"))
-    return chunk_of, crosses, held_by, phases, firsts
+    forward_, input_, grad_ = (_EVENTS.index(kind) * block
+                               for kind in ("forward", "input", "grad"))
+    last = runs - 1
+    orders = []
+    for ops in torch_order(schedule, pp, v, m):
+        encoded = []
+        for op in ops:
+            phase, j = op.phase, op.stage
+            kind = _PHASE_INDEX[phase]
+            at = op.microbatch * runs + j   # this microbatch's run j, within a kind
+            # A forward needs the previous run's forward of its microbatch; a weight
+            # part its own input part; a backward (or its input part) the next run's
+            # gradient or, on the last run, its own forward.
+            if kind == 0:
+                needs = forward_ + at - 1 if j > 0 else -1
+            elif kind == 3:
+                needs = input_ + at
+            else:
+                needs = grad_ + at + 1 if j < last else forward_ + at
+            own = _EVENTS.index(str(phase.value)) * block
+            passes = phase in (Phase.BACKWARD, Phase.INPUT)
+            held = 1 if phase == Phase.FORWARD else 0 if phase == Phase.INPUT else -1
+            encoded.append((needs, kind * runs + j, own + at, grad_ + at if passes else -1,
+                            held, j if kind == 0 else runs + j, kind == 0, j,
+                            op.microbatch))
+        orders.append(tuple(encoded))
+    return chunk_of, crosses, held_by, tuple(orders)
 
 
 def _parts(phase: Phase, j: int, t: StageSeconds, crosses: list[bool], split: bool
