@@ -40,6 +40,7 @@ import csv
 import io
 import itertools
 import math
+import operator
 import types
 from dataclasses import dataclass
 from functools import cached_property, lru_cache
@@ -256,12 +257,12 @@ def overlap_windows(name: str, pp: int, v: int, m: int) -> tuple[Windows, ...]:
     for order in torch_order(name, pp, v, m):
         last: dict[int, int] = {}    # stage -> index of its last gradient-making op
         first: dict[int, int] = {}   # stage -> index of its first forward
-        for i, op in enumerate(order):
-            if op.phase in (Phase.BACKWARD, Phase.WEIGHT):
-                last[op.stage] = i
-            elif op.phase == Phase.FORWARD:
-                first.setdefault(op.stage, i)
-        after = list(itertools.accumulate(backward[op.phase] for op in reversed(order)))[::-1]
+        for i, (phase, _, stage) in enumerate(order):
+            if phase is Phase.BACKWARD or phase is Phase.WEIGHT:
+                last[stage] = i
+            elif phase is Phase.FORWARD:
+                first.setdefault(stage, i)
+        after = list(itertools.accumulate(backward[op[0]] for op in reversed(order)))[::-1]
         sync = tuple(math.floor(WINDOW_STEPS * after[i] + 1e-9)
                      for i in sorted(last.values(), reverse=True))
         gather = tuple(WINDOW_STEPS * (i + 1) for i in sorted(first.values()))
@@ -474,13 +475,18 @@ def _layout(schedule: str, pp: int, v: int, m: int) -> tuple:
     forward_, input_, grad_ = (_EVENTS.index(kind) * block
                                for kind in ("forward", "input", "grad"))
     last = runs - 1
+    # Per phase: its place in _PHASE_INDEX, the first number of the event it marks,
+    # whether it passes a gradient back, the change in microbatches held.
+    phases = {phase: (kind, _EVENTS.index(str(phase.value)) * block,
+                      phase in (Phase.BACKWARD, Phase.INPUT),
+                      1 if phase == Phase.FORWARD else 0 if phase == Phase.INPUT else -1)
+              for phase, kind in _PHASE_INDEX.items()}
     orders = []
     for ops in torch_order(schedule, pp, v, m):
         encoded = []
-        for op in ops:
-            phase, j = op.phase, op.stage
-            kind = _PHASE_INDEX[phase]
-            at = op.microbatch * runs + j   # this microbatch's run j, within a kind
+        for phase, microbatch, j in ops:
+            kind, own, passes, held = phases[phase]
+            at = microbatch * runs + j   # this microbatch's run j, within a kind
             # A forward needs the previous run's forward of its microbatch; a weight
             # part its own input part; a backward (or its input part) the next run's
             # gradient or, on the last run, its own forward.
@@ -490,12 +496,8 @@ def _layout(schedule: str, pp: int, v: int, m: int) -> tuple:
                 needs = input_ + at
             else:
                 needs = grad_ + at + 1 if j < last else forward_ + at
-            own = _EVENTS.index(str(phase.value)) * block
-            passes = phase in (Phase.BACKWARD, Phase.INPUT)
-            held = 1 if phase == Phase.FORWARD else 0 if phase == Phase.INPUT else -1
             encoded.append((needs, kind * runs + j, own + at, grad_ + at if passes else -1,
-                            held, j if kind == 0 else runs + j, kind == 0, j,
-                            op.microbatch))
+                            held, j if kind == 0 else runs + j, kind == 0, j, microbatch))
         orders.append(tuple(encoded))
     return chunk_of, crosses, held_by, tuple(orders)
 
@@ -554,7 +556,7 @@ def _undominated(moments: set[tuple[int, ...]]) -> tuple[tuple[int, ...], ...]:
     the undominated ones kept so far only."""
     kept: list[tuple[int, ...]] = []
     for h in sorted(moments, key=sum, reverse=True):
-        if not any(all(a >= b for a, b in zip(g, h)) for g in kept):
+        if not any(all(map(operator.ge, g, h)) for g in kept):
             kept.append(h)
     return tuple(sorted(kept))
 
