@@ -13,8 +13,10 @@ which skips tracing and measuring; and once more with the first budget, which re
 the stored plan.
 
 The target for Llama-3-70B, cold: at most half of one ``torch.export`` of the same model
-(``--versus-export``). Seen on a quiet 2-core machine: 13.7-14.7 CPU-s against 6.7-6.8
-(2.1x; one run of each moves by about a CPU-second), 16.2-16.6 before Python's full
+(``--versus-export``). Seen on a quiet 2-core machine: 12.5 CPU-s against 7.1 (1.77x;
+one run of each moves by about a CPU-second; 13.7-14.7 before the forward of a model on
+meta was recorded on meta tensors rather than fakes and the pipeline simulation read
+pre-encoded orders), 16.2-16.6 before Python's full
 garbage collections were held off while partc plans (``partc.heap``: eight of them
 walked its million live objects, 2.9 CPU-s; paired whole-process runs, 21.9 -> 20.0 CPU-s,
 a ratio of 0.918); the stored plan returned in 0.2 s; a re-plan after a memory change
