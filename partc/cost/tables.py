@@ -267,6 +267,9 @@ class TableCache:
         # What the planner learnt from earlier problems (memory aside, the same): the
         # assignment it chose for each configuration it solved, and the best configuration.
         self.solutions: dict[PipelineConfig, Any] = {}
+        # The planner's greedy plan of each table of the solve under way, by the table's
+        # and its problem's identity (partc.planner.bounds.greedy_plan).
+        self.greedy: dict[tuple[int, int], tuple] = {}
         self.best_config: PipelineConfig | None = None
         self._groups: dict[int, tuple[Any, list[int], list[int]]] = {}
         # A row's parts (partc.cost.row_parts), shared by the rows

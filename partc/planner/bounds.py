@@ -406,12 +406,11 @@ def greedy_result(problem: PlanningProblem, table: CostTable, cache: TableCache,
     """The greedy plan (:func:`incumbent`) of ``table``'s configuration, on the layers
     of its tensor-parallel variant, as a FEASIBLE result; None when it does not fit."""
     config = table.config
-    hint = incumbent(problem.variant(config.tp, config.sequence_parallel,
-                                     config.tp_objective), table, cache)
-    if hint is None:
+    found = greedy_plan(problem.variant(config.tp, config.sequence_parallel,
+                                        config.tp_objective), table, cache)
+    if found is None:
         return None
-    return ConfigResult(table=table, assignment=hint,
-                        evaluation=evaluate(table, hint.stage_of, hint.modes),
+    return ConfigResult(table=table, assignment=found[0], evaluation=found[1],
                         status="FEASIBLE", bound=bound, solve_time_s=0.0)
 
 
@@ -420,7 +419,27 @@ def incumbent(problem: PlanningProblem, table: CostTable,
     """A plan to start CP-SAT from: the fastest-mode compute split evenly into runs;
     then, on each stage over its limit, recompute where it costs least per byte saved
     (greedy); None when even that does not fit. ``cache`` (the table's) keeps the
-    splits."""
+    splits, and the plan (:func:`greedy_plan`)."""
+    found = greedy_plan(problem, table, cache)
+    return found[0] if found is not None else None
+
+
+def greedy_plan(problem: PlanningProblem, table: CostTable, cache: TableCache | None = None
+                ) -> tuple[Assignment, Evaluation] | None:
+    """:func:`incumbent`'s plan and its evaluation, kept in ``cache`` per table and
+    problem: a search asks for one configuration's greedy plan from its seed, its
+    solve's start and the joint search (685 evaluations of 260 plans, Llama-3-70B)."""
+    if cache is None:
+        return _greedy_plan(problem, table, None)
+    key = (id(table), id(problem))
+    known = cache.greedy.get(key)
+    if known is None or known[0] is not table or known[1] is not problem:
+        known = cache.greedy[key] = (table, problem, _greedy_plan(problem, table, cache))
+    return known[2]
+
+
+def _greedy_plan(problem: PlanningProblem, table: CostTable, cache: TableCache | None
+                 ) -> tuple[Assignment, Evaluation] | None:
     if table.num_layers < table.config.virtual_stages:
         return None
     fastest = [min(row.compute_ps(r) for r in row.recompute_ps) for row in table.layers]
@@ -436,9 +455,10 @@ def incumbent(problem: PlanningProblem, table: CostTable,
         runs = [[l for l in range(table.num_layers) if stage_of[l] == j] for j in numbers]
         receive = receive_bytes(table, runs, numbers)
         _recompute_until_it_fits(table, stage, runs, allowed, modes, receive)
-    if not evaluate(table, stage_of, modes).fits:
+    evaluation = evaluate(table, stage_of, modes)
+    if not evaluation.fits:
         return None
-    return Assignment(stage_of=tuple(stage_of), modes=tuple(modes))
+    return Assignment(stage_of=tuple(stage_of), modes=tuple(modes)), evaluation
 
 
 def _recompute_until_it_fits(table: CostTable, stage: int, runs: list[list[int]],
@@ -506,7 +526,11 @@ def starting_point(problem: PlanningProblem, table: CostTable, pinned: list[int]
                    ) -> tuple[Assignment, Evaluation] | None:
     """The plan a solve starts from, evaluated: the greedy incumbent, or ``previous``
     when it still fits and is faster."""
-    candidates = [] if pinned is not None else [incumbent(problem, table, cache), previous]
-    evaluated = [(a, evaluate(table, a.stage_of, a.modes)) for a in candidates if a is not None]
+    evaluated = []
+    if pinned is None:
+        greedy = greedy_plan(problem, table, cache)
+        evaluated = ([greedy] if greedy is not None else []) + (
+            [(previous, evaluate(table, previous.stage_of, previous.modes))]
+            if previous is not None else [])
     fitting = [(a, e) for a, e in evaluated if e.fits]
     return min(fitting, key=lambda pair: pair[1].step_ps) if fitting else None

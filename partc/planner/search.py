@@ -696,6 +696,7 @@ def solve(problem: PlanningProblem, options: PlannerOptions = PlannerOptions(),
     if not configs:
         raise PlanInfeasibleError(_no_config_message(problem), resource="configuration")
     cache = table_cache if table_cache is not None else TableCache()
+    cache.greedy.clear()   # the previous solve's tables are not this one's
     tables = [build_cost_table(problem, c, cache) for c in configs]
     floors = [lower_bound(t, cache) for t in tables]
     # Re-planning (the cache saw a problem that differed only in memory): the previous
