@@ -27,8 +27,10 @@ import torch.nn.functional as F
 from torch import nn
 
 HIDDEN, HEADS, KV_HEADS, LAYERS, VOCAB, POSITIONS = 64, 4, 2, 2, 128, 64
-# Every key of a config that names a dropout probability (stochastic depth's included).
-_DROPOUT_WORDS = ("dropout", "pdrop", "drop_path")
+# Every key of a config that names a dropout probability (stochastic depth's and
+# LayerDrop's included: a layer skipped by a random draw is a branch on a value, which no
+# plan can hold).
+_DROPOUT_WORDS = ("dropout", "pdrop", "drop_path", "layerdrop")
 
 
 @dataclass(frozen=True)
@@ -73,6 +75,20 @@ _DECODER = dict(hidden_size=HIDDEN, num_attention_heads=HEADS, num_key_value_hea
                 intermediate_size=2 * HIDDEN, vocab_size=VOCAB, num_hidden_layers=LAYERS,
                 max_position_embeddings=POSITIONS, **_COMMON)
 _MOE = dict(num_experts_per_tok=2, output_router_logits=False)
+_ENCODER = dict(hidden_size=HIDDEN, num_attention_heads=HEADS, num_hidden_layers=LAYERS,
+                intermediate_size=2 * HIDDEN, vocab_size=VOCAB,
+                max_position_embeddings=POSITIONS, pad_token_id=0)
+_SEQ2SEQ = dict(d_model=HIDDEN, encoder_attention_heads=HEADS, decoder_attention_heads=HEADS,
+                encoder_layers=LAYERS, decoder_layers=LAYERS, encoder_ffn_dim=2 * HIDDEN,
+                decoder_ffn_dim=2 * HIDDEN, vocab_size=VOCAB, max_position_embeddings=POSITIONS,
+                decoder_start_token_id=0, **_COMMON)
+_T5 = dict(d_model=HIDDEN, d_kv=16, d_ff=2 * HIDDEN, num_heads=HEADS, num_layers=LAYERS,
+           num_decoder_layers=LAYERS, vocab_size=VOCAB, decoder_start_token_id=0,
+           use_cache=False, pad_token_id=0, eos_token_id=1)
+# Gated delta-rule layers (Qwen 3.5), one before a softmax-attention layer.
+_LINEAR_ATTENTION = dict(linear_key_head_dim=16, linear_value_head_dim=16,
+                         linear_num_key_heads=2, linear_num_value_heads=4,
+                         layer_types=["linear_attention", "full_attention"])
 _SIGLIP = dict(model_type="siglip_vision_model", hidden_size=32, num_attention_heads=2,
                num_hidden_layers=LAYERS, intermediate_size=HIDDEN, image_size=16,
                patch_size=8, num_channels=3)
@@ -344,6 +360,83 @@ FAMILIES: dict[str, Family] = {
                       num_layers=LAYERS, num_decoder_layers=LAYERS, vocab_size=VOCAB,
                       decoder_start_token_id=0, use_cache=False, pad_token_id=0,
                       eos_token_id=1)),
+    # Round 3's newest decoders: Gemma 4 (sliding and global layers), Qwen 3.5 and its
+    # MoE (gated linear-attention layers beside softmax ones), Ministral, and latent
+    # attention without experts (MiniCPM3); older ones people still fine-tune: GPT-Neo
+    # (local and global layers), GPT-1, CTRL, BioGPT.
+    "gemma4": Family("Gemma4TextConfig", "Gemma4ForCausalLM", "tokens",
+                     dict(_DECODER, head_dim=16, global_head_dim=16, sliding_window=8,
+                          vocab_size_per_layer_input=VOCAB, hidden_size_per_layer_input=16,
+                          layer_types=["sliding_attention", "full_attention"])),
+    "qwen3_5": Family("Qwen3_5TextConfig", "Qwen3_5ForCausalLM", "tokens",
+                      dict(_DECODER, head_dim=16, **_LINEAR_ATTENTION)),
+    "qwen3_5-moe": Family("Qwen3_5MoeTextConfig", "Qwen3_5MoeForCausalLM", "tokens",
+                          dict(_DECODER, head_dim=16, **_LINEAR_ATTENTION, num_experts=4,
+                               moe_intermediate_size=HIDDEN,
+                               shared_expert_intermediate_size=HIDDEN, **_MOE)),
+    "ministral": Family("MinistralConfig", "MinistralForCausalLM", "tokens",
+                        dict(_DECODER, head_dim=16, sliding_window=8)),
+    "minicpm3": Family("MiniCPM3Config", "MiniCPM3ForCausalLM", "tokens",
+                       dict(_DECODER, num_key_value_heads=HEADS, kv_lora_rank=16,
+                            q_lora_rank=32, qk_rope_head_dim=8, qk_nope_head_dim=8,
+                            v_head_dim=16)),
+    "gpt-neo": Family("GPTNeoConfig", "GPTNeoForCausalLM", "tokens",
+                      dict(hidden_size=HIDDEN, num_heads=HEADS, num_layers=LAYERS,
+                           vocab_size=VOCAB, max_position_embeddings=POSITIONS,
+                           attention_types=[[["global", "local"], 1]], window_size=8,
+                           **_COMMON)),
+    "openai-gpt": Family("OpenAIGPTConfig", "OpenAIGPTLMHeadModel", "tokens",
+                         dict(n_embd=HIDDEN, n_head=HEADS, n_layer=LAYERS, vocab_size=VOCAB,
+                              n_positions=POSITIONS)),
+    "ctrl": Family("CTRLConfig", "CTRLLMHeadModel", "tokens",
+                   dict(n_embd=HIDDEN, n_head=HEADS, n_layer=LAYERS, dff=2 * HIDDEN,
+                        vocab_size=VOCAB, n_positions=POSITIONS, **_COMMON)),
+    "biogpt": Family("BioGptConfig", "BioGptForCausalLM", "tokens", dict(_ENCODER, **_COMMON)),
+    # More mixture-of-experts models: Cohere 2's, LFM2's (convolution layers), GLM-4.7-
+    # Flash's latent attention, AFMoE. Not here: DBRX, whose experts pick their tokens by
+    # torch.nonzero (shapes that depend on values: refused, with what to do instead).
+    "cohere2-moe": Family("Cohere2MoeConfig", "Cohere2MoeForCausalLM", "tokens",
+                          dict(_DECODER, sliding_window=8, num_experts=4,
+                               moe_intermediate_size=HIDDEN, **_MOE)),
+    "lfm2-moe": Family("Lfm2MoeConfig", "Lfm2MoeForCausalLM", "tokens",
+                       dict(_DECODER, num_experts=4, moe_intermediate_size=HIDDEN,
+                            num_dense_layers=1, layer_types=["conv", "full_attention"],
+                            **_MOE)),
+    "glm4-moe-lite": Family("Glm4MoeLiteConfig", "Glm4MoeLiteForCausalLM", "tokens",
+                            dict(_DECODER, num_key_value_heads=HEADS, n_routed_experts=4,
+                                 n_shared_experts=1, moe_intermediate_size=HIDDEN,
+                                 first_k_dense_replace=1, kv_lora_rank=16, q_lora_rank=32,
+                                 qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16,
+                                 n_group=1, topk_group=1, **_MOE)),
+    "afmoe": Family("AfmoeConfig", "AfmoeForCausalLM", "tokens",
+                    dict(_DECODER, head_dim=16, num_experts=4, moe_intermediate_size=HIDDEN,
+                         num_dense_layers=1, sliding_window=8, **_MOE)),
+    # More encoder-decoders: UMT5 (per-layer relative biases), M2M-100 (NLLB's), Marian,
+    # Blenderbot, PLBart. Not here: Switch Transformers, whose decoder without an
+    # attention mask makes one only when not compiling, and under export subscripts None.
+    "umt5": Family("UMT5Config", "UMT5ForConditionalGeneration", "seq2seq", _T5),
+    "m2m100": Family("M2M100Config", "M2M100ForConditionalGeneration", "seq2seq", _SEQ2SEQ),
+    "marian": Family("MarianConfig", "MarianMTModel", "seq2seq",
+                     dict(_SEQ2SEQ, decoder_vocab_size=VOCAB)),
+    "blenderbot": Family("BlenderbotConfig", "BlenderbotForConditionalGeneration", "seq2seq",
+                         _SEQ2SEQ),
+    "plbart": Family("PLBartConfig", "PLBartForConditionalGeneration", "seq2seq", _SEQ2SEQ),
+    # More encoders: Megatron-BERT (pre-norm), MobileBERT (bottlenecks, stacked FFNs),
+    # MPNet (relative positions), ConvBERT (span convolutions), RoFormer (rotary),
+    # EuroBERT (a Llama-like encoder), Funnel (pooled blocks).
+    "megatron-bert": Family("MegatronBertConfig", "MegatronBertModel", "hidden", _ENCODER),
+    "mobilebert": Family("MobileBertConfig", "MobileBertModel", "hidden",
+                         dict(_ENCODER, embedding_size=32, intra_bottleneck_size=32,
+                              true_hidden_size=32, num_feedforward_networks=2)),
+    "mpnet": Family("MPNetConfig", "MPNetModel", "hidden", _ENCODER),
+    "convbert": Family("ConvBertConfig", "ConvBertModel", "hidden",
+                       dict(_ENCODER, embedding_size=HIDDEN)),
+    "roformer": Family("RoFormerConfig", "RoFormerModel", "hidden", _ENCODER),
+    "eurobert": Family("EuroBertConfig", "EuroBertModel", "hidden",
+                       dict(_DECODER, mask_token_id=VOCAB - 1)),
+    "funnel": Family("FunnelConfig", "FunnelModel", "hidden",
+                     dict(d_model=HIDDEN, n_head=HEADS, d_head=16, d_inner=2 * HIDDEN,
+                          block_sizes=[1, 1], vocab_size=VOCAB)),
 }
 
 
