@@ -85,6 +85,13 @@ _SEQ2SEQ = dict(d_model=HIDDEN, encoder_attention_heads=HEADS, decoder_attention
 _T5 = dict(d_model=HIDDEN, d_kv=16, d_ff=2 * HIDDEN, num_heads=HEADS, num_layers=LAYERS,
            num_decoder_layers=LAYERS, vocab_size=VOCAB, decoder_start_token_id=0,
            use_cache=False, pad_token_id=0, eos_token_id=1)
+# Multi-head latent attention (DeepSeek's, MiniCPM3's): it makes a key per query head.
+_LATENT = dict(num_key_value_heads=HEADS, kv_lora_rank=16, q_lora_rank=32,
+               qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16)
+# DeepSeek V2/V3's mixture of experts beside it: shared experts, a dense first layer.
+_DEEPSEEK_MOE = dict(_LATENT, n_routed_experts=4, n_shared_experts=1,
+                     moe_intermediate_size=HIDDEN, first_k_dense_replace=1, n_group=1,
+                     topk_group=1, **_MOE)
 # Gated delta-rule layers (Qwen 3.5), one before a softmax-attention layer.
 _LINEAR_ATTENTION = dict(linear_key_head_dim=16, linear_value_head_dim=16,
                          linear_num_key_heads=2, linear_num_value_heads=4,
@@ -192,18 +199,9 @@ FAMILIES: dict[str, Family] = {
     "olmoe": Family("OlmoeConfig", "OlmoeForCausalLM", "tokens",
                     dict(_DECODER, num_experts=4, **_MOE)),
     "deepseek-v3": Family("DeepseekV3Config", "DeepseekV3ForCausalLM", "tokens",
-                          dict(_DECODER, num_key_value_heads=HEADS, n_routed_experts=4,
-                               n_shared_experts=1, moe_intermediate_size=HIDDEN,
-                               first_k_dense_replace=1, kv_lora_rank=16, q_lora_rank=32,
-                               qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16,
-                               n_group=1, topk_group=1, **_MOE)),
+                          dict(_DECODER, **_DEEPSEEK_MOE)),
     "deepseek-v2": Family("DeepseekV2Config", "DeepseekV2ForCausalLM", "tokens",
-                          # Latent attention makes a key per query head.
-                          dict(_DECODER, num_key_value_heads=HEADS, n_routed_experts=4, n_shared_experts=1,
-                               moe_intermediate_size=HIDDEN, first_k_dense_replace=1,
-                               kv_lora_rank=16, q_lora_rank=32, qk_rope_head_dim=8,
-                               qk_nope_head_dim=8, v_head_dim=16, n_group=1, topk_group=1,
-                               **_MOE)),
+                          dict(_DECODER, **_DEEPSEEK_MOE)),
     "granitemoe": Family("GraniteMoeConfig", "GraniteMoeForCausalLM", "tokens",
                          dict(_DECODER, num_local_experts=4, **_MOE)),
     "gpt-oss": Family("GptOssConfig", "GptOssForCausalLM", "tokens",
@@ -377,9 +375,7 @@ FAMILIES: dict[str, Family] = {
     "ministral": Family("MinistralConfig", "MinistralForCausalLM", "tokens",
                         dict(_DECODER, head_dim=16, sliding_window=8)),
     "minicpm3": Family("MiniCPM3Config", "MiniCPM3ForCausalLM", "tokens",
-                       dict(_DECODER, num_key_value_heads=HEADS, kv_lora_rank=16,
-                            q_lora_rank=32, qk_rope_head_dim=8, qk_nope_head_dim=8,
-                            v_head_dim=16)),
+                       dict(_DECODER, **_LATENT)),
     "gpt-neo": Family("GPTNeoConfig", "GPTNeoForCausalLM", "tokens",
                       dict(hidden_size=HIDDEN, num_heads=HEADS, num_layers=LAYERS,
                            vocab_size=VOCAB, max_position_embeddings=POSITIONS,
@@ -403,11 +399,7 @@ FAMILIES: dict[str, Family] = {
                             num_dense_layers=1, layer_types=["conv", "full_attention"],
                             **_MOE)),
     "glm4-moe-lite": Family("Glm4MoeLiteConfig", "Glm4MoeLiteForCausalLM", "tokens",
-                            dict(_DECODER, num_key_value_heads=HEADS, n_routed_experts=4,
-                                 n_shared_experts=1, moe_intermediate_size=HIDDEN,
-                                 first_k_dense_replace=1, kv_lora_rank=16, q_lora_rank=32,
-                                 qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16,
-                                 n_group=1, topk_group=1, **_MOE)),
+                            dict(_DECODER, **_DEEPSEEK_MOE)),
     "afmoe": Family("AfmoeConfig", "AfmoeForCausalLM", "tokens",
                     dict(_DECODER, head_dim=16, num_experts=4, moe_intermediate_size=HIDDEN,
                          num_dense_layers=1, sliding_window=8, **_MOE)),
