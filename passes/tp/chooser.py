@@ -681,7 +681,8 @@ class _LayerModel:
         fuller = solver.solve(self.model)
         if fuller in (cp_model.OPTIMAL, cp_model.FEASIBLE) or status != cp_model.FEASIBLE:
             return fuller
-        # The fuller one found nothing in its work: the default's pick again.
+        # The fuller one found nothing in its work: the default's pick again, from its
+        # hint (one more second of work at most).
         solver.parameters.linearization_level = 1
         set_work(solver, min(work, _DEFAULT_LP_WORK))
         return solver.solve(self.model)
