@@ -432,10 +432,9 @@ def greedy_plan(problem: PlanningProblem, table: CostTable, cache: TableCache | 
     if cache is None:
         return _greedy_plan(problem, table, None)
     key = (id(table), id(problem))
-    known = cache.greedy.get(key)
-    if known is None or known[0] is not table or known[1] is not problem:
-        known = cache.greedy[key] = (table, problem, _greedy_plan(problem, table, cache))
-    return known[2]
+    if key not in cache.greedy:   # kept beside them: no other object takes those ids
+        cache.greedy[key] = (table, problem, _greedy_plan(problem, table, cache))
+    return cache.greedy[key][2]
 
 
 def _greedy_plan(problem: PlanningProblem, table: CostTable, cache: TableCache | None
@@ -526,11 +525,10 @@ def starting_point(problem: PlanningProblem, table: CostTable, pinned: list[int]
                    ) -> tuple[Assignment, Evaluation] | None:
     """The plan a solve starts from, evaluated: the greedy incumbent, or ``previous``
     when it still fits and is faster."""
-    evaluated = []
-    if pinned is None:
-        greedy = greedy_plan(problem, table, cache)
-        evaluated = ([greedy] if greedy is not None else []) + (
-            [(previous, evaluate(table, previous.stage_of, previous.modes))]
-            if previous is not None else [])
-    fitting = [(a, e) for a, e in evaluated if e.fits]
+    if pinned is not None:
+        return None
+    evaluated = [greedy_plan(problem, table, cache)]
+    if previous is not None:
+        evaluated.append((previous, evaluate(table, previous.stage_of, previous.modes)))
+    fitting = [pair for pair in evaluated if pair is not None and pair[1].fits]
     return min(fitting, key=lambda pair: pair[1].step_ps) if fitting else None
