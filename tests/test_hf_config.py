@@ -144,3 +144,51 @@ def test_an_encoder_decoder_is_its_sequence_to_sequence_lm(capsys):
     module = launcher.compile_workload(config, workload, 1).build()
     torch.testing.assert_close(module.forward_backward(**batch), expected.detach(),
                                rtol=FP32, atol=0)
+
+
+GEMMA3_TEXT = ["text_config.num_hidden_layers=1", "text_config.hidden_size=32",
+               "text_config.intermediate_size=64", "text_config.num_attention_heads=2",
+               "text_config.num_key_value_heads=1", "text_config.head_dim=16",
+               "text_config.vocab_size=96", "text_config.max_position_embeddings=12"]
+
+
+def test_a_composite_config_takes_its_text_models_tokens(capsys):
+    """Seen before: ``partc plan gemma3`` (and qwen3_5, llama4, mllama, encoder-decoder:
+    13 of the model types transformers ships a causal LM for) ended in a traceback,
+    "'Gemma3Config' object has no attribute 'vocab_size'": a composite config keeps its
+    text model's figures in ``text_config``. The batch takes the text model's vocabulary
+    and longest sequence, dotted keys set its fields, and the model plans."""
+    workload = hf_config.workload("gemma3", GEMMA3_TEXT, batch=2, meta=True)
+    text = workload["model"].config.text_config
+    assert (text.num_hidden_layers, text.vocab_size, text.use_cache) == (1, 96, False)
+    assert workload["example_inputs"]["input_ids"].shape == (2, 12)  # its longest sequence
+    tokens = workload["data"](0)[0]["input_ids"]
+    assert tokens.shape == (2, 12) and int(tokens.max()) < 96
+    code = main(["plan", "gemma3", "--hf-config", *GEMMA3_TEXT, "--seq-len", "8",
+                 "--global-batch", "2", "--devices", "1", "--device", "CPU", "-q",
+                 "--format", "json"])
+    assert code == 0
+    model = json.loads(capsys.readouterr().out)["model"]
+    assert model["name"] == "Gemma3ForConditionalGeneration (gemma3)"
+    assert [s["shape"] for s in model["inputs"]][0] == [8]
+
+
+def test_a_config_without_a_vocabulary_or_a_length_is_handled():
+    """A config that names no vocabulary is refused in one line naming the flag; one
+    whose longest sequence is -1 (XLNet's, relative positions) takes the default."""
+    from types import SimpleNamespace
+
+    from transformers import XLNetConfig
+
+    with pytest.raises(ValueError, match="no vocabulary size .* --hf-config"):
+        hf_config.token_figures("x", SimpleNamespace(max_position_embeddings=8))
+    assert hf_config.token_figures("xlnet", XLNetConfig()) == (32000, hf_config.MAX_DEFAULT_SEQ)
+
+
+def test_dotted_keys_set_fields_of_a_nested_config():
+    assert hf_config.overrides(["a=1", "text_config.b=2", "text_config.c=x",
+                                'text_config={"d": 3}']) == {
+        "a": 1, "text_config": {"b": 2, "c": "x", "d": 3}}
+    for pairs in (["a=1", "a.b=2"], ["a.b=2", "a=1"], ["text_config.=2"]):
+        with pytest.raises(ValueError):
+            hf_config.overrides(pairs)

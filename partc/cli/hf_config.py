@@ -1,6 +1,8 @@
 """A model named by its Hugging Face config, for ``partc plan`` and ``partc train``:
 ``partc plan llama --hf-config num_hidden_layers=2 --seq-len 512`` or ``partc plan
-path/to/model`` (a directory with ``config.json``, or that file).
+path/to/model`` (a directory with ``config.json``, or that file); a composite config's
+text model by dotted keys: ``partc plan gemma3 --hf-config
+text_config.num_hidden_layers=2``.
 
 A target that is not ``file.py:factory`` is a config: a local directory (or its
 ``config.json``), read by ``AutoConfig.from_pretrained`` with local files only, or a model
@@ -57,18 +59,35 @@ def config_file(target: str) -> Path | None:
 
 
 def overrides(pairs: Sequence[str] | None) -> dict[str, Any]:
-    """``KEY=VALUE`` words as config fields: VALUE read as JSON where it parses."""
+    """``KEY=VALUE`` words as config fields: VALUE read as JSON where it parses. A dotted
+    KEY sets a field of a nested config (``text_config.num_hidden_layers=2``: a
+    composite config's text model), as a dict transformers merges into that config."""
     fields: dict[str, Any] = {}
     for pair in pairs or ():
         key, equals, value = pair.partition("=")
-        if not equals or not key.strip():
+        path = [part.strip() for part in key.split(".")]
+        if not equals or not all(path):
             raise ValueError(f"--hf-config takes KEY=VALUE words, got {pair!r} (the model "
                              "goes before the flag: partc plan llama --hf-config "
                              "num_hidden_layers=2)")
         try:
-            fields[key.strip()] = json.loads(value)
+            parsed = json.loads(value)
         except json.JSONDecodeError:
-            fields[key.strip()] = value
+            parsed = value
+        place = fields
+        for part in path[:-1]:
+            inner = place.setdefault(part, {})
+            if not isinstance(inner, dict):
+                raise ValueError(f"--hf-config sets {part} and a field inside it ({pair!r}): "
+                                 "give one or the other")
+            place = inner
+        if isinstance(place.get(path[-1]), dict) and isinstance(parsed, dict):
+            place[path[-1]].update(parsed)
+        elif isinstance(place.get(path[-1]), dict):
+            raise ValueError(f"--hf-config sets {key.strip()} and a field inside it: give "
+                             "one or the other")
+        else:
+            place[path[-1]] = parsed
     return fields
 
 
@@ -85,11 +104,15 @@ def load_config(target: str, pairs: Sequence[str] | None = None) -> Any:
                          "directory with config.json and no file.py:factory")
     try:
         if file is not None:
-            return AutoConfig.from_pretrained(str(file), local_files_only=True, **fields)
-        return AutoConfig.for_model(target, **fields)
+            config = AutoConfig.from_pretrained(str(file), local_files_only=True, **fields)
+        else:
+            config = AutoConfig.for_model(target, **fields)
     except Exception as error:   # a field's value the config's own checks refuse
         raise ValueError(f"{target}: transformers refused the config "
                          f"({_first_line(error)})") from error
+    if hasattr(config, "get_text_config"):   # a composite config's text model caches too
+        config.get_text_config(decoder=True).use_cache = False
+    return config
 
 
 def _first_line(error: Exception) -> str:
@@ -127,9 +150,8 @@ def workload(target: str, pairs: Sequence[str] | None = None, *, batch: int | No
                          f"config ({_first_line(error)}); a field its code "
                          "reads may be unset: give it with --hf-config KEY=VALUE") from error
     batch = batch or DEFAULT_BATCH
-    seq_len = seq_len or min(getattr(config, "max_position_embeddings", MAX_DEFAULT_SEQ),
-                             MAX_DEFAULT_SEQ)
-    vocab = config.vocab_size
+    vocab, longest = token_figures(target, config)
+    seq_len = seq_len or min(longest, MAX_DEFAULT_SEQ)
 
     def data(step: int) -> tuple[dict[str, torch.Tensor], None]:
         generator = torch.Generator().manual_seed(step)
@@ -138,6 +160,25 @@ def workload(target: str, pairs: Sequence[str] | None = None, *, batch: int | No
     return {"model": model, "name": f"{type(model).__name__} ({Path(target).name})",
             "example_inputs": token_batch(torch.zeros(batch, seq_len, dtype=torch.long)),
             "data": data}
+
+
+def token_figures(target: str, config: Any) -> tuple[int, int]:
+    """The vocabulary and the longest sequence (``MAX_DEFAULT_SEQ`` where the config
+    gives none) of the model's tokens: its text decoder's config (a composite config's
+    ``text_config``, Gemma 3's or Qwen 3.5's, holds them; an encoder-decoder's decoder
+    config), else its own."""
+    text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") \
+        else config
+    vocab = getattr(text, "vocab_size", None)
+    if not isinstance(vocab, int) or vocab <= 0:
+        raise ValueError(f"{target}: {type(config).__name__} gives no vocabulary size for "
+                         "its text; give it with --hf-config (vocab_size=N, or "
+                         "text_config.vocab_size=N)")
+    longest = getattr(text, "max_position_embeddings", None)
+    # Some configs say -1 or None (XLNet's: relative positions, no limit).
+    if not isinstance(longest, int) or longest <= 0:
+        longest = MAX_DEFAULT_SEQ
+    return vocab, longest
 
 
 def token_batch(ids: Any) -> dict[str, Any]:

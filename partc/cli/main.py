@@ -387,10 +387,12 @@ def _config_arguments(group) -> None:
     # extend: "--hf-config a=1 b=2" and "--hf-config a=1 --hf-config b=2" alike.
     group.add_argument("--hf-config", action="extend", nargs="+", metavar="KEY=VALUE",
                        help="set config fields: --hf-config num_hidden_layers=2 "
-                            "hidden_size=512 (or repeat the flag)")
+                            "hidden_size=512 (or repeat the flag); a composite "
+                            "config's text model by dotted keys: "
+                            "text_config.num_hidden_layers=2")
     group.add_argument("--seq-len", type=COUNT, metavar="N",
-                       help="tokens per sample (default: max_position_embeddings, at most "
-                            "2048)")
+                       help="tokens per sample (default: the text model's "
+                            "max_position_embeddings, at most 2048)")
 
 
 def _training_arguments(train) -> None:
