@@ -3,7 +3,7 @@ tensor-parallel shard, and FSDP's data-parallel shard of a tensor."""
 
 from __future__ import annotations
 
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Mapping, Sequence
 
 import torch
 from torch import fx, nn
@@ -109,6 +109,31 @@ def _read_files(files: Any, entries: list, aliases: dict[str, tuple[str, ...]],
 def aliases_of(model: nn.Module) -> dict[str, tuple[str, ...]]:
     """Every FQN of a tensor → all FQNs of that tensor (tied weights have several)."""
     return {name: names for names in param_fqns(model).values() for name in names}
+
+
+def unread_parameters(model: nn.Module, holders: Mapping[tuple[str, ...], Any]
+                      ) -> list[tuple[str, int]]:
+    """The parameters no stage holds (``holders``: ``Lowered.holders``): those the
+    forward never reads on the traced inputs (a vision tower under text-only batches),
+    which the program neither trains nor keeps. Their first FQN and element count, in
+    the model's order."""
+    held = {name for names in holders for name in names}
+    aliases = aliases_of(model)
+    return [(name, tensor.numel()) for name, tensor in model.named_parameters()
+            if held.isdisjoint(aliases.get(name, (name,)))]
+
+
+def unread_warning(model: nn.Module, unread: Sequence[tuple[str, int]]) -> str:
+    """One line naming ``unread`` parameters (:func:`unread_parameters`) by their
+    modules, for the log."""
+    total = sum(p.numel() for p in model.parameters())
+    modules = sorted({name.rpartition(".")[0] or name for name, _ in unread})
+    shown = ", ".join(modules[:4]) + (f" and {len(modules) - 4} more" if len(modules) > 4 else "")
+    count = sum(n for _, n in unread)
+    return (f"{len(unread)} parameter tensors ({count:,} of the model's {total:,} "
+            f"elements: {shown}) are never read by the forward on these inputs: the "
+            "program neither trains them nor holds them, so its state dicts and "
+            "checkpoints leave them out (keep them from the model itself)")
 
 
 def _source_tensor(name: str, aliases: dict[str, tuple[str, ...]], model: nn.Module,

@@ -44,7 +44,8 @@ from partc.runtime.fsdp_shard import shard_over_dp
 from partc.runtime.module import DistributedModule
 from partc.runtime.offload import HostTier
 from partc.runtime.optimizer import GradBuckets, wait_in_forward
-from partc.runtime.parameters import aliases_of, own_parameters, shard_plan
+from partc.runtime.parameters import (aliases_of, own_parameters, shard_plan,
+                                      unread_parameters, unread_warning)
 from partc.runtime.pipeline_schedule import (RankStages, make_schedule, runtime_refusal,
                                              share_local_ties, tied_elsewhere, tied_groups)
 from partc.runtime.pipeline_stage import CountingStage, contiguous_transfers, not_a_view
@@ -150,6 +151,9 @@ def build(plan: Plan, topology: Topology,
         expert_params = [p for module in modules for p in experts.expert_weights(module)]
     whole = modules[0] if len(modules) == 1 else RankStages(modules)
     holders = programs[0].holders
+    unread = unread_parameters(model, holders)
+    if unread and topology.rank == 0:
+        log.warning(unread_warning(model, unread))
     tied = tied_groups(holders, whole, topology, plan)  # every rank makes every group
     scaled_once = frozenset(shared.values())
     loss = _planned_loss(programs[0], tp_group, dtype)

@@ -168,6 +168,25 @@ def test_one_process_trains_like_the_model(process_group):
     assert set(module.state_dict()) == set(dict(model.named_parameters()))
 
 
+def test_parameters_the_forward_never_reads_are_named_in_a_warning(process_group, caplog):
+    """A model whose forward leaves some parameters unread on its inputs (a vision
+    tower under text-only batches: seen on a Hugging Face LLaVA-style family, and on a
+    decoder whose cross-attention reads no encoder) trains without them: the program
+    neither trains nor holds them, so its state dicts leave them out. Not silently:
+    building it warns once, naming their modules and counts."""
+    torch.manual_seed(0)
+    model = gpt_tiny()
+    model.vision = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 4))
+    with caplog.at_level("WARNING", logger="partc.runtime"):
+        module = compile_gpt(model, 1).build()
+    said = [r.getMessage() for r in caplog.records if "never read" in r.getMessage()]
+    assert len(said) == 1, said
+    assert said[0].startswith("4 parameter tensors (76 of the model's ")
+    assert "vision.0, vision.1" in said[0]
+    assert set(module.state_dict()) == {name for name, _ in model.named_parameters()
+                                        if not name.startswith("vision.")}
+
+
 def test_meta_model_loads_its_parameters_from_a_state_dict(process_group):
     torch.manual_seed(0)
     real = gpt_tiny()
