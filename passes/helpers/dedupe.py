@@ -120,6 +120,16 @@ def find_repeats(model: nn.Module, example: tuple[tuple, dict] | None = None
     recording = None
     if example is not None:
         recording = segments.record(model, tuple(name for name, _ in candidates), *example)
+        ran = {container for container, _ in recording.entered}
+        if len(ran) < len(candidates):
+            # A stack the forward never enters (a vision tower under text-only batches)
+            # costs the trace nothing and is left whole; the others are recorded again
+            # without it, so that each recorded container runs.
+            candidates = [c for number, c in enumerate(candidates) if number in ran]
+            if not candidates:
+                return ()
+            recording = segments.record(model, tuple(name for name, _ in candidates),
+                                        *example)
     repeats = []
     for number, (name, blocks) in enumerate(candidates):
         kinds = _kinds(blocks)
@@ -301,12 +311,17 @@ def _describe(value: Any, paths: dict[int, str], hooks: bool = False) -> Any:
 
 
 def _labels(attributes: list[dict]) -> set:
-    """Int attributes equal to the block's position plus a constant (``layer_idx``)."""
+    """Int attributes equal to the block's position plus a constant (``layer_idx``),
+    in every block that has them, two at least: a hybrid stack's linear-attention or
+    Mamba mixers (Qwen 3.5's, Jamba's) carry their own ``layer_idx`` beside the
+    attention layers'. (Equal structure is only a candidate: :func:`prove` checks what
+    the blocks run.)"""
     labels = set()
-    for key in attributes[0]:
-        values = [found.get(key) for found in attributes]
-        if all(v is not None and v[0] == "int" for v in values):
-            offsets = {int(v[1]) - position for position, v in enumerate(values)}
+    for key in dict.fromkeys(key for found in attributes for key in found):
+        values = [(position, found[key]) for position, found in enumerate(attributes)
+                  if key in found]
+        if len(values) >= 2 and all(v is not None and v[0] == "int" for _, v in values):
+            offsets = {int(v[1]) - position for position, v in values}
             if len(offsets) == 1:
                 labels.add(key)
     return labels

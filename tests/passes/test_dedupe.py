@@ -27,7 +27,21 @@ MODELS = {
     "hf-llama": (lambda: models.llama(n_layer=4), IDS, models.causal_lm_loss, ("time",)),
     "hf-gpt2": (lambda: models.gpt2(n_layer=4), IDS, models.causal_lm_loss, ("time",)),
     "hf-bert": (lambda: models.bert(n_layer=4), IDS, None, ("time",)),
+    "hf-qwen3_5": (lambda: qwen3_5(8), IDS, models.causal_lm_loss, ("time",)),
 }
+
+
+def qwen3_5(layers: int) -> nn.Module:
+    """Qwen 3.5's hybrid stack (linear attention, then full attention, repeated) of
+    ``layers`` layers, from the coverage families' tiny config."""
+    from tests.hf_families import FAMILIES
+
+    family = FAMILIES["qwen3_5"]
+    types = family.fields["layer_types"]
+    torch.manual_seed(0)
+    return dataclasses.replace(family, fields=dict(
+        family.fields, num_hidden_layers=layers,
+        layer_types=(types * layers)[:layers])).build()
 
 
 def assert_same_analysis(got, want):
@@ -59,14 +73,16 @@ def traced_both_ways(build, example, **kwargs):
     return (full_gm, full), (gm, analysis)
 
 
-# A Hugging Face decoder and the sample GPT by default; GPT-2 and BERT -m slow.
+# A Hugging Face decoder and the sample GPT by default; GPT-2, BERT and Qwen 3.5 -m slow.
 @pytest.mark.parametrize("name", [pytest.param(name, marks=pytest.mark.slow)
-                                  if name in ("hf-gpt2", "hf-bert") else name
+                                  if name in ("hf-gpt2", "hf-bert", "hf-qwen3_5") else name
                                   for name in sorted(MODELS)])
 def test_expanded_analysis_and_options_equal_a_full_trace(name):
     build, example, loss_fn, objectives = MODELS[name]
     (full_gm, full), (gm, analysis) = traced_both_ways(build, example, loss_fn=loss_fn)
-    assert len(meta.layers(gm)) == len(full.layers) - 1  # one block of 4 not traced
+    skipped = sum(r.size - len(r.kept) for r in dedupe.find_repeats(build(), ((example,), {})))
+    assert skipped >= 1   # one block of 4 not traced (of Qwen 3.5's 8, two)
+    assert len(meta.layers(gm)) == len(full.layers) - skipped
     assert len(meta.layers(full_gm)) == len(full.layers)
     assert_same_analysis(analysis, full)
     assert_same_options(tensor_parallel_options(gm, [LINK], (False, True), objectives),
@@ -222,6 +238,43 @@ def test_a_mismatch_traces_the_whole_model_and_says_why(caplog):
     assert len(meta.layers(gm)) == len(analysis.layers)
     assert meta.layers(gm)[0].name == "stem"
     assert_same_analysis(analysis, full)
+
+
+def test_a_stack_the_forward_never_enters_leaves_the_others_deduplicated(caplog):
+    """Seen before: Gemma 3's vision tower under text-only batches (a stack of layers
+    never run) failed the proof ("the blocks do not run once each"), and the whole
+    language model was traced. The stack never entered is left whole (it costs the
+    trace nothing); the stack that runs is still deduplicated, to the same analysis."""
+    def build():
+        model = gpt.gpt_tiny(n_layer=4)
+        model.vision = nn.ModuleList(Mlp(8, 8) for _ in range(4))
+        return model
+
+    repeats = dedupe.find_repeats(build(), ((IDS,), {}))
+    assert [(r.container, r.size, len(r.kept)) for r in repeats] == [("blocks", 4, 3)]
+    with caplog.at_level(logging.WARNING, logger="partc"):
+        (_, full), (gm, analysis) = traced_both_ways(build, IDS, loss_fn=gpt.loss_fn)
+    assert "tracing the whole model" not in caplog.text
+    assert len(meta.layers(gm)) == len(full.layers) - 1   # one block of 4 not traced
+    assert_same_analysis(analysis, full)
+
+
+def test_a_hybrid_stack_whose_mixers_carry_their_own_index_repeats():
+    """Seen before: Qwen 3.5's linear-attention mixers carry ``layer_idx`` (as its
+    attention layers do), in only the blocks that hold one: every block was its own
+    kind, and its 32 layers were traced, measured and sharded whole (7.5 minutes to
+    plan the default config on 8 H100). An index in every block that has it, offset by
+    a constant, is a label; the stack repeats and the recording proves it (the whole
+    analysis and options equal a full trace's: ``hf-qwen3_5`` above, -m slow)."""
+    model = qwen3_5(8)
+    repeats = dedupe.find_repeats(model, ((IDS,), {}))
+    assert [(r.container, r.size, r.kept) for r in repeats] == [
+        ("model.layers", 8, (0, 1, 2, 3, 6, 7))]
+    dedupe.prove(model, repeats, ((IDS,), {}))
+    # An index only one block carries is no label: it may be what sets that block apart.
+    assert dedupe._labels([{("a", "i"): ("int", "3")}, {}]) == set()
+    assert dedupe._labels([{("a", "i"): ("int", "3")}, {}, {("a", "i"): ("int", "5")}]) == {
+        ("a", "i")}
 
 
 class Counted(Stack):
