@@ -312,10 +312,9 @@ def _describe(value: Any, paths: dict[int, str], hooks: bool = False) -> Any:
 
 def _labels(attributes: list[dict]) -> set:
     """Int attributes equal to the block's position plus a constant (``layer_idx``),
-    in every block that has them, two at least: a hybrid stack's linear-attention or
-    Mamba mixers (Qwen 3.5's, Jamba's) carry their own ``layer_idx`` beside the
-    attention layers'. (Equal structure is only a candidate: :func:`prove` checks what
-    the blocks run.)"""
+    in every block that has them, two at least: a hybrid stack's linear-attention mixers
+    (Qwen 3.5's) carry their own ``layer_idx``, in only the blocks that hold one. (Equal
+    structure is only a candidate: :func:`prove` checks what the blocks run.)"""
     labels = set()
     for key in dict.fromkeys(key for found in attributes for key in found):
         values = [(position, found[key]) for position, found in enumerate(attributes)
