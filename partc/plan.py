@@ -403,6 +403,10 @@ class ModelInfo:
     # "tokens" (``labels`` not -100) or "samples"; the target is then one weight per
     # sample, made by the runtime (``partc.runtime.label_weights``). None: loss_fn's.
     own_loss: str | None = field(default=None, metadata=UNLESS_DEFAULT)
+    # Of num_params, those the forward never reads on the traced inputs (a vision tower
+    # under text-only batches): no layer holds them, so the plan neither trains nor
+    # keeps them (the runtime warns too, naming them).
+    unread_params: int = field(default=0, metadata=UNLESS_DEFAULT)
 
     @property
     def sequence_length(self) -> int | None:

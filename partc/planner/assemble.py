@@ -32,6 +32,15 @@ def model_flops_per_step(problem: PlanningProblem) -> float:
     return per_sample * problem.train.global_batch_size
 
 
+def unread_params(problem: PlanningProblem) -> int:
+    """The model's parameters that no layer holds: its count less its layers' own and
+    the tied groups' (each once); the forward never reads them on the traced inputs."""
+    model = problem.model
+    held = sum(layer.param_count for layer in model.layers) + sum(
+        group.param_count for group in model.shared)
+    return max(0, model.summary.num_params - held)
+
+
 def predicted(problem: PlanningProblem, config: PipelineConfig,
               evaluation: Evaluation) -> Predicted:
     # The schedule played out (partc.cost.evaluate.simulated_step_ps), not the planner's
@@ -152,7 +161,8 @@ def make_plan(problem: PlanningProblem, config: PipelineConfig, evaluation: Eval
                                                dtype=dtype_named(dtype),
                                                keyword=name in summary.keywords)
                                      for name, shape, dtype in summary.inputs),
-                        own_loss=summary.own_loss or None),
+                        own_loss=summary.own_loss or None,
+                        unread_params=unread_params(problem)),
         tensor_parallel=tensor_parallel_section(problem, config),
         alternatives=alternatives,
         meshes=tuple(mesh_summary(mesh) for mesh in meshes),

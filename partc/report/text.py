@@ -106,8 +106,10 @@ def _headline(plan: Plan) -> list[str]:
     p, model, budget, train = plan.predicted, plan.model, plan.budget, plan.train
     zero = plan.effective_zero_stage
     lines = [
-        f"model: {model.name}, {format_count(model.num_params)} parameters, "
-        f"{model.num_layers} layers (traced with {model.tracer})",
+        f"model: {model.name}, {format_count(model.num_params)} parameters"
+        + (f" ({format_count(model.unread_params)} of them never read by the forward on "
+           "these inputs: not trained, not held)" if model.unread_params else "")
+        + f", {model.num_layers} layers (traced with {model.tracer})",
         f"budget: {budget.num_devices} x {budget.device} "
         f"({budget.memory} each, {budget.figures.devices_per_node} per node)",
         f"training: global batch {train.global_batch_size}, {dtype_name(train.dtype)}, "

@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 
 import partc
+from partc.report.text import render
 from samples.gpt import gpt_tiny, loss_fn
 from tests import models
 
@@ -177,8 +178,14 @@ def test_parameters_the_forward_never_reads_are_named_in_a_warning(process_group
     torch.manual_seed(0)
     model = gpt_tiny()
     model.vision = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 4))
+    program = compile_gpt(model, 1)
+    # The plan counts them apart (its layers hold the rest), and its report says so.
+    assert program.plan.model.unread_params == 76
+    assert program.plan.model.num_params == sum(p.numel() for p in model.parameters())
+    assert "(76 of them never read by the forward on these inputs: not trained, not held)" \
+        in render(program.plan, "text").splitlines()[2]
     with caplog.at_level("WARNING", logger="partc.runtime"):
-        module = compile_gpt(model, 1).build()
+        module = program.build()
     said = [r.getMessage() for r in caplog.records if "never read" in r.getMessage()]
     assert len(said) == 1, said
     assert said[0].startswith("4 parameter tensors (76 of the model's ")
