@@ -74,20 +74,20 @@ def overrides(pairs: Sequence[str] | None) -> dict[str, Any]:
             parsed = json.loads(value)
         except json.JSONDecodeError:
             parsed = value
-        place = fields
+        place, last = fields, path[-1]
         for part in path[:-1]:
-            inner = place.setdefault(part, {})
-            if not isinstance(inner, dict):
-                raise ValueError(f"--hf-config sets {part} and a field inside it ({pair!r}): "
-                                 "give one or the other")
-            place = inner
-        if isinstance(place.get(path[-1]), dict) and isinstance(parsed, dict):
-            place[path[-1]].update(parsed)
-        elif isinstance(place.get(path[-1]), dict):
-            raise ValueError(f"--hf-config sets {key.strip()} and a field inside it: give "
-                             "one or the other")
+            place = place.setdefault(part, {})
+            if not isinstance(place, dict):
+                break
+        known = place.get(last) if isinstance(place, dict) else None
+        if not isinstance(place, dict) or isinstance(known, dict) and not isinstance(
+                parsed, dict):
+            raise ValueError(f"--hf-config sets a field and a field inside it ({pair!r}): "
+                             "give one or the other")
+        if isinstance(known, dict):
+            known.update(parsed)
         else:
-            place[path[-1]] = parsed
+            place[last] = parsed
     return fields
 
 
@@ -110,9 +110,15 @@ def load_config(target: str, pairs: Sequence[str] | None = None) -> Any:
     except Exception as error:   # a field's value the config's own checks refuse
         raise ValueError(f"{target}: transformers refused the config "
                          f"({_first_line(error)})") from error
-    if hasattr(config, "get_text_config"):   # a composite config's text model caches too
-        config.get_text_config(decoder=True).use_cache = False
+    text_config(config).use_cache = False   # a composite config's text model caches too
     return config
+
+
+def text_config(config: Any) -> Any:
+    """The config of the model's text decoder: a composite config's ``text_config``
+    (Gemma 3's, Qwen 3.5's), an encoder-decoder's decoder config, else ``config``."""
+    return config.get_text_config(decoder=True) if hasattr(config, "get_text_config") \
+        else config
 
 
 def _first_line(error: Exception) -> str:
@@ -164,11 +170,8 @@ def workload(target: str, pairs: Sequence[str] | None = None, *, batch: int | No
 
 def token_figures(target: str, config: Any) -> tuple[int, int]:
     """The vocabulary and the longest sequence (``MAX_DEFAULT_SEQ`` where the config
-    gives none) of the model's tokens: its text decoder's config (a composite config's
-    ``text_config``, Gemma 3's or Qwen 3.5's, holds them; an encoder-decoder's decoder
-    config), else its own."""
-    text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") \
-        else config
+    gives none) of the model's tokens, as its :func:`text_config` gives them."""
+    text = text_config(config)
     vocab = getattr(text, "vocab_size", None)
     if not isinstance(vocab, int) or vocab <= 0:
         raise ValueError(f"{target}: {type(config).__name__} gives no vocabulary size for "

@@ -319,7 +319,7 @@ def _labels(attributes: list[dict]) -> set:
     for key in dict.fromkeys(key for found in attributes for key in found):
         values = [(position, found[key]) for position, found in enumerate(attributes)
                   if key in found]
-        if len(values) >= 2 and all(v is not None and v[0] == "int" for _, v in values):
+        if len(values) >= 2 and all(v[0] == "int" for _, v in values):
             offsets = {int(v[1]) - position for position, v in values}
             if len(offsets) == 1:
                 labels.add(key)
