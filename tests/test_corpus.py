@@ -20,8 +20,8 @@ from partc.cli import launcher
 from partc.cli.config import TrainConfig, parse_config, read_config_file
 from partc.cli.main import UsageError
 from partc.corpus import (ByteTokenizer, StepBatches, TokenCorpus, load_tokenizer,
-                          model_vocab_size, open_corpus, read_token_file, sequence_length,
-                          write_token_file)
+                          model_batch, model_vocab_size, open_corpus, read_token_file,
+                          sequence_length, write_token_file)
 from partc.corpus.text_tokens import encode_dataset
 from partc.errors import DataError
 
@@ -159,6 +159,26 @@ def test_the_sequence_length_is_the_example_inputs_and_the_vocabulary_the_embedd
     model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Embedding(77, 4))
     assert model_vocab_size(model) == 77
     assert model_vocab_size(torch.nn.Linear(2, 2)) is None
+
+
+def test_a_batch_reaches_the_model_in_the_form_of_its_example_inputs():
+    """By position: the ids and the targets. A tokenizer's batch: its own keys, labels the
+    ids (the model shifts them) and no target unless a loss_fn reads one. Inputs token rows
+    cannot fill are refused, naming them."""
+    ids, targets = torch.arange(6).view(2, 3), torch.arange(1, 7).view(2, 3)
+    for example in (ids, (ids,)):
+        assert model_batch(example, "f.py:f", loss_fn=True)(ids, targets) == (ids, targets)
+    batch, target = model_batch({"input_ids": ids, "attention_mask": ids, "labels": ids},
+                                "llama", loss_fn=False)(ids, targets)
+    assert list(batch) == ["input_ids", "attention_mask", "labels"] and target is None
+    assert batch["input_ids"] is ids and batch["labels"] is ids
+    assert torch.equal(batch["attention_mask"], torch.ones_like(ids))
+    batch, target = model_batch({"input_ids": ids}, "f.py:f", loss_fn=True)(ids, targets)
+    assert list(batch) == ["input_ids"] and target is targets
+    with pytest.raises(DataError, match="f.py:f's example inputs also take pixel_values"):
+        model_batch({"input_ids": ids, "pixel_values": ids}, "f.py:f", loss_fn=False)
+    with pytest.raises(DataError, match="f.py:f's example inputs are 2 by position"):
+        model_batch((ids, ids), "f.py:f", loss_fn=True)
 
 
 def test_the_flags_need_data_and_name_the_dtypes(tmp_path):

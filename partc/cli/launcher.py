@@ -350,12 +350,14 @@ def _wandb_settings(config: TrainConfig, module: Any) -> dict[str, Any] | None:
 
 @dataclass(frozen=True)
 class DataFiles:
-    """What ``--data`` and ``--eval-data`` opened (partc.corpus), and the model's
-    vocabulary that every batch is checked against (None: no embedding to check)."""
+    """What ``--data`` and ``--eval-data`` opened (partc.corpus), the model's
+    vocabulary that every batch is checked against (None: no embedding to check), and
+    how a batch is handed to the model (``partc.corpus.model_batch``)."""
 
     corpus: Any
     held_out: Any
     vocab_size: int | None
+    form: Callable[[Any, Any], tuple[Any, Any]]
 
 
 def open_data(config: TrainConfig, workload: dict[str, Any]) -> DataFiles | None:
@@ -364,37 +366,44 @@ def open_data(config: TrainConfig, workload: dict[str, Any]) -> DataFiles | None
     file (or the flags) before the model is planned."""
     if config.data is None:
         return None
-    from partc.corpus import model_vocab_size, open_corpus, sequence_length
+    from partc.corpus import model_batch, model_vocab_size, open_corpus, sequence_length
     from partc.errors import DataError
 
     if config.eval_every and config.eval_data is None and "eval_data" not in workload:
         raise DataError(f"--eval-every with --data evaluates a held-out batch: give "
                         f"--eval-data PATH (or an 'eval_data' from {config.target})")
     seq_len = sequence_length(workload["example_inputs"], config.target)
+    form = model_batch(workload["example_inputs"], config.target,
+                       loss_fn=workload.get("loss_fn") is not None)
     vocab = model_vocab_size(workload["model"])
     opened = [None if path is None else
               open_corpus(path, seq_len=seq_len, tokenizer=config.tokenizer,
                           dtype=config.data_dtype, vocab_size=vocab)
               for path in (config.data, config.eval_data)]
-    return DataFiles(corpus=opened[0], held_out=opened[1], vocab_size=vocab)
+    return DataFiles(corpus=opened[0], held_out=opened[1], vocab_size=vocab, form=form)
 
 
 def feed(workload: dict[str, Any], files: DataFiles, config: TrainConfig, *,
          global_batch_size: int, dp: int, dp_rank: int) -> None:
     """Make ``files`` the workload's data: ``data(step)`` the global batch of a step (the
     batch a checkpoint's data digest reads), ``rank_data(step)`` this rank's replica's
-    rows of it (what it trains on), ``eval_data`` the held-out file's first global batch.
-    The order is ``--seed``'s and the step's (partc.corpus.StepBatches)."""
+    rows of it (what it trains on), ``eval_data`` the held-out file's first global batch,
+    each in the form the model takes (``files.form``). The order is ``--seed``'s and the
+    step's (partc.corpus.StepBatches)."""
     from partc.corpus import StepBatches
 
     def batches(corpus: Any) -> Any:
         return StepBatches(corpus, global_batch_size=global_batch_size, seed=config.seed,
                            vocab_size=files.vocab_size)
 
-    workload["data"] = batches(files.corpus)
-    workload["rank_data"] = workload["data"].for_replica(dp, dp_rank)
+    def formed(read: Callable[[int], tuple[Any, Any]]) -> Callable[[int], tuple[Any, Any]]:
+        return lambda step: files.form(*read(step))
+
+    steps = batches(files.corpus)
+    workload["data"] = formed(steps)
+    workload["rank_data"] = formed(steps.for_replica(dp, dp_rank))
     if files.held_out is not None:
-        held_out = batches(files.held_out)
+        held_out = formed(batches(files.held_out))
         workload["eval_data"] = lambda: held_out(0)
 
 

@@ -26,10 +26,10 @@ every rank tokenizes a text it is given.
 from __future__ import annotations
 
 from partc.corpus.packing import StepBatches, TokenCorpus, model_vocab_size
-from partc.corpus.sources import open_corpus, sequence_length
+from partc.corpus.sources import model_batch, open_corpus, sequence_length
 from partc.corpus.text_tokens import ByteTokenizer, load_tokenizer
 from partc.corpus.token_files import read_token_file, write_token_file
 
-__all__ = ["ByteTokenizer", "StepBatches", "TokenCorpus", "load_tokenizer",
+__all__ = ["ByteTokenizer", "StepBatches", "TokenCorpus", "load_tokenizer", "model_batch",
            "model_vocab_size", "open_corpus", "read_token_file", "sequence_length",
            "write_token_file"]

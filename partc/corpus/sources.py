@@ -11,7 +11,7 @@ refused, as is ``--data-dtype`` with text (the two would say nothing).
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -70,3 +70,37 @@ def sequence_length(example_inputs: Any, where: str) -> int:
                         "with (batch, seq) integer ids (a tensor, a tuple whose first item "
                         "is one, or a dict with 'input_ids')")
     return int(ids.shape[1])
+
+
+# What a tokenizer's batch holds that packed token rows can fill: the ids, a mask of ones
+# (a packed row has no padding) and, for a model that computes its own loss, the labels
+# (the ids themselves: a Hugging Face causal LM shifts them).
+FILLED_KEYS = ("input_ids", "attention_mask", "labels")
+
+
+def model_batch(example_inputs: Any, where: str, *,
+                loss_fn: bool) -> Callable[[torch.Tensor, torch.Tensor], tuple[Any, Any]]:
+    """How a packed batch's ``(inputs, next-token targets)`` reach the model in the form
+    of its ``example_inputs``: by position (a tensor, or a tuple of one), the ids and the
+    targets; as a mapping (a tokenizer's batch, ``model(**batch)``), the same keys
+    (:data:`FILLED_KEYS`), and the targets only where a ``loss_fn`` reads them: with
+    ``labels`` and no ``loss_fn`` the model's own loss is the loss. Raises
+    :class:`DataError` for inputs that token rows cannot fill."""
+    if isinstance(example_inputs, dict):
+        other = sorted(set(example_inputs) - set(FILLED_KEYS))
+        if other:
+            raise DataError(f"--data fills {', '.join(FILLED_KEYS)} from token rows, but "
+                            f"{where}'s example inputs also take {', '.join(other)}: give "
+                            "the factory a data(step) that makes them")
+        keys = [key for key in FILLED_KEYS if key in example_inputs]
+        own_loss = "labels" in keys and not loss_fn
+
+        def mapping(ids: torch.Tensor, targets: torch.Tensor) -> tuple[Any, Any]:
+            made = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids}
+            return {key: made[key] for key in keys}, None if own_loss else targets
+        return mapping
+    if isinstance(example_inputs, (tuple, list)) and len(example_inputs) > 1:
+        raise DataError(f"--data feeds one input, the token ids, but {where}'s example "
+                        f"inputs are {len(example_inputs)} by position: give the factory a "
+                        "data(step) that makes them")
+    return lambda ids, targets: (ids, targets)

@@ -15,7 +15,8 @@ with the same AdamW, learning rates and data in one process. The dp=2 run shards
 ZeRO-3 (FSDP), whose units gather their parameters for the forward. Then dp=2 for 5
 steps on the sample text as a token file (``--data``; the text itself held out,
 ``--eval-data``): each rank trains on its replica's rows, with the losses of one process
-on the whole batches.
+on the whole batches; and so a Hugging Face causal LM named by its config, whose batches
+are its own (``input_ids``, ``attention_mask``, ``labels``).
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 from partc.codec import to_data  # noqa: E402
-from partc.cli import launcher, config as train_config  # noqa: E402
+from partc.cli import hf_config, launcher, config as train_config  # noqa: E402
 from partc.corpus import ByteTokenizer, write_token_file  # noqa: E402
 from partc.runtime import topology  # noqa: E402
 from samples import gpt  # noqa: E402
@@ -98,6 +99,40 @@ def _run(argv: list[str], *, evaluate_first: bool = False) -> dict:
     return results
 
 
+# A Hugging Face model named by its config, as ``partc train qwen2 --hf-config ...`` takes it.
+HF_MODEL = ["qwen2", "--hf-config", "num_hidden_layers=2", "hidden_size=32",
+            "intermediate_size=64", "num_attention_heads=4", "num_key_value_heads=2",
+            "vocab_size=256", "--seq-len", "16", "--global-batch", "8"]
+
+
+def _run_hf(data: Path) -> dict:
+    """``partc train`` of a Hugging Face causal LM on a token file (dp=2): its batches are
+    the model's own, ``model(**batch)`` with labels, and the losses one process's
+    ``model(**batch).loss`` on the whole batches with the same AdamW."""
+    config = train_config.parse_config([*HF_MODEL, "--steps", str(STEPS), "--dp", "2",
+                                        "--data", str(data), "--lr", "3e-3", "-q"])
+    module, optimizer, telemetry, workload = launcher.prepare(config)
+    model = hf_config.workload(HF_MODEL[0], [pair for pair in HF_MODEL if "=" in pair])["model"]
+    model.load_state_dict(module.full_state_dict())
+    reference = torch.optim.AdamW(model.parameters(), lr=config.lr,
+                                  weight_decay=config.weight_decay)
+    ref_losses = []
+    for step in range(config.steps):
+        for group in reference.param_groups:
+            group["lr"] = train_config.learning_rate(step, config)
+        batch, target = workload["data"](step)
+        loss = model(**batch).loss
+        loss.backward()
+        reference.step()
+        reference.zero_grad()
+        ref_losses.append(float(loss))
+    losses = launcher.train(module, optimizer, workload, config, telemetry=telemetry)
+    batch, target = workload["rank_data"](0)
+    module.close()
+    return {"losses": losses, "ref_losses": ref_losses, "mesh": to_data(module.plan.mesh),
+            "keys": sorted(batch), "rows": len(batch["input_ids"]), "target": target}
+
+
 def _execute(argv: list[str]) -> dict:
     """One launch of ``partc train`` (``launcher.execute``: all but leaving the process
     group, which the next launch in this process reuses)."""
@@ -147,6 +182,7 @@ def main(out: Path) -> None:
         "data": _run(["--steps", str(STEPS), "--dp", "2", "--data", str(_token_file(out)),
                       "--eval-data", str(ROOT / "samples" / "declaration.txt"), "--lr",
                       "3e-3", "-q"]),
+        "hf-data": _run_hf(_token_file(out)),
     }
     (out / f"rank{dist.get_rank()}.json").write_text(json.dumps(results))
     dist.barrier()

@@ -5,7 +5,8 @@ through a pipeline (pp=2, before training too) and over data-parallel replicas (
 ZeRO-3), changing nothing. Checkpoints: 4 steps on pp=2 saved every 2, resumed with
 ``--resume --steps 6`` on dp=2, continue at step 5 with the losses of 6 uninterrupted
 steps; a resume with another seed is refused. ``--data``: a token file on dp=2, each rank
-reading its replica's rows, with one process's losses."""
+reading its replica's rows, with one process's losses, for the sample GPT and for a Hugging
+Face causal LM named by its config (fed its own batches)."""
 
 from __future__ import annotations
 
@@ -81,6 +82,20 @@ def test_training_on_a_token_file_reads_each_replicas_rows_as_in_one_process(lau
         evaluation = seen["evaluations"][0]   # --eval-data: the text's first batch
         assert evaluation["loss"] == pytest.approx(evaluation["reference"], rel=RTOL)
     losses = launched[0][0]["data"]["losses"]
+    assert losses[-1] < losses[0] - 0.3, losses
+
+
+def test_a_hugging_face_model_trains_on_a_token_file_in_its_own_batches(launched):
+    """``partc train qwen2 --hf-config ... --data FILE`` on dp=2: each rank is handed its
+    rows as the model is called, ``model(**batch)`` with labels and no target, and the
+    losses are one process's ``model(**batch).loss`` on the whole batches."""
+    for results in launched[0]:
+        seen = results["hf-data"]
+        assert seen["mesh"] == {"pp": 1, "dp": 2, "tp": 1}
+        assert (seen["keys"], seen["rows"], seen["target"]) == (
+            ["attention_mask", "input_ids", "labels"], 4, None)
+        assert seen["losses"] == pytest.approx(seen["ref_losses"], rel=RTOL)
+    losses = launched[0][0]["hf-data"]["losses"]
     assert losses[-1] < losses[0] - 0.3, losses
 
 
