@@ -192,3 +192,17 @@ def test_dotted_keys_set_fields_of_a_nested_config():
     for pairs in (["a=1", "a.b=2"], ["a.b=2", "a=1"], ["text_config.=2"]):
         with pytest.raises(ValueError):
             hf_config.overrides(pairs)
+
+
+def test_pairs_joined_by_commas_are_refused_with_the_flag_written_apart(capsys):
+    with pytest.raises(ValueError, match=r"one KEY=VALUE per word, separated by spaces, got "
+                       r"'a=4,b.c=x': --hf-config a=4 b.c=x$"):
+        hf_config.overrides(["a=4,b.c=x"])
+    assert hf_config.overrides(['a=[1, 2]', "b=x,y"]) == {"a": [1, 2], "b": "x,y"}
+    # A field check that names the field on its first line and the reason on the next
+    # (transformers' strict configs): both are in the one line.
+    assert hf_config._first_line(TypeError("Validation error for field 'n':\n  expected "
+                                           "int\n  more")) == (
+        "TypeError: Validation error for field 'n': expected int")
+    assert main(["plan", "llama", "--devices", "2", "--hf-config", "num_hidden_layers=x"]) == 2
+    assert capsys.readouterr().err.count("\n") == 1

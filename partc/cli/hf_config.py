@@ -35,6 +35,8 @@ from typing import Any, Sequence
 DEFAULT_BATCH = 8
 MAX_DEFAULT_SEQ = 2048
 _FACTORY = re.compile(r"\.py:[A-Za-z_][A-Za-z0-9_]*$")
+# A value that holds another KEY=VALUE after a comma: pairs joined in one word.
+_JOINED = re.compile(r",\s*([A-Za-z_][A-Za-z0-9_.]*=)")
 
 
 def is_config_target(target: str) -> bool:
@@ -74,6 +76,10 @@ def overrides(pairs: Sequence[str] | None) -> dict[str, Any]:
             parsed = json.loads(value)
         except json.JSONDecodeError:
             parsed = value
+            if _JOINED.search(value):
+                apart = " ".join(_JOINED.sub(r" \1", pair).split())
+                raise ValueError(f"--hf-config takes one KEY=VALUE per word, separated by "
+                                 f"spaces, got {pair!r}: --hf-config {apart}") from None
         place, last = fields, path[-1]
         for part in path[:-1]:
             place = place.setdefault(part, {})
@@ -122,9 +128,12 @@ def text_config(config: Any) -> Any:
 
 
 def _first_line(error: Exception) -> str:
-    """``Type: first line of the message``, for a one-line error."""
-    lines = str(error).splitlines()
-    return f"{type(error).__name__}: {lines[0] if lines else ''}"
+    """``Type: first line of the message``, for a one-line error (and the next line
+    where the first ends in a colon: pydantic-style "error for field 'x':")."""
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    text = " ".join(lines[:2]) if len(lines) > 1 and lines[0].endswith(":") else \
+        (lines[0] if lines else "")
+    return f"{type(error).__name__}: {text}"
 
 
 def workload(target: str, pairs: Sequence[str] | None = None, *, batch: int | None = None,
