@@ -206,3 +206,21 @@ def test_pairs_joined_by_commas_are_refused_with_the_flag_written_apart(capsys):
         "TypeError: Validation error for field 'n': expected int")
     assert main(["plan", "llama", "--devices", "2", "--hf-config", "num_hidden_layers=x"]) == 2
     assert capsys.readouterr().err.count("\n") == 1
+
+
+def test_the_dtype_is_the_configs_else_bf16_on_a_gpu_and_float32_on_a_cpu(config_dir,
+                                                                          tmp_path):
+    """Without --dtype or a factory's TrainSpec: a model directory trains in the dtype its
+    config names; a bare model type in mixed bf16 on a GPU preset, in float32 on the CPU."""
+    from partc.cli.main import _parser, _train
+
+    def dtype(target: str, device: str, *flags: str) -> torch.dtype:
+        args = _parser().parse_args(["plan", target, "--devices", "2", *flags])
+        return _train(args, hf_config.workload(target, TINY, meta=True), device).dtype
+
+    assert dtype("llama", "cuda") == torch.bfloat16
+    assert dtype("llama", "cpu") == torch.float32
+    assert dtype("llama", "cuda", "--dtype", "fp32") == torch.float32
+    config = json.loads((config_dir / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**config, "dtype": "float16"}))
+    assert dtype(str(tmp_path), "cpu") == torch.float16

@@ -139,9 +139,10 @@ def test_on_nonfinite_reaches_the_train_spec(tmp_path, capsys):
     workload = {"example_inputs": torch.zeros(4, 3)}
     file = _toml(tmp_path, 'target = "m.py:f"\nsteps = 1\non-nonfinite = "skip"\n')
     for argv in (["m.py:f", "--steps", "1", "--on-nonfinite", "skip"], ["--config", file]):
-        assert _train(parse_config(argv).plan_arguments(), workload).on_nonfinite == "skip"
+        assert _train(parse_config(argv).plan_arguments(), workload,
+                      "cpu").on_nonfinite == "skip"
     default = parse_config(["m.py:f", "--steps", "1"]).plan_arguments()
-    assert _train(default, workload).on_nonfinite == "raise"
+    assert _train(default, workload, "cpu").on_nonfinite == "raise"
     assert launcher.main(["m.py:f", "--steps", "1", "--on-nonfinite", "never"]) == 2
     assert "invalid choice: 'never'" in capsys.readouterr().err
 

@@ -13,7 +13,9 @@ downloaded. The model is the config's causal LM (``AutoModelForCausalLM.from_con
 KV cache; an encoder-decoder's sequence-to-sequence LM, ``AutoModelForSeq2SeqLM``, whose
 decoder reads the labels shifted right), built on the meta device for ``partc plan``
 (nothing allocated: a 70B config plans on a laptop) and with the seed's random weights
-for ``partc train``. Its example batch is what a tokenizer gives and the model is
+for ``partc train``; it trains in the dtype its config names (a model directory's
+``"dtype": "bfloat16"``) unless ``--dtype`` says otherwise (without either: bf16 mixed
+precision on a GPU, float32 on a CPU). Its example batch is what a tokenizer gives and the model is
 called with, ``model(**batch)``: ``input_ids``, ``attention_mask`` and ``labels`` of
 ``--global-batch`` (default 8) by ``--seq-len`` (default the config's
 ``max_position_embeddings``, at most 2048); with ``labels`` and no ``loss_fn`` the model
@@ -174,7 +176,16 @@ def workload(target: str, pairs: Sequence[str] | None = None, *, batch: int | No
 
     return {"model": model, "name": f"{type(model).__name__} ({Path(target).name})",
             "example_inputs": token_batch(torch.zeros(batch, seq_len, dtype=torch.long)),
-            "data": data}
+            "data": data, "dtype": config_dtype(config)}
+
+
+def config_dtype(config: Any) -> str | None:
+    """The dtype the config says the model's weights are in (``dtype``, formerly
+    ``torch_dtype``: a model directory's ``"bfloat16"``), as ``--dtype`` names it; None
+    where it names none or one training does not take (a quantized model's int8)."""
+    named = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
+    name = str(named).removeprefix("torch.") if named is not None else None
+    return name if name in ("float32", "bfloat16", "float16") else None
 
 
 def token_figures(target: str, config: Any) -> tuple[int, int]:

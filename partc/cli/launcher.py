@@ -248,7 +248,7 @@ def compile_workload(config: TrainConfig, workload: dict[str, Any], world_size: 
 
     budget, constraints = checked or check(config, world_size)
     return compile(workload["model"], workload["example_inputs"], budget=budget,
-                   train=cli._train(config.plan_arguments(), workload),
+                   train=cli._train(config.plan_arguments(), workload, budget.device_type),
                    loss_fn=workload.get("loss_fn"),
                    example_target=workload.get("example_target"), constraints=constraints,
                    name=workload.get("name"),

@@ -402,7 +402,9 @@ def _training_arguments(train) -> None:
     train.add_argument("--micro-batch", type=COUNT, metavar="N",
                        help="samples per microbatch (also pins it for the planner)")
     train.add_argument("--dtype", choices=sorted(DTYPE_NAMES),
-                       help="compute dtype; bf16/fp16 train in mixed precision")
+                       help="compute dtype; bf16/fp16 train in mixed precision (default: "
+                       "the factory's TrainSpec; else a Hugging Face config's dtype, else "
+                       "bf16 on a GPU and float32 on a CPU)")
     train.add_argument("--optimizer", choices=sorted(OPTIMIZER_STATE_BYTES))
     train.add_argument("--max-grad-norm", type=POSITIVE, metavar="NORM",
                        help="clip the global gradient norm to this")
@@ -710,7 +712,11 @@ def _budget(args: argparse.Namespace, **fixed: Any):
                                    collective_links=dict), **fixed)
 
 
-def _train(args: argparse.Namespace, workload: dict[str, Any]):
+def _train(args: argparse.Namespace, workload: dict[str, Any], device_type: str):
+    """The factory's TrainSpec with the training flags over it. Without one (a factory
+    that gives none, a Hugging Face config): the example inputs' batch, and the dtype the
+    workload names (a config's) or else mixed bf16 on a GPU (``device_type`` "cuda", the
+    budget's: every GPU preset computes in bf16) and float32 on a CPU."""
     from dataclasses import replace
 
     from partc.codec import dtype_named
@@ -719,7 +725,9 @@ def _train(args: argparse.Namespace, workload: dict[str, Any]):
     inputs = workload["example_inputs"]
     first = inputs[0] if isinstance(inputs, (tuple, list)) else \
         next(iter(inputs.values())) if isinstance(inputs, dict) else inputs
-    train = workload.get("train") or TrainSpec(global_batch_size=int(first.shape[0]))
+    dtype = workload.get("dtype") or ("bfloat16" if device_type == "cuda" else "float32")
+    train = workload.get("train") or TrainSpec(global_batch_size=int(first.shape[0]),
+                                               dtype=dtype_named(dtype))
     return replace(train, **_flagged(args, TRAIN_FLAGS,
                                      dtype=lambda name: dtype_named(DTYPE_NAMES[name]),
                                      tp_overlap=lambda blocking: not blocking,
@@ -735,7 +743,8 @@ def plan_command(args: argparse.Namespace) -> int:
     workload = load_model(args.target, args, meta=True)
     with _progress_bars(args.progress or (not args.quiet and sys.stderr.isatty())):
         program = compile(workload["model"], workload["example_inputs"], budget=budget,
-                          train=_train(args, workload), loss_fn=workload.get("loss_fn"),
+                          train=_train(args, workload, budget.device_type),
+                          loss_fn=workload.get("loss_fn"),
                           example_target=workload.get("example_target"),
                           constraints=constraints, name=workload.get("name"),
                           options=PlannerOptions(work_limit=args.work_limit))

@@ -276,7 +276,7 @@ def test_flags_reach_the_ep_pin_and_the_routing_assumptions():
                                  "--moe-imbalance", "1.5", "--moe-capacity-factor", "1.25"])
     assert _constraints(args).ep == 4
     train = _train(args, {"example_inputs": (torch.zeros(8, 2),),
-                         "train": partc.TrainSpec(global_batch_size=8)})
+                         "train": partc.TrainSpec(global_batch_size=8)}, "cuda")
     assert (train.moe_imbalance, train.moe_capacity_factor) == (1.5, 1.25)
     with pytest.raises(ValueError, match="moe_imbalance must be a finite number of at least 1"):
         partc.TrainSpec(global_batch_size=8, moe_imbalance=0.5)
