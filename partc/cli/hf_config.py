@@ -183,7 +183,9 @@ def config_dtype(config: Any) -> str | None:
     """The dtype the config says the model's weights are in (``dtype``, formerly
     ``torch_dtype``: a model directory's ``"bfloat16"``), as ``--dtype`` names it; None
     where it names none or one training does not take (a quantized model's int8)."""
-    named = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
+    # (reading torch_dtype where dtype exists warns of its deprecation)
+    named = getattr(config, "dtype") if hasattr(config, "dtype") else getattr(
+        config, "torch_dtype", None)
     name = str(named).removeprefix("torch.") if named is not None else None
     return name if name in ("float32", "bfloat16", "float16") else None
 
