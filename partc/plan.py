@@ -193,6 +193,10 @@ class StagePlan:
     # Bytes a rank of the stage copies to the host per step for its offloaded layers'
     # activations (and back: as many), every microbatch's; not written when 0.
     host_traffic_bytes: int = field(default=0, metadata=UNLESS_DEFAULT)
+    # Bytes of a rank's offloaded optimizer state a checkpoint writes from the host (the
+    # fp32 masters and the optimizer state of what it steps,
+    # partc.cost.host_offload.host_checkpoint_bytes); not written when 0 (no offload).
+    host_checkpoint_bytes: int = field(default=0, metadata=UNLESS_DEFAULT)
     # Per run (as ``run_times``), the part of its recompute that is those copies' time
     # compute does not hide (the timeline's host blocks); empty without offload.
     run_host_s: tuple[float, ...] = field(default=(), metadata=UNLESS_DEFAULT)
@@ -712,7 +716,11 @@ class Plan:
     @property
     def checkpoint_bytes_per_rank(self) -> int:
         """What the busiest rank writes to a checkpoint: its weights and optimizer state
-        (its shards under tensor parallelism and ZeRO), as the plan predicts them."""
+        (its shards under tensor parallelism and ZeRO), as the plan predicts them; under
+        offload the host's, whose fp32 masters are the weights it writes (the device's
+        are their copies)."""
+        if self.offload_optimizer:
+            return max(s.host_checkpoint_bytes + s.memory_bytes.optimizer for s in self.stages)
         return max(s.memory_bytes.params + s.memory_bytes.optimizer for s in self.stages)
 
     @property

@@ -95,6 +95,18 @@ def host_bytes_per_param(problem: PlanningProblem, config: PipelineConfig) -> fl
     return stepped_share(config) * per_param
 
 
+def host_checkpoint_bytes(problem: PlanningProblem, config: PipelineConfig,
+                          params: float) -> int:
+    """What a checkpoint writes of the host's part of ``params`` parameters (a rank's):
+    for the share it steps, the fp32 master (the weight at its full precision) and the
+    optimizer state, not the gradient (0 without offload)."""
+    if not config.offload_optimizer:
+        return 0
+    precision = problem.train.precision
+    per_param = precision.master_bytes + precision.optimizer_state_bytes
+    return int(round(params * stepped_share(config) * per_param))
+
+
 def host_bytes(problem: PlanningProblem, config: PipelineConfig, params: float) -> int:
     """Host bytes a rank's ``params`` parameters take (:func:`host_bytes_per_param`)."""
     return int(round(params * host_bytes_per_param(problem, config)))

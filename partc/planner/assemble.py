@@ -8,7 +8,7 @@ from partc.codec import dtype_named
 from partc.cost.communication import tp_comm_seconds
 from partc.cost.evaluate import Evaluation, simulated_step_ps
 from partc.cost.fp8_pricing import fp8_names, pricing
-from partc.cost.host_offload import node_host_bytes
+from partc.cost.host_offload import host_checkpoint_bytes, node_host_bytes
 from partc.cost.layer_compute import run_layer
 from partc.cost.pipeline_config import PS_PER_S, PipelineConfig
 from partc.names import CpKind, Phase, Recompute, Schedule
@@ -96,6 +96,7 @@ def stage_plans(problem: PlanningProblem, config: PipelineConfig, evaluation: Ev
                             for (f, b, r, cut, into), (whole_out, whole_in)
                             in zip(stage.run_ps, stage.run_cut_ps)),
             host_traffic_bytes=m * stage.offload_bytes,
+            host_checkpoint_bytes=host_checkpoint_bytes(problem, config, stage.param_count),
             run_host_s=tuple(h / PS_PER_S for h in stage.run_host_ps)
             if any(stage.run_host_ps) else (),
         )

@@ -113,6 +113,11 @@ def test_checkpoints_move_between_plans_with_and_without_offload(tmp_path):
     measured = partc.PlanCache()   # the model measured once, planned twice
     plans = {kind: _compile(copy.deepcopy(model), kind, "adamw", cache=measured)
              for kind in (("optimizer",), ())}
+    # Both write the fp32 weights and AdamW's two moments, 12 bytes a parameter (under
+    # offload the host's masters and moments), as the report's checkpoint line says.
+    sizes = {kind: plans[kind].plan.checkpoint_bytes_per_rank for kind in plans}
+    params = sum(p.numel() for p in model.parameters())
+    assert sizes[("optimizer",)] == sizes[()] == 12 * params
     for before, after in ((("optimizer",), ()), ((), ("optimizer",))):
         module = plans[before].build()
         optimizer = module.optimizer(torch.optim.AdamW, **ADAMW)
