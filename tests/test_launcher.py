@@ -392,3 +392,15 @@ def test_calibrate_measures_this_cpu_once_and_keeps_it(tmp_path, monkeypatch):
     with pytest.raises(Exception, match="--calibrate measures this machine's CPU"):
         launcher.check(parse_config([f"{__file__}:never", "--steps", "1", "--calibrate",
                                      "--device", "CPU"]), 2)
+
+
+def test_global_batch_is_refused_where_the_factorys_data_gives_another():
+    """--global-batch overrides the plan's batch, not the batches a factory's data makes:
+    a difference is one line naming both, before the plan (every step would be refused)."""
+    workload = {"target": "f.py:f",
+                "data": lambda step: ({"ids": torch.zeros(16, 4)}, torch.zeros(16))}
+    launcher.check_data_batch(workload, None)
+    launcher.check_data_batch(workload, 16)
+    with pytest.raises(FactoryError, match=r"--global-batch 8, but data\(0\) of f.py:f gives "
+                       r"16 samples a step"):
+        launcher.check_data_batch(workload, 8)

@@ -177,6 +177,24 @@ def data_batch(workload: dict[str, Any], step: int, *,
     return _batch(called(workload[key], what, step), what)
 
 
+def check_data_batch(workload: dict[str, Any], global_batch: int | None) -> None:
+    """Refuse ``--global-batch`` where the factory's ``data`` gives another number of
+    samples a step (it makes its own batches: the plan would refuse every one of them)."""
+    if global_batch is None:
+        return
+    from torch.utils._pytree import tree_leaves
+
+    inputs, target = data_batch(workload, 0)
+    first = next((t for t in tree_leaves((inputs, target)) if getattr(t, "ndim", 0) > 0),
+                 None)
+    if first is not None and first.shape[0] != global_batch:
+        raise FactoryError(f"--global-batch {global_batch}, but data(0) of "
+                           f"{workload.get('target', 'the factory')} gives "
+                           f"{first.shape[0]} samples a step: the factory's data makes the "
+                           f"batches, so give it {global_batch} samples, drop the flag, or "
+                           "train on a file (--data PATH)")
+
+
 def _held_out(workload: dict[str, Any]) -> tuple[tuple, Any]:
     source = workload.get("eval_data")
     if source is None:
@@ -312,6 +330,8 @@ def prepare(config: TrainConfig) -> tuple[Any, Any, Any, dict[str, Any]]:
                            "callable data(step) -> (inputs, target) giving the global batch "
                            "of a step (or train on a file: --data PATH)")
     workload = {**workload, "target": config.target}   # what its errors name
+    if files is None:
+        check_data_batch(workload, config.plan.get("global_batch"))
     program = compile_workload(config, workload, world, checked=checked)
     module = program.build()
     if files is not None:
