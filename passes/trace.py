@@ -20,12 +20,13 @@ the weights), so that the step's loss is the whole batch's mean, as on one devic
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import logging
 import operator
 import os
 import traceback
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.utils._pytree as pytree
@@ -99,7 +100,8 @@ def trace(model: nn.Module, example_inputs: Any, *, kwargs: dict | None = None,
     device = _model_device(model)
     fake_args, fake_kwargs = pytree.tree_map_only(
         torch.Tensor, lambda t: _fake_like(fake_mode, t, device), (args, kwargs))
-    gm, tracer = _capture(model, fake_args, fake_kwargs, name or type(model).__name__)
+    with without_kv_cache(model):
+        gm, tracer = _capture(model, fake_args, fake_kwargs, name or type(model).__name__)
     if tracer == "export":
         out_spec = _normalize_export(gm)
         _inline_constants(gm, model)
@@ -132,6 +134,25 @@ def trace(model: nn.Module, example_inputs: Any, *, kwargs: dict | None = None,
                   fake_inputs=tuple(inputs), fake_target=target, batch_size=batch,
                   param_fqns=param_fqns(model))
     return gm, ctx
+
+
+@contextlib.contextmanager
+def without_kv_cache(model: nn.Module) -> Iterator[None]:
+    """Within, every config of ``model``'s modules that says ``use_cache=True`` (a Hugging
+    Face model's default, its composite parts' configs too) says False, and as before
+    after: training reads no cache, and a forward that makes one returns it beside its
+    outputs (a ``DynamicCache``, which neither tracer takes). The model is traced as
+    Hugging Face's own training runs it, with the user's model left as it was."""
+    configs = {id(config): config for module in model.modules()
+               if getattr(config := getattr(module, "config", None), "use_cache", False)
+               is True}
+    for config in configs.values():
+        config.use_cache = False
+    try:
+        yield
+    finally:
+        for config in configs.values():
+            config.use_cache = True
 
 
 def in_signature_order(model: nn.Module, kwargs: dict[str, Any]) -> dict[str, Any]:
@@ -350,8 +371,9 @@ def _trace_error_message(name: str, fx_error: BaseException,
         f"  torch.fx.symbolic_trace: {_describe(fx_error)}\n"
         f"  torch.export.export(strict=False): {_describe(export_error)}\n"
         "What you can do: make Python control flow independent of tensor values "
-        "(static shapes and branches), turn off caches and optional outputs "
-        "(e.g. use_cache=False for Hugging Face models), pass concrete example inputs "
+        "(static shapes and branches), turn off caches and optional outputs the "
+        "forward returns (a Hugging Face config's use_cache partc turns off itself), "
+        "pass concrete example inputs "
         "of the shape you train with, or move the data-dependent part out of forward."
     )
 

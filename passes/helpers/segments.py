@@ -55,6 +55,8 @@ from torch import nn
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.overrides import TorchFunctionMode
 
+from partc.passes.trace import without_kv_cache
+
 log = logging.getLogger("partc")
 
 PREFIX = None  # the segment before the first block of any container
@@ -264,7 +266,8 @@ def _record(model: nn.Module, containers: tuple[str, ...], args: tuple, kwargs: 
     inputs = {id(t): i for i, t in enumerate(pytree.tree_leaves((fake_args, fake_kwargs)))
               if isinstance(t, torch.Tensor)}
     recorder = _Recorder(recording, fqns, inputs)
-    with _entry_hooks(model, containers, recorder), _as_export_runs(), mode, recorder:
+    with _entry_hooks(model, containers, recorder), _as_export_runs(), mode, recorder, \
+            without_kv_cache(model):   # as the model is traced
         torch.func.functional_call(model, fakes, fake_args, fake_kwargs, tie_weights=False)
     return recording
 

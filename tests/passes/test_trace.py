@@ -96,7 +96,7 @@ def test_trace_error_names_both_tracers_the_construct_and_a_fix():
     message = str(info.value)
     assert "symbolic_trace" in message and "torch.export" in message
     assert "models.py" in message and "if x.sum() > 0" in message
-    assert "What you can do" in message and "use_cache=False" in message
+    assert "What you can do" in message and "turn off caches" in message
 
 
 class _OptionalInputs(torch.nn.Module):

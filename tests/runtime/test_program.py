@@ -227,6 +227,35 @@ def test_an_exported_model_planned_on_meta_trains_from_a_state_dict(process_grou
     torch.testing.assert_close(loss, expected.detach(), rtol=1e-5, atol=1e-6)
 
 
+def test_a_hugging_face_model_that_caches_by_default_trains_as_written(process_group):
+    """A Hugging Face model as its config makes it (``use_cache=True``, whose forward
+    returns a ``DynamicCache`` no tracer takes), called as people call it: traced and
+    trained with its cache off, with its own loss, one process's losses; its config
+    says ``use_cache=True`` again after."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    config = models.llama().config
+    config.use_cache = True
+    model = AutoModelForCausalLM.from_config(config)
+    reference = copy.deepcopy(model)
+    x, _ = tokens()
+    program = partc.compile(model, {"input_ids": x, "labels": x},
+                            budget=partc.DeviceBudget(num_devices=1, device="CPU"),
+                            constraints=partc.Constraints(num_microbatches=2))
+    module = program.build()
+    assert model.config.use_cache is True
+    opt = torch.optim.SGD(module.parameters(), lr=0.1)
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
+    for step in range(2):
+        x, _ = tokens(step)
+        loss = module.forward_backward(input_ids=x, labels=x)
+        opt.step(); opt.zero_grad()
+        expected = reference(input_ids=x, labels=x).loss
+        expected.backward(); ref_opt.step(); ref_opt.zero_grad()
+        torch.testing.assert_close(loss, expected.detach(), rtol=1e-5, atol=1e-6)
+
+
 def test_load_measures_again_at_the_batch_the_model_was_traced_at(tmp_path):
     # Per-sample numbers depend a little on the traced batch: tracing 4 samples for a
     # global batch of 8 gives other bytes than tracing 8, so load re-traces at 4.
