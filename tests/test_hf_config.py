@@ -224,3 +224,24 @@ def test_the_dtype_is_the_configs_else_bf16_on_a_gpu_and_float32_on_a_cpu(config
     config = json.loads((config_dir / "config.json").read_text())
     (tmp_path / "config.json").write_text(json.dumps({**config, "dtype": "float16"}))
     assert dtype(str(tmp_path), "cpu") == torch.float16
+
+
+def test_a_hub_name_reads_its_config_from_the_local_cache(config_dir, tmp_path, monkeypatch,
+                                                         capsys):
+    """``partc plan owner/model``: the config.json the Hugging Face cache holds (a model
+    downloaded before), with no network; a name it does not hold says how to fetch it."""
+    from huggingface_hub import constants
+
+    snapshot = tmp_path / "models--tiny--llama" / "snapshots" / "abc123"
+    snapshot.mkdir(parents=True)
+    (snapshot / "config.json").write_text((config_dir / "config.json").read_text())
+    (tmp_path / "models--tiny--llama" / "refs").mkdir()
+    (tmp_path / "models--tiny--llama" / "refs" / "main").write_text("abc123")
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path))
+    assert hf_config.config_file("tiny/llama") == snapshot / "config.json"
+    assert main(["plan", "tiny/llama", "--devices", "2", "--seq-len", "16"]) == 0
+    assert "LlamaForCausalLM (llama)" in capsys.readouterr().out
+    with pytest.raises(ValueError, match=r"tiny/other: no such directory, and the Hugging "
+                       r"Face cache holds no config.json of it .* 'hf download tiny/other "
+                       r"config.json --local-dir DIR'"):
+        hf_config.config_file("tiny/other")

@@ -5,7 +5,9 @@ text model by dotted keys: ``partc plan gemma3 --hf-config
 text_config.num_hidden_layers=2``.
 
 A target that is not ``file.py:factory`` is a config: a local directory (or its
-``config.json``), read by ``AutoConfig.from_pretrained`` with local files only, or a model
+``config.json``), read by ``AutoConfig.from_pretrained`` with local files only, a hub
+model's name (``meta-llama/Llama-3.1-8B``) whose config the local Hugging Face cache
+holds, or a model
 type that transformers ships (``llama``, ``qwen2``, ``mistral``, ...:
 ``AutoConfig.for_model``), each with the ``--hf-config KEY=VALUE`` overrides (values read
 as JSON where they parse: ``2``, ``true``, ``[1, 2]``; else strings). Nothing is
@@ -37,6 +39,8 @@ from typing import Any, Sequence
 DEFAULT_BATCH = 8
 MAX_DEFAULT_SEQ = 2048
 _FACTORY = re.compile(r"\.py:[A-Za-z_][A-Za-z0-9_]*$")
+# A model's name on the Hugging Face hub: owner/model.
+_HUB_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*/[A-Za-z0-9][A-Za-z0-9_.-]*$")
 # A value that holds another KEY=VALUE after a comma: pairs joined in one word.
 _JOINED = re.compile(r",\s*([A-Za-z_][A-Za-z0-9_.]*=)")
 
@@ -56,10 +60,30 @@ def config_file(target: str) -> Path | None:
                              "directory, a model type such as llama, or file.py:factory")
         return path / "config.json"
     if path.suffix == ".json" or "/" in target or "\\" in target:
-        if not path.is_file():
-            raise ValueError(f"no such file or directory: {target}")
-        return path
+        if path.is_file():
+            return path
+        if _HUB_NAME.match(target):
+            return _cached_config(target)
+        raise ValueError(f"no such file or directory: {target}")
     return None
+
+
+def _cached_config(name: str) -> Path:
+    """The ``config.json`` of the Hugging Face hub model ``name`` (``owner/model``) where
+    the local Hugging Face cache holds it (a model downloaded before); nothing is
+    downloaded, so elsewhere a ValueError that says how to fetch it."""
+    cached = None
+    try:
+        from huggingface_hub import try_to_load_from_cache
+
+        cached = try_to_load_from_cache(repo_id=name, filename="config.json")
+    except (ImportError, ValueError):   # no hub client; a name the hub cannot hold
+        pass
+    if isinstance(cached, str) and Path(cached).is_file():
+        return Path(cached)
+    raise ValueError(f"{name}: no such directory, and the Hugging Face cache holds no "
+                     f"config.json of it (partc downloads nothing): fetch it with "
+                     f"'hf download {name} config.json --local-dir DIR' and give DIR")
 
 
 def overrides(pairs: Sequence[str] | None) -> dict[str, Any]:
