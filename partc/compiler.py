@@ -265,7 +265,7 @@ def plan_of(problem: PlanningProblem, result: PlannerResult, *,
         status=result.status, objective=result.searched.evaluation.step_ps / 1e12,
         bound=result.bound / 1e12, gap=result.gap, solve_time_s=result.solve_time_s,
         configs_total=result.configs_total, configs_solved=result.configs_solved,
-        configs_pruned=result.configs_pruned)
+        configs_pruned=result.configs_pruned, configs_played=result.configs_played)
     alternatives = tuple(
         alternative(problem, b.name, b.description, b.recompute, b.stage_of, b.evaluation,
                     best.table.config)

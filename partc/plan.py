@@ -507,6 +507,10 @@ class SolverStats:
     configs_total: int = 0
     configs_solved: int = 0
     configs_pruned: int = 0
+    # Schedule trials settled without CP-SAT or a bound: played out with their greedy
+    # split, or shown to have no split that fits; not written when 0 (plans before it
+    # counted them as not reached).
+    configs_played: int = field(default=0, metadata=UNLESS_DEFAULT)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -208,6 +208,19 @@ def test_checkpoint_time_shares_the_storages_bandwidth():
     assert given.predicted_save_s == pytest.approx(size / 2e9)
 
 
+def test_the_search_line_accounts_for_every_configuration_and_trial():
+    """configurations and schedule trials = solved + ruled out + played with a greedy split
+    (+ not reached, which an OPTIMAL plan has none of): the line's counts add up, and an
+    OPTIMAL plan whose schedules were played out does not say some were not reached."""
+    plan = _qwen2_plan()
+    s = plan.solver
+    assert s.status == "OPTIMAL" and s.configs_played > 0
+    assert s.configs_total == s.configs_solved + s.configs_pruned + s.configs_played
+    text = render(plan)
+    assert f"; {s.configs_played} schedule trials played out with their greedy split" in text
+    assert "not reached" not in text
+
+
 def _qwen2_plan() -> Plan:
     """A tiny Qwen2 on 4 H100s, pp=2 x dp=2 pinned: the planner picks an interleaved
     zero-bubble schedule over 1F1B, the mesh's closed-form ranking, and ZeRO-1."""

@@ -95,6 +95,8 @@ class PlannerResult:
     configs_total: int
     configs_solved: int
     configs_pruned: int
+    # Schedule trials played out with their greedy split alone, or with no split that fits.
+    configs_played: int = 0
     meshes: tuple[MeshResult, ...] = ()     # best first; the chosen mesh leads
     # The automatic schedule choice's trials (the closed-form search's plan first); one
     # when the schedule was pinned or there is one stage.

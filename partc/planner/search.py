@@ -783,6 +783,8 @@ def solve(problem: PlanningProblem, options: PlannerOptions = PlannerOptions(),
         configs_solved=solved + sum(t.result is not None and not t.greedy
                                     for t in trials[1:]),
         configs_pruned=pruned + sum(t.why in (joint.PRUNED, joint.PLAYED_PAST) for t in trials),
+        configs_played=sum(t.result is not None and t.greedy or t.why == joint.NO_SPLIT
+                           for t in trials[1:]),
         meshes=meshes, schedule_trials=trials)
 
 

@@ -760,14 +760,17 @@ def _solver(plan: Plan) -> list[str]:
     else:
         how += ("none needed CP-SAT: the greedy starting plan meets its own "
                 "configuration's lower bound, and no other configuration's bound is lower")
-    unsettled = s.configs_total - s.configs_solved - s.configs_pruned
+    if s.configs_played:
+        how += (f"; {s.configs_played} schedule trials played out with their greedy split "
+                "(or shown to have no split that fits)")
+    unsettled = s.configs_total - s.configs_solved - s.configs_pruned - s.configs_played
     if unsettled > 0:
         how += f"; {unsettled} not reached within the work limit (PlannerOptions.work_limit)"
     solved = [o for o in plan.schedules if o.how.startswith("solved split")]
     if solved:
         how += (f". The estimate and bound above are the closed form's (1F1B, GPipe), which "
-                f"chose the mesh; then {plural(len(solved), 'other schedule')} were solved "
-                f"on it and the one whose order plays out fastest kept ({plan.schedule}; "
+                f"chose the mesh; then {plural(len(solved), 'other schedule')} "
+                f"{'was' if len(solved) == 1 else 'were'} solved on it and the one whose order plays out fastest kept ({plan.schedule}; "
                 f"see Schedules)")
     return lines + [how]
 
