@@ -422,6 +422,10 @@ class ModelSummary:
     # the attention cores that mixes positions of the sequence (a scan, a reduction or a
     # product over it), named with its layer; "": none does.
     context_parallel_blocker: str = ""
+    # Why an attention's mask cannot be split with the sequence (one that depends on the
+    # batch, or is neither causal nor a sliding window), as lowering refuses it
+    # (``partc.passes.context_parallel.attention_masks``); "": every mask can.
+    context_parallel_mask: str = ""
 
 
 @dataclass(frozen=True, kw_only=True)

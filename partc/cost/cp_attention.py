@@ -131,6 +131,8 @@ def context_parallel_refusal(problem: PlanningProblem, cp: int) -> str | None:
                 "(batch, heads, tokens, head_dim) queries whose keys and values are the "
                 "same tokens (attention written out is one such call under "
                 "TrainSpec(attention=\"fused\"); attention with sinks holds one more key)")
+    if summary.context_parallel_mask:
+        return summary.context_parallel_mask
     if summary.own_loss:
         return (f"the model computes its own loss ({summary.own_loss}) from labels, "
                 f"shifting them by one position along the whole sequence, which a shard "

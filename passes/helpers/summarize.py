@@ -15,8 +15,10 @@ import torch
 from torch import fx, nn
 
 from partc import meta
+from partc.errors import ContextParallelError
 from partc.identity import model_hash
 from partc.passes.context import Context
+from partc.passes.context_parallel import attention_masks
 from partc.passes.helpers.graph import fetch, param_usage
 from partc.passes.layers import crossing_bytes, crossing_tensors
 from partc.passes.helpers.sequence_facts import context_parallel_blocker
@@ -143,6 +145,17 @@ def _overlap_flops(collectives, rings: list[tuple[str, str, int, float]]) -> lis
     return beside
 
 
+def _mask_refusal(gm: fx.GraphModule) -> str:
+    """Why lowering would refuse to split an attention's mask with the sequence
+    (:func:`~partc.passes.context_parallel.attention_masks`), or "": known when planning,
+    so that no context-parallel plan is made that its lowering refuses."""
+    try:
+        attention_masks(gm)
+    except ContextParallelError as error:
+        return str(error)
+    return ""
+
+
 def summarize(gm: fx.GraphModule, ctx: Context) -> ModelAnalysis:
     """Collect the per-layer costs, cuts and shared parameters into a ModelAnalysis."""
     info = meta.trace_info(gm)
@@ -154,7 +167,8 @@ def summarize(gm: fx.GraphModule, ctx: Context) -> ModelAnalysis:
             traced_dtype_bytes=_dtype_bytes(ctx.model), tracer=info.tracer,
             inputs=input_specs(gm), keywords=info.keywords, own_loss=info.own_loss or "",
             autocast=str(ctx.autocast).removeprefix("torch.") if ctx.autocast else "",
-            context_parallel_blocker=context_parallel_blocker(gm, sequence_length(gm, ctx))),
+            context_parallel_blocker=context_parallel_blocker(gm, sequence_length(gm, ctx)),
+            context_parallel_mask=_mask_refusal(gm)),
         layers=_with_experts(gm, ctx, meta.layer_costs(gm)),
         cut_bytes=tuple(c * per_sample for c in meta.cut_bytes(gm)),
         shared=_shared(gm, ctx),

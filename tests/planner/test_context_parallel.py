@@ -22,14 +22,14 @@ ATTENTION = AttentionCost(cores=1, heads=4, kv_heads=2, head_dim=16, tokens=4096
 
 def _problem(*, tokens: int = 4096, attention: AttentionCost | None = ATTENTION,
              blocker: str = "", overlap: float = 1.0, num: int = 2, pins: Pins = Pins(),
-             batch: int = 1):
+             batch: int = 1, mask: str = ""):
     attention = attention and replace(attention, tokens=tokens)
     layers = [replace(layer(f"l{i}", flops=1e9, params=1000), attention=attention)
               for i in range(2)]
     prob = problem(layers, [100.0], devices(num, 10**9, overlap=overlap), batch=batch,
                    pins=pins)
     summary = replace(prob.model.summary, tokens_per_sample=tokens,
-                      context_parallel_blocker=blocker)
+                      context_parallel_blocker=blocker, context_parallel_mask=mask)
     return replace(prob, model=replace(prob.model, summary=summary))
 
 
@@ -83,6 +83,8 @@ def test_the_search_tries_cp_where_the_sequence_splits_and_attention_runs():
     assert cp_choices(_problem(tokens=2048), 1) == [(1, None)]
     assert cp_choices(_problem(attention=None), 1) == [(1, None)]
     assert cp_choices(_problem(blocker="cumsum (x, in layer l0)"), 1) == [(1, None)]
+    assert cp_choices(_problem(mask="its attention mask depends on the batch"), 1) == [
+        (1, None)]
     three_heads = replace(ATTENTION, heads=3, kv_heads=1)
     assert cp_choices(_problem(attention=three_heads), 1) == [(1, None), (2, CpKind.RING)]
     pinned = _problem(tokens=16, pins=Pins(cp=2, cp_kind="all-to-all"))
@@ -97,6 +99,8 @@ def test_the_search_tries_cp_where_the_sequence_splits_and_attention_runs():
     (dict(blocker="cumsum (cumsum, in layer l0)"),
      "cumsum (cumsum, in layer l0) reads along the sequence outside attention"),
     (dict(attention=None), "no attention core"),
+    (dict(mask="context parallelism cannot split the sequence at sdpa: its attention mask "
+                "depends on the batch"), "its attention mask depends on the batch"),
     (dict(tokens=4098), "4098 tokens does not split into 2 x cp = 4 equal chunks"),
     (dict(attention=replace(ATTENTION, heads=3, kv_heads=1), pins=Pins(cp=2, cp_kind="all-to-all")),
      "layer l0 has 3 heads and 1 key/value heads, not both divisible by cp=2"),
@@ -219,3 +223,34 @@ def test_a_zero_stage_pinned_beside_dp_1_takes_cp_or_says_why_not():
     assert (plan.dp, plan.cp, plan.effective_zero_stage) == (1, 2, 3)
     with pytest.raises(PlanInfeasibleError, match="no cp > 1 fits this model"):
         plan_problem(_problem(num=2, attention=None, pins=Pins(dp=1, zero_stage=3)))
+
+
+def test_an_attention_mask_given_with_the_batch_keeps_cp_1_when_planning():
+    """Seen before: a model given its attention mask as an input (a tokenizer's batch)
+    was planned context-parallel, and building the plan refused it ("its attention mask
+    depends on the batch"). The analysis now records what lowering would refuse, and the
+    planner keeps such a model's sequence whole; the same model without the mask
+    (causal from the shapes) splits it."""
+    import torch
+    import torch.nn.functional as F
+
+    import partc
+    from tests import models
+
+    def loss_fn(output, target):
+        return F.cross_entropy(output.logits.flatten(0, 1), target.flatten())
+
+    ids = torch.zeros(2, 32, dtype=torch.long)
+    budget = partc.DeviceBudget(num_devices=2, device="CPU")
+    for inputs, says in (({"input_ids": ids, "attention_mask": torch.ones_like(ids)},
+                          "its attention mask depends on the batch"), ({"input_ids": ids}, None)):
+        compile_it = lambda: partc.compile(  # noqa: E731
+            models.llama(attention="sdpa"), inputs, loss_fn=loss_fn, example_target=ids,
+            budget=budget, train=partc.TrainSpec(global_batch_size=2),
+            constraints=partc.Constraints(cp=2))
+        if says is None:
+            assert compile_it().plan.cp == 2
+            continue
+        with pytest.raises(PlanInfeasibleError, match="cannot hold the pin cp=2") as refused:
+            compile_it()
+        assert says in str(refused.value)
