@@ -38,11 +38,10 @@ def test_plan_takes_a_model_directory(config_dir, capsys):
     plan = json.loads(capsys.readouterr().out)
     model = plan["model"]
     assert model["name"] == "LlamaForCausalLM (tiny-llama0)"
-    # The example batch is a tokenizer's, by keyword; the loss is the model's own.
+    # The example batch is a tokenizer's, by keyword; the target the next tokens.
     assert [(s["name"], s["shape"], s.get("keyword", False)) for s in model["inputs"]] == [
-        ("input_ids", [16], True), ("attention_mask", [16], True), ("labels", [16], True),
-        ("target", [], False)]   # max_position_embeddings: the sequence length
-    assert model["own_loss"] == "shifted"
+        ("input_ids", [16], True), ("target", [16], False)]   # max_position_embeddings
+    assert "own_loss" not in model
     # num_hidden_layers=1 overrode the file's 2: one decoder layer was planned.
     layers = [layer for stage in plan["stages"] for layer in stage["layers"]]
     assert "model.layers.0" in layers and "model.layers.1" not in layers
@@ -71,14 +70,17 @@ def test_train_makes_a_model_type_with_random_tokens_and_compiles_it():
     model = workload["model"]
     assert not any(p.is_meta for p in model.parameters()) and not model.config.use_cache
     first, again = workload["data"](3), workload["data"](3)
-    assert first[1] is None and torch.equal(first[0]["input_ids"], again[0]["input_ids"])
-    assert first[0]["input_ids"].shape == (4, 16)
+    assert torch.equal(first[0]["input_ids"], again[0]["input_ids"])
+    assert first[0]["input_ids"].shape == (4, 16) and set(first[0]) == {"input_ids"}
+    # The target is the next tokens, the last position's none (-100).
+    assert torch.equal(first[1][:, :-1], first[0]["input_ids"][:, 1:])
+    assert (first[1][:, -1] == -100).all()
     # A resumed run checks it reads the checkpoint's batches: a dict batch is digested.
     assert launcher.data_digest(workload, 3) == launcher.data_digest(workload, 3) \
         != launcher.data_digest(workload, 4)
     config = TrainConfig(target="llama", steps=1, plan={"global_batch": 4})
     program = launcher.compile_workload(config, workload, 1)
-    assert program.plan.global_batch_size == 4 and program.plan.model.own_loss == "shifted"
+    assert program.plan.global_batch_size == 4 and program.plan.model.own_loss is None
 
 
 @pytest.mark.parametrize("target, says", [
@@ -245,3 +247,20 @@ def test_a_hub_name_reads_its_config_from_the_local_cache(config_dir, tmp_path, 
                        r"Face cache holds no config.json of it .* 'hf download tiny/other "
                        r"config.json --local-dir DIR'"):
         hf_config.config_file("tiny/other")
+
+
+def test_a_causal_lm_trains_on_its_next_tokens_which_a_split_sequence_holds(capsys):
+    """Seen before: ``partc plan path/to/Llama-3.1-8B --devices 64 --seq-len 65536`` found
+    no plan: the model's own loss shifts its labels inside the model, which a sequence
+    split over ranks cannot, so context parallelism was refused (and at 64K tokens
+    nothing else fits). A causal LM now trains on :func:`next_token_loss` against the
+    next tokens: the model's own loss, to the bit, and a context-parallel plan."""
+    workload = hf_config.workload("llama", TINY, batch=2, seq_len=16)
+    batch, target = workload["data"](0)
+    output = workload["model"](**batch)
+    own = workload["model"](**batch, labels=batch["input_ids"]).loss
+    assert torch.equal(hf_config.next_token_loss(output, target), own)
+    assert main(["plan", "llama", "--hf-config", *TINY, "--seq-len", "16", "--global-batch",
+                 "2", "--devices", "2", "--cp", "2", "--device", "CPU", "-q", "--format",
+                 "json"]) == 0
+    assert json.loads(capsys.readouterr().out)["mesh"]["cp"] == 2

@@ -18,10 +18,15 @@ decoder reads the labels shifted right), built on the meta device for ``partc pl
 for ``partc train``; it trains in the dtype its config names (a model directory's
 ``"dtype": "bfloat16"``) unless ``--dtype`` says otherwise (without either: bf16 mixed
 precision on a GPU, float32 on a CPU). Its example batch is what a tokenizer gives and the model is
-called with, ``model(**batch)``: ``input_ids``, ``attention_mask`` and ``labels`` of
-``--global-batch`` (default 8) by ``--seq-len`` (default the config's
-``max_position_embeddings``, at most 2048); with ``labels`` and no ``loss_fn`` the model
-trains on its own loss (``partc.runtime.label_weights``).
+called with, ``model(**batch)``: ``input_ids`` of ``--global-batch`` (default 8) by
+``--seq-len`` (default the config's ``max_position_embeddings``, at most 2048), unpadded
+(a mask of ones, which an encoder-decoder's batch has, would say nothing more). A causal
+LM trains on the next tokens with :func:`next_token_loss`, the
+cross-entropy its own loss computes from labels, written on the logits: a sequence split
+over ranks (context parallelism) holds each position's target, which the model's shift
+of its labels inside a shard does not. An encoder-decoder, and a model whose own loss
+adds terms (a mixture of experts' router loss, ``output_router_logits``), take
+``labels`` too and train on their own loss (``partc.runtime.label_weights``).
 
 Until a data flag gives real text, ``partc train`` feeds such a model random tokens,
 the same for a step on every rank and every run (``data(step)``, seeded by the step).
@@ -193,14 +198,18 @@ def workload(target: str, pairs: Sequence[str] | None = None, *, batch: int | No
     batch = batch or DEFAULT_BATCH
     vocab, longest = token_figures(target, config)
     seq_len = seq_len or min(longest, MAX_DEFAULT_SEQ)
+    own_loss = seq2seq or bool(getattr(text_config(config), "output_router_logits", False))
+    made = token_batch if own_loss else next_token_batch
 
-    def data(step: int) -> tuple[dict[str, torch.Tensor], None]:
+    def data(step: int) -> tuple[dict[str, torch.Tensor], Any]:
         generator = torch.Generator().manual_seed(step)
-        return token_batch(torch.randint(0, vocab, (batch, seq_len), generator=generator)), None
+        return made(torch.randint(0, vocab, (batch, seq_len), generator=generator))
 
+    inputs, target_ids = made(torch.zeros(batch, seq_len, dtype=torch.long))
     return {"model": model, "name": f"{type(model).__name__} ({Path(target).name})",
-            "example_inputs": token_batch(torch.zeros(batch, seq_len, dtype=torch.long)),
-            "data": data, "dtype": config_dtype(config)}
+            "example_inputs": inputs, "data": data, "dtype": config_dtype(config),
+            **({} if own_loss else {"loss_fn": next_token_loss,
+                                    "example_target": target_ids})}
 
 
 def config_dtype(config: Any) -> str | None:
@@ -230,8 +239,33 @@ def token_figures(target: str, config: Any) -> tuple[int, int]:
     return vocab, longest
 
 
-def token_batch(ids: Any) -> dict[str, Any]:
-    """A causal LM's batch of unpadded token rows: ids, a mask of ones, labels the ids."""
+def token_batch(ids: Any) -> tuple[dict[str, Any], None]:
+    """A batch of unpadded token rows for the model's own loss: ids, a mask of ones,
+    labels the ids (the model shifts them); no target."""
     import torch
 
-    return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids}
+    return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids}, None
+
+
+def next_token_batch(ids: Any) -> tuple[dict[str, Any], Any]:
+    """A batch of unpadded token rows for :func:`next_token_loss`: the ids, and the next
+    tokens as the target (the last position's none: -100). No attention mask: one of
+    ones says nothing the model does not assume without it, and an input mask depends on
+    the batch, which keeps context parallelism out."""
+    import torch
+
+    following = torch.full_like(ids, -100)
+    following[:, :-1] = ids[:, 1:]
+    return {"input_ids": ids}, following
+
+
+def next_token_loss(output: Any, target: Any) -> Any:
+    """A causal LM's loss as its own ``ForCausalLMLoss`` computes it from labels: the
+    mean cross-entropy of the logits (in fp32) against the next tokens, -100 not
+    counted. Given as a loss on the logits, a sequence split over ranks (context
+    parallelism) holds each position's target, which a shift of the labels inside the
+    model does not."""
+    import torch.nn.functional as F
+
+    return F.cross_entropy(output.logits.flatten(0, 1).float(), target.flatten(),
+                           ignore_index=-100)

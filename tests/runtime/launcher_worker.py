@@ -107,8 +107,8 @@ HF_MODEL = ["qwen2", "--hf-config", "num_hidden_layers=2", "hidden_size=32",
 
 def _run_hf(data: Path) -> dict:
     """``partc train`` of a Hugging Face causal LM on a token file (dp=2): its batches are
-    the model's own, ``model(**batch)`` with labels, and the losses one process's
-    ``model(**batch).loss`` on the whole batches with the same AdamW."""
+    a tokenizer's, ``model(**batch)``, with the next tokens as the target, and the losses
+    one process's on the whole batches with the same AdamW."""
     config = train_config.parse_config([*HF_MODEL, "--steps", str(STEPS), "--dp", "2",
                                         "--data", str(data), "--lr", "3e-3", "-q"])
     module, optimizer, telemetry, workload = launcher.prepare(config)
@@ -121,7 +121,7 @@ def _run_hf(data: Path) -> dict:
         for group in reference.param_groups:
             group["lr"] = train_config.learning_rate(step, config)
         batch, target = workload["data"](step)
-        loss = model(**batch).loss
+        loss = hf_config.next_token_loss(model(**batch), target)
         loss.backward()
         reference.step()
         reference.zero_grad()
@@ -130,7 +130,8 @@ def _run_hf(data: Path) -> dict:
     batch, target = workload["rank_data"](0)
     module.close()
     return {"losses": losses, "ref_losses": ref_losses, "mesh": to_data(module.plan.mesh),
-            "keys": sorted(batch), "rows": len(batch["input_ids"]), "target": target}
+            "keys": sorted(batch), "rows": len(batch["input_ids"]),
+            "target": list(target.shape)}
 
 
 def _execute(argv: list[str]) -> dict:

@@ -87,13 +87,13 @@ def test_training_on_a_token_file_reads_each_replicas_rows_as_in_one_process(lau
 
 def test_a_hugging_face_model_trains_on_a_token_file_in_its_own_batches(launched):
     """``partc train qwen2 --hf-config ... --data FILE`` on dp=2: each rank is handed its
-    rows as the model is called, ``model(**batch)`` with labels and no target, and the
-    losses are one process's ``model(**batch).loss`` on the whole batches."""
+    rows as the model is called, ``model(**batch)``, and their next tokens as the target,
+    and the losses are one process's on the whole batches."""
     for results in launched[0]:
         seen = results["hf-data"]
         assert seen["mesh"] == {"pp": 1, "dp": 2, "tp": 1}
         assert (seen["keys"], seen["rows"], seen["target"]) == (
-            ["attention_mask", "input_ids", "labels"], 4, None)
+            ["input_ids"], 4, [4, 16])
         assert seen["losses"] == pytest.approx(seen["ref_losses"], rel=RTOL)
     losses = launched[0][0]["hf-data"]["losses"]
     assert losses[-1] < losses[0] - 0.3, losses
