@@ -408,8 +408,9 @@ class ModelInfo:
     # sample, made by the runtime (``partc.runtime.label_weights``). None: loss_fn's.
     own_loss: str | None = field(default=None, metadata=UNLESS_DEFAULT)
     # Of num_params, those the forward never reads on the traced inputs (a vision tower
-    # under text-only batches): no layer holds them, so the plan neither trains nor
-    # keeps them (the runtime warns too, naming them).
+    # under text-only batches): no layer holds them, so the plan does not train them; the
+    # runtime keeps them as they are, on the host of the first stage's ranks, for state
+    # dicts and checkpoints (and warns, naming them).
     unread_params: int = field(default=0, metadata=UNLESS_DEFAULT)
 
     @property

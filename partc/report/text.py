@@ -108,7 +108,7 @@ def _headline(plan: Plan) -> list[str]:
     lines = [
         f"model: {model.name}, {format_count(model.num_params)} parameters"
         + (f" ({format_count(model.unread_params)} of them never read by the forward on "
-           "these inputs: not trained, not held)" if model.unread_params else "")
+           "these inputs: kept as they are, not trained)" if model.unread_params else "")
         + f", {model.num_layers} layers (traced with {model.tracer})",
         f"budget: {budget.num_devices} x {budget.device} "
         f"({budget.memory} each, {budget.figures.devices_per_node} per node)",

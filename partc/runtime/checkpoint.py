@@ -680,6 +680,12 @@ def _targets(rank_state: RankState, optimizer: torch.optim.Optimizer | None,
     stateless: list[torch.Tensor] = []
     try:
         state = {h.fqn: h.chunks() for h in held_tensors(rank_state)}
+        # A checkpoint written before partc kept the parameters the forward never reads
+        # lacks them: they stay as the model has them.
+        for name, _ in rank_state.named_unread():
+            fqn = rank_state.canonical(name)
+            if fqn not in metadata.state_dict_metadata:
+                state.pop(fqn, None)
         if optimizer is not None:
             stored = {key.rsplit(".", 1)[0] for key in metadata.state_dict_metadata
                       if key.startswith("optim.")}

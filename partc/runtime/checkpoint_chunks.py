@@ -163,11 +163,13 @@ def model_tensors(rank_state: RankState) -> dict[str, dict[str, Any]]:
 
 
 def held_tensors(rank_state: RankState) -> list[_Held]:
-    """This rank's parameters and persistent buffers, once each."""
+    """This rank's parameters and persistent buffers, once each, and those the forward
+    never reads where it keeps them."""
     whole = model_tensors(rank_state)
     seen: set[int] = set()
     held = []
-    named = list(rank_state.named_parameters()) + list(rank_state.named_buffers())
+    named = list(rank_state.named_parameters()) + list(rank_state.named_buffers()) \
+        + list(rank_state.named_unread())
     for name, tensor in named:
         fqn = rank_state.canonical(name)
         if id(tensor) in seen or fqn not in whole:  # a non-persistent buffer

@@ -115,12 +115,35 @@ def unread_parameters(model: nn.Module, holders: Mapping[tuple[str, ...], Any]
                       ) -> list[tuple[str, int]]:
     """The parameters no stage holds (``holders``: ``Lowered.holders``): those the
     forward never reads on the traced inputs (a vision tower under text-only batches),
-    which the program neither trains nor keeps. Their first FQN and element count, in
+    which the program does not train (it keeps them as they are, :func:`unread_tensors`).
+    Their first FQN and element count, in
     the model's order."""
     held = {name for names in holders for name in names}
     aliases = aliases_of(model)
     return [(name, tensor.numel()) for name, tensor in model.named_parameters()
             if held.isdisjoint(aliases.get(name, (name,)))]
+
+
+def unread_tensors(model: nn.Module, unread: Sequence[tuple[str, int]],
+                   state_dict: Mapping[str, torch.Tensor] | None) -> dict[str, torch.Tensor]:
+    """Host copies of the ``unread`` parameters (:func:`unread_parameters`), as they are:
+    from ``state_dict`` where it has them (under any of their FQNs), else from the model;
+    one on the meta device with no entry there has no value to keep and is left out. The
+    program holds them untrained so that its state dicts and checkpoints lose nothing."""
+    aliases = aliases_of(model)
+    params = dict(model.named_parameters())
+    kept = {}
+    for name, _ in unread:
+        source = None
+        if state_dict is not None:
+            source = next((state_dict[alias] for alias in aliases.get(name, (name,))
+                           if alias in state_dict), None)
+        if source is None:
+            source = params[name]
+        if source.is_meta:
+            continue
+        kept[name] = source.detach().to("cpu", copy=True)
+    return kept
 
 
 def unread_warning(model: nn.Module, unread: Sequence[tuple[str, int]]) -> str:
@@ -132,8 +155,8 @@ def unread_warning(model: nn.Module, unread: Sequence[tuple[str, int]]) -> str:
     count = sum(n for _, n in unread)
     return (f"{len(unread)} parameter tensors ({count:,} of the model's {total:,} "
             f"elements: {shown}) are never read by the forward on these inputs: the "
-            "program neither trains them nor holds them, so its state dicts and "
-            "checkpoints leave them out (keep them from the model itself)")
+            "program does not train them; the first pipeline stage's ranks keep them as "
+            "they are, on the host, so that state dicts and checkpoints hold them")
 
 
 def _source_tensor(name: str, aliases: dict[str, tuple[str, ...]], model: nn.Module,

@@ -45,7 +45,7 @@ from partc.runtime.module import DistributedModule
 from partc.runtime.offload import HostTier
 from partc.runtime.optimizer import GradBuckets, wait_in_forward
 from partc.runtime.parameters import (aliases_of, own_parameters, shard_plan,
-                                      unread_parameters, unread_warning)
+                                      unread_parameters, unread_tensors, unread_warning)
 from partc.runtime.pipeline_schedule import (RankStages, make_schedule, runtime_refusal,
                                              share_local_ties, tied_elsewhere, tied_groups)
 from partc.runtime.pipeline_stage import CountingStage, contiguous_transfers, not_a_view
@@ -154,6 +154,7 @@ def build(plan: Plan, topology: Topology,
     unread = unread_parameters(model, holders)
     if unread and topology.rank == 0:
         log.warning(unread_warning(model, unread))
+    kept = unread_tensors(model, unread, state_dict) if topology.pp_rank == 0 else {}
     tied = tied_groups(holders, whole, topology, plan)  # every rank makes every group
     scaled_once = frozenset(shared.values())
     loss = _planned_loss(programs[0], tp_group, dtype)
@@ -186,7 +187,8 @@ def build(plan: Plan, topology: Topology,
         tied_elsewhere=frozenset(tied_elsewhere(holders, whole, plan, topology.pp_rank)),
         model_tensors=MappingProxyType({name: (tuple(t.shape), t.dtype)
                                         for name, t in model_state.items()}),
-        watchdog=watchdog, memory_baseline=baseline, host=host))
+        watchdog=watchdog, memory_baseline=baseline, host=host,
+        unread=MappingProxyType(kept)))
 
 
 def _tp_process_group(topology: Topology) -> dist.ProcessGroup | None:

@@ -10,6 +10,7 @@ step's monitoring (:mod:`.step_monitor`). Nothing sets a field of it after ``bui
 from __future__ import annotations
 
 import dataclasses
+from types import MappingProxyType
 from typing import Any, Mapping
 
 import torch
@@ -73,6 +74,11 @@ class RankParts:
     # Optimizer offload: the host beside the device and its counters
     # (partc/runtime/offload.py); None without offload.
     host: HostTier | None = None
+    # The parameters the forward never reads (partc.runtime.parameters.unread_tensors),
+    # by FQN, untrained host copies on the first pipeline stage's ranks (none elsewhere):
+    # state dicts and checkpoints hold them.
+    unread: Mapping[str, torch.Tensor] = dataclasses.field(
+        default_factory=lambda: MappingProxyType({}))
 
     @property
     def virtual_stages(self) -> tuple[int, ...]:

@@ -84,12 +84,19 @@ class RankState:
     def named_buffers(self) -> Iterator[tuple[str, torch.Tensor]]:
         return self._parts.module.named_buffers()
 
+    def named_unread(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """The parameters the forward never reads, as this rank keeps them (untrained,
+        on the host; the first pipeline stage's ranks only)."""
+        return iter(self._parts.unread.items())
+
     def state_dict(self) -> dict[str, torch.Tensor]:
         """This rank's parameters and buffers under the model's own FQNs: its stage's
-        tensors, and of a tensor-parallel parameter only this rank's shard. (Under ZeRO-1
-        in mixed precision the parameters are the compute-dtype ones the stage computes
-        with; :meth:`full_state_dict` and checkpoints hold the fp32 masters.)"""
-        return {**dict(self.named_parameters()), **dict(self.named_buffers())}
+        tensors, and of a tensor-parallel parameter only this rank's shard, and on the
+        first stage the parameters the forward never reads (:meth:`named_unread`). (Under
+        ZeRO-1 in mixed precision the parameters are the compute-dtype ones the stage
+        computes with; :meth:`full_state_dict` and checkpoints hold the fp32 masters.)"""
+        return {**dict(self.named_parameters()), **dict(self.named_buffers()),
+                **dict(self.named_unread())}
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """The whole model's parameters and buffers, whole, on every rank (CPU copies),
@@ -137,9 +144,12 @@ class RankState:
         whole model's (``full_state_dict()``, ``model.state_dict()``), sliced to shards."""
         own = self.state_dict()
         sources = {name: self._entry(state_dict, name) for name in own}
-        # A non-persistent buffer (not in model.state_dict()) may be absent: it is kept.
+        # A non-persistent buffer (not in model.state_dict()) may be absent: it is kept;
+        # so is a parameter the forward never reads (a state dict of a program that held
+        # none).
         missing = [name for name, source in sources.items()
-                   if source is None and name in self._parts.state_keys]
+                   if source is None and name in self._parts.state_keys
+                   and name not in self._parts.unread]
         if missing:
             raise KeyError(f"state dict lacks {len(missing)} of this rank's tensors, "
                            f"e.g. {missing[:3]}")

@@ -55,12 +55,21 @@ def _gpt2() -> torch.nn.Module:
     return models.gpt2(dropout=0.0)  # tied embeddings (GPT2LMHeadModel's default)
 
 
+def _gpt_vision() -> torch.nn.Module:
+    """The sample GPT beside a tower its forward never reads (a vision tower under
+    text-only batches): kept untrained on the first stage's ranks, in checkpoints."""
+    model = gpt.gpt_tiny()
+    model.vision = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 4))
+    return model
+
+
 def _mixtral() -> torch.nn.Module:
     return hf_families.FAMILIES["mixtral"].build()
 
 
 MODELS: dict[str, Case] = {
     "gpt": Case(gpt.gpt_tiny, "tokens", gpt.loss_fn),
+    "gpt-vision": Case(_gpt_vision, "tokens", gpt.loss_fn),
     # Mixture-of-experts: the sample's Switch-style layers (with their balance loss) and
     # Mixtral's batched experts, whose weights expert parallelism cuts by experts.
     "moe": Case(moe.moe_tiny, "tokens", moe.loss_fn),

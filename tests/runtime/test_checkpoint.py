@@ -449,6 +449,9 @@ EXPERTS = "moe:dp2-ep2>pp2"
 # Experts under ZeRO: FSDP units of each rank's own experts, resumed as ZeRO-1's
 # buckets and optimizer shards.
 EXPERTS_ZERO = "moe:dp2-ep2-zero3>dp2-ep2-zero1"
+# Parameters the forward never reads, held by the first stage alone under pp=2, resumed
+# where every rank holds them.
+UNREAD = "gpt-vision:pp2>dp2-zero1"
 # Experts sharded over 2 ranks holding the same ones (expert-dp 2) under ZeRO-1 and 3,
 # resumed on other meshes (4 -> 2 and 2 -> 4 processes, -m slow).
 EXPERTS_ZERO_FOUR = ["moe:dp4-ep2-zero1>pp2", "mixtral:dp4-ep2-zero3>dp2-ep2-zero1"]
@@ -470,8 +473,9 @@ def launch(out: Path, phase: str, moves: list[str], nproc: int = 2) -> list[dict
 @pytest.fixture(scope="module")
 def resumed(tmp_path_factory) -> tuple[list[dict], list[dict]]:
     out = tmp_path_factory.mktemp("resume")
-    return (launch(out, "first", [SAME, RESHARD, EXPERTS, EXPERTS_ZERO, SAME_BF16]),
-            launch(out, "resume", [SAME, RESHARD, EXPERTS, EXPERTS_ZERO, SAME_BF16, "faults"]))
+    return (launch(out, "first", [SAME, RESHARD, EXPERTS, EXPERTS_ZERO, SAME_BF16, UNREAD]),
+            launch(out, "resume", [SAME, RESHARD, EXPERTS, EXPERTS_ZERO, SAME_BF16, UNREAD,
+                                   "faults"]))
 
 
 def _ran(ranks: list[dict], move: str) -> list[dict]:
@@ -536,6 +540,15 @@ def test_a_zero3_expert_parallel_checkpoint_resumes_under_zero1_like_one_process
     first, after = (_ran(ranks, EXPERTS_ZERO) for ranks in resumed)
     assert [(r["zero_stage"], r["mesh"]["ep"]) for r in first] == [(3, 2)] * 2
     assert [(r["zero_stage"], r["mesh"]["ep"]) for r in after] == [(1, 2)] * 2
+    _resumes_like_one_process(first, after)
+
+
+def test_parameters_the_forward_never_reads_survive_a_resume_on_another_plan(resumed):
+    """The tower the forward never reads is in the whole state dict of both runs, as it
+    was (the one-process reference's, untrained), through a checkpoint written by the
+    first stage's rank under pp=2 and read by both ranks under dp=2."""
+    first, after = (_ran(ranks, UNREAD) for ranks in resumed)
+    assert [r["mesh"]["pp"] for r in first] == [2, 2]
     _resumes_like_one_process(first, after)
 
 

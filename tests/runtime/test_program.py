@@ -169,12 +169,15 @@ def test_one_process_trains_like_the_model(process_group):
     assert set(module.state_dict()) == set(dict(model.named_parameters()))
 
 
-def test_parameters_the_forward_never_reads_are_named_in_a_warning(process_group, caplog):
+def test_parameters_the_forward_never_reads_are_kept_and_named_in_a_warning(
+        process_group, caplog, tmp_path):
     """A model whose forward leaves some parameters unread on its inputs (a vision
     tower under text-only batches: seen on a Hugging Face LLaVA-style family, and on a
     decoder whose cross-attention reads no encoder) trains without them: the program
-    neither trains nor holds them, so its state dicts leave them out. Not silently:
-    building it warns once, naming their modules and counts."""
+    does not train them, and keeps them as they are, so that its state dicts and
+    checkpoints lose nothing (they were left out before: a text-only run's checkpoint
+    of a vision-language model had no vision tower). Building it warns once, naming
+    their modules and counts."""
     torch.manual_seed(0)
     model = gpt_tiny()
     model.vision = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 4))
@@ -182,16 +185,33 @@ def test_parameters_the_forward_never_reads_are_named_in_a_warning(process_group
     # The plan counts them apart (its layers hold the rest), and its report says so.
     assert program.plan.model.unread_params == 76
     assert program.plan.model.num_params == sum(p.numel() for p in model.parameters())
-    assert "(76 of them never read by the forward on these inputs: not trained, not held)" \
-        in render(program.plan, "text").splitlines()[2]
+    assert "(76 of them never read by the forward on these inputs: kept as they are, not " \
+        "trained)" in render(program.plan, "text").splitlines()[2]
     with caplog.at_level("WARNING", logger="partc.runtime"):
         module = program.build()
     said = [r.getMessage() for r in caplog.records if "never read" in r.getMessage()]
     assert len(said) == 1, said
     assert said[0].startswith("4 parameter tensors (76 of the model's ")
     assert "vision.0, vision.1" in said[0]
-    assert set(module.state_dict()) == {name for name, _ in model.named_parameters()
-                                        if not name.startswith("vision.")}
+    assert set(module.state_dict()) == set(dict(model.named_parameters()))
+    assert not any(name.startswith("vision.") for name, _ in module.named_parameters())
+    opt = module.optimizer(torch.optim.SGD, lr=0.1)
+    x, y = tokens()
+    module.forward_backward(x, target=y)
+    opt.step()
+    vision = {name: t for name, t in model.state_dict().items() if name.startswith("vision.")}
+    full = module.full_state_dict()
+    assert all(torch.equal(full[name], t) for name, t in vision.items())   # untrained
+    module.save_checkpoint(tmp_path, optimizer=opt, step=1)
+    fresh = copy.deepcopy(model)
+    with torch.no_grad():
+        for name, param in fresh.named_parameters():
+            if name.startswith("vision."):
+                param.zero_()
+    resumed = compile_gpt(fresh, 1).build()
+    assert resumed.load_checkpoint(tmp_path)[0] == 1
+    loaded = resumed.full_state_dict()
+    assert all(torch.equal(loaded[name], t) for name, t in vision.items())
 
 
 def test_meta_model_loads_its_parameters_from_a_state_dict(process_group):
