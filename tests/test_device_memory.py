@@ -17,6 +17,7 @@ from partc.plan import BudgetInfo
 from partc.report.text import plan_headroom, render
 from partc.units import format_bytes
 from tests.models import WHOLE_MEMORY
+from partc.problem import Pins
 from tests.planner.instances import devices, layer, problem
 
 MIB = 2**20
@@ -130,3 +131,20 @@ def test_problems_that_differ_in_what_is_kept_back_share_their_cost_tables():
     # ... each with its own limits.
     assert tables.limits(base, config) == (10**9,)
     assert tables.limits(kept, config) == (math.floor((10**9 - 10**6) * 0.9),)
+
+
+def test_devices_of_different_memory_are_shown_as_they_are_and_the_tightest_stage_judged():
+    """Seen before: ``--memory 40GiB,40GiB,80GiB,80GiB`` read "4 x A100-40GB (40.00 GiB
+    each)" and "Headroom: peak 49.37 GiB of 35.70 GiB usable (138.3%, -13.67 GiB left)"
+    for a plan that fits: the stage peaking at 49 GiB is on the 80 GiB devices. The budget
+    line counts each size, and the headroom is the tightest stage's against its own
+    devices."""
+    layers = [layer(f"l{i}", params=10, saved=4000.0) for i in range(4)]
+    plan = plan_problem(problem(layers, [0.0] * 3, devices(2, [20_000, 60_000]), batch=1,
+                                pins=Pins(pp=2)))
+    assert "budget: 2 x" in render(plan) and "(1 x 19.53 KiB, 1 x 58.59 KiB, " in render(plan)
+    room = plan_headroom(plan)
+    limits = [s.limit_bytes for s in plan.stages]
+    tightest = max(plan.stages, key=lambda s: s.memory_bytes.peak / s.limit_bytes)
+    assert (room.usable, room.peak) == (tightest.limit_bytes, tightest.memory_bytes.peak)
+    assert room.peak <= room.usable and limits[0] < limits[1]

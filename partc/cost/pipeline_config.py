@@ -203,7 +203,13 @@ _SPLIT = ("interleaved-zero-bubble", "zbv-zero-bubble", "dualpipev")
 
 
 def stage_ranks(problem: PlanningProblem, config: PipelineConfig, stage: int) -> range:
-    width = problem.devices.num_devices // config.pp
+    return ranks_of_stage(problem.devices.num_devices, config.pp, stage)
+
+
+def ranks_of_stage(num_devices: int, pp: int, stage: int) -> range:
+    """The ranks (the budget's devices) holding pipeline stage ``stage`` of ``pp``: ranks
+    are ordered (pp, dp, tp), so each stage's are one contiguous block."""
+    width = num_devices // pp
     return range(stage * width, (stage + 1) * width)
 
 

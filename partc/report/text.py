@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from partc.cli.choices import REPORT_FORMATS
 from partc.codec import dtype_name
 from partc.cost.fp8_pricing import fp8_share
+from partc.cost.pipeline_config import ranks_of_stage
 from partc.cost.timeline import Timeline, simulate, text_lines
 from partc.device.usable import Headroom, communicators, headroom
 from partc.names import Outcome, Phase
@@ -102,6 +103,17 @@ def _kernels_line(plan: Plan) -> str:
     return line
 
 
+def _memory_each(memory: tuple[int, ...]) -> str:
+    """``79.19 GiB each``, or where devices differ how many have each size, in rank
+    order: ``2 x 40.00 GiB, 2 x 80.00 GiB``."""
+    if len(set(memory)) == 1:
+        return f"{format_bytes(memory[0])} each"
+    counts: dict[int, int] = {}
+    for size in memory:
+        counts[size] = counts.get(size, 0) + 1
+    return ", ".join(f"{n} x {format_bytes(size)}" for size, n in counts.items())
+
+
 def _headline(plan: Plan) -> list[str]:
     p, model, budget, train = plan.predicted, plan.model, plan.budget, plan.train
     zero = plan.effective_zero_stage
@@ -111,7 +123,7 @@ def _headline(plan: Plan) -> list[str]:
            "these inputs: kept as they are, not trained)" if model.unread_params else "")
         + f", {model.num_layers} layers (traced with {model.tracer})",
         f"budget: {budget.num_devices} x {budget.device} "
-        f"({budget.memory} each, {budget.figures.devices_per_node} per node)",
+        f"({_memory_each(budget.memory_bytes)}, {budget.figures.devices_per_node} per node)",
         f"training: global batch {train.global_batch_size}, {dtype_name(train.dtype)}, "
         f"{_optimizer(train.optimizer)}, attention {_ATTENTION[train.attention]}",
         f"plan: {plan.mesh}"
@@ -330,12 +342,24 @@ def _offload_lines(plan: Plan) -> list[str]:
 
 def plan_headroom(plan: Plan) -> Headroom:
     """The plan's peak against its device's memory, from the vendor's figure down
-    (:func:`partc.device.usable.headroom`: the limits the planner planned against)."""
+    (:func:`partc.device.usable.headroom`: the limits the planner planned against): on
+    the stage whose peak comes nearest its devices' usable memory, the smallest of its
+    ranks' devices (where devices differ, a stage on larger ones may peak higher)."""
     budget, mesh = plan.budget, plan.mesh
-    return headroom(reported=min(budget.memory_bytes), nominal=budget.figures.nominal_memory,
-                    figures=budget.figures, peak=plan.predicted.peak_memory_bytes,
-                    groups=communicators(budget.num_devices, mesh.pp, mesh.dp, mesh.tp,
-                                         mesh.ep))
+    groups = communicators(budget.num_devices, mesh.pp, mesh.dp, mesh.tp, mesh.ep)
+
+    memory = budget.memory_bytes
+    per_device = len(memory) == budget.num_devices   # else one size stands for all
+
+    def room(stage) -> Headroom:
+        reported = min(memory[r] for r in ranks_of_stage(budget.num_devices, mesh.pp,
+                                                          stage.index)) \
+            if per_device else min(memory)
+        return headroom(reported=reported, nominal=budget.figures.nominal_memory,
+                        figures=budget.figures, peak=stage.memory_bytes.peak, groups=groups)
+
+    return max((room(stage) for stage in plan.stages),
+               key=lambda r: r.peak / max(r.usable, 1))
 
 
 def _headroom_line(plan: Plan) -> str:
