@@ -16,6 +16,9 @@ from partc.runtime import tp as tp_ops
 from partc.runtime.topology import Topology
 
 
+_HALF = (torch.bfloat16, torch.float16)
+
+
 def local_part(tensor: torch.Tensor) -> torch.Tensor:
     """This rank's part of a tensor FSDP shards over dp (the tensor itself otherwise)."""
     return tensor.to_local() if isinstance(tensor, DTensor) else tensor
@@ -80,7 +83,10 @@ def own_parameters(module: fx.GraphModule, model: nn.Module,
                 raise PartcError(f"{name}: the weights given have shape {list(whole)}{cut}, "
                                  f"the model's is {list(tensor.shape)}: weights of "
                                  "another model or configuration?")
-            value = source.detach().to(device=device, dtype=tensor.dtype, copy=True)
+            # A parameter the model keeps in 16 bits (loaded in bfloat16) is the fp32
+            # master the runtime trains (partc.problem.Precision); buffers stay as they are.
+            dtype = torch.float32 if is_param and tensor.dtype in _HALF else tensor.dtype
+            value = source.detach().to(device=device, dtype=dtype, copy=True)
             copies[id(tensor)] = nn.Parameter(value, tensor.requires_grad) if is_param \
                 else value
         owner_name, _, attr = name.rpartition(".")

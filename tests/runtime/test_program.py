@@ -15,6 +15,7 @@ import partc
 from partc.report.text import render
 from samples.gpt import gpt_tiny, loss_fn
 from tests import models
+from tests.tolerances import BF16
 
 B, T = 8, 16
 
@@ -274,6 +275,35 @@ def test_a_hugging_face_model_that_caches_by_default_trains_as_written(process_g
         expected = reference(input_ids=x, labels=x).loss
         expected.backward(); ref_opt.step(); ref_opt.zero_grad()
         torch.testing.assert_close(loss, expected.detach(), rtol=1e-5, atol=1e-6)
+
+
+def test_a_model_loaded_in_bfloat16_trains_from_fp32_masters(process_group):
+    """Seen before: a model whose weights are bfloat16 (``from_pretrained(...,
+    torch_dtype=torch.bfloat16)``) failed at its first step: "attempting to assign a
+    gradient with dtype 'float' to a tensor with grad_dtype 'BFloat16'". The runtime
+    trains fp32 masters of them, as it does of an fp32 model (the plan's precision):
+    the program's weights are fp32, and its losses are those of the same weights stored
+    in fp32, to bf16's rounding."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    config = models.llama().config
+    stored = {"bf16": AutoModelForCausalLM.from_config(config).to(torch.bfloat16)}
+    stored["fp32"] = copy.deepcopy(stored["bf16"]).float()
+    batches = [tokens(step)[0] for step in range(2)]
+    losses = {}
+    for kind, model in stored.items():
+        module = partc.compile(model, {"input_ids": batches[0], "labels": batches[0]},
+                               budget=partc.DeviceBudget(num_devices=1, device="CPU"),
+                               train=partc.TrainSpec(global_batch_size=B,
+                                                     dtype=torch.bfloat16)).build()
+        assert {p.dtype for p in module.parameters()} == {torch.float32}
+        opt = module.optimizer(torch.optim.AdamW, lr=1e-3)
+        losses[kind] = []
+        for x in batches:
+            losses[kind].append(module.forward_backward(input_ids=x, labels=x).item())
+            opt.step(); opt.zero_grad()
+    assert losses["bf16"] == pytest.approx(losses["fp32"], rel=BF16)
 
 
 def test_load_measures_again_at_the_batch_the_model_was_traced_at(tmp_path):
