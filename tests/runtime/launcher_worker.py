@@ -62,10 +62,12 @@ def _evaluate(module, inputs: tuple, target) -> dict:
             "no_grads": all(p.grad is None for p in module.parameters())}
 
 
-def _one_process_losses(weights: dict, workload: dict, config) -> list[float]:
-    """The launcher's training (AdamW, its learning rates, its data) in one process."""
-    model = small()["model"]
-    model.load_state_dict(weights)
+def _one_process_losses(model: torch.nn.Module, workload: dict, config,
+                        loss_of=lambda model, inputs, target: gpt.loss_fn(model(inputs),
+                                                                          target)
+                        ) -> list[float]:
+    """The launcher's training (AdamW, its learning rates, its data) of ``model`` in one
+    process, ``loss_of(model, inputs, target)`` its loss (the sample GPT's by default)."""
     optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr,
                                   weight_decay=config.weight_decay)
     losses = []
@@ -73,7 +75,7 @@ def _one_process_losses(weights: dict, workload: dict, config) -> list[float]:
         for group in optimizer.param_groups:
             group["lr"] = train_config.learning_rate(step, config)
         inputs, target = workload["data"](step)
-        loss = gpt.loss_fn(model(inputs), target)
+        loss = loss_of(model, inputs, target)
         loss.backward()
         optimizer.step()
         optimizer.zero_grad()
@@ -88,7 +90,9 @@ def _run(argv: list[str], *, evaluate_first: bool = False) -> dict:
     # Before any step: the pipeline then learns its shapes forward only, and training
     # after it must still send gradients back.
     first = _evaluate(module, *held_out) if evaluate_first else None
-    reference = _one_process_losses(module.full_state_dict(), workload, config)
+    model = small()["model"]
+    model.load_state_dict(module.full_state_dict())
+    reference = _one_process_losses(model, workload, config)
     losses = launcher.train(module, optimizer, workload, config, telemetry=telemetry)
     results = {"losses": losses, "ref_losses": reference, "evaluations": [
         e for e in (first, _evaluate(module, *held_out)) if e is not None],
@@ -114,18 +118,8 @@ def _run_hf(data: Path) -> dict:
     module, optimizer, telemetry, workload = launcher.prepare(config)
     model = hf_config.workload(HF_MODEL[0], [pair for pair in HF_MODEL if "=" in pair])["model"]
     model.load_state_dict(module.full_state_dict())
-    reference = torch.optim.AdamW(model.parameters(), lr=config.lr,
-                                  weight_decay=config.weight_decay)
-    ref_losses = []
-    for step in range(config.steps):
-        for group in reference.param_groups:
-            group["lr"] = train_config.learning_rate(step, config)
-        batch, target = workload["data"](step)
-        loss = hf_config.next_token_loss(model(**batch), target)
-        loss.backward()
-        reference.step()
-        reference.zero_grad()
-        ref_losses.append(float(loss))
+    ref_losses = _one_process_losses(model, workload, config, lambda model, batch, target:
+                                     hf_config.next_token_loss(model(**batch), target))
     losses = launcher.train(module, optimizer, workload, config, telemetry=telemetry)
     batch, target = workload["rank_data"](0)
     module.close()
