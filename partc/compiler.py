@@ -436,6 +436,7 @@ def compile(model: torch.nn.Module,
             if cache is not None:
                 cache.put_plan(problem, plan)
     log.info("planned in %.2f s: %s", time.perf_counter() - start, plan.solver.status)
+    _say_batch_norm_per_microbatch(model, plan)
     return Program(plan=plan, problem=problem, graph=graph, model=model, loss_fn=loss_fn)
 
 
@@ -479,6 +480,23 @@ def _whole_batch_loss(model: torch.nn.Module, example_inputs: tuple, loss_fn: Ca
         return constraints
     return restrict(constraints, train, "a mixture-of-experts router's load-balancing loss "
                                         "over the whole batch")
+
+
+def _say_batch_norm_per_microbatch(model: torch.nn.Module, plan: Plan) -> None:
+    """A model with BatchNorm in training mode, planned in several microbatches,
+    normalises each microbatch over its own samples, as gradient accumulation on one
+    device does (the runtime's running statistics see the microbatches in order), not
+    over the global batch: said once, so that a loss that differs from one device's
+    whole-batch step is not a surprise."""
+    norm = next((name for name, module in model.named_modules()
+                 if isinstance(module, torch.nn.modules.batchnorm._BatchNorm)
+                 and module.training), None)
+    if norm is None or plan.num_microbatches * plan.dp == 1:
+        return
+    log.warning("%s (BatchNorm, training mode) normalises each microbatch of %d samples "
+                "over its own samples, as gradient accumulation on one device does, not "
+                "the global batch of %d: pin num_microbatches=1 for whole-batch statistics",
+                norm, plan.micro_batch_size, plan.global_batch_size)
 
 
 def _one_replica_for_running_stats(model: torch.nn.Module,
