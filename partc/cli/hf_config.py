@@ -7,26 +7,26 @@ text_config.num_hidden_layers=2``.
 A target that is not ``file.py:factory`` is a config: a local directory (or its
 ``config.json``), read by ``AutoConfig.from_pretrained`` with local files only, a hub
 model's name (``meta-llama/Llama-3.1-8B``) whose config the local Hugging Face cache
-holds, or a model
-type that transformers ships (``llama``, ``qwen2``, ``mistral``, ...:
-``AutoConfig.for_model``), each with the ``--hf-config KEY=VALUE`` overrides (values read
-as JSON where they parse: ``2``, ``true``, ``[1, 2]``; else strings). Nothing is
-downloaded. The model is the config's causal LM (``AutoModelForCausalLM.from_config``, no
-KV cache; an encoder-decoder's sequence-to-sequence LM, ``AutoModelForSeq2SeqLM``, whose
-decoder reads the labels shifted right), built on the meta device for ``partc plan``
-(nothing allocated: a 70B config plans on a laptop) and with the seed's random weights
-for ``partc train``; it trains in the dtype its config names (a model directory's
-``"dtype": "bfloat16"``) unless ``--dtype`` says otherwise (without either: bf16 mixed
-precision on a GPU, float32 on a CPU). Its example batch is what a tokenizer gives and the model is
-called with, ``model(**batch)``: ``input_ids`` of ``--global-batch`` (default 8) by
-``--seq-len`` (default the config's ``max_position_embeddings``, at most 2048), unpadded
-(a mask of ones, which an encoder-decoder's batch has, would say nothing more). A causal
-LM trains on the next tokens with :func:`next_token_loss`, the
-cross-entropy its own loss computes from labels, written on the logits: a sequence split
-over ranks (context parallelism) holds each position's target, which the model's shift
-of its labels inside a shard does not. An encoder-decoder, and a model whose own loss
-adds terms (a mixture of experts' router loss, ``output_router_logits``), take
-``labels`` too and train on their own loss (``partc.runtime.label_weights``).
+holds, or a model type that transformers ships (``llama``, ``qwen2``, ``mistral``, ...:
+``AutoConfig.for_model``), each with the ``--hf-config KEY=VALUE`` overrides (values
+read as JSON where they parse: ``2``, ``true``, ``[1, 2]``; else strings). Nothing is
+downloaded. The model is the config's causal LM (``AutoModelForCausalLM.from_config``,
+no KV cache; an encoder-decoder's sequence-to-sequence LM, ``AutoModelForSeq2SeqLM``,
+whose decoder reads the labels shifted right), built on the meta device for ``partc
+plan`` (nothing allocated: a 70B config plans on a laptop) and with the seed's random
+weights for ``partc train``; it trains in the dtype its config names (a model
+directory's ``"dtype": "bfloat16"``) unless ``--dtype`` says otherwise (without either:
+bf16 mixed precision on a GPU, float32 on a CPU). Its example batch is what a tokenizer
+gives and the model is called with, ``model(**batch)``: ``input_ids`` of
+``--global-batch`` (default 8) by ``--seq-len`` (default the config's
+``max_position_embeddings``, at most 2048), unpadded (a mask of ones, which an
+encoder-decoder's batch has, would say nothing more). A causal LM trains on the next
+tokens with :func:`next_token_loss`, the cross-entropy its own loss computes from
+labels, written on the logits: a sequence split over ranks (context parallelism) holds
+each position's target, which the model's shift of its labels inside a shard does not.
+An encoder-decoder, and a model whose own loss adds terms (a mixture of experts' router
+loss, ``output_router_logits``), take ``labels`` too and train on their own loss
+(``partc.runtime.label_weights``).
 
 Until a data flag gives real text, ``partc train`` feeds such a model random tokens,
 the same for a step on every rank and every run (``data(step)``, seeded by the step).

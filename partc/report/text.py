@@ -794,8 +794,8 @@ def _solver(plan: Plan) -> list[str]:
     if solved:
         how += (f". The estimate and bound above are the closed form's (1F1B, GPipe), which "
                 f"chose the mesh; then {plural(len(solved), 'other schedule')} "
-                f"{'was' if len(solved) == 1 else 'were'} solved on it and the one whose order plays out fastest kept ({plan.schedule}; "
-                f"see Schedules)")
+                f"{'was' if len(solved) == 1 else 'were'} solved on it and the one whose "
+                f"order plays out fastest kept ({plan.schedule}; see Schedules)")
     return lines + [how]
 
 
