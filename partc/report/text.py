@@ -351,9 +351,9 @@ def plan_headroom(plan: Plan) -> Headroom:
     memory = budget.memory_bytes
     per_device = len(memory) == budget.num_devices   # else one size stands for all
 
-    def room(stage) -> Headroom:
-        reported = min(memory[r] for r in ranks_of_stage(budget.num_devices, mesh.pp,
-                                                          stage.index)) \
+    def room(stage) -> Headroom:   # the stages are the pipeline: one block of ranks each
+        reported = min(memory[r] for r in ranks_of_stage(budget.num_devices,
+                                                          len(plan.stages), stage.index)) \
             if per_device else min(memory)
         return headroom(reported=reported, nominal=budget.figures.nominal_memory,
                         figures=budget.figures, peak=stage.memory_bytes.peak, groups=groups)
