@@ -33,7 +33,27 @@ import math
 import torch
 import torch.distributed as dist
 from torch import fx, nn
-from torch.distributed.nn.functional import all_to_all_single
+
+
+class _AllToAll(torch.autograd.Function):
+    """``dist.all_to_all_single`` of ``rows`` (``send`` rows to each rank, ``recv`` from
+    each), whose backward sends each row's gradient back the way it came: the reverse
+    exchange, ``send`` and ``recv`` swapped. (torch's autograd-aware one,
+    ``torch.distributed.nn.functional.all_to_all_single``, is deprecated.)"""
+
+    @staticmethod
+    def forward(ctx, rows: torch.Tensor, recv: list[int], send: list[int],
+                group: dist.ProcessGroup) -> torch.Tensor:
+        ctx.recv, ctx.send, ctx.group = recv, send, group
+        output = rows.new_empty(sum(recv), *rows.shape[1:])
+        dist.all_to_all_single(output, rows, recv, send, group=group)
+        return output
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        back = grad.new_empty(sum(ctx.send), *grad.shape[1:])
+        dist.all_to_all_single(back, grad.contiguous(), ctx.send, ctx.recv, group=ctx.group)
+        return back, None, None, None
 
 
 class ExpertParallel(nn.Module):
@@ -133,9 +153,8 @@ class ExpertParallel(nn.Module):
 
     def _all_to_all(self, rows: torch.Tensor, recv: list[int], send: list[int]
                     ) -> torch.Tensor:
-        output = rows.new_empty(sum(recv), rows.shape[-1])
         self.messages += 1
-        out = all_to_all_single(output, rows.contiguous(), recv, send, group=self.group)
+        out = _AllToAll.apply(rows.contiguous(), recv, send, self.group)
         if out.requires_grad:
             # Its reverse is posted when backward reaches it: never for a forward that
             # a recompute replays, whose backward runs through the first forward's graph.
