@@ -289,3 +289,27 @@ def test_help_is_short_with_examples_and_help_all_has_every_flag(capsys, command
     default = "default CPU where torch sees no GPU" if command == "train" else \
         "default H100-80GB"
     assert default in short and default in everything
+
+
+def test_log_lines_name_the_library_they_come_from():
+    """Seen before: ``partc train -q`` printed "partc: Failed to load .../torchao/..._C.so"
+    and "partc: Warning: Detected no triton": torchao's import warnings under partc's name.
+    A line is its source's (``torchao: ...``); under -q only partc's lines and other
+    libraries' errors pass."""
+    import io
+    import logging
+
+    from partc.cli.main import stderr_handler
+
+    def shown(quiet: bool) -> list[str]:
+        stream = io.StringIO()
+        handler = stderr_handler(quiet, stream)
+        for name, level in (("torchao.kernel", logging.WARNING),
+                            ("partc.runtime", logging.WARNING), ("torchao", logging.ERROR)):
+            record = logging.LogRecord(name, level, __file__, 1, "said %s", ("this",), None)
+            if handler.filter(record):
+                handler.emit(record)
+        return stream.getvalue().splitlines()
+
+    assert shown(False) == ["torchao: said this", "partc: said this", "torchao: said this"]
+    assert shown(True) == ["partc: said this", "torchao: said this"]

@@ -677,8 +677,7 @@ def main(argv: list[str]) -> int:
         except (cli.UsageError, PartcError) as error:
             return failures.report(error, prefix)
         return standalone.launch(config.nproc_per_node, _without_nproc(argv), prefix=prefix)
-    logging.basicConfig(level=logging.WARNING if config.quiet else logging.INFO,
-                        format="partc: %(message)s", stream=sys.stderr)
+    cli.log_to_stderr(config.quiet)
     lock = None
     try:
         lock = claim_checkpoint_dir(config)   # before torch loads: a refusal costs seconds

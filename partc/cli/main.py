@@ -927,11 +927,41 @@ def main(argv: list[str] | None = None) -> int:
                         quiet=getattr(args, "quiet", False))
 
 
+class _Attributed(logging.Formatter):
+    """A log line under the name of whom it comes from: partc's own as ``partc:``,
+    another library's (torchao's, warning at import that its kernels did not load) under
+    that library's name, not partc's."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        top = record.name.split(".")[0]
+        line = f"{'partc' if top in ('partc', 'root') else top}: {record.getMessage()}"
+        return line + ("\n" + self.formatException(record.exc_info) if record.exc_info
+                       else "")
+
+
+def stderr_handler(quiet: bool, stream: Any = None) -> logging.Handler:
+    """Log lines on ``stream`` (stderr), each under its source's name
+    (:class:`_Attributed`); with ``quiet``, only partc's and other libraries' errors
+    pass (the level passes partc's warnings)."""
+    handler = logging.StreamHandler(stream or sys.stderr)
+    handler.setFormatter(_Attributed())
+    if quiet:
+        handler.addFilter(lambda record: record.name.split(".")[0] == "partc"
+                          or record.levelno >= logging.ERROR)
+    return handler
+
+
+def log_to_stderr(quiet: bool) -> None:
+    """The commands' logging: :func:`stderr_handler` at INFO, or WARNING with ``quiet``
+    (where the process has set up none yet)."""
+    logging.basicConfig(level=logging.WARNING if quiet else logging.INFO,
+                        handlers=[stderr_handler(quiet)])
+
+
 def run_reported(command: Callable[[], int], prefix: str, *, quiet: bool) -> int:
     """Run a command with partc's log lines on stderr; bad input (a usage error, a
     PartcError, a ValueError) is one line there, ``prefix`` first, and exit status 2."""
-    logging.basicConfig(level=logging.WARNING if quiet else logging.INFO,
-                        format="partc: %(message)s", stream=sys.stderr)
+    log_to_stderr(quiet)
     try:
         return command()
     except UsageError as error:
