@@ -240,11 +240,11 @@ def token_figures(target: str, config: Any) -> tuple[int, int]:
 
 
 def token_batch(ids: Any) -> tuple[dict[str, Any], None]:
-    """A batch of unpadded token rows for the model's own loss: ids, a mask of ones,
-    labels the ids (the model shifts them); no target."""
-    import torch
+    """A batch of unpadded token rows for the model's own loss
+    (:func:`partc.corpus.sources.token_batch`), and no target."""
+    from partc.corpus.sources import token_batch as own_loss_batch
 
-    return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids}, None
+    return own_loss_batch(ids), None
 
 
 def next_token_batch(ids: Any) -> tuple[dict[str, Any], Any]:

@@ -72,10 +72,15 @@ def sequence_length(example_inputs: Any, where: str) -> int:
     return int(ids.shape[1])
 
 
-# What a tokenizer's batch holds that packed token rows can fill: the ids, a mask of ones
-# (a packed row has no padding) and, for a model that computes its own loss, the labels
-# (the ids themselves: a Hugging Face causal LM shifts them).
+# What a tokenizer's batch holds that packed token rows can fill (:func:`token_batch`).
 FILLED_KEYS = ("input_ids", "attention_mask", "labels")
+
+
+def token_batch(ids: torch.Tensor) -> dict[str, torch.Tensor]:
+    """A tokenizer's batch of unpadded token rows for a model that computes its own
+    loss: the ids, a mask of ones (no padding) and the labels, the ids themselves (a
+    Hugging Face causal LM shifts them)."""
+    return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids}
 
 
 def model_batch(example_inputs: Any, where: str, *,
@@ -96,7 +101,7 @@ def model_batch(example_inputs: Any, where: str, *,
         own_loss = "labels" in keys and not loss_fn
 
         def mapping(ids: torch.Tensor, targets: torch.Tensor) -> tuple[Any, Any]:
-            made = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids}
+            made = token_batch(ids)
             return {key: made[key] for key in keys}, None if own_loss else targets
         return mapping
     if isinstance(example_inputs, (tuple, list)) and len(example_inputs) > 1:

@@ -14,6 +14,7 @@ for one self-contained page with pictures.
 
 from __future__ import annotations
 
+import collections
 import json
 import re
 from dataclasses import dataclass
@@ -106,11 +107,9 @@ def _kernels_line(plan: Plan) -> str:
 def _memory_each(memory: tuple[int, ...]) -> str:
     """``79.19 GiB each``, or where devices differ how many have each size, in rank
     order: ``2 x 40.00 GiB, 2 x 80.00 GiB``."""
-    if len(set(memory)) == 1:
+    counts = collections.Counter(memory)
+    if len(counts) == 1:
         return f"{format_bytes(memory[0])} each"
-    counts: dict[int, int] = {}
-    for size in memory:
-        counts[size] = counts.get(size, 0) + 1
     return ", ".join(f"{n} x {format_bytes(size)}" for size, n in counts.items())
 
 
@@ -347,7 +346,6 @@ def plan_headroom(plan: Plan) -> Headroom:
     ranks' devices (where devices differ, a stage on larger ones may peak higher)."""
     budget, mesh = plan.budget, plan.mesh
     groups = communicators(budget.num_devices, mesh.pp, mesh.dp, mesh.tp, mesh.ep)
-
     memory = budget.memory_bytes
     per_device = len(memory) == budget.num_devices   # else one size stands for all
 
