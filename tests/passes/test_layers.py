@@ -149,3 +149,29 @@ def test_the_signature_a_problem_holds_says_what_a_layer_computes_in_no_order():
         [layer.signature for layer in other.layers]
     _, twice = analyze(_Tables(("cos", "sin"), same=True), (torch.randn(2, 8),))
     assert twice.layers[1].signature != one.layers[1].signature
+
+
+def test_a_value_flowing_back_to_an_earlier_layer_is_refused():
+    """Layers are consecutive runs, so only a graph regrouped by hand can break the
+    order: a later layer feeding an earlier one is named, and a cycle is named as one."""
+    from torch import fx
+
+    from partc.passes.layers import _check_dag
+
+    gm = fx.symbolic_trace(models.MLP())
+    nodes = [n for n in gm.graph.nodes if n.op not in ("get_attr",)]
+    infos = [meta.LayerInfo(index=i, name=f"l{i}", key=f"l{i}", signature="", nodes=())
+             for i in range(3)]
+
+    def group(indices):
+        for node, index in zip(nodes, indices):
+            meta.set_layer(node, meta.LayerRef(index, f"l{index}"))
+
+    group([0] + [1] * (len(nodes) - 2) + [2])
+    _check_dag(gm, infos)   # in order
+    group([0, 2] + [1] * (len(nodes) - 3) + [1])
+    with pytest.raises(AssertionError, match="layer l2 feeds earlier layer l1"):
+        _check_dag(gm, infos)
+    group([0, 1, 2] + [1] * (len(nodes) - 3))
+    with pytest.raises(AssertionError, match="has a cycle"):
+        _check_dag(gm, infos)
