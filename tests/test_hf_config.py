@@ -72,9 +72,9 @@ def test_train_makes_a_model_type_with_random_tokens_and_compiles_it():
     first, again = workload["data"](3), workload["data"](3)
     assert torch.equal(first[0]["input_ids"], again[0]["input_ids"])
     assert first[0]["input_ids"].shape == (4, 16) and set(first[0]) == {"input_ids"}
-    # The target is the next tokens, the last position's none (-100).
+    # The target is each position's next token, the last's drawn with the row.
     assert torch.equal(first[1][:, :-1], first[0]["input_ids"][:, 1:])
-    assert (first[1][:, -1] == -100).all()
+    assert first[1].shape == (4, 16) and (first[1] >= 0).all()
     # A resumed run checks it reads the checkpoint's batches: a dict batch is digested.
     assert launcher.data_digest(workload, 3) == launcher.data_digest(workload, 3) \
         != launcher.data_digest(workload, 4)
@@ -254,11 +254,13 @@ def test_a_causal_lm_trains_on_its_next_tokens_which_a_split_sequence_holds(caps
     no plan: the model's own loss shifts its labels inside the model, which a sequence
     split over ranks cannot, so context parallelism was refused (and at 64K tokens
     nothing else fits). A causal LM now trains on :func:`next_token_loss` against the
-    next tokens: the model's own loss (to fp32's rounding), and a context-parallel plan."""
+    next tokens, every position's (rows of one token more): the model's own loss given
+    them shifted (to fp32's rounding), and a context-parallel plan."""
     workload = hf_config.workload("llama", TINY, batch=2, seq_len=16)
     batch, target = workload["data"](0)
+    assert batch["input_ids"].shape == target.shape == (2, 16) and (target >= 0).all()
     output = workload["model"](**batch)
-    own = workload["model"](**batch, labels=batch["input_ids"]).loss
+    own = workload["model"](**batch, labels=target, shift_labels=target).loss
     torch.testing.assert_close(hf_config.next_token_loss(output, target), own, rtol=FP32,
                                atol=0)
     assert main(["plan", "llama", "--hf-config", *TINY, "--seq-len", "16", "--global-batch",

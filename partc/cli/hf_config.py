@@ -200,12 +200,13 @@ def workload(target: str, pairs: Sequence[str] | None = None, *, batch: int | No
     seq_len = seq_len or min(longest, MAX_DEFAULT_SEQ)
     own_loss = seq2seq or bool(getattr(text_config(config), "output_router_logits", False))
     made = token_batch if own_loss else next_token_batch
+    row = seq_len if own_loss else seq_len + 1   # next_token_batch: each row's next token
 
     def data(step: int) -> tuple[dict[str, torch.Tensor], Any]:
         generator = torch.Generator().manual_seed(step)
-        return made(torch.randint(0, vocab, (batch, seq_len), generator=generator))
+        return made(torch.randint(0, vocab, (batch, row), generator=generator))
 
-    inputs, target_ids = made(torch.zeros(batch, seq_len, dtype=torch.long))
+    inputs, target_ids = made(torch.zeros(batch, row, dtype=torch.long))
     return {"model": model, "name": f"{type(model).__name__} ({Path(target).name})",
             "example_inputs": inputs, "data": data, "dtype": config_dtype(config),
             **({} if own_loss else {"loss_fn": next_token_loss,
@@ -248,21 +249,20 @@ def token_batch(ids: Any) -> tuple[dict[str, Any], None]:
 
 
 def next_token_batch(ids: Any) -> tuple[dict[str, Any], Any]:
-    """A batch of unpadded token rows for :func:`next_token_loss`: the ids, and the next
-    tokens as the target (the last position's none: -100). No attention mask: one of
-    ones says nothing the model does not assume without it, and an input mask depends on
-    the batch, which keeps context parallelism out."""
-    import torch
-
-    following = torch.full_like(ids, -100)
-    following[:, :-1] = ids[:, 1:]
-    return {"input_ids": ids}, following
+    """A batch for :func:`next_token_loss` from unpadded rows of one token more than the
+    sequence (as a pre-training corpus packs them): each row but its last token, and
+    each position's next token as the target, all counted. Every position counting, a
+    sequence split over context-parallel ranks gives each the same number of them, so
+    the mean of the ranks' means is the batch's. No attention mask: one of ones says
+    nothing the model does not assume without it, and an input mask depends on the
+    batch, which keeps context parallelism out."""
+    return {"input_ids": ids[:, :-1].contiguous()}, ids[:, 1:].contiguous()
 
 
 def next_token_loss(output: Any, target: Any) -> Any:
-    """A causal LM's loss as its own ``ForCausalLMLoss`` computes it from labels: the
-    mean cross-entropy of the logits (in fp32) against the next tokens, -100 not
-    counted. Given as a loss on the logits, a sequence split over ranks (context
+    """A causal LM's loss as its own ``ForCausalLMLoss`` computes it from labels already
+    shifted: the mean cross-entropy of the logits (in fp32) against the next tokens, -100
+    not counted. Given as a loss on the logits, a sequence split over ranks (context
     parallelism) holds each position's target, which a shift of the labels inside the
     model does not."""
     import torch.nn.functional as F
