@@ -135,6 +135,9 @@ class TraceInfo:
     # The model's own loss is the loss: which labels it averages over
     # (``partc.passes.trace.counted_labels``); None: the user's loss_fn, or none.
     own_loss: str | None = None
+    # partc added the keyword input ``shift_labels``, made from ``labels``
+    # (``partc.passes.trace.shifted_labels``).
+    shift_labels: bool = False
 
 
 @dataclass(frozen=True)

@@ -407,6 +407,11 @@ class ModelInfo:
     # "tokens" (``labels`` not -100) or "samples"; the target is then one weight per
     # sample, made by the runtime (``partc.runtime.label_weights``). None: loss_fn's.
     own_loss: str | None = field(default=None, metadata=UNLESS_DEFAULT)
+    # partc gives that loss its labels already shifted: the input ``shift_labels``,
+    # which the runtime makes from the ``labels`` given
+    # (``partc.runtime.label_weights.next_labels``), so that no label is read across the
+    # sequence (context parallelism splits it).
+    shift_labels: bool = field(default=False, metadata=UNLESS_DEFAULT)
     # Of num_params, those the forward never reads on the traced inputs (a vision tower
     # under text-only batches): no layer holds them, so the plan does not train them; the
     # runtime keeps them as they are, on the host of the first stage's ranks, for state

@@ -415,6 +415,9 @@ class ModelSummary:
     # The model's own loss is trained on: which labels it averages over ("shifted",
     # "tokens", "samples": ``partc.passes.trace.counted_labels``); "": the user's loss_fn.
     own_loss: str = ""
+    # partc added the input ``shift_labels`` (the labels shifted, made by the runtime:
+    # ``partc.runtime.label_weights.next_labels``) for the model's own loss to read.
+    shift_labels: bool = False
     # The dtype autocast computed in while the layers were measured ("bfloat16"); "": none,
     # the layers' numbers are in the traced dtype.
     autocast: str = ""

@@ -520,7 +520,8 @@ def _whole_length_facts(model: nn.Module, example_inputs: tuple, attention: str,
 
 def sequence_shard(value: Any, cp: int) -> Any:
     """``value``'s tensors (meta or fake: shapes only) with dim 1, the sequence, cut to
-    one rank's ``1 / cp`` of it; tensors of fewer dims as they are."""
+    one rank's ``1 / cp`` of it, contiguous as the runtime's shards are
+    (``partc.runtime.cp_layout.shard``); tensors of fewer dims as they are."""
     def cut(tensor: torch.Tensor) -> torch.Tensor:
         if tensor.dim() < 2:
             return tensor
@@ -528,7 +529,7 @@ def sequence_shard(value: Any, cp: int) -> Any:
             raise ContextParallelError(
                 f"an input of shape {tuple(tensor.shape)}: its sequence (dim 1) of "
                 f"{tensor.shape[1]} does not divide over cp={cp}")
-        return tensor.narrow(1, 0, tensor.shape[1] // cp)
+        return tensor.narrow(1, 0, tensor.shape[1] // cp).contiguous()
     return pytree.tree_map_only(torch.Tensor, cut, value)
 
 

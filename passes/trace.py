@@ -16,6 +16,9 @@ Without ``loss_fn``, a model whose output holds a ``loss`` (a Hugging Face model
 loss layer's input, and the loss layer weighs each microbatch's mean by its share of the
 batch's counted labels (:func:`weighted_own_loss`; ``partc.runtime.label_weights`` makes
 the weights), so that the step's loss is the whole batch's mean, as on one device.
+A causal LM's loss whose function takes its labels already shifted is given them
+(:func:`shifted_labels`): it then reads no label across the sequence, which context
+parallelism splits.
 """
 
 from __future__ import annotations
@@ -39,6 +42,7 @@ from partc.errors import TraceError
 from partc.identity import param_fqns
 from partc.passes.context import Context
 from partc.passes.helpers import loss_labels
+from partc.runtime.label_weights import SHIFT_LABELS, next_labels
 
 log = logging.getLogger("partc")
 
@@ -95,7 +99,11 @@ def trace(model: nn.Module, example_inputs: Any, *, kwargs: dict | None = None,
     float weight per sample (``TraceInfo.own_loss`` says which labels it counts).
     """
     args = example_inputs if isinstance(example_inputs, tuple) else (example_inputs,)
-    kwargs = in_signature_order(model, dict(kwargs or {}))
+    kwargs = dict(kwargs or {})
+    shifted = loss_fn is None and shifted_labels(model, kwargs)
+    if shifted:
+        kwargs[SHIFT_LABELS] = next_labels(kwargs["labels"])
+    kwargs = in_signature_order(model, kwargs)
     fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
     device = _model_device(model)
     fake_args, fake_kwargs = pytree.tree_map_only(
@@ -127,13 +135,44 @@ def trace(model: nn.Module, example_inputs: Any, *, kwargs: dict | None = None,
     meta.set_trace_info(gm, meta.TraceInfo(
         tracer=tracer, num_inputs=len(names) - (loss_fn is not None), input_names=names,
         out_spec=out_spec, has_loss=loss_fn is not None, batch_size=batch,
-        keywords=tuple(kwargs),
+        keywords=tuple(kwargs), shift_labels=shifted,
         own_loss=None if own_loss is None else counted_labels(model, kwargs, gm,
                                                               len(names) - len(kwargs) - 1)))
     ctx = Context(model=model, name=name or type(model).__name__, fake_mode=fake_mode,
                   fake_inputs=tuple(inputs), fake_target=target, batch_size=batch,
                   param_fqns=param_fqns(model))
     return gm, ctx
+
+
+def shifted_labels(model: nn.Module, kwargs: dict[str, Any]) -> bool:
+    """Whether to give ``model``'s own loss, a causal LM's given ``labels``, its labels
+    already shifted (the keyword ``shift_labels``, which transformers' causal-LM loss
+    reads instead of shifting ``labels`` along the sequence): where its forward calls
+    ``self.loss_function``, that function takes them, the forward passes them on, and
+    the loss is that function's alone (a router's auxiliary loss, over every token of
+    the sequence, is not split so)."""
+    if "labels" not in kwargs or SHIFT_LABELS in kwargs:
+        return False
+    config = getattr(model, "config", None)
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    if any(getattr(c, "output_router_logits", False) for c in (config, text)) \
+            or not _calls_loss_function(model):
+        return False
+    try:
+        from transformers.loss.loss_utils import LOSS_MAPPING
+    except ImportError:
+        return False
+    # As transformers' ``loss_function`` picks it: one set on the model, else its loss
+    # type's, else (a type it does not know: GPT-2's LMHeadModel) the causal LM's.
+    loss = getattr(model, "_loss_function", None) or LOSS_MAPPING.get(
+        getattr(model, "loss_type", None) or "", LOSS_MAPPING.get("ForCausalLM"))
+    try:
+        takes = inspect.signature(loss).parameters if loss is not None else {}
+        forward = inspect.signature(model.forward).parameters.values()
+    except (TypeError, ValueError):
+        return False
+    passes_on = any(p.kind == p.VAR_KEYWORD or p.name == SHIFT_LABELS for p in forward)
+    return SHIFT_LABELS in takes and passes_on
 
 
 @contextlib.contextmanager
@@ -171,18 +210,22 @@ def counted_labels(model: nn.Module, kwargs: dict[str, Any], gm: fx.GraphModule,
     """Which labels the model's own loss averages over: "shifted", "tokens", or "samples"
     (a mean over the batch's samples). Read from ``gm``'s graph where it shows
     (:func:`~partc.passes.helpers.loss_labels.counted_in_graph`: the ops between the
-    ``labels`` input and the loss's cross-entropy; ``first_keyword`` is the position of
-    the first keyword input among the placeholders); else guessed from the model's
-    ``loss_type`` (see ``_COUNTED_LABELS``), with a warning that the guess may be wrong."""
+    ``labels`` input, or ``shift_labels`` where the loss reads those, and the loss's
+    cross-entropy; ``first_keyword`` is the position of the first keyword input among
+    the placeholders); else guessed from the model's ``loss_type`` (see
+    ``_COUNTED_LABELS``), with a warning that the guess may be wrong."""
     if "labels" not in kwargs:
         return "samples"
     loss = next(node for node in gm.graph.nodes if meta.role(node) == meta.ROLE_LOSS)
     placeholders = [node for node in gm.graph.nodes if node.op == "placeholder"]
-    labels = placeholders[first_keyword + list(kwargs).index("labels")]
-    seen = loss_labels.counted_in_graph(gm, loss.args[0], labels,
-                                        tuple(kwargs["labels"].shape))
-    if seen.kind != "unknown":
-        return seen.kind
+    seen = None
+    for name in (SHIFT_LABELS, "labels"):
+        if name in kwargs:
+            labels = placeholders[first_keyword + list(kwargs).index(name)]
+            seen = loss_labels.counted_in_graph(gm, loss.args[0], labels,
+                                                tuple(kwargs[name].shape))
+            if seen.kind != "unknown":
+                return seen.kind
     guess = _counted_by_name(model)
     log.warning(
         "%s's own loss: partc cannot tell which labels it averages over (%s); it "

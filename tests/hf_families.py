@@ -467,6 +467,18 @@ def padded_batch(model: nn.Module, batch_size: int, seq: int,
             "labels": ids.masked_fill(mask == 0, -100)}
 
 
+def prompt_batch(model: nn.Module, batch_size: int, seq: int,
+                 generator: torch.Generator) -> dict[str, torch.Tensor]:
+    """A causal LM's fine-tuning batch, ``model(**batch)``: ``input_ids`` of whole rows
+    and ``labels`` (the ids, -100 over each row's prompt, of 0 to ``seq // 2`` tokens:
+    microbatches, and a sequence's halves, count different numbers of labels)."""
+    vocab = getattr(model.config, "vocab_size", VOCAB)
+    ids = torch.randint(1, vocab, (batch_size, seq), generator=generator)
+    prompts = torch.randint(0, seq // 2 + 1, (batch_size,), generator=generator)
+    return {"input_ids": ids,
+            "labels": ids.masked_fill(torch.arange(seq) < prompts[:, None], -100)}
+
+
 def batch(data: str, model: nn.Module, batch_size: int, seq: int,
           generator: torch.Generator) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
     """One batch of ``data``'s kind for ``model``: (inputs, target)."""

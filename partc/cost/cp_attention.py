@@ -34,6 +34,7 @@ from partc.cost.collectives import Group, collective_seconds
 from partc.cost.pipeline_config import PipelineConfig, exposed_seconds
 from partc.names import CpKind
 from partc.problem import AttentionCost, DeviceNumbers, LayerCost, PlanningProblem
+from partc.runtime.label_weights import own_loss_refusal, splits_over_sequence
 
 
 def sequence_tokens(problem: PlanningProblem) -> int:
@@ -133,11 +134,8 @@ def context_parallel_refusal(problem: PlanningProblem, cp: int) -> str | None:
                 "TrainSpec(attention=\"fused\"); attention with sinks holds one more key)")
     if summary.context_parallel_mask:
         return summary.context_parallel_mask
-    if summary.own_loss:
-        return (f"the model computes its own loss ({summary.own_loss}) from labels, "
-                f"shifting them by one position along the whole sequence, which a shard "
-                f"does not hold: give partc.compile a loss_fn on the logits and next-token "
-                f"targets (and no labels input) to split the sequence")
+    if not splits_over_sequence(summary.own_loss, summary.keywords):
+        return own_loss_refusal(summary.own_loss)
     if problem.pins.ep is not None and problem.pins.ep > 1:
         return (f"expert parallelism is pinned (ep={problem.pins.ep}), and the runtime "
                 f"does not run context parallelism beside it: pin ep=1 to split the "

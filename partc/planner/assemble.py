@@ -163,6 +163,7 @@ def make_plan(problem: PlanningProblem, config: PipelineConfig, evaluation: Eval
                                                keyword=name in summary.keywords)
                                      for name, shape, dtype in summary.inputs),
                         own_loss=summary.own_loss or None,
+                        shift_labels=summary.shift_labels,
                         unread_params=unread_params(problem)),
         tensor_parallel=tensor_parallel_section(problem, config),
         alternatives=alternatives,

@@ -10,7 +10,9 @@ shape later would fail on one rank with a dropped connection on the others.
 Inputs come as the model was traced: by position, by keyword (``forward_backward(**batch)``),
 or as one mapping (``forward_backward(batch)``); :meth:`BatchCheck.ordered` puts them in
 the plan's order (a positional input may also be given by its name). A plan on the
-model's own loss (``plan.model.own_loss``) takes no target: its labels are an input.
+model's own loss (``plan.model.own_loss``) takes no target: its labels are an input. Where
+partc gives that loss its labels already shifted (``shift_labels``, a causal LM's), they
+are made here from the labels given (:func:`~partc.runtime.label_weights.next_labels`).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import torch.utils._pytree as pytree
 
 from partc.errors import PlanMismatchError
 from partc.plan import InputSpec, Plan
+from partc.runtime.label_weights import SHIFT_LABELS, next_labels
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -35,6 +38,8 @@ class BatchCheck:
     dp: int
     dp_rank: int
     own_loss: str | None = None   # ``plan.model.own_loss``: the target is made, not given
+    # ``plan.model.shift_labels``: the shift_labels input is made from labels, not given
+    shift_labels: bool = False
 
     @classmethod
     def of(cls, plan: Plan, dp_rank: int) -> "BatchCheck":
@@ -44,7 +49,8 @@ class BatchCheck:
                    target=None if own_loss else next(
                        (s for s in specs if s.name == "target"), None),
                    global_batch_size=plan.global_batch_size,
-                   dp=plan.dp, dp_rank=dp_rank, own_loss=own_loss)
+                   dp=plan.dp, dp_rank=dp_rank, own_loss=own_loss,
+                   shift_labels=plan.model.shift_labels)
 
     def ordered(self, inputs: tuple, named: Mapping[str, Any], target: Any) -> tuple:
         """The model's inputs in the plan's order, from those given by position and by
@@ -64,6 +70,8 @@ class BatchCheck:
         if twice:
             problems.append(f"{', '.join(twice)} given both by position and by name")
         given = {**named, **by_position}
+        if self.shift_labels and SHIFT_LABELS not in given and "labels" in given:
+            given[SHIFT_LABELS] = next_labels(given["labels"])
         missing = [s.name for s in self.inputs if s.name not in given]
         unknown = sorted(set(given) - {s.name for s in self.inputs})
         if missing:
@@ -81,9 +89,12 @@ class BatchCheck:
         return tuple(given[s.name] for s in self.inputs)
 
     def labels(self, inputs: tuple) -> torch.Tensor:
-        """The labels the model's own loss counts (``labels``; for a mean over samples,
-        the first input, whose rows are the samples)."""
+        """The labels the model's own loss counts (``shift_labels`` where it reads them
+        as given, else ``labels``; for a mean over samples, the first input, whose rows
+        are the samples)."""
         names = [s.name for s in self.inputs]
+        if self.own_loss == "tokens" and SHIFT_LABELS in names:
+            return inputs[names.index(SHIFT_LABELS)]
         return inputs[names.index("labels")] if "labels" in names else inputs[0]
 
     @property

@@ -19,14 +19,63 @@ counts 1, and each microbatch's weight is 1.
 
 A microbatch without a counted label would return 0/0 (NaN, and NaN gradients, which no
 weight can undo): it is refused on every rank before anything runs.
+
+A causal LM's own loss shifts its labels inside the model, which a sequence split over
+context-parallel ranks cannot do: the token after a rank's last one is another rank's.
+Where the model's loss takes them already shifted (transformers' ``shift_labels``),
+partc gives it them, made on the host from the labels of the whole sequence
+(:func:`next_labels`), and the loss counts them as they are ("tokens"). Then each of the
+``cp`` ranks of a microbatch returns the mean over the labels of its own tokens,
+``S_mr / n_mr``; weighing it by ``n_mr * M * dp * cp / N`` keeps the average over
+microbatches, replicas and ranks at the whole batch's mean.
 """
 
 from __future__ import annotations
+
+from typing import Sequence
 
 import torch
 import torch.distributed as dist
 
 from partc.errors import PartcError
+
+#: The input a causal LM's loss reads its targets from, already shifted (transformers'
+#: ``ForCausalLMLoss``): made by the runtime from ``labels`` where partc added it.
+SHIFT_LABELS = "shift_labels"
+
+
+def next_labels(labels: torch.Tensor) -> torch.Tensor:
+    """Each row's labels one position on, -100 at the last (what position ``t``
+    predicts: ``labels[t + 1]``), as a causal LM's own loss shifts them."""
+    shifted = torch.full(labels.shape, -100, dtype=labels.dtype, device=labels.device)
+    shifted[..., :-1] = labels[..., 1:]
+    return shifted
+
+
+def splits_over_sequence(own_loss: str | None, input_names: Sequence[str]) -> bool:
+    """Whether the loss may be taken over a sequence split over context-parallel ranks:
+    the user's loss_fn (None), or the model's own over labels it reads as given, each
+    position's its own (``shift_labels``: "tokens")."""
+    return not own_loss or (own_loss == "tokens" and SHIFT_LABELS in input_names)
+
+
+def own_loss_refusal(own_loss: str | None) -> str:
+    """Why the model's own loss (``own_loss``, which labels it counts) keeps its
+    sequence whole: :func:`splits_over_sequence` is False."""
+    if own_loss == "samples":
+        return ("the model computes its own loss as a mean over samples, from the whole "
+                "of each sequence: give partc.compile a loss_fn whose mean is over tokens "
+                "to split the sequence")
+    if own_loss == "tokens":   # read as given, but not known to be read position by position
+        return ("the model computes its own loss from labels it reads inside itself (an "
+                "encoder-decoder shifts them into its decoder's inputs): give "
+                "partc.compile a loss_fn on the logits and targets (and no labels input) "
+                "to split the sequence")
+    return (f"the model computes its own loss ({own_loss}) from labels, shifting them by "
+            f"one position along the whole sequence, which a shard does not hold, and "
+            f"its loss function takes no shift_labels (the labels already shifted, which "
+            f"partc gives a causal LM's): give partc.compile a loss_fn on the logits and "
+            f"next-token targets (and no labels input) to split the sequence")
 
 
 def label_counts(labels: torch.Tensor, counted: str) -> torch.Tensor:
@@ -40,21 +89,28 @@ def label_counts(labels: torch.Tensor, counted: str) -> torch.Tensor:
 
 def sample_weights(counts: torch.Tensor, *, microbatches: int, dp: int, replicas: int,
                    device: torch.device | str = "cpu",
-                   dp_group: dist.ProcessGroup | None = None) -> torch.Tensor:
+                   dp_group: dist.ProcessGroup | None = None,
+                   shards: Sequence[torch.Tensor] = (), cp_rank: int = 0) -> torch.Tensor:
     """Each sample's weight (float32) for ``counts``: the global batch's when it holds
     ``replicas`` (= dp) replicas' rows, else this replica's (then the batch's total is
-    all-reduced over ``dp_group``, on ``device``: collective). Raises on every rank alike when some
-    microbatch counts no label."""
-    per_microbatch = counts.reshape(replicas * microbatches, -1).sum(1)
-    numbers = torch.stack([counts.sum(), (per_microbatch == 0).sum().double()])
+    all-reduced over ``dp_group``, on ``device``: collective). ``shards``: under context
+    parallelism, per cp rank the counts of its tokens of each sample; the weights are
+    then rank ``cp_rank``'s. Raises on every rank alike when some microbatch (or a cp
+    rank's tokens of it) counts no label."""
+    cp = max(len(shards), 1)
+    parts = list(shards) or [counts]
+    per_microbatch = torch.stack([part.reshape(replicas * microbatches, -1).sum(1)
+                                  for part in parts])
+    numbers = torch.stack([counts.sum(), (per_microbatch == 0).any(0).sum().double()])
     if replicas < dp:
         numbers = numbers.to(device)
         dist.all_reduce(numbers, group=dp_group)
     total, empty = float(numbers[0]), int(numbers[1])
     if empty:
+        where = " (on one context-parallel rank's tokens)" if cp > 1 else ""
         raise PartcError(
-            f"{empty} of the step's {microbatches * dp} microbatches count no label (every "
-            "one -100): the model's own loss, a mean over the counted labels, is NaN there "
-            "and so are its gradients. Shuffle padded samples among the batch, or drop "
-            "those without a label")
-    return (counts * (microbatches * dp / total)).float()
+            f"{empty} of the step's {microbatches * dp} microbatches count no label{where} "
+            "(every one -100): the model's own loss, a mean over the counted labels, is NaN "
+            "there and so are its gradients. Shuffle padded samples among the batch, or "
+            "drop those without a label")
+    return (parts[cp_rank] * (microbatches * dp * cp / total)).float()

@@ -41,6 +41,7 @@ from partc.runtime import experts
 from partc.runtime import tp as tp_ops
 from partc.runtime.compiled import compile_stage
 from partc.runtime.fsdp_shard import shard_over_dp
+from partc.runtime.label_weights import own_loss_refusal, splits_over_sequence
 from partc.runtime.module import DistributedModule
 from partc.runtime.offload import HostTier
 from partc.runtime.optimizer import GradBuckets, wait_in_forward
@@ -105,11 +106,10 @@ def connect(plan: Plan, model: nn.Module, loss_fn: Callable | None, *,
     if plan.cp > 1 and plan.mesh.ep > 1:
         raise ContextParallelError("context parallelism beside expert parallelism is not "
                                    "supported yet: plan cp=1 or ep=1")
-    if plan.cp > 1 and plan.model.own_loss is not None:
-        raise ContextParallelError(
-            "context parallelism splits each sequence over its cp ranks, and the model's "
-            "own loss shifts its labels along the whole sequence: give partc.compile a "
-            "loss_fn on the logits and next-token targets, or plan cp=1")
+    if plan.cp > 1 and not splits_over_sequence(plan.model.own_loss,
+                                                [s.name for s in plan.model.inputs]):
+        raise ContextParallelError(f"context parallelism splits each sequence over its cp "
+                                   f"ranks, and {own_loss_refusal(plan.model.own_loss)}")
     why = runtime_refusal(plan)
     if why is not None:
         raise PartcError(f"this plan cannot run: {why}")

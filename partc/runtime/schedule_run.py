@@ -76,12 +76,18 @@ class ScheduleRun:
         """The model's own loss: each sample's weight, of the batch given (the global
         batch, or this replica's rows: collective over dp)."""
         batches, topo = self._batches, self._parts.topology
-        counts = label_counts(batches.labels(inputs).cpu(), batches.own_loss)
+        labels = batches.labels(inputs).cpu()
+        counts = label_counts(labels, batches.own_loss)
+        # Under context parallelism each rank's loss is the mean over its own tokens'
+        # labels: counted per rank (every rank counts all, to refuse alike).
+        shards = [label_counts(cp_layout.shard(labels, 1, topo.cp, rank), batches.own_loss)
+                  for rank in range(topo.cp)] if topo.cp > 1 else []
         # rows: all of them when this replica's rows were given (or there is one replica).
         replicas = topo.dp if rows != slice(None) or topo.dp == 1 else 1
         return sample_weights(counts, microbatches=self._parts.plan.num_microbatches,
                               dp=topo.dp, replicas=replicas, device=topo.device,
-                              dp_group=topo.dp_group if replicas < topo.dp else None)
+                              dp_group=topo.dp_group if replicas < topo.dp else None,
+                              shards=shards, cp_rank=topo.cp_rank)
 
     def train(self, args: tuple, kwargs: dict[str, Any]) -> dict[str, int]:
         """Every microbatch's forward and backward; returns the point-to-point messages

@@ -166,6 +166,7 @@ def summarize(gm: fx.GraphModule, ctx: Context) -> ModelAnalysis:
             tokens_per_sample=_tokens_per_sample(ctx), traced_batch_size=ctx.batch_size,
             traced_dtype_bytes=_dtype_bytes(ctx.model), tracer=info.tracer,
             inputs=input_specs(gm), keywords=info.keywords, own_loss=info.own_loss or "",
+            shift_labels=info.shift_labels,
             autocast=str(ctx.autocast).removeprefix("torch.") if ctx.autocast else "",
             context_parallel_blocker=context_parallel_blocker(gm, sequence_length(gm, ctx)),
             context_parallel_mask=_mask_refusal(gm)),

@@ -6,6 +6,9 @@ from __future__ import annotations
 from dataclasses import replace
 
 import pytest
+import torch
+
+import partc
 
 from partc.compiler import plan_problem
 from partc.cost.pipeline_config import PipelineConfig, to_ps
@@ -182,6 +185,9 @@ def test_the_plan_and_report_show_gradients_reduced_over_dp_x_cp():
 
 @pytest.mark.parametrize("own_loss, pins, says", [
     ("ForCausalLMLoss", Pins(), "computes its own loss (ForCausalLMLoss) from labels"),
+    ("shifted", Pins(), "its loss function takes no shift_labels"),
+    ("tokens", Pins(), "from labels it reads inside itself"),
+    ("samples", Pins(), "as a mean over samples"),
     ("", Pins(ep=2), "expert parallelism is pinned (ep=2)")])
 def test_an_own_label_shifting_loss_or_pinned_ep_keeps_cp_1_and_a_cp_pin_is_refused(
         own_loss, pins, says):
@@ -192,6 +198,32 @@ def test_an_own_label_shifting_loss_or_pinned_ep_keeps_cp_1_and_a_cp_pin_is_refu
     with pytest.raises(PlanInfeasibleError, match="cannot hold the pin cp=2") as refused:
         plan_problem(replace(prob, pins=replace(pins, cp=2)))
     assert says in str(refused.value)
+
+
+def test_an_own_loss_given_its_labels_shifted_splits_the_sequence():
+    """A Hugging Face causal LM called as people call it, ``model(input_ids=...,
+    labels=...)``: partc gives its loss the labels already shifted (``shift_labels``,
+    made by the runtime from the labels), which it reads position by position, so the
+    sequence may be split; the batch's labels make them."""
+    import transformers
+
+    from partc.runtime.batch_check import BatchCheck
+
+    config = transformers.LlamaConfig(
+        num_hidden_layers=2, hidden_size=32, intermediate_size=64, num_attention_heads=4,
+        num_key_value_heads=2, vocab_size=64, max_position_embeddings=64)
+    ids = torch.randint(0, 64, (2, 16))
+    program = partc.compile(transformers.LlamaForCausalLM(config),
+                            {"input_ids": ids, "labels": ids},
+                            budget=partc.DeviceBudget(num_devices=2, device="CPU"),
+                            constraints=partc.Constraints(cp=2, cp_kind="ring"), cache=None)
+    model = program.plan.model
+    assert program.plan.cp == 2 and model.shift_labels and model.own_loss == "tokens"
+    assert [s.name for s in model.inputs] == ["input_ids", "labels", "shift_labels", "target"]
+    check = BatchCheck.of(program.plan, dp_rank=0)
+    inputs = check.ordered((), {"input_ids": ids, "labels": ids}, None)
+    assert torch.equal(inputs[2][:, :-1], ids[:, 1:]) and (inputs[2][:, -1] == -100).all()
+    assert torch.equal(check.labels(inputs), inputs[2])   # what the weights count
 
 
 def test_no_plan_fits_names_the_context_parallel_mesh_it_tried():

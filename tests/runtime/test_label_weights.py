@@ -46,8 +46,10 @@ def test_the_plan_records_keyword_inputs_and_the_models_own_loss(llama_program):
     model = program.plan.model
     assert [(s.name, s.keyword) for s in model.inputs] == [
         ("input_ids", True), ("attention_mask", True), ("position_ids", True),
-        ("labels", True), ("target", False)]
-    assert model.own_loss == "shifted"   # LlamaForCausalLM: next-token labels
+        ("labels", True), ("shift_labels", True), ("target", False)]
+    # LlamaForCausalLM's loss is given its next-token labels, made by the runtime from
+    # the labels, and counts them as they are.
+    assert model.shift_labels and model.own_loss == "tokens"
 
 
 def test_a_saved_own_loss_plan_loads_without_a_loss_fn(llama_program, tmp_path):
@@ -119,6 +121,46 @@ def test_a_microbatch_without_labels_is_refused():
     counts = torch.tensor([3.0, 2.0, 0.0, 0.0])
     with pytest.raises(partc.PartcError, match="1 of the step's 2 microbatches count no label"):
         label_weights.sample_weights(counts, microbatches=2, dp=1, replicas=1)
+
+
+def test_each_context_parallel_ranks_mean_is_weighed_by_its_tokens_labels():
+    """Under cp=2 each rank returns the mean over the labels of its own tokens (the
+    load-balanced layout: rank 0 holds chunks 0 and 3 of 4): weighed by its count over
+    the batch's, times M * dp * cp, the average over microbatches and ranks is the
+    batch's mean."""
+    from partc.runtime import cp_layout
+
+    generator = torch.Generator().manual_seed(0)
+    labels = torch.randint(0, 5, (4, 8), generator=generator)
+    labels[:, :3] = -100   # prompts: rank 0's first chunk counts fewer labels
+    losses = torch.rand(4, 8, generator=generator, dtype=torch.float64)
+    counted = label_weights.label_counts(labels, "tokens")
+    shards = [label_weights.label_counts(cp_layout.shard(labels, 1, 2, r), "tokens")
+              for r in range(2)]
+    average = 0.0
+    for rank in range(2):
+        weights = label_weights.sample_weights(counted, microbatches=2, dp=1, replicas=1,
+                                               shards=shards, cp_rank=rank)
+        mine = cp_layout.shard(losses, 1, 2, rank)
+        mask = cp_layout.shard(labels, 1, 2, rank) != -100
+        for rows in (slice(0, 2), slice(2, 4)):   # the rank's mean, microbatch by microbatch
+            mean = mine[rows][mask[rows]].mean()
+            average += float(mean * weights[rows].sum()) / (2 * 2)
+    assert average == pytest.approx(float(losses[labels != -100].mean()), rel=1e-6)
+    labels[:2, :2], labels[:2, 6:] = -100, -100   # rank 0's tokens of microbatch 0: none
+    shards = [label_weights.label_counts(cp_layout.shard(labels, 1, 2, r), "tokens")
+              for r in range(2)]
+    with pytest.raises(partc.PartcError, match="on one context-parallel rank's tokens"):
+        label_weights.sample_weights(label_weights.label_counts(labels, "tokens"),
+                                     microbatches=2, dp=1, replicas=1, shards=shards)
+
+
+def test_the_next_labels_are_the_shift_a_causal_lms_loss_makes():
+    labels = torch.tensor([[5, 6, -100, 7], [1, 2, 3, 4]])
+    assert label_weights.next_labels(labels).tolist() == [[6, -100, 7, -100],
+                                                          [2, 3, 4, -100]]
+    view = torch.arange(12).reshape(2, 6)[:, :4]   # a non-contiguous view: a fresh row
+    assert label_weights.next_labels(view).is_contiguous()
 
 
 def assert_own_loss_like_one_device(model: torch.nn.Module, batch: dict, counted: str) -> None:

@@ -458,6 +458,14 @@ for _family in ("llama", "qwen2", "mistral", "gpt2"):
         CASES[f"hf-{_family}-cp2-{_short}-dp2-zero3"] = Case(*_hf, dict(_cp, pp=1, dp=2,
                                                                          zero_stage=3))
 
+# Llama called as people call it, on its own loss, with each sequence split over 2 ranks:
+# partc gives the loss its labels already shifted (made from the batch's labels), and
+# weighs each rank's mean by the labels its tokens count (prompts count none).
+for _short, _kind in _CP_KINDS.items():
+    CASES[f"hf-llama-own-loss-cp2-{_short}"] = Case(
+        hf_families.FAMILIES["llama"].build, "hf:prompts", None,
+        dict(cp=2, cp_kind=_kind, pp=1, recompute="none"))
+
 # ZeRO-3 with one dp replica: the state sharded over the cp pair, which holds the same
 # parameters.
 CASES["hf-llama-cp2-ring-zero3"] = Case(
@@ -478,6 +486,8 @@ def batch(case: Case, model: torch.nn.Module, step: int,
     g = torch.Generator().manual_seed(1000 + step)
     if case.data == "hf:padded":
         return hf_families.padded_batch(model, BATCH, seq, g), None
+    if case.data == "hf:prompts":
+        return hf_families.prompt_batch(model, BATCH, seq, g), None
     if case.data.startswith("hf:"):
         return hf_families.batch(case.data[3:], model, BATCH, seq, g)
     x, y = _one_input_batch(case, model, g, seq)
