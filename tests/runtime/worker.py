@@ -465,6 +465,14 @@ for _short, _kind in _CP_KINDS.items():
     CASES[f"hf-llama-own-loss-cp2-{_short}"] = Case(
         hf_families.FAMILIES["llama"].build, "hf:prompts", None,
         dict(cp=2, cp_kind=_kind, pp=1, recompute="none"))
+# Beside pp=2 (the shifted labels carried to the loss's stage) and dp=2 with ZeRO-3 (the
+# batch's count of labels over both replicas).
+CASES["hf-llama-own-loss-cp2-ring-pp2"] = Case(
+    hf_families.FAMILIES["llama"].build, "hf:prompts", None,
+    dict(cp=2, cp_kind="ring", pp=2, schedule="1f1b", recompute="none"))
+CASES["hf-llama-own-loss-cp2-ring-dp2-zero3"] = Case(
+    hf_families.FAMILIES["llama"].build, "hf:prompts", None,
+    dict(cp=2, cp_kind="ring", pp=1, dp=2, zero_stage=3, recompute="none"))
 
 # ZeRO-3 with one dp replica: the state sharded over the cp pair, which holds the same
 # parameters.
