@@ -32,12 +32,13 @@ microbatches, replicas and ranks at the whole batch's mean.
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Any, Sequence
 
 import torch
 import torch.distributed as dist
 
 from partc.errors import PartcError
+from partc.runtime import cp_layout
 
 #: The input a causal LM's loss reads its targets from, already shifted (transformers'
 #: ``ForCausalLMLoss``): made by the runtime from ``labels`` where partc added it.
@@ -76,6 +77,35 @@ def own_loss_refusal(own_loss: str | None) -> str:
             f"its loss function takes no shift_labels (the labels already shifted, which "
             f"partc gives a causal LM's): give partc.compile a loss_fn on the logits and "
             f"next-token targets (and no labels input) to split the sequence")
+
+
+def uneven_ignored(target: Any, *, microbatches: int, replicas: int,
+                   cp: int = 1) -> str | None:
+    """For a ``loss_fn``'s target: where it holds class indices with -100s (ignored by
+    cross-entropy by default) in different numbers per microbatch, or per
+    context-parallel rank's tokens of one, what that does to the step's loss (the mean
+    of the parts' losses, which partc cannot weigh: it does not know ``loss_fn``'s
+    mean); else None. ``target`` holds ``replicas`` replicas' rows, dim 1 the sequence."""
+    if not isinstance(target, torch.Tensor) or target.dim() == 0 \
+            or target.is_floating_point() or target.dtype == torch.bool:
+        return None
+    counted = target != -100
+    if bool(counted.all()):
+        return None
+    shards = [cp_layout.shard(counted, 1, cp, rank) for rank in range(cp)] \
+        if cp > 1 and counted.dim() >= 2 else [counted]
+    per_part = torch.stack([shard.reshape(replicas * microbatches, -1).sum(1)
+                            for shard in shards]).flatten()
+    if bool((per_part == per_part[0]).all()):
+        return None
+    parts = "microbatch" + (" and context-parallel rank" if len(shards) > 1 else "")
+    return (f"loss_fn's target holds -100s in different numbers per {parts} (counting "
+            f"{int(per_part.min())} to {int(per_part.max())} of the others): the step's "
+            "loss and gradients are the mean of loss_fn over the parts, so where loss_fn "
+            "averages over the targets it counts (cross-entropy's default), the few "
+            "counted targets of a part weigh as much as a full part's, and the loss is not "
+            "one device's over the whole batch. A Hugging Face model given its labels (no "
+            "loss_fn) is weighed by its counted labels and trains on one device's loss")
 
 
 def label_counts(labels: torch.Tensor, counted: str) -> torch.Tensor:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import logging
 from typing import Any, Mapping
 
 import torch
@@ -21,9 +22,11 @@ from torch.distributed.pipelining.schedules import PipelineScheduleSingle
 
 from partc.runtime import cp_layout
 from partc.runtime.batch_check import BatchCheck
-from partc.runtime.label_weights import label_counts, sample_weights
+from partc.runtime.label_weights import label_counts, sample_weights, uneven_ignored
 from partc.runtime.rank_parts import RankParts
 from partc.runtime.value_checks import ValueCheckError
+
+log = logging.getLogger("partc")
 
 # Newer torch schedules can drop the last stage's outputs instead of returning them.
 _STEP_TAKES_RETURN_OUTPUTS = "return_outputs" in inspect.signature(
@@ -36,6 +39,7 @@ class ScheduleRun:
     def __init__(self, parts: RankParts, batches: BatchCheck) -> None:
         self._parts = parts
         self._batches = batches
+        self._warned = False   # that loss_fn's target counts unevenly (said once)
 
     def arguments(self, inputs: tuple, named: Mapping[str, Any], target: Any,
                   losses: list[torch.Tensor]) -> tuple[tuple, dict[str, Any]]:
@@ -48,6 +52,8 @@ class ScheduleRun:
         rows = batches.rows(inputs, target)
         if batches.own_loss:
             target = self._label_weights(inputs, rows)  # the rows given, as the inputs
+        elif not self._warned:
+            self._say_uneven_ignored(target, rows)
         device = self._parts.topology.device
         stages = self._parts.stages
         args = tuple(self._mine(t, rows) for t in inputs) \
@@ -71,6 +77,19 @@ class ScheduleRun:
         if topo.cp > 1 and tensor.dim() >= 2:
             tensor = cp_layout.shard(tensor, 1, topo.cp, topo.cp_rank)
         return tensor.to(topo.device)
+
+    def _say_uneven_ignored(self, target: Any, rows: slice) -> None:
+        """Warn once, on rank 0, where loss_fn's ``target`` (the rows given) counts its
+        -100s unevenly over the parts loss_fn is taken on (:func:`uneven_ignored`)."""
+        topo, plan = self._parts.topology, self._parts.plan
+        if topo.rank != 0 or plan.num_microbatches * topo.dp * topo.cp == 1:
+            return
+        replicas = topo.dp if rows != slice(None) or topo.dp == 1 else 1
+        why = uneven_ignored(target, microbatches=plan.num_microbatches, replicas=replicas,
+                             cp=topo.cp)
+        if why:
+            self._warned = True
+            log.warning(why)
 
     def _label_weights(self, inputs: tuple, rows: slice) -> torch.Tensor:
         """The model's own loss: each sample's weight, of the batch given (the global

@@ -239,3 +239,47 @@ def test_a_loss_over_another_input_than_labels_is_said_not_guessed(caplog):
     assert "cannot tell" not in caplog.text and meta.trace_info(gm).own_loss == "tokens"
     # One label per sample, -100 not counted.
     assert label_weights.label_counts(torch.tensor([3, -100]), "tokens").tolist() == [1, 0]
+
+
+def test_uneven_ignored_targets_are_found_per_microbatch_and_cp_rank():
+    target = torch.randint(0, 5, (4, 8))
+    assert label_weights.uneven_ignored(target, microbatches=2, replicas=1) is None
+    even = target.clone()
+    even[:, -1] = -100   # each row's last: every microbatch counts as many
+    assert label_weights.uneven_ignored(even, microbatches=2, replicas=1) is None
+    # ... but the cp rank holding the last chunk counts fewer than the other.
+    said = label_weights.uneven_ignored(even, microbatches=2, replicas=1, cp=2)
+    assert "per microbatch and context-parallel rank (counting 6 to 8" in said
+    padded = target.clone()
+    padded[3, 4:] = -100
+    said = label_weights.uneven_ignored(padded, microbatches=2, replicas=1)
+    assert said.startswith("loss_fn's target holds -100s in different numbers per "
+                           "microbatch (counting 12 to 16")
+    assert label_weights.uneven_ignored(torch.rand(4, 8), microbatches=2, replicas=1) is None
+
+
+def test_a_loss_fn_whose_target_counts_unevenly_is_said_once(caplog):
+    """A loss_fn's mean over the targets it counts (cross-entropy ignores -100) taken per
+    microbatch and averaged is not one device's mean over the batch, and partc cannot
+    weigh what it does not know: the first such batch says so, on rank 0, once."""
+    from samples.gpt import gpt_tiny, loss_fn
+
+    torch.manual_seed(0)
+    model = gpt_tiny()
+    ids = torch.randint(0, 128, (4, 16))
+    program = partc.compile(model, ids, loss_fn=loss_fn, example_target=ids,
+                            budget=partc.DeviceBudget(num_devices=1, device="CPU"),
+                            train=partc.TrainSpec(global_batch_size=4),
+                            constraints=partc.Constraints(num_microbatches=2), cache=None)
+    module = program.build()
+    try:
+        with caplog.at_level("WARNING", logger="partc"):
+            module.forward_backward(ids, target=ids)
+            assert "target holds -100s" not in caplog.text
+            padded = ids.clone()
+            padded[3, 8:] = -100
+            module.forward_backward(ids, target=padded)
+            module.forward_backward(ids, target=padded)
+        assert caplog.text.count("target holds -100s in different numbers per microbatch") == 1
+    finally:
+        module.close()
