@@ -409,7 +409,7 @@ def compile(model: torch.nn.Module,
                                       example_target=example_target, name=name,
                                       attention=train.attention,
                                       autocast=autocast_dtype(train),
-                                      autocast_device=budget.device_type)
+                                      autocast_device=budget.device_type, shift_labels=True)
             log.info("analysed %s: %d layers in %.2f s", analysis.summary.name,
                      len(analysis.layers), time.perf_counter() - start)
         constraints = _whole_batch_loss(model, example_inputs, loss_fn, example_target,

@@ -253,7 +253,8 @@ def analyze(model: nn.Module, example_inputs: Any, *, loss_fn: Callable | None =
             example_target: Any = None, name: str | None = None,
             kwargs: dict | None = None, full_trace: bool | None = None,
             attention: str = "as_written", autocast: torch.dtype | None = None,
-            autocast_device: str = "cuda") -> tuple[fx.GraphModule, ModelAnalysis]:
+            autocast_device: str = "cuda", shift_labels: bool = False
+            ) -> tuple[fx.GraphModule, ModelAnalysis]:
     """Trace ``model`` and measure it, layer by layer, per sample.
 
     ``example_inputs`` is a tensor or a tuple of positional inputs (real, meta or fake;
@@ -277,6 +278,8 @@ def analyze(model: nn.Module, example_inputs: Any, *, loss_fn: Callable | None =
     layers' activations are then measured as the runtime makes them
     (``ModelSummary.autocast``), not as traced. ``autocast_device``: the device type the
     runtime trains on, "cuda" or "cpu" (its dropout and attention kernels).
+    ``shift_labels``: a causal LM's own loss is given its labels shifted where it takes
+    them (``partc.passes.trace.shifted_labels``): ``partc.compile``'s, not a plan's.
     """
     passes = analysis_passes(attention, mixed=autocast is not None)
     steps = len(passes) + 2   # find the repeated blocks, trace, then each pass
@@ -284,7 +287,8 @@ def analyze(model: nn.Module, example_inputs: Any, *, loss_fn: Callable | None =
     def front() -> tuple[fx.GraphModule, Context]:
         progress.update("trace", 1, steps, "trace")
         gm, ctx = _trace(model, example_inputs, kwargs=kwargs, loss_fn=loss_fn,
-                         example_target=example_target, name=name)
+                         example_target=example_target, name=name,
+                         shift_labels=shift_labels)
         ctx = dataclasses.replace(ctx, autocast=autocast, autocast_device=autocast_device)
         for done, graph_pass in enumerate(passes, 2):
             progress.update("trace", done, steps, graph_pass.name)
@@ -306,7 +310,8 @@ def analyze(model: nn.Module, example_inputs: Any, *, loss_fn: Callable | None =
                     type(error).__name__, error)
         repeats = ()
     again = dict(example_inputs=example[0], kwargs=kwargs, loss_fn=loss_fn,
-                 example_target=example_target, name=name, attention=attention)
+                 example_target=example_target, name=name, attention=attention,
+                 shift_labels=shift_labels)
     if repeats:
         try:
             dedupe.prove(model, repeats, example)

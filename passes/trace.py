@@ -84,7 +84,8 @@ def weighted_own_loss(loss: torch.Tensor, weights: torch.Tensor) -> torch.Tensor
 
 def trace(model: nn.Module, example_inputs: Any, *, kwargs: dict | None = None,
           loss_fn: Callable | None = None, example_target: Any = None,
-          name: str | None = None) -> tuple[fx.GraphModule, Context]:
+          name: str | None = None, shift_labels: bool = False
+          ) -> tuple[fx.GraphModule, Context]:
     """Trace ``model`` into a GraphModule whose placeholders are its forward inputs.
 
     Reads: nothing. Writes: ``meta.PARAMS``, ``meta.MODULE_PATH``, ``meta.ROLE`` on nodes,
@@ -97,10 +98,13 @@ def trace(model: nn.Module, example_inputs: Any, *, kwargs: dict | None = None,
     the loss or the model's flattened output. Without ``loss_fn``, an output holding a
     ``loss`` makes the loss layer :func:`weighted_own_loss` of it, with a target of one
     float weight per sample (``TraceInfo.own_loss`` says which labels it counts).
+    ``shift_labels``: give a causal LM's own loss its labels already shifted where it
+    takes them (:func:`shifted_labels`), as ``partc.compile`` does; a plan's own inputs
+    (traced again to load or lower it) say whether it had them.
     """
     args = example_inputs if isinstance(example_inputs, tuple) else (example_inputs,)
     kwargs = dict(kwargs or {})
-    shifted = loss_fn is None and shifted_labels(model, kwargs)
+    shifted = shift_labels and loss_fn is None and shifted_labels(model, kwargs)
     if shifted:
         kwargs[SHIFT_LABELS] = next_labels(kwargs["labels"])
     kwargs = in_signature_order(model, kwargs)

@@ -283,3 +283,23 @@ def test_a_loss_fn_whose_target_counts_unevenly_is_said_once(caplog):
         assert caplog.text.count("target holds -100s in different numbers per microbatch") == 1
     finally:
         module.close()
+
+
+def test_compile_gives_the_shifted_labels_a_plans_own_inputs_are_traced_as_they_are():
+    """partc.compile traces a causal LM with ``shift_labels`` (trace's ``shift_labels``);
+    a plan is traced again (to load or lower it) from its own inputs alone, so a plan
+    written before partc gave them still loads as it was made."""
+    from partc import meta
+    from partc.passes.trace import trace
+
+    torch.manual_seed(0)
+    model = hf_families.FAMILIES["llama"].build()
+    ids = torch.randint(1, hf_families.VOCAB, (2, 8))
+    gm, _ = trace(model, (), kwargs=dict(input_ids=ids, labels=ids), shift_labels=True)
+    info = meta.trace_info(gm)
+    assert info.keywords == ("input_ids", "labels", "shift_labels") and info.shift_labels
+    assert info.own_loss == "tokens"
+    gm, _ = trace(model, (), kwargs=dict(input_ids=ids, labels=ids))
+    info = meta.trace_info(gm)
+    assert info.keywords == ("input_ids", "labels") and not info.shift_labels
+    assert info.own_loss == "shifted"
