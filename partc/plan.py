@@ -412,6 +412,13 @@ class ModelInfo:
     # (``partc.runtime.label_weights.next_labels``), so that no label is read across the
     # sequence (context parallelism splits it).
     shift_labels: bool = field(default=False, metadata=UNLESS_DEFAULT)
+    # The user's loss_fn returns a mean over its target's entries not -100 (probed, as
+    # cross-entropy's default): the runtime weighs each microbatch's loss (each
+    # context-parallel rank's) by its count of them over the batch's, so the step's loss
+    # is the mean over the whole batch, as one device's (``partc.runtime.label_weights``).
+    # None: loss_fn could not be asked; the runtime warns where its target's -100s fall
+    # unevenly over the parts it averages.
+    counted_target: bool | None = field(default=False, metadata=UNLESS_DEFAULT)
     # Of num_params, those the forward never reads on the traced inputs (a vision tower
     # under text-only batches): no layer holds them, so the plan does not train them; the
     # runtime keeps them as they are, on the host of the first stage's ranks, for state

@@ -418,6 +418,9 @@ class ModelSummary:
     # partc added the input ``shift_labels`` (the labels shifted, made by the runtime:
     # ``partc.runtime.label_weights.next_labels``) for the model's own loss to read.
     shift_labels: bool = False
+    # The user's loss_fn returns a mean over its target's entries not -100
+    # (``partc.passes.helpers.loss_labels.counts_its_target``; None: it could not be asked).
+    counted_target: bool | None = False
     # The dtype autocast computed in while the layers were measured ("bfloat16"); "": none,
     # the layers' numbers are in the traced dtype.
     autocast: str = ""

@@ -433,7 +433,8 @@ FAMILIES: dict[str, Family] = {
 
 
 def loss_for(data: str) -> Callable:
-    return {"tokens": causal_lm_loss, "hidden": hidden_mse, "pixels": hidden_mse,
+    return {"tokens": causal_lm_loss, "tokens-masked": causal_lm_loss,
+            "hidden": hidden_mse, "pixels": hidden_mse,
             "seq2seq": logits_loss, "audio": logits_loss, "vlm": causal_lm_loss}[data]
 
 
@@ -489,6 +490,9 @@ def batch(data: str, model: nn.Module, batch_size: int, seq: int,
     ids, next_ids = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
     if data == "tokens":
         return (ids,), next_ids
+    if data == "tokens-masked":   # each row's prompt (0 to seq // 2 tokens) not counted
+        prompts = torch.randint(0, seq // 2 + 1, (batch_size,), generator=generator)
+        return (ids,), next_ids.masked_fill(torch.arange(seq) < prompts[:, None], -100)
     if data == "hidden":
         return (ids,), torch.randn(batch_size, seq, config.hidden_size, generator=generator)
     if data == "pixels":

@@ -28,6 +28,12 @@ partc gives it them, made on the host from the labels of the whole sequence
 ``cp`` ranks of a microbatch returns the mean over the labels of its own tokens,
 ``S_mr / n_mr``; weighing it by ``n_mr * M * dp * cp / N`` keeps the average over
 microbatches, replicas and ranks at the whole batch's mean.
+
+A user's ``loss_fn`` that returns such a mean over its target's entries not -100
+(cross-entropy's default; ``ModelInfo.counted_target``, asked of it when compiled) is
+weighed the same way, by the count of its target's part over the batch's: each
+microbatch's loss times ``n_m`` (counted where the loss runs) times
+``M * dp * cp / N`` (:func:`count_scale`, once per step).
 """
 
 from __future__ import annotations
@@ -43,12 +49,14 @@ from partc.runtime import cp_layout
 #: The input a causal LM's loss reads its targets from, already shifted (transformers'
 #: ``ForCausalLMLoss``): made by the runtime from ``labels`` where partc added it.
 SHIFT_LABELS = "shift_labels"
+#: The label (class index) a loss does not count: cross-entropy's default ignore_index.
+IGNORED = -100
 
 
 def next_labels(labels: torch.Tensor) -> torch.Tensor:
     """Each row's labels one position on, -100 at the last (what position ``t``
     predicts: ``labels[t + 1]``), as a causal LM's own loss shifts them."""
-    shifted = torch.full(labels.shape, -100, dtype=labels.dtype, device=labels.device)
+    shifted = torch.full(labels.shape, IGNORED, dtype=labels.dtype, device=labels.device)
     shifted[..., :-1] = labels[..., 1:]
     return shifted
 
@@ -81,15 +89,16 @@ def own_loss_refusal(own_loss: str | None) -> str:
 
 def uneven_ignored(target: Any, *, microbatches: int, replicas: int,
                    cp: int = 1) -> str | None:
-    """For a ``loss_fn``'s target: where it holds class indices with -100s (ignored by
-    cross-entropy by default) in different numbers per microbatch, or per
-    context-parallel rank's tokens of one, what that does to the step's loss (the mean
-    of the parts' losses, which partc cannot weigh: it does not know ``loss_fn``'s
-    mean); else None. ``target`` holds ``replicas`` replicas' rows, dim 1 the sequence."""
+    """For the target of a ``loss_fn`` that could not be asked what it averages over
+    (``ModelInfo.counted_target`` None): where it holds class indices with -100s
+    (ignored by cross-entropy by default) in different numbers per microbatch, or per
+    context-parallel rank's tokens of one, what that may do to the step's loss (the mean
+    of the parts' losses, unweighed); else None. ``target`` holds ``replicas``
+    replicas' rows, dim 1 the sequence."""
     if not isinstance(target, torch.Tensor) or target.dim() == 0 \
             or target.is_floating_point() or target.dtype == torch.bool:
         return None
-    counted = target != -100
+    counted = target != IGNORED
     if bool(counted.all()):
         return None
     shards = [cp_layout.shard(counted, 1, cp, rank) for rank in range(cp)] \
@@ -104,16 +113,17 @@ def uneven_ignored(target: Any, *, microbatches: int, replicas: int,
             "loss and gradients are the mean of loss_fn over the parts, so where loss_fn "
             "averages over the targets it counts (cross-entropy's default), the few "
             "counted targets of a part weigh as much as a full part's, and the loss is not "
-            "one device's over the whole batch. A Hugging Face model given its labels (no "
-            "loss_fn) is weighed by its counted labels and trains on one device's loss")
+            "one device's over the whole batch. partc could not ask loss_fn what it "
+            "averages over on small inputs of its shapes (one that does not fix them is "
+            "asked, and a mean over its counted targets weighed)")
 
 
 def label_counts(labels: torch.Tensor, counted: str) -> torch.Tensor:
     """Per sample, the labels the loss averages over (float64; "samples": 1 each)."""
     if counted == "shifted":
-        return (labels[:, 1:] != -100).reshape(len(labels), -1).sum(1).double()
+        return (labels[:, 1:] != IGNORED).reshape(len(labels), -1).sum(1).double()
     if counted == "tokens":   # also one label per sample: (batch,)
-        return (labels != -100).reshape(len(labels), -1).sum(1).double()
+        return (labels != IGNORED).reshape(len(labels), -1).sum(1).double()
     return torch.ones(labels.shape[0], dtype=torch.float64)
 
 
@@ -121,12 +131,23 @@ def sample_weights(counts: torch.Tensor, *, microbatches: int, dp: int, replicas
                    device: torch.device | str = "cpu",
                    dp_group: dist.ProcessGroup | None = None,
                    shards: Sequence[torch.Tensor] = (), cp_rank: int = 0) -> torch.Tensor:
-    """Each sample's weight (float32) for ``counts``: the global batch's when it holds
-    ``replicas`` (= dp) replicas' rows, else this replica's (then the batch's total is
-    all-reduced over ``dp_group``, on ``device``: collective). ``shards``: under context
-    parallelism, per cp rank the counts of its tokens of each sample; the weights are
-    then rank ``cp_rank``'s. Raises on every rank alike when some microbatch (or a cp
-    rank's tokens of it) counts no label."""
+    """Each sample's weight (float32) for ``counts``: its count (``shards``: under
+    context parallelism, per cp rank the counts of its tokens of each sample; rank
+    ``cp_rank``'s) times :func:`count_scale`."""
+    scale = count_scale(counts, microbatches=microbatches, dp=dp, replicas=replicas,
+                        device=device, dp_group=dp_group, shards=shards)
+    return ((shards[cp_rank] if shards else counts) * scale).float()
+
+
+def count_scale(counts: torch.Tensor, *, microbatches: int, dp: int, replicas: int,
+                device: torch.device | str = "cpu",
+                dp_group: dist.ProcessGroup | None = None,
+                shards: Sequence[torch.Tensor] = ()) -> float:
+    """``M * dp * cp / N``: what a part's count is multiplied by to weigh its mean, for
+    per-sample ``counts`` of the global batch when they hold ``replicas`` (= dp)
+    replicas' rows, else of this replica's (then the batch's total ``N`` is all-reduced
+    over ``dp_group``, on ``device``: collective); ``shards`` per cp rank. Raises on
+    every rank alike when some microbatch (or a cp rank's tokens of it) counts none."""
     cp = max(len(shards), 1)
     parts = list(shards) or [counts]
     per_microbatch = torch.stack([part.reshape(replicas * microbatches, -1).sum(1)
@@ -140,7 +161,7 @@ def sample_weights(counts: torch.Tensor, *, microbatches: int, dp: int, replicas
         where = " (on one context-parallel rank's tokens)" if cp > 1 else ""
         raise PartcError(
             f"{empty} of the step's {microbatches * dp} microbatches count no label{where} "
-            "(every one -100): the model's own loss, a mean over the counted labels, is NaN "
-            "there and so are its gradients. Shuffle padded samples among the batch, or "
-            "drop those without a label")
-    return (parts[cp_rank] * (microbatches * dp * cp / total)).float()
+            "(every one -100): the loss, a mean over the counted labels, is NaN there and "
+            "so are its gradients. Shuffle padded samples among the batch, or drop those "
+            "without a label")
+    return microbatches * dp * cp / total

@@ -41,7 +41,7 @@ from partc.runtime import experts
 from partc.runtime import tp as tp_ops
 from partc.runtime.compiled import compile_stage
 from partc.runtime.fsdp_shard import shard_over_dp
-from partc.runtime.label_weights import own_loss_refusal, splits_over_sequence
+from partc.runtime.label_weights import IGNORED, own_loss_refusal, splits_over_sequence
 from partc.runtime.module import DistributedModule
 from partc.runtime.offload import HostTier
 from partc.runtime.optimizer import GradBuckets, wait_in_forward
@@ -63,12 +63,16 @@ log = logging.getLogger("partc.runtime")
 
 class PlannedLoss:
     """The user's loss on the last stage's outputs, recomputed if the plan says so; in
-    fp32 under mixed precision (the outputs come in the compute dtype)."""
+    fp32 under mixed precision (the outputs come in the compute dtype). ``scale``
+    (a loss_fn's mean over its target's entries not -100, ``plan.model.counted_target``;
+    set each step, ``partc.runtime.label_weights.count_scale``): each microbatch's loss
+    is weighed by its target's count of them times it."""
 
     def __init__(self, loss_call: nn.Module, mode: str, mixed: bool = False) -> None:
         self.loss_call = loss_call
         self.mode = mode
         self.mixed = mixed
+        self.scale: float | None = None
 
     def __call__(self, output: Any, target: Any) -> torch.Tensor:
         leaves = tuple(output) if isinstance(output, (tuple, list)) else (output,)
@@ -80,6 +84,8 @@ class PlannedLoss:
             # and not copies twice their size (the estimate's "full" keeps the loss's
             # inputs only).
             loss = checkpoint_layer(self._widened, self.mode, *leaves, target)
+        if self.scale is not None:
+            loss = loss * ((target != IGNORED).sum() * self.scale)
         # A loss that is a view (``losses[0]``, ``loss.view(())``) is detached in place
         # by a split backward, as stage outputs are.
         return not_a_view(loss) if isinstance(loss, torch.Tensor) else loss
@@ -188,7 +194,7 @@ def build(plan: Plan, topology: Topology,
         model_tensors=MappingProxyType({name: (tuple(t.shape), t.dtype)
                                         for name, t in model_state.items()}),
         watchdog=watchdog, memory_baseline=baseline, host=host,
-        unread=MappingProxyType(kept)))
+        unread=MappingProxyType(kept), loss=loss))
 
 
 def _tp_process_group(topology: Topology) -> dist.ProcessGroup | None:

@@ -79,6 +79,9 @@ class RankParts:
     # state dicts and checkpoints hold them.
     unread: Mapping[str, torch.Tensor] = dataclasses.field(
         default_factory=lambda: MappingProxyType({}))
+    # The loss the schedule calls on the last stage's outputs (rank_build.PlannedLoss):
+    # the step sets its weighing of a counted target (``plan.model.counted_target``).
+    loss: Any = None
 
     @property
     def virtual_stages(self) -> tuple[int, ...]:

@@ -22,7 +22,8 @@ from torch.distributed.pipelining.schedules import PipelineScheduleSingle
 
 from partc.runtime import cp_layout
 from partc.runtime.batch_check import BatchCheck
-from partc.runtime.label_weights import label_counts, sample_weights, uneven_ignored
+from partc.runtime.label_weights import (count_scale, label_counts, sample_weights,
+                                         uneven_ignored)
 from partc.runtime.rank_parts import RankParts
 from partc.runtime.value_checks import ValueCheckError
 
@@ -52,7 +53,9 @@ class ScheduleRun:
         rows = batches.rows(inputs, target)
         if batches.own_loss:
             target = self._label_weights(inputs, rows)  # the rows given, as the inputs
-        elif not self._warned:
+        elif self._parts.plan.model.counted_target:
+            self._parts.loss.scale = self._count_scale(target, rows)
+        elif self._parts.plan.model.counted_target is None and not self._warned:
             self._say_uneven_ignored(target, rows)
         device = self._parts.topology.device
         stages = self._parts.stages
@@ -90,6 +93,21 @@ class ScheduleRun:
         if why:
             self._warned = True
             log.warning(why)
+
+    def _count_scale(self, target: torch.Tensor, rows: slice) -> float:
+        """A loss_fn's mean over its target's entries not -100: what each microbatch's
+        count of them is multiplied by (:func:`count_scale`; collective over dp when
+        only this replica's rows are given)."""
+        topo = self._parts.topology
+        target = target.cpu()
+        counts = label_counts(target, "tokens")
+        shards = [label_counts(cp_layout.shard(target, 1, topo.cp, rank), "tokens")
+                  for rank in range(topo.cp)] if topo.cp > 1 and target.dim() >= 2 else []
+        replicas = topo.dp if rows != slice(None) or topo.dp == 1 else 1
+        return count_scale(counts, microbatches=self._parts.plan.num_microbatches,
+                           dp=topo.dp, replicas=replicas, device=topo.device,
+                           dp_group=topo.dp_group if replicas < topo.dp else None,
+                           shards=shards)
 
     def _label_weights(self, inputs: tuple, rows: slice) -> torch.Tensor:
         """The model's own loss: each sample's weight, of the batch given (the global

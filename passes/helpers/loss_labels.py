@@ -13,16 +13,25 @@ its trace does: the loss's cross-entropy (or NLL) ops, their reduction and
 1, and sees which positions each cross-entropy counts. It answers only what it can see:
 a loss whose cross-entropy reads labels through other inputs, sums instead of
 averaging, weighs its classes, or counts some other pattern is "unknown", with why.
+
+A user's ``loss_fn`` is not traced into; :func:`counts_its_target` asks it instead, on
+small random inputs of its shapes: is its value the mean, over the target's entries not
+-100, of what each entry alone gives (cross-entropy's default)? Then the runtime weighs
+its value per microbatch by that count, as it weighs a model's own loss.
 """
 
 from __future__ import annotations
 
 import inspect
+import math
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import fx
+
+from partc import meta
+from partc.runtime.label_weights import IGNORED
 
 aten = torch.ops.aten
 
@@ -33,7 +42,6 @@ _CROSS_ENTROPY_OPS = {
     F.cross_entropy, F.nll_loss,
 }
 _MEAN = (1, "mean")   # torch's Reduction.Mean, as aten and torch.nn.functional write it
-_IGNORED = -100       # what partc.runtime.label_weights counts labels against
 
 
 @dataclass(frozen=True)
@@ -76,7 +84,7 @@ def _term_kind(gm: fx.GraphModule, node: fx.Node, labels: fx.Node,
                                   f"{bound.get('reduction')!r}, not a mean")
     if bound.get("weight") is not None:
         return Counted("unknown", f"its {_name(node)} weighs its classes")
-    if bound.get("ignore_index", _IGNORED) != _IGNORED:
+    if bound.get("ignore_index", IGNORED) != IGNORED:
         return Counted("unknown", f"its {_name(node)} ignores the label "
                                   f"{bound.get('ignore_index')}, not -100")
     target = bound.get("target")
@@ -100,7 +108,7 @@ def _pattern(values: torch.Tensor, shape: tuple[int, ...], numel: int,
              name: str) -> Counted:
     """The kind of the positions ``values`` (probe numbers, -100 where padded) hold."""
     counted = values.flatten()
-    counted = counted[counted != _IGNORED]
+    counted = counted[counted != IGNORED]
     if counted.numel() and (int(counted.min()) < 1 or int(counted.max()) > numel):
         return Counted("unknown", f"the target of its {name} is not made of the labels")
     seen = torch.zeros(numel, dtype=torch.int64)
@@ -193,3 +201,69 @@ def _name(node: fx.Node) -> str:
     """The op's name as a person writes it (``cross_entropy_loss``, ``cross_entropy``)."""
     target = node.target
     return getattr(target, "_opname", None) or getattr(target, "__name__", str(target))
+
+
+# The probe's target: (samples, positions) cut to this (a target of one dim per sample:
+# the samples alone), and the largest input it makes (elements), beyond which it does
+# not ask.
+_PROBE_SHAPE = (2, 3)
+_PROBE_ELEMENTS = 1 << 24
+
+
+def counts_its_target(gm: fx.GraphModule) -> bool | None:
+    """Whether the loss layer (the user's ``loss_fn``) returns the mean, over its target's
+    entries not -100, of what each such entry gives alone: asked on random inputs of the
+    loss's input shapes, the target's leading dims (and any input's that share them) cut
+    to :data:`_PROBE_SHAPE`, class 0 at the counted entries. False for a loss that sums,
+    averages over every entry or reads no target of class indices; None where it cannot
+    be asked so (shapes written into it, its own parameters, inputs too large)."""
+    loss = next((n for n in gm.graph.nodes if meta.role(n) == meta.ROLE_LOSS), None)
+    if loss is None:
+        return False
+    *leaves, target = [a.meta.get("val") if isinstance(a, fx.Node) else a for a in loss.args]
+    if not isinstance(target, torch.Tensor) or target.dim() not in (1, 2) \
+            or target.is_floating_point() or target.dtype == torch.bool:
+        return False
+    lead, small = tuple(target.shape), _PROBE_SHAPE[:target.dim()]
+    generator = torch.Generator().manual_seed(0)
+    made = [_probe_input(leaf, lead, small, generator) for leaf in leaves]
+    if any(m is _TOO_BIG for m in made):
+        return None
+    module = gm.get_submodule(str(loss.target))
+
+    def value(counted: tuple[int, ...]) -> float:
+        probe = torch.full(small, IGNORED, dtype=target.dtype)
+        probe.view(-1)[list(counted)] = 0
+        with torch.no_grad():
+            return float(module(*made, probe))
+
+    try:
+        alone = [value((i,)) for i in range(math.prod(small))]
+        sets = [(0, 2, 5), (1, 3)] if len(small) == 2 else [(0, 1)]
+        means = [(value(s), sum(alone[i] for i in s) / len(s)) for s in sets]
+    except Exception:   # noqa: BLE001 - a loss that cannot be asked so is not weighed
+        return None
+    if not all(math.isfinite(x) for x in alone) or max(alone) - min(alone) <= 1e-6:
+        return False   # the target changes nothing: no count to weigh by
+    return all(math.isclose(got, want, rel_tol=1e-5, abs_tol=1e-7) for got, want in means)
+
+
+_TOO_BIG = object()
+
+
+def _probe_input(leaf: object, lead: tuple[int, ...], small: tuple[int, ...],
+                 generator: torch.Generator) -> object:
+    """A random real stand-in of ``leaf`` (a fake or meta tensor), its dims shared with
+    the target (``lead``) cut to ``small``; anything else as it is."""
+    if not isinstance(leaf, torch.Tensor):
+        return leaf
+    shape = tuple(leaf.shape)
+    if shape[:len(lead)] == lead:
+        shape = small + shape[len(lead):]
+    elif shape and shape[0] == lead[0]:
+        shape = small[:1] + shape[1:]
+    if math.prod(shape) > _PROBE_ELEMENTS:
+        return _TOO_BIG
+    if leaf.is_floating_point():
+        return torch.randn(shape, generator=generator)
+    return torch.zeros(shape, dtype=leaf.dtype)

@@ -19,6 +19,7 @@ from partc.errors import ContextParallelError
 from partc.identity import model_hash
 from partc.passes.context import Context
 from partc.passes.context_parallel import attention_masks
+from partc.passes.helpers import loss_labels
 from partc.passes.helpers.graph import fetch, param_usage
 from partc.passes.layers import crossing_bytes, crossing_tensors
 from partc.passes.helpers.sequence_facts import context_parallel_blocker
@@ -167,6 +168,7 @@ def summarize(gm: fx.GraphModule, ctx: Context) -> ModelAnalysis:
             traced_dtype_bytes=_dtype_bytes(ctx.model), tracer=info.tracer,
             inputs=input_specs(gm), keywords=info.keywords, own_loss=info.own_loss or "",
             shift_labels=info.shift_labels,
+            counted_target=False if info.own_loss else loss_labels.counts_its_target(gm),
             autocast=str(ctx.autocast).removeprefix("torch.") if ctx.autocast else "",
             context_parallel_blocker=context_parallel_blocker(gm, sequence_length(gm, ctx)),
             context_parallel_mask=_mask_refusal(gm)),

@@ -258,31 +258,49 @@ def test_uneven_ignored_targets_are_found_per_microbatch_and_cp_rank():
     assert label_weights.uneven_ignored(torch.rand(4, 8), microbatches=2, replicas=1) is None
 
 
-def test_a_loss_fn_whose_target_counts_unevenly_is_said_once(caplog):
-    """A loss_fn's mean over the targets it counts (cross-entropy ignores -100) taken per
-    microbatch and averaged is not one device's mean over the batch, and partc cannot
-    weigh what it does not know: the first such batch says so, on rank 0, once."""
+def test_a_loss_fn_averaging_its_counted_targets_is_weighed_like_one_device(caplog):
+    """A loss_fn's mean over the targets it counts (cross-entropy ignores -100), taken
+    per microbatch and averaged, is not one device's mean over the batch where the
+    microbatches count different numbers. partc asks loss_fn what it averages over
+    (on small inputs) and weighs each microbatch by its count: the step's loss and
+    gradients are one device's. A loss_fn it cannot ask (its sequence length written
+    in) is averaged as it is, and the first batch that counts unevenly says so, once."""
     from samples.gpt import gpt_tiny, loss_fn
 
+    def fixed_shapes(logits, targets):
+        return torch.nn.functional.cross_entropy(logits.reshape(-1, 16, 128).flatten(0, 1),
+                                                 targets.reshape(-1, 16).flatten())
+
     torch.manual_seed(0)
-    model = gpt_tiny()
     ids = torch.randint(0, 128, (4, 16))
-    program = partc.compile(model, ids, loss_fn=loss_fn, example_target=ids,
-                            budget=partc.DeviceBudget(num_devices=1, device="CPU"),
-                            train=partc.TrainSpec(global_batch_size=4),
-                            constraints=partc.Constraints(num_microbatches=2), cache=None)
-    module = program.build()
-    try:
-        with caplog.at_level("WARNING", logger="partc"):
-            module.forward_backward(ids, target=ids)
-            assert "target holds -100s" not in caplog.text
-            padded = ids.clone()
-            padded[3, 8:] = -100
-            module.forward_backward(ids, target=padded)
-            module.forward_backward(ids, target=padded)
-        assert caplog.text.count("target holds -100s in different numbers per microbatch") == 1
-    finally:
-        module.close()
+    padded = ids.clone()
+    padded[3, 8:] = -100
+    padded[2, :5] = -100
+    for loss, counted in ((loss_fn, True), (fixed_shapes, None)):
+        model = gpt_tiny()
+        reference = copy.deepcopy(model)
+        program = partc.compile(model, ids, loss_fn=loss, example_target=ids,
+                                budget=partc.DeviceBudget(num_devices=1, device="CPU"),
+                                train=partc.TrainSpec(global_batch_size=4),
+                                constraints=partc.Constraints(num_microbatches=2), cache=None)
+        assert program.plan.model.counted_target is counted
+        module = program.build()
+        caplog.clear()
+        try:
+            with caplog.at_level("WARNING", logger="partc"):
+                module.forward_backward(ids, target=ids)
+                assert "target holds -100s" not in caplog.text
+                got = module.forward_backward(ids, target=padded).item()
+                module.forward_backward(ids, target=padded)
+        finally:
+            module.close()
+        expected = loss(reference(ids), padded).item()
+        if counted:
+            assert got == pytest.approx(expected, rel=FP32) and not caplog.text
+        else:
+            assert abs(got - expected) > 10 * FP32 * expected   # the mean of the halves'
+            assert caplog.text.count("target holds -100s in different numbers per "
+                                     "microbatch") == 1
 
 
 def test_compile_gives_the_shifted_labels_a_plans_own_inputs_are_traced_as_they_are():
@@ -303,3 +321,32 @@ def test_compile_gives_the_shifted_labels_a_plans_own_inputs_are_traced_as_they_
     info = meta.trace_info(gm)
     assert info.keywords == ("input_ids", "labels") and not info.shift_labels
     assert info.own_loss == "shifted"
+
+
+@pytest.mark.parametrize("reduction, counted", [
+    ("mean", True), ("smoothed", True), ("sum", False), ("every entry", False),
+    ("fixed length", None)])
+def test_a_loss_fn_is_asked_what_it_averages_over(reduction, counted):
+    """loss_labels.counts_its_target: cross-entropy's mean over the targets not -100
+    (with label smoothing too) is such a mean; a sum or a mean over every entry is not;
+    a loss with the sequence length written in cannot be asked on small inputs."""
+    import torch.nn.functional as F
+
+    from partc.passes import analyze
+    from partc.passes.helpers.loss_labels import counts_its_target
+    from samples.gpt import gpt_tiny
+
+    def loss(logits, targets):
+        if reduction == "fixed length":
+            logits, targets = logits.reshape(-1, 16, 128), targets.reshape(-1, 16)
+        flat, wanted = logits.reshape(-1, 128), targets.reshape(-1)
+        if reduction == "sum":
+            return F.cross_entropy(flat, wanted, reduction="sum")
+        if reduction == "every entry":
+            return F.cross_entropy(flat, wanted, reduction="sum") / wanted.numel()
+        return F.cross_entropy(flat, wanted, label_smoothing=0.1 if reduction == "smoothed"
+                               else 0.0)
+
+    ids = torch.randint(0, 128, (4, 16))
+    gm, _ = analyze(gpt_tiny(), (ids,), loss_fn=loss, example_target=ids)
+    assert counts_its_target(gm) is counted

@@ -29,19 +29,22 @@ CP_TWO = [f"hf-{family}-cp2-{kind}" for family in CP_FAMILIES
           for kind in ("ring", "a2a")] + ["hf-llama-cp2-ring-recompute",
                                           "hf-llama-cp2-ring-zero3",
                                           "hf-llama-own-loss-cp2-ring",
-                                          "hf-llama-own-loss-cp2-a2a"]
+                                          "hf-llama-own-loss-cp2-a2a",
+                                          "hf-llama-masked-cp2-ring"]
 # (All-to-all beside tp=2 only for GPT-2: the others' 2 key/value heads leave one per tp
 # rank, which the planner will not split over cp.)
 CP_FOUR = [f"hf-{family}-cp2-{kind}-{mesh}" for family in CP_FAMILIES
            for kind in ("ring", "a2a") for mesh in ("pp2", "tp2", "dp2-zero3")
            if (kind, mesh) != ("a2a", "tp2") or family == "gpt2"] + [
     "hf-llama-own-loss-cp2-ring-pp2", "hf-llama-own-loss-cp2-ring-dp2-zero3"]
-DEFAULT_CP_TWO = ["hf-llama-cp2-ring-zero3", "hf-qwen2-cp2-a2a", "hf-llama-own-loss-cp2-ring"]
+DEFAULT_CP_TWO = ["hf-llama-cp2-ring-zero3", "hf-qwen2-cp2-a2a", "hf-llama-own-loss-cp2-ring",
+                  "hf-llama-masked-cp2-ring"]
 # The cases test_two/four_processes_match_one check alone.
 PLAIN_TWO = ["gpt-pp2-1f1b", "gpt-pp2-gpipe-recompute", "gpt2-pp2-1f1b-recompute",
              "gpt2-pp2-gpipe", "llama-pp2-gpipe-recompute", "llama-pp2-1f1b",
              "llama-pp2-1f1b-loaded", "skip-pp2-1f1b", "handoff-pp2", "gpt-dp2", "bert-dp2",
-             "gpt-pp2-fp8", "gpt-dp2-fp8", "gpt-dp2-zero3-fp8"]
+             "gpt-pp2-fp8", "gpt-dp2-fp8", "gpt-dp2-zero3-fp8", "hf-llama-masked-dp2",
+             "hf-llama-masked-pp2", "hf-llama-masked-tp2"]
 PLAIN_FOUR = ["gpt-pp4-1f1b-recompute", "gpt-pp4-gpipe", "gpt2-pp4-gpipe-recompute",
               "llama-pp4-1f1b", "skip-pp4-gpipe", "gpt-pp2-dp2"]
 # Activation offload under pp=2, dp=2 with ZeRO-1 and ZeRO-3, tp=2 (and pp=2 x tp=2).
@@ -51,10 +54,10 @@ OFFLOAD_FOUR = ["llama-pp2-tp2-offload"]
 TWO = [*PLAIN_TWO, *CP_TWO, "cp-attention", "mismatch", "gpt-pp2-loss-alone", *OFFLOAD_TWO]
 FOUR = [*PLAIN_FOUR, *CP_FOUR, *OFFLOAD_FOUR]
 # The default profile's cases: each schedule, recompute, the three Hugging Face models,
-# loaded weights, skips across stages, a hand-off layer, FP8 linears, dp and pp x dp; the
-# rest -m slow.
+# loaded weights, skips across stages, a hand-off layer, FP8 linears, dp and pp x dp, a
+# loss_fn over targets with -100s weighed by their counts; the rest -m slow.
 DEFAULT_TWO = ["gpt2-pp2-1f1b-recompute", "llama-pp2-1f1b-loaded", "skip-pp2-1f1b",
-               "handoff-pp2", "bert-dp2", "gpt-pp2-fp8"]
+               "handoff-pp2", "bert-dp2", "gpt-pp2-fp8", "hf-llama-masked-dp2"]
 DEFAULT_FOUR = ["gpt-pp4-gpipe", "gpt-pp2-dp2"]
 # Optimizer offload under each mesh (2 processes); the default profile runs ZeRO-1's.
 OFFLOAD = ["gpt-pp2-offload", "gpt-dp2-offload", "gpt-dp2-zero1-offload",

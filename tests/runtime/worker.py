@@ -465,6 +465,14 @@ for _short, _kind in _CP_KINDS.items():
     CASES[f"hf-llama-own-loss-cp2-{_short}"] = Case(
         hf_families.FAMILIES["llama"].build, "hf:prompts", None,
         dict(cp=2, cp_kind=_kind, pp=1, recompute="none"))
+# A loss_fn averaging its counted targets (cross-entropy, -100 over each row's prompt),
+# asked what it averages over and weighed by its counts: each microbatch's, each cp
+# rank's tokens'.
+for _name, _pins in (("cp2-ring", dict(cp=2, cp_kind="ring", pp=1)), ("dp2", dict(pp=1)),
+                     ("pp2", dict(pp=2, schedule="1f1b")), ("tp2", dict(pp=1, tp=2))):
+    CASES[f"hf-llama-masked-{_name}"] = Case(
+        hf_families.FAMILIES["llama"].build, "hf:tokens-masked",
+        hf_families.loss_for("tokens-masked"), dict(_pins, recompute="none"))
 # Beside pp=2 (the shifted labels carried to the loss's stage) and dp=2 with ZeRO-3 (the
 # batch's count of labels over both replicas).
 CASES["hf-llama-own-loss-cp2-ring-pp2"] = Case(
