@@ -123,8 +123,11 @@ def test_a_version_1_file_loads_with_its_hash_unchanged():
                        batch=4)
     # 407706854767671d: the hash the partc that wrote the file gave the plan.
     assert old.hash == program.plan.hash == "407706854767671d"
-    # Files before partc recorded the traced batch do not hold it.
-    assert old.model == replace(program.plan.model, traced_batch_size=None)
+    # Files before partc recorded the traced batch do not hold it, nor whether loss_fn
+    # averages over its counted targets (it is asked now: it does).
+    assert program.plan.model.counted_target
+    assert old.model == replace(program.plan.model, traced_batch_size=None,
+                                counted_target=False)
     # The decisions read back as written; the times are the cost model's of its day (no
     # per-op overhead then), and so is the budget section (no overheads recorded).
     new = program.plan

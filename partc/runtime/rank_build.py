@@ -63,16 +63,18 @@ log = logging.getLogger("partc.runtime")
 
 class PlannedLoss:
     """The user's loss on the last stage's outputs, recomputed if the plan says so; in
-    fp32 under mixed precision (the outputs come in the compute dtype). ``scale``
+    fp32 under mixed precision (the outputs come in the compute dtype). ``weights``
     (a loss_fn's mean over its target's entries not -100, ``plan.model.counted_target``;
-    set each step, ``partc.runtime.label_weights.count_scale``): each microbatch's loss
-    is weighed by its target's count of them times it."""
+    set each step): per microbatch, by its target's storage offset (the schedule's
+    chunks are views of one tensor), what its loss is multiplied by: its count of them
+    times ``partc.runtime.label_weights.count_scale``'s (under ``"scale"``), made on the
+    host (a number, so that neither a sync nor a saved tensor is added)."""
 
     def __init__(self, loss_call: nn.Module, mode: str, mixed: bool = False) -> None:
         self.loss_call = loss_call
         self.mode = mode
         self.mixed = mixed
-        self.scale: float | None = None
+        self.weights: dict[int | str, float] | None = None
 
     def __call__(self, output: Any, target: Any) -> torch.Tensor:
         leaves = tuple(output) if isinstance(output, (tuple, list)) else (output,)
@@ -84,8 +86,11 @@ class PlannedLoss:
             # and not copies twice their size (the estimate's "full" keeps the loss's
             # inputs only).
             loss = checkpoint_layer(self._widened, self.mode, *leaves, target)
-        if self.scale is not None:
-            loss = loss * ((target != IGNORED).sum() * self.scale)
+        if self.weights is not None:
+            weight = self.weights.get(target.storage_offset())
+            # A chunk the schedule copied: counted where it is (its count saved too).
+            loss = loss * (weight if weight is not None else
+                           (target != IGNORED).sum() * self.weights["scale"])
         # A loss that is a view (``losses[0]``, ``loss.view(())``) is detached in place
         # by a split backward, as stage outputs are.
         return not_a_view(loss) if isinstance(loss, torch.Tensor) else loss

@@ -22,8 +22,8 @@ from torch.distributed.pipelining.schedules import PipelineScheduleSingle
 
 from partc.runtime import cp_layout
 from partc.runtime.batch_check import BatchCheck
-from partc.runtime.label_weights import (count_scale, label_counts, sample_weights,
-                                         uneven_ignored)
+from partc.runtime.label_weights import (IGNORED, count_scale, label_counts,
+                                         sample_weights, uneven_ignored)
 from partc.runtime.rank_parts import RankParts
 from partc.runtime.value_checks import ValueCheckError
 
@@ -54,7 +54,7 @@ class ScheduleRun:
         if batches.own_loss:
             target = self._label_weights(inputs, rows)  # the rows given, as the inputs
         elif self._parts.plan.model.counted_target:
-            self._parts.loss.scale = self._count_scale(target, rows)
+            scale = self._count_scale(target, rows)   # every rank: collective over dp
         elif self._parts.plan.model.counted_target is None and not self._warned:
             self._say_uneven_ignored(target, rows)
         device = self._parts.topology.device
@@ -65,6 +65,9 @@ class ScheduleRun:
         if any(s.is_last for s in stages):
             kwargs = {"target": pytree.tree_map_only(
                 torch.Tensor, lambda t: self._mine(t, rows), target), "losses": losses}
+            if self._parts.plan.model.counted_target:
+                self._parts.loss.weights = self._counted_weights(target, rows,
+                                                                 kwargs["target"], scale)
         if _STEP_TAKES_RETURN_OUTPUTS:
             # The outputs are the loss's inputs (the logits): returned, torch keeps every
             # microbatch's until the step ends; partc only needs the losses.
@@ -108,6 +111,21 @@ class ScheduleRun:
                            dp=topo.dp, replicas=replicas, device=topo.device,
                            dp_group=topo.dp_group if replicas < topo.dp else None,
                            shards=shards)
+
+    def _counted_weights(self, target: torch.Tensor, rows: slice, mine: torch.Tensor,
+                         scale: float) -> dict[int | str, float]:
+        """Per microbatch of this rank's ``mine`` (its part of ``target``, as the schedule
+        cuts it), by the storage offset of its chunk: its count of entries not -100 times
+        ``scale`` (kept under ``"scale"``), counted on the host."""
+        topo, microbatches = self._parts.topology, self._parts.plan.num_microbatches
+        host = target[rows].cpu()
+        if topo.cp > 1 and host.dim() >= 2:
+            host = cp_layout.shard(host, 1, topo.cp, topo.cp_rank)
+        weights: dict[int | str, float] = {"scale": scale}
+        for part, chunk in zip(torch.tensor_split(host, microbatches),
+                               torch.tensor_split(mine, microbatches)):
+            weights[chunk.storage_offset()] = float((part != IGNORED).sum()) * scale
+        return weights
 
     def _label_weights(self, inputs: tuple, rows: slice) -> torch.Tensor:
         """The model's own loss: each sample's weight, of the batch given (the global
