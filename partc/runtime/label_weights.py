@@ -38,7 +38,8 @@ microbatch's loss times ``n_m`` (counted where the loss runs) times
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from dataclasses import dataclass
+from typing import Any, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
@@ -165,3 +166,21 @@ def count_scale(counts: torch.Tensor, *, microbatches: int, dp: int, replicas: i
             "so are its gradients. Shuffle padded samples among the batch, or drop those "
             "without a label")
     return microbatches * dp * cp / total
+
+
+@dataclass(frozen=True)
+class CountWeights:
+    """One step's weights of a loss_fn's counted target, for this rank: per microbatch,
+    by the storage offset of its chunk of the target (the schedule's chunks are views of
+    one tensor), its count of entries not -100 times ``scale`` (:func:`count_scale`),
+    counted on the host: a number, so that weighing adds neither a sync nor a saved
+    tensor."""
+
+    scale: float
+    by_offset: Mapping[int, float]
+
+    def of(self, target: torch.Tensor) -> float | torch.Tensor:
+        """The weight of the microbatch whose target is ``target``; one the schedule
+        copied is counted where it is."""
+        weight = self.by_offset.get(target.storage_offset())
+        return weight if weight is not None else (target != IGNORED).sum() * self.scale

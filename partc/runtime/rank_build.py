@@ -41,7 +41,7 @@ from partc.runtime import experts
 from partc.runtime import tp as tp_ops
 from partc.runtime.compiled import compile_stage
 from partc.runtime.fsdp_shard import shard_over_dp
-from partc.runtime.label_weights import IGNORED, own_loss_refusal, splits_over_sequence
+from partc.runtime.label_weights import CountWeights, own_loss_refusal, splits_over_sequence
 from partc.runtime.module import DistributedModule
 from partc.runtime.offload import HostTier
 from partc.runtime.optimizer import GradBuckets, wait_in_forward
@@ -65,16 +65,14 @@ class PlannedLoss:
     """The user's loss on the last stage's outputs, recomputed if the plan says so; in
     fp32 under mixed precision (the outputs come in the compute dtype). ``weights``
     (a loss_fn's mean over its target's entries not -100, ``plan.model.counted_target``;
-    set each step): per microbatch, by its target's storage offset (the schedule's
-    chunks are views of one tensor), what its loss is multiplied by: its count of them
-    times ``partc.runtime.label_weights.count_scale``'s (under ``"scale"``), made on the
-    host (a number, so that neither a sync nor a saved tensor is added)."""
+    set each step): what each microbatch's loss is multiplied by
+    (:class:`partc.runtime.label_weights.CountWeights`)."""
 
     def __init__(self, loss_call: nn.Module, mode: str, mixed: bool = False) -> None:
         self.loss_call = loss_call
         self.mode = mode
         self.mixed = mixed
-        self.weights: dict[int | str, float] | None = None
+        self.weights: CountWeights | None = None
 
     def __call__(self, output: Any, target: Any) -> torch.Tensor:
         leaves = tuple(output) if isinstance(output, (tuple, list)) else (output,)
@@ -87,10 +85,7 @@ class PlannedLoss:
             # inputs only).
             loss = checkpoint_layer(self._widened, self.mode, *leaves, target)
         if self.weights is not None:
-            weight = self.weights.get(target.storage_offset())
-            # A chunk the schedule copied: counted where it is (its count saved too).
-            loss = loss * (weight if weight is not None else
-                           (target != IGNORED).sum() * self.weights["scale"])
+            loss = loss * self.weights.of(target)
         # A loss that is a view (``losses[0]``, ``loss.view(())``) is detached in place
         # by a split backward, as stage outputs are.
         return not_a_view(loss) if isinstance(loss, torch.Tensor) else loss

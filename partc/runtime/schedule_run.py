@@ -22,7 +22,7 @@ from torch.distributed.pipelining.schedules import PipelineScheduleSingle
 
 from partc.runtime import cp_layout
 from partc.runtime.batch_check import BatchCheck
-from partc.runtime.label_weights import (IGNORED, count_scale, label_counts,
+from partc.runtime.label_weights import (IGNORED, CountWeights, count_scale, label_counts,
                                          sample_weights, uneven_ignored)
 from partc.runtime.rank_parts import RankParts
 from partc.runtime.value_checks import ValueCheckError
@@ -113,19 +113,17 @@ class ScheduleRun:
                            shards=shards)
 
     def _counted_weights(self, target: torch.Tensor, rows: slice, mine: torch.Tensor,
-                         scale: float) -> dict[int | str, float]:
-        """Per microbatch of this rank's ``mine`` (its part of ``target``, as the schedule
-        cuts it), by the storage offset of its chunk: its count of entries not -100 times
-        ``scale`` (kept under ``"scale"``), counted on the host."""
+                         scale: float) -> CountWeights:
+        """The :class:`CountWeights` of this rank's ``mine`` (its part of ``target``, as
+        the schedule cuts it into microbatches)."""
         topo, microbatches = self._parts.topology, self._parts.plan.num_microbatches
         host = target[rows].cpu()
         if topo.cp > 1 and host.dim() >= 2:
             host = cp_layout.shard(host, 1, topo.cp, topo.cp_rank)
-        weights: dict[int | str, float] = {"scale": scale}
-        for part, chunk in zip(torch.tensor_split(host, microbatches),
-                               torch.tensor_split(mine, microbatches)):
-            weights[chunk.storage_offset()] = float((part != IGNORED).sum()) * scale
-        return weights
+        return CountWeights(scale=scale, by_offset={
+            chunk.storage_offset(): float((part != IGNORED).sum()) * scale
+            for part, chunk in zip(torch.tensor_split(host, microbatches),
+                                   torch.tensor_split(mine, microbatches))})
 
     def _label_weights(self, inputs: tuple, rows: slice) -> torch.Tensor:
         """The model's own loss: each sample's weight, of the batch given (the global
