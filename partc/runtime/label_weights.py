@@ -99,16 +99,13 @@ def uneven_ignored(target: Any, *, microbatches: int, replicas: int,
     if not isinstance(target, torch.Tensor) or target.dim() == 0 \
             or target.is_floating_point() or target.dtype == torch.bool:
         return None
-    counted = target != IGNORED
-    if bool(counted.all()):
-        return None
-    shards = [cp_layout.shard(counted, 1, cp, rank) for rank in range(cp)] \
-        if cp > 1 and counted.dim() >= 2 else [counted]
-    per_part = torch.stack([shard.reshape(replicas * microbatches, -1).sum(1)
-                            for shard in shards]).flatten()
+    shards = [label_counts(cp_layout.shard(target, 1, cp, rank), "tokens")
+              for rank in range(cp)] if cp > 1 and target.dim() >= 2 else []
+    per_part = _per_part(label_counts(target, "tokens"), shards, microbatches,
+                         replicas).flatten()
     if bool((per_part == per_part[0]).all()):
         return None
-    parts = "microbatch" + (" and context-parallel rank" if len(shards) > 1 else "")
+    parts = "microbatch" + (" and context-parallel rank" if shards else "")
     return (f"loss_fn's target holds -100s in different numbers per {parts} (counting "
             f"{int(per_part.min())} to {int(per_part.max())} of the others): the step's "
             "loss and gradients are the mean of loss_fn over the parts, so where loss_fn "
@@ -117,6 +114,13 @@ def uneven_ignored(target: Any, *, microbatches: int, replicas: int,
             "one device's over the whole batch. partc could not ask loss_fn what it "
             "averages over on small inputs of its shapes (one that does not fix them is "
             "asked, and a mean over its counted targets weighed)")
+
+
+def _per_part(counts: torch.Tensor, shards: Sequence[torch.Tensor], microbatches: int,
+              replicas: int) -> torch.Tensor:
+    """Per cp rank (one without ``shards``), per microbatch of each replica: the count."""
+    return torch.stack([part.reshape(replicas * microbatches, -1).sum(1)
+                        for part in (list(shards) or [counts])])
 
 
 def label_counts(labels: torch.Tensor, counted: str) -> torch.Tensor:
@@ -150,9 +154,7 @@ def count_scale(counts: torch.Tensor, *, microbatches: int, dp: int, replicas: i
     over ``dp_group``, on ``device``: collective); ``shards`` per cp rank. Raises on
     every rank alike when some microbatch (or a cp rank's tokens of it) counts none."""
     cp = max(len(shards), 1)
-    parts = list(shards) or [counts]
-    per_microbatch = torch.stack([part.reshape(replicas * microbatches, -1).sum(1)
-                                  for part in parts])
+    per_microbatch = _per_part(counts, shards, microbatches, replicas)
     numbers = torch.stack([counts.sum(), (per_microbatch == 0).any(0).sum().double()])
     if replicas < dp:
         numbers = numbers.to(device)

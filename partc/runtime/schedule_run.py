@@ -90,9 +90,8 @@ class ScheduleRun:
         topo, plan = self._parts.topology, self._parts.plan
         if topo.rank != 0 or plan.num_microbatches * topo.dp * topo.cp == 1:
             return
-        replicas = topo.dp if rows != slice(None) or topo.dp == 1 else 1
-        why = uneven_ignored(target, microbatches=plan.num_microbatches, replicas=replicas,
-                             cp=topo.cp)
+        why = uneven_ignored(target, microbatches=plan.num_microbatches,
+                             replicas=self._replicas(rows), cp=topo.cp)
         if why:
             self._warned = True
             log.warning(why)
@@ -101,16 +100,11 @@ class ScheduleRun:
         """A loss_fn's mean over its target's entries not -100: what each microbatch's
         count of them is multiplied by (:func:`count_scale`; collective over dp when
         only this replica's rows are given)."""
-        topo = self._parts.topology
-        target = target.cpu()
-        counts = label_counts(target, "tokens")
-        shards = [label_counts(cp_layout.shard(target, 1, topo.cp, rank), "tokens")
-                  for rank in range(topo.cp)] if topo.cp > 1 and target.dim() >= 2 else []
-        replicas = topo.dp if rows != slice(None) or topo.dp == 1 else 1
+        counts, shards, replicas = self._counted(target, "tokens", rows)
         return count_scale(counts, microbatches=self._parts.plan.num_microbatches,
-                           dp=topo.dp, replicas=replicas, device=topo.device,
-                           dp_group=topo.dp_group if replicas < topo.dp else None,
-                           shards=shards)
+                           dp=self._parts.topology.dp, replicas=replicas,
+                           device=self._parts.topology.device,
+                           dp_group=self._dp_group(replicas), shards=shards)
 
     def _counted_weights(self, target: torch.Tensor, rows: slice, mine: torch.Tensor,
                          scale: float) -> CountWeights:
@@ -128,19 +122,36 @@ class ScheduleRun:
     def _label_weights(self, inputs: tuple, rows: slice) -> torch.Tensor:
         """The model's own loss: each sample's weight, of the batch given (the global
         batch, or this replica's rows: collective over dp)."""
-        batches, topo = self._batches, self._parts.topology
-        labels = batches.labels(inputs).cpu()
-        counts = label_counts(labels, batches.own_loss)
-        # Under context parallelism each rank's loss is the mean over its own tokens'
-        # labels: counted per rank (every rank counts all, to refuse alike).
-        shards = [label_counts(cp_layout.shard(labels, 1, topo.cp, rank), batches.own_loss)
-                  for rank in range(topo.cp)] if topo.cp > 1 else []
-        # rows: all of them when this replica's rows were given (or there is one replica).
-        replicas = topo.dp if rows != slice(None) or topo.dp == 1 else 1
+        counts, shards, replicas = self._counted(self._batches.labels(inputs),
+                                                 self._batches.own_loss, rows)
+        topo = self._parts.topology
         return sample_weights(counts, microbatches=self._parts.plan.num_microbatches,
                               dp=topo.dp, replicas=replicas, device=topo.device,
-                              dp_group=topo.dp_group if replicas < topo.dp else None,
-                              shards=shards, cp_rank=topo.cp_rank)
+                              dp_group=self._dp_group(replicas), shards=shards,
+                              cp_rank=topo.cp_rank)
+
+    def _counted(self, labels: torch.Tensor, counted: str, rows: slice
+                 ) -> tuple[torch.Tensor, list[torch.Tensor], int]:
+        """Per sample of the batch given, the labels ``counted`` (:func:`label_counts`);
+        under context parallelism, per cp rank the counts of its tokens of each (every
+        rank counts all, to refuse alike), a rank's loss being the mean over its own;
+        and how many replicas' rows the batch holds (:meth:`_replicas`)."""
+        topo = self._parts.topology
+        labels = labels.cpu()
+        shards = [label_counts(cp_layout.shard(labels, 1, topo.cp, rank), counted)
+                  for rank in range(topo.cp)] if topo.cp > 1 and labels.dim() >= 2 else []
+        return label_counts(labels, counted), shards, self._replicas(rows)
+
+    def _replicas(self, rows: slice) -> int:
+        """How many replicas' rows the batch given holds: all when it is the global batch
+        (``rows`` then this replica's slice of it), or when there is one replica."""
+        dp = self._parts.topology.dp
+        return dp if rows != slice(None) or dp == 1 else 1
+
+    def _dp_group(self, replicas: int):
+        """The group a batch of ``replicas`` replicas' rows totals its count over."""
+        topo = self._parts.topology
+        return topo.dp_group if replicas < topo.dp else None
 
     def train(self, args: tuple, kwargs: dict[str, Any]) -> dict[str, int]:
         """Every microbatch's forward and backward; returns the point-to-point messages
