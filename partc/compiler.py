@@ -51,6 +51,7 @@ from partc.planner.pins import check_pins
 from partc.planner.validate import validate_plan
 from partc.problem import DeviceNumbers, ModelAnalysis, Pins, PlanningProblem, TrainNumbers
 from partc.program import Program, read_plan_file
+from partc.runtime.padding import unpadded_masks
 from partc.spec import Constraints, TrainSpec, dtype_bytes
 
 log = logging.getLogger("partc")
@@ -206,6 +207,8 @@ def problem_for_plan(plan: Plan, model: torch.nn.Module, *, loss_fn: Callable | 
                               example_target=target, name=plan.model.name,
                               attention=train.attention, autocast=autocast_dtype(train),
                               autocast_device=budget.device_type)
+    analysis = dataclasses.replace(analysis, summary=dataclasses.replace(
+        analysis.summary, unpadded_masks=plan.model.unpadded_masks))
     constraints = Constraints(tp=plan.tp) if plan.tp == 1 else Constraints(
         tp=plan.tp, sequence_parallel=plan.sequence_parallel, tp_objective=plan.tp_objective)
     if plan.fp8 is not None:
@@ -395,6 +398,12 @@ def compile(model: torch.nn.Module,
     devices = device_numbers(budget, train.dtype)
     check_pins(pins_for(constraints, train), devices, train.global_batch_size)  # before tracing
     measured_for = _measured_for(budget, devices, constraints, train, options)
+    # A padding mask of ones is left out: the model is traced as called without it
+    # (partc.runtime.padding); the key tells that from a model given no mask.
+    unpadded = unpadded_masks(model, kwargs) if len(kwargs) + len(example_inputs) > 1 else ()
+    if unpadded:
+        kwargs = {key: value for key, value in kwargs.items() if key not in unpadded}
+        measured_for = (measured_for, ("unpadded", unpadded))
     # The structure and the behaviour: models of one shape but other forwards (another
     # activation, an untied weight) are traced and measured apart.
     identity = f"{model_hash(model)}-{behaviour_digest(model)}"
@@ -412,6 +421,8 @@ def compile(model: torch.nn.Module,
                                       autocast_device=budget.device_type, shift_labels=True)
             log.info("analysed %s: %d layers in %.2f s", analysis.summary.name,
                      len(analysis.layers), time.perf_counter() - start)
+        analysis = dataclasses.replace(analysis, summary=dataclasses.replace(
+            analysis.summary, unpadded_masks=unpadded))
         constraints = _whole_batch_loss(model, example_inputs, loss_fn, example_target,
                                         analysis, constraints, train)
         problem = build_problem(analysis, budget, train, constraints, graph, options)

@@ -432,6 +432,10 @@ class ModelSummary:
     # batch, or is neither causal nor a sliding window), as lowering refuses it
     # (``partc.passes.context_parallel.attention_masks``); "": every mask can.
     context_parallel_mask: str = ""
+    # The example batch's padding masks the model was traced without: all ones (unpadded
+    # rows), so the runtime checks each batch's and leaves them out
+    # (``partc.runtime.padding``). Set by ``partc.compile``, not by the analysis.
+    unpadded_masks: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True, kw_only=True)

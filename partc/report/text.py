@@ -140,6 +140,10 @@ def _headline(plan: Plan) -> list[str]:
     ]
     if plan.fp8 is not None:
         lines.append(_fp8_line(plan))
+    if model.unpadded_masks:
+        lines.append(f"inputs: {' and '.join(model.unpadded_masks)} left out (all ones in "
+                     f"the example batch: unpadded rows, traced without it, causal); each "
+                     f"batch's is checked, and one that pads a row refused")
     if train.loss_per_microbatch:
         lines.append(f"loss: each microbatch's loss is its own (declared: "
                      f"loss_per_microbatch), the mean of {plan.dp * plan.num_microbatches} "

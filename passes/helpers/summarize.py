@@ -19,6 +19,7 @@ from partc.errors import ContextParallelError
 from partc.identity import model_hash
 from partc.passes.context import Context
 from partc.passes.context_parallel import attention_masks
+from partc.runtime.padding import PADDING_MASK
 from partc.passes.helpers import loss_labels
 from partc.passes.helpers.graph import fetch, param_usage
 from partc.passes.layers import crossing_bytes, crossing_tensors
@@ -153,7 +154,11 @@ def _mask_refusal(gm: fx.GraphModule) -> str:
     try:
         attention_masks(gm)
     except ContextParallelError as error:
-        return str(error)
+        if PADDING_MASK not in meta.trace_info(gm).keywords:
+            return str(error)
+        return (f"{error} (the example batch's {PADDING_MASK} pads its rows: context "
+                f"parallelism splits unpadded ones, given an {PADDING_MASK} of ones or "
+                f"none: partc.runtime.padding)")
     return ""
 
 

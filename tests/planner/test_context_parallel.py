@@ -226,6 +226,60 @@ def test_an_own_loss_given_its_labels_shifted_splits_the_sequence():
     assert torch.equal(check.labels(inputs), inputs[2])   # what the weights count
 
 
+def _tiny_llama():
+    import transformers
+
+    config = transformers.LlamaConfig(
+        num_hidden_layers=2, hidden_size=32, intermediate_size=64, num_attention_heads=4,
+        num_key_value_heads=2, vocab_size=64, max_position_embeddings=64)
+    return transformers.LlamaForCausalLM(config)
+
+
+def test_an_attention_mask_of_ones_is_left_out_and_a_padded_batch_refused():
+    """A tokenizer's batch of unpadded rows, ``model(input_ids=..., attention_mask=ones,
+    labels=...)``: the model is traced without the mask (``partc.runtime.padding``), so
+    each attention's mask follows from the shapes (causal) and the sequence may be split;
+    the plan says so, each batch's mask is checked and left out, and one that pads a row
+    is refused, under any mesh. A padded example batch keeps its mask as an input."""
+    from partc.errors import PlanMismatchError
+    from partc.plan import Plan
+    from partc.runtime.batch_check import BatchCheck
+
+    ids = torch.randint(0, 64, (2, 16))
+    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids}
+    budget = partc.DeviceBudget(num_devices=2, device="CPU")
+    padded = dict(batch, attention_mask=torch.ones_like(ids))
+    padded["attention_mask"][1, 13:] = 0   # row 1 alone is padded
+    for cp in (2, 1):
+        program = partc.compile(_tiny_llama(), batch, budget=budget,
+                                constraints=partc.Constraints(cp=cp), cache=None)
+        plan = program.plan
+        assert plan.cp == cp and plan.model.unpadded_masks == ("attention_mask",)
+        assert "attention_mask" not in [s.name for s in plan.model.inputs]
+        assert Plan.from_dict(plan.to_dict()).model.unpadded_masks == ("attention_mask",)
+        assert "attention_mask left out" in program.report()
+        check = BatchCheck.of(plan, dp_rank=0)
+        assert len(check.ordered((), batch, None)) == len(plan.model.inputs) - 1
+        with pytest.raises(PlanMismatchError, match=r"attention_mask pads row\(s\) 1, and the "
+                           "plan was made for unpadded rows"):
+            check.ordered((), padded, None)
+    kept = partc.compile(_tiny_llama(), padded, budget=budget, cache=None).plan
+    assert kept.cp == 1 and kept.model.unpadded_masks == ()
+    assert "attention_mask" in [s.name for s in kept.model.inputs]
+    BatchCheck.of(kept, dp_rank=0).ordered((), padded, None)
+
+
+def test_a_padded_example_batch_keeps_context_parallelism_out_saying_why():
+    ids = torch.randint(0, 64, (2, 16))
+    mask = torch.ones_like(ids)
+    mask[1, 12:] = 0
+    with pytest.raises(PlanInfeasibleError, match="the example batch's attention_mask pads "
+                       "its rows: context parallelism splits unpadded ones"):
+        partc.compile(_tiny_llama(), {"input_ids": ids, "attention_mask": mask, "labels": ids},
+                      budget=partc.DeviceBudget(num_devices=2, device="CPU"),
+                      constraints=partc.Constraints(cp=2, cp_kind="ring"), cache=None)
+
+
 def test_no_plan_fits_names_the_context_parallel_mesh_it_tried():
     prob = _problem(num=2, pins=Pins(cp=2, cp_kind="ring"))
     tiny = replace(prob, devices=replace(prob.devices, memory_bytes=(1000,) * 2))
@@ -257,12 +311,12 @@ def test_a_zero_stage_pinned_beside_dp_1_takes_cp_or_says_why_not():
         plan_problem(_problem(num=2, attention=None, pins=Pins(dp=1, zero_stage=3)))
 
 
-def test_an_attention_mask_given_with_the_batch_keeps_cp_1_when_planning():
+def test_a_padding_mask_given_with_the_batch_keeps_cp_1_when_planning():
     """Seen before: a model given its attention mask as an input (a tokenizer's batch)
     was planned context-parallel, and building the plan refused it ("its attention mask
-    depends on the batch"). The analysis now records what lowering would refuse, and the
-    planner keeps such a model's sequence whole; the same model without the mask
-    (causal from the shapes) splits it."""
+    depends on the batch"). The analysis records what lowering would refuse, and the
+    planner keeps the sequence whole where the example batch pads it; with a mask of
+    ones (unpadded rows, read as ones) or none (causal from the shapes) it splits it."""
     import torch
     import torch.nn.functional as F
 
@@ -273,9 +327,13 @@ def test_an_attention_mask_given_with_the_batch_keeps_cp_1_when_planning():
         return F.cross_entropy(output.logits.flatten(0, 1), target.flatten())
 
     ids = torch.zeros(2, 32, dtype=torch.long)
+    padded = torch.ones_like(ids)
+    padded[0, 30:] = 0
     budget = partc.DeviceBudget(num_devices=2, device="CPU")
-    for inputs, says in (({"input_ids": ids, "attention_mask": torch.ones_like(ids)},
-                          "its attention mask depends on the batch"), ({"input_ids": ids}, None)):
+    for inputs, says in (({"input_ids": ids, "attention_mask": padded},
+                          "its attention mask depends on the batch"),
+                         ({"input_ids": ids, "attention_mask": torch.ones_like(ids)}, None),
+                         ({"input_ids": ids}, None)):
         compile_it = lambda: partc.compile(  # noqa: E731
             models.llama(attention="sdpa"), inputs, loss_fn=loss_fn, example_target=ids,
             budget=budget, train=partc.TrainSpec(global_batch_size=2),

@@ -465,6 +465,11 @@ for _short, _kind in _CP_KINDS.items():
     CASES[f"hf-llama-own-loss-cp2-{_short}"] = Case(
         hf_families.FAMILIES["llama"].build, "hf:prompts", None,
         dict(cp=2, cp_kind=_kind, pp=1, recompute="none"))
+# The same with the tokenizer's attention_mask, all ones (unpadded rows): read as ones,
+# each attention's mask follows from the shapes and splits with the sequence.
+CASES["hf-llama-own-loss-unpadded-cp2-ring"] = Case(
+    hf_families.FAMILIES["llama"].build, "hf:prompts-unpadded", None,
+    dict(cp=2, cp_kind="ring", pp=1, recompute="none"))
 # A loss_fn averaging its counted targets (cross-entropy, -100 over each row's prompt),
 # asked what it averages over and weighed by its counts: each microbatch's, each cp
 # rank's tokens'.
@@ -504,6 +509,9 @@ def batch(case: Case, model: torch.nn.Module, step: int,
         return hf_families.padded_batch(model, BATCH, seq, g), None
     if case.data == "hf:prompts":
         return hf_families.prompt_batch(model, BATCH, seq, g), None
+    if case.data == "hf:prompts-unpadded":   # a tokenizer's batch of unpadded rows
+        prompts = hf_families.prompt_batch(model, BATCH, seq, g)
+        return {**prompts, "attention_mask": torch.ones_like(prompts["input_ids"])}, None
     if case.data.startswith("hf:"):
         return hf_families.batch(case.data[3:], model, BATCH, seq, g)
     x, y = _one_input_batch(case, model, g, seq)
