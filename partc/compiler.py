@@ -51,7 +51,7 @@ from partc.planner.pins import check_pins
 from partc.planner.validate import validate_plan
 from partc.problem import DeviceNumbers, ModelAnalysis, Pins, PlanningProblem, TrainNumbers
 from partc.program import Program, read_plan_file
-from partc.runtime.padding import unpadded_masks
+from partc.runtime.padding import end_padded, takes_end_padding, unpadded_masks
 from partc.spec import Constraints, TrainSpec, dtype_bytes
 
 log = logging.getLogger("partc")
@@ -208,7 +208,8 @@ def problem_for_plan(plan: Plan, model: torch.nn.Module, *, loss_fn: Callable | 
                               attention=train.attention, autocast=autocast_dtype(train),
                               autocast_device=budget.device_type)
     analysis = dataclasses.replace(analysis, summary=dataclasses.replace(
-        analysis.summary, unpadded_masks=plan.model.unpadded_masks))
+        analysis.summary, unpadded_masks=plan.model.unpadded_masks,
+        pads_at_end=plan.model.pads_at_end))
     constraints = Constraints(tp=plan.tp) if plan.tp == 1 else Constraints(
         tp=plan.tp, sequence_parallel=plan.sequence_parallel, tp_objective=plan.tp_objective)
     if plan.fp8 is not None:
@@ -398,31 +399,49 @@ def compile(model: torch.nn.Module,
     devices = device_numbers(budget, train.dtype)
     check_pins(pins_for(constraints, train), devices, train.global_batch_size)  # before tracing
     measured_for = _measured_for(budget, devices, constraints, train, options)
-    # A padding mask of ones is left out: the model is traced as called without it
-    # (partc.runtime.padding); the key tells that from a model given no mask.
-    unpadded = unpadded_masks(model, kwargs) if len(kwargs) + len(example_inputs) > 1 else ()
-    if unpadded:
-        kwargs = {key: value for key, value in kwargs.items() if key not in unpadded}
-        measured_for = (measured_for, ("unpadded", unpadded))
+    # A padding mask is left out where it changes no counted output: the model is traced
+    # as called without it (partc.runtime.padding). Of rows padded at their end, only once
+    # the trace shows the model causal throughout; else it is traced again with the mask.
+    labels = kwargs.get("labels") if loss_fn is None else example_target
+    several = len(kwargs) + len(example_inputs) > 1
+    ones = unpadded_masks(model, kwargs) if several else ()
+    ends = end_padded(model, kwargs, labels) if several and not ones else ()
+    left_out = ones or ends
     # The structure and the behaviour: models of one shape but other forwards (another
     # activation, an untied weight) are traced and measured apart.
     identity = f"{model_hash(model)}-{behaviour_digest(model)}"
-    key = model_key(identity, (example_inputs, kwargs) if kwargs else example_inputs,
-                    example_target, loss_fn, name, measured_for) if cache is not None else None
-    with cache.computing("analysis", key) if cache is not None else contextlib.nullcontext():
-        analysis = cache.analysis(key) if cache is not None else None
-        graph = None
-        if analysis is None:
-            start = time.perf_counter()
-            graph, analysis = analyze(model, example_inputs, kwargs=kwargs, loss_fn=loss_fn,
-                                      example_target=example_target, name=name,
-                                      attention=train.attention,
-                                      autocast=autocast_dtype(train),
-                                      autocast_device=budget.device_type, shift_labels=True)
-            log.info("analysed %s: %d layers in %.2f s", analysis.summary.name,
-                     len(analysis.layers), time.perf_counter() - start)
+
+    def measured(left_out: tuple[str, ...]) -> tuple[str | None, Any, Any]:
+        """The analysis key, graph (None when cached) and analysis of the model
+        traced without the padding masks ``left_out`` (the key tells that from a model
+        given no mask)."""
+        given = {key: value for key, value in kwargs.items() if key not in left_out}
+        key = model_key(identity, (example_inputs, given) if given else example_inputs,
+                        example_target, loss_fn, name,
+                        (measured_for, ("left out", left_out)) if left_out else measured_for
+                        ) if cache is not None else None
+        if cache is not None:
+            held.enter_context(cache.computing("analysis", key))
+            analysis = cache.analysis(key)
+            if analysis is not None:
+                return key, None, analysis
+        start = time.perf_counter()
+        graph, analysis = analyze(model, example_inputs, kwargs=given, loss_fn=loss_fn,
+                                  example_target=example_target, name=name,
+                                  attention=train.attention, autocast=autocast_dtype(train),
+                                  autocast_device=budget.device_type, shift_labels=True)
+        log.info("analysed %s: %d layers in %.2f s", analysis.summary.name,
+                 len(analysis.layers), time.perf_counter() - start)
+        return key, graph, analysis
+
+    with contextlib.ExitStack() as held:
+        key, graph, analysis = measured(left_out)
+        end_padding = bool(left_out) and takes_end_padding(analysis.summary)
+        if ends and not end_padding:   # not causal throughout: its padding mask stays
+            left_out = ()
+            key, graph, analysis = measured(left_out)
         analysis = dataclasses.replace(analysis, summary=dataclasses.replace(
-            analysis.summary, unpadded_masks=unpadded))
+            analysis.summary, unpadded_masks=left_out, pads_at_end=end_padding))
         constraints = _whole_batch_loss(model, example_inputs, loss_fn, example_target,
                                         analysis, constraints, train)
         problem = build_problem(analysis, budget, train, constraints, graph, options)

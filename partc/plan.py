@@ -413,11 +413,13 @@ class ModelInfo:
     # sequence (context parallelism splits it).
     shift_labels: bool = field(default=False, metadata=UNLESS_DEFAULT)
     # Padding masks (keyword inputs, a tokenizer's ``attention_mask``) the model was
-    # traced without: the example batch's were all ones (unpadded rows), so each
-    # attention's mask follows from the shapes (causal) and may split with the sequence.
-    # The runtime takes them with each batch, refuses one that pads a row and leaves them
-    # out (``partc.runtime.padding``).
+    # traced without, where they change no counted output (``partc.runtime.padding``):
+    # each attention's mask follows from the shapes (causal) and may split with the
+    # sequence. The runtime takes them with each batch, checks and leaves them out:
+    # with ``pads_at_end`` (a model causal throughout, whose loss counts labels) rows
+    # padded at their end whose pads count no label are taken, else unpadded rows only.
     unpadded_masks: tuple[str, ...] = field(default=(), metadata=UNLESS_DEFAULT)
+    pads_at_end: bool = field(default=False, metadata=UNLESS_DEFAULT)
     # The user's loss_fn returns a mean over its target's entries not -100 (probed, as
     # cross-entropy's default): the runtime weighs each microbatch's loss (each
     # context-parallel rank's) by its count of them over the batch's, so the step's loss

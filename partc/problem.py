@@ -432,10 +432,14 @@ class ModelSummary:
     # batch, or is neither causal nor a sliding window), as lowering refuses it
     # (``partc.passes.context_parallel.attention_masks``); "": every mask can.
     context_parallel_mask: str = ""
-    # The example batch's padding masks the model was traced without: all ones (unpadded
-    # rows), so the runtime checks each batch's and leaves them out
+    # Every attention is causal (or a sliding window), there being one at least.
+    attention_causal: bool = False
+    # The example batch's padding masks the model was traced without, and whether rows
+    # padded at their end, whose pads count no label, are taken too (else only masks of
+    # ones): the runtime checks each batch's and leaves them out
     # (``partc.runtime.padding``). Set by ``partc.compile``, not by the analysis.
     unpadded_masks: tuple[str, ...] = ()
+    pads_at_end: bool = False
 
 
 @dataclass(frozen=True, kw_only=True)

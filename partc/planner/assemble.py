@@ -165,6 +165,7 @@ def make_plan(problem: PlanningProblem, config: PipelineConfig, evaluation: Eval
                         own_loss=summary.own_loss or None,
                         shift_labels=summary.shift_labels,
                         unpadded_masks=summary.unpadded_masks,
+                        pads_at_end=summary.pads_at_end,
                         counted_target=summary.counted_target,
                         unread_params=unread_params(problem)),
         tensor_parallel=tensor_parallel_section(problem, config),

@@ -141,9 +141,14 @@ def _headline(plan: Plan) -> list[str]:
     if plan.fp8 is not None:
         lines.append(_fp8_line(plan))
     if model.unpadded_masks:
-        lines.append(f"inputs: {' and '.join(model.unpadded_masks)} left out (all ones in "
-                     f"the example batch: unpadded rows, traced without it, causal); each "
-                     f"batch's is checked, and one that pads a row refused")
+        lines.append(f"inputs: {' and '.join(model.unpadded_masks)} left out (traced "
+                     f"without it: attention causal from the shapes); each batch's is "
+                     f"checked: "
+                     + ("rows padded at their end whose pads count no label train as one "
+                        "device does with the mask (the model is causal throughout), other "
+                        "padding is refused" if model.pads_at_end else
+                        "a batch that pads a row is refused (the example batch's rows were "
+                        "unpadded)"))
     if train.loss_per_microbatch:
         lines.append(f"loss: each microbatch's loss is its own (declared: "
                      f"loss_per_microbatch), the mean of {plan.dp * plan.num_microbatches} "

@@ -14,7 +14,8 @@ model's own loss (``plan.model.own_loss``) takes no target: its labels are an in
 partc gives that loss its labels already shifted (``shift_labels``, a causal LM's), they
 are made here from the labels given (:func:`~partc.runtime.label_weights.next_labels`).
 A padding mask the model was traced without (``plan.model.unpadded_masks``) is taken,
-checked to pad no row and left out (:mod:`partc.runtime.padding`).
+checked (no padding, or rows padded at their end whose pads count no label) and left out
+(:mod:`partc.runtime.padding`).
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ import torch.utils._pytree as pytree
 from partc.errors import PlanMismatchError
 from partc.plan import InputSpec, Plan
 from partc.runtime.label_weights import SHIFT_LABELS, next_labels
-from partc.runtime.padding import padded_rows
+from partc.runtime.padding import padding_refusal
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -43,8 +44,10 @@ class BatchCheck:
     own_loss: str | None = None   # ``plan.model.own_loss``: the target is made, not given
     # ``plan.model.shift_labels``: the shift_labels input is made from labels, not given
     shift_labels: bool = False
-    # ``plan.model.unpadded_masks``: padding masks taken, checked all ones, left out
+    # ``plan.model.unpadded_masks``: padding masks taken, checked and left out;
+    # ``pads_at_end``: rows padded at their end whose pads count no label pass the check
     unpadded: tuple[str, ...] = ()
+    pads_at_end: bool = False
 
     @classmethod
     def of(cls, plan: Plan, dp_rank: int) -> "BatchCheck":
@@ -56,7 +59,7 @@ class BatchCheck:
                    global_batch_size=plan.global_batch_size,
                    dp=plan.dp, dp_rank=dp_rank, own_loss=own_loss,
                    shift_labels=plan.model.shift_labels,
-                   unpadded=plan.model.unpadded_masks)
+                   unpadded=plan.model.unpadded_masks, pads_at_end=plan.model.pads_at_end)
 
     def ordered(self, inputs: tuple, named: Mapping[str, Any], target: Any) -> tuple:
         """The model's inputs in the plan's order, from those given by position and by
@@ -65,8 +68,10 @@ class BatchCheck:
         if len(inputs) == 1 and isinstance(inputs[0], Mapping) and not named:
             inputs, named = (), inputs[0]
         named = {key: value for key, value in named.items() if value is not None}
+        counted = named.get("labels") if self.own_loss else target
         padded = [why for name in self.unpadded if name in named
-                  if (why := padded_rows(name, named[name])) is not None]
+                  if (why := padding_refusal(name, named[name], counted, self.pads_at_end))
+                  is not None]
         if padded:
             raise PlanMismatchError("this batch does not match the plan: " + "; ".join(padded))
         named = {key: value for key, value in named.items() if key not in self.unpadded}

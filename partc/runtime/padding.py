@@ -1,17 +1,28 @@
-"""Padding masks of unpadded batches: left out of the trace, checked on every batch.
+"""Padding masks left out of the trace where they change no counted output, checked on
+every batch.
 
-A tokenizer's batch carries ``attention_mask``; where no row is padded it holds only
-ones, and a Hugging Face model given ones computes what it computes given none
-(transformers itself drops such a mask before its attention kernels). ``partc.compile``
-therefore traces a model whose example batch's mask is all ones (or has no values to
-read: meta tensors, planned by their shapes) without it, where the forward takes none
-(:func:`unpadded_masks`): each attention's mask then follows from the shapes (causal),
-attention is priced and run as causal with no ``(seq x seq)`` mask made, and the
-sequence may be split over context-parallel ranks. The plan lists those masks
-(``plan.model.unpadded_masks``); the runtime takes them with each batch, checks that
-they are still all ones, and leaves them out (:func:`padded_rows`,
-``partc.runtime.batch_check``). A padded batch is refused, naming its rows: such a
-plan was made for unpadded rows. A padded example batch keeps its mask as an input.
+A tokenizer's batch carries ``attention_mask``. ``partc.compile`` traces the model
+without it, where the forward takes none, in two cases:
+
+- **unpadded rows**: the example batch's mask is all ones, or has no values to read
+  (meta tensors, planned by their shapes). A Hugging Face model given ones computes what
+  it computes given none (transformers itself drops such a mask before its attention
+  kernels) (:func:`unpadded_masks`);
+- **rows padded at their end, whose pads count no label** (a collator's right padding,
+  labels -100 under it), of a model that is causal throughout: every attention causal
+  or a sliding window, and no other op reading along the sequence
+  (``ModelSummary.attention_causal``, ``context_parallel_blocker``), its loss a mean over
+  the labels it counts (:func:`counts_labels`). Each real token then sees only the
+  tokens before it, which are real, with the mask or without; the pads' own outputs
+  change, and count nothing (their gradients are zero) (:func:`end_padded`).
+
+Each attention's mask then follows from the shapes (causal): attention is priced and run
+causal, with no ``(seq x seq)`` mask made, and the sequence may be split over
+context-parallel ranks. The plan lists the masks (``plan.model.unpadded_masks``, and
+``pads_at_end`` for the second case); the runtime takes them with each batch, checks
+them (:func:`padding_refusal`) and leaves them out. A batch padded otherwise (at the
+start of its rows, or with labels under its pads; any padding for a plan of unpadded
+rows only) is refused, naming its rows. Otherwise the mask stays an input.
 """
 
 from __future__ import annotations
@@ -23,46 +34,107 @@ import torch
 
 # The keyword input a padding mask comes in (a Hugging Face tokenizer's batch).
 PADDING_MASK = "attention_mask"
+IGNORED = -100   # a label that counts nothing (cross-entropy's ignore_index)
+
+
+def takes_none(model: Any, name: str = PADDING_MASK) -> bool:
+    """Whether ``model``'s forward takes keyword ``name`` with a default of None."""
+    try:
+        parameter = inspect.signature(model.forward).parameters.get(name)
+    except (TypeError, ValueError):
+        return False
+    return parameter is not None and parameter.default is None
 
 
 def unpadded_masks(model: Any, kwargs: Mapping[str, Any]) -> tuple[str, ...]:
     """The keyword inputs of ``kwargs`` that are padding masks of unpadded rows, which
     ``model``'s forward can be called without: :data:`PADDING_MASK`, (batch, seq), all
-    ones or with no values to read (meta or fake), where the forward gives it a default
-    of None."""
+    ones or with no values to read (meta or fake)."""
     value = kwargs.get(PADDING_MASK)
-    if not isinstance(value, torch.Tensor) or value.dim() != 2:
+    if not (_is_mask(value) and takes_none(model)):
         return ()
-    try:
-        parameter = inspect.signature(model.forward).parameters.get(PADDING_MASK)
-    except (TypeError, ValueError):
+    return (PADDING_MASK,) if _no_values(value) or bool((value == 1).all()) else ()
+
+
+def end_padded(model: Any, kwargs: Mapping[str, Any], labels: Any) -> tuple[str, ...]:
+    """The keyword inputs of ``kwargs`` that are padding masks of rows padded at their
+    end only, whose pads count no label in ``labels`` (the own loss's ``labels``, or a
+    loss_fn's (batch, seq) target), which ``model``'s forward can be called without; the
+    model must still prove causal (:mod:`this module's doc <partc.runtime.padding>`)."""
+    value = kwargs.get(PADDING_MASK)
+    if not (_is_mask(value) and takes_none(model)) or _no_values(value):
         return ()
-    if parameter is None or parameter.default is not None:
-        return ()
-    if _no_values(value) or bool((value == 1).all()):
-        return (PADDING_MASK,)
-    return ()
+    return (PADDING_MASK,) if _end_padding_refusal(PADDING_MASK, value, labels) is None \
+        else ()
+
+
+def takes_end_padding(summary: Any) -> bool:
+    """Whether a model traced without its padding mask (``summary``: its
+    ``ModelSummary``) computes every counted output as it would with a mask padding rows
+    at their end: it is causal throughout (every attention causal or a sliding window,
+    no other op reading along the sequence), and its loss is a mean over the labels it
+    counts, read position by position (a causal LM's own loss given its labels shifted,
+    which adds no router loss; or a loss_fn over its target's entries not -100)."""
+    return (summary.attention_causal and not summary.context_parallel_blocker
+            and (bool(summary.shift_labels) or summary.counted_target is True))
+
+
+def padding_refusal(name: str, mask: Any, labels: Any = None,
+                    pads_at_end: bool = False) -> str | None:
+    """Why a batch whose ``name`` is ``mask`` (and whose counted labels are ``labels``)
+    does not suit a plan that left that mask out (``pads_at_end``: one that takes rows
+    padded at their end, whose pads count no label); None where it does."""
+    if not _is_mask(mask):
+        return f"{name} is not a (batch, seq) tensor"
+    if pads_at_end:
+        return _end_padding_refusal(name, mask, labels)
+    padded = (mask != 1).any(dim=-1)
+    if not bool(padded.any()):
+        return None
+    return (f"{name} pads row(s) {_rows(padded)}, and the plan was made for unpadded rows "
+            f"(the example batch's {name} was all ones, so the model was traced without "
+            f"it): pack the sequences without padding, or compile with an example batch "
+            f"padded as these are")
+
+
+def _end_padding_refusal(name: str, mask: torch.Tensor, labels: Any) -> str | None:
+    """Why ``mask`` is not ones then zeros in every row with ``labels`` -100 under its
+    zeros; None where it is."""
+    if not bool(((mask == 0) | (mask == 1)).all()):
+        return f"{name} holds values other than 0 and 1"
+    kept = mask != 0
+    early = (kept[:, 1:] & ~kept[:, :-1]).any(dim=-1)   # a token after a pad
+    if bool(early.any()):
+        return (f"{name} pads row(s) {_rows(early)} before their last token, and the plan "
+                f"was made for rows padded at their end (the model was traced without the "
+                f"mask, causal): pad on the right (tokenizer.padding_side = \"right\"), or "
+                f"compile with an example batch padded as these are")
+    if not isinstance(labels, torch.Tensor) or tuple(labels.shape) != tuple(mask.shape):
+        if bool(kept.all()):
+            return None
+        return (f"{name} pads rows, and the labels under the pads cannot be read (no "
+                f"(batch, seq) labels or target): the plan was made for pads that count no "
+                f"label")
+    counted = (~kept & (labels != IGNORED)).any(dim=-1)
+    if bool(counted.any()):
+        return (f"the labels of row(s) {_rows(counted)} count pad positions (not -100 "
+                f"where {name} is 0), and the plan was made for pads that count no label "
+                f"(the model was traced without the mask): set their labels to -100, as "
+                f"a collator does")
+    return None
+
+
+def _rows(flags: torch.Tensor) -> str:
+    rows = flags.nonzero().flatten().tolist()
+    return ", ".join(str(r) for r in rows[:5]) + (f" and {len(rows) - 5} more"
+                                                   if len(rows) > 5 else "")
+
+
+def _is_mask(value: Any) -> bool:
+    return isinstance(value, torch.Tensor) and value.dim() == 2
 
 
 def _no_values(value: torch.Tensor) -> bool:
     from torch._subclasses.fake_tensor import FakeTensor
 
     return value.is_meta or isinstance(value, FakeTensor)
-
-
-def padded_rows(name: str, mask: Any) -> str | None:
-    """Why a batch whose ``name`` is ``mask`` does not suit a plan that left that mask
-    out (its rows padded, or no tensor of (batch, seq)); None where it is all ones."""
-    if not isinstance(mask, torch.Tensor) or mask.dim() != 2:
-        return (f"{name} is not a (batch, seq) tensor, and the plan was made for "
-                f"unpadded rows")
-    padded = (mask != 1).any(dim=-1)
-    if not bool(padded.any()):
-        return None
-    rows = padded.nonzero().flatten().tolist()
-    shown = ", ".join(str(r) for r in rows[:5]) + (f" and {len(rows) - 5} more"
-                                                    if len(rows) > 5 else "")
-    return (f"{name} pads row(s) {shown}, and the plan was made for unpadded rows (the "
-            f"example batch's {name} was all ones, so the model was traced without it, "
-            f"causal: context parallelism may split the sequence): pack the sequences "
-            f"without padding, or compile with an example batch that pads a row")

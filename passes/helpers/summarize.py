@@ -20,6 +20,7 @@ from partc.identity import model_hash
 from partc.passes.context import Context
 from partc.passes.context_parallel import attention_masks
 from partc.runtime.padding import PADDING_MASK
+from partc.runtime.ring_attention import CAUSAL, SLIDING
 from partc.passes.helpers import loss_labels
 from partc.passes.helpers.graph import fetch, param_usage
 from partc.passes.layers import crossing_bytes, crossing_tensors
@@ -147,25 +148,28 @@ def _overlap_flops(collectives, rings: list[tuple[str, str, int, float]]) -> lis
     return beside
 
 
-def _mask_refusal(gm: fx.GraphModule) -> str:
+def _mask_facts(gm: fx.GraphModule) -> tuple[str, bool]:
     """Why lowering would refuse to split an attention's mask with the sequence
     (:func:`~partc.passes.context_parallel.attention_masks`), or "": known when planning,
-    so that no context-parallel plan is made that its lowering refuses."""
+    so that no context-parallel plan is made that its lowering refuses; and whether every
+    attention is causal (or a sliding window), there being one at least."""
     try:
-        attention_masks(gm)
+        masks = attention_masks(gm)
     except ContextParallelError as error:
         if PADDING_MASK not in meta.trace_info(gm).keywords:
-            return str(error)
-        return (f"{error} (the example batch's {PADDING_MASK} pads its rows: context "
-                f"parallelism splits unpadded ones, given an {PADDING_MASK} of ones or "
-                f"none: partc.runtime.padding)")
-    return ""
+            return str(error), False
+        return (f"{error} (the example batch's {PADDING_MASK} pads its rows in a way the "
+                f"model cannot be traced without: context parallelism splits rows padded "
+                f"at their end, whose pads count no label, or unpadded ones: "
+                f"partc.runtime.padding)"), False
+    return "", bool(masks) and all(mask.kind in (CAUSAL, SLIDING) for mask in masks)
 
 
 def summarize(gm: fx.GraphModule, ctx: Context) -> ModelAnalysis:
     """Collect the per-layer costs, cuts and shared parameters into a ModelAnalysis."""
     info = meta.trace_info(gm)
     per_sample = 1.0 / ctx.batch_size
+    mask_refusal, causal = _mask_facts(gm)
     return ModelAnalysis(
         summary=ModelSummary(
             name=ctx.name, num_params=_num_params(ctx.model), hash=model_hash(ctx.model),
@@ -176,7 +180,7 @@ def summarize(gm: fx.GraphModule, ctx: Context) -> ModelAnalysis:
             counted_target=False if info.own_loss else loss_labels.counts_its_target(gm),
             autocast=str(ctx.autocast).removeprefix("torch.") if ctx.autocast else "",
             context_parallel_blocker=context_parallel_blocker(gm, sequence_length(gm, ctx)),
-            context_parallel_mask=_mask_refusal(gm)),
+            context_parallel_mask=mask_refusal, attention_causal=causal),
         layers=_with_experts(gm, ctx, meta.layer_costs(gm)),
         cut_bytes=tuple(c * per_sample for c in meta.cut_bytes(gm)),
         shared=_shared(gm, ctx),

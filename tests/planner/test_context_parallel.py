@@ -235,47 +235,83 @@ def _tiny_llama():
     return transformers.LlamaForCausalLM(config)
 
 
-def test_an_attention_mask_of_ones_is_left_out_and_a_padded_batch_refused():
-    """A tokenizer's batch of unpadded rows, ``model(input_ids=..., attention_mask=ones,
-    labels=...)``: the model is traced without the mask (``partc.runtime.padding``), so
-    each attention's mask follows from the shapes (causal) and the sequence may be split;
-    the plan says so, each batch's mask is checked and left out, and one that pads a row
-    is refused, under any mesh. A padded example batch keeps its mask as an input."""
+def _rows_padded(ids: torch.Tensor, lengths: list[int], *, left: bool = False,
+                 labelled: bool = False) -> dict[str, torch.Tensor]:
+    """A tokenizer's batch of ``ids`` whose rows hold ``lengths`` tokens, padded at their
+    end (or start), labels -100 under the pads (or not, ``labelled``)."""
+    seq = ids.shape[1]
+    where = torch.arange(seq)
+    mask = torch.stack([(where >= seq - n) if left else (where < n) for n in lengths]).long()
+    labels = ids if labelled else ids.masked_fill(mask == 0, -100)
+    return {"input_ids": ids, "attention_mask": mask, "labels": labels}
+
+
+def test_a_padding_mask_is_left_out_where_it_changes_no_counted_output():
+    """A tokenizer's batch, ``model(input_ids=..., attention_mask=..., labels=...)``, of
+    a causal LM: with rows unpadded (a mask of ones) or padded at their end with labels
+    -100 under the pads, the model is traced without the mask (``partc.runtime.padding``):
+    each real token sees only real tokens before it either way, and the pads count
+    nothing. Attention is causal from the shapes, so the sequence may be split; the plan
+    says so, and each batch's mask is checked and left out, under any mesh: rows padded
+    at their end pass, rows padded at their start or with labels under their pads are
+    refused, naming them."""
     from partc.errors import PlanMismatchError
     from partc.plan import Plan
     from partc.runtime.batch_check import BatchCheck
 
     ids = torch.randint(0, 64, (2, 16))
-    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids}
     budget = partc.DeviceBudget(num_devices=2, device="CPU")
-    padded = dict(batch, attention_mask=torch.ones_like(ids))
-    padded["attention_mask"][1, 13:] = 0   # row 1 alone is padded
-    for cp in (2, 1):
-        program = partc.compile(_tiny_llama(), batch, budget=budget,
+    unpadded = _rows_padded(ids, [16, 16])
+    end = _rows_padded(ids, [16, 11])
+    for example, cp in ((unpadded, 2), (unpadded, 1), (end, 2)):
+        program = partc.compile(_tiny_llama(), example, budget=budget,
                                 constraints=partc.Constraints(cp=cp), cache=None)
         plan = program.plan
         assert plan.cp == cp and plan.model.unpadded_masks == ("attention_mask",)
-        assert "attention_mask" not in [s.name for s in plan.model.inputs]
-        assert Plan.from_dict(plan.to_dict()).model.unpadded_masks == ("attention_mask",)
+        assert plan.model.pads_at_end and "attention_mask" not in [s.name for s in
+                                                                    plan.model.inputs]
+        again = Plan.from_dict(plan.to_dict()).model
+        assert again.unpadded_masks == ("attention_mask",) and again.pads_at_end
         assert "attention_mask left out" in program.report()
         check = BatchCheck.of(plan, dp_rank=0)
-        assert len(check.ordered((), batch, None)) == len(plan.model.inputs) - 1
-        with pytest.raises(PlanMismatchError, match=r"attention_mask pads row\(s\) 1, and the "
-                           "plan was made for unpadded rows"):
-            check.ordered((), padded, None)
-    kept = partc.compile(_tiny_llama(), padded, budget=budget, cache=None).plan
-    assert kept.cp == 1 and kept.model.unpadded_masks == ()
-    assert "attention_mask" in [s.name for s in kept.model.inputs]
-    BatchCheck.of(kept, dp_rank=0).ordered((), padded, None)
+        for fine in (unpadded, end, _rows_padded(ids, [3, 16])):
+            assert len(check.ordered((), fine, None)) == len(plan.model.inputs) - 1
+        with pytest.raises(PlanMismatchError, match=r"pads row\(s\) 1 before their last "
+                           "token, and the plan was made for rows padded at their end"):
+            check.ordered((), _rows_padded(ids, [16, 11], left=True), None)
+        with pytest.raises(PlanMismatchError, match=r"the labels of row\(s\) 1 count pad "
+                           "positions"):
+            check.ordered((), _rows_padded(ids, [16, 11], labelled=True), None)
+
+
+def test_a_padding_mask_stays_where_it_would_change_a_counted_output():
+    """Rows padded at their start, or whose pads count labels, keep the mask as an input
+    (and the sequence whole); so does a model that is not causal throughout (a masked
+    LM, whose tokens see the pads after them), which is traced once without the mask to
+    see that, and again with it."""
+    ids = torch.randint(0, 64, (2, 16))
+    budget = partc.DeviceBudget(num_devices=2, device="CPU")
+    for example in (_rows_padded(ids, [16, 11], left=True),
+                    _rows_padded(ids, [16, 11], labelled=True)):
+        plan = partc.compile(_tiny_llama(), example, budget=budget, cache=None).plan
+        assert plan.model.unpadded_masks == () and not plan.model.pads_at_end
+        assert "attention_mask" in [s.name for s in plan.model.inputs]
+    from tests import hf_families
+
+    electra = hf_families.FAMILIES["electra"].build()
+    plan = partc.compile(electra, _rows_padded(torch.randint(1, 64, (2, 16)), [16, 11]),
+                         budget=budget, cache=None).plan
+    assert plan.model.unpadded_masks == () and not plan.model.pads_at_end
+    assert "attention_mask" in [s.name for s in plan.model.inputs]
 
 
 def test_a_padded_example_batch_keeps_context_parallelism_out_saying_why():
     ids = torch.randint(0, 64, (2, 16))
-    mask = torch.ones_like(ids)
-    mask[1, 12:] = 0
     with pytest.raises(PlanInfeasibleError, match="the example batch's attention_mask pads "
-                       "its rows: context parallelism splits unpadded ones"):
-        partc.compile(_tiny_llama(), {"input_ids": ids, "attention_mask": mask, "labels": ids},
+                       "its rows in a way the model cannot be traced without: context "
+                       "parallelism splits rows padded at their end, whose pads count no "
+                       "label, or unpadded ones"):
+        partc.compile(_tiny_llama(), _rows_padded(ids, [16, 12], labelled=True),
                       budget=partc.DeviceBudget(num_devices=2, device="CPU"),
                       constraints=partc.Constraints(cp=2, cp_kind="ring"), cache=None)
 

@@ -31,6 +31,7 @@ CP_TWO = [f"hf-{family}-cp2-{kind}" for family in CP_FAMILIES
                                           "hf-llama-own-loss-cp2-ring",
                                           "hf-llama-own-loss-cp2-a2a",
                                           "hf-llama-own-loss-unpadded-cp2-ring",
+                                          "hf-llama-own-loss-padded-cp2-ring",
                                           "hf-llama-masked-cp2-ring"]
 # (All-to-all beside tp=2 only for GPT-2: the others' 2 key/value heads leave one per tp
 # rank, which the planner will not split over cp.)
@@ -38,9 +39,10 @@ CP_FOUR = [f"hf-{family}-cp2-{kind}-{mesh}" for family in CP_FAMILIES
            for kind in ("ring", "a2a") for mesh in ("pp2", "tp2", "dp2-zero3")
            if (kind, mesh) != ("a2a", "tp2") or family == "gpt2"] + [
     "hf-llama-own-loss-cp2-ring-pp2", "hf-llama-own-loss-cp2-ring-dp2-zero3"]
-# (The own loss with an attention_mask of ones: also the own loss without one.)
+# (The own loss on rows padded at their end, the attention_mask left out: also the own
+# loss without a mask, or with one of ones.)
 DEFAULT_CP_TWO = ["hf-llama-cp2-ring-zero3", "hf-qwen2-cp2-a2a",
-                  "hf-llama-own-loss-unpadded-cp2-ring", "hf-llama-masked-cp2-ring"]
+                  "hf-llama-own-loss-padded-cp2-ring", "hf-llama-masked-cp2-ring"]
 # The cases test_two/four_processes_match_one check alone.
 PLAIN_TWO = ["gpt-pp2-1f1b", "gpt-pp2-gpipe-recompute", "gpt2-pp2-1f1b-recompute",
              "gpt2-pp2-gpipe", "llama-pp2-gpipe-recompute", "llama-pp2-1f1b",
