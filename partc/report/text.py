@@ -100,7 +100,8 @@ def _kernels_line(plan: Plan) -> str:
            f"optimizer step {'fused' if train.fused_optimizer else 'unfused'}"
     seconds = plan.predicted.compile_time_s
     if seconds is not None:
-        line += f"; the first step compiles for about {format_seconds(seconds)} (estimated)"
+        about = f"{seconds / 60:.0f} min" if seconds >= 120 else f"{seconds:.0f} s"
+        line += f"; the first step compiles for about {about} (estimated)"
     return line
 
 
