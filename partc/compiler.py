@@ -51,7 +51,8 @@ from partc.planner.pins import check_pins
 from partc.planner.validate import validate_plan
 from partc.problem import DeviceNumbers, ModelAnalysis, Pins, PlanningProblem, TrainNumbers
 from partc.program import Program, read_plan_file
-from partc.runtime.padding import end_padded, takes_end_padding, unpadded_masks
+from partc.runtime.padding import (end_padded, plain_positions, takes_end_padding,
+                                   unpadded_masks)
 from partc.spec import Constraints, TrainSpec, dtype_bytes
 
 log = logging.getLogger("partc")
@@ -208,7 +209,7 @@ def problem_for_plan(plan: Plan, model: torch.nn.Module, *, loss_fn: Callable | 
                               attention=train.attention, autocast=autocast_dtype(train),
                               autocast_device=budget.device_type)
     analysis = dataclasses.replace(analysis, summary=dataclasses.replace(
-        analysis.summary, unpadded_masks=plan.model.unpadded_masks,
+        analysis.summary, left_out=plan.model.left_out,
         pads_at_end=plan.model.pads_at_end))
     constraints = Constraints(tp=plan.tp) if plan.tp == 1 else Constraints(
         tp=plan.tp, sequence_parallel=plan.sequence_parallel, tp_objective=plan.tp_objective)
@@ -407,6 +408,7 @@ def compile(model: torch.nn.Module,
     ones = unpadded_masks(model, kwargs) if several else ()
     ends = end_padded(model, kwargs, labels) if several and not ones else ()
     left_out = ones or ends
+    left_out += plain_positions(model, kwargs, left_out) if several else ()
     # The structure and the behaviour: models of one shape but other forwards (another
     # activation, an untied weight) are traced and measured apart.
     identity = f"{model_hash(model)}-{behaviour_digest(model)}"
@@ -437,11 +439,12 @@ def compile(model: torch.nn.Module,
     with contextlib.ExitStack() as held:
         key, graph, analysis = measured(left_out)
         end_padding = bool(left_out) and takes_end_padding(analysis.summary)
-        if ends and not end_padding:   # not causal throughout: its padding mask stays
+        if ends and not end_padding:   # not causal throughout: its padding mask stays,
+            # and so do any position ids (counted from the mask by some models)
             left_out = ()
             key, graph, analysis = measured(left_out)
         analysis = dataclasses.replace(analysis, summary=dataclasses.replace(
-            analysis.summary, unpadded_masks=left_out, pads_at_end=end_padding))
+            analysis.summary, left_out=left_out, pads_at_end=end_padding))
         constraints = _whole_batch_loss(model, example_inputs, loss_fn, example_target,
                                         analysis, constraints, train)
         problem = build_problem(analysis, budget, train, constraints, graph, options)

@@ -412,13 +412,14 @@ class ModelInfo:
     # (``partc.runtime.label_weights.next_labels``), so that no label is read across the
     # sequence (context parallelism splits it).
     shift_labels: bool = field(default=False, metadata=UNLESS_DEFAULT)
-    # Padding masks (keyword inputs, a tokenizer's ``attention_mask``) the model was
-    # traced without, where they change no counted output (``partc.runtime.padding``):
-    # each attention's mask follows from the shapes (causal) and may split with the
-    # sequence. The runtime takes them with each batch, checks and leaves them out:
-    # with ``pads_at_end`` (a model causal throughout, whose loss counts labels) rows
-    # padded at their end whose pads count no label are taken, else unpadded rows only.
-    unpadded_masks: tuple[str, ...] = field(default=(), metadata=UNLESS_DEFAULT)
+    # Keyword inputs the model was traced without, where they change no counted output
+    # (``partc.runtime.padding``): a tokenizer's ``attention_mask`` (each attention's
+    # mask then follows from the shapes, causal, and may split with the sequence) and
+    # ``position_ids`` of 0..S-1 in every row. The runtime takes them with each batch,
+    # checks and leaves them out: with ``pads_at_end`` (a model causal throughout, whose
+    # loss counts labels) rows padded at their end whose pads count no label are taken,
+    # else unpadded rows only; position ids must be 0..S-1.
+    left_out: tuple[str, ...] = field(default=(), metadata=UNLESS_DEFAULT)
     pads_at_end: bool = field(default=False, metadata=UNLESS_DEFAULT)
     # The user's loss_fn returns a mean over its target's entries not -100 (probed, as
     # cross-entropy's default): the runtime weighs each microbatch's loss (each

@@ -434,11 +434,12 @@ class ModelSummary:
     context_parallel_mask: str = ""
     # Every attention is causal (or a sliding window), there being one at least.
     attention_causal: bool = False
-    # The example batch's padding masks the model was traced without, and whether rows
-    # padded at their end, whose pads count no label, are taken too (else only masks of
-    # ones): the runtime checks each batch's and leaves them out
-    # (``partc.runtime.padding``). Set by ``partc.compile``, not by the analysis.
-    unpadded_masks: tuple[str, ...] = ()
+    # The example batch's keyword inputs the model was traced without (a padding mask,
+    # position ids 0..S-1), and whether rows padded at their end, whose pads count no
+    # label, are taken too (else only masks of ones): the runtime checks each batch's and
+    # leaves them out (``partc.runtime.padding``). Set by ``partc.compile``, not by the
+    # analysis.
+    left_out: tuple[str, ...] = ()
     pads_at_end: bool = False
 
 

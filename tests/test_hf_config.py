@@ -138,7 +138,7 @@ def test_an_encoder_decoder_is_its_sequence_to_sequence_lm(capsys):
     assert model["name"] == "T5ForConditionalGeneration (t5)"
     # The data's attention_mask is all ones (unpadded rows): left out, checked per batch.
     assert [s["name"] for s in model["inputs"]] == ["input_ids", "labels", "target"]
-    assert model["unpadded_masks"] == ["attention_mask"]
+    assert model["left_out"] == ["attention_mask"]
     torch.manual_seed(0)
     workload = hf_config.workload("t5", T5_TINY, batch=4, seq_len=8)
     batch, _ = workload["data"](0)

@@ -164,7 +164,7 @@ def make_plan(problem: PlanningProblem, config: PipelineConfig, evaluation: Eval
                                      for name, shape, dtype in summary.inputs),
                         own_loss=summary.own_loss or None,
                         shift_labels=summary.shift_labels,
-                        unpadded_masks=summary.unpadded_masks,
+                        left_out=summary.left_out,
                         pads_at_end=summary.pads_at_end,
                         counted_target=summary.counted_target,
                         unread_params=unread_params(problem)),

@@ -28,6 +28,7 @@ from partc.device.usable import Headroom, communicators, headroom
 from partc.names import Outcome, Phase
 from partc.placement import REPLICATE
 from partc.plan import DP_WHEN, MeshOutcome, Plan, TensorParallelPlan
+from partc.runtime.padding import PADDING_MASK, POSITION_IDS
 from partc.safe_text import one_line
 from partc.units import format_bytes, format_count, format_seconds
 
@@ -141,15 +142,8 @@ def _headline(plan: Plan) -> list[str]:
     ]
     if plan.fp8 is not None:
         lines.append(_fp8_line(plan))
-    if model.unpadded_masks:
-        lines.append(f"inputs: {' and '.join(model.unpadded_masks)} left out (traced "
-                     f"without it: attention causal from the shapes); each batch's is "
-                     f"checked: "
-                     + ("rows padded at their end whose pads count no label train as one "
-                        "device does with the mask (the model is causal throughout), other "
-                        "padding is refused" if model.pads_at_end else
-                        "a batch that pads a row is refused (the example batch's rows were "
-                        "unpadded)"))
+    if model.left_out:
+        lines.append(_left_out_line(model))
     if train.loss_per_microbatch:
         lines.append(f"loss: each microbatch's loss is its own (declared: "
                      f"loss_per_microbatch), the mean of {plan.dp * plan.num_microbatches} "
@@ -157,6 +151,22 @@ def _headline(plan: Plan) -> list[str]:
                      f"that couples the samples of a batch differs from one device's "
                      f"whole-batch loss")
     return lines
+
+
+def _left_out_line(model) -> str:
+    """The inputs the model was traced without, and how each batch's are checked
+    (``partc.runtime.padding``)."""
+    checks = []
+    if PADDING_MASK in model.left_out:
+        checks.append("rows padded at their end whose pads count no label train as one "
+                      "device does with the mask (the model is causal throughout), other "
+                      "padding is refused" if model.pads_at_end else
+                      "a batch that pads a row is refused (the example batch's were unpadded)")
+    if POSITION_IDS in model.left_out:
+        checks.append("position ids other than 0..S-1 (documents packed in a row) are refused")
+    return (f"inputs: {' and '.join(model.left_out)} left out (the model traced without "
+            f"them: attention causal from the shapes, positions from 0); each batch's are "
+            f"checked: " + "; ".join(checks))
 
 
 def _fp8_line(plan: Plan) -> str:

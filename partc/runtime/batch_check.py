@@ -13,9 +13,9 @@ the plan's order (a positional input may also be given by its name). A plan on t
 model's own loss (``plan.model.own_loss``) takes no target: its labels are an input. Where
 partc gives that loss its labels already shifted (``shift_labels``, a causal LM's), they
 are made here from the labels given (:func:`~partc.runtime.label_weights.next_labels`).
-A padding mask the model was traced without (``plan.model.unpadded_masks``) is taken,
-checked (no padding, or rows padded at their end whose pads count no label) and left out
-(:mod:`partc.runtime.padding`).
+A padding mask the model was traced without (``plan.model.left_out``) is taken, checked
+(no padding, or rows padded at their end whose pads count no label) and left out, and so
+are position ids of 0..S-1 (:mod:`partc.runtime.padding`).
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ import torch.utils._pytree as pytree
 from partc.errors import PlanMismatchError
 from partc.plan import InputSpec, Plan
 from partc.runtime.label_weights import SHIFT_LABELS, next_labels
-from partc.runtime.padding import padding_refusal
+from partc.runtime.padding import refusal
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -44,9 +44,10 @@ class BatchCheck:
     own_loss: str | None = None   # ``plan.model.own_loss``: the target is made, not given
     # ``plan.model.shift_labels``: the shift_labels input is made from labels, not given
     shift_labels: bool = False
-    # ``plan.model.unpadded_masks``: padding masks taken, checked and left out;
+    # ``plan.model.left_out``: inputs taken, checked and left out (a padding mask, plain
+    # position ids);
     # ``pads_at_end``: rows padded at their end whose pads count no label pass the check
-    unpadded: tuple[str, ...] = ()
+    left_out: tuple[str, ...] = ()
     pads_at_end: bool = False
 
     @classmethod
@@ -59,7 +60,7 @@ class BatchCheck:
                    global_batch_size=plan.global_batch_size,
                    dp=plan.dp, dp_rank=dp_rank, own_loss=own_loss,
                    shift_labels=plan.model.shift_labels,
-                   unpadded=plan.model.unpadded_masks, pads_at_end=plan.model.pads_at_end)
+                   left_out=plan.model.left_out, pads_at_end=plan.model.pads_at_end)
 
     def ordered(self, inputs: tuple, named: Mapping[str, Any], target: Any) -> tuple:
         """The model's inputs in the plan's order, from those given by position and by
@@ -69,12 +70,14 @@ class BatchCheck:
             inputs, named = (), inputs[0]
         named = {key: value for key, value in named.items() if value is not None}
         counted = named.get("labels") if self.own_loss else target
-        padded = [why for name in self.unpadded if name in named
-                  if (why := padding_refusal(name, named[name], counted, self.pads_at_end))
+        # (Without the labels the pads are judged by, the batch is refused below for that.)
+        padded = [why for name in self.left_out if name in named
+                  and (counted is not None or not self.pads_at_end)
+                  if (why := refusal(name, named[name], counted, self.pads_at_end))
                   is not None]
         if padded:
             raise PlanMismatchError("this batch does not match the plan: " + "; ".join(padded))
-        named = {key: value for key, value in named.items() if key not in self.unpadded}
+        named = {key: value for key, value in named.items() if key not in self.left_out}
         positional = [s for s in self.inputs if not s.keyword]
         problems = []
         if len(inputs) > len(positional):

@@ -18,11 +18,15 @@ without it, where the forward takes none, in two cases:
 
 Each attention's mask then follows from the shapes (causal): attention is priced and run
 causal, with no ``(seq x seq)`` mask made, and the sequence may be split over
-context-parallel ranks. The plan lists the masks (``plan.model.unpadded_masks``, and
-``pads_at_end`` for the second case); the runtime takes them with each batch, checks
-them (:func:`padding_refusal`) and leaves them out. A batch padded otherwise (at the
-start of its rows, or with labels under its pads; any padding for a plan of unpadded
-rows only) is refused, naming its rows. Otherwise the mask stays an input.
+context-parallel ranks. ``position_ids`` of 0..S-1 in every row (what the model counts
+without them, the mask given or left out) are left out beside the mask, or where no mask
+is given (:func:`plain_positions`): given, transformers reads them for documents packed
+in a row, a mask that depends on the batch. The plan lists what it left out
+(``plan.model.left_out``, and ``pads_at_end`` for the second case); the runtime takes
+them with each batch, checks them (:func:`refusal`) and leaves them out. A batch padded
+otherwise (at the start of its rows, or with labels under its pads; any padding for a
+plan of unpadded rows only), or whose positions are not 0..S-1, is refused, naming its
+rows. Otherwise the mask (and the positions) stay inputs.
 """
 
 from __future__ import annotations
@@ -32,9 +36,12 @@ from typing import Any, Mapping
 
 import torch
 
-# The keyword input a padding mask comes in (a Hugging Face tokenizer's batch).
+from partc.runtime.label_weights import IGNORED
+
+# The keyword input a padding mask comes in (a Hugging Face tokenizer's batch), and the
+# one of each token's position.
 PADDING_MASK = "attention_mask"
-IGNORED = -100   # a label that counts nothing (cross-entropy's ignore_index)
+POSITION_IDS = "position_ids"
 
 
 def takes_none(model: Any, name: str = PADDING_MASK) -> bool:
@@ -68,6 +75,21 @@ def end_padded(model: Any, kwargs: Mapping[str, Any], labels: Any) -> tuple[str,
         else ()
 
 
+def plain_positions(model: Any, kwargs: Mapping[str, Any],
+                    left_out: tuple[str, ...]) -> tuple[str, ...]:
+    """:data:`POSITION_IDS` where ``kwargs`` gives them 0..S-1 in every row (or with no
+    values to read), ``model``'s forward takes None for them, and the padding mask is
+    ``left_out`` or not given: what the model counts without them (from the padding mask
+    where it reads one, the same on rows padded at their end)."""
+    value = kwargs.get(POSITION_IDS)
+    if PADDING_MASK in kwargs and PADDING_MASK not in left_out:
+        return ()
+    if not (_is_mask(value) and takes_none(model, POSITION_IDS)):
+        return ()
+    return (POSITION_IDS,) if _no_values(value) or _positions_refusal(POSITION_IDS, value) \
+        is None else ()
+
+
 def takes_end_padding(summary: Any) -> bool:
     """Whether a model traced without its padding mask (``summary``: its
     ``ModelSummary``) computes every counted output as it would with a mask padding rows
@@ -79,13 +101,32 @@ def takes_end_padding(summary: Any) -> bool:
             and (bool(summary.shift_labels) or summary.counted_target is True))
 
 
-def padding_refusal(name: str, mask: Any, labels: Any = None,
-                    pads_at_end: bool = False) -> str | None:
-    """Why a batch whose ``name`` is ``mask`` (and whose counted labels are ``labels``)
-    does not suit a plan that left that mask out (``pads_at_end``: one that takes rows
-    padded at their end, whose pads count no label); None where it does."""
-    if not _is_mask(mask):
+def refusal(name: str, value: Any, labels: Any = None,
+            pads_at_end: bool = False) -> str | None:
+    """Why a batch whose input ``name`` is ``value`` (and whose counted labels are
+    ``labels``) does not suit a plan that left that input out (``pads_at_end``: one that
+    takes rows padded at their end, whose pads count no label); None where it does."""
+    if not _is_mask(value):
         return f"{name} is not a (batch, seq) tensor"
+    if name == POSITION_IDS:
+        return _positions_refusal(name, value)
+    return _padding_refusal(name, value, labels, pads_at_end)
+
+
+def _positions_refusal(name: str, positions: torch.Tensor) -> str | None:
+    """Why ``positions`` are not 0..S-1 in every row; None where they are."""
+    plain = torch.arange(positions.shape[1], device=positions.device)
+    other = (positions != plain).any(dim=-1)
+    if not bool(other.any()):
+        return None
+    return (f"{name} of row(s) {_rows(other)} are not 0..{positions.shape[1] - 1} "
+            f"(documents packed in a row, or padding at its start), and the plan was made "
+            f"for rows whose tokens count from 0 (the model was traced without them): "
+            f"compile with an example batch whose {name} are as these are")
+
+
+def _padding_refusal(name: str, mask: torch.Tensor, labels: Any,
+                     pads_at_end: bool) -> str | None:
     if pads_at_end:
         return _end_padding_refusal(name, mask, labels)
     padded = (mask != 1).any(dim=-1)

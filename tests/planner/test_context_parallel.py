@@ -267,11 +267,11 @@ def test_a_padding_mask_is_left_out_where_it_changes_no_counted_output():
         program = partc.compile(_tiny_llama(), example, budget=budget,
                                 constraints=partc.Constraints(cp=cp), cache=None)
         plan = program.plan
-        assert plan.cp == cp and plan.model.unpadded_masks == ("attention_mask",)
+        assert plan.cp == cp and plan.model.left_out == ("attention_mask",)
         assert plan.model.pads_at_end and "attention_mask" not in [s.name for s in
                                                                     plan.model.inputs]
         again = Plan.from_dict(plan.to_dict()).model
-        assert again.unpadded_masks == ("attention_mask",) and again.pads_at_end
+        assert again.left_out == ("attention_mask",) and again.pads_at_end
         assert "attention_mask left out" in program.report()
         check = BatchCheck.of(plan, dp_rank=0)
         for fine in (unpadded, end, _rows_padded(ids, [3, 16])):
@@ -284,6 +284,37 @@ def test_a_padding_mask_is_left_out_where_it_changes_no_counted_output():
             check.ordered((), _rows_padded(ids, [16, 11], labelled=True), None)
 
 
+def test_position_ids_from_0_are_left_out_and_packed_ones_refused():
+    """``position_ids`` of 0..S-1 in every row are what the model counts without them;
+    given, transformers reads them for documents packed in a row (a mask that depends on
+    the batch). They are left out beside the mask (or with none given), and a batch whose
+    positions restart is refused."""
+    from partc.errors import PlanMismatchError
+    from partc.runtime.batch_check import BatchCheck
+
+    ids = torch.randint(0, 64, (2, 16))
+    budget = partc.DeviceBudget(num_devices=2, device="CPU")
+    plain = torch.arange(16).expand(2, 16)
+    packed = torch.cat([torch.arange(10), torch.arange(6)]).expand(2, 16)
+    for example, left_out in ((dict(_rows_padded(ids, [16, 11]), position_ids=plain),
+                               ("attention_mask", "position_ids")),
+                              ({"input_ids": ids, "labels": ids, "position_ids": plain},
+                               ("position_ids",))):
+        plan = partc.compile(_tiny_llama(), example, budget=budget,
+                             constraints=partc.Constraints(cp=2), cache=None).plan
+        assert plan.cp == 2 and plan.model.left_out == left_out
+        check = BatchCheck.of(plan, dp_rank=0)
+        check.ordered((), example, None)
+        with pytest.raises(PlanMismatchError, match=r"position_ids of row\(s\) 0, 1 are not "
+                           "0..15"):
+            check.ordered((), dict(example, position_ids=packed), None)
+    # Positions kept where the mask is: a model may count them from it.
+    kept = partc.compile(_tiny_llama(), dict(_rows_padded(ids, [16, 11], left=True),
+                                             position_ids=plain), budget=budget,
+                         cache=None).plan
+    assert kept.model.left_out == ()
+
+
 def test_a_padding_mask_stays_where_it_would_change_a_counted_output():
     """Rows padded at their start, or whose pads count labels, keep the mask as an input
     (and the sequence whole); so does a model that is not causal throughout (a masked
@@ -294,14 +325,14 @@ def test_a_padding_mask_stays_where_it_would_change_a_counted_output():
     for example in (_rows_padded(ids, [16, 11], left=True),
                     _rows_padded(ids, [16, 11], labelled=True)):
         plan = partc.compile(_tiny_llama(), example, budget=budget, cache=None).plan
-        assert plan.model.unpadded_masks == () and not plan.model.pads_at_end
+        assert plan.model.left_out == () and not plan.model.pads_at_end
         assert "attention_mask" in [s.name for s in plan.model.inputs]
     from tests import hf_families
 
     electra = hf_families.FAMILIES["electra"].build()
     plan = partc.compile(electra, _rows_padded(torch.randint(1, 64, (2, 16)), [16, 11]),
                          budget=budget, cache=None).plan
-    assert plan.model.unpadded_masks == () and not plan.model.pads_at_end
+    assert plan.model.left_out == () and not plan.model.pads_at_end
     assert "attention_mask" in [s.name for s in plan.model.inputs]
 
 

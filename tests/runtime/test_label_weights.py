@@ -45,8 +45,10 @@ def test_the_plan_records_keyword_inputs_and_the_models_own_loss(llama_program):
     program, _, _ = llama_program
     model = program.plan.model
     assert [(s.name, s.keyword) for s in model.inputs] == [
-        ("input_ids", True), ("attention_mask", True), ("position_ids", True),
-        ("labels", True), ("shift_labels", True), ("target", False)]
+        ("input_ids", True), ("labels", True), ("shift_labels", True), ("target", False)]
+    # Rows padded at their end, labels -100 under the pads, positions 0..S-1: the model
+    # (causal throughout) is traced without mask and positions (partc.runtime.padding).
+    assert model.left_out == ("attention_mask", "position_ids") and model.pads_at_end
     # LlamaForCausalLM's loss is given its next-token labels, made by the runtime from
     # the labels, and counts them as they are.
     assert model.shift_labels and model.own_loss == "tokens"

@@ -470,11 +470,11 @@ for _short, _kind in _CP_KINDS.items():
 CASES["hf-llama-own-loss-unpadded-cp2-ring"] = Case(
     hf_families.FAMILIES["llama"].build, "hf:prompts-unpadded", None,
     dict(cp=2, cp_kind="ring", pp=1, recompute="none"))
-# Rows padded at their end, labels -100 under the pads (a collator's batch, no
-# position_ids): the model, causal throughout, is traced without the mask too, and each
-# rank's tokens count what they count (some ranks' tokens are mostly pads).
+# Rows padded at their end, labels -100 under the pads, position ids 0..S-1: the model,
+# causal throughout, is traced without the mask and the positions too, and each rank's
+# tokens count what they count (some ranks' tokens are mostly pads).
 CASES["hf-llama-own-loss-padded-cp2-ring"] = Case(
-    hf_families.FAMILIES["llama"].build, "hf:padded-rows", None,
+    hf_families.FAMILIES["llama"].build, "hf:padded", None,
     dict(cp=2, cp_kind="ring", pp=1, recompute="none"))
 # A loss_fn averaging its counted targets (cross-entropy, -100 over each row's prompt),
 # asked what it averages over and weighed by its counts: each microbatch's, each cp
@@ -515,9 +515,6 @@ def batch(case: Case, model: torch.nn.Module, step: int,
         return hf_families.padded_batch(model, BATCH, seq, g), None
     if case.data == "hf:prompts":
         return hf_families.prompt_batch(model, BATCH, seq, g), None
-    if case.data == "hf:padded-rows":   # a collator's: no position_ids
-        rows = hf_families.padded_batch(model, BATCH, seq, g)
-        return {key: value for key, value in rows.items() if key != "position_ids"}, None
     if case.data == "hf:prompts-unpadded":   # a tokenizer's batch of unpadded rows
         prompts = hf_families.prompt_batch(model, BATCH, seq, g)
         return {**prompts, "attention_mask": torch.ones_like(prompts["input_ids"])}, None
