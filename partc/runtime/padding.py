@@ -32,7 +32,7 @@ rows. Otherwise the mask (and the positions) stay inputs.
 from __future__ import annotations
 
 import inspect
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 import torch
 
@@ -116,26 +116,21 @@ def refusal(name: str, value: Any, labels: Any = None,
 def _positions_refusal(name: str, positions: torch.Tensor) -> str | None:
     """Why ``positions`` are not 0..S-1 in every row; None where they are."""
     plain = torch.arange(positions.shape[1], device=positions.device)
-    other = (positions != plain).any(dim=-1)
-    if not bool(other.any()):
-        return None
-    return (f"{name} of row(s) {_rows(other)} are not 0..{positions.shape[1] - 1} "
-            f"(documents packed in a row, or padding at its start), and the plan was made "
-            f"for rows whose tokens count from 0 (the model was traced without them): "
-            f"compile with an example batch whose {name} are as these are")
+    return _refused((positions != plain).any(dim=-1), lambda rows: (
+        f"{name} of row(s) {rows} are not 0..{positions.shape[1] - 1} (documents packed "
+        f"in a row, or padding at its start), and the plan was made for rows whose tokens "
+        f"count from 0 (the model was traced without them): compile with an example "
+        f"batch whose {name} are as these are"))
 
 
 def _padding_refusal(name: str, mask: torch.Tensor, labels: Any,
                      pads_at_end: bool) -> str | None:
     if pads_at_end:
         return _end_padding_refusal(name, mask, labels)
-    padded = (mask != 1).any(dim=-1)
-    if not bool(padded.any()):
-        return None
-    return (f"{name} pads row(s) {_rows(padded)}, and the plan was made for unpadded rows "
-            f"(the example batch's {name} was all ones, so the model was traced without "
-            f"it): pack the sequences without padding, or compile with an example batch "
-            f"padded as these are")
+    return _refused((mask != 1).any(dim=-1), lambda rows: (
+        f"{name} pads row(s) {rows}, and the plan was made for unpadded rows (the example "
+        f"batch's {name} was all ones, so the model was traced without it): pack the "
+        f"sequences without padding, or compile with an example batch padded as these are"))
 
 
 def _end_padding_refusal(name: str, mask: torch.Tensor, labels: Any) -> str | None:
@@ -144,31 +139,34 @@ def _end_padding_refusal(name: str, mask: torch.Tensor, labels: Any) -> str | No
     if not bool(((mask == 0) | (mask == 1)).all()):
         return f"{name} holds values other than 0 and 1"
     kept = mask != 0
-    early = (kept[:, 1:] & ~kept[:, :-1]).any(dim=-1)   # a token after a pad
-    if bool(early.any()):
-        return (f"{name} pads row(s) {_rows(early)} before their last token, and the plan "
-                f"was made for rows padded at their end (the model was traced without the "
-                f"mask, causal): pad on the right (tokenizer.padding_side = \"right\"), or "
-                f"compile with an example batch padded as these are")
+    # Rows with a token after a pad.
+    early = _refused((kept[:, 1:] & ~kept[:, :-1]).any(dim=-1), lambda rows: (
+        f"{name} pads row(s) {rows} before their last token, and the plan was made for "
+        f"rows padded at their end (the model was traced without the mask, causal): pad on "
+        f"the right (tokenizer.padding_side = \"right\"), or compile with an example batch "
+        f"padded as these are"))
+    if early is not None:
+        return early
     if not isinstance(labels, torch.Tensor) or tuple(labels.shape) != tuple(mask.shape):
         if bool(kept.all()):
             return None
         return (f"{name} pads rows, and the labels under the pads cannot be read (no "
                 f"(batch, seq) labels or target): the plan was made for pads that count no "
                 f"label")
-    counted = (~kept & (labels != IGNORED)).any(dim=-1)
-    if bool(counted.any()):
-        return (f"the labels of row(s) {_rows(counted)} count pad positions (not -100 "
-                f"where {name} is 0), and the plan was made for pads that count no label "
-                f"(the model was traced without the mask): set their labels to -100, as "
-                f"a collator does")
-    return None
+    return _refused((~kept & (labels != IGNORED)).any(dim=-1), lambda rows: (
+        f"the labels of row(s) {rows} count pad positions (not -100 where {name} is 0), "
+        f"and the plan was made for pads that count no label (the model was traced "
+        f"without the mask): set their labels to -100, as a collator does"))
 
 
-def _rows(flags: torch.Tensor) -> str:
+def _refused(flags: torch.Tensor, why: Callable[[str], str]) -> str | None:
+    """``why`` of the rows ``flags`` marks (the first five named), or None where it
+    marks none."""
+    if not bool(flags.any()):
+        return None
     rows = flags.nonzero().flatten().tolist()
-    return ", ".join(str(r) for r in rows[:5]) + (f" and {len(rows) - 5} more"
-                                                   if len(rows) > 5 else "")
+    return why(", ".join(str(r) for r in rows[:5])
+               + (f" and {len(rows) - 5} more" if len(rows) > 5 else ""))
 
 
 def _is_mask(value: Any) -> bool:
