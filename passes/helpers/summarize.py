@@ -19,8 +19,6 @@ from partc.errors import ContextParallelError
 from partc.identity import model_hash
 from partc.passes.context import Context
 from partc.passes.context_parallel import attention_masks
-from partc.runtime.padding import PADDING_MASK
-from partc.runtime.ring_attention import CAUSAL, SLIDING
 from partc.passes.helpers import loss_labels
 from partc.passes.helpers.graph import fetch, param_usage
 from partc.passes.layers import crossing_bytes, crossing_tensors
@@ -30,6 +28,8 @@ from partc.passes.tp.rewrite import LINEAR_REDUCE_SCATTER, LINEARS_OF_GATHERED
 from partc.placement import REPLICATE
 from partc.problem import (HeavyOp, ModelAnalysis, ModelSummary, MoECost, SharedParam,
                            TPOption)
+from partc.runtime.padding import PADDING_MASK
+from partc.runtime.ring_attention import CAUSAL, SLIDING
 
 if TYPE_CHECKING:
     from partc.passes.tp.chooser import Sharding
