@@ -12,7 +12,7 @@ without it, where the forward takes none, in two cases:
   labels -100 under it), of a model that is causal throughout: every attention causal
   or a sliding window, and no other op reading along the sequence
   (``ModelSummary.attention_causal``, ``context_parallel_blocker``), its loss a mean over
-  the labels it counts (:func:`counts_labels`). Each real token then sees only the
+  the labels it counts (:func:`takes_end_padding`). Each real token then sees only the
   tokens before it, which are real, with the mask or without; the pads' own outputs
   change, and count nothing (their gradients are zero) (:func:`end_padded`).
 
