@@ -51,8 +51,8 @@ from partc.planner.pins import check_pins
 from partc.planner.validate import validate_plan
 from partc.problem import DeviceNumbers, ModelAnalysis, Pins, PlanningProblem, TrainNumbers
 from partc.program import Program, read_plan_file
-from partc.runtime.padding import (end_padded, plain_positions, takes_end_padding,
-                                   unpadded_masks)
+from partc.runtime.padding import (PADDING_MASK, mask_left_out, plain_positions,
+                                   takes_end_padding)
 from partc.spec import Constraints, TrainSpec, dtype_bytes
 
 log = logging.getLogger("partc")
@@ -403,12 +403,11 @@ def compile(model: torch.nn.Module,
     # A padding mask is left out where it changes no counted output: the model is traced
     # as called without it (partc.runtime.padding). Of rows padded at their end, only once
     # the trace shows the model causal throughout; else it is traced again with the mask.
-    labels = kwargs.get("labels") if loss_fn is None else example_target
-    several = len(kwargs) + len(example_inputs) > 1
-    ones = unpadded_masks(model, kwargs) if several else ()
-    ends = end_padded(model, kwargs, labels) if several and not ones else ()
-    left_out = ones or ends
-    left_out += plain_positions(model, kwargs, left_out) if several else ()
+    left_out, padded = (), False
+    if len(kwargs) + len(example_inputs) > 1:
+        labels = kwargs.get("labels") if loss_fn is None else example_target
+        left_out, padded = mask_left_out(model, kwargs, labels)
+        left_out += plain_positions(model, kwargs, left_out)
     # The structure and the behaviour: models of one shape but other forwards (another
     # activation, an untied weight) are traced and measured apart.
     identity = f"{model_hash(model)}-{behaviour_digest(model)}"
@@ -438,8 +437,8 @@ def compile(model: torch.nn.Module,
 
     with contextlib.ExitStack() as held:
         key, graph, analysis = measured(left_out)
-        end_padding = bool(left_out) and takes_end_padding(analysis.summary)
-        if ends and not end_padding:   # not causal throughout: its padding mask stays,
+        end_padding = PADDING_MASK in left_out and takes_end_padding(analysis.summary)
+        if padded and not end_padding:   # not causal throughout: its padding mask stays,
             # and so do any position ids (counted from the mask by some models)
             left_out = ()
             key, graph, analysis = measured(left_out)

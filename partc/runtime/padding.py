@@ -7,14 +7,16 @@ without it, where the forward takes none, in two cases:
 - **unpadded rows**: the example batch's mask is all ones, or has no values to read
   (meta tensors, planned by their shapes). A Hugging Face model given ones computes what
   it computes given none (transformers itself drops such a mask before its attention
-  kernels) (:func:`unpadded_masks`);
+  kernels);
 - **rows padded at their end, whose pads count no label** (a collator's right padding,
   labels -100 under it), of a model that is causal throughout: every attention causal
   or a sliding window, and no other op reading along the sequence
   (``ModelSummary.attention_causal``, ``context_parallel_blocker``), its loss a mean over
   the labels it counts (:func:`takes_end_padding`). Each real token then sees only the
   tokens before it, which are real, with the mask or without; the pads' own outputs
-  change, and count nothing (their gradients are zero) (:func:`end_padded`).
+  change, and count nothing (their gradients are zero).
+
+:func:`mask_left_out` tells the two apart.
 
 Each attention's mask then follows from the shapes (causal): attention is priced and run
 causal, with no ``(seq x seq)`` mask made, and the sequence may be split over
@@ -53,26 +55,22 @@ def takes_none(model: Any, name: str = PADDING_MASK) -> bool:
     return parameter is not None and parameter.default is None
 
 
-def unpadded_masks(model: Any, kwargs: Mapping[str, Any]) -> tuple[str, ...]:
-    """The keyword inputs of ``kwargs`` that are padding masks of unpadded rows, which
-    ``model``'s forward can be called without: :data:`PADDING_MASK`, (batch, seq), all
-    ones or with no values to read (meta or fake)."""
+def mask_left_out(model: Any, kwargs: Mapping[str, Any],
+                  labels: Any) -> tuple[tuple[str, ...], bool]:
+    """The padding mask of ``kwargs`` (:data:`PADDING_MASK`, (batch, seq)) that
+    ``model``'s forward can be called without, and whether only a model causal
+    throughout may be (:func:`takes_end_padding`): unpadded rows (all ones, or no values
+    to read: meta or fake), or rows padded at their end only whose pads count no label
+    in ``labels`` (the own loss's ``labels``, or a loss_fn's (batch, seq) target), the
+    latter needing it; ``((), False)`` for any other."""
     value = kwargs.get(PADDING_MASK)
     if not (_is_mask(value) and takes_none(model)):
-        return ()
-    return (PADDING_MASK,) if _no_values(value) or bool((value == 1).all()) else ()
-
-
-def end_padded(model: Any, kwargs: Mapping[str, Any], labels: Any) -> tuple[str, ...]:
-    """The keyword inputs of ``kwargs`` that are padding masks of rows padded at their
-    end only, whose pads count no label in ``labels`` (the own loss's ``labels``, or a
-    loss_fn's (batch, seq) target), which ``model``'s forward can be called without; the
-    model must still prove causal (:mod:`this module's doc <partc.runtime.padding>`)."""
-    value = kwargs.get(PADDING_MASK)
-    if not (_is_mask(value) and takes_none(model)) or _no_values(value):
-        return ()
-    return (PADDING_MASK,) if _end_padding_refusal(PADDING_MASK, value, labels) is None \
-        else ()
+        return (), False
+    if _no_values(value) or bool((value == 1).all()):
+        return (PADDING_MASK,), False
+    if _end_padding_refusal(PADDING_MASK, value, labels) is None:
+        return (PADDING_MASK,), True
+    return (), False
 
 
 def plain_positions(model: Any, kwargs: Mapping[str, Any],
