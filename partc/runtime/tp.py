@@ -501,6 +501,13 @@ def shard_of(tensor: torch.Tensor, dim: int, chunks: int, tp_rank: int, tp: int)
     """Rank ``tp_rank``'s shard of a whole parameter, laid out as ``Shard(dim, chunks)``."""
     if chunks == 1:
         return tensor.chunk(tp, dim)[tp_rank]
+    dim = dim % tensor.dim()
+    if tp > 1 and tensor.shape[dim] % (chunks * tp) == 0:
+        # Every piece splits evenly: the rank's slice of each, gathered by one copy, as
+        # the cat below makes it, which issues an op per piece (a head-interleaved weight
+        # has one piece per head).
+        return tensor.unflatten(dim, (chunks, tp, -1)).select(dim + 1, tp_rank) \
+            .clone(memory_format=torch.contiguous_format).flatten(dim, dim + 1)
     return torch.cat([piece.chunk(tp, dim)[tp_rank] for piece in tensor.chunk(chunks, dim)], dim)
 
 
