@@ -19,11 +19,14 @@ Steps (``partc.passes.pipeline.analyze`` runs them):
    (:mod:`partc.passes.helpers.segments`) and blocks whose *segment* (the block's calls and the
    model's code after it, up to the next block) runs other code are of other kinds.
 2. Representatives: when the kinds repeat with a period ``p`` (uniform stacks: 1;
-   alternating attention: 2), the first two periods and the blocks from the last whole
+   alternating attention: 2), the first period and the blocks from the last whole
    period's start (a period and what is left over), so every kept block stays in the
-   phase it had; otherwise the first two blocks of each kind and the
-   last block. Every other block stands with the second kept block of its kind. The last
-   block is always kept as itself, so the last representative is the last block.
+   phase it had; a block between stands with the block of its phase in the first
+   period, or for the first phase (block 0 reads the stack's input) with the tail's
+   first block (uniform stacks keep blocks 0 and 1 and the last). Otherwise the first
+   two blocks of each kind and the last block, and every other block stands with the
+   second kept block of its kind. The last block is always kept as itself, so the
+   last representative is the last block.
 3. :func:`shrunk` swaps each container's children for the representatives (renumbered
    ``0 .. k-1``, as a shorter list would be) and always puts them back. :func:`prove`
    records the shrunk model's forward and raises :class:`Mismatch` unless it runs, around
@@ -331,15 +334,18 @@ def _representatives(kinds: list[int]) -> tuple[list[int], list[int]]:
     n = len(kinds)
     period = _period(kinds)
     if period is not None:
-        # The tail starts at a whole period, as the kept tail does in the shorter
-        # model (at 2 periods): a block read by its index there (Gemma 3's
-        # layer_types[i], five sliding-window layers to one global) keeps its phase
-        # when the stack is no whole number of periods (62 layers).
+        # The tail starts at a whole period, as it does in the shorter model, so that a
+        # block read by its index (Gemma 3's layer_types[i], five sliding-window layers to
+        # one global, in a stack of 62) keeps its phase; it is traced as itself, as its
+        # blocks may hand values on to fewer blocks (Llama 4's rotary table, read two
+        # layers on, by none after the last rotary layer). A block between stands with
+        # the block of its phase in the first period, but block 0, which reads the
+        # stack's input: with block 1 in a uniform stack, else with the tail's first.
         tail = (n - period) // period * period
-        kept = list(range(2 * period)) + list(range(tail, n))
-        stands = [b if b < 2 * period else
-                  2 * period + b - tail if b >= tail else
-                  period + b % period for b in range(n)]
+        head = 2 if period == 1 else period
+        kept = list(range(head)) + list(range(tail, n))
+        stands = [b if b < head else head + b - tail if b >= tail else
+                  b % period or (1 if period == 1 else head) for b in range(n)]
         return kept, stands
     seen: dict[int, list[int]] = {}
     for block, kind in enumerate(kinds):
@@ -472,16 +478,18 @@ def _check_params(gm: fx.GraphModule, blocks: dict[int, _Block]) -> None:
 def _check_kinds(gm: fx.GraphModule, blocks: dict[int, _Block]) -> None:
     """Kept blocks of one kind must measure alike, or the copies would be guesses.
 
-    The first block of a kind stands only for itself (:func:`_representatives`) and is
-    not compared: under mixed precision it may read its input in another dtype than the
-    rest (an embedding's compute-dtype output where the graph pins the residual stream
-    to fp32). The last block stands only for itself too, and only the nodes each runs
-    itself are compared with the second's: it may be followed by code of the model's
-    own that joins its layer (a residual around the whole stack). The blocks between
-    are compared whole; of those the kept tail holds, which stand only for themselves,
-    the figures alone: their signatures may say that no later block reads a value (Llama
-    4's rotary table, which each rotary layer's ``.to`` hands on to the next one as the
-    same tensor, is read by none after the stack's last rotary layer)."""
+    The first block of a kind that stands only for itself (:func:`_representatives`:
+    block 0, or the first of a kind in a stack without a period) is not compared: under
+    mixed precision it may read its input in another dtype than the rest (an embedding's
+    compute-dtype output where the graph pins the residual stream to fp32). The first
+    block of a kind that stands for others is the one the rest are compared with. The
+    last block stands only for itself too, and only the nodes each runs itself are
+    compared with that one's: it may be followed by code of the model's own that joins
+    its layer (a residual around the whole stack). The blocks between are compared
+    whole; of those that stand only for themselves, the figures alone: their signatures
+    may say that no later block reads a value (Llama 4's rotary table, which each rotary
+    layer's ``.to`` hands on to the next one as the same tensor, is read by none after
+    the stack's last rotary layer)."""
     costs, infos = meta.layer_costs(gm), meta.layers(gm)
     seen: set[tuple] = set()
     reference: dict[tuple, list] = {}
@@ -490,9 +498,11 @@ def _check_kinds(gm: fx.GraphModule, blocks: dict[int, _Block]) -> None:
         repeat = block.repeat
         own = _own_node_costs(gm, infos[index], repeat.prefix(block.position))
         key = (repeat.container, repeat.kinds[block.position])
-        if key not in seen:
+        alone = repeat.stands_for.count(block.position) == 1
+        if key not in seen and alone:
             seen.add(key)
             continue
+        seen.add(key)
         if key not in reference:
             reference[key] = own
             if block.position != len(repeat.kept) - 1:
@@ -503,7 +513,7 @@ def _check_kinds(gm: fx.GraphModule, blocks: dict[int, _Block]) -> None:
         else:
             cost = costs[index].unnamed()
             known = between.setdefault(key, cost)
-            if repeat.stands_for.count(block.position) == 1:
+            if alone:
                 known = dataclasses.replace(known, signature=cost.signature)
             alike = known == cost and reference[key] == own
         if not alike:
