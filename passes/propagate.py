@@ -14,14 +14,14 @@ from typing import Any
 
 import torch
 import torch.utils._pytree as pytree
-from torch import fx
+from torch import fx, nn
 from torch._subclasses.fake_tensor import (DataDependentOutputException,
                                            DynamicOutputShapeException)
 
 from partc import meta
 from partc.errors import TraceError
 from partc.passes.context import Context
-from partc.passes.helpers.graph import fetch, op_name
+from partc.passes.helpers.graph import fetch, op_name, outside_inputs
 
 
 def propagate(gm: fx.GraphModule, ctx: Context) -> fx.GraphModule:
@@ -35,6 +35,7 @@ def propagate(gm: fx.GraphModule, ctx: Context) -> fx.GraphModule:
     """
     env: dict[fx.Node, Any] = {}
     inputs = iter(ctx.fake_inputs)
+    repeats = _Repeats(gm)
     for node in gm.graph.nodes:
         if node.op == "output":
             continue
@@ -42,6 +43,8 @@ def propagate(gm: fx.GraphModule, ctx: Context) -> fx.GraphModule:
             value = node.meta["val"]
         elif node.op == "placeholder":
             value = _placeholder(node, inputs, ctx)
+        elif (same := repeats.same(node, env)) is not None:
+            value = env[same]
         else:
             try:
                 value = _run(gm, node, env, ctx)
@@ -55,6 +58,118 @@ def propagate(gm: fx.GraphModule, ctx: Context) -> fx.GraphModule:
         node.meta["val"] = value
         meta.set_tensors(node, _tensor_infos(value))
     return gm
+
+
+class _Repeats:
+    """The nodes of a layer that repeats an earlier one (a graph of layers, as the
+    tensor-parallel measurement propagates each sharding on: a stack's blocks, or the
+    steps of a loop the trace unrolled into a layer, are not): its values are the earlier
+    layer's, node for node, where both run the same calls in the same order on the same
+    wiring, their parameters and what they read from outside alike in shape, stride and
+    dtype. Fake tensors compute nothing but metadata, so each value of the earlier layer
+    stands for its own (no pass reads which storage a value holds)."""
+
+    def __init__(self, gm: fx.GraphModule) -> None:
+        self.gm = gm
+        self.layer_of: dict[fx.Node, tuple[int, int]] = {}   # node -> (layer, place)
+        self.members: dict[int, list[fx.Node]] = {}
+        self.forms: dict[int, tuple | None] = {}
+        by_name = {node.name: node for node in gm.graph.nodes}
+        for index, info in enumerate(meta.layers(gm)):
+            if info.is_loss:
+                continue
+            nodes = [by_name[name] for name in info.nodes if name in by_name]
+            self.members[index] = nodes
+            for place, node in enumerate(nodes):
+                self.layer_of[node] = (index, place)
+        self.earlier: dict[tuple, int] = {}      # (form, what it reads) -> a layer
+        self.source: dict[int, int | None] = {}  # layer -> the layer it repeats, or None
+
+    def same(self, node: fx.Node, env: dict) -> fx.Node | None:
+        """The node of an earlier layer whose value ``node``'s is, or None: run it."""
+        if node not in self.layer_of or node.op in ("get_attr", "placeholder"):
+            return None
+        index, place = self.layer_of[node]
+        if index not in self.source:
+            self.source[index] = self._source(index, env)
+        source = self.source[index]
+        return None if source is None else self.members[source][place]
+
+    def _source(self, index: int, env: dict) -> int | None:
+        nodes = self.members[index]
+        form = self._form(nodes)
+        outside = outside_inputs(nodes)
+        if form is None or any(value not in env for value in outside):
+            return None
+        reads = tuple(_metadata(env[value]) for value in outside)
+        if any(read is None for read in reads):
+            return None
+        key = (form, reads)
+        if key in self.earlier:
+            return self.earlier[key]
+        self.earlier[key] = index   # the first of its form: run, then stands for later ones
+        return None
+
+    def _form(self, nodes: list[fx.Node]) -> tuple | None:
+        """Each node's call and where its arguments come from (a node of the layer by its
+        place, a value from outside by its order of first use, constants as written),
+        and each parameter's metadata; None where a constant has no faithful text."""
+        place = {node: i for i, node in enumerate(nodes)}
+        outside = {node: i for i, node in enumerate(outside_inputs(nodes))}
+
+        def where(arg: fx.Node) -> Any:
+            return ("own", place[arg]) if arg in place else ("outside", outside[arg])
+
+        form = []
+        for node in nodes:
+            if node.op == "get_attr":
+                call = _metadata(fetch(self.gm, str(node.target)))
+            elif node.op == "call_module":
+                call = _metadata(self.gm.get_submodule(str(node.target)))
+            elif _name(node) in _RESHAPED_IN_PLACE:
+                return None   # it changes an input's metadata: run, not copied
+            else:
+                call = node.target
+            if call is None:
+                return None
+            text = repr((fx.node.map_arg(node.args, where), fx.node.map_arg(node.kwargs, where)))
+            if " at 0x" in text:   # an object shown by its address: no faithful text
+                return None
+            form.append((node.op, call, text, meta.role(node)))
+        return tuple(form)
+
+
+# In-place calls that change their input's shape, strides or autograd flag: a layer that
+# runs one is run, so that the value it changes changes.
+_RESHAPED_IN_PLACE = frozenset({
+    "unsqueeze_", "squeeze_", "t_", "transpose_", "swapdims_", "swapaxes_", "resize_",
+    "resize_as_", "as_strided_", "set_", "detach_", "requires_grad_", "unflatten_"})
+
+
+def _name(node: fx.Node) -> str:
+    """A call's bare name: ``unsqueeze_`` for the method and for ``aten.unsqueeze_.default``."""
+    target = node.target
+    if isinstance(target, str):
+        return target
+    packet = getattr(target, "overloadpacket", None)
+    return getattr(packet or target, "__name__", "")
+
+
+def _metadata(value: Any) -> tuple | None:
+    """What a value's fake computation depends on; None for a value of another kind."""
+    leaves, spec = pytree.tree_flatten(value)
+    found = []
+    for leaf in leaves:
+        if isinstance(leaf, torch.Tensor):
+            found.append((tuple(leaf.shape), leaf.stride(), leaf.dtype, str(leaf.device),
+                          leaf.requires_grad, leaf.storage_offset()))
+        elif leaf is None or isinstance(leaf, (bool, int, float, str, torch.dtype)):
+            found.append((type(leaf).__name__, repr(leaf)))
+        elif isinstance(leaf, nn.Module):   # the same module (a stand-in group), not one alike
+            found.append(("module", id(leaf)))
+        else:
+            return None
+    return (str(spec), tuple(found))
 
 
 def _require_static(node: fx.Node, value: Any, ctx: Context) -> None:
