@@ -61,19 +61,19 @@ def propagate(gm: fx.GraphModule, ctx: Context) -> fx.GraphModule:
 
 
 class _Repeats:
-    """The nodes of a layer that repeats an earlier one (a graph of layers, as the
-    tensor-parallel measurement propagates each sharding on: a stack's blocks, or the
-    steps of a loop the trace unrolled into a layer, are not): its values are the earlier
-    layer's, node for node, where both run the same calls in the same order on the same
-    wiring, their parameters and what they read from outside alike in shape, stride and
-    dtype. Fake tensors compute nothing but metadata, so each value of the earlier layer
-    stands for its own (no pass reads which storage a value holds)."""
+    """The nodes of a layer that repeats an earlier one, in a graph grouped into layers
+    (each sharding the tensor-parallel measurement propagates: a stack's blocks): its
+    values are the earlier layer's, node for node, where both run the same calls in the
+    same order on the same wiring, their parameters and what they read from outside
+    alike in shape, stride and dtype. Fake tensors compute nothing but metadata, so each
+    value of the earlier layer stands for its own (no pass reads which storage a value
+    holds). The steps of a loop the trace unrolled inside one layer are that layer's
+    nodes, run."""
 
     def __init__(self, gm: fx.GraphModule) -> None:
         self.gm = gm
         self.layer_of: dict[fx.Node, tuple[int, int]] = {}   # node -> (layer, place)
         self.members: dict[int, list[fx.Node]] = {}
-        self.forms: dict[int, tuple | None] = {}
         by_name = {node.name: node for node in gm.graph.nodes}
         for index, info in enumerate(meta.layers(gm)):
             if info.is_loss:
@@ -93,7 +93,10 @@ class _Repeats:
         if index not in self.source:
             self.source[index] = self._source(index, env)
         source = self.source[index]
-        return None if source is None else self.members[source][place]
+        if source is None:
+            return None
+        found = self.members[source][place]
+        return found if found in env else None   # layers may interleave: run it
 
     def _source(self, index: int, env: dict) -> int | None:
         nodes = self.members[index]
