@@ -24,9 +24,9 @@ Steps (``partc.passes.pipeline.analyze`` runs them):
    phase it had; a block between stands with the block of its phase in the first
    period, or for the first phase (block 0 reads the stack's input) with the tail's
    first block (uniform stacks keep blocks 0 and 1 and the last). Otherwise the first
-   two blocks of each kind and the last block, and every other block stands with the
-   second kept block of its kind. The last block is always kept as itself, so the
-   last representative is the last block.
+   two blocks of each kind and the last block are kept, and every other block stands
+   with the second kept block of its kind. The last block is always kept as itself, so
+   the last representative is the last block.
 3. :func:`shrunk` swaps each container's children for the representatives (renumbered
    ``0 .. k-1``, as a shorter list would be) and always puts them back. :func:`prove`
    records the shrunk model's forward and raises :class:`Mismatch` unless it runs, around
