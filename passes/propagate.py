@@ -22,6 +22,7 @@ from partc import meta
 from partc.errors import TraceError
 from partc.passes.context import Context
 from partc.passes.helpers.graph import fetch, op_name, outside_inputs
+from partc.passes.helpers.run_memo import layer_form
 
 
 def propagate(gm: fx.GraphModule, ctx: Context) -> fx.GraphModule:
@@ -63,9 +64,9 @@ def propagate(gm: fx.GraphModule, ctx: Context) -> fx.GraphModule:
 class _Repeats:
     """The nodes of a layer that repeats an earlier one, in a graph grouped into layers
     (each sharding the tensor-parallel measurement propagates: a stack's blocks): its
-    values are the earlier layer's, node for node, where both run the same calls in the
-    same order on the same wiring, their parameters and what they read from outside
-    alike in shape, stride and dtype. Fake tensors compute nothing but metadata, so each
+    values are the earlier layer's, node for node, where both run the same
+    (:func:`~partc.passes.helpers.run_memo.layer_form`) on values from outside alike in
+    shape, stride and dtype. Fake tensors compute nothing but metadata, so each
     value of the earlier layer stands for its own (no pass reads which storage a value
     holds). The steps of a loop the trace unrolled inside one layer are that layer's
     nodes, run."""
@@ -100,46 +101,19 @@ class _Repeats:
 
     def _source(self, index: int, env: dict) -> int | None:
         nodes = self.members[index]
-        form = self._form(nodes)
         outside = outside_inputs(nodes)
-        if form is None or any(value not in env for value in outside):
+        if any(_name(node) in _RESHAPED_IN_PLACE for node in nodes) \
+                or any(value not in env for value in outside):
             return None
+        form = layer_form(self.gm, nodes, propagating=True)
         reads = tuple(_metadata(env[value]) for value in outside)
-        if any(read is None for read in reads):
+        if form is None or any(read is None for read in reads):
             return None
         key = (form, reads)
         if key in self.earlier:
             return self.earlier[key]
         self.earlier[key] = index   # the first of its form: run, then stands for later ones
         return None
-
-    def _form(self, nodes: list[fx.Node]) -> tuple | None:
-        """Each node's call and where its arguments come from (a node of the layer by its
-        place, a value from outside by its order of first use, constants as written),
-        and each parameter's metadata; None where a constant has no faithful text."""
-        place = {node: i for i, node in enumerate(nodes)}
-        outside = {node: i for i, node in enumerate(outside_inputs(nodes))}
-
-        def where(arg: fx.Node) -> Any:
-            return ("own", place[arg]) if arg in place else ("outside", outside[arg])
-
-        form = []
-        for node in nodes:
-            if node.op == "get_attr":
-                call = _metadata(fetch(self.gm, str(node.target)))
-            elif node.op == "call_module":
-                call = _metadata(self.gm.get_submodule(str(node.target)))
-            elif _name(node) in _RESHAPED_IN_PLACE:
-                return None   # it changes an input's metadata: run, not copied
-            else:
-                call = node.target
-            if call is None:
-                return None
-            text = repr((fx.node.map_arg(node.args, where), fx.node.map_arg(node.kwargs, where)))
-            if " at 0x" in text:   # an object shown by its address: no faithful text
-                return None
-            form.append((node.op, call, text, meta.role(node)))
-        return tuple(form)
 
 
 # In-place calls that change their input's shape, strides or autograd flag: a layer that

@@ -42,6 +42,26 @@ class _NoKey(Exception):
 def run_key(gm: fx.GraphModule, nodes: list[fx.Node], setting: Setting) -> tuple | None:
     """All a run of ``nodes`` reads, as a hashable value; None where something cannot be
     described so (the layer is then measured each time)."""
+    described = layer_form(gm, nodes)
+    try:
+        read = tuple(_outside(gm, node, setting) for node in outside_inputs(nodes))
+    except _NoKey:
+        return None
+    if described is None:
+        return None
+    return (setting.autocast, setting.device, setting.runtime_device, described, read)
+
+
+def layer_form(gm: fx.GraphModule, nodes: list[fx.Node], propagating: bool = False
+               ) -> tuple | None:
+    """What ``nodes`` run, in order, as a hashable value: each node's op, callable, wiring
+    (a node of the layer by its place, a value from outside by its order of first use),
+    literal arguments, role and traced tensors, its parameters' shapes, strides, dtypes
+    and kinds, the modules it calls; None where something cannot be described by value.
+    ``propagating``: for comparing layers of one graph while ``propagate`` makes their
+    values: a submodule read other than through a call (the tensor-parallel group) is
+    described as that very object, and the traced tensors, which it is remaking, not
+    at all."""
     members = {node: index for index, node in enumerate(nodes)}
     outside = {node: index for index, node in enumerate(outside_inputs(nodes))}
 
@@ -59,16 +79,14 @@ def run_key(gm: fx.GraphModule, nodes: list[fx.Node], setting: Setting) -> tuple
         raise _NoKey(type(value).__name__)
 
     try:
-        described = tuple(_node(gm, node, argument) for node in nodes)
-        read = tuple(_outside(gm, node, setting) for node in outside)
+        return tuple(_node(gm, node, argument, propagating) for node in nodes)
     except _NoKey:
         return None
-    return (setting.autocast, setting.device, setting.runtime_device, described, read)
 
 
-def _node(gm: fx.GraphModule, node: fx.Node, argument: Any) -> tuple:
+def _node(gm: fx.GraphModule, node: fx.Node, argument: Any, propagating: bool) -> tuple:
     if node.op == "get_attr":
-        target: Any = _attribute(gm, node)
+        target: Any = _attribute(gm, node, propagating)
     elif node.op == "call_module":
         module = gm.get_submodule(str(node.target))
         target = (module, _state(module))
@@ -76,12 +94,15 @@ def _node(gm: fx.GraphModule, node: fx.Node, argument: Any) -> tuple:
         target = node.target
     else:
         target = str(node.target)
+    traced = meta.tensors(node) if meta.TENSORS in node.meta and not propagating else None
     return (node.op, target, argument(node.args), argument(node.kwargs), meta.role(node),
-            meta.tensors(node) if meta.TENSORS in node.meta else None)
+            traced)
 
 
-def _attribute(gm: fx.GraphModule, node: fx.Node) -> tuple:
+def _attribute(gm: fx.GraphModule, node: fx.Node, same_module: bool = False) -> tuple:
     value = fetch(gm, str(node.target))
+    if same_module and isinstance(value, nn.Module):
+        return ("module", value)
     if not isinstance(value, torch.Tensor):
         raise _NoKey(type(value).__name__)   # a group or a subgraph: measured each time
     return _tensor(value) + (isinstance(value, nn.Parameter), value.requires_grad)

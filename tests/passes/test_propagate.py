@@ -96,6 +96,8 @@ def test_a_layer_reshaping_its_input_in_place_is_run():
     node = next(n for n in gm.graph.nodes if n.op == "call_function")
     with gm.graph.inserting_after(node):
         reshaped = gm.graph.call_method("unsqueeze_", (node, 0))
+    env = {n: n.meta.get("val") for n in gm.graph.nodes}
     repeats = _Repeats(gm)
-    assert repeats._form([node, reshaped]) is None
-    assert repeats._form([node]) is not None
+    repeats.members = {0: [node, reshaped], 1: [node]}
+    assert repeats._source(0, env) is None and not repeats.earlier   # never stands for one
+    assert repeats._source(1, env) is None and len(repeats.earlier) == 1
