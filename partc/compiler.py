@@ -319,7 +319,8 @@ def _budget_info(devices: DeviceNumbers) -> BudgetInfo:
 
 def _train_spec(train: TrainNumbers) -> TrainSpec:
     """The training setup as the plan records it, when only the numbers are known: fp32,
-    or bf16 for 2-byte weights; the optimizer as its bytes of state per parameter."""
+    or bf16 for 2-byte weights; the optimizer as its bytes of state per parameter; the
+    overlaps and gradient buckets the numbers were priced with."""
     precision = train.precision
     return TrainSpec(global_batch_size=train.global_batch_size,
                      dtype=torch.bfloat16 if precision.mixed else torch.float32,
@@ -328,7 +329,10 @@ def _train_spec(train: TrainNumbers) -> TrainSpec:
                      moe_capacity_factor=train.moe_capacity_factor, attention="as_written",
                      compile=True if train.compile_pinned else None if train.compiled
                      else False, fused_optimizer=train.fused_optimizer,
-                     fp8=train.fp8 is not None, fp8_recipe=train.fp8 or "tensorwise")
+                     fp8=train.fp8 is not None, fp8_recipe=train.fp8 or "tensorwise",
+                     tp_overlap=train.tp_overlap,
+                     overlap_param_gather=train.param_gather_overlap,
+                     bucket_elements=train.bucket_elements)
 
 
 def _compact(value: Any) -> Any:

@@ -225,8 +225,12 @@ class TensorParallelPlan:
     ``params`` places every parameter (by FQN); ``choices`` gives per layer the strategy
     index of each node, which the tensor-parallel rewrite replays on the traced graph;
     ``partial_grad_params`` are replicated parameters whose gradients are partial sums
-    over the group. ``collectives`` and ``collective_seconds`` are per layer and
-    microbatch, as the cost model prices them; ``notes`` say why a layer stays replicated.
+    over the group. ``collectives`` and the times are per layer and microbatch, as the
+    cost model prices them: ``collective_total_seconds`` the collectives' own time,
+    ``collective_seconds`` what the step pays for them (a ring beside its linears'
+    matmuls hides part of its time, ``partc.cost.communication.tp_collective_times``;
+    plans written before the total was kept have none); ``notes`` say why a layer stays
+    replicated.
     """
 
     degree: int
@@ -238,6 +242,15 @@ class TensorParallelPlan:
     collectives: dict[str, tuple[TPCollective, ...]] = field(default_factory=dict)
     collective_seconds: dict[str, float] = field(default_factory=dict)
     notes: dict[str, str] = field(default_factory=dict)
+    collective_total_seconds: dict[str, float] = field(default_factory=dict,
+                                                       metadata=UNLESS_DEFAULT)
+
+    def step_seconds(self, layer: str, microbatches: int) -> tuple[float | None, float]:
+        """Layer ``layer``'s collectives over a step of ``microbatches``: their own time
+        (None in a plan written before it was kept) and what the step pays for them."""
+        total = self.collective_total_seconds.get(layer)
+        return (None if total is None else total * microbatches,
+                self.collective_seconds.get(layer, 0.0) * microbatches)
 
     def placement(self, names: Iterable[str]) -> Placement:
         """How a parameter known under ``names`` (all its FQNs) is placed."""

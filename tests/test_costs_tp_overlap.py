@@ -115,6 +115,45 @@ def test_planner_validator_and_brute_force_agree_on_rings():
     assert steps[True] < steps[False]
 
 
+def test_the_report_shows_each_layers_collective_time_and_what_the_step_pays():
+    """The plan keeps, per layer, the collectives' own time and their exposed part; the
+    report's tensor-parallel table shows both, and they agree with the cost model: the
+    same total with or without rings, the exposed part what the rows charge."""
+    from partc.report.text import render
+
+    plans = {}
+    for rings in (True, False):
+        prob = _problem([0.5, 3.0, 0.2], rings=rings)
+        plans[rings] = plan = plan_of(prob, solve(prob))
+        section = plan.tensor_parallel
+        for option_layer in prob.variant(2, True).layers:
+            total, exposed = section.step_seconds(option_layer.name, plan.num_microbatches)
+            charged = sum(tp_comm_seconds(prob, plan_config(plan), option_layer).values())
+            assert exposed == pytest.approx(charged * plan.num_microbatches, rel=1e-12)
+            group = Group.over(prob.devices, 2, 2)
+            assert total == pytest.approx(plan.num_microbatches * sum(
+                collective_seconds(kind, nbytes * plan.micro_batch_size, group)
+                for kind, _, nbytes in option_layer.tp_comm), rel=1e-12)
+            assert exposed <= total * (1 + 1e-12)
+        text = render(plan)
+        assert "exposed (in the step)" in text and "sent per rank" in text
+    hidden, blocking = plans[True].tensor_parallel, plans[False].tensor_parallel
+    assert hidden.collective_total_seconds == pytest.approx(blocking.collective_total_seconds)
+    assert all(hidden.collective_seconds[name] < blocking.collective_seconds[name]
+               for name in hidden.collective_seconds)
+    assert blocking.collective_seconds == pytest.approx(blocking.collective_total_seconds)
+    assert "the others are paid whole" in render(plans[True])
+    assert "all of it (TrainSpec.tp_overlap off)" in render(plans[False])
+
+
+def plan_config(plan) -> PipelineConfig:
+    """The configuration a plan of these problems runs (pp=1: one stage)."""
+    return PipelineConfig(pp=plan.pp, dp=plan.dp, tp=plan.tp,
+                          sequence_parallel=plan.sequence_parallel,
+                          micro_batch_size=plan.micro_batch_size,
+                          num_microbatches=plan.num_microbatches, schedule=plan.schedule)
+
+
 def _with_ring_work(rings: bool = True, **work):
     """``_problem([0.5])`` (rings run or not) whose layers launch 10 kernels forward and
     20 backward, move nothing else, and have the ring ``work`` given (LayerCost fields);

@@ -3,7 +3,8 @@
 (:func:`zero_comm_seconds`, :func:`zero_overhead_seconds`, :func:`gradient_work_seconds`),
 what the step adds after the pipeline drains (the gradient reduction, ZeRO-1's weight
 gather and the optimizer step: :func:`sync_ps`, :func:`gather_ps`, :func:`tail_ps` and the
-once-per-step latencies), a layer's tensor-parallel collectives (:func:`tp_comm_seconds`),
+once-per-step latencies), a layer's tensor-parallel collectives (what the step pays,
+:func:`tp_comm_seconds`; each one's own time and exposed part, :func:`tp_collective_times`)
 and the sends across each cut (:func:`cut_table`)."""
 
 from __future__ import annotations
@@ -298,14 +299,26 @@ def shared_tail_ps(problem: PlanningProblem, config: PipelineConfig, params: int
 
 def tp_comm_seconds(problem: PlanningProblem, config: PipelineConfig,
                     layer) -> dict[str, float]:
-    """A layer's tensor-parallel collectives per microbatch, by phase (ring, in a node).
+    """A layer's tensor-parallel collectives per microbatch, by phase: what the step pays
+    for them (:func:`tp_collective_times`' exposed parts)."""
+    result = {"forward": 0.0, "backward": 0.0}
+    for phase, _, exposed in tp_collective_times(problem, config, layer):
+        result[phase] += exposed
+    return result
+
+
+def tp_collective_times(problem: PlanningProblem, config: PipelineConfig,
+                        layer) -> list[tuple[str, float, float]]:
+    """Each of a layer's tensor-parallel collectives per microbatch (ring, in a node), in
+    ``LayerCost.tp_comm``'s order: its phase, its own time, and what of it the step pays.
 
     A collective the runtime runs as a ring beside its linears' matmuls
     (``LayerCost.tp_overlap_flops``, ``TrainSpec.tp_overlap``) costs its exposed part
     only, :func:`exposed_seconds` of its time ``c`` beside ``t``: the share of those
     matmuls that runs while the ring moves data, ``(tp - 1) / tp`` of them (the chunk
     this rank holds first, or sums last, runs alone), at the compute-bound rate; the
-    share ``DeviceNumbers.comm_overlap`` of ``min(c, t)`` is hidden."""
+    share ``DeviceNumbers.comm_overlap`` of ``min(c, t)`` is hidden. Any other is paid
+    whole."""
     devices = problem.devices
     group = Group.over(devices, config.tp, config.tp)
     samples = config.micro_batch_size * config.tokens_share   # a cp rank's tokens
@@ -313,14 +326,14 @@ def tp_comm_seconds(problem: PlanningProblem, config: PipelineConfig,
     beside = layer.tp_overlap_flops if problem.train.tp_overlap else ()
     rate = devices.peak_flops * devices.flops_efficiency
     share = (config.tp - 1) / config.tp
-    result = {"forward": 0.0, "backward": 0.0}
+    times = []
     for index, (kind, phase, nbytes) in enumerate(layer.tp_comm):
-        seconds = collective_seconds(kind, nbytes * scale, group)
+        seconds = exposed = collective_seconds(kind, nbytes * scale, group)
         if beside and beside[index]:
             matmul = share * beside[index] * samples / rate
-            seconds = exposed_seconds(seconds, matmul, devices.comm_overlap)
-        result[phase] += seconds
-    return result
+            exposed = exposed_seconds(seconds, matmul, devices.comm_overlap)
+        times.append((phase, seconds, exposed))
+    return times
 
 
 def collectives_seconds(collectives: Iterable[tuple[str, str, float]],

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from partc.codec import dtype_named
-from partc.cost.communication import tp_comm_seconds
+from partc.cost.communication import tp_collective_times
 from partc.cost.evaluate import Evaluation, simulated_step_ps
 from partc.cost.fp8_pricing import fp8_names, pricing
 from partc.cost.host_offload import host_checkpoint_bytes, node_host_bytes
@@ -240,8 +240,11 @@ def tensor_parallel_section(problem: PlanningProblem,
     option = problem.tp_option(config.tp, config.sequence_parallel, config.tp_objective)
     if config.tp == 1 or option is None:
         return None
-    scale = config.micro_batch_size * problem.train.measured_scale
+    # A rank's tokens (under context parallelism its share of each sequence), as the
+    # collectives are priced.
+    scale = config.micro_batch_size * config.tokens_share * problem.train.measured_scale
     moving = [layer for layer in option.model.layers if layer.tp_comm]
+    times = {layer.name: tp_collective_times(problem, config, layer) for layer in moving}
     return TensorParallelPlan(
         degree=config.tp,
         sequence_parallel=config.sequence_parallel,
@@ -253,9 +256,11 @@ def tensor_parallel_section(problem: PlanningProblem,
                                                     nbytes=int(round(nbytes * scale)))
                                        for kind, phase, nbytes in layer.tp_comm)
                      for layer in moving},
-        collective_seconds={layer.name: sum(tp_comm_seconds(problem, config, layer).values())
+        collective_seconds={layer.name: sum(exposed for _, _, exposed in times[layer.name])
                             for layer in moving},
         notes=dict(option.notes),
+        collective_total_seconds={layer.name: sum(own for _, own, _ in times[layer.name])
+                                  for layer in moving},
     )
 
 

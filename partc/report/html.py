@@ -379,7 +379,7 @@ def _layer_table(plan: Plan) -> list[str]:
         header.insert(2, "run on the stage")
     if tp:
         header += ["sharded parameters", "collectives per microbatch (their tensors' bytes)",
-                   "collective time per step", "why replicated"]
+                   "collective time per step", "exposed (in the step)", "why replicated"]
     rows = []
     for layer in plan.layer_names:
         stage, run = stage_of.get(layer, ("-", 0))
@@ -390,10 +390,11 @@ def _layer_table(plan: Plan) -> list[str]:
             sharded = sorted(f"{fqn[len(prefix):]} {p}" for fqn, p in section.params.items()
                              if fqn.startswith(prefix) and p != REPLICATE)
             moves = section.collectives.get(layer, ())
-            seconds = section.collective_seconds.get(layer, 0.0) * plan.num_microbatches
+            total, exposed = section.step_seconds(layer, plan.num_microbatches)
             row += [", ".join(sharded) or "-",
                     _collectives(moves),
-                    format_seconds(seconds) if moves else "-", section.notes.get(layer, "")]
+                    format_seconds(total) if moves and total is not None else "-",
+                    format_seconds(exposed) if moves else "-", section.notes.get(layer, "")]
         rows.append(row)
     return ['<section id="layers"><h2>Layers</h2>',
             f"<details open><summary>{len(rows)} layers in model order</summary>",

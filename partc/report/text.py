@@ -599,11 +599,12 @@ def _tp_layer_rows(plan: Plan) -> list[list[str]]:
             label = f"{_SHORT.get(move.kind, move.kind)} {phase}"
             counts[label] = counts.get(label, 0) + 1
         tensor_bytes = sum(move.nbytes for move in moves) * steps
-        seconds = section.collective_seconds.get(layer, 0.0) * steps
+        total, exposed = section.step_seconds(layer, steps)
         sent = sum(move.nbytes * (2 if move.kind == "all_reduce" else 1) * (tp - 1) / tp
                    for move in moves) * steps
         key = (tuple(s.split(".", 1)[-1] for s in sharded),
-               tuple(sorted(counts.items())), tensor_bytes, section.notes.get(layer, ""))
+               tuple(sorted(counts.items())), tensor_bytes, total, exposed,
+               section.notes.get(layer, ""))
         if key == last_key:
             rows[-1][0].append(layer)
             continue
@@ -612,7 +613,8 @@ def _tp_layer_rows(plan: Plan) -> list[list[str]]:
                      ", ".join(f"{n} {label}" for label, n in sorted(counts.items())) or "-",
                      format_bytes(tensor_bytes) if moves else "-",
                      format_bytes(sent) if moves else "-",
-                     format_seconds(seconds) if moves else "-", key[3] or ""])
+                     format_seconds(total) if moves and total is not None else "-",
+                     format_seconds(exposed) if moves else "-", key[-1] or ""])
     return [[_span(row[0])] + row[1:] for row in rows]
 
 
@@ -653,8 +655,19 @@ def _tp_lines(plan: Plan) -> list[str]:
             f"for {objective} first{summed}. Collectives are per "
             f"microbatch; bytes and time are per step "
             f"({_microbatches(plan.num_microbatches)}): the tensors' size, what each rank "
-            f"sends in a ring, and the time the collectives take (counted in the stages' "
-            f"forward and backward)."]
+            f"sends in a ring, the time the collectives take, and what of it the step "
+            f"pays (counted in the stages' forward and backward): "
+            + (f"a collective run as a ring beside its linears' matmuls "
+               f"(TrainSpec.tp_overlap) hides the share{_overlap(plan)} "
+               f"(DeviceBudget.comm_overlap) of the shorter of its time and theirs, "
+               f"the others are paid whole."
+               if plan.train.tp_overlap else "all of it (TrainSpec.tp_overlap off).")]
+
+
+def _overlap(plan: Plan) -> str:
+    """`` 1``: the budget's comm_overlap, where the plan records it."""
+    overlap = plan.budget.figures.comm_overlap if plan.budget is not None else None
+    return "" if overlap is None else f" {overlap:g}"
 
 
 def _expert_rows(plan: Plan) -> list[list[str]]:
@@ -925,7 +938,8 @@ def sections(plan: Plan, timeline: Timeline | None = None) -> list[Section]:
         out.append(Section(
             key="tensor_parallel", title="Tensor parallelism", notes=tuple(_tp_lines(plan)),
             header=("layers", "sharded parameters", "collectives per microbatch",
-                    "bytes per step", "sent per rank", "time per step", "why replicated"),
+                    "bytes per step", "sent per rank", "time per step",
+                    "exposed (in the step)", "why replicated"),
             rows=_rows(_tp_layer_rows(plan))))
     if plan.expert_parallel is not None:
         out.append(Section(
