@@ -298,13 +298,17 @@ def analyze(model: nn.Module, example_inputs: Any, *, loss_fn: Callable | None =
         return gm, ctx
 
     progress.update("trace", 0, steps, "finding repeated blocks")
+
+    def on_block(container: str, position: int, size: int, calls: int) -> None:
+        progress.update("trace", 0, steps, f"finding repeated blocks: {container}.{position} "
+                        f"of {size}, {calls:,} calls recorded")
     if full_trace is None:
         full_trace = os.environ.get("PARTC_FULL_TRACE") == "1"
     example = (example_inputs if isinstance(example_inputs, tuple) else (example_inputs,),
                dict(kwargs or {}))
     try:
         with fake_errors_at_debug():
-            repeats = () if full_trace else dedupe.find_repeats(model, example)
+            repeats = () if full_trace else dedupe.find_repeats(model, example, on_block)
     except Exception as error:  # the forward did not run eagerly on fakes: trace it all
         log.warning("tracing the whole model, every block (recording its forward: %s: %s)",
                     type(error).__name__, error)

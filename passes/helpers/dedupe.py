@@ -57,6 +57,7 @@ import dataclasses
 import enum
 import functools
 import itertools
+import logging
 import re
 import types
 from collections import Counter
@@ -72,6 +73,8 @@ from partc.passes.helpers import segments
 from partc.passes.helpers.graph import carries_grad, nested_graph, op_name, param_usage
 from partc.passes.layers import crossing_users, cut_counts, cut_sums, is_repeated
 from partc.problem import LayerCost, ModelAnalysis, TPOption
+
+log = logging.getLogger("partc")
 
 
 class Mismatch(Exception):
@@ -97,14 +100,18 @@ class Repeat:
 
 # ------------------------------------------------------------------------ finding blocks
 
-def find_repeats(model: nn.Module, example: tuple[tuple, dict] | None = None
+def find_repeats(model: nn.Module, example: tuple[tuple, dict] | None = None,
+                 on_block: Callable[[str, int, int, int], None] | None = None
                  ) -> tuple[Repeat, ...]:
     """The containers worth shrinking, with their representatives (none: trace it all).
 
     ``example``: the forward's ``(args, kwargs)``. With it the forward is recorded
-    (:mod:`partc.passes.helpers.segments`) and blocks that run different code, or sit in different
-    code, are of different kinds; :func:`prove` then needs the recording, kept on each
-    repeat. Without it, kinds are structural only and nothing can be proven."""
+    (:mod:`partc.passes.helpers.segments`; ``on_block`` is told of each block entered)
+    and blocks that run different code, or sit in different code, are of different
+    kinds; :func:`prove` then needs the recording, kept on each repeat. Without it,
+    kinds are structural only and nothing can be proven. A block that runs more than
+    :data:`LONG_BLOCK_CALLS` torch calls is named in the log as soon as it has run
+    (:class:`_LongBlocks`): planning takes long."""
     modules = list(model.named_modules(remove_duplicate=False))
     containers = {name for name, module in modules if is_repeated(module)}
     owners: Counter = Counter(id(module) for _, module in modules)
@@ -122,7 +129,10 @@ def find_repeats(model: nn.Module, example: tuple[tuple, dict] | None = None
         return ()
     recording = None
     if example is not None:
-        recording = segments.record(model, tuple(name for name, _ in candidates), *example)
+        long_blocks = _LongBlocks(on_block)
+        recording = segments.record(model, tuple(name for name, _ in candidates), *example,
+                                    on_block=long_blocks)
+        long_blocks.done(recording)
         ran = {container for container, _ in recording.entered}
         if len(ran) < len(candidates):
             # A stack the forward never enters (a vision tower under text-only batches)
@@ -145,6 +155,47 @@ def find_repeats(model: nn.Module, example: tuple[tuple, dict] | None = None
                                   stands_for=tuple(stands_for),
                                   kinds=tuple(kinds[b] for b in kept), recording=recording))
     return tuple(repeats)
+
+
+# Torch calls in one block's forward above which the log says planning takes long: a
+# transformer block makes 70-150; Qwen 3.5's gated delta rule, a loop over 64-token
+# chunks, about 1,250 at 4,096 tokens (its default plan on 8 H100s: 3 to 5 minutes);
+# Jamba's reference Mamba scan, a loop over every token, about ten per token.
+LONG_BLOCK_CALLS = 1_000
+
+
+class _LongBlocks:
+    """An ``on_block`` for :func:`segments.record` that logs, once and as soon as it is
+    seen, a block whose forward ran more than :data:`LONG_BLOCK_CALLS` torch calls
+    (those between its entry and the next block's: recording a model of such blocks
+    takes minutes already), then tells ``then``. :meth:`done` looks at the last block,
+    after the recording."""
+
+    def __init__(self, then: Callable[[str, int, int, int], None] | None) -> None:
+        self.then = then
+        self.last: tuple[str, int] | None = None   # the block entered last, calls then
+        self.warned = False
+
+    def __call__(self, container: str, position: int, size: int, calls: int) -> None:
+        self._check(calls)
+        self.last = (f"{container}.{position}", calls)
+        if self.then is not None:
+            self.then(container, position, size, calls)
+
+    def done(self, recording: segments.Recording) -> None:
+        self._check(sum(len(calls) for calls in recording.calls.values()))
+
+    def _check(self, calls: int) -> None:
+        if self.warned or self.last is None or calls - self.last[1] <= LONG_BLOCK_CALLS:
+            return
+        self.warned = True
+        log.warning(
+            "%s runs %s torch calls in one forward: a loop in Python, such as a recurrent "
+            "layer's reference scan over the sequence where its fused kernel is not "
+            "installed. Tracing, measuring and sharding a layer take time in its calls, "
+            "so planning this model takes long; a shorter example sequence (partc plan "
+            "--seq-len) plans faster, every cost measured at that length.",
+            self.last[0], f"{calls - self.last[1]:,}")
 
 
 def _absolute(container: int, position: int) -> int:

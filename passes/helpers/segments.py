@@ -188,6 +188,11 @@ class _Recorder(TorchFunctionMode):
         self.recording.across.add(segment)
         return _Block(*other)
 
+    @property
+    def recorded(self) -> int:
+        """The calls recorded so far."""
+        return sum(len(calls) for calls in self.recording.calls.values())
+
     def enter(self, container: int, position: int) -> None:
         self.segment = (container, position)
         self.calls = self.recording.calls.setdefault(self.segment, [])
@@ -214,10 +219,12 @@ def _plain(value: Any) -> Any:
     return ("object", type(value).__qualname__)  # by type: its content is not compared
 
 
-def record(model: nn.Module, containers: tuple[str, ...], args: tuple, kwargs: dict
-           ) -> Recording:
+def record(model: nn.Module, containers: tuple[str, ...], args: tuple, kwargs: dict,
+           on_block: Callable[[str, int, int, int], None] | None = None) -> Recording:
     """Run ``model`` on fakes of ``args``/``kwargs``, its parameters and buffers fakes
     too, recording each segment of the blocks of ``containers`` (as they hold now).
+    ``on_block(container, position, size, calls)`` is told as each block is entered, with
+    the calls recorded so far (a model whose blocks loop in Python runs for minutes).
 
     A model whose tensors and inputs are all on the meta device already is run on meta
     tensors instead (:func:`_on_meta`), where that runs: the same calls, a third of the
@@ -226,12 +233,13 @@ def record(model: nn.Module, containers: tuple[str, ...], args: tuple, kwargs: d
     named.update(model.named_buffers(remove_duplicate=False))
     if _on_meta(named.values(), (args, kwargs)):
         try:
-            return _record(model, containers, args, kwargs, named, contextlib.nullcontext())
+            return _record(model, containers, args, kwargs, named, contextlib.nullcontext(),
+                           on_block)
         except Exception as error:  # noqa: BLE001 - an op meta tensors cannot run: on fakes
             log.debug("recording on fake tensors (on meta ones: %s: %s)",
                       type(error).__name__, error)
     return _record(model, containers, args, kwargs, named,
-                   FakeTensorMode(allow_non_fake_inputs=True))
+                   FakeTensorMode(allow_non_fake_inputs=True), on_block)
 
 
 def _on_meta(tensors: Any, inputs: Any) -> bool:
@@ -246,7 +254,8 @@ def _on_meta(tensors: Any, inputs: Any) -> bool:
 
 
 def _record(model: nn.Module, containers: tuple[str, ...], args: tuple, kwargs: dict,
-            named: dict[str, torch.Tensor], mode: Any) -> Recording:
+            named: dict[str, torch.Tensor], mode: Any,
+            on_block: Callable[[str, int, int, int], None] | None) -> Recording:
     recording = Recording(containers=containers)
     device = next(iter(named.values())).device if named else torch.device("cpu")
     with mode:
@@ -266,7 +275,8 @@ def _record(model: nn.Module, containers: tuple[str, ...], args: tuple, kwargs: 
     inputs = {id(t): i for i, t in enumerate(pytree.tree_leaves((fake_args, fake_kwargs)))
               if isinstance(t, torch.Tensor)}
     recorder = _Recorder(recording, fqns, inputs)
-    with _entry_hooks(model, containers, recorder), _as_export_runs(), mode, recorder, \
+    with _entry_hooks(model, containers, recorder, on_block), _as_export_runs(), mode, \
+            recorder, \
             without_kv_cache(model):   # as the model is traced
         torch.func.functional_call(model, fakes, fake_args, fake_kwargs, tie_weights=False)
     return recording
@@ -301,14 +311,18 @@ def _owners(model: nn.Module, containers: tuple[str, ...], recording: Recording,
 
 
 @contextlib.contextmanager
-def _entry_hooks(model: nn.Module, containers: tuple[str, ...], recorder: _Recorder
-                 ) -> Iterator[None]:
+def _entry_hooks(model: nn.Module, containers: tuple[str, ...], recorder: _Recorder,
+                 on_block: Callable[[str, int, int, int], None] | None) -> Iterator[None]:
     handles = []
     try:
         for number, container in enumerate(containers):
-            for position, block in enumerate(model.get_submodule(container)._modules.values()):
-                def hook(module, inputs, number=number, position=position):
+            blocks = model.get_submodule(container)._modules.values()
+            for position, block in enumerate(blocks):
+                def hook(module, inputs, number=number, position=position,
+                         container=container, size=len(blocks)):
                     recorder.enter(number, position)
+                    if on_block is not None:
+                        on_block(container, position, size, recorder.recorded)
                 handles.append(block.register_forward_pre_hook(hook))
         yield
     finally:

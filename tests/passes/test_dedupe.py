@@ -643,13 +643,58 @@ def test_a_model_on_meta_records_on_meta_tensors_what_fakes_record(build, exampl
     modes = []
     record = segments._record
     monkeypatch.setattr(segments, "_record",
-                        lambda *args: modes.append(type(args[-1]).__name__) or record(*args))
+                        lambda *args: modes.append(type(args[-2]).__name__) or record(*args))
     on_meta = segments.record(model, containers, *example)
     assert modes == ["nullcontext"]   # not on fakes: nothing failed on meta
     on_fakes = record(model, containers, *example, dict(model.named_parameters(
         remove_duplicate=False)) | dict(model.named_buffers(remove_duplicate=False)),
-        segments.FakeTensorMode(allow_non_fake_inputs=True))
+        segments.FakeTensorMode(allow_non_fake_inputs=True), None)
     assert on_meta.entered == on_fakes.entered
     assert on_meta.params == on_fakes.params
     assert on_meta.calls == on_fakes.calls
     assert on_meta == on_fakes
+
+
+class Scan(nn.Module):
+    """A recurrent block run as a reference implementation runs it: a loop in Python over
+    the sequence (dim 1), a few torch calls per step."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.decay = nn.Linear(width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        decay, state, out = torch.sigmoid(self.decay(x)), torch.zeros_like(x[:, 0]), []
+        for step in range(x.shape[1]):
+            state = decay[:, step] * state + x[:, step]
+            out.append(state)
+        return torch.stack(out, dim=1)
+
+
+@pytest.mark.parametrize("last", [False, True])
+def test_a_block_that_loops_over_the_sequence_is_named_as_soon_as_it_has_run(
+        monkeypatch, caplog, last):
+    """Recording the forward tells the caller of each block it enters, with the calls
+    recorded so far; a block of more than LONG_BLOCK_CALLS calls (here 40: a 16-step
+    scan) is named in the log once, when the next block is entered, or after the
+    recording where it is the last; a stack of blocks under the limit is not."""
+    monkeypatch.setattr(dedupe, "LONG_BLOCK_CALLS", 40)
+    blocks = [Mlp(8, 8) for _ in range(4)] + [Scan(8)] if last else \
+        [Scan(8) for _ in range(4)]
+    model, seen = Stack(blocks, 8, 8), []
+    with caplog.at_level(logging.WARNING, logger="partc"):
+        dedupe.find_repeats(model, ((torch.randn(2, 16, 8),), {}),
+                            lambda *told: seen.append(told))
+    assert [(c, p, n) for c, p, n, _ in seen] == [("blocks", p, 5 if last else 4)
+                                                 for p in range(5 if last else 4)]
+    calls = [k for *_, k in seen]
+    assert calls == sorted(calls) and calls[0] > 0
+    warnings = [r.getMessage() for r in caplog.records if "torch calls" in r.getMessage()]
+    assert len(warnings) == 1
+    assert warnings[0].startswith(f"blocks.{4 if last else 0} runs ")
+    assert "--seq-len" in warnings[0]
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="partc"):
+        dedupe.find_repeats(Stack([Mlp(8, 8) for _ in range(5)], 8, 8),
+                            ((torch.randn(2, 16, 8),), {}))
+    assert "torch calls" not in caplog.text
