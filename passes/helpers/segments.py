@@ -276,8 +276,7 @@ def _record(model: nn.Module, containers: tuple[str, ...], args: tuple, kwargs: 
               if isinstance(t, torch.Tensor)}
     recorder = _Recorder(recording, fqns, inputs)
     with _entry_hooks(model, containers, recorder, on_block), _as_export_runs(), mode, \
-            recorder, \
-            without_kv_cache(model):   # as the model is traced
+            recorder, without_kv_cache(model):   # as the model is traced
         torch.func.functional_call(model, fakes, fake_args, fake_kwargs, tie_weights=False)
     return recording
 
