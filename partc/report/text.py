@@ -898,8 +898,15 @@ def sections(plan: Plan, timeline: Timeline | None = None) -> list[Section]:
         rows=_rows(_mesh_rows(plan)) if plan.meshes else ()))
     out.append(Section(
         key="stages", title="Stages",
-        header=("stage", "layers", "params", "forward", "backward", "recompute", "comm",
-                "p2p send/recv", "recompute modes"), rows=_rows(_stage_rows(plan))))
+        notes=("Per step on one rank of each stage, every microbatch: forward and "
+               "backward count the tensor-parallel collectives, context parallelism's "
+               "exchanges, and what ZeRO's collectives and offload's copies leave exposed "
+               "(the sections below); p2p: the rank's share of the sends and receives "
+               "between stages, and their number. What comes once the pipeline drains "
+               "(the tail) is in the timeline.",),
+        header=("stage", "layers", "params", "forward", "backward", "recompute",
+                "p2p time", "p2p send/recv", "recompute modes"),
+        rows=_rows(_stage_rows(plan))))
     out.append(Section(key="timeline", title="Timeline",
                        notes=tuple(_timeline_lines(plan, timeline)),
                        preformatted=tuple(text_lines(timeline))))
