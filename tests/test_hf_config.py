@@ -113,6 +113,38 @@ def test_a_config_the_model_cannot_be_built_from_is_refused_in_one_line(capsys):
     assert "llama: transformers refused the config" in err
 
 
+def test_the_fields_a_bare_config_leaves_unset_are_named():
+    """A model type's bare config may leave fields None for a checkpoint to give
+    (DeepSeek-V2's router reads num_experts_per_tok as topk's k; Hunyuan-MoE's
+    head_dim): a model that fails to build, or to trace, names them, and the flag;
+    token ids and every config's own fields are not named."""
+    from transformers import CONFIG_MAPPING
+
+    from partc.cli.main import _config_hint
+    from partc.errors import TraceError
+
+    deepseek = CONFIG_MAPPING["deepseek_v2"]()
+    assert hf_config.unset_fields(deepseek) == ("n_group", "topk_group",
+                                                "num_experts_per_tok")
+    assert hf_config.unset_hint(deepseek) == (
+        " (this config leaves n_group, topk_group and num_experts_per_tok unset)")
+    assert hf_config.unset_hint(CONFIG_MAPPING["llama"]()) == ""
+
+    class Built(torch.nn.Module):
+        config = deepseek
+
+    with pytest.raises(TraceError) as raised:
+        with _config_hint("deepseek_v2", Built()):
+            raise TraceError("both tracers failed: topk(): argument 'k' must be int")
+    assert str(raised.value).startswith("both tracers failed")
+    assert "leaves n_group, topk_group and num_experts_per_tok unset" in str(raised.value)
+    assert "--hf-config KEY=VALUE" in str(raised.value)
+    with pytest.raises(TraceError) as raised:   # a factory's model: the error as it was
+        with _config_hint("model.py:factory", Built()):
+            raise TraceError("both tracers failed")
+    assert str(raised.value) == "both tracers failed"
+
+
 def test_overrides_read_json_values():
     assert hf_config.overrides(["a=2", "b=true", "c=silu", "d=[1, 2]"]) == {
         "a": 2, "b": True, "c": "silu", "d": [1, 2]}

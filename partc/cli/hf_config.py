@@ -194,7 +194,8 @@ def workload(target: str, pairs: Sequence[str] | None = None, *, batch: int | No
     except Exception as error:   # the model's own code, on a config it does not expect
         raise ValueError(f"{target}: transformers could not build the model from this "
                          f"config ({_first_line(error)}); a field its code "
-                         "reads may be unset: give it with --hf-config KEY=VALUE") from error
+                         f"reads may be unset{unset_hint(config)}: give it with --hf-config "
+                         "KEY=VALUE") from error
     batch = batch or DEFAULT_BATCH
     vocab, longest = token_figures(target, config)
     seq_len = seq_len or min(longest, MAX_DEFAULT_SEQ)
@@ -211,6 +212,27 @@ def workload(target: str, pairs: Sequence[str] | None = None, *, batch: int | No
             "example_inputs": inputs, "data": data, "dtype": config_dtype(config),
             **({} if own_loss else {"loss_fn": next_token_loss,
                                     "example_target": target_ids})}
+
+
+def unset_fields(config: Any) -> tuple[str, ...]:
+    """The fields of ``config`` (its model type's own, not every config's) that hold
+    None: what a bare config of the type leaves for a checkpoint's config.json to give
+    (DeepSeek-V2's ``num_experts_per_tok``, which its router passes to ``topk``); token
+    ids (padding, start, end) are not counted: the model's forward reads none of them."""
+    from transformers import PretrainedConfig
+
+    common = set(PretrainedConfig().to_dict())
+    return tuple(name for name, value in config.to_dict().items()
+                 if value is None and name not in common and not name.endswith("_token_id"))
+
+
+def unset_hint(config: Any) -> str:
+    """`` (this config leaves n_group and num_experts_per_tok unset)``, or nothing."""
+    unset = unset_fields(config)
+    if not unset:
+        return ""
+    names = ", ".join(unset[:-1]) + (" and " if len(unset) > 1 else "") + unset[-1]
+    return f" (this config leaves {names} unset)"
 
 
 def config_dtype(config: Any) -> str | None:

@@ -734,6 +734,25 @@ def _train(args: argparse.Namespace, workload: dict[str, Any], device_type: str)
                                      overlap_param_gather=lambda blocking: not blocking))
 
 
+@contextmanager
+def _config_hint(target: str, model: Any) -> Iterator[None]:
+    """A model built from a bare Hugging Face config that fails to trace: the trace error
+    names the fields the config leaves unset (``hf_config.unset_hint``), which its code
+    may read (DeepSeek-V2's router calls ``topk(k=None)``)."""
+    from partc.errors import TraceError
+
+    try:
+        yield
+    except TraceError as error:
+        hint = hf_config.unset_hint(model.config) \
+            if hf_config.is_config_target(target) and hasattr(model, "config") else ""
+        if not hint:
+            raise
+        raise TraceError(f"{error}\nThe model was built from a config{hint}: a checkpoint's "
+                         f"config.json gives them; here, give each with --hf-config "
+                         f"KEY=VALUE.") from error
+
+
 def plan_command(args: argparse.Namespace) -> int:
     start = time.perf_counter()
     # Pins and budget before the model: a contradiction costs no model build.
@@ -741,7 +760,8 @@ def plan_command(args: argparse.Namespace) -> int:
     from partc.compiler import compile
 
     workload = load_model(args.target, args, meta=True)
-    with _progress_bars(args.progress or (not args.quiet and sys.stderr.isatty())):
+    with _progress_bars(args.progress or (not args.quiet and sys.stderr.isatty())), \
+            _config_hint(args.target, workload["model"]):
         program = compile(workload["model"], workload["example_inputs"], budget=budget,
                           train=_train(args, workload, budget.device_type),
                           loss_fn=workload.get("loss_fn"),
