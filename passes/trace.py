@@ -483,6 +483,11 @@ def _inline_constants(gm: fx.GraphModule, model: nn.Module) -> None:
         value = getattr(gm.get_submodule(owner), attr)
         if not isinstance(value, torch.Tensor) or isinstance(value, nn.Parameter):
             continue  # a subgraph that export's higher-order ops call
+        if value.device.type == "meta":
+            # Made on the meta device (a model planned on meta): no values to write, and
+            # none to read; it stays an attribute of the traced module, which the runs
+            # on fake tensors read. A model with weights is traced again to train.
+            continue
         if value.numel() > _MAX_INLINED:
             raise TraceError(
                 f"{type(model).__name__}'s forward makes a constant tensor of "

@@ -220,3 +220,45 @@ def test_falcons_new_decoder_architecture_traces_on_meta():
     gm, _ = trace(model, (torch.zeros(2, 16, dtype=torch.long, device="meta"),))
     indices = [n for n in gm.graph.nodes if n.target is torch.tensor]
     assert indices and all(n.args[0] in ([-2], [-1]) for n in indices)
+
+
+class _ConstantFromPython(torch.nn.Module):
+    """Makes a tensor from a Python number on the input's device and computes on it (as
+    Gemma 3n's activation sparsity takes a normal quantile), in a forward only
+    torch.export captures."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = torch.nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dim() != 3:
+            raise ValueError("x must be (batch, sequence, 8)")
+        y = self.proj(x)
+        cutoff = torch.special.ndtri(torch.tensor(0.75, dtype=torch.float32, device=x.device))
+        return torch.relu(y - y.mean(-1, keepdim=True) * cutoff)
+
+
+def test_a_constant_made_on_the_meta_device_stays_an_attribute_of_the_trace():
+    """Seen before: Gemma 3n's default config on meta failed with "Cannot copy out of meta
+    tensor; no data!": export lifted a constant the forward made on the meta device, and
+    it has no values to write into the graph. On meta it stays an attribute the fake runs
+    read, and the model plans; with weights it is written into the graph as before."""
+    import partc
+
+    gm, _ = trace(_ConstantFromPython().to("meta"), (torch.zeros(2, 3, 8, device="meta"),))
+    lifted = [n for n in gm.graph.nodes if n.op == "get_attr" and "lifted" in str(n.target)]
+    assert lifted and all(n.meta["val"].device.type == "meta" for n in lifted)
+    model, x = _ConstantFromPython(), torch.randn(2, 3, 8)
+    gm, _ = trace(model, (x,))
+    assert not any("lifted" in str(n.target) for n in gm.graph.nodes)
+    assert any(n.target is torch.tensor for n in gm.graph.nodes)
+    torch.testing.assert_close(gm(x), model(x), rtol=0, atol=0)
+    with torch.device("meta"):
+        on_meta = _ConstantFromPython()
+    program = partc.compile(on_meta, (torch.zeros(2, 3, 8, device="meta"),),
+                            budget=partc.DeviceBudget(num_devices=2, device="H100-80GB"),
+                            train=partc.TrainSpec(global_batch_size=2),
+                            loss_fn=lambda out, target: out.float().pow(2).mean(),
+                            example_target=torch.zeros(2, device="meta"))
+    assert program.plan.pp * program.plan.dp * program.plan.tp == 2
