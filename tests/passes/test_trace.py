@@ -179,18 +179,25 @@ def test_a_returned_mapping_keeps_its_class_for_the_loss():
     assert meta.trace_info(gm).has_loss
 
 
-class _IndexWithLists(torch.nn.Module):
-    """Indexes with lists of ints, in a forward only torch.export captures (it branches
-    on a shape, as Falcon's does on its configuration)."""
+class _ExportOnly(torch.nn.Module):
+    """A projection in a forward only torch.export captures: it branches on a shape, as
+    Falcon's does on its configuration."""
 
     def __init__(self) -> None:
         super().__init__()
         self.proj = torch.nn.Linear(8, 8)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def projected(self, x: torch.Tensor) -> torch.Tensor:
         if x.dim() != 3:
             raise ValueError("x must be (batch, sequence, 8)")
-        y = self.proj(x).view(x.shape[0], x.shape[1], 4, 2)
+        return self.proj(x)
+
+
+class _IndexWithLists(_ExportOnly):
+    """Indexes with lists of ints."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.projected(x).view(x.shape[0], x.shape[1], 4, 2)
         y[:, :, [0, 3]] = y[:, :, [1, 2]] * 2
         return y[..., [-2]].sum(-1) + y[:, :, [[1], [2]]].sum((-1, -2, -3)).unsqueeze(-1)
 
@@ -222,19 +229,12 @@ def test_falcons_new_decoder_architecture_traces_on_meta():
     assert indices and all(n.args[0] in ([-2], [-1]) for n in indices)
 
 
-class _ConstantFromPython(torch.nn.Module):
-    """Makes a tensor from a Python number on the input's device and computes on it (as
-    Gemma 3n's activation sparsity takes a normal quantile), in a forward only
-    torch.export captures."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.proj = torch.nn.Linear(8, 8)
+class _ConstantFromPython(_ExportOnly):
+    """Makes a tensor from a Python number on the input's device and computes on it, as
+    Gemma 3n's activation sparsity takes a normal quantile."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dim() != 3:
-            raise ValueError("x must be (batch, sequence, 8)")
-        y = self.proj(x)
+        y = self.projected(x)
         cutoff = torch.special.ndtri(torch.tensor(0.75, dtype=torch.float32, device=x.device))
         return torch.relu(y - y.mean(-1, keepdim=True) * cutoff)
 
