@@ -302,6 +302,7 @@ def analyze(model: nn.Module, example_inputs: Any, *, loss_fn: Callable | None =
     def on_block(container: str, position: int, size: int, calls: int) -> None:
         progress.update("trace", 0, steps, f"finding repeated blocks: {container}.{position} "
                         f"of {size}, {calls:,} calls recorded")
+
     if full_trace is None:
         full_trace = os.environ.get("PARTC_FULL_TRACE") == "1"
     example = (example_inputs if isinstance(example_inputs, tuple) else (example_inputs,),
