@@ -326,6 +326,39 @@ def test_a_fused_chain_moves_its_inputs_and_outputs_once():
     assert fc1.fused_mem_bytes == 3 * 16 * 4 and fc1.fused_kernels == 1
 
 
+class _Scan(torch.nn.Module):
+    """A reference scan between two linears: ``s = s * exp(h)[t] + h[t]`` over the
+    sequence, every iteration reading the one early value ``exp(h)``."""
+
+    STEPS = 64
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1, self.fc2 = torch.nn.Linear(8, 16), torch.nn.Linear(16, 8)
+
+    def forward(self, x):
+        h = self.fc1(x)
+        a = torch.exp(h)
+        s = h[:, 0]
+        for t in range(1, self.STEPS):
+            s = s * a[:, t] + h[:, t]
+        return self.fc2(s)
+
+
+def test_a_scan_loop_is_one_fused_kernel():
+    from partc.passes import analyze
+
+    steps = _Scan.STEPS
+    _, analysis = analyze(_Scan(), (torch.randn(2, steps, 8),))
+    fc1 = analysis.layers[0]
+    # Every light op of the loop joins one chain (the early exp read by each iteration
+    # is where a plain union-find walk went quadratic): one kernel, reading fc1's output
+    # once and writing what backward keeps (exp's output, each mul's running sum) and
+    # what fc2 reads (the last sum), per sample: 16 floats each.
+    assert fc1.fused_kernels == 1
+    assert fc1.fused_mem_bytes == (steps + steps + (steps - 1)) * 16 * 4
+
+
 def test_compiled_stages_are_priced_fused_under_every_zero_stage():
     model = gpt_tiny()
     ids, target = torch.randint(0, 128, (8, 16)), torch.randint(0, 128, (8, 16))
