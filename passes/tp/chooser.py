@@ -804,22 +804,29 @@ def _solve_layer(problem: _LayerProblem, pins: dict[str, Placement], prefer: str
     if status == cp_model.FEASIBLE:
         # The same pick on every rank and machine (the limit is work): a warning, as it
         # may not be the best one.
-        log.warning("layer %s: the sharding search stopped at its work limit "
+        log.warning("layer %s (%s): the sharding search stopped at its work limit "
                     "(ShardingOptions.work_limit, %g deterministic s) before proving its "
                     "pick the best; keeping the best pick found", problem.info.name,
-                    options.work_limit)
+                    _variant(problem, prefer), options.work_limit)
     elif status == cp_model.INFEASIBLE:
         pinned = {fqn: str(p) for fqn, p in pins.items()
                   if any(problem.pin(n, {fqn: p}) is not None for n in problem.items)}
         raise PinInfeasible(f"layer {problem.info.name}: no strategy per node meets the "
                             f"layer's boundary placements and pins {pinned}")
     elif status != cp_model.OPTIMAL:
-        log.warning("layer %s: the sharding search found no pick within its work limit "
-                    "(ShardingOptions.work_limit, %g deterministic s; %s); the layer stays "
-                    "replicated", problem.info.name, options.work_limit,
-                    solver.status_name(status))
+        log.warning("layer %s (%s): the sharding search found no pick within its work "
+                    "limit (ShardingOptions.work_limit, %g deterministic s; %s); the layer "
+                    "stays replicated", problem.info.name, _variant(problem, prefer),
+                    options.work_limit, solver.status_name(status))
         return _solve_replicated(problem, pins, prefer)
     return _picked(problem, layer, solver), value
+
+
+def _variant(problem: _LayerProblem, prefer: str) -> str:
+    """The tensor-parallel variant a layer's search is for, as the log names it: one
+    layer is searched once per degree, sequence parallelism and objective."""
+    return (f"tp={problem.tp}{', sequence parallel' if problem.sequence_parallel else ''}, "
+            f"{prefer} first")
 
 
 def _solve_replicated(problem: _LayerProblem, pins: dict[str, Placement], prefer: str

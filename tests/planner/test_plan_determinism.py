@@ -87,6 +87,9 @@ def test_the_sharding_choice_stopped_by_its_work_limit_is_the_same_on_a_loaded_c
     with caplog.at_level(logging.WARNING, logger="partc"):
         idle = chosen()
     assert "stopped at its work limit" in caplog.text   # the limit binds
+    # Each warning names the variant its layer was searched for.
+    assert "(tp=2, sequence parallel, time first): the sharding search stopped" \
+        in caplog.text
     with busy_cpus():
         loaded = chosen()
     assert len(idle) > 3 and loaded == idle
