@@ -183,7 +183,7 @@ class _LongBlocks:
             self.then(container, position, size, calls)
 
     def done(self, recording: segments.Recording) -> None:
-        self._check(sum(len(calls) for calls in recording.calls.values()))
+        self._check(recording.recorded)
 
     def _check(self, calls: int) -> None:
         if self.warned or self.last is None or calls - self.last[1] <= LONG_BLOCK_CALLS:

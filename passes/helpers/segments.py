@@ -79,6 +79,11 @@ class Recording:
     params: dict[str, tuple[Segment, str]] = field(default_factory=dict)  # fqn → owner
     across: set[Segment] = field(default_factory=set)
 
+    @property
+    def recorded(self) -> int:
+        """The calls recorded so far, every segment's."""
+        return sum(len(calls) for calls in self.calls.values())
+
     def describe(self, segment: Segment, rep: Callable[[int, int], Hashable]) -> tuple:
         """The calls of ``segment``, every reference to another segment made relative
         (same container) or mapped by ``rep(container, position)`` (any other)."""
@@ -187,11 +192,6 @@ class _Recorder(TorchFunctionMode):
             return ("relative", other[1] - segment[1])
         self.recording.across.add(segment)
         return _Block(*other)
-
-    @property
-    def recorded(self) -> int:
-        """The calls recorded so far."""
-        return sum(len(calls) for calls in self.recording.calls.values())
 
     def enter(self, container: int, position: int) -> None:
         self.segment = (container, position)
@@ -321,7 +321,8 @@ def _entry_hooks(model: nn.Module, containers: tuple[str, ...], recorder: _Recor
                          container=container, size=len(blocks)):
                     recorder.enter(number, position)
                     if on_block is not None:
-                        on_block(container, position, size, recorder.recorded)
+                        on_block(container, position, size,
+                                 recorder.recording.recorded)
                 handles.append(block.register_forward_pre_hook(hook))
         yield
     finally:
