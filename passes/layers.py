@@ -26,6 +26,7 @@ it, so a new process finds the plan another one stored.
 from __future__ import annotations
 
 import hashlib
+import re
 from typing import Any, Sequence
 
 import networkx as nx
@@ -366,17 +367,21 @@ def cut_counts(spans: list[tuple[bool, bool, int, int]], num_layers: int
 
 def _signature(nodes: list[fx.Node], prefix: str) -> str:
     """Hash of a layer's ops, wiring, shapes and relative parameter names, in graph order
-    (one trace's: layers of one signature pair node by node)."""
+    (one trace's: layers of one signature pair node by node). What differs between
+    like blocks without changing what they cost or how they shard is left out
+    (:func:`signed_args`, :func:`lifted_place`)."""
     # Parameters are named where they are used: a layer reusing another layer's weight
     # signs like the layer that fetched it first.
     nodes = [node for node in nodes if node.op != "get_attr"]
     local = {node: i for i, node in enumerate(nodes)}
     external: dict[fx.Node, int] = {}
+    lifted: dict[str, int] = {}
 
     def arg_repr(value: Any) -> Any:
         if isinstance(value, fx.Node):
             if value.op == "get_attr":
-                return _attribute(value, prefix)
+                place = lifted_place(str(value.target), lifted)
+                return _attribute(value, prefix) if place is None else ("lifted", place)
             if value in local:
                 return ("n", local[value])
             return ("in", external.setdefault(value, len(external)))
@@ -390,9 +395,57 @@ def _signature(nodes: list[fx.Node], prefix: str) -> str:
     for node in nodes:
         target = _relative(str(node.target), prefix) if node.op == "call_module" \
             else op_name(node)
-        items.append((node.op, target, arg_repr(node.args), arg_repr(node.kwargs),
-                      _shapes(node)))
+        # Whether a later layer reads it: what backward must carry a gradient from
+        # (Gemma 3n's blocks 18 and 19 hand their keys and values to blocks 20-34).
+        read_later = any(user not in local for user in node.users)
+        items.append((node.op, target, arg_repr(signed_args(node)), arg_repr(node.kwargs),
+                      _shapes(node), read_later))
     return hashlib.sha1(repr(items).encode()).hexdigest()[:16]
+
+
+def signed_args(node: fx.Node) -> tuple:
+    """``node``'s positional arguments as a layer's signature reads them (here and in the
+    tensor-parallel rewrite's): as they are, but without where an index or a slice
+    points (a select's index, a slice's bounds, the ints and slices of a tensor's
+    subscript), which changes neither the shapes (signed apart) nor the cost, and which
+    no sharding splits (:mod:`partc.passes.tp.rules` keeps every other dim sharded, and
+    a tensor's subscript replicated). Gemma 3n's blocks each read their own slice of the
+    per-layer inputs, at the block's number: with it, no two of its 35 blocks signed
+    alike, and each was measured and sharded on its own."""
+    args, name = node.args, op_name(node)
+    if name == "select" and len(args) == 3:
+        return (*args[:2], "index")
+    if name == "slice" and len(args) >= 3:   # (self, dim, start, end, step)
+        return (*args[:2], "bounds", *args[4:])
+    if name == "getitem" and len(args) == 2 and isinstance(args[0], fx.Node) \
+            and isinstance(args[0].meta.get("val"), torch.Tensor):
+        return (args[0], _subscript(args[1]))
+    return args
+
+
+def _subscript(index: Any) -> Any:
+    if isinstance(index, int) and not isinstance(index, bool):
+        return "index"
+    if isinstance(index, slice):
+        return ("slice", index.step)
+    if isinstance(index, tuple):
+        return tuple(_subscript(i) for i in index)
+    return index
+
+
+# torch.export names each tensor constant it lifts by its count in the whole trace
+# (``lifted_tensor_12`` in one block, ``lifted_tensor_16`` in the next), fx's own tracer
+# likewise (``_tensor_constant3``).
+_LIFTED = re.compile(r"(?:^|\.)(?:lifted_tensor_|_tensor_constant)\d+$")
+
+
+def lifted_place(target: str, seen: dict[str, int]) -> int | None:
+    """Where a layer's signature reads the attribute ``target``: as a tensor constant the
+    trace lifted, by its order among the layer's (``seen``: those met so far, by name),
+    not by the trace-wide count its name holds; None for any other attribute."""
+    if not _LIFTED.search(target):
+        return None
+    return seen.setdefault(target, len(seen))
 
 
 def canonical_signature(gm: fx.GraphModule, nodes: Sequence[fx.Node], prefix: str) -> str:

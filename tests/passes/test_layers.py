@@ -175,3 +175,63 @@ def test_a_value_flowing_back_to_an_earlier_layer_is_refused():
     group([0, 1, 2] + [1] * (len(nodes) - 3))
     with pytest.raises(AssertionError, match="has a cycle"):
         _check_dag(gm, infos)
+
+
+class _PerLayerSlices(torch.nn.Module):
+    """Gemma 3n's shape: a stem makes one input per block, each block reads its own
+    slice of it (a select at the block's number) and scales by a tensor constant it
+    makes (the trace lifts it, named by its count in the whole trace); the third block's
+    scaled value is read again after the last block (as Gemma 3n's last blocks read
+    the keys and values of earlier ones), and the last block reads a wider slice."""
+
+    def __init__(self, depth: int = 4) -> None:
+        super().__init__()
+        self.depth = depth
+        self.stem = torch.nn.Linear(8, 8 * depth + 8)
+        self.blocks = torch.nn.ModuleList(_SliceBlock() for _ in range(depth))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        per = self.stem(x).view(x.shape[0], self.depth + 1, 8)
+        h, kept = x, []
+        for i, block in enumerate(self.blocks):
+            h, scaled = block(h, per, i, wide=i == self.depth - 1)
+            kept.append(scaled)
+        return h * kept[2]
+
+
+class _SliceBlock(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = torch.nn.Linear(8, 8)
+        self.where = self.fc.weight.device   # a plain value: the tracers read no tensor
+
+    def forward(self, h: torch.Tensor, per: torch.Tensor, i: int,
+                wide: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        mine = per[:, i:i + 2].sum(1) if wide else per[:, i]
+        scaled = self.fc(h) * torch.tensor(0.5, device=self.where)
+        return scaled + mine, scaled
+
+
+@pytest.mark.parametrize("tracer", ["symbolic_trace", "export"])
+def test_like_blocks_reading_their_own_slice_and_constants_sign_alike(tracer):
+    """The layer signature estimate copies a measurement by and the sharding chooser a
+    solution leaves out what differs between like blocks without changing their costs or
+    shardings: a select's index (a subscript's, under fx) and the trace-wide number of a
+    lifted constant (export's, kept as an attribute on meta). A block that computes
+    otherwise, or whose values a later layer reads (backward carries their gradients),
+    still signs apart."""
+    if tracer == "export":   # keyword inputs go to export
+        with torch.device("meta"):
+            model = _PerLayerSlices()
+        gm, _ = analyze(model, (), kwargs={"x": torch.randn(2, 8, device="meta")})
+        assert any(n.target == torch.ops.aten.select.int for n in gm.graph.nodes)
+    else:
+        gm, _ = analyze(_PerLayerSlices(), (torch.randn(2, 8),))
+    infos = meta.layers(gm)
+    assert [info.name for info in infos][:5] == ["stem"] + [f"blocks.{i}" for i in range(4)]
+    constants = {str(n.target) for n in gm.graph.nodes if n.op == "get_attr"
+                 and ("tensor_constant" in str(n.target) or "lifted_tensor" in str(n.target))}
+    assert len(constants) == 4   # one constant per block, each of its own name
+    assert infos[1].signature == infos[2].signature
+    assert infos[3].signature != infos[1].signature   # a value read after the last block
+    assert infos[4].signature != infos[1].signature   # a wider slice
