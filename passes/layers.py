@@ -369,19 +369,18 @@ def _signature(nodes: list[fx.Node], prefix: str) -> str:
     """Hash of a layer's ops, wiring, shapes and relative parameter names, in graph order
     (one trace's: layers of one signature pair node by node). What differs between
     like blocks without changing what they cost or how they shard is left out
-    (:func:`signed_args`, :func:`lifted_place`)."""
+    (:func:`signed_args`, :func:`attribute_place`)."""
     # Parameters are named where they are used: a layer reusing another layer's weight
     # signs like the layer that fetched it first.
     nodes = [node for node in nodes if node.op != "get_attr"]
     local = {node: i for i, node in enumerate(nodes)}
     external: dict[fx.Node, int] = {}
-    lifted: dict[str, int] = {}
+    fetched: dict[str, int] = {}
 
     def arg_repr(value: Any) -> Any:
         if isinstance(value, fx.Node):
             if value.op == "get_attr":
-                place = lifted_place(str(value.target), lifted)
-                return _attribute(value, prefix) if place is None else ("lifted", place)
+                return attribute_place(value, prefix, fetched)
             if value in local:
                 return ("n", local[value])
             return ("in", external.setdefault(value, len(external)))
@@ -439,13 +438,20 @@ def _subscript(index: Any) -> Any:
 _LIFTED = re.compile(r"(?:^|\.)(?:lifted_tensor_|_tensor_constant)\d+$")
 
 
-def lifted_place(target: str, seen: dict[str, int]) -> int | None:
-    """Where a layer's signature reads the attribute ``target``: as a tensor constant the
-    trace lifted, by its order among the layer's (``seen``: those met so far, by name),
-    not by the trace-wide count its name holds; None for any other attribute."""
-    if not _LIFTED.search(target):
-        return None
-    return seen.setdefault(target, len(seen))
+def attribute_place(node: fx.Node, prefix: str, seen: dict[str, int]) -> Any:
+    """What the ``get_attr`` ``node`` reads, as a layer's signature names it (here and in
+    the tensor-parallel rewrite's): a parameter or buffer of the layer (``prefix``) by
+    its name inside it; a tensor constant the trace lifted, or a parameter of another
+    module, by its order among those the layer reads (``seen``: met so far, by name)
+    and its shapes, not by a name that tells one block from the next (Zamba2's hybrid
+    blocks each read their own adapter of the one shared transformer); anything else
+    by content (:func:`_attribute`)."""
+    target = str(node.target)
+    outside = bool(meta.params(node)) and not target.startswith(prefix + ".") \
+        and not nested_graph(node.graph.owning_module, node)
+    if outside or _LIFTED.search(target):
+        return ("outside", seen.setdefault(target, len(seen)), _shapes(node))
+    return _attribute(node, prefix)
 
 
 def canonical_signature(gm: fx.GraphModule, nodes: Sequence[fx.Node], prefix: str) -> str:

@@ -67,7 +67,7 @@ from partc.passes.context import Context
 from partc.passes.helpers.graph import (aliases_input, carries_grad, in_place_writers,
                                         mutated_inputs, op_name, storage_of,
                                         tensor_inputs, writes_read_later)
-from partc.passes.layers import lifted_place, signed_args
+from partc.passes.layers import attribute_place, signed_args
 from partc.passes.tp.chooser import Sharding
 from partc.passes.tp.rules import flattened_for_addmm, redistribute, regathers
 from partc.placement import Placement
@@ -648,8 +648,8 @@ def _relayer(gm: fx.GraphModule, sharding: Sharding) -> None:
         # placements chosen decide. Values inside an argument (a size in a view's shape)
         # count by place, not by name, and parameters by their name inside the layer, so
         # that like blocks sign alike wherever they sit in the graph.
-        lifted: dict[str, int] = {}
-        ops = [f"{_op(by_name[name], info.key, lifted)}{_constants(by_name[name])}"
+        fetched: dict[str, int] = {}
+        ops = [f"{_op(by_name[name], info.key, fetched)}{_constants(by_name[name])}"
                f"{sharding.placement(by_name[name])}" for name in members[info.index]]
         digest = hashlib.sha256("|".join(ops).encode()).hexdigest()[:8]
         return f"{info.signature}:{digest}"
@@ -659,13 +659,9 @@ def _relayer(gm: fx.GraphModule, sharding: Sharding) -> None:
                               for info in infos))
 
 
-def _op(node: fx.Node, key: str, lifted: dict[str, int]) -> str:
+def _op(node: fx.Node, key: str, fetched: dict[str, int]) -> str:
     if node.op == "get_attr":
-        target = str(node.target)
-        place = lifted_place(target, lifted)
-        if place is not None:
-            return f"get_attr lifted {place}"
-        return "get_attr " + (target[len(key) + 1:] if target.startswith(key + ".") else target)
+        return f"get_attr {attribute_place(node, key, fetched)}"
     return op_name(node)
 
 

@@ -235,3 +235,52 @@ def test_like_blocks_reading_their_own_slice_and_constants_sign_alike(tracer):
     assert infos[1].signature == infos[2].signature
     assert infos[3].signature != infos[1].signature   # a value read after the last block
     assert infos[4].signature != infos[1].signature   # a wider slice
+
+
+class _SharedWithAdapters(torch.nn.Module):
+    """Zamba2's shape: one module shared by every block, holding an adapter per block."""
+
+    def __init__(self, depth: int = 4) -> None:
+        super().__init__()
+        shared = _Shared(depth)
+        self.blocks = torch.nn.ModuleList(_Adapted(shared, i) for i in range(depth))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
+class _Shared(torch.nn.Module):
+    def __init__(self, depth: int) -> None:
+        super().__init__()
+        self.fc = torch.nn.Linear(8, 8)
+        self.adapters = torch.nn.ModuleList(torch.nn.Linear(8, 8, bias=False)
+                                            for _ in range(depth))
+
+    def forward(self, x: torch.Tensor, i: int) -> torch.Tensor:
+        return self.fc(x) + self.adapters[i](x)
+
+
+class _Adapted(torch.nn.Module):
+    def __init__(self, shared: torch.nn.Module, index: int) -> None:
+        super().__init__()
+        self.shared, self.index, self.own = shared, index, torch.nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.own(self.shared(x, self.index))
+
+
+def test_blocks_reading_their_own_adapter_of_a_shared_module_sign_alike():
+    """A parameter of another module is signed by its order among those the layer reads
+    and its shapes, not its name: blocks 1 and 2 sign alike though each reads its own
+    adapter, which export names under the last block holding the shared module (block
+    0 fetches the shared weights, so reads them as its own). Traced by export (keyword
+    inputs), whose module paths are the calls' own."""
+    gm, _ = analyze(_SharedWithAdapters(), (), kwargs={"x": torch.randn(2, 8)})
+    infos = {info.name: info for info in meta.layers(gm)}
+    assert list(infos) == [f"blocks.{i}" for i in range(4)]
+    adapters = {str(n.target) for n in gm.graph.nodes if n.op == "get_attr"
+                and ".adapters." in str(n.target)}
+    assert adapters == {f"blocks.3.shared.adapters.{i}.weight" for i in range(4)}
+    assert infos["blocks.1"].signature == infos["blocks.2"].signature
