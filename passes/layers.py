@@ -15,7 +15,9 @@ order of the layer DAG by construction; the pass still checks it with networkx.
 
 A layer has two signatures. ``LayerInfo.signature`` (:func:`_signature`) lists its ops in
 graph order: layers of one such signature pair node by node, within one trace (estimate
-copies a measurement, the sharding chooser a solution). ``LayerCost.signature``
+copies a measurement, the sharding chooser a solution). It leaves out what tells like
+blocks apart without changing their costs or shardings: where an index or slice points,
+which lifted constant or other module's parameter of one shape they read. ``LayerCost.signature``
 (:func:`canonical_signature`) says what the layer computes, in no order: two traces of
 one model agree on it even where Python code iterates a set of strings, in an order that
 string hashing, seeded per process, decides (Gemma-3 computes its sliding-window and
